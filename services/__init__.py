@@ -1,0 +1,1 @@
+"""Surge (狂潮): a distributed training system whose module permissions are enforced by machine."""

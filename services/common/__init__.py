@@ -1,0 +1,1 @@
+"""Plumbing shared by every service: gRPC servers, logging, paths. No seed module lives here."""

@@ -1,0 +1,105 @@
+"""The route table: who may send which message to whom, read from the proto `route` options.
+
+A route exists for every message that declares ``option (surge.v1.route)``. Messages
+without the option (helpers such as ``Device``, oneof envelopes) are not module-to-module
+messages and cannot be sent on the bus.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from google.protobuf.descriptor import Descriptor, FileDescriptor
+from google.protobuf.message import Message
+
+from services.contract import (
+    control_pb2,
+    data_pb2,
+    engine_pb2,
+    route_pb2,
+    store_pb2,
+    worker_pb2,
+)
+
+PROTO_FILES: tuple[FileDescriptor, ...] = tuple(
+    m.DESCRIPTOR for m in (control_pb2, engine_pb2, data_pb2, store_pb2, worker_pb2)
+)
+
+SEED_MODULES: frozenset[int] = frozenset(
+    v.number for v in route_pb2.Module.DESCRIPTOR.values if v.name[:1] == "L"
+)
+
+
+def module_name(module: int) -> str:
+    """``route_pb2.Module`` value -> its name, e.g. 21 -> ``L2_TRAINING_LOOP``."""
+    return route_pb2.Module.Name(module)
+
+
+@dataclass(frozen=True)
+class Route:
+    message: str  # full proto name, e.g. "surge.v1.RunForward"
+    senders: frozenset[int]
+    receivers: frozenset[int]
+    kind: int  # route_pb2.Kind
+    seed: str
+
+
+class RouteTable:
+    """Immutable map: message full name -> Route."""
+
+    def __init__(self, routes: dict[str, Route]):
+        self._routes = dict(routes)
+
+    @classmethod
+    def from_proto(cls, files: tuple[FileDescriptor, ...] = PROTO_FILES) -> RouteTable:
+        routes: dict[str, Route] = {}
+        for fd in files:
+            for desc in fd.message_types_by_name.values():
+                route = _route_of(desc)
+                if route is not None:
+                    routes[route.message] = route
+        return cls(routes)
+
+    def route(self, message: type[Message] | Message | str) -> Route | None:
+        return self._routes.get(_full_name(message))
+
+    def allows(self, sender: int, message: type[Message] | Message | str, receiver: int) -> bool:
+        route = self.route(message)
+        return route is not None and sender in route.senders and receiver in route.receivers
+
+    def routes(self) -> list[Route]:
+        return sorted(self._routes.values(), key=lambda r: r.message)
+
+    def commands_between(self, sender: int, receiver: int) -> list[Route]:
+        return [r for r in self.routes() if sender in r.senders and receiver in r.receivers]
+
+
+def _full_name(message: type[Message] | Message | str) -> str:
+    if isinstance(message, str):
+        return message
+    return message.DESCRIPTOR.full_name
+
+
+def _route_of(desc: Descriptor) -> Route | None:
+    options = desc.GetOptions()
+    if not options.HasExtension(route_pb2.route):
+        return None
+    r = options.Extensions[route_pb2.route]
+    return Route(
+        message=desc.full_name,
+        senders=frozenset(r.senders),
+        receivers=frozenset(r.receivers),
+        kind=r.kind,
+        seed=r.seed,
+    )
+
+
+_DEFAULT: RouteTable | None = None
+
+
+def default_table() -> RouteTable:
+    """The table of the compiled protos (built once per process)."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = RouteTable.from_proto()
+    return _DEFAULT
