@@ -1,0 +1,1 @@
+"""surgectl: the operator's gRPC client and the local stack launcher."""

@@ -1,0 +1,57 @@
+"""Where the services are and stubs to call them.
+
+Addresses come from flags/env (SURGE_CONTROL_ADDRESS, SURGE_DATA_ADDRESS,
+SURGE_STORE_ADDRESS: the compose / multi-node case) or else from the local stack's
+``stack.json``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+import grpc
+
+from services.cli import stack
+from services.cli.errors import CliError, from_rpc
+from services.common.grpc_server import channel
+from services.contract import control_pb2_grpc, data_pb2_grpc, store_pb2_grpc
+
+_STUBS = {
+    "control": control_pb2_grpc.ControlServiceStub,
+    "data": data_pb2_grpc.DataServiceStub,
+    "store": store_pb2_grpc.StoreServiceStub,
+}
+
+T = TypeVar("T")
+
+
+def address(service: str) -> str:
+    env = os.environ.get(f"SURGE_{service.upper()}_ADDRESS")
+    if env:
+        return env
+    procs = stack.read_stack()
+    if procs and service in procs:
+        return procs[service].address
+    raise CliError(
+        f"{service} address unknown: no local stack is running (run `surgectl up`) "
+        f"and SURGE_{service.upper()}_ADDRESS is not set"
+    )
+
+
+@contextmanager
+def stub(service: str) -> Iterator[object]:
+    """A stub for ``service``; gRPC failures inside the block become one-line CliErrors."""
+    addr = address(service)
+    with channel(addr) as ch:
+        try:
+            yield _STUBS[service](ch)
+        except grpc.RpcError as e:
+            raise from_rpc(e, service, addr) from None
+
+
+def call(service: str, fn: Callable[[object], T]) -> T:
+    with stub(service) as s:
+        return fn(s)

@@ -1,0 +1,68 @@
+"""`make demo`: the whole system on its main job, end to end, leaving nothing running."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from services.cli import clients, render, stack
+from services.cli.errors import CliError
+from services.common import paths
+from services.contract import control_pb2
+from services.jobspec import JobSpecError, load_job_spec
+
+SAMPLE_PROMPT = "def "
+
+
+def run_demo(spec_path: Path) -> None:
+    t0 = time.monotonic()
+    try:
+        spec = load_job_spec(spec_path)
+    except JobSpecError as e:
+        raise CliError(str(e), code=2) from None
+    _ensure_dataset(spec.data.name, spec.data.version)
+    started_here = stack.read_stack() is None
+    if started_here:
+        render.console.rule("starting the stack")
+        t_up = time.monotonic()
+        stack.up(num_workers=spec.parallel.dp)
+        render.console.print(f"stack up in {time.monotonic() - t_up:.1f} s")
+    try:
+        from services.cli.surgectl import follow_job, sample_text, submit_job
+
+        render.console.rule(f"training {spec_path}")
+        status = submit_job(spec_path)
+        history = follow_job(status.job_id)
+        final = history.last
+        png = render.plot(history, paths.surge_home() / f"{final.job_id}-loss.png", f"{final.job_id}: loss and throughput")
+        sample = ""
+        if final.checkpoint_version:
+            sample = sample_text(final.checkpoint_version, SAMPLE_PROMPT, 160, 0.8, 40, 0)
+        render.console.print(render.summary_table(final, history, {
+            "loss curve": str(png),
+            "demo wall time (so far)": f"{time.monotonic() - t0:.1f} s",
+        }))
+        if sample:
+            render.console.rule(f"sample from {final.checkpoint_version}, prompt {SAMPLE_PROMPT!r}")
+            render.console.print(sample, markup=False, highlight=False)
+        if final.outcome != control_pb2.FINISHED:
+            raise CliError(f"job {final.job_id} did not finish: {render.state_text(final)} {final.message}")
+    finally:
+        if started_here:
+            stopped = stack.down()
+            render.console.print(f"stack stopped ({len(stopped)} services); total {time.monotonic() - t0:.1f} s")
+
+
+def _ensure_dataset(name: str, version: str) -> None:
+    from services.data.prepare import default_stdlib_source, prepare_dataset
+
+    root = paths.datasets_root()
+    if (root / name / version / "manifest.json").exists():
+        return
+    if name != "stdlib":
+        raise CliError(f"dataset {name}@{version} is not prepared (surgectl dataset prepare --name {name} --version {version} --source DIR)")
+    render.console.rule(f"preparing {name}@{version} from {default_stdlib_source()}")
+    t = time.monotonic()
+    info = prepare_dataset(default_stdlib_source(), name, version, root)
+    render.console.print(f"prepared in {time.monotonic() - t:.1f} s: {info}")
+

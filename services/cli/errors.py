@@ -1,0 +1,29 @@
+"""User-facing errors: one line, actionable, non-zero exit."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class CliError(Exception):
+    """An error the operator can fix; printed as one line, exit code ``code``."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+def from_rpc(error: grpc.RpcError, service: str, address: str) -> CliError:
+    """Map a gRPC failure to a one-line CliError naming the service and what to do."""
+    code = error.code() if hasattr(error, "code") else None
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and _connect_failure(error):
+        return CliError(f"{service} unreachable at {address} (is the stack up? run `surgectl up`)")
+    details = error.details() if hasattr(error, "details") else str(error)
+    return CliError(details or f"{service} call failed: {code}")
+
+
+def _connect_failure(error: grpc.RpcError) -> bool:
+    details = (error.details() or "").lower() if hasattr(error, "details") else ""
+    if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return True
+    return any(s in details for s in ("connect", "unavailable", "refused", "dns", "socket"))

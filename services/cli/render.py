@@ -1,0 +1,172 @@
+"""Terminal output: tables, the live progress bar of a followed job, the loss-curve PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from google.protobuf.json_format import MessageToDict
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from services.contract import control_pb2
+
+console = Console()
+err_console = Console(stderr=True)
+
+STATE = control_pb2.JobState
+OUTCOME = control_pb2.JobOutcome
+
+
+def state_text(s: control_pb2.JobStatus) -> str:
+    text = STATE.Name(s.state)
+    if s.state == STATE.TERMINATED and s.outcome:
+        text += f" ({OUTCOME.Name(s.outcome)})"
+    return text
+
+
+def fmt_loss(x: float) -> str:
+    return "—" if x == 0 or math.isnan(x) else f"{x:.3f}"
+
+
+def print_json(messages) -> None:
+    console.print_json(json.dumps([MessageToDict(m, preserving_proto_field_name=True) for m in messages]))
+
+
+def jobs_table(jobs) -> Table:
+    t = Table(title="jobs")
+    for col in ("job", "state", "step", "train loss", "eval loss", "tokens/s", "checkpoint", "message"):
+        t.add_column(col)
+    for j in jobs:
+        t.add_row(
+            j.job_id, state_text(j), f"{j.step}/{j.total_steps}", fmt_loss(j.train_loss),
+            fmt_loss(j.eval_loss), f"{j.tokens_per_second:,.0f}", j.checkpoint_version or "—", j.message,
+        )
+    return t
+
+
+def checkpoints_table(infos) -> Table:
+    t = Table(title="checkpoints")
+    for col in ("version", "parent", "step", "files", "MiB", "sha256"):
+        t.add_column(col)
+    for c in infos:
+        t.add_row(c.version, c.parent or "—", str(c.step), str(c.files), f"{c.bytes / 2**20:.1f}", c.manifest_sha256[:12])
+    return t
+
+
+def datasets_table(datasets) -> Table:
+    t = Table(title="datasets")
+    for col in ("dataset", "tokenizer", "vocab", "train docs", "train tokens", "val docs", "val tokens", "sha256"):
+        t.add_column(col)
+    for d in datasets:
+        t.add_row(
+            f"{d.name}@{d.version}", d.tokenizer, str(d.vocab_size), f"{d.train_documents:,}",
+            f"{d.train_tokens:,}", f"{d.val_documents:,}", f"{d.val_tokens:,}", d.manifest_sha256[:12],
+        )
+    return t
+
+
+@dataclass
+class History:
+    """What a followed job reported, for the summary and the plot."""
+
+    steps: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    tokens_per_second: list[float] = field(default_factory=list)
+    eval_steps: list[int] = field(default_factory=list)
+    eval_loss: list[float] = field(default_factory=list)
+    last: control_pb2.JobStatus | None = None
+
+
+def follow(events, quiet_types: frozenset[str] = frozenset({"step"})) -> History:
+    """Render a WatchJob stream as a progress bar; return what it showed."""
+    h = History()
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[tps]} tok/s"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+    )
+    task = None
+    with progress:
+        for ev in events:
+            s = ev.status
+            h.last = s
+            if task is None:
+                task = progress.add_task(s.job_id, total=s.total_steps or None, loss="—", tps="—")
+            if ev.type == "step" and s.step and (not h.steps or s.step > h.steps[-1]):
+                h.steps.append(s.step)
+                h.loss.append(s.train_loss)
+                h.tokens_per_second.append(s.tokens_per_second)
+            if ev.type == "eval" and not math.isnan(s.eval_loss):
+                h.eval_steps.append(s.step)
+                h.eval_loss.append(s.eval_loss)
+            progress.update(
+                task, completed=s.step, loss=fmt_loss(s.train_loss), tps=f"{s.tokens_per_second:,.0f}"
+            )
+            if ev.type not in quiet_types:
+                progress.console.print(f"[dim]{ev.type:>10}[/dim] {ev.message}")
+    return h
+
+
+def summary_table(s: control_pb2.JobStatus, h: History, extra: dict[str, str] | None = None) -> Table:
+    t = Table(title=f"summary of {s.job_id}", show_header=False)
+    t.add_column("what")
+    t.add_column("value")
+    mean_tps = sum(h.tokens_per_second[len(h.tokens_per_second) // 5 :]) / max(1, len(h.tokens_per_second) - len(h.tokens_per_second) // 5)
+    rows = {
+        "outcome": state_text(s),
+        "steps": f"{s.step}/{s.total_steps}",
+        "final train loss": f"{fmt_loss(s.train_loss)} nats/token",
+        "final held-out loss": f"{fmt_loss(s.eval_loss)} nats/token",
+        "tokens/s (mean, after warm-up)": f"{mean_tps:,.0f}" if h.tokens_per_second else f"{s.tokens_per_second:,.0f}",
+        "tokens seen": f"{s.tokens_seen:,}",
+        "training wall time": f"{s.elapsed_seconds:.1f} s",
+        "checkpoint": s.checkpoint_version or "—",
+        **(extra or {}),
+    }
+    for k, v in rows.items():
+        t.add_row(k, v)
+    return t
+
+
+def plot(h: History, out: Path, title: str) -> Path:
+    """Write loss (train and held-out) and tokens/s against step to ``out`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot(h.steps, h.loss, label="train", lw=1)
+    if h.eval_steps:
+        ax1.plot(h.eval_steps, h.eval_loss, "o-", label="held-out")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("loss (nats/token)")
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    ax2.plot(h.steps, h.tokens_per_second, lw=1, color="tab:green")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("tokens/s")
+    ax2.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,236 @@
+"""surgectl: drive Surge from a terminal.
+
+Every error a user can cause is one line on stderr and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from services.cli import clients, render, stack
+from services.cli.errors import CliError
+from services.contract import Module, control_pb2, data_pb2, store_pb2
+from services.jobspec import JobSpecError, load_job_spec
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="Surge (狂潮): distributed LM training as gRPC services.")
+dataset_app = typer.Typer(no_args_is_help=True, help="Prepare and list dataset versions.")
+app.add_typer(dataset_app, name="dataset")
+
+OutputOpt = typer.Option("table", "--output", "-o", help="table | json")
+
+
+@app.command()
+def up(workers: int = typer.Option(2, help="node agents to start")) -> None:
+    """Start the local stack (control, store, data, workers) and wait until healthy.
+
+    Example: surgectl up --workers 2
+    """
+    procs = stack.up(workers)
+    for p in procs.values():
+        render.console.print(f"{p.name:>10}  pid {p.pid:<7} {p.address}  log {p.log}")
+    render.console.print(f"stack is up; metrics: http://127.0.0.1:{procs['store'].metrics_port}/metrics")
+
+
+@app.command()
+def down() -> None:
+    """Stop the local stack and every rank process it started.
+
+    Example: surgectl down
+    """
+    stopped = stack.down()
+    render.console.print(f"stopped {', '.join(stopped)}" if stopped else "no stack was running")
+
+
+@dataset_app.command("prepare")
+def dataset_prepare(
+    name: str = typer.Option("stdlib", help="dataset name"),
+    version: str = typer.Option("v1", help="version label (immutable once prepared)"),
+    source: Optional[Path] = typer.Option(None, help="directory of text files (default: this Python's standard library)"),
+    tokenizer: str = typer.Option("bytes", help="'bytes' (vocab 256) or a HF tokenizers JSON file"),
+) -> None:
+    """Tokenize a directory into an immutable, hashed dataset version.
+
+    Example: surgectl dataset prepare --name stdlib --version v1
+    """
+    from services.common import paths
+    from services.data.prepare import default_stdlib_source, prepare_dataset
+
+    src = source or default_stdlib_source()
+    if not Path(src).is_dir():
+        raise CliError(f"--source {src}: not a directory")
+    info = prepare_dataset(Path(src), name, version, paths.datasets_root(), tokenizer=tokenizer)
+    render.console.print(f"prepared {name}@{version}: {info}")
+
+
+@dataset_app.command("list")
+def dataset_list(output: str = OutputOpt) -> None:
+    """List dataset versions known to the data service.
+
+    Example: surgectl dataset list -o json
+    """
+    resp = clients.call("data", lambda s: s.List(data_pb2.DatasetQuery(), timeout=30))
+    _show(resp.datasets, output, render.datasets_table)
+
+
+@app.command()
+def submit(
+    spec: Path = typer.Argument(..., help="job spec YAML"),
+    follow: bool = typer.Option(False, "--follow", "-f", help="show live progress until the job ends"),
+) -> None:
+    """Validate a job spec, check its dataset, submit it.
+
+    Example: surgectl submit examples/jobs/demo.yaml --follow
+    """
+    status = submit_job(spec)
+    render.console.print(f"submitted {status.job_id} ({render.state_text(status)})")
+    if follow:
+        h = follow_job(status.job_id)
+        render.console.print(render.summary_table(h.last, h))
+        _exit_for(h.last)
+
+
+def submit_job(spec_path: Path) -> control_pb2.JobStatus:
+    try:
+        spec = load_job_spec(spec_path)
+    except JobSpecError as e:
+        raise CliError(str(e), code=2) from None
+    ds = data_pb2.MountDataset(name=spec.data.name, version=spec.data.version, verify=True)
+    info = clients.call("data", lambda s: s.Mount(ds, timeout=120))
+    if info.vocab_size > spec.model.vocab_size:
+        raise CliError(
+            f"{spec_path}: model.vocab_size: {spec.model.vocab_size} is smaller than the "
+            f"dataset's vocabulary ({info.vocab_size}, {info.tokenizer})", code=2)
+    req = control_pb2.SubmitJobRequest(spec_yaml=spec_path.read_text(), spec_path=str(spec_path))
+    return clients.call("control", lambda s: s.SubmitJob(req, timeout=60))
+
+
+def follow_job(job_id: str) -> render.History:
+    with clients.stub("control") as s:
+        return render.follow(s.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True)))
+
+
+@app.command()
+def status(job: Optional[str] = typer.Argument(None), output: str = OutputOpt) -> None:
+    """Show one job or all jobs.
+
+    Example: surgectl status demo-3f2a1c -o json
+    """
+    if job:
+        jobs = [clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))]
+    else:
+        jobs = list(clients.call("control", lambda s: s.ListJobs(control_pb2.JobQuery(), timeout=10)).jobs)
+    _show(jobs, output, render.jobs_table)
+
+
+@app.command()
+def events(job: str, follow: bool = typer.Option(False, "--follow", "-f"), output: str = OutputOpt) -> None:
+    """Print a job's event log (decisions, state changes, faults, checkpoints).
+
+    Example: surgectl events demo-3f2a1c --follow
+    """
+    with clients.stub("control") as s:
+        for ev in s.WatchJob(control_pb2.JobQuery(job_id=job, follow=follow)):
+            if output == "json":
+                render.print_json([ev])
+            else:
+                src = Module.Name(ev.source) if ev.source else "-"
+                render.console.print(f"{ev.seq:>5} {ev.type:>10} {src:<22} {ev.message}")
+
+
+@app.command()
+def pause(job: str) -> None:
+    """Pause a running job at a step boundary.   Example: surgectl pause demo-3f2a1c"""
+    s = clients.call("control", lambda st: st.PauseJob(control_pb2.PauseJobRequest(job_id=job), timeout=10))
+    render.console.print(f"{job}: {render.state_text(s)} {s.message}")
+
+
+@app.command()
+def resume(job: str) -> None:
+    """Resume a paused job.   Example: surgectl resume demo-3f2a1c"""
+    s = clients.call("control", lambda st: st.ResumeJob(control_pb2.ResumeJobRequest(job_id=job), timeout=10))
+    render.console.print(f"{job}: {render.state_text(s)} {s.message}")
+
+
+@app.command()
+def stop(job: str) -> None:
+    """Stop a job at the next step boundary.   Example: surgectl stop demo-3f2a1c"""
+    s = clients.call("control", lambda st: st.StopJob(control_pb2.StopJobRequest(job_id=job), timeout=10))
+    render.console.print(f"{job}: {render.state_text(s)} {s.message}")
+
+
+@app.command()
+def checkpoints(job: Optional[str] = typer.Argument(None), output: str = OutputOpt) -> None:
+    """List committed checkpoint versions (oldest first).
+
+    Example: surgectl checkpoints demo-3f2a1c
+    """
+    resp = clients.call("store", lambda s: s.List(store_pb2.CheckpointQuery(job_id=job or ""), timeout=10))
+    _show(resp.checkpoints, output, render.checkpoints_table)
+
+
+@app.command()
+def generate(
+    checkpoint: str = typer.Option("latest", help="version '<job>:<n>', '<job>:latest' or 'latest'"),
+    prompt: str = typer.Option("def ", help="text to continue"),
+    max_new_tokens: int = typer.Option(200, min=1),
+    temperature: float = typer.Option(0.8, min=0.0),
+    top_k: int = typer.Option(40, min=0),
+    seed: int = typer.Option(0),
+) -> None:
+    """Sample text from a committed checkpoint (verified before loading).
+
+    Example: surgectl generate --checkpoint latest --prompt 'def '
+    """
+    render.console.print(sample_text(checkpoint, prompt, max_new_tokens, temperature, top_k, seed))
+
+
+def sample_text(version: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> str:
+    loaded = clients.call("store", lambda s: s.Load(store_pb2.LoadCheckpoint(version=version), timeout=120))
+    from services.compute.inference import generate_text
+
+    return generate_text(loaded.info.path, loaded.info.spec_json, prompt, max_new_tokens, temperature, top_k, seed)
+
+
+@app.command()
+def demo(spec: Path = typer.Argument(Path("examples/jobs/demo.yaml"))) -> None:
+    """The main job: prepare data, start the stack, train, summarise, plot, sample, stop.
+
+    Example: surgectl demo examples/jobs/demo.yaml
+    """
+    from services.cli.demo import run_demo
+
+    run_demo(spec)
+
+
+def _show(items, output: str, table) -> None:
+    if output == "json":
+        render.print_json(items)
+    elif output == "table":
+        render.console.print(table(items))
+    else:
+        raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
+
+
+def _exit_for(s: control_pb2.JobStatus) -> None:
+    if s is not None and s.outcome == control_pb2.FAILED:
+        raise CliError(f"job {s.job_id} failed: {s.message}")
+
+
+def main() -> None:
+    try:
+        app()
+    except CliError as e:
+        render.err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        sys.exit(e.code)
+    except KeyboardInterrupt:
+        render.err_console.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
