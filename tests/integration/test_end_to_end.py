@@ -1,0 +1,189 @@
+"""The real four services as processes: a short DP=2 job end to end, and the CLI's errors.
+
+One stack serves the whole module (starting it costs seconds on 2 cores); every process
+it started is killed by PID at the end, and the test checks that none is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, kill_all, processes_with
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+SURGECTL = [sys.executable, "-m", "services.cli.surgectl"]
+
+JOB = """\
+name: e2e
+steps: 24
+seed: 0
+model: {n_layers: 2, d_model: 64, n_heads: 2, vocab_size: 256}
+data:
+  dataset: tiny@v1
+  seq_len: 64
+  micro_batch_size: 4
+  filter: {min_tokens: 16, banned_bytes: "\\0"}
+parallel: {dp: 2}
+optimizer: {lr: 3.0e-3, warmup_steps: 4}
+checkpoint: {every_steps: 0, keep_last: 2}
+eval: {every_steps: 0, batches: 2}
+"""
+
+
+def cli(home: Path, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "SURGE_HOME": str(home), "COLUMNS": "200", **(env or {})}
+    for var in ("SURGE_CONTROL_ADDRESS", "SURGE_DATA_ADDRESS", "SURGE_STORE_ADDRESS"):
+        if var not in (env or {}):
+            full_env.pop(var, None)
+    return subprocess.run([*SURGECTL, *args], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    home = tmp_path_factory.mktemp("surge")
+    src = home / "corpus"
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for pkg in ("json", "email", "logging", "asyncio"):
+        shutil.copytree(stdlib / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    prep = cli(home, "dataset", "prepare", "--name", "tiny", "--version", "v1", "--source", str(src))
+    assert prep.returncode == 0, prep.stderr
+    up = cli(home, "up", "--workers", "2", timeout=120)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        yield home
+    finally:
+        cli(home, "down", timeout=60)
+        stack_json = home / "run" / "stack.json"
+        if stack_json.exists():
+            kill_all([s["pid"] for s in json.loads(stack_json.read_text())["services"].values()])
+        kill_all(processes_with(f"--session 127.0.0.1"))  # ranks of this stack, if any survived
+        strays = [p for p in processes_with(str(home))]
+        kill_all(strays)
+
+
+def stack_info(home: Path) -> dict:
+    return json.loads((home / "run" / "stack.json").read_text())["services"]
+
+
+def test_a_short_dp2_job_trains_checkpoints_and_reports(stack, tmp_path):
+    home = stack
+    spec = tmp_path / "e2e.yaml"
+    spec.write_text(JOB)
+    run = cli(home, "submit", str(spec), "--follow")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr
+    job_id = run.stdout.split("submitted ", 1)[1].split()[0]
+
+    status = json.loads(cli(home, "status", job_id, "-o", "json").stdout)[0]
+    assert status["state"] == "TERMINATED" and status["outcome"] == "FINISHED"
+    assert int(status["step"]) == 24
+
+    # The loss decreases (raw per-step records persisted by the metrics logger).
+    records = [json.loads(line) for line in (home / "store" / "metrics" / f"{job_id}.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if r.get("type") == "step" and int(r.get("rank", 0)) == 0]
+    assert len(losses) == 24
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.3
+
+    # A checkpoint version was committed with a verified manifest.
+    cks = json.loads(cli(home, "checkpoints", job_id, "-o", "json").stdout)
+    assert [c["version"] for c in cks] == [f"{job_id}:1"]
+    gen = cli(home, "generate", "--checkpoint", f"{job_id}:1", "--prompt", "def ", "--max-new-tokens", "20")
+    assert gen.returncode == 0 and gen.stdout.startswith("def "), gen.stderr
+
+    # The store's /metrics serves the training loss of this job.
+    mport = stack_info(home)["store"]["metrics_port"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read().decode()
+    loss_lines = [line for line in text.splitlines() if line.startswith("surge_train_loss{") and job_id in line]
+    assert loss_lines and abs(float(loss_lines[0].split()[-1]) - losses[-1]) < 1e-6
+
+    # No rank process of the job is left behind.
+    assert processes_with(f"--job {job_id}") == []
+
+
+def test_dp_larger_than_the_available_ranks_is_refused_and_nothing_is_created(stack, tmp_path):
+    spec = tmp_path / "big.yaml"
+    spec.write_text(JOB.replace("dp: 2", "dp: 3"))
+    before = json.loads(cli(stack, "status", "-o", "json").stdout)
+    r = cli(stack, "submit", str(spec))
+    assert r.returncode != 0
+    assert "parallel.dp=3" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert json.loads(cli(stack, "status", "-o", "json").stdout) == before
+
+
+def test_unknown_dataset_or_version_is_a_one_line_error(stack, tmp_path):
+    for ds, words in (("nope@v1", "nope@v1"), ("tiny@v9", "tiny@v9")):
+        spec = tmp_path / "ds.yaml"
+        spec.write_text(JOB.replace("tiny@v1", ds))
+        r = cli(stack, "submit", str(spec))
+        assert r.returncode != 0 and words in r.stderr and "not found" in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_dataset_whose_files_no_longer_match_its_manifest_is_refused(stack, tmp_path):
+    root = stack / "datasets" / "tiny"
+    shutil.copytree(root / "v1", root / "v2")
+    manifest = json.loads((root / "v2" / "manifest.json").read_text())
+    manifest["version"] = "v2"
+    victim = root / "v2" / next(f for f in _manifest_files(manifest) if f.startswith("train"))
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(JOB.replace("tiny@v1", "tiny@v2"))
+    r = cli(stack, "submit", str(spec))
+    assert r.returncode != 0 and "sha256 mismatch" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def _manifest_files(manifest: dict) -> list[str]:
+    files = manifest["files"]
+    return list(files) if isinstance(files, dict) else [f["path"] if "path" in f else f["name"] for f in files]
+
+
+def test_malformed_yaml_and_unknown_keys_exit_2_with_the_file_and_field(stack, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [e2e\n")
+    r = cli(stack, "submit", str(bad))
+    assert r.returncode == 2 and f"{bad}: line 2: malformed YAML" in r.stderr
+    bad.write_text(JOB.replace("seq_len: 64", "seq_length: 64"))
+    r = cli(stack, "submit", str(bad))
+    assert r.returncode == 2 and "data.seq_length: unknown key" in r.stderr
+
+
+def test_a_second_up_is_refused_while_the_stack_runs(stack):
+    r = cli(stack, "up")
+    assert r.returncode == 1 and "already running" in r.stderr
+
+
+def test_a_service_port_already_in_use_is_a_one_line_error(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run(
+            [sys.executable, "-m", "services.control", "--port", str(port), "--host", "127.0.0.1",
+             "--db", str(tmp_path / "c.db"), "--data", "127.0.0.1:1", "--store", "127.0.0.1:1"],
+            cwd=REPO, capture_output=True, text=True, timeout=60,
+        )
+    assert r.returncode != 0
+    assert str(port) in r.stderr and "in use" in r.stderr
+
+
+def test_control_unreachable_is_a_one_line_error(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here
+    r = cli(tmp_path, "status", env={"SURGE_CONTROL_ADDRESS": f"127.0.0.1:{port}"}, timeout=60)
+    assert r.returncode == 1
+    assert f"control unreachable at 127.0.0.1:{port}" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
