@@ -1,0 +1,125 @@
+"""Composition root of the `store` service: the only place its modules are built and wired.
+
+    python -m services.store --port P --metrics-port M [--host 127.0.0.1] [--root DIR]
+
+(env ``SURGE_STORE_PORT``, ``SURGE_STORE_METRICS_PORT``, ``SURGE_STORE_ROOT``; the root
+defaults to ``services.common.paths.store_root()``). gRPC ``surge.v1.StoreService`` with
+health and reflection on P; Prometheus ``/metrics`` on M. A port in use is a one-line error
+and exit status 1; SIGTERM or SIGINT stops it cleanly (status 0).
+
+Wiring: L5-1 and L5-2 command nobody, so they get no ports; the bus routes to their
+handlers. The relay gets one command port per remote sender that the route table lets
+command them, and nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+
+from prometheus_client import REGISTRY, start_http_server
+
+from services.common import logs, paths
+from services.common.grpc_server import PortInUse, ServiceServer
+from services.contract import Module, engine_pb2, store_pb2, store_pb2_grpc
+from services.contract.bus import Bus, CommandPort
+from services.store.checkpoint_manager import CheckpointManager
+from services.store.metrics_logger import MetricsLogger
+from services.store.server import StoreRelay
+
+CKPT, METRICS = Module.L5_CHECKPOINT_MANAGER, Module.L5_METRICS_LOGGER
+
+
+def wire(root: Path, log, registry=REGISTRY) -> tuple[StoreRelay, MetricsLogger]:
+    """Build L5-1, L5-2 and the relay on one bus. Returns the relay and the logger (to close)."""
+    bus = Bus(on_violation=lambda e: log.warning("boundary_violation", error=str(e)))
+    manager = CheckpointManager(root, registry=registry)
+    metrics = MetricsLogger(root, registry=registry)
+    bus.subscribe(CKPT, store_pb2.SaveCheckpoint, manager.begin_save)
+    bus.subscribe(CKPT, store_pb2.CommitCheckpoint, manager.commit_save)
+    bus.subscribe(CKPT, store_pb2.LoadCheckpoint, manager.load)
+    bus.subscribe(CKPT, store_pb2.CheckpointQuery, manager.list)
+    bus.subscribe(METRICS, engine_pb2.StepCompleted, metrics.record_step)
+    bus.subscribe(METRICS, engine_pb2.EvalCompleted, metrics.record_eval)
+    ports: dict[tuple[int, int], CommandPort] = {}
+    for receiver, types in (
+        (CKPT, (store_pb2.SaveCheckpoint, store_pb2.CommitCheckpoint, store_pb2.LoadCheckpoint,
+                store_pb2.CheckpointQuery)),
+        (METRICS, (engine_pb2.StepCompleted, engine_pb2.EvalCompleted)),
+    ):
+        for t in types:
+            for sender in bus.table.route(t).senders:
+                ports[(sender, receiver)] = bus.port(sender, receiver)
+    return StoreRelay(ports, log), metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="python -m services.store", description=__doc__.split("\n")[0])
+    p.add_argument("--host", default=env("SURGE_STORE_HOST", "127.0.0.1"))
+    # argparse applies `type` to string defaults too: a bad env value is a one-line usage error.
+    p.add_argument("--port", type=int, default=env("SURGE_STORE_PORT"))
+    p.add_argument("--metrics-port", type=int, default=env("SURGE_STORE_METRICS_PORT"))
+    p.add_argument("--root", type=Path, default=None, help="store root (default: SURGE_STORE_ROOT or $SURGE_HOME/store)")
+    args = p.parse_args(argv)
+    if args.port is None or args.metrics_port is None:
+        p.error("--port and --metrics-port are required (or SURGE_STORE_PORT, SURGE_STORE_METRICS_PORT)")
+    if args.port == args.metrics_port and args.port != 0:
+        p.error(f"--port and --metrics-port must differ, both are {args.port}")
+    root = (args.root or paths.store_root()).resolve()
+    log = logs.configure("store", root=str(root))
+
+    # Checked before gRPC tries: its C core would print its own multi-line bind error first.
+    problem = _bind_problem(args.host, args.port) if args.port else None
+    if problem:
+        print(f"store: cannot listen on {args.host}:{args.port} ({problem})", file=sys.stderr)
+        return 1
+    try:
+        server = ServiceServer("store", args.host, args.port)
+    except PortInUse as e:  # lost a race since the check
+        print(e, file=sys.stderr)
+        return 1
+    try:
+        http, _ = start_http_server(args.metrics_port, addr=args.host, registry=REGISTRY)
+    except OSError as e:
+        print(f"store: cannot serve /metrics on {args.host}:{args.metrics_port}: {e.strerror or e}", file=sys.stderr)
+        return 1
+
+    relay, metrics = wire(root, log)
+    store_pb2_grpc.add_StoreServiceServicer_to_server(relay, server.server)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start(["surge.v1.StoreService"])
+    log.info("serving", address=f"{args.host}:{server.port}", metrics=f"{args.host}:{http.server_port}")
+    stop.wait()
+    log.info("stopping")
+    server.stop(grace=2.0)
+    http.shutdown()
+    metrics.close()
+    return 0
+
+
+def _bind_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on, or None if it can (right now)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as e:
+        return f"cannot resolve host: {e.strerror}"
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no clash
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return "port already in use?" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

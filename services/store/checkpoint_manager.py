@@ -1,0 +1,532 @@
+"""L5-1 checkpoint manager: hands out staging locations, verifies, commits and catalogs versions.
+
+Ranks write torch.distributed.checkpoint (DCP) shards themselves, straight to storage. This
+module only says where (``begin_save``), seals what was written into a numbered version
+(``commit_save``), proves a version intact before anyone reads it (``load``) and lists the
+chain (``list``). It never decides when to save or which version to load (both come in the
+command), never changes a byte it was handed and never opens a tensor.
+
+On disk, under ``<root>/checkpoints``::
+
+    catalog.json                               the version chain of every job
+    <job_id>/.staging/step-<step>-<token>/     the job's open save: ranks write shards here
+    <job_id>/<n>/                              version "<job_id>:<n>": the shards + manifest.json
+
+Staging (one open save per job, a save is "the ranks of one attempt writing one step"):
+
+* Every rank asks ``begin_save(job, step, rank)``. A rank that asks for the open save's step
+  and has not asked for it before gets the open save's directory: all ranks share one.
+* A rank asking a second time for the same step is a new attempt (the ranks were restarted
+  after a fault): it gets a fresh directory. A different step also gets a fresh one.
+* A fresh directory abandons the job's previous open save: every other staging directory of
+  the job is removed then, so a dead save never blocks or leaks into a new one.
+* After a store restart nothing is open; a commit adopts the single staging directory of
+  its step if exactly one is on disk (ranks that wrote before the restart are not lost).
+
+Commit order (why: a crash at any point leaves the chain as it was, or one step ahead, and
+never points at a half-written version): hash every file -> write + fsync ``manifest.json``
+-> re-stat every file (a straggler still writing fails the commit) -> fsync the directory ->
+rename staging to ``<n>`` -> fsync the parent -> write the catalog to a temp file, fsync,
+rename over ``catalog.json``. A directory ``<n>`` with no catalog entry (a crash between the
+last two renames) was never acknowledged; the next commit of that job reuses ``n`` and
+removes it.
+
+Retention runs only when a commit asks for it (``keep_last``): the oldest versions of that
+job beyond ``keep_last`` leave the catalog first, then their directories are removed, so
+the catalog never names a missing directory. The number of a cataloged version is never
+reused (the latest version is never pruned, and numbering continues from it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from services.contract import store_pb2
+
+MANIFEST = "manifest.json"
+CATALOG = "catalog.json"
+MANIFEST_FORMAT = "surge.checkpoint.manifest/1"
+CATALOG_FORMAT = "surge.checkpoint.catalog/1"
+_JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # no ':' (version ids) or '/'
+_CHUNK_BYTES = 1 << 20
+_HASH_THREADS = 4  # hashlib releases the GIL on large updates; shards hash in parallel
+
+
+class CheckpointNotFound(LookupError):
+    """The named version is not in the catalog (gRPC NOT_FOUND)."""
+
+
+class CheckpointRejected(RuntimeError):
+    """The store's state does not allow the command: no open save, an empty or changing
+    staging directory, a version that fails verification (gRPC FAILED_PRECONDITION)."""
+
+
+@dataclass
+class _OpenSave:
+    step: int
+    path: Path
+    ranks: set[int] = field(default_factory=set)
+    committing: bool = False
+
+
+@dataclass(frozen=True)
+class _Hashed:
+    bytes: int
+    sha256: str
+    fingerprint: tuple[int, int, int, int]  # size, mtime_ns, ctime_ns, inode at hashing time
+
+
+class CheckpointManager:
+    """The version chain of every job under ``<root>/checkpoints`` (survives restarts).
+
+    Thread-safe: the gRPC relay calls it from a thread pool. Hashing runs outside the lock,
+    so one job's large commit does not hold up another job's ``begin_save``.
+
+    Args:
+        root: the store root; this module owns ``root/checkpoints``.
+        registry: where its Prometheus metrics register (a private one by default).
+    """
+
+    def __init__(self, root: Path, registry: CollectorRegistry | None = None):
+        self._dir = Path(root) / "checkpoints"
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._open: dict[str, _OpenSave] = {}
+        self._verifying: dict[str, Future[None]] = {}  # version -> verification in flight
+        self._chain: list[dict[str, Any]] = _read_catalog(self._dir / CATALOG)
+        reg = registry if registry is not None else CollectorRegistry()
+        self._commits = Counter(
+            "surge_checkpoint_commits_total", "Versions committed.", ["job"], registry=reg
+        )
+        self._commit_seconds = Gauge(
+            "surge_checkpoint_commit_seconds", "Hash + commit time of the last version (seconds).",
+            ["job"], registry=reg,
+        )
+        self._bytes = Gauge(
+            "surge_checkpoint_bytes", "Size of the last committed version (bytes).", ["job"], registry=reg
+        )
+        self._rejected = Counter(
+            "surge_checkpoint_rejected_total", "Commits and loads refused, by operation.",
+            ["job", "op"], registry=reg,
+        )
+
+    # ------------------------------------------------------------------ commands
+
+    def begin_save(self, msg: store_pb2.SaveCheckpoint, payload: Any = None) -> store_pb2.SaveStaged:
+        """保存当前快照指令, first half: where rank ``msg.rank`` writes step ``msg.step``.
+
+        Returns the open save's directory for a rank that has not asked for it yet; a fresh
+        directory (removing the job's other staging directories) otherwise. See the module
+        docstring for the rules.
+
+        Raises:
+            ValueError: ``job_id`` is not a safe name.
+            CheckpointRejected: the job's open save is being committed right now.
+        """
+        job = _check_job_id(msg.job_id)
+        with self._lock:
+            save = self._open.get(job)
+            if save is not None and save.committing:
+                raise CheckpointRejected(
+                    f"checkpoint {job}: save of step {save.step} is being committed; "
+                    f"cannot begin step {msg.step}"
+                )
+            if save is None or save.step != msg.step or msg.rank in save.ranks or not save.path.is_dir():
+                save = self._fresh_staging(job, msg.step)
+            save.ranks.add(msg.rank)
+            path = save.path
+        return store_pb2.SaveStaged(job_id=job, step=msg.step, staging_path=str(path))
+
+    def commit_save(self, msg: store_pb2.CommitCheckpoint, payload: Any = None) -> store_pb2.SaveCompleted:
+        """保存当前快照指令, second half: seal the open save of (job, step) as the next version.
+
+        Hashes every file (SHA-256), writes ``manifest.json``, renames the staging directory
+        to ``<job>/<n>`` and appends ``"<job>:<n>"`` to the chain with the job's previous
+        version as parent; then applies ``keep_last`` (0 keeps all). ``seconds`` in the
+        reply is the manager's hash + commit time.
+
+        Raises:
+            ValueError: ``job_id`` is not a safe name.
+            CheckpointRejected: no open save for (job, step), its directory is empty, holds a
+                symlink, or a file changed while being committed. The chain is unchanged.
+        """
+        t0 = time.perf_counter()
+        job = _check_job_id(msg.job_id)
+        with self._lock:
+            save = self._claim(job, msg.step)
+        committed = False
+        try:
+            files = _hash_files(save.path, job)
+            if not files:
+                raise CheckpointRejected(f"checkpoint {job}: step {msg.step}: staging {save.path} is empty")
+            with self._lock:
+                entry = self._seal(job, msg, save, files)
+                committed = True
+                removed = self._retain(job, msg.keep_last)
+        except CheckpointRejected:
+            self._rejected.labels(job, "commit").inc()
+            raise
+        finally:
+            with self._lock:
+                if self._open.get(job) is save:
+                    if committed:
+                        del self._open[job]
+                    else:
+                        save.committing = False  # the loop may fix the cause and commit again
+        for path in removed:
+            shutil.rmtree(path, ignore_errors=True)
+        seconds = time.perf_counter() - t0
+        self._commits.labels(job).inc()
+        self._commit_seconds.labels(job).set(seconds)
+        self._bytes.labels(job).set(entry["bytes"])
+        return store_pb2.SaveCompleted(
+            job_id=job,
+            version=entry["version"],
+            parent=entry["parent"],
+            step=entry["step"],
+            path=str(self._dir / entry["path"]),
+            manifest_sha256=entry["manifest_sha256"],
+            bytes=entry["bytes"],
+            files=entry["files"],
+            seconds=seconds,
+        )
+
+    def load(self, msg: store_pb2.LoadCheckpoint, payload: Any = None) -> store_pb2.CheckpointLoaded:
+        """加载指定版本快照指令: verify ``msg.version`` and say where it is.
+
+        ``version`` is ``"<job>:<n>"``, ``"<job>:latest"`` or ``"latest"`` (the newest commit
+        of any job); which one is the caller's choice, never this module's. Every file is
+        re-hashed against the manifest and the manifest against the catalog; readers then
+        load the DCP shards from ``info.path`` themselves. Ranks that ask for the same version
+        while it is being verified share that one verification (every rank of a job loads the
+        same version at once on resume; one re-hash serves them all).
+
+        Raises:
+            ValueError: ``version`` is not one of the three forms.
+            CheckpointNotFound: no such version (the message lists the ones that exist).
+            CheckpointRejected: a file is missing, extra, or its size or SHA-256 differs.
+        """
+        with self._lock:
+            entry = self._resolve(msg.version)
+            version = entry["version"]
+            verdict = self._verifying.get(version)
+            mine = verdict is None
+            if mine:
+                verdict = self._verifying[version] = Future()
+        if mine:
+            try:
+                _verify(version, self._dir / entry["path"], entry["manifest_sha256"])
+                verdict.set_result(None)
+            except BaseException as e:
+                verdict.set_exception(e)
+            finally:
+                with self._lock:
+                    del self._verifying[version]
+        try:
+            verdict.result()
+        except CheckpointRejected:
+            self._rejected.labels(entry["job_id"], "load").inc()
+            raise
+        return store_pb2.CheckpointLoaded(info=self._info(entry))
+
+    def list(self, msg: store_pb2.CheckpointQuery, payload: Any = None) -> store_pb2.CheckpointList:
+        """The committed versions of ``msg.job_id`` (every job if empty), oldest first."""
+        with self._lock:
+            entries = [e for e in self._chain if not msg.job_id or e["job_id"] == msg.job_id]
+        return store_pb2.CheckpointList(checkpoints=[self._info(e) for e in entries])
+
+    # ------------------------------------------------------------------ staging
+
+    def _staging_root(self, job: str) -> Path:
+        return self._dir / job / ".staging"
+
+    def _fresh_staging(self, job: str, step: int) -> _OpenSave:
+        staging = self._staging_root(job)
+        if staging.is_dir():
+            for old in staging.iterdir():  # abandoned saves: nobody will commit them now
+                shutil.rmtree(old, ignore_errors=True)
+        path = staging / f"step-{step}-{secrets.token_hex(4)}"
+        path.mkdir(parents=True)
+        save = _OpenSave(step=step, path=path)
+        self._open[job] = save
+        return save
+
+    def _claim(self, job: str, step: int) -> _OpenSave:
+        """The open save of (job, step), marked committing. Caller holds the lock."""
+        save = self._open.get(job)
+        if save is None:
+            save = self._adopt(job, step)
+        if save.step != step:
+            raise CheckpointRejected(
+                f"checkpoint {job}: no open save of step {step} (the open save is step {save.step})"
+            )
+        if save.committing:
+            raise CheckpointRejected(f"checkpoint {job}: step {step} is already being committed")
+        if not save.path.is_dir():
+            raise CheckpointRejected(f"checkpoint {job}: step {step}: staging {save.path} is gone")
+        save.committing = True
+        self._open[job] = save
+        return save
+
+    def _adopt(self, job: str, step: int) -> _OpenSave:
+        """After a restart: the single staging directory of (job, step) on disk, if any."""
+        staging = self._staging_root(job)
+        found = sorted(staging.glob(f"step-{step}-*")) if staging.is_dir() else []
+        if len(found) != 1:
+            raise CheckpointRejected(
+                f"checkpoint {job}: no open save of step {step} (BeginSave first)"
+                + (f"; {len(found)} staging directories match" if found else "")
+            )
+        return _OpenSave(step=step, path=found[0])
+
+    # ------------------------------------------------------------------ commit
+
+    def _seal(
+        self, job: str, msg: store_pb2.CommitCheckpoint, save: _OpenSave, files: dict[str, _Hashed]
+    ) -> dict[str, Any]:
+        """Manifest, re-check, rename, catalog; returns the new catalog entry. Caller holds
+        the lock."""
+        mine = [e for e in self._chain if e["job_id"] == job]
+        n = max((e["n"] for e in mine), default=0) + 1
+        parent = mine[-1]["version"] if mine else ""
+        created = time.time()
+        total = sum(h.bytes for h in files.values())
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "version": f"{job}:{n}",
+            "job_id": job,
+            "parent": parent,
+            "step": msg.step,
+            "world_size": msg.world_size,
+            "created_unix": created,
+            "spec_json": msg.spec_json,
+            "bytes": total,
+            "files": [{"path": p, "bytes": h.bytes, "sha256": h.sha256} for p, h in sorted(files.items())],
+        }
+        data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        _write_durable(save.path / MANIFEST, data)
+        _check_unchanged(save.path, files, job, msg.step)
+        _fsync_dir(save.path)
+        final = self._dir / job / str(n)
+        if final.exists():  # left by a crash between rename and catalog; never acknowledged
+            shutil.rmtree(final)
+        _rename_into_place(save.path, final)
+        _fsync_dir(final.parent)
+        entry = {
+            "version": f"{job}:{n}",
+            "job_id": job,
+            "n": n,
+            "parent": parent,
+            "step": msg.step,
+            "path": f"{job}/{n}",
+            "manifest_sha256": hashlib.sha256(data).hexdigest(),
+            "bytes": total,
+            "files": len(files),
+            "created_unix": created,
+            "world_size": msg.world_size,
+            "spec_json": msg.spec_json,
+        }
+        # If this write fails, <n> is an orphan that the next commit of this job replaces.
+        self._write_catalog([*self._chain, entry])
+        self._chain.append(entry)
+        return entry
+
+    def _retain(self, job: str, keep_last: int) -> list[Path]:
+        """Drop the job's versions beyond the newest ``keep_last`` from the catalog and return
+        their directories for removal (after the catalog no longer names them). Caller holds
+        the lock. A failure to rewrite the catalog keeps every version (the commit itself
+        stands) and is counted; the next commit's retention covers them again."""
+        if keep_last <= 0:
+            return []
+        mine = [e for e in self._chain if e["job_id"] == job]
+        drop = mine[:-keep_last]
+        if not drop:
+            return []
+        gone = {e["version"] for e in drop}
+        kept = [e for e in self._chain if e["version"] not in gone]
+        try:
+            self._write_catalog(kept)
+        except OSError:
+            self._rejected.labels(job, "retention").inc()
+            return []
+        self._chain = kept
+        return [self._dir / e["path"] for e in drop]
+
+    def _write_catalog(self, chain: list[dict[str, Any]]) -> None:
+        data = json.dumps({"format": CATALOG_FORMAT, "versions": chain}, indent=1).encode()
+        path = self._dir / CATALOG
+        tmp = path.with_name(CATALOG + ".tmp")
+        _write_durable(tmp, data)
+        os.replace(tmp, path)
+        _fsync_dir(self._dir)
+
+    # ------------------------------------------------------------------ lookup
+
+    def _resolve(self, version: str) -> dict[str, Any]:
+        """Catalog entry of ``version``. Caller holds the lock."""
+        if version == "latest":
+            if self._chain:
+                return self._chain[-1]
+            raise CheckpointNotFound("checkpoint latest not found (have: none)")
+        job, sep, n = version.rpartition(":")
+        if not sep or not job or not (n == "latest" or n.isdigit()):
+            raise ValueError(
+                f'checkpoint version "{version}": expected "<job>:<n>", "<job>:latest" or "latest"'
+            )
+        mine = [e for e in self._chain if e["job_id"] == job]
+        hit = mine[-1:] if n == "latest" else [e for e in mine if e["n"] == int(n)]
+        if not hit:
+            have = ", ".join(e["version"] for e in mine) or "none"
+            raise CheckpointNotFound(f"checkpoint {version} not found (have: {have})")
+        return hit[0]
+
+    def _info(self, entry: dict[str, Any]) -> store_pb2.CheckpointInfo:
+        return store_pb2.CheckpointInfo(
+            version=entry["version"],
+            job_id=entry["job_id"],
+            parent=entry["parent"],
+            step=entry["step"],
+            path=str(self._dir / entry["path"]),
+            manifest_sha256=entry["manifest_sha256"],
+            bytes=entry["bytes"],
+            files=entry["files"],
+            created_unix=entry["created_unix"],
+            spec_json=entry["spec_json"],
+        )
+
+
+# ---------------------------------------------------------------------- file helpers
+
+
+def _check_job_id(job: str) -> str:
+    if not _JOB_ID.match(job):
+        raise ValueError(f'checkpoint: job_id "{job}": must match {_JOB_ID.pattern}')
+    return job
+
+
+def _read_catalog(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    raw = json.loads(path.read_text())
+    if raw.get("format") != CATALOG_FORMAT:
+        raise ValueError(f"{path}: format {raw.get('format')!r}, expected {CATALOG_FORMAT!r}")
+    return list(raw["versions"])
+
+
+def _list_files(directory: Path, what: str) -> list[str]:
+    """Relative POSIX paths of every regular file under ``directory`` except the top-level
+    manifest. A symlink would let a version change without its bytes changing: refused."""
+    out: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(directory):
+        for name in dirnames + filenames:
+            full = Path(dirpath) / name
+            if full.is_symlink():
+                raise CheckpointRejected(f"{what}: {full.relative_to(directory)}: symlinks are not allowed")
+        for name in filenames:
+            rel = (Path(dirpath) / name).relative_to(directory).as_posix()
+            if rel != MANIFEST:
+                out.append(rel)
+    return sorted(out)
+
+
+def _hash_one(path: Path) -> _Hashed:
+    st = os.stat(path)
+    h = hashlib.sha256()
+    read = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            h.update(chunk)
+            read += len(chunk)
+    # A file whose size moved while it was read is still being written: a fingerprint that
+    # matches nothing makes the re-check refuse it.
+    grew = read != st.st_size
+    fingerprint = (-1, 0, 0, 0) if grew else (read, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+    return _Hashed(read, h.hexdigest(), fingerprint)
+
+
+def _hash_files(directory: Path, what: str) -> dict[str, _Hashed]:
+    """SHA-256 and size (bytes) of every file under ``directory``, hashed in parallel."""
+    names = _list_files(directory, f"checkpoint {what}")
+    if not names:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(_HASH_THREADS, len(names))) as pool:
+        hashed = list(pool.map(lambda rel: _hash_one(directory / rel), names))
+    return dict(zip(names, hashed))
+
+
+def _check_unchanged(directory: Path, files: dict[str, _Hashed], job: str, step: int) -> None:
+    """Refuse the commit if any file appeared, vanished or changed since it was hashed.
+
+    A stat comparison, not a second hash: a rewrite of the same size within one filesystem
+    timestamp tick slips through here, and ``load`` (which re-hashes) catches it.
+    """
+    now = _list_files(directory, f"checkpoint {job}")
+    if now != sorted(files):
+        extra = sorted(set(now) - set(files)) + sorted(set(files) - set(now))
+        raise CheckpointRejected(f"checkpoint {job}: step {step}: {extra[0]}: appeared or vanished while committing")
+    for rel, h in files.items():
+        st = os.stat(directory / rel)
+        if (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino) != h.fingerprint:
+            raise CheckpointRejected(f"checkpoint {job}: step {step}: {rel}: changed while committing")
+
+
+def _verify(version: str, directory: Path, manifest_sha256: str) -> None:
+    """Re-hash ``directory`` against its manifest, and the manifest against the catalog."""
+    try:
+        data = (directory / MANIFEST).read_bytes()
+    except FileNotFoundError:
+        raise CheckpointRejected(f"checkpoint {version}: {MANIFEST}: missing") from None
+    if hashlib.sha256(data).hexdigest() != manifest_sha256:
+        raise CheckpointRejected(f"checkpoint {version}: {MANIFEST}: sha256 mismatch")
+    expected = {f["path"]: f for f in json.loads(data)["files"]}
+    present = set(_list_files(directory, f"checkpoint {version}"))
+    for rel in sorted(expected):
+        if rel not in present:
+            raise CheckpointRejected(f"checkpoint {version}: {rel}: missing")
+    for rel in sorted(present - set(expected)):
+        raise CheckpointRejected(f"checkpoint {version}: {rel}: not in the manifest")
+    for rel in sorted(expected):
+        size = os.stat(directory / rel).st_size
+        if size != expected[rel]["bytes"]:
+            raise CheckpointRejected(
+                f"checkpoint {version}: {rel}: size {size} bytes, manifest says {expected[rel]['bytes']}"
+            )
+    names = sorted(expected)
+    with ThreadPoolExecutor(max_workers=min(_HASH_THREADS, max(1, len(names)))) as pool:
+        hashed = list(pool.map(lambda rel: _hash_one(directory / rel), names))
+    for rel, h in zip(names, hashed):
+        if h.sha256 != expected[rel]["sha256"]:
+            raise CheckpointRejected(f"checkpoint {version}: {rel}: sha256 mismatch")
+
+
+def _write_durable(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rename_into_place(staging: Path, final: Path) -> None:
+    """The commit point of a version's files (atomic within one filesystem)."""
+    os.rename(staging, final)

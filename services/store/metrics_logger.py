@@ -1,0 +1,193 @@
+"""L5-2 metrics logger: persists every raw metric event and exports it to Prometheus.
+
+Ranks push one ``StepCompleted`` per step and an ``EvalCompleted`` per evaluation; this
+module writes each one, unchanged, as one JSON line to ``<root>/metrics/<job_id>.jsonl``
+and sets the matching Prometheus series (labels ``job`` and ``rank``). It never polls
+anyone, never smooths or corrects a value, never judges convergence and never triggers
+anything: the acknowledgement (``MetricsAck``) is its only output.
+
+JSONL line: ``{"type": "step"|"eval", <the record's fields>}``, the record in the proto3
+JSON mapping with proto field names and every field present (zeros included). Doubles keep
+their exact value (NaN and infinities as the strings ``"NaN"``, ``"Infinity"``); 64-bit
+integers are numbers when a double holds them exactly, strings otherwise.
+``json_format.ParseDict`` of a line without ``type`` gives back the original message.
+
+Each acknowledged record has been written and flushed to the OS (a batch of one: a rank's
+stream lasts the whole run, so records cannot wait for the stream to end). Not fsynced:
+metrics are observations, not the training state.
+
+Prometheus (names per the Prometheus conventions: base units, ``_total`` for counters):
+``surge_train_loss``, ``surge_learning_rate``, ``surge_grad_norm``,
+``surge_tokens_per_second``, ``surge_step_seconds`` (last step),
+``surge_step_phase_seconds{phase}`` (data_wait, forward, backward, reduction, optimizer),
+``surge_loss_scale``, ``surge_train_step``, ``surge_train_epoch``, ``surge_eval_loss``,
+``surge_eval_seconds`` (gauges of the last record); ``surge_train_steps_total``,
+``surge_train_tokens_total`` (each rank reports the all-rank count, as sent),
+``surge_skipped_steps_total``, ``surge_eval_runs_total`` (counters).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from pathlib import Path
+from typing import IO, Any
+
+from google.protobuf import json_format
+from google.protobuf.message import Message
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from services.contract import engine_pb2, store_pb2
+
+PHASES = ("data_wait", "forward", "backward", "reduction", "optimizer")
+_JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # it names a file
+
+
+class _Series:
+    """The labelled children of one (job, rank), resolved once: the hot path then only sets
+    values (a ``labels()`` lookup takes a lock and hashes the label tuple every time)."""
+
+    def __init__(self, m: dict[str, Any], job: str, rank: str):
+        self.loss = m["loss"].labels(job, rank)
+        self.lr = m["lr"].labels(job, rank)
+        self.grad_norm = m["grad_norm"].labels(job, rank)
+        self.tps = m["tps"].labels(job, rank)
+        self.step_seconds = m["step_seconds"].labels(job, rank)
+        self.phases = [m["phase"].labels(job, rank, p) for p in PHASES]
+        self.loss_scale = m["loss_scale"].labels(job, rank)
+        self.step = m["step"].labels(job, rank)
+        self.epoch = m["epoch"].labels(job, rank)
+        self.steps = m["steps"].labels(job, rank)
+        self.tokens = m["tokens"].labels(job, rank)
+        self.skipped = m["skipped"].labels(job, rank)
+        self.eval_loss = m["eval_loss"].labels(job, rank)
+        self.eval_seconds = m["eval_seconds"].labels(job, rank)
+        self.evals = m["evals"].labels(job, rank)
+
+
+class MetricsLogger:
+    """Raw metric events -> ``<root>/metrics/<job_id>.jsonl`` and Prometheus.
+
+    Thread-safe (records from many rank streams arrive on the relay's thread pool).
+
+    Args:
+        root: the store root; this module owns ``root/metrics``.
+        registry: where the series register (the process's default registry in the
+            service; a private one by default so tests can build several loggers).
+    """
+
+    def __init__(self, root: Path, registry: CollectorRegistry | None = None):
+        self._dir = Path(root) / "metrics"
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._files: dict[str, IO[str]] = {}
+        self._series: dict[tuple[str, int], _Series] = {}
+        self._metrics = _define(registry if registry is not None else CollectorRegistry())
+
+    # ------------------------------------------------------------------ commands
+
+    def record_step(self, msg: engine_pb2.StepCompleted, payload: Any = None) -> store_pb2.MetricsAck:
+        """A rank's raw step metrics: persist the line, then set the Prometheus series.
+
+        Raises:
+            ValueError: ``job_id`` is not a safe file name.
+            OSError: the JSONL file could not be written (nothing was acknowledged).
+        """
+        self._persist("step", msg)
+        s = self._series_of(msg.job_id, msg.rank)
+        s.loss.set(msg.loss)
+        s.lr.set(msg.learning_rate)
+        s.grad_norm.set(msg.grad_norm)
+        s.tps.set(msg.tokens_per_second)
+        s.step_seconds.set(msg.step_seconds)
+        for child, seconds in zip(s.phases, (
+            msg.data_wait_seconds, msg.forward_seconds, msg.backward_seconds,
+            msg.reduction_seconds, msg.optimizer_seconds,
+        )):
+            child.set(seconds)
+        s.loss_scale.set(msg.loss_scale)
+        s.step.set(msg.step)
+        s.epoch.set(msg.epoch)
+        s.steps.inc()
+        s.tokens.inc(msg.tokens)
+        if msg.skipped:
+            s.skipped.inc()
+        return store_pb2.MetricsAck(records=1)
+
+    def record_eval(self, msg: engine_pb2.EvalCompleted, payload: Any = None) -> store_pb2.MetricsAck:
+        """A rank's raw evaluation result (loss in nats per token): persist, then export.
+
+        Raises:
+            ValueError: ``job_id`` is not a safe file name.
+            OSError: the JSONL file could not be written (nothing was acknowledged).
+        """
+        self._persist("eval", msg)
+        s = self._series_of(msg.job_id, msg.rank)
+        s.eval_loss.set(msg.loss)
+        s.eval_seconds.set(msg.seconds)
+        s.evals.inc()
+        return store_pb2.MetricsAck(records=1)
+
+    def close(self) -> None:
+        """Flush and close every JSONL file (at shutdown)."""
+        with self._lock:
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
+
+    # ------------------------------------------------------------------ internals
+
+    def _persist(self, kind: str, msg: Message) -> None:
+        fields = json_format.MessageToDict(
+            msg,
+            preserving_proto_field_name=True,
+            always_print_fields_with_no_presence=True,
+            unquote_int64_if_possible=True,
+        )
+        line = json.dumps({"type": kind, **fields}, separators=(",", ":")) + "\n"
+        job = msg.job_id
+        with self._lock:
+            f = self._files.get(job)
+            if f is None:
+                if not _JOB_ID.match(job):
+                    raise ValueError(f'metrics: job_id "{job}": must match {_JOB_ID.pattern}')
+                f = self._files[job] = open(self._dir / f"{job}.jsonl", "a", encoding="utf-8")
+            f.write(line)
+            f.flush()
+
+    def _series_of(self, job: str, rank: int) -> _Series:
+        s = self._series.get((job, rank))
+        if s is None:  # a benign race: two threads may build the same children; labels() is idempotent
+            s = self._series[(job, rank)] = _Series(self._metrics, job, str(rank))
+        return s
+
+
+def _define(reg: CollectorRegistry) -> dict[str, Any]:
+    jr = ["job", "rank"]
+
+    def gauge(name: str, doc: str, labels: list[str] = jr) -> Gauge:
+        return Gauge(name, doc, labels, registry=reg)
+
+    def counter(name: str, doc: str) -> Counter:
+        return Counter(name, doc, jr, registry=reg)
+
+    return {
+        "loss": gauge("surge_train_loss", "Training loss of the last step (nats per token)."),
+        "lr": gauge("surge_learning_rate", "Learning rate of the last step."),
+        "grad_norm": gauge("surge_grad_norm", "Global gradient L2 norm of the last step."),
+        "tps": gauge("surge_tokens_per_second", "Throughput of the last step, all ranks (tokens per second)."),
+        "step_seconds": gauge("surge_step_seconds", "Wall time of the last step (seconds)."),
+        "phase": gauge(
+            "surge_step_phase_seconds", "Wall time of one phase of the last step (seconds).", [*jr, "phase"]
+        ),
+        "loss_scale": gauge("surge_loss_scale", "Mixed-precision loss scale of the last step."),
+        "step": gauge("surge_train_step", "Step number of the last record."),
+        "epoch": gauge("surge_train_epoch", "Data epoch of the last record."),
+        "steps": counter("surge_train_steps", "Step records received."),
+        "tokens": counter("surge_train_tokens", "Non-padding tokens as reported per step (all ranks)."),
+        "skipped": counter("surge_skipped_steps", "Steps reported as skipped (overflow)."),
+        "eval_loss": gauge("surge_eval_loss", "Held-out loss of the last evaluation (nats per token)."),
+        "eval_seconds": gauge("surge_eval_seconds", "Wall time of the last evaluation (seconds)."),
+        "evals": counter("surge_eval_runs", "Evaluation records received."),
+    }

@@ -1,0 +1,117 @@
+"""The gRPC face of the store: a relay that puts each request on the bus.
+
+The relay is not a module and decides nothing. A request arrives from a module in another
+process; the relay sends it on the bus *as that module* (through the command port the
+composition root gave it for that sender and receiver), and the bus checks it against the
+route table both ways: the command from the sender to L5-1/L5-2, the reply event back.
+
+Who sent it: the caller names itself in the gRPC metadata key ``surge-sender`` (a
+``surge.v1.Module`` name, e.g. ``L1_RECOVERY_CONTROLLER``); without it, the usual caller
+of that RPC is assumed (``DEFAULT_SENDERS``). A sender the route does not allow is refused
+with PERMISSION_DENIED and counted in ``surge_boundary_violations_total``.
+
+Errors become one-line gRPC statuses: INVALID_ARGUMENT (bad job id, version form, empty
+record), NOT_FOUND (unknown version), FAILED_PRECONDITION (no open save, verification
+failed), PERMISSION_DENIED (route), INTERNAL (I/O failure, with the OS error).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+
+from services.contract import Module, store_pb2, store_pb2_grpc
+from services.contract.bus import BoundaryViolation, CommandPort
+from services.store.checkpoint_manager import CheckpointNotFound, CheckpointRejected
+
+SENDER_METADATA = "surge-sender"
+CKPT, METRICS = Module.L5_CHECKPOINT_MANAGER, Module.L5_METRICS_LOGGER
+
+# The module that usually calls each RPC (the rank's training loop relays its own commands).
+DEFAULT_SENDERS: dict[str, int] = {
+    "BeginSave": Module.L2_TRAINING_LOOP,
+    "CommitSave": Module.L2_TRAINING_LOOP,
+    "Load": Module.L2_TRAINING_LOOP,
+    "List": Module.EXT_USER,
+    "Record": Module.L2_TRAINING_LOOP,
+}
+
+
+class StoreRelay(store_pb2_grpc.StoreServiceServicer):
+    """Args:
+    ports: ``(sender, receiver) -> CommandPort`` for every remote sender the route table
+        lets command L5-1 or L5-2 (built by the composition root).
+    log: a structlog logger.
+    """
+
+    def __init__(self, ports: Mapping[tuple[int, int], CommandPort], log: Any):
+        self._ports = dict(ports)
+        self._log = log
+
+    def BeginSave(self, request: store_pb2.SaveCheckpoint, context: grpc.ServicerContext) -> Message:
+        return self._relay("BeginSave", CKPT, request, context)
+
+    def CommitSave(self, request: store_pb2.CommitCheckpoint, context: grpc.ServicerContext) -> Message:
+        reply = self._relay("CommitSave", CKPT, request, context)
+        self._log.info("checkpoint_committed", version=reply.version, step=reply.step,
+                       bytes=reply.bytes, files=reply.files, seconds=round(reply.seconds, 3))
+        return reply
+
+    def Load(self, request: store_pb2.LoadCheckpoint, context: grpc.ServicerContext) -> Message:
+        return self._relay("Load", CKPT, request, context)
+
+    def List(self, request: store_pb2.CheckpointQuery, context: grpc.ServicerContext) -> Message:
+        return self._relay("List", CKPT, request, context)
+
+    def Record(self, request_iterator: Iterator[store_pb2.MetricRecord], context: grpc.ServicerContext) -> Message:
+        sender = self._sender("Record", context)
+        records = 0
+        for i, rec in enumerate(request_iterator):
+            which = rec.WhichOneof("record")
+            if which is None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"metric record #{i}: empty (set step or eval)")
+            ack = self._send(sender, METRICS, getattr(rec, which), context)
+            records += ack.records
+        return store_pb2.MetricsAck(records=records)
+
+    # ------------------------------------------------------------------ internals
+
+    def _relay(self, rpc: str, receiver: int, request: Message, context: grpc.ServicerContext) -> Message:
+        return self._send(self._sender(rpc, context), receiver, request, context)
+
+    def _sender(self, rpc: str, context: grpc.ServicerContext) -> int:
+        for key, value in context.invocation_metadata() or ():
+            if key == SENDER_METADATA:
+                try:
+                    return Module.Value(value)
+                except ValueError:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{SENDER_METADATA}: unknown module {value!r}")
+        return DEFAULT_SENDERS[rpc]
+
+    def _send(self, sender: int, receiver: int, msg: Message, context: grpc.ServicerContext) -> Message:
+        name = msg.DESCRIPTOR.name
+        port = self._ports.get((sender, receiver))
+        if port is None:
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{Module.Name(sender)} may not command {Module.Name(receiver)} ({name})",
+            )
+        try:
+            reply = port(msg).message
+        except BoundaryViolation as e:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+        except CheckpointNotFound as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except CheckpointRejected as e:
+            self._log.warning("checkpoint_rejected", request=name, error=str(e))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except OSError as e:
+            self._log.error("store_io_failed", request=name, error=str(e))
+            context.abort(grpc.StatusCode.INTERNAL, f"store: {name}: {e}")
+        assert reply is not None, f"{name} handler returned no reply"
+        return reply

@@ -1,0 +1,317 @@
+"""L5-1: staging, atomic commit, the version chain, verification and retention."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from services.contract import store_pb2
+from services.store import checkpoint_manager as cm
+from services.store.checkpoint_manager import CheckpointManager, CheckpointNotFound, CheckpointRejected
+
+from .conftest import commit, load, save, stage, versions
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def begin(manager: CheckpointManager, job: str, step: int, rank: int) -> str:
+    return manager.begin_save(store_pb2.SaveCheckpoint(job_id=job, step=step, rank=rank)).staging_path
+
+
+# ---------------------------------------------------------------------- staging
+
+
+def test_begin_save_gives_every_rank_of_one_attempt_the_same_directory(manager):
+    paths = [begin(manager, "demo", 100, r) for r in range(4)]
+    assert len(set(paths)) == 1
+    assert Path(paths[0]).is_dir()
+    assert Path(paths[0]).parent == manager._dir / "demo" / ".staging"
+    assert Path(paths[0]).name.startswith("step-100-")
+
+
+def test_begin_save_from_a_rank_that_already_asked_starts_fresh_and_removes_the_stale_dir(manager):
+    stale = Path(begin(manager, "demo", 100, 0))
+    begin(manager, "demo", 100, 1)
+    (stale / "__0_0.distcp").write_bytes(b"half-written by a dead attempt")
+    fresh = Path(begin(manager, "demo", 100, 0))  # the ranks were restarted: a new attempt
+    assert fresh != stale
+    assert not stale.exists()
+    assert begin(manager, "demo", 100, 1) == str(fresh)  # rank 1 of the new attempt joins it
+    assert list(fresh.iterdir()) == []
+
+
+def test_begin_save_of_another_step_abandons_the_open_save(manager):
+    old = Path(begin(manager, "demo", 100, 0))
+    new = Path(begin(manager, "demo", 200, 0))
+    assert not old.exists() and new.is_dir()
+    with pytest.raises(CheckpointRejected, match="no open save of step 100 .the open save is step 200"):
+        commit(manager, "demo", 100)
+
+
+def test_begin_save_keeps_jobs_apart(manager):
+    a, b = begin(manager, "job-a", 5, 0), begin(manager, "job-b", 5, 0)
+    assert a != b and Path(a).is_dir() and Path(b).is_dir()
+
+
+def test_begin_save_rejects_a_job_id_that_is_not_a_safe_name(manager):
+    with pytest.raises(ValueError, match='job_id "../x"'):
+        begin(manager, "../x", 1, 0)
+
+
+# ---------------------------------------------------------------------- commit and chain
+
+
+def test_versions_are_numbered_per_job_and_each_names_its_parent(manager):
+    a1, b1, a2, a3 = save(manager, "a", 10), save(manager, "b", 10), save(manager, "a", 20), save(manager, "a", 30)
+    assert [(v.version, v.parent, v.step) for v in (a1, b1, a2, a3)] == [
+        ("a:1", "", 10), ("b:1", "", 10), ("a:2", "a:1", 20), ("a:3", "a:2", 30)
+    ]
+    assert a3.path == str(manager._dir / "a" / "3")
+    assert versions(manager) == ["a:1", "b:1", "a:2", "a:3"]  # oldest first
+    assert versions(manager, "a") == ["a:1", "a:2", "a:3"]
+
+
+def test_commit_writes_a_manifest_of_every_file_with_sha256_and_size(manager):
+    files = {"__0_0.distcp": b"x" * 1000, "__1_0.distcp": b"y" * 7, ".metadata": b"m", "sub/extra.bin": b"z"}
+    stage(manager, "demo", 42, files, ranks=(0, 1))
+    done = commit(manager, "demo", 42, spec_json='{"name": "demo"}')
+    assert (done.files, done.bytes) == (4, 1009)
+    data = (Path(done.path) / "manifest.json").read_bytes()
+    assert done.manifest_sha256 == hashlib.sha256(data).hexdigest()
+    manifest = json.loads(data)
+    assert {f["path"]: (f["bytes"], f["sha256"]) for f in manifest["files"]} == {
+        name: (len(b), hashlib.sha256(b).hexdigest()) for name, b in files.items()
+    }
+    assert (manifest["job_id"], manifest["step"], manifest["parent"], manifest["world_size"]) == ("demo", 42, "", 1)
+    assert manifest["spec_json"] == '{"name": "demo"}' and manifest["created_unix"] > 0
+    assert not list((manager._dir / "demo" / ".staging").iterdir())  # renamed, not copied
+
+
+def test_a_real_dcp_save_commits_and_loads_back_bit_identical(manager):
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "step": torch.tensor(7)}
+    path = begin(manager, "dcp", 7, 0)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(state, checkpoint_id=path)
+    done = commit(manager, "dcp", 7)
+    info = load(manager, done.version)
+    assert info.path == done.path and info.step == 7
+    names = {f["path"] for f in json.loads((Path(info.path) / "manifest.json").read_text())["files"]}
+    assert ".metadata" in names and any(n.endswith(".distcp") for n in names)
+    back = {"w": torch.zeros(3, 4), "step": torch.tensor(0)}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(back, checkpoint_id=info.path)
+    assert torch.equal(back["w"], state["w"]) and int(back["step"]) == 7
+
+
+def test_commit_without_an_open_save_is_refused(manager):
+    with pytest.raises(CheckpointRejected, match=r"checkpoint demo: no open save of step 5 \(BeginSave first\)"):
+        commit(manager, "demo", 5)
+
+
+def test_commit_of_an_empty_staging_dir_is_refused_and_chain_unchanged(manager):
+    save(manager, "demo", 1)
+    begin(manager, "demo", 2, 0)
+    with pytest.raises(CheckpointRejected, match="step 2: staging .* is empty"):
+        commit(manager, "demo", 2)
+    assert versions(manager) == ["demo:1"]
+
+
+def test_a_file_growing_after_hashing_fails_the_commit_and_leaves_the_chain_unchanged(manager, monkeypatch):
+    save(manager, "demo", 1)
+    staging = stage(manager, "demo", 2, {"__0_0.distcp": b"a" * 64})
+    real_hash = cm._hash_files
+
+    def hash_then_straggler_writes(directory, what):
+        hashed = real_hash(directory, what)
+        with open(directory / "__0_0.distcp", "ab") as f:  # a rank still writing its shard
+            f.write(b"late")
+        return hashed
+
+    monkeypatch.setattr(cm, "_hash_files", hash_then_straggler_writes)
+    with pytest.raises(CheckpointRejected, match="step 2: __0_0.distcp: changed while committing"):
+        commit(manager, "demo", 2)
+    assert versions(manager) == ["demo:1"]
+    assert load(manager, "demo:latest").version == "demo:1"
+    assert staging.is_dir() and not (manager._dir / "demo" / "2").exists()
+
+    monkeypatch.setattr(cm, "_hash_files", real_hash)  # the straggler is done: commit again
+    done = commit(manager, "demo", 2)
+    assert (done.version, done.parent, done.bytes) == ("demo:2", "demo:1", 68)
+
+
+def _run_and_crash(root: Path, crash_at: str) -> subprocess.CompletedProcess:
+    """In a child process: stage step 20 of job "demo" and commit it, dying (os._exit, no
+    cleanup) when the commit reaches ``crash_at``."""
+    script = textwrap.dedent(f"""
+        import os
+        from pathlib import Path
+        from services.contract import store_pb2
+        from services.store import checkpoint_manager as cm
+        m = cm.CheckpointManager(Path({str(root)!r}))
+        path = m.begin_save(store_pb2.SaveCheckpoint(job_id="demo", step=20, rank=0)).staging_path
+        Path(path, "__0_0.distcp").write_bytes(b"step 20 shard")
+        if {crash_at!r} == "rename":
+            cm._rename_into_place = lambda *a: os._exit(3)
+        else:
+            cm.CheckpointManager._write_catalog = lambda *a: os._exit(3)
+        m.commit_save(store_pb2.CommitCheckpoint(job_id="demo", step=20, world_size=1))
+    """)
+    return subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, timeout=60)
+
+
+def test_a_crash_before_rename_leaves_the_chain_unchanged_and_the_previous_version_loadable(tmp_path):
+    save(CheckpointManager(tmp_path), "demo", 10)
+    proc = _run_and_crash(tmp_path, "rename")
+    assert proc.returncode == 3, proc.stderr.decode()
+
+    restarted = CheckpointManager(tmp_path)
+    assert versions(restarted) == ["demo:1"]
+    assert load(restarted, "demo:latest").step == 10
+    (crashed,) = (tmp_path / "checkpoints" / "demo" / ".staging").iterdir()
+    assert (crashed / "manifest.json").exists()  # it died after the manifest, before the rename
+
+    fresh = Path(begin(restarted, "demo", 20, 0))  # the dead save does not block a new one
+    assert fresh != crashed and not crashed.exists()
+    (fresh / "__0_0.distcp").write_bytes(b"step 20 again")
+    done = commit(restarted, "demo", 20)
+    assert (done.version, done.parent) == ("demo:2", "demo:1")
+    assert load(restarted, "demo:2").bytes == len(b"step 20 again")
+
+
+def test_a_crash_between_rename_and_catalog_is_never_listed_and_its_number_is_reused(tmp_path):
+    save(CheckpointManager(tmp_path), "demo", 10)
+    proc = _run_and_crash(tmp_path, "catalog")
+    assert proc.returncode == 3, proc.stderr.decode()
+    assert (tmp_path / "checkpoints" / "demo" / "2" / "__0_0.distcp").exists()  # renamed, not cataloged
+
+    restarted = CheckpointManager(tmp_path)
+    assert versions(restarted) == ["demo:1"]
+    with pytest.raises(CheckpointNotFound):
+        load(restarted, "demo:2")
+    done = save(restarted, "demo", 30)
+    assert (done.version, done.step) == ("demo:2", 30)
+    assert not (Path(done.path) / "__0_0.distcp").read_bytes().startswith(b"step 20")
+
+
+def test_a_commit_after_a_store_restart_adopts_the_staging_dir_the_ranks_wrote(tmp_path):
+    first = CheckpointManager(tmp_path)
+    stage(first, "demo", 5, {"__0_0.distcp": b"written before the restart"})
+    restarted = CheckpointManager(tmp_path)  # the store process came back; nothing is open
+    done = commit(restarted, "demo", 5)
+    assert (done.version, done.bytes) == ("demo:1", len(b"written before the restart"))
+
+
+def test_the_catalog_survives_a_restart(tmp_path):
+    first = CheckpointManager(tmp_path)
+    save(first, "a", 1)
+    save(first, "b", 2)
+    save(first, "a", 3)
+    again = CheckpointManager(tmp_path)
+    assert versions(again) == ["a:1", "b:1", "a:2"]
+    assert (load(again, "a:2").parent, load(again, "latest").version) == ("a:1", "a:2")
+
+
+# ---------------------------------------------------------------------- load and verification
+
+
+def test_load_finds_one_changed_byte(manager):
+    done = save(manager, "demo-x", 3)
+    shard = Path(done.path) / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[17] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointRejected) as e:
+        load(manager, "demo-x:1")
+    assert str(e.value) == "checkpoint demo-x:1: __0_0.distcp: sha256 mismatch"
+
+
+def test_load_finds_missing_extra_and_truncated_files_and_an_edited_manifest(manager):
+    path = Path(save(manager, "d", 1).path)
+    (path / "stray.bin").write_bytes(b"?")
+    with pytest.raises(CheckpointRejected, match="^checkpoint d:1: stray.bin: not in the manifest$"):
+        load(manager, "d:1")
+    (path / "stray.bin").unlink()
+    (path / ".metadata").write_bytes(b"me")
+    with pytest.raises(CheckpointRejected, match=r"^checkpoint d:1: .metadata: size 2 bytes, manifest says 4$"):
+        load(manager, "d:1")
+    (path / ".metadata").unlink()
+    with pytest.raises(CheckpointRejected, match="^checkpoint d:1: .metadata: missing$"):
+        load(manager, "d:1")
+    (path / "manifest.json").write_text((path / "manifest.json").read_text().replace('"step": 1', '"step": 2'))
+    with pytest.raises(CheckpointRejected, match="^checkpoint d:1: manifest.json: sha256 mismatch$"):
+        load(manager, "d:1")
+
+
+def test_load_of_an_unknown_version_names_the_versions_that_exist(manager):
+    save(manager, "demo-x", 1)
+    save(manager, "demo-x", 2)
+    with pytest.raises(CheckpointNotFound) as e:
+        load(manager, "demo-x:9")
+    assert str(e.value) == "checkpoint demo-x:9 not found (have: demo-x:1, demo-x:2)"
+    with pytest.raises(CheckpointNotFound, match=r"^checkpoint other:latest not found \(have: none\)$"):
+        load(manager, "other:latest")
+    with pytest.raises(ValueError, match='checkpoint version "demo-x"'):
+        load(manager, "demo-x")
+
+
+def test_latest_is_the_newest_commit_of_any_job_and_job_latest_that_jobs_newest(manager):
+    with pytest.raises(CheckpointNotFound, match=r"^checkpoint latest not found \(have: none\)$"):
+        load(manager, "latest")
+    save(manager, "a", 10)
+    save(manager, "a", 20)
+    save(manager, "b", 5)
+    assert load(manager, "latest").version == "b:1"
+    info = load(manager, "a:latest")
+    assert (info.version, info.step, info.parent, info.spec_json) == ("a:2", 20, "a:1", "{}")
+
+
+# ---------------------------------------------------------------------- retention
+
+
+def test_retention_keeps_the_last_n_of_the_committing_job_only(manager):
+    save(manager, "other", 1)
+    for step in (10, 20, 30):
+        save(manager, "a", step)
+    done = save(manager, "a", 40, keep_last=2)
+    assert versions(manager) == ["other:1", "a:3", "a:4"]
+    assert done.parent == "a:3"
+    jobdir = manager._dir / "a"
+    assert sorted(p.name for p in jobdir.iterdir() if not p.name.startswith(".")) == ["3", "4"]
+    assert save(manager, "a", 50).version == "a:5"  # numbers are never reused
+    assert load(manager, "a:3").step == 30
+
+
+def test_keep_last_zero_keeps_every_version(manager):
+    for step in (1, 2, 3):
+        save(manager, "a", step, keep_last=0)
+    assert versions(manager) == ["a:1", "a:2", "a:3"]
+
+
+def test_ranks_loading_one_version_at_once_all_get_the_same_verdict(manager):
+    good, bad = save(manager, "a", 1), save(manager, "b", 1)
+    (Path(bad.path) / "__0_0.distcp").write_bytes(b"b@1" * 100 + b"!")
+    results: dict[str, list] = {"a:1": [], "b:1": []}
+
+    def rank_loads(version):
+        try:
+            results[version].append(load(manager, version).manifest_sha256)
+        except CheckpointRejected as e:
+            results[version].append(str(e))
+
+    threads = [threading.Thread(target=rank_loads, args=(v,)) for v in ("a:1", "b:1") for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert results["a:1"] == [good.manifest_sha256] * 8
+    assert results["b:1"] == ["checkpoint b:1: __0_0.distcp: size 301 bytes, manifest says 300"] * 8

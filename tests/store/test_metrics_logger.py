@@ -1,0 +1,99 @@
+"""L5-2: raw records persisted unchanged as JSONL, and exported to Prometheus."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from google.protobuf import json_format
+from prometheus_client import CollectorRegistry
+
+from services.contract import engine_pb2
+from services.store.metrics_logger import MetricsLogger
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def logger(tmp_path, registry):
+    m = MetricsLogger(tmp_path, registry=registry)
+    yield m
+    m.close()
+
+
+def step(**kw) -> engine_pb2.StepCompleted:
+    base = dict(job_id="demo", rank=0, step=1, loss=3.0, learning_rate=1e-3, tokens=4096)
+    return engine_pb2.StepCompleted(**{**base, **kw})
+
+
+def lines(tmp_path, job="demo") -> list[dict]:
+    return [json.loads(x) for x in (tmp_path / "metrics" / f"{job}.jsonl").read_text().splitlines()]
+
+
+def test_jsonl_keeps_every_raw_value_unchanged(tmp_path, logger):
+    sent = [
+        step(step=2**62 + 1, loss=2.718281828459045, learning_rate=3.0000000000000004e-07, grad_norm=1e-300,
+             tokens=123457, tokens_per_second=98765.4321, step_seconds=0.1 + 0.2, loss_scale=65536.0,
+             skipped=True, epoch=3, unix_time=1767225600.123456, world_size=8, data_wait_seconds=0.001),
+        step(step=3, loss=float("nan"), grad_norm=float("inf")),
+    ]
+    evals = engine_pb2.EvalCompleted(job_id="demo", rank=1, step=3, loss=2.5, tokens=1000, seconds=1.25)
+    for msg in sent:
+        assert logger.record_step(msg).records == 1
+    assert logger.record_eval(evals).records == 1
+
+    got = lines(tmp_path)
+    assert [g.pop("type") for g in got] == ["step", "step", "eval"]
+    assert got[0]["loss"] == 2.718281828459045 and got[0]["step_seconds"] == 0.30000000000000004
+    assert got[1]["loss"] == "NaN" and got[1]["grad_norm"] == "Infinity"
+    assert got[1]["forward_seconds"] == 0.0  # zeros are written, not dropped
+    back = [json_format.ParseDict(g, engine_pb2.StepCompleted()) for g in got[:2]]
+    assert back[0] == sent[0]
+    assert back[1].step == 3 and math.isnan(back[1].loss) and back[1].grad_norm == math.inf
+    assert json_format.ParseDict(got[2], engine_pb2.EvalCompleted()) == evals
+
+
+def test_records_append_to_one_file_per_job_across_restarts(tmp_path, registry):
+    first = MetricsLogger(tmp_path, registry=registry)
+    first.record_step(step(step=1))
+    first.record_step(step(job_id="other", step=1))
+    first.close()
+    second = MetricsLogger(tmp_path, registry=CollectorRegistry())
+    second.record_step(step(step=2))
+    second.close()
+    assert [g["step"] for g in lines(tmp_path)] == [1, 2]
+    assert [g["job_id"] for g in lines(tmp_path, "other")] == ["other"]
+
+
+def test_prometheus_series_follow_the_last_record_per_job_and_rank(logger, registry):
+    logger.record_step(step(rank=0, step=1, loss=3.5, tokens=100, skipped=True, loss_scale=1024.0))
+    logger.record_step(step(rank=0, step=2, loss=3.25, tokens=100, forward_seconds=0.02, backward_seconds=0.04,
+                            step_seconds=0.1, tokens_per_second=1000.0, grad_norm=0.5, epoch=1))
+    logger.record_step(step(rank=1, step=2, loss=3.0))
+    logger.record_eval(engine_pb2.EvalCompleted(job_id="demo", rank=0, step=2, loss=2.9, seconds=4.0))
+
+    def value(name, rank="0", **labels):
+        return registry.get_sample_value(name, {"job": "demo", "rank": rank, **labels})
+
+    assert value("surge_train_loss") == 3.25 and value("surge_train_loss", "1") == 3.0
+    assert value("surge_train_steps_total") == 2 and value("surge_train_steps_total", "1") == 1
+    assert value("surge_train_tokens_total") == 200
+    assert value("surge_skipped_steps_total") == 1
+    assert value("surge_step_phase_seconds", phase="forward") == 0.02
+    assert value("surge_step_phase_seconds", phase="backward") == 0.04
+    assert value("surge_step_phase_seconds", phase="data_wait") == 0.0
+    assert (value("surge_step_seconds"), value("surge_tokens_per_second")) == (0.1, 1000.0)
+    assert (value("surge_grad_norm"), value("surge_learning_rate"), value("surge_loss_scale")) == (0.5, 1e-3, 0.0)
+    assert (value("surge_train_step"), value("surge_train_epoch")) == (2, 1)
+    assert (value("surge_eval_loss"), value("surge_eval_seconds"), value("surge_eval_runs_total")) == (2.9, 4.0, 1)
+
+
+def test_a_job_id_that_is_not_a_file_name_is_refused_before_anything_is_written(tmp_path, logger, registry):
+    with pytest.raises(ValueError, match='job_id "../evil"'):
+        logger.record_step(step(job_id="../evil"))
+    assert list((tmp_path / "metrics").iterdir()) == []
+    assert registry.get_sample_value("surge_train_loss", {"job": "../evil", "rank": "0"}) is None

@@ -1,0 +1,165 @@
+"""The real `python -m services.store` process, over gRPC and HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.contract import engine_pb2, store_pb2, store_pb2_grpc
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports the kernel just handed out (all held open at once, so distinct)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def spawn(root: Path, port: int, metrics_port: int, log=subprocess.PIPE) -> subprocess.Popen:
+    env = {**os.environ, "SURGE_HOME": str(root / "home"), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.store", "--host", "127.0.0.1", "--port", str(port),
+         "--metrics-port", str(metrics_port), "--root", str(root / "store")],
+        cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+    )
+
+
+@dataclass
+class Store:
+    proc: subprocess.Popen
+    port: int
+    metrics_port: int
+    root: Path
+
+
+@pytest.fixture
+def store(tmp_path):
+    for _ in range(3):  # a port taken between picking and binding: pick again
+        port, metrics_port = free_ports(2)
+        log = tmp_path / "store.log"
+        with open(log, "wb") as out:  # a file, not a pipe: a long log never blocks the service
+            proc = spawn(tmp_path, port, metrics_port, out)
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                ready = grpc.channel_ready_future(ch)
+                while True:
+                    try:
+                        ready.result(timeout=0.5)
+                        break
+                    except grpc.FutureTimeoutError:
+                        if proc.poll() is not None:
+                            break
+            if proc.poll() is None:
+                break
+            err = log.read_text()
+            assert "in use" in err, err
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+    else:
+        pytest.fail("store did not start on free ports in 3 tries")
+    try:
+        yield Store(proc, port, metrics_port, tmp_path / "store")
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def test_save_commit_list_load_and_metrics_through_the_real_service(store):
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    with grpc.insecure_channel(f"127.0.0.1:{store.port}") as ch:
+        stub = store_pb2_grpc.StoreServiceStub(ch)
+        staged = [stub.BeginSave(store_pb2.SaveCheckpoint(job_id="it", step=8, rank=r), timeout=10) for r in (0, 1)]
+        assert staged[0].staging_path == staged[1].staging_path
+        state = {"w": torch.linspace(0, 1, 10)}
+        with pytest.warns(UserWarning):
+            dcp.save(state, checkpoint_id=staged[0].staging_path)
+        done = stub.CommitSave(store_pb2.CommitCheckpoint(job_id="it", step=8, world_size=2, spec_json='{"a": 1}'),
+                               timeout=10)
+        assert (done.version, done.parent, done.step) == ("it:1", "", 8)
+        assert Path(done.path) == store.root / "checkpoints" / "it" / "1"
+
+        listed = stub.List(store_pb2.CheckpointQuery(job_id="it"), timeout=10).checkpoints
+        assert [(c.version, c.manifest_sha256) for c in listed] == [("it:1", done.manifest_sha256)]
+        info = stub.Load(store_pb2.LoadCheckpoint(version="latest"), timeout=10).info
+        assert (info.version, info.path, info.spec_json) == ("it:1", done.path, '{"a": 1}')
+        back = {"w": torch.zeros(10)}
+        with pytest.warns(UserWarning):
+            dcp.load(back, checkpoint_id=info.path)
+        assert torch.equal(back["w"], state["w"])
+
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Load(store_pb2.LoadCheckpoint(version="it:9"), timeout=10)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        assert e.value.details() == "checkpoint it:9 not found (have: it:1)"
+        with pytest.raises(grpc.RpcError) as e:
+            stub.CommitSave(store_pb2.CommitCheckpoint(job_id="it", step=99), timeout=10)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.RpcError) as e:  # the route lets only the training loop commit
+            stub.CommitSave(store_pb2.CommitCheckpoint(job_id="it", step=8), timeout=10,
+                            metadata=[("surge-sender", "EXT_USER")])
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+        records = [
+            store_pb2.MetricRecord(step=engine_pb2.StepCompleted(job_id="it", rank=0, step=1, loss=4.5, tokens=64)),
+            store_pb2.MetricRecord(step=engine_pb2.StepCompleted(job_id="it", rank=0, step=2, loss=4.25, tokens=64)),
+        ]
+        assert stub.Record(iter(records), timeout=10).records == 2
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{store.metrics_port}/metrics", timeout=10).read().decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(body) for s in fam.samples
+    }
+    labels = (("job", "it"), ("rank", "0"))
+    assert samples[("surge_train_loss", labels)] == 4.25
+    assert samples[("surge_train_steps_total", labels)] == 2
+    assert samples[("surge_train_tokens_total", labels)] == 128
+    assert samples[("surge_checkpoint_commits_total", (("job", "it"),))] == 1
+    jsonl = (store.root / "metrics" / "it.jsonl").read_text().splitlines()
+    assert [json.loads(x)["loss"] for x in jsonl] == [4.5, 4.25]
+
+
+def test_sigterm_stops_the_service_cleanly(store):
+    store.proc.send_signal(signal.SIGTERM)
+    assert store.proc.wait(timeout=15) == 0
+
+
+def test_a_port_in_use_is_a_one_line_error_and_a_nonzero_exit(store, tmp_path):
+    (other,) = free_ports(1)
+    for port, metrics_port, says in (
+        (store.port, other, f"cannot listen on 127.0.0.1:{store.port}"),
+        (other, store.metrics_port, f"cannot serve /metrics on 127.0.0.1:{store.metrics_port}"),
+    ):
+        second = spawn(tmp_path / "second", port, metrics_port)
+        out, err = second.communicate(timeout=60)
+        assert second.returncode == 1
+        lines = err.decode().strip().splitlines()
+        assert len(lines) == 1 and says in lines[0], err.decode()
