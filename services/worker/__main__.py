@@ -1,0 +1,143 @@
+"""Composition root of the node agent: ``python -m services.worker``.
+
+    python -m services.worker --port P --control HOST:PORT [--host 127.0.0.1]
+        [--advertise HOST] [--worker-id ID] [--slots N] [--run-dir DIR]
+
+Environment defaults: SURGE_WORKER_PORT, SURGE_CONTROL_ADDRESS, SURGE_WORKER_ID
+(default ``<hostname>-<port>``), SURGE_WORKER_SLOTS (default: number of CUDA devices,
+else 1), SURGE_RANK_MODULE (module the rank processes run, default
+``services.worker.rank``). Port 0 takes a free port (the bound one is registered).
+
+Serves ``surge.v1.WorkerService`` (RankSession) plus health and reflection. SIGTERM or
+SIGINT: kill the rank process groups, close the session, stop the server, exit 0. A port
+in use: one line on stderr, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+
+from services.common import logs, paths
+from services.common.grpc_server import PortInUse, ServiceServer
+from services.contract import worker_pb2_grpc
+from services.worker.node_agent import (
+    DEFAULT_RANK_MODULE,
+    RANK_MODULE_ENV,
+    SHUTDOWN_GRACE_SECONDS,
+    ControlSession,
+    NodeAgent,
+    Outbox,
+    RankSessionServicer,
+    detect_cuda_devices,
+    hardware_report,
+)
+
+SERVICE_NAME = "surge.v1.WorkerService"
+WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    env = os.environ
+    p = argparse.ArgumentParser(prog="python -m services.worker", description="Surge node agent")
+    p.add_argument("--port", type=int, default=env.get("SURGE_WORKER_PORT"), help="gRPC port (env SURGE_WORKER_PORT; 0 = any free port)")
+    p.add_argument("--control", default=env.get("SURGE_CONTROL_ADDRESS"), help="control host:port (env SURGE_CONTROL_ADDRESS)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--advertise", default=None, help="host other nodes reach this agent at (default: --host, or the host name when listening on all addresses)")
+    p.add_argument("--worker-id", default=env.get("SURGE_WORKER_ID"), help="stable id (env SURGE_WORKER_ID; default <hostname>-<port>)")
+    p.add_argument("--slots", type=int, default=env.get("SURGE_WORKER_SLOTS"), help="rank processes this node may run (env SURGE_WORKER_SLOTS; default: CUDA devices, else 1)")
+    p.add_argument("--run-dir", type=Path, default=None, help="rank logs go to <run-dir>/logs (default $SURGE_HOME/run)")
+    args = p.parse_args(argv)
+    if args.port is None:
+        p.error("--port (or SURGE_WORKER_PORT) is required")
+    if not args.control:
+        p.error("--control (or SURGE_CONTROL_ADDRESS) is required")
+    if args.slots is not None and args.slots < 1:
+        p.error(f"--slots: must be >= 1, got {args.slots}")
+    return args
+
+
+def local_host(listen_host: str) -> str:
+    """Where a rank on this node reaches the agent (loopback when listening everywhere)."""
+    return "127.0.0.1" if listen_host in WILDCARD_HOSTS else listen_host
+
+
+def port_taken(host: str, port: int) -> bool:
+    """True when another socket listens on ``host:port``. Checked before gRPC binds, so
+    the user sees one line instead of gRPC core's log line plus ours."""
+    if port == 0:
+        return False
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return False  # let gRPC report the bad host
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is not "taken"
+        try:
+            probe.bind(addr)
+        except OSError:
+            return True
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if port_taken(args.host, args.port):
+        print(f"worker: cannot listen on {args.host}:{args.port} (port already in use)", file=sys.stderr)
+        return 2
+    try:
+        server = ServiceServer("worker", args.host, args.port, max_workers=64)  # one thread per rank session
+    except PortInUse as e:
+        print(e, file=sys.stderr)
+        return 2
+    port = server.port
+    worker_id = args.worker_id or f"{socket.gethostname()}-{port}"
+    log = logs.configure("worker", worker_id=worker_id)
+    advertise = args.advertise or (socket.gethostname() if args.host in WILDCARD_HOSTS else args.host)
+    cuda = detect_cuda_devices()
+    registration = hardware_report(worker_id, f"{advertise}:{port}", args.slots or len(cuda) or 1, cuda)
+
+    outbox = Outbox()
+    agent = NodeAgent(
+        worker_id,
+        session_address=f"{local_host(args.host)}:{port}",
+        run_dir=args.run_dir or paths.run_dir(),
+        emit=outbox.put,
+        log=log,
+        rank_module=os.environ.get(RANK_MODULE_ENV) or DEFAULT_RANK_MODULE,
+        cwd=Path.cwd(),
+    )
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(RankSessionServicer(agent, log), server.server)
+    session = ControlSession(args.control, registration, outbox, agent.execute, log)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    server.start([SERVICE_NAME])
+    session.start()
+    log.info(
+        "worker serving",
+        port=port,
+        control=args.control,
+        address=registration.address,
+        slots=registration.slots,
+        devices=[f"{d.kind}:{d.index} {d.name}" for d in registration.devices],
+    )
+    stop.wait()
+
+    log.info("worker stopping")
+    agent.shutdown(SHUTDOWN_GRACE_SECONDS)  # first: no rank may outlive the agent
+    session.close(drain_seconds=1.0)  # lets the ranks' RankExited go up if control is there
+    server.stop(grace=0.5)
+    log.info("worker stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""A stand-in rank process for the node agent's tests; speaks the real RankSession protocol.
+
+Run by the agent as ``python -m tests.worker.fake_rank --session H:P --job J --rank R``
+(the tests set SURGE_RANK_MODULE). What it does is chosen by the pushed InitJob's
+``spec_json``: ``{"fake": MODE}`` or ``{"fake": [MODE_OF_RANK_0, MODE_OF_RANK_1, ...]}``.
+
+* ``train``: hello -> receives init, assignment -> TrainingLoopStarted -> waits for
+  StartTraining -> StepCompleted(step 1), TrainingLoopFinished -> closes its stream, exit 0.
+* ``sleep``: hello -> init, assignment -> TrainingLoopStarted -> sleeps (SIGTERM kills it).
+* ``stubborn``: like ``sleep`` but ignores SIGTERM.
+* ``family``: like ``sleep`` after starting a ``sleep`` grandchild (its pid is printed).
+
+It prints what it received to stdout (its log file) and exits 3 when the first two
+commands are not init then assignment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+
+from services.contract import engine_pb2, worker_pb2, worker_pb2_grpc
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--session", required=True)
+    p.add_argument("--job", required=True)
+    p.add_argument("--rank", type=int, required=True)
+    args = p.parse_args()
+    job, rank = args.job, args.rank
+
+    outgoing: queue.Queue = queue.Queue()
+
+    def send(**event) -> None:
+        outgoing.put(worker_pb2.RankEvent(job_id=job, rank=rank, **event))
+
+    def requests():
+        while (event := outgoing.get()) is not None:
+            yield event
+
+    send(hello=worker_pb2.RankHello(job_id=job, rank=rank, pid=os.getpid()))
+    channel = grpc.insecure_channel(args.session)
+    commands = iter(worker_pb2_grpc.WorkerServiceStub(channel).RankSession(requests()))
+    first, second = next(commands), next(commands)
+    if first.WhichOneof("command") != "init" or second.WhichOneof("command") != "assignment":
+        print(f"protocol violation: got {first.WhichOneof('command')}, {second.WhichOneof('command')}", flush=True)
+        return 3
+    init, assignment = first.init, second.assignment
+    fake = json.loads(init.spec_json or "{}").get("fake", "train")
+    mode = fake if isinstance(fake, str) else fake[rank]
+    env = {k: os.environ.get(k, "-") for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES")}
+    print(f"init job={init.job_id} data={init.data_address} mode={mode}", flush=True)
+    print(
+        f"assignment rank={assignment.rank} world={assignment.world_size} device={assignment.device} "
+        + " ".join(f"{k}={v}" for k, v in env.items()),
+        flush=True,
+    )
+
+    if mode == "stubborn":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if mode == "family":
+        child = subprocess.Popen(["sleep", "300"])
+        print(f"grandchild {child.pid}", flush=True)
+    send(started=engine_pb2.TrainingLoopStarted(job_id=job, rank=rank, start_step=0, num_parameters=42))
+    if mode != "train":
+        time.sleep(300)
+        return 0
+
+    for cmd in commands:
+        if cmd.WhichOneof("command") == "start":
+            print(f"start job={cmd.start.job_id}", flush=True)
+            break
+    send(step=engine_pb2.StepCompleted(job_id=job, rank=rank, step=1, loss=5.5, tokens=64, world_size=assignment.world_size))
+    send(finished=engine_pb2.TrainingLoopFinished(job_id=job, rank=rank, step=1))
+    outgoing.put(None)  # half-close: the agent then ends our command stream
+    for _ in commands:
+        pass
+    channel.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

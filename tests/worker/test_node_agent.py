@@ -1,0 +1,479 @@
+"""The node agent as a real process, against a real ControlService on loopback.
+
+Each test starts ``python -m services.worker`` with ``SURGE_RANK_MODULE`` pointing at
+``tests/worker/fake_rank.py`` (a rank that speaks the real RankSession protocol) and a
+small ControlService written here that records what the agent sends and pushes commands.
+Every process started is killed by PID at the end (agent, ranks, grandchildren).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.grpc_server import ServiceServer
+from services.contract import control_pb2, control_pb2_grpc, engine_pb2, worker_pb2, worker_pb2_grpc
+
+pytestmark = pytest.mark.timeout(90)
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE_RANK = "tests.worker.fake_rank"
+WORKER_ID = "w-test"
+START_TIMEOUT = 20.0  # seconds for an agent or a rank to start on a loaded 2-core machine
+
+
+# ---------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def gone_within(pids: list[int], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def kill_ours(pid: int, marker: str) -> None:
+    """SIGKILL ``pid`` only if it still runs our command (never a recycled PID)."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return
+    if marker in cmd:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class Agent:
+    """One ``python -m services.worker`` process with its log under ``tmp``."""
+
+    def __init__(self, tmp: Path, control_port: int, *extra: str, worker_id: str | None = WORKER_ID, port: int | None = None, env: dict | None = None):
+        self.port = port if port is not None else free_port()
+        self.run_dir = tmp / "run"
+        self.log = tmp / f"agent-{self.port}.log"
+        extra_env = env or {}
+        env = {**os.environ, "SURGE_RANK_MODULE": FAKE_RANK, "SURGE_HOME": str(tmp / "home"), "PYTHONUNBUFFERED": "1"}
+        for var in ("SURGE_WORKER_ID", "SURGE_WORKER_SLOTS", "SURGE_WORKER_PORT", "SURGE_CONTROL_ADDRESS", "CUDA_VISIBLE_DEVICES"):
+            env.pop(var, None)
+        env.update(extra_env)
+        argv = [sys.executable, "-m", "services.worker", "--port", str(self.port), "--control", f"127.0.0.1:{control_port}", "--run-dir", str(self.run_dir)]
+        if worker_id:
+            argv += ["--worker-id", worker_id]
+        argv += extra
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def rank_log(self, job: str, rank: int) -> str:
+        path = self.run_dir / "logs" / f"{job}.rank{rank}.log"
+        return path.read_text() if path.exists() else ""
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+class FakeControl(control_pb2_grpc.ControlServiceServicer):
+    """WorkerSession only: acknowledges like control (``surge-registered`` header), records
+    registrations and events, pushes commands to the newest session."""
+
+    def __init__(self):
+        self.registrations: queue.Queue = queue.Queue()
+        self.events: queue.Queue = queue.Queue()
+        self._sessions: list[queue.Queue] = []
+        self._lock = threading.Lock()
+
+    def WorkerSession(self, request_iterator, context):  # noqa: N802
+        commands: queue.Queue = queue.Queue()
+        with self._lock:
+            self._sessions.append(commands)
+        context.send_initial_metadata((("surge-registered", "ack"),))  # as control acknowledges
+
+        def read() -> None:
+            try:
+                for event in request_iterator:
+                    if event.WhichOneof("event") == "register":
+                        self.registrations.put(event.register)
+                    else:
+                        self.events.put(event)
+            except grpc.RpcError:
+                pass
+            finally:
+                commands.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        while (cmd := commands.get()) is not None:
+            yield cmd
+
+    def push(self, **command) -> None:
+        with self._lock:
+            self._sessions[-1].put(control_pb2.WorkerCommand(**command))
+
+    def registration(self, timeout: float = START_TIMEOUT) -> control_pb2.WorkerRegistration:
+        return self.registrations.get(timeout=timeout)
+
+    def next_event(self, timeout: float = START_TIMEOUT) -> control_pb2.WorkerEvent:
+        return self.events.get(timeout=timeout)
+
+    def rank_event(self, kind: str, timeout: float = START_TIMEOUT) -> worker_pb2.RankEvent:
+        event = self.next_event(timeout)
+        assert event.WhichOneof("event") == "rank_event", event
+        assert event.rank_event.WhichOneof("event") == kind, event
+        return event.rank_event
+
+    def rank_exited(self, timeout: float = START_TIMEOUT) -> control_pb2.RankExited:
+        event = self.next_event(timeout)
+        assert event.WhichOneof("event") == "rank_exited", event
+        return event.rank_exited
+
+
+class ControlServer:
+    def __init__(self, port: int = 0):
+        self.servicer = FakeControl()
+        self._server = ServiceServer("control-test", "127.0.0.1", port)
+        control_pb2_grpc.add_ControlServiceServicer_to_server(self.servicer, self._server.server)
+        self._server.start(["surge.v1.ControlService"])
+        self.port = self._server.port
+
+    def stop(self) -> None:
+        self._server.server.stop(0).wait()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Starts control servers and agents on demand; kills every process by PID after."""
+    servers: list[ControlServer] = []
+    agents: list[Agent] = []
+    pids: list[int] = []  # ranks and grandchildren the tests learnt about
+
+    class Cluster:
+        def control(self, port: int = 0) -> ControlServer:
+            servers.append(ControlServer(port))
+            return servers[-1]
+
+        def agent(self, control_port: int, *extra: str, **kw) -> Agent:
+            agents.append(Agent(tmp_path, control_port, *extra, **kw))
+            return agents[-1]
+
+        def track(self, *more: int) -> None:
+            pids.extend(more)
+
+    try:
+        yield Cluster()
+    finally:
+        for a in agents:
+            if a.proc.poll() is None:
+                os.killpg(a.proc.pid, signal.SIGKILL)
+            a.proc.wait(timeout=10)
+        for pid in pids:
+            kill_ours(pid, FAKE_RANK)
+            kill_ours(pid, "sleep 300")
+        for s in servers:
+            s.stop()
+
+
+def assignment(rank: int, world_size: int = 1, threads: int = 1, device: str = "cpu") -> engine_pb2.RankAssignment:
+    return engine_pb2.RankAssignment(
+        rank=rank, world_size=world_size, local_rank=rank, master_addr="127.0.0.1", master_port=29500,
+        backend="gloo", device=device, num_threads=threads, worker_id=WORKER_ID,
+    )
+
+
+def launch(control: FakeControl, job: str, modes, world_size: int = 1, threads: int = 1, device: str = "cpu") -> None:
+    control.push(
+        launch=control_pb2.LaunchRanks(
+            job_id=job,
+            ranks=[assignment(r, world_size, threads, device) for r in range(world_size)],
+            init=engine_pb2.InitJob(job_id=job, spec_json=json.dumps({"fake": modes}), data_address="127.0.0.1:1"),
+        )
+    )
+
+
+def started_ranks(cluster, control: FakeControl, count: int) -> dict[int, int]:
+    """Consume hello + started of ``count`` ranks; returns rank -> pid."""
+    pids, started = {}, set()
+    while len(started) < count:
+        event = control.next_event().rank_event
+        kind = event.WhichOneof("event")
+        if kind == "hello":
+            pids[event.rank] = event.hello.pid
+            cluster.track(event.hello.pid)
+        else:
+            assert kind == "started" and event.rank in pids, event
+            started.add(event.rank)
+    return pids
+
+
+def wait_for_line(agent: Agent, text: str, timeout: float = START_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in agent.output():
+        assert time.monotonic() < deadline and agent.proc.poll() is None, agent.output()
+        time.sleep(0.05)
+
+
+def fake_nvidia_smi(tmp: Path) -> Path:
+    """A directory holding an ``nvidia-smi`` that prints two H200s the way the real one
+    answers the agent's query (index, name, MiB)."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    exe = bin_dir / "nvidia-smi"
+    exe.write_text("#!/bin/sh\nprintf '0, NVIDIA H200, 143771\\n1, NVIDIA H200, 143771\\n'\n")
+    exe.chmod(0o755)
+    return bin_dir
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_registration_reports_the_nodes_hardware_address_and_slots(cluster):
+    control = cluster.control()
+    agent = cluster.agent(control.port, "--slots", "3")
+    reg = control.servicer.registration()
+
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    mem_bytes = int(meminfo["MemTotal"].split()[0]) * 1024
+    assert reg.worker_id == WORKER_ID
+    assert reg.host == socket.gethostname()
+    assert reg.address == f"127.0.0.1:{agent.port}"
+    assert reg.memory_bytes == mem_bytes
+    assert reg.cpu_count == len(os.sched_getaffinity(0))
+    assert reg.slots == 3
+    assert [(d.kind, d.index, d.memory_bytes) for d in reg.devices] == [("cpu", 0, mem_bytes)]  # this machine has no GPU
+    with grpc.insecure_channel(f"127.0.0.1:{agent.port}") as ch:
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="surge.v1.WorkerService"), timeout=5)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_worker_id_defaults_to_host_and_port_and_slots_to_one_without_gpu(cluster):
+    control = cluster.control()
+    agent = cluster.agent(control.port, worker_id=None)
+    reg = control.servicer.registration()
+    assert reg.worker_id == f"{socket.gethostname()}-{agent.port}"
+    assert reg.slots == 1
+
+
+def test_launched_ranks_get_init_then_assignment_and_their_events_go_up_in_order(cluster):
+    control = cluster.control()
+    agent = cluster.agent(control.port)
+    control.servicer.registration()
+    launch(control.servicer, "j1", "train", world_size=2, threads=2)
+    pids = started_ranks(cluster, control.servicer, 2)
+
+    control.servicer.push(rank_command=worker_pb2.RankCommand(start=engine_pb2.StartTraining(job_id="j1")))
+    seen: dict[int, list[str]] = {0: [], 1: []}
+    exits: dict[int, control_pb2.RankExited] = {}
+    while len(exits) < 2:
+        event = control.servicer.next_event()
+        if event.WhichOneof("event") == "rank_exited":
+            exits[event.rank_exited.rank] = event.rank_exited
+        else:
+            rank_event = event.rank_event
+            assert rank_event.job_id == "j1"
+            assert rank_event.rank not in exits, "an event went up after its rank's exit"
+            seen[rank_event.rank].append(rank_event.WhichOneof("event"))
+            if rank_event.WhichOneof("event") == "step":
+                assert (rank_event.step.step, rank_event.step.loss) == (1, 5.5)
+
+    assert seen == {0: ["step", "finished"], 1: ["step", "finished"]}
+    for rank in (0, 1):
+        assert (exits[rank].job_id, exits[rank].exit_code, exits[rank].worker_id) == ("j1", 0, WORKER_ID)
+        log = agent.rank_log("j1", rank)
+        assert "init job=j1 data=127.0.0.1:1 mode=train" in log
+        assert f"assignment rank={rank} world=2 device=cpu OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 CUDA_VISIBLE_DEVICES=-" in log
+        assert "start job=j1" in log
+        assert not alive(pids[rank])
+
+
+def test_a_rank_killed_by_sigkill_is_reported_with_exit_code_minus_9_within_one_second(cluster):
+    control = cluster.control()
+    cluster.agent(control.port)
+    control.servicer.registration()
+    launch(control.servicer, "k", "sleep")
+    pid = started_ranks(cluster, control.servicer, 1)[0]
+
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    exited = control.servicer.rank_exited(timeout=5)
+    elapsed = time.monotonic() - t0
+    assert (exited.job_id, exited.rank, exited.exit_code, exited.worker_id) == ("k", 0, -9, WORKER_ID)
+    assert elapsed < 1.0, f"RankExited took {elapsed:.3f} s"
+    assert "killed by SIGKILL" in exited.detail
+
+
+def test_release_terminates_sleeping_ranks_and_kills_one_that_ignores_sigterm_after_grace(cluster):
+    control = cluster.control()
+    cluster.agent(control.port)
+    control.servicer.registration()
+    launch(control.servicer, "rel", ["sleep", "stubborn"], world_size=2)
+    pids = started_ranks(cluster, control.servicer, 2)
+
+    t0 = time.monotonic()
+    control.servicer.push(release=control_pb2.ReleaseRanks(job_id="rel", grace_seconds=1.0))
+    first = control.servicer.rank_exited(timeout=5)
+    second = control.servicer.rank_exited(timeout=5)
+    assert (first.rank, first.exit_code) == (0, -signal.SIGTERM)
+    assert (second.rank, second.exit_code) == (1, -signal.SIGKILL)
+    assert time.monotonic() - t0 >= 1.0  # the stubborn rank had its grace period
+    assert not any(alive(p) for p in pids.values())
+
+    # kill=True does not wait for anything.
+    launch(control.servicer, "rel2", "stubborn")
+    pid = started_ranks(cluster, control.servicer, 1)[0]
+    t0 = time.monotonic()
+    control.servicer.push(release=control_pb2.ReleaseRanks(job_id="rel2", kill=True, grace_seconds=30))
+    exited = control.servicer.rank_exited(timeout=5)
+    assert (exited.job_id, exited.exit_code) == ("rel2", -signal.SIGKILL)
+    assert time.monotonic() - t0 < 1.0
+    assert not alive(pid)
+
+
+def test_sigterm_of_the_agent_kills_every_rank_and_its_children_then_exits_zero(cluster):
+    control = cluster.control()
+    agent = cluster.agent(control.port)
+    control.servicer.registration()
+    launch(control.servicer, "fam", "family", world_size=2)
+    pids = list(started_ranks(cluster, control.servicer, 2).values())
+    grandchildren = []
+    for rank in (0, 1):
+        line = next(l for l in agent.rank_log("fam", rank).splitlines() if l.startswith("grandchild "))
+        grandchildren.append(int(line.split()[1]))
+    cluster.track(*grandchildren)
+    assert all(alive(p) for p in pids + grandchildren)
+
+    agent.proc.send_signal(signal.SIGTERM)
+    assert agent.proc.wait(timeout=20) == 0, agent.output()
+    assert gone_within(pids + grandchildren, 2.0), [p for p in pids + grandchildren if alive(p)]
+
+
+def test_the_agent_retries_until_control_comes_up_then_registers(cluster):
+    port = free_port()
+    agent = cluster.agent(port)
+    wait_for_line(agent, "control session down; retrying")  # its first failed attempt
+    time.sleep(1.0)  # a few more attempts: it must keep trying, not exit
+    assert agent.proc.poll() is None, agent.output()
+    control = cluster.control(port)
+    reg = control.servicer.registration(timeout=10)
+    assert reg.worker_id == WORKER_ID
+
+
+def test_a_broken_session_reconnects_with_the_same_worker_id_and_delivers_what_happened_meanwhile(cluster):
+    first = cluster.control()
+    port = first.port
+    agent = cluster.agent(port)
+    assert first.servicer.registration().worker_id == WORKER_ID
+    launch(first.servicer, "keep", ["sleep", "sleep"], world_size=2)
+    pids = started_ranks(cluster, first.servicer, 2)
+
+    first.stop()
+    wait_for_line(agent, "control session down; retrying")
+    assert all(alive(p) for p in pids.values())  # ranks keep running while control is away
+    os.kill(pids[1], signal.SIGKILL)  # a fact that happens while nobody listens
+    second = cluster.control(port)
+    assert second.servicer.registration(timeout=15).worker_id == WORKER_ID
+    exited = second.servicer.rank_exited(timeout=5)
+    assert (exited.job_id, exited.rank, exited.exit_code) == ("keep", 1, -9)
+    assert alive(pids[0])
+    second.servicer.push(release=control_pb2.ReleaseRanks(job_id="keep", kill=True))
+    exited = second.servicer.rank_exited(timeout=5)
+    assert (exited.job_id, exited.rank, exited.exit_code) == ("keep", 0, -9)
+
+
+def test_a_launch_right_after_a_release_starts_the_rank_once_the_old_process_ended(cluster):
+    control = cluster.control()
+    cluster.agent(control.port)
+    control.servicer.registration()
+    launch(control.servicer, "re", "stubborn")
+    old_pid = started_ranks(cluster, control.servicer, 1)[0]
+
+    control.servicer.push(release=control_pb2.ReleaseRanks(job_id="re", grace_seconds=0.5))
+    launch(control.servicer, "re", "sleep")  # recovery: same job, same rank, fresh process
+    exited = control.servicer.rank_exited()
+    assert (exited.rank, exited.exit_code) == (0, -signal.SIGKILL)
+    new_pid = started_ranks(cluster, control.servicer, 1)[0]
+    assert new_pid != old_pid and not alive(old_pid) and alive(new_pid)
+
+
+def test_cuda_devices_from_nvidia_smi_are_registered_and_a_cuda_rank_sees_only_its_device(cluster, tmp_path):
+    bin_dir = fake_nvidia_smi(tmp_path)
+    control = cluster.control()
+    agent = cluster.agent(control.port, env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    reg = control.servicer.registration()
+    assert [(d.kind, d.index, d.name, d.memory_bytes) for d in reg.devices] == [
+        ("cuda", 0, "NVIDIA H200", 143771 * 2**20),
+        ("cuda", 1, "NVIDIA H200", 143771 * 2**20),
+    ]
+    assert reg.slots == 2  # one per device by default
+
+    launch(control.servicer, "gpu", "sleep", device="cuda:1")
+    started_ranks(cluster, control.servicer, 1)
+    assert "device=cuda:1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=1" in agent.rank_log("gpu", 0)
+
+
+def test_cuda_visible_devices_of_the_agent_restricts_the_reported_devices(tmp_path, monkeypatch):
+    from services.worker.node_agent import detect_cuda_devices
+
+    monkeypatch.setenv("PATH", f"{fake_nvidia_smi(tmp_path)}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert [d.index for d in detect_cuda_devices()] == [1]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert detect_cuda_devices() == []
+
+
+def test_a_hello_for_a_rank_not_launched_here_is_refused(cluster):
+    control = cluster.control()
+    agent = cluster.agent(control.port)
+    control.servicer.registration()
+    hello = worker_pb2.RankEvent(job_id="nope", rank=0, hello=worker_pb2.RankHello(job_id="nope", rank=0, pid=1))
+    with grpc.insecure_channel(f"127.0.0.1:{agent.port}") as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            next(iter(worker_pb2_grpc.WorkerServiceStub(ch).RankSession(iter([hello]), timeout=5)))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_port_in_use_fails_with_one_line_and_a_nonzero_exit(tmp_path):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.worker", "--port", str(port), "--control", "127.0.0.1:1", "--run-dir", str(tmp_path)],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        try:
+            out, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert proc.returncode != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "in use" in lines[0], err
