@@ -1,0 +1,197 @@
+"""Composition root of `control` (L1): the only place its modules are built and wired.
+
+    python -m services.control --port P [--host 127.0.0.1] [--db PATH] --data ADDR --store ADDR
+
+Environment: SURGE_CONTROL_PORT, SURGE_CONTROL_DB (default ``$SURGE_HOME/control.db``),
+SURGE_DATA_ADDRESS, SURGE_STORE_ADDRESS. A port already in use is one line on stderr and
+exit status 2; SIGTERM / SIGINT stop it cleanly (sessions end, the journal closes).
+
+Each module gets a CommandPort for every module it may command and an Emitter for its own
+events; none holds a reference to another, so the route table's permissions are facts of
+construction, checked again on every send.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import structlog
+
+from services.common import logs, paths
+from services.common.grpc_server import PortInUse, ServiceServer
+from services.contract import Module, control_pb2, control_pb2_grpc, engine_pb2, store_pb2
+from services.contract.bus import BoundaryViolation, Bus
+from services.control.fault_detector import FaultDetector
+from services.control.job_store import JobStore
+from services.control.orchestrator import Orchestrator
+from services.control.recovery_controller import RecoveryController
+from services.control.resource_allocator import ResourceAllocator
+from services.control.server import ControlServicer, SessionHub, StoreRelay, WatchHub
+
+M = Module
+
+
+@dataclass
+class Control:
+    """The wired control plane of one process (what tests and ``main`` hold)."""
+
+    bus: Bus
+    servicer: ControlServicer
+    sessions: SessionHub
+    journal: JobStore
+
+
+def build(
+    journal: JobStore,
+    *,
+    data_address: str,
+    store_address: str,
+    host: str = "127.0.0.1",
+    fault_rules: Mapping[str, int] | None = None,
+    persist_interval_s: float = 1.0,
+) -> Control:
+    """Build and wire the four L1 modules and the relays on one bus.
+
+    Raises:
+        RouteError: a wiring the route table does not allow (a bug, found at start-up).
+        ValueError: an invalid fault rule.
+    """
+    bus = Bus(on_violation=_report_violation)
+
+    allocator = ResourceAllocator(hardware=bus.port(M.L1_RESOURCE_ALLOCATOR, M.EXT_HARDWARE), control_host=host)
+    detector = FaultDetector(emit=bus.emitter(M.L1_FAULT_DETECTOR), rules=fault_rules)
+    recovery = RecoveryController(checkpoints=bus.port(M.L1_RECOVERY_CONTROLLER, M.L5_CHECKPOINT_MANAGER))
+    sessions = SessionHub(
+        hardware=bus.emitter(M.EXT_HARDWARE),
+        loop=bus.emitter(M.L2_TRAINING_LOOP),
+        checkpoints=bus.emitter(M.L5_CHECKPOINT_MANAGER),
+    )
+    watches = WatchHub()
+    store = StoreRelay(store_address)
+
+    # Relays first, so that restoring jobs (inside Orchestrator()) publishes to a wired bus.
+    bus.subscribe(M.EXT_USER, control_pb2.JobEvent, watches.on_job_event)
+    bus.subscribe(M.EXT_HARDWARE, control_pb2.LaunchRanks, sessions.launch_ranks)
+    bus.subscribe(M.EXT_HARDWARE, control_pb2.ReleaseRanks, sessions.release_ranks)
+    for command in (engine_pb2.StartTraining, engine_pb2.PauseTraining, engine_pb2.ResumeTraining, engine_pb2.StopTraining):
+        bus.subscribe(M.L2_TRAINING_LOOP, command, sessions.relay_rank_command)
+    bus.subscribe(M.L5_CHECKPOINT_MANAGER, store_pb2.LoadCheckpoint, store.load_checkpoint)
+
+    bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.WorkerRegistration, allocator.on_worker_registration)
+    bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.AllocateResources, allocator.allocate_resources)
+    bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.ReleaseResources, allocator.release_resources)
+    bus.subscribe(M.L1_RECOVERY_CONTROLLER, control_pb2.StartRecovery, recovery.start_recovery)
+
+    orchestrator = Orchestrator(
+        allocator=bus.port(M.L1_ORCHESTRATOR, M.L1_RESOURCE_ALLOCATOR),
+        faults=bus.port(M.L1_ORCHESTRATOR, M.L1_FAULT_DETECTOR),
+        loop=bus.port(M.L1_ORCHESTRATOR, M.L2_TRAINING_LOOP),
+        emit=bus.emitter(M.L1_ORCHESTRATOR),
+        journal=journal,
+        data_address=data_address,
+        store_address=store_address,
+        persist_interval_s=persist_interval_s,
+    )
+    o = orchestrator
+    for msg_type, handler in (
+        (control_pb2.SubmitJobRequest, o.submit_job),
+        (control_pb2.JobQuery, o.job_query),
+        (control_pb2.PauseJobRequest, o.pause_job),
+        (control_pb2.ResumeJobRequest, o.resume_job),
+        (control_pb2.StopJobRequest, o.stop_job),
+        (engine_pb2.TrainingLoopStarted, o.on_training_loop_started),
+        (engine_pb2.StepCompleted, o.on_step_completed),
+        (engine_pb2.EvalCompleted, o.on_eval_completed),
+        (store_pb2.SaveCompleted, o.on_save_completed),
+        (engine_pb2.TrainingLoopPaused, o.on_training_loop_paused),
+        (engine_pb2.TrainingLoopFinished, o.on_training_loop_finished),
+        # Before the detector's subscription: the failure is on the job's record before
+        # the graded report that decides on it.
+        (engine_pb2.TrainingLoopFailed, o.on_training_loop_failed),
+        (control_pb2.FaultReport, o.on_fault_report),
+    ):
+        bus.subscribe(M.L1_ORCHESTRATOR, msg_type, handler)
+
+    bus.subscribe(M.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring, detector.start_fault_monitoring)
+    bus.subscribe(M.L1_FAULT_DETECTOR, control_pb2.RankExited, detector.on_rank_exited)
+    bus.subscribe(M.L1_FAULT_DETECTOR, engine_pb2.TrainingLoopFailed, detector.on_training_loop_failed)
+
+    servicer = ControlServicer(user=bus.port(M.EXT_USER, M.L1_ORCHESTRATOR), watches=watches, sessions=sessions)
+    return Control(bus=bus, servicer=servicer, sessions=sessions, journal=journal)
+
+
+def _report_violation(error: BoundaryViolation) -> None:
+    # Counted by the bus; logged here. A violation is a bug in this process's wiring.
+    structlog.get_logger("control").error("boundary violation", error=str(error))
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    env = os.environ
+    p = argparse.ArgumentParser(prog="python -m services.control", description="Surge control service (L1)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=int(env["SURGE_CONTROL_PORT"]) if env.get("SURGE_CONTROL_PORT") else None)
+    p.add_argument("--db", default=env.get("SURGE_CONTROL_DB") or str(paths.surge_home() / "control.db"))
+    p.add_argument("--data", default=env.get("SURGE_DATA_ADDRESS"), help="host:port of the data service")
+    p.add_argument("--store", default=env.get("SURGE_STORE_ADDRESS"), help="host:port of the store service")
+    args = p.parse_args(argv)
+    for name, flag, var in (("port", "--port", "SURGE_CONTROL_PORT"), ("data", "--data", "SURGE_DATA_ADDRESS"),
+                            ("store", "--store", "SURGE_STORE_ADDRESS")):
+        if getattr(args, name) is None:
+            p.error(f"{flag} (or {var}) is required")
+    return args
+
+
+def _probe_port(host: str, port: int) -> None:
+    """Raise PortInUse if something listens on host:port, before gRPC's C core tries (it
+    would log its own multi-line error first). SO_REUSEADDR, as gRPC sets it, so a port in
+    TIME_WAIT is not mistaken for a taken one.
+    """
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise PortInUse(f"control: cannot listen on {host}:{port} (port already in use?)") from None
+            raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    log = logs.configure("control")
+    try:
+        _probe_port(args.host, args.port)
+        server = ServiceServer("control", args.host, args.port)
+    except PortInUse as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    journal = JobStore(args.db)
+    control = build(journal, data_address=args.data, store_address=args.store, host=args.host)
+    control_pb2_grpc.add_ControlServiceServicer_to_server(control.servicer, server.server)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start(["surge.v1.ControlService"])
+    log.info("control listening", address=f"{args.host}:{server.port}", db=args.db, data=args.data, store=args.store)
+    stop.wait()
+    log.info("control stopping")
+    control.sessions.shutdown()  # before the server stops, so no session end reads as a lost node
+    server.stop(grace=2.0)
+    journal.close()
+    log.info("control stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

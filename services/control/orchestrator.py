@@ -1,0 +1,460 @@
+"""L1-1 orchestrator: the only decision maker for start, pause, resume, stop and failure.
+
+Seed 000 L1-1. It owns each job's state machine and publishes what it decides as
+``JobEvent`` (one per decision or state change, journaled in SQLite) and ``JobStatus``
+snapshots. It never touches tensors, data or devices, and never polls: everything it knows
+arrives as an event (rank events relayed from the node agents, fault reports, replies).
+
+    STANDBY -> WARMING_UP -> RUNNING <-> PAUSED
+    any non-terminal -> FAULT_FROZEN (a fault it cannot act on) -> TERMINATED
+    any non-terminal -> TERMINATED  (outcome FINISHED | STOPPED | FAILED)
+
+Pause and stop name a step boundary (``at_step`` = latest reported step + 2) so that every
+rank stops at the same step and no rank waits in a collective for a paused peer.
+
+Inputs: the operator's commands (SubmitJobRequest, JobQuery, Pause/Resume/StopJobRequest),
+TrainingLoopStarted / StepCompleted / EvalCompleted / TrainingLoopPaused /
+TrainingLoopFinished / TrainingLoopFailed (L2-1 via the relay), SaveCompleted (L5-1 via the
+relay), FaultReport (L1-3).
+Outputs: AllocateResources / ReleaseResources (L1-2), StartFaultMonitoring (L1-3),
+Start/Pause/Resume/StopTraining (L2-1 of the job's ranks, via the session relay),
+JobStatus / JobList / JobEvent (the operator).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from services.contract import Module, control_pb2, engine_pb2, store_pb2
+from services.contract.bus import CommandPort, Emitter, Reply
+from services.control.job_store import JobStore
+from services.jobspec import JobSpec, parse_job_spec, spec_from_json, spec_to_json
+
+S = control_pb2.JobState
+O = control_pb2.JobOutcome
+G = control_pb2.FaultGrade
+ORCH = Module.L1_ORCHESTRATOR
+
+# JobQuery payload asking for the job's event log (as a reply payload: tuple of JobEvent).
+EVENT_LOG = "event_log"
+
+RESTART_MESSAGE = "control restarted; ranks not re-attached"
+
+_ALLOWED: dict[int, frozenset[int]] = {
+    S.STANDBY: frozenset({S.WARMING_UP, S.FAULT_FROZEN, S.TERMINATED}),
+    S.WARMING_UP: frozenset({S.RUNNING, S.FAULT_FROZEN, S.TERMINATED}),
+    S.RUNNING: frozenset({S.PAUSED, S.FAULT_FROZEN, S.TERMINATED}),
+    S.PAUSED: frozenset({S.RUNNING, S.FAULT_FROZEN, S.TERMINATED}),
+    S.FAULT_FROZEN: frozenset({S.TERMINATED}),
+    S.TERMINATED: frozenset(),
+}
+
+_log = structlog.get_logger("orchestrator")
+
+
+class JobNotFound(LookupError):
+    """No job has this id (gRPC NOT_FOUND)."""
+
+
+class IllegalTransition(RuntimeError):
+    """The command does not apply to the job's current state (gRPC FAILED_PRECONDITION)."""
+
+
+class InsufficientResources(IllegalTransition):
+    """The allocator cannot place the job's ranks; nothing was persisted."""
+
+
+@dataclass
+class _Job:
+    status: control_pb2.JobStatus
+    spec: JobSpec
+    seq: int = 0                                          # last event seq written
+    started: set[int] = field(default_factory=set)        # ranks that reported started
+    paused: set[int] = field(default_factory=set)
+    finished: dict[int, bool] = field(default_factory=dict)  # rank -> stopped
+    pending: str = ""                                     # "pause" | "stop" while in flight
+    pending_at: int = 0
+    running_since: float = 0.0                            # unix time RUNNING was first entered
+    last_persist: float = 0.0
+
+
+class Orchestrator:
+    """Owns every job's state machine. Thread-safe: one lock orders all decisions.
+
+    Args:
+        allocator: command port to L1-2 (AllocateResources, ReleaseResources).
+        faults: command port to L1-3 (StartFaultMonitoring).
+        loop: command port to the job's L2-1 loops through the session relay, which
+            knows the node agents that launched the job's ranks.
+        emit: publishes JobEvent to the operator side.
+        journal: where jobs and their event logs persist; jobs found there are restored.
+        data_address, store_address: pushed to the ranks in InitJob (host:port).
+        persist_interval_s: step progress is journaled at most this often (seconds);
+            state changes are always journaled at once.
+    """
+
+    def __init__(
+        self,
+        *,
+        allocator: CommandPort,
+        faults: CommandPort,
+        loop: CommandPort,
+        emit: Emitter,
+        journal: JobStore,
+        data_address: str,
+        store_address: str,
+        persist_interval_s: float = 1.0,
+    ):
+        self._allocator, self._faults, self._loop, self._emit = allocator, faults, loop, emit
+        self._journal = journal
+        self._data_address, self._store_address = data_address, store_address
+        self._persist_interval_s = persist_interval_s
+        # Re-entrant: a command this module sends may come back as an event on this thread.
+        self._lock = threading.RLock()
+        self._jobs: dict[str, _Job] = {}
+        self._restore()
+
+    # ------------------------------------------------------------ operator commands
+
+    def submit_job(self, msg: control_pb2.SubmitJobRequest, payload: Any = None) -> control_pb2.JobStatus:
+        """Validate the spec, allocate ranks, journal the job in WARMING_UP.
+
+        Raises:
+            JobSpecError: the spec is invalid (one line naming file and field).
+            InsufficientResources: not enough free slots; nothing is persisted.
+        """
+        spec = parse_job_spec(msg.spec_yaml, msg.spec_path or "job.yaml")
+        spec_json = spec_to_json(spec)
+        with self._lock:
+            job_id = self._new_id(spec.name)
+            init = engine_pb2.InitJob(
+                job_id=job_id, spec_json=spec_json, data_address=self._data_address, store_address=self._store_address
+            )
+            # Monitoring starts before the ranks launch, so a rank that dies at once is
+            # still reported; a job whose allocation fails simply never produces faults.
+            self._faults(control_pb2.StartFaultMonitoring(job_id=job_id))
+            reply = self._allocator(
+                control_pb2.AllocateResources(
+                    job_id=job_id, world_size=spec.parallel.dp, backend=spec.parallel.backend, init=init
+                )
+            ).message
+            if isinstance(reply, control_pb2.ResourcesInsufficient):
+                raise InsufficientResources(
+                    f"job needs {reply.requested_ranks} ranks (parallel.dp={spec.parallel.dp}) but {reply.reason}"
+                )
+            assert isinstance(reply, control_pb2.ResourcesReady), reply
+            now = time.time()
+            status = control_pb2.JobStatus(
+                job_id=job_id,
+                name=spec.name,
+                state=S.STANDBY,
+                total_steps=spec.steps,
+                eval_loss=math.nan,
+                created_unix=now,
+                updated_unix=now,
+                world_size=spec.parallel.dp,
+            )
+            job = _Job(status=status, spec=spec)
+            try:
+                self._journal.create_job(status, spec_json)
+                self._jobs[job_id] = job
+                self._record(
+                    job,
+                    ORCH,
+                    "decision",
+                    f"{reply.world_size} ranks allocated on {', '.join(reply.worker_ids)}; "
+                    f"rendezvous {reply.master_addr}:{reply.master_port}",
+                )
+                self._transition(job, S.WARMING_UP, ORCH, "ranks launching")
+            except Exception:
+                # A job that cannot be journaled must not run untracked: take its ranks back.
+                self._jobs.pop(job_id, None)
+                self._allocator(control_pb2.ReleaseResources(job_id=job_id, kill=True))
+                raise
+            return self._snapshot(job)
+
+    def job_query(
+        self, msg: control_pb2.JobQuery, payload: Any = None
+    ) -> control_pb2.JobStatus | control_pb2.JobList | Reply:
+        """An empty job id lists every job (JobList). Otherwise the job's JobStatus; with
+        payload ``EVENT_LOG`` the reply payload is its events with seq >= from_seq.
+
+        Raises:
+            JobNotFound: unknown job id.
+        """
+        with self._lock:
+            if not msg.job_id:
+                return control_pb2.JobList(jobs=[self._snapshot(j) for j in self._jobs.values()])
+            job = self._get(msg.job_id)
+            if payload == EVENT_LOG:
+                return Reply(self._snapshot(job), tuple(self._journal.events(msg.job_id, msg.from_seq)))
+            return self._snapshot(job)
+
+    def pause_job(self, msg: control_pb2.PauseJobRequest, payload: Any = None) -> control_pb2.JobStatus:
+        """Ask every rank to pause after step latest+2; PAUSED once all have paused.
+
+        Raises:
+            JobNotFound, IllegalTransition (the job is not RUNNING, or a pause/stop is in flight).
+        """
+        with self._lock:
+            job = self._get(msg.job_id)
+            self._require(job, S.RUNNING)
+            self._require_idle(job)
+            job.pending, job.pending_at = "pause", job.status.step + 2
+            job.paused.clear()
+            self._loop(engine_pb2.PauseTraining(job_id=job.status.job_id, at_step=job.pending_at))
+            self._record(job, ORCH, "decision", f"pause requested: ranks pause after step {job.pending_at}")
+            return self._snapshot(job)
+
+    def resume_job(self, msg: control_pb2.ResumeJobRequest, payload: Any = None) -> control_pb2.JobStatus:
+        """Resume a PAUSED job (RUNNING at once: ranks send nothing until their next step).
+
+        Raises:
+            JobNotFound, IllegalTransition (the job is not PAUSED).
+        """
+        with self._lock:
+            job = self._get(msg.job_id)
+            self._require(job, S.PAUSED)
+            self._loop(engine_pb2.ResumeTraining(job_id=job.status.job_id))
+            self._transition(job, S.RUNNING, ORCH, f"resumed at step {job.status.step}")
+            return self._snapshot(job)
+
+    def stop_job(self, msg: control_pb2.StopJobRequest, payload: Any = None) -> control_pb2.JobStatus:
+        """Stop a job. RUNNING: ranks stop after step latest+2; WARMING_UP / PAUSED: at the
+        next boundary (at_step 0); TERMINATED with outcome STOPPED once every rank finished.
+        A job whose ranks are gone (FAULT_FROZEN, STANDBY) is released and terminated now.
+        Stopping a job already stopping returns its status.
+
+        Raises:
+            JobNotFound, IllegalTransition (the job is already TERMINATED).
+        """
+        with self._lock:
+            job = self._get(msg.job_id)
+            state = job.status.state
+            if state == S.TERMINATED:
+                outcome = O.Name(job.status.outcome)
+                raise IllegalTransition(f"job {job.status.job_id} is already TERMINATED ({outcome})")
+            if state in (S.FAULT_FROZEN, S.STANDBY):
+                self._terminate(job, O.STOPPED, "stopped by the operator; its ranks were gone", kill=True)
+                return self._snapshot(job)
+            if job.pending == "stop":
+                return self._snapshot(job)
+            at_step = job.status.step + 2 if state == S.RUNNING else 0
+            job.pending, job.pending_at = "stop", at_step
+            self._loop(engine_pb2.StopTraining(job_id=job.status.job_id, at_step=at_step))
+            where = f"after step {at_step}" if at_step else "at the next step boundary"
+            self._record(job, ORCH, "decision", f"stop requested: ranks stop {where}")
+            return self._snapshot(job)
+
+    # ------------------------------------------------------------ rank events (L2-1, L5-1)
+
+    def on_training_loop_started(self, msg: engine_pb2.TrainingLoopStarted, payload: Any = None) -> None:
+        """A rank is initialised and waits for StartTraining; when all have, start them all."""
+        with self._lock:
+            job = self._live(msg.job_id, (S.WARMING_UP,), msg)
+            if job is None:
+                return
+            job.started.add(msg.rank)
+            self._record(
+                job,
+                Module.L2_TRAINING_LOOP,
+                "rank",
+                f"rank {msg.rank} ready at step {msg.start_step} ({msg.num_parameters} parameters, "
+                f"{msg.startup_seconds:.1f} s start-up)",
+            )
+            if len(job.started) < job.status.world_size or job.pending == "stop":
+                return
+            job.status.step = msg.start_step
+            self._loop(engine_pb2.StartTraining(job_id=msg.job_id))
+            job.running_since = time.time()
+            self._transition(job, S.RUNNING, ORCH, f"all {job.status.world_size} ranks ready; training started")
+
+    def on_step_completed(self, msg: engine_pb2.StepCompleted, payload: Any = None) -> None:
+        """Rank 0's step summary (global loss, all-rank tokens) updates the status; it is
+        journaled at most every ``persist_interval_s``."""
+        if msg.rank != 0:
+            return  # every rank reports the same global numbers; rank 0 speaks for them
+        with self._lock:
+            job = self._live(msg.job_id, (S.RUNNING, S.PAUSED), msg)
+            if job is None:
+                return
+            s = job.status
+            s.step, s.train_loss, s.tokens_per_second = msg.step, msg.loss, msg.tokens_per_second
+            s.tokens_seen += msg.tokens
+            if time.monotonic() - job.last_persist >= self._persist_interval_s:
+                self._record(
+                    job,
+                    Module.L2_TRAINING_LOOP,
+                    "step",
+                    f"step {msg.step}/{s.total_steps} loss {msg.loss:.4f} {msg.tokens_per_second:.0f} tok/s",
+                )
+
+    def on_eval_completed(self, msg: engine_pb2.EvalCompleted, payload: Any = None) -> None:
+        if msg.rank != 0:
+            return
+        with self._lock:
+            job = self._live(msg.job_id, (S.RUNNING, S.PAUSED), msg)
+            if job is None:
+                return
+            job.status.eval_loss = msg.loss
+            self._record(job, Module.L2_TRAINING_LOOP, "eval", f"step {msg.step} eval loss {msg.loss:.4f}")
+
+    def on_save_completed(self, msg: store_pb2.SaveCompleted, payload: Any = None) -> None:
+        with self._lock:
+            job = self._live(msg.job_id, (S.RUNNING, S.PAUSED, S.WARMING_UP), msg)
+            if job is None or job.status.checkpoint_version == msg.version:
+                return  # every rank relays the same commit; record it once
+            job.status.checkpoint_version = msg.version
+            self._record(
+                job,
+                Module.L5_CHECKPOINT_MANAGER,
+                "checkpoint",
+                f"checkpoint {msg.version} at step {msg.step} ({msg.bytes} bytes, {msg.files} files)",
+            )
+
+    def on_training_loop_paused(self, msg: engine_pb2.TrainingLoopPaused, payload: Any = None) -> None:
+        with self._lock:
+            job = self._live(msg.job_id, (S.RUNNING,), msg)
+            if job is None or job.pending != "pause":
+                return
+            job.paused.add(msg.rank)
+            if len(job.paused) == job.status.world_size:
+                job.pending = ""
+                job.status.step = msg.step
+                self._transition(job, S.PAUSED, Module.L2_TRAINING_LOOP, f"all ranks paused after step {msg.step}")
+
+    def on_training_loop_finished(self, msg: engine_pb2.TrainingLoopFinished, payload: Any = None) -> None:
+        """When every rank has finished: TERMINATED (FINISHED, or STOPPED if stopped early)."""
+        with self._lock:
+            job = self._live(msg.job_id, (S.WARMING_UP, S.RUNNING, S.PAUSED), msg)
+            if job is None:
+                return
+            job.finished[msg.rank] = msg.stopped
+            job.status.step = max(job.status.step, msg.step)
+            if len(job.finished) < job.status.world_size:
+                return
+            stopped = any(job.finished.values()) or job.pending == "stop"
+            outcome = O.STOPPED if stopped else O.FINISHED
+            how = "stopped" if stopped else "finished"
+            self._terminate(job, outcome, f"all ranks {how} at step {job.status.step}", kill=False)
+
+    def on_training_loop_failed(self, msg: engine_pb2.TrainingLoopFailed, payload: Any = None) -> None:
+        """Recorded only: the decision waits for the fault detector's grade."""
+        with self._lock:
+            job = self._live(msg.job_id, (S.WARMING_UP, S.RUNNING, S.PAUSED), msg)
+            if job is not None:
+                self._record(
+                    job,
+                    Module.L2_TRAINING_LOOP,
+                    "rank",
+                    f"rank {msg.rank} failed at step {msg.step}: {msg.fault_class}: {msg.detail}",
+                )
+
+    # ------------------------------------------------------------ fault reports (L1-3)
+
+    def on_fault_report(self, msg: control_pb2.FaultReport, payload: Any = None) -> None:
+        """Decide on a graded fault. SEVERE / FATAL: the job fails (recovery with restarts
+        is a later issue). A clean exit of a rank that never reported finishing is a lost
+        rank too. Anything else is recorded."""
+        with self._lock:
+            job = self._jobs.get(msg.job_id)
+            if job is None or job.status.state == S.TERMINATED:
+                return  # e.g. ranks exiting after the job ended: expected, nothing to decide
+            grade = G.Name(msg.grade)
+            text = f"{grade} {msg.fault_class}: {msg.detail}"
+            early_exit = msg.fault_class == "rank_exit_clean" and msg.rank not in job.finished
+            self._record(job, Module.L1_FAULT_DETECTOR, "fault", text)
+            if msg.grade >= G.SEVERE or early_exit:
+                self._terminate(job, O.FAILED, text, kill=True)
+
+    # ------------------------------------------------------------ private
+
+    def _restore(self) -> None:
+        for stored in self._journal.load_jobs():
+            job = _Job(status=stored.status, spec=spec_from_json(stored.spec_json), seq=stored.last_seq)
+            self._jobs[stored.status.job_id] = job
+            if job.status.state not in (S.TERMINATED, S.FAULT_FROZEN):
+                # The node agents may still run its ranks, but nothing here knows them any
+                # more; re-attaching is a later issue. The operator can stop it.
+                self._transition(job, S.FAULT_FROZEN, ORCH, RESTART_MESSAGE)
+
+    def _new_id(self, name: str) -> str:
+        while True:
+            job_id = f"{name}-{secrets.token_hex(3)}"
+            if job_id not in self._jobs:
+                return job_id
+
+    def _get(self, job_id: str) -> _Job:
+        if not job_id:
+            raise ValueError("job_id is required")
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise JobNotFound(f"job {job_id} not found")
+        return job
+
+    def _live(self, job_id: str, states: tuple[int, ...], msg: Any) -> _Job | None:
+        job = self._jobs.get(job_id)
+        if job is None or job.status.state not in states:
+            _log.info(
+                "event ignored",
+                job_id=job_id,
+                message=type(msg).__name__,
+                state=S.Name(job.status.state) if job else "unknown job",
+            )
+            return None
+        return job
+
+    def _require(self, job: _Job, state: int) -> None:
+        if job.status.state != state:
+            raise IllegalTransition(f"job {job.status.job_id} is {S.Name(job.status.state)}, not {S.Name(state)}")
+
+    def _require_idle(self, job: _Job) -> None:
+        if job.pending:
+            doing = {"pause": "pausing", "stop": "stopping"}[job.pending]
+            raise IllegalTransition(f"job {job.status.job_id} is already {doing} after step {job.pending_at}")
+
+    def _terminate(self, job: _Job, outcome: int, message: str, *, kill: bool) -> None:
+        job.status.outcome = outcome
+        job.pending = ""
+        # Journal the terminal state first: a failing release must never lose it.
+        self._transition(job, S.TERMINATED, ORCH, f"{O.Name(outcome)}: {message}")
+        self._allocator(control_pb2.ReleaseResources(job_id=job.status.job_id, kill=kill))
+
+    def _transition(self, job: _Job, new: int, source: int, message: str) -> None:
+        old = job.status.state
+        if new not in _ALLOWED[old]:
+            raise IllegalTransition(f"job {job.status.job_id}: {S.Name(old)} -> {S.Name(new)} is not allowed")
+        job.status.state = new
+        self._record(job, source, "state", f"{S.Name(old)} -> {S.Name(new)}: {message}", status_message=message)
+
+    def _snapshot(self, job: _Job) -> control_pb2.JobStatus:
+        copy = control_pb2.JobStatus()
+        copy.CopyFrom(job.status)
+        if job.running_since and copy.state != S.TERMINATED:
+            copy.elapsed_seconds = time.time() - job.running_since
+        return copy
+
+    def _record(self, job: _Job, source: int, kind: str, message: str, *, status_message: str | None = None) -> None:
+        """Append one event to the job's log: journal status + event atomically, publish."""
+        now = time.time()
+        s = job.status
+        s.updated_unix = now
+        if job.running_since:  # frozen at TERMINATED: no event follows that one
+            s.elapsed_seconds = now - job.running_since
+        if status_message is not None:
+            s.message = status_message
+        job.seq += 1
+        event = control_pb2.JobEvent(
+            job_id=s.job_id, seq=job.seq, unix_time=now, source=source, type=kind, message=message, status=s
+        )
+        self._journal.save_status(s, event)
+        job.last_persist = time.monotonic()
+        _log.info("job event", job_id=s.job_id, seq=job.seq, type=kind, message=message)
+        self._emit(event)

@@ -1,0 +1,183 @@
+"""L1-2 resource allocator: the worker registry, rank topology and per-rank quotas.
+
+Seed 000 L1-2: it allocates and releases resources and lays out the rank topology; it
+never starts or stops training on its own, never reads training metrics, never changes
+hyper-parameters. Quotas are fixed at launch and never changed while the job runs.
+
+Inputs: ``WorkerRegistration`` (node agents, via the session relay), ``AllocateResources``
+and ``ReleaseResources`` (from L1-1).
+Outputs: ``ResourcesReady`` / ``ResourcesInsufficient`` (replies to L1-1), ``LaunchRanks``
+and ``ReleaseRanks`` (to one node agent each; the payload names the worker id).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.contract import control_pb2, engine_pb2
+from services.contract.bus import CommandPort
+from services.jobspec import spec_from_json
+
+# How long a node agent gives a released rank to exit before killing it (seconds).
+RELEASE_GRACE_SECONDS = 10.0
+
+
+@dataclass
+class _Worker:
+    reg: control_pb2.WorkerRegistration
+    busy: dict[str, list[int]] = field(default_factory=dict)  # job_id -> slot indices
+
+    def free_slots(self) -> list[int]:
+        taken = {s for slots in self.busy.values() for s in slots}
+        return [s for s in range(self.reg.slots) if s not in taken]
+
+
+class ResourceAllocator:
+    """Registry of node agents and their slots; lays out ranks for a job.
+
+    Args:
+        hardware: command port to the node agents (EXT_HARDWARE); each command's payload
+            is the worker id it is addressed to.
+        control_host: the address this host's free ports are found on (master_port).
+    """
+
+    def __init__(self, hardware: CommandPort, control_host: str = "127.0.0.1"):
+        self._hardware = hardware
+        self._control_host = control_host
+        self._lock = threading.Lock()
+        # Insertion order is registration order: ranks fill workers in that order.
+        self._workers: dict[str, _Worker] = {}
+
+    # ------------------------------------------------------------ hardware events
+
+    def on_worker_registration(self, msg: control_pb2.WorkerRegistration, payload: Any = None) -> None:
+        """硬件资源就绪反馈. A registration offering zero slots withdraws the worker (the
+        session relay sends one when the node agent's stream closes): its slots vanish.
+        A worker registering again (a reconnect) replaces its record but keeps its busy
+        slots: its ranks may still run there until their job is released."""
+        with self._lock:
+            old = self._workers.get(msg.worker_id)
+            if msg.slots == 0:
+                self._workers.pop(msg.worker_id, None)
+                return
+            worker = _Worker(msg)
+            if old is not None:
+                worker.busy = {job: [s for s in slots if s < msg.slots] for job, slots in old.busy.items()}
+            self._workers[msg.worker_id] = worker  # a known id keeps its place in the order
+
+    # ------------------------------------------------------------ commands (L1-1)
+
+    def allocate_resources(
+        self, msg: control_pb2.AllocateResources, payload: Any = None
+    ) -> control_pb2.ResourcesReady | control_pb2.ResourcesInsufficient:
+        """全局资源初始化指令: lay out ``world_size`` ranks and launch them.
+
+        Ranks fill workers in registration order, lowest free slot first. Rank 0's host
+        is the rendezvous (master_addr). Each rank's memory quota is its device's memory
+        (CUDA) or the host memory divided by the worker's slots (CPU), in bytes.
+
+        Returns ResourcesInsufficient (nothing reserved) when fewer slots are free than
+        ranks are needed, or when backend ``nccl`` is asked for on CPU-only slots.
+        """
+        spec = spec_from_json(msg.init.spec_json)
+        with self._lock:
+            if msg.job_id in {j for w in self._workers.values() for j in w.busy}:
+                return self._insufficient(msg, 0, f"job {msg.job_id} already holds resources")
+            free = sum(len(w.free_slots()) for w in self._workers.values())
+            if free < msg.world_size:
+                reason = f"{free} are free on {len(self._workers)} registered workers"
+                return self._insufficient(msg, free, reason)
+            picks: list[tuple[_Worker, int]] = []
+            for w in self._workers.values():
+                for slot in w.free_slots():
+                    if len(picks) < msg.world_size:
+                        picks.append((w, slot))
+            kinds = {_device_kind(w, s) for w, s in picks}
+            backend = msg.backend if msg.backend in ("gloo", "nccl") else ("nccl" if kinds == {"cuda"} else "gloo")
+            if backend == "nccl" and kinds != {"cuda"}:
+                return self._insufficient(msg, free, "backend nccl needs a CUDA device for every rank")
+            master_addr = picks[0][0].reg.host
+            master_port = self._free_port()
+            launches: dict[str, control_pb2.LaunchRanks] = {}
+            for rank, (w, slot) in enumerate(picks):
+                w.busy.setdefault(msg.job_id, []).append(slot)
+                launch = launches.setdefault(
+                    w.reg.worker_id, control_pb2.LaunchRanks(job_id=msg.job_id, init=msg.init)
+                )
+                launch.ranks.append(
+                    engine_pb2.RankAssignment(
+                        rank=rank,
+                        world_size=msg.world_size,
+                        local_rank=len(launch.ranks),
+                        master_addr=master_addr,
+                        master_port=master_port,
+                        backend=backend,
+                        device=_device_name(w, slot),
+                        memory_quota_bytes=_memory_quota(w, slot),
+                        num_threads=spec.parallel.threads_per_rank,
+                        worker_id=w.reg.worker_id,
+                    )
+                )
+        # Commands leave outside the lock: the relay only queues them, but keep the
+        # allocator's lock short and never held across another module's code.
+        for worker_id, launch in launches.items():
+            self._hardware(launch, worker_id)
+        return control_pb2.ResourcesReady(
+            job_id=msg.job_id,
+            world_size=msg.world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            worker_ids=list(launches),
+        )
+
+    def release_resources(self, msg: control_pb2.ReleaseResources, payload: Any = None) -> None:
+        """释放全局资源指令: every worker holding ranks of the job releases them (kill: at
+        once; otherwise after ``RELEASE_GRACE_SECONDS``) and their slots are free again.
+        A kill of a job that holds nothing here goes to every registered worker: its ranks
+        may have been launched before control restarted, and a node agent ignores the
+        release of a job it does not run. A graceful release of such a job is a no-op."""
+        with self._lock:
+            holders = [w.reg.worker_id for w in self._workers.values() if w.busy.pop(msg.job_id, None) is not None]
+            if not holders and msg.kill:
+                holders = list(self._workers)
+        grace = 0.0 if msg.kill else RELEASE_GRACE_SECONDS
+        for worker_id in holders:
+            self._hardware(control_pb2.ReleaseRanks(job_id=msg.job_id, kill=msg.kill, grace_seconds=grace), worker_id)
+
+    # ------------------------------------------------------------ private
+
+    def _insufficient(
+        self, msg: control_pb2.AllocateResources, available: int, reason: str
+    ) -> control_pb2.ResourcesInsufficient:
+        return control_pb2.ResourcesInsufficient(
+            job_id=msg.job_id, requested_ranks=msg.world_size, available_ranks=available, reason=reason
+        )
+
+    def _free_port(self) -> int:
+        # A fresh port per launch, found by binding port 0 here, on the control host. This
+        # assumes rank 0 runs on this host (single-machine deployments) or that the port is
+        # free there too; a node agent that finds it taken reports a rank failure. A
+        # multi-host deployment should ask rank 0's node agent instead.
+        with socket.socket() as s:
+            s.bind((self._control_host, 0))
+            return s.getsockname()[1]
+
+
+def _device_kind(w: _Worker, slot: int) -> str:
+    devices = [d for d in w.reg.devices if d.kind == "cuda"]
+    return "cuda" if slot < len(devices) else "cpu"
+
+
+def _device_name(w: _Worker, slot: int) -> str:
+    devices = [d for d in w.reg.devices if d.kind == "cuda"]
+    return f"cuda:{devices[slot].index}" if slot < len(devices) else "cpu"
+
+
+def _memory_quota(w: _Worker, slot: int) -> int:
+    devices = [d for d in w.reg.devices if d.kind == "cuda"]
+    if slot < len(devices):
+        return devices[slot].memory_bytes
+    return w.reg.memory_bytes // max(w.reg.slots, 1)

@@ -1,0 +1,384 @@
+"""The gRPC face of `control`: relays between the wire and the contract bus.
+
+No seed module lives here and no decision is taken here. Each relay speaks on the bus for
+the remote party the route table names, and holds only routing knowledge:
+
+* ``ControlServicer``: operator RPCs become commands from EXT_USER to the orchestrator;
+  its replies (JobStatus, JobList) and events (JobEvent) become responses and streams.
+* ``SessionHub``: one bidi session per node agent. Stream messages become events sent as
+  EXT_HARDWARE (WorkerRegistration, RankExited), L2_TRAINING_LOOP (rank loop events) or
+  L5_CHECKPOINT_MANAGER (SaveCompleted); commands for EXT_HARDWARE (LaunchRanks,
+  ReleaseRanks) and L2_TRAINING_LOOP (Start/Pause/Resume/StopTraining) become
+  ``WorkerCommand``s queued on the right sessions.
+* ``WatchHub``: per-job subscriber queues fed by JobEvent (no polling).
+* ``StoreRelay``: LoadCheckpoint for L5-1, forwarded to the `store` service.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+
+from services.common.grpc_server import channel
+from services.contract import control_pb2, control_pb2_grpc, engine_pb2, store_pb2, store_pb2_grpc, worker_pb2
+from services.contract.bus import CommandPort, Emitter
+from services.control.fault_detector import WORKER_LOST_MARKER
+from services.control.orchestrator import EVENT_LOG, IllegalTransition, JobNotFound
+from services.jobspec import JobSpecError
+
+S = control_pb2.JobState
+# Initial-metadata key of WorkerSession: sent once the registration is in the registry.
+REGISTERED_HEADER = "surge-registered"
+_log = structlog.get_logger("control.server")
+
+# The rank loop events a node agent relays, by RankEvent oneof field.
+_LOOP_EVENTS = ("started", "step", "eval", "paused", "finished", "failed")
+# The RankCommand oneof field for each orchestrator command to L2-1.
+_RANK_COMMAND_FIELD = {
+    engine_pb2.StartTraining: "start",
+    engine_pb2.PauseTraining: "pause",
+    engine_pb2.ResumeTraining: "resume",
+    engine_pb2.StopTraining: "stop",
+}
+
+
+# ---------------------------------------------------------------- node agent sessions
+
+
+@dataclass(eq=False)
+class _Session:
+    worker_id: str
+    commands: queue.Queue = field(default_factory=queue.Queue)  # WorkerCommand | None (end)
+    ranks: set[tuple[str, int]] = field(default_factory=set)    # (job_id, rank) launched here
+    closed: bool = False
+
+
+class SessionHub:
+    """Node agent sessions: routing table worker id -> session, and the bus side of them.
+
+    Args:
+        hardware: emitter as EXT_HARDWARE (WorkerRegistration, RankExited).
+        loop: emitter as L2_TRAINING_LOOP (rank loop events relayed by node agents).
+        checkpoints: emitter as L5_CHECKPOINT_MANAGER (SaveCompleted relayed by ranks).
+    """
+
+    def __init__(self, hardware: Emitter, loop: Emitter, checkpoints: Emitter):
+        self._hardware, self._loop, self._checkpoints = hardware, loop, checkpoints
+        self._lock = threading.Lock()
+        self._sessions: dict[str, _Session] = {}
+        self._shutting_down = False
+
+    # ------------------------------------------------------------ session lifecycle
+
+    def open(self, reg: control_pb2.WorkerRegistration) -> _Session:
+        """Register a node agent; a second session with the same worker id replaces the
+        first (whose ranks are reported lost)."""
+        session = _Session(reg.worker_id)
+        with self._lock:
+            old = self._sessions.get(reg.worker_id)
+            self._sessions[reg.worker_id] = session
+        _log.info("worker registered", worker_id=reg.worker_id, host=reg.host, slots=reg.slots, replaces=old is not None)
+        # The session is routable before the allocator learns of it, so no LaunchRanks
+        # can arrive for a worker that has no queue yet.
+        self._hardware(reg)
+        if old is not None:
+            self.close(old, reason=f"replaced by a new session of {reg.worker_id}")
+        return session
+
+    def close(self, session: _Session, reason: str = "session closed") -> None:
+        """The node agent is gone: withdraw its slots and report its live ranks lost.
+        Idempotent. During shutdown nothing is reported (control is going, not the node)."""
+        with self._lock:
+            if session.closed:
+                return
+            session.closed = True
+            current = self._sessions.get(session.worker_id) is session
+            if current:
+                del self._sessions[session.worker_id]
+            lost, session.ranks = sorted(session.ranks), set()
+            quiet = self._shutting_down
+        session.commands.put(None)
+        if quiet:
+            return
+        _log.info("worker session ended", worker_id=session.worker_id, reason=reason, ranks_lost=len(lost))
+        if current:  # zero slots: the worker withdraws (see ResourceAllocator)
+            self._hardware(control_pb2.WorkerRegistration(worker_id=session.worker_id, slots=0))
+        self._report_lost(session.worker_id, lost, reason)
+
+    def shutdown(self) -> None:
+        """End every session without reporting anything (control is stopping)."""
+        with self._lock:
+            self._shutting_down = True
+            sessions = list(self._sessions.values())
+        for s in sessions:
+            self.close(s)
+
+    def on_worker_event(self, session: _Session, ev: control_pb2.WorkerEvent) -> None:
+        """Relay one message of a node agent's stream onto the bus as the module it
+        speaks for.
+
+        Raises:
+            ValueError: a second registration, or an empty message.
+        """
+        kind = ev.WhichOneof("event")
+        if kind == "rank_exited":
+            exited = ev.rank_exited
+            exited.worker_id = exited.worker_id or session.worker_id
+            with self._lock:
+                session.ranks.discard((exited.job_id, exited.rank))
+            self._hardware(exited)
+        elif kind == "rank_event":
+            self._relay_rank_event(ev.rank_event)
+        elif kind == "register":
+            raise ValueError(f"worker {session.worker_id} registered twice on one session")
+        else:
+            raise ValueError(f"worker {session.worker_id} sent an empty WorkerEvent")
+
+    # ------------------------------------------------------------ bus handlers (as EXT_HARDWARE)
+
+    def launch_ranks(self, msg: control_pb2.LaunchRanks, payload: Any = None) -> None:
+        """Queue LaunchRanks on the session of worker ``payload``."""
+        ranks = [(msg.job_id, r.rank) for r in msg.ranks]
+        with self._lock:
+            session = self._sessions.get(payload)
+            if session is not None:
+                session.ranks.update(ranks)
+                session.commands.put(control_pb2.WorkerCommand(launch=msg))
+        if session is None:
+            # The worker left between allocation and launch. Report from another thread:
+            # the commander (the orchestrator, through the allocator) is mid-decision on
+            # this thread and will take the report after it.
+            threading.Thread(
+                target=self._report_lost, args=(payload, ranks, "session closed before launch"), daemon=True
+            ).start()
+
+    def release_ranks(self, msg: control_pb2.ReleaseRanks, payload: Any = None) -> None:
+        """Queue ReleaseRanks on the session of worker ``payload`` (none: nothing to do)."""
+        with self._lock:
+            session = self._sessions.get(payload)
+            if session is None:
+                return
+            session.ranks = {(j, r) for j, r in session.ranks if j != msg.job_id}
+            session.commands.put(control_pb2.WorkerCommand(release=msg))
+
+    # ------------------------------------------------------------ bus handlers (as L2_TRAINING_LOOP)
+
+    def relay_rank_command(self, msg: Any, payload: Any = None) -> None:
+        """Queue a Start/Pause/Resume/StopTraining on every session that launched ranks of
+        the job; the node agent hands it to each of its ranks of that job."""
+        command = worker_pb2.RankCommand(**{_RANK_COMMAND_FIELD[type(msg)]: msg})
+        with self._lock:
+            for session in self._sessions.values():
+                if any(job_id == msg.job_id for job_id, _ in session.ranks):
+                    session.commands.put(control_pb2.WorkerCommand(rank_command=command))
+
+    # ------------------------------------------------------------ private
+
+    def _relay_rank_event(self, ev: worker_pb2.RankEvent) -> None:
+        kind = ev.WhichOneof("event")
+        if kind == "hello" or kind is None:
+            return  # between a rank and its node agent only
+        inner = getattr(ev, kind)
+        if not inner.job_id:
+            inner.job_id = ev.job_id
+        if kind == "saved":
+            self._checkpoints(inner)
+        else:
+            if not inner.rank:
+                inner.rank = ev.rank
+            self._loop(inner)
+
+    def _report_lost(self, worker_id: str, ranks: list[tuple[str, int]], reason: str) -> None:
+        for job_id, rank in ranks:
+            self._hardware(
+                control_pb2.RankExited(
+                    job_id=job_id, rank=rank, worker_id=worker_id, detail=f"{WORKER_LOST_MARKER} {reason}"
+                )
+            )
+
+
+# ---------------------------------------------------------------- job event subscribers
+
+
+class WatchHub:
+    """Per-job subscriber queues fed by the orchestrator's JobEvent (as EXT_USER)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._subscribers: dict[str, set[queue.Queue]] = defaultdict(set)
+
+    def on_job_event(self, msg: control_pb2.JobEvent, payload: Any = None) -> None:
+        with self._lock:
+            for q in self._subscribers.get(msg.job_id, ()):
+                q.put(msg)
+
+    def subscribe(self, job_id: str) -> queue.Queue:
+        q: queue.Queue = queue.Queue()
+        with self._lock:
+            self._subscribers[job_id].add(q)
+        return q
+
+    def unsubscribe(self, job_id: str, q: queue.Queue) -> None:
+        with self._lock:
+            self._subscribers[job_id].discard(q)
+            if not self._subscribers[job_id]:
+                del self._subscribers[job_id]
+
+
+# ---------------------------------------------------------------- store relay
+
+
+class StoreRelay:
+    """LoadCheckpoint for L5-1, forwarded to the `store` service at ``address``."""
+
+    def __init__(self, address: str, timeout_s: float = 60.0):
+        self._address, self._timeout_s = address, timeout_s
+        self._stub: store_pb2_grpc.StoreServiceStub | None = None
+
+    def load_checkpoint(self, msg: store_pb2.LoadCheckpoint, payload: Any = None) -> store_pb2.CheckpointLoaded:
+        """Raises RuntimeError naming the store and its one-line error."""
+        if self._stub is None:
+            self._stub = store_pb2_grpc.StoreServiceStub(channel(self._address))
+        try:
+            return self._stub.Load(msg, timeout=self._timeout_s)
+        except grpc.RpcError as e:
+            raise RuntimeError(f"store {self._address}: {e.code().name}: {e.details()}") from None
+
+
+# ---------------------------------------------------------------- the servicer
+
+
+class ControlServicer(control_pb2_grpc.ControlServiceServicer):
+    """ControlService over gRPC.
+
+    Args:
+        user: command port EXT_USER -> L1_ORCHESTRATOR.
+        watches: the JobEvent subscriber hub.
+        sessions: the node agent session hub.
+    """
+
+    def __init__(self, user: CommandPort, watches: WatchHub, sessions: SessionHub):
+        self._user, self._watches, self._sessions = user, watches, sessions
+
+    def SubmitJob(self, request, context):
+        return self._command(context, request)
+
+    def GetJob(self, request, context):
+        if not request.job_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "GetJob: job_id is required")
+        return self._command(context, request)
+
+    def ListJobs(self, request, context):
+        return self._command(context, control_pb2.JobQuery())
+
+    def PauseJob(self, request, context):
+        return self._command(context, request)
+
+    def ResumeJob(self, request, context):
+        return self._command(context, request)
+
+    def StopJob(self, request, context):
+        return self._command(context, request)
+
+    def WatchJob(self, request, context) -> Iterator[control_pb2.JobEvent]:
+        """History from ``from_seq``, then (with ``follow``) live events until TERMINATED.
+        Subscribing before reading the history and skipping seen seqs closes the gap
+        between the two."""
+        if not request.job_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "WatchJob: job_id is required")
+        live = self._watches.subscribe(request.job_id)
+        try:
+            if not context.add_callback(lambda: live.put(None)):  # client left / server stops
+                return
+            status, history = self._history(context, request)
+            last = 0
+            for ev in history:
+                last = ev.seq
+                yield ev
+            if not request.follow or status.state == S.TERMINATED:
+                return
+            while (ev := live.get()) is not None:
+                if ev.seq <= last or ev.seq < request.from_seq:
+                    continue
+                last = ev.seq
+                yield ev
+                if ev.status.state == S.TERMINATED:
+                    return
+        finally:
+            self._watches.unsubscribe(request.job_id, live)
+
+    def WorkerSession(self, request_iterator, context):
+        """First message: ``register``; control answers with the initial-metadata header
+        ``surge-registered: <worker_id>`` once the worker's slots are allocatable. Then rank
+        events up, WorkerCommands down, until either side closes; the stream closing is
+        the fact that the node agent is gone."""
+        first = next(request_iterator, None)
+        if first is None:
+            return
+        if first.WhichOneof("event") != "register":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "WorkerSession: the first WorkerEvent must be register")
+        reg = first.register
+        if not reg.worker_id or reg.slots == 0:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"WorkerSession: registration needs a worker_id and slots > 0 (got {reg.worker_id!r}, {reg.slots})",
+            )
+        session = self._sessions.open(reg)
+        # The acknowledgement: once a node agent sees this header, its slots can be allocated.
+        context.send_initial_metadata(((REGISTERED_HEADER, reg.worker_id),))
+        if not context.add_callback(lambda: self._sessions.close(session)):
+            self._sessions.close(session)  # the RPC already ended
+        threading.Thread(
+            target=self._read_session, args=(session, request_iterator), name=f"session-{reg.worker_id}", daemon=True
+        ).start()
+        while (command := session.commands.get()) is not None:
+            yield command
+
+    # ------------------------------------------------------------ private
+
+    def _read_session(self, session: _Session, request_iterator) -> None:
+        try:
+            for ev in request_iterator:
+                try:
+                    self._sessions.on_worker_event(session, ev)
+                except Exception:  # one bad message must not end the node's session
+                    _log.exception("worker event refused", worker_id=session.worker_id)
+        except grpc.RpcError:
+            pass  # the stream broke: same fact as closing it
+        finally:
+            self._sessions.close(session)
+
+    def _history(self, context, request) -> tuple[control_pb2.JobStatus, tuple]:
+        try:
+            reply = self._user(control_pb2.JobQuery(job_id=request.job_id, from_seq=request.from_seq), EVENT_LOG)
+        except Exception as e:
+            _abort(context, e)
+        return reply.message, reply.payload
+
+    def _command(self, context, request):
+        try:
+            return self._user(request).message
+        except Exception as e:
+            _abort(context, e)
+
+
+def _abort(context, e: Exception):
+    if isinstance(e, JobSpecError):
+        code = grpc.StatusCode.INVALID_ARGUMENT
+    elif isinstance(e, JobNotFound):
+        code = grpc.StatusCode.NOT_FOUND
+    elif isinstance(e, IllegalTransition):
+        code = grpc.StatusCode.FAILED_PRECONDITION
+    elif isinstance(e, ValueError):
+        code = grpc.StatusCode.INVALID_ARGUMENT
+    else:
+        _log.exception("control command failed")
+        code = grpc.StatusCode.INTERNAL
+    context.abort(code, str(e).splitlines()[0] if str(e) else type(e).__name__)

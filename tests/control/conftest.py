@@ -1,0 +1,92 @@
+"""Shared helpers for the control tests: job specs, an in-process control plane wired by
+the real composition root, and node-agent sessions driven from the test."""
+
+from __future__ import annotations
+
+import queue
+import textwrap
+
+import pytest
+
+from services.contract import Module, control_pb2, worker_pb2
+from services.control.__main__ import Control, build
+from services.control.job_store import JobStore
+from services.control.orchestrator import EVENT_LOG
+
+M = Module
+
+
+def spec_yaml(name: str = "demo", dp: int = 2, steps: int = 3, threads: int = 1, backend: str = "auto") -> str:
+    return textwrap.dedent(
+        f"""\
+        name: {name}
+        steps: {steps}
+        model: {{n_layers: 1, d_model: 32, n_heads: 2}}
+        data: {{dataset: x@v1, seq_len: 16, micro_batch_size: 2}}
+        parallel: {{dp: {dp}, backend: {backend}, threads_per_rank: {threads}}}
+        """
+    )
+
+
+def registration(worker_id: str, slots: int = 1, *, cuda: int = 0, memory: int = 16 << 30, host: str = "127.0.0.1"):
+    devices = [control_pb2.Device(kind="cuda", index=i, name="H200", memory_bytes=80 << 30) for i in range(cuda)]
+    return control_pb2.WorkerRegistration(
+        worker_id=worker_id,
+        host=host,
+        address=f"{host}:0",
+        devices=devices,
+        memory_bytes=memory,
+        cpu_count=4,
+        slots=slots,
+    )
+
+
+class Plane:
+    """An in-process control plane (the real build()), driven as the operator and as the
+    node agents would drive it over gRPC."""
+
+    def __init__(self, control: Control):
+        self.c = control
+
+    def user(self, msg, payload=None):
+        return self.c.bus.command(M.EXT_USER, M.L1_ORCHESTRATOR, msg, payload).message
+
+    def submit(self, **spec) -> control_pb2.JobStatus:
+        return self.user(control_pb2.SubmitJobRequest(spec_yaml=spec_yaml(**spec), spec_path="job.yaml"))
+
+    def get(self, job_id: str) -> control_pb2.JobStatus:
+        return self.user(control_pb2.JobQuery(job_id=job_id))
+
+    def events(self, job_id: str, from_seq: int = 0) -> tuple:
+        return self.c.bus.command(
+            M.EXT_USER, M.L1_ORCHESTRATOR, control_pb2.JobQuery(job_id=job_id, from_seq=from_seq), EVENT_LOG
+        ).payload
+
+    def register(self, worker_id: str, slots: int = 1, **kw):
+        return self.c.sessions.open(registration(worker_id, slots, **kw))
+
+    def rank_event(self, session, job_id: str, rank: int, **event) -> None:
+        ev = worker_pb2.RankEvent(job_id=job_id, rank=rank, **event)
+        self.c.sessions.on_worker_event(session, control_pb2.WorkerEvent(rank_event=ev))
+
+    def rank_exited(self, session, job_id: str, rank: int, exit_code: int) -> None:
+        ev = control_pb2.RankExited(job_id=job_id, rank=rank, exit_code=exit_code)
+        self.c.sessions.on_worker_event(session, control_pb2.WorkerEvent(rank_exited=ev))
+
+
+def drain(session) -> list[control_pb2.WorkerCommand]:
+    """Every command queued on an in-process session so far (None = session ended)."""
+    out = []
+    while True:
+        try:
+            out.append(session.commands.get_nowait())
+        except queue.Empty:
+            return out
+
+
+@pytest.fixture
+def plane(tmp_path):
+    journal = JobStore(tmp_path / "control.db")
+    control = build(journal, data_address="127.0.0.1:7001", store_address="127.0.0.1:7002", persist_interval_s=0.0)
+    yield Plane(control)
+    journal.close()

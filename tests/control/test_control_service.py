@@ -1,0 +1,277 @@
+"""The real `python -m services.control` process over loopback gRPC, with node agents
+written here as real gRPC clients of WorkerSession."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.contract import control_pb2, control_pb2_grpc, engine_pb2, worker_pb2
+from services.control.orchestrator import RESTART_MESSAGE
+from services.control.server import REGISTERED_HEADER
+
+from .conftest import registration, spec_yaml
+
+S, O = control_pb2.JobState, control_pb2.JobOutcome
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ControlProcess:
+    """One `control` process; stopped by PID."""
+
+    def __init__(self, db: Path, home: Path, port: int | None = None):
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        env = {**os.environ, "SURGE_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+        # A file, not a pipe: nobody reads a pipe while the test runs, and a full one
+        # would block the service.
+        self.log = home / f"control-{self.port}-{os.urandom(2).hex()}.log"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "services.control", "--port", str(self.port), "--db", str(db),
+                 "--data", "127.0.0.1:7001", "--store", "127.0.0.1:7002"],
+                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+            )
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = control_pb2_grpc.ControlServiceStub(self.channel)
+
+    def wait_serving(self, timeout: float = 30.0) -> None:
+        # Health Watch streams status changes: no polling; it answers SERVING once started.
+        watch = health_pb2_grpc.HealthStub(self.channel).Watch(
+            health_pb2.HealthCheckRequest(service="surge.v1.ControlService"), timeout=timeout, wait_for_ready=True
+        )
+        for reply in watch:
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                watch.cancel()
+                return
+
+    def stop(self) -> int:
+        self.channel.close()
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+class NodeAgent:
+    """A fake node agent: registers, and answers commands with the rank events a real
+    node would relay. ``finish=False`` keeps its ranks running after StartTraining."""
+
+    def __init__(self, address: str, worker_id: str, *, slots: int = 1, steps: int = 3, finish: bool = True):
+        self.worker_id, self.steps, self.finish = worker_id, steps, finish
+        self.commands: list[control_pb2.WorkerCommand] = []
+        self.ranks: dict[str, list[int]] = {}
+        self._out: queue.Queue = queue.Queue()
+        self._channel = grpc.insecure_channel(address)
+        self._out.put(control_pb2.WorkerEvent(register=registration(worker_id, slots)))
+        self._call = control_pb2_grpc.ControlServiceStub(self._channel).WorkerSession(iter(self._out.get, None))
+        # Blocks until control acknowledges the registration: its slots are allocatable.
+        assert dict(self._call.initial_metadata())[REGISTERED_HEADER] == worker_id
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def loss(self, step: int) -> float:
+        return 5.0 - 0.5 * step
+
+    def close(self) -> None:
+        self._out.put(None)  # half-close: the session ends
+        self._thread.join(timeout=10)
+        self._channel.close()
+
+    def _send(self, job_id: str, rank: int, **event) -> None:
+        ev = worker_pb2.RankEvent(job_id=job_id, rank=rank, **event)
+        self._out.put(control_pb2.WorkerEvent(rank_event=ev))
+
+    def _run(self) -> None:
+        try:
+            for cmd in self._call:
+                self.commands.append(cmd)
+                kind = cmd.WhichOneof("command")
+                if kind == "launch":
+                    job_id = cmd.launch.job_id
+                    self.ranks[job_id] = [r.rank for r in cmd.launch.ranks]
+                    for rank in self.ranks[job_id]:
+                        self._send(job_id, rank, started=engine_pb2.TrainingLoopStarted(job_id=job_id, rank=rank))
+                elif kind == "rank_command" and cmd.rank_command.WhichOneof("command") == "start":
+                    job_id = cmd.rank_command.start.job_id
+                    for rank in self.ranks[job_id]:
+                        for n in range(1, self.steps + 1):
+                            step = engine_pb2.StepCompleted(
+                                job_id=job_id, rank=rank, step=n, loss=self.loss(n), tokens=64, tokens_per_second=640.0
+                            )
+                            self._send(job_id, rank, step=step)
+                        if self.finish:
+                            done = engine_pb2.TrainingLoopFinished(job_id=job_id, rank=rank, step=self.steps)
+                            self._send(job_id, rank, finished=done)
+                elif kind == "release":
+                    job_id = cmd.release.job_id
+                    for rank in self.ranks.pop(job_id, []):  # the ranks exit when released
+                        exited = control_pb2.RankExited(job_id=job_id, rank=rank, exit_code=0)
+                        self._out.put(control_pb2.WorkerEvent(rank_exited=exited))
+        except grpc.RpcError:
+            pass  # control went away
+
+
+@pytest.fixture
+def start_control(tmp_path):
+    started: list[ControlProcess] = []
+
+    def start(port: int | None = None, wait: bool = True) -> ControlProcess:
+        c = ControlProcess(tmp_path / "control.db", tmp_path, port)
+        started.append(c)
+        if wait:
+            c.wait_serving()
+        return c
+
+    yield start
+    for c in started:
+        c.stop()
+
+
+@pytest.fixture
+def agents():
+    made: list[NodeAgent] = []
+
+    def make(address: str, worker_id: str, **kw) -> NodeAgent:
+        made.append(NodeAgent(address, worker_id, **kw))
+        return made[-1]
+
+    yield make
+    for a in made:
+        a.close()
+
+
+def submit(control: ControlProcess, **spec) -> control_pb2.JobStatus:
+    return control.stub.SubmitJob(control_pb2.SubmitJobRequest(spec_yaml=spec_yaml(**spec), spec_path="job.yaml"))
+
+
+def follow(control: ControlProcess, job_id: str) -> list[control_pb2.JobEvent]:
+    """The job's whole event log, streamed until it terminates."""
+    return list(control.stub.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True), timeout=60))
+
+
+def test_a_dp2_job_runs_to_finished_on_two_node_agents(start_control, agents):
+    control = start_control()
+    a, b = agents(control.address, "wa"), agents(control.address, "wb")
+    submitted = submit(control, name="demo", dp=2, steps=3)
+    assert (submitted.state, submitted.world_size) == (S.WARMING_UP, 2)
+
+    events = follow(control, submitted.job_id)
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert events[-1].status.state == S.TERMINATED
+    status = control.stub.GetJob(control_pb2.JobQuery(job_id=submitted.job_id))
+    assert (status.state, status.outcome, status.step) == (S.TERMINATED, O.FINISHED, 3)
+    assert status.train_loss == a.loss(3) and status.tokens_seen == 3 * 64
+    assert status.message == "FINISHED: all ranks finished at step 3"
+
+    a.close(), b.close()
+    la, lb = a.commands[0].launch, b.commands[0].launch
+    assert ([r.rank for r in la.ranks], [r.rank for r in lb.ranks]) == ([0], [1])
+    assert la.ranks[0].master_port == lb.ranks[0].master_port and la.init.job_id == submitted.job_id
+    for agent in (a, b):
+        kinds = [c.WhichOneof("command") for c in agent.commands]
+        assert kinds == ["launch", "rank_command", "release"]
+    listed = control.stub.ListJobs(control_pb2.JobQuery())
+    assert [j.job_id for j in listed.jobs] == [submitted.job_id]
+    tail = list(control.stub.WatchJob(control_pb2.JobQuery(job_id=submitted.job_id, from_seq=3), timeout=10))
+    assert [e.seq for e in tail] == [e.seq for e in events[2:]]
+
+
+def test_a_session_must_open_with_a_registration(start_control):
+    control = start_control()
+    first = control_pb2.WorkerEvent(rank_event=worker_pb2.RankEvent(job_id="j"))
+    with pytest.raises(grpc.RpcError) as e:
+        list(control.stub.WorkerSession(iter([first]), timeout=10))
+    assert (e.value.code(), e.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "WorkerSession: the first WorkerEvent must be register",
+    )
+
+
+def test_a_job_needing_more_ranks_than_free_fails_and_leaves_no_job(start_control, agents):
+    control = start_control()
+    agents(control.address, "wa"), agents(control.address, "wb")
+    with pytest.raises(grpc.RpcError) as e:
+        submit(control, dp=3)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert e.value.details() == "job needs 3 ranks (parallel.dp=3) but 2 are free on 2 registered workers"
+    assert list(control.stub.ListJobs(control_pb2.JobQuery()).jobs) == []
+
+
+def test_malformed_yaml_is_invalid_argument_and_unknown_job_not_found(start_control):
+    control = start_control()
+    with pytest.raises(grpc.RpcError) as e:
+        control.stub.SubmitJob(control_pb2.SubmitJobRequest(spec_yaml="name: [unclosed\n", spec_path="bad.yaml"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("bad.yaml: line") and "malformed YAML" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        control.stub.GetJob(control_pb2.JobQuery(job_id="nope-000000"))
+    assert (e.value.code(), e.value.details()) == (grpc.StatusCode.NOT_FOUND, "job nope-000000 not found")
+
+
+def test_a_lost_node_agent_fails_its_running_job(start_control, agents):
+    control = start_control()
+    holder = agents(control.address, "wa", finish=False)
+    job_id = submit(control, dp=1, steps=100).job_id
+    watch = control.stub.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True), timeout=60)
+    for ev in watch:
+        if ev.status.state == S.RUNNING:
+            break
+    holder.close()
+    rest = list(watch)
+    assert rest[-1].status.state == S.TERMINATED
+    status = control.stub.GetJob(control_pb2.JobQuery(job_id=job_id))
+    assert status.outcome == O.FAILED and "SEVERE worker_lost" in status.message
+
+
+def test_restart_keeps_jobs_and_freezes_the_running_one(start_control, agents):
+    control = start_control()
+    agents(control.address, "hold", finish=False)
+    agents(control.address, "done")
+    running = submit(control, name="long", dp=1, steps=100).job_id  # first free slot: "hold"
+    finished = submit(control, name="short", dp=1, steps=3).job_id
+    assert follow(control, finished)[-1].status.outcome == O.FINISHED
+    with pytest.raises(grpc.RpcError) as e:
+        control.stub.ResumeJob(control_pb2.ResumeJobRequest(job_id=running))
+    assert (e.value.code(), e.value.details()) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"job {running} is RUNNING, not PAUSED",
+    )
+    assert control.stop() == 0  # SIGTERM: a clean stop
+
+    control = start_control()
+    s = control.stub.GetJob(control_pb2.JobQuery(job_id=finished))
+    assert (s.state, s.outcome, s.step, s.train_loss) == (S.TERMINATED, O.FINISHED, 3, 3.5)
+    s = control.stub.GetJob(control_pb2.JobQuery(job_id=running))
+    assert (s.state, s.message) == (S.FAULT_FROZEN, RESTART_MESSAGE)
+    stopped = control.stub.StopJob(control_pb2.StopJobRequest(job_id=running))
+    assert (stopped.state, stopped.outcome) == (S.TERMINATED, O.STOPPED)
+
+
+def test_a_port_in_use_is_one_line_and_a_nonzero_exit(start_control):
+    control = start_control()
+    second = start_control(port=control.port, wait=False)
+    assert second.proc.wait(timeout=30) == 2
+    err = second.log.read_text()
+    assert err.strip().splitlines() == [f"error: control: cannot listen on 127.0.0.1:{control.port} (port already in use?)"]

@@ -1,0 +1,263 @@
+"""The orchestrator's job state machine, driven in-process through the real bus and relays."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from services.contract import control_pb2, engine_pb2, store_pb2
+from services.control.__main__ import build
+from services.control.job_store import JobStore
+from services.control.orchestrator import RESTART_MESSAGE, IllegalTransition, InsufficientResources, JobNotFound
+from services.jobspec import JobSpecError, spec_from_json
+
+from .conftest import Plane, drain
+
+S, O = control_pb2.JobState, control_pb2.JobOutcome
+pytestmark = pytest.mark.timeout(30)
+
+
+def start_job(plane: Plane, steps: int = 10):
+    """Two workers, a DP=2 job, both ranks started: RUNNING."""
+    a, b = plane.register("wa"), plane.register("wb")
+    job = plane.submit(dp=2, steps=steps)
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job.job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank))
+    drain(a), drain(b)
+    return job.job_id, a, b
+
+
+def step(plane: Plane, session, job_id: str, n: int, loss: float = 2.0) -> None:
+    plane.rank_event(
+        session, job_id, 0, step=engine_pb2.StepCompleted(step=n, loss=loss, tokens=64, tokens_per_second=1000.0)
+    )
+
+
+def test_submit_journals_warming_up_and_launches_one_rank_per_worker(plane):
+    a, b = plane.register("wa"), plane.register("wb")
+    status = plane.submit(name="demo", dp=2, steps=7)
+    assert status.job_id.startswith("demo-") and len(status.job_id) == len("demo-") + 6
+    assert (status.state, status.world_size, status.total_steps) == (S.WARMING_UP, 2, 7)
+    assert math.isnan(status.eval_loss)
+    (la,), (lb,) = drain(a), drain(b)
+    assert [r.rank for r in la.launch.ranks] == [0] and [r.rank for r in lb.launch.ranks] == [1]
+    init = la.launch.init
+    assert (init.job_id, init.data_address, init.store_address) == (status.job_id, "127.0.0.1:7001", "127.0.0.1:7002")
+    assert spec_from_json(init.spec_json).steps == 7
+    assert [e.type for e in plane.events(status.job_id)] == ["decision", "state"]
+
+
+def test_training_starts_only_when_every_rank_reported_started(plane):
+    a, b = plane.register("wa"), plane.register("wb")
+    job_id = plane.submit(dp=2).job_id
+    drain(a), drain(b)
+    plane.rank_event(a, job_id, 0, started=engine_pb2.TrainingLoopStarted(rank=0))
+    assert plane.get(job_id).state == S.WARMING_UP
+    assert drain(a) == [] and drain(b) == []
+    plane.rank_event(b, job_id, 1, started=engine_pb2.TrainingLoopStarted(rank=1))
+    assert plane.get(job_id).state == S.RUNNING
+    for session in (a, b):
+        (cmd,) = drain(session)
+        assert cmd.rank_command.start.job_id == job_id
+
+
+def test_step_events_from_rank_0_update_progress(plane):
+    job_id, a, b = start_job(plane)
+    step(plane, a, job_id, 1, loss=3.0)
+    step(plane, a, job_id, 2, loss=2.5)
+    plane.rank_event(b, job_id, 1, step=engine_pb2.StepCompleted(rank=1, step=2, loss=99.0))  # ignored
+    plane.rank_event(a, job_id, 0, eval=engine_pb2.EvalCompleted(step=2, loss=2.75))
+    plane.rank_event(a, job_id, 0, saved=store_pb2.SaveCompleted(version=f"{job_id}:1", step=2))
+    s = plane.get(job_id)
+    assert (s.step, s.train_loss, s.eval_loss, s.tokens_seen) == (2, 2.5, 2.75, 128)
+    assert s.tokens_per_second == 1000.0 and s.checkpoint_version == f"{job_id}:1"
+
+
+def test_pause_names_latest_step_plus_two_and_pauses_when_all_ranks_paused(plane):
+    job_id, a, b = start_job(plane)
+    step(plane, a, job_id, 5)
+    status = plane.user(control_pb2.PauseJobRequest(job_id=job_id))
+    assert status.state == S.RUNNING  # until every rank has paused
+    for session in (a, b):
+        (cmd,) = drain(session)
+        assert cmd.rank_command.pause.at_step == 7
+    with pytest.raises(IllegalTransition, match=f"job {job_id} is already pausing after step 7"):
+        plane.user(control_pb2.PauseJobRequest(job_id=job_id))
+    plane.rank_event(a, job_id, 0, paused=engine_pb2.TrainingLoopPaused(step=7))
+    assert plane.get(job_id).state == S.RUNNING
+    plane.rank_event(b, job_id, 1, paused=engine_pb2.TrainingLoopPaused(step=7))
+    assert (plane.get(job_id).state, plane.get(job_id).step) == (S.PAUSED, 7)
+    assert plane.user(control_pb2.ResumeJobRequest(job_id=job_id)).state == S.RUNNING
+    assert [c.rank_command.WhichOneof("command") for c in drain(a)] == ["resume"]
+
+
+def test_resume_of_a_running_job_is_refused_naming_its_state(plane):
+    job_id, _, _ = start_job(plane)
+    with pytest.raises(IllegalTransition, match=f"^job {job_id} is RUNNING, not PAUSED$"):
+        plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+
+
+def test_pause_of_a_warming_up_job_is_refused(plane):
+    plane.register("wa")
+    job_id = plane.submit(dp=1).job_id
+    with pytest.raises(IllegalTransition, match="is WARMING_UP, not RUNNING"):
+        plane.user(control_pb2.PauseJobRequest(job_id=job_id))
+
+
+def test_all_ranks_finished_terminates_finished_and_releases_slots(plane):
+    job_id, a, b = start_job(plane, steps=3)
+    for n, loss in ((1, 3.0), (2, 2.0), (3, 1.5)):
+        step(plane, a, job_id, n, loss)
+    plane.rank_event(a, job_id, 0, finished=engine_pb2.TrainingLoopFinished(step=3))
+    assert plane.get(job_id).state == S.RUNNING
+    plane.rank_event(b, job_id, 1, finished=engine_pb2.TrainingLoopFinished(rank=1, step=3))
+    s = plane.get(job_id)
+    assert (s.state, s.outcome, s.step, s.train_loss, s.tokens_seen) == (S.TERMINATED, O.FINISHED, 3, 1.5, 192)
+    for session in (a, b):
+        (cmd,) = drain(session)
+        assert (cmd.release.job_id, cmd.release.kill) == (job_id, False)
+    assert plane.submit(dp=2).state == S.WARMING_UP  # the slots are free again
+    with pytest.raises(IllegalTransition, match=f"job {job_id} is already TERMINATED \\(FINISHED\\)"):
+        plane.user(control_pb2.StopJobRequest(job_id=job_id))
+
+
+def test_stop_of_a_running_job_stops_at_step_plus_two_and_ends_stopped(plane):
+    job_id, a, b = start_job(plane)
+    step(plane, a, job_id, 4)
+    plane.user(control_pb2.StopJobRequest(job_id=job_id))
+    assert [c.rank_command.stop.at_step for c in drain(b)] == [6]
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, finished=engine_pb2.TrainingLoopFinished(step=6, stopped=True))
+    s = plane.get(job_id)
+    assert (s.state, s.outcome, s.step) == (S.TERMINATED, O.STOPPED, 6)
+
+
+def test_stop_of_a_warming_up_job_stops_at_the_next_boundary(plane):
+    a = plane.register("wa")
+    job_id = plane.submit(dp=1).job_id
+    drain(a)
+    plane.user(control_pb2.StopJobRequest(job_id=job_id))
+    assert [c.rank_command.stop.at_step for c in drain(a)] == [0]
+    # A rank that comes up after the stop is not started.
+    plane.rank_event(a, job_id, 0, started=engine_pb2.TrainingLoopStarted())
+    assert drain(a) == [] and plane.get(job_id).state == S.WARMING_UP
+    plane.rank_event(a, job_id, 0, finished=engine_pb2.TrainingLoopFinished(stopped=True))
+    assert plane.get(job_id).outcome == O.STOPPED
+
+
+def test_a_killed_rank_fails_the_job_and_kills_the_others(plane):
+    job_id, a, b = start_job(plane)
+    plane.rank_exited(b, job_id, 1, exit_code=-9)
+    s = plane.get(job_id)
+    assert (s.state, s.outcome) == (S.TERMINATED, O.FAILED)
+    assert s.message.startswith("FAILED: SEVERE rank_exit: rank 1 on worker wb ended (signal 9)")
+    assert [(c.release.job_id, c.release.kill) for c in drain(a)] == [(job_id, True)]
+
+
+def test_a_loop_failure_is_fatal_and_recorded_before_the_decision(plane):
+    job_id, a, _ = start_job(plane)
+    failed = engine_pb2.TrainingLoopFailed(step=3, fault_class="non_finite_loss", detail="loss is nan")
+    plane.rank_event(a, job_id, 0, failed=failed)
+    s = plane.get(job_id)
+    assert (s.state, s.outcome) == (S.TERMINATED, O.FAILED)
+    assert "FATAL non_finite_loss" in s.message
+    assert [e.type for e in plane.events(job_id)][-3:] == ["rank", "fault", "state"]
+
+
+def test_a_rank_exiting_cleanly_before_finishing_fails_the_job(plane):
+    job_id, a, _ = start_job(plane)
+    plane.rank_exited(a, job_id, 0, exit_code=0)
+    assert plane.get(job_id).outcome == O.FAILED
+
+
+def test_clean_rank_exits_after_the_job_finished_change_nothing(plane):
+    a = plane.register("wa")
+    job_id = plane.submit(dp=1).job_id
+    plane.rank_event(a, job_id, 0, started=engine_pb2.TrainingLoopStarted())
+    plane.rank_event(a, job_id, 0, finished=engine_pb2.TrainingLoopFinished(step=3))
+    plane.rank_exited(a, job_id, 0, exit_code=0)
+    assert plane.get(job_id).outcome == O.FINISHED
+
+
+def test_a_lost_node_agent_fails_its_job_and_its_slots_vanish(plane):
+    job_id, a, b = start_job(plane)
+    plane.c.sessions.close(b)
+    s = plane.get(job_id)
+    assert (s.state, s.outcome) == (S.TERMINATED, O.FAILED)
+    assert "SEVERE worker_lost" in s.message
+    with pytest.raises(InsufficientResources, match="but 1 are free on 1 registered workers"):
+        plane.submit(dp=2)
+
+
+def test_insufficient_resources_refuse_the_job_and_persist_nothing(plane):
+    plane.register("wa"), plane.register("wb")
+    with pytest.raises(InsufficientResources) as e:
+        plane.submit(dp=3)
+    assert str(e.value) == "job needs 3 ranks (parallel.dp=3) but 2 are free on 2 registered workers"
+    assert list(plane.user(control_pb2.JobQuery()).jobs) == []
+    assert plane.c.journal.load_jobs() == []
+
+
+def test_an_invalid_spec_is_refused_with_its_one_line_error(plane):
+    with pytest.raises(JobSpecError, match="^bad.yaml: steps: Input should be greater than 0, got -1$"):
+        plane.user(control_pb2.SubmitJobRequest(spec_yaml="name: x\nsteps: -1\ndata: {dataset: x@v1}\n", spec_path="bad.yaml"))
+
+
+def test_unknown_job_is_not_found(plane):
+    with pytest.raises(JobNotFound, match="^job nope-000000 not found$"):
+        plane.get("nope-000000")
+
+
+def test_event_log_has_contiguous_seqs_and_reads_from_a_seq(plane):
+    job_id, a, _ = start_job(plane)
+    events = plane.events(job_id)
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert events[-1].status.state == S.RUNNING and events[-1].type == "state"
+    assert [e.seq for e in plane.events(job_id, from_seq=3)] == [e.seq for e in events[2:]]
+
+
+def test_step_progress_is_journaled_at_most_once_per_interval(tmp_path):
+    journal = JobStore(tmp_path / "c.db")
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=3600.0))
+    job_id, a, _ = start_job(plane)
+    n_before = len(plane.events(job_id))
+    for n in range(1, 50):
+        step(plane, a, job_id, n)
+    assert plane.get(job_id).step == 49  # the status is current...
+    assert len(plane.events(job_id)) == n_before  # ...but no step was journaled yet
+    plane.user(control_pb2.StopJobRequest(job_id=job_id))
+    journal.close()
+
+
+def test_restart_freezes_live_jobs_and_their_log_continues(tmp_path):
+    db = tmp_path / "control.db"
+    journal = JobStore(db)
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
+    running, a, b = start_job(plane)
+    step(plane, a, running, 4, loss=1.25)
+    journal.close()
+
+    journal = JobStore(db)
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1"))
+    s = plane.get(running)
+    assert (s.state, s.step, s.train_loss, s.message) == (S.FAULT_FROZEN, 4, 1.25, RESTART_MESSAGE)
+    with pytest.raises(IllegalTransition, match="is FAULT_FROZEN, not PAUSED"):
+        plane.user(control_pb2.ResumeJobRequest(job_id=running))
+    stopped = plane.user(control_pb2.StopJobRequest(job_id=running))
+    assert (stopped.state, stopped.outcome) == (S.TERMINATED, O.STOPPED)
+    seqs = [e.seq for e in plane.events(running)]
+    assert seqs == list(range(1, len(seqs) + 1))  # the log continues across the restart
+    journal.close()
+
+
+def test_a_reconnecting_worker_replaces_its_session_and_its_old_ranks_are_lost(plane):
+    old = plane.register("wa")
+    job_id = plane.submit(dp=1).job_id
+    new = plane.register("wa")
+    assert drain(old)[-1] is None  # the old session's command stream ended
+    s = plane.get(job_id)
+    assert (s.outcome, "SEVERE worker_lost" in s.message) == (O.FAILED, True)
+    assert [c.release.job_id for c in drain(new)] == [job_id]  # the release reaches the live session
+    job2 = plane.submit(dp=1).job_id
+    assert [c.launch.job_id for c in drain(new)] == [job2]

@@ -1,0 +1,113 @@
+"""The resource allocator: registry, rank layout, quotas, backend, insufficient, release.
+
+The test plays the orchestrator (the allocator's only commander) on the real bus; the
+launches land on real in-process node-agent sessions."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.contract import Module, control_pb2, engine_pb2
+from services.control.resource_allocator import RELEASE_GRACE_SECONDS
+from services.jobspec import parse_job_spec, spec_to_json
+
+from .conftest import drain, registration, spec_yaml
+
+M = Module
+pytestmark = pytest.mark.timeout(30)
+
+
+def allocate(plane, job_id: str, dp: int, backend: str = "auto", threads: int = 1):
+    spec = parse_job_spec(spec_yaml(dp=dp, backend=backend, threads=threads))
+    msg = control_pb2.AllocateResources(
+        job_id=job_id, world_size=dp, backend=backend, init=engine_pb2.InitJob(job_id=job_id, spec_json=spec_to_json(spec))
+    )
+    return plane.c.bus.command(M.L1_ORCHESTRATOR, M.L1_RESOURCE_ALLOCATOR, msg).message
+
+
+def release(plane, job_id: str, kill: bool = False) -> None:
+    plane.c.bus.command(M.L1_ORCHESTRATOR, M.L1_RESOURCE_ALLOCATOR, control_pb2.ReleaseResources(job_id=job_id, kill=kill))
+
+
+def test_ranks_fill_workers_in_registration_order(plane):
+    a = plane.register("wa", slots=2, host="10.0.0.1")
+    b = plane.register("wb", slots=2, host="10.0.0.2")
+    ready = allocate(plane, "j-1", dp=3, threads=2)
+    assert isinstance(ready, control_pb2.ResourcesReady)
+    assert (list(ready.worker_ids), ready.master_addr, ready.world_size) == (["wa", "wb"], "10.0.0.1", 3)
+    (la,), (lb,) = drain(a), drain(b)
+    got = [(r.rank, r.local_rank, r.worker_id) for r in [*la.launch.ranks, *lb.launch.ranks]]
+    assert got == [(0, 0, "wa"), (1, 1, "wa"), (2, 0, "wb")]
+    ports = {r.master_port for r in [*la.launch.ranks, *lb.launch.ranks]}
+    assert ports == {ready.master_port} and ready.master_port > 0
+    assert {(r.backend, r.device, r.num_threads, r.world_size) for r in la.launch.ranks} == {("gloo", "cpu", 2, 3)}
+    assert la.launch.init.job_id == "j-1"
+
+
+def test_cpu_quota_is_host_memory_per_slot_and_cuda_quota_is_device_memory(plane):
+    cpu = plane.register("cpu", slots=4, memory=16 << 30)
+    allocate(plane, "j-cpu", dp=1)
+    assert drain(cpu)[0].launch.ranks[0].memory_quota_bytes == 4 << 30
+    release(plane, "j-cpu")
+    plane.c.sessions.close(cpu)
+    gpu = plane.register("gpu", slots=2, cuda=2)
+    ready = allocate(plane, "j-gpu", dp=2)
+    ranks = drain(gpu)[0].launch.ranks
+    assert [(r.device, r.backend, r.memory_quota_bytes) for r in ranks] == [
+        ("cuda:0", "nccl", 80 << 30),
+        ("cuda:1", "nccl", 80 << 30),
+    ]
+    assert ready.world_size == 2
+
+
+def test_insufficient_slots_reserve_nothing(plane):
+    a, b = plane.register("wa"), plane.register("wb")
+    reply = allocate(plane, "j-big", dp=3)
+    assert isinstance(reply, control_pb2.ResourcesInsufficient)
+    assert (reply.requested_ranks, reply.available_ranks) == (3, 2)
+    assert reply.reason == "2 are free on 2 registered workers"
+    assert drain(a) == [] and drain(b) == []
+    assert isinstance(allocate(plane, "j-fits", dp=2), control_pb2.ResourcesReady)
+
+
+def test_nccl_on_cpu_slots_is_refused(plane):
+    plane.register("wa")
+    reply = allocate(plane, "j-nccl", dp=1, backend="nccl")
+    assert isinstance(reply, control_pb2.ResourcesInsufficient)
+    assert reply.reason == "backend nccl needs a CUDA device for every rank"
+
+
+def test_release_frees_the_slots_and_tells_each_holding_worker(plane):
+    a, b = plane.register("wa"), plane.register("wb")
+    allocate(plane, "j-1", dp=2)
+    drain(a), drain(b)
+    assert isinstance(allocate(plane, "j-2", dp=1), control_pb2.ResourcesInsufficient)
+    release(plane, "j-1")
+    for session in (a, b):
+        (cmd,) = drain(session)
+        assert (cmd.release.job_id, cmd.release.kill, cmd.release.grace_seconds) == ("j-1", False, RELEASE_GRACE_SECONDS)
+    release(plane, "j-1")  # nothing held any more: a no-op
+    assert drain(a) == []
+    assert isinstance(allocate(plane, "j-2", dp=2), control_pb2.ResourcesReady)
+
+
+def test_a_withdrawn_worker_has_no_slots_and_a_reregistered_one_keeps_its_busy_slots(plane):
+    plane.register("wa", slots=2), plane.register("wb")
+    allocate(plane, "j-1", dp=2)  # wa: slots 0 and 1
+    # Zero slots: the relay's encoding of "this node agent is gone".
+    plane.c.bus.publish(M.EXT_HARDWARE, control_pb2.WorkerRegistration(worker_id="wb", slots=0))
+    assert allocate(plane, "j-2", dp=1).reason == "0 are free on 1 registered workers"
+    # A reconnect with three slots: the job's two ranks may still run there.
+    plane.c.bus.publish(M.EXT_HARDWARE, registration("wa", slots=3))
+    assert allocate(plane, "j-2", dp=2).reason == "1 are free on 1 registered workers"
+    release(plane, "j-1")
+    assert list(allocate(plane, "j-2", dp=3).worker_ids) == ["wa"]
+
+
+def test_a_kill_of_a_job_unknown_here_goes_to_every_worker(plane):
+    # e.g. a job restored after a restart whose ranks may still run somewhere
+    a, b = plane.register("wa"), plane.register("wb")
+    release(plane, "j-before-restart", kill=True)
+    for session in (a, b):
+        (cmd,) = drain(session)
+        assert (cmd.release.job_id, cmd.release.kill, cmd.release.grace_seconds) == ("j-before-restart", True, 0.0)
