@@ -1,0 +1,21 @@
+"""Service ``data`` (layer L4): dataset versions and the micro-batch stream to ranks.
+
+Modules (one file each, named after the seed's roles)::
+
+    dataset_versions.py  L4-1  registry of prepared versions, mount + manifest verification
+    prefetcher.py        L4-2  thread-pool reads of a split into memory (storage order)
+    shuffler.py          L4-3  epoch order = pure function of (seed, epoch); rank shards
+    sample_filter.py     L4-4  drops (too short / too long / banned) and counts, nothing else
+    batch_packer.py      L4-5  PACK or PAD into [micro_batch_size, seq_len] int32, labels -100
+
+Around them: ``prepare.py`` (offline: source files -> immutable version directory),
+``manifest.py`` (sealing and checking manifests), ``documents.py`` (the payloads that ride
+with bus messages), ``errors.py``, ``server.py`` (gRPC relay) and ``__main__.py`` (the
+composition root: the only place modules are built and wired onto the contract bus).
+
+Data path of one stream (every arrow is a route-checked bus message)::
+
+    L2-1 relay --OpenStream--> L4-1 --ActivateSource--> L4-2 --SamplesRead--> L4-3
+    L4-3 --SamplesShuffled--> L4-4 --SamplesFiltered--> L4-5 --MicroBatch--> L2-1 relay
+    (and L2-1 --SetPrefetch/ShufflePlan/FilterRules/PackerConfig--> L4-2/3/4/5, once)
+"""

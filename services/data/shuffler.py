@@ -1,0 +1,116 @@
+"""L4-3 shuffler (数据混洗器): changes the order of documents, nothing else.
+
+It keeps the snapshot of the split the prefetcher read (why the whole split: see
+``prefetcher.py``) and, on each ``ShufflePlan`` from L2-1, emits this rank's shard of that
+epoch's order. The order is :func:`epoch_order`, a pure function of ``(seed, epoch)``: the
+shuffler never picks a seed, never advances the epoch by itself (the next epoch is a new
+plan from L2-1), and never reads training state. Sharding: the rank takes positions
+``rank::world_size`` of the epoch order, so ranks see disjoint documents; a shard's
+position ``k`` is what ``DataPosition.document`` counts.
+
+Commands it takes: ``shuffle_plan`` (L2-1; payload: the ``DataPosition`` to resume from,
+only with the stream's first plan, because ShufflePlan has no field for it yet),
+``samples_read`` (data from L4-2). It publishes ``SamplesShuffled`` (payload
+:class:`Documents`, to the filter) in chunks of ``chunk_documents`` documents; the epoch's
+last chunk has ``last=True`` and may be empty.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from services.contract import data_pb2
+from services.contract.bus import Emitter
+from services.data.documents import Documents
+from services.data.errors import InvalidConfig
+
+
+def epoch_order(seed: int, epoch: int, num_documents: int, enabled: bool = True) -> np.ndarray:
+    """The document order of one epoch: int64 [num_documents], a permutation of
+    ``range(num_documents)`` (storage order when not ``enabled``).
+
+    Pure function of its arguments, and stable across NumPy releases: it sorts the raw
+    64-bit outputs of PCG64 seeded by ``SeedSequence([seed, epoch])``, both of which NumPy
+    keeps stream-compatible (NEP 19), whereas ``Generator.permutation``'s algorithm may change.
+    """
+    if not enabled:
+        return np.arange(num_documents, dtype=np.int64)
+    keys = np.random.PCG64(np.random.SeedSequence([int(seed), int(epoch)])).random_raw(num_documents)
+    return np.argsort(keys, kind="stable").astype(np.int64)
+
+
+class Shuffler:
+    """Holds the split's snapshot; emits one shard of one epoch per plan."""
+
+    def __init__(self, emit: Emitter, chunk_documents: int = 128):
+        if chunk_documents <= 0:
+            raise ValueError(f"chunk_documents: must be > 0, got {chunk_documents}")
+        self._emit = emit
+        self._chunk = chunk_documents
+        self._parts: list[np.ndarray] = []       # token arrays as read, in storage order
+        self._part_bounds: list[np.ndarray] = []  # their document bounds, until complete
+        self._num_read = 0
+        self._doc_part = np.zeros(0, np.int64)   # [N] which part holds document i
+        self._doc_lo = np.zeros(0, np.int64)     # [N] its first token within that part
+        self._doc_hi = np.zeros(0, np.int64)     # [N] one past its last token
+        self._complete = False
+        self._split = ""
+        self._tokenizer = ""
+        self._dtype = np.dtype(np.uint16)
+        # "idle" | "buffering" | "shuffling" | "done" (a plan's shard fully emitted)
+        self._state = "idle"
+
+    # ---- commands -------------------------------------------------------------------
+
+    def samples_read(self, msg: data_pb2.SamplesRead, docs: Documents) -> None:
+        """Add a batch of documents (storage order, contiguous) to the snapshot."""
+        if self._complete:
+            raise RuntimeError("shuffler: samples read after the split was complete")
+        if len(docs) and int(docs.index_n[0]) != self._num_read:
+            raise RuntimeError(f"shuffler: expected document {self._num_read}, got {int(docs.index_n[0])}")
+        self._state = "buffering"
+        self._num_read += len(docs)
+        self._parts.append(docs.tokens_T)
+        self._part_bounds.append(docs.bounds_n1)
+        self._split, self._tokenizer, self._dtype = docs.split, docs.tokenizer, docs.tokens_T.dtype
+        if docs.last:
+            counts = [len(b) - 1 for b in self._part_bounds]
+            self._doc_part = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+            self._doc_lo = np.concatenate([b[:-1] for b in self._part_bounds])
+            self._doc_hi = np.concatenate([b[1:] for b in self._part_bounds])
+            self._part_bounds = []
+            self._complete = True
+
+    def shuffle_plan(self, msg: data_pb2.ShufflePlan, start: data_pb2.DataPosition | None = None) -> None:
+        """Emit this rank's shard of epoch ``msg.epoch``, from shard position
+        ``start.document`` (0 without ``start``), then return.
+
+        Raises:
+            InvalidConfig: ``world_size`` is 0, ``rank >= world_size``, or ``start`` is for
+                another epoch.
+            RuntimeError: the split has not been read completely yet (wiring fault).
+        """
+        if msg.world_size == 0 or msg.rank >= msg.world_size:
+            raise InvalidConfig(f"shuffle: rank {msg.rank} / world_size {msg.world_size}: need rank < world_size")
+        if start is not None and start.epoch != msg.epoch:
+            raise InvalidConfig(f"shuffle: start.epoch {start.epoch} differs from the plan's epoch {msg.epoch}")
+        if not self._complete:
+            raise RuntimeError("shuffler: shuffle plan before the split was read")
+        self._state = "shuffling"
+        shard = epoch_order(msg.seed, msg.epoch, len(self._doc_part), msg.enabled)[msg.rank::msg.world_size]
+        cursor = min(int(start.document), len(shard)) if start is not None else 0
+        while True:
+            hi = min(cursor + self._chunk, len(shard))
+            self._emit_chunk(shard[cursor:hi], np.arange(cursor, hi, dtype=np.int64), msg.epoch, hi == len(shard))
+            if hi == len(shard):
+                break
+            cursor = hi
+        self._state = "done"
+
+    # ---- private ----------------------------------------------------------------------
+
+    def _emit_chunk(self, docs: np.ndarray, positions: np.ndarray, epoch: int, last: bool) -> None:
+        parts = [self._parts[p][lo:hi] for p, lo, hi in
+                 zip(self._doc_part[docs].tolist(), self._doc_lo[docs].tolist(), self._doc_hi[docs].tolist())]
+        batch = Documents.join(parts, positions, epoch, last, self._split, self._tokenizer, self._dtype)
+        self._emit(data_pb2.SamplesShuffled(count=len(batch)), batch)

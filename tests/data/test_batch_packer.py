@@ -1,0 +1,110 @@
+"""L4-5: fixed-shape batches; padding is pad_id with label -100; pack rows share a boundary."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.contract import Module, data_pb2
+from services.contract.bus import Bus
+from services.data.batch_packer import BatchPacker
+from services.data.errors import InvalidConfig
+
+from .helpers import as_arrays, make_docs
+
+X = -100  # label of padding
+
+
+def wired(mode, seq_len=4, batch=2, pad_id=9, separator_id=-1, start=None):
+    bus = Bus()
+    packer = BatchPacker(bus.emitter(Module.L4_BATCH_PACKER))
+    bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.PackerConfig, packer.packer_config)
+    bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.SamplesFiltered, packer.samples_filtered)
+    batches, exhausted = [], []
+    bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.MicroBatch, lambda m, p: batches.append(m))
+    bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.DataExhausted, lambda m, p: exhausted.append(m))
+    cfg = data_pb2.PackerConfig(seq_len=seq_len, micro_batch_size=batch, pad_id=pad_id, mode=mode,
+                                separator_id=separator_id)
+    bus.port(Module.L2_TRAINING_LOOP, Module.L4_BATCH_PACKER)(cfg, start)
+    return bus, batches, exhausted
+
+
+def send(bus, docs):
+    bus.publish(Module.L4_FILTER, data_pb2.SamplesFiltered(count=len(docs)), docs)
+
+
+def pos(b):
+    return (b.next.epoch, b.next.document, b.next.offset)
+
+
+def test_pad_mode_pads_with_the_pad_id_and_labels_padding_minus_100():
+    bus, batches, exhausted = wired(data_pb2.PAD)
+    send(bus, make_docs([1, 2, 3], [4], [5, 6, 7, 8, 9, 10, 11], first=20, last=True))
+    assert len(batches) == 2
+    (i0, l0), (i1, l1) = as_arrays(batches[0]), as_arrays(batches[1])
+    # [1,2,3] fills part of a row; [4] has no label so makes no row; the long document
+    # continues on the next row, starting again at its boundary token 9.
+    assert i0.tolist() == [[1, 2, 9, 9], [5, 6, 7, 8]]
+    assert l0.tolist() == [[2, 3, X, X], [6, 7, 8, 9]]
+    assert i1.tolist() == [[9, 10, 9, 9], [9, 9, 9, 9]]  # the last batch keeps its size: a padding row
+    assert l1.tolist() == [[10, 11, X, X], [X, X, X, X]]
+    assert [b.tokens for b in batches] == [6, 2]          # labels that are not -100
+    assert pos(batches[0]) == (0, 22, 4) and pos(batches[1]) == (1, 0, 0)
+    assert [(e.split, e.position.epoch, e.position.document) for e in exhausted] == [("train", 1, 0)]
+
+
+def test_pack_mode_rows_are_seq_len_plus_one_tokens_input_row_minus_last_labels_row_minus_first():
+    bus, batches, _ = wired(data_pb2.PACK, separator_id=0)
+    send(bus, make_docs(list(range(1, 11)), first=3))   # 10 tokens + separator = 11
+    assert len(batches) == 1
+    ids, labels = as_arrays(batches[0])
+    assert ids.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert labels.tolist() == [[2, 3, 4, 5], [6, 7, 8, 9]]  # row r = tokens[4r : 4r + 5]
+    assert batches[0].tokens == 8 and pos(batches[0]) == (0, 3, 8)
+
+
+def test_pack_mode_separates_documents_and_pads_the_rest_at_the_end_of_the_epoch():
+    bus, batches, exhausted = wired(data_pb2.PACK, separator_id=0)
+    send(bus, make_docs([1, 2, 3], [4, 5]))
+    assert batches == []                                  # 7 tokens: not a full batch yet
+    send(bus, make_docs(last=True, first=2))              # the epoch ends
+    ids, labels = as_arrays(batches[0])
+    assert ids.tolist() == [[1, 2, 3, 0], [4, 5, 9, 9]]
+    assert labels.tolist() == [[2, 3, 0, 4], [5, 0, X, X]]
+    assert batches[0].tokens == 6 and pos(batches[0]) == (1, 0, 0) and len(exhausted) == 1
+
+
+def test_documents_split_over_chunks_pack_exactly_as_if_sent_at_once():
+    docs = [list(range(10 * k + 1, 10 * k + 1 + (k % 7) + 2)) for k in range(30)]
+
+    def run(chunks):
+        bus, batches, _ = wired(data_pb2.PACK, seq_len=5, batch=3, separator_id=0)
+        lo = 0
+        for size in chunks:
+            send(bus, make_docs(*docs[lo:lo + size], first=lo, last=lo + size == len(docs)))
+            lo += size
+        return [(b.input_ids, b.labels, pos(b)) for b in batches]
+
+    assert run([30]) == run([1, 2, 3, 4, 20]) == run([7] * 4 + [2])
+
+
+def test_the_batch_size_and_sequence_length_never_change():
+    bus, batches, _ = wired(data_pb2.PAD, seq_len=8, batch=3)
+    rng = np.random.default_rng(0)
+    send(bus, make_docs(*[rng.integers(1, 200, size=int(n)) for n in rng.integers(1, 40, size=25)], last=True))
+    assert batches and {(b.batch_size, b.seq_len, len(b.input_ids), len(b.labels)) for b in batches} == {(3, 8, 96, 96)}
+
+
+def test_a_resume_offset_skips_the_tokens_already_emitted_from_that_document():
+    start = data_pb2.DataPosition(epoch=0, document=22, offset=4)
+    bus, batches, _ = wired(data_pb2.PAD, start=start)
+    send(bus, make_docs([5, 6, 7, 8, 9, 10, 11], first=22, last=True))
+    ids, labels = as_arrays(batches[0])
+    assert ids.tolist()[0] == [9, 10, 9, 9] and labels.tolist()[0] == [10, 11, X, X]
+
+
+def test_a_bad_config_is_refused_with_the_field_named():
+    with pytest.raises(InvalidConfig, match=r"^packer\.seq_len: must be > 0, got 0$"):
+        wired(data_pb2.PACK, seq_len=0)
+    with pytest.raises(InvalidConfig, match=r"packer\.mode: must be PACK or PAD, got PACK_MODE_UNSPECIFIED"):
+        wired(data_pb2.PACK_MODE_UNSPECIFIED)

@@ -1,0 +1,130 @@
+"""The real ``python -m services.data`` process over gRPC: Mount, List, Stream, errors, shutdown."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.grpc_server import channel
+from services.contract import data_pb2, data_pb2_grpc
+
+from .helpers import as_arrays, open_stream
+
+pytestmark = pytest.mark.timeout(120)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(root: Path, port: int, home: Path) -> subprocess.Popen:
+    env = {**os.environ, "SURGE_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+    env.pop("SURGE_DATA_ROOT", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.data", "--port", str(port), "--host", "127.0.0.1", "--data-root", str(root)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+@pytest.fixture
+def service(dataset, root, tmp_path):
+    port = free_port()
+    proc = start(root, port, tmp_path / "home")
+    ch = channel(f"127.0.0.1:{port}")
+    try:
+        grpc.channel_ready_future(ch).result(timeout=60)
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="surge.v1.DataService"))
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        yield proc, data_pb2_grpc.DataServiceStub(ch)
+    finally:
+        ch.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def code_and_details(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value.code(), e.value.details()
+
+
+def test_the_service_mounts_lists_streams_and_stops_on_sigterm(service, dataset, root):
+    proc, stub = service
+    listed = stub.List(data_pb2.DatasetQuery(), timeout=30).datasets
+    assert [(d.name, d.version, d.manifest_sha256) for d in listed] == [("tiny", "v1", dataset.manifest_sha256)]
+
+    ready = stub.Mount(data_pb2.MountDataset(name="tiny", version="v1", verify=True), timeout=30)
+    assert (ready.train_documents, ready.train_tokens, ready.vocab_size) == (
+        dataset.train_documents, dataset.train_tokens, 256)
+
+    batches = list(stub.Stream(open_stream(seq_len=64, micro_batch_size=4, repeat=True, max_batches=3), timeout=30))
+    assert len(batches) == 3
+    ids, labels = as_arrays(batches[0])
+    assert ids.shape == labels.shape == (4, 64) and batches[0].tokens == 4 * 64
+    assert (ids[:, 1:] == labels[:, :-1]).all()  # pack mode: labels are the inputs shifted by one
+
+    val = list(stub.Stream(open_stream(split="val", seq_len=64, micro_batch_size=4), timeout=30))
+    assert val and val[-1].next.epoch == 1  # a non-repeating stream ends normally after its epoch
+
+    # A rank that hangs up mid-stream leaves the service healthy.
+    call = stub.Stream(open_stream(repeat=True), timeout=30)
+    next(call)
+    call.cancel()
+    assert len(list(stub.Stream(open_stream(max_batches=2), timeout=30))) == 2
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+
+
+def test_errors_are_grpc_statuses_with_one_line_messages(service, dataset, root):
+    _, stub = service
+    assert code_and_details(lambda: stub.Mount(data_pb2.MountDataset(name="tiny", version="v9"), timeout=30)) == (
+        grpc.StatusCode.NOT_FOUND, "dataset tiny@v9 not found (have: tiny@v1)")
+
+    shutil.copytree(dataset.path, root / "tiny" / "v2")
+    victim = root / "tiny" / "v2" / "train.bin"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    code, details = code_and_details(
+        lambda: stub.Mount(data_pb2.MountDataset(name="tiny", version="v2", verify=True), timeout=30))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert details.startswith("dataset tiny@v2: train.bin: sha256 mismatch (manifest ") and "\n" not in details
+
+    code, details = code_and_details(lambda: list(stub.Stream(open_stream(version="v2", verify=True), timeout=30)))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "sha256 mismatch" in details
+    code, details = code_and_details(lambda: list(stub.Stream(open_stream(seq_len=0), timeout=30)))
+    assert (code, details) == (grpc.StatusCode.INVALID_ARGUMENT, "packer.seq_len: must be > 0, got 0")
+    code, details = code_and_details(lambda: list(stub.Stream(open_stream(min_tokens=10**6, repeat=True), timeout=30)))
+    assert code == grpc.StatusCode.OUT_OF_RANGE and "no document left after filtering" in details
+
+
+def test_a_port_in_use_is_a_one_line_error(root, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = start(root, port, tmp_path / "home")
+        try:
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 1
+    assert err.strip() == f"error: data: cannot listen on 127.0.0.1:{port} (port already in use?)"

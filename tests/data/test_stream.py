@@ -1,0 +1,125 @@
+"""The whole pipeline in-process (real bus, real modules): resume, sharding, epochs, errors."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from services.contract import data_pb2
+from services.data.__main__ import build_stream
+from services.data.errors import DatasetCorrupt, DatasetNotFound, InvalidConfig, NoDocuments
+from services.data.prepare import prepare_dataset
+
+from .helpers import as_arrays, open_stream
+
+
+def stream(root, **kw) -> list[data_pb2.MicroBatch]:
+    return list(build_stream(root).batches(open_stream(**kw)))
+
+
+def key(b: data_pb2.MicroBatch):
+    return b.input_ids, b.labels, (b.next.epoch, b.next.document, b.next.offset)
+
+
+@pytest.mark.parametrize("mode", [data_pb2.PACK, data_pb2.PAD])
+def test_a_stream_opened_at_any_next_position_continues_exactly(dataset, root, mode):
+    kw = dict(mode=mode, seq_len=32, micro_batch_size=3, min_tokens=40, banned_bytes=b"\0",
+              rank=1, world_size=2)
+    full = stream(root, **kw)
+    assert len(full) > 20 and full[-1].next.epoch == 1
+    assert any(b.next.offset for b in full)  # some cuts fall inside a document
+    for k in range(0, len(full) - 1, 4):
+        resumed = stream(root, start=full[k].next, **kw)
+        assert [key(b) for b in resumed] == [key(b) for b in full[k + 1:]], f"resume after batch {k}"
+
+
+def documents_of(rows_ids, rows_labels) -> list[bytes]:
+    """PAD rows holding whole documents back to bytes: first input, then every label."""
+    out = []
+    for ids, labels in zip(rows_ids, rows_labels):
+        n = int((labels != -100).sum())
+        if n:
+            out.append(bytes([int(ids[0]), *labels[:n].tolist()]))
+    return out
+
+
+def test_ranks_see_disjoint_documents_that_together_are_the_split(dataset, root):
+    tokens = np.fromfile(dataset.path / "train.bin", dtype="<u2")
+    bounds = np.load(dataset.path / "train.idx.npy")
+    split = sorted(tokens[bounds[i]:bounds[i + 1]].astype(np.uint8).tobytes() for i in range(len(bounds) - 1))
+    per_rank = []
+    for rank in range(3):
+        docs = []
+        for b in stream(root, mode=data_pb2.PAD, seq_len=4096, micro_batch_size=2, rank=rank, world_size=3):
+            ids, labels = as_arrays(b)
+            docs += documents_of(ids, labels)
+        per_rank.append(docs)
+    assert all(per_rank) and not set(per_rank[0]) & set(per_rank[1]) and not set(per_rank[1]) & set(per_rank[2])
+    assert sorted(d for docs in per_rank for d in docs) == split
+
+
+def test_repeat_goes_on_to_the_next_epoch_in_a_new_order(dataset, root):
+    one = stream(root)
+    both = stream(root, repeat=True, max_batches=2 * len(one))
+    assert len(both) == 2 * len(one)
+    assert [key(b) for b in both[:len(one)]] == [key(b) for b in one]
+    second = both[len(one):]
+    assert {b.next.epoch for b in second[:-1]} == {1} and second[-1].next.epoch == 2
+    assert [b.input_ids for b in second] != [b.input_ids for b in one]  # epoch 1 is another order
+
+
+def test_a_single_pass_over_a_shard_with_no_document_just_ends(dataset, root):
+    # More ranks than held-out documents: the last rank's evaluation shard is empty.
+    assert stream(root, split="val", rank=dataset.val_documents, world_size=dataset.val_documents + 1) == []
+
+
+def test_max_batches_ends_the_stream_early(dataset, root):
+    assert len(stream(root, repeat=True, max_batches=5)) == 5
+
+
+def test_the_filter_report_rides_on_every_batch_and_adds_up(dataset, root):
+    last = {}
+    for split in ("train", "val"):
+        batches = stream(root, split=split, min_tokens=50, banned_bytes=b"\0")
+        assert [b.filter.kept for b in batches] == sorted(b.filter.kept for b in batches)  # cumulative
+        assert all(b.tokens > 0 for b in batches)
+        last[split] = batches[-1].filter
+    for split, documents in (("train", dataset.train_documents), ("val", dataset.val_documents)):
+        r = last[split]
+        assert r.kept + r.dropped_too_short + r.dropped_too_long + r.dropped_banned == documents
+    assert sum(r.dropped_banned for r in last.values()) == 1       # has_nul.py, in whichever split
+    assert sum(r.dropped_too_short for r in last.values()) == 1    # mod_00.py: 11 bytes
+
+
+def test_errors_end_the_stream_with_one_line_reasons(dataset, root):
+    with pytest.raises(DatasetNotFound, match=r"^dataset tiny@v9 not found \(have: tiny@v1\)$"):
+        stream(root, version="v9")
+    with pytest.raises(InvalidConfig, match=r"^packer\.micro_batch_size: must be > 0, got 0$"):
+        stream(root, micro_batch_size=0)
+    with pytest.raises(InvalidConfig, match=r"^open_stream\.split: must be 'train' or 'val', got 'test'$"):
+        stream(root, split="test")
+    with pytest.raises(NoDocuments, match=r"split train: rank 0 of 1 has no document left after filtering in epoch 0"):
+        stream(root, min_tokens=10**6, repeat=True)
+    (dataset.path / "val.bin").write_bytes(bytes(reversed((dataset.path / "val.bin").read_bytes())))
+    with pytest.raises(DatasetCorrupt, match=r"val\.bin: sha256 mismatch"):
+        stream(root, split="val", verify=True)
+
+
+def test_the_pipeline_outpaces_a_rank_by_far(tmp_path):
+    """8 x 256 micro-batches from a 4 MB dataset; a rank needs ~3 per second."""
+    src = tmp_path / "big"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(200):
+        (src / f"m{i}.py").write_bytes(rng.integers(32, 127, size=20_000, dtype=np.uint8).tobytes())
+    root = tmp_path / "ds"
+    prepare_dataset(src, "big", "v1", root)
+    relay = build_stream(root)
+    req = open_stream(name="big", seq_len=256, micro_batch_size=8, watermark=256, repeat=True, max_batches=1500)
+    t0 = time.perf_counter()
+    n = sum(1 for _ in relay.batches(req))
+    rate = n / (time.perf_counter() - t0)
+    print(f"in-process stream: {rate:.0f} micro-batches/s (8 x 256)")
+    assert n == 1500 and rate > 300
