@@ -52,6 +52,7 @@ def dataset_prepare(
     version: str = typer.Option("v1", help="version label (immutable once prepared)"),
     source: Optional[Path] = typer.Option(None, help="directory of text files (default: this Python's standard library)"),
     tokenizer: str = typer.Option("bytes", help="'bytes' (vocab 256) or a HF tokenizers JSON file"),
+    val_fraction: float = typer.Option(0.02, min=0.0, max=0.5, help="share of files held out (by file)"),
 ) -> None:
     """Tokenize a directory into an immutable, hashed dataset version.
 
@@ -63,7 +64,7 @@ def dataset_prepare(
     src = source or default_stdlib_source()
     if not Path(src).is_dir():
         raise CliError(f"--source {src}: not a directory")
-    info = prepare_dataset(Path(src), name, version, paths.datasets_root(), tokenizer=tokenizer)
+    info = prepare_dataset(Path(src), name, version, paths.datasets_root(), tokenizer=tokenizer, val_fraction=val_fraction)
     render.console.print(f"prepared {name}@{version}: {info}")
 
 

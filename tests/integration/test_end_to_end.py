@@ -56,7 +56,7 @@ def stack(tmp_path_factory):
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     for pkg in ("json", "email", "logging", "asyncio"):
         shutil.copytree(stdlib / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    prep = cli(home, "dataset", "prepare", "--name", "tiny", "--version", "v1", "--source", str(src))
+    prep = cli(home, "dataset", "prepare", "--name", "tiny", "--version", "v1", "--source", str(src), "--val-fraction", "0.2")
     assert prep.returncode == 0, prep.stderr
     up = cli(home, "up", "--workers", "2", timeout=120)
     try:
