@@ -36,6 +36,9 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
+lint: setup
+	$(BIN)/lint-imports
+
 up: setup
 	$(BIN)/surgectl up
 
