@@ -1,0 +1,76 @@
+"""L3-4 backward unit: loss from logits and labels, then gradients.
+
+Receives: ``RunBackward`` from the training loop (payload: ``(logits_BTV, labels_BT)``;
+labels int64 on the CPU, -100 marks padding). Replies ``BackwardDone`` with the unscaled
+loss sum (nats) and the number of non-padding tokens.
+
+    loss = sum_t CE(logits_t, label_t) / normalizer * loss_scale     (padding excluded)
+
+Cross entropy is computed in float32 whatever the compute dtype. ``backward=False`` computes
+the loss sum only, without autograd (evaluation).
+
+Gradient buffers are this unit's product: they start from zero at the first micro-step of
+each accumulation window (every ``micro_steps`` backward passes, a count pushed once at
+construction) and accumulate within it. Nothing here scales, clips or reduces them.
+
+One host sync per call (the loss sum as a Python float); the token count is taken from the
+CPU labels, no device sync.
+
+Red lines kept (seed L3-4): no gradient reduction or communication, no weight update, no
+gradient edits beyond the loss scale it is told, no reading of other modules' state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from services.contract import engine_pb2
+from services.contract.bus import Emitter
+
+IGNORE_INDEX = -100
+
+
+class BackwardUnit:
+    """L3-4."""
+
+    def __init__(self, emit: Emitter, *, micro_steps: int = 1):
+        if micro_steps < 1:
+            raise ValueError(f"backward unit: micro_steps must be >= 1, got {micro_steps}")
+        self._emit = emit
+        self._micro_steps = micro_steps
+        self._params: list[torch.Tensor] = []
+        self._passes = 0  # backward passes run, for the accumulation window
+        self._state = "idle"  # idle | running | grads_ready | error
+
+    def attach(self, parameters: Iterable[torch.Tensor]) -> None:
+        """Composition root: the parameters whose gradients this unit produces."""
+        self._params = list({id(p): p for p in parameters}.values())
+
+    def run_backward(self, msg: engine_pb2.RunBackward, payload: tuple[torch.Tensor, torch.Tensor]) -> engine_pb2.BackwardDone:
+        """启动反向计算指令. Raises ValueError for a non-positive normalizer or loss scale."""
+        if msg.normalizer <= 0:
+            raise ValueError(f"backward unit: normalizer must be > 0, got {msg.normalizer}")
+        if msg.backward and msg.loss_scale <= 0:
+            raise ValueError(f"backward unit: loss_scale must be > 0, got {msg.loss_scale}")
+        t0 = time.perf_counter()
+        logits_BTV, labels_BT = payload
+        tokens = int((labels_BT != IGNORE_INDEX).sum())  # CPU labels: no device sync
+        labels_N = labels_BT.to(logits_BTV.device, non_blocking=True).reshape(-1)
+        logits_NV = logits_BTV.reshape(-1, logits_BTV.shape[-1]).float()
+        if not msg.backward:
+            with torch.no_grad():
+                loss_sum = F.cross_entropy(logits_NV, labels_N, ignore_index=IGNORE_INDEX, reduction="sum")
+            return engine_pb2.BackwardDone(loss_sum=float(loss_sum), tokens=tokens, seconds=time.perf_counter() - t0)
+        self._state = "running"
+        if self._passes % self._micro_steps == 0:  # a new accumulation window starts from zero
+            for p in self._params:
+                p.grad = None
+        loss_sum = F.cross_entropy(logits_NV, labels_N, ignore_index=IGNORE_INDEX, reduction="sum")
+        (loss_sum * (msg.loss_scale / msg.normalizer)).backward()
+        self._passes += 1
+        self._state = "grads_ready"
+        return engine_pb2.BackwardDone(loss_sum=float(loss_sum.detach()), tokens=tokens, seconds=time.perf_counter() - t0)

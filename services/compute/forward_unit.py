@@ -1,0 +1,79 @@
+"""L3-3 forward unit: token ids in, logits out. No loss, no gradients of its own.
+
+Receives: ``ConfigureForward`` (the job spec's kernel choice, once; relayed to the operator
+adapter as ``SelectOperators``), ``RunForward`` (payload: input ids int64 [B, T], on the
+CPU) from the training loop, and ``OperatorsReady`` from the adapter. Replies
+``ForwardDone`` with the logits handle as payload ([B, T, V]; float32, or bfloat16 under
+the bf16 region). Under ``training=False`` the pass runs without autograd (evaluation).
+
+The module it runs is the one the composition root attached: with data parallelism that is
+the DDP wrapper, so the forward pass also prepares DDP's overlapped gradient reduction.
+
+``seconds`` is host wall time; on CUDA it measures kernel launch, not execution.
+
+Red lines kept (seed L3-3): no backward, no loss, no communication of its own, weights
+read-only, kernels only as selected by command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from services.contract import engine_pb2
+from services.contract.bus import CommandPort, Emitter, Reply
+
+
+class Operators(Protocol):
+    """What the operator adapter hands over in OperatorsReady's payload (units do not
+    import each other; this is the shape of the handle)."""
+
+    attention: str
+
+    def region(self) -> contextlib.AbstractContextManager: ...
+
+
+class ForwardUnit:
+    """L3-3. ``operators`` is its port to L3_OPERATOR_ADAPTER."""
+
+    def __init__(self, emit: Emitter, operators: CommandPort):
+        self._emit = emit
+        self._operators_port = operators
+        self._module: nn.Module | None = None
+        self._device: torch.device | None = None
+        self._ops: Operators | None = None
+        self._state = "idle"  # idle | running | error
+
+    def attach(self, module: nn.Module) -> None:
+        """Composition root: the module to run (the DDP wrapper under data parallelism)."""
+        self._module = module
+        self._device = next(module.parameters()).device
+
+    # ------------------------------------------------------------------ commands / events
+
+    def configure_forward(self, msg: engine_pb2.ConfigureForward, payload: Any = None) -> None:
+        reply = self._operators_port(engine_pb2.SelectOperators(attention=msg.attention))
+        self._ops = reply.payload
+
+    def on_operators_ready(self, msg: engine_pb2.OperatorsReady, payload: Operators) -> None:
+        self._ops = payload
+
+    def run_forward(self, msg: engine_pb2.RunForward, payload: torch.Tensor) -> Reply:
+        """执行前向计算指令. Raises RuntimeError when no module is attached or no kernel
+        was selected; errors of the model itself propagate."""
+        if self._module is None or self._device is None:
+            raise RuntimeError("forward unit: no model attached")
+        if self._ops is None or not self._ops.attention:
+            raise RuntimeError("forward unit: no attention kernel selected (ConfigureForward first)")
+        t0 = time.perf_counter()
+        self._state = "running"
+        idx_BT = payload.to(self._device, non_blocking=True)
+        self._module.train(msg.training)
+        with torch.set_grad_enabled(msg.training), self._ops.region():
+            logits_BTV = self._module(idx_BT, attention=self._ops.attention)
+        self._state = "idle"
+        return Reply(engine_pb2.ForwardDone(seconds=time.perf_counter() - t0), logits_BTV)

@@ -1,0 +1,76 @@
+"""Load a committed checkpoint into a fresh model for sampling (single process, no group).
+
+Checkpoints are torch.distributed.checkpoint (DCP) directories written by the ranks; the
+model's weights are the ``model.*`` keys (see ``services/worker/store_client.py``). Loading
+never unpickles arbitrary objects: :class:`SafeLoadPlanner` reads DCP's non-tensor entries
+with ``torch.load(weights_only=True)`` (plain numbers, strings, lists, dicts only).
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.planner import ReadItem
+
+from services.compute.model import build_model, generate
+from services.jobspec import JobSpec, spec_from_json
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner, except that non-tensor values are loaded with weights_only=True."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def load_model_for_inference(checkpoint_path: str, spec: JobSpec) -> nn.Module:
+    """A model built from ``spec.model`` with the weights of the DCP checkpoint at
+    ``checkpoint_path``, on the CPU, in eval mode.
+
+    Raises:
+        FileNotFoundError: no checkpoint there.
+        RuntimeError: the checkpoint does not hold this model's keys or shapes.
+    """
+    model = build_model(spec.model, seed=spec.seed)
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # "assuming single process": yes, that is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=checkpoint_path, planner=SafeLoadPlanner(), no_dist=True)
+    model.load_state_dict(state["model"])
+    return model.eval()
+
+
+def generate_text(
+    checkpoint_path: str,
+    spec_json: str,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int = 40,
+    seed: int = 0,
+) -> str:
+    """Continue ``prompt`` with a byte-level model (vocab 256: token = UTF-8 byte).
+
+    Raises ValueError for a model that is not byte-level (no tokenizer to decode with yet).
+    """
+    spec = spec_from_json(spec_json)
+    if spec.model.vocab_size != 256:
+        raise ValueError(
+            f"generate: model.vocab_size is {spec.model.vocab_size}; only byte-level models (256) can be sampled for now"
+        )
+    model = load_model_for_inference(checkpoint_path, spec)
+    prompt_ids = torch.tensor(list(prompt.encode("utf-8")) or [0], dtype=torch.int64)
+    out = generate(
+        model, prompt_ids, max_new_tokens, temperature, top_k, generator=torch.Generator().manual_seed(seed)
+    )
+    return bytes(out.tolist()).decode("utf-8", errors="replace")

@@ -1,0 +1,242 @@
+"""Decoder-only transformer (pre-norm, RoPE, SwiGLU or GELU MLP), kept thin on purpose.
+
+Parallelism, precision and checkpointing are applied to this module from outside (by the
+gradient-reduction unit, the operator adapter and the checkpoint writer); nothing here
+knows about ranks or devices beyond the tensors it is given.
+
+Shape legend (suffixes on tensor names, torchtitan style):
+    B  batch rows                     T  time (sequence positions)
+    D  model width (d_model)          H  attention heads
+    K  head width (D / H)             F  MLP hidden width
+    V  vocabulary size
+
+Architecture sources:
+    * pre-norm residual blocks: GPT-2 (Radford et al. 2019), RMSNorm (Zhang & Sennrich 2019)
+      as in LLaMA (Touvron et al. 2023);
+    * rotary position embedding, "rotate-half" layout: RoFormer (Su et al. 2021) as in
+      GPT-NeoX / LLaMA;
+    * SwiGLU MLP (Shazeer 2020) with hidden width 2/3 * mlp_ratio * D (LLaMA), rounded to
+      a multiple of 8 so both MLP choices cost about the same FLOPs;
+    * initialisation N(0, init_std), residual output projections scaled by
+      1/sqrt(2 * n_layers) (GPT-2).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.jobspec import ModelSpec
+
+ATTENTION_BACKENDS = ("sdpa", "math")
+
+
+def mlp_hidden_width(spec: ModelSpec) -> int:
+    """F for ``spec``: mlp_ratio * D (GELU) or 2/3 of it rounded to a multiple of 8 (SwiGLU)."""
+    if spec.mlp == "swiglu":
+        return max(8, 8 * round(2 / 3 * spec.mlp_ratio * spec.d_model / 8))
+    return max(1, round(spec.mlp_ratio * spec.d_model))
+
+
+# ------------------------------------------------------------------ attention kernels
+
+
+def sdpa_attention(q_BHTK: torch.Tensor, k_BHTK: torch.Tensor, v_BHTK: torch.Tensor) -> torch.Tensor:
+    """Causal attention through ``F.scaled_dot_product_attention`` (fused kernels)."""
+    return F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTK, is_causal=True)
+
+
+def math_attention(q_BHTK: torch.Tensor, k_BHTK: torch.Tensor, v_BHTK: torch.Tensor) -> torch.Tensor:
+    """Causal attention written out: softmax(Q K^T / sqrt(K) + causal mask) V (Vaswani et al. 2017)."""
+    T, K = q_BHTK.shape[-2], q_BHTK.shape[-1]
+    scores_BHTT = (q_BHTK @ k_BHTK.transpose(-2, -1)) * (1.0 / math.sqrt(K))
+    future_TT = torch.ones(T, T, dtype=torch.bool, device=q_BHTK.device).triu(1)
+    scores_BHTT = scores_BHTT.masked_fill(future_TT, float("-inf"))
+    return torch.softmax(scores_BHTT.float(), dim=-1).to(v_BHTK.dtype) @ v_BHTK
+
+
+_KERNELS = {"sdpa": sdpa_attention, "math": math_attention}
+
+
+# ------------------------------------------------------------------ rotary embedding
+
+
+class Rotary:
+    """cos/sin tables of RoPE, cached per (T, device, dtype). Not a buffer: nothing to
+    save, nothing for DDP to broadcast each step."""
+
+    def __init__(self, head_dim: int, theta: float):
+        self._inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self._cache: dict[tuple[int, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, T: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (T, device, dtype)
+        if key not in self._cache:
+            angles_TK2 = torch.outer(torch.arange(T, dtype=torch.float64), self._inv_freq)
+            self._cache[key] = (
+                angles_TK2.cos().to(device=device, dtype=dtype),
+                angles_TK2.sin().to(device=device, dtype=dtype),
+            )
+        return self._cache[key]
+
+
+def apply_rotary(x_BHTK: torch.Tensor, cos_TK2: torch.Tensor, sin_TK2: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x_BHTK.chunk(2, dim=-1)
+    return torch.cat((x1 * cos_TK2 - x2 * sin_TK2, x1 * sin_TK2 + x2 * cos_TK2), dim=-1)
+
+
+# ------------------------------------------------------------------ blocks
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.n_heads = spec.n_heads
+        self.qkv = nn.Linear(spec.d_model, 3 * spec.d_model, bias=False)
+        self.proj = nn.Linear(spec.d_model, spec.d_model, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kernel) -> torch.Tensor:
+        B, T, D = x_BTD.shape
+        qkv_BT3HK = self.qkv(x_BTD).view(B, T, 3, self.n_heads, D // self.n_heads)
+        q_BHTK, k_BHTK, v_BHTK = qkv_BT3HK.permute(2, 0, 3, 1, 4).unbind(0)
+        cos, sin = rope
+        q_BHTK = apply_rotary(q_BHTK, cos.to(q_BHTK.dtype), sin.to(q_BHTK.dtype))
+        k_BHTK = apply_rotary(k_BHTK, cos.to(k_BHTK.dtype), sin.to(k_BHTK.dtype))
+        y_BHTK = kernel(q_BHTK, k_BHTK, v_BHTK)
+        return self.proj(y_BHTK.transpose(1, 2).reshape(B, T, D))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.kind = spec.mlp
+        hidden = mlp_hidden_width(spec)
+        # SwiGLU: gate and up projections fused into one matmul of width 2F.
+        self.up = nn.Linear(spec.d_model, (2 if self.kind == "swiglu" else 1) * hidden, bias=False)
+        self.down = nn.Linear(hidden, spec.d_model, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        if self.kind == "swiglu":
+            gate_BTF, up_BTF = self.up(x_BTD).chunk(2, dim=-1)
+            return self.down(F.silu(gate_BTF) * up_BTF)
+        return self.down(F.gelu(self.up(x_BTD), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(spec.d_model, eps=spec.norm_eps)
+        self.attn = Attention(spec)
+        self.mlp_norm = nn.RMSNorm(spec.d_model, eps=spec.norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x_BTD: torch.Tensor, rope, kernel) -> torch.Tensor:
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), rope, kernel)
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+
+
+class Transformer(nn.Module):
+    """Token ids int64 [B, T] -> logits [B, T, V] (float32, or the autocast dtype)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.tok_emb = nn.Embedding(spec.vocab_size, spec.d_model)
+        self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.n_layers))
+        self.norm = nn.RMSNorm(spec.d_model, eps=spec.norm_eps)
+        self.lm_head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
+        if spec.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight  # Press & Wolf 2017
+        self._rotary = Rotary(spec.d_model // spec.n_heads, spec.rope_theta)
+
+    def forward(self, idx_BT: torch.Tensor, attention: str | None = None) -> torch.Tensor:
+        """Args: idx_BT int64 token ids; attention: "sdpa" | "math" (default: the spec's).
+
+        Raises: ValueError for an unknown attention backend.
+        """
+        name = attention or self.spec.attention
+        kernel = _KERNELS.get(name)
+        if kernel is None:
+            raise ValueError(f"attention: expected one of {ATTENTION_BACKENDS}, got {name!r}")
+        x_BTD = self.tok_emb(idx_BT)
+        rope = self._rotary.tables(idx_BT.shape[1], x_BTD.device, torch.float32)
+        for block in self.blocks:
+            x_BTD = block(x_BTD, rope, kernel)
+        return self.lm_head(self.norm(x_BTD))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic initialisation from ``seed`` (identical on every rank and device:
+        the values are drawn on the CPU by a private generator, then copied)."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        std = self.spec.init_std
+        residual_std = std / math.sqrt(2 * self.spec.n_layers)
+        seen: set[int] = set()
+        for name, p in self.named_parameters():
+            if id(p) in seen:  # tied weight: initialise once
+                continue
+            seen.add(id(p))
+            if p.ndim == 1:  # norm gains
+                p.fill_(1.0)
+                continue
+            s = residual_std if name.endswith(("attn.proj.weight", "mlp.down.weight")) else std
+            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, s, generator=gen))
+
+
+def build_model(spec: ModelSpec, seed: int, device: str | torch.device = "cpu") -> Transformer:
+    """A freshly initialised model on ``device`` (float32 parameters)."""
+    model = Transformer(spec)
+    model.init_weights(seed)
+    return model.to(device)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (a tied weight counts once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Continue ``prompt_ids`` (int64 [T] or [B, T]) by ``max_new_tokens`` tokens.
+
+    ``temperature == 0`` or ``top_k == 1`` is greedy decoding; otherwise tokens are drawn
+    from softmax(logits / temperature) restricted to the ``top_k`` most likely (0: all).
+    No KV cache: each new token re-runs the whole context (fine for tiny models).
+
+    Returns the prompt plus the new tokens, same rank as ``prompt_ids``.
+    Raises ValueError for an empty prompt or negative arguments.
+    """
+    if prompt_ids.numel() == 0:
+        raise ValueError("generate: the prompt must hold at least one token")
+    if max_new_tokens < 0 or temperature < 0 or top_k < 0:
+        raise ValueError("generate: max_new_tokens, temperature and top_k must be >= 0")
+    squeeze = prompt_ids.ndim == 1
+    idx_BT = prompt_ids.unsqueeze(0) if squeeze else prompt_ids
+    was_training = model.training
+    model.eval()
+    try:
+        for _ in range(max_new_tokens):
+            logits_BV = model(idx_BT)[:, -1, :].float()
+            if temperature == 0 or top_k == 1:
+                next_B1 = logits_BV.argmax(dim=-1, keepdim=True)
+            else:
+                logits_BV = logits_BV / temperature
+                if top_k > 0:
+                    kth_B1 = torch.topk(logits_BV, min(top_k, logits_BV.shape[-1]), dim=-1).values[:, -1:]
+                    logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+                probs_BV = torch.softmax(logits_BV, dim=-1)
+                next_B1 = torch.multinomial(probs_BV, 1, generator=generator)
+            idx_BT = torch.cat((idx_BT, next_B1), dim=1)
+    finally:
+        model.train(was_training)
+    return idx_BT[0] if squeeze else idx_BT

@@ -1,0 +1,89 @@
+"""L3-1 shard loader: builds the model and makes it resident on the rank's device.
+
+Receives: ``ParallelPlan`` (from L2-2, once: which device, which shard; data-parallel means
+the whole model), ``LoadModel`` and ``ExportState`` (from the training loop). Replies
+``ModelLoaded`` and ``StateExported`` (payload: a Stateful handle on the model's weights).
+
+Initialisation is a pure function of (ModelSpec, seed): values are drawn on the CPU by a
+private generator, so every rank starts from bit-identical weights without a broadcast.
+The built module is handed to whoever the composition root named (``handover``); the
+loader keeps only its own reference for exporting state.
+
+Red lines kept (seed L3-1): no forward/backward, no optimizer logic, no communication, no
+disk I/O of its own (checkpoint bytes are read by the checkpoint relay into the Stateful
+handle this module exports), the plan is taken as pushed and never changed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from services.compute.model import build_model, count_parameters
+from services.contract import engine_pb2
+from services.contract.bus import Emitter, Reply
+from services.jobspec import ModelSpec
+
+
+class ModelState:
+    """Stateful (torch.distributed.checkpoint) view of the model weights, keyed by FQN."""
+
+    def __init__(self, model: nn.Module):
+        self._model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self._model)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_model_state_dict(self._model, state_dict)
+
+
+class ShardLoader:
+    """L3-1. ``handover`` receives the built module (wired by the composition root)."""
+
+    def __init__(self, emit: Emitter, handover: Callable[[nn.Module], None]):
+        self._emit = emit
+        self._handover = handover
+        self._plan: engine_pb2.ParallelPlan | None = None
+        self._model: nn.Module | None = None
+        self._state = "unloaded"  # unloaded | loading | loaded | mismatch
+
+    def set_plan(self, msg: engine_pb2.ParallelPlan, payload: Any = None) -> None:
+        """固化分片规则指令 (once). Raises RuntimeError on a second plan."""
+        if self._plan is not None:
+            raise RuntimeError("shard loader: the parallel plan is frozen; a second one was pushed")
+        self._plan = msg
+
+    def load_model(self, msg: engine_pb2.LoadModel, payload: Any = None) -> engine_pb2.ModelLoaded:
+        """初始化模型权重加载指令.
+
+        Raises:
+            RuntimeError: no parallel plan yet, or a model is already loaded.
+            pydantic.ValidationError: ``model_json`` is not a valid ModelSpec.
+        """
+        if self._plan is None:
+            raise RuntimeError("shard loader: LoadModel before the parallel plan (no device assigned)")
+        if self._model is not None:
+            raise RuntimeError("shard loader: a model is already loaded")
+        self._state = "loading"
+        t0 = time.perf_counter()
+        spec = ModelSpec.model_validate_json(msg.model_json)
+        model = build_model(spec, msg.seed, self._plan.device or "cpu")
+        self._model = model
+        self._state = "loaded"
+        self._handover(model)
+        n = count_parameters(model)
+        return engine_pb2.ModelLoaded(
+            num_parameters=n,
+            parameter_bytes=sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values()),
+            seconds=time.perf_counter() - t0,
+        )
+
+    def export_state(self, msg: engine_pb2.ExportState, payload: Any = None) -> Reply:
+        if self._model is None:
+            raise RuntimeError("shard loader: no model loaded, nothing to export")
+        return Reply(engine_pb2.StateExported(key="model"), ModelState(self._model))

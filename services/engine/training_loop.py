@@ -1,0 +1,438 @@
+"""L2-1 training loop: drives every step of one rank and reports each one up.
+
+It schedules; it does not compute. Every tensor it touches is a handle it passes from one
+module's reply to the next module's command (``payload``), and every decision reserved for
+L1 (start, pause, resume, stop, what to do about a fault) arrives as a command or stays
+with L1: a fault is reported (``TrainingLoopFailed``) and the process ends.
+
+Receives
+    from L1 (through the rank's session relay): InitJob, StartTraining, PauseTraining,
+        ResumeTraining, StopTraining;
+    from L2-2: ParallelReady; from L4 (through the data relay): MicroBatch (payload
+        :class:`Batch`), DataExhausted, DatasetUnavailable.
+Commands
+    L3-1 LoadModel/ExportState, L2-4 InitPrecision/UnscaleAndCheck, L3-3 ConfigureForward/
+    RunForward, L3-4 RunBackward, L3-5 ArmReduction/ReduceGradients, L2-3 ApplyUpdate/
+    ExportState, L4 MountDataset/OpenStream, L5 SaveCheckpoint/CommitCheckpoint/LoadCheckpoint.
+Publishes
+    TrainingLoopStarted, StepCompleted, EvalCompleted, TrainingLoopPaused,
+    TrainingLoopFinished, TrainingLoopFailed (to L1; step and eval events also to L5-2).
+
+Loss normalisation (the one approximation, documented where it is made): each rank divides
+its summed token losses by its own non-padding token count of the step (all micro-steps),
+and DDP averages gradients over ranks. That equals the mean over all non-padding tokens of
+the step exactly when every rank has the same token count (always in pack mode; close in
+pad mode). Exact global normalisation needs one more all-reduce before backward; later.
+
+Skip policy (pushed at init; fixed for now): a step whose gradients overflow is skipped,
+counted and reported (``StepCompleted.skipped``); L1 decides whether that is a fault.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from services.contract import data_pb2, engine_pb2, store_pb2
+from services.contract.bus import BoundaryViolation, CommandPort, Emitter
+from services.engine.lr_schedule import schedule_for
+from services.jobspec import JobSpec, spec_from_json
+
+_DETAIL_CHARS = 400
+
+
+class TrainingFault(RuntimeError):
+    """A fault the loop reports with a class L1 understands (e.g. "data_unavailable")."""
+
+    def __init__(self, fault_class: str, detail: str):
+        super().__init__(detail)
+        self.fault_class = fault_class
+
+
+class Batch(NamedTuple):
+    """Payload of a MicroBatch on the rank's bus (tensors on the CPU)."""
+
+    split: str                 # "train" | "val"
+    input_ids: torch.Tensor    # int64 [B, T]
+    labels: torch.Tensor       # int64 [B, T]; -100 marks padding
+
+
+@dataclass(frozen=True)
+class LoopPorts:
+    """The modules the loop may command (built by the composition root from the table)."""
+
+    shard_loader: CommandPort
+    forward: CommandPort
+    backward: CommandPort
+    reduction: CommandPort
+    optimizer: CommandPort
+    precision: CommandPort
+    data: CommandPort
+    store: CommandPort
+
+
+class LoopState:
+    """Stateful (torch.distributed.checkpoint) view of the loop's own progress. Keys that
+    differ per rank (data position, RNG) live under ``rank<r>`` so ranks never collide."""
+
+    def __init__(self, loop: TrainingLoop):
+        self._loop = loop
+
+    def state_dict(self) -> dict[str, Any]:
+        loop = self._loop
+        p = loop._position
+        return {
+            "step": torch.tensor(loop._step, dtype=torch.int64),
+            "skipped_steps": torch.tensor(loop._skipped, dtype=torch.int64),
+            f"rank{loop._rank}": {
+                "data_position": torch.tensor([p.epoch, p.document, p.offset], dtype=torch.int64),
+                "rng_cpu": torch.get_rng_state(),
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        loop = self._loop
+        mine = state[f"rank{loop._rank}"]
+        epoch, document, offset = (int(v) for v in mine["data_position"].tolist())
+        loop._step = int(state["step"])
+        loop._skipped = int(state["skipped_steps"])
+        loop._position = data_pb2.DataPosition(epoch=epoch, document=document, offset=offset)
+        torch.set_rng_state(mine["rng_cpu"])
+
+
+class TrainingLoop:
+    """L2-1. Handlers run on whatever thread delivers the message; ``run`` owns the rank's
+    main thread and blocks on its inboxes (no polling)."""
+
+    def __init__(self, emit: Emitter, ports: LoopPorts, *, read_ahead: int = 4, started_at: float | None = None):
+        """``read_ahead``: decoded micro-batches held per stream; ``started_at``: the
+        process's ``time.perf_counter()`` at start, for ``startup_seconds``."""
+        self._emit = emit
+        self._p = ports
+        self._t_created = time.perf_counter() if started_at is None else started_at
+        self._control: queue.Queue = queue.Queue()
+        self._batches = {s: queue.Queue(maxsize=max(1, read_ahead)) for s in ("train", "val")}
+        self._lock = threading.Lock()
+        self._pause_at: int | None = None
+        self._stop_at: int | None = None
+        self._data_fault: str | None = None
+        self._failed = False
+        # Private state (seed L2-1 s2): step/epoch counters, phase, the job as pushed.
+        self._init: engine_pb2.InitJob | None = None
+        self._spec: JobSpec | None = None
+        self._rank, self._world = 0, 1
+        self._step = 0
+        self._skipped = 0
+        self._position = data_pb2.DataPosition()
+        self._loss_scale = 1.0
+        self._num_parameters = 0
+        self._lr_at = None
+        self._phase = "standby"  # standby | stepping | waiting_data | evaluating | saving | paused | done | failed
+
+    # ------------------------------------------------------------------ L1 commands
+
+    def init_job(self, msg: engine_pb2.InitJob, payload: Any = None) -> None:
+        self._control.put(msg)
+
+    def start_training(self, msg: engine_pb2.StartTraining, payload: Any = None) -> None:
+        self._control.put(msg)
+
+    def pause_training(self, msg: engine_pb2.PauseTraining, payload: Any = None) -> None:
+        with self._lock:
+            self._pause_at = msg.at_step
+
+    def resume_training(self, msg: engine_pb2.ResumeTraining, payload: Any = None) -> None:
+        self._control.put(msg)
+
+    def stop_training(self, msg: engine_pb2.StopTraining, payload: Any = None) -> None:
+        with self._lock:
+            self._stop_at = msg.at_step
+        self._control.put(msg)
+
+    # ------------------------------------------------------------------ events from below
+
+    def on_parallel_ready(self, msg: engine_pb2.ParallelReady, payload: Any = None) -> None:
+        self._control.put(msg)
+
+    def on_micro_batch(self, msg: data_pb2.MicroBatch, payload: Batch) -> None:
+        self._batches[payload.split].put((msg, payload))  # blocks when full: read-ahead bound
+
+    def on_data_exhausted(self, msg: data_pb2.DataExhausted, payload: Any = None) -> None:
+        self._batches[msg.split].put((msg, None))
+
+    def on_dataset_unavailable(self, msg: data_pb2.DatasetUnavailable, payload: Any = None) -> None:
+        self._data_fault = msg.reason or f"dataset {msg.name}@{msg.version} unavailable"
+        for q in self._batches.values():  # wake a loop blocked on any stream
+            try:
+                q.put_nowait((msg, None))
+            except queue.Full:
+                pass
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self) -> None:
+        """Initialise, report started, wait for StartTraining, train to the end or a stop.
+
+        Raises whatever a module raised; the caller reports it with :meth:`fail`.
+        """
+        self._await_setup()
+        self._initialise()
+        if self._await_start():
+            self._train()
+
+    def fail(self, exc: BaseException) -> None:
+        """Report ``exc`` as this rank's TrainingLoopFailed (once), classified."""
+        if self._failed:
+            return
+        self._failed, self._phase = True, "failed"
+        fault_class, detail = classify_fault(exc)
+        self._emit(
+            engine_pb2.TrainingLoopFailed(
+                job_id=self._job_id, rank=self._rank, step=self._step, fault_class=fault_class, detail=detail
+            )
+        )
+
+    def _train(self) -> None:
+        spec = self._spec
+        while self._step < spec.steps:
+            step = self._step + 1
+            self._run_step(step)
+            self._step = step
+            last = step == spec.steps
+            if _due(step, spec.eval.every_steps, last and spec.eval.at_end):
+                self._evaluate(step)
+            if _due(step, spec.checkpoint.every_steps, last and spec.checkpoint.at_end):
+                self._save(step)
+            if not last and self._stop_requested_at_boundary(step):
+                return self._finish(stopped=True)
+        self._finish(stopped=False)
+
+    def _run_step(self, step: int) -> None:
+        """One optimizer step: data -> (forward, backward) x grad_accum -> reduce ->
+        unscale/check -> update or skip -> report."""
+        p, accum = self._p, self._spec.data.grad_accum
+        t0 = time.perf_counter()
+        batches = [self._next_batch("train") for _ in range(accum)]
+        data_wait = time.perf_counter() - t0
+        local_tokens = sum(mb.tokens for mb, _ in batches)
+        normalizer = float(max(local_tokens, 1))  # see the module docstring
+        fwd_s = bwd_s = loss_sum = 0.0
+        for i, (_, batch) in enumerate(batches):
+            p.reduction(engine_pb2.ArmReduction(sync=i == accum - 1))
+            fwd = p.forward(engine_pb2.RunForward(training=True), batch.input_ids)
+            bwd = p.backward(
+                engine_pb2.RunBackward(normalizer=normalizer, loss_scale=self._loss_scale, backward=True),
+                (fwd.payload, batch.labels),
+            ).message
+            fwd_s, bwd_s, loss_sum = fwd_s + fwd.message.seconds, bwd_s + bwd.seconds, loss_sum + bwd.loss_sum
+        reduced = p.reduction(engine_pb2.ReduceGradients(local_loss_sum=loss_sum, local_tokens=local_tokens)).message
+        check = p.precision(engine_pb2.UnscaleAndCheck(step=step)).message
+        lr = self._lr_at(step)
+        opt_s = 0.0
+        if check.found_inf:  # skip policy: skip and count
+            self._skipped += 1
+        else:
+            opt_s = p.optimizer(engine_pb2.ApplyUpdate(step=step, learning_rate=lr)).message.seconds
+        self._position = batches[-1][0].next
+        step_s = time.perf_counter() - t0
+        tokens = reduced.global_tokens
+        self._emit(engine_pb2.StepCompleted(
+            job_id=self._job_id, rank=self._rank, step=step,
+            loss=reduced.global_loss_sum / tokens if tokens else float("nan"),
+            learning_rate=lr, grad_norm=check.grad_norm, tokens=tokens,
+            tokens_per_second=tokens / step_s, step_seconds=step_s, data_wait_seconds=data_wait,
+            forward_seconds=fwd_s, backward_seconds=bwd_s, reduction_seconds=reduced.seconds,
+            optimizer_seconds=opt_s, loss_scale=check.loss_scale, skipped=check.found_inf,
+            epoch=self._position.epoch, unix_time=time.time(), world_size=self._world,
+        ))  # fmt: skip
+
+    def _evaluate(self, step: int) -> None:
+        """Loss on the held-out split: the same eval.batches micro-batches each time (no
+        shuffle, from the start), all ranks' sums reduced to one global mean."""
+        self._phase = "evaluating"
+        t0 = time.perf_counter()
+        self._open_stream("val", data_pb2.DataPosition(), repeat=False, max_batches=self._spec.eval.batches)
+        loss_sum, tokens = 0.0, 0
+        while (item := self._next_batch("val")) is not None:
+            batch = item[1]
+            fwd = self._p.forward(engine_pb2.RunForward(training=False), batch.input_ids)
+            done = self._p.backward(
+                engine_pb2.RunBackward(normalizer=1.0, loss_scale=1.0, backward=False), (fwd.payload, batch.labels)
+            ).message
+            loss_sum, tokens = loss_sum + done.loss_sum, tokens + done.tokens
+        reduced = self._p.reduction(engine_pb2.ReduceGradients(local_loss_sum=loss_sum, local_tokens=tokens)).message
+        n = reduced.global_tokens
+        self._emit(engine_pb2.EvalCompleted(
+            job_id=self._job_id, rank=self._rank, step=step,
+            loss=reduced.global_loss_sum / n if n else float("nan"), tokens=n, seconds=time.perf_counter() - t0,
+        ))  # fmt: skip
+        self._phase = "stepping"
+
+    def _save(self, step: int) -> None:
+        """Every rank writes its part of the checkpoint; rank 0 commits the version."""
+        self._phase = "saving"
+        spec = self._spec
+        self._p.store(store_pb2.SaveCheckpoint(job_id=self._job_id, step=step, rank=self._rank), self._states())
+        if self._rank == 0:
+            self._p.store(store_pb2.CommitCheckpoint(
+                job_id=self._job_id, step=step, world_size=self._world,
+                spec_json=self._init.spec_json, keep_last=spec.checkpoint.keep_last,
+            ))  # fmt: skip
+        self._phase = "stepping"
+
+    # ------------------------------------------------------------------ set-up and control
+
+    def _await_setup(self) -> None:
+        """Block until the job (InitJob) and the process group (ParallelReady) are here."""
+        ready, early = None, []
+        while self._init is None or ready is None:
+            msg = self._control.get()
+            if isinstance(msg, engine_pb2.InitJob):
+                self._init = msg
+            elif isinstance(msg, engine_pb2.ParallelReady):
+                ready = msg
+            else:
+                early.append(msg)  # e.g. StartTraining already queued: keep it, in order
+        for msg in early:
+            self._control.put(msg)
+        self._rank, self._world = ready.rank, ready.world_size
+        try:
+            self._spec = spec_from_json(self._init.spec_json)
+        except ValueError as e:
+            raise TrainingFault("config_error", f"InitJob.spec_json is not a valid job spec: {_one_line(e)}") from None
+        if self._spec.world_size != self._world:
+            raise TrainingFault(
+                "config_error", f"job spec parallel.dp={self._spec.world_size} but the process group has {self._world} ranks"
+            )
+
+    def _initialise(self) -> None:
+        spec, p = self._spec, self._p
+        self._lr_at = schedule_for(spec.optimizer, spec.steps)
+        loaded = p.shard_loader(engine_pb2.LoadModel(model_json=spec.model.model_dump_json(), seed=spec.seed)).message
+        self._num_parameters = loaded.num_parameters
+        self._loss_scale = p.precision(engine_pb2.InitPrecision(precision=spec.precision)).message.loss_scale
+        p.forward(engine_pb2.ConfigureForward(attention=spec.model.attention))
+        mounted = p.data(data_pb2.MountDataset(name=spec.data.name, version=spec.data.version, verify=False)).message
+        if isinstance(mounted, data_pb2.DatasetUnavailable):
+            raise TrainingFault("data_unavailable", mounted.reason)
+        if mounted.vocab_size > spec.model.vocab_size:
+            raise TrainingFault(
+                "config_error",
+                f"dataset {spec.data.dataset} has vocab_size {mounted.vocab_size} > model.vocab_size {spec.model.vocab_size}",
+            )
+        if self._init.resume_version:
+            p.store(store_pb2.LoadCheckpoint(version=self._init.resume_version), self._states())
+        self._open_stream("train", self._position, repeat=True, max_batches=0)
+        self._emit(engine_pb2.TrainingLoopStarted(
+            job_id=self._job_id, rank=self._rank, start_step=self._step,
+            num_parameters=self._num_parameters, startup_seconds=time.perf_counter() - self._t_created,
+        ))  # fmt: skip
+
+    def _await_start(self) -> bool:
+        """Block until StartTraining (True) or StopTraining (False: finish at once)."""
+        while True:
+            msg = self._control.get()
+            if isinstance(msg, engine_pb2.StartTraining):
+                self._phase = "stepping"
+                return True
+            if isinstance(msg, engine_pb2.StopTraining):
+                self._finish(stopped=True)
+                return False
+
+    def _stop_requested_at_boundary(self, step: int) -> bool:
+        """At the boundary after ``step``: stop (True), or pause until resumed or stopped."""
+        with self._lock:
+            stop = self._stop_at is not None and step >= self._stop_at
+            pause = not stop and self._pause_at is not None and step >= self._pause_at
+            if pause:
+                self._pause_at = None
+        if stop or not pause:
+            return stop
+        self._phase = "paused"
+        self._emit(engine_pb2.TrainingLoopPaused(job_id=self._job_id, rank=self._rank, step=step))
+        while True:
+            msg = self._control.get()
+            if isinstance(msg, engine_pb2.ResumeTraining):
+                self._phase = "stepping"
+                return False
+            if isinstance(msg, engine_pb2.StopTraining) and msg.at_step <= step:  # 0: now
+                return True
+
+    def _finish(self, stopped: bool) -> None:
+        self._phase = "done"
+        self._emit(engine_pb2.TrainingLoopFinished(job_id=self._job_id, rank=self._rank, step=self._step, stopped=stopped))
+
+    def _next_batch(self, split: str) -> tuple[data_pb2.MicroBatch, Batch] | None:
+        """The next micro-batch of ``split`` (None at the end of a finite stream)."""
+        msg, batch = self._batches[split].get()
+        if self._data_fault is not None:
+            raise TrainingFault("data_unavailable", self._data_fault)
+        if batch is None:
+            if split == "train":
+                raise TrainingFault("data_exhausted", "the training stream ended although it repeats epochs")
+            return None
+        return msg, batch
+
+    def _open_stream(self, split: str, start: data_pb2.DataPosition, *, repeat: bool, max_batches: int) -> None:
+        d = self._spec.data
+        pack = d.pack == "pack"
+        self._p.data(data_pb2.OpenStream(
+            mount=data_pb2.MountDataset(name=d.name, version=d.version, verify=False),
+            prefetch=data_pb2.SetPrefetch(watermark=d.prefetch.watermark, threads=d.prefetch.threads),
+            shuffle=data_pb2.ShufflePlan(
+                seed=d.shuffle_seed, epoch=start.epoch, enabled=d.shuffle and split == "train",
+                rank=self._rank, world_size=self._world,
+            ),
+            filter=data_pb2.FilterRules(
+                min_tokens=d.filter.min_tokens, max_tokens=d.filter.max_tokens,
+                banned_bytes=d.filter.banned_bytes.encode("utf-8"), banned_tokens=d.filter.banned_tokens,
+            ),
+            packer=data_pb2.PackerConfig(
+                seq_len=d.seq_len, micro_batch_size=d.micro_batch_size, pad_id=d.pad_id,
+                mode=data_pb2.PACK if pack else data_pb2.PAD, separator_id=0 if pack else -1,
+            ),
+            split=split, start=start, repeat=repeat, max_batches=max_batches,
+        ))  # fmt: skip
+
+    def _states(self) -> dict[str, Any]:
+        """The checkpoint: the union of the modules' Stateful handles (nothing copied)."""
+        return {
+            "model": self._p.shard_loader(engine_pb2.ExportState()).payload,
+            "optim": self._p.optimizer(engine_pb2.ExportState()).payload,
+            "train": LoopState(self),
+        }
+
+    @property
+    def _job_id(self) -> str:
+        return self._init.job_id if self._init is not None else ""
+
+
+def _due(step: int, every: int, at_end: bool) -> bool:
+    return (every > 0 and step % every == 0) or at_end
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text[:_DETAIL_CHARS]
+
+
+def classify_fault(exc: BaseException) -> tuple[str, str]:
+    """(fault_class, one-line detail) for an exception raised in a rank."""
+    fault_class = getattr(exc, "fault_class", None)
+    if fault_class:
+        return fault_class, _one_line(exc)
+    detail = f"{type(exc).__name__}: {_one_line(exc)}"[:_DETAIL_CHARS]
+    if isinstance(exc, BoundaryViolation):
+        return "boundary_violation", detail
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "out_of_memory", detail
+    dist_error = getattr(torch.distributed, "DistError", ())
+    text = str(exc).lower()
+    if isinstance(exc, dist_error) or any(w in text for w in ("gloo", "nccl", "connection closed by peer", "connection reset")):
+        return "comm_error", detail
+    return "model_error" if isinstance(exc, RuntimeError) else "internal_error", detail

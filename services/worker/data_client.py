@@ -1,0 +1,112 @@
+"""The rank's relay of the L4 data service (L4 modules live in the `data` service).
+
+Inside the rank process this relay stands where L4 would: it receives the loop's
+``MountDataset`` / ``OpenStream`` commands (as L4_DATASET_VERSIONS) and relays them to
+``DataService.Mount`` / ``DataService.Stream`` at the job's data address; the batches that
+come back are published to the loop as ``MicroBatch`` DATA messages (as L4_BATCH_PACKER)
+with the decoded tensors as payload (:class:`services.engine.training_loop.Batch`).
+
+Each stream is read by a background thread: gRPC receive and decoding (little-endian
+int32 bytes, row-major [B, T] -> int64 tensors) happen off the training step, and the loop
+finds the next batch already decoded. Read-ahead is bounded by the loop's inbox (a full
+inbox blocks this thread, which stops reading, which applies gRPC flow control upstream).
+
+End of a finite stream -> ``DataExhausted(split, position)``. A gRPC error -> the loop gets
+``DatasetUnavailable`` whose reason is the server's one-line message (NOT_FOUND /
+FAILED_PRECONDITION from Mount: unknown dataset or version, manifest mismatch) or
+"data service unreachable at ADDR" for a connection failure.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import grpc
+import numpy as np
+import structlog
+import torch
+
+from services.common.grpc_server import channel
+from services.contract import data_pb2, data_pb2_grpc
+from services.contract.bus import Emitter
+from services.engine.training_loop import Batch
+
+MOUNT_TIMEOUT_S = 120.0
+log = structlog.get_logger()
+
+
+class DataClient:
+    """Relay for L4_DATASET_VERSIONS (commands in) and L4_BATCH_PACKER (batches out)."""
+
+    def __init__(self, address: str, versions: Emitter, packer: Emitter):
+        self._address = address
+        self._versions = versions
+        self._packer = packer
+        self._channel = channel(address)
+        self._stub = data_pb2_grpc.DataServiceStub(self._channel)
+        self._calls: list[grpc.Future] = []
+        self._closing = False
+        self._lock = threading.Lock()
+
+    def mount(self, msg: data_pb2.MountDataset, payload: Any = None) -> data_pb2.DatasetReady | data_pb2.DatasetUnavailable:
+        """挂载指定数据集版本指令 -> DatasetReady, or DatasetUnavailable with the reason."""
+        try:
+            return self._stub.Mount(msg, timeout=MOUNT_TIMEOUT_S)
+        except grpc.RpcError as e:
+            return data_pb2.DatasetUnavailable(name=msg.name, version=msg.version, reason=self._reason(e))
+
+    def open_stream(self, msg: data_pb2.OpenStream, payload: Any = None) -> None:
+        """Open a stream and start its reader thread; batches arrive as MicroBatch events."""
+        call = self._stub.Stream(msg)  # no deadline: a training stream lives as long as the job
+        with self._lock:
+            self._calls = [c for c in self._calls if c.running()] + [call]
+        threading.Thread(
+            target=self._pump, args=(msg.split or "train", msg.mount, call), name=f"data-{msg.split}", daemon=True
+        ).start()
+
+    def close(self) -> None:
+        """Cancel every open stream and close the channel (composition root, at exit)."""
+        self._closing = True
+        with self._lock:
+            for call in self._calls:
+                call.cancel()
+        self._channel.close()
+
+    # ------------------------------------------------------------------ private
+
+    def _pump(self, split: str, mount: data_pb2.MountDataset, call) -> None:
+        last = data_pb2.DataPosition()
+        try:
+            for mb in call:
+                batch = Batch(split, _decode(mb.input_ids, mb), _decode(mb.labels, mb))
+                mb.ClearField("input_ids")  # the tensors travel as payload; don't copy bytes
+                mb.ClearField("labels")
+                last = mb.next
+                self._packer(mb, batch)
+            self._packer(data_pb2.DataExhausted(split=split, position=last))
+        except grpc.RpcError as e:
+            if self._closing or e.code() == grpc.StatusCode.CANCELLED:
+                return
+            self._versions(data_pb2.DatasetUnavailable(name=mount.name, version=mount.version, reason=self._reason(e)))
+        except Exception as e:  # noqa: BLE001 - a malformed batch, or a bug: the loop must hear of it
+            reason = str(e) if isinstance(e, ValueError) else f"data relay: {type(e).__name__}: {e}"
+            self._versions(data_pb2.DatasetUnavailable(name=mount.name, version=mount.version, reason=reason))
+
+    def _reason(self, e: grpc.RpcError) -> str:
+        """The server's one-line message (it names dataset, version and cause), or where
+        the service could not be reached."""
+        details = " ".join((e.details() or "").split())
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            return f"data service unreachable at {self._address}: {details}"
+        if e.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED) or not details:
+            return f"data service at {self._address}: {e.code().name}: {details}"
+        return details
+
+
+def _decode(buf: bytes, mb: data_pb2.MicroBatch) -> torch.Tensor:
+    """Little-endian int32 bytes, row-major [B, T] -> int64 tensor [B, T]."""
+    B, T = mb.batch_size, mb.seq_len
+    if len(buf) != 4 * B * T:
+        raise ValueError(f"malformed micro-batch: {len(buf)} bytes for [{B}, {T}] int32")
+    return torch.from_numpy(np.frombuffer(buf, dtype="<i4").reshape(B, T).astype(np.int64))

@@ -1,0 +1,363 @@
+"""One rank process: the composition root of the L2 engine and L3 compute modules.
+
+    python -m services.worker.rank --session HOST:PORT --job JOB_ID --rank R
+
+Protocol on ``WorkerService.RankSession`` (bidi stream to the node agent):
+    1. rank -> agent   RankEvent{job_id, rank, hello: RankHello{job_id, rank, pid}}
+    2. agent -> rank   RankCommand{init: InitJob} and RankCommand{assignment: RankAssignment},
+                       in either order, each exactly once (frozen afterwards)
+    3. the rank builds its modules, joins the process group, loads the model, mounts the
+       data and opens its stream, then sends RankEvent{started: TrainingLoopStarted}
+    4. agent -> rank   RankCommand{start}; the rank trains. At any time: {pause: at_step},
+                       {resume}, {stop: at_step} (pause/stop at the boundary after at_step;
+                       stop at_step=0: the next boundary; stop before start: finish at once)
+    5. rank -> agent   {step} per step, {eval} per evaluation, {saved} per committed
+                       checkpoint (rank 0), {paused} when paused, then {finished} (exit 0)
+                       or {failed: fault_class, one-line detail} (exit 1). Then the rank
+                       half-closes its side and exits.
+A session that ends before the rank sent {finished} or {failed} means the agent is gone:
+the rank exits at once (code 3). SIGTERM ends the process immediately (default action).
+
+Wiring: modules never construct each other. Each gets an Emitter for its events and a
+CommandPort for each module the route table lets it command; the relays of the other
+layers (this session for L1, :mod:`data_client` for L4, :mod:`store_client` for L5)
+subscribe on the same bus, so every message inside the rank is route-checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, NoReturn, Protocol
+
+import grpc
+import structlog
+import torch
+
+from services.common.grpc_server import channel
+from services.common.logs import configure
+from services.compute.backward_unit import BackwardUnit
+from services.compute.forward_unit import ForwardUnit
+from services.compute.gradient_reduction import GradientReduction
+from services.compute.operator_adapter import OperatorAdapter
+from services.compute.shard_loader import ShardLoader
+from services.contract import Module, data_pb2, engine_pb2, store_pb2, worker_pb2, worker_pb2_grpc
+from services.contract.bus import Bus, CommandPort
+from services.engine.mixed_precision import MixedPrecision
+from services.engine.optimizer import Optimizer
+from services.engine.parallel_strategy import DEFAULT_TIMEOUT_S, ParallelStrategy
+from services.engine.training_loop import LoopPorts, TrainingLoop
+from services.jobspec import JobSpec, spec_from_json
+
+M = Module
+log = structlog.get_logger()
+EXIT_FAILED, EXIT_SESSION_LOST = 1, 3
+SETUP_TIMEOUT_S = 600.0
+
+# Which RankEvent field carries each event the loop (or the checkpoint relay) sends to L1.
+_UP = {
+    engine_pb2.TrainingLoopStarted: "started",
+    engine_pb2.StepCompleted: "step",
+    engine_pb2.EvalCompleted: "eval",
+    store_pb2.SaveCompleted: "saved",
+    engine_pb2.TrainingLoopPaused: "paused",
+    engine_pb2.TrainingLoopFinished: "finished",
+    engine_pb2.TrainingLoopFailed: "failed",
+}
+
+
+class DataRelay(Protocol):
+    def mount(self, msg: data_pb2.MountDataset, payload: Any = None) -> Any: ...
+    def open_stream(self, msg: data_pb2.OpenStream, payload: Any = None) -> None: ...
+
+
+class StoreRelay(Protocol):
+    def save_checkpoint(self, msg: store_pb2.SaveCheckpoint, payload: Any) -> Any: ...
+    def commit_checkpoint(self, msg: store_pb2.CommitCheckpoint, payload: Any = None) -> Any: ...
+    def load_checkpoint(self, msg: store_pb2.LoadCheckpoint, payload: Any) -> Any: ...
+    def on_step_completed(self, msg: engine_pb2.StepCompleted, payload: Any = None) -> None: ...
+    def on_eval_completed(self, msg: engine_pb2.EvalCompleted, payload: Any = None) -> None: ...
+
+
+class UpRelay(Protocol):
+    def on_event(self, msg: Any, payload: Any = None) -> None: ...
+
+
+@dataclass
+class RankModules:
+    loop: TrainingLoop
+    parallel: ParallelStrategy
+    orchestrator: CommandPort  # L1-1 -> L2-1 (InitJob, Start/Pause/Resume/Stop)
+    allocator: CommandPort     # L1-2 -> L2-2 (RankAssignment)
+
+
+def compose(
+    bus: Bus,
+    spec: JobSpec,
+    device: str,
+    *,
+    data: DataRelay,
+    store: StoreRelay,
+    up: UpRelay,
+    pg_timeout_s: float = DEFAULT_TIMEOUT_S,
+    started_at: float | None = None,
+) -> RankModules:
+    """Build the rank's L2/L3 modules on ``bus`` and subscribe them and the relays."""
+    port, emitter = bus.port, bus.emitter
+    adapter = OperatorAdapter(emitter(M.L3_OPERATOR_ADAPTER), device)
+    forward = ForwardUnit(emitter(M.L3_FORWARD_UNIT), port(M.L3_FORWARD_UNIT, M.L3_OPERATOR_ADAPTER))
+    backward = BackwardUnit(emitter(M.L3_BACKWARD_UNIT), micro_steps=spec.data.grad_accum)
+    reduction = GradientReduction(emitter(M.L3_GRADIENT_REDUCTION))
+    optimizer = Optimizer(spec.optimizer, emitter(M.L2_OPTIMIZER))
+    precision = MixedPrecision(emitter(M.L2_MIXED_PRECISION), port(M.L2_MIXED_PRECISION, M.L3_OPERATOR_ADAPTER))
+
+    def handover(model: torch.nn.Module) -> None:
+        # The loaded model goes to the units that run or update it; L3-5 applies DDP from
+        # outside and the forward unit runs the wrapper (parallelism applied in one place).
+        forward.attach(reduction.attach(model))
+        backward.attach(model.parameters())
+        precision.attach(model.parameters())
+        optimizer.attach(model)
+
+    shard_loader = ShardLoader(emitter(M.L3_SHARD_LOADER), handover)
+    parallel = ParallelStrategy(
+        emitter(M.L2_PARALLEL_STRATEGY),
+        port(M.L2_PARALLEL_STRATEGY, M.L3_SHARD_LOADER),
+        port(M.L2_PARALLEL_STRATEGY, M.L3_GRADIENT_REDUCTION),
+        timeout_s=pg_timeout_s,
+    )
+    L = M.L2_TRAINING_LOOP
+    loop = TrainingLoop(
+        emitter(L),
+        LoopPorts(
+            shard_loader=port(L, M.L3_SHARD_LOADER),
+            forward=port(L, M.L3_FORWARD_UNIT),
+            backward=port(L, M.L3_BACKWARD_UNIT),
+            reduction=port(L, M.L3_GRADIENT_REDUCTION),
+            optimizer=port(L, M.L2_OPTIMIZER),
+            precision=port(L, M.L2_MIXED_PRECISION),
+            data=port(L, M.L4_DATASET_VERSIONS),
+            store=port(L, M.L5_CHECKPOINT_MANAGER),
+        ),
+        read_ahead=2 * spec.data.grad_accum + 2,
+        started_at=started_at,
+    )
+    sub = bus.subscribe
+    for msg_type, handler in (
+        (engine_pb2.InitJob, loop.init_job),
+        (engine_pb2.StartTraining, loop.start_training),
+        (engine_pb2.PauseTraining, loop.pause_training),
+        (engine_pb2.ResumeTraining, loop.resume_training),
+        (engine_pb2.StopTraining, loop.stop_training),
+        (engine_pb2.ParallelReady, loop.on_parallel_ready),
+        (data_pb2.MicroBatch, loop.on_micro_batch),
+        (data_pb2.DataExhausted, loop.on_data_exhausted),
+        (data_pb2.DatasetUnavailable, loop.on_dataset_unavailable),
+    ):
+        sub(L, msg_type, handler)
+    sub(M.L2_PARALLEL_STRATEGY, engine_pb2.RankAssignment, parallel.assign)
+    sub(M.L2_OPTIMIZER, engine_pb2.ApplyUpdate, optimizer.apply_update)
+    sub(M.L2_OPTIMIZER, engine_pb2.ExportState, optimizer.export_state)
+    sub(M.L2_MIXED_PRECISION, engine_pb2.InitPrecision, precision.init_precision)
+    sub(M.L2_MIXED_PRECISION, engine_pb2.UnscaleAndCheck, precision.unscale_and_check)
+    sub(M.L3_SHARD_LOADER, engine_pb2.ParallelPlan, shard_loader.set_plan)
+    sub(M.L3_SHARD_LOADER, engine_pb2.LoadModel, shard_loader.load_model)
+    sub(M.L3_SHARD_LOADER, engine_pb2.ExportState, shard_loader.export_state)
+    sub(M.L3_OPERATOR_ADAPTER, engine_pb2.SelectOperators, adapter.select_operators)
+    sub(M.L3_OPERATOR_ADAPTER, engine_pb2.SetComputePrecision, adapter.set_compute_precision)
+    sub(M.L3_FORWARD_UNIT, engine_pb2.ConfigureForward, forward.configure_forward)
+    sub(M.L3_FORWARD_UNIT, engine_pb2.RunForward, forward.run_forward)
+    sub(M.L3_FORWARD_UNIT, engine_pb2.OperatorsReady, forward.on_operators_ready)
+    sub(M.L3_BACKWARD_UNIT, engine_pb2.RunBackward, backward.run_backward)
+    sub(M.L3_GRADIENT_REDUCTION, engine_pb2.ParallelPlan, reduction.set_plan)
+    sub(M.L3_GRADIENT_REDUCTION, engine_pb2.ArmReduction, reduction.arm_reduction)
+    sub(M.L3_GRADIENT_REDUCTION, engine_pb2.ReduceGradients, reduction.reduce_gradients)
+    # Relays standing in for the modules of other processes.
+    sub(M.L4_DATASET_VERSIONS, data_pb2.MountDataset, data.mount)
+    sub(M.L4_DATASET_VERSIONS, data_pb2.OpenStream, data.open_stream)
+    sub(M.L5_CHECKPOINT_MANAGER, store_pb2.SaveCheckpoint, store.save_checkpoint)
+    sub(M.L5_CHECKPOINT_MANAGER, store_pb2.CommitCheckpoint, store.commit_checkpoint)
+    sub(M.L5_CHECKPOINT_MANAGER, store_pb2.LoadCheckpoint, store.load_checkpoint)
+    sub(M.L5_METRICS_LOGGER, engine_pb2.StepCompleted, store.on_step_completed)
+    sub(M.L5_METRICS_LOGGER, engine_pb2.EvalCompleted, store.on_eval_completed)
+    for msg_type in _UP:
+        sub(M.L1_ORCHESTRATOR, msg_type, up.on_event)
+    return RankModules(
+        loop=loop,
+        parallel=parallel,
+        orchestrator=port(M.L1_ORCHESTRATOR, L),
+        allocator=port(M.L1_RESOURCE_ALLOCATOR, M.L2_PARALLEL_STRATEGY),
+    )
+
+
+class SessionLost(RuntimeError):
+    fault_class = "session_lost"
+
+
+class Session:
+    """The rank's relay of L1: the RankSession stream to its node agent.
+
+    Events go out through a queue drained by gRPC's request iterator (never blocks the
+    step); commands come in on a reader thread and are relayed to the loop's port.
+    """
+
+    def __init__(self, address: str, job_id: str, rank: int):
+        self._job_id, self._rank = job_id, rank
+        self._out: queue.Queue = queue.Queue()
+        self._channel = channel(address)
+        self._call = worker_pb2_grpc.WorkerServiceStub(self._channel).RankSession(self._requests())
+        self._terminal_sent = threading.Event()
+        self._reader: threading.Thread | None = None
+        self._send(hello=worker_pb2.RankHello(job_id=job_id, rank=rank, pid=os.getpid()))
+
+    def receive_setup(self) -> tuple[engine_pb2.InitJob, engine_pb2.RankAssignment]:
+        """Read the first two commands: InitJob and RankAssignment, in either order.
+
+        Raises SessionLost if the stream ends first, RuntimeError on any other command.
+        """
+        got: dict[str, Any] = {}
+        try:
+            while len(got) < 2:
+                cmd = next(self._call)
+                kind = cmd.WhichOneof("command")
+                if kind not in ("init", "assignment") or kind in got:
+                    raise RuntimeError(f"rank session: expected init and assignment first, got {kind!r}")
+                got[kind] = getattr(cmd, kind)
+        except (StopIteration, grpc.RpcError) as e:
+            raise SessionLost(f"rank session ended before init and assignment arrived: {_rpc_text(e)}") from None
+        return got["init"], got["assignment"]
+
+    def relay_commands(self, orchestrator: CommandPort) -> None:
+        """From now on, forward start/pause/resume/stop to the loop (reader thread)."""
+        self._reader = threading.Thread(target=self._read, args=(orchestrator,), name="session", daemon=True)
+        self._reader.start()
+
+    def on_event(self, msg: Any, payload: Any = None) -> None:
+        """L1_ORCHESTRATOR receiver: wrap the event in a RankEvent and queue it."""
+        field = _UP[type(msg)]
+        if field in ("finished", "failed"):
+            self._terminal_sent.set()
+        self._send(**{field: msg})
+
+    def send_failed(self, fault_class: str, detail: str) -> None:
+        """For a failure before the loop exists (it would otherwise report it itself)."""
+        self.on_event(engine_pb2.TrainingLoopFailed(job_id=self._job_id, rank=self._rank, fault_class=fault_class, detail=detail))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Half-close our side after the queued events and wait for the agent to end the call."""
+        self._out.put(None)
+        deadline = time.monotonic() + timeout
+        if self._reader is not None:
+            self._reader.join(timeout)
+        else:
+            try:
+                for _ in self._call:
+                    if time.monotonic() > deadline:
+                        break
+            except grpc.RpcError:
+                pass
+        self._call.cancel()
+        self._channel.close()
+
+    def _send(self, **event: Any) -> None:
+        self._out.put(worker_pb2.RankEvent(job_id=self._job_id, rank=self._rank, **event))
+
+    def _requests(self):
+        while (event := self._out.get()) is not None:
+            yield event
+
+    def _read(self, orchestrator: CommandPort) -> None:
+        try:
+            for cmd in self._call:
+                kind = cmd.WhichOneof("command")
+                if kind not in ("start", "pause", "resume", "stop"):
+                    log.warning("rank_session_command_ignored", kind=kind)
+                    continue
+                try:
+                    orchestrator(getattr(cmd, kind))
+                except Exception as e:  # noqa: BLE001 - keep relaying; the loop's state is its own
+                    log.error("rank_session_command_failed", kind=kind, error=f"{type(e).__name__}: {e}")
+        except grpc.RpcError:
+            pass
+        if not self._terminal_sent.is_set():
+            # The agent is gone (or ended the session): nobody can command this rank any
+            # more. Leave at once instead of holding the device.
+            sys.stderr.write("rank: session to the node agent ended; exiting\n")
+            sys.stderr.flush()
+            os._exit(EXIT_SESSION_LOST)
+
+
+def _rpc_text(e: BaseException) -> str:
+    if isinstance(e, grpc.RpcError):
+        return f"{e.code().name}: {e.details()}"
+    return "stream closed"
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    t_start = time.perf_counter()
+    ap = argparse.ArgumentParser(prog="python -m services.worker.rank", description=__doc__.split("\n")[0])
+    ap.add_argument("--session", required=True, help="HOST:PORT of the node agent's WorkerService")
+    ap.add_argument("--job", required=True, help="job id")
+    ap.add_argument("--rank", type=int, required=True, help="global rank")
+    args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # exit promptly, even inside a collective
+    log = configure("rank", job=args.job, rank=args.rank)
+
+    session = Session(args.session, args.job, args.rank)
+    rank: RankModules | None = None
+    data = store = None
+    code = 0
+    try:
+        init, assignment = session.receive_setup()
+        torch.set_num_threads(max(1, assignment.num_threads or 1))
+        spec = spec_from_json(init.spec_json)
+        bus = Bus()
+        # Imported here so a rank that fails before this point does not pay for them.
+        from services.worker.data_client import DataClient
+        from services.worker.store_client import StoreClient
+
+        data = DataClient(init.data_address, bus.emitter(M.L4_DATASET_VERSIONS), bus.emitter(M.L4_BATCH_PACKER))
+        store = StoreClient(init.store_address, bus.emitter(M.L5_CHECKPOINT_MANAGER))
+        timeout_s = float(os.environ.get("SURGE_PG_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+        rank = compose(
+            bus, spec, assignment.device or "cpu", data=data, store=store, up=session,
+            pg_timeout_s=timeout_s, started_at=t_start,
+        )
+        log.info("rank_composed", world_size=assignment.world_size, device=assignment.device,
+                 backend=assignment.backend, threads=torch.get_num_threads(), data=init.data_address,
+                 store=init.store_address, resume=init.resume_version)
+        session.relay_commands(rank.orchestrator)
+        rank.orchestrator(init)
+        rank.allocator(assignment)
+        rank.loop.run()
+        log.info("rank_finished")
+    except BaseException as e:  # noqa: BLE001 - every failure is reported, then the exit code says it
+        code = EXIT_FAILED
+        log.error("rank_failed", error=f"{type(e).__name__}: {e}")
+        if rank is not None:
+            rank.loop.fail(e)
+        else:
+            from services.engine.training_loop import classify_fault
+
+            session.send_failed(*classify_fault(e))
+    finally:
+        if store is not None:
+            store.close(timeout=5.0)
+        if data is not None:
+            data.close()
+        if rank is not None and code == 0:
+            rank.parallel.shutdown()
+        session.close(timeout=5.0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # do not wait for library threads (gRPC, gloo) to wind down
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The transformer: shapes, causality, kernels, tied embeddings, init, generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.compute.model import build_model, count_parameters, generate, mlp_hidden_width
+from services.jobspec import ModelSpec
+
+SMALL = {"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64}
+
+
+def model(**over):
+    return build_model(ModelSpec(**{**SMALL, **over}), seed=0)
+
+
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+@pytest.mark.parametrize("attention", ["sdpa", "math"])
+def test_logits_are_float32_B_T_V(mlp, attention):
+    m = model(mlp=mlp, attention=attention)
+    logits = m(torch.randint(0, 64, (3, 11)))
+    assert logits.shape == (3, 11, 64) and logits.dtype == torch.float32
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "math"])
+def test_changing_a_future_token_does_not_change_earlier_logits(attention):
+    m = model()
+    x = torch.randint(0, 64, (2, 16))
+    y = x.clone()
+    y[:, 10] = (y[:, 10] + 1) % 64
+    a, b = m(x, attention=attention), m(y, attention=attention)
+    assert torch.equal(a[:, :10], b[:, :10])
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_sdpa_and_math_attention_compute_the_same_function():
+    m = model()
+    x = torch.randint(0, 64, (2, 16))
+    torch.testing.assert_close(m(x, attention="sdpa"), m(x, attention="math"), rtol=1e-5, atol=1e-5)
+
+
+def test_an_unknown_attention_kernel_is_a_one_line_error():
+    with pytest.raises(ValueError, match="attention: expected one of"):
+        model()(torch.zeros(1, 4, dtype=torch.long), attention="flash")
+
+
+def test_tied_embeddings_share_one_tensor_and_untied_add_a_head():
+    tied, untied = model(tie_embeddings=True), model(tie_embeddings=False)
+    assert tied.lm_head.weight is tied.tok_emb.weight
+    assert untied.lm_head.weight is not untied.tok_emb.weight
+    assert count_parameters(untied) - count_parameters(tied) == 64 * 32
+
+
+def test_initialisation_is_a_pure_function_of_the_seed():
+    a, b, c = build_model(ModelSpec(**SMALL), 7), build_model(ModelSpec(**SMALL), 7), build_model(ModelSpec(**SMALL), 8)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not torch.equal(a.tok_emb.weight, c.tok_emb.weight)
+    assert a.tok_emb.weight.std().item() == pytest.approx(0.02, rel=0.1)
+
+
+def test_mlp_hidden_width_swiglu_is_two_thirds_of_the_ratio_rounded_to_8():
+    assert mlp_hidden_width(ModelSpec(d_model=128, mlp="swiglu", mlp_ratio=4.0)) == 344  # 341.3 -> 344
+    assert mlp_hidden_width(ModelSpec(d_model=128, mlp="gelu", mlp_ratio=4.0)) == 512
+    demo = build_model(ModelSpec(), 0)  # the demo model: 4 x 128, vocab 256
+    assert 0.8e6 < count_parameters(demo) < 0.9e6
+
+
+def test_greedy_generation_is_deterministic_and_extends_the_prompt():
+    m = model()
+    prompt = torch.tensor([1, 2, 3])
+    a, b = generate(m, prompt, 5, temperature=0.0), generate(m, prompt, 5, temperature=0.0)
+    assert a.shape == (8,) and torch.equal(a[:3], prompt) and torch.equal(a, b)
+    with torch.no_grad():
+        assert a[3].item() == m(prompt[None])[0, -1].argmax().item()
+
+
+def test_top_k_sampling_draws_only_among_the_k_most_likely():
+    m = model()
+    prompt = torch.tensor([5, 6])
+    with torch.no_grad():
+        top2 = set(torch.topk(m(prompt[None])[0, -1], 2).indices.tolist())
+    g = torch.Generator().manual_seed(0)
+    firsts = {generate(m, prompt, 1, temperature=1.0, top_k=2, generator=g)[-1].item() for _ in range(30)}
+    assert firsts <= top2

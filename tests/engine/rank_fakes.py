@@ -1,0 +1,209 @@
+"""In-process stand-ins for the relays of other layers (L1 session, L4 data, L5 store), so
+the real rank wiring (``services.worker.rank.compose``) runs without any service."""
+
+from __future__ import annotations
+
+import socket
+import sysconfig
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from services.compute.inference import SafeLoadPlanner
+from services.contract import data_pb2, engine_pb2, store_pb2
+from services.contract.bus import Emitter
+from services.engine.training_loop import Batch
+
+
+def corpus_bytes(limit: int = 400_000) -> bytes:
+    """Real text: a few stdlib modules, concatenated."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    out = b""
+    for name in ("argparse.py", "textwrap.py", "string.py", "shlex.py", "fractions.py", "difflib.py"):
+        out += (stdlib / name).read_bytes() + b"\0"
+    return out[:limit]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeData:
+    """L4 relay: windows of a byte corpus. Train: random windows from the first 90%,
+    seeded by (shuffle seed, rank, epoch); val: consecutive windows of the last 10%."""
+
+    def __init__(self, versions: Emitter, packer: Emitter, corpus: bytes, *, train_batches: int):
+        self._versions, self._packer = versions, packer
+        self._data = np.frombuffer(corpus, dtype=np.uint8).astype(np.int64)
+        self._split_at = int(len(self._data) * 0.9)
+        self._train_batches = train_batches
+        self.opened: list[data_pb2.OpenStream] = []
+        self.first_train_batch: torch.Tensor | None = None
+
+    def mount(self, msg: data_pb2.MountDataset, payload: Any = None):
+        if msg.name == "missing":
+            return data_pb2.DatasetUnavailable(name=msg.name, version=msg.version, reason=f"dataset {msg.name}@{msg.version} not found")
+        return data_pb2.DatasetReady(name=msg.name, version=msg.version, vocab_size=256, tokenizer="bytes")
+
+    def open_stream(self, msg: data_pb2.OpenStream, payload: Any = None) -> None:
+        self.opened.append(msg)
+        threading.Thread(target=self._pump, args=(msg,), daemon=True).start()
+
+    def _pump(self, msg: data_pb2.OpenStream) -> None:
+        B, T = msg.packer.micro_batch_size, msg.packer.seq_len
+        if msg.split == "train":
+            first = msg.start.document  # batch i is a pure function of (seed, rank, epoch, i)
+            for i in range(first, first + self._train_batches):
+                rng = np.random.default_rng([msg.shuffle.seed, msg.shuffle.rank, msg.shuffle.epoch, i])
+                starts = rng.integers(0, self._split_at - T - 1, size=B)
+                self._emit("train", np.stack([self._data[s : s + T + 1] for s in starts]), i + 1)
+            return
+        val = self._data[self._split_at :]
+        rows_per_rank = (len(val) - 1) // T // max(1, msg.shuffle.world_size)
+        base = msg.shuffle.rank * rows_per_rank
+        for i in range(min(msg.max_batches, rows_per_rank // B)):
+            rows = [val[(base + i * B + b) * T : (base + i * B + b) * T + T + 1] for b in range(B)]
+            self._emit("val", np.stack(rows), i + 1)
+        self._packer(data_pb2.DataExhausted(split="val"))
+
+    def _emit(self, split: str, rows: np.ndarray, document: int) -> None:
+        x = torch.from_numpy(rows[:, :-1].copy())
+        y = torch.from_numpy(rows[:, 1:].copy())
+        mb = data_pb2.MicroBatch(
+            batch_size=x.shape[0], seq_len=x.shape[1], tokens=int(y.numel()), next=data_pb2.DataPosition(document=document)
+        )
+        if split == "train" and self.first_train_batch is None:
+            self.first_train_batch = x
+        self._packer(mb, Batch(split, x, y))
+
+
+class FakeStore:
+    """L5 relay: collects metric events; checkpoints into ``root/<step>`` with DCP."""
+
+    def __init__(self, events: Emitter, root: Path):
+        self._events, self._root = events, root
+        self.metrics: list[Any] = []
+        self.committed: list[store_pb2.SaveCompleted] = []
+
+    def on_step_completed(self, msg, payload=None):
+        self.metrics.append(msg)
+
+    def on_eval_completed(self, msg, payload=None):
+        self.metrics.append(msg)
+
+    def save_checkpoint(self, msg: store_pb2.SaveCheckpoint, payload):
+        path = self._root / f"step{msg.step}"
+        dcp.save(payload, checkpoint_id=str(path))
+        if dist.is_initialized():
+            dist.barrier()
+        return store_pb2.SaveStaged(job_id=msg.job_id, step=msg.step, staging_path=str(path))
+
+    def commit_checkpoint(self, msg: store_pb2.CommitCheckpoint, payload=None):
+        done = store_pb2.SaveCompleted(job_id=msg.job_id, version=f"{msg.job_id}:{len(self.committed) + 1}",
+                                       step=msg.step, path=str(self._root / f"step{msg.step}"))
+        self.committed.append(done)
+        self._events(done)
+        return done
+
+    def load_checkpoint(self, msg: store_pb2.LoadCheckpoint, payload):
+        path = self._root / msg.version
+        dcp.load(payload, checkpoint_id=str(path), planner=SafeLoadPlanner())
+        return store_pb2.CheckpointLoaded(info=store_pb2.CheckpointInfo(version=msg.version, path=str(path)))
+
+
+class FakeUp:
+    """L1 relay: records the events the rank sends up."""
+
+    def __init__(self):
+        self.events: list[Any] = []
+        self.finished = threading.Event()
+
+    def on_event(self, msg, payload=None):
+        self.events.append(msg)
+        if isinstance(msg, (engine_pb2.TrainingLoopFinished, engine_pb2.TrainingLoopFailed)):
+            self.finished.set()
+
+    def of(self, kind) -> list[Any]:
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+def tiny_spec(**overrides: Any):
+    """A job spec for a ~40k-parameter model on 64-byte rows (fast on one CPU thread)."""
+    from services.jobspec import JobSpec
+
+    raw: dict[str, Any] = {
+        "name": "tiny",
+        "steps": 30,
+        "seed": 0,
+        "model": {"n_layers": 2, "d_model": 64, "n_heads": 4},
+        "data": {"dataset": "corpus@v1", "seq_len": 64, "micro_batch_size": 8},
+        "optimizer": {"lr": 3e-3, "warmup_steps": 5},
+        "checkpoint": {"every_steps": 0, "at_end": False},
+        "eval": {"every_steps": 0, "batches": 4, "at_end": False},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            raw[key] = {**raw.get(key, {}), **value}
+        else:
+            raw[key] = value
+    return JobSpec.model_validate(raw)
+
+
+class LocalRank:
+    """One rank wired by the real composition root, with fake relays, in this process."""
+
+    def __init__(self, spec, ckpt_root: Path, *, rank: int = 0, world_size: int = 1, port: int | None = None,
+                 resume_version: str = "", job_id: str = "job"):
+        from services.contract import Module as M
+        from services.contract.bus import Bus
+        from services.jobspec import spec_to_json
+        from services.worker.rank import compose
+
+        self.spec = spec
+        self.bus = bus = Bus()
+        self.data = FakeData(bus.emitter(M.L4_DATASET_VERSIONS), bus.emitter(M.L4_BATCH_PACKER), corpus_bytes(),
+                             train_batches=spec.steps * spec.data.grad_accum + 4)
+        self.store = FakeStore(bus.emitter(M.L5_CHECKPOINT_MANAGER), ckpt_root)
+        self.up = FakeUp()
+        self.modules = compose(bus, spec, "cpu", data=self.data, store=self.store, up=self.up)
+        self.init = engine_pb2.InitJob(job_id=job_id, spec_json=spec_to_json(spec), resume_version=resume_version)
+        self.assignment = engine_pb2.RankAssignment(
+            rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port or free_port(),
+            backend="gloo", device="cpu", num_threads=1,
+        )
+        self.error: BaseException | None = None
+
+    def bring_up(self) -> None:
+        self.modules.orchestrator(self.init)
+        self.modules.allocator(self.assignment)
+
+    def run(self) -> None:
+        """Bring up and run the loop on this thread; failures are reported like rank.py does."""
+        try:
+            self.bring_up()
+            self.modules.loop.run()
+        except BaseException as e:  # noqa: BLE001
+            self.error = e
+            self.modules.loop.fail(e)
+        finally:
+            self.modules.parallel.shutdown()
+
+    def command(self, msg) -> None:
+        self.modules.orchestrator(msg)
+
+    def steps(self) -> list[Any]:
+        return self.up.of(engine_pb2.StepCompleted)
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The weights, read the way the loop reads them (ExportState -> Stateful handle)."""
+        from services.contract import Module as M
+
+        port = self.bus.port(M.L2_TRAINING_LOOP, M.L3_SHARD_LOADER)
+        return {k: v.detach().clone() for k, v in port(engine_pb2.ExportState()).payload.state_dict().items()}

@@ -1,0 +1,164 @@
+"""L2 modules behind their commands: schedule, optimizer, mixed precision, parallel plan."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.compute.model import build_model
+from services.compute.operator_adapter import OperatorAdapter
+from services.contract import Module as M
+from services.contract import engine_pb2
+from services.contract.bus import Bus
+from services.engine.lr_schedule import learning_rate, schedule_for
+from services.engine.mixed_precision import MixedPrecision
+from services.engine.optimizer import Optimizer
+from services.engine.parallel_strategy import ParallelStrategy
+from services.jobspec import ModelSpec, OptimizerSpec
+
+TINY = ModelSpec(n_layers=1, d_model=16, n_heads=2, vocab_size=32)
+
+
+# ------------------------------------------------------------------ learning-rate schedule
+
+
+def test_lr_warms_up_linearly_peaks_then_follows_the_cosine_to_the_floor():
+    lr = lambda s: learning_rate(s, lr=1.0, total_steps=110, warmup_steps=10, min_lr_ratio=0.1)  # noqa: E731
+    assert [lr(s) for s in (1, 5, 10)] == pytest.approx([0.1, 0.5, 1.0])
+    assert lr(60) == pytest.approx(0.55)  # halfway through the decay: (1 + 0.1) / 2
+    assert lr(35) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 4)))
+    assert lr(110) == pytest.approx(0.1)
+    assert lr(500) == pytest.approx(0.1)  # past the end: the floor
+    values = [lr(s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_lr_constant_schedule_and_no_warmup():
+    # No warmup: the decay spans all 5 steps and step 5 is the floor.
+    assert learning_rate(1, lr=2.0, total_steps=5) == pytest.approx(0.2 + 0.9 * (1 + math.cos(math.pi / 5)))
+    assert learning_rate(5, lr=2.0, total_steps=5) == pytest.approx(0.2)
+    assert learning_rate(3, lr=2.0, total_steps=5, warmup_steps=2, schedule="constant") == 2.0
+    f = schedule_for(OptimizerSpec(lr=3e-3, warmup_steps=50, min_lr_ratio=0.1), 500)
+    assert f(50) == pytest.approx(3e-3) and f(500) == pytest.approx(3e-4)
+    with pytest.raises(ValueError, match="step must be >= 1"):
+        learning_rate(0, lr=1.0, total_steps=5)
+
+
+# ------------------------------------------------------------------ optimizer (L2-3)
+
+
+def optimizer_on_bus():
+    bus = Bus()
+    opt = Optimizer(OptimizerSpec(weight_decay=0.1), bus.emitter(M.L2_OPTIMIZER))
+    bus.subscribe(M.L2_OPTIMIZER, engine_pb2.ApplyUpdate, opt.apply_update)
+    bus.subscribe(M.L2_OPTIMIZER, engine_pb2.ExportState, opt.export_state)
+    model = build_model(TINY, 0)
+    opt.attach(model)
+    return model, opt, bus.port(M.L2_TRAINING_LOOP, M.L2_OPTIMIZER)
+
+
+def set_grads(model, value=0.5):
+    for p in model.parameters():
+        p.grad = torch.full_like(p, value)
+
+
+def test_parameters_change_only_on_apply_update_and_with_its_learning_rate():
+    model, opt, port = optimizer_on_bus()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    set_grads(model)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # grads alone: nothing
+    done = port(engine_pb2.ApplyUpdate(step=1, learning_rate=0.01)).message
+    assert done.step == 1 and done.learning_rate == 0.01 and done.seconds >= 0
+    w0, w1 = before["tok_emb.weight"], model.state_dict()["tok_emb.weight"]
+    # Adam's first step moves every weight by lr * sign(g) (|m/sqrt(v)| = 1), plus decay.
+    torch.testing.assert_close(w1, w0 * (1 - 0.01 * 0.1) - 0.01, rtol=0, atol=1e-6)
+    gain0, gain1 = before["norm.weight"], model.state_dict()["norm.weight"]
+    torch.testing.assert_close(gain1, gain0 - 0.01, rtol=0, atol=1e-6)  # no decay on gains
+
+
+def test_the_optimizer_never_touches_gradients():
+    model, _, port = optimizer_on_bus()
+    set_grads(model, 0.25)
+    port(engine_pb2.ApplyUpdate(step=1, learning_rate=0.1))
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.25)) for p in model.parameters())
+
+
+def test_optimizer_state_exports_keyed_by_parameter_name():
+    model, _, port = optimizer_on_bus()
+    set_grads(model)
+    port(engine_pb2.ApplyUpdate(step=1, learning_rate=0.1))
+    reply = port(engine_pb2.ExportState())
+    assert reply.message.key == "optim"
+    state = reply.payload.state_dict()
+    assert "tok_emb.weight" in state["state"] and "exp_avg" in state["state"]["tok_emb.weight"]
+
+
+# ------------------------------------------------------------------ mixed precision (L2-4)
+
+
+def precision_on_bus():
+    bus = Bus()
+    adapter = OperatorAdapter(bus.emitter(M.L3_OPERATOR_ADAPTER), "cpu")
+    mp = MixedPrecision(bus.emitter(M.L2_MIXED_PRECISION), bus.port(M.L2_MIXED_PRECISION, M.L3_OPERATOR_ADAPTER))
+    bus.subscribe(M.L3_OPERATOR_ADAPTER, engine_pb2.SetComputePrecision, adapter.set_compute_precision)
+    bus.subscribe(M.L2_MIXED_PRECISION, engine_pb2.InitPrecision, mp.init_precision)
+    bus.subscribe(M.L2_MIXED_PRECISION, engine_pb2.UnscaleAndCheck, mp.unscale_and_check)
+    model = build_model(TINY, 0)
+    mp.attach(model.parameters())
+    return model, bus.port(M.L2_TRAINING_LOOP, M.L2_MIXED_PRECISION)
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_precision_init_reports_ready_with_loss_scale_one(policy):
+    _, port = precision_on_bus()
+    ready = port(engine_pb2.InitPrecision(precision=policy)).message
+    assert ready.precision == policy and ready.loss_scale == 1.0
+
+
+def test_overflow_check_reports_the_global_grad_norm_and_leaves_gradients_alone():
+    model, port = precision_on_bus()
+    port(engine_pb2.InitPrecision(precision="fp32"))
+    set_grads(model, 0.5)
+    check = port(engine_pb2.UnscaleAndCheck(step=1)).message
+    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    assert not check.found_inf and check.grad_norm == pytest.approx(0.5 * math.sqrt(n), rel=1e-6)
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters())
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_an_inf_or_nan_gradient_is_reported_as_found_inf_and_not_repaired(bad):
+    model, port = precision_on_bus()
+    port(engine_pb2.InitPrecision(precision="bf16"))
+    set_grads(model, 0.5)
+    model.norm.weight.grad[3] = bad
+    snapshot = [p.grad.clone() for p in model.parameters()]
+    check = port(engine_pb2.UnscaleAndCheck(step=7)).message
+    assert check.found_inf
+    for g, p in zip(snapshot, model.parameters()):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0, equal_nan=True)
+
+
+def test_an_unknown_precision_policy_is_refused():
+    _, port = precision_on_bus()
+    with pytest.raises(ValueError, match="precision: expected one of"):
+        port(engine_pb2.InitPrecision(precision="fp8"))
+
+
+# ------------------------------------------------------------------ parallel strategy (L2-2)
+
+
+def test_a_rank_assignment_that_cannot_work_is_refused_naming_the_field():
+    bus = Bus()
+    strategy = ParallelStrategy(
+        bus.emitter(M.L2_PARALLEL_STRATEGY),
+        bus.port(M.L2_PARALLEL_STRATEGY, M.L3_SHARD_LOADER),
+        bus.port(M.L2_PARALLEL_STRATEGY, M.L3_GRADIENT_REDUCTION),
+    )
+    base = dict(rank=0, world_size=1, master_addr="127.0.0.1", master_port=1, backend="gloo", device="cpu")
+    for bad, words in (({"rank": 2}, "rank 2 is not in world_size 1"),
+                       ({"backend": "mpi"}, "backend must be 'gloo' or 'nccl'"),
+                       ({"backend": "nccl"}, "backend nccl needs a CUDA device")):
+        with pytest.raises(ValueError, match=words):
+            strategy.assign(engine_pb2.RankAssignment(**{**base, **bad}))

@@ -1,0 +1,156 @@
+"""``python -m services.worker.rank`` as a process, against an in-test node agent and data
+service (gRPC servers in this process): the RankSession protocol end to end."""
+
+from __future__ import annotations
+
+import queue
+import subprocess
+import sys
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from rank_fakes import corpus_bytes, free_port, tiny_spec
+from services.contract import data_pb2, data_pb2_grpc, engine_pb2, worker_pb2, worker_pb2_grpc
+from services.jobspec import spec_to_json
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(90)
+
+
+class FakeAgent(worker_pb2_grpc.WorkerServiceServicer):
+    """Sends what it is told to, records what the rank sends."""
+
+    def __init__(self):
+        self.events: queue.Queue = queue.Queue()
+        self.commands: queue.Queue = queue.Queue()
+
+    def RankSession(self, requests, context):
+        def read():
+            try:
+                for ev in requests:
+                    self.events.put(ev)
+            except grpc.RpcError:
+                pass
+            self.events.put(None)
+            self.commands.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        while (cmd := self.commands.get()) is not None:
+            yield cmd
+
+    def next_event(self, timeout: float = 60.0) -> worker_pb2.RankEvent | None:
+        return self.events.get(timeout=timeout)
+
+
+class FakeDataService(data_pb2_grpc.DataServiceServicer):
+    """Byte windows of real text; Mount knows one dataset, corpus@v1."""
+
+    def __init__(self):
+        self._data = np.frombuffer(corpus_bytes(200_000), dtype=np.uint8).astype(np.int32)
+
+    def Mount(self, request, context):
+        if request.name != "corpus":
+            context.abort(grpc.StatusCode.NOT_FOUND, f"dataset {request.name}@{request.version} not found")
+        return data_pb2.DatasetReady(name=request.name, version=request.version, vocab_size=256, tokenizer="bytes")
+
+    def Stream(self, request, context):
+        self.Mount(request.mount, context)
+        B, T = request.packer.micro_batch_size, request.packer.seq_len
+        rng = np.random.default_rng(request.shuffle.rank)
+        n = 0
+        while context.is_active() and (request.max_batches == 0 or n < request.max_batches):
+            starts = rng.integers(0, len(self._data) - T - 1, size=B)
+            rows = np.stack([self._data[s : s + T + 1] for s in starts])
+            n += 1
+            yield data_pb2.MicroBatch(
+                input_ids=rows[:, :-1].astype("<i4").tobytes(), labels=rows[:, 1:].astype("<i4").tobytes(),
+                batch_size=B, seq_len=T, tokens=B * T, next=data_pb2.DataPosition(document=n),
+            )
+
+
+@pytest.fixture
+def services():
+    agent, data = FakeAgent(), FakeDataService()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(agent, server)
+    data_pb2_grpc.add_DataServiceServicer_to_server(data, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    procs: list[subprocess.Popen] = []
+    yield agent, f"127.0.0.1:{port}", procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+    server.stop(0)
+
+
+def start_rank(address: str, procs: list, job: str = "job-1") -> subprocess.Popen:
+    p = subprocess.Popen(
+        [sys.executable, "-m", "services.worker.rank", "--session", address, "--job", job, "--rank", "0"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    procs.append(p)
+    return p
+
+
+def push_setup(agent: FakeAgent, address: str, spec) -> None:
+    unused = free_port()  # no store listens here: metrics are retried in the background
+    agent.commands.put(worker_pb2.RankCommand(init=engine_pb2.InitJob(
+        job_id="job-1", spec_json=spec_to_json(spec), data_address=address, store_address=f"127.0.0.1:{unused}")))
+    agent.commands.put(worker_pb2.RankCommand(assignment=engine_pb2.RankAssignment(
+        rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(), backend="gloo", device="cpu",
+        num_threads=1)))
+
+
+def test_a_rank_says_hello_reports_started_waits_for_start_and_exits_0_after_finished(services):
+    agent, address, procs = services
+    spec = tiny_spec(steps=4, eval={"at_end": True, "batches": 2})
+    proc = start_rank(address, procs)
+    hello = agent.next_event()
+    assert hello.WhichOneof("event") == "hello"
+    assert (hello.job_id, hello.rank, hello.hello.pid) == ("job-1", 0, proc.pid)
+    push_setup(agent, address, spec)
+    started = agent.next_event()
+    assert started.WhichOneof("event") == "started", started
+    assert started.started.start_step == 0 and started.started.num_parameters > 0
+    with pytest.raises(queue.Empty):
+        agent.next_event(timeout=0.5)  # nothing happens before StartTraining
+    agent.commands.put(worker_pb2.RankCommand(start=engine_pb2.StartTraining(job_id="job-1")))
+    events = []
+    while (ev := agent.next_event()) is not None:
+        events.append(ev)
+    kinds = [e.WhichOneof("event") for e in events]
+    assert kinds == ["step"] * 4 + ["eval", "finished"], kinds
+    assert [e.step.step for e in events[:4]] == [1, 2, 3, 4]
+    assert all(e.job_id == "job-1" and e.rank == 0 for e in events)
+    assert events[3].step.tokens == 8 * 64 and events[4].eval.tokens == 2 * 8 * 64
+    assert not events[-1].finished.stopped
+    assert proc.wait(30) == 0, proc.stderr.read()[-3000:]
+
+
+def test_an_unknown_dataset_is_reported_failed_data_unavailable_and_the_rank_exits_1(services):
+    agent, address, procs = services
+    proc = start_rank(address, procs)
+    assert agent.next_event().WhichOneof("event") == "hello"
+    push_setup(agent, address, tiny_spec(data={"dataset": "nope@v9"}))
+    ev = agent.next_event()
+    assert ev.WhichOneof("event") == "failed", ev
+    assert ev.failed.fault_class == "data_unavailable"
+    assert ev.failed.detail == "dataset nope@v9 not found"
+    assert proc.wait(30) == 1
+
+
+def test_a_rank_whose_agent_goes_away_exits_promptly(services):
+    agent, address, procs = services
+    proc = start_rank(address, procs)
+    assert agent.next_event().WhichOneof("event") == "hello"
+    push_setup(agent, address, tiny_spec(steps=10_000))
+    assert agent.next_event().WhichOneof("event") == "started"
+    agent.commands.put(None)  # the agent ends the session
+    assert proc.wait(20) == 3
