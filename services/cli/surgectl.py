@@ -193,8 +193,14 @@ def generate(
 def sample_text(version: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> str:
     loaded = clients.call("store", lambda s: s.Load(store_pb2.LoadCheckpoint(version=version), timeout=120))
     from services.compute.inference import generate_text
+    from services.jobspec import spec_from_json
 
-    return generate_text(loaded.info.path, loaded.info.spec_json, prompt, max_new_tokens, temperature, top_k, seed)
+    data = spec_from_json(loaded.info.spec_json).data
+    mount = data_pb2.MountDataset(name=data.name, version=data.version, verify=False)
+    tokenizer = clients.call("data", lambda s: s.Mount(mount, timeout=30)).tokenizer
+    return generate_text(
+        loaded.info.path, loaded.info.spec_json, prompt, max_new_tokens, temperature, top_k, seed, tokenizer
+    )
 
 
 @app.command()

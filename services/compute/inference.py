@@ -58,19 +58,32 @@ def generate_text(
     temperature: float = 0.8,
     top_k: int = 40,
     seed: int = 0,
+    tokenizer: str = "bytes",
 ) -> str:
-    """Continue ``prompt`` with a byte-level model (vocab 256: token = UTF-8 byte).
+    """Continue ``prompt`` with the model of a committed checkpoint.
 
-    Raises ValueError for a model that is not byte-level (no tokenizer to decode with yet).
+    ``tokenizer`` is "bytes" (token = UTF-8 byte, vocab 256) or the path of the HF
+    ``tokenizers`` JSON file the dataset was prepared with.
+
+    Raises:
+        ValueError: a byte-level tokenizer for a model whose vocabulary is not 256.
     """
     spec = spec_from_json(spec_json)
-    if spec.model.vocab_size != 256:
-        raise ValueError(
-            f"generate: model.vocab_size is {spec.model.vocab_size}; only byte-level models (256) can be sampled for now"
-        )
+    encode, decode = _codec(tokenizer, spec.model.vocab_size)
     model = load_model_for_inference(checkpoint_path, spec)
-    prompt_ids = torch.tensor(list(prompt.encode("utf-8")) or [0], dtype=torch.int64)
+    prompt_ids = torch.tensor(encode(prompt) or [0], dtype=torch.int64)
     out = generate(
         model, prompt_ids, max_new_tokens, temperature, top_k, generator=torch.Generator().manual_seed(seed)
     )
-    return bytes(out.tolist()).decode("utf-8", errors="replace")
+    return decode(out.tolist())
+
+
+def _codec(tokenizer: str, vocab_size: int):
+    if tokenizer == "bytes":
+        if vocab_size != 256:
+            raise ValueError(f"generate: tokenizer 'bytes' needs model.vocab_size 256, got {vocab_size}")
+        return (lambda text: list(text.encode("utf-8"))), (lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer)
+    return (lambda text: tok.encode(text).ids), (lambda ids: tok.decode(ids))

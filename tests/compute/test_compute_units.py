@@ -125,3 +125,22 @@ def test_a_checkpoint_loads_for_inference_and_generates_text(tmp_path):
     assert all(torch.equal(v, trained.state_dict()[k]) for k, v in loaded.state_dict().items())
     text = generate_text(str(tmp_path / "v1"), spec_to_json(spec), "def ", 12, temperature=0.0, top_k=0)
     assert text.startswith("def ") and len(text.encode("utf-8", errors="surrogateescape")) >= 4
+
+
+def test_a_model_trained_on_a_bpe_dataset_generates_through_its_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 50, trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    tok_path = tmp_path / "tokenizer.json"
+    tok.save(str(tok_path))
+    model_spec = {**SPEC.model_dump(), "vocab_size": tok.get_vocab_size()}
+    spec = JobSpec.model_validate({"name": "bpe", "steps": 1, "model": model_spec, "data": {"dataset": "bpe@v1"}})
+    dcp.save({"model": build_model(spec.model, seed=1).state_dict()}, checkpoint_id=str(tmp_path / "v1"), no_dist=True)
+    text = generate_text(str(tmp_path / "v1"), spec_to_json(spec), "def ", 8, temperature=0.0, top_k=0,
+                         tokenizer=str(tok_path))
+    assert text.startswith("def")
+    with pytest.raises(ValueError, match="tokenizer 'bytes' needs model.vocab_size 256"):
+        generate_text(str(tmp_path / "v1"), spec_to_json(spec), "def ", 8, tokenizer="bytes")
