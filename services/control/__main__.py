@@ -66,7 +66,11 @@ def build(
     """
     bus = Bus(on_violation=_report_violation)
 
-    allocator = ResourceAllocator(hardware=bus.port(M.L1_RESOURCE_ALLOCATOR, M.EXT_HARDWARE), control_host=host)
+    allocator = ResourceAllocator(
+        hardware=bus.port(M.L1_RESOURCE_ALLOCATOR, M.EXT_HARDWARE),
+        emit=bus.emitter(M.L1_RESOURCE_ALLOCATOR),
+        control_host=host,
+    )
     detector = FaultDetector(emit=bus.emitter(M.L1_FAULT_DETECTOR), rules=fault_rules)
     recovery = RecoveryController(checkpoints=bus.port(M.L1_RECOVERY_CONTROLLER, M.L5_CHECKPOINT_MANAGER))
     sessions = SessionHub(
@@ -86,6 +90,7 @@ def build(
     bus.subscribe(M.L5_CHECKPOINT_MANAGER, store_pb2.LoadCheckpoint, store.load_checkpoint)
 
     bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.WorkerRegistration, allocator.on_worker_registration)
+    bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.MemoryPressure, allocator.on_memory_pressure)
     bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.AllocateResources, allocator.allocate_resources)
     bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.ReleaseResources, allocator.release_resources)
     bus.subscribe(M.L1_RECOVERY_CONTROLLER, control_pb2.StartRecovery, recovery.start_recovery)
@@ -117,6 +122,7 @@ def build(
         # the graded report that decides on it.
         (engine_pb2.TrainingLoopFailed, o.on_training_loop_failed),
         (control_pb2.FaultReport, o.on_fault_report),
+        (control_pb2.ResourcePressure, o.on_resource_pressure),
     ):
         bus.subscribe(M.L1_ORCHESTRATOR, msg_type, handler)
 

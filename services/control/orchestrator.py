@@ -15,7 +15,7 @@ rank stops at the same step and no rank waits in a collective for a paused peer.
 Inputs: the operator's commands (SubmitJobRequest, JobQuery, Pause/Resume/StopJobRequest),
 TrainingLoopStarted / StepCompleted / EvalCompleted / TrainingLoopPaused /
 TrainingLoopFinished / TrainingLoopFailed (L2-1 via the relay), SaveCompleted (L5-1 via the
-relay), FaultReport (L1-3).
+relay), FaultReport (L1-3), ResourcePressure (L1-2, observed and recorded).
 Outputs: AllocateResources / ReleaseResources (L1-2), StartFaultMonitoring (L1-3),
 Start/Pause/Resume/StopTraining (L2-1 of the job's ranks, via the session relay),
 JobStatus / JobList / JobEvent (the operator).
@@ -374,6 +374,21 @@ class Orchestrator:
             if msg.grade >= G.SEVERE or early_exit:
                 self._terminate(job, O.FAILED, text, kill=True)
 
+    # ------------------------------------------------------------ resource events (L1-2)
+
+    def on_resource_pressure(self, msg: control_pb2.ResourcePressure, payload: Any = None) -> None:
+        """Append a "resource" event to the log of every live job named, e.g. ``memory
+        pressure on wa: 1.2 GiB of 24.0 GiB available`` (GiB = 2**30 bytes)."""
+        # Recorded only: what to do about pressure (pause, shrink, checkpoint and move)
+        # is the fault policy's to decide, in a later issue; this method takes no action.
+        what = "memory pressure" if msg.under_pressure else "memory pressure relieved"
+        text = f"{what} on {msg.worker_id}: {_gib(msg.available_bytes)} of {_gib(msg.total_bytes)} available"
+        with self._lock:
+            for job_id in msg.job_ids:
+                job = self._jobs.get(job_id)
+                if job is not None and job.status.state != S.TERMINATED:
+                    self._record(job, Module.L1_RESOURCE_ALLOCATOR, "resource", text)
+
     # ------------------------------------------------------------ private
 
     def _restore(self) -> None:
@@ -458,3 +473,7 @@ class Orchestrator:
         job.last_persist = time.monotonic()
         _log.info("job event", job_id=s.job_id, seq=job.seq, type=kind, message=message)
         self._emit(event)
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.1f} GiB"

@@ -4,10 +4,11 @@ Seed 000 L1-2: it allocates and releases resources and lays out the rank topolog
 never starts or stops training on its own, never reads training metrics, never changes
 hyper-parameters. Quotas are fixed at launch and never changed while the job runs.
 
-Inputs: ``WorkerRegistration`` (node agents, via the session relay), ``AllocateResources``
-and ``ReleaseResources`` (from L1-1).
+Inputs: ``WorkerRegistration`` and ``MemoryPressure`` (node agents, via the session
+relay), ``AllocateResources`` and ``ReleaseResources`` (from L1-1).
 Outputs: ``ResourcesReady`` / ``ResourcesInsufficient`` (replies to L1-1), ``LaunchRanks``
-and ``ReleaseRanks`` (to one node agent each; the payload names the worker id).
+and ``ReleaseRanks`` (to one node agent each; the payload names the worker id),
+``ResourcePressure`` (published; the orchestrator observes it).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.contract import control_pb2, engine_pb2
-from services.contract.bus import CommandPort
+from services.contract.bus import CommandPort, Emitter
 from services.jobspec import spec_from_json
 
 # How long a node agent gives a released rank to exit before killing it (seconds).
@@ -29,6 +30,7 @@ RELEASE_GRACE_SECONDS = 10.0
 class _Worker:
     reg: control_pb2.WorkerRegistration
     busy: dict[str, list[int]] = field(default_factory=dict)  # job_id -> slot indices
+    under_pressure: bool = False  # the seed's 资源紧张 state, per worker
 
     def free_slots(self) -> list[int]:
         taken = {s for slots in self.busy.values() for s in slots}
@@ -41,11 +43,13 @@ class ResourceAllocator:
     Args:
         hardware: command port to the node agents (EXT_HARDWARE); each command's payload
             is the worker id it is addressed to.
+        emit: publishes this module's events (ResourcePressure).
         control_host: the address this host's free ports are found on (master_port).
     """
 
-    def __init__(self, hardware: CommandPort, control_host: str = "127.0.0.1"):
+    def __init__(self, hardware: CommandPort, emit: Emitter, control_host: str = "127.0.0.1"):
         self._hardware = hardware
+        self._emit = emit
         self._control_host = control_host
         self._lock = threading.Lock()
         # Insertion order is registration order: ranks fill workers in that order.
@@ -66,7 +70,34 @@ class ResourceAllocator:
             worker = _Worker(msg)
             if old is not None:
                 worker.busy = {job: [s for s in slots if s < msg.slots] for job, slots in old.busy.items()}
+                worker.under_pressure = old.under_pressure
             self._workers[msg.worker_id] = worker  # a known id keeps its place in the order
+
+    def on_memory_pressure(self, msg: control_pb2.MemoryPressure, payload: Any = None) -> None:
+        """显存溢出上报事件: publish ``ResourcePressure`` (显存资源紧张告警事件) naming the
+        jobs that hold ranks on that worker, in allocation order.
+
+        Only a change of the worker's pressure state is published: a repeated report (a
+        restarted node agent under the same id, still short of memory) adds nothing. A
+        report from a worker not in the registry (withdrawn) is dropped. Quotas are not
+        touched: they are fixed at launch (seed 000 L1-2, 整改 1)."""
+        with self._lock:
+            worker = self._workers.get(msg.worker_id)
+            if worker is None or worker.under_pressure == msg.under_pressure:
+                return
+            worker.under_pressure = msg.under_pressure
+            job_ids = list(worker.busy)
+        # Published outside the lock, like the commands: never hold it across another
+        # module's code.
+        self._emit(
+            control_pb2.ResourcePressure(
+                worker_id=msg.worker_id,
+                job_ids=job_ids,
+                available_bytes=msg.available_bytes,
+                total_bytes=msg.total_bytes,
+                under_pressure=msg.under_pressure,
+            )
+        )
 
     # ------------------------------------------------------------ commands (L1-1)
 

@@ -6,7 +6,8 @@ the remote party the route table names, and holds only routing knowledge:
 * ``ControlServicer``: operator RPCs become commands from EXT_USER to the orchestrator;
   its replies (JobStatus, JobList) and events (JobEvent) become responses and streams.
 * ``SessionHub``: one bidi session per node agent. Stream messages become events sent as
-  EXT_HARDWARE (WorkerRegistration, RankExited), L2_TRAINING_LOOP (rank loop events) or
+  EXT_HARDWARE (WorkerRegistration, RankExited, MemoryPressure), L2_TRAINING_LOOP (rank
+  loop events) or
   L5_CHECKPOINT_MANAGER (SaveCompleted); commands for EXT_HARDWARE (LaunchRanks,
   ReleaseRanks) and L2_TRAINING_LOOP (Start/Pause/Resume/StopTraining) become
   ``WorkerCommand``s queued on the right sessions.
@@ -64,7 +65,7 @@ class SessionHub:
     """Node agent sessions: routing table worker id -> session, and the bus side of them.
 
     Args:
-        hardware: emitter as EXT_HARDWARE (WorkerRegistration, RankExited).
+        hardware: emitter as EXT_HARDWARE (WorkerRegistration, RankExited, MemoryPressure).
         loop: emitter as L2_TRAINING_LOOP (rank loop events relayed by node agents).
         checkpoints: emitter as L5_CHECKPOINT_MANAGER (SaveCompleted relayed by ranks).
     """
@@ -136,6 +137,11 @@ class SessionHub:
             self._hardware(exited)
         elif kind == "rank_event":
             self._relay_rank_event(ev.rank_event)
+        elif kind == "memory_pressure":
+            pressure = ev.memory_pressure
+            # A node agent speaks only for its own node: the session's identity wins.
+            pressure.worker_id = session.worker_id
+            self._hardware(pressure)
         elif kind == "register":
             raise ValueError(f"worker {session.worker_id} registered twice on one session")
         else:

@@ -2,11 +2,15 @@
 
     python -m services.worker --port P --control HOST:PORT [--host 127.0.0.1]
         [--advertise HOST] [--worker-id ID] [--slots N] [--run-dir DIR]
+        [--memory-check-seconds S] [--memory-pressure-fraction F]
 
 Environment defaults: SURGE_WORKER_PORT, SURGE_CONTROL_ADDRESS, SURGE_WORKER_ID
 (default ``<hostname>-<port>``), SURGE_WORKER_SLOTS (default: number of CUDA devices,
 else 1), SURGE_RANK_MODULE (module the rank processes run, default
-``services.worker.rank``). Port 0 takes a free port (the bound one is registered).
+``services.worker.rank``), SURGE_WORKER_MEMORY_CHECK_SECONDS (default 2.0; 0 disables
+the memory sampler), SURGE_WORKER_MEMORY_PRESSURE_FRACTION (default 0.10),
+SURGE_WORKER_MEMINFO (file the host memory is read from, default /proc/meminfo). Port 0
+takes a free port (the bound one is registered).
 
 Serves ``surge.v1.WorkerService`` (RankSession) plus health and reflection. SIGTERM or
 SIGINT: kill the rank process groups, close the session, stop the server, exit 0. A port
@@ -27,10 +31,13 @@ from services.common import logs, paths
 from services.common.grpc_server import PortInUse, ServiceServer
 from services.contract import worker_pb2_grpc
 from services.worker.node_agent import (
+    DEFAULT_MEMINFO,
     DEFAULT_RANK_MODULE,
+    MEMINFO_ENV,
     RANK_MODULE_ENV,
     SHUTDOWN_GRACE_SECONDS,
     ControlSession,
+    MemorySampler,
     NodeAgent,
     Outbox,
     RankSessionServicer,
@@ -52,6 +59,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--worker-id", default=env.get("SURGE_WORKER_ID"), help="stable id (env SURGE_WORKER_ID; default <hostname>-<port>)")
     p.add_argument("--slots", type=int, default=env.get("SURGE_WORKER_SLOTS"), help="rank processes this node may run (env SURGE_WORKER_SLOTS; default: CUDA devices, else 1)")
     p.add_argument("--run-dir", type=Path, default=None, help="rank logs go to <run-dir>/logs (default $SURGE_HOME/run)")
+    p.add_argument(
+        "--memory-check-seconds", type=float, default=env.get("SURGE_WORKER_MEMORY_CHECK_SECONDS") or 2.0,
+        help="seconds between host memory samples (env SURGE_WORKER_MEMORY_CHECK_SECONDS; 0 disables)",
+    )
+    p.add_argument(
+        "--memory-pressure-fraction", type=float, default=env.get("SURGE_WORKER_MEMORY_PRESSURE_FRACTION") or 0.10,
+        help="report memory pressure below this fraction of MemTotal available (env SURGE_WORKER_MEMORY_PRESSURE_FRACTION)",
+    )
     args = p.parse_args(argv)
     if args.port is None:
         p.error("--port (or SURGE_WORKER_PORT) is required")
@@ -59,6 +74,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--control (or SURGE_CONTROL_ADDRESS) is required")
     if args.slots is not None and args.slots < 1:
         p.error(f"--slots: must be >= 1, got {args.slots}")
+    if not args.memory_check_seconds >= 0:  # also refuses nan
+        p.error(f"--memory-check-seconds: must be >= 0, got {args.memory_check_seconds}")
+    if not 0 < args.memory_pressure_fraction < 1:
+        p.error(f"--memory-pressure-fraction: must be in (0, 1), got {args.memory_pressure_fraction}")
     return args
 
 
@@ -101,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     log = logs.configure("worker", worker_id=worker_id)
     advertise = args.advertise or (socket.gethostname() if args.host in WILDCARD_HOSTS else args.host)
     cuda = detect_cuda_devices()
-    registration = hardware_report(worker_id, f"{advertise}:{port}", args.slots or len(cuda) or 1, cuda)
+    meminfo = os.environ.get(MEMINFO_ENV) or DEFAULT_MEMINFO
+    registration = hardware_report(worker_id, f"{advertise}:{port}", args.slots or len(cuda) or 1, cuda, meminfo)
 
     outbox = Outbox()
     agent = NodeAgent(
@@ -115,23 +135,33 @@ def main(argv: list[str] | None = None) -> int:
     )
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(RankSessionServicer(agent, log), server.server)
     session = ControlSession(args.control, registration, outbox, agent.execute, log)
+    sampler = None
+    if args.memory_check_seconds > 0:
+        sampler = MemorySampler(
+            worker_id, outbox.put, log, meminfo, args.memory_check_seconds, args.memory_pressure_fraction
+        )
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
     server.start([SERVICE_NAME])
     session.start()
+    if sampler is not None:
+        sampler.start()
     log.info(
         "worker serving",
         port=port,
         control=args.control,
         address=registration.address,
         slots=registration.slots,
+        memory_check_seconds=args.memory_check_seconds,
         devices=[f"{d.kind}:{d.index} {d.name}" for d in registration.devices],
     )
     stop.wait()
 
     log.info("worker stopping")
+    if sampler is not None:
+        sampler.stop()
     agent.shutdown(SHUTDOWN_GRACE_SECONDS)  # first: no rank may outlive the agent
     session.close(drain_seconds=1.0)  # lets the ranks' RankExited go up if control is there
     server.stop(grace=0.5)

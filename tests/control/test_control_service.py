@@ -99,6 +99,12 @@ class NodeAgent:
         self._thread.join(timeout=10)
         self._channel.close()
 
+    def memory_pressure(self, under: bool, available: int, total: int) -> None:
+        msg = control_pb2.MemoryPressure(
+            worker_id=self.worker_id, available_bytes=available, total_bytes=total, under_pressure=under
+        )
+        self._out.put(control_pb2.WorkerEvent(memory_pressure=msg))
+
     def _send(self, job_id: str, rank: int, **event) -> None:
         ev = worker_pb2.RankEvent(job_id=job_id, rank=rank, **event)
         self._out.put(control_pb2.WorkerEvent(rank_event=ev))
@@ -243,6 +249,29 @@ def test_a_lost_node_agent_fails_its_running_job(start_control, agents):
     assert rest[-1].status.state == S.TERMINATED
     status = control.stub.GetJob(control_pb2.JobQuery(job_id=job_id))
     assert status.outcome == O.FAILED and "SEVERE worker_lost" in status.message
+
+
+def test_memory_pressure_sent_by_a_node_agent_appears_in_its_jobs_event_log(start_control, agents):
+    control = start_control()
+    holder = agents(control.address, "wa", finish=False)
+    job_id = submit(control, dp=1, steps=100).job_id
+    watch = control.stub.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True), timeout=60)
+    for ev in watch:
+        if ev.status.state == S.RUNNING:
+            break
+    holder.memory_pressure(True, 3 << 29, 24 << 30)
+    holder.memory_pressure(False, 6 << 30, 24 << 30)
+    got = []
+    for ev in watch:  # step summaries may interleave; the resource events come in order
+        if ev.type == "resource":
+            got.append((ev.type, ev.message, ev.status.state))
+            if len(got) == 2:
+                break
+    watch.cancel()
+    assert got == [
+        ("resource", "memory pressure on wa: 1.5 GiB of 24.0 GiB available", S.RUNNING),
+        ("resource", "memory pressure relieved on wa: 6.0 GiB of 24.0 GiB available", S.RUNNING),
+    ]
 
 
 def test_restart_keeps_jobs_and_freezes_the_running_one(start_control, agents):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from services.contract import control_pb2, engine_pb2, store_pb2
+from services.contract import Module, control_pb2, engine_pb2, store_pb2
 from services.control.__main__ import build
 from services.control.job_store import JobStore
 from services.control.orchestrator import RESTART_MESSAGE, IllegalTransition, InsufficientResources, JobNotFound
@@ -14,7 +14,7 @@ from services.jobspec import JobSpecError, spec_from_json
 
 from .conftest import Plane, drain
 
-S, O = control_pb2.JobState, control_pb2.JobOutcome
+S, O, M = control_pb2.JobState, control_pb2.JobOutcome, Module
 pytestmark = pytest.mark.timeout(30)
 
 
@@ -261,3 +261,27 @@ def test_a_reconnecting_worker_replaces_its_session_and_its_old_ranks_are_lost(p
     assert [c.release.job_id for c in drain(new)] == [job_id]  # the release reaches the live session
     job2 = plane.submit(dp=1).job_id
     assert [c.launch.job_id for c in drain(new)] == [job2]
+
+
+def test_memory_pressure_is_recorded_on_the_jobs_with_ranks_on_that_worker_and_nothing_else_happens(plane):
+    job_id, a, b = start_job(plane)  # wa: rank 0, wb: rank 1
+    c = plane.register("wc")
+    other = plane.submit(dp=1).job_id  # the only free slot: wc
+    drain(c)
+    seen = {j: plane.events(j)[-1].seq for j in (job_id, other)}
+
+    def pressure(session, under: bool, available: int) -> None:
+        # worker_id left empty: the relay stamps the session's identity.
+        msg = control_pb2.MemoryPressure(available_bytes=available, total_bytes=24 << 30, under_pressure=under)
+        plane.c.sessions.on_worker_event(session, control_pb2.WorkerEvent(memory_pressure=msg))
+
+    pressure(b, True, int(1.2 * (1 << 30)))
+    pressure(b, False, 12 << 30)
+    new = plane.events(job_id, seen[job_id] + 1)
+    assert [(e.type, e.source, e.message) for e in new] == [
+        ("resource", M.L1_RESOURCE_ALLOCATOR, "memory pressure on wb: 1.2 GiB of 24.0 GiB available"),
+        ("resource", M.L1_RESOURCE_ALLOCATOR, "memory pressure relieved on wb: 12.0 GiB of 24.0 GiB available"),
+    ]
+    assert plane.events(other, seen[other] + 1) == ()  # no rank of it on wb
+    assert plane.get(job_id).state == S.RUNNING  # recorded only: no decision taken
+    assert drain(a) == [] and drain(b) == [] and drain(c) == []  # no command to any node

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from services.contract import Module, control_pb2, engine_pb2
-from services.control.resource_allocator import RELEASE_GRACE_SECONDS
+from services.contract.bus import Bus
+from services.control.resource_allocator import RELEASE_GRACE_SECONDS, ResourceAllocator
 from services.jobspec import parse_job_spec, spec_to_json
 
 from .conftest import drain, registration, spec_yaml
@@ -18,11 +19,15 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def allocate(plane, job_id: str, dp: int, backend: str = "auto", threads: int = 1):
+    return allocate_on(plane.c.bus, job_id, dp, backend, threads)
+
+
+def allocate_on(bus: Bus, job_id: str, dp: int, backend: str = "auto", threads: int = 1):
     spec = parse_job_spec(spec_yaml(dp=dp, backend=backend, threads=threads))
     msg = control_pb2.AllocateResources(
         job_id=job_id, world_size=dp, backend=backend, init=engine_pb2.InitJob(job_id=job_id, spec_json=spec_to_json(spec))
     )
-    return plane.c.bus.command(M.L1_ORCHESTRATOR, M.L1_RESOURCE_ALLOCATOR, msg).message
+    return bus.command(M.L1_ORCHESTRATOR, M.L1_RESOURCE_ALLOCATOR, msg).message
 
 
 def release(plane, job_id: str, kill: bool = False) -> None:
@@ -111,3 +116,51 @@ def test_a_kill_of_a_job_unknown_here_goes_to_every_worker(plane):
     for session in (a, b):
         (cmd,) = drain(session)
         assert (cmd.release.job_id, cmd.release.kill, cmd.release.grace_seconds) == ("j-before-restart", True, 0.0)
+
+
+def test_memory_pressure_on_a_worker_is_published_naming_the_jobs_holding_ranks_there():
+    # The allocator alone on a real bus: the test subscribes where the node agents'
+    # relay and the orchestrator would, and records what reaches them.
+    bus = Bus()
+    launches: list[str] = []
+    pressures: list[control_pb2.ResourcePressure] = []
+    bus.subscribe(M.EXT_HARDWARE, control_pb2.LaunchRanks, lambda msg, worker_id: launches.append(worker_id))
+    bus.subscribe(M.L1_ORCHESTRATOR, control_pb2.ResourcePressure, lambda msg, payload: pressures.append(msg))
+    allocator = ResourceAllocator(
+        hardware=bus.port(M.L1_RESOURCE_ALLOCATOR, M.EXT_HARDWARE), emit=bus.emitter(M.L1_RESOURCE_ALLOCATOR)
+    )
+    for msg_type, handler in (
+        (control_pb2.WorkerRegistration, allocator.on_worker_registration),
+        (control_pb2.MemoryPressure, allocator.on_memory_pressure),
+        (control_pb2.AllocateResources, allocator.allocate_resources),
+    ):
+        bus.subscribe(M.L1_RESOURCE_ALLOCATOR, msg_type, handler)
+    bus.publish(M.EXT_HARDWARE, registration("wa", slots=2))
+    bus.publish(M.EXT_HARDWARE, registration("wb", slots=2))
+    allocate_on(bus, "j-both", dp=3)  # wa: ranks 0, 1; wb: rank 2
+    allocate_on(bus, "j-wb", dp=1)  # wb
+    assert launches == ["wa", "wb", "wb"]
+
+    def report(worker_id: str, under: bool, available: int) -> None:
+        bus.publish(
+            M.EXT_HARDWARE,
+            control_pb2.MemoryPressure(
+                worker_id=worker_id, available_bytes=available, total_bytes=24 << 30, under_pressure=under
+            ),
+        )
+
+    report("wb", True, 1 << 30)
+    (p,) = pressures
+    assert (p.worker_id, list(p.job_ids), p.available_bytes, p.total_bytes, p.under_pressure) == (
+        "wb", ["j-both", "j-wb"], 1 << 30, 24 << 30, True,
+    )
+    report("wb", True, 1 << 29)  # no change of state: nothing new to say
+    assert len(pressures) == 1
+    report("wa", True, 2 << 30)
+    assert [(q.worker_id, list(q.job_ids)) for q in pressures[1:]] == [("wa", ["j-both"])]
+    report("wb", False, 12 << 30)
+    assert [(q.worker_id, list(q.job_ids), q.available_bytes, q.under_pressure) for q in pressures[2:]] == [
+        ("wb", ["j-both", "j-wb"], 12 << 30, False),
+    ]
+    report("gone", True, 1 << 30)  # not registered (or withdrawn): no worker, no jobs
+    assert len(pressures) == 3

@@ -84,8 +84,13 @@ class Agent:
         self.log = tmp / f"agent-{self.port}.log"
         extra_env = env or {}
         env = {**os.environ, "SURGE_RANK_MODULE": FAKE_RANK, "SURGE_HOME": str(tmp / "home"), "PYTHONUNBUFFERED": "1"}
-        for var in ("SURGE_WORKER_ID", "SURGE_WORKER_SLOTS", "SURGE_WORKER_PORT", "SURGE_CONTROL_ADDRESS", "CUDA_VISIBLE_DEVICES"):
+        for var in ("SURGE_WORKER_ID", "SURGE_WORKER_SLOTS", "SURGE_WORKER_PORT", "SURGE_CONTROL_ADDRESS", "CUDA_VISIBLE_DEVICES",
+                    "SURGE_WORKER_MEMINFO", "SURGE_WORKER_MEMORY_PRESSURE_FRACTION"):
             env.pop(var, None)
+        # The memory sampler is off unless a test turns it on: a test machine short of
+        # memory would otherwise slip a memory_pressure report between the events a test
+        # expects.
+        env["SURGE_WORKER_MEMORY_CHECK_SECONDS"] = "0"
         env.update(extra_env)
         argv = [sys.executable, "-m", "services.worker", "--port", str(self.port), "--control", f"127.0.0.1:{control_port}", "--run-dir", str(self.run_dir)]
         if worker_id:
@@ -477,3 +482,72 @@ def test_a_port_in_use_fails_with_one_line_and_a_nonzero_exit(tmp_path):
     assert proc.returncode != 0
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "in use" in lines[0], err
+
+
+# ---------------------------------------------------------------- memory pressure
+
+GIB = 2**30
+
+
+def write_meminfo(path: Path, available: int, total: int = 24 * GIB) -> None:
+    """A /proc/meminfo lookalike (kB values), replaced atomically so the agent never reads
+    half a file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(
+        f"MemTotal:       {total // 1024} kB\n"
+        f"MemFree:        {available // 2048} kB\n"
+        f"MemAvailable:   {available // 1024} kB\n"
+        "Buffers:          1024 kB\n"
+    )
+    os.replace(tmp, path)
+
+
+def no_event_within(control: FakeControl, seconds: float) -> bool:
+    try:
+        event = control.next_event(timeout=seconds)
+    except queue.Empty:
+        return True
+    raise AssertionError(f"unexpected event: {event}")
+
+
+def test_memory_pressure_is_reported_once_on_entering_and_once_when_relieved(cluster, tmp_path):
+    meminfo = tmp_path / "meminfo"
+    write_meminfo(meminfo, available=12 * GIB)
+    control = cluster.control()
+    cluster.agent(
+        control.port,
+        "--memory-check-seconds", "0.05",
+        "--memory-pressure-fraction", "0.10",
+        env={"SURGE_WORKER_MEMINFO": str(meminfo)},
+    )
+    reg = control.servicer.registration()
+    assert reg.memory_bytes == 24 * GIB  # the registration reads the same file
+    assert no_event_within(control.servicer, 0.3)  # 50% available: nothing to say
+
+    write_meminfo(meminfo, available=int(1.2 * GIB))  # 5%
+    event = control.servicer.next_event()
+    assert event.WhichOneof("event") == "memory_pressure", event
+    p = event.memory_pressure
+    assert (p.worker_id, p.available_bytes, p.total_bytes, p.under_pressure) == (
+        WORKER_ID, int(1.2 * GIB) // 1024 * 1024, 24 * GIB, True,
+    )
+    assert no_event_within(control.servicer, 0.5)  # ~10 more samples, still low: silent
+
+    write_meminfo(meminfo, available=int(0.11 * 24 * GIB))  # above 10%, inside the hysteresis
+    assert no_event_within(control.servicer, 0.5)
+
+    write_meminfo(meminfo, available=12 * GIB)
+    event = control.servicer.next_event()
+    assert event.WhichOneof("event") == "memory_pressure", event
+    p = event.memory_pressure
+    assert (p.worker_id, p.available_bytes, p.total_bytes, p.under_pressure) == (WORKER_ID, 12 * GIB, 24 * GIB, False)
+    assert no_event_within(control.servicer, 0.5)
+
+
+def test_memory_check_seconds_zero_disables_the_sampler(cluster, tmp_path):
+    meminfo = tmp_path / "meminfo"
+    write_meminfo(meminfo, available=GIB)  # 4%: would be reported at once
+    control = cluster.control()
+    cluster.agent(control.port, env={"SURGE_WORKER_MEMINFO": str(meminfo), "SURGE_WORKER_MEMORY_CHECK_SECONDS": "0"})
+    control.servicer.registration()
+    assert no_event_within(control.servicer, 0.5)
