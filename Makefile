@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 GEN    := services/contract/gen
 PROTOS := $(wildcard proto/surge/v1/*.proto)
 
-.PHONY: setup proto demo test lint up down clean
+.PHONY: setup proto contracts demo test lint up down clean
 
 setup: $(STAMP) $(GEN)/.stamp
 
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 proto: $(STAMP)
-	rm -rf $(GEN)/surge
+	rm -rf $(GEN)/surge $(GEN)/.stamp
 	$(MAKE) $(GEN)/.stamp
 
 $(GEN)/.stamp: $(PROTOS) $(STAMP)
@@ -29,6 +29,11 @@ $(GEN)/.stamp: $(PROTOS) $(STAMP)
 	  --plugin=protoc-gen-mypy=$(BIN)/protoc-gen-mypy --mypy_out=quiet:$(GEN) \
 	  $(PROTOS)
 	touch $@
+
+# docs/permissions.md from the proto route options and services/contract/red_lines.yaml
+# (CI fails when the committed file is stale: tests/contract/test_permissions_doc.py).
+contracts: setup
+	$(BIN)/python -m services.contract.permissions_doc
 
 demo: setup
 	$(BIN)/surgectl demo examples/jobs/demo.yaml

@@ -55,6 +55,30 @@ def jobs_table(jobs) -> Table:
     return t
 
 
+def audit_table(view, show_unused: bool = True) -> Table:
+    """The live permission matrix (``services.cli.audit.AuditView``): routes that carried
+    messages, refused sends in red, then (``show_unused``) the table's unused routes, dim."""
+    t = Table(title=f"routes of {', '.join(view.processes)}")
+    for col in ("sender", "message", "receiver", "kind", "count", "where"):
+        t.add_column(col, justify="right" if col == "count" else "left")
+
+    def short(message: str) -> str:
+        return message.removeprefix("surge.v1.")
+
+    def where(by: dict[str, int]) -> str:
+        return " · ".join(f"{p} {n:,}" for p, n in by.items())
+
+    for r in view.used:
+        t.add_row(r.sender, short(r.message), r.receiver, r.kind, f"{r.count:,}", where(r.by_process))
+    for r in view.violations:
+        t.add_row(r.sender, short(r.message), r.receiver, "VIOLATION", f"{r.count:,}", where(r.by_process),
+                  style="bold red")
+    if show_unused:
+        for r in view.unused:
+            t.add_row(r.sender, short(r.message), r.receiver, r.kind, "0", "", style="dim")
+    return t
+
+
 def checkpoints_table(infos) -> Table:
     t = Table(title="checkpoints")
     for col in ("version", "parent", "step", "files", "MiB", "sha256"):

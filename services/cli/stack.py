@@ -1,9 +1,9 @@
 """The local stack: every service as a local process on loopback (`surgectl up` / `down`).
 
-The run directory (``$SURGE_HOME/run``) holds ``stack.json`` (pid, port, address and log of
-every service) and ``logs/``. ``up`` waits until every service reports SERVING on the
-standard gRPC health service; if one fails to start, everything started is stopped again
-and the failing service's log tail is shown.
+The run directory (``$SURGE_HOME/run``) holds ``stack.json`` (pid, port, address, Prometheus
+``/metrics`` port and log of every service) and ``logs/``. ``up`` waits until every service
+reports SERVING on the standard gRPC health service; if one fails to start, everything
+started is stopped again and the failing service's log tail is shown.
 """
 
 from __future__ import annotations
@@ -85,13 +85,13 @@ def up(num_workers: int = 2, timeout_s: float = 60.0) -> dict[str, ServiceProc]:
     env = {**os.environ, "SURGE_HOME": str(paths.surge_home()), "PYTHONUNBUFFERED": "1"}
     procs: dict[str, ServiceProc] = {}
     try:
-        store = _spawn("store", ["--port", str(free_port()), "--metrics-port", str(mp := free_port())], env, run)
-        store.metrics_port = mp
+        store = _spawn("store", ["--port", str(free_port()), "--metrics-port", str(free_port())], env, run)
         procs["store"] = store
-        procs["data"] = _spawn("data", ["--port", str(free_port())], env, run)
+        procs["data"] = _spawn("data", ["--port", str(free_port()), "--metrics-port", str(free_port())], env, run)
         procs["control"] = _spawn(
             "control",
-            ["--port", str(free_port()), "--data", procs["data"].address, "--store", store.address],
+            ["--port", str(free_port()), "--data", procs["data"].address, "--store", store.address,
+             "--metrics-port", str(free_port())],
             env,
             run,
         )
@@ -102,7 +102,8 @@ def up(num_workers: int = 2, timeout_s: float = 60.0) -> dict[str, ServiceProc]:
             name = f"worker-{i}"
             procs[name] = _spawn(
                 "worker",
-                ["--port", str(free_port()), "--control", procs["control"].address, "--worker-id", name],
+                ["--port", str(free_port()), "--control", procs["control"].address, "--worker-id", name,
+                 "--metrics-port", str(free_port())],
                 env,
                 run,
                 log_name=name,
@@ -139,7 +140,8 @@ def _spawn(service: str, args: list[str], env: dict, run: Path, log_name: str | 
             start_new_session=True,  # own process group: `down` stops it with its children
         )
     port = int(args[args.index("--port") + 1])
-    return ServiceProc(name=log_name or service, pid=p.pid, port=port, log=str(log))
+    metrics_port = int(args[args.index("--metrics-port") + 1]) if "--metrics-port" in args else 0
+    return ServiceProc(name=log_name or service, pid=p.pid, port=port, log=str(log), metrics_port=metrics_port)
 
 
 def _write(procs: dict[str, ServiceProc]) -> None:

@@ -5,6 +5,7 @@ Every error a user can cause is one line on stderr and a non-zero exit.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -32,8 +33,11 @@ def up(workers: int = typer.Option(2, help="node agents to start")) -> None:
     """
     procs = stack.up(workers)
     for p in procs.values():
-        render.console.print(f"{p.name:>10}  pid {p.pid:<7} {p.address}  log {p.log}")
-    render.console.print(f"stack is up; metrics: http://127.0.0.1:{procs['store'].metrics_port}/metrics")
+        render.console.print(f"{p.name:>10}  pid {p.pid:<7} {p.address}  /metrics :{p.metrics_port:<6} log {p.log}",
+                             soft_wrap=True)
+    render.console.print(f"stack is up; metrics: http://127.0.0.1:{procs['store'].metrics_port}/metrics "
+                         "(every service serves its own, see above); `surgectl audit` shows the routes used",
+                         soft_wrap=True)
 
 
 @app.command()
@@ -172,6 +176,33 @@ def checkpoints(job: Optional[str] = typer.Argument(None), output: str = OutputO
     """
     resp = clients.call("store", lambda s: s.List(store_pb2.CheckpointQuery(job_id=job or ""), timeout=10))
     _show(resp.checkpoints, output, render.checkpoints_table)
+
+
+@app.command()
+def audit(
+    output: str = OutputOpt,
+    unused: bool = typer.Option(True, "--unused/--no-unused", help="also list the table's routes nothing used yet"),
+) -> None:
+    """Show the live permission matrix: messages sent per route, violations, unused routes.
+
+    Asks every service of the running stack (each worker answers for its ranks too).
+    Example: surgectl audit -o json
+    """
+    from services.cli import audit as audit_view
+
+    reports, notes = audit_view.collect(audit_view.targets())
+    v = audit_view.view(reports, notes)
+    if output == "json":
+        render.console.print_json(json.dumps(v.as_dict()))
+        return
+    if output != "table":
+        raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
+    render.console.print(render.audit_table(v, unused))
+    for note in v.notes:
+        render.console.print(f"[yellow]note:[/yellow] {note}")
+    total = sum(r.count for r in v.violations)
+    summary = f"{len(v.used)} routes used, {len(v.unused)} unused"
+    render.console.print(f"{summary}, [bold red]{total} violations[/bold red]" if total else f"{summary}, no violations")
 
 
 @app.command()

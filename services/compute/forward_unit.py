@@ -26,6 +26,7 @@ from torch import nn
 
 from services.contract import engine_pb2
 from services.contract.bus import CommandPort, Emitter, Reply
+from services.contract.frozen import FrozenConfig
 
 
 class Operators(Protocol):
@@ -46,6 +47,10 @@ class ForwardUnit:
         self._module: nn.Module | None = None
         self._device: torch.device | None = None
         self._ops: Operators | None = None
+        # The job spec's kernel choice, pushed once by L2-1 (red line 5: no selection of its own).
+        self._choice = FrozenConfig[engine_pb2.ConfigureForward](
+            "L3_FORWARD_UNIT", "kernel choice (ConfigureForward)"
+        )
         self._state = "idle"  # idle | running | error
 
     def attach(self, module: nn.Module) -> None:
@@ -56,8 +61,16 @@ class ForwardUnit:
     # ------------------------------------------------------------------ commands / events
 
     def configure_forward(self, msg: engine_pb2.ConfigureForward, payload: Any = None) -> None:
+        """Relay the job's kernel choice to the operator adapter (once).
+
+        Raises:
+            ConfigFrozen: a second ConfigureForward.
+            OperatorUnavailable: the adapter refuses the kernel.
+        """
+        self._choice.require_unset()
         reply = self._operators_port(engine_pb2.SelectOperators(attention=msg.attention))
         self._ops = reply.payload
+        self._choice.set(msg)
 
     def on_operators_ready(self, msg: engine_pb2.OperatorsReady, payload: Operators) -> None:
         self._ops = payload

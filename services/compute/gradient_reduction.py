@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from services.contract import engine_pb2
 from services.contract.bus import Emitter
+from services.contract.frozen import FrozenConfig
 
 
 class GradientReduction:
@@ -40,6 +41,8 @@ class GradientReduction:
 
     def __init__(self, emit: Emitter):
         self._emit = emit
+        # Seed L3-5: group config is pushed once at init (red line 1); never rebuilt here (4).
+        self._frozen = FrozenConfig[engine_pb2.ParallelPlan]("L3_GRADIENT_REDUCTION", "parallel plan")
         self._plan: engine_pb2.ParallelPlan | None = None
         self._group: dist.ProcessGroup | None = None
         self._ddp: DistributedDataParallel | None = None
@@ -47,10 +50,8 @@ class GradientReduction:
         self._state = "idle"  # idle | reducing | done | comm_failed
 
     def set_plan(self, msg: engine_pb2.ParallelPlan, payload: Any = None) -> None:
-        """通信域同步策略指令 (once). Raises RuntimeError on a second plan."""
-        if self._plan is not None:
-            raise RuntimeError("gradient reduction: the parallel plan is frozen; a second one was pushed")
-        self._plan, self._group = msg, payload
+        """通信域同步策略指令 (once). Raises ConfigFrozen on a second plan."""
+        self._plan, self._group = self._frozen.set(msg), payload
         if msg.device.startswith("cuda"):
             self._stats_device = torch.device(msg.device)
 

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from services.compute.model import build_model, count_parameters
 from services.contract import engine_pb2
 from services.contract.bus import Emitter, Reply
+from services.contract.frozen import FrozenConfig
 from services.jobspec import ModelSpec
 
 
@@ -48,15 +49,14 @@ class ShardLoader:
     def __init__(self, emit: Emitter, handover: Callable[[nn.Module], None]):
         self._emit = emit
         self._handover = handover
-        self._plan: engine_pb2.ParallelPlan | None = None
+        # Seed L3-1 s4: 并行分片规则配置推送（一次性初始化）; frozen after that (red line 5).
+        self._plan = FrozenConfig[engine_pb2.ParallelPlan]("L3_SHARD_LOADER", "parallel plan")
         self._model: nn.Module | None = None
         self._state = "unloaded"  # unloaded | loading | loaded | mismatch
 
     def set_plan(self, msg: engine_pb2.ParallelPlan, payload: Any = None) -> None:
-        """固化分片规则指令 (once). Raises RuntimeError on a second plan."""
-        if self._plan is not None:
-            raise RuntimeError("shard loader: the parallel plan is frozen; a second one was pushed")
-        self._plan = msg
+        """固化分片规则指令 (once). Raises ConfigFrozen on a second plan."""
+        self._plan.set(msg)
 
     def load_model(self, msg: engine_pb2.LoadModel, payload: Any = None) -> engine_pb2.ModelLoaded:
         """初始化模型权重加载指令.
@@ -65,14 +65,14 @@ class ShardLoader:
             RuntimeError: no parallel plan yet, or a model is already loaded.
             pydantic.ValidationError: ``model_json`` is not a valid ModelSpec.
         """
-        if self._plan is None:
+        if not self._plan.is_set:
             raise RuntimeError("shard loader: LoadModel before the parallel plan (no device assigned)")
         if self._model is not None:
             raise RuntimeError("shard loader: a model is already loaded")
         self._state = "loading"
         t0 = time.perf_counter()
         spec = ModelSpec.model_validate_json(msg.model_json)
-        model = build_model(spec, msg.seed, self._plan.device or "cpu")
+        model = build_model(spec, msg.seed, self._plan.get().device or "cpu")
         self._model = model
         self._state = "loaded"
         self._handover(model)

@@ -12,6 +12,8 @@ if _GEN not in sys.path:
     sys.path.insert(0, _GEN)
 
 from surge.v1 import (  # noqa: E402
+    audit_pb2,
+    audit_pb2_grpc,
     control_pb2,
     control_pb2_grpc,
     data_pb2,
@@ -28,6 +30,8 @@ Module = route_pb2.Module
 
 __all__ = [
     "Module",
+    "audit_pb2",
+    "audit_pb2_grpc",
     "control_pb2",
     "control_pb2_grpc",
     "data_pb2",

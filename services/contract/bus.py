@@ -18,6 +18,13 @@ tensors are never serialized into messages; they travel by reference next to the
 
 Modules do not get the bus. A composition root hands each module a :class:`CommandPort`
 for every module it may command and an :class:`Emitter` for its own events.
+
+Every delivery is counted per route (sender, message, receiver) and every refusal per
+(sender, message, intended receiver) in a :class:`Traffic` ledger: by default the one of the
+process (``TRAFFIC``), shared by all its buses, exported to Prometheus as
+``surge_bus_messages_total{sender,message,receiver}`` and read by ``surgectl audit``
+(``services/contract/audit.py``). The ledger holds counts only, never a message: there is
+no API through which one module could read another's state.
 """
 
 from __future__ import annotations
@@ -26,18 +33,90 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
+import structlog
 from google.protobuf.message import Message
-from prometheus_client import Counter
+from prometheus_client import REGISTRY, Counter
+from prometheus_client.core import CounterMetricFamily
 
 from services.contract.route_table import RouteTable, default_table, module_name
+
+_log = structlog.get_logger("contract.bus")
 
 BOUNDARY_VIOLATIONS = Counter(
     "surge_boundary_violations_total",
     "Sends refused by the route table, by sending module and message.",
     ["sender", "message"],
 )
+
+
+# (sender, message full name, receiver); receiver 0 (MODULE_UNSPECIFIED) in a refusal
+# means "any receiver": a publish by a module that may not send that event at all.
+RouteKey = tuple[int, str, int]
+
+
+@dataclass(frozen=True)
+class TrafficSnapshot:
+    """Counts at one instant: messages delivered and sends refused, per route."""
+
+    sent: dict[RouteKey, int]
+    refused: dict[RouteKey, int]
+
+
+class Traffic:
+    """Per-route counters of one process (or of one test). Thread-safe.
+
+    The send path costs one dict increment under a lock; Prometheus reads the counts at
+    scrape time (see ``_TrafficCollector``) instead of being updated on every send.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sent: dict[RouteKey, int] = defaultdict(int)
+        self._refused: dict[RouteKey, int] = defaultdict(int)
+
+    def delivered(self, sender: int, message: str, receiver: int, n: int = 1) -> None:
+        with self._lock:
+            self._sent[(sender, message, receiver)] += n
+
+    def refused(self, sender: int, message: str, receiver: int | None) -> None:
+        with self._lock:
+            self._refused[(sender, message, receiver or 0)] += 1
+
+    def snapshot(self) -> TrafficSnapshot:
+        with self._lock:
+            return TrafficSnapshot(dict(self._sent), dict(self._refused))
+
+
+TRAFFIC = Traffic()  # the process's ledger: every Bus counts here unless given its own
+
+
+class _TrafficCollector:
+    """Exports ``TRAFFIC`` as ``surge_bus_messages_total{sender,message,receiver}``."""
+
+    def __init__(self, traffic: Traffic):
+        self._traffic = traffic
+
+    def describe(self):
+        return [self._family()]
+
+    def collect(self):
+        family = self._family()
+        for (sender, message, receiver), count in sorted(self._traffic.snapshot().sent.items()):
+            family.add_metric([module_name(sender), message, module_name(receiver)], count)
+        return [family]
+
+    @staticmethod
+    def _family() -> CounterMetricFamily:
+        return CounterMetricFamily(
+            "surge_bus_messages",
+            "Messages delivered by this process's buses, by route (sender, message, receiver).",
+            labels=["sender", "message", "receiver"],
+        )
+
+
+REGISTRY.register(_TrafficCollector(TRAFFIC))
 
 
 class BoundaryViolation(RuntimeError):
@@ -72,17 +151,34 @@ class Bus:
         table: RouteTable | None = None,
         *,
         on_violation: Callable[[BoundaryViolation], None] | None = None,
+        traffic: Traffic | None = None,
     ):
+        """Args:
+        table: the route table (default: the compiled protos').
+        on_violation: called with each refused send before it is raised (the process's
+            reporter: it logs the violation and relays it up as a fault). It must not
+            raise; if it does, the error is logged and the violation still raised.
+        traffic: where deliveries and refusals are counted (default: ``TRAFFIC``, the
+            process's ledger).
+        """
         self._table = table or default_table()
         self._handlers: dict[tuple[str, int], Handler] = {}
         self._receivers: dict[str, list[int]] = defaultdict(list)
         self._on_violation = on_violation
-        self._lock = threading.Lock()
-        self.sent: dict[tuple[int, str, int], int] = defaultdict(int)  # route -> count
+        self._traffic = traffic if traffic is not None else TRAFFIC
 
     @property
     def table(self) -> RouteTable:
         return self._table
+
+    @property
+    def traffic(self) -> Traffic:
+        return self._traffic
+
+    def snapshot(self) -> TrafficSnapshot:
+        """Counts of the ledger this bus writes to (shared by every bus of the process
+        unless the bus was given its own)."""
+        return self._traffic.snapshot()
 
     def subscribe(self, module: int, message_type: type[Message], handler: Handler) -> None:
         """Register ``module`` as a receiver of ``message_type``.
@@ -111,13 +207,16 @@ class Bus:
             LookupError: no handler of ``receiver`` is subscribed to ``msg``'s type.
         """
         name = msg.DESCRIPTOR.full_name
-        self._check(sender, name, receiver)
+        self.check(sender, name, receiver)
         handler = self._handlers.get((name, receiver))
         if handler is None:
             raise LookupError(f"{module_name(receiver)} is not wired to receive {name} in this process")
+        self._traffic.delivered(sender, name, receiver)
         reply = _as_reply(handler(_copy(msg), payload))
         if reply.message is not None:
-            self._check(receiver, reply.message.DESCRIPTOR.full_name, sender)
+            reply_name = reply.message.DESCRIPTOR.full_name
+            self.check(receiver, reply_name, sender)
+            self._traffic.delivered(receiver, reply_name, sender)
         return reply
 
     def publish(self, sender: int, msg: Message, payload: Any = None) -> int:
@@ -132,10 +231,23 @@ class Bus:
             self._violation(sender, name, None)
         delivered = 0
         for receiver in self._receivers.get(name, ()):
-            self._count(sender, name, receiver)
+            self._traffic.delivered(sender, name, receiver)
             self._handlers[(name, receiver)](_copy(msg), payload)
             delivered += 1
         return delivered
+
+    def check(self, sender: int, message: str, receiver: int) -> None:
+        """Refuse ``sender -> message -> receiver`` unless the table allows it.
+
+        Every send is checked here; a relay also calls it for a request from another
+        process that it cannot hand to any port (the remote sender may command nobody
+        there), so that refusal is counted and reported like any other.
+
+        Raises:
+            BoundaryViolation: not allowed (after counting it and calling ``on_violation``).
+        """
+        if not self._table.allows(sender, message, receiver):
+            self._violation(sender, message, receiver)
 
     def port(self, sender: int, receiver: int) -> CommandPort:
         """A handle through which ``sender`` may command ``receiver`` (and nothing else).
@@ -150,20 +262,15 @@ class Bus:
     def emitter(self, sender: int) -> Emitter:
         return Emitter(self, sender)
 
-    def _check(self, sender: int, name: str, receiver: int) -> None:
-        if not self._table.allows(sender, name, receiver):
-            self._violation(sender, name, receiver)
-        self._count(sender, name, receiver)
-
-    def _count(self, sender: int, name: str, receiver: int) -> None:
-        with self._lock:
-            self.sent[(sender, name, receiver)] += 1
-
-    def _violation(self, sender: int, name: str, receiver: int | None) -> None:
+    def _violation(self, sender: int, name: str, receiver: int | None) -> NoReturn:
         error = BoundaryViolation(sender, name, receiver)
         BOUNDARY_VIOLATIONS.labels(module_name(sender), name).inc()
+        self._traffic.refused(sender, name, receiver)
         if self._on_violation is not None:
-            self._on_violation(error)
+            try:
+                self._on_violation(error)
+            except Exception:  # the hook must not hide the violation it reports
+                _log.exception("boundary violation hook failed", error=str(error))
         raise error
 
 

@@ -1,8 +1,11 @@
 """The route table: who may send which message to whom, read from the proto `route` options.
 
 A route exists for every message that declares ``option (surge.v1.route)``. Messages
-without the option (helpers such as ``Device``, oneof envelopes) are not module-to-module
-messages and cannot be sent on the bus.
+marked ``option (surge.v1.plumbing)`` instead (helpers such as ``Device``, oneof envelopes)
+are not module-to-module messages and cannot be sent on the bus. Every top-level message
+carries exactly one of the two; ``validation.py`` checks that, and the table, at start-up.
+The routes are the seed's allowed inputs and outputs: tests/contract/seed_routes.yaml
+transcribes them and tests/contract/test_seed_routes.py holds this table to it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from google.protobuf.descriptor import Descriptor, FileDescriptor
 from google.protobuf.message import Message
 
 from services.contract import (
+    audit_pb2,
     control_pb2,
     data_pb2,
     engine_pb2,
@@ -22,7 +26,7 @@ from services.contract import (
 )
 
 PROTO_FILES: tuple[FileDescriptor, ...] = tuple(
-    m.DESCRIPTOR for m in (control_pb2, engine_pb2, data_pb2, store_pb2, worker_pb2)
+    m.DESCRIPTOR for m in (control_pb2, engine_pb2, data_pb2, store_pb2, worker_pb2, audit_pb2)
 )
 
 SEED_MODULES: frozenset[int] = frozenset(

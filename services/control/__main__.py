@@ -1,14 +1,19 @@
 """Composition root of `control` (L1): the only place its modules are built and wired.
 
     python -m services.control --port P [--host 127.0.0.1] [--db PATH] --data ADDR --store ADDR
+        [--metrics-port M]
 
 Environment: SURGE_CONTROL_PORT, SURGE_CONTROL_DB (default ``$SURGE_HOME/control.db``),
-SURGE_DATA_ADDRESS, SURGE_STORE_ADDRESS. A port already in use is one line on stderr and
-exit status 2; SIGTERM / SIGINT stop it cleanly (sessions end, the journal closes).
+SURGE_DATA_ADDRESS, SURGE_STORE_ADDRESS, SURGE_CONTROL_METRICS_PORT (Prometheus
+``/metrics``; default 0 = not served). Also serves ``surge.v1.AuditService``. A port already
+in use is one line on stderr and exit status 2; SIGTERM / SIGINT stop it cleanly (sessions
+end, the journal closes).
 
 Each module gets a CommandPort for every module it may command and an Emitter for its own
 events; none holds a reference to another, so the route table's permissions are facts of
-construction, checked again on every send.
+construction, checked again on every send. A send the table refuses is reported to the
+fault detector as ``BoundaryViolationReported`` from EXT_CONTRACT (this process's contract
+layer), as are the violations node agents relay from their ranks.
 """
 
 from __future__ import annotations
@@ -24,11 +29,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import structlog
+from prometheus_client import REGISTRY, start_http_server
 
 from services.common import logs, paths
 from services.common.grpc_server import PortInUse, ServiceServer
-from services.contract import Module, control_pb2, control_pb2_grpc, engine_pb2, store_pb2
-from services.contract.bus import BoundaryViolation, Bus
+from services.contract import Module, audit_pb2, audit_pb2_grpc, control_pb2, control_pb2_grpc, engine_pb2, store_pb2
+from services.contract.audit import AuditServicer, ViolationReporter
+from services.contract.bus import Bus, RouteError
+from services.contract.validation import ContractError, refuse, validate_table, validate_wiring
 from services.control.fault_detector import FaultDetector
 from services.control.job_store import JobStore
 from services.control.orchestrator import Orchestrator
@@ -37,6 +45,13 @@ from services.control.resource_allocator import ResourceAllocator
 from services.control.server import ControlServicer, SessionHub, StoreRelay, WatchHub
 
 M = Module
+# What this process hosts on its bus: the four L1 modules, and the relays standing in for
+# the operator, the node agents, the ranks' loops, the checkpoint manager and the contract
+# layer (checked by validate_wiring at start-up).
+HOSTED = (
+    M.L1_ORCHESTRATOR, M.L1_RESOURCE_ALLOCATOR, M.L1_FAULT_DETECTOR, M.L1_RECOVERY_CONTROLLER,
+    M.EXT_USER, M.EXT_HARDWARE, M.L2_TRAINING_LOOP, M.L5_CHECKPOINT_MANAGER, M.EXT_CONTRACT,
+)
 
 
 @dataclass
@@ -62,9 +77,15 @@ def build(
 
     Raises:
         RouteError: a wiring the route table does not allow (a bug, found at start-up).
+        ContractError: the route table or this wiring breaks the contract (validation.py).
         ValueError: an invalid fault rule.
     """
-    bus = Bus(on_violation=_report_violation)
+    # The reporter sends as EXT_CONTRACT on this same bus (bound just below), from its own
+    # thread: the violating module may be mid-decision.
+    reporter = ViolationReporter("control", structlog.get_logger("control"), deliver=lambda event: contract(event))
+    bus = Bus(on_violation=reporter)
+    validate_table(bus.table)
+    contract = bus.emitter(M.EXT_CONTRACT)
 
     allocator = ResourceAllocator(
         hardware=bus.port(M.L1_RESOURCE_ALLOCATOR, M.EXT_HARDWARE),
@@ -77,9 +98,10 @@ def build(
         hardware=bus.emitter(M.EXT_HARDWARE),
         loop=bus.emitter(M.L2_TRAINING_LOOP),
         checkpoints=bus.emitter(M.L5_CHECKPOINT_MANAGER),
+        contract=contract,
     )
     watches = WatchHub()
-    store = StoreRelay(store_address)
+    store = StoreRelay(store_address, on_error=reporter.relay_rpc_error)
 
     # Relays first, so that restoring jobs (inside Orchestrator()) publishes to a wired bus.
     bus.subscribe(M.EXT_USER, control_pb2.JobEvent, watches.on_job_event)
@@ -129,14 +151,11 @@ def build(
     bus.subscribe(M.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring, detector.start_fault_monitoring)
     bus.subscribe(M.L1_FAULT_DETECTOR, control_pb2.RankExited, detector.on_rank_exited)
     bus.subscribe(M.L1_FAULT_DETECTOR, engine_pb2.TrainingLoopFailed, detector.on_training_loop_failed)
+    bus.subscribe(M.L1_FAULT_DETECTOR, audit_pb2.BoundaryViolationReported, detector.on_boundary_violation_reported)
 
     servicer = ControlServicer(user=bus.port(M.EXT_USER, M.L1_ORCHESTRATOR), watches=watches, sessions=sessions)
+    validate_wiring(bus, HOSTED)
     return Control(bus=bus, servicer=servicer, sessions=sessions, journal=journal)
-
-
-def _report_violation(error: BoundaryViolation) -> None:
-    # Counted by the bus; logged here. A violation is a bug in this process's wiring.
-    structlog.get_logger("control").error("boundary violation", error=str(error))
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -147,6 +166,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--db", default=env.get("SURGE_CONTROL_DB") or str(paths.surge_home() / "control.db"))
     p.add_argument("--data", default=env.get("SURGE_DATA_ADDRESS"), help="host:port of the data service")
     p.add_argument("--store", default=env.get("SURGE_STORE_ADDRESS"), help="host:port of the store service")
+    p.add_argument("--metrics-port", type=int, default=env.get("SURGE_CONTROL_METRICS_PORT") or 0,
+                   help="Prometheus /metrics port (env SURGE_CONTROL_METRICS_PORT; 0 = off)")
     args = p.parse_args(argv)
     for name, flag, var in (("port", "--port", "SURGE_CONTROL_PORT"), ("data", "--data", "SURGE_DATA_ADDRESS"),
                             ("store", "--store", "SURGE_STORE_ADDRESS")):
@@ -181,19 +202,35 @@ def main(argv: list[str] | None = None) -> int:
     except PortInUse as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    http = None
+    if args.metrics_port:
+        try:
+            http, _ = start_http_server(args.metrics_port, addr=args.host, registry=REGISTRY)
+        except OSError as e:
+            print(f"error: control: cannot serve /metrics on {args.host}:{args.metrics_port}: {e.strerror or e}",
+                  file=sys.stderr)
+            return 2
     journal = JobStore(args.db)
-    control = build(journal, data_address=args.data, store_address=args.store, host=args.host)
+    try:
+        control = build(journal, data_address=args.data, store_address=args.store, host=args.host)
+    except (ContractError, RouteError) as e:
+        journal.close()
+        return refuse("control", e)
     control_pb2_grpc.add_ControlServiceServicer_to_server(control.servicer, server.server)
+    audit_pb2_grpc.add_AuditServiceServicer_to_server(AuditServicer("control"), server.server)
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    server.start(["surge.v1.ControlService"])
-    log.info("control listening", address=f"{args.host}:{server.port}", db=args.db, data=args.data, store=args.store)
+    server.start(["surge.v1.ControlService", AuditServicer.SERVICE_NAME])
+    log.info("control listening", address=f"{args.host}:{server.port}", db=args.db, data=args.data, store=args.store,
+             metrics=args.metrics_port or None)
     stop.wait()
     log.info("control stopping")
     control.sessions.shutdown()  # before the server stops, so no session end reads as a lost node
     server.stop(grace=2.0)
+    if http is not None:
+        http.shutdown()
     journal.close()
     log.info("control stopped")
     return 0

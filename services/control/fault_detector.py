@@ -5,8 +5,12 @@ never decides whether to stop or recover, never retries, never touches another m
 Its grading table is pushed once at construction (the seed's 故障分级规则台账) and frozen.
 
 Inputs: ``StartFaultMonitoring`` (from L1-1), ``RankExited`` (from the node agent, via the
-session relay), ``TrainingLoopFailed`` (from L2-1, via the relay).
+session relay), ``TrainingLoopFailed`` (from L2-1, via the relay), ``BoundaryViolationReported``
+(from the contract layer of any process: a send the route table refused).
 Output: ``FaultReport`` (to L1-1), its only event.
+
+Every input is an event it is handed; it grades it on the delivering thread, at once. It
+keeps no clock on anyone (no heartbeat, no timer): a dead rank's closed stream is the event.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
-from services.contract import Module, control_pb2, engine_pb2
+from services.contract import Module, audit_pb2, control_pb2, engine_pb2
 from services.contract.bus import Emitter
 
 G = control_pb2.FaultGrade
@@ -27,6 +32,7 @@ RANK_EXIT = "rank_exit"              # a rank process ended with a non-zero code
 RANK_EXIT_CLEAN = "rank_exit_clean"  # exit code 0: normal after the loop finished, early otherwise
 WORKER_LOST = "worker_lost"          # the node agent's session closed under the rank
 LOOP_FAILURE = "loop_failure"        # default for a TrainingLoopFailed class not in the table
+BOUNDARY_VIOLATION = "boundary_violation"  # a send the route table refused (a module or wiring bug)
 
 # The relay states a lost node agent as a RankExited whose detail starts with this marker
 # (the proto has no WorkerLost event yet; see the control README / report).
@@ -37,6 +43,8 @@ DEFAULT_RULES: dict[str, int] = {
     RANK_EXIT_CLEAN: G.MEDIUM,  # the orchestrator knows whether the rank had finished
     WORKER_LOST: G.SEVERE,
     LOOP_FAILURE: G.FATAL,
+    # Deterministic: the same code refuses the same send after any restart.
+    BOUNDARY_VIOLATION: G.FATAL,
     "data_unavailable": G.FATAL,
     "non_finite_loss": G.FATAL,
     "model_error": G.FATAL,
@@ -62,7 +70,9 @@ class FaultDetector:
             if grade not in G.values() or grade == G.GRADE_UNSPECIFIED:
                 raise ValueError(f"fault rules: {fault_class}: unknown grade {grade!r}")
             table[fault_class] = grade
-        self._rules = table  # frozen after init: nobody may change the grading at run time
+        # Frozen after init: no command carries rules (the seed lists none), and the table
+        # itself is read-only, so nobody may change the grading at run time.
+        self._rules: Mapping[str, int] = MappingProxyType(table)
         self._emit = emit
         self._lock = threading.Lock()
         self._monitored: set[str] = set()
@@ -97,6 +107,16 @@ class FaultDetector:
         fault_class = msg.fault_class or LOOP_FAILURE
         detail = f"rank {msg.rank} failed at step {msg.step}: {msg.detail}"  # the class is in the report
         self._report(msg.job_id, fault_class, Module.L2_TRAINING_LOOP, msg.rank, detail)
+
+    def on_boundary_violation_reported(self, msg: audit_pb2.BoundaryViolationReported, payload: Any = None) -> None:
+        """A process's contract layer refused a send. Graded for the job of the process
+        that reported it; a violation outside any job (``job_id`` "") is nobody's job to
+        decide on here: the contract layer has counted and logged it."""
+        receiver = Module.Name(msg.receiver) if msg.receiver else "any receiver"
+        detail = f"{msg.process}: {Module.Name(msg.sender)} may not send {msg.message} to {receiver}"
+        if msg.detail:
+            detail += f" ({msg.detail})"
+        self._report(msg.job_id, BOUNDARY_VIOLATION, msg.sender, msg.rank, detail)
 
     # ------------------------------------------------------------ private
 

@@ -10,7 +10,8 @@ the remote party the route table names, and holds only routing knowledge:
   loop events) or
   L5_CHECKPOINT_MANAGER (SaveCompleted); commands for EXT_HARDWARE (LaunchRanks,
   ReleaseRanks) and L2_TRAINING_LOOP (Start/Pause/Resume/StopTraining) become
-  ``WorkerCommand``s queued on the right sessions.
+  ``WorkerCommand``s queued on the right sessions. A rank's BoundaryViolationReported is
+  sent as EXT_CONTRACT (the contract layer of that remote process).
 * ``WatchHub``: per-job subscriber queues fed by JobEvent (no polling).
 * ``StoreRelay``: LoadCheckpoint for L5-1, forwarded to the `store` service.
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,10 +69,13 @@ class SessionHub:
         hardware: emitter as EXT_HARDWARE (WorkerRegistration, RankExited, MemoryPressure).
         loop: emitter as L2_TRAINING_LOOP (rank loop events relayed by node agents).
         checkpoints: emitter as L5_CHECKPOINT_MANAGER (SaveCompleted relayed by ranks).
+        contract: emitter as EXT_CONTRACT (BoundaryViolationReported relayed by ranks);
+            None: such reports are dropped.
     """
 
-    def __init__(self, hardware: Emitter, loop: Emitter, checkpoints: Emitter):
+    def __init__(self, hardware: Emitter, loop: Emitter, checkpoints: Emitter, contract: Emitter | None = None):
         self._hardware, self._loop, self._checkpoints = hardware, loop, checkpoints
+        self._contract = contract
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
         self._shutting_down = False
@@ -189,12 +193,16 @@ class SessionHub:
 
     def _relay_rank_event(self, ev: worker_pb2.RankEvent) -> None:
         kind = ev.WhichOneof("event")
-        if kind == "hello" or kind is None:
+        if kind in ("hello", "audit") or kind is None:
             return  # between a rank and its node agent only
         inner = getattr(ev, kind)
         if not inner.job_id:
             inner.job_id = ev.job_id
-        if kind == "saved":
+        if kind == "violation":
+            if self._contract is not None:
+                inner.rank = inner.rank or ev.rank
+                self._contract(inner)
+        elif kind == "saved":
             self._checkpoints(inner)
         else:
             if not inner.rank:
@@ -242,10 +250,14 @@ class WatchHub:
 
 
 class StoreRelay:
-    """LoadCheckpoint for L5-1, forwarded to the `store` service at ``address``."""
+    """LoadCheckpoint for L5-1, forwarded to the `store` service at ``address``.
 
-    def __init__(self, address: str, timeout_s: float = 60.0):
+    ``on_error`` sees every failed call first (the composition root reports a boundary
+    violation the store returned)."""
+
+    def __init__(self, address: str, timeout_s: float = 60.0, on_error: Callable[[grpc.RpcError], None] | None = None):
         self._address, self._timeout_s = address, timeout_s
+        self._on_error = on_error
         self._stub: store_pb2_grpc.StoreServiceStub | None = None
 
     def load_checkpoint(self, msg: store_pb2.LoadCheckpoint, payload: Any = None) -> store_pb2.CheckpointLoaded:
@@ -255,6 +267,8 @@ class StoreRelay:
         try:
             return self._stub.Load(msg, timeout=self._timeout_s)
         except grpc.RpcError as e:
+            if self._on_error is not None:
+                self._on_error(e)
             raise RuntimeError(f"store {self._address}: {e.code().name}: {e.details()}") from None
 
 

@@ -1,15 +1,18 @@
 """Composition root of the ``data`` service: the one place its modules are built and wired.
 
-    python -m services.data --port P [--host 127.0.0.1] [--data-root DIR]
+    python -m services.data --port P [--host 127.0.0.1] [--data-root DIR] [--metrics-port M]
 
 Environment: SURGE_DATA_PORT (default port), SURGE_DATA_ROOT (default data root, else
-$SURGE_HOME/datasets). ``--port 0`` lets the kernel choose; the port is logged either way.
+$SURGE_HOME/datasets), SURGE_DATA_METRICS_PORT (Prometheus ``/metrics``; default 0 = not
+served). ``--port 0`` lets the kernel choose; the port is logged either way. Also serves
+``surge.v1.AuditService`` (the route counts of every bus of this process).
 
 Wiring (permissions as construction-time facts): each module gets an Emitter for its own
 events and CommandPorts only for modules the route table lets it command: L4-1 may
 command the prefetcher (ActivateSource); L4-2..L4-5 command nobody and only publish down
 the data path. L2-1's ports (held by the stream relay) reach all five. Anything else would
-fail here, at start-up, with a RouteError.
+fail here, at start-up, with a RouteError. A send refused at run time is logged and
+counted here and returned to the calling rank as PERMISSION_DENIED (see ``server.py``).
 """
 
 from __future__ import annotations
@@ -22,10 +25,14 @@ import sys
 import threading
 from pathlib import Path
 
+from prometheus_client import REGISTRY, start_http_server
+
 from services.common import logs, paths
 from services.common.grpc_server import PortInUse, ServiceServer
-from services.contract import Module, data_pb2, data_pb2_grpc
-from services.contract.bus import Bus, BoundaryViolation
+from services.contract import Module, audit_pb2_grpc, data_pb2, data_pb2_grpc
+from services.contract.audit import AuditServicer, ViolationReporter
+from services.contract.bus import Bus, RouteError
+from services.contract.validation import ContractError, refuse, validate_table, validate_wiring
 from services.data.batch_packer import BatchPacker
 from services.data.dataset_versions import DatasetVersions
 from services.data.prefetcher import Prefetcher
@@ -37,14 +44,20 @@ L2 = Module.L2_TRAINING_LOOP
 VERSIONS, PREFETCHER, SHUFFLER, FILTER, PACKER = (
     Module.L4_DATASET_VERSIONS, Module.L4_PREFETCHER, Module.L4_SHUFFLER, Module.L4_FILTER, Module.L4_BATCH_PACKER,
 )
+# What each bus hosts (checked by validate_wiring): the registry serves the operator; a
+# stream's bus hosts the five L4 modules and the relay standing in for the rank's L2-1.
+REGISTRY_HOSTED = (VERSIONS, Module.EXT_USER)
+STREAM_HOSTED = (L2, VERSIONS, PREFETCHER, SHUFFLER, FILTER, PACKER)
 
 
 def build_registry(root: Path, on_violation=None) -> tuple[Bus, DatasetVersions]:
     """The process-wide bus with L4-1 alone, for the operator's Mount and List."""
     bus = Bus(on_violation=on_violation)
+    validate_table(bus.table)
     versions = DatasetVersions(root, bus.emitter(VERSIONS), bus.port(VERSIONS, PREFETCHER))
     bus.subscribe(VERSIONS, data_pb2.MountDataset, versions.mount_dataset)
     bus.subscribe(VERSIONS, data_pb2.DatasetQuery, versions.list_datasets)
+    validate_wiring(bus, REGISTRY_HOSTED)
     return bus, versions
 
 
@@ -81,6 +94,7 @@ def build_stream(root: Path, on_violation=None, queue_batches: int = 64) -> Stre
         (L2, data_pb2.DataExhausted, relay.on_data_exhausted),
     ):
         bus.subscribe(module, message, handler)
+    validate_wiring(bus, STREAM_HOSTED)
     return relay
 
 
@@ -89,14 +103,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=int(os.environ.get("SURGE_DATA_PORT", "50052")))
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--data-root", type=Path, default=None, help="default: $SURGE_DATA_ROOT or $SURGE_HOME/datasets")
+    p.add_argument("--metrics-port", type=int, default=os.environ.get("SURGE_DATA_METRICS_PORT") or 0,
+                   help="Prometheus /metrics port (env SURGE_DATA_METRICS_PORT; 0 = off)")
     args = p.parse_args(argv)
     root = (args.data_root or paths.datasets_root()).resolve()
     log = logs.configure("data", root=str(root))
 
-    def violation(error: BoundaryViolation) -> None:
-        log.error("boundary violation", error=str(error))
-
-    bus, _ = build_registry(root, violation)
+    # No channel up from here: refusals are logged and counted, then returned to the caller.
+    violation = ViolationReporter("data", log)
+    try:
+        bus, _ = build_registry(root, violation)
+        build_stream(root, violation)  # a stream's wiring, checked once before serving
+    except (ContractError, RouteError) as e:
+        return refuse("data", e)
     servicer = DataServicer(
         mount=bus.port(Module.EXT_USER, VERSIONS),
         list_datasets=bus.port(Module.EXT_USER, VERSIONS),
@@ -109,9 +128,18 @@ def main(argv: list[str] | None = None) -> int:
     except PortInUse as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    http = None
+    if args.metrics_port:
+        try:
+            http, _ = start_http_server(args.metrics_port, addr=args.host, registry=REGISTRY)
+        except OSError as e:
+            print(f"error: data: cannot serve /metrics on {args.host}:{args.metrics_port}: {e.strerror or e}",
+                  file=sys.stderr)
+            return 1
     data_pb2_grpc.add_DataServiceServicer_to_server(servicer, server.server)
-    server.start([data_pb2.DESCRIPTOR.services_by_name["DataService"].full_name])
-    log.info("listening", address=f"{args.host}:{server.port}", port=server.port)
+    audit_pb2_grpc.add_AuditServiceServicer_to_server(AuditServicer("data"), server.server)
+    server.start([data_pb2.DESCRIPTOR.services_by_name["DataService"].full_name, AuditServicer.SERVICE_NAME])
+    log.info("listening", address=f"{args.host}:{server.port}", port=server.port, metrics=args.metrics_port or None)
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -119,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     stop.wait()
     log.info("stopping")
     server.stop(grace=2.0)
+    if http is not None:
+        http.shutdown()
     log.info("stopped")
     return 0
 

@@ -41,8 +41,9 @@ from numpy.lib.stride_tricks import as_strided
 
 from services.contract import data_pb2
 from services.contract.bus import Emitter
+from services.contract.frozen import FrozenConfig
 from services.data.documents import Documents
-from services.data.errors import InvalidConfig
+from services.data.errors import ConfigAlreadyPushed, InvalidConfig
 
 IGNORE = -100  # label of a padding position
 
@@ -52,6 +53,11 @@ class BatchPacker:
 
     def __init__(self, emit: Emitter):
         self._emit = emit
+        # Batch shape and mode, pushed once per stream (seed L4-5 s2: 上层下发后固化); the
+        # composition root builds a fresh packer for every stream. ``_cfg`` is the value.
+        self._frozen = FrozenConfig[data_pb2.PackerConfig](
+            "L4_BATCH_PACKER", "batching rules (PackerConfig)", error=ConfigAlreadyPushed
+        )
         self._cfg: data_pb2.PackerConfig | None = None
         self._resume: data_pb2.DataPosition | None = None  # applied to the first batch only
         self._epoch = 0
@@ -74,11 +80,11 @@ class BatchPacker:
         """Fix batch shape and mode for this stream (pushed once); ``start`` resumes.
 
         Raises:
-            InvalidConfig: seq_len or micro_batch_size 0, mode unspecified, separator < -1,
-                or the config was already set.
+            InvalidConfig: seq_len or micro_batch_size 0, mode unspecified, separator < -1.
+            ConfigAlreadyPushed: the config was already set (batch size and sequence length
+                never change within a stream; the seed lists no command for it).
         """
-        if self._cfg is not None:
-            raise InvalidConfig("packer: config already set; it is pushed once per stream")
+        self._frozen.require_unset()
         for field in ("seq_len", "micro_batch_size"):
             if getattr(msg, field) <= 0:
                 raise InvalidConfig(f"packer.{field}: must be > 0, got {getattr(msg, field)}")
@@ -86,7 +92,7 @@ class BatchPacker:
             raise InvalidConfig(f"packer.mode: must be PACK or PAD, got {data_pb2.PackMode.Name(msg.mode)}")
         if msg.separator_id < -1:
             raise InvalidConfig(f"packer.separator_id: must be -1 (none) or a token id, got {msg.separator_id}")
-        self._cfg = msg
+        self._cfg = self._frozen.set(msg)
         L = msg.seq_len
         self._rows_in = np.zeros((0, L), np.int32)
         self._rows_lab = np.zeros((0, L), np.int32)

@@ -7,6 +7,8 @@ OUT_OF_RANGE, a failed read -> DATA_LOSS.
 
 from __future__ import annotations
 
+from services.contract.frozen import ConfigFrozen
+
 
 class DataError(Exception):
     """Base class: a data-service failure with a one-line message."""
@@ -26,6 +28,11 @@ class VersionConflict(DataError):
 
 class InvalidConfig(DataError, ValueError):
     """A command carried an unusable setting (``packer.seq_len: must be > 0, got 0``)."""
+
+
+class ConfigAlreadyPushed(InvalidConfig, ConfigFrozen):
+    """A stream's configuration (SetPrefetch, FilterRules, PackerConfig) was pushed a second
+    time; it is fixed for the stream (``L4_FILTER: filter rules already set at init; ...``)."""
 
 
 class NoDocuments(DataError):

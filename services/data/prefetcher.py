@@ -37,8 +37,9 @@ import numpy as np
 
 from services.contract import data_pb2
 from services.contract.bus import Emitter
+from services.contract.frozen import FrozenConfig
 from services.data.documents import Documents, TokenStore
-from services.data.errors import DataReadError, InvalidConfig
+from services.data.errors import ConfigAlreadyPushed, DataReadError, InvalidConfig
 
 
 class Prefetcher:
@@ -46,6 +47,11 @@ class Prefetcher:
 
     def __init__(self, emit: Emitter):
         self._emit = emit
+        # Pushed once per stream (seed L4-2 red line 4: parameters all come from above and
+        # are never adjusted here); the composition root builds one prefetcher per stream.
+        self._spec = FrozenConfig[data_pb2.SetPrefetch](
+            "L4_PREFETCHER", "prefetch watermark and threads (SetPrefetch)", error=ConfigAlreadyPushed
+        )
         self._watermark = 0
         self._threads = 0
         self._pool: ThreadPoolExecutor | None = None
@@ -58,13 +64,14 @@ class Prefetcher:
         """Fix the read-ahead: ``watermark`` documents, ``threads`` pool threads.
 
         Raises:
-            InvalidConfig: either is 0, or the prefetch was already set (pushed once).
+            InvalidConfig: either is 0.
+            ConfigAlreadyPushed: the prefetch was already set (pushed once per stream).
         """
-        if self._pool is not None:
-            raise InvalidConfig("prefetch: already set; it is pushed once per stream")
+        self._spec.require_unset()
         for field in ("watermark", "threads"):
             if getattr(msg, field) <= 0:
                 raise InvalidConfig(f"prefetch.{field}: must be > 0, got {getattr(msg, field)}")
+        self._spec.set(msg)
         self._watermark, self._threads = msg.watermark, msg.threads
         self._pool = ThreadPoolExecutor(max_workers=msg.threads, thread_name_prefix="prefetch")
 

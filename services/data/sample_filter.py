@@ -19,8 +19,9 @@ import numpy as np
 
 from services.contract import data_pb2
 from services.contract.bus import Emitter
+from services.contract.frozen import FrozenConfig
 from services.data.documents import Documents
-from services.data.errors import InvalidConfig
+from services.data.errors import ConfigAlreadyPushed, InvalidConfig
 
 
 class SampleFilter:
@@ -28,7 +29,11 @@ class SampleFilter:
 
     def __init__(self, emit: Emitter):
         self._emit = emit
-        self._rules: data_pb2.FilterRules | None = None
+        # Pushed once per stream (seed L4-4 s2: 上层一次性下发后固化); the composition root
+        # builds a fresh filter for every stream, so "once" is once per stream.
+        self._rules = FrozenConfig[data_pb2.FilterRules](
+            "L4_FILTER", "filter rules", error=ConfigAlreadyPushed
+        )
         self._banned = np.zeros(0, np.int64)  # token ids; banned bytes count as ids under "bytes"
         self._report = data_pb2.FilterReport()
         # "idle" | "filtering" | "interrupted"
@@ -40,13 +45,13 @@ class SampleFilter:
         """Fix the rules for this stream (pushed once).
 
         Raises:
-            InvalidConfig: ``max_tokens`` below ``min_tokens``, or rules already set.
+            InvalidConfig: ``max_tokens`` below ``min_tokens``.
+            ConfigAlreadyPushed: rules were already set (an InvalidConfig and a ConfigFrozen).
         """
-        if self._rules is not None:
-            raise InvalidConfig("filter: rules already set; they are pushed once per stream")
+        self._rules.require_unset()
         if msg.max_tokens and msg.max_tokens < msg.min_tokens:
             raise InvalidConfig(f"filter.max_tokens: {msg.max_tokens} is below min_tokens {msg.min_tokens}")
-        self._rules = msg
+        self._rules.set(msg)
         self._banned = np.unique(np.asarray([*msg.banned_bytes, *msg.banned_tokens], dtype=np.int64))
 
     def samples_shuffled(self, msg: data_pb2.SamplesShuffled, docs: Documents) -> None:
@@ -56,9 +61,9 @@ class SampleFilter:
             InvalidConfig: banned bytes with a tokenizer other than bytes.
             RuntimeError: samples before rules (wiring fault).
         """
-        rules = self._rules
-        if rules is None:
+        if not self._rules.is_set:
             raise RuntimeError("filter: samples before FilterRules")
+        rules = self._rules.get()
         if rules.banned_bytes and docs.tokenizer != "bytes":
             self._state = "interrupted"
             raise InvalidConfig(

@@ -13,7 +13,9 @@ the one the loop wrote into the request: ``repeat`` (open the next epoch when on
 
 Threads: the pipeline runs on one producer thread per stream; batches wait in a bounded
 queue, so the pipeline blocks (back-pressure) when the rank consumes slower than it packs.
-Errors end the stream with a gRPC status and a one-line message (``STATUS`` below).
+Errors end the stream with a gRPC status and a one-line message (``STATUS`` below). A send
+the route table refused is PERMISSION_DENIED carrying the violation report in its trailing
+metadata: this process has no channel up, so the calling rank reports it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from services.contract import data_pb2, data_pb2_grpc
-from services.contract.bus import CommandPort
+from services.contract.audit import abort_with_violation
+from services.contract.bus import BoundaryViolation, CommandPort
 from services.data.errors import (
     DataReadError,
     DatasetCorrupt,
@@ -43,6 +46,7 @@ STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (NoDocuments, grpc.StatusCode.OUT_OF_RANGE),
     (DataReadError, grpc.StatusCode.DATA_LOSS),
     (OSError, grpc.StatusCode.DATA_LOSS),
+    (BoundaryViolation, grpc.StatusCode.PERMISSION_DENIED),
 ]
 
 _END = object()  # the producer finished normally
@@ -247,4 +251,6 @@ class DataServicer(data_pb2_grpc.DataServiceServicer):
             self._log.exception(f"{what} failed", **where)
         else:
             self._log.warning(f"{what} refused", **where, code=code.name, error=message)
+        if isinstance(error, BoundaryViolation):
+            abort_with_violation(context, error, "data")
         context.abort(code, message)

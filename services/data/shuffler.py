@@ -4,9 +4,13 @@ It keeps the snapshot of the split the prefetcher read (why the whole split: see
 ``prefetcher.py``) and, on each ``ShufflePlan`` from L2-1, emits this rank's shard of that
 epoch's order. The order is :func:`epoch_order`, a pure function of ``(seed, epoch)``: the
 shuffler never picks a seed, never advances the epoch by itself (the next epoch is a new
-plan from L2-1), and never reads training state. Sharding: the rank takes positions
-``rank::world_size`` of the epoch order, so ranks see disjoint documents; a shard's
-position ``k`` is what ``DataPosition.document`` counts.
+plan from L2-1), and never reads training state. A round's seed and scope are fixed once
+issued (seed L4-3 s2: 本轮随机种子, 上层下发后本地固化): a plan that names an epoch already
+planned with other settings, or arrives while a round is being emitted, is refused
+(``ConfigAlreadyPushed``); a new epoch may bring a new plan (本轮混洗启动指令).
+
+Sharding: the rank takes positions ``rank::world_size`` of the epoch order, so ranks see
+disjoint documents; a shard's position ``k`` is what ``DataPosition.document`` counts.
 
 Commands it takes: ``shuffle_plan`` (L2-1; payload: the ``DataPosition`` to resume from,
 only with the stream's first plan, because ShufflePlan has no field for it yet),
@@ -22,7 +26,7 @@ import numpy as np
 from services.contract import data_pb2
 from services.contract.bus import Emitter
 from services.data.documents import Documents
-from services.data.errors import InvalidConfig
+from services.data.errors import ConfigAlreadyPushed, InvalidConfig
 
 
 def epoch_order(seed: int, epoch: int, num_documents: int, enabled: bool = True) -> np.ndarray:
@@ -57,7 +61,9 @@ class Shuffler:
         self._split = ""
         self._tokenizer = ""
         self._dtype = np.dtype(np.uint16)
-        # "idle" | "buffering" | "shuffling" | "done" (a plan's shard fully emitted)
+        # Each round's settings as issued: epoch -> (seed, enabled, rank, world_size).
+        self._rounds: dict[int, tuple[int, bool, int, int]] = {}
+        # "idle" | "buffering" | "shuffling" | "done" (a plan's shard fully emitted) | "aborted"
         self._state = "idle"
 
     # ---- commands -------------------------------------------------------------------
@@ -88,23 +94,42 @@ class Shuffler:
         Raises:
             InvalidConfig: ``world_size`` is 0, ``rank >= world_size``, or ``start`` is for
                 another epoch.
+            ConfigAlreadyPushed: a round is being emitted, or ``msg.epoch`` was already
+                planned with another seed or scope (a round's seed never changes).
             RuntimeError: the split has not been read completely yet (wiring fault).
         """
+        if self._state == "shuffling":
+            raise ConfigAlreadyPushed(
+                f"L4_SHUFFLER: a plan for epoch {msg.epoch} arrived while a round is being emitted; "
+                "a round's seed and scope are fixed until it ends"
+            )
+        settings = (msg.seed, msg.enabled, msg.rank, msg.world_size)
+        issued = self._rounds.get(msg.epoch)
+        if issued is not None and issued != settings:
+            raise ConfigAlreadyPushed(
+                f"L4_SHUFFLER: epoch {msg.epoch} was planned with seed {issued[0]}, enabled {issued[1]}, "
+                f"rank {issued[2]}/{issued[3]}; a round's seed and scope never change"
+            )
         if msg.world_size == 0 or msg.rank >= msg.world_size:
             raise InvalidConfig(f"shuffle: rank {msg.rank} / world_size {msg.world_size}: need rank < world_size")
         if start is not None and start.epoch != msg.epoch:
             raise InvalidConfig(f"shuffle: start.epoch {start.epoch} differs from the plan's epoch {msg.epoch}")
         if not self._complete:
             raise RuntimeError("shuffler: shuffle plan before the split was read")
+        self._rounds[msg.epoch] = settings
         self._state = "shuffling"
         shard = epoch_order(msg.seed, msg.epoch, len(self._doc_part), msg.enabled)[msg.rank::msg.world_size]
         cursor = min(int(start.document), len(shard)) if start is not None else 0
-        while True:
-            hi = min(cursor + self._chunk, len(shard))
-            self._emit_chunk(shard[cursor:hi], np.arange(cursor, hi, dtype=np.int64), msg.epoch, hi == len(shard))
-            if hi == len(shard):
-                break
-            cursor = hi
+        try:
+            while True:
+                hi = min(cursor + self._chunk, len(shard))
+                self._emit_chunk(shard[cursor:hi], np.arange(cursor, hi, dtype=np.int64), msg.epoch, hi == len(shard))
+                if hi == len(shard):
+                    break
+                cursor = hi
+        except BaseException:
+            self._state = "aborted"  # a receiver failed mid-round; the stream ends with its error
+            raise
         self._state = "done"
 
     # ---- private ----------------------------------------------------------------------

@@ -27,6 +27,7 @@ import torch
 
 from services.contract import engine_pb2
 from services.contract.bus import CommandPort, Emitter
+from services.contract.frozen import FrozenConfig
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -38,7 +39,8 @@ class MixedPrecision:
         self._emit = emit
         self._operators = operators
         self._params: list[torch.Tensor] = []
-        self._policy: str | None = None
+        # Seed L2-4 s2: 精度策略副本, carried by 混合精度初始化指令 once; frozen after it.
+        self._policy = FrozenConfig[str]("L2_MIXED_PRECISION", "precision policy (InitPrecision)")
         self._loss_scale = 1.0
         self._state = "idle"  # idle | checking | overflow | no_overflow
 
@@ -49,12 +51,14 @@ class MixedPrecision:
     # ------------------------------------------------------------------ commands
 
     def init_precision(self, msg: engine_pb2.InitPrecision, payload: Any = None) -> engine_pb2.PrecisionReady:
-        """混合精度初始化指令. Raises ValueError for an unknown policy; the adapter's
-        refusal (dtype unavailable on this device) propagates."""
+        """混合精度初始化指令. Raises ValueError for an unknown policy, ConfigFrozen for a
+        second InitPrecision; the adapter's refusal (dtype unavailable on this device)
+        propagates."""
+        self._policy.require_unset()
         if msg.precision not in _DTYPES:
             raise ValueError(f"precision: expected one of {sorted(_DTYPES)}, got {msg.precision!r}")
         self._operators(engine_pb2.SetComputePrecision(dtype=_DTYPES[msg.precision]))
-        self._policy = msg.precision
+        self._policy.set(msg.precision)
         self._loss_scale = 1.0
         return engine_pb2.PrecisionReady(precision=msg.precision, loss_scale=self._loss_scale)
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from services.contract import engine_pb2
 from services.contract.bus import CommandPort, Emitter
+from services.contract.frozen import FrozenConfig
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -47,6 +48,9 @@ class ParallelStrategy:
         self._shard_loader = shard_loader
         self._reduction = reduction
         self._timeout = timedelta(seconds=timeout_s)
+        # Seed L2-2: the plan is fixed at initialisation (red line 1). The seed's 重建并行通信域
+        # 指令 (RebuildParallelGroup) rebuilds the group on the same plan; nothing changes it.
+        self._assignment = FrozenConfig[engine_pb2.RankAssignment]("L2_PARALLEL_STRATEGY", "rank assignment")
         self._plan: engine_pb2.ParallelPlan | None = None
         self._owns_group = False
         self._state = "uninitialised"  # uninitialised | ready | comm_error
@@ -58,11 +62,12 @@ class ParallelStrategy:
         Raises:
             ValueError: an assignment that cannot work (rank >= world size, nccl without
                 CUDA, unknown backend); the message names the field.
-            RuntimeError: a second assignment (the plan is frozen), or the rendezvous failed.
+            ConfigFrozen: a second assignment (the plan is frozen).
+            RuntimeError: the rendezvous failed.
         """
-        if self._plan is not None:
-            raise RuntimeError("parallel strategy: the rank assignment is frozen; a second one was pushed")
+        self._assignment.require_unset()
         _validate(msg)
+        self._assignment.set(msg)
         t0 = time.perf_counter()
         if msg.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(msg.device))

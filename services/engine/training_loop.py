@@ -40,6 +40,7 @@ import torch
 
 from services.contract import data_pb2, engine_pb2, store_pb2
 from services.contract.bus import BoundaryViolation, CommandPort, Emitter
+from services.contract.frozen import FrozenConfig
 from services.engine.lr_schedule import schedule_for
 from services.jobspec import JobSpec, spec_from_json
 
@@ -124,6 +125,8 @@ class TrainingLoop:
         self._failed = False
         # Private state (seed L2-1 s2): step/epoch counters, phase, the job as pushed.
         self._init: engine_pb2.InitJob | None = None
+        # The job as L1 pushed it (seed L2-1 red line 3: never modified here); once per rank.
+        self._job = FrozenConfig[engine_pb2.InitJob]("L2_TRAINING_LOOP", "job (InitJob)")
         self._spec: JobSpec | None = None
         self._rank, self._world = 0, 1
         self._step = 0
@@ -137,7 +140,8 @@ class TrainingLoop:
     # ------------------------------------------------------------------ L1 commands
 
     def init_job(self, msg: engine_pb2.InitJob, payload: Any = None) -> None:
-        self._control.put(msg)
+        """The job (once). Raises ConfigFrozen on a second InitJob."""
+        self._control.put(self._job.set(msg))
 
     def start_training(self, msg: engine_pb2.StartTraining, payload: Any = None) -> None:
         self._control.put(msg)

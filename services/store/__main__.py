@@ -3,9 +3,10 @@
     python -m services.store --port P --metrics-port M [--host 127.0.0.1] [--root DIR]
 
 (env ``SURGE_STORE_PORT``, ``SURGE_STORE_METRICS_PORT``, ``SURGE_STORE_ROOT``; the root
-defaults to ``services.common.paths.store_root()``). gRPC ``surge.v1.StoreService`` with
-health and reflection on P; Prometheus ``/metrics`` on M. A port in use is a one-line error
-and exit status 1; SIGTERM or SIGINT stops it cleanly (status 0).
+defaults to ``services.common.paths.store_root()``). gRPC ``surge.v1.StoreService`` and
+``surge.v1.AuditService`` with health and reflection on P; Prometheus ``/metrics`` on M. A
+port in use is a one-line error and exit status 1; SIGTERM or SIGINT stops it cleanly
+(status 0).
 
 Wiring: L5-1 and L5-2 command nobody, so they get no ports; the bus routes to their
 handlers. The relay gets one command port per remote sender that the route table lets
@@ -27,8 +28,10 @@ from prometheus_client import REGISTRY, start_http_server
 
 from services.common import logs, paths
 from services.common.grpc_server import PortInUse, ServiceServer
-from services.contract import Module, engine_pb2, store_pb2, store_pb2_grpc
-from services.contract.bus import Bus, CommandPort
+from services.contract import Module, audit_pb2_grpc, engine_pb2, store_pb2, store_pb2_grpc
+from services.contract.audit import AuditServicer, ViolationReporter
+from services.contract.bus import Bus, CommandPort, RouteError
+from services.contract.validation import ContractError, refuse, validate_table, validate_wiring
 from services.store.checkpoint_manager import CheckpointManager
 from services.store.metrics_logger import MetricsLogger
 from services.store.server import StoreRelay
@@ -38,7 +41,9 @@ CKPT, METRICS = Module.L5_CHECKPOINT_MANAGER, Module.L5_METRICS_LOGGER
 
 def wire(root: Path, log, registry=REGISTRY) -> tuple[StoreRelay, MetricsLogger]:
     """Build L5-1, L5-2 and the relay on one bus. Returns the relay and the logger (to close)."""
-    bus = Bus(on_violation=lambda e: log.warning("boundary_violation", error=str(e)))
+    # No channel up from here: refusals are logged and counted, then returned to the caller.
+    bus = Bus(on_violation=ViolationReporter("store", log))
+    validate_table(bus.table)
     manager = CheckpointManager(root, registry=registry)
     metrics = MetricsLogger(root, registry=registry)
     bus.subscribe(CKPT, store_pb2.SaveCheckpoint, manager.begin_save)
@@ -56,7 +61,9 @@ def wire(root: Path, log, registry=REGISTRY) -> tuple[StoreRelay, MetricsLogger]
         for t in types:
             for sender in bus.table.route(t).senders:
                 ports[(sender, receiver)] = bus.port(sender, receiver)
-    return StoreRelay(ports, log), metrics
+    # Hosted: L5-1, L5-2, and every remote sender the relay commands them as.
+    validate_wiring(bus, {CKPT, METRICS, *(sender for sender, _ in ports)})
+    return StoreRelay(ports, log, check=bus.check), metrics
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,12 +98,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"store: cannot serve /metrics on {args.host}:{args.metrics_port}: {e.strerror or e}", file=sys.stderr)
         return 1
 
-    relay, metrics = wire(root, log)
+    try:
+        relay, metrics = wire(root, log)
+    except (ContractError, RouteError) as e:
+        http.shutdown()
+        return refuse("store", e)
     store_pb2_grpc.add_StoreServiceServicer_to_server(relay, server.server)
+    audit_pb2_grpc.add_AuditServiceServicer_to_server(AuditServicer("store"), server.server)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    server.start(["surge.v1.StoreService"])
+    server.start(["surge.v1.StoreService", AuditServicer.SERVICE_NAME])
     log.info("serving", address=f"{args.host}:{server.port}", metrics=f"{args.host}:{http.server_port}")
     stop.wait()
     log.info("stopping")

@@ -8,7 +8,9 @@ route table both ways: the command from the sender to L5-1/L5-2, the reply event
 Who sent it: the caller names itself in the gRPC metadata key ``surge-sender`` (a
 ``surge.v1.Module`` name, e.g. ``L1_RECOVERY_CONTROLLER``); without it, the usual caller
 of that RPC is assumed (``DEFAULT_SENDERS``). A sender the route does not allow is refused
-with PERMISSION_DENIED and counted in ``surge_boundary_violations_total``.
+with PERMISSION_DENIED and counted in ``surge_boundary_violations_total``; the violation
+report rides in the trailing metadata, so the caller reports it up (this process has no
+channel up).
 
 Errors become one-line gRPC statuses: INVALID_ARGUMENT (bad job id, version form, empty
 record), NOT_FOUND (unknown version), FAILED_PRECONDITION (no open save, verification
@@ -17,13 +19,14 @@ failed), PERMISSION_DENIED (route), INTERNAL (I/O failure, with the OS error).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
 from google.protobuf.message import Message
 
 from services.contract import Module, store_pb2, store_pb2_grpc
+from services.contract.audit import abort_with_violation
 from services.contract.bus import BoundaryViolation, CommandPort
 from services.store.checkpoint_manager import CheckpointNotFound, CheckpointRejected
 
@@ -45,11 +48,15 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
     ports: ``(sender, receiver) -> CommandPort`` for every remote sender the route table
         lets command L5-1 or L5-2 (built by the composition root).
     log: a structlog logger.
+    check: the bus's route check (``Bus.check``), for a sender that has no port at all:
+        the refusal is then counted and reported like any other.
     """
 
-    def __init__(self, ports: Mapping[tuple[int, int], CommandPort], log: Any):
+    def __init__(self, ports: Mapping[tuple[int, int], CommandPort], log: Any,
+                 check: Callable[[int, str, int], None] | None = None):
         self._ports = dict(ports)
         self._log = log
+        self._check = check
 
     def BeginSave(self, request: store_pb2.SaveCheckpoint, context: grpc.ServicerContext) -> Message:
         return self._relay("BeginSave", CKPT, request, context)
@@ -94,15 +101,17 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
     def _send(self, sender: int, receiver: int, msg: Message, context: grpc.ServicerContext) -> Message:
         name = msg.DESCRIPTOR.name
         port = self._ports.get((sender, receiver))
-        if port is None:
-            context.abort(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"{Module.Name(sender)} may not command {Module.Name(receiver)} ({name})",
-            )
         try:
+            if port is None and self._check is not None:
+                self._check(sender, msg.DESCRIPTOR.full_name, receiver)  # raises: no route
+            if port is None:
+                context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"{Module.Name(sender)} may not command {Module.Name(receiver)} ({name})",
+                )
             reply = port(msg).message
         except BoundaryViolation as e:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+            abort_with_violation(context, e, "store")
         except CheckpointNotFound as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except CheckpointRejected as e:

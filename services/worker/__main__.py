@@ -2,17 +2,20 @@
 
     python -m services.worker --port P --control HOST:PORT [--host 127.0.0.1]
         [--advertise HOST] [--worker-id ID] [--slots N] [--run-dir DIR]
-        [--memory-check-seconds S] [--memory-pressure-fraction F]
+        [--memory-check-seconds S] [--memory-pressure-fraction F] [--metrics-port M]
 
 Environment defaults: SURGE_WORKER_PORT, SURGE_CONTROL_ADDRESS, SURGE_WORKER_ID
 (default ``<hostname>-<port>``), SURGE_WORKER_SLOTS (default: number of CUDA devices,
 else 1), SURGE_RANK_MODULE (module the rank processes run, default
 ``services.worker.rank``), SURGE_WORKER_MEMORY_CHECK_SECONDS (default 2.0; 0 disables
 the memory sampler), SURGE_WORKER_MEMORY_PRESSURE_FRACTION (default 0.10),
-SURGE_WORKER_MEMINFO (file the host memory is read from, default /proc/meminfo). Port 0
+SURGE_WORKER_MEMINFO (file the host memory is read from, default /proc/meminfo),
+SURGE_WORKER_METRICS_PORT (Prometheus ``/metrics``; default 0 = not served). Port 0
 takes a free port (the bound one is registered).
 
-Serves ``surge.v1.WorkerService`` (RankSession) plus health and reflection. SIGTERM or
+Serves ``surge.v1.WorkerService`` (RankSession), ``surge.v1.AuditService`` (the route
+counts of this node's rank processes, asked over their sessions) plus health and
+reflection. Rank processes serve no port of their own. SIGTERM or
 SIGINT: kill the rank process groups, close the session, stop the server, exit 0. A port
 in use: one line on stderr, exit 2.
 """
@@ -27,9 +30,13 @@ import sys
 import threading
 from pathlib import Path
 
+from prometheus_client import REGISTRY, start_http_server
+
 from services.common import logs, paths
 from services.common.grpc_server import PortInUse, ServiceServer
-from services.contract import worker_pb2_grpc
+from services.contract import audit_pb2_grpc, worker_pb2_grpc
+from services.contract.audit import AuditServicer, merge_reports, report_of
+from services.contract.validation import ContractError, refuse, validate_table
 from services.worker.node_agent import (
     DEFAULT_MEMINFO,
     DEFAULT_RANK_MODULE,
@@ -67,6 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--memory-pressure-fraction", type=float, default=env.get("SURGE_WORKER_MEMORY_PRESSURE_FRACTION") or 0.10,
         help="report memory pressure below this fraction of MemTotal available (env SURGE_WORKER_MEMORY_PRESSURE_FRACTION)",
     )
+    p.add_argument("--metrics-port", type=int, default=env.get("SURGE_WORKER_METRICS_PORT") or 0,
+                   help="Prometheus /metrics port (env SURGE_WORKER_METRICS_PORT; 0 = off)")
     args = p.parse_args(argv)
     if args.port is None:
         p.error("--port (or SURGE_WORKER_PORT) is required")
@@ -107,6 +116,10 @@ def port_taken(host: str, port: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        validate_table()  # the node agent relays the table's messages (it is EXT_HARDWARE)
+    except ContractError as e:
+        return refuse("worker", e)
     if port_taken(args.host, args.port):
         print(f"worker: cannot listen on {args.host}:{args.port} (port already in use)", file=sys.stderr)
         return 2
@@ -116,6 +129,13 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
     port = server.port
+    http = None
+    if args.metrics_port:
+        try:
+            http, _ = start_http_server(args.metrics_port, addr=args.host, registry=REGISTRY)
+        except OSError as e:
+            print(f"worker: cannot serve /metrics on {args.host}:{args.metrics_port}: {e.strerror or e}", file=sys.stderr)
+            return 2
     worker_id = args.worker_id or f"{socket.gethostname()}-{port}"
     log = logs.configure("worker", worker_id=worker_id)
     advertise = args.advertise or (socket.gethostname() if args.host in WILDCARD_HOSTS else args.host)
@@ -134,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         cwd=Path.cwd(),
     )
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(RankSessionServicer(agent, log), server.server)
+    audit_pb2_grpc.add_AuditServiceServicer_to_server(
+        AuditServicer(worker_id, report=lambda request: merge_reports(worker_id, [report_of(worker_id), agent.audit()])),
+        server.server,
+    )
     session = ControlSession(args.control, registration, outbox, agent.execute, log)
     sampler = None
     if args.memory_check_seconds > 0:
@@ -144,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
-    server.start([SERVICE_NAME])
+    server.start([SERVICE_NAME, AuditServicer.SERVICE_NAME])
     session.start()
     if sampler is not None:
         sampler.start()
@@ -165,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     agent.shutdown(SHUTDOWN_GRACE_SECONDS)  # first: no rank may outlive the agent
     session.close(drain_seconds=1.0)  # lets the ranks' RankExited go up if control is there
     server.stop(grace=0.5)
+    if http is not None:
+        http.shutdown()
     log.info("worker stopped")
     return 0
 

@@ -14,12 +14,14 @@ inbox blocks this thread, which stops reading, which applies gRPC flow control u
 End of a finite stream -> ``DataExhausted(split, position)``. A gRPC error -> the loop gets
 ``DatasetUnavailable`` whose reason is the server's one-line message (NOT_FOUND /
 FAILED_PRECONDITION from Mount: unknown dataset or version, manifest mismatch) or
-"data service unreachable at ADDR" for a connection failure.
+"data service unreachable at ADDR" for a connection failure. Every failed call is shown
+to ``on_error`` first (the rank reports a boundary violation the service returned).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -39,8 +41,10 @@ log = structlog.get_logger()
 class DataClient:
     """Relay for L4_DATASET_VERSIONS (commands in) and L4_BATCH_PACKER (batches out)."""
 
-    def __init__(self, address: str, versions: Emitter, packer: Emitter):
+    def __init__(self, address: str, versions: Emitter, packer: Emitter,
+                 on_error: Callable[[grpc.RpcError], None] | None = None):
         self._address = address
+        self._on_error = on_error
         self._versions = versions
         self._packer = packer
         self._channel = channel(address)
@@ -54,6 +58,7 @@ class DataClient:
         try:
             return self._stub.Mount(msg, timeout=MOUNT_TIMEOUT_S)
         except grpc.RpcError as e:
+            self._failed(e)
             return data_pb2.DatasetUnavailable(name=msg.name, version=msg.version, reason=self._reason(e))
 
     def open_stream(self, msg: data_pb2.OpenStream, payload: Any = None) -> None:
@@ -88,10 +93,15 @@ class DataClient:
         except grpc.RpcError as e:
             if self._closing or e.code() == grpc.StatusCode.CANCELLED:
                 return
+            self._failed(e)
             self._versions(data_pb2.DatasetUnavailable(name=mount.name, version=mount.version, reason=self._reason(e)))
         except Exception as e:  # noqa: BLE001 - a malformed batch, or a bug: the loop must hear of it
             reason = str(e) if isinstance(e, ValueError) else f"data relay: {type(e).__name__}: {e}"
             self._versions(data_pb2.DatasetUnavailable(name=mount.name, version=mount.version, reason=reason))
+
+    def _failed(self, e: grpc.RpcError) -> None:
+        if self._on_error is not None:
+            self._on_error(e)
 
     def _reason(self, e: grpc.RpcError) -> str:
         """The server's one-line message (it names dataset, version and cause), or where

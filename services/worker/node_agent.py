@@ -9,7 +9,8 @@ Facts it reports up the ``ControlService.WorkerSession`` stream (``WorkerEvent``
 * ``register``: the node's hardware, first message of every session (also after a
   reconnect, with the same ``worker_id``).
 * ``rank_event``: every ``RankEvent`` a local rank sends on its ``RankSession``, in the
-  order received, ``hello`` included.
+  order received, ``hello`` and ``violation`` included (``audit`` stays here: it answers
+  the agent's own question, see :meth:`NodeAgent.audit`).
 * ``rank_exited``: a rank process ended (``exit_code`` < 0: killed by that signal), after
   the events that rank sent before it ended.
 * ``memory_pressure``: the node's available memory fell below its pressure threshold
@@ -62,7 +63,8 @@ from typing import Any
 import grpc
 
 from services.common.grpc_server import GRPC_OPTIONS
-from services.contract import control_pb2, control_pb2_grpc, engine_pb2, worker_pb2, worker_pb2_grpc
+from services.contract import audit_pb2, control_pb2, control_pb2_grpc, engine_pb2, worker_pb2, worker_pb2_grpc
+from services.contract.audit import merge_reports
 
 RANK_MODULE_ENV = "SURGE_RANK_MODULE"
 DEFAULT_RANK_MODULE = "services.worker.rank"
@@ -79,6 +81,9 @@ DEFAULT_MEMINFO = "/proc/meminfo"
 # Relieved only once available/total is this much above the threshold again, so memory
 # hovering at the threshold reports one crossing, not one per sample.
 MEMORY_PRESSURE_HYSTERESIS = 0.02
+# How long an audit waits for the ranks' answers (a rank answers from its session reader,
+# which starts once its modules are built; until then its last known counts are shown).
+AUDIT_TIMEOUT_SECONDS = 2.0
 
 Emit = Callable[[control_pb2.WorkerEvent], None]
 
@@ -480,8 +485,8 @@ class NodeAgent:
 
     Public methods are exactly the commands the agent receives: from control
     (:meth:`execute` and the three it dispatches to), from its own rank sessions
-    (:meth:`attach`, :meth:`relay_event`, :meth:`commands_for`, :meth:`detach`) and from
-    its composition root (:meth:`shutdown`).
+    (:meth:`attach`, :meth:`relay_event`, :meth:`commands_for`, :meth:`detach`), from
+    its composition root (:meth:`shutdown`) and from the operator's audit (:meth:`audit`).
 
     Args:
         worker_id: this agent's id, stamped on every ``RankExited``.
@@ -513,6 +518,11 @@ class NodeAgent:
         self._lock = threading.Lock()
         self._ranks: dict[tuple[str, int], _Rank] = {}
         self._stopping = False
+        # Route counts of every rank process this agent launched, by (job, rank, pid): the
+        # last each one reported (a rank sends its final counts when it ends).
+        self._audits: dict[tuple[str, int, int], audit_pb2.AuditReport] = {}
+        self._audit_seq = 0
+        self._audit_answered = threading.Condition(self._lock)
 
     # ------------------------------------------------------------ commands from control
 
@@ -598,7 +608,13 @@ class NodeAgent:
 
     def relay_event(self, r: _Rank, event: worker_pb2.RankEvent) -> None:
         """Send a rank's event up unchanged, except that its envelope names the session's
-        rank (the identity the hello established), even if the rank left it empty."""
+        rank (the identity the hello established), even if the rank left it empty. An
+        ``audit`` (the rank's route counts) is kept here, for :meth:`audit`."""
+        if event.WhichOneof("event") == "audit":
+            with self._audit_answered:
+                self._audits[(r.job_id, r.rank, r.proc.pid)] = event.audit
+                self._audit_answered.notify_all()
+            return
         if (event.job_id, event.rank) != (r.job_id, r.rank):
             if event.job_id or event.rank:
                 self._log.warning("rank event envelope names another rank; corrected", job_id=r.job_id, rank=r.rank, said_job=event.job_id, said_rank=event.rank)
@@ -619,6 +635,34 @@ class NodeAgent:
             r.session = "closed"
         r.commands.put(_END)
         r.stream_closed.set()
+
+    # ------------------------------------------------------------ from the operator (audit)
+
+    def audit(self, timeout_seconds: float = AUDIT_TIMEOUT_SECONDS) -> audit_pb2.AuditReport:
+        """The route counts of this node's rank processes, summed: each live rank is asked
+        (``RankCommand{audit}``) and waited for up to ``timeout_seconds``; ranks that ended
+        count with the final report they sent. A rank that does not answer in time counts
+        with its last known report, and a note says so."""
+        with self._audit_answered:
+            self._audit_seq += 1
+            request_id = self._audit_seq
+            asked = [r for r in self._ranks.values() if not r.dead and r.session == "open"]
+            for r in asked:
+                r.commands.put(worker_pb2.RankCommand(audit=audit_pb2.AuditRequest(id=request_id)))
+
+            def answered(r: _Rank) -> bool:
+                report = self._audits.get((r.job_id, r.rank, r.proc.pid))
+                return r.dead or r.session == "closed" or (report is not None and report.id >= request_id)
+
+            self._audit_answered.wait_for(lambda: all(answered(r) for r in asked), timeout_seconds)
+            late = [r for r in asked if not answered(r)]
+            reports = list(self._audits.values())
+        notes = [
+            f"{self._worker_id}: rank {r.rank} of job {r.job_id} did not answer within {timeout_seconds:g} s "
+            "(still starting?); its last known counts are included"
+            for r in late
+        ]
+        return merge_reports(self._worker_id, reports, notes)
 
     # ------------------------------------------------------------ from the composition root
 

@@ -12,16 +12,22 @@ Protocol on ``WorkerService.RankSession`` (bidi stream to the node agent):
                        {resume}, {stop: at_step} (pause/stop at the boundary after at_step;
                        stop at_step=0: the next boundary; stop before start: finish at once)
     5. rank -> agent   {step} per step, {eval} per evaluation, {saved} per committed
-                       checkpoint (rank 0), {paused} when paused, then {finished} (exit 0)
-                       or {failed: fault_class, one-line detail} (exit 1). Then the rank
-                       half-closes its side and exits.
+                       checkpoint (rank 0), {paused} when paused, then its final {audit}
+                       (route counts) and {finished} (exit 0) or {failed: fault_class,
+                       one-line detail} (exit 1). Then the rank half-closes its side and
+                       exits.
+    At any time after 3: agent -> rank {audit: id}, answered rank -> agent {audit} with
+    the same id (the route counts of this process's bus); rank -> agent {violation} for a
+    send refused by its bus or by a service it called (relayed up to the fault detector).
 A session that ends before the rank sent {finished} or {failed} means the agent is gone:
 the rank exits at once (code 3). SIGTERM ends the process immediately (default action).
 
 Wiring: modules never construct each other. Each gets an Emitter for its events and a
 CommandPort for each module the route table lets it command; the relays of the other
 layers (this session for L1, :mod:`data_client` for L4, :mod:`store_client` for L5)
-subscribe on the same bus, so every message inside the rank is route-checked.
+subscribe on the same bus, so every message inside the rank is route-checked. A refused
+send (here, or in the data or store service on this rank's request) is reported up the
+session as ``BoundaryViolationReported``.
 """
 
 from __future__ import annotations
@@ -47,8 +53,10 @@ from services.compute.forward_unit import ForwardUnit
 from services.compute.gradient_reduction import GradientReduction
 from services.compute.operator_adapter import OperatorAdapter
 from services.compute.shard_loader import ShardLoader
-from services.contract import Module, data_pb2, engine_pb2, store_pb2, worker_pb2, worker_pb2_grpc
+from services.contract import Module, audit_pb2, data_pb2, engine_pb2, store_pb2, worker_pb2, worker_pb2_grpc
+from services.contract.audit import ViolationReporter, report_of
 from services.contract.bus import Bus, CommandPort
+from services.contract.validation import validate_table, validate_wiring
 from services.engine.mixed_precision import MixedPrecision
 from services.engine.optimizer import Optimizer
 from services.engine.parallel_strategy import DEFAULT_TIMEOUT_S, ParallelStrategy
@@ -59,6 +67,14 @@ M = Module
 log = structlog.get_logger()
 EXIT_FAILED, EXIT_SESSION_LOST = 1, 3
 SETUP_TIMEOUT_S = 600.0
+# What a rank's bus hosts (checked by validate_wiring): the L2 and L3 modules, and the relays
+# standing in for L1 (the session), L4 (data_client) and L5 (store_client).
+RANK_HOSTED = (
+    M.L2_TRAINING_LOOP, M.L2_PARALLEL_STRATEGY, M.L2_OPTIMIZER, M.L2_MIXED_PRECISION,
+    M.L3_SHARD_LOADER, M.L3_OPERATOR_ADAPTER, M.L3_FORWARD_UNIT, M.L3_BACKWARD_UNIT, M.L3_GRADIENT_REDUCTION,
+    M.L1_ORCHESTRATOR, M.L1_RESOURCE_ALLOCATOR, M.L4_DATASET_VERSIONS, M.L4_BATCH_PACKER,
+    M.L5_CHECKPOINT_MANAGER, M.L5_METRICS_LOGGER,
+)
 
 # Which RankEvent field carries each event the loop (or the checkpoint relay) sends to L1.
 _UP = {
@@ -108,7 +124,13 @@ def compose(
     pg_timeout_s: float = DEFAULT_TIMEOUT_S,
     started_at: float | None = None,
 ) -> RankModules:
-    """Build the rank's L2/L3 modules on ``bus`` and subscribe them and the relays."""
+    """Build the rank's L2/L3 modules on ``bus`` and subscribe them and the relays.
+
+    Raises:
+        RouteError, ContractError: the table or this wiring breaks the contract; the rank
+            reports it as its failure and exits before it trains (start-up validation).
+    """
+    validate_table(bus.table)
     port, emitter = bus.port, bus.emitter
     adapter = OperatorAdapter(emitter(M.L3_OPERATOR_ADAPTER), device)
     forward = ForwardUnit(emitter(M.L3_FORWARD_UNIT), port(M.L3_FORWARD_UNIT, M.L3_OPERATOR_ADAPTER))
@@ -188,12 +210,14 @@ def compose(
     sub(M.L5_METRICS_LOGGER, engine_pb2.EvalCompleted, store.on_eval_completed)
     for msg_type in _UP:
         sub(M.L1_ORCHESTRATOR, msg_type, up.on_event)
-    return RankModules(
+    modules = RankModules(
         loop=loop,
         parallel=parallel,
         orchestrator=port(M.L1_ORCHESTRATOR, L),
         allocator=port(M.L1_RESOURCE_ALLOCATOR, M.L2_PARALLEL_STRATEGY),
     )
+    validate_wiring(bus, RANK_HOSTED)
+    return modules
 
 
 class SessionLost(RuntimeError):
@@ -204,11 +228,13 @@ class Session:
     """The rank's relay of L1: the RankSession stream to its node agent.
 
     Events go out through a queue drained by gRPC's request iterator (never blocks the
-    step); commands come in on a reader thread and are relayed to the loop's port.
+    step); commands come in on a reader thread and are relayed to the loop's port. The
+    agent's ``audit`` question is answered from this process's route counts.
     """
 
     def __init__(self, address: str, job_id: str, rank: int):
         self._job_id, self._rank = job_id, rank
+        self.process = f"rank {rank} of job {job_id}"
         self._out: queue.Queue = queue.Queue()
         self._channel = channel(address)
         self._call = worker_pb2_grpc.WorkerServiceStub(self._channel).RankSession(self._requests())
@@ -239,11 +265,18 @@ class Session:
         self._reader.start()
 
     def on_event(self, msg: Any, payload: Any = None) -> None:
-        """L1_ORCHESTRATOR receiver: wrap the event in a RankEvent and queue it."""
+        """L1_ORCHESTRATOR receiver: wrap the event in a RankEvent and queue it. Before the
+        terminal event goes the final audit: once control hears of the end it may release
+        (kill) this process at any moment."""
         field = _UP[type(msg)]
         if field in ("finished", "failed"):
+            self._send(audit=report_of(self.process))
             self._terminal_sent.set()
         self._send(**{field: msg})
+
+    def report_violation(self, event: audit_pb2.BoundaryViolationReported) -> None:
+        """A refused send, on its way up to the fault detector (queued, never blocks)."""
+        self._send(violation=event)
 
     def send_failed(self, fault_class: str, detail: str) -> None:
         """For a failure before the loop exists (it would otherwise report it itself)."""
@@ -276,6 +309,9 @@ class Session:
         try:
             for cmd in self._call:
                 kind = cmd.WhichOneof("command")
+                if kind == "audit":
+                    self._send(audit=report_of(self.process, request_id=cmd.audit.id))
+                    continue
                 if kind not in ("start", "pause", "resume", "stop"):
                     log.warning("rank_session_command_ignored", kind=kind)
                     continue
@@ -317,13 +353,18 @@ def main(argv: list[str] | None = None) -> NoReturn:
         init, assignment = session.receive_setup()
         torch.set_num_threads(max(1, assignment.num_threads or 1))
         spec = spec_from_json(init.spec_json)
-        bus = Bus()
+        violations = ViolationReporter(
+            session.process, log, deliver=session.report_violation, job_id=args.job, rank=args.rank, inline=True
+        )
+        bus = Bus(on_violation=violations)
         # Imported here so a rank that fails before this point does not pay for them.
         from services.worker.data_client import DataClient
         from services.worker.store_client import StoreClient
 
-        data = DataClient(init.data_address, bus.emitter(M.L4_DATASET_VERSIONS), bus.emitter(M.L4_BATCH_PACKER))
-        store = StoreClient(init.store_address, bus.emitter(M.L5_CHECKPOINT_MANAGER))
+        data = DataClient(init.data_address, bus.emitter(M.L4_DATASET_VERSIONS), bus.emitter(M.L4_BATCH_PACKER),
+                          on_error=violations.relay_rpc_error)
+        store = StoreClient(init.store_address, bus.emitter(M.L5_CHECKPOINT_MANAGER),
+                            on_error=violations.relay_rpc_error)
         timeout_s = float(os.environ.get("SURGE_PG_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         rank = compose(
             bus, spec, assignment.device or "cpu", data=data, store=store, up=session,

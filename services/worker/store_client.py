@@ -18,12 +18,16 @@ Checkpoint layout (DCP keys, flattened with dots): ``model.<param FQN>`` (e.g.
 ``model.blocks.0.attn.qkv.weight``), ``optim.state.<param FQN>.{exp_avg,exp_avg_sq,step}``,
 ``optim.param_groups``, ``train.step``, ``train.skipped_steps``,
 ``train.rank<r>.data_position`` ([epoch, document, offset]), ``train.rank<r>.rng_cpu``.
+
+Every failed call is shown to ``on_error`` first (the rank reports a boundary violation the
+store returned).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -51,8 +55,10 @@ class CheckpointError(RuntimeError):
 class StoreClient:
     """Relay for L5_CHECKPOINT_MANAGER and L5_METRICS_LOGGER inside a rank process."""
 
-    def __init__(self, address: str, checkpoint_events: Emitter):
+    def __init__(self, address: str, checkpoint_events: Emitter,
+                 on_error: Callable[[grpc.RpcError], None] | None = None):
         self._address = address
+        self._on_error = on_error
         self._emit = checkpoint_events
         self._channel = channel(address)
         self._stub = store_pb2_grpc.StoreServiceStub(self._channel)
@@ -108,6 +114,8 @@ class StoreClient:
         try:
             return method(msg, timeout=timeout)
         except grpc.RpcError as e:
+            if self._on_error is not None:
+                self._on_error(e)
             details = " ".join((e.details() or "").split())
             raise CheckpointError(f"store at {self._address}: {name}: {e.code().name}: {details}") from None
 
@@ -142,6 +150,8 @@ class StoreClient:
             except grpc.RpcError as e:
                 if self._closing.is_set() and done.is_set():
                     return
+                if self._on_error is not None:
+                    self._on_error(e)
                 log.warning("metrics_stream_failed", store=self._address, code=e.code().name)
                 if self._closing.wait(backoff):
                     return

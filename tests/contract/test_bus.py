@@ -1,9 +1,18 @@
 """The contract bus enforces the route table and isolates receivers."""
 
 import pytest
+from prometheus_client import REGISTRY, generate_latest
 
 from services.contract import Module, data_pb2, engine_pb2
-from services.contract.bus import BOUNDARY_VIOLATIONS, BoundaryViolation, Bus, Reply, RouteError
+from services.contract.bus import (
+    BOUNDARY_VIOLATIONS,
+    TRAFFIC,
+    BoundaryViolation,
+    Bus,
+    Reply,
+    RouteError,
+    Traffic,
+)
 
 
 def test_send_outside_the_route_table_raises_and_is_counted():
@@ -79,3 +88,81 @@ def test_a_port_exists_only_between_a_commander_and_its_executor():
     bus = Bus()
     with pytest.raises(RouteError, match="L3_FORWARD_UNIT may not command L2_OPTIMIZER"):
         bus.port(Module.L3_FORWARD_UNIT, Module.L2_OPTIMIZER)
+
+
+# ---------------------------------------------------------------- per-route counts
+
+
+def test_every_delivery_is_counted_per_route_and_every_refusal_per_intended_route():
+    traffic = Traffic()
+    bus = Bus(traffic=traffic)
+    bus.subscribe(Module.L2_OPTIMIZER, engine_pb2.ApplyUpdate,
+                  lambda m, p: engine_pb2.UpdateApplied(step=m.step))
+    bus.subscribe(Module.L1_ORCHESTRATOR, engine_pb2.StepCompleted, lambda m, p: None)
+    bus.subscribe(Module.L5_METRICS_LOGGER, engine_pb2.StepCompleted, lambda m, p: None)
+    port = bus.port(Module.L2_TRAINING_LOOP, Module.L2_OPTIMIZER)
+    for step in range(3):
+        port(engine_pb2.ApplyUpdate(step=step))
+    bus.publish(Module.L2_TRAINING_LOOP, engine_pb2.StepCompleted(step=1))
+    with pytest.raises(BoundaryViolation):
+        bus.command(Module.L4_SHUFFLER, Module.L4_FILTER, data_pb2.FilterRules())
+    with pytest.raises(BoundaryViolation):
+        bus.publish(Module.L5_METRICS_LOGGER, engine_pb2.StepCompleted())
+
+    snap = bus.snapshot()
+    L2, OPT = Module.L2_TRAINING_LOOP, Module.L2_OPTIMIZER
+    assert snap.sent == {
+        (L2, "surge.v1.ApplyUpdate", OPT): 3,
+        (OPT, "surge.v1.UpdateApplied", L2): 3,  # the replies, routed back
+        (L2, "surge.v1.StepCompleted", Module.L1_ORCHESTRATOR): 1,
+        (L2, "surge.v1.StepCompleted", Module.L5_METRICS_LOGGER): 1,
+    }
+    assert snap.refused == {
+        (Module.L4_SHUFFLER, "surge.v1.FilterRules", Module.L4_FILTER): 1,
+        (Module.L5_METRICS_LOGGER, "surge.v1.StepCompleted", 0): 1,  # a publish: any receiver
+    }
+
+
+def test_a_snapshot_is_a_copy_that_later_sends_do_not_change():
+    bus = Bus(traffic=Traffic())
+    bus.subscribe(Module.L2_OPTIMIZER, engine_pb2.ApplyUpdate, lambda m, p: None)
+    bus.command(Module.L2_TRAINING_LOOP, Module.L2_OPTIMIZER, engine_pb2.ApplyUpdate())
+    before = bus.snapshot()
+    bus.command(Module.L2_TRAINING_LOOP, Module.L2_OPTIMIZER, engine_pb2.ApplyUpdate())
+    assert sum(before.sent.values()) == 1 and sum(bus.snapshot().sent.values()) == 2
+
+
+def test_buses_of_one_process_share_its_ledger_which_prometheus_exports():
+    first, second = Bus(), Bus()  # e.g. two data streams
+    for bus in (first, second):
+        bus.subscribe(Module.L2_OPTIMIZER, engine_pb2.ExportState, lambda m, p: None)
+    key = (Module.L2_TRAINING_LOOP, "surge.v1.ExportState", Module.L2_OPTIMIZER)
+    before = TRAFFIC.snapshot().sent.get(key, 0)
+    for bus in (first, second):
+        bus.command(Module.L2_TRAINING_LOOP, Module.L2_OPTIMIZER, engine_pb2.ExportState())
+    assert TRAFFIC.snapshot().sent[key] == before + 2
+    text = generate_latest(REGISTRY).decode()
+    line = ('surge_bus_messages_total{message="surge.v1.ExportState",receiver="L2_OPTIMIZER",'
+            f'sender="L2_TRAINING_LOOP"}} {float(before + 2)}')
+    assert line in text.splitlines()
+
+
+def test_a_relay_refusing_a_remote_request_counts_and_reports_it_like_a_send():
+    reported = []
+    traffic = Traffic()
+    bus = Bus(on_violation=reported.append, traffic=traffic)
+    bus.check(Module.L2_TRAINING_LOOP, "surge.v1.SaveCheckpoint", Module.L5_CHECKPOINT_MANAGER)  # allowed: no-op
+    with pytest.raises(BoundaryViolation, match="L3_FORWARD_UNIT may not send surge.v1.SaveCheckpoint"):
+        bus.check(Module.L3_FORWARD_UNIT, "surge.v1.SaveCheckpoint", Module.L5_CHECKPOINT_MANAGER)
+    assert [(e.sender, e.receiver) for e in reported] == [(Module.L3_FORWARD_UNIT, Module.L5_CHECKPOINT_MANAGER)]
+    assert traffic.snapshot().refused == {(Module.L3_FORWARD_UNIT, "surge.v1.SaveCheckpoint", Module.L5_CHECKPOINT_MANAGER): 1}
+    assert traffic.snapshot().sent == {}
+
+
+def test_a_failing_violation_hook_does_not_hide_the_violation():
+    def broken_hook(error):
+        raise OSError("log disk full")
+
+    bus = Bus(on_violation=broken_hook, traffic=Traffic())
+    with pytest.raises(BoundaryViolation):
+        bus.publish(Module.L5_METRICS_LOGGER, engine_pb2.StepCompleted())

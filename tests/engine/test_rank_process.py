@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from rank_fakes import corpus_bytes, free_port, tiny_spec
-from services.contract import data_pb2, data_pb2_grpc, engine_pb2, worker_pb2, worker_pb2_grpc
+from services.contract import Module, audit_pb2, data_pb2, data_pb2_grpc, engine_pb2, worker_pb2, worker_pb2_grpc
+from services.contract.audit import abort_with_violation
+from services.contract.bus import BoundaryViolation
 from services.jobspec import spec_to_json
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,6 +56,9 @@ class FakeDataService(data_pb2_grpc.DataServiceServicer):
         self._data = np.frombuffer(corpus_bytes(200_000), dtype=np.uint8).astype(np.int32)
 
     def Mount(self, request, context):
+        if request.name == "forbidden":  # as the data service answers a send its bus refused
+            error = BoundaryViolation(Module.L4_SHUFFLER, "surge.v1.FilterRules", Module.L4_FILTER)
+            abort_with_violation(context, error, "data")
         if request.name != "corpus":
             context.abort(grpc.StatusCode.NOT_FOUND, f"dataset {request.name}@{request.version} not found")
         return data_pb2.DatasetReady(name=request.name, version=request.version, vocab_size=256, tokenizer="bytes")
@@ -126,11 +131,16 @@ def test_a_rank_says_hello_reports_started_waits_for_start_and_exits_0_after_fin
     while (ev := agent.next_event()) is not None:
         events.append(ev)
     kinds = [e.WhichOneof("event") for e in events]
-    assert kinds == ["step"] * 4 + ["eval", "finished"], kinds
+    assert kinds == ["step"] * 4 + ["eval", "audit", "finished"], kinds
     assert [e.step.step for e in events[:4]] == [1, 2, 3, 4]
     assert all(e.job_id == "job-1" and e.rank == 0 for e in events)
     assert events[3].step.tokens == 8 * 64 and events[4].eval.tokens == 2 * 8 * 64
-    assert not events[-1].finished.stopped
+    assert not events[6].finished.stopped
+    # Before the end, the rank's final route counts: e.g. one RunForward per micro-batch.
+    final = events[5].audit
+    counts = {(Module.Name(c.sender), c.message, Module.Name(c.receiver)): c.count for c in final.routes}
+    assert counts[("L2_TRAINING_LOOP", "surge.v1.RunForward", "L3_FORWARD_UNIT")] >= 4
+    assert final.process == "rank 0 of job job-1" and list(final.violations) == []
     assert proc.wait(30) == 0, proc.stderr.read()[-3000:]
 
 
@@ -139,11 +149,49 @@ def test_an_unknown_dataset_is_reported_failed_data_unavailable_and_the_rank_exi
     proc = start_rank(address, procs)
     assert agent.next_event().WhichOneof("event") == "hello"
     push_setup(agent, address, tiny_spec(data={"dataset": "nope@v9"}))
+    assert agent.next_event().WhichOneof("event") == "audit"  # the final counts go first
     ev = agent.next_event()
     assert ev.WhichOneof("event") == "failed", ev
     assert ev.failed.fault_class == "data_unavailable"
     assert ev.failed.detail == "dataset nope@v9 not found"
     assert proc.wait(30) == 1
+
+
+def test_a_violation_the_data_service_returns_goes_up_before_the_failure_it_causes(services):
+    agent, address, procs = services
+    proc = start_rank(address, procs)
+    assert agent.next_event().WhichOneof("event") == "hello"
+    push_setup(agent, address, tiny_spec(data={"dataset": "forbidden@v1"}))
+    ev = agent.next_event()
+    assert ev.WhichOneof("event") == "violation", ev
+    v = ev.violation
+    assert (v.process, v.sender, v.message, v.receiver) == (
+        "data", Module.L4_SHUFFLER, "surge.v1.FilterRules", Module.L4_FILTER)
+    assert (v.job_id, v.rank) == ("job-1", 0)
+    assert v.detail == "boundary violation: L4_SHUFFLER may not send surge.v1.FilterRules to L4_FILTER"
+    final = agent.next_event()
+    assert final.WhichOneof("event") == "audit", final
+    assert list(final.audit.violations) == []  # the refusal was data's, not this rank's bus
+    failed = agent.next_event()
+    assert failed.WhichOneof("event") == "failed" and "L4_SHUFFLER may not send" in failed.failed.detail
+    assert proc.wait(30) == 1
+
+
+def test_a_rank_answers_its_agents_audit_with_the_route_counts_of_its_bus(services):
+    agent, address, procs = services
+    proc = start_rank(address, procs)
+    assert agent.next_event().WhichOneof("event") == "hello"
+    push_setup(agent, address, tiny_spec(steps=10_000))
+    assert agent.next_event().WhichOneof("event") == "started"
+    agent.commands.put(worker_pb2.RankCommand(audit=audit_pb2.AuditRequest(id=7)))
+    ev = agent.next_event()
+    assert ev.WhichOneof("event") == "audit", ev
+    assert ev.audit.id == 7 and ev.audit.process == "rank 0 of job job-1"
+    counts = {(Module.Name(c.sender), c.message, Module.Name(c.receiver)): c.count for c in ev.audit.routes}
+    assert counts[("L1_ORCHESTRATOR", "surge.v1.InitJob", "L2_TRAINING_LOOP")] == 1
+    assert counts[("L2_TRAINING_LOOP", "surge.v1.MountDataset", "L4_DATASET_VERSIONS")] >= 1
+    agent.commands.put(None)
+    assert proc.wait(20) == 3
 
 
 def test_a_rank_whose_agent_goes_away_exits_promptly(services):

@@ -110,6 +110,21 @@ def test_a_short_dp2_job_trains_checkpoints_and_reports(stack, tmp_path):
     assert processes_with(f"--job {job_id}") == []
 
 
+def test_the_audit_after_the_job_shows_the_routes_every_process_used_and_no_violation(stack):
+    # Runs after the job above: the ranks have ended, their final counts stay with their
+    # node agents.
+    r = cli(stack, "audit", "-o", "json")
+    assert r.returncode == 0, r.stderr
+    v = json.loads(r.stdout)
+    used = {(x["sender"], x["message"], x["receiver"]): x["by_process"] for x in v["routes"]}
+    forward = used[("L2_TRAINING_LOOP", "surge.v1.RunForward", "L3_FORWARD_UNIT")]
+    assert forward.keys() == {"worker-0", "worker-1"} and min(forward.values()) >= 24, v  # one rank per worker
+    assert used[("L2_TRAINING_LOOP", "surge.v1.StepCompleted", "L1_ORCHESTRATOR")]["control"] >= 2 * 24
+    assert used[("L2_TRAINING_LOOP", "surge.v1.ShufflePlan", "L4_SHUFFLER")]["data"] >= 2
+    assert used[("L2_TRAINING_LOOP", "surge.v1.StepCompleted", "L5_METRICS_LOGGER")]["store"] >= 2 * 24
+    assert v["violations"] == []
+
+
 def test_dp_larger_than_the_available_ranks_is_refused_and_nothing_is_created(stack, tmp_path):
     spec = tmp_path / "big.yaml"
     spec.write_text(JOB.replace("dp: 2", "dp: 3"))

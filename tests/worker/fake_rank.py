@@ -9,6 +9,8 @@ Run by the agent as ``python -m tests.worker.fake_rank --session H:P --job J --r
 * ``sleep``: hello -> init, assignment -> TrainingLoopStarted -> sleeps (SIGTERM kills it).
 * ``stubborn``: like ``sleep`` but ignores SIGTERM.
 * ``family``: like ``sleep`` after starting a ``sleep`` grandchild (its pid is printed).
+* ``audited``: like ``sleep``, but answers every ``audit`` question with one route count:
+  L2_TRAINING_LOOP -> RunForward -> L3_FORWARD_UNIT, ``5 + rank`` messages.
 
 It prints what it received to stdout (its log file) and exits 3 when the first two
 commands are not init then assignment.
@@ -27,7 +29,7 @@ import time
 
 import grpc
 
-from services.contract import engine_pb2, worker_pb2, worker_pb2_grpc
+from services.contract import Module, audit_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
 
 
 def main() -> int:
@@ -71,6 +73,14 @@ def main() -> int:
         child = subprocess.Popen(["sleep", "300"])
         print(f"grandchild {child.pid}", flush=True)
     send(started=engine_pb2.TrainingLoopStarted(job_id=job, rank=rank, start_step=0, num_parameters=42))
+    if mode == "audited":
+        for cmd in commands:
+            if cmd.WhichOneof("command") == "audit":
+                report = audit_pb2.AuditReport(process=f"rank {rank} of job {job}", id=cmd.audit.id)
+                report.routes.add(sender=Module.L2_TRAINING_LOOP, message="surge.v1.RunForward",
+                                  receiver=Module.L3_FORWARD_UNIT, count=5 + rank)
+                send(audit=report)
+        return 0
     if mode != "train":
         time.sleep(300)
         return 0

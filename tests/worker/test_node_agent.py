@@ -24,7 +24,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.grpc_server import ServiceServer
-from services.contract import control_pb2, control_pb2_grpc, engine_pb2, worker_pb2, worker_pb2_grpc
+from services.contract import (
+    Module,
+    audit_pb2,
+    audit_pb2_grpc,
+    control_pb2,
+    control_pb2_grpc,
+    engine_pb2,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -316,6 +325,23 @@ def test_launched_ranks_get_init_then_assignment_and_their_events_go_up_in_order
         assert f"assignment rank={rank} world=2 device=cpu OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 CUDA_VISIBLE_DEVICES=-" in log
         assert "start job=j1" in log
         assert not alive(pids[rank])
+
+
+def test_an_audit_asks_every_live_rank_and_sums_their_route_counts_keeping_them_from_control(cluster):
+    control = cluster.control()
+    agent = cluster.agent(control.port, "--slots", "3")
+    control.servicer.registration()
+    launch(control.servicer, "ja", ["audited", "audited", "sleep"], world_size=3)
+    started_ranks(cluster, control.servicer, 3)
+    with grpc.insecure_channel(f"127.0.0.1:{agent.port}") as ch:
+        report = audit_pb2_grpc.AuditServiceStub(ch).Audit(audit_pb2.AuditRequest(), timeout=30)
+    assert report.process == WORKER_ID
+    assert [(c.sender, c.message, c.receiver, c.count) for c in report.routes] == [
+        (Module.L2_TRAINING_LOOP, "surge.v1.RunForward", Module.L3_FORWARD_UNIT, 5 + 6)]
+    # The sleeping rank reads no command: the audit waits its 2 s for it, then says so.
+    assert len(report.notes) == 1 and "rank 2 of job ja did not answer" in report.notes[0]
+    with pytest.raises(queue.Empty):  # the ranks' answers stay with the agent
+        control.servicer.next_event(timeout=0.5)
 
 
 def test_a_rank_killed_by_sigkill_is_reported_with_exit_code_minus_9_within_one_second(cluster):

@@ -1,0 +1,224 @@
+"""Start-up validation: a broken route table or wiring is refused with one clear line.
+
+``validate_table`` checks the law itself (every message routed or marked plumbing, known
+modules only, no empty or kindless route); ``validate_wiring`` checks one process's bus
+against it. The last tests start the real services with a deliberately broken table (the
+test harness replaces the process's default table before the composition root runs; the
+services have no test hook) and expect exit status 78 and the one-line reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from google.protobuf import descriptor_pb2, descriptor_pool
+
+from services.contract import Module, data_pb2, engine_pb2, route_pb2
+from services.contract.bus import Bus
+from services.contract.route_table import PROTO_FILES, Route, RouteTable, default_table
+from services.contract.validation import EXIT_CONTRACT, ContractError, validate_table, validate_wiring
+
+M = Module
+REPO = Path(__file__).resolve().parents[2]
+
+
+def routes() -> dict[str, Route]:
+    return {r.message: r for r in default_table().routes()}
+
+
+def table_with(name: str, **changes) -> RouteTable:
+    table = routes()
+    table[name] = dataclasses.replace(table[name], **changes)
+    return RouteTable(table)
+
+
+def test_the_compiled_protos_pass():
+    validate_table()
+    validate_table(default_table(), PROTO_FILES)
+
+
+def test_a_message_without_a_route_is_refused():
+    table = routes()
+    del table["surge.v1.RunForward"]
+    with pytest.raises(ContractError, match=r"^surge\.v1\.RunForward has no route in the route table$"):
+        validate_table(RouteTable(table))
+
+
+def test_a_route_naming_a_module_that_does_not_exist_is_refused():
+    # proto3 enums are open: 77 parses, and names no module.
+    with pytest.raises(ContractError, match=r"^surge\.v1\.RunForward names unknown module 77, which is not a surge\.v1\.Module$"):
+        validate_table(table_with("surge.v1.RunForward", senders=frozenset({M.L2_TRAINING_LOOP, 77})))
+    with pytest.raises(ContractError, match=r"^surge\.v1\.ForwardDone names MODULE_UNSPECIFIED"):
+        validate_table(table_with("surge.v1.ForwardDone", receivers=frozenset({M.MODULE_UNSPECIFIED})))
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ({"senders": frozenset()}, "has a route with no senders"),
+        ({"receivers": frozenset()}, "has a route with no receivers"),
+        ({"kind": route_pb2.KIND_UNSPECIFIED}, r"has a route with no kind \(command, event or data\)"),
+    ],
+)
+def test_an_incomplete_route_is_refused(change, error):
+    with pytest.raises(ContractError, match=rf"^surge\.v1\.ApplyUpdate {error}$"):
+        validate_table(table_with("surge.v1.ApplyUpdate", **change))
+
+
+def test_a_route_for_an_unknown_or_plumbing_message_is_refused():
+    extra = Route("surge.v1.Nope", frozenset({M.L2_TRAINING_LOOP}), frozenset({M.L2_OPTIMIZER}), route_pb2.COMMAND, "")
+    with pytest.raises(ContractError, match=r"^the route table names surge\.v1\.Nope, which no service proto defines$"):
+        validate_table(RouteTable({**routes(), extra.message: extra}))
+    device = dataclasses.replace(extra, message="surge.v1.Device")
+    with pytest.raises(ContractError, match=r"^surge\.v1\.Device is plumbing but the route table routes it$"):
+        validate_table(RouteTable({**routes(), device.message: device}))
+
+
+def _file(name: str, build) -> object:
+    """A proto file built at run time (in its own pool), importing route.proto."""
+    pool = descriptor_pool.DescriptorPool()
+    for dep in (descriptor_pb2.DESCRIPTOR, route_pb2.DESCRIPTOR):
+        proto = descriptor_pb2.FileDescriptorProto()
+        dep.CopyToProto(proto)
+        pool.Add(proto)
+    fdp = descriptor_pb2.FileDescriptorProto(
+        name=f"surge/test/{name}.proto", package="surge.test", syntax="proto3",
+        dependency=["surge/v1/route.proto"],
+    )
+    msg = fdp.message_type.add(name=name)
+    build(msg.options)
+    pool.Add(fdp)
+    return pool.FindFileByName(fdp.name)
+
+
+def test_a_dynamically_built_message_without_route_or_plumbing_is_refused():
+    fd = _file("Unmarked", lambda options: None)
+    with pytest.raises(ContractError, match=r"^surge\.test\.Unmarked has no route: give it option \(surge\.v1\.route\)"):
+        validate_table(RouteTable.from_proto((fd,)), files=(fd,))
+
+
+def test_a_dynamically_built_message_with_both_options_is_refused():
+    def both(options):
+        route = options.Extensions[route_pb2.route]
+        route.senders.append(M.L2_TRAINING_LOOP)
+        route.receivers.append(M.L2_OPTIMIZER)
+        route.kind = route_pb2.COMMAND
+        options.Extensions[route_pb2.plumbing] = "a helper"
+
+    fd = _file("Both", both)
+    with pytest.raises(ContractError, match=r"^surge\.test\.Both has both a route and a plumbing option"):
+        validate_table(RouteTable.from_proto((fd,)), files=(fd,))
+
+
+def test_a_dynamically_built_route_with_an_unknown_module_number_is_refused():
+    def strange(options):
+        route = options.Extensions[route_pb2.route]
+        route.senders.append(77)
+        route.receivers.append(M.L1_ORCHESTRATOR)
+        route.kind = route_pb2.EVENT
+
+    fd = _file("Strange", strange)
+    table = RouteTable.from_proto((fd,))
+    assert table.route("surge.test.Strange").senders == {77}
+    with pytest.raises(ContractError, match=r"^surge\.test\.Strange names unknown module 77"):
+        validate_table(table, files=(fd,))
+
+
+# ---------------------------------------------------------------- wiring
+
+
+def test_a_correctly_wired_bus_passes():
+    bus = Bus()
+    bus.subscribe(M.L4_FILTER, data_pb2.FilterRules, lambda m, p=None: None)
+    bus.port(M.L2_TRAINING_LOOP, M.L4_FILTER)
+    validate_wiring(bus, {M.L2_TRAINING_LOOP, M.L4_FILTER})
+
+
+class _WiredBus:
+    """A bus as validate_wiring sees it: its table and its subscriptions."""
+
+    def __init__(self, table: RouteTable, subscriptions: list[tuple[str, int]]):
+        self.table = table
+        self._subscriptions = subscriptions
+
+    def subscriptions(self):
+        return self._subscriptions
+
+
+def test_a_subscription_not_routed_to_its_module_is_refused():
+    # The bus refuses this at subscribe time; the start-up check catches any way around it.
+    bus = _WiredBus(default_table(), [("surge.v1.FilterRules", M.L4_SHUFFLER)])
+    with pytest.raises(ContractError, match=r"^L4_SHUFFLER subscribes to surge\.v1\.FilterRules, which is not routed to it$"):
+        validate_wiring(bus, {M.L4_SHUFFLER})
+    bus = _WiredBus(default_table(), [("surge.v1.Nope", M.L4_SHUFFLER)])
+    with pytest.raises(ContractError, match=r"^L4_SHUFFLER subscribes to surge\.v1\.Nope, which has no route$"):
+        validate_wiring(bus, {M.L4_SHUFFLER})
+
+
+def test_a_subscription_by_a_module_the_process_does_not_host_is_refused():
+    bus = Bus()
+    bus.subscribe(M.L2_OPTIMIZER, engine_pb2.ApplyUpdate, lambda m, p=None: None)
+    with pytest.raises(ContractError, match=r"^L2_OPTIMIZER subscribes to surge\.v1\.ApplyUpdate, but this process does not host L2_OPTIMIZER$"):
+        validate_wiring(bus, {M.L2_TRAINING_LOOP})
+
+
+def test_a_hosted_module_that_does_not_exist_or_is_not_in_the_table_is_refused():
+    with pytest.raises(ContractError, match=r"^this process hosts unknown module 77, which is not a surge\.v1\.Module$"):
+        validate_wiring(Bus(), {M.L2_TRAINING_LOOP, 77})
+    only = routes()["surge.v1.ApplyUpdate"]
+    with pytest.raises(ContractError, match=r"^this process hosts L4_FILTER, which no route in the table names$"):
+        validate_wiring(Bus(RouteTable({only.message: only})), {M.L2_OPTIMIZER, M.L4_FILTER})
+
+
+# ---------------------------------------------------------------- real processes
+
+# Runs a service's composition root in a fresh process after replacing the process's
+# default route table with a broken one.
+_HARNESS = textwrap.dedent(
+    """
+    import dataclasses, runpy, sys
+    from services.contract import route_table as rt
+    routes = {r.message: r for r in rt.default_table().routes()}
+    service, how, message = sys.argv[1:4]
+    if how == "unrouted":
+        del routes[message]
+    else:  # a sender that is not a module
+        routes[message] = dataclasses.replace(routes[message], senders=routes[message].senders | {77})
+    rt._DEFAULT = rt.RouteTable(routes)
+    sys.argv = [service, *sys.argv[4:]]
+    runpy.run_module(service, run_name="__main__")
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("service", "how", "message", "args", "line"),
+    [
+        ("services.store", "unrouted", "surge.v1.SaveCheckpoint", ["--port", "0", "--metrics-port", "0", "--root", "{tmp}"],
+         "store: refusing to start: surge.v1.SaveCheckpoint has no route in the route table"),
+        ("services.data", "unknown", "surge.v1.OpenStream", ["--port", "0", "--data-root", "{tmp}"],
+         "data: refusing to start: surge.v1.OpenStream names unknown module 77, which is not a surge.v1.Module"),
+        ("services.control", "unrouted", "surge.v1.FaultReport",
+         ["--port", "0", "--db", "{tmp}/control.db", "--data", "127.0.0.1:1", "--store", "127.0.0.1:1"],
+         "control: refusing to start: surge.v1.FaultReport has no route in the route table"),
+        ("services.worker", "unknown", "surge.v1.LaunchRanks", ["--port", "0", "--control", "127.0.0.1:1", "--run-dir", "{tmp}"],
+         "worker: refusing to start: surge.v1.LaunchRanks names unknown module 77, which is not a surge.v1.Module"),
+    ],
+    ids=["store", "data", "control", "worker"],
+)
+def test_a_service_with_a_broken_table_refuses_to_start(tmp_path, service, how, message, args, line):
+    env = {**os.environ, "SURGE_HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    proc = subprocess.run(
+        [sys.executable, "-c", _HARNESS, service, how, message, *argv],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == EXIT_CONTRACT, proc.stderr
+    assert line in proc.stderr.splitlines(), proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr

@@ -1,0 +1,130 @@
+"""The event-driven rule (DESIGN.md law 4, Issue 3 part 4): no module polls another.
+
+A module acts when a command or an event arrives, on the thread that delivers it; none
+sleeps in a loop, waits with a timeout to look again, or keeps a timer or thread that
+wakes to look at anyone. Liveness is event-driven too: a rank that dies closes its stream
+and the exit arrives as an event, graded at once; no module keeps a heartbeat clock.
+
+Documented exceptions: the prefetcher's I/O pool and the checkpoint manager's hashing pool
+run work a command asked for (reads, SHA-256), and never look at another module.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from services.contract import Module as M
+from services.contract import control_pb2
+
+from .wiring import MODULES, source_tree
+
+WORKER_POOLS = {M.L4_PREFETCHER: "ThreadPoolExecutor", M.L5_CHECKPOINT_MANAGER: "ThreadPoolExecutor"}
+# Liveness deadlines, where a module keeps one: module -> why. A deadline is a one-shot
+# threading.Timer armed and re-armed (cancel + new Timer) only inside the handler of the
+# event that proves progress, so silence past it is the fault and nothing is polled. None
+# exists yet: a stalled rank (alive, no step progress) needs the step events routed to the
+# fault detector (an observer route in the proto), which is the contract's to add.
+DEADLINE_TIMERS: dict[int, str] = {}
+# A blocking call that takes a timeout is a poll when it sits in a loop: wake, look, wait again.
+TIMED_WAITS = {"sleep", "wait", "get", "put", "join", "poll", "select", "acquire", "result", "recv"}
+
+
+def _loops(tree: ast.AST):
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.While, ast.For, ast.AsyncFor))]
+
+
+def _timed(call: ast.Call) -> bool:
+    name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+    if name == "sleep":
+        return True
+    if name not in TIMED_WAITS:
+        return False
+    return any(k.arg in ("timeout", "block") for k in call.keywords) or (name in ("wait", "join") and bool(call.args))
+
+
+@pytest.mark.parametrize("module", list(MODULES), ids=M.Name)
+def test_no_module_sleeps_or_polls_in_a_loop(module):
+    tree = source_tree(module)
+    polls = [ast.unparse(c) for loop in _loops(tree) for c in ast.walk(loop) if isinstance(c, ast.Call) and _timed(c)]
+    sleeps = [ast.unparse(c) for c in ast.walk(tree) if isinstance(c, ast.Call) and ast.unparse(c.func).endswith("sleep")]
+    assert polls == [] and sleeps == []
+
+
+@pytest.mark.parametrize("module", list(MODULES), ids=M.Name)
+def test_no_module_keeps_a_thread_or_timer_of_its_own(module):
+    tree = source_tree(module)
+    started = {
+        ast.unparse(c.func).rsplit(".", 1)[-1] for c in ast.walk(tree) if isinstance(c, ast.Call)
+        and ast.unparse(c.func).rsplit(".", 1)[-1] in ("Thread", "Timer", "ThreadPoolExecutor", "ProcessPoolExecutor",
+                                                        "scheduler", "call_later", "call_at")
+    }
+    expected = {WORKER_POOLS[module]} if module in WORKER_POOLS else set()
+    if module in DEADLINE_TIMERS:
+        expected.add("Timer")
+    assert started == expected
+    assert not {"sched", "asyncio", "signal"} & {
+        a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+
+
+@pytest.mark.parametrize("module", list(DEADLINE_TIMERS) or [None], ids=lambda m: M.Name(m) if m else "none")
+def test_a_liveness_deadline_is_armed_only_by_the_event_it_waits_for(module):
+    if module is None:
+        pytest.skip("no module keeps a liveness deadline yet (see DEADLINE_TIMERS)")
+    tree = source_tree(module)
+    for fn in (f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)):
+        arms = [c for c in ast.walk(fn) if isinstance(c, ast.Call) and ast.unparse(c.func).endswith("Timer")]
+        if arms:
+            assert fn.name.startswith("on_"), f"{fn.name}: a deadline is (re-)armed by an event handler"
+            assert any(isinstance(c, ast.Call) and getattr(c.func, "attr", "") == "cancel" for c in ast.walk(fn))
+
+
+def test_the_worker_pools_only_run_work_a_command_asked_for():
+    # The pools are created inside a command (SetPrefetch) or used inside one (commit, load)
+    # and their tasks are file reads / hashes: no task calls back into a port or an emitter.
+    for module in WORKER_POOLS:
+        tree = source_tree(module)
+        for call in ast.walk(tree):
+            if isinstance(call, ast.Call) and getattr(call.func, "attr", "") in ("submit", "map"):
+                task = ast.unparse(call.args[0])
+                assert "_emit" not in task and "port" not in task, task
+
+
+def test_a_rank_exit_is_graded_and_decided_the_moment_its_event_arrives(tmp_path):
+    from .test_reported_events_are_read_only import _control
+
+    control, job = _control(tmp_path)
+    bus = control.bus
+    user = lambda: bus.command(M.EXT_USER, M.L1_ORCHESTRATOR, control_pb2.JobQuery(job_id=job)).message  # noqa: E731
+    assert user().state == control_pb2.WARMING_UP
+    bus.publish(M.EXT_HARDWARE, control_pb2.RankExited(job_id=job, rank=0, exit_code=-9, worker_id="w"))
+    # Synchronously, on the delivering thread: detector grades, orchestrator decides. No
+    # timer, no later sweep, no polling of the rank.
+    status = user()
+    assert (status.state, status.outcome) == (control_pb2.TERMINATED, control_pb2.FAILED)
+    assert "SEVERE rank_exit" in status.message
+    control.journal.close()
+
+
+def _identifiers(tree: ast.AST) -> set[str]:
+    names = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name):
+            names.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            names.add(n.attr)
+        elif isinstance(n, ast.arg):
+            names.add(n.arg)
+        elif isinstance(n, (ast.FunctionDef, ast.ClassDef)):
+            names.add(n.name)
+    return {x.lower() for x in names}
+
+
+@pytest.mark.parametrize("module", list(MODULES), ids=M.Name)
+def test_no_module_judges_another_modules_liveness_by_its_own_clock(module):
+    # A module may time its own work (perf_counter deltas) or throttle its own journal; no
+    # module keeps a heartbeat, a last-seen clock or a staleness check on anyone. A silent
+    # rank is found by its closed stream (an event), graded by L1-3, decided by L1-1.
+    words = ("heartbeat", "last_seen", "stale", "liveness", "silent", "deadline", "watchdog")
+    assert [n for n in _identifiers(source_tree(module)) if any(w in n for w in words)] == []
