@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 GEN    := services/contract/gen
 PROTOS := $(wildcard proto/surge/v1/*.proto)
 
-.PHONY: setup proto contracts demo test lint up down clean
+.PHONY: setup tools proto contracts demo test lint up down clean
 
 setup: $(STAMP) $(GEN)/.stamp
 
@@ -38,8 +38,22 @@ contracts: setup
 demo: setup
 	$(BIN)/surgectl demo examples/jobs/demo.yaml
 
-test: setup
+test: setup tools
 	$(BIN)/python -m pytest -q
+
+# Debian tools some tests use, installed where missing: promtool and prometheus (metrics
+# and config checks, a real scrape), docker-compose (`docker-compose config -q`). Tests that
+# need one skip, saying why, when it could not be installed.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+tools:
+	@missing=""; \
+	{ command -v promtool && command -v prometheus; } >/dev/null || missing="$$missing prometheus"; \
+	command -v docker-compose >/dev/null || missing="$$missing docker-compose"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing$$missing (apt-get)"; \
+	  { $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $$missing; } >/dev/null \
+	    || echo "warning: could not install$$missing; the tests that need it will skip"; \
+	fi
 
 lint: setup
 	$(BIN)/lint-imports

@@ -6,6 +6,7 @@ the file and the field (``demo.yaml: data.seq_len: Input should be greater than 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -18,7 +19,8 @@ class JobSpecError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: "120" is not an integer; a spec says what it means or is refused.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ModelSpec(_Strict):
@@ -101,15 +103,104 @@ class OptimizerSpec(_Strict):
 
 
 class CheckpointSpec(_Strict):
+    # `async` is a Python keyword: the field is `async_`, spelled `async` in a job file.
+    model_config = ConfigDict(validate_by_name=True, validate_by_alias=True)
+
     every_steps: int = Field(100, ge=0)   # 0: only at the end
     keep_last: int = Field(3, ge=0)       # 0: keep all
+    keep_every: int = Field(0, ge=0)      # also keep versions whose step is a multiple of it (0: none)
     at_end: bool = True
+    # torch.distributed.checkpoint.async_save: the loop blocks only for the copy to host
+    # memory; the write and the commit run in the background (the end of a run waits).
+    async_: bool = Field(True, alias="async")
 
 
 class EvalSpec(_Strict):
     every_steps: int = Field(100, ge=0)   # 0: only at the end
     batches: int = Field(8, gt=0)         # micro-batches per rank per evaluation
     at_end: bool = True
+
+
+FaultAction = Literal["ignore", "restart_ranks", "rollback", "exclude_node", "stop"]
+FAULT_GRADES = ("MINOR", "MEDIUM", "SEVERE", "FATAL")
+# The orchestrator's defaults, by fault class first, then by grade (a class not listed).
+# restart_ranks resumes from the newest checkpoint (from scratch if none); rollback from the
+# newest one not after the faulting step that verifies (older ones if it does not).
+DEFAULT_CLASS_ACTIONS: dict[str, str] = {
+    "rank_exit": "restart_ranks",
+    "rank_silent": "restart_ranks",
+    "rank_stalled": "restart_ranks",
+    "comm_error": "restart_ranks",
+    "port_in_use": "restart_ranks",
+    "worker_lost": "exclude_node",
+    "non_finite_loss": "rollback",
+    "overflow_storm": "rollback",
+    "checkpoint_error": "rollback",
+}
+DEFAULT_GRADE_ACTIONS: dict[str, str] = {"MINOR": "ignore", "MEDIUM": "ignore", "SEVERE": "restart_ranks", "FATAL": "stop"}
+
+
+class FaultPolicySpec(_Strict):
+    """What the orchestrator does about a graded fault (one decision per incident).
+
+    ``actions`` maps a fault class (``rank_exit``, ``non_finite_loss``, ...) or a grade
+    (``MINOR`` .. ``FATAL``) to an action; a class entry wins over a grade entry, and both
+    over the defaults above. Every relaunch (restart_ranks, rollback, exclude_node) spends one
+    restart of the fault class's budget (``restarts[class]``, else ``max_restarts``); an
+    exhausted budget stops the job FAILED.
+    """
+
+    actions: dict[str, FaultAction] = {}
+    max_restarts: int = Field(3, ge=0)
+    restarts: dict[str, int] = {}
+    overflow_storm_steps: int = Field(8, gt=0)  # K consecutive skipped (overflowing) steps
+
+    @model_validator(mode="after")
+    def _known_keys(self) -> FaultPolicySpec:
+        for key in [*self.actions, *self.restarts]:
+            if key not in FAULT_GRADES and not re.fullmatch(r"[a-z][a-z0-9_]*", key):
+                raise ValueError(f"{key!r} is neither a grade ({', '.join(FAULT_GRADES)}) nor a fault class name")
+        for key, n in self.restarts.items():
+            if n < 0:
+                raise ValueError(f"restarts.{key} must be >= 0, got {n}")
+        return self
+
+    def action_for(self, fault_class: str, grade: str) -> str:
+        """The action for a fault of ``fault_class`` graded ``grade`` (a FaultGrade name)."""
+        for table, key in ((self.actions, fault_class), (self.actions, grade), (DEFAULT_CLASS_ACTIONS, fault_class)):
+            if key in table:
+                return table[key]
+        return DEFAULT_GRADE_ACTIONS.get(grade, "stop")
+
+    def budget_for(self, fault_class: str) -> int:
+        """Relaunches allowed for ``fault_class`` in one job."""
+        return self.restarts.get(fault_class, self.max_restarts)
+
+
+class LivenessSpec(_Strict):
+    """Deadlines the fault detector keeps on every rank, reset by its heartbeats (seconds).
+
+    A rank beats every ``heartbeat_interval_seconds`` from a side thread; silent for
+    ``heartbeat_timeout_seconds``: declared silent. Beating but no step progress for
+    max(``stall_min_seconds``, ``stall_step_factor`` x median step time): stalled. A
+    communication error waits ``attribution_seconds`` for the fault that caused it (a peer's
+    death), so the survivor is not blamed.
+    """
+
+    heartbeat_interval_seconds: float = Field(1.0, gt=0)
+    heartbeat_timeout_seconds: float = Field(3.0, gt=0)
+    stall_min_seconds: float = Field(30.0, gt=0)
+    stall_step_factor: float = Field(5.0, gt=0)
+    attribution_seconds: float = Field(1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _timeout_covers_beats(self) -> LivenessSpec:
+        if self.heartbeat_timeout_seconds < 2 * self.heartbeat_interval_seconds:
+            raise ValueError(
+                f"heartbeat_timeout_seconds ({self.heartbeat_timeout_seconds}) must be at least twice "
+                f"heartbeat_interval_seconds ({self.heartbeat_interval_seconds})"
+            )
+        return self
 
 
 class JobSpec(_Strict):
@@ -123,6 +214,8 @@ class JobSpec(_Strict):
     precision: Literal["fp32", "bf16"] = "fp32"
     checkpoint: CheckpointSpec = CheckpointSpec()
     eval: EvalSpec = EvalSpec()
+    fault_policy: FaultPolicySpec = FaultPolicySpec()
+    liveness: LivenessSpec = LivenessSpec()
 
     @property
     def world_size(self) -> int:
@@ -142,7 +235,7 @@ def parse_job_spec(text: str, source: str = "job.yaml") -> JobSpec:
             ``source`` and the field's dotted path.
     """
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -155,9 +248,27 @@ def parse_job_spec(text: str, source: str = "job.yaml") -> JobSpec:
     except ValidationError as e:
         err = e.errors()[0]
         path = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-        got = "" if err["type"] in ("extra_forbidden", "missing") else f", got {err.get('input')!r}"
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+        # A cross-field rule's input is the whole section: its message already says what is wrong.
+        quiet = ("extra_forbidden", "missing", "value_error")
+        got = "" if err["type"] in quiet else f", got {err.get('input')!r}"
         raise JobSpecError(f"{source}: {path}: {msg}{got}") from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a mapping with the same key twice (YAML's last-one-wins
+    would silently drop what the author wrote first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def load_job_spec(path: str | Path) -> JobSpec:
@@ -167,6 +278,8 @@ def load_job_spec(path: str | Path) -> JobSpec:
         text = p.read_text()
     except OSError as e:
         raise JobSpecError(f"{p}: cannot read job spec: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise JobSpecError(f"{p}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     return parse_job_spec(text, str(p))
 
 

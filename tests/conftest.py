@@ -34,6 +34,21 @@ def kill_all(pids: list[int]) -> None:
             pass
 
 
+def down_and_reap(home: Path, cli) -> None:
+    """`surgectl down` this stack, then SIGKILL whatever of *it* survived: its services and
+    the ranks of its workers (a rank's command line names its worker's port). Processes of
+    any other Surge stack on the machine are never touched."""
+    import json
+
+    stack_json = home / "run" / "stack.json"
+    services = json.loads(stack_json.read_text())["services"] if stack_json.exists() else {}
+    cli(home, "down", timeout=60)
+    kill_all([s["pid"] for s in services.values()])
+    for name, s in services.items():
+        if name.startswith("worker"):
+            kill_all(processes_with(f"--session 127.0.0.1:{s['port']} "))
+
+
 @pytest.fixture
 def surge_home(tmp_path, monkeypatch) -> Path:
     home = tmp_path / "surge"

@@ -25,7 +25,9 @@ def test_the_demo_spec_is_valid_and_gives_the_reference_global_batch():
         ("name: x\nsteps: 5\ndata: {dataset: nover}\n", "job.yaml: data.dataset: String should match pattern"),
         ("name: [x\n", "job.yaml: line 2: malformed YAML"),
         ("- a\n- b\n", "job.yaml: expected a mapping"),
-        ("name: x\nsteps: 5\nmodel: {d_model: 100, n_heads: 3}\ndata: {dataset: a@v1}\n", "job.yaml: model: Value error, d_model (100) must be divisible by n_heads (3)"),
+        ("name: x\nsteps: 5\nmodel: {d_model: 100, n_heads: 3}\ndata: {dataset: a@v1}\n", "job.yaml: model: d_model (100) must be divisible by n_heads (3)"),
+        ("name: x\nsteps: '120'\ndata: {dataset: a@v1}\n", "job.yaml: steps: Input should be a valid integer, got '120'"),
+        ("name: x\nsteps: 5\nsteps: 6\ndata: {dataset: a@v1}\n", "job.yaml: line 3: malformed YAML: duplicate key 'steps'"),
     ],
 )
 def test_bad_specs_fail_with_one_line_naming_the_field(text, expected):
@@ -33,6 +35,13 @@ def test_bad_specs_fail_with_one_line_naming_the_field(text, expected):
         parse_job_spec(text, "job.yaml")
     assert str(e.value).startswith(expected)
     assert "\n" not in str(e.value)
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    p = tmp_path / "latin1.yaml"
+    p.write_bytes("name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(JobSpecError, match="latin1.yaml: not UTF-8 text"):
+        load_job_spec(p)
 
 
 def test_a_missing_file_is_named(tmp_path):

@@ -16,7 +16,7 @@ import grpc
 
 from services.cli import stack
 from services.cli.errors import CliError, from_rpc
-from services.common.grpc_server import channel
+from services.common.grpc_server import TlsConfigError, channel
 from services.contract import control_pb2_grpc, data_pb2_grpc, store_pb2_grpc
 
 _STUBS = {
@@ -45,11 +45,21 @@ def address(service: str) -> str:
 def stub(service: str) -> Iterator[object]:
     """A stub for ``service``; gRPC failures inside the block become one-line CliErrors."""
     addr = address(service)
-    with channel(addr) as ch:
+    try:
+        ch = channel(addr)
+    except TlsConfigError as e:
+        raise CliError(str(e)) from None
+    with ch:
         try:
             yield _STUBS[service](ch)
         except grpc.RpcError as e:
-            raise from_rpc(e, service, addr) from None
+            error = from_rpc(e, service, addr)
+            if "unreachable" in str(error) and not os.environ.get(f"SURGE_{service.upper()}_ADDRESS"):
+                error = CliError(
+                    f"{service} unreachable at {addr} although the local stack is recorded as up; "
+                    "run `surgectl down`, then `surgectl up`"
+                )
+            raise error from None
 
 
 def call(service: str, fn: Callable[[object], T]) -> T:

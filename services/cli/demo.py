@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from services.cli import clients, render, stack
+from services.cli import render, stack
 from services.cli.errors import CliError
 from services.common import paths
 from services.contract import control_pb2

@@ -18,6 +18,8 @@ def from_rpc(error: grpc.RpcError, service: str, address: str) -> CliError:
     code = error.code() if hasattr(error, "code") else None
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and _connect_failure(error):
         return CliError(f"{service} unreachable at {address} (is the stack up? run `surgectl up`)")
+    if code == grpc.StatusCode.CANCELLED:
+        return CliError(f"{service} at {address} closed the call (was the stack stopped?)")
     details = error.details() if hasattr(error, "details") else str(error)
     return CliError(details or f"{service} call failed: {code}")
 

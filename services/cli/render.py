@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from google.protobuf.json_format import MessageToDict
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -18,7 +16,9 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
+from services.cli import jsonout
 from services.contract import control_pb2
 
 console = Console()
@@ -40,12 +40,22 @@ def fmt_loss(x: float) -> str:
 
 
 def print_json(messages) -> None:
-    console.print_json(json.dumps([MessageToDict(m, preserving_proto_field_name=True) for m in messages]))
+    print(jsonout.dumps(list(messages)))
+
+
+def print_error(message: str) -> None:
+    """One line on stderr, printed literally (user text may hold [brackets])."""
+    err_console.print(Text("error: ", style="red") + Text(message), highlight=False, soft_wrap=True)
+
+
+def _id_column(t: Table, name: str) -> None:
+    t.add_column(name, no_wrap=True, min_width=len(name))
 
 
 def jobs_table(jobs) -> Table:
     t = Table(title="jobs")
-    for col in ("job", "state", "step", "train loss", "eval loss", "tokens/s", "checkpoint", "message"):
+    _id_column(t, "job")
+    for col in ("state", "step", "train loss", "eval loss", "tokens/s", "checkpoint", "message"):
         t.add_column(col)
     for j in jobs:
         t.add_row(
@@ -81,7 +91,8 @@ def audit_table(view, show_unused: bool = True) -> Table:
 
 def checkpoints_table(infos) -> Table:
     t = Table(title="checkpoints")
-    for col in ("version", "parent", "step", "files", "MiB", "sha256"):
+    _id_column(t, "version")
+    for col in ("parent", "step", "files", "MiB", "sha256"):
         t.add_column(col)
     for c in infos:
         t.add_row(c.version, c.parent or "—", str(c.step), str(c.files), f"{c.bytes / 2**20:.1f}", c.manifest_sha256[:12])
@@ -90,7 +101,8 @@ def checkpoints_table(infos) -> Table:
 
 def datasets_table(datasets) -> Table:
     t = Table(title="datasets")
-    for col in ("dataset", "tokenizer", "vocab", "train docs", "train tokens", "val docs", "val tokens", "sha256"):
+    _id_column(t, "dataset")
+    for col in ("tokenizer", "vocab", "train docs", "train tokens", "val docs", "val tokens", "sha256"):
         t.add_column(col)
     for d in datasets:
         t.add_row(
@@ -144,7 +156,7 @@ def follow(events, quiet_types: frozenset[str] = frozenset({"step"})) -> History
                 task, completed=s.step, loss=fmt_loss(s.train_loss), tps=f"{s.tokens_per_second:,.0f}"
             )
             if ev.type not in quiet_types:
-                progress.console.print(f"[dim]{ev.type:>10}[/dim] {ev.message}")
+                progress.console.print(Text(f"{ev.type:>10} ", style="dim") + Text(ev.message), highlight=False)
     return h
 
 

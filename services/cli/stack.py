@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.cli.errors import CliError
 from services.common import paths
+from services.common.grpc_server import channel
 
 HOST = "127.0.0.1"
 
@@ -83,6 +84,8 @@ def up(num_workers: int = 2, timeout_s: float = 60.0) -> dict[str, ServiceProc]:
     run = paths.run_dir()
     (run / "logs").mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "SURGE_HOME": str(paths.surge_home()), "PYTHONUNBUFFERED": "1"}
+    # Plain Prometheus: no `_created` series next to every counter (prometheus_client's default).
+    env.setdefault("PROMETHEUS_DISABLE_CREATED_SERIES", "true")
     procs: dict[str, ServiceProc] = {}
     try:
         store = _spawn("store", ["--port", str(free_port()), "--metrics-port", str(free_port())], env, run)
@@ -154,7 +157,7 @@ def _write(procs: dict[str, ServiceProc]) -> None:
 def _wait_healthy(proc: ServiceProc, timeout_s: float) -> None:
     """Block until ``proc`` reports SERVING (health Watch stream, no polling loop)."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(proc.address) as ch:
+    with channel(proc.address) as ch:
         ready = grpc.channel_ready_future(ch)
         while True:
             try:
@@ -187,8 +190,19 @@ def _tail(log: str, lines: int = 1) -> str:
         text = Path(log).read_text(errors="replace").strip().splitlines()
     except OSError:
         return f"(no log at {log})"
-    useful = [line for line in text if line.strip()]
+    useful = [_readable(line) for line in text if line.strip()]
     return " | ".join(useful[-lines:]) if useful else f"(empty log {log})"
+
+
+def _readable(line: str) -> str:
+    """A JSON log line (services.common.logs) as its event and error, else the line."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return line
+    if not isinstance(record, dict):
+        return line
+    return str(record.get("error") or record.get("event") or line)
 
 
 def _stop_all(procs: dict[str, ServiceProc], timeout_s: float = 10.0) -> None:

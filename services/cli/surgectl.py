@@ -12,21 +12,39 @@ from typing import Optional
 
 import typer
 
-from services.cli import clients, render, stack
+from services.cli import clients, jsonout, render, stack
 from services.cli.errors import CliError
 from services.contract import Module, control_pb2, data_pb2, store_pb2
 from services.jobspec import JobSpecError, load_job_spec
 
+HELP = {"help_option_names": ["-h", "--help"]}
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  help="Surge (狂潮): distributed LM training as gRPC services.")
-dataset_app = typer.Typer(no_args_is_help=True, help="Prepare and list dataset versions.")
+                  context_settings=HELP,
+                  help="Surge (狂潮): distributed LM training as gRPC services.\n\n"
+                       "Example: surgectl up && surgectl submit examples/jobs/demo.yaml --follow")
+dataset_app = typer.Typer(no_args_is_help=True, context_settings=HELP, help="Prepare and list dataset versions.\n\nExample: surgectl dataset list")
 app.add_typer(dataset_app, name="dataset")
 
 OutputOpt = typer.Option("table", "--output", "-o", help="table | json")
 
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        render.console.print(f"surgectl {version('surge')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="print the version"),
+) -> None:
+    """Surge (狂潮): distributed LM training as gRPC services."""
+
+
 @app.command()
-def up(workers: int = typer.Option(2, help="node agents to start")) -> None:
+def up(workers: int = typer.Option(2, min=1, help="node agents to start")) -> None:
     """Start the local stack (control, store, data, workers) and wait until healthy.
 
     Example: surgectl up --workers 2
@@ -57,18 +75,26 @@ def dataset_prepare(
     source: Optional[Path] = typer.Option(None, help="directory of text files (default: this Python's standard library)"),
     tokenizer: str = typer.Option("bytes", help="'bytes' (vocab 256) or a HF tokenizers JSON file"),
     val_fraction: float = typer.Option(0.02, min=0.0, max=0.5, help="share of files held out (by file)"),
+    glob: str = typer.Option("**/*.py", help="which files of --source are documents"),
 ) -> None:
-    """Tokenize a directory into an immutable, hashed dataset version.
+    """Tokenize a directory (one document per file) into an immutable, hashed dataset version.
 
-    Example: surgectl dataset prepare --name stdlib --version v1
+    Example: surgectl dataset prepare --name notes --version v1 --source ~/notes --glob '**/*.txt'
     """
     from services.common import paths
+    from services.data.errors import DataError
     from services.data.prepare import default_stdlib_source, prepare_dataset
 
     src = source or default_stdlib_source()
     if not Path(src).is_dir():
         raise CliError(f"--source {src}: not a directory")
-    info = prepare_dataset(Path(src), name, version, paths.datasets_root(), tokenizer=tokenizer, val_fraction=val_fraction)
+    try:
+        info = prepare_dataset(
+            Path(src), name, version, paths.datasets_root(),
+            tokenizer=tokenizer, val_fraction=val_fraction, include_glob=glob,
+        )
+    except (DataError, OSError) as e:
+        raise CliError(" ".join(str(e).split())) from None
     render.console.print(f"prepared {name}@{version}: {info}")
 
 
@@ -94,7 +120,14 @@ def submit(
     status = submit_job(spec)
     render.console.print(f"submitted {status.job_id} ({render.state_text(status)})")
     if follow:
-        h = follow_job(status.job_id)
+        try:
+            h = follow_job(status.job_id)
+        except KeyboardInterrupt:
+            render.err_console.print(
+                f"stopped following; {status.job_id} keeps running "
+                f"(`surgectl events {status.job_id} --follow` to watch, `surgectl stop {status.job_id}` to stop)",
+                markup=False, highlight=False, soft_wrap=True)
+            raise typer.Exit(130) from None
         render.console.print(render.summary_table(h.last, h))
         _exit_for(h.last)
 
@@ -133,39 +166,130 @@ def status(job: Optional[str] = typer.Argument(None), output: str = OutputOpt) -
 
 
 @app.command()
-def events(job: str, follow: bool = typer.Option(False, "--follow", "-f"), output: str = OutputOpt) -> None:
-    """Print a job's event log (decisions, state changes, faults, checkpoints).
+def events(
+    job: str,
+    follow: bool = typer.Option(False, "--follow", "-f", help="keep streaming until the job ends"),
+    output: str = OutputOpt,
+) -> None:
+    """Print a job's event log (decisions, state changes, faults, checkpoints); -o json
+    prints JSON Lines.
 
     Example: surgectl events demo-3f2a1c --follow
     """
     with clients.stub("control") as s:
         for ev in s.WatchJob(control_pb2.JobQuery(job_id=job, follow=follow)):
             if output == "json":
-                render.print_json([ev])
+                print(jsonout.dumps_line(ev), flush=True)  # JSON Lines: one event per line
             else:
                 src = Module.Name(ev.source) if ev.source else "-"
-                render.console.print(f"{ev.seq:>5} {ev.type:>10} {src:<22} {ev.message}")
+                render.console.print(f"{ev.seq:>5} {ev.type:>10} {src:<22} {ev.message}", markup=False, highlight=False)
+
+
+@app.command()
+def logs(
+    job: str,
+    follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines until the job ends"),
+    rank: Optional[int] = typer.Option(None, min=0, help="only this rank"),
+    output: str = typer.Option("table", "--output", "-o", help="table (readable) | json (the lines as written)"),
+) -> None:
+    """Print a job's rank logs, all ranks merged by time; --follow streams until the job ends.
+
+    Reads the local stack's rank log files ($SURGE_HOME/run/logs/<job>.rank<R>.log); on a
+    multi-node cluster each worker's node holds its ranks' files: run it there.
+
+    Example: surgectl logs demo-3f2a1c --follow
+    """
+    from services.cli import observe
+
+    if output not in ("table", "json"):
+        raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
+
+    def show(line) -> None:
+        if rank is None or line.rank == rank:
+            print(line.text if output == "json" else line.human(), flush=True)
+
+    if follow:
+        def finished() -> bool:
+            s = clients.call("control", lambda st: st.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))
+            return s.state == control_pb2.TERMINATED
+
+        for line in observe.follow(job, finished):
+            show(line)
+        return
+    files = observe.rank_logs(job)
+    if not files:
+        raise CliError(f"no rank logs of {job} under {observe.logs_dir()} (`surgectl logs` reads the local "
+                       "stack's files; on a multi-node cluster run it on the worker's node)")
+    if rank is not None and rank not in files:
+        raise CliError(f"no log of rank {rank} of {job} here (ranks with logs: {', '.join(map(str, files))})")
+    for line in observe.read_all(files):
+        show(line)
+
+
+@app.command()
+def plot(
+    job: str,
+    out: Optional[Path] = typer.Option(None, "--out", help="PNG to write (default: $SURGE_HOME/<job>-loss.png)"),
+    rank: Optional[int] = typer.Option(None, min=0, help="whose loss (default: the lowest rank recorded)"),
+    metrics: Optional[Path] = typer.Option(None, help="a metrics JSONL file (default: the local store's <job>.jsonl)"),
+) -> None:
+    """Write a PNG of a job's loss (train and held-out) and tokens/s against step.
+
+    Every step from the store's raw records ($SURGE_HOME/store/metrics/<job>.jsonl) when
+    they are on this machine, else control's event history (steps sampled about once a second).
+
+    Example: surgectl plot demo-3f2a1c --out demo.png
+    """
+    from services.cli import observe
+    from services.common import paths
+
+    source = metrics or observe.metrics_file(job)
+    if metrics is not None and not metrics.is_file():
+        raise CliError(f"--metrics {metrics}: no such file")
+    if source.is_file():
+        h = observe.history_from_jsonl(source, rank)
+        where = str(source)
+    else:
+        if rank is not None:
+            raise CliError(f"--rank needs the raw step records ({source} is not on this machine)")
+        with clients.stub("control") as s:
+            h = observe.history_from_events(s.WatchJob(control_pb2.JobQuery(job_id=job, follow=False), timeout=30))
+        where = "control's event history (sampled steps)"
+    if not h.steps:
+        raise CliError(f"job {job} has no step records yet; plot it once it has trained a step")
+    png = render.plot(h, out or paths.surge_home() / f"{observe.safe_name(job)}-loss.png", f"{job}: loss and throughput")
+    render.console.print(f"wrote {png} ({len(h.steps)} steps from {where})", markup=False, highlight=False,
+                         soft_wrap=True)
 
 
 @app.command()
 def pause(job: str) -> None:
-    """Pause a running job at a step boundary.   Example: surgectl pause demo-3f2a1c"""
+    """Pause a running job at a step boundary (every rank stops at the same step).
+
+    Example: surgectl pause demo-3f2a1c
+    """
     s = clients.call("control", lambda st: st.PauseJob(control_pb2.PauseJobRequest(job_id=job), timeout=10))
-    render.console.print(f"{job}: {render.state_text(s)} {s.message}")
+    render.console.print(f"{job}: pause requested; now {render.state_text(s)}", markup=False, highlight=False)
 
 
 @app.command()
 def resume(job: str) -> None:
-    """Resume a paused job.   Example: surgectl resume demo-3f2a1c"""
+    """Resume a paused job.
+
+    Example: surgectl resume demo-3f2a1c
+    """
     s = clients.call("control", lambda st: st.ResumeJob(control_pb2.ResumeJobRequest(job_id=job), timeout=10))
-    render.console.print(f"{job}: {render.state_text(s)} {s.message}")
+    render.console.print(f"{job}: resume requested; now {render.state_text(s)}", markup=False, highlight=False)
 
 
 @app.command()
 def stop(job: str) -> None:
-    """Stop a job at the next step boundary.   Example: surgectl stop demo-3f2a1c"""
+    """Stop a job at the next step boundary.
+
+    Example: surgectl stop demo-3f2a1c
+    """
     s = clients.call("control", lambda st: st.StopJob(control_pb2.StopJobRequest(job_id=job), timeout=10))
-    render.console.print(f"{job}: {render.state_text(s)} {s.message}")
+    render.console.print(f"{job}: stop requested; now {render.state_text(s)}", markup=False, highlight=False)
 
 
 @app.command()
@@ -175,6 +299,8 @@ def checkpoints(job: Optional[str] = typer.Argument(None), output: str = OutputO
     Example: surgectl checkpoints demo-3f2a1c
     """
     resp = clients.call("store", lambda s: s.List(store_pb2.CheckpointQuery(job_id=job or ""), timeout=10))
+    if job and not resp.checkpoints:  # an unknown job is an error, a job without versions is not
+        clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))
     _show(resp.checkpoints, output, render.checkpoints_table)
 
 
@@ -209,7 +335,7 @@ def audit(
 def generate(
     checkpoint: str = typer.Option("latest", help="version '<job>:<n>', '<job>:latest' or 'latest'"),
     prompt: str = typer.Option("def ", help="text to continue"),
-    max_new_tokens: int = typer.Option(200, min=1),
+    max_new_tokens: int = typer.Option(200, min=1, max=4096),
     temperature: float = typer.Option(0.8, min=0.0),
     top_k: int = typer.Option(40, min=0),
     seed: int = typer.Option(0),
@@ -263,7 +389,7 @@ def main() -> None:
     try:
         app()
     except CliError as e:
-        render.err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        render.print_error(str(e))
         sys.exit(e.code)
     except KeyboardInterrupt:
         render.err_console.print("interrupted")

@@ -1,8 +1,30 @@
-"""A gRPC server with health checking and server reflection, bound or failing clearly."""
+"""gRPC plumbing shared by every service: a server with health checking and server
+reflection, bound or failing clearly, and the client channel every caller uses.
+
+Security is configured by environment only, so no service's flags change:
+
+* ``SURGE_TLS_CERT`` + ``SURGE_TLS_KEY`` (PEM files): servers listen with TLS. With
+  ``SURGE_TLS_CA`` as well, they require a client certificate signed by that CA (mutual TLS).
+* ``SURGE_TLS_CA`` (PEM): clients (``channel()``) use TLS and verify the server against that
+  CA; they present ``SURGE_TLS_CERT``/``SURGE_TLS_KEY`` when set (needed under mutual TLS).
+  ``SURGE_TLS_SERVER_NAME`` overrides the name checked against the server's certificate.
+* ``SURGE_AUTH_TOKEN``: servers require ``authorization: Bearer <token>`` on the mutating
+  control RPCs (``MUTATING_METHODS``) and answer UNAUTHENTICATED otherwise; clients send it
+  on every call.
+
+Every server also answers a request it cannot parse with INVALID_ARGUMENT naming the method
+(instead of gRPC's bare "Exception deserializing request"), and refuses a message over
+``MAX_MESSAGE_BYTES`` with RESOURCE_EXHAUSTED (gRPC's own check).
+"""
 
 from __future__ import annotations
 
+import hmac
+import os
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
+from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -15,9 +37,161 @@ GRPC_OPTIONS = [
     ("grpc.so_reuseport", 0),  # two services must never share a port silently
 ]
 
+TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV = "SURGE_TLS_CERT", "SURGE_TLS_KEY", "SURGE_TLS_CA"
+TLS_SERVER_NAME_ENV = "SURGE_TLS_SERVER_NAME"
+AUTH_TOKEN_ENV = "SURGE_AUTH_TOKEN"
+
+# RPCs that change state: they need the bearer token when SURGE_AUTH_TOKEN is set.
+MUTATING_METHODS = frozenset(
+    f"/surge.v1.ControlService/{m}" for m in ("SubmitJob", "PauseJob", "ResumeJob", "StopJob")
+)
+
 
 class PortInUse(RuntimeError):
     pass
+
+
+class TlsConfigError(PortInUse):
+    """The SURGE_TLS_* variables are incomplete or name unreadable files (one line).
+
+    A PortInUse, so that every service's existing start-up handling (``except PortInUse``:
+    one line on stderr, non-zero exit) reports it too: either way the port cannot be served.
+    """
+
+
+def _read_pem(var: str) -> bytes | None:
+    path = os.environ.get(var)
+    if not path:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise TlsConfigError(f"{var}={path}: cannot read: {e.strerror or e}") from None
+
+
+def server_credentials() -> grpc.ServerCredentials | None:
+    """TLS server credentials from SURGE_TLS_*, or None (plaintext) when no certificate is set.
+
+    Raises:
+        TlsConfigError: only one of certificate and key is set, or a file cannot be read.
+    """
+    cert, key, ca = _read_pem(TLS_CERT_ENV), _read_pem(TLS_KEY_ENV), _read_pem(TLS_CA_ENV)
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        raise TlsConfigError(f"TLS needs both {TLS_CERT_ENV} and {TLS_KEY_ENV}")
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def channel_credentials() -> grpc.ChannelCredentials | None:
+    """TLS channel credentials from SURGE_TLS_*, or None (plaintext) when no CA is set."""
+    ca = _read_pem(TLS_CA_ENV)
+    if ca is None:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=ca, private_key=_read_pem(TLS_KEY_ENV), certificate_chain=_read_pem(TLS_CERT_ENV)
+    )
+
+
+class _Malformed:
+    """Stands in for a request that did not parse; the handler answers INVALID_ARGUMENT."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+class _Guard(grpc.ServerInterceptor):
+    """Bearer token on the mutating methods; a clear status for unparseable requests."""
+
+    def __init__(self, token: str | None):
+        self._token = token
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if self._token and method in MUTATING_METHODS and not self._authorized(handler_call_details):
+            return _replace(handler, lambda behavior, streaming: _refuse(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{method}: not authorized: send 'authorization: Bearer <token>' with the server's token "
+                f"(Surge clients and surgectl: set {AUTH_TOKEN_ENV})",
+            ))
+        return _guard_parsing(handler, method)
+
+    def _authorized(self, details) -> bool:
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+                return hmac.compare_digest(value[len("Bearer "):].encode(), self._token.encode())
+        return False
+
+
+def _kind(handler) -> tuple[str, bool]:
+    """(the handler's behavior attribute, whether its requests stream)."""
+    for attr, streaming in (("unary_unary", False), ("unary_stream", False),
+                            ("stream_unary", True), ("stream_stream", True)):
+        if getattr(handler, attr) is not None:
+            return attr, streaming
+    raise ValueError("handler without behavior")
+
+
+_FACTORIES = {
+    "unary_unary": grpc.unary_unary_rpc_method_handler,
+    "unary_stream": grpc.unary_stream_rpc_method_handler,
+    "stream_unary": grpc.stream_unary_rpc_method_handler,
+    "stream_stream": grpc.stream_stream_rpc_method_handler,
+}
+
+
+def _replace(handler, wrap: Callable[[Callable, bool], Callable], deserializer: Callable | None = None):
+    attr, streaming = _kind(handler)
+    return _FACTORIES[attr](
+        wrap(getattr(handler, attr), streaming),
+        request_deserializer=deserializer or handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def _refuse(code: grpc.StatusCode, message: str) -> Callable:
+    def behavior(request_or_iterator, context):
+        context.abort(code, message)
+
+    return behavior
+
+
+def _guard_parsing(handler, method: str):
+    deserialize = handler.request_deserializer
+    if deserialize is None:
+        return handler
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except Exception as e:  # noqa: BLE001 - any parse failure is the caller's malformed request
+            return _Malformed(e)
+
+    def message(bad: _Malformed) -> str:
+        return f"{method}: malformed request: cannot parse the message ({type(bad.error).__name__})"
+
+    def wrap(behavior: Callable, streaming: bool) -> Callable:
+        if not streaming:
+            def unary(request, context):
+                if isinstance(request, _Malformed):
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, message(request))
+                return behavior(request, context)
+            return unary
+
+        def checked(requests: Iterator, context) -> Iterator:
+            for request in requests:
+                if isinstance(request, _Malformed):
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, message(request))
+                yield request
+
+        def stream(requests, context):
+            return behavior(checked(requests, context), context)
+        return stream
+
+    return _replace(handler, wrap, deserializer=parse)
 
 
 class ServiceServer:
@@ -26,18 +200,29 @@ class ServiceServer:
         s = ServiceServer("control", host, port)
         control_pb2_grpc.add_ControlServiceServicer_to_server(servicer, s.server)
         s.start(["surge.v1.ControlService"])
+
+    TLS and the bearer token follow the SURGE_TLS_* and SURGE_AUTH_TOKEN variables (see
+    the module docstring).
+
+    Raises:
+        PortInUse: the port cannot be bound.
+        TlsConfigError: the TLS variables are incomplete or unreadable.
     """
 
     def __init__(self, name: str, host: str, port: int, max_workers: int = 32):
         self.name = name
+        credentials = server_credentials()
+        self.tls = credentials is not None
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name),
             options=GRPC_OPTIONS,
+            interceptors=[_Guard(os.environ.get(AUTH_TOKEN_ENV) or None)],
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         try:
-            bound = self.server.add_insecure_port(f"{host}:{port}")
+            address = f"{host}:{port}"
+            bound = self.server.add_secure_port(address, credentials) if credentials else self.server.add_insecure_port(address)
         except RuntimeError:
             bound = 0
         if not bound:
@@ -56,5 +241,90 @@ class ServiceServer:
         self.server.stop(grace).wait()
 
 
-def channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=GRPC_OPTIONS)
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds ``authorization: Bearer <token>`` to every call (works on plaintext channels too,
+    where gRPC refuses call credentials)."""
+
+    def __init__(self, token: str):
+        self._header = ("authorization", f"Bearer {token}")
+
+    def _details(self, details):
+        metadata = [*(details.metadata or ()), self._header]
+        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
+                            getattr(details, "wait_for_ready", None), getattr(details, "compression", None))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):
+        self.method, self.timeout, self.metadata = method, timeout, metadata
+        self.credentials, self.wait_for_ready, self.compression = credentials, wait_for_ready, compression
+
+
+class _Channel(grpc.Channel):
+    """An intercepted channel that still closes and works as a context manager."""
+
+    def __init__(self, raw: grpc.Channel, intercepted: grpc.Channel):
+        self._raw, self._ch = raw, intercepted
+
+    def subscribe(self, callback, try_to_connect=False):
+        self._ch.subscribe(callback, try_to_connect)
+
+    def unsubscribe(self, callback):
+        self._ch.unsubscribe(callback)
+
+    def unary_unary(self, method, *args, **kwargs):
+        return self._ch.unary_unary(method, *args, **kwargs)
+
+    def unary_stream(self, method, *args, **kwargs):
+        return self._ch.unary_stream(method, *args, **kwargs)
+
+    def stream_unary(self, method, *args, **kwargs):
+        return self._ch.stream_unary(method, *args, **kwargs)
+
+    def stream_stream(self, method, *args, **kwargs):
+        return self._ch.stream_stream(method, *args, **kwargs)
+
+    def close(self):
+        self._raw.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def channel(address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+    """The client channel every Surge caller uses: TLS when SURGE_TLS_CA is set, the bearer
+    token when SURGE_AUTH_TOKEN is set, Surge's message size limits plus ``options``.
+
+    Raises:
+        TlsConfigError: a SURGE_TLS_* file cannot be read.
+    """
+    opts = [*GRPC_OPTIONS, *options]
+    server_name = os.environ.get(TLS_SERVER_NAME_ENV)
+    credentials = channel_credentials()
+    if credentials is not None:
+        if server_name:
+            opts.append(("grpc.ssl_target_name_override", server_name))
+        raw = grpc.secure_channel(address, credentials, options=opts)
+    else:
+        raw = grpc.insecure_channel(address, options=opts)
+    token = os.environ.get(AUTH_TOKEN_ENV)
+    if not token:
+        return raw
+    return _Channel(raw, grpc.intercept_channel(raw, _BearerToken(token)))

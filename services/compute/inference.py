@@ -2,18 +2,23 @@
 
 Checkpoints are torch.distributed.checkpoint (DCP) directories written by the ranks; the
 model's weights are the ``model.*`` keys (see ``services/worker/store_client.py``). Loading
-never unpickles arbitrary objects: :class:`SafeLoadPlanner` reads DCP's non-tensor entries
-with ``torch.load(weights_only=True)`` (plain numbers, strings, lists, dicts only).
+never unpickles arbitrary objects: tensors are read with ``torch.load(weights_only=True)``
+(DCP's own reader), :class:`SafeLoadPlanner` reads DCP's non-tensor entries the same way
+(plain numbers, strings, lists, dicts only), and :class:`SafeFileSystemReader` reads the
+``.metadata`` index (a pickle) with an unpickler that knows only DCP's metadata classes.
 """
 
 from __future__ import annotations
 
 import io
+import pathlib
+import pickle
 import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.planner import ReadItem
@@ -33,6 +38,56 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+# What a DCP ``.metadata`` pickle may name (torch 2.x FileSystemWriter): its dataclasses,
+# torch.Size, dtypes and layouts, and the path type of the writer. Nothing that can run code.
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+                 "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_CLASSES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module in ("pathlib", "pathlib._local") and name in ("PosixPath", "PurePosixPath"):
+            return getattr(pathlib, name)
+        raise pickle.UnpicklingError(f"checkpoint .metadata: refusing to load {module}.{name}")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader whose ``.metadata`` is unpickled with an allowlist of DCP's own
+    metadata classes: a tampered index raises ``pickle.UnpicklingError`` instead of running
+    whatever it names."""
+
+    def read_metadata(self, *args, **kwargs):
+        rank = kwargs.get("rank")
+        path = self._get_metadata_path(rank)
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def safe_load(state: dict, path: str, **kwargs) -> None:
+    """``dcp.load`` of the checkpoint at ``path`` into ``state`` (tensors, Stateful objects)
+    without unpickling anything but plain data and DCP's metadata classes."""
+    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), **kwargs)
+
+
 def load_model_for_inference(checkpoint_path: str, spec: JobSpec) -> nn.Module:
     """A model built from ``spec.model`` with the weights of the DCP checkpoint at
     ``checkpoint_path``, on the CPU, in eval mode.
@@ -45,7 +100,7 @@ def load_model_for_inference(checkpoint_path: str, spec: JobSpec) -> nn.Module:
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # "assuming single process": yes, that is the intent
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=checkpoint_path, planner=SafeLoadPlanner(), no_dist=True)
+        safe_load(state, checkpoint_path, no_dist=True)
     model.load_state_dict(state["model"])
     return model.eval()
 
@@ -73,7 +128,8 @@ def generate_text(
     model = load_model_for_inference(checkpoint_path, spec)
     prompt_ids = torch.tensor(encode(prompt) or [0], dtype=torch.int64)
     out = generate(
-        model, prompt_ids, max_new_tokens, temperature, top_k, generator=torch.Generator().manual_seed(seed)
+        model, prompt_ids, max_new_tokens, temperature, top_k,
+        generator=torch.Generator().manual_seed(seed), context_len=spec.data.seq_len,
     )
     return decode(out.tolist())
 

@@ -206,12 +206,15 @@ def generate(
     temperature: float = 1.0,
     top_k: int = 0,
     generator: torch.Generator | None = None,
+    context_len: int = 0,
 ) -> torch.Tensor:
     """Continue ``prompt_ids`` (int64 [T] or [B, T]) by ``max_new_tokens`` tokens.
 
     ``temperature == 0`` or ``top_k == 1`` is greedy decoding; otherwise tokens are drawn
     from softmax(logits / temperature) restricted to the ``top_k`` most likely (0: all).
-    No KV cache: each new token re-runs the whole context (fine for tiny models).
+    No KV cache: each new token re-runs the context, cropped to the last ``context_len``
+    tokens (0: no crop; pass the training seq_len so the model never sees positions it was
+    not trained on and the cost per token stays bounded).
 
     Returns the prompt plus the new tokens, same rank as ``prompt_ids``.
     Raises ValueError for an empty prompt or negative arguments.
@@ -226,7 +229,8 @@ def generate(
     model.eval()
     try:
         for _ in range(max_new_tokens):
-            logits_BV = model(idx_BT)[:, -1, :].float()
+            window_BT = idx_BT[:, -context_len:] if context_len > 0 else idx_BT
+            logits_BV = model(window_BT)[:, -1, :].float()
             if temperature == 0 or top_k == 1:
                 next_B1 = logits_BV.argmax(dim=-1, keepdim=True)
             else:

@@ -33,7 +33,16 @@ from prometheus_client import REGISTRY, start_http_server
 
 from services.common import logs, paths
 from services.common.grpc_server import PortInUse, ServiceServer
-from services.contract import Module, audit_pb2, audit_pb2_grpc, control_pb2, control_pb2_grpc, engine_pb2, store_pb2
+from services.contract import (
+    Module,
+    audit_pb2,
+    audit_pb2_grpc,
+    control_pb2,
+    control_pb2_grpc,
+    engine_pb2,
+    store_pb2,
+    worker_pb2,
+)
 from services.contract.audit import AuditServicer, ViolationReporter
 from services.contract.bus import Bus, RouteError
 from services.contract.validation import ContractError, refuse, validate_table, validate_wiring
@@ -93,7 +102,10 @@ def build(
         control_host=host,
     )
     detector = FaultDetector(emit=bus.emitter(M.L1_FAULT_DETECTOR), rules=fault_rules)
-    recovery = RecoveryController(checkpoints=bus.port(M.L1_RECOVERY_CONTROLLER, M.L5_CHECKPOINT_MANAGER))
+    recovery = RecoveryController(
+        checkpoints=bus.port(M.L1_RECOVERY_CONTROLLER, M.L5_CHECKPOINT_MANAGER),
+        resources=bus.port(M.L1_RECOVERY_CONTROLLER, M.L1_RESOURCE_ALLOCATOR),
+    )
     sessions = SessionHub(
         hardware=bus.emitter(M.EXT_HARDWARE),
         loop=bus.emitter(M.L2_TRAINING_LOOP),
@@ -115,11 +127,13 @@ def build(
     bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.MemoryPressure, allocator.on_memory_pressure)
     bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.AllocateResources, allocator.allocate_resources)
     bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.ReleaseResources, allocator.release_resources)
+    bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.RebuildCommunicator, allocator.rebuild_communicator)
     bus.subscribe(M.L1_RECOVERY_CONTROLLER, control_pb2.StartRecovery, recovery.start_recovery)
 
     orchestrator = Orchestrator(
         allocator=bus.port(M.L1_ORCHESTRATOR, M.L1_RESOURCE_ALLOCATOR),
         faults=bus.port(M.L1_ORCHESTRATOR, M.L1_FAULT_DETECTOR),
+        recovery=bus.port(M.L1_ORCHESTRATOR, M.L1_RECOVERY_CONTROLLER),
         loop=bus.port(M.L1_ORCHESTRATOR, M.L2_TRAINING_LOOP),
         emit=bus.emitter(M.L1_ORCHESTRATOR),
         journal=journal,
@@ -149,6 +163,8 @@ def build(
         bus.subscribe(M.L1_ORCHESTRATOR, msg_type, handler)
 
     bus.subscribe(M.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring, detector.start_fault_monitoring)
+    bus.subscribe(M.L1_FAULT_DETECTOR, control_pb2.ResetFaultLedger, detector.reset_fault_ledger)
+    bus.subscribe(M.L1_FAULT_DETECTOR, worker_pb2.RankHeartbeat, detector.on_rank_heartbeat)
     bus.subscribe(M.L1_FAULT_DETECTOR, control_pb2.RankExited, detector.on_rank_exited)
     bus.subscribe(M.L1_FAULT_DETECTOR, engine_pb2.TrainingLoopFailed, detector.on_training_loop_failed)
     bus.subscribe(M.L1_FAULT_DETECTOR, audit_pb2.BoundaryViolationReported, detector.on_boundary_violation_reported)

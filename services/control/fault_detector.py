@@ -1,38 +1,64 @@
-"""L1-3 fault detector: collects fault events, grades them, reports to the orchestrator.
+"""L1-3 fault detector: grades fault events, keeps each rank's liveness deadlines, reports.
 
 Seed 000 L1-3: it only listens, grades (minor / medium / severe / fatal) and reports; it
 never decides whether to stop or recover, never retries, never touches another module.
 Its grading table is pushed once at construction (the seed's 故障分级规则台账) and frozen.
 
-Inputs: ``StartFaultMonitoring`` (from L1-1), ``RankExited`` (from the node agent, via the
-session relay), ``TrainingLoopFailed`` (from L2-1, via the relay), ``BoundaryViolationReported``
-(from the contract layer of any process: a send the route table refused).
+Inputs: ``StartFaultMonitoring`` and ``ResetFaultLedger`` (from L1-1), ``RankHeartbeat`` and
+``RankExited`` (from the node agent, via the session relay), ``TrainingLoopFailed`` (from
+L2-1, via the relay), ``BoundaryViolationReported`` (from the contract layer of any process).
 Output: ``FaultReport`` (to L1-1), its only event.
 
-Every input is an event it is handed; it grades it on the delivering thread, at once. It
-keeps no clock on anyone (no heartbeat, no timer): a dead rank's closed stream is the event.
+What it knows arrives as events; the one clock it keeps is a deadline per rank (DESIGN.md
+law 4: a layer silent past its deadline is judged faulty by the layer above):
+
+* silence: a rank's heartbeat re-arms a one-shot timer of ``heartbeat_timeout_seconds``;
+  if it fires, the rank is ``rank_silent`` (e.g. SIGSTOP, a hung host);
+* stall: while the rank says it is stepping, a heartbeat that shows a new step re-arms a
+  timer of max(``stall_min_seconds``, ``stall_step_factor`` x the job's median step time);
+  if it fires, the rank is ``rank_stalled`` (alive, beating, no progress: e.g. blocked in a
+  collective whose peer hangs).
+
+Both are armed only inside the heartbeat's handler and cancelled by the rank's exit; the
+timer thread sleeps until its deadline, nothing wakes to look (no polling).
+
+Attribution ("the survivor is not blamed"): when a rank dies, its peers fail soon after in
+the collective they shared (``comm_error``), and either report may reach control first. A
+``comm_error`` is therefore held for ``attribution_seconds``: a fault of another rank that
+arrives meanwhile is reported first, as the incident's cause, and the held reports follow
+it. Which reports are consequences of the incident, and what to do, is the orchestrator's.
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from services.contract import Module, audit_pb2, control_pb2, engine_pb2
+import structlog
+
+from services.contract import Module, audit_pb2, control_pb2, engine_pb2, worker_pb2
 from services.contract.bus import Emitter
 
 G = control_pb2.FaultGrade
+_log = structlog.get_logger("fault_detector")
 
 # Fault classes this detector names itself (TrainingLoopFailed brings its own class).
 RANK_EXIT = "rank_exit"              # a rank process ended with a non-zero code or a signal
 RANK_EXIT_CLEAN = "rank_exit_clean"  # exit code 0: normal after the loop finished, early otherwise
+RANK_RELEASED = "rank_released"      # ended after control released it: an exit control asked for
+RANK_SILENT = "rank_silent"          # no heartbeat within the deadline
+RANK_STALLED = "rank_stalled"        # heartbeats, but no step progress within the deadline
 WORKER_LOST = "worker_lost"          # the node agent's session closed under the rank
 LOOP_FAILURE = "loop_failure"        # default for a TrainingLoopFailed class not in the table
 BOUNDARY_VIOLATION = "boundary_violation"  # a send the route table refused (a module or wiring bug)
+COMM_ERROR = "comm_error"            # a collective failed: usually a peer's fault, see attribution
+PORT_IN_USE = "port_in_use"          # the rendezvous port was taken: a fresh port fixes it
 
 # The relay states a lost node agent as a RankExited whose detail starts with this marker
 # (the proto has no WorkerLost event yet; see the control README / report).
@@ -41,16 +67,66 @@ WORKER_LOST_MARKER = WORKER_LOST + ":"
 DEFAULT_RULES: dict[str, int] = {
     RANK_EXIT: G.SEVERE,
     RANK_EXIT_CLEAN: G.MEDIUM,  # the orchestrator knows whether the rank had finished
+    RANK_RELEASED: G.MINOR,
+    RANK_SILENT: G.SEVERE,
+    RANK_STALLED: G.SEVERE,
     WORKER_LOST: G.SEVERE,
     LOOP_FAILURE: G.FATAL,
     # Deterministic: the same code refuses the same send after any restart.
     BOUNDARY_VIOLATION: G.FATAL,
+    PORT_IN_USE: G.MEDIUM,
+    COMM_ERROR: G.SEVERE,
     "data_unavailable": G.FATAL,
+    "data_exhausted": G.FATAL,
     "non_finite_loss": G.FATAL,
+    "overflow_storm": G.FATAL,
     "model_error": G.FATAL,
+    "config_error": G.FATAL,
     "checkpoint_error": G.SEVERE,
-    "comm_error": G.SEVERE,
+    "session_lost": G.SEVERE,
 }
+
+# Deadlines when StartFaultMonitoring leaves one at 0 (seconds; job spec `liveness`).
+DEFAULT_HEARTBEAT_TIMEOUT_S = 3.0
+DEFAULT_STALL_MIN_S = 30.0
+DEFAULT_STALL_STEP_FACTOR = 5.0  # attribution_seconds 0: a comm_error is reported at once
+_STEP_TIMES_KEPT = 64  # recent step durations of a job, for the median
+
+
+@dataclass(eq=False)
+class _RankWatch:
+    """The deadlines of one rank process, and the last facts its heartbeats stated."""
+
+    worker_id: str = ""
+    step: int = -1
+    last_beat_unix: float = 0.0
+    last_progress_unix: float = 0.0
+    silence: threading.Timer | None = None
+    stall: threading.Timer | None = None
+    stalled: bool = False  # declared stalled at ``step``; the next progress re-arms the deadline
+
+    def cancel(self) -> None:
+        for timer in (self.silence, self.stall):
+            if timer is not None:
+                timer.cancel()
+        self.silence = self.stall = None
+
+
+@dataclass(eq=False)
+class _Job:
+    heartbeat_timeout_s: float
+    stall_min_s: float
+    stall_step_factor: float
+    attribution_s: float
+    ranks: dict[int, _RankWatch] = field(default_factory=dict)
+    step_times: deque = field(default_factory=lambda: deque(maxlen=_STEP_TIMES_KEPT))
+    held: list[control_pb2.FaultReport] = field(default_factory=list)  # symptoms awaiting their cause
+    held_timer: threading.Timer | None = None
+    round_faults: int = 0  # faults of the current incident (本轮), cleared by ResetFaultLedger
+
+    def stall_deadline_s(self) -> float:
+        median = statistics.median(self.step_times) if self.step_times else 0.0
+        return max(self.stall_min_s, self.stall_step_factor * median)
 
 
 class FaultDetector:
@@ -74,39 +150,123 @@ class FaultDetector:
         # itself is read-only, so nobody may change the grading at run time.
         self._rules: Mapping[str, int] = MappingProxyType(table)
         self._emit = emit
-        self._lock = threading.Lock()
-        self._monitored: set[str] = set()
-        self._counts: Counter[tuple[str, str]] = Counter()  # (job_id, class) -> faults seen
+        # Re-entrant: a report is published outside it, but timers and handlers share it.
+        self._lock = threading.RLock()
+        self._jobs: dict[str, _Job] = {}
+        self._counts: Counter[tuple[str, str]] = Counter()  # (job_id, class) -> faults seen (累计)
 
     # ------------------------------------------------------------ commands (L1-1)
 
     def start_fault_monitoring(self, msg: control_pb2.StartFaultMonitoring, payload: Any = None) -> None:
-        """开启全域故障监听指令: report faults of ``msg.job_id`` from now on."""
+        """开启全域故障监听指令: report faults of ``msg.job_id`` from now on, with its deadlines."""
         with self._lock:
-            self._monitored.add(msg.job_id)
+            if msg.job_id in self._jobs:
+                return  # once per job: the deadlines were pushed with the first command
+            self._jobs[msg.job_id] = _Job(
+                heartbeat_timeout_s=msg.heartbeat_timeout_seconds or DEFAULT_HEARTBEAT_TIMEOUT_S,
+                stall_min_s=msg.stall_min_seconds or DEFAULT_STALL_MIN_S,
+                stall_step_factor=msg.stall_step_factor or DEFAULT_STALL_STEP_FACTOR,
+                attribution_s=msg.attribution_seconds,
+            )
+
+    def reset_fault_ledger(self, msg: control_pb2.ResetFaultLedger, payload: Any = None) -> None:
+        """重置故障台账指令: the job's incident is over (recovered); the next fault opens a new one."""
+        with self._lock:
+            job = self._jobs.get(msg.job_id)
+            if job is not None:
+                job.round_faults = 0
+
+    # ------------------------------------------------------------ liveness (node agent relay)
+
+    def on_rank_heartbeat(self, msg: worker_pb2.RankHeartbeat, payload: Any = None) -> None:
+        """A rank is alive (at step ``msg.step``): re-arm its silence deadline, and its stall
+        deadline when the step moved on (or the rank just started stepping)."""
+        now = time.time()
+        with self._lock:
+            job = self._jobs.get(msg.job_id)
+            if job is None:
+                return
+            watch = job.ranks.get(msg.rank)
+            if watch is None:
+                watch = job.ranks[msg.rank] = _RankWatch()
+                _log.info("watching rank", job_id=msg.job_id, rank=msg.rank, worker_id=msg.worker_id,
+                          heartbeat_timeout_s=job.heartbeat_timeout_s, stepping=msg.stepping, step=msg.step)
+            watch.worker_id = msg.worker_id or watch.worker_id
+            watch.last_beat_unix = now
+            if watch.silence is not None:
+                watch.silence.cancel()
+            args = (msg.job_id, msg.rank, watch)
+            watch.silence = _started(threading.Timer(job.heartbeat_timeout_s, self._silence_passed, args))
+            progressed = msg.step != watch.step
+            if progressed:
+                if watch.step >= 0 and msg.step_seconds > 0:
+                    job.step_times.append(msg.step_seconds)
+                watch.step = msg.step
+                watch.last_progress_unix = now
+                watch.stalled = False
+            if not msg.stepping:
+                if watch.stall is not None:
+                    watch.stall.cancel()
+                watch.stall = None
+            elif progressed or (watch.stall is None and not watch.stalled):
+                if watch.stall is not None:
+                    watch.stall.cancel()
+                else:
+                    watch.last_progress_unix = now  # stepping starts now: the clock starts now
+                watch.stall = _started(threading.Timer(job.stall_deadline_s(), self._stall_passed, args))
 
     # ------------------------------------------------------------ fault events
 
     def on_rank_exited(self, msg: control_pb2.RankExited, payload: Any = None) -> None:
-        """A rank process ended. Every exit of a monitored job is graded: a code-0 exit is
-        normal once the loop finished, but only the orchestrator knows that."""
+        """A rank process ended: its deadlines end with it. Every exit of a monitored job is
+        graded: a code-0 exit is normal once the loop finished, but only the orchestrator
+        knows that; an exit after a release is one control asked for."""
+        with self._lock:
+            job = self._jobs.get(msg.job_id)
+            watch = job.ranks.pop(msg.rank, None) if job is not None else None
+            if watch is not None:
+                watch.cancel()
         if msg.detail.startswith(WORKER_LOST_MARKER):
             fault_class = WORKER_LOST
             reason = msg.detail[len(WORKER_LOST_MARKER):].strip()
             detail = f"rank {msg.rank} lost with worker {msg.worker_id}: {reason}"
         else:
-            fault_class = RANK_EXIT if msg.exit_code != 0 else RANK_EXIT_CLEAN
+            if msg.released:
+                fault_class = RANK_RELEASED
+            else:
+                fault_class = RANK_EXIT if msg.exit_code != 0 else RANK_EXIT_CLEAN
             how = f"signal {-msg.exit_code}" if msg.exit_code < 0 else f"exit code {msg.exit_code}"
             detail = f"rank {msg.rank} on worker {msg.worker_id} ended ({how})"
             if msg.detail:
                 detail += f": {msg.detail}"
-        self._report(msg.job_id, fault_class, Module.EXT_HARDWARE, msg.rank, detail)
+        step = watch.step if watch is not None and watch.step >= 0 else 0
+        self._report(
+            msg.job_id, fault_class, Module.EXT_HARDWARE, msg.rank, detail,
+            occurred=msg.unix_time, worker_id=msg.worker_id, step=step,
+        )
 
     def on_training_loop_failed(self, msg: engine_pb2.TrainingLoopFailed, payload: Any = None) -> None:
-        """A rank's training loop stopped on an error it reported itself."""
+        """A rank's training loop stopped on an error it reported itself. A communication
+        error is held for the job's attribution window: its cause may still be on its way."""
         fault_class = msg.fault_class or LOOP_FAILURE
+        text = msg.detail.lower()
+        if fault_class == COMM_ERROR and ("address already in use" in text or "eaddrinuse" in text):
+            fault_class = PORT_IN_USE
         detail = f"rank {msg.rank} failed at step {msg.step}: {msg.detail}"  # the class is in the report
-        self._report(msg.job_id, fault_class, Module.L2_TRAINING_LOOP, msg.rank, detail)
+        report = self._graded(msg.job_id, fault_class, Module.L2_TRAINING_LOOP, msg.rank, detail, step=msg.step)
+        if report is None:
+            return
+        with self._lock:
+            job = self._jobs[msg.job_id]
+            symptom = fault_class == COMM_ERROR and job.attribution_s > 0
+            if symptom or (job.held and self._held_rank(job, msg.rank)):
+                if not job.held:  # the window opens with the first symptom and does not move
+                    if job.held_timer is not None:
+                        job.held_timer.cancel()
+                    job.held_timer = _started(threading.Timer(job.attribution_s, self._release_held, (msg.job_id,)))
+                job.held.append(report)
+                return
+        self._publish_cause(msg.job_id, report)
 
     def on_boundary_violation_reported(self, msg: audit_pb2.BoundaryViolationReported, payload: Any = None) -> None:
         """A process's contract layer refused a send. Graded for the job of the process
@@ -118,25 +278,103 @@ class FaultDetector:
             detail += f" ({msg.detail})"
         self._report(msg.job_id, BOUNDARY_VIOLATION, msg.sender, msg.rank, detail)
 
+    # ------------------------------------------------------------ deadlines (timer threads)
+
+    def _silence_passed(self, job_id: str, rank: int, watch: _RankWatch) -> None:
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None or job.ranks.get(rank) is not watch:
+                return  # the rank exited (or a new process of it beats) meanwhile
+            del job.ranks[rank]  # declared once; a new heartbeat starts a new watch
+            watch.cancel()
+            timeout = job.heartbeat_timeout_s
+        silent_for = time.time() - watch.last_beat_unix
+        self._report(
+            job_id, RANK_SILENT, Module.EXT_HARDWARE, rank,
+            f"rank {rank} on worker {watch.worker_id} sent no heartbeat for {silent_for:.1f} s "
+            f"(deadline {timeout:g} s) after step {max(watch.step, 0)}",
+            occurred=watch.last_beat_unix, worker_id=watch.worker_id, step=max(watch.step, 0),
+        )
+
+    def _stall_passed(self, job_id: str, rank: int, watch: _RankWatch) -> None:
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None or job.ranks.get(rank) is not watch or watch.stall is None:
+                return
+            watch.stall, watch.stalled = None, True  # declared once; the next progress re-arms it
+            deadline = job.stall_deadline_s()
+        stalled_for = time.time() - watch.last_progress_unix
+        self._report(
+            job_id, RANK_STALLED, Module.EXT_HARDWARE, rank,
+            f"rank {rank} on worker {watch.worker_id} is alive but made no step progress for {stalled_for:.1f} s "
+            f"(deadline {deadline:.1f} s) after step {max(watch.step, 0)}",
+            occurred=watch.last_progress_unix, worker_id=watch.worker_id, step=max(watch.step, 0),
+        )
+
+    def _release_held(self, job_id: str) -> None:
+        """The attribution window closed with no cause from another rank: the first held
+        symptom is the cause after all, and the rest follow it."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None:
+                return
+            held, job.held, job.held_timer = job.held, [], None
+        for report in held:
+            self._emit(report)
+
     # ------------------------------------------------------------ private
+
+    @staticmethod
+    def _held_rank(job: _Job, rank: int) -> bool:
+        return any(r.rank == rank for r in job.held)
 
     def _grade(self, fault_class: str) -> int:
         return self._rules.get(fault_class, self._rules[LOOP_FAILURE])
 
-    def _report(self, job_id: str, fault_class: str, source: int, rank: int, detail: str) -> None:
+    def _graded(
+        self, job_id: str, fault_class: str, source: int, rank: int, detail: str, *,
+        occurred: float = 0.0, worker_id: str = "", step: int = 0,
+    ) -> control_pb2.FaultReport | None:
+        now = time.time()
         with self._lock:
-            if job_id not in self._monitored:
-                return  # not a job this control started (e.g. ranks from a previous run)
+            job = self._jobs.get(job_id)
+            if job is None:
+                return None  # not a job this control started (e.g. ranks from a previous run)
             self._counts[(job_id, fault_class)] += 1
-        # Published outside the lock: the orchestrator may command this module back.
-        self._emit(
-            control_pb2.FaultReport(
-                job_id=job_id,
-                grade=self._grade(fault_class),
-                fault_class=fault_class,
-                source=source,
-                rank=rank,
-                detail=detail,
-                detected_unix=time.time(),
-            )
+            job.round_faults += 1
+            if not worker_id and rank in job.ranks:
+                worker_id = job.ranks[rank].worker_id
+        return control_pb2.FaultReport(
+            job_id=job_id, grade=self._grade(fault_class), fault_class=fault_class, source=source, rank=rank,
+            detail=detail, detected_unix=now, occurred_unix=occurred or now, worker_id=worker_id, step=step,
         )
+
+    def _report(self, job_id: str, fault_class: str, source: int, rank: int, detail: str, **known: Any) -> None:
+        report = self._graded(job_id, fault_class, source, rank, detail, **known)
+        if report is None:
+            return
+        with self._lock:
+            job = self._jobs[job_id]
+            if job.held and self._held_rank(job, rank):
+                job.held.append(report)  # the held rank's own exit follows its symptom
+                return
+        self._publish_cause(job_id, report)
+
+    def _publish_cause(self, job_id: str, report: control_pb2.FaultReport) -> None:
+        """Publish ``report``, then whatever symptoms were waiting for a cause: it is theirs.
+        Published outside the lock: the orchestrator may command this module back."""
+        with self._lock:
+            job = self._jobs[job_id]
+            held, job.held = job.held, []
+            if job.held_timer is not None:
+                job.held_timer.cancel()
+                job.held_timer = None
+        self._emit(report)
+        for symptom in held:
+            self._emit(symptom)
+
+
+def _started(timer: threading.Timer) -> threading.Timer:
+    timer.daemon = True  # a deadline never keeps the process alive
+    timer.start()
+    return timer

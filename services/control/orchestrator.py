@@ -6,19 +6,31 @@ snapshots. It never touches tensors, data or devices, and never polls: everythin
 arrives as an event (rank events relayed from the node agents, fault reports, replies).
 
     STANDBY -> WARMING_UP -> RUNNING <-> PAUSED
-    any non-terminal -> FAULT_FROZEN (a fault it cannot act on) -> TERMINATED
+    any non-terminal -> FAULT_FROZEN (recovering, or control restarted) -> RUNNING | TERMINATED
     any non-terminal -> TERMINATED  (outcome FINISHED | STOPPED | FAILED)
 
 Pause and stop name a step boundary (``at_step`` = latest reported step + 2) so that every
 rank stops at the same step and no rank waits in a collective for a paused peer.
 
+Faults: a graded ``FaultReport`` opens an incident and gets one decision, by the job
+spec's ``fault_policy`` (class first, then grade): ignore (record and count), stop (FAILED),
+or a relaunch -- restart_ranks (from the newest checkpoint, or from scratch), rollback (the
+newest checkpoint not after the faulting step that verifies), exclude_node (restart_ranks
+without the worker the fault came from). A relaunch spends one restart of the fault class's
+budget (exhausted: FAILED); the job is FAULT_FROZEN while the recovery controller kills the
+ranks, rebuilds the group on a fresh port and relaunches them to load the version named
+here, and RUNNING again once every rank has restored. While it recovers, reports from ranks
+of the failed generation (a survivor's collective error, its exit, the kills) are recorded
+as consequences of the incident, not decided on again: the incident is named after the
+rank that failed first. Every decision is a "decision" event with its reason.
+
 Inputs: the operator's commands (SubmitJobRequest, JobQuery, Pause/Resume/StopJobRequest),
 TrainingLoopStarted / StepCompleted / EvalCompleted / TrainingLoopPaused /
 TrainingLoopFinished / TrainingLoopFailed (L2-1 via the relay), SaveCompleted (L5-1 via the
 relay), FaultReport (L1-3), ResourcePressure (L1-2, observed and recorded).
-Outputs: AllocateResources / ReleaseResources (L1-2), StartFaultMonitoring (L1-3),
-Start/Pause/Resume/StopTraining (L2-1 of the job's ranks, via the session relay),
-JobStatus / JobList / JobEvent (the operator).
+Outputs: AllocateResources / ReleaseResources (L1-2), StartFaultMonitoring / ResetFaultLedger
+(L1-3), StartRecovery (L1-4), Start/Pause/Resume/StopTraining (L2-1 of the job's ranks, via
+the session relay), JobStatus / JobList / JobEvent (the operator).
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import math
 import secrets
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +48,8 @@ import structlog
 from services.contract import Module, control_pb2, engine_pb2, store_pb2
 from services.contract.bus import CommandPort, Emitter, Reply
 from services.control.job_store import JobStore
+from services.control.metrics import ControlMetrics
+from services.control.monitoring import start_monitoring
 from services.jobspec import JobSpec, parse_job_spec, spec_from_json, spec_to_json
 
 S = control_pb2.JobState
@@ -52,9 +67,13 @@ _ALLOWED: dict[int, frozenset[int]] = {
     S.WARMING_UP: frozenset({S.RUNNING, S.FAULT_FROZEN, S.TERMINATED}),
     S.RUNNING: frozenset({S.PAUSED, S.FAULT_FROZEN, S.TERMINATED}),
     S.PAUSED: frozenset({S.RUNNING, S.FAULT_FROZEN, S.TERMINATED}),
-    S.FAULT_FROZEN: frozenset({S.TERMINATED}),
+    S.FAULT_FROZEN: frozenset({S.RUNNING, S.TERMINATED}),
     S.TERMINATED: frozenset(),
 }
+
+# Fault classes that state a rank process ended (FaultReport.fault_class, see the detector).
+_EXITS = frozenset({"rank_exit", "rank_exit_clean", "rank_released", "worker_lost"})
+_RELAUNCHES = frozenset({"restart_ranks", "rollback", "exclude_node"})
 
 _log = structlog.get_logger("orchestrator")
 
@@ -72,6 +91,19 @@ class InsufficientResources(IllegalTransition):
 
 
 @dataclass
+class _Incident:
+    """A fault being recovered from: its cause, and the ranks of failed generations whose
+    exit has not been seen yet (rank -> exits still to come)."""
+
+    cause: control_pb2.FaultReport
+    fault_class: str
+    action: str
+    decided: float  # time.monotonic() of the decision
+    dying: Counter[int] = field(default_factory=Counter)
+    version: str = ""
+
+
+@dataclass
 class _Job:
     status: control_pb2.JobStatus
     spec: JobSpec
@@ -83,6 +115,13 @@ class _Job:
     pending_at: int = 0
     running_since: float = 0.0                            # unix time RUNNING was first entered
     last_persist: float = 0.0
+    exited: set[int] = field(default_factory=set)         # ranks of this generation seen ended
+    incident: _Incident | None = None                     # the recovery in progress
+    recovered: _Incident | None = None                    # recovered, awaiting its first step
+    restarts: Counter[str] = field(default_factory=Counter)  # fault class -> relaunches spent
+    ignored: Counter[str] = field(default_factory=Counter)   # fault class -> faults ignored
+    versions: list[tuple[int, str]] = field(default_factory=list)  # (step, version) committed
+    unusable: set[str] = field(default_factory=set)       # versions that failed verification
 
 
 class Orchestrator:
@@ -90,7 +129,8 @@ class Orchestrator:
 
     Args:
         allocator: command port to L1-2 (AllocateResources, ReleaseResources).
-        faults: command port to L1-3 (StartFaultMonitoring).
+        faults: command port to L1-3 (StartFaultMonitoring, ResetFaultLedger).
+        recovery: command port to L1-4 (StartRecovery).
         loop: command port to the job's L2-1 loops through the session relay, which
             knows the node agents that launched the job's ranks.
         emit: publishes JobEvent to the operator side.
@@ -98,6 +138,7 @@ class Orchestrator:
         data_address, store_address: pushed to the ranks in InitJob (host:port).
         persist_interval_s: step progress is journaled at most this often (seconds);
             state changes are always journaled at once.
+        metrics: where fault counts, detection latency and recovery time are observed.
     """
 
     def __init__(
@@ -105,14 +146,18 @@ class Orchestrator:
         *,
         allocator: CommandPort,
         faults: CommandPort,
+        recovery: CommandPort,
         loop: CommandPort,
         emit: Emitter,
         journal: JobStore,
         data_address: str,
         store_address: str,
         persist_interval_s: float = 1.0,
+        metrics: ControlMetrics | None = None,
     ):
         self._allocator, self._faults, self._loop, self._emit = allocator, faults, loop, emit
+        self._recovery = recovery
+        self._metrics = metrics or ControlMetrics()
         self._journal = journal
         self._data_address, self._store_address = data_address, store_address
         self._persist_interval_s = persist_interval_s
@@ -139,7 +184,7 @@ class Orchestrator:
             )
             # Monitoring starts before the ranks launch, so a rank that dies at once is
             # still reported; a job whose allocation fails simply never produces faults.
-            self._faults(control_pb2.StartFaultMonitoring(job_id=job_id))
+            self._faults(start_monitoring(job_id, spec))
             reply = self._allocator(
                 control_pb2.AllocateResources(
                     job_id=job_id, world_size=spec.parallel.dp, backend=spec.parallel.backend, init=init
@@ -242,7 +287,8 @@ class Orchestrator:
                 outcome = O.Name(job.status.outcome)
                 raise IllegalTransition(f"job {job.status.job_id} is already TERMINATED ({outcome})")
             if state in (S.FAULT_FROZEN, S.STANDBY):
-                self._terminate(job, O.STOPPED, "stopped by the operator; its ranks were gone", kill=True)
+                why = "its ranks were being recovered" if job.incident else "its ranks were gone"
+                self._terminate(job, O.STOPPED, f"stopped by the operator; {why}", kill=True)
                 return self._snapshot(job)
             if job.pending == "stop":
                 return self._snapshot(job)
@@ -256,11 +302,14 @@ class Orchestrator:
     # ------------------------------------------------------------ rank events (L2-1, L5-1)
 
     def on_training_loop_started(self, msg: engine_pb2.TrainingLoopStarted, payload: Any = None) -> None:
-        """A rank is initialised and waits for StartTraining; when all have, start them all."""
+        """A rank is initialised (restored, after a recovery) and waits for StartTraining;
+        when all have, start them all."""
         with self._lock:
-            job = self._live(msg.job_id, (S.WARMING_UP,), msg)
+            job = self._live(msg.job_id, (S.WARMING_UP, S.FAULT_FROZEN), msg)
             if job is None:
                 return
+            if job.status.state == S.FAULT_FROZEN and job.incident is None:
+                return  # frozen by a control restart: these ranks are not known here
             job.started.add(msg.rank)
             self._record(
                 job,
@@ -273,8 +322,23 @@ class Orchestrator:
                 return
             job.status.step = msg.start_step
             self._loop(engine_pb2.StartTraining(job_id=msg.job_id))
-            job.running_since = time.time()
-            self._transition(job, S.RUNNING, ORCH, f"all {job.status.world_size} ranks ready; training started")
+            incident = job.incident
+            if incident is None:
+                job.running_since = time.time()
+                self._transition(job, S.RUNNING, ORCH, f"all {job.status.world_size} ranks ready; training started")
+                return
+            # Recovered. The failed generation's last events came before these ranks' own on
+            # every worker that runs one, so the incident is over here.
+            job.incident, job.recovered = None, incident
+            job.running_since = job.running_since or time.time()  # (a fault while warming up)
+            self._faults(control_pb2.ResetFaultLedger(job_id=msg.job_id))
+            source = f"checkpoint {incident.version}" if incident.version else "scratch"
+            self._transition(
+                job, S.RUNNING, ORCH,
+                f"recovered from {incident.fault_class} of rank {incident.cause.rank}: all {job.status.world_size} "
+                f"ranks restored from {source} at step {msg.start_step} "
+                f"{time.monotonic() - incident.decided:.1f} s after the decision; training resumed",
+            )
 
     def on_step_completed(self, msg: engine_pb2.StepCompleted, payload: Any = None) -> None:
         """Rank 0's step summary (global loss, all-rank tokens) updates the status; it is
@@ -288,6 +352,16 @@ class Orchestrator:
             s = job.status
             s.step, s.train_loss, s.tokens_per_second = msg.step, msg.loss, msg.tokens_per_second
             s.tokens_seen += msg.tokens
+            if job.recovered is not None:
+                incident, job.recovered = job.recovered, None
+                seconds = time.monotonic() - incident.decided
+                self._metrics.recovered(incident.fault_class, seconds)
+                self._record(
+                    job, ORCH, "recovery",
+                    f"first step after the recovery from {incident.fault_class} of rank {incident.cause.rank}: "
+                    f"step {msg.step}, {seconds:.1f} s after the decision "
+                    f"({time.time() - incident.cause.occurred_unix:.1f} s after the fault)",
+                )
             if time.monotonic() - job.last_persist >= self._persist_interval_s:
                 self._record(
                     job,
@@ -308,10 +382,13 @@ class Orchestrator:
 
     def on_save_completed(self, msg: store_pb2.SaveCompleted, payload: Any = None) -> None:
         with self._lock:
-            job = self._live(msg.job_id, (S.RUNNING, S.PAUSED, S.WARMING_UP), msg)
-            if job is None or job.status.checkpoint_version == msg.version:
+            # FAULT_FROZEN too: a commit that completed while its ranks were being killed is a
+            # verified version all the same.
+            job = self._live(msg.job_id, (S.RUNNING, S.PAUSED, S.WARMING_UP, S.FAULT_FROZEN), msg)
+            if job is None or any(v == msg.version for _, v in job.versions):
                 return  # every rank relays the same commit; record it once
             job.status.checkpoint_version = msg.version
+            job.versions.append((msg.step, msg.version))
             self._record(
                 job,
                 Module.L5_CHECKPOINT_MANAGER,
@@ -360,19 +437,128 @@ class Orchestrator:
     # ------------------------------------------------------------ fault reports (L1-3)
 
     def on_fault_report(self, msg: control_pb2.FaultReport, payload: Any = None) -> None:
-        """Decide on a graded fault. SEVERE / FATAL: the job fails (recovery with restarts
-        is a later issue). A clean exit of a rank that never reported finishing is a lost
-        rank too. Anything else is recorded."""
+        """Decide on a graded fault, once per incident, by the job's fault policy.
+
+        A report from a rank of a generation being recovered from is a consequence of the
+        incident: recorded, not decided on. An exit control asked for (``rank_released``)
+        or the clean exit of a rank that had finished needs no decision. A clean exit of a
+        rank that never finished is a lost rank (decided as ``rank_exit``).
+        """
+        received = time.time()
         with self._lock:
             job = self._jobs.get(msg.job_id)
             if job is None or job.status.state == S.TERMINATED:
                 return  # e.g. ranks exiting after the job ended: expected, nothing to decide
-            grade = G.Name(msg.grade)
-            text = f"{grade} {msg.fault_class}: {msg.detail}"
-            early_exit = msg.fault_class == "rank_exit_clean" and msg.rank not in job.finished
+            self._metrics.fault_reported(msg, received)
+            text = f"{G.Name(msg.grade)} {msg.fault_class}: {msg.detail}"
+            ended = msg.fault_class in _EXITS
+            incident = job.incident
+            if incident is not None and incident.dying[msg.rank] > 0:
+                if ended:
+                    incident.dying[msg.rank] -= 1
+                cause = incident.cause
+                self._record(job, Module.L1_FAULT_DETECTOR, "fault",
+                             f"{text} (consequence of rank {cause.rank}'s {cause.fault_class})")
+                return
             self._record(job, Module.L1_FAULT_DETECTOR, "fault", text)
-            if msg.grade >= G.SEVERE or early_exit:
+            if ended:
+                job.exited.add(msg.rank)
+            if msg.fault_class == "rank_released" or (msg.fault_class == "rank_exit_clean" and msg.rank in job.finished):
+                return
+            fault_class = "rank_exit" if msg.fault_class == "rank_exit_clean" else msg.fault_class
+            self._decide(job, msg, fault_class, text)
+
+    # ------------------------------------------------------------ fault decisions
+
+    def _decide(self, job: _Job, msg: control_pb2.FaultReport, fault_class: str, text: str) -> None:
+        policy = job.spec.fault_policy
+        action = policy.action_for(fault_class, G.Name(msg.grade))
+        who = f"{fault_class} of rank {msg.rank}" + (f" on {msg.worker_id}" if msg.worker_id else "")
+        if action == "ignore":
+            job.ignored[fault_class] += 1
+            self._metrics.decided(fault_class, action)
+            self._record(job, ORCH, "decision",
+                         f"ignore {who}: fault policy; {job.ignored[fault_class]} ignored so far")
+            return
+        if action == "stop" or job.pending == "stop":
+            self._metrics.decided(fault_class, "stop")
+            if job.pending == "stop":
+                self._record(job, ORCH, "decision", f"stop after {who}: a stop was already requested")
+                self._terminate(job, O.STOPPED, f"stopped by the operator; then {text}", kill=True)
+            else:
+                self._record(job, ORCH, "decision", f"stop after {who}: fault policy")
                 self._terminate(job, O.FAILED, text, kill=True)
+            return
+        assert action in _RELAUNCHES, action
+        spent, budget = job.restarts[fault_class], policy.budget_for(fault_class)
+        if spent >= budget:
+            self._metrics.decided(fault_class, "budget_exhausted")
+            why = f"restart budget for {fault_class} exhausted ({spent} of {budget} used)"
+            self._record(job, ORCH, "decision", f"stop after {who}: {why}")
+            self._terminate(job, O.FAILED, f"{why}; last fault: {text}", kill=True)
+            return
+        job.restarts[fault_class] += 1
+        self._metrics.decided(fault_class, action)
+        previous = job.incident
+        incident = _Incident(cause=msg, fault_class=fault_class, action=action, decided=time.monotonic())
+        # Every rank of the failing generation not yet seen ended will end (the recovery
+        # kills it): its reports until then are consequences of this incident.
+        incident.dying.update(r for r in range(job.status.world_size) if r not in job.exited)
+        if previous is not None:
+            incident.dying.update(previous.dying)
+        job.incident, job.recovered, job.exited = incident, None, set()
+        job.started, job.paused, job.finished = set(), set(), {}
+        job.pending = ""  # a pause in flight is dropped: the relaunched ranks start running
+        bound = msg.step if action == "rollback" and msg.step else None
+        exclude = [msg.worker_id] if action == "exclude_node" and msg.worker_id else []
+        self._record(
+            job, ORCH, "decision",
+            f"{action} after {who} (restart {spent + 1} of {budget} for {fault_class})"
+            + (f"; excluding {msg.worker_id}" if exclude else ""),
+        )
+        if job.status.state != S.FAULT_FROZEN:
+            self._transition(job, S.FAULT_FROZEN, ORCH, f"recovering from {fault_class} of rank {msg.rank}")
+        self._recover(job, incident, bound, exclude)
+
+    def _recover(self, job: _Job, incident: _Incident, bound: int | None, exclude: list[str]) -> None:
+        """Command the recovery for the newest usable version; a version that fails
+        verification is marked unusable and the next older one tried (then scratch)."""
+        while True:
+            version = self._pick_version(job, bound)
+            incident.version = version
+            source = f"checkpoint {version}" if version else "scratch"
+            reply = self._recovery(
+                control_pb2.StartRecovery(
+                    job_id=job.status.job_id, checkpoint_version=version, exclude_worker_ids=exclude,
+                    reason=f"{incident.action} after {incident.fault_class} of rank {incident.cause.rank}",
+                )
+            ).message
+            if isinstance(reply, control_pb2.RecoveryCompleted):
+                self._record_relaunch(job, reply, source)
+                return
+            assert isinstance(reply, control_pb2.RecoveryFailed), reply
+            if reply.snapshot_unusable and version:
+                job.unusable.add(version)
+                self._record(job, Module.L1_RECOVERY_CONTROLLER, "recovery",
+                             f"{source} is unusable ({reply.reason}); trying an older version")
+                continue
+            self._terminate(job, O.FAILED, f"recovery failed: {reply.reason}", kill=True)
+            return
+
+    def _record_relaunch(self, job: _Job, reply: control_pb2.RecoveryCompleted, source: str) -> None:
+        workers = ", ".join(reply.worker_ids)
+        self._record(
+            job, Module.L1_RECOVERY_CONTROLLER, "recovery",
+            f"ranks killed and relaunched on {workers} (rendezvous {reply.master_addr}:{reply.master_port}) "
+            f"to resume from {source}; {reply.seconds:.2f} s",
+        )
+
+    def _pick_version(self, job: _Job, bound: int | None) -> str:
+        """The newest committed version not known unusable (and not after step ``bound``)."""
+        for step, version in reversed(job.versions):
+            if version not in job.unusable and (bound is None or step <= bound):
+                return version
+        return ""
 
     # ------------------------------------------------------------ resource events (L1-2)
 
@@ -438,6 +624,7 @@ class Orchestrator:
     def _terminate(self, job: _Job, outcome: int, message: str, *, kill: bool) -> None:
         job.status.outcome = outcome
         job.pending = ""
+        job.incident = job.recovered = None
         # Journal the terminal state first: a failing release must never lose it.
         self._transition(job, S.TERMINATED, ORCH, f"{O.Name(outcome)}: {message}")
         self._allocator(control_pb2.ReleaseResources(job_id=job.status.job_id, kill=kill))

@@ -5,8 +5,9 @@ never starts or stops training on its own, never reads training metrics, never c
 hyper-parameters. Quotas are fixed at launch and never changed while the job runs.
 
 Inputs: ``WorkerRegistration`` and ``MemoryPressure`` (node agents, via the session
-relay), ``AllocateResources`` and ``ReleaseResources`` (from L1-1).
-Outputs: ``ResourcesReady`` / ``ResourcesInsufficient`` (replies to L1-1), ``LaunchRanks``
+relay), ``AllocateResources`` and ``ReleaseResources`` (from L1-1), ``RebuildCommunicator``
+(from L1-4, executing a recovery L1-1 commanded).
+Outputs: ``ResourcesReady`` / ``ResourcesInsufficient`` (replies), ``LaunchRanks``
 and ``ReleaseRanks`` (to one node agent each; the payload names the worker id),
 ``ResourcePressure`` (published; the orchestrator observes it).
 """
@@ -54,6 +55,9 @@ class ResourceAllocator:
         self._lock = threading.Lock()
         # Insertion order is registration order: ranks fill workers in that order.
         self._workers: dict[str, _Worker] = {}
+        # job_id -> the allocation as commanded (job config, world size, exclusions): what
+        # a communicator rebuild launches again.
+        self._allocations: dict[str, control_pb2.AllocateResources] = {}
 
     # ------------------------------------------------------------ hardware events
 
@@ -106,23 +110,28 @@ class ResourceAllocator:
     ) -> control_pb2.ResourcesReady | control_pb2.ResourcesInsufficient:
         """全局资源初始化指令: lay out ``world_size`` ranks and launch them.
 
-        Ranks fill workers in registration order, lowest free slot first. Rank 0's host
-        is the rendezvous (master_addr). Each rank's memory quota is its device's memory
-        (CUDA) or the host memory divided by the worker's slots (CPU), in bytes.
+        Ranks fill workers in registration order (skipping ``exclude_worker_ids``), lowest
+        free slot first. Rank 0's host is the rendezvous (master_addr), on a fresh port.
+        Each rank's memory quota is its device's memory (CUDA) or the host memory divided
+        by the worker's slots (CPU), in bytes.
 
         Returns ResourcesInsufficient (nothing reserved) when fewer slots are free than
         ranks are needed, or when backend ``nccl`` is asked for on CPU-only slots.
         """
         spec = spec_from_json(msg.init.spec_json)
+        excluded = set(msg.exclude_worker_ids)
         with self._lock:
             if msg.job_id in {j for w in self._workers.values() for j in w.busy}:
                 return self._insufficient(msg, 0, f"job {msg.job_id} already holds resources")
-            free = sum(len(w.free_slots()) for w in self._workers.values())
+            usable = [w for w in self._workers.values() if w.reg.worker_id not in excluded]
+            free = sum(len(w.free_slots()) for w in usable)
             if free < msg.world_size:
-                reason = f"{free} are free on {len(self._workers)} registered workers"
+                reason = f"{free} are free on {len(usable)} registered workers"
+                if excluded:
+                    reason += f" (excluding {', '.join(sorted(excluded))})"
                 return self._insufficient(msg, free, reason)
             picks: list[tuple[_Worker, int]] = []
-            for w in self._workers.values():
+            for w in usable:
                 for slot in w.free_slots():
                     if len(picks) < msg.world_size:
                         picks.append((w, slot))
@@ -132,6 +141,7 @@ class ResourceAllocator:
                 return self._insufficient(msg, free, "backend nccl needs a CUDA device for every rank")
             master_addr = picks[0][0].reg.host
             master_port = self._free_port()
+            self._allocations[msg.job_id] = msg
             launches: dict[str, control_pb2.LaunchRanks] = {}
             for rank, (w, slot) in enumerate(picks):
                 w.busy.setdefault(msg.job_id, []).append(slot)
@@ -171,12 +181,38 @@ class ResourceAllocator:
         may have been launched before control restarted, and a node agent ignores the
         release of a job it does not run. A graceful release of such a job is a no-op."""
         with self._lock:
+            self._allocations.pop(msg.job_id, None)
             holders = [w.reg.worker_id for w in self._workers.values() if w.busy.pop(msg.job_id, None) is not None]
             if not holders and msg.kill:
                 holders = list(self._workers)
         grace = 0.0 if msg.kill else RELEASE_GRACE_SECONDS
         for worker_id in holders:
             self._hardware(control_pb2.ReleaseRanks(job_id=msg.job_id, kill=msg.kill, grace_seconds=grace), worker_id)
+
+    def rebuild_communicator(
+        self, msg: control_pb2.RebuildCommunicator, payload: Any = None
+    ) -> control_pb2.ResourcesReady | control_pb2.ResourcesInsufficient:
+        """重建通信域指令: the job's process group is rebuilt from scratch. Its ranks are
+        killed at once (a rank blocked in a collective cannot be asked to leave it), then
+        laid out again exactly as :meth:`allocate_resources` does, on a fresh rendezvous
+        port, with the same job config except the checkpoint version to load first
+        (``resume_version``). Workers excluded now or in an earlier rebuild of the job get
+        no rank. Each node agent starts a rank only after the killed process of the same
+        rank has been reaped.
+
+        Returns ResourcesInsufficient when the job holds no allocation here, or when its
+        ranks no longer fit (its old ranks are killed either way).
+        """
+        with self._lock:
+            allocated = self._allocations.get(msg.job_id)
+        if allocated is None:
+            return control_pb2.ResourcesInsufficient(job_id=msg.job_id, reason=f"job {msg.job_id} holds no allocation")
+        again = control_pb2.AllocateResources()
+        again.CopyFrom(allocated)
+        again.init.resume_version = msg.resume_version
+        again.exclude_worker_ids[:] = sorted(set(again.exclude_worker_ids) | set(msg.exclude_worker_ids))
+        self.release_resources(control_pb2.ReleaseResources(job_id=msg.job_id, kill=True))
+        return self.allocate_resources(again)
 
     # ------------------------------------------------------------ private
 

@@ -6,8 +6,8 @@ the remote party the route table names, and holds only routing knowledge:
 * ``ControlServicer``: operator RPCs become commands from EXT_USER to the orchestrator;
   its replies (JobStatus, JobList) and events (JobEvent) become responses and streams.
 * ``SessionHub``: one bidi session per node agent. Stream messages become events sent as
-  EXT_HARDWARE (WorkerRegistration, RankExited, MemoryPressure), L2_TRAINING_LOOP (rank
-  loop events) or
+  EXT_HARDWARE (WorkerRegistration, RankExited, MemoryPressure, RankHeartbeat),
+  L2_TRAINING_LOOP (rank loop events) or
   L5_CHECKPOINT_MANAGER (SaveCompleted); commands for EXT_HARDWARE (LaunchRanks,
   ReleaseRanks) and L2_TRAINING_LOOP (Start/Pause/Resume/StopTraining) become
   ``WorkerCommand``s queued on the right sessions. A rank's BoundaryViolationReported is
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,7 +58,9 @@ _RANK_COMMAND_FIELD = {
 class _Session:
     worker_id: str
     commands: queue.Queue = field(default_factory=queue.Queue)  # WorkerCommand | None (end)
-    ranks: set[tuple[str, int]] = field(default_factory=set)    # (job_id, rank) launched here
+    # (job_id, rank) -> rank processes launched here and not yet reported ended. A count, not
+    # a flag: a recovery relaunches a rank before the killed process's exit comes up.
+    ranks: Counter[tuple[str, int]] = field(default_factory=Counter)
     closed: bool = False
 
 
@@ -66,7 +68,8 @@ class SessionHub:
     """Node agent sessions: routing table worker id -> session, and the bus side of them.
 
     Args:
-        hardware: emitter as EXT_HARDWARE (WorkerRegistration, RankExited, MemoryPressure).
+        hardware: emitter as EXT_HARDWARE (WorkerRegistration, RankExited, MemoryPressure,
+            RankHeartbeat).
         loop: emitter as L2_TRAINING_LOOP (rank loop events relayed by node agents).
         checkpoints: emitter as L5_CHECKPOINT_MANAGER (SaveCompleted relayed by ranks).
         contract: emitter as EXT_CONTRACT (BoundaryViolationReported relayed by ranks);
@@ -107,7 +110,7 @@ class SessionHub:
             current = self._sessions.get(session.worker_id) is session
             if current:
                 del self._sessions[session.worker_id]
-            lost, session.ranks = sorted(session.ranks), set()
+            lost, session.ranks = sorted(session.ranks), Counter()
             quiet = self._shutting_down
         session.commands.put(None)
         if quiet:
@@ -137,10 +140,13 @@ class SessionHub:
             exited = ev.rank_exited
             exited.worker_id = exited.worker_id or session.worker_id
             with self._lock:
-                session.ranks.discard((exited.job_id, exited.rank))
+                key = (exited.job_id, exited.rank)
+                session.ranks[key] -= 1
+                if session.ranks[key] <= 0:
+                    del session.ranks[key]
             self._hardware(exited)
         elif kind == "rank_event":
-            self._relay_rank_event(ev.rank_event)
+            self._relay_rank_event(session, ev.rank_event)
         elif kind == "memory_pressure":
             pressure = ev.memory_pressure
             # A node agent speaks only for its own node: the session's identity wins.
@@ -159,7 +165,7 @@ class SessionHub:
         with self._lock:
             session = self._sessions.get(payload)
             if session is not None:
-                session.ranks.update(ranks)
+                session.ranks.update(ranks)  # Counter.update adds
                 session.commands.put(control_pb2.WorkerCommand(launch=msg))
         if session is None:
             # The worker left between allocation and launch. Report from another thread:
@@ -170,12 +176,12 @@ class SessionHub:
             ).start()
 
     def release_ranks(self, msg: control_pb2.ReleaseRanks, payload: Any = None) -> None:
-        """Queue ReleaseRanks on the session of worker ``payload`` (none: nothing to do)."""
+        """Queue ReleaseRanks on the session of worker ``payload`` (none: nothing to do).
+        The released ranks stay counted until their exit comes up."""
         with self._lock:
             session = self._sessions.get(payload)
             if session is None:
                 return
-            session.ranks = {(j, r) for j, r in session.ranks if j != msg.job_id}
             session.commands.put(control_pb2.WorkerCommand(release=msg))
 
     # ------------------------------------------------------------ bus handlers (as L2_TRAINING_LOOP)
@@ -191,14 +197,18 @@ class SessionHub:
 
     # ------------------------------------------------------------ private
 
-    def _relay_rank_event(self, ev: worker_pb2.RankEvent) -> None:
+    def _relay_rank_event(self, session: _Session, ev: worker_pb2.RankEvent) -> None:
         kind = ev.WhichOneof("event")
         if kind in ("hello", "audit") or kind is None:
             return  # between a rank and its node agent only
         inner = getattr(ev, kind)
         if not inner.job_id:
             inner.job_id = ev.job_id
-        if kind == "violation":
+        if kind == "heartbeat":
+            # The envelope names the rank the node agent attached; the session names the node.
+            inner.rank, inner.worker_id = ev.rank, session.worker_id
+            self._hardware(inner)
+        elif kind == "violation":
             if self._contract is not None:
                 inner.rank = inner.rank or ev.rank
                 self._contract(inner)

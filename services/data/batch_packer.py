@@ -25,8 +25,8 @@ shard is used up. Whether another epoch follows is L2-1's call (a new shuffle pl
 ``MicroBatch.next`` is the position the stream continues from after the batch: (epoch,
 document = position in the rank's shard, offset = tokens of that document's contribution,
 separator included, already consumed). A stream opened at ``next`` produces exactly the
-batches that would have followed. The packer learns the start offset from the
-``DataPosition`` that comes as ``PackerConfig``'s payload (the message has no field yet).
+batches that would have followed. The packer learns where it resumes from
+``PackerConfig.start``.
 
 Commands it takes: ``packer_config`` (L2-1), ``samples_filtered`` (data from L4-4). It
 publishes ``MicroBatch`` and ``DataExhausted``.
@@ -76,8 +76,9 @@ class BatchPacker:
 
     # ---- commands -------------------------------------------------------------------
 
-    def packer_config(self, msg: data_pb2.PackerConfig, start: data_pb2.DataPosition | None = None) -> None:
-        """Fix batch shape and mode for this stream (pushed once); ``start`` resumes.
+    def packer_config(self, msg: data_pb2.PackerConfig, payload: object = None) -> None:
+        """Fix batch shape and mode for this stream (pushed once); ``msg.start`` resumes:
+        its ``offset`` tokens of its document were emitted before the checkpoint.
 
         Raises:
             InvalidConfig: seq_len or micro_batch_size 0, mode unspecified, separator < -1.
@@ -96,8 +97,8 @@ class BatchPacker:
         L = msg.seq_len
         self._rows_in = np.zeros((0, L), np.int32)
         self._rows_lab = np.zeros((0, L), np.int32)
-        if start is not None and start.offset:
-            self._resume = start
+        if msg.HasField("start") and msg.start.offset:
+            self._resume = msg.start
 
     def samples_filtered(self, msg: data_pb2.SamplesFiltered, docs: Documents) -> None:
         """Pack ``docs``; publish every complete batch; at the epoch's end, the rest.

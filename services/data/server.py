@@ -10,6 +10,9 @@ design's "a process's own relay carries them" reads: it holds L2-1's command por
 five L4 modules, pushes the commands ``OpenStream`` carries, once, and receives L2-1's
 events (``MicroBatch``, ``FilterReport``, ``DataExhausted``). The only decision it takes is
 the one the loop wrote into the request: ``repeat`` (open the next epoch when one ends).
+A stream that resumes (``OpenStream.start``, from a checkpoint) carries its start down in
+the commands' own fields: ``ShufflePlan.start_document`` for the first epoch's plan and
+``PackerConfig.start`` for the packer; later epochs start at their beginning.
 
 Threads: the pipeline runs on one producer thread per stream; batches wait in a bounded
 queue, so the pipeline blocks (back-pressure) when the rank consumes slower than it packs.
@@ -156,17 +159,27 @@ class StreamRelay:
                 raise InvalidConfig(
                     f"open_stream: start.epoch {start.epoch} differs from shuffle.epoch {req.shuffle.epoch}"
                 )
+            # OpenStream.start is where the stream resumes; the plan and config that carry it
+            # down (ShufflePlan.start_document, PackerConfig.start) are filled from it here.
+            if req.shuffle.start_document not in (0, start.document):
+                raise InvalidConfig(f"open_stream: shuffle.start_document {req.shuffle.start_document} "
+                                    f"differs from start.document {start.document}")
+            if req.packer.HasField("start") and req.packer.start != start:
+                raise InvalidConfig("open_stream: packer.start differs from start")
             self._set_prefetch(req.prefetch)
             self._filter_rules(req.filter)
-            self._packer_config(req.packer, start)
+            packer = data_pb2.PackerConfig()
+            packer.CopyFrom(req.packer)
+            packer.start.CopyFrom(start)  # the batch after the checkpoint's comes first
+            self._packer_config(packer)
             self.ready = self._open_stream(req).message
             epoch, resume = start.epoch, start
             while not self._cancelled.is_set():
                 self._epoch_batches, self._exhausted = 0, None
                 plan = data_pb2.ShufflePlan()
                 plan.CopyFrom(req.shuffle)
-                plan.epoch = epoch
-                self._shuffle_plan(plan, resume)
+                plan.epoch, plan.start_document = epoch, resume.document
+                self._shuffle_plan(plan)
                 # An endless stream that cannot yield would cycle through empty epochs forever;
                 # a single pass (eval) with nothing in it just ends: that is its true answer.
                 if req.repeat and self._epoch_batches == 0 and resume.document == 0 and resume.offset == 0:

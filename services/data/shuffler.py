@@ -12,9 +12,8 @@ planned with other settings, or arrives while a round is being emitted, is refus
 Sharding: the rank takes positions ``rank::world_size`` of the epoch order, so ranks see
 disjoint documents; a shard's position ``k`` is what ``DataPosition.document`` counts.
 
-Commands it takes: ``shuffle_plan`` (L2-1; payload: the ``DataPosition`` to resume from,
-only with the stream's first plan, because ShufflePlan has no field for it yet),
-``samples_read`` (data from L4-2). It publishes ``SamplesShuffled`` (payload
+Commands it takes: ``shuffle_plan`` (L2-1; ``start_document`` resumes inside the epoch: the
+stream's first plan after a checkpoint), ``samples_read`` (data from L4-2). It publishes ``SamplesShuffled`` (payload
 :class:`Documents`, to the filter) in chunks of ``chunk_documents`` documents; the epoch's
 last chunk has ``last=True`` and may be empty.
 """
@@ -87,13 +86,12 @@ class Shuffler:
             self._part_bounds = []
             self._complete = True
 
-    def shuffle_plan(self, msg: data_pb2.ShufflePlan, start: data_pb2.DataPosition | None = None) -> None:
+    def shuffle_plan(self, msg: data_pb2.ShufflePlan, payload: object = None) -> None:
         """Emit this rank's shard of epoch ``msg.epoch``, from shard position
-        ``start.document`` (0 without ``start``), then return.
+        ``msg.start_document`` (past the end: only the empty last chunk), then return.
 
         Raises:
-            InvalidConfig: ``world_size`` is 0, ``rank >= world_size``, or ``start`` is for
-                another epoch.
+            InvalidConfig: ``world_size`` is 0 or ``rank >= world_size``.
             ConfigAlreadyPushed: a round is being emitted, or ``msg.epoch`` was already
                 planned with another seed or scope (a round's seed never changes).
             RuntimeError: the split has not been read completely yet (wiring fault).
@@ -112,14 +110,12 @@ class Shuffler:
             )
         if msg.world_size == 0 or msg.rank >= msg.world_size:
             raise InvalidConfig(f"shuffle: rank {msg.rank} / world_size {msg.world_size}: need rank < world_size")
-        if start is not None and start.epoch != msg.epoch:
-            raise InvalidConfig(f"shuffle: start.epoch {start.epoch} differs from the plan's epoch {msg.epoch}")
         if not self._complete:
             raise RuntimeError("shuffler: shuffle plan before the split was read")
         self._rounds[msg.epoch] = settings
         self._state = "shuffling"
         shard = epoch_order(msg.seed, msg.epoch, len(self._doc_part), msg.enabled)[msg.rank::msg.world_size]
-        cursor = min(int(start.document), len(shard)) if start is not None else 0
+        cursor = min(int(msg.start_document), len(shard))
         try:
             while True:
                 hi = min(cursor + self._chunk, len(shard))

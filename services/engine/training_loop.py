@@ -13,7 +13,8 @@ Receives
 Commands
     L3-1 LoadModel/ExportState, L2-4 InitPrecision/UnscaleAndCheck, L3-3 ConfigureForward/
     RunForward, L3-4 RunBackward, L3-5 ArmReduction/ReduceGradients, L2-3 ApplyUpdate/
-    ExportState, L4 MountDataset/OpenStream, L5 SaveCheckpoint/CommitCheckpoint/LoadCheckpoint.
+    ExportState, L4 MountDataset/OpenStream, L5 SaveCheckpoint/CommitCheckpoint/LoadCheckpoint/
+    FlushCheckpoint.
 Publishes
     TrainingLoopStarted, StepCompleted, EvalCompleted, TrainingLoopPaused,
     TrainingLoopFinished, TrainingLoopFailed (to L1; step and eval events also to L5-2).
@@ -26,6 +27,17 @@ pad mode). Exact global normalisation needs one more all-reduce before backward;
 
 Skip policy (pushed at init; fixed for now): a step whose gradients overflow is skipped,
 counted and reported (``StepCompleted.skipped``); L1 decides whether that is a fault.
+
+Exact resume (DESIGN.md "Faults"): the checkpoint is the union of the modules' state
+(model, optimizer) and the loop's own (:class:`LoopState`: step, skipped steps, loss scale,
+and per rank the data position and the python / numpy / torch (and CUDA) RNG streams). The
+LR schedule is a pure function of the step and the shuffle order a pure function of (seed,
+epoch), so a run resumed from step k replays steps k+1.. bit for bit: same batches, same
+random draws, same updates. A fresh start seeds those streams from (job seed, rank).
+
+Saves are asynchronous by default (``checkpoint.async``): the loop blocks for the copy of
+the state to host memory only; before it reports its end it waits for the write and
+commit (``FlushCheckpoint``), because a finished rank may be released at once.
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ import torch
 from services.contract import data_pb2, engine_pb2, store_pb2
 from services.contract.bus import BoundaryViolation, CommandPort, Emitter
 from services.contract.frozen import FrozenConfig
+from services.engine import rng_streams
 from services.engine.lr_schedule import schedule_for
 from services.jobspec import JobSpec, spec_from_json
 
@@ -79,20 +92,30 @@ class LoopPorts:
 
 class LoopState:
     """Stateful (torch.distributed.checkpoint) view of the loop's own progress. Keys that
-    differ per rank (data position, RNG) live under ``rank<r>`` so ranks never collide."""
+    differ per rank (data position, RNG) live under ``rank<r>`` so ranks never collide.
+
+    Every value is a tensor, so a checkpoint loads with ``weights_only=True`` and nothing
+    is unpickled. Keys (under ``train.``): ``step``, ``skipped_steps``, ``loss_scale``
+    (1 for fp32/bf16; the slot an fp16 scaler fills), and per rank: ``data_position`` int64
+    [epoch, document, offset] (where this rank's stream continues), ``data_order`` int64
+    [shuffle seed, shuffle on, world size] (checked on resume) and ``rng.*`` (python,
+    numpy, torch and CUDA streams: ``services/engine/rng_streams.py``).
+    """
 
     def __init__(self, loop: TrainingLoop):
         self._loop = loop
 
     def state_dict(self) -> dict[str, Any]:
         loop = self._loop
-        p = loop._position
+        p, d = loop._position, loop._spec.data
         return {
             "step": torch.tensor(loop._step, dtype=torch.int64),
             "skipped_steps": torch.tensor(loop._skipped, dtype=torch.int64),
+            "loss_scale": torch.tensor(float(loop._loss_scale)),  # float32: fp16 scales are powers of 2
             f"rank{loop._rank}": {
                 "data_position": torch.tensor([p.epoch, p.document, p.offset], dtype=torch.int64),
-                "rng_cpu": torch.get_rng_state(),
+                "data_order": torch.tensor([d.shuffle_seed, int(d.shuffle), loop._world], dtype=torch.int64),
+                "rng": rng_streams.capture(),
             },
         }
 
@@ -102,8 +125,10 @@ class LoopState:
         epoch, document, offset = (int(v) for v in mine["data_position"].tolist())
         loop._step = int(state["step"])
         loop._skipped = int(state["skipped_steps"])
+        loop._loss_scale = float(state["loss_scale"])
         loop._position = data_pb2.DataPosition(epoch=epoch, document=document, offset=offset)
-        torch.set_rng_state(mine["rng_cpu"])
+        loop._loaded_order = tuple(int(v) for v in mine["data_order"].tolist())
+        rng_streams.restore(mine["rng"])
 
 
 class TrainingLoop:
@@ -133,6 +158,7 @@ class TrainingLoop:
         self._skipped = 0
         self._position = data_pb2.DataPosition()
         self._loss_scale = 1.0
+        self._loaded_order: tuple[int, ...] | None = None  # data order of the loaded checkpoint
         self._num_parameters = 0
         self._lr_at = None
         self._phase = "standby"  # standby | stepping | waiting_data | evaluating | saving | paused | done | failed
@@ -281,11 +307,13 @@ class TrainingLoop:
         """Every rank writes its part of the checkpoint; rank 0 commits the version."""
         self._phase = "saving"
         spec = self._spec
-        self._p.store(store_pb2.SaveCheckpoint(job_id=self._job_id, step=step, rank=self._rank), self._states())
+        self._p.store(store_pb2.SaveCheckpoint(
+            job_id=self._job_id, step=step, rank=self._rank, write_async=spec.checkpoint.async_,
+        ), self._states())  # fmt: skip
         if self._rank == 0:
             self._p.store(store_pb2.CommitCheckpoint(
-                job_id=self._job_id, step=step, world_size=self._world,
-                spec_json=self._init.spec_json, keep_last=spec.checkpoint.keep_last,
+                job_id=self._job_id, step=step, world_size=self._world, spec_json=self._init.spec_json,
+                keep_last=spec.checkpoint.keep_last, keep_every=spec.checkpoint.keep_every,
             ))  # fmt: skip
         self._phase = "stepping"
 
@@ -316,6 +344,7 @@ class TrainingLoop:
 
     def _initialise(self) -> None:
         spec, p = self._spec, self._p
+        rng_streams.seed(spec.seed, self._rank)  # a checkpoint's streams replace these on resume
         self._lr_at = schedule_for(spec.optimizer, spec.steps)
         loaded = p.shard_loader(engine_pb2.LoadModel(model_json=spec.model.model_dump_json(), seed=spec.seed)).message
         self._num_parameters = loaded.num_parameters
@@ -331,6 +360,14 @@ class TrainingLoop:
             )
         if self._init.resume_version:
             p.store(store_pb2.LoadCheckpoint(version=self._init.resume_version), self._states())
+            d = spec.data
+            if self._loaded_order != (d.shuffle_seed, int(d.shuffle), self._world):
+                seed, shuffle, world = self._loaded_order or (0, 0, 0)
+                raise TrainingFault("config_error", (
+                    f"checkpoint {self._init.resume_version} was written with data.shuffle_seed {seed}, "
+                    f"data.shuffle {bool(shuffle)}, parallel.dp {world}; this job has {d.shuffle_seed}, "
+                    f"{d.shuffle}, {self._world}: its data position would not resume exactly"
+                ))  # fmt: skip
         self._open_stream("train", self._position, repeat=True, max_batches=0)
         self._emit(engine_pb2.TrainingLoopStarted(
             job_id=self._job_id, rank=self._rank, start_step=self._step,
@@ -368,6 +405,8 @@ class TrainingLoop:
                 return True
 
     def _finish(self, stopped: bool) -> None:
+        # Background saves are done (written, committed) before anyone hears of the end.
+        self._p.store(store_pb2.FlushCheckpoint(job_id=self._job_id))
         self._phase = "done"
         self._emit(engine_pb2.TrainingLoopFinished(job_id=self._job_id, rank=self._rank, step=self._step, stopped=stopped))
 

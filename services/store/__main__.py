@@ -50,12 +50,13 @@ def wire(root: Path, log, registry=REGISTRY) -> tuple[StoreRelay, MetricsLogger]
     bus.subscribe(CKPT, store_pb2.CommitCheckpoint, manager.commit_save)
     bus.subscribe(CKPT, store_pb2.LoadCheckpoint, manager.load)
     bus.subscribe(CKPT, store_pb2.CheckpointQuery, manager.list)
+    bus.subscribe(CKPT, store_pb2.VerifyCheckpoints, manager.verify)
     bus.subscribe(METRICS, engine_pb2.StepCompleted, metrics.record_step)
     bus.subscribe(METRICS, engine_pb2.EvalCompleted, metrics.record_eval)
     ports: dict[tuple[int, int], CommandPort] = {}
     for receiver, types in (
         (CKPT, (store_pb2.SaveCheckpoint, store_pb2.CommitCheckpoint, store_pb2.LoadCheckpoint,
-                store_pb2.CheckpointQuery)),
+                store_pb2.CheckpointQuery, store_pb2.VerifyCheckpoints)),
         (METRICS, (engine_pb2.StepCompleted, engine_pb2.EvalCompleted)),
     ):
         for t in types:

@@ -31,10 +31,15 @@ rename over ``catalog.json``. A directory ``<n>`` with no catalog entry (a crash
 last two renames) was never acknowledged; the next commit of that job reuses ``n`` and
 removes it.
 
-Retention runs only when a commit asks for it (``keep_last``): the oldest versions of that
-job beyond ``keep_last`` leave the catalog first, then their directories are removed, so
-the catalog never names a missing directory. The number of a cataloged version is never
-reused (the latest version is never pruned, and numbering continues from it).
+Retention runs only when a commit asks for it (``keep_last``, ``keep_every``): the versions
+of that job older than the newest ``keep_last``, except those whose step is a multiple of
+``keep_every``, leave the catalog first, then their directories are removed, so the catalog
+never names a missing directory. The number of a cataloged version is never reused (the
+latest version is never pruned, and numbering continues from it).
+
+Verification: ``load`` re-hashes the version it is told to load and refuses it if any byte
+differs; ``verify`` does the same for every version of a job and reports each verdict, so
+the orchestrator can pick an intact one (this module never picks).
 """
 
 from __future__ import annotations
@@ -175,7 +180,7 @@ class CheckpointManager:
             with self._lock:
                 entry = self._seal(job, msg, save, files)
                 committed = True
-                removed = self._retain(job, msg.keep_last)
+                removed = self._retain(job, msg.keep_last, msg.keep_every)
         except CheckpointRejected:
             self._rejected.labels(job, "commit").inc()
             raise
@@ -221,7 +226,45 @@ class CheckpointManager:
         """
         with self._lock:
             entry = self._resolve(msg.version)
-            version = entry["version"]
+        try:
+            self._check(entry)
+        except CheckpointRejected:
+            self._rejected.labels(entry["job_id"], "load").inc()
+            raise
+        return store_pb2.CheckpointLoaded(info=self._info(entry))
+
+    def verify(self, msg: store_pb2.VerifyCheckpoints, payload: Any = None) -> store_pb2.CheckpointVerification:
+        """Re-hash every committed version of ``msg.job_id`` (oldest first) and report each
+        one as ok or not, with the one-line reason. Reports; never chooses or deletes.
+
+        Raises:
+            ValueError: ``job_id`` is not a safe name.
+        """
+        job = _check_job_id(msg.job_id)
+        with self._lock:
+            entries = [e for e in self._chain if e["job_id"] == job]
+        verdicts = []
+        for entry in entries:
+            try:
+                self._check(entry)
+                verdicts.append(store_pb2.CheckpointVerdict(info=self._info(entry), ok=True))
+            except CheckpointRejected as e:
+                self._rejected.labels(job, "verify").inc()
+                verdicts.append(store_pb2.CheckpointVerdict(info=self._info(entry), ok=False, reason=str(e)))
+        return store_pb2.CheckpointVerification(job_id=job, versions=verdicts)
+
+    def list(self, msg: store_pb2.CheckpointQuery, payload: Any = None) -> store_pb2.CheckpointList:
+        """The committed versions of ``msg.job_id`` (every job if empty), oldest first."""
+        with self._lock:
+            entries = [e for e in self._chain if not msg.job_id or e["job_id"] == msg.job_id]
+        return store_pb2.CheckpointList(checkpoints=[self._info(e) for e in entries])
+
+    def _check(self, entry: dict[str, Any]) -> None:
+        """Verify one cataloged version; raises CheckpointRejected. Callers asking for the
+        same version while it is being verified share that one verification (every rank of
+        a job loads the same version at once on resume; one re-hash serves them all)."""
+        version = entry["version"]
+        with self._lock:
             verdict = self._verifying.get(version)
             mine = verdict is None
             if mine:
@@ -235,18 +278,7 @@ class CheckpointManager:
             finally:
                 with self._lock:
                     del self._verifying[version]
-        try:
-            verdict.result()
-        except CheckpointRejected:
-            self._rejected.labels(entry["job_id"], "load").inc()
-            raise
-        return store_pb2.CheckpointLoaded(info=self._info(entry))
-
-    def list(self, msg: store_pb2.CheckpointQuery, payload: Any = None) -> store_pb2.CheckpointList:
-        """The committed versions of ``msg.job_id`` (every job if empty), oldest first."""
-        with self._lock:
-            entries = [e for e in self._chain if not msg.job_id or e["job_id"] == msg.job_id]
-        return store_pb2.CheckpointList(checkpoints=[self._info(e) for e in entries])
+        verdict.result()
 
     # ------------------------------------------------------------------ staging
 
@@ -344,15 +376,16 @@ class CheckpointManager:
         self._chain.append(entry)
         return entry
 
-    def _retain(self, job: str, keep_last: int) -> list[Path]:
-        """Drop the job's versions beyond the newest ``keep_last`` from the catalog and return
-        their directories for removal (after the catalog no longer names them). Caller holds
-        the lock. A failure to rewrite the catalog keeps every version (the commit itself
-        stands) and is counted; the next commit's retention covers them again."""
+    def _retain(self, job: str, keep_last: int, keep_every: int = 0) -> list[Path]:
+        """Drop the job's versions older than the newest ``keep_last`` from the catalog,
+        except those whose step is a multiple of ``keep_every`` (> 0), and return their
+        directories for removal (after the catalog no longer names them). Caller holds the
+        lock. A failure to rewrite the catalog keeps every version (the commit itself stands)
+        and is counted; the next commit's retention covers them again."""
         if keep_last <= 0:
             return []
         mine = [e for e in self._chain if e["job_id"] == job]
-        drop = mine[:-keep_last]
+        drop = [e for e in mine[:-keep_last] if not (keep_every > 0 and e["step"] % keep_every == 0)]
         if not drop:
             return []
         gone = {e["version"] for e in drop}

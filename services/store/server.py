@@ -39,6 +39,7 @@ DEFAULT_SENDERS: dict[str, int] = {
     "CommitSave": Module.L2_TRAINING_LOOP,
     "Load": Module.L2_TRAINING_LOOP,
     "List": Module.EXT_USER,
+    "Verify": Module.L1_RECOVERY_CONTROLLER,
     "Record": Module.L2_TRAINING_LOOP,
 }
 
@@ -72,6 +73,12 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
 
     def List(self, request: store_pb2.CheckpointQuery, context: grpc.ServicerContext) -> Message:
         return self._relay("List", CKPT, request, context)
+
+    def Verify(self, request: store_pb2.VerifyCheckpoints, context: grpc.ServicerContext) -> Message:
+        reply = self._relay("Verify", CKPT, request, context)
+        bad = [v.info.version for v in reply.versions if not v.ok]
+        self._log.info("checkpoints_verified", job=reply.job_id, versions=len(reply.versions), bad=bad)
+        return reply
 
     def Record(self, request_iterator: Iterator[store_pb2.MetricRecord], context: grpc.ServicerContext) -> Message:
         sender = self._sender("Record", context)

@@ -9,10 +9,11 @@ Facts it reports up the ``ControlService.WorkerSession`` stream (``WorkerEvent``
 * ``register``: the node's hardware, first message of every session (also after a
   reconnect, with the same ``worker_id``).
 * ``rank_event``: every ``RankEvent`` a local rank sends on its ``RankSession``, in the
-  order received, ``hello`` and ``violation`` included (``audit`` stays here: it answers
-  the agent's own question, see :meth:`NodeAgent.audit`).
+  order received, ``hello``, ``heartbeat`` and ``violation`` included (``audit`` stays
+  here: it answers the agent's own question, see :meth:`NodeAgent.audit`).
 * ``rank_exited``: a rank process ended (``exit_code`` < 0: killed by that signal), after
-  the events that rank sent before it ended.
+  the events that rank sent before it ended, with the time it was reaped and whether a
+  ``release`` asked for it.
 * ``memory_pressure``: the node's available memory fell below its pressure threshold
   (``under_pressure`` true), or rose back above it plus a hysteresis margin (false). Edge-
   triggered: one report per crossing, none while the state holds.
@@ -734,6 +735,7 @@ class NodeAgent:
     def _watch(self, r: _Rank) -> None:
         """Waiter thread of one rank: reap it the moment it ends and report the fact."""
         code = r.proc.wait()
+        reaped = time.time()
         with self._lock:
             r.dead = True  # from now on no session can attach to it
             had_session = r.session == "open"
@@ -745,7 +747,7 @@ class NodeAgent:
         r.commands.put(_END)  # a stream still held open by a stray helper ends now
         detail = describe_exit(code) + (" after release" if r.released else "") + f"; log {r.log_path}"
         self._log.info("rank exited", job_id=r.job_id, rank=r.rank, pid=r.proc.pid, exit_code=code, released=r.released)
-        self._emit(self._exited_event(r.job_id, r.rank, code, detail))
+        self._emit(self._exited_event(r.job_id, r.rank, code, detail, reaped=reaped, released=r.released))
         r.exited.set()
 
     def _kill_if_alive(self, r: _Rank) -> None:
@@ -753,9 +755,14 @@ class NodeAgent:
             if not r.dead:
                 _signal_group(r.proc.pid, signal.SIGKILL)
 
-    def _exited_event(self, job_id: str, rank: int, code: int, detail: str) -> control_pb2.WorkerEvent:
+    def _exited_event(
+        self, job_id: str, rank: int, code: int, detail: str, *, reaped: float | None = None, released: bool = False
+    ) -> control_pb2.WorkerEvent:
         return control_pb2.WorkerEvent(
-            rank_exited=control_pb2.RankExited(job_id=job_id, rank=rank, exit_code=code, worker_id=self._worker_id, detail=detail)
+            rank_exited=control_pb2.RankExited(
+                job_id=job_id, rank=rank, exit_code=code, worker_id=self._worker_id, detail=detail,
+                unix_time=reaped or time.time(), released=released,
+            )
         )
 
 

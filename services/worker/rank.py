@@ -19,8 +19,16 @@ Protocol on ``WorkerService.RankSession`` (bidi stream to the node agent):
     At any time after 3: agent -> rank {audit: id}, answered rank -> agent {audit} with
     the same id (the route counts of this process's bus); rank -> agent {violation} for a
     send refused by its bus or by a service it called (relayed up to the fault detector).
+    From the hello on, every ``liveness.heartbeat_interval_seconds`` (1 s until InitJob
+    says otherwise): rank -> agent {heartbeat: the last completed step, whether the loop is
+    stepping}, from a side thread that keeps beating while the main thread is blocked (in
+    a collective, say), so control tells a stalled rank from a silent one.
 A session that ends before the rank sent {finished} or {failed} means the agent is gone:
 the rank exits at once (code 3). SIGTERM ends the process immediately (default action).
+
+Fault hooks (:mod:`services.worker.faults`) wrap the loop's ports to the backward unit and
+the precision manager: a non-finite training loss or an overflow storm ends the rank with a
+typed failure, and tests inject faults through ``SURGE_FAULT_INJECT``.
 
 Wiring: modules never construct each other. Each gets an Emitter for its events and a
 CommandPort for each module the route table lets it command; the relays of the other
@@ -62,6 +70,7 @@ from services.engine.optimizer import Optimizer
 from services.engine.parallel_strategy import DEFAULT_TIMEOUT_S, ParallelStrategy
 from services.engine.training_loop import LoopPorts, TrainingLoop
 from services.jobspec import JobSpec, spec_from_json
+from services.worker.faults import FaultInjector, StepGuard
 
 M = Module
 log = structlog.get_logger()
@@ -96,6 +105,7 @@ class DataRelay(Protocol):
 class StoreRelay(Protocol):
     def save_checkpoint(self, msg: store_pb2.SaveCheckpoint, payload: Any) -> Any: ...
     def commit_checkpoint(self, msg: store_pb2.CommitCheckpoint, payload: Any = None) -> Any: ...
+    def flush_checkpoint(self, msg: store_pb2.FlushCheckpoint, payload: Any = None) -> Any: ...
     def load_checkpoint(self, msg: store_pb2.LoadCheckpoint, payload: Any) -> Any: ...
     def on_step_completed(self, msg: engine_pb2.StepCompleted, payload: Any = None) -> None: ...
     def on_eval_completed(self, msg: engine_pb2.EvalCompleted, payload: Any = None) -> None: ...
@@ -123,8 +133,10 @@ def compose(
     up: UpRelay,
     pg_timeout_s: float = DEFAULT_TIMEOUT_S,
     started_at: float | None = None,
+    guard: StepGuard | None = None,
 ) -> RankModules:
     """Build the rank's L2/L3 modules on ``bus`` and subscribe them and the relays.
+    ``guard`` wraps the loop's ports to the backward unit and the precision manager.
 
     Raises:
         RouteError, ContractError: the table or this wiring breaks the contract; the rank
@@ -155,15 +167,16 @@ def compose(
         timeout_s=pg_timeout_s,
     )
     L = M.L2_TRAINING_LOOP
+    backward_port, precision_port = port(L, M.L3_BACKWARD_UNIT), port(L, M.L2_MIXED_PRECISION)
     loop = TrainingLoop(
         emitter(L),
         LoopPorts(
             shard_loader=port(L, M.L3_SHARD_LOADER),
             forward=port(L, M.L3_FORWARD_UNIT),
-            backward=port(L, M.L3_BACKWARD_UNIT),
+            backward=guard.backward(backward_port) if guard else backward_port,
             reduction=port(L, M.L3_GRADIENT_REDUCTION),
             optimizer=port(L, M.L2_OPTIMIZER),
-            precision=port(L, M.L2_MIXED_PRECISION),
+            precision=guard.precision(precision_port) if guard else precision_port,
             data=port(L, M.L4_DATASET_VERSIONS),
             store=port(L, M.L5_CHECKPOINT_MANAGER),
         ),
@@ -205,6 +218,7 @@ def compose(
     sub(M.L4_DATASET_VERSIONS, data_pb2.OpenStream, data.open_stream)
     sub(M.L5_CHECKPOINT_MANAGER, store_pb2.SaveCheckpoint, store.save_checkpoint)
     sub(M.L5_CHECKPOINT_MANAGER, store_pb2.CommitCheckpoint, store.commit_checkpoint)
+    sub(M.L5_CHECKPOINT_MANAGER, store_pb2.FlushCheckpoint, store.flush_checkpoint)
     sub(M.L5_CHECKPOINT_MANAGER, store_pb2.LoadCheckpoint, store.load_checkpoint)
     sub(M.L5_METRICS_LOGGER, engine_pb2.StepCompleted, store.on_step_completed)
     sub(M.L5_METRICS_LOGGER, engine_pb2.EvalCompleted, store.on_eval_completed)
@@ -232,7 +246,7 @@ class Session:
     agent's ``audit`` question is answered from this process's route counts.
     """
 
-    def __init__(self, address: str, job_id: str, rank: int):
+    def __init__(self, address: str, job_id: str, rank: int, heartbeat_interval_s: float = 1.0):
         self._job_id, self._rank = job_id, rank
         self.process = f"rank {rank} of job {job_id}"
         self._out: queue.Queue = queue.Queue()
@@ -240,7 +254,23 @@ class Session:
         self._call = worker_pb2_grpc.WorkerServiceStub(self._channel).RankSession(self._requests())
         self._terminal_sent = threading.Event()
         self._reader: threading.Thread | None = None
+        # What the heartbeat states, from the events and commands this relay carries.
+        self._progress_lock = threading.Lock()
+        self._step, self._step_seconds, self._stepping = 0, 0.0, False
+        self._beat_interval = heartbeat_interval_s
+        self._closing = threading.Event()
         self._send(hello=worker_pb2.RankHello(job_id=job_id, rank=rank, pid=os.getpid()))
+        threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
+
+    @property
+    def step(self) -> int:
+        """The last step the loop completed (its start step before the first)."""
+        with self._progress_lock:
+            return self._step
+
+    def set_heartbeat_interval(self, seconds: float) -> None:
+        """The job spec's beat period (``liveness.heartbeat_interval_seconds``), from InitJob."""
+        self._beat_interval = seconds
 
     def receive_setup(self) -> tuple[engine_pb2.InitJob, engine_pb2.RankAssignment]:
         """Read the first two commands: InitJob and RankAssignment, in either order.
@@ -269,6 +299,13 @@ class Session:
         terminal event goes the final audit: once control hears of the end it may release
         (kill) this process at any moment."""
         field = _UP[type(msg)]
+        with self._progress_lock:
+            if field == "started":
+                self._step = msg.start_step
+            elif field == "step":
+                self._step, self._step_seconds = msg.step, msg.step_seconds
+            elif field in ("paused", "finished", "failed"):
+                self._stepping = False
         if field in ("finished", "failed"):
             self._send(audit=report_of(self.process))
             self._terminal_sent.set()
@@ -284,6 +321,7 @@ class Session:
 
     def close(self, timeout: float = 5.0) -> None:
         """Half-close our side after the queued events and wait for the agent to end the call."""
+        self._closing.set()
         self._out.put(None)
         deadline = time.monotonic() + timeout
         if self._reader is not None:
@@ -305,6 +343,23 @@ class Session:
         while (event := self._out.get()) is not None:
             yield event
 
+    def _beat(self) -> None:
+        """The heartbeat thread: a clock that states this process is alive, nothing more.
+        The first beat goes right after the hello, so the deadline covers the set-up too."""
+        try:
+            while True:
+                with self._progress_lock:
+                    beat = worker_pb2.RankHeartbeat(
+                        job_id=self._job_id, rank=self._rank, step=self._step, stepping=self._stepping,
+                        step_seconds=self._step_seconds, unix_time=time.time(), interval_seconds=self._beat_interval,
+                    )
+                self._send(heartbeat=beat)
+                if self._closing.wait(self._beat_interval):
+                    return
+        except BaseException as e:  # a rank that cannot beat is declared silent: say why in its log
+            log.error("heartbeat_stopped", error=f"{type(e).__name__}: {e}")
+            raise
+
     def _read(self, orchestrator: CommandPort) -> None:
         try:
             for cmd in self._call:
@@ -315,6 +370,9 @@ class Session:
                 if kind not in ("start", "pause", "resume", "stop"):
                     log.warning("rank_session_command_ignored", kind=kind)
                     continue
+                if kind in ("start", "resume"):
+                    with self._progress_lock:
+                        self._stepping = True
                 try:
                     orchestrator(getattr(cmd, kind))
                 except Exception as e:  # noqa: BLE001 - keep relaying; the loop's state is its own
@@ -353,6 +411,11 @@ def main(argv: list[str] | None = None) -> NoReturn:
         init, assignment = session.receive_setup()
         torch.set_num_threads(max(1, assignment.num_threads or 1))
         spec = spec_from_json(init.spec_json)
+        session.set_heartbeat_interval(spec.liveness.heartbeat_interval_seconds)
+        guard = StepGuard(
+            spec.fault_policy.overflow_storm_steps, lambda: session.step + 1,
+            injector=FaultInjector.from_env(spec.name, args.job, args.rank),
+        )
         violations = ViolationReporter(
             session.process, log, deliver=session.report_violation, job_id=args.job, rank=args.rank, inline=True
         )
@@ -368,7 +431,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         timeout_s = float(os.environ.get("SURGE_PG_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         rank = compose(
             bus, spec, assignment.device or "cpu", data=data, store=store, up=session,
-            pg_timeout_s=timeout_s, started_at=t_start,
+            pg_timeout_s=timeout_s, started_at=t_start, guard=guard,
         )
         log.info("rank_composed", world_size=assignment.world_size, device=assignment.device,
                  backend=assignment.backend, threads=torch.get_num_threads(), data=init.data_address,

@@ -16,14 +16,18 @@ from services.control.orchestrator import EVENT_LOG
 M = Module
 
 
-def spec_yaml(name: str = "demo", dp: int = 2, steps: int = 3, threads: int = 1, backend: str = "auto") -> str:
-    return textwrap.dedent(
+def spec_yaml(
+    name: str = "demo", dp: int = 2, steps: int = 3, threads: int = 1, backend: str = "auto", extra: str = ""
+) -> str:
+    """A small job spec; ``extra`` is more YAML at the top level (e.g. a fault_policy line)."""
+    return extra + "\n" + textwrap.dedent(
         f"""\
         name: {name}
         steps: {steps}
         model: {{n_layers: 1, d_model: 32, n_heads: 2}}
         data: {{dataset: x@v1, seq_len: 16, micro_batch_size: 2}}
         parallel: {{dp: {dp}, backend: {backend}, threads_per_rank: {threads}}}
+        optimizer: {{warmup_steps: 0}}
         """
     )
 

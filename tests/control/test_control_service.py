@@ -247,8 +247,28 @@ def test_a_lost_node_agent_fails_its_running_job(start_control, agents):
     holder.close()
     rest = list(watch)
     assert rest[-1].status.state == S.TERMINATED
+    assert any(ev.message.startswith("SEVERE worker_lost") for ev in rest)
     status = control.stub.GetJob(control_pb2.JobQuery(job_id=job_id))
-    assert status.outcome == O.FAILED and "SEVERE worker_lost" in status.message
+    assert status.outcome == O.FAILED and "(excluding wa)" in status.message  # nowhere else to go
+
+
+def test_a_lost_node_agents_ranks_are_relaunched_on_another_and_the_job_runs_again(start_control, agents):
+    control = start_control()
+    holder = agents(control.address, "wa", finish=False)
+    spare = agents(control.address, "wb", steps=3)  # finishes its rank's steps once started
+    job_id = submit(control, dp=1, steps=3).job_id
+    watch = control.stub.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True), timeout=60)
+    for ev in watch:
+        if ev.status.state == S.RUNNING:
+            break
+    holder.close()
+    rest = list(watch)
+    states = [ev.status.state for ev in rest if ev.type == "state"]
+    assert states == [S.FAULT_FROZEN, S.RUNNING, S.TERMINATED]
+    decisions = [ev.message for ev in rest if ev.type == "decision"]
+    assert decisions == ["exclude_node after worker_lost of rank 0 on wa (restart 1 of 3 for worker_lost); excluding wa"]
+    assert rest[-1].status.outcome == O.FINISHED
+    assert [c.launch.job_id for c in spare.commands if c.WhichOneof("command") == "launch"] == [job_id]
 
 
 def test_memory_pressure_sent_by_a_node_agent_appears_in_its_jobs_event_log(start_control, agents):

@@ -1,10 +1,15 @@
-"""The fault detector grades by its frozen rule table and only reports."""
+"""The fault detector grades by its frozen rule table, keeps each rank's liveness deadlines
+(reset by heartbeats, never polled), attributes a collective's failure to the rank that
+failed first, and only reports."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
-from services.contract import Module, control_pb2, engine_pb2
+from services.contract import Module, control_pb2, engine_pb2, worker_pb2
 from services.contract.bus import Bus
 from services.control.fault_detector import DEFAULT_RULES, WORKER_LOST_MARKER, FaultDetector
 
@@ -12,22 +17,54 @@ M, G = Module, control_pb2.FaultGrade
 pytestmark = pytest.mark.timeout(30)
 
 
-def wired(rules=None) -> tuple[Bus, list[control_pb2.FaultReport]]:
+class Reports(list):
+    """FaultReports as the orchestrator would receive them; ``wait`` blocks until n arrived."""
+
+    def __init__(self):
+        super().__init__()
+        self._cond = threading.Condition()
+
+    def add(self, msg, payload=None) -> None:
+        with self._cond:
+            self.append(msg)
+            self._cond.notify_all()
+
+    def wait(self, n: int, timeout: float = 5.0) -> list[control_pb2.FaultReport]:
+        with self._cond:
+            assert self._cond.wait_for(lambda: len(self) >= n, timeout), f"{len(self)} reports, expected {n}: {self}"
+            return list(self)
+
+
+def wired(rules=None, **deadlines) -> tuple[Bus, Reports]:
     """A bus with the detector and the test standing in for the orchestrator."""
     bus = Bus()
     detector = FaultDetector(emit=bus.emitter(M.L1_FAULT_DETECTOR), rules=rules)
     bus.subscribe(M.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring, detector.start_fault_monitoring)
+    bus.subscribe(M.L1_FAULT_DETECTOR, control_pb2.ResetFaultLedger, detector.reset_fault_ledger)
+    bus.subscribe(M.L1_FAULT_DETECTOR, worker_pb2.RankHeartbeat, detector.on_rank_heartbeat)
     bus.subscribe(M.L1_FAULT_DETECTOR, control_pb2.RankExited, detector.on_rank_exited)
     bus.subscribe(M.L1_FAULT_DETECTOR, engine_pb2.TrainingLoopFailed, detector.on_training_loop_failed)
-    reports: list[control_pb2.FaultReport] = []
-    bus.subscribe(M.L1_ORCHESTRATOR, control_pb2.FaultReport, lambda m, p: reports.append(m))
-    bus.command(M.L1_ORCHESTRATOR, M.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring(job_id="j"))
+    reports = Reports()
+    bus.subscribe(M.L1_ORCHESTRATOR, control_pb2.FaultReport, reports.add)
+    bus.command(M.L1_ORCHESTRATOR, M.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring(job_id="j", **deadlines))
     return bus, reports
 
 
-def exited(bus: Bus, exit_code: int, detail: str = "") -> None:
-    msg = control_pb2.RankExited(job_id="j", rank=1, exit_code=exit_code, worker_id="w", detail=detail)
+def exited(bus: Bus, exit_code: int, detail: str = "", rank: int = 1, **kw) -> None:
+    msg = control_pb2.RankExited(job_id="j", rank=rank, exit_code=exit_code, worker_id="w", detail=detail, **kw)
     bus.publish(M.EXT_HARDWARE, msg)
+
+
+def beat(bus: Bus, rank: int = 1, step: int = 0, stepping: bool = False, step_seconds: float = 0.0) -> None:
+    msg = worker_pb2.RankHeartbeat(
+        job_id="j", rank=rank, step=step, stepping=stepping, step_seconds=step_seconds, worker_id="w"
+    )
+    bus.publish(M.EXT_HARDWARE, msg)
+
+
+def failed(bus: Bus, rank: int, fault_class: str, detail: str = "") -> None:
+    msg = engine_pb2.TrainingLoopFailed(job_id="j", rank=rank, step=4, fault_class=fault_class, detail=detail)
+    bus.publish(M.L2_TRAINING_LOOP, msg)
 
 
 def test_default_grades_of_rank_exits():
@@ -71,9 +108,96 @@ def test_rules_pushed_at_init_override_the_defaults():
 def test_faults_of_jobs_not_monitored_are_not_reported():
     bus, reports = wired()
     bus.publish(M.EXT_HARDWARE, control_pb2.RankExited(job_id="other", exit_code=1))
+    bus.publish(M.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="other", rank=0))
     assert reports == []
 
 
 def test_a_rule_with_an_unknown_grade_is_refused():
     with pytest.raises(ValueError, match="^fault rules: rank_exit: unknown grade 9$"):
         FaultDetector(emit=Bus().emitter(M.L1_FAULT_DETECTOR), rules={"rank_exit": 9})
+
+
+def test_an_exit_control_asked_for_is_minor_and_carries_when_it_happened():
+    bus, reports = wired()
+    exited(bus, -9, "killed by SIGKILL after release", released=True, unix_time=1234.5)
+    (r,) = reports
+    assert (r.fault_class, r.grade, r.occurred_unix, r.worker_id) == ("rank_released", G.MINOR, 1234.5, "w")
+    assert r.detected_unix >= r.occurred_unix
+
+
+def test_a_rank_that_stops_beating_is_declared_silent_once_after_its_deadline():
+    bus, reports = wired(heartbeat_timeout_seconds=0.3)
+    for _ in range(4):  # beats inside the deadline keep it quiet
+        time.sleep(0.1)
+        beat(bus, step=7)
+    last = time.time()
+    assert reports == []
+    (r,) = reports.wait(1)
+    assert (r.fault_class, r.grade, r.rank, r.source, r.step) == ("rank_silent", G.SEVERE, 1, M.EXT_HARDWARE, 7)
+    assert 0.25 <= r.detected_unix - last < 1.0 and abs(r.occurred_unix - last) < 0.05
+    assert "sent no heartbeat for" in r.detail and "deadline 0.3 s" in r.detail
+    time.sleep(0.5)
+    assert len(reports) == 1  # declared once, not every deadline
+
+
+def test_a_beating_rank_without_step_progress_is_stalled_and_progress_resets_the_deadline():
+    bus, reports = wired(heartbeat_timeout_seconds=5.0, stall_min_seconds=0.4, stall_step_factor=1.0)
+    beat(bus, step=1, stepping=False)
+    time.sleep(0.6)
+    assert reports == []  # not stepping (starting, paused): no stall clock
+    for step in range(2, 6):  # progress faster than the deadline
+        beat(bus, step=step, stepping=True, step_seconds=0.1)
+        time.sleep(0.2)
+    assert reports == []
+    t0 = time.time()
+    while time.time() - t0 < 0.8:  # alive, but stuck at step 5
+        beat(bus, step=5, stepping=True, step_seconds=0.1)
+        time.sleep(0.1)
+    (r,) = reports.wait(1)
+    assert (r.fault_class, r.grade, r.step) == ("rank_stalled", G.SEVERE, 5)
+    assert "no step progress for" in r.detail
+
+
+def test_the_stall_deadline_grows_with_the_median_step_time():
+    bus, reports = wired(heartbeat_timeout_seconds=5.0, stall_min_seconds=0.2, stall_step_factor=3.0)
+    for step in range(1, 4):
+        beat(bus, step=step, stepping=True, step_seconds=0.3)  # median 0.3 s: deadline 0.9 s
+    time.sleep(0.5)
+    assert reports == []
+    (r,) = reports.wait(1, timeout=2.0)
+    assert r.fault_class == "rank_stalled" and "deadline 0.9 s" in r.detail
+
+
+def test_an_exit_ends_the_ranks_deadlines():
+    bus, reports = wired(heartbeat_timeout_seconds=0.2, stall_min_seconds=0.2)
+    beat(bus, step=3, stepping=True)
+    exited(bus, -9)
+    time.sleep(0.5)
+    assert [r.fault_class for r in reports] == ["rank_exit"]
+    assert reports[0].step == 3  # the last step its heartbeats stated
+
+
+def test_a_collective_error_waits_for_its_cause_and_the_dead_peer_is_named_first():
+    bus, reports = wired(attribution_seconds=1.0)
+    failed(bus, 0, "comm_error", "Connection closed by peer")  # the survivor's report arrives first
+    exited(bus, 1, rank=0)  # ... then its own exit (code 1): held with it
+    assert reports == []
+    exited(bus, -9, rank=1)  # the peer that was killed
+    got = [(r.rank, r.fault_class) for r in reports.wait(3)]
+    assert got == [(1, "rank_exit"), (0, "comm_error"), (0, "rank_exit")]
+
+
+def test_a_collective_error_with_no_other_cause_is_reported_when_the_window_closes():
+    bus, reports = wired(attribution_seconds=0.2)
+    t0 = time.monotonic()
+    failed(bus, 0, "comm_error")
+    failed(bus, 1, "comm_error")
+    got = reports.wait(2)
+    assert 0.15 < time.monotonic() - t0 < 2.0
+    assert [(r.rank, r.fault_class) for r in got] == [(0, "comm_error"), (1, "comm_error")]
+
+
+def test_a_taken_rendezvous_port_is_its_own_class():
+    bus, reports = wired()
+    failed(bus, 0, "comm_error", "DistStoreError: ... name: EADDRINUSE, message: address already in use")
+    assert [(r.fault_class, r.grade) for r in reports] == [("port_in_use", G.MEDIUM)]

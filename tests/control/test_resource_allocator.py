@@ -109,6 +109,40 @@ def test_a_withdrawn_worker_has_no_slots_and_a_reregistered_one_keeps_its_busy_s
     assert list(allocate(plane, "j-2", dp=3).worker_ids) == ["wa"]
 
 
+def rebuild(plane, job_id: str, version: str = "", exclude=()):
+    msg = control_pb2.RebuildCommunicator(job_id=job_id, reason="test", resume_version=version, exclude_worker_ids=exclude)
+    return plane.c.bus.command(M.L1_RECOVERY_CONTROLLER, M.L1_RESOURCE_ALLOCATOR, msg).message
+
+
+def test_a_rebuild_kills_the_ranks_and_relaunches_them_on_a_fresh_port_with_the_version_to_load(plane):
+    a, b = plane.register("wa"), plane.register("wb")
+    first = allocate(plane, "j-1", dp=2)
+    drain(a), drain(b)
+    again = rebuild(plane, "j-1", version="j-1:3")
+    assert isinstance(again, control_pb2.ResourcesReady) and list(again.worker_ids) == ["wa", "wb"]
+    assert again.master_port != first.master_port
+    for session, rank in ((a, 0), (b, 1)):
+        kill, launch = drain(session)  # in this order on each session: the agent reaps, then starts
+        assert (kill.release.job_id, kill.release.kill) == ("j-1", True)
+        assert [r.rank for r in launch.launch.ranks] == [rank]
+        assert launch.launch.ranks[0].master_port == again.master_port
+        assert launch.launch.init.resume_version == "j-1:3"
+
+
+def test_a_rebuild_excluding_a_worker_places_the_ranks_elsewhere_or_reports_they_do_not_fit(plane):
+    plane.register("wa")
+    b = plane.register("wb")
+    plane.register("wc")
+    allocate(plane, "j-1", dp=2)  # wa, wb
+    again = rebuild(plane, "j-1", exclude=["wb"])
+    assert list(again.worker_ids) == ["wa", "wc"]
+    assert [cmd.WhichOneof("command") for cmd in drain(b)] == ["launch", "release"]  # killed, not relaunched
+    short = rebuild(plane, "j-1", exclude=["wa"])  # wb stays excluded: only wc is left
+    assert isinstance(short, control_pb2.ResourcesInsufficient)
+    assert short.reason == "1 are free on 1 registered workers (excluding wa, wb)"
+    assert isinstance(rebuild(plane, "j-unknown"), control_pb2.ResourcesInsufficient)
+
+
 def test_a_kill_of_a_job_unknown_here_goes_to_every_worker(plane):
     # e.g. a job restored after a restart whose ranks may still run somewhere
     a, b = plane.register("wa"), plane.register("wb")

@@ -24,8 +24,8 @@ def wired(mode, seq_len=4, batch=2, pad_id=9, separator_id=-1, start=None):
     bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.MicroBatch, lambda m, p: batches.append(m))
     bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.DataExhausted, lambda m, p: exhausted.append(m))
     cfg = data_pb2.PackerConfig(seq_len=seq_len, micro_batch_size=batch, pad_id=pad_id, mode=mode,
-                                separator_id=separator_id)
-    bus.port(Module.L2_TRAINING_LOOP, Module.L4_BATCH_PACKER)(cfg, start)
+                                separator_id=separator_id, start=start)
+    bus.port(Module.L2_TRAINING_LOOP, Module.L4_BATCH_PACKER)(cfg)
     return bus, batches, exhausted
 
 

@@ -123,3 +123,15 @@ def test_the_pipeline_outpaces_a_rank_by_far(tmp_path):
     rate = n / (time.perf_counter() - t0)
     print(f"in-process stream: {rate:.0f} micro-batches/s (8 x 256)")
     assert n == 1500 and rate > 300
+
+
+def test_the_resume_position_travels_in_the_commands_own_fields_and_must_agree(dataset, root):
+    full = stream(root, seq_len=16, micro_batch_size=2)
+    start = full[3].next
+    req = open_stream(seq_len=16, micro_batch_size=2, start=start)
+    req.packer.start.CopyFrom(start)  # what the relay fills in from `start` itself
+    req.shuffle.start_document = start.document
+    assert [key(b) for b in build_stream(root).batches(req)] == [key(b) for b in full[4:]]
+    req.shuffle.start_document = start.document + 1
+    with pytest.raises(InvalidConfig, match=r"shuffle.start_document \d+ differs from start.document"):
+        list(build_stream(root).batches(req))

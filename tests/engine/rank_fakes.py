@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from services.compute.inference import SafeLoadPlanner
+from services.compute.inference import safe_load
 from services.contract import data_pb2, engine_pb2, store_pb2
 from services.contract.bus import Emitter
 from services.engine.training_loop import Batch
@@ -85,12 +85,14 @@ class FakeData:
 
 
 class FakeStore:
-    """L5 relay: collects metric events; checkpoints into ``root/<step>`` with DCP."""
+    """L5 relay: collects metric events; checkpoints into ``root/<step>`` with DCP
+    (synchronously, whatever ``write_async`` says)."""
 
     def __init__(self, events: Emitter, root: Path):
         self._events, self._root = events, root
         self.metrics: list[Any] = []
         self.committed: list[store_pb2.SaveCompleted] = []
+        self.flushed = 0
 
     def on_step_completed(self, msg, payload=None):
         self.metrics.append(msg)
@@ -105,6 +107,9 @@ class FakeStore:
             dist.barrier()
         return store_pb2.SaveStaged(job_id=msg.job_id, step=msg.step, staging_path=str(path))
 
+    def flush_checkpoint(self, msg: store_pb2.FlushCheckpoint, payload=None):
+        self.flushed += 1
+
     def commit_checkpoint(self, msg: store_pb2.CommitCheckpoint, payload=None):
         done = store_pb2.SaveCompleted(job_id=msg.job_id, version=f"{msg.job_id}:{len(self.committed) + 1}",
                                        step=msg.step, path=str(self._root / f"step{msg.step}"))
@@ -114,7 +119,7 @@ class FakeStore:
 
     def load_checkpoint(self, msg: store_pb2.LoadCheckpoint, payload):
         path = self._root / msg.version
-        dcp.load(payload, checkpoint_id=str(path), planner=SafeLoadPlanner())
+        safe_load(payload, str(path))
         return store_pb2.CheckpointLoaded(info=store_pb2.CheckpointInfo(version=msg.version, path=str(path)))
 
 
@@ -153,6 +158,8 @@ def tiny_spec(**overrides: Any):
             raw[key] = {**raw.get(key, {}), **value}
         else:
             raw[key] = value
+    if "warmup_steps" not in overrides.get("optimizer", {}):  # a short run warms up for less
+        raw["optimizer"]["warmup_steps"] = min(raw["optimizer"]["warmup_steps"], raw["steps"] - 1)
     return JobSpec.model_validate(raw)
 
 

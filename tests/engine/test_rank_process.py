@@ -30,11 +30,15 @@ class FakeAgent(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self):
         self.events: queue.Queue = queue.Queue()
         self.commands: queue.Queue = queue.Queue()
+        self.heartbeats: list[worker_pb2.RankHeartbeat] = []  # kept apart: they come every second
 
     def RankSession(self, requests, context):
         def read():
             try:
                 for ev in requests:
+                    if ev.WhichOneof("event") == "heartbeat":
+                        self.heartbeats.append(ev.heartbeat)
+                        continue
                     self.events.put(ev)
             except grpc.RpcError:
                 pass

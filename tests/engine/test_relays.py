@@ -17,7 +17,7 @@ from services.contract import Module as M
 from services.contract import data_pb2, data_pb2_grpc, engine_pb2, store_pb2, store_pb2_grpc
 from services.contract.bus import Bus
 from services.worker.data_client import DataClient
-from services.worker.store_client import CheckpointError, StoreClient
+from services.worker.store_client import CheckpointError, CheckpointIntegrityError, StoreClient
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,15 +36,25 @@ class Data(data_pb2_grpc.DataServiceServicer):
 
 class Store(store_pb2_grpc.StoreServiceServicer):
     def __init__(self, root):
-        self.root, self.records = root, []
+        self.root, self.records, self.commits = root, [], []
 
     def BeginSave(self, request, context):
         if request.step == 13:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "disk full\nsecond line")
+        if request.step == 15:  # a place nothing can be written to
+            return store_pb2.SaveStaged(job_id=request.job_id, step=15, staging_path="/proc/version/staging")
         return store_pb2.SaveStaged(job_id=request.job_id, step=request.step, staging_path=str(self.root / "staging"))
 
     def CommitSave(self, request, context):
+        self.commits.append(request.step)
+        if request.step == 14:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "checkpoint j: step 14: x.distcp: changed while committing")
         return store_pb2.SaveCompleted(job_id=request.job_id, version=f"{request.job_id}:1", step=request.step)
+
+    def Load(self, request, context):
+        if request.version == "bad:1":
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "checkpoint bad:1: __0_0.distcp: sha256 mismatch")
+        context.abort(grpc.StatusCode.NOT_FOUND, f"checkpoint {request.version} not found (have: none)")
 
     def Record(self, request_iterator, context):
         n = 0
@@ -108,6 +118,8 @@ def store_relay(address: str):
     client = StoreClient(address, bus.emitter(M.L5_CHECKPOINT_MANAGER))
     bus.subscribe(M.L5_CHECKPOINT_MANAGER, store_pb2.SaveCheckpoint, client.save_checkpoint)
     bus.subscribe(M.L5_CHECKPOINT_MANAGER, store_pb2.CommitCheckpoint, client.commit_checkpoint)
+    bus.subscribe(M.L5_CHECKPOINT_MANAGER, store_pb2.FlushCheckpoint, client.flush_checkpoint)
+    bus.subscribe(M.L5_CHECKPOINT_MANAGER, store_pb2.LoadCheckpoint, client.load_checkpoint)
     bus.subscribe(M.L1_ORCHESTRATOR, store_pb2.SaveCompleted, lambda m, p=None: up.append(m))
     return client, bus.port(M.L2_TRAINING_LOOP, M.L5_CHECKPOINT_MANAGER), up
 
@@ -144,4 +156,58 @@ def test_a_checkpoint_is_written_to_the_staging_path_and_rank_0_commit_goes_up(s
     assert done.version == "j:1" and up == [done]
     with pytest.raises(CheckpointError, match=r"^store at 127.0.0.1:\d+: BeginSave: RESOURCE_EXHAUSTED: disk full second line$"):
         port(store_pb2.SaveCheckpoint(job_id="j", step=13, rank=0), {"model": weights})
+    client.close()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_an_async_save_returns_after_the_staging_copy_and_commits_once_the_write_is_done(server, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    address, _ = server
+    client, port, up = store_relay(address)
+    weights = {"w": torch.arange(1000.0)}
+    staged = port(store_pb2.SaveCheckpoint(job_id="j", step=6, rank=0, write_async=True), {"model": weights}).message
+    assert staged.seconds > 0
+    weights["w"] += 1.0  # training goes on: the save holds its own copy
+    assert port(store_pb2.CommitCheckpoint(job_id="j", step=6, world_size=1)).message is None  # in the background
+    assert port(store_pb2.FlushCheckpoint(job_id="j")).message is None
+    assert [u.version for u in up] == ["j:1"]  # committed after the write, then reported up
+    back = {"model": {"w": torch.zeros(1000)}}
+    dcp.load(back, checkpoint_id=staged.staging_path)
+    assert torch.equal(back["model"]["w"], torch.arange(1000.0))
+    client.close()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_background_commit_that_fails_is_raised_at_the_next_flush(server):
+    client, port, up = store_relay(server[0])
+    port(store_pb2.SaveCheckpoint(job_id="j", step=14, rank=0, write_async=True), {"model": {"w": torch.ones(3)}})
+    port(store_pb2.CommitCheckpoint(job_id="j", step=14, world_size=1))
+    with pytest.raises(CheckpointError, match="CommitSave: FAILED_PRECONDITION: checkpoint j: step 14: x.distcp: changed"):
+        port(store_pb2.FlushCheckpoint(job_id="j"))
+    assert up == []
+    port(store_pb2.FlushCheckpoint(job_id="j"))  # reported once; nothing is pending any more
+    client.close()
+
+
+def test_a_version_that_fails_verification_is_a_checkpoint_integrity_fault(server):
+    client, port, _ = store_relay(server[0])
+    with pytest.raises(CheckpointIntegrityError, match="Load: FAILED_PRECONDITION: checkpoint bad:1: __0_0.distcp: sha256") as e:
+        port(store_pb2.LoadCheckpoint(version="bad:1"), {"model": {"w": torch.ones(3)}})
+    assert e.value.fault_class == "checkpoint_integrity"
+    with pytest.raises(CheckpointError, match="NOT_FOUND") as e:
+        port(store_pb2.LoadCheckpoint(version="other:1"), {"model": {"w": torch.ones(3)}})
+    assert e.value.fault_class == "checkpoint_error"
+    client.close()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_background_write_that_fails_is_never_committed_and_is_raised_at_the_flush(server):
+    address, store = server
+    client, port, up = store_relay(address)
+    port(store_pb2.SaveCheckpoint(job_id="j", step=15, rank=0, write_async=True), {"model": {"w": torch.ones(3)}})
+    port(store_pb2.CommitCheckpoint(job_id="j", step=15, world_size=1))
+    with pytest.raises(CheckpointError, match="^checkpoint write failed: "):
+        port(store_pb2.FlushCheckpoint(job_id="j"))
+    assert store.commits == [] and up == []
     client.close()

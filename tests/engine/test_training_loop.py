@@ -45,6 +45,7 @@ def test_thirty_steps_on_real_text_reduce_the_loss_and_report_every_step(tmp_pat
     assert ev.step == 30 and ev.tokens == 4 * 8 * 64 and ev.loss < first
     assert isinstance(rank.up.events[-1], engine_pb2.TrainingLoopFinished)
     assert not rank.up.events[-1].stopped
+    assert rank.store.flushed == 1  # pending saves settle before the end is reported
     assert rank.store.metrics[: len(steps)] == steps  # the metrics relay sees the same events
     assert rank.data.opened[0].split == "train" and rank.data.opened[-1].split == "val"
 
@@ -105,6 +106,17 @@ def test_a_run_resumed_from_its_checkpoint_ends_with_the_same_parameters(tmp_pat
     assert [s.loss for s in resumed.steps()] == [s.loss for s in straight.steps()[4:]]
     a, b = straight.model_state(), resumed.model_state()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_checkpoint_written_with_another_data_order_is_refused_as_a_config_error(tmp_path):
+    first = LocalRank(tiny_spec(steps=4, checkpoint={"every_steps": 4}), tmp_path)
+    first.command(engine_pb2.StartTraining(job_id="job"))
+    first.run()
+    other = LocalRank(tiny_spec(steps=8, data={"shuffle_seed": 9}), tmp_path, resume_version="step4")
+    other.run()
+    (failed,) = other.up.of(engine_pb2.TrainingLoopFailed)
+    assert failed.fault_class == "config_error"
+    assert "data.shuffle_seed 1234" in failed.detail and "this job has 9" in failed.detail
 
 
 def test_an_unknown_dataset_is_reported_as_data_unavailable_with_the_reason(tmp_path):

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.grpc_server import channel
 from services.contract import Module, audit_pb2, audit_pb2_grpc
-from tests.conftest import REPO, kill_all, processes_with
+from tests.conftest import REPO, down_and_reap
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 SURGECTL = [sys.executable, "-m", "services.cli.surgectl"]
@@ -97,11 +97,7 @@ def small_stack(tmp_path_factory):
         assert up.returncode == 0, up.stdout + up.stderr
         yield home
     finally:
-        cli(home, "down", timeout=60)
-        stack_json = home / "run" / "stack.json"
-        if stack_json.exists():
-            kill_all([s["pid"] for s in json.loads(stack_json.read_text())["services"].values()])
-        kill_all(processes_with(str(home)))
+        down_and_reap(home, cli)
 
 
 def test_surgectl_audit_shows_the_routes_a_running_stack_used(small_stack: Path):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, kill_all, processes_with
+from tests.conftest import REPO, down_and_reap, processes_with
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -63,13 +63,7 @@ def stack(tmp_path_factory):
         assert up.returncode == 0, up.stdout + up.stderr
         yield home
     finally:
-        cli(home, "down", timeout=60)
-        stack_json = home / "run" / "stack.json"
-        if stack_json.exists():
-            kill_all([s["pid"] for s in json.loads(stack_json.read_text())["services"].values()])
-        kill_all(processes_with(f"--session 127.0.0.1"))  # ranks of this stack, if any survived
-        strays = [p for p in processes_with(str(home))]
-        kill_all(strays)
+        down_and_reap(home, cli)
 
 
 def stack_info(home: Path) -> dict:

@@ -110,8 +110,8 @@ def test_the_fault_detectors_grading_table_cannot_change_after_init():
         detector._rules["comm_error"] = 4  # read-only even from inside
     # No input carries rules: its commands and events are the monitoring start and faults.
     public = {n for n in dir(detector) if not n.startswith("_")}
-    assert public == {"start_fault_monitoring", "on_rank_exited", "on_training_loop_failed",
-                      "on_boundary_violation_reported"}
+    assert public == {"start_fault_monitoring", "reset_fault_ledger", "on_rank_heartbeat", "on_rank_exited",
+                      "on_training_loop_failed", "on_boundary_violation_reported"}
 
 
 # ---------------------------------------------------------------------- changes the seed lists

@@ -3,7 +3,9 @@
 A module acts when a command or an event arrives, on the thread that delivers it; none
 sleeps in a loop, waits with a timeout to look again, or keeps a timer or thread that
 wakes to look at anyone. Liveness is event-driven too: a rank that dies closes its stream
-and the exit arrives as an event, graded at once; no module keeps a heartbeat clock.
+and the exit arrives as an event, graded at once; a rank that falls silent or stops making
+progress misses a deadline that only its own heartbeats re-arm, kept by the fault detector
+alone (DESIGN.md law 4: silence past a deadline is judged by the layer above).
 
 Documented exceptions: the prefetcher's I/O pool and the checkpoint manager's hashing pool
 run work a command asked for (reads, SHA-256), and never look at another module.
@@ -12,6 +14,7 @@ run work a command asked for (reads, SHA-256), and never look at another module.
 from __future__ import annotations
 
 import ast
+import time
 
 import pytest
 
@@ -23,10 +26,13 @@ from .wiring import MODULES, source_tree
 WORKER_POOLS = {M.L4_PREFETCHER: "ThreadPoolExecutor", M.L5_CHECKPOINT_MANAGER: "ThreadPoolExecutor"}
 # Liveness deadlines, where a module keeps one: module -> why. A deadline is a one-shot
 # threading.Timer armed and re-armed (cancel + new Timer) only inside the handler of the
-# event that proves progress, so silence past it is the fault and nothing is polled. None
-# exists yet: a stalled rank (alive, no step progress) needs the step events routed to the
-# fault detector (an observer route in the proto), which is the contract's to add.
-DEADLINE_TIMERS: dict[int, str] = {}
+# event that proves progress, so silence past it is the fault and nothing is polled.
+DEADLINE_TIMERS: dict[int, str] = {
+    M.L1_FAULT_DETECTOR: (
+        "per rank: silence (re-armed by each RankHeartbeat) and stall (re-armed by a heartbeat "
+        "showing a new step); per job: the attribution window a comm_error waits for its cause"
+    ),
+}
 # A blocking call that takes a timeout is a poll when it sits in a loop: wake, look, wait again.
 TIMED_WAITS = {"sleep", "wait", "get", "put", "join", "poll", "select", "acquire", "result", "recv"}
 
@@ -99,11 +105,30 @@ def test_a_rank_exit_is_graded_and_decided_the_moment_its_event_arrives(tmp_path
     user = lambda: bus.command(M.EXT_USER, M.L1_ORCHESTRATOR, control_pb2.JobQuery(job_id=job)).message  # noqa: E731
     assert user().state == control_pb2.WARMING_UP
     bus.publish(M.EXT_HARDWARE, control_pb2.RankExited(job_id=job, rank=0, exit_code=-9, worker_id="w"))
-    # Synchronously, on the delivering thread: detector grades, orchestrator decides. No
-    # timer, no later sweep, no polling of the rank.
+    # Synchronously, on the delivering thread: detector grades, orchestrator decides (by the
+    # default fault policy: restart the ranks) and the recovery is commanded. No timer, no
+    # later sweep, no polling of the rank.
     status = user()
-    assert (status.state, status.outcome) == (control_pb2.TERMINATED, control_pb2.FAILED)
-    assert "SEVERE rank_exit" in status.message
+    assert status.state == control_pb2.FAULT_FROZEN
+    assert status.message == "recovering from rank_exit of rank 0"
+    control.journal.close()
+
+
+def test_a_silent_rank_is_declared_by_the_deadline_its_heartbeats_re_arm(tmp_path):
+    from services.contract import worker_pb2
+
+    from .test_reported_events_are_read_only import _control
+
+    control, job = _control(tmp_path, liveness="{heartbeat_interval_seconds: 0.1, heartbeat_timeout_seconds: 0.3}")
+    bus = control.bus
+    user = lambda: bus.command(M.EXT_USER, M.L1_ORCHESTRATOR, control_pb2.JobQuery(job_id=job)).message  # noqa: E731
+    beat = worker_pb2.RankHeartbeat(job_id=job, rank=0, worker_id="w")
+    for _ in range(5):  # beats faster than the deadline: nothing happens
+        bus.publish(M.EXT_HARDWARE, beat)
+        time.sleep(0.1)
+    assert user().state == control_pb2.WARMING_UP
+    time.sleep(0.6)  # silence: the detector's timer fires once and the orchestrator decides
+    assert user().message == "recovering from rank_silent of rank 0"
     control.journal.close()
 
 
@@ -121,10 +146,11 @@ def _identifiers(tree: ast.AST) -> set[str]:
     return {x.lower() for x in names}
 
 
-@pytest.mark.parametrize("module", list(MODULES), ids=M.Name)
+@pytest.mark.parametrize("module", [m for m in MODULES if m not in DEADLINE_TIMERS], ids=M.Name)
 def test_no_module_judges_another_modules_liveness_by_its_own_clock(module):
     # A module may time its own work (perf_counter deltas) or throttle its own journal; no
-    # module keeps a heartbeat, a last-seen clock or a staleness check on anyone. A silent
-    # rank is found by its closed stream (an event), graded by L1-3, decided by L1-1.
+    # module but the one keeping the deadlines (DEADLINE_TIMERS) keeps a heartbeat, a
+    # last-seen clock or a staleness check on anyone. A dead rank is found by its closed
+    # stream (an event), a silent one by L1-3's deadline; L1-3 grades, L1-1 decides.
     words = ("heartbeat", "last_seen", "stale", "liveness", "silent", "deadline", "watchdog")
     assert [n for n in _identifiers(source_tree(module)) if any(w in n for w in words)] == []

@@ -321,8 +321,9 @@ def test_the_recovery_controller_cannot_listen_for_faults(tmp_path):
     for event in (control_pb2.FaultReport, control_pb2.RankExited, engine_pb2.TrainingLoopFailed):
         with pytest.raises(RouteError):
             bus.subscribe(M.L1_RECOVERY_CONTROLLER, event, lambda m, p: None)
+    # It reaches the checkpoint manager (the snapshot) and the allocator (the rebuild), no one else.
     assert holds(built.modules[M.L1_RECOVERY_CONTROLLER]) == {
-        "ports": ["L5_CHECKPOINT_MANAGER"], "emitters": [], "modules": []}
+        "ports": ["L5_CHECKPOINT_MANAGER", "L1_RESOURCE_ALLOCATOR"], "emitters": [], "modules": []}
 
 
 def test_the_recovery_controller_loads_exactly_the_version_it_is_told():
@@ -333,18 +334,31 @@ def test_the_recovery_controller_loads_exactly_the_version_it_is_told():
         return store_pb2.CheckpointLoaded(info=store_pb2.CheckpointInfo(version=msg.version))
 
     bus.subscribe(CKPT, store_pb2.LoadCheckpoint, load)
-    recovery = RecoveryController(bus.port(M.L1_RECOVERY_CONTROLLER, CKPT))
+    relaunched = []
+
+    def rebuild(msg, payload):
+        relaunched.append(msg.resume_version)
+        return control_pb2.ResourcesReady(job_id=msg.job_id)
+
+    bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.RebuildCommunicator, rebuild)
+    recovery = RecoveryController(bus.port(M.L1_RECOVERY_CONTROLLER, CKPT),
+                                  bus.port(M.L1_RECOVERY_CONTROLLER, M.L1_RESOURCE_ALLOCATOR))
     done = recovery.start_recovery(control_pb2.StartRecovery(job_id="j", checkpoint_version="j:2"))
     assert isinstance(done, control_pb2.RecoveryCompleted) and done.checkpoint_version == "j:2"
     fresh = recovery.start_recovery(control_pb2.StartRecovery(job_id="k", checkpoint_version=""))
     assert isinstance(fresh, control_pb2.RecoveryCompleted) and fresh.checkpoint_version == ""
     assert asked == ["j:2"]  # "" is a fresh start: it picks no version of its own
+    assert relaunched == ["j:2", ""]  # the ranks load the version it was told, or none
 
 
 def test_the_recovery_controller_cannot_change_the_job_or_its_parallel_rules():
     # It may ask L5-1 for the named snapshot and L2-2 to rebuild the group on the same plan
-    # (seed L1-4 s5); it can send nothing that carries a configuration, a plan or a spec.
-    assert sends(M.L1_RECOVERY_CONTROLLER, COMMAND) <= {"LoadCheckpoint", "RebuildParallelGroup"}
+    # (seed L1-4 s5), or L1-2 to rebuild it by relaunching the ranks with the job config L1-1
+    # pushed (RebuildCommunicator carries a version and exclusions, never a config); it can
+    # send nothing that carries a configuration, a plan or a spec.
+    assert sends(M.L1_RECOVERY_CONTROLLER, COMMAND) <= {
+        "LoadCheckpoint", "VerifyCheckpoints", "RebuildParallelGroup", "RebuildCommunicator"}
+    assert not _fields("surge.v1.RebuildCommunicator") & {"init", "spec_json", "spec_yaml", "world_size", "backend"}
     for msg in (engine_pb2.InitJob, engine_pb2.RankAssignment, engine_pb2.ParallelPlan, control_pb2.AllocateResources):
         assert M.L1_RECOVERY_CONTROLLER not in default_table().route(msg).senders
 
@@ -384,7 +398,8 @@ def test_the_training_loop_cannot_request_resources_or_change_the_job(tmp_path):
 
 def test_the_orchestrator_only_commands_below_and_never_queries(tmp_path):
     orchestrator = build_control(tmp_path).modules[M.L1_ORCHESTRATOR]
-    assert sorted(holds(orchestrator)["ports"]) == ["L1_FAULT_DETECTOR", "L1_RESOURCE_ALLOCATOR", "L2_TRAINING_LOOP"]
+    assert sorted(holds(orchestrator)["ports"]) == [
+        "L1_FAULT_DETECTOR", "L1_RECOVERY_CONTROLLER", "L1_RESOURCE_ALLOCATOR", "L2_TRAINING_LOOP"]
     below = [r for r in default_table().routes() if M.L1_ORCHESTRATOR in r.senders and r.receivers & set(MODULES)]
     assert below and all(r.kind == COMMAND for r in below)
     assert not [r.message for r in below if "Query" in r.message or "Get" in r.message]

@@ -59,7 +59,7 @@ def test_the_metrics_logger_stores_raw_values_unsmoothed_and_uncorrected(tmp_pat
         assert (math.isnan(g.loss) and math.isnan(s.loss)) or (g.loss == s.loss and math.copysign(1, g.loss) == math.copysign(1, s.loss))
 
 
-def _control(tmp_path):
+def _control(tmp_path, liveness: str = "{}"):
     from services.control.__main__ import build
     from services.control.job_store import JobStore
 
@@ -71,7 +71,8 @@ def _control(tmp_path):
         steps: 5
         model: {n_layers: 1, d_model: 16, n_heads: 2}
         data: {dataset: x@v1, seq_len: 8, micro_batch_size: 2}
-        """)
+        optimizer: {warmup_steps: 0}
+        """) + f"liveness: {liveness}\n"
     status = control.bus.command(M.EXT_USER, M.L1_ORCHESTRATOR,
                                  control_pb2.SubmitJobRequest(spec_yaml=spec, spec_path="job.yaml")).message
     return control, status.job_id

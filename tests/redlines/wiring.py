@@ -177,6 +177,7 @@ def rank_spec():
         "name": "redlines", "steps": 2,
         "model": {"n_layers": 1, "d_model": 16, "n_heads": 2, "vocab_size": 32},
         "data": {"dataset": "tiny@v1", "seq_len": 8, "micro_batch_size": 2},
+        "optimizer": {"warmup_steps": 0},  # (warmup must be shorter than the run)
     })
 
 

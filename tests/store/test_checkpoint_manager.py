@@ -291,6 +291,14 @@ def test_retention_keeps_the_last_n_of_the_committing_job_only(manager):
     assert load(manager, "a:3").step == 30
 
 
+def test_keep_every_also_keeps_the_versions_whose_step_is_a_multiple_of_it(manager):
+    for step in (100, 200, 300, 400, 500, 600):
+        stage(manager, "a", step, {"__0_0.distcp": str(step).encode()})
+        manager.commit_save(store_pb2.CommitCheckpoint(job_id="a", step=step, world_size=1, keep_last=2, keep_every=200))
+    assert [load(manager, v).step for v in versions(manager, "a")] == [200, 400, 500, 600]
+    assert sorted(p.name for p in (manager._dir / "a").iterdir() if not p.name.startswith(".")) == ["2", "4", "5", "6"]
+
+
 def test_keep_last_zero_keeps_every_version(manager):
     for step in (1, 2, 3):
         save(manager, "a", step, keep_last=0)
@@ -315,3 +323,23 @@ def test_ranks_loading_one_version_at_once_all_get_the_same_verdict(manager):
         t.join(timeout=30)
     assert results["a:1"] == [good.manifest_sha256] * 8
     assert results["b:1"] == ["checkpoint b:1: __0_0.distcp: size 301 bytes, manifest says 300"] * 8
+
+
+# ---------------------------------------------------------------------- verify every version
+
+
+def test_verify_reports_each_version_of_the_job_intact_or_why_not_and_chooses_nothing(manager):
+    for step in (1, 2, 3):
+        save(manager, "a", step)
+    save(manager, "b", 1)
+    (Path(load(manager, "a:2").path) / ".metadata").write_bytes(b"mexa")  # same size, other bytes
+    report = manager.verify(store_pb2.VerifyCheckpoints(job_id="a"))
+    assert report.job_id == "a"
+    assert [(v.info.version, v.ok, v.reason) for v in report.versions] == [
+        ("a:1", True, ""), ("a:2", False, "checkpoint a:2: .metadata: sha256 mismatch"), ("a:3", True, "")]
+    assert versions(manager) == ["a:1", "a:2", "a:3", "b:1"]  # reported, nothing removed
+    with pytest.raises(CheckpointRejected):
+        load(manager, "a:2")
+    assert list(manager.verify(store_pb2.VerifyCheckpoints(job_id="none")).versions) == []
+    with pytest.raises(ValueError, match='job_id "a/b"'):
+        manager.verify(store_pb2.VerifyCheckpoints(job_id="a/b"))

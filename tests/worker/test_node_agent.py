@@ -351,13 +351,14 @@ def test_a_rank_killed_by_sigkill_is_reported_with_exit_code_minus_9_within_one_
     launch(control.servicer, "k", "sleep")
     pid = started_ranks(cluster, control.servicer, 1)[0]
 
-    t0 = time.monotonic()
+    t0, killed = time.monotonic(), time.time()
     os.kill(pid, signal.SIGKILL)
     exited = control.servicer.rank_exited(timeout=5)
     elapsed = time.monotonic() - t0
     assert (exited.job_id, exited.rank, exited.exit_code, exited.worker_id) == ("k", 0, -9, WORKER_ID)
     assert elapsed < 1.0, f"RankExited took {elapsed:.3f} s"
     assert "killed by SIGKILL" in exited.detail
+    assert not exited.released and 0 <= exited.unix_time - killed < 0.5  # when it was reaped
 
 
 def test_release_terminates_sleeping_ranks_and_kills_one_that_ignores_sigterm_after_grace(cluster):
@@ -371,8 +372,8 @@ def test_release_terminates_sleeping_ranks_and_kills_one_that_ignores_sigterm_af
     control.servicer.push(release=control_pb2.ReleaseRanks(job_id="rel", grace_seconds=1.0))
     first = control.servicer.rank_exited(timeout=5)
     second = control.servicer.rank_exited(timeout=5)
-    assert (first.rank, first.exit_code) == (0, -signal.SIGTERM)
-    assert (second.rank, second.exit_code) == (1, -signal.SIGKILL)
+    assert (first.rank, first.exit_code, first.released) == (0, -signal.SIGTERM, True)
+    assert (second.rank, second.exit_code, second.released) == (1, -signal.SIGKILL, True)
     assert time.monotonic() - t0 >= 1.0  # the stubborn rank had its grace period
     assert not any(alive(p) for p in pids.values())
 

@@ -1,0 +1,146 @@
+"""How long a checkpoint save blocks the training loop, synchronous against asynchronous,
+and how long a resume takes to load: the demo model (examples/jobs/demo.yaml), two gloo
+ranks, the real `store` service and the ranks' real checkpoint relay.
+
+    .venv/bin/python bench/checkpoint_save.py [--rounds 5] [--steps-between 3]
+
+Each rank holds the demo model and its AdamW state (after one update) and the loop's own
+state, and saves it ``rounds`` times per mode through ``StoreClient.save_checkpoint`` and,
+on rank 0, ``commit_checkpoint`` (what the loop blocks on), then both run k = ``steps-between`` training steps (micro-batch
+8 x 256, like the demo); "save + k steps" against "no_save: k steps" shows what the save
+costs in all, the background write's competition for the cores included. Modes are
+interleaved round by round. Then every rank loads the last
+version (store verification + DCP read). Medians over rounds, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_main(rank: int, world: int, port: int, store: str, rounds: int, steps_between: int, out: str) -> None:
+    import warnings
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    from types import SimpleNamespace
+
+    from services.compute.model import build_model
+    from services.compute.shard_loader import ModelState
+    from services.contract import data_pb2, store_pb2
+    from services.engine.optimizer import Optimizer
+    from services.engine.training_loop import LoopState
+    from services.jobspec import load_job_spec
+    from services.worker.store_client import StoreClient
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    spec = load_job_spec(REPO / "examples/jobs/demo.yaml")
+    model = build_model(spec.model, spec.seed)
+    opt = Optimizer(spec.optimizer, lambda *a, **k: 1)
+    opt.attach(model)
+    x = torch.randint(0, 256, (spec.data.micro_batch_size, spec.data.seq_len))
+
+    def train_step() -> float:
+        t0 = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)  # stands in for DDP's reduction (same bytes on the wire)
+        opt._optim.step()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    train_step()
+    loop = SimpleNamespace(_rank=rank, _world=world, _spec=spec, _step=0, _skipped=0, _loss_scale=1.0,
+                           _position=data_pb2.DataPosition(), _loaded_order=None)
+    state = {"model": ModelState(model), "optim": opt.export_state(None).payload, "train": LoopState(loop)}
+    client = StoreClient(store, lambda *a, **k: 1)
+    results: dict[str, list[float]] = {}
+    for _ in range(3):
+        train_step()  # warm-up
+    step = 0
+    for _ in range(rounds):  # modes interleaved, so drift in the machine's load hits both alike
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps_between):
+            train_step()
+        results.setdefault("no_save: k steps", []).append(time.perf_counter() - t0)
+        for mode in ("sync", "async"):
+            dist.barrier()
+            step += 1
+            loop._step = step
+            t0 = time.perf_counter()
+            client.save_checkpoint(store_pb2.SaveCheckpoint(job_id="bench", step=step, rank=rank,
+                                                            write_async=mode == "async"), state)
+            if rank == 0:  # the loop's rank 0 also waits for a synchronous commit
+                client.commit_checkpoint(store_pb2.CommitCheckpoint(job_id="bench", step=step, world_size=world,
+                                                                    spec_json="{}", keep_last=2))
+            blocked = time.perf_counter() - t0
+            for _ in range(steps_between):
+                train_step()
+            results.setdefault(f"{mode}: blocked", []).append(blocked)
+            results.setdefault(f"{mode}: save + k steps", []).append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            client.flush_checkpoint(store_pb2.FlushCheckpoint(job_id="bench"))
+            results.setdefault(f"{mode}: flush wait after", []).append(time.perf_counter() - t0)
+    for _ in range(rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        client.load_checkpoint(store_pb2.LoadCheckpoint(version="bench:latest"), state)
+        results.setdefault("load", []).append(time.perf_counter() - t0)
+    client.close(timeout=2)
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps-between", type=int, default=3)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        port, metrics = free_port(), free_port()
+        store = subprocess.Popen([sys.executable, "-m", "services.store", "--port", str(port), "--metrics-port",
+                                  str(metrics), "--root", f"{tmp}/store"], cwd=REPO,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(2.0)
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
+            mp.spawn(rank_main, args=(2, free_port(), f"127.0.0.1:{port}", args.rounds, args.steps_between, tmp),
+                     nprocs=2, join=True)
+            results = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(2)]
+            size = sum(f.stat().st_size for f in Path(tmp, "store", "checkpoints", "bench").rglob("*") if f.is_file())
+        finally:
+            store.terminate()
+            store.wait()
+    print(f"demo model, 2 gloo ranks, {args.rounds} rounds, checkpoint dirs on disk {size / 1e6:.1f} MB (2 versions)")
+    print(f"{'what (median ms)':32} {'rank 0':>8} {'rank 1':>8}")
+    for key in results[0]:
+        row = [1e3 * statistics.median(r[key]) for r in results]
+        print(f"{key:32} {row[0]:8.1f} {row[1]:8.1f}   rank 0 each: {' '.join(f'{1e3 * v:.0f}' for v in results[0][key])}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""`surgectl logs` and `surgectl plot`: a job's rank logs and its loss/throughput curves.
+
+Both read files of the local stack (the machine running `surgectl up`):
+
+* rank logs: every node agent writes each rank's stdout/stderr (structlog JSON lines) to
+  ``<run dir>/logs/<job>.rank<R>.log`` (``$SURGE_HOME/run/logs`` for the local stack). On a
+  multi-node cluster those files live on each worker's node; control does not stream them
+  (yet), so run `surgectl logs` there (same SURGE_HOME) or read the files directly.
+* step records: the store's metrics logger persists every raw ``StepCompleted`` /
+  ``EvalCompleted`` as one JSON line in ``<store root>/metrics/<job>.jsonl``
+  (``$SURGE_STORE_ROOT`` or ``$SURGE_HOME/store``). When that file is not on this machine,
+  `plot` falls back to control's event history (``WatchJob``), whose step events are
+  sampled (about one per second), so the curve is coarser.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.cli import render
+from services.cli.errors import CliError
+from services.common import paths
+
+_RANK_LOG = re.compile(r"^(?P<job>.+)\.rank(?P<rank>\d+)\.log$")
+FIRST = ("timestamp", "level", "service", "job", "rank", "step", "event", "logger")
+
+
+def safe_name(job: str) -> str:
+    """The file-name form of a job id, as the node agent writes it."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", job).lstrip(".") or "_"
+
+
+def logs_dir() -> Path:
+    return paths.run_dir() / "logs"
+
+
+def rank_logs(job: str, directory: Path | None = None) -> dict[int, Path]:
+    """rank -> log file of ``job`` under ``directory`` (default: the local stack's)."""
+    directory = directory or logs_dir()
+    if not directory.is_dir():
+        return {}
+    want = safe_name(job)
+    found = {}
+    for f in directory.iterdir():
+        m = _RANK_LOG.match(f.name)
+        if m and m["job"] == want:
+            found[int(m["rank"])] = f
+    return dict(sorted(found.items()))
+
+
+@dataclass
+class LogLine:
+    rank: int
+    text: str                   # the line as written (without its newline)
+    record: dict | None         # the JSON object, or None for a line that is not JSON
+
+    @property
+    def timestamp(self) -> str:
+        return str(self.record.get("timestamp", "")) if self.record else ""
+
+    def human(self) -> str:
+        if self.record is None:
+            return f"rank {self.rank}  {self.text}"
+        r = dict(self.record)
+        ts = str(r.pop("timestamp", ""))[11:23]
+        level = str(r.pop("level", "")).upper()[:5]
+        event = r.pop("event", "")
+        for k in ("service", "job", "logger"):
+            r.pop(k, None)
+        rank = r.pop("rank", self.rank)
+        step = r.pop("step", None)
+        where = f"rank {rank}" + (f" step {step}" if step is not None else "")
+        rest = " ".join(f"{k}={v}" for k, v in r.items())
+        return f"{ts} {level:<5} {where:<16} {event}" + (f"  {rest}" if rest else "")
+
+
+def parse(rank: int, text: str) -> LogLine:
+    try:
+        record = json.loads(text)
+    except ValueError:
+        record = None
+    return LogLine(rank, text, record if isinstance(record, dict) else None)
+
+
+def read_all(files: dict[int, Path]) -> list[LogLine]:
+    """Every line of every rank, ordered by timestamp (lines without one keep their place
+    after the previous line of their rank)."""
+    lines: list[tuple[str, int, int, LogLine]] = []
+    for rank, f in files.items():
+        last = ""
+        for i, text in enumerate(f.read_text(errors="replace").splitlines()):
+            if not text.strip():
+                continue
+            line = parse(rank, text)
+            last = line.timestamp or last
+            lines.append((last, rank, i, line))
+    lines.sort(key=lambda t: t[:3])
+    return [t[3] for t in lines]
+
+
+def follow(job: str, finished: Callable[[], bool], poll_s: float = 0.5,
+           directory: Path | None = None) -> Iterator[LogLine]:
+    """Lines as they are written, until ``finished()`` (asked between polls) and no file has
+    grown since; rank files that appear later (a relaunch) are picked up."""
+    offsets: dict[Path, int] = {}
+    partial: dict[Path, str] = {}
+    while True:
+        done = finished()  # asked before reading: nothing written before the end is missed
+        grew = False
+        for rank, f in rank_logs(job, directory).items():
+            try:
+                with open(f, "rb") as fh:
+                    fh.seek(offsets.get(f, 0))
+                    chunk = fh.read()
+            except OSError:
+                continue
+            if not chunk:
+                continue
+            grew = True
+            offsets[f] = offsets.get(f, 0) + len(chunk)
+            text = partial.pop(f, "") + chunk.decode(errors="replace")
+            *complete, rest = text.split("\n")
+            if rest:
+                partial[f] = rest
+            for t in complete:
+                if t.strip():
+                    yield parse(rank, t)
+        if done and not grew:
+            return
+        time.sleep(poll_s)
+
+
+# ---------------------------------------------------------------------------------- plot
+
+
+def metrics_file(job: str) -> Path:
+    return paths.store_root() / "metrics" / f"{job}.jsonl"
+
+
+def history_from_jsonl(path: Path, rank: int | None = None) -> render.History:
+    """Train loss, tokens/s and held-out loss per step of one rank (default: the lowest
+    rank present; each rank reports its own loss, tokens/s counts all ranks). A step
+    recorded twice (replayed after a rollback) keeps its last record."""
+    steps: dict[int, dict[int, tuple[float, float]]] = {}
+    evals: dict[int, dict[int, float]] = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except ValueError:
+            raise CliError(f"{path}: line {n} is not JSON; the metrics file is damaged") from None
+        rk = int(r.get("rank", 0))
+        if r.get("type") == "step":
+            steps.setdefault(rk, {})[int(r["step"])] = (_num(r.get("loss")), _num(r.get("tokens_per_second")))
+        elif r.get("type") == "eval":
+            evals.setdefault(rk, {})[int(r["step"])] = _num(r.get("loss"))
+    if not steps:
+        raise CliError(f"{path}: no step records yet")
+    if rank is None:
+        rank = min(steps)
+    elif rank not in steps:
+        raise CliError(f"{path}: no step records of rank {rank} (ranks present: {', '.join(map(str, sorted(steps)))})")
+    h = render.History()
+    for step, (loss, tps) in sorted(steps[rank].items()):
+        h.steps.append(step)
+        h.loss.append(loss)
+        h.tokens_per_second.append(tps)
+    for step, loss in sorted(evals.get(rank, {}).items()):
+        if not math.isnan(loss):
+            h.eval_steps.append(step)
+            h.eval_loss.append(loss)
+    return h
+
+
+def history_from_events(events) -> render.History:
+    """The same from control's WatchJob history (step events are sampled there)."""
+    h = render.History()
+    for ev in events:
+        s = ev.status
+        h.last = s
+        if ev.type == "step" and s.step and (not h.steps or s.step > h.steps[-1]):
+            h.steps.append(s.step)
+            h.loss.append(s.train_loss)
+            h.tokens_per_second.append(s.tokens_per_second)
+        if ev.type == "eval" and not math.isnan(s.eval_loss):
+            h.eval_steps.append(s.step)
+            h.eval_loss.append(s.eval_loss)
+    if s := h.last:  # the final point: the status after the last event
+        if s.step and (not h.steps or s.step > h.steps[-1]) and s.train_loss:
+            h.steps.append(s.step)
+            h.loss.append(s.train_loss)
+            h.tokens_per_second.append(s.tokens_per_second)
+    return h
+
+
+def _num(v) -> float:
+    if isinstance(v, str):  # the metrics logger writes NaN / Infinity as strings
+        return float(v)
+    return float(v) if v is not None else math.nan

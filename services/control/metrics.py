@@ -1,0 +1,54 @@
+"""Prometheus metrics of the control plane's fault handling (served on control's /metrics).
+
+The orchestrator observes them as it decides (it receives every fault report); nothing here
+reads another module. Names and labels:
+
+* ``surge_faults_total{grade,class}``: graded fault reports, consequences of an incident
+  included;
+* ``surge_fault_detection_latency_seconds{class}``: from when the fault happened, as far as
+  the report knows it (a rank's exit reaped, its last heartbeat, its last step progress), to
+  the report reaching the orchestrator;
+* ``surge_recovery_seconds{class}``: from the decision to recover to the first training step
+  completed after it (kill, relaunch, restore and one step);
+* ``surge_fault_decisions_total{class,action}``: one per incident (ignore, restart_ranks,
+  rollback, exclude_node, stop; ``budget_exhausted`` when a relaunch was refused).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+from services.contract import control_pb2
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 120.0)
+_RECOVERY_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 300.0, 600.0)
+
+FAULTS = Counter("surge_faults_total", "Graded fault reports received by the orchestrator.", ["grade", "class"])
+DETECTION_LATENCY = Histogram(
+    "surge_fault_detection_latency_seconds",
+    "Seconds from a fault happening to its graded report reaching the orchestrator.",
+    ["class"],
+    buckets=_LATENCY_BUCKETS,
+)
+RECOVERY = Histogram(
+    "surge_recovery_seconds",
+    "Seconds from the decision to recover to the first training step completed after it.",
+    ["class"],
+    buckets=_RECOVERY_BUCKETS,
+)
+DECISIONS = Counter("surge_fault_decisions_total", "Decisions on fault incidents.", ["class", "action"])
+
+
+class ControlMetrics:
+    """What the orchestrator records; a composition root may pass a stand-in in tests."""
+
+    def fault_reported(self, report: control_pb2.FaultReport, received_unix: float) -> None:
+        FAULTS.labels(control_pb2.FaultGrade.Name(report.grade), report.fault_class).inc()
+        if report.occurred_unix > 0:
+            DETECTION_LATENCY.labels(report.fault_class).observe(max(0.0, received_unix - report.occurred_unix))
+
+    def decided(self, fault_class: str, action: str) -> None:
+        DECISIONS.labels(fault_class, action).inc()
+
+    def recovered(self, fault_class: str, seconds: float) -> None:
+        RECOVERY.labels(fault_class).observe(seconds)

@@ -1,0 +1,170 @@
+"""Rank-side fault hooks, installed on the training loop's ports by the rank's composition
+root (``rank.py``). No module file knows about them.
+
+* :class:`StepGuard` turns two numerical faults into typed failures the layers above grade
+  and decide on (job spec ``fault_policy``), instead of letting them pass silently:
+  a training pass whose loss is NaN or inf ends the rank with fault class
+  ``non_finite_loss``; ``fault_policy.overflow_storm_steps`` consecutive steps whose
+  gradients overflowed (each skipped by the loop's skip policy) end it with
+  ``overflow_storm``. Nothing is smoothed, clipped or replaced: the step that carried the
+  value is never applied, and the rank stops on it.
+* :class:`FaultInjector` is for tests, and off unless ``SURGE_FAULT_INJECT`` is set::
+
+      SURGE_FAULT_INJECT="<job name>:<kind>@<step>[:rank=<r>][,...]"
+
+  kinds: ``nan_loss`` (the logits of that step's first micro-batch become NaN, so its loss
+  and gradients are NaN, as a real divergence would make them) and ``hang`` (the rank's
+  main thread blocks forever before that step's backward; its heartbeat goes on, its peers
+  wait in the collective: a stall). Each injection fires once per job and rank, also
+  across relaunches: it leaves a marker file under ``$SURGE_HOME/run/faults``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.common import paths
+from services.contract import engine_pb2
+from services.contract.bus import CommandPort, Reply
+from services.engine.training_loop import TrainingFault
+
+INJECT_ENV = "SURGE_FAULT_INJECT"
+KINDS = ("nan_loss", "hang")
+
+
+@dataclass(frozen=True)
+class Injection:
+    kind: str
+    step: int
+    rank: int
+
+
+def parse_injections(text: str, job_name: str) -> list[Injection]:
+    """The injections of ``SURGE_FAULT_INJECT`` that name ``job_name``.
+
+    Raises:
+        ValueError: an entry that does not parse (the message quotes it).
+    """
+    out = []
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        try:
+            name, what, *opts = entry.split(":")
+            kind, step = what.split("@")
+            rank = 0
+            for opt in opts:
+                key, value = opt.split("=")
+                if key != "rank":
+                    raise ValueError(key)
+                rank = int(value)
+            if kind not in KINDS:
+                raise ValueError(kind)
+            injection = Injection(kind, int(step), rank)
+        except ValueError:
+            raise ValueError(
+                f"{INJECT_ENV}: {entry!r}: expected <job name>:<{'|'.join(KINDS)}>@<step>[:rank=<r>]"
+            ) from None
+        if name == job_name:
+            out.append(injection)
+    return out
+
+
+class FaultInjector:
+    """Test-only faults for one rank (see the module docstring).
+
+    Args:
+        injections: this job's injections (all ranks; only ``rank``'s fire here).
+        job_id, rank: who this is (the marker file's name).
+        marker_dir: where fired injections are remembered (default ``$SURGE_HOME/run/faults``).
+    """
+
+    def __init__(self, injections: list[Injection], job_id: str, rank: int, marker_dir: Path | None = None):
+        self._mine = [i for i in injections if i.rank == rank]
+        self._job_id, self._rank = job_id, rank
+        self._markers = marker_dir or paths.run_dir() / "faults"
+
+    @classmethod
+    def from_env(cls, job_name: str, job_id: str, rank: int) -> FaultInjector | None:
+        text = os.environ.get(INJECT_ENV, "")
+        injections = parse_injections(text, job_name) if text else []
+        return cls(injections, job_id, rank) if injections else None
+
+    def before_backward(self, step: int, payload: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Apply what is due at ``step`` to the backward pass's (logits, labels)."""
+        for injection in self._mine:
+            if injection.step != step or not self._fire(injection):
+                continue
+            if injection.kind == "nan_loss":
+                logits, labels = payload
+                payload = (logits * float("nan"), labels)
+            elif injection.kind == "hang":
+                threading.Event().wait()  # forever: the rank is alive and makes no progress
+        return payload
+
+    def _fire(self, injection: Injection) -> bool:
+        """True the first time ``injection`` is due for this job and rank (marker file)."""
+        self._markers.mkdir(parents=True, exist_ok=True)
+        marker = self._markers / f"{self._job_id}.rank{self._rank}.{injection.kind}@{injection.step}"
+        try:
+            marker.touch(exist_ok=False)
+        except FileExistsError:
+            return False
+        return True
+
+
+class StepGuard:
+    """Wraps the loop's ports to the backward unit and the precision manager.
+
+    Args:
+        overflow_storm_steps: consecutive overflowing steps that end the rank (K).
+        step: the step the loop is running now (the rank session's last completed step + 1).
+        grad_accum: micro-steps per step (one backward pass each).
+        injector: test-only faults, or None.
+    """
+
+    def __init__(
+        self, overflow_storm_steps: int, step: Callable[[], int], *, injector: FaultInjector | None = None
+    ):
+        self._storm_steps = overflow_storm_steps
+        self._step = step
+        self._injector = injector
+        self._overflows = 0  # consecutive steps whose gradients were not finite
+
+    def backward(self, port: CommandPort) -> Callable[..., Reply]:
+        def run_backward(msg: engine_pb2.RunBackward, payload: Any = None) -> Reply:
+            if msg.backward and self._injector is not None:
+                payload = self._injector.before_backward(self._step(), payload)
+            reply = port(msg, payload)
+            done = reply.message
+            if msg.backward and isinstance(done, engine_pb2.BackwardDone) and not math.isfinite(done.loss_sum):
+                raise TrainingFault(
+                    "non_finite_loss",
+                    f"training loss is {done.loss_sum} at step {self._step()} ({done.tokens} tokens): "
+                    "the step is not applied",
+                )
+            return reply
+
+        return run_backward
+
+    def precision(self, port: CommandPort) -> Callable[..., Reply]:
+        def unscale_and_check(msg: Any, payload: Any = None) -> Reply:
+            reply = port(msg, payload)
+            checked = reply.message
+            if isinstance(checked, engine_pb2.OverflowChecked):
+                self._overflows = self._overflows + 1 if checked.found_inf else 0
+                if self._overflows >= self._storm_steps:
+                    raise TrainingFault(
+                        "overflow_storm",
+                        f"{self._overflows} consecutive steps overflowed (up to step {msg.step}, loss scale "
+                        f"{checked.loss_scale:g}); fault_policy.overflow_storm_steps is {self._storm_steps}",
+                    )
+            return reply
+
+        return unscale_and_check

@@ -1,0 +1,173 @@
+"""Exact resume with real processes: two gloo rank processes, the real `data` and `store`
+services, and the test as node agent and orchestrator.
+
+One job runs 30 steps uninterrupted. Another is killed (SIGKILL, both ranks) after a
+checkpoint and resumed from it via ``InitJob.resume_version``, three times: once in the
+first epoch and twice in the second (the dataset is tiny, an epoch is ~10 steps), the last
+time from a version whose shard was damaged, which the store refuses (the rank reports
+``checkpoint_integrity``) so the orchestrator's choice falls back to the newest intact
+version. Every step the resumed job replays must report the same loss, and every version
+both jobs committed at the same step must hold the same bytes of state: model, optimizer,
+step, loss scale, data position and every rank's RNG streams. Saves are asynchronous; a
+third job saving synchronously commits the same state.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from services.data.prepare import prepare_dataset
+from services.jobspec import JobSpec
+
+from .harness import Cluster, Processes, start_data, start_store, verify, versions_of
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+STEPS, EVERY = 30, 4
+
+
+def spec(**checkpoint) -> JobSpec:
+    return JobSpec.model_validate({
+        "name": "resume",
+        "steps": STEPS,
+        "seed": 3,
+        "model": {"n_layers": 1, "d_model": 32, "n_heads": 2},
+        "data": {"dataset": "tiny@v1", "seq_len": 32, "micro_batch_size": 2, "shuffle_seed": 11,
+                 "prefetch": {"watermark": 8, "threads": 1}},
+        "parallel": {"dp": 2},
+        "optimizer": {"lr": 3e-3, "warmup_steps": 3},
+        "checkpoint": {"every_steps": EVERY, "keep_last": 0, "at_end": True, **checkpoint},
+        "eval": {"every_steps": 0, "at_end": False, "batches": 1},
+    })
+
+
+def corpus(directory: Path) -> Path:
+    """16 small Python-like files (~60..200 bytes): a rank's epoch is ~10 steps."""
+    rng = random.Random(5)
+    for i in range(16):
+        lines = [f"def f{i}_{j}(x):\n    return x * {rng.randint(2, 99)}\n" for j in range(rng.randint(2, 6))]
+        (directory / f"m{i:02d}.py").write_text("".join(lines))
+    return directory
+
+
+def state_of(path: str, scratch: Path) -> dict:
+    """Every key of a committed DCP checkpoint, flattened (``model.*``, ``optim.*``, ``train.*``)."""
+    out = scratch / (Path(path).parent.name + "-" + Path(path).name + ".pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_to_torch_save(path, out)
+    return _flatten(torch.load(out, weights_only=True))
+
+
+def _flatten(tree, prefix: str = "") -> dict:
+    if isinstance(tree, dict):
+        flat = {}
+        for k, v in tree.items():
+            flat.update(_flatten(v, f"{prefix}{k}."))
+        return flat
+    return {prefix[:-1]: tree}
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    home = tmp_path_factory.mktemp("exact")
+    src = home / "src"
+    src.mkdir()
+    prepare_dataset(corpus(src), "tiny", "v1", home / "datasets", val_fraction=0.1)
+    procs = Processes(home / "logs")
+    try:
+        _, data = start_data(procs, home / "datasets")
+        _, store = start_store(procs, home / "store")
+        c = Cluster(procs, data, store)
+        c.home = home
+        yield c
+        c.close()
+    finally:
+        procs.close()
+
+
+def test_a_job_killed_and_resumed_three_times_ends_bit_identical_to_one_never_interrupted(cluster):
+    scratch = cluster.home / "scratch"
+    scratch.mkdir()
+    straight = cluster.run("straight", spec())
+    assert straight.finished and not straight.failed, straight.failed
+    assert sorted(straight.losses) == list(range(1, STEPS + 1))
+    assert sorted(straight.saved) == [*range(EVERY, STEPS, EVERY), STEPS]
+    epochs = straight.epochs
+    # The resume points below: step 8 in the first epoch, 16 and 20 both in the second
+    # (20: the fallback from a damaged version at 24).
+    assert (epochs[8], epochs[16], epochs[20]) == (0, 1, 1) and epochs[STEPS] >= 2, epochs
+
+    job, losses = "killed", {}
+
+    def leg(resume: str, kill_after: int, start: int):
+        out = cluster.run(job, spec(), resume=resume, kill_after_saved=kill_after)
+        assert out.start_step == start
+        assert not out.failed and not out.finished and out.killed_after_step > kill_after, out
+        losses.update(out.losses)
+        assert out.losses == {s: straight.losses[s] for s in out.losses}, (resume, out.losses)
+        return out
+
+    first = leg("", 8, 0)
+    second = leg(first.saved[8], 16, 8)
+    third = leg(second.saved[16], 24, 16)
+
+    # The newest version is damaged on disk: one flipped byte in a shard.
+    newest = versions_of(cluster.store_address, job)[-1]
+    assert newest.step >= 24
+    shard = sorted(p for p in Path(newest.path).iterdir() if p.suffix == ".distcp")[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    refused = cluster.run(job, spec(), resume=newest.version)
+    assert not refused.finished and refused.losses == {}
+    assert {f.fault_class for f in refused.failed} == {"checkpoint_integrity"}
+    assert all("sha256 mismatch" in f.detail and newest.version in f.detail for f in refused.failed)
+    # The orchestrator's choice: the newest version the store reports intact.
+    verdicts = verify(cluster.store_address, job)
+    assert [(v.info.version, v.ok) for v in verdicts][-1] == (newest.version, False)
+    assert "sha256 mismatch" in verdicts[-1].reason
+    good = [v.info for v in verdicts if v.ok][-1]
+    assert good.step == newest.step - EVERY and good.version == third.saved[good.step]
+
+    last = cluster.run(job, spec(), resume=good.version)
+    assert last.finished and not last.failed and last.start_step == good.step
+    losses.update(last.losses)
+    assert losses == straight.losses  # every step of the job, replays included
+
+    # Every version committed by both jobs at the same step holds the same state, bit for
+    # bit: the final one (weights and optimizer after step 30) and all those before it.
+    ours = {v.step: v for v in versions_of(cluster.store_address, job) if v.version != newest.version}
+    theirs = {v.step: v for v in versions_of(cluster.store_address, "straight")}
+    assert set(ours) == set(theirs)
+    for step in sorted(ours):
+        a, b = state_of(theirs[step].path, scratch), state_of(ours[step].path, scratch)
+        assert a.keys() == b.keys(), step
+        different = [k for k in a if not same(a[k], b[k])]
+        assert not different, f"step {step}: {different}"
+    # A synchronous save writes exactly what an asynchronous one does.
+    sync = cluster.run("sync", spec(**{"async": False}))
+    assert sync.finished and sync.losses == straight.losses
+    for v in versions_of(cluster.store_address, "sync"):
+        a, b = state_of(theirs[v.step].path, scratch), state_of(v.path, scratch)
+        assert a.keys() == b.keys() and all(same(a[k], b[k]) for k in a), v.step
+    final = state_of(ours[STEPS].path, scratch)
+    assert int(final["train.step"]) == STEPS
+    assert {k.split(".")[1] for k in final if k.startswith("train.rank")} == {"rank0", "rank1"}
+    for r in (0, 1):
+        assert final[f"train.rank{r}.data_position"].tolist()[0] == epochs[STEPS]
+        assert {"torch", "numpy_words", "python_words"} <= {k.split(".")[-1] for k in final if f"rank{r}.rng" in k}

@@ -1,0 +1,210 @@
+"""Decisions on faults (issue 4): one decision per incident, by the job's fault policy, with
+restart budgets per class; recoveries commanded to the recovery controller and executed by
+the allocator on the node-agent sessions. Driven in-process through the real bus and relays,
+with the test standing in for the node agents and for the store's verification."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from services.contract import control_pb2, engine_pb2, store_pb2
+from services.control.__main__ import build
+from services.control.job_store import JobStore
+from services.control.server import StoreRelay
+
+from .conftest import Plane, drain
+
+S, O = control_pb2.JobState, control_pb2.JobOutcome
+pytestmark = pytest.mark.timeout(30)
+# No attribution window: reports reach the orchestrator at once (the detector's own tests
+# cover the window).
+QUICK = "liveness: {attribution_seconds: 0}"
+
+
+@pytest.fixture
+def store(monkeypatch):
+    """Stands in for the store's verification of a checkpoint version (LoadCheckpoint)."""
+    seen = SimpleNamespace(usable=set(), asked=[])
+
+    def load(self, msg, payload=None):
+        seen.asked.append(msg.version)
+        if msg.version not in seen.usable:
+            raise RuntimeError(f"store: DATA_LOSS: {msg.version} does not match its manifest")
+        return store_pb2.CheckpointLoaded(info=store_pb2.CheckpointInfo(version=msg.version))
+
+    monkeypatch.setattr(StoreRelay, "load_checkpoint", load)
+    return seen
+
+
+@pytest.fixture
+def plane(tmp_path, store):
+    journal = JobStore(tmp_path / "control.db")
+    yield Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
+    journal.close()
+
+
+def running(plane: Plane, *workers: str, dp: int = 2, extra: str = QUICK):
+    """A DP job on the first ``dp`` workers, every rank started: RUNNING."""
+    sessions = {w: plane.register(w) for w in workers}
+    job_id = plane.submit(dp=dp, steps=20, extra=extra).job_id
+    for rank, w in enumerate(workers[:dp]):
+        plane.rank_event(sessions[w], job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank))
+    for s in sessions.values():
+        drain(s)
+    return job_id, sessions
+
+
+def saved(plane: Plane, session, job_id: str, n: int, step: int) -> str:
+    version = f"{job_id}:{n}"
+    plane.rank_event(session, job_id, 0, saved=store_pb2.SaveCompleted(version=version, step=step))
+    return version
+
+
+def restarted(plane: Plane, job_id: str, placed: dict, start_step: int) -> None:
+    """The relaunched ranks report ready (restored at ``start_step``)."""
+    for rank, session in placed.items():
+        plane.rank_event(session, job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank, start_step=start_step))
+
+
+def decisions(plane: Plane, job_id: str) -> list[str]:
+    return [e.message for e in plane.events(job_id) if e.type == "decision"][1:]  # [0]: the allocation
+
+
+def test_a_killed_rank_is_restarted_from_the_newest_checkpoint_and_the_job_resumes(plane, store):
+    job_id, w = running(plane, "wa", "wb")
+    saved(plane, w["wa"], job_id, 1, step=4)
+    store.usable.add(saved(plane, w["wa"], job_id, 2, step=8))
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+
+    s = plane.get(job_id)
+    assert (s.state, s.outcome) == (S.FAULT_FROZEN, O.OUTCOME_UNSPECIFIED)
+    assert decisions(plane, job_id) == ["restart_ranks after rank_exit of rank 1 on wb (restart 1 of 3 for rank_exit)"]
+    assert store.asked == [f"{job_id}:2"]
+    for session, rank in ((w["wa"], 0), (w["wb"], 1)):
+        kill, launch = drain(session)
+        assert (kill.release.job_id, kill.release.kill) == (job_id, True)
+        assert [r.rank for r in launch.launch.ranks] == [rank]
+        assert launch.launch.init.resume_version == f"{job_id}:2"
+
+    restarted(plane, job_id, {0: w["wa"], 1: w["wb"]}, start_step=8)
+    s = plane.get(job_id)
+    assert (s.state, s.step) == (S.RUNNING, 8)
+    assert s.message.startswith(f"recovered from rank_exit of rank 1: all 2 ranks restored from checkpoint {job_id}:2")
+    assert [c.rank_command.WhichOneof("command") for c in drain(w["wa"])] == ["start"]
+    plane.rank_event(w["wa"], job_id, 0, step=engine_pb2.StepCompleted(step=9, loss=2.0, tokens=64))
+    (first,) = [e.message for e in plane.events(job_id) if e.message.startswith("first step after the recovery")]
+    assert first.startswith("first step after the recovery from rank_exit of rank 1: step 9, ")
+
+
+def test_the_survivors_failure_and_the_kills_are_consequences_not_new_decisions(plane):
+    job_id, w = running(plane, "wa", "wb")
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)  # the first fault: the incident's cause
+    failed = engine_pb2.TrainingLoopFailed(step=3, fault_class="comm_error", detail="Connection closed by peer")
+    plane.rank_event(w["wa"], job_id, 0, failed=failed)  # the survivor, blocked in the all-reduce
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=-9)  # killed by the recovery
+    assert len(decisions(plane, job_id)) == 1
+    faults = [e.message for e in plane.events(job_id) if e.type == "fault"]
+    assert faults[1].endswith("(consequence of rank 1's rank_exit)")
+    assert faults[2].endswith("(consequence of rank 1's rank_exit)")
+    assert plane.get(job_id).state == S.FAULT_FROZEN
+
+
+def test_a_fault_of_the_relaunched_generation_is_a_new_incident(plane):
+    job_id, w = running(plane, "wa", "wb")
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=-9)  # the kill of the survivor: a consequence
+    failed = engine_pb2.TrainingLoopFailed(fault_class="comm_error", detail="rendezvous timed out")
+    plane.rank_event(w["wa"], job_id, 0, failed=failed)  # the relaunched rank 0 fails: new
+    assert decisions(plane, job_id)[1] == "restart_ranks after comm_error of rank 0 (restart 1 of 3 for comm_error)"
+
+
+def test_an_exhausted_restart_budget_fails_the_job_with_the_reason(plane):
+    job_id, w = running(plane, "wa", "wb", extra=QUICK + "\nfault_policy: {restarts: {rank_exit: 1}}")
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=-9)
+    restarted(plane, job_id, {0: w["wa"], 1: w["wb"]}, start_step=0)
+    assert plane.get(job_id).state == S.RUNNING
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)  # again: the budget is spent
+    s = plane.get(job_id)
+    assert (s.state, s.outcome) == (S.TERMINATED, O.FAILED)
+    assert s.message.startswith("FAILED: restart budget for rank_exit exhausted (1 of 1 used); last fault: SEVERE rank_exit")
+    assert decisions(plane, job_id)[-1] == "stop after rank_exit of rank 1 on wb: restart budget for rank_exit exhausted (1 of 1 used)"
+
+
+def test_a_worker_rejoining_does_not_reset_the_budget(plane):
+    job_id, w = running(plane, "wa", "wb", extra=QUICK + "\nfault_policy: {restarts: {worker_lost: 1}}")
+    spare = plane.register("wc")
+    plane.c.sessions.close(w["wb"])  # wb's node agent is gone: worker_lost, exclude it
+    assert decisions(plane, job_id)[0] == "exclude_node after worker_lost of rank 1 on wb (restart 1 of 1 for worker_lost); excluding wb"
+    placed = {0: w["wa"], 1: spare}
+    assert [[r.rank for r in c.launch.ranks] for c in drain(spare)] == [[1]]
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=-9)
+    restarted(plane, job_id, placed, start_step=0)
+    back = plane.register("wb")  # the node agent comes back under the same id
+    drain(back)
+    plane.c.sessions.close(spare)  # and another one goes
+    s = plane.get(job_id)
+    assert (s.outcome, "restart budget for worker_lost exhausted (1 of 1 used)" in s.message) == (O.FAILED, True)
+
+
+def test_rollback_skips_checkpoints_after_the_faulting_step_and_ones_that_do_not_verify(plane, store):
+    job_id, w = running(plane, "wa", "wb")
+    store.usable.add(saved(plane, w["wa"], job_id, 1, step=2))
+    saved(plane, w["wa"], job_id, 2, step=4)  # does not verify
+    store.usable.add(saved(plane, w["wa"], job_id, 3, step=6))  # after the faulting step
+    failed = engine_pb2.TrainingLoopFailed(step=5, fault_class="non_finite_loss", detail="training loss is nan at step 6")
+    plane.rank_event(w["wa"], job_id, 0, failed=failed)
+    assert decisions(plane, job_id) == ["rollback after non_finite_loss of rank 0 (restart 1 of 3 for non_finite_loss)"]
+    assert store.asked == [f"{job_id}:2", f"{job_id}:1"]
+    recovery = [e.message for e in plane.events(job_id) if e.type == "recovery"]
+    assert recovery[0].startswith(f"checkpoint {job_id}:2 is unusable (checkpoint {job_id}:2: store: DATA_LOSS")
+    assert f"to resume from checkpoint {job_id}:1" in recovery[1]
+    assert [c.launch.init.resume_version for c in drain(w["wb"]) if c.WhichOneof("command") == "launch"] == [f"{job_id}:1"]
+
+
+def test_a_fault_whose_policy_is_stop_fails_the_job_and_kills_the_ranks(plane):
+    job_id, w = running(plane, "wa", "wb", extra=QUICK + "\nfault_policy: {actions: {non_finite_loss: stop}}")
+    failed = engine_pb2.TrainingLoopFailed(step=3, fault_class="non_finite_loss", detail="loss is nan")
+    plane.rank_event(w["wa"], job_id, 0, failed=failed)
+    s = plane.get(job_id)
+    assert (s.state, s.outcome) == (S.TERMINATED, O.FAILED)
+    assert s.message == "FAILED: FATAL non_finite_loss: rank 0 failed at step 3: loss is nan"
+    assert decisions(plane, job_id) == ["stop after non_finite_loss of rank 0: fault policy"]
+    assert [(c.release.job_id, c.release.kill) for c in drain(w["wb"])] == [(job_id, True)]
+
+
+def test_an_ignored_fault_is_recorded_and_counted_and_nothing_else_happens(plane):
+    job_id, w = running(plane, "wa", "wb", extra=QUICK + "\nfault_policy: {actions: {SEVERE: ignore}}")
+    for _ in range(2):
+        plane.rank_event(w["wa"], job_id, 0, failed=engine_pb2.TrainingLoopFailed(fault_class="comm_error"))
+    assert decisions(plane, job_id) == ["ignore comm_error of rank 0: fault policy; 1 ignored so far",
+                                        "ignore comm_error of rank 0: fault policy; 2 ignored so far"]
+    assert plane.get(job_id).state == S.RUNNING
+    assert drain(w["wa"]) == [] and drain(w["wb"]) == []
+
+
+def test_exclude_node_without_enough_slots_elsewhere_fails_the_job(plane):
+    job_id, w = running(plane, "wa", "wb")
+    plane.c.sessions.close(w["wb"])
+    s = plane.get(job_id)
+    assert (s.state, s.outcome) == (S.TERMINATED, O.FAILED)
+    assert s.message == ("FAILED: recovery failed: relaunching the ranks (fresh start): "
+                         "1 are free on 1 registered workers (excluding wb)")
+
+
+def test_a_stop_during_a_recovery_ends_the_job_stopped(plane):
+    job_id, w = running(plane, "wa", "wb")
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    s = plane.user(control_pb2.StopJobRequest(job_id=job_id))
+    assert (s.state, s.outcome) == (S.TERMINATED, O.STOPPED)
+    assert s.message == "STOPPED: stopped by the operator; its ranks were being recovered"
+    restarted(plane, job_id, {0: w["wa"], 1: w["wb"]}, start_step=0)  # too late: nothing starts
+    assert plane.get(job_id).state == S.TERMINATED
+
+
+def test_a_rank_that_exits_cleanly_before_finishing_is_a_lost_rank(plane):
+    job_id, w = running(plane, "wa", "wb")
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=0)
+    assert decisions(plane, job_id) == ["restart_ranks after rank_exit of rank 0 on wa (restart 1 of 3 for rank_exit)"]

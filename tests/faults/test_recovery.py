@@ -1,0 +1,316 @@
+"""Faults on the real stack (issue 4): detection, one decision per incident, recovery.
+
+One stack (control, store, data, two workers, ranks as real processes) serves the module;
+every process it started is killed by PID at the end. Faults are made from outside (SIGSTOP,
+SIGKILL of a rank's process) or injected inside a rank by ``SURGE_FAULT_INJECT`` (a NaN
+loss, a hung main thread), set for the whole stack and keyed by job name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from services.contract import control_pb2, control_pb2_grpc
+from tests.conftest import REPO, kill_all, processes_with
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+S, O = control_pb2.JobState, control_pb2.JobOutcome
+SURGECTL = [sys.executable, "-m", "services.cli.surgectl"]
+INJECT = "tkill:hang@12:rank=1,tstall:hang@12:rank=1,tnan:nan_loss@12"
+
+JOB = """\
+name: {name}
+steps: {steps}
+seed: 0
+model: {{n_layers: 2, d_model: 64, n_heads: 2, vocab_size: 256}}
+data:
+  dataset: tiny@v1
+  seq_len: 64
+  micro_batch_size: 4
+parallel: {{dp: 2}}
+optimizer: {{lr: 3.0e-3, warmup_steps: 4}}
+checkpoint: {{every_steps: {every}, keep_last: 0}}
+eval: {{every_steps: 0, batches: 2, at_end: false}}
+liveness: {{heartbeat_interval_seconds: 0.5, heartbeat_timeout_seconds: 2.0, stall_min_seconds: {stall}}}
+"""
+
+
+def spec(name: str, steps: int = 30, every: int = 5, stall: float = 60.0) -> str:
+    return JOB.format(name=name, steps=steps, every=every, stall=stall)
+
+
+def cli(home: Path, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "SURGE_HOME": str(home), **(env or {})}
+    for var in ("SURGE_CONTROL_ADDRESS", "SURGE_DATA_ADDRESS", "SURGE_STORE_ADDRESS"):
+        full_env.pop(var, None)
+    return subprocess.run([*SURGECTL, *args], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+class Stack:
+    def __init__(self, home: Path):
+        self.home = home
+        services = json.loads((home / "run" / "stack.json").read_text())["services"]
+        self.metrics_port = services["control"]["metrics_port"]
+        self._channel = grpc.insecure_channel(f"127.0.0.1:{services['control']['port']}")
+        self.stub = control_pb2_grpc.ControlServiceStub(self._channel)
+
+    def submit(self, yaml_text: str) -> str:
+        return self.stub.SubmitJob(control_pb2.SubmitJobRequest(spec_yaml=yaml_text, spec_path="job.yaml")).job_id
+
+    def status(self, job_id: str) -> control_pb2.JobStatus:
+        return self.stub.GetJob(control_pb2.JobQuery(job_id=job_id))
+
+    def wait_step(self, job_id: str, step: int, timeout: float = 120) -> None:
+        """The test's own clock (tests may poll): until rank 0 reported ``step``."""
+        t0 = time.monotonic()
+        while self.status(job_id).step < step:
+            assert time.monotonic() - t0 < timeout, f"{job_id} did not reach step {step}"
+            time.sleep(0.05)
+
+    def events(self, job_id: str, timeout: float = 180) -> list[control_pb2.JobEvent]:
+        """The whole event log, streamed until the job terminates."""
+        return list(self.stub.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True), timeout=timeout))
+
+    def rank_pids(self, job_id: str, rank: int) -> list[int]:
+        return processes_with(f"--job {job_id} --rank {rank}")
+
+    def metrics(self) -> str:
+        return urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
+
+    def step_records(self, job_id: str) -> list[dict]:
+        path = self.home / "store" / "metrics" / f"{job_id}.jsonl"
+        return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("type") == "step"]
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    home = tmp_path_factory.mktemp("surge-faults")
+    src = home / "corpus"
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for pkg in ("json", "email", "logging"):
+        shutil.copytree(stdlib / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    prep = cli(home, "dataset", "prepare", "--name", "tiny", "--version", "v1", "--source", str(src), "--val-fraction", "0.2")
+    assert prep.returncode == 0, prep.stderr
+    up = cli(home, "up", "--workers", "2", env={"SURGE_FAULT_INJECT": INJECT})
+    s = None
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        s = Stack(home)
+        yield s
+    finally:
+        if s is not None:
+            s.close()
+        cli(home, "down", timeout=60)
+        stack_json = home / "run" / "stack.json"
+        if stack_json.exists():
+            kill_all([v["pid"] for v in json.loads(stack_json.read_text())["services"].values()])
+        kill_all(processes_with(str(home)))
+        kill_all([p for name in ("tkill", "tstop", "tstall", "tnan", "exacta", "exactb", "tworker")
+                  for p in processes_with(f"--job {name}-")])
+
+
+def of_type(events, kind: str) -> list[str]:
+    return [e.message for e in events if e.type == kind]
+
+
+def finished(events) -> control_pb2.JobStatus:
+    status = events[-1].status
+    assert (status.state, status.outcome) == (S.TERMINATED, O.FINISHED), events[-1].message
+    return status
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            got = ",".join(sorted(line[len(name) + 1:line.index("}")].split(",")))
+            if got == want:
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_sigstopped_rank_is_declared_silent_after_its_heartbeat_deadline_and_recovered(stack):
+    job = stack.submit(spec("tstop"))
+    stack.wait_step(job, 8)
+    (pid,) = stack.rank_pids(job, 1)
+    stopped = time.time()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        events = stack.events(job)
+    finally:
+        kill_all([pid])  # (recovery killed it already; a stopped process must not outlive the test)
+    (fault,) = [e for e in events if e.type == "fault" and e.message.startswith("SEVERE rank_silent")]
+    assert fault.message.startswith("SEVERE rank_silent: rank 1 on worker ")
+    latency = fault.unix_time - stopped
+    assert 1.4 <= latency <= 4.0, f"declared {latency:.2f} s after SIGSTOP (deadline 2 s after the last beat)"
+    assert of_type(events, "decision")[1].startswith("restart_ranks after rank_silent of rank 1")
+    assert len(of_type(events, "decision")) == 2  # the allocation, and one decision for the incident
+    resumed = [e for e in events if e.message.startswith("first step after the recovery from rank_silent")]
+    assert len(resumed) == 1
+    print(f"SIGSTOP: declared silent {latency:.2f} s after the stop; first step after recovery "
+          f"{resumed[0].unix_time - stopped:.2f} s after the stop")
+    finished(events)
+
+
+def test_sigkill_of_a_rank_while_its_peer_waits_in_the_all_reduce_kills_the_survivor_and_rebuilds_the_group(stack):
+    # Rank 1's main thread hangs before the backward of step 12 (injected), so rank 0 waits in
+    # that step's gradient all-reduce; then rank 1 is SIGKILLed.
+    job = stack.submit(spec("tkill"))
+    stack.wait_step(job, 11)
+    time.sleep(1.0)  # rank 1 reached step 12 and hangs; rank 0 is blocked in the all-reduce
+    assert stack.status(job).step == 11
+    (victim,) = stack.rank_pids(job, 1)
+    (survivor,) = stack.rank_pids(job, 0)
+    killed = time.time()
+    os.kill(victim, signal.SIGKILL)
+    events = stack.events(job)
+    faults = [e for e in events if e.type == "fault"]
+    assert faults[0].message.startswith("SEVERE rank_exit: rank 1 on worker ") and "(signal 9)" in faults[0].message
+    latency = faults[0].unix_time - killed
+    assert latency < 1.0, f"the death reached the orchestrator {latency:.3f} s after SIGKILL"
+    # The survivor is not blamed: whatever it reported is a consequence; it was killed.
+    assert all(f.message.endswith("(consequence of rank 1's rank_exit)") for f in faults[1:] if "rank 0" in f.message)
+    decisions = of_type(events, "decision")[1:]
+    assert len(decisions) == 1 and decisions[0].startswith("restart_ranks after rank_exit of rank 1 on worker-")
+    assert survivor not in processes_with(f"--job {job} --rank 0")
+    first_port = of_type(events, "decision")[0].rsplit(":", 1)[1]
+    (relaunch,) = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
+    assert f":{first_port})" not in relaunch  # a fresh rendezvous port
+    newest = of_type(events[:[e.type for e in events].index("fault")], "checkpoint")[-1].split()[1]
+    assert f"resume from checkpoint {newest};" in relaunch  # the newest committed before the fault
+    resumed = [e for e in events if e.message.startswith("first step after the recovery from rank_exit")]
+    print(f"SIGKILL: fault at the orchestrator {latency * 1000:.0f} ms after the kill; first step after recovery "
+          f"{resumed[0].unix_time - killed:.2f} s after the kill")
+    finished(events)
+    text = stack.metrics()
+    assert metric(text, "surge_faults_total", grade="SEVERE", **{"class": "rank_exit"}) >= 1
+    assert metric(text, "surge_fault_detection_latency_seconds_count", **{"class": "rank_exit"}) >= 1
+    assert metric(text, "surge_recovery_seconds_count", **{"class": "rank_exit"}) >= 1
+
+
+def test_a_rank_that_beats_but_makes_no_progress_is_stalled_and_the_job_recovers(stack):
+    job = stack.submit(spec("tstall", stall=3.0))
+    events = stack.events(job)
+    (fault,) = [e for e in events if e.type == "fault" and e.message.startswith("SEVERE rank_stalled")]
+    assert "is alive but made no step progress for" in fault.message and "after step 11" in fault.message
+    # Both ranks stall (rank 1 hangs, rank 0 waits for it in the collective): heartbeats cannot
+    # tell which waits for which, so the first deadline to fire names the incident.
+    assert of_type(events, "decision")[1].startswith("restart_ranks after rank_stalled of rank ")
+    assert len(of_type(events, "decision")) == 2
+    finished(events)
+
+
+def test_a_nan_loss_is_a_typed_fault_handled_by_the_policy_visible_as_an_event_and_a_metric(stack):
+    before = metric(stack.metrics(), "surge_faults_total", grade="FATAL", **{"class": "non_finite_loss"})
+    job = stack.submit(spec("tnan"))
+    events = stack.events(job)
+    (fault,) = [m for m in of_type(events, "fault") if m.startswith("FATAL non_finite_loss")]
+    assert fault.startswith("FATAL non_finite_loss: rank 0 failed at step 11: training loss is nan at step 12")
+    decisions = of_type(events, "decision")[1:]
+    assert len(decisions) == 1 and decisions[0].startswith("rollback after non_finite_loss of rank 0")
+    # The newest checkpoint committed before the fault (the one at step 10 may still have been
+    # committing in the background when rank 0 stopped; then it is the one at step 5).
+    before_fault = of_type(events[:[e.type for e in events].index("fault")], "checkpoint")
+    version, resume = before_fault[-1].split()[1], int(before_fault[-1].split()[4])
+    (relaunch,) = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
+    assert f"resume from checkpoint {version};" in relaunch and resume in (5, 10)
+    after = metric(stack.metrics(), "surge_faults_total", grade="FATAL", **{"class": "non_finite_loss"})
+    assert after == before + 1
+    # Never smoothed away: the NaN step was not applied, not reported as a number, and the run
+    # replayed it from the checkpoint before it.
+    records = [r for r in stack.step_records(job) if r["rank"] == 0]
+    assert [r["step"] for r in records] == list(range(1, 12)) + list(range(resume + 1, 31))
+    assert all(r["loss"] == r["loss"] for r in records)  # no NaN was recorded as a loss
+    finished(events)
+
+
+def final_state(home: Path, job_id: str) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    root = home / "store" / "checkpoints" / job_id
+    last = max((p for p in root.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    out = home / f"{job_id}.pt"
+    dcp_to_torch_save(last, out)
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(value, torch.Tensor):
+            flat[prefix] = value
+
+    walk("", torch.load(out, weights_only=False))
+    return flat
+
+
+def test_a_run_killed_after_a_checkpoint_and_recovered_ends_bit_identical_to_an_uninterrupted_one(stack):
+    a = stack.submit(spec("exacta", steps=24, every=10))
+    events_a = stack.events(a)
+    finished(events_a)
+    b = stack.submit(spec("exactb", steps=24, every=10))
+    stack.wait_step(b, 14)  # after the checkpoint at step 10
+    for pid in stack.rank_pids(b, 1):
+        os.kill(pid, signal.SIGKILL)
+    events_b = stack.events(b)
+    finished(events_b)
+    assert any(m.startswith("restart_ranks after rank_exit of rank 1") for m in of_type(events_b, "decision"))
+    assert any(f"resume from checkpoint {b}:1" in m for m in of_type(events_b, "recovery"))
+
+    def losses(job: str) -> dict[int, float]:
+        out = {}
+        for r in stack.step_records(job):  # in order: a replayed step's last record wins
+            if r["rank"] == 0:
+                out[r["step"]] = r["loss"]
+        return out
+
+    la, lb = losses(a), losses(b)
+    assert sorted(la) == sorted(lb) == list(range(1, 25))
+    differ = [s for s in range(11, 25) if la[s] != lb[s]]
+    assert differ == [], f"per-step losses after the resume differ at steps {differ}"
+    sa, sb = final_state(stack.home, a), final_state(stack.home, b)
+    model = sorted(k for k in sa if k.startswith("model."))
+    assert model and sorted(k for k in sb if k.startswith("model.")) == model
+    assert [k for k in model if not torch.equal(sa[k], sb[k])] == [], "final parameters differ"
+    optim = sorted(k for k in sa if k.startswith("optim."))
+    assert [k for k in optim if k in sb and not torch.equal(sa[k], sb[k])] == [], "final optimizer state differs"
+
+
+def test_a_dead_node_agent_is_graded_within_a_second_and_its_rank_moves_to_the_other_worker(stack):
+    # Last in this module: it leaves the stack with one worker.
+    job = stack.submit(spec("tworker").replace("dp: 2", "dp: 1"))
+    stack.wait_step(job, 8)
+    placed = stack.stub.WatchJob(control_pb2.JobQuery(job_id=job), timeout=30)
+    worker = next(iter(placed)).message.split(" allocated on ")[1].split(";")[0]  # "1 ranks allocated on worker-N; ..."
+    services = json.loads((stack.home / "run" / "stack.json").read_text())["services"]
+    killed = time.time()
+    os.kill(services[worker]["pid"], signal.SIGKILL)
+    events = stack.events(job)
+    (lost,) = [e for e in events if e.type == "fault" and e.message.startswith("SEVERE worker_lost")]
+    assert lost.message.startswith(f"SEVERE worker_lost: rank 0 lost with worker {worker}")
+    latency = lost.unix_time - killed
+    assert latency < 1.0, f"the lost worker reached the orchestrator {latency:.3f} s after SIGKILL"
+    decisions = of_type(events, "decision")[1:]
+    assert decisions == [f"exclude_node after worker_lost of rank 0 on {worker} (restart 1 of 3 for worker_lost); "
+                         f"excluding {worker}"]
+    (relaunch,) = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
+    assert f"relaunched on {worker} " not in relaunch
+    print(f"worker SIGKILL: fault at the orchestrator {latency * 1000:.0f} ms after the kill")
+    finished(events)

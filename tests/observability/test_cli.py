@@ -1,0 +1,81 @@
+"""surgectl: --help of every command has an example; `plot` writes the curves; errors are one
+line with a non-zero exit; the mutating commands need the stack's bearer token."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from services.cli.surgectl import app
+from tests.observability.conftest import cli
+
+
+def _commands(group, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    out = [path]
+    for name, sub in (getattr(group, "commands", None) or {}).items():
+        out += _commands(sub, (*path, name))
+    return out
+
+
+def test_every_command_has_help_with_an_example():
+    root = typer.main.get_command(app)
+    paths = _commands(root)
+    assert ("logs",) in paths and ("plot",) in paths and ("dataset", "prepare") in paths
+    runner = CliRunner()
+    missing = []
+    for path in paths:
+        r = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
+        assert r.exit_code == 0, (path, r.output)
+        if "Example: surgectl" not in r.output:
+            missing.append(" ".join(path) or "(root)")
+    assert missing == []
+
+
+@pytest.mark.integration
+def test_plot_writes_a_png_of_every_step(obs_stack, tmp_path):
+    out = tmp_path / "curves.png"
+    r = cli(obs_stack.home, "plot", obs_stack.job_id, "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "10 steps" in r.stdout and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    default = obs_stack.home / f"{obs_stack.job_id}-loss.png"
+    r = cli(obs_stack.home, "plot", obs_stack.job_id, "--rank", "1")
+    assert r.returncode == 0 and default.stat().st_size > 10_000, r.stderr
+
+
+@pytest.mark.integration
+def test_plot_falls_back_to_controls_history_without_the_metrics_file(obs_stack, tmp_path):
+    out = tmp_path / "coarse.png"
+    r = cli(obs_stack.home, "plot", obs_stack.job_id, "--out", str(out), env={"SURGE_STORE_ROOT": str(tmp_path / "elsewhere")})
+    assert r.returncode == 0, r.stderr
+    assert "control's event history" in r.stdout and out.exists()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("args, words", [
+    (("plot", "no-such-job"), "no-such-job"),
+    (("plot", "JOB", "--metrics", "/nonexistent.jsonl"), "--metrics /nonexistent.jsonl: no such file"),
+    (("plot", "JOB", "--rank", "5"), "no step records of rank 5"),
+])
+def test_plot_errors_are_one_line(obs_stack, args, words):
+    r = cli(obs_stack.home, *[obs_stack.job_id if a == "JOB" else a for a in args])
+    assert r.returncode != 0 and words in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.integration
+def test_mutating_commands_need_the_token_and_reading_ones_do_not(obs_stack):
+    job = obs_stack.job_id
+    refused = cli(obs_stack.home, "stop", job, token=None)
+    assert refused.returncode == 1, refused.stdout
+    assert "SURGE_AUTH_TOKEN" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    wrong = cli(obs_stack.home, "pause", job, token="not-the-token")
+    assert wrong.returncode == 1 and "SURGE_AUTH_TOKEN" in wrong.stderr, wrong.stderr
+
+    read = cli(obs_stack.home, "status", job, "-o", "json", token=None)
+    assert read.returncode == 0 and json.loads(read.stdout)[0]["job_id"] == job, read.stderr
+
+    accepted = cli(obs_stack.home, "stop", job)  # the job has ended: whatever control says, not a refusal
+    assert "SURGE_AUTH_TOKEN" not in accepted.stderr, accepted.stderr

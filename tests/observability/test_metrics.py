@@ -1,0 +1,143 @@
+"""/metrics of every service of a real stack: promtool accepts each endpoint, names follow the
+Prometheus conventions, job series carry job and rank, a real Prometheus scrapes the stack
+and serves the job's final training loss, and the Grafana dashboard only queries metrics
+that exist."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import REPO
+from tests.observability.conftest import require_tool, scrape
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "surge.json"
+# Series the metrics logger sets per rank of a job (services/store/metrics_logger.py).
+PER_RANK = {
+    "surge_train_loss", "surge_learning_rate", "surge_grad_norm", "surge_tokens_per_second", "surge_step_seconds",
+    "surge_step_phase_seconds", "surge_loss_scale", "surge_train_step", "surge_train_epoch", "surge_train_steps_total",
+    "surge_train_tokens_total", "surge_skipped_steps_total", "surge_eval_loss", "surge_eval_seconds",
+    "surge_eval_runs_total",
+}
+
+
+def families(text: str) -> dict[str, str]:
+    """Metric family name (as exposed on the TYPE line) -> type."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(maxsplit=3)
+            out[name] = kind
+    return out
+
+
+def test_promtool_accepts_the_metrics_of_every_service(obs_stack):
+    promtool = require_tool("promtool", "prometheus")
+    problems = {}
+    for name, s in obs_stack.services.items():
+        assert s["metrics_port"], f"{name} serves no /metrics"
+        r = subprocess.run([promtool, "check", "metrics"], input=scrape(s["metrics_port"]), capture_output=True,
+                           text=True, timeout=60)
+        if r.returncode != 0 or (r.stdout + r.stderr).strip():
+            problems[name] = (r.stdout + r.stderr).strip()
+    assert problems == {}, "\n".join(f"{n}: {p}" for n, p in problems.items())
+
+
+def test_names_follow_the_conventions_and_job_series_carry_job_and_rank(obs_stack):
+    job = obs_stack.job_id
+    bad = []
+    seen_per_rank: dict[str, set[str]] = {}
+    for name, s in obs_stack.services.items():
+        text = scrape(s["metrics_port"])
+        for fam, kind in families(text).items():
+            if not fam.startswith("surge_"):
+                continue
+            if kind == "counter" and not fam.endswith("_total"):
+                bad.append(f"{name}: counter {fam} does not end in _total")
+            if kind != "counter" and fam.endswith("_total"):
+                bad.append(f"{name}: {kind} {fam} ends in _total")
+            if re.search(r"_(ms|millis|milliseconds|us|microseconds|minutes|hours|kb|mb|gb|kib|mib|gib|percent)$", fam):
+                bad.append(f"{name}: {fam} is not in base units (seconds, bytes, ratios)")
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.labels.get("job") == job and sample.name in PER_RANK:
+                    seen_per_rank.setdefault(sample.name, set()).add(sample.labels.get("rank", ""))
+                if sample.name.startswith("surge_checkpoint") and sample.labels and "job" not in sample.labels:
+                    bad.append(f"{name}: {sample.name} {sample.labels} has no job label")
+    assert bad == []
+    # Every per-rank series of the job is there, for both ranks.
+    assert {k: v for k, v in seen_per_rank.items() if v != {"0", "1"}} == {}
+    assert PER_RANK - set(seen_per_rank) == set()
+
+
+def test_a_real_prometheus_scrapes_the_stack_and_serves_the_final_training_loss(obs_stack):
+    if not obs_stack.prometheus:
+        pytest.skip(obs_stack.prometheus_skip)
+    job, final = obs_stack.job_id, obs_stack.status["train_loss"]
+    records = [json.loads(line) for line in (obs_stack.home / "store" / "metrics" / f"{job}.jsonl").read_text().splitlines()]
+    last_rank0 = [r for r in records if r["type"] == "step" and int(r["rank"]) == 0][-1]
+    assert abs(last_rank0["loss"] - final) < 1e-6  # control's status is rank 0's last step
+
+    query = f'surge_train_loss{{job="{job}",rank="0"}}'
+    deadline, got = time.monotonic() + 60, None
+    while time.monotonic() < deadline:
+        result = _query(obs_stack.prometheus, query)
+        if result:
+            got = float(result[0]["value"][1])
+            if abs(got - final) < 1e-6:
+                break
+        time.sleep(0.5)
+    assert got is not None and abs(got - final) < 1e-6, f"Prometheus answered {got}, the job ended at {final}"
+
+    targets = json.loads(_get(f"{obs_stack.prometheus}/api/v1/targets"))["data"]["activeTargets"]
+    assert {t["labels"]["service"]: t["health"] for t in targets} == {name: "up" for name in obs_stack.services}
+
+
+def test_the_grafana_dashboard_queries_metrics_that_the_stack_exports(obs_stack):
+    dash = json.loads(DASHBOARD.read_text())
+    panels = [p for p in dash["panels"] if p["type"] != "row"]
+    exprs = [t["expr"] for p in panels for t in p["targets"]]
+    exprs += [v["definition"] for v in dash["templating"]["list"]]
+    titles = " ".join(p["title"].lower() for p in panels)
+    for topic in ("loss", "tokens per second", "step time breakdown", "fault", "recovery"):
+        assert topic in titles, f"no panel about {topic}"
+
+    exported: set[str] = set()
+    for s in obs_stack.services.values():
+        exported |= set(families(scrape(s["metrics_port"])))
+    queried = {m for e in exprs for m in re.findall(r"\b(surge_[a-z0-9_]+)", e)}
+
+    def family(name: str) -> str:
+        for suffix in ("_bucket", "_count", "_sum"):
+            if name.endswith(suffix) and name.removesuffix(suffix) in exported:
+                return name.removesuffix(suffix)
+        return name
+
+    assert sorted(m for m in queried if family(m) not in exported) == []
+
+    if obs_stack.prometheus:  # and every expression is valid PromQL
+        for e in exprs:
+            if e.startswith("label_values("):
+                continue
+            r = json.loads(_get(f"{obs_stack.prometheus}/api/v1/query?" + urllib.parse.urlencode(
+                {"query": e.replace("$job", ".*")})))
+            assert r["status"] == "success", (e, r)
+
+
+def _get(url: str) -> str:
+    return urllib.request.urlopen(url, timeout=10).read().decode()
+
+
+def _query(base: str, promql: str) -> list:
+    r = json.loads(_get(f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": promql})))
+    assert r["status"] == "success", r
+    return r["data"]["result"]
