@@ -86,6 +86,9 @@ class ParallelSpec(_Strict):
     dp: int = Field(1, gt=0)
     backend: Literal["auto", "gloo", "nccl"] = "auto"   # auto: nccl on CUDA, else gloo
     threads_per_rank: int = Field(1, gt=0)
+    # Peak dense throughput of one device, only for the MFU estimate (e.g. 989 for an H100
+    # in bf16, the 2-core CPU here reaches about 0.1).
+    peak_tflops_per_device: float = Field(0.1, gt=0)
 
 
 class OptimizerSpec(_Strict):

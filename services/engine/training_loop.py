@@ -160,6 +160,8 @@ class TrainingLoop:
         self._loss_scale = 1.0
         self._loaded_order: tuple[int, ...] | None = None  # data order of the loaded checkpoint
         self._num_parameters = 0
+        self._flops_per_token = 0.0
+        self._peak_flops = 1.0
         self._lr_at = None
         self._phase = "standby"  # standby | stepping | waiting_data | evaluating | saving | paused | done | failed
 
@@ -279,6 +281,8 @@ class TrainingLoop:
             forward_seconds=fwd_s, backward_seconds=bwd_s, reduction_seconds=reduced.seconds,
             optimizer_seconds=opt_s, loss_scale=check.loss_scale, skipped=check.found_inf,
             epoch=self._position.epoch, unix_time=time.time(), world_size=self._world,
+            flops_per_token=self._flops_per_token,
+            mfu=tokens / step_s * self._flops_per_token / (self._peak_flops * self._world),
         ))  # fmt: skip
 
     def _evaluate(self, step: int) -> None:
@@ -348,6 +352,8 @@ class TrainingLoop:
         self._lr_at = schedule_for(spec.optimizer, spec.steps)
         loaded = p.shard_loader(engine_pb2.LoadModel(model_json=spec.model.model_dump_json(), seed=spec.seed)).message
         self._num_parameters = loaded.num_parameters
+        self._flops_per_token = model_flops_per_token(spec, self._num_parameters)
+        self._peak_flops = spec.parallel.peak_tflops_per_device * 1e12
         self._loss_scale = p.precision(engine_pb2.InitPrecision(precision=spec.precision)).message.loss_scale
         p.forward(engine_pb2.ConfigureForward(attention=spec.model.attention))
         mounted = p.data(data_pb2.MountDataset(name=spec.data.name, version=spec.data.version, verify=False)).message
@@ -453,6 +459,13 @@ class TrainingLoop:
     @property
     def _job_id(self) -> str:
         return self._init.job_id if self._init is not None else ""
+
+
+def model_flops_per_token(spec: JobSpec, num_parameters: int) -> float:
+    """Training FLOPs per token: 6N (forward + backward of every weight) plus attention,
+    12 * n_layers * d_model * seq_len (PaLM, Chowdhery et al. 2022, appendix B)."""
+    m = spec.model
+    return 6.0 * num_parameters + 12.0 * m.n_layers * m.d_model * spec.data.seq_len
 
 
 def _due(step: int, every: int, at_end: bool) -> bool:

@@ -64,6 +64,8 @@ class _Series:
         self.eval_loss = m["eval_loss"].labels(job, rank)
         self.eval_seconds = m["eval_seconds"].labels(job, rank)
         self.evals = m["evals"].labels(job, rank)
+        self.mfu = m["mfu"].labels(job, rank)
+        self.flops_per_token = m["flops_per_token"].labels(job, rank)
 
 
 class MetricsLogger:
@@ -107,6 +109,8 @@ class MetricsLogger:
         )):
             child.set(seconds)
         s.loss_scale.set(msg.loss_scale)
+        s.mfu.set(msg.mfu)
+        s.flops_per_token.set(msg.flops_per_token)
         s.step.set(msg.step)
         s.epoch.set(msg.epoch)
         s.steps.inc()
@@ -182,6 +186,8 @@ def _define(reg: CollectorRegistry) -> dict[str, Any]:
             "surge_step_phase_seconds", "Wall time of one phase of the last step (seconds).", [*jr, "phase"]
         ),
         "loss_scale": gauge("surge_loss_scale", "Mixed-precision loss scale of the last step."),
+        "mfu": gauge("surge_mfu_ratio", "Model FLOPs utilisation estimate of the last step (0..1)."),
+        "flops_per_token": gauge("surge_model_flops_per_token", "Training FLOPs per token (6N + attention)."),
         "step": gauge("surge_train_step", "Step number of the last record."),
         "epoch": gauge("surge_train_epoch", "Data epoch of the last record."),
         "steps": counter("surge_train_steps", "Step records received."),

@@ -97,3 +97,19 @@ def test_a_job_id_that_is_not_a_file_name_is_refused_before_anything_is_written(
         logger.record_step(step(job_id="../evil"))
     assert list((tmp_path / "metrics").iterdir()) == []
     assert registry.get_sample_value("surge_train_loss", {"job": "../evil", "rank": "0"}) is None
+
+
+def test_the_mfu_estimate_is_exported_as_reported(logger, registry):
+    logger.record_step(step(mfu=0.0123, flops_per_token=5.2e6))
+    labels = {"job": "demo", "rank": "0"}
+    assert registry.get_sample_value("surge_mfu_ratio", labels) == pytest.approx(0.0123)
+    assert registry.get_sample_value("surge_model_flops_per_token", labels) == pytest.approx(5.2e6)
+
+
+def test_model_flops_per_token_is_6n_plus_the_attention_term():
+    from services.engine.training_loop import model_flops_per_token
+    from services.jobspec import JobSpec
+
+    spec = JobSpec.model_validate({"name": "m", "steps": 10, "data": {"dataset": "x@v1", "seq_len": 256},
+                                   "model": {"n_layers": 4, "d_model": 128, "n_heads": 4}})
+    assert model_flops_per_token(spec, 824_448) == 6 * 824_448 + 12 * 4 * 128 * 256
