@@ -64,15 +64,35 @@ def is_alive(pid: int) -> bool:
 
 
 def free_port() -> int:
-    """A port the kernel just handed out. The service binds it right after; a lost race
-    shows up as a clear 'port in use' start failure, never a silent clash."""
+    """A port the kernel just handed out (bind to port 0, read it, close)."""
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
 
 
+class _Ports:
+    """Free ports for one `up`, never the same one twice. Another process can still take a
+    port between our probe and the service's bind: `_start` then retries with fresh ports."""
+
+    def __init__(self) -> None:
+        self._given: set[int] = set()
+
+    def __call__(self) -> str:
+        while (port := free_port()) in self._given:
+            pass
+        self._given.add(port)
+        return str(port)
+
+
+START_ATTEMPTS = 4
+
+
 def up(num_workers: int = 2, timeout_s: float = 60.0) -> dict[str, ServiceProc]:
     """Start control, store, data and ``num_workers`` workers; wait for health.
+
+    Store and data start together, then control (it needs their addresses), then the
+    workers together. A service that loses its port to another process is restarted on
+    fresh ports (up to ``START_ATTEMPTS`` times), never reported as a failure.
 
     Raises:
         CliError: a stack is already running, or a service failed to start (its log tail
@@ -86,34 +106,42 @@ def up(num_workers: int = 2, timeout_s: float = 60.0) -> dict[str, ServiceProc]:
     env = {**os.environ, "SURGE_HOME": str(paths.surge_home()), "PYTHONUNBUFFERED": "1"}
     # Plain Prometheus: no `_created` series next to every counter (prometheus_client's default).
     env.setdefault("PROMETHEUS_DISABLE_CREATED_SERIES", "true")
+    port = _Ports()
     procs: dict[str, ServiceProc] = {}
-    try:
-        store = _spawn("store", ["--port", str(free_port()), "--metrics-port", str(free_port())], env, run)
-        procs["store"] = store
-        procs["data"] = _spawn("data", ["--port", str(free_port()), "--metrics-port", str(free_port())], env, run)
-        procs["control"] = _spawn(
-            "control",
-            ["--port", str(free_port()), "--data", procs["data"].address, "--store", store.address,
-             "--metrics-port", str(free_port())],
-            env,
-            run,
-        )
+
+    def start_group(specs: dict[str, tuple[str, callable]]) -> None:
+        """Spawn every (name -> (service, args())) at once, then wait for each; retry a
+        service that lost its port."""
+        for name, (service, args) in specs.items():
+            procs[name] = _spawn(service, args(), env, run, log_name=name)
         _write(procs)
-        for name in ("store", "data", "control"):
-            _wait_healthy(procs[name], timeout_s)
-        for i in range(num_workers):
-            name = f"worker-{i}"
-            procs[name] = _spawn(
-                "worker",
-                ["--port", str(free_port()), "--control", procs["control"].address, "--worker-id", name,
-                 "--metrics-port", str(free_port())],
-                env,
-                run,
-                log_name=name,
-            )
-            _write(procs)
-        for i in range(num_workers):
-            _wait_healthy(procs[f"worker-{i}"], timeout_s)
+        for name, (service, args) in specs.items():
+            for attempt in range(START_ATTEMPTS):
+                try:
+                    _wait_healthy(procs[name], timeout_s)
+                    break
+                except CliError as e:
+                    if "in use" not in str(e) or attempt == START_ATTEMPTS - 1:
+                        raise
+                    procs[name] = _spawn(service, args(), env, run, log_name=name)
+                    _write(procs)
+
+    try:
+        start_group({
+            "store": ("store", lambda: ["--port", port(), "--metrics-port", port()]),
+            "data": ("data", lambda: ["--port", port(), "--metrics-port", port()]),
+        })
+        start_group({"control": ("control", lambda: [
+            "--port", port(), "--data", procs["data"].address, "--store", procs["store"].address,
+            "--metrics-port", port(),
+        ])})
+        start_group({
+            f"worker-{i}": ("worker", lambda i=i: [
+                "--port", port(), "--control", procs["control"].address, "--worker-id", f"worker-{i}",
+                "--metrics-port", port(),
+            ])
+            for i in range(num_workers)
+        })
     except BaseException:
         _stop_all(procs)
         stack_file().unlink(missing_ok=True)
