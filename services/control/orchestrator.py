@@ -500,6 +500,8 @@ class Orchestrator:
         job.restarts[fault_class] += 1
         self._metrics.decided(fault_class, action)
         previous = job.incident
+        if fault_class == "checkpoint_error" and previous is not None and previous.version:
+            job.unusable.add(previous.version)  # the relaunched ranks could not load it
         incident = _Incident(cause=msg, fault_class=fault_class, action=action, decided=time.monotonic())
         # Every rank of the failing generation not yet seen ended will end (the recovery
         # kills it): its reports until then are consequences of this incident.

@@ -63,7 +63,7 @@ from typing import Any
 
 import grpc
 
-from services.common.grpc_server import GRPC_OPTIONS
+from services.common.grpc_server import channel
 from services.contract import audit_pb2, control_pb2, control_pb2_grpc, engine_pb2, worker_pb2, worker_pb2_grpc
 from services.contract.audit import merge_reports
 
@@ -860,10 +860,9 @@ class ControlSession:
         self._call: Any = None
         self._ready: grpc.Future | None = None
         self._thread = threading.Thread(target=self._run, name="control-session", daemon=True)
-        self._channel = grpc.insecure_channel(
+        self._channel = channel(  # TLS and the bearer token when SURGE_TLS_* / SURGE_AUTH_TOKEN are set
             address,
             options=[
-                *GRPC_OPTIONS,
                 ("grpc.initial_reconnect_backoff_ms", 200),
                 ("grpc.min_reconnect_backoff_ms", 200),
                 ("grpc.max_reconnect_backoff_ms", int(max_backoff_seconds * 1000)),

@@ -5,6 +5,7 @@ with the test standing in for the node agents and for the store's verification."
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -208,3 +209,73 @@ def test_a_rank_that_exits_cleanly_before_finishing_is_a_lost_rank(plane):
     job_id, w = running(plane, "wa", "wb")
     plane.rank_exited(w["wa"], job_id, 0, exit_code=0)
     assert decisions(plane, job_id) == ["restart_ranks after rank_exit of rank 0 on wa (restart 1 of 3 for rank_exit)"]
+
+
+def test_faults_detection_latency_decisions_and_recovery_time_are_exported(plane):
+    from prometheus_client import REGISTRY
+
+    def sample(name: str, **labels) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    keys = (
+        ("surge_faults_total", {"grade": "SEVERE", "class": "rank_exit"}),
+        ("surge_fault_detection_latency_seconds_count", {"class": "rank_exit"}),
+        ("surge_fault_decisions_total", {"class": "rank_exit", "action": "restart_ranks"}),
+        ("surge_recovery_seconds_count", {"class": "rank_exit"}),
+    )
+    before = [sample(n, **lab) for n, lab in keys]
+    job_id, w = running(plane, "wa", "wb")
+    died = control_pb2.RankExited(job_id=job_id, rank=1, exit_code=-9, unix_time=time.time() - 0.25)
+    plane.c.sessions.on_worker_event(w["wb"], control_pb2.WorkerEvent(rank_exited=died))
+    restarted(plane, job_id, {0: w["wa"], 1: w["wb"]}, start_step=0)
+    plane.rank_event(w["wa"], job_id, 0, step=engine_pb2.StepCompleted(step=1, loss=2.0, tokens=64))
+    after = [sample(n, **lab) for n, lab in keys]
+    assert [a - b for a, b in zip(after, before)] == [1, 1, 1, 1]
+    latency = sample("surge_fault_detection_latency_seconds_sum", **{"class": "rank_exit"})
+    assert latency >= 0.25  # from the exit the node agent reaped, not from the report
+
+
+@pytest.mark.parametrize("section, error", [
+    ("fault_policy: {actions: {rank_exit: skip_step}}",
+     "job.yaml: fault_policy.actions.rank_exit: Input should be 'ignore', 'restart_ranks', 'rollback', "
+     "'exclude_node' or 'stop', got 'skip_step'"),
+    ("fault_policy: {actions: {Severe: stop}}",
+     "job.yaml: fault_policy: 'Severe' is neither a grade (MINOR, MEDIUM, SEVERE, FATAL) nor a fault class name"),
+    ("fault_policy: {restarts: {rank_exit: -1}}", "job.yaml: fault_policy: restarts.rank_exit must be >= 0, got -1"),
+    ("liveness: {heartbeat_interval_seconds: 2}",
+     "job.yaml: liveness: heartbeat_timeout_seconds (3.0) must be at least twice heartbeat_interval_seconds (2.0)"),
+])
+def test_a_bad_fault_policy_or_liveness_section_is_one_line_naming_the_field(section, error):
+    from services.jobspec import JobSpecError, parse_job_spec
+
+    from .conftest import spec_yaml
+
+    with pytest.raises(JobSpecError) as e:
+        parse_job_spec(spec_yaml(extra=section))
+    assert str(e.value) == error
+
+
+def test_a_class_entry_beats_a_grade_entry_which_beats_the_defaults():
+    from services.jobspec import parse_job_spec
+
+    from .conftest import spec_yaml
+
+    policy = parse_job_spec(spec_yaml(extra="fault_policy: {actions: {SEVERE: stop, worker_lost: ignore}}")).fault_policy
+    assert policy.action_for("worker_lost", "SEVERE") == "ignore"   # class entry
+    assert policy.action_for("rank_exit", "SEVERE") == "stop"       # grade entry over the class default
+    assert policy.action_for("non_finite_loss", "FATAL") == "rollback"  # class default
+    assert policy.action_for("model_error", "FATAL") == "stop"      # grade default
+    assert policy.action_for("something_new", "MINOR") == "ignore"
+
+
+def test_a_version_the_relaunched_ranks_cannot_load_is_not_named_again(plane, store):
+    job_id, w = running(plane, "wa", "wb")
+    store.usable.add(saved(plane, w["wa"], job_id, 1, step=4))
+    store.usable.add(saved(plane, w["wa"], job_id, 2, step=8))
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=-9)
+    failed = engine_pb2.TrainingLoopFailed(step=8, fault_class="checkpoint_error", detail="store: Load: UNAVAILABLE")
+    plane.rank_event(w["wa"], job_id, 0, failed=failed)  # the relaunched rank 0 could not load :2
+    assert decisions(plane, job_id)[1] == "rollback after checkpoint_error of rank 0 (restart 1 of 3 for checkpoint_error)"
+    relaunched = [m for m in (e.message for e in plane.events(job_id)) if m.startswith("ranks killed and relaunched")]
+    assert [m.split("resume from ")[1].split(";")[0] for m in relaunched] == [f"checkpoint {job_id}:2", f"checkpoint {job_id}:1"]
