@@ -177,7 +177,7 @@ def build(
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     env = os.environ
     p = argparse.ArgumentParser(prog="python -m services.control", description="Surge control service (L1)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default=os.environ.get("SURGE_CONTROL_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(env["SURGE_CONTROL_PORT"]) if env.get("SURGE_CONTROL_PORT") else None)
     p.add_argument("--db", default=env.get("SURGE_CONTROL_DB") or str(paths.surge_home() / "control.db"))
     p.add_argument("--data", default=env.get("SURGE_DATA_ADDRESS"), help="host:port of the data service")

@@ -101,7 +101,7 @@ def build_stream(root: Path, on_violation=None, queue_batches: int = 64) -> Stre
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.data", description="Surge data service (L4)")
     p.add_argument("--port", type=int, default=int(os.environ.get("SURGE_DATA_PORT", "50052")))
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default=os.environ.get("SURGE_DATA_HOST", "127.0.0.1"))
     p.add_argument("--data-root", type=Path, default=None, help="default: $SURGE_DATA_ROOT or $SURGE_HOME/datasets")
     p.add_argument("--metrics-port", type=int, default=os.environ.get("SURGE_DATA_METRICS_PORT") or 0,
                    help="Prometheus /metrics port (env SURGE_DATA_METRICS_PORT; 0 = off)")
