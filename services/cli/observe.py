@@ -3,9 +3,9 @@
 Both read files of the local stack (the machine running `surgectl up`):
 
 * rank logs: every node agent writes each rank's stdout/stderr (structlog JSON lines) to
-  ``<run dir>/logs/<job>.rank<R>.log`` (``$SURGE_HOME/run/logs`` for the local stack). On a
-  multi-node cluster those files live on each worker's node; control does not stream them
-  (yet), so run `surgectl logs` there (same SURGE_HOME) or read the files directly.
+  ``<run dir>/logs/<job>.rank<R>.log`` (``$SURGE_HOME/run/logs`` for the local stack);
+  `surgectl logs` gets them from control (``StreamLogs``), which has the node agents that
+  ran the job's ranks tail those files. The file readers below remain for local tools.
 * step records: the store's metrics logger persists every raw ``StepCompleted`` /
   ``EvalCompleted`` as one JSON line in ``<store root>/metrics/<job>.jsonl``
   (``$SURGE_STORE_ROOT`` or ``$SURGE_HOME/store``). When that file is not on this machine,
@@ -19,7 +19,7 @@ import json
 import math
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,6 +102,18 @@ def read_all(files: dict[int, Path]) -> list[LogLine]:
             lines.append((last, rank, i, line))
     lines.sort(key=lambda t: t[:3])
     return [t[3] for t in lines]
+
+
+def merge(lines: Iterable[LogLine]) -> list[LogLine]:
+    """``lines`` (each rank's in file order) ordered by timestamp; lines without one keep
+    their place after the previous line of their rank."""
+    keyed: list[tuple[str, int, int, LogLine]] = []
+    last: dict[int, str] = {}
+    for i, line in enumerate(lines):
+        last[line.rank] = line.timestamp or last.get(line.rank, "")
+        keyed.append((last[line.rank], line.rank, i, line))
+    keyed.sort(key=lambda t: t[:3])
+    return [t[3] for t in keyed]
 
 
 def follow(job: str, finished: Callable[[], bool], poll_s: float = 0.5,

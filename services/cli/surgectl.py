@@ -194,8 +194,8 @@ def logs(
 ) -> None:
     """Print a job's rank logs, all ranks merged by time; --follow streams until the job ends.
 
-    Reads the local stack's rank log files ($SURGE_HOME/run/logs/<job>.rank<R>.log); on a
-    multi-node cluster each worker's node holds its ranks' files: run it there.
+    Control streams the lines (StreamLogs) from the node agents that ran the job's ranks,
+    so it works from any machine that reaches control.
 
     Example: surgectl logs demo-3f2a1c --follow
     """
@@ -205,25 +205,25 @@ def logs(
         raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
 
     def show(line) -> None:
-        if rank is None or line.rank == rank:
-            print(line.text if output == "json" else line.human(), flush=True)
+        print(line.text if output == "json" else line.human(), flush=True)
 
-    if follow:
-        def finished() -> bool:
-            s = clients.call("control", lambda st: st.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))
-            return s.state == control_pb2.TERMINATED
-
-        for line in observe.follow(job, finished):
-            show(line)
-        return
-    files = observe.rank_logs(job)
-    if not files:
-        raise CliError(f"no rank logs of {job} under {observe.logs_dir()} (`surgectl logs` reads the local "
-                       "stack's files; on a multi-node cluster run it on the worker's node)")
-    if rank is not None and rank not in files:
-        raise CliError(f"no log of rank {rank} of {job} here (ranks with logs: {', '.join(map(str, files))})")
-    for line in observe.read_all(files):
-        show(line)
+    query = control_pb2.LogQuery(job_id=job, follow=follow, rank=-1 if rank is None else rank)
+    with clients.stub("control") as s:
+        stream = (observe.parse(m.rank, m.line) for m in s.StreamLogs(query))
+        if follow:  # as they come, until the job's ranks have exited
+            seen = False
+            for line in stream:
+                seen = True
+                show(line)
+        else:
+            merged = observe.merge(stream)
+            seen = bool(merged)
+            for line in merged:
+                show(line)
+    if not seen and not follow:
+        if rank is not None:
+            raise CliError(f"no log of rank {rank} of {job} (control found no such rank log on the job's workers)")
+        raise CliError(f"no rank logs of {job} (control found none on the workers that ran its ranks)")
 
 
 @app.command()

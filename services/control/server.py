@@ -12,6 +12,9 @@ the remote party the route table names, and holds only routing knowledge:
   ReleaseRanks) and L2_TRAINING_LOOP (Start/Pause/Resume/StopTraining) become
   ``WorkerCommand``s queued on the right sessions. A rank's BoundaryViolationReported is
   sent as EXT_CONTRACT (the contract layer of that remote process).
+* ``SessionHub`` also carries operator log plumbing (``StreamLogs``): TailRankLogs /
+  StopTailing down to the sessions that launched ranks of the job, RankLogLines up into a
+  per-request queue (never on the bus).
 * ``WatchHub``: per-job subscriber queues fed by JobEvent (no polling).
 * ``StoreRelay``: LoadCheckpoint for L5-1, forwarded to the `store` service.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -61,7 +65,20 @@ class _Session:
     # (job_id, rank) -> rank processes launched here and not yet reported ended. A count, not
     # a flag: a recovery relaunches a rank before the killed process's exit comes up.
     ranks: Counter[tuple[str, int]] = field(default_factory=Counter)
+    # Jobs that ever had ranks launched here: their rank log files live on this node.
+    jobs: set[str] = field(default_factory=set)
     closed: bool = False
+
+
+@dataclass(eq=False)
+class LogTail:
+    """One StreamLogs request: the sessions asked, and the queue their answers land in:
+    ``(session, RankLogLines)``, ``(session, None)`` when a session ended without its
+    ``done``, or ``(None, None)`` when the caller went away."""
+
+    request_id: str
+    sessions: list[_Session]
+    answers: queue.Queue = field(default_factory=queue.Queue)
 
 
 class SessionHub:
@@ -81,6 +98,7 @@ class SessionHub:
         self._contract = contract
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
+        self._tails: dict[str, LogTail] = {}  # request id -> open StreamLogs request
         self._shutting_down = False
 
     # ------------------------------------------------------------ session lifecycle
@@ -112,7 +130,10 @@ class SessionHub:
                 del self._sessions[session.worker_id]
             lost, session.ranks = sorted(session.ranks), Counter()
             quiet = self._shutting_down
+            tails = [t for t in self._tails.values() if session in t.sessions]
         session.commands.put(None)
+        for t in tails:  # it will send no done: its answer is over
+            t.answers.put((session, None))
         if quiet:
             return
         _log.info("worker session ended", worker_id=session.worker_id, reason=reason, ranks_lost=len(lost))
@@ -152,6 +173,11 @@ class SessionHub:
             # A node agent speaks only for its own node: the session's identity wins.
             pressure.worker_id = session.worker_id
             self._hardware(pressure)
+        elif kind == "rank_log_lines":
+            with self._lock:
+                tail = self._tails.get(ev.rank_log_lines.request_id)
+            if tail is not None:  # else: the caller left; late lines are dropped
+                tail.answers.put((session, ev.rank_log_lines))
         elif kind == "register":
             raise ValueError(f"worker {session.worker_id} registered twice on one session")
         else:
@@ -166,6 +192,7 @@ class SessionHub:
             session = self._sessions.get(payload)
             if session is not None:
                 session.ranks.update(ranks)  # Counter.update adds
+                session.jobs.add(msg.job_id)
                 session.commands.put(control_pb2.WorkerCommand(launch=msg))
         if session is None:
             # The worker left between allocation and launch. Report from another thread:
@@ -194,6 +221,32 @@ class SessionHub:
             for session in self._sessions.values():
                 if any(job_id == msg.job_id for job_id, _ in session.ranks):
                     session.commands.put(control_pb2.WorkerCommand(rank_command=command))
+
+    # ------------------------------------------------------------ operator logs (plumbing)
+
+    def open_tail(self, job_id: str, follow: bool, rank: int) -> LogTail:
+        """Ask every open session that launched ranks of ``job_id`` to tail their log
+        files (``TailRankLogs``); their RankLogLines land in the returned request's queue.
+        No session: the request has none and is already over."""
+        request_id = uuid.uuid4().hex
+        with self._lock:
+            sessions = [s for s in self._sessions.values() if job_id in s.jobs and not s.closed]
+            tail = LogTail(request_id, sessions)
+            self._tails[request_id] = tail
+            cmd = control_pb2.WorkerCommand(tail_rank_logs=control_pb2.TailRankLogs(
+                request_id=request_id, job_id=job_id, follow=follow, rank=rank))
+            for s in sessions:
+                s.commands.put(cmd)
+        return tail
+
+    def close_tail(self, tail: LogTail, pending: set[_Session]) -> None:
+        """Forget the request; the sessions in ``pending`` (no done yet) get StopTailing."""
+        with self._lock:
+            self._tails.pop(tail.request_id, None)
+            cmd = control_pb2.WorkerCommand(stop_tailing=control_pb2.StopTailing(request_id=tail.request_id))
+            for s in pending:
+                if not s.closed:
+                    s.commands.put(cmd)
 
     # ------------------------------------------------------------ private
 
@@ -343,6 +396,34 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
                     return
         finally:
             self._watches.unsubscribe(request.job_id, live)
+
+    def StreamLogs(self, request, context) -> Iterator[control_pb2.LogLine]:
+        """The job's rank log lines, relayed from the node agents that ran its ranks (each
+        tails its files, see TailRankLogs); with ``follow`` until those ranks have exited
+        and their files are drained. Ends when every agent asked said done; the caller
+        leaving sends them StopTailing. Blocks on the request's queue, never polls."""
+        if not request.job_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "StreamLogs: job_id is required")
+        self._command(context, control_pb2.JobQuery(job_id=request.job_id))  # NOT_FOUND for an unknown job
+        rank = request.rank if request.rank >= 0 else -1
+        tail = self._sessions.open_tail(request.job_id, request.follow, rank)
+        pending = set(tail.sessions)
+        try:
+            if not context.add_callback(lambda: tail.answers.put((None, None))):  # client left / server stops
+                return
+            while pending:
+                session, batch = tail.answers.get()
+                if session is None:
+                    return
+                if batch is None or batch.done:
+                    pending.discard(session)
+                    continue
+                if rank >= 0 and batch.rank != rank:
+                    continue
+                for line in batch.lines:
+                    yield control_pb2.LogLine(job_id=request.job_id, rank=batch.rank, line=line)
+        finally:
+            self._sessions.close_tail(tail, pending)
 
     def WorkerSession(self, request_iterator, context):
         """First message: ``register``; control answers with the initial-metadata header

@@ -24,6 +24,9 @@ Commands it executes (``WorkerCommand``, in arrival order):
   pushed ``RankCommand{init}`` then ``RankCommand{assignment}``, once, then whatever
   control relays to its job.
 * ``rank_command``: relayed to every live rank of the job named inside the payload.
+* ``tail_rank_logs`` / ``stop_tailing`` (operator log plumbing for ``StreamLogs``): send
+  the job's rank log lines on this node up as ``rank_log_lines`` batches (then, with
+  ``follow``, new lines until the ranks have exited), ending with ``rank_log_lines{done}``.
 * ``release``: SIGTERM the job's rank process groups, SIGKILL after the grace period (or
   at once with ``kill``); each process is reaped by its own waiter.
 
@@ -37,6 +40,8 @@ Threads, and why each exists:
 * per rank session, one gRPC handler thread streams commands down and one reader thread
   relays events up;
 * one timer per released rank, firing SIGKILL when the grace period ends;
+* one tail thread per TailRankLogs request, reading the job's rank log files (a followed
+  file is re-read after a short wait when empty: appends to a file notify nobody);
 * the memory sampler, which reads /proc/meminfo every few seconds: the kernel sends no
   event when memory runs low, so this is the one place the agent samples. It reads the
   OS, never another module.
@@ -85,6 +90,10 @@ MEMORY_PRESSURE_HYSTERESIS = 0.02
 # How long an audit waits for the ranks' answers (a rank answers from its session reader,
 # which starts once its modules are built; until then its last known counts are shown).
 AUDIT_TIMEOUT_SECONDS = 2.0
+# Rank log tails (TailRankLogs): the wait after an empty read of a followed log file, and
+# the most lines in one RankLogLines.
+TAIL_INTERVAL_SECONDS = 0.2
+TAIL_BATCH_LINES = 500
 
 Emit = Callable[[control_pb2.WorkerEvent], None]
 
@@ -524,6 +533,10 @@ class NodeAgent:
         self._audits: dict[tuple[str, int, int], audit_pb2.AuditReport] = {}
         self._audit_seq = 0
         self._audit_answered = threading.Condition(self._lock)
+        self._tails: dict[str, threading.Event] = {}  # request id -> stop flag of a log tail
+        # job -> ranks this agent launched: the log files it wrote (agents sharing one run
+        # dir must not each send every file).
+        self._launched: dict[str, set[int]] = collections.defaultdict(set)
 
     # ------------------------------------------------------------ commands from control
 
@@ -536,6 +549,10 @@ class NodeAgent:
             self.release_ranks(cmd.release)
         elif kind == "rank_command":
             self.relay_rank_command(cmd.rank_command)
+        elif kind == "tail_rank_logs":
+            self.tail_rank_logs(cmd.tail_rank_logs)
+        elif kind == "stop_tailing":
+            self.stop_tailing(cmd.stop_tailing)
         else:
             self._log.warning("empty or unknown worker command ignored", kind=kind)
 
@@ -585,6 +602,26 @@ class NodeAgent:
                 r.commands.put(cmd)
         if not targets:
             self._log.warning("rank command for a job with no live rank here", kind=kind, job_id=job_id)
+
+    def tail_rank_logs(self, msg: control_pb2.TailRankLogs) -> None:
+        """Operator log plumbing (StreamLogs): send up the lines of this job's rank log
+        files on this node (``msg.rank`` only, unless -1) as ``RankLogLines`` batches, then
+        with ``follow`` the lines appended later, until each rank process has exited and its
+        file is drained (or :meth:`stop_tailing`); a final ``RankLogLines{done}`` ends it.
+        Does not block: one thread per request reads the files."""
+        stop = threading.Event()
+        with self._lock:
+            self._tails[msg.request_id] = stop
+        threading.Thread(
+            target=self._tail, args=(msg, stop), name=f"tail-{msg.job_id}-{msg.request_id[:8]}", daemon=True
+        ).start()
+
+    def stop_tailing(self, msg: control_pb2.StopTailing) -> None:
+        """The StreamLogs caller went away: end that tail (its ``done`` still goes up)."""
+        with self._lock:
+            stop = self._tails.get(msg.request_id)
+        if stop is not None:
+            stop.set()
 
     # ------------------------------------------------------------ from rank sessions
 
@@ -714,10 +751,77 @@ class NodeAgent:
         r = _Rank(job_id=job_id, rank=assignment.rank, init=init, assignment=assignment, proc=proc, log_path=log_path)
         with self._lock:
             self._ranks[key] = r
+            self._launched[job_id].add(assignment.rank)
             if self._stopping:  # shutdown began while it was spawning and did not see it
                 _signal_group(proc.pid, signal.SIGKILL)
         threading.Thread(target=self._watch, args=(r,), name=f"wait-{job_id}-{r.rank}", daemon=True).start()
         self._log.info("rank launched", job_id=job_id, rank=r.rank, pid=proc.pid, device=assignment.device, log=str(log_path))
+
+    def rank_log_files(self, job_id: str, rank: int = -1) -> dict[int, Path]:
+        """rank -> ``<run_dir>/logs/<job>.rank<R>.log`` of the ranks of ``job_id`` this
+        agent launched (one rank unless ``rank`` is -1)."""
+        prefix = f"{_safe_name(job_id)}.rank"
+        with self._lock:
+            ours = set(self._launched.get(job_id, ()))
+        found: dict[int, Path] = {}
+        if self._logs_dir.is_dir():
+            for f in self._logs_dir.iterdir():
+                digits = f.name[len(prefix):-len(".log")] if f.name.startswith(prefix) and f.name.endswith(".log") else ""
+                if digits.isdigit() and int(digits) in ours and (rank < 0 or int(digits) == rank):
+                    found[int(digits)] = f
+        return dict(sorted(found.items()))
+
+    def _rank_alive(self, job_id: str, rank: int) -> bool:
+        with self._lock:
+            r = self._ranks.get((job_id, rank))
+            return r is not None and not r.exited.is_set()
+
+    def _tail(self, msg: control_pb2.TailRankLogs, stop: threading.Event) -> None:
+        """Tail thread of one TailRankLogs request."""
+        files: dict[int, tuple[Any, bytearray]] = {}
+        try:
+            for rank, path in self.rank_log_files(msg.job_id, msg.rank).items():
+                try:
+                    files[rank] = (open(path, "rb"), bytearray())
+                except OSError as e:
+                    self._log.warning("rank log unreadable", job_id=msg.job_id, rank=rank, error=str(e))
+            while files and not stop.is_set():
+                grew = False
+                for rank in list(files):
+                    fh, partial = files[rank]
+                    # Asked before reading: a line written before the exit is not missed.
+                    alive = msg.follow and self._rank_alive(msg.job_id, rank)
+                    chunk = fh.read()
+                    if chunk:
+                        grew = True
+                        partial += chunk
+                        *complete, rest = bytes(partial).split(b"\n")
+                        partial[:] = rest
+                        self._send_lines(msg, rank, [c.decode(errors="replace") for c in complete])
+                    elif not alive:  # exited (or no follow) and drained
+                        if partial:
+                            self._send_lines(msg, rank, [bytes(partial).decode(errors="replace")])
+                        fh.close()
+                        del files[rank]
+                if not grew and files:
+                    # This tails a file, it does not poll a module: the kernel offers no
+                    # portable append notification, so an empty read waits a moment.
+                    stop.wait(TAIL_INTERVAL_SECONDS)
+        except Exception:
+            self._log.exception("rank log tail failed", job_id=msg.job_id, request_id=msg.request_id)
+        finally:
+            for fh, _ in files.values():
+                fh.close()
+            with self._lock:
+                self._tails.pop(msg.request_id, None)
+            self._emit(control_pb2.WorkerEvent(rank_log_lines=control_pb2.RankLogLines(
+                request_id=msg.request_id, job_id=msg.job_id, done=True)))
+
+    def _send_lines(self, msg: control_pb2.TailRankLogs, rank: int, lines: list[str]) -> None:
+        lines = [line for line in lines if line.strip()]
+        for i in range(0, len(lines), TAIL_BATCH_LINES):
+            self._emit(control_pb2.WorkerEvent(rank_log_lines=control_pb2.RankLogLines(
+                request_id=msg.request_id, job_id=msg.job_id, rank=rank, lines=lines[i:i + TAIL_BATCH_LINES])))
 
     def _spawn(self, argv: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
         log_path.parent.mkdir(parents=True, exist_ok=True)

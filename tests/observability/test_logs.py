@@ -1,6 +1,6 @@
 """Logs: every service's and rank's log file is JSON lines (one event per line, with service,
 job, rank, step), a terminal gets the human renderer, a job-wide line is written once and
-not once per rank, and `surgectl logs` reads a job's rank logs."""
+not once per rank, and `surgectl logs` gets a job's rank logs from control (StreamLogs)."""
 
 from __future__ import annotations
 
@@ -67,6 +67,14 @@ def test_surgectl_logs_merges_the_ranks_and_follow_ends_with_the_job(obs_stack):
     lines = r.stdout.splitlines()
     assert any(" rank 0" in line for line in lines) and any(" rank 1" in line for line in lines)
 
+    # The lines come from control (StreamLogs), not from this machine's files: every rank
+    # line of the job, as its node agent wrote it.
+    via_control = cli(obs_stack.home, "logs", job, "-o", "json")
+    assert via_control.returncode == 0, via_control.stderr
+    on_disk = sorted(line for rank in (0, 1)
+                     for line in _lines(obs_stack.home / "run" / "logs" / f"{job}.rank{rank}.log"))
+    assert sorted(via_control.stdout.splitlines()) == on_disk
+
     as_json = cli(obs_stack.home, "logs", job, "--rank", "1", "-o", "json")
     assert as_json.returncode == 0, as_json.stderr
     records = [json.loads(line) for line in as_json.stdout.splitlines()]
@@ -81,7 +89,7 @@ def test_surgectl_logs_merges_the_ranks_and_follow_ends_with_the_job(obs_stack):
 
 @pytest.mark.integration
 def test_surgectl_logs_errors_are_one_line(obs_stack):
-    for args, words in ((("logs", "no-such-job"), "no rank logs of no-such-job"),
+    for args, words in ((("logs", "no-such-job"), "no-such-job"),
                         (("logs", obs_stack.job_id, "--rank", "7"), "no log of rank 7"),
                         (("logs", obs_stack.job_id, "-o", "yaml"), "--output")):
         r = cli(obs_stack.home, *args)

@@ -578,3 +578,73 @@ def test_memory_check_seconds_zero_disables_the_sampler(cluster, tmp_path):
     cluster.agent(control.port, env={"SURGE_WORKER_MEMINFO": str(meminfo), "SURGE_WORKER_MEMORY_CHECK_SECONDS": "0"})
     control.servicer.registration()
     assert no_event_within(control.servicer, 0.5)
+
+
+# ---------------------------------------------------------------- rank log tails (StreamLogs plumbing)
+
+
+def log_answer(control: FakeControl, request_id: str, timeout: float = START_TIMEOUT, until: str | None = None):
+    """RankLogLines of ``request_id`` until its done (or, with ``until``, a line holding that
+    text): (rank -> lines, done seen, other events seen meanwhile)."""
+    lines: dict[int, list[str]] = {}
+    others = []
+    deadline = time.monotonic() + timeout
+    while True:
+        event = control.next_event(max(0.1, deadline - time.monotonic()))
+        if event.WhichOneof("event") != "rank_log_lines":
+            others.append(event)
+            continue
+        batch = event.rank_log_lines
+        assert batch.request_id == request_id, batch
+        if batch.done:
+            return lines, True, others
+        lines.setdefault(batch.rank, []).extend(batch.lines)
+        if until is not None and any(until in line for line in batch.lines):
+            return lines, False, others
+
+
+def test_tail_rank_logs_sends_the_lines_then_follows_until_the_rank_exits_or_stop_tailing(cluster):
+    control = cluster.control()
+    agent = cluster.agent(control.port)
+    control.servicer.registration()
+    launch(control.servicer, "tl", ["sleep", "sleep"], world_size=2)
+    started_ranks(cluster, control.servicer, 2)
+    path = agent.run_dir / "logs" / "tl.rank1.log"
+    existing = [line for line in agent.rank_log("tl", 1).splitlines() if line.strip()]
+    assert existing
+
+    # Without follow: what the files hold, rank 1 only, then done.
+    control.servicer.push(tail_rank_logs=control_pb2.TailRankLogs(request_id="r1", job_id="tl", follow=False, rank=1))
+    lines, done, _ = log_answer(control.servicer, "r1")
+    assert done and set(lines) == {1} and lines[1][: len(existing)] == existing
+
+    # With follow: a line appended later arrives, a partial line only once complete.
+    control.servicer.push(tail_rank_logs=control_pb2.TailRankLogs(request_id="r2", job_id="tl", follow=True, rank=-1))
+    with open(path, "a") as f:
+        f.write("appended by the test\npartial ")
+    lines, done, _ = log_answer(control.servicer, "r2", until="appended by the test")
+    assert not done and set(lines) <= {0, 1}
+    with open(path, "a") as f:
+        f.write("now complete\n")
+    lines, done, _ = log_answer(control.servicer, "r2", until="partial now complete")
+    assert not done and lines[1][-1] == "partial now complete"
+
+    # The ranks exit: the tail drains the files and says done.
+    control.servicer.push(release=control_pb2.ReleaseRanks(job_id="tl", kill=True))
+    lines, done, others = log_answer(control.servicer, "r2", timeout=10)
+    assert done
+    assert sorted(e.rank_exited.rank for e in others if e.WhichOneof("event") == "rank_exited") == [0, 1]
+
+
+def test_stop_tailing_ends_a_followed_tail_of_a_live_rank(cluster):
+    control = cluster.control()
+    cluster.agent(control.port)
+    control.servicer.registration()
+    launch(control.servicer, "st", "sleep")
+    started_ranks(cluster, control.servicer, 1)
+    control.servicer.push(tail_rank_logs=control_pb2.TailRankLogs(request_id="s1", job_id="st", follow=True, rank=-1))
+    with pytest.raises(queue.Empty):
+        log_answer(control.servicer, "s1", timeout=1.0)  # the rank lives: no done
+    control.servicer.push(stop_tailing=control_pb2.StopTailing(request_id="s1"))
+    _, done, _ = log_answer(control.servicer, "s1", timeout=5)
+    assert done
