@@ -195,15 +195,7 @@ def history_from_events(events) -> render.History:
     """The same from control's WatchJob history (step events are sampled there)."""
     h = render.History()
     for ev in events:
-        s = ev.status
-        h.last = s
-        if ev.type == "step" and s.step and (not h.steps or s.step > h.steps[-1]):
-            h.steps.append(s.step)
-            h.loss.append(s.train_loss)
-            h.tokens_per_second.append(s.tokens_per_second)
-        if ev.type == "eval" and not math.isnan(s.eval_loss):
-            h.eval_steps.append(s.step)
-            h.eval_loss.append(s.eval_loss)
+        h.add(ev)
     if s := h.last:  # the final point: the status after the last event
         if s.step and (not h.steps or s.step > h.steps[-1]) and s.train_loss:
             h.steps.append(s.step)

@@ -123,6 +123,18 @@ class History:
     eval_loss: list[float] = field(default_factory=list)
     last: control_pb2.JobStatus | None = None
 
+    def add(self, ev: control_pb2.JobEvent) -> None:
+        """Take one event of the job's log: a new step or evaluation adds a point."""
+        s = ev.status
+        self.last = s
+        if ev.type == "step" and s.step and (not self.steps or s.step > self.steps[-1]):
+            self.steps.append(s.step)
+            self.loss.append(s.train_loss)
+            self.tokens_per_second.append(s.tokens_per_second)
+        if ev.type == "eval" and not math.isnan(s.eval_loss):
+            self.eval_steps.append(s.step)
+            self.eval_loss.append(s.eval_loss)
+
 
 def follow(events, quiet_types: frozenset[str] = frozenset({"step"})) -> History:
     """Render a WatchJob stream as a progress bar; return what it showed."""
@@ -141,17 +153,10 @@ def follow(events, quiet_types: frozenset[str] = frozenset({"step"})) -> History
     task = None
     with progress:
         for ev in events:
+            h.add(ev)
             s = ev.status
-            h.last = s
             if task is None:
                 task = progress.add_task(s.job_id, total=s.total_steps or None, loss="—", tps="—")
-            if ev.type == "step" and s.step and (not h.steps or s.step > h.steps[-1]):
-                h.steps.append(s.step)
-                h.loss.append(s.train_loss)
-                h.tokens_per_second.append(s.tokens_per_second)
-            if ev.type == "eval" and not math.isnan(s.eval_loss):
-                h.eval_steps.append(s.step)
-                h.eval_loss.append(s.eval_loss)
             progress.update(
                 task, completed=s.step, loss=fmt_loss(s.train_loss), tps=f"{s.tokens_per_second:,.0f}"
             )
