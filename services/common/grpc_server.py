@@ -20,7 +20,9 @@ Every server also answers a request it cannot parse with INVALID_ARGUMENT naming
 from __future__ import annotations
 
 import hmac
+import errno
 import os
+import socket
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from pathlib import Path
@@ -211,6 +213,10 @@ class ServiceServer:
 
     def __init__(self, name: str, host: str, port: int, max_workers: int = 32):
         self.name = name
+        # Checked before gRPC tries: its C core would log its own multi-line bind error first.
+        problem = bind_problem(host, port) if port else None
+        if problem:
+            raise PortInUse(f"{name}: cannot listen on {host}:{port} ({problem})")
         credentials = server_credentials()
         self.tls = credentials is not None
         self.server = grpc.server(
@@ -306,6 +312,39 @@ class _Channel(grpc.Channel):
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on, or None if it can (right now)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as e:
+        return f"cannot resolve host: {e.strerror}"
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no clash
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return "port already in use?" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+    return None
+
+
+def serve_metrics(name: str, host: str, port: int):
+    """Serve the process's Prometheus registry on ``host:port`` (its own port, never the
+    gRPC one); returns the HTTP server, or None when ``port`` is 0.
+
+    Raises:
+        PortInUse: the port cannot be bound (one line naming the service).
+    """
+    if not port:
+        return None
+    from prometheus_client import REGISTRY, start_http_server
+
+    try:
+        http, _ = start_http_server(port, addr=host, registry=REGISTRY)
+    except OSError as e:
+        raise PortInUse(f"{name}: cannot serve /metrics on {host}:{port}: {e.strerror or e}") from None
+    return http
 
 
 def channel(address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:

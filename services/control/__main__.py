@@ -19,20 +19,17 @@ layer), as are the violations node agents relay from their ranks.
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import signal
-import socket
 import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import structlog
-from prometheus_client import REGISTRY, start_http_server
 
 from services.common import logs, paths
-from services.common.grpc_server import PortInUse, ServiceServer
+from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
 from services.contract import (
     Module,
     audit_pb2,
@@ -192,40 +189,15 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _probe_port(host: str, port: int) -> None:
-    """Raise PortInUse if something listens on host:port, before gRPC's C core tries (it
-    would log its own multi-line error first). SO_REUSEADDR, as gRPC sets it, so a port in
-    TIME_WAIT is not mistaken for a taken one.
-    """
-    if port == 0:
-        return
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise PortInUse(f"control: cannot listen on {host}:{port} (port already in use?)") from None
-            raise
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     log = logs.configure("control")
     try:
-        _probe_port(args.host, args.port)
         server = ServiceServer("control", args.host, args.port)
+        http = serve_metrics("control", args.host, args.metrics_port)
     except PortInUse as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    http = None
-    if args.metrics_port:
-        try:
-            http, _ = start_http_server(args.metrics_port, addr=args.host, registry=REGISTRY)
-        except OSError as e:
-            print(f"error: control: cannot serve /metrics on {args.host}:{args.metrics_port}: {e.strerror or e}",
-                  file=sys.stderr)
-            return 2
     journal = JobStore(args.db)
     try:
         control = build(journal, data_address=args.data, store_address=args.store, host=args.host)

@@ -20,15 +20,13 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import sys
 import threading
 from pathlib import Path
 
-from prometheus_client import REGISTRY, start_http_server
 
 from services.common import logs, paths
-from services.common.grpc_server import PortInUse, ServiceServer
+from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
 from services.contract import Module, audit_pb2_grpc, data_pb2, data_pb2_grpc
 from services.contract.audit import AuditServicer, ViolationReporter
 from services.contract.bus import Bus, RouteError
@@ -123,19 +121,11 @@ def main(argv: list[str] | None = None) -> int:
         log=log,
     )
     try:
-        _check_port_free(args.host, args.port)
         server = ServiceServer("data", args.host, args.port)
+        http = serve_metrics("data", args.host, args.metrics_port)
     except PortInUse as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    http = None
-    if args.metrics_port:
-        try:
-            http, _ = start_http_server(args.metrics_port, addr=args.host, registry=REGISTRY)
-        except OSError as e:
-            print(f"error: data: cannot serve /metrics on {args.host}:{args.metrics_port}: {e.strerror or e}",
-                  file=sys.stderr)
-            return 1
     data_pb2_grpc.add_DataServiceServicer_to_server(servicer, server.server)
     audit_pb2_grpc.add_AuditServiceServicer_to_server(AuditServicer("data"), server.server)
     server.start([data_pb2.DESCRIPTOR.services_by_name["DataService"].full_name, AuditServicer.SERVICE_NAME])
@@ -151,24 +141,6 @@ def main(argv: list[str] | None = None) -> int:
         http.shutdown()
     log.info("stopped")
     return 0
-
-
-def _check_port_free(host: str, port: int) -> None:
-    """Refuse a taken port before gRPC tries it (gRPC would add its own multi-line log)."""
-    if port == 0:
-        return
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror:
-        return  # let gRPC report the bad host
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as s:
-        # Like gRPC: a port left in TIME_WAIT is free; one with a listener is not (Linux).
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(address)
-        except OSError:
-            raise PortInUse(f"data: cannot listen on {host}:{port} (port already in use?)") from None
 
 
 if __name__ == "__main__":

@@ -16,18 +16,16 @@ command them, and nothing else.
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import signal
-import socket
 import sys
 import threading
 from pathlib import Path
 
-from prometheus_client import REGISTRY, start_http_server
+from prometheus_client import REGISTRY
 
 from services.common import logs, paths
-from services.common.grpc_server import PortInUse, ServiceServer
+from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
 from services.contract import Module, audit_pb2_grpc, engine_pb2, store_pb2, store_pb2_grpc
 from services.contract.audit import AuditServicer, ViolationReporter
 from services.contract.bus import Bus, CommandPort, RouteError
@@ -83,26 +81,18 @@ def main(argv: list[str] | None = None) -> int:
     root = (args.root or paths.store_root()).resolve()
     log = logs.configure("store", root=str(root))
 
-    # Checked before gRPC tries: its C core would print its own multi-line bind error first.
-    problem = _bind_problem(args.host, args.port) if args.port else None
-    if problem:
-        print(f"store: cannot listen on {args.host}:{args.port} ({problem})", file=sys.stderr)
-        return 1
     try:
         server = ServiceServer("store", args.host, args.port)
-    except PortInUse as e:  # lost a race since the check
+        http = serve_metrics("store", args.host, args.metrics_port)
+    except PortInUse as e:
         print(e, file=sys.stderr)
-        return 1
-    try:
-        http, _ = start_http_server(args.metrics_port, addr=args.host, registry=REGISTRY)
-    except OSError as e:
-        print(f"store: cannot serve /metrics on {args.host}:{args.metrics_port}: {e.strerror or e}", file=sys.stderr)
         return 1
 
     try:
         relay, metrics = wire(root, log)
     except (ContractError, RouteError) as e:
-        http.shutdown()
+        if http is not None:
+            http.shutdown()
         return refuse("store", e)
     store_pb2_grpc.add_StoreServiceServicer_to_server(relay, server.server)
     audit_pb2_grpc.add_AuditServiceServicer_to_server(AuditServicer("store"), server.server)
@@ -110,28 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     server.start(["surge.v1.StoreService", AuditServicer.SERVICE_NAME])
-    log.info("serving", address=f"{args.host}:{server.port}", metrics=f"{args.host}:{http.server_port}")
+    log.info("serving", address=f"{args.host}:{server.port}", metrics=f"{args.host}:{http.server_port}" if http else "off")
     stop.wait()
     log.info("stopping")
     server.stop(grace=2.0)
-    http.shutdown()
+    if http is not None:
+        http.shutdown()
     metrics.close()
     return 0
-
-
-def _bind_problem(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be listened on, or None if it can (right now)."""
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    except socket.gaierror as e:
-        return f"cannot resolve host: {e.strerror}"
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no clash
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            return "port already in use?" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
-    return None
 
 
 if __name__ == "__main__":

@@ -30,10 +30,9 @@ import sys
 import threading
 from pathlib import Path
 
-from prometheus_client import REGISTRY, start_http_server
 
 from services.common import logs, paths
-from services.common.grpc_server import PortInUse, ServiceServer
+from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
 from services.contract import audit_pb2_grpc, worker_pb2_grpc
 from services.contract.audit import AuditServicer, merge_reports, report_of
 from services.contract.validation import ContractError, refuse, validate_table
@@ -95,47 +94,19 @@ def local_host(listen_host: str) -> str:
     return "127.0.0.1" if listen_host in WILDCARD_HOSTS else listen_host
 
 
-def port_taken(host: str, port: int) -> bool:
-    """True when another socket listens on ``host:port``. Checked before gRPC binds, so
-    the user sees one line instead of gRPC core's log line plus ours."""
-    if port == 0:
-        return False
-    try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror:
-        return False  # let gRPC report the bad host
-    family, kind, proto, _, addr = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is not "taken"
-        try:
-            probe.bind(addr)
-        except OSError:
-            return True
-    return False
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         validate_table()  # the node agent relays the table's messages (it is EXT_HARDWARE)
     except ContractError as e:
         return refuse("worker", e)
-    if port_taken(args.host, args.port):
-        print(f"worker: cannot listen on {args.host}:{args.port} (port already in use)", file=sys.stderr)
-        return 2
     try:
         server = ServiceServer("worker", args.host, args.port, max_workers=64)  # one thread per rank session
+        http = serve_metrics("worker", args.host, args.metrics_port)
     except PortInUse as e:
-        print(e, file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     port = server.port
-    http = None
-    if args.metrics_port:
-        try:
-            http, _ = start_http_server(args.metrics_port, addr=args.host, registry=REGISTRY)
-        except OSError as e:
-            print(f"worker: cannot serve /metrics on {args.host}:{args.metrics_port}: {e.strerror or e}", file=sys.stderr)
-            return 2
     worker_id = args.worker_id or f"{socket.gethostname()}-{port}"
     log = logs.configure("worker", worker_id=worker_id)
     advertise = args.advertise or (socket.gethostname() if args.host in WILDCARD_HOSTS else args.host)
