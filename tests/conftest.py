@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,18 @@ def processes_with(marker: str) -> list[int]:
         if marker in cmd and int(d.name) != os.getpid():
             pids.append(int(d.name))
     return pids
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports the kernel just handed out (all held open at once, so distinct)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def kill_all(pids: list[int]) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,21 +20,11 @@ from pathlib import Path
 
 import grpc
 
+from tests.conftest import free_ports
 from services.contract import engine_pb2, store_pb2, store_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.jobspec import JobSpec, spec_to_json
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def child_env() -> dict[str, str]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -20,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.grpc_server import channel
 from services.contract import Module, audit_pb2, audit_pb2_grpc
-from tests.conftest import REPO, down_and_reap
+from tests.conftest import REPO, down_and_reap, free_ports
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 SURGECTL = [sys.executable, "-m", "services.cli.surgectl"]
@@ -35,17 +34,6 @@ def cli(home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedPro
 
 def stack_info(home: Path) -> dict:
     return json.loads((home / "run" / "stack.json").read_text())["services"]
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

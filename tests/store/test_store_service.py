@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -16,22 +15,11 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import free_ports
 from services.contract import engine_pb2, store_pb2, store_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports the kernel just handed out (all held open at once, so distinct)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def spawn(root: Path, port: int, metrics_port: int, log=subprocess.PIPE) -> subprocess.Popen:
