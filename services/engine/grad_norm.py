@@ -1,0 +1,42 @@
+"""Gradient norms over parameters that may be DTensor shards (FSDP2, tensor parallel).
+
+``torch.nn.utils.get_total_norm`` runs ``torch._foreach_norm`` over one list, which refuses
+a mix of plain tensors and DTensors, and on DTensors returns a DTensor (a partial norm)
+rather than a number. Under tensor parallelism the non-sharded weights (embedding, norms)
+stay plain tensors while q/k/v/... are DTensors; under FSDP2 x TP the DTensors live on two
+meshes (dp x tp for the TP-sharded weights, dp for the rest). So the gradients are grouped
+by mesh, each group's norm is made whole (``full_tensor()``: the collective that sums the
+shards' squares over the mesh), and the groups are combined as sqrt(sum of squares).
+Every rank must call it, in the same order (the full_tensor reductions are collectives).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def total_norm(grads: Sequence[torch.Tensor], norm_type: float = 2.0) -> float:
+    """The L-``norm_type`` norm of all of ``grads`` together, as a Python float (one host
+    sync). Plain tensors and DTensors of any meshes may be mixed; ``inf`` norms too."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    parts = []
+    for mesh, group in sorted(groups.items(), key=lambda kv: _mesh_key(kv[0])):
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        parts.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float().cpu())
+    if not parts:
+        return 0.0
+    if norm_type == float("inf"):
+        return float(torch.stack(parts).max())
+    return float(torch.stack(parts).pow(norm_type).sum().pow(1.0 / norm_type))
+
+
+def _mesh_key(mesh) -> tuple:
+    # Same group order on every rank, so the full_tensor collectives line up.
+    if mesh is None:
+        return ()
+    return (tuple(mesh.mesh_dim_names or ()), tuple(mesh.mesh.flatten().tolist()))

@@ -1,0 +1,192 @@
+"""Run Surge's real rank wiring (``services.worker.rank.compose``) under any parallel config,
+one OS process per rank over gloo, and collect what the parity tests compare.
+
+Data: a relay that hands out rows of ONE global stream, so every config sees the same
+global batch per optimizer step. Micro-batch ``i`` of dp rank ``d`` (of ``W``) holds global
+rows ``(i * W + d) * B .. + B``; with ``A`` micro-steps per step, step ``s`` covers rows
+``s * A * W * B .. (s + 1) * A * W * B`` whatever the split (dp, accumulation), so a
+single process with ``B' = A * W * B`` sees exactly the same tokens. Each row has a
+random number of padded label positions (-100), so ranks and micro-steps hold different
+token counts and only a globally normalised loss matches the single process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+for path in (str(REPO), str(REPO / "tests" / "engine")):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+from rank_fakes import FakeStore, FakeUp, corpus_bytes  # noqa: E402
+
+from services.contract import data_pb2, engine_pb2  # noqa: E402
+from services.contract.bus import Emitter  # noqa: E402
+from services.engine.training_loop import Batch  # noqa: E402
+
+SEQ_LEN = 32
+GLOBAL_ROWS = 8  # rows per optimizer step, in every config
+
+
+class GlobalRowsData:
+    """L4 relay: micro-batches cut from one global, padded row stream (module docstring)."""
+
+    def __init__(self, versions: Emitter, packer: Emitter, *, batches: int, pad: bool = True):
+        self._versions, self._packer = versions, packer
+        self._data = np.frombuffer(corpus_bytes(), dtype=np.uint8).astype(np.int64)
+        self._batches, self._pad = batches, pad
+
+    def mount(self, msg: data_pb2.MountDataset, payload: Any = None):
+        return data_pb2.DatasetReady(name=msg.name, version=msg.version, vocab_size=256, tokenizer="bytes")
+
+    def open_stream(self, msg: data_pb2.OpenStream, payload: Any = None) -> None:
+        threading.Thread(target=self._pump, args=(msg,), daemon=True).start()
+
+    def row(self, g: int) -> tuple[np.ndarray, np.ndarray]:
+        T = SEQ_LEN
+        rng = np.random.default_rng([7, g])
+        s = int(rng.integers(0, len(self._data) - T - 1))
+        x, y = self._data[s : s + T].copy(), self._data[s + 1 : s + T + 1].copy()
+        if self._pad:
+            n_pad = int(rng.integers(0, T // 2))
+            if n_pad:
+                y[T - n_pad :] = -100
+        return x, y
+
+    def _pump(self, msg: data_pb2.OpenStream) -> None:
+        B, W, d = msg.packer.micro_batch_size, max(1, msg.shuffle.world_size), msg.shuffle.rank
+        first = msg.start.document
+        for i in range(first, first + self._batches):
+            rows = [self.row((i * W + d) * B + b) for b in range(B)]
+            x = torch.from_numpy(np.stack([r[0] for r in rows]))
+            y = torch.from_numpy(np.stack([r[1] for r in rows]))
+            mb = data_pb2.MicroBatch(batch_size=B, seq_len=SEQ_LEN, tokens=int((y != -100).sum()),
+                                     next=data_pb2.DataPosition(document=i + 1))
+            self._packer(mb, Batch(msg.split, x, y))
+
+
+def parity_spec(steps: int = 10, **parallel: Any):
+    """2 layers, d_model 64, 4 heads, seq 32, fp32, constant-free AdamW schedule; ``parallel``
+    overrides the parallel section; micro-batch rows are chosen so each step holds
+    GLOBAL_ROWS rows. ``grad_accum`` may be passed among them."""
+    from services.jobspec import JobSpec
+
+    accum = parallel.pop("grad_accum", 1)
+    dp = parallel.get("dp", 1)
+    assert GLOBAL_ROWS % (dp * accum) == 0
+    return JobSpec.model_validate({
+        "name": "parity", "steps": steps, "seed": 3,
+        "model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "attention": "math"},
+        "data": {"dataset": "corpus@v1", "seq_len": SEQ_LEN, "micro_batch_size": GLOBAL_ROWS // (dp * accum),
+                 "grad_accum": accum},
+        "parallel": parallel,
+        "optimizer": {"lr": 3e-3, "warmup_steps": 2},
+        "checkpoint": {"every_steps": 0, "at_end": False},
+        "eval": {"every_steps": 0, "at_end": False},
+    })  # fmt: skip
+
+
+class Rank:
+    """One rank wired by the real composition root, with the global-rows data relay."""
+
+    def __init__(self, spec, ckpt_root: Path, *, rank: int, world_size: int, port: int, resume_version: str = ""):
+        from services.contract import Module as M
+        from services.contract.bus import Bus
+        from services.jobspec import spec_to_json
+        from services.worker.rank import compose
+
+        self.spec = spec
+        self.bus = bus = Bus()
+        self.data = GlobalRowsData(bus.emitter(M.L4_DATASET_VERSIONS), bus.emitter(M.L4_BATCH_PACKER),
+                                   batches=spec.steps * spec.data.grad_accum + 4)
+        self.store = FakeStore(bus.emitter(M.L5_CHECKPOINT_MANAGER), ckpt_root)
+        self.up = FakeUp()
+        self.modules = compose(bus, spec, "cpu", data=self.data, store=self.store, up=self.up)
+        self.init = engine_pb2.InitJob(job_id="job", spec_json=spec_to_json(spec), resume_version=resume_version)
+        self.assignment = engine_pb2.RankAssignment(
+            rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port,
+            backend="gloo", device="cpu", num_threads=1,
+        )  # fmt: skip
+
+    def run(self) -> None:
+        self.modules.orchestrator(self.init)
+        self.modules.allocator(self.assignment)
+        self.modules.orchestrator(engine_pb2.StartTraining(job_id="job"))
+        self.modules.loop.run()
+        failed = self.up.of(engine_pb2.TrainingLoopFailed)
+        if failed:
+            raise RuntimeError(f"rank failed: {failed[0].fault_class}: {failed[0].detail}")
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every weight as a whole tensor (DTensor shards gathered: collective, all ranks)."""
+        from torch.distributed.tensor import DTensor
+
+        from services.contract import Module as M
+
+        port = self.bus.port(M.L2_TRAINING_LOOP, M.L3_SHARD_LOADER)
+        state = port(engine_pb2.ExportState()).payload.state_dict()
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in sorted(state.items())}
+
+
+def rank_main(argv: list[str]) -> None:
+    """``python harness.py CONFIG_JSON RANK WORLD PORT OUT``: run one rank, save results."""
+    config, rank, world, port, out = json.loads(argv[0]), int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    spec = parity_spec(**config)
+    r = Rank(spec, out / "ckpt", rank=rank, world_size=world, port=port)
+    r.run()
+    steps = r.up.of(engine_pb2.StepCompleted)
+    state = r.full_state()
+    r.modules.parallel.shutdown()
+    torch.save({"losses": [s.loss for s in steps], "tokens": [s.tokens for s in steps],
+                "grad_norms": [s.grad_norm for s in steps], "step_seconds": [s.step_seconds for s in steps],
+                "state": state}, out / f"rank{rank}.pt")  # fmt: skip
+
+
+def run_config(config: dict[str, Any], out: Path, *, timeout: float = 240.0) -> list[dict[str, Any]]:
+    """Start ``dp * tp * pp`` rank processes for ``config``, wait, return each rank's results.
+
+    Raises AssertionError with the ranks' output tails when any rank fails."""
+    sys.path.insert(0, str(REPO))
+    from tests.conftest import free_ports
+
+    world = config.get("dp", 1) * config.get("tp", 1) * config.get("pp", 1)
+    out.mkdir(parents=True, exist_ok=True)
+    (port,) = free_ports(1)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, str(HERE / "harness.py"), json.dumps(config), str(r), str(world), str(port), str(out)],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(world)
+    ]  # fmt: skip
+    outputs = []
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * world, f"config {config}: exit codes {codes}\n" + "\n".join(o[-3000:] for o in outputs)
+    return [torch.load(out / f"rank{r}.pt") for r in range(world)]
+
+
+if __name__ == "__main__":
+    rank_main(sys.argv[1:])
