@@ -92,36 +92,47 @@ def apply_rotary(x_BHTK: torch.Tensor, cos_TK2: torch.Tensor, sin_TK2: torch.Ten
 
 
 class Attention(nn.Module):
+    """q, k and v are separate projections (not one fused qkv matmul) so that a
+    column-parallel split of each gives every tensor-parallel rank whole heads."""
+
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.n_heads = spec.n_heads
-        self.qkv = nn.Linear(spec.d_model, 3 * spec.d_model, bias=False)
+        self.head_dim = spec.d_model // spec.n_heads
+        self.q = nn.Linear(spec.d_model, spec.d_model, bias=False)
+        self.k = nn.Linear(spec.d_model, spec.d_model, bias=False)
+        self.v = nn.Linear(spec.d_model, spec.d_model, bias=False)
         self.proj = nn.Linear(spec.d_model, spec.d_model, bias=False)
 
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kernel) -> torch.Tensor:
-        B, T, D = x_BTD.shape
-        qkv_BT3HK = self.qkv(x_BTD).view(B, T, 3, self.n_heads, D // self.n_heads)
-        q_BHTK, k_BHTK, v_BHTK = qkv_BT3HK.permute(2, 0, 3, 1, 4).unbind(0)
+        B, T, _ = x_BTD.shape
+        # The heads are counted from the projection's width, not the spec: under tensor
+        # parallelism q/k/v are column shards and this rank holds n_heads / tp of them.
+        q_BTD, k_BTD, v_BTD = self.q(x_BTD), self.k(x_BTD), self.v(x_BTD)
+        H = q_BTD.shape[-1] // self.head_dim
+        q_BHTK, k_BHTK, v_BHTK = (t.view(B, T, H, self.head_dim).transpose(1, 2) for t in (q_BTD, k_BTD, v_BTD))
         cos, sin = rope
         q_BHTK = apply_rotary(q_BHTK, cos.to(q_BHTK.dtype), sin.to(q_BHTK.dtype))
         k_BHTK = apply_rotary(k_BHTK, cos.to(k_BHTK.dtype), sin.to(k_BHTK.dtype))
         y_BHTK = kernel(q_BHTK, k_BHTK, v_BHTK)
-        return self.proj(y_BHTK.transpose(1, 2).reshape(B, T, D))
+        return self.proj(y_BHTK.transpose(1, 2).reshape(B, T, H * self.head_dim))
 
 
 class MLP(nn.Module):
+    """GELU: down(gelu(up x)); SwiGLU: down(silu(gate x) * up x). Gate and up are separate
+    linears so a column-parallel split keeps each rank's gate and up units paired."""
+
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.kind = spec.mlp
         hidden = mlp_hidden_width(spec)
-        # SwiGLU: gate and up projections fused into one matmul of width 2F.
-        self.up = nn.Linear(spec.d_model, (2 if self.kind == "swiglu" else 1) * hidden, bias=False)
+        if self.kind == "swiglu":
+            self.gate = nn.Linear(spec.d_model, hidden, bias=False)
+        self.up = nn.Linear(spec.d_model, hidden, bias=False)
         self.down = nn.Linear(hidden, spec.d_model, bias=False)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         if self.kind == "swiglu":
-            gate_BTF, up_BTF = self.up(x_BTD).chunk(2, dim=-1)
-            return self.down(F.silu(gate_BTF) * up_BTF)
+            return self.down(F.silu(self.gate(x_BTD)) * self.up(x_BTD))
         return self.down(F.gelu(self.up(x_BTD), approximate="tanh"))
 
 

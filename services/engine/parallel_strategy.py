@@ -1,18 +1,21 @@
-"""L2-2 parallel strategy: turns the rank assignment into a frozen plan and a process group.
+"""L2-2 parallel strategy: turns the rank assignment into a frozen plan and a device mesh.
 
 Receives: ``RankAssignment`` (from L1's resource allocator, through the rank's session
-relay), pushed once. On it: initialise the torch.distributed default process group
-(gloo on CPU, nccl on CUDA; rendezvous at ``tcp://master_addr:master_port``), freeze the
-plan, command ``ParallelPlan`` to the shard loader and the gradient-reduction unit (the
-process-group handle travels as the payload) and publish ``ParallelReady`` to the loop.
+relay), pushed once. On it: compute the plan with the pure planner
+(:func:`services.engine.sharding_plan.plan`: mesh, coordinates, groups, stages, TP styles),
+initialise the torch.distributed default process group (gloo on CPU, nccl on CUDA;
+rendezvous at ``tcp://master_addr:master_port``), build the ``("pp", "dp", "tp")``
+DeviceMesh the plan names, command ``ParallelPlan`` to the shard loader and the
+gradient-reduction unit (the mesh handle travels as the payload) and publish
+``ParallelReady`` (this rank's coordinates) to the loop.
 
-For now the plan is data-parallel only: every rank holds the whole model, the batch is
-split across ranks, gradients are all-reduced by DDP (``data_parallel="ddp"``; ``"none"``
-for a single rank, where DDP would only add a copy).
+The model and parallel sections of the job spec are given at construction (composition
+root); an impossible combination (dp * tp * pp != world size, heads not divisible by tp,
+...) is refused with the planner's one-line ``ValueError`` before any group is formed.
 
 Red lines kept (seed L2-2): the plan is fixed at initialisation and never adapted; this
-module performs no tensor communication (DDP's all-reduce belongs to L3-5) and never
-touches the step schedule.
+module performs no tensor communication (DDP/FSDP's collectives belong to L3-5, TP's to
+the DTensor modules L3-1 lays out) and never touches the step schedule.
 """
 
 from __future__ import annotations
@@ -24,9 +27,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch.distributed.device_mesh import DeviceMesh
+
 from services.contract import engine_pb2
 from services.contract.bus import CommandPort, Emitter
 from services.contract.frozen import FrozenConfig
+from services.engine.sharding_plan import ShardingPlan, Topology, plan
+from services.jobspec import ModelSpec, ParallelSpec
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -40,18 +47,25 @@ class ParallelStrategy:
         shard_loader: CommandPort,
         reduction: CommandPort,
         *,
+        model: ModelSpec | None = None,
+        parallel: ParallelSpec | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ):
+        """``model`` and ``parallel``: the job spec's sections the plan is computed from
+        (default: a data-parallel-only plan over whatever world the assignment names)."""
         if timeout_s <= 0:
             raise ValueError(f"parallel strategy: timeout_s must be > 0, got {timeout_s}")
         self._emit = emit
         self._shard_loader = shard_loader
         self._reduction = reduction
         self._timeout = timedelta(seconds=timeout_s)
+        self._model_spec = model
+        self._parallel_spec = parallel
+        self._mesh: DeviceMesh | None = None
         # Seed L2-2: the plan is fixed at initialisation (red line 1). The seed's 重建并行通信域
         # 指令 (RebuildParallelGroup) rebuilds the group on the same plan; nothing changes it.
         self._assignment = FrozenConfig[engine_pb2.RankAssignment]("L2_PARALLEL_STRATEGY", "rank assignment")
-        self._plan: engine_pb2.ParallelPlan | None = None
+        self._plan: ShardingPlan | None = None
         self._owns_group = False
         self._state = "uninitialised"  # uninitialised | ready | comm_error
 
@@ -67,6 +81,9 @@ class ParallelStrategy:
         """
         self._assignment.require_unset()
         _validate(msg)
+        parallel = self._parallel_spec or ParallelSpec(dp=msg.world_size)
+        topology = Topology(tuple(msg.rank_nodes)) if msg.rank_nodes else None
+        sharding = plan(self._model_spec or ModelSpec(), msg.world_size, parallel, topology)  # ValueError: bad config
         self._assignment.set(msg)
         t0 = time.perf_counter()
         if msg.device.startswith("cuda"):
@@ -84,23 +101,26 @@ class ParallelStrategy:
                 self._state = "comm_error"
                 raise
             self._owns_group = True
-        group = dist.group.WORLD
-        self._plan = engine_pb2.ParallelPlan(
-            rank=msg.rank,
-            world_size=msg.world_size,
-            dp=msg.world_size,
-            data_parallel="ddp" if msg.world_size > 1 else "none",
-            device=msg.device,
+        # Every rank builds the same mesh from the same plan (new_group is collective).
+        device_type = "cuda" if msg.device.startswith("cuda") else "cpu"
+        self._mesh = DeviceMesh(
+            device_type, torch.tensor(sharding.flat_mesh()).view(sharding.mesh_shape), mesh_dim_names=sharding.axis_names
         )
-        self._shard_loader(self._plan, group)
-        self._reduction(self._plan, group)
+        self._plan = sharding
+        plan_msg = plan_message(sharding, msg.rank, msg.device)
+        self._shard_loader(plan_msg, self._mesh)
+        self._reduction(plan_msg, self._mesh)
         self._state = "ready"
         self._emit(
             engine_pb2.ParallelReady(
                 rank=msg.rank,
                 world_size=msg.world_size,
-                dp_rank=msg.rank,
-                dp_size=msg.world_size,
+                dp_rank=plan_msg.dp_rank,
+                dp_size=sharding.dp,
+                tp_rank=plan_msg.tp_rank,
+                tp_size=sharding.tp,
+                pp_rank=plan_msg.pp_rank,
+                pp_size=sharding.pp,
                 init_seconds=time.perf_counter() - t0,
             )
         )
@@ -110,6 +130,21 @@ class ParallelStrategy:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False
+
+
+def plan_message(sharding: ShardingPlan, rank: int, device: str) -> engine_pb2.ParallelPlan:
+    """The plan as the ``ParallelPlan`` command L3-1 and L3-5 receive, for ``rank``."""
+    pp_rank, dp_rank, tp_rank = sharding.coords[rank]
+    return engine_pb2.ParallelPlan(
+        rank=rank, world_size=sharding.world_size, dp=sharding.dp, tp=sharding.tp, pp=sharding.pp,
+        data_parallel=sharding.data_parallel, device=device,
+        axis_names=list(sharding.axis_names), mesh=sharding.flat_mesh(),
+        pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank,
+        tp_styles=[engine_pb2.ParallelPlan.TPStyle(module=m, style=st) for m, st in sharding.tp_styles],
+        stages=[engine_pb2.ParallelPlan.Stage(layers=list(layers)) for layers in sharding.stage_layers],
+        activation_checkpointing=sharding.activation_checkpointing,
+        pipeline_schedule=sharding.pipeline_schedule, microbatches=sharding.microbatches,
+    )  # fmt: skip
 
 
 def _validate(msg: engine_pb2.RankAssignment) -> None:
