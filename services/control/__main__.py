@@ -108,6 +108,7 @@ def build(
         loop=bus.emitter(M.L2_TRAINING_LOOP),
         checkpoints=bus.emitter(M.L5_CHECKPOINT_MANAGER),
         contract=contract,
+        journal=journal,
     )
     watches = WatchHub()
     store = StoreRelay(store_address, on_error=reporter.relay_rpc_error)
@@ -119,6 +120,7 @@ def build(
     for command in (engine_pb2.StartTraining, engine_pb2.PauseTraining, engine_pb2.ResumeTraining, engine_pb2.StopTraining):
         bus.subscribe(M.L2_TRAINING_LOOP, command, sessions.relay_rank_command)
     bus.subscribe(M.L5_CHECKPOINT_MANAGER, store_pb2.LoadCheckpoint, store.load_checkpoint)
+    bus.subscribe(M.L5_CHECKPOINT_MANAGER, store_pb2.VerifyCheckpoints, store.verify_checkpoints)
 
     bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.WorkerRegistration, allocator.on_worker_registration)
     bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.MemoryPressure, allocator.on_memory_pressure)
@@ -126,6 +128,9 @@ def build(
     bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.ReleaseResources, allocator.release_resources)
     bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.RebuildCommunicator, allocator.rebuild_communicator)
     bus.subscribe(M.L1_RECOVERY_CONTROLLER, control_pb2.StartRecovery, recovery.start_recovery)
+    # The detector before the orchestrator is built: restoring a live job re-arms its watch.
+    bus.subscribe(M.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring, detector.start_fault_monitoring)
+    bus.subscribe(M.L1_FAULT_DETECTOR, control_pb2.ResetFaultLedger, detector.reset_fault_ledger)
 
     orchestrator = Orchestrator(
         allocator=bus.port(M.L1_ORCHESTRATOR, M.L1_RESOURCE_ALLOCATOR),
@@ -137,6 +142,7 @@ def build(
         data_address=data_address,
         store_address=store_address,
         persist_interval_s=persist_interval_s,
+        checkpoints=bus.port(M.L1_ORCHESTRATOR, M.L5_CHECKPOINT_MANAGER),
     )
     o = orchestrator
     for msg_type, handler in (
@@ -159,8 +165,6 @@ def build(
     ):
         bus.subscribe(M.L1_ORCHESTRATOR, msg_type, handler)
 
-    bus.subscribe(M.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring, detector.start_fault_monitoring)
-    bus.subscribe(M.L1_FAULT_DETECTOR, control_pb2.ResetFaultLedger, detector.reset_fault_ledger)
     bus.subscribe(M.L1_FAULT_DETECTOR, worker_pb2.RankHeartbeat, detector.on_rank_heartbeat)
     bus.subscribe(M.L1_FAULT_DETECTOR, control_pb2.RankExited, detector.on_rank_exited)
     bus.subscribe(M.L1_FAULT_DETECTOR, engine_pb2.TrainingLoopFailed, detector.on_training_loop_failed)

@@ -27,6 +27,21 @@ the collective they shared (``comm_error``), and either report may reach control
 ``comm_error`` is therefore held for ``attribution_seconds``: a fault of another rank that
 arrives meanwhile is reported first, as the incident's cause, and the held reports follow
 it. Which reports are consequences of the incident, and what to do, is the orchestrator's.
+A ``rank_stalled`` is a symptom too when a peer has gone quiet (no heartbeat for more than
+1.5 of its beat periods): the stalled rank is most likely waiting in a collective for that
+peer, whose silence deadline fires at most ``heartbeat_timeout_seconds`` after its last beat.
+The stall is held that long (at least ``attribution_seconds``), so the peer's silence (or
+exit) is reported first, as the cause, and the survivor's stall follows it. A rank whose
+own beats stopped is not reported stalled: its silence deadline reports it.
+
+After a control restart the orchestrator pushes ``StartFaultMonitoring`` again with the
+job's ``world_size`` and a ``reattach_seconds``: every rank gets one silence deadline of that
+length, re-armed as usual by its first heartbeat after its node agent re-attached, so no
+rank is judged silent for the time control was down, and one that never comes back is.
+
+Aliases: a rank's ``checkpoint_integrity`` failure (a version that fails its SHA-256 check
+when loaded) is graded and reported as ``checkpoint_error``, the class the fault policy
+table names.
 """
 
 from __future__ import annotations
@@ -59,6 +74,11 @@ LOOP_FAILURE = "loop_failure"        # default for a TrainingLoopFailed class no
 BOUNDARY_VIOLATION = "boundary_violation"  # a send the route table refused (a module or wiring bug)
 COMM_ERROR = "comm_error"            # a collective failed: usually a peer's fault, see attribution
 PORT_IN_USE = "port_in_use"          # the rendezvous port was taken: a fresh port fixes it
+CHECKPOINT_ERROR = "checkpoint_error"  # a checkpoint could not be saved or loaded (or failed its check)
+# Classes reported under the class the policy table uses (the detail keeps the original).
+ALIASES = {"checkpoint_integrity": CHECKPOINT_ERROR}
+# A peer silent for more than this many of its beat periods makes a stall a symptom.
+QUIET_BEATS = 1.5
 
 # The relay states a lost node agent as a RankExited whose detail starts with this marker
 # (the proto has no WorkerLost event yet; see the control README / report).
@@ -101,6 +121,7 @@ class _RankWatch:
     step: int = -1
     last_beat_unix: float = 0.0
     last_progress_unix: float = 0.0
+    interval_s: float = 0.0  # the rank's beat period, as its heartbeats state it
     silence: threading.Timer | None = None
     stall: threading.Timer | None = None
     stalled: bool = False  # declared stalled at ``step``; the next progress re-arms the deadline
@@ -158,16 +179,25 @@ class FaultDetector:
     # ------------------------------------------------------------ commands (L1-1)
 
     def start_fault_monitoring(self, msg: control_pb2.StartFaultMonitoring, payload: Any = None) -> None:
-        """开启全域故障监听指令: report faults of ``msg.job_id`` from now on, with its deadlines."""
+        """开启全域故障监听指令: report faults of ``msg.job_id`` from now on, with its deadlines.
+        With ``world_size`` and ``reattach_seconds`` (control restarted): each of the ranks
+        gets a silence deadline of ``reattach_seconds`` from now, re-armed by its heartbeats."""
         with self._lock:
             if msg.job_id in self._jobs:
                 return  # once per job: the deadlines were pushed with the first command
-            self._jobs[msg.job_id] = _Job(
+            job = self._jobs[msg.job_id] = _Job(
                 heartbeat_timeout_s=msg.heartbeat_timeout_seconds or DEFAULT_HEARTBEAT_TIMEOUT_S,
                 stall_min_s=msg.stall_min_seconds or DEFAULT_STALL_MIN_S,
                 stall_step_factor=msg.stall_step_factor or DEFAULT_STALL_STEP_FACTOR,
                 attribution_s=msg.attribution_seconds,
             )
+            if msg.reattach_seconds > 0:
+                now = time.time()
+                for rank in range(msg.world_size):
+                    watch = job.ranks[rank] = _RankWatch(last_beat_unix=now)
+                    watch.silence = _started(
+                        threading.Timer(msg.reattach_seconds, self._silence_passed, (msg.job_id, rank, watch))
+                    )
 
     def reset_fault_ledger(self, msg: control_pb2.ResetFaultLedger, payload: Any = None) -> None:
         """重置故障台账指令: the job's incident is over (recovered); the next fault opens a new one."""
@@ -193,6 +223,7 @@ class FaultDetector:
                           heartbeat_timeout_s=job.heartbeat_timeout_s, stepping=msg.stepping, step=msg.step)
             watch.worker_id = msg.worker_id or watch.worker_id
             watch.last_beat_unix = now
+            watch.interval_s = msg.interval_seconds or watch.interval_s
             if watch.silence is not None:
                 watch.silence.cancel()
             args = (msg.job_id, msg.rank, watch)
@@ -250,23 +281,22 @@ class FaultDetector:
         error is held for the job's attribution window: its cause may still be on its way."""
         fault_class = msg.fault_class or LOOP_FAILURE
         text = msg.detail.lower()
+        if fault_class in ALIASES:
+            text, fault_class = f"{fault_class}: {msg.detail}".lower(), ALIASES[fault_class]
         if fault_class == COMM_ERROR and ("address already in use" in text or "eaddrinuse" in text):
             fault_class = PORT_IN_USE
         detail = f"rank {msg.rank} failed at step {msg.step}: {msg.detail}"  # the class is in the report
+        if msg.fault_class in ALIASES:
+            detail = f"rank {msg.rank} failed at step {msg.step}: {msg.fault_class}: {msg.detail}"
         report = self._graded(msg.job_id, fault_class, Module.L2_TRAINING_LOOP, msg.rank, detail, step=msg.step)
         if report is None:
             return
         with self._lock:
             job = self._jobs[msg.job_id]
-            symptom = fault_class == COMM_ERROR and job.attribution_s > 0
-            if symptom or (job.held and self._held_rank(job, msg.rank)):
-                if not job.held:  # the window opens with the first symptom and does not move
-                    if job.held_timer is not None:
-                        job.held_timer.cancel()
-                    job.held_timer = _started(threading.Timer(job.attribution_s, self._release_held, (msg.job_id,)))
-                job.held.append(report)
+            if fault_class == COMM_ERROR and job.attribution_s > 0:
+                self._hold(msg.job_id, report, window=job.attribution_s)
                 return
-        self._publish_cause(msg.job_id, report)
+        self._report_graded(msg.job_id, report)
 
     def on_boundary_violation_reported(self, msg: audit_pb2.BoundaryViolationReported, payload: Any = None) -> None:
         """A process's contract layer refused a send. Graded for the job of the process
@@ -297,19 +327,35 @@ class FaultDetector:
         )
 
     def _stall_passed(self, job_id: str, rank: int, watch: _RankWatch) -> None:
+        now = time.time()
         with self._lock:
             job = self._jobs.get(job_id)
             if job is None or job.ranks.get(rank) is not watch or watch.stall is None:
                 return
             watch.stall, watch.stalled = None, True  # declared once; the next progress re-arms it
             deadline = job.stall_deadline_s()
-        stalled_for = time.time() - watch.last_progress_unix
-        self._report(
+            quiet = [
+                r for r, w in job.ranks.items()
+                if now - w.last_beat_unix > QUIET_BEATS * (w.interval_s or job.heartbeat_timeout_s)
+            ]
+            if rank in quiet:
+                return  # it stopped beating too: its silence deadline reports it (as silent)
+        stalled_for = now - watch.last_progress_unix
+        report = self._graded(
             job_id, RANK_STALLED, Module.EXT_HARDWARE, rank,
             f"rank {rank} on worker {watch.worker_id} is alive but made no step progress for {stalled_for:.1f} s "
             f"(deadline {deadline:.1f} s) after step {max(watch.step, 0)}",
             occurred=watch.last_progress_unix, worker_id=watch.worker_id, step=max(watch.step, 0),
         )
+        if report is None:
+            return
+        if quiet:
+            # A quiet peer is the likely cause: its silence deadline fires within the
+            # heartbeat timeout; the stall waits for it (or for its exit) as a symptom.
+            _log.info("stall held for a quiet peer", job_id=job_id, rank=rank, quiet=quiet)
+            self._hold(job_id, report, window=max(job.attribution_s, job.heartbeat_timeout_s + 0.5))
+            return
+        self._report_graded(job_id, report)
 
     def _release_held(self, job_id: str) -> None:
         """The attribution window closed with no cause from another rank: the first held
@@ -349,10 +395,27 @@ class FaultDetector:
             detail=detail, detected_unix=now, occurred_unix=occurred or now, worker_id=worker_id, step=step,
         )
 
+    def _hold(self, job_id: str, report: control_pb2.FaultReport, window: float) -> None:
+        """Hold a symptom until its cause arrives or ``window`` seconds pass. The window
+        opens with the first symptom held and does not move."""
+        with self._lock:
+            job = self._jobs[job_id]
+            if not job.held:
+                if job.held_timer is not None:
+                    job.held_timer.cancel()
+                job.held_timer = _started(threading.Timer(window, self._release_held, (job_id,)))
+            job.held.append(report)
+
     def _report(self, job_id: str, fault_class: str, source: int, rank: int, detail: str, **known: Any) -> None:
         report = self._graded(job_id, fault_class, source, rank, detail, **known)
         if report is None:
             return
+        self._report_graded(job_id, report)
+
+    def _report_graded(self, job_id: str, report: control_pb2.FaultReport) -> None:
+        """Publish a graded report as a cause, unless its rank has a symptom held: then it
+        follows that symptom (e.g. the held rank's own exit)."""
+        rank = report.rank
         with self._lock:
             job = self._jobs[job_id]
             if job.held and self._held_rank(job, rank):

@@ -12,9 +12,13 @@ threads).
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
-from dataclasses import dataclass
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.contract import control_pb2
@@ -40,6 +44,24 @@ CREATE TABLE IF NOT EXISTS events (
     status    BLOB NOT NULL,            -- control_pb2.JobStatus snapshot after the event
     PRIMARY KEY (job_id, seq)
 );
+-- Every training step the orchestrator applied (rank 0's StepCompleted), in order of
+-- application: a step applied twice (an event delivered twice) would show as two rows.
+CREATE TABLE IF NOT EXISTS steps (
+    job_id    TEXT NOT NULL,
+    step      INTEGER NOT NULL,
+    loss      REAL NOT NULL,
+    tokens    INTEGER NOT NULL,
+    unix_time REAL NOT NULL,            -- when the rank completed it
+    applied_unix REAL NOT NULL          -- when control applied it
+);
+CREATE INDEX IF NOT EXISTS steps_job ON steps (job_id);
+-- Per node agent: the incarnation and the last WorkerEvent.seq applied (the event stream's
+-- resume point after a control restart).
+CREATE TABLE IF NOT EXISTS worker_cursors (
+    worker_id   TEXT PRIMARY KEY,
+    incarnation TEXT NOT NULL,
+    seq         INTEGER NOT NULL
+);
 """
 
 
@@ -50,6 +72,18 @@ class StoredJob:
     status: control_pb2.JobStatus
     spec_json: str
     last_seq: int  # highest event seq written for the job (0: none)
+    runtime: dict = field(default_factory=dict)  # the orchestrator's bookkeeping (see save_status)
+
+
+@dataclass
+class _Applying:
+    """The worker event being applied on this thread: its cursor is written with the first
+    journal write it causes (same transaction), or alone when it causes none."""
+
+    worker_id: str
+    incarnation: str
+    seq: int
+    written: bool = False
 
 
 class JobStore:
@@ -70,12 +104,17 @@ class JobStore:
         # a process crash loses nothing.
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
+        if "runtime" not in columns:  # a journal written before the column existed
+            self._db.execute("ALTER TABLE jobs ADD COLUMN runtime TEXT NOT NULL DEFAULT '{}'")
+        self._applying = threading.local()
 
     def create_job(self, status: control_pb2.JobStatus, spec_json: str) -> None:
         """Insert a new job. Raises sqlite3.IntegrityError if the id already exists."""
         with self._lock:
             self._db.execute(
-                "INSERT INTO jobs VALUES (?,?,?,?,?,?,?,?)",
+                "INSERT INTO jobs (job_id, name, state, outcome, spec_json, created_unix, updated_unix, status) "
+                "VALUES (?,?,?,?,?,?,?,?)",
                 (
                     status.job_id,
                     status.name,
@@ -88,31 +127,95 @@ class JobStore:
                 ),
             )
 
-    def save_status(self, status: control_pb2.JobStatus, event: control_pb2.JobEvent | None = None) -> None:
-        """Overwrite the job's status and (optionally) append one event, in one transaction."""
+    def save_status(
+        self, status: control_pb2.JobStatus, event: control_pb2.JobEvent | None = None, runtime: dict | None = None
+    ) -> None:
+        """Overwrite the job's status (and its ``runtime`` bookkeeping, a JSON-able dict,
+        when given) and optionally append one event, in one transaction; with the cursor
+        of the worker event being applied on this thread, if any (:meth:`applying`)."""
+        with self._transaction():
+            self._db.execute(
+                "UPDATE jobs SET state=?, outcome=?, updated_unix=?, status=? WHERE job_id=?",
+                (status.state, status.outcome, status.updated_unix, status.SerializeToString(), status.job_id),
+            )
+            if runtime is not None:
+                self._db.execute("UPDATE jobs SET runtime=? WHERE job_id=?", (json.dumps(runtime), status.job_id))
+            if event is not None:
+                self._insert_event(event)
+
+    def record_step(self, job_id: str, step: int, loss: float, tokens: int, unix_time: float) -> None:
+        """Append one applied training step (with the applying worker event's cursor)."""
+        with self._transaction():
+            self._db.execute(
+                "INSERT INTO steps VALUES (?,?,?,?,?,?)", (job_id, step, loss, tokens, unix_time, time.time())
+            )
+
+    def steps(self, job_id: str) -> list[tuple[int, float]]:
+        """(step, loss) of every step applied for the job, in order of application."""
+        with self._lock:
+            return self._db.execute("SELECT step, loss FROM steps WHERE job_id=? ORDER BY rowid", (job_id,)).fetchall()
+
+    # ------------------------------------------------------------ worker event cursors
+
+    def worker_cursor(self, worker_id: str) -> tuple[str, int]:
+        """(incarnation, last applied seq) of a node agent; ("", 0) if none was applied."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT incarnation, seq FROM worker_cursors WHERE worker_id=?", (worker_id,)
+            ).fetchone()
+        return (row[0], row[1]) if row else ("", 0)
+
+    @contextmanager
+    def applying(self, worker_id: str, incarnation: str, seq: int) -> Iterator[None]:
+        """Apply worker event ``seq`` inside this block: the first journal write on this
+        thread also writes the worker's cursor, in the same transaction; if the block
+        wrote nothing (an event with no journaled effect), the cursor is written alone on
+        exit. An exception leaves the cursor unwritten (the event is applied again if
+        resent)."""
+        ctx = _Applying(worker_id, incarnation, seq)
+        self._applying.ctx = ctx
+        try:
+            yield
+        finally:
+            self._applying.ctx = None
+        if not ctx.written:
+            with self._transaction(ctx):
+                pass
+
+    # ------------------------------------------------------------ private
+
+    @contextmanager
+    def _transaction(self, ctx: _Applying | None = None) -> Iterator[None]:
+        ctx = ctx or getattr(self._applying, "ctx", None)
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                self._db.execute(
-                    "UPDATE jobs SET state=?, outcome=?, updated_unix=?, status=? WHERE job_id=?",
-                    (status.state, status.outcome, status.updated_unix, status.SerializeToString(), status.job_id),
-                )
-                if event is not None:
-                    self._insert_event(event)
+                yield
+                if ctx is not None and not ctx.written:
+                    self._db.execute(
+                        "INSERT INTO worker_cursors VALUES (?,?,?) ON CONFLICT(worker_id) DO UPDATE "
+                        "SET incarnation=excluded.incarnation, seq=excluded.seq",
+                        (ctx.worker_id, ctx.incarnation, ctx.seq),
+                    )
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+        if ctx is not None:
+            ctx.written = True
 
     def load_jobs(self) -> list[StoredJob]:
         """Every job, oldest first, with the highest event seq written for it."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT j.status, j.spec_json, COALESCE(MAX(e.seq), 0) FROM jobs j "
+                "SELECT j.status, j.spec_json, COALESCE(MAX(e.seq), 0), j.runtime FROM jobs j "
                 "LEFT JOIN events e ON e.job_id = j.job_id "
                 "GROUP BY j.job_id ORDER BY j.created_unix, j.job_id"
             ).fetchall()
-        return [StoredJob(control_pb2.JobStatus.FromString(blob), spec, seq) for blob, spec, seq in rows]
+        return [
+            StoredJob(control_pb2.JobStatus.FromString(blob), spec, seq, json.loads(runtime or "{}"))
+            for blob, spec, seq, runtime in rows
+        ]
 
     def events(self, job_id: str, from_seq: int = 0) -> list[control_pb2.JobEvent]:
         """The job's events with seq >= ``from_seq``, in seq order."""

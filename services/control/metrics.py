@@ -11,7 +11,11 @@ reads another module. Names and labels:
 * ``surge_recovery_seconds{class}``: from the decision to recover to the first training step
   completed after it (kill, relaunch, restore and one step);
 * ``surge_fault_decisions_total{class,action}``: one per incident (ignore, restart_ranks,
-  rollback, exclude_node, stop; ``budget_exhausted`` when a relaunch was refused).
+  rollback, exclude_node, stop; ``budget_exhausted`` when a relaunch was refused);
+* ``surge_skipped_steps_total{reason}``: training steps the loop skipped (no update), by
+  reason ("overflow": a loss-scale overflow; "non_finite_loss": the policy's skip_step);
+* ``surge_worker_events_total{outcome}``: sequenced node agent events received by control's
+  session relay, ``applied`` or ``duplicate`` (a resent event already applied: dropped).
 """
 
 from __future__ import annotations
@@ -37,6 +41,11 @@ RECOVERY = Histogram(
     buckets=_RECOVERY_BUCKETS,
 )
 DECISIONS = Counter("surge_fault_decisions_total", "Decisions on fault incidents.", ["class", "action"])
+SKIPPED_STEPS = Counter("surge_skipped_steps_total", "Training steps skipped by the loop (no update).", ["reason"])
+WORKER_EVENTS = Counter(
+    "surge_worker_events_total", "Sequenced node agent events received by control, applied or dropped as duplicates.",
+    ["outcome"],
+)
 
 
 class ControlMetrics:
@@ -52,3 +61,6 @@ class ControlMetrics:
 
     def recovered(self, fault_class: str, seconds: float) -> None:
         RECOVERY.labels(fault_class).observe(seconds)
+
+    def step_skipped(self, reason: str) -> None:
+        SKIPPED_STEPS.labels(reason or "unknown").inc()

@@ -10,13 +10,26 @@ from services.contract import control_pb2
 from services.jobspec import JobSpec
 
 
-def start_monitoring(job_id: str, spec: JobSpec) -> control_pb2.StartFaultMonitoring:
-    """StartFaultMonitoring for ``job_id`` with the deadlines of ``spec.liveness`` (seconds)."""
+# After a control restart, how long the restored job's ranks get to re-attach before each
+# one not heard from is declared silent: the node agents' reconnect backoff (at most 2 s
+# between attempts) plus their first heartbeat, with room for a loaded machine; never less
+# than three heartbeat deadlines.
+REATTACH_MIN_SECONDS = 15.0
+
+
+def start_monitoring(job_id: str, spec: JobSpec, *, restored: bool = False) -> control_pb2.StartFaultMonitoring:
+    """StartFaultMonitoring for ``job_id`` with the deadlines of ``spec.liveness`` (seconds).
+    ``restored``: control restarted while the job ran; every rank must re-attach within
+    max(REATTACH_MIN_SECONDS, 3 x heartbeat_timeout_seconds)."""
     live = spec.liveness
-    return control_pb2.StartFaultMonitoring(
+    msg = control_pb2.StartFaultMonitoring(
         job_id=job_id,
         heartbeat_timeout_seconds=live.heartbeat_timeout_seconds,
         stall_min_seconds=live.stall_min_seconds,
         stall_step_factor=live.stall_step_factor,
         attribution_seconds=live.attribution_seconds,
     )
+    if restored:
+        msg.world_size = spec.parallel.dp
+        msg.reattach_seconds = max(REATTACH_MIN_SECONDS, 3 * live.heartbeat_timeout_seconds)
+    return msg

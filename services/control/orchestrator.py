@@ -61,6 +61,8 @@ ORCH = Module.L1_ORCHESTRATOR
 EVENT_LOG = "event_log"
 
 RESTART_MESSAGE = "control restarted; ranks not re-attached"
+# A job live when control restarted keeps its state: its node agents re-attach its ranks.
+REATTACH_MESSAGE = "control restarted; waiting for the ranks to re-attach"
 
 _ALLOWED: dict[int, frozenset[int]] = {
     S.STANDBY: frozenset({S.WARMING_UP, S.FAULT_FROZEN, S.TERMINATED}),
@@ -139,6 +141,10 @@ class Orchestrator:
         persist_interval_s: step progress is journaled at most this often (seconds);
             state changes are always journaled at once.
         metrics: where fault counts, detection latency and recovery time are observed.
+        checkpoints: command port to L5-1 (VerifyCheckpoints): which versions of a job are
+            intact, asked before naming the version a recovery loads. None: the versions
+            reported by SaveCompleted are trusted (the recovery controller still verifies
+            the one named).
     """
 
     def __init__(
@@ -154,8 +160,10 @@ class Orchestrator:
         store_address: str,
         persist_interval_s: float = 1.0,
         metrics: ControlMetrics | None = None,
+        checkpoints: CommandPort | None = None,
     ):
         self._allocator, self._faults, self._loop, self._emit = allocator, faults, loop, emit
+        self._checkpoints = checkpoints
         self._recovery = recovery
         self._metrics = metrics or ControlMetrics()
         self._journal = journal
@@ -350,8 +358,18 @@ class Orchestrator:
             if job is None:
                 return
             s = job.status
-            s.step, s.train_loss, s.tokens_per_second = msg.step, msg.loss, msg.tokens_per_second
+            s.step, s.tokens_per_second = msg.step, msg.tokens_per_second
+            if not msg.skipped:
+                s.train_loss = msg.loss
             s.tokens_seen += msg.tokens
+            # Every applied step, in order (the journal of progress a restart resumes from;
+            # an event applied twice would show here as a repeated step).
+            self._journal.record_step(s.job_id, msg.step, msg.loss, msg.tokens, msg.unix_time or time.time())
+            if msg.skipped:
+                reason = msg.skip_reason or "overflow"
+                self._metrics.step_skipped(reason)
+                self._record(job, Module.L2_TRAINING_LOOP, "skip",
+                             f"step {msg.step} skipped ({reason}): no update applied; loss {msg.loss}")
             if job.recovered is not None:
                 incident, job.recovered = job.recovered, None
                 seconds = time.monotonic() - incident.decided
@@ -525,6 +543,7 @@ class Orchestrator:
     def _recover(self, job: _Job, incident: _Incident, bound: int | None, exclude: list[str]) -> None:
         """Command the recovery for the newest usable version; a version that fails
         verification is marked unusable and the next older one tried (then scratch)."""
+        self._verify_versions(job)
         while True:
             version = self._pick_version(job, bound)
             incident.version = version
@@ -555,6 +574,37 @@ class Orchestrator:
             f"to resume from {source}; {reply.seconds:.2f} s",
         )
 
+    def _verify_versions(self, job: _Job) -> None:
+        """Ask the checkpoint manager which of the job's versions are intact (StoreService
+        Verify) before naming one: a version committed whose SaveCompleted never arrived
+        (its rank was killed right after the commit) is added, one that fails verification
+        (a save cut short, flipped bytes) is never named. The store unreachable: the
+        versions reported so far are used, and the recovery controller verifies the one
+        named."""
+        if self._checkpoints is None:
+            return
+        job_id = job.status.job_id
+        try:
+            reply = self._checkpoints(store_pb2.VerifyCheckpoints(job_id=job_id)).message
+        except Exception as e:
+            self._record(job, ORCH, "recovery", f"checkpoint verification unavailable ({e}); "
+                         "choosing among the versions reported")
+            return
+        known = {v for _, v in job.versions}
+        for verdict in reply.versions:
+            version, step = verdict.info.version, verdict.info.step
+            if not verdict.ok:
+                if version not in job.unusable:
+                    job.unusable.add(version)
+                    self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint",
+                                 f"checkpoint {version} at step {step} fails verification ({verdict.reason}); never loaded")
+            elif version not in known:
+                job.versions.append((step, version))
+                self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint",
+                             f"checkpoint {version} at step {step} verified: committed by the store, "
+                             "its completion report never arrived")
+        job.versions.sort()
+
     def _pick_version(self, job: _Job, bound: int | None) -> str:
         """The newest committed version not known unusable (and not after step ``bound``)."""
         for step, version in reversed(job.versions):
@@ -580,12 +630,23 @@ class Orchestrator:
     # ------------------------------------------------------------ private
 
     def _restore(self) -> None:
+        """Jobs from the journal. A live job (warming up, running, paused) keeps its state
+        and bookkeeping: its node agents keep its ranks training while control is down and
+        re-attach them, resending the events control has not applied; the fault detector
+        watches it again, and a rank that does not re-attach in time is declared silent
+        (then recovered by the policy). A job that was mid-recovery (FAULT_FROZEN) stays
+        frozen: the recovery's progress is not journaled; the operator can stop it."""
         for stored in self._journal.load_jobs():
             job = _Job(status=stored.status, spec=spec_from_json(stored.spec_json), seq=stored.last_seq)
+            _load_runtime(job, stored.runtime)
             self._jobs[stored.status.job_id] = job
-            if job.status.state not in (S.TERMINATED, S.FAULT_FROZEN):
-                # The node agents may still run its ranks, but nothing here knows them any
-                # more; re-attaching is a later issue. The operator can stop it.
+            state = job.status.state
+            if state in (S.WARMING_UP, S.RUNNING, S.PAUSED):
+                self._faults(start_monitoring(job.status.job_id, job.spec, restored=True))
+                self._record(job, ORCH, "state", f"{S.Name(state)}: {REATTACH_MESSAGE}", status_message=REATTACH_MESSAGE)
+            elif state == S.FAULT_FROZEN:
+                self._record(job, ORCH, "state", f"FAULT_FROZEN: {RESTART_MESSAGE}", status_message=RESTART_MESSAGE)
+            elif state == S.STANDBY:
                 self._transition(job, S.FAULT_FROZEN, ORCH, RESTART_MESSAGE)
 
     def _new_id(self, name: str) -> str:
@@ -658,10 +719,40 @@ class Orchestrator:
         event = control_pb2.JobEvent(
             job_id=s.job_id, seq=job.seq, unix_time=now, source=source, type=kind, message=message, status=s
         )
-        self._journal.save_status(s, event)
+        self._journal.save_status(s, event, _runtime(job))
         job.last_persist = time.monotonic()
         _log.info("job event", job_id=s.job_id, seq=job.seq, type=kind, message=message)
         self._emit(event)
+
+
+def _runtime(job: _Job) -> dict:
+    """The bookkeeping a restarted control needs to continue the job (journaled with every
+    event): who started / paused / finished, a pause or stop in flight, restart budgets
+    spent, checkpoint versions. The incident of a recovery in flight is not kept."""
+    return {
+        "started": sorted(job.started),
+        "paused": sorted(job.paused),
+        "finished": {str(r): stopped for r, stopped in job.finished.items()},
+        "pending": job.pending,
+        "pending_at": job.pending_at,
+        "running_since": job.running_since,
+        "exited": sorted(job.exited),
+        "restarts": dict(job.restarts),
+        "ignored": dict(job.ignored),
+        "versions": [list(v) for v in job.versions],
+        "unusable": sorted(job.unusable),
+    }
+
+
+def _load_runtime(job: _Job, rt: dict) -> None:
+    job.started, job.paused = set(rt.get("started", ())), set(rt.get("paused", ()))
+    job.finished = {int(r): bool(v) for r, v in rt.get("finished", {}).items()}
+    job.pending, job.pending_at = rt.get("pending", ""), int(rt.get("pending_at", 0))
+    job.running_since = float(rt.get("running_since", 0.0))
+    job.exited = set(rt.get("exited", ()))
+    job.restarts, job.ignored = Counter(rt.get("restarts", {})), Counter(rt.get("ignored", {}))
+    job.versions = [(int(step), str(v)) for step, v in rt.get("versions", ())]
+    job.unusable = set(rt.get("unusable", ()))
 
 
 def _gib(num_bytes: int) -> str:

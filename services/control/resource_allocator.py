@@ -65,7 +65,12 @@ class ResourceAllocator:
         """硬件资源就绪反馈. A registration offering zero slots withdraws the worker (the
         session relay sends one when the node agent's stream closes): its slots vanish.
         A worker registering again (a reconnect) replaces its record but keeps its busy
-        slots: its ranks may still run there until their job is released."""
+        slots: its ranks may still run there until their job is released.
+
+        Re-attach: the ranks the node agent says it still runs (``running``, after a control
+        restart) hold slots for their jobs, and their launch is taken as the job's allocation
+        (world size, backend, job config) when none is known here, so the job can later be
+        released or its communicator rebuilt."""
         with self._lock:
             old = self._workers.get(msg.worker_id)
             if msg.slots == 0:
@@ -75,6 +80,17 @@ class ResourceAllocator:
             if old is not None:
                 worker.busy = {job: [s for s in slots if s < msg.slots] for job, slots in old.busy.items()}
                 worker.under_pressure = old.under_pressure
+            for launch in msg.running:
+                have = len(worker.busy.get(launch.job_id, ()))
+                for _ in range(len(launch.ranks) - have):
+                    free = worker.free_slots()
+                    if free:
+                        worker.busy.setdefault(launch.job_id, []).append(free[0])
+                if launch.job_id not in self._allocations and launch.ranks:
+                    first = launch.ranks[0]
+                    self._allocations[launch.job_id] = control_pb2.AllocateResources(
+                        job_id=launch.job_id, world_size=first.world_size, backend=first.backend, init=launch.init
+                    )
             self._workers[msg.worker_id] = worker  # a known id keeps its place in the order
 
     def on_memory_pressure(self, msg: control_pb2.MemoryPressure, payload: Any = None) -> None:

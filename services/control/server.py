@@ -15,6 +15,14 @@ the remote party the route table names, and holds only routing knowledge:
 * ``SessionHub`` also carries operator log plumbing (``StreamLogs``): TailRankLogs /
   StopTailing down to the sessions that launched ranks of the job, RankLogLines up into a
   per-request queue (never on the bus).
+* ``SessionHub`` also keeps each node agent's event stream exactly-once across a control
+  restart: every ``WorkerEvent`` after ``register`` carries a per-agent-incarnation ``seq``;
+  an event whose seq was already applied is dropped (counted as a duplicate); an applied
+  one's seq is journaled in the same SQLite transaction as the event's effect, where it has
+  one (``JobStore.applying``), and acknowledged down the stream (``WorkerCommand{ack}``,
+  coalesced). A session opens with the last applied seq in the initial-metadata header
+  ``surge-last-seq``: the agent resends everything after it. A registration lists the ranks
+  the agent still runs (``running``): they are the session's again (re-attach).
 * ``WatchHub``: per-job subscriber queues fed by JobEvent (no polling).
 * ``StoreRelay``: LoadCheckpoint for L5-1, forwarded to the `store` service.
 """
@@ -36,12 +44,16 @@ from services.common.grpc_server import channel
 from services.contract import control_pb2, control_pb2_grpc, engine_pb2, store_pb2, store_pb2_grpc, worker_pb2
 from services.contract.bus import CommandPort, Emitter
 from services.control.fault_detector import WORKER_LOST_MARKER
+from services.control.metrics import WORKER_EVENTS
 from services.control.orchestrator import EVENT_LOG, IllegalTransition, JobNotFound
 from services.jobspec import JobSpecError
 
 S = control_pb2.JobState
 # Initial-metadata key of WorkerSession: sent once the registration is in the registry.
 REGISTERED_HEADER = "surge-registered"
+# Initial-metadata key of WorkerSession: the last WorkerEvent.seq of this agent incarnation
+# that control applied (0: none); the agent resends every event after it.
+LAST_SEQ_HEADER = "surge-last-seq"
 _log = structlog.get_logger("control.server")
 
 # The rank loop events a node agent relays, by RankEvent oneof field.
@@ -68,6 +80,13 @@ class _Session:
     # Jobs that ever had ranks launched here: their rank log files live on this node.
     jobs: set[str] = field(default_factory=set)
     closed: bool = False
+    incarnation: str = ""
+    applied: int = 0           # last WorkerEvent.seq applied (journaled) for this incarnation
+    ack_queued: bool = False   # an _ACK marker waits in `commands` (acks are coalesced)
+
+
+# Marker in a session's command queue: send the latest applied seq down as an EventAck.
+_ACK = object()
 
 
 @dataclass(eq=False)
@@ -93,9 +112,15 @@ class SessionHub:
             None: such reports are dropped.
     """
 
-    def __init__(self, hardware: Emitter, loop: Emitter, checkpoints: Emitter, contract: Emitter | None = None):
+    def __init__(
+        self, hardware: Emitter, loop: Emitter, checkpoints: Emitter, contract: Emitter | None = None,
+        journal: Any = None,
+    ):
         self._hardware, self._loop, self._checkpoints = hardware, loop, checkpoints
         self._contract = contract
+        # Where applied seqs persist (JobStore: worker_cursor / applying); None: in memory only.
+        self._journal = journal
+        self.duplicates = 0  # sequenced events dropped as already applied (also a metric)
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
         self._tails: dict[str, LogTail] = {}  # request id -> open StreamLogs request
@@ -105,12 +130,28 @@ class SessionHub:
 
     def open(self, reg: control_pb2.WorkerRegistration) -> _Session:
         """Register a node agent; a second session with the same worker id replaces the
-        first (whose ranks are reported lost)."""
-        session = _Session(reg.worker_id)
+        first (whose ranks are reported lost, except those the new registration says it
+        still runs). The ranks in ``reg.running`` are re-attached to the new session. The
+        session's ``applied`` is the last seq applied for the agent's incarnation (0 for a
+        new incarnation)."""
+        session = _Session(reg.worker_id, incarnation=reg.incarnation)
+        running = [(launch.job_id, a.rank) for launch in reg.running for a in launch.ranks]
+        session.ranks.update(running)
+        session.jobs.update(launch.job_id for launch in reg.running)
         with self._lock:
             old = self._sessions.get(reg.worker_id)
             self._sessions[reg.worker_id] = session
-        _log.info("worker registered", worker_id=reg.worker_id, host=reg.host, slots=reg.slots, replaces=old is not None)
+            if old is not None:
+                for key in running:  # alive on the new session: not lost with the old one
+                    old.ranks.pop(key, None)
+                if old.incarnation == reg.incarnation:
+                    session.applied = max(session.applied, old.applied)
+        if self._journal is not None and reg.incarnation:
+            incarnation, seq = self._journal.worker_cursor(reg.worker_id)
+            if incarnation == reg.incarnation:
+                session.applied = max(session.applied, seq)
+        _log.info("worker registered", worker_id=reg.worker_id, host=reg.host, slots=reg.slots, replaces=old is not None,
+                  reattached=running, last_applied_seq=session.applied)
         # The session is routable before the allocator learns of it, so no LaunchRanks
         # can arrive for a worker that has no queue yet.
         self._hardware(reg)
@@ -151,11 +192,50 @@ class SessionHub:
 
     def on_worker_event(self, session: _Session, ev: control_pb2.WorkerEvent) -> None:
         """Relay one message of a node agent's stream onto the bus as the module it
-        speaks for.
+        speaks for; a sequenced one (``seq`` > 0) at most once, then acknowledged.
 
         Raises:
             ValueError: a second registration, or an empty message.
         """
+        if not ev.seq:
+            self._apply(session, ev)
+            return
+        if ev.seq <= session.applied:
+            self.duplicates += 1
+            WORKER_EVENTS.labels("duplicate").inc()
+            _log.info("duplicate worker event dropped", worker_id=session.worker_id, seq=ev.seq, applied=session.applied)
+            self._queue_ack(session)
+            return
+        if ev.seq != session.applied + 1:
+            # The agent's outbox overflowed while control was away: those events are lost.
+            _log.warning("worker event sequence gap", worker_id=session.worker_id, seq=ev.seq, applied=session.applied)
+        if self._journal is not None:
+            with self._journal.applying(session.worker_id, session.incarnation, ev.seq):
+                self._apply(session, ev)
+        else:
+            self._apply(session, ev)
+        session.applied = ev.seq
+        WORKER_EVENTS.labels("applied").inc()
+        self._queue_ack(session)
+
+    def _queue_ack(self, session: _Session) -> None:
+        with self._lock:
+            if session.ack_queued or session.closed:
+                return
+            session.ack_queued = True
+        session.commands.put(_ACK)
+
+    def next_command(self, session: _Session) -> control_pb2.WorkerCommand | None:
+        """The next command for the session's stream (blocks); None: the session ended.
+        An ack marker becomes an EventAck of the latest applied seq."""
+        command = session.commands.get()
+        if command is _ACK:
+            with self._lock:
+                session.ack_queued = False
+            return control_pb2.WorkerCommand(ack=control_pb2.EventAck(seq=session.applied, incarnation=session.incarnation))
+        return command
+
+    def _apply(self, session: _Session, ev: control_pb2.WorkerEvent) -> None:
         kind = ev.WhichOneof("event")
         if kind == "rank_exited":
             exited = ev.rank_exited
@@ -313,7 +393,8 @@ class WatchHub:
 
 
 class StoreRelay:
-    """LoadCheckpoint for L5-1, forwarded to the `store` service at ``address``.
+    """LoadCheckpoint and VerifyCheckpoints for L5-1, forwarded to the `store` service at
+    ``address``.
 
     ``on_error`` sees every failed call first (the composition root reports a boundary
     violation the store returned)."""
@@ -325,10 +406,20 @@ class StoreRelay:
 
     def load_checkpoint(self, msg: store_pb2.LoadCheckpoint, payload: Any = None) -> store_pb2.CheckpointLoaded:
         """Raises RuntimeError naming the store and its one-line error."""
+        return self._call("Load", msg)
+
+    def verify_checkpoints(
+        self, msg: store_pb2.VerifyCheckpoints, payload: Any = None
+    ) -> store_pb2.CheckpointVerification:
+        """Which committed versions of the job are intact (re-hashed). Raises RuntimeError
+        naming the store and its one-line error."""
+        return self._call("Verify", msg)
+
+    def _call(self, method: str, msg: Any) -> Any:
         if self._stub is None:
             self._stub = store_pb2_grpc.StoreServiceStub(channel(self._address))
         try:
-            return self._stub.Load(msg, timeout=self._timeout_s)
+            return getattr(self._stub, method)(msg, timeout=self._timeout_s)
         except grpc.RpcError as e:
             if self._on_error is not None:
                 self._on_error(e)
@@ -442,14 +533,15 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
                 f"WorkerSession: registration needs a worker_id and slots > 0 (got {reg.worker_id!r}, {reg.slots})",
             )
         session = self._sessions.open(reg)
-        # The acknowledgement: once a node agent sees this header, its slots can be allocated.
-        context.send_initial_metadata(((REGISTERED_HEADER, reg.worker_id),))
+        # The acknowledgement: once a node agent sees this header, its slots can be allocated;
+        # it resends its events after the last applied seq.
+        context.send_initial_metadata(((REGISTERED_HEADER, reg.worker_id), (LAST_SEQ_HEADER, str(session.applied))))
         if not context.add_callback(lambda: self._sessions.close(session)):
             self._sessions.close(session)  # the RPC already ended
         threading.Thread(
             target=self._read_session, args=(session, request_iterator), name=f"session-{reg.worker_id}", daemon=True
         ).start()
-        while (command := session.commands.get()) is not None:
+        while (command := self._sessions.next_command(session)) is not None:
             yield command
 
     # ------------------------------------------------------------ private

@@ -28,6 +28,7 @@ import signal
 import socket
 import sys
 import threading
+import uuid
 from pathlib import Path
 
 
@@ -113,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     cuda = detect_cuda_devices()
     meminfo = os.environ.get(MEMINFO_ENV) or DEFAULT_MEMINFO
     registration = hardware_report(worker_id, f"{advertise}:{port}", args.slots or len(cuda) or 1, cuda, meminfo)
+    # This process's event sequence (WorkerEvent.seq) is new: a restarted agent is a new
+    # incarnation to control, which then expects seq 1 again.
+    registration.incarnation = uuid.uuid4().hex
 
     outbox = Outbox()
     agent = NodeAgent(
@@ -129,7 +133,14 @@ def main(argv: list[str] | None = None) -> int:
         AuditServicer(worker_id, report=lambda request: merge_reports(worker_id, [report_of(worker_id), agent.audit()])),
         server.server,
     )
-    session = ControlSession(args.control, registration, outbox, agent.execute, log)
+    def current_registration():
+        # Every (re-)registration declares the ranks still running here (re-attach).
+        reg = type(registration)()
+        reg.CopyFrom(registration)
+        reg.running.extend(agent.running())
+        return reg
+
+    session = ControlSession(args.control, current_registration, outbox, agent.execute, log)
     sampler = None
     if args.memory_check_seconds > 0:
         sampler = MemorySampler(

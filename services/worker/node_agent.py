@@ -356,39 +356,83 @@ class MemorySampler:
 
 
 class Outbox:
-    """Events waiting to go up to control, in the order they happened.
+    """Events going up to control, in the order they happened, kept until control
+    acknowledges them.
 
-    It outlives a session: events that happen while control is unreachable go up after
-    the agent re-registers. Bounded, dropping the oldest, so a long control outage cannot
-    exhaust the node's memory (``dropped`` counts what was lost).
+    Every event put here gets the next sequence number of this agent incarnation
+    (``WorkerEvent.seq``: 1, 2, 3, ...). A session sends them in order from the first one
+    control has not acknowledged (:meth:`resume`, with the last seq control says it
+    applied); :meth:`ack` forgets those control has applied and persisted. So an event
+    that was in flight, or queued, when control went away is sent again after the agent
+    re-registers, and control drops any it had applied already: none lost, none applied
+    twice. Bounded, dropping the oldest, so a long control outage cannot exhaust the
+    node's memory (``dropped`` counts what was lost; control sees the gap).
     """
 
     def __init__(self, max_events: int = 100_000):
-        self._items: collections.deque[control_pb2.WorkerEvent] = collections.deque()
+        self._items: collections.deque[control_pb2.WorkerEvent] = collections.deque()  # seq ascending
         self._max = max_events
         self._cond = threading.Condition()
+        self._seq = 0        # last seq given
+        self._next = 0       # index in _items of the next event to send in this session
+        self._sent = 0       # highest seq ever handed to a session
+        self._open = False   # a session resumed and may take events
         self.dropped = 0
+        self.resent = 0      # events sent again after a reconnect (sent before, never acknowledged)
 
     def put(self, event: control_pb2.WorkerEvent) -> None:
-        """Queue one event; never blocks."""
+        """Give ``event`` the next seq and queue it; never blocks."""
         with self._cond:
+            self._seq += 1
+            event.seq = self._seq
             if len(self._items) >= self._max:
                 self._items.popleft()
+                self._next = max(0, self._next - 1)
                 self.dropped += 1
             self._items.append(event)
             self._cond.notify_all()
 
     def get(self, cancelled: threading.Event) -> control_pb2.WorkerEvent | None:
-        """Block until an event is queued (returned) or ``cancelled`` is set and
-        :meth:`interrupt` called (None; queued events stay for the next session)."""
+        """Block until the session may send the next event (returned; it stays queued
+        until acknowledged) or ``cancelled`` is set and :meth:`interrupt` called (None)."""
         with self._cond:
-            while not self._items and not cancelled.is_set():
+            while (not self._open or self._next >= len(self._items)) and not cancelled.is_set():
                 self._cond.wait()
             if cancelled.is_set():
                 return None
-            event = self._items.popleft()
-            self._cond.notify_all()  # wakes wait_empty
+            event = self._items[self._next]
+            self._next += 1
+            self._sent = max(self._sent, event.seq)
             return event
+
+    def resume(self, applied: int) -> tuple[int, int]:
+        """A session opened and control has applied every event up to seq ``applied``:
+        forget those, send the rest from the first. Returns (events to send, of which
+        resent: sent before and never acknowledged)."""
+        with self._cond:
+            self._drop_through(applied)
+            self._next = 0
+            self._open = True
+            resend = sum(1 for e in self._items if e.seq <= self._sent)
+            self.resent += resend
+            self._cond.notify_all()
+            return len(self._items), resend
+
+    def pause(self) -> None:
+        """The session ended: nothing is taken until the next :meth:`resume`."""
+        with self._cond:
+            self._open = False
+            self._cond.notify_all()
+
+    def ack(self, seq: int) -> None:
+        """Control applied and persisted every event up to ``seq``: forget them."""
+        with self._cond:
+            self._drop_through(seq)
+            self._cond.notify_all()
+
+    def last_seq(self) -> int:
+        with self._cond:
+            return self._seq
 
     def interrupt(self) -> None:
         """Wake every :meth:`get` so it re-checks its cancel flag."""
@@ -396,9 +440,14 @@ class Outbox:
             self._cond.notify_all()
 
     def wait_empty(self, timeout: float) -> bool:
-        """Block until every queued event was taken by a session (or ``timeout`` s)."""
+        """Block until every queued event was acknowledged (or ``timeout`` s)."""
         with self._cond:
             return self._cond.wait_for(lambda: not self._items, timeout)
+
+    def _drop_through(self, seq: int) -> None:
+        while self._items and self._items[0].seq <= seq:
+            self._items.popleft()
+            self._next = max(0, self._next - 1)
 
 
 # ---------------------------------------------------------------- rank processes
@@ -674,6 +723,21 @@ class NodeAgent:
         r.commands.put(_END)
         r.stream_closed.set()
 
+    def running(self) -> list[control_pb2.LaunchRanks]:
+        """The rank processes alive here and not released, one LaunchRanks per job (its
+        job config and assignments as launched): declared in every registration, so a
+        restarted control re-attaches them."""
+        out: dict[str, control_pb2.LaunchRanks] = {}
+        with self._lock:
+            for r in self._ranks.values():
+                if r.dead or r.released:
+                    continue
+                launch = out.setdefault(r.job_id, control_pb2.LaunchRanks(job_id=r.job_id, init=r.init))
+                launch.ranks.append(r.assignment)
+        for launch in out.values():
+            launch.ranks.sort(key=lambda a: a.rank)
+        return list(out.values())
+
     # ------------------------------------------------------------ from the operator (audit)
 
     def audit(self, timeout_seconds: float = AUDIT_TIMEOUT_SECONDS) -> audit_pb2.AuditReport:
@@ -921,20 +985,24 @@ _UNREACHABLE = "unreachable"
 # worker id). Mirrors services/control/server.py REGISTERED_HEADER; the agent does not
 # import control's code.
 REGISTERED_HEADER = "surge-registered"
+LAST_SEQ_HEADER = "surge-last-seq"  # mirrors services/control/server.py LAST_SEQ_HEADER
 
 
 class ControlSession:
     """Keeps the ``ControlService.WorkerSession`` stream open and executes what comes down.
 
-    Every session starts with ``WorkerEvent{register}`` and then carries the outbox. When
-    control is unreachable or the stream breaks, it reconnects (the channel's own backoff,
-    200 ms doubling to ``max_backoff_seconds``) and registers again with the same
-    registration; rank processes are not touched. Failed attempts are logged at most
+    Every session starts with ``WorkerEvent{register}`` (the node's hardware and the ranks
+    it runs now) and then carries the outbox from the first event control has not applied
+    (the ``surge-last-seq`` header control answers the registration with). When control is
+    unreachable or the stream breaks (control killed: its calls fail), it reconnects (the
+    channel's own backoff, 200 ms doubling to ``max_backoff_seconds``) and registers again,
+    declaring the ranks it still runs; rank processes are not touched, they keep training.
+    ``WorkerCommand{ack}`` forgets acknowledged events. Failed attempts are logged at most
     once every ``log_every_seconds``.
 
     Args:
         address: host:port of the control service.
-        registration: sent first on every session.
+        registration: sent first on every session (a callable: built anew for each).
         outbox: events to send up.
         execute: runs one ``WorkerCommand`` (called on this session's thread, in order).
         log: a structlog logger.
@@ -945,7 +1013,7 @@ class ControlSession:
     def __init__(
         self,
         address: str,
-        registration: control_pb2.WorkerRegistration,
+        registration: control_pb2.WorkerRegistration | Callable[[], control_pb2.WorkerRegistration],
         outbox: Outbox,
         execute: Callable[[control_pb2.WorkerCommand], None],
         log: Any,
@@ -1038,11 +1106,18 @@ class ControlSession:
             # Control acknowledges the registration with an initial-metadata header; a
             # control that sends none answers with its first command or when it closes.
             header = dict(self._call.initial_metadata() or ())
+            applied = int(header.get(LAST_SEQ_HEADER, "0") or 0)
+            pending, resent = self._outbox.resume(applied)
             if REGISTERED_HEADER in header:
-                self._log.info("registered with control", control=self._address, acknowledged=header[REGISTERED_HEADER])
+                self._log.info("registered with control", control=self._address, acknowledged=header[REGISTERED_HEADER],
+                               last_applied_seq=applied, events_to_send=pending, events_resent=resent,
+                               events_resent_total=self._outbox.resent, last_seq=self._outbox.last_seq())
             else:
                 self._log.info("session open; no registration acknowledgement", control=self._address)
             for cmd in self._call:
+                if cmd.WhichOneof("command") == "ack":
+                    self._outbox.ack(cmd.ack.seq)
+                    continue
                 self._run_command(cmd)
             return "stream closed by control"
         except grpc.RpcError as e:
@@ -1050,12 +1125,13 @@ class ControlSession:
             return f"{getattr(code, 'name', 'error')}: {e.details() if hasattr(e, 'details') else e}"
         finally:
             ended.set()
-            self._outbox.interrupt()
+            self._outbox.pause()
             with self._lock:
                 self._call = None
 
     def _requests(self, ended: threading.Event) -> Iterator[control_pb2.WorkerEvent]:
-        yield control_pb2.WorkerEvent(register=self._registration)
+        reg = self._registration() if callable(self._registration) else self._registration
+        yield control_pb2.WorkerEvent(register=reg)
         while (event := self._outbox.get(ended)) is not None:
             yield event
 

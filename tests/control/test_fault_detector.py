@@ -201,3 +201,84 @@ def test_a_taken_rendezvous_port_is_its_own_class():
     bus, reports = wired()
     failed(bus, 0, "comm_error", "DistStoreError: ... name: EADDRINUSE, message: address already in use")
     assert [(r.fault_class, r.grade) for r in reports] == [("port_in_use", G.MEDIUM)]
+
+
+def beat_at(bus: Bus, rank: int, step: int, interval: float = 0.1) -> None:
+    msg = worker_pb2.RankHeartbeat(job_id="j", rank=rank, step=step, stepping=True, step_seconds=0.01,
+                                   worker_id="w", interval_seconds=interval)
+    bus.publish(M.EXT_HARDWARE, msg)
+
+
+def test_a_stalled_survivor_is_not_blamed_when_its_peer_went_silent_first():
+    # Rank 1 is SIGSTOPped (stops beating) at step 3; rank 0 keeps beating but waits in the
+    # collective for it. Rank 0's stall deadline (0.4 s) fires before rank 1's silence
+    # deadline (1 s): the stall is held as a symptom and the silence is reported first.
+    bus, reports = wired(heartbeat_timeout_seconds=1.0, stall_min_seconds=0.4, stall_step_factor=0.01,
+                         attribution_seconds=0.0)
+    for rank in (0, 1):
+        beat_at(bus, rank, step=3)
+    stop = threading.Event()
+
+    def survivor_beats():
+        while not stop.wait(0.1):
+            beat_at(bus, 0, step=3)
+
+    t = threading.Thread(target=survivor_beats, daemon=True)
+    t.start()
+    try:
+        first, second = reports.wait(2, timeout=5.0)
+    finally:
+        stop.set()
+        t.join()
+    assert (first.fault_class, first.rank) == ("rank_silent", 1)
+    assert (second.fault_class, second.rank) == ("rank_stalled", 0)
+    assert second.detected_unix < first.detected_unix  # the stall was seen first, yet follows the cause
+
+
+def test_a_stall_with_every_peer_beating_is_reported_at_once():
+    bus, reports = wired(heartbeat_timeout_seconds=5.0, stall_min_seconds=0.3, stall_step_factor=0.01)
+    t0 = time.time()
+    stop = threading.Event()
+
+    def both_beat():
+        while not stop.wait(0.05):
+            beat_at(bus, 0, step=3, interval=0.05)
+            beat_at(bus, 1, step=3, interval=0.05)
+
+    beat_at(bus, 0, step=3, interval=0.05)
+    beat_at(bus, 1, step=3, interval=0.05)
+    t = threading.Thread(target=both_beat, daemon=True)
+    t.start()
+    try:
+        (first,) = reports.wait(1, timeout=5.0)[:1]
+    finally:
+        stop.set()
+        t.join()
+    assert first.fault_class == "rank_stalled"
+    assert first.detected_unix - t0 < 3.0  # not held for the heartbeat timeout (5 s)
+
+
+def test_after_a_control_restart_each_rank_has_until_the_reattach_deadline_and_a_beat_rearms_it():
+    bus, reports = wired()  # job "j": not restored
+    monitor = control_pb2.StartFaultMonitoring(job_id="r", heartbeat_timeout_seconds=0.5, world_size=2,
+                                               reattach_seconds=1.0)
+    bus.command(M.L1_ORCHESTRATOR, M.L1_FAULT_DETECTOR, monitor)
+    t0 = time.time()
+    time.sleep(0.6)  # past the heartbeat timeout, inside the re-attach deadline: nobody is silent
+    assert list(reports) == []
+    bus.publish(M.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=9, worker_id="w"))
+    (silent,) = reports.wait(1, timeout=3.0)
+    assert (silent.job_id, silent.fault_class, silent.rank) == ("r", "rank_silent", 1)  # never re-attached
+    assert silent.detected_unix - t0 >= 1.0
+    time.sleep(0.1)
+    rank0 = [r for r in reports if r.rank == 0]
+    # Rank 0 re-attached: its deadline is now its heartbeat timeout from its beat (it beat once).
+    assert all(r.detected_unix - t0 >= 0.6 + 0.5 - 0.05 for r in rank0)
+
+
+def test_a_checkpoint_integrity_failure_is_reported_as_the_policy_class_checkpoint_error():
+    bus, reports = wired()
+    failed(bus, 0, "checkpoint_integrity", "checkpoint j:2: __0_0.distcp: sha256 mismatch")
+    (report,) = reports.wait(1)
+    assert (report.fault_class, report.grade) == ("checkpoint_error", DEFAULT_RULES["checkpoint_error"])
+    assert "checkpoint_integrity: checkpoint j:2: __0_0.distcp: sha256 mismatch" in report.detail

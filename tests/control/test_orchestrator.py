@@ -9,7 +9,7 @@ import pytest
 from services.contract import Module, control_pb2, engine_pb2, store_pb2
 from services.control.__main__ import build
 from services.control.job_store import JobStore
-from services.control.orchestrator import RESTART_MESSAGE, IllegalTransition, InsufficientResources, JobNotFound
+from services.control.orchestrator import REATTACH_MESSAGE, IllegalTransition, InsufficientResources, JobNotFound
 from services.jobspec import JobSpecError, spec_from_json
 
 from .conftest import Plane, drain
@@ -226,7 +226,7 @@ def test_step_progress_is_journaled_at_most_once_per_interval(tmp_path):
     journal.close()
 
 
-def test_restart_freezes_live_jobs_and_their_log_continues(tmp_path):
+def test_restart_keeps_live_jobs_running_for_their_ranks_to_reattach_and_their_log_continues(tmp_path):
     db = tmp_path / "control.db"
     journal = JobStore(db)
     plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
@@ -237,13 +237,20 @@ def test_restart_freezes_live_jobs_and_their_log_continues(tmp_path):
     journal = JobStore(db)
     plane = Plane(build(journal, data_address="d:1", store_address="s:1"))
     s = plane.get(running)
-    assert (s.state, s.step, s.train_loss, s.message) == (S.FAULT_FROZEN, 4, 1.25, RESTART_MESSAGE)
-    with pytest.raises(IllegalTransition, match="is FAULT_FROZEN, not PAUSED"):
-        plane.user(control_pb2.ResumeJobRequest(job_id=running))
+    assert (s.state, s.step, s.train_loss, s.message) == (S.RUNNING, 4, 1.25, REATTACH_MESSAGE)
+    # The node agents re-attach their ranks; the job goes on where it was.
+    a, b = (plane.register(w) for w in ("wa", "wb"))
+    step(plane, a, running, 5, loss=1.0)
+    assert (plane.get(running).step, plane.get(running).train_loss) == (5, 1.0)
     stopped = plane.user(control_pb2.StopJobRequest(job_id=running))
-    assert (stopped.state, stopped.outcome) == (S.TERMINATED, O.STOPPED)
+    assert stopped.state == S.RUNNING  # stopping at a step boundary
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, running, rank, finished=engine_pb2.TrainingLoopFinished(rank=rank, step=7, stopped=True))
+    s = plane.get(running)
+    assert (s.state, s.outcome, s.step) == (S.TERMINATED, O.STOPPED, 7)
     seqs = [e.seq for e in plane.events(running)]
     assert seqs == list(range(1, len(seqs) + 1))  # the log continues across the restart
+    assert [st for st, _ in journal.steps(running)] == [4, 5]  # every applied step, once
     journal.close()
 
 

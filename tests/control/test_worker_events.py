@@ -1,0 +1,161 @@
+"""Exactly-once node agent events across a control restart: per-incarnation sequence numbers,
+dedupe and acknowledgement in control's session relay (cursor journaled with the event's
+effect), the agent's outbox that keeps events until acknowledged and resends the rest, and
+re-attaching the ranks a node agent still runs."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from services.contract import control_pb2, engine_pb2, worker_pb2
+from services.control.__main__ import build
+from services.control.job_store import JobStore
+from services.control.orchestrator import InsufficientResources
+from services.worker.node_agent import Outbox
+
+from .conftest import Plane, drain, registration
+
+S, O = control_pb2.JobState, control_pb2.JobOutcome
+pytestmark = pytest.mark.timeout(30)
+
+
+def step_event(job_id: str, n: int, seq: int) -> control_pb2.WorkerEvent:
+    step = engine_pb2.StepCompleted(job_id=job_id, rank=0, step=n, loss=3.0 - 0.1 * n, tokens=64)
+    return control_pb2.WorkerEvent(rank_event=worker_pb2.RankEvent(job_id=job_id, rank=0, step=step), seq=seq)
+
+
+def open_plane(db) -> tuple[Plane, JobStore]:
+    journal = JobStore(db)
+    return Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0)), journal
+
+
+def running_job(plane: Plane, incarnation: str = "i1"):
+    """wa (incarnation ``incarnation``) runs rank 0 of a dp=1 job; RUNNING."""
+    reg = registration("wa")
+    reg.incarnation = incarnation
+    session = plane.c.sessions.open(reg)
+    job_id = plane.submit(dp=1, steps=50).job_id
+    (launch,) = drain(session)
+    plane.rank_event(session, job_id, 0, started=engine_pb2.TrainingLoopStarted(rank=0))
+    drain(session)
+    return job_id, session, launch.launch
+
+
+def acks(plane: Plane, session) -> list[int]:
+    """The EventAck seqs queued on the session (other commands dropped)."""
+    out = []
+    while not session.commands.empty():
+        cmd = plane.c.sessions.next_command(session)
+        if cmd is not None and cmd.WhichOneof("command") == "ack":
+            out.append(cmd.ack.seq)
+    return out
+
+
+def test_a_resent_event_is_applied_once_and_every_applied_seq_is_acknowledged(tmp_path):
+    plane, journal = open_plane(tmp_path / "control.db")
+    job_id, session, _ = running_job(plane)
+    hub = plane.c.sessions
+    for seq, n in ((1, 1), (2, 2), (3, 3)):
+        hub.on_worker_event(session, step_event(job_id, n, seq))
+    assert acks(plane, session) == [3]  # coalesced: one ack, of the latest applied seq
+    for seq, n in ((2, 2), (3, 3), (4, 4)):  # a reconnect resends 2 and 3 with the new 4
+        hub.on_worker_event(session, step_event(job_id, n, seq))
+    assert [s for s, _ in journal.steps(job_id)] == [1, 2, 3, 4]
+    assert hub.duplicates == 2
+    assert acks(plane, session) == [4]
+    assert journal.worker_cursor("wa") == ("i1", 4)
+    journal.close()
+
+
+def test_the_last_applied_seq_survives_a_restart_and_a_new_incarnation_starts_a_new_sequence(tmp_path):
+    db = tmp_path / "control.db"
+    plane, journal = open_plane(db)
+    job_id, session, launch = running_job(plane)
+    for seq in (1, 2, 3):
+        plane.c.sessions.on_worker_event(session, step_event(job_id, seq, seq))
+    journal.close()  # control is killed: nothing more is written
+
+    plane, journal = open_plane(db)
+    reg = registration("wa")
+    reg.incarnation = "i1"
+    reg.running.append(launch)  # the agent still runs rank 0: re-attach
+    session = plane.c.sessions.open(reg)
+    assert session.applied == 3  # sent down as the surge-last-seq header: the agent resends 4..
+    plane.c.sessions.on_worker_event(session, step_event(job_id, 3, 3))  # in flight at the kill
+    plane.c.sessions.on_worker_event(session, step_event(job_id, 4, 4))
+    assert [s for s, _ in journal.steps(job_id)] == [1, 2, 3, 4]
+    assert plane.get(job_id).state == S.RUNNING and plane.get(job_id).step == 4
+    # A restarted node agent (new incarnation) counts from 1 again: nothing of it is applied.
+    plane.c.sessions.close(session)
+    reg.incarnation = "i2"
+    del reg.running[:]
+    assert plane.c.sessions.open(reg).applied == 0
+    journal.close()
+
+
+def test_the_cursor_is_journaled_with_the_effect_and_not_when_applying_fails(tmp_path):
+    journal = JobStore(tmp_path / "control.db")
+    journal.create_job(control_pb2.JobStatus(job_id="j", name="j"), "{}")
+    with journal.applying("wa", "i1", 7):
+        journal.record_step("j", 1, 2.0, 64, 0.0)
+        assert journal.worker_cursor("wa") == ("i1", 7)  # committed with the step row
+    with pytest.raises(RuntimeError):
+        with journal.applying("wa", "i1", 8):
+            raise RuntimeError("the relay failed before any effect")
+    assert journal.worker_cursor("wa") == ("i1", 7)
+    with journal.applying("wa", "i1", 9):
+        pass  # an event with no journaled effect (a heartbeat): the cursor alone
+    assert journal.worker_cursor("wa") == ("i1", 9)
+    journal.close()
+
+
+def test_reattached_ranks_hold_their_slots_and_their_job_can_be_released(tmp_path):
+    db = tmp_path / "control.db"
+    plane, journal = open_plane(db)
+    job_id, session, launch = running_job(plane)
+    journal.close()
+
+    plane, journal = open_plane(db)
+    reg = registration("wa")
+    reg.incarnation = "i1"
+    reg.running.append(launch)
+    session = plane.c.sessions.open(reg)
+    with pytest.raises(InsufficientResources):  # its one slot is the re-attached rank's
+        plane.submit(name="other", dp=1)
+    stopped = plane.user(control_pb2.StopJobRequest(job_id=job_id))
+    assert stopped.state == S.RUNNING
+    (stop,) = [c for c in drain(session) if c.WhichOneof("command") == "rank_command"]
+    assert stop.rank_command.stop.job_id == job_id  # relayed to the re-attached rank's node
+    plane.rank_event(session, job_id, 0, finished=engine_pb2.TrainingLoopFinished(rank=0, step=9, stopped=True))
+    assert (plane.get(job_id).state, plane.get(job_id).outcome) == (S.TERMINATED, O.STOPPED)
+    assert [c.WhichOneof("command") for c in drain(session)] == ["release"]
+    journal.close()
+
+
+def test_the_outbox_keeps_events_until_acknowledged_and_resends_the_unacknowledged_ones():
+    box = Outbox()
+    for n in range(5):
+        box.put(control_pb2.WorkerEvent(memory_pressure=control_pb2.MemoryPressure(available_bytes=n)))
+    never = threading.Event()
+    assert box.resume(0) == (5, 0)
+    sent = [box.get(never).seq for _ in range(3)]
+    assert sent == [1, 2, 3]
+    box.ack(1)
+    box.pause()  # the stream broke with 2 and 3 in flight, 4 and 5 queued
+    # The new control says it applied up to 2: 3 is resent, then 4 and 5.
+    assert box.resume(2) == (3, 1)
+    assert [box.get(never).seq for _ in range(3)] == [3, 4, 5]
+    assert not box.wait_empty(0.01)
+    box.ack(5)
+    assert box.wait_empty(0.01) and box.resent == 1
+
+
+def test_a_full_outbox_drops_the_oldest_and_the_gap_shows_in_the_sequence():
+    box = Outbox(max_events=2)
+    for _ in range(3):
+        box.put(control_pb2.WorkerEvent(memory_pressure=control_pb2.MemoryPressure()))
+    box.resume(0)
+    never = threading.Event()
+    assert [box.get(never).seq for _ in range(2)] == [2, 3] and box.dropped == 1
