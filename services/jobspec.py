@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class JobSpecError(ValueError):
@@ -38,6 +38,8 @@ class ModelSpec(_Strict):
     rope_theta: float = Field(10000.0, gt=0)  # RoFormer (Su et al. 2021) default
     norm_eps: float = Field(1e-5, gt=0)
     init_std: float = Field(0.02, gt=0)       # GPT-2 initialisation
+    # Kept for older specs; ``operators.attention`` is the place for the kernel choice
+    # (both set and different is refused).
     attention: Literal["sdpa", "math"] = "sdpa"
 
     @model_validator(mode="after")
@@ -105,6 +107,65 @@ class OptimizerSpec(_Strict):
     schedule: Literal["cosine", "constant"] = "cosine"
 
 
+class LossScaleSpec(_Strict):
+    """Dynamic loss scaling for fp16 (the precision manager, L2-4, owns it).
+
+    Defaults: ``init_scale`` 2**16, ``growth_factor`` 2, ``backoff_factor`` 0.5 and
+    ``growth_interval`` 2000 are ``torch.amp.GradScaler``'s; ``hysteresis`` 2 and
+    ``min_scale`` 1 are Megatron-LM's ``DynamicGradScaler`` (``--hysteresis``,
+    ``--min-loss-scale``). Rule (Megatron's): an overflowing step spends one unit of
+    hysteresis and backs the scale off (``* backoff_factor``, never below ``min_scale``)
+    once none is left; ``growth_interval`` consecutive clean steps grow it
+    (``* growth_factor``) and refill the hysteresis.
+    """
+
+    init_scale: float = Field(2.0**16, gt=0)
+    growth_factor: float = Field(2.0, gt=1)
+    backoff_factor: float = Field(0.5, gt=0, lt=1)
+    growth_interval: int = Field(2000, gt=0)    # clean steps
+    hysteresis: int = Field(2, gt=0)            # overflows tolerated before a backoff (1: back off at once)
+    min_scale: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _min_below_init(self) -> LossScaleSpec:
+        if self.min_scale > self.init_scale:
+            raise ValueError(f"min_scale ({self.min_scale:g}) must be <= init_scale ({self.init_scale:g})")
+        return self
+
+
+class PrecisionSpec(_Strict):
+    """``fp32``; ``bf16`` autocast (loss scale 1); ``fp16`` autocast with dynamic loss
+    scaling (``loss_scale``). A bare string (``precision: bf16``) means ``{dtype: bf16}``."""
+
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    loss_scale: LossScaleSpec | None = None   # fp16 only; None: the defaults
+
+    @model_validator(mode="after")
+    def _scaling_is_fp16_only(self) -> PrecisionSpec:
+        if self.loss_scale is not None and self.dtype != "fp16":
+            raise ValueError(f"loss_scale is only used with dtype fp16, got dtype {self.dtype}")
+        return self
+
+    @property
+    def scaling(self) -> LossScaleSpec:
+        return self.loss_scale or LossScaleSpec()
+
+
+class OperatorsSpec(_Strict):
+    """Kernels the operator adapter (L3-2) selects; it refuses one this device lacks.
+
+    ``attention``: ``sdpa`` (PyTorch picks the SDPA kernel), ``flash`` / ``efficient``
+    (SDPA restricted to that kernel with ``torch.nn.attention.sdpa_kernel``), ``math``
+    (attention written out in the model); unset: ``model.attention``. ``adamw``: ``fused``
+    (one kernel for all parameters), ``foreach`` (multi-tensor) or ``default`` (torch's
+    choice). ``compile``: ``torch.compile`` the model's forward.
+    """
+
+    attention: Literal["sdpa", "flash", "efficient", "math"] | None = None
+    adamw: Literal["fused", "foreach", "default"] = "fused"
+    compile: bool = False
+
+
 class CheckpointSpec(_Strict):
     # `async` is a Python keyword: the field is `async_`, spelled `async` in a job file.
     model_config = ConfigDict(validate_by_name=True, validate_by_alias=True)
@@ -124,7 +185,11 @@ class EvalSpec(_Strict):
     at_end: bool = True
 
 
-FaultAction = Literal["ignore", "restart_ranks", "rollback", "exclude_node", "stop"]
+# skip_step: the training loop skips the step's update on every rank and goes on (only for
+# the per-step classes of STEP_FAULT_CLASSES; the loop reads the mapping from the spec).
+FaultAction = Literal["ignore", "skip_step", "restart_ranks", "rollback", "exclude_node", "stop"]
+# Faults found inside one step that the loop itself can skip, when the policy says so.
+STEP_FAULT_CLASSES = ("non_finite_loss", "gradient_overflow")
 FAULT_GRADES = ("MINOR", "MEDIUM", "SEVERE", "FATAL")
 # The orchestrator's defaults, by fault class first, then by grade (a class not listed).
 # restart_ranks resumes from the newest checkpoint (from scratch if none); rollback from the
@@ -137,6 +202,9 @@ DEFAULT_CLASS_ACTIONS: dict[str, str] = {
     "port_in_use": "restart_ranks",
     "worker_lost": "exclude_node",
     "non_finite_loss": "rollback",
+    # An fp16 overflow is what dynamic loss scaling expects: skip, back off, go on.
+    "gradient_overflow": "skip_step",
+    "loss_scale_at_minimum": "rollback",
     "overflow_storm": "rollback",
     "checkpoint_error": "rollback",
 }
@@ -163,6 +231,9 @@ class FaultPolicySpec(_Strict):
         for key in [*self.actions, *self.restarts]:
             if key not in FAULT_GRADES and not re.fullmatch(r"[a-z][a-z0-9_]*", key):
                 raise ValueError(f"{key!r} is neither a grade ({', '.join(FAULT_GRADES)}) nor a fault class name")
+        for key, action in self.actions.items():
+            if action == "skip_step" and key not in STEP_FAULT_CLASSES:
+                raise ValueError(f"actions.{key}: skip_step applies only to {', '.join(STEP_FAULT_CLASSES)}")
         for key, n in self.restarts.items():
             if n < 0:
                 raise ValueError(f"restarts.{key} must be >= 0, got {n}")
@@ -174,6 +245,12 @@ class FaultPolicySpec(_Strict):
             if key in table:
                 return table[key]
         return DEFAULT_GRADE_ACTIONS.get(grade, "stop")
+
+    def skips(self, fault_class: str) -> bool:
+        """Whether the training loop skips a step on ``fault_class`` (one of
+        STEP_FAULT_CLASSES) instead of reporting it as a failure: the class's entry in
+        ``actions``, else the default table (grades do not apply inside a step)."""
+        return self.actions.get(fault_class, DEFAULT_CLASS_ACTIONS.get(fault_class)) == "skip_step"
 
     def budget_for(self, fault_class: str) -> int:
         """Relaunches allowed for ``fault_class`` in one job."""
@@ -214,11 +291,34 @@ class JobSpec(_Strict):
     data: DataSpec
     parallel: ParallelSpec = ParallelSpec()
     optimizer: OptimizerSpec = OptimizerSpec()
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: PrecisionSpec = PrecisionSpec()
+    operators: OperatorsSpec = OperatorsSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     eval: EvalSpec = EvalSpec()
     fault_policy: FaultPolicySpec = FaultPolicySpec()
     liveness: LivenessSpec = LivenessSpec()
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _precision_string(cls, value: object) -> object:
+        # `precision: bf16` (the older form) is `precision: {dtype: bf16}`.
+        return {"dtype": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _one_attention_choice(self) -> JobSpec:
+        chosen = self.operators.attention
+        # model.attention at its default says nothing (and a spec's JSON form carries it).
+        if chosen is not None and self.model.attention != "sdpa" and chosen != self.model.attention:
+            raise ValueError(
+                f"operators.attention ({chosen}) and model.attention ({self.model.attention}) disagree; "
+                "set operators.attention only"
+            )
+        return self
+
+    @property
+    def attention(self) -> str:
+        """The attention kernel the job asks for: ``operators.attention``, else ``model.attention``."""
+        return self.operators.attention or self.model.attention
 
     @property
     def world_size(self) -> int:

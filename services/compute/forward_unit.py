@@ -37,6 +37,8 @@ class Operators(Protocol):
 
     def region(self) -> contextlib.AbstractContextManager: ...
 
+    def prepare(self, module: nn.Module) -> Any: ...
+
 
 class ForwardUnit:
     """L3-3. ``operators`` is its port to L3_OPERATOR_ADAPTER."""
@@ -68,7 +70,9 @@ class ForwardUnit:
             OperatorUnavailable: the adapter refuses the kernel.
         """
         self._choice.require_unset()
-        reply = self._operators_port(engine_pb2.SelectOperators(attention=msg.attention))
+        reply = self._operators_port(
+            engine_pb2.SelectOperators(attention=msg.attention, adamw=msg.adamw, compile=msg.compile)
+        )
         self._ops = reply.payload
         self._choice.set(msg)
 
@@ -87,6 +91,6 @@ class ForwardUnit:
         idx_BT = payload.to(self._device, non_blocking=True)
         self._module.train(msg.training)
         with torch.set_grad_enabled(msg.training), self._ops.region():
-            logits_BTV = self._module(idx_BT, attention=self._ops.attention)
+            logits_BTV = self._ops.prepare(self._module)(idx_BT, attention=self._ops.attention)
         self._state = "idle"
         return Reply(engine_pb2.ForwardDone(seconds=time.perf_counter() - t0), logits_BTV)

@@ -82,9 +82,11 @@ class GradientReduction:
         """执行梯度归约指令: DDP has reduced the gradients during backward; finish with the
         global loss statistics. Communication errors propagate (the plan is not rebuilt)."""
         t0 = time.perf_counter()
+        found_inf = self._any_rank(msg.local_found_inf)
         if self._plan is None or self._plan.world_size == 1 or self._group is None:
             return engine_pb2.GradientsReduced(
-                global_loss_sum=msg.local_loss_sum, global_tokens=msg.local_tokens, seconds=time.perf_counter() - t0
+                global_loss_sum=msg.local_loss_sum, global_tokens=msg.local_tokens, seconds=time.perf_counter() - t0,
+                found_inf=found_inf,
             )
         self._state = "reducing"
         stats = torch.tensor([msg.local_loss_sum, float(msg.local_tokens)], dtype=torch.float64, device=self._stats_device)
@@ -95,4 +97,20 @@ class GradientReduction:
             raise
         loss_sum, tokens = stats.tolist()
         self._state = "done"
-        return engine_pb2.GradientsReduced(global_loss_sum=loss_sum, global_tokens=round(tokens), seconds=time.perf_counter() - t0)
+        return engine_pb2.GradientsReduced(
+            global_loss_sum=loss_sum, global_tokens=round(tokens), seconds=time.perf_counter() - t0, found_inf=found_inf
+        )
+
+    def _any_rank(self, local_found_inf: bool) -> bool:
+        """The overflow verdict of the whole job: MAX over every rank of the world (all mesh
+        axes), because sharded gradients (FSDP2, TP, pipeline stages) make ranks' own
+        verdicts differ; one 1-element all-reduce per step (none with one rank)."""
+        if self._plan is None or self._plan.world_size <= 1:
+            return local_found_inf
+        flag = torch.tensor([float(local_found_inf)], device=self._stats_device)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        except Exception:
+            self._state = "comm_failed"
+            raise
+        return bool(flag.item())

@@ -11,6 +11,11 @@ by the backward unit, which produces them, at the start of each accumulation win
 
 AdamW: Loshchilov & Hutter 2019 (decoupled weight decay). Weight decay applies to
 matrices and embeddings only (ndim >= 2), not to norm gains, as in GPT-2 / nanoGPT.
+
+Implementation (job spec ``operators.adamw``, also checked and reported by the operator
+adapter): ``fused`` (one kernel over all parameters; CUDA and, since torch 2.4, CPU),
+``foreach`` (multi-tensor ops) or ``default`` (torch picks). The same algorithm either way;
+an implementation this device lacks is refused, never swapped for another.
 """
 
 from __future__ import annotations
@@ -21,10 +26,25 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from services.contract.bus import Emitter, Reply
 from services.contract import engine_pb2
 from services.jobspec import OptimizerSpec
+
+
+# operators.adamw -> torch.optim.AdamW keyword arguments.
+_IMPLEMENTATIONS: dict[str, dict[str, bool]] = {
+    "fused": {"fused": True},
+    "foreach": {"foreach": True, "fused": False},
+    "default": {},
+}
+
+
+class OptimizerUnavailable(RuntimeError):
+    """The job asked for an AdamW implementation this device lacks."""
+
+    fault_class = "operator_unavailable"
 
 
 class OptimizerState:
@@ -44,8 +64,11 @@ class OptimizerState:
 class Optimizer:
     """L2-3. Build it, ``attach`` the model (composition root), then command it."""
 
-    def __init__(self, spec: OptimizerSpec, emit: Emitter):
+    def __init__(self, spec: OptimizerSpec, emit: Emitter, *, implementation: str = "fused"):
+        if implementation not in _IMPLEMENTATIONS:
+            raise ValueError(f"operators.adamw: expected one of {sorted(_IMPLEMENTATIONS)}, got {implementation!r}")
         self._spec = spec
+        self._implementation = implementation
         self._emit = emit
         self._model: nn.Module | None = None
         self._optim: torch.optim.Optimizer | None = None
@@ -61,14 +84,19 @@ class Optimizer:
             {"params": no_decay, "weight_decay": 0.0},
         ]
         self._model = model
-        # lr=0 until the first ApplyUpdate names one. The fused kernel (one pass over all
-        # parameters, CPU and CUDA) is numerically the same algorithm as the for-each one.
+        devices = {p.device.type for p in model.parameters()}
+        if self._implementation == "fused" and not devices <= set(_get_fused_kernels_supported_devices()):
+            raise OptimizerUnavailable(
+                f"operators.adamw: fused AdamW is not available for parameters on {sorted(devices)}; "
+                "choose foreach or default"
+            )
+        # lr=0 until the first ApplyUpdate names one.
         self._optim = torch.optim.AdamW(
             groups,
             lr=0.0,
             betas=(self._spec.beta1, self._spec.beta2),
             eps=self._spec.eps,
-            fused=True,
+            **_IMPLEMENTATIONS[self._implementation],
         )
 
     # ------------------------------------------------------------------ commands

@@ -11,7 +11,7 @@ Receives
     from L2-2: ParallelReady; from L4 (through the data relay): MicroBatch (payload
         :class:`Batch`), DataExhausted, DatasetUnavailable.
 Commands
-    L3-1 LoadModel/ExportState, L2-4 InitPrecision/UnscaleAndCheck, L3-3 ConfigureForward/
+    L3-1 LoadModel/ExportState, L2-4 InitPrecision/UnscaleAndCheck/ScaleLoss, L3-3 ConfigureForward/
     RunForward, L3-4 RunBackward, L3-5 ArmReduction/ReduceGradients, L2-3 ApplyUpdate/
     ExportState, L4 MountDataset/OpenStream, L5 SaveCheckpoint/CommitCheckpoint/LoadCheckpoint/
     FlushCheckpoint.
@@ -25,8 +25,16 @@ and DDP averages gradients over ranks. That equals the mean over all non-padding
 the step exactly when every rank has the same token count (always in pack mode; close in
 pad mode). Exact global normalisation needs one more all-reduce before backward; later.
 
-Skip policy (pushed at init; fixed for now): a step whose gradients overflow is skipped,
-counted and reported (``StepCompleted.skipped``); L1 decides whether that is a fault.
+Skip policy (pushed at init: the spec's ``fault_policy``, see :meth:`TrainingLoop._skip_reason`):
+after backward, L2-4 checks this rank's gradients, L3-5 all-reduces that verdict with the
+loss sums (every rank, every mesh axis), and L2-4 moves the loss scale by the all-rank
+verdict. A step with a non-finite loss or non-finite gradients is skipped on every rank
+when the policy maps its class (``non_finite_loss``, ``gradient_overflow``) to
+``skip_step`` (the default for ``gradient_overflow``), counted, and reported
+(``StepCompleted.skipped``, ``skip_reason``; the loss stays what it was, NaN included);
+otherwise it is reported as a typed failure and L1 decides. K consecutive skipped steps
+(``overflow_storm``) or a backoff to the minimum loss scale (``loss_scale_at_minimum``)
+are typed failures too.
 
 Exact resume (DESIGN.md "Faults"): the checkpoint is the union of the modules' state
 (model, optimizer) and the loop's own (:class:`LoopState`: step, skipped steps, loss scale,
@@ -42,6 +50,7 @@ commit (``FlushCheckpoint``), because a finished rank may be released at once.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -95,8 +104,11 @@ class LoopState:
     differ per rank (data position, RNG) live under ``rank<r>`` so ranks never collide.
 
     Every value is a tensor, so a checkpoint loads with ``weights_only=True`` and nothing
-    is unpickled. Keys (under ``train.``): ``step``, ``skipped_steps``, ``loss_scale``
-    (1 for fp32/bf16; the slot an fp16 scaler fills), and per rank: ``data_position`` int64
+    is unpickled. Keys (under ``train.``): ``step``, ``skipped_steps``,
+    ``consecutive_skips`` (toward ``fault_policy.overflow_storm_steps``), the precision
+    manager's scaler state as it last reported it: ``loss_scale`` float64 (1 for
+    fp32/bf16) and ``loss_scaler`` int64 [growth tracker, hysteresis left, dynamic (1: an
+    fp16 scaler wrote it)], restored exactly and pushed back in InitPrecision; and per rank: ``data_position`` int64
     [epoch, document, offset] (where this rank's stream continues), ``data_order`` int64
     [shuffle seed, shuffle on, world size] (checked on resume) and ``rng.*`` (python,
     numpy, torch and CUDA streams: ``services/engine/rng_streams.py``).
@@ -111,7 +123,13 @@ class LoopState:
         return {
             "step": torch.tensor(loop._step, dtype=torch.int64),
             "skipped_steps": torch.tensor(loop._skipped, dtype=torch.int64),
-            "loss_scale": torch.tensor(float(loop._loss_scale)),  # float32: fp16 scales are powers of 2
+            "consecutive_skips": torch.tensor(loop._consecutive_skips, dtype=torch.int64),
+            # float64: exact for any growth/backoff factor, not only powers of 2.
+            "loss_scale": torch.tensor(loop._scaler_state.scale, dtype=torch.float64),
+            "loss_scaler": torch.tensor(
+                [loop._scaler_state.growth_tracker, loop._scaler_state.hysteresis_left, int(loop._dynamic_scaling)],
+                dtype=torch.int64,
+            ),
             f"rank{loop._rank}": {
                 "data_position": torch.tensor([p.epoch, p.document, p.offset], dtype=torch.int64),
                 "data_order": torch.tensor([d.shuffle_seed, int(d.shuffle), loop._world], dtype=torch.int64),
@@ -125,7 +143,12 @@ class LoopState:
         epoch, document, offset = (int(v) for v in mine["data_position"].tolist())
         loop._step = int(state["step"])
         loop._skipped = int(state["skipped_steps"])
-        loop._loss_scale = float(state["loss_scale"])
+        loop._consecutive_skips = int(state["consecutive_skips"])
+        growth_tracker, hysteresis_left, dynamic = (int(v) for v in state["loss_scaler"].tolist())
+        # Only an fp16 scaler's state is resumed; an fp32/bf16 checkpoint's placeholder is not.
+        loop._resume_scaler = engine_pb2.LossScalerState(
+            scale=float(state["loss_scale"]), growth_tracker=growth_tracker, hysteresis_left=hysteresis_left
+        ) if dynamic else None
         loop._position = data_pb2.DataPosition(epoch=epoch, document=document, offset=offset)
         loop._loaded_order = tuple(int(v) for v in mine["data_order"].tolist())
         rng_streams.restore(mine["rng"])
@@ -158,6 +181,12 @@ class TrainingLoop:
         self._skipped = 0
         self._position = data_pb2.DataPosition()
         self._loss_scale = 1.0
+        # The precision manager's scaler state as it last reported it (checkpointed here,
+        # pushed back in InitPrecision on resume); _resume_scaler: what a checkpoint held.
+        self._scaler_state = engine_pb2.LossScalerState(scale=1.0)
+        self._resume_scaler: engine_pb2.LossScalerState | None = None
+        self._consecutive_skips = 0  # consecutive skipped steps, toward an overflow storm
+        self._dynamic_scaling = False
         self._loaded_order: tuple[int, ...] | None = None  # data order of the loaded checkpoint
         self._num_parameters = 0
         self._flops_per_token = 0.0
@@ -262,11 +291,18 @@ class TrainingLoop:
                 (fwd.payload, batch.labels),
             ).message
             fwd_s, bwd_s, loss_sum = fwd_s + fwd.message.seconds, bwd_s + bwd.seconds, loss_sum + bwd.loss_sum
-        reduced = p.reduction(engine_pb2.ReduceGradients(local_loss_sum=loss_sum, local_tokens=local_tokens)).message
+        # This rank's overflow verdict first; L3-5 all-reduces it with the loss sums, so
+        # every rank (every mesh axis) skips or applies together; L2-4 then moves the scale.
         check = p.precision(engine_pb2.UnscaleAndCheck(step=step)).message
+        reduced = p.reduction(engine_pb2.ReduceGradients(
+            local_loss_sum=loss_sum, local_tokens=local_tokens, local_found_inf=check.found_inf,
+        )).message  # fmt: skip
+        adjusted = p.precision(engine_pb2.ScaleLoss(step=step, found_inf=reduced.found_inf)).message
+        self._loss_scale, self._scaler_state = adjusted.loss_scale, adjusted.state
+        skip_reason = self._skip_reason(step, reduced, adjusted)
         lr = self._lr_at(step)
         opt_s = 0.0
-        if check.found_inf:  # skip policy: skip and count
+        if skip_reason:
             self._skipped += 1
         else:
             opt_s = p.optimizer(engine_pb2.ApplyUpdate(step=step, learning_rate=lr)).message.seconds
@@ -279,11 +315,50 @@ class TrainingLoop:
             learning_rate=lr, grad_norm=check.grad_norm, tokens=tokens,
             tokens_per_second=tokens / step_s, step_seconds=step_s, data_wait_seconds=data_wait,
             forward_seconds=fwd_s, backward_seconds=bwd_s, reduction_seconds=reduced.seconds,
-            optimizer_seconds=opt_s, loss_scale=check.loss_scale, skipped=check.found_inf,
+            optimizer_seconds=opt_s, loss_scale=check.loss_scale, skipped=bool(skip_reason), skip_reason=skip_reason,
             epoch=self._position.epoch, unix_time=time.time(), world_size=self._world,
             flops_per_token=self._flops_per_token,
             mfu=tokens / step_s * self._flops_per_token / (self._peak_flops * self._world),
         ))  # fmt: skip
+
+    def _skip_reason(
+        self, step: int, reduced: engine_pb2.GradientsReduced, adjusted: engine_pb2.LossScaleAdjusted
+    ) -> str:
+        """Skip policy (pushed at init in the spec's ``fault_policy``): "" to apply the
+        step, "non_finite_loss" or "overflow" to skip it. Both inputs are all-rank values
+        (the loss sum and the overflow flag came through L3-5's all-reduce), so every rank
+        gets the same answer.
+
+        Raises:
+            TrainingFault: ``non_finite_loss`` / ``gradient_overflow`` when the policy does
+                not map that class to ``skip_step``; ``loss_scale_at_minimum`` when an
+                overflow's backoff reached ``min_scale``; ``overflow_storm`` on the
+                ``fault_policy.overflow_storm_steps``-th consecutive skipped step.
+        """
+        policy, loss = self._spec.fault_policy, reduced.global_loss_sum
+        if not math.isfinite(loss):
+            fault_class, reason = "non_finite_loss", "non_finite_loss"
+            detail = f"training loss is {loss} at step {step} ({reduced.global_tokens} tokens)"
+        elif reduced.found_inf:
+            fault_class, reason = "gradient_overflow", "overflow"
+            detail = f"gradients are not finite at step {step} (loss scale {self._loss_scale:g} after it)"
+        else:
+            self._consecutive_skips = 0
+            return ""
+        if not policy.skips(fault_class):
+            raise TrainingFault(fault_class, f"{detail}: the step is not applied")
+        if adjusted.at_minimum:
+            raise TrainingFault("loss_scale_at_minimum", (
+                f"{detail}: the loss scale backed off to its minimum {adjusted.loss_scale:g} "
+                "(precision.loss_scale.min_scale); fp16 cannot hold these gradients"
+            ))  # fmt: skip
+        self._consecutive_skips += 1
+        if self._consecutive_skips >= policy.overflow_storm_steps:
+            raise TrainingFault("overflow_storm", (
+                f"{self._consecutive_skips} consecutive steps skipped (up to step {step}, last: {reason}, "
+                f"loss scale {adjusted.loss_scale:g}); fault_policy.overflow_storm_steps is {policy.overflow_storm_steps}"
+            ))  # fmt: skip
+        return reason
 
     def _evaluate(self, step: int) -> None:
         """Loss on the held-out split: the same eval.batches micro-batches each time (no
@@ -354,8 +429,8 @@ class TrainingLoop:
         self._num_parameters = loaded.num_parameters
         self._flops_per_token = model_flops_per_token(spec, self._num_parameters)
         self._peak_flops = spec.parallel.peak_tflops_per_device * 1e12
-        self._loss_scale = p.precision(engine_pb2.InitPrecision(precision=spec.precision)).message.loss_scale
-        p.forward(engine_pb2.ConfigureForward(attention=spec.model.attention))
+        ops = spec.operators
+        p.forward(engine_pb2.ConfigureForward(attention=spec.attention, adamw=ops.adamw, compile=ops.compile))
         mounted = p.data(data_pb2.MountDataset(name=spec.data.name, version=spec.data.version, verify=False)).message
         if isinstance(mounted, data_pb2.DatasetUnavailable):
             raise TrainingFault("data_unavailable", mounted.reason)
@@ -374,11 +449,28 @@ class TrainingLoop:
                     f"data.shuffle {bool(shuffle)}, parallel.dp {world}; this job has {d.shuffle_seed}, "
                     f"{d.shuffle}, {self._world}: its data position would not resume exactly"
                 ))  # fmt: skip
+        self._init_precision()  # after the load: a checkpoint's scaler state goes with it
         self._open_stream("train", self._position, repeat=True, max_batches=0)
         self._emit(engine_pb2.TrainingLoopStarted(
             job_id=self._job_id, rank=self._rank, start_step=self._step,
             num_parameters=self._num_parameters, startup_seconds=time.perf_counter() - self._t_created,
         ))  # fmt: skip
+
+    def _init_precision(self) -> None:
+        """InitPrecision with the spec's policy and, on resume, the checkpoint's scaler
+        state (so loading never changes it)."""
+        prec = self._spec.precision
+        rule = prec.scaling
+        msg = engine_pb2.InitPrecision(
+            precision=prec.dtype, init_scale=rule.init_scale, growth_factor=rule.growth_factor,
+            backoff_factor=rule.backoff_factor, growth_interval=rule.growth_interval,
+            hysteresis=rule.hysteresis, min_scale=rule.min_scale,
+        )  # fmt: skip
+        if self._resume_scaler is not None and prec.dtype == "fp16":
+            msg.resume.CopyFrom(self._resume_scaler)
+        ready = self._p.precision(msg).message
+        self._loss_scale, self._scaler_state = ready.loss_scale, ready.state
+        self._dynamic_scaling = prec.dtype == "fp16"
 
     def _await_start(self) -> bool:
         """Block until StartTraining (True) or StopTraining (False: finish at once)."""

@@ -1,27 +1,27 @@
 """Rank-side fault hooks, installed on the training loop's ports by the rank's composition
 root (``rank.py``). No module file knows about them.
 
-* :class:`StepGuard` turns two numerical faults into typed failures the layers above grade
-  and decide on (job spec ``fault_policy``), instead of letting them pass silently:
-  a training pass whose loss is NaN or inf ends the rank with fault class
-  ``non_finite_loss``; ``fault_policy.overflow_storm_steps`` consecutive steps whose
-  gradients overflowed (each skipped by the loop's skip policy) end it with
-  ``overflow_storm``. Nothing is smoothed, clipped or replaced: the step that carried the
-  value is never applied, and the rank stops on it.
+* :class:`StepGuard` wraps the loop's port to the backward unit to apply test-only
+  injections. What a non-finite loss or non-finite gradients do is the training loop's
+  decision (skip the step on every rank, or a typed failure: ``non_finite_loss``,
+  ``gradient_overflow``, ``overflow_storm``, ``loss_scale_at_minimum``), taken from all-rank
+  values per the spec's ``fault_policy``; a check here would see one rank only, and ranks
+  could disagree.
 * :class:`FaultInjector` is for tests, and off unless ``SURGE_FAULT_INJECT`` is set::
 
       SURGE_FAULT_INJECT="<job name>:<kind>@<step>[:rank=<r>][,...]"
 
   kinds: ``nan_loss`` (the logits of that step's first micro-batch become NaN, so its loss
-  and gradients are NaN, as a real divergence would make them) and ``hang`` (the rank's
-  main thread blocks forever before that step's backward; its heartbeat goes on, its peers
-  wait in the collective: a stall). Each injection fires once per job and rank, also
-  across relaunches: it leaves a marker file under ``$SURGE_HOME/run/faults``.
+  and gradients are NaN, as a real divergence would make them), ``inf_grad`` (the loss
+  stays finite, the gradient flowing back into those logits becomes inf: what an fp16
+  overflow in backward looks like) and ``hang`` (the rank's main thread blocks forever
+  before that step's backward; its heartbeat goes on, its peers wait in the collective: a
+  stall). Each injection fires once per job and rank, also across relaunches: it leaves
+  a marker file under ``$SURGE_HOME/run/faults``.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 from collections.abc import Callable
@@ -34,10 +34,9 @@ import torch
 from services.common import paths
 from services.contract import engine_pb2
 from services.contract.bus import CommandPort, Reply
-from services.engine.training_loop import TrainingFault
 
 INJECT_ENV = "SURGE_FAULT_INJECT"
-KINDS = ("nan_loss", "hang")
+KINDS = ("nan_loss", "inf_grad", "hang")
 
 
 @dataclass(frozen=True)
@@ -104,6 +103,11 @@ class FaultInjector:
             if injection.kind == "nan_loss":
                 logits, labels = payload
                 payload = (logits * float("nan"), labels)
+            elif injection.kind == "inf_grad":
+                logits, labels = payload
+                logits = logits.view_as(logits)  # a node of our own to hook, same values
+                logits.register_hook(lambda g: g * float("inf"))
+                payload = (logits, labels)
             elif injection.kind == "hang":
                 threading.Event().wait()  # forever: the rank is alive and makes no progress
         return payload
@@ -120,51 +124,25 @@ class FaultInjector:
 
 
 class StepGuard:
-    """Wraps the loop's ports to the backward unit and the precision manager.
+    """Wraps the loop's port to the backward unit with test-only injections.
 
     Args:
-        overflow_storm_steps: consecutive overflowing steps that end the rank (K).
         step: the step the loop is running now (the rank session's last completed step + 1).
-        grad_accum: micro-steps per step (one backward pass each).
-        injector: test-only faults, or None.
+        injector: test-only faults, or None (then the port is returned as it is).
     """
 
-    def __init__(
-        self, overflow_storm_steps: int, step: Callable[[], int], *, injector: FaultInjector | None = None
-    ):
-        self._storm_steps = overflow_storm_steps
+    def __init__(self, step: Callable[[], int], *, injector: FaultInjector | None = None):
         self._step = step
         self._injector = injector
-        self._overflows = 0  # consecutive steps whose gradients were not finite
 
     def backward(self, port: CommandPort) -> Callable[..., Reply]:
+        if self._injector is None:
+            return port
+        injector = self._injector
+
         def run_backward(msg: engine_pb2.RunBackward, payload: Any = None) -> Reply:
-            if msg.backward and self._injector is not None:
-                payload = self._injector.before_backward(self._step(), payload)
-            reply = port(msg, payload)
-            done = reply.message
-            if msg.backward and isinstance(done, engine_pb2.BackwardDone) and not math.isfinite(done.loss_sum):
-                raise TrainingFault(
-                    "non_finite_loss",
-                    f"training loss is {done.loss_sum} at step {self._step()} ({done.tokens} tokens): "
-                    "the step is not applied",
-                )
-            return reply
+            if msg.backward:
+                payload = injector.before_backward(self._step(), payload)
+            return port(msg, payload)
 
         return run_backward
-
-    def precision(self, port: CommandPort) -> Callable[..., Reply]:
-        def unscale_and_check(msg: Any, payload: Any = None) -> Reply:
-            reply = port(msg, payload)
-            checked = reply.message
-            if isinstance(checked, engine_pb2.OverflowChecked):
-                self._overflows = self._overflows + 1 if checked.found_inf else 0
-                if self._overflows >= self._storm_steps:
-                    raise TrainingFault(
-                        "overflow_storm",
-                        f"{self._overflows} consecutive steps overflowed (up to step {msg.step}, loss scale "
-                        f"{checked.loss_scale:g}); fault_policy.overflow_storm_steps is {self._storm_steps}",
-                    )
-            return reply
-
-        return unscale_and_check

@@ -26,9 +26,9 @@ Protocol on ``WorkerService.RankSession`` (bidi stream to the node agent):
 A session that ends before the rank sent {finished} or {failed} means the agent is gone:
 the rank exits at once (code 3). SIGTERM ends the process immediately (default action).
 
-Fault hooks (:mod:`services.worker.faults`) wrap the loop's ports to the backward unit and
-the precision manager: a non-finite training loss or an overflow storm ends the rank with a
-typed failure, and tests inject faults through ``SURGE_FAULT_INJECT``.
+Fault hooks (:mod:`services.worker.faults`) wrap the loop's port to the backward unit: tests
+inject faults through ``SURGE_FAULT_INJECT``. A non-finite loss or gradient is the loop's
+to handle (skip per the spec's policy, or a typed failure).
 
 Wiring: modules never construct each other. Each gets an Emitter for its events and a
 CommandPort for each module the route table lets it command; the relays of the other
@@ -136,7 +136,7 @@ def compose(
     guard: StepGuard | None = None,
 ) -> RankModules:
     """Build the rank's L2/L3 modules on ``bus`` and subscribe them and the relays.
-    ``guard`` wraps the loop's ports to the backward unit and the precision manager.
+    ``guard`` wraps the loop's port to the backward unit (test-only fault injection).
 
     Raises:
         RouteError, ContractError: the table or this wiring breaks the contract; the rank
@@ -148,7 +148,7 @@ def compose(
     forward = ForwardUnit(emitter(M.L3_FORWARD_UNIT), port(M.L3_FORWARD_UNIT, M.L3_OPERATOR_ADAPTER))
     backward = BackwardUnit(emitter(M.L3_BACKWARD_UNIT), micro_steps=spec.data.grad_accum)
     reduction = GradientReduction(emitter(M.L3_GRADIENT_REDUCTION))
-    optimizer = Optimizer(spec.optimizer, emitter(M.L2_OPTIMIZER))
+    optimizer = Optimizer(spec.optimizer, emitter(M.L2_OPTIMIZER), implementation=spec.operators.adamw)
     precision = MixedPrecision(emitter(M.L2_MIXED_PRECISION), port(M.L2_MIXED_PRECISION, M.L3_OPERATOR_ADAPTER))
 
     def handover(model: torch.nn.Module) -> None:
@@ -176,7 +176,7 @@ def compose(
             backward=guard.backward(backward_port) if guard else backward_port,
             reduction=port(L, M.L3_GRADIENT_REDUCTION),
             optimizer=port(L, M.L2_OPTIMIZER),
-            precision=guard.precision(precision_port) if guard else precision_port,
+            precision=precision_port,
             data=port(L, M.L4_DATASET_VERSIONS),
             store=port(L, M.L5_CHECKPOINT_MANAGER),
         ),
@@ -201,6 +201,7 @@ def compose(
     sub(M.L2_OPTIMIZER, engine_pb2.ExportState, optimizer.export_state)
     sub(M.L2_MIXED_PRECISION, engine_pb2.InitPrecision, precision.init_precision)
     sub(M.L2_MIXED_PRECISION, engine_pb2.UnscaleAndCheck, precision.unscale_and_check)
+    sub(M.L2_MIXED_PRECISION, engine_pb2.ScaleLoss, precision.scale_loss)
     sub(M.L3_SHARD_LOADER, engine_pb2.ParallelPlan, shard_loader.set_plan)
     sub(M.L3_SHARD_LOADER, engine_pb2.LoadModel, shard_loader.load_model)
     sub(M.L3_SHARD_LOADER, engine_pb2.ExportState, shard_loader.export_state)
@@ -412,10 +413,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         torch.set_num_threads(max(1, assignment.num_threads or 1))
         spec = spec_from_json(init.spec_json)
         session.set_heartbeat_interval(spec.liveness.heartbeat_interval_seconds)
-        guard = StepGuard(
-            spec.fault_policy.overflow_storm_steps, lambda: session.step + 1,
-            injector=FaultInjector.from_env(spec.name, args.job, args.rank),
-        )
+        guard = StepGuard(lambda: session.step + 1, injector=FaultInjector.from_env(spec.name, args.job, args.rank))
         violations = ViolationReporter(
             session.process, log, deliver=session.report_violation, job_id=args.job, rank=args.rank, inline=True
         )

@@ -98,10 +98,10 @@ def test_the_forward_unit_refuses_to_run_before_operators_are_selected():
 
 def test_the_operator_adapter_refuses_kernels_and_dtypes_it_does_not_have():
     _, loop, precision = wired()
-    with pytest.raises(OperatorUnavailable, match="attention 'flash' is not available"):
-        loop["forward"](engine_pb2.ConfigureForward(attention="flash"))
-    with pytest.raises(OperatorUnavailable, match="dtype 'float16' is not supported"):
-        precision(engine_pb2.SetComputePrecision(dtype="float16"))
+    with pytest.raises(OperatorUnavailable, match="operators.attention: 'xformers' is not available"):
+        loop["forward"](engine_pb2.ConfigureForward(attention="xformers"))
+    with pytest.raises(OperatorUnavailable, match="dtype 'float8' is not supported"):
+        precision(engine_pb2.SetComputePrecision(dtype="float8"))
 
 
 def test_bfloat16_precision_runs_the_forward_in_bf16_autocast():

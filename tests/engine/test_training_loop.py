@@ -128,8 +128,9 @@ def test_an_unknown_dataset_is_reported_as_data_unavailable_with_the_reason(tmp_
     assert not rank.up.of(engine_pb2.TrainingLoopStarted)
 
 
-def test_steps_whose_gradients_overflow_are_skipped_reported_and_leave_the_weights_alone(tmp_path):
-    rank = LocalRank(tiny_spec(steps=3), tmp_path)
+def test_steps_with_a_non_finite_loss_are_skipped_under_skip_step_reported_and_leave_the_weights_alone(tmp_path):
+    policy = {"actions": {"non_finite_loss": "skip_step"}}
+    rank = LocalRank(tiny_spec(steps=3, fault_policy=policy), tmp_path)
     t = started(rank)
     wait_for(rank, t, engine_pb2.TrainingLoopStarted)
     port = rank.bus.port(Module.L2_TRAINING_LOOP, Module.L3_SHARD_LOADER)
@@ -141,6 +142,26 @@ def test_steps_whose_gradients_overflow_are_skipped_reported_and_leave_the_weigh
     t.join(30)
     steps = rank.steps()
     assert [s.skipped for s in steps] == [True, True, True]
+    assert [s.skip_reason for s in steps] == ["non_finite_loss"] * 3
+    assert all(s.loss != s.loss for s in steps)  # reported as it was: NaN, never smoothed away
     assert all(s.grad_norm != s.grad_norm or s.grad_norm == float("inf") for s in steps)
+    after = rank.model_state()
+    assert all(torch.equal(before[k], after[k]) for k in before if k != "norm.weight")
+
+
+def test_a_non_finite_loss_without_skip_step_is_a_typed_failure_and_nothing_is_applied(tmp_path):
+    rank = LocalRank(tiny_spec(steps=3), tmp_path)
+    t = started(rank)
+    wait_for(rank, t, engine_pb2.TrainingLoopStarted)
+    port = rank.bus.port(Module.L2_TRAINING_LOOP, Module.L3_SHARD_LOADER)
+    with torch.no_grad():
+        port(engine_pb2.ExportState()).payload.state_dict()["norm.weight"].fill_(float("inf"))
+    before = rank.model_state()
+    rank.command(engine_pb2.StartTraining(job_id="job"))
+    t.join(30)
+    assert rank.steps() == []
+    (failed,) = rank.up.of(engine_pb2.TrainingLoopFailed)
+    assert failed.fault_class == "non_finite_loss" and failed.step == 0
+    assert failed.detail.startswith("training loss is nan at step 1 (512 tokens): the step is not applied")
     after = rank.model_state()
     assert all(torch.equal(before[k], after[k]) for k in before if k != "norm.weight")

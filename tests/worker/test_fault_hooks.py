@@ -1,5 +1,6 @@
-"""The rank's fault hooks: a non-finite loss or an overflow storm ends the rank with a typed
-failure; test-only injections parse strictly and fire once per job and rank."""
+"""The rank's fault hooks: test-only injections parse strictly, fire once per job and rank,
+and reach only training backward passes (what a non-finite loss or gradient does is the
+loop's decision: tests/engine/test_training_loop.py, tests/faults/test_nan_skip.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import torch
 
 from services.contract import engine_pb2
 from services.contract.bus import Reply
-from services.engine.training_loop import TrainingFault
 from services.worker.faults import FaultInjector, Injection, StepGuard, parse_injections
 
 pytestmark = pytest.mark.timeout(30)
@@ -20,7 +20,7 @@ def test_injections_are_parsed_per_job_name_and_a_bad_entry_is_one_line():
     text = "a:nan_loss@7,b:hang@3:rank=1, a:hang@9:rank=2"
     assert parse_injections(text, "a") == [Injection("nan_loss", 7, 0), Injection("hang", 9, 2)]
     assert parse_injections(text, "c") == []
-    with pytest.raises(ValueError, match=r"^SURGE_FAULT_INJECT: 'a:explode@1': expected <job name>:<nan_loss\|hang>@<step>"):
+    with pytest.raises(ValueError, match=r"^SURGE_FAULT_INJECT: 'a:explode@1': expected <job name>:<nan_loss\|inf_grad\|hang>@<step>"):
         parse_injections("a:explode@1", "a")
 
 
@@ -36,25 +36,24 @@ def test_a_nan_injection_poisons_the_logits_of_its_step_once_across_relaunches(t
     assert torch.equal(other_rank.before_backward(7, (logits, labels))[0], logits)
 
 
-def test_a_non_finite_training_loss_ends_the_rank_as_non_finite_loss_but_evaluation_does_not():
-    loss = {"value": 1.5}
-    guard = StepGuard(8, lambda: 12)
-    backward = guard.backward(lambda msg, payload: Reply(engine_pb2.BackwardDone(loss_sum=loss["value"], tokens=256)))
-    assert backward(engine_pb2.RunBackward(backward=True), None).message.loss_sum == 1.5
-    loss["value"] = math.nan
-    assert math.isnan(backward(engine_pb2.RunBackward(backward=False), None).message.loss_sum)  # eval: reported only
-    with pytest.raises(TrainingFault) as e:
-        backward(engine_pb2.RunBackward(backward=True), None)
-    assert e.value.fault_class == "non_finite_loss"
-    assert str(e.value) == "training loss is nan at step 12 (256 tokens): the step is not applied"
+def test_an_inf_grad_injection_keeps_the_loss_finite_and_makes_the_gradients_inf(tmp_path):
+    weight = torch.ones(3, requires_grad=True)
+    logits, labels = (torch.zeros(2, 3) + weight).unsqueeze(0), torch.zeros(1, 2, dtype=torch.int64)
+    injector = FaultInjector([Injection("inf_grad", 4, 0)], "j-1", 0, marker_dir=tmp_path)
+    poisoned, _ = injector.before_backward(4, (logits, labels))
+    loss = torch.nn.functional.cross_entropy(poisoned.reshape(-1, 3), labels.reshape(-1))
+    assert math.isfinite(float(loss))
+    loss.backward()
+    assert not torch.isfinite(weight.grad).any()
 
 
-def test_k_consecutive_overflowing_steps_are_an_overflow_storm():
-    found = iter([True, True, False, True, True, True])
-    guard = StepGuard(3, lambda: 1)
-    check = guard.precision(lambda msg, payload: Reply(engine_pb2.OverflowChecked(found_inf=next(found), loss_scale=1.0)))
-    for step in range(1, 6):  # two overflows, a good step, then two more: no storm yet
-        check(engine_pb2.UnscaleAndCheck(step=step), None)
-    with pytest.raises(TrainingFault) as e:
-        check(engine_pb2.UnscaleAndCheck(step=6), None)
-    assert e.value.fault_class == "overflow_storm" and str(e.value).startswith("3 consecutive steps overflowed (up to step 6")
+def test_the_step_guard_injects_only_into_training_backward_passes_and_is_a_no_op_without_injections(tmp_path):
+    seen = []
+    port = lambda msg, payload: seen.append(payload) or Reply(engine_pb2.BackwardDone(loss_sum=1.0, tokens=1))  # noqa: E731
+    assert StepGuard(lambda: 1).backward(port) is port
+    injector = FaultInjector([Injection("nan_loss", 2, 0)], "j-1", 0, marker_dir=tmp_path)
+    backward = StepGuard(lambda: 2, injector=injector).backward(port)
+    logits = torch.zeros(1, 2, 3)
+    backward(engine_pb2.RunBackward(backward=False), (logits, None))
+    backward(engine_pb2.RunBackward(backward=True), (logits, None))
+    assert not torch.isnan(seen[0][0]).any() and torch.isnan(seen[1][0]).all()
