@@ -27,12 +27,14 @@ the collective they shared (``comm_error``), and either report may reach control
 ``comm_error`` is therefore held for ``attribution_seconds``: a fault of another rank that
 arrives meanwhile is reported first, as the incident's cause, and the held reports follow
 it. Which reports are consequences of the incident, and what to do, is the orchestrator's.
-A ``rank_stalled`` is a symptom too when a peer has gone quiet (no heartbeat for more than
-1.5 of its beat periods): the stalled rank is most likely waiting in a collective for that
-peer, whose silence deadline fires at most ``heartbeat_timeout_seconds`` after its last beat.
-The stall is held that long (at least ``attribution_seconds``), so the peer's silence (or
-exit) is reported first, as the cause, and the survivor's stall follows it. A rank whose
-own beats stopped is not reported stalled: its silence deadline reports it.
+A ``rank_stalled`` is a symptom too: the stalled rank may be waiting in a collective for a
+peer that stopped (SIGSTOP, a hung host), whose silence deadline fires at most
+``heartbeat_timeout_seconds`` after its last beat. A stall is held for 1.5 beat periods (at
+least ``attribution_seconds``), long enough to see whether a peer has gone quiet (no beat
+for 1.5 of its periods); if one has, it is held until that peer's silence deadline can have
+fired. A silence is always a cause, never a consequence (a rank's beats come from a side
+thread that a peer's death does not block), so it is reported first and the held stalls
+follow it. A rank whose own beats stopped is not reported stalled: its silence is.
 
 After a control restart the orchestrator pushes ``StartFaultMonitoring`` again with the
 job's ``world_size`` and a ``reattach_seconds``: every rank gets one silence deadline of that
@@ -143,6 +145,7 @@ class _Job:
     step_times: deque = field(default_factory=lambda: deque(maxlen=_STEP_TIMES_KEPT))
     held: list[control_pb2.FaultReport] = field(default_factory=list)  # symptoms awaiting their cause
     held_timer: threading.Timer | None = None
+    held_extended: bool = False  # the window was extended once for a quiet peer
     round_faults: int = 0  # faults of the current incident (本轮), cleared by ResetFaultLedger
 
     def stall_deadline_s(self) -> float:
@@ -229,6 +232,12 @@ class FaultDetector:
             args = (msg.job_id, msg.rank, watch)
             watch.silence = _started(threading.Timer(job.heartbeat_timeout_s, self._silence_passed, args))
             progressed = msg.step != watch.step
+            if progressed and any(r.rank == msg.rank and r.fault_class == RANK_STALLED for r in job.held):
+                # A stall held for attribution that moved on was transient: not reported.
+                job.held = [r for r in job.held if not (r.rank == msg.rank and r.fault_class == RANK_STALLED)]
+                if not job.held and job.held_timer is not None:
+                    job.held_timer.cancel()
+                    job.held_timer = None
             if progressed:
                 if watch.step >= 0 and msg.step_seconds > 0:
                     job.step_times.append(msg.step_seconds)
@@ -334,10 +343,7 @@ class FaultDetector:
                 return
             watch.stall, watch.stalled = None, True  # declared once; the next progress re-arms it
             deadline = job.stall_deadline_s()
-            quiet = [
-                r for r, w in job.ranks.items()
-                if now - w.last_beat_unix > QUIET_BEATS * (w.interval_s or job.heartbeat_timeout_s)
-            ]
+            quiet = self._quiet(job, now)
             if rank in quiet:
                 return  # it stopped beating too: its silence deadline reports it (as silent)
         stalled_for = now - watch.last_progress_unix
@@ -349,26 +355,44 @@ class FaultDetector:
         )
         if report is None:
             return
+        # Held: until a quiet peer's silence deadline can have fired, or long enough to
+        # tell whether a peer goes quiet (then extended, see _release_held).
+        _log.info("stall held for attribution", job_id=job_id, rank=rank, quiet=quiet)
         if quiet:
-            # A quiet peer is the likely cause: its silence deadline fires within the
-            # heartbeat timeout; the stall waits for it (or for its exit) as a symptom.
-            _log.info("stall held for a quiet peer", job_id=job_id, rank=rank, quiet=quiet)
-            self._hold(job_id, report, window=max(job.attribution_s, job.heartbeat_timeout_s + 0.5))
-            return
-        self._report_graded(job_id, report)
+            self._hold(job_id, report, window=max(job.attribution_s, job.heartbeat_timeout_s + 0.5), extended=True)
+        else:
+            self._hold(job_id, report, window=max(job.attribution_s, self._beat_window(job)))
 
     def _release_held(self, job_id: str) -> None:
         """The attribution window closed with no cause from another rank: the first held
-        symptom is the cause after all, and the rest follow it."""
+        symptom is the cause after all, and the rest follow it. Unless a stall is held and
+        some rank has gone quiet meanwhile: then the window is extended (once) until that
+        rank's silence deadline can have fired."""
         with self._lock:
             job = self._jobs.get(job_id)
             if job is None:
                 return
-            held, job.held, job.held_timer = job.held, [], None
+            if (not job.held_extended and any(r.fault_class == RANK_STALLED for r in job.held)
+                    and self._quiet(job, time.time())):
+                job.held_extended = True
+                job.held_timer = _started(threading.Timer(job.heartbeat_timeout_s + 0.5, self._release_held, (job_id,)))
+                return
+            held, job.held, job.held_timer, job.held_extended = job.held, [], None, False
         for report in held:
             self._emit(report)
 
     # ------------------------------------------------------------ private
+
+    @staticmethod
+    def _quiet(job: _Job, now: float) -> list[int]:
+        """Ranks with no beat for more than QUIET_BEATS of their beat periods."""
+        return [r for r, w in job.ranks.items() if now - w.last_beat_unix > QUIET_BEATS * (w.interval_s or job.heartbeat_timeout_s)]
+
+    @staticmethod
+    def _beat_window(job: _Job) -> float:
+        """QUIET_BEATS of the longest beat period the job's ranks stated (seconds; 0 when
+        none did: then nothing tells a quiet peer before its deadline)."""
+        return QUIET_BEATS * max((w.interval_s for w in job.ranks.values()), default=0.0)
 
     @staticmethod
     def _held_rank(job: _Job, rank: int) -> bool:
@@ -395,12 +419,14 @@ class FaultDetector:
             detail=detail, detected_unix=now, occurred_unix=occurred or now, worker_id=worker_id, step=step,
         )
 
-    def _hold(self, job_id: str, report: control_pb2.FaultReport, window: float) -> None:
+    def _hold(self, job_id: str, report: control_pb2.FaultReport, window: float, extended: bool = False) -> None:
         """Hold a symptom until its cause arrives or ``window`` seconds pass. The window
-        opens with the first symptom held and does not move."""
+        opens with the first symptom held and does not move (``extended``: it already
+        covers a quiet peer's silence deadline)."""
         with self._lock:
             job = self._jobs[job_id]
             if not job.held:
+                job.held_extended = extended
                 if job.held_timer is not None:
                     job.held_timer.cancel()
                 job.held_timer = _started(threading.Timer(window, self._release_held, (job_id,)))
@@ -418,7 +444,8 @@ class FaultDetector:
         rank = report.rank
         with self._lock:
             job = self._jobs[job_id]
-            if job.held and self._held_rank(job, rank):
+            # A silence is never a consequence: it is published as a cause at once.
+            if job.held and report.fault_class != RANK_SILENT and self._held_rank(job, rank):
                 job.held.append(report)  # the held rank's own exit follows its symptom
                 return
         self._publish_cause(job_id, report)

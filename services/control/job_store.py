@@ -49,7 +49,7 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE TABLE IF NOT EXISTS steps (
     job_id    TEXT NOT NULL,
     step      INTEGER NOT NULL,
-    loss      REAL NOT NULL,
+    loss      REAL,                     -- NULL: not finite (a skipped step's NaN)
     tokens    INTEGER NOT NULL,
     unix_time REAL NOT NULL,            -- when the rank completed it
     applied_unix REAL NOT NULL          -- when control applied it
@@ -150,8 +150,9 @@ class JobStore:
                 "INSERT INTO steps VALUES (?,?,?,?,?,?)", (job_id, step, loss, tokens, unix_time, time.time())
             )
 
-    def steps(self, job_id: str) -> list[tuple[int, float]]:
-        """(step, loss) of every step applied for the job, in order of application."""
+    def steps(self, job_id: str) -> list[tuple[int, float | None]]:
+        """(step, loss) of every step applied for the job, in order of application (loss
+        None: it was not finite)."""
         with self._lock:
             return self._db.execute("SELECT step, loss FROM steps WHERE job_id=? ORDER BY rowid", (job_id,)).fetchall()
 

@@ -30,6 +30,6 @@ def start_monitoring(job_id: str, spec: JobSpec, *, restored: bool = False) -> c
         attribution_seconds=live.attribution_seconds,
     )
     if restored:
-        msg.world_size = spec.parallel.dp
+        msg.world_size = spec.world_size
         msg.reattach_seconds = max(REATTACH_MIN_SECONDS, 3 * live.heartbeat_timeout_seconds)
     return msg

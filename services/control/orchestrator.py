@@ -195,12 +195,12 @@ class Orchestrator:
             self._faults(start_monitoring(job_id, spec))
             reply = self._allocator(
                 control_pb2.AllocateResources(
-                    job_id=job_id, world_size=spec.parallel.dp, backend=spec.parallel.backend, init=init
+                    job_id=job_id, world_size=spec.world_size, backend=spec.parallel.backend, init=init
                 )
             ).message
             if isinstance(reply, control_pb2.ResourcesInsufficient):
                 raise InsufficientResources(
-                    f"job needs {reply.requested_ranks} ranks (parallel.dp={spec.parallel.dp}) but {reply.reason}"
+                    f"job needs {reply.requested_ranks} ranks ({_degrees(spec)}) but {reply.reason}"
                 )
             assert isinstance(reply, control_pb2.ResourcesReady), reply
             now = time.time()
@@ -212,7 +212,7 @@ class Orchestrator:
                 eval_loss=math.nan,
                 created_unix=now,
                 updated_unix=now,
-                world_size=spec.parallel.dp,
+                world_size=spec.world_size,
             )
             job = _Job(status=status, spec=spec)
             try:
@@ -366,7 +366,7 @@ class Orchestrator:
             # an event applied twice would show here as a repeated step).
             self._journal.record_step(s.job_id, msg.step, msg.loss, msg.tokens, msg.unix_time or time.time())
             if msg.skipped:
-                reason = msg.skip_reason or "overflow"
+                reason = getattr(msg, "skip_reason", "") or "overflow"  # (field 22: "overflow" | "non_finite_loss")
                 self._metrics.step_skipped(reason)
                 self._record(job, Module.L2_TRAINING_LOOP, "skip",
                              f"step {msg.step} skipped ({reason}): no update applied; loss {msg.loss}")
@@ -757,3 +757,9 @@ def _load_runtime(job: _Job, rt: dict) -> None:
 
 def _gib(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:.1f} GiB"
+
+
+def _degrees(spec: JobSpec) -> str:
+    """The parallel degrees a job's rank count comes from, as its spec names them."""
+    p = spec.parallel
+    return f"parallel.dp={p.dp}" + (f" x tp={p.tp} x pp={p.pp}" if p.tp * p.pp > 1 else "")

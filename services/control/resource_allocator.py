@@ -176,6 +176,7 @@ class ResourceAllocator:
                         memory_quota_bytes=_memory_quota(w, slot),
                         num_threads=spec.parallel.threads_per_rank,
                         worker_id=w.reg.worker_id,
+                        rank_nodes=[pw.reg.worker_id for pw, _ in picks],  # topology for L2-2's TP placement
                     )
                 )
         # Commands leave outside the lock: the relay only queues them, but keep the

@@ -282,3 +282,12 @@ def test_a_checkpoint_integrity_failure_is_reported_as_the_policy_class_checkpoi
     (report,) = reports.wait(1)
     assert (report.fault_class, report.grade) == ("checkpoint_error", DEFAULT_RULES["checkpoint_error"])
     assert "checkpoint_integrity: checkpoint j:2: __0_0.distcp: sha256 mismatch" in report.detail
+
+
+def test_a_held_stall_whose_rank_moves_on_is_dropped_as_transient():
+    bus, reports = wired(heartbeat_timeout_seconds=5.0, stall_min_seconds=0.3, stall_step_factor=0.01)
+    beat_at(bus, 0, step=3, interval=0.5)  # held for 1.5 beats (0.75 s) once its deadline fires
+    time.sleep(0.45)  # the stall deadline fired: held
+    beat_at(bus, 0, step=4, interval=0.5)  # progress within the window
+    time.sleep(1.0)
+    assert [r for r in reports if r.fault_class == "rank_stalled" and r.step == 3] == []

@@ -290,3 +290,71 @@ def test_a_version_the_relaunched_ranks_cannot_load_is_not_named_again(plane, st
     assert decisions(plane, job_id)[1] == "rollback after checkpoint_error of rank 0 (restart 1 of 3 for checkpoint_error)"
     relaunched = [m for m in (e.message for e in plane.events(job_id)) if m.startswith("ranks killed and relaunched")]
     assert [m.split("resume from ")[1].split(";")[0] for m in relaunched] == [f"checkpoint {job_id}:2", f"checkpoint {job_id}:1"]
+
+
+def test_recovery_names_a_version_the_store_verified_even_if_its_completion_report_never_arrived(plane, store):
+    # The save at step 8 was committed by the store while rank 1 was dying: its SaveCompleted
+    # never reached control. The store's Verify knows it; the recovery resumes from it.
+    job_id, w = running(plane, "wa", "wb")
+    store.usable.add(saved(plane, w["wa"], job_id, 1, step=4))
+    store.usable.add(f"{job_id}:2")
+    store.verdicts = [(f"{job_id}:1", 4, True), (f"{job_id}:2", 8, True)]
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    assert store.verified == 1
+    events = [e.message for e in plane.events(job_id)]
+    assert f"checkpoint {job_id}:2 at step 8 verified: committed by the store, its completion report never arrived" in events
+    (relaunch,) = [m for m in events if m.startswith("ranks killed and relaunched")]
+    assert f"resume from checkpoint {job_id}:2;" in relaunch
+    assert store.asked == [f"{job_id}:2"]
+
+
+def test_a_version_that_fails_the_stores_verification_is_never_named(plane, store):
+    # The newest version's files are incomplete (its background save was cut short, or a
+    # shard's bytes flipped): Verify says so and the previous good one is named at once.
+    job_id, w = running(plane, "wa", "wb")
+    store.usable.add(saved(plane, w["wa"], job_id, 1, step=4))
+    store.usable.add(saved(plane, w["wa"], job_id, 2, step=8))  # Load alone would accept it
+    store.verdicts = [(f"{job_id}:1", 4, True), (f"{job_id}:2", 8, False)]
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    events = [e.message for e in plane.events(job_id)]
+    assert any(m.startswith(f"checkpoint {job_id}:2 at step 8 fails verification (") for m in events)
+    (relaunch,) = [m for m in events if m.startswith("ranks killed and relaunched")]
+    assert f"resume from checkpoint {job_id}:1;" in relaunch
+    assert store.asked == [f"{job_id}:1"]
+
+
+def test_a_checkpoint_integrity_failure_of_the_relaunched_ranks_rolls_back_by_the_checkpoint_error_policy(plane, store):
+    job_id, w = running(plane, "wa", "wb")
+    store.usable.add(saved(plane, w["wa"], job_id, 1, step=4))
+    store.usable.add(saved(plane, w["wa"], job_id, 2, step=8))
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=-9)
+    failed = engine_pb2.TrainingLoopFailed(step=8, fault_class="checkpoint_integrity",
+                                           detail=f"checkpoint {job_id}:2: __0_0.distcp: sha256 mismatch")
+    plane.rank_event(w["wa"], job_id, 0, failed=failed)
+    assert decisions(plane, job_id)[1] == "rollback after checkpoint_error of rank 0 (restart 1 of 3 for checkpoint_error)"
+    relaunched = [m for m in (e.message for e in plane.events(job_id)) if m.startswith("ranks killed and relaunched")]
+    assert [m.split("resume from ")[1].split(";")[0] for m in relaunched] == [f"checkpoint {job_id}:2", f"checkpoint {job_id}:1"]
+
+
+def test_every_skipped_step_is_an_event_with_its_reason_and_counted(plane):
+    from prometheus_client import REGISTRY
+
+    def count(reason: str) -> float:
+        return REGISTRY.get_sample_value("surge_skipped_steps_total", {"reason": reason}) or 0.0
+
+    before = count("non_finite_loss"), count("overflow")
+    job_id, w = running(plane, "wa", "wb")
+    for n, reason in ((5, "non_finite_loss"), (6, ""), (7, "overflow")):
+        step = engine_pb2.StepCompleted(step=n, loss=float("nan") if reason else 2.0, skipped=bool(reason), tokens=64)
+        if reason and "skip_reason" in engine_pb2.StepCompleted.DESCRIPTOR.fields_by_name:
+            step.skip_reason = reason
+        plane.rank_event(w["wa"], job_id, 0, step=step)
+    skips = [e.message for e in plane.events(job_id) if e.type == "skip"]
+    if "skip_reason" in engine_pb2.StepCompleted.DESCRIPTOR.fields_by_name:
+        assert skips == ["step 5 skipped (non_finite_loss): no update applied; loss nan",
+                         "step 7 skipped (overflow): no update applied; loss nan"]
+        assert (count("non_finite_loss"), count("overflow")) == (before[0] + 1, before[1] + 1)
+    else:  # (the loop's field not built yet: every skip reads as an overflow)
+        assert len(skips) == 2
+    assert plane.get(job_id).train_loss == 2.0  # a skipped step's loss is not shown as the job's loss

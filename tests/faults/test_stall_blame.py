@@ -1,0 +1,98 @@
+"""The survivor is not blamed (issue 4, detection): on real processes, rank 1 is SIGSTOPped
+while rank 0 waits for it in the gradient all-reduce. Rank 0 keeps beating (side thread) but
+makes no progress, and its stall deadline (1 s) fires long before rank 1's silence deadline
+(3 s after its last beat). Such a short stall deadline also fires on ordinary hiccups of a
+loaded machine, so once the incident is recovered the operator stops the job. The incident must still be named after rank 1, the rank that
+failed first; rank 0's stall is recorded as a consequence."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+
+from services.contract import control_pb2
+from tests.conftest import kill_all, processes_with
+from tests.faults.test_recovery import Stack, causes, cli, of_type
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+JOB = """\
+name: tblame
+steps: 400
+seed: 0
+model: {n_layers: 2, d_model: 64, n_heads: 2, vocab_size: 256}
+data: {dataset: tiny@v1, seq_len: 64, micro_batch_size: 4}
+parallel: {dp: 2}
+optimizer: {lr: 3.0e-3, warmup_steps: 4}
+checkpoint: {every_steps: 50, keep_last: 0}
+eval: {every_steps: 0, batches: 2, at_end: false}
+liveness: {heartbeat_interval_seconds: 0.5, heartbeat_timeout_seconds: 3.0, stall_min_seconds: 1.0,
+           stall_step_factor: 1.0, attribution_seconds: 0.5}
+"""
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    home = tmp_path_factory.mktemp("surge-stall-blame")
+    src = home / "corpus"
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for pkg in ("json", "email"):
+        shutil.copytree(stdlib / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    prep = cli(home, "dataset", "prepare", "--name", "tiny", "--version", "v1", "--source", str(src), "--val-fraction", "0.2")
+    assert prep.returncode == 0, prep.stderr
+    up = cli(home, "up", "--workers", "2")
+    s = None
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        s = Stack(home)
+        yield s
+    finally:
+        if s is not None:
+            s.close()
+        cli(home, "down", timeout=60)
+        stack_json = home / "run" / "stack.json"
+        if stack_json.exists():
+            kill_all([v["pid"] for v in json.loads(stack_json.read_text())["services"].values()])
+        kill_all(processes_with(str(home)))
+        kill_all(processes_with("--job tblame-"))
+
+
+def test_a_sigstopped_rank_is_blamed_not_its_stalled_peer_whose_stall_deadline_fired_first(stack):
+    job = stack.submit(JOB)
+    stack.wait_step(job, 20)
+    (pid,) = stack.rank_pids(job, 1)
+    stopped = time.time()
+    os.kill(pid, signal.SIGSTOP)
+    events = []
+    try:
+        stream = stack.stub.WatchJob(control_pb2.JobQuery(job_id=job, follow=True), timeout=240)
+        for ev in stream:
+            events.append(ev)
+            if ev.message.startswith("first step after the recovery"):
+                stack.stub.StopJob(control_pb2.StopJobRequest(job_id=job))
+    finally:
+        kill_all([pid])
+    faults = [e for e in events if e.type == "fault"]
+    assert faults, "no fault was reported"
+    cause = faults[0]
+    assert cause.message.startswith("SEVERE rank_silent: rank 1 on worker "), cause.message
+    decision = of_type(events, "decision")[1]
+    assert decision.startswith("restart_ranks after rank_silent of rank 1")
+    # Rank 0 was seen stalled before rank 1's silence was declared, and is not blamed for it.
+    stalls = [e for e in faults if e.message.startswith("SEVERE rank_stalled: rank 0 ")]
+    assert stalls, [e.message for e in faults]
+    assert all(e.message.endswith("(consequence of rank 1's rank_silent)") for e in stalls)
+    first_incident = events[:[e.message for e in events].index(decision)]
+    assert causes(first_incident, "SEVERE rank_stalled") == []
+    assert any(e.message.startswith("first step after the recovery from rank_silent of rank 1") for e in events)
+    stalled_for = float(stalls[0].message.split("no step progress for ")[1].split(" s")[0])
+    print(f"stall blame: rank 0 stalled {stalled_for:.1f} s (deadline 1 s) yet rank 1's silence, declared "
+          f"{cause.unix_time - stopped:.2f} s after the SIGSTOP, named the incident")
+    assert events[-1].status.state == control_pb2.TERMINATED
