@@ -367,6 +367,14 @@ def schedule_actions(schedule: str, num_stages: int, num_microbatches: int) -> d
     raise ScheduleError(f"parallel.pipeline_schedule: expected one of {SCHEDULES}, got {schedule!r}")
 
 
+def check_pipeline(schedule: str, num_stages: int, num_microbatches: int) -> int:
+    """Generate and check the action lists of a one-stage-per-rank pipeline: what the
+    engine runs before it lets a pipeline stage be built. Returns the simulated rounds.
+    Raises ScheduleError (a ValueError) with the first problem."""
+    actions = schedule_actions(schedule, num_stages, num_microbatches)
+    return check_schedule(actions, num_stages=num_stages, num_microbatches=num_microbatches)
+
+
 def _require_sizes(num_stages: int, num_microbatches: int) -> None:
     if num_stages < 1 or num_microbatches < 1:
         raise ScheduleError(f"schedule: stages and microbatches must be >= 1, got {num_stages}, {num_microbatches}")

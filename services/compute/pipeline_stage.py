@@ -1,0 +1,269 @@
+"""Pipeline-parallel execution of the decoder: one stage per rank, torch.distributed.pipelining.
+
+The model code is ``services/compute/model.py``'s, unchanged: a stage is a view of a built
+:class:`Transformer` that keeps the embedding (stage 0), a contiguous range of blocks (from
+the parallel plan), and the final norm + LM head (last stage). The kept submodules keep
+their names (``tok_emb``, ``blocks.<i>``, ``norm``, ``lm_head``), so a stage's state dict is
+the full model's restricted to that stage: a checkpoint written under PP is keyed exactly
+like one written without it, and loads into any other layout (DCP resolves keys).
+
+Schedules: torch's ``ScheduleGPipe`` (Huang et al. 2019, fill-drain) and ``Schedule1F1B``
+(Narayanan et al. 2021, PipeDream-Flush), one stage per rank. This unit executes a schedule;
+it does not judge one: the engine checks it first (``services.engine.schedule_check.
+check_schedule`` on the same action lists, every send has its receive and blocking
+execution completes) and builds the runner only when it passes. L3 may not import L2, so
+the composition root runs the check, before any process can wait on a bad schedule.
+
+Loss: the last stage computes, per micro-batch m,
+
+    loss_m = sum_t CE(logits_t, label_t) * loss_scale / normalizer      (label -100 excluded)
+
+and torch's schedule backpropagates each ``loss_m`` (``scale_grads=False``: no division by
+the number of micro-batches). With ``normalizer`` = the global count of non-padding tokens
+of the step, the accumulated gradient equals the unsplit model's gradient of the mean token
+loss over the whole batch, padding included (under DDP, which averages over the dp ranks,
+pass global tokens / dp). Cross entropy in float32 whatever the compute dtype.
+
+Tied embeddings: the embedding lives on stage 0 and the LM head on the last stage, so a tied
+weight would need its gradient all-reduced between the two (Megatron's embedding group).
+Surge refuses ``model.tie_embeddings`` with pp > 1 instead (one clear error) rather than
+untie silently and train a different model than the job asked for.
+
+Shape legend: B rows, T positions, D width, V vocabulary (see model.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from services.compute.model import Rotary, Transformer, math_attention, sdpa_attention
+
+IGNORE_INDEX = -100
+_KERNELS = {"sdpa": sdpa_attention, "math": math_attention}
+_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class StageModule(nn.Module):
+    """Stage ``stage_index`` of ``model``: shares (does not copy) the kept submodules.
+
+    forward: stage 0 takes token ids int64 [B, T]; later stages take activations float
+    [B, T, D]. The last stage returns logits [B, T, V], the others activations [B, T, D].
+    """
+
+    def __init__(self, model: Transformer, layers: range, *, first: bool, last: bool, attention: str | None = None):
+        super().__init__()
+        spec = model.spec
+        name = attention or spec.attention
+        if name not in _KERNELS:
+            raise ValueError(f"attention: expected one of {tuple(_KERNELS)}, got {name!r}")
+        if not (0 <= layers.start <= layers.stop <= spec.n_layers) or layers.step != 1:
+            raise ValueError(f"pipeline stage: layers {layers} is not a contiguous range of 0..{spec.n_layers - 1}")
+        self.spec = spec
+        self.first, self.last = first, last
+        self.tok_emb = model.tok_emb if first else None
+        # ModuleDict keyed by the layer index: FQNs "blocks.<i>.…" equal the full model's.
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        self._kernel = _KERNELS[name]
+        self._rotary = Rotary(spec.d_model // spec.n_heads, spec.rope_theta)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_BTD = self.tok_emb(x) if self.tok_emb is not None else x
+        rope = self._rotary.tables(x_BTD.shape[1], x_BTD.device, torch.float32)
+        for block in self.blocks.values():
+            x_BTD = block(x_BTD, rope, self._kernel)
+        return self.lm_head(self.norm(x_BTD)) if self.last else x_BTD
+
+
+def _static_meta(model: Transformer, stage: StageModule, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """Example tensors (on the meta device) of one micro-batch's stage input and output."""
+    rows, seq = shape
+    spec, meta = model.spec, torch.device("meta")
+    # requires_grad: torch builds the receive buffers from these, and a buffer that does not
+    # require grad would silently cut the backward pass at the stage boundary.
+    act_BTD = torch.empty(rows, seq, spec.d_model, dtype=torch.float32, device=meta, requires_grad=True)
+    inp = torch.empty(rows, seq, dtype=torch.int64, device=meta) if stage.first else act_BTD
+    out = torch.empty(rows, seq, spec.vocab_size, dtype=torch.float32, device=meta) if stage.last else act_BTD
+    return {
+        "input_args": (inp,),
+        "output_args": (out,),
+        # Gradients travel back along the activations; token ids and the loss have none.
+        "input_grads": (None if stage.first else act_BTD,),
+        "output_grads": (None if stage.last else act_BTD,),
+    }
+
+
+class PipelineRunner:
+    """Runs one rank's stage of the pipeline: ``step`` (forward + backward of every
+    micro-batch of a step) and ``evaluate`` (forward only).
+
+    Args:
+        model: the full model, built identically on every rank (``build_model``: a pure
+            function of spec and seed); the stage keeps its part, the rest is dropped by
+            the caller when it lets go of ``model``.
+        stage_index, num_stages: this rank's stage (pp coordinate) and the pp size.
+        layers: the block indices of this stage (from the parallel plan).
+        schedule: "gpipe" | "1f1b"; microbatches: pipeline micro-batches per step.
+        group: the pp process group (this rank's stage neighbours), None for WORLD.
+        wrap: applied to the stage module before the pipeline stage is built (e.g. DDP
+            over the dp group); identity when None.
+        region: a context manager factory entered around every schedule call (autocast).
+        microbatch_shape: (rows, seq_len) of one pipeline micro-batch. The stage is built
+            in torch's static mode from it: no first-step shape inference, whose extra
+            backward pass breaks DDP's bucket rebuild (torch 2.13: "rebuilt parameter
+            indices size is not same as original model parameters size"); every batch
+            must then have rows * microbatches rows of seq_len positions.
+
+    Raises ValueError: tied embeddings with more than one stage, an unknown schedule,
+        a stage index or layer range out of bounds, microbatches < 1.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        stage_index: int,
+        num_stages: int,
+        layers: range,
+        schedule: str,
+        microbatches: int,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str = "cpu",
+        wrap: Callable[[nn.Module], nn.Module] | None = None,
+        region: Callable[[], contextlib.AbstractContextManager] | None = None,
+        microbatch_shape: tuple[int, int],
+        attention: str | None = None,
+    ):
+        if num_stages > 1 and model.spec.tie_embeddings:
+            raise ValueError(
+                "model.tie_embeddings: must be false with parallel.pp > 1 "
+                "(the embedding and the LM head live on different pipeline stages)"
+            )
+        if schedule not in _SCHEDULES:
+            raise ValueError(f"parallel.pipeline_schedule: expected one of {tuple(_SCHEDULES)}, got {schedule!r}")
+        if microbatches < 1:
+            raise ValueError(f"parallel.microbatches: must be >= 1, got {microbatches}")
+        if not 0 <= stage_index < num_stages:
+            raise ValueError(f"pipeline stage: stage_index {stage_index} is not in 0..{num_stages - 1}")
+        self.module = StageModule(
+            model, layers, first=stage_index == 0, last=stage_index == num_stages - 1, attention=attention
+        )
+        self._run_module = wrap(self.module) if wrap is not None else self.module
+        self._microbatches = microbatches
+        self._batch_shape = (microbatch_shape[0] * microbatches, microbatch_shape[1])
+        self._region = region or contextlib.nullcontext
+        self.stage = PipelineStage(
+            self._run_module, stage_index, num_stages, torch.device(device), group=group,
+            **_static_meta(model, self.module, microbatch_shape),
+        )
+        self._schedule = _SCHEDULES[schedule](
+            self.stage, microbatches, loss_fn=self._loss, scale_grads=False
+        )
+        self._ce_sums: dict[int, torch.Tensor] = {}
+        self._scale = 1.0  # loss_scale / normalizer of the running step
+
+    @property
+    def is_first(self) -> bool:
+        return self.module.first
+
+    @property
+    def is_last(self) -> bool:
+        return self.module.last
+
+    def _loss(self, logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+        ce_sum = F.cross_entropy(
+            logits_BTV.reshape(-1, logits_BTV.shape[-1]).float(),
+            labels_BT.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+        loss = ce_sum * self._scale
+        # Keyed by the loss tensor: torch also calls loss_fn during its first-step metadata
+        # inference, and only the micro-batch losses the schedule returns count.
+        self._ce_sums[id(loss)] = ce_sum.detach()
+        return loss
+
+    def _inputs(self, input_ids_BT: torch.Tensor | None, labels_BT: torch.Tensor | None):
+        args = ()
+        if self.is_first:
+            if input_ids_BT is None:
+                raise ValueError("pipeline stage 0: input_ids are required")
+            args = (input_ids_BT.to(self.stage.device),)
+        target = None
+        if self.is_last:
+            if labels_BT is None:
+                raise ValueError("pipeline last stage: labels are required")
+            target = labels_BT.to(self.stage.device)
+        for name, t in (("input_ids", input_ids_BT), ("labels", labels_BT)):
+            if t is not None and tuple(t.shape) != self._batch_shape:
+                raise ValueError(
+                    f"pipeline: {name} has shape {tuple(t.shape)}, expected {self._batch_shape} "
+                    f"({self._microbatches} micro-batches of the configured shape)"
+                )
+        return args, target
+
+    def step(
+        self,
+        input_ids_BT: torch.Tensor | None,
+        labels_BT: torch.Tensor | None,
+        *,
+        normalizer: float,
+        loss_scale: float = 1.0,
+    ) -> float | None:
+        """Forward and backward of the step's batch, split into the pipeline micro-batches
+        along B. Stage 0 needs ``input_ids_BT`` (int64 [B, T]); the last stage needs
+        ``labels_BT`` (int64 [B, T], -100 = padding); other stages may pass None.
+
+        Gradients of this stage's parameters are set from zero (the micro-batches are the
+        accumulation window). Returns the summed token cross entropy of the batch (nats,
+        unscaled) on the last stage, None elsewhere.
+
+        Raises ValueError for a non-positive normalizer or loss scale or a missing input.
+        """
+        if normalizer <= 0 or loss_scale <= 0:
+            raise ValueError(f"pipeline: normalizer and loss_scale must be > 0, got {normalizer}, {loss_scale}")
+        args, target = self._inputs(input_ids_BT, labels_BT)
+        for p in self.module.parameters():
+            p.grad = None
+        self._ce_sums.clear()
+        self._scale = loss_scale / normalizer
+        self._run_module.train(True)
+        losses: list[torch.Tensor] = []
+        with self._region():
+            self._schedule.step(*args, target=target, losses=losses)
+        return self._take_loss(losses)
+
+    @torch.no_grad()
+    def evaluate(self, input_ids_BT: torch.Tensor | None, labels_BT: torch.Tensor | None) -> float | None:
+        """Forward only over the pipeline; the summed token cross entropy on the last stage
+        (nats), None elsewhere. Batch shape as for ``step``."""
+        args, target = self._inputs(input_ids_BT, labels_BT)
+        self._ce_sums.clear()
+        self._scale = 1.0
+        self._run_module.train(False)
+        losses: list[torch.Tensor] = []
+        try:
+            with self._region():
+                self._schedule.eval(*args, target=target, losses=losses)
+        finally:
+            self._run_module.train(True)
+        return self._take_loss(losses)
+
+    def _take_loss(self, losses: list[torch.Tensor]) -> float | None:
+        """Sum of the CE sums of exactly the micro-batch losses the schedule reported."""
+        try:
+            if not self.is_last:
+                return None
+            if len(losses) != self._microbatches:
+                raise RuntimeError(f"pipeline: expected {self._microbatches} micro-batch losses, got {len(losses)}")
+            return float(torch.stack([self._ce_sums[id(loss)] for loss in losses]).double().sum())
+        finally:
+            self._ce_sums.clear()
