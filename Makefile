@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 GEN    := services/contract/gen
 PROTOS := $(wildcard proto/surge/v1/*.proto)
 
-.PHONY: setup tools proto contracts demo test lint up down clean
+.PHONY: setup tools proto contracts demo test lint up down clean bench bench-faults
 
 setup: $(STAMP) $(GEN)/.stamp
 
@@ -54,6 +54,15 @@ tools:
 	  { $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $$missing; } >/dev/null \
 	    || echo "warning: could not install$$missing; the tests that need it will skip"; \
 	fi
+
+# Benchmarks (not tests): Surge against torchrun, data path, checkpoints, control plane
+# (bench/run.py; BENCH_QUICK=1 for a ~3 min pass) and faults (bench/faults.py). Results
+# in bench/results/*.json, a markdown table on stdout; see README "Benchmarks".
+bench: setup
+	$(BIN)/python bench/run.py
+
+bench-faults: setup
+	$(BIN)/python bench/faults.py
 
 lint: setup
 	$(BIN)/lint-imports

@@ -2,7 +2,12 @@
 and how long a resume takes to load: the demo model (examples/jobs/demo.yaml), two gloo
 ranks, the real `store` service and the ranks' real checkpoint relay.
 
-    .venv/bin/python bench/checkpoint_save.py [--rounds 5] [--steps-between 3]
+    .venv/bin/python bench/checkpoint_save.py [--rounds 5] [--steps-between 3] [--model demo|100m] [--json]
+
+``--model 100m``: the demo spec with 14 layers, d_model 768, 12 heads (99 M parameters,
+12 x 14 x 768^2 in the blocks), trained on 1 x 64-token micro-batches so one step stays
+near a second on one CPU thread per rank; what is timed is the save, not the step.
+``--json``: also print the medians as one JSON line (bench/run.py reads it).
 
 Each rank holds the demo model and its AdamW state (after one update) and the loop's own
 state, and saves it ``rounds`` times per mode through ``StoreClient.save_checkpoint`` and,
@@ -16,6 +21,7 @@ version (store verification + DCP read). Medians over rounds, in milliseconds.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -39,7 +45,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_main(rank: int, world: int, port: int, store: str, rounds: int, steps_between: int, out: str) -> None:
+MODELS = {"demo": {}, "100m": {"n_layers": 14, "d_model": 768, "n_heads": 12}}
+BATCH = {"demo": None, "100m": (1, 64)}
+
+
+def demo_spec(model: str):
+    from services.jobspec import load_job_spec
+
+    spec = load_job_spec(REPO / "examples/jobs/demo.yaml")
+    return spec.model_copy(update={"model": spec.model.model_copy(update=MODELS[model])})
+
+
+def rank_main(rank: int, world: int, port: int, store: str, rounds: int, steps_between: int, out: str,
+              model_name: str = "demo") -> None:
     import warnings
 
     warnings.simplefilter("ignore")
@@ -51,15 +69,15 @@ def rank_main(rank: int, world: int, port: int, store: str, rounds: int, steps_b
     from services.contract import data_pb2, store_pb2
     from services.engine.optimizer import Optimizer
     from services.engine.training_loop import LoopState
-    from services.jobspec import load_job_spec
     from services.worker.store_client import StoreClient
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    spec = load_job_spec(REPO / "examples/jobs/demo.yaml")
+    spec = demo_spec(model_name)
     model = build_model(spec.model, spec.seed)
     opt = Optimizer(spec.optimizer, lambda *a, **k: 1)
     opt.attach(model)
-    x = torch.randint(0, 256, (spec.data.micro_batch_size, spec.data.seq_len))
+    b, t = BATCH[model_name] or (spec.data.micro_batch_size, spec.data.seq_len)
+    x = torch.randint(0, 256, (b, t))
 
     def train_step() -> float:
         t0 = time.perf_counter()
@@ -119,6 +137,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps-between", type=int, default=3)
+    ap.add_argument("--model", choices=sorted(MODELS), default="demo")
+    ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         port, metrics = free_port(), free_port()
@@ -128,18 +148,26 @@ def main() -> None:
         try:
             time.sleep(2.0)
             os.environ.setdefault("OMP_NUM_THREADS", "1")
-            mp.spawn(rank_main, args=(2, free_port(), f"127.0.0.1:{port}", args.rounds, args.steps_between, tmp),
+            mp.spawn(rank_main, args=(2, free_port(), f"127.0.0.1:{port}", args.rounds, args.steps_between, tmp, args.model),
                      nprocs=2, join=True)
             results = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(2)]
             size = sum(f.stat().st_size for f in Path(tmp, "store", "checkpoints", "bench").rglob("*") if f.is_file())
         finally:
             store.terminate()
             store.wait()
-    print(f"demo model, 2 gloo ranks, {args.rounds} rounds, checkpoint dirs on disk {size / 1e6:.1f} MB (2 versions)")
+    from services.compute.model import build_model, count_parameters
+
+    params = count_parameters(build_model(demo_spec(args.model).model, 0))
+    print(f"{args.model} model ({params / 1e6:.1f} M parameters), 2 gloo ranks, {args.rounds} rounds, checkpoint dirs on disk {size / 1e6:.1f} MB (2 versions)")
     print(f"{'what (median ms)':32} {'rank 0':>8} {'rank 1':>8}")
     for key in results[0]:
         row = [1e3 * statistics.median(r[key]) for r in results]
         print(f"{key:32} {row[0]:8.1f} {row[1]:8.1f}   rank 0 each: {' '.join(f'{1e3 * v:.0f}' for v in results[0][key])}")
+    if args.json:
+        print(json.dumps({"model": args.model, "params": params, "rounds": args.rounds, "size_mb_2_versions": size / 1e6,
+                          "median_ms_rank0": {k: 1e3 * statistics.median(v) for k, v in results[0].items()},
+                          "median_ms_rank1": {k: 1e3 * statistics.median(v) for k, v in results[1].items()},
+                          "raw_s_rank0": results[0]}))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,239 @@
+"""`make bench`: Surge against plain torchrun, its per-step overhead, the data path,
+checkpoints, start-up and the control plane, on this machine. A benchmark, not a test.
+
+    .venv/bin/python bench/run.py            # ~15 min on 2 cores
+    BENCH_QUICK=1 .venv/bin/python bench/run.py   # ~3 min: fewer steps and repetitions
+
+Writes ``bench/results/bench.json`` (every raw figure) and prints a markdown table. Each
+comparison runs both sides in this one invocation, alternating (Surge, torchrun, Surge,
+...), and reports the median and min-max over the repetitions, so drift in the machine's
+load hits both sides alike. Sections (issue 7):
+
+1. throughput: tokens/s of a Surge job (full stack: control, store, data, 2 node agents;
+   DP=2 gloo) and of ``bench/torchrun_ddp.py`` (torchrun, 2 processes) on the same model,
+   data, batch and optimizer (``bench/jobs/throughput.yaml``), over the steps after warm-up;
+2. spans: where a Surge step's time goes, from the StepCompleted fields every rank sends
+   (data wait, forward, backward, reduction, optimizer; the rest of ``step_seconds`` is the
+   loop's own work: bus dispatch and message building) and the gap between steps (event
+   emission to the node agent and the store); bus cost per send from bench/bus_dispatch.py;
+3. data path: data wait as a fraction of step time; batches the data service packed per
+   stream against batches consumed; a standalone client draining a stream (bench/data_drain.py);
+4. checkpoints: bench/checkpoint_save.py (demo model, and a ~100 M-parameter one);
+5. control plane: bench/control_scale.py (simulated node agents against a real control);
+6. start-up: submit -> first completed step, against torchrun launch -> first step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import common as c  # noqa: E402
+
+SPEC = c.REPO / "bench" / "jobs" / "throughput.yaml"
+STEPS, WARMUP, REPS = (60, 15, 2) if c.QUICK else (200, 20, 3)
+PHASES = ("data_wait_seconds", "forward_seconds", "backward_seconds", "reduction_seconds", "optimizer_seconds")
+
+
+def throughput(results: dict) -> None:
+    """Sections 1, 2, 3 (data wait, packed vs consumed) and 6, alternating Surge/torchrun."""
+    surge_tps, torch_tps, surge_start, torch_start = [], [], [], []
+    spans: dict[str, list[float]] = {}
+    packed_vs_consumed = []
+    with c.Stack(workers=2) as stack:
+        for rep in range(REPS):
+            spec = c.write_spec(SPEC, f"bench{rep}", steps=STEPS)
+            # Surge: submit through surgectl's code path, wait for the end.
+            job, t_submit = c.submit(spec)
+            status = c.wait_job(job, timeout_s=60 + STEPS * 3)
+            recs = c.surge_steps(job)
+            if len(recs) < 2 or any(len(v) < STEPS for v in recs.values()):
+                raise RuntimeError(f"Surge job {job} ended {status.outcome} with {[len(v) for v in recs.values()]} steps")
+            r0 = recs[0]
+            surge_tps.append(c.steady_tokens_per_s(r0, WARMUP))
+            surge_start.append(r0[0]["unix_time"] - t_submit)
+            for rank, rr in recs.items():
+                steady = [r for r in rr if r["step"] > WARMUP]
+                step_s = sum(r["step_seconds"] for r in steady)
+                wall = steady[-1]["unix_time"] - next(r for r in rr if r["step"] == WARMUP)["unix_time"]
+                for ph in PHASES:
+                    spans.setdefault(f"{ph[:-8]}", []).append(sum(r.get(ph, 0.0) for r in steady) / wall)
+                inside = sum(sum(r.get(ph, 0.0) for ph in PHASES) for r in steady)
+                spans.setdefault("loop (bus, messages)", []).append((step_s - inside) / wall)
+                spans.setdefault("between steps (emit)", []).append((wall - step_s) / wall)
+            packed_vs_consumed.append(_packed(stack.log("data"), job, STEPS))
+            # torchrun, same spec, right after.
+            run = c.torchrun(spec, steps=STEPS)
+            torch_tps.append(c.steady_tokens_per_s(run.steps, WARMUP))
+            torch_start.append(run.steps[0]["unix_time"] - run.t_launch)
+            print(f"  rep {rep + 1}/{REPS}: Surge {surge_tps[-1]:,.0f} tok/s, torchrun {torch_tps[-1]:,.0f} tok/s, "
+                  f"start-up {surge_start[-1]:.1f} s / {torch_start[-1]:.1f} s", flush=True)
+    ratios = [s / t for s, t in zip(surge_tps, torch_tps)]
+    results["throughput"] = {
+        "steps": STEPS, "warmup_steps": WARMUP, "repetitions": REPS,
+        "surge_tokens_per_s": c.summary(surge_tps), "torchrun_tokens_per_s": c.summary(torch_tps),
+        "ratio": c.summary(ratios),
+    }
+    results["spans_fraction_of_wall"] = {k: c.summary(v) for k, v in spans.items()}
+    results["startup_seconds"] = {"surge_submit_to_first_step": c.summary(surge_start),
+                                  "torchrun_launch_to_first_step": c.summary(torch_start)}
+    results["data_packed_vs_consumed"] = packed_vs_consumed
+
+
+def _packed(log: Path, job: str, steps: int) -> dict:
+    """Batches the data service sent per train stream (its "stream closed" log lines, the
+    relay's own count) against the batches the ranks consumed (steps x grad_accum)."""
+    sent = []
+    for line in log.read_text(errors="replace").splitlines():
+        if '"stream closed"' in line and '"train"' in line:
+            try:
+                sent.append(int(json.loads(line).get("batches", 0)))
+            except json.JSONDecodeError:
+                continue
+    return {"job": job, "consumed_per_rank": steps, "sent_per_stream_last2": sent[-2:]}
+
+
+def bus_cost(results: dict) -> None:
+    out = subprocess.run([c.PY, "bench/bus_dispatch.py"], cwd=c.REPO, capture_output=True, text=True, timeout=600)
+    per = {}
+    for line in out.stdout.splitlines():
+        m = re.match(r"(command, no reply|command \+ routed reply|publish to 2 receivers)\s+([\d.]+)", line)
+        if m:
+            per[m.group(1)] = float(m.group(2))
+    # Sends per step of the training loop (training_loop._run_step, grad_accum 1): commands
+    # with a routed reply: ArmReduction, RunForward, RunBackward, ReduceGradients,
+    # UnscaleAndCheck, ApplyUpdate (6); events: StepCompleted (1 publish), MicroBatch (1
+    # publish, on the data relay's thread).
+    us = 6 * per.get("command + routed reply", float("nan")) + 2 * per.get("publish to 2 receivers", float("nan"))
+    results["bus"] = {"us_per_send": per, "sends_per_step": 8, "us_per_step": us, "raw": out.stdout}
+
+
+def data_drain(results: dict) -> None:
+    secs = 8 if c.QUICK else 20
+    out = subprocess.run([c.PY, "bench/data_drain.py", "--seconds", str(secs)], cwd=c.REPO, capture_output=True,
+                         text=True, timeout=300)
+    if out.returncode != 0:
+        results["data_drain"] = {"error": out.stderr[-1500:]}
+        return
+    results["data_drain"] = json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def checkpoints(results: dict) -> None:
+    res = {}
+    runs = [("demo", ["--rounds", "3" if c.QUICK else "5"])]
+    if not c.QUICK:
+        runs.append(("100M", ["--rounds", "3", "--model", "100m"]))
+    for name, args in runs:
+        out = subprocess.run([c.PY, "bench/checkpoint_save.py", *args, "--json"], cwd=c.REPO, capture_output=True,
+                             text=True, timeout=900)
+        if out.returncode != 0:
+            res[name] = {"error": out.stderr[-1500:]}
+            continue
+        res[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    results["checkpoints"] = res
+
+
+def control_scale(results: dict) -> None:
+    # 30: below the point where control saturates today (its gRPC thread pool, see the
+    # README); then the issue's 1,000 and 5,000.
+    sizes = [30, 1000] if c.QUICK else [30, 1000, 5000]
+    secs, reg_timeout = (15, 20) if c.QUICK else (45, 60)
+    res = {}
+    for n in sizes:
+        out = subprocess.run([c.PY, "bench/control_scale.py", "--workers", str(n), "--seconds", str(secs),
+                              "--register-timeout", str(reg_timeout), "--json"],
+                             cwd=c.REPO, capture_output=True, text=True, timeout=secs + reg_timeout + 240)
+        if out.returncode != 0:
+            res[str(n)] = {"error": out.stderr[-1500:]}
+            continue
+        res[str(n)] = json.loads(out.stdout.strip().splitlines()[-1])
+    results["control_scale"] = res
+
+
+def render(r: dict) -> str:
+    rows = []
+    t = r.get("throughput")
+    if t:
+        rows += [
+            ("1 throughput", "Surge tokens/s (DP=2 gloo, full stack)", c.fmt(t["surge_tokens_per_s"], "", 0)),
+            ("1 throughput", "torchrun + DDP tokens/s", c.fmt(t["torchrun_tokens_per_s"], "", 0)),
+            ("1 throughput", "ratio Surge / torchrun (goal >= 0.99)", c.fmt(t["ratio"], "", 3)),
+        ]
+    for k, v in r.get("spans_fraction_of_wall", {}).items():
+        rows.append(("2 spans", f"{k}, % of wall time (rank median)", c.fmt({**v, **{x: 100 * v[x] for x in ('median', 'min', 'max')}}, " %", 2)))
+    b = r.get("bus")
+    if b:
+        rows.append(("2 spans", "bus: us per command+reply / per publish", f"{b['us_per_send'].get('command + routed reply', 0):.2f} / {b['us_per_send'].get('publish to 2 receivers', 0):.2f}"))
+        rows.append(("2 spans", "bus: us per step (8 sends)", f"{b['us_per_step']:.1f}"))
+    dw = r.get("spans_fraction_of_wall", {}).get("data_wait")
+    if dw:
+        rows.append(("3 data", "data wait % of wall (goal < 1 %)", c.fmt({**dw, **{x: 100 * dw[x] for x in ('median', 'min', 'max')}}, " %", 3)))
+    for p in r.get("data_packed_vs_consumed", [])[-1:]:
+        rows.append(("3 data", "batches sent per train stream vs consumed per rank", f"{p['sent_per_stream_last2']} vs {p['consumed_per_rank']}"))
+    d = r.get("data_drain")
+    if d and "error" not in d:
+        rows.append(("3 data", "data service alone: batches/s, MB/s (1 stream drained)", f"{d['batches_per_s']:.0f}, {d['mb_per_s']:.1f}"))
+        if t:
+            need = t["surge_tokens_per_s"]["median"] / (d["tokens_per_batch"])
+            rows.append(("3 data", "ranks consume batches/s (both ranks)", f"{need:.1f}"))
+    for name, cp in r.get("checkpoints", {}).items():
+        if "error" in cp:
+            rows.append(("4 checkpoint", name, "error: " + cp["error"].splitlines()[-1][:80]))
+            continue
+        med = cp["median_ms_rank0"]
+        rows.append(("4 checkpoint", f"{name} ({cp['params'] / 1e6:.1f} M params): loop blocked, sync vs async (ms)",
+                     f"{med['sync: blocked']:.0f} vs {med['async: blocked']:.0f}"))
+        rows.append(("4 checkpoint", f"{name}: load (ms)", f"{med['load']:.0f}"))
+    for n, cs in r.get("control_scale", {}).items():
+        if "error" in cs:
+            rows.append(("5 control", f"{n} workers", "error: " + cs["error"].splitlines()[-1][:80]))
+            continue
+        rows.append(("5 control", f"{n} workers: registered / register ack p50, p99 (ms)",
+                     f"{cs['registered']} / {cs['register_latency_ms']['p50']:.0f}, {cs['register_latency_ms']['p99']:.0f}"))
+        if cs["registered"] < int(n):
+            rows.append(("5 control", f"{n} workers", f"saturated: {cs['registered']} sessions held, the rest wait"))
+            continue
+        rows.append(("5 control", f"{n} workers: event latency p50, p99 (ms; {cs['latency_source']})",
+                     f"{cs['latency_ms']['p50']:.1f}, {cs['latency_ms']['p99']:.1f} (n={cs['latency_ms']['n']})"))
+        rows.append(("5 control", f"{n} workers: control CPU % of one core / silenced rank declared after (s)",
+                     f"{cs['control_cpu_percent']:.0f} / {cs.get('silenced_declared_after_last_beat_s', cs['silenced_declared_s'])}"))
+    s = r.get("startup_seconds")
+    if s:
+        rows.append(("6 start-up", "Surge submit -> first step (s)", c.fmt(s["surge_submit_to_first_step"], "", 2)))
+        rows.append(("6 start-up", "torchrun launch -> first step (s)", c.fmt(s["torchrun_launch_to_first_step"], "", 2)))
+    return c.table(rows, ("section", "what", "median (min-max)"))
+
+
+def main() -> None:
+    c.setup_env()
+    results = {"machine": c.machine(), "command": ("BENCH_QUICK=1 " if c.QUICK else "") + "make bench"}
+    t0 = time.time()
+    only = [x.strip() for x in os.environ.get("BENCH_ONLY", "").split(",") if x.strip()]  # e.g. "throughput,bus"
+    for name, fn in (("throughput", throughput), ("bus", bus_cost), ("data drain", data_drain),
+                     ("checkpoints", checkpoints), ("control plane", control_scale)):
+        if only and name not in only:
+            continue
+        print(f"[{time.time() - t0:6.0f} s] {name} ...", flush=True)
+        try:
+            fn(results)
+        except Exception as e:  # one failing section must not lose the others' figures
+            results.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
+            print(f"  {name} failed: {e}", flush=True)
+        c.save("bench" + ("-quick" if c.QUICK else ""), results)
+    results["total_seconds"] = time.time() - t0
+    path = c.save("bench" + ("-quick" if c.QUICK else ""), results)
+    print(render(results))
+    print(f"\n{path.relative_to(c.REPO)}; {results['total_seconds']:.0f} s; load average at start "
+          f"{results['machine']['loadavg_at_start']}")
+
+
+if __name__ == "__main__":
+    main()
