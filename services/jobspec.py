@@ -85,7 +85,21 @@ class DataSpec(_Strict):
 
 
 class ParallelSpec(_Strict):
+    """How the ranks split the work; world size = dp * tp * pp (validated against the
+    model by :func:`services.engine.sharding_plan.plan`, which names the field at fault).
+
+    ``data_parallel``: how the dp axis syncs gradients: ``ddp`` (DistributedDataParallel)
+    or ``fsdp2`` (``fully_shard`` per block, then the root). ``microbatches`` is the number
+    of pipeline micro-batches per micro-step (only read when pp > 1; 0: pp of them).
+    """
+
     dp: int = Field(1, gt=0)
+    tp: int = Field(1, gt=0)
+    pp: int = Field(1, gt=0)
+    data_parallel: Literal["ddp", "fsdp2"] = "ddp"
+    activation_checkpointing: bool = False
+    pipeline_schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    microbatches: int = Field(0, ge=0)
     backend: Literal["auto", "gloo", "nccl"] = "auto"   # auto: nccl on CUDA, else gloo
     threads_per_rank: int = Field(1, gt=0)
     # Peak dense throughput of one device, only for the MFU estimate (e.g. 989 for an H100
@@ -315,6 +329,16 @@ class JobSpec(_Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _parallel_fits_model(self) -> JobSpec:
+        # The planner's refusals (heads or widths not divisible by tp, fewer layers than
+        # stages, ...) at submit time, not only when the ranks start. Imported here: the
+        # planner reads this module's specs.
+        from services.engine.sharding_plan import plan
+
+        plan(self.model, self.world_size, self.parallel)
+        return self
+
     @property
     def attention(self) -> str:
         """The attention kernel the job asks for: ``operators.attention``, else ``model.attention``."""
@@ -322,7 +346,9 @@ class JobSpec(_Strict):
 
     @property
     def world_size(self) -> int:
-        return self.parallel.dp
+        """Ranks the job needs: dp * tp * pp."""
+        p = self.parallel
+        return p.dp * p.tp * p.pp
 
     @property
     def tokens_per_step(self) -> int:

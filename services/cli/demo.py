@@ -25,7 +25,7 @@ def run_demo(spec_path: Path) -> None:
     if started_here:
         render.console.rule("starting the stack")
         t_up = time.monotonic()
-        stack.up(num_workers=spec.parallel.dp)
+        stack.up(num_workers=spec.world_size)
         render.console.print(f"stack up in {time.monotonic() - t_up:.1f} s")
     try:
         from services.cli.surgectl import follow_job, sample_text, submit_job

@@ -1,24 +1,35 @@
-"""L3-5 gradient reduction: cross-rank all-reduce of gradients and of the step's loss sums.
+"""L3-5 gradient reduction: cross-rank sync of gradients and of the step's token and loss sums.
 
-Receives: ``ParallelPlan`` from L2-2 (once; payload: the process group), ``ArmReduction``
-and ``ReduceGradients`` from the training loop. Replies ``GradientsReduced`` with the
-global loss sum and token count.
+Receives: ``ParallelPlan`` from L2-2 (once; payload: the ``("pp", "dp", "tp")`` DeviceMesh),
+``ArmReduction`` and ``ReduceGradients`` from the training loop. Replies
+``GradientsReduced`` with the global loss sum and token count.
 
-The DESIGN.md exception, stated here where it lives: with ``data_parallel="ddp"`` the
-module is wrapped in ``DistributedDataParallel``, whose autograd hooks start bucketed
-all-reduces while backward is still running (Li et al. 2020, "PyTorch Distributed").
-``ArmReduction(sync)`` is sent before each micro-step's forward: ``sync=False`` for the
-accumulation micro-steps (the equivalent of ``DDP.no_sync()``: gradients accumulate
-locally), ``sync=True`` for the last one. DDP averages gradients over the ranks.
-``ReduceGradients`` then all-reduces ``[loss_sum, tokens]`` (float64, one small
-collective) so the loop can report the global mean loss; its ``seconds`` is that
-collective's time, including waiting for the slowest rank. The gradient all-reduce itself
-is overlapped with, and counted in, the backward time.
+Gradient sync over the mesh's dp axis, per ``plan.data_parallel``, applied when the
+composition root attaches the model (after L3-1's tensor-parallel layout):
+    * ``ddp``: ``DistributedDataParallel`` on the dp group. Its autograd hooks start
+      bucketed all-reduces while backward is still running (Li et al. 2020, "PyTorch
+      Distributed") -- the DESIGN.md exception, stated here where it lives. Only with
+      tp == 1 (the planner refuses DDP over DTensor shards, as torchtitan does: DDP would
+      checkpoint each shard as if it were the whole tensor).
+    * ``fsdp2``: ``fully_shard`` on every block, then the root (torchtitan's layout):
+      parameters, gradients and optimizer state sharded over dp, all-gathered per block
+      in forward and backward, gradients reduce-scattered in backward.
+Both average gradients over the dp ranks. ``ArmReduction(sync)`` comes before each
+micro-step's forward: ``sync=False`` for the accumulation micro-steps (DDP: what
+``no_sync()`` sets; FSDP2: ``set_requires_gradient_sync(False)``, gradients accumulate
+unsharded locally), ``sync=True`` for the last one.
 
-With ``data_parallel="none"`` (one rank) nothing is wrapped and nothing is communicated.
+``ReduceGradients`` all-reduces ``[loss_sum, tokens]`` (float64, one small collective)
+over the dp group; with ``tokens_only`` it is sent before backward, so every rank can
+normalise its loss by the step's global token count. ``seconds`` is that collective's
+time, including waiting for the slowest rank. The gradient reduction itself is overlapped
+with, and counted in, the backward time.
 
-Red lines kept (seed L3-5): produces no gradients and changes none beyond DDP's averaging
-(the all-reduce itself), no weight update, never creates or rebuilds a process group.
+With ``data_parallel="none"`` (dp == 1) nothing is wrapped and nothing is communicated here.
+
+Red lines kept (seed L3-5): produces no gradients and changes none beyond DDP/FSDP's
+averaging (the reduction itself), no weight update, never creates or rebuilds a process
+group (the mesh's groups are L2-2's).
 """
 
 from __future__ import annotations
@@ -29,6 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from services.contract import engine_pb2
@@ -44,14 +57,17 @@ class GradientReduction:
         # Seed L3-5: group config is pushed once at init (red line 1); never rebuilt here (4).
         self._frozen = FrozenConfig[engine_pb2.ParallelPlan]("L3_GRADIENT_REDUCTION", "parallel plan")
         self._plan: engine_pb2.ParallelPlan | None = None
-        self._group: dist.ProcessGroup | None = None
+        self._group: dist.ProcessGroup | None = None  # the dp axis
+        self._mesh: DeviceMesh | None = None
         self._ddp: DistributedDataParallel | None = None
+        self._fsdp: FSDPModule | None = None
         self._stats_device = torch.device("cpu")
         self._state = "idle"  # idle | reducing | done | comm_failed
 
     def set_plan(self, msg: engine_pb2.ParallelPlan, payload: Any = None) -> None:
-        """通信域同步策略指令 (once). Raises ConfigFrozen on a second plan."""
-        self._plan, self._group = self._frozen.set(msg), payload
+        """通信域同步策略指令 (once; payload: the DeviceMesh). Raises ConfigFrozen on a second plan."""
+        self._plan, self._mesh = self._frozen.set(msg), payload
+        self._group = payload["dp"].get_group() if payload is not None and msg.dp > 1 else None
         if msg.device.startswith("cuda"):
             self._stats_device = torch.device(msg.device)
 
@@ -59,9 +75,16 @@ class GradientReduction:
         """Composition root: wrap ``model`` per the plan; returns the module to run forward."""
         if self._plan is None:
             raise RuntimeError("gradient reduction: a model was attached before the parallel plan")
+        device = torch.device(self._plan.device)
+        if self._plan.data_parallel == "fsdp2":
+            dp_mesh = self._mesh["dp"]
+            for block in model.blocks:
+                fully_shard(block, mesh=dp_mesh)
+            fully_shard(model, mesh=dp_mesh)
+            self._fsdp = model
+            return model
         if self._plan.data_parallel != "ddp":
             return model
-        device = torch.device(self._plan.device)
         # Defaults otherwise (25 MiB buckets, grads not bucket views), as a plain
         # torchrun + DDP script has them. The model registers no buffers (RoPE tables are
         # a cache), so DDP has nothing to broadcast per forward.
@@ -77,13 +100,16 @@ class GradientReduction:
         if self._ddp is not None:
             # What DDP.no_sync() sets; read by DDP's forward to prepare the reducer.
             self._ddp.require_backward_grad_sync = msg.sync
+        elif self._fsdp is not None:
+            self._fsdp.set_requires_gradient_sync(msg.sync)
 
     def reduce_gradients(self, msg: engine_pb2.ReduceGradients, payload: Any = None) -> engine_pb2.GradientsReduced:
-        """执行梯度归约指令: DDP has reduced the gradients during backward; finish with the
-        global loss statistics. Communication errors propagate (the plan is not rebuilt)."""
+        """执行梯度归约指令: DDP/FSDP2 reduced the gradients during backward; finish with the
+        global loss statistics over the dp axis (``tokens_only``: before backward, the token
+        count). Communication errors propagate (the plan is not rebuilt)."""
         t0 = time.perf_counter()
-        found_inf = self._any_rank(msg.local_found_inf)
-        if self._plan is None or self._plan.world_size == 1 or self._group is None:
+        found_inf = msg.local_found_inf if msg.tokens_only else self._any_rank(msg.local_found_inf)
+        if self._group is None:  # dp == 1: the local sums are the global ones
             return engine_pb2.GradientsReduced(
                 global_loss_sum=msg.local_loss_sum, global_tokens=msg.local_tokens, seconds=time.perf_counter() - t0,
                 found_inf=found_inf,

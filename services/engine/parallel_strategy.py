@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from services.contract import engine_pb2
 from services.contract.bus import CommandPort, Emitter
 from services.contract.frozen import FrozenConfig
+from services.engine.schedule_check import check_pipeline
 from services.engine.sharding_plan import ShardingPlan, Topology, plan
 from services.jobspec import ModelSpec, ParallelSpec
 
@@ -84,6 +85,8 @@ class ParallelStrategy:
         parallel = self._parallel_spec or ParallelSpec(dp=msg.world_size)
         topology = Topology(tuple(msg.rank_nodes)) if msg.rank_nodes else None
         sharding = plan(self._model_spec or ModelSpec(), msg.world_size, parallel, topology)  # ValueError: bad config
+        if sharding.pp > 1:  # seed commentary 2.4: the schedule's static deadlock check, before any group exists
+            check_pipeline(sharding.pipeline_schedule, sharding.pp, sharding.microbatches)  # ScheduleError
         self._assignment.set(msg)
         t0 = time.perf_counter()
         if msg.device.startswith("cuda"):

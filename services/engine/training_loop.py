@@ -19,11 +19,14 @@ Publishes
     TrainingLoopStarted, StepCompleted, EvalCompleted, TrainingLoopPaused,
     TrainingLoopFinished, TrainingLoopFailed (to L1; step and eval events also to L5-2).
 
-Loss normalisation (the one approximation, documented where it is made): each rank divides
-its summed token losses by its own non-padding token count of the step (all micro-steps),
-and DDP averages gradients over ranks. That equals the mean over all non-padding tokens of
-the step exactly when every rank has the same token count (always in pack mode; close in
-pad mode). Exact global normalisation needs one more all-reduce before backward; later.
+Loss normalisation (global, exact): before the first backward of a step the loop asks L3-5
+for the step's global count N of non-padding tokens (all micro-steps, all dp ranks: one
+all-reduce of one number, ``ReduceGradients(tokens_only)``). Each rank then back-propagates
+its summed token losses divided by N / dp, and DDP / FSDP2 average gradients over the dp
+ranks, so the gradient is d/dw (sum of all token losses of the step / N): gradient
+accumulation x data parallelism x padding equals one large batch of the same tokens, up to
+floating-point summation order (the loss-parity tests in tests/parallel/ hold it to 1e-5).
+Tensor- and pipeline-parallel peers see the same data, so only the dp axis counts.
 
 Skip policy (pushed at init: the spec's ``fault_policy``, see :meth:`TrainingLoop._skip_reason`):
 after backward, L2-4 checks this rank's gradients, L3-5 all-reduces that verdict with the
@@ -110,7 +113,7 @@ class LoopState:
     fp32/bf16) and ``loss_scaler`` int64 [growth tracker, hysteresis left, dynamic (1: an
     fp16 scaler wrote it)], restored exactly and pushed back in InitPrecision; and per rank: ``data_position`` int64
     [epoch, document, offset] (where this rank's stream continues), ``data_order`` int64
-    [shuffle seed, shuffle on, world size] (checked on resume) and ``rng.*`` (python,
+    [shuffle seed, shuffle on, dp size] (checked on resume) and ``rng.*`` (python,
     numpy, torch and CUDA streams: ``services/engine/rng_streams.py``).
     """
 
@@ -132,7 +135,7 @@ class LoopState:
             ),
             f"rank{loop._rank}": {
                 "data_position": torch.tensor([p.epoch, p.document, p.offset], dtype=torch.int64),
-                "data_order": torch.tensor([d.shuffle_seed, int(d.shuffle), loop._world], dtype=torch.int64),
+                "data_order": torch.tensor([d.shuffle_seed, int(d.shuffle), loop._dp_size], dtype=torch.int64),
                 "rng": rng_streams.capture(),
             },
         }
@@ -177,6 +180,7 @@ class TrainingLoop:
         self._job = FrozenConfig[engine_pb2.InitJob]("L2_TRAINING_LOOP", "job (InitJob)")
         self._spec: JobSpec | None = None
         self._rank, self._world = 0, 1
+        self._dp_rank, self._dp_size = 0, 1  # the data-parallel coordinate: which data this rank reads
         self._step = 0
         self._skipped = 0
         self._position = data_pb2.DataPosition()
@@ -281,7 +285,9 @@ class TrainingLoop:
         batches = [self._next_batch("train") for _ in range(accum)]
         data_wait = time.perf_counter() - t0
         local_tokens = sum(mb.tokens for mb, _ in batches)
-        normalizer = float(max(local_tokens, 1))  # see the module docstring
+        # Global normalisation (module docstring): N over the dp axis, before any backward.
+        counted = p.reduction(engine_pb2.ReduceGradients(local_tokens=local_tokens, tokens_only=True)).message
+        normalizer = max(counted.global_tokens, 1) / self._dp_size
         fwd_s = bwd_s = loss_sum = 0.0
         for i, (_, batch) in enumerate(batches):
             p.reduction(engine_pb2.ArmReduction(sync=i == accum - 1))
@@ -412,13 +418,15 @@ class TrainingLoop:
         for msg in early:
             self._control.put(msg)
         self._rank, self._world = ready.rank, ready.world_size
+        self._dp_rank, self._dp_size = ready.dp_rank, max(ready.dp_size, 1)
         try:
             self._spec = spec_from_json(self._init.spec_json)
         except ValueError as e:
             raise TrainingFault("config_error", f"InitJob.spec_json is not a valid job spec: {_one_line(e)}") from None
         if self._spec.world_size != self._world:
             raise TrainingFault(
-                "config_error", f"job spec parallel.dp={self._spec.world_size} but the process group has {self._world} ranks"
+                "config_error",
+                f"job spec needs parallel.dp * tp * pp = {self._spec.world_size} ranks but the process group has {self._world}",
             )
 
     def _initialise(self) -> None:
@@ -442,12 +450,12 @@ class TrainingLoop:
         if self._init.resume_version:
             p.store(store_pb2.LoadCheckpoint(version=self._init.resume_version), self._states())
             d = spec.data
-            if self._loaded_order != (d.shuffle_seed, int(d.shuffle), self._world):
+            if self._loaded_order != (d.shuffle_seed, int(d.shuffle), self._dp_size):
                 seed, shuffle, world = self._loaded_order or (0, 0, 0)
                 raise TrainingFault("config_error", (
                     f"checkpoint {self._init.resume_version} was written with data.shuffle_seed {seed}, "
                     f"data.shuffle {bool(shuffle)}, parallel.dp {world}; this job has {d.shuffle_seed}, "
-                    f"{d.shuffle}, {self._world}: its data position would not resume exactly"
+                    f"{d.shuffle}, {self._dp_size}: its data position would not resume exactly"
                 ))  # fmt: skip
         self._init_precision()  # after the load: a checkpoint's scaler state goes with it
         self._open_stream("train", self._position, repeat=True, max_batches=0)
@@ -527,7 +535,7 @@ class TrainingLoop:
             prefetch=data_pb2.SetPrefetch(watermark=d.prefetch.watermark, threads=d.prefetch.threads),
             shuffle=data_pb2.ShufflePlan(
                 seed=d.shuffle_seed, epoch=start.epoch, enabled=d.shuffle and split == "train",
-                rank=self._rank, world_size=self._world,
+                rank=self._dp_rank, world_size=self._dp_size,  # tp/pp peers read the same data
             ),
             filter=data_pb2.FilterRules(
                 min_tokens=d.filter.min_tokens, max_tokens=d.filter.max_tokens,

@@ -152,8 +152,9 @@ def compose(
     precision = MixedPrecision(emitter(M.L2_MIXED_PRECISION), port(M.L2_MIXED_PRECISION, M.L3_OPERATOR_ADAPTER))
 
     def handover(model: torch.nn.Module) -> None:
-        # The loaded model goes to the units that run or update it; L3-5 applies DDP from
-        # outside and the forward unit runs the wrapper (parallelism applied in one place).
+        # The loaded model (already laid out by L3-1: TP shards, activation checkpointing)
+        # goes to the units that run or update it; L3-5 applies DDP or FSDP2 last, in
+        # place, so the parameter handles below are the final (possibly sharded) ones.
         forward.attach(reduction.attach(model))
         backward.attach(model.parameters())
         precision.attach(model.parameters())
@@ -164,6 +165,8 @@ def compose(
         emitter(M.L2_PARALLEL_STRATEGY),
         port(M.L2_PARALLEL_STRATEGY, M.L3_SHARD_LOADER),
         port(M.L2_PARALLEL_STRATEGY, M.L3_GRADIENT_REDUCTION),
+        model=spec.model,
+        parallel=spec.parallel,
         timeout_s=pg_timeout_s,
     )
     L = M.L2_TRAINING_LOOP

@@ -31,7 +31,7 @@ Checkpoints (as L5_CHECKPOINT_MANAGER), for the loop's commands:
         nothing but plain data (``services.compute.inference.safe_load``).
 
 Checkpoint layout (DCP keys, flattened with dots): ``model.<param FQN>`` (e.g.
-``model.blocks.0.attn.qkv.weight``), ``optim.state.<param FQN>.{exp_avg,exp_avg_sq,step}``,
+``model.blocks.0.attn.q.weight``), ``optim.state.<param FQN>.{exp_avg,exp_avg_sq,step}``,
 ``optim.param_groups``, ``train.*`` (step, data position, RNG streams, loss scale: see
 ``services/engine/training_loop.py`` ``LoopState``).
 

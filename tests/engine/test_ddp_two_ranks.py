@@ -40,7 +40,7 @@ def test_two_gloo_ranks_with_different_data_end_with_identical_parameters(tmp_pa
     assert all(torch.equal(r0["state"][k], r1["state"][k]) for k in r0["state"])
     spec = tiny_spec(steps=6, parallel={"dp": 2}, data={"micro_batch_size": 4, "grad_accum": 2})
     init = build_model(spec.model, spec.seed).state_dict()
-    assert not torch.equal(init["blocks.0.attn.qkv.weight"], r0["state"]["blocks.0.attn.qkv.weight"])
+    assert not torch.equal(init["blocks.0.attn.q.weight"], r0["state"]["blocks.0.attn.q.weight"])
     # The reported loss and token count are global: the same on both ranks.
     assert r0["losses"] == r1["losses"] and len(r0["losses"]) == 6
     assert r0["tokens"] == [2 * 2 * 4 * 64] * 6

@@ -77,10 +77,11 @@ class GlobalRowsData:
             self._packer(mb, Batch(msg.split, x, y))
 
 
-def parity_spec(steps: int = 10, **parallel: Any):
-    """2 layers, d_model 64, 4 heads, seq 32, fp32, constant-free AdamW schedule; ``parallel``
+def parity_spec(steps: int = 10, ckpt_every: int = 0, **parallel: Any):
+    """2 layers, d_model 64, 4 heads, seq 32, fp32, AdamW with warmup + cosine; ``parallel``
     overrides the parallel section; micro-batch rows are chosen so each step holds
-    GLOBAL_ROWS rows. ``grad_accum`` may be passed among them."""
+    GLOBAL_ROWS rows. ``grad_accum`` may be passed among them. ``ckpt_every``: save every
+    that many steps (0: never)."""
     from services.jobspec import JobSpec
 
     accum = parallel.pop("grad_accum", 1)
@@ -93,7 +94,7 @@ def parity_spec(steps: int = 10, **parallel: Any):
                  "grad_accum": accum},
         "parallel": parallel,
         "optimizer": {"lr": 3e-3, "warmup_steps": 2},
-        "checkpoint": {"every_steps": 0, "at_end": False},
+        "checkpoint": {"every_steps": ckpt_every, "at_end": False, "keep_last": 0},
         "eval": {"every_steps": 0, "at_end": False},
     })  # fmt: skip
 
@@ -120,14 +121,44 @@ class Rank:
             backend="gloo", device="cpu", num_threads=1,
         )  # fmt: skip
 
-    def run(self) -> None:
+    def run(self, before_start=None) -> None:
+        """Bring up, initialise, call ``before_start(self)`` (if given) once the loop has
+        reported TrainingLoopStarted, then start and train to the end."""
         self.modules.orchestrator(self.init)
         self.modules.allocator(self.assignment)
-        self.modules.orchestrator(engine_pb2.StartTraining(job_id="job"))
-        self.modules.loop.run()
+        if before_start is None:
+            self.modules.orchestrator(engine_pb2.StartTraining(job_id="job"))
+            self.modules.loop.run()
+        else:
+            runner = threading.Thread(target=self._run_loop, daemon=True)
+            runner.start()
+            while not self.up.of(engine_pb2.TrainingLoopStarted) and not self.up.finished.is_set():
+                time.sleep(0.01)
+            if not self.up.finished.is_set():
+                before_start(self)
+                self.modules.orchestrator(engine_pb2.StartTraining(job_id="job"))
+            runner.join()
         failed = self.up.of(engine_pb2.TrainingLoopFailed)
         if failed:
             raise RuntimeError(f"rank failed: {failed[0].fault_class}: {failed[0].detail}")
+
+    def _run_loop(self) -> None:
+        try:
+            self.modules.loop.run()
+        except BaseException as e:  # noqa: BLE001 - reported as the rank's failure, like rank.py
+            self.modules.loop.fail(e)
+
+    def load_model_and_optimizer(self, path: Path) -> None:
+        """Through the checkpoint relay (LoadCheckpoint from the loop's own port), only the
+        model and optimizer of the checkpoint at ``path``; the loop keeps its own state."""
+        from services.contract import Module as M
+        from services.contract import store_pb2
+
+        L = M.L2_TRAINING_LOOP
+        states = {"model": self.bus.port(L, M.L3_SHARD_LOADER)(engine_pb2.ExportState()).payload,
+                  "optim": self.bus.port(L, M.L2_OPTIMIZER)(engine_pb2.ExportState()).payload}  # fmt: skip
+        self.store._root = path.parent
+        self.bus.port(L, M.L5_CHECKPOINT_MANAGER)(store_pb2.LoadCheckpoint(version=path.name), states)
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every weight as a whole tensor (DTensor shards gathered: collective, all ranks)."""
@@ -141,25 +172,56 @@ class Rank:
 
 
 def rank_main(argv: list[str]) -> None:
-    """``python harness.py CONFIG_JSON RANK WORLD PORT OUT``: run one rank, save results."""
+    """``python harness.py CONFIG_JSON RANK WORLD PORT OUT``: run one rank, save results.
+
+    Besides the parallel section, CONFIG may hold ``steps``, ``ckpt_every``, ``ckpt_root``
+    (where checkpoints go; default OUT/ckpt), ``resume`` (a version under ckpt_root: the
+    loop resumes it) and ``load_weights_from`` (a checkpoint directory whose model and
+    optimizer are loaded before training starts, from step 0)."""
     config, rank, world, port, out = json.loads(argv[0]), int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    ckpt_root = Path(config.pop("ckpt_root", out / "ckpt"))
+    resume, load_from = config.pop("resume", ""), config.pop("load_weights_from", "")
     spec = parity_spec(**config)
-    r = Rank(spec, out / "ckpt", rank=rank, world_size=world, port=port)
-    r.run()
+    r = Rank(spec, ckpt_root, rank=rank, world_size=world, port=port, resume_version=resume)
+    loaded: dict[str, Any] = {}
+
+    def load(rank_: Rank) -> None:
+        rank_.load_model_and_optimizer(Path(load_from))
+        loaded["state"] = rank_.full_state()
+        loaded["optim"] = full_optimizer_state(rank_)
+
+    try:
+        r.run(before_start=load if load_from else None)
+    except RuntimeError as e:
+        torch.save({"error": f"{getattr(e, 'fault_class', 'error')}: {e}"}, out / f"rank{rank}.pt")
+        raise
     steps = r.up.of(engine_pb2.StepCompleted)
     state = r.full_state()
     r.modules.parallel.shutdown()
-    torch.save({"losses": [s.loss for s in steps], "tokens": [s.tokens for s in steps],
+    torch.save({"losses": [s.loss for s in steps], "tokens": [s.tokens for s in steps], "steps": [s.step for s in steps],
                 "grad_norms": [s.grad_norm for s in steps], "step_seconds": [s.step_seconds for s in steps],
-                "state": state}, out / f"rank{rank}.pt")  # fmt: skip
+                "state": state, "loaded": loaded, "committed": [c.step for c in r.store.committed]},
+               out / f"rank{rank}.pt")  # fmt: skip
 
 
-def run_config(config: dict[str, Any], out: Path, *, timeout: float = 240.0) -> list[dict[str, Any]]:
+def full_optimizer_state(r: Rank) -> dict[str, torch.Tensor]:
+    """The optimizer's moments, whole tensors keyed ``<param FQN>.<exp_avg|exp_avg_sq|step>``."""
+    from torch.distributed.tensor import DTensor
+
+    from services.contract import Module as M
+
+    state = r.bus.port(M.L2_TRAINING_LOOP, M.L2_OPTIMIZER)(engine_pb2.ExportState()).payload.state_dict()["state"]
+    return {f"{fqn}.{k}": (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for fqn, per in sorted(state.items()) for k, v in sorted(per.items())}  # fmt: skip
+
+
+def run_config(config: dict[str, Any], out: Path, *, timeout: float = 240.0, expect_failure: bool = False) -> list[dict[str, Any]]:
     """Start ``dp * tp * pp`` rank processes for ``config``, wait, return each rank's results.
 
-    Raises AssertionError with the ranks' output tails when any rank fails."""
+    Raises AssertionError with the ranks' output tails when any rank fails (with
+    ``expect_failure``: when any rank succeeds; the results then hold each rank's error)."""
     sys.path.insert(0, str(REPO))
     from tests.conftest import free_ports
 
@@ -184,7 +246,10 @@ def run_config(config: dict[str, Any], out: Path, *, timeout: float = 240.0) -> 
                 p.kill()
                 p.wait()
     codes = [p.returncode for p in procs]
-    assert codes == [0] * world, f"config {config}: exit codes {codes}\n" + "\n".join(o[-3000:] for o in outputs)
+    if expect_failure:
+        assert all(codes), f"config {config}: exit codes {codes}, expected every rank to fail"
+    else:
+        assert codes == [0] * world, f"config {config}: exit codes {codes}\n" + "\n".join(o[-3000:] for o in outputs)
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 
