@@ -1,0 +1,138 @@
+"""The CPU-side parts of the benchmarks: the torchrun baseline's data and schedule, the
+job specs the comparisons use, bench/gpu.sh's argument and spec checks (it cannot run
+without a GPU), and the statistics every table prints. No speed is asserted here."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from services.jobspec import load_job_spec
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO))
+
+from bench import common, gpu, torchrun_ddp  # noqa: E402
+
+
+def _tiny_dataset(root, docs: list[list[int]]) -> None:
+    path = root / "tiny" / "v1"
+    path.mkdir(parents=True)
+    np.concatenate([np.asarray(d, np.uint16) for d in docs]).tofile(path / "train.bin")
+    np.save(path / "train.idx.npy", np.cumsum([0] + [len(d) for d in docs]).astype(np.int64))
+
+
+def _spec(tmp_path, **data):
+    spec = yaml.safe_load((REPO / "bench/jobs/throughput.yaml").read_text())
+    spec["data"].update({"dataset": "tiny@v1", "seq_len": 4, "micro_batch_size": 2,
+                         "filter": {"min_tokens": 1, "max_tokens": 0, "banned_bytes": ""}, **data})
+    p = tmp_path / "spec.yaml"
+    p.write_text(yaml.safe_dump(spec))
+    return load_job_spec(p)
+
+
+def test_torchrun_baseline_packs_documents_with_separator_and_shifted_labels(tmp_path):
+    docs = [[10 + i] * 5 for i in range(8)]
+    _tiny_dataset(tmp_path, docs)
+    spec = _spec(tmp_path, shuffle=False)
+    stream = torchrun_ddp.batches(tmp_path, spec, rank=0, world=1)
+    x1, y1 = next(stream)
+    x2, _ = next(stream)
+    assert x1.shape == y1.shape == (2, 4) and x1.dtype.is_floating_point is False
+    # documents back to back, each followed by one 0 separator; labels are inputs shifted by one
+    flat = [10] * 5 + [0] + [11] * 5 + [0] + [12] * 5
+    assert x1.flatten().tolist() == flat[:8]
+    assert y1.flatten().tolist() == flat[1:9]
+    assert x2.flatten().tolist() == flat[8:16]
+
+
+def test_torchrun_baseline_shards_by_rank_and_resumes_by_skipping(tmp_path):
+    _tiny_dataset(tmp_path, [[10 + i] * 7 for i in range(12)])
+    spec = _spec(tmp_path, shuffle=True)
+    r0 = [next(torchrun_ddp.batches(tmp_path, spec, 0, 2))[0] for _ in range(2)]
+    assert r0[0].equal(r0[1])  # a pure function of (seed, epoch, rank)
+    tokens0 = set(next(torchrun_ddp.batches(tmp_path, spec, 0, 2))[0].flatten().tolist()) - {0}
+    tokens1 = set(next(torchrun_ddp.batches(tmp_path, spec, 1, 2))[0].flatten().tolist()) - {0}
+    assert tokens0 and tokens1 and not tokens0 & tokens1  # disjoint documents per rank
+    full = torchrun_ddp.batches(tmp_path, spec, 0, 2)
+    third = [next(full) for _ in range(3)][2][0]
+    assert next(torchrun_ddp.batches(tmp_path, spec, 0, 2, skip=2))[0].equal(third)
+
+
+def test_torchrun_baseline_drops_documents_the_filter_drops(tmp_path):
+    _tiny_dataset(tmp_path, [[5] * 3, [6] * 9, [7, 0, 7, 7, 7, 7, 7, 7, 7], [8] * 9])
+    spec = _spec(tmp_path, shuffle=False, filter={"min_tokens": 4, "max_tokens": 0, "banned_bytes": "\0"})
+    stream = torchrun_ddp.batches(tmp_path, spec, 0, 1)
+    seen = {t for _ in range(2) for t in next(stream)[0].flatten().tolist()}
+    assert seen == {6, 0, 8}  # short doc and the one with a banned byte gone
+
+
+def test_torchrun_baseline_lr_warms_up_then_decays_to_min_ratio():
+    spec = load_job_spec(REPO / "bench/jobs/throughput.yaml")
+    o = spec.optimizer
+    assert torchrun_ddp.lr_at(spec, 1) == pytest.approx(o.lr / o.warmup_steps)
+    assert torchrun_ddp.lr_at(spec, o.warmup_steps) == pytest.approx(o.lr)
+    assert torchrun_ddp.lr_at(spec, spec.steps) == pytest.approx(o.lr * o.min_lr_ratio)
+
+
+def test_throughput_spec_is_the_demo_job_without_eval_and_checkpoints():
+    bench = yaml.safe_load((REPO / "bench/jobs/throughput.yaml").read_text())
+    demo = yaml.safe_load((REPO / "examples/jobs/demo.yaml").read_text())
+    for section in ("model", "data", "parallel", "optimizer", "precision", "seed"):
+        assert bench[section] == demo[section], section
+    assert bench["eval"]["every_steps"] == 0 and bench["eval"]["at_end"] is False
+    assert bench["checkpoint"]["every_steps"] == 0 and bench["checkpoint"]["at_end"] is False
+
+
+def test_gpu_spec_is_a_one_gpu_bf16_gpt2_small_shape():
+    spec = load_job_spec(REPO / "bench/jobs/gpt125m.yaml")
+    m = spec.model
+    assert (m.n_layers, m.d_model, m.n_heads, m.vocab_size, spec.data.seq_len) == (12, 768, 12, 256, 1024)
+    assert spec.world_size == 1 and torchrun_ddp.precision(spec) == "bf16"
+
+
+@pytest.mark.timeout(120)
+def test_gpu_sh_dry_run_checks_the_spec_and_prints_the_plan_without_a_gpu():
+    out = subprocess.run([str(REPO / "bench/gpu.sh"), "--dry-run"], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    assert "'params': 85150464" in out.stdout  # 12 x 12 x 768^2 + tied 256 x 768 embedding + norms
+    assert "'precision': 'bf16'" in out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_gpu_sh_refuses_bad_arguments_with_one_line_naming_the_flag():
+    out = subprocess.run([str(REPO / "bench/gpu.sh"), "--steps", "5", "--dry-run"], capture_output=True, text=True,
+                         timeout=100)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == ["error: --steps: must be > --warmup + 1 (21), got 5"]
+
+
+def test_gpu_peak_table_knows_datacenter_gpus_and_refuses_unknown_ones():
+    assert gpu.peak_for("NVIDIA H200") == 989.0
+    assert gpu.peak_for("NVIDIA A100-SXM4-80GB") == 312.0
+    assert gpu.peak_for("NVIDIA L40S") == 362.0  # not L4's figure: longest name first
+    with pytest.raises(gpu.UsageError, match="--peak-tflops"):
+        gpu.peak_for("Some Future GPU")
+
+
+def test_gpu_plan_refuses_a_spec_of_more_than_one_rank(tmp_path):
+    spec = yaml.safe_load((REPO / "bench/jobs/gpt125m.yaml").read_text())
+    spec["parallel"]["dp"] = 2
+    p = tmp_path / "two.yaml"
+    p.write_text(yaml.safe_dump(spec))
+    with pytest.raises(gpu.UsageError, match="world size 1"):
+        gpu.plan(gpu.parse(["--spec", str(p)]))
+
+
+def test_steady_tokens_per_second_counts_wall_time_after_warmup():
+    recs = [{"step": s, "unix_time": 100.0 + s, "tokens": 1000} for s in range(1, 11)]
+    recs[6]["unix_time"] += 0.5  # a slow gap between steps counts too
+    assert common.steady_tokens_per_s(recs, warmup=4) == pytest.approx(6000 / 6.0)
+    s = common.summary([3.0, 1.0, 2.0])
+    assert (s["median"], s["min"], s["max"], s["n"]) == (2.0, 1.0, 3.0, 3)
+    assert math.isnan(common.summary([])["median"])
