@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -231,9 +232,11 @@ def test_a_nan_loss_is_a_typed_fault_handled_by_the_policy_visible_as_an_event_a
     job = stack.submit(spec("tnan"))
     events = stack.events(job)
     (fault,) = [e.message for e in causes(events, "FATAL non_finite_loss")]
-    assert fault.startswith("FATAL non_finite_loss: rank 0 failed at step 11: training loss is nan at step 12")
+    # The NaN is injected on rank 0, but the verdict is taken from the all-reduced loss, so
+    # both ranks report it; whichever report arrives first is the incident (one decision).
+    assert re.match(r"FATAL non_finite_loss: rank [01] failed at step 11: training loss is nan at step 12", fault)
     decisions = of_type(events, "decision")[1:]
-    assert len(decisions) == 1 and decisions[0].startswith("rollback after non_finite_loss of rank 0")
+    assert len(decisions) == 1 and re.match(r"rollback after non_finite_loss of rank [01]", decisions[0])
     # The newest checkpoint committed before the fault (the one at step 10 may still have been
     # committing in the background when rank 0 stopped; then it is the one at step 5).
     before_fault = of_type(events[:[e.type for e in events].index("fault")], "checkpoint")
@@ -241,7 +244,7 @@ def test_a_nan_loss_is_a_typed_fault_handled_by_the_policy_visible_as_an_event_a
     (relaunch,) = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
     assert f"resume from checkpoint {version};" in relaunch and resume in (5, 10)
     after = metric(stack.metrics(), "surge_faults_total", grade="FATAL", **{"class": "non_finite_loss"})
-    assert after == before + 1
+    assert after in (before + 1, before + 2)  # each rank that reported it before the relaunch
     # Never smoothed away: the NaN step was not applied, not reported as a number, and the run
     # replayed it from the checkpoint before it.
     records = [r for r in stack.step_records(job) if r["rank"] == 0]
