@@ -152,3 +152,27 @@ def test_batched_send_and_receive_between_neighbours_complete_together():
     a = {0: [Action("F", 0, 0), (Action("SEND_F", 0, 0), Action("RECV_B", 0, 0)), Action("B", 0, 0)],
          1: [Action("RECV_F", 1, 0), Action("F", 1, 0), Action("B", 1, 0), Action("SEND_B", 1, 0)]}
     assert check_schedule(a, num_stages=2, num_microbatches=1) > 0
+
+
+def test_parallel_strategy_refuses_a_failing_schedule_before_any_process_group(monkeypatch):
+    import torch.distributed as dist
+
+    from services.contract import engine_pb2
+    from services.engine import parallel_strategy
+    from services.jobspec import ModelSpec, ParallelSpec
+
+    def broken(schedule, stages, microbatches):  # 1F1B with its fused send/recv split apart
+        return {r: _flat(s) for r, s in one_f_one_b_actions(stages, microbatches).items()}
+
+    monkeypatch.setattr("services.engine.schedule_check.schedule_actions", broken)
+    pushed = []
+    strategy = parallel_strategy.ParallelStrategy(
+        pushed.append, pushed.append, pushed.append,
+        model=ModelSpec(n_layers=4, d_model=64, n_heads=4, tie_embeddings=False),
+        parallel=ParallelSpec(pp=2, pipeline_schedule="1f1b", microbatches=4),
+    )
+    msg = engine_pb2.RankAssignment(rank=0, world_size=2, backend="gloo", device="cpu",
+                                    master_addr="127.0.0.1", master_port=1)
+    with pytest.raises(ScheduleError, match=r"^schedule deadlock: rank 0 step 3 \(0SEND_F1\)"):
+        strategy.assign(msg)
+    assert pushed == [] and not dist.is_initialized()
