@@ -55,11 +55,19 @@ class StageModule(nn.Module):
 
     forward: stage 0 takes token ids int64 [B, T]; later stages take activations float
     [B, T, D]. The last stage returns logits [B, T, V], the others activations [B, T, D].
+
+    Raises ValueError: tied embeddings split across stages (see the module docstring), a
+    layer range outside the model, an unknown attention backend.
     """
 
     def __init__(self, model: Transformer, layers: range, *, first: bool, last: bool, attention: str | None = None):
         super().__init__()
         spec = model.spec
+        if spec.tie_embeddings and not (first and last):
+            raise ValueError(
+                "model.tie_embeddings: must be false with parallel.pp > 1 "
+                "(the embedding and the LM head live on different pipeline stages)"
+            )
         name = attention or spec.attention
         if name not in _KERNELS:
             raise ValueError(f"attention: expected one of {tuple(_KERNELS)}, got {name!r}")
@@ -83,10 +91,10 @@ class StageModule(nn.Module):
         return self.lm_head(self.norm(x_BTD)) if self.last else x_BTD
 
 
-def _static_meta(model: Transformer, stage: StageModule, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+def _static_meta(stage: StageModule, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
     """Example tensors (on the meta device) of one micro-batch's stage input and output."""
     rows, seq = shape
-    spec, meta = model.spec, torch.device("meta")
+    spec, meta = stage.spec, torch.device("meta")
     # requires_grad: torch builds the receive buffers from these, and a buffer that does not
     # require grad would silently cut the backward pass at the stage boundary.
     act_BTD = torch.empty(rows, seq, spec.d_model, dtype=torch.float32, device=meta, requires_grad=True)
@@ -106,15 +114,13 @@ class PipelineRunner:
     micro-batch of a step) and ``evaluate`` (forward only).
 
     Args:
-        model: the full model, built identically on every rank (``build_model``: a pure
-            function of spec and seed); the stage keeps its part, the rest is dropped by
-            the caller when it lets go of ``model``.
-        stage_index, num_stages: this rank's stage (pp coordinate) and the pp size.
-        layers: the block indices of this stage (from the parallel plan).
+        module: this rank's :class:`StageModule` (its parameters get the gradients).
+        stage_index, num_stages: this rank's stage (pp coordinate) and the pp size; must
+            agree with the module's first/last flags.
         schedule: "gpipe" | "1f1b"; microbatches: pipeline micro-batches per step.
         group: the pp process group (this rank's stage neighbours), None for WORLD.
-        wrap: applied to the stage module before the pipeline stage is built (e.g. DDP
-            over the dp group); identity when None.
+        run_module: what the schedule calls: ``module`` itself, or ``module`` wrapped for
+            data parallelism (DDP over the dp group; or ``module`` after ``fully_shard``).
         region: a context manager factory entered around every schedule call (autocast).
         microbatch_shape: (rows, seq_len) of one pipeline micro-batch. The stage is built
             in torch's static mode from it: no first-step shape inference, whose extra
@@ -122,47 +128,40 @@ class PipelineRunner:
             indices size is not same as original model parameters size"); every batch
             must then have rows * microbatches rows of seq_len positions.
 
-    Raises ValueError: tied embeddings with more than one stage, an unknown schedule,
-        a stage index or layer range out of bounds, microbatches < 1.
+    Raises ValueError: an unknown schedule, a stage index out of bounds or disagreeing with
+        the module, microbatches < 1.
     """
 
     def __init__(
         self,
-        model: Transformer,
+        module: StageModule,
         *,
         stage_index: int,
         num_stages: int,
-        layers: range,
         schedule: str,
         microbatches: int,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
-        wrap: Callable[[nn.Module], nn.Module] | None = None,
+        run_module: nn.Module | None = None,
         region: Callable[[], contextlib.AbstractContextManager] | None = None,
         microbatch_shape: tuple[int, int],
-        attention: str | None = None,
     ):
-        if num_stages > 1 and model.spec.tie_embeddings:
-            raise ValueError(
-                "model.tie_embeddings: must be false with parallel.pp > 1 "
-                "(the embedding and the LM head live on different pipeline stages)"
-            )
         if schedule not in _SCHEDULES:
             raise ValueError(f"parallel.pipeline_schedule: expected one of {tuple(_SCHEDULES)}, got {schedule!r}")
         if microbatches < 1:
             raise ValueError(f"parallel.microbatches: must be >= 1, got {microbatches}")
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"pipeline stage: stage_index {stage_index} is not in 0..{num_stages - 1}")
-        self.module = StageModule(
-            model, layers, first=stage_index == 0, last=stage_index == num_stages - 1, attention=attention
-        )
-        self._run_module = wrap(self.module) if wrap is not None else self.module
+        if (module.first, module.last) != (stage_index == 0, stage_index == num_stages - 1):
+            raise ValueError(f"pipeline stage: stage {stage_index} of {num_stages} does not match its module's ends")
+        self.module = module
+        self._run_module = run_module if run_module is not None else module
         self._microbatches = microbatches
         self._batch_shape = (microbatch_shape[0] * microbatches, microbatch_shape[1])
         self._region = region or contextlib.nullcontext
         self.stage = PipelineStage(
             self._run_module, stage_index, num_stages, torch.device(device), group=group,
-            **_static_meta(model, self.module, microbatch_shape),
+            **_static_meta(module, microbatch_shape),
         )
         self._schedule = _SCHEDULES[schedule](
             self.stage, microbatches, loss_fn=self._loss, scale_grads=False
@@ -217,13 +216,14 @@ class PipelineRunner:
         *,
         normalizer: float,
         loss_scale: float = 1.0,
+        zero_grad: bool = True,
     ) -> float | None:
         """Forward and backward of the step's batch, split into the pipeline micro-batches
         along B. Stage 0 needs ``input_ids_BT`` (int64 [B, T]); the last stage needs
         ``labels_BT`` (int64 [B, T], -100 = padding); other stages may pass None.
 
-        Gradients of this stage's parameters are set from zero (the micro-batches are the
-        accumulation window). Returns the summed token cross entropy of the batch (nats,
+        Gradients of this stage's parameters start from zero (``zero_grad``) or add to the
+        ones already there (later micro-steps of a gradient-accumulation window). Returns the summed token cross entropy of the batch (nats,
         unscaled) on the last stage, None elsewhere.
 
         Raises ValueError for a non-positive normalizer or loss scale or a missing input.
@@ -231,8 +231,9 @@ class PipelineRunner:
         if normalizer <= 0 or loss_scale <= 0:
             raise ValueError(f"pipeline: normalizer and loss_scale must be > 0, got {normalizer}, {loss_scale}")
         args, target = self._inputs(input_ids_BT, labels_BT)
-        for p in self.module.parameters():
-            p.grad = None
+        if zero_grad:
+            for p in self.module.parameters():
+                p.grad = None
         self._ce_sums.clear()
         self._scale = loss_scale / normalizer
         self._run_module.train(True)

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from services.compute.model import build_model
-from services.jobspec import ModelSpec
+from services.engine.sharding_plan import plan
+from services.jobspec import ModelSpec, ParallelSpec
 
 # 4 layers, d_model 64, seq 32 (the issue's test size). Untied: pp > 1 refuses tied weights.
 SPEC = ModelSpec(n_layers=4, d_model=64, n_heads=4, vocab_size=256, tie_embeddings=False, attention="math")
@@ -26,14 +27,10 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids_BT[:, :-1].contiguous(), labels_BT
 
 
-def layer_ranges(pp: int) -> list[range]:
-    """Contiguous, as even as possible (the planner's rule for the tests' sizes)."""
-    n, base, extra = SPEC.n_layers, SPEC.n_layers // pp, SPEC.n_layers % pp
-    bounds = [0]
-    for s in range(pp):
-        bounds.append(bounds[-1] + base + (1 if s < extra else 0))
-    assert bounds[-1] == n
-    return [range(bounds[s], bounds[s + 1]) for s in range(pp)]
+def layer_ranges(pp: int, dp: int = 1) -> list[range]:
+    """Stage -> block indices, from the L2-2 planner (the split the rank process uses)."""
+    sharding = plan(SPEC, pp * dp, ParallelSpec(pp=pp, dp=dp, microbatches=pp))
+    return [range(layers[0], layers[-1] + 1) for layers in sharding.stage_layers]
 
 
 def make_optimizer(module: torch.nn.Module) -> torch.optim.Optimizer:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_common import ROWS, SEED, SEQ, SPEC, global_batch, layer_ranges, make_optimizer  # noqa: E402
 
 from services.compute.model import build_model  # noqa: E402
-from services.compute.pipeline_stage import PipelineRunner  # noqa: E402
+from services.compute.pipeline_stage import PipelineRunner, StageModule  # noqa: E402
 from services.engine.schedule_check import Action, check_pipeline  # noqa: E402
 
 # Optimizer state keyed by parameter FQN (as torchtitan does): with PP each rank holds other
@@ -76,6 +76,7 @@ def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
     cfg = json.loads(sys.argv[5])
     pp, dp, schedule, n_mb = cfg["pp"], cfg["dp"], cfg["schedule"], cfg["microbatches"]
+    accum = cfg.get("grad_accum", 1)
     torch.set_num_threads(1)
     torch.manual_seed(1234 + rank)  # nothing may depend on it: init and data are seeded explicitly
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -86,19 +87,18 @@ def main() -> None:
 
     check_pipeline(schedule, pp, n_mb)  # the engine's deadlock check, before any stage exists
     model = build_model(SPEC, seed=SEED)
-    wrap = None
-    if dp > 1 and cfg.get("data_parallel", "fsdp") == "ddp":
-        def wrap(m):
-            return DistributedDataParallel(m, process_group=dp_group, **cfg.get("ddp_kwargs", {}))
-    elif dp > 1:
-        def wrap(m):
-            for block in m.blocks.values():
-                fully_shard(block, mesh=mesh["dp"])
-            return fully_shard(m, mesh=mesh["dp"])
-    runner = PipelineRunner(model, stage_index=pp_rank, num_stages=pp, layers=layer_ranges(pp)[pp_rank],
-                            schedule=schedule, microbatches=n_mb, group=mesh["pp"].get_group(), wrap=wrap,
-                            microbatch_shape=(ROWS // dp // n_mb, SEQ))
-    del model
+    stage = StageModule(model, layer_ranges(pp, dp)[pp_rank], first=pp_rank == 0, last=pp_rank == pp - 1)
+    del model  # the stage shares the modules it keeps; the rest goes
+    run_module = stage
+    if dp > 1 and cfg.get("data_parallel") == "ddp":
+        run_module = DistributedDataParallel(stage, process_group=dp_group)
+    elif dp > 1:  # fsdp2, torchtitan's layout: every block, then the root
+        for block in stage.blocks.values():
+            fully_shard(block, mesh=mesh["dp"])
+        run_module = fully_shard(stage, mesh=mesh["dp"])
+    runner = PipelineRunner(stage, stage_index=pp_rank, num_stages=pp, schedule=schedule, microbatches=n_mb,
+                            group=mesh["pp"].get_group(), run_module=run_module,
+                            microbatch_shape=(ROWS // dp // accum // n_mb, SEQ))
     optim = make_optimizer(runner.module)
     trace: list = []
     record_actions(runner, trace)
@@ -121,10 +121,14 @@ def main() -> None:
         tokens = torch.tensor([float((labels_BT != -100).sum())], dtype=torch.float64)
         dist.all_reduce(tokens, group=dp_group)  # global non-padding tokens of the step
         trace.clear()
-        # DDP averages gradients over dp: normalise by tokens / dp so the result is the sum.
-        ce_sum = runner.step(ids_BT, labels_BT, normalizer=float(tokens) / dp)
+        # DDP/FSDP average gradients over dp: normalise by tokens / dp so the result is the
+        # sum. With accumulation, each micro-step runs the pipeline on its share of the rows.
+        ce_sum, rows = 0.0, ids_BT.shape[0] // accum
+        for i in range(accum):
+            part = slice(i * rows, (i + 1) * rows)
+            ce_sum += runner.step(ids_BT[part], labels_BT[part], normalizer=float(tokens) / dp, zero_grad=i == 0) or 0.0
         optim.step()
-        stats = torch.tensor([ce_sum or 0.0], dtype=torch.float64)
+        stats = torch.tensor([ce_sum], dtype=torch.float64)
         dist.all_reduce(stats)  # only the last stage's dp replicas contribute
         times.append(time.perf_counter() - t0)
         losses.append(float(stats) / float(tokens))
@@ -133,7 +137,7 @@ def main() -> None:
             state = {"model": get_model_state_dict(runner.module),
                      "optim": get_optimizer_state_dict(runner.module, optim, options=FLAT), "step": torch.tensor(step)}
             dcp.save(state, checkpoint_id=cfg["save_dir"])
-    val = runner.evaluate(*global_batch(1000)) if dp == 1 else None
+    val = runner.evaluate(*global_batch(1000)) if dp == accum == 1 else None
     torch.save({"losses": losses, "times": times, "trace": traces[0] if traces else [], "val_ce_sum": val,
                 "state": {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
                           for k, v in runner.module.state_dict().items()},

@@ -99,8 +99,16 @@ def test_pp2_matches_the_single_process_reference_for_10_adamw_steps(tmp_path, s
     assert next(r for r in results if r["pp_rank"] == 0)["val_ce_sum"] is None
 
 
+@pytest.mark.timeout(240)
+def test_pp2_with_gradient_accumulation_2_matches_the_reference(tmp_path):
+    # Two pipeline steps (2 micro-batches each) accumulate into one optimizer step.
+    cfg = {"pp": 2, "dp": 1, "schedule": "1f1b", "microbatches": 2, "grad_accum": 2, "steps": STEPS}
+    rel = assert_parity(run_ranks(tmp_path, 2, cfg), pp=2)
+    print(f"PP=2 1f1b grad_accum 2: max relative loss difference {max(rel):.2e}")
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("schedule,data_parallel", [("1f1b", "fsdp"), ("gpipe", "ddp")])
+@pytest.mark.parametrize("schedule,data_parallel", [("1f1b", "fsdp2"), ("gpipe", "ddp")])
 def test_dp2_x_pp2_matches_the_single_process_reference(tmp_path, schedule, data_parallel):
     cfg = {"pp": 2, "dp": 2, "schedule": schedule, "microbatches": 2, "steps": STEPS, "data_parallel": data_parallel}
     results = run_ranks(tmp_path, 4, cfg, timeout=240)

@@ -36,16 +36,17 @@ def test_stage_state_dicts_partition_the_full_models_keys_under_the_same_names()
     assert "lm_head.weight" in keys[1] and "blocks.2.mlp.down.weight" in keys[1] and "norm.weight" in keys[1]
 
 
-def _runner(spec_update=None, **kw):
-    model = build_model(SPEC.model_copy(update=spec_update or {}), seed=SEED)
-    args = dict(stage_index=0, num_stages=2, layers=range(0, 2), schedule="1f1b", microbatches=2,
-                microbatch_shape=(2, 32))
-    return PipelineRunner(model, **{**args, **kw})
+def _runner(**kw):
+    stage = StageModule(build_model(SPEC, seed=SEED), range(0, 2), first=True, last=False)
+    args = dict(stage_index=0, num_stages=2, schedule="1f1b", microbatches=2, microbatch_shape=(2, 32))
+    return PipelineRunner(stage, **{**args, **kw})
 
 
 def test_tied_embeddings_with_more_than_one_stage_are_refused_naming_the_field():
+    model = build_model(SPEC.model_copy(update={"tie_embeddings": True}), seed=SEED)
     with pytest.raises(ValueError, match=r"^model.tie_embeddings: must be false with parallel.pp > 1"):
-        _runner({"tie_embeddings": True})
+        StageModule(model, range(0, 2), first=True, last=False)
+    StageModule(model, range(0, 4), first=True, last=True)  # one stage holds both ends: fine
 
 
 def test_unknown_schedule_and_bad_microbatches_are_refused_before_any_communication():
@@ -55,6 +56,8 @@ def test_unknown_schedule_and_bad_microbatches_are_refused_before_any_communicat
         _runner(microbatches=0)
     with pytest.raises(ValueError, match=r"stage_index 2 is not in 0..1"):
         _runner(stage_index=2)
+    with pytest.raises(ValueError, match=r"stage 1 of 2 does not match its module's ends"):
+        _runner(stage_index=1)
 
 
 def test_a_layer_range_outside_the_model_is_refused():
