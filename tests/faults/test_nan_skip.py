@@ -77,3 +77,69 @@ def test_without_skip_step_a_nan_loss_on_one_rank_is_the_same_typed_failure_on_b
         ((fault_class, detail),) = r["failed"]
         assert fault_class == "non_finite_loss"
         assert detail.startswith("training loss is nan at step 3 (128 tokens): the step is not applied")
+
+
+# ------------------------------------------------------------------ through the whole stack
+
+STACK_INJECT = "tskip:inf_grad@3,tskip:nan_loss@5:rank=1"
+STACK_JOB = """\
+name: tskip
+steps: 8
+seed: 0
+model: {n_layers: 2, d_model: 64, n_heads: 2, vocab_size: 256}
+data: {dataset: tiny@v1, seq_len: 64, micro_batch_size: 4}
+parallel: {dp: 2}
+optimizer: {lr: 3.0e-3, warmup_steps: 2}
+precision: {dtype: fp16, loss_scale: {init_scale: 1024.0, hysteresis: 1}}
+checkpoint: {every_steps: 0, at_end: false}
+eval: {every_steps: 0, at_end: false}
+fault_policy: {actions: {non_finite_loss: skip_step}}
+"""
+
+
+@pytest.fixture
+def skip_stack(tmp_path):
+    import shutil
+    import sysconfig
+
+    from tests.conftest import kill_all, processes_with
+    from tests.faults.test_recovery import Stack, cli
+
+    home = tmp_path / "home"
+    src = home / "corpus"
+    shutil.copytree(Path(sysconfig.get_paths()["stdlib"]) / "json", src / "json", ignore=shutil.ignore_patterns("__pycache__"))
+    prep = cli(home, "dataset", "prepare", "--name", "tiny", "--version", "v1", "--source", str(src), "--val-fraction", "0.2")
+    assert prep.returncode == 0, prep.stderr
+    up = cli(home, "up", "--workers", "2", env={"SURGE_FAULT_INJECT": STACK_INJECT})
+    s = None
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        s = Stack(home)
+        yield s
+    finally:
+        if s is not None:
+            s.close()
+        cli(home, "down", timeout=60)
+        kill_all(processes_with(str(home)))
+        kill_all(processes_with("--job tskip-"))
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_through_the_stack_an_overflow_and_a_nan_are_skip_events_and_metrics_and_the_job_finishes(skip_stack):
+    from tests.faults.test_recovery import finished, metric, of_type
+
+    before = {r: metric(skip_stack.metrics(), "surge_skipped_steps_total", reason=r) for r in ("overflow", "non_finite_loss")}
+    job = skip_stack.submit(STACK_JOB)
+    events = skip_stack.events(job)
+    finished(events)
+    skips = of_type(events, "skip")
+    assert [m.split(" (")[0] for m in skips] == ["step 3 skipped", "step 5 skipped"]
+    assert "(overflow)" in skips[0] and "(non_finite_loss)" in skips[1] and skips[1].endswith("loss nan")
+    after = {r: metric(skip_stack.metrics(), "surge_skipped_steps_total", reason=r) for r in before}
+    assert after == {"overflow": before["overflow"] + 1, "non_finite_loss": before["non_finite_loss"] + 1}
+    records = {(r["rank"], r["step"]): r for r in skip_stack.step_records(job)}
+    for rank in (0, 1):
+        assert [records[rank, s]["skipped"] for s in range(1, 9)] == [s in (3, 5) for s in range(1, 9)]
+        assert records[rank, 4]["loss_scale"] == 512.0  # hysteresis 1: the overflow at step 3 halved 1024
+    assert not of_type(events, "fault")
