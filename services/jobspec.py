@@ -107,6 +107,53 @@ class ParallelSpec(_Strict):
     peak_tflops_per_device: float = Field(0.1, gt=0)
 
 
+def mlp_hidden_width(spec: ModelSpec) -> int:
+    """F for ``spec``: mlp_ratio * D (GELU) or 2/3 of it rounded to a multiple of 8 (SwiGLU)."""
+    if spec.mlp == "swiglu":
+        return max(8, 8 * round(2 / 3 * spec.mlp_ratio * spec.d_model / 8))
+    return max(1, round(spec.mlp_ratio * spec.d_model))
+
+
+def check_parallel(model: ModelSpec, world_size: int, parallel: ParallelSpec) -> None:
+    """The configurations L2-2's planner (services/engine/sharding_plan.py) refuses; here,
+    at the bottom of the import graph, so the job spec refuses them when it is parsed.
+
+    Raises:
+        ValueError, one line naming the field: dp * tp * pp differs from ``world_size``;
+            model.n_heads, model.d_model or the MLP hidden width not divisible by tp; ddp
+            with tp > 1 (DDP does not shard DTensor parameters: use fsdp2); fewer layers
+            than stages; tied embeddings with pp > 1 (the
+            two ends of the tie would live on different stages); fewer micro-batches than
+            stages under 1f1b.
+    """
+    dp, tp, pp = parallel.dp, parallel.tp, parallel.pp
+    if dp * tp * pp != world_size:
+        raise ValueError(f"parallel: dp ({dp}) * tp ({tp}) * pp ({pp}) = {dp * tp * pp}, but the world has {world_size} ranks")
+    if tp > 1:
+        if model.n_heads % tp:
+            raise ValueError(f"parallel.tp: model.n_heads ({model.n_heads}) must be divisible by tp ({tp})")
+        if model.d_model % tp:
+            raise ValueError(f"parallel.tp: model.d_model ({model.d_model}) must be divisible by tp ({tp})")
+        hidden = mlp_hidden_width(model)
+        if hidden % tp:
+            raise ValueError(f"parallel.tp: the MLP hidden width ({hidden}, from model.mlp_ratio) must be divisible by tp ({tp})")
+        if dp > 1 and parallel.data_parallel == "ddp":
+            raise ValueError(
+                "parallel.data_parallel: ddp cannot be combined with tp > 1 (DDP does not shard DTensor "
+                "parameters, so their checkpoint would be wrong); use fsdp2"
+            )
+    if pp > 1:
+        if model.n_layers < pp:
+            raise ValueError(f"parallel.pp: model.n_layers ({model.n_layers}) must be >= pp ({pp}): every stage needs a block")
+        if model.tie_embeddings:
+            raise ValueError(
+                f"model.tie_embeddings: must be false when parallel.pp ({pp}) > 1 (embedding and LM head live on different stages)"
+            )
+        n_micro = parallel.microbatches or pp
+        if parallel.pipeline_schedule == "1f1b" and n_micro < pp:
+            raise ValueError(f"parallel.microbatches: 1f1b needs at least pp ({pp}) micro-batches, got {n_micro}")
+
+
 class OptimizerSpec(_Strict):
     """AdamW with linear warmup then cosine decay to ``min_lr_ratio * lr``."""
 
@@ -331,12 +378,11 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _parallel_fits_model(self) -> JobSpec:
-        # The planner's refusals (heads or widths not divisible by tp, fewer layers than
-        # stages, ...) at submit time, not only when the ranks start. Imported here: the
-        # planner reads this module's specs.
-        from services.engine.sharding_plan import plan
-
-        plan(self.model, self.world_size, self.parallel)
+        # The planner's refusals, at submit time rather than when the ranks start.
+        check_parallel(self.model, self.world_size, self.parallel)
+        p = self.parallel
+        if p.tp > 1 and p.pp > 1:  # plannable, but the pipeline stages do not take TP shards yet
+            raise ValueError(f"parallel.tp: tp ({p.tp}) > 1 together with pp ({p.pp}) > 1 is not supported yet")
         return self
 
     @property

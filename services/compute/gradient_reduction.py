@@ -4,8 +4,18 @@ Receives: ``ParallelPlan`` from L2-2 (once; payload: the ``("pp", "dp", "tp")`` 
 ``ArmReduction`` and ``ReduceGradients`` from the training loop. Replies
 ``GradientsReduced`` with the global loss sum and token count.
 
-Gradient sync over the mesh's dp axis, per ``plan.data_parallel``, applied when the
-composition root attaches the model (after L3-1's tensor-parallel layout):
+The model's communication is laid out here, in one place and torchtitan's order, when the
+composition root attaches the model (after L3-1 built it, with activation checkpointing):
+
+Tensor parallelism (tp > 1) over the mesh's tp axis: ``parallelize_module`` with the plan's
+Megatron styles (Shoeybi et al. 2019): ``ColwiseParallel`` for q/k/v and the MLP gate/up,
+``RowwiseParallel`` for the attention and MLP output projections (one all-reduce of the
+partial sums per sub-block in forward, and of the input gradient in backward). Those
+weights become DTensor shards; every other weight (embedding, norms, LM head) a replicated
+DTensor (``distribute_module``, the model's input and output converted at its boundary),
+so the optimizer and the gradient norm never see plain tensors and DTensors mixed.
+
+Gradient sync over the mesh's dp axis, per ``plan.data_parallel``:
     * ``ddp``: ``DistributedDataParallel`` on the dp group. Its autograd hooks start
       bucketed all-reduces while backward is still running (Li et al. 2020, "PyTorch
       Distributed") -- the DESIGN.md exception, stated here where it lives. Only with
@@ -42,6 +52,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
 from services.contract import engine_pb2
@@ -58,6 +70,7 @@ class GradientReduction:
         self._frozen = FrozenConfig[engine_pb2.ParallelPlan]("L3_GRADIENT_REDUCTION", "parallel plan")
         self._plan: engine_pb2.ParallelPlan | None = None
         self._group: dist.ProcessGroup | None = None  # the dp axis
+        self._pp_group: dist.ProcessGroup | None = None  # the pp axis (pp > 1)
         self._mesh: DeviceMesh | None = None
         self._ddp: DistributedDataParallel | None = None
         self._fsdp: FSDPModule | None = None
@@ -68,6 +81,7 @@ class GradientReduction:
         """通信域同步策略指令 (once; payload: the DeviceMesh). Raises ConfigFrozen on a second plan."""
         self._plan, self._mesh = self._frozen.set(msg), payload
         self._group = payload["dp"].get_group() if payload is not None and msg.dp > 1 else None
+        self._pp_group = payload["pp"].get_group() if payload is not None and msg.pp > 1 else None
         if msg.device.startswith("cuda"):
             self._stats_device = torch.device(msg.device)
 
@@ -76,6 +90,8 @@ class GradientReduction:
         if self._plan is None:
             raise RuntimeError("gradient reduction: a model was attached before the parallel plan")
         device = torch.device(self._plan.device)
+        if self._plan.tp > 1:
+            _tensor_parallel(model, self._plan, self._mesh["tp"])
         if self._plan.data_parallel == "fsdp2":
             dp_mesh = self._mesh["dp"]
             for block in model.blocks:
@@ -109,13 +125,14 @@ class GradientReduction:
         count). Communication errors propagate (the plan is not rebuilt)."""
         t0 = time.perf_counter()
         found_inf = msg.local_found_inf if msg.tokens_only else self._any_rank(msg.local_found_inf)
+        local_loss_sum = msg.local_loss_sum if msg.tokens_only else self._over_stages(msg.local_loss_sum)
         if self._group is None:  # dp == 1: the local sums are the global ones
             return engine_pb2.GradientsReduced(
-                global_loss_sum=msg.local_loss_sum, global_tokens=msg.local_tokens, seconds=time.perf_counter() - t0,
+                global_loss_sum=local_loss_sum, global_tokens=msg.local_tokens, seconds=time.perf_counter() - t0,
                 found_inf=found_inf,
             )
         self._state = "reducing"
-        stats = torch.tensor([msg.local_loss_sum, float(msg.local_tokens)], dtype=torch.float64, device=self._stats_device)
+        stats = torch.tensor([local_loss_sum, float(msg.local_tokens)], dtype=torch.float64, device=self._stats_device)
         try:
             dist.all_reduce(stats, group=self._group)
         except Exception:
@@ -126,6 +143,19 @@ class GradientReduction:
         return engine_pb2.GradientsReduced(
             global_loss_sum=loss_sum, global_tokens=round(tokens), seconds=time.perf_counter() - t0, found_inf=found_inf
         )
+
+    def _over_stages(self, local_loss_sum: float) -> float:
+        """pp > 1: only the last pipeline stage computes the loss; summing over the pp group
+        gives every stage its replica's loss sum (one 1-element all-reduce per call)."""
+        if self._pp_group is None:
+            return local_loss_sum
+        loss = torch.tensor([local_loss_sum], dtype=torch.float64, device=self._stats_device)
+        try:
+            dist.all_reduce(loss, group=self._pp_group)
+        except Exception:
+            self._state = "comm_failed"
+            raise
+        return float(loss.item())
 
     def _any_rank(self, local_found_inf: bool) -> bool:
         """The overflow verdict of the whole job: MAX over every rank of the world (all mesh
@@ -140,3 +170,24 @@ class GradientReduction:
             self._state = "comm_failed"
             raise
         return bool(flag.item())
+
+
+def _tensor_parallel(model: nn.Module, plan: engine_pb2.ParallelPlan, tp_mesh: DeviceMesh) -> None:
+    """The module docstring's TP layout, in place. Every rank built bit-identical full
+    weights (seeded), so each keeps its slice of the tensor a single process would have.
+    Between the column- and row-parallel linears the attention and MLP work on plain local
+    tensors (n_heads / tp heads, F / tp hidden units); the residual stream is a replicated
+    DTensor, made a plain tensor again at the model's output (the logits)."""
+    styles = {
+        s.module: ColwiseParallel() if s.style == "colwise" else RowwiseParallel(use_local_output=False)
+        for s in plan.tp_styles
+    }
+    parallelize_module(model, tp_mesh, styles)
+    tied = model.lm_head.weight is model.tok_emb.weight
+    distribute_module(
+        model, tp_mesh,
+        input_fn=lambda _m, inputs, mesh: (DTensor.from_local(inputs[0], mesh, [Replicate()], run_check=False), *inputs[1:]),
+        output_fn=lambda _m, out, _mesh: out.to_local(),
+    )  # fmt: skip
+    if tied:  # replicating each module's parameters separately untied them
+        model.lm_head.weight = model.tok_emb.weight

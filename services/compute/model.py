@@ -28,17 +28,11 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from services.jobspec import ModelSpec
+from services.jobspec import ModelSpec, mlp_hidden_width  # noqa: F401 (re-exported: F of a spec)
 
 ATTENTION_BACKENDS = ("sdpa", "math")
-
-
-def mlp_hidden_width(spec: ModelSpec) -> int:
-    """F for ``spec``: mlp_ratio * D (GELU) or 2/3 of it rounded to a multiple of 8 (SwiGLU)."""
-    if spec.mlp == "swiglu":
-        return max(8, 8 * round(2 / 3 * spec.mlp_ratio * spec.d_model / 8))
-    return max(1, round(spec.mlp_ratio * spec.d_model))
 
 
 # ------------------------------------------------------------------ attention kernels
@@ -137,14 +131,25 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """Pre-norm residual block. ``activation_checkpointing``: keep only the block's input
+    and recompute its activations in backward (Chen et al. 2016), non-reentrant, so hooks
+    applied from outside (FSDP2's, on the block) and DTensor weights stay outside the
+    recomputed region and see the same calls; set by the shard loader per the plan."""
+
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.attn_norm = nn.RMSNorm(spec.d_model, eps=spec.norm_eps)
         self.attn = Attention(spec)
         self.mlp_norm = nn.RMSNorm(spec.d_model, eps=spec.norm_eps)
         self.mlp = MLP(spec)
+        self.activation_checkpointing = False
 
     def forward(self, x_BTD: torch.Tensor, rope, kernel) -> torch.Tensor:
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            return checkpoint(self._residual, x_BTD, rope, kernel, use_reentrant=False)
+        return self._residual(x_BTD, rope, kernel)
+
+    def _residual(self, x_BTD: torch.Tensor, rope, kernel) -> torch.Tensor:
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), rope, kernel)
         return x_BTD + self.mlp(self.mlp_norm(x_BTD))
 
@@ -197,10 +202,15 @@ class Transformer(nn.Module):
             p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, s, generator=gen))
 
 
-def build_model(spec: ModelSpec, seed: int, device: str | torch.device = "cpu") -> Transformer:
-    """A freshly initialised model on ``device`` (float32 parameters)."""
+def build_model(
+    spec: ModelSpec, seed: int, device: str | torch.device = "cpu", *, activation_checkpointing: bool = False
+) -> Transformer:
+    """A freshly initialised model on ``device`` (float32 parameters); with
+    ``activation_checkpointing`` every block recomputes its activations in backward."""
     model = Transformer(spec)
     model.init_weights(seed)
+    for block in model.blocks:
+        block.activation_checkpointing = activation_checkpointing
     return model.to(device)
 
 

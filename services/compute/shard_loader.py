@@ -4,15 +4,13 @@ Receives: ``ParallelPlan`` (from L2-2, once; payload: the ``("pp", "dp", "tp")``
 ``LoadModel`` and ``ExportState`` (from the training loop). Replies ``ModelLoaded`` and
 ``StateExported`` (payload: a Stateful handle on the model's weights).
 
-Layout, in torchtitan's order (TP, then activation checkpointing; L3-5 applies DDP/FSDP2
-last, when the composition root attaches the model to it):
-    * tp > 1: ``parallelize_module`` on the mesh's tp axis with the plan's styles
-      (``ColwiseParallel`` for q/k/v and the MLP gate/up, ``RowwiseParallel`` for the
-      attention and MLP output projections); those weights become DTensor shards, the
-      rest replicated DTensors (``distribute_module``).
-    * activation_checkpointing: each block is wrapped by the composable
-      ``torch.distributed._composable.checkpoint`` (non-reentrant), which keeps parameter
-      names unchanged, so checkpoints do not depend on it.
+Local layout only (no communication): with ``activation_checkpointing`` every block
+recomputes its activations in backward instead of keeping them (``Block``, non-reentrant
+``torch.utils.checkpoint``; parameter names do not change, so checkpoints do not depend on
+it). With pp > 1 the rank keeps its pipeline stage only. Tensor parallelism and DDP/FSDP2
+put communication into the model, so L3-5 applies them when the composition root attaches
+the model to it; the recomputed region is each block's inside, so it recomputes whatever
+TP made of the block and stays inside FSDP2's per-block hooks (torchtitan's order).
 
 Initialisation is a pure function of (ModelSpec, seed): values are drawn on the CPU by a
 private generator, so every rank starts from bit-identical weights without a broadcast.
@@ -31,11 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
-from torch.distributed._composable import checkpoint as checkpoint_activations
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from services.compute.model import build_model, count_parameters
 from services.contract import engine_pb2
@@ -65,7 +59,7 @@ class ShardLoader:
         self._handover = handover
         # Seed L3-1 s4: 并行分片规则配置推送（一次性初始化）; frozen after that (red line 5).
         self._plan = FrozenConfig[engine_pb2.ParallelPlan]("L3_SHARD_LOADER", "parallel plan")
-        self._mesh: DeviceMesh | None = None
+        self._mesh: Any = None  # the DeviceMesh (only handed on: pipeline stages need it)
         self._model: nn.Module | None = None
         self._state = "unloaded"  # unloaded | loading | loaded | mismatch
 
@@ -89,12 +83,7 @@ class ShardLoader:
         t0 = time.perf_counter()
         spec = ModelSpec.model_validate_json(msg.model_json)
         plan = self._plan.get()
-        model = build_model(spec, msg.seed, plan.device or "cpu")
-        if plan.tp > 1:
-            _shard_tensor_parallel(model, plan, self._mesh)
-        if plan.activation_checkpointing:
-            for block in model.blocks:
-                checkpoint_activations(block)
+        model = build_model(spec, msg.seed, plan.device or "cpu", activation_checkpointing=plan.activation_checkpointing)
         self._model = model
         self._state = "loaded"
         self._handover(model)
@@ -109,33 +98,3 @@ class ShardLoader:
         if self._model is None:
             raise RuntimeError("shard loader: no model loaded, nothing to export")
         return Reply(engine_pb2.StateExported(key="model"), ModelState(self._model))
-
-
-def _shard_tensor_parallel(model: nn.Module, plan: engine_pb2.ParallelPlan, mesh: DeviceMesh | None) -> None:
-    """Megatron column/row split of the linears the plan names, over the mesh's tp axis.
-
-    The initial full weights are identical on every rank (seeded), so each rank keeps its
-    slice of the same tensor a single process would have. Every other weight (embedding,
-    norms, LM head) becomes a replicated DTensor, and the model's input and output are
-    converted at its boundary, so all parameters are DTensors: the fused optimizer and the
-    gradient norm never see a mix of plain tensors and DTensors. Between the column- and
-    row-parallel linears the attention and MLP work on plain local tensors (n_heads / tp
-    heads, F / tp hidden units); the residual stream is a replicated DTensor.
-    """
-    if mesh is None:
-        raise RuntimeError("shard loader: tensor parallelism needs the device mesh (ParallelPlan payload)")
-    tp_mesh = mesh["tp"]
-    styles = {
-        s.module: ColwiseParallel() if s.style == "colwise" else RowwiseParallel(use_local_output=False)
-        for s in plan.tp_styles
-    }
-    parallelize_module(model, tp_mesh, styles)
-    tied = model.lm_head.weight is model.tok_emb.weight
-    distribute_module(
-        model, tp_mesh,
-        input_fn=lambda _m, inputs, device_mesh: (
-            DTensor.from_local(inputs[0], device_mesh, [Replicate()], run_check=False), *inputs[1:]),
-        output_fn=lambda _m, out, _mesh: out.to_local(),
-    )  # fmt: skip
-    if tied:  # replicating each module's parameters separately untied them
-        model.lm_head.weight = model.tok_emb.weight

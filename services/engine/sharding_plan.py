@@ -25,8 +25,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal
 
-from services.compute.model import mlp_hidden_width
-from services.jobspec import ModelSpec, ParallelSpec
+from services.jobspec import ModelSpec, ParallelSpec, check_parallel
 
 AXES = ("pp", "dp", "tp")
 DataParallelKind = Literal["none", "ddp", "fsdp2"]
@@ -121,27 +120,19 @@ def plan(model: ModelSpec, world_size: int, parallel: ParallelSpec, topology: To
         topology: which node each rank lives on (default: all on one node).
 
     Raises:
-        ValueError: an impossible configuration, one line naming the field: dp * tp * pp
-            differs from the world size; model.n_heads, model.d_model or the MLP hidden
-            width not divisible by tp; fewer layers than stages; tied embeddings with pp > 1
-            (the two ends of the tie would live on different stages); fewer micro-batches
-            than stages under 1f1b; ddp with tp > 1 (fsdp2 is the 2-D data parallelism);
-            a topology that does not list every rank.
+        ValueError: an impossible configuration, one line naming the field (the rules are
+            :func:`services.jobspec.check_parallel`, so a job spec is refused when parsed:
+            dp * tp * pp differs from the world size; n_heads, d_model or the MLP hidden
+            width not divisible by tp; ddp with tp > 1; fewer layers than
+            stages; tied embeddings with pp > 1; fewer micro-batches than stages under
+            1f1b); a topology that does not list every rank.
 
     Warns:
         TopologyWarning: a tp group had to span nodes (tp larger than the ranks of a node,
             or node sizes that tp does not divide). The plan is still returned.
     """
+    check_parallel(model, world_size, parallel)  # ValueError naming the field
     dp, tp, pp = parallel.dp, parallel.tp, parallel.pp
-    if dp * tp * pp != world_size:
-        raise ValueError(f"parallel: dp ({dp}) * tp ({tp}) * pp ({pp}) = {dp * tp * pp}, but the world has {world_size} ranks")
-    _check_tp(model, tp)
-    if tp > 1 and dp > 1 and parallel.data_parallel == "ddp":
-        raise ValueError(
-            "parallel.data_parallel: ddp cannot be combined with tp > 1 (DDP does not shard DTensor "
-            "parameters, so their checkpoint would be wrong); use fsdp2"
-        )
-    _check_pp(model, parallel)
     topology = topology or Topology.single_node(world_size)
     if len(topology.rank_nodes) != world_size:
         raise ValueError(f"topology: lists {len(topology.rank_nodes)} ranks, the world has {world_size}")
@@ -191,31 +182,6 @@ def tp_styles(model: ModelSpec) -> tuple[tuple[str, TPStyle], ...]:
             out.append((f"{b}.mlp.gate", "colwise"))
         out += [(f"{b}.mlp.up", "colwise"), (f"{b}.mlp.down", "rowwise")]
     return tuple(out)
-
-
-def _check_tp(model: ModelSpec, tp: int) -> None:
-    if tp == 1:
-        return
-    if model.n_heads % tp:
-        raise ValueError(f"parallel.tp: model.n_heads ({model.n_heads}) must be divisible by tp ({tp})")
-    if model.d_model % tp:
-        raise ValueError(f"parallel.tp: model.d_model ({model.d_model}) must be divisible by tp ({tp})")
-    hidden = mlp_hidden_width(model)
-    if hidden % tp:
-        raise ValueError(f"parallel.tp: the MLP hidden width ({hidden}, from model.mlp_ratio) must be divisible by tp ({tp})")
-
-
-def _check_pp(model: ModelSpec, parallel: ParallelSpec) -> None:
-    pp = parallel.pp
-    if pp == 1:
-        return
-    if model.n_layers < pp:
-        raise ValueError(f"parallel.pp: model.n_layers ({model.n_layers}) must be >= pp ({pp}): every stage needs a block")
-    if model.tie_embeddings:
-        raise ValueError(f"model.tie_embeddings: must be false when parallel.pp ({pp}) > 1 (embedding and LM head live on different stages)")
-    n_micro = parallel.microbatches or pp
-    if parallel.pipeline_schedule == "1f1b" and n_micro < pp:
-        raise ValueError(f"parallel.microbatches: 1f1b needs at least pp ({pp}) micro-batches, got {n_micro}")
 
 
 def _node_major_order(topology: Topology, tp: int) -> tuple[list[int], list[str]]:

@@ -77,11 +77,12 @@ class GlobalRowsData:
             self._packer(mb, Batch(msg.split, x, y))
 
 
-def parity_spec(steps: int = 10, ckpt_every: int = 0, **parallel: Any):
+def parity_spec(steps: int = 10, ckpt_every: int = 0, model: dict | None = None, **parallel: Any):
     """2 layers, d_model 64, 4 heads, seq 32, fp32, AdamW with warmup + cosine; ``parallel``
     overrides the parallel section; micro-batch rows are chosen so each step holds
     GLOBAL_ROWS rows. ``grad_accum`` may be passed among them. ``ckpt_every``: save every
-    that many steps (0: never)."""
+    that many steps (0: never). ``model`` overrides model fields (e.g. untied embeddings
+    for pipeline parallelism)."""
     from services.jobspec import JobSpec
 
     accum = parallel.pop("grad_accum", 1)
@@ -89,7 +90,7 @@ def parity_spec(steps: int = 10, ckpt_every: int = 0, **parallel: Any):
     assert GLOBAL_ROWS % (dp * accum) == 0
     return JobSpec.model_validate({
         "name": "parity", "steps": steps, "seed": 3,
-        "model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "attention": "math"},
+        "model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "attention": "math", **(model or {})},
         "data": {"dataset": "corpus@v1", "seq_len": SEQ_LEN, "micro_batch_size": GLOBAL_ROWS // (dp * accum),
                  "grad_accum": accum},
         "parallel": parallel,

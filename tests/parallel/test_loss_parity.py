@@ -26,6 +26,7 @@ CONFIGS = {
     "accum4_single": {"grad_accum": 4},
     "fsdp2_dp2_accum4": {"dp": 2, "data_parallel": "fsdp2", "grad_accum": 4},
     "fsdp2_dp2_checkpointed": {"dp": 2, "data_parallel": "fsdp2", "activation_checkpointing": True},
+    "tp2_checkpointed": {"tp": 2, "activation_checkpointing": True},
 }
 
 
@@ -72,8 +73,9 @@ def test_ddp_and_fsdp2_are_bit_identical(results):
 
 
 @pytest.mark.timeout(600)
-def test_activation_checkpointing_changes_no_bit(results):
-    plain, ckpt = results("fsdp2_dp2")[0], results("fsdp2_dp2_checkpointed")[0]
+@pytest.mark.parametrize("plain_name", ["fsdp2_dp2", "tp2"])
+def test_activation_checkpointing_changes_no_bit(results, plain_name):
+    plain, ckpt = results(plain_name)[0], results(f"{plain_name}_checkpointed")[0]
     assert plain["losses"] == ckpt["losses"]
     assert all(torch.equal(plain["state"][k], ckpt["state"][k]) for k in plain["state"])
 

@@ -110,9 +110,10 @@ def test_job_spec_parallel_section_sets_world_size_and_old_specs_stay_valid():
     base = "name: j\nsteps: 3\ndata: {dataset: d@v1}\n"
     assert parse_job_spec(base).world_size == 1
     assert parse_job_spec(base + "parallel: {dp: 2}\n").world_size == 2
-    spec = parse_job_spec(base + "model: {tie_embeddings: false}\nparallel: {dp: 2, tp: 2, pp: 2, data_parallel: fsdp2,"
+    spec = parse_job_spec(base + "model: {tie_embeddings: false}\nparallel: {dp: 2, pp: 2, data_parallel: fsdp2,"
                           " activation_checkpointing: true, pipeline_schedule: gpipe, microbatches: 4}\n")
-    assert spec.world_size == 8 and spec.tokens_per_step == 2 * 8 * 1 * 256
+    assert spec.world_size == 4 and spec.tokens_per_step == 2 * 8 * 1 * 256
+    assert parse_job_spec(base + "parallel: {dp: 2, tp: 2, data_parallel: fsdp2}\n").world_size == 4
     with pytest.raises(ValueError, match=r"^job.yaml: parallel.data_parallel: "):
         parse_job_spec(base + "parallel: {data_parallel: zero3}\n")
 
@@ -123,3 +124,5 @@ def test_job_spec_refuses_at_parse_time_what_the_planner_refuses():
         parse_job_spec(base + "parallel: {tp: 3}\n")
     with pytest.raises(ValueError, match=r"model.tie_embeddings: must be false when parallel.pp \(2\) > 1"):
         parse_job_spec(base + "parallel: {pp: 2}\n")
+    with pytest.raises(ValueError, match=r"parallel.tp: tp \(2\) > 1 together with pp \(2\) > 1 is not supported yet$"):
+        parse_job_spec(base + "model: {tie_embeddings: false}\nparallel: {tp: 2, pp: 2}\n")

@@ -107,7 +107,8 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sca
                "scatter", "DistributedDataParallel", "FullyShardedDataParallel", "fully_shard"}
 GROUP_LIFECYCLE = {"init_process_group", "new_group", "destroy_process_group"}
 ALLOWED_COMMUNICATION = {
-    M.L3_GRADIENT_REDUCTION: {"all_reduce", "DistributedDataParallel"},  # gradient aggregation is its job
+    # gradient aggregation is its job (DDP or FSDP2 over the dp axis; TP's layout too, issue 6)
+    M.L3_GRADIENT_REDUCTION: {"all_reduce", "DistributedDataParallel", "fully_shard"},
     M.L2_PARALLEL_STRATEGY: {"init_process_group", "destroy_process_group"},  # communicator lifecycle (seed L3-5 red line 4)
 }
 
