@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,10 +46,22 @@ class BackwardUnit:
         self._params: list[torch.Tensor] = []
         self._passes = 0  # backward passes run, for the accumulation window
         self._state = "idle"  # idle | running | grads_ready | error
+        self._pipeline: Any = None
 
-    def attach(self, parameters: Iterable[torch.Tensor]) -> None:
-        """Composition root: the parameters whose gradients this unit produces."""
+    def attach(self, parameters: Iterable[torch.Tensor], pipeline: Any = None) -> None:
+        """Composition root: the parameters whose gradients this unit produces.
+
+        ``pipeline`` (pp > 1): RunBackward runs the pipeline schedule of the micro-step
+        (a services.compute.pipeline_stage.PipelineRunner: forward and backward of its
+        pipeline micro-batches, the same loss formula on the last stage).
+        The payload is then (input ids, labels) (the forward unit handed the ids through),
+        and the loss sum is this stage's: the batch's on the last stage, 0 elsewhere.
+        The activation and gradient sends/receives between neighbouring stages inside
+        torch's schedule are the one communication here: pipeline parallelism cannot
+        separate them from the backward pass (the same kind of exception as DDP's
+        overlapped all-reduce)."""
         self._params = list({id(p): p for p in parameters}.values())
+        self._pipeline = pipeline
 
     def run_backward(self, msg: engine_pb2.RunBackward, payload: tuple[torch.Tensor, torch.Tensor]) -> engine_pb2.BackwardDone:
         """启动反向计算指令. Raises ValueError for a non-positive normalizer or loss scale."""
@@ -57,6 +70,8 @@ class BackwardUnit:
         if msg.backward and msg.loss_scale <= 0:
             raise ValueError(f"backward unit: loss_scale must be > 0, got {msg.loss_scale}")
         t0 = time.perf_counter()
+        if self._pipeline is not None:
+            return self._run_pipeline(msg, payload, t0)
         logits_BTV, labels_BT = payload
         tokens = int((labels_BT != IGNORE_INDEX).sum())  # CPU labels: no device sync
         labels_N = labels_BT.to(logits_BTV.device, non_blocking=True).reshape(-1)
@@ -74,3 +89,18 @@ class BackwardUnit:
         self._passes += 1
         self._state = "grads_ready"
         return engine_pb2.BackwardDone(loss_sum=float(loss_sum.detach()), tokens=tokens, seconds=time.perf_counter() - t0)
+
+    def _run_pipeline(self, msg: engine_pb2.RunBackward, payload: tuple[torch.Tensor, torch.Tensor], t0: float) -> engine_pb2.BackwardDone:
+        ids_BT, labels_BT = payload
+        tokens = int((labels_BT != IGNORE_INDEX).sum())
+        if not msg.backward:
+            loss_sum = self._pipeline.forward_only(ids_BT, labels_BT)
+        else:
+            self._state = "running"
+            first = self._passes % self._micro_steps == 0  # a new accumulation window starts from zero
+            loss_sum = self._pipeline.forward_backward(
+                ids_BT, labels_BT, normalizer=msg.normalizer, loss_scale=msg.loss_scale, zero_grad=first
+            )
+            self._passes += 1
+            self._state = "grads_ready"
+        return engine_pb2.BackwardDone(loss_sum=loss_sum or 0.0, tokens=tokens, seconds=time.perf_counter() - t0)

@@ -54,11 +54,18 @@ class ForwardUnit:
             "L3_FORWARD_UNIT", "kernel choice (ConfigureForward)"
         )
         self._state = "idle"  # idle | running | error
+        self._pipelined = False
 
-    def attach(self, module: nn.Module) -> None:
-        """Composition root: the module to run (the DDP wrapper under data parallelism)."""
+    def attach(self, module: nn.Module, *, pipelined: bool = False) -> None:
+        """Composition root: the module to run (the DDP wrapper under data parallelism).
+
+        ``pipelined`` (pp > 1): the pipeline schedule interleaves this stage's forward
+        passes with backward passes across ranks, so it runs whole in the backward unit's
+        RunBackward (services/compute/pipeline_stage.py); RunForward then hands the token
+        ids through unchanged, as its reply's payload."""
         self._module = module
         self._device = next(module.parameters()).device
+        self._pipelined = pipelined
 
     # ------------------------------------------------------------------ commands / events
 
@@ -82,6 +89,8 @@ class ForwardUnit:
     def run_forward(self, msg: engine_pb2.RunForward, payload: torch.Tensor) -> Reply:
         """执行前向计算指令. Raises RuntimeError when no module is attached or no kernel
         was selected; errors of the model itself propagate."""
+        if self._pipelined:
+            return Reply(engine_pb2.ForwardDone(seconds=0.0), payload)
         if self._module is None or self._device is None:
             raise RuntimeError("forward unit: no model attached")
         if self._ops is None or not self._ops.attention:

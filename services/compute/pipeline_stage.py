@@ -44,10 +44,29 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from services.compute.model import Rotary, Transformer, math_attention, sdpa_attention
+from services.contract import engine_pb2
 
 IGNORE_INDEX = -100
 _KERNELS = {"sdpa": sdpa_attention, "math": math_attention}
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class LayerSlice(nn.Module):
+    """Some of the model's blocks, registered under their own indices (FQNs
+    ``blocks.<i>.…`` equal the full model's) and iterable in order like the model's
+    ``nn.ModuleList``, so code written for ``model.blocks`` (activation checkpointing,
+    ``fully_shard`` per block) applies to a stage unchanged."""
+
+    def __init__(self, blocks: dict[int, nn.Module]):
+        super().__init__()
+        for i in sorted(blocks):
+            self.add_module(str(i), blocks[i])
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
 
 
 class StageModule(nn.Module):
@@ -60,9 +79,14 @@ class StageModule(nn.Module):
     layer range outside the model, an unknown attention backend.
     """
 
-    def __init__(self, model: Transformer, layers: range, *, first: bool, last: bool, attention: str | None = None):
+    def __init__(
+        self, model: Transformer, layers: range, *, stage_index: int, num_stages: int, attention: str | None = None
+    ):
         super().__init__()
         spec = model.spec
+        if not 0 <= stage_index < num_stages:
+            raise ValueError(f"pipeline stage: stage_index {stage_index} is not in 0..{num_stages - 1}")
+        first, last = stage_index == 0, stage_index == num_stages - 1
         if spec.tie_embeddings and not (first and last):
             raise ValueError(
                 "model.tie_embeddings: must be false with parallel.pp > 1 "
@@ -74,19 +98,28 @@ class StageModule(nn.Module):
         if not (0 <= layers.start <= layers.stop <= spec.n_layers) or layers.step != 1:
             raise ValueError(f"pipeline stage: layers {layers} is not a contiguous range of 0..{spec.n_layers - 1}")
         self.spec = spec
+        self.stage_index, self.num_stages = stage_index, num_stages
         self.first, self.last = first, last
+        # The pp process group joining this stage to its neighbours (set by the shard
+        # loader from the plan's mesh; None: the default group).
+        self.group: dist.ProcessGroup | None = None
         self.tok_emb = model.tok_emb if first else None
-        # ModuleDict keyed by the layer index: FQNs "blocks.<i>.…" equal the full model's.
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        self.blocks = LayerSlice({i: model.blocks[i] for i in layers})
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
         self._kernel = _KERNELS[name]
         self._rotary = Rotary(spec.d_model // spec.n_heads, spec.rope_theta)
 
+    def use_attention(self, name: str) -> None:
+        """The job's attention kernel ("sdpa" | "math"). Raises ValueError otherwise."""
+        if name not in _KERNELS:
+            raise ValueError(f"attention: expected one of {tuple(_KERNELS)}, got {name!r}")
+        self._kernel = _KERNELS[name]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_BTD = self.tok_emb(x) if self.tok_emb is not None else x
         rope = self._rotary.tables(x_BTD.shape[1], x_BTD.device, torch.float32)
-        for block in self.blocks.values():
+        for block in self.blocks:
             x_BTD = block(x_BTD, rope, self._kernel)
         return self.lm_head(self.norm(x_BTD)) if self.last else x_BTD
 
@@ -110,15 +143,13 @@ def _static_meta(stage: StageModule, shape: tuple[int, int]) -> dict[str, torch.
 
 
 class PipelineRunner:
-    """Runs one rank's stage of the pipeline: ``step`` (forward + backward of every
-    micro-batch of a step) and ``evaluate`` (forward only).
+    """Runs one rank's stage of the pipeline: ``forward_backward`` (every micro-batch of a
+    step, interleaved per the schedule) and ``forward_only`` (evaluation).
 
     Args:
-        module: this rank's :class:`StageModule` (its parameters get the gradients).
-        stage_index, num_stages: this rank's stage (pp coordinate) and the pp size; must
-            agree with the module's first/last flags.
+        module: this rank's :class:`StageModule` (its parameters get the gradients; its
+            stage index, stage count and pp group place it in the pipeline).
         schedule: "gpipe" | "1f1b"; microbatches: pipeline micro-batches per step.
-        group: the pp process group (this rank's stage neighbours), None for WORLD.
         run_module: what the schedule calls: ``module`` itself, or ``module`` wrapped for
             data parallelism (DDP over the dp group; or ``module`` after ``fully_shard``).
         region: a context manager factory entered around every schedule call (autocast).
@@ -128,19 +159,15 @@ class PipelineRunner:
             indices size is not same as original model parameters size"); every batch
             must then have rows * microbatches rows of seq_len positions.
 
-    Raises ValueError: an unknown schedule, a stage index out of bounds or disagreeing with
-        the module, microbatches < 1.
+    Raises ValueError: an unknown schedule, microbatches < 1.
     """
 
     def __init__(
         self,
         module: StageModule,
         *,
-        stage_index: int,
-        num_stages: int,
         schedule: str,
         microbatches: int,
-        group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
         run_module: nn.Module | None = None,
         region: Callable[[], contextlib.AbstractContextManager] | None = None,
@@ -150,17 +177,13 @@ class PipelineRunner:
             raise ValueError(f"parallel.pipeline_schedule: expected one of {tuple(_SCHEDULES)}, got {schedule!r}")
         if microbatches < 1:
             raise ValueError(f"parallel.microbatches: must be >= 1, got {microbatches}")
-        if not 0 <= stage_index < num_stages:
-            raise ValueError(f"pipeline stage: stage_index {stage_index} is not in 0..{num_stages - 1}")
-        if (module.first, module.last) != (stage_index == 0, stage_index == num_stages - 1):
-            raise ValueError(f"pipeline stage: stage {stage_index} of {num_stages} does not match its module's ends")
         self.module = module
         self._run_module = run_module if run_module is not None else module
         self._microbatches = microbatches
         self._batch_shape = (microbatch_shape[0] * microbatches, microbatch_shape[1])
         self._region = region or contextlib.nullcontext
         self.stage = PipelineStage(
-            self._run_module, stage_index, num_stages, torch.device(device), group=group,
+            self._run_module, module.stage_index, module.num_stages, torch.device(device), group=module.group,
             **_static_meta(module, microbatch_shape),
         )
         self._schedule = _SCHEDULES[schedule](
@@ -209,7 +232,7 @@ class PipelineRunner:
                 )
         return args, target
 
-    def step(
+    def forward_backward(
         self,
         input_ids_BT: torch.Tensor | None,
         labels_BT: torch.Tensor | None,
@@ -243,9 +266,9 @@ class PipelineRunner:
         return self._take_loss(losses)
 
     @torch.no_grad()
-    def evaluate(self, input_ids_BT: torch.Tensor | None, labels_BT: torch.Tensor | None) -> float | None:
+    def forward_only(self, input_ids_BT: torch.Tensor | None, labels_BT: torch.Tensor | None) -> float | None:
         """Forward only over the pipeline; the summed token cross entropy on the last stage
-        (nats), None elsewhere. Batch shape as for ``step``."""
+        (nats), None elsewhere. Batch shape as for ``forward_backward``."""
         args, target = self._inputs(input_ids_BT, labels_BT)
         self._ce_sums.clear()
         self._scale = 1.0
@@ -268,3 +291,64 @@ class PipelineRunner:
             return float(torch.stack([self._ce_sums[id(loss)] for loss in losses]).double().sum())
         finally:
             self._ce_sums.clear()
+
+
+# ------------------------------------------------------------------ wiring into a rank
+
+
+def check_pipeline_job(spec) -> None:  # services.jobspec.JobSpec (not imported: L3 stays below it)
+    """Refuse, before a rank builds anything, what the pipeline path does not combine with
+    yet (one line naming the field). Nothing to check when ``parallel.pp`` is 1.
+
+    Raises ValueError: tp > 1 (a stage has no TP input/output conversion), a precision
+    other than fp32 (the schedule does not run inside the operator adapter's autocast
+    region yet), an attention kernel restriction or torch.compile (likewise), or
+    ``data.micro_batch_size`` not divisible by the pipeline micro-batches.
+    """
+    par = spec.parallel
+    if par.pp == 1:
+        return
+    if par.tp > 1:
+        raise ValueError(f"parallel.tp: tp ({par.tp}) > 1 inside pipeline stages is not supported yet (pp = {par.pp})")
+    if spec.precision.dtype != "fp32":
+        raise ValueError(f"precision.dtype: pipeline parallelism (pp = {par.pp}) runs fp32 only for now, got {spec.precision.dtype}")
+    attention = spec.operators.attention or spec.model.attention
+    if attention not in _KERNELS:
+        raise ValueError(f"operators.attention: pipeline stages run {tuple(_KERNELS)}, got {attention!r}")
+    if spec.operators.compile:
+        raise ValueError("operators.compile: torch.compile of pipeline stages is not supported yet (pp > 1)")
+    n = par.microbatches or par.pp
+    if spec.data.micro_batch_size % n:
+        raise ValueError(
+            f"data.micro_batch_size: {spec.data.micro_batch_size} rows must split into "
+            f"parallel.microbatches ({n}) pipeline micro-batches"
+        )
+
+
+def stage_of(model: Transformer, plan: engine_pb2.ParallelPlan, mesh, attention: str | None = None) -> StageModule:
+    """The shard loader's cut: this rank's stage of ``model`` per the plan (its pp
+    coordinate, the plan's layer list for it), joined to its neighbours by the mesh's pp
+    group (``mesh`` None: the default group)."""
+    layers = list(plan.stages[plan.pp_rank].layers)
+    if layers != list(range(layers[0], layers[-1] + 1)):
+        raise ValueError(f"parallel plan: stage {plan.pp_rank} holds layers {layers}, not a contiguous range")
+    stage = StageModule(
+        model, range(layers[0], layers[-1] + 1), stage_index=plan.pp_rank, num_stages=plan.pp, attention=attention
+    )
+    stage.group = mesh["pp"].get_group() if mesh is not None else None
+    return stage
+
+
+def runner_for(stage: StageModule, run_module: nn.Module, spec, device: str = "cpu") -> PipelineRunner:
+    """The composition root's pipeline runner for ``stage`` under the job's schedule; one
+    pipeline micro-batch is micro_batch_size / microbatches rows of seq_len tokens."""
+    n = spec.parallel.microbatches or spec.parallel.pp
+    stage.use_attention(spec.operators.attention or spec.model.attention)
+    return PipelineRunner(
+        stage,
+        schedule=spec.parallel.pipeline_schedule,
+        microbatches=n,
+        device=device,
+        run_module=run_module,
+        microbatch_shape=(spec.data.micro_batch_size // n, spec.data.seq_len),
+    )

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from services.compute.model import build_model, count_parameters
+from services.compute.pipeline_stage import stage_of
 from services.contract import engine_pb2
 from services.contract.bus import Emitter, Reply
 from services.contract.frozen import FrozenConfig
@@ -84,6 +85,8 @@ class ShardLoader:
         spec = ModelSpec.model_validate_json(msg.model_json)
         plan = self._plan.get()
         model = build_model(spec, msg.seed, plan.device or "cpu", activation_checkpointing=plan.activation_checkpointing)
+        if plan.pp > 1:  # this rank keeps its pipeline stage only (services/compute/pipeline_stage.py)
+            model = stage_of(model, plan, self._mesh)
         self._model = model
         self._state = "loaded"
         self._handover(model)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from services.contract.bus import Emitter, Reply
@@ -53,12 +53,16 @@ class OptimizerState:
 
     def __init__(self, model: nn.Module, optim: torch.optim.Optimizer):
         self._model, self._optim = model, optim
+        # Pipeline stages hold different parameters: the nested layout's param_groups list
+        # would then collide across ranks in a DCP checkpoint (one rank's copy is kept), so a
+        # stage keys everything by FQN (torchtitan's flatten_optimizer_state_dict).
+        self._options = StateDictOptions(flatten_optimizer_state_dict=getattr(model, "num_stages", 1) > 1)
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self._model, self._optim)
+        return get_optimizer_state_dict(self._model, self._optim, options=self._options)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self._model, self._optim, state_dict)
+        set_optimizer_state_dict(self._model, self._optim, state_dict, options=self._options)
 
 
 class Optimizer:

@@ -60,6 +60,7 @@ from services.compute.backward_unit import BackwardUnit
 from services.compute.forward_unit import ForwardUnit
 from services.compute.gradient_reduction import GradientReduction
 from services.compute.operator_adapter import OperatorAdapter
+from services.compute.pipeline_stage import StageModule, check_pipeline_job, runner_for
 from services.compute.shard_loader import ShardLoader
 from services.contract import Module, audit_pb2, data_pb2, engine_pb2, store_pb2, worker_pb2, worker_pb2_grpc
 from services.contract.audit import ViolationReporter, report_of
@@ -143,6 +144,7 @@ def compose(
             reports it as its failure and exits before it trains (start-up validation).
     """
     validate_table(bus.table)
+    check_pipeline_job(spec)  # ValueError: a pp > 1 combination the pipeline path lacks
     port, emitter = bus.port, bus.emitter
     adapter = OperatorAdapter(emitter(M.L3_OPERATOR_ADAPTER), device)
     forward = ForwardUnit(emitter(M.L3_FORWARD_UNIT), port(M.L3_FORWARD_UNIT, M.L3_OPERATOR_ADAPTER))
@@ -155,8 +157,11 @@ def compose(
         # The loaded model (already laid out by L3-1: TP shards, activation checkpointing)
         # goes to the units that run or update it; L3-5 applies DDP or FSDP2 last, in
         # place, so the parameter handles below are the final (possibly sharded) ones.
-        forward.attach(reduction.attach(model))
-        backward.attach(model.parameters())
+        run = reduction.attach(model)
+        # pp > 1: the pipeline schedule runs this stage, inside L3-4's RunBackward.
+        pipeline = runner_for(model, run, spec, device) if isinstance(model, StageModule) else None
+        forward.attach(run, pipelined=pipeline is not None)
+        backward.attach(model.parameters(), pipeline=pipeline)
         precision.attach(model.parameters())
         optimizer.attach(model)
 

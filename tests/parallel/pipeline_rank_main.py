@@ -87,17 +87,17 @@ def main() -> None:
 
     check_pipeline(schedule, pp, n_mb)  # the engine's deadlock check, before any stage exists
     model = build_model(SPEC, seed=SEED)
-    stage = StageModule(model, layer_ranges(pp, dp)[pp_rank], first=pp_rank == 0, last=pp_rank == pp - 1)
+    stage = StageModule(model, layer_ranges(pp, dp)[pp_rank], stage_index=pp_rank, num_stages=pp)
+    stage.group = mesh["pp"].get_group()
     del model  # the stage shares the modules it keeps; the rest goes
     run_module = stage
     if dp > 1 and cfg.get("data_parallel") == "ddp":
         run_module = DistributedDataParallel(stage, process_group=dp_group)
     elif dp > 1:  # fsdp2, torchtitan's layout: every block, then the root
-        for block in stage.blocks.values():
+        for block in stage.blocks:
             fully_shard(block, mesh=mesh["dp"])
         run_module = fully_shard(stage, mesh=mesh["dp"])
-    runner = PipelineRunner(stage, stage_index=pp_rank, num_stages=pp, schedule=schedule, microbatches=n_mb,
-                            group=mesh["pp"].get_group(), run_module=run_module,
+    runner = PipelineRunner(stage, schedule=schedule, microbatches=n_mb, run_module=run_module,
                             microbatch_shape=(ROWS // dp // accum // n_mb, SEQ))
     optim = make_optimizer(runner.module)
     trace: list = []
@@ -126,7 +126,7 @@ def main() -> None:
         ce_sum, rows = 0.0, ids_BT.shape[0] // accum
         for i in range(accum):
             part = slice(i * rows, (i + 1) * rows)
-            ce_sum += runner.step(ids_BT[part], labels_BT[part], normalizer=float(tokens) / dp, zero_grad=i == 0) or 0.0
+            ce_sum += runner.forward_backward(ids_BT[part], labels_BT[part], normalizer=float(tokens) / dp, zero_grad=i == 0) or 0.0
         optim.step()
         stats = torch.tensor([ce_sum], dtype=torch.float64)
         dist.all_reduce(stats)  # only the last stage's dp replicas contribute
@@ -137,7 +137,7 @@ def main() -> None:
             state = {"model": get_model_state_dict(runner.module),
                      "optim": get_optimizer_state_dict(runner.module, optim, options=FLAT), "step": torch.tensor(step)}
             dcp.save(state, checkpoint_id=cfg["save_dir"])
-    val = runner.evaluate(*global_batch(1000)) if dp == accum == 1 else None
+    val = runner.forward_only(*global_batch(1000)) if dp == accum == 1 else None
     torch.save({"losses": losses, "times": times, "trace": traces[0] if traces else [], "val_ce_sum": val,
                 "state": {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
                           for k, v in runner.module.state_dict().items()},

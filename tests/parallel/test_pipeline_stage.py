@@ -18,7 +18,7 @@ from pipeline_common import SEED, SPEC, global_batch, layer_ranges  # noqa: E402
 @pytest.mark.parametrize("pp", [1, 2, 3, 4])
 def test_stages_chained_in_one_process_equal_the_unsplit_model_exactly(pp):
     model = build_model(SPEC, seed=SEED)
-    stages = [StageModule(model, r, first=s == 0, last=s == pp - 1) for s, r in enumerate(layer_ranges(pp))]
+    stages = [StageModule(model, r, stage_index=s, num_stages=pp) for s, r in enumerate(layer_ranges(pp))]
     ids_BT, _ = global_batch(1)
     with torch.no_grad():
         x = ids_BT
@@ -30,23 +30,23 @@ def test_stages_chained_in_one_process_equal_the_unsplit_model_exactly(pp):
 def test_stage_state_dicts_partition_the_full_models_keys_under_the_same_names():
     model = build_model(SPEC, seed=SEED)
     full = model.state_dict()
-    keys = [set(StageModule(model, r, first=s == 0, last=s == 1).state_dict()) for s, r in enumerate(layer_ranges(2))]
+    keys = [set(StageModule(model, r, stage_index=s, num_stages=2).state_dict()) for s, r in enumerate(layer_ranges(2))]
     assert keys[0].isdisjoint(keys[1]) and keys[0] | keys[1] == set(full)
     assert "tok_emb.weight" in keys[0] and "blocks.1.mlp.down.weight" in keys[0]
     assert "lm_head.weight" in keys[1] and "blocks.2.mlp.down.weight" in keys[1] and "norm.weight" in keys[1]
 
 
 def _runner(**kw):
-    stage = StageModule(build_model(SPEC, seed=SEED), range(0, 2), first=True, last=False)
-    args = dict(stage_index=0, num_stages=2, schedule="1f1b", microbatches=2, microbatch_shape=(2, 32))
+    stage = StageModule(build_model(SPEC, seed=SEED), range(0, 2), stage_index=0, num_stages=2)
+    args = dict(schedule="1f1b", microbatches=2, microbatch_shape=(2, 32))
     return PipelineRunner(stage, **{**args, **kw})
 
 
 def test_tied_embeddings_with_more_than_one_stage_are_refused_naming_the_field():
     model = build_model(SPEC.model_copy(update={"tie_embeddings": True}), seed=SEED)
     with pytest.raises(ValueError, match=r"^model.tie_embeddings: must be false with parallel.pp > 1"):
-        StageModule(model, range(0, 2), first=True, last=False)
-    StageModule(model, range(0, 4), first=True, last=True)  # one stage holds both ends: fine
+        StageModule(model, range(0, 2), stage_index=0, num_stages=2)
+    StageModule(model, range(0, 4), stage_index=0, num_stages=1)  # one stage holds both ends: fine
 
 
 def test_unknown_schedule_and_bad_microbatches_are_refused_before_any_communication():
@@ -55,12 +55,10 @@ def test_unknown_schedule_and_bad_microbatches_are_refused_before_any_communicat
     with pytest.raises(ValueError, match=r"parallel.microbatches: must be >= 1, got 0"):
         _runner(microbatches=0)
     with pytest.raises(ValueError, match=r"stage_index 2 is not in 0..1"):
-        _runner(stage_index=2)
-    with pytest.raises(ValueError, match=r"stage 1 of 2 does not match its module's ends"):
-        _runner(stage_index=1)
+        StageModule(build_model(SPEC, seed=SEED), range(0, 2), stage_index=2, num_stages=2)
 
 
 def test_a_layer_range_outside_the_model_is_refused():
     model = build_model(SPEC, seed=SEED)
     with pytest.raises(ValueError, match="is not a contiguous range"):
-        StageModule(model, range(3, 6), first=False, last=True)
+        StageModule(model, range(3, 6), stage_index=1, num_stages=2)
