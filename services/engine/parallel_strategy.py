@@ -76,7 +76,8 @@ class ParallelStrategy:
 
         Raises:
             ValueError: an assignment that cannot work (rank >= world size, nccl without
-                CUDA, unknown backend); the message names the field.
+                CUDA, unknown backend) or a parallel config the planner refuses (dp * tp *
+                pp != world size, heads not divisible by tp, ...); the message names the field.
             ConfigFrozen: a second assignment (the plan is frozen).
             RuntimeError: the rendezvous failed.
         """
