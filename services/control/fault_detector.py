@@ -79,6 +79,8 @@ PORT_IN_USE = "port_in_use"          # the rendezvous port was taken: a fresh po
 CHECKPOINT_ERROR = "checkpoint_error"  # a checkpoint could not be saved or loaded (or failed its check)
 # Classes reported under the class the policy table uses (the detail keeps the original).
 ALIASES = {"checkpoint_integrity": CHECKPOINT_ERROR}
+# Reports that are usually another rank's doing (held for their cause).
+_SYMPTOMS = frozenset({COMM_ERROR, RANK_STALLED})
 # A peer silent for more than this many of its beat periods makes a stall a symptom.
 QUIET_BEATS = 1.5
 
@@ -146,6 +148,12 @@ class _Job:
     held: list[control_pb2.FaultReport] = field(default_factory=list)  # symptoms awaiting their cause
     held_timer: threading.Timer | None = None
     held_extended: bool = False  # the window was extended once for a quiet peer
+    # Restored after a control restart: ranks not heard from since (no beat, no exit). Their
+    # node agents resend what happened meanwhile, one agent after another, so a symptom
+    # waits for all of them (at most reattach_s) before it may be taken for a cause.
+    reattaching: set[int] = field(default_factory=set)
+    reattach_s: float = 0.0
+    restored_unix: float = 0.0  # a beat the rank sent before this is a resent one (stale)
     round_faults: int = 0  # faults of the current incident (本轮), cleared by ResetFaultLedger
 
     def stall_deadline_s(self) -> float:
@@ -195,7 +203,8 @@ class FaultDetector:
                 attribution_s=msg.attribution_seconds,
             )
             if msg.reattach_seconds > 0:
-                now = time.time()
+                job.reattaching, job.reattach_s = set(range(msg.world_size)), msg.reattach_seconds
+                now = job.restored_unix = time.time()
                 for rank in range(msg.world_size):
                     watch = job.ranks[rank] = _RankWatch(last_beat_unix=now)
                     watch.silence = _started(
@@ -215,6 +224,13 @@ class FaultDetector:
         """A rank is alive (at step ``msg.step``): re-arm its silence deadline, and its stall
         deadline when the step moved on (or the rank just started stepping)."""
         now = time.time()
+        # Re-attached: a beat the rank sent after the restart (a resent older one says
+        # nothing about what its agent has still to resend).
+        with self._lock:
+            job = self._jobs.get(msg.job_id)
+            fresh = job is not None and (not msg.unix_time or msg.unix_time >= job.restored_unix)
+        if fresh and self._reattached(msg.job_id, msg.rank):
+            self._release_held(msg.job_id)
         with self._lock:
             job = self._jobs.get(msg.job_id)
             if job is None:
@@ -284,6 +300,9 @@ class FaultDetector:
             msg.job_id, fault_class, Module.EXT_HARDWARE, msg.rank, detail,
             occurred=msg.unix_time, worker_id=msg.worker_id, step=step,
         )
+        # (after the report: held with the rest, and ordered with it)
+        if self._reattached(msg.job_id, msg.rank):
+            self._release_held(msg.job_id)
 
     def on_training_loop_failed(self, msg: engine_pb2.TrainingLoopFailed, payload: Any = None) -> None:
         """A rank's training loop stopped on an error it reported itself. A communication
@@ -302,8 +321,9 @@ class FaultDetector:
             return
         with self._lock:
             job = self._jobs[msg.job_id]
-            if fault_class == COMM_ERROR and job.attribution_s > 0:
-                self._hold(msg.job_id, report, window=job.attribution_s)
+            if fault_class == COMM_ERROR and (job.attribution_s > 0 or job.reattaching):
+                window = max(job.attribution_s, job.reattach_s if job.reattaching else 0.0)
+                self._hold(msg.job_id, report, window=window)
                 return
         self._report_graded(msg.job_id, report)
 
@@ -334,6 +354,8 @@ class FaultDetector:
             f"(deadline {timeout:g} s) after step {max(watch.step, 0)}",
             occurred=watch.last_beat_unix, worker_id=watch.worker_id, step=max(watch.step, 0),
         )
+        if self._reattached(job_id, rank):
+            self._release_held(job_id)
 
     def _stall_passed(self, job_id: str, rank: int, watch: _RankWatch) -> None:
         now = time.time()
@@ -377,11 +399,32 @@ class FaultDetector:
                 job.held_extended = True
                 job.held_timer = _started(threading.Timer(job.heartbeat_timeout_s + 0.5, self._release_held, (job_id,)))
                 return
+            if job.held_timer is not None:
+                job.held_timer.cancel()  # (released early: every rank re-attached)
             held, job.held, job.held_timer, job.held_extended = job.held, [], None, False
+            restored = job.reattach_s > 0
+        causes = [r for r in held if r.fault_class not in _SYMPTOMS]
+        if restored and causes:
+            # Reports held while the node agents re-attached after a control restart: the
+            # cause that happened first (long before it arrived) goes first; the rest keep
+            # their order (a rank's exit stays after its own symptom).
+            first = min(causes, key=lambda r: r.occurred_unix)
+            held.remove(first)
+            held.insert(0, first)
         for report in held:
             self._emit(report)
 
     # ------------------------------------------------------------ private
+
+    def _reattached(self, job_id: str, rank: int) -> bool:
+        """The rank was heard from after a control restart; True when it was the last one
+        the job waited for and symptoms are held (they may go now)."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None or rank not in job.reattaching:
+                return False
+            job.reattaching.discard(rank)
+            return not job.reattaching and bool(job.held)
 
     @staticmethod
     def _quiet(job: _Job, now: float) -> list[int]:
@@ -444,6 +487,12 @@ class FaultDetector:
         rank = report.rank
         with self._lock:
             job = self._jobs[job_id]
+            if job.reattaching:
+                # Restored after a control restart: the node agents resend what happened
+                # while control was down one after another; the whole story is ordered
+                # once every rank was heard from (see _release_held).
+                self._hold(job_id, report, window=job.reattach_s)
+                return
             # A silence is never a consequence: it is published as a cause at once.
             if job.held and report.fault_class != RANK_SILENT and self._held_rank(job, rank):
                 job.held.append(report)  # the held rank's own exit follows its symptom

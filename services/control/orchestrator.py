@@ -6,7 +6,7 @@ snapshots. It never touches tensors, data or devices, and never polls: everythin
 arrives as an event (rank events relayed from the node agents, fault reports, replies).
 
     STANDBY -> WARMING_UP -> RUNNING <-> PAUSED
-    any non-terminal -> FAULT_FROZEN (recovering, or control restarted) -> RUNNING | TERMINATED
+    any non-terminal -> FAULT_FROZEN (recovering) -> RUNNING | TERMINATED
     any non-terminal -> TERMINATED  (outcome FINISHED | STOPPED | FAILED)
 
 Pause and stop name a step boundary (``at_step`` = latest reported step + 2) so that every
@@ -23,6 +23,15 @@ here, and RUNNING again once every rank has restored. While it recovers, reports
 of the failed generation (a survivor's collective error, its exit, the kills) are recorded
 as consequences of the incident, not decided on again: the incident is named after the
 rank that failed first. Every decision is a "decision" event with its reason.
+
+Control restart: what a restarted ``control`` needs is journaled with every event (state,
+status and the bookkeeping in ``_runtime``: ranks started/finished, a pause or stop in
+flight, restart budgets, checkpoint versions), and every applied step in the journal's step
+table. A live job is restored in its state; its node agents re-attach its ranks and resend
+the events not yet applied (exactly once, see ``server.SessionHub``). Skipped steps
+(``StepCompleted.skipped``) are "skip" events with their reason and counted in
+``surge_skipped_steps_total{reason}``. Before naming the version a recovery loads, the
+checkpoint manager's Verify says which versions are intact.
 
 Inputs: the operator's commands (SubmitJobRequest, JobQuery, Pause/Resume/StopJobRequest),
 TrainingLoopStarted / StepCompleted / EvalCompleted / TrainingLoopPaused /
@@ -643,6 +652,14 @@ class Orchestrator:
             state = job.status.state
             if state in (S.WARMING_UP, S.RUNNING, S.PAUSED):
                 self._faults(start_monitoring(job.status.job_id, job.spec, restored=True))
+                # The allocator learns the job again (what a recovery relaunches); its slots
+                # are taken as the node agents re-attach the ranks.
+                self._allocator(control_pb2.AllocateResources(
+                    job_id=job.status.job_id, world_size=job.spec.parallel.dp, backend=job.spec.parallel.backend,
+                    init=engine_pb2.InitJob(job_id=job.status.job_id, spec_json=stored.spec_json,
+                                            data_address=self._data_address, store_address=self._store_address),
+                    adopt=True,
+                ))
                 self._record(job, ORCH, "state", f"{S.Name(state)}: {REATTACH_MESSAGE}", status_message=REATTACH_MESSAGE)
             elif state == S.FAULT_FROZEN:
                 self._record(job, ORCH, "state", f"FAULT_FROZEN: {RESTART_MESSAGE}", status_message=RESTART_MESSAGE)

@@ -133,7 +133,13 @@ class ResourceAllocator:
 
         Returns ResourcesInsufficient (nothing reserved) when fewer slots are free than
         ranks are needed, or when backend ``nccl`` is asked for on CPU-only slots.
+
+        ``adopt`` (a control restart): only record the allocation, launch nothing.
         """
+        if msg.adopt:
+            with self._lock:
+                self._allocations.setdefault(msg.job_id, msg)  # a re-attached launch may have set it
+            return control_pb2.ResourcesReady(job_id=msg.job_id, world_size=msg.world_size)
         spec = spec_from_json(msg.init.spec_json)
         excluded = set(msg.exclude_worker_ids)
         with self._lock:
@@ -226,6 +232,7 @@ class ResourceAllocator:
             return control_pb2.ResourcesInsufficient(job_id=msg.job_id, reason=f"job {msg.job_id} holds no allocation")
         again = control_pb2.AllocateResources()
         again.CopyFrom(allocated)
+        again.adopt = False  # (an allocation adopted after a control restart is placed anew)
         again.init.resume_version = msg.resume_version
         again.exclude_worker_ids[:] = sorted(set(again.exclude_worker_ids) | set(msg.exclude_worker_ids))
         self.release_resources(control_pb2.ReleaseResources(job_id=msg.job_id, kill=True))

@@ -294,12 +294,14 @@ class SessionHub:
     # ------------------------------------------------------------ bus handlers (as L2_TRAINING_LOOP)
 
     def relay_rank_command(self, msg: Any, payload: Any = None) -> None:
-        """Queue a Start/Pause/Resume/StopTraining on every session that launched ranks of
-        the job; the node agent hands it to each of its ranks of that job."""
+        """Queue a Start/Pause/Resume/StopTraining on every session that launched (or
+        re-attached) ranks of the job; the node agent hands it to each of its live ranks of
+        that job (none: it logs and drops it). By job, not by live-rank count: after a
+        control restart an exit resent late may be counted against a rank relaunched since."""
         command = worker_pb2.RankCommand(**{_RANK_COMMAND_FIELD[type(msg)]: msg})
         with self._lock:
             for session in self._sessions.values():
-                if any(job_id == msg.job_id for job_id, _ in session.ranks):
+                if msg.job_id in session.jobs:
                     session.commands.put(control_pb2.WorkerCommand(rank_command=command))
 
     # ------------------------------------------------------------ operator logs (plumbing)

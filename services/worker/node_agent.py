@@ -798,7 +798,10 @@ class NodeAgent:
                 del self._ranks[k]  # ended and reported: nothing will address them again
         if old is not None and not old.exited.is_set():
             # Two processes of one rank would share its log and fight for its session.
-            if not old.released:
+            # A process already reaped whose exit is being reported (it died on its own just
+            # before control's release, which therefore skipped it) ends within the settle
+            # time: wait for it like for a released one.
+            if not old.released and not old.dead:
                 self._log.error("launch refused: rank already running here", job_id=job_id, rank=assignment.rank, pid=old.proc.pid)
                 return
             if not old.exited.wait(old.grace_seconds + STREAM_SETTLE_SECONDS + 2.0):

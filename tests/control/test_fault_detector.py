@@ -291,3 +291,43 @@ def test_a_held_stall_whose_rank_moves_on_is_dropped_as_transient():
     beat_at(bus, 0, step=4, interval=0.5)  # progress within the window
     time.sleep(1.0)
     assert [r for r in reports if r.fault_class == "rank_stalled" and r.step == 3] == []
+
+
+def test_after_a_restart_a_survivors_collective_error_waits_for_every_node_agent_to_resend_its_facts():
+    # Control was down when rank 1 died and rank 0 failed in the collective; rank 0's agent
+    # re-attaches first. Its comm_error waits (beyond attribution_seconds) for rank 1's agent.
+    bus, reports = wired()
+    monitor = control_pb2.StartFaultMonitoring(job_id="r", heartbeat_timeout_seconds=5.0, attribution_seconds=0.2,
+                                               world_size=2, reattach_seconds=10.0)
+    bus.command(M.L1_ORCHESTRATOR, M.L1_FAULT_DETECTOR, monitor)
+    bus.publish(M.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=7, worker_id="wa"))
+    bus.publish(M.L2_TRAINING_LOOP, engine_pb2.TrainingLoopFailed(job_id="r", rank=0, step=7, fault_class="comm_error",
+                                                                  detail="gloo: connection closed by peer"))
+    died = time.time() - 5.0  # rank 1 was killed while control was down; rank 0 failed after it
+    bus.publish(M.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died + 0.2))
+    time.sleep(0.6)  # past attribution_seconds: still held, rank 1's agent has not re-attached
+    assert list(reports) == []
+    bus.publish(M.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=1, exit_code=-9, worker_id="wb", unix_time=died))
+    cause, *rest = reports.wait(3)
+    assert (cause.fault_class, cause.rank) == ("rank_exit", 1)
+    assert [(r.fault_class, r.rank) for r in rest] == [("comm_error", 0), ("rank_exit", 0)]
+
+
+def test_after_a_restart_the_rank_that_died_first_is_the_cause_whichever_agent_re_attaches_last():
+    bus, reports = wired()
+    monitor = control_pb2.StartFaultMonitoring(job_id="r", heartbeat_timeout_seconds=5.0, attribution_seconds=0.2,
+                                               world_size=2, reattach_seconds=10.0)
+    bus.command(M.L1_ORCHESTRATOR, M.L1_FAULT_DETECTOR, monitor)
+    died = time.time() - 5.0  # while control was down
+    bus.publish(M.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=1, exit_code=-9, worker_id="wb", unix_time=died))
+    time.sleep(0.3)
+    assert list(reports) == []  # rank 0's agent has not re-attached yet
+    # Its agent re-attaches and resends: first a beat rank 0 sent before it failed (stale).
+    bus.publish(M.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=7, worker_id="wa", unix_time=died))
+    time.sleep(0.3)
+    assert list(reports) == []
+    bus.publish(M.L2_TRAINING_LOOP, engine_pb2.TrainingLoopFailed(job_id="r", rank=0, step=7, fault_class="comm_error",
+                                                                  detail="gloo: connection reset by peer"))
+    bus.publish(M.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died + 0.2))
+    got = reports.wait(3)
+    assert [(r.fault_class, r.rank) for r in got] == [("rank_exit", 1), ("comm_error", 0), ("rank_exit", 0)]

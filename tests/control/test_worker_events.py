@@ -159,3 +159,21 @@ def test_a_full_outbox_drops_the_oldest_and_the_gap_shows_in_the_sequence():
     box.resume(0)
     never = threading.Event()
     assert [box.get(never).seq for _ in range(2)] == [2, 3] and box.dropped == 1
+
+
+def test_a_job_restored_with_no_rank_left_is_recovered_on_its_adopted_allocation(tmp_path):
+    # Every rank died while control was down: no node agent re-attaches any, yet the
+    # recovery the policy decides can relaunch them (the allocation was adopted at restore).
+    db = tmp_path / "control.db"
+    plane, journal = open_plane(db)
+    job_id, session, _ = running_job(plane)
+    journal.close()
+    plane, journal = open_plane(db)
+    reg = registration("wa")
+    reg.incarnation = "i1"
+    session = plane.c.sessions.open(reg)  # nothing running any more
+    plane.rank_exited(session, job_id, 0, exit_code=-9)
+    launches = [c.launch for c in drain(session) if c.WhichOneof("command") == "launch"]
+    assert [(launch.job_id, [r.rank for r in launch.ranks]) for launch in launches] == [(job_id, [0])]
+    assert plane.get(job_id).state == S.FAULT_FROZEN  # relaunched, until the rank restores
+    journal.close()

@@ -157,3 +157,32 @@ def test_a_job_survives_a_sigkill_of_control_with_every_step_applied_exactly_onc
           f"{sent_after} queued in all; control applied {applied:.0f} sequenced events and dropped "
           f"{duplicates:.0f} duplicates")
     assert duplicates == 0 or duplicates <= resent
+
+
+def test_a_rank_that_dies_while_control_is_down_is_recovered_by_the_policy_after_the_restart(stack):
+    home = stack.home
+    job = stack.submit(spec("trestart", steps=STEPS, every=EVERY))
+    stack.wait_step(job, 120)  # after the checkpoint at step 100
+    pid = json.loads((home / "run" / "stack.json").read_text())["services"]["control"]["pid"]
+    argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")]
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(0.5)
+    (victim,) = processes_with(f"--job {job} --rank 1")
+    os.kill(victim, signal.SIGKILL)  # its node agent reaps it and keeps the fact for control
+    time.sleep(1.0)
+    proc = restart_control(home, argv)
+    events = list(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job, follow=True), timeout=240, wait_for_ready=True))
+    assert proc.poll() is None
+    finished(events)
+    (fault,) = [e for e in events if e.type == "fault" and e.message.startswith("SEVERE rank_exit: rank 1 ")]
+    assert "(signal 9)" in fault.message
+    decisions = of_type(events, "decision")[1:]
+    assert decisions[0].startswith("restart_ranks after rank_exit of rank 1")
+    (relaunch,) = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
+    assert f"resume from checkpoint {job}:1;" in relaunch
+    # Applied once each: 1..the last step before the fault, then the replay from step 101.
+    steps = [s for s, _, _ in applied_steps(home, job)]
+    resumed = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])  # where the replay starts
+    assert steps[:resumed] == list(range(1, resumed + 1)) and steps[resumed:] == list(range(101, STEPS + 1))
+    print(f"rank killed while control was down: recovered from {job}:1 after the restart; "
+          f"steps applied 1..{resumed} then 101..{STEPS}")
