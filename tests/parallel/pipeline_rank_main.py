@@ -112,7 +112,7 @@ def main() -> None:
         set_optimizer_state_dict(runner.module, optim, state["optim"], options=FLAT)
         start = int(state["step"])
 
-    losses, times, traces = [], [], []
+    losses, times, traces, evals = [], [], [], []
     for step in range(start + 1, cfg["steps"] + 1):
         ids_BT, labels_BT = global_batch(step)
         rows = ids_BT.shape[0] // dp
@@ -133,12 +133,14 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
         losses.append(float(stats) / float(tokens))
         traces.append([tuple(map(str, a)) if isinstance(a, tuple) else str(a) for a in trace])
+        if cfg.get("eval_every") and step % cfg["eval_every"] == 0:  # eval between training steps
+            evals.append(runner.forward_only(*global_batch(1000)))
         if cfg.get("save_at") == step:
             state = {"model": get_model_state_dict(runner.module),
                      "optim": get_optimizer_state_dict(runner.module, optim, options=FLAT), "step": torch.tensor(step)}
             dcp.save(state, checkpoint_id=cfg["save_dir"])
     val = runner.forward_only(*global_batch(1000)) if dp == accum == 1 else None
-    torch.save({"losses": losses, "times": times, "trace": traces[0] if traces else [], "val_ce_sum": val,
+    torch.save({"losses": losses, "times": times, "trace": traces[0] if traces else [], "val_ce_sum": val, "evals": evals,
                 "state": {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
                           for k, v in runner.module.state_dict().items()},
                 "pp_rank": pp_rank, "dp_rank": dp_rank}, out / f"rank{rank}.pt")

@@ -79,7 +79,9 @@ def assert_parity(results: list[dict], pp: int, steps: int = STEPS) -> list[floa
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pp2_matches_the_single_process_reference_for_10_adamw_steps(tmp_path, schedule):
-    results = run_ranks(tmp_path, 2, {"pp": 2, "dp": 1, "schedule": schedule, "microbatches": 4, "steps": STEPS})
+    # Forward-only evaluations every 3 steps switch the schedule out of training and back.
+    results = run_ranks(tmp_path, 2, {"pp": 2, "dp": 1, "schedule": schedule, "microbatches": 4, "steps": STEPS,
+                                      "eval_every": 3})
     rel = assert_parity(results, pp=2)
     print(f"PP=2 {schedule}: max relative loss difference {max(rel):.2e}, "
           f"step time {sum(results[0]['times'][1:]) / (STEPS - 1) * 1e3:.1f} ms")
@@ -97,6 +99,7 @@ def test_pp2_matches_the_single_process_reference_for_10_adamw_steps(tmp_path, s
     last = next(r for r in results if r["pp_rank"] == 1)
     assert last["val_ce_sum"] == pytest.approx(float(ref_ce), rel=1e-4)
     assert next(r for r in results if r["pp_rank"] == 0)["val_ce_sum"] is None
+    assert len(last["evals"]) == 3 and last["evals"][0] != last["evals"][-1]  # the model moved between them
 
 
 @pytest.mark.timeout(240)
