@@ -9,10 +9,16 @@ like one written without it, and loads into any other layout (DCP resolves keys)
 
 Schedules: torch's ``ScheduleGPipe`` (Huang et al. 2019, fill-drain) and ``Schedule1F1B``
 (Narayanan et al. 2021, PipeDream-Flush), one stage per rank. This unit executes a schedule;
-it does not judge one: the engine checks it first (``services.engine.schedule_check.
-check_schedule`` on the same action lists, every send has its receive and blocking
-execution completes) and builds the runner only when it passes. L3 may not import L2, so
-the composition root runs the check, before any process can wait on a bad schedule.
+it does not judge one: L2-2 checks it first (``ParallelStrategy.assign`` runs
+``services.engine.schedule_check.check_pipeline`` on the same action lists, every send has
+its receive and blocking execution completes) before any process group exists, so no rank
+can wait on a bad schedule. L3 may not import L2, hence the check lives there.
+
+In a rank (``services/worker/rank.py``): the shard loader cuts this rank's stage
+(:func:`stage_of`), L3-5 wraps it for the dp axis (DDP or FSDP2), the composition root
+builds the runner (:func:`runner_for`) and hands it to the backward unit, whose RunBackward
+runs the schedule for each micro-step (forward and backward interleave across ranks, so
+they cannot be two commands); the forward unit hands the token ids through.
 
 Loss: the last stage computes, per micro-batch m,
 
