@@ -62,13 +62,13 @@ def rank_main(rank: int, world: int, port: int, store: str, rounds: int, steps_b
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    from types import SimpleNamespace
+    from dataclasses import fields
 
     from services.compute.model import build_model
     from services.compute.shard_loader import ModelState
     from services.contract import data_pb2, store_pb2
     from services.engine.optimizer import Optimizer
-    from services.engine.training_loop import LoopState
+    from services.engine.training_loop import LoopPorts, LoopState, TrainingLoop
     from services.worker.store_client import StoreClient
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -90,8 +90,11 @@ def rank_main(rank: int, world: int, port: int, store: str, rounds: int, steps_b
         return time.perf_counter() - t0
 
     train_step()
-    loop = SimpleNamespace(_rank=rank, _world=world, _spec=spec, _step=0, _skipped=0, _loss_scale=1.0,
-                           _position=data_pb2.DataPosition(), _loaded_order=None)
+    # A real loop (never run) so that LoopState sees every field it saves; only what a
+    # started loop would have learnt from its job is set here.
+    loop = TrainingLoop(lambda *a, **k: 1, LoopPorts(*[None] * len(fields(LoopPorts))))
+    loop._rank, loop._world, loop._spec, loop._dp_size = rank, world, spec, world
+    loop._position = data_pb2.DataPosition()
     state = {"model": ModelState(model), "optim": opt.export_state(None).payload, "train": LoopState(loop)}
     client = StoreClient(store, lambda *a, **k: 1)
     results: dict[str, list[float]] = {}

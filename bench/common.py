@@ -75,6 +75,10 @@ class Stack:
 
         if stack.read_stack() is not None:
             stack.down()
+        # A fresh control database per benchmark: jobs of an earlier run (or an older
+        # schema) must not be restored into this one.
+        for f in BENCH_HOME.glob("control.db*"):
+            f.unlink()
         self.procs = stack.up(num_workers=self.workers)
         return self
 

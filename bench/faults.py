@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import sys
@@ -111,7 +112,13 @@ def surge_trial(kind: str, job_name: str, bound_s: float) -> dict:
         faults = [e for e in list(events) if e.type == "fault"]
         relaunch = [e for e in list(events) if e.type == "recovery" and not e.message.startswith("first step")]
         recov = first_step()
+        # Where the recovery time goes: the relaunched ranks' own start-up (process start,
+        # imports, process group, checkpoint load), from their "ready" events.
+        ready = [e for e in list(events) if e.type == "rank" and relaunch and e.unix_time > relaunch[0].unix_time]
+        startups = [float(m.group(1)) for e in ready if (m := re.search(r"([\d.]+) s start-up", e.message))]
         return {
+            "relaunched_rank_startup_s": max(startups) if startups else None,
+            "all_ready_s": max(e.unix_time for e in ready) - t_fault if ready and t_fault else None,
             "job": job, "kind": kind,
             "detect_s": faults[0].unix_time - t_fault if faults and t_fault else None,
             "first_new_step_s": recov[0].unix_time - t_fault if recov and t_fault else None,
@@ -220,6 +227,7 @@ def main() -> None:
     t0 = time.time()
     result = {"machine": c.machine(), "command": "make bench-faults", "trials": args.trials,
               "fault_step": FAULT_STEP, "surge_stall_min_seconds": STALL_MIN_S, "collective_timeout_s": args.collective_timeout}
+    name = "faults" if args.trials >= 5 else "faults-quick"  # a short check keeps the real figures
     stamp = int(time.time()) % 100000
     names = {k: [f"f{k}{stamp}x{i}" for i in range(args.trials)] for k in ("kill", "stop", "stall")}
     os.environ["SURGE_FAULT_INJECT"] = ",".join(f"{n}:hang@{FAULT_STEP}:rank=1" for n in names["stall"])
@@ -233,7 +241,7 @@ def main() -> None:
                 print(f"  surge {kind} {i + 1}: {surge[kind][-1]['detect_s']} / {surge[kind][-1]['first_new_step_s']}", flush=True)
                 torch_[kind].append(torchrun_trial(kind, args.collective_timeout, bound))
                 print(f"  torchrun {kind} {i + 1}: {torch_[kind][-1]['detect_s']} / {torch_[kind][-1]['first_new_step_s']}", flush=True)
-                c.save("faults", {**result, "surge": surge, "torchrun": torch_})
+                c.save(name, {**result, "surge": surge, "torchrun": torch_})
         for i in range(args.trials):
             surge["stall"].append(surge_trial("stall", names["stall"][i], bound))
             print(f"  surge stall {i + 1}: {surge['stall'][-1]['detect_s']} / {surge['stall'][-1]['first_new_step_s']}", flush=True)
@@ -243,8 +251,13 @@ def main() -> None:
                for kind, t in trials.items()}
         for side, trials in (("surge", surge), ("torchrun", torch_))
     }
+    result["surge_recovery_breakdown"] = {
+        kind: {key: c.summary([t[key] for t in trials if t.get(key) is not None])
+               for key in ("relaunch_s", "all_ready_s", "relaunched_rank_startup_s", "first_new_step_s")}
+        for kind, trials in surge.items()
+    }
     result["total_seconds"] = time.time() - t0
-    path = c.save("faults", result)
+    path = c.save(name, result)
     rows = []
     for kind, label in (("kill", "SIGKILL rank 1"), ("stop", "SIGSTOP rank 1"), ("stall", "rank 1 hangs, heartbeat on")):
         s = result["summary"]["surge"][kind]
@@ -253,6 +266,10 @@ def main() -> None:
                      _cell(s["first_new_step_s"]), _cell(t["first_new_step_s"]) if t else "-"))
     print(c.table(rows, ("fault (trials: %d)" % args.trials, "Surge detect s (median / max)", "torchrun detect s",
                          "Surge fault -> first new step s", "torchrun fault -> first new step s")))
+    for kind, b in result["surge_recovery_breakdown"].items():
+        print(f"Surge {kind}, median s after the fault: relaunch decided {b['relaunch_s']['median']:.2f}, all ranks "
+              f"ready {b['all_ready_s']['median']:.2f} (rank start-up {b['relaunched_rank_startup_s']['median']:.2f}), "
+              f"first new step {b['first_new_step_s']['median']:.2f}")
     print(f"\nSurge: heartbeat timeout 3 s, stall deadline {STALL_MIN_S:.0f} s; torchrun: --max-restarts=3, "
           f"--monitor-interval=0.1, gloo timeout {args.collective_timeout:.0f} s (default 600). "
           f"{path.relative_to(c.REPO)}; {result['total_seconds']:.0f} s")

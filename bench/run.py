@@ -48,12 +48,18 @@ def throughput(results: dict) -> None:
     surge_tps, torch_tps, surge_start, torch_start = [], [], [], []
     spans: dict[str, list[float]] = {}
     packed_vs_consumed = []
+    services_cpu: dict[str, list[float]] = {}
     with c.Stack(workers=2) as stack:
         for rep in range(REPS):
             spec = c.write_spec(SPEC, f"bench{rep}", steps=STEPS)
             # Surge: submit through surgectl's code path, wait for the end.
+            cpu0 = {name: _cpu(p.pid) for name, p in stack.procs.items()}
             job, t_submit = c.submit(spec)
             status = c.wait_job(job, timeout_s=60 + STEPS * 3)
+            wall_job = time.time() - t_submit
+            for name, p in stack.procs.items():  # the services' CPU while the job ran
+                key = "worker" if name.startswith("worker") else name
+                services_cpu.setdefault(key, []).append(100 * (_cpu(p.pid) - cpu0[name]) / wall_job)
             recs = c.surge_steps(job)
             if len(recs) < 2 or any(len(v) < STEPS for v in recs.values()):
                 raise RuntimeError(f"Surge job {job} ended {status.outcome} with {[len(v) for v in recs.values()]} steps")
@@ -86,6 +92,18 @@ def throughput(results: dict) -> None:
     results["startup_seconds"] = {"surge_submit_to_first_step": c.summary(surge_start),
                                   "torchrun_launch_to_first_step": c.summary(torch_start)}
     results["data_packed_vs_consumed"] = packed_vs_consumed
+    # % of one core over submit..end; "worker" is each node agent (the ranks are its
+    # children, not counted here).
+    results["services_cpu_percent"] = {k: c.summary(v) for k, v in services_cpu.items()}
+
+
+def _cpu(pid: int) -> float:
+    """utime + stime of ``pid`` (seconds, /proc); 0 if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _packed(log: Path, job: str, steps: int) -> dict:
@@ -169,6 +187,8 @@ def render(r: dict) -> str:
         ]
     for k, v in r.get("spans_fraction_of_wall", {}).items():
         rows.append(("2 spans", f"{k}, % of wall time (rank median)", c.fmt({**v, **{x: 100 * v[x] for x in ('median', 'min', 'max')}}, " %", 2)))
+    for k, v in r.get("services_cpu_percent", {}).items():
+        rows.append(("2 spans", f"CPU of {k} during the job, % of one core", c.fmt(v, " %", 1)))
     b = r.get("bus")
     if b:
         rows.append(("2 spans", "bus: us per command+reply / per publish", f"{b['us_per_send'].get('command + routed reply', 0):.2f} / {b['us_per_send'].get('publish to 2 receivers', 0):.2f}"))
@@ -217,6 +237,10 @@ def main() -> None:
     results = {"machine": c.machine(), "command": ("BENCH_QUICK=1 " if c.QUICK else "") + "make bench"}
     t0 = time.time()
     only = [x.strip() for x in os.environ.get("BENCH_ONLY", "").split(",") if x.strip()]  # e.g. "throughput,bus"
+    out = c.RESULTS / f"bench{'-quick' if c.QUICK else ''}.json"
+    if only and out.exists():  # re-run some sections: keep the others' figures
+        results = {**json.loads(out.read_text()), **results, "sections_rerun": only}
+        results.pop("errors", None)
     for name, fn in (("throughput", throughput), ("bus", bus_cost), ("data drain", data_drain),
                      ("checkpoints", checkpoints), ("control plane", control_scale)):
         if only and name not in only:
