@@ -54,18 +54,19 @@ class ForwardUnit:
             "L3_FORWARD_UNIT", "kernel choice (ConfigureForward)"
         )
         self._state = "idle"  # idle | running | error
-        self._pipelined = False
+        self._pipeline: Any = None
 
-    def attach(self, module: nn.Module, *, pipelined: bool = False) -> None:
+    def attach(self, module: nn.Module, *, pipeline: Any = None) -> None:
         """Composition root: the module to run (the DDP wrapper under data parallelism).
 
-        ``pipelined`` (pp > 1): the pipeline schedule interleaves this stage's forward
-        passes with backward passes across ranks, so it runs whole in the backward unit's
-        RunBackward (services/compute/pipeline_stage.py); RunForward then hands the token
-        ids through unchanged, as its reply's payload."""
+        ``pipeline`` (pp > 1; a services.compute.pipeline_stage.PipelineRunner): the
+        schedule interleaves this stage's forward passes with backward passes across ranks,
+        so it runs whole in the backward unit's RunBackward; RunForward then hands the
+        token ids through unchanged, as its reply's payload, and this unit passes the
+        adapter's selection (kernel, autocast region) on to the pipeline's forwards."""
         self._module = module
         self._device = next(module.parameters()).device
-        self._pipelined = pipelined
+        self._pipeline = pipeline
 
     # ------------------------------------------------------------------ commands / events
 
@@ -82,14 +83,20 @@ class ForwardUnit:
         )
         self._ops = reply.payload
         self._choice.set(msg)
+        self._select_for_pipeline()
 
     def on_operators_ready(self, msg: engine_pb2.OperatorsReady, payload: Operators) -> None:
         self._ops = payload
+        self._select_for_pipeline()
+
+    def _select_for_pipeline(self) -> None:
+        if self._pipeline is not None and self._ops is not None and self._ops.attention:
+            self._pipeline.use_operators(self._ops)
 
     def run_forward(self, msg: engine_pb2.RunForward, payload: torch.Tensor) -> Reply:
         """执行前向计算指令. Raises RuntimeError when no module is attached or no kernel
         was selected; errors of the model itself propagate."""
-        if self._pipelined:
+        if self._pipeline is not None:
             return Reply(engine_pb2.ForwardDone(seconds=0.0), payload)
         if self._module is None or self._device is None:
             raise RuntimeError("forward unit: no model attached")

@@ -206,6 +206,14 @@ class PipelineRunner:
     def is_last(self) -> bool:
         return self.module.last
 
+    def use_operators(self, ops) -> None:
+        """The operator adapter's selection, relayed by the forward unit (an
+        ``operator_adapter.Operators``): its attention kernel for the stage's blocks, its
+        region (autocast, SDPA restriction) around every schedule call. Activations between
+        stages stay float32 under autocast (the residual stream adds in float32)."""
+        self.module.use_attention(ops.attention)
+        self._region = ops.region
+
     def _loss(self, logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
         ce_sum = F.cross_entropy(
             logits_BTV.reshape(-1, logits_BTV.shape[-1]).float(),
@@ -306,21 +314,15 @@ def check_pipeline_job(spec) -> None:  # services.jobspec.JobSpec (not imported:
     """Refuse, before a rank builds anything, what the pipeline path does not combine with
     yet (one line naming the field). Nothing to check when ``parallel.pp`` is 1.
 
-    Raises ValueError: tp > 1 (a stage has no TP input/output conversion), a precision
-    other than fp32 (the schedule does not run inside the operator adapter's autocast
-    region yet), an attention kernel restriction or torch.compile (likewise), or
-    ``data.micro_batch_size`` not divisible by the pipeline micro-batches.
+    Raises ValueError: tp > 1 (a stage has no TP input/output conversion), torch.compile
+    (stages run eagerly), or ``data.micro_batch_size`` not divisible by the pipeline
+    micro-batches.
     """
     par = spec.parallel
     if par.pp == 1:
         return
     if par.tp > 1:
         raise ValueError(f"parallel.tp: tp ({par.tp}) > 1 inside pipeline stages is not supported yet (pp = {par.pp})")
-    if spec.precision.dtype != "fp32":
-        raise ValueError(f"precision.dtype: pipeline parallelism (pp = {par.pp}) runs fp32 only for now, got {spec.precision.dtype}")
-    attention = spec.operators.attention or spec.model.attention
-    if attention not in _KERNELS:
-        raise ValueError(f"operators.attention: pipeline stages run {tuple(_KERNELS)}, got {attention!r}")
     if spec.operators.compile:
         raise ValueError("operators.compile: torch.compile of pipeline stages is not supported yet (pp > 1)")
     n = par.microbatches or par.pp
@@ -349,7 +351,6 @@ def runner_for(stage: StageModule, run_module: nn.Module, spec, device: str = "c
     """The composition root's pipeline runner for ``stage`` under the job's schedule; one
     pipeline micro-batch is micro_batch_size / microbatches rows of seq_len tokens."""
     n = spec.parallel.microbatches or spec.parallel.pp
-    stage.use_attention(spec.operators.attention or spec.model.attention)
     return PipelineRunner(
         stage,
         schedule=spec.parallel.pipeline_schedule,

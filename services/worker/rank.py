@@ -160,7 +160,7 @@ def compose(
         run = reduction.attach(model)
         # pp > 1: the pipeline schedule runs this stage, inside L3-4's RunBackward.
         pipeline = runner_for(model, run, spec, device) if isinstance(model, StageModule) else None
-        forward.attach(run, pipelined=pipeline is not None)
+        forward.attach(run, pipeline=pipeline)
         backward.attach(model.parameters(), pipeline=pipeline)
         precision.attach(model.parameters())
         optimizer.attach(model)

@@ -77,12 +77,12 @@ class GlobalRowsData:
             self._packer(mb, Batch(msg.split, x, y))
 
 
-def parity_spec(steps: int = 10, ckpt_every: int = 0, model: dict | None = None, **parallel: Any):
+def parity_spec(steps: int = 10, ckpt_every: int = 0, model: dict | None = None, precision: str = "fp32", **parallel: Any):
     """2 layers, d_model 64, 4 heads, seq 32, fp32, AdamW with warmup + cosine; ``parallel``
     overrides the parallel section; micro-batch rows are chosen so each step holds
     GLOBAL_ROWS rows. ``grad_accum`` may be passed among them. ``ckpt_every``: save every
     that many steps (0: never). ``model`` overrides model fields (e.g. untied embeddings
-    for pipeline parallelism)."""
+    for pipeline parallelism); ``precision``: "fp32" | "bf16" | "fp16"."""
     from services.jobspec import JobSpec
 
     accum = parallel.pop("grad_accum", 1)
@@ -94,6 +94,7 @@ def parity_spec(steps: int = 10, ckpt_every: int = 0, model: dict | None = None,
         "data": {"dataset": "corpus@v1", "seq_len": SEQ_LEN, "micro_batch_size": GLOBAL_ROWS // (dp * accum),
                  "grad_accum": accum},
         "parallel": parallel,
+        "precision": precision,
         "optimizer": {"lr": 3e-3, "warmup_steps": 2},
         "checkpoint": {"every_steps": ckpt_every, "at_end": False, "keep_last": 0},
         "eval": {"every_steps": 0, "at_end": False},
