@@ -377,6 +377,7 @@ class Outbox:
         self._next = 0       # index in _items of the next event to send in this session
         self._sent = 0       # highest seq ever handed to a session
         self._open = False   # a session resumed and may take events
+        self._acked = True   # the session's control acknowledges (else: sent = delivered)
         self.dropped = 0
         self.resent = 0      # events sent again after a reconnect (sent before, never acknowledged)
 
@@ -403,14 +404,19 @@ class Outbox:
             event = self._items[self._next]
             self._next += 1
             self._sent = max(self._sent, event.seq)
+            if not self._acked:  # a control that acknowledges nothing: forget it once sent
+                self._drop_through(event.seq)
             return event
 
-    def resume(self, applied: int) -> tuple[int, int]:
+    def resume(self, applied: int | None) -> tuple[int, int]:
         """A session opened and control has applied every event up to seq ``applied``:
         forget those, send the rest from the first. Returns (events to send, of which
-        resent: sent before and never acknowledged)."""
+        resent: sent before and never acknowledged). ``applied`` None: this control does not
+        track sequences (no ``surge-last-seq`` header): what was sent counts as delivered,
+        as it would never be deduplicated, and events are forgotten once sent."""
         with self._cond:
-            self._drop_through(applied)
+            self._acked = applied is not None
+            self._drop_through(self._sent if applied is None else applied)
             self._next = 0
             self._open = True
             resend = sum(1 for e in self._items if e.seq <= self._sent)
@@ -1109,7 +1115,7 @@ class ControlSession:
             # Control acknowledges the registration with an initial-metadata header; a
             # control that sends none answers with its first command or when it closes.
             header = dict(self._call.initial_metadata() or ())
-            applied = int(header.get(LAST_SEQ_HEADER, "0") or 0)
+            applied = int(header[LAST_SEQ_HEADER]) if header.get(LAST_SEQ_HEADER, "").isdigit() else None
             pending, resent = self._outbox.resume(applied)
             if REGISTERED_HEADER in header:
                 self._log.info("registered with control", control=self._address, acknowledged=header[REGISTERED_HEADER],

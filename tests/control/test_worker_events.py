@@ -177,3 +177,14 @@ def test_a_job_restored_with_no_rank_left_is_recovered_on_its_adopted_allocation
     assert [(launch.job_id, [r.rank for r in launch.ranks]) for launch in launches] == [(job_id, [0])]
     assert plane.get(job_id).state == S.FAULT_FROZEN  # relaunched, until the rank restores
     journal.close()
+
+
+def test_with_a_control_that_tracks_no_sequence_sent_events_count_as_delivered():
+    box = Outbox()
+    never = threading.Event()
+    box.put(control_pb2.WorkerEvent(memory_pressure=control_pb2.MemoryPressure()))
+    assert box.resume(None) == (1, 0)  # no surge-last-seq header
+    assert box.get(never).seq == 1 and box.wait_empty(0.01)  # forgotten once sent
+    box.put(control_pb2.WorkerEvent(memory_pressure=control_pb2.MemoryPressure()))
+    box.pause()
+    assert box.resume(None) == (1, 0)  # only what was never sent goes on the next session
