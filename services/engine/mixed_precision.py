@@ -122,14 +122,18 @@ class MixedPrecision:
         self._emit = emit
         self._operators = operators
         self._params: list[torch.Tensor] = []
+        self._stages: Any = None  # the pp group under pipeline parallelism
         # Seed L2-4 s2: 精度策略副本, carried by 混合精度初始化指令 once; frozen after it.
         self._policy = FrozenConfig[str]("L2_MIXED_PRECISION", "precision policy (InitPrecision)")
         self._scaler: DynamicLossScaler | None = None  # fp16 only
         self._state = "idle"  # idle | checking | overflow | no_overflow
 
-    def attach(self, parameters: Iterable[torch.Tensor]) -> None:
-        """Composition root: the parameters whose gradients this manager checks."""
+    def attach(self, parameters: Iterable[torch.Tensor], *, stages: Any = None) -> None:
+        """Composition root: the parameters whose gradients this manager checks.
+        ``stages`` (pp > 1): the pp process group; each stage holds only its own
+        parameters, so the norm's squares are summed over it (the whole model's norm)."""
         self._params = list({id(p): p for p in parameters}.values())
+        self._stages = stages
 
     @property
     def _loss_scale(self) -> float:
@@ -166,7 +170,7 @@ class MixedPrecision:
         scale = self._loss_scale
         if scale != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / scale)
-        norm = total_norm(grads)  # DTensor-aware (FSDP2/TP shards): services/engine/grad_norm.py
+        norm = total_norm(grads, over=self._stages)  # DTensor-aware (FSDP2/TP shards): services/engine/grad_norm.py
         found_inf = not math.isfinite(norm)
         self._state = "overflow" if found_inf else "no_overflow"
         return engine_pb2.OverflowChecked(found_inf=found_inf, loss_scale=scale, grad_norm=norm)
