@@ -409,8 +409,7 @@ class FaultDetector:
             # cause that happened first (long before it arrived) goes first; the rest keep
             # their order (a rank's exit stays after its own symptom).
             first = min(causes, key=lambda r: r.occurred_unix)
-            held.remove(first)
-            held.insert(0, first)
+            held = [first] + [r for r in held if r is not first]
         for report in held:
             self._emit(report)
 

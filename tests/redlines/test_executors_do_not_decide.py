@@ -398,8 +398,11 @@ def test_the_training_loop_cannot_request_resources_or_change_the_job(tmp_path):
 
 def test_the_orchestrator_only_commands_below_and_never_queries(tmp_path):
     orchestrator = build_control(tmp_path).modules[M.L1_ORCHESTRATOR]
+    # L5_CHECKPOINT_MANAGER: VerifyCheckpoints before naming a version to load (a recorded
+    # addition in seed_routes.yaml); the store reports verdicts, the orchestrator chooses.
     assert sorted(holds(orchestrator)["ports"]) == [
-        "L1_FAULT_DETECTOR", "L1_RECOVERY_CONTROLLER", "L1_RESOURCE_ALLOCATOR", "L2_TRAINING_LOOP"]
+        "L1_FAULT_DETECTOR", "L1_RECOVERY_CONTROLLER", "L1_RESOURCE_ALLOCATOR", "L2_TRAINING_LOOP",
+        "L5_CHECKPOINT_MANAGER"]
     below = [r for r in default_table().routes() if M.L1_ORCHESTRATOR in r.senders and r.receivers & set(MODULES)]
     assert below and all(r.kind == COMMAND for r in below)
     assert not [r.message for r in below if "Query" in r.message or "Get" in r.message]
