@@ -104,6 +104,12 @@ DEFAULT_RULES: dict[str, int] = {
     "data_exhausted": G.FATAL,
     "non_finite_loss": G.FATAL,
     "overflow_storm": G.FATAL,
+    # A rank fails with these only when the policy does not skip the step: a recurring
+    # numeric fault of the run (fp16 loss scaler), not of a process.
+    "gradient_overflow": G.MEDIUM,
+    "loss_scale_at_minimum": G.FATAL,
+    # The job spec asked for an operator this device lacks: the same on every restart.
+    "operator_unavailable": G.FATAL,
     "model_error": G.FATAL,
     "config_error": G.FATAL,
     "checkpoint_error": G.SEVERE,

@@ -331,3 +331,12 @@ def test_after_a_restart_the_rank_that_died_first_is_the_cause_whichever_agent_r
     bus.publish(M.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died + 0.2))
     got = reports.wait(3)
     assert [(r.fault_class, r.rank) for r in got] == [("rank_exit", 1), ("comm_error", 0), ("rank_exit", 0)]
+
+
+def test_every_fault_class_a_rank_raises_has_its_own_grade():
+    # The classes the loop, the precision policy and the operator adapter fail with: none may
+    # fall through to the catch-all grade by accident (a new class needs a deliberate rule).
+    raised = {"config_error", "data_unavailable", "data_exhausted", "non_finite_loss", "gradient_overflow",
+              "loss_scale_at_minimum", "overflow_storm", "operator_unavailable", "checkpoint_error",
+              "comm_error", "model_error", "boundary_violation", "session_lost"}
+    assert raised - set(DEFAULT_RULES) == set()
