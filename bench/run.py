@@ -73,7 +73,7 @@ def throughput(results: dict) -> None:
                 for ph in PHASES:
                     spans.setdefault(f"{ph[:-8]}", []).append(sum(r.get(ph, 0.0) for r in steady) / wall)
                 inside = sum(sum(r.get(ph, 0.0) for ph in PHASES) for r in steady)
-                spans.setdefault("rest of step (UnscaleAndCheck grad norm, bus, messages)", []).append((step_s - inside) / wall)
+                spans.setdefault("rest of step (token-count all-reduce, grad-norm/inf check, bus)", []).append((step_s - inside) / wall)
                 spans.setdefault("between steps (emit)", []).append((wall - step_s) / wall)
             packed_vs_consumed.append(_packed(stack.log("data"), job, STEPS))
             # torchrun, same spec, right after.
