@@ -2,9 +2,10 @@
 
 ``torch.nn.utils.get_total_norm`` runs ``torch._foreach_norm`` over one list, which refuses
 a mix of plain tensors and DTensors, and on DTensors returns a DTensor (a partial norm)
-rather than a number. Under tensor parallelism the non-sharded weights (embedding, norms)
-stay plain tensors while q/k/v/... are DTensors; under FSDP2 x TP the DTensors live on two
-meshes (dp x tp for the TP-sharded weights, dp for the rest). So the gradients are grouped
+rather than a number. A layout may leave non-sharded weights (embedding, norms) plain
+tensors beside DTensor q/k/v/..., or put DTensors on two meshes (dp x tp and dp). (Surge's
+present layout, torch 2.13, gives only DTensors on one mesh: tp, or dp x tp, with Partial
+grads for the replicated weights; tests/parallel/test_precision_parallel.py.) So the gradients are grouped
 by mesh, each group's norm is made whole (``full_tensor()``: the collective that sums the
 shards' squares over the mesh), and the groups are combined as sqrt(sum of squares).
 Every rank must call it, in the same order (the full_tensor reductions are collectives).

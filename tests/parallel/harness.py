@@ -104,7 +104,8 @@ def parity_spec(steps: int = 10, ckpt_every: int = 0, model: dict | None = None,
 class Rank:
     """One rank wired by the real composition root, with the global-rows data relay."""
 
-    def __init__(self, spec, ckpt_root: Path, *, rank: int, world_size: int, port: int, resume_version: str = ""):
+    def __init__(self, spec, ckpt_root: Path, *, rank: int, world_size: int, port: int, resume_version: str = "",
+                 guard=None):
         from services.contract import Module as M
         from services.contract.bus import Bus
         from services.jobspec import spec_to_json
@@ -116,7 +117,8 @@ class Rank:
                                    batches=spec.steps * spec.data.grad_accum + 4)
         self.store = FakeStore(bus.emitter(M.L5_CHECKPOINT_MANAGER), ckpt_root)
         self.up = FakeUp()
-        self.modules = compose(bus, spec, "cpu", data=self.data, store=self.store, up=self.up)
+        # guard: a StepGuard with test-only injections on the backward port (as rank.py wires it).
+        self.modules = compose(bus, spec, "cpu", data=self.data, store=self.store, up=self.up, guard=guard)
         self.init = engine_pb2.InitJob(job_id="job", spec_json=spec_to_json(spec), resume_version=resume_version)
         self.assignment = engine_pb2.RankAssignment(
             rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port,
@@ -178,15 +180,17 @@ def rank_main(argv: list[str]) -> None:
 
     Besides the parallel section, CONFIG may hold ``steps``, ``ckpt_every``, ``ckpt_root``
     (where checkpoints go; default OUT/ckpt), ``resume`` (a version under ckpt_root: the
-    loop resumes it) and ``load_weights_from`` (a checkpoint directory whose model and
-    optimizer are loaded before training starts, from step 0)."""
+    loop resumes it), ``load_weights_from`` (a checkpoint directory whose model and
+    optimizer are loaded before training starts, from step 0) and ``inject`` (a list of
+    ``[kind, step, rank]``: services.worker.faults injections, e.g. ``["inf_grad", 3, 1]``)."""
     config, rank, world, port, out = json.loads(argv[0]), int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     ckpt_root = Path(config.pop("ckpt_root", out / "ckpt"))
     resume, load_from = config.pop("resume", ""), config.pop("load_weights_from", "")
+    guard = _guard(config.pop("inject", []), rank, out, lambda: r)
     spec = parity_spec(**config)
-    r = Rank(spec, ckpt_root, rank=rank, world_size=world, port=port, resume_version=resume)
+    r = Rank(spec, ckpt_root, rank=rank, world_size=world, port=port, resume_version=resume, guard=guard)
     loaded: dict[str, Any] = {}
 
     def load(rank_: Rank) -> None:
@@ -204,8 +208,25 @@ def rank_main(argv: list[str]) -> None:
     r.modules.parallel.shutdown()
     torch.save({"losses": [s.loss for s in steps], "tokens": [s.tokens for s in steps], "steps": [s.step for s in steps],
                 "grad_norms": [s.grad_norm for s in steps], "step_seconds": [s.step_seconds for s in steps],
+                "loss_scales": [s.loss_scale for s in steps], "skipped": [s.skipped for s in steps],
                 "state": state, "loaded": loaded, "committed": [c.step for c in r.store.committed]},
                out / f"rank{rank}.pt")  # fmt: skip
+
+
+def _guard(inject: list, rank: int, out: Path, current: Any):
+    """A StepGuard firing ``inject`` (``[kind, step, rank]`` triples) at the step the loop is
+    running now (``current()``: the Rank, once built); None when there is nothing to inject."""
+    if not inject:
+        return None
+    from services.worker.faults import FaultInjector, Injection, StepGuard
+
+    def step() -> int:
+        up = current().up
+        done, started = up.of(engine_pb2.StepCompleted), up.of(engine_pb2.TrainingLoopStarted)
+        return (done[-1].step if done else started[-1].start_step if started else 0) + 1
+
+    injector = FaultInjector([Injection(k, int(s), int(r)) for k, s, r in inject], "job", rank, marker_dir=out / "faults")
+    return StepGuard(step, injector=injector)
 
 
 def full_optimizer_state(r: Rank) -> dict[str, torch.Tensor]:
