@@ -26,9 +26,11 @@ rank that failed first. Every decision is a "decision" event with its reason.
 
 Control restart: what a restarted ``control`` needs is journaled with every event (state,
 status and the bookkeeping in ``_runtime``: ranks started/finished, a pause or stop in
-flight, restart budgets, checkpoint versions), and every applied step in the journal's step
-table. A live job is restored in its state; its node agents re-attach its ranks and resend
-the events not yet applied (exactly once, see ``server.SessionHub``). Skipped steps
+flight, restart budgets, checkpoint versions, workers excluded, the recovery in flight), and
+every applied step in the journal's step table. A live job is restored in its state; its
+node agents re-attach its ranks and resend the events not yet applied (exactly once, see
+``server.SessionHub``). A job caught mid-recovery resumes that recovery without spending
+its restart again (see ``_restore``). Skipped steps
 (``StepCompleted.skipped``) are "skip" events with their reason and counted in
 ``surge_skipped_steps_total{reason}``. Before naming the version a recovery loads, the
 checkpoint manager's Verify says which versions are intact.
@@ -44,6 +46,7 @@ the session relay), JobStatus / JobList / JobEvent (the operator).
 
 from __future__ import annotations
 
+import base64
 import math
 import secrets
 import threading
@@ -70,6 +73,8 @@ ORCH = Module.L1_ORCHESTRATOR
 EVENT_LOG = "event_log"
 
 RESTART_MESSAGE = "control restarted; ranks not re-attached"
+# A job that was mid-recovery when control restarted resumes that recovery.
+RESUME_MESSAGE = "control restarted mid-recovery; resuming it"
 # A job live when control restarted keeps its state: its node agents re-attach its ranks.
 REATTACH_MESSAGE = "control restarted; waiting for the ranks to re-attach"
 
@@ -112,6 +117,15 @@ class _Incident:
     decided: float  # time.monotonic() of the decision
     dying: Counter[int] = field(default_factory=Counter)
     version: str = ""
+    bound: int | None = None            # rollback: no version after this step
+    exclude: list[str] = field(default_factory=list)  # exclude_node: the worker(s) left out
+    relaunched: bool = False            # RecoveryCompleted applied (journaled with its event)
+    # Restored from the journal after a control restart with ``relaunched`` False: whether
+    # the relaunch reached the node agents is unknown until the re-attached ranks tell.
+    resumed: bool = False
+    # When that relaunch was commanded again (unix time): reports graded before it are
+    # about the ranks it replaced, already accounted for.
+    repeated_unix: float = 0.0
 
 
 @dataclass
@@ -133,6 +147,7 @@ class _Job:
     ignored: Counter[str] = field(default_factory=Counter)   # fault class -> faults ignored
     versions: list[tuple[int, str]] = field(default_factory=list)  # (step, version) committed
     unusable: set[str] = field(default_factory=set)       # versions that failed verification
+    excluded: set[str] = field(default_factory=set)       # workers left out by exclude_node decisions
 
 
 class Orchestrator:
@@ -327,6 +342,14 @@ class Orchestrator:
                 return
             if job.status.state == S.FAULT_FROZEN and job.incident is None:
                 return  # frozen by a control restart: these ranks are not known here
+            if job.incident is not None and job.incident.resumed and not job.incident.relaunched:
+                # Only a relaunched rank reports ready during a recovery (the failed
+                # generation's ready reports were applied before the fault): the relaunch
+                # reached the node agents before control went down; it is not repeated.
+                job.incident.relaunched = True
+                self._record(job, ORCH, "recovery",
+                             f"the relaunch commanded before the restart happened: rank {msg.rank} of the "
+                             "relaunched ranks is ready; not relaunched again")
             job.started.add(msg.rank)
             self._record(
                 job,
@@ -480,6 +503,12 @@ class Orchestrator:
             text = f"{G.Name(msg.grade)} {msg.fault_class}: {msg.detail}"
             ended = msg.fault_class in _EXITS
             incident = job.incident
+            if incident is not None and (
+                (incident.resumed and not incident.relaunched)
+                or (incident.repeated_unix and msg.detected_unix and msg.detected_unix <= incident.repeated_unix)
+            ):
+                self._on_resumed_fault(job, incident, msg, text, ended)
+                return
             if incident is not None and incident.dying[msg.rank] > 0:
                 if ended:
                     incident.dying[msg.rank] -= 1
@@ -529,7 +558,10 @@ class Orchestrator:
         previous = job.incident
         if fault_class == "checkpoint_error" and previous is not None and previous.version:
             job.unusable.add(previous.version)  # the relaunched ranks could not load it
-        incident = _Incident(cause=msg, fault_class=fault_class, action=action, decided=time.monotonic())
+        bound = msg.step if action == "rollback" and msg.step else None
+        exclude = [msg.worker_id] if action == "exclude_node" and msg.worker_id else []
+        incident = _Incident(cause=msg, fault_class=fault_class, action=action, decided=time.monotonic(),
+                             bound=bound, exclude=exclude)
         # Every rank of the failing generation not yet seen ended will end (the recovery
         # kills it): its reports until then are consequences of this incident.
         incident.dying.update(r for r in range(job.status.world_size) if r not in job.exited)
@@ -538,8 +570,7 @@ class Orchestrator:
         job.incident, job.recovered, job.exited = incident, None, set()
         job.started, job.paused, job.finished = set(), set(), {}
         job.pending = ""  # a pause in flight is dropped: the relaunched ranks start running
-        bound = msg.step if action == "rollback" and msg.step else None
-        exclude = [msg.worker_id] if action == "exclude_node" and msg.worker_id else []
+        job.excluded.update(exclude)  # journaled with the decision: a restarted control keeps it
         self._record(
             job, ORCH, "decision",
             f"{action} after {who} (restart {spent + 1} of {budget} for {fault_class})"
@@ -547,11 +578,45 @@ class Orchestrator:
         )
         if job.status.state != S.FAULT_FROZEN:
             self._transition(job, S.FAULT_FROZEN, ORCH, f"recovering from {fault_class} of rank {msg.rank}")
-        self._recover(job, incident, bound, exclude)
+        self._recover(job, incident)
 
-    def _recover(self, job: _Job, incident: _Incident, bound: int | None, exclude: list[str]) -> None:
+    def _on_resumed_fault(
+        self, job: _Job, incident: _Incident, msg: control_pb2.FaultReport, text: str, ended: bool
+    ) -> None:
+        """A fault report while a recovery restored from the journal waits to learn whether
+        its relaunch reached the node agents. The exit of a rank of the failed generation
+        (one the recovery kills) is a consequence; anything else (a rank not re-attached in
+        time and declared silent, a rank that died, a stall) says the relaunched ranks are
+        not all there: the relaunch is commanded again, for the same incident (its restart
+        was spent when it was decided)."""
+        cause = incident.cause
+        if incident.repeated_unix or (ended and incident.dying[msg.rank] > 0):
+            # (a report graded before the relaunch was commanded again: about the ranks it replaced)
+            if ended and incident.dying[msg.rank] > 0:
+                incident.dying[msg.rank] -= 1
+            self._record(job, Module.L1_FAULT_DETECTOR, "fault",
+                         f"{text} (consequence of rank {cause.rank}'s {cause.fault_class})")
+            return
+        self._record(job, Module.L1_FAULT_DETECTOR, "fault",
+                     f"{text} (during the recovery from rank {cause.rank}'s {cause.fault_class}, resumed after "
+                     "a control restart)")
+        if msg.fault_class == "rank_released":
+            return  # an exit control asked for: says nothing of the relaunch
+        # Once: later reports are this relaunch's business (decided as usual). The ranks it
+        # kills exit as released (no decision); the failed generation's are still counted
+        # in ``dying``. Not journaled: killed again before it completes, it is resumed again.
+        incident.resumed, incident.repeated_unix = False, time.time()
+        job.started, job.exited = set(), set()
+        self._record(job, ORCH, "decision",
+                     f"relaunch again for the recovery from {incident.fault_class} of rank {cause.rank} interrupted "
+                     f"by the control restart: the relaunched ranks are not all there ({msg.fault_class} of rank "
+                     f"{msg.rank}); no further restart spent")
+        self._recover(job, incident)
+
+    def _recover(self, job: _Job, incident: _Incident) -> None:
         """Command the recovery for the newest usable version; a version that fails
         verification is marked unusable and the next older one tried (then scratch)."""
+        bound, exclude = incident.bound, incident.exclude
         self._verify_versions(job)
         while True:
             version = self._pick_version(job, bound)
@@ -564,6 +629,7 @@ class Orchestrator:
                 )
             ).message
             if isinstance(reply, control_pb2.RecoveryCompleted):
+                incident.relaunched = True  # journaled with the relaunch event
                 self._record_relaunch(job, reply, source)
                 return
             assert isinstance(reply, control_pb2.RecoveryFailed), reply
@@ -643,24 +709,48 @@ class Orchestrator:
         and bookkeeping: its node agents keep its ranks training while control is down and
         re-attach them, resending the events control has not applied; the fault detector
         watches it again, and a rank that does not re-attach in time is declared silent
-        (then recovered by the policy). A job that was mid-recovery (FAULT_FROZEN) stays
-        frozen: the recovery's progress is not journaled; the operator can stop it."""
+        (then recovered by the policy). Workers excluded by earlier exclude_node decisions
+        stay excluded (the adopted allocation names them).
+
+        A job that was mid-recovery (FAULT_FROZEN with its incident journaled) resumes it:
+        monitored and adopted like a live job, its incident restored with the restart it
+        already spent. A relaunch journaled as done waits for the relaunched ranks to
+        re-attach and report ready. One not known done waits for the re-attached ranks to
+        tell: a relaunched rank's ready report says it happened (not repeated); a fault
+        report first (a rank not re-attached in time, an exit) says it did not, and it is
+        commanded again (``_on_resumed_fault``). A frozen job without a journaled incident
+        (journal of an older control) stays frozen; the operator can stop it."""
         for stored in self._journal.load_jobs():
             job = _Job(status=stored.status, spec=spec_from_json(stored.spec_json), seq=stored.last_seq)
             _load_runtime(job, stored.runtime)
             self._jobs[stored.status.job_id] = job
             state = job.status.state
-            if state in (S.WARMING_UP, S.RUNNING, S.PAUSED):
+            if state != S.FAULT_FROZEN:
+                job.incident = None  # (journaled only while frozen)
+            if state in (S.WARMING_UP, S.RUNNING, S.PAUSED) or (state == S.FAULT_FROZEN and job.incident):
                 self._faults(start_monitoring(job.status.job_id, job.spec, restored=True))
-                # The allocator learns the job again (what a recovery relaunches); its slots
-                # are taken as the node agents re-attach the ranks.
+                # The allocator learns the job again (what a recovery relaunches), with the
+                # workers it must not use; its slots are taken as the node agents re-attach
+                # the ranks.
                 self._allocator(control_pb2.AllocateResources(
-                    job_id=job.status.job_id, world_size=job.spec.parallel.dp, backend=job.spec.parallel.backend,
+                    job_id=job.status.job_id, world_size=job.status.world_size, backend=job.spec.parallel.backend,
                     init=engine_pb2.InitJob(job_id=job.status.job_id, spec_json=stored.spec_json,
                                             data_address=self._data_address, store_address=self._store_address),
-                    adopt=True,
+                    exclude_worker_ids=sorted(job.excluded), adopt=True,
                 ))
-                self._record(job, ORCH, "state", f"{S.Name(state)}: {REATTACH_MESSAGE}", status_message=REATTACH_MESSAGE)
+                if state != S.FAULT_FROZEN:
+                    self._record(job, ORCH, "state", f"{S.Name(state)}: {REATTACH_MESSAGE}",
+                                 status_message=REATTACH_MESSAGE)
+                    continue
+                incident = job.incident
+                what = f"{incident.action} after {incident.fault_class} of rank {incident.cause.rank}"
+                if incident.relaunched:
+                    how = "its ranks were relaunched; waiting for them to re-attach and report ready"
+                else:
+                    how = ("its relaunch was commanded but not confirmed; waiting for the ranks to re-attach "
+                           "(ready relaunched ranks: done; a rank missing: relaunched again)")
+                self._record(job, ORCH, "state", f"FAULT_FROZEN: {RESUME_MESSAGE} ({what}): {how}",
+                             status_message=RESUME_MESSAGE)
             elif state == S.FAULT_FROZEN:
                 self._record(job, ORCH, "state", f"FAULT_FROZEN: {RESTART_MESSAGE}", status_message=RESTART_MESSAGE)
             elif state == S.STANDBY:
@@ -745,7 +835,8 @@ class Orchestrator:
 def _runtime(job: _Job) -> dict:
     """The bookkeeping a restarted control needs to continue the job (journaled with every
     event): who started / paused / finished, a pause or stop in flight, restart budgets
-    spent, checkpoint versions. The incident of a recovery in flight is not kept."""
+    spent, checkpoint versions, the workers excluded, and the recovery in flight (its cause,
+    the version it loads, whether its relaunch was commanded and completed)."""
     return {
         "started": sorted(job.started),
         "paused": sorted(job.paused),
@@ -758,7 +849,35 @@ def _runtime(job: _Job) -> dict:
         "ignored": dict(job.ignored),
         "versions": [list(v) for v in job.versions],
         "unusable": sorted(job.unusable),
+        "excluded": sorted(job.excluded),
+        "incident": _incident_to_json(job.incident) if job.incident is not None else None,
     }
+
+
+def _incident_to_json(i: _Incident) -> dict:
+    return {
+        "cause": base64.b64encode(i.cause.SerializeToString()).decode(),
+        "fault_class": i.fault_class,
+        "action": i.action,
+        "dying": {str(r): n for r, n in i.dying.items() if n > 0},
+        "version": i.version,
+        "bound": i.bound,
+        "exclude": list(i.exclude),
+        "relaunched": i.relaunched,
+    }
+
+
+def _incident_from_json(d: dict) -> _Incident:
+    """The recovery in flight as journaled; ``resumed`` when its relaunch was not known done.
+    Its clock (``decided``) starts again now: the time before the restart is not measured."""
+    relaunched = bool(d.get("relaunched", False))
+    return _Incident(
+        cause=control_pb2.FaultReport.FromString(base64.b64decode(d["cause"])),
+        fault_class=d["fault_class"], action=d["action"], decided=time.monotonic(),
+        dying=Counter({int(r): int(n) for r, n in d.get("dying", {}).items()}),
+        version=d.get("version", ""), bound=d.get("bound"), exclude=list(d.get("exclude", ())),
+        relaunched=relaunched, resumed=not relaunched,
+    )
 
 
 def _load_runtime(job: _Job, rt: dict) -> None:
@@ -770,6 +889,9 @@ def _load_runtime(job: _Job, rt: dict) -> None:
     job.restarts, job.ignored = Counter(rt.get("restarts", {})), Counter(rt.get("ignored", {}))
     job.versions = [(int(step), str(v)) for step, v in rt.get("versions", ())]
     job.unusable = set(rt.get("unusable", ()))
+    job.excluded = set(rt.get("excluded", ()))
+    if rt.get("incident"):
+        job.incident = _incident_from_json(rt["incident"])
 
 
 def _gib(num_bytes: int) -> str:

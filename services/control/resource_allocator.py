@@ -134,11 +134,14 @@ class ResourceAllocator:
         Returns ResourcesInsufficient (nothing reserved) when fewer slots are free than
         ranks are needed, or when backend ``nccl`` is asked for on CPU-only slots.
 
-        ``adopt`` (a control restart): only record the allocation, launch nothing.
+        ``adopt`` (a control restart): only record the allocation, launch nothing; the
+        workers it excludes (earlier exclude_node decisions, journaled by L1-1) stay excluded.
         """
         if msg.adopt:
             with self._lock:
-                self._allocations.setdefault(msg.job_id, msg)  # a re-attached launch may have set it
+                known = self._allocations.setdefault(msg.job_id, msg)  # a re-attached launch may have set it
+                if known is not msg:
+                    known.exclude_worker_ids[:] = sorted(set(known.exclude_worker_ids) | set(msg.exclude_worker_ids))
             return control_pb2.ResourcesReady(job_id=msg.job_id, world_size=msg.world_size)
         spec = spec_from_json(msg.init.spec_json)
         excluded = set(msg.exclude_worker_ids)

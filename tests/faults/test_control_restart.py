@@ -186,3 +186,59 @@ def test_a_rank_that_dies_while_control_is_down_is_recovered_by_the_policy_after
     assert steps[:resumed] == list(range(1, resumed + 1)) and steps[resumed:] == list(range(101, STEPS + 1))
     print(f"rank killed while control was down: recovered from {job}:1 after the restart; "
           f"steps applied 1..{resumed} then 101..{STEPS}")
+
+
+def journaled_messages(home: Path, job_id: str) -> list[str]:
+    """The job's event messages as control journaled them (read while control may be busy)."""
+    with sqlite3.connect(home / "control.db") as db:
+        return [m for (m,) in db.execute("SELECT message FROM events WHERE job_id=? ORDER BY seq", (job_id,))]
+
+
+def test_a_recovery_interrupted_by_a_sigkill_of_control_is_resumed_after_the_restart(stack):
+    home = stack.home
+    job = stack.submit(spec("trestart", steps=STEPS, every=EVERY))
+    stack.wait_step(job, 120)  # after the checkpoint at step 100
+    services = json.loads((home / "run" / "stack.json").read_text())["services"]
+    pid, store_pid = services["control"]["pid"], services["store"]["pid"]
+    argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")]
+    # The store frozen: the recovery control decides next waits in its checkpoint check, after
+    # the decision is journaled and before any rank is relaunched.
+    os.kill(store_pid, signal.SIGSTOP)
+    try:
+        (victim,) = processes_with(f"--job {job} --rank 1")
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.monotonic()
+        while not any(m.startswith("restart_ranks after rank_exit of rank 1") for m in journaled_messages(home, job)):
+            assert time.monotonic() - t0 < 60, "no recovery decided"
+            time.sleep(0.1)
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)  # mid-recovery: FAULT_FROZEN, nothing relaunched yet
+    finally:
+        os.kill(store_pid, signal.SIGCONT)
+    assert not any(m.startswith("ranks killed and relaunched") for m in journaled_messages(home, job))
+    time.sleep(1.0)
+    restarted = time.time()
+    proc = restart_control(home, argv)
+    events = list(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job, follow=True), timeout=240, wait_for_ready=True))
+    assert proc.poll() is None
+    status = finished(events)
+    assert status.step == STEPS
+    assert any(e.message.startswith("FAULT_FROZEN: control restarted mid-recovery; resuming it (restart_ranks after "
+                                    "rank_exit of rank 1)") for e in events)
+    decisions = of_type(events, "decision")[1:]
+    # One restart spent (before the kill); the relaunch commanded again after the restart.
+    (spent,) = [d for d in decisions if "(restart " in d]
+    assert spent.startswith("restart_ranks after rank_exit of rank 1") and "(restart 1 of " in spent
+    (again,) = [d for d in decisions if d.startswith("relaunch again for the recovery from rank_exit of rank 1")]
+    (relaunch,) = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
+    assert f"resume from checkpoint {job}:1;" in relaunch
+    steps = applied_steps(home, job)
+    numbers = [s for s, _, _ in steps]
+    resumed = next(i for i in range(1, len(numbers)) if numbers[i] <= numbers[i - 1])
+    assert numbers[:resumed] == list(range(1, resumed + 1)) and numbers[resumed:] == list(range(101, STEPS + 1))
+    first_after = min(applied for _, _, applied in steps if applied >= restarted)
+    recovered = [e for e in events if e.type == "state" and "recovered from rank_exit" in e.message]
+    assert recovered
+    print(f"recovery interrupted by a control SIGKILL: resumed after the restart ({again!r}); first step "
+          f"(step {numbers[resumed]}) applied {first_after - restarted:.2f} s after control was restarted; "
+          f"RUNNING again {recovered[0].unix_time - restarted:.2f} s after it")
