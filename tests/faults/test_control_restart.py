@@ -242,3 +242,36 @@ def test_a_recovery_interrupted_by_a_sigkill_of_control_is_resumed_after_the_res
     print(f"recovery interrupted by a control SIGKILL: resumed after the restart ({again!r}); first step "
           f"(step {numbers[resumed]}) applied {first_after - restarted:.2f} s after control was restarted; "
           f"RUNNING again {recovered[0].unix_time - restarted:.2f} s after it")
+
+
+def test_ranks_relaunched_just_before_a_sigkill_of_control_are_adopted_not_relaunched_again(stack):
+    home = stack.home
+    job = stack.submit(spec("trestart", steps=STEPS, every=EVERY))
+    stack.wait_step(job, 120)
+    pid = json.loads((home / "run" / "stack.json").read_text())["services"]["control"]["pid"]
+    argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")]
+    (victim,) = processes_with(f"--job {job} --rank 1")
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.monotonic()
+    while not any(m.startswith("ranks killed and relaunched") for m in journaled_messages(home, job)):
+        assert time.monotonic() - t0 < 60, "no relaunch"
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)  # the relaunched ranks are still starting: none reported ready
+    killed_msgs = journaled_messages(home, job)
+    assert not any(m.startswith("FAULT_FROZEN -> RUNNING") for m in killed_msgs)
+    time.sleep(1.0)
+    restarted = time.time()
+    proc = restart_control(home, argv)
+    events = list(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job, follow=True), timeout=240, wait_for_ready=True))
+    assert proc.poll() is None
+    assert finished(events).step == STEPS
+    assert any(e.message.startswith("FAULT_FROZEN: control restarted mid-recovery; resuming it (restart_ranks after "
+                                    "rank_exit of rank 1): its ranks were relaunched") for e in events)
+    assert len([m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]) == 1
+    assert len(of_type(events, "decision")[1:]) == 1  # the one restart; nothing decided after the restart
+    numbers = [s for s, _, _ in applied_steps(home, job)]
+    resumed = next(i for i in range(1, len(numbers)) if numbers[i] <= numbers[i - 1])
+    assert numbers[resumed:] == list(range(101, STEPS + 1))
+    first_after = min(applied for _, _, applied in applied_steps(home, job) if applied >= restarted)
+    print(f"ranks relaunched just before the control SIGKILL: adopted after the restart, not relaunched again; "
+          f"first step applied {first_after - restarted:.2f} s after control was restarted")
