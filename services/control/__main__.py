@@ -185,7 +185,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--store", default=env.get("SURGE_STORE_ADDRESS"), help="host:port of the store service")
     p.add_argument("--metrics-port", type=int, default=env.get("SURGE_CONTROL_METRICS_PORT") or 0,
                    help="Prometheus /metrics port (env SURGE_CONTROL_METRICS_PORT; 0 = off)")
+    # Each node agent's session stream holds one gRPC server thread for its whole life (the
+    # sync server), so this bounds the node agents one control can hold. Threads start lazily.
+    p.add_argument("--max-sessions", type=int, default=int(env.get("SURGE_CONTROL_MAX_SESSIONS") or 8192),
+                   help="gRPC server threads: node agents held at once, plus CLI calls (env SURGE_CONTROL_MAX_SESSIONS)")
     args = p.parse_args(argv)
+    if args.max_sessions < 8:
+        p.error(f"--max-sessions must be >= 8, got {args.max_sessions}")
     for name, flag, var in (("port", "--port", "SURGE_CONTROL_PORT"), ("data", "--data", "SURGE_DATA_ADDRESS"),
                             ("store", "--store", "SURGE_STORE_ADDRESS")):
         if getattr(args, name) is None:
@@ -197,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     log = logs.configure("control")
     try:
-        server = ServiceServer("control", args.host, args.port)
+        server = ServiceServer("control", args.host, args.port, max_workers=args.max_sessions)
         http = serve_metrics("control", args.host, args.metrics_port)
     except PortInUse as e:
         print(f"error: {e}", file=sys.stderr)

@@ -61,6 +61,7 @@ import structlog
 
 from services.contract import Module, audit_pb2, control_pb2, engine_pb2, worker_pb2
 from services.contract.bus import Emitter
+from services.control.deadlines import Deadline, Deadlines
 
 G = control_pb2.FaultGrade
 _log = structlog.get_logger("fault_detector")
@@ -132,8 +133,8 @@ class _RankWatch:
     last_beat_unix: float = 0.0
     last_progress_unix: float = 0.0
     interval_s: float = 0.0  # the rank's beat period, as its heartbeats state it
-    silence: threading.Timer | None = None
-    stall: threading.Timer | None = None
+    silence: Deadline | None = None
+    stall: Deadline | None = None
     stalled: bool = False  # declared stalled at ``step``; the next progress re-arms the deadline
 
     def cancel(self) -> None:
@@ -152,7 +153,7 @@ class _Job:
     ranks: dict[int, _RankWatch] = field(default_factory=dict)
     step_times: deque = field(default_factory=lambda: deque(maxlen=_STEP_TIMES_KEPT))
     held: list[control_pb2.FaultReport] = field(default_factory=list)  # symptoms awaiting their cause
-    held_timer: threading.Timer | None = None
+    held_timer: Deadline | None = None
     held_extended: bool = False  # the window was extended once for a quiet peer
     # Restored after a control restart: ranks not heard from since (no beat, no exit). Their
     # node agents resend what happened meanwhile, one agent after another, so a symptom
@@ -191,6 +192,8 @@ class FaultDetector:
         # Re-entrant: a report is published outside it, but timers and handlers share it.
         self._lock = threading.RLock()
         self._jobs: dict[str, _Job] = {}
+        # Every silence, stall and attribution deadline on one heap (not a thread each).
+        self._deadlines = Deadlines("fault-detector", workers=16)
         self._counts: Counter[tuple[str, str]] = Counter()  # (job_id, class) -> faults seen (累计)
 
     # ------------------------------------------------------------ commands (L1-1)
@@ -213,9 +216,7 @@ class FaultDetector:
                 now = job.restored_unix = time.time()
                 for rank in range(msg.world_size):
                     watch = job.ranks[rank] = _RankWatch(last_beat_unix=now)
-                    watch.silence = _started(
-                        threading.Timer(msg.reattach_seconds, self._silence_passed, (msg.job_id, rank, watch))
-                    )
+                    watch.silence = self._deadlines.after(msg.reattach_seconds, self._silence_passed, (msg.job_id, rank, watch))
 
     def reset_fault_ledger(self, msg: control_pb2.ResetFaultLedger, payload: Any = None) -> None:
         """重置故障台账指令: the job's incident is over (recovered); the next fault opens a new one."""
@@ -252,7 +253,7 @@ class FaultDetector:
             if watch.silence is not None:
                 watch.silence.cancel()
             args = (msg.job_id, msg.rank, watch)
-            watch.silence = _started(threading.Timer(job.heartbeat_timeout_s, self._silence_passed, args))
+            watch.silence = self._deadlines.after(job.heartbeat_timeout_s, self._silence_passed, args)
             progressed = msg.step != watch.step
             if progressed and any(r.rank == msg.rank and r.fault_class == RANK_STALLED for r in job.held):
                 # A stall held for attribution that moved on was transient: not reported.
@@ -275,7 +276,7 @@ class FaultDetector:
                     watch.stall.cancel()
                 else:
                     watch.last_progress_unix = now  # stepping starts now: the clock starts now
-                watch.stall = _started(threading.Timer(job.stall_deadline_s(), self._stall_passed, args))
+                watch.stall = self._deadlines.after(job.stall_deadline_s(), self._stall_passed, args)
 
     # ------------------------------------------------------------ fault events
 
@@ -403,7 +404,7 @@ class FaultDetector:
             if (not job.held_extended and any(r.fault_class == RANK_STALLED for r in job.held)
                     and self._quiet(job, time.time())):
                 job.held_extended = True
-                job.held_timer = _started(threading.Timer(job.heartbeat_timeout_s + 0.5, self._release_held, (job_id,)))
+                job.held_timer = self._deadlines.after(job.heartbeat_timeout_s + 0.5, self._release_held, (job_id,))
                 return
             if job.held_timer is not None:
                 job.held_timer.cancel()  # (released early: every rank re-attached)
@@ -477,7 +478,7 @@ class FaultDetector:
                 job.held_extended = extended
                 if job.held_timer is not None:
                     job.held_timer.cancel()
-                job.held_timer = _started(threading.Timer(window, self._release_held, (job_id,)))
+                job.held_timer = self._deadlines.after(window, self._release_held, (job_id,))
             job.held.append(report)
 
     def _report(self, job_id: str, fault_class: str, source: int, rank: int, detail: str, **known: Any) -> None:
@@ -517,8 +518,3 @@ class FaultDetector:
         for symptom in held:
             self._emit(symptom)
 
-
-def _started(timer: threading.Timer) -> threading.Timer:
-    timer.daemon = True  # a deadline never keeps the process alive
-    timer.start()
-    return timer

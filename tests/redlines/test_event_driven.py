@@ -25,8 +25,9 @@ from .wiring import MODULES, source_tree
 
 WORKER_POOLS = {M.L4_PREFETCHER: "ThreadPoolExecutor", M.L5_CHECKPOINT_MANAGER: "ThreadPoolExecutor"}
 # Liveness deadlines, where a module keeps one: module -> why. A deadline is a one-shot
-# threading.Timer armed and re-armed (cancel + new Timer) only inside the handler of the
-# event that proves progress, so silence past it is the fault and nothing is polled.
+# timer (``self._deadlines.after``: services/control/deadlines.py) armed and re-armed
+# (cancel + arm) only inside the handler of the event that proves progress, so silence past
+# it is the fault and nothing is polled.
 DEADLINE_TIMERS: dict[int, str] = {
     M.L1_FAULT_DETECTOR: (
         "per rank: silence (re-armed by each RankHeartbeat) and stall (re-armed by a heartbeat "
@@ -64,11 +65,11 @@ def test_no_module_keeps_a_thread_or_timer_of_its_own(module):
     started = {
         ast.unparse(c.func).rsplit(".", 1)[-1] for c in ast.walk(tree) if isinstance(c, ast.Call)
         and ast.unparse(c.func).rsplit(".", 1)[-1] in ("Thread", "Timer", "ThreadPoolExecutor", "ProcessPoolExecutor",
-                                                        "scheduler", "call_later", "call_at")
+                                                        "scheduler", "call_later", "call_at", "Deadlines")
     }
     expected = {WORKER_POOLS[module]} if module in WORKER_POOLS else set()
     if module in DEADLINE_TIMERS:
-        expected.add("Timer")
+        expected.add("Deadlines")  # services/control/deadlines.py: one heap, not a thread per deadline
     assert started == expected
     assert not {"sched", "asyncio", "signal"} & {
         a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
@@ -80,7 +81,7 @@ def test_a_liveness_deadline_is_armed_only_by_the_event_it_waits_for(module):
         pytest.skip("no module keeps a liveness deadline yet (see DEADLINE_TIMERS)")
     tree = source_tree(module)
     for fn in (f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)):
-        arms = [c for c in ast.walk(fn) if isinstance(c, ast.Call) and ast.unparse(c.func).endswith("Timer")]
+        arms = [c for c in ast.walk(fn) if isinstance(c, ast.Call) and ast.unparse(c.func).endswith("_deadlines.after")]
         if arms and fn.name in ("_hold", "_release_held"):
             # Not a liveness deadline: the fault detector's attribution window holds a
             # symptom (a stall) for a fixed time so that its cause (a peer's silence or exit)

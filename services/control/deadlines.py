@@ -1,0 +1,71 @@
+"""One-shot deadlines for the fault detector, without a thread per deadline.
+
+``threading.Timer`` starts a thread per deadline; re-armed on every heartbeat, that is one
+new thread per rank per beat (1,000 ranks at 1 Hz: 1,000 thread starts a second, measured
+as a quarter of control's CPU in ``bench/control_scale.py``). Here one thread keeps every
+deadline in a heap and hands the due ones to a small pool, so a callback that blocks (a
+fault report the orchestrator acts on) delays no other deadline.
+
+Semantics are Timer's: ``after(seconds, fn, args)`` calls ``fn(*args)`` once, ``seconds``
+from now, unless ``cancel()`` on the returned handle came first. Cancelled entries stay in
+the heap until their time and are skipped (no search on cancel).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+
+class Deadline:
+    """Handle of one armed deadline."""
+
+    __slots__ = ("when", "fn", "args", "cancelled")
+
+    def __init__(self, when: float, fn: Callable[..., Any], args: tuple):
+        self.when, self.fn, self.args, self.cancelled = when, fn, args, False
+
+    def cancel(self) -> None:
+        """Idempotent; a deadline already handed to the pool still runs (as with Timer)."""
+        self.cancelled = True
+
+
+class Deadlines:
+    """A heap of deadlines served by one thread and ``workers`` callback threads (daemons)."""
+
+    def __init__(self, name: str, workers: int = 4):
+        if workers < 1:
+            raise ValueError(f"deadlines: workers must be >= 1, got {workers}")
+        self._heap: list[tuple[float, int, Deadline]] = []
+        self._order = itertools.count()  # ties keep arming order
+        self._cond = threading.Condition()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"{name}-deadline")
+        threading.Thread(target=self._serve, name=f"{name}-deadlines", daemon=True).start()
+
+    def after(self, seconds: float, fn: Callable[..., Any], args: tuple = ()) -> Deadline:
+        """Arm: ``fn(*args)`` in ``seconds`` (monotonic clock) unless cancelled first."""
+        deadline = Deadline(time.monotonic() + max(0.0, seconds), fn, args)
+        with self._cond:
+            heapq.heappush(self._heap, (deadline.when, next(self._order), deadline))
+            if self._heap[0][2] is deadline:
+                self._cond.notify()  # a new earliest: the server sleeps less
+        return deadline
+
+    def pending(self) -> int:
+        """Armed and not cancelled (for tests and metrics)."""
+        with self._cond:
+            return sum(1 for _, _, d in self._heap if not d.cancelled)
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    self._cond.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
+                _, _, due = heapq.heappop(self._heap)
+            if not due.cancelled:
+                self._pool.submit(due.fn, *due.args)
