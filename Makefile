@@ -39,7 +39,7 @@ demo: setup
 	$(BIN)/surgectl demo examples/jobs/demo.yaml
 
 test: setup tools
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # Debian tools some tests use, installed where missing: promtool and prometheus (metrics
 # and config checks, a real scrape), docker-compose (`docker-compose config -q`). Tests that

@@ -267,8 +267,15 @@ def test_ranks_relaunched_just_before_a_sigkill_of_control_are_adopted_not_relau
     assert finished(events).step == STEPS
     assert any(e.message.startswith("FAULT_FROZEN: control restarted mid-recovery; resuming it (restart_ranks after "
                                     "rank_exit of rank 1): its ranks were relaunched") for e in events)
-    assert len([m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]) == 1
-    assert len(of_type(events, "decision")[1:]) == 1  # the one restart; nothing decided after the restart
+    relaunches = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
+    decisions = of_type(events, "decision")[1:]
+    # The designed fallback, seen only on a machine so loaded that a relaunched rank takes
+    # longer than the re-attach window to send its first beat: control cannot tell it from
+    # one that never started, and commands the relaunch again (no second restart spent).
+    again = [d for d in decisions if d.startswith("relaunch again for the recovery")]
+    assert len(again) <= 1 and len(relaunches) == 1 + len(again)
+    assert len(decisions) == 1 + len(again)  # the one restart; nothing else decided after the restart
+    assert len([d for d in decisions if "(restart " in d]) == 1
     numbers = [s for s, _, _ in applied_steps(home, job)]
     resumed = next(i for i in range(1, len(numbers)) if numbers[i] <= numbers[i - 1])
     assert numbers[resumed:] == list(range(101, STEPS + 1))

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from services.compute.model import build_model
 from services.engine.schedule_check import schedule_actions
@@ -102,45 +101,6 @@ def test_pp2_matches_the_single_process_reference_for_10_adamw_steps(tmp_path, s
     assert len(last["evals"]) == 3 and last["evals"][0] != last["evals"][-1]  # the model moved between them
 
 
-@pytest.mark.timeout(240)
-def test_pp2_with_gradient_accumulation_2_matches_the_reference(tmp_path):
-    # Two pipeline steps (2 micro-batches each) accumulate into one optimizer step.
-    cfg = {"pp": 2, "dp": 1, "schedule": "1f1b", "microbatches": 2, "grad_accum": 2, "steps": STEPS}
-    rel = assert_parity(run_ranks(tmp_path, 2, cfg), pp=2)
-    print(f"PP=2 1f1b grad_accum 2: max relative loss difference {max(rel):.2e}")
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("schedule,data_parallel", [("1f1b", "fsdp2"), ("gpipe", "ddp")])
-def test_dp2_x_pp2_matches_the_single_process_reference(tmp_path, schedule, data_parallel):
-    cfg = {"pp": 2, "dp": 2, "schedule": schedule, "microbatches": 2, "steps": STEPS, "data_parallel": data_parallel}
-    results = run_ranks(tmp_path, 4, cfg, timeout=240)
-    rel = assert_parity(results, pp=2)
-    print(f"DP=2 x PP=2 {schedule} {data_parallel}: max relative loss difference {max(rel):.2e}, "
-          f"step time {sum(results[0]['times'][1:]) / (STEPS - 1) * 1e3:.1f} ms")
-    # Both dp replicas of a stage hold the same weights.
-    for pp_rank in (0, 1):
-        a, b = (r["state"] for r in results if r["pp_rank"] == pp_rank)
-        assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-@pytest.mark.timeout(300)
-def test_dcp_checkpoint_round_trip_under_pp_resumes_exactly(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    base = {"pp": 2, "dp": 1, "schedule": "1f1b", "microbatches": 4, "steps": 6}
-    straight = run_ranks(tmp_path / "a", 2, {**base, "save_at": 3, "save_dir": str(ckpt)})
-    resumed = run_ranks(tmp_path / "b", 2, {**base, "load_from": str(ckpt)})
-    for a, b in zip(straight, resumed):
-        assert b["losses"] == a["losses"][3:]  # steps 4..6, bit for bit
-        assert all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"])
-    # The PP checkpoint is keyed like the unsplit model's: it loads into one process, and
-    # that model's loss on step 4's batch equals the pipeline's step-4 loss.
-    model = build_model(SPEC, seed=SEED + 1)  # different init: everything must come from the file
-    state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(ckpt))
-    model.load_state_dict(state["model"])
-    ids, labels = global_batch(4)
-    with torch.no_grad():
-        ce = torch.nn.functional.cross_entropy(model(ids).reshape(-1, SPEC.vocab_size), labels.reshape(-1),
-                                               ignore_index=-100, reduction="sum")
-    assert float(ce) / int((labels != -100).sum()) == pytest.approx(straight[1]["losses"][3], rel=1e-5)
+# Accumulation, DP x PP and resume under PP are held to the same bar through the rank's real
+# wiring in test_pipeline_rank.py; this file keeps what only the standalone runner can show:
+# what torch executes is the action list the deadlock check verified.
