@@ -383,6 +383,14 @@ class JobSpec(_Strict):
         p = self.parallel
         if p.tp > 1 and p.pp > 1:  # plannable, but the pipeline stages do not take TP shards yet
             raise ValueError(f"parallel.tp: tp ({p.tp}) > 1 together with pp ({p.pp}) > 1 is not supported yet")
+        if p.pp > 1 and self.operators.compile:
+            raise ValueError("operators.compile: torch.compile of pipeline stages is not supported yet (pp > 1)")
+        n_micro = p.microbatches or p.pp
+        if p.pp > 1 and self.data.micro_batch_size % n_micro:
+            raise ValueError(
+                f"data.micro_batch_size: {self.data.micro_batch_size} rows must split into "
+                f"parallel.microbatches ({n_micro}) pipeline micro-batches"
+            )
         return self
 
     @property
@@ -427,6 +435,8 @@ def parse_job_spec(text: str, source: str = "job.yaml") -> JobSpec:
         # A cross-field rule's input is the whole section: its message already says what is wrong.
         quiet = ("extra_forbidden", "missing", "value_error")
         got = "" if err["type"] in quiet else f", got {err.get('input')!r}"
+        if not err["loc"] and err["type"] == "value_error":  # a cross-section rule: its message names the fields
+            raise JobSpecError(f"{source}: {msg}") from None
         raise JobSpecError(f"{source}: {path}: {msg}{got}") from None
 
 

@@ -83,7 +83,8 @@ def test_resume_under_pp2_replays_the_uninterrupted_run_and_the_checkpoint_loads
 def test_a_pipeline_job_it_cannot_run_is_refused_naming_the_field(tmp_path):
     from services.compute.pipeline_stage import check_pipeline_job
 
-    with pytest.raises(ValueError, match=r"^data.micro_batch_size: 8 rows must split into parallel.microbatches \(3\)"):
+    # Refused when the spec is parsed (JobSpec's validator); check_pipeline_job repeats it in the rank.
+    with pytest.raises(ValueError, match=r"data.micro_batch_size: 8 rows must split into parallel.microbatches \(3\)"):
         check_pipeline_job(parity_spec(model={**UNTIED, "n_layers": 3}, pp=3, microbatches=3, pipeline_schedule="gpipe"))
     spec = parity_spec(model=UNTIED, pp=2)
     check_pipeline_job(spec)  # the tested configuration passes
