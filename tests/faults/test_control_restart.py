@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from services.contract import control_pb2
-from tests.conftest import REPO, kill_all, processes_with
-from tests.faults.test_recovery import Stack, cli, finished, metric, of_type, spec
+from tests.conftest import REPO, processes_with
+from tests.faults.test_recovery import cli, finished, metric, of_type, running_stack, spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -32,31 +32,8 @@ STEPS, EVERY = 400, 100
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    import shutil
-    import sysconfig
-
-    home = tmp_path_factory.mktemp("surge-control-restart")
-    src = home / "corpus"
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for pkg in ("json", "email"):
-        shutil.copytree(stdlib / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    prep = cli(home, "dataset", "prepare", "--name", "tiny", "--version", "v1", "--source", str(src), "--val-fraction", "0.2")
-    assert prep.returncode == 0, prep.stderr
-    up = cli(home, "up", "--workers", "2")
-    s = None
-    try:
-        assert up.returncode == 0, up.stdout + up.stderr
-        s = Stack(home)
+    with running_stack(tmp_path_factory.mktemp("surge-control-restart"), ("json", "email"), ("trestart",)) as s:
         yield s
-    finally:
-        if s is not None:
-            s.close()
-        cli(home, "down", timeout=60)
-        stack_json = home / "run" / "stack.json"
-        if stack_json.exists():
-            kill_all([v["pid"] for v in json.loads(stack_json.read_text())["services"].values()])
-        kill_all(processes_with(str(home)))
-        kill_all(processes_with("--job trestart-"))
 
 
 def restart_control(home: Path, argv: list[str]) -> subprocess.Popen:

@@ -99,29 +99,10 @@ fault_policy: {actions: {non_finite_loss: skip_step}}
 
 @pytest.fixture
 def skip_stack(tmp_path):
-    import shutil
-    import sysconfig
+    from tests.faults.test_recovery import running_stack
 
-    from tests.conftest import kill_all, processes_with
-    from tests.faults.test_recovery import Stack, cli
-
-    home = tmp_path / "home"
-    src = home / "corpus"
-    shutil.copytree(Path(sysconfig.get_paths()["stdlib"]) / "json", src / "json", ignore=shutil.ignore_patterns("__pycache__"))
-    prep = cli(home, "dataset", "prepare", "--name", "tiny", "--version", "v1", "--source", str(src), "--val-fraction", "0.2")
-    assert prep.returncode == 0, prep.stderr
-    up = cli(home, "up", "--workers", "2", env={"SURGE_FAULT_INJECT": STACK_INJECT})
-    s = None
-    try:
-        assert up.returncode == 0, up.stdout + up.stderr
-        s = Stack(home)
+    with running_stack(tmp_path / "home", ("json",), ("tskip",), env={"SURGE_FAULT_INJECT": STACK_INJECT}) as s:
         yield s
-    finally:
-        if s is not None:
-            s.close()
-        cli(home, "down", timeout=60)
-        kill_all(processes_with(str(home)))
-        kill_all(processes_with("--job tskip-"))
 
 
 @pytest.mark.integration

@@ -8,6 +8,7 @@ loss, a hung main thread), set for the whole stack and keyed by job name.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -100,16 +101,18 @@ class Stack:
         self._channel.close()
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    home = tmp_path_factory.mktemp("surge-faults")
+@contextlib.contextmanager
+def running_stack(home: Path, packages: tuple[str, ...], jobs: tuple[str, ...], env: dict | None = None):
+    """A dataset ``tiny@v1`` prepared from ``packages`` of the standard library and ``surgectl
+    up --workers 2`` under ``home``; yields a :class:`Stack`. On exit: ``surgectl down``, then
+    every process of this stack and of the jobs named ``<job>-...`` is killed by PID."""
     src = home / "corpus"
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for pkg in ("json", "email", "logging"):
+    for pkg in packages:
         shutil.copytree(stdlib / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     prep = cli(home, "dataset", "prepare", "--name", "tiny", "--version", "v1", "--source", str(src), "--val-fraction", "0.2")
     assert prep.returncode == 0, prep.stderr
-    up = cli(home, "up", "--workers", "2", env={"SURGE_FAULT_INJECT": INJECT})
+    up = cli(home, "up", "--workers", "2", env=env)
     s = None
     try:
         assert up.returncode == 0, up.stdout + up.stderr
@@ -123,8 +126,15 @@ def stack(tmp_path_factory):
         if stack_json.exists():
             kill_all([v["pid"] for v in json.loads(stack_json.read_text())["services"].values()])
         kill_all(processes_with(str(home)))
-        kill_all([p for name in ("tkill", "tstop", "tstall", "tnan", "exacta", "exactb", "tworker")
-                  for p in processes_with(f"--job {name}-")])
+        kill_all([p for name in jobs for p in processes_with(f"--job {name}-")])
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    jobs = ("tkill", "tstop", "tstall", "tnan", "exacta", "exactb", "tworker")
+    with running_stack(tmp_path_factory.mktemp("surge-faults"), ("json", "email", "logging"), jobs,
+                       env={"SURGE_FAULT_INJECT": INJECT}) as s:
+        yield s
 
 
 def of_type(events, kind: str) -> list[str]:

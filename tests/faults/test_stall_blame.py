@@ -7,19 +7,15 @@ failed first; rank 0's stall is recorded as a consequence."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
-import sysconfig
 import time
-from pathlib import Path
 
 import pytest
 
 from services.contract import control_pb2
-from tests.conftest import kill_all, processes_with
-from tests.faults.test_recovery import Stack, causes, cli, of_type
+from tests.conftest import kill_all
+from tests.faults.test_recovery import causes, of_type, running_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -40,28 +36,8 @@ liveness: {heartbeat_interval_seconds: 0.5, heartbeat_timeout_seconds: 3.0, stal
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    home = tmp_path_factory.mktemp("surge-stall-blame")
-    src = home / "corpus"
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for pkg in ("json", "email"):
-        shutil.copytree(stdlib / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    prep = cli(home, "dataset", "prepare", "--name", "tiny", "--version", "v1", "--source", str(src), "--val-fraction", "0.2")
-    assert prep.returncode == 0, prep.stderr
-    up = cli(home, "up", "--workers", "2")
-    s = None
-    try:
-        assert up.returncode == 0, up.stdout + up.stderr
-        s = Stack(home)
+    with running_stack(tmp_path_factory.mktemp("surge-stall-blame"), ("json", "email"), ("tblame",)) as s:
         yield s
-    finally:
-        if s is not None:
-            s.close()
-        cli(home, "down", timeout=60)
-        stack_json = home / "run" / "stack.json"
-        if stack_json.exists():
-            kill_all([v["pid"] for v in json.loads(stack_json.read_text())["services"].values()])
-        kill_all(processes_with(str(home)))
-        kill_all(processes_with("--job tblame-"))
 
 
 def test_a_sigstopped_rank_is_blamed_not_its_stalled_peer_whose_stall_deadline_fired_first(stack):
