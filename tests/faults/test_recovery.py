@@ -247,12 +247,13 @@ def test_a_nan_loss_is_a_typed_fault_handled_by_the_policy_visible_as_an_event_a
     assert re.match(r"FATAL non_finite_loss: rank [01] failed at step 11: training loss is nan at step 12", fault)
     decisions = of_type(events, "decision")[1:]
     assert len(decisions) == 1 and re.match(r"rollback after non_finite_loss of rank [01]", decisions[0])
-    # The newest checkpoint committed before the fault (the one at step 10 may still have been
-    # committing in the background when rank 0 stopped; then it is the one at step 5).
-    before_fault = of_type(events[:[e.type for e in events].index("fault")], "checkpoint")
-    version, resume = before_fault[-1].split()[1], int(before_fault[-1].split()[4])
+    # The newest checkpoint the store verifies (the one at step 10, version :2, may still have
+    # been committing when the rank stopped, or its report may come after the fault; then
+    # the one at step 5, version :1). Versions are numbered in commit order, one per 5 steps.
     (relaunch,) = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
-    assert f"resume from checkpoint {version};" in relaunch and resume in (5, 10)
+    version = re.search(r"resume from checkpoint (\S+);", relaunch).group(1)
+    resume = 5 * int(version.rsplit(":", 1)[1])
+    assert version.startswith(f"{job}:") and resume in (5, 10)
     after = metric(stack.metrics(), "surge_faults_total", grade="FATAL", **{"class": "non_finite_loss"})
     assert after in (before + 1, before + 2)  # each rank that reported it before the relaunch
     # Never smoothed away: the NaN step was not applied, not reported as a number, and the run
