@@ -19,16 +19,20 @@ Every server also answers a request it cannot parse with INVALID_ARGUMENT naming
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import errno
+import inspect
 import os
 import socket
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -154,11 +158,22 @@ def _replace(handler, wrap: Callable[[Callable, bool], Callable], deserializer: 
     )
 
 
-def _refuse(code: grpc.StatusCode, message: str) -> Callable:
+def _refuse(code: grpc.StatusCode, message: str, asynchronous: bool = False) -> Callable:
+    if asynchronous:
+        async def refuse(request_or_iterator, context):
+            await context.abort(code, message)
+
+        return refuse
+
     def behavior(request_or_iterator, context):
         context.abort(code, message)
 
     return behavior
+
+
+def _is_async(behavior: Callable) -> bool:
+    """Whether a grpc.aio server awaits ``behavior`` on its loop (else: its thread pool)."""
+    return inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)
 
 
 def _guard_parsing(handler, method: str):
@@ -176,6 +191,8 @@ def _guard_parsing(handler, method: str):
         return f"{method}: malformed request: cannot parse the message ({type(bad.error).__name__})"
 
     def wrap(behavior: Callable, streaming: bool) -> Callable:
+        if _is_async(behavior):
+            return _guard_async(behavior, streaming, message)
         if not streaming:
             def unary(request, context):
                 if isinstance(request, _Malformed):
@@ -194,6 +211,53 @@ def _guard_parsing(handler, method: str):
         return stream
 
     return _replace(handler, wrap, deserializer=parse)
+
+
+def _guard_async(behavior: Callable, streaming: bool, message: Callable[[_Malformed], str]) -> Callable:
+    """The parse guard around an asyncio handler, of the same kind (coroutine or async
+    generator), so that the aio server still awaits it on its loop."""
+
+    async def requests_checked(requests, context):
+        async for request in requests:
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message(request))
+            yield request
+
+    async def checked_request(request, context):
+        if not streaming and isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message(request))
+        return requests_checked(request, context) if streaming else request
+
+    if inspect.isasyncgenfunction(behavior):
+        async def responses(request, context):
+            async for response in behavior(await checked_request(request, context), context):
+                yield response
+        return responses
+
+    async def response(request, context):
+        return await behavior(await checked_request(request, context), context)
+    return response
+
+
+class _AioGuard(grpc.aio.ServerInterceptor):
+    """``_Guard`` for a grpc.aio server (which takes only asyncio interceptors)."""
+
+    def __init__(self, token: str | None):
+        self._sync = _Guard(token)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if self._sync._token and method in MUTATING_METHODS and not self._sync._authorized(handler_call_details):
+            return _replace(handler, lambda behavior, streaming: _refuse(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{method}: not authorized: send 'authorization: Bearer <token>' with the server's token "
+                f"(Surge clients and surgectl: set {AUTH_TOKEN_ENV})",
+                asynchronous=_is_async(behavior),
+            ))
+        return _guard_parsing(handler, method)
 
 
 class ServiceServer:
@@ -245,6 +309,79 @@ class ServiceServer:
     def stop(self, grace: float = 1.0) -> None:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+
+
+class AioServiceServer:
+    """``ServiceServer`` on ``grpc.aio``: one asyncio loop, in a thread of its own, serves
+    every RPC. Handlers written ``async`` run on that loop (a long stream costs no thread);
+    plain ones run in a pool of ``executor_threads`` (grpc.aio's ``migration_thread_pool``),
+    each holding a thread while it runs (a sync server-streaming RPC: its whole life).
+    Health checking, reflection, TLS, the bearer token and the malformed-request answer
+    are as in ``ServiceServer``. Usage as ServiceServer (``server``, ``start``, ``stop``);
+    ``loop`` is where asyncio handlers live.
+
+    Raises:
+        PortInUse: the port cannot be bound.
+        TlsConfigError: the TLS variables are incomplete or unreadable.
+    """
+
+    def __init__(self, name: str, host: str, port: int, executor_threads: int = 64):
+        self.name = name
+        problem = bind_problem(host, port) if port else None
+        if problem:
+            raise PortInUse(f"{name}: cannot listen on {host}:{port} ({problem})")
+        credentials = server_credentials()
+        self.tls = credentials is not None
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=f"{name}-aio", daemon=True)
+        self._thread.start()
+        pool = futures.ThreadPoolExecutor(max_workers=executor_threads, thread_name_prefix=name)
+
+        async def make() -> grpc.aio.Server:  # grpc.aio binds a server to the loop it is built on
+            return grpc.aio.server(migration_thread_pool=pool, options=GRPC_OPTIONS,
+                                   interceptors=[_AioGuard(os.environ.get(AUTH_TOKEN_ENV) or None)])
+
+        self.server = self.run(make())
+        self.health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        try:
+            address = f"{host}:{port}"
+            bound = self.server.add_secure_port(address, credentials) if credentials else self.server.add_insecure_port(address)
+        except RuntimeError:
+            bound = 0
+        if not bound:
+            self._close_loop()
+            raise PortInUse(f"{name}: cannot listen on {host}:{port} (port already in use?)")
+        self.port = bound
+
+    def run(self, coroutine, timeout: float | None = 30.0):
+        """Run ``coroutine`` on the server's loop from another thread; its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def start(self, service_names: list[str]) -> None:
+        names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self.server)
+
+        async def start() -> None:
+            await self.server.start()
+            for svc in ["", *service_names]:
+                await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
+
+        self.run(start())
+
+    def stop(self, grace: float = 1.0) -> None:
+        async def stop() -> None:
+            await self.health.enter_graceful_shutdown()
+            await self.server.stop(grace)
+
+        try:
+            self.run(stop(), timeout=grace + 10.0)
+        finally:
+            self._close_loop()
+
+    def _close_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5.0)
 
 
 class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,

@@ -1,7 +1,7 @@
 """Composition root of `control` (L1): the only place its modules are built and wired.
 
     python -m services.control --port P [--host 127.0.0.1] [--db PATH] --data ADDR --store ADDR
-        [--metrics-port M]
+        [--metrics-port M] [--max-sessions N]
 
 Environment: SURGE_CONTROL_PORT, SURGE_CONTROL_DB (default ``$SURGE_HOME/control.db``),
 SURGE_DATA_ADDRESS, SURGE_STORE_ADDRESS, SURGE_CONTROL_METRICS_PORT (Prometheus
@@ -14,6 +14,10 @@ events; none holds a reference to another, so the route table's permissions are 
 construction, checked again on every send. A send the table refuses is reported to the
 fault detector as ``BoundaryViolationReported`` from EXT_CONTRACT (this process's contract
 layer), as are the violations node agents relay from their ranks.
+
+gRPC is served by ``grpc.aio`` (``AioServiceServer``): node agent sessions live on its
+asyncio loop and their messages are applied by one thread (``EventApplier``), so a session
+costs no thread; the operator RPCs run in a small thread pool.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 import structlog
 
 from services.common import logs, paths
-from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
+from services.common.grpc_server import AioServiceServer, PortInUse, serve_metrics
 from services.contract import (
     Module,
     audit_pb2,
@@ -78,6 +82,7 @@ def build(
     host: str = "127.0.0.1",
     fault_rules: Mapping[str, int] | None = None,
     persist_interval_s: float = 1.0,
+    max_sessions: int = 8192,
 ) -> Control:
     """Build and wire the four L1 modules and the relays on one bus.
 
@@ -170,7 +175,8 @@ def build(
     bus.subscribe(M.L1_FAULT_DETECTOR, engine_pb2.TrainingLoopFailed, detector.on_training_loop_failed)
     bus.subscribe(M.L1_FAULT_DETECTOR, audit_pb2.BoundaryViolationReported, detector.on_boundary_violation_reported)
 
-    servicer = ControlServicer(user=bus.port(M.EXT_USER, M.L1_ORCHESTRATOR), watches=watches, sessions=sessions)
+    servicer = ControlServicer(user=bus.port(M.EXT_USER, M.L1_ORCHESTRATOR), watches=watches, sessions=sessions,
+                               max_sessions=max_sessions)
     validate_wiring(bus, HOSTED)
     return Control(bus=bus, servicer=servicer, sessions=sessions, journal=journal)
 
@@ -185,13 +191,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--store", default=env.get("SURGE_STORE_ADDRESS"), help="host:port of the store service")
     p.add_argument("--metrics-port", type=int, default=env.get("SURGE_CONTROL_METRICS_PORT") or 0,
                    help="Prometheus /metrics port (env SURGE_CONTROL_METRICS_PORT; 0 = off)")
-    # Each node agent's session stream holds one gRPC server thread for its whole life (the
-    # sync server), so this bounds the node agents one control can hold. Threads start lazily.
+    # A session costs no thread (asyncio), only memory and its share of the applier: this is
+    # an admission limit; the agent past it is refused with RESOURCE_EXHAUSTED and retries.
     p.add_argument("--max-sessions", type=int, default=int(env.get("SURGE_CONTROL_MAX_SESSIONS") or 8192),
-                   help="gRPC server threads: node agents held at once, plus CLI calls (env SURGE_CONTROL_MAX_SESSIONS)")
+                   help="node agent sessions held at once; more are refused (env SURGE_CONTROL_MAX_SESSIONS)")
     args = p.parse_args(argv)
-    if args.max_sessions < 8:
-        p.error(f"--max-sessions must be >= 8, got {args.max_sessions}")
+    if args.max_sessions < 1:
+        p.error(f"--max-sessions must be >= 1, got {args.max_sessions}")
     for name, flag, var in (("port", "--port", "SURGE_CONTROL_PORT"), ("data", "--data", "SURGE_DATA_ADDRESS"),
                             ("store", "--store", "SURGE_STORE_ADDRESS")):
         if getattr(args, name) is None:
@@ -203,15 +209,18 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     log = logs.configure("control")
     try:
-        server = ServiceServer("control", args.host, args.port, max_workers=args.max_sessions)
+        # 64 threads: the operator RPCs (a WatchJob or StreamLogs stream holds one while open).
+        server = AioServiceServer("control", args.host, args.port, executor_threads=64)
         http = serve_metrics("control", args.host, args.metrics_port)
     except PortInUse as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     journal = JobStore(args.db)
     try:
-        control = build(journal, data_address=args.data, store_address=args.store, host=args.host)
+        control = build(journal, data_address=args.data, store_address=args.store, host=args.host,
+                        max_sessions=args.max_sessions)
     except (ContractError, RouteError) as e:
+        server.stop(grace=0)
         journal.close()
         return refuse("control", e)
     control_pb2_grpc.add_ControlServiceServicer_to_server(control.servicer, server.server)
@@ -227,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("control stopping")
     control.sessions.shutdown()  # before the server stops, so no session end reads as a lost node
     server.stop(grace=2.0)
+    control.servicer.applier.stop()  # after the server: no message arrives any more
     if http is not None:
         http.shutdown()
     journal.close()

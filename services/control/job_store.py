@@ -7,7 +7,9 @@ own journal is how it keeps its private state, and nothing else reads this file.
 
 WAL mode: readers never block the writer, and a commit is one fsync of the log. The file
 is opened once per process; every call is serialised by one lock (calls come from gRPC
-threads).
+threads and from the session event applier). Worker event cursors of events with no
+journaled effect may be written a burst at a time (``applying(defer=True)`` +
+``write_cursors``); a cursor with an effect is always in the effect's transaction.
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ CREATE TABLE IF NOT EXISTS worker_cursors (
     seq         INTEGER NOT NULL
 );
 """
+
+_UPSERT_CURSOR = (
+    "INSERT INTO worker_cursors VALUES (?,?,?) ON CONFLICT(worker_id) DO UPDATE "
+    "SET incarnation=excluded.incarnation, seq=excluded.seq"
+)
 
 
 @dataclass(frozen=True)
@@ -167,21 +174,37 @@ class JobStore:
         return (row[0], row[1]) if row else ("", 0)
 
     @contextmanager
-    def applying(self, worker_id: str, incarnation: str, seq: int) -> Iterator[None]:
+    def applying(self, worker_id: str, incarnation: str, seq: int, defer: bool = False) -> Iterator[_Applying]:
         """Apply worker event ``seq`` inside this block: the first journal write on this
         thread also writes the worker's cursor, in the same transaction; if the block
         wrote nothing (an event with no journaled effect), the cursor is written alone on
-        exit. An exception leaves the cursor unwritten (the event is applied again if
-        resent)."""
+        exit, or, with ``defer``, left to the caller (``written`` stays False: pass it to
+        :meth:`write_cursors` with the rest of a burst). An exception leaves the cursor
+        unwritten (the event is applied again if resent)."""
         ctx = _Applying(worker_id, incarnation, seq)
         self._applying.ctx = ctx
         try:
-            yield
+            yield ctx
         finally:
             self._applying.ctx = None
-        if not ctx.written:
+        if not ctx.written and not defer:
             with self._transaction(ctx):
                 pass
+
+    def write_cursors(self, cursors: list[tuple[str, str, int]]) -> None:
+        """Journal ``(worker_id, incarnation, seq)`` cursors of events with no journaled
+        effect, all in one transaction (a group commit: one fsync for a burst of them).
+        Only for seqs whose events are applied: a resend after a restart starts after them."""
+        if not cursors:
+            return
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.executemany(_UPSERT_CURSOR, cursors)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
 
     # ------------------------------------------------------------ private
 
@@ -193,11 +216,7 @@ class JobStore:
             try:
                 yield
                 if ctx is not None and not ctx.written:
-                    self._db.execute(
-                        "INSERT INTO worker_cursors VALUES (?,?,?) ON CONFLICT(worker_id) DO UPDATE "
-                        "SET incarnation=excluded.incarnation, seq=excluded.seq",
-                        (ctx.worker_id, ctx.incarnation, ctx.seq),
-                    )
+                    self._db.execute(_UPSERT_CURSOR, (ctx.worker_id, ctx.incarnation, ctx.seq))
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")

@@ -19,16 +19,25 @@ the remote party the route table names, and holds only routing knowledge:
   restart: every ``WorkerEvent`` after ``register`` carries a per-agent-incarnation ``seq``;
   an event whose seq was already applied is dropped (counted as a duplicate); an applied
   one's seq is journaled in the same SQLite transaction as the event's effect, where it has
-  one (``JobStore.applying``), and acknowledged down the stream (``WorkerCommand{ack}``,
-  coalesced). A session opens with the last applied seq in the initial-metadata header
+  one (``JobStore.applying``), or with the other effect-less events of its burst in one
+  transaction (heartbeats, most steps: a group commit), and acknowledged down the stream
+  (``WorkerCommand{ack}``, coalesced) once journaled. A session opens with the last applied seq in the initial-metadata header
   ``surge-last-seq``: the agent resends everything after it. A registration lists the ranks
   the agent still runs (``running``): they are the session's again (re-attach).
+* ``EventApplier``: the one thread that applies every session's stream messages, in arrival
+  order, a burst at a time (``SessionHub.on_worker_events``).
+* ``ControlServicer.WorkerSession`` is an asyncio handler (control serves on ``grpc.aio``,
+  see ``AioServiceServer``): a node agent's session costs no thread; its commands reach it
+  through an asyncio queue (``_LoopQueue``). Why: with a thread per session (and one more
+  reading it), 1,000 agents were 2,000 threads and a GIL hand-off per message, and control
+  saturated (bench/control_scale.py). The operator RPCs stay plain code in a thread pool.
 * ``WatchHub``: per-job subscriber queues fed by JobEvent (no polling).
 * ``StoreRelay``: LoadCheckpoint for L5-1, forwarded to the `store` service.
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import uuid
@@ -81,12 +90,33 @@ class _Session:
     jobs: set[str] = field(default_factory=set)
     closed: bool = False
     incarnation: str = ""
-    applied: int = 0           # last WorkerEvent.seq applied (journaled) for this incarnation
+    applied: int = 0           # last WorkerEvent.seq applied for this incarnation
+    durable: int = 0           # last seq whose cursor is journaled (what an ack says)
     ack_queued: bool = False   # an _ACK marker waits in `commands` (acks are coalesced)
 
 
-# Marker in a session's command queue: send the latest applied seq down as an EventAck.
+# Marker in a session's command queue: send the latest journaled seq down as an EventAck.
 _ACK = object()
+
+
+class _LoopQueue:
+    """A session's command queue as its asyncio handler reads it: ``put`` from any thread
+    (bus handlers, the applier), ``get`` on the server's loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop, self._queue = loop, asyncio.Queue()
+
+    def put(self, item: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: control is stopping, the stream is gone
+            pass
+
+    async def get(self) -> Any:
+        return await self._queue.get()
+
+    def empty(self) -> bool:
+        return self._queue.empty()
 
 
 @dataclass(eq=False)
@@ -128,13 +158,16 @@ class SessionHub:
 
     # ------------------------------------------------------------ session lifecycle
 
-    def open(self, reg: control_pb2.WorkerRegistration) -> _Session:
+    def open(self, reg: control_pb2.WorkerRegistration, commands: Any = None) -> _Session:
         """Register a node agent; a second session with the same worker id replaces the
         first (whose ranks are reported lost, except those the new registration says it
         still runs). The ranks in ``reg.running`` are re-attached to the new session. The
         session's ``applied`` is the last seq applied for the agent's incarnation (0 for a
-        new incarnation)."""
+        new incarnation). ``commands``: where its WorkerCommands go (anything with
+        ``put``; default a ``queue.Queue`` read by ``next_command``)."""
         session = _Session(reg.worker_id, incarnation=reg.incarnation)
+        if commands is not None:
+            session.commands = commands
         running = [(launch.job_id, a.rank) for launch in reg.running for a in launch.ranks]
         session.ranks.update(running)
         session.jobs.update(launch.job_id for launch in reg.running)
@@ -150,6 +183,7 @@ class SessionHub:
             incarnation, seq = self._journal.worker_cursor(reg.worker_id)
             if incarnation == reg.incarnation:
                 session.applied = max(session.applied, seq)
+        session.durable = session.applied
         _log.info("worker registered", worker_id=reg.worker_id, host=reg.host, slots=reg.slots, replaces=old is not None,
                   reattached=running, last_applied_seq=session.applied)
         # The session is routable before the allocator learns of it, so no LaunchRanks
@@ -197,26 +231,65 @@ class SessionHub:
         Raises:
             ValueError: a second registration, or an empty message.
         """
+        self._accept(session, ev, defer=False)
+        if ev.seq:
+            self._queue_ack(session)
+
+    def on_worker_events(self, burst: list[tuple[_Session, control_pb2.WorkerEvent]]) -> None:
+        """``on_worker_event`` for a burst of messages of any sessions, applied in the
+        given order (each session's own order), with one difference: the cursors of the
+        sequenced events that journaled nothing (heartbeats, the steps of ranks other than
+        0) are journaled together at the end, in one transaction, and every session's ack
+        goes down after it. An event with an effect still has its cursor in its own
+        transaction. A message refused (ValueError, or a module's error) is logged and
+        skipped: one bad message must not end a node's session or the burst."""
+        deferred: dict[_Session, int] = {}
+        acked: dict[_Session, None] = {}
+        for session, ev in burst:
+            try:
+                if self._accept(session, ev, defer=True):
+                    deferred[session] = ev.seq
+                elif session.durable == session.applied:
+                    deferred.pop(session, None)  # a later cursor is journaled (with an effect)
+            except Exception:
+                _log.exception("worker event refused", worker_id=session.worker_id)
+                continue
+            if ev.seq:
+                acked[session] = None
+        if deferred:
+            if self._journal is not None:
+                self._journal.write_cursors([(s.worker_id, s.incarnation, seq) for s, seq in deferred.items()])
+            for s, seq in deferred.items():
+                s.durable = max(s.durable, seq)
+        for session in acked:
+            self._queue_ack(session)
+
+    def _accept(self, session: _Session, ev: control_pb2.WorkerEvent, defer: bool) -> bool:
+        """Apply ``ev`` unless its seq was applied already. True: its cursor is not yet
+        journaled (only with ``defer``, for an event that journaled nothing)."""
         if not ev.seq:
             self._apply(session, ev)
-            return
+            return False
         if ev.seq <= session.applied:
             self.duplicates += 1
             WORKER_EVENTS.labels("duplicate").inc()
             _log.info("duplicate worker event dropped", worker_id=session.worker_id, seq=ev.seq, applied=session.applied)
-            self._queue_ack(session)
-            return
+            return False
         if ev.seq != session.applied + 1:
             # The agent's outbox overflowed while control was away: those events are lost.
             _log.warning("worker event sequence gap", worker_id=session.worker_id, seq=ev.seq, applied=session.applied)
+        written = True
         if self._journal is not None:
-            with self._journal.applying(session.worker_id, session.incarnation, ev.seq):
+            with self._journal.applying(session.worker_id, session.incarnation, ev.seq, defer=defer) as ctx:
                 self._apply(session, ev)
+            written = ctx.written or not defer
         else:
             self._apply(session, ev)
         session.applied = ev.seq
+        if written:
+            session.durable = ev.seq
         WORKER_EVENTS.labels("applied").inc()
-        self._queue_ack(session)
+        return not written
 
     def _queue_ack(self, session: _Session) -> None:
         with self._lock:
@@ -226,14 +299,19 @@ class SessionHub:
         session.commands.put(_ACK)
 
     def next_command(self, session: _Session) -> control_pb2.WorkerCommand | None:
-        """The next command for the session's stream (blocks); None: the session ended.
-        An ack marker becomes an EventAck of the latest applied seq."""
-        command = session.commands.get()
-        if command is _ACK:
+        """The next command for the session's stream (blocks; for a ``queue.Queue``
+        session); None: the session ended. An ack marker becomes an EventAck of the latest
+        journaled seq."""
+        return self.command(session, session.commands.get())
+
+    def command(self, session: _Session, item: Any) -> control_pb2.WorkerCommand | None:
+        """The WorkerCommand for an item taken from the session's queue (``_ACK``: an
+        EventAck of the latest journaled seq; None: the session ended)."""
+        if item is _ACK:
             with self._lock:
                 session.ack_queued = False
-            return control_pb2.WorkerCommand(ack=control_pb2.EventAck(seq=session.applied, incarnation=session.incarnation))
-        return command
+            return control_pb2.WorkerCommand(ack=control_pb2.EventAck(seq=session.durable, incarnation=session.incarnation))
+        return item
 
     def _apply(self, session: _Session, ev: control_pb2.WorkerEvent) -> None:
         kind = ev.WhichOneof("event")
@@ -363,6 +441,114 @@ class SessionHub:
             )
 
 
+# ---------------------------------------------------------------- the applier thread
+
+
+class EventApplier:
+    """The one thread that applies every node agent session's messages, in the order the
+    server's loop read them (so each session's own order), and opens and closes sessions
+    in that same order (a session's exit reports come before its close).
+
+    Messages are applied a burst at a time (``SessionHub.on_worker_events``: up to
+    ``max_burst`` queued back to back), so a burst's effect-less cursors cost one commit.
+    The thread starts with the first item (an in-process control that serves no gRPC
+    starts none).
+
+    Args:
+        hub: the sessions it applies to.
+        max_burst: most messages applied before their cursors are journaled and acked.
+    """
+
+    def __init__(self, hub: SessionHub, max_burst: int = 1024):
+        self._hub, self._max_burst = hub, max_burst
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # (session, event) | (None, callable) | None
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def event(self, session: _Session, ev: control_pb2.WorkerEvent) -> None:
+        """Queue one message of ``session``'s stream."""
+        self._put((session, ev))
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the applier thread, after everything queued before it."""
+        self._put((None, fn))
+
+    async def open(self, reg: control_pb2.WorkerRegistration, commands: Any) -> _Session:
+        """``SessionHub.open`` on the applier thread; awaited on the server's loop. If the
+        caller is cancelled meanwhile, the session is closed again."""
+        loop = asyncio.get_running_loop()
+        opened: asyncio.Future = loop.create_future()
+
+        def deliver(result: _Session | BaseException) -> None:
+            if opened.cancelled():
+                if isinstance(result, _Session):
+                    self.call(lambda: self._hub.close(result, reason="session cancelled while opening"))
+            elif isinstance(result, BaseException):
+                opened.set_exception(result)
+            else:
+                opened.set_result(result)
+
+        def do() -> None:
+            try:
+                result: _Session | BaseException = self._hub.open(reg, commands)
+            except Exception as e:  # noqa: BLE001 - handed to the awaiting handler
+                result = e
+            loop.call_soon_threadsafe(deliver, result)
+
+        self.call(do)
+        return await opened
+
+    def close(self, session: _Session, reason: str = "session closed") -> None:
+        """``SessionHub.close`` after the messages of ``session`` already queued."""
+        self.call(lambda: self._hub.close(session, reason))
+
+    def stop(self) -> None:
+        """End the thread after what is queued (idempotent)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=10.0)
+
+    def _put(self, item: tuple) -> None:
+        if self._thread is None:
+            with self._start_lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="event-applier", daemon=True)
+                    self._thread.start()
+        self._queue.put(item)
+
+    def _run(self) -> None:
+        get, burst = self._queue.get, []
+        while True:
+            item = get()
+            while True:
+                if item is None:
+                    self._flush(burst)
+                    return
+                if item[0] is None:
+                    self._flush(burst)
+                    burst = []
+                    try:
+                        item[1]()
+                    except Exception:  # noqa: BLE001 - the thread must outlive one bad call
+                        _log.exception("session open/close failed")
+                else:
+                    burst.append(item)
+                if len(burst) >= self._max_burst or self._queue.empty():
+                    break
+                item = get()
+            if burst:
+                self._flush(burst)
+                burst = []
+
+    def _flush(self, burst: list) -> None:
+        if not burst:
+            return
+        try:
+            self._hub.on_worker_events(burst)
+        except Exception:  # noqa: BLE001 - e.g. the journal's disk is full: the acks wait
+            _log.exception("worker event burst failed", size=len(burst))
+
+
 # ---------------------------------------------------------------- job event subscribers
 
 
@@ -434,14 +620,24 @@ class StoreRelay:
 class ControlServicer(control_pb2_grpc.ControlServiceServicer):
     """ControlService over gRPC.
 
+    ``WorkerSession`` is an asyncio handler (serve this on a ``grpc.aio`` server, e.g.
+    ``AioServiceServer``); the other RPCs are plain code (its thread pool runs them).
+
     Args:
         user: command port EXT_USER -> L1_ORCHESTRATOR.
         watches: the JobEvent subscriber hub.
         sessions: the node agent session hub.
+        applier: the thread that applies the sessions' messages (default: one of its own).
+        max_sessions: node agent sessions held at once; the next is refused with
+            RESOURCE_EXHAUSTED.
     """
 
-    def __init__(self, user: CommandPort, watches: WatchHub, sessions: SessionHub):
+    def __init__(self, user: CommandPort, watches: WatchHub, sessions: SessionHub,
+                 applier: EventApplier | None = None, max_sessions: int = 8192):
         self._user, self._watches, self._sessions = user, watches, sessions
+        self.applier = applier or EventApplier(sessions)
+        self._max_sessions = max_sessions
+        self._live = 0  # sessions being served (touched on the server's loop only)
 
     def SubmitJob(self, request, context):
         return self._command(context, request)
@@ -471,7 +667,7 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "WatchJob: job_id is required")
         live = self._watches.subscribe(request.job_id)
         try:
-            if not context.add_callback(lambda: live.put(None)):  # client left / server stops
+            if not _on_done(context, lambda: live.put(None)):  # client left / server stops
                 return
             status, history = self._history(context, request)
             last = 0
@@ -502,7 +698,7 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
         tail = self._sessions.open_tail(request.job_id, request.follow, rank)
         pending = set(tail.sessions)
         try:
-            if not context.add_callback(lambda: tail.answers.put((None, None))):  # client left / server stops
+            if not _on_done(context, lambda: tail.answers.put((None, None))):  # client left / server stops
                 return
             while pending:
                 session, batch = tail.answers.get()
@@ -518,47 +714,61 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
         finally:
             self._sessions.close_tail(tail, pending)
 
-    def WorkerSession(self, request_iterator, context):
+    async def WorkerSession(self, request_iterator, context):
         """First message: ``register``; control answers with the initial-metadata header
         ``surge-registered: <worker_id>`` once the worker's slots are allocatable. Then rank
         events up, WorkerCommands down, until either side closes; the stream closing is
-        the fact that the node agent is gone."""
-        first = next(request_iterator, None)
-        if first is None:
+        the fact that the node agent is gone. Runs on the server's loop: the messages go to
+        the applier thread, the commands come from the session's asyncio queue."""
+        requests = request_iterator.__aiter__()
+        try:
+            first = await requests.__anext__()
+        except StopAsyncIteration:
             return
         if first.WhichOneof("event") != "register":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "WorkerSession: the first WorkerEvent must be register")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "WorkerSession: the first WorkerEvent must be register")
         reg = first.register
         if not reg.worker_id or reg.slots == 0:
-            context.abort(
+            await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"WorkerSession: registration needs a worker_id and slots > 0 (got {reg.worker_id!r}, {reg.slots})",
             )
-        session = self._sessions.open(reg)
-        # The acknowledgement: once a node agent sees this header, its slots can be allocated;
-        # it resends its events after the last applied seq.
-        context.send_initial_metadata(((REGISTERED_HEADER, reg.worker_id), (LAST_SEQ_HEADER, str(session.applied))))
-        if not context.add_callback(lambda: self._sessions.close(session)):
-            self._sessions.close(session)  # the RPC already ended
-        threading.Thread(
-            target=self._read_session, args=(session, request_iterator), name=f"session-{reg.worker_id}", daemon=True
-        ).start()
-        while (command := self._sessions.next_command(session)) is not None:
-            yield command
+        if self._live >= self._max_sessions:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"WorkerSession: control holds {self._max_sessions} node agent sessions (--max-sessions); "
+                f"{reg.worker_id} refused",
+            )
+        self._live += 1
+        try:
+            commands = _LoopQueue(asyncio.get_running_loop())
+            session = await self.applier.open(reg, commands)
+            reader = None
+            try:
+                # The acknowledgement: once a node agent sees this header, its slots can be
+                # allocated; it resends its events after the last applied seq.
+                await context.send_initial_metadata(
+                    ((REGISTERED_HEADER, reg.worker_id), (LAST_SEQ_HEADER, str(session.applied))))
+                reader = asyncio.create_task(self._read_session(session, requests))
+                while (item := await commands.get()) is not None:
+                    yield self._sessions.command(session, item)
+            finally:
+                if reader is not None:
+                    reader.cancel()
+                self.applier.close(session)  # idempotent; after the messages already read
+        finally:
+            self._live -= 1
 
     # ------------------------------------------------------------ private
 
-    def _read_session(self, session: _Session, request_iterator) -> None:
+    async def _read_session(self, session: _Session, requests) -> None:
         try:
-            for ev in request_iterator:
-                try:
-                    self._sessions.on_worker_event(session, ev)
-                except Exception:  # one bad message must not end the node's session
-                    _log.exception("worker event refused", worker_id=session.worker_id)
-        except grpc.RpcError:
-            pass  # the stream broke: same fact as closing it
+            async for ev in requests:
+                self.applier.event(session, ev)
+        except Exception:  # noqa: BLE001 - the stream broke: same fact as closing it
+            pass
         finally:
-            self._sessions.close(session)
+            self.applier.close(session)
 
     def _history(self, context, request) -> tuple[control_pb2.JobStatus, tuple]:
         try:
@@ -572,6 +782,12 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
             return self._user(request).message
         except Exception as e:
             _abort(context, e)
+
+
+def _on_done(context, callback: Callable[[], None]) -> bool:
+    """``context.add_callback`` of a plain handler: False when the RPC already ended. Under
+    grpc.aio's thread pool the call answers None (registered)."""
+    return context.add_callback(callback) is not False
 
 
 def _abort(context, e: Exception):
