@@ -1,0 +1,236 @@
+"""Node agent sessions on control's asyncio server: the applier's bursts (effect-less cursors
+journaled together, acks only for journaled seqs), sessions that cost no thread, and the
+``--max-sessions`` admission limit, over real loopback gRPC against `python -m services.control`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.contract import control_pb2, control_pb2_grpc, worker_pb2
+from services.control.fault_detector import WORKER_LOST_MARKER
+from services.control.server import LAST_SEQ_HEADER, REGISTERED_HEADER, EventApplier
+from tests.conftest import free_ports
+
+from .conftest import registration
+from .test_worker_events import acks, open_plane, running_job, step_event
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(90)
+
+
+def heartbeat_event(job_id: str, rank: int, step: int, seq: int) -> control_pb2.WorkerEvent:
+    beat = worker_pb2.RankHeartbeat(job_id=job_id, rank=rank, step=step, stepping=True, step_seconds=1.0)
+    return control_pb2.WorkerEvent(rank_event=worker_pb2.RankEvent(job_id=job_id, rank=rank, heartbeat=beat), seq=seq)
+
+
+# ------------------------------------------------------------------ in process: the burst
+
+
+def test_a_burst_journals_its_effectless_cursors_in_one_write_and_acks_the_last_seq(tmp_path):
+    plane, journal = open_plane(tmp_path / "control.db")
+    job_id, session, _ = running_job(plane)
+    hub = plane.c.sessions
+    writes: list[list] = []
+    real_write = journal.write_cursors
+    journal.write_cursors = lambda cursors: (writes.append(list(cursors)), real_write(cursors))  # spy, real write
+
+    # beat, step (journaled: rank 0's step row, with its cursor), beat, beat
+    hub.on_worker_events([(session, heartbeat_event(job_id, 0, 1, 1)), (session, step_event(job_id, 1, 2)),
+                          (session, heartbeat_event(job_id, 0, 1, 3)), (session, heartbeat_event(job_id, 0, 2, 4))])
+    assert writes == [[("wa", "i1", 4)]]  # one group write, for the beats after the step
+    assert journal.worker_cursor("wa") == ("i1", 4)
+    assert [s for s, _ in journal.steps(job_id)] == [1]
+    assert acks(plane, session) == [4]  # coalesced
+
+    # A resend after a reconnect: the duplicates are dropped, the new one applied and acked.
+    hub.on_worker_events([(session, step_event(job_id, 1, 2)), (session, heartbeat_event(job_id, 0, 2, 4)),
+                          (session, step_event(job_id, 2, 5))])
+    assert [s for s, _ in journal.steps(job_id)] == [1, 2]
+    assert hub.duplicates == 2 and writes == [[("wa", "i1", 4)]]  # 5 was journaled with its step
+    assert journal.worker_cursor("wa") == ("i1", 5) and acks(plane, session) == [5]
+    journal.close()
+
+
+def test_no_ack_covers_a_seq_whose_cursor_the_journal_did_not_take(tmp_path):
+    plane, journal = open_plane(tmp_path / "control.db")
+    job_id, session, _ = running_job(plane)
+
+    def disk_full(cursors):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    journal.write_cursors = disk_full
+    with pytest.raises(sqlite3.OperationalError):
+        plane.c.sessions.on_worker_events([(session, heartbeat_event(job_id, 0, 1, 1)),
+                                           (session, heartbeat_event(job_id, 0, 1, 2))])
+    assert (session.applied, session.durable) == (2, 0)
+    assert acks(plane, session) == []
+    assert journal.worker_cursor("wa") == ("", 0)  # after a restart the agent resends 1 and 2
+    journal.close()
+
+
+# ------------------------------------------------------------------ the real process
+
+
+class Control:
+    """``python -m services.control`` with extra flags; stopped by PID."""
+
+    def __init__(self, tmp: Path, *flags: str):
+        self.port, data, store = free_ports(3)
+        self.address = f"127.0.0.1:{self.port}"
+        self.log = open(tmp / f"control-{self.port}.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.control", "--port", str(self.port), "--db", str(tmp / "control.db"),
+             "--data", f"127.0.0.1:{data}", "--store", f"127.0.0.1:{store}", *flags],
+            cwd=REPO, env={**os.environ, "SURGE_HOME": str(tmp), "PYTHONUNBUFFERED": "1"},
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        with grpc.insecure_channel(self.address) as ch:
+            watch = health_pb2_grpc.HealthStub(ch).Watch(
+                health_pb2.HealthCheckRequest(service="surge.v1.ControlService"), timeout=30, wait_for_ready=True)
+            for reply in watch:
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    watch.cancel()
+                    break
+
+    def threads(self) -> int:
+        return len(os.listdir(f"/proc/{self.proc.pid}/task"))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def control(tmp_path):
+    started: list[Control] = []
+
+    def start(*flags: str) -> Control:
+        started.append(Control(tmp_path, *flags))
+        return started[-1]
+
+    yield start
+    for c in started:
+        c.stop()
+
+
+class Agent:
+    """One node agent's session, as an asyncio gRPC client."""
+
+    def __init__(self, channel: grpc.aio.Channel, worker_id: str):
+        self.worker_id = worker_id
+        reg = registration(worker_id)
+        reg.incarnation = f"{worker_id}-1"
+        self.outgoing: asyncio.Queue = asyncio.Queue()
+        self.outgoing.put_nowait(control_pb2.WorkerEvent(register=reg))
+        self.call = control_pb2_grpc.ControlServiceStub(channel).WorkerSession(self._requests())
+
+    async def _requests(self):
+        while (ev := await self.outgoing.get()) is not None:
+            yield ev
+
+    async def registered(self) -> dict:
+        return dict(await self.call.initial_metadata())
+
+    async def next_ack(self) -> int:
+        async for cmd in self.call:
+            if cmd.WhichOneof("command") == "ack":
+                return cmd.ack.seq
+        raise AssertionError(f"{self.worker_id}: the session ended without an ack")
+
+
+def test_two_hundred_sessions_are_served_without_a_thread_each_and_every_event_is_acked(control):
+    c = control()
+    before = c.threads()
+
+    async def run() -> tuple[list[dict], list[int], int]:
+        async with grpc.aio.insecure_channel(c.address) as ch:
+            agents = [Agent(ch, f"w{i}") for i in range(200)]
+            headers = await asyncio.gather(*(a.registered() for a in agents))
+            for a in agents:  # a memory report: a sequenced event with no journaled effect
+                pressure = control_pb2.MemoryPressure(available_bytes=1 << 30, total_bytes=2 << 30)
+                a.outgoing.put_nowait(control_pb2.WorkerEvent(memory_pressure=pressure, seq=1))
+            seqs = await asyncio.wait_for(asyncio.gather(*(a.next_ack() for a in agents)), 60)
+            during = c.threads()
+            for a in agents:
+                a.outgoing.put_nowait(None)
+            return headers, seqs, during
+
+    headers, seqs, during = asyncio.run(run())
+    assert [h[REGISTERED_HEADER] for h in headers] == [f"w{i}" for i in range(200)]
+    assert {h[LAST_SEQ_HEADER] for h in headers} == {"0"}
+    assert seqs == [1] * 200
+    # The sync server held two threads per session (400 here); now the loop and the
+    # applier serve them all. The margin is for gRPC's and the pool's own threads.
+    assert during - before < 20, (before, during)
+
+
+def test_the_session_past_max_sessions_is_refused_and_one_closing_makes_room(control):
+    c = control("--max-sessions", "2")
+
+    async def run() -> tuple[grpc.StatusCode, str, str]:
+        async with grpc.aio.insecure_channel(c.address) as ch:
+            a, b = Agent(ch, "wa"), Agent(ch, "wb")
+            await asyncio.gather(a.registered(), b.registered())
+            third = Agent(ch, "wc")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await third.next_ack()
+            a.outgoing.put_nowait(None)  # half-close: wa's session ends
+            async for _ in a.call:
+                pass
+            fourth = Agent(ch, "wd")
+            header = (await asyncio.wait_for(fourth.registered(), 30))[REGISTERED_HEADER]
+            for agent in (b, fourth):
+                agent.outgoing.put_nowait(None)
+            return refused.value.code(), refused.value.details(), header
+
+    code, details, header = asyncio.run(run())
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert details == "WorkerSession: control holds 2 node agent sessions (--max-sessions); wc refused"
+    assert header == "wd"
+
+
+def test_max_sessions_below_one_is_one_line_and_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "services.control", "--port", "1", "--data", "a:1", "--store", "b:1",
+                        "--max-sessions", "0"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].endswith("--max-sessions must be >= 1, got 0")
+
+
+def test_the_applier_applies_a_sessions_exit_report_before_its_close(tmp_path):
+    """One queue, one thread: a session's messages and its close are applied in the order
+    read, so an exit sent just before the stream ends is the rank's exit, not a lost node."""
+    plane, journal = open_plane(tmp_path / "control.db")
+    applier = EventApplier(plane.c.sessions)
+    job_id, session, _ = running_job(plane)
+    applier.event(session, step_event(job_id, 1, 1))
+    exited = control_pb2.RankExited(job_id=job_id, rank=0, exit_code=3, detail="exit code 3")
+    applier.event(session, control_pb2.WorkerEvent(rank_exited=exited, seq=2))
+    applier.close(session, reason="stream closed")
+    drained = threading.Event()
+    applier.call(drained.set)
+    assert drained.wait(10)
+    applier.stop()
+    assert session.closed and journal.worker_cursor("wa") == ("i1", 2)
+    assert [s for s, _ in journal.steps(job_id)] == [1]
+    faults = [e.message for e in plane.events(job_id) if e.type == "fault"]
+    # The exit first (the recovery then relaunches rank 0 on wa, which the close loses).
+    assert faults[0] == "SEVERE rank_exit: rank 0 on worker wa ended (exit code 3): exit code 3", faults
+    assert WORKER_LOST_MARKER not in faults[0]
+    journal.close()
