@@ -1,6 +1,7 @@
 """How many node agents one `control` holds: simulated workers against the real service.
 
     .venv/bin/python bench/control_scale.py --workers 1000 [--seconds 45] [--procs 4] [--json]
+        [--profile control.svg]   # py-spy flame graph of control over the steady window
 
 Starts control, store and data (``surgectl up`` with no worker), then ``--workers``
 simulated node agents (asyncio gRPC clients on loopback, spread over ``--procs``
@@ -19,7 +20,9 @@ Measured:
 - event-handling latency: where the control API acknowledges events (``WorkerEvent.seq`` /
   ``WorkerCommand.ack``), send -> ack of every event; otherwise rank 0's StepCompleted ->
   the orchestrator's "step" job event (``JobEvent.unix_time`` - ``StepCompleted.unix_time``);
-- CPU of the control process (utime + stime from /proc, % of one core) over the steady window;
+- CPU of the control process (utime + stime from /proc, % of one core) over the steady window,
+  and of the simulated agents' processes together (they share the machine's cores), and
+  control's thread count;
 - time from the silenced worker's last message to the orchestrator's ``fault`` event.
 
 If registration stalls, the figures say at how many workers, and the job part is skipped.
@@ -33,6 +36,7 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -75,7 +79,16 @@ async def _sim(address, ids, total, registered, silence_rank, stop, out_q) -> No
 
     async def worker(i: int) -> None:
         stub = control_pb2_grpc.ControlServiceStub(channels[i % len(channels)])
-        call = stub.WorkerSession()
+        # Requests from a queue, as the node agent feeds its stream (an iterator): with
+        # thousands of streams, grpc.aio's call.write() before the response headers failed
+        # with "INTERNAL: Internal error from Core" for some (against either server).
+        outgoing: asyncio.Queue = asyncio.Queue()
+
+        async def requests():
+            while True:
+                yield await outgoing.get()
+
+        call = stub.WorkerSession(requests())
         seq, pending = 0, {}
         state = {"job": "", "ranks": [], "stepping": False, "step": 0}
 
@@ -87,7 +100,7 @@ async def _sim(address, ids, total, registered, silence_rank, stop, out_q) -> No
                 ev.seq = seq
                 kind = ev.rank_event.WhichOneof("event") if ev.WhichOneof("event") == "rank_event" else ev.WhichOneof("event")
                 pending[seq] = (time.time(), f"{kind}{'0' if kind == 'step' and ev.rank_event.rank == 0 else ''}")
-            await call.write(ev)
+            outgoing.put_nowait(ev)
 
         reg = control_pb2.WorkerRegistration(worker_id=f"sim-{i}", host="127.0.0.1", address=f"127.0.0.1:{1 + i}",
                                              slots=1, cpu_count=1, memory_bytes=1 << 30)
@@ -95,10 +108,12 @@ async def _sim(address, ids, total, registered, silence_rank, stop, out_q) -> No
             reg.incarnation = f"sim-{i}-{os.getpid()}"
         t0 = time.time()
         try:
-            await call.write(control_pb2.WorkerEvent(register=reg))
-            await call.initial_metadata()
+            outgoing.put_nowait(control_pb2.WorkerEvent(register=reg))
+            if "surge-registered" not in dict(await call.initial_metadata()):  # the call ended
+                errors.append(f"register: {await call.code()}: {await call.details()}")
+                return
         except grpc.aio.AioRpcError as e:
-            errors.append(f"register: {e.code().name}")
+            errors.append(f"register: {e.code().name}: {e.details()}")
             return
         reg_lat.append(time.time() - t0)
         with registered.get_lock():
@@ -146,7 +161,7 @@ async def _sim(address, ids, total, registered, silence_rank, stop, out_q) -> No
                     if r == 0:
                         step_sent[state["step"]] = t
         except grpc.aio.AioRpcError as e:
-            errors.append(f"stream: {e.code().name}")
+            errors.append(f"stream: {e.code().name}: {e.details()}")
         finally:
             read_task.cancel()
             call.cancel()
@@ -171,7 +186,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run(n: int, seconds: float, procs: int, register_timeout_s: float = 60.0) -> dict:
+def run(n: int, seconds: float, procs: int, register_timeout_s: float = 60.0, profile: str | None = None) -> dict:
     from services.contract import control_pb2
 
     c.setup_env()
@@ -206,8 +221,18 @@ def run(n: int, seconds: float, procs: int, register_timeout_s: float = 60.0) ->
             out["submit_to_running_s"] = time.time() - t_submit
             time.sleep(3.0)  # let the traffic settle
             cpu1, t1 = cpu_seconds(control_pid), time.time()
+            sim1 = sum(cpu_seconds(p.pid) for p in ps)
+            spy = None
+            if profile:  # py-spy samples from outside: a share of a core, not of control's
+                spy = subprocess.Popen([str(c.REPO / ".venv/bin/py-spy"), "record", "-o", profile, "--pid",
+                                        str(control_pid), "--duration", str(int(seconds)), "--rate", "50"],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(seconds)
+            if spy is not None:
+                spy.wait(timeout=60)
             out["control_cpu_percent"] = 100 * (cpu_seconds(control_pid) - cpu1) / (time.time() - t1)
+            out["clients_cpu_percent"] = 100 * (sum(cpu_seconds(p.pid) for p in ps) - sim1) / (time.time() - t1)
+            out["control_threads"] = len(os.listdir(f"/proc/{control_pid}/task"))
             silenced = n // 2
             silence_rank.value = silenced
             t_silence = out["t_silence"] = time.time()
@@ -287,10 +312,11 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=4)
     ap.add_argument("--register-timeout", type=float, default=60.0, help="seconds to wait for every registration")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--profile", help="write a py-spy flame graph (SVG) of control over the steady window here")
     args = ap.parse_args()
     if args.workers < 2:
         sys.exit("--workers: must be >= 2")
-    res = run(args.workers, args.seconds, args.procs, args.register_timeout)
+    res = run(args.workers, args.seconds, args.procs, args.register_timeout, args.profile)
     if args.json:
         print(json.dumps(res, default=str))
     else:

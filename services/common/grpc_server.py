@@ -318,14 +318,15 @@ class AioServiceServer:
     each holding a thread while it runs (a sync server-streaming RPC: its whole life).
     Health checking, reflection, TLS, the bearer token and the malformed-request answer
     are as in ``ServiceServer``. Usage as ServiceServer (``server``, ``start``, ``stop``);
-    ``loop`` is where asyncio handlers live.
+    ``loop`` is where asyncio handlers live. ``options``: more gRPC server options.
 
     Raises:
         PortInUse: the port cannot be bound.
         TlsConfigError: the TLS variables are incomplete or unreadable.
     """
 
-    def __init__(self, name: str, host: str, port: int, executor_threads: int = 64):
+    def __init__(self, name: str, host: str, port: int, executor_threads: int = 64,
+                 options: Sequence[tuple[str, Any]] = ()):
         self.name = name
         problem = bind_problem(host, port) if port else None
         if problem:
@@ -338,7 +339,7 @@ class AioServiceServer:
         pool = futures.ThreadPoolExecutor(max_workers=executor_threads, thread_name_prefix=name)
 
         async def make() -> grpc.aio.Server:  # grpc.aio binds a server to the loop it is built on
-            return grpc.aio.server(migration_thread_pool=pool, options=GRPC_OPTIONS,
+            return grpc.aio.server(migration_thread_pool=pool, options=[*GRPC_OPTIONS, *options],
                                    interceptors=[_AioGuard(os.environ.get(AUTH_TOKEN_ENV) or None)])
 
         self.server = self.run(make())
