@@ -37,9 +37,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common as c  # noqa: E402
+from bench.rank_sched import RankSampler  # noqa: E402
 
 SPEC = c.REPO / "bench" / "jobs" / "throughput.yaml"
-STEPS, WARMUP, REPS = (60, 15, 2) if c.QUICK else (200, 20, 3)
+STEPS, WARMUP, REPS = (60, 15, 2) if c.QUICK else (150, 20, 5)
 PHASES = ("data_wait_seconds", "forward_seconds", "backward_seconds", "reduction_seconds", "optimizer_seconds")
 
 
@@ -49,6 +50,9 @@ def throughput(results: dict) -> None:
     spans: dict[str, list[float]] = {}
     packed_vs_consumed = []
     services_cpu: dict[str, list[float]] = {}
+    sched: dict[str, dict[str, list[float]]] = {"surge": {}, "torchrun": {}}
+    sampler = RankSampler(("services.worker.rank", "bench/torchrun_ddp.py"), exclude=("--standalone",))
+    sampler.start()
     with c.Stack(workers=2) as stack:
         for rep in range(REPS):
             spec = c.write_spec(SPEC, f"bench{rep}", steps=STEPS)
@@ -66,6 +70,7 @@ def throughput(results: dict) -> None:
             r0 = recs[0]
             surge_tps.append(c.steady_tokens_per_s(r0, WARMUP))
             surge_start.append(r0[0]["unix_time"] - t_submit)
+            _add_sched(sched["surge"], sampler, r0)
             for rank, rr in recs.items():
                 steady = [r for r in rr if r["step"] > WARMUP]
                 step_s = sum(r["step_seconds"] for r in steady)
@@ -80,9 +85,12 @@ def throughput(results: dict) -> None:
             run = c.torchrun(spec, steps=STEPS)
             torch_tps.append(c.steady_tokens_per_s(run.steps, WARMUP))
             torch_start.append(run.steps[0]["unix_time"] - run.t_launch)
+            _add_sched(sched["torchrun"], sampler, run.steps)
             print(f"  rep {rep + 1}/{REPS}: Surge {surge_tps[-1]:,.0f} tok/s, torchrun {torch_tps[-1]:,.0f} tok/s, "
                   f"start-up {surge_start[-1]:.1f} s / {torch_start[-1]:.1f} s", flush=True)
+    sampler.stop()
     ratios = [s / t for s, t in zip(surge_tps, torch_tps)]
+    results["rank_time_per_step_ms"] = {side: {k: c.summary(v) for k, v in d.items()} for side, d in sched.items()}
     results["throughput"] = {
         "steps": STEPS, "warmup_steps": WARMUP, "repetitions": REPS,
         "surge_tokens_per_s": c.summary(surge_tps), "torchrun_tokens_per_s": c.summary(torch_tps),
@@ -95,6 +103,16 @@ def throughput(results: dict) -> None:
     # % of one core over submit..end; "worker" is each node agent (the ranks are its
     # children, not counted here).
     results["services_cpu_percent"] = {k: c.summary(v) for k, v in services_cpu.items()}
+
+
+def _add_sched(into: dict[str, list[float]], sampler: RankSampler, records: list[dict]) -> None:
+    """The ranks' per-step scheduler figures over the steady steps of one run."""
+    recs = sorted(records, key=lambda r: r["step"])
+    t0 = next(r for r in recs if r["step"] == WARMUP)["unix_time"]
+    w = sampler.window(t0, recs[-1]["unix_time"], recs[-1]["step"] - WARMUP)
+    for k, v in (w or {}).items():
+        if k != "ranks":
+            into.setdefault(k, []).append(v)
 
 
 def _cpu(pid: int) -> float:
@@ -176,6 +194,14 @@ def control_scale(results: dict) -> None:
     results["control_scale"] = res
 
 
+_SCHED_LABEL = {  # bench/rank_sched.py
+    "main_cpu_ms": "training thread on CPU",
+    "runqueue_ms": "training thread runnable, core taken (contention)",
+    "sleep_ms": "training thread blocked (collectives, data, locks)",
+    "other_threads_cpu_ms": "CPU of the rank's other threads",
+}
+
+
 def render(r: dict) -> str:
     rows = []
     t = r.get("throughput")
@@ -187,6 +213,11 @@ def render(r: dict) -> str:
         ]
     for k, v in r.get("spans_fraction_of_wall", {}).items():
         rows.append(("2 spans", f"{k}, % of wall time (rank median)", c.fmt({**v, **{x: 100 * v[x] for x in ('median', 'min', 'max')}}, " %", 2)))
+    sched = r.get("rank_time_per_step_ms", {})
+    for k in ("main_cpu_ms", "runqueue_ms", "sleep_ms", "other_threads_cpu_ms"):
+        if k in sched.get("surge", {}) and k in sched.get("torchrun", {}):
+            rows.append(("2 spans", f"rank {_SCHED_LABEL[k]}, ms per step: Surge / torchrun",
+                         f"{c.fmt(sched['surge'][k], '', 1)} / {c.fmt(sched['torchrun'][k], '', 1)}"))
     for k, v in r.get("services_cpu_percent", {}).items():
         rows.append(("2 spans", f"CPU of {k} during the job, % of one core", c.fmt(v, " %", 1)))
     b = r.get("bus")

@@ -136,3 +136,36 @@ def test_steady_tokens_per_second_counts_wall_time_after_warmup():
     s = common.summary([3.0, 1.0, 2.0])
     assert (s["median"], s["min"], s["max"], s["n"]) == (2.0, 1.0, 3.0, 3)
     assert math.isnan(common.summary([])["median"])
+
+
+@pytest.mark.timeout(60)
+def test_rank_sampler_splits_a_busy_process_wall_time_into_cpu_runqueue_and_sleep():
+    """A child that spins 1.5 s then sleeps 1.5 s: the kernel's accounting, read back per
+    'step', shows about half its wall time on the CPU and the rest blocked; the three parts
+    add up to the wall time."""
+    import time
+
+    from bench.rank_sched import RankSampler
+
+    marker = "surge-rank-sampler-test"
+    child = subprocess.Popen([sys.executable, "-c", "import time, sys\nt = time.time()\nwhile time.time() - t < 1.5: pass\n"
+                              "time.sleep(1.5)", marker])
+    try:
+        sampler = RankSampler((marker,), period_s=0.05)
+        sampler.start()
+        t0 = time.time()
+        time.sleep(0.2)  # the first sample sees the child
+        child.wait(timeout=30)
+        t1 = time.time() - 0.1
+        sampler.stop()
+        w = sampler.window(t0, t1, steps=2)
+    finally:
+        child.kill()
+        child.wait()
+    assert w is not None and w["ranks"] == 1
+    wall_ms = 1000 * (t1 - t0) / 2
+    parts = w["main_cpu_ms"] + w["runqueue_ms"] + w["sleep_ms"]
+    assert parts == pytest.approx(wall_ms, rel=0.02)
+    assert 0.25 * wall_ms < w["main_cpu_ms"] + w["runqueue_ms"] < 0.75 * wall_ms
+    assert w["other_threads_cpu_ms"] < 0.1 * wall_ms
+    assert sampler.window(t1 + 100, t1 + 200, steps=2) is None  # no sample inside: no figure
