@@ -123,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = ServiceServer("data", args.host, args.port)
         http = serve_metrics("data", args.host, args.metrics_port)
-    except PortInUse as e:
+    except PortInUse as e:  # a usage error, exit 2, as control, store and the node agent
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     data_pb2_grpc.add_DataServiceServicer_to_server(servicer, server.server)
     audit_pb2_grpc.add_AuditServiceServicer_to_server(AuditServicer("data"), server.server)
     server.start([data_pb2.DESCRIPTOR.services_by_name["DataService"].full_name, AuditServicer.SERVICE_NAME])

@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = ServiceServer("store", args.host, args.port)
         http = serve_metrics("store", args.host, args.metrics_port)
-    except PortInUse as e:
-        print(e, file=sys.stderr)
-        return 1
+    except PortInUse as e:  # a usage error, exit 2, as control, data and the node agent
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     try:
         relay, metrics = wire(root, log)

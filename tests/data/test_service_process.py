@@ -126,5 +126,5 @@ def test_a_port_in_use_is_a_one_line_error(root, tmp_path):
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert err.strip() == f"error: data: cannot listen on 127.0.0.1:{port} (port already in use?)"

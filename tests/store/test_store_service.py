@@ -148,6 +148,6 @@ def test_a_port_in_use_is_a_one_line_error_and_a_nonzero_exit(store, tmp_path):
     ):
         second = spawn(tmp_path / "second", port, metrics_port)
         out, err = second.communicate(timeout=60)
-        assert second.returncode == 1
+        assert second.returncode == 2
         lines = err.decode().strip().splitlines()
         assert len(lines) == 1 and says in lines[0], err.decode()
