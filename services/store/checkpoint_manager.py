@@ -421,9 +421,13 @@ class CheckpointManager:
             )
         mine = [e for e in self._chain if e["job_id"] == job]
         hit = mine[-1:] if n == "latest" else [e for e in mine if e["n"] == int(n)]
-        if not hit:
-            have = ", ".join(e["version"] for e in mine) or "none"
+        if not hit and mine:
+            have = ", ".join(e["version"] for e in mine)
             raise CheckpointNotFound(f"checkpoint {version} not found (have: {have})")
+        if not hit:  # an unknown job: name the jobs that do have checkpoints (newest last)
+            latest = {e["job_id"]: e["version"] for e in self._chain}
+            have = ", ".join(list(latest.values())[-5:]) or "none"
+            raise CheckpointNotFound(f"checkpoint {version} not found: no checkpoint of job {job} (latest of each job: {have})")
         return hit[0]
 
     def _info(self, entry: dict[str, Any]) -> store_pb2.CheckpointInfo:
