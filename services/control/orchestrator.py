@@ -516,10 +516,12 @@ class Orchestrator:
                 self._record(job, Module.L1_FAULT_DETECTOR, "fault",
                              f"{text} (consequence of rank {cause.rank}'s {cause.fault_class})")
                 return
-            self._record(job, Module.L1_FAULT_DETECTOR, "fault", text)
             if ended:
                 job.exited.add(msg.rank)
-            if msg.fault_class == "rank_released" or (msg.fault_class == "rank_exit_clean" and msg.rank in job.finished):
+            if msg.fault_class == "rank_exit_clean" and msg.rank in job.finished:
+                return  # its loop reported finished first: the normal end of that rank, no fault
+            self._record(job, Module.L1_FAULT_DETECTOR, "fault", text)
+            if msg.fault_class == "rank_released":
                 return
             fault_class = "rank_exit" if msg.fault_class == "rank_exit_clean" else msg.fault_class
             self._decide(job, msg, fault_class, text)

@@ -175,6 +175,21 @@ def test_clean_rank_exits_after_the_job_finished_change_nothing(plane):
     assert plane.get(job_id).outcome == O.FINISHED
 
 
+def test_a_rank_that_finished_and_exits_before_the_others_finish_is_no_fault(plane):
+    """A pipeline's last stage can finish and exit before stage 0 reports its end: that
+    clean exit is neither a fault event nor a decision. A clean exit of a rank that had
+    not finished still is (an early exit)."""
+    job_id, a, b = start_job(plane, steps=3)
+    plane.rank_event(b, job_id, 1, finished=engine_pb2.TrainingLoopFinished(rank=1, step=3))
+    plane.rank_exited(b, job_id, 1, exit_code=0)
+    assert "fault" not in [e.type for e in plane.events(job_id)]
+    assert plane.get(job_id).state == S.RUNNING
+    plane.rank_exited(a, job_id, 0, exit_code=0)
+    assert [e.message for e in plane.events(job_id) if e.type == "fault"] == [
+        "MEDIUM rank_exit_clean: rank 0 on worker wa ended (exit code 0)"
+    ]
+
+
 def test_a_lost_node_agent_fails_its_job_and_its_slots_vanish(plane):
     job_id, a, b = start_job(plane)
     plane.c.sessions.close(b)
