@@ -193,6 +193,15 @@ def _guard_parsing(handler, method: str):
     def wrap(behavior: Callable, streaming: bool) -> Callable:
         if _is_async(behavior):
             return _guard_async(behavior, streaming, message)
+        if not streaming and inspect.isgeneratorfunction(behavior):
+            # Same kind as the handler: the asyncio server runs a sync generator in its
+            # thread pool, but a plain function returning an iterator on its loop, where
+            # the blocking abort() then deadlocks the whole server.
+            def unary_stream(request, context):
+                if isinstance(request, _Malformed):
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, message(request))
+                yield from behavior(request, context)
+            return unary_stream
         if not streaming:
             def unary(request, context):
                 if isinstance(request, _Malformed):

@@ -236,6 +236,21 @@ def test_malformed_yaml_is_invalid_argument_and_unknown_job_not_found(start_cont
     assert (e.value.code(), e.value.details()) == (grpc.StatusCode.NOT_FOUND, "job nope-000000 not found")
 
 
+@pytest.mark.timeout(60)
+def test_a_malformed_request_to_any_method_is_invalid_argument_and_control_lives_on(start_control):
+    """Unary and server-streaming handlers alike (the streaming ones run as sync generators
+    on control's asyncio server): one line naming the method, and control still answers."""
+    control = start_control()
+    with grpc.insecure_channel(control.address) as ch:
+        for method, call in (("GetJob", ch.unary_unary), ("WatchJob", ch.unary_stream), ("StreamLogs", ch.unary_stream)):
+            with pytest.raises(grpc.RpcError) as e:
+                reply = call(f"/surge.v1.ControlService/{method}")(b"\xff\xff\xff\x01garbage", timeout=10)
+                list(reply) if method != "GetJob" else reply
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value)
+            assert f"/surge.v1.ControlService/{method}: malformed request" in e.value.details()
+    assert list(control.stub.ListJobs(control_pb2.JobQuery(), timeout=10).jobs) == []
+
+
 def test_a_lost_node_agent_fails_its_running_job(start_control, agents):
     control = start_control()
     holder = agents(control.address, "wa", finish=False)
