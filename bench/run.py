@@ -1,7 +1,7 @@
 """`make bench`: Surge against plain torchrun, its per-step overhead, the data path,
 checkpoints, start-up and the control plane, on this machine. A benchmark, not a test.
 
-    .venv/bin/python bench/run.py            # ~15 min on 2 cores
+    .venv/bin/python bench/run.py            # ~20 min on 2 cores
     BENCH_QUICK=1 .venv/bin/python bench/run.py   # ~3 min: fewer steps and repetitions
 
 Writes ``bench/results/bench.json`` (every raw figure) and prints a markdown table. Each
