@@ -120,8 +120,9 @@ class _Incident:
     bound: int | None = None            # rollback: no version after this step
     exclude: list[str] = field(default_factory=list)  # exclude_node: the worker(s) left out
     relaunched: bool = False            # RecoveryCompleted applied (journaled with its event)
-    # Restored from the journal after a control restart with ``relaunched`` False: whether
-    # the relaunch reached the node agents is unknown until the re-attached ranks tell.
+    # Restored from the journal after a control restart: whether the relaunch reached the
+    # node agents is unknown until a relaunched rank reports ready (``relaunched`` or not:
+    # a journaled relaunch was only queued to the sessions when control died).
     resumed: bool = False
     # When that relaunch was commanded again (unix time): reports graded before it are
     # about the ranks it replaced, already accounted for.
@@ -342,11 +343,11 @@ class Orchestrator:
                 return
             if job.status.state == S.FAULT_FROZEN and job.incident is None:
                 return  # frozen by a control restart: these ranks are not known here
-            if job.incident is not None and job.incident.resumed and not job.incident.relaunched:
+            if job.incident is not None and job.incident.resumed:
                 # Only a relaunched rank reports ready during a recovery (the failed
                 # generation's ready reports were applied before the fault): the relaunch
                 # reached the node agents before control went down; it is not repeated.
-                job.incident.relaunched = True
+                job.incident.relaunched, job.incident.resumed = True, False
                 self._record(job, ORCH, "recovery",
                              f"the relaunch commanded before the restart happened: rank {msg.rank} of the "
                              "relaunched ranks is ready; not relaunched again")
@@ -504,7 +505,7 @@ class Orchestrator:
             ended = msg.fault_class in _EXITS
             incident = job.incident
             if incident is not None and (
-                (incident.resumed and not incident.relaunched)
+                incident.resumed
                 or (incident.repeated_unix and msg.detected_unix and msg.detected_unix <= incident.repeated_unix)
             ):
                 self._on_resumed_fault(job, incident, msg, text, ended)
@@ -870,7 +871,10 @@ def _incident_to_json(i: _Incident) -> dict:
 
 
 def _incident_from_json(d: dict) -> _Incident:
-    """The recovery in flight as journaled; ``resumed`` when its relaunch was not known done.
+    """The recovery in flight as journaled, ``resumed``: until a relaunched rank reports
+    ready, nothing says its relaunch reached the node agents. Even one journaled as done
+    (``relaunched``) was only queued to the sessions: control killed right after may never
+    have sent it (seen in CI: the old ranks still ran and the new never came).
     Its clock (``decided``) starts again now: the time before the restart is not measured."""
     relaunched = bool(d.get("relaunched", False))
     return _Incident(
@@ -878,7 +882,7 @@ def _incident_from_json(d: dict) -> _Incident:
         fault_class=d["fault_class"], action=d["action"], decided=time.monotonic(),
         dying=Counter({int(r): int(n) for r, n in d.get("dying", {}).items()}),
         version=d.get("version", ""), bound=d.get("bound"), exclude=list(d.get("exclude", ())),
-        relaunched=relaunched, resumed=not relaunched,
+        relaunched=relaunched, resumed=True,
     )
 
 

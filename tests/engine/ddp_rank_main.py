@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from rank_fakes import LocalRank, tiny_spec
 from services.contract import engine_pb2
@@ -34,6 +35,12 @@ def main() -> None:
         },
         out / f"rank{rank}.pt",
     )
+    # Both ranks leave together and tear gloo down before the interpreter does: a group
+    # destroyed at exit under a peer's last collective can abort ("terminate called without
+    # an active exception"; seen once in CI).
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
