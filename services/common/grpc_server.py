@@ -269,6 +269,19 @@ class _AioGuard(grpc.aio.ServerInterceptor):
         return _guard_parsing(handler, method)
 
 
+def _bind(server, name: str, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
+    """Add ``host:port`` (TLS when ``credentials``) to a sync or aio server; the port bound.
+    Raises PortInUse when gRPC cannot bind it."""
+    address = f"{host}:{port}"
+    try:
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:
+        bound = 0
+    if not bound:
+        raise PortInUse(f"{name}: cannot listen on {address} (port already in use?)")
+    return bound
+
+
 class ServiceServer:
     """Owns a grpc.Server plus its health servicer. Usage::
 
@@ -299,14 +312,7 @@ class ServiceServer:
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        try:
-            address = f"{host}:{port}"
-            bound = self.server.add_secure_port(address, credentials) if credentials else self.server.add_insecure_port(address)
-        except RuntimeError:
-            bound = 0
-        if not bound:
-            raise PortInUse(f"{name}: cannot listen on {host}:{port} (port already in use?)")
-        self.port = bound
+        self.port = _bind(self.server, name, host, port, credentials)
 
     def start(self, service_names: list[str]) -> None:
         names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
@@ -355,14 +361,10 @@ class AioServiceServer:
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         try:
-            address = f"{host}:{port}"
-            bound = self.server.add_secure_port(address, credentials) if credentials else self.server.add_insecure_port(address)
-        except RuntimeError:
-            bound = 0
-        if not bound:
+            self.port = _bind(self.server, name, host, port, credentials)
+        except PortInUse:
             self._close_loop()
-            raise PortInUse(f"{name}: cannot listen on {host}:{port} (port already in use?)")
-        self.port = bound
+            raise
 
     def run(self, coroutine, timeout: float | None = 30.0):
         """Run ``coroutine`` on the server's loop from another thread; its result."""
