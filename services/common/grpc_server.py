@@ -269,6 +269,16 @@ class _AioGuard(grpc.aio.ServerInterceptor):
         return _guard_parsing(handler, method)
 
 
+def _preflight(name: str, host: str, port: int) -> grpc.ServerCredentials | None:
+    """The checks before a server is built: the port is free (checked before gRPC tries:
+    its C core would log its own multi-line bind error first), and the TLS credentials
+    (None: plaintext). Raises PortInUse, TlsConfigError."""
+    problem = bind_problem(host, port) if port else None
+    if problem:
+        raise PortInUse(f"{name}: cannot listen on {host}:{port} ({problem})")
+    return server_credentials()
+
+
 def _bind(server, name: str, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
     """Add ``host:port`` (TLS when ``credentials``) to a sync or aio server; the port bound.
     Raises PortInUse when gRPC cannot bind it."""
@@ -299,11 +309,7 @@ class ServiceServer:
 
     def __init__(self, name: str, host: str, port: int, max_workers: int = 32):
         self.name = name
-        # Checked before gRPC tries: its C core would log its own multi-line bind error first.
-        problem = bind_problem(host, port) if port else None
-        if problem:
-            raise PortInUse(f"{name}: cannot listen on {host}:{port} ({problem})")
-        credentials = server_credentials()
+        credentials = _preflight(name, host, port)
         self.tls = credentials is not None
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name),
@@ -343,10 +349,7 @@ class AioServiceServer:
     def __init__(self, name: str, host: str, port: int, executor_threads: int = 64,
                  options: Sequence[tuple[str, Any]] = ()):
         self.name = name
-        problem = bind_problem(host, port) if port else None
-        if problem:
-            raise PortInUse(f"{name}: cannot listen on {host}:{port} ({problem})")
-        credentials = server_credentials()
+        credentials = _preflight(name, host, port)
         self.tls = credentials is not None
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=f"{name}-aio", daemon=True)
