@@ -64,6 +64,7 @@ def rank_main(rank: int, world: int, port: int, store: str, rounds: int, steps_b
     torch.set_num_threads(1)
     from dataclasses import fields
 
+    from services.common.process_exit import exit_now
     from services.compute.model import build_model
     from services.compute.shard_loader import ModelState
     from services.contract import data_pb2, store_pb2
@@ -132,8 +133,8 @@ def rank_main(rank: int, world: int, port: int, store: str, rounds: int, steps_b
         results.setdefault("load", []).append(time.perf_counter() - t0)
     client.close(timeout=2)
     torch.save(results, Path(out) / f"rank{rank}.pt")
-    dist.barrier()
     dist.destroy_process_group()
+    exit_now(0)  # no interpreter finalization under gloo's threads (see exit_now)
 
 
 def main() -> None:

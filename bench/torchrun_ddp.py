@@ -173,11 +173,13 @@ def main(argv: list[str] | None = None) -> None:
             os.replace(tmp, ckpt)
     if log:
         log.close()
-    # Both ranks leave the last collective together: a rank tearing gloo down while its
-    # peer is still inside the final all-reduce can abort ("terminate called without an
-    # active exception"), seen once in 8 runs here.
-    dist.barrier()
     dist.destroy_process_group()
+    # End without interpreter finalization: a gloo worker thread dropping the last reference
+    # to a finished all-reduce then needs the GIL and aborts the process ("terminate called
+    # without an active exception"; pytorch/pytorch#190489). Same as Surge's ranks do.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ import torch
 
 from services.common.grpc_server import channel
 from services.common.logs import configure
+from services.common.process_exit import exit_now
 from services.compute.backward_unit import BackwardUnit
 from services.compute.forward_unit import ForwardUnit
 from services.compute.gradient_reduction import GradientReduction
@@ -392,8 +393,7 @@ class Session:
             # The agent is gone (or ended the session): nobody can command this rank any
             # more. Leave at once instead of holding the device.
             sys.stderr.write("rank: session to the node agent ended; exiting\n")
-            sys.stderr.flush()
-            os._exit(EXIT_SESSION_LOST)
+            exit_now(EXIT_SESSION_LOST)
 
 
 def _rpc_text(e: BaseException) -> str:
@@ -464,9 +464,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         if rank is not None and code == 0:
             rank.parallel.shutdown()
         session.close(timeout=5.0)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # do not wait for library threads (gRPC, gloo) to wind down
+    exit_now(code)  # do not wait for library threads (gRPC, gloo) to wind down, nor finalize under them
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from rank_fakes import LocalRank, tiny_spec
+from services.common.process_exit import exit_now
 from services.contract import engine_pb2
 
 
@@ -35,12 +36,9 @@ def main() -> None:
         },
         out / f"rank{rank}.pt",
     )
-    # Both ranks leave together and tear gloo down before the interpreter does: a group
-    # destroyed at exit under a peer's last collective can abort ("terminate called without
-    # an active exception"; seen once in CI).
     if dist.is_initialized():
-        dist.barrier()
         dist.destroy_process_group()
+    exit_now(0)  # no interpreter finalization under gloo's threads (see exit_now)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from rank_fakes import LocalRank
+from services.common.process_exit import exit_now
 from services.contract import Module as M
 from services.contract import engine_pb2
 from services.engine.training_loop import LoopState
@@ -101,6 +102,7 @@ def main() -> None:
         },
         out / f"rank{rank}.pt",
     )
+    exit_now(0)  # no interpreter finalization under gloo's threads (see exit_now)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ for path in (str(REPO), str(REPO / "tests" / "engine")):
 
 from rank_fakes import FakeStore, FakeUp, corpus_bytes  # noqa: E402
 
+from services.common.process_exit import exit_now  # noqa: E402
 from services.contract import data_pb2, engine_pb2  # noqa: E402
 from services.contract.bus import Emitter  # noqa: E402
 from services.engine.training_loop import Batch  # noqa: E402
@@ -278,3 +279,4 @@ def run_config(config: dict[str, Any], out: Path, *, timeout: float = 240.0, exp
 
 if __name__ == "__main__":
     rank_main(sys.argv[1:])
+    exit_now(0)  # no interpreter finalization under gloo's threads (see exit_now)

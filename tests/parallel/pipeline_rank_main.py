@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_common import ROWS, SEED, SEQ, SPEC, global_batch, layer_ranges, make_optimizer  # noqa: E402
 
+from services.common.process_exit import exit_now  # noqa: E402
 from services.compute.model import build_model  # noqa: E402
 from services.compute.pipeline_stage import PipelineRunner, StageModule  # noqa: E402
 from services.engine.schedule_check import Action, check_pipeline  # noqa: E402
@@ -144,8 +145,8 @@ def main() -> None:
                 "state": {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
                           for k, v in runner.module.state_dict().items()},
                 "pp_rank": pp_rank, "dp_rank": dp_rank}, out / f"rank{rank}.pt")
-    dist.barrier()
     dist.destroy_process_group()
+    exit_now(0)  # no interpreter finalization under gloo's threads (see exit_now)
 
 
 if __name__ == "__main__":

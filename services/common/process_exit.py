@@ -1,0 +1,29 @@
+"""Ending a process that ran torch.distributed collectives, without the gloo exit abort."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import NoReturn
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush stdout/stderr and end the process with ``code``, skipping interpreter finalization.
+
+    Why not a plain return from ``main``: a gloo worker thread
+    (``ProcessGroupGloo::runLoop``) can still hold the last reference to a finished
+    collective's work when the interpreter finalizes. Dropping it decrefs the work's tensors'
+    Python objects, which needs the GIL; a thread taking the GIL during finalization is ended
+    by ``pthread_exit``, and that unwind through a ``noexcept`` destructor calls
+    ``std::terminate`` ("terminate called without an active exception", SIGABRT, exit code
+    -6). Seen here in CI and in a core dump of a test rank (backtrace:
+    ``runLoop -> ~AsyncAllreduceWork -> TensorImpl::decref_pyobject -> take_gil ->
+    pthread_exit -> std::terminate``); the same failure is pytorch/pytorch#190489 and the
+    (abandoned) fix pytorch/pytorch#179291. ``destroy_process_group`` does not prevent it:
+    the group's threads live on while Python objects (DeviceMesh, DDP) still reference it.
+
+    Call it last, after every result is written and closed. Never returns.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
