@@ -5,11 +5,7 @@ uninterrupted one. Plus the loop-side faults of the rule (storm, minimum scale) 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,12 +13,9 @@ import torch
 from precision_harness import guarded_rank
 from rank_fakes import tiny_spec
 from services.contract import engine_pb2
-from services.jobspec import spec_to_json
 from services.worker.faults import Injection
-from tests.conftest import free_ports
+from tests.precision_ranks import run_two_ranks
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 RULE = {"init_scale": 1024.0, "growth_interval": 2, "hysteresis": 2, "backoff_factor": 0.5, "min_scale": 1.0}
 
 
@@ -30,27 +23,6 @@ def fp16_spec(**kw):
     return tiny_spec(steps=8, parallel={"dp": 2}, data={"micro_batch_size": 2, "seq_len": 32},
                      precision={"dtype": "fp16", "loss_scale": RULE},
                      checkpoint={"every_steps": 4, "at_end": False}, **kw)
-
-
-def run_two_ranks(spec, out: Path, ckpt: Path, inject: str, resume: str = "") -> list[dict]:
-    out.mkdir(parents=True, exist_ok=True)
-    (port,) = free_ports(1)
-    env = {**os.environ, "SURGE_FAULT_INJECT": inject, "SURGE_HOME": str(out / "home"), "PYTHONPATH": str(REPO)}
-    procs = [
-        subprocess.Popen([sys.executable, str(HERE / "precision_harness.py"), str(r), "2", str(port), str(out),
-                          str(ckpt), spec_to_json(spec), resume],
-                         cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in (0, 1)
-    ]
-    try:
-        outputs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
 def comparable(steps: list[dict]) -> list[dict]:

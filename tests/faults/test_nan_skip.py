@@ -6,21 +6,12 @@ reported as it was (step event and metric), never smoothed away."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from services.jobspec import JobSpec, spec_to_json
-from tests.conftest import free_ports
-
-REPO = Path(__file__).resolve().parents[2]
-ENGINE_TESTS = REPO / "tests" / "engine"
-HARNESS = ENGINE_TESTS / "precision_harness.py"
-
+from services.jobspec import JobSpec
+from tests.precision_ranks import run_two_ranks
 
 def spec(**fault_policy) -> JobSpec:
     return JobSpec.model_validate({
@@ -33,29 +24,10 @@ def spec(**fault_policy) -> JobSpec:
     })  # fmt: skip
 
 
-def run_two_ranks(job: JobSpec, tmp_path: Path, inject: str) -> list[dict]:
-    (port,) = free_ports(1)
-    env = {**os.environ, "SURGE_FAULT_INJECT": inject, "SURGE_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO)}
-    procs = [
-        subprocess.Popen([sys.executable, str(HARNESS), str(r), "2", str(port), str(tmp_path), str(tmp_path / "ckpt"),
-                          spec_to_json(job)],
-                         cwd=ENGINE_TESTS, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in (0, 1)
-    ]
-    try:
-        outputs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-
-
 @pytest.mark.timeout(300)
 def test_a_nan_loss_on_one_rank_is_skipped_on_both_under_skip_step_and_training_goes_on(tmp_path):
-    r0, r1 = run_two_ranks(spec(actions={"non_finite_loss": "skip_step"}), tmp_path, "nan:nan_loss@3:rank=1")
+    r0, r1 = run_two_ranks(spec(actions={"non_finite_loss": "skip_step"}), tmp_path, tmp_path / "ckpt",
+                           "nan:nan_loss@3:rank=1")
     for r in (r0, r1):
         assert r["failed"] == []
         assert [s["step"] for s in r["steps"]] == [1, 2, 3, 4, 5, 6]
@@ -71,7 +43,7 @@ def test_a_nan_loss_on_one_rank_is_skipped_on_both_under_skip_step_and_training_
 
 @pytest.mark.timeout(300)
 def test_without_skip_step_a_nan_loss_on_one_rank_is_the_same_typed_failure_on_both(tmp_path):
-    r0, r1 = run_two_ranks(spec(), tmp_path, "nan:nan_loss@3:rank=1")
+    r0, r1 = run_two_ranks(spec(), tmp_path, tmp_path / "ckpt", "nan:nan_loss@3:rank=1")
     for r in (r0, r1):
         assert [s["step"] for s in r["steps"]] == [1, 2]
         ((fault_class, detail),) = r["failed"]

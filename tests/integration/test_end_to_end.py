@@ -14,6 +14,7 @@ import subprocess
 import sys
 import sysconfig
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,12 +50,14 @@ def cli(home: Path, *args: str, env: dict | None = None, timeout: float = 300) -
     return subprocess.run([*SURGECTL, *args], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def running_stack(tmp_path_factory, packages: tuple[str, ...] = ("json", "email", "logging")) -> Iterator[Path]:
+    """Body of a module-scoped ``stack`` fixture: yields a SURGE_HOME whose dataset ``tiny@v1``
+    is prepared from the standard library's ``packages`` (20 % held out) and whose stack
+    (`surgectl up --workers 2`) runs; brings it down and reaps it afterwards."""
     home = tmp_path_factory.mktemp("surge")
     src = home / "corpus"
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for pkg in ("json", "email", "logging", "asyncio"):
+    for pkg in packages:
         shutil.copytree(stdlib / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     prep = cli(home, "dataset", "prepare", "--name", "tiny", "--version", "v1", "--source", str(src), "--val-fraction", "0.2")
     assert prep.returncode == 0, prep.stderr
@@ -64,6 +67,11 @@ def stack(tmp_path_factory):
         yield home
     finally:
         down_and_reap(home, cli)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    yield from running_stack(tmp_path_factory, ("json", "email", "logging", "asyncio"))
 
 
 def stack_info(home: Path) -> dict:
