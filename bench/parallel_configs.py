@@ -34,30 +34,34 @@ CONFIGS = {
 }
 
 
-def main() -> None:
+def run_all(configs: dict[str, dict], default_out: str, base: dict | None = None) -> None:
+    """Run each config of ``configs`` (``base`` merged under it) for ``--steps`` steps, the
+    first being the loss reference; print a line per config and write the rows to ``--out``."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--out", default="bench/results/parallel_configs.json")
+    ap.add_argument("--out", default=default_out)
     args = ap.parse_args()
     rows, ref = [], None
+    width = max(map(len, configs)) + 2
     with tempfile.TemporaryDirectory() as tmp:
-        for name, cfg in CONFIGS.items():
+        for name, cfg in configs.items():
             t0 = time.perf_counter()
-            res = run_config({**cfg, "steps": args.steps}, Path(tmp) / name.replace(" ", "_"), timeout=900)[0]
+            res = run_config({**(base or {}), **cfg, "steps": args.steps}, Path(tmp) / name.replace(" ", "_"),
+                             timeout=900)[0]
             ref = ref or res["losses"]
             row = {
                 "config": name,
-                "ranks": cfg.get("dp", 1) * cfg.get("tp", 1),
+                "ranks": cfg.get("dp", 1) * cfg.get("tp", 1) * cfg.get("pp", 1),
                 "median_step_seconds": statistics.median(res["step_seconds"][2:]),
                 "max_rel_loss_diff": max(abs(a - b) / abs(b) for a, b in zip(res["losses"], ref)),
                 "wall_seconds": time.perf_counter() - t0,
             }
             rows.append(row)
-            print(f"{name:26s} ranks {row['ranks']}  step {row['median_step_seconds'] * 1e3:7.1f} ms  "
+            print(f"{name:{width}s}ranks {row['ranks']}  step {row['median_step_seconds'] * 1e3:7.1f} ms  "
                   f"max rel loss diff {row['max_rel_loss_diff']:.2e}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"steps": args.steps, "unix_time": time.time(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    run_all(CONFIGS, "bench/results/parallel_configs.json")

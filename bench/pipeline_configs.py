@@ -12,16 +12,11 @@ difference of the reported loss from the reference, over all steps.
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "parallel"))
-from harness import run_config  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from parallel_configs import run_all  # noqa: E402
 
 UNTIED = {"tie_embeddings": False}
 CONFIGS = {
@@ -35,30 +30,5 @@ CONFIGS = {
 }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--out", default="bench/results/pipeline_configs.json")
-    args = ap.parse_args()
-    rows, ref = [], None
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, cfg in CONFIGS.items():
-            t0 = time.perf_counter()
-            res = run_config({"model": UNTIED, **cfg, "steps": args.steps}, Path(tmp) / name.replace(" ", "_"), timeout=900)[0]
-            ref = ref or res["losses"]
-            row = {
-                "config": name,
-                "ranks": cfg.get("dp", 1) * cfg.get("pp", 1),
-                "median_step_seconds": statistics.median(res["step_seconds"][2:]),
-                "max_rel_loss_diff": max(abs(a - b) / abs(b) for a, b in zip(res["losses"], ref)),
-                "wall_seconds": time.perf_counter() - t0,
-            }
-            rows.append(row)
-            print(f"{name:24s} ranks {row['ranks']}  step {row['median_step_seconds'] * 1e3:7.1f} ms  "
-                  f"max rel loss diff {row['max_rel_loss_diff']:.2e}", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"steps": args.steps, "unix_time": time.time(), "rows": rows}, indent=1))
-
-
 if __name__ == "__main__":
-    main()
+    run_all(CONFIGS, "bench/results/pipeline_configs.json", base={"model": UNTIED})
