@@ -41,25 +41,40 @@ def address(service: str) -> str:
     )
 
 
+def open_channel(addr: str) -> grpc.Channel:
+    """A channel to ``addr`` (TLS per the environment); a bad TLS setting is a CliError."""
+    try:
+        return channel(addr)
+    except TlsConfigError as e:
+        raise CliError(str(e)) from None
+
+
+def new_stub(service: str, ch: grpc.Channel) -> object:
+    return _STUBS[service](ch)
+
+
+def rpc_error(error: grpc.RpcError, service: str, addr: str) -> CliError:
+    """``from_rpc``, with the local stack's advice for an unreachable service. It never says
+    `down`/`up`: that would kill the ranks of running jobs; `restart` starts only the one."""
+    mapped = from_rpc(error, service, addr)
+    if "unreachable" in str(mapped) and not os.environ.get(f"SURGE_{service.upper()}_ADDRESS"):
+        return CliError(
+            f"{service} unreachable at {addr} although the local stack is recorded as up; "
+            f"`surgectl restart {service}` starts it again on the same port"
+            + (" (running jobs keep running)" if service == "control" else "")
+        )
+    return mapped
+
+
 @contextmanager
 def stub(service: str) -> Iterator[object]:
     """A stub for ``service``; gRPC failures inside the block become one-line CliErrors."""
     addr = address(service)
-    try:
-        ch = channel(addr)
-    except TlsConfigError as e:
-        raise CliError(str(e)) from None
-    with ch:
+    with open_channel(addr) as ch:
         try:
             yield _STUBS[service](ch)
         except grpc.RpcError as e:
-            error = from_rpc(e, service, addr)
-            if "unreachable" in str(error) and not os.environ.get(f"SURGE_{service.upper()}_ADDRESS"):
-                error = CliError(
-                    f"{service} unreachable at {addr} although the local stack is recorded as up; "
-                    "run `surgectl down`, then `surgectl up`"
-                )
-            raise error from None
+            raise rpc_error(e, service, addr) from None
 
 
 def call(service: str, fn: Callable[[object], T]) -> T:

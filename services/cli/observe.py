@@ -104,27 +104,47 @@ def read_all(files: dict[int, Path]) -> list[LogLine]:
     return [t[3] for t in lines]
 
 
+class TimeOrder:
+    """Orders log lines by timestamp, batch by batch (a follow's poll window): a line
+    without a timestamp sorts at its rank's previous timestamp, remembered across batches,
+    so it stays after the line it followed in its file. Ties keep arrival order per rank.
+
+    Timestamps are compared as strings: every Surge process writes ISO-8601 UTC
+    (services/common/logs.py), which sorts lexically in time order."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, str] = {}
+        self._seen = 0
+
+    def order(self, lines: Iterable[LogLine]) -> list[LogLine]:
+        keyed: list[tuple[str, int, int, LogLine]] = []
+        for line in lines:
+            self._last[line.rank] = line.timestamp or self._last.get(line.rank, "")
+            keyed.append((self._last[line.rank], line.rank, self._seen, line))
+            self._seen += 1
+        keyed.sort(key=lambda t: t[:3])
+        return [t[3] for t in keyed]
+
+
 def merge(lines: Iterable[LogLine]) -> list[LogLine]:
     """``lines`` (each rank's in file order) ordered by timestamp; lines without one keep
     their place after the previous line of their rank."""
-    keyed: list[tuple[str, int, int, LogLine]] = []
-    last: dict[int, str] = {}
-    for i, line in enumerate(lines):
-        last[line.rank] = line.timestamp or last.get(line.rank, "")
-        keyed.append((last[line.rank], line.rank, i, line))
-    keyed.sort(key=lambda t: t[:3])
-    return [t[3] for t in keyed]
+    return TimeOrder().order(lines)
 
 
 def follow(job: str, finished: Callable[[], bool], poll_s: float = 0.5,
            directory: Path | None = None) -> Iterator[LogLine]:
     """Lines as they are written, until ``finished()`` (asked between polls) and no file has
-    grown since; rank files that appear later (a relaunch) are picked up."""
+    grown since; rank files that appear later (a relaunch) are picked up. The lines read in
+    one poll (every rank's growth within ``poll_s`` seconds) come out merged by timestamp
+    (:class:`TimeOrder`); a line read in a later poll never comes before them."""
     offsets: dict[Path, int] = {}
     partial: dict[Path, str] = {}
+    order = TimeOrder()
     while True:
         done = finished()  # asked before reading: nothing written before the end is missed
         grew = False
+        batch: list[LogLine] = []
         for rank, f in rank_logs(job, directory).items():
             try:
                 with open(f, "rb") as fh:
@@ -140,9 +160,8 @@ def follow(job: str, finished: Callable[[], bool], poll_s: float = 0.5,
             *complete, rest = text.split("\n")
             if rest:
                 partial[f] = rest
-            for t in complete:
-                if t.strip():
-                    yield parse(rank, t)
+            batch.extend(parse(rank, t) for t in complete if t.strip())
+        yield from order.order(batch)
         if done and not grew:
             return
         time.sleep(poll_s)

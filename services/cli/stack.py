@@ -1,7 +1,8 @@
 """The local stack: every service as a local process on loopback (`surgectl up` / `down`).
 
 The run directory (``$SURGE_HOME/run``) holds ``stack.json`` (pid, port, address, Prometheus
-``/metrics`` port and log of every service) and ``logs/``. ``up`` waits until every service
+``/metrics`` port, log and command line of every service) and ``logs/``. ``restart`` stops
+one service and starts it again with its recorded command line (same ports). ``up`` waits until every service
 reports SERVING on the standard gRPC health service; if one fails to start, everything
 started is stopped again and the failing service's log tail is shown.
 """
@@ -15,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
@@ -35,6 +36,8 @@ class ServiceProc:
     port: int
     log: str
     metrics_port: int = 0
+    service: str = ""        # the services.<service> module it runs
+    args: list[str] = field(default_factory=list)  # its arguments after `--host HOST`
 
     @property
     def address(self) -> str:
@@ -72,16 +75,45 @@ def free_port() -> int:
 
 class _Ports:
     """Free ports for one `up`, never the same one twice. Another process can still take a
-    port between our probe and the service's bind: `_start` then retries with fresh ports."""
+    port between our probe and the service's bind: `_start` then retries with fresh ports.
+    A port the operator fixed (``SURGE_<SERVICE>_PORT``, the variable the service itself
+    reads) is used as given, and the address in ``stack.json`` that every command reads
+    names it."""
 
     def __init__(self) -> None:
         self._given: set[int] = set()
 
-    def __call__(self) -> str:
+    def __call__(self, var: str | None = None) -> str:
+        if var and os.environ.get(var):
+            return str(env_port(var))
         while (port := free_port()) in self._given:
             pass
         self._given.add(port)
         return str(port)
+
+
+def env_port(var: str) -> int:
+    """The port in environment variable ``var``. Raises CliError (one line) if it is not 1-65535."""
+    raw = os.environ[var]
+    try:
+        port = int(raw)
+    except ValueError:
+        port = 0
+    if not 0 < port < 65536:
+        raise CliError(f"{var}: expected a port number 1-65535, got {raw!r}", code=2)
+    return port
+
+
+FIXED_PORT_VARS = {
+    name: (f"SURGE_{name.upper()}_PORT", f"SURGE_{name.upper()}_METRICS_PORT") for name in ("store", "data", "control")
+}
+
+
+def _env() -> dict:
+    env = {**os.environ, "SURGE_HOME": str(paths.surge_home()), "PYTHONUNBUFFERED": "1"}
+    # Plain Prometheus: no `_created` series next to every counter (prometheus_client's default).
+    env.setdefault("PROMETHEUS_DISABLE_CREATED_SERIES", "true")
+    return env
 
 
 START_ATTEMPTS = 4
@@ -101,11 +133,12 @@ def up(num_workers: int = 2, timeout_s: float = 60.0) -> dict[str, ServiceProc]:
     existing = read_stack()
     if existing and any(is_alive(s.pid) for s in existing.values()):
         raise CliError("a stack is already running (see `surgectl status`; `surgectl down` stops it)")
+    fixed = {var for pair in FIXED_PORT_VARS.values() for var in pair if os.environ.get(var)}
+    for var in sorted(fixed):
+        env_port(var)  # a bad value is refused before anything starts
     run = paths.run_dir()
     (run / "logs").mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "SURGE_HOME": str(paths.surge_home()), "PYTHONUNBUFFERED": "1"}
-    # Plain Prometheus: no `_created` series next to every counter (prometheus_client's default).
-    env.setdefault("PROMETHEUS_DISABLE_CREATED_SERIES", "true")
+    env = _env()
     port = _Ports()
     procs: dict[str, ServiceProc] = {}
 
@@ -121,19 +154,23 @@ def up(num_workers: int = 2, timeout_s: float = 60.0) -> dict[str, ServiceProc]:
                     _wait_healthy(procs[name], timeout_s)
                     break
                 except CliError as e:
-                    if "in use" not in str(e) or attempt == START_ATTEMPTS - 1:
+                    pinned = [var for var in FIXED_PORT_VARS.get(name, ()) if var in fixed]
+                    if "in use" not in str(e) or attempt == START_ATTEMPTS - 1 or pinned:
+                        if pinned and "in use" in str(e):
+                            raise CliError(f"{e} (its port is fixed by {', '.join(pinned)})") from None
                         raise
                     procs[name] = _spawn(service, args(), env, run, log_name=name)
                     _write(procs)
 
     try:
         start_group({
-            "store": ("store", lambda: ["--port", port(), "--metrics-port", port()]),
-            "data": ("data", lambda: ["--port", port(), "--metrics-port", port()]),
+            "store": ("store", lambda: ["--port", port("SURGE_STORE_PORT"),
+                                        "--metrics-port", port("SURGE_STORE_METRICS_PORT")]),
+            "data": ("data", lambda: ["--port", port("SURGE_DATA_PORT"), "--metrics-port", port("SURGE_DATA_METRICS_PORT")]),
         })
         start_group({"control": ("control", lambda: [
-            "--port", port(), "--data", procs["data"].address, "--store", procs["store"].address,
-            "--metrics-port", port(),
+            "--port", port("SURGE_CONTROL_PORT"), "--data", procs["data"].address, "--store", procs["store"].address,
+            "--metrics-port", port("SURGE_CONTROL_METRICS_PORT"),
         ])})
         start_group({
             f"worker-{i}": ("worker", lambda i=i: [
@@ -159,6 +196,87 @@ def down(timeout_s: float = 10.0) -> list[str]:
     return list(procs)
 
 
+STOP_GRACE_SECONDS = 10.0  # SIGTERM, then SIGKILL: control's own shutdown grace is 2 s
+
+
+def restart(name: str, grace_s: float = STOP_GRACE_SECONDS, timeout_s: float = 60.0) -> tuple[ServiceProc, ServiceProc]:
+    """Stop service ``name`` of the running stack (SIGTERM to its process group, SIGKILL
+    after ``grace_s`` seconds), start it again with the same command line (same ports),
+    wait until it reports SERVING, and record its new pid in ``stack.json`` (so `down`
+    stops it). The other services keep running; a restarted worker's ranks stop with it.
+
+    Returns (old, new). Raises:
+        CliError: no stack, no service ``name`` in it, its command line unknown, or it did
+            not come back (``stack.json`` still names the new pid, so `down` stops it).
+    """
+    procs = read_stack()
+    if not procs:
+        raise CliError(f"no local stack is running ({stack_file()} not found; `surgectl up` starts one)")
+    if name not in procs:
+        raise CliError(f"SERVICE: no service {name!r} in {stack_file()} (one of: {', '.join(procs)})", code=2)
+    old = procs[name]
+    service, args = (old.service, list(old.args)) if old.args else _command_line(old)
+    _stop(old, grace_s)
+    env, run = _env(), paths.run_dir()
+    for attempt in range(START_ATTEMPTS):
+        procs[name] = _spawn(service, args, env, run, log_name=name)
+        _write(procs)  # before waiting: `down` must find the new process whatever happens next
+        try:
+            _wait_healthy(procs[name], timeout_s)
+            return old, procs[name]
+        except CliError as e:
+            # The old process's listening socket can outlive its pid by a moment.
+            if "in use" not in str(e) or attempt == START_ATTEMPTS - 1:
+                raise
+            time.sleep(0.5 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _command_line(proc: ServiceProc) -> tuple[str, list[str]]:
+    """(service, args) of a stack.json entry written before command lines were recorded,
+    read from the running process's /proc/<pid>/cmdline."""
+    try:
+        argv = [a.decode() for a in Path(f"/proc/{proc.pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")]
+        module = argv[argv.index("-m") + 1]
+        rest = argv[argv.index("-m") + 2:]
+        if rest[:2] == ["--host", HOST]:
+            rest = rest[2:]
+        if module.startswith("services.") and "--port" in rest:
+            return module.removeprefix("services."), rest
+    except (OSError, ValueError, IndexError):
+        pass
+    raise CliError(f"{proc.name}: {stack_file()} does not record its command line and pid {proc.pid} "
+                   "is not running it; cannot start it again with the same arguments")
+
+
+def _stop(proc: ServiceProc, grace_s: float) -> None:
+    """SIGTERM ``proc``'s process group; SIGKILL it after ``grace_s``; return once it is gone."""
+    _signal_group(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while _running(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _running(proc.pid):
+        _signal_group(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10.0
+        while _running(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    if _running(proc.pid):
+        raise CliError(f"{proc.name} (pid {proc.pid}) survived SIGKILL for 10 s; not starting a second one")
+
+
+def _running(pid: int) -> bool:
+    return is_alive(pid) and not _exited(pid) and not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """An exited process its parent has not reaped yet (not ours to reap: kill(pid, 0) still
+    answers for it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _spawn(service: str, args: list[str], env: dict, run: Path, log_name: str | None = None) -> ServiceProc:
     log = run / "logs" / f"{log_name or service}.log"
     with open(log, "ab") as out:
@@ -172,7 +290,8 @@ def _spawn(service: str, args: list[str], env: dict, run: Path, log_name: str | 
         )
     port = int(args[args.index("--port") + 1])
     metrics_port = int(args[args.index("--metrics-port") + 1]) if "--metrics-port" in args else 0
-    return ServiceProc(name=log_name or service, pid=p.pid, port=port, log=str(log), metrics_port=metrics_port)
+    return ServiceProc(name=log_name or service, pid=p.pid, port=port, log=str(log), metrics_port=metrics_port,
+                       service=service, args=list(args))
 
 
 def _write(procs: dict[str, ServiceProc]) -> None:
@@ -239,10 +358,10 @@ def _stop_all(procs: dict[str, ServiceProc], timeout_s: float = 10.0) -> None:
         _signal_group(p.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     for p in order:
-        while is_alive(p.pid) and not _exited(p.pid) and time.monotonic() < deadline:
+        while _running(p.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
     for p in order:
-        if is_alive(p.pid) and not _exited(p.pid):
+        if _running(p.pid):
             _signal_group(p.pid, signal.SIGKILL)
 
 

@@ -68,6 +68,23 @@ def down() -> None:
     render.console.print(f"stopped {', '.join(stopped)}" if stopped else "no stack was running")
 
 
+@app.command()
+def restart(
+    service: str = typer.Argument(..., help="control, data, store, or a worker as named by `surgectl up` (worker-0, ...)"),
+    grace_seconds: float = typer.Option(stack.STOP_GRACE_SECONDS, "--grace-seconds", min=0.0,
+                                        help="wait this long after SIGTERM before SIGKILL"),
+) -> None:
+    """Restart one service of the local stack on the same port, with the same arguments;
+    the others keep running. Restarting control leaves running jobs running (the node
+    agents re-attach their ranks); restarting a worker stops its ranks.
+
+    Example: surgectl restart control
+    """
+    old, new = stack.restart(service, grace_seconds)
+    render.console.print(f"restarted {new.name}: pid {old.pid} -> {new.pid}, serving at {new.address}",
+                         markup=False, highlight=False, soft_wrap=True)
+
+
 @dataset_app.command("prepare")
 def dataset_prepare(
     name: str = typer.Option("stdlib", help="dataset name"),
@@ -147,9 +164,11 @@ def submit_job(spec_path: Path) -> control_pb2.JobStatus:
     return clients.call("control", lambda s: s.SubmitJob(req, timeout=60))
 
 
-def follow_job(job_id: str) -> render.History:
-    with clients.stub("control") as s:
-        return render.follow(s.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True)))
+def follow_job(job_id: str, reconnect_s: float = 60.0) -> render.History:
+    """Progress of ``job_id`` until it ends, through a control restart (services/cli/follow.py)."""
+    from services.cli import follow as following
+
+    return render.follow(following.job_events(job_id, reconnect_s))
 
 
 @app.command()
@@ -165,24 +184,43 @@ def status(job: Optional[str] = typer.Argument(None), output: str = OutputOpt) -
     _show(jobs, output, render.jobs_table)
 
 
+ReconnectOpt = typer.Option(
+    60.0, "--reconnect-seconds", min=0.0,
+    help="with --follow: how long to keep reconnecting when control is unreachable (a control restart)")
+
+
 @app.command()
 def events(
     job: str,
     follow: bool = typer.Option(False, "--follow", "-f", help="keep streaming until the job ends"),
     output: str = OutputOpt,
+    reconnect_seconds: float = ReconnectOpt,
 ) -> None:
     """Print a job's event log (decisions, state changes, faults, checkpoints); -o json
-    prints JSON Lines.
+    prints JSON Lines. --follow rides through a control restart: it reconnects and goes on
+    from the last event printed (each event once).
 
     Example: surgectl events demo-3f2a1c --follow
     """
+    from services.cli import follow as following
+
+    if output not in ("table", "json"):
+        raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
+
+    def show(ev) -> None:
+        if output == "json":
+            print(jsonout.dumps_line(ev), flush=True)  # JSON Lines: one event per line
+        else:
+            src = Module.Name(ev.source) if ev.source else "-"
+            render.console.print(f"{ev.seq:>5} {ev.type:>10} {src:<22} {ev.message}", markup=False, highlight=False)
+
+    if follow:
+        for ev in following.job_events(job, reconnect_seconds):
+            show(ev)
+        return
     with clients.stub("control") as s:
-        for ev in s.WatchJob(control_pb2.JobQuery(job_id=job, follow=follow)):
-            if output == "json":
-                print(jsonout.dumps_line(ev), flush=True)  # JSON Lines: one event per line
-            else:
-                src = Module.Name(ev.source) if ev.source else "-"
-                render.console.print(f"{ev.seq:>5} {ev.type:>10} {src:<22} {ev.message}", markup=False, highlight=False)
+        for ev in s.WatchJob(control_pb2.JobQuery(job_id=job, follow=False)):
+            show(ev)
 
 
 @app.command()
@@ -191,8 +229,11 @@ def logs(
     follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines until the job ends"),
     rank: Optional[int] = typer.Option(None, min=0, help="only this rank"),
     output: str = typer.Option("table", "--output", "-o", help="table (readable) | json (the lines as written)"),
+    reconnect_seconds: float = ReconnectOpt,
 ) -> None:
-    """Print a job's rank logs, all ranks merged by time; --follow streams until the job ends.
+    """Print a job's rank logs, all ranks merged by time; --follow streams until the job ends
+    (merged by time within each half second) and rides through a control restart (no line
+    twice).
 
     Control streams the lines (StreamLogs) from the node agents that ran the job's ranks,
     so it works from any machine that reaches control.
@@ -207,20 +248,18 @@ def logs(
     def show(line) -> None:
         print(line.text if output == "json" else line.human(), flush=True)
 
-    query = control_pb2.LogQuery(job_id=job, follow=follow, rank=-1 if rank is None else rank)
+    if follow:  # as they come, until the job's ranks have exited
+        from services.cli import follow as following
+
+        for line in following.job_logs(job, -1 if rank is None else rank, reconnect_seconds):
+            show(line)
+        return
+    query = control_pb2.LogQuery(job_id=job, follow=False, rank=-1 if rank is None else rank)
     with clients.stub("control") as s:
-        stream = (observe.parse(m.rank, m.line) for m in s.StreamLogs(query))
-        if follow:  # as they come, until the job's ranks have exited
-            seen = False
-            for line in stream:
-                seen = True
-                show(line)
-        else:
-            merged = observe.merge(stream)
-            seen = bool(merged)
-            for line in merged:
-                show(line)
-    if not seen and not follow:
+        merged = observe.merge(observe.parse(m.rank, m.line) for m in s.StreamLogs(query))
+    for line in merged:
+        show(line)
+    if not merged:
         if rank is not None:
             raise CliError(f"no log of rank {rank} of {job} (control found no such rank log on the job's workers)")
         raise CliError(f"no rank logs of {job} (control found none on the workers that ran its ranks)")

@@ -97,6 +97,76 @@ def test_surgectl_logs_errors_are_one_line(obs_stack):
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+def _record(stamp: str, rank: int, event: str) -> str:
+    return json.dumps({"timestamp": f"2026-11-29T20:00:{stamp}Z", "level": "info", "rank": rank, "event": event})
+
+
+def test_follow_merges_each_poll_of_the_rank_files_by_timestamp(tmp_path):
+    logs_dir = tmp_path / "logs"
+    logs_dir.mkdir()
+    r0, r1 = logs_dir / "j.rank0.log", logs_dir / "j.rank1.log"
+    # Poll 1: rank 0's file is read first but holds the later lines of each pair; rank 1
+    # has a line that is not JSON (it sorts after its rank's previous line) and rank 0 a
+    # line still being written (no newline yet).
+    r0.write_text(_record("01.000", 0, "a") + "\n" + _record("03.000", 0, "c") + "\n" + _record("06.0", 0, "f")[:20])
+    r1.write_text(_record("02.000", 1, "b") + "\nTraceback (not json)\n" + _record("04.000", 1, "d") + "\n")
+    asked = []
+
+    def finished() -> bool:
+        asked.append(1)
+        if len(asked) == 2:  # between poll 1 and poll 2: both files grow, rank 0's line ends
+            with open(r0, "a") as f:
+                f.write(_record("06.0", 0, "f")[20:] + "\n")
+            with open(r1, "a") as f:
+                f.write(_record("05.000", 1, "e") + "\n")
+        return len(asked) >= 2
+
+    from services.cli import observe
+
+    got = [(line.rank, (line.record or {}).get("event", line.text)) for line in
+           observe.follow("j", finished, poll_s=0.01, directory=logs_dir)]
+    assert got == [(0, "a"), (1, "b"), (1, "Traceback (not json)"), (0, "c"), (1, "d"), (1, "e"), (0, "f")]
+
+
+def test_time_order_keeps_a_line_without_timestamp_after_its_ranks_previous_line_across_batches():
+    from services.cli.observe import TimeOrder, parse
+
+    order = TimeOrder()
+    first = order.order([parse(0, _record("05.000", 0, "x")), parse(1, _record("01.000", 1, "y"))])
+    assert [line.rank for line in first] == [1, 0]
+    second = order.order([parse(1, _record("02.000", 1, "z")), parse(0, "plain text of rank 0")])
+    assert [line.text for line in second] == [_record("02.000", 1, "z"), "plain text of rank 0"]
+
+
+def test_reconnect_backs_off_doubling_to_two_seconds_then_gives_up_without_advising_down(capsys):
+    from services.cli.errors import CliError
+    from services.cli.follow import Reconnect
+
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    r = Reconnect("job-1", "127.0.0.1:1", bound_s=7.0, sleep=sleep, clock=lambda: now[0])
+    r.connected()
+    with pytest.raises(CliError) as e:
+        while True:
+            r.lost()
+    assert slept[:6] == pytest.approx([0.2, 0.4, 0.8, 1.6, 2.0, 2.0])  # capped at 2 s
+    assert max(slept) <= 2.0 and sum(slept) == pytest.approx(7.0)  # gave up at the bound, not later
+    message = str(e.value)
+    assert "job-1" in message and "may still be running" in message and "down" not in message
+    notices = capsys.readouterr().err.strip().splitlines()
+    assert len(notices) == 1 and notices[0].startswith("control unavailable at 127.0.0.1:1; reconnecting")
+    # Back in contact, a new outage starts from the first delay again.
+    r.connected()
+    slept.clear()
+    r.lost()
+    assert slept == [0.2]
+
+
 PROGRAM = textwrap.dedent("""
     import logging, sys, threading, structlog
     from services.common import logs
