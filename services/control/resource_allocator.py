@@ -151,7 +151,7 @@ class ResourceAllocator:
             usable = [w for w in self._workers.values() if w.reg.worker_id not in excluded]
             free = sum(len(w.free_slots()) for w in usable)
             if free < msg.world_size:
-                reason = f"{free} are free on {len(usable)} registered workers"
+                reason = f"{free} {'is' if free == 1 else 'are'} free on {len(usable)} registered worker{'' if len(usable) == 1 else 's'}"
                 if excluded:
                     reason += f" (excluding {', '.join(sorted(excluded))})"
                 return self._insufficient(msg, free, reason)

@@ -202,7 +202,7 @@ def test_exclude_node_without_enough_slots_elsewhere_fails_the_job(plane):
     s = plane.get(job_id)
     assert (s.state, s.outcome) == (S.TERMINATED, O.FAILED)
     assert s.message == ("FAILED: recovery failed: relaunching the ranks (fresh start): "
-                         "1 are free on 1 registered workers (excluding wb)")
+                         "1 is free on 1 registered worker (excluding wb)")
 
 
 def test_a_stop_during_a_recovery_ends_the_job_stopped(plane):

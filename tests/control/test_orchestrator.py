@@ -197,7 +197,7 @@ def test_a_lost_node_agent_fails_its_job_and_its_slots_vanish(plane):
     assert (s.state, s.outcome) == (S.TERMINATED, O.FAILED)
     assert "(excluding wb)" in s.message  # no other worker to relaunch its rank on
     assert any(e.message.startswith("SEVERE worker_lost") for e in plane.events(job_id))
-    with pytest.raises(InsufficientResources, match="but 1 are free on 1 registered workers"):
+    with pytest.raises(InsufficientResources, match="but 1 is free on 1 registered worker$"):
         plane.submit(dp=2)
 
 

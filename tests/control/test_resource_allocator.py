@@ -101,10 +101,10 @@ def test_a_withdrawn_worker_has_no_slots_and_a_reregistered_one_keeps_its_busy_s
     allocate(plane, "j-1", dp=2)  # wa: slots 0 and 1
     # Zero slots: the relay's encoding of "this node agent is gone".
     plane.c.bus.publish(M.EXT_HARDWARE, control_pb2.WorkerRegistration(worker_id="wb", slots=0))
-    assert allocate(plane, "j-2", dp=1).reason == "0 are free on 1 registered workers"
+    assert allocate(plane, "j-2", dp=1).reason == "0 are free on 1 registered worker"
     # A reconnect with three slots: the job's two ranks may still run there.
     plane.c.bus.publish(M.EXT_HARDWARE, registration("wa", slots=3))
-    assert allocate(plane, "j-2", dp=2).reason == "1 are free on 1 registered workers"
+    assert allocate(plane, "j-2", dp=2).reason == "1 is free on 1 registered worker"
     release(plane, "j-1")
     assert list(allocate(plane, "j-2", dp=3).worker_ids) == ["wa"]
 
@@ -139,7 +139,7 @@ def test_a_rebuild_excluding_a_worker_places_the_ranks_elsewhere_or_reports_they
     assert [cmd.WhichOneof("command") for cmd in drain(b)] == ["launch", "release"]  # killed, not relaunched
     short = rebuild(plane, "j-1", exclude=["wa"])  # wb stays excluded: only wc is left
     assert isinstance(short, control_pb2.ResourcesInsufficient)
-    assert short.reason == "1 are free on 1 registered workers (excluding wa, wb)"
+    assert short.reason == "1 is free on 1 registered worker (excluding wa, wb)"
     assert isinstance(rebuild(plane, "j-unknown"), control_pb2.ResourcesInsufficient)
 
 
