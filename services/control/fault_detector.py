@@ -37,9 +37,19 @@ thread that a peer's death does not block), so it is reported first and the held
 follow it. A rank whose own beats stopped is not reported stalled: its silence is.
 
 After a control restart the orchestrator pushes ``StartFaultMonitoring`` again with the
-job's ``world_size`` and a ``reattach_seconds``: every rank gets one silence deadline of that
-length, re-armed as usual by its first heartbeat after its node agent re-attached, so no
-rank is judged silent for the time control was down, and one that never comes back is.
+job's ``world_size``, a ``reattach_seconds`` and the worker each rank ran on: every rank gets
+one deadline of that length, re-armed as usual by its first heartbeat after its node agent
+re-attached, so no rank is judged silent for the time control was down. A rank of which
+nothing at all arrives by then (no beat, not even one its agent resent), nor of another rank
+of its worker, lost its node agent with it (SIGKILLed, the host gone: a rank exits when its
+agent's session ends, and nobody is left to say so): ``worker_lost``, on the worker it ran
+on, as when control sees an agent's session close. One whose agent resent its old beats but
+that sends no new one is silent. (The detector does not see registrations: an agent back
+with nothing at all of the rank to resend, e.g. its exit applied just before control died
+while its report was held, reads as lost too.)
+While agents re-attach, a rank's own exit after its symptom (the survivor of a collective
+exits on its ``comm_error``) follows that symptom, as it does without a restart: it is never
+taken for the cause that happened first.
 
 Aliases: a rank's ``checkpoint_integrity`` failure (a version that fails its SHA-256 check
 when loaded) is graded and reported as ``checkpoint_error``, the class the fault policy
@@ -136,6 +146,9 @@ class _RankWatch:
     silence: Deadline | None = None
     stall: Deadline | None = None
     stalled: bool = False  # declared stalled at ``step``; the next progress re-arms the deadline
+    # Restored after a control restart and nothing of it arrived since (no beat, resent or
+    # new): its node agent has not re-attached.
+    unheard: bool = False
 
     def cancel(self) -> None:
         for timer in (self.silence, self.stall):
@@ -160,6 +173,7 @@ class _Job:
     # waits for all of them (at most reattach_s) before it may be taken for a cause.
     reattaching: set[int] = field(default_factory=set)
     reattach_s: float = 0.0
+    back: set[str] = field(default_factory=set)  # workers heard from since the restart (any rank's event)
     restored_unix: float = 0.0  # a beat the rank sent before this is a resent one (stale)
     round_faults: int = 0  # faults of the current incident (本轮), cleared by ResetFaultLedger
 
@@ -214,8 +228,10 @@ class FaultDetector:
             if msg.reattach_seconds > 0:
                 job.reattaching, job.reattach_s = set(range(msg.world_size)), msg.reattach_seconds
                 now = job.restored_unix = time.time()
+                workers = list(msg.rank_worker_ids)
                 for rank in range(msg.world_size):
-                    watch = job.ranks[rank] = _RankWatch(last_beat_unix=now)
+                    worker_id = workers[rank] if rank < len(workers) else ""
+                    watch = job.ranks[rank] = _RankWatch(worker_id=worker_id, last_beat_unix=now, unheard=True)
                     watch.silence = self._deadlines.after(msg.reattach_seconds, self._silence_passed, (msg.job_id, rank, watch))
 
     def reset_fault_ledger(self, msg: control_pb2.ResetFaultLedger, payload: Any = None) -> None:
@@ -248,7 +264,8 @@ class FaultDetector:
                 _log.info("watching rank", job_id=msg.job_id, rank=msg.rank, worker_id=msg.worker_id,
                           heartbeat_timeout_s=job.heartbeat_timeout_s, stepping=msg.stepping, step=msg.step)
             watch.worker_id = msg.worker_id or watch.worker_id
-            watch.last_beat_unix = now
+            watch.last_beat_unix, watch.unheard = now, False
+            job.back.add(watch.worker_id)
             watch.interval_s = msg.interval_seconds or watch.interval_s
             if watch.silence is not None:
                 watch.silence.cancel()
@@ -289,6 +306,8 @@ class FaultDetector:
             watch = job.ranks.pop(msg.rank, None) if job is not None else None
             if watch is not None:
                 watch.cancel()
+            if job is not None and not msg.detail.startswith(WORKER_LOST_MARKER):
+                job.back.add(msg.worker_id)  # its node agent reaped it and is back
         if msg.detail.startswith(WORKER_LOST_MARKER):
             fault_class = WORKER_LOST
             reason = msg.detail[len(WORKER_LOST_MARKER):].strip()
@@ -328,6 +347,9 @@ class FaultDetector:
             return
         with self._lock:
             job = self._jobs[msg.job_id]
+            if msg.rank in job.ranks:
+                job.ranks[msg.rank].unheard = False  # its agent is back (resending)
+                job.back.add(job.ranks[msg.rank].worker_id)
             if fault_class == COMM_ERROR and (job.attribution_s > 0 or job.reattaching):
                 window = max(job.attribution_s, job.reattach_s if job.reattaching else 0.0)
                 self._hold(msg.job_id, report, window=window)
@@ -354,11 +376,19 @@ class FaultDetector:
             del job.ranks[rank]  # declared once; a new heartbeat starts a new watch
             watch.cancel()
             timeout = job.heartbeat_timeout_s
+            # Nothing of it since the restart, nor of another rank of its worker: the worker is gone.
+            lost = watch.unheard and rank in job.reattaching and not (watch.worker_id and watch.worker_id in job.back)
         silent_for = time.time() - watch.last_beat_unix
+        if lost:
+            fault_class = WORKER_LOST
+            detail = (f"rank {rank} lost with worker {watch.worker_id or 'unknown'}: no node agent re-attached it "
+                      f"within {silent_for:.1f} s of the control restart")
+        else:
+            fault_class = RANK_SILENT
+            detail = (f"rank {rank} on worker {watch.worker_id} sent no heartbeat for {silent_for:.1f} s "
+                      f"(deadline {timeout:g} s) after step {max(watch.step, 0)}")
         self._report(
-            job_id, RANK_SILENT, Module.EXT_HARDWARE, rank,
-            f"rank {rank} on worker {watch.worker_id} sent no heartbeat for {silent_for:.1f} s "
-            f"(deadline {timeout:g} s) after step {max(watch.step, 0)}",
+            job_id, fault_class, Module.EXT_HARDWARE, rank, detail,
             occurred=watch.last_beat_unix, worker_id=watch.worker_id, step=max(watch.step, 0),
         )
         if self._reattached(job_id, rank):
@@ -410,7 +440,7 @@ class FaultDetector:
                 job.held_timer.cancel()  # (released early: every rank re-attached)
             held, job.held, job.held_timer, job.held_extended = job.held, [], None, False
             restored = job.reattach_s > 0
-        causes = [r for r in held if r.fault_class not in _SYMPTOMS]
+        causes = self._causes(held)
         if restored and causes:
             # Reports held while the node agents re-attached after a control restart: the
             # cause that happened first (long before it arrived) goes first; the rest keep
@@ -431,6 +461,20 @@ class FaultDetector:
                 return False
             job.reattaching.discard(rank)
             return not job.reattaching and bool(job.held)
+
+    @staticmethod
+    def _causes(held: list[control_pb2.FaultReport]) -> list[control_pb2.FaultReport]:
+        """The held reports that may be an incident's cause: not a symptom, and not a report
+        of a rank after its own symptom (a survivor's exit after its failed collective
+        follows that failure, as ``_report_graded`` orders it live). A silence always may."""
+        symptomatic: set[int] = set()
+        causes = []
+        for r in held:
+            if r.fault_class in _SYMPTOMS:
+                symptomatic.add(r.rank)
+            elif r.rank not in symptomatic or r.fault_class == RANK_SILENT:
+                causes.append(r)
+        return causes
 
     @staticmethod
     def _quiet(job: _Job, now: float) -> list[int]:

@@ -6,21 +6,27 @@ anyone (tests/redlines/test_event_driven.py), the detector does.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from services.contract import control_pb2
 from services.jobspec import JobSpec
 
 
 # After a control restart, how long the restored job's ranks get to re-attach before each
-# one not heard from is declared silent: the node agents' reconnect backoff (at most 2 s
+# one not heard from is declared silent (or lost with its worker, see the detector): the node agents' reconnect backoff (at most 2 s
 # between attempts) plus their first heartbeat, with room for a loaded machine; never less
 # than three heartbeat deadlines.
 REATTACH_MIN_SECONDS = 15.0
 
 
-def start_monitoring(job_id: str, spec: JobSpec, *, restored: bool = False) -> control_pb2.StartFaultMonitoring:
+def start_monitoring(
+    job_id: str, spec: JobSpec, *, restored: bool = False, placement: Mapping[int, str] | None = None
+) -> control_pb2.StartFaultMonitoring:
     """StartFaultMonitoring for ``job_id`` with the deadlines of ``spec.liveness`` (seconds).
     ``restored``: control restarted while the job ran; every rank must re-attach within
-    max(REATTACH_MIN_SECONDS, 3 x heartbeat_timeout_seconds)."""
+    max(REATTACH_MIN_SECONDS, 3 x heartbeat_timeout_seconds). ``placement``: rank -> the
+    worker it ran on, as journaled (a rank missing: unknown), so that a rank whose node
+    agent never re-attaches is reported lost with that worker."""
     live = spec.liveness
     msg = control_pb2.StartFaultMonitoring(
         job_id=job_id,
@@ -32,4 +38,5 @@ def start_monitoring(job_id: str, spec: JobSpec, *, restored: bool = False) -> c
     if restored:
         msg.world_size = spec.world_size
         msg.reattach_seconds = max(REATTACH_MIN_SECONDS, 3 * live.heartbeat_timeout_seconds)
+        msg.rank_worker_ids.extend((placement or {}).get(r, "") for r in range(spec.world_size))
     return msg

@@ -62,6 +62,7 @@ from services.contract.bus import CommandPort, Emitter, Reply
 from services.control.job_store import JobStore
 from services.control.metrics import ControlMetrics
 from services.control.monitoring import start_monitoring
+from services.control.reattach import Reattaching
 from services.jobspec import JobSpec, parse_job_spec, spec_from_json, spec_to_json
 
 S = control_pb2.JobState
@@ -77,6 +78,8 @@ RESTART_MESSAGE = "control restarted; ranks not re-attached"
 RESUME_MESSAGE = "control restarted mid-recovery; resuming it"
 # A job live when control restarted keeps its state: its node agents re-attach its ranks.
 REATTACH_MESSAGE = "control restarted; waiting for the ranks to re-attach"
+# ... and once an event of every rank arrived after the restart (replaces REATTACH_MESSAGE).
+REATTACHED_MESSAGE = "control restarted; every rank re-attached"
 
 _ALLOWED: dict[int, frozenset[int]] = {
     S.STANDBY: frozenset({S.WARMING_UP, S.FAULT_FROZEN, S.TERMINATED}),
@@ -149,6 +152,7 @@ class _Job:
     versions: list[tuple[int, str]] = field(default_factory=list)  # (step, version) committed
     unusable: set[str] = field(default_factory=set)       # versions that failed verification
     excluded: set[str] = field(default_factory=set)       # workers left out by exclude_node decisions
+    placement: dict[int, str] = field(default_factory=dict)  # rank -> worker it reported ready on
 
 
 class Orchestrator:
@@ -197,6 +201,7 @@ class Orchestrator:
         # Re-entrant: a command this module sends may come back as an event on this thread.
         self._lock = threading.RLock()
         self._jobs: dict[str, _Job] = {}
+        self._reattaching = Reattaching()  # restored live jobs: ranks not heard from since
         self._restore()
 
     # ------------------------------------------------------------ operator commands
@@ -338,6 +343,7 @@ class Orchestrator:
         """A rank is initialised (restored, after a recovery) and waits for StartTraining;
         when all have, start them all."""
         with self._lock:
+            self._heard_from(msg.job_id, msg.rank)
             job = self._live(msg.job_id, (S.WARMING_UP, S.FAULT_FROZEN), msg)
             if job is None:
                 return
@@ -352,6 +358,8 @@ class Orchestrator:
                              f"the relaunch commanded before the restart happened: rank {msg.rank} of the "
                              "relaunched ranks is ready; not relaunched again")
             job.started.add(msg.rank)
+            if msg.worker_id:  # journaled: a restarted control knows where each rank ran
+                job.placement[msg.rank] = msg.worker_id
             self._record(
                 job,
                 Module.L2_TRAINING_LOOP,
@@ -385,8 +393,11 @@ class Orchestrator:
         """Rank 0's step summary (global loss, all-rank tokens) updates the status; it is
         journaled at most every ``persist_interval_s``."""
         if msg.rank != 0:
+            with self._lock:
+                self._heard_from(msg.job_id, msg.rank)
             return  # every rank reports the same global numbers; rank 0 speaks for them
         with self._lock:
+            self._heard_from(msg.job_id, msg.rank)
             job = self._live(msg.job_id, (S.RUNNING, S.PAUSED), msg)
             if job is None:
                 return
@@ -449,6 +460,7 @@ class Orchestrator:
 
     def on_training_loop_paused(self, msg: engine_pb2.TrainingLoopPaused, payload: Any = None) -> None:
         with self._lock:
+            self._heard_from(msg.job_id, msg.rank)
             job = self._live(msg.job_id, (S.RUNNING,), msg)
             if job is None or job.pending != "pause":
                 return
@@ -461,6 +473,7 @@ class Orchestrator:
     def on_training_loop_finished(self, msg: engine_pb2.TrainingLoopFinished, payload: Any = None) -> None:
         """When every rank has finished: TERMINATED (FINISHED, or STOPPED if stopped early)."""
         with self._lock:
+            self._heard_from(msg.job_id, msg.rank)
             job = self._live(msg.job_id, (S.WARMING_UP, S.RUNNING, S.PAUSED), msg)
             if job is None:
                 return
@@ -731,7 +744,7 @@ class Orchestrator:
             if state != S.FAULT_FROZEN:
                 job.incident = None  # (journaled only while frozen)
             if state in (S.WARMING_UP, S.RUNNING, S.PAUSED) or (state == S.FAULT_FROZEN and job.incident):
-                self._faults(start_monitoring(job.status.job_id, job.spec, restored=True))
+                self._faults(start_monitoring(job.status.job_id, job.spec, restored=True, placement=job.placement))
                 # The allocator learns the job again (what a recovery relaunches), with the
                 # workers it must not use; its slots are taken as the node agents re-attach
                 # the ranks.
@@ -742,6 +755,7 @@ class Orchestrator:
                     exclude_worker_ids=sorted(job.excluded), adopt=True,
                 ))
                 if state != S.FAULT_FROZEN:
+                    self._reattaching.restored(job.status.job_id, job.status.world_size)
                     self._record(job, ORCH, "state", f"{S.Name(state)}: {REATTACH_MESSAGE}",
                                  status_message=REATTACH_MESSAGE)
                     continue
@@ -758,6 +772,14 @@ class Orchestrator:
                 self._record(job, ORCH, "state", f"FAULT_FROZEN: {RESTART_MESSAGE}", status_message=RESTART_MESSAGE)
             elif state == S.STANDBY:
                 self._transition(job, S.FAULT_FROZEN, ORCH, RESTART_MESSAGE)
+
+    def _heard_from(self, job_id: str, rank: int) -> None:
+        """A loop event of ``rank`` after a control restart: once every rank's came, the
+        status stops saying control waits for them (unless something replaced it since)."""
+        job = self._jobs.get(job_id)
+        if job is not None and self._reattaching.heard(job_id, rank) and job.status.message == REATTACH_MESSAGE:
+            self._record(job, ORCH, "state", f"{S.Name(job.status.state)}: {REATTACHED_MESSAGE}",
+                         status_message=REATTACHED_MESSAGE)
 
     def _new_id(self, name: str) -> str:
         while True:
@@ -853,6 +875,7 @@ def _runtime(job: _Job) -> dict:
         "versions": [list(v) for v in job.versions],
         "unusable": sorted(job.unusable),
         "excluded": sorted(job.excluded),
+        "placement": {str(r): w for r, w in job.placement.items()},
         "incident": _incident_to_json(job.incident) if job.incident is not None else None,
     }
 
@@ -896,6 +919,7 @@ def _load_runtime(job: _Job, rt: dict) -> None:
     job.versions = [(int(step), str(v)) for step, v in rt.get("versions", ())]
     job.unusable = set(rt.get("unusable", ()))
     job.excluded = set(rt.get("excluded", ()))
+    job.placement = {int(r): str(w) for r, w in rt.get("placement", {}).items()}
     if rt.get("incident"):
         job.incident = _incident_from_json(rt["incident"])
 

@@ -463,8 +463,9 @@ class SessionHub:
         elif kind == "saved":
             self._checkpoints(inner)
         else:
-            if not inner.rank:
-                inner.rank = ev.rank
+            inner.rank = inner.rank or ev.rank
+            if kind == "started":  # where the rank runs: the session knows, L1-1 journals it
+                inner.worker_id = session.worker_id
             self._loop(inner)
 
     def _report_lost(self, worker_id: str, ranks: list[tuple[str, int]], reason: str) -> None:

@@ -267,9 +267,11 @@ def test_after_a_control_restart_each_rank_has_until_the_reattach_deadline_and_a
     time.sleep(0.6)  # past the heartbeat timeout, inside the re-attach deadline: nobody is silent
     assert list(reports) == []
     bus.publish(M.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=9, worker_id="w"))
-    (silent,) = reports.wait(1, timeout=3.0)
-    assert (silent.job_id, silent.fault_class, silent.rank) == ("r", "rank_silent", 1)  # never re-attached
-    assert silent.detected_unix - t0 >= 1.0
+    (lost,) = reports.wait(1, timeout=3.0)
+    # Nothing of rank 1 came at all: its node agent never re-attached (worker unknown here).
+    assert (lost.job_id, lost.fault_class, lost.rank) == ("r", "worker_lost", 1)
+    assert lost.detail.startswith("rank 1 lost with worker unknown: no node agent re-attached it within ")
+    assert lost.detected_unix - t0 >= 1.0
     time.sleep(0.1)
     rank0 = [r for r in reports if r.rank == 0]
     # Rank 0 re-attached: its deadline is now its heartbeat timeout from its beat (it beat once).
@@ -331,6 +333,66 @@ def test_after_a_restart_the_rank_that_died_first_is_the_cause_whichever_agent_r
     bus.publish(M.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died + 0.2))
     got = reports.wait(3)
     assert [(r.fault_class, r.rank) for r in got] == [("rank_exit", 1), ("comm_error", 0), ("rank_exit", 0)]
+
+
+def restored(bus: Bus, heartbeat_timeout_seconds: float = 5.0, **kw) -> None:
+    monitor = control_pb2.StartFaultMonitoring(job_id="r", heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+                                               attribution_seconds=0.2, world_size=2, **kw)
+    bus.command(M.L1_ORCHESTRATOR, M.L1_FAULT_DETECTOR, monitor)
+
+
+def test_after_a_restart_a_rank_whose_node_agent_never_re_attaches_is_lost_with_its_worker_not_the_survivor():
+    # Control was down; then rank 1's node agent was SIGKILLed (rank 1 exited with its
+    # session, unseen), rank 0's all-reduce failed and rank 0 exited. Only rank 0's agent
+    # re-attaches and resends; the survivor's exit (long before the restart) is no cause.
+    bus, reports = wired()
+    restored(bus, reattach_seconds=0.6, rank_worker_ids=["wa", "wb"])
+    died = time.time() - 5.0
+    bus.publish(M.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=7, worker_id="wa", unix_time=died))
+    bus.publish(M.L2_TRAINING_LOOP, engine_pb2.TrainingLoopFailed(job_id="r", rank=0, step=7, fault_class="comm_error",
+                                                                  detail="gloo: connection closed by peer"))
+    bus.publish(M.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died + 0.5))
+    got = reports.wait(3)
+    assert [(r.fault_class, r.rank, r.worker_id) for r in got] == [
+        ("worker_lost", 1, "wb"), ("comm_error", 0, "wa"), ("rank_exit", 0, "wa")]
+    assert got[0].detail.startswith("rank 1 lost with worker wb: no node agent re-attached it within ")
+    assert got[0].grade == G.SEVERE
+
+
+def test_after_a_restart_a_rank_whose_agent_resent_its_old_beats_but_that_beats_no_more_is_silent_not_lost():
+    bus, reports = wired()
+    restored(bus, heartbeat_timeout_seconds=0.5, reattach_seconds=0.6, rank_worker_ids=["wa", "wb"])
+    bus.publish(M.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=7, worker_id="wa"))
+    # Rank 1's agent is back (it resends a beat from before the restart); rank 1 is stopped.
+    bus.publish(M.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=1, step=7, worker_id="wb",
+                                                         unix_time=time.time() - 5.0))
+    (silent,) = [r for r in reports.wait(2) if r.rank == 1]  # (rank 0 stops beating too)
+    assert (silent.fault_class, silent.rank, silent.worker_id) == ("rank_silent", 1, "wb")
+
+
+def test_after_a_restart_a_rank_not_heard_from_on_a_worker_that_is_back_is_silent_not_lost():
+    bus, reports = wired()
+    restored(bus, heartbeat_timeout_seconds=5.0, reattach_seconds=0.6, rank_worker_ids=["wa", "wa"])
+    bus.publish(M.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=7, worker_id="wa"))
+    (silent,) = reports.wait(1)  # rank 1 sent nothing, but its node agent (wa) is back
+    assert (silent.fault_class, silent.rank, silent.worker_id) == ("rank_silent", 1, "wa")
+
+
+def test_after_a_restart_a_lost_node_agent_reported_by_its_session_is_the_cause_not_the_survivors_earlier_exit():
+    # Rank 1's agent re-attached to the restarted control and then died: its session closed
+    # (the relay's worker_lost, occurred "now"), after the survivor's resent exit.
+    bus, reports = wired()
+    restored(bus, reattach_seconds=10.0)
+    died = time.time() - 5.0
+    bus.publish(M.L2_TRAINING_LOOP, engine_pb2.TrainingLoopFailed(job_id="r", rank=0, step=7, fault_class="comm_error",
+                                                                  detail="gloo: connection closed by peer"))
+    bus.publish(M.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died))
+    time.sleep(0.3)
+    assert list(reports) == []
+    bus.publish(M.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=1, worker_id="wb",
+                                                       detail=f"{WORKER_LOST_MARKER} session closed"))
+    got = reports.wait(3)
+    assert [(r.fault_class, r.rank) for r in got] == [("worker_lost", 1), ("comm_error", 0), ("rank_exit", 0)]
 
 
 def test_every_fault_class_a_rank_raises_has_its_own_grade():

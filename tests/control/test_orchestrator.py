@@ -9,7 +9,14 @@ import pytest
 from services.contract import Module, control_pb2, engine_pb2, store_pb2
 from services.control.__main__ import build
 from services.control.job_store import JobStore
-from services.control.orchestrator import REATTACH_MESSAGE, IllegalTransition, InsufficientResources, JobNotFound
+from services.control.monitoring import start_monitoring
+from services.control.orchestrator import (
+    REATTACH_MESSAGE,
+    REATTACHED_MESSAGE,
+    IllegalTransition,
+    InsufficientResources,
+    JobNotFound,
+)
 from services.jobspec import JobSpecError, spec_from_json
 
 from .conftest import Plane, drain
@@ -267,6 +274,46 @@ def test_restart_keeps_live_jobs_running_for_their_ranks_to_reattach_and_their_l
     assert seqs == list(range(1, len(seqs) + 1))  # the log continues across the restart
     assert [st for st, _ in journal.steps(running)] == [4, 5]  # every applied step, once
     journal.close()
+
+
+def test_after_a_restart_the_status_says_every_rank_re_attached_once_an_event_of_each_arrived(tmp_path):
+    db = tmp_path / "control.db"
+    journal = JobStore(db)
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
+    job_id, a, b = start_job(plane)
+    step(plane, a, job_id, 4)
+    journal.close()
+
+    journal = JobStore(db)
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1"))
+    a, b = (plane.register(w) for w in ("wa", "wb"))
+    step(plane, a, job_id, 5)
+    assert plane.get(job_id).message == REATTACH_MESSAGE  # rank 1's agent has sent nothing yet
+    plane.rank_event(b, job_id, 1, step=engine_pb2.StepCompleted(rank=1, step=5, loss=2.0))
+    s = plane.get(job_id)
+    assert (s.state, s.message) == (S.RUNNING, REATTACHED_MESSAGE)
+    assert plane.events(job_id)[-1].message == f"RUNNING: {REATTACHED_MESSAGE}"
+    n = len(plane.events(job_id))
+    step(plane, a, job_id, 6)
+    plane.rank_event(b, job_id, 1, step=engine_pb2.StepCompleted(rank=1, step=6, loss=2.0))
+    assert len(plane.events(job_id)) == n  # said once
+    journal.close()
+
+
+def test_where_each_rank_runs_is_journaled_and_pushed_to_the_detector_after_a_restart(tmp_path):
+    db = tmp_path / "control.db"
+    journal = JobStore(db)
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
+    job_id, a, b = start_job(plane)  # the relay stamps each ready report with its session's worker
+    journal.close()
+    journal = JobStore(db)
+    (stored,) = [j for j in journal.load_jobs() if j.status.job_id == job_id]
+    journal.close()
+    assert stored.runtime["placement"] == {"0": "wa", "1": "wb"}
+    spec = spec_from_json(stored.spec_json)
+    monitor = start_monitoring(job_id, spec, restored=True, placement={0: "wa", 1: "wb"})
+    assert (monitor.world_size, list(monitor.rank_worker_ids)) == (2, ["wa", "wb"])
+    assert list(start_monitoring(job_id, spec, restored=True).rank_worker_ids) == ["", ""]
 
 
 def test_a_reconnecting_worker_replaces_its_session_and_its_old_ranks_are_lost(plane):

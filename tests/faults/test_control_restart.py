@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from services.contract import control_pb2
+from services.control.orchestrator import REATTACH_MESSAGE, REATTACHED_MESSAGE
 from tests.conftest import REPO, processes_with
 from tests.faults.test_recovery import cli, finished, metric, of_type, running_stack, spec
 
@@ -93,6 +94,16 @@ def test_a_job_survives_a_sigkill_of_control_with_every_step_applied_exactly_onc
     assert processes_with(f"--job {job} --rank 0") and processes_with(f"--job {job} --rank 1")
     restarted = time.time()
     proc = restart_control(home, argv)
+    # What `surgectl status` shows (GetJob, ListJobs): the restart's "waiting for the ranks"
+    # until every rank was heard from, then that they re-attached, while the job trains on.
+    t0 = time.monotonic()
+    while (now := stack.stub.GetJob(control_pb2.JobQuery(job_id=job), timeout=30,
+                                    wait_for_ready=True)).message == REATTACH_MESSAGE:
+        assert time.monotonic() - t0 < 60, f"status still {now.message!r} at step {now.step}"
+        time.sleep(0.05)
+    assert (now.state, now.message) == (control_pb2.JobState.RUNNING, REATTACHED_MESSAGE)
+    (listed,) = [j for j in stack.stub.ListJobs(control_pb2.JobQuery(), timeout=30).jobs if j.job_id == job]
+    assert (listed.state, listed.message) == (control_pb2.JobState.RUNNING, REATTACHED_MESSAGE)
     # The test's channel reconnects to the new process once it listens.
     query = control_pb2.JobQuery(job_id=job, follow=True)
     events = list(stack.stub.WatchJob(query, timeout=240, wait_for_ready=True))
@@ -109,6 +120,8 @@ def test_a_job_survives_a_sigkill_of_control_with_every_step_applied_exactly_onc
     to_next_step = min(after) - restarted
     # The log says so: restored, not frozen, no fault decided because of the restart.
     assert any(e.message.startswith("RUNNING: control restarted; waiting for the ranks to re-attach") for e in events)
+    (reattached,) = [e for e in events if e.message == f"RUNNING: {REATTACHED_MESSAGE}"]
+    assert reattached.status.message == REATTACHED_MESSAGE
     assert of_type(events, "decision")[1:] == []
     assert not [e for e in events if e.type == "fault"]
     seqs = [e.seq for e in events]
@@ -259,3 +272,110 @@ def test_ranks_relaunched_just_before_a_sigkill_of_control_are_adopted_not_relau
     first_after = min(applied for _, _, applied in applied_steps(home, job) if applied >= restarted)
     print(f"ranks relaunched just before the control SIGKILL: adopted after the restart, not relaunched again; "
           f"first step applied {first_after - restarted:.2f} s after control was restarted")
+
+
+def process_argv_env(pid: int) -> tuple[list[str], dict[str, str]]:
+    """A live process's command line and environment (to start it again the same way)."""
+    argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")]
+    env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
+    return argv, {k.decode(): v.decode() for k, v in env.items()}
+
+
+def restart_worker(home: Path, name: str, argv: list[str], env: dict[str, str]) -> None:
+    """Start a node agent SIGKILLed by a test again (same id, port and run dir), so the
+    module's later tests have two workers; the stack file names the new pid."""
+    stack_json = home / "run" / "stack.json"
+    services = json.loads(stack_json.read_text())
+    log_path = Path(services["services"][name]["log"])
+    start = log_path.stat().st_size
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    services["services"][name]["pid"] = proc.pid
+    stack_json.write_text(json.dumps(services, indent=2))
+    t0 = time.monotonic()
+    while "registered with control" not in log_path.read_bytes()[start:].decode(errors="replace"):
+        assert proc.poll() is None and time.monotonic() - t0 < 60, f"{name} did not register again"
+        time.sleep(0.1)
+
+
+def worker_of(home: Path, job_id: str, rank: int) -> tuple[str, int]:
+    """(name, pid) of the node agent running ``rank`` of ``job_id`` (a rank's command line
+    names its agent's port)."""
+    services = json.loads((home / "run" / "stack.json").read_text())["services"]
+    (pid,) = processes_with(f"--job {job_id} --rank {rank}")
+    for name, s in services.items():
+        if name.startswith("worker") and pid in processes_with(f"--session 127.0.0.1:{s['port']} "):
+            return name, s["pid"]
+    raise AssertionError(f"no worker runs rank {rank} of {job_id}")
+
+
+def wait_gone(pids: list[int], timeout: float = 30.0) -> None:
+    t0 = time.monotonic()
+    while any(Path(f"/proc/{p}").exists() and "Z" not in _proc_state(p) for p in pids):
+        assert time.monotonic() - t0 < timeout, f"processes {pids} still alive"
+        time.sleep(0.05)
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
+@pytest.mark.parametrize("when", ["before_the_restart", "just_after_it_re_attached"])
+def test_a_node_agent_lost_around_a_control_restart_is_blamed_not_the_surviving_rank(stack, when):
+    # DP=2, one rank per node agent. Control is SIGKILLed; then rank 1's node agent, before
+    # the new control is up (it never re-attaches: nobody tells control), or just after it
+    # re-attached to it (its session closes): rank 1 exits with it (its session ended), rank
+    # 0's all-reduce fails (gloo) and rank 0 exits with its comm_error. As without a restart (see
+    # test_recovery's dead node agent): the loss is graded worker_lost for rank 1, on its
+    # worker, the survivor's reports are its consequences, and the policy's exclude_node
+    # cannot place two ranks on the one worker left: the job fails on that, not on rank 0.
+    home = stack.home
+    job = stack.submit(spec("trestart", steps=STEPS, every=EVERY))
+    stack.wait_step(job, 120)
+    control_pid = json.loads((home / "run" / "stack.json").read_text())["services"]["control"]["pid"]
+    argv = [a.decode() for a in Path(f"/proc/{control_pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")]
+    worker, agent_pid = worker_of(home, job, 1)
+    agent_argv, agent_env = process_argv_env(agent_pid)
+    ranks = processes_with(f"--job {job} --rank 0") + processes_with(f"--job {job} --rank 1")
+    os.kill(control_pid, signal.SIGKILL)
+    time.sleep(0.5)
+    try:
+        if when == "before_the_restart":
+            os.kill(agent_pid, signal.SIGKILL)
+            wait_gone(ranks)  # rank 1 with its session, rank 0 on its failed collective
+            time.sleep(0.5)
+            proc = restart_control(home, argv)
+        else:
+            agent_log = Path(json.loads((home / "run" / "stack.json").read_text())["services"][worker]["log"])
+            seen = agent_log.stat().st_size
+            proc = restart_control(home, argv)
+            t0 = time.monotonic()  # the agent re-attaches to the new control; the other may not have yet
+            while "registered with control" not in agent_log.read_bytes()[seen:].decode(errors="replace"):
+                assert time.monotonic() - t0 < 60, f"{worker} did not re-attach"
+                time.sleep(0.02)
+            os.kill(agent_pid, signal.SIGKILL)
+        events = list(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job, follow=True), timeout=240,
+                                          wait_for_ready=True))
+        assert proc.poll() is None
+    finally:
+        wait_gone([agent_pid])
+        restart_worker(home, worker, agent_argv, agent_env)
+    story = "\n".join(f"{e.type}: {e.message}" for e in events)
+    faults = [e.message for e in events if e.type == "fault"]
+    causes = [m for m in faults if "(consequence of" not in m]
+    assert len(causes) == 1 and causes[0].startswith("SEVERE worker_lost"), story
+    lost = causes[0]
+    assert lost.startswith(f"SEVERE worker_lost: rank 1 lost with worker {worker}"), story
+    # The survivor is never blamed: whatever rank 0 reported is a consequence of the loss.
+    assert all(m.endswith("(consequence of rank 1's worker_lost)") for m in faults if "rank 0" in m), story
+    decisions = of_type(events, "decision")[1:]
+    assert decisions == [f"exclude_node after worker_lost of rank 1 on {worker} (restart 1 of 3 for worker_lost); "
+                         f"excluding {worker}"], story
+    status = events[-1].status
+    assert (status.state, status.outcome) == (control_pb2.JobState.TERMINATED, control_pb2.JobOutcome.FAILED), story
+    assert "recovery failed" in status.message and f"excluding {worker}" in status.message, story
+    print(f"node agent lost {when.replace('_', ' ')}: {lost}; then {decisions[0]}; {status.message}")
