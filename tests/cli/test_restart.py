@@ -132,6 +132,32 @@ def test_events_and_logs_follow_print_everything_once_across_a_sigkill_of_contro
         assert [line for line in shown if line in mine] == on_disk[r]
 
 
+def test_follow_gives_up_after_the_bound_and_restart_brings_a_dead_control_back(stack, tmp_path):
+    home = stack.home
+    job = stack.submit(spec("cfollow", steps=STEPS, every=EVERY))
+    events = start_follow(home, tmp_path / "events", "events", job, "--follow", "--reconnect-seconds", "3")
+    try:
+        stack.wait_step(job, 5)
+        wait_for_lines(tmp_path / "events.out", 3, events)
+        dead = services(home)["control"]["pid"]
+        os.kill(dead, signal.SIGKILL)
+        assert events.wait(timeout=60) == 1
+    finally:
+        if events.poll() is None:
+            events.kill()
+            events.wait()
+    err = (tmp_path / "events.err").read_text().strip().splitlines()
+    assert len(err) == 2 and err[0].startswith("control unavailable"), err  # the notice, then the error
+    assert "unreachable for 3 s" in err[1] and "may still be running" in err[1] and "down" not in err[1]
+
+    r = cli(home, "restart", "control")  # its process is gone: nothing to stop, start it again
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"pid {dead} -> " in r.stdout and services(home)["control"]["port"] == CONTROL_PORT
+    events = list(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job, follow=True), timeout=300,
+                                      wait_for_ready=True))
+    assert (finished(events).outcome, finished(events).step) == (O.FINISHED, STEPS)
+
+
 def test_restart_control_under_a_running_job_then_down_leaves_no_process(stack):
     home = stack.home
     bad = cli(home, "restart", "no-such-service")

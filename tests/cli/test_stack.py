@@ -7,6 +7,7 @@ import socket
 import pytest
 
 from services.cli import stack
+from services.cli.errors import CliError
 from tests.conftest import kill_all
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,3 +31,24 @@ def test_a_service_that_loses_its_port_is_restarted_on_a_fresh_one(surge_home, m
         stack.down()
         kill_all([p.pid for p in procs.values()])
         squatter.close()
+
+
+def test_a_bad_fixed_port_is_one_line_naming_the_variable_and_starts_nothing(surge_home, monkeypatch):
+    monkeypatch.setenv("SURGE_CONTROL_PORT", "http")
+    with pytest.raises(CliError) as e:
+        stack.up(num_workers=1)
+    assert str(e.value) == "SURGE_CONTROL_PORT: expected a port number 1-65535, got 'http'" and e.value.code == 2
+    assert stack.read_stack() is None  # nothing was started
+
+
+def test_restart_without_a_stack_or_of_an_unknown_service_is_one_line(surge_home):
+    with pytest.raises(CliError, match="no local stack is running"):
+        stack.restart("control")
+    stack.stack_file().parent.mkdir(parents=True)
+    stack._write({"control": stack.ServiceProc("control", pid=2 ** 22 + 1, port=1, log="x")})
+    with pytest.raises(CliError) as e:
+        stack.restart("contorl")
+    assert "SERVICE: no service 'contorl'" in str(e.value) and "(one of: control)" in str(e.value)
+    assert e.value.code == 2
+    with pytest.raises(CliError, match="does not record its command line"):
+        stack.restart("control")  # an old stack.json entry whose process is gone

@@ -10,6 +10,7 @@ import pty
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -165,6 +166,41 @@ def test_reconnect_backs_off_doubling_to_two_seconds_then_gives_up_without_advis
     slept.clear()
     r.lost()
     assert slept == [0.2]
+
+
+class _Stream:
+    """A response stream as gRPC's client hands it over: iterable, cancellable."""
+
+    def __init__(self, items):
+        self._items, self.cancelled = items, False
+
+    def __iter__(self):
+        for item in self._items:
+            if isinstance(item, float):
+                time.sleep(item)  # a pause in the stream
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_log_windows_batch_what_arrives_within_the_window_and_pass_errors_on():
+    import grpc
+
+    from services.cli.follow import _windows
+
+    class Broken(grpc.RpcError):
+        pass
+
+    stream = _Stream(["a", "b", "c", 0.6, "d", Broken()])
+    got = []
+    with pytest.raises(Broken):
+        for window in _windows(stream, window_s=0.3):
+            got.append(window)
+    assert got == [["a", "b", "c"], ["d"]] and stream.cancelled
 
 
 PROGRAM = textwrap.dedent("""
