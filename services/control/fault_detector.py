@@ -41,7 +41,7 @@ job's ``world_size``, a ``reattach_seconds`` and the worker each rank ran on: ev
 one deadline of that length, re-armed as usual by its first heartbeat after its node agent
 re-attached, so no rank is judged silent for the time control was down. A rank of which
 nothing at all arrives by then (no beat, not even one its agent resent), nor of another rank
-of its worker, lost its node agent with it (SIGKILLed, the host gone: a rank exits when its
+of the worker it ran on (when that is known), lost its node agent with it (SIGKILLed, the host gone: a rank exits when its
 agent's session ends, and nobody is left to say so): ``worker_lost``, on the worker it ran
 on, as when control sees an agent's session close. One whose agent resent its old beats but
 that sends no new one is silent. (The detector does not see registrations: an agent back
@@ -376,12 +376,13 @@ class FaultDetector:
             del job.ranks[rank]  # declared once; a new heartbeat starts a new watch
             watch.cancel()
             timeout = job.heartbeat_timeout_s
-            # Nothing of it since the restart, nor of another rank of its worker: the worker is gone.
-            lost = watch.unheard and rank in job.reattaching and not (watch.worker_id and watch.worker_id in job.back)
+            # Nothing of it since the restart, nor of another rank of the worker it ran on (as
+            # journaled): that worker is gone. Where it ran is unknown: only silent.
+            lost = watch.unheard and rank in job.reattaching and bool(watch.worker_id) and watch.worker_id not in job.back
         silent_for = time.time() - watch.last_beat_unix
         if lost:
             fault_class = WORKER_LOST
-            detail = (f"rank {rank} lost with worker {watch.worker_id or 'unknown'}: no node agent re-attached it "
+            detail = (f"rank {rank} lost with worker {watch.worker_id}: no node agent re-attached it "
                       f"within {silent_for:.1f} s of the control restart")
         else:
             fault_class = RANK_SILENT

@@ -584,7 +584,7 @@ class Orchestrator:
         if previous is not None:
             incident.dying.update(previous.dying)
         job.incident, job.recovered, job.exited = incident, None, set()
-        job.started, job.paused, job.finished = set(), set(), {}
+        job.started, job.paused, job.finished, job.placement = set(), set(), {}, {}  # (a new generation)
         job.pending = ""  # a pause in flight is dropped: the relaunched ranks start running
         job.excluded.update(exclude)  # journaled with the decision: a restarted control keeps it
         self._record(
@@ -622,7 +622,7 @@ class Orchestrator:
         # kills exit as released (no decision); the failed generation's are still counted
         # in ``dying``. Not journaled: killed again before it completes, it is resumed again.
         incident.resumed, incident.repeated_unix = False, time.time()
-        job.started, job.exited = set(), set()
+        job.started, job.exited, job.placement = set(), set(), {}
         self._record(job, ORCH, "decision",
                      f"relaunch again for the recovery from {incident.fault_class} of rank {cause.rank} interrupted "
                      f"by the control restart: the relaunched ranks are not all there ({msg.fault_class} of rank "

@@ -267,11 +267,10 @@ def test_after_a_control_restart_each_rank_has_until_the_reattach_deadline_and_a
     time.sleep(0.6)  # past the heartbeat timeout, inside the re-attach deadline: nobody is silent
     assert list(reports) == []
     bus.publish(M.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=9, worker_id="w"))
-    (lost,) = reports.wait(1, timeout=3.0)
-    # Nothing of rank 1 came at all: its node agent never re-attached (worker unknown here).
-    assert (lost.job_id, lost.fault_class, lost.rank) == ("r", "worker_lost", 1)
-    assert lost.detail.startswith("rank 1 lost with worker unknown: no node agent re-attached it within ")
-    assert lost.detected_unix - t0 >= 1.0
+    (silent,) = reports.wait(1, timeout=3.0)
+    # Never re-attached; where it ran is not known here, so nothing says its worker is lost.
+    assert (silent.job_id, silent.fault_class, silent.rank) == ("r", "rank_silent", 1)
+    assert silent.detected_unix - t0 >= 1.0
     time.sleep(0.1)
     rank0 = [r for r in reports if r.rank == 0]
     # Rank 0 re-attached: its deadline is now its heartbeat timeout from its beat (it beat once).
