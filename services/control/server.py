@@ -30,7 +30,10 @@ the remote party the route table names, and holds only routing knowledge:
   see ``AioServiceServer``): a node agent's session costs no thread; its commands reach it
   through an asyncio queue (``_LoopQueue``). Why: with a thread per session (and one more
   reading it), 1,000 agents were 2,000 threads and a GIL hand-off per message, and control
-  saturated (bench/control_scale.py). The operator RPCs stay plain code in a thread pool.
+  saturated (bench/control_scale.py). ``WatchJob`` and ``StreamLogs`` are asyncio handlers
+  too: grpc.aio never tells a plain handler its caller left, so a plain follow held a pool
+  thread (and delayed a SIGTERM stop) until the job's next event. The operator commands stay
+  plain code in a thread pool.
 * ``WatchHub``: per-job subscriber queues fed by JobEvent (no polling).
 * ``StoreRelay``: LoadCheckpoint for L5-1, forwarded to the `store` service.
 """
@@ -42,7 +45,7 @@ import queue
 import threading
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +54,7 @@ import structlog
 
 from services.common.grpc_server import channel
 from services.contract import control_pb2, control_pb2_grpc, engine_pb2, store_pb2, store_pb2_grpc, worker_pb2
-from services.contract.bus import CommandPort, Emitter
+from services.contract.bus import CommandPort, Emitter, Reply
 from services.control.fault_detector import WORKER_LOST_MARKER
 from services.control.metrics import WORKER_EVENTS
 from services.control.orchestrator import EVENT_LOG, IllegalTransition, JobNotFound
@@ -143,12 +146,12 @@ def _deliver(batch: list[tuple[asyncio.Queue, Any]]) -> None:
 @dataclass(eq=False)
 class LogTail:
     """One StreamLogs request: the sessions asked, and the queue their answers land in:
-    ``(session, RankLogLines)``, ``(session, None)`` when a session ended without its
-    ``done``, or ``(None, None)`` when the caller went away."""
+    ``(session, RankLogLines)``, or ``(session, None)`` when a session ended without its
+    ``done``."""
 
     request_id: str
     sessions: list[_Session]
-    answers: queue.Queue = field(default_factory=queue.Queue)
+    answers: Any  # a thread-safe ``put``; StreamLogs reads it on the server's loop
 
 
 class SessionHub:
@@ -419,14 +422,14 @@ class SessionHub:
 
     # ------------------------------------------------------------ operator logs (plumbing)
 
-    def open_tail(self, job_id: str, follow: bool, rank: int) -> LogTail:
+    def open_tail(self, job_id: str, follow: bool, rank: int, answers: Any) -> LogTail:
         """Ask every open session that launched ranks of ``job_id`` to tail their log
-        files (``TailRankLogs``); their RankLogLines land in the returned request's queue.
-        No session: the request has none and is already over."""
+        files (``TailRankLogs``); their RankLogLines land in ``answers`` (the returned
+        request's queue). No session: the request has none and is already over."""
         request_id = uuid.uuid4().hex
         with self._lock:
             sessions = [s for s in self._sessions.values() if job_id in s.jobs and not s.closed]
-            tail = LogTail(request_id, sessions)
+            tail = LogTail(request_id, sessions, answers)
             self._tails[request_id] = tail
             cmd = control_pb2.WorkerCommand(tail_rank_logs=control_pb2.TailRankLogs(
                 request_id=request_id, job_id=job_id, follow=follow, rank=rank))
@@ -593,20 +596,19 @@ class WatchHub:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._subscribers: dict[str, set[queue.Queue]] = defaultdict(set)
+        self._subscribers: dict[str, set[Any]] = defaultdict(set)
 
     def on_job_event(self, msg: control_pb2.JobEvent, payload: Any = None) -> None:
         with self._lock:
             for q in self._subscribers.get(msg.job_id, ()):
                 q.put(msg)
 
-    def subscribe(self, job_id: str) -> queue.Queue:
-        q: queue.Queue = queue.Queue()
+    def subscribe(self, job_id: str, q: Any) -> None:
+        """``q`` (anything with a thread-safe ``put``) receives each JobEvent of ``job_id``."""
         with self._lock:
             self._subscribers[job_id].add(q)
-        return q
 
-    def unsubscribe(self, job_id: str, q: queue.Queue) -> None:
+    def unsubscribe(self, job_id: str, q: Any) -> None:
         with self._lock:
             self._subscribers[job_id].discard(q)
             if not self._subscribers[job_id]:
@@ -656,8 +658,9 @@ class StoreRelay:
 class ControlServicer(control_pb2_grpc.ControlServiceServicer):
     """ControlService over gRPC.
 
-    ``WorkerSession`` is an asyncio handler (serve this on a ``grpc.aio`` server, e.g.
-    ``AioServiceServer``); the other RPCs are plain code (its thread pool runs them).
+    ``WorkerSession``, ``WatchJob`` and ``StreamLogs`` are asyncio handlers (serve this on a
+    ``grpc.aio`` server, e.g. ``AioServiceServer``); the other RPCs are plain code (its
+    thread pool runs them).
 
     Args:
         user: command port EXT_USER -> L1_ORCHESTRATOR.
@@ -695,24 +698,26 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
     def StopJob(self, request, context):
         return self._command(context, request)
 
-    def WatchJob(self, request, context) -> Iterator[control_pb2.JobEvent]:
+    async def WatchJob(self, request, context) -> AsyncIterator[control_pb2.JobEvent]:
         """History from ``from_seq``, then (with ``follow``) live events until TERMINATED.
         Subscribing before reading the history and skipping seen seqs closes the gap
-        between the two."""
+        between the two. Runs on the server's loop: a caller leaving cancels it at once
+        (a plain handler would hold a pool thread until the job's next event, since grpc.aio
+        never calls a plain handler's ``add_callback``; tested)."""
         if not request.job_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "WatchJob: job_id is required")
-        live = self._watches.subscribe(request.job_id)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "WatchJob: job_id is required")
+        live = _LoopQueue(asyncio.get_running_loop())
+        self._watches.subscribe(request.job_id, live)
         try:
-            if not _on_done(context, lambda: live.put(None)):  # client left / server stops
-                return
-            status, history = self._history(context, request)
+            status, history = await self._history(context, request)
             last = 0
             for ev in history:
                 last = ev.seq
                 yield ev
             if not request.follow or status.state == S.TERMINATED:
                 return
-            while (ev := live.get()) is not None:
+            while True:
+                ev = await live.get()
                 if ev.seq <= last or ev.seq < request.from_seq:
                     continue
                 last = ev.seq
@@ -722,24 +727,21 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
         finally:
             self._watches.unsubscribe(request.job_id, live)
 
-    def StreamLogs(self, request, context) -> Iterator[control_pb2.LogLine]:
+    async def StreamLogs(self, request, context) -> AsyncIterator[control_pb2.LogLine]:
         """The job's rank log lines, relayed from the node agents that ran its ranks (each
         tails its files, see TailRankLogs); with ``follow`` until those ranks have exited
         and their files are drained. Ends when every agent asked said done; the caller
-        leaving sends them StopTailing. Blocks on the request's queue, never polls."""
+        leaving sends them StopTailing. Blocks on the request's queue, never polls; runs on
+        the server's loop, like WatchJob and for the same reason."""
         if not request.job_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "StreamLogs: job_id is required")
-        self._command(context, control_pb2.JobQuery(job_id=request.job_id))  # NOT_FOUND for an unknown job
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "StreamLogs: job_id is required")
+        await self._call(context, control_pb2.JobQuery(job_id=request.job_id))  # NOT_FOUND for an unknown job
         rank = request.rank if request.rank >= 0 else -1
-        tail = self._sessions.open_tail(request.job_id, request.follow, rank)
+        tail = self._sessions.open_tail(request.job_id, request.follow, rank, _LoopQueue(asyncio.get_running_loop()))
         pending = set(tail.sessions)
         try:
-            if not _on_done(context, lambda: tail.answers.put((None, None))):  # client left / server stops
-                return
             while pending:
-                session, batch = tail.answers.get()
-                if session is None:
-                    return
+                session, batch = await tail.answers.get()
                 if batch is None or batch.done:
                     pending.discard(session)
                     continue
@@ -806,12 +808,18 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
         finally:
             self.applier.close(session)
 
-    def _history(self, context, request) -> tuple[control_pb2.JobStatus, tuple]:
-        try:
-            reply = self._user(control_pb2.JobQuery(job_id=request.job_id, from_seq=request.from_seq), EVENT_LOG)
-        except Exception as e:
-            _abort(context, e)
+    async def _history(self, context, request) -> tuple[control_pb2.JobStatus, tuple]:
+        query = control_pb2.JobQuery(job_id=request.job_id, from_seq=request.from_seq)
+        reply = await self._call(context, query, EVENT_LOG)
         return reply.message, reply.payload
+
+    async def _call(self, context, request, payload: Any = None) -> Reply:
+        """``self._user(request, payload)`` from a handler on the server's loop: run in a
+        pool thread (it waits on the orchestrator's lock); an error aborts the RPC."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, self._user, request, payload)
+        except Exception as e:
+            await context.abort(*_status(e))
 
     def _command(self, context, request):
         try:
@@ -820,13 +828,12 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
             _abort(context, e)
 
 
-def _on_done(context, callback: Callable[[], None]) -> bool:
-    """``context.add_callback`` of a plain handler: False when the RPC already ended. Under
-    grpc.aio's thread pool the call answers None (registered)."""
-    return context.add_callback(callback) is not False
-
-
 def _abort(context, e: Exception):
+    context.abort(*_status(e))
+
+
+def _status(e: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status code and one-line details a control command's error is answered with."""
     if isinstance(e, JobSpecError):
         code = grpc.StatusCode.INVALID_ARGUMENT
     elif isinstance(e, JobNotFound):
@@ -838,4 +845,4 @@ def _abort(context, e: Exception):
     else:
         _log.exception("control command failed")
         code = grpc.StatusCode.INTERNAL
-    context.abort(code, str(e).splitlines()[0] if str(e) else type(e).__name__)
+    return code, str(e).splitlines()[0] if str(e) else type(e).__name__

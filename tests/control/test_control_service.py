@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -307,6 +308,38 @@ def test_memory_pressure_sent_by_a_node_agent_appears_in_its_jobs_event_log(star
         ("resource", "memory pressure on wa: 1.5 GiB of 24.0 GiB available", S.RUNNING),
         ("resource", "memory pressure relieved on wa: 6.0 GiB of 24.0 GiB available", S.RUNNING),
     ]
+
+
+def test_follows_their_callers_left_hold_nothing_operator_calls_answer_and_sigterm_stops_control(start_control, agents):
+    """A caller leaving a follow (Ctrl-C on `surgectl events --follow`) ends its handler at
+    once, even while the job is quiet: more abandoned follows than control's 64 pool threads
+    leave the operator RPCs answering, and SIGTERM still stops control cleanly (code 0, not
+    the SIGKILL after stop()'s 15 s)."""
+    control = start_control()
+    agent = agents(control.address, "wa", finish=False)
+    job_id = submit(control, dp=1, steps=3).job_id  # the fake agent's 3 steps, then quiet: no event
+    watch = control.stub.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True), timeout=60)
+    assert any(ev.status.state == S.RUNNING for ev in watch)
+    watch.cancel()
+    for _ in range(80):
+        call = control.stub.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True), timeout=60)
+        next(call)  # the follow is served (its history) ...
+        call.cancel()  # ... and its caller leaves
+    assert control.stub.GetJob(control_pb2.JobQuery(job_id=job_id), timeout=10).state == S.RUNNING
+
+    def commanded(kind: str) -> bool:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if any(c.WhichOneof("command") == kind for c in list(agent.commands)):
+                return True
+            time.sleep(0.05)
+        return False
+
+    logs = control.stub.StreamLogs(control_pb2.LogQuery(job_id=job_id, follow=True, rank=-1), timeout=60)
+    assert commanded("tail_rank_logs")  # the agent (which answers nothing) was asked to tail ...
+    logs.cancel()
+    assert commanded("stop_tailing")  # ... and told to stop as soon as the caller left
+    assert control.stop() == 0
 
 
 def test_restart_keeps_jobs_and_the_running_one_waits_for_its_ranks(start_control, agents):
