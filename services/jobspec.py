@@ -429,15 +429,28 @@ def parse_job_spec(text: str, source: str = "job.yaml") -> JobSpec:
     try:
         return JobSpec.model_validate(raw)
     except ValidationError as e:
-        err = e.errors()[0]
-        path = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
-        # A cross-field rule's input is the whole section: its message already says what is wrong.
-        quiet = ("extra_forbidden", "missing", "value_error")
-        got = "" if err["type"] in quiet else f", got {err.get('input')!r}"
+        errors = e.errors()
+        # An unknown key is most often a misspelt one: name it first, with the required
+        # fields it left missing (`stepz: unknown key; steps: Field required`), not only
+        # the missing field pydantic lists first.
+        unknown = [err for err in errors if err["type"] == "extra_forbidden"]
+        if unknown:
+            missing = [err for err in errors if err["type"] == "missing"]
+            raise JobSpecError(f"{source}: " + "; ".join(_field_error(err) for err in unknown + missing)) from None
+        err = errors[0]
         if not err["loc"] and err["type"] == "value_error":  # a cross-section rule: its message names the fields
-            raise JobSpecError(f"{source}: {msg}") from None
-        raise JobSpecError(f"{source}: {path}: {msg}{got}") from None
+            raise JobSpecError(f"{source}: {err['msg'].removeprefix('Value error, ')}") from None
+        raise JobSpecError(f"{source}: {_field_error(err)}") from None
+
+
+def _field_error(err: dict) -> str:
+    """One pydantic error as ``<dotted.path>: <message>[, got <input>]``."""
+    path = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+    # A cross-field rule's input is the whole section: its message already says what is wrong.
+    quiet = ("extra_forbidden", "missing", "value_error")
+    got = "" if err["type"] in quiet else f", got {err.get('input')!r}"
+    return f"{path}: {msg}{got}"
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

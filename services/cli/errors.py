@@ -8,9 +8,15 @@ import grpc
 class CliError(Exception):
     """An error the operator can fix; printed as one line, exit code ``code``."""
 
-    def __init__(self, message: str, code: int = 1):
+    def __init__(self, message: str, code: int = 1, status: grpc.StatusCode | None = None):
         super().__init__(message)
         self.code = code
+        self.status = status  # the gRPC status it came from (from_rpc), else None
+
+
+# Statuses that mean the operator's input was refused (an unknown job, dataset or
+# checkpoint, a bad field): exit 2 like every other bad-input error of surgectl.
+BAD_INPUT = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE)
 
 
 def from_rpc(error: grpc.RpcError, service: str, address: str) -> CliError:
@@ -21,7 +27,7 @@ def from_rpc(error: grpc.RpcError, service: str, address: str) -> CliError:
     if code == grpc.StatusCode.CANCELLED:
         return CliError(f"{service} at {address} closed the call (was the stack stopped?)")
     details = error.details() if hasattr(error, "details") else str(error)
-    return CliError(details or f"{service} call failed: {code}")
+    return CliError(details or f"{service} call failed: {code}", code=2 if code in BAD_INPUT else 1, status=code)
 
 
 def _connect_failure(error: grpc.RpcError) -> bool:

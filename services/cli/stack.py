@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.cli.errors import CliError
-from services.common import paths
+from services.common import logs, paths
 from services.common.grpc_server import channel
 
 HOST = "127.0.0.1"
@@ -80,8 +80,8 @@ class _Ports:
     reads) is used as given, and the address in ``stack.json`` that every command reads
     names it."""
 
-    def __init__(self) -> None:
-        self._given: set[int] = set()
+    def __init__(self, fixed: set[int] = frozenset()) -> None:
+        self._given: set[int] = set(fixed)  # never hand out a port the operator fixed
 
     def __call__(self, var: str | None = None) -> str:
         if var and os.environ.get(var):
@@ -134,12 +134,14 @@ def up(num_workers: int = 2, timeout_s: float = 60.0) -> dict[str, ServiceProc]:
     if existing and any(is_alive(s.pid) for s in existing.values()):
         raise CliError("a stack is already running (see `surgectl status`; `surgectl down` stops it)")
     fixed = {var for pair in FIXED_PORT_VARS.values() for var in pair if os.environ.get(var)}
-    for var in sorted(fixed):
-        env_port(var)  # a bad value is refused before anything starts
+    fixed_ports = _check_fixed_ports(fixed)  # a bad or shared value is refused before anything starts
+    problem = logs.env_problem()  # every service would refuse it at start-up
+    if problem:
+        raise CliError(problem, code=2)
     run = paths.run_dir()
     (run / "logs").mkdir(parents=True, exist_ok=True)
     env = _env()
-    port = _Ports()
+    port = _Ports(fixed_ports)
     procs: dict[str, ServiceProc] = {}
 
     def start_group(specs: dict[str, tuple[str, callable]]) -> None:
@@ -179,11 +181,29 @@ def up(num_workers: int = 2, timeout_s: float = 60.0) -> dict[str, ServiceProc]:
             ])
             for i in range(num_workers)
         })
+        # A service can exit after another answered its health check in its place (two
+        # fixed to one port): up only if every process we started still runs.
+        for p in procs.values():
+            if not _running(p.pid):
+                raise CliError(_start_failure(p))
     except BaseException:
         _stop_all(procs)
         stack_file().unlink(missing_ok=True)
         raise
     return procs
+
+
+def _check_fixed_ports(fixed: set[str]) -> set[int]:
+    """The ports in the set variables ``fixed``. Raises CliError (exit 2, one line) for a
+    value that is not a port, or for two variables giving the same port (the second service
+    could not listen, and the health check of its port would be answered by the first)."""
+    seen: dict[int, str] = {}
+    for var in sorted(fixed):
+        port = env_port(var)
+        if port in seen:
+            raise CliError(f"{seen[port]} and {var} are both {port}; every service needs a port of its own", code=2)
+        seen[port] = var
+    return set(seen)
 
 
 def down(timeout_s: float = 10.0) -> list[str]:
@@ -313,7 +333,7 @@ def _wait_healthy(proc: ServiceProc, timeout_s: float) -> None:
             except grpc.FutureTimeoutError:
                 # The only reason to wake up: notice a process that died while starting.
                 if not is_alive(proc.pid) or _exited(proc.pid):
-                    raise CliError(f"{proc.name} failed to start: {_tail(proc.log)}") from None
+                    raise CliError(_start_failure(proc)) from None
                 if time.monotonic() > deadline:
                     raise CliError(f"{proc.name} did not come up within {timeout_s:.0f} s; log: {proc.log}") from None
         stub = health_pb2_grpc.HealthStub(ch)
@@ -330,6 +350,16 @@ def _exited(pid: int) -> bool:
     except ChildProcessError:
         return False
     return done == pid
+
+
+def _start_failure(proc: ServiceProc) -> str:
+    """``<name> failed to start: <its last log line>``, without the service's own
+    ``error: <service>:`` prefix (one "error:" is printed by surgectl)."""
+    last = _tail(proc.log).removeprefix("error: ")
+    for prefix in {proc.name, proc.service}:
+        if prefix:
+            last = last.removeprefix(f"{prefix}: ")
+    return f"{proc.name} failed to start: {last}"
 
 
 def _tail(log: str, lines: int = 1) -> str:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import grpc
 import typer
 
 from services.cli import clients, jsonout, render, stack
@@ -41,6 +42,30 @@ def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="print the version"),
 ) -> None:
     """Surge (狂潮): distributed LM training as gRPC services."""
+    if not {"-h", "--help"} & set(sys.argv[1:]):
+        check_home()
+
+
+def check_home() -> None:
+    """Refuse a SURGE_HOME that is (or lies under) something other than a directory, once
+    for every command, before one of them creates ``run/``, ``datasets/`` or a plot in it.
+
+    Raises:
+        CliError (exit 2): ``SURGE_HOME: <path> is not a directory`` (naming the file in
+            its way when that is an ancestor).
+    """
+    import os
+
+    from services.common import paths
+
+    home = paths.surge_home()
+    name = "SURGE_HOME" if os.environ.get("SURGE_HOME") else "SURGE_HOME (default ./.surge)"
+    for where in (home, *home.parents):
+        if where.exists():
+            if not where.is_dir():
+                at = "" if where == home else f" ({where} is a file)"
+                raise CliError(f"{name}: {home} is not a directory{at}", code=2)
+            return
 
 
 @app.command()
@@ -161,7 +186,14 @@ def submit_job(spec_path: Path) -> control_pb2.JobStatus:
             f"{spec_path}: model.vocab_size: {spec.model.vocab_size} is smaller than the "
             f"dataset's vocabulary ({info.vocab_size}, {info.tokenizer})", code=2)
     req = control_pb2.SubmitJobRequest(spec_yaml=spec_path.read_text(), spec_path=str(spec_path))
-    return clients.call("control", lambda s: s.SubmitJob(req, timeout=60))
+    try:
+        return clients.call("control", lambda s: s.SubmitJob(req, timeout=60))
+    except CliError as e:
+        # Control refuses a spec it cannot place (more ranks than free slots) as
+        # FAILED_PRECONDITION: at submit that is the spec's fault, exit 2 like its other errors.
+        if e.status == grpc.StatusCode.FAILED_PRECONDITION:
+            e.code = 2
+        raise
 
 
 def follow_job(job_id: str, reconnect_s: float = 60.0) -> render.History:

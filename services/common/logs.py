@@ -3,7 +3,8 @@
 One event is one line. In files (the local stack sends each service's stderr to
 ``$SURGE_HOME/run/logs/<service>.log``, each rank's to ``<job>.rank<R>.log``) that line is a
 JSON object; on a terminal it is structlog's human console rendering. ``SURGE_LOG_FORMAT``
-(``json`` | ``console``) overrides the choice, ``SURGE_LOG_LEVEL`` the level (default INFO).
+(``json`` | ``console``) overrides the choice, ``SURGE_LOG_LEVEL`` the level (default INFO;
+DEBUG | INFO | WARNING | ERROR | CRITICAL); any other value of either is refused.
 
 Every line carries ``timestamp``, ``level``, ``service``, then ``job``, ``rank`` and ``step``
 when known, then ``event``; these keys come first, in that order. The fields given to
@@ -32,6 +33,21 @@ FIRST_KEYS = ("timestamp", "level", "service", "job", "rank", "step", "event")
 FORMAT_ENV, LEVEL_ENV = "SURGE_LOG_FORMAT", "SURGE_LOG_LEVEL"
 
 _HANDLER_NAME = "surge"
+FORMATS = ("json", "console")
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def env_problem() -> str | None:
+    """One line naming ``SURGE_LOG_FORMAT`` / ``SURGE_LOG_LEVEL`` and the allowed values if
+    either is set to something else (case-insensitive; empty means unset), else None.
+    ``configure`` refuses such a process; ``surgectl up`` asks first, before starting anything."""
+    fmt = os.environ.get(FORMAT_ENV, "")
+    if fmt and fmt.lower() not in FORMATS:
+        return f"{FORMAT_ENV}: expected one of {', '.join(FORMATS)}, got {fmt!r}"
+    level = os.environ.get(LEVEL_ENV, "")
+    if level and level.upper() not in LEVELS:
+        return f"{LEVEL_ENV}: expected one of {', '.join(LEVELS)}, got {level!r}"
+    return None
 
 
 def bind(**fields: Any) -> None:
@@ -97,11 +113,18 @@ def configure(service: str, stream: IO[str] | None = None, **bound: object) -> s
         bound: more process-wide fields, e.g. ``job=..., rank=...`` in a rank process.
 
     Calling it again replaces the previous set-up (no line is ever written twice).
+
+    Raises:
+        SystemExit(2): ``SURGE_LOG_FORMAT`` or ``SURGE_LOG_LEVEL`` has a value not listed
+            above; one line ``error: <VAR>: expected one of ...`` on stderr first (a usage
+            error, exit 2 like a service's bad port).
     """
+    problem = env_problem()
+    if problem:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     stream = stream if stream is not None else sys.stderr
-    level = logging.getLevelName(os.environ.get(LEVEL_ENV, "INFO").upper())
-    if not isinstance(level, int):
-        level = logging.INFO
+    level = getattr(logging, (os.environ.get(LEVEL_ENV) or "INFO").upper())
     defaults = {"service": service, **bound}
     if "job_id" in defaults:
         defaults.setdefault("job", defaults.pop("job_id"))

@@ -1,14 +1,19 @@
-"""`surgectl up` survives losing a port to another process between probe and bind."""
+"""`surgectl up` survives losing a port to another process between probe and bind, and
+refuses bad operator input (fixed ports, log settings, SURGE_HOME) in one line."""
 
 from __future__ import annotations
 
+import os
+import re
 import socket
+import subprocess
+import sys
 
 import pytest
 
 from services.cli import stack
 from services.cli.errors import CliError
-from tests.conftest import kill_all
+from tests.conftest import REPO, free_ports, kill_all, processes_with
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,3 +57,77 @@ def test_restart_without_a_stack_or_of_an_unknown_service_is_one_line(surge_home
     assert e.value.code == 2
     with pytest.raises(CliError, match="does not record its command line"):
         stack.restart("control")  # an old stack.json entry whose process is gone
+
+
+def test_two_services_fixed_to_one_port_are_refused_naming_both_and_start_nothing(surge_home, monkeypatch):
+    port = str(free_ports(1)[0])
+    monkeypatch.setenv("SURGE_DATA_PORT", port)
+    monkeypatch.setenv("SURGE_STORE_PORT", port)
+    with pytest.raises(CliError) as e:
+        stack.up(num_workers=1)
+    assert str(e.value) == (f"SURGE_DATA_PORT and SURGE_STORE_PORT are both {port}; "
+                            "every service needs a port of its own") and e.value.code == 2
+    assert stack.read_stack() is None and not (surge_home / "run").exists()  # nothing was started
+    monkeypatch.delenv("SURGE_DATA_PORT")
+    monkeypatch.setenv("SURGE_CONTROL_METRICS_PORT", port)  # a metrics port counts as well
+    with pytest.raises(CliError, match="SURGE_CONTROL_METRICS_PORT and SURGE_STORE_PORT are both"):
+        stack.up(num_workers=1)
+
+
+def test_a_service_that_exits_after_another_answered_its_health_check_fails_up(surge_home, monkeypatch):
+    # Without the refusal above, data and store share one port: one of them cannot listen
+    # and exits, the other answers both health checks. up must not say the stack is up.
+    monkeypatch.setattr(stack, "_check_fixed_ports", lambda fixed: {stack.env_port(v) for v in fixed})
+    port = str(free_ports(1)[0])
+    monkeypatch.setenv("SURGE_DATA_PORT", port)
+    monkeypatch.setenv("SURGE_STORE_PORT", port)
+    try:
+        with pytest.raises(CliError) as e:
+            stack.up(num_workers=1, timeout_s=60)
+        assert re.fullmatch(r"(data|store) failed to start: cannot listen on 127\.0\.0\.1:\d+ .*", str(e.value)), str(e.value)
+        assert "error:" not in str(e.value)
+        assert stack.read_stack() is None  # what had started was stopped again
+    finally:
+        stack.down()
+        kill_all(processes_with(f"--port {port} "))
+
+
+def test_a_start_failure_is_relayed_without_the_services_own_error_prefix(surge_home, monkeypatch):
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    port = squatter.getsockname()[1]
+    monkeypatch.setenv("SURGE_CONTROL_PORT", str(port))
+    try:
+        with pytest.raises(CliError) as e:
+            stack.up(num_workers=1, timeout_s=60)
+        assert str(e.value).startswith(f"control failed to start: cannot listen on 127.0.0.1:{port} "), str(e.value)
+        assert str(e.value).endswith("(its port is fixed by SURGE_CONTROL_PORT)") and "error" not in str(e.value)
+        assert stack.read_stack() is None
+    finally:
+        stack.down()
+        squatter.close()
+
+
+@pytest.mark.parametrize("var, value, allowed", [
+    ("SURGE_LOG_FORMAT", "xml", "json, console"),
+    ("SURGE_LOG_LEVEL", "LOUD", "DEBUG, INFO, WARNING, ERROR, CRITICAL"),
+])
+def test_a_bad_log_setting_is_refused_by_up_before_anything_starts(surge_home, monkeypatch, var, value, allowed):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(CliError) as e:
+        stack.up(num_workers=1)
+    assert str(e.value) == f"{var}: expected one of {allowed}, got {value!r}" and e.value.code == 2
+    assert stack.read_stack() is None and not (surge_home / "run").exists()
+
+
+@pytest.mark.parametrize("args", [("up",), ("dataset", "prepare", "--source", "."), ("plot", "some-job"), ("down",)])
+def test_a_surge_home_that_is_not_a_directory_is_one_line_and_exit_2(tmp_path, args):
+    regular = tmp_path / "file"
+    regular.write_text("not a directory")
+    for home, extra in ((regular, ""), (regular / "sub", f" ({regular} is a file)")):
+        env = {**os.environ, "SURGE_HOME": str(home)}
+        r = subprocess.run([sys.executable, "-m", "services.cli.surgectl", *args], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert r.stderr.strip() == f"error: SURGE_HOME: {home} is not a directory{extra}", r.stderr

@@ -132,7 +132,7 @@ def test_dp_larger_than_the_available_ranks_is_refused_and_nothing_is_created(st
     spec.write_text(JOB.replace("dp: 2", "dp: 3"))
     before = json.loads(cli(stack, "status", "-o", "json").stdout)
     r = cli(stack, "submit", str(spec))
-    assert r.returncode != 0
+    assert r.returncode == 2, r.stderr  # bad input, like every other spec error
     assert "parallel.dp=3" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert json.loads(cli(stack, "status", "-o", "json").stdout) == before
 
@@ -142,7 +142,7 @@ def test_unknown_dataset_or_version_is_a_one_line_error(stack, tmp_path):
         spec = tmp_path / "ds.yaml"
         spec.write_text(JOB.replace("tiny@v1", ds))
         r = cli(stack, "submit", str(spec))
-        assert r.returncode != 0 and words in r.stderr and "not found" in r.stderr
+        assert r.returncode == 2 and words in r.stderr and "not found" in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
 
 

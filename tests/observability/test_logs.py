@@ -270,3 +270,19 @@ def test_a_terminal_gets_the_human_console_renderer():
     text = out.decode(errors="replace")
     assert "composed" in text and "world_size" in text
     assert not text.lstrip().startswith("{"), text[:300]
+
+
+@pytest.mark.parametrize("var, value, allowed", [
+    ("SURGE_LOG_FORMAT", "xml", "json, console"),
+    ("SURGE_LOG_LEVEL", "LOUD", "DEBUG, INFO, WARNING, ERROR, CRITICAL"),
+])
+def test_a_bad_log_setting_stops_the_process_with_one_line_and_exit_2(var, value, allowed):
+    r = _run(0, {var: value})
+    assert r.returncode == 2 and r.stderr == f"error: {var}: expected one of {allowed}, got {value!r}\n", r.stderr
+
+
+def test_log_settings_are_case_insensitive_and_empty_means_unset():
+    r = _run(0, {"SURGE_LOG_FORMAT": "JSON", "SURGE_LOG_LEVEL": "warning"})
+    levels = {json.loads(line)["level"] for line in r.stderr.splitlines()}
+    assert levels and levels <= {"warning", "error", "critical"}, r.stderr
+    assert _run(0, {"SURGE_LOG_FORMAT": "", "SURGE_LOG_LEVEL": ""}).returncode == 1  # the program's own uncaught error
