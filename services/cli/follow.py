@@ -113,14 +113,13 @@ def job_logs(job_id: str, rank: int, reconnect_s: float, window_s: float = 0.5) 
 
     Raises:
         CliError: unknown job, control unreachable at the start, an outage longer than
-            ``reconnect_s``, or (after a reconnect) ``reconnect_s`` without any node agent
-            tailing a job that has not terminated.
+            ``reconnect_s``, or ``reconnect_s`` without any node agent tailing a job that
+            has not terminated.
     """
     addr = clients.address("control")
     retry = Reconnect(job_id, addr, reconnect_s)
     printed: dict[int, int] = {}  # rank -> lines given (the resume cursor)
     order = observe.TimeOrder()
-    reconnected = False
     quiet_since: float | None = None
     while True:
         try:
@@ -140,10 +139,10 @@ def job_logs(job_id: str, rank: int, reconnect_s: float, window_s: float = 0.5) 
                     if fresh:
                         quiet_since = None
                     yield from order.order(fresh)
-                if not reconnected:
-                    return  # the ranks have exited and their files are drained
-                # After a restart the node agents re-register a moment after control
-                # answers; a stream opened before that found none to ask and ended at once.
+                # The stream ends when the node agents asked have drained their ranks' files:
+                # the job is over, or its ranks are being relaunched (a recovery), or, after
+                # a control restart, the agents had not re-registered yet and none was asked.
+                # Only the job's state tells which.
                 state = stub.GetJob(control_pb2.JobQuery(job_id=job_id), timeout=PROBE_TIMEOUT_S).state
                 if state == _TERMINATED:
                     yield from order.order(_rest_of_local_files(job_id, rank, printed))
@@ -151,13 +150,12 @@ def job_logs(job_id: str, rank: int, reconnect_s: float, window_s: float = 0.5) 
         except grpc.RpcError as e:
             if not (retry.ever_connected and _lost(e)):
                 raise clients.rpc_error(e, "control", addr) from None
-            reconnected = True
             retry.lost()
             continue
         quiet_since = quiet_since if quiet_since is not None else time.monotonic()
         if time.monotonic() - quiet_since >= reconnect_s:
             raise CliError(f"{job_id} has not terminated, but no node agent has tailed its rank logs "
-                           f"for {reconnect_s:.0f} s since control came back; stopped following")
+                           f"for {reconnect_s:.0f} s; stopped following")
         time.sleep(FIRST_DELAY_S)
 
 

@@ -68,4 +68,7 @@ class Deadlines:
                     self._cond.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
                 _, _, due = heapq.heappop(self._heap)
             if not due.cancelled:
-                self._pool.submit(due.fn, *due.args)
+                try:
+                    self._pool.submit(due.fn, *due.args)
+                except RuntimeError:  # the interpreter is exiting: no deadline matters any more
+                    return

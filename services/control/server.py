@@ -240,6 +240,11 @@ class SessionHub:
             self._hardware(control_pb2.WorkerRegistration(worker_id=session.worker_id, slots=0))
         self._report_lost(session.worker_id, lost, reason)
 
+    @property
+    def stopping(self) -> bool:
+        """``shutdown`` was called: a session ending now is control going, not its node."""
+        return self._shutting_down
+
     def shutdown(self) -> None:
         """End every session without reporting anything (control is stopping)."""
         with self._lock:
@@ -742,6 +747,8 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
         try:
             while pending:
                 session, batch = await tail.answers.get()
+                if batch is None and self._sessions.stopping:  # not the job's end: say so
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "control is stopping")
                 if batch is None or batch.done:
                     pending.discard(session)
                     continue
