@@ -465,7 +465,9 @@ class Orchestrator:
             if job is None or job.pending != "pause":
                 return
             job.paused.add(msg.rank)
-            if len(job.paused) == job.status.world_size:
+            if len(job.paused) < job.status.world_size:
+                self._keep(job)
+            else:
                 job.pending = ""
                 job.status.step = msg.step
                 self._transition(job, S.PAUSED, Module.L2_TRAINING_LOOP, f"all ranks paused after step {msg.step}")
@@ -480,6 +482,7 @@ class Orchestrator:
             job.finished[msg.rank] = msg.stopped
             job.status.step = max(job.status.step, msg.step)
             if len(job.finished) < job.status.world_size:
+                self._keep(job)
                 return
             stopped = any(job.finished.values()) or job.pending == "stop"
             outcome = O.STOPPED if stopped else O.FINISHED
@@ -533,6 +536,7 @@ class Orchestrator:
             if ended:
                 job.exited.add(msg.rank)
             if msg.fault_class == "rank_exit_clean" and msg.rank in job.finished:
+                self._keep(job)
                 return  # its loop reported finished first: the normal end of that rank, no fault
             self._record(job, Module.L1_FAULT_DETECTOR, "fault", text)
             if msg.fault_class == "rank_released":
@@ -837,6 +841,15 @@ class Orchestrator:
         if job.running_since and copy.state != S.TERMINATED:
             copy.elapsed_seconds = time.time() - job.running_since
         return copy
+
+    def _keep(self, job: _Job) -> None:
+        """Journal the job's bookkeeping (``_runtime``) without an event, with the cursor of
+        the worker event being applied. Why: an event that changes only the bookkeeping (one
+        rank of several finished or paused) was otherwise journaled as applied with no trace,
+        and a control restarted before the last rank's event forgot it: it then took the
+        finished rank's clean exit for a lost rank and relaunched a finished job (seen in
+        tests/cli/test_restart.py)."""
+        self._journal.save_status(job.status, None, _runtime(job))
 
     def _record(self, job: _Job, source: int, kind: str, message: str, *, status_message: str | None = None) -> None:
         """Append one event to the job's log: journal status + event atomically, publish."""

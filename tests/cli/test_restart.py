@@ -136,12 +136,13 @@ def test_events_and_logs_follow_print_everything_once_across_a_control_restart(s
     on_disk = {r: [line for line in (home / "run" / "logs" / f"{job}.rank{r}.log").read_text().splitlines()
                    if line.strip()] for r in (0, 1)}
     if how == "restart":
-        # Known bug (seen in 2 of ~6 loaded runs): when the job ends right at the restart, the
-        # restarted control relaunched its finished ranks from the last checkpoint, on the
-        # other workers; both node agents then tail each rank's file (one shared logs dir on
-        # this one machine; an agent tails every rank it ever launched for the job), so a
-        # resumed follow prints those lines twice. What this variant holds: no line is lost
-        # and the follow does not end before the job does (it used to exit 0 at the restart).
+        # Known bug: after a rank is relaunched on another worker, both node agents tail its
+        # file (one shared logs dir on this one machine; an agent tails every rank it ever
+        # launched for the job), so a resumed follow prints those lines twice. Seen here in
+        # 2 of ~6 loaded runs, when the job ended right at the restart and the restarted
+        # control relaunched its finished ranks (that relaunch is fixed: Orchestrator._keep).
+        # What this variant holds: no line is lost and the follow does not end before the
+        # job does (it used to exit 0 at the restart).
         assert set(shown) == set(on_disk[0] + on_disk[1])
         return
     assert Counter(shown) == Counter(on_disk[0] + on_disk[1])  # every rank line exactly once

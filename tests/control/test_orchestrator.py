@@ -300,6 +300,30 @@ def test_after_a_restart_the_status_says_every_rank_re_attached_once_an_event_of
     journal.close()
 
 
+def test_a_rank_that_finished_before_a_restart_is_remembered_and_its_clean_exit_after_it_is_no_fault(tmp_path):
+    """Rank 1 finishes, control restarts before rank 0 does: the restarted control must know
+    rank 1 finished (it once forgot: the event changed only bookkeeping, journaled nowhere),
+    so rank 1's clean exit is no fault and rank 0's end finishes the job without a relaunch."""
+    db = tmp_path / "control.db"
+    journal = JobStore(db)
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1"))
+    job_id, a, b = start_job(plane, steps=3)
+    plane.rank_event(b, job_id, 1, finished=engine_pb2.TrainingLoopFinished(rank=1, step=3))
+    journal.close()
+
+    journal = JobStore(db)
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1"))
+    a, b = (plane.register(w) for w in ("wa", "wb"))
+    plane.rank_exited(b, job_id, 1, exit_code=0)
+    plane.rank_event(a, job_id, 0, finished=engine_pb2.TrainingLoopFinished(rank=0, step=3))
+    s = plane.get(job_id)
+    assert (s.state, s.outcome) == (S.TERMINATED, O.FINISHED)
+    events = plane.events(job_id)
+    assert [e.type for e in events if e.type == "fault"] == []
+    assert [e.message.split(";")[0] for e in events if e.type == "decision"] == ["2 ranks allocated on wa, wb"]
+    journal.close()
+
+
 def test_where_each_rank_runs_is_journaled_and_pushed_to_the_detector_after_a_restart(tmp_path):
     db = tmp_path / "control.db"
     journal = JobStore(db)
