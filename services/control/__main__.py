@@ -72,6 +72,7 @@ class Control:
     servicer: ControlServicer
     sessions: SessionHub
     journal: JobStore
+    detector: FaultDetector
 
 
 def build(
@@ -178,7 +179,7 @@ def build(
     servicer = ControlServicer(user=bus.port(M.EXT_USER, M.L1_ORCHESTRATOR), watches=watches, sessions=sessions,
                                max_sessions=max_sessions)
     validate_wiring(bus, HOSTED)
-    return Control(bus=bus, servicer=servicer, sessions=sessions, journal=journal)
+    return Control(bus=bus, servicer=servicer, sessions=sessions, journal=journal, detector=detector)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -239,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
              metrics=args.metrics_port or None)
     stop.wait()
     log.info("control stopping")
+    control.detector.close()  # first: with the sessions ended, no beat arrives; that is no silence
     control.sessions.shutdown()  # before the server stops, so no session end reads as a lost node
     server.stop(grace=2.0)
     control.servicer.applier.stop()  # after the server: no message arrives any more

@@ -44,6 +44,7 @@ class Deadlines:
         self._heap: list[tuple[float, int, Deadline]] = []
         self._order = itertools.count()  # ties keep arming order
         self._cond = threading.Condition()
+        self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"{name}-deadline")
         threading.Thread(target=self._serve, name=f"{name}-deadlines", daemon=True).start()
 
@@ -51,10 +52,20 @@ class Deadlines:
         """Arm: ``fn(*args)`` in ``seconds`` (monotonic clock) unless cancelled first."""
         deadline = Deadline(time.monotonic() + max(0.0, seconds), fn, args)
         with self._cond:
+            if self._closed:
+                return deadline
             heapq.heappush(self._heap, (deadline.when, next(self._order), deadline))
             if self._heap[0][2] is deadline:
                 self._cond.notify()  # a new earliest: the server sleeps less
         return deadline
+
+    def close(self) -> None:
+        """No deadline fires any more, armed or armed later (the process is stopping).
+        Idempotent; a callback already handed to the pool still runs."""
+        with self._cond:
+            self._closed = True
+            self._heap.clear()
+            self._cond.notify()
 
     def pending(self) -> int:
         """Armed and not cancelled (for tests and metrics)."""
@@ -64,8 +75,10 @@ class Deadlines:
     def _serve(self) -> None:
         while True:
             with self._cond:
-                while not self._heap or self._heap[0][0] > time.monotonic():
+                while not self._closed and (not self._heap or self._heap[0][0] > time.monotonic()):
                     self._cond.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
+                if self._closed:
+                    return
                 _, _, due = heapq.heappop(self._heap)
             if not due.cancelled:
                 try:

@@ -210,6 +210,14 @@ class FaultDetector:
         self._deadlines = Deadlines("fault-detector", workers=16)
         self._counts: Counter[tuple[str, str]] = Counter()  # (job_id, class) -> faults seen (累计)
 
+    def close(self) -> None:
+        """Composition root, when control stops: no silence, stall or attribution deadline
+        fires any more. Why: control ends the node agents' sessions before its server stops,
+        so their beats stop arriving; a deadline firing then graded a live rank silent and
+        the orchestrator journaled a recovery the restarted control went on with (seen on
+        `surgectl restart control`)."""
+        self._deadlines.close()
+
     # ------------------------------------------------------------ commands (L1-1)
 
     def start_fault_monitoring(self, msg: control_pb2.StartFaultMonitoring, payload: Any = None) -> None:

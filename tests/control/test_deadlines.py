@@ -48,3 +48,15 @@ def test_rearming_many_deadlines_starts_no_thread_per_deadline():
         h.cancel()
     assert threading.active_count() - before <= 2
     assert deadlines.pending() == 0
+
+
+@pytest.mark.timeout(20)
+def test_after_close_no_deadline_fires_armed_before_or_after():
+    deadlines = Deadlines("test", workers=1)
+    fired: list[str] = []
+    deadlines.after(0.2, fired.append, ("armed before",))
+    deadlines.close()
+    deadlines.after(0.0, fired.append, ("armed after",))
+    deadlines.close()  # idempotent
+    time.sleep(0.5)
+    assert fired == [] and deadlines.pending() == 0

@@ -34,6 +34,7 @@ LIFECYCLE: dict[str, set[str]] = {
     "GradientReduction": {"attach"},
     "Prefetcher": {"close"},
     "MetricsLogger": {"close"},
+    "FaultDetector": {"close"},
 }
 
 # The one composition-root callback a module holds that reaches other modules: the shard
