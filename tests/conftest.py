@@ -47,6 +47,24 @@ def kill_all(pids: list[int]) -> None:
             pass
 
 
+def run_to_end(argvs: list[list[str]], timeout: float, tail: int = 3000, **popen) -> list[str]:
+    """Start one process per argv (stdout and stderr together, text), wait for all of them
+    (``timeout`` seconds each), SIGKILL any still running; assert every exit code is 0, the
+    outputs' last ``tail`` characters in the message. Returns the outputs."""
+    import subprocess
+
+    procs = [subprocess.Popen(a, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen) for a in argvs]
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0] * len(procs), "\n".join(o[-tail:] for o in outputs)
+    return outputs
+
+
 def down_and_reap(home: Path, cli) -> None:
     """`surgectl down` this stack, then SIGKILL whatever of *it* survived: its services and
     the ranks of its workers (a rank's command line names its worker's port). Processes of

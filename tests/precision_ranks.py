@@ -4,7 +4,6 @@ job spec, with fault injections, returning each rank's saved results."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,7 @@ from typing import Any
 import torch
 
 from services.jobspec import JobSpec, spec_to_json
-from tests.conftest import free_ports
+from tests.conftest import free_ports, run_to_end
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINE_TESTS = REPO / "tests" / "engine"
@@ -28,18 +27,6 @@ def run_two_ranks(spec: JobSpec, out: Path, ckpt: Path, inject: str, resume: str
     out.mkdir(parents=True, exist_ok=True)
     (port,) = free_ports(1)
     env = {**os.environ, "SURGE_FAULT_INJECT": inject, "SURGE_HOME": str(out / "home"), "PYTHONPATH": str(REPO)}
-    procs = [
-        subprocess.Popen([sys.executable, str(HARNESS), str(r), "2", str(port), str(out), str(ckpt),
-                          spec_to_json(spec), resume],
-                         cwd=ENGINE_TESTS, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in (0, 1)
-    ]
-    try:
-        outputs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    run_to_end([[sys.executable, str(HARNESS), str(r), "2", str(port), str(out), str(ckpt), spec_to_json(spec), resume]
+                for r in (0, 1)], timeout=240, cwd=ENGINE_TESTS, env=env)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import torch
 from rank_fakes import free_port, tiny_spec
 from services.compute.inference import load_model_for_inference
 from services.compute.model import build_model
+from tests.conftest import run_to_end
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -20,19 +20,8 @@ REPO = HERE.parents[1]
 @pytest.mark.timeout(120)
 def test_two_gloo_ranks_with_different_data_end_with_identical_parameters(tmp_path):
     port = free_port()
-    procs = [
-        subprocess.Popen([sys.executable, str(HERE / "ddp_rank_main.py"), str(r), str(port), str(tmp_path)],
-                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in (0, 1)
-    ]
-    try:
-        outputs = [p.communicate(timeout=100)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    run_to_end([[sys.executable, str(HERE / "ddp_rank_main.py"), str(r), str(port), str(tmp_path)] for r in (0, 1)],
+               timeout=100, tail=2000, cwd=REPO)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
 
     assert not torch.equal(r0["first_batch"], r1["first_batch"])  # each rank its own data
