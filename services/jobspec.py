@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -18,25 +18,61 @@ class JobSpecError(ValueError):
     """A job spec that cannot be used; the message is one line naming file and field."""
 
 
+# Ranges (checked at submit, so that no value fails later, half-way through a job's start).
+# Every spec integer travels in a proto field or an int64 tensor (LoopState) somewhere:
+# none may exceed int64; fields carried as uint32 / int32 say so with their own bound.
+I64_MAX = 2**63 - 1
+U32_MAX = 2**32 - 1
+I32_MAX = 2**31 - 1
+# Floats: finite (no .inf / .nan: ConfigDict allow_inf_nan) and at most this in magnitude.
+FLOAT_MAX = 1e15
+# Durations (``*_seconds``): a deadline longer than this is a mistake (30 days), and
+# longer than ``threading.TIMEOUT_MAX`` cannot even be armed.
+SECONDS_MAX = 30 * 24 * 3600.0
+# Tokens per micro-batch (seq_len x micro_batch_size): the data service packs them as two
+# int32 arrays (inputs, labels) into one MicroBatch message, which gRPC caps at 64 MiB.
+MICRO_BATCH_TOKENS_MAX = 2**22
+
+
 class _Strict(BaseModel):
     # strict: "120" is not an integer; a spec says what it means or is refused.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _numbers_in_range(cls, value: object, info) -> object:
+        """The floor under every numeric field of every section, new ones included: an
+        integer (alone, in a list or a mapping) fits int64; a float is at most FLOAT_MAX
+        in magnitude, a ``*_seconds`` one at most SECONDS_MAX. Tighter bounds are on the
+        fields themselves."""
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+        for v in items:
+            if isinstance(v, bool):
+                continue
+            if isinstance(v, int) and not -I64_MAX - 1 <= v <= I64_MAX:
+                raise ValueError(f"{v} does not fit a 64-bit integer (at most {I64_MAX})")
+            if isinstance(v, float):
+                top = SECONDS_MAX if (info.field_name or "").endswith("_seconds") else FLOAT_MAX
+                if abs(v) > top:
+                    what = f"{top:g} s (30 days)" if top == SECONDS_MAX else f"{top:g}"
+                    raise ValueError(f"{v:g} is out of range (at most {what})")
+        return value
 
 
 class ModelSpec(_Strict):
     """Decoder-only transformer (pre-norm, RoPE). Sizes in tokens / channels."""
 
-    n_layers: int = Field(4, gt=0)
-    d_model: int = Field(128, gt=0)
-    n_heads: int = Field(4, gt=0)
+    n_layers: int = Field(4, gt=0, le=I32_MAX)
+    d_model: int = Field(128, gt=0, le=I32_MAX)
+    n_heads: int = Field(4, gt=0, le=I32_MAX)
     mlp: Literal["swiglu", "gelu"] = "swiglu"
     # Hidden width of the MLP as a multiple of d_model. SwiGLU uses 2/3 of it per branch
     # (LLaMA, Touvron et al. 2023) so both choices cost the same FLOPs.
-    mlp_ratio: float = Field(4.0, gt=0)
+    mlp_ratio: float = Field(4.0, gt=0, le=1024)
     tie_embeddings: bool = True
-    vocab_size: int = Field(256, gt=0)
+    vocab_size: int = Field(256, gt=0, le=I32_MAX)  # token ids travel as int32
     rope_theta: float = Field(10000.0, gt=0)  # RoFormer (Su et al. 2021) default
-    norm_eps: float = Field(1e-5, gt=0)
+    norm_eps: float = Field(1e-5, gt=0, le=1)
     init_std: float = Field(0.02, gt=0)       # GPT-2 initialisation
     # Kept for older specs; ``operators.attention`` is the place for the kernel choice
     # (both set and different is refused).
@@ -52,28 +88,38 @@ class ModelSpec(_Strict):
 
 
 class PrefetchSpec(_Strict):
-    watermark: int = Field(256, gt=0)   # documents read ahead
-    threads: int = Field(2, gt=0)
+    watermark: int = Field(256, gt=0, le=U32_MAX)   # documents read ahead
+    threads: int = Field(2, gt=0, le=256)           # reader threads the data service starts
 
 
 class FilterSpec(_Strict):
-    min_tokens: int = Field(1, ge=0)
-    max_tokens: int = Field(0, ge=0)   # 0: no upper bound
+    min_tokens: int = Field(1, ge=0, le=U32_MAX)
+    max_tokens: int = Field(0, ge=0, le=U32_MAX)   # 0: no upper bound
     banned_bytes: str = ""             # documents containing any of these characters are dropped
-    banned_tokens: list[int] = []
+    banned_tokens: list[Annotated[int, Field(ge=0, le=U32_MAX)]] = []  # token ids (< model.vocab_size)
 
 
 class DataSpec(_Strict):
     dataset: str = Field(..., pattern=r"^[A-Za-z0-9_.-]+@[A-Za-z0-9_.-]+$")  # name@version
-    seq_len: int = Field(256, gt=0)
-    micro_batch_size: int = Field(8, gt=0)   # rows per rank per micro-step
-    grad_accum: int = Field(1, gt=0)         # micro-steps per optimizer step
+    seq_len: int = Field(256, gt=0, le=U32_MAX)
+    micro_batch_size: int = Field(8, gt=0, le=U32_MAX)   # rows per rank per micro-step
+    grad_accum: int = Field(1, gt=0, le=U32_MAX)         # micro-steps per optimizer step
     shuffle: bool = True
     shuffle_seed: int = Field(1234, ge=0)
     pack: Literal["pack", "pad"] = "pack"
-    pad_id: int = Field(0, ge=0)
+    pad_id: int = Field(0, ge=0, le=U32_MAX)  # a token id (< model.vocab_size)
     prefetch: PrefetchSpec = PrefetchSpec()
     filter: FilterSpec = FilterSpec()
+
+    @model_validator(mode="after")
+    def _micro_batch_fits_a_message(self) -> DataSpec:
+        tokens = self.seq_len * self.micro_batch_size
+        if tokens > MICRO_BATCH_TOKENS_MAX:
+            raise ValueError(
+                f"seq_len x micro_batch_size: {self.seq_len} x {self.micro_batch_size} = {tokens} tokens per "
+                f"micro-batch; the data service sends at most {MICRO_BATCH_TOKENS_MAX} in one message"
+            )
+        return self
 
     @property
     def name(self) -> str:
@@ -93,18 +139,18 @@ class ParallelSpec(_Strict):
     of pipeline micro-batches per micro-step (only read when pp > 1; 0: pp of them).
     """
 
-    dp: int = Field(1, gt=0)
-    tp: int = Field(1, gt=0)
-    pp: int = Field(1, gt=0)
+    dp: int = Field(1, gt=0, le=U32_MAX)
+    tp: int = Field(1, gt=0, le=U32_MAX)
+    pp: int = Field(1, gt=0, le=U32_MAX)
     data_parallel: Literal["ddp", "fsdp2"] = "ddp"
     activation_checkpointing: bool = False
     pipeline_schedule: Literal["gpipe", "1f1b"] = "1f1b"
-    microbatches: int = Field(0, ge=0)
+    microbatches: int = Field(0, ge=0, le=U32_MAX)
     backend: Literal["auto", "gloo", "nccl"] = "auto"   # auto: nccl on CUDA, else gloo
-    threads_per_rank: int = Field(1, gt=0)
+    threads_per_rank: int = Field(1, gt=0, le=1024)
     # Peak dense throughput of one device, only for the MFU estimate (e.g. 989 for an H100
     # in bf16, the 2-core CPU here reaches about 0.1).
-    peak_tflops_per_device: float = Field(0.1, gt=0)
+    peak_tflops_per_device: float = Field(0.1, gt=0, le=1e6)
 
 
 def mlp_hidden_width(spec: ModelSpec) -> int:
@@ -127,6 +173,8 @@ def check_parallel(model: ModelSpec, world_size: int, parallel: ParallelSpec) ->
             stages under 1f1b.
     """
     dp, tp, pp = parallel.dp, parallel.tp, parallel.pp
+    if dp * tp * pp > U32_MAX:
+        raise ValueError(f"parallel: dp ({dp}) * tp ({tp}) * pp ({pp}) = {dp * tp * pp} ranks, more than {U32_MAX}")
     if dp * tp * pp != world_size:
         raise ValueError(f"parallel: dp ({dp}) * tp ({tp}) * pp ({pp}) = {dp * tp * pp}, but the world has {world_size} ranks")
     if tp > 1:
@@ -162,7 +210,7 @@ class OptimizerSpec(_Strict):
     weight_decay: float = Field(0.1, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)   # GPT-3 / LLaMA setting
-    eps: float = Field(1e-8, gt=0)
+    eps: float = Field(1e-8, gt=0, le=1)
     warmup_steps: int = Field(50, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     schedule: Literal["cosine", "constant"] = "cosine"
@@ -181,10 +229,10 @@ class LossScaleSpec(_Strict):
     """
 
     init_scale: float = Field(2.0**16, gt=0)
-    growth_factor: float = Field(2.0, gt=1)
+    growth_factor: float = Field(2.0, gt=1, le=2.0**16)
     backoff_factor: float = Field(0.5, gt=0, lt=1)
     growth_interval: int = Field(2000, gt=0)    # clean steps
-    hysteresis: int = Field(2, gt=0)            # overflows tolerated before a backoff (1: back off at once)
+    hysteresis: int = Field(2, gt=0, le=U32_MAX)  # overflows tolerated before a backoff (1: back off at once)
     min_scale: float = Field(1.0, gt=0)
 
     @model_validator(mode="after")
@@ -232,8 +280,8 @@ class CheckpointSpec(_Strict):
     model_config = ConfigDict(validate_by_name=True, validate_by_alias=True)
 
     every_steps: int = Field(100, ge=0)   # 0: only at the end
-    keep_last: int = Field(3, ge=0)       # 0: keep all
-    keep_every: int = Field(0, ge=0)      # also keep versions whose step is a multiple of it (0: none)
+    keep_last: int = Field(3, ge=0, le=U32_MAX)       # 0: keep all
+    keep_every: int = Field(0, ge=0, le=U32_MAX)      # also keep versions whose step is a multiple of it (0: none)
     at_end: bool = True
     # torch.distributed.checkpoint.async_save: the loop blocks only for the copy to host
     # memory; the write and the commit run in the background (the end of a run waits).
@@ -242,7 +290,7 @@ class CheckpointSpec(_Strict):
 
 class EvalSpec(_Strict):
     every_steps: int = Field(100, ge=0)   # 0: only at the end
-    batches: int = Field(8, gt=0)         # micro-batches per rank per evaluation
+    batches: int = Field(8, gt=0, le=U32_MAX)  # micro-batches per rank per evaluation
     at_end: bool = True
 
 
@@ -283,8 +331,8 @@ class FaultPolicySpec(_Strict):
     """
 
     actions: dict[str, FaultAction] = {}
-    max_restarts: int = Field(3, ge=0)
-    restarts: dict[str, int] = {}
+    max_restarts: int = Field(3, ge=0, le=U32_MAX)
+    restarts: dict[str, Annotated[int, Field(ge=0, le=U32_MAX)]] = {}
     overflow_storm_steps: int = Field(8, gt=0)  # K consecutive skipped (overflowing) steps
 
     @model_validator(mode="after")
@@ -318,14 +366,37 @@ class FaultPolicySpec(_Strict):
         return self.restarts.get(fault_class, self.max_restarts)
 
 
+PHASE_SECONDS_MAX = 7 * 24 * 3600.0  # a week: longer is a typo, not a budget
+
+
+class PhaseSecondsSpec(_Strict):
+    """Progress budgets of the phases that are slow by nature (seconds; ``liveness.phase_seconds``).
+
+    ``evaluation``: the floor of an evaluation's budget (0: ``stall_min_seconds``), to which
+    ``stall_step_factor`` x the median evaluation-batch time x ``eval.batches`` is added.
+    ``checkpoint_staging``: copying a checkpoint's state out and committing it.
+    ``compile``: the first step of a ``operators.compile`` job (forward and backward compile).
+    Each budget restarts whenever the phase's progress advances (an evaluation batch done).
+    """
+
+    evaluation: float = Field(0.0, ge=0, le=PHASE_SECONDS_MAX)
+    checkpoint_staging: float = Field(600.0, gt=0, le=PHASE_SECONDS_MAX)
+    compile: float = Field(900.0, gt=0, le=PHASE_SECONDS_MAX)
+
+
 class LivenessSpec(_Strict):
     """Deadlines the fault detector keeps on every rank, reset by its heartbeats (seconds).
 
     A rank beats every ``heartbeat_interval_seconds`` from a side thread; silent for
-    ``heartbeat_timeout_seconds``: declared silent. Beating but no step progress for
-    max(``stall_min_seconds``, ``stall_step_factor`` x median step time): stalled. A
-    communication error waits ``attribution_seconds`` for the fault that caused it (a peer's
-    death), so the survivor is not blamed.
+    ``heartbeat_timeout_seconds``: declared silent. Each beat says the rank's phase (data
+    wait, forward, backward, collective, optimizer, evaluation, checkpoint staging,
+    compile). Beating but no progress (no new step, phase or unit of the phase) for the
+    phase's budget: stalled. The budget of a training step's phases is
+    max(``stall_min_seconds``, ``stall_step_factor`` x median step time); evaluation,
+    checkpoint staging and compile have theirs (``phase_seconds``). A rank stalled while it
+    waits in a collective is ``rank_stalled_in_collective``: a consequence of the peer that
+    stopped outside one. A communication error waits ``attribution_seconds`` for the fault
+    that caused it (a peer's death), so the survivor is not blamed.
     """
 
     heartbeat_interval_seconds: float = Field(1.0, gt=0)
@@ -333,6 +404,7 @@ class LivenessSpec(_Strict):
     stall_min_seconds: float = Field(30.0, gt=0)
     stall_step_factor: float = Field(5.0, gt=0)
     attribution_seconds: float = Field(1.0, ge=0)
+    phase_seconds: PhaseSecondsSpec = PhaseSecondsSpec()
 
     @model_validator(mode="after")
     def _timeout_covers_beats(self) -> LivenessSpec:
@@ -373,6 +445,18 @@ class JobSpec(_Strict):
             raise ValueError(
                 f"operators.attention ({chosen}) and model.attention ({self.model.attention}) disagree; "
                 "set operators.attention only"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _token_ids_in_vocabulary(self) -> JobSpec:
+        vocab, d = self.model.vocab_size, self.data
+        if d.pad_id >= vocab:
+            raise ValueError(f"data.pad_id: {d.pad_id} is not a token id of model.vocab_size {vocab} (0..{vocab - 1})")
+        outside = [t for t in d.filter.banned_tokens if t >= vocab]
+        if outside:
+            raise ValueError(
+                f"data.filter.banned_tokens: {outside[0]} is not a token id of model.vocab_size {vocab} (0..{vocab - 1})"
             )
         return self
 

@@ -1,0 +1,155 @@
+"""Every numeric field of the job spec is range-checked at parse time (issue 12, part 8).
+
+The fields are enumerated from the pydantic models themselves, so a field added later is
+tried too. Each one gets values that fit no proto field or tensor it travels in (10**23,
+1e300), non-finite floats, and values below its declared lower bound; each must be refused
+by ``parse_job_spec`` (what control's SubmitJob runs) with one line naming the field.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import types
+import typing
+from typing import Any
+
+import pytest
+import yaml
+from annotated_types import Ge, Gt
+from pydantic import BaseModel
+
+from services.jobspec import JobSpec, JobSpecError, parse_job_spec
+
+pytestmark = pytest.mark.timeout(60)
+
+BASE: dict[str, Any] = {"name": "ranges", "steps": 10, "data": {"dataset": "tiny@v1"}}
+# Sections that exist only together with another setting.
+CONTEXT: dict[tuple[str, ...], dict[str, Any]] = {("precision", "loss_scale"): {"dtype": "fp16"}}
+
+
+def _unwrap(annotation: Any) -> Any:
+    """``X | None`` -> ``X``; ``Annotated[X, ...]`` -> ``X``."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return _unwrap(args[0])
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _unwrap(typing.get_args(annotation)[0])
+    return annotation
+
+
+def _lower(metadata: list) -> float | None:
+    """The smallest value a field's declared bound (gt / ge) refuses, if it has one."""
+    for m in metadata:
+        if isinstance(m, Gt):
+            return m.gt
+        if isinstance(m, Ge):
+            return m.ge - 1
+    return None
+
+
+def _item_metadata(annotation: Any) -> list:
+    """Constraints on a list's / mapping's items (``list[Annotated[int, Field(ge=0)]]``)."""
+    args = typing.get_args(annotation)
+    item = args[-1] if args else None
+    if typing.get_origin(item) is typing.Annotated:
+        return [m for extra in typing.get_args(item)[1:] for m in getattr(extra, "metadata", [extra])]
+    return []
+
+
+def numeric_fields(model: type[BaseModel] = JobSpec, path: tuple[str, ...] = ()):
+    """(dotted path, kind, lower-bound value or None, container key type) of every numeric
+    field, recursively. kind: int | float | list[int] | list[float] | dict[int] | dict[float]."""
+    for name, info in model.model_fields.items():
+        key = info.alias if info.alias and info.alias != name else name
+        where = (*path, key)
+        ann = _unwrap(info.annotation)
+        origin = typing.get_origin(ann)
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            yield from numeric_fields(ann, where)
+        elif ann is bool:
+            continue
+        elif ann in (int, float):
+            yield where, ann.__name__, _lower(info.metadata), None
+        elif origin is list and _unwrap(typing.get_args(ann)[0]) in (int, float):
+            item = _unwrap(typing.get_args(ann)[0])
+            yield where, f"list[{item.__name__}]", _lower(_item_metadata(ann)), None
+        elif origin is dict and _unwrap(typing.get_args(ann)[1]) in (int, float):
+            k, v = typing.get_args(ann)
+            item = _unwrap(v)
+            keys = typing.get_args(k) if typing.get_origin(k) is typing.Literal else ("rank_exit",)
+            yield where, f"dict[{item.__name__}]", _lower(_item_metadata(ann)), keys[0]
+
+
+def bad_values(kind: str, lower: float | None) -> list[Any]:
+    scalar = kind.removeprefix("list[").removeprefix("dict[").rstrip("]")
+    values: list[Any] = [10**23] if scalar == "int" else [1e300, math.inf, -math.inf, math.nan]
+    if lower is not None:
+        values.append(int(lower) if scalar == "int" else float(lower))
+    return values
+
+
+def spec_with(path: tuple[str, ...], value: Any) -> str:
+    """BASE with ``path`` set to ``value`` (and a section's required sibling setting), as YAML."""
+    raw = copy.deepcopy(BASE)
+    for prefix, extra in CONTEXT.items():
+        if path[: len(prefix)] == prefix:
+            parent = raw
+            for key in prefix[:-1]:
+                parent = parent.setdefault(key, {})
+            parent.update(extra)
+    node = raw
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = value
+    return yaml.safe_dump(raw)
+
+
+CASES = [
+    pytest.param(path, kind, value, key, id=f"{'.'.join(path)}={value!r}")
+    for path, kind, lower, key in numeric_fields()
+    for value in bad_values(kind, lower)
+]
+
+
+def test_the_enumeration_finds_every_section():
+    paths = {".".join(p) for p, *_ in numeric_fields()}
+    assert len(paths) >= 45, sorted(paths)
+    for expected in ("steps", "seed", "model.vocab_size", "data.seq_len", "data.filter.banned_tokens",
+                     "precision.loss_scale.init_scale", "fault_policy.restarts", "liveness.heartbeat_timeout_seconds",
+                     "checkpoint.keep_last", "eval.batches", "optimizer.lr", "parallel.threads_per_rank"):
+        assert expected in paths
+
+
+def test_the_base_spec_is_valid_in_every_context():
+    parse_job_spec(yaml.safe_dump(BASE), "ranges.yaml")
+    for prefix in CONTEXT:
+        parse_job_spec(spec_with(prefix, {}), "ranges.yaml")
+
+
+@pytest.mark.parametrize(("path", "kind", "value", "key"), CASES)
+def test_an_out_of_range_value_is_refused_naming_its_field(path, kind, value, key):
+    wrapped = [value] if kind.startswith("list") else {key: value} if kind.startswith("dict") else value
+    text = spec_with(path, wrapped)
+    with pytest.raises(JobSpecError) as caught:
+        parse_job_spec(text, "ranges.yaml")
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("ranges.yaml: ")
+    assert ".".join(path) in message, message
+
+
+@pytest.mark.parametrize(("yaml_text", "names"), [
+    ("steps: 100000000000000000000000", "steps: 100000000000000000000000 does not fit a 64-bit integer"),
+    ("data: {dataset: tiny@v1, pad_id: 256}", "data.pad_id: 256 is not a token id of model.vocab_size 256"),
+    ("data: {dataset: tiny@v1, filter: {banned_tokens: [3, 999]}}", "data.filter.banned_tokens: 999 is not a token id"),
+    ("data: {dataset: tiny@v1, seq_len: 65536, micro_batch_size: 128}", "seq_len x micro_batch_size: 65536 x 128"),
+    ("parallel: {dp: 65536, tp: 65536, pp: 2}", "parallel: dp (65536) * tp (65536) * pp (2) = 8589934592 ranks"),
+    ("liveness: {stall_min_seconds: 1.0e+12}", "liveness.stall_min_seconds: 1e+12 is out of range (at most 2.592e+06 s"),
+])
+def test_cross_field_ranges_name_what_is_wrong(yaml_text, names):
+    raw = {**BASE, **yaml.safe_load(yaml_text)}
+    with pytest.raises(JobSpecError) as caught:
+        parse_job_spec(yaml.safe_dump(raw), "ranges.yaml")
+    assert names in str(caught.value), str(caught.value)
