@@ -47,6 +47,7 @@ from services.contract import (
 from services.contract.audit import AuditServicer, ViolationReporter
 from services.contract.bus import Bus, RouteError
 from services.contract.validation import ContractError, refuse, validate_table, validate_wiring
+from services.control import faults
 from services.control.fault_detector import FaultDetector
 from services.control.job_store import JobStore
 from services.control.orchestrator import Orchestrator
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     except PortInUse as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    journal = JobStore(args.db)
+    journal = faults.install(JobStore(args.db))  # (test-only injections, off by default)
     try:
         control = build(journal, data_address=args.data, store_address=args.store, host=args.host,
                         max_sessions=args.max_sessions)

@@ -134,6 +134,13 @@ class JobStore:
                 ),
             )
 
+    def delete_job(self, job_id: str) -> None:
+        """Remove a job and everything journaled about it (its start failed half-way: no
+        record of it may remain)."""
+        with self._transaction():
+            for table in ("jobs", "events", "steps"):
+                self._db.execute(f"DELETE FROM {table} WHERE job_id=?", (job_id,))
+
     def save_status(
         self, status: control_pb2.JobStatus, event: control_pb2.JobEvent | None = None, runtime: dict | None = None
     ) -> None:

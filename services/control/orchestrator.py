@@ -209,6 +209,10 @@ class Orchestrator:
     def submit_job(self, msg: control_pb2.SubmitJobRequest, payload: Any = None) -> control_pb2.JobStatus:
         """Validate the spec, allocate ranks, journal the job in WARMING_UP.
 
+        Atomic: a start that fails at any point after the allocation (the journal refusing
+        the record, an event that cannot be written) takes the ranks back (killed, their
+        slots free again) and removes whatever was journaled of the job, then raises.
+
         Raises:
             JobSpecError: the spec is invalid (one line naming file and field).
             InsufficientResources: not enough free slots; nothing is persisted.
@@ -220,20 +224,8 @@ class Orchestrator:
             init = engine_pb2.InitJob(
                 job_id=job_id, spec_json=spec_json, data_address=self._data_address, store_address=self._store_address
             )
-            # Monitoring starts before the ranks launch, so a rank that dies at once is
-            # still reported; a job whose allocation fails simply never produces faults.
-            self._faults(start_monitoring(job_id, spec))
-            reply = self._allocator(
-                control_pb2.AllocateResources(
-                    job_id=job_id, world_size=spec.world_size, backend=spec.parallel.backend, init=init
-                )
-            ).message
-            if isinstance(reply, control_pb2.ResourcesInsufficient):
-                raise InsufficientResources(
-                    f"job needs {reply.requested_ranks} ranks ({_degrees(spec)}) but {reply.reason}"
-                )
-            assert isinstance(reply, control_pb2.ResourcesReady), reply
             now = time.time()
+            # Built before anything is allocated: a value that does not fit fails here.
             status = control_pb2.JobStatus(
                 job_id=job_id,
                 name=spec.name,
@@ -245,8 +237,23 @@ class Orchestrator:
                 world_size=spec.world_size,
             )
             job = _Job(status=status, spec=spec)
+            # Monitoring starts before the ranks launch, so a rank that dies at once is
+            # still reported; a job whose allocation fails simply never produces faults.
+            self._faults(start_monitoring(job_id, spec))
+            journaled = False
             try:
+                reply = self._allocator(
+                    control_pb2.AllocateResources(
+                        job_id=job_id, world_size=spec.world_size, backend=spec.parallel.backend, init=init
+                    )
+                ).message
+                if isinstance(reply, control_pb2.ResourcesInsufficient):
+                    raise InsufficientResources(
+                        f"job needs {reply.requested_ranks} ranks ({_degrees(spec)}) but {reply.reason}"
+                    )
+                assert isinstance(reply, control_pb2.ResourcesReady), reply
                 self._journal.create_job(status, spec_json)
+                journaled = True
                 self._jobs[job_id] = job
                 self._record(
                     job,
@@ -256,12 +263,23 @@ class Orchestrator:
                     f"rendezvous {reply.master_addr}:{reply.master_port}",
                 )
                 self._transition(job, S.WARMING_UP, ORCH, "ranks launching")
-            except Exception:
-                # A job that cannot be journaled must not run untracked: take its ranks back.
-                self._jobs.pop(job_id, None)
-                self._allocator(control_pb2.ReleaseResources(job_id=job_id, kill=True))
+            except InsufficientResources:
+                raise  # nothing was reserved
+            except BaseException as e:
+                self._abandon_start(job_id, journaled, e)
                 raise
             return self._snapshot(job)
+
+    def _abandon_start(self, job_id: str, journaled: bool, cause: BaseException) -> None:
+        """A job whose start failed half-way must not run untracked nor hold slots: its ranks
+        are killed and released, and no record of it stays (the journal's and ours)."""
+        _log.warning("job start failed; taking its ranks back", job_id=job_id, error=str(cause))
+        self._jobs.pop(job_id, None)
+        try:
+            self._allocator(control_pb2.ReleaseResources(job_id=job_id, kill=True))
+        finally:
+            if journaled:
+                self._journal.delete_job(job_id)
 
     def job_query(
         self, msg: control_pb2.JobQuery, payload: Any = None

@@ -172,6 +172,11 @@ class TrainingLoop:
         self._lock = threading.Lock()
         self._pause_at: int | None = None
         self._stop_at: int | None = None
+        # Operator pause / stop: checkpoint the boundary step first (PauseTraining /
+        # StopTraining.checkpoint); the step whose state is durable (saved, loaded, or the
+        # initial state a fresh start recreates from the seed).
+        self._pause_checkpoint = self._stop_checkpoint = False
+        self._durable_step: int | None = None
         self._data_fault: str | None = None
         self._failed = False
         # Private state (seed L2-1 s2): step/epoch counters, phase, the job as pushed.
@@ -209,14 +214,14 @@ class TrainingLoop:
 
     def pause_training(self, msg: engine_pb2.PauseTraining, payload: Any = None) -> None:
         with self._lock:
-            self._pause_at = msg.at_step
+            self._pause_at, self._pause_checkpoint = msg.at_step, msg.checkpoint
 
     def resume_training(self, msg: engine_pb2.ResumeTraining, payload: Any = None) -> None:
         self._control.put(msg)
 
     def stop_training(self, msg: engine_pb2.StopTraining, payload: Any = None) -> None:
         with self._lock:
-            self._stop_at = msg.at_step
+            self._stop_at, self._stop_checkpoint = msg.at_step, msg.checkpoint
         self._control.put(msg)
 
     # ------------------------------------------------------------------ events from below
@@ -264,6 +269,7 @@ class TrainingLoop:
 
     def _train(self) -> None:
         spec = self._spec
+        self._durable_step = self._step  # loaded from a checkpoint, or step 0 (from the seed)
         while self._step < spec.steps:
             step = self._step + 1
             self._run_step(step)
@@ -273,6 +279,7 @@ class TrainingLoop:
                 self._evaluate(step)
             if _due(step, spec.checkpoint.every_steps, last and spec.checkpoint.at_end):
                 self._save(step)
+                self._durable_step = step
             if not last and self._stop_requested_at_boundary(step):
                 return self._finish(stopped=True)
         self._finish(stopped=False)
@@ -492,14 +499,23 @@ class TrainingLoop:
                 return False
 
     def _stop_requested_at_boundary(self, step: int) -> bool:
-        """At the boundary after ``step``: stop (True), or pause until resumed or stopped."""
+        """At the boundary after ``step``: stop (True), or pause until resumed or stopped.
+        An operator's stop or pause that asks for it checkpoints ``step`` first (every rank
+        is at the same boundary, so the save's collectives meet); a pause waits for that
+        commit before it reports paused (a stop's ``_finish`` waits for it)."""
         with self._lock:
             stop = self._stop_at is not None and step >= self._stop_at
             pause = not stop and self._pause_at is not None and step >= self._pause_at
             if pause:
                 self._pause_at = None
+            checkpoint = self._stop_checkpoint if stop else self._pause_checkpoint
         if stop or not pause:
+            if stop and checkpoint:
+                self._checkpoint_boundary(step)
             return stop
+        if checkpoint:
+            self._checkpoint_boundary(step)
+            self._p.store(store_pb2.FlushCheckpoint(job_id=self._job_id))
         self._phase = "paused"
         self._emit(engine_pb2.TrainingLoopPaused(job_id=self._job_id, rank=self._rank, step=step))
         while True:
@@ -508,7 +524,16 @@ class TrainingLoop:
                 self._phase = "stepping"
                 return False
             if isinstance(msg, engine_pb2.StopTraining) and msg.at_step <= step:  # 0: now
+                if msg.checkpoint:
+                    self._checkpoint_boundary(step)
                 return True
+
+    def _checkpoint_boundary(self, step: int) -> None:
+        """Save ``step`` unless its state is durable already (saved at this step, loaded from
+        a checkpoint of it, or the initial state)."""
+        if self._durable_step != step:
+            self._save(step)
+            self._durable_step = step
 
     def _finish(self, stopped: bool) -> None:
         # Background saves are done (written, committed) before anyone hears of the end.
