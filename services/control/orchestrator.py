@@ -153,6 +153,13 @@ class _Job:
     unusable: set[str] = field(default_factory=set)       # versions that failed verification
     excluded: set[str] = field(default_factory=set)       # workers left out by exclude_node decisions
     placement: dict[int, str] = field(default_factory=dict)  # rank -> worker it reported ready on
+    # Operator actions (issue 12 part 7). ``draining``: the pause in flight is a drain
+    # (`surgectl down`); ``parked``: PAUSED and its ranks are gone (drained, or stopped with
+    # the stack): not waited for after a control restart, and a resume relaunches them from
+    # a checkpoint; ``resuming``: an operator resume is asking the store (not journaled).
+    draining: bool = False
+    parked: bool = False
+    resuming: bool = False
 
 
 class Orchestrator:
@@ -202,6 +209,7 @@ class Orchestrator:
         self._lock = threading.RLock()
         self._jobs: dict[str, _Job] = {}
         self._reattaching = Reattaching()  # restored live jobs: ranks not heard from since
+        self._answers: dict[str, _Answer] = {}  # job -> an operator resume waiting for the store's verdicts
         self._restore()
 
     # ------------------------------------------------------------ operator commands
@@ -299,39 +307,90 @@ class Orchestrator:
             return self._snapshot(job)
 
     def pause_job(self, msg: control_pb2.PauseJobRequest, payload: Any = None) -> control_pb2.JobStatus:
-        """Ask every rank to pause after step latest+2; PAUSED once all have paused.
+        """Ask every rank to pause after step latest+2, checkpointing that step first (unless
+        ``no_checkpoint``); PAUSED once all have paused (after the commit).
+
+        ``drain`` (`surgectl down`: the stack stops once the job is PAUSED): always with a
+        checkpoint; once paused the job is ``drained`` (the next `up` resumes it) and parked
+        (its ranks are gone after the stop: nothing is waited for after a control restart).
+        A PAUSED job is only parked (it stays PAUSED after `up`); a pause in flight becomes a
+        drain.
 
         Raises:
             JobNotFound, IllegalTransition (the job is not RUNNING, or a pause/stop is in flight).
         """
         with self._lock:
             job = self._get(msg.job_id)
+            if msg.drain and job.status.state == S.PAUSED and not job.pending:
+                if not job.parked:
+                    job.parked = True
+                    self._record(job, ORCH, "decision",
+                                 f"drain: PAUSED at step {job.status.step}; its ranks stop with the stack; "
+                                 f"`surgectl resume {job.status.job_id}` relaunches them from {_newest(job)}")
+                return self._snapshot(job)
+            if msg.drain and job.pending == "pause":
+                if not job.draining:
+                    job.draining = True
+                    self._record(job, ORCH, "decision", f"drain: the pause after step {job.pending_at} in flight "
+                                 "becomes a drain (the stack stops once it is PAUSED)")
+                return self._snapshot(job)
             self._require(job, S.RUNNING)
             self._require_idle(job)
+            checkpoint = msg.drain or not msg.no_checkpoint
             job.pending, job.pending_at = "pause", job.status.step + 2
+            job.draining = msg.drain
             job.paused.clear()
-            self._loop(engine_pb2.PauseTraining(job_id=job.status.job_id, at_step=job.pending_at))
-            self._record(job, ORCH, "decision", f"pause requested: ranks pause after step {job.pending_at}")
+            self._loop(engine_pb2.PauseTraining(job_id=job.status.job_id, at_step=job.pending_at, checkpoint=checkpoint))
+            what = "drain (pause, then the stack stops)" if msg.drain else "pause"
+            how = f"checkpoint step {job.pending_at} and pause" if checkpoint else "pause"
+            self._record(job, ORCH, "decision", f"{what} requested: ranks {how} after step {job.pending_at}"
+                         + ("" if checkpoint else " (no checkpoint)"))
             return self._snapshot(job)
 
     def resume_job(self, msg: control_pb2.ResumeJobRequest, payload: Any = None) -> control_pb2.JobStatus:
-        """Resume a PAUSED job (RUNNING at once: ranks send nothing until their next step).
+        """Resume a job. A PAUSED one whose ranks run: RUNNING at once (ranks send nothing
+        until their next step). A STOPPED or FAILED (TERMINATED) one, or a PAUSED one whose
+        ranks are gone (parked: drained by `surgectl down`): from its newest checkpoint the
+        store verifies (or ``from_version``), on ranks allocated again (a new generation,
+        WARMING_UP, restart budgets reset), bit-exactly where that checkpoint left off.
 
         Raises:
-            JobNotFound, IllegalTransition (the job is not PAUSED).
+            JobNotFound; IllegalTransition (one line): the job is live, FINISHED, already
+            resuming, has no checkpoint ("no checkpoint to resume from; submit again"), none
+            that verifies, an unknown ``from_version``, or the store could not be asked;
+            InsufficientResources: its ranks do not fit now (nothing changed).
         """
         with self._lock:
             job = self._get(msg.job_id)
-            self._require(job, S.PAUSED)
-            self._loop(engine_pb2.ResumeTraining(job_id=job.status.job_id))
-            self._transition(job, S.RUNNING, ORCH, f"resumed at step {job.status.step}")
-            return self._snapshot(job)
+            job_id = job.status.job_id
+            if not self._relaunchable(job):
+                if job.status.state == S.TERMINATED:
+                    raise IllegalTransition(f"job {job_id} is TERMINATED (FINISHED): all {job.status.total_steps} "
+                                            "steps done; nothing to resume")
+                self._require(job, S.PAUSED)
+                if msg.from_version:
+                    raise IllegalTransition(f"--from: job {job_id} is PAUSED with its ranks running; "
+                                            f"`surgectl resume {job_id}` continues it where it paused")
+                self._loop(engine_pb2.ResumeTraining(job_id=job_id))
+                self._transition(job, S.RUNNING, ORCH, f"resumed at step {job.status.step}")
+                return self._snapshot(job)
+            if job.resuming:
+                raise IllegalTransition(f"job {job_id} is already being resumed")
+            job.resuming = True
+        try:
+            verdicts = self._ask_versions(job_id)  # outside the lock: the store answers on the applier thread
+            with self._lock:
+                return self._relaunch(job, msg.from_version, verdicts)
+        finally:
+            with self._lock:
+                job.resuming = False
 
     def stop_job(self, msg: control_pb2.StopJobRequest, payload: Any = None) -> control_pb2.JobStatus:
-        """Stop a job. RUNNING: ranks stop after step latest+2; WARMING_UP / PAUSED: at the
-        next boundary (at_step 0); TERMINATED with outcome STOPPED once every rank finished.
-        A job whose ranks are gone (FAULT_FROZEN, STANDBY) is released and terminated now.
-        Stopping a job already stopping returns its status.
+        """Stop a job, checkpointing its boundary step first (unless ``no_checkpoint``).
+        RUNNING: ranks stop after step latest+2; WARMING_UP / PAUSED: at the next boundary
+        (at_step 0); TERMINATED with outcome STOPPED once every rank finished (after the
+        commit). A job whose ranks are gone (FAULT_FROZEN, STANDBY, PAUSED and parked) is
+        released and terminated now. Stopping a job already stopping returns its status.
 
         Raises:
             JobNotFound, IllegalTransition (the job is already TERMINATED).
@@ -342,18 +401,160 @@ class Orchestrator:
             if state == S.TERMINATED:
                 outcome = O.Name(job.status.outcome)
                 raise IllegalTransition(f"job {job.status.job_id} is already TERMINATED ({outcome})")
-            if state in (S.FAULT_FROZEN, S.STANDBY):
-                why = "its ranks were being recovered" if job.incident else "its ranks were gone"
+            if state in (S.FAULT_FROZEN, S.STANDBY) or (state == S.PAUSED and job.parked):
+                why = ("its ranks were being recovered" if job.incident else
+                       "its ranks were stopped with the stack" if job.parked else "its ranks were gone")
+                job.parked = job.draining = False
+                job.status.drained = False
                 self._terminate(job, O.STOPPED, f"stopped by the operator; {why}", kill=True)
                 return self._snapshot(job)
             if job.pending == "stop":
                 return self._snapshot(job)
+            checkpoint = not msg.no_checkpoint
             at_step = job.status.step + 2 if state == S.RUNNING else 0
             job.pending, job.pending_at = "stop", at_step
-            self._loop(engine_pb2.StopTraining(job_id=job.status.job_id, at_step=at_step))
+            self._loop(engine_pb2.StopTraining(job_id=job.status.job_id, at_step=at_step, checkpoint=checkpoint))
             where = f"after step {at_step}" if at_step else "at the next step boundary"
-            self._record(job, ORCH, "decision", f"stop requested: ranks stop {where}")
+            how = "checkpoint and stop" if checkpoint else "stop (no checkpoint)"
+            self._record(job, ORCH, "decision", f"stop requested: ranks {how} {where}")
             return self._snapshot(job)
+
+    # ------------------------------------------------------------ operator resume from a checkpoint
+
+    def _relaunchable(self, job: _Job) -> bool:
+        """Whether an operator resume relaunches ``job`` from a checkpoint: STOPPED or FAILED,
+        or PAUSED with its ranks gone."""
+        s = job.status
+        return (s.state == S.TERMINATED and s.outcome in (O.STOPPED, O.FAILED)) or (s.state == S.PAUSED and job.parked)
+
+    def _ask_versions(self, job_id: str) -> list[store_pb2.CheckpointVerdict] | None:
+        """The store's verdict on every committed version of the job (VerifyCheckpoints; the
+        answer comes back as an event, on the applier thread, or in the call in-process).
+        None without a checkpoint port (the versions reported by SaveCompleted are used).
+
+        Raises:
+            IllegalTransition: the store could not be asked, or did not answer in time."""
+        if self._checkpoints is None:
+            return None
+        answer = self._answers[job_id] = _Answer()
+        try:
+            try:
+                reply = self._checkpoints(store_pb2.VerifyCheckpoints(job_id=job_id)).message
+            except Exception as e:  # noqa: BLE001 - a relay that cannot even send
+                reply = store_pb2.SnapshotFailed(job_id=job_id, operation="verify", cause=store_pb2.UNREACHABLE,
+                                                 reason=f"not sent: {type(e).__name__}: {e}")
+            if not isinstance(reply, (store_pb2.CheckpointVerification, store_pb2.SnapshotFailed)):
+                if not answer.event.wait(RESUME_VERIFY_WAIT_S):
+                    raise IllegalTransition(f"cannot resume {job_id}: the store did not say within "
+                                            f"{RESUME_VERIFY_WAIT_S:.0f} s which checkpoints verify; try again")
+                reply = answer.reply
+        finally:
+            self._answers.pop(job_id, None)
+        if isinstance(reply, store_pb2.SnapshotFailed):
+            cause = store_pb2.StoreFailureCause.Name(reply.cause).lower() if reply.cause else "failed"
+            raise IllegalTransition(f"cannot resume {job_id}: the store could not verify its checkpoints "
+                                    f"({cause}: {reply.reason}); try again")
+        return list(reply.versions)
+
+    def _resume_answered(self, msg: store_pb2.CheckpointVerification | store_pb2.SnapshotFailed) -> bool:
+        """Hand the store's answer to an operator resume waiting for it (True), if any."""
+        answer = self._answers.get(msg.job_id)
+        if answer is None or answer.event.is_set():
+            return False
+        if isinstance(msg, store_pb2.SnapshotFailed) and msg.operation != "verify":
+            return False
+        answer.reply = msg
+        answer.event.set()
+        return True
+
+    def _relaunch(self, job: _Job, from_version: str, verdicts: list | None) -> control_pb2.JobStatus:
+        """Under the lock: pick the version, allocate the job's ranks again to load it, and
+        start the new generation (WARMING_UP). Nothing changes when it is refused."""
+        job_id = job.status.job_id
+        if not self._relaunchable(job):
+            raise IllegalTransition(f"job {job_id} changed while its checkpoints were verified "
+                                    f"(now {S.Name(job.status.state)}); not resumed")
+        if verdicts is None:
+            candidates = [(step, v, v not in job.unusable, "") for step, v in job.versions]
+        else:
+            candidates = [(d.info.step, d.info.version, d.ok and d.info.version not in job.unusable, d.reason)
+                          for d in verdicts]
+        if not candidates:
+            raise IllegalTransition(f"job {job_id} has no checkpoint to resume from; submit again")
+        if from_version:
+            named = [c for c in candidates if c[1] == from_version]
+            if not named:
+                raise IllegalTransition(f"--from {from_version}: not a committed checkpoint of {job_id} "
+                                        f"(its versions: {', '.join(c[1] for c in candidates)})")
+            chosen = named[0]
+            if not chosen[2]:
+                raise IllegalTransition(f"--from {from_version}: fails verification ({chosen[3] or 'struck'}); "
+                                        "never loaded")
+        else:
+            usable = [c for c in candidates if c[2]]
+            if not usable:
+                why = "; ".join(f"{v}: {reason or 'struck'}" for _, v, _, reason in candidates)
+                raise IllegalTransition(f"job {job_id}: no checkpoint verifies ({why}); submit again")
+            chosen = max(usable, key=lambda c: (c[0], _version_number(c[1])))
+        step, version = chosen[0], chosen[1]
+        spec_json = spec_to_json(job.spec)
+        init = engine_pb2.InitJob(job_id=job_id, spec_json=spec_json, resume_version=version,
+                                  data_address=self._data_address, store_address=self._store_address)
+        reply = self._allocator(control_pb2.AllocateResources(
+            job_id=job_id, world_size=job.status.world_size, backend=job.spec.parallel.backend, init=init)).message
+        if isinstance(reply, control_pb2.ResourcesInsufficient):
+            raise InsufficientResources(f"cannot resume {job_id} now: it needs {reply.requested_ranks} ranks "
+                                        f"({_degrees(job.spec)}) but {reply.reason}")
+        assert isinstance(reply, control_pb2.ResourcesReady), reply
+        before, before_runtime = control_pb2.JobStatus(), _runtime(job)
+        before.CopyFrom(job.status)
+        was = S.Name(job.status.state) + (f" ({O.Name(job.status.outcome)})" if job.status.outcome else "")
+        try:
+            # A new generation: nothing of the old one's ranks, pause, stop or recovery is kept;
+            # the restart budgets start again (the operator decided to go on).
+            job.started, job.paused, job.finished, job.exited, job.placement = set(), set(), {}, set(), {}
+            job.pending, job.pending_at, job.incident, job.recovered = "", 0, None, None
+            job.restarts, job.ignored, job.excluded = Counter(), Counter(), set()
+            job.parked = job.draining = False
+            s = job.status
+            s.outcome, s.drained, s.step, s.checkpoint_version = O.OUTCOME_UNSPECIFIED, False, step, version
+            self._faults(start_monitoring(job_id, job.spec))
+            self._faults(control_pb2.ResetFaultLedger(job_id=job_id))
+            self._record(job, ORCH, "decision",
+                         f"resume {was} from checkpoint {version} (step {step}) by the operator: "
+                         f"{reply.world_size} ranks allocated on {', '.join(reply.worker_ids)}; "
+                         f"rendezvous {reply.master_addr}:{reply.master_port}; restart budgets reset")
+            self._reopen(job, f"ranks launching to resume from checkpoint {version} at step {step}")
+        except BaseException:
+            self._allocator(control_pb2.ReleaseResources(job_id=job_id, kill=True))
+            job.status.CopyFrom(before)
+            _load_runtime(job, before_runtime)
+            raise
+        return self._snapshot(job)
+
+    def _reopen(self, job: _Job, message: str) -> None:
+        """TERMINATED or PAUSED (ranks gone) -> WARMING_UP: the one transition out of
+        TERMINATED, taken only by an operator resume (``_relaunch``)."""
+        old = job.status.state
+        assert old in (S.TERMINATED, S.PAUSED), S.Name(old)
+        job.status.state = S.WARMING_UP
+        self._record(job, ORCH, "state", f"{S.Name(old)} -> WARMING_UP: {message}", status_message=message)
+
+    def _restore_parked(self, job: _Job) -> bool:
+        """After a control restart: a PAUSED job whose ranks were stopped with the stack
+        (drained or parked by `surgectl down`) has nothing to re-attach; it waits for a
+        resume (`surgectl up` sends one for a drained job). True when ``job`` is one."""
+        if job.status.state != S.PAUSED or not job.parked:
+            return False
+        job.draining = False
+        if job.status.drained:
+            text = (f"drained by `surgectl down` at step {job.status.step}; `surgectl up` (or `surgectl resume "
+                    f"{job.status.job_id}`) continues it from {_newest(job)}")
+        else:
+            text = (f"paused; its ranks stopped with the stack: `surgectl resume {job.status.job_id}` relaunches "
+                    f"them from {_newest(job)}")
+        self._record(job, ORCH, "state", f"PAUSED: {text}", status_message=text)
+        return True
 
     # ------------------------------------------------------------ rank events (L2-1, L5-1)
 
@@ -488,7 +689,11 @@ class Orchestrator:
             else:
                 job.pending = ""
                 job.status.step = msg.step
-                self._transition(job, S.PAUSED, Module.L2_TRAINING_LOOP, f"all ranks paused after step {msg.step}")
+                text = f"all ranks paused after step {msg.step}"
+                if job.draining:  # its ranks go away with the stack: the next `up` resumes it
+                    job.draining, job.parked, job.status.drained = False, True, True
+                    text += f"; drained: `surgectl up` resumes it from {_newest(job)}"
+                self._transition(job, S.PAUSED, Module.L2_TRAINING_LOOP, text)
 
     def on_training_loop_finished(self, msg: engine_pb2.TrainingLoopFinished, payload: Any = None) -> None:
         """When every rank has finished: TERMINATED (FINISHED, or STOPPED if stopped early)."""
@@ -765,6 +970,8 @@ class Orchestrator:
             state = job.status.state
             if state != S.FAULT_FROZEN:
                 job.incident = None  # (journaled only while frozen)
+            if self._restore_parked(job):  # (operator half: drained / parked jobs have no ranks to wait for)
+                continue
             if state in (S.WARMING_UP, S.RUNNING, S.PAUSED) or (state == S.FAULT_FROZEN and job.incident):
                 self._faults(start_monitoring(job.status.job_id, job.spec, restored=True, placement=job.placement))
                 # The allocator learns the job again (what a recovery relaunches), with the
@@ -908,6 +1115,8 @@ def _runtime(job: _Job) -> dict:
         "excluded": sorted(job.excluded),
         "placement": {str(r): w for r, w in job.placement.items()},
         "incident": _incident_to_json(job.incident) if job.incident is not None else None,
+        "draining": job.draining,
+        "parked": job.parked,
     }
 
 
@@ -951,8 +1160,37 @@ def _load_runtime(job: _Job, rt: dict) -> None:
     job.unusable = set(rt.get("unusable", ()))
     job.excluded = set(rt.get("excluded", ()))
     job.placement = {int(r): str(w) for r, w in rt.get("placement", {}).items()}
+    job.draining, job.parked = bool(rt.get("draining", False)), bool(rt.get("parked", False))
     if rt.get("incident"):
         job.incident = _incident_from_json(rt["incident"])
+
+
+class _Answer:
+    """The store's answer to an operator resume's VerifyCheckpoints, delivered by the
+    applier thread to the operator's thread that waits for it."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.reply: store_pb2.CheckpointVerification | store_pb2.SnapshotFailed | None = None
+
+
+# How long an operator resume waits for the store's verdicts (seconds).
+RESUME_VERIFY_WAIT_S = 30.0
+
+
+def _version_number(version: str) -> int:
+    """The commit number of ``<job>:<n>`` (0 if it has none)."""
+    tail = version.rsplit(":", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
+def _newest(job: _Job) -> str:
+    """The job's newest committed version not known unusable, as text."""
+    usable = [(step, v) for step, v in job.versions if v not in job.unusable]
+    if not usable:
+        return "(no checkpoint yet)"
+    step, version = max(usable, key=lambda sv: (sv[0], _version_number(sv[1])))
+    return f"checkpoint {version} (step {step})"
 
 
 def _gib(num_bytes: int) -> str:

@@ -1,0 +1,253 @@
+"""Operator actions keep every step (issue 12, part 7), in-process through the real bus:
+stop and pause checkpoint their boundary step, a drain (`surgectl down`) parks the job,
+and a resume relaunches a STOPPED / FAILED / drained job from the newest checkpoint the store
+verifies (or the one named), refusing with one line what it cannot do."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.contract import control_pb2, engine_pb2, store_pb2
+from services.control.__main__ import build
+from services.control.job_store import JobStore
+from services.control.orchestrator import IllegalTransition, InsufficientResources, Orchestrator
+from services.control.server import StoreRelay
+
+from .conftest import Plane, drain
+
+S, O = control_pb2.JobState, control_pb2.JobOutcome
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakeStore:
+    """What the store says about a job's versions: job id -> [(version, step, ok, reason)];
+    ``down``: every question is answered UNREACHABLE."""
+
+    def __init__(self):
+        self.versions: dict[str, list[tuple[str, int, bool, str]]] = {}
+        self.down = False
+        self.asked = 0
+        self.in_call = True  # also answer in the call (a synchronous relay); False: as an event only
+
+
+@pytest.fixture
+def store(monkeypatch):
+    fake = FakeStore()
+
+    def verify_checkpoints(relay, msg, payload=None):  # answered as the gRPC relay does: as an event
+        fake.asked += 1
+        if fake.down:
+            reply = store_pb2.SnapshotFailed(job_id=msg.job_id, operation="verify", cause=store_pb2.UNREACHABLE,
+                                             reason="store s:1: UNAVAILABLE")
+        else:
+            verdicts = [store_pb2.CheckpointVerdict(info=store_pb2.CheckpointInfo(version=v, step=st, job_id=msg.job_id),
+                                                    ok=ok, reason=reason)
+                        for v, st, ok, reason in fake.versions.get(msg.job_id, [])]
+            reply = store_pb2.CheckpointVerification(job_id=msg.job_id, versions=verdicts)
+        if hasattr(relay, "_events"):  # (the asynchronous relay's emitter)
+            relay._events(reply)
+        return reply if fake.in_call else None
+
+    monkeypatch.setattr(StoreRelay, "verify_checkpoints", verify_checkpoints)
+    return fake
+
+
+@pytest.fixture
+def plane(tmp_path, store):
+    journal = JobStore(tmp_path / "control.db")
+    yield Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
+    journal.close()
+
+
+def running_job(plane: Plane, steps: int = 20):
+    a, b = plane.register("wa"), plane.register("wb")
+    job_id = plane.submit(dp=2, steps=steps).job_id
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank))
+    drain(a), drain(b)
+    return job_id, a, b
+
+
+def step(plane: Plane, session, job_id: str, n: int) -> None:
+    plane.rank_event(session, job_id, 0, step=engine_pb2.StepCompleted(step=n, loss=2.0, tokens=64))
+
+
+def saved(plane: Plane, session, job_id: str, version: int, at: int) -> None:
+    plane.rank_event(session, job_id, 0, saved=store_pb2.SaveCompleted(version=f"{job_id}:{version}", step=at))
+
+
+def stopped_job(plane: Plane, store: FakeStore, at: int = 6):
+    """A job stopped at step ``at`` with its stop checkpoint committed (version 1)."""
+    job_id, a, b = running_job(plane)
+    step(plane, a, job_id, at - 2)
+    plane.user(control_pb2.StopJobRequest(job_id=job_id))
+    saved(plane, a, job_id, 1, at)
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, finished=engine_pb2.TrainingLoopFinished(rank=rank, step=at, stopped=True))
+    drain(a), drain(b)
+    store.versions[job_id] = [(f"{job_id}:1", at, True, "")]
+    return job_id, a, b
+
+
+def test_stop_and_pause_checkpoint_their_boundary_step_unless_told_not_to(plane):
+    job_id, a, b = running_job(plane)
+    step(plane, a, job_id, 4)
+    plane.user(control_pb2.PauseJobRequest(job_id=job_id))
+    (cmd,) = drain(b)
+    assert (cmd.rank_command.pause.at_step, cmd.rank_command.pause.checkpoint) == (6, True)
+    assert plane.events(job_id)[-1].message == "pause requested: ranks checkpoint step 6 and pause after step 6"
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=6))
+    assert plane.get(job_id).state == S.PAUSED and not plane.get(job_id).drained
+    plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+    plane.user(control_pb2.StopJobRequest(job_id=job_id, no_checkpoint=True))
+    drain(a)
+    (resume, stop) = drain(b)
+    assert resume.rank_command.WhichOneof("command") == "resume"
+    assert (stop.rank_command.stop.at_step, stop.rank_command.stop.checkpoint) == (8, False)
+    assert plane.events(job_id)[-1].message == "stop requested: ranks stop (no checkpoint) after step 8"
+
+
+def test_a_stopped_job_resumes_from_its_newest_verified_checkpoint_as_a_new_generation(plane, store):
+    job_id, a, b = stopped_job(plane, store, at=6)
+    s = plane.get(job_id)
+    assert (s.state, s.outcome, s.checkpoint_version) == (S.TERMINATED, O.STOPPED, f"{job_id}:1")
+    s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+    assert (s.state, s.outcome, s.step, s.checkpoint_version) == (S.WARMING_UP, O.OUTCOME_UNSPECIFIED, 6, f"{job_id}:1")
+    assert store.asked == 1
+    for session in (a, b):
+        (cmd,) = drain(session)
+        assert cmd.launch.init.resume_version == f"{job_id}:1"
+    messages = [e.message for e in plane.events(job_id)]
+    assert messages[-2].startswith(f"resume TERMINATED (STOPPED) from checkpoint {job_id}:1 (step 6) by the operator: "
+                                   "2 ranks allocated on wa, wb")
+    assert messages[-1] == f"TERMINATED -> WARMING_UP: ranks launching to resume from checkpoint {job_id}:1 at step 6"
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank, start_step=6))
+    assert plane.get(job_id).state == S.RUNNING
+    # ... and it ends like any job.
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, finished=engine_pb2.TrainingLoopFinished(rank=rank, step=20))
+    s = plane.get(job_id)
+    assert (s.state, s.outcome, s.step) == (S.TERMINATED, O.FINISHED, 20)
+
+
+def test_resume_takes_the_newest_version_that_verifies_or_the_one_named(plane, store):
+    job_id, a, b = stopped_job(plane, store, at=6)
+    store.versions[job_id] = [(f"{job_id}:1", 2, True, ""), (f"{job_id}:2", 4, True, ""),
+                              (f"{job_id}:3", 6, False, "__0_0.distcp: sha256 mismatch")]
+    with pytest.raises(IllegalTransition, match=f"^--from {job_id}:3: fails verification \\(__0_0.distcp: sha256 mismatch\\)"):
+        plane.user(control_pb2.ResumeJobRequest(job_id=job_id, from_version=f"{job_id}:3"))
+    with pytest.raises(IllegalTransition, match=f"^--from other:1: not a committed checkpoint of {job_id} "):
+        plane.user(control_pb2.ResumeJobRequest(job_id=job_id, from_version="other:1"))
+    assert plane.get(job_id).state == S.TERMINATED and drain(a) == []
+    s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+    assert (s.state, s.step, s.checkpoint_version) == (S.WARMING_UP, 4, f"{job_id}:2")
+    assert drain(a)[0].launch.init.resume_version == f"{job_id}:2"
+
+
+def test_resume_from_a_named_older_version(plane, store):
+    job_id, a, b = stopped_job(plane, store, at=6)
+    store.versions[job_id] = [(f"{job_id}:1", 3, True, ""), (f"{job_id}:2", 6, True, "")]
+    s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id, from_version=f"{job_id}:1"))
+    assert (s.state, s.step) == (S.WARMING_UP, 3)
+    assert drain(b)[0].launch.init.resume_version == f"{job_id}:1"
+
+
+def test_resume_refusals_are_one_line_and_change_nothing(plane, store):
+    job_id, a, b = stopped_job(plane, store, at=6)
+    store.versions[job_id] = []
+    with pytest.raises(IllegalTransition, match=f"^job {job_id} has no checkpoint to resume from; submit again$"):
+        plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+    store.versions[job_id] = [(f"{job_id}:1", 6, False, "manifest missing")]
+    with pytest.raises(IllegalTransition, match=f"^job {job_id}: no checkpoint verifies \\({job_id}:1: manifest missing\\); submit again$"):
+        plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+    store.versions[job_id] = [(f"{job_id}:1", 6, True, "")]
+    store.down = True
+    with pytest.raises(IllegalTransition, match=f"^cannot resume {job_id}: the store could not verify its checkpoints \\(unreachable"):
+        plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+    store.down = False
+    other = plane.register("wc")
+    blocker = plane.submit(name="blocker", dp=1)  # takes one of the three slots... and wc takes the rest
+    plane.submit(name="blocker", dp=1)
+    with pytest.raises(InsufficientResources, match=f"^cannot resume {job_id} now: it needs 2 ranks \\(parallel.dp=2\\) but 1 is free"):
+        plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+    s = plane.get(job_id)
+    assert (s.state, s.outcome) == (S.TERMINATED, O.STOPPED)
+    plane.user(control_pb2.StopJobRequest(job_id=blocker.job_id))
+    del other
+
+
+@pytest.mark.skipif(not hasattr(Orchestrator, "on_checkpoint_verification"),
+                    reason="the store's answers reach the orchestrator as events only with the asynchronous StoreRelay")
+def test_the_store_answer_arriving_as_an_event_reaches_the_waiting_resume(plane, store):
+    job_id, a, b = stopped_job(plane, store, at=6)
+    store.in_call, store.down = False, True
+    with pytest.raises(IllegalTransition, match="the store could not verify its checkpoints"):
+        plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+    store.down = False
+    assert plane.user(control_pb2.ResumeJobRequest(job_id=job_id)).state == S.WARMING_UP
+
+
+def test_a_finished_or_running_job_is_not_resumed(plane, store):
+    job_id, a, b = running_job(plane, steps=3)
+    with pytest.raises(IllegalTransition, match=f"^job {job_id} is RUNNING, not PAUSED$"):
+        plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, finished=engine_pb2.TrainingLoopFinished(rank=rank, step=3))
+    with pytest.raises(IllegalTransition, match=f"^job {job_id} is TERMINATED \\(FINISHED\\): all 3 steps done"):
+        plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+
+
+def test_a_drain_pauses_with_a_checkpoint_parks_the_job_across_a_control_restart_and_resume_relaunches_it(tmp_path, store):
+    db = tmp_path / "control.db"
+    journal = JobStore(db)
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
+    job_id, a, b = running_job(plane)
+    step(plane, a, job_id, 7)
+    plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True, no_checkpoint=True))  # a drain always saves
+    (cmd,) = drain(a)
+    assert (cmd.rank_command.pause.at_step, cmd.rank_command.pause.checkpoint) == (9, True)
+    saved(plane, a, job_id, 1, 9)
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=9))
+    s = plane.get(job_id)
+    assert (s.state, s.drained) == (S.PAUSED, True)
+    assert s.message.endswith(f"drained: `surgectl up` resumes it from checkpoint {job_id}:1 (step 9)")
+    journal.close()
+
+    journal = JobStore(db)  # control restarted: nothing to re-attach, nothing monitored
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
+    s = plane.get(job_id)
+    assert (s.state, s.drained) == (S.PAUSED, True)
+    assert s.message.startswith("drained by `surgectl down` at step 9; `surgectl up`")
+    a, b = plane.register("wa"), plane.register("wb")
+    store.versions[job_id] = [(f"{job_id}:1", 9, True, "")]
+    s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+    assert (s.state, s.drained, s.step) == (S.WARMING_UP, False, 9)
+    assert drain(a)[0].launch.init.resume_version == f"{job_id}:1"
+    assert "PAUSED -> WARMING_UP" in plane.events(job_id)[-1].message
+    journal.close()
+
+
+def test_a_drain_of_a_paused_job_parks_it_without_marking_it_drained_and_stop_ends_it_at_once(plane, store):
+    job_id, a, b = running_job(plane)
+    plane.user(control_pb2.PauseJobRequest(job_id=job_id))
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=2))
+    drain(a), drain(b)
+    s = plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True))
+    assert (s.state, s.drained) == (S.PAUSED, False)
+    assert drain(a) == []  # nothing to tell its ranks
+    s = plane.user(control_pb2.StopJobRequest(job_id=job_id))
+    assert (s.state, s.outcome) == (S.TERMINATED, O.STOPPED)
+    assert s.message.endswith("its ranks were stopped with the stack")
+
+
+def test_a_drain_during_a_pause_in_flight_turns_it_into_a_drain(plane, store):
+    job_id, a, b = running_job(plane)
+    plane.user(control_pb2.PauseJobRequest(job_id=job_id))
+    plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True))
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=2))
+    assert plane.get(job_id).drained
