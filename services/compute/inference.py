@@ -6,14 +6,24 @@ never unpickles arbitrary objects: tensors are read with ``torch.load(weights_on
 (DCP's own reader), :class:`SafeLoadPlanner` reads DCP's non-tensor entries the same way
 (plain numbers, strings, lists, dicts only), and :class:`SafeFileSystemReader` reads the
 ``.metadata`` index (a pickle) with an unpickler that knows only DCP's metadata classes.
+
+Given the version's manifest digests, the reader also checks every file it opens: the bytes
+it reads are hashed (SHA-256) as they stream in and compared with the manifest before any of
+them is used; a mismatch or a missing file raises :class:`ShardDigestMismatch` naming the
+file. Verification is thus part of the read, never a separate pass before it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
+import os
 import pathlib
 import pickle
 import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -64,10 +74,82 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"checkpoint .metadata: refusing to load {module}.{name}")
 
 
+_CHUNK = 1 << 20
+# Files up to this size are read once into memory while hashed, and DCP reads that very
+# copy; larger ones are hashed as they stream, then read again by DCP (from the page cache).
+_BUFFER_LIMIT = 1 << 30
+
+
+class ShardDigestMismatch(Exception):
+    """A checkpoint file read for a load does not match the version's manifest.
+
+    ``missing``: the file is gone (else its size or SHA-256 differs); ``file``: its path
+    relative to the version. Picklable (DCP gathers a rank's failure to every rank)."""
+
+    def __init__(self, message: str, file: str = "", missing: bool = False):
+        super().__init__(message, file, missing)
+        self.file, self.missing = file, missing
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class _VerifyingFileSystem:
+    """DCP's FileSystem, except that a file opened for reading is checked against the
+    manifest (``digests``: relative path -> {"bytes", "sha256"}) as it is read."""
+
+    def __init__(self, fs: Any, root: pathlib.Path, digests: Mapping[str, Mapping[str, Any]], what: str):
+        self._fs, self._root, self._digests, self._what = fs, root, digests, what
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if "r" not in mode:
+            with self._fs.create_stream(path, mode) as stream:
+                yield stream
+            return
+        full = pathlib.Path(path)
+        rel = full.relative_to(self._root).as_posix()
+        expected = self._digests.get(rel)
+        if expected is None:
+            raise ShardDigestMismatch(f"{self._what}: {rel}: not in the manifest", rel)
+        try:
+            size = full.stat().st_size
+            keep = size <= _BUFFER_LIMIT
+            h, buf, read = hashlib.sha256(), io.BytesIO() if keep else None, 0
+            with open(full, "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    h.update(chunk)
+                    read += len(chunk)
+                    if buf is not None:
+                        buf.write(chunk)
+        except FileNotFoundError:
+            raise ShardDigestMismatch(f"{self._what}: {rel}: missing", rel, missing=True) from None
+        if read != expected["bytes"]:
+            raise ShardDigestMismatch(f"{self._what}: {rel}: size {read} bytes, manifest says {expected['bytes']}", rel)
+        if h.hexdigest() != expected["sha256"]:
+            raise ShardDigestMismatch(f"{self._what}: {rel}: sha256 mismatch", rel)
+        if buf is not None:
+            buf.seek(0)
+            yield buf
+        else:
+            with self._fs.create_stream(path, mode) as stream:
+                yield stream
+
+
 class SafeFileSystemReader(FileSystemReader):
     """FileSystemReader whose ``.metadata`` is unpickled with an allowlist of DCP's own
     metadata classes: a tampered index raises ``pickle.UnpicklingError`` instead of running
-    whatever it names."""
+    whatever it names. With ``digests`` (the manifest's files), every file it opens is
+    checked as it is read (:class:`ShardDigestMismatch`)."""
+
+    def __init__(self, path: str | os.PathLike, digests: Mapping[str, Mapping[str, Any]] | None = None,
+                 what: str = "checkpoint"):
+        super().__init__(path)
+        if digests is not None:
+            self.fs = _VerifyingFileSystem(self.fs, pathlib.Path(self.path), digests, what)
 
     def read_metadata(self, *args, **kwargs):
         rank = kwargs.get("rank")
@@ -82,10 +164,14 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-def safe_load(state: dict, path: str, **kwargs) -> None:
+def safe_load(state: dict, path: str, digests: Mapping[str, Mapping[str, Any]] | None = None,
+              what: str = "checkpoint", **kwargs) -> None:
     """``dcp.load`` of the checkpoint at ``path`` into ``state`` (tensors, Stateful objects)
-    without unpickling anything but plain data and DCP's metadata classes."""
-    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), **kwargs)
+    without unpickling anything but plain data and DCP's metadata classes; with ``digests``
+    (relative path -> {"bytes", "sha256"}, the manifest's files) each file read is checked
+    as it is read (ShardDigestMismatch, possibly wrapped in DCP's CheckpointException)."""
+    reader = SafeFileSystemReader(path, digests=digests, what=what)
+    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), **kwargs)
 
 
 def load_model_for_inference(checkpoint_path: str, spec: JobSpec) -> nn.Module:

@@ -468,7 +468,7 @@ class SessionHub:
             if self._contract is not None:
                 inner.rank = inner.rank or ev.rank
                 self._contract(inner)
-        elif kind == "saved":
+        elif kind in ("saved", "snapshot_failed"):  # the rank's checkpoint relay speaks as L5-1
             self._checkpoints(inner)
         else:
             inner.rank = inner.rank or ev.rank

@@ -406,6 +406,8 @@ class TrainingLoop:
             self._p.store(store_pb2.CommitCheckpoint(
                 job_id=self._job_id, step=step, world_size=self._world, spec_json=self._init.spec_json,
                 keep_last=spec.checkpoint.keep_last, keep_every=spec.checkpoint.keep_every,
+                # Retention never deletes the version this generation of ranks resumed from.
+                keep_versions=[self._init.resume_version] if self._init.resume_version else [],
             ))  # fmt: skip
         self._phase = "stepping"
 

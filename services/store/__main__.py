@@ -1,9 +1,13 @@
 """Composition root of the `store` service: the only place its modules are built and wired.
 
     python -m services.store --port P --metrics-port M [--host 127.0.0.1] [--root DIR]
+                             [--scrub-interval-seconds S]
 
-(env ``SURGE_STORE_PORT``, ``SURGE_STORE_METRICS_PORT``, ``SURGE_STORE_ROOT``; the root
-defaults to ``services.common.paths.store_root()``). gRPC ``surge.v1.StoreService`` and
+(env ``SURGE_STORE_PORT``, ``SURGE_STORE_METRICS_PORT``, ``SURGE_STORE_ROOT``,
+``SURGE_STORE_SCRUB_INTERVAL_S``; the root defaults to ``services.common.paths.store_root()``).
+Every S seconds (0, the default: never) a background thread re-hashes every committed
+checkpoint version and records the verdicts; a version newly found corrupt is published
+(``StoreService.WatchCheckpoints``). gRPC ``surge.v1.StoreService`` and
 ``surge.v1.AuditService`` with health and reflection on P; Prometheus ``/metrics`` on M. A
 port in use is a one-line error and exit status 1; SIGTERM or SIGINT stops it cleanly
 (status 0).
@@ -37,32 +41,39 @@ from services.store.server import StoreRelay
 CKPT, METRICS = Module.L5_CHECKPOINT_MANAGER, Module.L5_METRICS_LOGGER
 
 
-def wire(root: Path, log, registry=REGISTRY) -> tuple[StoreRelay, MetricsLogger]:
-    """Build L5-1, L5-2 and the relay on one bus. Returns the relay and the logger (to close)."""
+def wire(root: Path, log, registry=REGISTRY) -> tuple[StoreRelay, MetricsLogger, CheckpointManager]:
+    """Build L5-1, L5-2 and the relay on one bus. Returns the relay, the logger and the
+    manager (to close)."""
     # No channel up from here: refusals are logged and counted, then returned to the caller.
     bus = Bus(on_violation=ViolationReporter("store", log))
     validate_table(bus.table)
-    manager = CheckpointManager(root, registry=registry)
+    manager = CheckpointManager(root, registry=registry, emit=bus.emitter(CKPT))
     metrics = MetricsLogger(root, registry=registry)
     bus.subscribe(CKPT, store_pb2.SaveCheckpoint, manager.begin_save)
     bus.subscribe(CKPT, store_pb2.CommitCheckpoint, manager.commit_save)
     bus.subscribe(CKPT, store_pb2.LoadCheckpoint, manager.load)
     bus.subscribe(CKPT, store_pb2.CheckpointQuery, manager.list)
     bus.subscribe(CKPT, store_pb2.VerifyCheckpoints, manager.verify)
+    bus.subscribe(CKPT, store_pb2.ScrubCheckpoints, manager.scrub)
+    bus.subscribe(CKPT, store_pb2.WatchCheckpointsRequest, manager.watch)
     bus.subscribe(METRICS, engine_pb2.StepCompleted, metrics.record_step)
     bus.subscribe(METRICS, engine_pb2.EvalCompleted, metrics.record_eval)
     ports: dict[tuple[int, int], CommandPort] = {}
     for receiver, types in (
         (CKPT, (store_pb2.SaveCheckpoint, store_pb2.CommitCheckpoint, store_pb2.LoadCheckpoint,
-                store_pb2.CheckpointQuery, store_pb2.VerifyCheckpoints)),
+                store_pb2.CheckpointQuery, store_pb2.VerifyCheckpoints, store_pb2.ScrubCheckpoints,
+                store_pb2.WatchCheckpointsRequest)),
         (METRICS, (engine_pb2.StepCompleted, engine_pb2.EvalCompleted)),
     ):
         for t in types:
             for sender in bus.table.route(t).senders:
                 ports[(sender, receiver)] = bus.port(sender, receiver)
-    # Hosted: L5-1, L5-2, and every remote sender the relay commands them as.
-    validate_wiring(bus, {CKPT, METRICS, *(sender for sender, _ in ports)})
-    return StoreRelay(ports, log, check=bus.check), metrics
+    relay = StoreRelay(ports, log, check=bus.check)
+    # The relay stands in for control's L1-1 as the receiver of CheckpointCorrupt.
+    bus.subscribe(Module.L1_ORCHESTRATOR, store_pb2.CheckpointCorrupt, relay.on_checkpoint_corrupt)
+    # Hosted: L5-1, L5-2, and every remote sender the relay commands them as (or receives for).
+    validate_wiring(bus, {CKPT, METRICS, Module.L1_ORCHESTRATOR, *(sender for sender, _ in ports)})
+    return relay, metrics, manager
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=env("SURGE_STORE_PORT"))
     p.add_argument("--metrics-port", type=int, default=env("SURGE_STORE_METRICS_PORT"))
     p.add_argument("--root", type=Path, default=None, help="store root (default: SURGE_STORE_ROOT or $SURGE_HOME/store)")
+    p.add_argument("--scrub-interval-seconds", type=float, default=env("SURGE_STORE_SCRUB_INTERVAL_S", "0"),
+                   help="re-hash every committed checkpoint version this often (0: never; env SURGE_STORE_SCRUB_INTERVAL_S)")
     args = p.parse_args(argv)
+    if args.scrub_interval_seconds < 0:
+        p.error(f"--scrub-interval-seconds must be >= 0, got {args.scrub_interval_seconds}")
     if args.port is None or args.metrics_port is None:
         p.error("--port and --metrics-port are required (or SURGE_STORE_PORT, SURGE_STORE_METRICS_PORT)")
     if args.port == args.metrics_port and args.port != 0:
@@ -89,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     try:
-        relay, metrics = wire(root, log)
+        relay, metrics, manager = wire(root, log)
     except (ContractError, RouteError) as e:
         if http is not None:
             http.shutdown()
@@ -100,9 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     server.start(["surge.v1.StoreService", AuditServicer.SERVICE_NAME])
+    manager.start_scrubbing(args.scrub_interval_seconds, log)
     log.info("serving", address=f"{args.host}:{server.port}", metrics=f"{args.host}:{http.server_port}" if http else "off")
     stop.wait()
     log.info("stopping")
+    manager.close()
     server.stop(grace=2.0)
     if http is not None:
         http.shutdown()

@@ -33,13 +33,24 @@ removes it.
 
 Retention runs only when a commit asks for it (``keep_last``, ``keep_every``): the versions
 of that job older than the newest ``keep_last``, except those whose step is a multiple of
-``keep_every``, leave the catalog first, then their directories are removed, so the catalog
-never names a missing directory. The number of a cataloged version is never reused (the
-latest version is never pruned, and numbering continues from it).
+``keep_every``, those named in ``keep_versions`` (the version the committing ranks resumed
+from) and the job's newest version whose verdict is ok, leave the catalog first, then their
+directories are removed, so the catalog never names a missing directory. The number of a
+cataloged version is never reused (the latest version is never pruned, and numbering
+continues from it).
 
-Verification: ``load`` re-hashes the version it is told to load and refuses it if any byte
-differs; ``verify`` does the same for every version of a job and reports each verdict, so
-the orchestrator can pick an intact one (this module never picks).
+Verification is off the critical path. Every file is hashed at commit (that is the
+verification: the manifest is written from those digests), and the catalog records the
+verdict and when it was reached (``verdict``: ok | corrupt | missing_file, ``verified_unix``,
+``reason``; a catalog entry written before verdicts existed reads as ok, verified at its
+commit). ``load`` re-hashes nothing: it refuses a version whose recorded verdict is not ok,
+checks the manifest (a few hundred bytes) against the catalog and says where the version is;
+the reader checks each file's SHA-256 as it reads it (``services/worker/store_client.py``).
+``verify`` answers from the recorded verdicts, or re-hashes when asked (``rehash``). A scrub
+(``scrub``, on command, and every ``scrub_interval_s`` from a background thread) re-hashes
+committed versions and records the verdicts; each version newly found corrupt is published
+as ``CheckpointCorrupt``. ``latest`` names the newest version whose recorded verdict is ok.
+This module reports verdicts; it never picks the version to load.
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ import secrets
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +72,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.contract import store_pb2
+from services.contract.bus import Reply
 
 MANIFEST = "manifest.json"
 CATALOG = "catalog.json"
@@ -77,6 +90,27 @@ class CheckpointNotFound(LookupError):
 class CheckpointRejected(RuntimeError):
     """The store's state does not allow the command: no open save, an empty or changing
     staging directory, a version that fails verification (gRPC FAILED_PRECONDITION)."""
+
+
+class CheckpointDamaged(CheckpointRejected):
+    """A version's bytes do not match its manifest. ``cause``: ``store_pb2.VERDICT_CORRUPT``
+    or ``store_pb2.VERDICT_MISSING_FILE``; ``file``: the file named (relative path)."""
+
+    def __init__(self, message: str, cause: int, file: str = ""):
+        super().__init__(message)
+        self.cause = cause
+        self.file = file
+
+
+# Catalog spelling of a verdict <-> the proto enum.
+_VERDICT_NAMES = {
+    "ok": store_pb2.VERDICT_OK,
+    "corrupt": store_pb2.VERDICT_CORRUPT,
+    "missing_file": store_pb2.VERDICT_MISSING_FILE,
+}
+_VERDICT_OF = {v: k for k, v in _VERDICT_NAMES.items()}
+# A damaged version's cause as the store's failure cause (CheckpointCorrupt.cause).
+_FAILURE_CAUSE = {store_pb2.VERDICT_CORRUPT: store_pb2.CORRUPT, store_pb2.VERDICT_MISSING_FILE: store_pb2.MISSING_FILE}
 
 
 @dataclass
@@ -105,7 +139,13 @@ class CheckpointManager:
         registry: where its Prometheus metrics register (a private one by default).
     """
 
-    def __init__(self, root: Path, registry: CollectorRegistry | None = None):
+    def __init__(self, root: Path, registry: CollectorRegistry | None = None,
+                 emit: Callable[[store_pb2.CheckpointCorrupt], Any] | None = None):
+        """``emit``: where each version newly found corrupt is published (the bus emitter of
+        L5-1 in the service; None drops them)."""
+        self._emit = emit
+        self._scrub_stop = threading.Event()
+        self._scrubber: threading.Thread | None = None
         self._dir = Path(root) / "checkpoints"
         self._dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
@@ -126,6 +166,16 @@ class CheckpointManager:
         self._rejected = Counter(
             "surge_checkpoint_rejected_total", "Commits and loads refused, by operation.",
             ["job", "op"], registry=reg,
+        )
+        self._found_corrupt = Counter(
+            "surge_checkpoint_corrupt_found_total", "Committed versions newly found corrupt, by cause.",
+            ["job", "cause"], registry=reg,
+        )
+        self._scrub_seconds = Gauge(
+            "surge_checkpoint_scrub_seconds", "Wall time of the last scrub (seconds).", registry=reg
+        )
+        self._scrubbed = Counter(
+            "surge_checkpoint_scrubbed_versions_total", "Versions re-hashed by scrubs.", registry=reg
         )
 
     # ------------------------------------------------------------------ commands
@@ -180,7 +230,7 @@ class CheckpointManager:
             with self._lock:
                 entry = self._seal(job, msg, save, files)
                 committed = True
-                removed = self._retain(job, msg.keep_last, msg.keep_every)
+                removed = self._retain(job, msg.keep_last, msg.keep_every, msg.keep_versions)
         except CheckpointRejected:
             self._rejected.labels(job, "commit").inc()
             raise
@@ -210,48 +260,106 @@ class CheckpointManager:
         )
 
     def load(self, msg: store_pb2.LoadCheckpoint, payload: Any = None) -> store_pb2.CheckpointLoaded:
-        """加载指定版本快照指令: verify ``msg.version`` and say where it is.
+        """加载指定版本快照指令: say where ``msg.version`` is, if its recorded verdict is ok.
 
-        ``version`` is ``"<job>:<n>"``, ``"<job>:latest"`` or ``"latest"`` (the newest commit
-        of any job); which one is the caller's choice, never this module's. Every file is
-        re-hashed against the manifest and the manifest against the catalog; readers then
-        load the DCP shards from ``info.path`` themselves. Ranks that ask for the same version
-        while it is being verified share that one verification (every rank of a job loads the
-        same version at once on resume; one re-hash serves them all).
+        ``version`` is ``"<job>:<n>"``, ``"<job>:latest"`` or ``"latest"`` (the newest
+        version whose verdict is ok, of that job or of any job); which one is the caller's
+        choice, never this module's. Nothing is re-hashed here: the manifest (small) is
+        checked against the catalog, and the reader checks every file's SHA-256 against the
+        manifest as it reads it. A manifest that is gone or changed is recorded (and
+        published) like a scrub's finding.
 
         Raises:
             ValueError: ``version`` is not one of the three forms.
             CheckpointNotFound: no such version (the message lists the ones that exist).
-            CheckpointRejected: a file is missing, extra, or its size or SHA-256 differs.
+            CheckpointRejected: the version's recorded verdict is not ok, or its manifest
+                is missing or differs from the catalog (CheckpointDamaged).
         """
         with self._lock:
             entry = self._resolve(msg.version)
-        try:
-            self._check(entry)
-        except CheckpointRejected:
+            cause, reason, _ = _verdict(entry)
+        if cause != store_pb2.VERDICT_OK:
             self._rejected.labels(entry["job_id"], "load").inc()
+            raise CheckpointDamaged(reason or f"checkpoint {entry['version']}: recorded {_VERDICT_OF[cause]}", cause)
+        try:
+            _check_manifest(entry["version"], self._dir / entry["path"], entry["manifest_sha256"])
+        except CheckpointDamaged as e:
+            self._rejected.labels(entry["job_id"], "load").inc()
+            self._record([(entry, e.cause, str(e))])
             raise
         return store_pb2.CheckpointLoaded(info=self._info(entry))
 
     def verify(self, msg: store_pb2.VerifyCheckpoints, payload: Any = None) -> store_pb2.CheckpointVerification:
-        """Re-hash every committed version of ``msg.job_id`` (oldest first) and report each
-        one as ok or not, with the one-line reason. Reports; never chooses or deletes.
+        """The verdict of every committed version of ``msg.job_id`` (oldest first): as
+        recorded (cheap), or re-hashed now and recorded if ``msg.rehash``. Reports; never
+        chooses or deletes.
 
         Raises:
             ValueError: ``job_id`` is not a safe name.
         """
         job = _check_job_id(msg.job_id)
-        with self._lock:
-            entries = [e for e in self._chain if e["job_id"] == job]
-        verdicts = []
-        for entry in entries:
-            try:
-                self._check(entry)
-                verdicts.append(store_pb2.CheckpointVerdict(info=self._info(entry), ok=True))
-            except CheckpointRejected as e:
+        if msg.rehash:
+            verdicts, _ = self._rehash(job)
+        else:
+            with self._lock:
+                verdicts = [self._verdict_msg(e) for e in self._chain if e["job_id"] == job]
+        for v in verdicts:
+            if not v.ok:
                 self._rejected.labels(job, "verify").inc()
-                verdicts.append(store_pb2.CheckpointVerdict(info=self._info(entry), ok=False, reason=str(e)))
         return store_pb2.CheckpointVerification(job_id=job, versions=verdicts)
+
+    def scrub(self, msg: store_pb2.ScrubCheckpoints, payload: Any = None) -> store_pb2.CheckpointScrubbed:
+        """Re-hash the committed versions of ``msg.job_id`` (every job if empty) and record
+        the verdicts; publish each version newly found corrupt (CheckpointCorrupt). Runs
+        outside the manager's lock: commits and loads go on meanwhile.
+
+        Raises:
+            ValueError: ``job_id`` is not empty and not a safe name.
+        """
+        job = _check_job_id(msg.job_id) if msg.job_id else ""
+        t0 = time.perf_counter()
+        verdicts, newly = self._rehash(job)
+        seconds = time.perf_counter() - t0
+        self._scrub_seconds.set(seconds)
+        self._scrubbed.inc(len(verdicts))
+        return store_pb2.CheckpointScrubbed(job_id=job, versions=verdicts, newly_corrupt=newly, seconds=seconds)
+
+    def corrupt(self, job_id: str = "") -> list[store_pb2.CheckpointCorrupt]:
+        """The versions recorded corrupt now (of ``job_id``, or every job), oldest first:
+        what a new watcher of CheckpointCorrupt is told first."""
+        with self._lock:
+            entries = [e for e in self._chain if (not job_id or e["job_id"] == job_id)]
+            return [self._corrupt_msg(e) for e in entries if _verdict(e)[0] != store_pb2.VERDICT_OK]
+
+    def watch(self, msg: store_pb2.WatchCheckpointsRequest, payload: Any = None) -> Reply:
+        """A subscription to CheckpointCorrupt (the relay fans the events out): answered with
+        the versions recorded corrupt now, as the reply's payload (a list, oldest first)."""
+        job = _check_job_id(msg.job_id) if msg.job_id else ""
+        return Reply(None, self.corrupt(job))
+
+    def start_scrubbing(self, interval_s: float, log: Any = None) -> None:
+        """Scrub every job every ``interval_s`` seconds from a daemon thread (0: never).
+        The first scrub runs one interval after the start."""
+        if interval_s <= 0 or self._scrubber is not None:
+            return
+
+        def run() -> None:
+            while not self._scrub_stop.wait(interval_s):
+                try:
+                    done = self.scrub(store_pb2.ScrubCheckpoints())
+                    if log is not None:
+                        log.info("checkpoints_scrubbed", versions=len(done.versions),
+                                 newly_corrupt=[c.version for c in done.newly_corrupt], seconds=round(done.seconds, 3))
+                except Exception as e:  # noqa: BLE001 - the next interval tries again
+                    if log is not None:
+                        log.error("checkpoint_scrub_failed", error=f"{type(e).__name__}: {e}")
+
+        self._scrubber = threading.Thread(target=run, name="checkpoint-scrub", daemon=True)
+        self._scrubber.start()
+
+    def close(self) -> None:
+        """Stop the background scrub (a scrub in progress finishes its current version)."""
+        self._scrub_stop.set()
 
     def list(self, msg: store_pb2.CheckpointQuery, payload: Any = None) -> store_pb2.CheckpointList:
         """The committed versions of ``msg.job_id`` (every job if empty), oldest first."""
@@ -279,6 +387,68 @@ class CheckpointManager:
                 with self._lock:
                     del self._verifying[version]
         verdict.result()
+
+    def _rehash(self, job: str) -> tuple[list[store_pb2.CheckpointVerdict], list[store_pb2.CheckpointCorrupt]]:
+        """Re-hash the versions of ``job`` (every job if empty), record the verdicts, publish
+        the newly corrupt. Returns (verdicts of the versions still cataloged, newly corrupt)."""
+        with self._lock:
+            entries = [e for e in self._chain if not job or e["job_id"] == job]
+        found: list[tuple[dict[str, Any], int, str]] = []
+        for entry in entries:
+            try:
+                self._check(entry)
+                found.append((entry, store_pb2.VERDICT_OK, ""))
+            except CheckpointDamaged as e:
+                found.append((entry, e.cause, str(e)))
+            except CheckpointRejected as e:  # e.g. a symlink appeared: the bytes are not the manifest's
+                found.append((entry, store_pb2.VERDICT_CORRUPT, str(e)))
+        newly = self._record(found)
+        with self._lock:
+            live = {e["version"] for e in self._chain}
+            verdicts = [self._verdict_msg(e) for e, _, _ in found if e["version"] in live]
+        return verdicts, newly
+
+    def _record(self, found: list[tuple[dict[str, Any], int, str]]) -> list[store_pb2.CheckpointCorrupt]:
+        """Record verdicts (entry, cause, reason) in the catalog; publish and return the
+        versions that were ok before and are not now. A version pruned meanwhile is skipped.
+        A failure to rewrite the catalog keeps the verdicts in memory (counted)."""
+        now = time.time()
+        newly: list[store_pb2.CheckpointCorrupt] = []
+        with self._lock:
+            by_version = {e["version"]: e for e in self._chain}
+            changed = False
+            for entry, cause, reason in found:
+                live = by_version.get(entry["version"])
+                if live is None:
+                    continue  # pruned while it was being hashed
+                was = _verdict(live)[0]
+                live["verdict"], live["verified_unix"], live["reason"] = _VERDICT_OF[cause], now, reason
+                changed = True
+                if was == store_pb2.VERDICT_OK and cause != store_pb2.VERDICT_OK:
+                    newly.append(self._corrupt_msg(live))
+                    self._found_corrupt.labels(live["job_id"], _VERDICT_OF[cause]).inc()
+            if changed:
+                try:
+                    self._write_catalog(self._chain)
+                except OSError:
+                    self._rejected.labels("", "catalog").inc()
+        if self._emit is not None:
+            for event in newly:
+                self._emit(event)
+        return newly
+
+    def _verdict_msg(self, entry: dict[str, Any]) -> store_pb2.CheckpointVerdict:
+        cause, reason, when = _verdict(entry)
+        return store_pb2.CheckpointVerdict(
+            info=self._info(entry), ok=cause == store_pb2.VERDICT_OK, reason=reason, cause=cause, verified_unix=when
+        )
+
+    def _corrupt_msg(self, entry: dict[str, Any]) -> store_pb2.CheckpointCorrupt:
+        cause, reason, when = _verdict(entry)
+        return store_pb2.CheckpointCorrupt(
+            job_id=entry["job_id"], version=entry["version"], step=entry["step"], reason=reason,
+            cause=_FAILURE_CAUSE.get(cause, store_pb2.CORRUPT), found_unix=when,
+        )
 
     # ------------------------------------------------------------------ staging
 
@@ -370,22 +540,34 @@ class CheckpointManager:
             "created_unix": created,
             "world_size": msg.world_size,
             "spec_json": msg.spec_json,
+            # Every file was hashed for the manifest just now: that is the verification.
+            "verdict": "ok",
+            "verified_unix": time.time(),
+            "reason": "",
         }
         # If this write fails, <n> is an orphan that the next commit of this job replaces.
         self._write_catalog([*self._chain, entry])
         self._chain.append(entry)
         return entry
 
-    def _retain(self, job: str, keep_last: int, keep_every: int = 0) -> list[Path]:
+    def _retain(self, job: str, keep_last: int, keep_every: int = 0, keep_versions: Any = ()) -> list[Path]:
         """Drop the job's versions older than the newest ``keep_last`` from the catalog,
-        except those whose step is a multiple of ``keep_every`` (> 0), and return their
-        directories for removal (after the catalog no longer names them). Caller holds the
-        lock. A failure to rewrite the catalog keeps every version (the commit itself stands)
-        and is counted; the next commit's retention covers them again."""
+        except those whose step is a multiple of ``keep_every`` (> 0), those named in
+        ``keep_versions`` and the newest version whose recorded verdict is ok, and return
+        their directories for removal (after the catalog no longer names them). Caller holds
+        the lock. A failure to rewrite the catalog keeps every version (the commit itself
+        stands) and is counted; the next commit's retention covers them again."""
         if keep_last <= 0:
             return []
         mine = [e for e in self._chain if e["job_id"] == job]
-        drop = [e for e in mine[:-keep_last] if not (keep_every > 0 and e["step"] % keep_every == 0)]
+        guarded = set(keep_versions)
+        verified = [e["version"] for e in mine if _verdict(e)[0] == store_pb2.VERDICT_OK]
+        if verified:
+            guarded.add(verified[-1])
+        drop = [
+            e for e in mine[:-keep_last]
+            if not (keep_every > 0 and e["step"] % keep_every == 0) and e["version"] not in guarded
+        ]
         if not drop:
             return []
         gone = {e["version"] for e in drop}
@@ -410,17 +592,26 @@ class CheckpointManager:
 
     def _resolve(self, version: str) -> dict[str, Any]:
         """Catalog entry of ``version``. Caller holds the lock."""
+        ok = [e for e in self._chain if _verdict(e)[0] == store_pb2.VERDICT_OK]
         if version == "latest":
-            if self._chain:
-                return self._chain[-1]
-            raise CheckpointNotFound("checkpoint latest not found (have: none)")
+            if ok:
+                return ok[-1]
+            raise CheckpointNotFound(
+                "checkpoint latest not found (have: none)" if not self._chain
+                else "checkpoint latest not found: no version's recorded verdict is ok"
+            )
         job, sep, n = version.rpartition(":")
         if not sep or not job or not (n == "latest" or n.isdigit()):
             raise ValueError(
                 f'checkpoint version "{version}": expected "<job>:<n>", "<job>:latest" or "latest"'
             )
         mine = [e for e in self._chain if e["job_id"] == job]
-        hit = mine[-1:] if n == "latest" else [e for e in mine if e["n"] == int(n)]
+        if n == "latest" and mine:
+            hit = [e for e in ok if e["job_id"] == job][-1:]
+            if not hit:
+                raise CheckpointNotFound(f"checkpoint {version} not found: no version of job {job} is verified ok")
+        else:
+            hit = [e for e in mine if e["n"] == int(n)] if n != "latest" else []
         if not hit and mine:
             have = ", ".join(e["version"] for e in mine)
             raise CheckpointNotFound(f"checkpoint {version} not found (have: {have})")
@@ -442,7 +633,18 @@ class CheckpointManager:
             files=entry["files"],
             created_unix=entry["created_unix"],
             spec_json=entry["spec_json"],
+            verdict=_verdict(entry)[0],
+            verified_unix=_verdict(entry)[2],
         )
+
+
+def _verdict(entry: dict[str, Any]) -> tuple[int, str, float]:
+    """(VerdictCause, reason, verified_unix) recorded for a catalog entry. An entry written
+    before verdicts were recorded was hashed at its commit: ok, verified when created."""
+    name = entry.get("verdict", "ok")
+    return _VERDICT_NAMES.get(name, store_pb2.VERDICT_CORRUPT), entry.get("reason", ""), entry.get(
+        "verified_unix", entry["created_unix"]
+    )
 
 
 # ---------------------------------------------------------------------- file helpers
@@ -520,33 +722,52 @@ def _check_unchanged(directory: Path, files: dict[str, _Hashed], job: str, step:
             raise CheckpointRejected(f"checkpoint {job}: step {step}: {rel}: changed while committing")
 
 
-def _verify(version: str, directory: Path, manifest_sha256: str) -> None:
-    """Re-hash ``directory`` against its manifest, and the manifest against the catalog."""
+def _check_manifest(version: str, directory: Path, manifest_sha256: str) -> dict[str, dict[str, Any]]:
+    """The manifest's files (path -> {bytes, sha256}) once the manifest matches the catalog.
+
+    Raises:
+        CheckpointDamaged: the manifest is missing (MISSING_FILE) or differs (CORRUPT).
+    """
     try:
         data = (directory / MANIFEST).read_bytes()
     except FileNotFoundError:
-        raise CheckpointRejected(f"checkpoint {version}: {MANIFEST}: missing") from None
+        raise CheckpointDamaged(f"checkpoint {version}: {MANIFEST}: missing", store_pb2.VERDICT_MISSING_FILE, MANIFEST) from None
     if hashlib.sha256(data).hexdigest() != manifest_sha256:
-        raise CheckpointRejected(f"checkpoint {version}: {MANIFEST}: sha256 mismatch")
-    expected = {f["path"]: f for f in json.loads(data)["files"]}
+        raise CheckpointDamaged(f"checkpoint {version}: {MANIFEST}: sha256 mismatch", store_pb2.VERDICT_CORRUPT, MANIFEST)
+    return {f["path"]: f for f in json.loads(data)["files"]}
+
+
+def _verify(version: str, directory: Path, manifest_sha256: str) -> None:
+    """Re-hash ``directory`` against its manifest, and the manifest against the catalog.
+
+    Raises:
+        CheckpointDamaged: with the cause (MISSING_FILE, CORRUPT) and the file named.
+        CheckpointRejected: a symlink in the version.
+    """
+    expected = _check_manifest(version, directory, manifest_sha256)
     present = set(_list_files(directory, f"checkpoint {version}"))
     for rel in sorted(expected):
         if rel not in present:
-            raise CheckpointRejected(f"checkpoint {version}: {rel}: missing")
+            raise CheckpointDamaged(f"checkpoint {version}: {rel}: missing", store_pb2.VERDICT_MISSING_FILE, rel)
     for rel in sorted(present - set(expected)):
-        raise CheckpointRejected(f"checkpoint {version}: {rel}: not in the manifest")
+        raise CheckpointDamaged(f"checkpoint {version}: {rel}: not in the manifest", store_pb2.VERDICT_CORRUPT, rel)
     for rel in sorted(expected):
         size = os.stat(directory / rel).st_size
         if size != expected[rel]["bytes"]:
-            raise CheckpointRejected(
-                f"checkpoint {version}: {rel}: size {size} bytes, manifest says {expected[rel]['bytes']}"
+            raise CheckpointDamaged(
+                f"checkpoint {version}: {rel}: size {size} bytes, manifest says {expected[rel]['bytes']}",
+                store_pb2.VERDICT_CORRUPT, rel,
             )
     names = sorted(expected)
-    with ThreadPoolExecutor(max_workers=min(_HASH_THREADS, max(1, len(names)))) as pool:
-        hashed = list(pool.map(lambda rel: _hash_one(directory / rel), names))
+    try:
+        with ThreadPoolExecutor(max_workers=min(_HASH_THREADS, max(1, len(names)))) as pool:
+            hashed = list(pool.map(lambda rel: _hash_one(directory / rel), names))
+    except FileNotFoundError as e:  # removed while being hashed
+        rel = Path(e.filename).relative_to(directory).as_posix() if e.filename else "?"
+        raise CheckpointDamaged(f"checkpoint {version}: {rel}: missing", store_pb2.VERDICT_MISSING_FILE, rel) from None
     for rel, h in zip(names, hashed):
         if h.sha256 != expected[rel]["sha256"]:
-            raise CheckpointRejected(f"checkpoint {version}: {rel}: sha256 mismatch")
+            raise CheckpointDamaged(f"checkpoint {version}: {rel}: sha256 mismatch", store_pb2.VERDICT_CORRUPT, rel)
 
 
 def _write_durable(path: Path, data: bytes) -> None:

@@ -16,6 +16,14 @@ Each acknowledged record has been written and flushed to the OS (a batch of one:
 stream lasts the whole run, so records cannot wait for the stream to end). Not fsynced:
 metrics are observations, not the training state.
 
+Written once: a rank holds each record until the store acknowledged it and resends what was
+not acknowledged after a reconnect (a store restart, a broken stream), so a record may arrive
+twice. A record whose JSONL line is identical to one of the job's last ``RECENT_LINES`` lines
+is acknowledged (``records`` 0) and not written again, nor counted in Prometheus. The line is
+the record's identity: a resend is byte-identical, while a step replayed after a recovery is
+a new record (its ``unix_time`` and timings differ) and is written. After a store restart the
+recent lines are read back from the end of the job's file (its last ``RECENT_TAIL_BYTES``).
+
 Prometheus (names per the Prometheus conventions: base units, ``_total`` for counters):
 ``surge_train_loss``, ``surge_learning_rate``, ``surge_grad_norm``,
 ``surge_tokens_per_second``, ``surge_step_seconds`` (last step),
@@ -28,9 +36,12 @@ Prometheus (names per the Prometheus conventions: base units, ``_total`` for cou
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import threading
+from collections import deque
 from pathlib import Path
 from typing import IO, Any
 
@@ -41,6 +52,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from services.contract import engine_pb2, store_pb2
 
 PHASES = ("data_wait", "forward", "backward", "reduction", "optimizer")
+RECENT_LINES = 1 << 18        # per job: lines remembered to recognise a resent record
+RECENT_TAIL_BYTES = 64 << 20  # read back from a job's file after a restart
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # it names a file
 
 
@@ -84,6 +97,7 @@ class MetricsLogger:
         self._dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._files: dict[str, IO[str]] = {}
+        self._recent: dict[str, _Recent] = {}
         self._series: dict[tuple[str, int], _Series] = {}
         self._metrics = _define(registry if registry is not None else CollectorRegistry())
 
@@ -96,7 +110,8 @@ class MetricsLogger:
             ValueError: ``job_id`` is not a safe file name.
             OSError: the JSONL file could not be written (nothing was acknowledged).
         """
-        self._persist("step", msg)
+        if not self._persist("step", msg):
+            return store_pb2.MetricsAck(records=0)  # a resend of a record already written
         s = self._series_of(msg.job_id, msg.rank)
         s.loss.set(msg.loss)
         s.lr.set(msg.learning_rate)
@@ -126,7 +141,8 @@ class MetricsLogger:
             ValueError: ``job_id`` is not a safe file name.
             OSError: the JSONL file could not be written (nothing was acknowledged).
         """
-        self._persist("eval", msg)
+        if not self._persist("eval", msg):
+            return store_pb2.MetricsAck(records=0)
         s = self._series_of(msg.job_id, msg.rank)
         s.eval_loss.set(msg.loss)
         s.eval_seconds.set(msg.seconds)
@@ -142,7 +158,8 @@ class MetricsLogger:
 
     # ------------------------------------------------------------------ internals
 
-    def _persist(self, kind: str, msg: Message) -> None:
+    def _persist(self, kind: str, msg: Message) -> bool:
+        """Write the record's line unless the job's recent lines hold it; True if written."""
         fields = json_format.MessageToDict(
             msg,
             preserving_proto_field_name=True,
@@ -151,20 +168,65 @@ class MetricsLogger:
         )
         line = json.dumps({"type": kind, **fields}, separators=(",", ":")) + "\n"
         job = msg.job_id
+        key = hashlib.blake2b(line.encode(), digest_size=16).digest()
         with self._lock:
             f = self._files.get(job)
             if f is None:
                 if not _JOB_ID.match(job):
                     raise ValueError(f'metrics: job_id "{job}": must match {_JOB_ID.pattern}')
-                f = self._files[job] = open(self._dir / f"{job}.jsonl", "a", encoding="utf-8")
+                path = self._dir / f"{job}.jsonl"
+                recent = self._recent[job] = _Recent()
+                for old in _tail_lines(path, RECENT_TAIL_BYTES):
+                    recent.add(hashlib.blake2b(old, digest_size=16).digest())
+                f = self._files[job] = open(path, "a", encoding="utf-8")
+            recent = self._recent[job]
+            if key in recent:
+                return False
             f.write(line)
             f.flush()
+            recent.add(key)
+            return True
 
     def _series_of(self, job: str, rank: int) -> _Series:
         s = self._series.get((job, rank))
         if s is None:  # a benign race: two threads may build the same children; labels() is idempotent
             s = self._series[(job, rank)] = _Series(self._metrics, job, str(rank))
         return s
+
+
+class _Recent:
+    """The keys of a job's last RECENT_LINES lines (a set with a FIFO bound)."""
+
+    def __init__(self) -> None:
+        self._order: deque[bytes] = deque()
+        self._keys: set[bytes] = set()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._keys
+
+    def add(self, key: bytes) -> None:
+        if key in self._keys:
+            return
+        self._order.append(key)
+        self._keys.add(key)
+        if len(self._order) > RECENT_LINES:
+            self._keys.discard(self._order.popleft())
+
+
+def _tail_lines(path: Path, limit: int) -> list[bytes]:
+    """The complete lines (with their newline) among the last ``limit`` bytes of ``path``."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            start = max(0, size - limit)
+            f.seek(start)
+            data = f.read()
+    except FileNotFoundError:
+        return []
+    lines = data.splitlines(keepends=True)
+    if start > 0 and lines:
+        lines = lines[1:]  # began mid-line
+    return [x for x in lines if x.endswith(b"\n")][-RECENT_LINES:]
 
 
 def _define(reg: CollectorRegistry) -> dict[str, Any]:

@@ -12,6 +12,12 @@ with PERMISSION_DENIED and counted in ``surge_boundary_violations_total``; the v
 report rides in the trailing metadata, so the caller reports it up (this process has no
 channel up).
 
+``WatchCheckpoints`` is a subscription: the relay stands in for the remote L1-1 as the
+receiver of L5-1's ``CheckpointCorrupt`` events and fans each one out to the open watch
+streams (each with a bounded queue; a watcher that falls 1000 events behind loses the oldest,
+counted in the log). ``Record`` answers each record with its own ``MetricsAck`` (``seq``
+echoed), so the rank can forget what the store has written.
+
 Errors become one-line gRPC statuses: INVALID_ARGUMENT (bad job id, version form, empty
 record), NOT_FOUND (unknown version), FAILED_PRECONDITION (no open save, verification
 failed), PERMISSION_DENIED (route), INTERNAL (I/O failure, with the OS error).
@@ -19,6 +25,8 @@ failed), PERMISSION_DENIED (route), INTERNAL (I/O failure, with the OS error).
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -28,9 +36,12 @@ from google.protobuf.message import Message
 from services.contract import Module, store_pb2, store_pb2_grpc
 from services.contract.audit import abort_with_violation
 from services.contract.bus import BoundaryViolation, CommandPort
-from services.store.checkpoint_manager import CheckpointNotFound, CheckpointRejected
+from services.store.checkpoint_manager import CheckpointDamaged, CheckpointNotFound, CheckpointRejected
 
 SENDER_METADATA = "surge-sender"
+# Trailing metadata of a Load refused for a damaged version: its StoreFailureCause name.
+STORE_CAUSE_METADATA = "surge-store-cause"
+_DAMAGE_CAUSE = {store_pb2.VERDICT_CORRUPT: "CORRUPT", store_pb2.VERDICT_MISSING_FILE: "MISSING_FILE"}
 CKPT, METRICS = Module.L5_CHECKPOINT_MANAGER, Module.L5_METRICS_LOGGER
 
 # The module that usually calls each RPC (the rank's training loop relays its own commands).
@@ -40,8 +51,12 @@ DEFAULT_SENDERS: dict[str, int] = {
     "Load": Module.L2_TRAINING_LOOP,
     "List": Module.EXT_USER,
     "Verify": Module.L1_RECOVERY_CONTROLLER,
+    "Scrub": Module.L1_ORCHESTRATOR,
+    "WatchCheckpoints": Module.L1_ORCHESTRATOR,
     "Record": Module.L2_TRAINING_LOOP,
 }
+WATCH_QUEUE = 1000
+_WATCH_POLL_S = 1.0  # how often an idle watch stream checks that its caller is still there
 
 
 class StoreRelay(store_pb2_grpc.StoreServiceServicer):
@@ -58,6 +73,20 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         self._ports = dict(ports)
         self._log = log
         self._check = check
+        self._watch_lock = threading.Lock()
+        self._watchers: list[tuple[str, queue.Queue]] = []
+
+    # ------------------------------------------------------------------ as the remote L1-1
+
+    def on_checkpoint_corrupt(self, msg: store_pb2.CheckpointCorrupt, payload: Any = None) -> None:
+        """L1_ORCHESTRATOR receiver (standing in for control): queue the event on every
+        watch stream of its job (or of every job)."""
+        self._log.warning("checkpoint_corrupt", version=msg.version, step=msg.step,
+                          cause=store_pb2.StoreFailureCause.Name(msg.cause), reason=msg.reason)
+        with self._watch_lock:
+            watchers = [q for job, q in self._watchers if not job or job == msg.job_id]
+        for q in watchers:
+            _put_dropping_oldest(q, msg)
 
     def BeginSave(self, request: store_pb2.SaveCheckpoint, context: grpc.ServicerContext) -> Message:
         return self._relay("BeginSave", CKPT, request, context)
@@ -80,16 +109,42 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         self._log.info("checkpoints_verified", job=reply.job_id, versions=len(reply.versions), bad=bad)
         return reply
 
-    def Record(self, request_iterator: Iterator[store_pb2.MetricRecord], context: grpc.ServicerContext) -> Message:
+    def Scrub(self, request: store_pb2.ScrubCheckpoints, context: grpc.ServicerContext) -> Message:
+        reply = self._relay("Scrub", CKPT, request, context)
+        self._log.info("checkpoints_scrubbed", job=reply.job_id, versions=len(reply.versions),
+                       newly_corrupt=[c.version for c in reply.newly_corrupt], seconds=round(reply.seconds, 3))
+        return reply
+
+    def WatchCheckpoints(self, request: store_pb2.WatchCheckpointsRequest,
+                         context: grpc.ServicerContext) -> Iterator[store_pb2.CheckpointCorrupt]:
+        """Every version recorded corrupt now (L5-1's answer to the subscription), then each
+        one found from here on, until the caller cancels."""
+        q: queue.Queue = queue.Queue(maxsize=WATCH_QUEUE)
+        entry = (request.job_id, q)
+        with self._watch_lock:
+            self._watchers.append(entry)  # before the snapshot: nothing found in between is missed
+        try:
+            sender = self._sender("WatchCheckpoints", context)
+            now = self._send(sender, CKPT, request, context, payload_reply=True)
+            yield from now
+            while context.is_active():
+                try:
+                    yield q.get(timeout=_WATCH_POLL_S)
+                except queue.Empty:
+                    continue
+        finally:
+            with self._watch_lock:
+                self._watchers.remove(entry)
+
+    def Record(self, request_iterator: Iterator[store_pb2.MetricRecord],
+               context: grpc.ServicerContext) -> Iterator[store_pb2.MetricsAck]:
         sender = self._sender("Record", context)
-        records = 0
         for i, rec in enumerate(request_iterator):
             which = rec.WhichOneof("record")
             if which is None:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"metric record #{i}: empty (set step or eval)")
             ack = self._send(sender, METRICS, getattr(rec, which), context)
-            records += ack.records
-        return store_pb2.MetricsAck(records=records)
+            yield store_pb2.MetricsAck(records=ack.records, seq=rec.seq)
 
     # ------------------------------------------------------------------ internals
 
@@ -105,7 +160,9 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{SENDER_METADATA}: unknown module {value!r}")
         return DEFAULT_SENDERS[rpc]
 
-    def _send(self, sender: int, receiver: int, msg: Message, context: grpc.ServicerContext) -> Message:
+    def _send(self, sender: int, receiver: int, msg: Message, context: grpc.ServicerContext,
+              payload_reply: bool = False) -> Any:
+        """The receiver's reply message (its payload instead, with ``payload_reply``)."""
         name = msg.DESCRIPTOR.name
         port = self._ports.get((sender, receiver))
         try:
@@ -116,13 +173,16 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
                     grpc.StatusCode.PERMISSION_DENIED,
                     f"{Module.Name(sender)} may not command {Module.Name(receiver)} ({name})",
                 )
-            reply = port(msg).message
+            answer = port(msg)
+            reply = answer.payload if payload_reply else answer.message
         except BoundaryViolation as e:
             abort_with_violation(context, e, "store")
         except CheckpointNotFound as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except CheckpointRejected as e:
             self._log.warning("checkpoint_rejected", request=name, error=str(e))
+            if isinstance(e, CheckpointDamaged):  # the typed verdict rides along; never parse the text
+                context.set_trailing_metadata(((STORE_CAUSE_METADATA, _DAMAGE_CAUSE[e.cause]),))
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -131,3 +191,15 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"store: {name}: {e}")
         assert reply is not None, f"{name} handler returned no reply"
         return reply
+
+
+def _put_dropping_oldest(q: queue.Queue, item: Any) -> None:
+    while True:
+        try:
+            q.put_nowait(item)
+            return
+        except queue.Full:
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                pass

@@ -93,6 +93,7 @@ _UP = {
     engine_pb2.StepCompleted: "step",
     engine_pb2.EvalCompleted: "eval",
     store_pb2.SaveCompleted: "saved",
+    store_pb2.SnapshotFailed: "snapshot_failed",  # from the checkpoint relay: a save or load the store could not do
     engine_pb2.TrainingLoopPaused: "paused",
     engine_pb2.TrainingLoopFinished: "finished",
     engine_pb2.TrainingLoopFailed: "failed",

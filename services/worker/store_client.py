@@ -1,17 +1,22 @@
 """The rank's relay of the L5 store service (checkpoint manager and metrics logger).
 
 Metrics (as L5_METRICS_LOGGER): every ``StepCompleted`` / ``EvalCompleted`` becomes a
-``MetricRecord`` on one long-lived ``StoreService.Record`` client stream, fed by a
-background thread from a bounded queue. Nothing on the step path waits for the store: a
-full queue drops its oldest record (counted), an unreachable store is retried with backoff.
+``MetricRecord`` (numbered ``seq`` 1, 2, ...) on one long-lived bidirectional
+``StoreService.Record`` stream, fed by a background thread. Nothing on the step path waits
+for the store. A record is held until the store's ``MetricsAck`` for its ``seq`` arrives;
+when the stream breaks (store restarted, stopped, unreachable) the thread reconnects with
+backoff and resends every record not yet acknowledged, in order (the store writes a resent
+record once). The held records are bounded (``METRICS_BUFFER``): past it the oldest is
+dropped, counted and logged.
 
 Checkpoints (as L5_CHECKPOINT_MANAGER), for the loop's commands:
     SaveCheckpoint (payload: {"model", "optim", "train"} Stateful handles; every rank, at
-        the same step) -> wait for this rank's previous save to settle -> barrier (every
-        rank's previous save, and its commit, are done: the manager holds one open save per
-        job) -> ``BeginSave`` (all ranks get the same staging directory) -> a
-        torch.distributed.checkpoint save of the payload into it -> SaveStaged, whose
-        ``seconds`` is how long the loop was blocked.
+        the same step) -> wait for this rank's previous write (and, on the committing rank,
+        up to ``STORE_RPC_TIMEOUT_S`` for its commit) -> the ranks agree that every previous
+        save settled (an all-reduce on a gloo group of the relay's own: the manager holds
+        one open save per job) -> ``BeginSave`` (all ranks get the same staging directory)
+        -> the ranks agree that every rank got it -> a torch.distributed.checkpoint save of
+        the payload into it -> SaveStaged, whose ``seconds`` is how long the loop was blocked.
         ``write_async``: ``dcp.async_save`` copies the state to host memory (the only part
         the loop waits for) and writes it from a background thread. Its collectives (plan
         exchange, the gather of write results, rank 0 writing ``.metadata``) run on a
@@ -23,12 +28,25 @@ Checkpoints (as L5_CHECKPOINT_MANAGER), for the loop's commands:
         only after it gathered every rank's write results and wrote ``.metadata``, so every
         shard of every rank is on disk when the manager hashes it. The reply is then None.
     FlushCheckpoint -> returns once this rank's pending write (and commit) is done; the
-        loop sends it before it reports its end. A failed background write or commit is
-        raised here or at the next SaveCheckpoint (CheckpointError).
-    LoadCheckpoint (payload: the same handles) -> ``Load`` (the manager verifies the
-        version; a version that fails is FAILED_PRECONDITION -> CheckpointIntegrityError,
-        fault class ``checkpoint_integrity``) -> DCP load into the handles, unpickling
-        nothing but plain data (``services.compute.inference.safe_load``).
+        loop sends it before it reports its end. A failed background write or a refused
+        commit is raised here or at the next SaveCheckpoint (CheckpointError). A final
+        commit that could not reach the store is retried for ``FLUSH_RETRY_S``.
+    LoadCheckpoint (payload: the same handles) -> ``Load`` (the store checks the version's
+        recorded verdict and manifest; a refusal is FAILED_PRECONDITION ->
+        CheckpointIntegrityError, fault class ``checkpoint_integrity``) -> DCP load into the
+        handles, unpickling nothing but plain data (``services.compute.inference.safe_load``)
+        and checking each file's SHA-256 against the manifest as it is read: a mismatch or a
+        missing file is a CheckpointIntegrityError naming the file.
+
+A store outage is not a training fault. When ``BeginSave`` or ``CommitSave`` fails with
+UNAVAILABLE (cause UNREACHABLE) or DEADLINE_EXCEEDED (TIMEOUT), or the previous commit is
+still waiting for the store, the save is skipped (every rank agrees; nothing half-written is
+committed: a staging directory is only ever committed whole, and the next save's BeginSave
+removes it), training goes on, the next interval saves again, and the rank that commits
+publishes ``SnapshotFailed{operation "save", cause, step}`` up its session (one per failed
+save). Causes are read from the gRPC status code, never from an error's text. A refused
+``BeginSave`` (the store busy committing, an I/O error) is skipped the same way (cause
+REJECTED); a refused commit still fails the rank (the staged files are inconsistent).
 
 Checkpoint layout (DCP keys, flattened with dots): ``model.<param FQN>`` (e.g.
 ``model.blocks.0.attn.q.weight``), ``optim.state.<param FQN>.{exp_avg,exp_avg_sq,step}``,
@@ -41,15 +59,21 @@ store returned).
 
 from __future__ import annotations
 
-import queue
+import collections
+import concurrent.futures
+import hashlib
+import json
+import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import grpc
 import structlog
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -59,11 +83,26 @@ from services.compute.inference import safe_load
 from services.contract import engine_pb2, store_pb2, store_pb2_grpc
 from services.contract.bus import Emitter
 
-BEGIN_TIMEOUT_S = 60.0
-COMMIT_TIMEOUT_S = 600.0   # the manager hashes every file
-LOAD_TIMEOUT_S = 600.0
-METRICS_QUEUE = 4096
-_CLOSE = object()
+def _env_seconds(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name) or default)
+    except ValueError:
+        return default
+
+
+# BeginSave (a mkdir in the store) and how long a new save waits for the previous commit:
+# the loop is blocked meanwhile, so this stays well under the stall deadline.
+STORE_RPC_TIMEOUT_S = _env_seconds("SURGE_STORE_RPC_TIMEOUT_S", 10.0)
+COMMIT_TIMEOUT_S = 600.0   # the manager hashes every file (in the background: the loop trains on)
+LOAD_TIMEOUT_S = 60.0      # the store re-hashes nothing at load: the reader checks digests
+FLUSH_RETRY_S = _env_seconds("SURGE_CHECKPOINT_FLUSH_RETRY_S", 60.0)  # the final commit, store down
+METRICS_BUFFER = 100_000   # metric records held until the store acknowledged them
+STORE_CAUSE_METADATA = "surge-store-cause"  # trailing metadata of a refused Load (the store's verdict)
+# gRPC status -> the typed cause of a store that could not be asked (never read from text).
+OUTAGE_CAUSES = {
+    grpc.StatusCode.UNAVAILABLE: store_pb2.UNREACHABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: store_pb2.TIMEOUT,
+}
 log = structlog.get_logger()
 
 
@@ -71,33 +110,57 @@ class CheckpointError(RuntimeError):
     fault_class = "checkpoint_error"
 
 
+class StoreUnavailable(CheckpointError):
+    """The store could not be asked: ``cause`` UNREACHABLE (UNAVAILABLE) or TIMEOUT
+    (DEADLINE_EXCEEDED)."""
+
+    def __init__(self, message: str, cause: int):
+        super().__init__(message)
+        self.cause = cause
+
+
 class CheckpointIntegrityError(CheckpointError):
-    """The store refused to load a version whose files fail verification; the orchestrator
-    picks another (``StoreService.Verify`` says which are intact)."""
+    """A version's files do not match its manifest (the store refused it by its recorded
+    verdict, or this rank's read found a file's digest wrong or the file gone); the
+    orchestrator picks another (``StoreService.Verify`` says which are intact). ``cause``:
+    ``store_pb2.CORRUPT`` or ``store_pb2.MISSING_FILE``; ``file``: the file, when known."""
 
     fault_class = "checkpoint_integrity"
+
+    def __init__(self, message: str, cause: int = store_pb2.CORRUPT, file: str = ""):
+        super().__init__(message)
+        self.cause, self.file = cause, file
 
 
 class StoreClient:
     """Relay for L5_CHECKPOINT_MANAGER and L5_METRICS_LOGGER inside a rank process."""
 
     def __init__(self, address: str, checkpoint_events: Emitter,
-                 on_error: Callable[[grpc.RpcError], None] | None = None):
+                 on_error: Callable[[grpc.RpcError], None] | None = None,
+                 metrics_buffer: int = METRICS_BUFFER):
         self._address = address
         self._on_error = on_error
         self._emit = checkpoint_events
         self._channel = channel(address)
         self._stub = store_pb2_grpc.StoreServiceStub(self._channel)
-        self._records: queue.Queue = queue.Queue(maxsize=METRICS_QUEUE)
+        # Metric records held until acknowledged: (seq, record), oldest first.
+        self._held: collections.deque[tuple[int, store_pb2.MetricRecord]] = collections.deque()
+        self._held_cond = threading.Condition()
+        self._held_max = metrics_buffer
+        self._seq = 0
         self._dropped = 0
         self._closing = threading.Event()
         self._sender = threading.Thread(target=self._send_metrics, name="metrics", daemon=True)
         self._sender.start()
         # Asynchronous saves: one thread waits for the write and sends the commit, in order.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-        self._pending: Future | None = None     # this rank's save in flight (write [+ commit])
-        self._write: Future | None = None       # its DCP write, until the commit is chained
+        self._write: Future | None = None       # the DCP write of the last save, until settled
+        self._chain: Future | None = None       # the same write, until rank 0 chains its commit on it
+        self._commit: Future | None = None      # rank 0: the background commit, until settled
+        self._failed_commit: store_pb2.CommitCheckpoint | None = None  # last commit that could not reach the store
+        self._skipped_step: int | None = None   # the save of this step was skipped: nothing to commit
         self._group: Any = None                 # the checkpoint's own gloo group (async saves)
+        self._agree_group: Any = None           # the ranks' agreement on a save (main thread only)
 
     # ------------------------------------------------------------------ metrics (L5-2)
 
@@ -107,27 +170,51 @@ class StoreClient:
     def on_eval_completed(self, msg: engine_pb2.EvalCompleted, payload: Any = None) -> None:
         self._enqueue(store_pb2.MetricRecord(eval=msg))
 
+    @property
+    def held_records(self) -> int:
+        """Metric records not yet acknowledged by the store."""
+        with self._held_cond:
+            return len(self._held)
+
     # ------------------------------------------------------------------ checkpoints (L5-1)
 
     def save_checkpoint(self, msg: store_pb2.SaveCheckpoint, payload: dict[str, Any]) -> store_pb2.SaveStaged:
         """Write this rank's part of step ``msg.step`` (in the background if
-        ``msg.write_async``). Collective: every rank calls it at the same step.
+        ``msg.write_async``), or skip the save when the store cannot be asked (every rank
+        skips together; SnapshotFailed goes up). Collective: every rank calls it at the same
+        step.
 
         Raises:
-            CheckpointError: the previous save failed in the background, or the store
-                refused to open this one.
+            CheckpointError: the previous save's write failed, or its commit was refused.
         """
         t0 = time.perf_counter()
-        self._settle()
-        distributed = dist.is_initialized()
-        if distributed:
-            dist.barrier()  # every rank's previous save settled: its commit is done
-        staged = self._rpc("BeginSave", self._stub.BeginSave, msg, BEGIN_TIMEOUT_S)
+        self._skipped_step = None
+        self._failed_commit = None  # a new save supersedes a commit that never reached the store
+        self._settle_write()
+        failure = self._commit_settled(STORE_RPC_TIMEOUT_S)
+        cause = self._agree(failure[0] if failure else 0)  # every rank's previous save settled
+        staged = None
+        if not cause:
+            try:
+                staged = self._rpc("BeginSave", self._stub.BeginSave, msg, STORE_RPC_TIMEOUT_S)
+            except StoreUnavailable as e:
+                failure = (e.cause, str(e))
+            except CheckpointError as e:  # refused (busy committing, an I/O error): nothing written yet
+                failure = (store_pb2.REJECTED, str(e))
+            cause = self._agree(failure[0] if failure else 0)  # every rank has the staging directory
+        if cause:
+            self._skipped_step = msg.step
+            reason = failure[1] if failure else f"another rank could not stage step {msg.step}"
+            log.warning("checkpoint_save_skipped", step=msg.step, cause=store_pb2.StoreFailureCause.Name(cause),
+                        reason=reason)
+            if msg.rank == 0:
+                self._report("save", cause, reason, step=msg.step, job_id=msg.job_id, rank=msg.rank)
+            return store_pb2.SaveStaged(job_id=msg.job_id, step=msg.step, seconds=time.perf_counter() - t0)
         if msg.write_async:
-            if distributed and self._group is None:
+            if dist.is_initialized() and self._group is None:
                 self._group = dist.new_group(backend="gloo")  # collective: same point on every rank
-            self._write = dcp.async_save(payload, checkpoint_id=staged.staging_path, process_group=self._group)
-            self._pending = self._writer.submit(self._write.result)
+            self._write = self._chain = dcp.async_save(payload, checkpoint_id=staged.staging_path,
+                                                        process_group=self._group)
         else:
             dcp.save(payload, checkpoint_id=staged.staging_path)
         staged.seconds = time.perf_counter() - t0
@@ -137,76 +224,170 @@ class StoreClient:
     def commit_checkpoint(self, msg: store_pb2.CommitCheckpoint, payload: Any = None) -> store_pb2.SaveCompleted | None:
         """Seal the save of ``msg.step`` (rank 0): now, after a synchronous write (reply
         SaveCompleted), or once the background write is done (reply None; SaveCompleted
-        goes up when the commit is). Raises CheckpointError for a refused synchronous commit."""
-        if self._write is None:
-            return self._commit(msg)
-        write, self._write = self._write, None
-        self._pending = self._writer.submit(self._commit_after, write, msg)
+        goes up when the commit is). A skipped save commits nothing; a commit that cannot
+        reach the store is reported (SnapshotFailed) and training goes on. Raises
+        CheckpointError for a refused synchronous commit."""
+        if self._skipped_step == msg.step:
+            return None
+        if self._chain is None:
+            return self._commit_now(msg)
+        write, self._chain = self._chain, None
+        self._commit = self._writer.submit(self._commit_after, write, msg)
         return None
 
     def flush_checkpoint(self, msg: store_pb2.FlushCheckpoint, payload: Any = None) -> None:
-        """Return once this rank's pending save (write, and commit on rank 0) is done.
+        """Return once this rank's pending save (write, and commit on rank 0) is done. A
+        last commit that could not reach the store is retried for ``FLUSH_RETRY_S`` (there
+        is no next interval); if the store stays away, the failure was reported and the
+        rank ends normally.
 
         Raises:
-            CheckpointError: that save failed.
+            CheckpointError: that save's write failed, or its commit was refused.
         """
-        self._settle()
+        self._settle_write()
+        self._commit_settled(None)
+        failed = self._failed_commit
+        deadline, backoff = time.monotonic() + FLUSH_RETRY_S, 0.5
+        while failed is not None and time.monotonic() < deadline:
+            time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
+            backoff = min(backoff * 2, 5.0)
+            try:
+                self._commit_now(failed, report=False)
+            except CheckpointError as e:  # refused now (e.g. the store lost the staging): reported, not fatal
+                self._report("save", store_pb2.REJECTED, str(e), step=failed.step, job_id=failed.job_id)
+                return
+            failed = self._failed_commit
 
     def load_checkpoint(self, msg: store_pb2.LoadCheckpoint, payload: dict[str, Any]) -> store_pb2.CheckpointLoaded:
-        """Load version ``msg.version`` (verified by the store first) into the handles.
+        """Load version ``msg.version`` into the handles, checking every file read against
+        the version's manifest as it is read.
 
         Raises:
-            CheckpointIntegrityError: the version fails verification (the store refused it).
-            CheckpointError: any other refusal (unknown version, store unreachable).
+            CheckpointIntegrityError: the store refused the version (recorded corrupt), or a
+                file this rank read differs from the manifest or is gone (named).
+            CheckpointError: any other refusal (unknown version, store unreachable), or a
+                version that does not fit this job.
         """
         t0 = time.perf_counter()
-        loaded = self._rpc("Load", self._stub.Load, msg, LOAD_TIMEOUT_S)
-        verified = time.perf_counter()
         try:
-            safe_load(payload, loaded.info.path)
+            loaded = self._rpc("Load", self._stub.Load, msg, LOAD_TIMEOUT_S)
+        except (StoreUnavailable, CheckpointIntegrityError) as e:
+            self._report("load", e.cause, str(e), version=msg.version)
+            raise
+        asked = time.perf_counter()
+        info = loaded.info
+        try:
+            digests = _manifest_digests(info)
+            safe_load(payload, info.path, digests=digests, what=f"checkpoint {info.version}")
+        except CheckpointIntegrityError as e:
+            self._report("load", e.cause, str(e), version=info.version)
+            raise
         except (Exception, CheckpointException) as e:  # e.g. another model's keys or shapes
-            raise CheckpointError(f"checkpoint {loaded.info.version}: cannot be loaded into this job: {_one_line(e)}") from None
-        log.info("checkpoint_loaded", version=loaded.info.version, step=loaded.info.step,
-                 verify_s=round(verified - t0, 4), read_s=round(time.perf_counter() - verified, 4))
+            bad = _digest_failure(e)
+            if bad is not None:
+                from_me, mismatch = bad
+                cause = store_pb2.MISSING_FILE if mismatch.missing else store_pb2.CORRUPT
+                if from_me:
+                    self._report("load", cause, str(mismatch), version=info.version)
+                raise CheckpointIntegrityError(str(mismatch), cause, mismatch.file) from None
+            raise CheckpointError(f"checkpoint {info.version}: cannot be loaded into this job: {_one_line(e)}") from None
+        log.info("checkpoint_loaded", version=info.version, step=info.step,
+                 ask_s=round(asked - t0, 4), read_verified_s=round(time.perf_counter() - asked, 4))
         return loaded
 
     def close(self, timeout: float = 5.0) -> None:
-        """Flush the metric stream (up to ``timeout`` seconds) and close the channel."""
+        """Send what is held (waiting up to ``timeout`` seconds for the store's acks) and
+        close the channel."""
+        deadline = time.monotonic() + timeout
+        with self._held_cond:
+            while self._held and time.monotonic() < deadline and self._sender.is_alive():
+                self._held_cond.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+            left = len(self._held)
         self._closing.set()
-        try:
-            self._records.put(_CLOSE, timeout=timeout)
-        except queue.Full:
-            pass
-        self._sender.join(timeout)
+        with self._held_cond:
+            self._held_cond.notify_all()
+        self._sender.join(max(0.0, deadline - time.monotonic()) + 0.5)
         self._writer.shutdown(wait=False, cancel_futures=True)
-        if self._dropped:
-            log.warning("metrics_dropped", records=self._dropped)
+        if self._dropped or left:
+            log.warning("metrics_dropped", records=self._dropped + left, over_bound=self._dropped,
+                        unacknowledged_at_exit=left)
         self._channel.close()
 
-    # ------------------------------------------------------------------ private
+    # ------------------------------------------------------------------ private: checkpoints
 
-    def _commit_after(self, write: Future, msg: store_pb2.CommitCheckpoint) -> store_pb2.SaveCompleted:
+    def _agree(self, cause: int) -> int:
+        """The largest failure cause over every rank (0: every rank is fine). Collective on
+        the relay's own gloo group, from the main thread only."""
+        if not dist.is_initialized():
+            return cause
+        if self._agree_group is None:
+            self._agree_group = dist.new_group(backend="gloo")  # collective: the first save, every rank
+        t = torch.tensor([int(cause)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._agree_group)
+        return int(t.item())
+
+    def _commit_after(self, write: Future, msg: store_pb2.CommitCheckpoint) -> store_pb2.SaveCompleted | None:
         write.result()  # a failed write (of any rank: DCP gathers them) is never committed
-        return self._commit(msg)
+        return self._commit_now(msg)
 
-    def _commit(self, msg: store_pb2.CommitCheckpoint) -> store_pb2.SaveCompleted:
-        done = self._rpc("CommitSave", self._stub.CommitSave, msg, COMMIT_TIMEOUT_S)
+    def _commit_now(self, msg: store_pb2.CommitCheckpoint, report: bool = True) -> store_pb2.SaveCompleted | None:
+        try:
+            done = self._rpc("CommitSave", self._stub.CommitSave, msg, COMMIT_TIMEOUT_S)
+        except StoreUnavailable as e:
+            self._failed_commit = msg  # its staging stays on disk: the final flush retries it
+            if report:
+                self._report("save", e.cause, f"{e}; training continues, saved again at the next interval",
+                             step=msg.step, job_id=msg.job_id)
+            return None
+        self._failed_commit = None
         self._emit(done)  # SaveCompleted up to L1
         log.info("checkpoint_committed", version=done.version, step=done.step, bytes=done.bytes,
                  commit_s=round(done.seconds, 4))
         return done
 
-    def _settle(self) -> None:
-        """Wait for this rank's save in flight; raise its failure as CheckpointError."""
-        pending, self._pending, self._write = self._pending, None, None
-        if pending is None:
+    def _settle_write(self) -> None:
+        """Wait for this rank's write in flight; raise its failure as CheckpointError."""
+        write, self._write = self._write, None
+        if write is None:
             return
         try:
-            pending.result()
-        except CheckpointError:
-            raise
+            write.result()
         except (Exception, CheckpointException) as e:  # the background write failed (disk full, a peer died)
             raise CheckpointError(f"checkpoint write failed: {_one_line(e)}") from None
+
+    def _commit_settled(self, wait_s: float | None) -> tuple[int, str] | None:
+        """Wait up to ``wait_s`` (None: as long as it takes) for rank 0's background
+        commit. Returns (TIMEOUT, reason) if it is still waiting for the store, else None.
+
+        Raises:
+            CheckpointError: the commit was refused, or the write under it failed.
+        """
+        commit = self._commit
+        if commit is None:
+            return None
+        try:
+            commit.result(timeout=wait_s)
+        except concurrent.futures.TimeoutError:
+            return store_pb2.TIMEOUT, f"the previous save's commit is still waiting for the store at {self._address}"
+        except CheckpointError:
+            self._commit = None
+            raise
+        except (Exception, CheckpointException) as e:
+            self._commit = None
+            raise CheckpointError(f"checkpoint write failed: {_one_line(e)}") from None
+        self._commit = None
+        return None
+
+    def _report(self, operation: str, cause: int, reason: str, *, step: int = 0, job_id: str = "",
+                rank: int = 0, version: str = "") -> None:
+        """SnapshotFailed up to L1 (RankEvent{snapshot_failed}); never raises."""
+        try:
+            self._emit(store_pb2.SnapshotFailed(
+                job_id=job_id or version.rpartition(":")[0], version=version, operation=operation,
+                reason=" ".join(reason.split())[:400], cause=cause, step=step, rank=rank,
+            ))
+        except Exception as e:  # noqa: BLE001 - a report must not turn a skipped save into a fault
+            log.error("snapshot_failed_not_reported", error=f"{type(e).__name__}: {e}")
 
     def _rpc(self, name: str, method, msg, timeout: float):
         try:
@@ -214,49 +395,119 @@ class StoreClient:
         except grpc.RpcError as e:
             if self._on_error is not None:
                 self._on_error(e)
+            code = e.code()
             details = " ".join((e.details() or "").split())
-            error = CheckpointError
-            if name == "Load" and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                error = CheckpointIntegrityError
-            raise error(f"store at {self._address}: {name}: {e.code().name}: {details}") from None
+            text = f"store at {self._address}: {name}: {code.name}: {details}"
+            if code in OUTAGE_CAUSES:
+                raise StoreUnavailable(text, OUTAGE_CAUSES[code]) from None
+            if name == "Load" and code == grpc.StatusCode.FAILED_PRECONDITION:
+                raise CheckpointIntegrityError(text, _refusal_cause(e)) from None
+            raise CheckpointError(text) from None
+
+    # ------------------------------------------------------------------ private: metrics
 
     def _enqueue(self, record: store_pb2.MetricRecord) -> None:
+        with self._held_cond:
+            self._seq += 1
+            record.seq = self._seq
+            self._held.append((self._seq, record))
+            if len(self._held) > self._held_max:
+                self._held.popleft()
+                self._dropped += 1
+                if self._dropped == 1 or self._dropped % 1000 == 0:
+                    log.warning("metrics_buffer_full", held=self._held_max, dropped=self._dropped)
+            self._held_cond.notify_all()
+
+    def _acked(self, seq: int) -> None:
+        with self._held_cond:
+            while self._held and self._held[0][0] <= seq:
+                self._held.popleft()
+            self._held_cond.notify_all()
+
+    def _records(self, stream_done: threading.Event):
+        """One stream's requests: every held record not sent on this stream yet (all of
+        them at first: a new stream resends what was not acknowledged), then new ones."""
+        sent = 0
         while True:
-            try:
-                self._records.put_nowait(record)
-                return
-            except queue.Full:
-                try:
-                    self._records.get_nowait()
-                    self._dropped += 1
-                except queue.Empty:
-                    pass
+            with self._held_cond:
+                while True:
+                    if stream_done.is_set() or self._closing.is_set():
+                        return
+                    if self._held and self._held[-1][0] > sent:  # held seqs are contiguous
+                        nxt = self._held[max(0, sent - self._held[0][0] + 1)][1]
+                        break
+                    self._held_cond.wait(0.5)
+            sent = nxt.seq
+            yield nxt
 
     def _send_metrics(self) -> None:
         backoff = 0.5
-        done = threading.Event()
-
-        def records():
-            while True:
-                item = self._records.get()
-                if item is _CLOSE:
-                    done.set()
-                    return
-                yield item
-
-        while not done.is_set():
+        while not self._closing.is_set():
+            done = threading.Event()
+            call = self._stub.Record(self._records(done))
             try:
-                self._stub.Record(records())
-                backoff = 0.5
+                for ack in call:
+                    self._acked(ack.seq)
+                    backoff = 0.5
+                if self._closing.is_set():
+                    return
             except grpc.RpcError as e:
-                if self._closing.is_set() and done.is_set():
+                if self._closing.is_set():
                     return
                 if self._on_error is not None:
                     self._on_error(e)
-                log.warning("metrics_stream_failed", store=self._address, code=e.code().name)
-                if self._closing.wait(backoff):
-                    return
-                backoff = min(backoff * 2, 10.0)
+                log.warning("metrics_stream_failed", store=self._address, code=e.code().name,
+                            held=self.held_records)
+            finally:
+                done.set()
+                call.cancel()
+                with self._held_cond:
+                    self._held_cond.notify_all()
+            if self._closing.wait(backoff):
+                return
+            backoff = min(backoff * 2, 5.0)
+
+
+def _manifest_digests(info: store_pb2.CheckpointInfo) -> dict[str, dict[str, Any]]:
+    """The manifest's files of a version (path -> {bytes, sha256}), once the manifest's own
+    SHA-256 matches the catalog's (``info.manifest_sha256``)."""
+    path = Path(info.path) / "manifest.json"
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointIntegrityError(f"checkpoint {info.version}: manifest.json: missing",
+                                       store_pb2.MISSING_FILE, "manifest.json") from None
+    if hashlib.sha256(data).hexdigest() != info.manifest_sha256:
+        raise CheckpointIntegrityError(f"checkpoint {info.version}: manifest.json: sha256 mismatch",
+                                       store_pb2.CORRUPT, "manifest.json")
+    return {f["path"]: f for f in json.loads(data)["files"]}
+
+
+def _digest_failure(e: BaseException):
+    """(raised on this rank, the ShardDigestMismatch) if ``e`` is one (or DCP's wrapping of
+    one, from any rank), else None."""
+    from services.compute.inference import ShardDigestMismatch
+
+    if isinstance(e, ShardDigestMismatch):
+        return True, e
+    if isinstance(e, CheckpointException):
+        me = dist.get_rank() if dist.is_initialized() else 0
+        found = sorted((r, exc) for r, (exc, _) in e.failures.items() if isinstance(exc, ShardDigestMismatch))
+        if found:
+            rank, exc = found[0]
+            return rank == me, exc
+    return None
+
+
+def _refusal_cause(e: grpc.RpcError) -> int:
+    """The store's typed verdict on a refused Load (trailing metadata), CORRUPT if absent."""
+    for key, value in (e.trailing_metadata() or ()):
+        if key == STORE_CAUSE_METADATA:
+            try:
+                return store_pb2.StoreFailureCause.Value(value)
+            except ValueError:
+                break
+    return store_pb2.CORRUPT
 
 
 def _one_line(e: BaseException) -> str:

@@ -145,6 +145,7 @@ class Outcome:
     start_step: int = -1
     finished: bool = False
     failed: list[engine_pb2.TrainingLoopFailed] = field(default_factory=list)
+    snapshot_failed: list[store_pb2.SnapshotFailed] = field(default_factory=list)  # typed store failures
     killed_after_step: int = 0
 
 
@@ -235,6 +236,8 @@ class Cluster:
                 out.finished = len(ended) == world
             elif kind == "failed":
                 out.failed.append(ev.failed)
+            elif kind == "snapshot_failed":
+                out.snapshot_failed.append(ev.snapshot_failed)
             if kill_after_saved and kill_after_saved in out.saved and out.losses and \
                     max(out.losses) > kill_after_saved and not out.killed_after_step:
                 out.killed_after_step = max(out.losses)
@@ -267,7 +270,8 @@ def versions_of(address: str, job: str) -> list[store_pb2.CheckpointInfo]:
         return list(stub.List(store_pb2.CheckpointQuery(job_id=job), timeout=30).checkpoints)
 
 
-def verify(address: str, job: str) -> list[store_pb2.CheckpointVerdict]:
+def verify(address: str, job: str, rehash: bool = False) -> list[store_pb2.CheckpointVerdict]:
+    """The store's verdicts: as recorded, or re-hashed now (and recorded) with ``rehash``."""
     ch, stub = store_stub(address)
     with ch:
-        return list(stub.Verify(store_pb2.VerifyCheckpoints(job_id=job), timeout=120).versions)
+        return list(stub.Verify(store_pb2.VerifyCheckpoints(job_id=job, rehash=rehash), timeout=120).versions)

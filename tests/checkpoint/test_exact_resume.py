@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from services.contract import store_pb2
 from services.data.prepare import prepare_dataset
 from services.jobspec import JobSpec
 
@@ -136,9 +137,14 @@ def test_a_job_killed_and_resumed_three_times_ends_bit_identical_to_one_never_in
     refused = cluster.run(job, spec(), resume=newest.version)
     assert not refused.finished and refused.losses == {}
     assert {f.fault_class for f in refused.failed} == {"checkpoint_integrity"}
-    assert all("sha256 mismatch" in f.detail and newest.version in f.detail for f in refused.failed)
-    # The orchestrator's choice: the newest version the store reports intact.
-    verdicts = verify(cluster.store_address, job)
+    # Found by the ranks' own read (the store re-hashed nothing at load), the file named,
+    # and reported with its typed cause.
+    assert all(f"{newest.version}: {shard.name}: sha256 mismatch" in f.detail for f in refused.failed)
+    assert {(s.operation, s.cause, s.version) for s in refused.snapshot_failed} == {
+        ("load", store_pb2.CORRUPT, newest.version)}
+    # The orchestrator's choice: the newest version the store reports intact once re-hashed.
+    assert verify(cluster.store_address, job)[-1].ok  # recorded at commit; nobody re-hashed it yet
+    verdicts = verify(cluster.store_address, job, rehash=True)
     assert [(v.info.version, v.ok) for v in verdicts][-1] == (newest.version, False)
     assert "sha256 mismatch" in verdicts[-1].reason
     good = [v.info for v in verdicts if v.ok][-1]

@@ -106,15 +106,20 @@ def test_a_writer_killed_at_any_moment_of_a_save_leaves_the_previous_version_loa
     assert list((root / "checkpoints" / "job" / ".staging").iterdir()) == []
     assert all(v.ok for v in verify(address, "job"))
 
-    # One flipped bit in a shard of the newest version: detected, refused, reported; the
-    # version before it still loads.
+    # One flipped bit in a shard of the newest version: a scrub finds it (a load re-hashes
+    # nothing: the reader checks digests as it reads), then it is refused and reported; the
+    # version before it still loads and is what latest names.
     newest = versions_of(address, "job")[-1]
     shard = flip_a_byte(newest.path)
     ch, stub = store_stub(address)
-    with ch, pytest.raises(grpc.RpcError) as refused:
-        stub.Load(store_pb2.LoadCheckpoint(version=newest.version), timeout=60)
+    with ch:
+        scrubbed = stub.Scrub(store_pb2.ScrubCheckpoints(job_id="job"), timeout=60)
+        assert [c.version for c in scrubbed.newly_corrupt] == [newest.version]
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Load(store_pb2.LoadCheckpoint(version=newest.version), timeout=60)
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert refused.value.details() == f"checkpoint {newest.version}: {shard.name}: sha256 mismatch"
+    assert load_back(address, "job:latest").step == max(good)
     verdicts = verify(address, "job")
     assert [(v.info.step, v.ok) for v in verdicts] == [(s, s != 99) for s in sorted(good | {99})]
     assert verdicts[-1].reason == refused.value.details()

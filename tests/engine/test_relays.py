@@ -37,6 +37,10 @@ class Data(data_pb2_grpc.DataServiceServicer):
 class Store(store_pb2_grpc.StoreServiceServicer):
     def __init__(self, root):
         self.root, self.records, self.commits = root, [], []
+        self.loads: dict[str, store_pb2.CheckpointInfo] = {}  # version -> what Load answers
+        self.streams = 0
+        self.received: list[tuple[int, int]] = []  # (stream number, record seq) of every record read
+        self.break_first_stream_after = 0  # > 0: the first Record stream acks 2 records, reads this many, fails
 
     def BeginSave(self, request, context):
         if request.step == 13:
@@ -49,19 +53,34 @@ class Store(store_pb2_grpc.StoreServiceServicer):
         self.commits.append(request.step)
         if request.step == 14:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "checkpoint j: step 14: x.distcp: changed while committing")
+        if request.step == 16:  # the store went away under the commit
+            context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
         return store_pb2.SaveCompleted(job_id=request.job_id, version=f"{request.job_id}:1", step=request.step)
 
     def Load(self, request, context):
+        if request.version in self.loads:
+            return store_pb2.CheckpointLoaded(info=self.loads[request.version])
         if request.version == "bad:1":
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "checkpoint bad:1: __0_0.distcp: sha256 mismatch")
         context.abort(grpc.StatusCode.NOT_FOUND, f"checkpoint {request.version} not found (have: none)")
 
     def Record(self, request_iterator, context):
-        n = 0
-        for rec in request_iterator:
+        self.streams += 1
+        first = self.streams == 1
+        for i, rec in enumerate(request_iterator):
+            self.received.append((self.streams, rec.seq))
+            if first and self.break_first_stream_after:
+                if i >= self.break_first_stream_after:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "store restarting")
+                self.records.append(rec)
+                if i < 2:
+                    yield store_pb2.MetricsAck(records=1, seq=rec.seq)
+                continue
+            if any(r.seq == rec.seq for r in self.records):
+                yield store_pb2.MetricsAck(records=0, seq=rec.seq)  # the real store writes a resend once
+                continue
             self.records.append(rec)
-            n += 1
-        return store_pb2.MetricsAck(records=n)
+            yield store_pb2.MetricsAck(records=1, seq=rec.seq)
 
 
 @pytest.fixture
@@ -121,6 +140,7 @@ def store_relay(address: str):
     bus.subscribe(M.L5_CHECKPOINT_MANAGER, store_pb2.FlushCheckpoint, client.flush_checkpoint)
     bus.subscribe(M.L5_CHECKPOINT_MANAGER, store_pb2.LoadCheckpoint, client.load_checkpoint)
     bus.subscribe(M.L1_ORCHESTRATOR, store_pb2.SaveCompleted, lambda m, p=None: up.append(m))
+    bus.subscribe(M.L1_ORCHESTRATOR, store_pb2.SnapshotFailed, lambda m, p=None: up.append(m))
     return client, bus.port(M.L2_TRAINING_LOOP, M.L5_CHECKPOINT_MANAGER), up
 
 
@@ -154,8 +174,14 @@ def test_a_checkpoint_is_written_to_the_staging_path_and_rank_0_commit_goes_up(s
     assert staged.staging_path == str(tmp_path / "staging") and (tmp_path / "staging" / ".metadata").exists()
     done = port(store_pb2.CommitCheckpoint(job_id="j", step=5, world_size=1)).message
     assert done.version == "j:1" and up == [done]
-    with pytest.raises(CheckpointError, match=r"^store at 127.0.0.1:\d+: BeginSave: RESOURCE_EXHAUSTED: disk full second line$"):
-        port(store_pb2.SaveCheckpoint(job_id="j", step=13, rank=0), {"model": weights})
+    # A refused BeginSave writes nothing and is no fault: skipped, reported (typed), no commit.
+    skipped = port(store_pb2.SaveCheckpoint(job_id="j", step=13, rank=0), {"model": weights}).message
+    assert skipped.staging_path == ""
+    assert port(store_pb2.CommitCheckpoint(job_id="j", step=13, world_size=1)).message is None
+    failed = up[-1]
+    assert (failed.operation, failed.cause, failed.step, failed.job_id) == ("save", store_pb2.REJECTED, 13, "j")
+    assert failed.reason.endswith("BeginSave: RESOURCE_EXHAUSTED: disk full second line")
+    assert server[1].commits == [5]
     client.close()
 
 
@@ -210,4 +236,102 @@ def test_a_background_write_that_fails_is_never_committed_and_is_raised_at_the_f
     with pytest.raises(CheckpointError, match="^checkpoint write failed: "):
         port(store_pb2.FlushCheckpoint(job_id="j"))
     assert store.commits == [] and up == []
+    client.close()
+
+
+def test_a_save_the_store_cannot_be_asked_for_is_skipped_and_reported_and_training_goes_on():
+    client, port, up = store_relay(f"127.0.0.1:{free_port()}")  # nothing listens there
+    t0 = time.perf_counter()
+    staged = port(store_pb2.SaveCheckpoint(job_id="j", step=20, rank=0), {"model": {"w": torch.ones(3)}}).message
+    assert staged.staging_path == "" and time.perf_counter() - t0 < 5
+    assert port(store_pb2.CommitCheckpoint(job_id="j", step=20, world_size=1)).message is None
+    (failed,) = up
+    assert (failed.operation, failed.cause, failed.step, failed.rank) == ("save", store_pb2.UNREACHABLE, 20, 0)
+    port(store_pb2.FlushCheckpoint(job_id="j"))  # nothing pending, nothing raised
+    client.close(timeout=1)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_background_commit_that_cannot_reach_the_store_is_reported_retried_at_the_flush_and_not_raised(
+        server, monkeypatch):
+    from services.worker import store_client
+
+    monkeypatch.setattr(store_client, "FLUSH_RETRY_S", 1.5)
+    address, store = server
+    client, port, up = store_relay(address)
+    port(store_pb2.SaveCheckpoint(job_id="j", step=16, rank=0, write_async=True), {"model": {"w": torch.ones(3)}})
+    assert port(store_pb2.CommitCheckpoint(job_id="j", step=16, world_size=1)).message is None
+    port(store_pb2.FlushCheckpoint(job_id="j"))  # retried for 1.5 s, then given up: not a fault
+    assert store.commits[0] == 16 and len(store.commits) >= 2  # the first try, then the flush's retries
+    assert [(u.operation, u.cause, u.step) for u in up] == [("save", store_pb2.UNREACHABLE, 16)]  # reported once
+    client.close()
+
+
+def test_metric_records_not_acknowledged_are_resent_after_the_stream_breaks(server):
+    address, store = server
+    store.break_first_stream_after = 5
+    client, _, _ = store_relay(address)
+    for step in range(1, 11):
+        client.on_step_completed(engine_pb2.StepCompleted(job_id="j", step=step, loss=1.0))
+    client.close(timeout=15)
+    # The first stream wrote 1..5 but acknowledged only 1 and 2: 3..10 came on the next one,
+    # and the store wrote each record once.
+    assert [seq for stream, seq in store.received if stream == 1][:5] == [1, 2, 3, 4, 5]
+    assert [seq for stream, seq in store.received if stream == 2] == list(range(3, 11))
+    assert [r.step.step for r in store.records] == list(range(1, 11))
+    assert store.streams == 2 and client.held_records == 0
+
+
+def test_the_metric_buffer_is_bounded_and_counts_what_it_drops():
+    from services.worker.store_client import StoreClient as SC
+
+    client = SC(f"127.0.0.1:{free_port()}", Bus().emitter(M.L5_CHECKPOINT_MANAGER), metrics_buffer=100)
+    for step in range(1, 251):
+        client.on_step_completed(engine_pb2.StepCompleted(job_id="j", step=step))
+    assert client.held_records == 100 and client._dropped == 150
+    assert [r.step.step for _, r in client._held][:1] == [151]  # the oldest went first
+    client.close(timeout=0.5)
+
+
+def _committed_version(tmp_path, job: str = "v"):
+    """A real committed version (DCP shards + manifest) made by the checkpoint manager."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from services.store.checkpoint_manager import CheckpointManager
+
+    manager = CheckpointManager(tmp_path / "store")
+    staged = manager.begin_save(store_pb2.SaveCheckpoint(job_id=job, step=3, rank=0)).staging_path
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": {"w": torch.arange(64.0)}}, checkpoint_id=staged)
+    done = manager.commit_save(store_pb2.CommitCheckpoint(job_id=job, step=3, world_size=1))
+    return manager.load(store_pb2.LoadCheckpoint(version=done.version)).info
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_load_checks_each_file_as_it_reads_it_and_names_the_one_that_differs(server, tmp_path):
+    from pathlib import Path
+
+    address, store = server
+    info = _committed_version(tmp_path)
+    store.loads[info.version] = info
+    client, port, up = store_relay(address)
+    into = {"model": {"w": torch.zeros(64)}}
+    assert port(store_pb2.LoadCheckpoint(version=info.version), into).message.info.version == "v:1"
+    assert torch.equal(into["model"]["w"], torch.arange(64.0))
+    shard = next(p for p in Path(info.path).iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointIntegrityError, match=f"^checkpoint v:1: {shard.name}: sha256 mismatch$") as e:
+        port(store_pb2.LoadCheckpoint(version=info.version), {"model": {"w": torch.zeros(64)}})
+    assert (e.value.fault_class, e.value.cause, e.value.file) == ("checkpoint_integrity", store_pb2.CORRUPT, shard.name)
+    shard.unlink()
+    with pytest.raises(CheckpointIntegrityError, match=f"^checkpoint v:1: {shard.name}: missing$") as e:
+        port(store_pb2.LoadCheckpoint(version=info.version), {"model": {"w": torch.zeros(64)}})
+    assert e.value.cause == store_pb2.MISSING_FILE
+    assert [(u.operation, u.cause, u.version) for u in up] == [
+        ("load", store_pb2.CORRUPT, "v:1"), ("load", store_pb2.MISSING_FILE, "v:1")]
     client.close()

@@ -224,32 +224,116 @@ def test_the_catalog_survives_a_restart(tmp_path):
 # ---------------------------------------------------------------------- load and verification
 
 
-def test_load_finds_one_changed_byte(manager):
-    done = save(manager, "demo-x", 3)
-    shard = Path(done.path) / "__0_0.distcp"
+def rehash(manager: CheckpointManager, job: str) -> list[tuple[str, bool, str]]:
+    report = manager.verify(store_pb2.VerifyCheckpoints(job_id=job, rehash=True))
+    return [(v.info.version, v.ok, v.reason) for v in report.versions]
+
+
+def test_commit_records_an_ok_verdict_and_when_in_the_catalog(manager):
+    import time
+
+    t0 = time.time()
+    done = save(manager, "a", 1)
+    (entry,) = json.loads((manager._dir / "catalog.json").read_text())["versions"]
+    assert (entry["verdict"], entry["reason"]) == ("ok", "")
+    assert t0 <= entry["verified_unix"] <= time.time()
+    info = load(manager, done.version)
+    assert (info.verdict, info.verified_unix) == (store_pb2.VERDICT_OK, entry["verified_unix"])
+
+
+def test_a_catalog_entry_from_before_verdicts_reads_as_ok_verified_at_its_commit(tmp_path):
+    first = CheckpointManager(tmp_path)
+    save(first, "a", 1)
+    catalog = tmp_path / "checkpoints" / "catalog.json"
+    raw = json.loads(catalog.read_text())
+    for key in ("verdict", "verified_unix", "reason"):
+        del raw["versions"][0][key]
+    catalog.write_text(json.dumps(raw))
+    (v,) = CheckpointManager(tmp_path).verify(store_pb2.VerifyCheckpoints(job_id="a")).versions
+    assert (v.ok, v.cause, v.verified_unix) == (True, store_pb2.VERDICT_OK, v.info.created_unix)
+
+
+def test_load_and_verify_rehash_nothing(manager, monkeypatch):
+    save(manager, "a", 1)
+    save(manager, "a", 2)
+
+    def no_hashing(path):
+        raise AssertionError(f"hashed {path}")
+
+    monkeypatch.setattr(cm, "_hash_one", no_hashing)
+    assert load(manager, "a:1").version == "a:1"
+    report = manager.verify(store_pb2.VerifyCheckpoints(job_id="a"))
+    assert [(v.info.version, v.ok, v.cause) for v in report.versions] == [
+        ("a:1", True, store_pb2.VERDICT_OK), ("a:2", True, store_pb2.VERDICT_OK)]
+
+
+def test_scrub_finds_one_flipped_byte_strikes_only_that_version_and_publishes_it_once(tmp_path):
+    published: list[store_pb2.CheckpointCorrupt] = []
+    manager = CheckpointManager(tmp_path, emit=published.append)
+    for step in (10, 20, 30):
+        save(manager, "demo-x", step)
+    save(manager, "other", 5)
+    shard = Path(load(manager, "demo-x:3").path) / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[17] ^= 0x01
     shard.write_bytes(bytes(data))
-    with pytest.raises(CheckpointRejected) as e:
-        load(manager, "demo-x:1")
-    assert str(e.value) == "checkpoint demo-x:1: __0_0.distcp: sha256 mismatch"
+    assert load(manager, "demo-x:3").version == "demo-x:3"  # before a scrub, nobody re-hashed it
+    done = manager.scrub(store_pb2.ScrubCheckpoints())
+    assert [(v.info.version, v.cause) for v in done.versions] == [
+        ("demo-x:1", store_pb2.VERDICT_OK), ("demo-x:2", store_pb2.VERDICT_OK),
+        ("demo-x:3", store_pb2.VERDICT_CORRUPT), ("other:1", store_pb2.VERDICT_OK)]
+    (found,) = done.newly_corrupt
+    assert (found.job_id, found.version, found.step, found.cause, found.reason) == (
+        "demo-x", "demo-x:3", 30, store_pb2.CORRUPT, "checkpoint demo-x:3: __0_0.distcp: sha256 mismatch")
+    assert published == [found]
+    # Recorded: the cheap verify says so, load refuses it, latest skips it; the others stand.
+    report = manager.verify(store_pb2.VerifyCheckpoints(job_id="demo-x"))
+    assert [(v.info.version, v.ok) for v in report.versions] == [("demo-x:1", True), ("demo-x:2", True), ("demo-x:3", False)]
+    with pytest.raises(CheckpointRejected, match="^checkpoint demo-x:3: __0_0.distcp: sha256 mismatch$"):
+        load(manager, "demo-x:3")
+    assert load(manager, "demo-x:latest").version == "demo-x:2"
+    assert load(manager, "latest").version == "other:1"
+    assert [c.version for c in manager.corrupt()] == ["demo-x:3"] and manager.corrupt("other") == []
+    # A second scrub finds it again but publishes nothing new; the verdict survives a restart.
+    assert list(manager.scrub(store_pb2.ScrubCheckpoints(job_id="demo-x")).newly_corrupt) == []
+    assert len(published) == 1
+    again = CheckpointManager(tmp_path)
+    assert load(again, "demo-x:latest").version == "demo-x:2"
+    assert [c.version for c in again.corrupt("demo-x")] == ["demo-x:3"]
 
 
-def test_load_finds_missing_extra_and_truncated_files_and_an_edited_manifest(manager):
+def test_rehash_finds_missing_extra_and_truncated_files_with_typed_causes(manager):
     path = Path(save(manager, "d", 1).path)
     (path / "stray.bin").write_bytes(b"?")
-    with pytest.raises(CheckpointRejected, match="^checkpoint d:1: stray.bin: not in the manifest$"):
-        load(manager, "d:1")
+    assert rehash(manager, "d") == [("d:1", False, "checkpoint d:1: stray.bin: not in the manifest")]
     (path / "stray.bin").unlink()
     (path / ".metadata").write_bytes(b"me")
-    with pytest.raises(CheckpointRejected, match=r"^checkpoint d:1: .metadata: size 2 bytes, manifest says 4$"):
-        load(manager, "d:1")
+    assert rehash(manager, "d") == [("d:1", False, "checkpoint d:1: .metadata: size 2 bytes, manifest says 4")]
     (path / ".metadata").unlink()
-    with pytest.raises(CheckpointRejected, match="^checkpoint d:1: .metadata: missing$"):
-        load(manager, "d:1")
+    assert rehash(manager, "d") == [("d:1", False, "checkpoint d:1: .metadata: missing")]
+    (v,) = manager.verify(store_pb2.VerifyCheckpoints(job_id="d")).versions
+    assert v.cause == store_pb2.VERDICT_MISSING_FILE
+    (path / ".metadata").write_bytes(b"meta")  # put back: the next re-hash records it ok again
+    assert rehash(manager, "d") == [("d:1", True, "")]
+    assert load(manager, "d:1").version == "d:1"
+
+
+def test_load_checks_the_manifest_against_the_catalog_and_records_what_it_finds(tmp_path):
+    published: list[store_pb2.CheckpointCorrupt] = []
+    manager = CheckpointManager(tmp_path, emit=published.append)
+    path = Path(save(manager, "d", 1).path)
     (path / "manifest.json").write_text((path / "manifest.json").read_text().replace('"step": 1', '"step": 2'))
-    with pytest.raises(CheckpointRejected, match="^checkpoint d:1: manifest.json: sha256 mismatch$"):
+    with pytest.raises(CheckpointRejected, match="^checkpoint d:1: manifest.json: sha256 mismatch$") as e:
         load(manager, "d:1")
+    assert e.value.cause == store_pb2.VERDICT_CORRUPT
+    assert [(c.version, c.cause) for c in published] == [("d:1", store_pb2.CORRUPT)]
+    (path / "manifest.json").unlink()
+    save(manager, "e", 1)
+    shutil_rm = Path(load(manager, "e:1").path) / "manifest.json"
+    shutil_rm.unlink()
+    with pytest.raises(CheckpointRejected, match="^checkpoint e:1: manifest.json: missing$") as e:
+        load(manager, "e:1")
+    assert e.value.cause == store_pb2.VERDICT_MISSING_FILE
 
 
 def test_load_of_an_unknown_version_names_the_versions_that_exist(manager):
@@ -300,30 +384,70 @@ def test_keep_every_also_keeps_the_versions_whose_step_is_a_multiple_of_it(manag
     assert sorted(p.name for p in (manager._dir / "a").iterdir() if not p.name.startswith(".")) == ["2", "4", "5", "6"]
 
 
+def test_retention_never_drops_the_newest_verified_version_nor_the_one_resumed_from(manager):
+    for step in (10, 20, 30):
+        save(manager, "a", step)
+    # a:3 goes bad: the newest verified version is a:2 from then on.
+    (Path(load(manager, "a:3").path) / ".metadata").write_bytes(b"mexa")
+    manager.scrub(store_pb2.ScrubCheckpoints(job_id="a"))
+    stage(manager, "a", 40, {"__0_0.distcp": b"40"})
+    manager.commit_save(store_pb2.CommitCheckpoint(job_id="a", step=40, world_size=1, keep_last=1,
+                                                   keep_versions=["a:1"]))
+    # keep_last=1 keeps a:4; a:2 is the newest verified before it... but a:4 is verified now,
+    # so the guard is a:4 itself; a:1 is kept because the ranks resumed from it.
+    assert versions(manager, "a") == ["a:1", "a:4"]
+
+
+def test_retention_keeps_the_newest_verified_version_when_the_newer_ones_are_corrupt(manager):
+    for step in (10, 20):
+        save(manager, "b", step)
+    (Path(load(manager, "b:2").path) / "__0_0.distcp").write_bytes(b"zz")
+    manager.scrub(store_pb2.ScrubCheckpoints(job_id="b"))
+    with manager._lock:  # what keep_last=1 would drop on the next commit
+        removed = manager._retain("b", keep_last=1)
+    assert versions(manager, "b") == ["b:1", "b:2"] and removed == []  # b:1 is the newest verified
+
+
 def test_keep_last_zero_keeps_every_version(manager):
     for step in (1, 2, 3):
         save(manager, "a", step, keep_last=0)
     assert versions(manager) == ["a:1", "a:2", "a:3"]
 
 
-def test_ranks_loading_one_version_at_once_all_get_the_same_verdict(manager):
+def test_concurrent_rehashes_of_one_version_share_one_verdict(manager):
     good, bad = save(manager, "a", 1), save(manager, "b", 1)
     (Path(bad.path) / "__0_0.distcp").write_bytes(b"b@1" * 100 + b"!")
-    results: dict[str, list] = {"a:1": [], "b:1": []}
+    results: dict[str, list] = {"a": [], "b": []}
 
-    def rank_loads(version):
-        try:
-            results[version].append(load(manager, version).manifest_sha256)
-        except CheckpointRejected as e:
-            results[version].append(str(e))
+    def scrub(job):
+        results[job].append(rehash(manager, job))
 
-    threads = [threading.Thread(target=rank_loads, args=(v,)) for v in ("a:1", "b:1") for _ in range(8)]
+    threads = [threading.Thread(target=scrub, args=(j,)) for j in ("a", "b") for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=30)
-    assert results["a:1"] == [good.manifest_sha256] * 8
-    assert results["b:1"] == ["checkpoint b:1: __0_0.distcp: size 301 bytes, manifest says 300"] * 8
+    assert results["a"] == [[("a:1", True, "")]] * 8
+    assert results["b"] == [[("b:1", False, "checkpoint b:1: __0_0.distcp: size 301 bytes, manifest says 300")]] * 8
+
+
+def test_the_background_scrub_runs_on_its_interval_and_stops(tmp_path):
+    import time
+
+    published: list[store_pb2.CheckpointCorrupt] = []
+    manager = CheckpointManager(tmp_path, emit=published.append)
+    done = save(manager, "a", 1)
+    manager.start_scrubbing(0.1)
+    try:
+        (Path(done.path) / ".metadata").write_bytes(b"mexa")
+        deadline = time.monotonic() + 10
+        while not published and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [c.version for c in published] == ["a:1"]
+    finally:
+        manager.close()
+    manager._scrubber.join(timeout=5)
+    assert not manager._scrubber.is_alive()
 
 
 # ---------------------------------------------------------------------- verify every version
@@ -334,13 +458,19 @@ def test_verify_reports_each_version_of_the_job_intact_or_why_not_and_chooses_no
         save(manager, "a", step)
     save(manager, "b", 1)
     (Path(load(manager, "a:2").path) / ".metadata").write_bytes(b"mexa")  # same size, other bytes
-    report = manager.verify(store_pb2.VerifyCheckpoints(job_id="a"))
+    cheap = manager.verify(store_pb2.VerifyCheckpoints(job_id="a"))
+    assert [v.ok for v in cheap.versions] == [True, True, True]  # recorded at commit; nothing re-hashed
+    report = manager.verify(store_pb2.VerifyCheckpoints(job_id="a", rehash=True))
     assert report.job_id == "a"
-    assert [(v.info.version, v.ok, v.reason) for v in report.versions] == [
-        ("a:1", True, ""), ("a:2", False, "checkpoint a:2: .metadata: sha256 mismatch"), ("a:3", True, "")]
+    assert [(v.info.version, v.ok, v.reason, v.cause) for v in report.versions] == [
+        ("a:1", True, "", store_pb2.VERDICT_OK),
+        ("a:2", False, "checkpoint a:2: .metadata: sha256 mismatch", store_pb2.VERDICT_CORRUPT),
+        ("a:3", True, "", store_pb2.VERDICT_OK)]
     assert versions(manager) == ["a:1", "a:2", "a:3", "b:1"]  # reported, nothing removed
     with pytest.raises(CheckpointRejected):
         load(manager, "a:2")
+    assert [(v.info.version, v.ok) for v in manager.verify(store_pb2.VerifyCheckpoints(job_id="a")).versions] == [
+        ("a:1", True), ("a:2", False), ("a:3", True)]  # the re-hash was recorded
     assert list(manager.verify(store_pb2.VerifyCheckpoints(job_id="none")).versions) == []
     with pytest.raises(ValueError, match='job_id "a/b"'):
         manager.verify(store_pb2.VerifyCheckpoints(job_id="a/b"))

@@ -113,3 +113,35 @@ def test_model_flops_per_token_is_6n_plus_the_attention_term():
     spec = JobSpec.model_validate({"name": "m", "steps": 10, "data": {"dataset": "x@v1", "seq_len": 256},
                                    "model": {"n_layers": 4, "d_model": 128, "n_heads": 4}})
     assert model_flops_per_token(spec, 824_448) == 6 * 824_448 + 12 * 4 * 128 * 256
+
+
+def test_a_resent_record_is_acknowledged_and_written_once_even_after_a_restart(tmp_path, registry):
+    first = MetricsLogger(tmp_path, registry=registry)
+    a, b = step(step=1, unix_time=100.5), step(step=2, unix_time=101.5)
+    assert [first.record_step(a).records, first.record_step(b).records] == [1, 1]
+    assert first.record_step(a).records == 0  # a resend after a reconnect
+    assert registry.get_sample_value("surge_train_steps_total", {"job": "demo", "rank": "0"}) == 2
+    evals = engine_pb2.EvalCompleted(job_id="demo", rank=0, step=2, loss=2.5, tokens=10, seconds=1.0)
+    assert [first.record_eval(evals).records, first.record_eval(evals).records] == [1, 0]
+    first.close()
+    second = MetricsLogger(tmp_path, registry=CollectorRegistry())  # a store restart
+    assert second.record_step(b).records == 0
+    replayed = step(step=2, unix_time=205.0)  # the same step run again after a recovery: a new record
+    assert second.record_step(replayed).records == 1
+    second.close()
+    assert [(g["type"], g["step"]) for g in lines(tmp_path)] == [("step", 1), ("step", 2), ("eval", 2), ("step", 2)]
+
+
+def test_the_tail_read_back_after_a_restart_skips_a_partial_first_line(tmp_path, monkeypatch):
+    from services.store import metrics_logger as ml
+
+    first = MetricsLogger(tmp_path, registry=CollectorRegistry())
+    recs = [step(step=i, unix_time=float(i)) for i in range(1, 40)]
+    for r in recs:
+        first.record_step(r)
+    first.close()
+    monkeypatch.setattr(ml, "RECENT_TAIL_BYTES", 2000)  # the tail starts mid-line
+    second = MetricsLogger(tmp_path, registry=CollectorRegistry())
+    assert second.record_step(recs[-1]).records == 0
+    assert second.record_step(recs[0]).records == 1  # beyond the tail read back: written again
+    second.close()

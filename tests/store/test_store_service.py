@@ -116,10 +116,14 @@ def test_save_commit_list_load_and_metrics_through_the_real_service(store):
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
         records = [
-            store_pb2.MetricRecord(step=engine_pb2.StepCompleted(job_id="it", rank=0, step=1, loss=4.5, tokens=64)),
-            store_pb2.MetricRecord(step=engine_pb2.StepCompleted(job_id="it", rank=0, step=2, loss=4.25, tokens=64)),
+            store_pb2.MetricRecord(step=engine_pb2.StepCompleted(job_id="it", rank=0, step=1, loss=4.5, tokens=64), seq=1),
+            store_pb2.MetricRecord(step=engine_pb2.StepCompleted(job_id="it", rank=0, step=2, loss=4.25, tokens=64), seq=2),
         ]
-        assert stub.Record(iter(records), timeout=10).records == 2
+        acks = list(stub.Record(iter(records), timeout=10))
+        assert [(a.records, a.seq) for a in acks] == [(1, 1), (1, 2)]
+        # A rank that reconnects resends what it holds: acknowledged again, written once.
+        again = list(stub.Record(iter(records), timeout=10))
+        assert [(a.records, a.seq) for a in again] == [(0, 1), (0, 2)]
 
     body = urllib.request.urlopen(f"http://127.0.0.1:{store.metrics_port}/metrics", timeout=10).read().decode()
     samples = {
@@ -151,3 +155,59 @@ def test_a_port_in_use_is_a_one_line_error_and_a_nonzero_exit(store, tmp_path):
         assert second.returncode == 2
         lines = err.decode().strip().splitlines()
         assert len(lines) == 1 and says in lines[0], err.decode()
+
+
+def test_scrub_watch_verify_and_load_of_a_corrupt_version_through_the_real_service(store):
+    import threading
+
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    with grpc.insecure_channel(f"127.0.0.1:{store.port}") as ch:
+        stub = store_pb2_grpc.StoreServiceStub(ch)
+        for step in (5, 10):
+            staged = stub.BeginSave(store_pb2.SaveCheckpoint(job_id="sc", step=step, rank=0), timeout=10)
+            with pytest.warns(UserWarning):
+                dcp.save({"w": torch.full((64,), float(step))}, checkpoint_id=staged.staging_path)
+            stub.CommitSave(store_pb2.CommitCheckpoint(job_id="sc", step=step, world_size=1), timeout=10)
+        watched: list[store_pb2.CheckpointCorrupt] = []
+        watch = stub.WatchCheckpoints(store_pb2.WatchCheckpointsRequest(job_id="sc"), timeout=60)
+
+        def follow():
+            try:
+                for event in watch:
+                    watched.append(event)
+            except grpc.RpcError:
+                pass
+
+        follower = threading.Thread(target=follow, daemon=True)
+        follower.start()
+        shard = next(p for p in (store.root / "checkpoints" / "sc" / "2").iterdir() if p.suffix == ".distcp")
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 0x40
+        shard.write_bytes(bytes(data))
+        cheap = stub.Verify(store_pb2.VerifyCheckpoints(job_id="sc"), timeout=10)
+        assert [v.cause for v in cheap.versions] == [store_pb2.VERDICT_OK] * 2  # recorded, not re-hashed
+        done = stub.Scrub(store_pb2.ScrubCheckpoints(job_id="sc"), timeout=30)
+        assert [(v.info.version, v.ok, v.cause) for v in done.versions] == [
+            ("sc:1", True, store_pb2.VERDICT_OK), ("sc:2", False, store_pb2.VERDICT_CORRUPT)]
+        assert [(c.version, c.step, c.cause) for c in done.newly_corrupt] == [("sc:2", 10, store_pb2.CORRUPT)]
+        for _ in range(100):
+            if watched:
+                break
+            threading.Event().wait(0.05)
+        assert [(c.version, c.cause) for c in watched] == [("sc:2", store_pb2.CORRUPT)]
+        watch.cancel()
+        # A new watcher hears of it first thing; the cheap verify and latest know it.
+        late = stub.WatchCheckpoints(store_pb2.WatchCheckpointsRequest(), timeout=10)
+        assert next(late).version == "sc:2"
+        late.cancel()
+        assert [v.ok for v in stub.Verify(store_pb2.VerifyCheckpoints(job_id="sc"), timeout=10).versions] == [True, False]
+        assert stub.Load(store_pb2.LoadCheckpoint(version="sc:latest"), timeout=10).info.version == "sc:1"
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Load(store_pb2.LoadCheckpoint(version="sc:2"), timeout=10)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert ("surge-store-cause", "CORRUPT") in tuple(e.value.trailing_metadata())
+        with pytest.raises(grpc.RpcError) as e:  # only the orchestrator may ask for a scrub
+            stub.Scrub(store_pb2.ScrubCheckpoints(), timeout=10, metadata=[("surge-sender", "EXT_USER")])
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
