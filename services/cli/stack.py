@@ -206,11 +206,17 @@ def _check_fixed_ports(fixed: set[str]) -> set[int]:
     return set(seen)
 
 
-def down(timeout_s: float = 10.0) -> list[str]:
-    """Stop every service of the stack (workers first, they stop their ranks). Returns names."""
+def down(timeout_s: float = 10.0, control_first: bool = False) -> list[str]:
+    """Stop every service of the stack (workers first, they stop their ranks). Returns names.
+
+    ``control_first`` (jobs were drained): control stops before anything else, so that the
+    ranks the workers then stop are never seen going (a drained job stays PAUSED, journaled
+    as drained, instead of being recovered); then the rest as usual."""
     procs = read_stack()
     if procs is None:
         return []
+    if control_first and "control" in procs:
+        _stop_all({"control": procs["control"]}, timeout_s)
     _stop_all(procs, timeout_s)
     stack_file().unlink(missing_ok=True)
     return list(procs)

@@ -69,8 +69,13 @@ def check_home() -> None:
 
 
 @app.command()
-def up(workers: int = typer.Option(2, min=1, help="node agents to start")) -> None:
-    """Start the local stack (control, store, data, workers) and wait until healthy.
+def up(
+    workers: int = typer.Option(2, min=1, help="node agents to start"),
+    resume_seconds: float = typer.Option(60.0, "--resume-seconds", min=0.0,
+                                         help="how long a drained job waits for its ranks to fit before up gives up on it"),
+) -> None:
+    """Start the local stack (control, store, data, workers) and wait until healthy; jobs
+    drained by `surgectl down` are resumed from their drain checkpoint.
 
     Example: surgectl up --workers 2
     """
@@ -81,16 +86,66 @@ def up(workers: int = typer.Option(2, min=1, help="node agents to start")) -> No
     render.console.print(f"stack is up; metrics: http://127.0.0.1:{procs['store'].metrics_port}/metrics "
                          "(every service serves its own, see above); `surgectl audit` shows the routes used",
                          soft_wrap=True)
+    from services.cli import drain
+
+    _, failed = drain.resume_drained(resume_seconds, _say)
+    for line in failed:
+        render.err_console.print(f"warning: drained job not resumed: {line} (`surgectl resume JOB` when it fits)",
+                                 markup=False, highlight=False, soft_wrap=True)
+
+
+def _say(text: str) -> None:
+    render.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()
-def down() -> None:
-    """Stop the local stack and every rank process it started.
+def down(
+    force: bool = typer.Option(False, "--force", help="stop at once: running jobs are not drained (they lose their "
+                                                       "steps since their last checkpoint)"),
+    drain_seconds: float = typer.Option(300.0, "--drain-seconds", min=0.0,
+                                        help="how long to wait for running jobs to checkpoint and pause"),
+) -> None:
+    """Stop the local stack and every rank process it started. Running jobs are drained
+    first: each checkpoints and pauses at a step boundary (journaled by control), and the
+    next `surgectl up` resumes them; `--force` skips that.
 
     Example: surgectl down
     """
-    stopped = stack.down()
+    drained = False
+    if not force and stack.read_stack():
+        drained = _drain_running_jobs(drain_seconds)
+    stopped = stack.down(control_first=drained)
     render.console.print(f"stopped {', '.join(stopped)}" if stopped else "no stack was running")
+
+
+def _drain_running_jobs(timeout_s: float) -> bool:
+    """Drain the live jobs of the local stack's control (if it answers). True if any was."""
+    import grpc
+
+    from services.cli import drain
+
+    try:
+        addr = clients.address("control")
+    except CliError:
+        return False
+    with clients.open_channel(addr) as ch:
+        stub = clients.new_stub("control", ch)
+        try:
+            jobs = drain.live_jobs(stub)
+        except grpc.RpcError:
+            render.err_console.print(f"control unreachable at {addr}: running jobs cannot be drained; stopping anyway",
+                                     markup=False, highlight=False, soft_wrap=True)
+            return False
+        if not jobs:
+            return False
+        names = ", ".join(f"{j.job_id} ({render.state_text(j)})" for j in jobs)
+        _say(f"{len(jobs)} job{'s' if len(jobs) > 1 else ''} running: {names}; draining "
+             "(checkpoint, then PAUSED; `surgectl up` resumes them; `surgectl down --force` skips this)")
+        try:
+            drain.drain(stub, jobs, timeout_s, _say)
+        except grpc.RpcError as e:
+            raise clients.rpc_error(e, "control", addr) from None
+    return True
 
 
 @app.command()
@@ -333,33 +388,49 @@ def plot(
                          soft_wrap=True)
 
 
+NoCheckpointOpt = typer.Option(False, "--no-checkpoint", help="do not checkpoint the boundary step first")
+
+
 @app.command()
-def pause(job: str) -> None:
-    """Pause a running job at a step boundary (every rank stops at the same step).
+def pause(job: str, no_checkpoint: bool = NoCheckpointOpt) -> None:
+    """Pause a running job at a step boundary (every rank stops at the same step), after
+    checkpointing that step (unless --no-checkpoint).
 
     Example: surgectl pause demo-3f2a1c
     """
-    s = clients.call("control", lambda st: st.PauseJob(control_pb2.PauseJobRequest(job_id=job), timeout=10))
+    req = control_pb2.PauseJobRequest(job_id=job, no_checkpoint=no_checkpoint)
+    s = clients.call("control", lambda st: st.PauseJob(req, timeout=10))
     render.console.print(f"{job}: pause requested; now {render.state_text(s)}", markup=False, highlight=False)
 
 
 @app.command()
-def resume(job: str) -> None:
-    """Resume a paused job.
+def resume(
+    job: str,
+    from_version: Optional[str] = typer.Option(None, "--from", help="the checkpoint version to continue from "
+                                               "('<job>:<n>', see `surgectl checkpoints JOB`; default: the newest that verifies)"),
+) -> None:
+    """Resume a job: a paused one where it paused; a stopped or failed one (or one drained
+    by `surgectl down`) from its newest checkpoint that verifies, or --from VERSION, on ranks
+    allocated again, bit-exactly where that checkpoint left off.
 
-    Example: surgectl resume demo-3f2a1c
+    Example: surgectl resume demo-3f2a1c --from demo-3f2a1c:4
     """
-    s = clients.call("control", lambda st: st.ResumeJob(control_pb2.ResumeJobRequest(job_id=job), timeout=10))
-    render.console.print(f"{job}: resume requested; now {render.state_text(s)}", markup=False, highlight=False)
+    req = control_pb2.ResumeJobRequest(job_id=job, from_version=from_version or "")
+    s = clients.call("control", lambda st: st.ResumeJob(req, timeout=90))
+    where = f" from checkpoint {s.checkpoint_version} (step {s.step})" if s.state == control_pb2.WARMING_UP else ""
+    render.console.print(f"{job}: resumed{where}; now {render.state_text(s)}", markup=False, highlight=False,
+                         soft_wrap=True)
 
 
 @app.command()
-def stop(job: str) -> None:
-    """Stop a job at the next step boundary.
+def stop(job: str, no_checkpoint: bool = NoCheckpointOpt) -> None:
+    """Stop a job at the next step boundary, after checkpointing that step (unless
+    --no-checkpoint); `surgectl resume` continues it from there.
 
     Example: surgectl stop demo-3f2a1c
     """
-    s = clients.call("control", lambda st: st.StopJob(control_pb2.StopJobRequest(job_id=job), timeout=10))
+    req = control_pb2.StopJobRequest(job_id=job, no_checkpoint=no_checkpoint)
+    s = clients.call("control", lambda st: st.StopJob(req, timeout=10))
     render.console.print(f"{job}: stop requested; now {render.state_text(s)}", markup=False, highlight=False)
 
 

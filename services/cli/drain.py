@@ -1,0 +1,99 @@
+"""`surgectl down` drains running jobs; `surgectl up` brings drained jobs back (issue 12).
+
+Down: every live job is asked to pause with a checkpoint as a drain (``PauseJobRequest.drain``;
+control journals it), and the stack stops only once each is PAUSED (or ended). A job still
+warming up or recovering is asked again once it runs. Up: every job control reports
+``drained`` is resumed from its drain checkpoint (``ResumeJob``), waiting for the node agents
+to register first (a resume that finds too few free slots is asked again, up to a limit).
+
+The CLI watches job states by asking control (GetJob) every fraction of a second: it is an
+operator tool waiting for a condition, not a module (the laws bind the modules).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import grpc
+
+from services.cli import clients
+from services.cli.errors import CliError
+from services.contract import control_pb2
+
+S, O = control_pb2.JobState, control_pb2.JobOutcome
+LIVE = (S.WARMING_UP, S.RUNNING, S.PAUSED, S.FAULT_FROZEN)
+POLL_S = 0.2
+
+
+def live_jobs(stub) -> list[control_pb2.JobStatus]:
+    """Jobs whose ranks may run (or be about to): what a stop of the stack would cut short."""
+    return [j for j in stub.ListJobs(control_pb2.JobQuery(), timeout=10).jobs if j.state in LIVE]
+
+
+def drain(stub, jobs: list[control_pb2.JobStatus], timeout_s: float, say: Callable[[str], None]) -> list[str]:
+    """Pause each of ``jobs`` with a checkpoint, as a drain; return once every one is
+    PAUSED (or TERMINATED). Returns the ids of the jobs drained (paused by this drain).
+
+    Raises:
+        CliError: a job did not pause within ``timeout_s`` (the stack is left running).
+    """
+    deadline = time.monotonic() + timeout_s
+    pending = {j.job_id: j for j in jobs}
+    asked: set[str] = set()
+    drained: list[str] = []
+    while pending:
+        for job_id in list(pending):
+            status = stub.GetJob(control_pb2.JobQuery(job_id=job_id), timeout=10)
+            if job_id not in asked and status.state in (S.RUNNING, S.PAUSED):
+                try:
+                    status = stub.PauseJob(control_pb2.PauseJobRequest(job_id=job_id, drain=True), timeout=10)
+                    asked.add(job_id)
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                        raise
+                    # e.g. a stop in flight ("already stopping"): wait for it to end
+                    if "already stopping" in (e.details() or ""):
+                        asked.add(job_id)
+            if status.state == S.TERMINATED or (job_id in asked and status.state == S.PAUSED):
+                if status.state == S.PAUSED:
+                    drained.append(job_id)
+                    say(f"{job_id}: PAUSED at step {status.step} ({status.checkpoint_version or 'no checkpoint'})")
+                else:
+                    say(f"{job_id}: ended meanwhile ({O.Name(status.outcome)})")
+                pending.pop(job_id)
+        if pending and time.monotonic() > deadline:
+            left = ", ".join(f"{j} ({S.Name(stub.GetJob(control_pb2.JobQuery(job_id=j), timeout=10).state)})"
+                             for j in pending)
+            raise CliError(f"not drained within {timeout_s:.0f} s: {left}; the stack keeps running "
+                           "(`surgectl down --force` stops it anyway, losing their steps since their last checkpoint)")
+        if pending:
+            time.sleep(POLL_S)
+    return drained
+
+
+def resume_drained(timeout_s: float, say: Callable[[str], None]) -> tuple[list[str], list[str]]:
+    """Resume every job control reports drained, once its ranks fit (the node agents
+    register with control after they answer their health check). Returns (resumed, failed
+    with the reason)."""
+    with clients.stub("control") as stub:
+        drained = [j.job_id for j in stub.ListJobs(control_pb2.JobQuery(), timeout=10).jobs if j.drained]
+        resumed, failed = [], []
+        for job_id in drained:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    s = stub.ResumeJob(control_pb2.ResumeJobRequest(job_id=job_id), timeout=60)
+                    resumed.append(job_id)
+                    say(f"resumed drained job {job_id} from checkpoint {s.checkpoint_version} (step {s.step}); "
+                        f"now {S.Name(s.state)}")
+                    break
+                except grpc.RpcError as e:
+                    details = e.details() or str(e.code())
+                    capacity = e.code() == grpc.StatusCode.FAILED_PRECONDITION and " now: it needs " in details
+                    if capacity and time.monotonic() < deadline:
+                        time.sleep(0.5)  # the node agents are still registering
+                        continue
+                    failed.append(f"{job_id}: {details}")
+                    break
+    return resumed, failed

@@ -1,0 +1,161 @@
+"""Operator actions keep every step; submission is atomic (issue 12, parts 7 and 8), on a real
+stack (control on a fixed port, store, data, two node agents, DP=2 jobs as rank processes).
+
+- `surgectl stop` checkpoints the boundary step; `surgectl resume` continues the STOPPED job
+  from it and ends with the final parameters of an uninterrupted run.
+- `surgectl down` drains a running job (checkpoint, PAUSED, journaled), stops the stack and
+  every rank; the next `surgectl up` resumes it; it ends bit-identical too.
+- A spec with an out-of-range value is refused at submit with one line naming the field and
+  starts nothing; a submit that fails after its ranks were launched (control's journal
+  refuses the record, injected) leaves no rank process and no job, and the next submit of
+  the same size is placed.
+Every process of the stack and of its jobs is killed by PID at the end (running_stack).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.contract import control_pb2
+from tests.conftest import free_ports, processes_with
+from tests.faults.test_recovery import cli, final_state, running_stack, spec
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+S, O = control_pb2.JobState, control_pb2.JobOutcome
+STEPS = 200  # about 20 ms a step here: long enough to stop or drain it midway
+CONTROL_PORT = free_ports(1)[0]
+ENV = {"SURGE_CONTROL_PORT": str(CONTROL_PORT), "SURGE_CONTROL_FAULT_INJECT": "tjournal:journal_create"}
+JOBS = ("tref", "tstopres", "tdrain", "trange", "tjournal", "tafter")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    with running_stack(tmp_path_factory.mktemp("surge-operator"), ("json",), JOBS, env=ENV) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def reference(stack):
+    """The uninterrupted run every interrupted one is compared with (its final state)."""
+    job = stack.submit(spec("tref", steps=STEPS, every=1000))
+    assert stack.events(job, timeout=300)[-1].status.outcome == O.FINISHED
+    return final_state(stack.home, job)
+
+
+def write_spec(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def wait_state(stack, job_id: str, state: int, timeout: float = 120) -> control_pb2.JobStatus:
+    t0 = time.monotonic()
+    while (s := stack.status(job_id)).state != state:
+        assert time.monotonic() - t0 < timeout, f"{job_id} is {S.Name(s.state)}, not {S.Name(state)}: {s.message}"
+        time.sleep(0.1)
+    return s
+
+
+def wait_no_ranks(job_id: str, timeout: float = 30) -> None:
+    t0 = time.monotonic()
+    while processes_with(f"--job {job_id} "):
+        assert time.monotonic() - t0 < timeout, f"rank processes of {job_id} still run: {processes_with(f'--job {job_id} ')}"
+        time.sleep(0.1)
+
+
+def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    model = sorted(k for k in a if k.startswith("model."))
+    assert model and sorted(k for k in b if k.startswith("model.")) == model
+    assert [k for k in model if not torch.equal(a[k], b[k])] == [], "final parameters differ"
+    optim = sorted(k for k in a if k.startswith("optim."))
+    assert [k for k in optim if k in b and not torch.equal(a[k], b[k])] == [], "final optimizer state differs"
+
+
+def messages(stack, job_id: str) -> list[str]:
+    return [e.message for e in stack.stub.WatchJob(control_pb2.JobQuery(job_id=job_id), timeout=30)]
+
+
+def test_a_spec_out_of_range_is_refused_at_submit_naming_the_field_and_starts_nothing(stack, tmp_path):
+    for field, text in (("steps", spec("trange").replace("steps: 30", "steps: 100000000000000000000000")),
+                        ("data.seq_len", spec("trange").replace("seq_len: 64", "seq_len: 10000000000")),
+                        ("liveness.stall_min_seconds", spec("trange").replace("stall_min_seconds: 60.0",
+                                                                               "stall_min_seconds: 1.0e+300"))):
+        r = cli(stack.home, "submit", str(write_spec(tmp_path, "trange", text)))
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and f"{field}: " in r.stderr, r.stderr
+    assert processes_with("--job trange-") == []
+    assert not [j for j in stack.stub.ListJobs(control_pb2.JobQuery()).jobs if j.name == "trange"]
+
+
+def test_a_submit_that_fails_after_its_ranks_launched_leaves_no_rank_no_slot_and_no_job(stack, tmp_path):
+    r = cli(stack.home, "submit", str(write_spec(tmp_path, "tjournal", spec("tjournal", steps=STEPS))))
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stdout + r.stderr
+    assert "journal write refused" in r.stderr
+    wait_no_ranks("tjournal-")
+    assert not [j for j in stack.stub.ListJobs(control_pb2.JobQuery()).jobs if j.name == "tjournal"]
+    # Both slots are free again: a job that needs both is placed and runs to its end.
+    after = stack.submit(spec("tafter", steps=10))
+    assert stack.events(after)[-1].status.outcome == O.FINISHED
+    log = (stack.home / "run" / "logs" / "control.log").read_text()
+    assert "job start failed; taking its ranks back" in log
+
+
+def test_stop_checkpoints_its_step_and_resume_ends_bit_identical_to_an_uninterrupted_run(stack, reference):
+    job = stack.submit(spec("tstopres", steps=STEPS, every=1000))
+    stack.wait_step(job, 20)
+    r = cli(stack.home, "stop", job)
+    assert r.returncode == 0, r.stdout + r.stderr
+    stopped = wait_state(stack, job, S.TERMINATED)
+    assert stopped.outcome == O.STOPPED and stopped.step < STEPS
+    log = messages(stack, job)
+    assert any(m.startswith("stop requested: ranks checkpoint and stop after step") for m in log)
+    assert any(m.startswith(f"checkpoint {job}:1 at step {stopped.step} ") for m in log), log
+    wait_no_ranks(job)
+
+    r = cli(stack.home, "resume", job)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"resumed from checkpoint {job}:1 (step {stopped.step}); now WARMING_UP" in r.stdout
+    events = stack.events(job, timeout=300)
+    assert (events[-1].status.state, events[-1].status.outcome) == (S.TERMINATED, O.FINISHED)
+    assert any(e.message.startswith(f"resume TERMINATED (STOPPED) from checkpoint {job}:1") for e in events)
+    steps = [r["step"] for r in stack.step_records(job) if r["rank"] == 0]
+    assert steps == list(range(1, STEPS + 1)), "a step lost or repeated across the stop and resume"
+    same_state(reference, final_state(stack.home, job))
+
+    # Resuming what has nothing left, or cannot be found, is one line.
+    r = cli(stack.home, "resume", job)
+    assert r.returncode != 0 and "is TERMINATED (FINISHED)" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_down_drains_a_running_job_and_up_resumes_it_bit_identical(stack, reference):
+    # Last in this module: the stack is stopped and started again (same control port).
+    job = stack.submit(spec("tdrain", steps=STEPS, every=1000))
+    stack.wait_step(job, 20)
+    services = json.loads((stack.home / "run" / "stack.json").read_text())["services"]
+    r = cli(stack.home, "down", timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"1 job running: {job} (RUNNING); draining" in r.stdout
+    assert f"{job}: PAUSED at step " in r.stdout
+    for name, s in services.items():
+        assert not processes_with(f"--port {s['port']} "), f"{name} still runs after down"
+    wait_no_ranks(job, timeout=15)
+
+    r = cli(stack.home, "up", "--workers", "2", env=ENV, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"resumed drained job {job} from checkpoint {job}:1" in r.stdout, r.stdout + r.stderr
+    events = stack.events(job, timeout=300)
+    assert (events[-1].status.state, events[-1].status.outcome) == (S.TERMINATED, O.FINISHED), events[-1].message
+    log = [e.message for e in events]
+    assert any(m.startswith("drain (pause, then the stack stops) requested") for m in log)
+    paused = [m for m in log if "; drained: `surgectl up` resumes it from checkpoint" in m]
+    assert len(paused) == 1, log
+    assert not [e for e in events if e.type == "fault"], [e.message for e in events if e.type == "fault"]
+    steps = [r["step"] for r in stack.step_records(job) if r["rank"] == 0]
+    assert steps == list(range(1, STEPS + 1)), "a step lost or repeated across down and up"
+    same_state(reference, final_state(stack.home, job))
