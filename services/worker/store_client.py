@@ -97,6 +97,11 @@ COMMIT_TIMEOUT_S = 600.0   # the manager hashes every file (in the background: t
 LOAD_TIMEOUT_S = 60.0      # the store re-hashes nothing at load: the reader checks digests
 FLUSH_RETRY_S = _env_seconds("SURGE_CHECKPOINT_FLUSH_RETRY_S", 60.0)  # the final commit, store down
 METRICS_BUFFER = 100_000   # metric records held until the store acknowledged them
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
 STORE_CAUSE_METADATA = "surge-store-cause"  # trailing metadata of a refused Load (the store's verdict)
 # gRPC status -> the typed cause of a store that could not be asked (never read from text).
 OUTAGE_CAUSES = {
@@ -141,7 +146,9 @@ class StoreClient:
         self._address = address
         self._on_error = on_error
         self._emit = checkpoint_events
-        self._channel = channel(address)
+        # A store that comes back is found within RECONNECT_BACKOFF_MS (gRPC's default backoff
+        # grows to 120 s while it is away, and calls fail fast meanwhile).
+        self._channel = channel(address, options=RECONNECT_OPTIONS)
         self._stub = store_pb2_grpc.StoreServiceStub(self._channel)
         # Metric records held until acknowledged: (seq, record), oldest first.
         self._held: collections.deque[tuple[int, store_pb2.MetricRecord]] = collections.deque()

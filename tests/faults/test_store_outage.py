@@ -1,0 +1,101 @@
+"""A store outage is not a training fault (issue 12, part 4), on the real stack.
+
+One stack (control, store, data, two workers; ranks as real processes) serves the module;
+every process it started is killed by PID at the end. The store is stopped (SIGSTOP) or
+killed across checkpoint intervals while a 2-rank job trains, then brought back. Asserted:
+the job is never relaunched (the allocation is its only decision), training goes on, the
+failed saves are reported with their typed cause, a later save commits, and the store's
+metrics JSONL holds every step of every rank exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.faults.test_recovery import cli, finished, metric, of_type, running_stack, spec
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+# BeginSave's deadline in the ranks: a save against a stopped store gives up after this.
+RPC_TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    with running_stack(tmp_path_factory.mktemp("surge-store-outage"), ("json", "email"), ("sstop", "skill"),
+                       env={"SURGE_STORE_RPC_TIMEOUT_S": str(RPC_TIMEOUT_S)}) as s:
+        yield s
+
+
+def store_pid(home: Path) -> int:
+    return json.loads((home / "run" / "stack.json").read_text())["services"]["store"]["pid"]
+
+
+def saved_steps(events) -> list[int]:
+    """Steps of the versions committed, from the job's 'checkpoint <v> at step N' events."""
+    out = []
+    for m in of_type(events, "checkpoint"):
+        if " at step " in m and "failed" not in m:
+            out.append(int(m.split(" at step ")[1].split()[0]))
+    return out
+
+
+def assert_every_step_once(stack, job: str, steps: int) -> None:
+    records = stack.step_records(job)
+    for rank in (0, 1):
+        mine = [r["step"] for r in records if r["rank"] == rank]
+        assert sorted(mine) == list(range(1, steps + 1)), (rank, mine)
+
+
+def test_a_store_stopped_across_checkpoint_intervals_costs_no_restart_and_no_metric_record(stack):
+    steps = 40
+    job = stack.submit(spec("sstop", steps=steps, every=5))
+    stack.wait_step(job, 6)
+    pid = store_pid(stack.home)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        stopped_at = stack.status(job).step
+        # Two checkpoint intervals pass while the store cannot answer: training goes on.
+        stack.wait_step(job, stopped_at + 12, timeout=120)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    events = stack.events(job)
+    finished(events)
+    assert len(of_type(events, "decision")) == 1, of_type(events, "decision")  # the allocation only
+    assert [e for e in events if e.type == "fault"] == []
+    failed = [m for m in of_type(events, "checkpoint") if "failed" in m]
+    assert failed and all("(timeout" in m for m in failed), failed
+    after = [s for s in saved_steps(events) if s > stopped_at + 10]
+    assert after, of_type(events, "checkpoint")  # a later save committed
+    assert metric(stack.metrics(), "surge_checkpoint_failures_total", cause="timeout") >= 1
+    assert_every_step_once(stack, job, steps)
+
+
+def test_a_store_killed_and_restarted_under_a_job_costs_no_restart_and_no_metric_record(stack):
+    steps = 400  # long enough for `surgectl restart store` (a few seconds) to finish well before the end
+    job = stack.submit(spec("skill", steps=steps, every=20))
+    stack.wait_step(job, 6)
+    os.kill(store_pid(stack.home), signal.SIGKILL)
+    killed_at = stack.status(job).step
+    t0 = time.monotonic()
+    back = cli(stack.home, "restart", "store", timeout=120)
+    assert back.returncode == 0, back.stdout + back.stderr
+    back_at = stack.status(job).step
+    print(f"store back at step {back_at} ({time.monotonic() - t0:.1f} s restart; killed at step {killed_at})")
+    assert back_at > killed_at + 20, "no checkpoint interval passed without the store"
+    assert back_at < steps - 40, "the job ended before the store was back: the test proves nothing"
+    events = stack.events(job)
+    finished(events)
+    assert len(of_type(events, "decision")) == 1, of_type(events, "decision")  # the allocation only
+    assert [e for e in events if e.type == "fault"] == []
+    failed = [m for m in of_type(events, "checkpoint") if "failed" in m]
+    assert failed and all("(unreachable" in m for m in failed), failed
+    assert [s for s in saved_steps(events) if s > back_at], of_type(events, "checkpoint")  # saves work again
+    assert metric(stack.metrics(), "surge_checkpoint_failures_total", cause="unreachable") >= 1
+    assert_every_step_once(stack, job, steps)
