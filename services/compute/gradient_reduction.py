@@ -53,9 +53,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
+from services.common import phase as ph
 from services.contract import engine_pb2
 from services.contract.bus import Emitter
 from services.contract.frozen import FrozenConfig
@@ -64,8 +66,11 @@ from services.contract.frozen import FrozenConfig
 class GradientReduction:
     """L3-5."""
 
-    def __init__(self, emit: Emitter):
+    def __init__(self, emit: Emitter, *, phase: ph.PhaseMarker | ph.NoPhase = ph.NO_PHASE):
+        """``phase``: the rank's phase marker: set to "collective" while this unit waits in a
+        collective (services/common/phase.py)."""
         self._emit = emit
+        self._mark = phase
         # Seed L3-5: group config is pushed once at init (red line 1); never rebuilt here (4).
         self._frozen = FrozenConfig[engine_pb2.ParallelPlan]("L3_GRADIENT_REDUCTION", "parallel plan")
         self._plan: engine_pb2.ParallelPlan | None = None
@@ -109,7 +114,17 @@ class GradientReduction:
             device_ids=[device.index or 0] if device.type == "cuda" else None,
             process_group=self._group,
         )
+        if self._mark is not ph.NO_PHASE:
+            # The default all-reduce, marking the rank "in a collective" once the last
+            # bucket is handed over: backward's compute is done and what is left of it is
+            # DDP's wait for the all-reduces (where a rank blocks when a peer hangs).
+            self._ddp.register_comm_hook(self._group, self._allreduce_marked)
         return self._ddp
+
+    def _allreduce_marked(self, group, bucket):  # (no annotations: DDP compares them as types)
+        if bucket.is_last():
+            self._mark.enter(ph.COLLECTIVE)
+        return default_hooks.allreduce_hook(group, bucket)
 
     def arm_reduction(self, msg: engine_pb2.ArmReduction, payload: Any = None) -> None:
         """Before a micro-step's forward: whether its backward all-reduces gradients."""
@@ -124,6 +139,7 @@ class GradientReduction:
         global loss statistics over the dp axis (``tokens_only``: before backward, the token
         count). Communication errors propagate (the plan is not rebuilt)."""
         t0 = time.perf_counter()
+        self._mark.enter(ph.COLLECTIVE)
         found_inf = msg.local_found_inf if msg.tokens_only else self._any_rank(msg.local_found_inf)
         local_loss_sum = msg.local_loss_sum if msg.tokens_only else self._over_stages(msg.local_loss_sum)
         if self._group is None:  # dp == 1: the local sums are the global ones

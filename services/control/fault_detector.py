@@ -81,7 +81,9 @@ RANK_EXIT = "rank_exit"              # a rank process ended with a non-zero code
 RANK_EXIT_CLEAN = "rank_exit_clean"  # exit code 0: normal after the loop finished, early otherwise
 RANK_RELEASED = "rank_released"      # ended after control released it: an exit control asked for
 RANK_SILENT = "rank_silent"          # no heartbeat within the deadline
-RANK_STALLED = "rank_stalled"        # heartbeats, but no step progress within the deadline
+RANK_STALLED = "rank_stalled"        # heartbeats, but no progress within its phase's deadline (not in a collective)
+# heartbeats, waiting in a collective with no progress: a consequence of the peer it waits for
+RANK_STALLED_IN_COLLECTIVE = "rank_stalled_in_collective"
 WORKER_LOST = "worker_lost"          # the node agent's session closed under the rank
 LOOP_FAILURE = "loop_failure"        # default for a TrainingLoopFailed class not in the table
 BOUNDARY_VIOLATION = "boundary_violation"  # a send the route table refused (a module or wiring bug)
@@ -91,7 +93,8 @@ CHECKPOINT_ERROR = "checkpoint_error"  # a checkpoint could not be saved or load
 # Classes reported under the class the policy table uses (the detail keeps the original).
 ALIASES = {"checkpoint_integrity": CHECKPOINT_ERROR}
 # Reports that are usually another rank's doing (held for their cause).
-_SYMPTOMS = frozenset({COMM_ERROR, RANK_STALLED})
+_SYMPTOMS = frozenset({COMM_ERROR, RANK_STALLED, RANK_STALLED_IN_COLLECTIVE})
+_STALLS = frozenset({RANK_STALLED, RANK_STALLED_IN_COLLECTIVE})
 # A peer silent for more than this many of its beat periods makes a stall a symptom.
 QUIET_BEATS = 1.5
 
@@ -105,6 +108,7 @@ DEFAULT_RULES: dict[str, int] = {
     RANK_RELEASED: G.MINOR,
     RANK_SILENT: G.SEVERE,
     RANK_STALLED: G.SEVERE,
+    RANK_STALLED_IN_COLLECTIVE: G.SEVERE,
     WORKER_LOST: G.SEVERE,
     LOOP_FAILURE: G.FATAL,
     # Deterministic: the same code refuses the same send after any restart.
@@ -131,7 +135,22 @@ DEFAULT_RULES: dict[str, int] = {
 DEFAULT_HEARTBEAT_TIMEOUT_S = 3.0
 DEFAULT_STALL_MIN_S = 30.0
 DEFAULT_STALL_STEP_FACTOR = 5.0  # attribution_seconds 0: a comm_error is reported at once
+DEFAULT_CHECKPOINT_STAGING_S = 600.0
+DEFAULT_COMPILE_S = 900.0
 _STEP_TIMES_KEPT = 64  # recent step durations of a job, for the median
+# A collective stall waits this long past the deadline of the peer it may be waiting for.
+_PEER_MARGIN_S = 0.5
+
+RP = worker_pb2.RankPhase
+# Phases in which no step progress is expected: no progress deadline.
+_RESTING = frozenset({RP.PHASE_IDLE})
+
+
+def phase_name(phase: int) -> str:
+    """"forward", "collective", ... ("" for a rank that does not say)."""
+    if phase == RP.PHASE_UNSPECIFIED or phase not in RP.values():
+        return ""
+    return RP.Name(phase).removeprefix("PHASE_").lower()
 
 
 @dataclass(eq=False)
@@ -143,6 +162,10 @@ class _RankWatch:
     last_beat_unix: float = 0.0
     last_progress_unix: float = 0.0
     interval_s: float = 0.0  # the rank's beat period, as its heartbeats state it
+    stepping: bool = False
+    phase: int = 0           # RankPhase of its last beat (PHASE_UNSPECIFIED: it does not say)
+    phase_progress: int = 0  # units of the phase done, as its last beat said
+    phase_total: int = 0
     silence: Deadline | None = None
     stall: Deadline | None = None
     stalled: bool = False  # declared stalled at ``step``; the next progress re-arms the deadline
@@ -163,8 +186,13 @@ class _Job:
     stall_min_s: float
     stall_step_factor: float
     attribution_s: float
+    eval_s: float = 0.0
+    eval_batches: int = 0
+    staging_s: float = DEFAULT_CHECKPOINT_STAGING_S
+    compile_s: float = DEFAULT_COMPILE_S
     ranks: dict[int, _RankWatch] = field(default_factory=dict)
     step_times: deque = field(default_factory=lambda: deque(maxlen=_STEP_TIMES_KEPT))
+    eval_batch_times: deque = field(default_factory=lambda: deque(maxlen=_STEP_TIMES_KEPT))
     held: list[control_pb2.FaultReport] = field(default_factory=list)  # symptoms awaiting their cause
     held_timer: Deadline | None = None
     held_extended: bool = False  # the window was extended once for a quiet peer
@@ -180,6 +208,21 @@ class _Job:
     def stall_deadline_s(self) -> float:
         median = statistics.median(self.step_times) if self.step_times else 0.0
         return max(self.stall_min_s, self.stall_step_factor * median)
+
+    def phase_deadline_s(self, phase: int, total: int = 0) -> float:
+        """The progress budget of a rank in ``phase`` (of ``total`` units, when known)."""
+        if phase == RP.PHASE_EVALUATION:
+            # Scales with the batch count; before an evaluation was seen, a training step
+            # (forward, backward and update) stands in for an evaluation batch (forward only).
+            times = self.eval_batch_times or self.step_times
+            median = statistics.median(times) if times else 0.0
+            batches = total or self.eval_batches or 1
+            return (self.eval_s or self.stall_min_s) + self.stall_step_factor * median * batches
+        if phase == RP.PHASE_CHECKPOINT_STAGING:
+            return max(self.stall_min_s, self.staging_s)
+        if phase == RP.PHASE_COMPILE:
+            return max(self.stall_min_s, self.compile_s)
+        return self.stall_deadline_s()
 
 
 class FaultDetector:
@@ -232,6 +275,10 @@ class FaultDetector:
                 stall_min_s=msg.stall_min_seconds or DEFAULT_STALL_MIN_S,
                 stall_step_factor=msg.stall_step_factor or DEFAULT_STALL_STEP_FACTOR,
                 attribution_s=msg.attribution_seconds,
+                eval_s=msg.eval_seconds,
+                eval_batches=msg.eval_batches,
+                staging_s=msg.checkpoint_staging_seconds or DEFAULT_CHECKPOINT_STAGING_S,
+                compile_s=msg.compile_seconds or DEFAULT_COMPILE_S,
             )
             if msg.reattach_seconds > 0:
                 job.reattaching, job.reattach_s = set(range(msg.world_size)), msg.reattach_seconds
@@ -252,9 +299,16 @@ class FaultDetector:
     # ------------------------------------------------------------ liveness (node agent relay)
 
     def on_rank_heartbeat(self, msg: worker_pb2.RankHeartbeat, payload: Any = None) -> None:
-        """A rank is alive (at step ``msg.step``): re-arm its silence deadline, and its stall
-        deadline when the step moved on (or the rank just started stepping)."""
-        now = time.time()
+        """A rank is alive (at step ``msg.step``, in ``msg.phase``): re-arm its silence
+        deadline, and its progress deadline when it moved on (a new step, a new phase, or
+        more of its phase done) or just started stepping.
+
+        Deadlines count from when control received the beat (``received_monotonic``, stamped
+        by the session relay before the event applier's queue), not from now: a beat that
+        waited in that queue does not extend the rank's life."""
+        mono = time.monotonic()
+        lag = max(0.0, mono - msg.received_monotonic) if msg.received_monotonic else 0.0
+        now = time.time() - lag  # the receipt, on the wall clock the reports use
         # Re-attached: a beat the rank sent after the restart (a resent older one says
         # nothing about what its agent has still to resend).
         with self._lock:
@@ -278,30 +332,37 @@ class FaultDetector:
             if watch.silence is not None:
                 watch.silence.cancel()
             args = (msg.job_id, msg.rank, watch)
-            watch.silence = self._deadlines.after(job.heartbeat_timeout_s, self._silence_passed, args)
+            watch.silence = self._deadlines.after(job.heartbeat_timeout_s - lag, self._silence_passed, args)
             progressed = msg.step != watch.step
-            if progressed and any(r.rank == msg.rank and r.fault_class == RANK_STALLED for r in job.held):
+            # Progress within a step or a long phase: a new phase, or more of it done.
+            moved = progressed or msg.phase != watch.phase or msg.phase_progress != watch.phase_progress
+            if moved and any(r.rank == msg.rank and r.fault_class in _STALLS for r in job.held):
                 # A stall held for attribution that moved on was transient: not reported.
-                job.held = [r for r in job.held if not (r.rank == msg.rank and r.fault_class == RANK_STALLED)]
+                job.held = [r for r in job.held if not (r.rank == msg.rank and r.fault_class in _STALLS)]
                 if not job.held and job.held_timer is not None:
                     job.held_timer.cancel()
                     job.held_timer = None
-            if progressed:
-                if watch.step >= 0 and msg.step_seconds > 0:
-                    job.step_times.append(msg.step_seconds)
-                watch.step = msg.step
+            if progressed and watch.step >= 0 and msg.step_seconds > 0:
+                job.step_times.append(msg.step_seconds)
+            if (moved and msg.phase == RP.PHASE_EVALUATION and msg.phase_progress > 0
+                    and msg.phase_progress != watch.phase_progress):
+                job.eval_batch_times.append(msg.phase_seconds / msg.phase_progress)
+            watch.step, watch.stepping = msg.step, msg.stepping
+            watch.phase, watch.phase_progress, watch.phase_total = msg.phase, msg.phase_progress, msg.phase_total
+            if moved:
                 watch.last_progress_unix = now
                 watch.stalled = False
-            if not msg.stepping:
+            if not msg.stepping or msg.phase in _RESTING:
                 if watch.stall is not None:
                     watch.stall.cancel()
                 watch.stall = None
-            elif progressed or (watch.stall is None and not watch.stalled):
+            elif moved or (watch.stall is None and not watch.stalled):
                 if watch.stall is not None:
                     watch.stall.cancel()
                 else:
                     watch.last_progress_unix = now  # stepping starts now: the clock starts now
-                watch.stall = self._deadlines.after(job.stall_deadline_s(), self._stall_passed, args)
+                budget = job.phase_deadline_s(msg.phase, msg.phase_total)
+                watch.stall = self._deadlines.after(budget - lag, self._stall_passed, args)
 
     # ------------------------------------------------------------ fault events
 
@@ -398,38 +459,95 @@ class FaultDetector:
                       f"(deadline {timeout:g} s) after step {max(watch.step, 0)}")
         self._report(
             job_id, fault_class, Module.EXT_HARDWARE, rank, detail,
-            occurred=watch.last_beat_unix, worker_id=watch.worker_id, step=max(watch.step, 0),
+            occurred=watch.last_beat_unix, worker_id=watch.worker_id, step=max(watch.step, 0), phase=watch.phase,
         )
         if self._reattached(job_id, rank):
             self._release_held(job_id)
 
     def _stall_passed(self, job_id: str, rank: int, watch: _RankWatch) -> None:
-        now = time.time()
+        """The rank made no progress for its phase's budget. Outside a collective it is an
+        incident's likely cause (``rank_stalled``), reported with the peers that wait for
+        it in a collective as its consequences (``rank_stalled_in_collective``, after it).
+        In a collective it waits for someone: while a peer still works (progressing outside
+        a collective) that is no fault and the deadline is re-armed past that peer's own;
+        otherwise it is reported as a symptom, held for its cause."""
+        now, mono = time.time(), time.monotonic()
+        consequences: list[tuple[int, _RankWatch]] = []
         with self._lock:
             job = self._jobs.get(job_id)
             if job is None or job.ranks.get(rank) is not watch or watch.stall is None:
                 return
-            watch.stall, watch.stalled = None, True  # declared once; the next progress re-arms it
-            deadline = job.stall_deadline_s()
+            watch.stall = None
             quiet = self._quiet(job, now)
             if rank in quiet:
+            if watch.phase == RP.PHASE_COLLECTIVE and rank not in quiet:
+                working = [w.stall.when for r, w in job.ranks.items()
+                           if r != rank and r not in quiet and self._working(w)]
+                if working:
+                    # Waiting for a peer that still works (e.g. a longer evaluation on
+                    # it): no fault. Look again once that peer's own deadline passed.
+                    args = (job_id, rank, watch)
+                    watch.stall = self._deadlines.after(max(working) - mono + _PEER_MARGIN_S, self._stall_passed, args)
+                    return
+            watch.stalled = True  # declared once; the next progress re-arms the deadline
+            deadline = job.phase_deadline_s(watch.phase, watch.phase_total)
                 return  # it stopped beating too: its silence deadline reports it (as silent)
         stalled_for = now - watch.last_progress_unix
+            in_collective = watch.phase == RP.PHASE_COLLECTIVE
+            if not in_collective:
+                # Its peers waiting in a collective since (at least 1.5 of their beats
+                # without progress) wait for it: consequences, reported after it.
+                for r, w in sorted(job.ranks.items()):
+                    if (r != rank and r not in quiet and w.phase == RP.PHASE_COLLECTIVE and w.stepping
+                            and not w.stalled and now - w.last_progress_unix > QUIET_BEATS * (w.interval_s or 1.0)):
+                        if w.stall is not None:
+                            w.stall.cancel()
+                        w.stall, w.stalled = None, True
+                        consequences.append((r, w))
         report = self._graded(
-            job_id, RANK_STALLED, Module.EXT_HARDWARE, rank,
-            f"rank {rank} on worker {watch.worker_id} is alive but made no step progress for {stalled_for:.1f} s "
-            f"(deadline {deadline:.1f} s) after step {max(watch.step, 0)}",
-            occurred=watch.last_progress_unix, worker_id=watch.worker_id, step=max(watch.step, 0),
+        where = phase_name(watch.phase)
+        fault_class = RANK_STALLED_IN_COLLECTIVE if in_collective else RANK_STALLED
+        if in_collective:
+            text = (f"rank {rank} on worker {watch.worker_id} waits in a collective: no step progress for "
+                    f"{stalled_for:.1f} s (deadline {deadline:.1f} s) after step {max(watch.step, 0)}")
+        else:
+            text = (f"rank {rank} on worker {watch.worker_id} is alive but made no step progress for {stalled_for:.1f} s "
+                    f"(deadline {deadline:.1f} s) after step {max(watch.step, 0)}")
+            if where:
+                text += f", in its {where} phase" + (
+                    f" ({watch.phase_progress} of {watch.phase_total} done)" if watch.phase_total else "")
+            job_id, fault_class, Module.EXT_HARDWARE, rank, text,
+            occurred=watch.last_progress_unix, worker_id=watch.worker_id, step=max(watch.step, 0), phase=watch.phase,
         )
         if report is None:
             return
         # Held: until a quiet peer's silence deadline can have fired, or long enough to
+        followers = []
+        for r, w in consequences:
+            waited = now - w.last_progress_unix
+            follower = self._graded(
+                job_id, RANK_STALLED_IN_COLLECTIVE, Module.EXT_HARDWARE, r,
+                f"rank {r} on worker {w.worker_id} waits in a collective: no step progress for {waited:.1f} s "
+                f"after step {max(w.step, 0)}, waiting for rank {rank} (stalled in its {where or 'step'})",
+                occurred=w.last_progress_unix, worker_id=w.worker_id, step=max(w.step, 0), phase=w.phase,
+            )
+            if follower is not None:
+                followers.append(follower)
         # tell whether a peer goes quiet (then extended, see _release_held).
-        _log.info("stall held for attribution", job_id=job_id, rank=rank, quiet=quiet)
+        _log.info("stall held for attribution", job_id=job_id, rank=rank, quiet=quiet, phase=where,
+                  waiting_in_collective=[r for r, _ in consequences])
         if quiet:
-            self._hold(job_id, report, window=max(job.attribution_s, job.heartbeat_timeout_s + 0.5), extended=True)
+            self._hold(job_id, report, window=max(job.attribution_s, job.heartbeat_timeout_s + 0.5), extended=True,
+                       followers=followers)
         else:
-            self._hold(job_id, report, window=max(job.attribution_s, self._beat_window(job)))
+            self._hold(job_id, report, window=max(job.attribution_s, self._beat_window(job)), followers=followers)
+
+    @staticmethod
+    def _working(w: _RankWatch) -> bool:
+        """Progressing outside a collective: stepping, its progress deadline armed, not
+        declared stalled, in a phase that is not a collective wait."""
+        return (w.stepping and w.stall is not None and not w.stalled
+                and w.phase not in _RESTING and w.phase != RP.PHASE_COLLECTIVE)
 
     def _release_held(self, job_id: str) -> None:
         """The attribution window closed with no cause from another rank: the first held
@@ -457,6 +575,11 @@ class FaultDetector:
             first = min(causes, key=lambda r: r.occurred_unix)
             held = [first] + [r for r in held if r is not first]
         for report in held:
+        elif not causes:
+            # Symptoms only: a rank stalled outside a collective is what the ranks stalled
+            # in one wait for, whichever deadline fired first: it goes first (the rest keep
+            # their order).
+            held = sorted(held, key=lambda r: r.fault_class != RANK_STALLED)
             self._emit(report)
 
     # ------------------------------------------------------------ private
@@ -505,7 +628,7 @@ class FaultDetector:
 
     def _graded(
         self, job_id: str, fault_class: str, source: int, rank: int, detail: str, *,
-        occurred: float = 0.0, worker_id: str = "", step: int = 0,
+        occurred: float = 0.0, worker_id: str = "", step: int = 0, phase: int = 0,
     ) -> control_pb2.FaultReport | None:
         now = time.time()
         with self._lock:
@@ -520,11 +643,15 @@ class FaultDetector:
             job_id=job_id, grade=self._grade(fault_class), fault_class=fault_class, source=source, rank=rank,
             detail=detail, detected_unix=now, occurred_unix=occurred or now, worker_id=worker_id, step=step,
         )
+            phase=phase,
 
-    def _hold(self, job_id: str, report: control_pb2.FaultReport, window: float, extended: bool = False) -> None:
+    def _hold(
+        self, job_id: str, report: control_pb2.FaultReport, window: float, extended: bool = False,
+        followers: list[control_pb2.FaultReport] = (),
+    ) -> None:
         """Hold a symptom until its cause arrives or ``window`` seconds pass. The window
         opens with the first symptom held and does not move (``extended``: it already
-        covers a quiet peer's silence deadline)."""
+        covers a quiet peer's silence deadline). ``followers`` are held with it, after it."""
         with self._lock:
             job = self._jobs[job_id]
             if not job.held:
@@ -534,6 +661,7 @@ class FaultDetector:
                 job.held_timer = self._deadlines.after(window, self._release_held, (job_id,))
             job.held.append(report)
 
+            job.held.extend(followers)
     def _report(self, job_id: str, fault_class: str, source: int, rank: int, detail: str, **known: Any) -> None:
         report = self._graded(job_id, fault_class, source, rank, detail, **known)
         if report is None:

@@ -15,7 +15,11 @@ reads another module. Names and labels:
 * ``surge_skipped_steps_total{reason}``: training steps the loop skipped (no update), by
   reason ("overflow": a loss-scale overflow; "non_finite_loss": the policy's skip_step);
 * ``surge_worker_events_total{outcome}``: sequenced node agent events received by control's
-  session relay, ``applied`` or ``duplicate`` (a resent event already applied: dropped).
+  session relay, ``applied`` or ``duplicate`` (a resent event already applied: dropped);
+* ``surge_control_applier_lag_seconds``: how long node agent messages waited between
+  control's gRPC handler receiving them and the event-applier thread applying them (one
+  observation per applied burst: its oldest message's wait). Liveness deadlines do not
+  include this wait: they count from the receipt (``RankHeartbeat.received_monotonic``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from services.contract import control_pb2
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 _RECOVERY_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 300.0, 600.0)
 
+_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 FAULTS = Counter("surge_faults_total", "Graded fault reports received by the orchestrator.", ["grade", "class"])
 DETECTION_LATENCY = Histogram(
     "surge_fault_detection_latency_seconds",
@@ -44,6 +49,12 @@ DECISIONS = Counter("surge_fault_decisions_total", "Decisions on fault incidents
 SKIPPED_STEPS = Counter("surge_skipped_steps_total", "Training steps skipped by the loop (no update).", ["reason"])
 WORKER_EVENTS = Counter(
     "surge_worker_events_total", "Sequenced node agent events received by control, applied or dropped as duplicates.",
+APPLIER_LAG = Histogram(
+    "surge_control_applier_lag_seconds",
+    "Seconds node agent messages waited from control's gRPC handler receiving them to the event applier "
+    "applying them (per burst, its oldest message).",
+    buckets=_LAG_BUCKETS,
+)
     ["outcome"],
 )
 

@@ -34,6 +34,10 @@ def start_monitoring(
         stall_min_seconds=live.stall_min_seconds,
         stall_step_factor=live.stall_step_factor,
         attribution_seconds=live.attribution_seconds,
+        eval_seconds=live.phase_seconds.evaluation,
+        eval_batches=spec.eval.batches,
+        checkpoint_staging_seconds=live.phase_seconds.checkpoint_staging,
+        compile_seconds=live.phase_seconds.compile,
     )
     if restored:
         msg.world_size = spec.world_size

@@ -44,6 +44,7 @@ import asyncio
 import queue
 import threading
 import uuid
+import time
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
@@ -56,7 +57,7 @@ from services.common.grpc_server import channel
 from services.contract import control_pb2, control_pb2_grpc, engine_pb2, store_pb2, store_pb2_grpc, worker_pb2
 from services.contract.bus import CommandPort, Emitter, Reply
 from services.control.fault_detector import WORKER_LOST_MARKER
-from services.control.metrics import WORKER_EVENTS
+from services.control.metrics import APPLIER_LAG, WORKER_EVENTS
 from services.control.orchestrator import EVENT_LOG, IllegalTransition, JobNotFound
 from services.jobspec import JobSpecError
 
@@ -504,14 +505,25 @@ class EventApplier:
     """
 
     def __init__(self, hub: SessionHub, max_burst: int = 1024):
+    Receipt is stamped on the server's loop, as a message is queued (``event``): a
+    heartbeat carries it to the fault detector in ``RankHeartbeat.received_monotonic``, so
+    its deadlines count from when control received the beat, never from when this thread
+    got to it; ``surge_control_applier_lag_seconds`` is the wait of each burst's oldest
+    message between the two.
+
         self._hub, self._max_burst = hub, max_burst
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # (session, event) | (None, callable) | None
+        # (session, event, received monotonic) | (None, callable) | None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
 
     def event(self, session: _Session, ev: control_pb2.WorkerEvent) -> None:
-        """Queue one message of ``session``'s stream."""
-        self._put((session, ev))
+        """Queue one message of ``session``'s stream, stamped with its receipt (a
+        heartbeat's ``received_monotonic``)."""
+        received = time.monotonic()
+        if ev.HasField("rank_event") and ev.rank_event.HasField("heartbeat"):
+            ev.rank_event.heartbeat.received_monotonic = received
+        self._put((session, ev, received))
 
     def call(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the applier thread, after everything queued before it."""
@@ -561,30 +573,32 @@ class EventApplier:
         self._queue.put(item)
 
     def _run(self) -> None:
-        get, burst = self._queue.get, []
+        get, burst, oldest = self._queue.get, [], 0.0
         while True:
             item = get()
             while True:
                 if item is None:
-                    self._flush(burst)
+                    self._flush(burst, oldest)
                     return
                 if item[0] is None:
-                    self._flush(burst)
+                    self._flush(burst, oldest)
                     burst = []
                     try:
                         item[1]()
                     except Exception:  # noqa: BLE001 - the thread must outlive one bad call
                         _log.exception("session open/close failed")
                 else:
-                    burst.append(item)
+                    if not burst:
+                        oldest = item[2]
+                    burst.append((item[0], item[1]))
                 if len(burst) >= self._max_burst or self._queue.empty():
                     break
                 item = get()
             if burst:
-                self._flush(burst)
+                self._flush(burst, oldest)
                 burst = []
 
-    def _flush(self, burst: list) -> None:
+    def _flush(self, burst: list, received: float = 0.0) -> None:
         if not burst:
             return
         try:
@@ -593,6 +607,8 @@ class EventApplier:
             _log.exception("worker event burst failed", size=len(burst))
 
 
+        if received:
+            APPLIER_LAG.observe(max(0.0, time.monotonic() - received))
 # ---------------------------------------------------------------- job event subscribers
 
 

@@ -62,6 +62,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from services.common import phase as ph
 from services.contract import data_pb2, engine_pb2, store_pb2
 from services.contract.bus import BoundaryViolation, CommandPort, Emitter
 from services.contract.frozen import FrozenConfig
@@ -161,10 +162,16 @@ class TrainingLoop:
     """L2-1. Handlers run on whatever thread delivers the message; ``run`` owns the rank's
     main thread and blocks on its inboxes (no polling)."""
 
-    def __init__(self, emit: Emitter, ports: LoopPorts, *, read_ahead: int = 4, started_at: float | None = None):
+    def __init__(
+        self, emit: Emitter, ports: LoopPorts, *, read_ahead: int = 4, started_at: float | None = None,
+        phase: ph.PhaseMarker | ph.NoPhase = ph.NO_PHASE,
+    ):
         """``read_ahead``: decoded micro-batches held per stream; ``started_at``: the
-        process's ``time.perf_counter()`` at start, for ``startup_seconds``."""
+        process's ``time.perf_counter()`` at start, for ``startup_seconds``; ``phase``: the
+        rank's phase marker, set at this loop's phase boundaries (services/common/phase.py)."""
         self._emit = emit
+        self._mark = phase
+        self._warm = True  # False until the first step ran with operators.compile (it compiles)
         self._p = ports
         self._t_created = time.perf_counter() if started_at is None else started_at
         self._control: queue.Queue = queue.Queue()
@@ -289,6 +296,8 @@ class TrainingLoop:
         unscale/check -> update or skip -> report."""
         p, accum = self._p, self._spec.data.grad_accum
         t0 = time.perf_counter()
+        mark, warm = self._mark, self._warm
+        mark.enter(ph.DATA_WAIT)
         batches = [self._next_batch("train") for _ in range(accum)]
         data_wait = time.perf_counter() - t0
         local_tokens = sum(mb.tokens for mb, _ in batches)
@@ -298,7 +307,9 @@ class TrainingLoop:
         fwd_s = bwd_s = loss_sum = 0.0
         for i, (_, batch) in enumerate(batches):
             p.reduction(engine_pb2.ArmReduction(sync=i == accum - 1))
+            mark.enter(ph.FORWARD if warm else ph.COMPILE)
             fwd = p.forward(engine_pb2.RunForward(training=True), batch.input_ids)
+            mark.enter(ph.BACKWARD if warm else ph.COMPILE)
             bwd = p.backward(
                 engine_pb2.RunBackward(normalizer=normalizer, loss_scale=self._loss_scale, backward=True),
                 (fwd.payload, batch.labels),
@@ -306,10 +317,13 @@ class TrainingLoop:
             fwd_s, bwd_s, loss_sum = fwd_s + fwd.message.seconds, bwd_s + bwd.seconds, loss_sum + bwd.loss_sum
         # This rank's overflow verdict first; L3-5 all-reduces it with the loss sums, so
         # every rank (every mesh axis) skips or applies together; L2-4 then moves the scale.
+        mark.enter(ph.OPTIMIZER)
         check = p.precision(engine_pb2.UnscaleAndCheck(step=step)).message
         reduced = p.reduction(engine_pb2.ReduceGradients(
             local_loss_sum=loss_sum, local_tokens=local_tokens, local_found_inf=check.found_inf,
         )).message  # fmt: skip
+        mark.enter(ph.OPTIMIZER)
+        self._warm = True
         adjusted = p.precision(engine_pb2.ScaleLoss(step=step, found_inf=reduced.found_inf)).message
         self._loss_scale, self._scaler_state = adjusted.loss_scale, adjusted.state
         skip_reason = self._skip_reason(step, reduced, adjusted)
@@ -377,6 +391,7 @@ class TrainingLoop:
         """Loss on the held-out split: the same eval.batches micro-batches each time (no
         shuffle, from the start), all ranks' sums reduced to one global mean."""
         self._phase = "evaluating"
+        self._mark.enter(ph.EVALUATION, total=self._spec.eval.batches)
         t0 = time.perf_counter()
         self._open_stream("val", data_pb2.DataPosition(), repeat=False, max_batches=self._spec.eval.batches)
         loss_sum, tokens = 0.0, 0
@@ -387,6 +402,7 @@ class TrainingLoop:
                 engine_pb2.RunBackward(normalizer=1.0, loss_scale=1.0, backward=False), (fwd.payload, batch.labels)
             ).message
             loss_sum, tokens = loss_sum + done.loss_sum, tokens + done.tokens
+            self._mark.advance()
         reduced = self._p.reduction(engine_pb2.ReduceGradients(local_loss_sum=loss_sum, local_tokens=tokens)).message
         n = reduced.global_tokens
         self._emit(engine_pb2.EvalCompleted(
@@ -398,6 +414,7 @@ class TrainingLoop:
     def _save(self, step: int) -> None:
         """Every rank writes its part of the checkpoint; rank 0 commits the version."""
         self._phase = "saving"
+        self._mark.enter(ph.CHECKPOINT_STAGING)
         spec = self._spec
         self._p.store(store_pb2.SaveCheckpoint(
             job_id=self._job_id, step=step, rank=self._rank, write_async=spec.checkpoint.async_,
@@ -446,6 +463,7 @@ class TrainingLoop:
         self._num_parameters = loaded.num_parameters
         self._flops_per_token = model_flops_per_token(spec, self._num_parameters)
         self._peak_flops = spec.parallel.peak_tflops_per_device * 1e12
+        self._warm = not spec.operators.compile  # the first step compiles forward and backward
         ops = spec.operators
         p.forward(engine_pb2.ConfigureForward(attention=spec.attention, adamw=ops.adamw, compile=ops.compile))
         mounted = p.data(data_pb2.MountDataset(name=spec.data.name, version=spec.data.version, verify=False)).message

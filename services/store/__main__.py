@@ -5,9 +5,11 @@
 
 (env ``SURGE_STORE_PORT``, ``SURGE_STORE_METRICS_PORT``, ``SURGE_STORE_ROOT``,
 ``SURGE_STORE_SCRUB_INTERVAL_S``; the root defaults to ``services.common.paths.store_root()``).
-Every S seconds (0, the default: never) a background thread re-hashes every committed
-checkpoint version and records the verdicts; a version newly found corrupt is published
-(``StoreService.WatchCheckpoints``). gRPC ``surge.v1.StoreService`` and
+Every S seconds (0, the default: never) the operator's scrub schedule sends L5-1 a
+``ScrubCheckpoints`` for every job (as EXT_USER: the operator configured it): every committed
+checkpoint version is re-hashed and its verdict recorded; a version newly found corrupt is
+published (``StoreService.WatchCheckpoints``). The schedule's thread is this composition
+root's, not L5-1's (modules keep no thread or timer of their own). gRPC ``surge.v1.StoreService`` and
 ``surge.v1.AuditService`` with health and reflection on P; Prometheus ``/metrics`` on M. A
 port in use is a one-line error and exit status 1; SIGTERM or SIGINT stops it cleanly
 (status 0).
@@ -41,9 +43,9 @@ from services.store.server import StoreRelay
 CKPT, METRICS = Module.L5_CHECKPOINT_MANAGER, Module.L5_METRICS_LOGGER
 
 
-def wire(root: Path, log, registry=REGISTRY) -> tuple[StoreRelay, MetricsLogger, CheckpointManager]:
-    """Build L5-1, L5-2 and the relay on one bus. Returns the relay, the logger and the
-    manager (to close)."""
+def wire(root: Path, log, registry=REGISTRY, scrub_interval_s: float = 0.0) -> tuple[StoreRelay, MetricsLogger, ScrubSchedule]:
+    """Build L5-1, L5-2 and the relay on one bus. Returns the relay, the logger (to close)
+    and the operator's scrub schedule (to start and stop)."""
     # No channel up from here: refusals are logged and counted, then returned to the caller.
     bus = Bus(on_violation=ViolationReporter("store", log))
     validate_table(bus.table)
@@ -73,7 +75,34 @@ def wire(root: Path, log, registry=REGISTRY) -> tuple[StoreRelay, MetricsLogger,
     bus.subscribe(Module.L1_ORCHESTRATOR, store_pb2.CheckpointCorrupt, relay.on_checkpoint_corrupt)
     # Hosted: L5-1, L5-2, and every remote sender the relay commands them as (or receives for).
     validate_wiring(bus, {CKPT, METRICS, Module.L1_ORCHESTRATOR, *(sender for sender, _ in ports)})
-    return relay, metrics, manager
+    schedule = ScrubSchedule(bus.port(Module.EXT_USER, CKPT), scrub_interval_s, log)
+    return relay, metrics, schedule
+
+
+class ScrubSchedule:
+    """The operator's standing order, kept by the composition root: every ``interval_s``
+    seconds, ``ScrubCheckpoints`` (every job) to L5-1 through ``port`` (as EXT_USER)."""
+
+    def __init__(self, port: CommandPort, interval_s: float, log):
+        self._port, self._interval, self._log = port, interval_s, log
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="scrub-schedule", daemon=True)
+
+    def start(self) -> None:
+        if self._interval > 0:
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                done = self._port(store_pb2.ScrubCheckpoints()).message
+                self._log.info("checkpoints_scrubbed", versions=len(done.versions),
+                               newly_corrupt=[c.version for c in done.newly_corrupt], seconds=round(done.seconds, 3))
+            except Exception as e:  # noqa: BLE001 - the next interval tries again
+                self._log.error("checkpoint_scrub_failed", error=f"{type(e).__name__}: {e}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     try:
-        relay, metrics, manager = wire(root, log)
+        relay, metrics, schedule = wire(root, log, scrub_interval_s=args.scrub_interval_seconds)
     except (ContractError, RouteError) as e:
         if http is not None:
             http.shutdown()
@@ -115,11 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     server.start(["surge.v1.StoreService", AuditServicer.SERVICE_NAME])
-    manager.start_scrubbing(args.scrub_interval_seconds, log)
+    schedule.start()
     log.info("serving", address=f"{args.host}:{server.port}", metrics=f"{args.host}:{http.server_port}" if http else "off")
     stop.wait()
     log.info("stopping")
-    manager.close()
+    schedule.stop()
     server.stop(grace=2.0)
     if http is not None:
         http.shutdown()

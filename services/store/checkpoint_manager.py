@@ -47,9 +47,10 @@ commit). ``load`` re-hashes nothing: it refuses a version whose recorded verdict
 checks the manifest (a few hundred bytes) against the catalog and says where the version is;
 the reader checks each file's SHA-256 as it reads it (``services/worker/store_client.py``).
 ``verify`` answers from the recorded verdicts, or re-hashes when asked (``rehash``). A scrub
-(``scrub``, on command, and every ``scrub_interval_s`` from a background thread) re-hashes
-committed versions and records the verdicts; each version newly found corrupt is published
-as ``CheckpointCorrupt``. ``latest`` names the newest version whose recorded verdict is ok.
+(``scrub``: on the orchestrator's command, or the operator's schedule kept by the store's
+composition root) re-hashes committed versions and records the verdicts; each version newly
+found corrupt is published as ``CheckpointCorrupt`` (this module's own event emitter: it
+publishes events only, it commands nobody). ``latest`` names the newest version whose recorded verdict is ok.
 This module reports verdicts; it never picks the version to load.
 """
 
@@ -144,8 +145,6 @@ class CheckpointManager:
         """``emit``: where each version newly found corrupt is published (the bus emitter of
         L5-1 in the service; None drops them)."""
         self._emit = emit
-        self._scrub_stop = threading.Event()
-        self._scrubber: threading.Thread | None = None
         self._dir = Path(root) / "checkpoints"
         self._dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
@@ -324,7 +323,7 @@ class CheckpointManager:
         self._scrubbed.inc(len(verdicts))
         return store_pb2.CheckpointScrubbed(job_id=job, versions=verdicts, newly_corrupt=newly, seconds=seconds)
 
-    def corrupt(self, job_id: str = "") -> list[store_pb2.CheckpointCorrupt]:
+    def _corrupt_now(self, job_id: str = "") -> list[store_pb2.CheckpointCorrupt]:
         """The versions recorded corrupt now (of ``job_id``, or every job), oldest first:
         what a new watcher of CheckpointCorrupt is told first."""
         with self._lock:
@@ -335,31 +334,7 @@ class CheckpointManager:
         """A subscription to CheckpointCorrupt (the relay fans the events out): answered with
         the versions recorded corrupt now, as the reply's payload (a list, oldest first)."""
         job = _check_job_id(msg.job_id) if msg.job_id else ""
-        return Reply(None, self.corrupt(job))
-
-    def start_scrubbing(self, interval_s: float, log: Any = None) -> None:
-        """Scrub every job every ``interval_s`` seconds from a daemon thread (0: never).
-        The first scrub runs one interval after the start."""
-        if interval_s <= 0 or self._scrubber is not None:
-            return
-
-        def run() -> None:
-            while not self._scrub_stop.wait(interval_s):
-                try:
-                    done = self.scrub(store_pb2.ScrubCheckpoints())
-                    if log is not None:
-                        log.info("checkpoints_scrubbed", versions=len(done.versions),
-                                 newly_corrupt=[c.version for c in done.newly_corrupt], seconds=round(done.seconds, 3))
-                except Exception as e:  # noqa: BLE001 - the next interval tries again
-                    if log is not None:
-                        log.error("checkpoint_scrub_failed", error=f"{type(e).__name__}: {e}")
-
-        self._scrubber = threading.Thread(target=run, name="checkpoint-scrub", daemon=True)
-        self._scrubber.start()
-
-    def close(self) -> None:
-        """Stop the background scrub (a scrub in progress finishes its current version)."""
-        self._scrub_stop.set()
+        return Reply(None, self._corrupt_now(job))
 
     def list(self, msg: store_pb2.CheckpointQuery, payload: Any = None) -> store_pb2.CheckpointList:
         """The committed versions of ``msg.job_id`` (every job if empty), oldest first."""

@@ -16,14 +16,18 @@ root (``rank.py``). No module file knows about them.
   stays finite, the gradient flowing back into those logits becomes inf: what an fp16
   overflow in backward looks like) and ``hang`` (the rank's main thread blocks forever
   before that step's backward; its heartbeat goes on, its peers wait in the collective: a
-  stall). Each injection fires once per job and rank, also across relaunches: it leaves
-  a marker file under ``$SURGE_HOME/run/faults``.
+  stall), ``hang_forward`` (the same, but in that step's first forward: the rank's beats say
+  it is in its forward pass while its peers wait for it in the gradient all-reduce) and
+  ``slow_eval`` (each batch of the evaluation after that step takes ``seconds=<s>`` more,
+  default 1: a long evaluation that still advances). Each injection fires once per job and
+  rank, also across relaunches: it leaves a marker file under ``$SURGE_HOME/run/faults``.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +40,8 @@ from services.contract import engine_pb2
 from services.contract.bus import CommandPort, Reply
 
 INJECT_ENV = "SURGE_FAULT_INJECT"
-KINDS = ("nan_loss", "inf_grad", "hang")
+KINDS = ("nan_loss", "inf_grad", "hang", "hang_forward", "slow_eval")
+_BEFORE_BACKWARD = ("nan_loss", "inf_grad", "hang")
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class Injection:
     kind: str
     step: int
     rank: int
+    seconds: float = 1.0  # slow_eval: added to each evaluation batch
 
 
 def parse_injections(text: str, job_name: str) -> list[Injection]:
@@ -57,18 +63,21 @@ def parse_injections(text: str, job_name: str) -> list[Injection]:
         try:
             name, what, *opts = entry.split(":")
             kind, step = what.split("@")
-            rank = 0
+            rank, seconds = 0, 1.0
             for opt in opts:
                 key, value = opt.split("=")
-                if key != "rank":
+                if key == "rank":
+                    rank = int(value)
+                elif key == "seconds":
+                    seconds = float(value)
+                else:
                     raise ValueError(key)
-                rank = int(value)
             if kind not in KINDS:
                 raise ValueError(kind)
-            injection = Injection(kind, int(step), rank)
+            injection = Injection(kind, int(step), rank, seconds)
         except ValueError:
             raise ValueError(
-                f"{INJECT_ENV}: {entry!r}: expected <job name>:<{'|'.join(KINDS)}>@<step>[:rank=<r>]"
+                f"{INJECT_ENV}: {entry!r}: expected <job name>:<{'|'.join(KINDS)}>@<step>[:rank=<r>][:seconds=<s>]"
             ) from None
         if name == job_name:
             out.append(injection)
@@ -88,6 +97,7 @@ class FaultInjector:
         self._mine = [i for i in injections if i.rank == rank]
         self._job_id, self._rank = job_id, rank
         self._markers = marker_dir or paths.run_dir() / "faults"
+        self._slowing: set[Injection] = set()  # slow_eval injections that fired (every batch of that eval)
 
     @classmethod
     def from_env(cls, job_name: str, job_id: str, rank: int) -> FaultInjector | None:
@@ -98,7 +108,7 @@ class FaultInjector:
     def before_backward(self, step: int, payload: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Apply what is due at ``step`` to the backward pass's (logits, labels)."""
         for injection in self._mine:
-            if injection.step != step or not self._fire(injection):
+            if injection.kind not in _BEFORE_BACKWARD or injection.step != step or not self._fire(injection):
                 continue
             if injection.kind == "nan_loss":
                 logits, labels = payload
@@ -112,6 +122,17 @@ class FaultInjector:
                 threading.Event().wait()  # forever: the rank is alive and makes no progress
         return payload
 
+    def before_forward(self, step: int, training: bool) -> None:
+        """Apply what is due at ``step`` (the step being run; an evaluation runs after step
+        ``step - 1`` completed) before a forward pass."""
+        for injection in self._mine:
+            if injection.kind == "hang_forward" and training and injection.step == step and self._fire(injection):
+                threading.Event().wait()  # forever, in the forward pass: alive, no progress
+            elif injection.kind == "slow_eval" and not training and injection.step == step - 1:
+                if injection in self._slowing or self._fire(injection):
+                    self._slowing.add(injection)
+                    time.sleep(injection.seconds)
+
     def _fire(self, injection: Injection) -> bool:
         """True the first time ``injection`` is due for this job and rank (marker file)."""
         self._markers.mkdir(parents=True, exist_ok=True)
@@ -124,7 +145,7 @@ class FaultInjector:
 
 
 class StepGuard:
-    """Wraps the loop's port to the backward unit with test-only injections.
+    """Wraps the loop's ports to the forward and backward units with test-only injections.
 
     Args:
         step: the step the loop is running now (the rank session's last completed step + 1).
@@ -134,6 +155,18 @@ class StepGuard:
     def __init__(self, step: Callable[[], int], *, injector: FaultInjector | None = None):
         self._step = step
         self._injector = injector
+
+    def forward(self, port: CommandPort) -> Callable[..., Reply]:
+        if self._injector is None:
+            return port
+        injector = self._injector
+
+        def run_forward(msg: Any, payload: Any = None) -> Reply:
+            if isinstance(msg, engine_pb2.RunForward):  # (ConfigureForward goes the same port)
+                injector.before_forward(self._step(), msg.training)
+            return port(msg, payload)
+
+        return run_forward
 
     def backward(self, port: CommandPort) -> Callable[..., Reply]:
         if self._injector is None:

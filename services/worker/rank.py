@@ -56,6 +56,7 @@ import torch
 
 from services.common.grpc_server import channel
 from services.common.logs import configure
+from services.common.phase import IDLE, PhaseMarker
 from services.common.process_exit import exit_now
 from services.compute.backward_unit import BackwardUnit
 from services.compute.forward_unit import ForwardUnit
@@ -137,9 +138,12 @@ def compose(
     pg_timeout_s: float = DEFAULT_TIMEOUT_S,
     started_at: float | None = None,
     guard: StepGuard | None = None,
+    phase: PhaseMarker | None = None,
 ) -> RankModules:
     """Build the rank's L2/L3 modules on ``bus`` and subscribe them and the relays.
-    ``guard`` wraps the loop's port to the backward unit (test-only fault injection).
+    ``guard`` wraps the loop's ports to the forward and backward units (test-only fault
+    injection). ``phase``: the rank's phase marker, set by the loop and L3-5 at phase
+    boundaries and read by the session's beats (services/common/phase.py).
 
     Raises:
         RouteError, ContractError: the table or this wiring breaks the contract; the rank
@@ -151,7 +155,8 @@ def compose(
     adapter = OperatorAdapter(emitter(M.L3_OPERATOR_ADAPTER), device)
     forward = ForwardUnit(emitter(M.L3_FORWARD_UNIT), port(M.L3_FORWARD_UNIT, M.L3_OPERATOR_ADAPTER))
     backward = BackwardUnit(emitter(M.L3_BACKWARD_UNIT), micro_steps=spec.data.grad_accum)
-    reduction = GradientReduction(emitter(M.L3_GRADIENT_REDUCTION))
+    marked = {"phase": phase} if phase is not None else {}
+    reduction = GradientReduction(emitter(M.L3_GRADIENT_REDUCTION), **marked)
     optimizer = Optimizer(spec.optimizer, emitter(M.L2_OPTIMIZER), implementation=spec.operators.adamw)
     precision = MixedPrecision(emitter(M.L2_MIXED_PRECISION), port(M.L2_MIXED_PRECISION, M.L3_OPERATOR_ADAPTER))
 
@@ -178,11 +183,12 @@ def compose(
     )
     L = M.L2_TRAINING_LOOP
     backward_port, precision_port = port(L, M.L3_BACKWARD_UNIT), port(L, M.L2_MIXED_PRECISION)
+    forward_port = port(L, M.L3_FORWARD_UNIT)
     loop = TrainingLoop(
         emitter(L),
         LoopPorts(
             shard_loader=port(L, M.L3_SHARD_LOADER),
-            forward=port(L, M.L3_FORWARD_UNIT),
+            forward=guard.forward(forward_port) if guard else forward_port,
             backward=guard.backward(backward_port) if guard else backward_port,
             reduction=port(L, M.L3_GRADIENT_REDUCTION),
             optimizer=port(L, M.L2_OPTIMIZER),
@@ -192,6 +198,7 @@ def compose(
         ),
         read_ahead=2 * spec.data.grad_accum + 2,
         started_at=started_at,
+        **marked,
     )
     sub = bus.subscribe
     for msg_type, handler in (
@@ -257,8 +264,11 @@ class Session:
     agent's ``audit`` question is answered from this process's route counts.
     """
 
-    def __init__(self, address: str, job_id: str, rank: int, heartbeat_interval_s: float = 1.0):
+    def __init__(
+        self, address: str, job_id: str, rank: int, heartbeat_interval_s: float = 1.0, phase: PhaseMarker | None = None,
+    ):
         self._job_id, self._rank = job_id, rank
+        self._phase = phase or PhaseMarker()
         self.process = f"rank {rank} of job {job_id}"
         self._out: queue.Queue = queue.Queue()
         self._channel = channel(address)
@@ -359,11 +369,16 @@ class Session:
         The first beat goes right after the hello, so the deadline covers the set-up too."""
         try:
             while True:
+                phase, phase_s, progress, total = self._phase.read()
                 with self._progress_lock:
                     beat = worker_pb2.RankHeartbeat(
                         job_id=self._job_id, rank=self._rank, step=self._step, stepping=self._stepping,
                         step_seconds=self._step_seconds, unix_time=time.time(), interval_seconds=self._beat_interval,
                     )
+                    if self._stepping:  # not started, paused or ended: idle, whatever was marked last
+                        beat.phase, beat.phase_seconds, beat.phase_progress, beat.phase_total = phase, phase_s, progress, total
+                    else:
+                        beat.phase = IDLE
                 self._send(heartbeat=beat)
                 if self._closing.wait(self._beat_interval):
                     return
@@ -413,7 +428,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # exit promptly, even inside a collective
     log = configure("rank", job=args.job, rank=args.rank)
 
-    session = Session(args.session, args.job, args.rank)
+    phase = PhaseMarker()
+    session = Session(args.session, args.job, args.rank, phase=phase)
     rank: RankModules | None = None
     data = store = None
     code = 0
@@ -438,7 +454,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         timeout_s = float(os.environ.get("SURGE_PG_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         rank = compose(
             bus, spec, assignment.device or "cpu", data=data, store=store, up=session,
-            pg_timeout_s=timeout_s, started_at=t_start, guard=guard,
+            pg_timeout_s=timeout_s, started_at=t_start, guard=guard, phase=phase,
         )
         log.info("rank_composed", world_size=assignment.world_size, device=assignment.device,
                  backend=assignment.backend, threads=torch.get_num_threads(), data=init.data_address,

@@ -3,7 +3,8 @@ while rank 0 waits for it in the gradient all-reduce. Rank 0 keeps beating (side
 makes no progress, and its stall deadline (1 s) fires long before rank 1's silence deadline
 (3 s after its last beat). Such a short stall deadline also fires on ordinary hiccups of a
 loaded machine, so once the incident is recovered the operator stops the job. The incident must still be named after rank 1, the rank that
-failed first; rank 0's stall is recorded as a consequence."""
+failed first; rank 0's stall, which its beats say happened in a collective, is recorded as a
+consequence (``rank_stalled_in_collective``, issue 12 part 5)."""
 
 from __future__ import annotations
 
@@ -62,13 +63,14 @@ def test_a_sigstopped_rank_is_blamed_not_its_stalled_peer_whose_stall_deadline_f
     decision = of_type(events, "decision")[1]
     assert decision.startswith("restart_ranks after rank_silent of rank 1")
     # Rank 0 was seen stalled before rank 1's silence was declared, and is not blamed for it.
-    stalls = [e for e in faults if e.message.startswith("SEVERE rank_stalled: rank 0 ")]
+    stalls = [e for e in faults if e.message.startswith("SEVERE rank_stalled_in_collective: rank 0 ")]
     assert stalls, [e.message for e in faults]
     assert all(e.message.endswith("(consequence of rank 1's rank_silent)") for e in stalls)
     first_incident = events[:[e.message for e in events].index(decision)]
     assert causes(first_incident, "SEVERE rank_stalled") == []
     assert any(e.message.startswith("first step after the recovery from rank_silent of rank 1") for e in events)
     stalled_for = float(stalls[0].message.split("no step progress for ")[1].split(" s")[0])
+    print(cause.message)
     print(f"stall blame: rank 0 stalled {stalled_for:.1f} s (deadline 1 s) yet rank 1's silence, declared "
           f"{cause.unix_time - stopped:.2f} s after the SIGSTOP, named the incident")
     assert events[-1].status.state == control_pb2.TERMINATED

@@ -107,9 +107,14 @@ def _stage(manager, job: str, step: int, data: bytes):
 def test_the_checkpoint_manager_cannot_trigger_its_own_save(tmp_path):
     built = build_store(tmp_path)
     manager, bus = built.modules[CKPT], built.buses[0]
-    # Nothing to act with: no port, no emitter, no thread or timer of its own.
-    assert holds(manager) == {"ports": [], "emitters": [], "modules": []}
+    # Nothing to act with: no port, no thread or timer of its own; its one emitter publishes
+    # its own events (CheckpointCorrupt), and every route it sends on is an event or goes to
+    # storage, never a command to a module.
+    assert holds(manager) == {"ports": [], "emitters": ["L5_CHECKPOINT_MANAGER"], "modules": []}
     assert not any(isinstance(v, threading.Thread) for v in vars(manager).values())
+    for route in default_table().routes():
+        if CKPT in route.senders and route.kind == COMMAND:
+            assert route.receivers <= {M.EXT_STORAGE}, route.message
     # No module's event reaches it (only its commanders' commands, and storage feedback).
     for route in default_table().routes():
         if CKPT in route.receivers:

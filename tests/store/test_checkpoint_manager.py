@@ -293,13 +293,13 @@ def test_scrub_finds_one_flipped_byte_strikes_only_that_version_and_publishes_it
         load(manager, "demo-x:3")
     assert load(manager, "demo-x:latest").version == "demo-x:2"
     assert load(manager, "latest").version == "other:1"
-    assert [c.version for c in manager.corrupt()] == ["demo-x:3"] and manager.corrupt("other") == []
+    assert [c.version for c in manager._corrupt_now()] == ["demo-x:3"] and manager._corrupt_now("other") == []
     # A second scrub finds it again but publishes nothing new; the verdict survives a restart.
     assert list(manager.scrub(store_pb2.ScrubCheckpoints(job_id="demo-x")).newly_corrupt) == []
     assert len(published) == 1
     again = CheckpointManager(tmp_path)
     assert load(again, "demo-x:latest").version == "demo-x:2"
-    assert [c.version for c in again.corrupt("demo-x")] == ["demo-x:3"]
+    assert [c.version for c in again._corrupt_now("demo-x")] == ["demo-x:3"]
 
 
 def test_rehash_finds_missing_extra_and_truncated_files_with_typed_causes(manager):
@@ -429,25 +429,6 @@ def test_concurrent_rehashes_of_one_version_share_one_verdict(manager):
         t.join(timeout=30)
     assert results["a"] == [[("a:1", True, "")]] * 8
     assert results["b"] == [[("b:1", False, "checkpoint b:1: __0_0.distcp: size 301 bytes, manifest says 300")]] * 8
-
-
-def test_the_background_scrub_runs_on_its_interval_and_stops(tmp_path):
-    import time
-
-    published: list[store_pb2.CheckpointCorrupt] = []
-    manager = CheckpointManager(tmp_path, emit=published.append)
-    done = save(manager, "a", 1)
-    manager.start_scrubbing(0.1)
-    try:
-        (Path(done.path) / ".metadata").write_bytes(b"mexa")
-        deadline = time.monotonic() + 10
-        while not published and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert [c.version for c in published] == ["a:1"]
-    finally:
-        manager.close()
-    manager._scrubber.join(timeout=5)
-    assert not manager._scrubber.is_alive()
 
 
 # ---------------------------------------------------------------------- verify every version

@@ -22,11 +22,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 REPO = Path(__file__).resolve().parents[2]
 
 
-def spawn(root: Path, port: int, metrics_port: int, log=subprocess.PIPE) -> subprocess.Popen:
+def spawn(root: Path, port: int, metrics_port: int, log=subprocess.PIPE, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "SURGE_HOME": str(root / "home"), "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
         [sys.executable, "-m", "services.store", "--host", "127.0.0.1", "--port", str(port),
-         "--metrics-port", str(metrics_port), "--root", str(root / "store")],
+         "--metrics-port", str(metrics_port), "--root", str(root / "store"), *extra],
         cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
     )
 
@@ -40,12 +40,13 @@ class Store:
 
 
 @pytest.fixture
-def store(tmp_path):
+def store(tmp_path, request):
+    extra = getattr(request, "param", ())  # extra command-line flags (indirect parametrization)
     for _ in range(3):  # a port taken between picking and binding: pick again
         port, metrics_port = free_ports(2)
         log = tmp_path / "store.log"
         with open(log, "wb") as out:  # a file, not a pipe: a long log never blocks the service
-            proc = spawn(tmp_path, port, metrics_port, out)
+            proc = spawn(tmp_path, port, metrics_port, out, *extra)
         try:
             with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
                 ready = grpc.channel_ready_future(ch)
@@ -208,6 +209,28 @@ def test_scrub_watch_verify_and_load_of_a_corrupt_version_through_the_real_servi
             stub.Load(store_pb2.LoadCheckpoint(version="sc:2"), timeout=10)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert ("surge-store-cause", "CORRUPT") in tuple(e.value.trailing_metadata())
-        with pytest.raises(grpc.RpcError) as e:  # only the orchestrator may ask for a scrub
-            stub.Scrub(store_pb2.ScrubCheckpoints(), timeout=10, metadata=[("surge-sender", "EXT_USER")])
+        with pytest.raises(grpc.RpcError) as e:  # only the orchestrator (or the operator) may ask for a scrub
+            stub.Scrub(store_pb2.ScrubCheckpoints(), timeout=10, metadata=[("surge-sender", "L2_TRAINING_LOOP")])
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+@pytest.mark.parametrize("store", [("--scrub-interval-seconds", "0.3")], indirect=True)
+def test_the_scrub_schedule_finds_a_flipped_byte_on_its_own(store):
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    with grpc.insecure_channel(f"127.0.0.1:{store.port}") as ch:
+        stub = store_pb2_grpc.StoreServiceStub(ch)
+        staged = stub.BeginSave(store_pb2.SaveCheckpoint(job_id="sched", step=1, rank=0), timeout=10)
+        with pytest.warns(UserWarning):
+            dcp.save({"w": torch.ones(64)}, checkpoint_id=staged.staging_path)
+        done = stub.CommitSave(store_pb2.CommitCheckpoint(job_id="sched", step=1, world_size=1), timeout=10)
+        watch = stub.WatchCheckpoints(store_pb2.WatchCheckpointsRequest(job_id="sched"), timeout=30)
+        shard = next(p for p in Path(done.path).iterdir() if p.suffix == ".distcp")
+        data = bytearray(shard.read_bytes())
+        data[0] ^= 0x01
+        shard.write_bytes(bytes(data))
+        found = next(watch)  # nobody asked: the schedule's scrub found it
+        watch.cancel()
+    assert (found.version, found.cause) == ("sched:1", store_pb2.CORRUPT)
+    assert found.reason == f"checkpoint sched:1: {shard.name}: sha256 mismatch"

@@ -1,0 +1,77 @@
+"""Where a rank's main thread is: a phase marker set at phase boundaries, read by its beats.
+
+The training loop (L2-1) and the gradient reduction unit (L3-5) mark phase boundaries
+(data wait, forward, backward, in a collective, optimizer, evaluation, checkpoint staging,
+compile, idle); the rank session's heartbeat thread reads the marker once per beat and
+states it in ``RankHeartbeat.phase`` / ``phase_seconds`` / ``phase_progress`` /
+``phase_total``, so control's fault detector keeps a progress deadline per phase and can
+tell a rank that stopped computing from one waiting for it in a collective.
+
+It is a probe, not a message: nothing reads it but the beat thread, no module reads
+another's phase, and it carries no command (the same standing as a metric). The
+composition root (``services/worker/rank.py``) builds one per rank and hands it to the
+modules that mark it.
+
+Cost on the hot path: ``enter`` is three attribute stores (no lock, no allocation beyond a
+float): a beat may read a phase with the previous phase's start time for a few
+microseconds, which a deadline measured in seconds cannot see. ``advance`` is one integer
+add. Values are ``worker_pb2.RankPhase`` numbers.
+"""
+
+from __future__ import annotations
+
+import time
+
+from services.contract import worker_pb2
+
+P = worker_pb2.RankPhase
+
+IDLE = P.PHASE_IDLE
+DATA_WAIT = P.PHASE_DATA_WAIT
+FORWARD = P.PHASE_FORWARD
+BACKWARD = P.PHASE_BACKWARD
+COLLECTIVE = P.PHASE_COLLECTIVE
+OPTIMIZER = P.PHASE_OPTIMIZER
+EVALUATION = P.PHASE_EVALUATION
+CHECKPOINT_STAGING = P.PHASE_CHECKPOINT_STAGING
+COMPILE = P.PHASE_COMPILE
+
+
+class PhaseMarker:
+    """The current phase of one rank's main thread (``worker_pb2.RankPhase``), when it was
+    entered (``time.monotonic()``), the units of it done and the units it will take (0:
+    unknown)."""
+
+    __slots__ = ("phase", "since", "progress", "total")
+
+    def __init__(self, phase: int = IDLE):
+        self.phase, self.since, self.progress, self.total = phase, time.monotonic(), 0, 0
+
+    def enter(self, phase: int, total: int = 0) -> None:
+        """The main thread enters ``phase`` (of ``total`` units, when known)."""
+        self.progress, self.total, self.since = 0, total, time.monotonic()
+        self.phase = phase
+
+    def advance(self, units: int = 1) -> None:
+        """``units`` more of the current phase done (e.g. one evaluation batch)."""
+        self.progress += units
+
+    def read(self) -> tuple[int, float, int, int]:
+        """(phase, seconds in it, progress, total), for a beat."""
+        phase, since, progress, total = self.phase, self.since, self.progress, self.total
+        return phase, max(0.0, time.monotonic() - since), progress, total
+
+
+class NoPhase:
+    """A marker that marks nothing (a module built without one, e.g. in unit tests)."""
+
+    __slots__ = ()
+
+    def enter(self, phase: int, total: int = 0) -> None:
+        pass
+
+    def advance(self, units: int = 1) -> None:
+        pass
+
+
+NO_PHASE = NoPhase()
