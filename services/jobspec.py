@@ -32,6 +32,9 @@ SECONDS_MAX = 30 * 24 * 3600.0
 # Tokens per micro-batch (seq_len x micro_batch_size): the data service packs them as two
 # int32 arrays (inputs, labels) into one MicroBatch message, which gRPC caps at 64 MiB.
 MICRO_BATCH_TOKENS_MAX = 2**22
+# The shortest heartbeat period a rank may ask for (seconds): each beat is a message through
+# its node agent to control, from every rank.
+MIN_BEAT_SECONDS = 0.01
 
 
 class _Strict(BaseModel):
@@ -445,6 +448,23 @@ class JobSpec(_Strict):
             raise ValueError(
                 f"operators.attention ({chosen}) and model.attention ({self.model.attention}) disagree; "
                 "set operators.attention only"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _deadlines_can_be_met(self) -> JobSpec:
+        # (Next to LivenessSpec's own rule that the silence deadline covers two beats.)
+        live = self.liveness
+        if live.heartbeat_interval_seconds < MIN_BEAT_SECONDS:
+            raise ValueError(
+                f"liveness.heartbeat_interval_seconds: {live.heartbeat_interval_seconds:g} s is shorter than a rank's "
+                f"beat thread can keep and control can take from every rank (at least {MIN_BEAT_SECONDS:g} s)"
+            )
+        if live.stall_min_seconds < 2 * live.heartbeat_interval_seconds:
+            raise ValueError(
+                f"liveness.stall_min_seconds: {live.stall_min_seconds:g} s cannot be met: step progress is heard in "
+                f"heartbeats, every {live.heartbeat_interval_seconds:g} s; it must be at least two of them "
+                f"({2 * live.heartbeat_interval_seconds:g} s)"
             )
         return self
 
