@@ -1,8 +1,9 @@
 """`surgectl down` drains running jobs; `surgectl up` brings drained jobs back (issue 12).
 
-Down: every live job is asked to pause with a checkpoint as a drain (``PauseJobRequest.drain``;
-control journals it), and the stack stops only once each is PAUSED (or ended). A job still
-warming up or recovering is asked again once it runs. Up: every job control reports
+Down: every running or paused job is asked to pause with a checkpoint as a drain
+(``PauseJobRequest.drain``; control journals it), and the stack stops only once each is
+PAUSED (or ended). A job still warming up is asked once it runs; a recovering one
+(FAULT_FROZEN: no rank trains) is left to control, which continues its recovery after `up`. Up: every job control reports
 ``drained`` is resumed from its drain checkpoint (``ResumeJob``), waiting for the node agents
 to register first (a resume that finds too few free slots is asked again, up to a limit).
 
@@ -39,7 +40,10 @@ def drain(stub, jobs: list[control_pb2.JobStatus], timeout_s: float, say: Callab
         CliError: a job did not pause within ``timeout_s`` (the stack is left running).
     """
     deadline = time.monotonic() + timeout_s
-    pending = {j.job_id: j for j in jobs}
+    for j in jobs:
+        if j.state == S.FAULT_FROZEN:  # no ranks train: nothing to lose beyond the checkpoint it restores
+            say(f"{j.job_id}: FAULT_FROZEN ({j.message}); not drained: control continues its recovery after `up`")
+    pending = {j.job_id: j for j in jobs if j.state != S.FAULT_FROZEN}
     asked: set[str] = set()
     drained: list[str] = []
     while pending:

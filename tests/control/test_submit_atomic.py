@@ -50,3 +50,32 @@ def test_a_spec_value_that_fits_no_proto_field_is_refused_before_anything_is_all
         plane.submit(dp=1, steps=10**23)
     assert drain(a) == []
     assert plane.submit(dp=1).state == S.WARMING_UP
+
+
+def test_the_allocator_frees_every_slot_of_an_allocation_whose_launch_failed_half_way():
+    from services.contract import engine_pb2
+    from services.control.resource_allocator import ResourceAllocator
+    from services.jobspec import parse_job_spec, spec_to_json
+
+    from .conftest import registration, spec_yaml
+
+    sent = []
+
+    def hardware(msg, worker_id):
+        sent.append((type(msg).__name__, worker_id))
+        if isinstance(msg, control_pb2.LaunchRanks) and worker_id == "wb" and msg.job_id == "j1":
+            raise ConnectionError("wb's session is gone")
+
+    allocator = ResourceAllocator(hardware=hardware, emit=lambda *a: None)
+    for w in ("wa", "wb"):
+        allocator.on_worker_registration(registration(w, slots=1))
+    spec = parse_job_spec(spec_yaml(dp=2))
+    init = engine_pb2.InitJob(job_id="j1", spec_json=spec_to_json(spec))
+    with pytest.raises(ConnectionError):
+        allocator.allocate_resources(control_pb2.AllocateResources(job_id="j1", world_size=2, backend="gloo", init=init))
+    # What submit_job does on any failure after the allocation:
+    allocator.release_resources(control_pb2.ReleaseResources(job_id="j1", kill=True))
+    assert sent == [("LaunchRanks", "wa"), ("LaunchRanks", "wb"), ("ReleaseRanks", "wa"), ("ReleaseRanks", "wb")]
+    init.job_id = "j2"
+    ready = allocator.allocate_resources(control_pb2.AllocateResources(job_id="j2", world_size=2, backend="gloo", init=init))
+    assert isinstance(ready, control_pb2.ResourcesReady) and sorted(ready.worker_ids) == ["wa", "wb"]
