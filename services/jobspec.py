@@ -312,7 +312,19 @@ DEFAULT_CLASS_ACTIONS: dict[str, str] = {
     "rank_stalled": "restart_ranks",
     "comm_error": "restart_ranks",
     "port_in_use": "restart_ranks",
-    "worker_lost": "exclude_node",
+    # A lost node agent has withdrawn its slots: a relaunch cannot land there while it is
+    # gone, and when it comes back (restarted in place, the stack brought up again) it is
+    # a worker like any other. exclude_node stays available to leave a flaky node out.
+    "worker_lost": "restart_ranks",
+    # The node agent was asked to leave (SIGTERM, `surgectl restart worker-N`): its ranks
+    # are relaunched elsewhere, or on it once it is back (never while it is leaving).
+    "worker_departed": "restart_ranks",
+    # A recovery step that waited past the policy's deadline (store_wait_seconds,
+    # capacity_wait_seconds): the job ends FAILED with every checkpoint kept, to be resumed.
+    "store_unreachable": "stop",
+    "no_capacity": "stop",
+    # The relaunched ranks did not all report ready within restore_seconds.
+    "recovery_timeout": "restart_ranks",
     "non_finite_loss": "rollback",
     # An fp16 overflow is what dynamic loss scaling expects: skip, back off, go on.
     "gradient_overflow": "skip_step",
@@ -337,6 +349,14 @@ class FaultPolicySpec(_Strict):
     max_restarts: int = Field(3, ge=0, le=U32_MAX)
     restarts: dict[str, Annotated[int, Field(ge=0, le=U32_MAX)]] = {}
     overflow_storm_steps: int = Field(8, gt=0)  # K consecutive skipped (overflowing) steps
+    # How long a recovery waits (seconds) before the policy decides: for the store to answer
+    # its verification (``store_unreachable``), for enough free slots to relaunch the ranks
+    # (``no_capacity``), and for the relaunched ranks to restore and report ready
+    # (``recovery_timeout``). Waiting loses nothing: the job stays FAULT_FROZEN, its status
+    # says what it waits for, and no checkpoint is struck.
+    store_wait_seconds: float = Field(600.0, gt=0, le=7 * 86400)
+    capacity_wait_seconds: float = Field(600.0, ge=0, le=7 * 86400)
+    restore_seconds: float = Field(600.0, gt=0, le=7 * 86400)
 
     @model_validator(mode="after")
     def _known_keys(self) -> FaultPolicySpec:

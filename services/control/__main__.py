@@ -74,6 +74,7 @@ class Control:
     sessions: SessionHub
     journal: JobStore
     detector: FaultDetector
+    orchestrator: Orchestrator
 
 
 def build(
@@ -106,10 +107,7 @@ def build(
         control_host=host,
     )
     detector = FaultDetector(emit=bus.emitter(M.L1_FAULT_DETECTOR), rules=fault_rules)
-    recovery = RecoveryController(
-        checkpoints=bus.port(M.L1_RECOVERY_CONTROLLER, M.L5_CHECKPOINT_MANAGER),
-        resources=bus.port(M.L1_RECOVERY_CONTROLLER, M.L1_RESOURCE_ALLOCATOR),
-    )
+    recovery = RecoveryController(resources=bus.port(M.L1_RECOVERY_CONTROLLER, M.L1_RESOURCE_ALLOCATOR))
     sessions = SessionHub(
         hardware=bus.emitter(M.EXT_HARDWARE),
         loop=bus.emitter(M.L2_TRAINING_LOOP),
@@ -118,7 +116,7 @@ def build(
         journal=journal,
     )
     watches = WatchHub()
-    store = StoreRelay(store_address, on_error=reporter.relay_rpc_error)
+    store = StoreRelay(store_address, events=bus.emitter(M.L5_CHECKPOINT_MANAGER), on_error=reporter.relay_rpc_error)
 
     # Relays first, so that restoring jobs (inside Orchestrator()) publishes to a wired bus.
     bus.subscribe(M.EXT_USER, control_pb2.JobEvent, watches.on_job_event)
@@ -126,7 +124,6 @@ def build(
     bus.subscribe(M.EXT_HARDWARE, control_pb2.ReleaseRanks, sessions.release_ranks)
     for command in (engine_pb2.StartTraining, engine_pb2.PauseTraining, engine_pb2.ResumeTraining, engine_pb2.StopTraining):
         bus.subscribe(M.L2_TRAINING_LOOP, command, sessions.relay_rank_command)
-    bus.subscribe(M.L5_CHECKPOINT_MANAGER, store_pb2.LoadCheckpoint, store.load_checkpoint)
     bus.subscribe(M.L5_CHECKPOINT_MANAGER, store_pb2.VerifyCheckpoints, store.verify_checkpoints)
 
     bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.WorkerRegistration, allocator.on_worker_registration)
@@ -162,6 +159,8 @@ def build(
         (engine_pb2.StepCompleted, o.on_step_completed),
         (engine_pb2.EvalCompleted, o.on_eval_completed),
         (store_pb2.SaveCompleted, o.on_save_completed),
+        (store_pb2.CheckpointVerification, o.on_checkpoint_verification),
+        (store_pb2.SnapshotFailed, o.on_snapshot_failed),
         (engine_pb2.TrainingLoopPaused, o.on_training_loop_paused),
         (engine_pb2.TrainingLoopFinished, o.on_training_loop_finished),
         # Before the detector's subscription: the failure is on the job's record before
@@ -179,8 +178,11 @@ def build(
 
     servicer = ControlServicer(user=bus.port(M.EXT_USER, M.L1_ORCHESTRATOR), watches=watches, sessions=sessions,
                                max_sessions=max_sessions)
+    # The store's answers are applied in order with the node agents' events, on one thread.
+    store.post = servicer.applier.call
     validate_wiring(bus, HOSTED)
-    return Control(bus=bus, servicer=servicer, sessions=sessions, journal=journal, detector=detector)
+    return Control(bus=bus, servicer=servicer, sessions=sessions, journal=journal, detector=detector,
+                   orchestrator=orchestrator)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -242,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     stop.wait()
     log.info("control stopping")
     control.detector.close()  # first: with the sessions ended, no beat arrives; that is no silence
+    control.orchestrator.close()  # no recovery retry either: the restarted control resumes them
     control.sessions.shutdown()  # before the server stops, so no session end reads as a lost node
     server.stop(grace=2.0)
     control.servicer.applier.stop()  # after the server: no message arrives any more

@@ -411,7 +411,8 @@ class FaultDetector:
         detail = f"rank {msg.rank} failed at step {msg.step}: {msg.detail}"  # the class is in the report
         if msg.fault_class in ALIASES:
             detail = f"rank {msg.rank} failed at step {msg.step}: {msg.fault_class}: {msg.detail}"
-        report = self._graded(msg.job_id, fault_class, Module.L2_TRAINING_LOOP, msg.rank, detail, step=msg.step)
+        report = self._graded(msg.job_id, fault_class, Module.L2_TRAINING_LOOP, msg.rank, detail, step=msg.step,
+                              subclass=msg.fault_class if msg.fault_class in ALIASES else "")
         if report is None:
             return
         with self._lock:
@@ -479,7 +480,6 @@ class FaultDetector:
                 return
             watch.stall = None
             quiet = self._quiet(job, now)
-            if rank in quiet:
             if watch.phase == RP.PHASE_COLLECTIVE and rank not in quiet:
                 working = [w.stall.when for r, w in job.ranks.items()
                            if r != rank and r not in quiet and self._working(w)]
@@ -491,8 +491,8 @@ class FaultDetector:
                     return
             watch.stalled = True  # declared once; the next progress re-arms the deadline
             deadline = job.phase_deadline_s(watch.phase, watch.phase_total)
+            if rank in quiet:
                 return  # it stopped beating too: its silence deadline reports it (as silent)
-        stalled_for = now - watch.last_progress_unix
             in_collective = watch.phase == RP.PHASE_COLLECTIVE
             if not in_collective:
                 # Its peers waiting in a collective since (at least 1.5 of their beats
@@ -504,7 +504,7 @@ class FaultDetector:
                             w.stall.cancel()
                         w.stall, w.stalled = None, True
                         consequences.append((r, w))
-        report = self._graded(
+        stalled_for = now - watch.last_progress_unix
         where = phase_name(watch.phase)
         fault_class = RANK_STALLED_IN_COLLECTIVE if in_collective else RANK_STALLED
         if in_collective:
@@ -516,12 +516,12 @@ class FaultDetector:
             if where:
                 text += f", in its {where} phase" + (
                     f" ({watch.phase_progress} of {watch.phase_total} done)" if watch.phase_total else "")
+        report = self._graded(
             job_id, fault_class, Module.EXT_HARDWARE, rank, text,
             occurred=watch.last_progress_unix, worker_id=watch.worker_id, step=max(watch.step, 0), phase=watch.phase,
         )
         if report is None:
             return
-        # Held: until a quiet peer's silence deadline can have fired, or long enough to
         followers = []
         for r, w in consequences:
             waited = now - w.last_progress_unix
@@ -533,6 +533,7 @@ class FaultDetector:
             )
             if follower is not None:
                 followers.append(follower)
+        # Held: until a quiet peer's silence deadline can have fired, or long enough to
         # tell whether a peer goes quiet (then extended, see _release_held).
         _log.info("stall held for attribution", job_id=job_id, rank=rank, quiet=quiet, phase=where,
                   waiting_in_collective=[r for r, _ in consequences])
@@ -574,12 +575,12 @@ class FaultDetector:
             # their order (a rank's exit stays after its own symptom).
             first = min(causes, key=lambda r: r.occurred_unix)
             held = [first] + [r for r in held if r is not first]
-        for report in held:
         elif not causes:
             # Symptoms only: a rank stalled outside a collective is what the ranks stalled
             # in one wait for, whichever deadline fired first: it goes first (the rest keep
             # their order).
             held = sorted(held, key=lambda r: r.fault_class != RANK_STALLED)
+        for report in held:
             self._emit(report)
 
     # ------------------------------------------------------------ private
@@ -628,7 +629,7 @@ class FaultDetector:
 
     def _graded(
         self, job_id: str, fault_class: str, source: int, rank: int, detail: str, *,
-        occurred: float = 0.0, worker_id: str = "", step: int = 0, phase: int = 0,
+        occurred: float = 0.0, worker_id: str = "", step: int = 0, phase: int = 0, subclass: str = "",
     ) -> control_pb2.FaultReport | None:
         now = time.time()
         with self._lock:
@@ -642,8 +643,8 @@ class FaultDetector:
         return control_pb2.FaultReport(
             job_id=job_id, grade=self._grade(fault_class), fault_class=fault_class, source=source, rank=rank,
             detail=detail, detected_unix=now, occurred_unix=occurred or now, worker_id=worker_id, step=step,
+            phase=phase, subclass=subclass,
         )
-            phase=phase,
 
     def _hold(
         self, job_id: str, report: control_pb2.FaultReport, window: float, extended: bool = False,
@@ -660,8 +661,8 @@ class FaultDetector:
                     job.held_timer.cancel()
                 job.held_timer = self._deadlines.after(window, self._release_held, (job_id,))
             job.held.append(report)
-
             job.held.extend(followers)
+
     def _report(self, job_id: str, fault_class: str, source: int, rank: int, detail: str, **known: Any) -> None:
         report = self._graded(job_id, fault_class, source, rank, detail, **known)
         if report is None:

@@ -14,6 +14,8 @@ reads another module. Names and labels:
   rollback, exclude_node, stop; ``budget_exhausted`` when a relaunch was refused);
 * ``surge_skipped_steps_total{reason}``: training steps the loop skipped (no update), by
   reason ("overflow": a loss-scale overflow; "non_finite_loss": the policy's skip_step);
+* ``surge_checkpoint_failures_total{cause}``: checkpoint saves that failed (``unreachable``,
+  ``timeout``, ...: the store's typed cause); training goes on and the next interval retries;
 * ``surge_worker_events_total{outcome}``: sequenced node agent events received by control's
   session relay, ``applied`` or ``duplicate`` (a resent event already applied: dropped);
 * ``surge_control_applier_lag_seconds``: how long node agent messages waited between
@@ -29,9 +31,9 @@ from prometheus_client import Counter, Histogram
 from services.contract import control_pb2
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 120.0)
+_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _RECOVERY_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 300.0, 600.0)
 
-_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 FAULTS = Counter("surge_faults_total", "Graded fault reports received by the orchestrator.", ["grade", "class"])
 DETECTION_LATENCY = Histogram(
     "surge_fault_detection_latency_seconds",
@@ -47,14 +49,19 @@ RECOVERY = Histogram(
 )
 DECISIONS = Counter("surge_fault_decisions_total", "Decisions on fault incidents.", ["class", "action"])
 SKIPPED_STEPS = Counter("surge_skipped_steps_total", "Training steps skipped by the loop (no update).", ["reason"])
-WORKER_EVENTS = Counter(
-    "surge_worker_events_total", "Sequenced node agent events received by control, applied or dropped as duplicates.",
+CHECKPOINT_FAILURES = Counter(
+    "surge_checkpoint_failures_total",
+    "Checkpoint operations that failed (a save the store could not take: training went on), by typed cause.",
+    ["cause"],
+)
 APPLIER_LAG = Histogram(
     "surge_control_applier_lag_seconds",
     "Seconds node agent messages waited from control's gRPC handler receiving them to the event applier "
     "applying them (per burst, its oldest message).",
     buckets=_LAG_BUCKETS,
 )
+WORKER_EVENTS = Counter(
+    "surge_worker_events_total", "Sequenced node agent events received by control, applied or dropped as duplicates.",
     ["outcome"],
 )
 
@@ -72,6 +79,9 @@ class ControlMetrics:
 
     def recovered(self, fault_class: str, seconds: float) -> None:
         RECOVERY.labels(fault_class).observe(seconds)
+
+    def checkpoint_failed(self, cause: str) -> None:
+        CHECKPOINT_FAILURES.labels(cause).inc()
 
     def step_skipped(self, reason: str) -> None:
         SKIPPED_STEPS.labels(reason or "unknown").inc()

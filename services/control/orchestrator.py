@@ -59,6 +59,7 @@ import structlog
 
 from services.contract import Module, control_pb2, engine_pb2, store_pb2
 from services.contract.bus import CommandPort, Emitter, Reply
+from services.control.deadlines import Deadline, Deadlines
 from services.control.job_store import JobStore
 from services.control.metrics import ControlMetrics
 from services.control.monitoring import start_monitoring
@@ -91,10 +92,26 @@ _ALLOWED: dict[int, frozenset[int]] = {
 }
 
 # Fault classes that state a rank process ended (FaultReport.fault_class, see the detector).
-_EXITS = frozenset({"rank_exit", "rank_exit_clean", "rank_released", "worker_lost"})
+_EXITS = frozenset({"rank_exit", "rank_exit_clean", "rank_released", "worker_lost", "worker_departed"})
 _RELAUNCHES = frozenset({"restart_ranks", "rollback", "exclude_node"})
 
 _log = structlog.get_logger("orchestrator")
+
+# The steps of a recovery (``_Incident.phase``), in order. Each is a command out and the
+# event that answers it; the wait states retry their step with backoff until the fault
+# policy's deadline for them, after which the policy decides.
+VERIFYING = "verifying"            # VerifyCheckpoints sent; CheckpointVerification / SnapshotFailed answers
+WAITING_STORE = "waiting_store"    # the store could not be asked (unreachable, timeout): retry
+PLACING = "placing"                # StartRecovery sent (answered at once by L1-4)
+WAITING_CAPACITY = "waiting_capacity"  # not enough free slots: retry as workers come
+RESTORING = "restoring"            # ranks relaunched; waiting for every one to report ready
+_BEFORE_RELAUNCH = frozenset({VERIFYING, WAITING_STORE, PLACING, WAITING_CAPACITY})
+# Backoff of a retried step: doubles from the first, capped (seconds).
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 4.0
+# Classes the orchestrator names itself when a recovery step gives up (fault policy keys).
+STORE_UNREACHABLE, NO_CAPACITY, RECOVERY_TIMEOUT = "store_unreachable", "no_capacity", "recovery_timeout"
+SFC = store_pb2.StoreFailureCause
+RFC = control_pb2.RecoveryFailureCause
 
 
 class JobNotFound(LookupError):
@@ -130,6 +147,11 @@ class _Incident:
     # When that relaunch was commanded again (unix time): reports graded before it are
     # about the ranks it replaced, already accounted for.
     repeated_unix: float = 0.0
+    phase: str = VERIFYING              # the recovery step in flight (journaled)
+    waiting_for: str = ""               # the wait state the step is in (kept across its retries)
+    waiting_since: float = 0.0          # time.monotonic() that wait began
+    retries: int = 0                    # retries of the current step
+    timer: Deadline | None = None       # the current step's retry or deadline (not journaled)
 
 
 @dataclass
@@ -210,7 +232,14 @@ class Orchestrator:
         self._jobs: dict[str, _Job] = {}
         self._reattaching = Reattaching()  # restored live jobs: ranks not heard from since
         self._answers: dict[str, _Answer] = {}  # job -> an operator resume waiting for the store's verdicts
+        # The recovery steps' retries and deadlines: callbacks take the lock like any event.
+        self._deadlines = Deadlines("orchestrator", workers=1)
         self._restore()
+
+    def close(self) -> None:
+        """No retry or step deadline fires any more (control is stopping: a restarted
+        control resumes the journaled recoveries)."""
+        self._deadlines.close()
 
     # ------------------------------------------------------------ operator commands
 
@@ -511,8 +540,10 @@ class Orchestrator:
         was = S.Name(job.status.state) + (f" ({O.Name(job.status.outcome)})" if job.status.outcome else "")
         try:
             # A new generation: nothing of the old one's ranks, pause, stop or recovery is kept;
-            # the restart budgets start again (the operator decided to go on).
-            job.started, job.paused, job.finished, job.exited, job.placement = set(), set(), {}, set(), {}
+            # the restart budgets start again (the operator decided to go on). Except which
+            # old ranks finished: the clean exit of one reported after this is no fault
+            # (each entry goes when the rank's new process reports ready).
+            job.started, job.paused, job.exited, job.placement = set(), set(), set(), {}
             job.pending, job.pending_at, job.incident, job.recovered = "", 0, None, None
             job.restarts, job.ignored, job.excluded = Counter(), Counter(), set()
             job.parked = job.draining = False
@@ -577,6 +608,7 @@ class Orchestrator:
                              f"the relaunch commanded before the restart happened: rank {msg.rank} of the "
                              "relaunched ranks is ready; not relaunched again")
             job.started.add(msg.rank)
+            job.finished.pop(msg.rank, None)  # (an old generation's, kept by an operator resume)
             if msg.worker_id:  # journaled: a restarted control knows where each rank ran
                 job.placement[msg.rank] = msg.worker_id
             self._record(
@@ -597,6 +629,7 @@ class Orchestrator:
                 return
             # Recovered. The failed generation's last events came before these ranks' own on
             # every worker that runs one, so the incident is over here.
+            self._cancel_timer(incident)
             job.incident, job.recovered = None, incident
             job.running_since = job.running_since or time.time()  # (a fault while warming up)
             self._faults(control_pb2.ResetFaultLedger(job_id=msg.job_id))
@@ -799,8 +832,13 @@ class Orchestrator:
         job.restarts[fault_class] += 1
         self._metrics.decided(fault_class, action)
         previous = job.incident
-        if fault_class == "checkpoint_error" and previous is not None and previous.version:
-            job.unusable.add(previous.version)  # the relaunched ranks could not load it
+        if msg.subclass == "checkpoint_integrity" and previous is not None and previous.version:
+            # The relaunched ranks found its bytes wrong as they read them (a digest
+            # mismatch): the only cause that strikes a version. A load that failed for any
+            # other reason (the store unreachable) says nothing of the version.
+            job.unusable.add(previous.version)
+            self._record(job, ORCH, "checkpoint", f"checkpoint {previous.version} fails its digest check on load; "
+                         "never loaded again")
         bound = msg.step if action == "rollback" and msg.step else None
         exclude = [msg.worker_id] if action == "exclude_node" and msg.worker_id else []
         incident = _Incident(cause=msg, fault_class=fault_class, action=action, decided=time.monotonic(),
@@ -810,6 +848,7 @@ class Orchestrator:
         incident.dying.update(r for r in range(job.status.world_size) if r not in job.exited)
         if previous is not None:
             incident.dying.update(previous.dying)
+            self._cancel_timer(previous)
         job.incident, job.recovered, job.exited = incident, None, set()
         job.started, job.paused, job.finished, job.placement = set(), set(), {}, {}  # (a new generation)
         job.pending = ""  # a pause in flight is dropped: the relaunched ranks start running
@@ -857,32 +896,227 @@ class Orchestrator:
         self._recover(job, incident)
 
     def _recover(self, job: _Job, incident: _Incident) -> None:
-        """Command the recovery for the newest usable version; a version that fails
-        verification is marked unusable and the next older one tried (then scratch)."""
-        bound, exclude = incident.bound, incident.exclude
-        self._verify_versions(job)
-        while True:
-            version = self._pick_version(job, bound)
-            incident.version = version
-            source = f"checkpoint {version}" if version else "scratch"
-            reply = self._recovery(
-                control_pb2.StartRecovery(
-                    job_id=job.status.job_id, checkpoint_version=version, exclude_worker_ids=exclude,
-                    reason=f"{incident.action} after {incident.fault_class} of rank {incident.cause.rank}",
-                )
-            ).message
-            if isinstance(reply, control_pb2.RecoveryCompleted):
-                incident.relaunched = True  # journaled with the relaunch event
-                self._record_relaunch(job, reply, source)
-                return
-            assert isinstance(reply, control_pb2.RecoveryFailed), reply
-            if reply.snapshot_unusable and version:
-                job.unusable.add(version)
-                self._record(job, Module.L1_RECOVERY_CONTROLLER, "recovery",
-                             f"{source} is unusable ({reply.reason}); trying an older version")
-                continue
-            self._terminate(job, O.FAILED, f"recovery failed: {reply.reason}", kill=True)
+        """Start the incident's recovery at its first step: ask the checkpoint manager which
+        versions are intact. The answer comes back as an event (``on_checkpoint_verification``
+        or ``on_snapshot_failed``); nothing here waits for it. Without a checkpoint port
+        (tests), the versions reported by SaveCompleted are trusted."""
+        self._cancel_timer(incident)
+        incident.phase, incident.retries, incident.waiting_for = VERIFYING, 0, ""
+        if self._checkpoints is None:
+            self._place(job, incident)
             return
+        self._ask_verification(job, incident)
+
+    def _ask_verification(self, job: _Job, incident: _Incident) -> None:
+        job_id = job.status.job_id
+        try:
+            reply = self._checkpoints(store_pb2.VerifyCheckpoints(job_id=job_id)).message
+        except Exception as e:  # noqa: BLE001 - a relay that cannot even send: the store is unreachable
+            _log.warning("verification not sent", job_id=job_id, error=str(e))
+            reply = store_pb2.SnapshotFailed(job_id=job_id, operation="verify", cause=SFC.UNREACHABLE,
+                                             reason=f"not sent: {type(e).__name__}")
+        # A relay that answers in the call (in-process tests) answers here; the gRPC relay
+        # answers later, on the applier thread, with the same events.
+        if isinstance(reply, store_pb2.CheckpointVerification):
+            self._verified(job, incident, reply)
+        elif isinstance(reply, store_pb2.SnapshotFailed):
+            self._verification_failed(job, incident, reply)
+
+    def on_checkpoint_verification(self, msg: store_pb2.CheckpointVerification, payload: Any = None) -> None:
+        """The checkpoint manager's verdicts on a job's versions: the answer to the recovery's
+        verification step (a late or repeated answer changes nothing but the record)."""
+        if self._resume_answered(msg):
+            return
+        with self._lock:
+            job = self._jobs.get(msg.job_id)
+            incident = job.incident if job is not None else None
+            if incident is None or incident.phase not in (VERIFYING, WAITING_STORE):
+                return
+            self._verified(job, incident, msg)
+
+    def on_snapshot_failed(self, msg: store_pb2.SnapshotFailed, payload: Any = None) -> None:
+        """A store operation failed, with its typed cause. ``verify``: the recovery's
+        verification step could not be done (the store unreachable or slow): the job waits
+        and the step is retried. ``save``: a checkpoint could not be written; training goes on
+        and the next interval tries again (no decision: a store outage is not a training
+        fault)."""
+        if self._resume_answered(msg):
+            return
+        with self._lock:
+            job = self._jobs.get(msg.job_id)
+            if job is None or job.status.state == S.TERMINATED:
+                return
+            if msg.operation == "verify":
+                incident = job.incident
+                if incident is not None and incident.phase in (VERIFYING, WAITING_STORE):
+                    self._verification_failed(job, incident, msg)
+                return
+            self._save_failed(job, msg)
+
+    def _save_failed(self, job: _Job, msg: store_pb2.SnapshotFailed) -> None:
+        cause = SFC.Name(msg.cause).lower() if msg.cause else "unknown"
+        self._metrics.checkpoint_failed(cause)
+        what = f"checkpoint {msg.operation}" + (f" of {msg.version}" if msg.version else "")
+        self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint",
+                     f"{what} failed ({cause}: {msg.reason}); training continues, the next interval tries again")
+
+    def _verified(self, job: _Job, incident: _Incident, msg: store_pb2.CheckpointVerification) -> None:
+        """Learn the verdicts (a version is struck only for its bytes: a digest mismatch or a
+        missing file), then go on to placement."""
+        known = {v for _, v in job.versions}
+        for verdict in msg.versions:
+            version, step = verdict.info.version, verdict.info.step
+            if not verdict.ok:
+                if _corrupt(verdict) and version not in job.unusable:
+                    job.unusable.add(version)
+                    self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint",
+                                 f"checkpoint {version} at step {step} fails verification ({verdict.reason}); "
+                                 "never loaded")
+            elif version not in known:
+                job.versions.append((step, version))
+                self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint",
+                             f"checkpoint {version} at step {step} verified: committed by the store, "
+                             "its completion report never arrived")
+        job.versions.sort()
+        if incident.waiting_for == WAITING_STORE:
+            incident.waiting_for = ""
+            self._record(job, Module.L5_CHECKPOINT_MANAGER, "recovery",
+                         f"the store answered after {time.monotonic() - incident.waiting_since:.1f} s of waiting; "
+                         "the recovery goes on")
+        self._place(job, incident)
+
+    def _verification_failed(self, job: _Job, incident: _Incident, msg: store_pb2.SnapshotFailed) -> None:
+        """The store could not be asked. Nothing is struck: the job waits FAULT_FROZEN and
+        the verification is asked again with backoff, up to the policy's
+        ``store_wait_seconds``; then the policy decides (``store_unreachable``)."""
+        if msg.cause not in (SFC.UNREACHABLE, SFC.TIMEOUT):
+            # The store answered but refused (e.g. it knows no version of the job): the
+            # versions reported by SaveCompleted are all there is to choose from.
+            self._record(job, Module.L5_CHECKPOINT_MANAGER, "recovery",
+                         f"checkpoint verification refused ({msg.reason}); choosing among the versions reported")
+            self._place(job, incident)
+            return
+        cause = SFC.Name(msg.cause).lower()
+        self._wait(job, incident, WAITING_STORE, STORE_UNREACHABLE, job.spec.fault_policy.store_wait_seconds,
+                   f"waiting for the store ({cause}: {msg.reason}) to verify the checkpoints",
+                   self._retry_verification)
+
+    def _retry_verification(self, job_id: str, incident: _Incident) -> None:
+        with self._lock:
+            job = self._current(job_id, incident, WAITING_STORE)
+            if job is not None:
+                self._ask_verification(job, incident)
+
+    def _place(self, job: _Job, incident: _Incident) -> None:
+        """Name the version (the newest usable one, within the rollback bound) and command
+        the recovery controller to relaunch the ranks to load it. Scratch only when the job
+        has no usable committed version."""
+        self._cancel_timer(incident)
+        version = self._pick_version(job, incident.bound)
+        incident.version = version
+        incident.phase = PLACING
+        source = f"checkpoint {version}" if version else "scratch"
+        reply = self._recovery(
+            control_pb2.StartRecovery(
+                job_id=job.status.job_id, checkpoint_version=version, exclude_worker_ids=incident.exclude,
+                reason=f"{incident.action} after {incident.fault_class} of rank {incident.cause.rank}",
+            )
+        ).message
+        if isinstance(reply, control_pb2.RecoveryCompleted):
+            incident.relaunched, incident.phase, incident.retries = True, RESTORING, 0  # journaled with the event
+            if incident.waiting_for == WAITING_CAPACITY:
+                self._record(job, Module.L1_RESOURCE_ALLOCATOR, "recovery",
+                             f"capacity came back after {time.monotonic() - incident.waiting_since:.1f} s of waiting")
+            incident.waiting_for = ""
+            self._record_relaunch(job, reply, source)
+            self._arm(incident, job.spec.fault_policy.restore_seconds, self._restore_overdue, job.status.job_id)
+            return
+        assert isinstance(reply, control_pb2.RecoveryFailed), reply
+        if reply.cause == RFC.RECOVERY_NO_PLACEMENT:
+            needs = f"needs {reply.requested_ranks or job.status.world_size} ranks, {reply.available_ranks} free"
+            self._wait(job, incident, WAITING_CAPACITY, NO_CAPACITY, job.spec.fault_policy.capacity_wait_seconds,
+                       f"waiting for capacity to resume from {source}: {needs} ({reply.reason})", self._retry_placement)
+            return
+        self._terminate(job, O.FAILED, f"recovery failed: {reply.reason}", kill=True)
+
+    def _retry_placement(self, job_id: str, incident: _Incident) -> None:
+        with self._lock:
+            job = self._current(job_id, incident, WAITING_CAPACITY)
+            if job is not None:
+                self._place(job, incident)
+
+    def _restore_overdue(self, job_id: str, incident: _Incident) -> None:
+        """The relaunched ranks did not all report ready within ``restore_seconds``: a fault
+        of the recovery itself (``recovery_timeout``), decided by the policy like any other."""
+        with self._lock:
+            job = self._current(job_id, incident, RESTORING)
+            if job is None:
+                return
+            missing = sorted(set(range(job.status.world_size)) - job.started)
+            report = control_pb2.FaultReport(
+                job_id=job_id, grade=G.SEVERE, fault_class=RECOVERY_TIMEOUT, source=Module.L1_RECOVERY_CONTROLLER,
+                rank=missing[0] if missing else 0, detected_unix=time.time(), occurred_unix=time.time(),
+                detail=f"ranks {missing} not ready {job.spec.fault_policy.restore_seconds:.0f} s after the relaunch",
+            )
+            self._record(job, Module.L1_RECOVERY_CONTROLLER, "fault", f"SEVERE {RECOVERY_TIMEOUT}: {report.detail}")
+            self._decide(job, report, RECOVERY_TIMEOUT, report.detail)
+
+    def _wait(self, job: _Job, incident: _Incident, phase: str, fault_class: str, limit_s: float, what: str,
+              retry: Any) -> None:
+        """Enter (or stay in) a wait state: say what the job waits for in its status, retry
+        the step with backoff; past ``limit_s`` of waiting the policy decides ``fault_class``."""
+        now = time.monotonic()
+        incident.phase = phase
+        if incident.waiting_for != phase:
+            incident.waiting_for, incident.waiting_since, incident.retries = phase, now, 0
+        waited = now - incident.waiting_since
+        if waited >= limit_s:
+            self._give_up(job, incident, fault_class, f"{what}: gave up after {waited:.0f} s")
+            return
+        incident.retries += 1
+        delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (incident.retries - 1), max(0.0, limit_s - waited))
+        message = f"{what}; retry {incident.retries} in {delay:.1f} s, the fault policy decides after {limit_s:.0f} s"
+        if incident.retries == 1:
+            self._record(job, ORCH, "recovery", message, status_message=message)
+        else:  # the status says it at every retry; the event log only at the first (no flood)
+            job.status.message, job.status.updated_unix = message, time.time()
+            self._keep(job)
+        self._arm(incident, delay, retry, job.status.job_id)
+
+    def _give_up(self, job: _Job, incident: _Incident, fault_class: str, why: str) -> None:
+        """A recovery step waited as long as the policy allows: its class decides. ``stop``
+        ends the job FAILED with every version kept (``surgectl resume`` continues it later);
+        any other action goes on without the missing answer (unverified versions as
+        reported; placement keeps waiting only if the policy says ``ignore``)."""
+        action = job.spec.fault_policy.action_for(fault_class, "SEVERE")
+        self._metrics.decided(fault_class, action)
+        self._record(job, ORCH, "decision", f"{action} after {fault_class}: {why} (fault policy)")
+        if action == "stop" or fault_class == NO_CAPACITY and action != "ignore":
+            self._terminate(job, O.FAILED, f"{why}; every checkpoint is kept", kill=True)
+        elif fault_class == NO_CAPACITY:
+            incident.waiting_since = time.monotonic()  # ignore: wait another period
+            self._place(job, incident)
+        else:
+            self._place(job, incident)
+
+    def _current(self, job_id: str, incident: _Incident, phase: str) -> _Job | None:
+        """The job if ``incident`` is still its recovery in ``phase`` (a timer may fire after
+        the incident ended or moved on)."""
+        job = self._jobs.get(job_id)
+        if job is None or job.incident is not incident or incident.phase != phase:
+            return None
+        incident.timer = None
+        return job
+
+    def _arm(self, incident: _Incident, seconds: float, fn: Any, job_id: str) -> None:
+        self._cancel_timer(incident)
+        incident.timer = self._deadlines.after(seconds, fn, (job_id, incident))
+
+    @staticmethod
+    def _cancel_timer(incident: _Incident | None) -> None:
+        if incident is not None and incident.timer is not None:
+            incident.timer.cancel()
+            incident.timer = None
 
     def _record_relaunch(self, job: _Job, reply: control_pb2.RecoveryCompleted, source: str) -> None:
         workers = ", ".join(reply.worker_ids)
@@ -891,37 +1125,6 @@ class Orchestrator:
             f"ranks killed and relaunched on {workers} (rendezvous {reply.master_addr}:{reply.master_port}) "
             f"to resume from {source}; {reply.seconds:.2f} s",
         )
-
-    def _verify_versions(self, job: _Job) -> None:
-        """Ask the checkpoint manager which of the job's versions are intact (StoreService
-        Verify) before naming one: a version committed whose SaveCompleted never arrived
-        (its rank was killed right after the commit) is added, one that fails verification
-        (a save cut short, flipped bytes) is never named. The store unreachable: the
-        versions reported so far are used, and the recovery controller verifies the one
-        named."""
-        if self._checkpoints is None:
-            return
-        job_id = job.status.job_id
-        try:
-            reply = self._checkpoints(store_pb2.VerifyCheckpoints(job_id=job_id)).message
-        except Exception as e:
-            self._record(job, ORCH, "recovery", f"checkpoint verification unavailable ({e}); "
-                         "choosing among the versions reported")
-            return
-        known = {v for _, v in job.versions}
-        for verdict in reply.versions:
-            version, step = verdict.info.version, verdict.info.step
-            if not verdict.ok:
-                if version not in job.unusable:
-                    job.unusable.add(version)
-                    self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint",
-                                 f"checkpoint {version} at step {step} fails verification ({verdict.reason}); never loaded")
-            elif version not in known:
-                job.versions.append((step, version))
-                self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint",
-                             f"checkpoint {version} at step {step} verified: committed by the store, "
-                             "its completion report never arrived")
-        job.versions.sort()
 
     def _pick_version(self, job: _Job, bound: int | None) -> str:
         """The newest committed version not known unusable (and not after step ``bound``)."""
@@ -1046,6 +1249,7 @@ class Orchestrator:
             raise IllegalTransition(f"job {job.status.job_id} is already {doing} after step {job.pending_at}")
 
     def _terminate(self, job: _Job, outcome: int, message: str, *, kill: bool) -> None:
+        self._cancel_timer(job.incident)
         job.status.outcome = outcome
         job.pending = ""
         job.incident = job.recovered = None
@@ -1130,6 +1334,7 @@ def _incident_to_json(i: _Incident) -> dict:
         "bound": i.bound,
         "exclude": list(i.exclude),
         "relaunched": i.relaunched,
+        "phase": i.phase,
     }
 
 
@@ -1145,7 +1350,7 @@ def _incident_from_json(d: dict) -> _Incident:
         fault_class=d["fault_class"], action=d["action"], decided=time.monotonic(),
         dying=Counter({int(r): int(n) for r, n in d.get("dying", {}).items()}),
         version=d.get("version", ""), bound=d.get("bound"), exclude=list(d.get("exclude", ())),
-        relaunched=relaunched, resumed=True,
+        relaunched=relaunched, resumed=True, phase=d.get("phase", RESTORING if relaunched else PLACING),
     )
 
 
@@ -1163,6 +1368,12 @@ def _load_runtime(job: _Job, rt: dict) -> None:
     job.draining, job.parked = bool(rt.get("draining", False)), bool(rt.get("parked", False))
     if rt.get("incident"):
         job.incident = _incident_from_json(rt["incident"])
+
+
+def _corrupt(verdict: store_pb2.CheckpointVerdict) -> bool:
+    """Whether a failed verdict is about the version's bytes (the only reason to strike it)."""
+    cause = getattr(verdict, "cause", SFC.STORE_FAILURE_UNSPECIFIED)  # (older stores send no cause)
+    return cause in (SFC.STORE_FAILURE_UNSPECIFIED, SFC.CORRUPT, SFC.MISSING_FILE)
 
 
 class _Answer:

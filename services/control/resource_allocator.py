@@ -32,6 +32,7 @@ class _Worker:
     reg: control_pb2.WorkerRegistration
     busy: dict[str, list[int]] = field(default_factory=dict)  # job_id -> slot indices
     under_pressure: bool = False  # the seed's 资源紧张 state, per worker
+    departing: bool = False       # the node agent said it is leaving: nothing new is placed here
 
     def free_slots(self) -> list[int]:
         taken = {s for slots in self.busy.values() for s in slots}
@@ -70,11 +71,20 @@ class ResourceAllocator:
         Re-attach: the ranks the node agent says it still runs (``running``, after a control
         restart) hold slots for their jobs, and their launch is taken as the job's allocation
         (world size, backend, job config) when none is known here, so the job can later be
-        released or its communicator rebuilt."""
+        released or its communicator rebuilt.
+
+        Departure: a registration with ``departing`` (the agent was asked to stop) keeps the
+        worker's record and busy slots but takes it out of placement, so a recovery of the
+        ranks it is stopping never relaunches one there. The next registration of the id
+        (the agent restarted in place) is placeable again."""
         with self._lock:
             old = self._workers.get(msg.worker_id)
             if msg.slots == 0:
                 self._workers.pop(msg.worker_id, None)
+                return
+            if msg.departing:
+                if old is not None:
+                    old.departing = True
                 return
             worker = _Worker(msg)
             if old is not None:
@@ -148,12 +158,15 @@ class ResourceAllocator:
         with self._lock:
             if msg.job_id in {j for w in self._workers.values() for j in w.busy}:
                 return self._insufficient(msg, 0, f"job {msg.job_id} already holds resources")
-            usable = [w for w in self._workers.values() if w.reg.worker_id not in excluded]
+            departing = sorted(w.reg.worker_id for w in self._workers.values() if w.departing)
+            usable = [w for w in self._workers.values() if w.reg.worker_id not in excluded and not w.departing]
             free = sum(len(w.free_slots()) for w in usable)
             if free < msg.world_size:
                 reason = f"{free} {'is' if free == 1 else 'are'} free on {len(usable)} registered worker{'' if len(usable) == 1 else 's'}"
                 if excluded:
                     reason += f" (excluding {', '.join(sorted(excluded))})"
+                if departing:
+                    reason += f" ({', '.join(departing)} leaving)"
                 return self._insufficient(msg, free, reason)
             picks: list[tuple[_Worker, int]] = []
             for w in usable:
@@ -227,7 +240,8 @@ class ResourceAllocator:
         rank has been reaped.
 
         Returns ResourcesInsufficient when the job holds no allocation here, or when its
-        ranks no longer fit (its old ranks are killed either way).
+        ranks no longer fit (its old ranks are killed either way). In the latter case the
+        allocation is kept: the same command places the ranks once capacity returns.
         """
         with self._lock:
             allocated = self._allocations.get(msg.job_id)
@@ -239,7 +253,11 @@ class ResourceAllocator:
         again.init.resume_version = msg.resume_version
         again.exclude_worker_ids[:] = sorted(set(again.exclude_worker_ids) | set(msg.exclude_worker_ids))
         self.release_resources(control_pb2.ReleaseResources(job_id=msg.job_id, kill=True))
-        return self.allocate_resources(again)
+        placed = self.allocate_resources(again)
+        if isinstance(placed, control_pb2.ResourcesInsufficient):
+            with self._lock:
+                self._allocations.setdefault(msg.job_id, again)
+        return placed
 
     # ------------------------------------------------------------ private
 

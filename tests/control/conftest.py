@@ -89,7 +89,18 @@ def drain(session) -> list[control_pb2.WorkerCommand]:
 
 
 @pytest.fixture
-def plane(tmp_path):
+def store_with_no_versions(monkeypatch):
+    """The store answers every verification at once (as the gRPC relay does later, on the
+    applier thread): the job has no committed version."""
+    from services.contract import store_pb2
+    from services.control.server import StoreRelay
+
+    monkeypatch.setattr(StoreRelay, "verify_checkpoints",
+                        lambda self, msg, payload=None: store_pb2.CheckpointVerification(job_id=msg.job_id))
+
+
+@pytest.fixture
+def plane(tmp_path, store_with_no_versions):
     journal = JobStore(tmp_path / "control.db")
     control = build(journal, data_address="127.0.0.1:7001", store_address="127.0.0.1:7002", persist_interval_s=0.0)
     yield Plane(control)

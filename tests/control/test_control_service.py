@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.contract import control_pb2, control_pb2_grpc, engine_pb2, worker_pb2
 from services.control.orchestrator import REATTACH_MESSAGE
 from services.control.server import REGISTERED_HEADER
+from tests.store.test_store_service import store  # noqa: F401 (a real store process)
 
 from .conftest import registration, spec_yaml
 
@@ -37,7 +38,7 @@ def free_port() -> int:
 class ControlProcess:
     """One `control` process; stopped by PID."""
 
-    def __init__(self, db: Path, home: Path, port: int | None = None):
+    def __init__(self, db: Path, home: Path, port: int | None = None, store: str = "127.0.0.1:7002"):
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         env = {**os.environ, "SURGE_HOME": str(home), "PYTHONUNBUFFERED": "1"}
@@ -47,7 +48,7 @@ class ControlProcess:
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "services.control", "--port", str(self.port), "--db", str(db),
-                 "--data", "127.0.0.1:7001", "--store", "127.0.0.1:7002"],
+                 "--data", "127.0.0.1:7001", "--store", store],
                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
             )
         self.channel = grpc.insecure_channel(self.address)
@@ -144,8 +145,8 @@ class NodeAgent:
 def start_control(tmp_path):
     started: list[ControlProcess] = []
 
-    def start(port: int | None = None, wait: bool = True) -> ControlProcess:
-        c = ControlProcess(tmp_path / "control.db", tmp_path, port)
+    def start(port: int | None = None, wait: bool = True, store: str = "127.0.0.1:7002") -> ControlProcess:
+        c = ControlProcess(tmp_path / "control.db", tmp_path, port, store)
         started.append(c)
         if wait:
             c.wait_serving()
@@ -252,10 +253,10 @@ def test_a_malformed_request_to_any_method_is_invalid_argument_and_control_lives
     assert list(control.stub.ListJobs(control_pb2.JobQuery(), timeout=10).jobs) == []
 
 
-def test_a_lost_node_agent_fails_its_running_job(start_control, agents):
-    control = start_control()
+def test_a_lost_node_agent_with_no_spare_waits_for_capacity_then_the_policy_fails_the_job(start_control, agents, store):  # noqa: F811
+    control = start_control(store=f"127.0.0.1:{store.port}")
     holder = agents(control.address, "wa", finish=False)
-    job_id = submit(control, dp=1, steps=100).job_id
+    job_id = submit(control, dp=1, steps=100, extra="fault_policy: {capacity_wait_seconds: 1.5}").job_id
     watch = control.stub.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True), timeout=60)
     for ev in watch:
         if ev.status.state == S.RUNNING:
@@ -264,12 +265,37 @@ def test_a_lost_node_agent_fails_its_running_job(start_control, agents):
     rest = list(watch)
     assert rest[-1].status.state == S.TERMINATED
     assert any(ev.message.startswith("SEVERE worker_lost") for ev in rest)
+    waits = [ev.message for ev in rest if ev.type == "recovery" and "waiting for capacity" in ev.message]
+    assert len(waits) == 1 and "needs 1 ranks, 0 free" in waits[0], waits
+    decisions = [ev.message for ev in rest if ev.type == "decision"]
+    assert decisions[0].startswith("restart_ranks after worker_lost of rank 0 on wa (restart 1 of 3")
+    assert decisions[-1].startswith("stop after no_capacity: waiting for capacity")
     status = control.stub.GetJob(control_pb2.JobQuery(job_id=job_id))
-    assert status.outcome == O.FAILED and "(excluding wa)" in status.message  # nowhere else to go
+    assert status.outcome == O.FAILED and "every checkpoint is kept" in status.message
 
 
-def test_a_lost_node_agents_ranks_are_relaunched_on_another_and_the_job_runs_again(start_control, agents):
-    control = start_control()
+def test_a_lost_node_agent_that_comes_back_gets_its_ranks_relaunched_and_the_job_finishes(start_control, agents, store):  # noqa: F811
+    control = start_control(store=f"127.0.0.1:{store.port}")
+    holder = agents(control.address, "wa", finish=False)
+    job_id = submit(control, dp=1, steps=3).job_id
+    watch = control.stub.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True), timeout=60)
+    for ev in watch:
+        if ev.status.state == S.RUNNING:
+            break
+    holder.close()
+    for ev in watch:  # the recovery waits: nowhere to place the rank
+        if ev.type == "recovery" and "waiting for capacity" in ev.message:
+            break
+    back = agents(control.address, "wa", steps=3)  # the same worker, restarted in place
+    rest = list(watch)
+    assert rest[-1].status.outcome == O.FINISHED
+    decisions = [ev.message for ev in rest if ev.type == "decision"]
+    assert decisions == [], decisions  # one decision for the incident (before the wait)
+    assert [c.launch.job_id for c in back.commands if c.WhichOneof("command") == "launch"] == [job_id]
+
+
+def test_a_lost_node_agents_ranks_are_relaunched_on_another_and_the_job_runs_again(start_control, agents, store):  # noqa: F811
+    control = start_control(store=f"127.0.0.1:{store.port}")
     holder = agents(control.address, "wa", finish=False)
     spare = agents(control.address, "wb", steps=3)  # finishes its rank's steps once started
     job_id = submit(control, dp=1, steps=3).job_id
@@ -282,7 +308,7 @@ def test_a_lost_node_agents_ranks_are_relaunched_on_another_and_the_job_runs_aga
     states = [ev.status.state for ev in rest if ev.type == "state"]
     assert states == [S.FAULT_FROZEN, S.RUNNING, S.TERMINATED]
     decisions = [ev.message for ev in rest if ev.type == "decision"]
-    assert decisions == ["exclude_node after worker_lost of rank 0 on wa (restart 1 of 3 for worker_lost); excluding wa"]
+    assert decisions == ["restart_ranks after worker_lost of rank 0 on wa (restart 1 of 3 for worker_lost)"]
     assert rest[-1].status.outcome == O.FINISHED
     assert [c.launch.job_id for c in spare.commands if c.WhichOneof("command") == "launch"] == [job_id]
 

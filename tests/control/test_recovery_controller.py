@@ -1,27 +1,26 @@
-"""The recovery controller executes StartRecovery: it verifies the named snapshot through
-the checkpoint manager's route, has the allocator rebuild the group (kill and relaunch the
-ranks on a fresh port), and reports; it never chooses a version.
+"""The recovery controller executes StartRecovery: it has the allocator rebuild the group
+(kill and relaunch the ranks on a fresh port, to load the named version), and reports with
+a typed cause; it never chooses a version and never touches the store (the relaunched ranks
+check every shard's digest as they load it; the orchestrator asked the store's verdicts).
 
-The test stands in for the remote checkpoint manager (L5-1) and the allocator (L1-2)."""
+The test stands in for the allocator (L1-2)."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.contract import Module, control_pb2, store_pb2
+from services.contract import Module, control_pb2
 from services.contract.bus import Bus
 from services.control.recovery_controller import RecoveryController
 
 M = Module
+C = control_pb2.RecoveryFailureCause
 pytestmark = pytest.mark.timeout(30)
 
 
-def wired(load, rebuild=None) -> tuple[Bus, list[control_pb2.RebuildCommunicator]]:
+def wired(rebuild=None) -> tuple[Bus, list[control_pb2.RebuildCommunicator]]:
     bus = Bus()
-    rc = RecoveryController(
-        checkpoints=bus.port(M.L1_RECOVERY_CONTROLLER, M.L5_CHECKPOINT_MANAGER),
-        resources=bus.port(M.L1_RECOVERY_CONTROLLER, M.L1_RESOURCE_ALLOCATOR),
-    )
+    rc = RecoveryController(resources=bus.port(M.L1_RECOVERY_CONTROLLER, M.L1_RESOURCE_ALLOCATOR))
     rebuilt: list[control_pb2.RebuildCommunicator] = []
 
     def rebuild_ok(msg, payload):
@@ -31,7 +30,6 @@ def wired(load, rebuild=None) -> tuple[Bus, list[control_pb2.RebuildCommunicator
         )
 
     bus.subscribe(M.L1_RECOVERY_CONTROLLER, control_pb2.StartRecovery, rc.start_recovery)
-    bus.subscribe(M.L5_CHECKPOINT_MANAGER, store_pb2.LoadCheckpoint, load)
     bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.RebuildCommunicator, rebuild or rebuild_ok)
     return bus, rebuilt
 
@@ -41,46 +39,33 @@ def recover(bus: Bus, version: str, exclude=()):
     return bus.command(M.L1_ORCHESTRATOR, M.L1_RECOVERY_CONTROLLER, msg).message
 
 
-def test_a_named_version_is_verified_then_the_ranks_are_relaunched_to_load_it():
-    asked = []
-
-    def load(msg, payload):
-        asked.append(msg.version)
-        return store_pb2.CheckpointLoaded(info=store_pb2.CheckpointInfo(version=msg.version, step=40))
-
-    bus, rebuilt = wired(load)
+def test_the_ranks_are_relaunched_to_load_the_named_version_without_asking_the_store():
+    bus, rebuilt = wired()
     reply = recover(bus, "j:2", exclude=["wc"])
     assert isinstance(reply, control_pb2.RecoveryCompleted)
-    assert (reply.job_id, reply.checkpoint_version, asked) == ("j", "j:2", ["j:2"])
+    assert (reply.job_id, reply.checkpoint_version) == ("j", "j:2")
     assert (reply.master_port, list(reply.worker_ids)) == (4242, ["wa", "wb"])
     assert [(r.job_id, r.resume_version, list(r.exclude_worker_ids)) for r in rebuilt] == [("j", "j:2", ["wc"])]
 
 
-def test_a_fresh_start_needs_no_snapshot():
-    def load(msg, payload):
-        raise AssertionError("no snapshot should be loaded")
-
-    bus, rebuilt = wired(load)
-    assert isinstance(recover(bus, ""), control_pb2.RecoveryCompleted)
+def test_a_fresh_start_relaunches_with_no_version():
+    bus, rebuilt = wired()
+    reply = recover(bus, "")
+    assert isinstance(reply, control_pb2.RecoveryCompleted) and reply.checkpoint_version == ""
     assert [r.resume_version for r in rebuilt] == [""]
 
 
-def test_a_version_that_cannot_be_loaded_is_reported_unusable_and_no_rank_is_touched():
-    def load(msg, payload):
-        raise RuntimeError("store 127.0.0.1:1: NOT_FOUND: no version j:9")
-
-    bus, rebuilt = wired(load)
-    reply = recover(bus, "j:9")
-    assert isinstance(reply, control_pb2.RecoveryFailed)
-    assert reply.reason == "checkpoint j:9: store 127.0.0.1:1: NOT_FOUND: no version j:9"
-    assert (reply.snapshot_unusable, reply.checkpoint_version, rebuilt) == (True, "j:9", [])
-
-
-def test_ranks_that_no_longer_fit_are_a_failed_recovery_but_not_an_unusable_snapshot():
+def test_ranks_that_no_longer_fit_are_a_typed_no_placement_failure_with_the_numbers():
     def full(msg, payload):
-        return control_pb2.ResourcesInsufficient(job_id=msg.job_id, reason="1 are free on 1 registered workers")
+        return control_pb2.ResourcesInsufficient(job_id=msg.job_id, requested_ranks=2, available_ranks=1,
+                                                 reason="1 is free on 1 registered worker")
 
-    bus, _ = wired(lambda m, p: None, rebuild=full)
-    reply = recover(bus, "")
-    assert isinstance(reply, control_pb2.RecoveryFailed) and not reply.snapshot_unusable
-    assert reply.reason == "relaunching the ranks (fresh start): 1 are free on 1 registered workers"
+    bus, _ = wired(full)
+    reply = recover(bus, "j:2")
+    assert isinstance(reply, control_pb2.RecoveryFailed)
+    assert (reply.cause, reply.step, reply.requested_ranks, reply.available_ranks) == (C.RECOVERY_NO_PLACEMENT,
+                                                                                      "placement", 2, 1)
+    assert reply.reason == "placing the ranks (checkpoint j:2): 1 is free on 1 registered worker"
+    # The same command, once capacity is back, places the ranks (the controller holds no grudge).
+    bus2, rebuilt = wired()
+    assert isinstance(recover(bus2, "j:2"), control_pb2.RecoveryCompleted) and len(rebuilt) == 1

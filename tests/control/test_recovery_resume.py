@@ -15,7 +15,6 @@ from services.control import monitoring
 from services.control.__main__ import build
 from services.control.job_store import JobStore
 from services.control.orchestrator import Orchestrator
-from services.control.recovery_controller import RecoveryController
 
 from .conftest import Plane, drain, registration
 from .test_fault_policy import running, saved, store  # noqa: F401  (store: fixture)
@@ -67,7 +66,7 @@ def test_a_recovery_whose_relaunch_was_done_waits_for_the_relaunched_ranks_after
     plane, journal = open_plane(db)
     job_id, w = running(plane, "wa", "wb", extra=POLICY)
     version = saved(plane, w["wa"], job_id, 1, step=4)
-    store.usable.add(version)
+
     plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)  # decided and relaunched
     relaunched = {wid: launches_of(drain(s)) for wid, s in w.items()}
     assert [[r.rank for r in ls[0].ranks] for ls in relaunched.values()] == [[0], [1]]
@@ -95,7 +94,7 @@ def test_a_relaunch_that_reached_the_agents_before_the_restart_is_not_repeated(t
     db = tmp_path / "control.db"
     plane, journal = open_plane(db)
     job_id, w = running(plane, "wa", "wb", extra=POLICY)
-    store.usable.add(saved(plane, w["wa"], job_id, 1, step=4))
+    saved(plane, w["wa"], job_id, 1, step=4)
 
     def die_after_launch(self, *a, **kw):  # LaunchRanks queued (delivered), completion never journaled
         journal.close()
@@ -130,17 +129,17 @@ def test_a_relaunch_that_never_reached_the_agents_is_commanded_again_once_a_rank
     db = tmp_path / "control.db"
     plane, journal = open_plane(db)
     job_id, w = running(plane, "wa", "wb", extra=POLICY)
-    store.usable.add(saved(plane, w["wa"], job_id, 1, step=4))
+    saved(plane, w["wa"], job_id, 1, step=4)
 
-    def die_before_rebuild(self, *a):  # decision journaled, snapshot verified, nothing relaunched
+    def die_before_rebuild(self, *a):  # decision journaled, versions verified, nothing relaunched
         journal.close()
         raise Killed
 
-    original = RecoveryController._done
-    monkeypatch.setattr(RecoveryController, "_done", die_before_rebuild)
+    original = Orchestrator._place
+    monkeypatch.setattr(Orchestrator, "_place", die_before_rebuild)
     with pytest.raises(Killed):
         plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
-    monkeypatch.setattr(RecoveryController, "_done", original)
+    monkeypatch.setattr(Orchestrator, "_place", original)
     assert all(launches_of(drain(s)) == [] for s in w.values())
 
     plane, journal = open_plane(db)
@@ -176,9 +175,9 @@ def test_a_relaunch_that_never_reached_the_agents_is_commanded_again_once_a_rank
 def test_workers_excluded_before_a_restart_stay_excluded_after_it(tmp_path, store):  # noqa: F811
     db = tmp_path / "control.db"
     plane, journal = open_plane(db)
-    job_id, w = running(plane, "wa", "wb", extra=POLICY)
+    job_id, w = running(plane, "wa", "wb", extra=POLICY.replace("}}", "}, actions: {worker_lost: exclude_node}}"))
     spare = plane.register("wc")
-    plane.c.sessions.close(w["wb"])  # worker_lost: exclude wb (default policy), rank 1 goes to wc
+    plane.c.sessions.close(w["wb"])  # worker_lost: exclude wb (the policy says so), rank 1 goes to wc
     assert messages(plane, job_id, "decision")[-1].endswith("excluding wb")
     launched = {"wa": launches_of(drain(w["wa"]))[0], "wc": launches_of(drain(spare))[0]}
     for rank, (wid, s) in enumerate((("wa", w["wa"]), ("wc", spare))):

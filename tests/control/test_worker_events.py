@@ -26,6 +26,11 @@ def step_event(job_id: str, n: int, seq: int) -> control_pb2.WorkerEvent:
     return control_pb2.WorkerEvent(rank_event=worker_pb2.RankEvent(job_id=job_id, rank=0, step=step), seq=seq)
 
 
+@pytest.fixture(autouse=True)
+def store(store_with_no_versions):
+    """Every plane of this module asks a store that knows no version."""
+
+
 def open_plane(db) -> tuple[Plane, JobStore]:
     journal = JobStore(db)
     return Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0)), journal

@@ -326,19 +326,14 @@ def test_the_recovery_controller_cannot_listen_for_faults(tmp_path):
     for event in (control_pb2.FaultReport, control_pb2.RankExited, engine_pb2.TrainingLoopFailed):
         with pytest.raises(RouteError):
             bus.subscribe(M.L1_RECOVERY_CONTROLLER, event, lambda m, p: None)
-    # It reaches the checkpoint manager (the snapshot) and the allocator (the rebuild), no one else.
+    # It reaches the allocator (the rebuild), no one else: the snapshot's digests are checked
+    # by the ranks as they load it, the versions' verdicts asked by the orchestrator.
     assert holds(built.modules[M.L1_RECOVERY_CONTROLLER]) == {
-        "ports": ["L5_CHECKPOINT_MANAGER", "L1_RESOURCE_ALLOCATOR"], "emitters": [], "modules": []}
+        "ports": ["L1_RESOURCE_ALLOCATOR"], "emitters": [], "modules": []}
 
 
-def test_the_recovery_controller_loads_exactly_the_version_it_is_told():
-    bus, asked = Bus(), []
-
-    def load(msg, payload):
-        asked.append(msg.version)
-        return store_pb2.CheckpointLoaded(info=store_pb2.CheckpointInfo(version=msg.version))
-
-    bus.subscribe(CKPT, store_pb2.LoadCheckpoint, load)
+def test_the_recovery_controller_relaunches_exactly_the_version_it_is_told():
+    bus = Bus()
     relaunched = []
 
     def rebuild(msg, payload):
@@ -346,13 +341,11 @@ def test_the_recovery_controller_loads_exactly_the_version_it_is_told():
         return control_pb2.ResourcesReady(job_id=msg.job_id)
 
     bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.RebuildCommunicator, rebuild)
-    recovery = RecoveryController(bus.port(M.L1_RECOVERY_CONTROLLER, CKPT),
-                                  bus.port(M.L1_RECOVERY_CONTROLLER, M.L1_RESOURCE_ALLOCATOR))
+    recovery = RecoveryController(bus.port(M.L1_RECOVERY_CONTROLLER, M.L1_RESOURCE_ALLOCATOR))
     done = recovery.start_recovery(control_pb2.StartRecovery(job_id="j", checkpoint_version="j:2"))
     assert isinstance(done, control_pb2.RecoveryCompleted) and done.checkpoint_version == "j:2"
     fresh = recovery.start_recovery(control_pb2.StartRecovery(job_id="k", checkpoint_version=""))
     assert isinstance(fresh, control_pb2.RecoveryCompleted) and fresh.checkpoint_version == ""
-    assert asked == ["j:2"]  # "" is a fresh start: it picks no version of its own
     assert relaunched == ["j:2", ""]  # the ranks load the version it was told, or none
 
 

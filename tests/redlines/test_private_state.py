@@ -35,6 +35,7 @@ LIFECYCLE: dict[str, set[str]] = {
     "Prefetcher": {"close"},
     "MetricsLogger": {"close"},
     "FaultDetector": {"close"},
+    "Orchestrator": {"close"},
 }
 
 # The one composition-root callback a module holds that reaches other modules: the shard
