@@ -411,7 +411,8 @@ class FaultDetector:
         detail = f"rank {msg.rank} failed at step {msg.step}: {msg.detail}"  # the class is in the report
         if msg.fault_class in ALIASES:
             detail = f"rank {msg.rank} failed at step {msg.step}: {msg.fault_class}: {msg.detail}"
-        report = self._graded(msg.job_id, fault_class, Module.L2_TRAINING_LOOP, msg.rank, detail, step=msg.step)
+        report = self._graded(msg.job_id, fault_class, Module.L2_TRAINING_LOOP, msg.rank, detail, step=msg.step,
+                              subclass=msg.fault_class if msg.fault_class in ALIASES else "")
         if report is None:
             return
         with self._lock:
@@ -628,7 +629,7 @@ class FaultDetector:
 
     def _graded(
         self, job_id: str, fault_class: str, source: int, rank: int, detail: str, *,
-        occurred: float = 0.0, worker_id: str = "", step: int = 0, phase: int = 0,
+        occurred: float = 0.0, worker_id: str = "", step: int = 0, phase: int = 0, subclass: str = "",
     ) -> control_pb2.FaultReport | None:
         now = time.time()
         with self._lock:
@@ -642,7 +643,7 @@ class FaultDetector:
         return control_pb2.FaultReport(
             job_id=job_id, grade=self._grade(fault_class), fault_class=fault_class, source=source, rank=rank,
             detail=detail, detected_unix=now, occurred_unix=occurred or now, worker_id=worker_id, step=step,
-            phase=phase,
+            phase=phase, subclass=subclass,
         )
 
     def _hold(

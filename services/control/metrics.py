@@ -14,6 +14,8 @@ reads another module. Names and labels:
   rollback, exclude_node, stop; ``budget_exhausted`` when a relaunch was refused);
 * ``surge_skipped_steps_total{reason}``: training steps the loop skipped (no update), by
   reason ("overflow": a loss-scale overflow; "non_finite_loss": the policy's skip_step);
+* ``surge_checkpoint_failures_total{cause}``: checkpoint saves that failed (``unreachable``,
+  ``timeout``, ...: the store's typed cause); training goes on and the next interval retries;
 * ``surge_worker_events_total{outcome}``: sequenced node agent events received by control's
   session relay, ``applied`` or ``duplicate`` (a resent event already applied: dropped);
 * ``surge_control_applier_lag_seconds``: how long node agent messages waited between
@@ -47,6 +49,11 @@ RECOVERY = Histogram(
 )
 DECISIONS = Counter("surge_fault_decisions_total", "Decisions on fault incidents.", ["class", "action"])
 SKIPPED_STEPS = Counter("surge_skipped_steps_total", "Training steps skipped by the loop (no update).", ["reason"])
+CHECKPOINT_FAILURES = Counter(
+    "surge_checkpoint_failures_total",
+    "Checkpoint operations that failed (a save the store could not take: training went on), by typed cause.",
+    ["cause"],
+)
 APPLIER_LAG = Histogram(
     "surge_control_applier_lag_seconds",
     "Seconds node agent messages waited from control's gRPC handler receiving them to the event applier "
@@ -72,6 +79,9 @@ class ControlMetrics:
 
     def recovered(self, fault_class: str, seconds: float) -> None:
         RECOVERY.labels(fault_class).observe(seconds)
+
+    def checkpoint_failed(self, cause: str) -> None:
+        CHECKPOINT_FAILURES.labels(cause).inc()
 
     def step_skipped(self, reason: str) -> None:
         SKIPPED_STEPS.labels(reason or "unknown").inc()

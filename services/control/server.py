@@ -35,7 +35,8 @@ the remote party the route table names, and holds only routing knowledge:
   thread (and delayed a SIGTERM stop) until the job's next event. The operator commands stay
   plain code in a thread pool.
 * ``WatchHub``: per-job subscriber queues fed by JobEvent (no polling).
-* ``StoreRelay``: LoadCheckpoint for L5-1, forwarded to the `store` service.
+* ``StoreRelay``: VerifyCheckpoints for L5-1, forwarded to the `store` service without
+  blocking; the answer comes back as L5-1's event.
 """
 
 from __future__ import annotations
@@ -380,6 +381,11 @@ class SessionHub:
                 tail = self._tails.get(ev.rank_log_lines.request_id)
             if tail is not None:  # else: the caller left; late lines are dropped
                 tail.answers.put((session, ev.rank_log_lines))
+        elif kind == "register" and ev.register.departing:
+            # The agent is leaving: no rank may be placed on it any more (its ranks' exits
+            # follow, stated by the agent as departures).
+            ev.register.worker_id = session.worker_id
+            self._hardware(ev.register)
         elif kind == "register":
             raise ValueError(f"worker {session.worker_id} registered twice on one session")
         else:
@@ -640,37 +646,57 @@ class WatchHub:
 
 
 class StoreRelay:
-    """LoadCheckpoint and VerifyCheckpoints for L5-1, forwarded to the `store` service at
-    ``address``.
+    """VerifyCheckpoints (and the scrub) for L5-1, forwarded to the `store` service at
+    ``address`` without blocking: the command returns at once and the store's answer comes
+    back as L5-1's event, ``CheckpointVerification``, or ``SnapshotFailed`` with a typed
+    cause when the store could not be asked (``UNREACHABLE``: gRPC UNAVAILABLE;
+    ``TIMEOUT``: DEADLINE_EXCEEDED; ``REJECTED``: any other status). Why: the recovery's
+    verification ran as a blocking call on control's one event-applier thread, inside the
+    orchestrator's lock, and a stopped store froze every job's heartbeats behind it.
 
-    ``on_error`` sees every failed call first (the composition root reports a boundary
-    violation the store returned)."""
+    ``post`` runs the delivery of an answer (the composition root passes the event
+    applier's ``call``, so answers are applied in order with the node agents' events;
+    default: on the gRPC callback thread). ``on_error`` sees every failed call first (the
+    composition root reports a boundary violation the store returned)."""
 
-    def __init__(self, address: str, timeout_s: float = 60.0, on_error: Callable[[grpc.RpcError], None] | None = None):
+    def __init__(self, address: str, events: Emitter, timeout_s: float = 10.0,
+                 on_error: Callable[[grpc.RpcError], None] | None = None,
+                 post: Callable[[Callable[[], None]], None] | None = None):
         self._address, self._timeout_s = address, timeout_s
+        self._events = events
         self._on_error = on_error
+        self.post = post or (lambda fn: fn())
         self._stub: store_pb2_grpc.StoreServiceStub | None = None
 
-    def load_checkpoint(self, msg: store_pb2.LoadCheckpoint, payload: Any = None) -> store_pb2.CheckpointLoaded:
-        """Raises RuntimeError naming the store and its one-line error."""
-        return self._call("Load", msg)
+    def verify_checkpoints(self, msg: store_pb2.VerifyCheckpoints, payload: Any = None) -> None:
+        """Which committed versions of the job are intact, from the store's recorded
+        verdicts; answered later as an event (see the class)."""
+        self._ask("Verify", msg, "verify", msg.job_id)
 
-    def verify_checkpoints(
-        self, msg: store_pb2.VerifyCheckpoints, payload: Any = None
-    ) -> store_pb2.CheckpointVerification:
-        """Which committed versions of the job are intact (re-hashed). Raises RuntimeError
-        naming the store and its one-line error."""
-        return self._call("Verify", msg)
-
-    def _call(self, method: str, msg: Any) -> Any:
+    def _ask(self, method: str, msg: Any, operation: str, job_id: str) -> None:
         if self._stub is None:
             self._stub = store_pb2_grpc.StoreServiceStub(channel(self._address))
+        future = getattr(self._stub, method).future(msg, timeout=self._timeout_s)
+        future.add_done_callback(lambda f: self.post(lambda: self._answer(f, operation, job_id)))
+
+    def _answer(self, future: grpc.Future, operation: str, job_id: str) -> None:
         try:
-            return getattr(self._stub, method)(msg, timeout=self._timeout_s)
+            reply = future.result()
         except grpc.RpcError as e:
             if self._on_error is not None:
                 self._on_error(e)
-            raise RuntimeError(f"store {self._address}: {e.code().name}: {e.details()}") from None
+            cause = _STORE_CAUSES.get(e.code(), store_pb2.REJECTED)
+            reply = store_pb2.SnapshotFailed(job_id=job_id, operation=operation, cause=cause,
+                                             reason=f"store {self._address}: {e.code().name}: {e.details()}")
+        self._events(reply)
+
+
+# gRPC status -> the typed cause of a store call that failed (the status code, never its text).
+_STORE_CAUSES = {
+    grpc.StatusCode.UNAVAILABLE: store_pb2.UNREACHABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: store_pb2.TIMEOUT,
+    grpc.StatusCode.CANCELLED: store_pb2.UNREACHABLE,
+}
 
 
 # ---------------------------------------------------------------- the servicer
