@@ -75,6 +75,7 @@ class Control:
     journal: JobStore
     detector: FaultDetector
     orchestrator: Orchestrator
+    store: StoreRelay
 
 
 def build(
@@ -161,6 +162,7 @@ def build(
         (store_pb2.SaveCompleted, o.on_save_completed),
         (store_pb2.CheckpointVerification, o.on_checkpoint_verification),
         (store_pb2.SnapshotFailed, o.on_snapshot_failed),
+        (store_pb2.CheckpointCorrupt, o.on_checkpoint_corrupt),
         (engine_pb2.TrainingLoopPaused, o.on_training_loop_paused),
         (engine_pb2.TrainingLoopFinished, o.on_training_loop_finished),
         # Before the detector's subscription: the failure is on the job's record before
@@ -182,7 +184,7 @@ def build(
     store.post = servicer.applier.call
     validate_wiring(bus, HOSTED)
     return Control(bus=bus, servicer=servicer, sessions=sessions, journal=journal, detector=detector,
-                   orchestrator=orchestrator)
+                   orchestrator=orchestrator, store=store)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -239,12 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     server.start(["surge.v1.ControlService", AuditServicer.SERVICE_NAME])
+    control.store.watch()  # the store's scrub findings, relayed for as long as control runs
     log.info("control listening", address=f"{args.host}:{server.port}", db=args.db, data=args.data, store=args.store,
              metrics=args.metrics_port or None)
     stop.wait()
     log.info("control stopping")
     control.detector.close()  # first: with the sessions ended, no beat arrives; that is no silence
     control.orchestrator.close()  # no recovery retry either: the restarted control resumes them
+    control.store.close()
     control.sessions.shutdown()  # before the server stops, so no session end reads as a lost node
     server.stop(grace=2.0)
     control.servicer.applier.stop()  # after the server: no message arrives any more

@@ -934,6 +934,19 @@ class Orchestrator:
                 return
             self._verified(job, incident, msg)
 
+    def on_checkpoint_corrupt(self, msg: store_pb2.CheckpointCorrupt, payload: Any = None) -> None:
+        """The store's scrub found a committed version's bytes wrong: it is never named for
+        a load again (verified at commit, re-verified in the background, never on the
+        recovery's path)."""
+        with self._lock:
+            job = self._jobs.get(msg.job_id)
+            if job is None or msg.version in job.unusable:
+                return
+            job.unusable.add(msg.version)
+            self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint",
+                         f"checkpoint {msg.version} at step {msg.step} found {SFC.Name(msg.cause).lower()} by the "
+                         f"store's scrub ({msg.reason}); never loaded")
+
     def on_snapshot_failed(self, msg: store_pb2.SnapshotFailed, payload: Any = None) -> None:
         """A store operation failed, with its typed cause. ``verify``: the recovery's
         verification step could not be done (the store unreachable or slow): the job waits
@@ -1372,8 +1385,8 @@ def _load_runtime(job: _Job, rt: dict) -> None:
 
 def _corrupt(verdict: store_pb2.CheckpointVerdict) -> bool:
     """Whether a failed verdict is about the version's bytes (the only reason to strike it)."""
-    cause = getattr(verdict, "cause", SFC.STORE_FAILURE_UNSPECIFIED)  # (older stores send no cause)
-    return cause in (SFC.STORE_FAILURE_UNSPECIFIED, SFC.CORRUPT, SFC.MISSING_FILE)
+    # (A store older than the typed verdict sends none: it said not-ok only for a hash failure.)
+    return verdict.cause in (store_pb2.VERDICT_UNSPECIFIED, store_pb2.VERDICT_CORRUPT, store_pb2.VERDICT_MISSING_FILE)
 
 
 class _Answer:

@@ -667,11 +667,38 @@ class StoreRelay:
         self._on_error = on_error
         self.post = post or (lambda fn: fn())
         self._stub: store_pb2_grpc.StoreServiceStub | None = None
+        self._closed = threading.Event()
+        self._watching: Any = None
 
     def verify_checkpoints(self, msg: store_pb2.VerifyCheckpoints, payload: Any = None) -> None:
         """Which committed versions of the job are intact, from the store's recorded
         verdicts; answered later as an event (see the class)."""
         self._ask("Verify", msg, "verify", msg.job_id)
+
+    def watch(self) -> None:
+        """Relay the store's ``CheckpointCorrupt`` events (its scrub found a committed
+        version's bytes wrong) for as long as control runs: one server stream
+        (``WatchCheckpoints``), opened again with backoff while the store is away."""
+        threading.Thread(target=self._watch, name="store-watch", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._watching is not None:
+            self._watching.cancel()
+
+    def _watch(self) -> None:
+        backoff = 0.5
+        while not self._closed.is_set():
+            stub = store_pb2_grpc.StoreServiceStub(channel(self._address))
+            self._watching = stub.WatchCheckpoints(store_pb2.WatchCheckpointsRequest())
+            try:
+                for corrupt in self._watching:
+                    backoff = 0.5
+                    self.post(lambda c=corrupt: self._events(c))
+            except grpc.RpcError:
+                pass  # the store went away (or control is closing): watch again once it is back
+            self._closed.wait(backoff)  # (the relay's own reconnect backoff, not a module's poll)
+            backoff = min(backoff * 2, 5.0)
 
     def _ask(self, method: str, msg: Any, operation: str, job_id: str) -> None:
         if self._stub is None:

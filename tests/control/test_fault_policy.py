@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.contract import control_pb2, engine_pb2, store_pb2
+from services.contract import Module, control_pb2, engine_pb2, store_pb2
 from services.control.__main__ import build
 from services.control.job_store import JobStore
 from services.control.server import StoreRelay
@@ -370,3 +370,34 @@ def test_every_skipped_step_is_an_event_with_its_reason_and_counted(plane):
     else:  # (the loop's field not built yet: every skip reads as an overflow)
         assert len(skips) == 2
     assert plane.get(job_id).train_loss == 2.0  # a skipped step's loss is not shown as the job's loss
+
+
+def test_a_version_the_stores_scrub_finds_corrupt_is_struck_and_the_next_recovery_skips_it(plane, store):
+    job_id, w = running(plane, "wa", "wb")
+    v1, v2 = saved(plane, w["wa"], job_id, 1, step=4), saved(plane, w["wa"], job_id, 2, step=8)
+    plane.c.bus.publish(Module.L5_CHECKPOINT_MANAGER, store_pb2.CheckpointCorrupt(
+        job_id=job_id, version=v2, step=8, cause=store_pb2.CORRUPT, reason=f"checkpoint {v2}: __0_0.distcp: sha256"))
+    events = [e.message for e in plane.events(job_id)]
+    assert f"checkpoint {v2} at step 8 found corrupt by the store's scrub (checkpoint {v2}: __0_0.distcp: sha256); " \
+           "never loaded" in events
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    assert resumes(w["wa"]) == [v1]  # (v1 was never struck: only the scrubbed version is)
+
+
+def test_the_store_unreachable_during_a_recovery_strikes_nothing_and_the_job_waits_then_resumes(plane, store):
+    job_id, w = running(plane, "wa", "wb")
+    v1, v2 = saved(plane, w["wa"], job_id, 1, step=4), saved(plane, w["wa"], job_id, 2, step=8)
+    store.down = True
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    s = plane.get(job_id)
+    assert s.state == S.FAULT_FROZEN and s.message.startswith("waiting for the store (unreachable: ")
+    assert resumes(w["wa"]) == []  # nothing relaunched while the versions cannot be verified
+    store.down, store.verdicts = False, [(v1, 4, True), (v2, 8, True)]
+    deadline = time.monotonic() + 10
+    while not any(m.startswith("ranks killed and relaunched") for m in (e.message for e in plane.events(job_id))):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert resumes(w["wa"]) == [v2]  # the newest: nothing was struck while the store was away
+    events = [e.message for e in plane.events(job_id)]
+    assert not any("fails verification" in m or "unusable" in m for m in events)
+    assert any(m.startswith("the store answered after ") for m in events)
