@@ -132,6 +132,18 @@ def test_a_stopped_job_resumes_from_its_newest_verified_checkpoint_as_a_new_gene
     assert (s.state, s.outcome, s.step) == (S.TERMINATED, O.FINISHED, 20)
 
 
+def test_a_clean_exit_of_an_old_rank_reported_after_the_resume_is_no_fault(plane, store):
+    job_id, a, b = stopped_job(plane, store, at=6)
+    plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+    plane.rank_exited(a, job_id, 0, exit_code=0)  # the stopped generation's rank 0, reaped late
+    s = plane.get(job_id)
+    assert s.state == S.WARMING_UP and not [e for e in plane.events(job_id) if e.type == "decision"
+                                            and e.message.startswith("restart_ranks")]
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank, start_step=6))
+    assert plane.get(job_id).state == S.RUNNING
+
+
 def test_resume_takes_the_newest_version_that_verifies_or_the_one_named(plane, store):
     job_id, a, b = stopped_job(plane, store, at=6)
     store.versions[job_id] = [(f"{job_id}:1", 2, True, ""), (f"{job_id}:2", 4, True, ""),
