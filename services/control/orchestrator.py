@@ -609,7 +609,6 @@ class Orchestrator:
                              "relaunched ranks is ready; not relaunched again")
             job.started.add(msg.rank)
             job.finished.pop(msg.rank, None)  # (an old generation's, kept by an operator resume)
-            job.finished.pop(msg.rank, None)  # (an old generation's, kept by an operator resume)
             if msg.worker_id:  # journaled: a restarted control knows where each rank ran
                 job.placement[msg.rank] = msg.worker_id
             self._record(
