@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from services.contract import control_pb2
-from tests.conftest import free_ports, processes_with
+from tests.conftest import free_ports, kill_all, processes_with
 from tests.faults.test_recovery import cli, final_state, running_stack, spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -31,7 +31,7 @@ S, O = control_pb2.JobState, control_pb2.JobOutcome
 STEPS = 200  # about 20 ms a step here: long enough to stop or drain it midway
 CONTROL_PORT = free_ports(1)[0]
 ENV = {"SURGE_CONTROL_PORT": str(CONTROL_PORT), "SURGE_CONTROL_FAULT_INJECT": "tjournal:journal_create"}
-JOBS = ("tref", "tstopres", "tdrain", "trange", "tjournal", "tafter")
+JOBS = ("tref", "tstopres", "tdrain", "trange", "tjournal", "tafter", "tcrash")
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +134,7 @@ def test_stop_checkpoints_its_step_and_resume_ends_bit_identical_to_an_uninterru
 
 
 def test_down_drains_a_running_job_and_up_resumes_it_bit_identical(stack, reference):
-    # Last in this module: the stack is stopped and started again (same control port).
+    # The stack is stopped and started again (same control port).
     job = stack.submit(spec("tdrain", steps=STEPS, every=1000))
     stack.wait_step(job, 20)
     services = json.loads((stack.home / "run" / "stack.json").read_text())["services"]
@@ -158,4 +158,27 @@ def test_down_drains_a_running_job_and_up_resumes_it_bit_identical(stack, refere
     assert not [e for e in events if e.type == "fault"], [e.message for e in events if e.type == "fault"]
     steps = [r["step"] for r in stack.step_records(job) if r["rank"] == 0]
     assert steps == list(range(1, STEPS + 1)), "a step lost or repeated across down and up"
+    same_state(reference, final_state(stack.home, job))
+
+
+def test_up_after_a_kill_9_of_every_service_continues_the_running_job_bit_identical(stack, reference):
+    # After the down/up test: the stack is up again. Every service is SIGKILLed under a running
+    # job (its ranks lose their node agents); `surgectl up` brings the stack back on the same
+    # ports, control restores the job from its journal and continues it (from its newest
+    # checkpoint, as its ranks are gone): it ends like an uninterrupted run.
+    job = stack.submit(spec("tcrash", steps=STEPS, every=25))
+    stack.wait_step(job, 60)
+    services = json.loads((stack.home / "run" / "stack.json").read_text())["services"]
+    kill_all([s["pid"] for s in services.values()])
+    t0 = time.monotonic()
+    while any(Path(f"/proc/{s['pid']}").exists() for s in services.values()):
+        assert time.monotonic() - t0 < 10, "a SIGKILLed service is still there"
+        time.sleep(0.05)
+    r = cli(stack.home, "up", "--workers", "2", env=ENV, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    events = stack.events(job, timeout=300)
+    assert (events[-1].status.state, events[-1].status.outcome) == (S.TERMINATED, O.FINISHED), \
+        "\n".join(e.message for e in events[-15:])
+    print("after kill -9 and up:", *[f"  {e.type}: {e.message}" for e in events if e.type in ("decision", "recovery", "fault")],
+          sep="\n")
     same_state(reference, final_state(stack.home, job))
