@@ -32,6 +32,8 @@ def state_text(s: control_pb2.JobStatus) -> str:
     text = STATE.Name(s.state)
     if s.state == STATE.TERMINATED and s.outcome:
         text += f" ({OUTCOME.Name(s.outcome)})"
+    elif s.state == STATE.PAUSED and s.drained:
+        text += " (drained)"  # by `surgectl down`: the next `up` resumes it
     return text
 
 

@@ -8,9 +8,15 @@ arrives as an event (rank events relayed from the node agents, fault reports, re
     STANDBY -> WARMING_UP -> RUNNING <-> PAUSED
     any non-terminal -> FAULT_FROZEN (recovering) -> RUNNING | TERMINATED
     any non-terminal -> TERMINATED  (outcome FINISHED | STOPPED | FAILED)
+    TERMINATED (STOPPED | FAILED), PAUSED (ranks gone) -> WARMING_UP  (operator resume only)
 
 Pause and stop name a step boundary (``at_step`` = latest reported step + 2) so that every
-rank stops at the same step and no rank waits in a collective for a paused peer.
+rank stops at the same step and no rank waits in a collective for a paused peer. Both
+checkpoint that step first unless the operator says not to (the ranks report paused or
+finished after the commit). A drain (`surgectl down`) is a pause whose job is then parked:
+its ranks go with the stack, a restarted control waits for none, and the next `up` resumes
+it. An operator resume of a STOPPED, FAILED or parked job relaunches its ranks (a new
+generation) from the newest version the checkpoint manager verifies, or the one named.
 
 Faults: a graded ``FaultReport`` opens an incident and gets one decision, by the job
 spec's ``fault_policy`` (class first, then grade): ignore (record and count), stop (FAILED),
