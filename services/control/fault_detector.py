@@ -98,14 +98,14 @@ _STALLS = frozenset({RANK_STALLED, RANK_STALLED_IN_COLLECTIVE})
 # A peer silent for more than this many of its beat periods makes a stall a symptom.
 QUIET_BEATS = 1.5
 
-# The relay states a lost node agent as a RankExited whose detail starts with this marker
-# (the proto has no WorkerLost event yet; see the control README / report).
-WORKER_LOST_MARKER = WORKER_LOST + ":"
+# A node agent that stopped its ranks because it is leaving (SIGTERM): one departure.
+WORKER_DEPARTED = "worker_departed"
 
 DEFAULT_RULES: dict[str, int] = {
     RANK_EXIT: G.SEVERE,
     RANK_EXIT_CLEAN: G.MEDIUM,  # the orchestrator knows whether the rank had finished
     RANK_RELEASED: G.MINOR,
+    WORKER_DEPARTED: G.SEVERE,  # its ranks must run elsewhere (or on it once it is back)
     RANK_SILENT: G.SEVERE,
     RANK_STALLED: G.SEVERE,
     RANK_STALLED_IN_COLLECTIVE: G.SEVERE,
@@ -138,9 +138,6 @@ DEFAULT_STALL_STEP_FACTOR = 5.0  # attribution_seconds 0: a comm_error is report
 DEFAULT_CHECKPOINT_STAGING_S = 600.0
 DEFAULT_COMPILE_S = 900.0
 _STEP_TIMES_KEPT = 64  # recent step durations of a job, for the median
-# A collective stall waits this long past the deadline of the peer it may be waiting for.
-_PEER_MARGIN_S = 0.5
-
 RP = worker_pb2.RankPhase
 # Phases in which no step progress is expected: no progress deadline.
 _RESTING = frozenset({RP.PHASE_IDLE})
@@ -166,6 +163,9 @@ class _RankWatch:
     phase: int = 0           # RankPhase of its last beat (PHASE_UNSPECIFIED: it does not say)
     phase_progress: int = 0  # units of the phase done, as its last beat said
     phase_total: int = 0
+    # In a collective past its deadline while a peer still worked: no deadline of its own
+    # until it moves on; that peer's stall reports it as a consequence.
+    waiting: bool = False
     silence: Deadline | None = None
     stall: Deadline | None = None
     stalled: bool = False  # declared stalled at ``step``; the next progress re-arms the deadline
@@ -351,12 +351,12 @@ class FaultDetector:
             watch.phase, watch.phase_progress, watch.phase_total = msg.phase, msg.phase_progress, msg.phase_total
             if moved:
                 watch.last_progress_unix = now
-                watch.stalled = False
+                watch.stalled = watch.waiting = False
             if not msg.stepping or msg.phase in _RESTING:
                 if watch.stall is not None:
                     watch.stall.cancel()
                 watch.stall = None
-            elif moved or (watch.stall is None and not watch.stalled):
+            elif moved or (watch.stall is None and not watch.stalled and not watch.waiting):
                 if watch.stall is not None:
                     watch.stall.cancel()
                 else:
@@ -375,15 +375,16 @@ class FaultDetector:
             watch = job.ranks.pop(msg.rank, None) if job is not None else None
             if watch is not None:
                 watch.cancel()
-            if job is not None and not msg.detail.startswith(WORKER_LOST_MARKER):
+            if job is not None and not msg.worker_lost:
                 job.back.add(msg.worker_id)  # its node agent reaped it and is back
-        if msg.detail.startswith(WORKER_LOST_MARKER):
+        if msg.worker_lost:
             fault_class = WORKER_LOST
-            reason = msg.detail[len(WORKER_LOST_MARKER):].strip()
-            detail = f"rank {msg.rank} lost with worker {msg.worker_id}: {reason}"
+            detail = f"rank {msg.rank} lost with worker {msg.worker_id}: {msg.detail}"
         else:
             if msg.released:
                 fault_class = RANK_RELEASED
+            elif msg.departing:
+                fault_class = WORKER_DEPARTED
             else:
                 fault_class = RANK_EXIT if msg.exit_code != 0 else RANK_EXIT_CLEAN
             how = f"signal {-msg.exit_code}" if msg.exit_code < 0 else f"exit code {msg.exit_code}"
@@ -470,9 +471,11 @@ class FaultDetector:
         incident's likely cause (``rank_stalled``), reported with the peers that wait for
         it in a collective as its consequences (``rank_stalled_in_collective``, after it).
         In a collective it waits for someone: while a peer still works (progressing outside
-        a collective) that is no fault and the deadline is re-armed past that peer's own;
-        otherwise it is reported as a symptom, held for its cause."""
-        now, mono = time.time(), time.monotonic()
+        a collective) that is no fault, and the rank waits without a deadline of its own
+        until it moves on (that peer's own deadline reports it, if that peer stalls);
+        otherwise it is reported as a symptom, held for its cause, with the ranks waiting
+        in a collective that way."""
+        now = time.time()
         consequences: list[tuple[int, _RankWatch]] = []
         with self._lock:
             job = self._jobs.get(job_id)
@@ -481,29 +484,27 @@ class FaultDetector:
             watch.stall = None
             quiet = self._quiet(job, now)
             if watch.phase == RP.PHASE_COLLECTIVE and rank not in quiet:
-                working = [w.stall.when for r, w in job.ranks.items()
-                           if r != rank and r not in quiet and self._working(w)]
-                if working:
-                    # Waiting for a peer that still works (e.g. a longer evaluation on
-                    # it): no fault. Look again once that peer's own deadline passed.
-                    args = (job_id, rank, watch)
-                    watch.stall = self._deadlines.after(max(working) - mono + _PEER_MARGIN_S, self._stall_passed, args)
+                if any(r != rank and r not in quiet and self._working(w) for r, w in job.ranks.items()):
+                    # Waiting for a peer that still works (e.g. a longer evaluation on it):
+                    # no fault (see the docstring).
+                    watch.waiting = True
                     return
             watch.stalled = True  # declared once; the next progress re-arms the deadline
             deadline = job.phase_deadline_s(watch.phase, watch.phase_total)
             if rank in quiet:
                 return  # it stopped beating too: its silence deadline reports it (as silent)
             in_collective = watch.phase == RP.PHASE_COLLECTIVE
-            if not in_collective:
-                # Its peers waiting in a collective since (at least 1.5 of their beats
-                # without progress) wait for it: consequences, reported after it.
-                for r, w in sorted(job.ranks.items()):
-                    if (r != rank and r not in quiet and w.phase == RP.PHASE_COLLECTIVE and w.stepping
-                            and not w.stalled and now - w.last_progress_unix > QUIET_BEATS * (w.interval_s or 1.0)):
-                        if w.stall is not None:
-                            w.stall.cancel()
-                        w.stall, w.stalled = None, True
-                        consequences.append((r, w))
+            for r, w in sorted(job.ranks.items()):
+                # Outside a collective: its peers waiting in one since (at least 1.5 of their
+                # beats without progress) wait for it. In one: the peers that waited without
+                # a deadline for a peer that worked then. Consequences, reported after it.
+                if r == rank or r in quiet or w.phase != RP.PHASE_COLLECTIVE or not w.stepping or w.stalled:
+                    continue
+                if w.waiting or (not in_collective and now - w.last_progress_unix > QUIET_BEATS * (w.interval_s or 1.0)):
+                    if w.stall is not None:
+                        w.stall.cancel()
+                    w.stall, w.stalled, w.waiting = None, True, False
+                    consequences.append((r, w))
         stalled_for = now - watch.last_progress_unix
         where = phase_name(watch.phase)
         fault_class = RANK_STALLED_IN_COLLECTIVE if in_collective else RANK_STALLED

@@ -79,12 +79,12 @@ class ResourceAllocator:
         (the agent restarted in place) is placeable again."""
         with self._lock:
             old = self._workers.get(msg.worker_id)
-            if msg.slots == 0:
-                self._workers.pop(msg.worker_id, None)
-                return
-            if msg.departing:
+            if msg.departing:  # (before the zero-slot check: it keeps the record and its busy slots)
                 if old is not None:
                     old.departing = True
+                return
+            if msg.slots == 0:
+                self._workers.pop(msg.worker_id, None)
                 return
             worker = _Worker(msg)
             if old is not None:

@@ -57,7 +57,6 @@ import structlog
 from services.common.grpc_server import channel
 from services.contract import control_pb2, control_pb2_grpc, engine_pb2, store_pb2, store_pb2_grpc, worker_pb2
 from services.contract.bus import CommandPort, Emitter, Reply
-from services.control.fault_detector import WORKER_LOST_MARKER
 from services.control.metrics import APPLIER_LAG, WORKER_EVENTS
 from services.control.orchestrator import EVENT_LOG, IllegalTransition, JobNotFound
 from services.jobspec import JobSpecError
@@ -487,7 +486,7 @@ class SessionHub:
         for job_id, rank in ranks:
             self._hardware(
                 control_pb2.RankExited(
-                    job_id=job_id, rank=rank, worker_id=worker_id, detail=f"{WORKER_LOST_MARKER} {reason}"
+                    job_id=job_id, rank=rank, worker_id=worker_id, detail=reason, worker_lost=True
                 )
             )
 

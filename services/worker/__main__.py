@@ -34,7 +34,7 @@ from pathlib import Path
 
 from services.common import logs, paths
 from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
-from services.contract import audit_pb2_grpc, worker_pb2_grpc
+from services.contract import audit_pb2_grpc, control_pb2, worker_pb2_grpc
 from services.contract.audit import AuditServicer, merge_reports, report_of
 from services.contract.validation import ContractError, refuse, validate_table
 from services.worker.node_agent import (
@@ -168,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     log.info("worker stopping")
     if sampler is not None:
         sampler.stop()
+    # Say it first: control places no rank here any more, and the exits that follow are
+    # this agent's departure (one incident), not crashes.
+    outbox.put(control_pb2.WorkerEvent(register=control_pb2.WorkerRegistration(
+        worker_id=worker_id, incarnation=registration.incarnation, departing=True)))
     agent.shutdown(SHUTDOWN_GRACE_SECONDS)  # first: no rank may outlive the agent
     session.close(drain_seconds=1.0)  # lets the ranks' RankExited go up if control is there
     server.stop(grace=0.5)

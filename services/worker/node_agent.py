@@ -939,6 +939,8 @@ class NodeAgent:
             rank_exited=control_pb2.RankExited(
                 job_id=job_id, rank=rank, exit_code=code, worker_id=self._worker_id, detail=detail,
                 unix_time=reaped or time.time(), released=released,
+                # Ended by this agent's own shutdown (it is leaving): a departure, not a crash.
+                departing=self._stopping and not released,
             )
         )
 

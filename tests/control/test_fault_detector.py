@@ -11,7 +11,7 @@ import pytest
 
 from services.contract import Module, control_pb2, engine_pb2, worker_pb2
 from services.contract.bus import Bus
-from services.control.fault_detector import DEFAULT_RULES, WORKER_LOST_MARKER, FaultDetector
+from services.control.fault_detector import DEFAULT_RULES, FaultDetector
 
 M, G = Module, control_pb2.FaultGrade
 pytestmark = pytest.mark.timeout(30)
@@ -72,13 +72,17 @@ def test_default_grades_of_rank_exits():
     exited(bus, 1)
     exited(bus, -9)
     exited(bus, 0)
-    exited(bus, 0, f"{WORKER_LOST_MARKER} session closed")
+    exited(bus, 0, "session closed", worker_lost=True)
+    exited(bus, -15, departing=True)
+    exited(bus, 0, "worker_lost: looks like a marker, is only text")
     got = [(r.fault_class, r.grade, r.source, r.rank) for r in reports]
     assert got == [
         ("rank_exit", G.SEVERE, M.EXT_HARDWARE, 1),
         ("rank_exit", G.SEVERE, M.EXT_HARDWARE, 1),
         ("rank_exit_clean", G.MEDIUM, M.EXT_HARDWARE, 1),
         ("worker_lost", G.SEVERE, M.EXT_HARDWARE, 1),
+        ("worker_departed", G.SEVERE, M.EXT_HARDWARE, 1),
+        ("rank_exit_clean", G.MEDIUM, M.EXT_HARDWARE, 1),  # a cause is typed, never read from text
     ]
     assert reports[1].detail == "rank 1 on worker w ended (signal 9)"
     assert reports[3].detail == "rank 1 lost with worker w: session closed"
@@ -389,7 +393,7 @@ def test_after_a_restart_a_lost_node_agent_reported_by_its_session_is_the_cause_
     time.sleep(0.3)
     assert list(reports) == []
     bus.publish(M.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=1, worker_id="wb",
-                                                       detail=f"{WORKER_LOST_MARKER} session closed"))
+                                                       detail="session closed", worker_lost=True))
     got = reports.wait(3)
     assert [(r.fault_class, r.rank) for r in got] == [("worker_lost", 1), ("comm_error", 0), ("rank_exit", 0)]
 

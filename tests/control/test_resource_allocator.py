@@ -198,3 +198,21 @@ def test_memory_pressure_on_a_worker_is_published_naming_the_jobs_holding_ranks_
     ]
     report("gone", True, 1 << 30)  # not registered (or withdrawn): no worker, no jobs
     assert len(pressures) == 3
+
+
+def test_a_departing_worker_gets_no_rank_until_it_registers_again_and_a_rebuild_that_did_not_fit_can_be_repeated(plane):
+    a, b = plane.register("wa"), plane.register("wb")
+    allocate(plane, "j-1", dp=2)  # wa, wb
+    drain(a), drain(b)
+    departing = registration("wb")
+    departing.departing = True
+    plane.c.bus.publish(M.EXT_HARDWARE, departing)  # wb's agent was asked to stop
+    short = rebuild(plane, "j-1", version="j-1:2")
+    assert isinstance(short, control_pb2.ResourcesInsufficient)
+    assert short.reason == "1 is free on 1 registered worker (wb leaving)"
+    assert [c.WhichOneof("command") for c in drain(b)] == ["release"]  # killed there, nothing relaunched
+    back = plane.register("wb")  # restarted in place: a new registration under the same id
+    again = rebuild(plane, "j-1", version="j-1:2")  # the allocation was kept: the same command places it
+    assert isinstance(again, control_pb2.ResourcesReady) and list(again.worker_ids) == ["wa", "wb"]
+    (launch,) = [c.launch for c in drain(back) if c.WhichOneof("command") == "launch"]
+    assert ([r.rank for r in launch.ranks], launch.init.resume_version) == ([1], "j-1:2")
