@@ -147,3 +147,21 @@ def test_ranks_that_all_wait_in_a_collective_with_nobody_working_are_reported_st
     with Beating(bus, {0: (3, P.PHASE_COLLECTIVE), 1: (3, P.PHASE_COLLECTIVE)}):
         got = reports.wait(2, timeout=5.0)
     assert {(r.fault_class, r.rank) for r in got} == {("rank_stalled_in_collective", 0), ("rank_stalled_in_collective", 1)}
+
+
+def test_a_rank_that_waited_for_a_working_peer_is_reported_with_it_when_that_peer_stops_too():
+    # Rank 0 waits in a collective while rank 1 evaluates; then rank 1 enters the
+    # collective too and nothing moves any more (a collective that never completes).
+    bus, reports = wired(heartbeat_timeout_seconds=5.0, stall_min_seconds=0.5, stall_step_factor=0.01,
+                         attribution_seconds=0.1)
+    state = {0: (3, P.PHASE_COLLECTIVE), 1: (3, P.PHASE_EVALUATION, 0, 50)}
+    with Beating(bus, state):
+        for batch in range(1, 6):
+            time.sleep(0.2)
+            state[1] = (3, P.PHASE_EVALUATION, batch, 50)
+        state[1] = (3, P.PHASE_COLLECTIVE)
+        first, second = reports.wait(2, timeout=5.0)
+        time.sleep(0.5)
+    assert [(r.fault_class, r.rank) for r in (first, second)] == [
+        ("rank_stalled_in_collective", 1), ("rank_stalled_in_collective", 0)]
+    assert len(reports) == 2
