@@ -95,7 +95,9 @@ def _env_seconds(name: str, default: float) -> float:
 STORE_RPC_TIMEOUT_S = _env_seconds("SURGE_STORE_RPC_TIMEOUT_S", 10.0)
 COMMIT_TIMEOUT_S = 600.0   # the manager hashes every file (in the background: the loop trains on)
 LOAD_TIMEOUT_S = 60.0      # the store re-hashes nothing at load: the reader checks digests
-FLUSH_RETRY_S = _env_seconds("SURGE_CHECKPOINT_FLUSH_RETRY_S", 60.0)  # the final commit, store down
+# At the end of a run: how long the last commit may wait for the store (pending, or retried
+# while unreachable). Below the default stall deadline (30 s): the rank has finished training.
+FLUSH_RETRY_S = _env_seconds("SURGE_CHECKPOINT_FLUSH_RETRY_S", 20.0)
 METRICS_BUFFER = 100_000   # metric records held until the store acknowledged them
 RECONNECT_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 200),
@@ -244,17 +246,21 @@ class StoreClient:
 
     def flush_checkpoint(self, msg: store_pb2.FlushCheckpoint, payload: Any = None) -> None:
         """Return once this rank's pending save (write, and commit on rank 0) is done. A
-        last commit that could not reach the store is retried for ``FLUSH_RETRY_S`` (there
-        is no next interval); if the store stays away, the failure was reported and the
-        rank ends normally.
+        last commit still waiting for the store, or that could not reach it, is waited for
+        or retried up to ``FLUSH_RETRY_S`` (there is no next interval); if the store stays
+        away, the failure is reported and the rank ends normally.
 
         Raises:
             CheckpointError: that save's write failed, or its commit was refused.
         """
         self._settle_write()
-        self._commit_settled(None)
-        failed = self._failed_commit
         deadline, backoff = time.monotonic() + FLUSH_RETRY_S, 0.5
+        pending = self._commit_settled(FLUSH_RETRY_S)
+        if pending is not None:  # the store never answered the last commit: reported, not a fault
+            cause, reason = pending
+            self._report("save", cause, f"{reason}; the run ends without it", job_id=msg.job_id)
+            return
+        failed = self._failed_commit
         while failed is not None and time.monotonic() < deadline:
             time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
             backoff = min(backoff * 2, 5.0)

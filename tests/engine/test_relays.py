@@ -55,6 +55,8 @@ class Store(store_pb2_grpc.StoreServiceServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "checkpoint j: step 14: x.distcp: changed while committing")
         if request.step == 16:  # the store went away under the commit
             context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+        if request.step == 17:  # a store that does not answer (stopped)
+            time.sleep(3.0)
         return store_pb2.SaveCompleted(job_id=request.job_id, version=f"{request.job_id}:1", step=request.step)
 
     def Load(self, request, context):
@@ -335,3 +337,19 @@ def test_a_load_checks_each_file_as_it_reads_it_and_names_the_one_that_differs(s
     assert [(u.operation, u.cause, u.version) for u in up] == [
         ("load", store_pb2.CORRUPT, "v:1"), ("load", store_pb2.MISSING_FILE, "v:1")]
     client.close()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_flush_waits_for_a_silent_store_no_longer_than_its_bound_and_reports_it(server, monkeypatch):
+    from services.worker import store_client
+
+    monkeypatch.setattr(store_client, "FLUSH_RETRY_S", 1.0)
+    client, port, up = store_relay(server[0])
+    port(store_pb2.SaveCheckpoint(job_id="j", step=17, rank=0, write_async=True), {"model": {"w": torch.ones(3)}})
+    port(store_pb2.CommitCheckpoint(job_id="j", step=17, world_size=1))
+    t0 = time.perf_counter()
+    port(store_pb2.FlushCheckpoint(job_id="j"))  # not raised: the run ends without that version
+    assert time.perf_counter() - t0 < 2.5
+    assert [(u.operation, u.cause) for u in up] == [("save", store_pb2.TIMEOUT)]
+    assert "the run ends without it" in up[0].reason
+    client.close(timeout=1)
