@@ -52,8 +52,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from services.contract import engine_pb2, store_pb2
 
 PHASES = ("data_wait", "forward", "backward", "reduction", "optimizer")
-RECENT_LINES = 1 << 18        # per job: lines remembered to recognise a resent record
-RECENT_TAIL_BYTES = 64 << 20  # read back from a job's file after a restart
+# Per job: lines remembered to recognise a resent record. Only records that were sent but
+# not acknowledged when a stream broke can come twice: at most what one stream had in flight
+# (gRPC's flow-control window), far fewer than this.
+RECENT_LINES = 1 << 16
+RECENT_TAIL_BYTES = 16 << 20  # read back from a job's file after a restart
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # it names a file
 
 
@@ -155,6 +158,7 @@ class MetricsLogger:
             for f in self._files.values():
                 f.close()
             self._files.clear()
+            self._recent.clear()
 
     # ------------------------------------------------------------------ internals
 
