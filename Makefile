@@ -63,6 +63,7 @@ bench: setup
 
 bench-faults: setup
 	$(BIN)/python bench/faults.py
+	$(BIN)/python bench/recovery_versions.py
 
 lint: setup
 	$(BIN)/lint-imports
