@@ -401,3 +401,21 @@ def test_the_store_unreachable_during_a_recovery_strikes_nothing_and_the_job_wai
     events = [e.message for e in plane.events(job_id)]
     assert not any("fails verification" in m or "unusable" in m for m in events)
     assert any(m.startswith("the store answered after ") for m in events)
+
+
+def test_a_second_rank_dying_while_the_recovery_waits_for_the_store_is_a_consequence_not_a_second_restart(plane, store):
+    job_id, w = running(plane, "wa", "wb")
+    v1 = saved(plane, w["wa"], job_id, 1, step=4)
+    store.down = True
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=-9)  # the survivor dies too, during the wait
+    assert decisions(plane, job_id) == ["restart_ranks after rank_exit of rank 1 on wb (restart 1 of 3 for rank_exit)"]
+    faults = [e.message for e in plane.events(job_id) if e.type == "fault"]
+    assert faults[-1].endswith("(consequence of rank 1's rank_exit)")
+    store.down, store.verdicts = False, [(v1, 4, True)]
+    deadline, seen = time.monotonic() + 10, []
+    while not seen and time.monotonic() < deadline:  # the next retry of the verification relaunches
+        seen = resumes(w["wa"])
+        time.sleep(0.05)
+    assert seen == [v1]
+    assert len(decisions(plane, job_id)) == 1  # one incident, one restart spent

@@ -50,7 +50,7 @@ def spec(name: str, steps: int) -> str:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with running_stack(tmp_path_factory.mktemp("surge-compound"), ("json", "email"), ("cstore", "cother", "cctl", "cleave")) as s:
+    with running_stack(tmp_path_factory.mktemp("surge-compound"), ("json", "email"), ("cstore", "cother", "cctl", "cleave", "cflip")) as s:
         yield s
 
 
@@ -191,3 +191,28 @@ def test_a_node_agent_leaving_with_no_spare_is_one_incident_and_the_job_continue
     relaunches = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
     assert len(relaunches) == 1 and "resume from checkpoint" in relaunches[0], relaunches
     stack.stub.StopJob(control_pb2.StopJobRequest(job_id=busy))
+
+
+def test_flipped_bytes_in_the_newest_version_strike_only_it_and_the_job_resumes_from_the_one_before(stack):
+    """One byte flipped in a shard of the newest version, then the rank killed: the
+    relaunched ranks find it as they read it (a digest mismatch, checkpoint_integrity):
+    only that version is struck, the policy rolls back to the one before, the job finishes."""
+    job = stack.submit(spec("cflip", steps=40))
+    stack.wait_step(job, 12)
+    stack.stub.PauseJob(control_pb2.PauseJobRequest(job_id=job))  # (no newer save while the bytes are flipped)
+    wait_for(lambda: stack.status(job).state == S.PAUSED, 120, "paused")
+    versions = sorted(committed_versions(events_so_far(stack, job)))
+    (_, newest), (_, previous) = versions[-1], versions[-2]
+    directory = stack.home / "store" / "checkpoints" / job / newest.rsplit(":", 1)[1]
+    shard = max((p for p in directory.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    os.kill(stack.rank_pids(job, 0)[0], signal.SIGKILL)
+    events = stack.events(job, timeout=300)
+    assert events[-1].status.outcome == O.FINISHED, events[-1].message
+    struck = [m for m in (e.message for e in events) if "never loaded" in m]
+    assert len(struck) == 1 and newest in struck[0] and previous not in struck[0], struck
+    relaunches = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
+    assert f"to resume from checkpoint {newest};" in relaunches[0]
+    assert f"to resume from checkpoint {previous};" in relaunches[-1], relaunches
