@@ -1104,16 +1104,18 @@ class Orchestrator:
 
     def _give_up(self, job: _Job, incident: _Incident, fault_class: str, why: str) -> None:
         """A recovery step waited as long as the policy allows: its class decides. ``stop``
-        ends the job FAILED with every version kept (``surgectl resume`` continues it later);
-        any other action goes on without the missing answer (unverified versions as
-        reported; placement keeps waiting only if the policy says ``ignore``)."""
+        ends the job FAILED with every version kept (``surgectl resume`` continues it
+        later). Any other action goes on: without the store's verdicts (``store_unreachable``:
+        the newest version reported is named; the ranks check its digests as they load it),
+        or waiting another period for capacity (``no_capacity``: nothing else can place the
+        ranks)."""
         action = job.spec.fault_policy.action_for(fault_class, "SEVERE")
         self._metrics.decided(fault_class, action)
         self._record(job, ORCH, "decision", f"{action} after {fault_class}: {why} (fault policy)")
-        if action == "stop" or fault_class == NO_CAPACITY and action != "ignore":
+        if action == "stop":
             self._terminate(job, O.FAILED, f"{why}; every checkpoint is kept", kill=True)
         elif fault_class == NO_CAPACITY:
-            incident.waiting_since = time.monotonic()  # ignore: wait another period
+            incident.waiting_for = ""  # a new period of waiting
             self._place(job, incident)
         else:
             self._place(job, incident)

@@ -419,3 +419,22 @@ def test_a_second_rank_dying_while_the_recovery_waits_for_the_store_is_a_consequ
         time.sleep(0.05)
     assert seen == [v1]
     assert len(decisions(plane, job_id)) == 1  # one incident, one restart spent
+
+
+@pytest.mark.parametrize("action, outcome", [("stop", "failed"), ("restart_ranks", "relaunched")])
+def test_a_store_unreachable_past_store_wait_seconds_is_decided_by_the_policy(plane, store, action, outcome):
+    job_id, w = running(plane, "wa", "wb", extra=QUICK + "\nfault_policy: {store_wait_seconds: 0.6, "
+                                                         f"actions: {{store_unreachable: {action}}}}}")
+    v1 = saved(plane, w["wa"], job_id, 1, step=4)
+    store.down = True
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    deadline = time.monotonic() + 10
+    while not any(d.startswith(f"{action} after store_unreachable") for d in decisions(plane, job_id)):
+        assert time.monotonic() < deadline, decisions(plane, job_id)
+        time.sleep(0.05)
+    s = plane.get(job_id)
+    if outcome == "failed":
+        assert (s.state, s.outcome) == (S.TERMINATED, O.FAILED) and s.message.endswith("every checkpoint is kept")
+    else:  # goes on with the version reported, unverified: the ranks check its digests as they load it
+        assert s.state == S.FAULT_FROZEN and resumes(w["wa"]) == [v1]
+    assert store.verified >= 2  # asked again while it waited
