@@ -347,7 +347,7 @@ class FaultPolicySpec(_Strict):
 
     actions: dict[str, FaultAction] = {}
     max_restarts: int = Field(3, ge=0, le=U32_MAX)
-    restarts: dict[str, Annotated[int, Field(ge=0, le=U32_MAX)]] = {}
+    restarts: dict[str, Annotated[int, Field(le=U32_MAX)]] = {}  # (>= 0: checked below, naming the class)
     overflow_storm_steps: int = Field(8, gt=0)  # K consecutive skipped (overflowing) steps
     # How long a recovery waits (seconds) before the policy decides: for the store to answer
     # its verification (``store_unreachable``), for enough free slots to relaunch the ranks
