@@ -73,7 +73,7 @@ def down_and_reap(home: Path, cli) -> None:
 
     stack_json = home / "run" / "stack.json"
     services = json.loads(stack_json.read_text())["services"] if stack_json.exists() else {}
-    cli(home, "down", timeout=60)
+    cli(home, "down", "--force", timeout=60)  # (no drain: a job left running or hung must not hold the teardown)
     kill_all([s["pid"] for s in services.values()])
     for name, s in services.items():
         if name.startswith("worker"):

@@ -121,7 +121,7 @@ def running_stack(home: Path, packages: tuple[str, ...], jobs: tuple[str, ...], 
     finally:
         if s is not None:
             s.close()
-        cli(home, "down", timeout=60)
+        cli(home, "down", "--force", timeout=60)  # (a teardown: no drain of a job left running or hung)
         stack_json = home / "run" / "stack.json"
         if stack_json.exists():
             kill_all([v["pid"] for v in json.loads(stack_json.read_text())["services"].values()])
