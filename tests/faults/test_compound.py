@@ -216,3 +216,19 @@ def test_flipped_bytes_in_the_newest_version_strike_only_it_and_the_job_resumes_
     relaunches = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
     assert f"to resume from checkpoint {newest};" in relaunches[0]
     assert f"to resume from checkpoint {previous};" in relaunches[-1], relaunches
+
+
+def test_surgectl_restart_of_a_worker_under_a_dp2_job_costs_one_restart_and_the_job_finishes(stack):
+    """`surgectl restart worker-1` on the two-worker stack while a dp=2 job trains: the
+    agent drains (departing: its rank is never relaunched onto it while it leaves), the job
+    waits the second or two until it is back, then continues from its newest checkpoint."""
+    job = stack.submit(spec("cleave", steps=40).replace("parallel: {dp: 1}", "parallel: {dp: 2}"))
+    stack.wait_step(job, 8)
+    restarted = cli(stack.home, "restart", "worker-1", timeout=120)
+    assert restarted.returncode == 0, restarted.stdout + restarted.stderr
+    events = stack.events(job, timeout=300)
+    assert events[-1].status.outcome == O.FINISHED, events[-1].message
+    decisions = [m for m in of_type(events, "decision") if " after " in m]
+    assert len(decisions) == 1 and decisions[0].startswith("restart_ranks after worker_departed"), decisions
+    relaunches = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
+    assert len(relaunches) == 1 and "resume from checkpoint" in relaunches[0], relaunches
