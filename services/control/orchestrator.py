@@ -749,7 +749,10 @@ class Orchestrator:
             stopped = any(job.finished.values()) or job.pending == "stop"
             outcome = O.STOPPED if stopped else O.FINISHED
             how = "stopped" if stopped else "finished"
-            self._terminate(job, outcome, f"all ranks {how} at step {job.status.step}", kill=False)
+            # Stopped: say where a resume continues (the stop's checkpoint, or an older one
+            # when that save was skipped or not asked for).
+            then = f"; `surgectl resume` continues from {_newest(job)}" if stopped else ""
+            self._terminate(job, outcome, f"all ranks {how} at step {job.status.step}{then}", kill=False)
 
     def on_training_loop_failed(self, msg: engine_pb2.TrainingLoopFailed, payload: Any = None) -> None:
         """Recorded only: the decision waits for the fault detector's grade."""

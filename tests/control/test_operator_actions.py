@@ -112,6 +112,7 @@ def test_a_stopped_job_resumes_from_its_newest_verified_checkpoint_as_a_new_gene
     job_id, a, b = stopped_job(plane, store, at=6)
     s = plane.get(job_id)
     assert (s.state, s.outcome, s.checkpoint_version) == (S.TERMINATED, O.STOPPED, f"{job_id}:1")
+    assert s.message == f"STOPPED: all ranks stopped at step 6; `surgectl resume` continues from checkpoint {job_id}:1 (step 6)"
     s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
     assert (s.state, s.outcome, s.step, s.checkpoint_version) == (S.WARMING_UP, O.OUTCOME_UNSPECIFIED, 6, f"{job_id}:1")
     assert store.asked == 1
