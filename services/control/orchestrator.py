@@ -23,9 +23,15 @@ spec's ``fault_policy`` (class first, then grade): ignore (record and count), st
 or a relaunch -- restart_ranks (from the newest checkpoint, or from scratch), rollback (the
 newest checkpoint not after the faulting step that verifies), exclude_node (restart_ranks
 without the worker the fault came from). A relaunch spends one restart of the fault class's
-budget (exhausted: FAILED); the job is FAULT_FROZEN while the recovery controller kills the
-ranks, rebuilds the group on a fresh port and relaunches them to load the version named
-here, and RUNNING again once every rank has restored. While it recovers, reports from ranks
+budget (exhausted: FAILED); the job is FAULT_FROZEN while it recovers, and RUNNING again
+once every rank has restored. A recovery is a sequence of steps, each a command and the
+event that answers it, none of them a blocking call (see "the recovery sequence" below):
+verification (the store's recorded verdicts: only a corrupt one strikes a version; the
+store unreachable or slow: wait and ask again, up to ``store_wait_seconds``), placement
+(the recovery controller has the allocator kill and relaunch the ranks to load the version
+named here; no free slots: wait for capacity, up to ``capacity_wait_seconds``), restore
+(every relaunched rank ready within ``restore_seconds``). A wait that runs out is decided by
+the policy (``store_unreachable``, ``no_capacity``, ``recovery_timeout``). While it recovers, reports from ranks
 of the failed generation (a survivor's collective error, its exit, the kills) are recorded
 as consequences of the incident, not decided on again: the incident is named after the
 rank that failed first. Every decision is a "decision" event with its reason.
@@ -38,15 +44,16 @@ node agents re-attach its ranks and resend the events not yet applied (exactly o
 ``server.SessionHub``). A job caught mid-recovery resumes that recovery without spending
 its restart again (see ``_restore``). Skipped steps
 (``StepCompleted.skipped``) are "skip" events with their reason and counted in
-``surge_skipped_steps_total{reason}``. Before naming the version a recovery loads, the
-checkpoint manager's Verify says which versions are intact.
+``surge_skipped_steps_total{reason}``.
 
 Inputs: the operator's commands (SubmitJobRequest, JobQuery, Pause/Resume/StopJobRequest),
 TrainingLoopStarted / StepCompleted / EvalCompleted / TrainingLoopPaused /
 TrainingLoopFinished / TrainingLoopFailed (L2-1 via the relay), SaveCompleted (L5-1 via the
-relay), FaultReport (L1-3), ResourcePressure (L1-2, observed and recorded).
+relay), FaultReport (L1-3), ResourcePressure (L1-2, observed and recorded),
+CheckpointVerification / SnapshotFailed / CheckpointCorrupt (L5-1 via the store relay: the
+verification's answer, a failed save or verification with its typed cause, a scrub finding).
 Outputs: AllocateResources / ReleaseResources (L1-2), StartFaultMonitoring / ResetFaultLedger
-(L1-3), StartRecovery (L1-4), Start/Pause/Resume/StopTraining (L2-1 of the job's ranks, via
+(L1-3), StartRecovery (L1-4), VerifyCheckpoints (L5-1), Start/Pause/Resume/StopTraining (L2-1 of the job's ranks, via
 the session relay), JobStatus / JobList / JobEvent (the operator).
 """
 
