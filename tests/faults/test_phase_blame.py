@@ -19,6 +19,7 @@ import os
 import re
 import time
 
+import grpc
 import pytest
 
 from services.contract import control_pb2
@@ -70,10 +71,15 @@ def _one_hang(stack) -> dict:
     job = stack.submit(HANG_JOB)
     events = []
     stream = stack.stub.WatchJob(control_pb2.JobQuery(job_id=job, follow=True), timeout=240)
-    for ev in stream:
-        events.append(ev)
-        if ev.message.startswith("first step after the recovery"):
-            stack.stub.StopJob(control_pb2.StopJobRequest(job_id=job))
+    try:
+        for ev in stream:
+            events.append(ev)
+            if ev.message.startswith("first step after the recovery"):
+                # (no checkpoint: what is tested ends with the recovery)
+                stack.stub.StopJob(control_pb2.StopJobRequest(job_id=job, no_checkpoint=True))
+    except grpc.RpcError:
+        print("\n".join(f"{e.type}: {e.message}" for e in events))
+        raise
     faults = [e.message for e in events if e.type == "fault"]
     decisions = of_type(events, "decision")
     return {"job": job, "faults": faults, "decisions": decisions, "end": events[-1].status}
