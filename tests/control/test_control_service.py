@@ -38,7 +38,7 @@ def free_port() -> int:
 class ControlProcess:
     """One `control` process; stopped by PID."""
 
-    def __init__(self, db: Path, home: Path, port: int | None = None, store: str = "127.0.0.1:7002"):
+    def __init__(self, db: Path, home: Path, port: int | None = None, store_address: str = "127.0.0.1:7002"):
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         env = {**os.environ, "SURGE_HOME": str(home), "PYTHONUNBUFFERED": "1"}
@@ -48,7 +48,7 @@ class ControlProcess:
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "services.control", "--port", str(self.port), "--db", str(db),
-                 "--data", "127.0.0.1:7001", "--store", store],
+                 "--data", "127.0.0.1:7001", "--store", store_address],
                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
             )
         self.channel = grpc.insecure_channel(self.address)
@@ -145,8 +145,8 @@ class NodeAgent:
 def start_control(tmp_path):
     started: list[ControlProcess] = []
 
-    def start(port: int | None = None, wait: bool = True, store: str = "127.0.0.1:7002") -> ControlProcess:
-        c = ControlProcess(tmp_path / "control.db", tmp_path, port, store)
+    def start(port: int | None = None, wait: bool = True, store_address: str = "127.0.0.1:7002") -> ControlProcess:
+        c = ControlProcess(tmp_path / "control.db", tmp_path, port, store_address)
         started.append(c)
         if wait:
             c.wait_serving()
@@ -254,7 +254,7 @@ def test_a_malformed_request_to_any_method_is_invalid_argument_and_control_lives
 
 
 def test_a_lost_node_agent_with_no_spare_waits_for_capacity_then_the_policy_fails_the_job(start_control, agents, store):  # noqa: F811
-    control = start_control(store=f"127.0.0.1:{store.port}")
+    control = start_control(store_address=f"127.0.0.1:{store.port}")
     holder = agents(control.address, "wa", finish=False)
     job_id = submit(control, dp=1, steps=100, extra="fault_policy: {capacity_wait_seconds: 1.5}").job_id
     watch = control.stub.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True), timeout=60)
@@ -275,7 +275,7 @@ def test_a_lost_node_agent_with_no_spare_waits_for_capacity_then_the_policy_fail
 
 
 def test_a_lost_node_agent_that_comes_back_gets_its_ranks_relaunched_and_the_job_finishes(start_control, agents, store):  # noqa: F811
-    control = start_control(store=f"127.0.0.1:{store.port}")
+    control = start_control(store_address=f"127.0.0.1:{store.port}")
     holder = agents(control.address, "wa", finish=False)
     job_id = submit(control, dp=1, steps=3).job_id
     watch = control.stub.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True), timeout=60)
@@ -295,7 +295,7 @@ def test_a_lost_node_agent_that_comes_back_gets_its_ranks_relaunched_and_the_job
 
 
 def test_a_lost_node_agents_ranks_are_relaunched_on_another_and_the_job_runs_again(start_control, agents, store):  # noqa: F811
-    control = start_control(store=f"127.0.0.1:{store.port}")
+    control = start_control(store_address=f"127.0.0.1:{store.port}")
     holder = agents(control.address, "wa", finish=False)
     spare = agents(control.address, "wb", steps=3)  # finishes its rank's steps once started
     job_id = submit(control, dp=1, steps=3).job_id

@@ -65,7 +65,7 @@ def test_a_recovery_whose_relaunch_was_done_waits_for_the_relaunched_ranks_after
     db = tmp_path / "control.db"
     plane, journal = open_plane(db)
     job_id, w = running(plane, "wa", "wb", extra=POLICY)
-    version = saved(plane, w["wa"], job_id, 1, step=4)
+    saved(plane, w["wa"], job_id, 1, step=4)
 
     plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)  # decided and relaunched
     relaunched = {wid: launches_of(drain(s)) for wid, s in w.items()}
