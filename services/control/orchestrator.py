@@ -259,9 +259,12 @@ class Orchestrator:
     def submit_job(self, msg: control_pb2.SubmitJobRequest, payload: Any = None) -> control_pb2.JobStatus:
         """Validate the spec, allocate ranks, journal the job in WARMING_UP.
 
-        Atomic: a start that fails at any point after the allocation (the journal refusing
-        the record, an event that cannot be written) takes the ranks back (killed, their
-        slots free again) and removes whatever was journaled of the job, then raises.
+        Atomic: a start that fails at any point after the allocation (an event that cannot
+        be journaled) takes the ranks back (killed, their slots free again) and removes
+        whatever was journaled of the job, then raises. The job is journaled (STANDBY)
+        before its ranks launch: a control killed in between finds it at its restart
+        (FAULT_FROZEN, "ranks not re-attached"; a stop releases what was launched), never
+        ranks of a job it does not know holding slots.
 
         Raises:
             JobSpecError: the spec is invalid (one line naming file and field).
@@ -290,7 +293,7 @@ class Orchestrator:
             # Monitoring starts before the ranks launch, so a rank that dies at once is
             # still reported; a job whose allocation fails simply never produces faults.
             self._faults(start_monitoring(job_id, spec))
-            journaled = False
+            self._journal.create_job(status, spec_json)  # (fails: nothing allocated yet)
             try:
                 reply = self._allocator(
                     control_pb2.AllocateResources(
@@ -302,8 +305,6 @@ class Orchestrator:
                         f"job needs {reply.requested_ranks} ranks ({_degrees(spec)}) but {reply.reason}"
                     )
                 assert isinstance(reply, control_pb2.ResourcesReady), reply
-                self._journal.create_job(status, spec_json)
-                journaled = True
                 self._jobs[job_id] = job
                 self._record(
                     job,
@@ -314,13 +315,14 @@ class Orchestrator:
                 )
                 self._transition(job, S.WARMING_UP, ORCH, "ranks launching")
             except InsufficientResources:
-                raise  # nothing was reserved
+                self._journal.delete_job(job_id)  # nothing was reserved; nothing stays
+                raise
             except BaseException as e:
-                self._abandon_start(job_id, journaled, e)
+                self._abandon_start(job_id, e)
                 raise
             return self._snapshot(job)
 
-    def _abandon_start(self, job_id: str, journaled: bool, cause: BaseException) -> None:
+    def _abandon_start(self, job_id: str, cause: BaseException) -> None:
         """A job whose start failed half-way must not run untracked nor hold slots: its ranks
         are killed and released, and no record of it stays (the journal's and ours)."""
         _log.warning("job start failed; taking its ranks back", job_id=job_id, error=str(cause))
@@ -328,8 +330,7 @@ class Orchestrator:
         try:
             self._allocator(control_pb2.ReleaseResources(job_id=job_id, kill=True))
         finally:
-            if journaled:
-                self._journal.delete_job(job_id)
+            self._journal.delete_job(job_id)
 
     def job_query(
         self, msg: control_pb2.JobQuery, payload: Any = None

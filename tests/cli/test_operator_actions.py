@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 S, O = control_pb2.JobState, control_pb2.JobOutcome
 STEPS = 200  # about 20 ms a step here: long enough to stop or drain it midway
 CONTROL_PORT = free_ports(1)[0]
-ENV = {"SURGE_CONTROL_PORT": str(CONTROL_PORT), "SURGE_CONTROL_FAULT_INJECT": "tjournal:journal_create"}
+ENV = {"SURGE_CONTROL_PORT": str(CONTROL_PORT), "SURGE_CONTROL_FAULT_INJECT": "tjournal:journal_record"}
 JOBS = ("tref", "tstopres", "tdrain", "trange", "tjournal", "tafter", "tcrash")
 
 

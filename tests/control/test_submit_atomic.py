@@ -15,15 +15,14 @@ S = control_pb2.JobState
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.mark.parametrize("fails", ["create_job", "save_status"])
-def test_a_journal_failure_after_allocation_kills_the_ranks_frees_the_slots_and_leaves_no_record(plane, monkeypatch, fails):
+def test_a_journal_failure_after_allocation_kills_the_ranks_frees_the_slots_and_leaves_no_record(plane, monkeypatch):
     a, b = plane.register("wa"), plane.register("wb")
     journal = plane.c.journal
 
     def refuse(*args, **kwargs):
         raise OSError("disk full (injected)")
 
-    monkeypatch.setattr(journal, fails, refuse)
+    monkeypatch.setattr(journal, "save_status", refuse)  # the job's first event: after the launch
     with pytest.raises(OSError, match="disk full"):
         plane.submit(name="half", dp=2)
     monkeypatch.undo()
@@ -42,6 +41,40 @@ def test_a_journal_failure_after_allocation_kills_the_ranks_frees_the_slots_and_
     assert journal.events(job_id) == []
     # Every slot is free again: the next job of the same size is placed.
     assert plane.submit(name="whole", dp=2).state == S.WARMING_UP
+
+
+def test_a_journal_that_refuses_the_new_job_fails_the_submit_before_anything_is_allocated(plane, monkeypatch):
+    a = plane.register("wa")
+    monkeypatch.setattr(plane.c.journal, "create_job", lambda *args: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        plane.submit(dp=1)
+    assert drain(a) == []
+    monkeypatch.undo()
+    assert plane.submit(dp=1).state == S.WARMING_UP
+
+
+def test_a_control_killed_between_the_launch_and_the_first_event_finds_the_job_and_a_stop_releases_its_ranks(tmp_path):
+    # What the journal holds when control died right after launching the ranks: the job in
+    # STANDBY (journaled before the launch), no event.
+    from services.control.__main__ import build
+    from services.control.job_store import JobStore
+    from services.jobspec import parse_job_spec, spec_to_json
+
+    from .conftest import Plane, spec_yaml
+
+    db = tmp_path / "control.db"
+    journal = JobStore(db)
+    journal.create_job(control_pb2.JobStatus(job_id="orphan-1", name="orphan", state=S.STANDBY, world_size=1),
+                       spec_to_json(parse_job_spec(spec_yaml(name="orphan", dp=1))))
+    journal.close()
+    journal = JobStore(db)
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
+    assert plane.get("orphan-1").state == S.FAULT_FROZEN  # visible, not ranks of an unknown job
+    a = plane.register("wa")  # its node agent re-attaches (the rank still runs there)
+    s = plane.user(control_pb2.StopJobRequest(job_id="orphan-1"))
+    assert (s.state, s.outcome) == (S.TERMINATED, control_pb2.STOPPED)
+    assert [(c.release.job_id, c.release.kill) for c in drain(a)] == [("orphan-1", True)]
+    journal.close()
 
 
 def test_a_spec_value_that_fits_no_proto_field_is_refused_before_anything_is_allocated(plane):
