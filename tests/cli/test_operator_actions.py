@@ -24,6 +24,7 @@ import torch
 from services.contract import control_pb2
 from tests.conftest import free_ports, kill_all, processes_with
 from tests.faults.test_recovery import cli, final_state, running_stack, spec
+from tests.test_jobspec_ranges import spec_with
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -89,6 +90,28 @@ def test_a_spec_out_of_range_is_refused_at_submit_naming_the_field_and_starts_no
         r = cli(stack.home, "submit", str(write_spec(tmp_path, "trange", text)))
         assert r.returncode == 2, r.stdout + r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and f"{field}: " in r.stderr, r.stderr
+    assert processes_with("--job trange-") == []
+    assert not [j for j in stack.stub.ListJobs(control_pb2.JobQuery()).jobs if j.name == "trange"]
+
+
+def test_out_of_range_values_in_every_numeric_field_are_refused_by_control_and_start_nothing(stack):
+    """Every case of tests/test_jobspec_ranges.py (the fields enumerated from the pydantic
+    models), sent to the running control's SubmitJob."""
+    import grpc
+
+    from tests.test_jobspec_ranges import CASES
+
+    refused = 0
+    for case in CASES:
+        path, kind, value, key = case.values
+        wrapped = [value] if kind.startswith("list") else {key: value} if kind.startswith("dict") else value
+        text = spec_with(path, wrapped).replace("name: ranges", "name: trange")
+        with pytest.raises(grpc.RpcError) as caught:
+            stack.stub.SubmitJob(control_pb2.SubmitJobRequest(spec_yaml=text, spec_path="job.yaml"), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+        assert ".".join(path) in caught.value.details(), caught.value.details()
+        refused += 1
+    assert refused >= 150
     assert processes_with("--job trange-") == []
     assert not [j for j in stack.stub.ListJobs(control_pb2.JobQuery()).jobs if j.name == "trange"]
 
