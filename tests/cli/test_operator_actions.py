@@ -31,8 +31,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 S, O = control_pb2.JobState, control_pb2.JobOutcome
 STEPS = 200  # about 20 ms a step here: long enough to stop or drain it midway
 CONTROL_PORT = free_ports(1)[0]
-ENV = {"SURGE_CONTROL_PORT": str(CONTROL_PORT), "SURGE_CONTROL_FAULT_INJECT": "tjournal:journal_record"}
-JOBS = ("tref", "tstopres", "tdrain", "trange", "tjournal", "tafter", "tcrash")
+ENV = {"SURGE_CONTROL_PORT": str(CONTROL_PORT), "SURGE_CONTROL_FAULT_INJECT": "tjournal:journal_record",
+       "SURGE_FAULT_INJECT": "tfail:nan_loss@12"}  # (fires once per job and rank, across relaunches)
+JOBS = ("tref", "tstopres", "tfail", "tdrain", "trange", "tjournal", "tafter", "tcrash")
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +155,29 @@ def test_stop_checkpoints_its_step_and_resume_ends_bit_identical_to_an_uninterru
     # Resuming what has nothing left, or cannot be found, is one line.
     r = cli(stack.home, "resume", job)
     assert r.returncode != 0 and "is TERMINATED (FINISHED)" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_failed_job_resumes_from_its_newest_verified_checkpoint_and_ends_bit_identical(stack, reference):
+    # A NaN loss at step 12 under a policy that stops: FAILED. Its checkpoints (every 5 steps)
+    # stay; resume continues from the one at step 10 (the injection fired once).
+    text = spec("tfail", steps=STEPS, every=5) + "fault_policy: {actions: {non_finite_loss: stop}}\n"
+    job = stack.submit(text)
+    failed = stack.events(job)[-1].status
+    assert (failed.state, failed.outcome) == (S.TERMINATED, O.FAILED), failed.message
+    wait_no_ranks(job)
+    # The newest version committed (step 10's save may still have been writing when the rank
+    # failed at step 12: then the one at step 5).
+    listed = cli(stack.home, "checkpoints", job, "-o", "json")
+    newest = max(json.loads(listed.stdout), key=lambda c: int(c["step"]))
+    assert int(newest["step"]) in (5, 10)
+    r = cli(stack.home, "resume", job)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"resumed from checkpoint {newest['version']} (step {newest['step']}); now WARMING_UP" in r.stdout, \
+        r.stdout + listed.stdout
+    events = stack.events(job, timeout=300)
+    assert (events[-1].status.state, events[-1].status.outcome) == (S.TERMINATED, O.FINISHED), events[-1].message
+    assert any(e.message.startswith("resume TERMINATED (FAILED) from checkpoint") for e in events)
+    same_state(reference, final_state(stack.home, job))
 
 
 def test_down_drains_a_running_job_and_up_resumes_it_bit_identical(stack, reference):
