@@ -29,6 +29,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.planner import ReadItem
@@ -178,17 +179,38 @@ def load_model_for_inference(checkpoint_path: str, spec: JobSpec) -> nn.Module:
     """A model built from ``spec.model`` with the weights of the DCP checkpoint at
     ``checkpoint_path``, on the CPU, in eval mode.
 
+    A committed version (it has a ``manifest.json``) is checked file by file against its
+    manifest as it is read.
+
     Raises:
         FileNotFoundError: no checkpoint there.
         RuntimeError: the checkpoint does not hold this model's keys or shapes.
+        ShardDigestMismatch: a file of a committed version differs from its manifest or is gone.
     """
     model = build_model(spec.model, seed=spec.seed)
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # "assuming single process": yes, that is the intent
         warnings.simplefilter("ignore", UserWarning)
-        safe_load(state, checkpoint_path, no_dist=True)
+        try:
+            safe_load(state, checkpoint_path, digests=manifest_digests(checkpoint_path), no_dist=True)
+        except CheckpointException as e:  # DCP wraps even a single process's failure
+            mismatch = [exc for exc, _ in e.failures.values() if isinstance(exc, ShardDigestMismatch)]
+            if mismatch:
+                raise mismatch[0] from None
+            raise
     model.load_state_dict(state["model"])
     return model.eval()
+
+
+def manifest_digests(checkpoint_path: str) -> dict[str, Any] | None:
+    """The files of a committed version's ``manifest.json`` (path -> {bytes, sha256}), or
+    None for a directory that has none (a bare DCP save)."""
+    import json
+
+    path = pathlib.Path(checkpoint_path) / "manifest.json"
+    if not path.exists():
+        return None
+    return {f["path"]: f for f in json.loads(path.read_bytes())["files"]}
 
 
 def generate_text(

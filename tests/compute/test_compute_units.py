@@ -127,6 +127,28 @@ def test_a_checkpoint_loads_for_inference_and_generates_text(tmp_path):
     assert text.startswith("def ") and len(text.encode("utf-8", errors="surrogateescape")) >= 4
 
 
+def test_a_committed_version_is_checked_against_its_manifest_as_it_loads_for_inference(tmp_path):
+    from pathlib import Path
+
+    from services.compute.inference import ShardDigestMismatch
+    from services.contract import store_pb2
+    from services.store.checkpoint_manager import CheckpointManager
+
+    spec = JobSpec.model_validate({"name": "gen", "steps": 1, "seed": 3, "model": SPEC.model_dump(),
+                                   "data": {"dataset": "x@v1"}})
+    manager = CheckpointManager(tmp_path)
+    staged = manager.begin_save(store_pb2.SaveCheckpoint(job_id="gen", step=1, rank=0)).staging_path
+    dcp.save({"model": build_model(spec.model, seed=99).state_dict()}, checkpoint_id=staged, no_dist=True)
+    path = manager.commit_save(store_pb2.CommitCheckpoint(job_id="gen", step=1, world_size=1)).path
+    load_model_for_inference(path, spec)  # intact: loads
+    shard = next(p for p in Path(path).iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ShardDigestMismatch, match=f"{shard.name}: sha256 mismatch"):
+        load_model_for_inference(path, spec)
+
+
 def test_a_model_trained_on_a_bpe_dataset_generates_through_its_tokenizer(tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
