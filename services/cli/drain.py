@@ -59,6 +59,10 @@ def drain(stub, jobs: list[control_pb2.JobStatus], timeout_s: float, say: Callab
                     # e.g. a stop in flight ("already stopping"): wait for it to end
                     if "already stopping" in (e.details() or ""):
                         asked.add(job_id)
+            if status.state == S.FAULT_FROZEN:  # a fault meanwhile: its recovery drops the pause
+                say(f"{job_id}: FAULT_FROZEN ({status.message}); not drained: control continues its recovery after `up`")
+                pending.pop(job_id)
+                continue
             if status.state == S.TERMINATED or (job_id in asked and status.state == S.PAUSED):
                 if status.state == S.PAUSED:
                     drained.append(job_id)
