@@ -1,0 +1,73 @@
+"""`surgectl down`'s drain against a scripted control (no processes): which jobs are asked to
+pause as a drain, when, and what is waited for."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.cli import drain
+from services.cli.errors import CliError
+from services.contract import control_pb2
+
+S = control_pb2.JobState
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakeControl:
+    """GetJob answers each job's scripted states in turn (the last one repeats);
+    PauseJob records the drain and answers the job's current state."""
+
+    def __init__(self, scripts: dict[str, list[int]]):
+        self.scripts = {j: list(states) for j, states in scripts.items()}
+        self.paused: list[str] = []
+
+    def _now(self, job_id: str) -> control_pb2.JobStatus:
+        states = self.scripts[job_id]
+        state = states.pop(0) if len(states) > 1 else states[0]
+        return control_pb2.JobStatus(job_id=job_id, state=state, step=7, checkpoint_version=f"{job_id}:1")
+
+    def GetJob(self, query, timeout=None):  # noqa: N802
+        return self._now(query.job_id)
+
+    def PauseJob(self, req, timeout=None):  # noqa: N802
+        assert req.drain
+        self.paused.append(req.job_id)
+        return control_pb2.JobStatus(job_id=req.job_id, state=S.RUNNING)
+
+
+def job(job_id: str, state: int) -> control_pb2.JobStatus:
+    return control_pb2.JobStatus(job_id=job_id, state=state)
+
+
+def test_running_and_paused_jobs_are_drained_a_warming_up_one_once_it_runs_a_recovering_one_not(monkeypatch):
+    monkeypatch.setattr(drain, "POLL_S", 0.0)
+    control = FakeControl({
+        "run": [S.RUNNING, S.RUNNING, S.PAUSED],
+        "paused": [S.PAUSED],
+        "warm": [S.WARMING_UP, S.WARMING_UP, S.RUNNING, S.RUNNING, S.PAUSED],
+        "frozen": [S.FAULT_FROZEN],
+    })
+    said: list[str] = []
+    drained = drain.drain(control, [job("run", S.RUNNING), job("paused", S.PAUSED), job("warm", S.WARMING_UP),
+                                    job("frozen", S.FAULT_FROZEN)], 10.0, said.append)
+    assert sorted(drained) == ["paused", "run", "warm"]
+    assert sorted(control.paused) == ["paused", "run", "warm"]  # each asked once, frozen never
+    assert any(line.startswith("frozen: FAULT_FROZEN") and "not drained" in line for line in said)
+    assert "run: PAUSED at step 7 (run:1)" in said
+
+
+def test_a_job_that_does_not_pause_in_time_leaves_the_stack_running_with_one_line(monkeypatch):
+    monkeypatch.setattr(drain, "POLL_S", 0.01)
+    control = FakeControl({"stuck": [S.RUNNING]})
+    with pytest.raises(CliError) as caught:
+        drain.drain(control, [job("stuck", S.RUNNING)], 0.1, lambda line: None)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith("not drained within 0 s: stuck (RUNNING); the stack keeps running")
+    assert "--force" in message
+
+
+def test_a_job_that_faults_while_it_drains_is_not_waited_for(monkeypatch):
+    monkeypatch.setattr(drain, "POLL_S", 0.0)
+    control = FakeControl({"x": [S.RUNNING, S.RUNNING, S.FAULT_FROZEN]})
+    assert drain.drain(control, [job("x", S.RUNNING)], 10.0, lambda line: None) == []
+    assert control.paused == ["x"]
