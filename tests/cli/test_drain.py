@@ -26,10 +26,10 @@ class FakeControl:
         state = states.pop(0) if len(states) > 1 else states[0]
         return control_pb2.JobStatus(job_id=job_id, state=state, step=7, checkpoint_version=f"{job_id}:1")
 
-    def GetJob(self, query, timeout=None):  # noqa: N802
+    def GetJob(self, query, timeout=None):
         return self._now(query.job_id)
 
-    def PauseJob(self, req, timeout=None):  # noqa: N802
+    def PauseJob(self, req, timeout=None):
         assert req.drain
         self.paused.append(req.job_id)
         return control_pb2.JobStatus(job_id=req.job_id, state=S.RUNNING)

@@ -10,7 +10,11 @@ import pytest
 from services.contract import control_pb2, engine_pb2, store_pb2
 from services.control.__main__ import build
 from services.control.job_store import JobStore
-from services.control.orchestrator import IllegalTransition, InsufficientResources, Orchestrator
+from services.control.orchestrator import (
+    IllegalTransition,
+    InsufficientResources,
+    Orchestrator,
+)
 from services.control.server import StoreRelay
 
 from .conftest import Plane, drain
@@ -146,7 +150,7 @@ def test_a_clean_exit_of_an_old_rank_reported_after_the_resume_is_no_fault(plane
 
 
 def test_resume_takes_the_newest_version_that_verifies_or_the_one_named(plane, store):
-    job_id, a, b = stopped_job(plane, store, at=6)
+    job_id, a, _b = stopped_job(plane, store, at=6)
     store.versions[job_id] = [(f"{job_id}:1", 2, True, ""), (f"{job_id}:2", 4, True, ""),
                               (f"{job_id}:3", 6, False, "__0_0.distcp: sha256 mismatch")]
     with pytest.raises(IllegalTransition, match=f"^--from {job_id}:3: fails verification \\(__0_0.distcp: sha256 mismatch\\)"):
@@ -160,7 +164,7 @@ def test_resume_takes_the_newest_version_that_verifies_or_the_one_named(plane, s
 
 
 def test_resume_from_a_named_older_version(plane, store):
-    job_id, a, b = stopped_job(plane, store, at=6)
+    job_id, _a, b = stopped_job(plane, store, at=6)
     store.versions[job_id] = [(f"{job_id}:1", 3, True, ""), (f"{job_id}:2", 6, True, "")]
     s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id, from_version=f"{job_id}:1"))
     assert (s.state, s.step) == (S.WARMING_UP, 3)
@@ -168,7 +172,7 @@ def test_resume_from_a_named_older_version(plane, store):
 
 
 def test_resume_refusals_are_one_line_and_change_nothing(plane, store):
-    job_id, a, b = stopped_job(plane, store, at=6)
+    job_id, _a, _b = stopped_job(plane, store, at=6)
     store.versions[job_id] = []
     with pytest.raises(IllegalTransition, match=f"^job {job_id} has no checkpoint to resume from; submit again$"):
         plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
@@ -194,7 +198,7 @@ def test_resume_refusals_are_one_line_and_change_nothing(plane, store):
 @pytest.mark.skipif(not hasattr(Orchestrator, "on_checkpoint_verification"),
                     reason="the store's answers reach the orchestrator as events only with the asynchronous StoreRelay")
 def test_the_store_answer_arriving_as_an_event_reaches_the_waiting_resume(plane, store):
-    job_id, a, b = stopped_job(plane, store, at=6)
+    job_id, _a, _b = stopped_job(plane, store, at=6)
     store.in_call, store.down = False, True
     with pytest.raises(IllegalTransition, match="the store could not verify its checkpoints"):
         plane.user(control_pb2.ResumeJobRequest(job_id=job_id))

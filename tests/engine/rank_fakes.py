@@ -3,6 +3,7 @@ the real rank wiring (``services.worker.rank.compose``) runs without any service
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import sysconfig
 import threading
@@ -214,3 +215,30 @@ class LocalRank:
 
         port = self.bus.port(M.L2_TRAINING_LOOP, M.L3_SHARD_LOADER)
         return {k: v.detach().clone() for k, v in port(engine_pb2.ExportState()).payload.state_dict().items()}
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to ``n`` inside the block, restored after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def started(rank: LocalRank) -> threading.Thread:
+    """``rank.run`` on a daemon thread, started."""
+    t = threading.Thread(target=rank.run, daemon=True)
+    t.start()
+    return t
+
+
+def wait_for(rank: LocalRank, t: threading.Thread, kind) -> list:
+    """The events of type ``kind`` the rank sent up, once there is one (at most 30 s)."""
+    for _ in range(300):
+        if rank.up.of(kind):
+            break
+        t.join(0.1)
+    return rank.up.of(kind)

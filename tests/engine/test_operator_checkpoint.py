@@ -5,12 +5,10 @@ parameters of an uninterrupted one."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
+from rank_fakes import LocalRank, started, tiny_spec, torch_threads, wait_for
 
-from rank_fakes import LocalRank, tiny_spec
 from services.contract import engine_pb2, store_pb2
 
 pytestmark = pytest.mark.timeout(120)
@@ -18,24 +16,8 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def started(rank: LocalRank) -> threading.Thread:
-    t = threading.Thread(target=rank.run, daemon=True)
-    t.start()
-    return t
-
-
-def wait_for(rank: LocalRank, t: threading.Thread, kind) -> list:
-    for _ in range(300):
-        if rank.up.of(kind):
-            break
-        t.join(0.1)
-    return rank.up.of(kind)
+    with torch_threads(1):
+        yield
 
 
 def kinds(rank: LocalRank) -> list[str]:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
+from rank_fakes import LocalRank, started, tiny_spec, torch_threads, wait_for
 
-from rank_fakes import LocalRank, tiny_spec
 from services.contract import Module, engine_pb2
 
 pytestmark = pytest.mark.timeout(120)
@@ -15,16 +13,8 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def started(rank: LocalRank) -> threading.Thread:
-    t = threading.Thread(target=rank.run, daemon=True)
-    t.start()
-    return t
+    with torch_threads(1):
+        yield
 
 
 def test_thirty_steps_on_real_text_reduce_the_loss_and_report_every_step(tmp_path):
@@ -60,14 +50,6 @@ def test_a_stop_before_start_finishes_at_once_without_a_step(tmp_path):
     assert rank.steps() == []
     (fin,) = rank.up.of(engine_pb2.TrainingLoopFinished)
     assert fin.stopped and fin.step == 0
-
-
-def wait_for(rank: LocalRank, t: threading.Thread, kind) -> list:
-    for _ in range(300):
-        if rank.up.of(kind):
-            break
-        t.join(0.1)
-    return rank.up.of(kind)
 
 
 def test_pause_at_a_step_holds_there_until_resume_and_stop_ends_at_its_boundary(tmp_path):
