@@ -126,6 +126,7 @@ def build(
     for command in (engine_pb2.StartTraining, engine_pb2.PauseTraining, engine_pb2.ResumeTraining, engine_pb2.StopTraining):
         bus.subscribe(M.L2_TRAINING_LOOP, command, sessions.relay_rank_command)
     bus.subscribe(M.L5_CHECKPOINT_MANAGER, store_pb2.VerifyCheckpoints, store.verify_checkpoints)
+    bus.subscribe(M.L5_CHECKPOINT_MANAGER, store_pb2.ScrubCheckpoints, store.scrub_checkpoints)
 
     bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.WorkerRegistration, allocator.on_worker_registration)
     bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.MemoryPressure, allocator.on_memory_pressure)
@@ -163,6 +164,7 @@ def build(
         (store_pb2.CheckpointVerification, o.on_checkpoint_verification),
         (store_pb2.SnapshotFailed, o.on_snapshot_failed),
         (store_pb2.CheckpointCorrupt, o.on_checkpoint_corrupt),
+        (store_pb2.CheckpointScrubbed, o.on_checkpoint_scrubbed),
         (engine_pb2.TrainingLoopPaused, o.on_training_loop_paused),
         (engine_pb2.TrainingLoopFinished, o.on_training_loop_finished),
         # Before the detector's subscription: the failure is on the job's record before

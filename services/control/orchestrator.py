@@ -984,11 +984,27 @@ class Orchestrator:
             self._save_failed(job, msg)
 
     def _save_failed(self, job: _Job, msg: store_pb2.SnapshotFailed) -> None:
+        """A save the store could not take (training went on), or a rank's load that failed
+        (its loop reports the failure itself, decided as a fault). A load that found the
+        version's bytes wrong has the store re-hash the job's versions (``ScrubCheckpoints``),
+        so that its catalog, and so ``latest``, knows it too."""
         cause = SFC.Name(msg.cause).lower() if msg.cause else "unknown"
         self._metrics.checkpoint_failed(cause)
         what = f"checkpoint {msg.operation}" + (f" of {msg.version}" if msg.version else "")
-        self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint",
-                     f"{what} failed ({cause}: {msg.reason}); training continues, the next interval tries again")
+        if msg.operation == "save":
+            self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint",
+                         f"{what} failed ({cause}: {msg.reason}); training continues, the next interval tries again")
+            return
+        self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", f"{what} failed ({cause}: {msg.reason})")
+        corrupt = msg.cause in (SFC.CORRUPT, SFC.MISSING_FILE)
+        if msg.operation == "load" and corrupt and self._checkpoints is not None:
+            self._checkpoints(store_pb2.ScrubCheckpoints(job_id=job.status.job_id))  # answered as events
+
+    def on_checkpoint_scrubbed(self, msg: store_pb2.CheckpointScrubbed, payload: Any = None) -> None:
+        """The store re-hashed a job's versions: those it found corrupt for the first time
+        are struck, as when its scrub publishes them."""
+        for corrupt in msg.newly_corrupt:
+            self.on_checkpoint_corrupt(corrupt)
 
     def _verified(self, job: _Job, incident: _Incident, msg: store_pb2.CheckpointVerification) -> None:
         """Learn the verdicts (a version is struck only for its bytes: a digest mismatch or a

@@ -674,6 +674,11 @@ class StoreRelay:
         verdicts; answered later as an event (see the class)."""
         self._ask("Verify", msg, "verify", msg.job_id)
 
+    def scrub_checkpoints(self, msg: store_pb2.ScrubCheckpoints, payload: Any = None) -> None:
+        """Have the store re-hash the job's versions now; answered later as
+        ``CheckpointScrubbed`` (or a typed ``SnapshotFailed``, operation ``scrub``)."""
+        self._ask("Scrub", msg, "scrub", msg.job_id)
+
     def watch(self) -> None:
         """Relay the store's ``CheckpointCorrupt`` events (its scrub found a committed
         version's bytes wrong) for as long as control runs: one server stream

@@ -29,7 +29,7 @@ def store(monkeypatch):
     """Stands in for the store's verdicts on every version of a job (VerifyCheckpoints:
     ``verdicts``, (version, step, ok)), answered in the call. ``down``: the store cannot be
     reached (answered SnapshotFailed UNREACHABLE, as the gRPC relay does)."""
-    seen = SimpleNamespace(verdicts=[], verified=0, down=False)
+    seen = SimpleNamespace(verdicts=[], verified=0, down=False, scrubbed=[])
 
     def verify(self, msg, payload=None):
         seen.verified += 1
@@ -43,6 +43,7 @@ def store(monkeypatch):
         ])
 
     monkeypatch.setattr(StoreRelay, "verify_checkpoints", verify)
+    monkeypatch.setattr(StoreRelay, "scrub_checkpoints", lambda self, msg, payload=None: seen.scrubbed.append(msg.job_id))
     return seen
 
 
@@ -438,3 +439,19 @@ def test_a_store_unreachable_past_store_wait_seconds_is_decided_by_the_policy(pl
     else:  # goes on with the version reported, unverified: the ranks check its digests as they load it
         assert s.state == S.FAULT_FROZEN and resumes(w["wa"]) == [v1]
     assert store.verified >= 2  # asked again while it waited
+
+
+def test_a_load_that_found_corrupt_bytes_has_the_store_rescrub_and_its_findings_are_struck(plane, store):
+    job_id, w = running(plane, "wa", "wb")
+    v1, v2 = saved(plane, w["wa"], job_id, 1, step=4), saved(plane, w["wa"], job_id, 2, step=8)
+    failed = store_pb2.SnapshotFailed(job_id=job_id, version=v2, operation="load", cause=store_pb2.CORRUPT, rank=0,
+                                      reason=f"checkpoint {v2}: __0_0.distcp: sha256 mismatch")
+    plane.c.bus.publish(Module.L5_CHECKPOINT_MANAGER, failed)
+    assert store.scrubbed == [job_id]
+    events = [e.message for e in plane.events(job_id)]
+    assert events[-1] == f"checkpoint load of {v2} failed (corrupt: checkpoint {v2}: __0_0.distcp: sha256 mismatch)"
+    answer = store_pb2.CheckpointScrubbed(job_id=job_id, newly_corrupt=[store_pb2.CheckpointCorrupt(
+        job_id=job_id, version=v2, step=8, cause=store_pb2.CORRUPT, reason="sha256 mismatch")])
+    plane.c.bus.publish(Module.L5_CHECKPOINT_MANAGER, answer)
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    assert resumes(w["wa"]) == [v1]
