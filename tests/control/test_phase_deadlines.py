@@ -165,3 +165,49 @@ def test_a_rank_that_waited_for_a_working_peer_is_reported_with_it_when_that_pee
     assert [(r.fault_class, r.rank) for r in (first, second)] == [
         ("rank_stalled_in_collective", 1), ("rank_stalled_in_collective", 0)]
     assert len(reports) == 2
+
+
+def test_the_event_applier_stamps_a_beats_receipt_and_observes_how_long_it_waited():
+    # Issue 12 part 5: the stamp is taken when the message is queued (on control's asyncio
+    # side), not when the one applier thread gets to it.
+    from services.contract import control_pb2
+    from services.control.metrics import APPLIER_LAG
+    from services.control.server import EventApplier
+
+    applied, release = [], threading.Event()
+
+    class Hub:
+        def on_worker_events(self, burst):
+            release.wait(5.0)  # the applier is busy (say, a slow journal write)
+            applied.extend((ev, time.monotonic()) for _, ev in burst)
+
+    def lag_count() -> float:
+        return next(s.value for m in APPLIER_LAG.collect() for s in m.samples if s.name.endswith("_count"))
+
+    before = lag_count()
+    applier = EventApplier(Hub())
+    beat = worker_pb2.RankHeartbeat(job_id="j", rank=0, step=1, stepping=True)
+    event = control_pb2.WorkerEvent(rank_event=worker_pb2.RankEvent(job_id="j", rank=0, heartbeat=beat), seq=1)
+    queued = time.monotonic()
+    applier.event(object(), event)
+    time.sleep(0.3)
+    release.set()
+    applier.stop()
+    (ev, applied_at), = applied
+    stamp = ev.rank_event.heartbeat.received_monotonic
+    assert queued <= stamp < queued + 0.1 and applied_at - stamp >= 0.3
+    assert lag_count() == before + 1
+
+
+def test_the_job_specs_phase_budgets_are_pushed_to_the_detector():
+    from services.control.monitoring import start_monitoring
+    from services.jobspec import parse_job_spec
+
+    spec = parse_job_spec(
+        "name: x\nsteps: 3\ndata: {dataset: tiny@v1, seq_len: 8, micro_batch_size: 1}\neval: {batches: 12}\n"
+        "liveness: {phase_seconds: {evaluation: 40, checkpoint_staging: 120, compile: 300}}\n")
+    msg = start_monitoring("j", spec)
+    assert (msg.eval_seconds, msg.eval_batches, msg.checkpoint_staging_seconds, msg.compile_seconds) == (40, 12, 120, 300)
+    with pytest.raises(ValueError, match=r"liveness\.phase_seconds\.compile"):
+        parse_job_spec("name: x\nsteps: 3\ndata: {dataset: tiny@v1, seq_len: 8, micro_batch_size: 1}\n"
+                       "liveness: {phase_seconds: {compile: -1}}\n")

@@ -58,3 +58,35 @@ def test_the_step_guard_injects_only_into_training_backward_passes_and_is_a_no_o
     backward(engine_pb2.RunBackward(backward=False), (logits, None))
     backward(engine_pb2.RunBackward(backward=True), (logits, None))
     assert not torch.isnan(seen[0][0]).any() and torch.isnan(seen[1][0]).all()
+
+
+def test_slow_eval_slows_every_batch_of_the_evaluation_after_its_step_and_only_that_one(tmp_path):
+    import time
+
+    injector = FaultInjector([Injection("slow_eval", 4, 0, 0.2)], "j-1", 0, marker_dir=tmp_path)
+    forward = StepGuard(lambda: 5, injector=injector).forward(lambda msg, payload=None: Reply(msg))
+    forward(engine_pb2.ConfigureForward())  # the same port carries the forward unit's configuration
+    t0 = time.monotonic()
+    forward(engine_pb2.RunForward(training=True))  # step 5's training forward: untouched
+    assert time.monotonic() - t0 < 0.1
+    for _ in range(2):  # the evaluation after step 4 (the session's step is 4): each batch
+        t0 = time.monotonic()
+        forward(engine_pb2.RunForward(training=False))
+        assert time.monotonic() - t0 >= 0.2
+    relaunched = FaultInjector([Injection("slow_eval", 4, 0, 0.2)], "j-1", 0, marker_dir=tmp_path)
+    t0 = time.monotonic()
+    relaunched.before_forward(5, False)  # fired once per job and rank, across relaunches
+    assert time.monotonic() - t0 < 0.1
+    # Step 4's backward pass does not consume it (it once did: the marker fired there).
+    other = FaultInjector([Injection("slow_eval", 4, 0, 0.2)], "j-2", 0, marker_dir=tmp_path)
+    other.before_backward(4, (torch.zeros(1), None))
+    t0 = time.monotonic()
+    other.before_forward(5, False)
+    assert time.monotonic() - t0 >= 0.2
+
+
+def test_hang_forward_is_due_only_at_its_steps_training_forward(tmp_path):
+    injector = FaultInjector([Injection("hang_forward", 8, 1)], "j-1", 1, marker_dir=tmp_path)
+    injector.before_forward(7, True)
+    injector.before_forward(9, False)  # an evaluation: not a training forward
+    assert not list(tmp_path.iterdir())  # not fired
