@@ -100,7 +100,7 @@ _ALLOWED: dict[int, frozenset[int]] = {
     S.WARMING_UP: frozenset({S.RUNNING, S.FAULT_FROZEN, S.TERMINATED}),
     S.RUNNING: frozenset({S.PAUSED, S.FAULT_FROZEN, S.TERMINATED}),
     S.PAUSED: frozenset({S.RUNNING, S.FAULT_FROZEN, S.TERMINATED}),
-    S.FAULT_FROZEN: frozenset({S.RUNNING, S.TERMINATED}),
+    S.FAULT_FROZEN: frozenset({S.RUNNING, S.PAUSED, S.TERMINATED}),  # PAUSED: recovered, paused before
     S.TERMINATED: frozenset(),
 }
 
@@ -165,6 +165,7 @@ class _Incident:
     waiting_since: float = 0.0          # time.monotonic() that wait began
     retries: int = 0                    # retries of the current step
     timer: Deadline | None = None       # the current step's retry or deadline (not journaled)
+    paused: bool = False                # the job was paused (or pausing) when the fault came
 
 
 @dataclass
@@ -188,6 +189,7 @@ class _Job:
     unusable: set[str] = field(default_factory=set)       # versions that failed verification
     excluded: set[str] = field(default_factory=set)       # workers left out by exclude_node decisions
     placement: dict[int, str] = field(default_factory=dict)  # rank -> worker it reported ready on
+    start_held: bool = False  # recovered while paused: the ready ranks wait for StartTraining
     # Operator actions (issue 12 part 7). ``draining``: the pause in flight is a drain
     # (`surgectl down`); ``parked``: PAUSED and its ranks are gone (drained, or stopped with
     # the stack): not waited for after a control restart, and a resume relaunches them from
@@ -414,7 +416,11 @@ class Orchestrator:
                 if msg.from_version:
                     raise IllegalTransition(f"--from: job {job_id} is PAUSED with its ranks running; "
                                             f"`surgectl resume {job_id}` continues it where it paused")
-                self._loop(engine_pb2.ResumeTraining(job_id=job_id))
+                if job.start_held:  # recovered while paused: its ready ranks never started
+                    job.start_held = False
+                    self._loop(engine_pb2.StartTraining(job_id=job_id))
+                else:
+                    self._loop(engine_pb2.ResumeTraining(job_id=job_id))
                 self._transition(job, S.RUNNING, ORCH, f"resumed at step {job.status.step}")
                 return self._snapshot(job)
             if job.resuming:
@@ -635,8 +641,10 @@ class Orchestrator:
             if len(job.started) < job.status.world_size or job.pending == "stop":
                 return
             job.status.step = msg.start_step
-            self._loop(engine_pb2.StartTraining(job_id=msg.job_id))
             incident = job.incident
+            held = incident is not None and incident.paused  # the operator's pause outlives the fault
+            if not held:
+                self._loop(engine_pb2.StartTraining(job_id=msg.job_id))
             if incident is None:
                 job.running_since = time.time()
                 self._transition(job, S.RUNNING, ORCH, f"all {job.status.world_size} ranks ready; training started")
@@ -648,6 +656,15 @@ class Orchestrator:
             job.running_since = job.running_since or time.time()  # (a fault while warming up)
             self._faults(control_pb2.ResetFaultLedger(job_id=msg.job_id))
             source = f"checkpoint {incident.version}" if incident.version else "scratch"
+            if held:
+                job.recovered, job.start_held = None, True
+                self._transition(
+                    job, S.PAUSED, ORCH,
+                    f"recovered from {incident.fault_class} of rank {incident.cause.rank}: all {job.status.world_size} "
+                    f"ranks restored from {source} at step {msg.start_step}; paused, as before the fault "
+                    "(resume continues it)",
+                )
+                return
             self._transition(
                 job, S.RUNNING, ORCH,
                 f"recovered from {incident.fault_class} of rank {incident.cause.rank}: all {job.status.world_size} "
@@ -859,7 +876,10 @@ class Orchestrator:
         bound = msg.step if action == "rollback" and msg.step else None
         exclude = [msg.worker_id] if action == "exclude_node" and msg.worker_id else []
         incident = _Incident(cause=msg, fault_class=fault_class, action=action, decided=time.monotonic(),
-                             bound=bound, exclude=exclude)
+                             bound=bound, exclude=exclude,
+                             # The operator's pause outlives the fault: recovered, the job stays paused.
+                             paused=job.status.state == S.PAUSED or job.pending == "pause"
+                             or (previous is not None and previous.paused))
         # Every rank of the failing generation not yet seen ended will end (the recovery
         # kills it): its reports until then are consequences of this incident.
         incident.dying.update(r for r in range(job.status.world_size) if r not in job.exited)
@@ -868,7 +888,8 @@ class Orchestrator:
             self._cancel_timer(previous)
         job.incident, job.recovered, job.exited = incident, None, set()
         job.started, job.paused, job.finished, job.placement = set(), set(), {}, {}  # (a new generation)
-        job.pending = ""  # a pause in flight is dropped: the relaunched ranks start running
+        job.pending = ""  # a pause in flight ends here: the incident keeps it (``paused``)
+        job.start_held = False
         job.excluded.update(exclude)  # journaled with the decision: a restarted control keeps it
         self._record(
             job, ORCH, "decision",
@@ -1366,6 +1387,7 @@ def _runtime(job: _Job) -> dict:
         "unusable": sorted(job.unusable),
         "excluded": sorted(job.excluded),
         "placement": {str(r): w for r, w in job.placement.items()},
+        "start_held": job.start_held,
         "incident": _incident_to_json(job.incident) if job.incident is not None else None,
         "draining": job.draining,
         "parked": job.parked,
@@ -1383,6 +1405,7 @@ def _incident_to_json(i: _Incident) -> dict:
         "exclude": list(i.exclude),
         "relaunched": i.relaunched,
         "phase": i.phase,
+        "paused": i.paused,
     }
 
 
@@ -1399,6 +1422,7 @@ def _incident_from_json(d: dict) -> _Incident:
         dying=Counter({int(r): int(n) for r, n in d.get("dying", {}).items()}),
         version=d.get("version", ""), bound=d.get("bound"), exclude=list(d.get("exclude", ())),
         relaunched=relaunched, resumed=True, phase=d.get("phase", RESTORING if relaunched else PLACING),
+        paused=bool(d.get("paused", False)),
     )
 
 
@@ -1413,6 +1437,7 @@ def _load_runtime(job: _Job, rt: dict) -> None:
     job.unusable = set(rt.get("unusable", ()))
     job.excluded = set(rt.get("excluded", ()))
     job.placement = {int(r): str(w) for r, w in rt.get("placement", {}).items()}
+    job.start_held = bool(rt.get("start_held", False))
     job.draining, job.parked = bool(rt.get("draining", False)), bool(rt.get("parked", False))
     if rt.get("incident"):
         job.incident = _incident_from_json(rt["incident"])

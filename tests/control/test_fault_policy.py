@@ -455,3 +455,23 @@ def test_a_load_that_found_corrupt_bytes_has_the_store_rescrub_and_its_findings_
     plane.c.bus.publish(Module.L5_CHECKPOINT_MANAGER, answer)
     plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
     assert resumes(w["wa"]) == [v1]
+
+
+def test_a_paused_job_whose_rank_dies_is_recovered_and_stays_paused_until_the_operator_resumes(plane, store):
+    job_id, w = running(plane, "wa", "wb")
+    v1 = saved(plane, w["wa"], job_id, 1, step=4)
+    plane.user(control_pb2.PauseJobRequest(job_id=job_id, no_checkpoint=True))
+    for rank, session in ((0, w["wa"]), (1, w["wb"])):
+        plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=6))
+    assert plane.get(job_id).state == S.PAUSED
+    drain(w["wa"]), drain(w["wb"])
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    assert resumes(w["wa"]) == [v1]
+    drain(w["wb"])
+    restarted(plane, job_id, {0: w["wa"], 1: w["wb"]}, start_step=4)
+    s = plane.get(job_id)
+    assert s.state == S.PAUSED and s.message.endswith("paused, as before the fault (resume continues it)")
+    assert drain(w["wa"]) == []  # no StartTraining: the operator paused it
+    plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+    assert plane.get(job_id).state == S.RUNNING
+    assert [c.rank_command.WhichOneof("command") for c in drain(w["wa"])] == ["start"]
