@@ -228,9 +228,11 @@ def test_a_rank_that_beats_but_makes_no_progress_is_stalled_and_the_job_recovers
     events = stack.events(job)
     (fault,) = causes(events, "SEVERE rank_stalled")
     assert "is alive but made no step progress for" in fault.message and "after step 11" in fault.message
-    # Both ranks stall (rank 1 hangs, rank 0 waits for it in the collective): heartbeats cannot
-    # tell which waits for which, so the first deadline to fire names the incident.
-    assert of_type(events, "decision")[1].startswith("restart_ranks after rank_stalled of rank ")
+    # Both ranks stall (rank 1 hangs before its backward, rank 0 waits for it in DDP's
+    # all-reduce): their beats say where (issue 12 part 5), so rank 1 names the incident and
+    # rank 0 is stalled in the collective, its consequence.
+    assert fault.message.startswith("SEVERE rank_stalled: rank 1 ") and "in its backward phase" in fault.message
+    assert of_type(events, "decision")[1].startswith("restart_ranks after rank_stalled of rank 1 ")
     assert len(of_type(events, "decision")) == 2
     (first,) = [m for m in of_type(events, "recovery") if m.startswith("first step after the recovery")]
     print(f"stall: {fault.message.split(': ', 1)[1]}; {first}")
