@@ -450,7 +450,14 @@ class FaultDetector:
             # Nothing of it since the restart, nor of another rank of the worker it ran on (as
             # journaled): that worker is gone. Where it ran is unknown: only silent.
             lost = watch.unheard and rank in job.reattaching and bool(watch.worker_id) and watch.worker_id not in job.back
-        silent_for = time.time() - watch.last_beat_unix
+            # Peers that waited in a collective, without a deadline, while it still looked
+            # alive and working: they waited for it. Its consequences, reported after it.
+            waiting = [(r, w) for r, w in sorted(job.ranks.items()) if w.waiting and w.phase == RP.PHASE_COLLECTIVE]
+            for _, w in waiting:
+                w.waiting, w.stalled = False, True
+            window = max(job.attribution_s, 0.1)
+        now = time.time()
+        silent_for = now - watch.last_beat_unix
         if lost:
             fault_class = WORKER_LOST
             detail = (f"rank {rank} lost with worker {watch.worker_id}: no node agent re-attached it "
@@ -463,6 +470,9 @@ class FaultDetector:
             job_id, fault_class, Module.EXT_HARDWARE, rank, detail,
             occurred=watch.last_beat_unix, worker_id=watch.worker_id, step=max(watch.step, 0), phase=watch.phase,
         )
+        followers = self._waiting_reports(job_id, waiting, rank, "silent", now)
+        if followers:
+            self._hold(job_id, followers[0], window=window, followers=followers[1:])
         if self._reattached(job_id, rank):
             self._release_held(job_id)
 
@@ -523,17 +533,7 @@ class FaultDetector:
         )
         if report is None:
             return
-        followers = []
-        for r, w in consequences:
-            waited = now - w.last_progress_unix
-            follower = self._graded(
-                job_id, RANK_STALLED_IN_COLLECTIVE, Module.EXT_HARDWARE, r,
-                f"rank {r} on worker {w.worker_id} waits in a collective: no step progress for {waited:.1f} s "
-                f"after step {max(w.step, 0)}, waiting for rank {rank} (stalled in its {where or 'step'})",
-                occurred=w.last_progress_unix, worker_id=w.worker_id, step=max(w.step, 0), phase=w.phase,
-            )
-            if follower is not None:
-                followers.append(follower)
+        followers = self._waiting_reports(job_id, consequences, rank, f"stalled in its {where or 'step'}", now)
         # Held: until a quiet peer's silence deadline can have fired, or long enough to
         # tell whether a peer goes quiet (then extended, see _release_held).
         _log.info("stall held for attribution", job_id=job_id, rank=rank, quiet=quiet, phase=where,
@@ -543,6 +543,23 @@ class FaultDetector:
                        followers=followers)
         else:
             self._hold(job_id, report, window=max(job.attribution_s, self._beat_window(job)), followers=followers)
+
+    def _waiting_reports(
+        self, job_id: str, waiting: list[tuple[int, _RankWatch]], cause_rank: int, how: str, now: float,
+    ) -> list[control_pb2.FaultReport]:
+        """``rank_stalled_in_collective`` reports of the ranks that wait for ``cause_rank``."""
+        reports = []
+        for r, w in waiting:
+            waited = now - w.last_progress_unix
+            report = self._graded(
+                job_id, RANK_STALLED_IN_COLLECTIVE, Module.EXT_HARDWARE, r,
+                f"rank {r} on worker {w.worker_id} waits in a collective: no step progress for {waited:.1f} s "
+                f"after step {max(w.step, 0)}, waiting for rank {cause_rank} ({how})",
+                occurred=w.last_progress_unix, worker_id=w.worker_id, step=max(w.step, 0), phase=w.phase,
+            )
+            if report is not None:
+                reports.append(report)
+        return reports
 
     @staticmethod
     def _working(w: _RankWatch) -> bool:

@@ -211,3 +211,25 @@ def test_the_job_specs_phase_budgets_are_pushed_to_the_detector():
     with pytest.raises(ValueError, match=r"liveness\.phase_seconds\.compile"):
         parse_job_spec("name: x\nsteps: 3\ndata: {dataset: tiny@v1, seq_len: 8, micro_batch_size: 1}\n"
                        "liveness: {phase_seconds: {compile: -1}}\n")
+
+
+def test_a_rank_that_waited_for_a_peer_that_then_went_silent_follows_that_silence():
+    # Rank 0 waits in the all-reduce; rank 1 was last seen computing (forward) and stops
+    # beating (SIGSTOP) before its own progress deadline: rank 0's deadline fires while rank 1
+    # still looks alive (it waits, no report), then rank 1's silence is the cause and rank 0
+    # follows it.
+    bus, reports = wired(heartbeat_timeout_seconds=2.0, stall_min_seconds=1.2, stall_step_factor=0.01,
+                         attribution_seconds=0.1)
+    state = {0: (3, P.PHASE_COLLECTIVE)}
+    beat(bus, 0, 3, P.PHASE_COLLECTIVE, interval=0.4)  # its deadline: 1.2 s from now
+    beat(bus, 1, 3, P.PHASE_BACKWARD, interval=0.4)
+    with Beating(bus, state, interval=0.4):
+        time.sleep(0.4)
+        beat(bus, 1, 3, P.PHASE_FORWARD, interval=0.4)  # its deadline: 1.2 s from now
+        time.sleep(0.4)
+        beat(bus, 1, 3, P.PHASE_FORWARD, interval=0.4)  # its last beat (quiet 0.6 s later)
+        first, second = reports.wait(2, timeout=6.0)
+        time.sleep(0.3)
+    assert [(r.fault_class, r.rank) for r in (first, second)] == [("rank_silent", 1), ("rank_stalled_in_collective", 0)]
+    assert "waiting for rank 1 (silent)" in second.detail
+    assert len(reports) == 2
