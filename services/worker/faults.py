@@ -19,7 +19,8 @@ root (``rank.py``). No module file knows about them.
   stall), ``hang_forward`` (the same, but in that step's first forward: the rank's beats say
   it is in its forward pass while its peers wait for it in the gradient all-reduce) and
   ``slow_eval`` (each batch of the evaluation after that step takes ``seconds=<s>`` more,
-  default 1: a long evaluation that still advances). Each injection fires once per job and
+  default 1: a long evaluation that still advances) and ``slow_save`` (the checkpoint save
+  at that step takes ``seconds=<s>`` more before it is staged). Each injection fires once per job and
   rank, also across relaunches: it leaves a marker file under ``$SURGE_HOME/run/faults``.
 """
 
@@ -36,11 +37,11 @@ from typing import Any
 import torch
 
 from services.common import paths
-from services.contract import engine_pb2
+from services.contract import engine_pb2, store_pb2
 from services.contract.bus import CommandPort, Reply
 
 INJECT_ENV = "SURGE_FAULT_INJECT"
-KINDS = ("nan_loss", "inf_grad", "hang", "hang_forward", "slow_eval")
+KINDS = ("nan_loss", "inf_grad", "hang", "hang_forward", "slow_eval", "slow_save")
 _BEFORE_BACKWARD = ("nan_loss", "inf_grad", "hang")
 
 
@@ -49,7 +50,7 @@ class Injection:
     kind: str
     step: int
     rank: int
-    seconds: float = 1.0  # slow_eval: added to each evaluation batch
+    seconds: float = 1.0  # slow_eval: added to each evaluation batch; slow_save: to the save
 
 
 def parse_injections(text: str, job_name: str) -> list[Injection]:
@@ -133,6 +134,12 @@ class FaultInjector:
                     self._slowing.add(injection)
                     time.sleep(injection.seconds)
 
+    def before_save(self, step: int) -> None:
+        """Apply what is due before the checkpoint save at ``step``."""
+        for injection in self._mine:
+            if injection.kind == "slow_save" and injection.step == step and self._fire(injection):
+                time.sleep(injection.seconds)
+
     def _fire(self, injection: Injection) -> bool:
         """True the first time ``injection`` is due for this job and rank (marker file)."""
         self._markers.mkdir(parents=True, exist_ok=True)
@@ -145,7 +152,8 @@ class FaultInjector:
 
 
 class StepGuard:
-    """Wraps the loop's ports to the forward and backward units with test-only injections.
+    """Wraps the loop's ports to the forward and backward units and the checkpoint relay with
+    test-only injections.
 
     Args:
         step: the step the loop is running now (the rank session's last completed step + 1).
@@ -167,6 +175,18 @@ class StepGuard:
             return port(msg, payload)
 
         return run_forward
+
+    def store(self, port: CommandPort) -> Callable[..., Reply]:
+        if self._injector is None:
+            return port
+        injector = self._injector
+
+        def save(msg: Any, payload: Any = None) -> Reply:
+            if isinstance(msg, store_pb2.SaveCheckpoint):
+                injector.before_save(msg.step)
+            return port(msg, payload)
+
+        return save
 
     def backward(self, port: CommandPort) -> Callable[..., Reply]:
         if self._injector is None:

@@ -141,8 +141,8 @@ def compose(
     phase: PhaseMarker | None = None,
 ) -> RankModules:
     """Build the rank's L2/L3 modules on ``bus`` and subscribe them and the relays.
-    ``guard`` wraps the loop's ports to the forward and backward units (test-only fault
-    injection). ``phase``: the rank's phase marker, set by the loop and L3-5 at phase
+    ``guard`` wraps the loop's ports to the forward and backward units and to the checkpoint
+    relay (test-only fault injection). ``phase``: the rank's phase marker, set by the loop and L3-5 at phase
     boundaries and read by the session's beats (services/common/phase.py).
 
     Raises:
@@ -183,7 +183,7 @@ def compose(
     )
     L = M.L2_TRAINING_LOOP
     backward_port, precision_port = port(L, M.L3_BACKWARD_UNIT), port(L, M.L2_MIXED_PRECISION)
-    forward_port = port(L, M.L3_FORWARD_UNIT)
+    forward_port, store_port = port(L, M.L3_FORWARD_UNIT), port(L, M.L5_CHECKPOINT_MANAGER)
     loop = TrainingLoop(
         emitter(L),
         LoopPorts(
@@ -194,7 +194,7 @@ def compose(
             optimizer=port(L, M.L2_OPTIMIZER),
             precision=precision_port,
             data=port(L, M.L4_DATASET_VERSIONS),
-            store=port(L, M.L5_CHECKPOINT_MANAGER),
+            store=guard.store(store_port) if guard else store_port,
         ),
         read_ahead=2 * spec.data.grad_accum + 2,
         started_at=started_at,

@@ -8,6 +8,10 @@
 * An evaluation that takes more than 3x the stall deadline (one rank's evaluation batches
   slowed by ``slow_eval``; its peer waits for it in the evaluation's all-reduce) advances
   batch by batch: no fault, the job finishes.
+* A checkpoint staging that takes 4x the stall deadline (``slow_save`` on rank 0; rank 1
+  waits for it in the next step's collective) is within its phase's own budget
+  (``liveness.phase_seconds.checkpoint_staging``): no fault, the version commits. Control's
+  /metrics exports the event applier's lag.
 
 One stack serves the module (every process it started is killed by PID at the end).
 """
@@ -29,7 +33,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 RUNS = int(os.environ.get("SURGE_BLAME_RUNS", "3"))
 SLOW_BATCH_S, EVAL_BATCHES, STALL_S = 0.5, 8, 1.0
-INJECT = f"thang:hang_forward@8:rank=1,tslow:slow_eval@4:rank=1:seconds={SLOW_BATCH_S}"
+SLOW_SAVE_S = 4.0
+INJECT = (f"thang:hang_forward@8:rank=1,tslow:slow_eval@4:rank=1:seconds={SLOW_BATCH_S},"
+          f"tsave:slow_save@4:rank=0:seconds={SLOW_SAVE_S}")
 
 HANG_JOB = """\
 name: thang
@@ -62,7 +68,7 @@ liveness: {{heartbeat_interval_seconds: 0.25, heartbeat_timeout_seconds: 3.0, st
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with running_stack(tmp_path_factory.mktemp("surge-phase-blame"), ("json", "email"), ("thang", "tslow"),
+    with running_stack(tmp_path_factory.mktemp("surge-phase-blame"), ("json", "email"), ("thang", "tslow", "tsave"),
                        env={"SURGE_FAULT_INJECT": INJECT}) as s:
         yield s
 
@@ -119,3 +125,23 @@ def test_an_evaluation_three_times_longer_than_the_stall_deadline_that_advances_
     slowest = max(rec["seconds"] for rec in evals)
     assert slowest >= 3 * STALL_S, slowest  # the stall deadline of a training step: max(1 s, 1 x median step)
     print(f"slow evaluation: {slowest:.1f} s ({EVAL_BATCHES} batches, stall deadline {STALL_S:g} s): no fault")
+
+
+def test_a_checkpoint_staging_four_times_longer_than_the_stall_deadline_is_no_fault(stack):
+    job = stack.submit(SLOW_JOB.replace("name: tslow", "name: tsave")
+                       .replace("eval: {every_steps: 4,", "eval: {every_steps: 0,")
+                       .replace("checkpoint: {every_steps: 0, keep_last: 0, at_end: false}",
+                                "checkpoint: {every_steps: 4, keep_last: 0, at_end: false}"))
+    t0 = time.monotonic()
+    events = list(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job, follow=True), timeout=240))
+    faults = [e.message for e in events if e.type == "fault"]
+    assert faults == []
+    status = events[-1].status
+    assert (status.state, status.outcome) == (control_pb2.TERMINATED, control_pb2.FINISHED), events[-1].message
+    saved = [e.message for e in events if e.type == "checkpoint"]
+    assert any(f"{job}:1 at step 4" in m for m in saved), saved
+    assert time.monotonic() - t0 > SLOW_SAVE_S
+    lag = [line for line in stack.metrics().splitlines() if line.startswith("surge_control_applier_lag_seconds_count")]
+    assert lag and float(lag[0].split()[-1]) > 0, lag
+    print(f"slow checkpoint staging: +{SLOW_SAVE_S:g} s at step 4 (stall deadline {STALL_S:g} s): no fault; "
+          f"{lag[0]}")

@@ -20,7 +20,7 @@ def test_injections_are_parsed_per_job_name_and_a_bad_entry_is_one_line():
     text = "a:nan_loss@7,b:hang@3:rank=1, a:hang@9:rank=2"
     assert parse_injections(text, "a") == [Injection("nan_loss", 7, 0), Injection("hang", 9, 2)]
     assert parse_injections(text, "c") == []
-    with pytest.raises(ValueError, match=r"^SURGE_FAULT_INJECT: 'a:explode@1': expected <job name>:<nan_loss\|inf_grad\|hang\|hang_forward\|slow_eval>@<step>"):
+    with pytest.raises(ValueError, match=r"^SURGE_FAULT_INJECT: 'a:explode@1': expected <job name>:<nan_loss\|inf_grad\|hang\|hang_forward\|slow_eval\|slow_save>@<step>"):
         parse_injections("a:explode@1", "a")
     assert parse_injections("a:slow_eval@4:rank=1:seconds=2.5", "a") == [Injection("slow_eval", 4, 1, 2.5)]
 
@@ -90,3 +90,17 @@ def test_hang_forward_is_due_only_at_its_steps_training_forward(tmp_path):
     injector.before_forward(7, True)
     injector.before_forward(9, False)  # an evaluation: not a training forward
     assert not list(tmp_path.iterdir())  # not fired
+
+
+def test_slow_save_delays_only_the_save_of_its_step_once(tmp_path):
+    import time
+
+    from services.contract import store_pb2
+
+    injector = FaultInjector([Injection("slow_save", 4, 0, 0.2)], "j-1", 0, marker_dir=tmp_path)
+    store = StepGuard(lambda: 5, injector=injector).store(lambda msg, payload=None: Reply(msg))
+    for msg, slow in ((store_pb2.SaveCheckpoint(step=3), False), (store_pb2.CommitCheckpoint(step=4), False),
+                      (store_pb2.SaveCheckpoint(step=4), True), (store_pb2.SaveCheckpoint(step=4), False)):
+        t0 = time.monotonic()
+        store(msg)
+        assert (time.monotonic() - t0 >= 0.2) == slow, msg
