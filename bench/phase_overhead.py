@@ -35,9 +35,9 @@ def _rank(rank: int, port: int, out: Path, steps: int, marked: bool) -> None:
     sys.path[:0] = [str(REPO), str(REPO / "tests" / "engine")]
     import functools
 
+    import rank_fakes
     import torch
 
-    import rank_fakes
     from services.common.phase import PhaseMarker
     from services.common.process_exit import exit_now
     from services.contract import engine_pb2

@@ -42,7 +42,7 @@ class PhaseMarker:
     entered (``time.monotonic()``), the units of it done and the units it will take (0:
     unknown)."""
 
-    __slots__ = ("phase", "since", "progress", "total")
+    __slots__ = ("phase", "progress", "since", "total")
 
     def __init__(self, phase: int = IDLE):
         self.phase, self.since, self.progress, self.total = phase, time.monotonic(), 0, 0

@@ -493,12 +493,12 @@ class FaultDetector:
                 return
             watch.stall = None
             quiet = self._quiet(job, now)
-            if watch.phase == RP.PHASE_COLLECTIVE and rank not in quiet:
-                if any(r != rank and r not in quiet and self._working(w) for r, w in job.ranks.items()):
-                    # Waiting for a peer that still works (e.g. a longer evaluation on it):
-                    # no fault (see the docstring).
-                    watch.waiting = True
-                    return
+            if watch.phase == RP.PHASE_COLLECTIVE and rank not in quiet and any(
+                    r != rank and r not in quiet and self._working(w) for r, w in job.ranks.items()):
+                # Waiting for a peer that still works (e.g. a longer evaluation on it): no
+                # fault (see the docstring).
+                watch.waiting = True
+                return
             watch.stalled = True  # declared once; the next progress re-arms the deadline
             deadline = job.phase_deadline_s(watch.phase, watch.phase_total)
             if rank in quiet:

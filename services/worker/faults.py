@@ -129,10 +129,10 @@ class FaultInjector:
         for injection in self._mine:
             if injection.kind == "hang_forward" and training and injection.step == step and self._fire(injection):
                 threading.Event().wait()  # forever, in the forward pass: alive, no progress
-            elif injection.kind == "slow_eval" and not training and injection.step == step - 1:
-                if injection in self._slowing or self._fire(injection):
-                    self._slowing.add(injection)
-                    time.sleep(injection.seconds)
+            elif (injection.kind == "slow_eval" and not training and injection.step == step - 1
+                  and (injection in self._slowing or self._fire(injection))):
+                self._slowing.add(injection)  # every batch of that evaluation
+                time.sleep(injection.seconds)
 
     def before_save(self, step: int) -> None:
         """Apply what is due before the checkpoint save at ``step``."""
