@@ -139,7 +139,8 @@ DEFAULT_CHECKPOINT_STAGING_S = 600.0
 DEFAULT_COMPILE_S = 900.0
 _STEP_TIMES_KEPT = 64  # recent step durations of a job, for the median
 RP = worker_pb2.RankPhase
-# Phases in which no step progress is expected: no progress deadline.
+# Not working on a step (a rank says idle only while not stepping; before its first step
+# after StartTraining it is judged as a training step).
 _RESTING = frozenset({RP.PHASE_IDLE})
 
 
@@ -352,7 +353,7 @@ class FaultDetector:
             if moved:
                 watch.last_progress_unix = now
                 watch.stalled = watch.waiting = False
-            if not msg.stepping or msg.phase in _RESTING:
+            if not msg.stepping:
                 if watch.stall is not None:
                     watch.stall.cancel()
                 watch.stall = None

@@ -233,3 +233,24 @@ def test_a_rank_that_waited_for_a_peer_that_then_went_silent_follows_that_silenc
     assert [(r.fault_class, r.rank) for r in (first, second)] == [("rank_silent", 1), ("rank_stalled_in_collective", 0)]
     assert "waiting for rank 1 (silent)" in second.detail
     assert len(reports) == 2
+
+
+def test_a_rank_told_to_step_that_never_leaves_idle_is_stalled_and_one_not_stepping_never_is():
+    bus, reports = wired(heartbeat_timeout_seconds=5.0, stall_min_seconds=0.4, stall_step_factor=0.01)
+    stop = threading.Event()
+
+    def beats():
+        while not stop.wait(0.1):
+            bus.publish(M.EXT_HARDWARE, worker_pb2.RankHeartbeat(  # paused, finished, not started
+                job_id="j", rank=0, step=3, stepping=False, interval_seconds=0.1, phase=P.PHASE_IDLE))
+            beat(bus, 1, 3, P.PHASE_IDLE)  # stepping, yet its loop never started the step
+
+    t = threading.Thread(target=beats, daemon=True)
+    t.start()
+    try:
+        (r,) = reports.wait(1, timeout=3.0)
+        time.sleep(0.6)
+    finally:
+        stop.set()
+        t.join()
+    assert (r.fault_class, r.rank) == ("rank_stalled", 1) and len(reports) == 1
