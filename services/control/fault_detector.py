@@ -14,13 +14,27 @@ law 4: a layer silent past its deadline is judged faulty by the layer above):
 
 * silence: a rank's heartbeat re-arms a one-shot timer of ``heartbeat_timeout_seconds``;
   if it fires, the rank is ``rank_silent`` (e.g. SIGSTOP, a hung host);
-* stall: while the rank says it is stepping, a heartbeat that shows a new step re-arms a
-  timer of max(``stall_min_seconds``, ``stall_step_factor`` x the job's median step time);
-  if it fires, the rank is ``rank_stalled`` (alive, beating, no progress: e.g. blocked in a
-  collective whose peer hangs).
+* progress: while the rank says it is stepping, a heartbeat that shows progress (a new
+  step, a new phase, or more of its phase done: ``RankHeartbeat.phase`` /
+  ``phase_progress``) re-arms a timer of its phase's budget: a training step's phases
+  max(``stall_min_seconds``, ``stall_step_factor`` x the job's median step time); an
+  evaluation ``eval_seconds`` (else ``stall_min_seconds``) + ``stall_step_factor`` x the
+  median evaluation-batch time x its batches; checkpoint staging and compile their own
+  (``StartFaultMonitoring``). If it fires, the rank is ``rank_stalled`` (alive, beating, no
+  progress), or ``rank_stalled_in_collective`` when its beats say it waits in a collective.
 
-Both are armed only inside the heartbeat's handler and cancelled by the rank's exit; the
-timer thread sleeps until its deadline, nothing wakes to look (no polling).
+Both count from when control received the beat (``RankHeartbeat.received_monotonic``,
+stamped by the session relay before the event applier's queue), not from when this handler
+runs. Both are armed only inside the heartbeat's handler and cancelled by the rank's exit;
+the timer thread sleeps until its deadline, nothing wakes to look (no polling).
+
+Blame by phase: a rank stalled outside a collective (forward, backward, optimizer, data
+wait, ...) is the incident's likely cause; the ranks waiting in a collective since are its
+consequences, reported right after it (``rank_stalled_in_collective``). A rank whose
+deadline passes in a collective while a peer still works (progressing outside one: a longer
+evaluation, a slow checkpoint staging) is no fault: it waits, with no deadline of its own,
+until it moves on or that peer stalls or goes silent (then it follows that peer's report).
+Ranks that all wait in a collective with nobody working are reported stalled in it.
 
 Attribution ("the survivor is not blamed"): when a rank dies, its peers fail soon after in
 the collective they shared (``comm_error``), and either report may reach control first. A
