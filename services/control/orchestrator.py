@@ -1065,14 +1065,7 @@ class Orchestrator:
             return
         cause = SFC.Name(msg.cause).lower()
         self._wait(job, incident, WAITING_STORE, STORE_UNREACHABLE, job.spec.fault_policy.store_wait_seconds,
-                   f"waiting for the store ({cause}: {msg.reason}) to verify the checkpoints",
-                   self._retry_verification)
-
-    def _retry_verification(self, job_id: str, incident: _Incident) -> None:
-        with self._lock:
-            job = self._current(job_id, incident, WAITING_STORE)
-            if job is not None:
-                self._ask_verification(job, incident)
+                   f"waiting for the store ({cause}: {msg.reason}) to verify the checkpoints")
 
     def _place(self, job: _Job, incident: _Incident) -> None:
         """Name the version (the newest usable one, within the rollback bound) and command
@@ -1102,15 +1095,16 @@ class Orchestrator:
         if reply.cause == RFC.RECOVERY_NO_PLACEMENT:
             needs = f"needs {reply.requested_ranks or job.status.world_size} ranks, {reply.available_ranks} free"
             self._wait(job, incident, WAITING_CAPACITY, NO_CAPACITY, job.spec.fault_policy.capacity_wait_seconds,
-                       f"waiting for capacity to resume from {source}: {needs} ({reply.reason})", self._retry_placement)
+                       f"waiting for capacity to resume from {source}: {needs} ({reply.reason})")
             return
         self._terminate(job, O.FAILED, f"recovery failed: {reply.reason}", kill=True)
 
-    def _retry_placement(self, job_id: str, incident: _Incident) -> None:
+    def _retry(self, job_id: str, incident: _Incident, phase: str) -> None:
+        """A wait's backoff ran out: the step it waits in is commanded again."""
         with self._lock:
-            job = self._current(job_id, incident, WAITING_CAPACITY)
+            job = self._current(job_id, incident, phase)
             if job is not None:
-                self._place(job, incident)
+                (self._ask_verification if phase == WAITING_STORE else self._place)(job, incident)
 
     def _restore_overdue(self, job_id: str, incident: _Incident) -> None:
         """The relaunched ranks did not all report ready within ``restore_seconds``: a fault
@@ -1128,8 +1122,7 @@ class Orchestrator:
             self._record(job, Module.L1_RECOVERY_CONTROLLER, "fault", f"SEVERE {RECOVERY_TIMEOUT}: {report.detail}")
             self._decide(job, report, RECOVERY_TIMEOUT, report.detail)
 
-    def _wait(self, job: _Job, incident: _Incident, phase: str, fault_class: str, limit_s: float, what: str,
-              retry: Any) -> None:
+    def _wait(self, job: _Job, incident: _Incident, phase: str, fault_class: str, limit_s: float, what: str) -> None:
         """Enter (or stay in) a wait state: say what the job waits for in its status, retry
         the step with backoff; past ``limit_s`` of waiting the policy decides ``fault_class``."""
         now = time.monotonic()
@@ -1148,7 +1141,7 @@ class Orchestrator:
         else:  # the status says it at every retry; the event log only at the first (no flood)
             job.status.message, job.status.updated_unix = message, time.time()
             self._keep(job)
-        self._arm(incident, delay, retry, job.status.job_id)
+        self._arm(incident, delay, self._retry, job.status.job_id, phase)
 
     def _give_up(self, job: _Job, incident: _Incident, fault_class: str, why: str) -> None:
         """A recovery step waited as long as the policy allows: its class decides. ``stop``
@@ -1177,9 +1170,9 @@ class Orchestrator:
         incident.timer = None
         return job
 
-    def _arm(self, incident: _Incident, seconds: float, fn: Any, job_id: str) -> None:
+    def _arm(self, incident: _Incident, seconds: float, fn: Any, job_id: str, *args: Any) -> None:
         self._cancel_timer(incident)
-        incident.timer = self._deadlines.after(seconds, fn, (job_id, incident))
+        incident.timer = self._deadlines.after(seconds, fn, (job_id, incident, *args))
 
     @staticmethod
     def _cancel_timer(incident: _Incident | None) -> None:

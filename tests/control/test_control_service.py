@@ -174,6 +174,15 @@ def submit(control: ControlProcess, **spec) -> control_pb2.JobStatus:
     return control.stub.SubmitJob(control_pb2.SubmitJobRequest(spec_yaml=spec_yaml(**spec), spec_path="job.yaml"))
 
 
+def running_watch(control: ControlProcess, job_id: str):
+    """The job's event stream (follow), read up to its RUNNING; the rest is the caller's."""
+    watch = control.stub.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True), timeout=60)
+    for ev in watch:
+        if ev.status.state == S.RUNNING:
+            return watch
+    raise AssertionError(f"{job_id} never ran")
+
+
 def follow(control: ControlProcess, job_id: str) -> list[control_pb2.JobEvent]:
     """The job's whole event log, streamed until it terminates."""
     return list(control.stub.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True), timeout=60))
@@ -257,10 +266,7 @@ def test_a_lost_node_agent_with_no_spare_waits_for_capacity_then_the_policy_fail
     control = start_control(store_address=f"127.0.0.1:{store.port}")
     holder = agents(control.address, "wa", finish=False)
     job_id = submit(control, dp=1, steps=100, extra="fault_policy: {capacity_wait_seconds: 1.5}").job_id
-    watch = control.stub.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True), timeout=60)
-    for ev in watch:
-        if ev.status.state == S.RUNNING:
-            break
+    watch = running_watch(control, job_id)
     holder.close()
     rest = list(watch)
     assert rest[-1].status.state == S.TERMINATED
@@ -278,10 +284,7 @@ def test_a_lost_node_agent_that_comes_back_gets_its_ranks_relaunched_and_the_job
     control = start_control(store_address=f"127.0.0.1:{store.port}")
     holder = agents(control.address, "wa", finish=False)
     job_id = submit(control, dp=1, steps=3).job_id
-    watch = control.stub.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True), timeout=60)
-    for ev in watch:
-        if ev.status.state == S.RUNNING:
-            break
+    watch = running_watch(control, job_id)
     holder.close()
     for ev in watch:  # the recovery waits: nowhere to place the rank
         if ev.type == "recovery" and "waiting for capacity" in ev.message:
@@ -299,10 +302,7 @@ def test_a_lost_node_agents_ranks_are_relaunched_on_another_and_the_job_runs_aga
     holder = agents(control.address, "wa", finish=False)
     spare = agents(control.address, "wb", steps=3)  # finishes its rank's steps once started
     job_id = submit(control, dp=1, steps=3).job_id
-    watch = control.stub.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True), timeout=60)
-    for ev in watch:
-        if ev.status.state == S.RUNNING:
-            break
+    watch = running_watch(control, job_id)
     holder.close()
     rest = list(watch)
     states = [ev.status.state for ev in rest if ev.type == "state"]
@@ -317,10 +317,7 @@ def test_memory_pressure_sent_by_a_node_agent_appears_in_its_jobs_event_log(star
     control = start_control()
     holder = agents(control.address, "wa", finish=False)
     job_id = submit(control, dp=1, steps=100).job_id
-    watch = control.stub.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True), timeout=60)
-    for ev in watch:
-        if ev.status.state == S.RUNNING:
-            break
+    watch = running_watch(control, job_id)
     holder.memory_pressure(True, 3 << 29, 24 << 30)
     holder.memory_pressure(False, 6 << 30, 24 << 30)
     got = []

@@ -23,29 +23,15 @@ from tests.conftest import REPO, processes_with
 
 from .test_control_restart import process_argv_env, restart_control, restart_worker
 from .test_recovery import O, S, cli, of_type, running_stack
+from .test_recovery import spec as recovery_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
-JOB = """\
-name: {name}
-steps: {steps}
-seed: 0
-model: {{n_layers: 2, d_model: 64, n_heads: 2, vocab_size: 256}}
-data:
-  dataset: tiny@v1
-  seq_len: 64
-  micro_batch_size: 4
-parallel: {{dp: 1}}
-optimizer: {{lr: 3.0e-3, warmup_steps: 4}}
-checkpoint: {{every_steps: 5, keep_last: 0}}
-eval: {{every_steps: 0, batches: 2, at_end: false}}
-liveness: {{heartbeat_interval_seconds: 0.5, heartbeat_timeout_seconds: 2.0, stall_min_seconds: 60}}
-fault_policy: {{store_wait_seconds: 300, capacity_wait_seconds: 300}}
-"""
-
-
 def spec(name: str, steps: int) -> str:
-    return JOB.format(name=name, steps=steps)
+    """test_recovery's job at dp=1 (two jobs fit the two one-slot workers), with a fault policy
+    that waits long enough for every wait these tests make."""
+    return (recovery_spec(name, steps=steps, every=5).replace("parallel: {dp: 2}", "parallel: {dp: 1}")
+            + "fault_policy: {store_wait_seconds: 300, capacity_wait_seconds: 300}\n")
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +72,14 @@ def assert_nothing_struck(events) -> None:
     struck = [m for m in (e.message for e in events) if "fails verification" in m or "unusable" in m
               or "never loaded" in m]
     assert struck == [], struck
+
+
+def assert_one_departure(events) -> None:
+    """One decision (worker_departed, one restart spent), one relaunch, from a checkpoint."""
+    decisions = [m for m in of_type(events, "decision") if " after " in m]
+    assert len(decisions) == 1 and decisions[0].startswith("restart_ranks after worker_departed"), decisions
+    relaunches = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
+    assert len(relaunches) == 1 and "resume from checkpoint" in relaunches[0], relaunches
 
 
 def test_the_store_stopped_during_a_recovery_loses_nothing_and_disturbs_no_other_job(stack):
@@ -186,17 +180,15 @@ def test_a_node_agent_leaving_with_no_spare_is_one_incident_and_the_job_continue
     restart_worker(stack.home, worker, argv, env)
     events = stack.events(job, timeout=300)
     assert events[-1].status.outcome == O.FINISHED, events[-1].message
-    decisions = [m for m in of_type(events, "decision") if " after " in m]
-    assert len(decisions) == 1 and decisions[0].startswith("restart_ranks after worker_departed of rank 0"), decisions
-    relaunches = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
-    assert len(relaunches) == 1 and "resume from checkpoint" in relaunches[0], relaunches
+    assert_one_departure(events)
     stack.stub.StopJob(control_pb2.StopJobRequest(job_id=busy))
 
 
 def test_flipped_bytes_in_the_newest_version_strike_only_it_and_the_job_resumes_from_the_one_before(stack):
-    """One byte flipped in a shard of the newest version, then the rank killed: the
-    relaunched ranks find it as they read it (a digest mismatch, checkpoint_integrity):
-    only that version is struck, the policy rolls back to the one before, the job finishes."""
+    """One byte flipped in a shard of the newest version of a paused job, then its rank
+    killed: the relaunched ranks find it as they read it (a digest mismatch,
+    checkpoint_integrity): only that version is struck, the policy rolls back to the one
+    before; recovered, the job stays paused until the operator resumes it, then finishes."""
     job = stack.submit(spec("cflip", steps=40))
     stack.wait_step(job, 12)
     stack.stub.PauseJob(control_pb2.PauseJobRequest(job_id=job))  # (no newer save while the bytes are flipped)
@@ -209,6 +201,10 @@ def test_flipped_bytes_in_the_newest_version_strike_only_it_and_the_job_resumes_
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     os.kill(stack.rank_pids(job, 0)[0], signal.SIGKILL)
+    # Recovered, the job is paused as the operator left it (then resumed by the operator).
+    wait_for(lambda: stack.status(job).message.endswith("paused, as before the fault (resume continues it)"),
+             240, "recovered and paused")
+    stack.stub.ResumeJob(control_pb2.ResumeJobRequest(job_id=job))
     events = stack.events(job, timeout=300)
     assert events[-1].status.outcome == O.FINISHED, events[-1].message
     struck = [m for m in (e.message for e in events) if "never loaded" in m]
@@ -228,7 +224,4 @@ def test_surgectl_restart_of_a_worker_under_a_dp2_job_costs_one_restart_and_the_
     assert restarted.returncode == 0, restarted.stdout + restarted.stderr
     events = stack.events(job, timeout=300)
     assert events[-1].status.outcome == O.FINISHED, events[-1].message
-    decisions = [m for m in of_type(events, "decision") if " after " in m]
-    assert len(decisions) == 1 and decisions[0].startswith("restart_ranks after worker_departed"), decisions
-    relaunches = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
-    assert len(relaunches) == 1 and "resume from checkpoint" in relaunches[0], relaunches
+    assert_one_departure(events)
