@@ -14,14 +14,29 @@ On disk, under ``<root>/checkpoints``::
 
 Staging (one open save per job, a save is "the ranks of one attempt writing one step"):
 
-* Every rank asks ``begin_save(job, step, rank)``. A rank that asks for the open save's step
-  and has not asked for it before gets the open save's directory: all ranks share one.
-* A rank asking a second time for the same step is a new attempt (the ranks were restarted
-  after a fault): it gets a fresh directory. A different step also gets a fresh one.
+* Every rank asks ``begin_save(job, step, rank, attempt)``. ``attempt`` names the
+  generation of ranks (one launch of the job's ranks: the same for all of them, different
+  for every launch; the ranks' checkpoint relay sets it). A rank that asks for the open
+  save's step, of the open save's attempt, and has not asked for it before gets the open
+  save's directory: all ranks of one attempt share one.
+* Another attempt never shares a directory: its first rank gets a fresh one. Without this,
+  a killed generation's half-begun save of step s would be handed to some ranks of the
+  next generation saving s again, and a fresh directory to the others (they "asked twice"),
+  and the version committed would lack their shards. The attempt a new one replaced is
+  superseded: its later asks (a straggler of a killed generation) are refused, so it can
+  never remove the newer attempt's directory. The manager remembers the last
+  ``_ATTEMPTS_KEPT`` attempts of each job, in memory only.
+* A rank asking a second time for the same step within its attempt (or, with an empty
+  ``attempt`` from an older client, at all) starts a new attempt: it gets a fresh
+  directory. A different step also gets a fresh one.
 * A fresh directory abandons the job's previous open save: every other staging directory of
   the job is removed then, so a dead save never blocks or leaks into a new one.
 * After a store restart nothing is open; a commit adopts the single staging directory of
   its step if exactly one is on disk (ranks that wrote before the restart are not lost).
+* A commit naming an attempt is refused when the open save is another attempt's, and every
+  commit is refused (``CheckpointIncomplete``) when the staging directory's DCP ``.metadata``
+  names a file that is not there or is shorter than the data it should hold: the index is
+  read as a stream of pickle opcodes (``pickletools``), nothing is unpickled or imported.
 
 Commit order (why: a crash at any point leaves the chain as it was, or one step ahead, and
 never points at a half-written version): hash every file -> write + fsync ``manifest.json``
@@ -59,6 +74,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickletools
 import re
 import secrets
 import shutil
@@ -82,6 +98,8 @@ CATALOG_FORMAT = "surge.checkpoint.catalog/1"
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # no ':' (version ids) or '/'
 _CHUNK_BYTES = 1 << 20
 _HASH_THREADS = 4  # hashlib releases the GIL on large updates; shards hash in parallel
+_ATTEMPTS_KEPT = 32  # per job: attempts remembered to refuse a superseded one
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index (rank 0 writes it last)
 
 
 class CheckpointNotFound(LookupError):
@@ -91,6 +109,16 @@ class CheckpointNotFound(LookupError):
 class CheckpointRejected(RuntimeError):
     """The store's state does not allow the command: no open save, an empty or changing
     staging directory, a version that fails verification (gRPC FAILED_PRECONDITION)."""
+
+
+class CheckpointIncomplete(CheckpointRejected):
+    """A staging directory is not a whole save: its DCP ``.metadata`` names a file that is
+    not there (``file``), or holds less than the index says, or the index is unreadable.
+    The commit is refused; nothing is cataloged."""
+
+    def __init__(self, message: str, file: str = ""):
+        super().__init__(message)
+        self.file = file
 
 
 class CheckpointDamaged(CheckpointRejected):
@@ -120,6 +148,7 @@ class _OpenSave:
     path: Path
     ranks: set[int] = field(default_factory=set)
     committing: bool = False
+    attempt: str = ""  # SaveCheckpoint.attempt of the ranks writing it ("" : not named)
 
 
 @dataclass(frozen=True)
@@ -149,6 +178,7 @@ class CheckpointManager:
         self._dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._open: dict[str, _OpenSave] = {}
+        self._attempts: dict[str, list[str]] = {}  # job -> attempts seen, oldest first (last: current)
         self._verifying: dict[str, Future[None]] = {}  # version -> verification in flight
         self._chain: list[dict[str, Any]] = _read_catalog(self._dir / CATALOG)
         reg = registry if registry is not None else CollectorRegistry()
@@ -182,15 +212,17 @@ class CheckpointManager:
     def begin_save(self, msg: store_pb2.SaveCheckpoint, payload: Any = None) -> store_pb2.SaveStaged:
         """保存当前快照指令, first half: where rank ``msg.rank`` writes step ``msg.step``.
 
-        Returns the open save's directory for a rank that has not asked for it yet; a fresh
-        directory (removing the job's other staging directories) otherwise. See the module
-        docstring for the rules.
+        Returns the open save's directory for a rank of the open save's attempt that has
+        not asked for it yet; a fresh directory (removing the job's other staging
+        directories) otherwise. See the module docstring for the rules.
 
         Raises:
             ValueError: ``job_id`` is not a safe name.
-            CheckpointRejected: the job's open save is being committed right now.
+            CheckpointRejected: the job's open save is being committed right now, or
+                ``msg.attempt`` was superseded by a newer attempt of the job.
         """
         job = _check_job_id(msg.job_id)
+        attempt = msg.attempt
         with self._lock:
             save = self._open.get(job)
             if save is not None and save.committing:
@@ -198,8 +230,18 @@ class CheckpointManager:
                     f"checkpoint {job}: save of step {save.step} is being committed; "
                     f"cannot begin step {msg.step}"
                 )
-            if save is None or save.step != msg.step or msg.rank in save.ranks or not save.path.is_dir():
-                save = self._fresh_staging(job, msg.step)
+            seen = self._attempts.setdefault(job, [])
+            if attempt and attempt in seen[:-1]:
+                raise CheckpointRejected(
+                    f"checkpoint {job}: attempt {attempt} was superseded by a newer launch of the job's "
+                    f"ranks; cannot begin step {msg.step} (rank {msg.rank})"
+                )
+            if attempt and (not seen or seen[-1] != attempt):
+                seen.append(attempt)
+                del seen[:-_ATTEMPTS_KEPT]
+            if (save is None or save.step != msg.step or save.attempt != attempt or msg.rank in save.ranks
+                    or not save.path.is_dir()):
+                save = self._fresh_staging(job, msg.step, attempt)
             save.ranks.add(msg.rank)
             path = save.path
         return store_pb2.SaveStaged(job_id=job, step=msg.step, staging_path=str(path))
@@ -214,18 +256,21 @@ class CheckpointManager:
 
         Raises:
             ValueError: ``job_id`` is not a safe name.
-            CheckpointRejected: no open save for (job, step), its directory is empty, holds a
-                symlink, or a file changed while being committed. The chain is unchanged.
+            CheckpointRejected: no open save for (job, step) (or it is another attempt's than
+                ``msg.attempt``), its directory is empty, holds a symlink, or a file changed
+                while being committed; CheckpointIncomplete: its DCP ``.metadata`` names a
+                file that is missing or short. The chain is unchanged.
         """
         t0 = time.perf_counter()
         job = _check_job_id(msg.job_id)
         with self._lock:
-            save = self._claim(job, msg.step)
+            save = self._claim(job, msg.step, msg.attempt)
         committed = False
         try:
             files = _hash_files(save.path, job)
             if not files:
                 raise CheckpointRejected(f"checkpoint {job}: step {msg.step}: staging {save.path} is empty")
+            _check_complete(save.path, files, job, msg.step)
             with self._lock:
                 entry = self._seal(job, msg, save, files)
                 committed = True
@@ -430,18 +475,18 @@ class CheckpointManager:
     def _staging_root(self, job: str) -> Path:
         return self._dir / job / ".staging"
 
-    def _fresh_staging(self, job: str, step: int) -> _OpenSave:
+    def _fresh_staging(self, job: str, step: int, attempt: str = "") -> _OpenSave:
         staging = self._staging_root(job)
         if staging.is_dir():
             for old in staging.iterdir():  # abandoned saves: nobody will commit them now
                 shutil.rmtree(old, ignore_errors=True)
         path = staging / f"step-{step}-{secrets.token_hex(4)}"
         path.mkdir(parents=True)
-        save = _OpenSave(step=step, path=path)
+        save = _OpenSave(step=step, path=path, attempt=attempt)
         self._open[job] = save
         return save
 
-    def _claim(self, job: str, step: int) -> _OpenSave:
+    def _claim(self, job: str, step: int, attempt: str = "") -> _OpenSave:
         """The open save of (job, step), marked committing. Caller holds the lock."""
         save = self._open.get(job)
         if save is None:
@@ -449,6 +494,10 @@ class CheckpointManager:
         if save.step != step:
             raise CheckpointRejected(
                 f"checkpoint {job}: no open save of step {step} (the open save is step {save.step})"
+            )
+        if attempt and save.attempt and save.attempt != attempt:
+            raise CheckpointRejected(
+                f"checkpoint {job}: the open save of step {step} is attempt {save.attempt}'s, not {attempt}'s"
             )
         if save.committing:
             raise CheckpointRejected(f"checkpoint {job}: step {step} is already being committed")
@@ -679,6 +728,102 @@ def _hash_files(directory: Path, what: str) -> dict[str, _Hashed]:
     with ThreadPoolExecutor(max_workers=min(_HASH_THREADS, len(names))) as pool:
         hashed = list(pool.map(lambda rel: _hash_one(directory / rel), names))
     return dict(zip(names, hashed))
+
+
+def _check_complete(directory: Path, files: dict[str, _Hashed], job: str, step: int) -> None:
+    """Refuse a staging directory whose DCP index names data that is not there.
+
+    ``.metadata`` (written by the coordinating rank once every rank's write came back) maps
+    every stored item to ``_StorageInfo(relative_path, offset, length)``. A file it names
+    must be among ``files`` and hold ``offset + length`` bytes: a rank that wrote into
+    another directory (or was cut short) would otherwise be committed as a version that
+    cannot be loaded. A directory without ``.metadata``, or whose ``.metadata`` is not a
+    pickle at all, is not a DCP save and is not judged here.
+
+    Raises:
+        CheckpointIncomplete: naming the first file missing or short, or an unreadable index.
+    """
+    if DCP_METADATA not in files:
+        return
+    what = f"checkpoint {job}: step {step}"
+    try:
+        data = (directory / DCP_METADATA).read_bytes()
+    except FileNotFoundError:
+        raise CheckpointRejected(f"{what}: {DCP_METADATA}: vanished while committing") from None
+    if not data.startswith(b"\x80"):  # not a (protocol 2+) pickle: not DCP's index
+        return
+    try:
+        needed = _dcp_storage_extents(data)
+    except (ValueError, EOFError, IndexError, KeyError) as e:
+        raise CheckpointIncomplete(f"{what}: {DCP_METADATA}: unreadable ({e})", DCP_METADATA) from None
+    for rel, end in sorted(needed.items()):
+        have = files.get(rel)
+        if have is None:
+            raise CheckpointIncomplete(f"{what}: {DCP_METADATA} names {rel}, which is not there", rel)
+        if have.bytes < end:
+            raise CheckpointIncomplete(
+                f"{what}: {rel}: {have.bytes} bytes, {DCP_METADATA} says it holds {end}", rel
+            )
+
+
+_PICKLE_STRINGS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING",
+                   "SHORT_BINSTRING"}
+_PICKLE_INTS = {"BININT", "BININT1", "BININT2", "INT", "LONG", "LONG1", "LONG4"}
+_PICKLE_GETS = {"GET", "BINGET", "LONG_BINGET"}
+_PICKLE_PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
+_STORAGE_FIELDS = ("relative_path", "offset", "length")
+
+
+def _dcp_storage_extents(data: bytes) -> dict[str, int]:
+    """File -> bytes it must hold (the largest ``offset + length`` naming it), from the
+    pickled DCP ``.metadata``, without unpickling it: a walk over the opcodes
+    (``pickletools.genops``, which builds no object and imports nothing) that reads each
+    ``_StorageInfo``'s state, a dict whose items come in field order (``relative_path``,
+    ``offset``, ``length``, ...): a value follows its key. Strings may come back from the
+    memo (``BINGET``), so the memo is tracked.
+
+    Raises:
+        ValueError: the opcode stream is malformed or truncated.
+    """
+    memo: dict[int, Any] = {}
+    last: Any = None  # what the previous opcode pushed, if a string or an int
+    key: str | None = None  # a storage field name just pushed: the next push is its value
+    record: dict[str, Any] = {}  # the _StorageInfo being read (from its relative_path on)
+    extents: dict[str, int] = {}
+    for op, arg, _ in pickletools.genops(data):
+        name = op.name
+        if name == "STOP":
+            return extents
+        if name == "MEMOIZE":
+            memo[len(memo)] = last
+            continue
+        if name in _PICKLE_PUTS:
+            memo[arg] = last
+            continue
+        value: Any = None
+        if name in _PICKLE_STRINGS:
+            value = arg.decode("latin-1") if isinstance(arg, bytes) else arg
+        elif name in _PICKLE_INTS:
+            value = arg
+        elif name in _PICKLE_GETS:
+            value = memo.get(arg)
+        last = value
+        if key is None:
+            key = value if isinstance(value, str) and value in _STORAGE_FIELDS else None
+            continue
+        if key == "relative_path":
+            record = {"relative_path": value} if isinstance(value, str) and value else {}
+            if record:
+                extents.setdefault(value, 0)
+        elif record:  # offset / length of the record being read (MetadataIndex.offset is not one)
+            record[key] = value
+            offset, length = record.get("offset"), record.get("length")
+            if isinstance(offset, int) and isinstance(length, int):
+                path = record["relative_path"]
+                extents[path] = max(extents[path], offset + length)
+                record = {}
+        key = None
+    raise ValueError("no STOP opcode")
 
 
 def _check_unchanged(directory: Path, files: dict[str, _Hashed], job: str, step: int) -> None:

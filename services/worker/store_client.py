@@ -14,7 +14,10 @@ Checkpoints (as L5_CHECKPOINT_MANAGER), for the loop's commands:
         the same step) -> wait for this rank's previous write (and, on the committing rank,
         up to ``STORE_RPC_TIMEOUT_S`` for its commit) -> the ranks agree that every previous
         save settled (an all-reduce on a gloo group of the relay's own: the manager holds
-        one open save per job) -> ``BeginSave`` (all ranks get the same staging directory)
+        one open save per job) -> ``BeginSave`` naming this generation of ranks
+        (``attempt``: a random token the ranks agree on at their first save, the same on
+        every rank of this launch and new at every launch; all ranks of it get the same
+        staging directory, and never one a killed generation was handed)
         -> the ranks agree that every rank got it -> a torch.distributed.checkpoint save of
         the payload into it -> SaveStaged, whose ``seconds`` is how long the loop was blocked.
         ``write_async``: ``dcp.async_save`` copies the state to host memory (the only part
@@ -22,11 +25,12 @@ Checkpoints (as L5_CHECKPOINT_MANAGER), for the loop's commands:
         exchange, the gather of write results, rank 0 writing ``.metadata``) run on a
         process group of their own (gloo), never on the training group: two threads issuing
         collectives on one gloo group can interleave them and deadlock.
-    CommitCheckpoint (rank 0) -> ``CommitSave`` -> SaveCompleted, which is both the reply
-        and an event to L1 (RankEvent{saved}). Asynchronous: the commit is sent from the
-        relay's own thread once rank 0's write completes, and rank 0's DCP save completes
-        only after it gathered every rank's write results and wrote ``.metadata``, so every
-        shard of every rank is on disk when the manager hashes it. The reply is then None.
+    CommitCheckpoint (rank 0) -> ``CommitSave`` (naming the same ``attempt``) -> SaveCompleted,
+        which is both the reply and an event to L1 (RankEvent{saved}). Asynchronous: the
+        commit is sent from the relay's own thread once rank 0's write completes, and rank
+        0's DCP save completes only after it gathered every rank's write results and wrote
+        ``.metadata``, so every shard of every rank is on disk when the manager hashes it.
+        The reply is then None.
     FlushCheckpoint -> returns once this rank's pending write (and commit) is done; the
         loop sends it before it reports its end. A failed background write or a refused
         commit is raised here or at the next SaveCheckpoint (CheckpointError). A final
@@ -64,6 +68,7 @@ import concurrent.futures
 import hashlib
 import json
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -170,6 +175,7 @@ class StoreClient:
         self._skipped_step: int | None = None   # the save of this step was skipped: nothing to commit
         self._group: Any = None                 # the checkpoint's own gloo group (async saves)
         self._agree_group: Any = None           # the ranks' agreement on a save (main thread only)
+        self._attempt = ""                      # this generation of ranks (SaveCheckpoint.attempt), from the first save
 
     # ------------------------------------------------------------------ metrics (L5-2)
 
@@ -202,6 +208,12 @@ class StoreClient:
         self._settle_write()
         failure = self._commit_settled(STORE_RPC_TIMEOUT_S)
         cause = self._agree(failure[0] if failure else 0)  # every rank's previous save settled
+        attempt = self._generation()  # collective at the first save, so on every rank
+        if not msg.attempt:
+            ask = store_pb2.SaveCheckpoint()
+            ask.CopyFrom(msg)
+            ask.attempt = attempt
+            msg = ask
         staged = None
         if not cause:
             try:
@@ -238,6 +250,11 @@ class StoreClient:
         CheckpointError for a refused synchronous commit."""
         if self._skipped_step == msg.step:
             return None
+        if not msg.attempt and self._attempt:  # the save's generation: the store checks the open save is its
+            named = store_pb2.CommitCheckpoint()
+            named.CopyFrom(msg)
+            named.attempt = self._attempt
+            msg = named
         if self._chain is None:
             return self._commit_now(msg)
         write, self._chain = self._chain, None
@@ -338,6 +355,21 @@ class StoreClient:
         t = torch.tensor([int(cause)], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._agree_group)
         return int(t.item())
+
+    def _generation(self) -> str:
+        """This launch's ``SaveCheckpoint.attempt``: two random 63-bit numbers every rank
+        agrees on (the maximum of each rank's draws), drawn at the first save. Collective then (every rank
+        saves at the same step), on the relay's own gloo group, from the main thread only.
+        A relaunched rank is a new process: a new draw, so a new generation never shares a
+        staging directory with an old one (a rendezvous port may be reused; this is not)."""
+        if not self._attempt:
+            draw = torch.tensor([secrets.randbits(63), secrets.randbits(63)], dtype=torch.int64)
+            if dist.is_initialized():
+                if self._agree_group is None:
+                    self._agree_group = dist.new_group(backend="gloo")  # collective, as in _agree
+                dist.all_reduce(draw, op=dist.ReduceOp.MAX, group=self._agree_group)
+            self._attempt = "".join(f"{int(v):016x}" for v in draw.tolist())
+        return self._attempt
 
     def _commit_after(self, write: Future, msg: store_pb2.CommitCheckpoint) -> store_pb2.SaveCompleted | None:
         write.result()  # a failed write (of any rank: DCP gathers them) is never committed

@@ -4,6 +4,7 @@ against in-test gRPC servers."""
 from __future__ import annotations
 
 import queue
+import shutil
 import time
 from concurrent import futures
 
@@ -37,12 +38,14 @@ class Data(data_pb2_grpc.DataServiceServicer):
 class Store(store_pb2_grpc.StoreServiceServicer):
     def __init__(self, root):
         self.root, self.records, self.commits = root, [], []
+        self.attempts: list[tuple[str, int, str]] = []  # (BeginSave | CommitSave, step, attempt)
         self.loads: dict[str, store_pb2.CheckpointInfo] = {}  # version -> what Load answers
         self.streams = 0
         self.received: list[tuple[int, int]] = []  # (stream number, record seq) of every record read
         self.break_first_stream_after = 0  # > 0: the first Record stream acks 2 records, reads this many, fails
 
     def BeginSave(self, request, context):
+        self.attempts.append(("BeginSave", request.step, request.attempt))
         if request.step == 13:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "disk full\nsecond line")
         if request.step == 15:  # a place nothing can be written to
@@ -51,6 +54,7 @@ class Store(store_pb2_grpc.StoreServiceServicer):
 
     def CommitSave(self, request, context):
         self.commits.append(request.step)
+        self.attempts.append(("CommitSave", request.step, request.attempt))
         if request.step == 14:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "checkpoint j: step 14: x.distcp: changed while committing")
         if request.step == 16:  # the store went away under the commit
@@ -216,6 +220,21 @@ def test_a_background_commit_that_fails_is_raised_at_the_next_flush(server):
     assert up == []
     port(store_pb2.FlushCheckpoint(job_id="j"))  # reported once; nothing is pending any more
     client.close()
+
+
+def test_every_save_and_commit_of_one_launch_names_its_attempt_and_a_relaunch_another(server, tmp_path):
+    address, store = server
+    for launch in range(2):  # a relaunched rank is a new process: a new relay
+        client, port, _ = store_relay(address)
+        for step in (4, 8):
+            shutil.rmtree(tmp_path / "staging", ignore_errors=True)
+            port(store_pb2.SaveCheckpoint(job_id="j", step=step, rank=0), {"model": {"w": torch.ones(3)}})
+            port(store_pb2.CommitCheckpoint(job_id="j", step=step, world_size=1))
+        client.close()
+    assert [(op, step) for op, step, _ in store.attempts] == [("BeginSave", 4), ("CommitSave", 4),
+                                                               ("BeginSave", 8), ("CommitSave", 8)] * 2
+    first, second = {a for _, _, a in store.attempts[:4]}, {a for _, _, a in store.attempts[4:]}
+    assert len(first) == len(second) == 1 and first != second and "" not in first | second
 
 
 def test_a_version_that_fails_verification_is_a_checkpoint_integrity_fault(server):

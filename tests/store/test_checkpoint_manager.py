@@ -21,8 +21,10 @@ from .conftest import commit, load, save, stage, versions
 REPO = Path(__file__).resolve().parents[2]
 
 
-def begin(manager: CheckpointManager, job: str, step: int, rank: int) -> str:
-    return manager.begin_save(store_pb2.SaveCheckpoint(job_id=job, step=step, rank=rank)).staging_path
+def begin(manager: CheckpointManager, job: str, step: int, rank: int, attempt: str = "") -> str:
+    return manager.begin_save(
+        store_pb2.SaveCheckpoint(job_id=job, step=step, rank=rank, attempt=attempt)
+    ).staging_path
 
 
 # ---------------------------------------------------------------------- staging
@@ -63,6 +65,136 @@ def test_begin_save_keeps_jobs_apart(manager):
 def test_begin_save_rejects_a_job_id_that_is_not_a_safe_name(manager):
     with pytest.raises(ValueError, match='job_id "../x"'):
         begin(manager, "../x", 1, 0)
+
+
+def test_a_killed_generations_half_begun_save_is_never_shared_with_the_next_generation(manager):
+    # Leg 1 of a job began the save of step 12: only its rank 0 asked before every rank was
+    # killed. Leg 2 resumed from step 8 and saves step 12 again, its rank 1 asking first.
+    # Before generations were told apart, leg 2's rank 1 got leg 1's directory and its
+    # rank 0 ("asked twice") a fresh one that removed it: rank 0 committed a version whose
+    # .metadata named __1_0.distcp, written elsewhere.
+    old = Path(begin(manager, "killed", 12, 0, attempt="leg-1"))
+    (old / "__0_0.distcp").write_bytes(b"half-written by the killed leg")
+    second_1 = Path(begin(manager, "killed", 12, 1, attempt="leg-2"))
+    second_0 = Path(begin(manager, "killed", 12, 0, attempt="leg-2"))
+    assert second_0 == second_1 != old
+    assert not old.exists() and list(second_0.iterdir()) == []
+    (second_0 / "__0_0.distcp").write_bytes(b"rank 0 of leg 2")
+    (second_1 / "__1_0.distcp").write_bytes(b"rank 1 of leg 2")
+    done = manager.commit_save(store_pb2.CommitCheckpoint(job_id="killed", step=12, world_size=2, attempt="leg-2"))
+    assert sorted(p.name for p in Path(done.path).iterdir()) == ["__0_0.distcp", "__1_0.distcp", "manifest.json"]
+
+
+def test_the_next_generations_ranks_share_one_directory_whoever_asked_before_and_after(manager):
+    for killed in (0, 1):
+        for order in ((1 - killed, killed), (killed, 1 - killed)):
+            job = f"k{killed}-{order[0]}"
+            old = begin(manager, job, 12, killed, attempt="leg-1")  # killed after this rank asked
+            a, b = (begin(manager, job, 12, r, attempt="leg-2") for r in order)
+            assert a == b != old and not Path(old).exists(), (killed, order)
+            # A relaunch (recovery) of leg 2 after only one of its ranks asked for step 16.
+            begin(manager, job, 16, order[1], attempt="leg-2")
+            c, d = (begin(manager, job, 16, r, attempt="leg-3") for r in order)
+            assert c == d != a, (killed, order)
+
+
+def test_a_superseded_generation_cannot_begin_a_save_nor_remove_the_newer_ones_directory(manager):
+    begin(manager, "job", 12, 1, attempt="leg-1")
+    newer = Path(begin(manager, "job", 12, 0, attempt="leg-2"))
+    for step in (12, 16):  # a straggler of leg 1
+        with pytest.raises(CheckpointRejected, match="attempt leg-1 was superseded by a newer launch"):
+            begin(manager, "job", step, 0, attempt="leg-1")
+    assert newer.is_dir() and begin(manager, "job", 12, 1, attempt="leg-2") == str(newer)
+
+
+def test_a_rank_asking_twice_within_its_attempt_starts_fresh_as_without_attempts(manager):
+    stale = Path(begin(manager, "demo", 100, 0, attempt="a"))
+    begin(manager, "demo", 100, 1, attempt="a")
+    fresh = Path(begin(manager, "demo", 100, 0, attempt="a"))
+    assert fresh != stale and not stale.exists()
+    assert begin(manager, "demo", 100, 1, attempt="a") == str(fresh)
+
+
+def test_a_commit_naming_another_attempt_than_the_open_saves_is_refused(manager):
+    begin(manager, "job", 4, 0, attempt="leg-1")
+    path = Path(begin(manager, "job", 4, 0, attempt="leg-2"))
+    (path / "__0_0.distcp").write_bytes(b"leg 2")
+    with pytest.raises(CheckpointRejected, match="open save of step 4 is attempt leg-2's, not leg-1's"):
+        manager.commit_save(store_pb2.CommitCheckpoint(job_id="job", step=4, world_size=1, attempt="leg-1"))
+    assert versions(manager) == []
+    done = manager.commit_save(store_pb2.CommitCheckpoint(job_id="job", step=4, world_size=1, attempt="leg-2"))
+    assert done.version == "job:1"
+
+
+def _dcp_staging(manager: CheckpointManager, job: str, step: int) -> tuple[Path, list[Path]]:
+    """A real DCP save of several files (two writer threads, as two ranks' shards) staged."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    path = Path(begin(manager, job, step, 0))
+    state = {"w": torch.arange(300.0), "v": torch.ones(7, 3), "offset": torch.zeros(2), "extra": {"n": 3}}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(state, storage_writer=FileSystemWriter(path, thread_count=2))
+    shards = sorted(path.glob("*.distcp"))
+    assert len(shards) == 2
+    return path, shards
+
+
+def test_a_commit_is_refused_when_the_dcp_metadata_names_a_shard_that_is_not_there(manager):
+    path, shards = _dcp_staging(manager, "dcp", 12)
+    shards[1].unlink()  # a rank that wrote into another directory
+    with pytest.raises(cm.CheckpointIncomplete, match=f"step 12: .metadata names {shards[1].name}, which is not there"):
+        commit(manager, "dcp", 12)
+    assert versions(manager) == [] and path.is_dir()
+
+
+def test_a_commit_is_refused_when_a_shard_is_shorter_than_the_dcp_metadata_says(manager):
+    path, shards = _dcp_staging(manager, "dcp", 12)
+    size = shards[0].stat().st_size
+    shards[0].write_bytes(shards[0].read_bytes()[: size - 1])  # cut short
+    with pytest.raises(cm.CheckpointIncomplete, match=f"{shards[0].name}: {size - 1} bytes, .metadata says it holds {size}"):
+        commit(manager, "dcp", 12)
+    (path / ".metadata").write_bytes((path / ".metadata").read_bytes()[:-9])  # a truncated index
+    with pytest.raises(cm.CheckpointIncomplete, match=r"\.metadata: unreadable"):
+        commit(manager, "dcp", 12)
+    assert versions(manager) == []
+
+
+def test_older_clients_naming_no_attempt_still_never_commit_a_version_without_a_ranks_shard(manager):
+    # The interleaving of the killed leg without attempts: leg 2's ranks get two directories;
+    # rank 0 writes .metadata (naming rank 1's shard) and its own shard into one, rank 1
+    # into the other. The commit of rank 0's directory is refused, naming the missing file.
+    begin(manager, "killed", 12, 0)  # leg 1, killed
+    rank_1 = Path(begin(manager, "killed", 12, 1))
+    rank_0 = Path(begin(manager, "killed", 12, 0))
+    assert rank_0 != rank_1  # the old rule: the leak the attempts fix
+    staged, shards = _dcp_staging(manager, "scratch", 1)
+    assert [p.name for p in shards] == ["__0_0.distcp", "__0_1.distcp"]
+    index = (staged / ".metadata").read_bytes()
+    assert index.count(b"__0_1.distcp") == 1
+    (rank_0 / ".metadata").write_bytes(index.replace(b"__0_1.distcp", b"__1_0.distcp"))  # as two ranks' DCP writes it
+    (rank_0 / "__0_0.distcp").write_bytes(shards[0].read_bytes())
+    rank_1.mkdir(parents=True, exist_ok=True)
+    (rank_1 / "__1_0.distcp").write_bytes(shards[1].read_bytes())
+    with pytest.raises(cm.CheckpointIncomplete, match="step 12: .metadata names __1_0.distcp, which is not there"):
+        commit(manager, "killed", 12)
+    assert versions(manager, "killed") == []
+
+
+def test_the_dcp_index_is_read_without_unpickling_anything(manager, monkeypatch):
+    path, shards = _dcp_staging(manager, "dcp", 12)
+    import pickle
+
+    def refuse(*a, **k):
+        raise AssertionError("unpickled")
+
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    extents = cm._dcp_storage_extents((path / ".metadata").read_bytes())
+    assert extents == {p.name: p.stat().st_size for p in shards}
+    assert commit(manager, "dcp", 12).files == 3
 
 
 # ---------------------------------------------------------------------- commit and chain
