@@ -119,6 +119,8 @@ PLACING = "placing"                # StartRecovery sent (answered at once by L1-
 WAITING_CAPACITY = "waiting_capacity"  # not enough free slots: retry as workers come
 RESTORING = "restoring"            # ranks relaunched; waiting for every one to report ready
 _BEFORE_RELAUNCH = frozenset({VERIFYING, WAITING_STORE, PLACING, WAITING_CAPACITY})
+# A pause or stop names a boundary at least this far ahead in time (seconds; see _boundary).
+BOUNDARY_MARGIN_S = 1.0
 # Backoff of a retried step: doubles from the first, capped (seconds).
 RETRY_FIRST_S, RETRY_MAX_S = 0.5, 4.0
 # Classes the orchestrator names itself when a recovery step gives up (fault policy keys).
@@ -163,6 +165,7 @@ class _Incident:
     phase: str = VERIFYING              # the recovery step in flight (journaled)
     waiting_for: str = ""               # the wait state the step is in (kept across its retries)
     waiting_since: float = 0.0          # time.monotonic() that wait began
+    asked_since: float = 0.0            # time.monotonic() the store was first asked (a wait counts from it)
     retries: int = 0                    # retries of the current step
     timer: Deadline | None = None       # the current step's retry or deadline (not journaled)
     paused: bool = False                # the job was paused (or pausing) when the fault came
@@ -190,6 +193,11 @@ class _Job:
     excluded: set[str] = field(default_factory=set)       # workers left out by exclude_node decisions
     placement: dict[int, str] = field(default_factory=dict)  # rank -> worker it reported ready on
     start_held: bool = False  # recovered while paused: the ready ranks wait for StartTraining
+    # Versions committed after the one an operator resume went back to: another branch of
+    # the job's history, never chosen by a recovery or a plain resume (only by name).
+    abandoned: set[str] = field(default_factory=set)
+    step_seconds: float = 0.0  # rank 0's recent step time (from its StepCompleted times; not journaled)
+    last_step_unix: tuple[int, float] = (0, 0.0)  # (step, unix_time) of the last one applied
     # Operator actions (issue 12 part 7). ``draining``: the pause in flight is a drain
     # (`surgectl down`); ``parked``: PAUSED and its ranks are gone (drained, or stopped with
     # the stack): not waited for after a control restart, and a resume relaunches them from
@@ -382,7 +390,7 @@ class Orchestrator:
             self._require(job, S.RUNNING)
             self._require_idle(job)
             checkpoint = msg.drain or not msg.no_checkpoint
-            job.pending, job.pending_at = "pause", job.status.step + 2
+            job.pending, job.pending_at = "pause", self._boundary(job)
             job.draining = msg.drain
             job.paused.clear()
             self._loop(engine_pb2.PauseTraining(job_id=job.status.job_id, at_step=job.pending_at, checkpoint=checkpoint))
@@ -460,7 +468,7 @@ class Orchestrator:
             if job.pending == "stop":
                 return self._snapshot(job)
             checkpoint = not msg.no_checkpoint
-            at_step = job.status.step + 2 if state == S.RUNNING else 0
+            at_step = self._boundary(job) if state == S.RUNNING else 0
             job.pending, job.pending_at = "stop", at_step
             self._loop(engine_pb2.StopTraining(job_id=job.status.job_id, at_step=at_step, checkpoint=checkpoint))
             where = f"after step {at_step}" if at_step else "at the next step boundary"
@@ -540,7 +548,7 @@ class Orchestrator:
                 raise IllegalTransition(f"--from {from_version}: fails verification ({chosen[3] or 'struck'}); "
                                         "never loaded")
         else:
-            usable = [c for c in candidates if c[2]]
+            usable = [c for c in candidates if c[2] and c[1] not in job.abandoned]
             if not usable:
                 why = "; ".join(f"{v}: {reason or 'struck'}" for _, v, _, reason in candidates)
                 raise IllegalTransition(f"job {job_id}: no checkpoint verifies ({why}); submit again")
@@ -567,6 +575,12 @@ class Orchestrator:
             job.pending, job.pending_at, job.incident, job.recovered = "", 0, None, None
             job.restarts, job.ignored, job.excluded = Counter(), Counter(), set()
             job.parked = job.draining = False
+            # Going back to an older version starts a new branch: what was committed after it
+            # is never a recovery's choice (the fresh-user trial saw a fault right after
+            # `resume --from J:17` relaunch from J:20, the branch the operator left).
+            job.abandoned = (job.abandoned | {v for v in _known(job, candidates)
+                                              if _version_number(v) > _version_number(version)}) - {version}
+            job.versions = [(st, v) for st, v in job.versions if v not in job.abandoned]
             s = job.status
             s.outcome, s.drained, s.step, s.checkpoint_version = O.OUTCOME_UNSPECIFIED, False, step, version
             self._faults(start_monitoring(job_id, job.spec))
@@ -685,6 +699,11 @@ class Orchestrator:
             if job is None:
                 return
             s = job.status
+            last_step, last_unix = job.last_step_unix
+            if msg.unix_time and last_unix and msg.step > last_step:
+                rate = (msg.unix_time - last_unix) / (msg.step - last_step)
+                job.step_seconds = rate if not job.step_seconds else 0.8 * job.step_seconds + 0.2 * rate
+            job.last_step_unix = (msg.step, msg.unix_time)
             s.step, s.tokens_per_second = msg.step, msg.tokens_per_second
             if not msg.skipped:
                 s.train_loss = msg.loss
@@ -940,6 +959,7 @@ class Orchestrator:
         (tests), the versions reported by SaveCompleted are trusted."""
         self._cancel_timer(incident)
         incident.phase, incident.retries, incident.waiting_for = VERIFYING, 0, ""
+        incident.asked_since = time.monotonic()
         if self._checkpoints is None:
             self._place(job, incident)
             return
@@ -954,7 +974,10 @@ class Orchestrator:
             reply = store_pb2.SnapshotFailed(job_id=job_id, operation="verify", cause=SFC.UNREACHABLE,
                                              reason=f"not sent: {type(e).__name__}")
         # A relay that answers in the call (in-process tests) answers here; the gRPC relay
-        # answers later, on the applier thread, with the same events.
+        # answers later, on the applier thread, with the same events. (An answer delivered as
+        # an event during the call has moved the recovery on already: not applied twice.)
+        if job.incident is not incident or incident.phase not in (VERIFYING, WAITING_STORE):
+            return
         if isinstance(reply, store_pb2.CheckpointVerification):
             self._verified(job, incident, reply)
         elif isinstance(reply, store_pb2.SnapshotFailed):
@@ -1030,9 +1053,11 @@ class Orchestrator:
     def _verified(self, job: _Job, incident: _Incident, msg: store_pb2.CheckpointVerification) -> None:
         """Learn the verdicts (a version is struck only for its bytes: a digest mismatch or a
         missing file), then go on to placement."""
-        known = {v for _, v in job.versions}
+        known = {v for _, v in job.versions} | job.abandoned  # (another branch is not a lost report)
         for verdict in msg.versions:
             version, step = verdict.info.version, verdict.info.step
+            if version in job.abandoned:
+                continue
             if not verdict.ok:
                 if _corrupt(verdict) and version not in job.unusable:
                     job.unusable.add(version)
@@ -1103,8 +1128,14 @@ class Orchestrator:
         """A wait's backoff ran out: the step it waits in is commanded again."""
         with self._lock:
             job = self._current(job_id, incident, phase)
-            if job is not None:
-                (self._ask_verification if phase == WAITING_STORE else self._place)(job, incident)
+            if job is None:
+                return
+            if phase == WAITING_STORE:  # (its answer may take the RPC's whole deadline)
+                job.status.message = f"asking the store again (retry {incident.retries}) to verify the checkpoints"
+                job.status.updated_unix = time.time()
+                self._ask_verification(job, incident)
+            else:
+                self._place(job, incident)
 
     def _restore_overdue(self, job_id: str, incident: _Incident) -> None:
         """The relaunched ranks did not all report ready within ``restore_seconds``: a fault
@@ -1128,7 +1159,10 @@ class Orchestrator:
         now = time.monotonic()
         incident.phase = phase
         if incident.waiting_for != phase:
-            incident.waiting_for, incident.waiting_since, incident.retries = phase, now, 0
+            # The store's wait counts from the first question (its first timeout took a
+            # deadline already: the fresh-user trial saw an 8 s budget give up after 22 s).
+            since = incident.asked_since if phase == WAITING_STORE and incident.asked_since else now
+            incident.waiting_for, incident.waiting_since, incident.retries = phase, since, 0
         waited = now - incident.waiting_since
         if waited >= limit_s:
             self._give_up(job, incident, fault_class, f"{what}: gave up after {waited:.0f} s")
@@ -1305,6 +1339,17 @@ class Orchestrator:
         if job.status.state != state:
             raise IllegalTransition(f"job {job.status.job_id} is {S.Name(job.status.state)}, not {S.Name(state)}")
 
+    def _boundary(self, job: _Job) -> int:
+        """The step boundary a pause or stop names: far enough ahead that every rank gets the
+        command before it passes it (the ranks are ahead of the last step control applied by
+        however many steps run while the command travels). Why: with fast steps, +2 was
+        behind a rank by the time it arrived; that rank stopped one boundary later than its
+        peer, whose stop checkpoint then waited in a collective the other never joined (a
+        deadlock found by the fresh-user trial: 70 steps/s, DP=2). A margin, not an agreement:
+        a command delayed past ``BOUNDARY_MARGIN_S`` can still miss it."""
+        ahead = math.ceil(BOUNDARY_MARGIN_S / job.step_seconds) if job.step_seconds > 0 else 0
+        return job.status.step + max(2, ahead)
+
     def _require_idle(self, job: _Job) -> None:
         if job.pending:
             doing = {"pause": "pausing", "stop": "stopping"}[job.pending]
@@ -1381,6 +1426,7 @@ def _runtime(job: _Job) -> dict:
         "excluded": sorted(job.excluded),
         "placement": {str(r): w for r, w in job.placement.items()},
         "start_held": job.start_held,
+        "abandoned": sorted(job.abandoned),
         "incident": _incident_to_json(job.incident) if job.incident is not None else None,
         "draining": job.draining,
         "parked": job.parked,
@@ -1431,9 +1477,15 @@ def _load_runtime(job: _Job, rt: dict) -> None:
     job.excluded = set(rt.get("excluded", ()))
     job.placement = {int(r): str(w) for r, w in rt.get("placement", {}).items()}
     job.start_held = bool(rt.get("start_held", False))
+    job.abandoned = set(rt.get("abandoned", ()))
     job.draining, job.parked = bool(rt.get("draining", False)), bool(rt.get("parked", False))
     if rt.get("incident"):
         job.incident = _incident_from_json(rt["incident"])
+
+
+def _known(job: _Job, candidates: list[tuple]) -> set[str]:
+    """Every version of the job control or the store knows of."""
+    return {v for _, v in job.versions} | {c[1] for c in candidates}
 
 
 def _corrupt(verdict: store_pb2.CheckpointVerdict) -> bool:

@@ -268,3 +268,18 @@ def test_a_drain_during_a_pause_in_flight_turns_it_into_a_drain(plane, store):
     for rank, session in ((0, a), (1, b)):
         plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=2))
     assert plane.get(job_id).drained
+
+
+def test_after_resume_from_an_older_version_a_fault_never_goes_back_to_the_branch_left(plane, store):
+    job_id, a, b = stopped_job(plane, store, at=6)
+    store.versions[job_id] = [(f"{job_id}:1", 3, True, ""), (f"{job_id}:2", 6, True, "")]
+    plane.user(control_pb2.ResumeJobRequest(job_id=job_id, from_version=f"{job_id}:1"))
+    drain(a), drain(b)
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank, start_step=3))
+    drain(a), drain(b)
+    plane.rank_exited(b, job_id, 1, exit_code=-9)  # before any save of the new branch
+    relaunch = [c.launch.init.resume_version for c in drain(a) if c.WhichOneof("command") == "launch"]
+    assert relaunch == [f"{job_id}:1"]  # not :2, committed on the branch the operator left
+    events = [e.message for e in plane.events(job_id)]
+    assert not any("its completion report never arrived" in m for m in events)  # :2 is not a lost report

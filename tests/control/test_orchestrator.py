@@ -378,3 +378,15 @@ def test_memory_pressure_is_recorded_on_the_jobs_with_ranks_on_that_worker_and_n
     assert plane.events(other, seen[other] + 1) == ()  # no rank of it on wb
     assert plane.get(job_id).state == S.RUNNING  # recorded only: no decision taken
     assert drain(a) == [] and drain(b) == [] and drain(c) == []  # no command to any node
+
+
+def test_a_pause_or_stop_names_a_boundary_a_second_of_steps_ahead_so_no_rank_has_passed_it(plane):
+    job_id, a, b = start_job(plane, steps=100000)
+    t0 = 1_000_000.0
+    for step in range(1, 41):  # 100 steps/s: 10 ms a step
+        plane.rank_event(a, job_id, 0, step=engine_pb2.StepCompleted(step=step, loss=1.0, tokens=64,
+                                                                      unix_time=t0 + step * 0.01))
+    paused = plane.user(control_pb2.PauseJobRequest(job_id=job_id, no_checkpoint=True))
+    (pause,) = [c.rank_command.pause for c in drain(a) if c.rank_command.WhichOneof("command") == "pause"]
+    assert 40 + 90 <= pause.at_step <= 40 + 110  # ~1 s of steps ahead, not step + 2
+    assert paused.state == S.RUNNING
