@@ -46,6 +46,7 @@ def drain(stub, jobs: list[control_pb2.JobStatus], timeout_s: float, say: Callab
     pending = {j.job_id: j for j in jobs if j.state != S.FAULT_FROZEN}
     asked: set[str] = set()
     drained: list[str] = []
+    unsafe: list[str] = []
     while pending:
         for job_id in list(pending):
             status = stub.GetJob(control_pb2.JobQuery(job_id=job_id), timeout=10)
@@ -63,6 +64,13 @@ def drain(stub, jobs: list[control_pb2.JobStatus], timeout_s: float, say: Callab
                 say(f"{job_id}: FAULT_FROZEN ({status.message}); not drained: control continues its recovery after `up`")
                 pending.pop(job_id)
                 continue
+            if job_id in asked and status.state == S.PAUSED and not status.drained and status.checkpoint_step < status.step:
+                # Its checkpoint of the pause could not be saved (e.g. the store is away): the
+                # stack must not take its ranks, or the steps since that checkpoint are lost.
+                unsafe.append(f"{job_id} (paused at step {status.step}, newest checkpoint "
+                              f"{status.checkpoint_version or 'none'} at step {status.checkpoint_step})")
+                pending.pop(job_id)
+                continue
             if status.state == S.TERMINATED or (job_id in asked and status.state == S.PAUSED):
                 if status.state == S.PAUSED:
                     drained.append(job_id)
@@ -77,6 +85,9 @@ def drain(stub, jobs: list[control_pb2.JobStatus], timeout_s: float, say: Callab
                            "(`surgectl down --force` stops it anyway, losing their steps since their last checkpoint)")
         if pending:
             time.sleep(POLL_S)
+    if unsafe:
+        raise CliError(f"not drained: {'; '.join(unsafe)}: its steps since that checkpoint would be lost; the stack "
+                       "keeps running (`surgectl down` again once the store answers, or `--force` to lose them)")
     return drained
 
 

@@ -193,6 +193,7 @@ class _Job:
     excluded: set[str] = field(default_factory=set)       # workers left out by exclude_node decisions
     placement: dict[int, str] = field(default_factory=dict)  # rank -> worker it reported ready on
     start_held: bool = False  # recovered while paused: the ready ranks wait for StartTraining
+    boundary_failed: bool = False  # the checkpoint of the pause/stop boundary in flight could not be saved
     # Versions committed after the one an operator resume went back to: another branch of
     # the job's history, never chosen by a recovery or a plain resume (only by name).
     abandoned: set[str] = field(default_factory=set)
@@ -391,6 +392,7 @@ class Orchestrator:
             self._require_idle(job)
             checkpoint = msg.drain or not msg.no_checkpoint
             job.pending, job.pending_at = "pause", self._boundary(job)
+            job.boundary_failed = False
             job.draining = msg.drain
             job.paused.clear()
             self._loop(engine_pb2.PauseTraining(job_id=job.status.job_id, at_step=job.pending_at, checkpoint=checkpoint))
@@ -470,6 +472,7 @@ class Orchestrator:
             checkpoint = not msg.no_checkpoint
             at_step = self._boundary(job) if state == S.RUNNING else 0
             job.pending, job.pending_at = "stop", at_step
+            job.boundary_failed = False
             self._loop(engine_pb2.StopTraining(job_id=job.status.job_id, at_step=at_step, checkpoint=checkpoint))
             where = f"after step {at_step}" if at_step else "at the next step boundary"
             how = "checkpoint and stop" if checkpoint else "stop (no checkpoint)"
@@ -773,6 +776,12 @@ class Orchestrator:
                 job.pending = ""
                 job.status.step = msg.step
                 text = f"all ranks paused after step {msg.step}"
+                if job.draining and job.boundary_failed:
+                    # Not parked: stopping its ranks now would lose the steps since the newest
+                    # checkpoint (`surgectl down` sees it and keeps the stack running).
+                    job.draining = False
+                    text += (f"; not drained: its checkpoint of step {msg.step} could not be saved, the ranks stay "
+                             f"paused (resume, or `surgectl down` again once the store answers)")
                 if job.draining:  # its ranks go away with the stack: the next `up` resumes it
                     job.draining, job.parked, job.status.drained = False, True, True
                     text += f"; drained: `surgectl up` resumes it from {_newest(job)}"
@@ -1035,6 +1044,13 @@ class Orchestrator:
         cause = SFC.Name(msg.cause).lower() if msg.cause else "unknown"
         self._metrics.checkpoint_failed(cause)
         what = f"checkpoint {msg.operation}" + (f" of {msg.version}" if msg.version else "")
+        if msg.operation == "save" and job.pending and msg.step == job.pending_at:
+            # The boundary checkpoint of a pause, stop or drain: nothing continues after it.
+            job.boundary_failed = True
+            self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint",
+                         f"{what} failed ({cause}: {msg.reason}): the {job.pending} after step {msg.step} has no "
+                         f"checkpoint of it; the newest is {_newest(job) or 'none'}")
+            return
         if msg.operation == "save":
             self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint",
                          f"{what} failed ({cause}: {msg.reason}); training continues, the next interval tries again")
@@ -1374,6 +1390,7 @@ class Orchestrator:
     def _snapshot(self, job: _Job) -> control_pb2.JobStatus:
         copy = control_pb2.JobStatus()
         copy.CopyFrom(job.status)
+        copy.checkpoint_step = next((st for st, v in job.versions if v == copy.checkpoint_version), 0)
         if job.running_since and copy.state != S.TERMINATED:
             copy.elapsed_seconds = time.time() - job.running_since
         return copy

@@ -24,7 +24,8 @@ class FakeControl:
     def _now(self, job_id: str) -> control_pb2.JobStatus:
         states = self.scripts[job_id]
         state = states.pop(0) if len(states) > 1 else states[0]
-        return control_pb2.JobStatus(job_id=job_id, state=state, step=7, checkpoint_version=f"{job_id}:1")
+        return control_pb2.JobStatus(job_id=job_id, state=state, step=7, checkpoint_version=f"{job_id}:1",
+                                     checkpoint_step=7, drained=state == S.PAUSED)
 
     def GetJob(self, query, timeout=None):
         return self._now(query.job_id)
@@ -71,3 +72,21 @@ def test_a_job_that_faults_while_it_drains_is_not_waited_for(monkeypatch):
     control = FakeControl({"x": [S.RUNNING, S.RUNNING, S.FAULT_FROZEN]})
     assert drain.drain(control, [job("x", S.RUNNING)], 10.0, lambda line: None) == []
     assert control.paused == ["x"]
+
+
+def test_a_job_paused_beyond_its_newest_checkpoint_keeps_the_stack_running(monkeypatch):
+    # Its drain checkpoint could not be saved (the store away): stopping the stack would lose
+    # the steps since the newest checkpoint, so down refuses in one line.
+    class Unsaved(FakeControl):
+        def _now(self, job_id):
+            status = super()._now(job_id)
+            status.checkpoint_step, status.drained = 4, False
+            return status
+
+    control = Unsaved({"run": [S.PAUSED]})
+    monkeypatch.setattr(drain.time, "sleep", lambda s: None)
+    with pytest.raises(CliError) as e:
+        drain.drain(control, [job("run", S.RUNNING)], timeout_s=5, say=lambda line: None)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("not drained: run (paused at step 7, newest checkpoint run:1 "
+                                                      "at step 4): its steps since that checkpoint would be lost")

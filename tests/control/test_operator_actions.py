@@ -283,3 +283,24 @@ def test_after_resume_from_an_older_version_a_fault_never_goes_back_to_the_branc
     assert relaunch == [f"{job_id}:1"]  # not :2, committed on the branch the operator left
     events = [e.message for e in plane.events(job_id)]
     assert not any("its completion report never arrived" in m for m in events)  # :2 is not a lost report
+
+
+def test_a_drain_whose_checkpoint_could_not_be_saved_is_not_parked_and_says_its_newest_checkpoint(plane, store):
+    job_id, a, b = running_job(plane)
+    saved(plane, a, job_id, 1, 4)
+    step(plane, a, job_id, 7)
+    plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True))
+    drain(a), drain(b)
+    failed = store_pb2.SnapshotFailed(job_id=job_id, operation="save", step=9, cause=store_pb2.TIMEOUT,
+                                      reason="BeginSave: DEADLINE_EXCEEDED")
+    plane.rank_event(a, job_id, 0, snapshot_failed=failed)  # the store is away: the boundary save is skipped
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=9))
+    s = plane.get(job_id)
+    assert (s.state, s.drained) == (S.PAUSED, False)  # not parked: its ranks stay, nothing lost
+    assert (s.step, s.checkpoint_version, s.checkpoint_step) == (9, f"{job_id}:1", 4)  # what `down` checks
+    assert "not drained: its checkpoint of step 9 could not be saved" in s.message
+    events = [e.message for e in plane.events(job_id)]
+    assert any("the pause after step 9 has no checkpoint of it; the newest is" in m for m in events)
+    plane.user(control_pb2.ResumeJobRequest(job_id=job_id))  # a plain resume: its ranks are there
+    assert plane.get(job_id).state == S.RUNNING
