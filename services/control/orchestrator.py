@@ -118,7 +118,6 @@ WAITING_STORE = "waiting_store"    # the store could not be asked (unreachable, 
 PLACING = "placing"                # StartRecovery sent (answered at once by L1-4)
 WAITING_CAPACITY = "waiting_capacity"  # not enough free slots: retry as workers come
 RESTORING = "restoring"            # ranks relaunched; waiting for every one to report ready
-_BEFORE_RELAUNCH = frozenset({VERIFYING, WAITING_STORE, PLACING, WAITING_CAPACITY})
 # A pause or stop names a boundary at least this far ahead in time (seconds; see _boundary).
 BOUNDARY_MARGIN_S = 1.0
 # Backoff of a retried step: doubles from the first, capped (seconds).
@@ -1205,11 +1204,10 @@ class Orchestrator:
         self._record(job, ORCH, "decision", f"{action} after {fault_class}: {why} (fault policy)")
         if action == "stop":
             self._terminate(job, O.FAILED, f"{why}; every checkpoint is kept", kill=True)
-        elif fault_class == NO_CAPACITY:
+            return
+        if fault_class == NO_CAPACITY:
             incident.waiting_for = ""  # a new period of waiting
-            self._place(job, incident)
-        else:
-            self._place(job, incident)
+        self._place(job, incident)
 
     def _current(self, job_id: str, incident: _Incident, phase: str) -> _Job | None:
         """The job if ``incident`` is still its recovery in ``phase`` (a timer may fire after
