@@ -40,6 +40,7 @@ from google.protobuf.message import Message
 from prometheus_client import REGISTRY, Counter
 from prometheus_client.core import CounterMetricFamily
 
+from services.contract.acting import acting
 from services.contract.route_table import RouteTable, default_table, module_name
 
 _log = structlog.get_logger("contract.bus")
@@ -212,7 +213,8 @@ class Bus:
         if handler is None:
             raise LookupError(f"{module_name(receiver)} is not wired to receive {name} in this process")
         self._traffic.delivered(sender, name, receiver)
-        reply = _as_reply(handler(_copy(msg), payload))
+        with acting(receiver):
+            reply = _as_reply(handler(_copy(msg), payload))
         if reply.message is not None:
             reply_name = reply.message.DESCRIPTOR.full_name
             self.check(receiver, reply_name, sender)
@@ -232,7 +234,8 @@ class Bus:
         delivered = 0
         for receiver in self._receivers.get(name, ()):
             self._traffic.delivered(sender, name, receiver)
-            self._handlers[(name, receiver)](_copy(msg), payload)
+            with acting(receiver):
+                self._handlers[(name, receiver)](_copy(msg), payload)
             delivered += 1
         return delivered
 
