@@ -6,8 +6,10 @@
 ``proto/surge/v1/*.proto``) and ``services/contract/red_lines.yaml`` (each module's red
 lines with the test or the structural reason that enforces it; rendered as far as it
 exists, "not yet mapped" otherwise). The page holds the module x message matrix
-(S sends, R receives), then per module its inbound and outbound routes with their kind and
-seed reference, and its red lines.
+(S sends, R receives) with each route's status (implemented, seed-only, deferred), the
+routes that are not implemented with their reasons, then per module its inbound and outbound
+routes with their kind and seed reference, and its red lines. The README quotes
+:func:`counts_sentence` (``tests/contract/test_route_coverage.py`` keeps it equal).
 
 ``--check`` regenerates in memory and exits 1 with one line when the committed file
 differs (CI runs it through ``tests/contract/test_permissions_doc.py``).
@@ -75,7 +77,7 @@ def render(table: RouteTable | None = None, red_lines: dict[int, list[dict[str, 
         "`surge_boundary_violations_total{sender,message}` and is reported to the fault detector);",
         "`surgectl audit` shows how often each route was used in a running stack.",
         "",
-        f"{len(routes)} routed messages, {len(cols)} modules and endpoints.",
+        f"{len(routes)} routed messages, {len(cols)} modules and endpoints: {counts_sentence(table)}.",
         "",
         "## Modules",
         "",
@@ -87,12 +89,22 @@ def render(table: RouteTable | None = None, red_lines: dict[int, list[dict[str, 
         "",
         "S: may send it; R: may receive it; SR: both.",
         "",
-        "| message | kind | " + " | ".join(label(m) for m in cols) + " |",
-        "| --- | --- | " + " | ".join("---" for _ in cols) + " |",
+        "| message | kind | status | " + " | ".join(label(m) for m in cols) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in cols) + " |",
     ]
     for r in routes:
         cells = [("S" if m in r.senders else "") + ("R" if m in r.receivers else "") for m in cols]
-        out.append(f"| `{_short(r.message)}` | {_kind(r)} | " + " | ".join(cells) + " |")
+        out.append(f"| `{_short(r.message)}` | {_kind(r)} | {_status(r)} | " + " | ".join(cells) + " |")
+    waiting = [r for r in routes if not r.implemented]
+    out += ["", "## Not implemented", "",
+            "Routes the seed lists that nothing sends or nothing handles yet, and why. Seed-only: Surge has no",
+            "such act (the work happens inside a library call); deferred: planned, not built.", ""]
+    if waiting:
+        out += ["| message | status | reason |", "| --- | --- | --- |"]
+        out += [f"| `{_short(r.message)}` | {_status(r)} | {_cell(r.reason) or '—'} |"
+                for r in sorted(waiting, key=lambda r: (r.status, r.message))]
+    else:
+        out.append("none")
     out += ["", "## Routes and red lines by module", ""]
     for m in cols:
         out += _module_section(m, routes, red_lines.get(m))
@@ -205,6 +217,22 @@ def load_red_lines(path: Path = RED_LINES) -> dict[int, list[dict[str, Any]]]:
 
 def _short(message: str) -> str:
     return message.removeprefix("surge.v1.")
+
+
+STATUS_WORDS = {route_pb2.IMPLEMENTED: "implemented", route_pb2.SEED_ONLY: "seed-only", route_pb2.DEFERRED: "deferred"}
+
+
+def counts_sentence(table: RouteTable | None = None) -> str:
+    """``"N routes implemented, M seed-only, K deferred (reasons in docs/permissions.md)"``:
+    the README's statement of how much of the law is lived, from the table."""
+    routes = (table or default_table()).routes()
+    n = {s: sum(r.status == s for r in routes) for s in STATUS_WORDS}
+    return (f"{n[route_pb2.IMPLEMENTED]} routes implemented, {n[route_pb2.SEED_ONLY]} seed-only, "
+            f"{n[route_pb2.DEFERRED]} deferred (reasons in docs/permissions.md)")
+
+
+def _status(r: Route) -> str:
+    return STATUS_WORDS.get(r.status, "—")
 
 
 def _kind(r: Route) -> str:

@@ -46,6 +46,23 @@ class Route:
     receivers: frozenset[int]
     kind: int  # route_pb2.Kind
     seed: str
+    # The receivers in the option's order: the order in which a published event reaches
+    # them (the bus delivers in this order, whatever the order of subscription).
+    delivery: tuple[int, ...] = ()
+    status: int = route_pb2.ROUTE_STATUS_UNSPECIFIED  # IMPLEMENTED / SEED_ONLY / DEFERRED
+    reason: str = ""  # why it is not IMPLEMENTED
+    failure: bool = False  # this event is its sender's failure event
+
+    def __post_init__(self) -> None:
+        # ``delivery`` always lists exactly ``receivers`` (a route built by hand may give
+        # only the set: its receivers are then delivered in module-number order).
+        order = [m for m in dict.fromkeys(self.delivery) if m in self.receivers]
+        order += sorted(self.receivers - set(order))
+        object.__setattr__(self, "delivery", tuple(order))
+
+    @property
+    def implemented(self) -> bool:
+        return self.status == route_pb2.IMPLEMENTED
 
 
 class RouteTable:
@@ -95,6 +112,10 @@ def _route_of(desc: Descriptor) -> Route | None:
         receivers=frozenset(r.receivers),
         kind=r.kind,
         seed=r.seed,
+        delivery=tuple(dict.fromkeys(r.receivers)),
+        status=r.status,
+        reason=r.reason,
+        failure=r.failure,
     )
 
 

@@ -5,8 +5,9 @@ Two checks, run by every composition root before it serves (and by the tests):
 * :func:`validate_table` -- the route table itself: every top-level message of the service
   protos carries exactly one of ``option (surge.v1.route)`` and ``option (surge.v1.plumbing)``
   (a plumbing message is an envelope or helper that never travels on the bus); the table
-  routes exactly the routed messages; every route has senders, receivers and a kind, and
-  names only modules that exist (proto3 enums are open: an unknown number parses fine, so
+  routes exactly the routed messages; every route has senders, receivers, a kind and a
+  status (a route that is not IMPLEMENTED also has a reason), and names only modules that
+  exist (proto3 enums are open: an unknown number parses fine, so
   it is checked here).
 * :func:`validate_wiring` -- one process's bus: every subscription is routed to the
   subscribing module (the bus also refuses it at subscribe time), every subscribing module
@@ -34,6 +35,7 @@ KNOWN_MODULES: frozenset[int] = frozenset(
     v.number for v in route_pb2.Module.DESCRIPTOR.values if v.number != route_pb2.MODULE_UNSPECIFIED
 )
 _KINDS = frozenset({route_pb2.COMMAND, route_pb2.EVENT, route_pb2.DATA})
+_STATUSES = frozenset({route_pb2.IMPLEMENTED, route_pb2.SEED_ONLY, route_pb2.DEFERRED})
 
 
 class ContractError(RuntimeError):
@@ -85,6 +87,12 @@ def validate_table(
             raise ContractError(f"{route.message} has a route with no receivers")
         if route.kind not in _KINDS:
             raise ContractError(f"{route.message} has a route with no kind (command, event or data)")
+        if route.status not in _STATUSES:
+            raise ContractError(f"{route.message} has a route with no status (IMPLEMENTED, SEED_ONLY or DEFERRED)")
+        if not route.implemented and not route.reason.strip():
+            raise ContractError(
+                f"{route.message} is {route_pb2.RouteStatus.Name(route.status)} without a reason; say why in reason: \"...\""
+            )
         for module in sorted(route.senders | route.receivers):
             if module not in KNOWN_MODULES:
                 raise ContractError(f"{route.message} names {_name(module)}, which is not a surge.v1.Module")

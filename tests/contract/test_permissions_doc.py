@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from services.contract import Module
+from services.contract import Module, route_pb2
 from services.contract.permissions_doc import DOC, NOT_MAPPED, REPO, label, load_red_lines, render
 from services.contract.route_table import Route, RouteTable
 
@@ -28,15 +28,18 @@ def test_a_stale_page_fails_the_check_with_one_line(tmp_path):
 def test_every_route_of_the_table_is_a_matrix_row_with_its_senders_and_receivers():
     table = RouteTable({
         "surge.v1.A": Route("surge.v1.A", frozenset({Module.L2_TRAINING_LOOP}), frozenset({Module.L2_OPTIMIZER}), 1,
-                            "L2-1 s5 529"),
+                            "L2-1 s5 529", status=route_pb2.IMPLEMENTED),
         "surge.v1.B": Route("surge.v1.B", frozenset({Module.L2_OPTIMIZER}),
-                            frozenset({Module.L2_TRAINING_LOOP, Module.L2_OPTIMIZER}), 2, "a | note"),
+                            frozenset({Module.L2_TRAINING_LOOP, Module.L2_OPTIMIZER}), 2, "a | note",
+                            status=route_pb2.DEFERRED, reason="not built | yet"),
     })
     page = render(table, red_lines={})
     header = next(line for line in page.splitlines() if line.startswith("| message | kind |"))
-    assert header == "| message | kind | L2-1 | L2-3 |"  # only the modules the table names
-    assert "| `A` | command | S | R |" in page
-    assert "| `B` | event | R | SR |" in page
+    assert header == "| message | kind | status | L2-1 | L2-3 |"  # only the modules the table names
+    assert "| `A` | command | implemented | S | R |" in page
+    assert "| `B` | event | deferred | R | SR |" in page
+    assert "| `B` | deferred | not built \\| yet |" in page  # the reason, in the not-implemented list
+    assert "| `A` | implemented |" not in page
     assert "| `A` | L2-1 | command | L2-1 s5 529 |" in page  # L2-3 receives A from L2-1
     assert "| `B` | L2-1, L2-3 | event | a \\| note |" in page  # a pipe in a seed note is escaped
     assert page == render(table, red_lines={})  # deterministic
@@ -66,5 +69,5 @@ def test_red_lines_render_with_their_test_or_structural_reason_and_missing_ones_
 
 def test_the_page_lists_the_run_time_violation_report_route():
     page = DOC.read_text()
-    assert "| `BoundaryViolationReported` | event |" in page
+    assert "| `BoundaryViolationReported` | event | implemented |" in page
     assert "| contract | `EXT_CONTRACT` |" in page

@@ -64,6 +64,9 @@ def test_a_route_naming_a_module_that_does_not_exist_is_refused():
         ({"senders": frozenset()}, "has a route with no senders"),
         ({"receivers": frozenset()}, "has a route with no receivers"),
         ({"kind": route_pb2.KIND_UNSPECIFIED}, r"has a route with no kind \(command, event or data\)"),
+        ({"status": route_pb2.ROUTE_STATUS_UNSPECIFIED}, r"has a route with no status \(IMPLEMENTED, SEED_ONLY or DEFERRED\)"),
+        ({"status": route_pb2.DEFERRED}, r"is DEFERRED without a reason; say why in reason: \"\.\.\.\""),
+        ({"status": route_pb2.SEED_ONLY, "reason": "  "}, r"is SEED_ONLY without a reason; say why in reason: \"\.\.\.\""),
     ],
 )
 def test_an_incomplete_route_is_refused(change, error):
@@ -122,6 +125,7 @@ def test_a_dynamically_built_route_with_an_unknown_module_number_is_refused():
         route.senders.append(77)
         route.receivers.append(M.L1_ORCHESTRATOR)
         route.kind = route_pb2.EVENT
+        route.status = route_pb2.IMPLEMENTED
 
     fd = _file("Strange", strange)
     table = RouteTable.from_proto((fd,))
