@@ -6,7 +6,7 @@
 Starts control, store and data (``surgectl up`` with no worker), then ``--workers``
 simulated node agents (asyncio gRPC clients on loopback, spread over ``--procs``
 processes). Each speaks the node agent's side of ``ControlService.WorkerSession``
-(proto/surge/v1/control.proto, as services/worker/node_agent.py does): registers with one
+(proto/surge/v1/control.proto, as services/worker/control_link.py does): registers with one
 slot, answers ``LaunchRanks`` with its rank's ``TrainingLoopStarted``, and once
 ``StartTraining`` comes down sends, every second, the rank's ``RankHeartbeat`` and
 ``StepCompleted`` (each worker on its own phase within the second, as independent nodes

@@ -37,20 +37,11 @@ from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
 from services.contract import audit_pb2_grpc, control_pb2, worker_pb2_grpc
 from services.contract.audit import AuditServicer, merge_reports, report_of
 from services.contract.validation import ContractError, refuse, validate_table
-from services.worker.node_agent import (
-    DEFAULT_MEMINFO,
-    DEFAULT_RANK_MODULE,
-    MEMINFO_ENV,
-    RANK_MODULE_ENV,
-    SHUTDOWN_GRACE_SECONDS,
-    ControlSession,
-    MemorySampler,
-    NodeAgent,
-    Outbox,
-    RankSessionServicer,
-    detect_cuda_devices,
-    hardware_report,
-)
+from services.worker.control_link import ControlSession, Outbox
+from services.worker.hardware import DEFAULT_MEMINFO, MEMINFO_ENV, detect_cuda_devices, hardware_report
+from services.worker.memory_pressure import MemorySampler
+from services.worker.node_agent import DEFAULT_RANK_MODULE, RANK_MODULE_ENV, SHUTDOWN_GRACE_SECONDS, NodeAgent
+from services.worker.rank_session import RankSessionServicer
 
 SERVICE_NAME = "surge.v1.WorkerService"
 WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}

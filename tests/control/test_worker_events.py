@@ -13,7 +13,7 @@ from services.contract import control_pb2, engine_pb2, worker_pb2
 from services.control.__main__ import build
 from services.control.job_store import JobStore
 from services.control.orchestrator import InsufficientResources
-from services.worker.node_agent import Outbox
+from services.worker.control_link import Outbox
 
 from .conftest import Plane, drain, registration
 

@@ -471,7 +471,7 @@ def test_cuda_devices_from_nvidia_smi_are_registered_and_a_cuda_rank_sees_only_i
 
 
 def test_cuda_visible_devices_of_the_agent_restricts_the_reported_devices(tmp_path, monkeypatch):
-    from services.worker.node_agent import detect_cuda_devices
+    from services.worker.hardware import detect_cuda_devices
 
     monkeypatch.setenv("PATH", f"{fake_nvidia_smi(tmp_path)}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")

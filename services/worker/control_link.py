@@ -1,0 +1,292 @@
+"""The node agent's link to control: the ``ControlService.WorkerSession`` stream and the
+outbox of events waiting to go up it.
+
+* :class:`Outbox`: every event the agent states gets the next sequence number and is kept
+  until control acknowledges it, so an event in flight when control went away is sent
+  again after the agent re-registers, and control drops what it had applied already.
+* :class:`ControlSession`: keeps the stream open, registers first on every session,
+  reconnects when it breaks (rank processes are not touched), and executes the commands
+  that come down one by one, in order (so a ``release`` then ``launch`` of the same rank
+  is ordered).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from services.common.grpc_server import channel
+from services.contract import control_pb2, control_pb2_grpc
+
+# What every part of the agent that states a fact is given: queues one event for control.
+Emit = Callable[[control_pb2.WorkerEvent], None]
+
+
+class Outbox:
+    """Events going up to control, in the order they happened, kept until control
+    acknowledges them.
+
+    Every event put here gets the next sequence number of this agent incarnation
+    (``WorkerEvent.seq``: 1, 2, 3, ...). A session sends them in order from the first one
+    control has not acknowledged (:meth:`resume`, with the last seq control says it
+    applied); :meth:`ack` forgets those control has applied and persisted. So an event
+    that was in flight, or queued, when control went away is sent again after the agent
+    re-registers, and control drops any it had applied already: none lost, none applied
+    twice. Bounded, dropping the oldest, so a long control outage cannot exhaust the
+    node's memory (``dropped`` counts what was lost; control sees the gap).
+    """
+
+    def __init__(self, max_events: int = 100_000):
+        self._items: collections.deque[control_pb2.WorkerEvent] = collections.deque()  # seq ascending
+        self._max = max_events
+        self._cond = threading.Condition()
+        self._seq = 0        # last seq given
+        self._next = 0       # index in _items of the next event to send in this session
+        self._sent = 0       # highest seq ever handed to a session
+        self._open = False   # a session resumed and may take events
+        self._acked = True   # the session's control acknowledges (else: sent = delivered)
+        self.dropped = 0
+        self.resent = 0      # events sent again after a reconnect (sent before, never acknowledged)
+
+    def put(self, event: control_pb2.WorkerEvent) -> None:
+        """Give ``event`` the next seq and queue it; never blocks."""
+        with self._cond:
+            self._seq += 1
+            event.seq = self._seq
+            if len(self._items) >= self._max:
+                self._items.popleft()
+                self._next = max(0, self._next - 1)
+                self.dropped += 1
+            self._items.append(event)
+            self._cond.notify_all()
+
+    def get(self, cancelled: threading.Event) -> control_pb2.WorkerEvent | None:
+        """Block until the session may send the next event (returned; it stays queued
+        until acknowledged) or ``cancelled`` is set and :meth:`interrupt` called (None)."""
+        with self._cond:
+            while (not self._open or self._next >= len(self._items)) and not cancelled.is_set():
+                self._cond.wait()
+            if cancelled.is_set():
+                return None
+            event = self._items[self._next]
+            self._next += 1
+            self._sent = max(self._sent, event.seq)
+            if not self._acked:  # a control that acknowledges nothing: forget it once sent
+                self._drop_through(event.seq)
+            return event
+
+    def resume(self, applied: int | None) -> tuple[int, int]:
+        """A session opened and control has applied every event up to seq ``applied``:
+        forget those, send the rest from the first. Returns (events to send, of which
+        resent: sent before and never acknowledged). ``applied`` None: this control does not
+        track sequences (no ``surge-last-seq`` header): what was sent counts as delivered,
+        as it would never be deduplicated, and events are forgotten once sent."""
+        with self._cond:
+            self._acked = applied is not None
+            self._drop_through(self._sent if applied is None else applied)
+            self._next = 0
+            self._open = True
+            resend = sum(1 for e in self._items if e.seq <= self._sent)
+            self.resent += resend
+            self._cond.notify_all()
+            return len(self._items), resend
+
+    def pause(self) -> None:
+        """The session ended: nothing is taken until the next :meth:`resume`."""
+        with self._cond:
+            self._open = False
+            self._cond.notify_all()
+
+    def ack(self, seq: int) -> None:
+        """Control applied and persisted every event up to ``seq``: forget them."""
+        with self._cond:
+            self._drop_through(seq)
+            self._cond.notify_all()
+
+    def last_seq(self) -> int:
+        with self._cond:
+            return self._seq
+
+    def interrupt(self) -> None:
+        """Wake every :meth:`get` so it re-checks its cancel flag."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_empty(self, timeout: float) -> bool:
+        """Block until every queued event was acknowledged (or ``timeout`` s)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._items, timeout)
+
+    def _drop_through(self, seq: int) -> None:
+        while self._items and self._items[0].seq <= seq:
+            self._items.popleft()
+            self._next = max(0, self._next - 1)
+
+
+_UNREACHABLE = "unreachable"
+# Initial-metadata key with which control acknowledges a registration (its value: the
+# worker id). Mirrors services/control/server.py REGISTERED_HEADER; the agent does not
+# import control's code.
+REGISTERED_HEADER = "surge-registered"
+LAST_SEQ_HEADER = "surge-last-seq"  # mirrors services/control/server.py LAST_SEQ_HEADER
+
+
+class ControlSession:
+    """Keeps the ``ControlService.WorkerSession`` stream open and executes what comes down.
+
+    Every session starts with ``WorkerEvent{register}`` (the node's hardware and the ranks
+    it runs now) and then carries the outbox from the first event control has not applied
+    (the ``surge-last-seq`` header control answers the registration with). When control is
+    unreachable or the stream breaks (control killed: its calls fail), it reconnects (the
+    channel's own backoff, 200 ms doubling to ``max_backoff_seconds``) and registers again,
+    declaring the ranks it still runs; rank processes are not touched, they keep training.
+    ``WorkerCommand{ack}`` forgets acknowledged events. Failed attempts are logged at most
+    once every ``log_every_seconds``.
+
+    Args:
+        address: host:port of the control service.
+        registration: sent first on every session (a callable: built anew for each).
+        outbox: events to send up.
+        execute: runs one ``WorkerCommand`` (called on this session's thread, in order).
+        log: a structlog logger.
+    """
+
+    HEALTHY_SESSION_SECONDS = 10.0  # a session that lived this long resets the backoff
+
+    def __init__(
+        self,
+        address: str,
+        registration: control_pb2.WorkerRegistration | Callable[[], control_pb2.WorkerRegistration],
+        outbox: Outbox,
+        execute: Callable[[control_pb2.WorkerCommand], None],
+        log: Any,
+        max_backoff_seconds: float = 2.0,
+        log_every_seconds: float = 5.0,
+    ):
+        self._address = address
+        self._registration = registration
+        self._outbox = outbox
+        self._execute = execute
+        self._log = log
+        self._max_backoff = max_backoff_seconds
+        self._log_every = log_every_seconds
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._call: Any = None
+        self._ready: grpc.Future | None = None
+        self._thread = threading.Thread(target=self._run, name="control-session", daemon=True)
+        self._channel = channel(  # TLS and the bearer token when SURGE_TLS_* / SURGE_AUTH_TOKEN are set
+            address,
+            options=[
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.min_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", int(max_backoff_seconds * 1000)),
+            ],
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, drain_seconds: float = 1.0) -> None:
+        """Give queued events ``drain_seconds`` to go up, then end the session for good."""
+        self._outbox.wait_empty(drain_seconds)
+        self._stop.set()
+        with self._lock:
+            if self._ready is not None:
+                self._ready.cancel()
+            if self._call is not None:
+                self._call.cancel()
+        self._outbox.interrupt()
+        self._thread.join(timeout=5.0)
+        self._channel.close()
+
+    # ------------------------------------------------------------ private
+
+    def _run(self) -> None:
+        attempts, last_log, delay = 0, -math.inf, 0.2
+        while not self._stop.is_set():
+            opened = time.monotonic()
+            problem = self._session_once()
+            if self._stop.is_set():
+                return
+            if time.monotonic() - opened > self.HEALTHY_SESSION_SECONDS:
+                attempts, delay = 0, 0.2
+            attempts += 1
+            now = time.monotonic()
+            if now - last_log >= self._log_every:
+                self._log.warning("control session down; retrying", control=self._address, attempts=attempts, problem=problem)
+                last_log = now
+            if problem != _UNREACHABLE:
+                # Control answered and ended the session at once: back off here, as the
+                # channel's own reconnect backoff only paces connection attempts.
+                self._stop.wait(delay)
+                delay = min(delay * 2, self._max_backoff)
+
+    def _session_once(self) -> str:
+        """One session: wait for the channel, register, relay until it ends. Returns why
+        it ended (for the log)."""
+        ready = grpc.channel_ready_future(self._channel)
+        with self._lock:
+            if self._stop.is_set():
+                return "stopping"
+            self._ready = ready
+        try:
+            ready.result(timeout=self._max_backoff)
+        except grpc.FutureTimeoutError:
+            return _UNREACHABLE
+        except grpc.FutureCancelledError:
+            return "stopping"
+        finally:
+            with self._lock:
+                self._ready = None
+        ended = threading.Event()
+        stub = control_pb2_grpc.ControlServiceStub(self._channel)
+        try:
+            with self._lock:
+                if self._stop.is_set():
+                    return "stopping"
+                self._call = stub.WorkerSession(self._requests(ended))
+            # Control acknowledges the registration with an initial-metadata header; a
+            # control that sends none answers with its first command or when it closes.
+            header = dict(self._call.initial_metadata() or ())
+            applied = int(header[LAST_SEQ_HEADER]) if header.get(LAST_SEQ_HEADER, "").isdigit() else None
+            pending, resent = self._outbox.resume(applied)
+            if REGISTERED_HEADER in header:
+                self._log.info("registered with control", control=self._address, acknowledged=header[REGISTERED_HEADER],
+                               last_applied_seq=applied, events_to_send=pending, events_resent=resent,
+                               events_resent_total=self._outbox.resent, last_seq=self._outbox.last_seq())
+            else:
+                self._log.info("session open; no registration acknowledgement", control=self._address)
+            for cmd in self._call:
+                if cmd.WhichOneof("command") == "ack":
+                    self._outbox.ack(cmd.ack.seq)
+                    continue
+                self._run_command(cmd)
+            return "stream closed by control"
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else None
+            return f"{getattr(code, 'name', 'error')}: {e.details() if hasattr(e, 'details') else e}"
+        finally:
+            ended.set()
+            self._outbox.pause()
+            with self._lock:
+                self._call = None
+
+    def _requests(self, ended: threading.Event) -> Iterator[control_pb2.WorkerEvent]:
+        reg = self._registration() if callable(self._registration) else self._registration
+        yield control_pb2.WorkerEvent(register=reg)
+        while (event := self._outbox.get(ended)) is not None:
+            yield event
+
+    def _run_command(self, cmd: control_pb2.WorkerCommand) -> None:
+        try:
+            self._execute(cmd)
+        except Exception:  # a command that fails must not drop the node's session
+            self._log.exception("worker command failed", kind=cmd.WhichOneof("command"))
+

@@ -1,0 +1,158 @@
+"""The node's hardware, probed once per registration (``WorkerRegistration``).
+
+What the node agent declares to control first on every session: its CUDA devices
+(``nvidia-smi``, or torch only when the tool is missing), host memory, usable CPUs and the
+slots it offers. Reads the OS and the driver, never another module; never raises for a
+broken driver (the node then reports no GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+
+from services.contract import control_pb2
+
+MEMINFO_ENV = "SURGE_WORKER_MEMINFO"  # tests point it at a file they write
+DEFAULT_MEMINFO = "/proc/meminfo"
+
+
+def detect_cuda_devices() -> list[control_pb2.Device]:
+    """The node's CUDA devices (kind "cuda", physical index, name, memory in bytes).
+
+    Reads ``nvidia-smi`` (fast). Only when it is missing but a driver is present
+    (``/dev/nvidiactl``) does it import torch, which costs ~2 s of start-up. A numeric
+    ``CUDA_VISIBLE_DEVICES`` restricts the list to those physical indices; rank processes
+    get ``CUDA_VISIBLE_DEVICES=<index>`` from the same numbering.
+
+    Returns [] when the node has no usable GPU; never raises (a broken driver reports no
+    devices rather than stopping the agent).
+    """
+    devices = _cuda_from_nvidia_smi()
+    if devices is None:
+        devices = _cuda_from_torch() if os.path.exists("/dev/nvidiactl") else []
+    visible = _visible_cuda_indices()
+    if visible is not None:
+        devices = [d for d in devices if d.index in visible]
+    return devices
+
+
+def _cuda_from_nvidia_smi() -> list[control_pb2.Device] | None:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run(
+            [exe, "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    devices = []
+    for line in out.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3 and parts[0].isdigit():
+            mib = int(parts[2]) if parts[2].isdigit() else 0
+            devices.append(control_pb2.Device(kind="cuda", index=int(parts[0]), name=parts[1], memory_bytes=mib * 2**20))
+    return devices
+
+
+def _cuda_from_torch() -> list[control_pb2.Device]:
+    try:
+        import torch  # lazy: ~2 s, only on a GPU node without nvidia-smi
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    physical = [int(x) for x in visible.split(",")] if visible and _is_index_list(visible) else None
+    devices = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        index = physical[i] if physical and i < len(physical) else i
+        devices.append(control_pb2.Device(kind="cuda", index=index, name=props.name, memory_bytes=props.total_memory))
+    return devices
+
+
+def _is_index_list(text: str) -> bool:
+    return all(x.strip().isdigit() for x in text.split(","))
+
+
+def _visible_cuda_indices() -> set[int] | None:
+    """Physical indices allowed by CUDA_VISIBLE_DEVICES; None when unset or not numeric
+    (GPU UUIDs: the agent cannot map them without the driver, so it filters nothing)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return None
+    if visible.strip() == "":
+        return set()
+    return {int(x) for x in visible.split(",")} if _is_index_list(visible) else None
+
+
+def host_memory_bytes(meminfo: str = DEFAULT_MEMINFO) -> int:
+    """Total host RAM in bytes (``MemTotal`` of /proc/meminfo, falling back to sysconf)."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024  # the kernel writes kB (KiB)
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def usable_cpu_count() -> int:
+    """CPUs this process may run on (affinity mask; honours taskset/cpusets)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cpu_model_name(cpuinfo: str = "/proc/cpuinfo") -> str:
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu"
+
+
+def hardware_report(
+    worker_id: str,
+    address: str,
+    slots: int,
+    cuda_devices: list[control_pb2.Device],
+    meminfo: str = DEFAULT_MEMINFO,
+) -> control_pb2.WorkerRegistration:
+    """The registration this node sends first on every session.
+
+    Args:
+        worker_id: stable id of this node agent (kept across reconnects).
+        address: host:port where this agent's gRPC server is reachable from other nodes.
+        slots: rank processes this node may run (one per device).
+        cuda_devices: from :func:`detect_cuda_devices`; empty means one "cpu" device
+            (named after the CPU model, with the host's RAM as its memory).
+        meminfo: where the host's RAM is read (the same file :class:`MemorySampler` reads).
+
+    Raises:
+        ValueError: ``slots`` < 1.
+    """
+    if slots < 1:
+        raise ValueError(f"worker: slots: must be >= 1, got {slots}")
+    memory = host_memory_bytes(meminfo)
+    devices = list(cuda_devices) or [control_pb2.Device(kind="cpu", index=0, name=cpu_model_name(), memory_bytes=memory)]
+    return control_pb2.WorkerRegistration(
+        worker_id=worker_id,
+        host=socket.gethostname(),
+        address=address,
+        devices=devices,
+        memory_bytes=memory,
+        cpu_count=usable_cpu_count(),
+        slots=slots,
+    )
+

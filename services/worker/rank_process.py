@@ -1,0 +1,101 @@
+"""A rank process as the node agent knows it: its record, and how it is started, signalled
+and described when it ends.
+
+One process per ``RankAssignment``, in its own process group (so helpers it starts die
+with it), with its thread count and device in its environment and its output appended to
+``<run_dir>/logs/<job>.rank<R>.log``.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.contract import engine_pb2
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+END_OF_COMMANDS = object()  # closes a rank's command stream
+
+
+@dataclass(eq=False)
+class RankProcess:
+    """One launched rank process. Mutable fields are guarded by ``NodeAgent._lock``."""
+
+    job_id: str
+    rank: int
+    init: engine_pb2.InitJob
+    assignment: engine_pb2.RankAssignment
+    proc: subprocess.Popen
+    log_path: Path
+    commands: queue.Queue = field(default_factory=queue.Queue)  # RankCommand | END_OF_COMMANDS
+    session: str = "none"  # "none" -> "open" -> "closed": one session per process
+    dead: bool = False  # proc.wait() returned
+    released: bool = False
+    grace_seconds: float = 0.0
+    kill_timer: threading.Timer | None = None
+    stream_closed: threading.Event = field(default_factory=threading.Event)
+    exited: threading.Event = field(default_factory=threading.Event)  # RankExited emitted
+
+
+def rank_command_line(module: str, session_address: str, job_id: str, rank: int) -> list[str]:
+    """argv of one rank process (``python -m <module> --session ... --job ... --rank ...``)."""
+    return [sys.executable, "-m", module, "--session", session_address, "--job", job_id, "--rank", str(rank)]
+
+
+def cuda_index(device: str) -> int | None:
+    """Physical CUDA index of an assignment's device ("cuda:3" -> 3); None for "cpu" or a
+    bare "cuda" (then the rank sees every device)."""
+    m = re.fullmatch(r"cuda:(\d+)", device.strip())
+    return int(m.group(1)) if m else None
+
+
+def rank_environment(base: Mapping[str, str], assignment: engine_pb2.RankAssignment) -> dict[str, str]:
+    """Environment of a rank process: the agent's, plus its thread count and device.
+
+    ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` = ``num_threads`` (when > 0) so ranks sharing a
+    node do not oversubscribe its cores; ``CUDA_VISIBLE_DEVICES`` = the physical index only
+    for a ``cuda:N`` device (the rank then sees it as ``cuda:0``).
+    """
+    env = dict(base)
+    if assignment.num_threads > 0:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(assignment.num_threads)
+    index = cuda_index(assignment.device)
+    if index is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(index)
+    env["PYTHONUNBUFFERED"] = "1"  # its log is read while it runs
+    # `-m services.worker.rank` must resolve even when the agent was started elsewhere.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), base.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def describe_exit(code: int) -> str:
+    """'exited with code 1' / 'killed by SIGKILL' (Popen: negative code = signal)."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    """Signal a rank's whole process group (the rank leads its own session), so helpers it
+    started die with it. A group already gone is not an error."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def safe_file_name(text: str) -> str:
+    # job ids come from control, but they become file names here: no path tricks.
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text).lstrip(".") or "_"
