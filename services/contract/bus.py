@@ -164,7 +164,10 @@ class Bus:
         """
         self._table = table or default_table()
         self._handlers: dict[tuple[str, int], Handler] = {}
-        self._receivers: dict[str, list[int]] = defaultdict(list)
+        # message -> its subscribed receivers in the route's delivery order (not the order
+        # of subscription): the table says who hears an event first.
+        self._receivers: dict[str, tuple[int, ...]] = {}
+        self._ports: dict[tuple[int, int], None] = {}  # (sender, receiver) of every port handed out
         self._on_violation = on_violation
         self._traffic = traffic if traffic is not None else TRAFFIC
 
@@ -197,7 +200,15 @@ class Bus:
         if (name, module) in self._handlers:
             raise RouteError(f"{module_name(module)} subscribed to {name} twice")
         self._handlers[(name, module)] = handler
-        self._receivers[name].append(module)
+        self._receivers[name] = tuple(m for m in route.delivery if (name, m) in self._handlers)
+
+    def subscriptions(self) -> list[tuple[str, int]]:
+        """(message full name, module) of every subscription, in subscription order."""
+        return list(self._handlers)
+
+    def ports(self) -> list[tuple[int, int]]:
+        """(sender, receiver) of every port handed out, in order."""
+        return list(self._ports)
 
     def command(self, sender: int, receiver: int, msg: Message, payload: Any = None) -> Reply:
         """Send a command to one executor and return its reply.
@@ -222,7 +233,8 @@ class Bus:
         return reply
 
     def publish(self, sender: int, msg: Message, payload: Any = None) -> int:
-        """Deliver an event to every subscribed receiver its route names; returns how many.
+        """Deliver an event to every subscribed receiver its route names, in the route's
+        order (``receivers`` of the option), whatever the order of subscription; returns how many.
 
         Raises:
             BoundaryViolation: ``sender`` is not an allowed sender of ``msg``.
@@ -260,6 +272,7 @@ class Bus:
         """
         if not self._table.commands_between(sender, receiver):
             raise RouteError(f"{module_name(sender)} may not command {module_name(receiver)}")
+        self._ports[(sender, receiver)] = None
         return CommandPort(self, sender, receiver)
 
     def emitter(self, sender: int) -> Emitter:

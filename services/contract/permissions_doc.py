@@ -8,8 +8,8 @@ lines with the test or the structural reason that enforces it; rendered as far a
 exists, "not yet mapped" otherwise). The page holds the module x message matrix
 (S sends, R receives) with each route's status (implemented, seed-only, deferred), the
 routes that are not implemented with their reasons, then per module its inbound and outbound
-routes with their kind and seed reference, and its red lines. The README quotes
-:func:`counts_sentence` (``tests/contract/test_route_coverage.py`` keeps it equal).
+routes with their kind and seed reference, and its red lines. It also sets the README's
+sentence of route counts (:func:`counts_sentence`; ``--check`` fails when it differs).
 
 ``--check`` regenerates in memory and exits 1 with one line when the committed file
 differs (CI runs it through ``tests/contract/test_permissions_doc.py``).
@@ -18,6 +18,7 @@ differs (CI runs it through ``tests/contract/test_permissions_doc.py``).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from services.contract.route_table import (
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "permissions.md"
+README = REPO / "README.md"
 RED_LINES = Path(__file__).resolve().parent / "red_lines.yaml"
 NOT_MAPPED = "not yet mapped"
 
@@ -231,6 +233,20 @@ def counts_sentence(table: RouteTable | None = None) -> str:
             f"{n[route_pb2.DEFERRED]} deferred (reasons in docs/permissions.md)")
 
 
+_COUNTS = re.compile(r"\d+\s+routes\s+implemented,\s+\d+\s+seed-only,\s+\d+\s+deferred\s+\(reasons\s+in\s+docs/permissions\.md\)")
+
+
+def with_counts(readme: str, table: RouteTable | None = None) -> str:
+    """``readme`` with its counts sentence (:func:`counts_sentence`) set to the table's.
+
+    Raises:
+        ValueError: the README has no such sentence.
+    """
+    if not _COUNTS.search(readme):
+        raise ValueError("README.md: no 'N routes implemented, M seed-only, K deferred (reasons in docs/permissions.md)'")
+    return _COUNTS.sub(counts_sentence(table), readme, count=1)
+
+
 def _status(r: Route) -> str:
     return STATUS_WORDS.get(r.status, "—")
 
@@ -254,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         text = render()
+        readme = README.read_text()
+        counted = with_counts(readme)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -264,10 +282,16 @@ def main(argv: list[str] | None = None) -> int:
             state = "missing" if current is None else "stale"
             print(f"{where} is {state}: run `make contracts` and commit it", file=sys.stderr)
             return 1
+        if counted != readme:
+            print("README.md's route counts are stale: run `make contracts` and commit it", file=sys.stderr)
+            return 1
         return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(f"wrote {where}")
+    if counted != readme:
+        README.write_text(counted)
+        print("wrote README.md (route counts)")
     return 0
 
 

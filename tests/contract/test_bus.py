@@ -71,6 +71,18 @@ def test_a_receiver_mutating_its_copy_does_not_change_what_another_receiver_sees
     assert original.loss == 2.5 and original.job_id == "j"
 
 
+def test_an_event_reaches_its_receivers_in_the_order_the_route_lists_them_not_the_order_they_subscribed():
+    bus = Bus()
+    heard = []
+    # TrainingLoopFailed's route lists L1_ORCHESTRATOR before L1_FAULT_DETECTOR: the failure is
+    # on the job's record before the detector grades it.
+    assert bus.table.route(engine_pb2.TrainingLoopFailed).delivery == (Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, engine_pb2.TrainingLoopFailed, lambda m, p: heard.append("detector"))
+    bus.subscribe(Module.L1_ORCHESTRATOR, engine_pb2.TrainingLoopFailed, lambda m, p: heard.append("orchestrator"))
+    assert bus.publish(Module.L2_TRAINING_LOOP, engine_pb2.TrainingLoopFailed(job_id="j")) == 2
+    assert heard == ["orchestrator", "detector"]
+
+
 def test_publishing_an_event_the_sender_does_not_own_raises():
     bus = Bus()
     with pytest.raises(BoundaryViolation):
