@@ -264,6 +264,15 @@ class Bus:
         if not self._table.allows(sender, message, receiver):
             self._violation(sender, message, receiver)
 
+    def refuse(self, sender: int, message: str, receiver: int | None) -> NoReturn:
+        """Refuse a send the table may allow but the caller may not make (a relay: the far
+        process claims a module it does not host); counted and reported like :meth:`check`'s.
+
+        Raises:
+            BoundaryViolation: always.
+        """
+        self._violation(sender, message, receiver)
+
     def port(self, sender: int, receiver: int) -> CommandPort:
         """A handle through which ``sender`` may command ``receiver`` (and nothing else).
 
