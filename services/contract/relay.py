@@ -41,8 +41,17 @@ Routed = route_pb2.Routed
 Send = Callable[[Routed, Message, Any], None]
 
 ANY = route_pb2.MODULE_UNSPECIFIED  # Routed.receiver of an event: every receiver beyond the link
+# Which modules live in which process (the seed's layers; the composition roots host them).
 L1 = frozenset({route_pb2.L1_ORCHESTRATOR, route_pb2.L1_RESOURCE_ALLOCATOR,
-                route_pb2.L1_FAULT_DETECTOR, route_pb2.L1_RECOVERY_CONTROLLER})
+                route_pb2.L1_FAULT_DETECTOR, route_pb2.L1_RECOVERY_CONTROLLER})  # control
+RANK = frozenset({  # a rank process of the worker service
+    route_pb2.L2_TRAINING_LOOP, route_pb2.L2_PARALLEL_STRATEGY, route_pb2.L2_OPTIMIZER, route_pb2.L2_MIXED_PRECISION,
+    route_pb2.L3_SHARD_LOADER, route_pb2.L3_OPERATOR_ADAPTER, route_pb2.L3_FORWARD_UNIT, route_pb2.L3_BACKWARD_UNIT,
+    route_pb2.L3_GRADIENT_REDUCTION,
+})
+L4 = frozenset({route_pb2.L4_DATASET_VERSIONS, route_pb2.L4_PREFETCHER, route_pb2.L4_SHUFFLER,
+                route_pb2.L4_FILTER, route_pb2.L4_BATCH_PACKER})  # data
+L5 = frozenset({route_pb2.L5_CHECKPOINT_MANAGER, route_pb2.L5_METRICS_LOGGER})  # store
 
 
 class RelayError(ValueError):

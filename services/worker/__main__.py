@@ -34,8 +34,10 @@ from pathlib import Path
 
 from services.common import logs, paths
 from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
-from services.contract import audit_pb2_grpc, control_pb2, worker_pb2_grpc
-from services.contract.audit import AuditServicer, merge_reports, report_of
+from services.contract import Module, audit_pb2_grpc, control_pb2, worker_pb2_grpc
+from services.contract.audit import AuditServicer, ViolationReporter, merge_reports, report_of
+from services.contract.bus import Bus
+from services.contract.relay import pack
 from services.contract.validation import ContractError, refuse, validate_table
 from services.worker.control_link import ControlSession, Outbox
 from services.worker.hardware import DEFAULT_MEMINFO, MEMINFO_ENV, detect_cuda_devices, hardware_report
@@ -110,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     registration.incarnation = uuid.uuid4().hex
 
     outbox = Outbox()
+    # A command from control this agent refuses (its sender may not send it here) goes up as
+    # the contract layer's report, like a rank's.
+    violations = ViolationReporter(worker_id, log, deliver=lambda event: outbox.put(
+        control_pb2.WorkerEvent(routed=pack(event, Module.EXT_CONTRACT))))
     agent = NodeAgent(
         worker_id,
         session_address=f"{local_host(args.host)}:{port}",
@@ -118,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         log=log,
         rank_module=os.environ.get(RANK_MODULE_ENV) or DEFAULT_RANK_MODULE,
         cwd=Path.cwd(),
+        bus=Bus(on_violation=violations),
     )
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(RankSessionServicer(agent, log), server.server)
     audit_pb2_grpc.add_AuditServiceServicer_to_server(

@@ -23,7 +23,12 @@ Commands it executes (``WorkerCommand``, in arrival order):
 * ``launch``: start one process per ``RankAssignment``; when a rank says ``hello`` it is
   pushed ``RankCommand{init}`` then ``RankCommand{assignment}``, once, then whatever
   control relays to its job.
-* ``rank_command``: relayed to every live rank of the job named inside the payload.
+* ``routed`` (any routed message by its full name, :mod:`services.contract.relay`): with
+  ``job_id``, a command for that job's ranks, relayed to each live one as
+  ``RankCommand{routed}`` once the route table lets its sender command its receiver (a rank
+  module); without, a command for this agent (EXT_HARDWARE: ``LaunchRanks``,
+  ``ReleaseRanks``), put on the agent's own bus, whose handlers are the methods below.
+* ``rank_command``, ``launch``, ``release``: the same, from a control that names them by field.
 * ``tail_rank_logs`` / ``stop_tailing`` (operator log plumbing for ``StreamLogs``): send
   the job's rank log lines on this node up as ``rank_log_lines`` batches (then, with
   ``follow``, new lines until the ranks have exited), ending with ``rank_log_lines{done}``.
@@ -70,8 +75,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from services.contract import audit_pb2, control_pb2, engine_pb2, worker_pb2
+from services.contract import Module, audit_pb2, control_pb2, engine_pb2, worker_pb2
 from services.contract.audit import merge_reports
+from services.contract.bus import Bus
+from services.contract.relay import L1, RANK, Link
 from services.worker.control_link import Emit
 from services.worker.log_tail import LogTailer
 from services.worker.rank_process import (
@@ -115,6 +122,8 @@ class NodeAgent:
         log: a structlog logger.
         rank_module: Python module a rank process runs (``python -m``).
         cwd: working directory of rank processes (the repository root).
+        bus: where control's commands to EXT_HARDWARE are delivered (default: a bus of
+            its own); its refusals are the agent's boundary violations.
     """
 
     def __init__(
@@ -126,6 +135,7 @@ class NodeAgent:
         log: Any,
         rank_module: str = DEFAULT_RANK_MODULE,
         cwd: Path | None = None,
+        bus: Bus | None = None,
     ):
         self._worker_id = worker_id
         self._session_address = session_address
@@ -146,13 +156,23 @@ class NodeAgent:
         # dir must not each send every file).
         self._launched: dict[str, set[int]] = collections.defaultdict(set)
         self._tailer = LogTailer(self._logs_dir, emit, log, self._launched_ranks, self._rank_alive)
+        # Control's side of this node: its commands to the agent (EXT_HARDWARE) run here, on
+        # this bus; those to a job's ranks pass through, checked, to be run on the rank's bus.
+        self._bus = bus or Bus()
+        self._bus.subscribe(Module.EXT_HARDWARE, control_pb2.LaunchRanks, self.launch_ranks)
+        self._bus.subscribe(Module.EXT_HARDWARE, control_pb2.ReleaseRanks, self.release_ranks)
+        self._control = Link(self._bus, name=f"node agent {worker_id}", near={Module.EXT_HARDWARE}, beyond=L1)
 
     # ------------------------------------------------------------ commands from control
 
     def execute(self, cmd: control_pb2.WorkerCommand) -> None:
         """Execute one command from control (launch, release or relay)."""
         kind = cmd.WhichOneof("command")
-        if kind == "launch":
+        if kind == "routed" and cmd.job_id:
+            self._relay_routed(cmd.job_id, cmd.routed)
+        elif kind == "routed":
+            self._control.deliver(cmd.routed)
+        elif kind == "launch":
             self.launch_ranks(cmd.launch)
         elif kind == "release":
             self.release_ranks(cmd.release)
@@ -165,7 +185,7 @@ class NodeAgent:
         else:
             self._log.warning("empty or unknown worker command ignored", kind=kind)
 
-    def launch_ranks(self, msg: control_pb2.LaunchRanks) -> None:
+    def launch_ranks(self, msg: control_pb2.LaunchRanks, payload: Any = None) -> None:
         """Start one rank process per assignment, each in its own process group.
 
         A rank of this job still alive here is not started twice: if it was released, the
@@ -176,7 +196,7 @@ class NodeAgent:
         for assignment in msg.ranks:
             self._launch_one(msg.job_id, msg.init, assignment)
 
-    def release_ranks(self, msg: control_pb2.ReleaseRanks) -> None:
+    def release_ranks(self, msg: control_pb2.ReleaseRanks, payload: Any = None) -> None:
         """SIGTERM the job's live rank process groups, SIGKILL them after ``grace_seconds``
         (default 5 s), or SIGKILL at once with ``kill``. Does not block: each process's
         waiter reaps it and reports ``RankExited``."""
@@ -205,6 +225,17 @@ class NodeAgent:
         if not job_id:
             self._log.error("rank command names no job; cannot route it", kind=kind)
             return
+        self._to_ranks(job_id, cmd, kind)
+
+    def _relay_routed(self, job_id: str, routed: Any) -> None:
+        """A routed command for the job's ranks: checked (control may send it, a rank module
+        receives it) and relayed as it came; the rank unpacks it and checks it again."""
+        if routed.receiver not in RANK:
+            self._bus.refuse(routed.sender, routed.type, routed.receiver or None)
+        self._control.accept(routed)
+        self._to_ranks(job_id, worker_pb2.RankCommand(routed=routed), routed.type)
+
+    def _to_ranks(self, job_id: str, cmd: worker_pb2.RankCommand, kind: str | None) -> None:
         with self._lock:
             targets = [r for r in self._ranks.values() if r.job_id == job_id and not r.dead and r.session != "closed"]
             for r in targets:

@@ -30,6 +30,7 @@ import time
 import grpc
 
 from services.contract import Module, audit_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
+from services.contract.relay import unpack
 
 
 def main() -> int:
@@ -88,6 +89,10 @@ def main() -> int:
     for cmd in commands:
         if cmd.WhichOneof("command") == "start":
             print(f"start job={cmd.start.job_id}", flush=True)
+            break
+        if cmd.WhichOneof("command") == "routed" and cmd.routed.type == "surge.v1.StartTraining":
+            start = unpack(cmd.routed)  # a real rank puts it on its bus (services/contract/relay.py)
+            print(f"start job={start.job_id} from={Module.Name(cmd.routed.sender)}", flush=True)
             break
     send(step=engine_pb2.StepCompleted(job_id=job, rank=rank, step=1, loss=5.5, tokens=64, world_size=assignment.world_size))
     send(finished=engine_pb2.TrainingLoopFinished(job_id=job, rank=rank, step=1))

@@ -34,6 +34,8 @@ from services.contract import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from services.contract.bus import BoundaryViolation, Bus, Traffic
+from services.contract.relay import pack
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -302,7 +304,8 @@ def test_launched_ranks_get_init_then_assignment_and_their_events_go_up_in_order
     launch(control.servicer, "j1", "train", world_size=2, threads=2)
     pids = started_ranks(cluster, control.servicer, 2)
 
-    control.servicer.push(rank_command=worker_pb2.RankCommand(start=engine_pb2.StartTraining(job_id="j1")))
+    start = pack(engine_pb2.StartTraining(job_id="j1"), Module.L1_ORCHESTRATOR, Module.L2_TRAINING_LOOP)
+    control.servicer.push(routed=start, job_id="j1")  # by its name: the agent has no field for it
     seen: dict[int, list[str]] = {0: [], 1: []}
     exits: dict[int, control_pb2.RankExited] = {}
     while len(exits) < 2:
@@ -323,8 +326,34 @@ def test_launched_ranks_get_init_then_assignment_and_their_events_go_up_in_order
         log = agent.rank_log("j1", rank)
         assert "init job=j1 data=127.0.0.1:1 mode=train" in log
         assert f"assignment rank={rank} world=2 device=cpu OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 CUDA_VISIBLE_DEVICES=-" in log
-        assert "start job=j1" in log
+        assert "start job=j1 from=L1_ORCHESTRATOR" in log
         assert not alive(pids[rank])
+
+
+def test_a_routed_command_whose_sender_may_not_send_it_is_refused_reported_and_never_reaches_a_rank(tmp_path):
+    import structlog
+
+    from services.worker.node_agent import NodeAgent
+
+    reported: list[BoundaryViolation] = []
+    bus = Bus(traffic=Traffic(), on_violation=reported.append)
+    agent = NodeAgent(WORKER_ID, "127.0.0.1:1", tmp_path, emit=lambda ev: None, log=structlog.get_logger(), bus=bus)
+    start = pack(engine_pb2.StartTraining(job_id="j1"), Module.L1_ORCHESTRATOR, Module.L2_TRAINING_LOOP)
+    forged = type(start)()
+    forged.CopyFrom(start)
+    forged.sender = Module.L1_FAULT_DETECTOR  # not a sender of StartTraining
+    with pytest.raises(BoundaryViolation):
+        agent.execute(control_pb2.WorkerCommand(routed=forged, job_id="j1"))
+    release = pack(control_pb2.ReleaseRanks(job_id="j1"), Module.L1_RESOURCE_ALLOCATOR, Module.EXT_HARDWARE)
+    release.sender = Module.L2_TRAINING_LOOP  # a rank module, speaking for control
+    with pytest.raises(BoundaryViolation):
+        agent.execute(control_pb2.WorkerCommand(routed=release))
+    assert [(v.sender, v.message) for v in reported] == [
+        (Module.L1_FAULT_DETECTOR, "surge.v1.StartTraining"), (Module.L2_TRAINING_LOOP, "surge.v1.ReleaseRanks")]
+    # The allocator's own ReleaseRanks runs on the agent's bus (nothing to release here).
+    release.sender = Module.L1_RESOURCE_ALLOCATOR
+    agent.execute(control_pb2.WorkerCommand(routed=release))
+    assert bus.snapshot().sent == {(Module.L1_RESOURCE_ALLOCATOR, "surge.v1.ReleaseRanks", Module.EXT_HARDWARE): 1}
 
 
 def test_an_audit_asks_every_live_rank_and_sums_their_route_counts_keeping_them_from_control(cluster):
