@@ -298,10 +298,15 @@ class EvalSpec(_Strict):
 
 
 # skip_step: the training loop skips the step's update on every rank and goes on (only for
-# the per-step classes of STEP_FAULT_CLASSES; the loop reads the mapping from the spec).
+# the step faults of STEP_FAULT_CLASSES).
 FaultAction = Literal["ignore", "skip_step", "restart_ranks", "rollback", "exclude_node", "stop"]
-# Faults found inside one step that the loop itself can skip, when the policy says so.
-STEP_FAULT_CLASSES = ("non_finite_loss", "gradient_overflow")
+# Step faults: found by the training loop in a step's all-rank values (every rank finds the same
+# one at the same step). The loop blocks at that step and L1-1 decides by the class's action
+# (services/control/fault_decision.py), every action valid: ignore applies the step as it is,
+# skip_step skips its update (for overflow_storm: both go on with the step skipped and the count
+# restarted), rollback / restart_ranks / exclude_node relaunch the ranks from the newest
+# checkpoint (one before the step: it was not applied), stop fails the job.
+STEP_FAULT_CLASSES = ("non_finite_loss", "gradient_overflow", "overflow_storm", "loss_scale_at_minimum")
 FAULT_GRADES = ("MINOR", "MEDIUM", "SEVERE", "FATAL")
 # The orchestrator's defaults, by fault class first, then by grade (a class not listed).
 # restart_ranks resumes from the newest checkpoint (from scratch if none); rollback from the
@@ -357,6 +362,10 @@ class FaultPolicySpec(_Strict):
     store_wait_seconds: float = Field(600.0, gt=0, le=7 * 86400)
     capacity_wait_seconds: float = Field(600.0, ge=0, le=7 * 86400)
     restore_seconds: float = Field(600.0, gt=0, le=7 * 86400)
+    # How long a training loop blocked on a step fault waits for L1-1's verdict before it says
+    # so (seconds): it reports the fault again and keeps waiting (it never decides itself);
+    # the report reaches a restarted control, which decides then.
+    verdict_seconds: float = Field(30.0, gt=0, le=7 * 86400)
 
     @model_validator(mode="after")
     def _known_keys(self) -> FaultPolicySpec:
@@ -378,11 +387,11 @@ class FaultPolicySpec(_Strict):
                 return table[key]
         return DEFAULT_GRADE_ACTIONS.get(grade, "stop")
 
-    def skips(self, fault_class: str) -> bool:
-        """Whether the training loop skips a step on ``fault_class`` (one of
-        STEP_FAULT_CLASSES) instead of reporting it as a failure: the class's entry in
-        ``actions``, else the default table (grades do not apply inside a step)."""
-        return self.actions.get(fault_class, DEFAULT_CLASS_ACTIONS.get(fault_class)) == "skip_step"
+    def step_action(self, fault_class: str) -> str:
+        """The action for a step fault of ``fault_class`` (one of STEP_FAULT_CLASSES): the
+        class's entry in ``actions``, else the default table. Grades do not apply: a step
+        fault is not graded (the loop reports it to L1-1 directly)."""
+        return self.actions.get(fault_class, DEFAULT_CLASS_ACTIONS[fault_class])
 
     def budget_for(self, fault_class: str) -> int:
         """Relaunches allowed for ``fault_class`` in one job."""

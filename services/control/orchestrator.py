@@ -72,6 +72,7 @@ import structlog
 
 from services.contract import Module, control_pb2, engine_pb2, store_pb2
 from services.contract.bus import CommandPort, Emitter, Reply
+from services.control import fault_decision as fd
 from services.control.deadlines import Deadline, Deadlines
 from services.control.job_store import JobStore
 from services.control.metrics import ControlMetrics
@@ -106,7 +107,6 @@ _ALLOWED: dict[int, frozenset[int]] = {
 
 # Fault classes that state a rank process ended (FaultReport.fault_class, see the detector).
 _EXITS = frozenset({"rank_exit", "rank_exit_clean", "rank_released", "worker_lost", "worker_departed"})
-_RELAUNCHES = frozenset({"restart_ranks", "rollback", "exclude_node"})
 
 _log = structlog.get_logger("orchestrator")
 
@@ -205,6 +205,11 @@ class _Job:
     draining: bool = False
     parked: bool = False
     resuming: bool = False
+    # (step, StepFaultKind) -> the verdict sent to the job's ranks blocked on that step fault:
+    # one decision per fault whichever rank reports it first; sent again to a rank that asks
+    # again (its reminder: the verdict may have been lost). Not journaled: a restarted control
+    # decides again on the reminder (the ranks still wait: nothing was applied).
+    verdicts: dict[tuple[int, int], engine_pb2.StepVerdict] = field(default_factory=dict)
 
 
 class Orchestrator:
@@ -285,7 +290,8 @@ class Orchestrator:
         with self._lock:
             job_id = self._new_id(spec.name)
             init = engine_pb2.InitJob(
-                job_id=job_id, spec_json=spec_json, data_address=self._data_address, store_address=self._store_address
+                job_id=job_id, spec_json=spec_json, data_address=self._data_address, store_address=self._store_address,
+                standing_orders=fd.standing_orders(spec.fault_policy),
             )
             now = time.time()
             # Built before anything is allocated: a value that does not fit fails here.
@@ -558,7 +564,8 @@ class Orchestrator:
         step, version = chosen[0], chosen[1]
         spec_json = spec_to_json(job.spec)
         init = engine_pb2.InitJob(job_id=job_id, spec_json=spec_json, resume_version=version,
-                                  data_address=self._data_address, store_address=self._store_address)
+                                  data_address=self._data_address, store_address=self._store_address,
+                                  standing_orders=fd.standing_orders(job.spec.fault_policy))
         reply = self._allocator(control_pb2.AllocateResources(
             job_id=job_id, world_size=job.status.world_size, backend=job.spec.parallel.backend, init=init)).message
         if isinstance(reply, control_pb2.ResourcesInsufficient):
@@ -818,6 +825,64 @@ class Orchestrator:
                     f"rank {msg.rank} failed at step {msg.step}: {msg.fault_class}: {msg.detail}",
                 )
 
+    def on_step_fault_reported(self, msg: engine_pb2.StepFaultReported, payload: Any = None) -> None:
+        """A rank's loop is blocked on a step fault (every rank finds the same one at the
+        same step): decide once per (step, kind) by the policy (services/control/
+        fault_decision.py) and send the verdict to every rank of the job. A report of a rank
+        the recovery in flight replaces is a consequence: that rank is being released."""
+        fault_class = fd.STEP_FAULT_CLASS.get(msg.kind, "")
+        received = time.time()
+        with self._lock:
+            self._heard_from(msg.job_id, msg.rank)
+            job = self._jobs.get(msg.job_id)
+            if job is None or job.status.state == S.TERMINATED or not fault_class:
+                return  # (its ranks are being released)
+            key = (msg.step, msg.kind)
+            sent = job.verdicts.get(key)
+            if sent is not None:
+                if msg.reminder:
+                    self._record(job, ORCH, "decision", f"verdict on {fault_class} at step {msg.step} sent again: "
+                                 f"rank {msg.rank} still waits after {msg.waited_seconds:.0f} s")
+                    self._loop(sent)
+                return
+            text = f"rank {msg.rank} blocked at step {msg.step}: {msg.detail}"
+            incident = job.incident
+            if incident is not None and incident.dying[msg.rank] > 0:
+                self._record(job, Module.L2_TRAINING_LOOP, "fault",
+                             f"{fault_class}: {text} (consequence of rank {incident.cause.rank}'s {incident.fault_class})")
+                return
+            # Ungraded (GRADE_UNSPECIFIED): decided by its class alone (fault_decision.decide).
+            report = control_pb2.FaultReport(
+                job_id=msg.job_id, fault_class=fault_class, source=Module.L2_TRAINING_LOOP, rank=msg.rank,
+                detail=text, detected_unix=received, occurred_unix=received, step=msg.step,
+                worker_id=job.placement.get(msg.rank, ""),
+            )
+            self._metrics.fault_reported(report, received)
+            self._record(job, Module.L2_TRAINING_LOOP, "fault", f"{fault_class}: {text}")
+            decision = self._decide(job, report)
+            verdict = engine_pb2.StepVerdict(job_id=msg.job_id, step=msg.step, kind=msg.kind, action=decision.verdict,
+                                             reason=decision.text)
+            if decision.verdict in (engine_pb2.STEP_APPLY, engine_pb2.STEP_SKIP):
+                job.verdicts[key] = verdict  # (a relaunched generation that meets the step again is asked anew)
+            self._loop(verdict)
+
+    def revoke_standing_order(self, job_id: str, order: int) -> int:
+        """Withdraw the job's standing order ``order`` (StandingOrder.id) at a boundary every
+        rank has yet to reach (as a pause's, see ``_boundary``); returns that step. A fault
+        of its kind after it is decided by the policy, one verdict per fault.
+
+        Raises:
+            JobNotFound, IllegalTransition: no such job, or it is not RUNNING or PAUSED.
+        """
+        with self._lock:
+            job = self._get(job_id)
+            if job.status.state not in (S.RUNNING, S.PAUSED):
+                raise IllegalTransition(f"job {job_id} is {S.Name(job.status.state)}: no ranks to revoke an order of")
+            at = self._boundary(job)
+            self._loop(engine_pb2.RevokeStandingOrder(job_id=job_id, order=order, after_step=at))
+            self._record(job, ORCH, "decision", f"standing order {order} revoked after step {at}")
+            return at
+
     # ------------------------------------------------------------ fault reports (L1-3)
 
     def on_fault_report(self, msg: control_pb2.FaultReport, payload: Any = None) -> None:
@@ -858,50 +923,34 @@ class Orchestrator:
             self._record(job, Module.L1_FAULT_DETECTOR, "fault", text)
             if msg.fault_class == "rank_released":
                 return
-            fault_class = "rank_exit" if msg.fault_class == "rank_exit_clean" else msg.fault_class
-            self._decide(job, msg, fault_class, text)
+            self._decide(job, msg)
 
     # ------------------------------------------------------------ fault decisions
 
-    def _decide(self, job: _Job, msg: control_pb2.FaultReport, fault_class: str, text: str) -> None:
-        policy = job.spec.fault_policy
-        action = policy.action_for(fault_class, G.Name(msg.grade))
-        who = f"{fault_class} of rank {msg.rank}" + (f" on {msg.worker_id}" if msg.worker_id else "")
+    def _decide(self, job: _Job, msg: control_pb2.FaultReport) -> fd.Decision:
+        """Decide on ``msg`` (services/control/fault_decision.py) and do what it says."""
+        previous = job.incident
+        decision = fd.decide(job.spec.fault_policy, fd.JobView(
+            restarts=job.restarts, ignored=job.ignored, stop_requested=job.pending == "stop",
+            loading_version=previous.version if previous is not None else "",
+        ), msg)  # fmt: skip
+        fault_class, action = decision.fault_class, decision.action
+        self._metrics.decided(fault_class, decision.counted)
+        self._record(job, ORCH, "decision", decision.text)
         if action == "ignore":
             job.ignored[fault_class] += 1
-            self._metrics.decided(fault_class, action)
-            self._record(job, ORCH, "decision",
-                         f"ignore {who}: fault policy; {job.ignored[fault_class]} ignored so far")
-            return
-        if action == "stop" or job.pending == "stop":
-            self._metrics.decided(fault_class, "stop")
-            if job.pending == "stop":
-                self._record(job, ORCH, "decision", f"stop after {who}: a stop was already requested")
-                self._terminate(job, O.STOPPED, f"stopped by the operator; then {text}", kill=True)
-            else:
-                self._record(job, ORCH, "decision", f"stop after {who}: fault policy")
-                self._terminate(job, O.FAILED, text, kill=True)
-            return
-        assert action in _RELAUNCHES, action
-        spent, budget = job.restarts[fault_class], policy.budget_for(fault_class)
-        if spent >= budget:
-            self._metrics.decided(fault_class, "budget_exhausted")
-            why = f"restart budget for {fault_class} exhausted ({spent} of {budget} used)"
-            self._record(job, ORCH, "decision", f"stop after {who}: {why}")
-            self._terminate(job, O.FAILED, f"{why}; last fault: {text}", kill=True)
-            return
+            return decision
+        if action == "skip_step":
+            return decision
+        if action == "stop":
+            self._terminate(job, decision.outcome, decision.final, kill=True)
+            return decision
         job.restarts[fault_class] += 1
-        self._metrics.decided(fault_class, action)
-        previous = job.incident
-        if msg.subclass == "checkpoint_integrity" and previous is not None and previous.version:
-            # The relaunched ranks found its bytes wrong as they read them (a digest
-            # mismatch): the only cause that strikes a version. A load that failed for any
-            # other reason (the store unreachable) says nothing of the version.
-            job.unusable.add(previous.version)
-            self._record(job, ORCH, "checkpoint", f"checkpoint {previous.version} fails its digest check on load; "
+        if decision.strike:
+            job.unusable.add(decision.strike)
+            self._record(job, ORCH, "checkpoint", f"checkpoint {decision.strike} fails its digest check on load; "
                          "never loaded again")
-        bound = msg.step if action == "rollback" and msg.step else None
-        exclude = [msg.worker_id] if action == "exclude_node" and msg.worker_id else []
+        bound, exclude = decision.bound, list(decision.exclude)
         incident = _Incident(cause=msg, fault_class=fault_class, action=action, decided=time.monotonic(),
                              bound=bound, exclude=exclude,
                              # The operator's pause outlives the fault: recovered, the job stays paused.
@@ -915,17 +964,14 @@ class Orchestrator:
             self._cancel_timer(previous)
         job.incident, job.recovered, job.exited = incident, None, set()
         job.started, job.paused, job.finished, job.placement = set(), set(), {}, {}  # (a new generation)
+        job.verdicts.clear()
         job.pending = ""  # a pause in flight ends here: the incident keeps it (``paused``)
         job.start_held = False
         job.excluded.update(exclude)  # journaled with the decision: a restarted control keeps it
-        self._record(
-            job, ORCH, "decision",
-            f"{action} after {who} (restart {spent + 1} of {budget} for {fault_class})"
-            + (f"; excluding {msg.worker_id}" if exclude else ""),
-        )
         if job.status.state != S.FAULT_FROZEN:
             self._transition(job, S.FAULT_FROZEN, ORCH, f"recovering from {fault_class} of rank {msg.rank}")
         self._recover(job, incident)
+        return decision
 
     def _on_resumed_fault(
         self, job: _Job, incident: _Incident, msg: control_pb2.FaultReport, text: str, ended: bool
@@ -1166,7 +1212,7 @@ class Orchestrator:
                 detail=f"ranks {missing} not ready {job.spec.fault_policy.restore_seconds:.0f} s after the relaunch",
             )
             self._record(job, Module.L1_RECOVERY_CONTROLLER, "fault", f"SEVERE {RECOVERY_TIMEOUT}: {report.detail}")
-            self._decide(job, report, RECOVERY_TIMEOUT, report.detail)
+            self._decide(job, report)
 
     def _wait(self, job: _Job, incident: _Incident, phase: str, fault_class: str, limit_s: float, what: str) -> None:
         """Enter (or stay in) a wait state: say what the job waits for in its status, retry
@@ -1293,7 +1339,8 @@ class Orchestrator:
                 self._allocator(control_pb2.AllocateResources(
                     job_id=job.status.job_id, world_size=job.status.world_size, backend=job.spec.parallel.backend,
                     init=engine_pb2.InitJob(job_id=job.status.job_id, spec_json=stored.spec_json,
-                                            data_address=self._data_address, store_address=self._store_address),
+                                            data_address=self._data_address, store_address=self._store_address,
+                                            standing_orders=fd.standing_orders(job.spec.fault_policy)),
                     exclude_worker_ids=sorted(job.excluded), adopt=True,
                 ))
                 if state != S.FAULT_FROZEN:

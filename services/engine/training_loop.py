@@ -3,11 +3,12 @@
 It schedules; it does not compute. Every tensor it touches is a handle it passes from one
 module's reply to the next module's command (``payload``), and every decision reserved for
 L1 (start, pause, resume, stop, what to do about a fault) arrives as a command or stays
-with L1: a fault is reported (``TrainingLoopFailed``) and the process ends.
+with L1: a step fault blocks the loop until L1-1's verdict (below); a module's failure is
+reported (``TrainingLoopFailed``) and the rank waits for L1 to release it.
 
 Receives
     from L1 (through the rank's session relay): InitJob, StartTraining, PauseTraining,
-        ResumeTraining, StopTraining;
+        ResumeTraining, StopTraining, StepVerdict, RevokeStandingOrder;
     from L2-2: ParallelReady; from L4 (through the data relay): MicroBatch (payload
         :class:`Batch`), DataExhausted, DatasetUnavailable.
 Commands
@@ -16,28 +17,33 @@ Commands
     ExportState, L4 MountDataset/OpenStream, L5 SaveCheckpoint/CommitCheckpoint/LoadCheckpoint/
     FlushCheckpoint.
 Publishes
-    TrainingLoopStarted, StepCompleted, EvalCompleted, TrainingLoopPaused,
+    TrainingLoopStarted, StepCompleted, EvalCompleted, TrainingLoopPaused, StepFaultReported,
     TrainingLoopFinished, TrainingLoopFailed (to L1; step and eval events also to L5-2).
 
-Loss normalisation (global, exact): before the first backward of a step the loop asks L3-5
-for the step's global count N of non-padding tokens (all micro-steps, all dp ranks: one
-all-reduce of one number, ``ReduceGradients(tokens_only)``). Each rank then back-propagates
-its summed token losses divided by N / dp, and DDP / FSDP2 average gradients over the dp
-ranks, so the gradient is d/dw (sum of all token losses of the step / N): gradient
-accumulation x data parallelism x padding equals one large batch of the same tokens, up to
-floating-point summation order (the loss-parity tests in tests/parallel/ hold it to 1e-5).
-Tensor- and pipeline-parallel peers see the same data, so only the dp axis counts.
+Loss normalisation (global, exact): the step's global count N of non-padding tokens (all
+micro-steps, all dp ranks) is known only after a reduction, so each rank back-propagates
+its summed token losses divided by a normaliser known before the step, its token capacity
+K = micro_batch_size x seq_len x grad_accum (the same on every rank), and DDP / FSDP2
+average gradients over the dp ranks. After backward, L3-5's one small all-reduce brings N
+(with the loss sum, the overflow verdict and the norm's pieces), and L2-4 multiplies the
+gradients by dp x K / N in the same pass as it unscales them (``ScaleLoss.grad_scale``).
+So the gradient is d/dw (sum of all token losses of the step / N): gradient accumulation x
+data parallelism x padding equals one large batch of the same tokens, up to floating-point
+rounding (one more multiply per element; the loss-parity tests in tests/parallel/ hold it
+to 1e-5). Tensor- and pipeline-parallel peers see the same data, so only the dp axis counts.
 
-Skip policy (pushed at init: the spec's ``fault_policy``, see :meth:`TrainingLoop._skip_reason`):
-after backward, L2-4 checks this rank's gradients, L3-5 all-reduces that verdict with the
-loss sums (every rank, every mesh axis), and L2-4 moves the loss scale by the all-rank
-verdict. A step with a non-finite loss or non-finite gradients is skipped on every rank
-when the policy maps its class (``non_finite_loss``, ``gradient_overflow``) to
-``skip_step`` (the default for ``gradient_overflow``), counted, and reported
-(``StepCompleted.skipped``, ``skip_reason``; the loss stays what it was, NaN included);
-otherwise it is reported as a typed failure and L1 decides. K consecutive skipped steps
-(``overflow_storm``) or a backoff to the minimum loss scale (``loss_scale_at_minimum``)
-are typed failures too.
+Step faults (seed L2-1: 异常阻塞, 循环阻塞等待事件; see :meth:`TrainingLoop._judge`): after
+backward, L2-4 checks this rank's gradients, L3-5 all-reduces that verdict with the loss sums
+(every rank, every mesh axis), and L2-4 moves the loss scale by the all-rank verdict. A
+non-finite loss, non-finite gradients, those at the minimum loss scale, and the
+``fault_policy.overflow_storm_steps``-th consecutive skipped step are step faults: every rank
+finds the same one at the same step. The loop follows the standing order L1-1 gave for its
+kind in InitJob (e.g. "skip fp16 overflow steps"), else it blocks at that step's boundary,
+reports ``StepFaultReported`` and waits for L1-1's ``StepVerdict`` (reporting again every
+``fault_policy.verdict_seconds`` without one): apply the step as it is, skip its update, or
+step no further (L1 relaunches the ranks or stops the job). ``StepCompleted`` says the fault,
+what was done and the standing order followed (``fault``, ``action``, ``standing_order``;
+``skipped`` / ``skip_reason`` as before; the loss stays what it was, NaN included).
 
 Exact resume (DESIGN.md "Faults"): the checkpoint is the union of the modules' state
 (model, optimizer) and the loop's own (:class:`LoopState`: step, skipped steps, loss scale,
@@ -60,17 +66,20 @@ import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import structlog
 import torch
 
 from services.common import phase as ph
-from services.contract import data_pb2, engine_pb2, store_pb2
+from services.contract import Module, data_pb2, engine_pb2, store_pb2
 from services.contract.bus import BoundaryViolation, CommandPort, Emitter
+from services.contract.failures import failure_of
 from services.contract.frozen import FrozenConfig
 from services.engine import rng_streams
 from services.engine.lr_schedule import schedule_for
 from services.jobspec import JobSpec, spec_from_json
 
 _DETAIL_CHARS = 400
+_log = structlog.get_logger("training_loop")
 
 
 class TrainingFault(RuntimeError):
@@ -79,6 +88,15 @@ class TrainingFault(RuntimeError):
     def __init__(self, fault_class: str, detail: str):
         super().__init__(detail)
         self.fault_class = fault_class
+
+
+class _Released(Exception):
+    """L1-1's verdict on a step fault ends this loop (the job stops, or its ranks are
+    relaunched): it steps no further and reports nothing more."""
+
+    def __init__(self, verdict: engine_pb2.StepVerdict):
+        super().__init__(verdict.reason)
+        self.verdict = verdict
 
 
 class Batch(NamedTuple):
@@ -202,13 +220,21 @@ class TrainingLoop:
         self._scaler_state = engine_pb2.LossScalerState(scale=1.0)
         self._resume_scaler: engine_pb2.LossScalerState | None = None
         self._consecutive_skips = 0  # consecutive skipped steps, toward an overflow storm
+        # Step faults (see _judge): L1-1's verdicts by (step, StepFaultKind), delivered by the
+        # session's thread; the standing orders of InitJob by kind, and revoked ones (order
+        # id -> the last step it still applies to).
+        self._verdict_ready = threading.Condition(self._lock)
+        self._verdicts: dict[tuple[int, int], engine_pb2.StepVerdict] = {}
+        self._orders: dict[int, engine_pb2.StandingOrder] = {}
+        self._revoked: dict[int, int] = {}
         self._dynamic_scaling = False
         self._loaded_order: tuple[int, ...] | None = None  # data order of the loaded checkpoint
         self._num_parameters = 0
         self._flops_per_token = 0.0
         self._peak_flops = 1.0
         self._lr_at = None
-        self._phase = "standby"  # standby | stepping | waiting_data | evaluating | saving | paused | done | failed
+        # standby | stepping | waiting_data | evaluating | saving | paused | blocked | released | done | failed
+        self._phase = "standby"
 
     # ------------------------------------------------------------------ L1 commands
 
@@ -230,6 +256,19 @@ class TrainingLoop:
         with self._lock:
             self._stop_at, self._stop_checkpoint = msg.at_step, msg.checkpoint
         self._control.put(msg)
+
+    def step_verdict(self, msg: engine_pb2.StepVerdict, payload: Any = None) -> None:
+        """L1-1's verdict on a step fault: kept until the loop blocks on that fault (it may
+        arrive before this rank got there: a peer reported the same fault first)."""
+        with self._verdict_ready:
+            if msg.step > self._step:  # (a late copy of a verdict already followed: dropped)
+                self._verdicts[msg.step, msg.kind] = msg
+                self._verdict_ready.notify_all()
+
+    def revoke_standing_order(self, msg: engine_pb2.RevokeStandingOrder, payload: Any = None) -> None:
+        """Follow standing order ``msg.order`` through step ``msg.after_step`` only."""
+        with self._lock:
+            self._revoked[msg.order] = msg.after_step
 
     # ------------------------------------------------------------------ events from below
 
@@ -259,8 +298,14 @@ class TrainingLoop:
         """
         self._await_setup()
         self._initialise()
-        if self._await_start():
-            self._train()
+        try:
+            if self._await_start():
+                self._train()
+        except _Released as released:  # L1-1's verdict on a step fault: the ranks are stopped or replaced
+            self._phase = "released"
+            self._mark.enter(ph.IDLE)
+            _log.info("released by L1", step=released.verdict.step, action=engine_pb2.StepVerdictAction.Name(
+                released.verdict.action), reason=released.verdict.reason)
 
     def fail(self, exc: BaseException) -> None:
         """Report ``exc`` as this rank's TrainingLoopFailed (once), classified."""
@@ -268,9 +313,14 @@ class TrainingLoop:
             return
         self._failed, self._phase = True, "failed"
         fault_class, detail = classify_fault(exc)
+        # Typed: the cause from the exception's type; a module the loop commanded that failed
+        # (ModuleFailed) stays the failing module, so L1-3 reports it once.
+        failure = failure_of(exc, Module.L2_TRAINING_LOOP)
+        failure.job_id, failure.rank = self._job_id, self._rank
         self._emit(
             engine_pb2.TrainingLoopFailed(
-                job_id=self._job_id, rank=self._rank, step=self._step, fault_class=fault_class, detail=detail
+                job_id=self._job_id, rank=self._rank, step=self._step, fault_class=fault_class, detail=detail,
+                failure=failure,
             )
         )
 
@@ -301,9 +351,9 @@ class TrainingLoop:
         batches = [self._next_batch("train") for _ in range(accum)]
         data_wait = time.perf_counter() - t0
         local_tokens = sum(mb.tokens for mb, _ in batches)
-        # Global normalisation (module docstring): N over the dp axis, before any backward.
-        counted = p.reduction(engine_pb2.ReduceGradients(local_tokens=local_tokens, tokens_only=True)).message
-        normalizer = max(counted.global_tokens, 1) / self._dp_size
+        # Global normalisation (module docstring): back-propagate with a normaliser every rank
+        # knows now (its token capacity); L2-4 corrects the gradients by the global count later.
+        normalizer = float(self._spec.data.micro_batch_size * self._spec.data.seq_len * accum)
         fwd_s = bwd_s = loss_sum = 0.0
         for i, (_, batch) in enumerate(batches):
             p.reduction(engine_pb2.ArmReduction(sync=i == accum - 1))
@@ -315,18 +365,23 @@ class TrainingLoop:
                 (fwd.payload, batch.labels),
             ).message
             fwd_s, bwd_s, loss_sum = fwd_s + fwd.message.seconds, bwd_s + bwd.seconds, loss_sum + bwd.loss_sum
-        # This rank's overflow verdict first; L3-5 all-reduces it with the loss sums, so
-        # every rank (every mesh axis) skips or applies together; L2-4 then moves the scale.
+        # This rank's overflow verdict and norm pieces first; L3-5 all-reduces them with the
+        # token count and loss sum (one collective), so every rank (every mesh axis) skips or
+        # applies together; L2-4 then unscales (and renormalises) and moves the scale.
         mark.enter(ph.OPTIMIZER)
         check = p.precision(engine_pb2.UnscaleAndCheck(step=step)).message
         reduced = p.reduction(engine_pb2.ReduceGradients(
             local_loss_sum=loss_sum, local_tokens=local_tokens, local_found_inf=check.found_inf,
+            replicated_squares=check.replicated_squares, sharded_squares=check.sharded_squares,
         )).message  # fmt: skip
         mark.enter(ph.OPTIMIZER)
         self._warm = True
-        adjusted = p.precision(engine_pb2.ScaleLoss(step=step, found_inf=reduced.found_inf)).message
+        adjusted = p.precision(engine_pb2.ScaleLoss(
+            step=step, found_inf=reduced.found_inf, grad_squares=reduced.grad_squares,
+            grad_scale=self._dp_size * normalizer / max(reduced.global_tokens, 1),
+        )).message  # fmt: skip
         self._loss_scale, self._scaler_state = adjusted.loss_scale, adjusted.state
-        skip_reason = self._skip_reason(step, reduced, adjusted)
+        fault, action, order, skip_reason = self._judge(step, reduced, adjusted)  # blocks on a fault: L1 decides
         lr = self._lr_at(step)
         opt_s = 0.0
         if skip_reason:
@@ -339,53 +394,105 @@ class TrainingLoop:
         self._emit(engine_pb2.StepCompleted(
             job_id=self._job_id, rank=self._rank, step=step,
             loss=reduced.global_loss_sum / tokens if tokens else float("nan"),
-            learning_rate=lr, grad_norm=check.grad_norm, tokens=tokens,
+            learning_rate=lr, grad_norm=adjusted.grad_norm, tokens=tokens,
             tokens_per_second=tokens / step_s, step_seconds=step_s, data_wait_seconds=data_wait,
             forward_seconds=fwd_s, backward_seconds=bwd_s, reduction_seconds=reduced.seconds,
             optimizer_seconds=opt_s, loss_scale=check.loss_scale, skipped=bool(skip_reason), skip_reason=skip_reason,
+            fault=fault, action=action, standing_order=order,
             epoch=self._position.epoch, unix_time=time.time(), world_size=self._world,
             flops_per_token=self._flops_per_token,
             mfu=tokens / step_s * self._flops_per_token / (self._peak_flops * self._world),
         ))  # fmt: skip
 
-    def _skip_reason(
+    def _judge(
         self, step: int, reduced: engine_pb2.GradientsReduced, adjusted: engine_pb2.LossScaleAdjusted
-    ) -> str:
-        """Skip policy (pushed at init in the spec's ``fault_policy``): "" to apply the
-        step, "non_finite_loss" or "overflow" to skip it. Both inputs are all-rank values
-        (the loss sum and the overflow flag came through L3-5's all-reduce), so every rank
-        gets the same answer.
+    ) -> tuple[int, int, int, str]:
+        """What to do with the step: (StepFaultKind, StepVerdictAction, standing order id,
+        skip reason: "" to apply it, "non_finite_loss" or "overflow" to skip its update).
+        Both inputs are all-rank values (the loss sum and the overflow flag came through
+        L3-5's all-reduce, the scale moved by that verdict), so every rank finds the same
+        fault at the same step and gets the same verdict.
+
+        A fault (a non-finite loss; non-finite gradients; those at the minimum loss scale)
+        follows its kind's standing order, else blocks here until L1-1's verdict
+        (:meth:`_verdict`). The ``fault_policy.overflow_storm_steps``-th consecutive skipped
+        step is a fault of its own (overflow_storm), decided likewise: apply or skip goes on
+        with the step skipped and the count restarted.
 
         Raises:
-            TrainingFault: ``non_finite_loss`` / ``gradient_overflow`` when the policy does
-                not map that class to ``skip_step``; ``loss_scale_at_minimum`` when an
-                overflow's backoff reached ``min_scale``; ``overflow_storm`` on the
-                ``fault_policy.overflow_storm_steps``-th consecutive skipped step.
+            _Released: the verdict stops the job or relaunches its ranks.
         """
-        policy, loss = self._spec.fault_policy, reduced.global_loss_sum
+        loss = reduced.global_loss_sum
         if not math.isfinite(loss):
-            fault_class, reason = "non_finite_loss", "non_finite_loss"
+            kind, reason = engine_pb2.STEP_FAULT_NON_FINITE_LOSS, "non_finite_loss"
             detail = f"training loss is {loss} at step {step} ({reduced.global_tokens} tokens)"
+        elif reduced.found_inf and adjusted.at_minimum:
+            kind, reason = engine_pb2.STEP_FAULT_LOSS_SCALE_AT_MINIMUM, "overflow"
+            detail = (f"gradients are not finite at step {step} and the loss scale backed off to its minimum "
+                      f"{adjusted.loss_scale:g} (precision.loss_scale.min_scale); fp16 cannot hold these gradients")
         elif reduced.found_inf:
-            fault_class, reason = "gradient_overflow", "overflow"
-            detail = f"gradients are not finite at step {step} (loss scale {self._loss_scale:g} after it)"
+            kind, reason = engine_pb2.STEP_FAULT_GRADIENT_OVERFLOW, "overflow"
+            detail = f"gradients are not finite at step {step} (loss scale {adjusted.loss_scale:g} after it)"
         else:
             self._consecutive_skips = 0
-            return ""
-        if not policy.skips(fault_class):
-            raise TrainingFault(fault_class, f"{detail}: the step is not applied")
-        if adjusted.at_minimum:
-            raise TrainingFault("loss_scale_at_minimum", (
-                f"{detail}: the loss scale backed off to its minimum {adjusted.loss_scale:g} "
-                "(precision.loss_scale.min_scale); fp16 cannot hold these gradients"
-            ))  # fmt: skip
+            return engine_pb2.STEP_FAULT_KIND_UNSPECIFIED, engine_pb2.STEP_VERDICT_ACTION_UNSPECIFIED, 0, ""
+        action, order = self._verdict(step, kind, detail, reduced, adjusted)
+        if action == engine_pb2.STEP_APPLY:
+            self._consecutive_skips = 0
+            return kind, action, order, ""
         self._consecutive_skips += 1
-        if self._consecutive_skips >= policy.overflow_storm_steps:
-            raise TrainingFault("overflow_storm", (
-                f"{self._consecutive_skips} consecutive steps skipped (up to step {step}, last: {reason}, "
-                f"loss scale {adjusted.loss_scale:g}); fault_policy.overflow_storm_steps is {policy.overflow_storm_steps}"
-            ))  # fmt: skip
-        return reason
+        storm_steps = self._spec.fault_policy.overflow_storm_steps
+        if self._consecutive_skips >= storm_steps:
+            kind = engine_pb2.STEP_FAULT_OVERFLOW_STORM
+            self._verdict(step, kind, (
+                f"{self._consecutive_skips} consecutive steps skipped (up to step {step}, last: {reason}, loss scale "
+                f"{adjusted.loss_scale:g}); fault_policy.overflow_storm_steps is {storm_steps}"
+            ), reduced, adjusted)  # fmt: skip
+            self._consecutive_skips = 0
+        return kind, engine_pb2.STEP_SKIP, order, reason
+
+    def _verdict(
+        self, step: int, kind: int, detail: str, reduced: engine_pb2.GradientsReduced,
+        adjusted: engine_pb2.LossScaleAdjusted,
+    ) -> tuple[int, int]:
+        """(StepVerdictAction, standing order id) for a fault of ``kind`` at ``step``: its
+        standing order in force, else L1-1's verdict. Blocked state (seed L2-1: 异常阻塞,
+        循环阻塞等待事件): report StepFaultReported and wait at this boundary, nothing applied.
+        No verdict within ``fault_policy.verdict_seconds``: report it again (a reminder) and
+        keep waiting; the loop never decides a fault itself.
+
+        Raises:
+            _Released: the verdict is STEP_RELAUNCH or STEP_STOP.
+        """
+        with self._lock:
+            order = self._orders.get(kind)
+            if order is not None and step <= self._revoked.get(order.id, step):
+                return order.action, order.id
+        tokens = reduced.global_tokens
+        report = engine_pb2.StepFaultReported(
+            job_id=self._job_id, rank=self._rank, step=step, kind=kind, detail=detail,
+            loss=reduced.global_loss_sum / tokens if tokens else float("nan"), loss_scale=adjusted.loss_scale,
+            consecutive_skips=self._consecutive_skips,
+        )  # fmt: skip
+        phase, self._phase = self._phase, "blocked"
+        wait_s = self._spec.fault_policy.verdict_seconds
+        t0 = time.monotonic()
+        self._emit(report)  # (not under the lock: an in-process L1 may answer inside this call)
+        while True:
+            with self._verdict_ready:
+                self._verdict_ready.wait_for(lambda: (step, kind) in self._verdicts, timeout=wait_s)
+                verdict = self._verdicts.pop((step, kind), None)
+            if verdict is not None:
+                break
+            report.reminder += 1
+            report.waited_seconds = time.monotonic() - t0
+            _log.warning("no verdict on a step fault yet", step=step, kind=engine_pb2.StepFaultKind.Name(kind),
+                         waited_s=round(report.waited_seconds, 1), reminder=report.reminder)
+            self._emit(report)
+        self._phase = phase
+        if verdict.action in (engine_pb2.STEP_APPLY, engine_pb2.STEP_SKIP):
+            return verdict.action, 0
+        raise _Released(verdict)
 
     def _evaluate(self, step: int) -> None:
         """Loss on the held-out split: the same eval.batches micro-batches each time (no
@@ -445,6 +552,7 @@ class TrainingLoop:
             self._control.put(msg)
         self._rank, self._world = ready.rank, ready.world_size
         self._dp_rank, self._dp_size = ready.dp_rank, max(ready.dp_size, 1)
+        self._orders = {order.kind: order for order in self._init.standing_orders}
         try:
             self._spec = spec_from_json(self._init.spec_json)
         except ValueError as e:
@@ -623,17 +731,15 @@ def _one_line(exc: BaseException) -> str:
 
 
 def classify_fault(exc: BaseException) -> tuple[str, str]:
-    """(fault_class, one-line detail) for an exception raised in a rank."""
+    """(fault_class, one-line detail) for an exception raised in a rank. The class is the
+    one a typed exception declares (``fault_class``: TrainingFault's, CheckpointError's,
+    RendezvousFailed's, a ModuleFailed's original's), or ``boundary_violation``; otherwise ""
+    (L1-3 classes it by the failure's typed cause: ``services/contract/failures.py``). Never
+    read from the exception's text."""
     fault_class = getattr(exc, "fault_class", None)
     if fault_class:
         return fault_class, _one_line(exc)
     detail = f"{type(exc).__name__}: {_one_line(exc)}"[:_DETAIL_CHARS]
     if isinstance(exc, BoundaryViolation):
         return "boundary_violation", detail
-    if isinstance(exc, torch.OutOfMemoryError):
-        return "out_of_memory", detail
-    dist_error = getattr(torch.distributed, "DistError", ())
-    text = str(exc).lower()
-    if isinstance(exc, dist_error) or any(w in text for w in ("gloo", "nccl", "connection closed by peer", "connection reset")):
-        return "comm_error", detail
-    return "model_error" if isinstance(exc, RuntimeError) else "internal_error", detail
+    return "", detail

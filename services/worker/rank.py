@@ -207,6 +207,8 @@ def compose(
         (engine_pb2.PauseTraining, loop.pause_training),
         (engine_pb2.ResumeTraining, loop.resume_training),
         (engine_pb2.StopTraining, loop.stop_training),
+        (engine_pb2.StepVerdict, loop.step_verdict),
+        (engine_pb2.RevokeStandingOrder, loop.revoke_standing_order),
         (engine_pb2.ParallelReady, loop.on_parallel_ready),
         (data_pb2.MicroBatch, loop.on_micro_batch),
         (data_pb2.DataExhausted, loop.on_data_exhausted),
