@@ -7,6 +7,7 @@ import contextlib
 import socket
 import sysconfig
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -181,7 +182,11 @@ class LocalRank:
         self.store = FakeStore(bus.emitter(M.L5_CHECKPOINT_MANAGER), ckpt_root)
         self.up = FakeUp()
         self.modules = compose(bus, spec, "cpu", data=self.data, store=self.store, up=self.up)
-        self.init = engine_pb2.InitJob(job_id=job_id, spec_json=spec_to_json(spec), resume_version=resume_version)
+        from services.control.fault_decision import standing_orders
+
+        # The standing orders L1-1 would issue with this job (e.g. skip fp16 overflow steps).
+        self.init = engine_pb2.InitJob(job_id=job_id, spec_json=spec_to_json(spec), resume_version=resume_version,
+                                       standing_orders=standing_orders(spec.fault_policy))
         self.assignment = engine_pb2.RankAssignment(
             rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port or free_port(),
             backend="gloo", device="cpu", num_threads=1,
@@ -215,6 +220,24 @@ class LocalRank:
 
         port = self.bus.port(M.L2_TRAINING_LOOP, M.L3_SHARD_LOADER)
         return {k: v.detach().clone() for k, v in port(engine_pb2.ExportState()).payload.state_dict().items()}
+
+
+def answer_step_faults(rank: LocalRank, verdict: Callable[[engine_pb2.StepFaultReported], int | None]) -> list:
+    """Stand in for L1-1 on the rank's session: each StepFaultReported is recorded and answered
+    with ``verdict(report)`` (a StepVerdictAction; None: no answer), as control would send it
+    down. Returns the reports, in order."""
+    reports, record = [], rank.up.on_event
+
+    def on_event(msg, payload=None):
+        record(msg, payload)
+        if isinstance(msg, engine_pb2.StepFaultReported):
+            reports.append(msg)
+            action = verdict(msg)
+            if action is not None:
+                rank.command(engine_pb2.StepVerdict(job_id=msg.job_id, step=msg.step, kind=msg.kind, action=action))
+
+    rank.up.on_event = on_event
+    return reports
 
 
 @contextlib.contextmanager

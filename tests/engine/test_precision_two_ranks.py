@@ -1,7 +1,7 @@
 """fp16 dynamic loss scaling over two real gloo rank processes: an overflow injected on one
 rank skips the step on both, the scale moves by the configured rule (hysteresis included),
 and a run resumed from a checkpoint ends with the same scale, counters and weights as an
-uninterrupted one. Plus the loop-side faults of the rule (storm, minimum scale) in-process."""
+uninterrupted one. Plus the step faults of the rule (storm, minimum scale), reported to L1, in-process."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from precision_harness import guarded_rank
-from rank_fakes import tiny_spec
+from rank_fakes import answer_step_faults, tiny_spec
 from services.contract import engine_pb2
 from services.worker.faults import Injection
 from tests.precision_ranks import run_two_ranks
@@ -67,42 +67,48 @@ def test_an_overflow_on_one_rank_skips_the_step_on_both_backs_off_by_the_rule_an
 
 
 def run_local(tmp_path, spec, injections):
+    """One rank in-process; every step fault it reports is answered STEP_RELAUNCH (as L1-1
+    decides a rollback): the loop ends there. Returns (rank, its reports)."""
     local = guarded_rank(spec, tmp_path / "ckpt", injections=injections, marker_dir=tmp_path / "markers")
+    reports = answer_step_faults(local, lambda r: engine_pb2.STEP_RELAUNCH)
     local.command(engine_pb2.StartTraining(job_id="job"))
     t = threading.Thread(target=local.run, daemon=True)
     t.start()
     t.join(120)
-    assert not t.is_alive()
-    return local
+    assert not t.is_alive() and local.error is None
+    assert not local.up.of(engine_pb2.TrainingLoopFailed)  # a step fault is L1's to decide, not a failure
+    return local, reports
 
 
 @pytest.mark.timeout(180)
-def test_k_consecutive_skipped_steps_end_the_rank_as_an_overflow_storm(tmp_path):
+def test_k_consecutive_skipped_steps_are_an_overflow_storm_reported_to_l1_at_the_kth(tmp_path):
     spec = tiny_spec(steps=6, precision={"dtype": "fp16", "loss_scale": {**RULE, "hysteresis": 5}},
                      fault_policy={"overflow_storm_steps": 3})
-    local = run_local(tmp_path, spec, [Injection("inf_grad", s, 0) for s in (2, 4, 5, 6)])
-    assert [s.skipped for s in local.steps()] == [False, True, False, True, True]
-    (failed,) = local.up.of(engine_pb2.TrainingLoopFailed)
-    assert failed.fault_class == "overflow_storm" and failed.step == 5
-    assert failed.detail.startswith("3 consecutive steps skipped (up to step 6, last: overflow, loss scale 1024)")
+    local, reports = run_local(tmp_path, spec, [Injection("inf_grad", s, 0) for s in (2, 4, 5, 6)])
+    # The overflows follow the standing order (skip_step, the default): no round trip.
+    assert [(s.skipped, s.standing_order) for s in local.steps()] == [(False, 0), (True, 1), (False, 0), (True, 1),
+                                                                      (True, 1)]
+    (storm,) = reports
+    assert (storm.kind, storm.step, storm.consecutive_skips) == (engine_pb2.STEP_FAULT_OVERFLOW_STORM, 6, 3)
+    assert storm.detail.startswith("3 consecutive steps skipped (up to step 6, last: overflow, loss scale 1024)")
 
 
 @pytest.mark.timeout(180)
-def test_an_overflow_that_backs_the_scale_off_to_its_minimum_is_a_named_fault(tmp_path):
+def test_an_overflow_that_backs_the_scale_off_to_its_minimum_is_a_step_fault_of_its_own(tmp_path):
     spec = tiny_spec(steps=4, precision={"dtype": "fp16", "loss_scale": {**RULE, "init_scale": 4.0, "min_scale": 2.0,
                                                                           "hysteresis": 1}})
-    local = run_local(tmp_path, spec, [Injection("inf_grad", 2, 0)])
+    local, reports = run_local(tmp_path, spec, [Injection("inf_grad", 2, 0)])
     assert [s.skipped for s in local.steps()] == [False]
-    (failed,) = local.up.of(engine_pb2.TrainingLoopFailed)
-    assert failed.fault_class == "loss_scale_at_minimum"
-    assert "backed off to its minimum 2 (precision.loss_scale.min_scale)" in failed.detail
+    (fault,) = reports
+    assert (fault.kind, fault.step, fault.loss_scale) == (engine_pb2.STEP_FAULT_LOSS_SCALE_AT_MINIMUM, 2, 2.0)
+    assert "backed off to its minimum 2 (precision.loss_scale.min_scale)" in fault.detail
 
 
 @pytest.mark.timeout(180)
-def test_an_overflow_mapped_away_from_skip_step_is_reported_as_a_typed_failure(tmp_path):
+def test_an_overflow_mapped_away_from_skip_step_asks_l1(tmp_path):
     spec = tiny_spec(steps=3, precision={"dtype": "fp16"}, fault_policy={"actions": {"gradient_overflow": "rollback"}})
-    local = run_local(tmp_path, spec, [Injection("inf_grad", 2, 0)])
+    local, reports = run_local(tmp_path, spec, [Injection("inf_grad", 2, 0)])
     assert [s.skipped for s in local.steps()] == [False]
-    (failed,) = local.up.of(engine_pb2.TrainingLoopFailed)
-    assert failed.fault_class == "gradient_overflow"
-    assert failed.detail.startswith("gradients are not finite at step 2")
+    (fault,) = reports
+    assert (fault.kind, fault.step) == (engine_pb2.STEP_FAULT_GRADIENT_OVERFLOW, 2)
+    assert fault.detail.startswith("gradients are not finite at step 2")

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 
 import pytest
 import torch
-from rank_fakes import LocalRank, started, tiny_spec, torch_threads, wait_for
+from rank_fakes import LocalRank, answer_step_faults, started, tiny_spec, torch_threads, wait_for
 
 from services.contract import Module, engine_pb2
 
@@ -128,26 +127,9 @@ def poisoned(rank: LocalRank) -> threading.Thread:
     return t
 
 
-def l1_answers(rank: LocalRank, verdict: Callable[[E.StepFaultReported], int | None]) -> list:
-    """Stand in for L1-1 on the rank's session: each StepFaultReported is recorded and answered
-    with ``verdict(report)`` (a StepVerdictAction; None: no answer). Returns the reports."""
-    reports, record = [], rank.up.on_event
-
-    def on_event(msg, payload=None):
-        record(msg, payload)
-        if isinstance(msg, E.StepFaultReported):
-            reports.append(msg)
-            action = verdict(msg)
-            if action is not None:
-                rank.command(E.StepVerdict(job_id="job", step=msg.step, kind=msg.kind, action=action, reason="test"))
-
-    rank.up.on_event = on_event
-    return reports
-
-
 def test_a_step_fault_blocks_the_loop_until_l1_says_skip_and_nothing_is_applied(tmp_path):
     rank = LocalRank(tiny_spec(steps=3), tmp_path)  # non_finite_loss: rollback, no standing order
-    reports = l1_answers(rank, lambda r: E.STEP_SKIP)
+    reports = answer_step_faults(rank, lambda r: E.STEP_SKIP)
     t = poisoned(rank)
     before = rank.model_state()
     rank.command(E.StartTraining(job_id="job"))
@@ -165,7 +147,7 @@ def test_a_step_fault_blocks_the_loop_until_l1_says_skip_and_nothing_is_applied(
 
 def test_l1s_apply_verdict_applies_the_step_as_it_is(tmp_path):
     rank = LocalRank(tiny_spec(steps=2, fault_policy={"actions": {"non_finite_loss": "ignore"}}), tmp_path)
-    l1_answers(rank, lambda r: E.STEP_APPLY)
+    answer_step_faults(rank, lambda r: E.STEP_APPLY)
     t = poisoned(rank)
     before = rank.model_state()
     rank.command(E.StartTraining(job_id="job"))
@@ -180,7 +162,7 @@ def test_l1s_apply_verdict_applies_the_step_as_it_is(tmp_path):
 @pytest.mark.parametrize("action", [E.STEP_RELAUNCH, E.STEP_STOP])
 def test_a_relaunch_or_stop_verdict_ends_the_loop_at_that_step_with_nothing_more_reported(tmp_path, action):
     rank = LocalRank(tiny_spec(steps=5), tmp_path)
-    l1_answers(rank, lambda r: action)
+    answer_step_faults(rank, lambda r: action)
     t = poisoned(rank)
     before = rank.model_state()
     rank.command(E.StartTraining(job_id="job"))
@@ -194,7 +176,7 @@ def test_a_relaunch_or_stop_verdict_ends_the_loop_at_that_step_with_nothing_more
 
 def test_without_a_verdict_the_loop_reports_again_every_verdict_seconds_and_decides_nothing(tmp_path):
     rank = LocalRank(tiny_spec(steps=1, fault_policy={"verdict_seconds": 0.2}), tmp_path)
-    reports = l1_answers(rank, lambda r: E.STEP_SKIP if r.reminder == 2 else None)
+    reports = answer_step_faults(rank, lambda r: E.STEP_SKIP if r.reminder == 2 else None)
     t = poisoned(rank)
     rank.command(E.StartTraining(job_id="job"))
     t.join(30)
@@ -208,7 +190,7 @@ def test_without_a_verdict_the_loop_reports_again_every_verdict_seconds_and_deci
 
 def test_a_verdict_that_arrives_before_the_rank_blocks_is_kept_for_that_step(tmp_path):
     rank = LocalRank(tiny_spec(steps=1), tmp_path)
-    reports = l1_answers(rank, lambda r: None)  # L1 answered a peer's report already
+    reports = answer_step_faults(rank, lambda r: None)  # L1 answered a peer's report already
     t = poisoned(rank)
     rank.command(E.StepVerdict(job_id="job", step=1, kind=E.STEP_FAULT_NON_FINITE_LOSS, action=E.STEP_SKIP))
     rank.command(E.StartTraining(job_id="job"))
@@ -219,8 +201,9 @@ def test_a_verdict_that_arrives_before_the_rank_blocks_is_kept_for_that_step(tmp
 
 def test_a_standing_order_needs_no_round_trip_is_echoed_and_a_revocation_takes_effect_after_its_step(tmp_path):
     rank = LocalRank(tiny_spec(steps=4), tmp_path)
+    del rank.init.standing_orders[:]
     rank.init.standing_orders.add(id=7, kind=E.STEP_FAULT_NON_FINITE_LOSS, action=E.STEP_SKIP)
-    reports = l1_answers(rank, lambda r: E.STEP_SKIP)
+    reports = answer_step_faults(rank, lambda r: E.STEP_SKIP)
     rank.command(E.RevokeStandingOrder(job_id="job", order=7, after_step=2))
     t = poisoned(rank)
     rank.command(E.StartTraining(job_id="job"))
@@ -232,8 +215,9 @@ def test_a_standing_order_needs_no_round_trip_is_echoed_and_a_revocation_takes_e
 
 def test_the_overflow_storm_steps_th_consecutive_skip_is_a_step_fault_of_its_own(tmp_path):
     rank = LocalRank(tiny_spec(steps=5, fault_policy={"overflow_storm_steps": 2}), tmp_path)
+    del rank.init.standing_orders[:]
     rank.init.standing_orders.add(id=1, kind=E.STEP_FAULT_NON_FINITE_LOSS, action=E.STEP_SKIP)
-    reports = l1_answers(rank, lambda r: E.STEP_SKIP)  # ignore/skip the storm: go on, the count restarts
+    reports = answer_step_faults(rank, lambda r: E.STEP_SKIP)  # ignore/skip the storm: go on, the count restarts
     t = poisoned(rank)
     rank.command(E.StartTraining(job_id="job"))
     t.join(30)
