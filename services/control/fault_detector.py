@@ -367,7 +367,7 @@ class FaultDetector:
             if moved:
                 watch.last_progress_unix = now
                 watch.stalled = watch.waiting = False
-            if not msg.stepping:
+            if not msg.stepping or msg.phase == RP.PHASE_FAULT_WAIT:  # (waiting for L1-1's verdict)
                 if watch.stall is not None:
                     watch.stall.cancel()
                 watch.stall = None

@@ -475,6 +475,7 @@ class TrainingLoop:
             consecutive_skips=self._consecutive_skips,
         )  # fmt: skip
         phase, self._phase = self._phase, "blocked"
+        self._mark.enter(ph.FAULT_WAIT)  # no progress deadline while L1 decides
         wait_s = self._spec.fault_policy.verdict_seconds
         t0 = time.monotonic()
         self._emit(report)  # (not under the lock: an in-process L1 may answer inside this call)
@@ -490,6 +491,7 @@ class TrainingLoop:
                          waited_s=round(report.waited_seconds, 1), reminder=report.reminder)
             self._emit(report)
         self._phase = phase
+        self._mark.enter(ph.OPTIMIZER)
         if verdict.action in (engine_pb2.STEP_APPLY, engine_pb2.STEP_SKIP):
             return verdict.action, 0
         raise _Released(verdict)

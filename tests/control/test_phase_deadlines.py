@@ -254,3 +254,14 @@ def test_a_rank_told_to_step_that_never_leaves_idle_is_stalled_and_one_not_stepp
         stop.set()
         t.join()
     assert (r.fault_class, r.rank) == ("rank_stalled", 1) and len(reports) == 1
+
+
+def test_a_rank_blocked_on_a_step_fault_waiting_for_l1s_verdict_has_no_progress_deadline():
+    bus, reports = wired(heartbeat_timeout_seconds=5.0, stall_min_seconds=0.3, stall_step_factor=0.01)
+    state = {1: (3, P.PHASE_FAULT_WAIT)}
+    with Beating(bus, state):
+        time.sleep(1.0)  # 3x the step budget, alive and blocked (L1 decides)
+        assert reports == []
+        state[1] = (3, P.PHASE_OPTIMIZER)  # the verdict came; then no progress: stalled
+        (r,) = reports.wait(1, timeout=3.0)
+    assert r.fault_class == "rank_stalled" and r.phase == P.PHASE_OPTIMIZER
