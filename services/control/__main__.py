@@ -53,7 +53,10 @@ from services.control.job_store import JobStore
 from services.control.orchestrator import Orchestrator
 from services.control.recovery_controller import RecoveryController
 from services.control.resource_allocator import ResourceAllocator
-from services.control.server import ControlServicer, SessionHub, StoreRelay, WatchHub
+from services.control.server import ControlServicer
+from services.control.session_hub import SessionHub
+from services.control.store_relay import StoreRelay
+from services.control.watch_hub import WatchHub
 
 M = Module
 # What this process hosts on its bus: the four L1 modules, and the relays standing in for

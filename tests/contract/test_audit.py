@@ -22,7 +22,7 @@ from services.contract.audit import (
     violation_from_rpc,
 )
 from services.contract.bus import BoundaryViolation, Bus, Traffic
-from services.control.server import SessionHub
+from services.control.session_hub import SessionHub
 
 M = Module
 log = structlog.get_logger("test")

@@ -93,7 +93,7 @@ def store_with_no_versions(monkeypatch):
     """The store answers every verification at once (as the gRPC relay does later, on the
     applier thread): the job has no committed version."""
     from services.contract import store_pb2
-    from services.control.server import StoreRelay
+    from services.control.store_relay import StoreRelay
 
     monkeypatch.setattr(StoreRelay, "verify_checkpoints",
                         lambda self, msg, payload=None: store_pb2.CheckpointVerification(job_id=msg.job_id))

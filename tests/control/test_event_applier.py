@@ -18,7 +18,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.contract import control_pb2, control_pb2_grpc, worker_pb2
-from services.control.server import LAST_SEQ_HEADER, REGISTERED_HEADER, EventApplier
+from services.control.event_applier import EventApplier
+from services.control.server import LAST_SEQ_HEADER, REGISTERED_HEADER
 from tests.conftest import free_ports
 
 from .conftest import registration

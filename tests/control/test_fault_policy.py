@@ -13,7 +13,7 @@ import pytest
 from services.contract import Module, control_pb2, engine_pb2, store_pb2
 from services.control.__main__ import build
 from services.control.job_store import JobStore
-from services.control.server import StoreRelay
+from services.control.store_relay import StoreRelay
 
 from .conftest import Plane, drain
 

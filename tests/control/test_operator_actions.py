@@ -15,7 +15,7 @@ from services.control.orchestrator import (
     InsufficientResources,
     Orchestrator,
 )
-from services.control.server import StoreRelay
+from services.control.store_relay import StoreRelay
 
 from .conftest import Plane, drain
 

@@ -171,8 +171,8 @@ def test_the_event_applier_stamps_a_beats_receipt_and_observes_how_long_it_waite
     # Issue 12 part 5: the stamp is taken when the message is queued (on control's asyncio
     # side), not when the one applier thread gets to it.
     from services.contract import control_pb2
+    from services.control.event_applier import EventApplier
     from services.control.metrics import APPLIER_LAG
-    from services.control.server import EventApplier
 
     applied, release = [], threading.Event()
 

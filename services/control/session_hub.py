@@ -1,0 +1,416 @@
+"""Node agent sessions as the bus sees them (``SessionHub``), one per node agent.
+
+Stream messages become events sent as EXT_HARDWARE (WorkerRegistration, RankExited,
+MemoryPressure, RankHeartbeat), L2_TRAINING_LOOP (rank loop events) or
+L5_CHECKPOINT_MANAGER (SaveCompleted); commands for EXT_HARDWARE (LaunchRanks,
+ReleaseRanks) and L2_TRAINING_LOOP (Start/Pause/Resume/StopTraining) become
+``WorkerCommand``s queued on the right sessions. A rank's BoundaryViolationReported is sent
+as EXT_CONTRACT (the contract layer of that remote process).
+
+The hub also carries operator log plumbing (``StreamLogs``): TailRankLogs / StopTailing
+down to the sessions that launched ranks of the job, RankLogLines up into a per-request
+queue (never on the bus).
+
+And it keeps each node agent's event stream exactly-once across a control restart: every
+``WorkerEvent`` after ``register`` carries a per-agent-incarnation ``seq``; an event whose
+seq was already applied is dropped (counted as a duplicate); an applied one's seq is
+journaled in the same SQLite transaction as the event's effect, where it has one
+(``JobStore.applying``), or with the other effect-less events of its burst in one
+transaction (heartbeats, most steps: a group commit), and acknowledged down the stream
+(``WorkerCommand{ack}``, coalesced) once journaled. A registration lists the ranks the
+agent still runs (``running``): they are the session's again (re-attach).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import uuid
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from services.contract import control_pb2, engine_pb2, worker_pb2
+from services.contract.bus import Emitter
+from services.control.loop_queue import put_all
+from services.control.metrics import WORKER_EVENTS
+
+_log = structlog.get_logger("control.server")
+
+# The RankCommand oneof field for each orchestrator command to L2-1.
+_RANK_COMMAND_FIELD = {
+    engine_pb2.StartTraining: "start",
+    engine_pb2.PauseTraining: "pause",
+    engine_pb2.ResumeTraining: "resume",
+    engine_pb2.StopTraining: "stop",
+}
+
+
+@dataclass(eq=False)
+class AgentSession:
+    worker_id: str
+    commands: queue.Queue = field(default_factory=queue.Queue)  # WorkerCommand | None (end)
+    # (job_id, rank) -> rank processes launched here and not yet reported ended. A count, not
+    # a flag: a recovery relaunches a rank before the killed process's exit comes up.
+    ranks: Counter[tuple[str, int]] = field(default_factory=Counter)
+    # Jobs that ever had ranks launched here: their rank log files live on this node.
+    jobs: set[str] = field(default_factory=set)
+    closed: bool = False
+    incarnation: str = ""
+    applied: int = 0           # last WorkerEvent.seq applied for this incarnation
+    durable: int = 0           # last seq whose cursor is journaled (what an ack says)
+    ack_queued: bool = False   # an _ACK marker waits in `commands` (acks are coalesced)
+
+
+# Marker in a session's command queue: send the latest journaled seq down as an EventAck.
+_ACK = object()
+
+
+@dataclass(eq=False)
+class LogTail:
+    """One StreamLogs request: the sessions asked, and the queue their answers land in:
+    ``(session, RankLogLines)``, or ``(session, None)`` when a session ended without its
+    ``done``."""
+
+    request_id: str
+    sessions: list[AgentSession]
+    answers: Any  # a thread-safe ``put``; StreamLogs reads it on the server's loop
+
+
+class SessionHub:
+    """Node agent sessions: routing table worker id -> session, and the bus side of them.
+
+    Args:
+        hardware: emitter as EXT_HARDWARE (WorkerRegistration, RankExited, MemoryPressure,
+            RankHeartbeat).
+        loop: emitter as L2_TRAINING_LOOP (rank loop events relayed by node agents).
+        checkpoints: emitter as L5_CHECKPOINT_MANAGER (SaveCompleted relayed by ranks).
+        contract: emitter as EXT_CONTRACT (BoundaryViolationReported relayed by ranks);
+            None: such reports are dropped.
+    """
+
+    def __init__(
+        self, hardware: Emitter, loop: Emitter, checkpoints: Emitter, contract: Emitter | None = None,
+        journal: Any = None,
+    ):
+        self._hardware, self._loop, self._checkpoints = hardware, loop, checkpoints
+        self._contract = contract
+        # Where applied seqs persist (JobStore: worker_cursor / applying); None: in memory only.
+        self._journal = journal
+        self.duplicates = 0  # sequenced events dropped as already applied (also a metric)
+        self._lock = threading.Lock()
+        self._sessions: dict[str, AgentSession] = {}
+        self._tails: dict[str, LogTail] = {}  # request id -> open StreamLogs request
+        self._shutting_down = False
+
+    # ------------------------------------------------------------ session lifecycle
+
+    def open(self, reg: control_pb2.WorkerRegistration, commands: Any = None) -> AgentSession:
+        """Register a node agent; a second session with the same worker id replaces the
+        first (whose ranks are reported lost, except those the new registration says it
+        still runs). The ranks in ``reg.running`` are re-attached to the new session. The
+        session's ``applied`` is the last seq applied for the agent's incarnation (0 for a
+        new incarnation). ``commands``: where its WorkerCommands go (anything with
+        ``put``; default a ``queue.Queue`` read by ``next_command``)."""
+        session = AgentSession(reg.worker_id, incarnation=reg.incarnation)
+        if commands is not None:
+            session.commands = commands
+        running = [(launch.job_id, a.rank) for launch in reg.running for a in launch.ranks]
+        session.ranks.update(running)
+        session.jobs.update(launch.job_id for launch in reg.running)
+        with self._lock:
+            old = self._sessions.get(reg.worker_id)
+            self._sessions[reg.worker_id] = session
+            if old is not None:
+                for key in running:  # alive on the new session: not lost with the old one
+                    old.ranks.pop(key, None)
+                if old.incarnation == reg.incarnation:
+                    session.applied = max(session.applied, old.applied)
+        if self._journal is not None and reg.incarnation:
+            incarnation, seq = self._journal.worker_cursor(reg.worker_id)
+            if incarnation == reg.incarnation:
+                session.applied = max(session.applied, seq)
+        session.durable = session.applied
+        _log.info("worker registered", worker_id=reg.worker_id, host=reg.host, slots=reg.slots, replaces=old is not None,
+                  reattached=running, last_applied_seq=session.applied)
+        # The session is routable before the allocator learns of it, so no LaunchRanks
+        # can arrive for a worker that has no queue yet.
+        self._hardware(reg)
+        if old is not None:
+            self.close(old, reason=f"replaced by a new session of {reg.worker_id}")
+        return session
+
+    def close(self, session: AgentSession, reason: str = "session closed") -> None:
+        """The node agent is gone: withdraw its slots and report its live ranks lost.
+        Idempotent. During shutdown nothing is reported (control is going, not the node)."""
+        with self._lock:
+            if session.closed:
+                return
+            session.closed = True
+            current = self._sessions.get(session.worker_id) is session
+            if current:
+                del self._sessions[session.worker_id]
+            lost, session.ranks = sorted(session.ranks), Counter()
+            quiet = self._shutting_down
+            tails = [t for t in self._tails.values() if session in t.sessions]
+        session.commands.put(None)
+        for t in tails:  # it will send no done: its answer is over
+            t.answers.put((session, None))
+        if quiet:
+            return
+        _log.info("worker session ended", worker_id=session.worker_id, reason=reason, ranks_lost=len(lost))
+        if current:  # zero slots: the worker withdraws (see ResourceAllocator)
+            self._hardware(control_pb2.WorkerRegistration(worker_id=session.worker_id, slots=0))
+        self._report_lost(session.worker_id, lost, reason)
+
+    @property
+    def stopping(self) -> bool:
+        """``shutdown`` was called: a session ending now is control going, not its node."""
+        return self._shutting_down
+
+    def shutdown(self) -> None:
+        """End every session without reporting anything (control is stopping)."""
+        with self._lock:
+            self._shutting_down = True
+            sessions = list(self._sessions.values())
+        for s in sessions:
+            self.close(s)
+
+    def on_worker_event(self, session: AgentSession, ev: control_pb2.WorkerEvent) -> None:
+        """Relay one message of a node agent's stream onto the bus as the module it
+        speaks for; a sequenced one (``seq`` > 0) at most once, then acknowledged.
+
+        Raises:
+            ValueError: a second registration, or an empty message.
+        """
+        self._accept(session, ev, defer=False)
+        if ev.seq:
+            self._queue_ack(session)
+
+    def on_worker_events(self, burst: list[tuple[AgentSession, control_pb2.WorkerEvent]]) -> None:
+        """``on_worker_event`` for a burst of messages of any sessions, applied in the
+        given order (each session's own order), with one difference: the cursors of the
+        sequenced events that journaled nothing (heartbeats, the steps of ranks other than
+        0) are journaled together at the end, in one transaction, and every session's ack
+        goes down after it. An event with an effect still has its cursor in its own
+        transaction. A message refused (ValueError, or a module's error) is logged and
+        skipped: one bad message must not end a node's session or the burst."""
+        deferred: dict[AgentSession, int] = {}
+        acked: dict[AgentSession, None] = {}
+        for session, ev in burst:
+            try:
+                if self._accept(session, ev, defer=True):
+                    deferred[session] = ev.seq
+                    acked[session] = None
+                    continue
+            except Exception:
+                _log.exception("worker event refused", worker_id=session.worker_id)
+                continue
+            if ev.seq and session.durable == session.applied:
+                # Journaled (with its effect), with any earlier deferred cursor: ack it now,
+                # not after the rest of the burst (each such event was a commit already).
+                deferred.pop(session, None)
+                acked.pop(session, None)
+                self._queue_ack(session)
+            elif ev.seq:
+                acked[session] = None
+        if deferred:
+            if self._journal is not None:
+                self._journal.write_cursors([(s.worker_id, s.incarnation, seq) for s, seq in deferred.items()])
+            for s, seq in deferred.items():
+                s.durable = max(s.durable, seq)
+        self._queue_acks(acked)
+
+    def _accept(self, session: AgentSession, ev: control_pb2.WorkerEvent, defer: bool) -> bool:
+        """Apply ``ev`` unless its seq was applied already. True: its cursor is not yet
+        journaled (only with ``defer``, for an event that journaled nothing)."""
+        if not ev.seq:
+            self._apply(session, ev)
+            return False
+        if ev.seq <= session.applied:
+            self.duplicates += 1
+            WORKER_EVENTS.labels("duplicate").inc()
+            _log.info("duplicate worker event dropped", worker_id=session.worker_id, seq=ev.seq, applied=session.applied)
+            return False
+        if ev.seq != session.applied + 1:
+            # The agent's outbox overflowed while control was away: those events are lost.
+            _log.warning("worker event sequence gap", worker_id=session.worker_id, seq=ev.seq, applied=session.applied)
+        written = True
+        if self._journal is not None:
+            with self._journal.applying(session.worker_id, session.incarnation, ev.seq, defer=defer) as ctx:
+                self._apply(session, ev)
+            written = ctx.written or not defer
+        else:
+            self._apply(session, ev)
+        session.applied = ev.seq
+        if written:
+            session.durable = ev.seq
+        WORKER_EVENTS.labels("applied").inc()
+        return not written
+
+    def _queue_acks(self, sessions: Iterable[AgentSession]) -> None:
+        """``_queue_ack`` for many sessions, waking the server's loop once for all of them
+        (a wake-up is a write to its self-pipe: one per ack was a measured 3 % of control)."""
+        with self._lock:
+            marked = [s for s in sessions if not (s.ack_queued or s.closed)]
+            for s in marked:
+                s.ack_queued = True
+        put_all([(s.commands, _ACK) for s in marked])
+
+    def _queue_ack(self, session: AgentSession) -> None:
+        with self._lock:
+            if session.ack_queued or session.closed:
+                return
+            session.ack_queued = True
+        session.commands.put(_ACK)
+
+    def next_command(self, session: AgentSession) -> control_pb2.WorkerCommand | None:
+        """The next command for the session's stream (blocks; for a ``queue.Queue``
+        session); None: the session ended. An ack marker becomes an EventAck of the latest
+        journaled seq."""
+        return self.command(session, session.commands.get())
+
+    def command(self, session: AgentSession, item: Any) -> control_pb2.WorkerCommand | None:
+        """The WorkerCommand for an item taken from the session's queue (``_ACK``: an
+        EventAck of the latest journaled seq; None: the session ended)."""
+        if item is _ACK:
+            with self._lock:
+                session.ack_queued = False
+            return control_pb2.WorkerCommand(ack=control_pb2.EventAck(seq=session.durable, incarnation=session.incarnation))
+        return item
+
+    def _apply(self, session: AgentSession, ev: control_pb2.WorkerEvent) -> None:
+        kind = ev.WhichOneof("event")
+        if kind == "rank_exited":
+            exited = ev.rank_exited
+            exited.worker_id = exited.worker_id or session.worker_id
+            with self._lock:
+                key = (exited.job_id, exited.rank)
+                session.ranks[key] -= 1
+                if session.ranks[key] <= 0:
+                    del session.ranks[key]
+            self._hardware(exited)
+        elif kind == "rank_event":
+            self._relay_rank_event(session, ev.rank_event)
+        elif kind == "memory_pressure":
+            pressure = ev.memory_pressure
+            # A node agent speaks only for its own node: the session's identity wins.
+            pressure.worker_id = session.worker_id
+            self._hardware(pressure)
+        elif kind == "rank_log_lines":
+            with self._lock:
+                tail = self._tails.get(ev.rank_log_lines.request_id)
+            if tail is not None:  # else: the caller left; late lines are dropped
+                tail.answers.put((session, ev.rank_log_lines))
+        elif kind == "register" and ev.register.departing:
+            # The agent is leaving: no rank may be placed on it any more (its ranks' exits
+            # follow, stated by the agent as departures).
+            ev.register.worker_id = session.worker_id
+            self._hardware(ev.register)
+        elif kind == "register":
+            raise ValueError(f"worker {session.worker_id} registered twice on one session")
+        else:
+            raise ValueError(f"worker {session.worker_id} sent an empty WorkerEvent")
+
+    # ------------------------------------------------------------ bus handlers (as EXT_HARDWARE)
+
+    def launch_ranks(self, msg: control_pb2.LaunchRanks, payload: Any = None) -> None:
+        """Queue LaunchRanks on the session of worker ``payload``."""
+        ranks = [(msg.job_id, r.rank) for r in msg.ranks]
+        with self._lock:
+            session = self._sessions.get(payload)
+            if session is not None:
+                session.ranks.update(ranks)  # Counter.update adds
+                session.jobs.add(msg.job_id)
+                session.commands.put(control_pb2.WorkerCommand(launch=msg))
+        if session is None:
+            # The worker left between allocation and launch. Report from another thread:
+            # the commander (the orchestrator, through the allocator) is mid-decision on
+            # this thread and will take the report after it.
+            threading.Thread(
+                target=self._report_lost, args=(payload, ranks, "session closed before launch"), daemon=True
+            ).start()
+
+    def release_ranks(self, msg: control_pb2.ReleaseRanks, payload: Any = None) -> None:
+        """Queue ReleaseRanks on the session of worker ``payload`` (none: nothing to do).
+        The released ranks stay counted until their exit comes up."""
+        with self._lock:
+            session = self._sessions.get(payload)
+            if session is None:
+                return
+            session.commands.put(control_pb2.WorkerCommand(release=msg))
+
+    # ------------------------------------------------------------ bus handlers (as L2_TRAINING_LOOP)
+
+    def relay_rank_command(self, msg: Any, payload: Any = None) -> None:
+        """Queue a Start/Pause/Resume/StopTraining on every session that launched (or
+        re-attached) ranks of the job; the node agent hands it to each of its live ranks of
+        that job (none: it logs and drops it). By job, not by live-rank count: after a
+        control restart an exit resent late may be counted against a rank relaunched since."""
+        command = worker_pb2.RankCommand(**{_RANK_COMMAND_FIELD[type(msg)]: msg})
+        with self._lock:
+            for session in self._sessions.values():
+                if msg.job_id in session.jobs:
+                    session.commands.put(control_pb2.WorkerCommand(rank_command=command))
+
+    # ------------------------------------------------------------ operator logs (plumbing)
+
+    def open_tail(self, job_id: str, follow: bool, rank: int, answers: Any) -> LogTail:
+        """Ask every open session that launched ranks of ``job_id`` to tail their log
+        files (``TailRankLogs``); their RankLogLines land in ``answers`` (the returned
+        request's queue). No session: the request has none and is already over."""
+        request_id = uuid.uuid4().hex
+        with self._lock:
+            sessions = [s for s in self._sessions.values() if job_id in s.jobs and not s.closed]
+            tail = LogTail(request_id, sessions, answers)
+            self._tails[request_id] = tail
+            cmd = control_pb2.WorkerCommand(tail_rank_logs=control_pb2.TailRankLogs(
+                request_id=request_id, job_id=job_id, follow=follow, rank=rank))
+            for s in sessions:
+                s.commands.put(cmd)
+        return tail
+
+    def close_tail(self, tail: LogTail, pending: set[AgentSession]) -> None:
+        """Forget the request; the sessions in ``pending`` (no done yet) get StopTailing."""
+        with self._lock:
+            self._tails.pop(tail.request_id, None)
+            cmd = control_pb2.WorkerCommand(stop_tailing=control_pb2.StopTailing(request_id=tail.request_id))
+            for s in pending:
+                if not s.closed:
+                    s.commands.put(cmd)
+
+    # ------------------------------------------------------------ private
+
+    def _relay_rank_event(self, session: AgentSession, ev: worker_pb2.RankEvent) -> None:
+        kind = ev.WhichOneof("event")
+        if kind in ("hello", "audit") or kind is None:
+            return  # between a rank and its node agent only
+        inner = getattr(ev, kind)
+        if not inner.job_id:
+            inner.job_id = ev.job_id
+        if kind == "heartbeat":
+            # The envelope names the rank the node agent attached; the session names the node.
+            inner.rank, inner.worker_id = ev.rank, session.worker_id
+            self._hardware(inner)
+        elif kind == "violation":
+            if self._contract is not None:
+                inner.rank = inner.rank or ev.rank
+                self._contract(inner)
+        elif kind in ("saved", "snapshot_failed"):  # the rank's checkpoint relay speaks as L5-1
+            self._checkpoints(inner)
+        else:
+            inner.rank = inner.rank or ev.rank
+            if kind == "started":  # where the rank runs: the session knows, L1-1 journals it
+                inner.worker_id = session.worker_id
+            self._loop(inner)
+
+    def _report_lost(self, worker_id: str, ranks: list[tuple[str, int]], reason: str) -> None:
+        for job_id, rank in ranks:
+            self._hardware(
+                control_pb2.RankExited(
+                    job_id=job_id, rank=rank, worker_id=worker_id, detail=reason, worker_lost=True
+                )
+            )

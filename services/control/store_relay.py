@@ -1,0 +1,101 @@
+"""The relay to the `store` service (``StoreRelay``): VerifyCheckpoints and the scrub for
+L5-1, forwarded without blocking, the answer coming back as L5-1's event; and the store's
+``CheckpointCorrupt`` events, watched for as long as control runs."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from services.common.grpc_server import channel
+from services.contract import store_pb2, store_pb2_grpc
+from services.contract.bus import Emitter
+
+
+class StoreRelay:
+    """VerifyCheckpoints (and the scrub) for L5-1, forwarded to the `store` service at
+    ``address`` without blocking: the command returns at once and the store's answer comes
+    back as L5-1's event, ``CheckpointVerification``, or ``SnapshotFailed`` with a typed
+    cause when the store could not be asked (``UNREACHABLE``: gRPC UNAVAILABLE;
+    ``TIMEOUT``: DEADLINE_EXCEEDED; ``REJECTED``: any other status). Why: the recovery's
+    verification ran as a blocking call on control's one event-applier thread, inside the
+    orchestrator's lock, and a stopped store froze every job's heartbeats behind it.
+
+    ``post`` runs the delivery of an answer (the composition root passes the event
+    applier's ``call``, so answers are applied in order with the node agents' events;
+    default: on the gRPC callback thread). ``on_error`` sees every failed call first (the
+    composition root reports a boundary violation the store returned)."""
+
+    def __init__(self, address: str, events: Emitter, timeout_s: float = 10.0,
+                 on_error: Callable[[grpc.RpcError], None] | None = None,
+                 post: Callable[[Callable[[], None]], None] | None = None):
+        self._address, self._timeout_s = address, timeout_s
+        self._events = events
+        self._on_error = on_error
+        self.post = post or (lambda fn: fn())
+        self._stub: store_pb2_grpc.StoreServiceStub | None = None
+        self._closed = threading.Event()
+        self._watching: Any = None
+
+    def verify_checkpoints(self, msg: store_pb2.VerifyCheckpoints, payload: Any = None) -> None:
+        """Which committed versions of the job are intact, from the store's recorded
+        verdicts; answered later as an event (see the class)."""
+        self._ask("Verify", msg, "verify", msg.job_id)
+
+    def scrub_checkpoints(self, msg: store_pb2.ScrubCheckpoints, payload: Any = None) -> None:
+        """Have the store re-hash the job's versions now; answered later as
+        ``CheckpointScrubbed`` (or a typed ``SnapshotFailed``, operation ``scrub``)."""
+        self._ask("Scrub", msg, "scrub", msg.job_id)
+
+    def watch(self) -> None:
+        """Relay the store's ``CheckpointCorrupt`` events (its scrub found a committed
+        version's bytes wrong) for as long as control runs: one server stream
+        (``WatchCheckpoints``), opened again with backoff while the store is away."""
+        threading.Thread(target=self._watch, name="store-watch", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._watching is not None:
+            self._watching.cancel()
+
+    def _watch(self) -> None:
+        backoff = 0.5
+        while not self._closed.is_set():
+            stub = store_pb2_grpc.StoreServiceStub(channel(self._address))
+            self._watching = stub.WatchCheckpoints(store_pb2.WatchCheckpointsRequest())
+            try:
+                for corrupt in self._watching:
+                    backoff = 0.5
+                    self.post(lambda c=corrupt: self._events(c))
+            except grpc.RpcError:
+                pass  # the store went away (or control is closing): watch again once it is back
+            self._closed.wait(backoff)  # (the relay's own reconnect backoff, not a module's poll)
+            backoff = min(backoff * 2, 5.0)
+
+    def _ask(self, method: str, msg: Any, operation: str, job_id: str) -> None:
+        if self._stub is None:
+            self._stub = store_pb2_grpc.StoreServiceStub(channel(self._address))
+        future = getattr(self._stub, method).future(msg, timeout=self._timeout_s)
+        future.add_done_callback(lambda f: self.post(lambda: self._answer(f, operation, job_id)))
+
+    def _answer(self, future: grpc.Future, operation: str, job_id: str) -> None:
+        try:
+            reply = future.result()
+        except grpc.RpcError as e:
+            if self._on_error is not None:
+                self._on_error(e)
+            cause = _STORE_CAUSES.get(e.code(), store_pb2.REJECTED)
+            reply = store_pb2.SnapshotFailed(job_id=job_id, operation=operation, cause=cause,
+                                             reason=f"store {self._address}: {e.code().name}: {e.details()}")
+        self._events(reply)
+
+
+# gRPC status -> the typed cause of a store call that failed (the status code, never its text).
+_STORE_CAUSES = {
+    grpc.StatusCode.UNAVAILABLE: store_pb2.UNREACHABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: store_pb2.TIMEOUT,
+    grpc.StatusCode.CANCELLED: store_pb2.UNREACHABLE,
+}
