@@ -13,8 +13,10 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from services.contract.failures import Refusal
 
-class JobSpecError(ValueError):
+
+class JobSpecError(ValueError, Refusal):
     """A job spec that cannot be used; the message is one line naming file and field."""
 
 

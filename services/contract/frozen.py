@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from typing import Generic, TypeVar
 
+from services.contract.failures import Refusal
+
 T = TypeVar("T")
 
 
-class ConfigFrozen(RuntimeError):
+class ConfigFrozen(RuntimeError, Refusal):
     """A configuration change arrived after initialisation and the seed lists no command
     for it. ``fault_class`` lets a rank report it in a ``TrainingLoopFailed``."""
 

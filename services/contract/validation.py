@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
+from google.protobuf import descriptor_pool
 from google.protobuf.descriptor import FileDescriptor
 
 from services.contract import route_pb2
-from services.contract.route_table import PROTO_FILES, RouteTable, default_table
+from services.contract.route_table import PROTO_FILES, SEED_MODULES, RouteTable, default_table
 
 EXIT_CONTRACT = 78  # EX_CONFIG: the process's configuration (here: the contract) is broken
 
@@ -99,6 +100,40 @@ def validate_table(
     for name, plumbing in sorted(messages.items()):
         if not plumbing and table.route(name) is None:
             raise ContractError(f"{name} has no route in the route table")
+    if tuple(files) == PROTO_FILES:
+        validate_failure_events(table)
+
+
+def validate_failure_events(table: RouteTable) -> None:
+    """Every seed module has exactly one failure event (a route flagged ``failure: true``):
+    sent by it alone, an EVENT, routed to L1-3, with a field ``failure`` of type
+    ``surge.v1.Failure`` (what the bus fills when the module's handler raises, and what
+    L1-3 grades: services/contract/failures.py).
+
+    Raises:
+        ContractError: a seed module with none or several, or a failure route that is not so.
+    """
+    found: dict[int, list[str]] = {m: [] for m in SEED_MODULES}
+    for route in table.routes():
+        if not route.failure:
+            continue
+        if len(route.senders) != 1 or not route.senders <= SEED_MODULES:
+            raise ContractError(f"{route.message} is a failure event but is not sent by exactly one seed module")
+        if route.kind != route_pb2.EVENT:
+            raise ContractError(f"{route.message} is a failure event but not an EVENT")
+        if route_pb2.L1_FAULT_DETECTOR not in route.receivers:
+            raise ContractError(f"{route.message} is a failure event but is not routed to L1_FAULT_DETECTOR")
+        desc = descriptor_pool.Default().FindMessageTypeByName(route.message)
+        field = desc.fields_by_name.get("failure")
+        if field is None or field.message_type is None or field.message_type.full_name != "surge.v1.Failure":
+            raise ContractError(f"{route.message} is a failure event without a field `failure` of type surge.v1.Failure")
+        found[next(iter(route.senders))].append(route.message)
+    for module, events in sorted(found.items()):
+        if len(events) != 1:
+            raise ContractError(
+                f"{_name(module)} has {len(events)} failure events ({', '.join(events) or 'none'}); "
+                "every seed module has exactly one (route option `failure: true`)"
+            )
 
 
 def validate_wiring(bus, hosted_modules: Iterable[int]) -> None:

@@ -5,9 +5,18 @@ never decides whether to stop or recover, never retries, never touches another m
 Its grading table is pushed once at construction (the seed's 故障分级规则台账) and frozen.
 
 Inputs: ``StartFaultMonitoring`` and ``ResetFaultLedger`` (from L1-1), ``RankHeartbeat`` and
-``RankExited`` (from the node agent, via the session relay), ``TrainingLoopFailed`` (from
-L2-1, via the relay), ``BoundaryViolationReported`` (from the contract layer of any process).
-Output: ``FaultReport`` (to L1-1), its only event.
+``RankExited`` (from the node agent, via the session relay), ``BoundaryViolationReported``
+(from the contract layer of any process), and every module's failure event routed here
+(``TrainingLoopFailed``, ``ForwardFailed``, ``DatasetUnavailable``, ``SnapshotFailed``, ...:
+the routes flagged ``failure``; the bus builds one when a module's handler raises, relays
+carry them from the ranks, the data and the store services). Output: ``FaultReport`` (to
+L1-1), its only event.
+
+Failure events are graded by their type and typed cause (``Failure.cause``, taken from the
+exception's type by services/contract/failures.py) through ``FAILURE_CLASSES``: (event,
+cause) -> fault class, whose grade is the class's rule. No class is ever read from text. A
+loop that failed because a module it commanded failed repeats that module's failure: it is
+reported once, under the module's event.
 
 What it knows arrives as events; the one clock it keeps is a deadline per rank (DESIGN.md
 law 4: a layer silent past its deadline is judged faulty by the layer above):
@@ -75,7 +84,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -83,7 +92,14 @@ from typing import Any
 
 import structlog
 
-from services.contract import Module, audit_pb2, control_pb2, engine_pb2, worker_pb2
+from services.contract import (
+    Module,
+    audit_pb2,
+    control_pb2,
+    engine_pb2,
+    route_pb2,
+    worker_pb2,
+)
 from services.contract.bus import Emitter
 from services.control.deadlines import Deadline, Deadlines
 
@@ -99,7 +115,8 @@ RANK_STALLED = "rank_stalled"        # heartbeats, but no progress within its ph
 # heartbeats, waiting in a collective with no progress: a consequence of the peer it waits for
 RANK_STALLED_IN_COLLECTIVE = "rank_stalled_in_collective"
 WORKER_LOST = "worker_lost"          # the node agent's session closed under the rank
-LOOP_FAILURE = "loop_failure"        # default for a TrainingLoopFailed class not in the table
+LOOP_FAILURE = "loop_failure"        # default for a fault class not in the table
+INTERNAL_ERROR = "internal_error"    # a module's failure of no more specific cause
 BOUNDARY_VIOLATION = "boundary_violation"  # a send the route table refused (a module or wiring bug)
 COMM_ERROR = "comm_error"            # a collective failed: usually a peer's fault, see attribution
 PORT_IN_USE = "port_in_use"          # the rendezvous port was taken: a fresh port fixes it
@@ -143,7 +160,61 @@ DEFAULT_RULES: dict[str, int] = {
     "config_error": G.FATAL,
     "checkpoint_error": G.SEVERE,
     "session_lost": G.SEVERE,
+    # Module failure events, by the class FAILURE_CLASSES gives them (typed cause, never text).
+    INTERNAL_ERROR: G.FATAL,        # a bug until shown otherwise: the same on a restart
+    "out_of_memory": G.FATAL,       # the same model on the same devices runs out again
+    "io_error": G.SEVERE,           # a file or disk that may be back after a restart
+    "timeout": G.SEVERE,
+    "unavailable": G.SEVERE,        # a service that may be back
+    "data_corrupt": G.FATAL,        # bytes that failed their check stay wrong
+    "data_io_error": G.SEVERE,
+    # Reported for the record: the orchestrator decides on these events itself (they are
+    # routed to it too), so the report asks for nothing (MINOR: ignore by default).
+    "snapshot_failed": G.MINOR,
+    "log_write_failed": G.MINOR,
+    "recovery_failed": G.MINOR,
 }
+
+# A module's failure event -> fault class, by (event name, FailureCause); "" / ANY_CAUSE match
+# any. Looked up most specific first: (event, cause), (event, any), (any, cause), else
+# internal_error. The grade is the class's (DEFAULT_RULES, or the control's rule overrides).
+ANY_EVENT, ANY_CAUSE = "", 0
+FC = route_pb2.FailureCause
+_DATA_EVENTS = ("DatasetUnavailable", "PrefetchFailed", "ShuffleFailed", "SampleStreamInterrupted", "PackingFailed")
+FAILURE_CLASSES: dict[tuple[str, int], str] = {
+    (ANY_EVENT, FC.FAILURE_COMMUNICATION): COMM_ERROR,
+    # Forming the group failed (its store, a peer that never came); a taken port is typed
+    # where the group is formed (L2-2 probes it: RendezvousFailed, the loop's port_in_use).
+    (ANY_EVENT, FC.FAILURE_RENDEZVOUS): COMM_ERROR,
+    (ANY_EVENT, FC.FAILURE_OUT_OF_MEMORY): "out_of_memory",
+    (ANY_EVENT, FC.FAILURE_IO): "io_error",
+    (ANY_EVENT, FC.FAILURE_TIMEOUT): "timeout",
+    (ANY_EVENT, FC.FAILURE_UNAVAILABLE): "unavailable",
+    (ANY_EVENT, FC.FAILURE_INVALID_INPUT): "config_error",
+    (ANY_EVENT, FC.FAILURE_DATA_CORRUPT): "data_corrupt",
+    (ANY_EVENT, FC.FAILURE_NON_FINITE): "non_finite_loss",
+    (ANY_EVENT, FC.FAILURE_UNSUPPORTED): "operator_unavailable",
+    (ANY_EVENT, FC.FAILURE_EXHAUSTED): "data_exhausted",
+    (ANY_EVENT, FC.FAILURE_INTERNAL): INTERNAL_ERROR,
+    ("SnapshotFailed", ANY_CAUSE): "snapshot_failed",
+    ("LogWriteFailed", ANY_CAUSE): "log_write_failed",
+    ("RecoveryFailed", ANY_CAUSE): "recovery_failed",
+    ("UpdateFailed", FC.FAILURE_NON_FINITE): "non_finite_loss",
+    **{(e, ANY_CAUSE): "data_unavailable" for e in _DATA_EVENTS},
+    **{(e, FC.FAILURE_UNAVAILABLE): "data_unavailable" for e in _DATA_EVENTS},
+    **{(e, FC.FAILURE_IO): "data_io_error" for e in _DATA_EVENTS},
+    **{(e, FC.FAILURE_DATA_CORRUPT): "data_corrupt" for e in _DATA_EVENTS},
+    **{(e, FC.FAILURE_INVALID_INPUT): "config_error" for e in _DATA_EVENTS},
+    **{(e, FC.FAILURE_EXHAUSTED): "data_exhausted" for e in _DATA_EVENTS},
+}
+
+
+def failure_class(event: str, cause: int) -> str:
+    """The fault class of failure event ``event`` (short name) with ``cause`` (FAILURE_CLASSES)."""
+    for key in ((event, cause), (event, ANY_CAUSE), (ANY_EVENT, cause)):
+        if key in FAILURE_CLASSES:
+            return FAILURE_CLASSES[key]
+    return INTERNAL_ERROR
 
 # Deadlines when StartFaultMonitoring leaves one at 0 (seconds; job spec `liveness`).
 DEFAULT_HEARTBEAT_TIMEOUT_S = 3.0
@@ -267,6 +338,9 @@ class FaultDetector:
         # Every silence, stall and attribution deadline on one heap (not a thread each).
         self._deadlines = Deadlines("fault-detector", workers=16)
         self._counts: Counter[tuple[str, str]] = Counter()  # (job_id, class) -> faults seen (累计)
+        # (job_id, rank) -> (module, operation, cause) of module failures reported: a loop
+        # failure that repeats one (it commanded the failed module) is not reported twice.
+        self._failures: defaultdict[tuple[str, int], deque] = defaultdict(lambda: deque(maxlen=16))
 
     def close(self) -> None:
         """Composition root, when control stops: no silence, stall or attribution deadline
@@ -416,31 +490,77 @@ class FaultDetector:
             self._release_held(msg.job_id)
 
     def on_training_loop_failed(self, msg: engine_pb2.TrainingLoopFailed, payload: Any = None) -> None:
-        """A rank's training loop stopped on an error it reported itself. A communication
-        error is held for the job's attribution window: its cause may still be on its way."""
-        fault_class = msg.fault_class or LOOP_FAILURE
-        text = msg.detail.lower()
+        """A rank's training loop stopped on an error. Its class is the one the rank named
+        (a typed exception's ``fault_class``: non_finite_loss, port_in_use, ...), else the
+        rule table's for its typed cause (``msg.failure``). A loop that failed because a
+        module it commanded failed repeats that module's failure (``failure.module``): when
+        that module's own event was reported for the rank, this one is its consequence and
+        is not reported again. A communication error is held for the job's attribution
+        window: its cause may still be on its way."""
+        failure = msg.failure
+        event = msg.DESCRIPTOR.name
+        if (msg.HasField("failure") and failure.module not in (0, Module.L2_TRAINING_LOOP)
+                and self._seen_failure(msg.job_id, msg.rank, failure)):
+            _log.info("loop failure follows a reported module failure", job_id=msg.job_id, rank=msg.rank,
+                      module=Module.Name(failure.module), cause=route_pb2.FailureCause.Name(failure.cause))
+            return
+        if msg.fault_class:
+            fault_class = msg.fault_class
+        elif msg.HasField("failure"):
+            fault_class = failure_class(event, failure.cause)
+        else:
+            fault_class = LOOP_FAILURE
+        subclass = ""
         if fault_class in ALIASES:
-            text, fault_class = f"{fault_class}: {msg.detail}".lower(), ALIASES[fault_class]
-        if fault_class == COMM_ERROR and ("address already in use" in text or "eaddrinuse" in text):
-            fault_class = PORT_IN_USE
-        detail = f"rank {msg.rank} failed at step {msg.step}: {msg.detail}"  # the class is in the report
-        if msg.fault_class in ALIASES:
-            detail = f"rank {msg.rank} failed at step {msg.step}: {msg.fault_class}: {msg.detail}"
+            subclass, fault_class = fault_class, ALIASES[fault_class]
+        detail = f"rank {msg.rank} failed at step {msg.step}: " + (f"{subclass}: " if subclass else "") + msg.detail
         report = self._graded(msg.job_id, fault_class, Module.L2_TRAINING_LOOP, msg.rank, detail, step=msg.step,
-                              subclass=msg.fault_class if msg.fault_class in ALIASES else "")
+                              subclass=subclass, event=event, cause=failure.cause)
         if report is None:
             return
+        self._hold_or_report(msg.job_id, msg.rank, report)
+
+    def on_failure(self, msg: Any, payload: Any = None) -> None:
+        """A module's failure event (any route flagged ``failure`` that names L1-3, other than
+        TrainingLoopFailed): graded by (event, cause) through FAILURE_CLASSES. Where: the
+        failure's job and rank (the bus and the relays stamp them), else the event's own
+        ``job_id`` / ``rank`` fields. A communication error is held for attribution as a
+        loop's is."""
+        failure = msg.failure
+        event = msg.DESCRIPTOR.name
+        fields = msg.DESCRIPTOR.fields_by_name
+        job_id = failure.job_id or (msg.job_id if "job_id" in fields else "")
+        rank = failure.rank if failure.HasField("rank") else (msg.rank if "rank" in fields else 0)
+        step = msg.step if "step" in fields and isinstance(msg.step, int) else 0
+        fault_class = failure_class(event, failure.cause)
+        who = Module.Name(failure.module) if failure.module else event
+        where = f" (rank {rank})" if failure.HasField("rank") else ""
+        detail = f"{who}{where} failed handling {failure.operation or 'an event'}: {failure.detail}"
+        report = self._graded(job_id, fault_class, failure.module, rank, detail, step=step,
+                              event=event, cause=failure.cause)
+        if report is None:
+            _log.warning("failure of no monitored job", event=event, module=who, job_id=job_id,
+                         cause=route_pb2.FailureCause.Name(failure.cause), detail=failure.detail)
+            return
         with self._lock:
-            job = self._jobs[msg.job_id]
-            if msg.rank in job.ranks:
-                job.ranks[msg.rank].unheard = False  # its agent is back (resending)
-                job.back.add(job.ranks[msg.rank].worker_id)
-            if fault_class == COMM_ERROR and (job.attribution_s > 0 or job.reattaching):
+            self._failures[(job_id, rank)].append((failure.module, failure.operation, failure.cause))
+        self._hold_or_report(job_id, rank, report)
+
+    def _seen_failure(self, job_id: str, rank: int, failure: route_pb2.Failure) -> bool:
+        with self._lock:
+            return (failure.module, failure.operation, failure.cause) in self._failures.get((job_id, rank), ())
+
+    def _hold_or_report(self, job_id: str, rank: int, report: control_pb2.FaultReport) -> None:
+        with self._lock:
+            job = self._jobs[job_id]
+            if rank in job.ranks:
+                job.ranks[rank].unheard = False  # its agent is back (resending)
+                job.back.add(job.ranks[rank].worker_id)
+            if report.fault_class == COMM_ERROR and (job.attribution_s > 0 or job.reattaching):
                 window = max(job.attribution_s, job.reattach_s if job.reattaching else 0.0)
-                self._hold(msg.job_id, report, window=window)
+                self._hold(job_id, report, window=window)
                 return
-        self._report_graded(msg.job_id, report)
+        self._report_graded(job_id, report)
 
     def on_boundary_violation_reported(self, msg: audit_pb2.BoundaryViolationReported, payload: Any = None) -> None:
         """A process's contract layer refused a send. Graded for the job of the process
@@ -663,6 +783,7 @@ class FaultDetector:
     def _graded(
         self, job_id: str, fault_class: str, source: int, rank: int, detail: str, *,
         occurred: float = 0.0, worker_id: str = "", step: int = 0, phase: int = 0, subclass: str = "",
+        event: str = "", cause: int = 0,
     ) -> control_pb2.FaultReport | None:
         now = time.time()
         with self._lock:
@@ -676,7 +797,7 @@ class FaultDetector:
         return control_pb2.FaultReport(
             job_id=job_id, grade=self._grade(fault_class), fault_class=fault_class, source=source, rank=rank,
             detail=detail, detected_unix=now, occurred_unix=occurred or now, worker_id=worker_id, step=step,
-            phase=phase, subclass=subclass,
+            phase=phase, subclass=subclass, event=event, cause=cause,
         )
 
     def _hold(

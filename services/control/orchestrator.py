@@ -72,6 +72,7 @@ import structlog
 
 from services.contract import Module, control_pb2, engine_pb2, store_pb2
 from services.contract.bus import CommandPort, Emitter, Reply
+from services.contract.failures import Refusal
 from services.control import fault_decision as fd
 from services.control.deadlines import Deadline, Deadlines
 from services.control.job_store import JobStore
@@ -128,11 +129,11 @@ SFC = store_pb2.StoreFailureCause
 RFC = control_pb2.RecoveryFailureCause
 
 
-class JobNotFound(LookupError):
+class JobNotFound(LookupError, Refusal):
     """No job has this id (gRPC NOT_FOUND)."""
 
 
-class IllegalTransition(RuntimeError):
+class IllegalTransition(RuntimeError, Refusal):
     """The command does not apply to the job's current state (gRPC FAILED_PRECONDITION)."""
 
 

@@ -32,6 +32,7 @@ import grpc
 from services.contract import data_pb2, data_pb2_grpc
 from services.contract.audit import abort_with_violation
 from services.contract.bus import BoundaryViolation, CommandPort
+from services.contract.failures import ModuleFailed, Unwind, cause_metadata
 from services.data.errors import (
     DataReadError,
     DatasetCorrupt,
@@ -56,7 +57,10 @@ _END = object()  # the producer finished normally
 
 
 def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
-    """gRPC code and one-line message for an error raised in the pipeline."""
+    """gRPC code and one-line message for an error raised in the pipeline (a module that
+    failed: the error its handler raised; its failure event is already published)."""
+    if isinstance(error, ModuleFailed):
+        error = error.error
     for kind, code in STATUS:
         if isinstance(error, kind):
             return code, _one_line(str(error))
@@ -67,7 +71,7 @@ def _one_line(text: str) -> str:
     return " ".join(text.split()) or "data service error"
 
 
-class _Cancelled(Exception):
+class _Cancelled(Unwind):
     """Unwinds the producer thread when the rank went away (never reaches the client)."""
 
 
@@ -266,4 +270,6 @@ class DataServicer(data_pb2_grpc.DataServiceServicer):
             self._log.warning(f"{what} refused", **where, code=code.name, error=message)
         if isinstance(error, BoundaryViolation):
             abort_with_violation(context, error, "data")
+        # The typed cause rides along (the rank's relay reads it; never the text).
+        context.set_trailing_metadata(cause_metadata(error))
         context.abort(code, message)

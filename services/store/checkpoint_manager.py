@@ -90,6 +90,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.contract import store_pb2
 from services.contract.bus import Reply
+from services.contract.failures import FailureCause, Refusal
 
 MANIFEST = "manifest.json"
 CATALOG = "catalog.json"
@@ -102,11 +103,11 @@ _ATTEMPTS_KEPT = 32  # per job: attempts remembered to refuse a superseded one
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index (rank 0 writes it last)
 
 
-class CheckpointNotFound(LookupError):
+class CheckpointNotFound(LookupError, Refusal):
     """The named version is not in the catalog (gRPC NOT_FOUND)."""
 
 
-class CheckpointRejected(RuntimeError):
+class CheckpointRejected(RuntimeError, Refusal):
     """The store's state does not allow the command: no open save, an empty or changing
     staging directory, a version that fails verification (gRPC FAILED_PRECONDITION)."""
 
@@ -124,6 +125,8 @@ class CheckpointIncomplete(CheckpointRejected):
 class CheckpointDamaged(CheckpointRejected):
     """A version's bytes do not match its manifest. ``cause``: ``store_pb2.VERDICT_CORRUPT``
     or ``store_pb2.VERDICT_MISSING_FILE``; ``file``: the file named (relative path)."""
+
+    failure_cause = FailureCause.FAILURE_DATA_CORRUPT
 
     def __init__(self, message: str, cause: int, file: str = ""):
         super().__init__(message)

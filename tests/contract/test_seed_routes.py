@@ -214,6 +214,10 @@ def test_every_route_to_the_fault_detector_from_a_lower_module_is_a_published_ev
         if "L1-3" in ev["observers"]
         for name in ev["proto"]
     }
+    # A module's failure event added where the seed lists none (additions marked failure).
+    observed |= {
+        (module(s), full(e["proto"])) for e in T["additions"] if e.get("failure") and "L1-3" in e["to"] for s in e["from"]
+    }
     lower = {SEED_IDS[m] for m in SEED_IDS if not m.startswith("L1-")}
     unexplained = sorted(
         f"{M.Name(s)} -> {route.message}"

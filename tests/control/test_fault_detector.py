@@ -201,10 +201,12 @@ def test_a_collective_error_with_no_other_cause_is_reported_when_the_window_clos
     assert [(r.rank, r.fault_class) for r in got] == [(0, "comm_error"), (1, "comm_error")]
 
 
-def test_a_taken_rendezvous_port_is_its_own_class():
+def test_a_taken_rendezvous_port_is_its_own_class_named_by_the_rank_not_read_from_text():
     bus, reports = wired()
-    failed(bus, 0, "comm_error", "DistStoreError: ... name: EADDRINUSE, message: address already in use")
-    assert [(r.fault_class, r.grade) for r in reports] == [("port_in_use", G.MEDIUM)]
+    failed(bus, 0, "port_in_use", "RendezvousFailed: the rendezvous port 29500 is taken")
+    # The words alone make nothing: the class is the rank's typed one (comm_error here).
+    failed(bus, 1, "comm_error", "DistStoreError: ... name: EADDRINUSE, message: address already in use")
+    assert [(r.fault_class, r.grade) for r in reports] == [("port_in_use", G.MEDIUM), ("comm_error", G.SEVERE)]
 
 
 def beat_at(bus: Bus, rank: int, step: int, interval: float = 0.1) -> None:

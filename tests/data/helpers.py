@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-import numpy as np
+import re
+from contextlib import contextmanager
 
-from services.contract import data_pb2
+import numpy as np
+import pytest
+
+from services.contract import data_pb2, route_pb2
+from services.contract.failures import ModuleFailed
 from services.data.documents import Documents
 
 NUM_FILES = 40
@@ -68,3 +73,16 @@ def make_docs(*docs: list[int] | np.ndarray, epoch: int = 0, last: bool = False,
     parts = [np.asarray(d, dtype=dtype) for d in docs]
     return Documents.join(parts, np.arange(first, first + len(parts), dtype=np.int64), epoch, last,
                           "train", tokenizer, np.dtype(dtype))
+
+
+@contextmanager
+def module_failure(error_type: type[BaseException], match: str, event: str, cause: int):
+    """The block's command failed in its module: the bus published the module's failure
+    ``event`` with the typed ``cause`` and raised ModuleFailed carrying the handler's error
+    (an ``error_type`` whose text matches ``match``)."""
+    with pytest.raises(ModuleFailed) as failed:
+        yield
+    assert isinstance(failed.value.error, error_type), failed.value.error
+    assert re.search(match, str(failed.value.error)), str(failed.value.error)
+    assert failed.value.event.DESCRIPTOR.name == event
+    assert failed.value.failure.cause == cause, route_pb2.FailureCause.Name(failed.value.failure.cause)

@@ -7,12 +7,17 @@ import shutil
 
 import pytest
 
-from services.contract import Module, data_pb2
+from services.contract import Module, data_pb2, route_pb2
 from services.data.__main__ import build_registry
 from services.data.errors import DatasetCorrupt, DatasetNotFound
 from services.data.prepare import prepare_dataset
 
+from .helpers import module_failure
+
 USER, VERSIONS = Module.EXT_USER, Module.L4_DATASET_VERSIONS
+
+
+CORRUPT = route_pb2.FAILURE_DATA_CORRUPT
 
 
 def mount(bus, name="tiny", version="v1", verify=True) -> data_pb2.DatasetReady:
@@ -46,7 +51,7 @@ def test_verification_catches_one_changed_byte(dataset, root):
     flip_one_byte(dataset.path / "train.bin")
     bus, _ = build_registry(root)
     line = r"^dataset tiny@v1: train\.bin: sha256 mismatch \(manifest [0-9a-f]{12}…, file [0-9a-f]{12}…\)$"
-    with pytest.raises(DatasetCorrupt, match=line):
+    with module_failure(DatasetCorrupt, line, "DatasetUnavailable", CORRUPT):
         mount(bus, verify=True)
     mount(bus, verify=False)  # same size: only hashing can see it, and it was not asked for
 
@@ -56,7 +61,7 @@ def test_a_copied_version_with_a_changed_file_is_refused_by_hash_first(dataset, 
     shutil.copytree(dataset.path, root / "tiny" / "v2")
     flip_one_byte(root / "tiny" / "v2" / "train.idx.npy")
     bus, _ = build_registry(root)
-    with pytest.raises(DatasetCorrupt, match=r"tiny@v2: train\.idx\.npy: sha256 mismatch"):
+    with module_failure(DatasetCorrupt, r"tiny@v2: train\.idx\.npy: sha256 mismatch", "DatasetUnavailable", CORRUPT):
         mount(bus, version="v2")
 
 
@@ -66,7 +71,7 @@ def test_an_edited_manifest_is_caught_by_its_own_hash(dataset, root):
     manifest["splits"]["train"]["documents"] += 1
     path.write_text(json.dumps(manifest))
     bus, _ = build_registry(root)
-    with pytest.raises(DatasetCorrupt, match=r"^dataset tiny@v1: manifest\.json: sha256 mismatch"):
+    with module_failure(DatasetCorrupt, r"^dataset tiny@v1: manifest\.json: sha256 mismatch", "DatasetUnavailable", CORRUPT):
         mount(bus, verify=False)
 
 
@@ -74,7 +79,7 @@ def test_a_truncated_file_is_caught_by_its_size_without_hashing(dataset, root):
     path = dataset.path / "val.bin"
     path.write_bytes(path.read_bytes()[:-2])
     bus, _ = build_registry(root)
-    with pytest.raises(DatasetCorrupt, match=r"val\.bin: size mismatch \(manifest \d+ bytes, file \d+ bytes\)"):
+    with module_failure(DatasetCorrupt, r"val\.bin: size mismatch \(manifest \d+ bytes, file \d+ bytes\)", "DatasetUnavailable", CORRUPT):
         mount(bus, verify=False)
 
 

@@ -7,12 +7,19 @@ import time
 import numpy as np
 import pytest
 
-from services.contract import data_pb2
+from services.contract import data_pb2, route_pb2
 from services.data.__main__ import build_stream
-from services.data.errors import DatasetCorrupt, DatasetNotFound, InvalidConfig, NoDocuments
+from services.data.errors import (
+    DatasetCorrupt,
+    DatasetNotFound,
+    InvalidConfig,
+    NoDocuments,
+)
 from services.data.prepare import prepare_dataset
 
-from .helpers import as_arrays, open_stream
+from .helpers import as_arrays, module_failure, open_stream
+
+CORRUPT = route_pb2.FAILURE_DATA_CORRUPT
 
 
 def stream(root, **kw) -> list[data_pb2.MicroBatch]:
@@ -103,7 +110,7 @@ def test_errors_end_the_stream_with_one_line_reasons(dataset, root):
     with pytest.raises(NoDocuments, match=r"split train: rank 0 of 1 has no document left after filtering in epoch 0"):
         stream(root, min_tokens=10**6, repeat=True)
     (dataset.path / "val.bin").write_bytes(bytes(reversed((dataset.path / "val.bin").read_bytes())))
-    with pytest.raises(DatasetCorrupt, match=r"val\.bin: sha256 mismatch"):
+    with module_failure(DatasetCorrupt, r"val\.bin: sha256 mismatch", "DatasetUnavailable", CORRUPT):
         stream(root, split="val", verify=True)
 
 

@@ -1,0 +1,98 @@
+"""Test-only fault injection at the bus: a module's handler raises, in any process.
+
+``SURGE_FAULT_INJECT`` (read when this file is imported; :func:`configure` for tests) holds
+``;``-separated rules::
+
+    handler:<MODULE>:<Message>[:after=N][:times=K][:cause=<FailureCause name>]
+
+``MODULE`` is a ``surge.v1.Module`` name (``L3_FORWARD_UNIT``), ``Message`` a routed message's
+short or full name (``RunForward``). The bus calls :func:`check` right before it runs that
+module's handler of that message: the ``N+1``-th call (``after``, default 0) and the ``K - 1``
+after it (``times``, default 1) raise :class:`InjectedFault` in place of the handler, with
+the given typed cause (default ``FAILURE_INTERNAL``). What happens next is what happens to any
+exception escaping a handler: the module's failure event (services/contract/failures.py).
+
+No rule set: one dict lookup per handler call.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+from services.contract import route_pb2
+
+ENV = "SURGE_FAULT_INJECT"
+
+
+class InjectedFault(RuntimeError):
+    """Raised in place of a handler by an injection rule (its ``failure_cause`` is the rule's)."""
+
+    def __init__(self, module: int, message: str, cause: int):
+        super().__init__(f"injected fault: {route_pb2.Module.Name(module)} handling {message}")
+        self.failure_cause = cause
+
+
+@dataclass
+class _Rule:
+    after: int = 0
+    times: int = 1
+    cause: int = route_pb2.FAILURE_INTERNAL
+    calls: int = 0
+
+
+_lock = threading.Lock()
+_rules: dict[tuple[int, str], _Rule] = {}
+
+
+def configure(spec: str) -> None:
+    """Replace the rules with those of ``spec`` (the ``SURGE_FAULT_INJECT`` syntax; "" clears).
+
+    Raises:
+        ValueError: a malformed rule (the message names it).
+    """
+    rules: dict[tuple[int, str], _Rule] = {}
+    for text in filter(None, (part.strip() for part in spec.split(";"))):
+        parts = text.split(":")
+        if len(parts) < 3 or parts[0] != "handler":
+            raise ValueError(f"{ENV}: {text!r}: expected handler:<MODULE>:<Message>[:after=N][:times=K][:cause=NAME]")
+        try:
+            module = route_pb2.Module.Value(parts[1])
+        except ValueError:
+            raise ValueError(f"{ENV}: {text!r}: unknown module {parts[1]!r}") from None
+        message = parts[2] if "." in parts[2] else f"surge.v1.{parts[2]}"
+        rule = _Rule()
+        for option in parts[3:]:
+            key, _, value = option.partition("=")
+            if key in ("after", "times") and value.isdigit():
+                setattr(rule, key, int(value))
+            elif key == "cause" and value in route_pb2.FailureCause.keys():  # noqa: SIM118 - an enum wrapper
+                rule.cause = route_pb2.FailureCause.Value(value)
+            else:
+                raise ValueError(f"{ENV}: {text!r}: bad option {option!r}")
+        rules[(module, message)] = rule
+    with _lock:
+        _rules.clear()
+        _rules.update(rules)
+
+
+def check(module: int, message: str) -> None:
+    """The bus, before ``module``'s handler of ``message`` (full name) runs.
+
+    Raises:
+        InjectedFault: a rule says this call fails.
+    """
+    if not _rules:
+        return
+    with _lock:
+        rule = _rules.get((module, message))
+        if rule is None:
+            return
+        rule.calls += 1
+        fire = rule.after < rule.calls <= rule.after + rule.times
+    if fire:
+        raise InjectedFault(module, message, rule.cause)
+
+
+configure(os.environ.get(ENV, ""))
