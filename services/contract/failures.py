@@ -355,6 +355,11 @@ def failure_event_type(table: Any, module: int) -> type[Message] | None:
     return message_factory.GetMessageClass(descriptor_pool.Default().FindMessageTypeByName(route.message))
 
 
+def message_class(full_name: str) -> type[Message]:
+    """The generated class of a message by its full name (``surge.v1.RunForward``)."""
+    return message_factory.GetMessageClass(descriptor_pool.Default().FindMessageTypeByName(full_name))
+
+
 def failure_events_to(table: Any, receiver: int) -> list[type[Message]]:
     """Message classes of every failure event ``table`` routes to ``receiver`` (by name)."""
     pool = descriptor_pool.Default()

@@ -46,6 +46,7 @@ from services.contract import (
 )
 from services.contract.audit import AuditServicer, ViolationReporter
 from services.contract.bus import Bus, RouteError
+from services.contract.failures import failure_events_to
 from services.contract.validation import ContractError, refuse, validate_table, validate_wiring
 from services.control import faults
 from services.control.fault_detector import FaultDetector
@@ -181,6 +182,10 @@ def build(
     bus.subscribe(M.L1_FAULT_DETECTOR, worker_pb2.RankHeartbeat, detector.on_rank_heartbeat)
     bus.subscribe(M.L1_FAULT_DETECTOR, control_pb2.RankExited, detector.on_rank_exited)
     bus.subscribe(M.L1_FAULT_DETECTOR, engine_pb2.TrainingLoopFailed, detector.on_training_loop_failed)
+    # Every other module's failure event routed to L1-3, graded by (event, cause).
+    for failure_type in failure_events_to(bus.table, M.L1_FAULT_DETECTOR):
+        if failure_type is not engine_pb2.TrainingLoopFailed:
+            bus.subscribe(M.L1_FAULT_DETECTOR, failure_type, detector.on_failure)
     bus.subscribe(M.L1_FAULT_DETECTOR, audit_pb2.BoundaryViolationReported, detector.on_boundary_violation_reported)
 
     servicer = ControlServicer(user=bus.port(M.EXT_USER, M.L1_ORCHESTRATOR), watches=watches, sessions=sessions,

@@ -38,6 +38,7 @@ from services.contract.audit import abort_with_violation
 from services.contract.bus import BoundaryViolation, CommandPort
 from services.store.checkpoint_manager import CheckpointDamaged, CheckpointNotFound, CheckpointRejected
 
+from services.contract.failures import ModuleFailed, cause_metadata
 SENDER_METADATA = "surge-sender"
 # Trailing metadata of a Load refused for a damaged version: its StoreFailureCause name.
 STORE_CAUSE_METADATA = "surge-store-cause"
@@ -173,7 +174,10 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
                     grpc.StatusCode.PERMISSION_DENIED,
                     f"{Module.Name(sender)} may not command {Module.Name(receiver)} ({name})",
                 )
-            answer = port(msg)
+            try:
+                answer = port(msg)
+            except ModuleFailed as failed:  # its failure event is published: map the error to a status
+                raise failed.error from None
             reply = answer.payload if payload_reply else answer.message
         except BoundaryViolation as e:
             abort_with_violation(context, e, "store")
@@ -181,6 +185,7 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except CheckpointRejected as e:
             self._log.warning("checkpoint_rejected", request=name, error=str(e))
+            context.set_trailing_metadata(cause_metadata(e))
             if isinstance(e, CheckpointDamaged):  # the typed verdict rides along; never parse the text
                 context.set_trailing_metadata(((STORE_CAUSE_METADATA, _DAMAGE_CAUSE[e.cause]),))
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))

@@ -56,7 +56,7 @@ import torch
 
 from services.common.grpc_server import channel
 from services.common.logs import configure
-from services.common.phase import IDLE, PhaseMarker
+from services.common.phase import COLLECTIVE, IDLE, PhaseMarker
 from services.common.process_exit import exit_now
 from services.compute.backward_unit import BackwardUnit
 from services.compute.forward_unit import ForwardUnit
@@ -67,6 +67,8 @@ from services.compute.shard_loader import ShardLoader
 from services.contract import Module, audit_pb2, data_pb2, engine_pb2, store_pb2, worker_pb2, worker_pb2_grpc
 from services.contract.audit import ViolationReporter, report_of
 from services.contract.bus import Bus, CommandPort
+from services.contract.failures import set_collective_probe, set_origin
+from services.contract.relay import L1, L4, L5, RANK, Link, Routed, pack
 from services.contract.validation import validate_table, validate_wiring
 from services.engine.mixed_precision import MixedPrecision
 from services.engine.optimizer import Optimizer
@@ -444,6 +446,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
         violations = ViolationReporter(
             session.process, log, deliver=session.report_violation, job_id=args.job, rank=args.rank, inline=True
         )
+    # A failure of no more specific type while the rank waits in a collective is a
+    # communication failure; its failures name this job and rank (services/contract/failures.py).
+    set_collective_probe(lambda: phase.phase == COLLECTIVE)
+    set_origin(args.job, args.rank)
         bus = Bus(on_violation=violations)
         # Imported here so a rank that fails before this point does not pay for them.
         from services.worker.data_client import DataClient

@@ -87,6 +87,7 @@ from services.common.grpc_server import channel
 from services.compute.inference import safe_load
 from services.contract import engine_pb2, store_pb2, store_pb2_grpc
 from services.contract.bus import Emitter
+from services.contract.failures import collective
 
 def _env_seconds(name: str, default: float) -> float:
     try:
@@ -353,7 +354,8 @@ class StoreClient:
         if self._agree_group is None:
             self._agree_group = dist.new_group(backend="gloo")  # collective: the first save, every rank
         t = torch.tensor([int(cause)], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._agree_group)
+        with collective():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._agree_group)
         return int(t.item())
 
     def _generation(self) -> str:
@@ -367,7 +369,8 @@ class StoreClient:
             if dist.is_initialized():
                 if self._agree_group is None:
                     self._agree_group = dist.new_group(backend="gloo")  # collective, as in _agree
-                dist.all_reduce(draw, op=dist.ReduceOp.MAX, group=self._agree_group)
+                with collective():
+                    dist.all_reduce(draw, op=dist.ReduceOp.MAX, group=self._agree_group)
             self._attempt = "".join(f"{int(v):016x}" for v in draw.tolist())
         return self._attempt
 
