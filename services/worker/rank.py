@@ -14,8 +14,11 @@ Protocol on ``WorkerService.RankSession`` (bidi stream to the node agent):
     5. rank -> agent   {step} per step, {eval} per evaluation, {saved} per committed
                        checkpoint (rank 0), {paused} when paused, then its final {audit}
                        (route counts) and {finished} (exit 0) or {failed: fault_class,
-                       one-line detail} (exit 1). Then the rank half-closes its side and
-                       exits.
+                       one-line detail}. Then the rank half-closes its side and exits;
+                       after {failed} it first waits for L1 to release it (the agent's
+                       signal, or the session's end: exit 1), unless its communicator is
+                       broken (it leaves at once, exit 1). A step fault is no failure:
+                       the loop blocks for L1-1's verdict (training_loop.py).
     At any time after 3: agent -> rank {audit: id}, answered rank -> agent {audit} with
     the same id (the route counts of this process's bus); rank -> agent {violation} for a
     send refused by its bus or by a service it called (relayed up to the fault detector).
@@ -56,7 +59,7 @@ import torch
 
 from services.common.grpc_server import channel
 from services.common.logs import configure
-from services.common.phase import COLLECTIVE, IDLE, PhaseMarker
+from services.common.phase import IDLE, PhaseMarker
 from services.common.process_exit import exit_now
 from services.compute.backward_unit import BackwardUnit
 from services.compute.forward_unit import ForwardUnit
@@ -67,8 +70,6 @@ from services.compute.shard_loader import ShardLoader
 from services.contract import Module, audit_pb2, data_pb2, engine_pb2, store_pb2, worker_pb2, worker_pb2_grpc
 from services.contract.audit import ViolationReporter, report_of
 from services.contract.bus import Bus, CommandPort
-from services.contract.failures import set_collective_probe, set_origin
-from services.contract.relay import L1, L4, L5, RANK, Link, Routed, pack
 from services.contract.validation import validate_table, validate_wiring
 from services.engine.mixed_precision import MixedPrecision
 from services.engine.optimizer import Optimizer
@@ -344,6 +345,18 @@ class Session:
         """For a failure before the loop exists (it would otherwise report it itself)."""
         self.on_event(engine_pb2.TrainingLoopFailed(job_id=self._job_id, rank=self._rank, fault_class=fault_class, detail=detail))
 
+    def wait_released(self) -> None:
+        """Block until the node agent ends the session (control released this rank, or the
+        agent is gone); a release by signal ends the process before that."""
+        if self._reader is not None:
+            self._reader.join()
+            return
+        try:
+            for _ in self._call:
+                pass  # (no command applies before the loop exists)
+        except grpc.RpcError:
+            pass
+
     def close(self, timeout: float = 5.0) -> None:
         """Half-close our side after the queued events and wait for the agent to end the call."""
         self._closing.set()
@@ -416,6 +429,18 @@ class Session:
             exit_now(EXIT_SESSION_LOST)
 
 
+def _waits_for_release(e: BaseException) -> bool:
+    """Whether a rank that failed with ``e`` waits for L1 to release it: every failure but a
+    broken communicator (a collective or point-to-point call failed: the process cannot take
+    part in the group again, so it leaves), a lost session (nobody is left to release it) and
+    an interrupt."""
+    from services.contract import failures
+
+    if isinstance(e, (SessionLost, KeyboardInterrupt, SystemExit)):
+        return False
+    return failures.cause_of(e) != failures.C.FAILURE_COMMUNICATION and not failures.communicator_broken()
+
+
 def _rpc_text(e: BaseException) -> str:
     if isinstance(e, grpc.RpcError):
         return f"{e.code().name}: {e.details()}"
@@ -446,10 +471,6 @@ def main(argv: list[str] | None = None) -> NoReturn:
         violations = ViolationReporter(
             session.process, log, deliver=session.report_violation, job_id=args.job, rank=args.rank, inline=True
         )
-    # A failure of no more specific type while the rank waits in a collective is a
-    # communication failure; its failures name this job and rank (services/contract/failures.py).
-    set_collective_probe(lambda: phase.phase == COLLECTIVE)
-    set_origin(args.job, args.rank)
         bus = Bus(on_violation=violations)
         # Imported here so a rank that fails before this point does not pay for them.
         from services.worker.data_client import DataClient
@@ -481,6 +502,13 @@ def main(argv: list[str] | None = None) -> NoReturn:
             from services.engine.training_loop import classify_fault
 
             session.send_failed(*classify_fault(e))
+        if _waits_for_release(e):
+            # L1 decides what becomes of this rank (seed L2-1: no recovery of its own): it
+            # stays, beating and idle, until control releases it (the node agent's signal)
+            # or its node agent goes away. Its peers are not left waiting for a dead process
+            # to be noticed, nor is a failure a policy might ignore made an exit.
+            log.info("rank_waits_for_release")
+            session.wait_released()
     finally:
         if store is not None:
             store.close(timeout=5.0)

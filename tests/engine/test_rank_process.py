@@ -117,6 +117,15 @@ def push_setup(agent: FakeAgent, address: str, spec) -> None:
         num_threads=1)))
 
 
+def released(agent: FakeAgent, proc: subprocess.Popen) -> None:
+    """A rank that reported its failure waits for L1 (heartbeats go on) until released: here,
+    its agent ends the session; then it exits 1."""
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(1.0)
+    agent.commands.put(None)
+    assert proc.wait(30) == 1
+
+
 def test_a_rank_says_hello_reports_started_waits_for_start_and_exits_0_after_finished(services):
     agent, address, procs = services
     spec = tiny_spec(steps=4, eval={"at_end": True, "batches": 2})
@@ -148,7 +157,7 @@ def test_a_rank_says_hello_reports_started_waits_for_start_and_exits_0_after_fin
     assert proc.wait(30) == 0, proc.stderr.read()[-3000:]
 
 
-def test_an_unknown_dataset_is_reported_failed_data_unavailable_and_the_rank_exits_1(services):
+def test_an_unknown_dataset_is_reported_failed_data_unavailable_and_the_rank_waits_to_be_released(services):
     agent, address, procs = services
     proc = start_rank(address, procs)
     assert agent.next_event().WhichOneof("event") == "hello"
@@ -158,7 +167,7 @@ def test_an_unknown_dataset_is_reported_failed_data_unavailable_and_the_rank_exi
     assert ev.WhichOneof("event") == "failed", ev
     assert ev.failed.fault_class == "data_unavailable"
     assert ev.failed.detail == "dataset nope@v9 not found"
-    assert proc.wait(30) == 1
+    released(agent, proc)
 
 
 def test_a_violation_the_data_service_returns_goes_up_before_the_failure_it_causes(services):
@@ -178,7 +187,7 @@ def test_a_violation_the_data_service_returns_goes_up_before_the_failure_it_caus
     assert list(final.audit.violations) == []  # the refusal was data's, not this rank's bus
     failed = agent.next_event()
     assert failed.WhichOneof("event") == "failed" and "L4_SHUFFLER may not send" in failed.failed.detail
-    assert proc.wait(30) == 1
+    released(agent, proc)
 
 
 def test_a_rank_answers_its_agents_audit_with_the_route_counts_of_its_bus(services):
