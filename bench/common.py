@@ -96,7 +96,7 @@ class Stack:
 
 def submit(spec_path: Path):
     """Submit through surgectl's own code path; returns (job_id, submit unix time)."""
-    from services.cli.surgectl import submit_job
+    from services.cli.jobs import submit_job
 
     t = time.time()
     status = submit_job(spec_path)

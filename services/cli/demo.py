@@ -7,6 +7,7 @@ from pathlib import Path
 
 from services.cli import render, stack
 from services.cli.errors import CliError
+from services.cli.jobs import follow_job, sample_text, submit_job
 from services.common import paths
 from services.contract import control_pb2
 from services.jobspec import JobSpecError, load_job_spec
@@ -28,8 +29,6 @@ def run_demo(spec_path: Path) -> None:
         stack.up(num_workers=spec.world_size)
         render.console.print(f"stack up in {time.monotonic() - t_up:.1f} s")
     try:
-        from services.cli.surgectl import follow_job, sample_text, submit_job
-
         render.console.rule(f"training {spec_path}")
         status = submit_job(spec_path)
         history = follow_job(status.job_id)

@@ -10,13 +10,12 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import grpc
 import typer
 
 from services.cli import clients, jsonout, render, stack
 from services.cli.errors import CliError
+from services.cli.jobs import follow_job, sample_text, submit_job
 from services.contract import Module, control_pb2, data_pb2, store_pb2
-from services.jobspec import JobSpecError, load_job_spec
 
 HELP = {"help_option_names": ["-h", "--help"]}
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -227,35 +226,6 @@ def submit(
             raise typer.Exit(130) from None
         render.console.print(render.summary_table(h.last, h))
         _exit_for(h.last)
-
-
-def submit_job(spec_path: Path) -> control_pb2.JobStatus:
-    try:
-        spec = load_job_spec(spec_path)
-    except JobSpecError as e:
-        raise CliError(str(e), code=2) from None
-    ds = data_pb2.MountDataset(name=spec.data.name, version=spec.data.version, verify=True)
-    info = clients.call("data", lambda s: s.Mount(ds, timeout=120))
-    if info.vocab_size > spec.model.vocab_size:
-        raise CliError(
-            f"{spec_path}: model.vocab_size: {spec.model.vocab_size} is smaller than the "
-            f"dataset's vocabulary ({info.vocab_size}, {info.tokenizer})", code=2)
-    req = control_pb2.SubmitJobRequest(spec_yaml=spec_path.read_text(), spec_path=str(spec_path))
-    try:
-        return clients.call("control", lambda s: s.SubmitJob(req, timeout=60))
-    except CliError as e:
-        # Control refuses a spec it cannot place (more ranks than free slots) as
-        # FAILED_PRECONDITION: at submit that is the spec's fault, exit 2 like its other errors.
-        if e.status == grpc.StatusCode.FAILED_PRECONDITION:
-            e.code = 2
-        raise
-
-
-def follow_job(job_id: str, reconnect_s: float = 60.0) -> render.History:
-    """Progress of ``job_id`` until it ends, through a control restart (services/cli/follow.py)."""
-    from services.cli import follow as following
-
-    return render.follow(following.job_events(job_id, reconnect_s))
 
 
 @app.command()
@@ -487,19 +457,6 @@ def generate(
     Example: surgectl generate --checkpoint latest --prompt 'def '
     """
     render.console.print(sample_text(checkpoint, prompt, max_new_tokens, temperature, top_k, seed))
-
-
-def sample_text(version: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> str:
-    loaded = clients.call("store", lambda s: s.Load(store_pb2.LoadCheckpoint(version=version), timeout=120))
-    from services.compute.inference import generate_text
-    from services.jobspec import spec_from_json
-
-    data = spec_from_json(loaded.info.spec_json).data
-    mount = data_pb2.MountDataset(name=data.name, version=data.version, verify=False)
-    tokenizer = clients.call("data", lambda s: s.Mount(mount, timeout=30)).tokenizer
-    return generate_text(
-        loaded.info.path, loaded.info.spec_json, prompt, max_new_tokens, temperature, top_k, seed, tokenizer
-    )
 
 
 @app.command()

@@ -4,6 +4,8 @@ line with a non-zero exit; the mutating commands need the stack's bearer token."
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import typer
@@ -32,6 +34,13 @@ def test_every_command_has_help_with_an_example():
         if "Example: surgectl" not in r.output:
             missing.append(" ".join(path) or "(root)")
     assert missing == []
+
+
+def test_the_demo_runs_without_importing_surgectl():
+    # demo and surgectl share services/cli/jobs.py; neither imports the other at load time.
+    code = "import sys, services.cli.demo; print(sorted(m for m in sys.modules if m.startswith('services.cli.')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "services.cli.surgectl" not in out and "services.cli.jobs" in out
 
 
 @pytest.mark.integration
