@@ -175,6 +175,7 @@ def build(
         # the graded report that decides on it.
         (engine_pb2.TrainingLoopFailed, o.on_training_loop_failed),
         (control_pb2.FaultReport, o.on_fault_report),
+        (engine_pb2.StepFaultReported, o.on_step_fault_reported),
         (control_pb2.ResourcePressure, o.on_resource_pressure),
     ):
         bus.subscribe(M.L1_ORCHESTRATOR, msg_type, handler)

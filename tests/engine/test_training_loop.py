@@ -6,7 +6,14 @@ import threading
 
 import pytest
 import torch
-from rank_fakes import LocalRank, answer_step_faults, started, tiny_spec, torch_threads, wait_for
+from rank_fakes import (
+    LocalRank,
+    answer_step_faults,
+    started,
+    tiny_spec,
+    torch_threads,
+    wait_for,
+)
 
 from services.contract import Module, engine_pb2
 

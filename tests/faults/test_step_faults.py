@@ -1,0 +1,150 @@
+"""Step faults wait for L1 (issue 13 part 4), on the real stack: every ``fault_policy`` action
+taking effect for a NaN loss injected at a step (``SURGE_FAULT_INJECT``).
+
+The loop blocks at the faulty step and reports it to L1-1; the orchestrator decides by the
+policy and sends its verdict to every rank: ignore (the step is applied as it is), skip_step
+(a standing order issued with the job: no round trip), rollback / restart_ranks /
+exclude_node (the ranks are relaunched from a checkpoint before the step), stop (the job
+fails, its ranks are released). One stack (two workers of one slot each) serves the module;
+tiny model, a few steps per job.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from services.contract import control_pb2
+from tests.faults.test_recovery import finished, metric, of_type, running_stack
+
+pytestmark = [
+    pytest.mark.integration, pytest.mark.timeout(300),
+    # The rank's StepFaultReported and control's StepVerdict cross the node agent as routed
+    # messages (services/contract/relay.py); control's side of that relay is not wired yet.
+    pytest.mark.skip(reason="needs control's relay of routed rank events and commands (#13 relay)"),
+]
+
+S, O = control_pb2.JobState, control_pb2.JobOutcome
+INJECT = ("sfroll:nan_loss@7:rank=1,sfskip:inf_grad@3,sfskip:nan_loss@5:rank=1,sfignore:nan_loss@4,"
+          "sfstop:nan_loss@4,sfrestart:nan_loss@6,sfexclude:nan_loss@6")
+JOBS = ("sfroll", "sfskip", "sfignore", "sfstop", "sfrestart", "sfexclude")
+
+JOB = """\
+name: {name}
+steps: {steps}
+seed: 0
+model: {{n_layers: 1, d_model: 32, n_heads: 2, vocab_size: 256}}
+data: {{dataset: tiny@v1, seq_len: 32, micro_batch_size: 2}}
+parallel: {{dp: {dp}}}
+optimizer: {{lr: 3.0e-3, warmup_steps: 2}}
+checkpoint: {{every_steps: {every}, keep_last: 0, async: false}}
+eval: {{every_steps: 0, at_end: false}}
+fault_policy: {{actions: {{non_finite_loss: {action}}}}}
+{extra}"""
+
+
+def job(name: str, action: str, *, steps: int = 8, dp: int = 1, every: int = 3, extra: str = "") -> str:
+    return JOB.format(name=name, steps=steps, dp=dp, every=every, action=action, extra=extra)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    with running_stack(tmp_path_factory.mktemp("surge-step-faults"), ("json",), JOBS,
+                       env={"SURGE_FAULT_INJECT": INJECT}) as s:
+        yield s
+
+
+def faults(events) -> list[str]:
+    """The step faults that opened a decision (not a relaunched generation's consequences)."""
+    return [m for m in of_type(events, "fault") if "(consequence of" not in m]
+
+
+def rank0_steps(stack, job_id: str) -> list[dict]:
+    return [r for r in stack.step_records(job_id) if r["rank"] == 0]
+
+
+def test_rollback_relaunches_both_ranks_from_the_newest_checkpoint_before_the_faulty_step(stack):
+    job_id = stack.submit(job("sfroll", "rollback", steps=10, dp=2))
+    events = stack.events(job_id)
+    # The NaN is injected on rank 1 but seen in the all-reduced loss: both ranks block at step
+    # 7 and report it; whichever report comes first is decided, once.
+    (fault,) = faults(events)
+    assert re.match(r"non_finite_loss: rank [01] blocked at step 7: training loss is nan at step 7", fault), fault
+    (decision,) = of_type(events, "decision")[1:]
+    assert re.match(r"rollback after non_finite_loss of rank [01] on worker-\d+ at step 7 "
+                    r"\(restart 1 of 3 for non_finite_loss\)$", decision), decision
+    (relaunch,) = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
+    assert f"resume from checkpoint {job_id}:2;" in relaunch  # step 6: the newest, saved before step 7
+    assert [r["step"] for r in rank0_steps(stack, job_id)] == [*range(1, 7), *range(7, 11)]
+    assert all(math.isfinite(r["loss"]) for r in rank0_steps(stack, job_id))  # the NaN step was never applied
+    finished(events)
+
+
+def test_skip_step_is_a_standing_order_each_faulty_step_is_skipped_on_both_ranks_with_no_round_trip(stack):
+    before = {r: metric(stack.metrics(), "surge_skipped_steps_total", reason=r) for r in ("overflow", "non_finite_loss")}
+    fp16 = "precision: {dtype: fp16, loss_scale: {init_scale: 1024.0, hysteresis: 1}}"
+    job_id = stack.submit(job("sfskip", "skip_step", dp=2, every=0, extra=fp16))
+    events = stack.events(job_id)
+    assert faults(events) == [] and of_type(events, "decision")[1:] == []  # nobody was asked
+    skips = of_type(events, "skip")
+    assert [m.split(" (")[0] for m in skips] == ["step 3 skipped", "step 5 skipped"]
+    assert "(overflow)" in skips[0] and "(non_finite_loss)" in skips[1] and skips[1].endswith("loss nan")
+    after = {r: metric(stack.metrics(), "surge_skipped_steps_total", reason=r) for r in before}
+    assert after == {"overflow": before["overflow"] + 1, "non_finite_loss": before["non_finite_loss"] + 1}
+    records = {(r["rank"], r["step"]): r for r in stack.step_records(job_id)}
+    for rank in (0, 1):
+        assert [records[rank, s]["skipped"] for s in range(1, 9)] == [s in (3, 5) for s in range(1, 9)]
+        assert records[rank, 4]["loss_scale"] == 512.0  # hysteresis 1: the overflow at step 3 halved 1024
+    finished(events)
+
+
+def test_ignore_applies_the_faulty_step_as_it_is_and_the_job_goes_on(stack):
+    job_id = stack.submit(job("sfignore", "ignore", steps=6))
+    events = stack.events(job_id)
+    # The NaN gradients were applied: the weights are NaN, every later step faults too, and
+    # each is decided (ignored) and applied.
+    assert [m.split(": training")[0] for m in faults(events)] == [
+        f"non_finite_loss: rank 0 blocked at step {s}" for s in (4, 5, 6)]
+    decisions = of_type(events, "decision")[1:]
+    assert [re.sub(r"worker-\d+", "W", d) for d in decisions] == [
+        f"ignore non_finite_loss of rank 0 on W at step {s}: fault policy; {n} ignored so far; the step is applied "
+        "as it is" for n, s in enumerate((4, 5, 6), 1)]
+    records = rank0_steps(stack, job_id)
+    assert [(r["step"], r["skipped"]) for r in records] == [(s, False) for s in range(1, 7)]
+    assert [math.isnan(r["loss"]) for r in records] == [False, False, False, True, True, True]
+    finished(events)
+
+
+def test_stop_fails_the_job_at_the_faulty_step_and_releases_its_ranks(stack):
+    job_id = stack.submit(job("sfstop", "stop"))
+    events = stack.events(job_id)
+    (decision,) = of_type(events, "decision")[1:]
+    assert re.match(r"stop after non_finite_loss of rank 0 on worker-\d+ at step 4: fault policy$", decision)
+    status = events[-1].status
+    assert (status.state, status.outcome) == (S.TERMINATED, O.FAILED)
+    assert status.message.startswith("non_finite_loss: rank 0 blocked at step 4: training loss is nan")
+    assert [r["step"] for r in rank0_steps(stack, job_id)] == [1, 2, 3]
+
+
+def test_restart_ranks_relaunches_from_the_newest_checkpoint(stack):
+    job_id = stack.submit(job("sfrestart", "restart_ranks"))
+    events = stack.events(job_id)
+    (decision,) = of_type(events, "decision")[1:]
+    assert re.match(r"restart_ranks after non_finite_loss of rank 0 on worker-\d+ at step 6 \(restart 1 of 3", decision)
+    (relaunch,) = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
+    assert f"resume from checkpoint {job_id}:1;" in relaunch  # step 3 (step 6 never completed)
+    assert [r["step"] for r in rank0_steps(stack, job_id)] == [*range(1, 6), *range(4, 9)]
+    finished(events)
+
+
+def test_exclude_node_relaunches_the_rank_on_another_worker(stack):
+    job_id = stack.submit(job("sfexclude", "exclude_node"))
+    events = stack.events(job_id)
+    (decision,) = of_type(events, "decision")[1:]
+    worker = re.match(r"exclude_node after non_finite_loss of rank 0 on (worker-\d+) at step 6 .*; excluding \1$",
+                      decision).group(1)
+    (relaunch,) = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
+    assert f"relaunched on {worker} " not in relaunch and f"resume from checkpoint {job_id}:1;" in relaunch
+    finished(events)
