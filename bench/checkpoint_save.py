@@ -162,7 +162,8 @@ def main() -> None:
     from services.compute.model import build_model, count_parameters
 
     params = count_parameters(build_model(demo_spec(args.model).model, 0))
-    print(f"{args.model} model ({params / 1e6:.1f} M parameters), 2 gloo ranks, {args.rounds} rounds, checkpoint dirs on disk {size / 1e6:.1f} MB (2 versions)")
+    print(f"{args.model} model ({params / 1e6:.1f} M parameters), 2 gloo ranks, {args.rounds} rounds, "
+          f"checkpoint dirs on disk {size / 1e6:.1f} MB (2 versions)")
     print(f"{'what (median ms)':32} {'rank 0':>8} {'rank 1':>8}")
     for key in results[0]:
         row = [1e3 * statistics.median(r[key]) for r in results]

@@ -35,7 +35,6 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import statistics
 import subprocess
 import sys
 import threading
@@ -45,7 +44,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common as c  # noqa: E402
-
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -65,7 +63,6 @@ def sim_process(address: str, ids: list[int], total: int, registered, silence_ra
 
 async def _sim(address, ids, total, registered, silence_rank, stop, out_q) -> None:
     import grpc
-
     from services.contract import control_pb2, control_pb2_grpc, engine_pb2, worker_pb2
 
     sequenced = "seq" in control_pb2.WorkerEvent.DESCRIPTOR.fields_by_name
@@ -187,7 +184,6 @@ def cpu_seconds(pid: int) -> float:
 
 
 def run(n: int, seconds: float, procs: int, register_timeout_s: float = 60.0, profile: str | None = None) -> dict:
-    from services.contract import control_pb2
 
     c.setup_env()
     out: dict = {"workers": n, "seconds": seconds}

@@ -264,7 +264,7 @@ def main() -> None:
         t = result["summary"]["torchrun"].get(kind)
         rows.append((label, _cell(s["detect_s"]), _cell(t["detect_s"]) if t else "not measured (same as SIGSTOP)",
                      _cell(s["first_new_step_s"]), _cell(t["first_new_step_s"]) if t else "-"))
-    print(c.table(rows, ("fault (trials: %d)" % args.trials, "Surge detect s (median / max)", "torchrun detect s",
+    print(c.table(rows, (f"fault (trials: {args.trials})", "Surge detect s (median / max)", "torchrun detect s",
                          "Surge fault -> first new step s", "torchrun fault -> first new step s")))
     for kind, b in result["surge_recovery_breakdown"].items():
         print(f"Surge {kind}, median s after the fault: relaunch decided {b['relaunch_s']['median']:.2f}, all ranks "

@@ -66,7 +66,6 @@ def plan(args: argparse.Namespace) -> dict:
 
     Raises: UsageError naming the field."""
     import torch
-
     from services.compute.model import build_model, count_parameters
     from services.engine.training_loop import model_flops_per_token
     from services.jobspec import JobSpecError, load_job_spec
@@ -81,7 +80,8 @@ def plan(args: argparse.Namespace) -> dict:
         params = count_parameters(build_model(spec.model, spec.seed, "meta"))
     return {"spec": str(args.spec), "params": params, "flops_per_token": model_flops_per_token(spec, params),
             "tokens_per_step": spec.data.micro_batch_size * spec.data.seq_len * spec.data.grad_accum,
-            "precision": str(getattr(spec.precision, "dtype", spec.precision)), "steps": args.steps, "warmup": args.warmup, "reps": args.reps}
+            "precision": str(getattr(spec.precision, "dtype", spec.precision)),
+            "steps": args.steps, "warmup": args.warmup, "reps": args.reps}
 
 
 def gpu_name() -> str:

@@ -7,9 +7,10 @@ over the demo-size model, forward + backward + the loop's marker stores of one s
 DDP's built-in all-reduce and no marker vs the marking comm hook and a marker, alternated
 step by step; prints the median of the paired differences.
 
-End to end (``--rounds`` > 0; noisy where other work shares the cores): two real rank processes (the real rank wiring with fake data/store relays, DDP over gloo,
-dp=2, the demo-size model) train ``--steps`` steps with the marker (the loop's and L3-5's
-phase boundaries, DDP's all-reduce through the marking comm hook) and without it (no
+End to end (``--rounds`` > 0; noisy where other work shares the cores): two real rank
+processes (the real rank wiring with fake data/store relays, DDP over gloo, dp=2, the
+demo-size model) train ``--steps`` steps with the marker (the loop's and L3-5's phase
+boundaries, DDP's all-reduce through the marking comm hook) and without it (no
 marker, DDP's built-in all-reduce), rounds interleaved so machine load hits both alike.
 Prints the median step time over the steps after the first three (warm-up) of each
 variant, and the cost of one ``PhaseMarker.enter`` (about 6 per step).
@@ -37,7 +38,6 @@ def _rank(rank: int, port: int, out: Path, steps: int, marked: bool) -> None:
 
     import rank_fakes
     import torch
-
     from services.common.phase import PhaseMarker
     from services.common.process_exit import exit_now
     from services.contract import engine_pb2
@@ -66,12 +66,11 @@ def _paired(pairs: int) -> str:
 
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
     from services.common import phase as ph
     from services.compute.gradient_reduction import GradientReduction
     from services.compute.model import Transformer
     from services.jobspec import ModelSpec
+    from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -36,8 +35,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import common as c  # noqa: E402
 from bench.rank_sched import RankSampler  # noqa: E402
+
+from bench import common as c  # noqa: E402
 
 SPEC = c.REPO / "bench" / "jobs" / "throughput.yaml"
 STEPS, WARMUP, REPS = (60, 15, 2) if c.QUICK else (150, 20, 5)
@@ -71,7 +71,7 @@ def throughput(results: dict) -> None:
             surge_tps.append(c.steady_tokens_per_s(r0, WARMUP))
             surge_start.append(r0[0]["unix_time"] - t_submit)
             _add_sched(sched["surge"], sampler, r0)
-            for rank, rr in recs.items():
+            for rr in recs.values():
                 steady = [r for r in rr if r["step"] > WARMUP]
                 step_s = sum(r["step_seconds"] for r in steady)
                 wall = steady[-1]["unix_time"] - next(r for r in rr if r["step"] == WARMUP)["unix_time"]
@@ -212,7 +212,8 @@ def render(r: dict) -> str:
             ("1 throughput", "ratio Surge / torchrun (goal >= 0.99)", c.fmt(t["ratio"], "", 3)),
         ]
     for k, v in r.get("spans_fraction_of_wall", {}).items():
-        rows.append(("2 spans", f"{k}, % of wall time (rank median)", c.fmt({**v, **{x: 100 * v[x] for x in ('median', 'min', 'max')}}, " %", 2)))
+        percent = {**v, **{x: 100 * v[x] for x in ('median', 'min', 'max')}}
+        rows.append(("2 spans", f"{k}, % of wall time (rank median)", c.fmt(percent, " %", 2)))
     sched = r.get("rank_time_per_step_ms", {})
     for k in ("main_cpu_ms", "runqueue_ms", "sleep_ms", "other_threads_cpu_ms"):
         if k in sched.get("surge", {}) and k in sched.get("torchrun", {}):
@@ -222,13 +223,17 @@ def render(r: dict) -> str:
         rows.append(("2 spans", f"CPU of {k} during the job, % of one core", c.fmt(v, " %", 1)))
     b = r.get("bus")
     if b:
-        rows.append(("2 spans", "bus: us per command+reply / per publish", f"{b['us_per_send'].get('command + routed reply', 0):.2f} / {b['us_per_send'].get('publish to 2 receivers', 0):.2f}"))
+        per_send = b["us_per_send"]
+        rows.append(("2 spans", "bus: us per command+reply / per publish",
+                     f"{per_send.get('command + routed reply', 0):.2f} / {per_send.get('publish to 2 receivers', 0):.2f}"))
         rows.append(("2 spans", "bus: us per step (8 sends)", f"{b['us_per_step']:.1f}"))
     dw = r.get("spans_fraction_of_wall", {}).get("data_wait")
     if dw:
-        rows.append(("3 data", "data wait % of wall (goal < 1 %)", c.fmt({**dw, **{x: 100 * dw[x] for x in ('median', 'min', 'max')}}, " %", 3)))
+        percent = {**dw, **{x: 100 * dw[x] for x in ('median', 'min', 'max')}}
+        rows.append(("3 data", "data wait % of wall (goal < 1 %)", c.fmt(percent, " %", 3)))
     for p in r.get("data_packed_vs_consumed", [])[-1:]:
-        rows.append(("3 data", "batches sent per train stream vs consumed per rank", f"{p['sent_per_stream_last2']} vs {p['consumed_per_rank']}"))
+        rows.append(("3 data", "batches sent per train stream vs consumed per rank",
+                     f"{p['sent_per_stream_last2']} vs {p['consumed_per_rank']}"))
     d = r.get("data_drain")
     if d and "error" not in d:
         rows.append(("3 data", "data service alone: batches/s, MB/s (1 stream drained)", f"{d['batches_per_s']:.0f}, {d['mb_per_s']:.1f}"))

@@ -3,7 +3,6 @@
 from pathlib import Path
 
 import pytest
-
 from services.jobspec import JobSpecError, load_job_spec, parse_job_spec
 
 DEMO = Path(__file__).parents[1] / "examples" / "jobs" / "demo.yaml"
@@ -27,10 +26,13 @@ def test_the_demo_spec_is_valid_and_gives_the_reference_global_batch():
         ("name: x\nsteps: 5\ndata: {dataset: nover}\n", "job.yaml: data.dataset: String should match pattern"),
         ("name: [x\n", "job.yaml: line 2: malformed YAML"),
         ("- a\n- b\n", "job.yaml: expected a mapping"),
-        ("name: x\nsteps: 5\nmodel: {d_model: 100, n_heads: 3}\ndata: {dataset: a@v1}\n", "job.yaml: model: d_model (100) must be divisible by n_heads (3)"),
+        ("name: x\nsteps: 5\nmodel: {d_model: 100, n_heads: 3}\ndata: {dataset: a@v1}\n",
+         "job.yaml: model: d_model (100) must be divisible by n_heads (3)"),
         ("name: x\nsteps: '120'\ndata: {dataset: a@v1}\n", "job.yaml: steps: Input should be a valid integer, got '120'"),
-        ("name: x\nsteps: 5\nsteps: 6\ndata: {dataset: a@v1}\n", "job.yaml: line 3: malformed YAML: duplicate key 'steps'"),
-        ("name: x\nsteps: 5\nmodel: {tie_embeddings: false}\nparallel: {pp: 2, microbatches: 3}\ndata: {dataset: a@v1, micro_batch_size: 8}\n",
+        ("name: x\nsteps: 5\nsteps: 6\ndata: {dataset: a@v1}\n",
+         "job.yaml: line 3: malformed YAML: duplicate key 'steps'"),
+        ("name: x\nsteps: 5\nmodel: {tie_embeddings: false}\nparallel: {pp: 2, microbatches: 3}\n"
+         "data: {dataset: a@v1, micro_batch_size: 8}\n",
          "job.yaml: data.micro_batch_size: 8 rows must split into parallel.microbatches (3)"),
     ],
 )

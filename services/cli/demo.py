@@ -5,12 +5,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from services.cli import render, stack
 from services.cli.errors import CliError
 from services.cli.jobs import follow_job, sample_text, submit_job
 from services.common import paths
 from services.contract import control_pb2
 from services.jobspec import JobSpecError, load_job_spec
+
+from services.cli import render, stack
 
 SAMPLE_PROMPT = "def "
 
@@ -59,7 +60,8 @@ def _ensure_dataset(name: str, version: str) -> None:
     if (root / name / version / "manifest.json").exists():
         return
     if name != "stdlib":
-        raise CliError(f"dataset {name}@{version} is not prepared (surgectl dataset prepare --name {name} --version {version} --source DIR)")
+        raise CliError(f"dataset {name}@{version} is not prepared "
+                       f"(surgectl dataset prepare --name {name} --version {version} --source DIR)")
     render.console.rule(f"preparing {name}@{version} from {default_stdlib_source()}")
     t = time.monotonic()
     info = prepare_dataset(default_stdlib_source(), name, version, root)

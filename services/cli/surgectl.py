@@ -8,21 +8,21 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
-
-from services.cli import clients, jsonout, render, stack
 from services.cli.errors import CliError
 from services.cli.jobs import follow_job, sample_text, submit_job
 from services.contract import Module, control_pb2, data_pb2, store_pb2
+
+from services.cli import clients, jsonout, render, stack
 
 HELP = {"help_option_names": ["-h", "--help"]}
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   context_settings=HELP,
                   help="Surge (狂潮): distributed LM training as gRPC services.\n\n"
                        "Example: surgectl up && surgectl submit examples/jobs/demo.yaml --follow")
-dataset_app = typer.Typer(no_args_is_help=True, context_settings=HELP, help="Prepare and list dataset versions.\n\nExample: surgectl dataset list")
+dataset_app = typer.Typer(no_args_is_help=True, context_settings=HELP,
+                          help="Prepare and list dataset versions.\n\nExample: surgectl dataset list")
 app.add_typer(dataset_app, name="dataset")
 
 OutputOpt = typer.Option("table", "--output", "-o", help="table | json")
@@ -168,7 +168,7 @@ def restart(
 def dataset_prepare(
     name: str = typer.Option("stdlib", help="dataset name"),
     version: str = typer.Option("v1", help="version label (immutable once prepared)"),
-    source: Optional[Path] = typer.Option(None, help="directory of text files (default: this Python's standard library)"),
+    source: Path | None = typer.Option(None, help="directory of text files (default: this Python's standard library)"),
     tokenizer: str = typer.Option("bytes", help="'bytes' (vocab 256) or a HF tokenizers JSON file"),
     val_fraction: float = typer.Option(0.02, min=0.0, max=0.5, help="share of files held out (by file)"),
     glob: str = typer.Option("**/*.py", help="which files of --source are documents"),
@@ -229,7 +229,7 @@ def submit(
 
 
 @app.command()
-def status(job: Optional[str] = typer.Argument(None), output: str = OutputOpt) -> None:
+def status(job: str | None = typer.Argument(None), output: str = OutputOpt) -> None:
     """Show one job or all jobs.
 
     Example: surgectl status demo-3f2a1c -o json
@@ -284,7 +284,7 @@ def events(
 def logs(
     job: str,
     follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines until the job ends"),
-    rank: Optional[int] = typer.Option(None, min=0, help="only this rank"),
+    rank: int | None = typer.Option(None, min=0, help="only this rank"),
     output: str = typer.Option("table", "--output", "-o", help="table (readable) | json (the lines as written)"),
     reconnect_seconds: float = ReconnectOpt,
 ) -> None:
@@ -325,9 +325,9 @@ def logs(
 @app.command()
 def plot(
     job: str,
-    out: Optional[Path] = typer.Option(None, "--out", help="PNG to write (default: $SURGE_HOME/<job>-loss.png)"),
-    rank: Optional[int] = typer.Option(None, min=0, help="whose loss (default: the lowest rank recorded)"),
-    metrics: Optional[Path] = typer.Option(None, help="a metrics JSONL file (default: the local store's <job>.jsonl)"),
+    out: Path | None = typer.Option(None, "--out", help="PNG to write (default: $SURGE_HOME/<job>-loss.png)"),
+    rank: int | None = typer.Option(None, min=0, help="whose loss (default: the lowest rank recorded)"),
+    metrics: Path | None = typer.Option(None, help="a metrics JSONL file (default: the local store's <job>.jsonl)"),
 ) -> None:
     """Write a PNG of a job's loss (train and held-out) and tokens/s against step.
 
@@ -336,8 +336,9 @@ def plot(
 
     Example: surgectl plot demo-3f2a1c --out demo.png
     """
-    from services.cli import observe
     from services.common import paths
+
+    from services.cli import observe
 
     source = metrics or observe.metrics_file(job)
     if metrics is not None and not metrics.is_file():
@@ -376,7 +377,7 @@ def pause(job: str, no_checkpoint: bool = NoCheckpointOpt) -> None:
 @app.command()
 def resume(
     job: str,
-    from_version: Optional[str] = typer.Option(None, "--from", help="the checkpoint version to continue from "
+    from_version: str | None = typer.Option(None, "--from", help="the checkpoint version to continue from "
                                                "('<job>:<n>', see `surgectl checkpoints JOB`; default: the newest that verifies)"),
 ) -> None:
     """Resume a job: a paused one where it paused; a stopped or failed one (or one drained
@@ -405,7 +406,7 @@ def stop(job: str, no_checkpoint: bool = NoCheckpointOpt) -> None:
 
 
 @app.command()
-def checkpoints(job: Optional[str] = typer.Argument(None), output: str = OutputOpt) -> None:
+def checkpoints(job: str | None = typer.Argument(None), output: str = OutputOpt) -> None:
     """List committed checkpoint versions (oldest first).
 
     Example: surgectl checkpoints demo-3f2a1c

@@ -20,8 +20,8 @@ Every server also answers a request it cannot parse with INVALID_ARGUMENT naming
 from __future__ import annotations
 
 import asyncio
-import hmac
 import errno
+import hmac
 import inspect
 import os
 import socket

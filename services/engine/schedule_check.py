@@ -316,13 +316,13 @@ def one_f_one_b_actions(num_stages: int, num_microbatches: int) -> dict[int, lis
     last, n = num_stages - 1, num_microbatches
     out: dict[int, list[Step]] = {}
     for s in range(num_stages):
-        recv_f = (lambda m: [Action("RECV_F", s, m)]) if s > 0 else (lambda m: [])
-        send_f = (lambda m: [Action("SEND_F", s, m)]) if s < last else (lambda m: [])
-        recv_b = (lambda m: [Action("RECV_B", s, m)]) if s < last else (lambda m: [])
-        send_b = (lambda m: [Action("SEND_B", s, m)]) if s > 0 else (lambda m: [])
+        recv_f = (lambda m, s=s: [Action("RECV_F", s, m)]) if s > 0 else (lambda m: [])
+        send_f = (lambda m, s=s: [Action("SEND_F", s, m)]) if s < last else (lambda m: [])
+        recv_b = (lambda m, s=s: [Action("RECV_B", s, m)]) if s < last else (lambda m: [])
+        send_b = (lambda m, s=s: [Action("SEND_B", s, m)]) if s > 0 else (lambda m: [])
         steps: list[Step] = []
 
-        def post(ops: list[Action]) -> None:  # one _batch_p2p call, then its wait
+        def post(ops: list[Action], steps: list[Step] = steps) -> None:  # one _batch_p2p call, then its wait
             if ops:
                 steps.append(ops[0] if len(ops) == 1 else tuple(ops))
 

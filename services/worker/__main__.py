@@ -31,19 +31,19 @@ import threading
 import uuid
 from pathlib import Path
 
-
-from services.common import logs, paths
-from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
-from services.contract import Module, audit_pb2_grpc, control_pb2, worker_pb2_grpc
 from services.contract.audit import AuditServicer, ViolationReporter, merge_reports, report_of
 from services.contract.bus import Bus
 from services.contract.relay import pack
-from services.contract.validation import ContractError, refuse, validate_table
 from services.worker.control_link import ControlSession, Outbox
 from services.worker.hardware import DEFAULT_MEMINFO, MEMINFO_ENV, detect_cuda_devices, hardware_report
 from services.worker.memory_pressure import MemorySampler
 from services.worker.node_agent import DEFAULT_RANK_MODULE, RANK_MODULE_ENV, SHUTDOWN_GRACE_SECONDS, NodeAgent
 from services.worker.rank_session import RankSessionServicer
+
+from services.common import logs, paths
+from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
+from services.contract import Module, audit_pb2_grpc, control_pb2, worker_pb2_grpc
+from services.contract.validation import ContractError, refuse, validate_table
 
 SERVICE_NAME = "surge.v1.WorkerService"
 WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
@@ -55,9 +55,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=env.get("SURGE_WORKER_PORT"), help="gRPC port (env SURGE_WORKER_PORT; 0 = any free port)")
     p.add_argument("--control", default=env.get("SURGE_CONTROL_ADDRESS"), help="control host:port (env SURGE_CONTROL_ADDRESS)")
     p.add_argument("--host", default=os.environ.get("SURGE_WORKER_HOST", "127.0.0.1"), help="address to listen on (env SURGE_WORKER_HOST)")
-    p.add_argument("--advertise", default=os.environ.get("SURGE_WORKER_ADVERTISE"), help="host other nodes reach this agent at (env SURGE_WORKER_ADVERTISE; default: --host, or the host name when listening on all addresses)")
+    p.add_argument("--advertise", default=os.environ.get("SURGE_WORKER_ADVERTISE"),
+                   help="host other nodes reach this agent at (env SURGE_WORKER_ADVERTISE; "
+                        "default: --host, or the host name when listening on all addresses)")
     p.add_argument("--worker-id", default=env.get("SURGE_WORKER_ID"), help="stable id (env SURGE_WORKER_ID; default <hostname>-<port>)")
-    p.add_argument("--slots", type=int, default=env.get("SURGE_WORKER_SLOTS"), help="rank processes this node may run (env SURGE_WORKER_SLOTS; default: CUDA devices, else 1)")
+    p.add_argument("--slots", type=int, default=env.get("SURGE_WORKER_SLOTS"),
+                   help="rank processes this node may run (env SURGE_WORKER_SLOTS; default: CUDA devices, else 1)")
     p.add_argument("--run-dir", type=Path, default=None, help="rank logs go to <run-dir>/logs (default $SURGE_HOME/run)")
     p.add_argument(
         "--memory-check-seconds", type=float, default=env.get("SURGE_WORKER_MEMORY_CHECK_SECONDS") or 2.0,

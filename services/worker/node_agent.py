@@ -75,7 +75,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from services.contract import Module, audit_pb2, control_pb2, engine_pb2, worker_pb2
 from services.contract.audit import merge_reports
 from services.contract.bus import Bus
 from services.contract.relay import L1, RANK, Link
@@ -91,6 +90,8 @@ from services.worker.rank_process import (
     signal_group,
 )
 from services.worker.rank_session import RankAlreadyAttached, RankNotLaunched
+
+from services.contract import Module, audit_pb2, control_pb2, engine_pb2, worker_pb2
 
 RANK_MODULE_ENV = "SURGE_RANK_MODULE"
 DEFAULT_RANK_MODULE = "services.worker.rank"
@@ -284,7 +285,8 @@ class NodeAgent:
             return
         if (event.job_id, event.rank) != (r.job_id, r.rank):
             if event.job_id or event.rank:
-                self._log.warning("rank event envelope names another rank; corrected", job_id=r.job_id, rank=r.rank, said_job=event.job_id, said_rank=event.rank)
+                self._log.warning("rank event envelope names another rank; corrected",
+                                  job_id=r.job_id, rank=r.rank, said_job=event.job_id, said_rank=event.rank)
             event.job_id, event.rank = r.job_id, r.rank
         self._emit(control_pb2.WorkerEvent(rank_event=event))
 

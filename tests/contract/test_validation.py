@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool
-
-from services.contract import Module, data_pb2, engine_pb2, route_pb2
 from services.contract.bus import Bus
 from services.contract.route_table import PROTO_FILES, Route, RouteTable, default_table
+
+from services.contract import Module, data_pb2, engine_pb2, route_pb2
 from services.contract.validation import EXIT_CONTRACT, ContractError, validate_table, validate_wiring
 
 M = Module
@@ -168,7 +168,9 @@ def test_a_subscription_not_routed_to_its_module_is_refused():
 def test_a_subscription_by_a_module_the_process_does_not_host_is_refused():
     bus = Bus()
     bus.subscribe(M.L2_OPTIMIZER, engine_pb2.ApplyUpdate, lambda m, p=None: None)
-    with pytest.raises(ContractError, match=r"^L2_OPTIMIZER subscribes to surge\.v1\.ApplyUpdate, but this process does not host L2_OPTIMIZER$"):
+    with pytest.raises(
+        ContractError, match=r"^L2_OPTIMIZER subscribes to surge\.v1\.ApplyUpdate, but this process does not host L2_OPTIMIZER$"
+    ):
         validate_wiring(bus, {M.L2_TRAINING_LOOP})
 
 

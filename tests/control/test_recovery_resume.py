@@ -9,12 +9,12 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from services.contract import control_pb2, engine_pb2, worker_pb2
-from services.control import monitoring
 from services.control.__main__ import build
 from services.control.job_store import JobStore
 from services.control.orchestrator import Orchestrator
+
+from services.contract import control_pb2, engine_pb2, worker_pb2
+from services.control import monitoring
 
 from .conftest import Plane, drain, registration
 from .test_fault_policy import running, saved, store  # noqa: F401  (store: fixture)
@@ -180,7 +180,7 @@ def test_workers_excluded_before_a_restart_stay_excluded_after_it(tmp_path, stor
     plane.c.sessions.close(w["wb"])  # worker_lost: exclude wb (the policy says so), rank 1 goes to wc
     assert messages(plane, job_id, "decision")[-1].endswith("excluding wb")
     launched = {"wa": launches_of(drain(w["wa"]))[0], "wc": launches_of(drain(spare))[0]}
-    for rank, (wid, s) in enumerate((("wa", w["wa"]), ("wc", spare))):
+    for rank, s in enumerate((w["wa"], spare)):
         plane.rank_event(s, job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank))
     assert plane.get(job_id).state == S.RUNNING
     journal.close()

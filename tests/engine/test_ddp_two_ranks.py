@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from rank_fakes import free_port, tiny_spec
-from services.compute.inference import load_model_for_inference
 from services.compute.model import build_model
 from tests.conftest import run_to_end
+
+from services.compute.inference import load_model_for_inference
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from services.compute.forward_unit import ForwardUnit
 from services.compute.model import build_model
 from services.compute.operator_adapter import OperatorAdapter, OperatorUnavailable
+from services.contract.bus import Bus
+from services.jobspec import JobSpecError, ModelSpec, OptimizerSpec, parse_job_spec
+
 from services.contract import Module as M
 from services.contract import engine_pb2
-from services.contract.bus import Bus
 from services.engine.optimizer import Optimizer, OptimizerUnavailable
-from services.jobspec import JobSpecError, ModelSpec, OptimizerSpec, parse_job_spec
 
 pytestmark = pytest.mark.timeout(120)
 SPEC = ModelSpec(n_layers=1, d_model=32, n_heads=2, vocab_size=64)
@@ -63,7 +63,8 @@ def test_math_and_sdpa_give_the_same_logits():
 def test_an_unavailable_kernel_is_refused_with_the_field_named_and_nothing_selected():
     _, forward, _, reports = wired()
     # No memory-efficient SDPA kernel on CPU in torch 2.13: refused, not swapped for another.
-    with pytest.raises(OperatorUnavailable, match=r"^operators.attention: efficient \(EFFICIENT_ATTENTION\) is not available on cpu in float32"):
+    refused = r"^operators.attention: efficient \(EFFICIENT_ATTENTION\) is not available on cpu in float32"
+    with pytest.raises(OperatorUnavailable, match=refused):
         forward(engine_pb2.ConfigureForward(attention="efficient"))
     with pytest.raises(OperatorUnavailable, match=r"^operators.adamw: 'sgd' is not available"):
         wired()[1](engine_pb2.ConfigureForward(attention="sdpa", adamw="sgd"))

@@ -12,12 +12,12 @@ import grpc
 import numpy as np
 import pytest
 import torch
-
 from rank_fakes import free_port
-from services.contract import Module as M
-from services.contract import data_pb2, data_pb2_grpc, engine_pb2, store_pb2, store_pb2_grpc
 from services.contract.bus import Bus
 from services.worker.data_client import DataClient
+
+from services.contract import Module as M
+from services.contract import data_pb2, data_pb2_grpc, engine_pb2, store_pb2, store_pb2_grpc
 from services.worker.store_client import CheckpointError, CheckpointIntegrityError, StoreClient
 
 pytestmark = pytest.mark.timeout(60)
@@ -224,7 +224,7 @@ def test_a_background_commit_that_fails_is_raised_at_the_next_flush(server):
 
 def test_every_save_and_commit_of_one_launch_names_its_attempt_and_a_relaunch_another(server, tmp_path):
     address, store = server
-    for launch in range(2):  # a relaunched rank is a new process: a new relay
+    for _launch in range(2):  # a relaunched rank is a new process: a new relay
         client, port, _ = store_relay(address)
         for step in (4, 8):
             shutil.rmtree(tmp_path / "staging", ignore_errors=True)
@@ -319,7 +319,6 @@ def _committed_version(tmp_path, job: str = "v"):
     import warnings
 
     import torch.distributed.checkpoint as dcp
-
     from services.store.checkpoint_manager import CheckpointManager
 
     manager = CheckpointManager(tmp_path / "store")

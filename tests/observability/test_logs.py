@@ -13,7 +13,6 @@ import textwrap
 import time
 
 import pytest
-
 from tests.conftest import REPO
 from tests.observability.conftest import cli
 
@@ -35,7 +34,7 @@ def _json_or_none(line: str):
 @pytest.mark.integration
 def test_every_service_and_rank_log_of_the_stack_is_json_lines(obs_stack):
     not_json = []
-    for name, s in obs_stack.services.items():
+    for name in obs_stack.services:
         lines = _lines(obs_stack.home / "run" / "logs" / f"{name}.log")
         assert lines, f"{name}.log is empty"
         for i, line in enumerate(lines, 1):
@@ -189,7 +188,6 @@ class _Stream:
 
 def test_log_windows_batch_what_arrives_within_the_window_and_pass_errors_on():
     import grpc
-
     from services.cli.follow import _windows
 
     class Broken(grpc.RpcError):

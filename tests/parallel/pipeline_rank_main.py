@@ -34,10 +34,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_common import ROWS, SEED, SEQ, SPEC, global_batch, layer_ranges, make_optimizer  # noqa: E402
-
 from services.common.process_exit import exit_now  # noqa: E402
 from services.compute.model import build_model  # noqa: E402
 from services.compute.pipeline_stage import PipelineRunner, StageModule  # noqa: E402
+
 from services.engine.schedule_check import Action, check_pipeline  # noqa: E402
 
 # Optimizer state keyed by parameter FQN (as torchtitan does): with PP each rank holds other
@@ -51,14 +51,14 @@ def record_actions(runner: PipelineRunner, trace: list) -> None:
     stage, tags = runner.stage, {}
     for name, kind in (("get_fwd_recv_ops", "RECV_F"), ("get_fwd_send_ops", "SEND_F"),
                        ("get_bwd_recv_ops", "RECV_B"), ("get_bwd_send_ops", "SEND_B")):
-        def wrapped(i, _orig=getattr(stage, name), _kind=kind):
+        def wrapped(i, _orig=getattr(stage, name), _kind=kind):  # noqa: B008 (binds this iteration's method)
             ops = _orig(i)
             for op in ops:
                 tags[id(op)] = Action(_kind, stage.stage_index, i)
             return ops
         setattr(stage, name, wrapped)
     for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B")):
-        def wrapped(i, *a, _orig=getattr(stage, name), _kind=kind, **k):
+        def wrapped(i, *a, _orig=getattr(stage, name), _kind=kind, **k):  # noqa: B008 (binds this iteration's method)
             trace.append(Action(_kind, stage.stage_index, i))
             return _orig(i, *a, **k)
         setattr(stage, name, wrapped)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from harness import GLOBAL_ROWS, GlobalRowsData, run_config
 
 RTOL = 1e-5

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from harness import parity_spec, run_config
+
 from services.compute.inference import load_model_for_inference
 
 SHARDED = {

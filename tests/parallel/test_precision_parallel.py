@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from harness import run_config
 
 RULE = {"init_scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 1,

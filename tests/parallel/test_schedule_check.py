@@ -96,7 +96,8 @@ def test_receive_posted_before_its_sender_is_ready_deadlocks():
     r0 = actions[0]
     recv = r0.pop(r0.index(Action("RECV_B", 0, 0)))
     r0.insert(r0.index(Action("SEND_F", 0, 1)), recv)
-    with pytest.raises(ScheduleError, match=r"^schedule deadlock: rank 0 step 3 \(0RECV_B0\) blocks in 0RECV_B0 waiting for rank 1; rank 1 blocks in 1RECV_F1"):
+    deadlock = r"^schedule deadlock: rank 0 step 3 \(0RECV_B0\) blocks in 0RECV_B0 waiting for rank 1; rank 1 blocks in 1RECV_F1"
+    with pytest.raises(ScheduleError, match=deadlock):
         check_schedule(actions, num_stages=2, num_microbatches=2)
 
 
@@ -156,10 +157,10 @@ def test_batched_send_and_receive_between_neighbours_complete_together():
 
 def test_parallel_strategy_refuses_a_failing_schedule_before_any_process_group(monkeypatch):
     import torch.distributed as dist
+    from services.jobspec import ModelSpec, ParallelSpec
 
     from services.contract import engine_pb2
     from services.engine import parallel_strategy
-    from services.jobspec import ModelSpec, ParallelSpec
 
     def broken(schedule, stages, microbatches):  # 1F1B with its fused send/recv split apart
         return {r: _flat(s) for r, s in one_f_one_b_actions(stages, microbatches).items()}

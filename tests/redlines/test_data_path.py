@@ -12,15 +12,15 @@ import ast
 
 import numpy as np
 import pytest
-
-from services.contract import Module as M
-from services.contract import data_pb2
 from services.contract.bus import Bus
 from services.contract.route_table import default_table
 from services.data.batch_packer import IGNORE, BatchPacker
 from services.data.documents import Documents, TokenStore
 from services.data.prefetcher import Prefetcher
 from services.data.sample_filter import SampleFilter
+
+from services.contract import Module as M
+from services.contract import data_pb2
 
 from .wiring import MODULES, called_names, imported_modules, layer, reachable, source_tree
 
@@ -137,7 +137,7 @@ def test_the_batch_packer_keeps_every_token_in_order_and_pads_only_with_the_plac
 def test_no_data_module_hears_from_or_holds_anything_of_the_compute_path(tmp_path):
     from .wiring import build_data
 
-    for module, inst in build_data(tmp_path).modules.items():
+    for inst in build_data(tmp_path).modules.values():
         for r in reachable(inst):
             assert layer(r.target._sender if hasattr(r.target, "_sender") else 0) == 4, r.path
     for route in default_table().routes():

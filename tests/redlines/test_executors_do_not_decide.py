@@ -17,9 +17,6 @@ import threading
 import numpy as np
 import pytest
 import torch
-
-from services.contract import Module as M
-from services.contract import control_pb2, data_pb2, engine_pb2, store_pb2
 from services.contract.bus import BoundaryViolation, Bus, CommandPort, Emitter, RouteError
 from services.contract.frozen import ConfigFrozen
 from services.contract.route_table import default_table
@@ -27,6 +24,9 @@ from services.control.recovery_controller import RecoveryController
 from services.data.batch_packer import BatchPacker
 from services.data.documents import Documents
 from services.data.shuffler import epoch_order
+
+from services.contract import Module as M
+from services.contract import control_pb2, data_pb2, engine_pb2, store_pb2
 
 from .wiring import (
     MODULES,
@@ -511,7 +511,7 @@ def test_the_fault_detector_hears_only_public_error_events_and_its_commands():
 
 def test_the_training_loop_reports_a_fault_and_leaves_the_verdict_to_l1(tmp_path):
     built = build_rank(tmp_path, load_model=False)
-    bus, loop = built.buses[0], built.modules[M.L2_TRAINING_LOOP]
+    loop = built.modules[M.L2_TRAINING_LOOP]
     for verdict in (control_pb2.FaultReport(job_id="j", grade=control_pb2.FATAL),
                     control_pb2.StopJobRequest(job_id="j"), control_pb2.ReleaseResources(job_id="j")):
         with pytest.raises(BoundaryViolation):

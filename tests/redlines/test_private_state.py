@@ -13,10 +13,10 @@ import ast
 import inspect
 
 import pytest
-
-from services.contract import Module as M
 from services.contract.bus import CommandPort, Emitter
 from services.contract.route_table import default_table
+
+from services.contract import Module as M
 
 from .wiring import MODULES, REPO, build_all, build_rank, layer, reachable
 
@@ -119,7 +119,7 @@ def test_the_shard_loader_handover_is_write_only():
 def test_no_lower_module_holds_a_port_to_an_upper_one(built):
     upward = []
     for b in built:
-        for module, inst in b.modules.items():
+        for inst in b.modules.values():
             for r in reachable(inst):
                 if isinstance(r.target, CommandPort):
                     sender, receiver = r.target._sender, r.target._receiver

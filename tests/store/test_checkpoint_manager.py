@@ -11,10 +11,10 @@ import threading
 from pathlib import Path
 
 import pytest
-
-from services.contract import store_pb2
 from services.store import checkpoint_manager as cm
 from services.store.checkpoint_manager import CheckpointManager, CheckpointNotFound, CheckpointRejected
+
+from services.contract import store_pb2
 
 from .conftest import commit, load, save, stage, versions
 
@@ -547,7 +547,8 @@ def test_keep_last_zero_keeps_every_version(manager):
 
 
 def test_concurrent_rehashes_of_one_version_share_one_verdict(manager):
-    good, bad = save(manager, "a", 1), save(manager, "b", 1)
+    save(manager, "a", 1)
+    bad = save(manager, "b", 1)
     (Path(bad.path) / "__0_0.distcp").write_bytes(b"b@1" * 100 + b"!")
     results: dict[str, list] = {"a": [], "b": []}
 

@@ -22,6 +22,8 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from services.contract.bus import BoundaryViolation, Bus, Traffic
+from services.contract.relay import pack
 
 from services.common.grpc_server import ServiceServer
 from services.contract import (
@@ -34,8 +36,6 @@ from services.contract import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from services.contract.bus import BoundaryViolation, Bus, Traffic
-from services.contract.relay import pack
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -89,7 +89,8 @@ def kill_ours(pid: int, marker: str) -> None:
 class Agent:
     """One ``python -m services.worker`` process with its log under ``tmp``."""
 
-    def __init__(self, tmp: Path, control_port: int, *extra: str, worker_id: str | None = WORKER_ID, port: int | None = None, env: dict | None = None):
+    def __init__(self, tmp: Path, control_port: int, *extra: str, worker_id: str | None = WORKER_ID,
+                 port: int | None = None, env: dict | None = None):
         self.port = port if port is not None else free_port()
         self.run_dir = tmp / "run"
         self.log = tmp / f"agent-{self.port}.log"
@@ -103,7 +104,8 @@ class Agent:
         # expects.
         env["SURGE_WORKER_MEMORY_CHECK_SECONDS"] = "0"
         env.update(extra_env)
-        argv = [sys.executable, "-m", "services.worker", "--port", str(self.port), "--control", f"127.0.0.1:{control_port}", "--run-dir", str(self.run_dir)]
+        argv = [sys.executable, "-m", "services.worker", "--port", str(self.port),
+                "--control", f"127.0.0.1:{control_port}", "--run-dir", str(self.run_dir)]
         if worker_id:
             argv += ["--worker-id", worker_id]
         argv += extra
