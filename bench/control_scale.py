@@ -63,6 +63,7 @@ def sim_process(address: str, ids: list[int], total: int, registered, silence_ra
 
 async def _sim(address, ids, total, registered, silence_rank, stop, out_q) -> None:
     import grpc
+
     from services.contract import control_pb2, control_pb2_grpc, engine_pb2, worker_pb2
 
     sequenced = "seq" in control_pb2.WorkerEvent.DESCRIPTOR.fields_by_name

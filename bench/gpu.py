@@ -66,6 +66,7 @@ def plan(args: argparse.Namespace) -> dict:
 
     Raises: UsageError naming the field."""
     import torch
+
     from services.compute.model import build_model, count_parameters
     from services.engine.training_loop import model_flops_per_token
     from services.jobspec import JobSpecError, load_job_spec

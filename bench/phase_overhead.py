@@ -38,6 +38,7 @@ def _rank(rank: int, port: int, out: Path, steps: int, marked: bool) -> None:
 
     import rank_fakes
     import torch
+
     from services.common.phase import PhaseMarker
     from services.common.process_exit import exit_now
     from services.contract import engine_pb2
@@ -66,11 +67,12 @@ def _paired(pairs: int) -> str:
 
     import torch
     import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
     from services.common import phase as ph
     from services.compute.gradient_reduction import GradientReduction
     from services.compute.model import Transformer
     from services.jobspec import ModelSpec
-    from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))

@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "engine")]
 
 from rank_fakes import LocalRank, tiny_spec  # noqa: E402
+
 from services.contract import engine_pb2  # noqa: E402
 
 

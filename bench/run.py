@@ -35,9 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.rank_sched import RankSampler  # noqa: E402
-
 from bench import common as c  # noqa: E402
+from bench.rank_sched import RankSampler  # noqa: E402
 
 SPEC = c.REPO / "bench" / "jobs" / "throughput.yaml"
 STEPS, WARMUP, REPS = (60, 15, 2) if c.QUICK else (150, 20, 5)

@@ -59,13 +59,14 @@ def rank_main(argv: list[str]) -> None:
     """One rank: CONFIG_JSON RANK WORLD PORT OUT (tests/parallel/harness.py's Rank)."""
     config, rank, world, port, out = json.loads(argv[0]), int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
     sys.path[:0] = [str(REPO), str(REPO / "tests" / "parallel"), str(REPO / "tests" / "engine")]
-    import services.contract.bus as bus_mod
-    import services.engine.training_loop as tl
     import torch
     from harness import Rank, parity_spec
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import services.contract.bus as bus_mod
+    import services.engine.training_loop as tl
     from services.contract.bus import TRAFFIC
     from services.contract.route_table import module_name
-    from torch.profiler import ProfilerActivity, profile, record_function
 
     torch.set_num_threads(1)
     plain_acting = bus_mod.acting

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+
 from services.jobspec import JobSpecError, load_job_spec, parse_job_spec
 
 DEMO = Path(__file__).parents[1] / "examples" / "jobs" / "demo.yaml"

@@ -5,13 +5,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from services.cli import render, stack
 from services.cli.errors import CliError
 from services.cli.jobs import follow_job, sample_text, submit_job
 from services.common import paths
 from services.contract import control_pb2
 from services.jobspec import JobSpecError, load_job_spec
-
-from services.cli import render, stack
 
 SAMPLE_PROMPT = "def "
 

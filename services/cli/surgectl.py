@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import typer
+
+from services.cli import clients, jsonout, render, stack
 from services.cli.errors import CliError
 from services.cli.jobs import follow_job, sample_text, submit_job
 from services.contract import Module, control_pb2, data_pb2, store_pb2
-
-from services.cli import clients, jsonout, render, stack
 
 HELP = {"help_option_names": ["-h", "--help"]}
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -336,9 +336,8 @@ def plot(
 
     Example: surgectl plot demo-3f2a1c --out demo.png
     """
-    from services.common import paths
-
     from services.cli import observe
+    from services.common import paths
 
     source = metrics or observe.metrics_file(job)
     if metrics is not None and not metrics.is_file():

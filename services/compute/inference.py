@@ -27,14 +27,15 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from services.compute.model import build_model, generate
-from services.jobspec import JobSpec, spec_from_json
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
+
+from services.compute.model import build_model, generate
+from services.jobspec import JobSpec, spec_from_json
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -27,9 +27,9 @@ from collections.abc import Iterable
 
 from google.protobuf import descriptor_pool
 from google.protobuf.descriptor import FileDescriptor
-from services.contract.route_table import PROTO_FILES, SEED_MODULES, RouteTable, default_table
 
 from services.contract import route_pb2
+from services.contract.route_table import PROTO_FILES, SEED_MODULES, RouteTable, default_table
 
 EXIT_CONTRACT = 78  # EX_CONFIG: the process's configuration (here: the contract) is broken
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from services.jobspec import JobSpec
-
 from services.contract import control_pb2
+from services.jobspec import JobSpec
 
 # After a control restart, how long the restored job's ranks get to re-attach before each
 # one not heard from is declared silent (or lost with its worker, see the detector): the node agents' reconnect backoff (at most 2 s

@@ -24,19 +24,18 @@ import sys
 import threading
 from pathlib import Path
 
+from services.common import logs, paths
+from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
+from services.contract import Module, audit_pb2_grpc, data_pb2, data_pb2_grpc
 from services.contract.audit import AuditServicer, ViolationReporter
 from services.contract.bus import Bus, RouteError
+from services.contract.validation import ContractError, refuse, validate_table, validate_wiring
 from services.data.batch_packer import BatchPacker
 from services.data.dataset_versions import DatasetVersions
 from services.data.prefetcher import Prefetcher
 from services.data.sample_filter import SampleFilter
 from services.data.server import DataServicer, StreamRelay
 from services.data.shuffler import Shuffler
-
-from services.common import logs, paths
-from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
-from services.contract import Module, audit_pb2_grpc, data_pb2, data_pb2_grpc
-from services.contract.validation import ContractError, refuse, validate_table, validate_wiring
 
 L2 = Module.L2_TRAINING_LOOP
 VERSIONS, PREFETCHER, SHUFFLER, FILTER, PACKER = (

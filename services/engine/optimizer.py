@@ -28,10 +28,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from services.contract.bus import Emitter, Reply
 from services.contract import engine_pb2
+from services.contract.bus import Emitter, Reply
 from services.jobspec import OptimizerSpec
-
 
 # operators.adamw -> torch.optim.AdamW keyword arguments.
 _IMPLEMENTATIONS: dict[str, dict[str, bool]] = {

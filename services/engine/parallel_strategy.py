@@ -26,14 +26,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from services.contract import engine_pb2
 from services.contract.bus import CommandPort, Emitter
 from services.contract.frozen import FrozenConfig
 from services.engine.schedule_check import check_pipeline
 from services.engine.sharding_plan import ShardingPlan, Topology, plan
 from services.jobspec import ModelSpec, ParallelSpec
-from torch.distributed.device_mesh import DeviceMesh
-
-from services.contract import engine_pb2
 
 DEFAULT_TIMEOUT_S = 300.0
 

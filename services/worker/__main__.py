@@ -31,19 +31,18 @@ import threading
 import uuid
 from pathlib import Path
 
+from services.common import logs, paths
+from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
+from services.contract import Module, audit_pb2_grpc, control_pb2, worker_pb2_grpc
 from services.contract.audit import AuditServicer, ViolationReporter, merge_reports, report_of
 from services.contract.bus import Bus
 from services.contract.relay import pack
+from services.contract.validation import ContractError, refuse, validate_table
 from services.worker.control_link import ControlSession, Outbox
 from services.worker.hardware import DEFAULT_MEMINFO, MEMINFO_ENV, detect_cuda_devices, hardware_report
 from services.worker.memory_pressure import MemorySampler
 from services.worker.node_agent import DEFAULT_RANK_MODULE, RANK_MODULE_ENV, SHUTDOWN_GRACE_SECONDS, NodeAgent
 from services.worker.rank_session import RankSessionServicer
-
-from services.common import logs, paths
-from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
-from services.contract import Module, audit_pb2_grpc, control_pb2, worker_pb2_grpc
-from services.contract.validation import ContractError, refuse, validate_table
 
 SERVICE_NAME = "surge.v1.WorkerService"
 WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}

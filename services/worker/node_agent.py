@@ -75,6 +75,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from services.contract import Module, audit_pb2, control_pb2, engine_pb2, worker_pb2
 from services.contract.audit import merge_reports
 from services.contract.bus import Bus
 from services.contract.relay import L1, RANK, Link
@@ -90,8 +91,6 @@ from services.worker.rank_process import (
     signal_group,
 )
 from services.worker.rank_session import RankAlreadyAttached, RankNotLaunched
-
-from services.contract import Module, audit_pb2, control_pb2, engine_pb2, worker_pb2
 
 RANK_MODULE_ENV = "SURGE_RANK_MODULE"
 DEFAULT_RANK_MODULE = "services.worker.rank"

@@ -89,6 +89,7 @@ from services.contract import engine_pb2, store_pb2, store_pb2_grpc
 from services.contract.bus import Emitter
 from services.contract.failures import collective
 
+
 def _env_seconds(name: str, default: float) -> float:
     try:
         return float(os.environ.get(name) or default)

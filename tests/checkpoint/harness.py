@@ -20,9 +20,9 @@ from pathlib import Path
 
 import grpc
 
-from tests.conftest import free_ports
 from services.contract import engine_pb2, store_pb2, store_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.jobspec import JobSpec, spec_to_json
+from tests.conftest import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool
-from services.contract.bus import Bus
-from services.contract.route_table import PROTO_FILES, Route, RouteTable, default_table
 
 from services.contract import Module, data_pb2, engine_pb2, route_pb2
+from services.contract.bus import Bus
+from services.contract.route_table import PROTO_FILES, Route, RouteTable, default_table
 from services.contract.validation import EXIT_CONTRACT, ContractError, validate_table, validate_wiring
 
 M = Module

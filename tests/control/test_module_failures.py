@@ -13,14 +13,14 @@ from __future__ import annotations
 import threading
 
 import pytest
+
+from services.contract import Module, control_pb2, engine_pb2, injection, route_pb2
+from services.contract import failures as fl
 from services.contract.bus import Bus
 from services.contract.route_table import SEED_MODULES, default_table
 from services.control.fault_decision import JobView, decide
 from services.control.fault_detector import FaultDetector
 from services.jobspec import FaultPolicySpec
-
-from services.contract import Module, control_pb2, engine_pb2, injection, route_pb2
-from services.contract import failures as fl
 
 M, G, C = Module, control_pb2.FaultGrade, route_pb2.FailureCause
 pytestmark = pytest.mark.timeout(30)

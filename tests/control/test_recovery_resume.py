@@ -9,12 +9,12 @@ from __future__ import annotations
 import time
 
 import pytest
-from services.control.__main__ import build
-from services.control.job_store import JobStore
-from services.control.orchestrator import Orchestrator
 
 from services.contract import control_pb2, engine_pb2, worker_pb2
 from services.control import monitoring
+from services.control.__main__ import build
+from services.control.job_store import JobStore
+from services.control.orchestrator import Orchestrator
 
 from .conftest import Plane, drain, registration
 from .test_fault_policy import running, saved, store  # noqa: F401  (store: fixture)

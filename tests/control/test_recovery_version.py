@@ -9,11 +9,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+
+from services.contract import control_pb2, engine_pb2, store_pb2, store_pb2_grpc
 from services.control.__main__ import build
 from services.control.job_store import JobStore
 from tests.store.test_store_service import store  # noqa: F401 (the real store process fixture)
-
-from services.contract import control_pb2, engine_pb2, store_pb2, store_pb2_grpc
 
 from .conftest import Plane, drain
 

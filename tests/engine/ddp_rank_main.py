@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from rank_fakes import LocalRank, tiny_spec
+
 from services.common.process_exit import exit_now
 from services.contract import engine_pb2
 

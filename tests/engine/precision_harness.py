@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 from rank_fakes import LocalRank
+
 from services.common.process_exit import exit_now
+from services.contract import Module as M
+from services.contract import engine_pb2
 from services.engine.training_loop import LoopState
 from services.jobspec import JobSpec
 from services.worker.faults import FaultInjector, Injection, StepGuard
-
-from services.contract import Module as M
-from services.contract import engine_pb2
 
 STEP_FIELDS = ("step", "loss", "loss_scale", "skipped", "skip_reason", "grad_norm")
 

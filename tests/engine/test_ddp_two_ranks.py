@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 from rank_fakes import free_port, tiny_spec
-from services.compute.model import build_model
-from tests.conftest import run_to_end
 
 from services.compute.inference import load_model_for_inference
+from services.compute.model import build_model
+from tests.conftest import run_to_end
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from services.compute.forward_unit import ForwardUnit
 from services.compute.model import build_model
 from services.compute.operator_adapter import OperatorAdapter, OperatorUnavailable
-from services.contract.bus import Bus
-from services.jobspec import JobSpecError, ModelSpec, OptimizerSpec, parse_job_spec
-
 from services.contract import Module as M
 from services.contract import engine_pb2
+from services.contract.bus import Bus
 from services.engine.optimizer import Optimizer, OptimizerUnavailable
+from services.jobspec import JobSpecError, ModelSpec, OptimizerSpec, parse_job_spec
 
 pytestmark = pytest.mark.timeout(120)
 SPEC = ModelSpec(n_layers=1, d_model=32, n_heads=2, vocab_size=64)

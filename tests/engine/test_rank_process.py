@@ -14,11 +14,11 @@ import grpc
 import numpy as np
 import pytest
 from rank_fakes import corpus_bytes, free_port, tiny_spec
+
+from services.contract import Module, audit_pb2, data_pb2, data_pb2_grpc, engine_pb2, worker_pb2, worker_pb2_grpc
 from services.contract.audit import abort_with_violation
 from services.contract.bus import BoundaryViolation
 from services.jobspec import spec_to_json
-
-from services.contract import Module, audit_pb2, data_pb2, data_pb2_grpc, engine_pb2, worker_pb2, worker_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(90)

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 from rank_fakes import free_port
-from services.contract.bus import Bus
-from services.worker.data_client import DataClient
 
 from services.contract import Module as M
 from services.contract import data_pb2, data_pb2_grpc, engine_pb2, store_pb2, store_pb2_grpc
+from services.contract.bus import Bus
+from services.worker.data_client import DataClient
 from services.worker.store_client import CheckpointError, CheckpointIntegrityError, StoreClient
 
 pytestmark = pytest.mark.timeout(60)
@@ -319,6 +319,7 @@ def _committed_version(tmp_path, job: str = "v"):
     import warnings
 
     import torch.distributed.checkpoint as dcp
+
     from services.store.checkpoint_manager import CheckpointManager
 
     manager = CheckpointManager(tmp_path / "store")

@@ -15,9 +15,9 @@ from pathlib import Path
 import grpc
 import pytest
 from rank_fakes import free_port
-from tests.conftest import run_to_end
 
 from services.contract import store_pb2, store_pb2_grpc
+from tests.conftest import run_to_end
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

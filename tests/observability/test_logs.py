@@ -13,6 +13,7 @@ import textwrap
 import time
 
 import pytest
+
 from tests.conftest import REPO
 from tests.observability.conftest import cli
 
@@ -188,6 +189,7 @@ class _Stream:
 
 def test_log_windows_batch_what_arrives_within_the_window_and_pass_errors_on():
     import grpc
+
     from services.cli.follow import _windows
 
     class Broken(grpc.RpcError):

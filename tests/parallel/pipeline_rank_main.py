@@ -34,10 +34,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_common import ROWS, SEED, SEQ, SPEC, global_batch, layer_ranges, make_optimizer  # noqa: E402
+
 from services.common.process_exit import exit_now  # noqa: E402
 from services.compute.model import build_model  # noqa: E402
 from services.compute.pipeline_stage import PipelineRunner, StageModule  # noqa: E402
-
 from services.engine.schedule_check import Action, check_pipeline  # noqa: E402
 
 # Optimizer state keyed by parameter FQN (as torchtitan does): with PP each rank holds other

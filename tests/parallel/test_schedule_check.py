@@ -157,10 +157,10 @@ def test_batched_send_and_receive_between_neighbours_complete_together():
 
 def test_parallel_strategy_refuses_a_failing_schedule_before_any_process_group(monkeypatch):
     import torch.distributed as dist
-    from services.jobspec import ModelSpec, ParallelSpec
 
     from services.contract import engine_pb2
     from services.engine import parallel_strategy
+    from services.jobspec import ModelSpec, ParallelSpec
 
     def broken(schedule, stages, microbatches):  # 1F1B with its fused send/recv split apart
         return {r: _flat(s) for r, s in one_f_one_b_actions(stages, microbatches).items()}

@@ -12,15 +12,15 @@ import ast
 
 import numpy as np
 import pytest
+
+from services.contract import Module as M
+from services.contract import data_pb2
 from services.contract.bus import Bus
 from services.contract.route_table import default_table
 from services.data.batch_packer import IGNORE, BatchPacker
 from services.data.documents import Documents, TokenStore
 from services.data.prefetcher import Prefetcher
 from services.data.sample_filter import SampleFilter
-
-from services.contract import Module as M
-from services.contract import data_pb2
 
 from .wiring import MODULES, called_names, imported_modules, layer, reachable, source_tree
 

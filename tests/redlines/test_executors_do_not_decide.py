@@ -17,6 +17,9 @@ import threading
 import numpy as np
 import pytest
 import torch
+
+from services.contract import Module as M
+from services.contract import control_pb2, data_pb2, engine_pb2, store_pb2
 from services.contract.bus import BoundaryViolation, Bus, CommandPort, Emitter, RouteError
 from services.contract.frozen import ConfigFrozen
 from services.contract.route_table import default_table
@@ -24,9 +27,6 @@ from services.control.recovery_controller import RecoveryController
 from services.data.batch_packer import BatchPacker
 from services.data.documents import Documents
 from services.data.shuffler import epoch_order
-
-from services.contract import Module as M
-from services.contract import control_pb2, data_pb2, engine_pb2, store_pb2
 
 from .wiring import (
     MODULES,

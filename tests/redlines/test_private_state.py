@@ -13,10 +13,10 @@ import ast
 import inspect
 
 import pytest
-from services.contract.bus import CommandPort, Emitter
-from services.contract.route_table import default_table
 
 from services.contract import Module as M
+from services.contract.bus import CommandPort, Emitter
+from services.contract.route_table import default_table
 
 from .wiring import MODULES, REPO, build_all, build_rank, layer, reachable
 

@@ -11,10 +11,10 @@ import threading
 from pathlib import Path
 
 import pytest
-from services.store import checkpoint_manager as cm
-from services.store.checkpoint_manager import CheckpointManager, CheckpointNotFound, CheckpointRejected
 
 from services.contract import store_pb2
+from services.store import checkpoint_manager as cm
+from services.store.checkpoint_manager import CheckpointManager, CheckpointNotFound, CheckpointRejected
 
 from .conftest import commit, load, save, stage, versions
 

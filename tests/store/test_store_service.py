@@ -15,8 +15,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import free_ports
 from services.contract import engine_pb2, store_pb2, store_pb2_grpc
+from tests.conftest import free_ports
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 REPO = Path(__file__).resolve().parents[2]

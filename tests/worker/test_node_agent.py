@@ -22,8 +22,6 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from services.contract.bus import BoundaryViolation, Bus, Traffic
-from services.contract.relay import pack
 
 from services.common.grpc_server import ServiceServer
 from services.contract import (
@@ -36,6 +34,8 @@ from services.contract import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from services.contract.bus import BoundaryViolation, Bus, Traffic
+from services.contract.relay import pack
 
 pytestmark = pytest.mark.timeout(90)
 
