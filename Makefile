@@ -31,9 +31,11 @@ $(GEN)/.stamp: $(PROTOS) $(STAMP)
 	touch $@
 
 # docs/permissions.md from the proto route options and services/contract/red_lines.yaml
-# (CI fails when the committed file is stale: tests/contract/test_permissions_doc.py).
+# (CI fails when the committed file is stale: tests/contract/test_permissions_doc.py), and
+# docs/exceptions.md from services/contract/exceptions.yaml (tests/redlines/test_communication.py).
 contracts: setup
 	$(BIN)/python -m services.contract.permissions_doc
+	$(BIN)/python -m services.contract.exceptions_doc
 
 demo: setup
 	$(BIN)/surgectl demo examples/jobs/demo.yaml

@@ -11,6 +11,7 @@ from rank_fakes import free_port, tiny_spec
 
 from services.compute.inference import load_model_for_inference
 from services.compute.model import build_model
+from services.contract import Module as M
 from tests.conftest import run_to_end
 
 HERE = Path(__file__).resolve().parent
@@ -38,3 +39,13 @@ def test_two_gloo_ranks_with_different_data_end_with_identical_parameters(tmp_pa
     assert (r0["committed"], r1["committed"]) == (1, 0)
     model = load_model_for_inference(str(tmp_path / "ckpt" / "step6"), spec)
     assert all(torch.equal(v, r0["state"][k]) for k, v in model.state_dict().items())
+    # Communication outside L3-5 (services/contract/comm_guard.py): DDP's construction in
+    # L3-1's handover, its bucket all-reduces in L3-4's backward, the group's teardown are
+    # registered; the fake store relay's DCP save and barrier are not (the real relay's
+    # are: tests/engine/test_save_agreement.py), so the guard finds them, as it would any.
+    for r in (r0, r1):
+        registered = {c[3] for c in r["crossings"] if c[3]}
+        assert registered == {"shard-loader-handover-communication", "ddp-hook-in-backward", "composition-root-teardown"}
+        assert {(c[0], c[2]) for c in r["crossings"] if not c[3]} == {
+            (M.L5_CHECKPOINT_MANAGER, "tests/engine/rank_fakes.py::FakeStore.save_checkpoint")}
+        assert "barrier" in {c[1] for c in r["crossings"] if not c[3]}

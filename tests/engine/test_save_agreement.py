@@ -77,3 +77,8 @@ def test_both_ranks_skip_a_save_that_one_cannot_stage_or_whose_previous_commit_i
     assert got[0]["failed"] == [[10, store_pb2.UNREACHABLE], [30, store_pb2.TIMEOUT]]
     assert got[1]["failed"] == []
     assert not (tmp_path / "step10").exists() or not any((tmp_path / "step10").iterdir())
+    # The relay's collectives (its agreement, DCP's, on its writer thread too) are registered
+    # exceptions (services/contract/exceptions.yaml), attributed to L5-1 at run time.
+    for r in (0, 1):
+        assert [c for c in got[r]["crossings"] if not c[3]] == [], got[r]["crossings"]
+        assert {c[3] for c in got[r]["crossings"]} == {"store-relay-save-agreement", "store-relay-distributed-checkpoint"}
