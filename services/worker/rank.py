@@ -70,6 +70,7 @@ from services.compute.shard_loader import ShardLoader
 from services.contract import Module, audit_pb2, data_pb2, engine_pb2, store_pb2, worker_pb2, worker_pb2_grpc
 from services.contract.audit import ViolationReporter, report_of
 from services.contract.bus import Bus, CommandPort
+from services.contract.comm_guard import install as install_comm_guard
 from services.contract.validation import validate_table, validate_wiring
 from services.engine.mixed_precision import MixedPrecision
 from services.engine.optimizer import Optimizer
@@ -472,6 +473,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
             session.process, log, deliver=session.report_violation, job_id=args.job, rank=args.rank, inline=True
         )
         bus = Bus(on_violation=violations)
+        install_comm_guard(report=violations)  # tags every torch.distributed call with its module
         # Imported here so a rank that fails before this point does not pay for them.
         from services.worker.data_client import DataClient
         from services.worker.store_client import StoreClient
