@@ -13,6 +13,27 @@ Two verbs, matching the seed's two kinds of messages:
 * ``publish(sender, msg, payload)``: an event (or data) to every subscribed receiver the
   route names.
 
+Failures (issue 13: failures are data). An exception escaping a module's handler is that
+module's failure: the bus builds the module's failure event (the route flagged ``failure``,
+its ``failure`` field a typed ``surge.v1.Failure``: cause from the exception's type, the
+message being handled, the module; ``services/contract/failures.py``) and publishes it from
+that module to its routed receivers (L1-3 among them, here or through a relay). Then:
+
+* ``command``: the commander gets :class:`ModuleFailed` carrying the event, not the raw error.
+* ``publish``: the event goes on to its other receivers; the publisher gets nothing (an
+  event's sender commands none of its receivers; their failure is L1's to decide).
+
+Passed on as raised, never published: :class:`BoundaryViolation` (reported as such), a
+:class:`~services.contract.failures.Refusal` (the module's typed answer to a command it
+cannot carry out as given: unknown job, bad configuration), an
+:class:`~services.contract.failures.Unwind` (deliberate control flow, e.g. a cancelled
+stream), a ``ModuleFailed`` from a deeper command (that module's failure is published; the
+modules it unwinds through are not reported again), and what is not an ``Exception``
+(``SystemExit``, ``KeyboardInterrupt``). A module with no failure event in the table (the
+external endpoints) and a handler failing while its module's own failure event is being
+delivered on that thread raise as before (logged). Test-only: ``injection.py`` makes a
+named handler raise (``SURGE_FAULT_INJECT``), in any process.
+
 ``payload`` is the in-process tensor handle the seed speaks of ("携带 logits 张量句柄"):
 tensors are never serialized into messages; they travel by reference next to them.
 
@@ -29,6 +50,7 @@ no API through which one module could read another's state.
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections import defaultdict
 from collections.abc import Callable
@@ -40,10 +62,22 @@ from google.protobuf.message import Message
 from prometheus_client import REGISTRY, Counter
 from prometheus_client.core import CounterMetricFamily
 
+from services.contract import injection, route_pb2
 from services.contract.acting import acting
+from services.contract.failures import (
+    ModuleFailed,
+    Refusal,
+    Unwind,
+    failure_event,
+    failure_event_type,
+    failure_of,
+)
 from services.contract.route_table import RouteTable, default_table, module_name
 
 _log = structlog.get_logger("contract.bus")
+# Modules whose failure event this thread is delivering: a handler of it that fails does not
+# build another (no loop: L1-3's failure event is routed to L1-3).
+_REPORTING: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("surge_bus_reporting", default=frozenset())
 
 BOUNDARY_VIOLATIONS = Counter(
     "surge_boundary_violations_total",
@@ -224,8 +258,7 @@ class Bus:
         if handler is None:
             raise LookupError(f"{module_name(receiver)} is not wired to receive {name} in this process")
         self._traffic.delivered(sender, name, receiver)
-        with acting(receiver):
-            reply = _as_reply(handler(_copy(msg), payload))
+        reply = _as_reply(self._run(receiver, name, handler, msg, payload))
         if reply.message is not None:
             reply_name = reply.message.DESCRIPTOR.full_name
             self.check(receiver, reply_name, sender)
@@ -246,10 +279,57 @@ class Bus:
         delivered = 0
         for receiver in self._receivers.get(name, ()):
             self._traffic.delivered(sender, name, receiver)
-            with acting(receiver):
-                self._handlers[(name, receiver)](_copy(msg), payload)
+            try:
+                self._run(receiver, name, self._handlers[(name, receiver)], msg, payload)
+            except ModuleFailed:
+                pass  # published as the receiver's failure event; the event's sender commands nobody
             delivered += 1
         return delivered
+
+    def _run(self, receiver: int, name: str, handler: Handler, msg: Message, payload: Any) -> Any:
+        """Run ``receiver``'s handler of ``msg`` on its behalf (``acting``). An exception
+        escaping it is the receiver's failure (see "Failures" in the module docstring).
+
+        Raises:
+            ModuleFailed: the handler raised; the receiver's failure event is published.
+            BoundaryViolation, Refusal, Unwind, ModuleFailed (from a deeper command), and
+            whatever is not an ``Exception``: as raised.
+        """
+        with acting(receiver):
+            try:
+                injection.check(receiver, name)
+                return handler(_copy(msg), payload)
+            except (BoundaryViolation, ModuleFailed, Refusal, Unwind):
+                raise
+            except Exception as error:
+                failed = self._failed(receiver, name, msg, error)
+                if failed is None:
+                    raise
+                raise failed from error
+
+    def _failed(self, module: int, name: str, msg: Message, error: Exception) -> ModuleFailed | None:
+        """Publish ``module``'s failure event for ``error`` (raised handling ``name``) and
+        return what its commander gets; None when no event can be built (a module with no
+        failure event in the table, or one already reporting its own failure on this thread:
+        the raw error goes on, logged)."""
+        reporting = _REPORTING.get()
+        event_type = failure_event_type(self._table, module)
+        failure = failure_of(error, module, name, msg)
+        where = {"module": module_name(module), "operation": name, "job_id": failure.job_id,
+                 "cause": route_pb2.FailureCause.Name(failure.cause), "error": failure.detail}
+        if event_type is None or module in reporting:
+            _log.error("handler failed; no failure event", **where, exc_info=error)
+            return None
+        event = failure_event(self._table, module, failure, msg)
+        heard = 0
+        if not getattr(error, "failure_reported", False):  # (else the module published it itself)
+            token = _REPORTING.set(reporting | {module})
+            try:
+                heard = self.publish(module, event)
+            finally:
+                _REPORTING.reset(token)
+        _log.warning("module failed", **where, failure_event=event.DESCRIPTOR.name, receivers_here=heard)
+        return ModuleFailed(event, failure, error)
 
     def check(self, sender: int, message: str, receiver: int) -> None:
         """Refuse ``sender -> message -> receiver`` unless the table allows it.
