@@ -39,6 +39,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from services.contract import engine_pb2
 from services.contract.bus import Emitter, Reply
+from services.contract.failures import FailureCause, Refusal
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Job spec attention choice -> (the model's kernel function, the SDPA backends allowed).
@@ -51,10 +52,12 @@ ATTENTION = {
 ADAMW = ("fused", "foreach", "default")
 
 
-class OperatorUnavailable(RuntimeError):
-    """A requested kernel or dtype does not exist on this device."""
+class OperatorUnavailable(RuntimeError, Refusal):
+    """A requested kernel or dtype does not exist on this device (a refusal: the same on
+    every retry; the commander gets it as raised)."""
 
     fault_class = "operator_unavailable"
+    failure_cause = FailureCause.FAILURE_UNSUPPORTED
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from services.contract import engine_pb2
 from services.contract.bus import Emitter, Reply
+from services.contract.failures import FailureCause, Refusal
 from services.jobspec import OptimizerSpec
 
 # operators.adamw -> torch.optim.AdamW keyword arguments.
@@ -40,10 +41,11 @@ _IMPLEMENTATIONS: dict[str, dict[str, bool]] = {
 }
 
 
-class OptimizerUnavailable(RuntimeError):
-    """The job asked for an AdamW implementation this device lacks."""
+class OptimizerUnavailable(RuntimeError, Refusal):
+    """The job asked for an AdamW implementation this device lacks (a refusal)."""
 
     fault_class = "operator_unavailable"
+    failure_cause = FailureCause.FAILURE_UNSUPPORTED
 
 
 class OptimizerState:

@@ -85,9 +85,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from services.common.grpc_server import channel
 from services.compute.inference import safe_load
-from services.contract import engine_pb2, store_pb2, store_pb2_grpc
+from services.contract import Module, engine_pb2, store_pb2, store_pb2_grpc
 from services.contract.bus import Emitter
-from services.contract.failures import collective
+from services.contract.failures import FailureCause, collective, failure_of
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -122,11 +122,14 @@ log = structlog.get_logger()
 
 class CheckpointError(RuntimeError):
     fault_class = "checkpoint_error"
+    failure_cause = FailureCause.FAILURE_IO
 
 
 class StoreUnavailable(CheckpointError):
     """The store could not be asked: ``cause`` UNREACHABLE (UNAVAILABLE) or TIMEOUT
     (DEADLINE_EXCEEDED)."""
+
+    failure_cause = FailureCause.FAILURE_UNAVAILABLE
 
     def __init__(self, message: str, cause: int):
         super().__init__(message)
@@ -140,6 +143,7 @@ class CheckpointIntegrityError(CheckpointError):
     ``store_pb2.CORRUPT`` or ``store_pb2.MISSING_FILE``; ``file``: the file, when known."""
 
     fault_class = "checkpoint_integrity"
+    failure_cause = FailureCause.FAILURE_DATA_CORRUPT
 
     def __init__(self, message: str, cause: int = store_pb2.CORRUPT, file: str = ""):
         super().__init__(message)
@@ -304,7 +308,7 @@ class StoreClient:
         try:
             loaded = self._rpc("Load", self._stub.Load, msg, LOAD_TIMEOUT_S)
         except (StoreUnavailable, CheckpointIntegrityError) as e:
-            self._report("load", e.cause, str(e), version=msg.version)
+            self._report("load", e.cause, str(e), version=msg.version, error=e)
             raise
         asked = time.perf_counter()
         info = loaded.info
@@ -312,16 +316,17 @@ class StoreClient:
             digests = _manifest_digests(info)
             safe_load(payload, info.path, digests=digests, what=f"checkpoint {info.version}")
         except CheckpointIntegrityError as e:
-            self._report("load", e.cause, str(e), version=info.version)
+            self._report("load", e.cause, str(e), version=info.version, error=e)
             raise
         except (Exception, CheckpointException) as e:  # e.g. another model's keys or shapes
             bad = _digest_failure(e)
             if bad is not None:
                 from_me, mismatch = bad
                 cause = store_pb2.MISSING_FILE if mismatch.missing else store_pb2.CORRUPT
+                error = CheckpointIntegrityError(str(mismatch), cause, mismatch.file)
                 if from_me:
-                    self._report("load", cause, str(mismatch), version=info.version)
-                raise CheckpointIntegrityError(str(mismatch), cause, mismatch.file) from None
+                    self._report("load", cause, str(mismatch), version=info.version, error=error)
+                raise error from None
             raise CheckpointError(f"checkpoint {info.version}: cannot be loaded into this job: {_one_line(e)}") from None
         log.info("checkpoint_loaded", version=info.version, step=info.step,
                  ask_s=round(asked - t0, 4), read_verified_s=round(time.perf_counter() - asked, 4))
@@ -428,13 +433,19 @@ class StoreClient:
         return None
 
     def _report(self, operation: str, cause: int, reason: str, *, step: int = 0, job_id: str = "",
-                rank: int = 0, version: str = "") -> None:
-        """SnapshotFailed up to L1 (RankEvent{snapshot_failed}); never raises."""
+                rank: int = 0, version: str = "", error: BaseException | None = None) -> None:
+        """SnapshotFailed up to L1 (RankEvent{snapshot_failed}); never raises. With the
+        ``error`` about to be raised: the event is this module's failure event for it (the
+        bus does not publish another: ``failure_reported``)."""
         try:
-            self._emit(store_pb2.SnapshotFailed(
+            failed = store_pb2.SnapshotFailed(
                 job_id=job_id or version.rpartition(":")[0], version=version, operation=operation,
                 reason=" ".join(reason.split())[:400], cause=cause, step=step, rank=rank,
-            ))
+            )
+            if error is not None:
+                failed.failure.CopyFrom(failure_of(error, Module.L5_CHECKPOINT_MANAGER, f"surge.v1.{operation.capitalize()}Checkpoint"))
+                error.failure_reported = True
+            self._emit(failed)
         except Exception as e:  # noqa: BLE001 - a report must not turn a skipped save into a fault
             log.error("snapshot_failed_not_reported", error=f"{type(e).__name__}: {e}")
 

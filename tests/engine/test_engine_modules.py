@@ -10,13 +10,14 @@ import torch
 from services.compute.model import build_model
 from services.compute.operator_adapter import OperatorAdapter
 from services.contract import Module as M
-from services.contract import engine_pb2
+from services.contract import engine_pb2, route_pb2
 from services.contract.bus import Bus
 from services.engine.lr_schedule import learning_rate, schedule_for
 from services.engine.mixed_precision import MixedPrecision
 from services.engine.optimizer import Optimizer
 from services.engine.parallel_strategy import ParallelStrategy
 from services.jobspec import ModelSpec, OptimizerSpec
+from tests.module_failed import raised_in_module
 
 TINY = ModelSpec(n_layers=1, d_model=16, n_heads=2, vocab_size=32)
 
@@ -142,7 +143,9 @@ def test_an_inf_or_nan_gradient_is_reported_as_found_inf_and_not_repaired(bad):
 
 def test_an_unknown_precision_policy_is_refused():
     _, port = precision_on_bus()
-    with pytest.raises(ValueError, match="precision: expected one of"):
+    # A configuration the module cannot use is its failure (PrecisionFailed, INVALID_INPUT).
+    with raised_in_module(ValueError, "precision: expected one of", event="PrecisionFailed",
+                          cause=route_pb2.FAILURE_INVALID_INPUT):
         port(engine_pb2.InitPrecision(precision="fp8"))
 
 

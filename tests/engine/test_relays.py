@@ -15,10 +15,11 @@ import torch
 from rank_fakes import free_port
 
 from services.contract import Module as M
-from services.contract import data_pb2, data_pb2_grpc, engine_pb2, store_pb2, store_pb2_grpc
+from services.contract import data_pb2, data_pb2_grpc, engine_pb2, route_pb2, store_pb2, store_pb2_grpc
 from services.contract.bus import Bus
 from services.worker.data_client import DataClient
 from services.worker.store_client import CheckpointError, CheckpointIntegrityError, StoreClient
+from tests.module_failed import raised_in_module
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -138,6 +139,9 @@ def test_mount_and_stream_errors_become_dataset_unavailable_with_one_line(server
     client.close()
 
 
+IO = route_pb2.FAILURE_IO
+
+
 def store_relay(address: str):
     bus, up = Bus(), []
     client = StoreClient(address, bus.emitter(M.L5_CHECKPOINT_MANAGER))
@@ -215,9 +219,10 @@ def test_a_background_commit_that_fails_is_raised_at_the_next_flush(server):
     client, port, up = store_relay(server[0])
     port(store_pb2.SaveCheckpoint(job_id="j", step=14, rank=0, write_async=True), {"model": {"w": torch.ones(3)}})
     port(store_pb2.CommitCheckpoint(job_id="j", step=14, world_size=1))
-    with pytest.raises(CheckpointError, match="CommitSave: FAILED_PRECONDITION: checkpoint j: step 14: x.distcp: changed"):
+    with raised_in_module(CheckpointError, "CommitSave: FAILED_PRECONDITION: checkpoint j: step 14: x.distcp: changed"):
         port(store_pb2.FlushCheckpoint(job_id="j"))
-    assert up == []
+    # Nothing committed; the relay's failure is its failure event (typed), nothing else.
+    assert [(u.DESCRIPTOR.name, u.job_id, u.failure.cause) for u in up] == [("SnapshotFailed", "j", IO)]
     port(store_pb2.FlushCheckpoint(job_id="j"))  # reported once; nothing is pending any more
     client.close()
 
@@ -239,10 +244,10 @@ def test_every_save_and_commit_of_one_launch_names_its_attempt_and_a_relaunch_an
 
 def test_a_version_that_fails_verification_is_a_checkpoint_integrity_fault(server):
     client, port, _ = store_relay(server[0])
-    with pytest.raises(CheckpointIntegrityError, match="Load: FAILED_PRECONDITION: checkpoint bad:1: __0_0.distcp: sha256") as e:
+    with raised_in_module(CheckpointIntegrityError, "Load: FAILED_PRECONDITION: checkpoint bad:1: __0_0.distcp: sha256") as e:
         port(store_pb2.LoadCheckpoint(version="bad:1"), {"model": {"w": torch.ones(3)}})
     assert e.value.fault_class == "checkpoint_integrity"
-    with pytest.raises(CheckpointError, match="NOT_FOUND") as e:
+    with raised_in_module(CheckpointError, "NOT_FOUND") as e:
         port(store_pb2.LoadCheckpoint(version="other:1"), {"model": {"w": torch.ones(3)}})
     assert e.value.fault_class == "checkpoint_error"
     client.close()
@@ -254,9 +259,10 @@ def test_a_background_write_that_fails_is_never_committed_and_is_raised_at_the_f
     client, port, up = store_relay(address)
     port(store_pb2.SaveCheckpoint(job_id="j", step=15, rank=0, write_async=True), {"model": {"w": torch.ones(3)}})
     port(store_pb2.CommitCheckpoint(job_id="j", step=15, world_size=1))
-    with pytest.raises(CheckpointError, match="^checkpoint write failed: "):
+    with raised_in_module(CheckpointError, "^checkpoint write failed: "):
         port(store_pb2.FlushCheckpoint(job_id="j"))
-    assert store.commits == [] and up == []
+    assert store.commits == []
+    assert [(u.DESCRIPTOR.name, u.failure.cause) for u in up] == [("SnapshotFailed", IO)]
     client.close()
 
 
@@ -346,11 +352,11 @@ def test_a_load_checks_each_file_as_it_reads_it_and_names_the_one_that_differs(s
     data = bytearray(shard.read_bytes())
     data[-3] ^= 0x01
     shard.write_bytes(bytes(data))
-    with pytest.raises(CheckpointIntegrityError, match=f"^checkpoint v:1: {shard.name}: sha256 mismatch$") as e:
+    with raised_in_module(CheckpointIntegrityError, f"^checkpoint v:1: {shard.name}: sha256 mismatch$") as e:
         port(store_pb2.LoadCheckpoint(version=info.version), {"model": {"w": torch.zeros(64)}})
     assert (e.value.fault_class, e.value.cause, e.value.file) == ("checkpoint_integrity", store_pb2.CORRUPT, shard.name)
     shard.unlink()
-    with pytest.raises(CheckpointIntegrityError, match=f"^checkpoint v:1: {shard.name}: missing$") as e:
+    with raised_in_module(CheckpointIntegrityError, f"^checkpoint v:1: {shard.name}: missing$") as e:
         port(store_pb2.LoadCheckpoint(version=info.version), {"model": {"w": torch.zeros(64)}})
     assert e.value.cause == store_pb2.MISSING_FILE
     assert [(u.operation, u.cause, u.version) for u in up] == [
