@@ -35,6 +35,7 @@ $(GEN)/.stamp: $(PROTOS) $(STAMP)
 # docs/exceptions.md from services/contract/exceptions.yaml (tests/redlines/test_communication.py).
 contracts: setup
 	$(BIN)/python -m services.contract.permissions_doc
+	$(BIN)/python -m services.contract.handlers_gen
 	$(BIN)/python -m services.contract.exceptions_doc
 
 demo: setup

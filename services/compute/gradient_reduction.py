@@ -82,7 +82,7 @@ class GradientReduction:
         self._stats_device = torch.device("cpu")
         self._state = "idle"  # idle | reducing | done | comm_failed
 
-    def set_plan(self, msg: engine_pb2.ParallelPlan, payload: Any = None) -> None:
+    def parallel_plan(self, msg: engine_pb2.ParallelPlan, payload: Any = None) -> None:
         """通信域同步策略指令 (once; payload: the DeviceMesh). Raises ConfigFrozen on a second plan."""
         self._plan, self._mesh = self._frozen.set(msg), payload
         self._group = payload["dp"].get_group() if payload is not None and msg.dp > 1 else None

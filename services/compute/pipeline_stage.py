@@ -9,7 +9,7 @@ like one written without it, and loads into any other layout (DCP resolves keys)
 
 Schedules: torch's ``ScheduleGPipe`` (Huang et al. 2019, fill-drain) and ``Schedule1F1B``
 (Narayanan et al. 2021, PipeDream-Flush), one stage per rank. This unit executes a schedule;
-it does not judge one: L2-2 checks it first (``ParallelStrategy.assign`` runs
+it does not judge one: L2-2 checks it first (``ParallelStrategy.rank_assignment`` runs
 ``services.engine.schedule_check.check_pipeline`` on the same action lists, every send has
 its receive and blocking execution completes) before any process group exists, so no rank
 can wait on a bad schedule. L3 may not import L2, hence the check lives there.

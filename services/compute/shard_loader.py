@@ -64,7 +64,7 @@ class ShardLoader:
         self._model: nn.Module | None = None
         self._state = "unloaded"  # unloaded | loading | loaded | mismatch
 
-    def set_plan(self, msg: engine_pb2.ParallelPlan, payload: Any = None) -> None:
+    def parallel_plan(self, msg: engine_pb2.ParallelPlan, payload: Any = None) -> None:
         """固化分片规则指令 (once; payload: the DeviceMesh). Raises ConfigFrozen on a second plan."""
         self._plan.set(msg)
         self._mesh = payload

@@ -53,7 +53,7 @@ from __future__ import annotations
 import contextvars
 import threading
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -72,7 +72,7 @@ from services.contract.failures import (
     failure_event_type,
     failure_of,
 )
-from services.contract.route_table import RouteTable, default_table, module_name
+from services.contract.route_table import RouteTable, default_table, handled_by, handler_name, message_class, module_name
 
 _log = structlog.get_logger("contract.bus")
 # Modules whose failure event this thread is delivering: a handler of it that fails does not
@@ -225,7 +225,9 @@ class Bus:
             RouteError: the table does not route ``message_type`` to ``module``, or the
                 module already subscribed to it.
         """
-        name = message_type.DESCRIPTOR.full_name
+        self._subscribe(module, message_type.DESCRIPTOR.full_name, handler)
+
+    def _subscribe(self, module: int, name: str, handler: Handler) -> None:
         route = self._table.route(name)
         if route is None:
             raise RouteError(f"{name} has no route option; it cannot travel on the bus")
@@ -235,6 +237,51 @@ class Bus:
             raise RouteError(f"{module_name(module)} subscribed to {name} twice")
         self._handlers[(name, module)] = handler
         self._receivers[name] = tuple(m for m in route.delivery if (name, m) in self._handlers)
+
+    def host(self, module: int, obj: object, *, not_handled: Mapping[type[Message], str] | None = None) -> None:
+        """Subscribe ``obj`` as ``module``: every IMPLEMENTED route to ``module`` goes to the
+        method the table names (``route_table.handler_name``: a command by its verb,
+        ``RunForward`` -> ``run_forward``; an event or data by ``on_`` + its name). A failure
+        event (``failure: true``) without its own method goes to ``on_failure`` if ``obj`` has
+        one. An event ``module`` may also get as the reply to something it sends the event's
+        sender is subscribed only if ``obj`` defines its method. The generated Protocols in
+        ``services/contract/handlers.py`` list what each module must define.
+
+        Args:
+            not_handled: messages routed to ``module`` that this object does not handle, each
+                with the reason (the route names the module, the implementation does not
+                need it, e.g. data that arrives as a command's payload instead).
+
+        Raises:
+            RouteError (one line naming the module and the message): a required handler
+                missing; a method named like the handler of a message not routed to
+                ``module``; a ``not_handled`` entry that ``obj`` handles after all, or that
+                is not an implemented route to ``module``.
+        """
+        who = f"{module_name(module)} ({type(obj).__name__})"
+        skip = {t.DESCRIPTOR.full_name: why for t, why in (not_handled or {}).items()}
+        handled = handled_by(self._table, module)
+        for h in handled:
+            method = getattr(obj, h.name, None)
+            if h.route.message in skip:
+                if method is not None:
+                    raise RouteError(f"{who} handles {h.route.message} with {h.name}, but is hosted as not handling it")
+                continue
+            if method is None and h.route.failure:
+                method = getattr(obj, "on_failure", None)
+            if method is None:
+                if h.required:
+                    raise RouteError(f"{who} has no handler {h.name} for {h.route.message}, which is routed to it")
+                continue
+            self.subscribe(module, message_class(h.route.message), method)
+        mine = {h.route.message for h in handled}
+        for name in sorted(set(skip) - mine):
+            raise RouteError(f"{who} is hosted as not handling {name}, which is not an implemented route to it")
+        for route in self._table.routes():
+            if route.message not in mine and module not in route.receivers and callable(getattr(type(obj), handler_name(route), None)):
+                raise RouteError(
+                    f"{who} has a handler {handler_name(route)} for {route.message}, which is not routed to it"
+                )
 
     def subscriptions(self) -> list[tuple[str, int]]:
         """(message full name, module) of every subscription, in subscription order."""

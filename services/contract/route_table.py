@@ -10,8 +10,10 @@ transcribes them and tests/contract/test_seed_routes.py holds this table to it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, FileDescriptor
 from google.protobuf.message import Message
 
@@ -93,6 +95,48 @@ class RouteTable:
 
     def commands_between(self, sender: int, receiver: int) -> list[Route]:
         return [r for r in self.routes() if sender in r.senders and receiver in r.receivers]
+
+
+def message_class(name: str) -> type[Message]:
+    """The generated class of the message with full name ``name`` (KeyError: none)."""
+    return message_factory.GetMessageClass(descriptor_pool.Default().FindMessageTypeByName(name))
+
+
+def handler_name(route: Route) -> str:
+    """The method a receiver of ``route`` handles it with (``Bus.host``): a command by its
+    verb, ``RunForward`` -> ``run_forward``; an event or data by ``on_`` + its name,
+    ``StepCompleted`` -> ``on_step_completed``."""
+    short = route.message.rsplit(".", 1)[-1]
+    snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", short).lower()
+    return snake if route.kind == route_pb2.COMMAND else f"on_{snake}"
+
+
+@dataclass(frozen=True)
+class Handled:
+    """One message a module handles: its route, the handler's name, and whether the module
+    must provide it (an event it may also get as the reply to something it sends the event's
+    sender is handled only if the module says so by defining the method)."""
+
+    route: Route
+    name: str
+    required: bool
+
+
+def handled_by(table: RouteTable, module: int) -> list[Handled]:
+    """What ``module`` handles: every IMPLEMENTED route to it, by handler name."""
+    out = []
+    for route in table.routes():
+        if not route.implemented or module not in route.receivers:
+            continue
+        if route.kind == route_pb2.COMMAND:
+            required = True
+        else:  # not required when it may be a reply: the module sends one of its senders
+            # something (``Bus.command`` returns the receiver's answer, e.g. MetricsAck)
+            required = not any(
+                c.implemented for s in route.senders for c in table.commands_between(module, s)
+            )
+        out.append(Handled(route, handler_name(route), required))
+    return out
 
 
 def _full_name(message: type[Message] | Message | str) -> str:

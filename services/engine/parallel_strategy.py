@@ -69,7 +69,7 @@ class ParallelStrategy:
         self._owns_group = False
         self._state = "uninitialised"  # uninitialised | ready | comm_error
 
-    def assign(self, msg: engine_pb2.RankAssignment, payload: Any = None) -> None:
+    def rank_assignment(self, msg: engine_pb2.RankAssignment, payload: Any = None) -> None:
         """分配 rank 拓扑与通信权限指令: build the group (blocks until every rank joined or
         the timeout passes), push the plan down, report ready.
 

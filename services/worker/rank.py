@@ -204,39 +204,22 @@ def compose(
         started_at=started_at,
         **marked,
     )
+    # Each module handles the routes the table sends it, by handler name (Bus.host; the
+    # Protocols in services/contract/handlers.py list them).
+    bus.host(L, loop)
+    bus.host(M.L2_PARALLEL_STRATEGY, parallel)
+    bus.host(M.L2_OPTIMIZER, optimizer, not_handled={
+        engine_pb2.GradientsReduced: "the loop commands the update (ApplyUpdate) once the reduction has replied",
+    })
+    bus.host(M.L2_MIXED_PRECISION, precision)
+    bus.host(M.L3_SHARD_LOADER, shard_loader)
+    bus.host(M.L3_OPERATOR_ADAPTER, adapter)
+    bus.host(M.L3_FORWARD_UNIT, forward, not_handled={
+        data_pb2.MicroBatch: "the micro-batch arrives as RunForward's payload, from the loop",
+    })
+    bus.host(M.L3_BACKWARD_UNIT, backward)
+    bus.host(M.L3_GRADIENT_REDUCTION, reduction)
     sub = bus.subscribe
-    for msg_type, handler in (
-        (engine_pb2.InitJob, loop.init_job),
-        (engine_pb2.StartTraining, loop.start_training),
-        (engine_pb2.PauseTraining, loop.pause_training),
-        (engine_pb2.ResumeTraining, loop.resume_training),
-        (engine_pb2.StopTraining, loop.stop_training),
-        (engine_pb2.StepVerdict, loop.step_verdict),
-        (engine_pb2.RevokeStandingOrder, loop.revoke_standing_order),
-        (engine_pb2.ParallelReady, loop.on_parallel_ready),
-        (data_pb2.MicroBatch, loop.on_micro_batch),
-        (data_pb2.DataExhausted, loop.on_data_exhausted),
-        (data_pb2.DatasetUnavailable, loop.on_dataset_unavailable),
-    ):
-        sub(L, msg_type, handler)
-    sub(M.L2_PARALLEL_STRATEGY, engine_pb2.RankAssignment, parallel.assign)
-    sub(M.L2_OPTIMIZER, engine_pb2.ApplyUpdate, optimizer.apply_update)
-    sub(M.L2_OPTIMIZER, engine_pb2.ExportState, optimizer.export_state)
-    sub(M.L2_MIXED_PRECISION, engine_pb2.InitPrecision, precision.init_precision)
-    sub(M.L2_MIXED_PRECISION, engine_pb2.UnscaleAndCheck, precision.unscale_and_check)
-    sub(M.L2_MIXED_PRECISION, engine_pb2.ScaleLoss, precision.scale_loss)
-    sub(M.L3_SHARD_LOADER, engine_pb2.ParallelPlan, shard_loader.set_plan)
-    sub(M.L3_SHARD_LOADER, engine_pb2.LoadModel, shard_loader.load_model)
-    sub(M.L3_SHARD_LOADER, engine_pb2.ExportState, shard_loader.export_state)
-    sub(M.L3_OPERATOR_ADAPTER, engine_pb2.SelectOperators, adapter.select_operators)
-    sub(M.L3_OPERATOR_ADAPTER, engine_pb2.SetComputePrecision, adapter.set_compute_precision)
-    sub(M.L3_FORWARD_UNIT, engine_pb2.ConfigureForward, forward.configure_forward)
-    sub(M.L3_FORWARD_UNIT, engine_pb2.RunForward, forward.run_forward)
-    sub(M.L3_FORWARD_UNIT, engine_pb2.OperatorsReady, forward.on_operators_ready)
-    sub(M.L3_BACKWARD_UNIT, engine_pb2.RunBackward, backward.run_backward)
-    sub(M.L3_GRADIENT_REDUCTION, engine_pb2.ParallelPlan, reduction.set_plan)
-    sub(M.L3_GRADIENT_REDUCTION, engine_pb2.ArmReduction, reduction.arm_reduction)
-    sub(M.L3_GRADIENT_REDUCTION, engine_pb2.ReduceGradients, reduction.reduce_gradients)
     # Relays standing in for the modules of other processes.
     sub(M.L4_DATASET_VERSIONS, data_pb2.MountDataset, data.mount)
     sub(M.L4_DATASET_VERSIONS, data_pb2.OpenStream, data.open_stream)

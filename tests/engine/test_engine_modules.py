@@ -164,4 +164,4 @@ def test_a_rank_assignment_that_cannot_work_is_refused_naming_the_field():
                        ({"backend": "mpi"}, "backend must be 'gloo' or 'nccl'"),
                        ({"backend": "nccl"}, "backend nccl needs a CUDA device")):
         with pytest.raises(ValueError, match=words):
-            strategy.assign(engine_pb2.RankAssignment(**{**base, **bad}))
+            strategy.rank_assignment(engine_pb2.RankAssignment(**{**base, **bad}))

@@ -175,5 +175,5 @@ def test_parallel_strategy_refuses_a_failing_schedule_before_any_process_group(m
     msg = engine_pb2.RankAssignment(rank=0, world_size=2, backend="gloo", device="cpu",
                                     master_addr="127.0.0.1", master_port=1)
     with pytest.raises(ScheduleError, match=r"^schedule deadlock: rank 0 step 3 \(0SEND_F1\)"):
-        strategy.assign(msg)
+        strategy.rank_assignment(msg)
     assert pushed == [] and not dist.is_initialized()
