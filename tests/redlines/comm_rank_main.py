@@ -16,21 +16,17 @@ import json
 import sys
 
 import torch
-
-from services.contract import comm_guard
-
-guard = comm_guard.install(mode="report")  # before the rank's modules import anything of torch.distributed
-
 from rank_fakes import LocalRank, tiny_spec
 
 import services.worker.rank as rank_module
 from services.common.phase import PhaseMarker
 from services.common.process_exit import exit_now
-from services.contract import engine_pb2
+from services.contract import comm_guard, engine_pb2
 
 
 def main() -> None:
     rank, runs = int(sys.argv[1]), json.loads(sys.argv[2])
+    guard = comm_guard.install(mode="report")  # as rank.py main does, after the imports
     torch.set_num_threads(1)
     compose = rank_module.compose
     for port, parallel in runs:
