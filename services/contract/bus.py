@@ -32,7 +32,7 @@ modules it unwinds through are not reported again), and what is not an ``Excepti
 (``SystemExit``, ``KeyboardInterrupt``). A module with no failure event in the table (the
 external endpoints) and a handler failing while its module's own failure event is being
 delivered on that thread raise as before (logged). Test-only: ``injection.py`` makes a
-named handler raise (``SURGE_FAULT_INJECT``), in any process.
+named handler raise (``SURGE_FAULT_INJECT_HANDLER``), in any process.
 
 ``payload`` is the in-process tensor handle the seed speaks of ("携带 logits 张量句柄"):
 tensors are never serialized into messages; they travel by reference next to them.

@@ -1,6 +1,6 @@
 """Test-only fault injection at the bus: a module's handler raises, in any process.
 
-``SURGE_FAULT_INJECT`` (read when this file is imported; :func:`configure` for tests) holds
+``SURGE_FAULT_INJECT_HANDLER`` (read when this file is imported; :func:`configure` for tests) holds
 ``;``-separated rules::
 
     handler:<MODULE>:<Message>[:after=N][:times=K][:cause=<FailureCause name>]
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from services.contract import route_pb2
 
-ENV = "SURGE_FAULT_INJECT"
+ENV = "SURGE_FAULT_INJECT_HANDLER"  # (SURGE_FAULT_INJECT is services/worker/faults.py's step injections)
 
 
 class InjectedFault(RuntimeError):
@@ -47,7 +47,7 @@ _rules: dict[tuple[int, str], _Rule] = {}
 
 
 def configure(spec: str) -> None:
-    """Replace the rules with those of ``spec`` (the ``SURGE_FAULT_INJECT`` syntax; "" clears).
+    """Replace the rules with those of ``spec`` (the ``SURGE_FAULT_INJECT_HANDLER`` syntax; "" clears).
 
     Raises:
         ValueError: a malformed rule (the message names it).

@@ -3,7 +3,7 @@ each of the seed's 20 modules becomes that module's typed failure event, reaches
 fault detector (L1-3), is graded by (event, cause), and is decided by L1-1's fault decision
 (``fault_decision.decide``, the orchestrator's own) per the job's policy.
 
-The injection is the bus's (``SURGE_FAULT_INJECT`` syntax, ``injection.configure``): it
+The injection is the bus's (``SURGE_FAULT_INJECT_HANDLER`` syntax, ``injection.configure``): it
 raises in place of the handler, so any routed message the module receives will do. The
 cross-process legs (a rank's, the data service's and the store's modules reaching control's
 L1-3) are tests/faults/test_module_failures_live.py."""
