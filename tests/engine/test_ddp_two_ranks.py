@@ -45,7 +45,8 @@ def test_two_gloo_ranks_with_different_data_end_with_identical_parameters(tmp_pa
     # are: tests/engine/test_save_agreement.py), so the guard finds them, as it would any.
     for r in (r0, r1):
         registered = {c[3] for c in r["crossings"] if c[3]}
-        assert registered == {"shard-loader-handover-communication", "ddp-hook-in-backward", "composition-root-teardown"}
+        assert registered == {"shard-loader-handover-communication", "ddp-hook-in-backward",
+                              "composition-root-teardown"}, r["crossings"]
         assert {(c[0], c[2]) for c in r["crossings"] if not c[3]} == {
             (M.L5_CHECKPOINT_MANAGER, "tests/engine/rank_fakes.py::FakeStore.save_checkpoint")}
         assert "barrier" in {c[1] for c in r["crossings"] if not c[3]}
