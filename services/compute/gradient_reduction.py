@@ -4,8 +4,10 @@ Receives: ``ParallelPlan`` from L2-2 (once; payload: the ``("pp", "dp", "tp")`` 
 ``ArmReduction`` and ``ReduceGradients`` from the training loop. Replies
 ``GradientsReduced`` with the global loss sum and token count.
 
-The model's communication is laid out here, in one place and torchtitan's order, when the
-composition root attaches the model (after L3-1 built it, with activation checkpointing):
+The model's communication is laid out here, when the composition root attaches the model
+(after L3-1 built it), together with activation checkpointing, in the order
+services/compute/parallelize.py fixes (torchtitan's: TP, activation checkpointing, then
+FSDP2 or DDP):
 
 Tensor parallelism (tp > 1) over the mesh's tp axis: ``parallelize_module`` with the plan's
 Megatron styles (Shoeybi et al. 2019): ``ColwiseParallel`` for q/k/v and the MLP gate/up,
@@ -58,6 +60,14 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel
 
 from services.common import phase as ph
+from services.compute.parallelize import (
+    ACTIVATION_CHECKPOINTING,
+    DDP,
+    FULLY_SHARD,
+    TENSOR_PARALLEL,
+    checkpoint_activations,
+    layout_steps,
+)
 from services.contract import engine_pb2
 from services.contract.bus import Emitter
 from services.contract.frozen import FrozenConfig
@@ -91,21 +101,29 @@ class GradientReduction:
             self._stats_device = torch.device(msg.device)
 
     def attach(self, model: nn.Module) -> nn.Module:
-        """Composition root: wrap ``model`` per the plan; returns the module to run forward."""
+        """Composition root: lay ``model`` out per the plan, one step after the other in the
+        order services/compute/parallelize.py fixes (TP, activation checkpointing, FSDP2 or
+        DDP); returns the module to run forward (the model, or its DDP wrapper)."""
         if self._plan is None:
             raise RuntimeError("gradient reduction: a model was attached before the parallel plan")
+        run = model
+        for step in layout_steps(self._plan):
+            if step == TENSOR_PARALLEL:
+                _tensor_parallel(model, self._plan, self._mesh["tp"])
+            elif step == ACTIVATION_CHECKPOINTING:
+                checkpoint_activations(model)
+            elif step == FULLY_SHARD:
+                dp_mesh = self._mesh["dp"]
+                for block in model.blocks:
+                    fully_shard(block, mesh=dp_mesh)
+                fully_shard(model, mesh=dp_mesh)
+                self._fsdp = model
+            elif step == DDP:
+                run = self._wrap_ddp(model)
+        return run
+
+    def _wrap_ddp(self, model: nn.Module) -> DistributedDataParallel:
         device = torch.device(self._plan.device)
-        if self._plan.tp > 1:
-            _tensor_parallel(model, self._plan, self._mesh["tp"])
-        if self._plan.data_parallel == "fsdp2":
-            dp_mesh = self._mesh["dp"]
-            for block in model.blocks:
-                fully_shard(block, mesh=dp_mesh)
-            fully_shard(model, mesh=dp_mesh)
-            self._fsdp = model
-            return model
-        if self._plan.data_parallel != "ddp":
-            return model
         # Defaults otherwise (25 MiB buckets, grads not bucket views), as a plain
         # torchrun + DDP script has them. The model registers no buffers (RoPE tables are
         # a cache), so DDP has nothing to broadcast per forward.

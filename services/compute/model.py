@@ -134,7 +134,8 @@ class Block(nn.Module):
     """Pre-norm residual block. ``activation_checkpointing``: keep only the block's input
     and recompute its activations in backward (Chen et al. 2016), non-reentrant, so hooks
     applied from outside (FSDP2's, on the block) and DTensor weights stay outside the
-    recomputed region and see the same calls; set by the shard loader per the plan."""
+    recomputed region and see the same calls; set per the plan by
+    services/compute/parallelize.py."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()

@@ -4,13 +4,10 @@ Receives: ``ParallelPlan`` (from L2-2, once; payload: the ``("pp", "dp", "tp")``
 ``LoadModel`` and ``ExportState`` (from the training loop). Replies ``ModelLoaded`` and
 ``StateExported`` (payload: a Stateful handle on the model's weights).
 
-Local layout only (no communication): with ``activation_checkpointing`` every block
-recomputes its activations in backward instead of keeping them (``Block``, non-reentrant
-``torch.utils.checkpoint``; parameter names do not change, so checkpoints do not depend on
-it). With pp > 1 the rank keeps its pipeline stage only. Tensor parallelism and DDP/FSDP2
-put communication into the model, so L3-5 applies them when the composition root attaches
-the model to it; the recomputed region is each block's inside, so it recomputes whatever
-TP made of the block and stays inside FSDP2's per-block hooks (torchtitan's order).
+Local layout only (no communication): with pp > 1 the rank keeps its pipeline stage only.
+Everything else a parallel plan does to the model (tensor parallelism, activation
+checkpointing, FSDP2 or DDP) L3-5 applies when the composition root attaches the model to
+it, in the one order services/compute/parallelize.py fixes.
 
 Initialisation is a pure function of (ModelSpec, seed): values are drawn on the CPU by a
 private generator, so every rank starts from bit-identical weights without a broadcast.
@@ -84,7 +81,7 @@ class ShardLoader:
         t0 = time.perf_counter()
         spec = ModelSpec.model_validate_json(msg.model_json)
         plan = self._plan.get()
-        model = build_model(spec, msg.seed, plan.device or "cpu", activation_checkpointing=plan.activation_checkpointing)
+        model = build_model(spec, msg.seed, plan.device or "cpu")
         if plan.pp > 1:  # this rank keeps its pipeline stage only (services/compute/pipeline_stage.py)
             model = stage_of(model, plan, self._mesh)
         self._model = model

@@ -165,8 +165,8 @@ def compose(
     precision = MixedPrecision(emitter(M.L2_MIXED_PRECISION), port(M.L2_MIXED_PRECISION, M.L3_OPERATOR_ADAPTER))
 
     def handover(model: torch.nn.Module) -> None:
-        # The loaded model (already laid out by L3-1: TP shards, activation checkpointing)
-        # goes to the units that run or update it; L3-5 applies DDP or FSDP2 last, in
+        # The loaded model goes to the units that run or update it; L3-5 lays it out first
+        # (TP, activation checkpointing, FSDP2 or DDP: services/compute/parallelize.py), in
         # place, so the parameter handles below are the final (possibly sharded) ones.
         run = reduction.attach(model)
         # pp > 1: the pipeline schedule runs this stage, inside L3-4's RunBackward.

@@ -1,0 +1,61 @@
+"""The order in which a rank's model is laid out for parallelism, written in one place.
+
+torchtitan's ``parallelize_llama`` (torchtitan/models/llama3/infra/parallelize.py) applies
+tensor parallelism, then activation checkpointing, then torch.compile, then FSDP (or DDP).
+Surge follows it. :func:`layout_steps` is the one place that order is written: L3-5's
+``GradientReduction.attach`` (called by the composition root with the loaded model)
+applies the steps it returns, one after the other, and nothing else lays the model out.
+
+1. ``tensor_parallel`` (tp > 1): the projections become DTensor shards over the tp axis.
+   First, because every later step must see the final parameters.
+2. ``activation_checkpointing``: each block keeps only its input and recomputes its inside
+   in backward (``Block``, non-reentrant ``torch.utils.checkpoint``). After TP, so the
+   recomputed region is what TP made of the block; hooks on the block itself (FSDP2's,
+   next) stay outside that region.
+3. ``fully_shard`` (FSDP2: every block, then the root) or ``ddp`` (one wrapper around the
+   model): last, so they shard or hook the final parameters (with TP, FSDP2's shards are
+   two-dimensional: dp over tp).
+
+torch.compile is the step not applied here: L3-2 (the operator adapter) compiles the module
+this layout produces, lazily at its first forward, because the job's kernel choice
+(``operators.compile``) reaches L3 in ConfigureForward, after the model was loaded. So
+Surge compiles after FSDP2/DDP, around the whole laid-out model (for DDP the path torch
+supports, its DDPOptimizer splitting the graph at bucket boundaries), where torchtitan
+compiles each block before FSDP.
+
+A pipeline stage (pp > 1) is cut from the model before any of this (L3-1 keeps its stage
+only), and a stage iterates its blocks like the model, so every step applies to it as is.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from services.contract import engine_pb2
+
+TENSOR_PARALLEL = "tensor_parallel"
+ACTIVATION_CHECKPOINTING = "activation_checkpointing"
+FULLY_SHARD = "fully_shard"
+DDP = "ddp"
+
+
+def layout_steps(plan: engine_pb2.ParallelPlan) -> tuple[str, ...]:
+    """The layout steps ``plan`` asks for, in the order they are applied (module docstring).
+
+    A pure function of the plan: the same plan gives the same steps on every rank.
+    """
+    wanted = (
+        (TENSOR_PARALLEL, plan.tp > 1),
+        (ACTIVATION_CHECKPOINTING, plan.activation_checkpointing),
+        (FULLY_SHARD, plan.data_parallel == "fsdp2"),
+        (DDP, plan.data_parallel == "ddp"),
+    )
+    return tuple(step for step, applies in wanted if applies)
+
+
+def checkpoint_activations(model: nn.Module) -> None:
+    """Make every block of ``model`` (a Transformer or a pipeline stage) recompute its
+    activations in backward instead of keeping them (Chen et al. 2016). No communication;
+    parameter names do not change, so checkpoints do not depend on it."""
+    for block in model.blocks:
+        block.activation_checkpointing = True
