@@ -79,6 +79,7 @@ from services.contract.bus import (
     BoundaryViolation,
     Traffic,
 )
+from services.contract.failures import communication_failed
 from services.contract.route_table import module_name
 
 _log = structlog.get_logger("contract.comm_guard")
@@ -251,7 +252,15 @@ class CommGuard:
         try:
             module = self._attribute(args, kwargs)
             self._check(module, op, sys._getframe(2))
-            result = fn(*args, **kwargs)
+            try:
+                result = fn(*args, **kwargs)
+            except (ValueError, TypeError):  # the call was wrong (a bug), not the link
+                raise
+            except Exception as e:  # a collective or p2p call that raised failed to communicate
+                failed = communication_failed(op, e)
+                if failed is e:
+                    raise
+                raise failed from e
             if op in GROUP_OPS and module not in (0, M.L2_PARALLEL_STRATEGY):
                 self._own(result, module)
             return result

@@ -18,6 +18,9 @@ arrives. This file turns what Python raises into what L1-3 reads:
 * :class:`Refusal` -- a module's typed *answer* to a command it cannot carry out as given
   (unknown job, illegal transition, bad configuration): not a failure of the module, so the
   bus hands it to the commander unchanged and publishes nothing.
+* ``failure_reported`` -- an exception attribute a module sets when it published its
+  failure event for that error itself (with its own fields, e.g. SnapshotFailed's store
+  cause): the bus does not publish a second one.
 * :class:`Unwind` -- control flow that crosses the bus on purpose (a cancelled stream): not
   a failure either.
 * :func:`collective`, :func:`set_collective_probe`, :func:`communicator_failed` -- a
@@ -151,6 +154,16 @@ def _waiting_in_collective() -> bool:
         return bool(_in_collective and _in_collective[0]())
     except Exception:  # noqa: BLE001 - a probe must not turn one failure into another
         return False
+
+
+def communication_failed(op: str, error: BaseException) -> BaseException:
+    """What a torch.distributed call ``op`` that raised ``error`` raises instead (the
+    communication guard wraps every call): :class:`CommunicationFailed`, this process's
+    communicator recorded broken; a typed Surge failure or a refusal as it is."""
+    if isinstance(error, (Refusal, Unwind, CommunicationFailed, RendezvousFailed)):
+        return error
+    communicator_failed()
+    return CommunicationFailed(f"{op} failed: {type(error).__name__}")
 
 
 @contextmanager
