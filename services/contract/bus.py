@@ -72,7 +72,14 @@ from services.contract.failures import (
     failure_event_type,
     failure_of,
 )
-from services.contract.route_table import RouteTable, default_table, handled_by, handler_name, message_class, module_name
+from services.contract.route_table import (
+    RouteTable,
+    default_table,
+    handled_by,
+    handler_name,
+    message_class,
+    module_name,
+)
 
 _log = structlog.get_logger("contract.bus")
 # Modules whose failure event this thread is delivering: a handler of it that fails does not

@@ -53,7 +53,10 @@ def render(table: RouteTable | None = None) -> str:
             continue
         required = [h for h in handled if h.required]
         optional = [h for h in handled if not h.required]
-        lines = [f"class {class_name(module)}(Protocol):", f'    """{module_name(module)}: what ``Bus.host({module_name(module)}, obj)`` subscribes.']
+        lines = [
+            f"class {class_name(module)}(Protocol):",
+            f'    """{module_name(module)}: what ``Bus.host({module_name(module)}, obj)`` subscribes.',
+        ]
         if optional:
             lines += ["", "    May also define (subscribed if defined; it may get these as replies):"]
             lines += [f"    ``{h.name}`` ({h.route.message.removeprefix('surge.v1.')})" for h in optional]

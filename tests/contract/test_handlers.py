@@ -54,7 +54,8 @@ def test_host_refuses_a_missing_handler_in_one_line():
     class NoRules:
         def on_samples_shuffled(self, msg, payload=None): ...
 
-    with pytest.raises(RouteError, match=r"^L4_FILTER \(NoRules\) has no handler filter_rules for surge\.v1\.FilterRules, which is routed to it$"):
+    missing = r"^L4_FILTER \(NoRules\) has no handler filter_rules for surge\.v1\.FilterRules, which is routed to it$"
+    with pytest.raises(RouteError, match=missing):
         Bus().host(M.L4_FILTER, NoRules())
 
 
@@ -62,7 +63,8 @@ def test_host_refuses_a_handler_for_a_message_not_routed_to_the_module():
     class Greedy(Filter):
         def run_forward(self, msg, payload=None): ...
 
-    with pytest.raises(RouteError, match=r"^L4_FILTER \(Greedy\) has a handler run_forward for surge\.v1\.RunForward, which is not routed to it$"):
+    extra = r"^L4_FILTER \(Greedy\) has a handler run_forward for surge\.v1\.RunForward, which is not routed to it$"
+    with pytest.raises(RouteError, match=extra):
         Bus().host(M.L4_FILTER, Greedy())
 
 
@@ -73,7 +75,9 @@ def test_host_takes_a_stated_exception_and_refuses_a_stale_one():
     bus = Bus()
     bus.host(M.L4_FILTER, NoSamples(), not_handled={data_pb2.SamplesShuffled: "a test"})
     assert bus.subscriptions() == [("surge.v1.FilterRules", M.L4_FILTER)]
-    with pytest.raises(RouteError, match=r"^L4_FILTER \(Filter\) handles surge\.v1\.SamplesShuffled with on_samples_shuffled, but is hosted as not handling it$"):
+    stale = r"^L4_FILTER \(Filter\) handles surge\.v1\.SamplesShuffled with on_samples_shuffled, but is hosted as not handling it$"
+    with pytest.raises(RouteError, match=stale):
         Bus().host(M.L4_FILTER, Filter(), not_handled={data_pb2.SamplesShuffled: "stale"})
-    with pytest.raises(RouteError, match=r"^L4_FILTER \(NoSamples\) is hosted as not handling surge\.v1\.RunForward, which is not an implemented route to it$"):
+    unrouted = r"^L4_FILTER \(NoSamples\) is hosted as not handling surge\.v1\.RunForward, which is not an implemented route to it$"
+    with pytest.raises(RouteError, match=unrouted):
         Bus().host(M.L4_FILTER, NoSamples(), not_handled={data_pb2.SamplesShuffled: "a test", engine_pb2.RunForward: "no"})
