@@ -380,6 +380,8 @@ class Bus:
             token = _REPORTING.set(reporting | {module})
             try:
                 heard = self.publish(module, event)
+            except Exception:  # a receiver of the failure event failed in turn: logged, the first failure stands
+                _log.exception("failure event not delivered", **where)
             finally:
                 _REPORTING.reset(token)
         _log.warning("module failed", **where, failure_event=event.DESCRIPTOR.name, receivers_here=heard)

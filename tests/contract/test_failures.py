@@ -1,0 +1,138 @@
+"""A failure's cause is read from the exception's type, never its text; the bus turns a
+handler's exception into the module's failure event (services/contract/failures.py, bus.py)."""
+
+from __future__ import annotations
+
+import errno
+
+import grpc
+import pytest
+import torch
+import torch.distributed as dist
+
+from services.contract import Module, engine_pb2, route_pb2
+from services.contract import failures as fl
+from services.contract.bus import BoundaryViolation, Bus
+
+C = route_pb2.FailureCause
+
+
+class _Rpc(grpc.RpcError):
+    def __init__(self, code, metadata=()):
+        self._code, self._metadata = code, metadata
+
+    def code(self):
+        return self._code
+
+    def trailing_metadata(self):
+        return self._metadata
+
+
+@pytest.fixture(autouse=True)
+def _healthy_communicator():
+    fl.communicator_reset()
+    yield
+    fl.communicator_reset()
+    fl.set_collective_probe(None)
+
+
+@pytest.mark.parametrize("error, cause", [
+    (torch.OutOfMemoryError("CUDA out of memory"), C.FAILURE_OUT_OF_MEMORY),
+    (dist.DistStoreError("timed out"), C.FAILURE_RENDEZVOUS),
+    (dist.DistNetworkError("connection reset"), C.FAILURE_COMMUNICATION),
+    (dist.DistBackendError("NCCL error"), C.FAILURE_COMMUNICATION),
+    (MemoryError(), C.FAILURE_OUT_OF_MEMORY),
+    (TimeoutError("deadline"), C.FAILURE_TIMEOUT),
+    (ConnectionRefusedError(), C.FAILURE_UNAVAILABLE),
+    (OSError(errno.EADDRINUSE, "in use"), C.FAILURE_RENDEZVOUS),
+    (OSError(errno.ENOSPC, "disk full"), C.FAILURE_IO),
+    (NotImplementedError(), C.FAILURE_UNSUPPORTED),
+    (ValueError("seq_len: must be > 0"), C.FAILURE_INVALID_INPUT),
+    (KeyError("model"), C.FAILURE_INVALID_INPUT),
+    (RuntimeError("gloo: Connection closed by peer"), C.FAILURE_INTERNAL),  # words make nothing
+    (_Rpc(grpc.StatusCode.UNAVAILABLE), C.FAILURE_UNAVAILABLE),
+    (_Rpc(grpc.StatusCode.DEADLINE_EXCEEDED), C.FAILURE_TIMEOUT),
+    (_Rpc(grpc.StatusCode.INTERNAL, ((fl.CAUSE_METADATA, "FAILURE_DATA_CORRUPT"),)), C.FAILURE_DATA_CORRUPT),
+])
+def test_the_cause_is_the_exception_type_s(error, cause):
+    assert fl.cause_of(error) == cause
+
+
+def test_a_wrapper_of_no_cause_of_its_own_takes_its_explicit_cause():
+    try:
+        try:
+            raise OSError(errno.EIO, "read failed")
+        except OSError as e:
+            raise RuntimeError("could not load") from e
+    except RuntimeError as wrapped:
+        assert fl.cause_of(wrapped) == C.FAILURE_IO
+
+
+def test_a_collective_that_raised_breaks_the_communicator_and_what_follows_is_its_consequence():
+    with pytest.raises(fl.CommunicationFailed) as failed, fl.collective():
+        raise RuntimeError("[gloo] Connection closed by peer")
+    assert fl.cause_of(failed.value) == C.FAILURE_COMMUNICATION and fl.communicator_broken()
+    assert fl.cause_of(RuntimeError("Expected all tensors to be on the same device")) == C.FAILURE_COMMUNICATION
+
+
+def test_a_failure_while_the_process_waits_in_a_collective_is_a_communication_failure():
+    waiting = [True]
+    fl.set_collective_probe(lambda: waiting[0])
+    assert fl.cause_of(RuntimeError("anything")) == C.FAILURE_COMMUNICATION
+    fl.communicator_reset()
+    waiting[0] = False
+    assert fl.cause_of(RuntimeError("anything")) == C.FAILURE_INTERNAL
+
+
+def test_a_handler_exception_is_the_module_s_failure_event_and_the_commander_gets_module_failed():
+    bus, seen = Bus(), []
+    bus.subscribe(Module.L1_FAULT_DETECTOR, engine_pb2.ForwardFailed, lambda m, p=None: seen.append(m))
+
+    def forward(msg, payload=None):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    bus.subscribe(Module.L3_FORWARD_UNIT, engine_pb2.RunForward, forward)
+    fl.set_origin("j", 3)
+    try:
+        with pytest.raises(fl.ModuleFailed) as failed:
+            bus.command(Module.L2_TRAINING_LOOP, Module.L3_FORWARD_UNIT, engine_pb2.RunForward())
+    finally:
+        fl.set_origin()
+    event = failed.value.event
+    assert isinstance(event, engine_pb2.ForwardFailed) and seen == [event]
+    f = event.failure
+    assert (f.cause, f.module, f.operation, f.job_id, f.rank) == (
+        C.FAILURE_OUT_OF_MEMORY, Module.L3_FORWARD_UNIT, "surge.v1.RunForward", "j", 3)
+    assert f.exception == "torch.OutOfMemoryError" and event.detail == f.detail
+    assert isinstance(failed.value.error, torch.OutOfMemoryError)
+
+
+def test_refusals_unwinds_and_boundary_violations_pass_through_as_raised():
+    class Unknown(LookupError, fl.Refusal):
+        pass
+
+    seen = []
+    for error in (Unknown("no such job"), BoundaryViolation(Module.L3_FORWARD_UNIT, "x", None)):
+        def forward(msg, payload=None, error=error):
+            raise error
+
+        bus = Bus()
+        bus.subscribe(Module.L1_FAULT_DETECTOR, engine_pb2.ForwardFailed, lambda m, p=None: seen.append(m))
+        bus.subscribe(Module.L3_FORWARD_UNIT, engine_pb2.RunForward, forward)
+        with pytest.raises(type(error)):
+            bus.command(Module.L2_TRAINING_LOOP, Module.L3_FORWARD_UNIT, engine_pb2.RunForward())
+    assert seen == []
+
+
+def test_a_failing_handler_of_its_own_failure_event_does_not_loop():
+    bus, calls = Bus(), []
+
+    def grade(msg, payload=None):
+        calls.append(msg)
+        raise RuntimeError("the detector is broken")
+
+    bus.subscribe(Module.L1_FAULT_DETECTOR, engine_pb2.ForwardFailed, grade)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, fl.message_class("surge.v1.FaultDetectorFailed"), grade)
+    bus.publish(Module.L3_FORWARD_UNIT, engine_pb2.ForwardFailed(detail="x"))
+    # ForwardFailed -> the detector fails -> FaultDetectorFailed (to itself) -> fails again: logged, no third
+    assert [type(m).__name__ for m in calls] == ["ForwardFailed", "FaultDetectorFailed"]
