@@ -59,7 +59,7 @@ import torch
 
 from services.common.grpc_server import channel
 from services.common.logs import configure
-from services.common.phase import IDLE, PhaseMarker
+from services.common.phase import COLLECTIVE, IDLE, PhaseMarker
 from services.common.process_exit import exit_now
 from services.compute.backward_unit import BackwardUnit
 from services.compute.forward_unit import ForwardUnit
@@ -71,6 +71,7 @@ from services.contract import Module, audit_pb2, data_pb2, engine_pb2, store_pb2
 from services.contract.audit import ViolationReporter, report_of
 from services.contract.bus import Bus, CommandPort
 from services.contract.comm_guard import install as install_comm_guard
+from services.contract.failures import set_collective_probe, set_origin
 from services.contract.validation import validate_table, validate_wiring
 from services.engine.mixed_precision import MixedPrecision
 from services.engine.optimizer import Optimizer
@@ -442,6 +443,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
     log = configure("rank", job=args.job, rank=args.rank)
 
     phase = PhaseMarker()
+    # A failure of no more specific type while the rank waits in a collective is a
+    # communication failure; its failures name this job and rank (services/contract/failures.py).
+    set_collective_probe(lambda: phase.phase == COLLECTIVE)
+    set_origin(args.job, args.rank)
     session = Session(args.session, args.job, args.rank, phase=phase)
     rank: RankModules | None = None
     data = store = None
