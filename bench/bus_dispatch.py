@@ -15,8 +15,6 @@ import time
 from services.contract import Module, engine_pb2
 from services.contract.bus import Bus, Traffic
 
-M = Module
-
 
 class _Uncounted(Traffic):
     def delivered(self, sender: int, message: str, receiver: int, n: int = 1) -> None:
@@ -26,11 +24,11 @@ class _Uncounted(Traffic):
 def shapes(traffic: Traffic) -> dict:
     bus = Bus(traffic=traffic)
     reply = engine_pb2.UpdateApplied(step=1)
-    bus.subscribe(M.L2_OPTIMIZER, engine_pb2.ApplyUpdate, lambda m, p: reply)
-    bus.subscribe(M.L2_OPTIMIZER, engine_pb2.ExportState, lambda m, p: None)
-    bus.subscribe(M.L1_ORCHESTRATOR, engine_pb2.StepCompleted, lambda m, p: None)
-    bus.subscribe(M.L5_METRICS_LOGGER, engine_pb2.StepCompleted, lambda m, p: None)
-    port, emit = bus.port(M.L2_TRAINING_LOOP, M.L2_OPTIMIZER), bus.emitter(M.L2_TRAINING_LOOP)
+    bus.subscribe(Module.L2_OPTIMIZER, engine_pb2.ApplyUpdate, lambda m, p: reply)
+    bus.subscribe(Module.L2_OPTIMIZER, engine_pb2.ExportState, lambda m, p: None)
+    bus.subscribe(Module.L1_ORCHESTRATOR, engine_pb2.StepCompleted, lambda m, p: None)
+    bus.subscribe(Module.L5_METRICS_LOGGER, engine_pb2.StepCompleted, lambda m, p: None)
+    port, emit = bus.port(Module.L2_TRAINING_LOOP, Module.L2_OPTIMIZER), bus.emitter(Module.L2_TRAINING_LOOP)
     update = engine_pb2.ApplyUpdate(step=7, learning_rate=1e-3)
     export = engine_pb2.ExportState()
     step = engine_pb2.StepCompleted(job_id="j", step=3, loss=2.5, tokens=4096)

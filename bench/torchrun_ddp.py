@@ -40,7 +40,7 @@ T_PROCESS = time.time()  # before torch's import: start-up includes it, as Surge
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from torch.nn import functional  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
             ddp.require_backward_grad_sync = i == accum - 1  # what DDP.no_sync() toggles
             with autocast:
                 logits = ddp(x)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum")
+            loss = functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum")
             (loss / ntok).backward()
             loss_sum += loss.detach()
         for g in optim.param_groups:

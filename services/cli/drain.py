@@ -22,8 +22,8 @@ from services.cli import clients
 from services.cli.errors import CliError
 from services.contract import control_pb2
 
-S, O = control_pb2.JobState, control_pb2.JobOutcome
-LIVE = (S.WARMING_UP, S.RUNNING, S.PAUSED, S.FAULT_FROZEN)
+JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
+LIVE = (JobState.WARMING_UP, JobState.RUNNING, JobState.PAUSED, JobState.FAULT_FROZEN)
 POLL_S = 0.2
 
 
@@ -41,16 +41,16 @@ def drain(stub, jobs: list[control_pb2.JobStatus], timeout_s: float, say: Callab
     """
     deadline = time.monotonic() + timeout_s
     for j in jobs:
-        if j.state == S.FAULT_FROZEN:  # no ranks train: nothing to lose beyond the checkpoint it restores
+        if j.state == JobState.FAULT_FROZEN:  # no ranks train: nothing to lose beyond the checkpoint it restores
             say(f"{j.job_id}: FAULT_FROZEN ({j.message}); not drained: control continues its recovery after `up`")
-    pending = {j.job_id: j for j in jobs if j.state != S.FAULT_FROZEN}
+    pending = {j.job_id: j for j in jobs if j.state != JobState.FAULT_FROZEN}
     asked: set[str] = set()
     drained: list[str] = []
     unsafe: list[str] = []
     while pending:
         for job_id in list(pending):
             status = stub.GetJob(control_pb2.JobQuery(job_id=job_id), timeout=10)
-            if job_id not in asked and status.state in (S.RUNNING, S.PAUSED):
+            if job_id not in asked and status.state in (JobState.RUNNING, JobState.PAUSED):
                 try:
                     status = stub.PauseJob(control_pb2.PauseJobRequest(job_id=job_id, drain=True), timeout=10)
                     asked.add(job_id)
@@ -60,26 +60,26 @@ def drain(stub, jobs: list[control_pb2.JobStatus], timeout_s: float, say: Callab
                     # e.g. a stop in flight ("already stopping"): wait for it to end
                     if "already stopping" in (e.details() or ""):
                         asked.add(job_id)
-            if status.state == S.FAULT_FROZEN:  # a fault meanwhile: its recovery drops the pause
+            if status.state == JobState.FAULT_FROZEN:  # a fault meanwhile: its recovery drops the pause
                 say(f"{job_id}: FAULT_FROZEN ({status.message}); not drained: control continues its recovery after `up`")
                 pending.pop(job_id)
                 continue
-            if job_id in asked and status.state == S.PAUSED and not status.drained and status.checkpoint_step < status.step:
+            if job_id in asked and status.state == JobState.PAUSED and not status.drained and status.checkpoint_step < status.step:
                 # Its checkpoint of the pause could not be saved (e.g. the store is away): the
                 # stack must not take its ranks, or the steps since that checkpoint are lost.
                 unsafe.append(f"{job_id} (paused at step {status.step}, newest checkpoint "
                               f"{status.checkpoint_version or 'none'} at step {status.checkpoint_step})")
                 pending.pop(job_id)
                 continue
-            if status.state == S.TERMINATED or (job_id in asked and status.state == S.PAUSED):
-                if status.state == S.PAUSED:
+            if status.state == JobState.TERMINATED or (job_id in asked and status.state == JobState.PAUSED):
+                if status.state == JobState.PAUSED:
                     drained.append(job_id)
                     say(f"{job_id}: PAUSED at step {status.step} ({status.checkpoint_version or 'no checkpoint'})")
                 else:
-                    say(f"{job_id}: ended meanwhile ({O.Name(status.outcome)})")
+                    say(f"{job_id}: ended meanwhile ({JobOutcome.Name(status.outcome)})")
                 pending.pop(job_id)
         if pending and time.monotonic() > deadline:
-            left = ", ".join(f"{j} ({S.Name(stub.GetJob(control_pb2.JobQuery(job_id=j), timeout=10).state)})"
+            left = ", ".join(f"{j} ({JobState.Name(stub.GetJob(control_pb2.JobQuery(job_id=j), timeout=10).state)})"
                              for j in pending)
             raise CliError(f"not drained within {timeout_s:.0f} s: {left}; the stack keeps running "
                            "(`surgectl down --force` stops it anyway, losing their steps since their last checkpoint)")
@@ -105,7 +105,7 @@ def resume_drained(timeout_s: float, say: Callable[[str], None]) -> tuple[list[s
                     s = stub.ResumeJob(control_pb2.ResumeJobRequest(job_id=job_id), timeout=60)
                     resumed.append(job_id)
                     say(f"resumed drained job {job_id} from checkpoint {s.checkpoint_version} (step {s.step}); "
-                        f"now {S.Name(s.state)}")
+                        f"now {JobState.Name(s.state)}")
                     break
                 except grpc.RpcError as e:
                     details = e.details() or str(e.code())

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from torch.nn import functional
 
 from services.contract import engine_pb2
 from services.contract.bus import Emitter
@@ -78,13 +78,13 @@ class BackwardUnit:
         logits_NV = logits_BTV.reshape(-1, logits_BTV.shape[-1]).float()
         if not msg.backward:
             with torch.no_grad():
-                loss_sum = F.cross_entropy(logits_NV, labels_N, ignore_index=IGNORE_INDEX, reduction="sum")
+                loss_sum = functional.cross_entropy(logits_NV, labels_N, ignore_index=IGNORE_INDEX, reduction="sum")
             return engine_pb2.BackwardDone(loss_sum=float(loss_sum), tokens=tokens, seconds=time.perf_counter() - t0)
         self._state = "running"
         if self._passes % self._micro_steps == 0:  # a new accumulation window starts from zero
             for p in self._params:
                 p.grad = None
-        loss_sum = F.cross_entropy(logits_NV, labels_N, ignore_index=IGNORE_INDEX, reduction="sum")
+        loss_sum = functional.cross_entropy(logits_NV, labels_N, ignore_index=IGNORE_INDEX, reduction="sum")
         (loss_sum * (msg.loss_scale / msg.normalizer)).backward()
         self._passes += 1
         self._state = "grads_ready"

@@ -26,8 +26,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.nn import functional
 from torch.utils.checkpoint import checkpoint
 
 from services.jobspec import ModelSpec, mlp_hidden_width  # noqa: F401 (re-exported: F of a spec)
@@ -40,7 +40,7 @@ ATTENTION_BACKENDS = ("sdpa", "math")
 
 def sdpa_attention(q_BHTK: torch.Tensor, k_BHTK: torch.Tensor, v_BHTK: torch.Tensor) -> torch.Tensor:
     """Causal attention through ``F.scaled_dot_product_attention`` (fused kernels)."""
-    return F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTK, is_causal=True)
+    return functional.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTK, is_causal=True)
 
 
 def math_attention(q_BHTK: torch.Tensor, k_BHTK: torch.Tensor, v_BHTK: torch.Tensor) -> torch.Tensor:
@@ -126,8 +126,8 @@ class MLP(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         if self.kind == "swiglu":
-            return self.down(F.silu(self.gate(x_BTD)) * self.up(x_BTD))
-        return self.down(F.gelu(self.up(x_BTD), approximate="tanh"))
+            return self.down(functional.silu(self.gate(x_BTD)) * self.up(x_BTD))
+        return self.down(functional.gelu(self.up(x_BTD), approximate="tanh"))
 
 
 class Block(nn.Module):

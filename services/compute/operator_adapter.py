@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from torch.nn import functional
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
@@ -146,7 +146,7 @@ class OperatorAdapter:
         q = torch.zeros(1, 1, 8, 64, device=self._device, dtype=_DTYPES[dtype])
         try:
             with sdpa_kernel([getattr(SDPBackend, b) for b in backends]):
-                F.scaled_dot_product_attention(q, q, q, is_causal=True)
+                functional.scaled_dot_product_attention(q, q, q, is_causal=True)
         except RuntimeError as e:
             reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
             raise OperatorUnavailable(

@@ -45,9 +45,9 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.nn import functional
 
 from services.compute.model import Rotary, Transformer, math_attention, sdpa_attention
 from services.contract import engine_pb2
@@ -215,7 +215,7 @@ class PipelineRunner:
         self._region = ops.region
 
     def _loss(self, logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
-        ce_sum = F.cross_entropy(
+        ce_sum = functional.cross_entropy(
             logits_BTV.reshape(-1, logits_BTV.shape[-1]).float(),
             labels_BT.reshape(-1),
             ignore_index=IGNORE_INDEX,

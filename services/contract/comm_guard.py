@@ -83,7 +83,7 @@ from services.contract.failures import communication_failed
 from services.contract.route_table import module_name
 
 _log = structlog.get_logger("contract.comm_guard")
-M = route_pb2.Module
+Module = route_pb2.Module
 REPO = Path(__file__).resolve().parents[2]
 REGISTER = Path(__file__).resolve().parent / "exceptions.yaml"
 LIBRARY = "<library>"
@@ -119,9 +119,9 @@ FUNCOL = "funcol."
 def allowed(module: int, op: str) -> bool:
     """The seed's own law, before any exception: L3-5 moves data, L2-2 manages groups."""
     base = op.removeprefix(FUNCOL)
-    if module == M.L3_GRADIENT_REDUCTION:
+    if module == Module.L3_GRADIENT_REDUCTION:
         return base not in GROUP_OPS
-    if module == M.L2_PARALLEL_STRATEGY:
+    if module == Module.L2_PARALLEL_STRATEGY:
         return base in GROUP_OPS
     return False
 
@@ -152,7 +152,7 @@ def site_matches(site: str, where: str) -> bool:
 
 def module_of(name: str) -> int:
     """A register's module name (``L2_MIXED_PRECISION`` or ``none``) -> its enum value."""
-    return 0 if name == NONE else M.Value(name)
+    return 0 if name == NONE else Module.Value(name)
 
 
 def load_register(path: Path = REGISTER) -> list[dict[str, Any]]:
@@ -261,7 +261,7 @@ class CommGuard:
                 if failed is e:
                     raise
                 raise failed from e
-            if op in GROUP_OPS and module not in (0, M.L2_PARALLEL_STRATEGY):
+            if op in GROUP_OPS and module not in (0, Module.L2_PARALLEL_STRATEGY):
                 self._own(result, module)
             return result
         finally:
@@ -275,7 +275,7 @@ class CommGuard:
         if module:
             return module
         if _in_backward():
-            return M.L3_BACKWARD_UNIT
+            return Module.L3_BACKWARD_UNIT
         if self._owners:
             for value in (*args, *kwargs.values()):
                 owned = self._owners.get(id(value))

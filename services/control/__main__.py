@@ -59,13 +59,12 @@ from services.control.session_hub import SessionHub
 from services.control.store_relay import StoreRelay
 from services.control.watch_hub import WatchHub
 
-M = Module
 # What this process hosts on its bus: the four L1 modules, and the relays standing in for
 # the operator, the node agents, the ranks' loops, the checkpoint manager and the contract
 # layer (checked by validate_wiring at start-up).
 HOSTED = (
-    M.L1_ORCHESTRATOR, M.L1_RESOURCE_ALLOCATOR, M.L1_FAULT_DETECTOR, M.L1_RECOVERY_CONTROLLER,
-    M.EXT_USER, M.EXT_HARDWARE, M.L2_TRAINING_LOOP, M.L5_CHECKPOINT_MANAGER, M.EXT_CONTRACT,
+    Module.L1_ORCHESTRATOR, Module.L1_RESOURCE_ALLOCATOR, Module.L1_FAULT_DETECTOR, Module.L1_RECOVERY_CONTROLLER,
+    Module.EXT_USER, Module.EXT_HARDWARE, Module.L2_TRAINING_LOOP, Module.L5_CHECKPOINT_MANAGER, Module.EXT_CONTRACT,
 )
 
 
@@ -104,55 +103,55 @@ def build(
     reporter = ViolationReporter("control", structlog.get_logger("control"), deliver=lambda event: contract(event))
     bus = Bus(on_violation=reporter)
     validate_table(bus.table)
-    contract = bus.emitter(M.EXT_CONTRACT)
+    contract = bus.emitter(Module.EXT_CONTRACT)
 
     allocator = ResourceAllocator(
-        hardware=bus.port(M.L1_RESOURCE_ALLOCATOR, M.EXT_HARDWARE),
-        emit=bus.emitter(M.L1_RESOURCE_ALLOCATOR),
+        hardware=bus.port(Module.L1_RESOURCE_ALLOCATOR, Module.EXT_HARDWARE),
+        emit=bus.emitter(Module.L1_RESOURCE_ALLOCATOR),
         control_host=host,
     )
-    detector = FaultDetector(emit=bus.emitter(M.L1_FAULT_DETECTOR), rules=fault_rules)
-    recovery = RecoveryController(resources=bus.port(M.L1_RECOVERY_CONTROLLER, M.L1_RESOURCE_ALLOCATOR))
+    detector = FaultDetector(emit=bus.emitter(Module.L1_FAULT_DETECTOR), rules=fault_rules)
+    recovery = RecoveryController(resources=bus.port(Module.L1_RECOVERY_CONTROLLER, Module.L1_RESOURCE_ALLOCATOR))
     sessions = SessionHub(
-        hardware=bus.emitter(M.EXT_HARDWARE),
-        loop=bus.emitter(M.L2_TRAINING_LOOP),
-        checkpoints=bus.emitter(M.L5_CHECKPOINT_MANAGER),
+        hardware=bus.emitter(Module.EXT_HARDWARE),
+        loop=bus.emitter(Module.L2_TRAINING_LOOP),
+        checkpoints=bus.emitter(Module.L5_CHECKPOINT_MANAGER),
         contract=contract,
         journal=journal,
     )
     watches = WatchHub()
-    store = StoreRelay(store_address, events=bus.emitter(M.L5_CHECKPOINT_MANAGER), on_error=reporter.relay_rpc_error)
+    store = StoreRelay(store_address, events=bus.emitter(Module.L5_CHECKPOINT_MANAGER), on_error=reporter.relay_rpc_error)
 
     # Relays first, so that restoring jobs (inside Orchestrator()) publishes to a wired bus.
-    bus.subscribe(M.EXT_USER, control_pb2.JobEvent, watches.on_job_event)
-    bus.subscribe(M.EXT_HARDWARE, control_pb2.LaunchRanks, sessions.launch_ranks)
-    bus.subscribe(M.EXT_HARDWARE, control_pb2.ReleaseRanks, sessions.release_ranks)
+    bus.subscribe(Module.EXT_USER, control_pb2.JobEvent, watches.on_job_event)
+    bus.subscribe(Module.EXT_HARDWARE, control_pb2.LaunchRanks, sessions.launch_ranks)
+    bus.subscribe(Module.EXT_HARDWARE, control_pb2.ReleaseRanks, sessions.release_ranks)
     for command in (engine_pb2.StartTraining, engine_pb2.PauseTraining, engine_pb2.ResumeTraining, engine_pb2.StopTraining):
-        bus.subscribe(M.L2_TRAINING_LOOP, command, sessions.relay_rank_command)
-    bus.subscribe(M.L5_CHECKPOINT_MANAGER, store_pb2.VerifyCheckpoints, store.verify_checkpoints)
-    bus.subscribe(M.L5_CHECKPOINT_MANAGER, store_pb2.ScrubCheckpoints, store.scrub_checkpoints)
+        bus.subscribe(Module.L2_TRAINING_LOOP, command, sessions.relay_rank_command)
+    bus.subscribe(Module.L5_CHECKPOINT_MANAGER, store_pb2.VerifyCheckpoints, store.verify_checkpoints)
+    bus.subscribe(Module.L5_CHECKPOINT_MANAGER, store_pb2.ScrubCheckpoints, store.scrub_checkpoints)
 
-    bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.WorkerRegistration, allocator.on_worker_registration)
-    bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.MemoryPressure, allocator.on_memory_pressure)
-    bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.AllocateResources, allocator.allocate_resources)
-    bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.ReleaseResources, allocator.release_resources)
-    bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.RebuildCommunicator, allocator.rebuild_communicator)
-    bus.subscribe(M.L1_RECOVERY_CONTROLLER, control_pb2.StartRecovery, recovery.start_recovery)
+    bus.subscribe(Module.L1_RESOURCE_ALLOCATOR, control_pb2.WorkerRegistration, allocator.on_worker_registration)
+    bus.subscribe(Module.L1_RESOURCE_ALLOCATOR, control_pb2.MemoryPressure, allocator.on_memory_pressure)
+    bus.subscribe(Module.L1_RESOURCE_ALLOCATOR, control_pb2.AllocateResources, allocator.allocate_resources)
+    bus.subscribe(Module.L1_RESOURCE_ALLOCATOR, control_pb2.ReleaseResources, allocator.release_resources)
+    bus.subscribe(Module.L1_RESOURCE_ALLOCATOR, control_pb2.RebuildCommunicator, allocator.rebuild_communicator)
+    bus.subscribe(Module.L1_RECOVERY_CONTROLLER, control_pb2.StartRecovery, recovery.start_recovery)
     # The detector before the orchestrator is built: restoring a live job re-arms its watch.
-    bus.subscribe(M.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring, detector.start_fault_monitoring)
-    bus.subscribe(M.L1_FAULT_DETECTOR, control_pb2.ResetFaultLedger, detector.reset_fault_ledger)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring, detector.start_fault_monitoring)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.ResetFaultLedger, detector.reset_fault_ledger)
 
     orchestrator = Orchestrator(
-        allocator=bus.port(M.L1_ORCHESTRATOR, M.L1_RESOURCE_ALLOCATOR),
-        faults=bus.port(M.L1_ORCHESTRATOR, M.L1_FAULT_DETECTOR),
-        recovery=bus.port(M.L1_ORCHESTRATOR, M.L1_RECOVERY_CONTROLLER),
-        loop=bus.port(M.L1_ORCHESTRATOR, M.L2_TRAINING_LOOP),
-        emit=bus.emitter(M.L1_ORCHESTRATOR),
+        allocator=bus.port(Module.L1_ORCHESTRATOR, Module.L1_RESOURCE_ALLOCATOR),
+        faults=bus.port(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR),
+        recovery=bus.port(Module.L1_ORCHESTRATOR, Module.L1_RECOVERY_CONTROLLER),
+        loop=bus.port(Module.L1_ORCHESTRATOR, Module.L2_TRAINING_LOOP),
+        emit=bus.emitter(Module.L1_ORCHESTRATOR),
         journal=journal,
         data_address=data_address,
         store_address=store_address,
         persist_interval_s=persist_interval_s,
-        checkpoints=bus.port(M.L1_ORCHESTRATOR, M.L5_CHECKPOINT_MANAGER),
+        checkpoints=bus.port(Module.L1_ORCHESTRATOR, Module.L5_CHECKPOINT_MANAGER),
     )
     o = orchestrator
     for msg_type, handler in (
@@ -178,18 +177,18 @@ def build(
         (engine_pb2.StepFaultReported, o.on_step_fault_reported),
         (control_pb2.ResourcePressure, o.on_resource_pressure),
     ):
-        bus.subscribe(M.L1_ORCHESTRATOR, msg_type, handler)
+        bus.subscribe(Module.L1_ORCHESTRATOR, msg_type, handler)
 
-    bus.subscribe(M.L1_FAULT_DETECTOR, worker_pb2.RankHeartbeat, detector.on_rank_heartbeat)
-    bus.subscribe(M.L1_FAULT_DETECTOR, control_pb2.RankExited, detector.on_rank_exited)
-    bus.subscribe(M.L1_FAULT_DETECTOR, engine_pb2.TrainingLoopFailed, detector.on_training_loop_failed)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, worker_pb2.RankHeartbeat, detector.on_rank_heartbeat)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.RankExited, detector.on_rank_exited)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, engine_pb2.TrainingLoopFailed, detector.on_training_loop_failed)
     # Every other module's failure event routed to L1-3, graded by (event, cause).
-    for failure_type in failure_events_to(bus.table, M.L1_FAULT_DETECTOR):
+    for failure_type in failure_events_to(bus.table, Module.L1_FAULT_DETECTOR):
         if failure_type is not engine_pb2.TrainingLoopFailed:
-            bus.subscribe(M.L1_FAULT_DETECTOR, failure_type, detector.on_failure)
-    bus.subscribe(M.L1_FAULT_DETECTOR, audit_pb2.BoundaryViolationReported, detector.on_boundary_violation_reported)
+            bus.subscribe(Module.L1_FAULT_DETECTOR, failure_type, detector.on_failure)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, audit_pb2.BoundaryViolationReported, detector.on_boundary_violation_reported)
 
-    servicer = ControlServicer(user=bus.port(M.EXT_USER, M.L1_ORCHESTRATOR), watches=watches, sessions=sessions,
+    servicer = ControlServicer(user=bus.port(Module.EXT_USER, Module.L1_ORCHESTRATOR), watches=watches, sessions=sessions,
                                max_sessions=max_sessions)
     # The store's answers are applied in order with the node agents' events, on one thread.
     store.post = servicer.applier.call

@@ -26,23 +26,22 @@ from dataclasses import dataclass
 from services.contract import control_pb2, engine_pb2
 from services.jobspec import STEP_FAULT_CLASSES, FaultPolicySpec
 
-G = control_pb2.FaultGrade
-O = control_pb2.JobOutcome
-E = engine_pb2
+FaultGrade = control_pb2.FaultGrade
+JobOutcome = control_pb2.JobOutcome
 
 # The step fault kinds the loop reports, by the policy's class names (STEP_FAULT_CLASSES).
 STEP_FAULT_CLASS: dict[int, str] = {
-    E.STEP_FAULT_NON_FINITE_LOSS: "non_finite_loss",
-    E.STEP_FAULT_GRADIENT_OVERFLOW: "gradient_overflow",
-    E.STEP_FAULT_OVERFLOW_STORM: "overflow_storm",
-    E.STEP_FAULT_LOSS_SCALE_AT_MINIMUM: "loss_scale_at_minimum",
+    engine_pb2.STEP_FAULT_NON_FINITE_LOSS: "non_finite_loss",
+    engine_pb2.STEP_FAULT_GRADIENT_OVERFLOW: "gradient_overflow",
+    engine_pb2.STEP_FAULT_OVERFLOW_STORM: "overflow_storm",
+    engine_pb2.STEP_FAULT_LOSS_SCALE_AT_MINIMUM: "loss_scale_at_minimum",
 }
 assert tuple(STEP_FAULT_CLASS.values()) == STEP_FAULT_CLASSES
 STEP_FAULT_KIND = {c: k for k, c in STEP_FAULT_CLASS.items()}
 
 RELAUNCHES = frozenset({"restart_ranks", "rollback", "exclude_node"})
-_VERDICTS = {"ignore": E.STEP_APPLY, "skip_step": E.STEP_SKIP, "stop": E.STEP_STOP,
-             **{a: E.STEP_RELAUNCH for a in RELAUNCHES}}
+_VERDICTS = {"ignore": engine_pb2.STEP_APPLY, "skip_step": engine_pb2.STEP_SKIP, "stop": engine_pb2.STEP_STOP,
+             **{a: engine_pb2.STEP_RELAUNCH for a in RELAUNCHES}}
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ class Decision:
     counted: str
     text: str
     verdict: int
-    outcome: int = O.OUTCOME_UNSPECIFIED
+    outcome: int = JobOutcome.OUTCOME_UNSPECIFIED
     final: str = ""
     restart: int = 0
     budget: int = 0
@@ -93,8 +92,8 @@ def decide(policy: FaultPolicySpec, job: JobView, report: control_pb2.FaultRepor
     """The decision on ``report`` (a new incident: consequences of one in flight are the
     orchestrator's to filter out first), by ``policy``, given ``job``."""
     fault_class = fault_class_of(report)
-    grade = G.Name(report.grade)
-    step_fault = report.grade == G.GRADE_UNSPECIFIED and fault_class in STEP_FAULT_CLASSES
+    grade = FaultGrade.Name(report.grade)
+    step_fault = report.grade == FaultGrade.GRADE_UNSPECIFIED and fault_class in STEP_FAULT_CLASSES
     action = policy.step_action(fault_class) if step_fault else policy.action_for(fault_class, grade)
     who = f"{fault_class} of rank {report.rank}" + (f" on {report.worker_id}" if report.worker_id else "")
     if step_fault:
@@ -102,27 +101,27 @@ def decide(policy: FaultPolicySpec, job: JobView, report: control_pb2.FaultRepor
     said = f"{grade + ' ' if not step_fault else ''}{fault_class}: {report.detail}"
 
     def stop(counted: str, text: str, outcome: int, final: str) -> Decision:
-        return Decision(fault_class, "stop", counted, text, E.STEP_STOP, outcome=outcome, final=final)
+        return Decision(fault_class, "stop", counted, text, engine_pb2.STEP_STOP, outcome=outcome, final=final)
 
     if job.stop_requested and action not in ("ignore", "skip_step"):
         # (an ignored fault or a skipped step changes nothing: the operator's stop goes on)
-        return stop("stop", f"stop after {who}: a stop was already requested", O.STOPPED,
+        return stop("stop", f"stop after {who}: a stop was already requested", JobOutcome.STOPPED,
                     f"stopped by the operator; then {said}")
     if action == "ignore":
         n = job.ignored.get(fault_class, 0) + 1
         then = "; the step is applied as it is" if step_fault else ""
         return Decision(fault_class, "ignore", "ignore", f"ignore {who}: fault policy; {n} ignored so far{then}",
-                        E.STEP_APPLY)
+                        engine_pb2.STEP_APPLY)
     if action == "skip_step":
         return Decision(fault_class, "skip_step", "skip_step", f"skip step {report.step} after {who}: fault policy",
-                        E.STEP_SKIP)
+                        engine_pb2.STEP_SKIP)
     if action == "stop":
-        return stop("stop", f"stop after {who}: fault policy", O.FAILED, said)
+        return stop("stop", f"stop after {who}: fault policy", JobOutcome.FAILED, said)
     assert action in RELAUNCHES, action
     spent, budget = job.restarts.get(fault_class, 0), policy.budget_for(fault_class)
     if spent >= budget:
         why = f"restart budget for {fault_class} exhausted ({spent} of {budget} used)"
-        return stop("budget_exhausted", f"stop after {who}: {why}", O.FAILED, f"{why}; last fault: {said}")
+        return stop("budget_exhausted", f"stop after {who}: {why}", JobOutcome.FAILED, f"{why}; last fault: {said}")
     # The relaunched ranks found the version's bytes wrong as they read them (a digest
     # mismatch): the only cause that strikes a version; a load that failed for any other
     # reason (the store unreachable) says nothing of it.
@@ -148,6 +147,6 @@ def standing_orders(policy: FaultPolicySpec) -> list[engine_pb2.StandingOrder]:
     for fault_class in STEP_FAULT_CLASSES:
         if policy.step_action(fault_class) == "skip_step":
             orders.append(engine_pb2.StandingOrder(
-                id=len(orders) + 1, kind=STEP_FAULT_KIND[fault_class], action=E.STEP_SKIP,
+                id=len(orders) + 1, kind=STEP_FAULT_KIND[fault_class], action=engine_pb2.STEP_SKIP,
             ))  # fmt: skip
     return orders

@@ -103,7 +103,7 @@ from services.contract import (
 from services.contract.bus import Emitter
 from services.control.deadlines import Deadline, Deadlines
 
-G = control_pb2.FaultGrade
+FaultGrade = control_pb2.FaultGrade
 _log = structlog.get_logger("fault_detector")
 
 # Fault classes this detector names itself (TrainingLoopFailed brings its own class).
@@ -133,79 +133,79 @@ QUIET_BEATS = 1.5
 WORKER_DEPARTED = "worker_departed"
 
 DEFAULT_RULES: dict[str, int] = {
-    RANK_EXIT: G.SEVERE,
-    RANK_EXIT_CLEAN: G.MEDIUM,  # the orchestrator knows whether the rank had finished
-    RANK_RELEASED: G.MINOR,
-    WORKER_DEPARTED: G.SEVERE,  # its ranks must run elsewhere (or on it once it is back)
-    RANK_SILENT: G.SEVERE,
-    RANK_STALLED: G.SEVERE,
-    RANK_STALLED_IN_COLLECTIVE: G.SEVERE,
-    WORKER_LOST: G.SEVERE,
-    LOOP_FAILURE: G.FATAL,
+    RANK_EXIT: FaultGrade.SEVERE,
+    RANK_EXIT_CLEAN: FaultGrade.MEDIUM,  # the orchestrator knows whether the rank had finished
+    RANK_RELEASED: FaultGrade.MINOR,
+    WORKER_DEPARTED: FaultGrade.SEVERE,  # its ranks must run elsewhere (or on it once it is back)
+    RANK_SILENT: FaultGrade.SEVERE,
+    RANK_STALLED: FaultGrade.SEVERE,
+    RANK_STALLED_IN_COLLECTIVE: FaultGrade.SEVERE,
+    WORKER_LOST: FaultGrade.SEVERE,
+    LOOP_FAILURE: FaultGrade.FATAL,
     # Deterministic: the same code refuses the same send after any restart.
-    BOUNDARY_VIOLATION: G.FATAL,
-    PORT_IN_USE: G.MEDIUM,
-    COMM_ERROR: G.SEVERE,
-    "data_unavailable": G.FATAL,
-    "data_exhausted": G.FATAL,
-    "non_finite_loss": G.FATAL,
-    "overflow_storm": G.FATAL,
+    BOUNDARY_VIOLATION: FaultGrade.FATAL,
+    PORT_IN_USE: FaultGrade.MEDIUM,
+    COMM_ERROR: FaultGrade.SEVERE,
+    "data_unavailable": FaultGrade.FATAL,
+    "data_exhausted": FaultGrade.FATAL,
+    "non_finite_loss": FaultGrade.FATAL,
+    "overflow_storm": FaultGrade.FATAL,
     # A rank fails with these only when the policy does not skip the step: a recurring
     # numeric fault of the run (fp16 loss scaler), not of a process.
-    "gradient_overflow": G.MEDIUM,
-    "loss_scale_at_minimum": G.FATAL,
+    "gradient_overflow": FaultGrade.MEDIUM,
+    "loss_scale_at_minimum": FaultGrade.FATAL,
     # The job spec asked for an operator this device lacks: the same on every restart.
-    "operator_unavailable": G.FATAL,
-    "model_error": G.FATAL,
-    "config_error": G.FATAL,
-    "checkpoint_error": G.SEVERE,
-    "session_lost": G.SEVERE,
+    "operator_unavailable": FaultGrade.FATAL,
+    "model_error": FaultGrade.FATAL,
+    "config_error": FaultGrade.FATAL,
+    "checkpoint_error": FaultGrade.SEVERE,
+    "session_lost": FaultGrade.SEVERE,
     # Module failure events, by the class FAILURE_CLASSES gives them (typed cause, never text).
-    INTERNAL_ERROR: G.FATAL,        # a bug until shown otherwise: the same on a restart
-    "out_of_memory": G.FATAL,       # the same model on the same devices runs out again
-    "io_error": G.SEVERE,           # a file or disk that may be back after a restart
-    "timeout": G.SEVERE,
-    "unavailable": G.SEVERE,        # a service that may be back
-    "data_corrupt": G.FATAL,        # bytes that failed their check stay wrong
-    "data_io_error": G.SEVERE,
+    INTERNAL_ERROR: FaultGrade.FATAL,        # a bug until shown otherwise: the same on a restart
+    "out_of_memory": FaultGrade.FATAL,       # the same model on the same devices runs out again
+    "io_error": FaultGrade.SEVERE,           # a file or disk that may be back after a restart
+    "timeout": FaultGrade.SEVERE,
+    "unavailable": FaultGrade.SEVERE,        # a service that may be back
+    "data_corrupt": FaultGrade.FATAL,        # bytes that failed their check stay wrong
+    "data_io_error": FaultGrade.SEVERE,
     # Reported for the record: the orchestrator decides on these events itself (they are
     # routed to it too), so the report asks for nothing (MINOR: ignore by default).
-    "snapshot_failed": G.MINOR,
-    "log_write_failed": G.MINOR,
-    "recovery_failed": G.MINOR,
+    "snapshot_failed": FaultGrade.MINOR,
+    "log_write_failed": FaultGrade.MINOR,
+    "recovery_failed": FaultGrade.MINOR,
 }
 
 # A module's failure event -> fault class, by (event name, FailureCause); "" / ANY_CAUSE match
 # any. Looked up most specific first: (event, cause), (event, any), (any, cause), else
 # internal_error. The grade is the class's (DEFAULT_RULES, or the control's rule overrides).
 ANY_EVENT, ANY_CAUSE = "", 0
-FC = route_pb2.FailureCause
+FailureCause = route_pb2.FailureCause
 _DATA_EVENTS = ("DatasetUnavailable", "PrefetchFailed", "ShuffleFailed", "SampleStreamInterrupted", "PackingFailed")
 FAILURE_CLASSES: dict[tuple[str, int], str] = {
-    (ANY_EVENT, FC.FAILURE_COMMUNICATION): COMM_ERROR,
+    (ANY_EVENT, FailureCause.FAILURE_COMMUNICATION): COMM_ERROR,
     # Forming the group failed (its store, a peer that never came); a taken port is typed
     # where the group is formed (L2-2 probes it: RendezvousFailed, the loop's port_in_use).
-    (ANY_EVENT, FC.FAILURE_RENDEZVOUS): COMM_ERROR,
-    (ANY_EVENT, FC.FAILURE_OUT_OF_MEMORY): "out_of_memory",
-    (ANY_EVENT, FC.FAILURE_IO): "io_error",
-    (ANY_EVENT, FC.FAILURE_TIMEOUT): "timeout",
-    (ANY_EVENT, FC.FAILURE_UNAVAILABLE): "unavailable",
-    (ANY_EVENT, FC.FAILURE_INVALID_INPUT): "config_error",
-    (ANY_EVENT, FC.FAILURE_DATA_CORRUPT): "data_corrupt",
-    (ANY_EVENT, FC.FAILURE_NON_FINITE): "non_finite_loss",
-    (ANY_EVENT, FC.FAILURE_UNSUPPORTED): "operator_unavailable",
-    (ANY_EVENT, FC.FAILURE_EXHAUSTED): "data_exhausted",
-    (ANY_EVENT, FC.FAILURE_INTERNAL): INTERNAL_ERROR,
+    (ANY_EVENT, FailureCause.FAILURE_RENDEZVOUS): COMM_ERROR,
+    (ANY_EVENT, FailureCause.FAILURE_OUT_OF_MEMORY): "out_of_memory",
+    (ANY_EVENT, FailureCause.FAILURE_IO): "io_error",
+    (ANY_EVENT, FailureCause.FAILURE_TIMEOUT): "timeout",
+    (ANY_EVENT, FailureCause.FAILURE_UNAVAILABLE): "unavailable",
+    (ANY_EVENT, FailureCause.FAILURE_INVALID_INPUT): "config_error",
+    (ANY_EVENT, FailureCause.FAILURE_DATA_CORRUPT): "data_corrupt",
+    (ANY_EVENT, FailureCause.FAILURE_NON_FINITE): "non_finite_loss",
+    (ANY_EVENT, FailureCause.FAILURE_UNSUPPORTED): "operator_unavailable",
+    (ANY_EVENT, FailureCause.FAILURE_EXHAUSTED): "data_exhausted",
+    (ANY_EVENT, FailureCause.FAILURE_INTERNAL): INTERNAL_ERROR,
     ("SnapshotFailed", ANY_CAUSE): "snapshot_failed",
     ("LogWriteFailed", ANY_CAUSE): "log_write_failed",
     ("RecoveryFailed", ANY_CAUSE): "recovery_failed",
-    ("UpdateFailed", FC.FAILURE_NON_FINITE): "non_finite_loss",
+    ("UpdateFailed", FailureCause.FAILURE_NON_FINITE): "non_finite_loss",
     **{(e, ANY_CAUSE): "data_unavailable" for e in _DATA_EVENTS},
-    **{(e, FC.FAILURE_UNAVAILABLE): "data_unavailable" for e in _DATA_EVENTS},
-    **{(e, FC.FAILURE_IO): "data_io_error" for e in _DATA_EVENTS},
-    **{(e, FC.FAILURE_DATA_CORRUPT): "data_corrupt" for e in _DATA_EVENTS},
-    **{(e, FC.FAILURE_INVALID_INPUT): "config_error" for e in _DATA_EVENTS},
-    **{(e, FC.FAILURE_EXHAUSTED): "data_exhausted" for e in _DATA_EVENTS},
+    **{(e, FailureCause.FAILURE_UNAVAILABLE): "data_unavailable" for e in _DATA_EVENTS},
+    **{(e, FailureCause.FAILURE_IO): "data_io_error" for e in _DATA_EVENTS},
+    **{(e, FailureCause.FAILURE_DATA_CORRUPT): "data_corrupt" for e in _DATA_EVENTS},
+    **{(e, FailureCause.FAILURE_INVALID_INPUT): "config_error" for e in _DATA_EVENTS},
+    **{(e, FailureCause.FAILURE_EXHAUSTED): "data_exhausted" for e in _DATA_EVENTS},
 }
 
 
@@ -223,17 +223,17 @@ DEFAULT_STALL_STEP_FACTOR = 5.0  # attribution_seconds 0: a comm_error is report
 DEFAULT_CHECKPOINT_STAGING_S = 600.0
 DEFAULT_COMPILE_S = 900.0
 _STEP_TIMES_KEPT = 64  # recent step durations of a job, for the median
-RP = worker_pb2.RankPhase
+RankPhase = worker_pb2.RankPhase
 # Not working on a step (a rank says idle only while not stepping; before its first step
 # after StartTraining it is judged as a training step).
-_RESTING = frozenset({RP.PHASE_IDLE})
+_RESTING = frozenset({RankPhase.PHASE_IDLE})
 
 
 def phase_name(phase: int) -> str:
     """"forward", "collective", ... ("" for a rank that does not say)."""
-    if phase == RP.PHASE_UNSPECIFIED or phase not in RP.values():
+    if phase == RankPhase.PHASE_UNSPECIFIED or phase not in RankPhase.values():
         return ""
-    return RP.Name(phase).removeprefix("PHASE_").lower()
+    return RankPhase.Name(phase).removeprefix("PHASE_").lower()
 
 
 @dataclass(eq=False)
@@ -297,16 +297,16 @@ class _Job:
 
     def phase_deadline_s(self, phase: int, total: int = 0) -> float:
         """The progress budget of a rank in ``phase`` (of ``total`` units, when known)."""
-        if phase == RP.PHASE_EVALUATION:
+        if phase == RankPhase.PHASE_EVALUATION:
             # Scales with the batch count; before an evaluation was seen, a training step
             # (forward, backward and update) stands in for an evaluation batch (forward only).
             times = self.eval_batch_times or self.step_times
             median = statistics.median(times) if times else 0.0
             batches = total or self.eval_batches or 1
             return (self.eval_s or self.stall_min_s) + self.stall_step_factor * median * batches
-        if phase == RP.PHASE_CHECKPOINT_STAGING:
+        if phase == RankPhase.PHASE_CHECKPOINT_STAGING:
             return max(self.stall_min_s, self.staging_s)
-        if phase == RP.PHASE_COMPILE:
+        if phase == RankPhase.PHASE_COMPILE:
             return max(self.stall_min_s, self.compile_s)
         return self.stall_deadline_s()
 
@@ -325,7 +325,7 @@ class FaultDetector:
     def __init__(self, emit: Emitter, rules: Mapping[str, int] | None = None):
         table = dict(DEFAULT_RULES)
         for fault_class, grade in (rules or {}).items():
-            if grade not in G.values() or grade == G.GRADE_UNSPECIFIED:
+            if grade not in FaultGrade.values() or grade == FaultGrade.GRADE_UNSPECIFIED:
                 raise ValueError(f"fault rules: {fault_class}: unknown grade {grade!r}")
             table[fault_class] = grade
         # Frozen after init: no command carries rules (the seed lists none), and the table
@@ -433,7 +433,7 @@ class FaultDetector:
                     job.held_timer = None
             if progressed and watch.step >= 0 and msg.step_seconds > 0:
                 job.step_times.append(msg.step_seconds)
-            if (moved and msg.phase == RP.PHASE_EVALUATION and msg.phase_progress > 0
+            if (moved and msg.phase == RankPhase.PHASE_EVALUATION and msg.phase_progress > 0
                     and msg.phase_progress != watch.phase_progress):
                 job.eval_batch_times.append(msg.phase_seconds / msg.phase_progress)
             watch.step, watch.stepping = msg.step, msg.stepping
@@ -441,7 +441,7 @@ class FaultDetector:
             if moved:
                 watch.last_progress_unix = now
                 watch.stalled = watch.waiting = False
-            if not msg.stepping or msg.phase == RP.PHASE_FAULT_WAIT:  # (waiting for L1-1's verdict)
+            if not msg.stepping or msg.phase == RankPhase.PHASE_FAULT_WAIT:  # (waiting for L1-1's verdict)
                 if watch.stall is not None:
                     watch.stall.cancel()
                 watch.stall = None
@@ -587,7 +587,7 @@ class FaultDetector:
             lost = watch.unheard and rank in job.reattaching and bool(watch.worker_id) and watch.worker_id not in job.back
             # Peers that waited in a collective, without a deadline, while it still looked
             # alive and working: they waited for it. Its consequences, reported after it.
-            waiting = [(r, w) for r, w in sorted(job.ranks.items()) if w.waiting and w.phase == RP.PHASE_COLLECTIVE]
+            waiting = [(r, w) for r, w in sorted(job.ranks.items()) if w.waiting and w.phase == RankPhase.PHASE_COLLECTIVE]
             for _, w in waiting:
                 w.waiting, w.stalled = False, True
             window = max(job.attribution_s, 0.1)
@@ -628,7 +628,7 @@ class FaultDetector:
                 return
             watch.stall = None
             quiet = self._quiet(job, now)
-            if watch.phase == RP.PHASE_COLLECTIVE and rank not in quiet and any(
+            if watch.phase == RankPhase.PHASE_COLLECTIVE and rank not in quiet and any(
                     r != rank and r not in quiet and self._working(w) for r, w in job.ranks.items()):
                 # Waiting for a peer that still works (e.g. a longer evaluation on it): no
                 # fault (see the docstring).
@@ -638,12 +638,12 @@ class FaultDetector:
             deadline = job.phase_deadline_s(watch.phase, watch.phase_total)
             if rank in quiet:
                 return  # it stopped beating too: its silence deadline reports it (as silent)
-            in_collective = watch.phase == RP.PHASE_COLLECTIVE
+            in_collective = watch.phase == RankPhase.PHASE_COLLECTIVE
             for r, w in sorted(job.ranks.items()):
                 # Outside a collective: its peers waiting in one since (at least 1.5 of their
                 # beats without progress) wait for it. In one: the peers that waited without
                 # a deadline for a peer that worked then. Consequences, reported after it.
-                if r == rank or r in quiet or w.phase != RP.PHASE_COLLECTIVE or not w.stepping or w.stalled:
+                if r == rank or r in quiet or w.phase != RankPhase.PHASE_COLLECTIVE or not w.stepping or w.stalled:
                     continue
                 if w.waiting or (not in_collective and now - w.last_progress_unix > QUIET_BEATS * (w.interval_s or 1.0)):
                     if w.stall is not None:
@@ -701,7 +701,7 @@ class FaultDetector:
         """Progressing outside a collective: stepping, its progress deadline armed, not
         declared stalled, in a phase that is not a collective wait."""
         return (w.stepping and w.stall is not None and not w.stalled
-                and w.phase not in _RESTING and w.phase != RP.PHASE_COLLECTIVE)
+                and w.phase not in _RESTING and w.phase != RankPhase.PHASE_COLLECTIVE)
 
     def _release_held(self, job_id: str) -> None:
         """The attribution window closed with no cause from another rank: the first held

@@ -81,9 +81,9 @@ from services.control.monitoring import start_monitoring
 from services.control.reattach import Reattaching
 from services.jobspec import JobSpec, parse_job_spec, spec_from_json, spec_to_json
 
-S = control_pb2.JobState
-O = control_pb2.JobOutcome
-G = control_pb2.FaultGrade
+JobState = control_pb2.JobState
+JobOutcome = control_pb2.JobOutcome
+FaultGrade = control_pb2.FaultGrade
 ORCH = Module.L1_ORCHESTRATOR
 
 # JobQuery payload asking for the job's event log (as a reply payload: tuple of JobEvent).
@@ -98,12 +98,12 @@ REATTACH_MESSAGE = "control restarted; waiting for the ranks to re-attach"
 REATTACHED_MESSAGE = "control restarted; every rank re-attached"
 
 _ALLOWED: dict[int, frozenset[int]] = {
-    S.STANDBY: frozenset({S.WARMING_UP, S.FAULT_FROZEN, S.TERMINATED}),
-    S.WARMING_UP: frozenset({S.RUNNING, S.FAULT_FROZEN, S.TERMINATED}),
-    S.RUNNING: frozenset({S.PAUSED, S.FAULT_FROZEN, S.TERMINATED}),
-    S.PAUSED: frozenset({S.RUNNING, S.FAULT_FROZEN, S.TERMINATED}),
-    S.FAULT_FROZEN: frozenset({S.RUNNING, S.PAUSED, S.TERMINATED}),  # PAUSED: recovered, paused before
-    S.TERMINATED: frozenset(),
+    JobState.STANDBY: frozenset({JobState.WARMING_UP, JobState.FAULT_FROZEN, JobState.TERMINATED}),
+    JobState.WARMING_UP: frozenset({JobState.RUNNING, JobState.FAULT_FROZEN, JobState.TERMINATED}),
+    JobState.RUNNING: frozenset({JobState.PAUSED, JobState.FAULT_FROZEN, JobState.TERMINATED}),
+    JobState.PAUSED: frozenset({JobState.RUNNING, JobState.FAULT_FROZEN, JobState.TERMINATED}),
+    JobState.FAULT_FROZEN: frozenset({JobState.RUNNING, JobState.PAUSED, JobState.TERMINATED}),  # PAUSED: recovered, paused before
+    JobState.TERMINATED: frozenset(),
 }
 
 # Fault classes that state a rank process ended (FaultReport.fault_class, see the detector).
@@ -125,8 +125,8 @@ BOUNDARY_MARGIN_S = 1.0
 RETRY_FIRST_S, RETRY_MAX_S = 0.5, 4.0
 # Classes the orchestrator names itself when a recovery step gives up (fault policy keys).
 STORE_UNREACHABLE, NO_CAPACITY, RECOVERY_TIMEOUT = "store_unreachable", "no_capacity", "recovery_timeout"
-SFC = store_pb2.StoreFailureCause
-RFC = control_pb2.RecoveryFailureCause
+StoreFailureCause = store_pb2.StoreFailureCause
+RecoveryFailureCause = control_pb2.RecoveryFailureCause
 
 
 class JobNotFound(LookupError, Refusal):
@@ -299,7 +299,7 @@ class Orchestrator:
             status = control_pb2.JobStatus(
                 job_id=job_id,
                 name=spec.name,
-                state=S.STANDBY,
+                state=JobState.STANDBY,
                 total_steps=spec.steps,
                 eval_loss=math.nan,
                 created_unix=now,
@@ -330,7 +330,7 @@ class Orchestrator:
                     f"{reply.world_size} ranks allocated on {', '.join(reply.worker_ids)}; "
                     f"rendezvous {reply.master_addr}:{reply.master_port}",
                 )
-                self._transition(job, S.WARMING_UP, ORCH, "ranks launching")
+                self._transition(job, JobState.WARMING_UP, ORCH, "ranks launching")
             except InsufficientResources:
                 self._journal.delete_job(job_id)  # nothing was reserved; nothing stays
                 raise
@@ -381,7 +381,7 @@ class Orchestrator:
         """
         with self._lock:
             job = self._get(msg.job_id)
-            if msg.drain and job.status.state == S.PAUSED and not job.pending:
+            if msg.drain and job.status.state == JobState.PAUSED and not job.pending:
                 if not job.parked:
                     job.parked = True
                     self._record(job, ORCH, "decision",
@@ -394,7 +394,7 @@ class Orchestrator:
                     self._record(job, ORCH, "decision", f"drain: the pause after step {job.pending_at} in flight "
                                  "becomes a drain (the stack stops once it is PAUSED)")
                 return self._snapshot(job)
-            self._require(job, S.RUNNING)
+            self._require(job, JobState.RUNNING)
             self._require_idle(job)
             checkpoint = msg.drain or not msg.no_checkpoint
             job.pending, job.pending_at = "pause", self._boundary(job)
@@ -425,10 +425,10 @@ class Orchestrator:
             job = self._get(msg.job_id)
             job_id = job.status.job_id
             if not self._relaunchable(job):
-                if job.status.state == S.TERMINATED:
+                if job.status.state == JobState.TERMINATED:
                     raise IllegalTransition(f"job {job_id} is TERMINATED (FINISHED): all {job.status.total_steps} "
                                             "steps done; nothing to resume")
-                self._require(job, S.PAUSED)
+                self._require(job, JobState.PAUSED)
                 if msg.from_version:
                     raise IllegalTransition(f"--from: job {job_id} is PAUSED with its ranks running; "
                                             f"`surgectl resume {job_id}` continues it where it paused")
@@ -437,7 +437,7 @@ class Orchestrator:
                     self._loop(engine_pb2.StartTraining(job_id=job_id))
                 else:
                     self._loop(engine_pb2.ResumeTraining(job_id=job_id))
-                self._transition(job, S.RUNNING, ORCH, f"resumed at step {job.status.step}")
+                self._transition(job, JobState.RUNNING, ORCH, f"resumed at step {job.status.step}")
                 return self._snapshot(job)
             if job.resuming:
                 raise IllegalTransition(f"job {job_id} is already being resumed")
@@ -463,20 +463,20 @@ class Orchestrator:
         with self._lock:
             job = self._get(msg.job_id)
             state = job.status.state
-            if state == S.TERMINATED:
-                outcome = O.Name(job.status.outcome)
+            if state == JobState.TERMINATED:
+                outcome = JobOutcome.Name(job.status.outcome)
                 raise IllegalTransition(f"job {job.status.job_id} is already TERMINATED ({outcome})")
-            if state in (S.FAULT_FROZEN, S.STANDBY) or (state == S.PAUSED and job.parked):
+            if state in (JobState.FAULT_FROZEN, JobState.STANDBY) or (state == JobState.PAUSED and job.parked):
                 why = ("its ranks were being recovered" if job.incident else
                        "its ranks were stopped with the stack" if job.parked else "its ranks were gone")
                 job.parked = job.draining = False
                 job.status.drained = False
-                self._terminate(job, O.STOPPED, f"stopped by the operator; {why}", kill=True)
+                self._terminate(job, JobOutcome.STOPPED, f"stopped by the operator; {why}", kill=True)
                 return self._snapshot(job)
             if job.pending == "stop":
                 return self._snapshot(job)
             checkpoint = not msg.no_checkpoint
-            at_step = self._boundary(job) if state == S.RUNNING else 0
+            at_step = self._boundary(job) if state == JobState.RUNNING else 0
             job.pending, job.pending_at = "stop", at_step
             job.boundary_failed = False
             self._loop(engine_pb2.StopTraining(job_id=job.status.job_id, at_step=at_step, checkpoint=checkpoint))
@@ -491,7 +491,8 @@ class Orchestrator:
         """Whether an operator resume relaunches ``job`` from a checkpoint: STOPPED or FAILED,
         or PAUSED with its ranks gone."""
         s = job.status
-        return (s.state == S.TERMINATED and s.outcome in (O.STOPPED, O.FAILED)) or (s.state == S.PAUSED and job.parked)
+        ended = s.state == JobState.TERMINATED and s.outcome in (JobOutcome.STOPPED, JobOutcome.FAILED)
+        return ended or (s.state == JobState.PAUSED and job.parked)
 
     def _ask_versions(self, job_id: str) -> list[store_pb2.CheckpointVerdict] | None:
         """The store's verdict on every committed version of the job (VerifyCheckpoints; the
@@ -539,7 +540,7 @@ class Orchestrator:
         job_id = job.status.job_id
         if not self._relaunchable(job):
             raise IllegalTransition(f"job {job_id} changed while its checkpoints were verified "
-                                    f"(now {S.Name(job.status.state)}); not resumed")
+                                    f"(now {JobState.Name(job.status.state)}); not resumed")
         if verdicts is None:
             candidates = [(step, v, v not in job.unusable, "") for step, v in job.versions]
         else:
@@ -575,7 +576,7 @@ class Orchestrator:
         assert isinstance(reply, control_pb2.ResourcesReady), reply
         before, before_runtime = control_pb2.JobStatus(), _runtime(job)
         before.CopyFrom(job.status)
-        was = S.Name(job.status.state) + (f" ({O.Name(job.status.outcome)})" if job.status.outcome else "")
+        was = JobState.Name(job.status.state) + (f" ({JobOutcome.Name(job.status.outcome)})" if job.status.outcome else "")
         try:
             # A new generation: nothing of the old one's ranks, pause, stop or recovery is kept;
             # the restart budgets start again (the operator decided to go on). Except which
@@ -592,7 +593,7 @@ class Orchestrator:
                                               if _version_number(v) > _version_number(version)}) - {version}
             job.versions = [(st, v) for st, v in job.versions if v not in job.abandoned]
             s = job.status
-            s.outcome, s.drained, s.step, s.checkpoint_version = O.OUTCOME_UNSPECIFIED, False, step, version
+            s.outcome, s.drained, s.step, s.checkpoint_version = JobOutcome.OUTCOME_UNSPECIFIED, False, step, version
             self._faults(start_monitoring(job_id, job.spec))
             self._faults(control_pb2.ResetFaultLedger(job_id=job_id))
             self._record(job, ORCH, "decision",
@@ -611,15 +612,15 @@ class Orchestrator:
         """TERMINATED or PAUSED (ranks gone) -> WARMING_UP: the one transition out of
         TERMINATED, taken only by an operator resume (``_relaunch``)."""
         old = job.status.state
-        assert old in (S.TERMINATED, S.PAUSED), S.Name(old)
-        job.status.state = S.WARMING_UP
-        self._record(job, ORCH, "state", f"{S.Name(old)} -> WARMING_UP: {message}", status_message=message)
+        assert old in (JobState.TERMINATED, JobState.PAUSED), JobState.Name(old)
+        job.status.state = JobState.WARMING_UP
+        self._record(job, ORCH, "state", f"{JobState.Name(old)} -> WARMING_UP: {message}", status_message=message)
 
     def _restore_parked(self, job: _Job) -> bool:
         """After a control restart: a PAUSED job whose ranks were stopped with the stack
         (drained or parked by `surgectl down`) has nothing to re-attach; it waits for a
         resume (`surgectl up` sends one for a drained job). True when ``job`` is one."""
-        if job.status.state != S.PAUSED or not job.parked:
+        if job.status.state != JobState.PAUSED or not job.parked:
             return False
         job.draining = False
         if job.status.drained:
@@ -638,10 +639,10 @@ class Orchestrator:
         when all have, start them all."""
         with self._lock:
             self._heard_from(msg.job_id, msg.rank)
-            job = self._live(msg.job_id, (S.WARMING_UP, S.FAULT_FROZEN), msg)
+            job = self._live(msg.job_id, (JobState.WARMING_UP, JobState.FAULT_FROZEN), msg)
             if job is None:
                 return
-            if job.status.state == S.FAULT_FROZEN and job.incident is None:
+            if job.status.state == JobState.FAULT_FROZEN and job.incident is None:
                 return  # frozen by a control restart: these ranks are not known here
             if job.incident is not None and job.incident.resumed:
                 # Only a relaunched rank reports ready during a recovery (the failed
@@ -671,7 +672,7 @@ class Orchestrator:
                 self._loop(engine_pb2.StartTraining(job_id=msg.job_id))
             if incident is None:
                 job.running_since = time.time()
-                self._transition(job, S.RUNNING, ORCH, f"all {job.status.world_size} ranks ready; training started")
+                self._transition(job, JobState.RUNNING, ORCH, f"all {job.status.world_size} ranks ready; training started")
                 return
             # Recovered. The failed generation's last events came before these ranks' own on
             # every worker that runs one, so the incident is over here.
@@ -683,14 +684,14 @@ class Orchestrator:
             if held:
                 job.recovered, job.start_held = None, True
                 self._transition(
-                    job, S.PAUSED, ORCH,
+                    job, JobState.PAUSED, ORCH,
                     f"recovered from {incident.fault_class} of rank {incident.cause.rank}: all {job.status.world_size} "
                     f"ranks restored from {source} at step {msg.start_step}; paused, as before the fault "
                     "(resume continues it)",
                 )
                 return
             self._transition(
-                job, S.RUNNING, ORCH,
+                job, JobState.RUNNING, ORCH,
                 f"recovered from {incident.fault_class} of rank {incident.cause.rank}: all {job.status.world_size} "
                 f"ranks restored from {source} at step {msg.start_step} "
                 f"{time.monotonic() - incident.decided:.1f} s after the decision; training resumed",
@@ -705,7 +706,7 @@ class Orchestrator:
             return  # every rank reports the same global numbers; rank 0 speaks for them
         with self._lock:
             self._heard_from(msg.job_id, msg.rank)
-            job = self._live(msg.job_id, (S.RUNNING, S.PAUSED), msg)
+            job = self._live(msg.job_id, (JobState.RUNNING, JobState.PAUSED), msg)
             if job is None:
                 return
             s = job.status
@@ -748,7 +749,7 @@ class Orchestrator:
         if msg.rank != 0:
             return
         with self._lock:
-            job = self._live(msg.job_id, (S.RUNNING, S.PAUSED), msg)
+            job = self._live(msg.job_id, (JobState.RUNNING, JobState.PAUSED), msg)
             if job is None:
                 return
             job.status.eval_loss = msg.loss
@@ -758,7 +759,7 @@ class Orchestrator:
         with self._lock:
             # FAULT_FROZEN too: a commit that completed while its ranks were being killed is a
             # verified version all the same.
-            job = self._live(msg.job_id, (S.RUNNING, S.PAUSED, S.WARMING_UP, S.FAULT_FROZEN), msg)
+            job = self._live(msg.job_id, (JobState.RUNNING, JobState.PAUSED, JobState.WARMING_UP, JobState.FAULT_FROZEN), msg)
             if job is None or any(v == msg.version for _, v in job.versions):
                 return  # every rank relays the same commit; record it once
             job.status.checkpoint_version = msg.version
@@ -773,7 +774,7 @@ class Orchestrator:
     def on_training_loop_paused(self, msg: engine_pb2.TrainingLoopPaused, payload: Any = None) -> None:
         with self._lock:
             self._heard_from(msg.job_id, msg.rank)
-            job = self._live(msg.job_id, (S.RUNNING,), msg)
+            job = self._live(msg.job_id, (JobState.RUNNING,), msg)
             if job is None or job.pending != "pause":
                 return
             job.paused.add(msg.rank)
@@ -792,13 +793,13 @@ class Orchestrator:
                 if job.draining:  # its ranks go away with the stack: the next `up` resumes it
                     job.draining, job.parked, job.status.drained = False, True, True
                     text += f"; drained: `surgectl up` resumes it from {_newest(job)}"
-                self._transition(job, S.PAUSED, Module.L2_TRAINING_LOOP, text)
+                self._transition(job, JobState.PAUSED, Module.L2_TRAINING_LOOP, text)
 
     def on_training_loop_finished(self, msg: engine_pb2.TrainingLoopFinished, payload: Any = None) -> None:
         """When every rank has finished: TERMINATED (FINISHED, or STOPPED if stopped early)."""
         with self._lock:
             self._heard_from(msg.job_id, msg.rank)
-            job = self._live(msg.job_id, (S.WARMING_UP, S.RUNNING, S.PAUSED), msg)
+            job = self._live(msg.job_id, (JobState.WARMING_UP, JobState.RUNNING, JobState.PAUSED), msg)
             if job is None:
                 return
             job.finished[msg.rank] = msg.stopped
@@ -807,7 +808,7 @@ class Orchestrator:
                 self._keep(job)
                 return
             stopped = any(job.finished.values()) or job.pending == "stop"
-            outcome = O.STOPPED if stopped else O.FINISHED
+            outcome = JobOutcome.STOPPED if stopped else JobOutcome.FINISHED
             how = "stopped" if stopped else "finished"
             # Stopped: say where a resume continues (the stop's checkpoint, or an older one
             # when that save was skipped or not asked for).
@@ -817,7 +818,7 @@ class Orchestrator:
     def on_training_loop_failed(self, msg: engine_pb2.TrainingLoopFailed, payload: Any = None) -> None:
         """Recorded only: the decision waits for the fault detector's grade."""
         with self._lock:
-            job = self._live(msg.job_id, (S.WARMING_UP, S.RUNNING, S.PAUSED), msg)
+            job = self._live(msg.job_id, (JobState.WARMING_UP, JobState.RUNNING, JobState.PAUSED), msg)
             if job is not None:
                 self._record(
                     job,
@@ -836,7 +837,7 @@ class Orchestrator:
         with self._lock:
             self._heard_from(msg.job_id, msg.rank)
             job = self._jobs.get(msg.job_id)
-            if job is None or job.status.state == S.TERMINATED or not fault_class:
+            if job is None or job.status.state == JobState.TERMINATED or not fault_class:
                 return  # (its ranks are being released)
             key = (msg.step, msg.kind)
             sent = job.verdicts.get(key)
@@ -877,8 +878,8 @@ class Orchestrator:
         """
         with self._lock:
             job = self._get(job_id)
-            if job.status.state not in (S.RUNNING, S.PAUSED):
-                raise IllegalTransition(f"job {job_id} is {S.Name(job.status.state)}: no ranks to revoke an order of")
+            if job.status.state not in (JobState.RUNNING, JobState.PAUSED):
+                raise IllegalTransition(f"job {job_id} is {JobState.Name(job.status.state)}: no ranks to revoke an order of")
             at = self._boundary(job)
             self._loop(engine_pb2.RevokeStandingOrder(job_id=job_id, order=order, after_step=at))
             self._record(job, ORCH, "decision", f"standing order {order} revoked after step {at}")
@@ -897,10 +898,10 @@ class Orchestrator:
         received = time.time()
         with self._lock:
             job = self._jobs.get(msg.job_id)
-            if job is None or job.status.state == S.TERMINATED:
+            if job is None or job.status.state == JobState.TERMINATED:
                 return  # e.g. ranks exiting after the job ended: expected, nothing to decide
             self._metrics.fault_reported(msg, received)
-            text = f"{G.Name(msg.grade)} {msg.fault_class}: {msg.detail}"
+            text = f"{FaultGrade.Name(msg.grade)} {msg.fault_class}: {msg.detail}"
             ended = msg.fault_class in _EXITS
             incident = job.incident
             if incident is not None and (
@@ -955,7 +956,7 @@ class Orchestrator:
         incident = _Incident(cause=msg, fault_class=fault_class, action=action, decided=time.monotonic(),
                              bound=bound, exclude=exclude,
                              # The operator's pause outlives the fault: recovered, the job stays paused.
-                             paused=job.status.state == S.PAUSED or job.pending == "pause"
+                             paused=job.status.state == JobState.PAUSED or job.pending == "pause"
                              or (previous is not None and previous.paused))
         # Every rank of the failing generation not yet seen ended will end (the recovery
         # kills it): its reports until then are consequences of this incident.
@@ -969,8 +970,8 @@ class Orchestrator:
         job.pending = ""  # a pause in flight ends here: the incident keeps it (``paused``)
         job.start_held = False
         job.excluded.update(exclude)  # journaled with the decision: a restarted control keeps it
-        if job.status.state != S.FAULT_FROZEN:
-            self._transition(job, S.FAULT_FROZEN, ORCH, f"recovering from {fault_class} of rank {msg.rank}")
+        if job.status.state != JobState.FAULT_FROZEN:
+            self._transition(job, JobState.FAULT_FROZEN, ORCH, f"recovering from {fault_class} of rank {msg.rank}")
         self._recover(job, incident)
         return decision
 
@@ -1026,7 +1027,7 @@ class Orchestrator:
             reply = self._checkpoints(store_pb2.VerifyCheckpoints(job_id=job_id)).message
         except Exception as e:  # noqa: BLE001 - a relay that cannot even send: the store is unreachable
             _log.warning("verification not sent", job_id=job_id, error=str(e))
-            reply = store_pb2.SnapshotFailed(job_id=job_id, operation="verify", cause=SFC.UNREACHABLE,
+            reply = store_pb2.SnapshotFailed(job_id=job_id, operation="verify", cause=StoreFailureCause.UNREACHABLE,
                                              reason=f"not sent: {type(e).__name__}")
         # A relay that answers in the call (in-process tests) answers here; the gRPC relay
         # answers later, on the applier thread, with the same events. (An answer delivered as
@@ -1060,7 +1061,7 @@ class Orchestrator:
                 return
             job.unusable.add(msg.version)
             self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint",
-                         f"checkpoint {msg.version} at step {msg.step} found {SFC.Name(msg.cause).lower()} by the "
+                         f"checkpoint {msg.version} at step {msg.step} found {StoreFailureCause.Name(msg.cause).lower()} by the "
                          f"store's scrub ({msg.reason}); never loaded")
 
     def on_snapshot_failed(self, msg: store_pb2.SnapshotFailed, payload: Any = None) -> None:
@@ -1073,7 +1074,7 @@ class Orchestrator:
             return
         with self._lock:
             job = self._jobs.get(msg.job_id)
-            if job is None or job.status.state == S.TERMINATED:
+            if job is None or job.status.state == JobState.TERMINATED:
                 return
             if msg.operation == "verify":
                 incident = job.incident
@@ -1087,7 +1088,7 @@ class Orchestrator:
         (its loop reports the failure itself, decided as a fault). A load that found the
         version's bytes wrong has the store re-hash the job's versions (``ScrubCheckpoints``),
         so that its catalog, and so ``latest``, knows it too."""
-        cause = SFC.Name(msg.cause).lower() if msg.cause else "unknown"
+        cause = StoreFailureCause.Name(msg.cause).lower() if msg.cause else "unknown"
         self._metrics.checkpoint_failed(cause)
         what = f"checkpoint {msg.operation}" + (f" of {msg.version}" if msg.version else "")
         if msg.operation == "save" and job.pending and msg.step == job.pending_at:
@@ -1102,7 +1103,7 @@ class Orchestrator:
                          f"{what} failed ({cause}: {msg.reason}); training continues, the next interval tries again")
             return
         self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", f"{what} failed ({cause}: {msg.reason})")
-        corrupt = msg.cause in (SFC.CORRUPT, SFC.MISSING_FILE)
+        corrupt = msg.cause in (StoreFailureCause.CORRUPT, StoreFailureCause.MISSING_FILE)
         if msg.operation == "load" and corrupt and self._checkpoints is not None:
             self._checkpoints(store_pb2.ScrubCheckpoints(job_id=job.status.job_id))  # answered as events
 
@@ -1143,14 +1144,14 @@ class Orchestrator:
         """The store could not be asked. Nothing is struck: the job waits FAULT_FROZEN and
         the verification is asked again with backoff, up to the policy's
         ``store_wait_seconds``; then the policy decides (``store_unreachable``)."""
-        if msg.cause not in (SFC.UNREACHABLE, SFC.TIMEOUT):
+        if msg.cause not in (StoreFailureCause.UNREACHABLE, StoreFailureCause.TIMEOUT):
             # The store answered but refused (e.g. it knows no version of the job): the
             # versions reported by SaveCompleted are all there is to choose from.
             self._record(job, Module.L5_CHECKPOINT_MANAGER, "recovery",
                          f"checkpoint verification refused ({msg.reason}); choosing among the versions reported")
             self._place(job, incident)
             return
-        cause = SFC.Name(msg.cause).lower()
+        cause = StoreFailureCause.Name(msg.cause).lower()
         self._wait(job, incident, WAITING_STORE, STORE_UNREACHABLE, job.spec.fault_policy.store_wait_seconds,
                    f"waiting for the store ({cause}: {msg.reason}) to verify the checkpoints")
 
@@ -1179,12 +1180,12 @@ class Orchestrator:
             self._arm(incident, job.spec.fault_policy.restore_seconds, self._restore_overdue, job.status.job_id)
             return
         assert isinstance(reply, control_pb2.RecoveryFailed), reply
-        if reply.cause == RFC.RECOVERY_NO_PLACEMENT:
+        if reply.cause == RecoveryFailureCause.RECOVERY_NO_PLACEMENT:
             needs = f"needs {reply.requested_ranks or job.status.world_size} ranks, {reply.available_ranks} free"
             self._wait(job, incident, WAITING_CAPACITY, NO_CAPACITY, job.spec.fault_policy.capacity_wait_seconds,
                        f"waiting for capacity to resume from {source}: {needs} ({reply.reason})")
             return
-        self._terminate(job, O.FAILED, f"recovery failed: {reply.reason}", kill=True)
+        self._terminate(job, JobOutcome.FAILED, f"recovery failed: {reply.reason}", kill=True)
 
     def _retry(self, job_id: str, incident: _Incident, phase: str) -> None:
         """A wait's backoff ran out: the step it waits in is commanded again."""
@@ -1208,7 +1209,7 @@ class Orchestrator:
                 return
             missing = sorted(set(range(job.status.world_size)) - job.started)
             report = control_pb2.FaultReport(
-                job_id=job_id, grade=G.SEVERE, fault_class=RECOVERY_TIMEOUT, source=Module.L1_RECOVERY_CONTROLLER,
+                job_id=job_id, grade=FaultGrade.SEVERE, fault_class=RECOVERY_TIMEOUT, source=Module.L1_RECOVERY_CONTROLLER,
                 rank=missing[0] if missing else 0, detected_unix=time.time(), occurred_unix=time.time(),
                 detail=f"ranks {missing} not ready {job.spec.fault_policy.restore_seconds:.0f} s after the relaunch",
             )
@@ -1250,7 +1251,7 @@ class Orchestrator:
         self._metrics.decided(fault_class, action)
         self._record(job, ORCH, "decision", f"{action} after {fault_class}: {why} (fault policy)")
         if action == "stop":
-            self._terminate(job, O.FAILED, f"{why}; every checkpoint is kept", kill=True)
+            self._terminate(job, JobOutcome.FAILED, f"{why}; every checkpoint is kept", kill=True)
             return
         if fault_class == NO_CAPACITY:
             incident.waiting_for = ""  # a new period of waiting
@@ -1302,7 +1303,7 @@ class Orchestrator:
         with self._lock:
             for job_id in msg.job_ids:
                 job = self._jobs.get(job_id)
-                if job is not None and job.status.state != S.TERMINATED:
+                if job is not None and job.status.state != JobState.TERMINATED:
                     self._record(job, Module.L1_RESOURCE_ALLOCATOR, "resource", text)
 
     # ------------------------------------------------------------ private
@@ -1328,11 +1329,11 @@ class Orchestrator:
             _load_runtime(job, stored.runtime)
             self._jobs[stored.status.job_id] = job
             state = job.status.state
-            if state != S.FAULT_FROZEN:
+            if state != JobState.FAULT_FROZEN:
                 job.incident = None  # (journaled only while frozen)
             if self._restore_parked(job):  # (operator half: drained / parked jobs have no ranks to wait for)
                 continue
-            if state in (S.WARMING_UP, S.RUNNING, S.PAUSED) or (state == S.FAULT_FROZEN and job.incident):
+            if state in (JobState.WARMING_UP, JobState.RUNNING, JobState.PAUSED) or (state == JobState.FAULT_FROZEN and job.incident):
                 self._faults(start_monitoring(job.status.job_id, job.spec, restored=True, placement=job.placement))
                 # The allocator learns the job again (what a recovery relaunches), with the
                 # workers it must not use; its slots are taken as the node agents re-attach
@@ -1344,9 +1345,9 @@ class Orchestrator:
                                             standing_orders=fd.standing_orders(job.spec.fault_policy)),
                     exclude_worker_ids=sorted(job.excluded), adopt=True,
                 ))
-                if state != S.FAULT_FROZEN:
+                if state != JobState.FAULT_FROZEN:
                     self._reattaching.restored(job.status.job_id, job.status.world_size)
-                    self._record(job, ORCH, "state", f"{S.Name(state)}: {REATTACH_MESSAGE}",
+                    self._record(job, ORCH, "state", f"{JobState.Name(state)}: {REATTACH_MESSAGE}",
                                  status_message=REATTACH_MESSAGE)
                     continue
                 incident = job.incident
@@ -1358,17 +1359,17 @@ class Orchestrator:
                            "(ready relaunched ranks: done; a rank missing: relaunched again)")
                 self._record(job, ORCH, "state", f"FAULT_FROZEN: {RESUME_MESSAGE} ({what}): {how}",
                              status_message=RESUME_MESSAGE)
-            elif state == S.FAULT_FROZEN:
+            elif state == JobState.FAULT_FROZEN:
                 self._record(job, ORCH, "state", f"FAULT_FROZEN: {RESTART_MESSAGE}", status_message=RESTART_MESSAGE)
-            elif state == S.STANDBY:
-                self._transition(job, S.FAULT_FROZEN, ORCH, RESTART_MESSAGE)
+            elif state == JobState.STANDBY:
+                self._transition(job, JobState.FAULT_FROZEN, ORCH, RESTART_MESSAGE)
 
     def _heard_from(self, job_id: str, rank: int) -> None:
         """A loop event of ``rank`` after a control restart: once every rank's came, the
         status stops saying control waits for them (unless something replaced it since)."""
         job = self._jobs.get(job_id)
         if job is not None and self._reattaching.heard(job_id, rank) and job.status.message == REATTACH_MESSAGE:
-            self._record(job, ORCH, "state", f"{S.Name(job.status.state)}: {REATTACHED_MESSAGE}",
+            self._record(job, ORCH, "state", f"{JobState.Name(job.status.state)}: {REATTACHED_MESSAGE}",
                          status_message=REATTACHED_MESSAGE)
 
     def _new_id(self, name: str) -> str:
@@ -1392,14 +1393,14 @@ class Orchestrator:
                 "event ignored",
                 job_id=job_id,
                 message=type(msg).__name__,
-                state=S.Name(job.status.state) if job else "unknown job",
+                state=JobState.Name(job.status.state) if job else "unknown job",
             )
             return None
         return job
 
     def _require(self, job: _Job, state: int) -> None:
         if job.status.state != state:
-            raise IllegalTransition(f"job {job.status.job_id} is {S.Name(job.status.state)}, not {S.Name(state)}")
+            raise IllegalTransition(f"job {job.status.job_id} is {JobState.Name(job.status.state)}, not {JobState.Name(state)}")
 
     def _boundary(self, job: _Job) -> int:
         """The step boundary a pause or stop names: far enough ahead that every rank gets the
@@ -1423,21 +1424,21 @@ class Orchestrator:
         job.pending = ""
         job.incident = job.recovered = None
         # Journal the terminal state first: a failing release must never lose it.
-        self._transition(job, S.TERMINATED, ORCH, f"{O.Name(outcome)}: {message}")
+        self._transition(job, JobState.TERMINATED, ORCH, f"{JobOutcome.Name(outcome)}: {message}")
         self._allocator(control_pb2.ReleaseResources(job_id=job.status.job_id, kill=kill))
 
     def _transition(self, job: _Job, new: int, source: int, message: str) -> None:
         old = job.status.state
         if new not in _ALLOWED[old]:
-            raise IllegalTransition(f"job {job.status.job_id}: {S.Name(old)} -> {S.Name(new)} is not allowed")
+            raise IllegalTransition(f"job {job.status.job_id}: {JobState.Name(old)} -> {JobState.Name(new)} is not allowed")
         job.status.state = new
-        self._record(job, source, "state", f"{S.Name(old)} -> {S.Name(new)}: {message}", status_message=message)
+        self._record(job, source, "state", f"{JobState.Name(old)} -> {JobState.Name(new)}: {message}", status_message=message)
 
     def _snapshot(self, job: _Job) -> control_pb2.JobStatus:
         copy = control_pb2.JobStatus()
         copy.CopyFrom(job.status)
         copy.checkpoint_step = next((st for st, v in job.versions if v == copy.checkpoint_version), 0)
-        if job.running_since and copy.state != S.TERMINATED:
+        if job.running_since and copy.state != JobState.TERMINATED:
             copy.elapsed_seconds = time.time() - job.running_since
         return copy
 

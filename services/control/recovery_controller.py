@@ -37,7 +37,7 @@ from services.contract import control_pb2
 from services.contract.bus import CommandPort
 
 IDLE, RECOVERING, SUCCEEDED, FAILED = "idle", "recovering", "succeeded", "failed"
-C = control_pb2.RecoveryFailureCause
+RecoveryFailureCause = control_pb2.RecoveryFailureCause
 
 
 class RecoveryController:
@@ -68,7 +68,7 @@ class RecoveryController:
             if self._state.get(msg.job_id) == RECOVERING:
                 return control_pb2.RecoveryFailed(job_id=msg.job_id, reason="a recovery is already in progress",
                                                   checkpoint_version=msg.checkpoint_version,
-                                                  cause=C.RECOVERY_IN_PROGRESS, step="placement")
+                                                  cause=RecoveryFailureCause.RECOVERY_IN_PROGRESS, step="placement")
             self._state[msg.job_id] = RECOVERING
             self._steps[msg.job_id] = []
         where = f"checkpoint {msg.checkpoint_version}" if msg.checkpoint_version else "fresh start"
@@ -87,7 +87,7 @@ class RecoveryController:
             return control_pb2.RecoveryFailed(
                 job_id=msg.job_id, checkpoint_version=msg.checkpoint_version, step="placement",
                 reason=f"placing the ranks ({where}): {short.reason if short else 'no reply'}",
-                cause=C.RECOVERY_NO_PLACEMENT,
+                cause=RecoveryFailureCause.RECOVERY_NO_PLACEMENT,
                 requested_ranks=short.requested_ranks if short else 0,
                 available_ranks=short.available_ranks if short else 0,
             )

@@ -44,7 +44,7 @@ from services.control.session_hub import AgentSession, SessionHub
 from services.control.watch_hub import WatchHub
 from services.jobspec import JobSpecError
 
-S = control_pb2.JobState
+JobState = control_pb2.JobState
 # Initial-metadata key of WorkerSession: sent once the registration is in the registry.
 REGISTERED_HEADER = "surge-registered"
 # Initial-metadata key of WorkerSession: the last WorkerEvent.seq of this agent incarnation
@@ -112,7 +112,7 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
             for ev in history:
                 last = ev.seq
                 yield ev
-            if not request.follow or status.state == S.TERMINATED:
+            if not request.follow or status.state == JobState.TERMINATED:
                 return
             while True:
                 ev = await live.get()
@@ -120,7 +120,7 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
                     continue
                 last = ev.seq
                 yield ev
-                if ev.status.state == S.TERMINATED:
+                if ev.status.state == JobState.TERMINATED:
                     return
         finally:
             self._watches.unsubscribe(request.job_id, live)

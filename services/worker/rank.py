@@ -80,17 +80,16 @@ from services.engine.training_loop import LoopPorts, TrainingLoop
 from services.jobspec import JobSpec, spec_from_json
 from services.worker.faults import FaultInjector, StepGuard
 
-M = Module
 log = structlog.get_logger()
 EXIT_FAILED, EXIT_SESSION_LOST = 1, 3
 SETUP_TIMEOUT_S = 600.0
 # What a rank's bus hosts (checked by validate_wiring): the L2 and L3 modules, and the relays
 # standing in for L1 (the session), L4 (data_client) and L5 (store_client).
 RANK_HOSTED = (
-    M.L2_TRAINING_LOOP, M.L2_PARALLEL_STRATEGY, M.L2_OPTIMIZER, M.L2_MIXED_PRECISION,
-    M.L3_SHARD_LOADER, M.L3_OPERATOR_ADAPTER, M.L3_FORWARD_UNIT, M.L3_BACKWARD_UNIT, M.L3_GRADIENT_REDUCTION,
-    M.L1_ORCHESTRATOR, M.L1_RESOURCE_ALLOCATOR, M.L4_DATASET_VERSIONS, M.L4_BATCH_PACKER,
-    M.L5_CHECKPOINT_MANAGER, M.L5_METRICS_LOGGER,
+    Module.L2_TRAINING_LOOP, Module.L2_PARALLEL_STRATEGY, Module.L2_OPTIMIZER, Module.L2_MIXED_PRECISION,
+    Module.L3_SHARD_LOADER, Module.L3_OPERATOR_ADAPTER, Module.L3_FORWARD_UNIT, Module.L3_BACKWARD_UNIT, Module.L3_GRADIENT_REDUCTION,
+    Module.L1_ORCHESTRATOR, Module.L1_RESOURCE_ALLOCATOR, Module.L4_DATASET_VERSIONS, Module.L4_BATCH_PACKER,
+    Module.L5_CHECKPOINT_MANAGER, Module.L5_METRICS_LOGGER,
 )
 
 # Which RankEvent field carries each event the loop (or the checkpoint relay) sends to L1.
@@ -157,13 +156,13 @@ def compose(
     validate_table(bus.table)
     check_pipeline_job(spec)  # ValueError: a pp > 1 combination the pipeline path lacks
     port, emitter = bus.port, bus.emitter
-    adapter = OperatorAdapter(emitter(M.L3_OPERATOR_ADAPTER), device)
-    forward = ForwardUnit(emitter(M.L3_FORWARD_UNIT), port(M.L3_FORWARD_UNIT, M.L3_OPERATOR_ADAPTER))
-    backward = BackwardUnit(emitter(M.L3_BACKWARD_UNIT), micro_steps=spec.data.grad_accum)
+    adapter = OperatorAdapter(emitter(Module.L3_OPERATOR_ADAPTER), device)
+    forward = ForwardUnit(emitter(Module.L3_FORWARD_UNIT), port(Module.L3_FORWARD_UNIT, Module.L3_OPERATOR_ADAPTER))
+    backward = BackwardUnit(emitter(Module.L3_BACKWARD_UNIT), micro_steps=spec.data.grad_accum)
     marked = {"phase": phase} if phase is not None else {}
-    reduction = GradientReduction(emitter(M.L3_GRADIENT_REDUCTION), **marked)
-    optimizer = Optimizer(spec.optimizer, emitter(M.L2_OPTIMIZER), implementation=spec.operators.adamw)
-    precision = MixedPrecision(emitter(M.L2_MIXED_PRECISION), port(M.L2_MIXED_PRECISION, M.L3_OPERATOR_ADAPTER))
+    reduction = GradientReduction(emitter(Module.L3_GRADIENT_REDUCTION), **marked)
+    optimizer = Optimizer(spec.optimizer, emitter(Module.L2_OPTIMIZER), implementation=spec.operators.adamw)
+    precision = MixedPrecision(emitter(Module.L2_MIXED_PRECISION), port(Module.L2_MIXED_PRECISION, Module.L3_OPERATOR_ADAPTER))
 
     def handover(model: torch.nn.Module) -> None:
         # The loaded model goes to the units that run or update it; L3-5 lays it out first
@@ -177,28 +176,28 @@ def compose(
         precision.attach(model.parameters(), stages=model.group if isinstance(model, StageModule) else None)
         optimizer.attach(model)
 
-    shard_loader = ShardLoader(emitter(M.L3_SHARD_LOADER), handover)
+    shard_loader = ShardLoader(emitter(Module.L3_SHARD_LOADER), handover)
     parallel = ParallelStrategy(
-        emitter(M.L2_PARALLEL_STRATEGY),
-        port(M.L2_PARALLEL_STRATEGY, M.L3_SHARD_LOADER),
-        port(M.L2_PARALLEL_STRATEGY, M.L3_GRADIENT_REDUCTION),
+        emitter(Module.L2_PARALLEL_STRATEGY),
+        port(Module.L2_PARALLEL_STRATEGY, Module.L3_SHARD_LOADER),
+        port(Module.L2_PARALLEL_STRATEGY, Module.L3_GRADIENT_REDUCTION),
         model=spec.model,
         parallel=spec.parallel,
         timeout_s=pg_timeout_s,
     )
-    L = M.L2_TRAINING_LOOP
-    backward_port, precision_port = port(L, M.L3_BACKWARD_UNIT), port(L, M.L2_MIXED_PRECISION)
-    forward_port, store_port = port(L, M.L3_FORWARD_UNIT), port(L, M.L5_CHECKPOINT_MANAGER)
+    L = Module.L2_TRAINING_LOOP
+    backward_port, precision_port = port(L, Module.L3_BACKWARD_UNIT), port(L, Module.L2_MIXED_PRECISION)
+    forward_port, store_port = port(L, Module.L3_FORWARD_UNIT), port(L, Module.L5_CHECKPOINT_MANAGER)
     loop = TrainingLoop(
         emitter(L),
         LoopPorts(
-            shard_loader=port(L, M.L3_SHARD_LOADER),
+            shard_loader=port(L, Module.L3_SHARD_LOADER),
             forward=guard.forward(forward_port) if guard else forward_port,
             backward=guard.backward(backward_port) if guard else backward_port,
-            reduction=port(L, M.L3_GRADIENT_REDUCTION),
-            optimizer=port(L, M.L2_OPTIMIZER),
+            reduction=port(L, Module.L3_GRADIENT_REDUCTION),
+            optimizer=port(L, Module.L2_OPTIMIZER),
             precision=precision_port,
-            data=port(L, M.L4_DATASET_VERSIONS),
+            data=port(L, Module.L4_DATASET_VERSIONS),
             store=guard.store(store_port) if guard else store_port,
         ),
         read_ahead=2 * spec.data.grad_accum + 2,
@@ -208,35 +207,35 @@ def compose(
     # Each module handles the routes the table sends it, by handler name (Bus.host; the
     # Protocols in services/contract/handlers.py list them).
     bus.host(L, loop)
-    bus.host(M.L2_PARALLEL_STRATEGY, parallel)
-    bus.host(M.L2_OPTIMIZER, optimizer, not_handled={
+    bus.host(Module.L2_PARALLEL_STRATEGY, parallel)
+    bus.host(Module.L2_OPTIMIZER, optimizer, not_handled={
         engine_pb2.GradientsReduced: "the loop commands the update (ApplyUpdate) once the reduction has replied",
     })
-    bus.host(M.L2_MIXED_PRECISION, precision)
-    bus.host(M.L3_SHARD_LOADER, shard_loader)
-    bus.host(M.L3_OPERATOR_ADAPTER, adapter)
-    bus.host(M.L3_FORWARD_UNIT, forward, not_handled={
+    bus.host(Module.L2_MIXED_PRECISION, precision)
+    bus.host(Module.L3_SHARD_LOADER, shard_loader)
+    bus.host(Module.L3_OPERATOR_ADAPTER, adapter)
+    bus.host(Module.L3_FORWARD_UNIT, forward, not_handled={
         data_pb2.MicroBatch: "the micro-batch arrives as RunForward's payload, from the loop",
     })
-    bus.host(M.L3_BACKWARD_UNIT, backward)
-    bus.host(M.L3_GRADIENT_REDUCTION, reduction)
+    bus.host(Module.L3_BACKWARD_UNIT, backward)
+    bus.host(Module.L3_GRADIENT_REDUCTION, reduction)
     sub = bus.subscribe
     # Relays standing in for the modules of other processes.
-    sub(M.L4_DATASET_VERSIONS, data_pb2.MountDataset, data.mount)
-    sub(M.L4_DATASET_VERSIONS, data_pb2.OpenStream, data.open_stream)
-    sub(M.L5_CHECKPOINT_MANAGER, store_pb2.SaveCheckpoint, store.save_checkpoint)
-    sub(M.L5_CHECKPOINT_MANAGER, store_pb2.CommitCheckpoint, store.commit_checkpoint)
-    sub(M.L5_CHECKPOINT_MANAGER, store_pb2.FlushCheckpoint, store.flush_checkpoint)
-    sub(M.L5_CHECKPOINT_MANAGER, store_pb2.LoadCheckpoint, store.load_checkpoint)
-    sub(M.L5_METRICS_LOGGER, engine_pb2.StepCompleted, store.on_step_completed)
-    sub(M.L5_METRICS_LOGGER, engine_pb2.EvalCompleted, store.on_eval_completed)
+    sub(Module.L4_DATASET_VERSIONS, data_pb2.MountDataset, data.mount)
+    sub(Module.L4_DATASET_VERSIONS, data_pb2.OpenStream, data.open_stream)
+    sub(Module.L5_CHECKPOINT_MANAGER, store_pb2.SaveCheckpoint, store.save_checkpoint)
+    sub(Module.L5_CHECKPOINT_MANAGER, store_pb2.CommitCheckpoint, store.commit_checkpoint)
+    sub(Module.L5_CHECKPOINT_MANAGER, store_pb2.FlushCheckpoint, store.flush_checkpoint)
+    sub(Module.L5_CHECKPOINT_MANAGER, store_pb2.LoadCheckpoint, store.load_checkpoint)
+    sub(Module.L5_METRICS_LOGGER, engine_pb2.StepCompleted, store.on_step_completed)
+    sub(Module.L5_METRICS_LOGGER, engine_pb2.EvalCompleted, store.on_eval_completed)
     for msg_type in _UP:
-        sub(M.L1_ORCHESTRATOR, msg_type, up.on_event)
+        sub(Module.L1_ORCHESTRATOR, msg_type, up.on_event)
     modules = RankModules(
         loop=loop,
         parallel=parallel,
-        orchestrator=port(M.L1_ORCHESTRATOR, L),
-        allocator=port(M.L1_RESOURCE_ALLOCATOR, M.L2_PARALLEL_STRATEGY),
+        orchestrator=port(Module.L1_ORCHESTRATOR, L),
+        allocator=port(Module.L1_RESOURCE_ALLOCATOR, Module.L2_PARALLEL_STRATEGY),
     )
     validate_wiring(bus, RANK_HOSTED)
     return modules
@@ -466,9 +465,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
         from services.worker.data_client import DataClient
         from services.worker.store_client import StoreClient
 
-        data = DataClient(init.data_address, bus.emitter(M.L4_DATASET_VERSIONS), bus.emitter(M.L4_BATCH_PACKER),
+        data = DataClient(init.data_address, bus.emitter(Module.L4_DATASET_VERSIONS), bus.emitter(Module.L4_BATCH_PACKER),
                           on_error=violations.relay_rpc_error)
-        store = StoreClient(init.store_address, bus.emitter(M.L5_CHECKPOINT_MANAGER),
+        store = StoreClient(init.store_address, bus.emitter(Module.L5_CHECKPOINT_MANAGER),
                             on_error=violations.relay_rpc_error)
         timeout_s = float(os.environ.get("SURGE_PG_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         rank = compose(

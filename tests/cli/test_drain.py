@@ -9,7 +9,7 @@ from services.cli import drain
 from services.cli.errors import CliError
 from services.contract import control_pb2
 
-S = control_pb2.JobState
+JobState = control_pb2.JobState
 pytestmark = pytest.mark.timeout(30)
 
 
@@ -25,7 +25,7 @@ class FakeControl:
         states = self.scripts[job_id]
         state = states.pop(0) if len(states) > 1 else states[0]
         return control_pb2.JobStatus(job_id=job_id, state=state, step=7, checkpoint_version=f"{job_id}:1",
-                                     checkpoint_step=7, drained=state == S.PAUSED)
+                                     checkpoint_step=7, drained=state == JobState.PAUSED)
 
     def GetJob(self, query, timeout=None):
         return self._now(query.job_id)
@@ -33,7 +33,7 @@ class FakeControl:
     def PauseJob(self, req, timeout=None):
         assert req.drain
         self.paused.append(req.job_id)
-        return control_pb2.JobStatus(job_id=req.job_id, state=S.RUNNING)
+        return control_pb2.JobStatus(job_id=req.job_id, state=JobState.RUNNING)
 
 
 def job(job_id: str, state: int) -> control_pb2.JobStatus:
@@ -43,14 +43,14 @@ def job(job_id: str, state: int) -> control_pb2.JobStatus:
 def test_running_and_paused_jobs_are_drained_a_warming_up_one_once_it_runs_a_recovering_one_not(monkeypatch):
     monkeypatch.setattr(drain, "POLL_S", 0.0)
     control = FakeControl({
-        "run": [S.RUNNING, S.RUNNING, S.PAUSED],
-        "paused": [S.PAUSED],
-        "warm": [S.WARMING_UP, S.WARMING_UP, S.RUNNING, S.RUNNING, S.PAUSED],
-        "frozen": [S.FAULT_FROZEN],
+        "run": [JobState.RUNNING, JobState.RUNNING, JobState.PAUSED],
+        "paused": [JobState.PAUSED],
+        "warm": [JobState.WARMING_UP, JobState.WARMING_UP, JobState.RUNNING, JobState.RUNNING, JobState.PAUSED],
+        "frozen": [JobState.FAULT_FROZEN],
     })
     said: list[str] = []
-    drained = drain.drain(control, [job("run", S.RUNNING), job("paused", S.PAUSED), job("warm", S.WARMING_UP),
-                                    job("frozen", S.FAULT_FROZEN)], 10.0, said.append)
+    drained = drain.drain(control, [job("run", JobState.RUNNING), job("paused", JobState.PAUSED), job("warm", JobState.WARMING_UP),
+                                    job("frozen", JobState.FAULT_FROZEN)], 10.0, said.append)
     assert sorted(drained) == ["paused", "run", "warm"]
     assert sorted(control.paused) == ["paused", "run", "warm"]  # each asked once, frozen never
     assert any(line.startswith("frozen: FAULT_FROZEN") and "not drained" in line for line in said)
@@ -59,9 +59,9 @@ def test_running_and_paused_jobs_are_drained_a_warming_up_one_once_it_runs_a_rec
 
 def test_a_job_that_does_not_pause_in_time_leaves_the_stack_running_with_one_line(monkeypatch):
     monkeypatch.setattr(drain, "POLL_S", 0.01)
-    control = FakeControl({"stuck": [S.RUNNING]})
+    control = FakeControl({"stuck": [JobState.RUNNING]})
     with pytest.raises(CliError) as caught:
-        drain.drain(control, [job("stuck", S.RUNNING)], 0.1, lambda line: None)
+        drain.drain(control, [job("stuck", JobState.RUNNING)], 0.1, lambda line: None)
     message = str(caught.value)
     assert "\n" not in message and message.startswith("not drained within 0 s: stuck (RUNNING); the stack keeps running")
     assert "--force" in message
@@ -69,8 +69,8 @@ def test_a_job_that_does_not_pause_in_time_leaves_the_stack_running_with_one_lin
 
 def test_a_job_that_faults_while_it_drains_is_not_waited_for(monkeypatch):
     monkeypatch.setattr(drain, "POLL_S", 0.0)
-    control = FakeControl({"x": [S.RUNNING, S.RUNNING, S.FAULT_FROZEN]})
-    assert drain.drain(control, [job("x", S.RUNNING)], 10.0, lambda line: None) == []
+    control = FakeControl({"x": [JobState.RUNNING, JobState.RUNNING, JobState.FAULT_FROZEN]})
+    assert drain.drain(control, [job("x", JobState.RUNNING)], 10.0, lambda line: None) == []
     assert control.paused == ["x"]
 
 
@@ -83,10 +83,10 @@ def test_a_job_paused_beyond_its_newest_checkpoint_keeps_the_stack_running(monke
             status.checkpoint_step, status.drained = 4, False
             return status
 
-    control = Unsaved({"run": [S.PAUSED]})
+    control = Unsaved({"run": [JobState.PAUSED]})
     monkeypatch.setattr(drain.time, "sleep", lambda s: None)
     with pytest.raises(CliError) as e:
-        drain.drain(control, [job("run", S.RUNNING)], timeout_s=5, say=lambda line: None)
+        drain.drain(control, [job("run", JobState.RUNNING)], timeout_s=5, say=lambda line: None)
     message = str(e.value)
     assert "\n" not in message and message.startswith("not drained: run (paused at step 7, newest checkpoint run:1 "
                                                       "at step 4): its steps since that checkpoint would be lost")

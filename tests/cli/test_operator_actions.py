@@ -28,7 +28,7 @@ from tests.test_jobspec_ranges import spec_with
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-S, O = control_pb2.JobState, control_pb2.JobOutcome
+JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 STEPS = 200  # about 20 ms a step here: long enough to stop or drain it midway
 CONTROL_PORT = free_ports(1)[0]
 ENV = {"SURGE_CONTROL_PORT": str(CONTROL_PORT), "SURGE_CONTROL_FAULT_INJECT": "tjournal:journal_record",
@@ -46,7 +46,7 @@ def stack(tmp_path_factory):
 def reference(stack):
     """The uninterrupted run every interrupted one is compared with (its final state)."""
     job = stack.submit(spec("tref", steps=STEPS, every=1000))
-    assert stack.events(job, timeout=300)[-1].status.outcome == O.FINISHED
+    assert stack.events(job, timeout=300)[-1].status.outcome == JobOutcome.FINISHED
     return final_state(stack.home, job)
 
 
@@ -59,7 +59,7 @@ def write_spec(tmp_path: Path, name: str, text: str) -> Path:
 def wait_state(stack, job_id: str, state: int, timeout: float = 120) -> control_pb2.JobStatus:
     t0 = time.monotonic()
     while (s := stack.status(job_id)).state != state:
-        assert time.monotonic() - t0 < timeout, f"{job_id} is {S.Name(s.state)}, not {S.Name(state)}: {s.message}"
+        assert time.monotonic() - t0 < timeout, f"{job_id} is {JobState.Name(s.state)}, not {JobState.Name(state)}: {s.message}"
         time.sleep(0.1)
     return s
 
@@ -125,7 +125,7 @@ def test_a_submit_that_fails_after_its_ranks_launched_leaves_no_rank_no_slot_and
     assert not [j for j in stack.stub.ListJobs(control_pb2.JobQuery()).jobs if j.name == "tjournal"]
     # Both slots are free again: a job that needs both is placed and runs to its end.
     after = stack.submit(spec("tafter", steps=10))
-    assert stack.events(after)[-1].status.outcome == O.FINISHED
+    assert stack.events(after)[-1].status.outcome == JobOutcome.FINISHED
     log = (stack.home / "run" / "logs" / "control.log").read_text()
     assert "job start failed; taking its ranks back" in log
 
@@ -135,8 +135,8 @@ def test_stop_checkpoints_its_step_and_resume_ends_bit_identical_to_an_uninterru
     stack.wait_step(job, 20)
     r = cli(stack.home, "stop", job)
     assert r.returncode == 0, r.stdout + r.stderr
-    stopped = wait_state(stack, job, S.TERMINATED)
-    assert stopped.outcome == O.STOPPED and stopped.step < STEPS
+    stopped = wait_state(stack, job, JobState.TERMINATED)
+    assert stopped.outcome == JobOutcome.STOPPED and stopped.step < STEPS
     log = messages(stack, job)
     assert any(m.startswith("stop requested: ranks checkpoint and stop after step") for m in log)
     assert any(m.startswith(f"checkpoint {job}:1 at step {stopped.step} ") for m in log), log
@@ -146,7 +146,7 @@ def test_stop_checkpoints_its_step_and_resume_ends_bit_identical_to_an_uninterru
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"resumed from checkpoint {job}:1 (step {stopped.step}); now WARMING_UP" in r.stdout
     events = stack.events(job, timeout=300)
-    assert (events[-1].status.state, events[-1].status.outcome) == (S.TERMINATED, O.FINISHED)
+    assert (events[-1].status.state, events[-1].status.outcome) == (JobState.TERMINATED, JobOutcome.FINISHED)
     assert any(e.message.startswith(f"resume TERMINATED (STOPPED) from checkpoint {job}:1") for e in events)
     steps = [r["step"] for r in stack.step_records(job) if r["rank"] == 0]
     assert steps == list(range(1, STEPS + 1)), "a step lost or repeated across the stop and resume"
@@ -163,7 +163,7 @@ def test_a_failed_job_resumes_from_its_newest_verified_checkpoint_and_ends_bit_i
     text = spec("tfail", steps=STEPS, every=5) + "fault_policy: {actions: {non_finite_loss: stop}}\n"
     job = stack.submit(text)
     failed = stack.events(job)[-1].status
-    assert (failed.state, failed.outcome) == (S.TERMINATED, O.FAILED), failed.message
+    assert (failed.state, failed.outcome) == (JobState.TERMINATED, JobOutcome.FAILED), failed.message
     wait_no_ranks(job)
     # The newest version committed (step 10's save may still have been writing when the rank
     # failed at step 12: then the one at step 5).
@@ -175,7 +175,7 @@ def test_a_failed_job_resumes_from_its_newest_verified_checkpoint_and_ends_bit_i
     assert f"resumed from checkpoint {newest['version']} (step {newest['step']}); now WARMING_UP" in r.stdout, \
         r.stdout + listed.stdout
     events = stack.events(job, timeout=300)
-    assert (events[-1].status.state, events[-1].status.outcome) == (S.TERMINATED, O.FINISHED), events[-1].message
+    assert (events[-1].status.state, events[-1].status.outcome) == (JobState.TERMINATED, JobOutcome.FINISHED), events[-1].message
     assert any(e.message.startswith("resume TERMINATED (FAILED) from checkpoint") for e in events)
     same_state(reference, final_state(stack.home, job))
 
@@ -197,7 +197,7 @@ def test_down_drains_a_running_job_and_up_resumes_it_bit_identical(stack, refere
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"resumed drained job {job} from checkpoint {job}:1" in r.stdout, r.stdout + r.stderr
     events = stack.events(job, timeout=300)
-    assert (events[-1].status.state, events[-1].status.outcome) == (S.TERMINATED, O.FINISHED), events[-1].message
+    assert (events[-1].status.state, events[-1].status.outcome) == (JobState.TERMINATED, JobOutcome.FINISHED), events[-1].message
     log = [e.message for e in events]
     assert any(m.startswith("drain (pause, then the stack stops) requested") for m in log)
     paused = [m for m in log if "; drained: `surgectl up` resumes it from checkpoint" in m]
@@ -224,7 +224,7 @@ def test_up_after_a_kill_9_of_every_service_continues_the_running_job_bit_identi
     r = cli(stack.home, "up", "--workers", "2", env=ENV, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     events = stack.events(job, timeout=300)
-    assert (events[-1].status.state, events[-1].status.outcome) == (S.TERMINATED, O.FINISHED), \
+    assert (events[-1].status.state, events[-1].status.outcome) == (JobState.TERMINATED, JobOutcome.FINISHED), \
         "\n".join(e.message for e in events[-15:])
     print("after kill -9 and up:", *[f"  {e.type}: {e.message}" for e in events if e.type in ("decision", "recovery", "fault")],
           sep="\n")

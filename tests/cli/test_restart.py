@@ -28,7 +28,7 @@ from tests.faults.test_recovery import SURGECTL, cli, finished, running_stack, s
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 STEPS, EVERY = 1000, 250  # long enough (about 20 ms a step here) to outlast the restart
-O = control_pb2.JobOutcome
+JobOutcome = control_pb2.JobOutcome
 CONTROL_PORT = free_ports(1)[0]
 
 
@@ -118,7 +118,7 @@ def test_events_and_logs_follow_print_everything_once_across_a_control_restart(s
                 p.kill()
                 p.wait()
     everything = list(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job), timeout=60, wait_for_ready=True))
-    assert finished(everything).outcome == O.FINISHED
+    assert finished(everything).outcome == JobOutcome.FINISHED
 
     err = (tmp_path / "events.err").read_text()
     assert events.returncode == 0, err
@@ -167,7 +167,7 @@ def test_follow_gives_up_after_the_bound_and_restart_brings_a_dead_control_back(
     assert f"pid {dead} -> " in r.stdout and services(home)["control"]["port"] == CONTROL_PORT
     events = list(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job, follow=True), timeout=300,
                                       wait_for_ready=True))
-    assert (finished(events).outcome, finished(events).step) == (O.FINISHED, STEPS)
+    assert (finished(events).outcome, finished(events).step) == (JobOutcome.FINISHED, STEPS)
 
 
 def test_restart_control_under_a_running_job_then_down_leaves_no_process(stack):
@@ -194,7 +194,7 @@ def test_restart_control_under_a_running_job_then_down_leaves_no_process(stack):
     events = list(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job, follow=True), timeout=300,
                                       wait_for_ready=True))
     status = finished(events)
-    assert (status.outcome, status.step) == (O.FINISHED, STEPS)
+    assert (status.outcome, status.step) == (JobOutcome.FINISHED, STEPS)
     ranks = processes_with("--job cfollow-") + processes_with("--job crestart-")
 
     down = cli(home, "down")

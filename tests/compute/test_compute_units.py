@@ -5,15 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
+from torch.nn import functional
 
 from services.compute.backward_unit import BackwardUnit
 from services.compute.forward_unit import ForwardUnit
 from services.compute.inference import generate_text, load_model_for_inference
 from services.compute.model import build_model
 from services.compute.operator_adapter import OperatorAdapter, OperatorUnavailable
-from services.contract import Module as M
-from services.contract import engine_pb2
+from services.contract import Module, engine_pb2
 from services.contract.bus import Bus
 from services.jobspec import JobSpec, ModelSpec, spec_to_json
 
@@ -22,21 +21,21 @@ SPEC = ModelSpec(n_layers=1, d_model=32, n_heads=2, vocab_size=256)
 
 def wired(micro_steps: int = 1):
     bus = Bus()
-    adapter = OperatorAdapter(bus.emitter(M.L3_OPERATOR_ADAPTER), "cpu")
-    forward = ForwardUnit(bus.emitter(M.L3_FORWARD_UNIT), bus.port(M.L3_FORWARD_UNIT, M.L3_OPERATOR_ADAPTER))
-    backward = BackwardUnit(bus.emitter(M.L3_BACKWARD_UNIT), micro_steps=micro_steps)
-    bus.subscribe(M.L3_OPERATOR_ADAPTER, engine_pb2.SelectOperators, adapter.select_operators)
-    bus.subscribe(M.L3_OPERATOR_ADAPTER, engine_pb2.SetComputePrecision, adapter.set_compute_precision)
-    bus.subscribe(M.L3_FORWARD_UNIT, engine_pb2.ConfigureForward, forward.configure_forward)
-    bus.subscribe(M.L3_FORWARD_UNIT, engine_pb2.RunForward, forward.run_forward)
-    bus.subscribe(M.L3_FORWARD_UNIT, engine_pb2.OperatorsReady, forward.on_operators_ready)
-    bus.subscribe(M.L3_BACKWARD_UNIT, engine_pb2.RunBackward, backward.run_backward)
+    adapter = OperatorAdapter(bus.emitter(Module.L3_OPERATOR_ADAPTER), "cpu")
+    forward = ForwardUnit(bus.emitter(Module.L3_FORWARD_UNIT), bus.port(Module.L3_FORWARD_UNIT, Module.L3_OPERATOR_ADAPTER))
+    backward = BackwardUnit(bus.emitter(Module.L3_BACKWARD_UNIT), micro_steps=micro_steps)
+    bus.subscribe(Module.L3_OPERATOR_ADAPTER, engine_pb2.SelectOperators, adapter.select_operators)
+    bus.subscribe(Module.L3_OPERATOR_ADAPTER, engine_pb2.SetComputePrecision, adapter.set_compute_precision)
+    bus.subscribe(Module.L3_FORWARD_UNIT, engine_pb2.ConfigureForward, forward.configure_forward)
+    bus.subscribe(Module.L3_FORWARD_UNIT, engine_pb2.RunForward, forward.run_forward)
+    bus.subscribe(Module.L3_FORWARD_UNIT, engine_pb2.OperatorsReady, forward.on_operators_ready)
+    bus.subscribe(Module.L3_BACKWARD_UNIT, engine_pb2.RunBackward, backward.run_backward)
     model = build_model(SPEC, 0)
     forward.attach(model)
     backward.attach(model.parameters())
-    loop = {name: bus.port(M.L2_TRAINING_LOOP, mod) for name, mod in
-            (("forward", M.L3_FORWARD_UNIT), ("backward", M.L3_BACKWARD_UNIT))}
-    precision = bus.port(M.L2_MIXED_PRECISION, M.L3_OPERATOR_ADAPTER)
+    loop = {name: bus.port(Module.L2_TRAINING_LOOP, mod) for name, mod in
+            (("forward", Module.L3_FORWARD_UNIT), ("backward", Module.L3_BACKWARD_UNIT))}
+    precision = bus.port(Module.L2_MIXED_PRECISION, Module.L3_OPERATOR_ADAPTER)
     return model, loop, precision
 
 
@@ -54,7 +53,7 @@ def test_the_loss_ignores_padding_labels_and_counts_only_real_tokens():
     y[1, 5:] = -100
     logits, done = step(loop, x, y, backward=False)
     real = y != -100
-    expected = F.cross_entropy(logits[real], y[real], reduction="sum")
+    expected = functional.cross_entropy(logits[real], y[real], reduction="sum")
     assert done.tokens == 13
     assert done.loss_sum == pytest.approx(expected.item(), rel=1e-6)
     assert all(p.grad is None for p in model.parameters())  # evaluation makes no gradients
@@ -71,7 +70,7 @@ def test_backward_gradients_are_those_of_loss_sum_over_normalizer_times_scale():
     _, done = step(loop, x, y, normalizer=16.0, scale=1.0)
     g1 = model.tok_emb.weight.grad.clone()
     ref = build_model(SPEC, 0)
-    (F.cross_entropy(ref(x).reshape(-1, 256), y.reshape(-1), reduction="sum") / 16.0).backward()
+    (functional.cross_entropy(ref(x).reshape(-1, 256), y.reshape(-1), reduction="sum") / 16.0).backward()
     torch.testing.assert_close(g1, ref.tok_emb.weight.grad)
     _, _ = step(loop, x, y, normalizer=16.0, scale=4.0)  # micro_steps=1: a fresh window
     torch.testing.assert_close(model.tok_emb.weight.grad, 4.0 * g1)

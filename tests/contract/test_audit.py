@@ -24,7 +24,6 @@ from services.contract.audit import (
 from services.contract.bus import BoundaryViolation, Bus, Traffic
 from services.control.session_hub import SessionHub
 
-M = Module
 log = structlog.get_logger("test")
 
 
@@ -38,20 +37,20 @@ def _eventually(condition, timeout_s: float = 5.0) -> bool:
 
 
 def _counts(report: audit_pb2.AuditReport) -> dict[tuple[str, str, str], int]:
-    return {(M.Name(c.sender), c.message, M.Name(c.receiver)): c.count for c in report.routes}
+    return {(Module.Name(c.sender), c.message, Module.Name(c.receiver)): c.count for c in report.routes}
 
 
 def test_a_report_lists_the_ledgers_routes_and_refusals_and_merging_sums_them():
     traffic = Traffic()
-    traffic.delivered(M.L2_TRAINING_LOOP, "surge.v1.RunForward", M.L3_FORWARD_UNIT, 5)
-    traffic.refused(M.L4_SHUFFLER, "surge.v1.FilterRules", M.L4_FILTER)
+    traffic.delivered(Module.L2_TRAINING_LOOP, "surge.v1.RunForward", Module.L3_FORWARD_UNIT, 5)
+    traffic.refused(Module.L4_SHUFFLER, "surge.v1.FilterRules", Module.L4_FILTER)
     one = report_of("rank 0 of job j", traffic, request_id=3)
     assert one.id == 3 and _counts(one) == {("L2_TRAINING_LOOP", "surge.v1.RunForward", "L3_FORWARD_UNIT"): 5}
     assert [(v.sender, v.message, v.receiver, v.count) for v in one.violations] == [
-        (M.L4_SHUFFLER, "surge.v1.FilterRules", M.L4_FILTER, 1)]
+        (Module.L4_SHUFFLER, "surge.v1.FilterRules", Module.L4_FILTER, 1)]
 
     other = audit_pb2.AuditReport(process="rank 1 of job j", notes=["late"])
-    other.routes.add(sender=M.L2_TRAINING_LOOP, message="surge.v1.RunForward", receiver=M.L3_FORWARD_UNIT, count=2)
+    other.routes.add(sender=Module.L2_TRAINING_LOOP, message="surge.v1.RunForward", receiver=Module.L3_FORWARD_UNIT, count=2)
     merged = merge_reports("worker-0", [one, other], ["asked 2 ranks"])
     assert merged.process == "worker-0"
     assert _counts(merged) == {("L2_TRAINING_LOOP", "surge.v1.RunForward", "L3_FORWARD_UNIT"): 7}
@@ -61,9 +60,9 @@ def test_a_report_lists_the_ledgers_routes_and_refusals_and_merging_sums_them():
 
 def test_the_audit_view_lays_counts_over_the_table_marking_violations_and_unused_routes():
     control = audit_pb2.AuditReport(process="control")
-    control.routes.add(sender=M.EXT_HARDWARE, message="surge.v1.WorkerRegistration", receiver=M.L1_RESOURCE_ALLOCATOR, count=2)
+    control.routes.add(sender=Module.EXT_HARDWARE, message="surge.v1.WorkerRegistration", receiver=Module.L1_RESOURCE_ALLOCATOR, count=2)
     data = audit_pb2.AuditReport(process="data")
-    data.violations.add(sender=M.L4_SHUFFLER, message="surge.v1.FilterRules", receiver=M.L4_FILTER, count=1)
+    data.violations.add(sender=Module.L4_SHUFFLER, message="surge.v1.FilterRules", receiver=Module.L4_FILTER, count=1)
     v = view([control, data], ["worker-1 at 127.0.0.1:9 did not answer"])
     assert v.processes == ["control", "data"]
     used = {(r.sender, r.message, r.receiver): (r.kind, r.count, r.by_process) for r in v.used}
@@ -87,17 +86,17 @@ def test_a_reporter_delivers_off_the_violating_thread_and_never_reports_its_own_
     reporter = ViolationReporter("control", log, deliver=deliver)
     bus = Bus(on_violation=reporter, traffic=Traffic())
     with pytest.raises(BoundaryViolation):
-        bus.publish(M.L5_METRICS_LOGGER, engine_pb2.StepCompleted())
+        bus.publish(Module.L5_METRICS_LOGGER, engine_pb2.StepCompleted())
     assert done.wait(5)
     event, thread = delivered[0]
     assert thread == "violation-reporter"  # not this (the violating) thread
     assert (event.process, event.sender, event.message, event.receiver) == (
-        "control", M.L5_METRICS_LOGGER, "surge.v1.StepCompleted", M.MODULE_UNSPECIFIED)
+        "control", Module.L5_METRICS_LOGGER, "surge.v1.StepCompleted", Module.MODULE_UNSPECIFIED)
     assert event.detail == "boundary violation: L5_METRICS_LOGGER may not send surge.v1.StepCompleted to any receiver"
     # A refused report is logged and counted, not reported again (that would loop).
     with pytest.raises(BoundaryViolation):
-        bus.publish(M.L5_METRICS_LOGGER, audit_pb2.BoundaryViolationReported())
-    reporter(BoundaryViolation(M.L4_SHUFFLER, "surge.v1.FilterRules", M.L4_FILTER))  # a marker after it
+        bus.publish(Module.L5_METRICS_LOGGER, audit_pb2.BoundaryViolationReported())
+    reporter(BoundaryViolation(Module.L4_SHUFFLER, "surge.v1.FilterRules", Module.L4_FILTER))  # a marker after it
     done.clear()
     assert done.wait(5)
     assert [e.message for e, _ in delivered] == ["surge.v1.StepCompleted", "surge.v1.FilterRules"]
@@ -108,9 +107,9 @@ def test_an_inline_reporter_stamps_the_rank_and_delivers_before_the_violation_is
     reporter = ViolationReporter("rank 1 of job j", log, deliver=delivered.append, job_id="j", rank=1, inline=True)
     bus = Bus(on_violation=reporter, traffic=Traffic())
     with pytest.raises(BoundaryViolation):
-        bus.command(M.L3_FORWARD_UNIT, M.L2_OPTIMIZER, engine_pb2.ApplyUpdate())
+        bus.command(Module.L3_FORWARD_UNIT, Module.L2_OPTIMIZER, engine_pb2.ApplyUpdate())
     assert [(e.job_id, e.rank, e.sender, e.receiver) for e in delivered] == [
-        ("j", 1, M.L3_FORWARD_UNIT, M.L2_OPTIMIZER)]
+        ("j", 1, Module.L3_FORWARD_UNIT, Module.L2_OPTIMIZER)]
 
 
 class _Refusing(audit_pb2_grpc.AuditServiceServicer):
@@ -118,8 +117,8 @@ class _Refusing(audit_pb2_grpc.AuditServiceServicer):
 
     def Audit(self, request, context):  # noqa: N802
         if request.id == 1:
-            abort_with_violation(context, BoundaryViolation(M.L3_FORWARD_UNIT, "surge.v1.SaveCheckpoint",
-                                                            M.L5_CHECKPOINT_MANAGER), "store")
+            abort_with_violation(context, BoundaryViolation(Module.L3_FORWARD_UNIT, "surge.v1.SaveCheckpoint",
+                                                            Module.L5_CHECKPOINT_MANAGER), "store")
         context.abort(grpc.StatusCode.PERMISSION_DENIED, "some other refusal")
 
 
@@ -146,7 +145,7 @@ def test_a_violation_returned_as_permission_denied_is_read_back_and_relayed_by_t
     assert refused.value.details() == (
         "boundary violation: L3_FORWARD_UNIT may not send surge.v1.SaveCheckpoint to L5_CHECKPOINT_MANAGER")
     event = violation_from_rpc(refused.value)
-    assert (event.process, event.sender, event.receiver) == ("store", M.L3_FORWARD_UNIT, M.L5_CHECKPOINT_MANAGER)
+    assert (event.process, event.sender, event.receiver) == ("store", Module.L3_FORWARD_UNIT, Module.L5_CHECKPOINT_MANAGER)
     assert violation_from_rpc(other.value) is None  # a refusal that carries no violation
     reporter.relay_rpc_error(refused.value)
     reporter.relay_rpc_error(other.value)
@@ -169,19 +168,19 @@ def test_the_audit_servicer_answers_with_the_process_counts():
 def test_the_session_relay_sends_a_ranks_violation_to_the_fault_detector_as_ext_contract():
     bus = Bus(traffic=Traffic())
     seen = []
-    bus.subscribe(M.L1_FAULT_DETECTOR, audit_pb2.BoundaryViolationReported, lambda m, p: seen.append(m))
-    hub = SessionHub(hardware=bus.emitter(M.EXT_HARDWARE), loop=bus.emitter(M.L2_TRAINING_LOOP),
-                     checkpoints=bus.emitter(M.L5_CHECKPOINT_MANAGER), contract=bus.emitter(M.EXT_CONTRACT))
-    bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.WorkerRegistration, lambda m, p: None)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, audit_pb2.BoundaryViolationReported, lambda m, p: seen.append(m))
+    hub = SessionHub(hardware=bus.emitter(Module.EXT_HARDWARE), loop=bus.emitter(Module.L2_TRAINING_LOOP),
+                     checkpoints=bus.emitter(Module.L5_CHECKPOINT_MANAGER), contract=bus.emitter(Module.EXT_CONTRACT))
+    bus.subscribe(Module.L1_RESOURCE_ALLOCATOR, control_pb2.WorkerRegistration, lambda m, p: None)
     session = hub.open(control_pb2.WorkerRegistration(worker_id="w0", slots=1))
-    violation = audit_pb2.BoundaryViolationReported(process="data", sender=M.L4_SHUFFLER,
-                                                    message="surge.v1.FilterRules", receiver=M.L4_FILTER)
+    violation = audit_pb2.BoundaryViolationReported(process="data", sender=Module.L4_SHUFFLER,
+                                                    message="surge.v1.FilterRules", receiver=Module.L4_FILTER)
     hub.on_worker_event(session, control_pb2.WorkerEvent(
         rank_event=worker_pb2.RankEvent(job_id="j", rank=1, violation=violation)))
     hub.on_worker_event(session, control_pb2.WorkerEvent(  # a rank's audit stays with its agent
         rank_event=worker_pb2.RankEvent(job_id="j", rank=1, audit=audit_pb2.AuditReport(process="x"))))
-    assert [(m.process, m.job_id, m.rank, m.sender) for m in seen] == [("data", "j", 1, M.L4_SHUFFLER)]
-    assert bus.snapshot().sent[(M.EXT_CONTRACT, "surge.v1.BoundaryViolationReported", M.L1_FAULT_DETECTOR)] == 1
+    assert [(m.process, m.job_id, m.rank, m.sender) for m in seen] == [("data", "j", 1, Module.L4_SHUFFLER)]
+    assert bus.snapshot().sent[(Module.EXT_CONTRACT, "surge.v1.BoundaryViolationReported", Module.L1_FAULT_DETECTOR)] == 1
 
 
 def test_a_ranks_violation_relayed_to_control_is_graded_and_reported_to_the_orchestrator(tmp_path):
@@ -191,12 +190,12 @@ def test_a_ranks_violation_relayed_to_control_is_graded_and_reported_to_the_orch
     journal = JobStore(str(tmp_path / "c.db"))
     try:
         control = build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0)
-        graded = (M.L1_FAULT_DETECTOR, "surge.v1.FaultReport", M.L1_ORCHESTRATOR)
+        graded = (Module.L1_FAULT_DETECTOR, "surge.v1.FaultReport", Module.L1_ORCHESTRATOR)
         before = control.bus.snapshot().sent.get(graded, 0)
-        control.bus.command(M.L1_ORCHESTRATOR, M.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring(job_id="j"))
+        control.bus.command(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring(job_id="j"))
         # A rank's report, as its node agent relays it up the session.
         violation = audit_pb2.BoundaryViolationReported(
-            process="rank 0 of job j", sender=M.L4_SHUFFLER, message="surge.v1.FilterRules", receiver=M.L4_FILTER)
+            process="rank 0 of job j", sender=Module.L4_SHUFFLER, message="surge.v1.FilterRules", receiver=Module.L4_FILTER)
         session = control.sessions.open(control_pb2.WorkerRegistration(worker_id="w0", slots=1))
         control.sessions.on_worker_event(session, control_pb2.WorkerEvent(
             rank_event=worker_pb2.RankEvent(job_id="j", rank=0, violation=violation)))
@@ -212,10 +211,10 @@ def test_a_send_refused_inside_control_goes_to_its_own_fault_detector(tmp_path):
     journal = JobStore(str(tmp_path / "c.db"))
     try:
         control = build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0)
-        reported = (M.EXT_CONTRACT, "surge.v1.BoundaryViolationReported", M.L1_FAULT_DETECTOR)
+        reported = (Module.EXT_CONTRACT, "surge.v1.BoundaryViolationReported", Module.L1_FAULT_DETECTOR)
         before = control.bus.snapshot().sent.get(reported, 0)
         with pytest.raises(BoundaryViolation):  # the recovery controller cannot forge a grade
-            control.bus.publish(M.L1_RECOVERY_CONTROLLER, control_pb2.FaultReport(job_id="j"))
+            control.bus.publish(Module.L1_RECOVERY_CONTROLLER, control_pb2.FaultReport(job_id="j"))
         assert _eventually(lambda: control.bus.snapshot().sent.get(reported, 0) == before + 1)  # reporter's thread
     finally:
         journal.close()
@@ -237,7 +236,7 @@ def test_the_data_service_returns_a_refused_send_to_its_caller_as_permission_den
     from services.data.server import DataServicer
 
     def mount(msg, payload=None):  # as if L4-1's handling made a send the table refuses
-        raise BoundaryViolation(M.L4_DATASET_VERSIONS, "surge.v1.FilterRules", M.L4_FILTER)
+        raise BoundaryViolation(Module.L4_DATASET_VERSIONS, "surge.v1.FilterRules", Module.L4_FILTER)
 
     servicer = DataServicer(mount=mount, list_datasets=mount, new_stream=None, log=log)
     server, address = _serve(data_pb2_grpc.add_DataServiceServicer_to_server, servicer)
@@ -248,7 +247,7 @@ def test_the_data_service_returns_a_refused_send_to_its_caller_as_permission_den
         server.stop(0)
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
     event = violation_from_rpc(e.value)
-    assert (event.process, event.sender, event.message) == ("data", M.L4_DATASET_VERSIONS, "surge.v1.FilterRules")
+    assert (event.process, event.sender, event.message) == ("data", Module.L4_DATASET_VERSIONS, "surge.v1.FilterRules")
 
 
 def test_the_store_counts_and_returns_a_request_from_a_sender_that_may_command_nobody_there():
@@ -268,7 +267,7 @@ def test_the_store_counts_and_returns_a_request_from_a_sender_that_may_command_n
     finally:
         server.stop(0)
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert violation_from_rpc(e.value).sender == M.L3_FORWARD_UNIT
+    assert violation_from_rpc(e.value).sender == Module.L3_FORWARD_UNIT
     assert traffic.snapshot().refused == {
-        (M.L3_FORWARD_UNIT, "surge.v1.SaveCheckpoint", M.L5_CHECKPOINT_MANAGER): 1}
+        (Module.L3_FORWARD_UNIT, "surge.v1.SaveCheckpoint", Module.L5_CHECKPOINT_MANAGER): 1}
     assert len(reported) == 1

@@ -14,7 +14,7 @@ from services.contract import Module, engine_pb2, route_pb2
 from services.contract import failures as fl
 from services.contract.bus import BoundaryViolation, Bus
 
-C = route_pb2.FailureCause
+FailureCause = route_pb2.FailureCause
 
 
 class _Rpc(grpc.RpcError):
@@ -37,22 +37,22 @@ def _healthy_communicator():
 
 
 @pytest.mark.parametrize("error, cause", [
-    (torch.OutOfMemoryError("CUDA out of memory"), C.FAILURE_OUT_OF_MEMORY),
-    (dist.DistStoreError("timed out"), C.FAILURE_RENDEZVOUS),
-    (dist.DistNetworkError("connection reset"), C.FAILURE_COMMUNICATION),
-    (dist.DistBackendError("NCCL error"), C.FAILURE_COMMUNICATION),
-    (MemoryError(), C.FAILURE_OUT_OF_MEMORY),
-    (TimeoutError("deadline"), C.FAILURE_TIMEOUT),
-    (ConnectionRefusedError(), C.FAILURE_UNAVAILABLE),
-    (OSError(errno.EADDRINUSE, "in use"), C.FAILURE_RENDEZVOUS),
-    (OSError(errno.ENOSPC, "disk full"), C.FAILURE_IO),
-    (NotImplementedError(), C.FAILURE_UNSUPPORTED),
-    (ValueError("seq_len: must be > 0"), C.FAILURE_INVALID_INPUT),
-    (KeyError("model"), C.FAILURE_INVALID_INPUT),
-    (RuntimeError("gloo: Connection closed by peer"), C.FAILURE_INTERNAL),  # words make nothing
-    (_Rpc(grpc.StatusCode.UNAVAILABLE), C.FAILURE_UNAVAILABLE),
-    (_Rpc(grpc.StatusCode.DEADLINE_EXCEEDED), C.FAILURE_TIMEOUT),
-    (_Rpc(grpc.StatusCode.INTERNAL, ((fl.CAUSE_METADATA, "FAILURE_DATA_CORRUPT"),)), C.FAILURE_DATA_CORRUPT),
+    (torch.OutOfMemoryError("CUDA out of memory"), FailureCause.FAILURE_OUT_OF_MEMORY),
+    (dist.DistStoreError("timed out"), FailureCause.FAILURE_RENDEZVOUS),
+    (dist.DistNetworkError("connection reset"), FailureCause.FAILURE_COMMUNICATION),
+    (dist.DistBackendError("NCCL error"), FailureCause.FAILURE_COMMUNICATION),
+    (MemoryError(), FailureCause.FAILURE_OUT_OF_MEMORY),
+    (TimeoutError("deadline"), FailureCause.FAILURE_TIMEOUT),
+    (ConnectionRefusedError(), FailureCause.FAILURE_UNAVAILABLE),
+    (OSError(errno.EADDRINUSE, "in use"), FailureCause.FAILURE_RENDEZVOUS),
+    (OSError(errno.ENOSPC, "disk full"), FailureCause.FAILURE_IO),
+    (NotImplementedError(), FailureCause.FAILURE_UNSUPPORTED),
+    (ValueError("seq_len: must be > 0"), FailureCause.FAILURE_INVALID_INPUT),
+    (KeyError("model"), FailureCause.FAILURE_INVALID_INPUT),
+    (RuntimeError("gloo: Connection closed by peer"), FailureCause.FAILURE_INTERNAL),  # words make nothing
+    (_Rpc(grpc.StatusCode.UNAVAILABLE), FailureCause.FAILURE_UNAVAILABLE),
+    (_Rpc(grpc.StatusCode.DEADLINE_EXCEEDED), FailureCause.FAILURE_TIMEOUT),
+    (_Rpc(grpc.StatusCode.INTERNAL, ((fl.CAUSE_METADATA, "FAILURE_DATA_CORRUPT"),)), FailureCause.FAILURE_DATA_CORRUPT),
 ])
 def test_the_cause_is_the_exception_type_s(error, cause):
     assert fl.cause_of(error) == cause
@@ -65,23 +65,23 @@ def test_a_wrapper_of_no_cause_of_its_own_takes_its_explicit_cause():
         except OSError as e:
             raise RuntimeError("could not load") from e
     except RuntimeError as wrapped:
-        assert fl.cause_of(wrapped) == C.FAILURE_IO
+        assert fl.cause_of(wrapped) == FailureCause.FAILURE_IO
 
 
 def test_a_collective_that_raised_breaks_the_communicator_and_what_follows_is_its_consequence():
     with pytest.raises(fl.CommunicationFailed) as failed, fl.collective():
         raise RuntimeError("[gloo] Connection closed by peer")
-    assert fl.cause_of(failed.value) == C.FAILURE_COMMUNICATION and fl.communicator_broken()
-    assert fl.cause_of(RuntimeError("Expected all tensors to be on the same device")) == C.FAILURE_COMMUNICATION
+    assert fl.cause_of(failed.value) == FailureCause.FAILURE_COMMUNICATION and fl.communicator_broken()
+    assert fl.cause_of(RuntimeError("Expected all tensors to be on the same device")) == FailureCause.FAILURE_COMMUNICATION
 
 
 def test_a_failure_while_the_process_waits_in_a_collective_is_a_communication_failure():
     waiting = [True]
     fl.set_collective_probe(lambda: waiting[0])
-    assert fl.cause_of(RuntimeError("anything")) == C.FAILURE_COMMUNICATION
+    assert fl.cause_of(RuntimeError("anything")) == FailureCause.FAILURE_COMMUNICATION
     fl.communicator_reset()
     waiting[0] = False
-    assert fl.cause_of(RuntimeError("anything")) == C.FAILURE_INTERNAL
+    assert fl.cause_of(RuntimeError("anything")) == FailureCause.FAILURE_INTERNAL
 
 
 def test_a_handler_exception_is_the_module_s_failure_event_and_the_commander_gets_module_failed():
@@ -102,7 +102,7 @@ def test_a_handler_exception_is_the_module_s_failure_event_and_the_commander_get
     assert isinstance(event, engine_pb2.ForwardFailed) and seen == [event]
     f = event.failure
     assert (f.cause, f.module, f.operation, f.job_id, f.rank) == (
-        C.FAILURE_OUT_OF_MEMORY, Module.L3_FORWARD_UNIT, "surge.v1.RunForward", "j", 3)
+        FailureCause.FAILURE_OUT_OF_MEMORY, Module.L3_FORWARD_UNIT, "surge.v1.RunForward", "j", 3)
     assert f.exception == "torch.OutOfMemoryError" and event.detail == f.detail
     assert isinstance(failed.value.error, torch.OutOfMemoryError)
 

@@ -14,8 +14,6 @@ from services.contract.bus import Bus, RouteError
 from services.contract.handlers_gen import REPO
 from services.contract.route_table import default_table, handler_name
 
-M = Module
-
 
 def test_the_committed_handler_protocols_are_what_make_contracts_generates():
     r = subprocess.run([sys.executable, "-m", "services.contract.handlers_gen", "--check"],
@@ -44,9 +42,9 @@ class Filter:
 def test_host_subscribes_every_routed_message_to_the_method_the_table_names():
     bus = Bus()
     f = Filter()
-    bus.host(M.L4_FILTER, f)
-    assert sorted(bus.subscriptions()) == [("surge.v1.FilterRules", M.L4_FILTER), ("surge.v1.SamplesShuffled", M.L4_FILTER)]
-    bus.command(M.L2_TRAINING_LOOP, M.L4_FILTER, data_pb2.FilterRules(min_tokens=3))
+    bus.host(Module.L4_FILTER, f)
+    assert sorted(bus.subscriptions()) == [("surge.v1.FilterRules", Module.L4_FILTER), ("surge.v1.SamplesShuffled", Module.L4_FILTER)]
+    bus.command(Module.L2_TRAINING_LOOP, Module.L4_FILTER, data_pb2.FilterRules(min_tokens=3))
     assert f.seen == [3]
 
 
@@ -56,7 +54,7 @@ def test_host_refuses_a_missing_handler_in_one_line():
 
     missing = r"^L4_FILTER \(NoRules\) has no handler filter_rules for surge\.v1\.FilterRules, which is routed to it$"
     with pytest.raises(RouteError, match=missing):
-        Bus().host(M.L4_FILTER, NoRules())
+        Bus().host(Module.L4_FILTER, NoRules())
 
 
 def test_host_refuses_a_handler_for_a_message_not_routed_to_the_module():
@@ -65,7 +63,7 @@ def test_host_refuses_a_handler_for_a_message_not_routed_to_the_module():
 
     extra = r"^L4_FILTER \(Greedy\) has a handler run_forward for surge\.v1\.RunForward, which is not routed to it$"
     with pytest.raises(RouteError, match=extra):
-        Bus().host(M.L4_FILTER, Greedy())
+        Bus().host(Module.L4_FILTER, Greedy())
 
 
 def test_host_takes_a_stated_exception_and_refuses_a_stale_one():
@@ -73,11 +71,11 @@ def test_host_takes_a_stated_exception_and_refuses_a_stale_one():
         def filter_rules(self, msg, payload=None): ...
 
     bus = Bus()
-    bus.host(M.L4_FILTER, NoSamples(), not_handled={data_pb2.SamplesShuffled: "a test"})
-    assert bus.subscriptions() == [("surge.v1.FilterRules", M.L4_FILTER)]
+    bus.host(Module.L4_FILTER, NoSamples(), not_handled={data_pb2.SamplesShuffled: "a test"})
+    assert bus.subscriptions() == [("surge.v1.FilterRules", Module.L4_FILTER)]
     stale = r"^L4_FILTER \(Filter\) handles surge\.v1\.SamplesShuffled with on_samples_shuffled, but is hosted as not handling it$"
     with pytest.raises(RouteError, match=stale):
-        Bus().host(M.L4_FILTER, Filter(), not_handled={data_pb2.SamplesShuffled: "stale"})
+        Bus().host(Module.L4_FILTER, Filter(), not_handled={data_pb2.SamplesShuffled: "stale"})
     unrouted = r"^L4_FILTER \(NoSamples\) is hosted as not handling surge\.v1\.RunForward, which is not an implemented route to it$"
     with pytest.raises(RouteError, match=unrouted):
-        Bus().host(M.L4_FILTER, NoSamples(), not_handled={data_pb2.SamplesShuffled: "a test", engine_pb2.RunForward: "no"})
+        Bus().host(Module.L4_FILTER, NoSamples(), not_handled={data_pb2.SamplesShuffled: "a test", engine_pb2.RunForward: "no"})

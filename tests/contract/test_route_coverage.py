@@ -35,7 +35,7 @@ from services.contract.permissions_doc import REPO, counts_sentence
 from services.contract.route_table import default_table
 from tests.redlines import wiring
 
-M = route_pb2.Module
+Module = route_pb2.Module
 SEED = yaml.safe_load((Path(__file__).parent / "seed_routes.yaml").read_text(encoding="utf-8"))
 
 
@@ -117,7 +117,7 @@ def receivers_in_roots(roots: list[wiring.Built]) -> set[tuple[str, int]]:
 def test_every_implemented_route_has_a_receiver_in_a_composition_root(roots):
     received = receivers_in_roots(roots)
     unheard = [
-        f"{_short(r.message)} (to {', '.join(M.Name(m) for m in r.delivery)})"
+        f"{_short(r.message)} (to {', '.join(Module.Name(m) for m in r.delivery)})"
         for r in default_table().routes()
         if r.implemented and not any((r.message, m) in received for m in r.receivers)
     ]

@@ -32,17 +32,17 @@ from services.contract.validation import validate_table
 
 HERE = Path(__file__).parent
 T = yaml.safe_load((HERE / "seed_routes.yaml").read_text(encoding="utf-8"))
-M = route_pb2.Module
+Module = route_pb2.Module
 
 SEED_IDS = {
-    "L1-1": M.L1_ORCHESTRATOR, "L1-2": M.L1_RESOURCE_ALLOCATOR, "L1-3": M.L1_FAULT_DETECTOR,
-    "L1-4": M.L1_RECOVERY_CONTROLLER,
-    "L2-1": M.L2_TRAINING_LOOP, "L2-2": M.L2_PARALLEL_STRATEGY, "L2-3": M.L2_OPTIMIZER, "L2-4": M.L2_MIXED_PRECISION,
-    "L3-1": M.L3_SHARD_LOADER, "L3-2": M.L3_OPERATOR_ADAPTER, "L3-3": M.L3_FORWARD_UNIT, "L3-4": M.L3_BACKWARD_UNIT,
-    "L3-5": M.L3_GRADIENT_REDUCTION,
-    "L4-1": M.L4_DATASET_VERSIONS, "L4-2": M.L4_PREFETCHER, "L4-3": M.L4_SHUFFLER, "L4-4": M.L4_FILTER,
-    "L4-5": M.L4_BATCH_PACKER,
-    "L5-1": M.L5_CHECKPOINT_MANAGER, "L5-2": M.L5_METRICS_LOGGER,
+    "L1-1": Module.L1_ORCHESTRATOR, "L1-2": Module.L1_RESOURCE_ALLOCATOR, "L1-3": Module.L1_FAULT_DETECTOR,
+    "L1-4": Module.L1_RECOVERY_CONTROLLER,
+    "L2-1": Module.L2_TRAINING_LOOP, "L2-2": Module.L2_PARALLEL_STRATEGY, "L2-3": Module.L2_OPTIMIZER, "L2-4": Module.L2_MIXED_PRECISION,
+    "L3-1": Module.L3_SHARD_LOADER, "L3-2": Module.L3_OPERATOR_ADAPTER, "L3-3": Module.L3_FORWARD_UNIT, "L3-4": Module.L3_BACKWARD_UNIT,
+    "L3-5": Module.L3_GRADIENT_REDUCTION,
+    "L4-1": Module.L4_DATASET_VERSIONS, "L4-2": Module.L4_PREFETCHER, "L4-3": Module.L4_SHUFFLER, "L4-4": Module.L4_FILTER,
+    "L4-5": Module.L4_BATCH_PACKER,
+    "L5-1": Module.L5_CHECKPOINT_MANAGER, "L5-2": Module.L5_METRICS_LOGGER,
 }
 # External endpoints a transcription may name (not seed modules): the operator's CLI, the
 # node agent speaking for the hardware, disk I/O, storage, and the contract layer itself.
@@ -66,7 +66,7 @@ def module(token: str) -> int:
     if token in SEED_IDS:
         return SEED_IDS[token]
     if token in EXTERNAL:
-        return M.Value(token)
+        return Module.Value(token)
     raise AssertionError(f"{token!r} is neither a seed module id nor an external endpoint")
 
 
@@ -76,7 +76,7 @@ def full(name: str) -> str:
 
 def show(route: Route) -> str:
     s, msg, r, kind = route
-    return f"{M.Name(s)} -> {msg} -> {M.Name(r)} ({route_pb2.Kind.Name(kind)})"
+    return f"{Module.Name(s)} -> {msg} -> {Module.Name(r)} ({route_pb2.Kind.Name(kind)})"
 
 
 def item_routes(mod: str, side: str, item: dict) -> list[Route]:
@@ -220,9 +220,9 @@ def test_every_route_to_the_fault_detector_from_a_lower_module_is_a_published_ev
     }
     lower = {SEED_IDS[m] for m in SEED_IDS if not m.startswith("L1-")}
     unexplained = sorted(
-        f"{M.Name(s)} -> {route.message}"
+        f"{Module.Name(s)} -> {route.message}"
         for route in default_table().routes()
-        if M.L1_FAULT_DETECTOR in route.receivers
+        if Module.L1_FAULT_DETECTOR in route.receivers
         for s in route.senders
         if s in lower and (s, route.message) not in observed
     )

@@ -24,7 +24,6 @@ from services.contract.bus import Bus
 from services.contract.route_table import PROTO_FILES, Route, RouteTable, default_table
 from services.contract.validation import EXIT_CONTRACT, ContractError, validate_table, validate_wiring
 
-M = Module
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -53,9 +52,9 @@ def test_a_message_without_a_route_is_refused():
 def test_a_route_naming_a_module_that_does_not_exist_is_refused():
     # proto3 enums are open: 77 parses, and names no module.
     with pytest.raises(ContractError, match=r"^surge\.v1\.RunForward names unknown module 77, which is not a surge\.v1\.Module$"):
-        validate_table(table_with("surge.v1.RunForward", senders=frozenset({M.L2_TRAINING_LOOP, 77})))
+        validate_table(table_with("surge.v1.RunForward", senders=frozenset({Module.L2_TRAINING_LOOP, 77})))
     with pytest.raises(ContractError, match=r"^surge\.v1\.ForwardDone names MODULE_UNSPECIFIED"):
-        validate_table(table_with("surge.v1.ForwardDone", receivers=frozenset({M.MODULE_UNSPECIFIED})))
+        validate_table(table_with("surge.v1.ForwardDone", receivers=frozenset({Module.MODULE_UNSPECIFIED})))
 
 
 @pytest.mark.parametrize(
@@ -75,7 +74,7 @@ def test_an_incomplete_route_is_refused(change, error):
 
 
 def test_a_route_for_an_unknown_or_plumbing_message_is_refused():
-    extra = Route("surge.v1.Nope", frozenset({M.L2_TRAINING_LOOP}), frozenset({M.L2_OPTIMIZER}), route_pb2.COMMAND, "")
+    extra = Route("surge.v1.Nope", frozenset({Module.L2_TRAINING_LOOP}), frozenset({Module.L2_OPTIMIZER}), route_pb2.COMMAND, "")
     with pytest.raises(ContractError, match=r"^the route table names surge\.v1\.Nope, which no service proto defines$"):
         validate_table(RouteTable({**routes(), extra.message: extra}))
     device = dataclasses.replace(extra, message="surge.v1.Device")
@@ -109,8 +108,8 @@ def test_a_dynamically_built_message_without_route_or_plumbing_is_refused():
 def test_a_dynamically_built_message_with_both_options_is_refused():
     def both(options):
         route = options.Extensions[route_pb2.route]
-        route.senders.append(M.L2_TRAINING_LOOP)
-        route.receivers.append(M.L2_OPTIMIZER)
+        route.senders.append(Module.L2_TRAINING_LOOP)
+        route.receivers.append(Module.L2_OPTIMIZER)
         route.kind = route_pb2.COMMAND
         options.Extensions[route_pb2.plumbing] = "a helper"
 
@@ -123,7 +122,7 @@ def test_a_dynamically_built_route_with_an_unknown_module_number_is_refused():
     def strange(options):
         route = options.Extensions[route_pb2.route]
         route.senders.append(77)
-        route.receivers.append(M.L1_ORCHESTRATOR)
+        route.receivers.append(Module.L1_ORCHESTRATOR)
         route.kind = route_pb2.EVENT
         route.status = route_pb2.IMPLEMENTED
 
@@ -139,9 +138,9 @@ def test_a_dynamically_built_route_with_an_unknown_module_number_is_refused():
 
 def test_a_correctly_wired_bus_passes():
     bus = Bus()
-    bus.subscribe(M.L4_FILTER, data_pb2.FilterRules, lambda m, p=None: None)
-    bus.port(M.L2_TRAINING_LOOP, M.L4_FILTER)
-    validate_wiring(bus, {M.L2_TRAINING_LOOP, M.L4_FILTER})
+    bus.subscribe(Module.L4_FILTER, data_pb2.FilterRules, lambda m, p=None: None)
+    bus.port(Module.L2_TRAINING_LOOP, Module.L4_FILTER)
+    validate_wiring(bus, {Module.L2_TRAINING_LOOP, Module.L4_FILTER})
 
 
 class _WiredBus:
@@ -157,29 +156,29 @@ class _WiredBus:
 
 def test_a_subscription_not_routed_to_its_module_is_refused():
     # The bus refuses this at subscribe time; the start-up check catches any way around it.
-    bus = _WiredBus(default_table(), [("surge.v1.FilterRules", M.L4_SHUFFLER)])
+    bus = _WiredBus(default_table(), [("surge.v1.FilterRules", Module.L4_SHUFFLER)])
     with pytest.raises(ContractError, match=r"^L4_SHUFFLER subscribes to surge\.v1\.FilterRules, which is not routed to it$"):
-        validate_wiring(bus, {M.L4_SHUFFLER})
-    bus = _WiredBus(default_table(), [("surge.v1.Nope", M.L4_SHUFFLER)])
+        validate_wiring(bus, {Module.L4_SHUFFLER})
+    bus = _WiredBus(default_table(), [("surge.v1.Nope", Module.L4_SHUFFLER)])
     with pytest.raises(ContractError, match=r"^L4_SHUFFLER subscribes to surge\.v1\.Nope, which has no route$"):
-        validate_wiring(bus, {M.L4_SHUFFLER})
+        validate_wiring(bus, {Module.L4_SHUFFLER})
 
 
 def test_a_subscription_by_a_module_the_process_does_not_host_is_refused():
     bus = Bus()
-    bus.subscribe(M.L2_OPTIMIZER, engine_pb2.ApplyUpdate, lambda m, p=None: None)
+    bus.subscribe(Module.L2_OPTIMIZER, engine_pb2.ApplyUpdate, lambda m, p=None: None)
     with pytest.raises(
         ContractError, match=r"^L2_OPTIMIZER subscribes to surge\.v1\.ApplyUpdate, but this process does not host L2_OPTIMIZER$"
     ):
-        validate_wiring(bus, {M.L2_TRAINING_LOOP})
+        validate_wiring(bus, {Module.L2_TRAINING_LOOP})
 
 
 def test_a_hosted_module_that_does_not_exist_or_is_not_in_the_table_is_refused():
     with pytest.raises(ContractError, match=r"^this process hosts unknown module 77, which is not a surge\.v1\.Module$"):
-        validate_wiring(Bus(), {M.L2_TRAINING_LOOP, 77})
+        validate_wiring(Bus(), {Module.L2_TRAINING_LOOP, 77})
     only = routes()["surge.v1.ApplyUpdate"]
     with pytest.raises(ContractError, match=r"^this process hosts L4_FILTER, which no route in the table names$"):
-        validate_wiring(Bus(RouteTable({only.message: only})), {M.L2_OPTIMIZER, M.L4_FILTER})
+        validate_wiring(Bus(RouteTable({only.message: only})), {Module.L2_OPTIMIZER, Module.L4_FILTER})
 
 
 # ---------------------------------------------------------------- real processes

@@ -13,8 +13,6 @@ from services.control.__main__ import Control, build
 from services.control.job_store import JobStore
 from services.control.orchestrator import EVENT_LOG
 
-M = Module
-
 
 def spec_yaml(
     name: str = "demo", dp: int = 2, steps: int = 3, threads: int = 1, backend: str = "auto", extra: str = ""
@@ -53,7 +51,7 @@ class Plane:
         self.c = control
 
     def user(self, msg, payload=None):
-        return self.c.bus.command(M.EXT_USER, M.L1_ORCHESTRATOR, msg, payload).message
+        return self.c.bus.command(Module.EXT_USER, Module.L1_ORCHESTRATOR, msg, payload).message
 
     def submit(self, **spec) -> control_pb2.JobStatus:
         return self.user(control_pb2.SubmitJobRequest(spec_yaml=spec_yaml(**spec), spec_path="job.yaml"))
@@ -63,7 +61,7 @@ class Plane:
 
     def events(self, job_id: str, from_seq: int = 0) -> tuple:
         return self.c.bus.command(
-            M.EXT_USER, M.L1_ORCHESTRATOR, control_pb2.JobQuery(job_id=job_id, from_seq=from_seq), EVENT_LOG
+            Module.EXT_USER, Module.L1_ORCHESTRATOR, control_pb2.JobQuery(job_id=job_id, from_seq=from_seq), EVENT_LOG
         ).payload
 
     def register(self, worker_id: str, slots: int = 1, **kw):

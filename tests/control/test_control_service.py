@@ -24,7 +24,7 @@ from tests.store.test_store_service import store  # noqa: F401 (a real store pro
 
 from .conftest import registration, spec_yaml
 
-S, O = control_pb2.JobState, control_pb2.JobOutcome
+JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -178,7 +178,7 @@ def running_watch(control: ControlProcess, job_id: str):
     """The job's event stream (follow), read up to its RUNNING; the rest is the caller's."""
     watch = control.stub.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True), timeout=60)
     for ev in watch:
-        if ev.status.state == S.RUNNING:
+        if ev.status.state == JobState.RUNNING:
             return watch
     raise AssertionError(f"{job_id} never ran")
 
@@ -192,13 +192,13 @@ def test_a_dp2_job_runs_to_finished_on_two_node_agents(start_control, agents):
     control = start_control()
     a, b = agents(control.address, "wa"), agents(control.address, "wb")
     submitted = submit(control, name="demo", dp=2, steps=3)
-    assert (submitted.state, submitted.world_size) == (S.WARMING_UP, 2)
+    assert (submitted.state, submitted.world_size) == (JobState.WARMING_UP, 2)
 
     events = follow(control, submitted.job_id)
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
-    assert events[-1].status.state == S.TERMINATED
+    assert events[-1].status.state == JobState.TERMINATED
     status = control.stub.GetJob(control_pb2.JobQuery(job_id=submitted.job_id))
-    assert (status.state, status.outcome, status.step) == (S.TERMINATED, O.FINISHED, 3)
+    assert (status.state, status.outcome, status.step) == (JobState.TERMINATED, JobOutcome.FINISHED, 3)
     assert status.train_loss == a.loss(3) and status.tokens_seen == 3 * 64
     assert status.message == "FINISHED: all ranks finished at step 3"
 
@@ -269,7 +269,7 @@ def test_a_lost_node_agent_with_no_spare_waits_for_capacity_then_the_policy_fail
     watch = running_watch(control, job_id)
     holder.close()
     rest = list(watch)
-    assert rest[-1].status.state == S.TERMINATED
+    assert rest[-1].status.state == JobState.TERMINATED
     assert any(ev.message.startswith("SEVERE worker_lost") for ev in rest)
     waits = [ev.message for ev in rest if ev.type == "recovery" and "waiting for capacity" in ev.message]
     assert len(waits) == 1 and "needs 1 ranks, 0 free" in waits[0], waits
@@ -277,7 +277,7 @@ def test_a_lost_node_agent_with_no_spare_waits_for_capacity_then_the_policy_fail
     assert decisions[0].startswith("restart_ranks after worker_lost of rank 0 on wa (restart 1 of 3")
     assert decisions[-1].startswith("stop after no_capacity: waiting for capacity")
     status = control.stub.GetJob(control_pb2.JobQuery(job_id=job_id))
-    assert status.outcome == O.FAILED and "every checkpoint is kept" in status.message
+    assert status.outcome == JobOutcome.FAILED and "every checkpoint is kept" in status.message
 
 
 def test_a_lost_node_agent_that_comes_back_gets_its_ranks_relaunched_and_the_job_finishes(start_control, agents, store):  # noqa: F811
@@ -291,7 +291,7 @@ def test_a_lost_node_agent_that_comes_back_gets_its_ranks_relaunched_and_the_job
             break
     back = agents(control.address, "wa", steps=3)  # the same worker, restarted in place
     rest = list(watch)
-    assert rest[-1].status.outcome == O.FINISHED
+    assert rest[-1].status.outcome == JobOutcome.FINISHED
     decisions = [ev.message for ev in rest if ev.type == "decision"]
     assert decisions == [], decisions  # one decision for the incident (before the wait)
     assert [c.launch.job_id for c in back.commands if c.WhichOneof("command") == "launch"] == [job_id]
@@ -306,10 +306,10 @@ def test_a_lost_node_agents_ranks_are_relaunched_on_another_and_the_job_runs_aga
     holder.close()
     rest = list(watch)
     states = [ev.status.state for ev in rest if ev.type == "state"]
-    assert states == [S.FAULT_FROZEN, S.RUNNING, S.TERMINATED]
+    assert states == [JobState.FAULT_FROZEN, JobState.RUNNING, JobState.TERMINATED]
     decisions = [ev.message for ev in rest if ev.type == "decision"]
     assert decisions == ["restart_ranks after worker_lost of rank 0 on wa (restart 1 of 3 for worker_lost)"]
-    assert rest[-1].status.outcome == O.FINISHED
+    assert rest[-1].status.outcome == JobOutcome.FINISHED
     assert [c.launch.job_id for c in spare.commands if c.WhichOneof("command") == "launch"] == [job_id]
 
 
@@ -328,8 +328,8 @@ def test_memory_pressure_sent_by_a_node_agent_appears_in_its_jobs_event_log(star
                 break
     watch.cancel()
     assert got == [
-        ("resource", "memory pressure on wa: 1.5 GiB of 24.0 GiB available", S.RUNNING),
-        ("resource", "memory pressure relieved on wa: 6.0 GiB of 24.0 GiB available", S.RUNNING),
+        ("resource", "memory pressure on wa: 1.5 GiB of 24.0 GiB available", JobState.RUNNING),
+        ("resource", "memory pressure relieved on wa: 6.0 GiB of 24.0 GiB available", JobState.RUNNING),
     ]
 
 
@@ -342,13 +342,13 @@ def test_follows_their_callers_left_hold_nothing_operator_calls_answer_and_sigte
     agent = agents(control.address, "wa", finish=False)
     job_id = submit(control, dp=1, steps=3).job_id  # the fake agent's 3 steps, then quiet: no event
     watch = control.stub.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True), timeout=60)
-    assert any(ev.status.state == S.RUNNING for ev in watch)
+    assert any(ev.status.state == JobState.RUNNING for ev in watch)
     watch.cancel()
     for _ in range(80):
         call = control.stub.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True), timeout=60)
         next(call)  # the follow is served (its history) ...
         call.cancel()  # ... and its caller leaves
-    assert control.stub.GetJob(control_pb2.JobQuery(job_id=job_id), timeout=10).state == S.RUNNING
+    assert control.stub.GetJob(control_pb2.JobQuery(job_id=job_id), timeout=10).state == JobState.RUNNING
 
     def commanded(kind: str) -> bool:
         deadline = time.monotonic() + 10
@@ -371,7 +371,7 @@ def test_restart_keeps_jobs_and_the_running_one_waits_for_its_ranks(start_contro
     agents(control.address, "done")
     running = submit(control, name="long", dp=1, steps=100).job_id  # first free slot: "hold"
     finished = submit(control, name="short", dp=1, steps=3).job_id
-    assert follow(control, finished)[-1].status.outcome == O.FINISHED
+    assert follow(control, finished)[-1].status.outcome == JobOutcome.FINISHED
     with pytest.raises(grpc.RpcError) as e:
         control.stub.ResumeJob(control_pb2.ResumeJobRequest(job_id=running))
     assert (e.value.code(), e.value.details()) == (
@@ -382,9 +382,9 @@ def test_restart_keeps_jobs_and_the_running_one_waits_for_its_ranks(start_contro
 
     control = start_control()
     s = control.stub.GetJob(control_pb2.JobQuery(job_id=finished))
-    assert (s.state, s.outcome, s.step, s.train_loss) == (S.TERMINATED, O.FINISHED, 3, 3.5)
+    assert (s.state, s.outcome, s.step, s.train_loss) == (JobState.TERMINATED, JobOutcome.FINISHED, 3, 3.5)
     s = control.stub.GetJob(control_pb2.JobQuery(job_id=running))
-    assert (s.state, s.message) == (S.RUNNING, REATTACH_MESSAGE)  # its node agent may re-attach it
+    assert (s.state, s.message) == (JobState.RUNNING, REATTACH_MESSAGE)  # its node agent may re-attach it
 
 
 def test_a_port_in_use_is_one_line_and_a_nonzero_exit(start_control):

@@ -9,11 +9,11 @@ from services.contract import control_pb2, engine_pb2
 from services.control.fault_decision import JobView, decide, standing_orders
 from services.jobspec import STEP_FAULT_CLASSES, FaultPolicySpec
 
-G, O, E = control_pb2.FaultGrade, control_pb2.JobOutcome, engine_pb2
+FaultGrade, JobOutcome = control_pb2.FaultGrade, control_pb2.JobOutcome
 FRESH = JobView(restarts={}, ignored={})
 
 
-def report(fault_class: str, grade: int = G.GRADE_UNSPECIFIED, *, rank: int = 1, step: int = 12,
+def report(fault_class: str, grade: int = FaultGrade.GRADE_UNSPECIFIED, *, rank: int = 1, step: int = 12,
            worker: str = "wb", subclass: str = "") -> control_pb2.FaultReport:
     """A graded report (grade given), or a step fault as the orchestrator builds it from the
     loop's StepFaultReported (ungraded)."""
@@ -24,42 +24,43 @@ def report(fault_class: str, grade: int = G.GRADE_UNSPECIFIED, *, rank: int = 1,
 # (actions, job view, report) -> (action, verdict, counted, outcome, restart, bound, exclude)
 TABLE = [
     # step faults: the defaults, by class (never by grade)
-    ({}, FRESH, report("non_finite_loss"), ("rollback", E.STEP_RELAUNCH, "rollback", 0, 1, 12, ())),
-    ({}, FRESH, report("gradient_overflow"), ("skip_step", E.STEP_SKIP, "skip_step", 0, 0, None, ())),
-    ({}, FRESH, report("overflow_storm"), ("rollback", E.STEP_RELAUNCH, "rollback", 0, 1, 12, ())),
-    ({}, FRESH, report("loss_scale_at_minimum"), ("rollback", E.STEP_RELAUNCH, "rollback", 0, 1, 12, ())),
-    ({"FATAL": "ignore"}, FRESH, report("non_finite_loss"), ("rollback", E.STEP_RELAUNCH, "rollback", 0, 1, 12, ())),
+    ({}, FRESH, report("non_finite_loss"), ("rollback", engine_pb2.STEP_RELAUNCH, "rollback", 0, 1, 12, ())),
+    ({}, FRESH, report("gradient_overflow"), ("skip_step", engine_pb2.STEP_SKIP, "skip_step", 0, 0, None, ())),
+    ({}, FRESH, report("overflow_storm"), ("rollback", engine_pb2.STEP_RELAUNCH, "rollback", 0, 1, 12, ())),
+    ({}, FRESH, report("loss_scale_at_minimum"), ("rollback", engine_pb2.STEP_RELAUNCH, "rollback", 0, 1, 12, ())),
+    ({"FATAL": "ignore"}, FRESH, report("non_finite_loss"), ("rollback", engine_pb2.STEP_RELAUNCH, "rollback", 0, 1, 12, ())),
     # every action for a step fault
-    ({"non_finite_loss": "ignore"}, FRESH, report("non_finite_loss"), ("ignore", E.STEP_APPLY, "ignore", 0, 0, None, ())),
+    ({"non_finite_loss": "ignore"}, FRESH, report("non_finite_loss"), ("ignore", engine_pb2.STEP_APPLY, "ignore", 0, 0, None, ())),
     ({"non_finite_loss": "skip_step"}, FRESH, report("non_finite_loss"),
-     ("skip_step", E.STEP_SKIP, "skip_step", 0, 0, None, ())),
+     ("skip_step", engine_pb2.STEP_SKIP, "skip_step", 0, 0, None, ())),
     ({"overflow_storm": "restart_ranks"}, FRESH, report("overflow_storm"),
-     ("restart_ranks", E.STEP_RELAUNCH, "restart_ranks", 0, 1, None, ())),
+     ("restart_ranks", engine_pb2.STEP_RELAUNCH, "restart_ranks", 0, 1, None, ())),
     ({"loss_scale_at_minimum": "exclude_node"}, FRESH, report("loss_scale_at_minimum"),
-     ("exclude_node", E.STEP_RELAUNCH, "exclude_node", 0, 1, None, ("wb",))),
+     ("exclude_node", engine_pb2.STEP_RELAUNCH, "exclude_node", 0, 1, None, ("wb",))),
     ({"gradient_overflow": "stop"}, FRESH, report("gradient_overflow"),
-     ("stop", E.STEP_STOP, "stop", O.FAILED, 0, None, ())),
+     ("stop", engine_pb2.STEP_STOP, "stop", JobOutcome.FAILED, 0, None, ())),
     # budgets: the class's own, else max_restarts; spent -> stop FAILED
     ({}, JobView(restarts={"non_finite_loss": 3}, ignored={}), report("non_finite_loss"),
-     ("stop", E.STEP_STOP, "budget_exhausted", O.FAILED, 0, None, ())),
+     ("stop", engine_pb2.STEP_STOP, "budget_exhausted", JobOutcome.FAILED, 0, None, ())),
     ({}, JobView(restarts={"non_finite_loss": 2}, ignored={}), report("non_finite_loss"),
-     ("rollback", E.STEP_RELAUNCH, "rollback", 0, 3, 12, ())),
+     ("rollback", engine_pb2.STEP_RELAUNCH, "rollback", 0, 3, 12, ())),
     # an operator's stop in flight turns a relaunch or a stop into that stop; not a skip
     ({}, JobView(restarts={}, ignored={}, stop_requested=True), report("non_finite_loss"),
-     ("stop", E.STEP_STOP, "stop", O.STOPPED, 0, None, ())),
+     ("stop", engine_pb2.STEP_STOP, "stop", JobOutcome.STOPPED, 0, None, ())),
     ({}, JobView(restarts={}, ignored={}, stop_requested=True), report("gradient_overflow"),
-     ("skip_step", E.STEP_SKIP, "skip_step", 0, 0, None, ())),
+     ("skip_step", engine_pb2.STEP_SKIP, "skip_step", 0, 0, None, ())),
     # graded faults: class, then grade, then the defaults, then the grade defaults
-    ({}, FRESH, report("rank_exit", G.SEVERE), ("restart_ranks", E.STEP_RELAUNCH, "restart_ranks", 0, 1, None, ())),
-    ({}, FRESH, report("rank_exit_clean", G.MEDIUM), ("restart_ranks", E.STEP_RELAUNCH, "restart_ranks", 0, 1, None, ())),
-    ({"SEVERE": "stop"}, FRESH, report("rank_silent", G.SEVERE), ("stop", E.STEP_STOP, "stop", O.FAILED, 0, None, ())),
-    ({"SEVERE": "stop", "rank_silent": "rollback"}, FRESH, report("rank_silent", G.SEVERE),
-     ("rollback", E.STEP_RELAUNCH, "rollback", 0, 1, 12, ())),
-    ({}, FRESH, report("something_new", G.SEVERE), ("restart_ranks", E.STEP_RELAUNCH, "restart_ranks", 0, 1, None, ())),
-    ({}, FRESH, report("something_new", G.MINOR), ("ignore", E.STEP_APPLY, "ignore", 0, 0, None, ())),
-    ({"rank_exit": "exclude_node"}, FRESH, report("rank_exit", G.SEVERE, worker=""),
-     ("exclude_node", E.STEP_RELAUNCH, "exclude_node", 0, 1, None, ())),
-    ({}, FRESH, report("checkpoint_error", G.SEVERE, step=0), ("rollback", E.STEP_RELAUNCH, "rollback", 0, 1, None, ())),
+    ({}, FRESH, report("rank_exit", FaultGrade.SEVERE), ("restart_ranks", engine_pb2.STEP_RELAUNCH, "restart_ranks", 0, 1, None, ())),
+    ({}, FRESH, report("rank_exit_clean", FaultGrade.MEDIUM), ("restart_ranks", engine_pb2.STEP_RELAUNCH, "restart_ranks", 0, 1, None, ())),
+    ({"SEVERE": "stop"}, FRESH, report("rank_silent", FaultGrade.SEVERE),
+     ("stop", engine_pb2.STEP_STOP, "stop", JobOutcome.FAILED, 0, None, ())),
+    ({"SEVERE": "stop", "rank_silent": "rollback"}, FRESH, report("rank_silent", FaultGrade.SEVERE),
+     ("rollback", engine_pb2.STEP_RELAUNCH, "rollback", 0, 1, 12, ())),
+    ({}, FRESH, report("something_new", FaultGrade.SEVERE), ("restart_ranks", engine_pb2.STEP_RELAUNCH, "restart_ranks", 0, 1, None, ())),
+    ({}, FRESH, report("something_new", FaultGrade.MINOR), ("ignore", engine_pb2.STEP_APPLY, "ignore", 0, 0, None, ())),
+    ({"rank_exit": "exclude_node"}, FRESH, report("rank_exit", FaultGrade.SEVERE, worker=""),
+     ("exclude_node", engine_pb2.STEP_RELAUNCH, "exclude_node", 0, 1, None, ())),
+    ({}, FRESH, report("checkpoint_error", FaultGrade.SEVERE, step=0), ("rollback", engine_pb2.STEP_RELAUNCH, "rollback", 0, 1, None, ())),
 ]
 
 
@@ -78,28 +79,28 @@ def test_the_decision_texts_name_the_fault_the_rank_and_the_budget():
     assert ignored.text == ("ignore non_finite_loss of rank 1 on wb at step 12: fault policy; 3 ignored so far; "
                             "the step is applied as it is")
     spent = decide(FaultPolicySpec(restarts={"rank_exit": 1}), JobView(restarts={"rank_exit": 1}, ignored={}),
-                   report("rank_exit", G.SEVERE))
+                   report("rank_exit", FaultGrade.SEVERE))
     assert spent.text == "stop after rank_exit of rank 1 on wb: restart budget for rank_exit exhausted (1 of 1 used)"
     assert spent.final == "restart budget for rank_exit exhausted (1 of 1 used); last fault: SEVERE rank_exit: what happened"
-    operator = decide(FaultPolicySpec(), JobView(restarts={}, ignored={}, stop_requested=True), report("rank_exit", G.SEVERE))
+    operator = decide(FaultPolicySpec(), JobView(restarts={}, ignored={}, stop_requested=True), report("rank_exit", FaultGrade.SEVERE))
     assert operator.final == "stopped by the operator; then SEVERE rank_exit: what happened"
 
 
 def test_only_a_checkpoint_integrity_failure_strikes_the_version_being_loaded():
     loading = JobView(restarts={}, ignored={}, loading_version="j:2")
-    corrupt = report("checkpoint_error", G.SEVERE, subclass="checkpoint_integrity")
+    corrupt = report("checkpoint_error", FaultGrade.SEVERE, subclass="checkpoint_integrity")
     assert decide(FaultPolicySpec(), loading, corrupt).strike == "j:2"
-    assert decide(FaultPolicySpec(), loading, report("checkpoint_error", G.SEVERE)).strike == ""
+    assert decide(FaultPolicySpec(), loading, report("checkpoint_error", FaultGrade.SEVERE)).strike == ""
     assert decide(FaultPolicySpec(), FRESH, corrupt).strike == ""
 
 
 def test_standing_orders_are_the_skip_step_classes_with_stable_ids():
     (default,) = standing_orders(FaultPolicySpec())
-    assert (default.id, default.kind, default.action) == (1, E.STEP_FAULT_GRADIENT_OVERFLOW, E.STEP_SKIP)
+    assert (default.id, default.kind, default.action) == (1, engine_pb2.STEP_FAULT_GRADIENT_OVERFLOW, engine_pb2.STEP_SKIP)
     every = standing_orders(FaultPolicySpec(actions={c: "skip_step" for c in STEP_FAULT_CLASSES}))
     assert [(o.id, o.kind) for o in every] == [
-        (1, E.STEP_FAULT_NON_FINITE_LOSS), (2, E.STEP_FAULT_GRADIENT_OVERFLOW),
-        (3, E.STEP_FAULT_OVERFLOW_STORM), (4, E.STEP_FAULT_LOSS_SCALE_AT_MINIMUM),
+        (1, engine_pb2.STEP_FAULT_NON_FINITE_LOSS), (2, engine_pb2.STEP_FAULT_GRADIENT_OVERFLOW),
+        (3, engine_pb2.STEP_FAULT_OVERFLOW_STORM), (4, engine_pb2.STEP_FAULT_LOSS_SCALE_AT_MINIMUM),
     ]
     assert standing_orders(FaultPolicySpec(actions={"gradient_overflow": "ignore"})) == []
 

@@ -13,7 +13,7 @@ from services.contract import Module, control_pb2, engine_pb2, worker_pb2
 from services.contract.bus import Bus
 from services.control.fault_detector import DEFAULT_RULES, FaultDetector
 
-M, G = Module, control_pb2.FaultGrade
+FaultGrade = control_pb2.FaultGrade
 pytestmark = pytest.mark.timeout(30)
 
 
@@ -38,33 +38,33 @@ class Reports(list):
 def wired(rules=None, **deadlines) -> tuple[Bus, Reports]:
     """A bus with the detector and the test standing in for the orchestrator."""
     bus = Bus()
-    detector = FaultDetector(emit=bus.emitter(M.L1_FAULT_DETECTOR), rules=rules)
-    bus.subscribe(M.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring, detector.start_fault_monitoring)
-    bus.subscribe(M.L1_FAULT_DETECTOR, control_pb2.ResetFaultLedger, detector.reset_fault_ledger)
-    bus.subscribe(M.L1_FAULT_DETECTOR, worker_pb2.RankHeartbeat, detector.on_rank_heartbeat)
-    bus.subscribe(M.L1_FAULT_DETECTOR, control_pb2.RankExited, detector.on_rank_exited)
-    bus.subscribe(M.L1_FAULT_DETECTOR, engine_pb2.TrainingLoopFailed, detector.on_training_loop_failed)
+    detector = FaultDetector(emit=bus.emitter(Module.L1_FAULT_DETECTOR), rules=rules)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring, detector.start_fault_monitoring)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.ResetFaultLedger, detector.reset_fault_ledger)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, worker_pb2.RankHeartbeat, detector.on_rank_heartbeat)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.RankExited, detector.on_rank_exited)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, engine_pb2.TrainingLoopFailed, detector.on_training_loop_failed)
     reports = Reports()
-    bus.subscribe(M.L1_ORCHESTRATOR, control_pb2.FaultReport, reports.add)
-    bus.command(M.L1_ORCHESTRATOR, M.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring(job_id="j", **deadlines))
+    bus.subscribe(Module.L1_ORCHESTRATOR, control_pb2.FaultReport, reports.add)
+    bus.command(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring(job_id="j", **deadlines))
     return bus, reports
 
 
 def exited(bus: Bus, exit_code: int, detail: str = "", rank: int = 1, **kw) -> None:
     msg = control_pb2.RankExited(job_id="j", rank=rank, exit_code=exit_code, worker_id="w", detail=detail, **kw)
-    bus.publish(M.EXT_HARDWARE, msg)
+    bus.publish(Module.EXT_HARDWARE, msg)
 
 
 def beat(bus: Bus, rank: int = 1, step: int = 0, stepping: bool = False, step_seconds: float = 0.0) -> None:
     msg = worker_pb2.RankHeartbeat(
         job_id="j", rank=rank, step=step, stepping=stepping, step_seconds=step_seconds, worker_id="w"
     )
-    bus.publish(M.EXT_HARDWARE, msg)
+    bus.publish(Module.EXT_HARDWARE, msg)
 
 
 def failed(bus: Bus, rank: int, fault_class: str, detail: str = "") -> None:
     msg = engine_pb2.TrainingLoopFailed(job_id="j", rank=rank, step=4, fault_class=fault_class, detail=detail)
-    bus.publish(M.L2_TRAINING_LOOP, msg)
+    bus.publish(Module.L2_TRAINING_LOOP, msg)
 
 
 def test_default_grades_of_rank_exits():
@@ -77,12 +77,12 @@ def test_default_grades_of_rank_exits():
     exited(bus, 0, "worker_lost: looks like a marker, is only text")
     got = [(r.fault_class, r.grade, r.source, r.rank) for r in reports]
     assert got == [
-        ("rank_exit", G.SEVERE, M.EXT_HARDWARE, 1),
-        ("rank_exit", G.SEVERE, M.EXT_HARDWARE, 1),
-        ("rank_exit_clean", G.MEDIUM, M.EXT_HARDWARE, 1),
-        ("worker_lost", G.SEVERE, M.EXT_HARDWARE, 1),
-        ("worker_departed", G.SEVERE, M.EXT_HARDWARE, 1),
-        ("rank_exit_clean", G.MEDIUM, M.EXT_HARDWARE, 1),  # a cause is typed, never read from text
+        ("rank_exit", FaultGrade.SEVERE, Module.EXT_HARDWARE, 1),
+        ("rank_exit", FaultGrade.SEVERE, Module.EXT_HARDWARE, 1),
+        ("rank_exit_clean", FaultGrade.MEDIUM, Module.EXT_HARDWARE, 1),
+        ("worker_lost", FaultGrade.SEVERE, Module.EXT_HARDWARE, 1),
+        ("worker_departed", FaultGrade.SEVERE, Module.EXT_HARDWARE, 1),
+        ("rank_exit_clean", FaultGrade.MEDIUM, Module.EXT_HARDWARE, 1),  # a cause is typed, never read from text
     ]
     assert reports[1].detail == "rank 1 on worker w ended (signal 9)"
     assert reports[3].detail == "rank 1 lost with worker w: session closed"
@@ -91,41 +91,41 @@ def test_default_grades_of_rank_exits():
 def test_loop_failures_are_graded_by_class_with_fatal_as_default():
     bus, reports = wired()
     for fault_class in ("comm_error", "non_finite_loss", "something_new", ""):
-        bus.publish(M.L2_TRAINING_LOOP, engine_pb2.TrainingLoopFailed(job_id="j", step=3, fault_class=fault_class))
+        bus.publish(Module.L2_TRAINING_LOOP, engine_pb2.TrainingLoopFailed(job_id="j", step=3, fault_class=fault_class))
     assert [(r.fault_class, r.grade) for r in reports] == [
-        ("comm_error", G.SEVERE),
-        ("non_finite_loss", G.FATAL),
-        ("something_new", G.FATAL),
-        ("loop_failure", G.FATAL),
+        ("comm_error", FaultGrade.SEVERE),
+        ("non_finite_loss", FaultGrade.FATAL),
+        ("something_new", FaultGrade.FATAL),
+        ("loop_failure", FaultGrade.FATAL),
     ]
-    assert all(r.source == M.L2_TRAINING_LOOP for r in reports)
+    assert all(r.source == Module.L2_TRAINING_LOOP for r in reports)
 
 
 def test_rules_pushed_at_init_override_the_defaults():
-    bus, reports = wired({"rank_exit": G.MINOR, "data_unavailable": G.MEDIUM})
+    bus, reports = wired({"rank_exit": FaultGrade.MINOR, "data_unavailable": FaultGrade.MEDIUM})
     exited(bus, 3)
-    bus.publish(M.L2_TRAINING_LOOP, engine_pb2.TrainingLoopFailed(job_id="j", fault_class="data_unavailable"))
-    assert [r.grade for r in reports] == [G.MINOR, G.MEDIUM]
-    assert DEFAULT_RULES["rank_exit"] == G.SEVERE  # the defaults are not modified
+    bus.publish(Module.L2_TRAINING_LOOP, engine_pb2.TrainingLoopFailed(job_id="j", fault_class="data_unavailable"))
+    assert [r.grade for r in reports] == [FaultGrade.MINOR, FaultGrade.MEDIUM]
+    assert DEFAULT_RULES["rank_exit"] == FaultGrade.SEVERE  # the defaults are not modified
 
 
 def test_faults_of_jobs_not_monitored_are_not_reported():
     bus, reports = wired()
-    bus.publish(M.EXT_HARDWARE, control_pb2.RankExited(job_id="other", exit_code=1))
-    bus.publish(M.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="other", rank=0))
+    bus.publish(Module.EXT_HARDWARE, control_pb2.RankExited(job_id="other", exit_code=1))
+    bus.publish(Module.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="other", rank=0))
     assert reports == []
 
 
 def test_a_rule_with_an_unknown_grade_is_refused():
     with pytest.raises(ValueError, match="^fault rules: rank_exit: unknown grade 9$"):
-        FaultDetector(emit=Bus().emitter(M.L1_FAULT_DETECTOR), rules={"rank_exit": 9})
+        FaultDetector(emit=Bus().emitter(Module.L1_FAULT_DETECTOR), rules={"rank_exit": 9})
 
 
 def test_an_exit_control_asked_for_is_minor_and_carries_when_it_happened():
     bus, reports = wired()
     exited(bus, -9, "killed by SIGKILL after release", released=True, unix_time=1234.5)
     (r,) = reports
-    assert (r.fault_class, r.grade, r.occurred_unix, r.worker_id) == ("rank_released", G.MINOR, 1234.5, "w")
+    assert (r.fault_class, r.grade, r.occurred_unix, r.worker_id) == ("rank_released", FaultGrade.MINOR, 1234.5, "w")
     assert r.detected_unix >= r.occurred_unix
 
 
@@ -137,7 +137,7 @@ def test_a_rank_that_stops_beating_is_declared_silent_once_after_its_deadline():
     last = time.time()
     assert reports == []
     (r,) = reports.wait(1)
-    assert (r.fault_class, r.grade, r.rank, r.source, r.step) == ("rank_silent", G.SEVERE, 1, M.EXT_HARDWARE, 7)
+    assert (r.fault_class, r.grade, r.rank, r.source, r.step) == ("rank_silent", FaultGrade.SEVERE, 1, Module.EXT_HARDWARE, 7)
     assert 0.25 <= r.detected_unix - last < 1.0 and abs(r.occurred_unix - last) < 0.05
     assert "sent no heartbeat for" in r.detail and "deadline 0.3 s" in r.detail
     time.sleep(0.5)
@@ -158,7 +158,7 @@ def test_a_beating_rank_without_step_progress_is_stalled_and_progress_resets_the
         beat(bus, step=5, stepping=True, step_seconds=0.1)
         time.sleep(0.1)
     (r,) = reports.wait(1)
-    assert (r.fault_class, r.grade, r.step) == ("rank_stalled", G.SEVERE, 5)
+    assert (r.fault_class, r.grade, r.step) == ("rank_stalled", FaultGrade.SEVERE, 5)
     assert "no step progress for" in r.detail
 
 
@@ -206,13 +206,13 @@ def test_a_taken_rendezvous_port_is_its_own_class_named_by_the_rank_not_read_fro
     failed(bus, 0, "port_in_use", "RendezvousFailed: the rendezvous port 29500 is taken")
     # The words alone make nothing: the class is the rank's typed one (comm_error here).
     failed(bus, 1, "comm_error", "DistStoreError: ... name: EADDRINUSE, message: address already in use")
-    assert [(r.fault_class, r.grade) for r in reports] == [("port_in_use", G.MEDIUM), ("comm_error", G.SEVERE)]
+    assert [(r.fault_class, r.grade) for r in reports] == [("port_in_use", FaultGrade.MEDIUM), ("comm_error", FaultGrade.SEVERE)]
 
 
 def beat_at(bus: Bus, rank: int, step: int, interval: float = 0.1) -> None:
     msg = worker_pb2.RankHeartbeat(job_id="j", rank=rank, step=step, stepping=True, step_seconds=0.01,
                                    worker_id="w", interval_seconds=interval)
-    bus.publish(M.EXT_HARDWARE, msg)
+    bus.publish(Module.EXT_HARDWARE, msg)
 
 
 def test_a_stalled_survivor_is_not_blamed_when_its_peer_went_silent_first():
@@ -268,11 +268,11 @@ def test_after_a_control_restart_each_rank_has_until_the_reattach_deadline_and_a
     bus, reports = wired()  # job "j": not restored
     monitor = control_pb2.StartFaultMonitoring(job_id="r", heartbeat_timeout_seconds=0.5, world_size=2,
                                                reattach_seconds=1.0)
-    bus.command(M.L1_ORCHESTRATOR, M.L1_FAULT_DETECTOR, monitor)
+    bus.command(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR, monitor)
     t0 = time.time()
     time.sleep(0.6)  # past the heartbeat timeout, inside the re-attach deadline: nobody is silent
     assert list(reports) == []
-    bus.publish(M.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=9, worker_id="w"))
+    bus.publish(Module.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=9, worker_id="w"))
     (silent,) = reports.wait(1, timeout=3.0)
     # Never re-attached; where it ran is not known here, so nothing says its worker is lost.
     assert (silent.job_id, silent.fault_class, silent.rank) == ("r", "rank_silent", 1)
@@ -306,15 +306,15 @@ def test_after_a_restart_a_survivors_collective_error_waits_for_every_node_agent
     bus, reports = wired()
     monitor = control_pb2.StartFaultMonitoring(job_id="r", heartbeat_timeout_seconds=5.0, attribution_seconds=0.2,
                                                world_size=2, reattach_seconds=10.0)
-    bus.command(M.L1_ORCHESTRATOR, M.L1_FAULT_DETECTOR, monitor)
-    bus.publish(M.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=7, worker_id="wa"))
-    bus.publish(M.L2_TRAINING_LOOP, engine_pb2.TrainingLoopFailed(job_id="r", rank=0, step=7, fault_class="comm_error",
+    bus.command(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR, monitor)
+    bus.publish(Module.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=7, worker_id="wa"))
+    bus.publish(Module.L2_TRAINING_LOOP, engine_pb2.TrainingLoopFailed(job_id="r", rank=0, step=7, fault_class="comm_error",
                                                                   detail="gloo: connection closed by peer"))
     died = time.time() - 5.0  # rank 1 was killed while control was down; rank 0 failed after it
-    bus.publish(M.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died + 0.2))
+    bus.publish(Module.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died + 0.2))
     time.sleep(0.6)  # past attribution_seconds: still held, rank 1's agent has not re-attached
     assert list(reports) == []
-    bus.publish(M.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=1, exit_code=-9, worker_id="wb", unix_time=died))
+    bus.publish(Module.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=1, exit_code=-9, worker_id="wb", unix_time=died))
     cause, *rest = reports.wait(3)
     assert (cause.fault_class, cause.rank) == ("rank_exit", 1)
     assert [(r.fault_class, r.rank) for r in rest] == [("comm_error", 0), ("rank_exit", 0)]
@@ -324,18 +324,18 @@ def test_after_a_restart_the_rank_that_died_first_is_the_cause_whichever_agent_r
     bus, reports = wired()
     monitor = control_pb2.StartFaultMonitoring(job_id="r", heartbeat_timeout_seconds=5.0, attribution_seconds=0.2,
                                                world_size=2, reattach_seconds=10.0)
-    bus.command(M.L1_ORCHESTRATOR, M.L1_FAULT_DETECTOR, monitor)
+    bus.command(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR, monitor)
     died = time.time() - 5.0  # while control was down
-    bus.publish(M.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=1, exit_code=-9, worker_id="wb", unix_time=died))
+    bus.publish(Module.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=1, exit_code=-9, worker_id="wb", unix_time=died))
     time.sleep(0.3)
     assert list(reports) == []  # rank 0's agent has not re-attached yet
     # Its agent re-attaches and resends: first a beat rank 0 sent before it failed (stale).
-    bus.publish(M.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=7, worker_id="wa", unix_time=died))
+    bus.publish(Module.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=7, worker_id="wa", unix_time=died))
     time.sleep(0.3)
     assert list(reports) == []
-    bus.publish(M.L2_TRAINING_LOOP, engine_pb2.TrainingLoopFailed(job_id="r", rank=0, step=7, fault_class="comm_error",
+    bus.publish(Module.L2_TRAINING_LOOP, engine_pb2.TrainingLoopFailed(job_id="r", rank=0, step=7, fault_class="comm_error",
                                                                   detail="gloo: connection reset by peer"))
-    bus.publish(M.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died + 0.2))
+    bus.publish(Module.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died + 0.2))
     got = reports.wait(3)
     assert [(r.fault_class, r.rank) for r in got] == [("rank_exit", 1), ("comm_error", 0), ("rank_exit", 0)]
 
@@ -343,7 +343,7 @@ def test_after_a_restart_the_rank_that_died_first_is_the_cause_whichever_agent_r
 def restored(bus: Bus, heartbeat_timeout_seconds: float = 5.0, **kw) -> None:
     monitor = control_pb2.StartFaultMonitoring(job_id="r", heartbeat_timeout_seconds=heartbeat_timeout_seconds,
                                                attribution_seconds=0.2, world_size=2, **kw)
-    bus.command(M.L1_ORCHESTRATOR, M.L1_FAULT_DETECTOR, monitor)
+    bus.command(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR, monitor)
 
 
 def test_after_a_restart_a_rank_whose_node_agent_never_re_attaches_is_lost_with_its_worker_not_the_survivor():
@@ -353,23 +353,23 @@ def test_after_a_restart_a_rank_whose_node_agent_never_re_attaches_is_lost_with_
     bus, reports = wired()
     restored(bus, reattach_seconds=0.6, rank_worker_ids=["wa", "wb"])
     died = time.time() - 5.0
-    bus.publish(M.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=7, worker_id="wa", unix_time=died))
-    bus.publish(M.L2_TRAINING_LOOP, engine_pb2.TrainingLoopFailed(job_id="r", rank=0, step=7, fault_class="comm_error",
+    bus.publish(Module.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=7, worker_id="wa", unix_time=died))
+    bus.publish(Module.L2_TRAINING_LOOP, engine_pb2.TrainingLoopFailed(job_id="r", rank=0, step=7, fault_class="comm_error",
                                                                   detail="gloo: connection closed by peer"))
-    bus.publish(M.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died + 0.5))
+    bus.publish(Module.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died + 0.5))
     got = reports.wait(3)
     assert [(r.fault_class, r.rank, r.worker_id) for r in got] == [
         ("worker_lost", 1, "wb"), ("comm_error", 0, "wa"), ("rank_exit", 0, "wa")]
     assert got[0].detail.startswith("rank 1 lost with worker wb: no node agent re-attached it within ")
-    assert got[0].grade == G.SEVERE
+    assert got[0].grade == FaultGrade.SEVERE
 
 
 def test_after_a_restart_a_rank_whose_agent_resent_its_old_beats_but_that_beats_no_more_is_silent_not_lost():
     bus, reports = wired()
     restored(bus, heartbeat_timeout_seconds=0.5, reattach_seconds=0.6, rank_worker_ids=["wa", "wb"])
-    bus.publish(M.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=7, worker_id="wa"))
+    bus.publish(Module.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=7, worker_id="wa"))
     # Rank 1's agent is back (it resends a beat from before the restart); rank 1 is stopped.
-    bus.publish(M.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=1, step=7, worker_id="wb",
+    bus.publish(Module.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=1, step=7, worker_id="wb",
                                                          unix_time=time.time() - 5.0))
     (silent,) = [r for r in reports.wait(2) if r.rank == 1]  # (rank 0 stops beating too)
     assert (silent.fault_class, silent.rank, silent.worker_id) == ("rank_silent", 1, "wb")
@@ -378,7 +378,7 @@ def test_after_a_restart_a_rank_whose_agent_resent_its_old_beats_but_that_beats_
 def test_after_a_restart_a_rank_not_heard_from_on_a_worker_that_is_back_is_silent_not_lost():
     bus, reports = wired()
     restored(bus, heartbeat_timeout_seconds=5.0, reattach_seconds=0.6, rank_worker_ids=["wa", "wa"])
-    bus.publish(M.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=7, worker_id="wa"))
+    bus.publish(Module.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=7, worker_id="wa"))
     (silent,) = reports.wait(1)  # rank 1 sent nothing, but its node agent (wa) is back
     assert (silent.fault_class, silent.rank, silent.worker_id) == ("rank_silent", 1, "wa")
 
@@ -389,12 +389,12 @@ def test_after_a_restart_a_lost_node_agent_reported_by_its_session_is_the_cause_
     bus, reports = wired()
     restored(bus, reattach_seconds=10.0)
     died = time.time() - 5.0
-    bus.publish(M.L2_TRAINING_LOOP, engine_pb2.TrainingLoopFailed(job_id="r", rank=0, step=7, fault_class="comm_error",
+    bus.publish(Module.L2_TRAINING_LOOP, engine_pb2.TrainingLoopFailed(job_id="r", rank=0, step=7, fault_class="comm_error",
                                                                   detail="gloo: connection closed by peer"))
-    bus.publish(M.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died))
+    bus.publish(Module.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died))
     time.sleep(0.3)
     assert list(reports) == []
-    bus.publish(M.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=1, worker_id="wb",
+    bus.publish(Module.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=1, worker_id="wb",
                                                        detail="session closed", worker_lost=True))
     got = reports.wait(3)
     assert [(r.fault_class, r.rank) for r in got] == [("worker_lost", 1), ("comm_error", 0), ("rank_exit", 0)]

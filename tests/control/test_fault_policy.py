@@ -17,7 +17,7 @@ from services.control.store_relay import StoreRelay
 
 from .conftest import Plane, drain
 
-S, O = control_pb2.JobState, control_pb2.JobOutcome
+JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 pytestmark = pytest.mark.timeout(30)
 # No attribution window: reports reach the orchestrator at once (the detector's own tests
 # cover the window).
@@ -93,7 +93,7 @@ def test_a_killed_rank_is_restarted_from_the_newest_checkpoint_and_the_job_resum
     plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
 
     s = plane.get(job_id)
-    assert (s.state, s.outcome) == (S.FAULT_FROZEN, O.OUTCOME_UNSPECIFIED)
+    assert (s.state, s.outcome) == (JobState.FAULT_FROZEN, JobOutcome.OUTCOME_UNSPECIFIED)
     assert decisions(plane, job_id) == ["restart_ranks after rank_exit of rank 1 on wb (restart 1 of 3 for rank_exit)"]
     assert store.verified == 1
     for session, rank in ((w["wa"], 0), (w["wb"], 1)):
@@ -104,7 +104,7 @@ def test_a_killed_rank_is_restarted_from_the_newest_checkpoint_and_the_job_resum
 
     restarted(plane, job_id, {0: w["wa"], 1: w["wb"]}, start_step=8)
     s = plane.get(job_id)
-    assert (s.state, s.step) == (S.RUNNING, 8)
+    assert (s.state, s.step) == (JobState.RUNNING, 8)
     assert s.message.startswith(f"recovered from rank_exit of rank 1: all 2 ranks restored from checkpoint {job_id}:2")
     assert [c.rank_command.WhichOneof("command") for c in drain(w["wa"])] == ["start"]
     plane.rank_event(w["wa"], job_id, 0, step=engine_pb2.StepCompleted(step=9, loss=2.0, tokens=64))
@@ -122,7 +122,7 @@ def test_the_survivors_failure_and_the_kills_are_consequences_not_new_decisions(
     faults = [e.message for e in plane.events(job_id) if e.type == "fault"]
     assert faults[1].endswith("(consequence of rank 1's rank_exit)")
     assert faults[2].endswith("(consequence of rank 1's rank_exit)")
-    assert plane.get(job_id).state == S.FAULT_FROZEN
+    assert plane.get(job_id).state == JobState.FAULT_FROZEN
 
 
 def test_a_fault_of_the_relaunched_generation_is_a_new_incident(plane):
@@ -139,10 +139,10 @@ def test_an_exhausted_restart_budget_fails_the_job_with_the_reason(plane):
     plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
     plane.rank_exited(w["wa"], job_id, 0, exit_code=-9)
     restarted(plane, job_id, {0: w["wa"], 1: w["wb"]}, start_step=0)
-    assert plane.get(job_id).state == S.RUNNING
+    assert plane.get(job_id).state == JobState.RUNNING
     plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)  # again: the budget is spent
     s = plane.get(job_id)
-    assert (s.state, s.outcome) == (S.TERMINATED, O.FAILED)
+    assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.FAILED)
     assert s.message.startswith("FAILED: restart budget for rank_exit exhausted (1 of 1 used); last fault: SEVERE rank_exit")
     assert decisions(plane, job_id)[-1] == "stop after rank_exit of rank 1 on wb: restart budget for rank_exit exhausted (1 of 1 used)"
 
@@ -161,7 +161,7 @@ def test_a_worker_rejoining_does_not_reset_the_budget(plane):
     drain(back)
     plane.c.sessions.close(spare)  # and another one goes
     s = plane.get(job_id)
-    assert (s.outcome, "restart budget for worker_lost exhausted (1 of 1 used)" in s.message) == (O.FAILED, True)
+    assert (s.outcome, "restart budget for worker_lost exhausted (1 of 1 used)" in s.message) == (JobOutcome.FAILED, True)
 
 
 def test_rollback_skips_checkpoints_after_the_faulting_step_and_ones_that_do_not_verify(plane, store):
@@ -185,7 +185,7 @@ def test_a_fault_whose_policy_is_stop_fails_the_job_and_kills_the_ranks(plane):
     failed = engine_pb2.TrainingLoopFailed(step=3, fault_class="non_finite_loss", detail="loss is nan")
     plane.rank_event(w["wa"], job_id, 0, failed=failed)
     s = plane.get(job_id)
-    assert (s.state, s.outcome) == (S.TERMINATED, O.FAILED)
+    assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.FAILED)
     assert s.message == "FAILED: FATAL non_finite_loss: rank 0 failed at step 3: loss is nan"
     assert decisions(plane, job_id) == ["stop after non_finite_loss of rank 0: fault policy"]
     assert [(c.release.job_id, c.release.kill) for c in drain(w["wb"])] == [(job_id, True)]
@@ -197,7 +197,7 @@ def test_an_ignored_fault_is_recorded_and_counted_and_nothing_else_happens(plane
         plane.rank_event(w["wa"], job_id, 0, failed=engine_pb2.TrainingLoopFailed(fault_class="comm_error"))
     assert decisions(plane, job_id) == ["ignore comm_error of rank 0: fault policy; 1 ignored so far",
                                         "ignore comm_error of rank 0: fault policy; 2 ignored so far"]
-    assert plane.get(job_id).state == S.RUNNING
+    assert plane.get(job_id).state == JobState.RUNNING
     assert drain(w["wa"]) == [] and drain(w["wb"]) == []
 
 
@@ -206,15 +206,15 @@ def test_exclude_node_without_enough_slots_elsewhere_waits_for_capacity_then_the
                                                    "capacity_wait_seconds: 0.6}")
     plane.c.sessions.close(w["wb"])
     s = plane.get(job_id)
-    assert s.state == S.FAULT_FROZEN
+    assert s.state == JobState.FAULT_FROZEN
     assert s.message.startswith("waiting for capacity to resume from scratch: needs 2 ranks, 1 free "
                                 "(placing the ranks (fresh start): 1 is free on 1 registered worker (excluding wb)); "
                                 "retry 1 in 0.5 s, the fault policy decides after 1 s")
     deadline = time.monotonic() + 10
-    while plane.get(job_id).state != S.TERMINATED and time.monotonic() < deadline:
+    while plane.get(job_id).state != JobState.TERMINATED and time.monotonic() < deadline:
         time.sleep(0.05)
     s = plane.get(job_id)
-    assert (s.state, s.outcome) == (S.TERMINATED, O.FAILED)
+    assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.FAILED)
     assert s.message.startswith("FAILED: waiting for capacity to resume from scratch") and s.message.endswith(
         "every checkpoint is kept")
 
@@ -223,10 +223,10 @@ def test_a_stop_during_a_recovery_ends_the_job_stopped(plane):
     job_id, w = running(plane, "wa", "wb")
     plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
     s = plane.user(control_pb2.StopJobRequest(job_id=job_id))
-    assert (s.state, s.outcome) == (S.TERMINATED, O.STOPPED)
+    assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.STOPPED)
     assert s.message == "STOPPED: stopped by the operator; its ranks were being recovered"
     restarted(plane, job_id, {0: w["wa"], 1: w["wb"]}, start_step=0)  # too late: nothing starts
-    assert plane.get(job_id).state == S.TERMINATED
+    assert plane.get(job_id).state == JobState.TERMINATED
 
 
 def test_a_rank_that_exits_cleanly_before_finishing_is_a_lost_rank(plane):
@@ -391,7 +391,7 @@ def test_the_store_unreachable_during_a_recovery_strikes_nothing_and_the_job_wai
     store.down = True
     plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
     s = plane.get(job_id)
-    assert s.state == S.FAULT_FROZEN and s.message.startswith("waiting for the store (unreachable: ")
+    assert s.state == JobState.FAULT_FROZEN and s.message.startswith("waiting for the store (unreachable: ")
     assert resumes(w["wa"]) == []  # nothing relaunched while the versions cannot be verified
     store.down, store.verdicts = False, [(v1, 4, True), (v2, 8, True)]
     deadline = time.monotonic() + 10
@@ -435,9 +435,9 @@ def test_a_store_unreachable_past_store_wait_seconds_is_decided_by_the_policy(pl
         time.sleep(0.05)
     s = plane.get(job_id)
     if outcome == "failed":
-        assert (s.state, s.outcome) == (S.TERMINATED, O.FAILED) and s.message.endswith("every checkpoint is kept")
+        assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.FAILED) and s.message.endswith("every checkpoint is kept")
     else:  # goes on with the version reported, unverified: the ranks check its digests as they load it
-        assert s.state == S.FAULT_FROZEN and resumes(w["wa"]) == [v1]
+        assert s.state == JobState.FAULT_FROZEN and resumes(w["wa"]) == [v1]
     assert store.verified >= 2  # asked again while it waited
 
 
@@ -463,15 +463,15 @@ def test_a_paused_job_whose_rank_dies_is_recovered_and_stays_paused_until_the_op
     plane.user(control_pb2.PauseJobRequest(job_id=job_id, no_checkpoint=True))
     for rank, session in ((0, w["wa"]), (1, w["wb"])):
         plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=6))
-    assert plane.get(job_id).state == S.PAUSED
+    assert plane.get(job_id).state == JobState.PAUSED
     drain(w["wa"]), drain(w["wb"])
     plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
     assert resumes(w["wa"]) == [v1]
     drain(w["wb"])
     restarted(plane, job_id, {0: w["wa"], 1: w["wb"]}, start_step=4)
     s = plane.get(job_id)
-    assert s.state == S.PAUSED and s.message.endswith("paused, as before the fault (resume continues it)")
+    assert s.state == JobState.PAUSED and s.message.endswith("paused, as before the fault (resume continues it)")
     assert drain(w["wa"]) == []  # no StartTraining: the operator paused it
     plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
-    assert plane.get(job_id).state == S.RUNNING
+    assert plane.get(job_id).state == JobState.RUNNING
     assert [c.rank_command.WhichOneof("command") for c in drain(w["wa"])] == ["start"]

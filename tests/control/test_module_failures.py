@@ -22,7 +22,7 @@ from services.control.fault_decision import JobView, decide
 from services.control.fault_detector import FaultDetector
 from services.jobspec import FaultPolicySpec
 
-M, G, C = Module, control_pb2.FaultGrade, route_pb2.FailureCause
+FaultGrade, FailureCause = control_pb2.FaultGrade, route_pb2.FailureCause
 pytestmark = pytest.mark.timeout(30)
 JOB = "j"
 # Most failures are graded by their cause (INTERNAL: FATAL -> stop); a few get a cause to
@@ -31,17 +31,17 @@ JOB = "j"
 # ignored (L1-1 decides on SnapshotFailed itself; metrics are not worth a relaunch); a
 # prefetcher that cannot read its files is a data I/O error (SEVERE -> restart_ranks).
 CASES: dict[int, tuple[int, str, int, str]] = {  # module -> (cause, class, grade, action)
-    M.L3_GRADIENT_REDUCTION: (C.FAILURE_COMMUNICATION, "comm_error", G.SEVERE, "restart_ranks"),
-    M.L5_CHECKPOINT_MANAGER: (C.FAILURE_IO, "snapshot_failed", G.MINOR, "ignore"),
-    M.L4_PREFETCHER: (C.FAILURE_IO, "data_io_error", G.SEVERE, "restart_ranks"),
-    M.L2_OPTIMIZER: (C.FAILURE_OUT_OF_MEMORY, "out_of_memory", G.FATAL, "stop"),
-    M.L1_RECOVERY_CONTROLLER: (C.FAILURE_TIMEOUT, "recovery_failed", G.MINOR, "ignore"),
-    M.L5_METRICS_LOGGER: (C.FAILURE_INTERNAL, "log_write_failed", G.MINOR, "ignore"),
+    Module.L3_GRADIENT_REDUCTION: (FailureCause.FAILURE_COMMUNICATION, "comm_error", FaultGrade.SEVERE, "restart_ranks"),
+    Module.L5_CHECKPOINT_MANAGER: (FailureCause.FAILURE_IO, "snapshot_failed", FaultGrade.MINOR, "ignore"),
+    Module.L4_PREFETCHER: (FailureCause.FAILURE_IO, "data_io_error", FaultGrade.SEVERE, "restart_ranks"),
+    Module.L2_OPTIMIZER: (FailureCause.FAILURE_OUT_OF_MEMORY, "out_of_memory", FaultGrade.FATAL, "stop"),
+    Module.L1_RECOVERY_CONTROLLER: (FailureCause.FAILURE_TIMEOUT, "recovery_failed", FaultGrade.MINOR, "ignore"),
+    Module.L5_METRICS_LOGGER: (FailureCause.FAILURE_INTERNAL, "log_write_failed", FaultGrade.MINOR, "ignore"),
     # The data pipeline's failures, of no more specific cause: the data is unavailable.
-    **{m: (C.FAILURE_INTERNAL, "data_unavailable", G.FATAL, "stop")
-       for m in (M.L4_DATASET_VERSIONS, M.L4_SHUFFLER, M.L4_FILTER, M.L4_BATCH_PACKER)},
+    **{m: (FailureCause.FAILURE_INTERNAL, "data_unavailable", FaultGrade.FATAL, "stop")
+       for m in (Module.L4_DATASET_VERSIONS, Module.L4_SHUFFLER, Module.L4_FILTER, Module.L4_BATCH_PACKER)},
 }
-DEFAULT = (C.FAILURE_INTERNAL, "internal_error", G.FATAL, "stop")
+DEFAULT = (FailureCause.FAILURE_INTERNAL, "internal_error", FaultGrade.FATAL, "stop")
 
 
 def a_message_to(module: int):
@@ -51,7 +51,7 @@ def a_message_to(module: int):
         if module in route.receivers and not route.failure:
             sender = min(route.senders)
             return fl.message_class(route.message), sender, route.kind
-    raise AssertionError(f"nothing is routed to {M.Name(module)}")
+    raise AssertionError(f"nothing is routed to {Module.Name(module)}")
 
 
 class Decisions(list):
@@ -80,25 +80,25 @@ def injected():
     fl.set_origin()
 
 
-@pytest.mark.parametrize("module", sorted(SEED_MODULES), ids=[M.Name(m) for m in sorted(SEED_MODULES)])
+@pytest.mark.parametrize("module", sorted(SEED_MODULES), ids=[Module.Name(m) for m in sorted(SEED_MODULES)])
 def test_a_handler_failure_in_each_module_is_a_typed_event_graded_by_l1_3_and_decided_by_l1_1(module, injected):
     cause, fault_class, grade, action = CASES.get(module, DEFAULT)
     bus = Bus()
-    detector = FaultDetector(emit=bus.emitter(M.L1_FAULT_DETECTOR))
-    bus.subscribe(M.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring, detector.start_fault_monitoring)
-    for failure_type in fl.failure_events_to(bus.table, M.L1_FAULT_DETECTOR):
+    detector = FaultDetector(emit=bus.emitter(Module.L1_FAULT_DETECTOR))
+    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring, detector.start_fault_monitoring)
+    for failure_type in fl.failure_events_to(bus.table, Module.L1_FAULT_DETECTOR):
         handler = detector.on_training_loop_failed if failure_type is engine_pb2.TrainingLoopFailed else detector.on_failure
-        bus.subscribe(M.L1_FAULT_DETECTOR, failure_type, handler)
+        bus.subscribe(Module.L1_FAULT_DETECTOR, failure_type, handler)
     decisions = Decisions(FaultPolicySpec())
-    bus.subscribe(M.L1_ORCHESTRATOR, control_pb2.FaultReport, decisions.on_fault_report)
-    bus.command(M.L1_ORCHESTRATOR, M.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring(job_id=JOB))
+    bus.subscribe(Module.L1_ORCHESTRATOR, control_pb2.FaultReport, decisions.on_fault_report)
+    bus.command(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring(job_id=JOB))
 
     msg_type, sender, kind = a_message_to(module)
     handled = []
     if (msg_type.DESCRIPTOR.full_name, module) not in bus.subscriptions():
         bus.subscribe(module, msg_type, lambda m, p=None: handled.append(m))
     fl.set_origin(JOB, 1)  # the process works for job j, rank 1 (what a rank's root sets)
-    injected(f"handler:{M.Name(module)}:{msg_type.DESCRIPTOR.name}:cause={C.Name(cause)}")
+    injected(f"handler:{Module.Name(module)}:{msg_type.DESCRIPTOR.name}:cause={FailureCause.Name(cause)}")
 
     if kind == route_pb2.COMMAND:
         with pytest.raises(fl.ModuleFailed) as failed:

@@ -19,7 +19,7 @@ from services.control.store_relay import StoreRelay
 
 from .conftest import Plane, drain
 
-S, O = control_pb2.JobState, control_pb2.JobOutcome
+JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 pytestmark = pytest.mark.timeout(30)
 
 
@@ -102,7 +102,7 @@ def test_stop_and_pause_checkpoint_their_boundary_step_unless_told_not_to(plane)
     assert plane.events(job_id)[-1].message == "pause requested: ranks checkpoint step 6 and pause after step 6"
     for rank, session in ((0, a), (1, b)):
         plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=6))
-    assert plane.get(job_id).state == S.PAUSED and not plane.get(job_id).drained
+    assert plane.get(job_id).state == JobState.PAUSED and not plane.get(job_id).drained
     plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
     plane.user(control_pb2.StopJobRequest(job_id=job_id, no_checkpoint=True))
     drain(a)
@@ -115,10 +115,10 @@ def test_stop_and_pause_checkpoint_their_boundary_step_unless_told_not_to(plane)
 def test_a_stopped_job_resumes_from_its_newest_verified_checkpoint_as_a_new_generation(plane, store):
     job_id, a, b = stopped_job(plane, store, at=6)
     s = plane.get(job_id)
-    assert (s.state, s.outcome, s.checkpoint_version) == (S.TERMINATED, O.STOPPED, f"{job_id}:1")
+    assert (s.state, s.outcome, s.checkpoint_version) == (JobState.TERMINATED, JobOutcome.STOPPED, f"{job_id}:1")
     assert s.message == f"STOPPED: all ranks stopped at step 6; `surgectl resume` continues from checkpoint {job_id}:1 (step 6)"
     s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
-    assert (s.state, s.outcome, s.step, s.checkpoint_version) == (S.WARMING_UP, O.OUTCOME_UNSPECIFIED, 6, f"{job_id}:1")
+    assert (s.state, s.outcome, s.step, s.checkpoint_version) == (JobState.WARMING_UP, JobOutcome.OUTCOME_UNSPECIFIED, 6, f"{job_id}:1")
     assert store.asked == 1
     for session in (a, b):
         (cmd,) = drain(session)
@@ -129,12 +129,12 @@ def test_a_stopped_job_resumes_from_its_newest_verified_checkpoint_as_a_new_gene
     assert messages[-1] == f"TERMINATED -> WARMING_UP: ranks launching to resume from checkpoint {job_id}:1 at step 6"
     for rank, session in ((0, a), (1, b)):
         plane.rank_event(session, job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank, start_step=6))
-    assert plane.get(job_id).state == S.RUNNING
+    assert plane.get(job_id).state == JobState.RUNNING
     # ... and it ends like any job.
     for rank, session in ((0, a), (1, b)):
         plane.rank_event(session, job_id, rank, finished=engine_pb2.TrainingLoopFinished(rank=rank, step=20))
     s = plane.get(job_id)
-    assert (s.state, s.outcome, s.step) == (S.TERMINATED, O.FINISHED, 20)
+    assert (s.state, s.outcome, s.step) == (JobState.TERMINATED, JobOutcome.FINISHED, 20)
 
 
 def test_a_clean_exit_of_an_old_rank_reported_after_the_resume_is_no_fault(plane, store):
@@ -142,11 +142,11 @@ def test_a_clean_exit_of_an_old_rank_reported_after_the_resume_is_no_fault(plane
     plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
     plane.rank_exited(a, job_id, 0, exit_code=0)  # the stopped generation's rank 0, reaped late
     s = plane.get(job_id)
-    assert s.state == S.WARMING_UP and not [e for e in plane.events(job_id) if e.type == "decision"
+    assert s.state == JobState.WARMING_UP and not [e for e in plane.events(job_id) if e.type == "decision"
                                             and e.message.startswith("restart_ranks")]
     for rank, session in ((0, a), (1, b)):
         plane.rank_event(session, job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank, start_step=6))
-    assert plane.get(job_id).state == S.RUNNING
+    assert plane.get(job_id).state == JobState.RUNNING
 
 
 def test_resume_takes_the_newest_version_that_verifies_or_the_one_named(plane, store):
@@ -157,9 +157,9 @@ def test_resume_takes_the_newest_version_that_verifies_or_the_one_named(plane, s
         plane.user(control_pb2.ResumeJobRequest(job_id=job_id, from_version=f"{job_id}:3"))
     with pytest.raises(IllegalTransition, match=f"^--from other:1: not a committed checkpoint of {job_id} "):
         plane.user(control_pb2.ResumeJobRequest(job_id=job_id, from_version="other:1"))
-    assert plane.get(job_id).state == S.TERMINATED and drain(a) == []
+    assert plane.get(job_id).state == JobState.TERMINATED and drain(a) == []
     s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
-    assert (s.state, s.step, s.checkpoint_version) == (S.WARMING_UP, 4, f"{job_id}:2")
+    assert (s.state, s.step, s.checkpoint_version) == (JobState.WARMING_UP, 4, f"{job_id}:2")
     assert drain(a)[0].launch.init.resume_version == f"{job_id}:2"
 
 
@@ -167,7 +167,7 @@ def test_resume_from_a_named_older_version(plane, store):
     job_id, _a, b = stopped_job(plane, store, at=6)
     store.versions[job_id] = [(f"{job_id}:1", 3, True, ""), (f"{job_id}:2", 6, True, "")]
     s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id, from_version=f"{job_id}:1"))
-    assert (s.state, s.step) == (S.WARMING_UP, 3)
+    assert (s.state, s.step) == (JobState.WARMING_UP, 3)
     assert drain(b)[0].launch.init.resume_version == f"{job_id}:1"
 
 
@@ -190,7 +190,7 @@ def test_resume_refusals_are_one_line_and_change_nothing(plane, store):
     with pytest.raises(InsufficientResources, match=f"^cannot resume {job_id} now: it needs 2 ranks \\(parallel.dp=2\\) but 1 is free"):
         plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
     s = plane.get(job_id)
-    assert (s.state, s.outcome) == (S.TERMINATED, O.STOPPED)
+    assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.STOPPED)
     plane.user(control_pb2.StopJobRequest(job_id=blocker.job_id))
     del other
 
@@ -203,7 +203,7 @@ def test_the_store_answer_arriving_as_an_event_reaches_the_waiting_resume(plane,
     with pytest.raises(IllegalTransition, match="the store could not verify its checkpoints"):
         plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
     store.down = False
-    assert plane.user(control_pb2.ResumeJobRequest(job_id=job_id)).state == S.WARMING_UP
+    assert plane.user(control_pb2.ResumeJobRequest(job_id=job_id)).state == JobState.WARMING_UP
 
 
 def test_a_finished_or_running_job_is_not_resumed(plane, store):
@@ -229,19 +229,19 @@ def test_a_drain_pauses_with_a_checkpoint_parks_the_job_across_a_control_restart
     for rank, session in ((0, a), (1, b)):
         plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=9))
     s = plane.get(job_id)
-    assert (s.state, s.drained) == (S.PAUSED, True)
+    assert (s.state, s.drained) == (JobState.PAUSED, True)
     assert s.message.endswith(f"drained: `surgectl up` resumes it from checkpoint {job_id}:1 (step 9)")
     journal.close()
 
     journal = JobStore(db)  # control restarted: nothing to re-attach, nothing monitored
     plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
     s = plane.get(job_id)
-    assert (s.state, s.drained) == (S.PAUSED, True)
+    assert (s.state, s.drained) == (JobState.PAUSED, True)
     assert s.message.startswith("drained by `surgectl down` at step 9; `surgectl up`")
     a, b = plane.register("wa"), plane.register("wb")
     store.versions[job_id] = [(f"{job_id}:1", 9, True, "")]
     s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
-    assert (s.state, s.drained, s.step) == (S.WARMING_UP, False, 9)
+    assert (s.state, s.drained, s.step) == (JobState.WARMING_UP, False, 9)
     assert drain(a)[0].launch.init.resume_version == f"{job_id}:1"
     assert "PAUSED -> WARMING_UP" in plane.events(job_id)[-1].message
     journal.close()
@@ -254,10 +254,10 @@ def test_a_drain_of_a_paused_job_parks_it_without_marking_it_drained_and_stop_en
         plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=2))
     drain(a), drain(b)
     s = plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True))
-    assert (s.state, s.drained) == (S.PAUSED, False)
+    assert (s.state, s.drained) == (JobState.PAUSED, False)
     assert drain(a) == []  # nothing to tell its ranks
     s = plane.user(control_pb2.StopJobRequest(job_id=job_id))
-    assert (s.state, s.outcome) == (S.TERMINATED, O.STOPPED)
+    assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.STOPPED)
     assert s.message.endswith("its ranks were stopped with the stack")
 
 
@@ -297,10 +297,10 @@ def test_a_drain_whose_checkpoint_could_not_be_saved_is_not_parked_and_says_its_
     for rank, session in ((0, a), (1, b)):
         plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=9))
     s = plane.get(job_id)
-    assert (s.state, s.drained) == (S.PAUSED, False)  # not parked: its ranks stay, nothing lost
+    assert (s.state, s.drained) == (JobState.PAUSED, False)  # not parked: its ranks stay, nothing lost
     assert (s.step, s.checkpoint_version, s.checkpoint_step) == (9, f"{job_id}:1", 4)  # what `down` checks
     assert "not drained: its checkpoint of step 9 could not be saved" in s.message
     events = [e.message for e in plane.events(job_id)]
     assert any("the pause after step 9 has no checkpoint of it; the newest is" in m for m in events)
     plane.user(control_pb2.ResumeJobRequest(job_id=job_id))  # a plain resume: its ranks are there
-    assert plane.get(job_id).state == S.RUNNING
+    assert plane.get(job_id).state == JobState.RUNNING

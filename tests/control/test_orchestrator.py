@@ -21,7 +21,7 @@ from services.jobspec import JobSpecError, spec_from_json
 
 from .conftest import Plane, drain
 
-S, O, M = control_pb2.JobState, control_pb2.JobOutcome, Module
+JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 pytestmark = pytest.mark.timeout(30)
 
 
@@ -45,7 +45,7 @@ def test_submit_journals_warming_up_and_launches_one_rank_per_worker(plane):
     a, b = plane.register("wa"), plane.register("wb")
     status = plane.submit(name="demo", dp=2, steps=7)
     assert status.job_id.startswith("demo-") and len(status.job_id) == len("demo-") + 6
-    assert (status.state, status.world_size, status.total_steps) == (S.WARMING_UP, 2, 7)
+    assert (status.state, status.world_size, status.total_steps) == (JobState.WARMING_UP, 2, 7)
     assert math.isnan(status.eval_loss)
     (la,), (lb,) = drain(a), drain(b)
     assert [r.rank for r in la.launch.ranks] == [0] and [r.rank for r in lb.launch.ranks] == [1]
@@ -60,10 +60,10 @@ def test_training_starts_only_when_every_rank_reported_started(plane):
     job_id = plane.submit(dp=2).job_id
     drain(a), drain(b)
     plane.rank_event(a, job_id, 0, started=engine_pb2.TrainingLoopStarted(rank=0))
-    assert plane.get(job_id).state == S.WARMING_UP
+    assert plane.get(job_id).state == JobState.WARMING_UP
     assert drain(a) == [] and drain(b) == []
     plane.rank_event(b, job_id, 1, started=engine_pb2.TrainingLoopStarted(rank=1))
-    assert plane.get(job_id).state == S.RUNNING
+    assert plane.get(job_id).state == JobState.RUNNING
     for session in (a, b):
         (cmd,) = drain(session)
         assert cmd.rank_command.start.job_id == job_id
@@ -85,17 +85,17 @@ def test_pause_names_latest_step_plus_two_and_pauses_when_all_ranks_paused(plane
     job_id, a, b = start_job(plane)
     step(plane, a, job_id, 5)
     status = plane.user(control_pb2.PauseJobRequest(job_id=job_id))
-    assert status.state == S.RUNNING  # until every rank has paused
+    assert status.state == JobState.RUNNING  # until every rank has paused
     for session in (a, b):
         (cmd,) = drain(session)
         assert cmd.rank_command.pause.at_step == 7
     with pytest.raises(IllegalTransition, match=f"job {job_id} is already pausing after step 7"):
         plane.user(control_pb2.PauseJobRequest(job_id=job_id))
     plane.rank_event(a, job_id, 0, paused=engine_pb2.TrainingLoopPaused(step=7))
-    assert plane.get(job_id).state == S.RUNNING
+    assert plane.get(job_id).state == JobState.RUNNING
     plane.rank_event(b, job_id, 1, paused=engine_pb2.TrainingLoopPaused(step=7))
-    assert (plane.get(job_id).state, plane.get(job_id).step) == (S.PAUSED, 7)
-    assert plane.user(control_pb2.ResumeJobRequest(job_id=job_id)).state == S.RUNNING
+    assert (plane.get(job_id).state, plane.get(job_id).step) == (JobState.PAUSED, 7)
+    assert plane.user(control_pb2.ResumeJobRequest(job_id=job_id)).state == JobState.RUNNING
     assert [c.rank_command.WhichOneof("command") for c in drain(a)] == ["resume"]
 
 
@@ -117,14 +117,14 @@ def test_all_ranks_finished_terminates_finished_and_releases_slots(plane):
     for n, loss in ((1, 3.0), (2, 2.0), (3, 1.5)):
         step(plane, a, job_id, n, loss)
     plane.rank_event(a, job_id, 0, finished=engine_pb2.TrainingLoopFinished(step=3))
-    assert plane.get(job_id).state == S.RUNNING
+    assert plane.get(job_id).state == JobState.RUNNING
     plane.rank_event(b, job_id, 1, finished=engine_pb2.TrainingLoopFinished(rank=1, step=3))
     s = plane.get(job_id)
-    assert (s.state, s.outcome, s.step, s.train_loss, s.tokens_seen) == (S.TERMINATED, O.FINISHED, 3, 1.5, 192)
+    assert (s.state, s.outcome, s.step, s.train_loss, s.tokens_seen) == (JobState.TERMINATED, JobOutcome.FINISHED, 3, 1.5, 192)
     for session in (a, b):
         (cmd,) = drain(session)
         assert (cmd.release.job_id, cmd.release.kill) == (job_id, False)
-    assert plane.submit(dp=2).state == S.WARMING_UP  # the slots are free again
+    assert plane.submit(dp=2).state == JobState.WARMING_UP  # the slots are free again
     with pytest.raises(IllegalTransition, match=f"job {job_id} is already TERMINATED \\(FINISHED\\)"):
         plane.user(control_pb2.StopJobRequest(job_id=job_id))
 
@@ -137,7 +137,7 @@ def test_stop_of_a_running_job_stops_at_step_plus_two_and_ends_stopped(plane):
     for rank, session in ((0, a), (1, b)):
         plane.rank_event(session, job_id, rank, finished=engine_pb2.TrainingLoopFinished(step=6, stopped=True))
     s = plane.get(job_id)
-    assert (s.state, s.outcome, s.step) == (S.TERMINATED, O.STOPPED, 6)
+    assert (s.state, s.outcome, s.step) == (JobState.TERMINATED, JobOutcome.STOPPED, 6)
 
 
 def test_stop_of_a_warming_up_job_stops_at_the_next_boundary(plane):
@@ -148,9 +148,9 @@ def test_stop_of_a_warming_up_job_stops_at_the_next_boundary(plane):
     assert [c.rank_command.stop.at_step for c in drain(a)] == [0]
     # A rank that comes up after the stop is not started.
     plane.rank_event(a, job_id, 0, started=engine_pb2.TrainingLoopStarted())
-    assert drain(a) == [] and plane.get(job_id).state == S.WARMING_UP
+    assert drain(a) == [] and plane.get(job_id).state == JobState.WARMING_UP
     plane.rank_event(a, job_id, 0, finished=engine_pb2.TrainingLoopFinished(stopped=True))
-    assert plane.get(job_id).outcome == O.STOPPED
+    assert plane.get(job_id).outcome == JobOutcome.STOPPED
 
 
 def test_a_killed_rank_under_a_stop_policy_fails_the_job_and_kills_the_others(plane):
@@ -158,7 +158,7 @@ def test_a_killed_rank_under_a_stop_policy_fails_the_job_and_kills_the_others(pl
     job_id, a, b = start_job(plane, extra="fault_policy: {actions: {rank_exit: stop}}")
     plane.rank_exited(b, job_id, 1, exit_code=-9)
     s = plane.get(job_id)
-    assert (s.state, s.outcome) == (S.TERMINATED, O.FAILED)
+    assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.FAILED)
     assert s.message.startswith("FAILED: SEVERE rank_exit: rank 1 on worker wb ended (signal 9)")
     assert [(c.release.job_id, c.release.kill) for c in drain(a)] == [(job_id, True)]
 
@@ -168,7 +168,7 @@ def test_a_fatal_loop_failure_stops_the_job_and_is_recorded_before_the_decision(
     failed = engine_pb2.TrainingLoopFailed(step=3, fault_class="model_error", detail="RuntimeError: shapes")
     plane.rank_event(a, job_id, 0, failed=failed)
     s = plane.get(job_id)
-    assert (s.state, s.outcome) == (S.TERMINATED, O.FAILED)
+    assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.FAILED)
     assert "FATAL model_error" in s.message
     assert [e.type for e in plane.events(job_id)][-4:] == ["rank", "fault", "decision", "state"]
 
@@ -179,7 +179,7 @@ def test_clean_rank_exits_after_the_job_finished_change_nothing(plane):
     plane.rank_event(a, job_id, 0, started=engine_pb2.TrainingLoopStarted())
     plane.rank_event(a, job_id, 0, finished=engine_pb2.TrainingLoopFinished(step=3))
     plane.rank_exited(a, job_id, 0, exit_code=0)
-    assert plane.get(job_id).outcome == O.FINISHED
+    assert plane.get(job_id).outcome == JobOutcome.FINISHED
 
 
 def test_a_rank_that_finished_and_exits_before_the_others_finish_is_no_fault(plane):
@@ -190,7 +190,7 @@ def test_a_rank_that_finished_and_exits_before_the_others_finish_is_no_fault(pla
     plane.rank_event(b, job_id, 1, finished=engine_pb2.TrainingLoopFinished(rank=1, step=3))
     plane.rank_exited(b, job_id, 1, exit_code=0)
     assert "fault" not in [e.type for e in plane.events(job_id)]
-    assert plane.get(job_id).state == S.RUNNING
+    assert plane.get(job_id).state == JobState.RUNNING
     plane.rank_exited(a, job_id, 0, exit_code=0)
     assert [e.message for e in plane.events(job_id) if e.type == "fault"] == [
         "MEDIUM rank_exit_clean: rank 0 on worker wa ended (exit code 0)"
@@ -201,13 +201,13 @@ def test_a_lost_node_agent_freezes_its_job_waiting_for_capacity_and_its_slots_va
     job_id, a, b = start_job(plane)
     plane.c.sessions.close(b)
     s = plane.get(job_id)
-    assert s.state == S.FAULT_FROZEN  # waits for a worker to relaunch rank 1 on; nothing lost yet
+    assert s.state == JobState.FAULT_FROZEN  # waits for a worker to relaunch rank 1 on; nothing lost yet
     assert s.message.startswith("waiting for capacity to resume from scratch: needs 2 ranks, 1 free")
     assert any(e.message.startswith("SEVERE worker_lost") for e in plane.events(job_id))
     with pytest.raises(InsufficientResources, match="but 1 is free on 1 registered worker$"):
         plane.submit(dp=2)
     plane.user(control_pb2.StopJobRequest(job_id=job_id))
-    assert plane.get(job_id).outcome == O.STOPPED
+    assert plane.get(job_id).outcome == JobOutcome.STOPPED
 
 
 def test_insufficient_resources_refuse_the_job_and_persist_nothing(plane):
@@ -233,7 +233,7 @@ def test_event_log_has_contiguous_seqs_and_reads_from_a_seq(plane):
     job_id, a, _ = start_job(plane)
     events = plane.events(job_id)
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
-    assert events[-1].status.state == S.RUNNING and events[-1].type == "state"
+    assert events[-1].status.state == JobState.RUNNING and events[-1].type == "state"
     assert [e.seq for e in plane.events(job_id, from_seq=3)] == [e.seq for e in events[2:]]
 
 
@@ -261,17 +261,17 @@ def test_restart_keeps_live_jobs_running_for_their_ranks_to_reattach_and_their_l
     journal = JobStore(db)
     plane = Plane(build(journal, data_address="d:1", store_address="s:1"))
     s = plane.get(running)
-    assert (s.state, s.step, s.train_loss, s.message) == (S.RUNNING, 4, 1.25, REATTACH_MESSAGE)
+    assert (s.state, s.step, s.train_loss, s.message) == (JobState.RUNNING, 4, 1.25, REATTACH_MESSAGE)
     # The node agents re-attach their ranks; the job goes on where it was.
     a, b = (plane.register(w) for w in ("wa", "wb"))
     step(plane, a, running, 5, loss=1.0)
     assert (plane.get(running).step, plane.get(running).train_loss) == (5, 1.0)
     stopped = plane.user(control_pb2.StopJobRequest(job_id=running))
-    assert stopped.state == S.RUNNING  # stopping at a step boundary
+    assert stopped.state == JobState.RUNNING  # stopping at a step boundary
     for rank, session in ((0, a), (1, b)):
         plane.rank_event(session, running, rank, finished=engine_pb2.TrainingLoopFinished(rank=rank, step=7, stopped=True))
     s = plane.get(running)
-    assert (s.state, s.outcome, s.step) == (S.TERMINATED, O.STOPPED, 7)
+    assert (s.state, s.outcome, s.step) == (JobState.TERMINATED, JobOutcome.STOPPED, 7)
     seqs = [e.seq for e in plane.events(running)]
     assert seqs == list(range(1, len(seqs) + 1))  # the log continues across the restart
     assert [st for st, _ in journal.steps(running)] == [4, 5]  # every applied step, once
@@ -293,7 +293,7 @@ def test_after_a_restart_the_status_says_every_rank_re_attached_once_an_event_of
     assert plane.get(job_id).message == REATTACH_MESSAGE  # rank 1's agent has sent nothing yet
     plane.rank_event(b, job_id, 1, step=engine_pb2.StepCompleted(rank=1, step=5, loss=2.0))
     s = plane.get(job_id)
-    assert (s.state, s.message) == (S.RUNNING, REATTACHED_MESSAGE)
+    assert (s.state, s.message) == (JobState.RUNNING, REATTACHED_MESSAGE)
     assert plane.events(job_id)[-1].message == f"RUNNING: {REATTACHED_MESSAGE}"
     n = len(plane.events(job_id))
     step(plane, a, job_id, 6)
@@ -319,7 +319,7 @@ def test_a_rank_that_finished_before_a_restart_is_remembered_and_its_clean_exit_
     plane.rank_exited(b, job_id, 1, exit_code=0)
     plane.rank_event(a, job_id, 0, finished=engine_pb2.TrainingLoopFinished(rank=0, step=3))
     s = plane.get(job_id)
-    assert (s.state, s.outcome) == (S.TERMINATED, O.FINISHED)
+    assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.FINISHED)
     events = plane.events(job_id)
     assert [e.type for e in events if e.type == "fault"] == []
     assert [e.message.split(";")[0] for e in events if e.type == "decision"] == ["2 ranks allocated on wa, wb"]
@@ -353,7 +353,7 @@ def test_a_reconnecting_worker_replaces_its_session_and_its_lost_ranks_are_relau
     commands = drain(new)
     assert [c.WhichOneof("command") for c in commands] == ["release", "launch"]
     assert {c.release.job_id for c in commands[:1]} == {commands[1].launch.job_id} == {job_id}
-    assert plane.get(job_id).state == S.FAULT_FROZEN  # until the relaunched rank reports ready
+    assert plane.get(job_id).state == JobState.FAULT_FROZEN  # until the relaunched rank reports ready
 
 
 def test_memory_pressure_is_recorded_on_the_jobs_with_ranks_on_that_worker_and_nothing_else_happens(plane):
@@ -372,11 +372,11 @@ def test_memory_pressure_is_recorded_on_the_jobs_with_ranks_on_that_worker_and_n
     pressure(b, False, 12 << 30)
     new = plane.events(job_id, seen[job_id] + 1)
     assert [(e.type, e.source, e.message) for e in new] == [
-        ("resource", M.L1_RESOURCE_ALLOCATOR, "memory pressure on wb: 1.2 GiB of 24.0 GiB available"),
-        ("resource", M.L1_RESOURCE_ALLOCATOR, "memory pressure relieved on wb: 12.0 GiB of 24.0 GiB available"),
+        ("resource", Module.L1_RESOURCE_ALLOCATOR, "memory pressure on wb: 1.2 GiB of 24.0 GiB available"),
+        ("resource", Module.L1_RESOURCE_ALLOCATOR, "memory pressure relieved on wb: 12.0 GiB of 24.0 GiB available"),
     ]
     assert plane.events(other, seen[other] + 1) == ()  # no rank of it on wb
-    assert plane.get(job_id).state == S.RUNNING  # recorded only: no decision taken
+    assert plane.get(job_id).state == JobState.RUNNING  # recorded only: no decision taken
     assert drain(a) == [] and drain(b) == [] and drain(c) == []  # no command to any node
 
 
@@ -389,4 +389,4 @@ def test_a_pause_or_stop_names_a_boundary_a_second_of_steps_ahead_so_no_rank_has
     paused = plane.user(control_pb2.PauseJobRequest(job_id=job_id, no_checkpoint=True))
     (pause,) = [c.rank_command.pause for c in drain(a) if c.rank_command.WhichOneof("command") == "pause"]
     assert 40 + 90 <= pause.at_step <= 40 + 110  # ~1 s of steps ahead, not step + 2
-    assert paused.state == S.RUNNING
+    assert paused.state == JobState.RUNNING

@@ -14,14 +14,13 @@ import pytest
 from services.contract import Module, worker_pb2
 from tests.control.test_fault_detector import wired
 
-M = Module
-P = worker_pb2.RankPhase
+RankPhase = worker_pb2.RankPhase
 pytestmark = pytest.mark.timeout(30)
 
 
 def beat(bus, rank: int, step: int, phase: int, progress: int = 0, total: int = 0, *, phase_seconds: float = 0.0,
          received: float = 0.0, interval: float = 0.1, step_seconds: float = 0.1) -> None:
-    bus.publish(M.EXT_HARDWARE, worker_pb2.RankHeartbeat(
+    bus.publish(Module.EXT_HARDWARE, worker_pb2.RankHeartbeat(
         job_id="j", rank=rank, step=step, stepping=True, step_seconds=step_seconds, worker_id=f"w{rank}",
         interval_seconds=interval, phase=phase, phase_progress=progress, phase_total=total,
         phase_seconds=phase_seconds, received_monotonic=received,
@@ -54,23 +53,23 @@ def test_the_silence_deadline_counts_from_when_control_received_the_beat_not_whe
     bus, reports = wired(heartbeat_timeout_seconds=1.0, stall_min_seconds=30.0)
     t0 = time.monotonic()
     # The beat arrived 0.8 s ago and waited in the applier's queue since.
-    beat(bus, 1, step=3, phase=P.PHASE_FORWARD, received=t0 - 0.8)
+    beat(bus, 1, step=3, phase=RankPhase.PHASE_FORWARD, received=t0 - 0.8)
     (r,) = reports.wait(1, timeout=3.0)
     assert r.fault_class == "rank_silent"
     assert time.monotonic() - t0 < 0.6, "armed from the apply (1 s), not from the receipt (0.2 s left)"
-    assert r.phase == P.PHASE_FORWARD
+    assert r.phase == RankPhase.PHASE_FORWARD
 
 
 def test_an_evaluation_that_advances_is_never_a_stall_and_one_that_stops_advancing_is():
     bus, reports = wired(heartbeat_timeout_seconds=5.0, stall_min_seconds=0.5, stall_step_factor=0.01)
-    state = {1: (3, P.PHASE_EVALUATION, 0, 50)}
+    state = {1: (3, RankPhase.PHASE_EVALUATION, 0, 50)}
     with Beating(bus, state):
         for batch in range(1, 12):  # 2.2 s of evaluation, 7x the step budget, one batch per 0.2 s
             time.sleep(0.2)
-            state[1] = (3, P.PHASE_EVALUATION, batch, 50)
+            state[1] = (3, RankPhase.PHASE_EVALUATION, batch, 50)
         assert reports == []
         (r,) = reports.wait(1, timeout=3.0)  # stops advancing: stalled in its evaluation
-    assert r.fault_class == "rank_stalled" and r.phase == P.PHASE_EVALUATION
+    assert r.fault_class == "rank_stalled" and r.phase == RankPhase.PHASE_EVALUATION
     assert "in its evaluation phase (11 of 50 done)" in r.detail, r.detail
 
 
@@ -78,8 +77,8 @@ def test_an_evaluations_budget_scales_with_its_batch_count():
     # Median step 0.1 s, factor 2, 10 batches: 0.3 + 2 x 0.1 x 10 = 2.3 s.
     bus, reports = wired(heartbeat_timeout_seconds=10.0, stall_min_seconds=0.3, stall_step_factor=2.0, eval_batches=10)
     for step in range(1, 4):
-        beat(bus, 1, step=step, phase=P.PHASE_OPTIMIZER)
-    state = {1: (3, P.PHASE_EVALUATION, 0, 10)}
+        beat(bus, 1, step=step, phase=RankPhase.PHASE_OPTIMIZER)
+    state = {1: (3, RankPhase.PHASE_EVALUATION, 0, 10)}
     t0 = time.monotonic()
     with Beating(bus, state):
         (r,) = reports.wait(1, timeout=5.0)
@@ -87,8 +86,8 @@ def test_an_evaluations_budget_scales_with_its_batch_count():
     assert time.monotonic() - t0 > 2.2
 
 
-@pytest.mark.parametrize("phase, field", [(P.PHASE_CHECKPOINT_STAGING, "checkpoint_staging_seconds"),
-                                          (P.PHASE_COMPILE, "compile_seconds")])
+@pytest.mark.parametrize("phase, field", [(RankPhase.PHASE_CHECKPOINT_STAGING, "checkpoint_staging_seconds"),
+                                          (RankPhase.PHASE_COMPILE, "compile_seconds")])
 def test_checkpoint_staging_and_compile_have_their_own_budgets(phase, field):
     bus, reports = wired(heartbeat_timeout_seconds=10.0, stall_min_seconds=0.2, stall_step_factor=0.01, **{field: 1.2})
     t0 = time.monotonic()
@@ -104,23 +103,23 @@ def test_the_rank_hung_outside_a_collective_is_blamed_and_its_peer_waiting_in_on
     # DDP's all-reduce for it. Whichever deadline fires first, rank 1 is the cause.
     bus, reports = wired(heartbeat_timeout_seconds=5.0, stall_min_seconds=0.4, stall_step_factor=0.01,
                          attribution_seconds=0.1)
-    state = {0: (3, P.PHASE_FORWARD), 1: (3, P.PHASE_FORWARD)}
-    beat(bus, 0, 3, P.PHASE_OPTIMIZER)
-    beat(bus, 1, 3, P.PHASE_OPTIMIZER)
+    state = {0: (3, RankPhase.PHASE_FORWARD), 1: (3, RankPhase.PHASE_FORWARD)}
+    beat(bus, 0, 3, RankPhase.PHASE_OPTIMIZER)
+    beat(bus, 1, 3, RankPhase.PHASE_OPTIMIZER)
     with Beating(bus, state):
         if peer_first:
-            state[0] = (3, P.PHASE_COLLECTIVE)  # rank 0 moves on first: its deadline fires first
+            state[0] = (3, RankPhase.PHASE_COLLECTIVE)  # rank 0 moves on first: its deadline fires first
             time.sleep(0.2)
-            state[1] = (3, P.PHASE_FORWARD, 0, 0)
-            beat(bus, 1, 3, P.PHASE_BACKWARD)
-            beat(bus, 1, 3, P.PHASE_FORWARD)
+            state[1] = (3, RankPhase.PHASE_FORWARD, 0, 0)
+            beat(bus, 1, 3, RankPhase.PHASE_BACKWARD)
+            beat(bus, 1, 3, RankPhase.PHASE_FORWARD)
         else:
             time.sleep(0.2)
-            state[0] = (3, P.PHASE_COLLECTIVE)
+            state[0] = (3, RankPhase.PHASE_COLLECTIVE)
         first, second = reports.wait(2, timeout=5.0)
         time.sleep(1.0)
-    assert (first.fault_class, first.rank, first.worker_id, first.phase) == ("rank_stalled", 1, "w1", P.PHASE_FORWARD)
-    assert (second.fault_class, second.rank, second.phase) == ("rank_stalled_in_collective", 0, P.PHASE_COLLECTIVE)
+    assert (first.fault_class, first.rank, first.worker_id, first.phase) == ("rank_stalled", 1, "w1", RankPhase.PHASE_FORWARD)
+    assert (second.fault_class, second.rank, second.phase) == ("rank_stalled_in_collective", 0, RankPhase.PHASE_COLLECTIVE)
     assert "waiting for rank 1" in second.detail or "waits in a collective" in second.detail
     assert len(reports) == 2, [(r.fault_class, r.rank) for r in reports]
 
@@ -129,14 +128,14 @@ def test_a_rank_waiting_in_a_collective_for_a_peer_that_still_advances_is_no_fau
     # Rank 1's evaluation is slow but advances; rank 0 finished its own and waits for it in
     # the evaluation's all-reduce far longer than the step budget.
     bus, reports = wired(heartbeat_timeout_seconds=5.0, stall_min_seconds=0.5, stall_step_factor=0.01)
-    state = {0: (3, P.PHASE_COLLECTIVE), 1: (3, P.PHASE_EVALUATION, 0, 50)}
+    state = {0: (3, RankPhase.PHASE_COLLECTIVE), 1: (3, RankPhase.PHASE_EVALUATION, 0, 50)}
     with Beating(bus, state):
         for batch in range(1, 12):
             time.sleep(0.2)
-            state[1] = (3, P.PHASE_EVALUATION, batch, 50)
+            state[1] = (3, RankPhase.PHASE_EVALUATION, batch, 50)
         assert reports == []
-        state[1] = (4, P.PHASE_DATA_WAIT)  # both go on
-        state[0] = (4, P.PHASE_DATA_WAIT)
+        state[1] = (4, RankPhase.PHASE_DATA_WAIT)  # both go on
+        state[0] = (4, RankPhase.PHASE_DATA_WAIT)
         time.sleep(0.2)
     assert reports == []
 
@@ -144,7 +143,7 @@ def test_a_rank_waiting_in_a_collective_for_a_peer_that_still_advances_is_no_fau
 def test_ranks_that_all_wait_in_a_collective_with_nobody_working_are_reported_stalled_in_it():
     bus, reports = wired(heartbeat_timeout_seconds=5.0, stall_min_seconds=0.3, stall_step_factor=0.01,
                          attribution_seconds=0.1)
-    with Beating(bus, {0: (3, P.PHASE_COLLECTIVE), 1: (3, P.PHASE_COLLECTIVE)}):
+    with Beating(bus, {0: (3, RankPhase.PHASE_COLLECTIVE), 1: (3, RankPhase.PHASE_COLLECTIVE)}):
         got = reports.wait(2, timeout=5.0)
     assert {(r.fault_class, r.rank) for r in got} == {("rank_stalled_in_collective", 0), ("rank_stalled_in_collective", 1)}
 
@@ -154,12 +153,12 @@ def test_a_rank_that_waited_for_a_working_peer_is_reported_with_it_when_that_pee
     # collective too and nothing moves any more (a collective that never completes).
     bus, reports = wired(heartbeat_timeout_seconds=5.0, stall_min_seconds=0.5, stall_step_factor=0.01,
                          attribution_seconds=0.1)
-    state = {0: (3, P.PHASE_COLLECTIVE), 1: (3, P.PHASE_EVALUATION, 0, 50)}
+    state = {0: (3, RankPhase.PHASE_COLLECTIVE), 1: (3, RankPhase.PHASE_EVALUATION, 0, 50)}
     with Beating(bus, state):
         for batch in range(1, 6):
             time.sleep(0.2)
-            state[1] = (3, P.PHASE_EVALUATION, batch, 50)
-        state[1] = (3, P.PHASE_COLLECTIVE)
+            state[1] = (3, RankPhase.PHASE_EVALUATION, batch, 50)
+        state[1] = (3, RankPhase.PHASE_COLLECTIVE)
         first, second = reports.wait(2, timeout=5.0)
         time.sleep(0.5)
     assert [(r.fault_class, r.rank) for r in (first, second)] == [
@@ -220,14 +219,14 @@ def test_a_rank_that_waited_for_a_peer_that_then_went_silent_follows_that_silenc
     # follows it.
     bus, reports = wired(heartbeat_timeout_seconds=2.0, stall_min_seconds=1.2, stall_step_factor=0.01,
                          attribution_seconds=0.1)
-    state = {0: (3, P.PHASE_COLLECTIVE)}
-    beat(bus, 0, 3, P.PHASE_COLLECTIVE, interval=0.4)  # its deadline: 1.2 s from now
-    beat(bus, 1, 3, P.PHASE_BACKWARD, interval=0.4)
+    state = {0: (3, RankPhase.PHASE_COLLECTIVE)}
+    beat(bus, 0, 3, RankPhase.PHASE_COLLECTIVE, interval=0.4)  # its deadline: 1.2 s from now
+    beat(bus, 1, 3, RankPhase.PHASE_BACKWARD, interval=0.4)
     with Beating(bus, state, interval=0.4):
         time.sleep(0.4)
-        beat(bus, 1, 3, P.PHASE_FORWARD, interval=0.4)  # its deadline: 1.2 s from now
+        beat(bus, 1, 3, RankPhase.PHASE_FORWARD, interval=0.4)  # its deadline: 1.2 s from now
         time.sleep(0.4)
-        beat(bus, 1, 3, P.PHASE_FORWARD, interval=0.4)  # its last beat (quiet 0.6 s later)
+        beat(bus, 1, 3, RankPhase.PHASE_FORWARD, interval=0.4)  # its last beat (quiet 0.6 s later)
         first, second = reports.wait(2, timeout=6.0)
         time.sleep(0.3)
     assert [(r.fault_class, r.rank) for r in (first, second)] == [("rank_silent", 1), ("rank_stalled_in_collective", 0)]
@@ -241,9 +240,9 @@ def test_a_rank_told_to_step_that_never_leaves_idle_is_stalled_and_one_not_stepp
 
     def beats():
         while not stop.wait(0.1):
-            bus.publish(M.EXT_HARDWARE, worker_pb2.RankHeartbeat(  # paused, finished, not started
-                job_id="j", rank=0, step=3, stepping=False, interval_seconds=0.1, phase=P.PHASE_IDLE))
-            beat(bus, 1, 3, P.PHASE_IDLE)  # stepping, yet its loop never started the step
+            bus.publish(Module.EXT_HARDWARE, worker_pb2.RankHeartbeat(  # paused, finished, not started
+                job_id="j", rank=0, step=3, stepping=False, interval_seconds=0.1, phase=RankPhase.PHASE_IDLE))
+            beat(bus, 1, 3, RankPhase.PHASE_IDLE)  # stepping, yet its loop never started the step
 
     t = threading.Thread(target=beats, daemon=True)
     t.start()
@@ -258,10 +257,10 @@ def test_a_rank_told_to_step_that_never_leaves_idle_is_stalled_and_one_not_stepp
 
 def test_a_rank_blocked_on_a_step_fault_waiting_for_l1s_verdict_has_no_progress_deadline():
     bus, reports = wired(heartbeat_timeout_seconds=5.0, stall_min_seconds=0.3, stall_step_factor=0.01)
-    state = {1: (3, P.PHASE_FAULT_WAIT)}
+    state = {1: (3, RankPhase.PHASE_FAULT_WAIT)}
     with Beating(bus, state):
         time.sleep(1.0)  # 3x the step budget, alive and blocked (L1 decides)
         assert reports == []
-        state[1] = (3, P.PHASE_OPTIMIZER)  # the verdict came; then no progress: stalled
+        state[1] = (3, RankPhase.PHASE_OPTIMIZER)  # the verdict came; then no progress: stalled
         (r,) = reports.wait(1, timeout=3.0)
-    assert r.fault_class == "rank_stalled" and r.phase == P.PHASE_OPTIMIZER
+    assert r.fault_class == "rank_stalled" and r.phase == RankPhase.PHASE_OPTIMIZER

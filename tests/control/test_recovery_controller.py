@@ -13,14 +13,13 @@ from services.contract import Module, control_pb2
 from services.contract.bus import Bus
 from services.control.recovery_controller import RecoveryController
 
-M = Module
-C = control_pb2.RecoveryFailureCause
+RecoveryFailureCause = control_pb2.RecoveryFailureCause
 pytestmark = pytest.mark.timeout(30)
 
 
 def wired(rebuild=None) -> tuple[Bus, list[control_pb2.RebuildCommunicator]]:
     bus = Bus()
-    rc = RecoveryController(resources=bus.port(M.L1_RECOVERY_CONTROLLER, M.L1_RESOURCE_ALLOCATOR))
+    rc = RecoveryController(resources=bus.port(Module.L1_RECOVERY_CONTROLLER, Module.L1_RESOURCE_ALLOCATOR))
     rebuilt: list[control_pb2.RebuildCommunicator] = []
 
     def rebuild_ok(msg, payload):
@@ -29,14 +28,14 @@ def wired(rebuild=None) -> tuple[Bus, list[control_pb2.RebuildCommunicator]]:
             job_id=msg.job_id, world_size=2, master_addr="h", master_port=4242, worker_ids=["wa", "wb"]
         )
 
-    bus.subscribe(M.L1_RECOVERY_CONTROLLER, control_pb2.StartRecovery, rc.start_recovery)
-    bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.RebuildCommunicator, rebuild or rebuild_ok)
+    bus.subscribe(Module.L1_RECOVERY_CONTROLLER, control_pb2.StartRecovery, rc.start_recovery)
+    bus.subscribe(Module.L1_RESOURCE_ALLOCATOR, control_pb2.RebuildCommunicator, rebuild or rebuild_ok)
     return bus, rebuilt
 
 
 def recover(bus: Bus, version: str, exclude=()):
     msg = control_pb2.StartRecovery(job_id="j", checkpoint_version=version, reason="test", exclude_worker_ids=exclude)
-    return bus.command(M.L1_ORCHESTRATOR, M.L1_RECOVERY_CONTROLLER, msg).message
+    return bus.command(Module.L1_ORCHESTRATOR, Module.L1_RECOVERY_CONTROLLER, msg).message
 
 
 def test_the_ranks_are_relaunched_to_load_the_named_version_without_asking_the_store():
@@ -63,7 +62,7 @@ def test_ranks_that_no_longer_fit_are_a_typed_no_placement_failure_with_the_numb
     bus, _ = wired(full)
     reply = recover(bus, "j:2")
     assert isinstance(reply, control_pb2.RecoveryFailed)
-    assert (reply.cause, reply.step, reply.requested_ranks, reply.available_ranks) == (C.RECOVERY_NO_PLACEMENT,
+    assert (reply.cause, reply.step, reply.requested_ranks, reply.available_ranks) == (RecoveryFailureCause.RECOVERY_NO_PLACEMENT,
                                                                                       "placement", 2, 1)
     assert reply.reason == "placing the ranks (checkpoint j:2): 1 is free on 1 registered worker"
     # The same command, once capacity is back, places the ranks (the controller holds no grudge).

@@ -19,7 +19,7 @@ from services.control.orchestrator import Orchestrator
 from .conftest import Plane, drain, registration
 from .test_fault_policy import running, saved, store  # noqa: F401  (store: fixture)
 
-S, O = control_pb2.JobState, control_pb2.JobOutcome
+JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 pytestmark = pytest.mark.timeout(30)
 # Budget 2 for rank_exit: a second fault after the resumed recovery must read "restart 2 of 2".
 POLICY = ("liveness: {attribution_seconds: 0, heartbeat_interval_seconds: 0.25, heartbeat_timeout_seconds: 1.0}\n"
@@ -54,7 +54,7 @@ def launches_of(commands) -> list[control_pb2.LaunchRanks]:
 def stop(plane: Plane, job_id: str) -> None:
     """Stop the (frozen) job before its journal closes: the detector's deadlines still armed
     then find a terminated job and write nothing."""
-    assert plane.user(control_pb2.StopJobRequest(job_id=job_id)).state == S.TERMINATED
+    assert plane.user(control_pb2.StopJobRequest(job_id=job_id)).state == JobState.TERMINATED
 
 
 def messages(plane: Plane, job_id: str, kind: str) -> list[str]:
@@ -73,13 +73,13 @@ def test_a_recovery_whose_relaunch_was_done_waits_for_the_relaunched_ranks_after
     journal.close()  # control killed before the relaunched ranks reported ready
 
     plane, journal = open_plane(db)
-    assert plane.get(job_id).state == S.FAULT_FROZEN
+    assert plane.get(job_id).state == JobState.FAULT_FROZEN
     sessions = {wid: reattach(plane, wid, relaunched[wid][0]) for wid in ("wa", "wb")}
     for rank, wid in enumerate(("wa", "wb")):
         beat(plane, sessions[wid], job_id, rank)
         plane.rank_event(sessions[wid], job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank, start_step=4))
     s = plane.get(job_id)
-    assert s.state == S.RUNNING and s.step == 4
+    assert s.state == JobState.RUNNING and s.step == 4
     assert all(launches_of(drain(x)) == [] for x in sessions.values())  # not relaunched again
     assert any(m.startswith("FAULT_FROZEN: control restarted mid-recovery; resuming it (restart_ranks after "
                             "rank_exit of rank 1): its ranks were relaunched") for m in messages(plane, job_id, "state"))
@@ -112,7 +112,7 @@ def test_a_relaunch_that_reached_the_agents_before_the_restart_is_not_repeated(t
     for rank, wid in enumerate(("wa", "wb")):
         beat(plane, sessions[wid], job_id, rank)
         plane.rank_event(sessions[wid], job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank, start_step=4))
-    assert plane.get(job_id).state == S.RUNNING
+    assert plane.get(job_id).state == JobState.RUNNING
     assert all(launches_of(drain(x)) == [] for x in sessions.values())
     (found,) = [m for m in messages(plane, job_id, "recovery") if "not relaunched again" in m]
     assert found.startswith("the relaunch commanded before the restart happened: rank 0")
@@ -162,7 +162,7 @@ def test_a_relaunch_that_never_reached_the_agents_is_commanded_again_once_a_rank
     assert len(messages(plane, job_id, "decision")) == len(decisions)
     for rank, wid in enumerate(("wa", "wb")):
         plane.rank_event(sessions[wid], job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank, start_step=4))
-    assert plane.get(job_id).state == S.RUNNING
+    assert plane.get(job_id).state == JobState.RUNNING
     restarts = [d for d in messages(plane, job_id, "decision") if "(restart " in d]
     assert restarts == ["restart_ranks after rank_exit of rank 1 on wb (restart 1 of 2 for rank_exit)"]
     beat(plane, sessions["wb"], job_id, 1)
@@ -182,7 +182,7 @@ def test_workers_excluded_before_a_restart_stay_excluded_after_it(tmp_path, stor
     launched = {"wa": launches_of(drain(w["wa"]))[0], "wc": launches_of(drain(spare))[0]}
     for rank, s in enumerate((w["wa"], spare)):
         plane.rank_event(s, job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank))
-    assert plane.get(job_id).state == S.RUNNING
+    assert plane.get(job_id).state == JobState.RUNNING
     journal.close()
 
     plane, journal = open_plane(db)

@@ -14,7 +14,6 @@ from services.jobspec import parse_job_spec, spec_to_json
 
 from .conftest import drain, registration, spec_yaml
 
-M = Module
 pytestmark = pytest.mark.timeout(30)
 
 
@@ -27,11 +26,11 @@ def allocate_on(bus: Bus, job_id: str, dp: int, backend: str = "auto", threads: 
     msg = control_pb2.AllocateResources(
         job_id=job_id, world_size=dp, backend=backend, init=engine_pb2.InitJob(job_id=job_id, spec_json=spec_to_json(spec))
     )
-    return bus.command(M.L1_ORCHESTRATOR, M.L1_RESOURCE_ALLOCATOR, msg).message
+    return bus.command(Module.L1_ORCHESTRATOR, Module.L1_RESOURCE_ALLOCATOR, msg).message
 
 
 def release(plane, job_id: str, kill: bool = False) -> None:
-    plane.c.bus.command(M.L1_ORCHESTRATOR, M.L1_RESOURCE_ALLOCATOR, control_pb2.ReleaseResources(job_id=job_id, kill=kill))
+    plane.c.bus.command(Module.L1_ORCHESTRATOR, Module.L1_RESOURCE_ALLOCATOR, control_pb2.ReleaseResources(job_id=job_id, kill=kill))
 
 
 def test_ranks_fill_workers_in_registration_order(plane):
@@ -100,10 +99,10 @@ def test_a_withdrawn_worker_has_no_slots_and_a_reregistered_one_keeps_its_busy_s
     plane.register("wa", slots=2), plane.register("wb")
     allocate(plane, "j-1", dp=2)  # wa: slots 0 and 1
     # Zero slots: the relay's encoding of "this node agent is gone".
-    plane.c.bus.publish(M.EXT_HARDWARE, control_pb2.WorkerRegistration(worker_id="wb", slots=0))
+    plane.c.bus.publish(Module.EXT_HARDWARE, control_pb2.WorkerRegistration(worker_id="wb", slots=0))
     assert allocate(plane, "j-2", dp=1).reason == "0 are free on 1 registered worker"
     # A reconnect with three slots: the job's two ranks may still run there.
-    plane.c.bus.publish(M.EXT_HARDWARE, registration("wa", slots=3))
+    plane.c.bus.publish(Module.EXT_HARDWARE, registration("wa", slots=3))
     assert allocate(plane, "j-2", dp=2).reason == "1 is free on 1 registered worker"
     release(plane, "j-1")
     assert list(allocate(plane, "j-2", dp=3).worker_ids) == ["wa"]
@@ -111,7 +110,7 @@ def test_a_withdrawn_worker_has_no_slots_and_a_reregistered_one_keeps_its_busy_s
 
 def rebuild(plane, job_id: str, version: str = "", exclude=()):
     msg = control_pb2.RebuildCommunicator(job_id=job_id, reason="test", resume_version=version, exclude_worker_ids=exclude)
-    return plane.c.bus.command(M.L1_RECOVERY_CONTROLLER, M.L1_RESOURCE_ALLOCATOR, msg).message
+    return plane.c.bus.command(Module.L1_RECOVERY_CONTROLLER, Module.L1_RESOURCE_ALLOCATOR, msg).message
 
 
 def test_a_rebuild_kills_the_ranks_and_relaunches_them_on_a_fresh_port_with_the_version_to_load(plane):
@@ -158,26 +157,26 @@ def test_memory_pressure_on_a_worker_is_published_naming_the_jobs_holding_ranks_
     bus = Bus()
     launches: list[str] = []
     pressures: list[control_pb2.ResourcePressure] = []
-    bus.subscribe(M.EXT_HARDWARE, control_pb2.LaunchRanks, lambda msg, worker_id: launches.append(worker_id))
-    bus.subscribe(M.L1_ORCHESTRATOR, control_pb2.ResourcePressure, lambda msg, payload: pressures.append(msg))
+    bus.subscribe(Module.EXT_HARDWARE, control_pb2.LaunchRanks, lambda msg, worker_id: launches.append(worker_id))
+    bus.subscribe(Module.L1_ORCHESTRATOR, control_pb2.ResourcePressure, lambda msg, payload: pressures.append(msg))
     allocator = ResourceAllocator(
-        hardware=bus.port(M.L1_RESOURCE_ALLOCATOR, M.EXT_HARDWARE), emit=bus.emitter(M.L1_RESOURCE_ALLOCATOR)
+        hardware=bus.port(Module.L1_RESOURCE_ALLOCATOR, Module.EXT_HARDWARE), emit=bus.emitter(Module.L1_RESOURCE_ALLOCATOR)
     )
     for msg_type, handler in (
         (control_pb2.WorkerRegistration, allocator.on_worker_registration),
         (control_pb2.MemoryPressure, allocator.on_memory_pressure),
         (control_pb2.AllocateResources, allocator.allocate_resources),
     ):
-        bus.subscribe(M.L1_RESOURCE_ALLOCATOR, msg_type, handler)
-    bus.publish(M.EXT_HARDWARE, registration("wa", slots=2))
-    bus.publish(M.EXT_HARDWARE, registration("wb", slots=2))
+        bus.subscribe(Module.L1_RESOURCE_ALLOCATOR, msg_type, handler)
+    bus.publish(Module.EXT_HARDWARE, registration("wa", slots=2))
+    bus.publish(Module.EXT_HARDWARE, registration("wb", slots=2))
     allocate_on(bus, "j-both", dp=3)  # wa: ranks 0, 1; wb: rank 2
     allocate_on(bus, "j-wb", dp=1)  # wb
     assert launches == ["wa", "wb", "wb"]
 
     def report(worker_id: str, under: bool, available: int) -> None:
         bus.publish(
-            M.EXT_HARDWARE,
+            Module.EXT_HARDWARE,
             control_pb2.MemoryPressure(
                 worker_id=worker_id, available_bytes=available, total_bytes=24 << 30, under_pressure=under
             ),
@@ -206,7 +205,7 @@ def test_a_departing_worker_gets_no_rank_until_it_registers_again_and_a_rebuild_
     drain(a), drain(b)
     departing = registration("wb")
     departing.departing = True
-    plane.c.bus.publish(M.EXT_HARDWARE, departing)  # wb's agent was asked to stop
+    plane.c.bus.publish(Module.EXT_HARDWARE, departing)  # wb's agent was asked to stop
     short = rebuild(plane, "j-1", version="j-1:2")
     assert isinstance(short, control_pb2.ResourcesInsufficient)
     assert short.reason == "1 is free on 1 registered worker (wb leaving)"

@@ -11,7 +11,7 @@ from services.jobspec import JobSpecError
 
 from .conftest import drain
 
-S = control_pb2.JobState
+JobState = control_pb2.JobState
 pytestmark = pytest.mark.timeout(30)
 
 
@@ -40,7 +40,7 @@ def test_a_journal_failure_after_allocation_kills_the_ranks_frees_the_slots_and_
     assert [j.status.job_id for j in journal.load_jobs()] == []
     assert journal.events(job_id) == []
     # Every slot is free again: the next job of the same size is placed.
-    assert plane.submit(name="whole", dp=2).state == S.WARMING_UP
+    assert plane.submit(name="whole", dp=2).state == JobState.WARMING_UP
 
 
 def test_a_journal_that_refuses_the_new_job_fails_the_submit_before_anything_is_allocated(plane, monkeypatch):
@@ -50,7 +50,7 @@ def test_a_journal_that_refuses_the_new_job_fails_the_submit_before_anything_is_
         plane.submit(dp=1)
     assert drain(a) == []
     monkeypatch.undo()
-    assert plane.submit(dp=1).state == S.WARMING_UP
+    assert plane.submit(dp=1).state == JobState.WARMING_UP
 
 
 def test_a_control_killed_between_the_launch_and_the_first_event_finds_the_job_and_a_stop_releases_its_ranks(tmp_path):
@@ -64,15 +64,15 @@ def test_a_control_killed_between_the_launch_and_the_first_event_finds_the_job_a
 
     db = tmp_path / "control.db"
     journal = JobStore(db)
-    journal.create_job(control_pb2.JobStatus(job_id="orphan-1", name="orphan", state=S.STANDBY, world_size=1),
+    journal.create_job(control_pb2.JobStatus(job_id="orphan-1", name="orphan", state=JobState.STANDBY, world_size=1),
                        spec_to_json(parse_job_spec(spec_yaml(name="orphan", dp=1))))
     journal.close()
     journal = JobStore(db)
     plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
-    assert plane.get("orphan-1").state == S.FAULT_FROZEN  # visible, not ranks of an unknown job
+    assert plane.get("orphan-1").state == JobState.FAULT_FROZEN  # visible, not ranks of an unknown job
     a = plane.register("wa")  # its node agent re-attaches (the rank still runs there)
     s = plane.user(control_pb2.StopJobRequest(job_id="orphan-1"))
-    assert (s.state, s.outcome) == (S.TERMINATED, control_pb2.STOPPED)
+    assert (s.state, s.outcome) == (JobState.TERMINATED, control_pb2.STOPPED)
     assert [(c.release.job_id, c.release.kill) for c in drain(a)] == [("orphan-1", True)]
     journal.close()
 
@@ -82,7 +82,7 @@ def test_a_spec_value_that_fits_no_proto_field_is_refused_before_anything_is_all
     with pytest.raises(JobSpecError, match=r"^job.yaml: steps: 100000000000000000000000 does not fit a 64-bit integer"):
         plane.submit(dp=1, steps=10**23)
     assert drain(a) == []
-    assert plane.submit(dp=1).state == S.WARMING_UP
+    assert plane.submit(dp=1).state == JobState.WARMING_UP
 
 
 def test_the_allocator_frees_every_slot_of_an_allocation_whose_launch_failed_half_way():

@@ -17,7 +17,7 @@ from services.worker.control_link import Outbox
 
 from .conftest import Plane, drain, registration
 
-S, O = control_pb2.JobState, control_pb2.JobOutcome
+JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 pytestmark = pytest.mark.timeout(30)
 
 
@@ -91,7 +91,7 @@ def test_the_last_applied_seq_survives_a_restart_and_a_new_incarnation_starts_a_
     plane.c.sessions.on_worker_event(session, step_event(job_id, 3, 3))  # in flight at the kill
     plane.c.sessions.on_worker_event(session, step_event(job_id, 4, 4))
     assert [s for s, _ in journal.steps(job_id)] == [1, 2, 3, 4]
-    assert plane.get(job_id).state == S.RUNNING and plane.get(job_id).step == 4
+    assert plane.get(job_id).state == JobState.RUNNING and plane.get(job_id).step == 4
     # A restarted node agent (new incarnation) counts from 1 again: nothing of it is applied.
     plane.c.sessions.close(session)
     reg.incarnation = "i2"
@@ -130,11 +130,11 @@ def test_reattached_ranks_hold_their_slots_and_their_job_can_be_released(tmp_pat
     with pytest.raises(InsufficientResources):  # its one slot is the re-attached rank's
         plane.submit(name="other", dp=1)
     stopped = plane.user(control_pb2.StopJobRequest(job_id=job_id))
-    assert stopped.state == S.RUNNING
+    assert stopped.state == JobState.RUNNING
     (stop,) = [c for c in drain(session) if c.WhichOneof("command") == "rank_command"]
     assert stop.rank_command.stop.job_id == job_id  # relayed to the re-attached rank's node
     plane.rank_event(session, job_id, 0, finished=engine_pb2.TrainingLoopFinished(rank=0, step=9, stopped=True))
-    assert (plane.get(job_id).state, plane.get(job_id).outcome) == (S.TERMINATED, O.STOPPED)
+    assert (plane.get(job_id).state, plane.get(job_id).outcome) == (JobState.TERMINATED, JobOutcome.STOPPED)
     assert [c.WhichOneof("command") for c in drain(session)] == ["release"]
     journal.close()
 
@@ -180,7 +180,7 @@ def test_a_job_restored_with_no_rank_left_is_recovered_on_its_adopted_allocation
     plane.rank_exited(session, job_id, 0, exit_code=-9)
     launches = [c.launch for c in drain(session) if c.WhichOneof("command") == "launch"]
     assert [(launch.job_id, [r.rank for r in launch.ranks]) for launch in launches] == [(job_id, [0])]
-    assert plane.get(job_id).state == S.FAULT_FROZEN  # relaunched, until the rank restores
+    assert plane.get(job_id).state == JobState.FAULT_FROZEN  # relaunched, until the rank restores
     journal.close()
 
 

@@ -20,8 +20,7 @@ import torch
 from rank_fakes import LocalRank
 
 from services.common.process_exit import exit_now
-from services.contract import Module as M
-from services.contract import engine_pb2
+from services.contract import Module, engine_pb2
 from services.engine.training_loop import LoopState
 from services.jobspec import JobSpec
 from services.worker.faults import FaultInjector, Injection, StepGuard
@@ -82,7 +81,7 @@ def main() -> None:
         local.modules.loop.run()
         # L3-5's all-rank verdict when only rank 0 saw an overflow (one more collective,
         # both ranks reach it after the same number of steps).
-        reduce = local.bus.port(M.L2_TRAINING_LOOP, M.L3_GRADIENT_REDUCTION)
+        reduce = local.bus.port(Module.L2_TRAINING_LOOP, Module.L3_GRADIENT_REDUCTION)
         verdict = reduce(engine_pb2.ReduceGradients(local_loss_sum=1.0, local_tokens=1,
                                                     local_found_inf=rank == 0)).message.found_inf
     except BaseException as e:  # noqa: BLE001 - reported like rank.py does, then saved

@@ -170,16 +170,16 @@ class LocalRank:
 
     def __init__(self, spec, ckpt_root: Path, *, rank: int = 0, world_size: int = 1, port: int | None = None,
                  resume_version: str = "", job_id: str = "job"):
-        from services.contract import Module as M
+        from services.contract import Module
         from services.contract.bus import Bus
         from services.jobspec import spec_to_json
         from services.worker.rank import compose
 
         self.spec = spec
         self.bus = bus = Bus()
-        self.data = FakeData(bus.emitter(M.L4_DATASET_VERSIONS), bus.emitter(M.L4_BATCH_PACKER), corpus_bytes(),
+        self.data = FakeData(bus.emitter(Module.L4_DATASET_VERSIONS), bus.emitter(Module.L4_BATCH_PACKER), corpus_bytes(),
                              train_batches=spec.steps * spec.data.grad_accum + 4)
-        self.store = FakeStore(bus.emitter(M.L5_CHECKPOINT_MANAGER), ckpt_root)
+        self.store = FakeStore(bus.emitter(Module.L5_CHECKPOINT_MANAGER), ckpt_root)
         self.up = FakeUp()
         self.modules = compose(bus, spec, "cpu", data=self.data, store=self.store, up=self.up)
         from services.control.fault_decision import standing_orders
@@ -216,9 +216,9 @@ class LocalRank:
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """The weights, read the way the loop reads them (ExportState -> Stateful handle)."""
-        from services.contract import Module as M
+        from services.contract import Module
 
-        port = self.bus.port(M.L2_TRAINING_LOOP, M.L3_SHARD_LOADER)
+        port = self.bus.port(Module.L2_TRAINING_LOOP, Module.L3_SHARD_LOADER)
         return {k: v.detach().clone() for k, v in port(engine_pb2.ExportState()).payload.state_dict().items()}
 
 

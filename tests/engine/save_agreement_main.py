@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 
 from services.common.process_exit import exit_now
-from services.contract import Module as M
-from services.contract import comm_guard, store_pb2
+from services.contract import Module, comm_guard, store_pb2
 from services.contract.acting import run_as
 from services.contract.bus import Bus
 from services.worker.store_client import StoreClient
@@ -28,15 +27,15 @@ def main() -> None:
     rank, port, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     guard = comm_guard.install(mode="report")  # as rank.py does: the relay's collectives are attributed
     # (the rendezvous stands for L2-2's, as the barrier below for L3-5's all-reduce)
-    run_as(M.L2_PARALLEL_STRATEGY, dist.init_process_group, "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    run_as(Module.L2_PARALLEL_STRATEGY, dist.init_process_group, "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
            world_size=2)
     bus, failed = Bus(), []
-    client = StoreClient(store, bus.emitter(M.L5_CHECKPOINT_MANAGER))
+    client = StoreClient(store, bus.emitter(Module.L5_CHECKPOINT_MANAGER))
     for t, h in ((store_pb2.SaveCheckpoint, client.save_checkpoint), (store_pb2.CommitCheckpoint, client.commit_checkpoint),
                  (store_pb2.FlushCheckpoint, client.flush_checkpoint)):
-        bus.subscribe(M.L5_CHECKPOINT_MANAGER, t, h)
-    bus.subscribe(M.L1_ORCHESTRATOR, store_pb2.SnapshotFailed, lambda m, p=None: failed.append([m.step, m.cause]))
-    port_ = bus.port(M.L2_TRAINING_LOOP, M.L5_CHECKPOINT_MANAGER)
+        bus.subscribe(Module.L5_CHECKPOINT_MANAGER, t, h)
+    bus.subscribe(Module.L1_ORCHESTRATOR, store_pb2.SnapshotFailed, lambda m, p=None: failed.append([m.step, m.cause]))
+    port_ = bus.port(Module.L2_TRAINING_LOOP, Module.L5_CHECKPOINT_MANAGER)
     staged = {}
     for step in (10, 20, 30):  # the fake store: 10 refused to rank 1; 10's commit slow; 20 then waits; 30 fine
         state = {"model": {"w": torch.full((16,), float(step + rank))}}
@@ -44,9 +43,9 @@ def main() -> None:
         staged[step] = reply.staging_path
         if rank == 0:
             port_(store_pb2.CommitCheckpoint(job_id="j", step=step, world_size=2))
-        run_as(M.L3_GRADIENT_REDUCTION, dist.barrier)  # a training step's all-reduce (L3-5's) stands here
+        run_as(Module.L3_GRADIENT_REDUCTION, dist.barrier)  # a training step's all-reduce (L3-5's) stands here
     port_(store_pb2.FlushCheckpoint(job_id="j"))
-    crossings = [[M.Name(c.module) if c.module else "none", c.op, c.site, c.exception] for c in guard.crossings()]
+    crossings = [[Module.Name(c.module) if c.module else "none", c.op, c.site, c.exception] for c in guard.crossings()]
     print(json.dumps({"rank": rank, "staged": staged, "failed": failed, "crossings": crossings}), flush=True)
     client.close(timeout=2)
     dist.destroy_process_group()

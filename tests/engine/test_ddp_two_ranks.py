@@ -11,7 +11,7 @@ from rank_fakes import free_port, tiny_spec
 
 from services.compute.inference import load_model_for_inference
 from services.compute.model import build_model
-from services.contract import Module as M
+from services.contract import Module
 from tests.conftest import run_to_end
 
 HERE = Path(__file__).resolve().parent
@@ -48,5 +48,5 @@ def test_two_gloo_ranks_with_different_data_end_with_identical_parameters(tmp_pa
         assert registered == {"shard-loader-handover-communication", "ddp-hook-in-backward",
                               "composition-root-teardown"}, r["crossings"]
         assert {(c[0], c[2]) for c in r["crossings"] if not c[3]} == {
-            (M.L5_CHECKPOINT_MANAGER, "tests/engine/rank_fakes.py::FakeStore.save_checkpoint")}
+            (Module.L5_CHECKPOINT_MANAGER, "tests/engine/rank_fakes.py::FakeStore.save_checkpoint")}
         assert "barrier" in {c[1] for c in r["crossings"] if not c[3]}

@@ -9,8 +9,7 @@ import torch
 
 from services.compute.model import build_model
 from services.compute.operator_adapter import OperatorAdapter
-from services.contract import Module as M
-from services.contract import engine_pb2, route_pb2
+from services.contract import Module, engine_pb2, route_pb2
 from services.contract.bus import Bus
 from services.engine.lr_schedule import learning_rate, schedule_for
 from services.engine.mixed_precision import MixedPrecision
@@ -52,12 +51,12 @@ def test_lr_constant_schedule_and_no_warmup():
 
 def optimizer_on_bus():
     bus = Bus()
-    opt = Optimizer(OptimizerSpec(weight_decay=0.1), bus.emitter(M.L2_OPTIMIZER))
-    bus.subscribe(M.L2_OPTIMIZER, engine_pb2.ApplyUpdate, opt.apply_update)
-    bus.subscribe(M.L2_OPTIMIZER, engine_pb2.ExportState, opt.export_state)
+    opt = Optimizer(OptimizerSpec(weight_decay=0.1), bus.emitter(Module.L2_OPTIMIZER))
+    bus.subscribe(Module.L2_OPTIMIZER, engine_pb2.ApplyUpdate, opt.apply_update)
+    bus.subscribe(Module.L2_OPTIMIZER, engine_pb2.ExportState, opt.export_state)
     model = build_model(TINY, 0)
     opt.attach(model)
-    return model, opt, bus.port(M.L2_TRAINING_LOOP, M.L2_OPTIMIZER)
+    return model, opt, bus.port(Module.L2_TRAINING_LOOP, Module.L2_OPTIMIZER)
 
 
 def set_grads(model, value=0.5):
@@ -101,14 +100,14 @@ def test_optimizer_state_exports_keyed_by_parameter_name():
 
 def precision_on_bus():
     bus = Bus()
-    adapter = OperatorAdapter(bus.emitter(M.L3_OPERATOR_ADAPTER), "cpu")
-    mp = MixedPrecision(bus.emitter(M.L2_MIXED_PRECISION), bus.port(M.L2_MIXED_PRECISION, M.L3_OPERATOR_ADAPTER))
-    bus.subscribe(M.L3_OPERATOR_ADAPTER, engine_pb2.SetComputePrecision, adapter.set_compute_precision)
-    bus.subscribe(M.L2_MIXED_PRECISION, engine_pb2.InitPrecision, mp.init_precision)
-    bus.subscribe(M.L2_MIXED_PRECISION, engine_pb2.UnscaleAndCheck, mp.unscale_and_check)
+    adapter = OperatorAdapter(bus.emitter(Module.L3_OPERATOR_ADAPTER), "cpu")
+    mp = MixedPrecision(bus.emitter(Module.L2_MIXED_PRECISION), bus.port(Module.L2_MIXED_PRECISION, Module.L3_OPERATOR_ADAPTER))
+    bus.subscribe(Module.L3_OPERATOR_ADAPTER, engine_pb2.SetComputePrecision, adapter.set_compute_precision)
+    bus.subscribe(Module.L2_MIXED_PRECISION, engine_pb2.InitPrecision, mp.init_precision)
+    bus.subscribe(Module.L2_MIXED_PRECISION, engine_pb2.UnscaleAndCheck, mp.unscale_and_check)
     model = build_model(TINY, 0)
     mp.attach(model.parameters())
-    return model, bus.port(M.L2_TRAINING_LOOP, M.L2_MIXED_PRECISION)
+    return model, bus.port(Module.L2_TRAINING_LOOP, Module.L2_MIXED_PRECISION)
 
 
 @pytest.mark.parametrize("policy", ["fp32", "bf16"])
@@ -155,9 +154,9 @@ def test_an_unknown_precision_policy_is_refused():
 def test_a_rank_assignment_that_cannot_work_is_refused_naming_the_field():
     bus = Bus()
     strategy = ParallelStrategy(
-        bus.emitter(M.L2_PARALLEL_STRATEGY),
-        bus.port(M.L2_PARALLEL_STRATEGY, M.L3_SHARD_LOADER),
-        bus.port(M.L2_PARALLEL_STRATEGY, M.L3_GRADIENT_REDUCTION),
+        bus.emitter(Module.L2_PARALLEL_STRATEGY),
+        bus.port(Module.L2_PARALLEL_STRATEGY, Module.L3_SHARD_LOADER),
+        bus.port(Module.L2_PARALLEL_STRATEGY, Module.L3_GRADIENT_REDUCTION),
     )
     base = dict(rank=0, world_size=1, master_addr="127.0.0.1", master_port=1, backend="gloo", device="cpu")
     for bad, words in (({"rank": 2}, "rank 2 is not in world_size 1"),

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from torch.nn import functional
 
 from services.compute.forward_unit import ForwardUnit
 from services.compute.model import build_model
 from services.compute.operator_adapter import OperatorAdapter, OperatorUnavailable
-from services.contract import Module as M
-from services.contract import engine_pb2
+from services.contract import Module, engine_pb2
 from services.contract.bus import Bus
 from services.engine.optimizer import Optimizer, OptimizerUnavailable
 from services.jobspec import JobSpecError, ModelSpec, OptimizerSpec, parse_job_spec
@@ -22,18 +21,19 @@ SPEC = ModelSpec(n_layers=1, d_model=32, n_heads=2, vocab_size=64)
 
 def wired(device: str = "cpu"):
     bus = Bus()
-    adapter = OperatorAdapter(bus.emitter(M.L3_OPERATOR_ADAPTER), device)
-    forward = ForwardUnit(bus.emitter(M.L3_FORWARD_UNIT), bus.port(M.L3_FORWARD_UNIT, M.L3_OPERATOR_ADAPTER))
+    adapter = OperatorAdapter(bus.emitter(Module.L3_OPERATOR_ADAPTER), device)
+    forward = ForwardUnit(bus.emitter(Module.L3_FORWARD_UNIT), bus.port(Module.L3_FORWARD_UNIT, Module.L3_OPERATOR_ADAPTER))
     reports: list[engine_pb2.OperatorsReady] = []
-    bus.subscribe(M.L3_OPERATOR_ADAPTER, engine_pb2.SelectOperators, adapter.select_operators)
-    bus.subscribe(M.L3_OPERATOR_ADAPTER, engine_pb2.SetComputePrecision, adapter.set_compute_precision)
-    bus.subscribe(M.L3_FORWARD_UNIT, engine_pb2.ConfigureForward, forward.configure_forward)
-    bus.subscribe(M.L3_FORWARD_UNIT, engine_pb2.RunForward, forward.run_forward)
-    bus.subscribe(M.L3_FORWARD_UNIT, engine_pb2.OperatorsReady, lambda m, p: (reports.append(m), forward.on_operators_ready(m, p)))
+    bus.subscribe(Module.L3_OPERATOR_ADAPTER, engine_pb2.SelectOperators, adapter.select_operators)
+    bus.subscribe(Module.L3_OPERATOR_ADAPTER, engine_pb2.SetComputePrecision, adapter.set_compute_precision)
+    bus.subscribe(Module.L3_FORWARD_UNIT, engine_pb2.ConfigureForward, forward.configure_forward)
+    bus.subscribe(Module.L3_FORWARD_UNIT, engine_pb2.RunForward, forward.run_forward)
+    bus.subscribe(Module.L3_FORWARD_UNIT, engine_pb2.OperatorsReady, lambda m, p: (reports.append(m), forward.on_operators_ready(m, p)))
     model = build_model(SPEC, 0)
     if device == "cpu":
         forward.attach(model)
-    return model, bus.port(M.L2_TRAINING_LOOP, M.L3_FORWARD_UNIT), bus.port(M.L2_MIXED_PRECISION, M.L3_OPERATOR_ADAPTER), reports
+    forward_port = bus.port(Module.L2_TRAINING_LOOP, Module.L3_FORWARD_UNIT)
+    return model, forward_port, bus.port(Module.L2_MIXED_PRECISION, Module.L3_OPERATOR_ADAPTER), reports
 
 
 def test_the_selection_is_reported_whole_and_flash_runs_restricted_to_its_kernel():
@@ -73,10 +73,10 @@ def test_an_unavailable_kernel_is_refused_with_the_field_named_and_nothing_selec
 
 def test_fused_adamw_is_refused_on_a_device_without_the_kernel():
     bus = Bus()
-    adapter = OperatorAdapter(bus.emitter(M.L3_OPERATOR_ADAPTER), "meta")
+    adapter = OperatorAdapter(bus.emitter(Module.L3_OPERATOR_ADAPTER), "meta")
     with pytest.raises(OperatorUnavailable, match=r"^operators.adamw: fused AdamW is not available on meta"):
         adapter.select_operators(engine_pb2.SelectOperators(attention="math", adamw="fused"))
-    optimizer = Optimizer(OptimizerSpec(), bus.emitter(M.L2_OPTIMIZER), implementation="fused")
+    optimizer = Optimizer(OptimizerSpec(), bus.emitter(Module.L2_OPTIMIZER), implementation="fused")
     with pytest.raises(OptimizerUnavailable, match=r"fused AdamW is not available for parameters on \['meta'\]"):
         optimizer.attach(build_model(SPEC, 0).to("meta"))
 
@@ -85,7 +85,7 @@ def test_fused_adamw_is_refused_on_a_device_without_the_kernel():
 def test_every_adamw_implementation_takes_the_same_step_on_cpu(implementation):
     bus = Bus()
     model = build_model(SPEC, 0)
-    optimizer = Optimizer(OptimizerSpec(), bus.emitter(M.L2_OPTIMIZER), implementation=implementation)
+    optimizer = Optimizer(OptimizerSpec(), bus.emitter(Module.L2_OPTIMIZER), implementation=implementation)
     optimizer.attach(model)
     for p in model.parameters():
         p.grad = torch.full_like(p, 0.01)
@@ -121,10 +121,10 @@ def test_torch_compile_runs_the_forward_and_backward_on_cpu_with_eager_numbers()
     forward(engine_pb2.ConfigureForward(attention="sdpa", compile=True))
     x, y = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
     logits = forward(engine_pb2.RunForward(training=True), x).payload
-    F.cross_entropy(logits.reshape(-1, 64), y.reshape(-1)).backward()
+    functional.cross_entropy(logits.reshape(-1, 64), y.reshape(-1)).backward()
     compiled_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     eager = model(x, attention="sdpa")
-    F.cross_entropy(eager.reshape(-1, 64), y.reshape(-1)).backward()
+    functional.cross_entropy(eager.reshape(-1, 64), y.reshape(-1)).backward()
     assert torch.allclose(logits, eager, atol=1e-5)
     assert all(torch.allclose(g, p.grad, atol=1e-5) for g, p in zip(compiled_grads, model.parameters()))

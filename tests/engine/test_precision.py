@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from services.compute.operator_adapter import OperatorAdapter
-from services.contract import Module as M
-from services.contract import engine_pb2
+from services.contract import Module, engine_pb2
 from services.contract.bus import Bus
 from services.engine.mixed_precision import DynamicLossScaler, MixedPrecision, ScalerPolicy
 from services.jobspec import JobSpecError, parse_job_spec
@@ -81,16 +80,16 @@ def test_the_spec_defaults_are_gradscaler_and_megatron_and_old_string_specs_stil
 
 def manager():
     bus = Bus()
-    adapter = OperatorAdapter(bus.emitter(M.L3_OPERATOR_ADAPTER), "cpu")
-    precision = MixedPrecision(bus.emitter(M.L2_MIXED_PRECISION), bus.port(M.L2_MIXED_PRECISION, M.L3_OPERATOR_ADAPTER))
+    adapter = OperatorAdapter(bus.emitter(Module.L3_OPERATOR_ADAPTER), "cpu")
+    precision = MixedPrecision(bus.emitter(Module.L2_MIXED_PRECISION), bus.port(Module.L2_MIXED_PRECISION, Module.L3_OPERATOR_ADAPTER))
     ready: list[engine_pb2.OperatorsReady] = []
-    bus.subscribe(M.L3_OPERATOR_ADAPTER, engine_pb2.SetComputePrecision, adapter.set_compute_precision)
-    bus.subscribe(M.L3_FORWARD_UNIT, engine_pb2.OperatorsReady, lambda m, p=None: ready.append(m))
+    bus.subscribe(Module.L3_OPERATOR_ADAPTER, engine_pb2.SetComputePrecision, adapter.set_compute_precision)
+    bus.subscribe(Module.L3_FORWARD_UNIT, engine_pb2.OperatorsReady, lambda m, p=None: ready.append(m))
     for msg, handler in ((engine_pb2.InitPrecision, precision.init_precision),
                          (engine_pb2.UnscaleAndCheck, precision.unscale_and_check),
                          (engine_pb2.ScaleLoss, precision.scale_loss)):
-        bus.subscribe(M.L2_MIXED_PRECISION, msg, handler)
-    return precision, bus.port(M.L2_TRAINING_LOOP, M.L2_MIXED_PRECISION), ready
+        bus.subscribe(Module.L2_MIXED_PRECISION, msg, handler)
+    return precision, bus.port(Module.L2_TRAINING_LOOP, Module.L2_MIXED_PRECISION), ready
 
 
 def fp16(**kw) -> engine_pb2.InitPrecision:

@@ -14,8 +14,7 @@ import pytest
 import torch
 from rank_fakes import free_port
 
-from services.contract import Module as M
-from services.contract import data_pb2, data_pb2_grpc, engine_pb2, route_pb2, store_pb2, store_pb2_grpc
+from services.contract import Module, data_pb2, data_pb2_grpc, engine_pb2, route_pb2, store_pb2, store_pb2_grpc
 from services.contract.bus import Bus
 from services.worker.data_client import DataClient
 from services.worker.store_client import CheckpointError, CheckpointIntegrityError, StoreClient
@@ -104,12 +103,12 @@ def server(tmp_path):
 
 def data_relay(address: str):
     bus, got = Bus(), queue.Queue()
-    client = DataClient(address, bus.emitter(M.L4_DATASET_VERSIONS), bus.emitter(M.L4_BATCH_PACKER))
-    bus.subscribe(M.L4_DATASET_VERSIONS, data_pb2.MountDataset, client.mount)
-    bus.subscribe(M.L4_DATASET_VERSIONS, data_pb2.OpenStream, client.open_stream)
+    client = DataClient(address, bus.emitter(Module.L4_DATASET_VERSIONS), bus.emitter(Module.L4_BATCH_PACKER))
+    bus.subscribe(Module.L4_DATASET_VERSIONS, data_pb2.MountDataset, client.mount)
+    bus.subscribe(Module.L4_DATASET_VERSIONS, data_pb2.OpenStream, client.open_stream)
     for kind in (data_pb2.MicroBatch, data_pb2.DataExhausted, data_pb2.DatasetUnavailable):
-        bus.subscribe(M.L2_TRAINING_LOOP, kind, lambda m, p=None: got.put((m, p)))
-    return client, bus.port(M.L2_TRAINING_LOOP, M.L4_DATASET_VERSIONS), got
+        bus.subscribe(Module.L2_TRAINING_LOOP, kind, lambda m, p=None: got.put((m, p)))
+    return client, bus.port(Module.L2_TRAINING_LOOP, Module.L4_DATASET_VERSIONS), got
 
 
 def test_batches_are_decoded_to_int64_B_T_and_the_stream_end_is_reported(server):
@@ -144,14 +143,14 @@ IO = route_pb2.FAILURE_IO
 
 def store_relay(address: str):
     bus, up = Bus(), []
-    client = StoreClient(address, bus.emitter(M.L5_CHECKPOINT_MANAGER))
-    bus.subscribe(M.L5_CHECKPOINT_MANAGER, store_pb2.SaveCheckpoint, client.save_checkpoint)
-    bus.subscribe(M.L5_CHECKPOINT_MANAGER, store_pb2.CommitCheckpoint, client.commit_checkpoint)
-    bus.subscribe(M.L5_CHECKPOINT_MANAGER, store_pb2.FlushCheckpoint, client.flush_checkpoint)
-    bus.subscribe(M.L5_CHECKPOINT_MANAGER, store_pb2.LoadCheckpoint, client.load_checkpoint)
-    bus.subscribe(M.L1_ORCHESTRATOR, store_pb2.SaveCompleted, lambda m, p=None: up.append(m))
-    bus.subscribe(M.L1_ORCHESTRATOR, store_pb2.SnapshotFailed, lambda m, p=None: up.append(m))
-    return client, bus.port(M.L2_TRAINING_LOOP, M.L5_CHECKPOINT_MANAGER), up
+    client = StoreClient(address, bus.emitter(Module.L5_CHECKPOINT_MANAGER))
+    bus.subscribe(Module.L5_CHECKPOINT_MANAGER, store_pb2.SaveCheckpoint, client.save_checkpoint)
+    bus.subscribe(Module.L5_CHECKPOINT_MANAGER, store_pb2.CommitCheckpoint, client.commit_checkpoint)
+    bus.subscribe(Module.L5_CHECKPOINT_MANAGER, store_pb2.FlushCheckpoint, client.flush_checkpoint)
+    bus.subscribe(Module.L5_CHECKPOINT_MANAGER, store_pb2.LoadCheckpoint, client.load_checkpoint)
+    bus.subscribe(Module.L1_ORCHESTRATOR, store_pb2.SaveCompleted, lambda m, p=None: up.append(m))
+    bus.subscribe(Module.L1_ORCHESTRATOR, store_pb2.SnapshotFailed, lambda m, p=None: up.append(m))
+    return client, bus.port(Module.L2_TRAINING_LOOP, Module.L5_CHECKPOINT_MANAGER), up
 
 
 def test_step_metrics_stream_to_the_store_and_are_flushed_on_close(server):
@@ -312,7 +311,7 @@ def test_metric_records_not_acknowledged_are_resent_after_the_stream_breaks(serv
 def test_the_metric_buffer_is_bounded_and_counts_what_it_drops():
     from services.worker.store_client import StoreClient as SC
 
-    client = SC(f"127.0.0.1:{free_port()}", Bus().emitter(M.L5_CHECKPOINT_MANAGER), metrics_buffer=100)
+    client = SC(f"127.0.0.1:{free_port()}", Bus().emitter(Module.L5_CHECKPOINT_MANAGER), metrics_buffer=100)
     for step in range(1, 251):
         client.on_step_completed(engine_pb2.StepCompleted(job_id="j", step=step))
     assert client.held_records == 100 and client._dropped == 150

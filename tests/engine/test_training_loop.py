@@ -121,116 +121,115 @@ def test_an_unknown_dataset_is_reported_as_data_unavailable_with_the_reason(tmp_
 
 # ------------------------------------------------------------------ step faults: the blocked state
 
-E = engine_pb2
 
 
 def poisoned(rank: LocalRank) -> threading.Thread:
     """Start ``rank`` with one weight made inf: every step's loss and gradients are not finite."""
     t = started(rank)
-    wait_for(rank, t, E.TrainingLoopStarted)
+    wait_for(rank, t, engine_pb2.TrainingLoopStarted)
     port = rank.bus.port(Module.L2_TRAINING_LOOP, Module.L3_SHARD_LOADER)
     with torch.no_grad():
-        port(E.ExportState()).payload.state_dict()["norm.weight"].fill_(float("inf"))
+        port(engine_pb2.ExportState()).payload.state_dict()["norm.weight"].fill_(float("inf"))
     return t
 
 
 def test_a_step_fault_blocks_the_loop_until_l1_says_skip_and_nothing_is_applied(tmp_path):
     rank = LocalRank(tiny_spec(steps=3), tmp_path)  # non_finite_loss: rollback, no standing order
-    reports = answer_step_faults(rank, lambda r: E.STEP_SKIP)
+    reports = answer_step_faults(rank, lambda r: engine_pb2.STEP_SKIP)
     t = poisoned(rank)
     before = rank.model_state()
-    rank.command(E.StartTraining(job_id="job"))
+    rank.command(engine_pb2.StartTraining(job_id="job"))
     t.join(30)
-    assert [(r.step, r.kind, r.reminder) for r in reports] == [(s, E.STEP_FAULT_NON_FINITE_LOSS, 0) for s in (1, 2, 3)]
+    assert [(r.step, r.kind, r.reminder) for r in reports] == [(s, engine_pb2.STEP_FAULT_NON_FINITE_LOSS, 0) for s in (1, 2, 3)]
     assert reports[0].detail == "training loss is nan at step 1 (512 tokens)" and reports[0].loss != reports[0].loss
     steps = rank.steps()
     assert [(s.fault, s.action, s.standing_order, s.skipped, s.skip_reason) for s in steps] == [
-        (E.STEP_FAULT_NON_FINITE_LOSS, E.STEP_SKIP, 0, True, "non_finite_loss")] * 3
+        (engine_pb2.STEP_FAULT_NON_FINITE_LOSS, engine_pb2.STEP_SKIP, 0, True, "non_finite_loss")] * 3
     assert all(s.loss != s.loss for s in steps)  # reported as it was: NaN, never smoothed away
     after = rank.model_state()
     assert all(torch.equal(before[k], after[k]) for k in before if k != "norm.weight")
-    assert isinstance(rank.up.events[-1], E.TrainingLoopFinished)
+    assert isinstance(rank.up.events[-1], engine_pb2.TrainingLoopFinished)
 
 
 def test_l1s_apply_verdict_applies_the_step_as_it_is(tmp_path):
     rank = LocalRank(tiny_spec(steps=2, fault_policy={"actions": {"non_finite_loss": "ignore"}}), tmp_path)
-    answer_step_faults(rank, lambda r: E.STEP_APPLY)
+    answer_step_faults(rank, lambda r: engine_pb2.STEP_APPLY)
     t = poisoned(rank)
     before = rank.model_state()
-    rank.command(E.StartTraining(job_id="job"))
+    rank.command(engine_pb2.StartTraining(job_id="job"))
     t.join(30)
     steps = rank.steps()
-    assert [(s.fault, s.action, s.skipped) for s in steps] == [(E.STEP_FAULT_NON_FINITE_LOSS, E.STEP_APPLY, False)] * 2
+    assert [(s.fault, s.action, s.skipped) for s in steps] == [(engine_pb2.STEP_FAULT_NON_FINITE_LOSS, engine_pb2.STEP_APPLY, False)] * 2
     after = rank.model_state()  # the NaN gradients were applied: the weights are NaN now
     assert any(not torch.isfinite(v).all() for k, v in after.items() if k != "norm.weight")
     assert all(torch.isfinite(v).all() for k, v in before.items() if k != "norm.weight")
 
 
-@pytest.mark.parametrize("action", [E.STEP_RELAUNCH, E.STEP_STOP])
+@pytest.mark.parametrize("action", [engine_pb2.STEP_RELAUNCH, engine_pb2.STEP_STOP])
 def test_a_relaunch_or_stop_verdict_ends_the_loop_at_that_step_with_nothing_more_reported(tmp_path, action):
     rank = LocalRank(tiny_spec(steps=5), tmp_path)
     answer_step_faults(rank, lambda r: action)
     t = poisoned(rank)
     before = rank.model_state()
-    rank.command(E.StartTraining(job_id="job"))
+    rank.command(engine_pb2.StartTraining(job_id="job"))
     t.join(30)
     assert not t.is_alive() and rank.error is None  # run() returned: the rank is released
     assert rank.steps() == []
-    assert not rank.up.of(E.TrainingLoopFinished) and not rank.up.of(E.TrainingLoopFailed)
+    assert not rank.up.of(engine_pb2.TrainingLoopFinished) and not rank.up.of(engine_pb2.TrainingLoopFailed)
     after = rank.model_state()
     assert all(torch.equal(before[k], after[k]) for k in before if k != "norm.weight")
 
 
 def test_without_a_verdict_the_loop_reports_again_every_verdict_seconds_and_decides_nothing(tmp_path):
     rank = LocalRank(tiny_spec(steps=1, fault_policy={"verdict_seconds": 0.2}), tmp_path)
-    reports = answer_step_faults(rank, lambda r: E.STEP_SKIP if r.reminder == 2 else None)
+    reports = answer_step_faults(rank, lambda r: engine_pb2.STEP_SKIP if r.reminder == 2 else None)
     t = poisoned(rank)
-    rank.command(E.StartTraining(job_id="job"))
+    rank.command(engine_pb2.StartTraining(job_id="job"))
     t.join(30)
     assert [r.reminder for r in reports] == [0, 1, 2]
     assert {r.step for r in reports} == {1}
     assert 0.2 <= reports[1].waited_seconds < reports[2].waited_seconds
     assert reports[2].waited_seconds >= 0.4
     (step,) = rank.steps()
-    assert step.skipped and step.action == E.STEP_SKIP
+    assert step.skipped and step.action == engine_pb2.STEP_SKIP
 
 
 def test_a_verdict_that_arrives_before_the_rank_blocks_is_kept_for_that_step(tmp_path):
     rank = LocalRank(tiny_spec(steps=1), tmp_path)
     reports = answer_step_faults(rank, lambda r: None)  # L1 answered a peer's report already
     t = poisoned(rank)
-    rank.command(E.StepVerdict(job_id="job", step=1, kind=E.STEP_FAULT_NON_FINITE_LOSS, action=E.STEP_SKIP))
-    rank.command(E.StartTraining(job_id="job"))
+    rank.command(engine_pb2.StepVerdict(job_id="job", step=1, kind=engine_pb2.STEP_FAULT_NON_FINITE_LOSS, action=engine_pb2.STEP_SKIP))
+    rank.command(engine_pb2.StartTraining(job_id="job"))
     t.join(30)
     assert [r.step for r in reports] == [1]  # it still says it blocked, and went on at once
-    assert [s.action for s in rank.steps()] == [E.STEP_SKIP]
+    assert [s.action for s in rank.steps()] == [engine_pb2.STEP_SKIP]
 
 
 def test_a_standing_order_needs_no_round_trip_is_echoed_and_a_revocation_takes_effect_after_its_step(tmp_path):
     rank = LocalRank(tiny_spec(steps=4), tmp_path)
     del rank.init.standing_orders[:]
-    rank.init.standing_orders.add(id=7, kind=E.STEP_FAULT_NON_FINITE_LOSS, action=E.STEP_SKIP)
-    reports = answer_step_faults(rank, lambda r: E.STEP_SKIP)
-    rank.command(E.RevokeStandingOrder(job_id="job", order=7, after_step=2))
+    rank.init.standing_orders.add(id=7, kind=engine_pb2.STEP_FAULT_NON_FINITE_LOSS, action=engine_pb2.STEP_SKIP)
+    reports = answer_step_faults(rank, lambda r: engine_pb2.STEP_SKIP)
+    rank.command(engine_pb2.RevokeStandingOrder(job_id="job", order=7, after_step=2))
     t = poisoned(rank)
-    rank.command(E.StartTraining(job_id="job"))
+    rank.command(engine_pb2.StartTraining(job_id="job"))
     t.join(30)
     assert [(s.step, s.standing_order, s.action) for s in rank.steps()] == [
-        (1, 7, E.STEP_SKIP), (2, 7, E.STEP_SKIP), (3, 0, E.STEP_SKIP), (4, 0, E.STEP_SKIP)]
+        (1, 7, engine_pb2.STEP_SKIP), (2, 7, engine_pb2.STEP_SKIP), (3, 0, engine_pb2.STEP_SKIP), (4, 0, engine_pb2.STEP_SKIP)]
     assert [r.step for r in reports] == [3, 4]  # asked only after the named boundary
 
 
 def test_the_overflow_storm_steps_th_consecutive_skip_is_a_step_fault_of_its_own(tmp_path):
     rank = LocalRank(tiny_spec(steps=5, fault_policy={"overflow_storm_steps": 2}), tmp_path)
     del rank.init.standing_orders[:]
-    rank.init.standing_orders.add(id=1, kind=E.STEP_FAULT_NON_FINITE_LOSS, action=E.STEP_SKIP)
-    reports = answer_step_faults(rank, lambda r: E.STEP_SKIP)  # ignore/skip the storm: go on, the count restarts
+    rank.init.standing_orders.add(id=1, kind=engine_pb2.STEP_FAULT_NON_FINITE_LOSS, action=engine_pb2.STEP_SKIP)
+    reports = answer_step_faults(rank, lambda r: engine_pb2.STEP_SKIP)  # ignore/skip the storm: go on, the count restarts
     t = poisoned(rank)
-    rank.command(E.StartTraining(job_id="job"))
+    rank.command(engine_pb2.StartTraining(job_id="job"))
     t.join(30)
     assert [(r.step, r.kind, r.consecutive_skips) for r in reports] == [
-        (2, E.STEP_FAULT_OVERFLOW_STORM, 2), (4, E.STEP_FAULT_OVERFLOW_STORM, 2)]
+        (2, engine_pb2.STEP_FAULT_OVERFLOW_STORM, 2), (4, engine_pb2.STEP_FAULT_OVERFLOW_STORM, 2)]
     assert reports[0].detail.startswith("2 consecutive steps skipped (up to step 2, last: non_finite_loss")
     assert [(s.fault, s.skipped) for s in rank.steps()] == [
-        (E.STEP_FAULT_NON_FINITE_LOSS, True), (E.STEP_FAULT_OVERFLOW_STORM, True)] * 2 + [
-        (E.STEP_FAULT_NON_FINITE_LOSS, True)]
+        (engine_pb2.STEP_FAULT_NON_FINITE_LOSS, True), (engine_pb2.STEP_FAULT_OVERFLOW_STORM, True)] * 2 + [
+        (engine_pb2.STEP_FAULT_NON_FINITE_LOSS, True)]

@@ -30,7 +30,7 @@ from tests.conftest import REPO, kill_all, processes_with
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-S, O = control_pb2.JobState, control_pb2.JobOutcome
+JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 SURGECTL = [sys.executable, "-m", "services.cli.surgectl"]
 INJECT = "tkill:hang@12:rank=1,tstall:hang@12:rank=1"
 
@@ -148,7 +148,7 @@ def causes(events, prefix: str) -> list[control_pb2.JobEvent]:
 
 def finished(events) -> control_pb2.JobStatus:
     status = events[-1].status
-    assert (status.state, status.outcome) == (S.TERMINATED, O.FINISHED), events[-1].message
+    assert (status.state, status.outcome) == (JobState.TERMINATED, JobOutcome.FINISHED), events[-1].message
     return status
 
 

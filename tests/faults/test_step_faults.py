@@ -26,7 +26,7 @@ pytestmark = [
     pytest.mark.skip(reason="needs control's relay of routed rank events and commands (#13 relay)"),
 ]
 
-S, O = control_pb2.JobState, control_pb2.JobOutcome
+JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 INJECT = ("sfroll:nan_loss@7:rank=1,sfskip:inf_grad@3,sfskip:nan_loss@5:rank=1,sfignore:nan_loss@4,"
           "sfstop:nan_loss@4,sfrestart:nan_loss@6,sfexclude:nan_loss@6")
 JOBS = ("sfroll", "sfskip", "sfignore", "sfstop", "sfrestart", "sfexclude")
@@ -123,7 +123,7 @@ def test_stop_fails_the_job_at_the_faulty_step_and_releases_its_ranks(stack):
     (decision,) = of_type(events, "decision")[1:]
     assert re.match(r"stop after non_finite_loss of rank 0 on worker-\d+ at step 4: fault policy$", decision)
     status = events[-1].status
-    assert (status.state, status.outcome) == (S.TERMINATED, O.FAILED)
+    assert (status.state, status.outcome) == (JobState.TERMINATED, JobOutcome.FAILED)
     assert status.message.startswith("non_finite_loss: rank 0 blocked at step 4: training loss is nan")
     assert [r["step"] for r in rank0_steps(stack, job_id)] == [1, 2, 3]
 

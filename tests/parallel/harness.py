@@ -107,16 +107,16 @@ class Rank:
 
     def __init__(self, spec, ckpt_root: Path, *, rank: int, world_size: int, port: int, resume_version: str = "",
                  guard=None):
-        from services.contract import Module as M
+        from services.contract import Module
         from services.contract.bus import Bus
         from services.jobspec import spec_to_json
         from services.worker.rank import compose
 
         self.spec = spec
         self.bus = bus = Bus()
-        self.data = GlobalRowsData(bus.emitter(M.L4_DATASET_VERSIONS), bus.emitter(M.L4_BATCH_PACKER),
+        self.data = GlobalRowsData(bus.emitter(Module.L4_DATASET_VERSIONS), bus.emitter(Module.L4_BATCH_PACKER),
                                    batches=spec.steps * spec.data.grad_accum + 4)
-        self.store = FakeStore(bus.emitter(M.L5_CHECKPOINT_MANAGER), ckpt_root)
+        self.store = FakeStore(bus.emitter(Module.L5_CHECKPOINT_MANAGER), ckpt_root)
         self.up = FakeUp()
         # guard: a StepGuard with test-only injections on the backward port (as rank.py wires it).
         self.modules = compose(bus, spec, "cpu", data=self.data, store=self.store, up=self.up, guard=guard)
@@ -156,22 +156,21 @@ class Rank:
     def load_model_and_optimizer(self, path: Path) -> None:
         """Through the checkpoint relay (LoadCheckpoint from the loop's own port), only the
         model and optimizer of the checkpoint at ``path``; the loop keeps its own state."""
-        from services.contract import Module as M
-        from services.contract import store_pb2
+        from services.contract import Module, store_pb2
 
-        L = M.L2_TRAINING_LOOP
-        states = {"model": self.bus.port(L, M.L3_SHARD_LOADER)(engine_pb2.ExportState()).payload,
-                  "optim": self.bus.port(L, M.L2_OPTIMIZER)(engine_pb2.ExportState()).payload}  # fmt: skip
+        L = Module.L2_TRAINING_LOOP
+        states = {"model": self.bus.port(L, Module.L3_SHARD_LOADER)(engine_pb2.ExportState()).payload,
+                  "optim": self.bus.port(L, Module.L2_OPTIMIZER)(engine_pb2.ExportState()).payload}  # fmt: skip
         self.store._root = path.parent
-        self.bus.port(L, M.L5_CHECKPOINT_MANAGER)(store_pb2.LoadCheckpoint(version=path.name), states)
+        self.bus.port(L, Module.L5_CHECKPOINT_MANAGER)(store_pb2.LoadCheckpoint(version=path.name), states)
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every weight as a whole tensor (DTensor shards gathered: collective, all ranks)."""
         from torch.distributed.tensor import DTensor
 
-        from services.contract import Module as M
+        from services.contract import Module
 
-        port = self.bus.port(M.L2_TRAINING_LOOP, M.L3_SHARD_LOADER)
+        port = self.bus.port(Module.L2_TRAINING_LOOP, Module.L3_SHARD_LOADER)
         state = port(engine_pb2.ExportState()).payload.state_dict()
         return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in sorted(state.items())}
 
@@ -234,9 +233,9 @@ def full_optimizer_state(r: Rank) -> dict[str, torch.Tensor]:
     """The optimizer's moments, whole tensors keyed ``<param FQN>.<exp_avg|exp_avg_sq|step>``."""
     from torch.distributed.tensor import DTensor
 
-    from services.contract import Module as M
+    from services.contract import Module
 
-    state = r.bus.port(M.L2_TRAINING_LOOP, M.L2_OPTIMIZER)(engine_pb2.ExportState()).payload.state_dict()["state"]
+    state = r.bus.port(Module.L2_TRAINING_LOOP, Module.L2_OPTIMIZER)(engine_pb2.ExportState()).payload.state_dict()["state"]
     return {f"{fqn}.{k}": (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
             for fqn, per in sorted(state.items()) for k, v in sorted(per.items())}  # fmt: skip
 

@@ -5,7 +5,7 @@ layer split and the optimizer, and the single-process reference run."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from torch.nn import functional
 
 from services.compute.model import build_model
 from services.engine.sharding_plan import plan
@@ -49,7 +49,7 @@ def reference_run(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
         ids_BT, labels_BT = global_batch(step)
         logits_BTV = model(ids_BT)
         tokens = int((labels_BT != -100).sum())
-        ce_sum = F.cross_entropy(logits_BTV.reshape(-1, SPEC.vocab_size), labels_BT.reshape(-1),
+        ce_sum = functional.cross_entropy(logits_BTV.reshape(-1, SPEC.vocab_size), labels_BT.reshape(-1),
                                  ignore_index=-100, reduction="sum")
         optim.zero_grad(set_to_none=True)
         (ce_sum / tokens).backward()

@@ -27,8 +27,7 @@ import torch
 import torch.distributed as dist
 from prometheus_client import REGISTRY
 
-from services.contract import Module as M
-from services.contract import comm_guard, engine_pb2, store_pb2
+from services.contract import Module, comm_guard, engine_pb2, store_pb2
 from services.contract.acting import run_as
 from services.contract.audit import ViolationReporter
 from services.contract.bus import Bus, Traffic
@@ -50,8 +49,8 @@ HERE = Path(__file__).resolve().parent
 KINDS = {"communication", "reference", "io", "authority", "seed"}
 FIELDS = ("id", "kind", "module", "operations", "where", "boundary", "why", "impact", "rollback", "test")
 # The relays that speak for a module of another process inside a rank (their class).
-RELAYS = {("services/worker/store_client.py", "StoreClient"): M.L5_CHECKPOINT_MANAGER,
-          ("services/worker/data_client.py", "DataClient"): M.L4_DATASET_VERSIONS}
+RELAYS = {("services/worker/store_client.py", "StoreClient"): Module.L5_CHECKPOINT_MANAGER,
+          ("services/worker/data_client.py", "DataClient"): Module.L4_DATASET_VERSIONS}
 
 
 # ---------------------------------------------------------------------- the register
@@ -63,7 +62,7 @@ def test_every_register_entry_says_why_impact_rollback_and_names_a_test_that_exi
     for e in entries:
         assert set(FIELDS) <= set(e) and e["kind"] in KINDS, e["id"]
         assert all(isinstance(e[f], str) and len(e[f]) > 10 for f in ("boundary", "why", "impact", "rollback")), e["id"]
-        assert e["module"] == comm_guard.NONE or M.Value(e["module"]), e["id"]
+        assert e["module"] == comm_guard.NONE or Module.Value(e["module"]), e["id"]
         path, _, function = e["test"].partition("::")
         tree = ast.parse((REPO / path).read_text())
         assert function in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, f"{e['id']}: {e['test']}"
@@ -90,7 +89,7 @@ def _roots() -> list[tuple[str, str | None, int]]:
         (path, cls, module) for (path, cls), module in RELAYS.items()]
 
 
-@pytest.mark.parametrize("path, cls, module", _roots(), ids=lambda v: M.Name(v) if isinstance(v, int) else None)
+@pytest.mark.parametrize("path, cls, module", _roots(), ids=lambda v: Module.Name(v) if isinstance(v, int) else None)
 def test_communication_reachable_from_a_module_is_its_job_or_registered(path, cls, module):
     register = exemptions()
     unregistered = [
@@ -153,7 +152,7 @@ def test_a_collective_planted_in_the_precision_manager_is_caught_at_run_time(gua
 
     monkeypatch.setattr(MixedPrecision, "unscale_and_check", planted_unscale_and_check)
     bus = build_rank(tmp_path).buses[0]
-    reply = bus.command(M.L2_TRAINING_LOOP, M.L2_MIXED_PRECISION, engine_pb2.UnscaleAndCheck())
+    reply = bus.command(Module.L2_TRAINING_LOOP, Module.L2_MIXED_PRECISION, engine_pb2.UnscaleAndCheck())
     # The call still ran (report mode): the ranks stay in step and L1 decides.
     assert isinstance(reply.message, engine_pb2.OverflowChecked) and not reply.message.found_inf
 
@@ -161,15 +160,15 @@ def test_a_collective_planted_in_the_precision_manager_is_caught_at_run_time(gua
             "run_time.<locals>.planted_unscale_and_check")
     [event] = guarded.reports
     assert (event.sender, event.message, event.job_id, event.process) == (
-        M.L2_MIXED_PRECISION, "torch.distributed.all_reduce", "j", "rank 0 of job j")
+        Module.L2_MIXED_PRECISION, "torch.distributed.all_reduce", "j", "rank 0 of job j")
     assert site in event.detail
     [crossing] = guarded.unregistered()
     assert (crossing.module, crossing.op, crossing.site, crossing.count) == (
-        M.L2_MIXED_PRECISION, "all_reduce", site, 1)
-    assert guarded.traffic.snapshot().refused == {(M.L2_MIXED_PRECISION, "torch.distributed.all_reduce", 0): 1}
+        Module.L2_MIXED_PRECISION, "all_reduce", site, 1)
+    assert guarded.traffic.snapshot().refused == {(Module.L2_MIXED_PRECISION, "torch.distributed.all_reduce", 0): 1}
     assert REGISTRY.get_sample_value("surge_boundary_violations_total", {
         "sender": "L2_MIXED_PRECISION", "message": "torch.distributed.all_reduce"}) >= 1
-    bus.command(M.L2_TRAINING_LOOP, M.L2_MIXED_PRECISION, engine_pb2.UnscaleAndCheck())
+    bus.command(Module.L2_TRAINING_LOOP, Module.L2_MIXED_PRECISION, engine_pb2.UnscaleAndCheck())
     assert len(guarded.reports) == 1 and guarded.unregistered()[0].count == 2  # reported once, counted always
 
 
@@ -182,15 +181,15 @@ def test_a_barrier_planted_in_the_store_relay_is_caught_and_its_registered_agree
 
     monkeypatch.setattr(StoreClient, "flush_checkpoint", planted_flush)
     bus = Bus(on_violation=guarded.reporter)
-    client = StoreClient("127.0.0.1:1", bus.emitter(M.L5_CHECKPOINT_MANAGER))
+    client = StoreClient("127.0.0.1:1", bus.emitter(Module.L5_CHECKPOINT_MANAGER))
     try:
-        bus.subscribe(M.L5_CHECKPOINT_MANAGER, store_pb2.FlushCheckpoint, client.flush_checkpoint)
-        bus.port(M.L2_TRAINING_LOOP, M.L5_CHECKPOINT_MANAGER)(store_pb2.FlushCheckpoint(job_id="j"))
+        bus.subscribe(Module.L5_CHECKPOINT_MANAGER, store_pb2.FlushCheckpoint, client.flush_checkpoint)
+        bus.port(Module.L2_TRAINING_LOOP, Module.L5_CHECKPOINT_MANAGER)(store_pb2.FlushCheckpoint(job_id="j"))
         # The relay's own save agreement (its gloo group and all-reduce) is registered.
-        assert run_as(M.L5_CHECKPOINT_MANAGER, client._agree, 0) == 0
+        assert run_as(Module.L5_CHECKPOINT_MANAGER, client._agree, 0) == 0
     finally:
         client.close(timeout=0.1)
-    assert [(e.sender, e.message) for e in guarded.reports] == [(M.L5_CHECKPOINT_MANAGER, "torch.distributed.barrier")]
+    assert [(e.sender, e.message) for e in guarded.reports] == [(Module.L5_CHECKPOINT_MANAGER, "torch.distributed.barrier")]
     by_op = {c.op: c for c in guarded.crossings()}
     assert by_op["barrier"].exception == "" and by_op["barrier"].site.endswith("planted_flush")
     assert by_op["new_group"].exception == by_op["all_reduce"].exception == "store-relay-save-agreement"
@@ -202,35 +201,35 @@ def test_raise_mode_refuses_the_call_before_it_runs(one_rank_group):
     try:
         with pytest.raises(CommViolation, match=r"^boundary violation: L2_OPTIMIZER may not run torch.distributed "
                                                 r"broadcast \(at tests/redlines/test_communication.py::"):
-            run_as(M.L2_OPTIMIZER, dist.broadcast, torch.zeros(1), 0)
-        assert guard.counts() == {(M.L2_OPTIMIZER, "broadcast"): 1}
+            run_as(Module.L2_OPTIMIZER, dist.broadcast, torch.zeros(1), 0)
+        assert guard.counts() == {(Module.L2_OPTIMIZER, "broadcast"): 1}
     finally:
         comm_guard.uninstall()
 
 
 def test_calls_are_counted_per_module_and_op_and_attributed_to_the_module_that_created_the_group(guarded):
     for _ in range(3):
-        run_as(M.L3_GRADIENT_REDUCTION, dist.all_reduce, torch.ones(1))  # its job: counted, not a crossing
-    run_as(M.L2_PARALLEL_STRATEGY, dist.new_group, backend="gloo")       # its job too
-    group = run_as(M.L5_CHECKPOINT_MANAGER, dist.new_group, backend="gloo")  # the relay's own group
+        run_as(Module.L3_GRADIENT_REDUCTION, dist.all_reduce, torch.ones(1))  # its job: counted, not a crossing
+    run_as(Module.L2_PARALLEL_STRATEGY, dist.new_group, backend="gloo")       # its job too
+    group = run_as(Module.L5_CHECKPOINT_MANAGER, dist.new_group, backend="gloo")  # the relay's own group
     worker = threading.Thread(target=dist.all_reduce, args=(torch.ones(1),), kwargs={"group": group})
     worker.start()  # a library thread (DCP's writer) using the relay's group, no module acting
     worker.join()
     counts = guarded.counts()
-    assert counts[(M.L3_GRADIENT_REDUCTION, "all_reduce")] == 3
-    assert counts[(M.L2_PARALLEL_STRATEGY, "new_group")] == 1
-    assert counts[(M.L5_CHECKPOINT_MANAGER, "all_reduce")] == 1  # attributed by its group
-    assert {(c.module, c.op) for c in guarded.crossings()} == {(M.L5_CHECKPOINT_MANAGER, "new_group"),
-                                                              (M.L5_CHECKPOINT_MANAGER, "all_reduce")}
+    assert counts[(Module.L3_GRADIENT_REDUCTION, "all_reduce")] == 3
+    assert counts[(Module.L2_PARALLEL_STRATEGY, "new_group")] == 1
+    assert counts[(Module.L5_CHECKPOINT_MANAGER, "all_reduce")] == 1  # attributed by its group
+    assert {(c.module, c.op) for c in guarded.crossings()} == {(Module.L5_CHECKPOINT_MANAGER, "new_group"),
+                                                              (Module.L5_CHECKPOINT_MANAGER, "all_reduce")}
     assert REGISTRY.get_sample_value("surge_collectives_total", {"module": "L3_GRADIENT_REDUCTION",
                                                                  "op": "all_reduce"}) == 3
 
 
 def test_the_law_before_exceptions():
-    assert allowed(M.L3_GRADIENT_REDUCTION, "all_reduce") and allowed(M.L3_GRADIENT_REDUCTION, "funcol.all_reduce")
-    assert not allowed(M.L3_GRADIENT_REDUCTION, "new_group")  # seed L3-5 red line 4
-    assert allowed(M.L2_PARALLEL_STRATEGY, "init_process_group") and not allowed(M.L2_PARALLEL_STRATEGY, "barrier")
-    assert not any(allowed(m, "all_reduce") for m in MODULES if m != M.L3_GRADIENT_REDUCTION)
+    assert allowed(Module.L3_GRADIENT_REDUCTION, "all_reduce") and allowed(Module.L3_GRADIENT_REDUCTION, "funcol.all_reduce")
+    assert not allowed(Module.L3_GRADIENT_REDUCTION, "new_group")  # seed L3-5 red line 4
+    assert allowed(Module.L2_PARALLEL_STRATEGY, "init_process_group") and not allowed(Module.L2_PARALLEL_STRATEGY, "barrier")
+    assert not any(allowed(m, "all_reduce") for m in MODULES if m != Module.L3_GRADIENT_REDUCTION)
 
 
 # ---------------------------------------------------------------------- run time, real training

@@ -14,8 +14,7 @@ from __future__ import annotations
 import pytest
 
 from services.compute.operator_adapter import OperatorAdapter
-from services.contract import Module as M
-from services.contract import data_pb2, engine_pb2
+from services.contract import Module, data_pb2, engine_pb2
 from services.contract.bus import Bus
 from services.contract.frozen import ConfigFrozen, FrozenConfig
 from services.data.errors import InvalidConfig
@@ -39,46 +38,46 @@ def test_frozen_config_takes_one_push_and_refuses_the_next():
 def _stream_pushes():
     """(module, first push, second push) of one stream's L4 config commands."""
     return [
-        (M.L4_PREFETCHER, data_pb2.SetPrefetch(watermark=8, threads=2), data_pb2.SetPrefetch(watermark=64, threads=8)),
-        (M.L4_FILTER, data_pb2.FilterRules(min_tokens=1), data_pb2.FilterRules(min_tokens=50)),
-        (M.L4_BATCH_PACKER,
+        (Module.L4_PREFETCHER, data_pb2.SetPrefetch(watermark=8, threads=2), data_pb2.SetPrefetch(watermark=64, threads=8)),
+        (Module.L4_FILTER, data_pb2.FilterRules(min_tokens=1), data_pb2.FilterRules(min_tokens=50)),
+        (Module.L4_BATCH_PACKER,
          data_pb2.PackerConfig(seq_len=16, micro_batch_size=4, mode=data_pb2.PACK),
          data_pb2.PackerConfig(seq_len=16, micro_batch_size=64, mode=data_pb2.PACK)),
     ]
 
 
-@pytest.mark.parametrize("module", [M.L4_PREFETCHER, M.L4_FILTER, M.L4_BATCH_PACKER], ids=M.Name)
+@pytest.mark.parametrize("module", [Module.L4_PREFETCHER, Module.L4_FILTER, Module.L4_BATCH_PACKER], ids=Module.Name)
 def test_a_data_module_refuses_a_second_config_push_on_its_stream(tmp_path, module):
     built = build_data(tmp_path)
     stream_bus = built.buses[-1]  # build_stream's bus: the one with the whole pipeline
     (_, first, second), = [(m, a, b) for m, a, b in _stream_pushes() if m == module]
-    port = stream_bus.port(M.L2_TRAINING_LOOP, module)
+    port = stream_bus.port(Module.L2_TRAINING_LOOP, module)
     port(first)
-    with pytest.raises(ConfigFrozen, match=f"^{M.Name(module)}: .* already set at init") as err:
+    with pytest.raises(ConfigFrozen, match=f"^{Module.Name(module)}: .* already set at init") as err:
         port(second)
     assert isinstance(err.value, InvalidConfig)  # still INVALID_ARGUMENT on the wire
 
 
 def test_each_stream_gets_its_own_data_modules_so_once_means_once_per_stream(tmp_path):
     a, b = build_data(tmp_path), build_data(tmp_path)
-    for module in (M.L4_PREFETCHER, M.L4_SHUFFLER, M.L4_FILTER, M.L4_BATCH_PACKER):
+    for module in (Module.L4_PREFETCHER, Module.L4_SHUFFLER, Module.L4_FILTER, Module.L4_BATCH_PACKER):
         assert a.modules[module] is not b.modules[module]
 
 
 @pytest.mark.parametrize(
     "sender, receiver, first, second",
     [
-        (M.L2_PARALLEL_STRATEGY, M.L3_SHARD_LOADER,
+        (Module.L2_PARALLEL_STRATEGY, Module.L3_SHARD_LOADER,
          engine_pb2.ParallelPlan(rank=0, world_size=1, dp=1, data_parallel="none", device="cpu"),
          engine_pb2.ParallelPlan(rank=0, world_size=2, dp=2, data_parallel="ddp", device="cpu")),
-        (M.L2_PARALLEL_STRATEGY, M.L3_GRADIENT_REDUCTION,
+        (Module.L2_PARALLEL_STRATEGY, Module.L3_GRADIENT_REDUCTION,
          engine_pb2.ParallelPlan(rank=0, world_size=1, dp=1, data_parallel="none", device="cpu"),
          engine_pb2.ParallelPlan(rank=0, world_size=2, dp=2, data_parallel="ddp", device="cpu")),
-        (M.L2_TRAINING_LOOP, M.L2_MIXED_PRECISION,
+        (Module.L2_TRAINING_LOOP, Module.L2_MIXED_PRECISION,
          engine_pb2.InitPrecision(precision="fp32"), engine_pb2.InitPrecision(precision="bf16")),
-        (M.L2_TRAINING_LOOP, M.L3_FORWARD_UNIT,
+        (Module.L2_TRAINING_LOOP, Module.L3_FORWARD_UNIT,
          engine_pb2.ConfigureForward(attention="sdpa"), engine_pb2.ConfigureForward(attention="math")),
-        (M.L1_ORCHESTRATOR, M.L2_TRAINING_LOOP,
+        (Module.L1_ORCHESTRATOR, Module.L2_TRAINING_LOOP,
          engine_pb2.InitJob(job_id="a", spec_json="{}"), engine_pb2.InitJob(job_id="b", spec_json="{}")),
     ],
     ids=["shard_loader", "gradient_reduction", "mixed_precision", "forward_unit", "training_loop"],
@@ -87,16 +86,16 @@ def test_a_rank_module_refuses_a_second_init_push(tmp_path, sender, receiver, fi
     built = build_rank(tmp_path, load_model=False)
     port = built.buses[0].port(sender, receiver)
     port(first)
-    with pytest.raises(ConfigFrozen, match=f"^{M.Name(receiver)}: .* already set at init"):
+    with pytest.raises(ConfigFrozen, match=f"^{Module.Name(receiver)}: .* already set at init"):
         port(second)
 
 
 def test_the_parallel_strategy_refuses_a_second_rank_assignment(tmp_path):
     built = build_rank(tmp_path, load_model=False)
-    strategy = built.modules[M.L2_PARALLEL_STRATEGY]
+    strategy = built.modules[Module.L2_PARALLEL_STRATEGY]
     # Mark the first assignment as taken without a rendezvous (which needs a process group).
     strategy._assignment.set(engine_pb2.RankAssignment(rank=0, world_size=1))
-    port = built.buses[0].port(M.L1_RESOURCE_ALLOCATOR, M.L2_PARALLEL_STRATEGY)
+    port = built.buses[0].port(Module.L1_RESOURCE_ALLOCATOR, Module.L2_PARALLEL_STRATEGY)
     with pytest.raises(ConfigFrozen, match="^L2_PARALLEL_STRATEGY: rank assignment already set at init"):
         port(engine_pb2.RankAssignment(rank=0, world_size=1, backend="gloo", master_addr="127.0.0.1",
                                        master_port=1, device="cpu"))
@@ -120,7 +119,7 @@ def test_the_fault_detectors_grading_table_cannot_change_after_init():
 
 def test_the_shuffler_takes_a_new_plan_for_every_epoch(tmp_path):
     bus, out = shuffler_on_bus()
-    port = bus.port(M.L2_TRAINING_LOOP, M.L4_SHUFFLER)
+    port = bus.port(Module.L2_TRAINING_LOOP, Module.L4_SHUFFLER)
     for epoch, seed in ((0, 7), (1, 7), (2, 8)):  # 本轮混洗启动指令 + 本轮随机种子: per round
         port(data_pb2.ShufflePlan(seed=seed, epoch=epoch, enabled=True, rank=0, world_size=1))
     assert {d.epoch for d in out} == {0, 1, 2}
@@ -128,9 +127,9 @@ def test_the_shuffler_takes_a_new_plan_for_every_epoch(tmp_path):
 
 def test_the_operator_adapter_switches_kernels_only_when_commanded():
     bus = Bus()
-    adapter = OperatorAdapter(bus.emitter(M.L3_OPERATOR_ADAPTER))
-    bus.subscribe(M.L3_OPERATOR_ADAPTER, engine_pb2.SelectOperators, adapter.select_operators)
-    port = bus.port(M.L3_FORWARD_UNIT, M.L3_OPERATOR_ADAPTER)
+    adapter = OperatorAdapter(bus.emitter(Module.L3_OPERATOR_ADAPTER))
+    bus.subscribe(Module.L3_OPERATOR_ADAPTER, engine_pb2.SelectOperators, adapter.select_operators)
+    port = bus.port(Module.L3_FORWARD_UNIT, Module.L3_OPERATOR_ADAPTER)
     assert port(engine_pb2.SelectOperators(attention="sdpa")).payload.attention == "sdpa"
     # 切换加速模式指令 is a seed command: a change by command is allowed, never on its own.
     assert port(engine_pb2.SelectOperators(attention="math")).payload.attention == "math"

@@ -13,8 +13,7 @@ import ast
 import numpy as np
 import pytest
 
-from services.contract import Module as M
-from services.contract import data_pb2
+from services.contract import Module, data_pb2
 from services.contract.bus import Bus
 from services.contract.route_table import default_table
 from services.data.batch_packer import IGNORE, BatchPacker
@@ -46,13 +45,13 @@ def test_the_prefetcher_hands_on_every_document_unchanged_in_storage_order(tmp_p
     docs.tokens_T.astype("<u2").tofile(path)
     store = TokenStore("t@v1", "train", path, np.dtype("<u2"), docs.bounds_n1.copy(), "bytes")
     bus = Bus()
-    prefetcher = Prefetcher(bus.emitter(M.L4_PREFETCHER))
-    bus.subscribe(M.L4_PREFETCHER, data_pb2.SetPrefetch, prefetcher.set_prefetch)
-    bus.subscribe(M.L4_PREFETCHER, data_pb2.ActivateSource, prefetcher.activate_source)
+    prefetcher = Prefetcher(bus.emitter(Module.L4_PREFETCHER))
+    bus.subscribe(Module.L4_PREFETCHER, data_pb2.SetPrefetch, prefetcher.set_prefetch)
+    bus.subscribe(Module.L4_PREFETCHER, data_pb2.ActivateSource, prefetcher.activate_source)
     got: list[Documents] = []
-    bus.subscribe(M.L4_SHUFFLER, data_pb2.SamplesRead, lambda m, d: got.append(d))
-    bus.port(M.L2_TRAINING_LOOP, M.L4_PREFETCHER)(data_pb2.SetPrefetch(watermark=8, threads=3))
-    bus.port(M.L4_DATASET_VERSIONS, M.L4_PREFETCHER)(data_pb2.ActivateSource(name="t", version="v1", split="train"), store)
+    bus.subscribe(Module.L4_SHUFFLER, data_pb2.SamplesRead, lambda m, d: got.append(d))
+    bus.port(Module.L2_TRAINING_LOOP, Module.L4_PREFETCHER)(data_pb2.SetPrefetch(watermark=8, threads=3))
+    bus.port(Module.L4_DATASET_VERSIONS, Module.L4_PREFETCHER)(data_pb2.ActivateSource(name="t", version="v1", split="train"), store)
     prefetcher.close()
     assert [c for d in got for c in _contents(d)] == _contents(docs)  # no drop, no edit, no reorder
     assert np.concatenate([d.index_n for d in got]).tolist() == list(range(57))
@@ -60,15 +59,15 @@ def test_the_prefetcher_hands_on_every_document_unchanged_in_storage_order(tmp_p
 
 
 def test_the_prefetcher_hears_nothing_from_the_compute_path():
-    into = [r for r in default_table().routes() if M.L4_PREFETCHER in r.receivers]
+    into = [r for r in default_table().routes() if Module.L4_PREFETCHER in r.receivers]
     senders = {s for r in into for s in r.senders}
     # Its parameters from L2-1 (SetPrefetch), its source from L4-1, its file reads from disk.
-    assert senders <= {M.L2_TRAINING_LOOP, M.L4_DATASET_VERSIONS, M.EXT_DISK_IO}
-    assert {r.message for r in into if M.L2_TRAINING_LOOP in r.senders} == {"surge.v1.SetPrefetch"}
-    assert not [i for i in imported_modules(source_tree(M.L4_PREFETCHER)) if i.split(".")[0] in ("torch", "psutil")]
+    assert senders <= {Module.L2_TRAINING_LOOP, Module.L4_DATASET_VERSIONS, Module.EXT_DISK_IO}
+    assert {r.message for r in into if Module.L2_TRAINING_LOOP in r.senders} == {"surge.v1.SetPrefetch"}
+    assert not [i for i in imported_modules(source_tree(Module.L4_PREFETCHER)) if i.split(".")[0] in ("torch", "psutil")]
 
 
-@pytest.mark.parametrize("module", [M.L4_DATASET_VERSIONS, M.L4_PREFETCHER], ids=M.Name)
+@pytest.mark.parametrize("module", [Module.L4_DATASET_VERSIONS, Module.L4_PREFETCHER], ids=Module.Name)
 def test_the_data_modules_that_read_files_never_write_them(module):
     tree = source_tree(module)
     writes = {"write", "write_bytes", "write_text", "pwrite", "unlink", "rename", "replace", "rmtree", "mkdir",
@@ -86,16 +85,16 @@ def test_the_data_modules_that_read_files_never_write_them(module):
 
 def test_the_filter_output_is_an_ordered_subset_of_its_input_unchanged():
     bus = Bus()
-    sample_filter = SampleFilter(bus.emitter(M.L4_FILTER))
-    bus.subscribe(M.L4_FILTER, data_pb2.FilterRules, sample_filter.filter_rules)
-    bus.subscribe(M.L4_FILTER, data_pb2.SamplesShuffled, sample_filter.samples_shuffled)
+    sample_filter = SampleFilter(bus.emitter(Module.L4_FILTER))
+    bus.subscribe(Module.L4_FILTER, data_pb2.FilterRules, sample_filter.filter_rules)
+    bus.subscribe(Module.L4_FILTER, data_pb2.SamplesShuffled, sample_filter.samples_shuffled)
     kept, reports = [], []
-    bus.subscribe(M.L4_BATCH_PACKER, data_pb2.SamplesFiltered, lambda m, d: kept.append(d))
-    bus.subscribe(M.L2_TRAINING_LOOP, data_pb2.FilterReport, lambda m, p: reports.append(m))
-    bus.port(M.L2_TRAINING_LOOP, M.L4_FILTER)(data_pb2.FilterRules(min_tokens=5, max_tokens=30, banned_tokens=[7]))
+    bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.SamplesFiltered, lambda m, d: kept.append(d))
+    bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.FilterReport, lambda m, p: reports.append(m))
+    bus.port(Module.L2_TRAINING_LOOP, Module.L4_FILTER)(data_pb2.FilterRules(min_tokens=5, max_tokens=30, banned_tokens=[7]))
     sent = [_random_docs(40, first=40 * i, last=i == 2) for i in range(3)]
     for docs in sent:
-        bus.publish(M.L4_SHUFFLER, data_pb2.SamplesShuffled(count=len(docs)), docs)
+        bus.publish(Module.L4_SHUFFLER, data_pb2.SamplesShuffled(count=len(docs)), docs)
     by_position = {int(d.index_n[k]): c for d in sent for k, c in enumerate(_contents(d))}
     out = [(int(d.index_n[k]), c) for d in kept for k, c in enumerate(_contents(d))]
     assert [p for p, _ in out] == sorted(p for p, _ in out)  # order kept
@@ -110,17 +109,17 @@ def test_the_filter_output_is_an_ordered_subset_of_its_input_unchanged():
 @pytest.mark.parametrize("separator", [-1, 0])
 def test_the_batch_packer_keeps_every_token_in_order_and_pads_only_with_the_placeholder(separator):
     bus = Bus()
-    packer = BatchPacker(bus.emitter(M.L4_BATCH_PACKER))
-    bus.subscribe(M.L4_BATCH_PACKER, data_pb2.PackerConfig, packer.packer_config)
-    bus.subscribe(M.L4_BATCH_PACKER, data_pb2.SamplesFiltered, packer.samples_filtered)
+    packer = BatchPacker(bus.emitter(Module.L4_BATCH_PACKER))
+    bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.PackerConfig, packer.packer_config)
+    bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.SamplesFiltered, packer.samples_filtered)
     batches = []
-    bus.subscribe(M.L2_TRAINING_LOOP, data_pb2.MicroBatch, lambda m, p: batches.append(m))
-    bus.subscribe(M.L2_TRAINING_LOOP, data_pb2.DataExhausted, lambda m, p: None)
+    bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.MicroBatch, lambda m, p: batches.append(m))
+    bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.DataExhausted, lambda m, p: None)
     pad = 251
-    bus.port(M.L2_TRAINING_LOOP, M.L4_BATCH_PACKER)(
+    bus.port(Module.L2_TRAINING_LOOP, Module.L4_BATCH_PACKER)(
         data_pb2.PackerConfig(seq_len=16, micro_batch_size=3, pad_id=pad, mode=data_pb2.PACK, separator_id=separator))
     docs = _random_docs(30, max_len=50)
-    bus.publish(M.L4_FILTER, data_pb2.SamplesFiltered(count=len(docs)), docs)
+    bus.publish(Module.L4_FILTER, data_pb2.SamplesFiltered(count=len(docs)), docs)
     stream = np.concatenate([np.append(c, separator) if separator >= 0 else np.asarray(c, np.int64)
                              for c in _contents(docs)]).astype(np.int64)
     ids = np.concatenate([np.frombuffer(b.input_ids, "<i4").reshape(-1, 16) for b in batches]).ravel()

@@ -18,22 +18,21 @@ import time
 
 import pytest
 
-from services.contract import Module as M
-from services.contract import control_pb2
+from services.contract import Module, control_pb2
 
 from .wiring import MODULES, source_tree
 
-WORKER_POOLS = {M.L4_PREFETCHER: "ThreadPoolExecutor", M.L5_CHECKPOINT_MANAGER: "ThreadPoolExecutor"}
+WORKER_POOLS = {Module.L4_PREFETCHER: "ThreadPoolExecutor", Module.L5_CHECKPOINT_MANAGER: "ThreadPoolExecutor"}
 # Liveness deadlines, where a module keeps one: module -> why. A deadline is a one-shot
 # timer (``self._deadlines.after``: services/control/deadlines.py) armed and re-armed
 # (cancel + arm) only inside the handler of the event that proves progress, so silence past
 # it is the fault and nothing is polled.
 DEADLINE_TIMERS: dict[int, str] = {
-    M.L1_FAULT_DETECTOR: (
+    Module.L1_FAULT_DETECTOR: (
         "per rank: silence (re-armed by each RankHeartbeat) and stall (re-armed by a heartbeat "
         "showing a new step); per job: the attribution window a comm_error waits for its cause"
     ),
-    M.L1_ORCHESTRATOR: (
+    Module.L1_ORCHESTRATOR: (
         "per recovery step it commanded (issue 12): the retry backoff of a step the store's or the "
         "allocator's answer said must wait (store unreachable, no capacity), bounded by the fault "
         "policy's wait; and the restore step's deadline (restore_seconds). Armed only by the "
@@ -43,7 +42,7 @@ DEADLINE_TIMERS: dict[int, str] = {
 }
 # Functions of a DEADLINE_TIMERS module that arm a step deadline although they are not
 # event handlers themselves: each is called only from handlers (see DEADLINE_TIMERS).
-STEP_DEADLINE_ARMERS = {M.L1_ORCHESTRATOR: {"_arm"}}
+STEP_DEADLINE_ARMERS = {Module.L1_ORCHESTRATOR: {"_arm"}}
 # A blocking call that takes a timeout is a poll when it sits in a loop: wake, look, wait again.
 TIMED_WAITS = {"sleep", "wait", "get", "put", "join", "poll", "select", "acquire", "result", "recv"}
 
@@ -61,7 +60,7 @@ def _timed(call: ast.Call) -> bool:
     return any(k.arg in ("timeout", "block") for k in call.keywords) or (name in ("wait", "join") and bool(call.args))
 
 
-@pytest.mark.parametrize("module", list(MODULES), ids=M.Name)
+@pytest.mark.parametrize("module", list(MODULES), ids=Module.Name)
 def test_no_module_sleeps_or_polls_in_a_loop(module):
     tree = source_tree(module)
     polls = [ast.unparse(c) for loop in _loops(tree) for c in ast.walk(loop) if isinstance(c, ast.Call) and _timed(c)]
@@ -69,7 +68,7 @@ def test_no_module_sleeps_or_polls_in_a_loop(module):
     assert polls == [] and sleeps == []
 
 
-@pytest.mark.parametrize("module", list(MODULES), ids=M.Name)
+@pytest.mark.parametrize("module", list(MODULES), ids=Module.Name)
 def test_no_module_keeps_a_thread_or_timer_of_its_own(module):
     tree = source_tree(module)
     started = {
@@ -85,7 +84,7 @@ def test_no_module_keeps_a_thread_or_timer_of_its_own(module):
         a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
 
 
-@pytest.mark.parametrize("module", list(DEADLINE_TIMERS) or [None], ids=lambda m: M.Name(m) if m else "none")
+@pytest.mark.parametrize("module", list(DEADLINE_TIMERS) or [None], ids=lambda m: Module.Name(m) if m else "none")
 def test_a_liveness_deadline_is_armed_only_by_the_event_it_waits_for(module):
     if module is None:
         pytest.skip("no module keeps a liveness deadline yet (see DEADLINE_TIMERS)")
@@ -127,9 +126,9 @@ def test_a_rank_exit_is_graded_and_decided_the_moment_its_event_arrives(tmp_path
 
     control, job = _control(tmp_path)
     bus = control.bus
-    user = lambda: bus.command(M.EXT_USER, M.L1_ORCHESTRATOR, control_pb2.JobQuery(job_id=job)).message  # noqa: E731
+    user = lambda: bus.command(Module.EXT_USER, Module.L1_ORCHESTRATOR, control_pb2.JobQuery(job_id=job)).message  # noqa: E731
     assert user().state == control_pb2.WARMING_UP
-    bus.publish(M.EXT_HARDWARE, control_pb2.RankExited(job_id=job, rank=0, exit_code=-9, worker_id="w"))
+    bus.publish(Module.EXT_HARDWARE, control_pb2.RankExited(job_id=job, rank=0, exit_code=-9, worker_id="w"))
     # Synchronously, on the delivering thread: detector grades, orchestrator decides (by the
     # default fault policy: restart the ranks) and the recovery is commanded. No timer, no
     # later sweep, no polling of the rank.
@@ -146,14 +145,14 @@ def test_a_silent_rank_is_declared_by_the_deadline_its_heartbeats_re_arm(tmp_pat
 
     control, job = _control(tmp_path, liveness="{heartbeat_interval_seconds: 0.2, heartbeat_timeout_seconds: 1.0}")
     bus = control.bus
-    user = lambda: bus.command(M.EXT_USER, M.L1_ORCHESTRATOR, control_pb2.JobQuery(job_id=job)).message  # noqa: E731
+    user = lambda: bus.command(Module.EXT_USER, Module.L1_ORCHESTRATOR, control_pb2.JobQuery(job_id=job)).message  # noqa: E731
     beat = worker_pb2.RankHeartbeat(job_id=job, rank=0, worker_id="w")
     for _ in range(5):  # beats faster than the deadline: nothing happens
-        bus.publish(M.EXT_HARDWARE, beat)
+        bus.publish(Module.EXT_HARDWARE, beat)
         time.sleep(0.2)
     assert user().state == control_pb2.WARMING_UP
     time.sleep(2.0)  # silence: the detector's timer fires once and the orchestrator decides
-    decided = [e.message for e in bus.command(M.EXT_USER, M.L1_ORCHESTRATOR, control_pb2.JobQuery(job_id=job),
+    decided = [e.message for e in bus.command(Module.EXT_USER, Module.L1_ORCHESTRATOR, control_pb2.JobQuery(job_id=job),
                                              "event_log").payload if e.type == "decision"]
     assert decided[-1].startswith("restart_ranks after rank_silent of rank 0")
     assert user().state == control_pb2.FAULT_FROZEN  # (then waiting for the store this test has none of)
@@ -174,7 +173,7 @@ def _identifiers(tree: ast.AST) -> set[str]:
     return {x.lower() for x in names}
 
 
-@pytest.mark.parametrize("module", [m for m in MODULES if m not in DEADLINE_TIMERS], ids=M.Name)
+@pytest.mark.parametrize("module", [m for m in MODULES if m not in DEADLINE_TIMERS], ids=Module.Name)
 def test_no_module_judges_another_modules_liveness_by_its_own_clock(module):
     # A module may time its own work (perf_counter deltas) or throttle its own journal; no
     # module but the one keeping the deadlines (DEADLINE_TIMERS) keeps a heartbeat, a

@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.contract import Module as M
-from services.contract import control_pb2, data_pb2, engine_pb2, store_pb2
+from services.contract import Module, control_pb2, data_pb2, engine_pb2, store_pb2
 from services.contract.bus import BoundaryViolation, Bus, CommandPort, Emitter, RouteError
 from services.contract.frozen import ConfigFrozen
 from services.contract.route_table import default_table
@@ -42,7 +41,7 @@ from .wiring import (
 )
 
 COMMAND, EVENT = 1, 2
-CKPT, METRICS = M.L5_CHECKPOINT_MANAGER, M.L5_METRICS_LOGGER
+CKPT, METRICS = Module.L5_CHECKPOINT_MANAGER, Module.L5_METRICS_LOGGER
 TRAINING_CONTROL = (engine_pb2.StartTraining, engine_pb2.PauseTraining, engine_pb2.ResumeTraining, engine_pb2.StopTraining)
 
 
@@ -51,9 +50,9 @@ def holds(module_instance) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {"ports": [], "emitters": [], "modules": []}
     for r in reachable(module_instance):
         if isinstance(r.target, CommandPort):
-            out["ports"].append(M.Name(r.target._receiver))
+            out["ports"].append(Module.Name(r.target._receiver))
         elif isinstance(r.target, Emitter):
-            out["emitters"].append(M.Name(r.target._sender))
+            out["emitters"].append(Module.Name(r.target._sender))
         else:
             out["modules"].append(type(r.target).__name__)
     return out
@@ -82,16 +81,16 @@ def commands_to(sender: int, receiver: int) -> set[str]:
 def test_only_the_orchestrator_may_start_pause_resume_or_stop_training():
     table = default_table()
     for msg in TRAINING_CONTROL:
-        assert table.route(msg).senders == {M.L1_ORCHESTRATOR}, msg.DESCRIPTOR.name
+        assert table.route(msg).senders == {Module.L1_ORCHESTRATOR}, msg.DESCRIPTOR.name
     for msg in (control_pb2.PauseJobRequest, control_pb2.ResumeJobRequest, control_pb2.StopJobRequest,
                 control_pb2.SubmitJobRequest):
-        assert table.route(msg).senders == {M.EXT_USER} and table.route(msg).receivers == {M.L1_ORCHESTRATOR}
+        assert table.route(msg).senders == {Module.EXT_USER} and table.route(msg).receivers == {Module.L1_ORCHESTRATOR}
 
 
 def test_only_the_orchestrator_may_command_resources_or_a_recovery():
     table = default_table()
     for msg in (control_pb2.AllocateResources, control_pb2.ReleaseResources, control_pb2.StartRecovery):
-        assert table.route(msg).senders == {M.L1_ORCHESTRATOR}, msg.DESCRIPTOR.name
+        assert table.route(msg).senders == {Module.L1_ORCHESTRATOR}, msg.DESCRIPTOR.name
 
 
 # ---------------------------------------------------------------------- L5-1 checkpoint manager
@@ -114,15 +113,15 @@ def test_the_checkpoint_manager_cannot_trigger_its_own_save(tmp_path):
     assert not any(isinstance(v, threading.Thread) for v in vars(manager).values())
     for route in default_table().routes():
         if CKPT in route.senders and route.kind == COMMAND:
-            assert route.receivers <= {M.EXT_STORAGE}, route.message
+            assert route.receivers <= {Module.EXT_STORAGE}, route.message
     # No module's event reaches it (only its commanders' commands, and storage feedback).
     for route in default_table().routes():
         if CKPT in route.receivers:
-            assert route.kind == COMMAND or route.senders <= {M.EXT_STORAGE}, route.message
+            assert route.kind == COMMAND or route.senders <= {Module.EXT_STORAGE}, route.message
     with pytest.raises(RouteError):
         bus.subscribe(CKPT, engine_pb2.StepCompleted, lambda m, p: None)
     # A step summary on its bus reaches the metrics logger only; nothing is staged or saved.
-    assert bus.publish(M.L2_TRAINING_LOOP, engine_pb2.StepCompleted(job_id="j", step=100, loss=0.5)) == 1
+    assert bus.publish(Module.L2_TRAINING_LOOP, engine_pb2.StepCompleted(job_id="j", step=100, loss=0.5)) == 1
     assert not (tmp_path / "store" / "checkpoints" / "j").exists()
     assert list(manager.list(store_pb2.CheckpointQuery()).checkpoints) == []
 
@@ -175,7 +174,7 @@ def test_the_optimizer_never_writes_a_gradient():
     for step in (1, 2, 3):
         port(engine_pb2.ApplyUpdate(step=step, learning_rate=0.01 * step))
     assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
-    tree = source_tree(M.L2_OPTIMIZER)
+    tree = source_tree(Module.L2_OPTIMIZER)
     writes = [ast.unparse(t) for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AugAssign))
               for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if "grad" in ast.unparse(t)]
     assert writes == []
@@ -189,7 +188,7 @@ def test_the_optimizer_learning_rate_is_only_ever_the_commanded_one():
     port(engine_pb2.ApplyUpdate(step=1, learning_rate=0.003))
     assert {g["lr"] for g in optimizer._optim.param_groups} == {0.003}
     # No schedule of its own: the learning-rate schedule lives with the loop (lr_schedule.py).
-    assert not any(m.startswith("services.engine.lr_schedule") for m in imported_modules(source_tree(M.L2_OPTIMIZER)))
+    assert not any(m.startswith("services.engine.lr_schedule") for m in imported_modules(source_tree(Module.L2_OPTIMIZER)))
 
 
 # ---------------------------------------------------------------------- L2-4 mixed precision
@@ -197,8 +196,8 @@ def test_the_optimizer_learning_rate_is_only_ever_the_commanded_one():
 
 def test_the_precision_manager_reports_overflow_but_never_skips_or_edits_gradients(tmp_path):
     built = build_rank(tmp_path)
-    bus, precision = built.buses[0], built.modules[M.L2_MIXED_PRECISION]
-    loop = bus.port(M.L2_TRAINING_LOOP, M.L2_MIXED_PRECISION)
+    bus, precision = built.buses[0], built.modules[Module.L2_MIXED_PRECISION]
+    loop = bus.port(Module.L2_TRAINING_LOOP, Module.L2_MIXED_PRECISION)
     loop(engine_pb2.InitPrecision(precision="fp32"))
     params = precision._params
     for p in params:
@@ -210,9 +209,9 @@ def test_the_precision_manager_reports_overflow_but_never_skips_or_edits_gradien
     assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))  # reported, not zeroed or clipped
     # It can command only the operator adapter: no update, evaluation or save of its own.
     assert holds(precision)["ports"] == ["L3_OPERATOR_ADAPTER"]
-    for receiver in (M.L2_OPTIMIZER, M.L2_TRAINING_LOOP, M.L3_FORWARD_UNIT, M.L5_CHECKPOINT_MANAGER,
-                     M.L2_PARALLEL_STRATEGY, M.L3_GRADIENT_REDUCTION):
-        assert commands_to(M.L2_MIXED_PRECISION, receiver) == set(), M.Name(receiver)
+    for receiver in (Module.L2_OPTIMIZER, Module.L2_TRAINING_LOOP, Module.L3_FORWARD_UNIT, Module.L5_CHECKPOINT_MANAGER,
+                     Module.L2_PARALLEL_STRATEGY, Module.L3_GRADIENT_REDUCTION):
+        assert commands_to(Module.L2_MIXED_PRECISION, receiver) == set(), Module.Name(receiver)
 
 
 # ---------------------------------------------------------------------- L4-3 shuffler
@@ -231,7 +230,7 @@ def test_the_shuffle_order_is_a_pure_function_of_the_plan_it_is_given():
     orders = []
     for seed in (5, 5, 6):
         bus, out = shuffler_on_bus()
-        bus.port(M.L2_TRAINING_LOOP, M.L4_SHUFFLER)(
+        bus.port(Module.L2_TRAINING_LOOP, Module.L4_SHUFFLER)(
             data_pb2.ShufflePlan(seed=seed, epoch=3, enabled=True, rank=0, world_size=1))
         orders.append(_order(out))
     assert orders[0] == orders[1] == epoch_order(5, 3, 12).tolist()
@@ -249,7 +248,7 @@ def test_a_rounds_seed_cannot_change_mid_epoch():
                 refused.append(e)
 
     bus, out = shuffler_on_bus(chunk=2, on_chunk=change_seed_mid_round)
-    port = bus.port(M.L2_TRAINING_LOOP, M.L4_SHUFFLER)
+    port = bus.port(Module.L2_TRAINING_LOOP, Module.L4_SHUFFLER)
     port(data_pb2.ShufflePlan(seed=7, epoch=0, enabled=True, rank=0, world_size=1))
     assert len(refused) == 1 and "being emitted" in str(refused[0])
     assert _order(out) == epoch_order(7, 0, 12).tolist()  # the round finished with its own seed
@@ -258,7 +257,7 @@ def test_a_rounds_seed_cannot_change_mid_epoch():
 
 
 def test_the_shuffler_has_no_entropy_source_of_its_own():
-    tree = source_tree(M.L4_SHUFFLER)
+    tree = source_tree(Module.L4_SHUFFLER)
     imports = imported_modules(tree)
     assert not {"random", "secrets", "os", "time", "uuid", "torch"} & {i.split(".")[0] for i in imports}
     for node in ast.walk(tree):
@@ -275,19 +274,19 @@ def test_the_shuffler_has_no_entropy_source_of_its_own():
 
 def test_the_batch_packer_cannot_change_the_batch_size_or_sequence_length():
     bus = Bus()
-    packer = BatchPacker(bus.emitter(M.L4_BATCH_PACKER))
-    bus.subscribe(M.L4_BATCH_PACKER, data_pb2.PackerConfig, packer.packer_config)
-    bus.subscribe(M.L4_BATCH_PACKER, data_pb2.SamplesFiltered, packer.samples_filtered)
+    packer = BatchPacker(bus.emitter(Module.L4_BATCH_PACKER))
+    bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.PackerConfig, packer.packer_config)
+    bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.SamplesFiltered, packer.samples_filtered)
     batches = []
-    bus.subscribe(M.L2_TRAINING_LOOP, data_pb2.MicroBatch, lambda m, p: batches.append(m))
-    bus.subscribe(M.L2_TRAINING_LOOP, data_pb2.DataExhausted, lambda m, p: None)
-    port = bus.port(M.L2_TRAINING_LOOP, M.L4_BATCH_PACKER)
+    bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.MicroBatch, lambda m, p: batches.append(m))
+    bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.DataExhausted, lambda m, p: None)
+    port = bus.port(Module.L2_TRAINING_LOOP, Module.L4_BATCH_PACKER)
     port(data_pb2.PackerConfig(seq_len=8, micro_batch_size=2, mode=data_pb2.PAD))
     with pytest.raises(ConfigFrozen, match="L4_BATCH_PACKER: batching rules"):
         port(data_pb2.PackerConfig(seq_len=32, micro_batch_size=16, mode=data_pb2.PAD))
     parts = [np.arange(1, n + 1, dtype=np.uint16) for n in (3, 20, 9, 2, 40, 5)]
     docs = Documents.join(parts, np.arange(6, dtype=np.int64), 0, True, "train", "bytes", np.dtype(np.uint16))
-    bus.publish(M.L4_FILTER, data_pb2.SamplesFiltered(count=6), docs)
+    bus.publish(Module.L4_FILTER, data_pb2.SamplesFiltered(count=6), docs)
     assert batches and {(b.batch_size, b.seq_len, len(b.input_ids) // 4) for b in batches} == {(2, 8, 16)}
 
 
@@ -296,25 +295,25 @@ def test_the_batch_packer_cannot_change_the_batch_size_or_sequence_length():
 
 def test_the_fault_detector_cannot_command_a_recovery(tmp_path):
     built = build_control(tmp_path)
-    bus, detector = built.buses[0], built.modules[M.L1_FAULT_DETECTOR]
+    bus, detector = built.buses[0], built.modules[Module.L1_FAULT_DETECTOR]
     with pytest.raises(RouteError, match="L1_FAULT_DETECTOR may not command L1_RECOVERY_CONTROLLER"):
-        bus.port(M.L1_FAULT_DETECTOR, M.L1_RECOVERY_CONTROLLER)
-    for receiver in (M.L1_RESOURCE_ALLOCATOR, M.L2_TRAINING_LOOP, M.EXT_HARDWARE):
+        bus.port(Module.L1_FAULT_DETECTOR, Module.L1_RECOVERY_CONTROLLER)
+    for receiver in (Module.L1_RESOURCE_ALLOCATOR, Module.L2_TRAINING_LOOP, Module.EXT_HARDWARE):
         with pytest.raises(RouteError):
-            bus.port(M.L1_FAULT_DETECTOR, receiver)
+            bus.port(Module.L1_FAULT_DETECTOR, receiver)
     # It holds one thing: its emitter, and the only message that may carry is its report.
     assert holds(detector) == {"ports": [], "emitters": ["L1_FAULT_DETECTOR"], "modules": []}
-    reports = [r for r in default_table().routes() if M.L1_FAULT_DETECTOR in r.senders]
-    assert reports and all(r.kind == EVENT and r.receivers == {M.L1_ORCHESTRATOR} for r in reports)
+    reports = [r for r in default_table().routes() if Module.L1_FAULT_DETECTOR in r.senders]
+    assert reports and all(r.kind == EVENT and r.receivers == {Module.L1_ORCHESTRATOR} for r in reports)
     emit = detector._emit
     for forged in (control_pb2.StartRecovery(job_id="j"), engine_pb2.StopTraining(job_id="j"),
                    control_pb2.ReleaseResources(job_id="j", kill=True)):
         with pytest.raises(BoundaryViolation):
             emit(forged)
     # A fatal fault is reported and nothing else happens: the recovery controller saw nothing.
-    bus.command(M.L1_ORCHESTRATOR, M.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring(job_id="j"))
-    bus.publish(M.EXT_HARDWARE, control_pb2.RankExited(job_id="j", rank=0, exit_code=-9))
-    assert built.modules[M.L1_RECOVERY_CONTROLLER]._state == {}
+    bus.command(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring(job_id="j"))
+    bus.publish(Module.EXT_HARDWARE, control_pb2.RankExited(job_id="j", rank=0, exit_code=-9))
+    assert built.modules[Module.L1_RECOVERY_CONTROLLER]._state == {}
 
 
 # ---------------------------------------------------------------------- L1-4 recovery controller
@@ -325,10 +324,10 @@ def test_the_recovery_controller_cannot_listen_for_faults(tmp_path):
     bus = built.buses[0]
     for event in (control_pb2.FaultReport, control_pb2.RankExited, engine_pb2.TrainingLoopFailed):
         with pytest.raises(RouteError):
-            bus.subscribe(M.L1_RECOVERY_CONTROLLER, event, lambda m, p: None)
+            bus.subscribe(Module.L1_RECOVERY_CONTROLLER, event, lambda m, p: None)
     # It reaches the allocator (the rebuild), no one else: the snapshot's digests are checked
     # by the ranks as they load it, the versions' verdicts asked by the orchestrator.
-    assert holds(built.modules[M.L1_RECOVERY_CONTROLLER]) == {
+    assert holds(built.modules[Module.L1_RECOVERY_CONTROLLER]) == {
         "ports": ["L1_RESOURCE_ALLOCATOR"], "emitters": [], "modules": []}
 
 
@@ -340,8 +339,8 @@ def test_the_recovery_controller_relaunches_exactly_the_version_it_is_told():
         relaunched.append(msg.resume_version)
         return control_pb2.ResourcesReady(job_id=msg.job_id)
 
-    bus.subscribe(M.L1_RESOURCE_ALLOCATOR, control_pb2.RebuildCommunicator, rebuild)
-    recovery = RecoveryController(bus.port(M.L1_RECOVERY_CONTROLLER, M.L1_RESOURCE_ALLOCATOR))
+    bus.subscribe(Module.L1_RESOURCE_ALLOCATOR, control_pb2.RebuildCommunicator, rebuild)
+    recovery = RecoveryController(bus.port(Module.L1_RECOVERY_CONTROLLER, Module.L1_RESOURCE_ALLOCATOR))
     done = recovery.start_recovery(control_pb2.StartRecovery(job_id="j", checkpoint_version="j:2"))
     assert isinstance(done, control_pb2.RecoveryCompleted) and done.checkpoint_version == "j:2"
     fresh = recovery.start_recovery(control_pb2.StartRecovery(job_id="k", checkpoint_version=""))
@@ -354,11 +353,11 @@ def test_the_recovery_controller_cannot_change_the_job_or_its_parallel_rules():
     # (seed L1-4 s5), or L1-2 to rebuild it by relaunching the ranks with the job config L1-1
     # pushed (RebuildCommunicator carries a version and exclusions, never a config); it can
     # send nothing that carries a configuration, a plan or a spec.
-    assert sends(M.L1_RECOVERY_CONTROLLER, COMMAND) <= {
+    assert sends(Module.L1_RECOVERY_CONTROLLER, COMMAND) <= {
         "LoadCheckpoint", "VerifyCheckpoints", "RebuildParallelGroup", "RebuildCommunicator"}
     assert not _fields("surge.v1.RebuildCommunicator") & {"init", "spec_json", "spec_yaml", "world_size", "backend"}
     for msg in (engine_pb2.InitJob, engine_pb2.RankAssignment, engine_pb2.ParallelPlan, control_pb2.AllocateResources):
-        assert M.L1_RECOVERY_CONTROLLER not in default_table().route(msg).senders
+        assert Module.L1_RECOVERY_CONTROLLER not in default_table().route(msg).senders
 
 
 # ---------------------------------------------------------------------- L1-2 resource allocator
@@ -366,42 +365,42 @@ def test_the_recovery_controller_cannot_change_the_job_or_its_parallel_rules():
 
 def test_the_resource_allocator_cannot_steer_training_or_read_its_metrics(tmp_path):
     built = build_control(tmp_path)
-    bus, allocator = built.buses[0], built.modules[M.L1_RESOURCE_ALLOCATOR]
+    bus, allocator = built.buses[0], built.modules[Module.L1_RESOURCE_ALLOCATOR]
     assert holds(allocator) == {"ports": ["EXT_HARDWARE"], "emitters": ["L1_RESOURCE_ALLOCATOR"], "modules": []}
     for msg in TRAINING_CONTROL + (engine_pb2.ParallelPlan, engine_pb2.ApplyUpdate, engine_pb2.InitJob):
-        assert M.L1_RESOURCE_ALLOCATOR not in default_table().route(msg).senders, msg.DESCRIPTOR.name
+        assert Module.L1_RESOURCE_ALLOCATOR not in default_table().route(msg).senders, msg.DESCRIPTOR.name
     for metric in (engine_pb2.StepCompleted, engine_pb2.EvalCompleted, engine_pb2.OverflowChecked,
                    engine_pb2.PrecisionReady, engine_pb2.BackwardDone):
         with pytest.raises(RouteError):
-            bus.subscribe(M.L1_RESOURCE_ALLOCATOR, metric, lambda m, p: None)
+            bus.subscribe(Module.L1_RESOURCE_ALLOCATOR, metric, lambda m, p: None)
 
 
 # ---------------------------------------------------------------------- L2-1 training loop
 
 
 def test_the_training_loop_cannot_request_resources_or_change_the_job(tmp_path):
-    loop = build_rank(tmp_path, load_model=False).modules[M.L2_TRAINING_LOOP]
+    loop = build_rank(tmp_path, load_model=False).modules[Module.L2_TRAINING_LOOP]
     ports = holds(loop)["ports"]
     assert not [p for p in ports if p.startswith("L1_") or p.startswith("EXT_")]
     for msg in (control_pb2.AllocateResources, control_pb2.ReleaseResources, control_pb2.LaunchRanks,
                 control_pb2.ReleaseRanks, control_pb2.SubmitJobRequest, control_pb2.StopJobRequest,
                 engine_pb2.InitJob, engine_pb2.RankAssignment):
-        assert M.L2_TRAINING_LOOP not in default_table().route(msg).senders, msg.DESCRIPTOR.name
+        assert Module.L2_TRAINING_LOOP not in default_table().route(msg).senders, msg.DESCRIPTOR.name
     # Its fault is a report to L1 (the detector grades it, the orchestrator decides).
-    assert default_table().route(engine_pb2.TrainingLoopFailed).receivers == {M.L1_ORCHESTRATOR, M.L1_FAULT_DETECTOR}
+    assert default_table().route(engine_pb2.TrainingLoopFailed).receivers == {Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR}
 
 
 # ---------------------------------------------------------------------- L1-1 orchestrator
 
 
 def test_the_orchestrator_only_commands_below_and_never_queries(tmp_path):
-    orchestrator = build_control(tmp_path).modules[M.L1_ORCHESTRATOR]
+    orchestrator = build_control(tmp_path).modules[Module.L1_ORCHESTRATOR]
     # L5_CHECKPOINT_MANAGER: VerifyCheckpoints before naming a version to load (a recorded
     # addition in seed_routes.yaml); the store reports verdicts, the orchestrator chooses.
     assert sorted(holds(orchestrator)["ports"]) == [
         "L1_FAULT_DETECTOR", "L1_RECOVERY_CONTROLLER", "L1_RESOURCE_ALLOCATOR", "L2_TRAINING_LOOP",
         "L5_CHECKPOINT_MANAGER"]
-    below = [r for r in default_table().routes() if M.L1_ORCHESTRATOR in r.senders and r.receivers & set(MODULES)]
+    below = [r for r in default_table().routes() if Module.L1_ORCHESTRATOR in r.senders and r.receivers & set(MODULES)]
     assert below and all(r.kind == COMMAND for r in below)
     assert not [r.message for r in below if "Query" in r.message or "Get" in r.message]
 
@@ -426,10 +425,10 @@ def test_the_metrics_logger_commands_nobody_and_cannot_trigger_a_save(tmp_path):
 
 def test_no_data_module_can_command_another_stage_or_the_reads(tmp_path):
     built = build_data(tmp_path)
-    got = {M.Name(m): holds(inst)["ports"] for m, inst in built.modules.items()}
+    got = {Module.Name(m): holds(inst)["ports"] for m, inst in built.modules.items()}
     assert got == {"L4_DATASET_VERSIONS": ["L4_PREFETCHER"], "L4_PREFETCHER": [], "L4_SHUFFLER": [],
                    "L4_FILTER": [], "L4_BATCH_PACKER": []}
-    for stage in (M.L4_SHUFFLER, M.L4_FILTER, M.L4_BATCH_PACKER, M.L4_DATASET_VERSIONS):
+    for stage in (Module.L4_SHUFFLER, Module.L4_FILTER, Module.L4_BATCH_PACKER, Module.L4_DATASET_VERSIONS):
         assert data_pb2.SetPrefetch.DESCRIPTOR.full_name not in {
             r.message for r in default_table().routes() if stage in r.senders}
 
@@ -449,10 +448,10 @@ def test_the_dataset_manager_activates_only_the_version_it_is_told(tmp_path):
     from services.data.dataset_versions import DatasetVersions
 
     activated = []
-    versions = DatasetVersions(root, bus.emitter(M.L4_DATASET_VERSIONS), bus.port(M.L4_DATASET_VERSIONS, M.L4_PREFETCHER))
-    bus.subscribe(M.L4_DATASET_VERSIONS, data_pb2.OpenStream, versions.open_stream)
-    bus.subscribe(M.L4_PREFETCHER, data_pb2.ActivateSource, lambda m, store: activated.append(m.version))
-    port = bus.port(M.L2_TRAINING_LOOP, M.L4_DATASET_VERSIONS)
+    versions = DatasetVersions(root, bus.emitter(Module.L4_DATASET_VERSIONS), bus.port(Module.L4_DATASET_VERSIONS, Module.L4_PREFETCHER))
+    bus.subscribe(Module.L4_DATASET_VERSIONS, data_pb2.OpenStream, versions.open_stream)
+    bus.subscribe(Module.L4_PREFETCHER, data_pb2.ActivateSource, lambda m, store: activated.append(m.version))
+    port = bus.port(Module.L2_TRAINING_LOOP, Module.L4_DATASET_VERSIONS)
     ready = port(data_pb2.OpenStream(mount=data_pb2.MountDataset(name="tiny", version="v1"), split="train")).message
     assert ready.version == "v1" and activated == ["v1"]  # the newer v2 is never switched to on its own
 
@@ -476,7 +475,7 @@ def test_the_orchestrator_sends_no_training_parameter_down():
     # The job's configuration goes down once, frozen, in InitJob (全局初始化指令); after that
     # every command it sends says when (a step boundary), never what a parameter becomes.
     for route in default_table().routes():
-        if M.L1_ORCHESTRATOR in route.senders and route.receivers & set(MODULES) and route.message != "surge.v1.InitJob":
+        if Module.L1_ORCHESTRATOR in route.senders and route.receivers & set(MODULES) and route.message != "surge.v1.InitJob":
             assert not _fields(route.message) & (TRAINING_PARAMETERS | {"spec_json", "spec_yaml"}), route.message
 
 
@@ -484,16 +483,16 @@ def test_the_resource_allocator_cannot_change_the_parallel_plan():
     table = default_table()
     for name in ("ParallelPlan", "ReloadShards"):  # the plan, and a re-shard by it
         route = table.route(f"surge.v1.{name}")
-        assert route is None or M.L1_RESOURCE_ALLOCATOR not in route.senders, name
+        assert route is None or Module.L1_RESOURCE_ALLOCATOR not in route.senders, name
     # Its RankAssignment is the launch-time topology, sent once per rank with LaunchRanks.
-    tree = source_tree(M.L1_RESOURCE_ALLOCATOR)
+    tree = source_tree(Module.L1_RESOURCE_ALLOCATOR)
     where = [f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
              for n in ast.walk(f) if isinstance(n, ast.Call) and ast.unparse(n.func).endswith("RankAssignment")]
     assert where == ["allocate_resources"]
 
 
 def test_the_resource_allocator_launches_and_releases_ranks_only_when_commanded():
-    tree = source_tree(M.L1_RESOURCE_ALLOCATOR)
+    tree = source_tree(Module.L1_RESOURCE_ALLOCATOR)
     callers = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
                for n in ast.walk(f) if isinstance(n, ast.Call) and ast.unparse(n.func) == "self._hardware"}
     assert callers == {"allocate_resources", "release_resources"}  # L1-1's two commands, nothing else
@@ -501,52 +500,52 @@ def test_the_resource_allocator_launches_and_releases_ranks_only_when_commanded(
 
 def test_the_fault_detector_hears_only_public_error_events_and_its_commands():
     for route in default_table().routes():
-        if M.L1_FAULT_DETECTOR not in route.receivers:
+        if Module.L1_FAULT_DETECTOR not in route.receivers:
             continue
         if route.kind == COMMAND:
-            assert route.senders == {M.L1_ORCHESTRATOR}, route.message
+            assert route.senders == {Module.L1_ORCHESTRATOR}, route.message
         else:
             assert not _fields(route.message) & TRAINING_PARAMETERS, route.message
 
 
 def test_the_training_loop_reports_a_fault_and_leaves_the_verdict_to_l1(tmp_path):
     built = build_rank(tmp_path, load_model=False)
-    loop = built.modules[M.L2_TRAINING_LOOP]
+    loop = built.modules[Module.L2_TRAINING_LOOP]
     for verdict in (control_pb2.FaultReport(job_id="j", grade=control_pb2.FATAL),
                     control_pb2.StopJobRequest(job_id="j"), control_pb2.ReleaseResources(job_id="j")):
         with pytest.raises(BoundaryViolation):
             loop._emit(verdict)
-    for above in (M.L1_ORCHESTRATOR, M.L1_RESOURCE_ALLOCATOR, M.L1_FAULT_DETECTOR, M.L1_RECOVERY_CONTROLLER):
-        assert commands_to(M.L2_TRAINING_LOOP, above) == set()  # it reports up; it commands nothing above
-    tree = source_tree(M.L2_TRAINING_LOOP)
+    for above in (Module.L1_ORCHESTRATOR, Module.L1_RESOURCE_ALLOCATOR, Module.L1_FAULT_DETECTOR, Module.L1_RECOVERY_CONTROLLER):
+        assert commands_to(Module.L2_TRAINING_LOOP, above) == set()  # it reports up; it commands nothing above
+    tree = source_tree(Module.L2_TRAINING_LOOP)
     graded = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} & {"FaultGrade", "SEVERE", "FATAL", "grade"}
     assert graded == set()  # it classifies what happened; the detector grades, the orchestrator decides
 
 
 def test_the_parallel_strategy_sends_the_loop_only_events():
-    assert commands_to(M.L2_PARALLEL_STRATEGY, M.L2_TRAINING_LOOP) == set()
-    assert commands_to(M.L2_PARALLEL_STRATEGY, M.L2_OPTIMIZER) == set()
-    tree = source_tree(M.L2_PARALLEL_STRATEGY)
+    assert commands_to(Module.L2_PARALLEL_STRATEGY, Module.L2_TRAINING_LOOP) == set()
+    assert commands_to(Module.L2_PARALLEL_STRATEGY, Module.L2_OPTIMIZER) == set()
+    tree = source_tree(Module.L2_PARALLEL_STRATEGY)
     assert not {"step", "at_step", "StopTraining", "PauseTraining"} & {
         n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
 
 
 def test_the_precision_manager_cannot_touch_the_learning_rate_or_the_step():
     for route in default_table().routes():
-        if M.L2_MIXED_PRECISION in route.senders:
+        if Module.L2_MIXED_PRECISION in route.senders:
             assert not _fields(route.message) & {"learning_rate", "lr"}, route.message
-    tree = source_tree(M.L2_MIXED_PRECISION)
+    tree = source_tree(Module.L2_MIXED_PRECISION)
     names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | {
         n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     assert not names & {"learning_rate", "lr", "param_groups", "_step", "global_step"}
 
 
 def test_the_operator_adapter_only_responds_to_calls(tmp_path):
-    adapter = build_rank(tmp_path, load_model=False).modules[M.L3_OPERATOR_ADAPTER]
+    adapter = build_rank(tmp_path, load_model=False).modules[Module.L3_OPERATOR_ADAPTER]
     assert holds(adapter) == {"ports": [], "emitters": ["L3_OPERATOR_ADAPTER"], "modules": []}
     for route in default_table().routes():
-        if M.L3_OPERATOR_ADAPTER in route.receivers:
-            assert route.kind == COMMAND or route.senders <= {M.EXT_HARDWARE}, route.message
+        if Module.L3_OPERATOR_ADAPTER in route.receivers:
+            assert route.kind == COMMAND or route.senders <= {Module.EXT_HARDWARE}, route.message
 
 
 def test_the_metrics_logger_only_waits_for_reported_events(tmp_path):
@@ -555,4 +554,4 @@ def test_the_metrics_logger_only_waits_for_reported_events(tmp_path):
     assert not any(isinstance(v, threading.Thread) for v in vars(metrics).values())
     for route in default_table().routes():
         if METRICS in route.receivers and route.kind == COMMAND:
-            assert route.senders <= {M.L2_TRAINING_LOOP}, route.message  # 日志采集指令 from L2-1 only
+            assert route.senders <= {Module.L2_TRAINING_LOOP}, route.message  # 日志采集指令 from L2-1 only

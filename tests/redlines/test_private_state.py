@@ -14,7 +14,7 @@ import inspect
 
 import pytest
 
-from services.contract import Module as M
+from services.contract import Module
 from services.contract.bus import CommandPort, Emitter
 from services.contract.route_table import default_table
 
@@ -51,7 +51,7 @@ def built(tmp_path_factory):
 
 def test_the_composition_roots_build_all_twenty_modules(built):
     found = {m for b in built for m in b.modules}
-    assert found == set(MODULES), sorted(M.Name(m) for m in set(MODULES) - found)
+    assert found == set(MODULES), sorted(Module.Name(m) for m in set(MODULES) - found)
 
 
 def test_module_instances_keep_every_attribute_private(built):
@@ -101,7 +101,7 @@ def test_no_module_holds_a_reference_to_another_module(built):
 def test_the_shard_loader_handover_is_write_only():
     # The shard loader only ever calls its handover with the model it built, once per load,
     # and reads nothing back: no attribute of it is read, its result is not used.
-    tree = ast.parse((REPO / MODULES[M.L3_SHARD_LOADER][1]).read_text())
+    tree = ast.parse((REPO / MODULES[Module.L3_SHARD_LOADER][1]).read_text())
     uses = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "_handover"]
     assigns = [n for n in uses if isinstance(n.ctx, ast.Store)]
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "_handover"]
@@ -131,7 +131,7 @@ def test_no_lower_module_holds_a_port_to_an_upper_one(built):
 def test_no_command_route_points_up_a_layer():
     table = default_table()
     upward = [
-        f"{r.message}: {M.Name(s)} -> {M.Name(t)}"
+        f"{r.message}: {Module.Name(s)} -> {Module.Name(t)}"
         for r in table.routes() if r.kind == 1  # COMMAND
         for s in r.senders for t in r.receivers
         if s in MODULES and t in MODULES and layer(t) < layer(s)
@@ -179,7 +179,7 @@ def test_a_compute_unit_attached_to_the_model_holds_no_upper_module(tmp_path):
     # or the precision manager that work above them.
     built = build_rank(tmp_path)
     for module, inst in built.modules.items():
-        if layer(module) != 3 or module == M.L3_SHARD_LOADER:
+        if layer(module) != 3 or module == Module.L3_SHARD_LOADER:
             continue
         others = [r.path for r in reachable(inst) if not isinstance(r.target, (CommandPort, Emitter))]
-        assert others == [], M.Name(module)
+        assert others == [], Module.Name(module)

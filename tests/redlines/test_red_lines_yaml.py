@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.contract import Module as M
+from services.contract import Module
 
 from .wiring import MODULES, REPO
 
@@ -103,4 +103,4 @@ def test_every_text_is_the_transcriptions_red_line(table):
 
 
 def test_the_red_line_table_names_each_module_the_route_table_knows(table):
-    assert {module_of(s) for s in table} == set(MODULES) == {v for v in M.values() if 10 < v < 60}
+    assert {module_of(s) for s in table} == set(MODULES) == {v for v in Module.values() if 10 < v < 60}

@@ -14,8 +14,7 @@ import textwrap
 
 from google.protobuf import json_format
 
-from services.contract import Module as M
-from services.contract import control_pb2, engine_pb2
+from services.contract import Module, control_pb2, engine_pb2
 from services.contract.bus import Bus
 from services.store.metrics_logger import MetricsLogger
 
@@ -32,10 +31,10 @@ def _lines(path):
 def test_a_receiver_mutating_its_step_event_does_not_change_what_the_metrics_logger_persists(tmp_path):
     bus = Bus()
     logger = MetricsLogger(tmp_path)
-    bus.subscribe(M.L1_ORCHESTRATOR, engine_pb2.StepCompleted, _vandal)  # delivered first
-    bus.subscribe(M.L5_METRICS_LOGGER, engine_pb2.StepCompleted, logger.record_step)
+    bus.subscribe(Module.L1_ORCHESTRATOR, engine_pb2.StepCompleted, _vandal)  # delivered first
+    bus.subscribe(Module.L5_METRICS_LOGGER, engine_pb2.StepCompleted, logger.record_step)
     sent = engine_pb2.StepCompleted(job_id="j", rank=0, step=7, loss=2.5, learning_rate=3e-4, tokens=64)
-    assert bus.publish(M.L2_TRAINING_LOOP, sent) == 2
+    assert bus.publish(Module.L2_TRAINING_LOOP, sent) == 2
     logger.close()
     (line,) = _lines(tmp_path / "metrics" / "j.jsonl")
     line.pop("type")
@@ -73,7 +72,7 @@ def _control(tmp_path, liveness: str = "{}"):
         data: {dataset: x@v1, seq_len: 8, micro_batch_size: 2}
         optimizer: {warmup_steps: 0}
         """) + f"liveness: {liveness}\n"
-    status = control.bus.command(M.EXT_USER, M.L1_ORCHESTRATOR,
+    status = control.bus.command(Module.EXT_USER, Module.L1_ORCHESTRATOR,
                                  control_pb2.SubmitJobRequest(spec_yaml=spec, spec_path="job.yaml")).message
     return control, status.job_id
 
@@ -81,17 +80,17 @@ def _control(tmp_path, liveness: str = "{}"):
 def test_a_receiver_mutating_its_step_event_does_not_change_what_the_orchestrator_records(tmp_path):
     control, job = _control(tmp_path)
     bus = control.bus
-    bus.subscribe(M.L5_METRICS_LOGGER, engine_pb2.StepCompleted, _vandal)  # the other receiver
-    bus.publish(M.L2_TRAINING_LOOP, engine_pb2.TrainingLoopStarted(job_id=job, rank=0))
-    bus.publish(M.L2_TRAINING_LOOP, engine_pb2.StepCompleted(job_id=job, rank=0, step=3, loss=1.25, tokens=16))
-    status = bus.command(M.EXT_USER, M.L1_ORCHESTRATOR, control_pb2.JobQuery(job_id=job)).message
+    bus.subscribe(Module.L5_METRICS_LOGGER, engine_pb2.StepCompleted, _vandal)  # the other receiver
+    bus.publish(Module.L2_TRAINING_LOOP, engine_pb2.TrainingLoopStarted(job_id=job, rank=0))
+    bus.publish(Module.L2_TRAINING_LOOP, engine_pb2.StepCompleted(job_id=job, rank=0, step=3, loss=1.25, tokens=16))
+    status = bus.command(Module.EXT_USER, Module.L1_ORCHESTRATOR, control_pb2.JobQuery(job_id=job)).message
     assert (status.job_id, status.step, status.train_loss) == (job, 3, 1.25)
     control.journal.close()
 
 
 def test_the_orchestrators_reply_is_a_snapshot_its_receiver_cannot_write_through(tmp_path):
     control, job = _control(tmp_path)
-    user = lambda msg: control.bus.command(M.EXT_USER, M.L1_ORCHESTRATOR, msg).message  # noqa: E731
+    user = lambda msg: control.bus.command(Module.EXT_USER, Module.L1_ORCHESTRATOR, msg).message  # noqa: E731
     mine = user(control_pb2.JobQuery(job_id=job))
     mine.state, mine.step, mine.message = control_pb2.TERMINATED, 999, "tampered"
     again = user(control_pb2.JobQuery(job_id=job))

@@ -45,31 +45,30 @@ from services.engine.training_loop import TrainingLoop
 from services.store.checkpoint_manager import CheckpointManager
 from services.store.metrics_logger import MetricsLogger
 
-M = Module
 REPO = Path(__file__).resolve().parents[2]
 
 # Seed module id -> its class and its file (one file per module, named after its role).
 MODULES: dict[int, tuple[type, str]] = {
-    M.L1_ORCHESTRATOR: (Orchestrator, "services/control/orchestrator.py"),
-    M.L1_RESOURCE_ALLOCATOR: (ResourceAllocator, "services/control/resource_allocator.py"),
-    M.L1_FAULT_DETECTOR: (FaultDetector, "services/control/fault_detector.py"),
-    M.L1_RECOVERY_CONTROLLER: (RecoveryController, "services/control/recovery_controller.py"),
-    M.L2_TRAINING_LOOP: (TrainingLoop, "services/engine/training_loop.py"),
-    M.L2_PARALLEL_STRATEGY: (ParallelStrategy, "services/engine/parallel_strategy.py"),
-    M.L2_OPTIMIZER: (Optimizer, "services/engine/optimizer.py"),
-    M.L2_MIXED_PRECISION: (MixedPrecision, "services/engine/mixed_precision.py"),
-    M.L3_SHARD_LOADER: (ShardLoader, "services/compute/shard_loader.py"),
-    M.L3_OPERATOR_ADAPTER: (OperatorAdapter, "services/compute/operator_adapter.py"),
-    M.L3_FORWARD_UNIT: (ForwardUnit, "services/compute/forward_unit.py"),
-    M.L3_BACKWARD_UNIT: (BackwardUnit, "services/compute/backward_unit.py"),
-    M.L3_GRADIENT_REDUCTION: (GradientReduction, "services/compute/gradient_reduction.py"),
-    M.L4_DATASET_VERSIONS: (DatasetVersions, "services/data/dataset_versions.py"),
-    M.L4_PREFETCHER: (Prefetcher, "services/data/prefetcher.py"),
-    M.L4_SHUFFLER: (Shuffler, "services/data/shuffler.py"),
-    M.L4_FILTER: (SampleFilter, "services/data/sample_filter.py"),
-    M.L4_BATCH_PACKER: (BatchPacker, "services/data/batch_packer.py"),
-    M.L5_CHECKPOINT_MANAGER: (CheckpointManager, "services/store/checkpoint_manager.py"),
-    M.L5_METRICS_LOGGER: (MetricsLogger, "services/store/metrics_logger.py"),
+    Module.L1_ORCHESTRATOR: (Orchestrator, "services/control/orchestrator.py"),
+    Module.L1_RESOURCE_ALLOCATOR: (ResourceAllocator, "services/control/resource_allocator.py"),
+    Module.L1_FAULT_DETECTOR: (FaultDetector, "services/control/fault_detector.py"),
+    Module.L1_RECOVERY_CONTROLLER: (RecoveryController, "services/control/recovery_controller.py"),
+    Module.L2_TRAINING_LOOP: (TrainingLoop, "services/engine/training_loop.py"),
+    Module.L2_PARALLEL_STRATEGY: (ParallelStrategy, "services/engine/parallel_strategy.py"),
+    Module.L2_OPTIMIZER: (Optimizer, "services/engine/optimizer.py"),
+    Module.L2_MIXED_PRECISION: (MixedPrecision, "services/engine/mixed_precision.py"),
+    Module.L3_SHARD_LOADER: (ShardLoader, "services/compute/shard_loader.py"),
+    Module.L3_OPERATOR_ADAPTER: (OperatorAdapter, "services/compute/operator_adapter.py"),
+    Module.L3_FORWARD_UNIT: (ForwardUnit, "services/compute/forward_unit.py"),
+    Module.L3_BACKWARD_UNIT: (BackwardUnit, "services/compute/backward_unit.py"),
+    Module.L3_GRADIENT_REDUCTION: (GradientReduction, "services/compute/gradient_reduction.py"),
+    Module.L4_DATASET_VERSIONS: (DatasetVersions, "services/data/dataset_versions.py"),
+    Module.L4_PREFETCHER: (Prefetcher, "services/data/prefetcher.py"),
+    Module.L4_SHUFFLER: (Shuffler, "services/data/shuffler.py"),
+    Module.L4_FILTER: (SampleFilter, "services/data/sample_filter.py"),
+    Module.L4_BATCH_PACKER: (BatchPacker, "services/data/batch_packer.py"),
+    Module.L5_CHECKPOINT_MANAGER: (CheckpointManager, "services/store/checkpoint_manager.py"),
+    Module.L5_METRICS_LOGGER: (MetricsLogger, "services/store/metrics_logger.py"),
 }
 MODULE_OF_CLASS: dict[type, int] = {cls: module for module, (cls, _) in MODULES.items()}
 
@@ -108,7 +107,7 @@ class Built:
                 owner = getattr(handler, "__self__", None)
                 if type(owner) in MODULE_OF_CLASS:
                     assert MODULE_OF_CLASS[type(owner)] == module, (
-                        f"{self.root}: {type(owner).__name__} subscribed as {M.Name(module)}"
+                        f"{self.root}: {type(owner).__name__} subscribed as {Module.Name(module)}"
                     )
                     self.modules.setdefault(module, owner)
 
@@ -192,10 +191,10 @@ def build_rank(tmp: Path, *, load_model: bool = True) -> Built:
     built = Built("services.worker.rank.compose", [bus])
     if load_model:
         plan = engine_pb2.ParallelPlan(rank=0, world_size=1, dp=1, data_parallel="none", device="cpu")
-        bus.command(M.L2_PARALLEL_STRATEGY, M.L3_SHARD_LOADER, plan)
-        bus.command(M.L2_PARALLEL_STRATEGY, M.L3_GRADIENT_REDUCTION, plan)
+        bus.command(Module.L2_PARALLEL_STRATEGY, Module.L3_SHARD_LOADER, plan)
+        bus.command(Module.L2_PARALLEL_STRATEGY, Module.L3_GRADIENT_REDUCTION, plan)
         spec = rank_spec()
-        bus.command(M.L2_TRAINING_LOOP, M.L3_SHARD_LOADER,
+        bus.command(Module.L2_TRAINING_LOOP, Module.L3_SHARD_LOADER,
                     engine_pb2.LoadModel(model_json=spec.model.model_dump_json(), seed=0))
     return built
 
@@ -347,13 +346,13 @@ def optimizer_with_model(grad: float = 0.5):
     from services.jobspec import ModelSpec, OptimizerSpec
 
     bus = Bus()
-    optimizer = Optimizer(OptimizerSpec(weight_decay=0.1), bus.emitter(M.L2_OPTIMIZER))
-    bus.subscribe(M.L2_OPTIMIZER, engine_pb2.ApplyUpdate, optimizer.apply_update)
+    optimizer = Optimizer(OptimizerSpec(weight_decay=0.1), bus.emitter(Module.L2_OPTIMIZER))
+    bus.subscribe(Module.L2_OPTIMIZER, engine_pb2.ApplyUpdate, optimizer.apply_update)
     model = build_model(ModelSpec(n_layers=1, d_model=16, n_heads=2, vocab_size=32), 0)
     optimizer.attach(model)
     for p in model.parameters():
         p.grad = torch.full_like(p, grad)
-    return model, optimizer, bus.port(M.L2_TRAINING_LOOP, M.L2_OPTIMIZER)
+    return model, optimizer, bus.port(Module.L2_TRAINING_LOOP, Module.L2_OPTIMIZER)
 
 
 def shuffler_on_bus(chunk: int = 4, n: int = 12, on_chunk=None):
@@ -365,9 +364,9 @@ def shuffler_on_bus(chunk: int = 4, n: int = 12, on_chunk=None):
     from services.data.documents import Documents
 
     bus = Bus()
-    shuffler = Shuffler(bus.emitter(M.L4_SHUFFLER), chunk_documents=chunk)
-    bus.subscribe(M.L4_SHUFFLER, data_pb2.SamplesRead, shuffler.samples_read)
-    bus.subscribe(M.L4_SHUFFLER, data_pb2.ShufflePlan, shuffler.shuffle_plan)
+    shuffler = Shuffler(bus.emitter(Module.L4_SHUFFLER), chunk_documents=chunk)
+    bus.subscribe(Module.L4_SHUFFLER, data_pb2.SamplesRead, shuffler.samples_read)
+    bus.subscribe(Module.L4_SHUFFLER, data_pb2.ShufflePlan, shuffler.shuffle_plan)
     out: list[Documents] = []
 
     def filter_inbox(msg, docs):
@@ -375,8 +374,8 @@ def shuffler_on_bus(chunk: int = 4, n: int = 12, on_chunk=None):
         if on_chunk is not None:
             on_chunk(out)
 
-    bus.subscribe(M.L4_FILTER, data_pb2.SamplesShuffled, filter_inbox)
+    bus.subscribe(Module.L4_FILTER, data_pb2.SamplesShuffled, filter_inbox)
     parts = [np.full(i % 3 + 1, i, np.uint16) for i in range(n)]
     docs = Documents.join(parts, np.arange(n, dtype=np.int64), -1, True, "train", "bytes", np.dtype(np.uint16))
-    bus.publish(M.L4_PREFETCHER, data_pb2.SamplesRead(count=n), docs)
+    bus.publish(Module.L4_PREFETCHER, data_pb2.SamplesRead(count=n), docs)
     return bus, out

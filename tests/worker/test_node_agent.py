@@ -427,7 +427,7 @@ def test_sigterm_of_the_agent_kills_every_rank_and_its_children_then_exits_zero(
     pids = list(started_ranks(cluster, control.servicer, 2).values())
     grandchildren = []
     for rank in (0, 1):
-        line = next(l for l in agent.rank_log("fam", rank).splitlines() if l.startswith("grandchild "))
+        line = next(text for text in agent.rank_log("fam", rank).splitlines() if text.startswith("grandchild "))
         grandchildren.append(int(line.split()[1]))
     cluster.track(*grandchildren)
     assert all(alive(p) for p in pids + grandchildren)
