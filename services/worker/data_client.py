@@ -12,7 +12,7 @@ finds the next batch already decoded. Read-ahead is bounded by the loop's inbox 
 inbox blocks this thread, which stops reading, which applies gRPC flow control upstream).
 
 End of a finite stream -> ``DataExhausted(split, position)``. A gRPC error -> the loop gets
-``DatasetUnavailable`` whose reason is the server's one-line message (NOT_FOUND /
+``DatasetUnavailable`` (its ``failure`` typed by the cause the service sent) whose reason is the server's one-line message (NOT_FOUND /
 FAILED_PRECONDITION from Mount: unknown dataset or version, manifest mismatch) or
 "data service unreachable at ADDR" for a connection failure. Every failed call is shown
 to ``on_error`` first (the rank reports a boundary violation the service returned).
@@ -30,8 +30,9 @@ import structlog
 import torch
 
 from services.common.grpc_server import channel
-from services.contract import data_pb2, data_pb2_grpc
+from services.contract import Module, data_pb2, data_pb2_grpc
 from services.contract.bus import Emitter
+from services.contract.failures import failure_of
 from services.engine.training_loop import Batch
 
 MOUNT_TIMEOUT_S = 120.0
@@ -59,7 +60,8 @@ class DataClient:
             return self._stub.Mount(msg, timeout=MOUNT_TIMEOUT_S)
         except grpc.RpcError as e:
             self._failed(e)
-            return data_pb2.DatasetUnavailable(name=msg.name, version=msg.version, reason=self._reason(e))
+            return data_pb2.DatasetUnavailable(name=msg.name, version=msg.version, reason=self._reason(e),
+                                              failure=_failure(e, "surge.v1.MountDataset"))
 
     def open_stream(self, msg: data_pb2.OpenStream, payload: Any = None) -> None:
         """Open a stream and start its reader thread; batches arrive as MicroBatch events."""
@@ -94,10 +96,12 @@ class DataClient:
             if self._closing or e.code() == grpc.StatusCode.CANCELLED:
                 return
             self._failed(e)
-            self._versions(data_pb2.DatasetUnavailable(name=mount.name, version=mount.version, reason=self._reason(e)))
+            self._versions(data_pb2.DatasetUnavailable(name=mount.name, version=mount.version, reason=self._reason(e),
+                                                       failure=_failure(e, "surge.v1.OpenStream")))
         except Exception as e:  # noqa: BLE001 - a malformed batch, or a bug: the loop must hear of it
             reason = str(e) if isinstance(e, ValueError) else f"data relay: {type(e).__name__}: {e}"
-            self._versions(data_pb2.DatasetUnavailable(name=mount.name, version=mount.version, reason=reason))
+            self._versions(data_pb2.DatasetUnavailable(name=mount.name, version=mount.version, reason=reason,
+                                                       failure=_failure(e, "surge.v1.OpenStream")))
 
     def _failed(self, e: grpc.RpcError) -> None:
         if self._on_error is not None:
@@ -112,6 +116,13 @@ class DataClient:
         if e.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED) or not details:
             return f"data service at {self._address}: {e.code().name}: {details}"
         return details
+
+
+def _failure(e: BaseException, operation: str):
+    """The data service's failure as L4-1's, typed: a gRPC error's cause is the one the
+    service sent in its trailing metadata (its module's exception type), else its status
+    code's (services/contract/failures.py); never read from the message text."""
+    return failure_of(e, Module.L4_DATASET_VERSIONS, operation)
 
 
 def _decode(buf: bytes, mb: data_pb2.MicroBatch) -> torch.Tensor:

@@ -127,6 +127,8 @@ def test_mount_and_stream_errors_become_dataset_unavailable_with_one_line(server
     client, port, got = data_relay(server[0])
     reply = port(data_pb2.MountDataset(name="d", version="v2")).message
     assert isinstance(reply, data_pb2.DatasetUnavailable) and reply.reason == "dataset d@v2: sha256 mismatch"
+    # Typed by the service's status (FAILED_PRECONDITION: a refused input), not by its words.
+    assert (reply.failure.module, reply.failure.cause) == (Module.L4_DATASET_VERSIONS, route_pb2.FAILURE_INVALID_INPUT)
     port(data_pb2.OpenStream(split="bad", mount=data_pb2.MountDataset(name="d", version="v2")))
     got.get(timeout=10)
     bad, _ = got.get(timeout=10)
@@ -135,6 +137,7 @@ def test_mount_and_stream_errors_become_dataset_unavailable_with_one_line(server
     client, port, got = data_relay(f"127.0.0.1:{free_port()}")  # nothing listens there
     reply = port(data_pb2.MountDataset(name="d", version="v1")).message
     assert reply.reason.startswith("data service unreachable at 127.0.0.1:")
+    assert reply.failure.cause == route_pb2.FAILURE_UNAVAILABLE
     client.close()
 
 
