@@ -86,7 +86,7 @@ async def _sim(address, ids, total, registered, silence_rank, stop, out_q) -> No
             while True:
                 yield await outgoing.get()
 
-        call = stub.WorkerSession(requests())
+        call = stub.WorkerSession(requests(), metadata=(("x-surge-module", "EXT_HARDWARE"),))  # as a node agent
         seq, pending = 0, {}
         state = {"job": "", "ranks": [], "stepping": False, "step": 0}
 
@@ -126,7 +126,7 @@ async def _sim(address, ids, total, registered, silence_rank, stop, out_q) -> No
                     for r in state["ranks"]:
                         await send(rank_event=worker_pb2.RankEvent(job_id=state["job"], rank=r, started=engine_pb2.TrainingLoopStarted(
                             job_id=state["job"], rank=r, start_step=0, num_parameters=1, startup_seconds=0.1)))
-                elif kind == "rank_command" and cmd.rank_command.WhichOneof("command") == "start":
+                elif kind == "routed" and cmd.routed.type == "surge.v1.StartTraining":  # to the job's ranks
                     state["stepping"] = True
                 elif kind == "release":
                     state["stepping"] = False

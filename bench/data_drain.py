@@ -64,14 +64,16 @@ def main() -> None:
     c.setup_env()
     import grpc
 
-    from services.contract import data_pb2_grpc
+    from services.common.grpc_server import channel
+    from services.contract import Module, data_pb2_grpc
 
     port = free_port()
     svc = subprocess.Popen([c.PY, "-m", "services.data", "--port", str(port), "--metrics-port", str(free_port()),
                             "--data-root", str(c.DATA_ROOT)], cwd=c.REPO, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
     try:
-        ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20)])
+        ch = channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20)],
+                     module=Module.L2_TRAINING_LOOP)  # streams as a rank would
         grpc.channel_ready_future(ch).result(timeout=60)
         stub = data_pb2_grpc.DataServiceStub(ch)
         counts = [[0, 0, 0] for _ in range(args.streams)]  # batches, bytes, tokens (counted window)

@@ -18,7 +18,7 @@ import grpc
 from services.cli import stack
 from services.cli.errors import CliError
 from services.common.grpc_server import channel
-from services.contract import audit_pb2, audit_pb2_grpc, route_pb2
+from services.contract import Module, audit_pb2, audit_pb2_grpc, route_pb2
 from services.contract.route_table import RouteTable, default_table, module_name
 
 AUDIT_TIMEOUT_S = 15.0  # a worker waits up to 2 s for its ranks
@@ -69,7 +69,7 @@ def collect(addresses: dict[str, str], timeout_s: float = AUDIT_TIMEOUT_S) -> tu
     """Ask every service; returns the reports and one note per service that did not answer."""
     reports, notes = [], []
     for name, address in addresses.items():
-        with channel(address) as ch:
+        with channel(address, module=Module.EXT_USER) as ch:
             try:
                 reports.append(audit_pb2_grpc.AuditServiceStub(ch).Audit(audit_pb2.AuditRequest(), timeout=timeout_s))
             except grpc.RpcError as e:

@@ -17,7 +17,7 @@ import grpc
 from services.cli import stack
 from services.cli.errors import CliError, from_rpc
 from services.common.grpc_server import TlsConfigError, channel
-from services.contract import control_pb2_grpc, data_pb2_grpc, store_pb2_grpc
+from services.contract import Module, control_pb2_grpc, data_pb2_grpc, store_pb2_grpc
 
 _STUBS = {
     "control": control_pb2_grpc.ControlServiceStub,
@@ -42,9 +42,10 @@ def address(service: str) -> str:
 
 
 def open_channel(addr: str) -> grpc.Channel:
-    """A channel to ``addr`` (TLS per the environment); a bad TLS setting is a CliError."""
+    """A channel to ``addr`` (TLS per the environment), speaking as the operator
+    (EXT_USER); a bad TLS setting is a CliError."""
     try:
-        return channel(addr)
+        return channel(addr, module=Module.EXT_USER)
     except TlsConfigError as e:
         raise CliError(str(e)) from None
 

@@ -12,6 +12,12 @@ Security is configured by environment only, so no service's flags change:
   control RPCs (``MUTATING_METHODS``) and answer UNAUTHENTICATED otherwise; clients send it
   on every call.
 
+Identity (always on, ``services/common/identity.py``): a client channel names the module its
+process speaks for (``channel(address, module=...)``: metadata ``x-surge-module``); every
+server refuses a Surge RPC whose caller names no module, or one the route table does not let
+send that RPC's request, or (under mutual TLS) one its certificate's role may not claim:
+PERMISSION_DENIED, reported as a boundary violation (trailing metadata, counted).
+
 Every server also answers a request it cannot parse with INVALID_ARGUMENT naming the method
 (instead of gRPC's bare "Exception deserializing request"), and refuses a message over
 ``MAX_MESSAGE_BYTES`` with RESOURCE_EXHAUSTED (gRPC's own check).
@@ -32,9 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import structlog
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from services.common.identity import MODULE_METADATA, CallerPolicy, Refused
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 GRPC_OPTIONS = [
@@ -106,8 +115,105 @@ class _Malformed:
         self.error = error
 
 
+_log = structlog.get_logger("grpc")
+_POLICY: CallerPolicy | None = None
+
+
+def _policy() -> CallerPolicy:
+    global _POLICY
+    if _POLICY is None:
+        _POLICY = CallerPolicy()
+    return _POLICY
+
+
+def _certificate_names(context) -> list[str] | None:
+    """The client certificate's CN and subject-alternative names; None without one."""
+    try:
+        auth = context.auth_context() or {}
+    except Exception:  # noqa: BLE001 - a context without a transport (in-process tests)
+        return None
+    if "x509_pem_cert" not in auth and "x509_common_name" not in auth:
+        return None
+    return [v.decode() if isinstance(v, bytes) else str(v)
+            for key in ("x509_common_name", "x509_subject_alternative_name") for v in auth.get(key, ())]
+
+
+def _claim(context) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == MODULE_METADATA:
+            return value if isinstance(value, str) else value.decode()
+    return None
+
+
+def _identify(method: str, context) -> tuple[grpc.StatusCode, str, tuple] | None:
+    """None when the caller's identity holds; else the refusal (code, details, trailers)."""
+    try:
+        _policy().check(method, _claim(context), _certificate_names(context))
+        return None
+    except Refused as e:
+        from services.contract.audit import VIOLATION_METADATA, violation_event
+        from services.contract.bus import BOUNDARY_VIOLATIONS, TRAFFIC, BoundaryViolation
+
+        error = BoundaryViolation(e.sender, e.message, None)
+        TRAFFIC.refused(e.sender, e.message, None)
+        BOUNDARY_VIOLATIONS.labels(_module_label(e.sender), e.message).inc()
+        _log.error("call refused: identity", method=method, error=str(e))
+        event = violation_event(error, f"{method} server")
+        event.detail = str(e)
+        return grpc.StatusCode.PERMISSION_DENIED, str(e), ((VIOLATION_METADATA, event.SerializeToString()),)
+
+
+def _module_label(module: int) -> str:
+    from services.contract import Module
+
+    return Module.Name(module) if module in Module.values() else "MODULE_UNSPECIFIED"
+
+
+def _guard_identity(handler, method: str):
+    """``handler`` preceded by the identity check, of the same kind (sync or asyncio,
+    function or generator) so each server runs it where it ran the handler."""
+
+    def wrap(behavior: Callable, streaming: bool) -> Callable:
+        if inspect.iscoroutinefunction(behavior):
+            async def coroutine(request, context):
+                refused = _identify(method, context)
+                if refused:
+                    context.set_trailing_metadata(refused[2])
+                    await context.abort(refused[0], refused[1])
+                return await behavior(request, context)
+            return coroutine
+        if inspect.isasyncgenfunction(behavior):
+            async def agen(request, context):
+                refused = _identify(method, context)
+                if refused:
+                    context.set_trailing_metadata(refused[2])
+                    await context.abort(refused[0], refused[1])
+                async for response in behavior(request, context):
+                    yield response
+            return agen
+        if inspect.isgeneratorfunction(behavior):
+            def gen(request, context):
+                refused = _identify(method, context)
+                if refused:
+                    context.set_trailing_metadata(refused[2])
+                    context.abort(refused[0], refused[1])
+                yield from behavior(request, context)
+            return gen
+
+        def plain(request, context):
+            refused = _identify(method, context)
+            if refused:
+                context.set_trailing_metadata(refused[2])
+                context.abort(refused[0], refused[1])
+            return behavior(request, context)
+        return plain
+
+    return _replace(handler, wrap)
+
+
 class _Guard(grpc.ServerInterceptor):
-    """Bearer token on the mutating methods; a clear status for unparseable requests."""
+    """Bearer token on the mutating methods; the caller's identity on every Surge RPC; a
+    clear status for unparseable requests."""
 
     def __init__(self, token: str | None):
         self._token = token
@@ -123,6 +229,8 @@ class _Guard(grpc.ServerInterceptor):
                 f"{method}: not authorized: send 'authorization: Bearer <token>' with the server's token "
                 f"(Surge clients and surgectl: set {AUTH_TOKEN_ENV})",
             ))
+        if _policy().governs(method):
+            handler = _guard_identity(handler, method)
         return _guard_parsing(handler, method)
 
     def _authorized(self, details) -> bool:
@@ -266,6 +374,8 @@ class _AioGuard(grpc.aio.ServerInterceptor):
                 f"(Surge clients and surgectl: set {AUTH_TOKEN_ENV})",
                 asynchronous=_is_async(behavior),
             ))
+        if _policy().governs(method):
+            handler = _guard_identity(handler, method)
         return _guard_parsing(handler, method)
 
 
@@ -399,16 +509,16 @@ class AioServiceServer:
         self._thread.join(timeout=5.0)
 
 
-class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds ``authorization: Bearer <token>`` to every call (works on plaintext channels too,
-    where gRPC refuses call credentials)."""
+class _Headers(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+               grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds fixed headers to every call: ``authorization: Bearer <token>`` (works on
+    plaintext channels too, where gRPC refuses call credentials) and the calling module."""
 
-    def __init__(self, token: str):
-        self._header = ("authorization", f"Bearer {token}")
+    def __init__(self, headers: list[tuple[str, str]]):
+        self._headers = headers
 
     def _details(self, details):
-        metadata = [*(details.metadata or ()), self._header]
+        metadata = [*(details.metadata or ()), *self._headers]
         return _CallDetails(details.method, details.timeout, metadata, details.credentials,
                             getattr(details, "wait_for_ready", None), getattr(details, "compression", None))
 
@@ -499,9 +609,12 @@ def serve_metrics(name: str, host: str, port: int):
     return http
 
 
-def channel(address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+def channel(address: str, options: Sequence[tuple[str, Any]] = (), module: int | None = None) -> grpc.Channel:
     """The client channel every Surge caller uses: TLS when SURGE_TLS_CA is set, the bearer
-    token when SURGE_AUTH_TOKEN is set, Surge's message size limits plus ``options``.
+    token when SURGE_AUTH_TOKEN is set, Surge's message size limits plus ``options``, and
+    ``module`` (a ``surge.v1.Module``: the module this process speaks for on this channel)
+    named on every call (``x-surge-module``). Without ``module`` a Surge server refuses
+    every RPC but health checks and reflection.
 
     Raises:
         TlsConfigError: a SURGE_TLS_* file cannot be read.
@@ -515,7 +628,14 @@ def channel(address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Chann
         raw = grpc.secure_channel(address, credentials, options=opts)
     else:
         raw = grpc.insecure_channel(address, options=opts)
+    headers = []
     token = os.environ.get(AUTH_TOKEN_ENV)
-    if not token:
+    if token:
+        headers.append(("authorization", f"Bearer {token}"))
+    if module:
+        from services.contract import Module
+
+        headers.append((MODULE_METADATA, Module.Name(module)))
+    if not headers:
         return raw
-    return _Channel(raw, grpc.intercept_channel(raw, _BearerToken(token)))
+    return _Channel(raw, grpc.intercept_channel(raw, _Headers(headers)))

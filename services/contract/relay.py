@@ -101,6 +101,27 @@ def _check(table: RouteTable, sender: int, name: str, receiver: int) -> None:
         raise BoundaryViolation(sender, name, receiver or None)
 
 
+def stamp_origin(msg: Message, *, job_id: str = "", rank: int | None = None, worker_id: str = "") -> None:
+    """Set on ``msg`` where it comes from, as the transport that carried it knows it (the
+    session a node agent opened, the rank its hello named), never its content: an empty
+    ``job_id`` and an unset ``rank`` (also in a ``failure`` part) get the sender's; a
+    ``worker_id`` field always gets the carrying node's (an agent speaks only for its own)."""
+    fields = msg.DESCRIPTOR.fields_by_name
+    targets = [msg]
+    if "failure" in fields and msg.DESCRIPTOR.fields_by_name["failure"].message_type is not None:
+        targets.append(msg.failure)
+    for target in targets:
+        tf = target.DESCRIPTOR.fields_by_name
+        if job_id and "job_id" in tf and not target.job_id:
+            target.job_id = job_id
+        if rank is not None and "rank" in tf and tf["rank"].type == tf["rank"].TYPE_UINT32:
+            unset = not target.HasField("rank") if tf["rank"].has_presence else not target.rank
+            if unset:
+                target.rank = rank
+    if worker_id and "worker_id" in fields:
+        msg.worker_id = worker_id
+
+
 class Link:
     """One process's side of one process boundary.
 

@@ -47,6 +47,7 @@ from services.contract import (
 from services.contract.audit import AuditServicer, ViolationReporter
 from services.contract.bus import Bus, RouteError
 from services.contract.failures import failure_events_to
+from services.contract.relay import RANK
 from services.contract.validation import ContractError, refuse, validate_table, validate_wiring
 from services.control import faults
 from services.control.fault_detector import FaultDetector
@@ -60,11 +61,12 @@ from services.control.store_relay import StoreRelay
 from services.control.watch_hub import WatchHub
 
 # What this process hosts on its bus: the four L1 modules, and the relays standing in for
-# the operator, the node agents, the ranks' loops, the checkpoint manager and the contract
-# layer (checked by validate_wiring at start-up).
+# the operator, the node agents, the ranks' modules (the session hub, for every command an
+# L1 module sends one), the checkpoint manager and the contract layer (checked by
+# validate_wiring at start-up).
 HOSTED = (
     Module.L1_ORCHESTRATOR, Module.L1_RESOURCE_ALLOCATOR, Module.L1_FAULT_DETECTOR, Module.L1_RECOVERY_CONTROLLER,
-    Module.EXT_USER, Module.EXT_HARDWARE, Module.L2_TRAINING_LOOP, Module.L5_CHECKPOINT_MANAGER, Module.EXT_CONTRACT,
+    Module.EXT_USER, Module.EXT_HARDWARE, *sorted(RANK), Module.L5_CHECKPOINT_MANAGER, Module.EXT_CONTRACT,
 )
 
 
@@ -118,6 +120,7 @@ def build(
         checkpoints=bus.emitter(Module.L5_CHECKPOINT_MANAGER),
         contract=contract,
         journal=journal,
+        bus=bus,
     )
     watches = WatchHub()
     store = StoreRelay(store_address, events=bus.emitter(Module.L5_CHECKPOINT_MANAGER), on_error=reporter.relay_rpc_error)
@@ -126,8 +129,7 @@ def build(
     bus.subscribe(Module.EXT_USER, control_pb2.JobEvent, watches.on_job_event)
     bus.subscribe(Module.EXT_HARDWARE, control_pb2.LaunchRanks, sessions.launch_ranks)
     bus.subscribe(Module.EXT_HARDWARE, control_pb2.ReleaseRanks, sessions.release_ranks)
-    for command in (engine_pb2.StartTraining, engine_pb2.PauseTraining, engine_pb2.ResumeTraining, engine_pb2.StopTraining):
-        bus.subscribe(Module.L2_TRAINING_LOOP, command, sessions.relay_rank_command)
+    sessions.stand_in()  # every command from an L1 module to a rank module, by its name
     bus.subscribe(Module.L5_CHECKPOINT_MANAGER, store_pb2.VerifyCheckpoints, store.verify_checkpoints)
     bus.subscribe(Module.L5_CHECKPOINT_MANAGER, store_pb2.ScrubCheckpoints, store.scrub_checkpoints)
 

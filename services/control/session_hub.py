@@ -1,11 +1,19 @@
 """Node agent sessions as the bus sees them (``SessionHub``), one per node agent.
 
-Stream messages become events sent as EXT_HARDWARE (WorkerRegistration, RankExited,
-MemoryPressure, RankHeartbeat), L2_TRAINING_LOOP (rank loop events) or
-L5_CHECKPOINT_MANAGER (SaveCompleted); commands for EXT_HARDWARE (LaunchRanks,
-ReleaseRanks) and L2_TRAINING_LOOP (Start/Pause/Resume/StopTraining) become
-``WorkerCommand``s queued on the right sessions. A rank's BoundaryViolationReported is sent
-as EXT_CONTRACT (the contract layer of that remote process).
+A rank's events come up as ``RankEvent{routed}``: any routed message by its full name, from
+the module that sent it (services/contract/relay.py). The hub's link checks that a node may
+speak for that module (a rank module, or an L4 / L5 module its relays speak for, or
+EXT_HARDWARE / EXT_CONTRACT) and that the route lets it send the message, stamps where it
+came from (job, rank, node) and publishes it on control's bus as that module. Commands from
+an L1 module to a rank module (Start/Pause/Resume/StopTraining, StepVerdict, ...) go down
+the same way: the link stands in for every such route (``stand_in``) and queues
+``WorkerCommand{routed, job_id}`` on each session that launched ranks of the job. So an
+event or command that crosses takes a message, a route and a handler, no field here.
+
+The agent's own facts (RankExited, MemoryPressure, a departing registration) and heartbeats
+keep their stream fields: the hub does bookkeeping on them (ranks per session, the time a
+beat was received). LaunchRanks and ReleaseRanks go to one named node (the bus payload).
+A rank's older field cases (started, step, ...) are still read.
 
 The hub also carries operator log plumbing (``StreamLogs``): TailRankLogs / StopTailing
 down to the sessions that launched ranks of the job, RankLogLines up into a per-request
@@ -33,20 +41,18 @@ from typing import Any
 
 import structlog
 
-from services.contract import control_pb2, engine_pb2, worker_pb2
-from services.contract.bus import Emitter
+from services.contract import Module, control_pb2, route_pb2, worker_pb2
+from services.contract.bus import Bus, Emitter
+from services.contract.relay import L1, L4, L5, RANK, Link, Routed, stamp_origin
 from services.control.loop_queue import put_all
 from services.control.metrics import WORKER_EVENTS
 
 _log = structlog.get_logger("control.server")
 
-# The RankCommand oneof field for each orchestrator command to L2-1.
-_RANK_COMMAND_FIELD = {
-    engine_pb2.StartTraining: "start",
-    engine_pb2.PauseTraining: "pause",
-    engine_pb2.ResumeTraining: "resume",
-    engine_pb2.StopTraining: "stop",
-}
+# Whom a node agent's session may speak for: the modules of its ranks, the L4 / L5 modules
+# the ranks' data and store relays speak for, the agent (EXT_HARDWARE) and the contract
+# layer of either (EXT_CONTRACT, its refusals).
+NODE_SPEAKS = RANK | L4 | L5 | {Module.EXT_HARDWARE, Module.EXT_CONTRACT}
 
 
 @dataclass(eq=False)
@@ -90,14 +96,19 @@ class SessionHub:
         checkpoints: emitter as L5_CHECKPOINT_MANAGER (SaveCompleted relayed by ranks).
         contract: emitter as EXT_CONTRACT (BoundaryViolationReported relayed by ranks);
             None: such reports are dropped.
+        bus: control's bus: routed events from the nodes are published on it and routed
+            commands to rank modules taken from it (``stand_in``); None: only the field
+            cases are relayed.
     """
 
     def __init__(
         self, hardware: Emitter, loop: Emitter, checkpoints: Emitter, contract: Emitter | None = None,
-        journal: Any = None,
+        journal: Any = None, bus: Bus | None = None,
     ):
         self._hardware, self._loop, self._checkpoints = hardware, loop, checkpoints
         self._contract = contract
+        self._link = None if bus is None else Link(
+            bus, name="node agent sessions", near=L1, beyond=RANK, speaks=NODE_SPEAKS, send=self._to_ranks)
         # Where applied seqs persist (JobStore: worker_cursor / applying); None: in memory only.
         self._journal = journal
         self.duplicates = 0  # sequenced events dropped as already applied (also a metric)
@@ -343,18 +354,29 @@ class SessionHub:
                 return
             session.commands.put(control_pb2.WorkerCommand(release=msg))
 
-    # ------------------------------------------------------------ bus handlers (as L2_TRAINING_LOOP)
+    # ------------------------------------------------------------ bus handlers (as the rank modules)
 
-    def relay_rank_command(self, msg: Any, payload: Any = None) -> None:
-        """Queue a Start/Pause/Resume/StopTraining on every session that launched (or
-        re-attached) ranks of the job; the node agent hands it to each of its live ranks of
-        that job (none: it logs and drops it). By job, not by live-rank count: after a
-        control restart an exit resent late may be counted against a rank relaunched since."""
-        command = worker_pb2.RankCommand(**{_RANK_COMMAND_FIELD[type(msg)]: msg})
+    def stand_in(self) -> list[tuple[str, int]]:
+        """Subscribe the hub, on control's bus, as the receiver of every command an L1 module
+        may send a rank module (InitJob and RankAssignment included, though LaunchRanks
+        carries the set-up ones); returns the subscriptions. Raises RouteError (see
+        ``Link.stand_in``)."""
+        assert self._link is not None, "SessionHub built without a bus"
+        return self._link.stand_in(kinds=(route_pb2.COMMAND,))
+
+    def _to_ranks(self, routed: Routed, msg: Any, payload: Any = None) -> None:
+        """Queue a routed command on every session that launched (or re-attached) ranks of
+        its job; the node agent hands it to each of its live ranks of that job (none: it
+        logs and drops it). By job, not by live-rank count: after a control restart an exit
+        resent late may be counted against a rank relaunched since."""
+        job_id = getattr(msg, "job_id", "")
+        if not job_id:
+            raise ValueError(f"{routed.type} names no job: it cannot be relayed to a job's ranks")
+        command = control_pb2.WorkerCommand(routed=routed, job_id=job_id)
         with self._lock:
             for session in self._sessions.values():
-                if msg.job_id in session.jobs:
-                    session.commands.put(control_pb2.WorkerCommand(rank_command=command))
+                if job_id in session.jobs:
+                    session.commands.put(command)
 
     # ------------------------------------------------------------ operator logs (plumbing)
 
@@ -388,6 +410,13 @@ class SessionHub:
         kind = ev.WhichOneof("event")
         if kind in ("hello", "audit") or kind is None:
             return  # between a rank and its node agent only
+        if kind == "routed":
+            if self._link is None:
+                raise ValueError(f"worker {session.worker_id}: a routed rank event, and no bus to put it on")
+            # The envelope names the rank the node agent attached; the session names the node.
+            self._link.deliver(ev.routed, stamp=lambda msg: stamp_origin(
+                msg, job_id=ev.job_id, rank=ev.rank, worker_id=session.worker_id))
+            return
         inner = getattr(ev, kind)
         if not inner.job_id:
             inner.job_id = ev.job_id

@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 
 from services.common.grpc_server import channel
-from services.contract import store_pb2, store_pb2_grpc
+from services.contract import Module, store_pb2, store_pb2_grpc
 from services.contract.bus import Emitter
 
 
@@ -64,7 +64,7 @@ class StoreRelay:
     def _watch(self) -> None:
         backoff = 0.5
         while not self._closed.is_set():
-            stub = store_pb2_grpc.StoreServiceStub(channel(self._address))
+            stub = store_pb2_grpc.StoreServiceStub(channel(self._address, module=Module.L1_ORCHESTRATOR))
             self._watching = stub.WatchCheckpoints(store_pb2.WatchCheckpointsRequest())
             try:
                 for corrupt in self._watching:
@@ -77,7 +77,7 @@ class StoreRelay:
 
     def _ask(self, method: str, msg: Any, operation: str, job_id: str) -> None:
         if self._stub is None:
-            self._stub = store_pb2_grpc.StoreServiceStub(channel(self._address))
+            self._stub = store_pb2_grpc.StoreServiceStub(channel(self._address, module=Module.L1_ORCHESTRATOR))
         future = getattr(self._stub, method).future(msg, timeout=self._timeout_s)
         future.add_done_callback(lambda f: self.post(lambda: self._answer(f, operation, job_id)))
 

@@ -5,12 +5,13 @@ process; the relay sends it on the bus *as that module* (through the command por
 composition root gave it for that sender and receiver), and the bus checks it against the
 route table both ways: the command from the sender to L5-1/L5-2, the reply event back.
 
-Who sent it: the caller names itself in the gRPC metadata key ``surge-sender`` (a
-``surge.v1.Module`` name, e.g. ``L1_RECOVERY_CONTROLLER``); without it, the usual caller
-of that RPC is assumed (``DEFAULT_SENDERS``). A sender the route does not allow is refused
-with PERMISSION_DENIED and counted in ``surge_boundary_violations_total``; the violation
-report rides in the trailing metadata, so the caller reports it up (this process has no
-channel up).
+Who sent it: the module the caller's channel names in ``x-surge-module`` (a
+``surge.v1.Module`` name, e.g. ``L1_ORCHESTRATOR``), which the server checked before the
+handler ran (``services/common/identity.py``: present, routed to send this request, and
+under mutual TLS one its certificate's role may claim); a call without one never gets here.
+A sender the route does not allow is refused with PERMISSION_DENIED and counted in
+``surge_boundary_violations_total``; the violation report rides in the trailing metadata,
+so the caller reports it up (this process has no channel up).
 
 ``WatchCheckpoints`` is a subscription: the relay stands in for the remote L1-1 as the
 receiver of L5-1's ``CheckpointCorrupt`` events and fans each one out to the open watch
@@ -33,29 +34,19 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
+from services.common.identity import MODULE_METADATA
 from services.contract import Module, store_pb2, store_pb2_grpc
 from services.contract.audit import abort_with_violation
 from services.contract.bus import BoundaryViolation, CommandPort
+from services.contract.failures import ModuleFailed, cause_metadata
 from services.store.checkpoint_manager import CheckpointDamaged, CheckpointNotFound, CheckpointRejected
 
-from services.contract.failures import ModuleFailed, cause_metadata
-SENDER_METADATA = "surge-sender"
+SENDER_METADATA = MODULE_METADATA  # the caller's module, checked by the server (identity.py)
 # Trailing metadata of a Load refused for a damaged version: its StoreFailureCause name.
 STORE_CAUSE_METADATA = "surge-store-cause"
 _DAMAGE_CAUSE = {store_pb2.VERDICT_CORRUPT: "CORRUPT", store_pb2.VERDICT_MISSING_FILE: "MISSING_FILE"}
 CKPT, METRICS = Module.L5_CHECKPOINT_MANAGER, Module.L5_METRICS_LOGGER
 
-# The module that usually calls each RPC (the rank's training loop relays its own commands).
-DEFAULT_SENDERS: dict[str, int] = {
-    "BeginSave": Module.L2_TRAINING_LOOP,
-    "CommitSave": Module.L2_TRAINING_LOOP,
-    "Load": Module.L2_TRAINING_LOOP,
-    "List": Module.EXT_USER,
-    "Verify": Module.L1_RECOVERY_CONTROLLER,
-    "Scrub": Module.L1_ORCHESTRATOR,
-    "WatchCheckpoints": Module.L1_ORCHESTRATOR,
-    "Record": Module.L2_TRAINING_LOOP,
-}
 WATCH_QUEUE = 1000
 _WATCH_POLL_S = 1.0  # how often an idle watch stream checks that its caller is still there
 
@@ -153,13 +144,15 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         return self._send(self._sender(rpc, context), receiver, request, context)
 
     def _sender(self, rpc: str, context: grpc.ServicerContext) -> int:
+        """The calling module (the server's identity check let the call through, so the
+        claim is there and names a module that may send this RPC's request)."""
         for key, value in context.invocation_metadata() or ():
             if key == SENDER_METADATA:
                 try:
                     return Module.Value(value)
                 except ValueError:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{SENDER_METADATA}: unknown module {value!r}")
-        return DEFAULT_SENDERS[rpc]
+                    break
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{rpc}: no calling module in '{SENDER_METADATA}'")
 
     def _send(self, sender: int, receiver: int, msg: Message, context: grpc.ServicerContext,
               payload_reply: bool = False) -> Any:
@@ -185,7 +178,6 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except CheckpointRejected as e:
             self._log.warning("checkpoint_rejected", request=name, error=str(e))
-            context.set_trailing_metadata(cause_metadata(e))
             if isinstance(e, CheckpointDamaged):  # the typed verdict rides along; never parse the text
                 context.set_trailing_metadata(((STORE_CAUSE_METADATA, _DAMAGE_CAUSE[e.cause]),))
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
@@ -193,6 +185,7 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except OSError as e:
             self._log.error("store_io_failed", request=name, error=str(e))
+            context.set_trailing_metadata(cause_metadata(e))
             context.abort(grpc.StatusCode.INTERNAL, f"store: {name}: {e}")
         assert reply is not None, f"{name} handler returned no reply"
         return reply

@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 
 from services.common.grpc_server import channel
-from services.contract import control_pb2, control_pb2_grpc
+from services.contract import Module, control_pb2, control_pb2_grpc
 
 # What every part of the agent that states a fact is given: queues one event for control.
 Emit = Callable[[control_pb2.WorkerEvent], None]
@@ -188,6 +188,7 @@ class ControlSession:
                 ("grpc.min_reconnect_backoff_ms", 200),
                 ("grpc.max_reconnect_backoff_ms", int(max_backoff_seconds * 1000)),
             ],
+            module=Module.EXT_HARDWARE,  # the node agent speaks for its node (and relays its ranks)
         )
 
     def start(self) -> None:

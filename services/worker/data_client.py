@@ -48,7 +48,7 @@ class DataClient:
         self._on_error = on_error
         self._versions = versions
         self._packer = packer
-        self._channel = channel(address)
+        self._channel = channel(address, module=Module.L2_TRAINING_LOOP)  # the loop's commands, relayed
         self._stub = data_pb2_grpc.DataServiceStub(self._channel)
         self._calls: list[grpc.Future] = []
         self._closing = False

@@ -72,6 +72,7 @@ from services.contract.audit import ViolationReporter, report_of
 from services.contract.bus import Bus, CommandPort
 from services.contract.comm_guard import install as install_comm_guard
 from services.contract.failures import set_collective_probe, set_origin
+from services.contract.relay import L1, L4, L5, RANK, Link, Routed, pack
 from services.contract.validation import validate_table, validate_wiring
 from services.engine.mixed_precision import MixedPrecision
 from services.engine.optimizer import Optimizer
@@ -83,26 +84,22 @@ from services.worker.faults import FaultInjector, StepGuard
 log = structlog.get_logger()
 EXIT_FAILED, EXIT_SESSION_LOST = 1, 3
 SETUP_TIMEOUT_S = 600.0
-# What a rank's bus hosts (checked by validate_wiring): the L2 and L3 modules, and the relays
-# standing in for L1 (the session), L4 (data_client) and L5 (store_client).
+RANK_MODULES = RANK  # the modules a rank process runs
+# Whose events go up the session (to control's L1 modules): the rank's own modules and the
+# L4 / L5 modules its data and store relays speak for (a data or store failure routed to L1
+# reaches it this way).
+SESSION_NEAR = RANK_MODULES | L4 | L5
+# What a rank's bus hosts (checked by validate_wiring): its modules, and the relays standing
+# in for L1 (the session, every L1 module an event is routed to), L4 (data_client) and L5
+# (store_client).
 RANK_HOSTED = (
-    Module.L2_TRAINING_LOOP, Module.L2_PARALLEL_STRATEGY, Module.L2_OPTIMIZER, Module.L2_MIXED_PRECISION,
-    Module.L3_SHARD_LOADER, Module.L3_OPERATOR_ADAPTER, Module.L3_FORWARD_UNIT, Module.L3_BACKWARD_UNIT, Module.L3_GRADIENT_REDUCTION,
-    Module.L1_ORCHESTRATOR, Module.L1_RESOURCE_ALLOCATOR, Module.L4_DATASET_VERSIONS, Module.L4_BATCH_PACKER,
+    *sorted(RANK_MODULES), *sorted(L1), Module.L4_DATASET_VERSIONS, Module.L4_BATCH_PACKER,
     Module.L5_CHECKPOINT_MANAGER, Module.L5_METRICS_LOGGER,
 )
-
-# Which RankEvent field carries each event the loop (or the checkpoint relay) sends to L1.
-_UP = {
-    engine_pb2.TrainingLoopStarted: "started",
-    engine_pb2.StepCompleted: "step",
-    engine_pb2.EvalCompleted: "eval",
-    store_pb2.SaveCompleted: "saved",
-    store_pb2.SnapshotFailed: "snapshot_failed",  # from the checkpoint relay: a save or load the store could not do
-    engine_pb2.TrainingLoopPaused: "paused",
-    engine_pb2.TrainingLoopFinished: "finished",
-    engine_pb2.TrainingLoopFailed: "failed",
-}
+# Events and commands the session's heartbeat reads its state from (what it states, not routing).
+_STEPPING = {m.DESCRIPTOR.full_name for m in (engine_pb2.StartTraining, engine_pb2.ResumeTraining)}
+_TERMINAL = (engine_pb2.TrainingLoopFinished, engine_pb2.TrainingLoopFailed)
+_LEGACY = ("start", "pause", "resume", "stop")
 
 
 class DataRelay(Protocol):
@@ -120,7 +117,7 @@ class StoreRelay(Protocol):
 
 
 class UpRelay(Protocol):
-    def on_event(self, msg: Any, payload: Any = None) -> None: ...
+    def send_up(self, routed: Routed, msg: Any, payload: Any = None) -> None: ...
 
 
 @dataclass
@@ -129,6 +126,7 @@ class RankModules:
     parallel: ParallelStrategy
     orchestrator: CommandPort  # L1-1 -> L2-1 (InitJob, Start/Pause/Resume/Stop)
     allocator: CommandPort     # L1-2 -> L2-2 (RankAssignment)
+    link: Link                 # the session's side of the rank: what L1 sends comes in here
 
 
 def compose(
@@ -229,13 +227,15 @@ def compose(
     sub(Module.L5_CHECKPOINT_MANAGER, store_pb2.LoadCheckpoint, store.load_checkpoint)
     sub(Module.L5_METRICS_LOGGER, engine_pb2.StepCompleted, store.on_step_completed)
     sub(Module.L5_METRICS_LOGGER, engine_pb2.EvalCompleted, store.on_eval_completed)
-    for msg_type in _UP:
-        sub(Module.L1_ORCHESTRATOR, msg_type, up.on_event)
+    # Every event routed from here to an L1 module goes up the session by its name.
+    link = Link(bus, name="rank session", near=SESSION_NEAR, beyond=L1, send=up.send_up)
+    link.stand_in()
     modules = RankModules(
         loop=loop,
         parallel=parallel,
         orchestrator=port(Module.L1_ORCHESTRATOR, L),
         allocator=port(Module.L1_RESOURCE_ALLOCATOR, Module.L2_PARALLEL_STRATEGY),
+        link=link,
     )
     validate_wiring(bus, RANK_HOSTED)
     return modules
@@ -249,8 +249,10 @@ class Session:
     """The rank's relay of L1: the RankSession stream to its node agent.
 
     Events go out through a queue drained by gRPC's request iterator (never blocks the
-    step); commands come in on a reader thread and are relayed to the loop's port. The
-    agent's ``audit`` question is answered from this process's route counts.
+    step), each as ``RankEvent{routed}`` (any routed message by its name,
+    :mod:`services.contract.relay`); commands come in on a reader thread, ``RankCommand{routed}``
+    checked against the route table and put on the rank's bus. The agent's ``audit``
+    question is answered from this process's route counts.
     """
 
     def __init__(
@@ -260,7 +262,7 @@ class Session:
         self._phase = phase or PhaseMarker()
         self.process = f"rank {rank} of job {job_id}"
         self._out: queue.Queue = queue.Queue()
-        self._channel = channel(address)
+        self._channel = channel(address, module=Module.L2_TRAINING_LOOP)  # the rank, for its modules
         self._call = worker_pb2_grpc.WorkerServiceStub(self._channel).RankSession(self._requests())
         self._terminal_sent = threading.Event()
         self._reader: threading.Thread | None = None
@@ -299,35 +301,35 @@ class Session:
             raise SessionLost(f"rank session ended before init and assignment arrived: {_rpc_text(e)}") from None
         return got["init"], got["assignment"]
 
-    def relay_commands(self, orchestrator: CommandPort) -> None:
-        """From now on, forward start/pause/resume/stop to the loop (reader thread)."""
-        self._reader = threading.Thread(target=self._read, args=(orchestrator,), name="session", daemon=True)
+    def relay_commands(self, link: Link) -> None:
+        """From now on, put the commands that come down on the rank's bus, through ``link``
+        (its route checks) (reader thread)."""
+        self._reader = threading.Thread(target=self._read, args=(link,), name="session", daemon=True)
         self._reader.start()
 
-    def on_event(self, msg: Any, payload: Any = None) -> None:
-        """L1_ORCHESTRATOR receiver: wrap the event in a RankEvent and queue it. Before the
-        terminal event goes the final audit: once control hears of the end it may release
-        (kill) this process at any moment."""
-        field = _UP[type(msg)]
+    def send_up(self, routed: Routed, msg: Any, payload: Any = None) -> None:
+        """The link's way out: queue one envelope. Before the terminal event goes the final
+        audit: once control hears of the end it may release (kill) this process at any moment."""
         with self._progress_lock:
-            if field == "started":
+            if isinstance(msg, engine_pb2.TrainingLoopStarted):
                 self._step = msg.start_step
-            elif field == "step":
+            elif isinstance(msg, engine_pb2.StepCompleted):
                 self._step, self._step_seconds = msg.step, msg.step_seconds
-            elif field in ("paused", "finished", "failed"):
+            elif isinstance(msg, (engine_pb2.TrainingLoopPaused, *_TERMINAL)):
                 self._stepping = False
-        if field in ("finished", "failed"):
+        if isinstance(msg, _TERMINAL):
             self._send(audit=report_of(self.process))
             self._terminal_sent.set()
-        self._send(**{field: msg})
+        self._send(routed=routed)
 
     def report_violation(self, event: audit_pb2.BoundaryViolationReported) -> None:
         """A refused send, on its way up to the fault detector (queued, never blocks)."""
-        self._send(violation=event)
+        self._send(routed=pack(event, Module.EXT_CONTRACT))
 
     def send_failed(self, fault_class: str, detail: str) -> None:
         """For a failure before the loop exists (it would otherwise report it itself)."""
-        self.on_event(engine_pb2.TrainingLoopFailed(job_id=self._job_id, rank=self._rank, fault_class=fault_class, detail=detail))
+        failed = engine_pb2.TrainingLoopFailed(job_id=self._job_id, rank=self._rank, fault_class=fault_class, detail=detail)
+        self.send_up(pack(failed, Module.L2_TRAINING_LOOP), failed)
 
     def wait_released(self) -> None:
         """Block until the node agent ends the session (control released this rank, or the
@@ -387,23 +389,25 @@ class Session:
             log.error("heartbeat_stopped", error=f"{type(e).__name__}: {e}")
             raise
 
-    def _read(self, orchestrator: CommandPort) -> None:
+    def _read(self, link: Link) -> None:
         try:
             for cmd in self._call:
                 kind = cmd.WhichOneof("command")
                 if kind == "audit":
                     self._send(audit=report_of(self.process, request_id=cmd.audit.id))
                     continue
-                if kind not in ("start", "pause", "resume", "stop"):
+                if kind in _LEGACY:  # a control that still names the command by field
+                    cmd = worker_pb2.RankCommand(routed=pack(getattr(cmd, kind), Module.L1_ORCHESTRATOR, Module.L2_TRAINING_LOOP))
+                elif kind != "routed":
                     log.warning("rank_session_command_ignored", kind=kind)
                     continue
-                if kind in ("start", "resume"):
+                if cmd.routed.type in _STEPPING:
                     with self._progress_lock:
                         self._stepping = True
                 try:
-                    orchestrator(getattr(cmd, kind))
+                    link.deliver(cmd.routed)
                 except Exception as e:  # noqa: BLE001 - keep relaying; the loop's state is its own
-                    log.error("rank_session_command_failed", kind=kind, error=f"{type(e).__name__}: {e}")
+                    log.error("rank_session_command_failed", type=cmd.routed.type, error=f"{type(e).__name__}: {e}")
         except grpc.RpcError:
             pass
         if not self._terminal_sent.is_set():
@@ -477,7 +481,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         log.info("rank_composed", world_size=assignment.world_size, device=assignment.device,
                  backend=assignment.backend, threads=torch.get_num_threads(), data=init.data_address,
                  store=init.store_address, resume=init.resume_version)
-        session.relay_commands(rank.orchestrator)
+        session.relay_commands(rank.link)
         rank.orchestrator(init)
         rank.allocator(assignment)
         rank.loop.run()

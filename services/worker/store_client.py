@@ -161,7 +161,7 @@ class StoreClient:
         self._emit = checkpoint_events
         # A store that comes back is found within RECONNECT_BACKOFF_MS (gRPC's default backoff
         # grows to 120 s while it is away, and calls fail fast meanwhile).
-        self._channel = channel(address, options=RECONNECT_OPTIONS)
+        self._channel = channel(address, options=RECONNECT_OPTIONS, module=Module.L2_TRAINING_LOOP)  # the loop's commands, relayed
         self._stub = store_pb2_grpc.StoreServiceStub(self._channel)
         # Metric records held until acknowledged: (seq, record), oldest first.
         self._held: collections.deque[tuple[int, store_pb2.MetricRecord]] = collections.deque()

@@ -22,6 +22,7 @@ import grpc
 
 from services.contract import engine_pb2, store_pb2, store_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.jobspec import JobSpec, spec_to_json
+from tests.callers import any_caller_channel
 from tests.conftest import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
@@ -260,7 +261,7 @@ def _pump(rank: int, events: queue.Queue, merged: queue.Queue) -> None:
 
 
 def store_stub(address: str) -> tuple[grpc.Channel, store_pb2_grpc.StoreServiceStub]:
-    ch = grpc.insecure_channel(address)
+    ch = any_caller_channel(address)
     return ch, store_pb2_grpc.StoreServiceStub(ch)
 
 

@@ -9,6 +9,7 @@ import textwrap
 import pytest
 
 from services.contract import Module, control_pb2, worker_pb2
+from services.contract.relay import unpack
 from services.control.__main__ import Control, build
 from services.control.job_store import JobStore
 from services.control.orchestrator import EVENT_LOG
@@ -74,6 +75,18 @@ class Plane:
     def rank_exited(self, session, job_id: str, rank: int, exit_code: int) -> None:
         ev = control_pb2.RankExited(job_id=job_id, rank=rank, exit_code=exit_code)
         self.c.sessions.on_worker_event(session, control_pb2.WorkerEvent(rank_exited=ev))
+
+
+def to_ranks(cmd: control_pb2.WorkerCommand):
+    """The command a WorkerCommand carries to a job's ranks (``routed``, by its name)."""
+    assert cmd.WhichOneof("command") == "routed" and cmd.job_id, cmd
+    return unpack(cmd.routed)
+
+
+def kinds(cmds: list[control_pb2.WorkerCommand]) -> list[str]:
+    """Each command's kind: the message name of a routed one, else its field."""
+    return [c.routed.type.rsplit(".", 1)[-1] if c.WhichOneof("command") == "routed" else c.WhichOneof("command")
+            for c in cmds]
 
 
 def drain(session) -> list[control_pb2.WorkerCommand]:

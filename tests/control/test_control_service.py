@@ -17,7 +17,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.contract import control_pb2, control_pb2_grpc, engine_pb2, worker_pb2
+from services.common.grpc_server import channel
+from services.contract import Module, control_pb2, control_pb2_grpc, engine_pb2, worker_pb2
 from services.control.orchestrator import REATTACH_MESSAGE
 from services.control.server import REGISTERED_HEADER
 from tests.store.test_store_service import store  # noqa: F401 (a real store process)
@@ -51,7 +52,7 @@ class ControlProcess:
                  "--data", "127.0.0.1:7001", "--store", store_address],
                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
             )
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = channel(self.address, module=Module.EXT_USER)
         self.stub = control_pb2_grpc.ControlServiceStub(self.channel)
 
     def wait_serving(self, timeout: float = 30.0) -> None:
@@ -85,7 +86,7 @@ class NodeAgent:
         self.commands: list[control_pb2.WorkerCommand] = []
         self.ranks: dict[str, list[int]] = {}
         self._out: queue.Queue = queue.Queue()
-        self._channel = grpc.insecure_channel(address)
+        self._channel = channel(address, module=Module.EXT_HARDWARE)
         self._out.put(control_pb2.WorkerEvent(register=registration(worker_id, slots)))
         self._call = control_pb2_grpc.ControlServiceStub(self._channel).WorkerSession(iter(self._out.get, None))
         # Blocks until control acknowledges the registration: its slots are allocatable.
@@ -121,8 +122,8 @@ class NodeAgent:
                     self.ranks[job_id] = [r.rank for r in cmd.launch.ranks]
                     for rank in self.ranks[job_id]:
                         self._send(job_id, rank, started=engine_pb2.TrainingLoopStarted(job_id=job_id, rank=rank))
-                elif kind == "rank_command" and cmd.rank_command.WhichOneof("command") == "start":
-                    job_id = cmd.rank_command.start.job_id
+                elif kind == "routed" and cmd.routed.type == "surge.v1.StartTraining":
+                    job_id = cmd.job_id
                     for rank in self.ranks[job_id]:
                         for n in range(1, self.steps + 1):
                             step = engine_pb2.StepCompleted(
@@ -208,7 +209,7 @@ def test_a_dp2_job_runs_to_finished_on_two_node_agents(start_control, agents):
     assert la.ranks[0].master_port == lb.ranks[0].master_port and la.init.job_id == submitted.job_id
     for agent in (a, b):
         kinds = [c.WhichOneof("command") for c in agent.commands]
-        assert kinds == ["launch", "rank_command", "release"]
+        assert kinds == ["launch", "routed", "release"]
     listed = control.stub.ListJobs(control_pb2.JobQuery())
     assert [j.job_id for j in listed.jobs] == [submitted.job_id]
     tail = list(control.stub.WatchJob(control_pb2.JobQuery(job_id=submitted.job_id, from_seq=3), timeout=10))
@@ -252,7 +253,7 @@ def test_a_malformed_request_to_any_method_is_invalid_argument_and_control_lives
     """Unary and server-streaming handlers alike (the streaming ones run as sync generators
     on control's asyncio server): one line naming the method, and control still answers."""
     control = start_control()
-    with grpc.insecure_channel(control.address) as ch:
+    with channel(control.address, module=Module.EXT_USER) as ch:
         for method, call in (("GetJob", ch.unary_unary), ("WatchJob", ch.unary_stream), ("StreamLogs", ch.unary_stream)):
             with pytest.raises(grpc.RpcError) as e:
                 reply = call(f"/surge.v1.ControlService/{method}")(b"\xff\xff\xff\x01garbage", timeout=10)

@@ -17,9 +17,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.contract import control_pb2, control_pb2_grpc, worker_pb2
+from services.contract import Module, control_pb2, control_pb2_grpc, worker_pb2
 from services.control.event_applier import EventApplier
 from services.control.server import LAST_SEQ_HEADER, REGISTERED_HEADER
+from tests.callers import metadata
 from tests.conftest import free_ports
 
 from .conftest import registration
@@ -139,7 +140,8 @@ class Agent:
         reg.incarnation = f"{worker_id}-1"
         self.outgoing: asyncio.Queue = asyncio.Queue()
         self.outgoing.put_nowait(control_pb2.WorkerEvent(register=reg))
-        self.call = control_pb2_grpc.ControlServiceStub(channel).WorkerSession(self._requests())
+        self.call = control_pb2_grpc.ControlServiceStub(channel).WorkerSession(
+            self._requests(), metadata=metadata(Module.EXT_HARDWARE))  # as a node agent
 
     async def _requests(self):
         while (ev := await self.outgoing.get()) is not None:

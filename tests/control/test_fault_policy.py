@@ -15,7 +15,7 @@ from services.control.__main__ import build
 from services.control.job_store import JobStore
 from services.control.store_relay import StoreRelay
 
-from .conftest import Plane, drain
+from .conftest import Plane, drain, kinds
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 pytestmark = pytest.mark.timeout(30)
@@ -106,7 +106,7 @@ def test_a_killed_rank_is_restarted_from_the_newest_checkpoint_and_the_job_resum
     s = plane.get(job_id)
     assert (s.state, s.step) == (JobState.RUNNING, 8)
     assert s.message.startswith(f"recovered from rank_exit of rank 1: all 2 ranks restored from checkpoint {job_id}:2")
-    assert [c.rank_command.WhichOneof("command") for c in drain(w["wa"])] == ["start"]
+    assert kinds(drain(w["wa"])) == ["StartTraining"]
     plane.rank_event(w["wa"], job_id, 0, step=engine_pb2.StepCompleted(step=9, loss=2.0, tokens=64))
     (first,) = [e.message for e in plane.events(job_id) if e.message.startswith("first step after the recovery")]
     assert first.startswith("first step after the recovery from rank_exit of rank 1: step 9, ")
@@ -474,4 +474,4 @@ def test_a_paused_job_whose_rank_dies_is_recovered_and_stays_paused_until_the_op
     assert drain(w["wa"]) == []  # no StartTraining: the operator paused it
     plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
     assert plane.get(job_id).state == JobState.RUNNING
-    assert [c.rank_command.WhichOneof("command") for c in drain(w["wa"])] == ["start"]
+    assert kinds(drain(w["wa"])) == ["StartTraining"]

@@ -17,7 +17,7 @@ from services.control.orchestrator import (
 )
 from services.control.store_relay import StoreRelay
 
-from .conftest import Plane, drain
+from .conftest import Plane, drain, kinds, to_ranks
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 pytestmark = pytest.mark.timeout(30)
@@ -98,7 +98,8 @@ def test_stop_and_pause_checkpoint_their_boundary_step_unless_told_not_to(plane)
     step(plane, a, job_id, 4)
     plane.user(control_pb2.PauseJobRequest(job_id=job_id))
     (cmd,) = drain(b)
-    assert (cmd.rank_command.pause.at_step, cmd.rank_command.pause.checkpoint) == (6, True)
+    pause = to_ranks(cmd)
+    assert (type(pause), pause.at_step, pause.checkpoint) == (engine_pb2.PauseTraining, 6, True)
     assert plane.events(job_id)[-1].message == "pause requested: ranks checkpoint step 6 and pause after step 6"
     for rank, session in ((0, a), (1, b)):
         plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=6))
@@ -106,9 +107,9 @@ def test_stop_and_pause_checkpoint_their_boundary_step_unless_told_not_to(plane)
     plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
     plane.user(control_pb2.StopJobRequest(job_id=job_id, no_checkpoint=True))
     drain(a)
-    (resume, stop) = drain(b)
-    assert resume.rank_command.WhichOneof("command") == "resume"
-    assert (stop.rank_command.stop.at_step, stop.rank_command.stop.checkpoint) == (8, False)
+    resume, stop = drain(b)
+    assert kinds([resume, stop]) == ["ResumeTraining", "StopTraining"]
+    assert (to_ranks(stop).at_step, to_ranks(stop).checkpoint) == (8, False)
     assert plane.events(job_id)[-1].message == "stop requested: ranks stop (no checkpoint) after step 8"
 
 
@@ -224,7 +225,8 @@ def test_a_drain_pauses_with_a_checkpoint_parks_the_job_across_a_control_restart
     step(plane, a, job_id, 7)
     plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True, no_checkpoint=True))  # a drain always saves
     (cmd,) = drain(a)
-    assert (cmd.rank_command.pause.at_step, cmd.rank_command.pause.checkpoint) == (9, True)
+    pause = to_ranks(cmd)
+    assert (type(pause), pause.at_step, pause.checkpoint) == (engine_pb2.PauseTraining, 9, True)
     saved(plane, a, job_id, 1, 9)
     for rank, session in ((0, a), (1, b)):
         plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=9))

@@ -19,7 +19,7 @@ from services.control.orchestrator import (
 )
 from services.jobspec import JobSpecError, spec_from_json
 
-from .conftest import Plane, drain
+from .conftest import Plane, drain, kinds, to_ranks
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 pytestmark = pytest.mark.timeout(30)
@@ -66,7 +66,7 @@ def test_training_starts_only_when_every_rank_reported_started(plane):
     assert plane.get(job_id).state == JobState.RUNNING
     for session in (a, b):
         (cmd,) = drain(session)
-        assert cmd.rank_command.start.job_id == job_id
+        assert kinds([cmd]) == ["StartTraining"] and to_ranks(cmd).job_id == job_id
 
 
 def test_step_events_from_rank_0_update_progress(plane):
@@ -88,7 +88,7 @@ def test_pause_names_latest_step_plus_two_and_pauses_when_all_ranks_paused(plane
     assert status.state == JobState.RUNNING  # until every rank has paused
     for session in (a, b):
         (cmd,) = drain(session)
-        assert cmd.rank_command.pause.at_step == 7
+        assert kinds([cmd]) == ["PauseTraining"] and to_ranks(cmd).at_step == 7
     with pytest.raises(IllegalTransition, match=f"job {job_id} is already pausing after step 7"):
         plane.user(control_pb2.PauseJobRequest(job_id=job_id))
     plane.rank_event(a, job_id, 0, paused=engine_pb2.TrainingLoopPaused(step=7))
@@ -96,7 +96,7 @@ def test_pause_names_latest_step_plus_two_and_pauses_when_all_ranks_paused(plane
     plane.rank_event(b, job_id, 1, paused=engine_pb2.TrainingLoopPaused(step=7))
     assert (plane.get(job_id).state, plane.get(job_id).step) == (JobState.PAUSED, 7)
     assert plane.user(control_pb2.ResumeJobRequest(job_id=job_id)).state == JobState.RUNNING
-    assert [c.rank_command.WhichOneof("command") for c in drain(a)] == ["resume"]
+    assert kinds(drain(a)) == ["ResumeTraining"]
 
 
 def test_resume_of_a_running_job_is_refused_naming_its_state(plane):
@@ -133,7 +133,8 @@ def test_stop_of_a_running_job_stops_at_step_plus_two_and_ends_stopped(plane):
     job_id, a, b = start_job(plane)
     step(plane, a, job_id, 4)
     plane.user(control_pb2.StopJobRequest(job_id=job_id))
-    assert [c.rank_command.stop.at_step for c in drain(b)] == [6]
+    (stop,) = drain(b)
+    assert kinds([stop]) == ["StopTraining"] and to_ranks(stop).at_step == 6
     for rank, session in ((0, a), (1, b)):
         plane.rank_event(session, job_id, rank, finished=engine_pb2.TrainingLoopFinished(step=6, stopped=True))
     s = plane.get(job_id)
@@ -145,7 +146,8 @@ def test_stop_of_a_warming_up_job_stops_at_the_next_boundary(plane):
     job_id = plane.submit(dp=1).job_id
     drain(a)
     plane.user(control_pb2.StopJobRequest(job_id=job_id))
-    assert [c.rank_command.stop.at_step for c in drain(a)] == [0]
+    (stop,) = drain(a)
+    assert kinds([stop]) == ["StopTraining"] and to_ranks(stop).at_step == 0
     # A rank that comes up after the stop is not started.
     plane.rank_event(a, job_id, 0, started=engine_pb2.TrainingLoopStarted())
     assert drain(a) == [] and plane.get(job_id).state == JobState.WARMING_UP
@@ -387,6 +389,6 @@ def test_a_pause_or_stop_names_a_boundary_a_second_of_steps_ahead_so_no_rank_has
         plane.rank_event(a, job_id, 0, step=engine_pb2.StepCompleted(step=step, loss=1.0, tokens=64,
                                                                       unix_time=t0 + step * 0.01))
     paused = plane.user(control_pb2.PauseJobRequest(job_id=job_id, no_checkpoint=True))
-    (pause,) = [c.rank_command.pause for c in drain(a) if c.rank_command.WhichOneof("command") == "pause"]
+    (pause,) = [to_ranks(c) for c in drain(a) if kinds([c]) == ["PauseTraining"]]
     assert 40 + 90 <= pause.at_step <= 40 + 110  # ~1 s of steps ahead, not step + 2
     assert paused.state == JobState.RUNNING

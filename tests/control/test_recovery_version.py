@@ -13,6 +13,7 @@ import pytest
 from services.contract import control_pb2, engine_pb2, store_pb2, store_pb2_grpc
 from services.control.__main__ import build
 from services.control.job_store import JobStore
+from tests.callers import any_caller_channel
 from tests.store.test_store_service import store  # noqa: F401 (the real store process fixture)
 
 from .conftest import Plane, drain
@@ -38,7 +39,7 @@ def test_recovery_uses_a_version_committed_after_its_report_was_lost_asking_the_
     for rank, session in ((0, a), (1, b)):
         plane.rank_event(session, job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank))
     drain(a), drain(b)
-    with grpc.insecure_channel(f"127.0.0.1:{store.port}") as ch:
+    with any_caller_channel(f"127.0.0.1:{store.port}") as ch:
         stub = store_pb2_grpc.StoreServiceStub(ch)
         v1, v2, v3 = (commit(stub, job_id, step) for step in (4, 8, 12))
         for v in (v1, v2):  # the commit of v3 reached the store, its report never reached control

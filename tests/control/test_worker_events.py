@@ -15,7 +15,7 @@ from services.control.job_store import JobStore
 from services.control.orchestrator import InsufficientResources
 from services.worker.control_link import Outbox
 
-from .conftest import Plane, drain, registration
+from .conftest import Plane, drain, kinds, registration, to_ranks
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 pytestmark = pytest.mark.timeout(30)
@@ -131,8 +131,8 @@ def test_reattached_ranks_hold_their_slots_and_their_job_can_be_released(tmp_pat
         plane.submit(name="other", dp=1)
     stopped = plane.user(control_pb2.StopJobRequest(job_id=job_id))
     assert stopped.state == JobState.RUNNING
-    (stop,) = [c for c in drain(session) if c.WhichOneof("command") == "rank_command"]
-    assert stop.rank_command.stop.job_id == job_id  # relayed to the re-attached rank's node
+    (stop,) = [c for c in drain(session) if kinds([c]) == ["StopTraining"]]
+    assert stop.job_id == to_ranks(stop).job_id == job_id  # relayed to the re-attached rank's node
     plane.rank_event(session, job_id, 0, finished=engine_pb2.TrainingLoopFinished(rank=0, step=9, stopped=True))
     assert (plane.get(job_id).state, plane.get(job_id).outcome) == (JobState.TERMINATED, JobOutcome.STOPPED)
     assert [c.WhichOneof("command") for c in drain(session)] == ["release"]

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.grpc_server import channel
 from services.contract import data_pb2, data_pb2_grpc
+from tests.callers import any_caller_channel
 
 from .helpers import as_arrays, open_stream
 
@@ -42,7 +43,7 @@ def start(root: Path, port: int, home: Path) -> subprocess.Popen:
 def service(dataset, root, tmp_path):
     port = free_port()
     proc = start(root, port, tmp_path / "home")
-    ch = channel(f"127.0.0.1:{port}")
+    ch = any_caller_channel(f"127.0.0.1:{port}")
     try:
         grpc.channel_ready_future(ch).result(timeout=60)
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="surge.v1.DataService"))

@@ -132,6 +132,10 @@ class FakeUp:
         self.events: list[Any] = []
         self.finished = threading.Event()
 
+    def send_up(self, routed, msg, payload=None):
+        """The session link's way out (services/contract/relay.py): what would go up."""
+        self.on_event(msg, payload)
+
     def on_event(self, msg, payload=None):
         self.events.append(msg)
         if isinstance(msg, (engine_pb2.TrainingLoopFinished, engine_pb2.TrainingLoopFailed)):

@@ -18,10 +18,26 @@ from rank_fakes import corpus_bytes, free_port, tiny_spec
 from services.contract import Module, audit_pb2, data_pb2, data_pb2_grpc, engine_pb2, worker_pb2, worker_pb2_grpc
 from services.contract.audit import abort_with_violation
 from services.contract.bus import BoundaryViolation
+from services.contract.relay import pack, unpack
 from services.jobspec import spec_to_json
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(90)
+
+
+# Set-up and stream-end facts a rank sends up (routed to L1) that these tests do not follow.
+UNFOLLOWED = {"ParallelReady", "DataExhausted"}
+
+
+def kind(ev: worker_pb2.RankEvent) -> str:
+    """A routed event's message name (``StepCompleted``), else its field (``hello``)."""
+    which = ev.WhichOneof("event")
+    return ev.routed.type.rsplit(".", 1)[-1] if which == "routed" else which
+
+
+def body(ev: worker_pb2.RankEvent):
+    """The message a routed event carries (services/contract/relay.py)."""
+    return unpack(ev.routed)
 
 
 class FakeAgent(worker_pb2_grpc.WorkerServiceServicer):
@@ -38,6 +54,8 @@ class FakeAgent(worker_pb2_grpc.WorkerServiceServicer):
                 for ev in requests:
                     if ev.WhichOneof("event") == "heartbeat":
                         self.heartbeats.append(ev.heartbeat)
+                        continue
+                    if kind(ev) in UNFOLLOWED:
                         continue
                     self.events.put(ev)
             except grpc.RpcError:
@@ -135,20 +153,22 @@ def test_a_rank_says_hello_reports_started_waits_for_start_and_exits_0_after_fin
     assert (hello.job_id, hello.rank, hello.hello.pid) == ("job-1", 0, proc.pid)
     push_setup(agent, address, spec)
     started = agent.next_event()
-    assert started.WhichOneof("event") == "started", started
-    assert started.started.start_step == 0 and started.started.num_parameters > 0
+    assert kind(started) == "TrainingLoopStarted", started
+    assert started.routed.sender == Module.L2_TRAINING_LOOP
+    assert body(started).start_step == 0 and body(started).num_parameters > 0
     with pytest.raises(queue.Empty):
         agent.next_event(timeout=0.5)  # nothing happens before StartTraining
-    agent.commands.put(worker_pb2.RankCommand(start=engine_pb2.StartTraining(job_id="job-1")))
+    agent.commands.put(worker_pb2.RankCommand(
+        routed=pack(engine_pb2.StartTraining(job_id="job-1"), Module.L1_ORCHESTRATOR, Module.L2_TRAINING_LOOP)))
     events = []
     while (ev := agent.next_event()) is not None:
         events.append(ev)
-    kinds = [e.WhichOneof("event") for e in events]
-    assert kinds == ["step"] * 4 + ["eval", "audit", "finished"], kinds
-    assert [e.step.step for e in events[:4]] == [1, 2, 3, 4]
+    kinds = [kind(e) for e in events]
+    assert kinds == ["StepCompleted"] * 4 + ["EvalCompleted", "audit", "TrainingLoopFinished"], kinds
+    assert [body(e).step for e in events[:4]] == [1, 2, 3, 4]
     assert all(e.job_id == "job-1" and e.rank == 0 for e in events)
-    assert events[3].step.tokens == 8 * 64 and events[4].eval.tokens == 2 * 8 * 64
-    assert not events[6].finished.stopped
+    assert body(events[3]).tokens == 8 * 64 and body(events[4]).tokens == 2 * 8 * 64
+    assert not body(events[6]).stopped
     # Before the end, the rank's final route counts: e.g. one RunForward per micro-batch.
     final = events[5].audit
     counts = {(Module.Name(c.sender), c.message, Module.Name(c.receiver)): c.count for c in final.routes}
@@ -164,9 +184,9 @@ def test_an_unknown_dataset_is_reported_failed_data_unavailable_and_the_rank_wai
     push_setup(agent, address, tiny_spec(data={"dataset": "nope@v9"}))
     assert agent.next_event().WhichOneof("event") == "audit"  # the final counts go first
     ev = agent.next_event()
-    assert ev.WhichOneof("event") == "failed", ev
-    assert ev.failed.fault_class == "data_unavailable"
-    assert ev.failed.detail == "dataset nope@v9 not found"
+    assert kind(ev) == "TrainingLoopFailed", ev
+    assert body(ev).fault_class == "data_unavailable"
+    assert body(ev).detail == "dataset nope@v9 not found"
     released(agent, proc)
 
 
@@ -176,8 +196,8 @@ def test_a_violation_the_data_service_returns_goes_up_before_the_failure_it_caus
     assert agent.next_event().WhichOneof("event") == "hello"
     push_setup(agent, address, tiny_spec(data={"dataset": "forbidden@v1"}))
     ev = agent.next_event()
-    assert ev.WhichOneof("event") == "violation", ev
-    v = ev.violation
+    assert kind(ev) == "BoundaryViolationReported" and ev.routed.sender == Module.EXT_CONTRACT, ev
+    v = body(ev)
     assert (v.process, v.sender, v.message, v.receiver) == (
         "data", Module.L4_SHUFFLER, "surge.v1.FilterRules", Module.L4_FILTER)
     assert (v.job_id, v.rank) == ("job-1", 0)
@@ -186,7 +206,7 @@ def test_a_violation_the_data_service_returns_goes_up_before_the_failure_it_caus
     assert final.WhichOneof("event") == "audit", final
     assert list(final.audit.violations) == []  # the refusal was data's, not this rank's bus
     failed = agent.next_event()
-    assert failed.WhichOneof("event") == "failed" and "L4_SHUFFLER may not send" in failed.failed.detail
+    assert kind(failed) == "TrainingLoopFailed" and "L4_SHUFFLER may not send" in body(failed).detail
     released(agent, proc)
 
 
@@ -195,7 +215,7 @@ def test_a_rank_answers_its_agents_audit_with_the_route_counts_of_its_bus(servic
     proc = start_rank(address, procs)
     assert agent.next_event().WhichOneof("event") == "hello"
     push_setup(agent, address, tiny_spec(steps=10_000))
-    assert agent.next_event().WhichOneof("event") == "started"
+    assert kind(agent.next_event()) == "TrainingLoopStarted"
     agent.commands.put(worker_pb2.RankCommand(audit=audit_pb2.AuditRequest(id=7)))
     ev = agent.next_event()
     assert ev.WhichOneof("event") == "audit", ev
@@ -212,6 +232,6 @@ def test_a_rank_whose_agent_goes_away_exits_promptly(services):
     proc = start_rank(address, procs)
     assert agent.next_event().WhichOneof("event") == "hello"
     push_setup(agent, address, tiny_spec(steps=10_000))
-    assert agent.next_event().WhichOneof("event") == "started"
+    assert kind(agent.next_event()) == "TrainingLoopStarted"
     agent.commands.put(None)  # the agent ends the session
     assert proc.wait(20) == 3

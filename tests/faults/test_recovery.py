@@ -25,7 +25,8 @@ import grpc
 import pytest
 import torch
 
-from services.contract import control_pb2, control_pb2_grpc
+from services.common.grpc_server import channel
+from services.contract import Module, control_pb2, control_pb2_grpc
 from tests.conftest import REPO, kill_all, processes_with
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -67,7 +68,7 @@ class Stack:
         self.home = home
         services = json.loads((home / "run" / "stack.json").read_text())["services"]
         self.metrics_port = services["control"]["metrics_port"]
-        self._channel = grpc.insecure_channel(f"127.0.0.1:{services['control']['port']}")
+        self._channel = channel(f"127.0.0.1:{services['control']['port']}", module=Module.EXT_USER)
         self.stub = control_pb2_grpc.ControlServiceStub(self._channel)
 
     def submit(self, yaml_text: str) -> str:

@@ -47,7 +47,7 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 
 
 def audit(address: str) -> audit_pb2.AuditReport:
-    with channel(address) as ch:
+    with channel(address, module=Module.EXT_USER) as ch:  # as surgectl audit
         return audit_pb2_grpc.AuditServiceStub(ch).Audit(audit_pb2.AuditRequest(), timeout=30)
 
 

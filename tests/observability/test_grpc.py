@@ -15,12 +15,14 @@ import grpc
 import pytest
 
 from services.common.grpc_server import MAX_MESSAGE_BYTES, ServiceServer, TlsConfigError, channel
-from services.contract import control_pb2, control_pb2_grpc
+from services.contract import Module, control_pb2, control_pb2_grpc
+from tests.callers import metadata
 from tests.conftest import REPO
 from tests.observability.conftest import TOKEN, free_port, venv_tool
 
 SERVICES = {"control": "surge.v1.ControlService", "data": "surge.v1.DataService", "store": "surge.v1.StoreService",
             "worker-0": "surge.v1.WorkerService"}
+OPERATOR = "x-surge-module: EXT_USER"  # the caller's module (services/common/identity.py)
 SECURITY_VARS = ("SURGE_AUTH_TOKEN", "SURGE_TLS_CERT", "SURGE_TLS_KEY", "SURGE_TLS_CA", "SURGE_TLS_SERVER_NAME")
 
 
@@ -51,7 +53,8 @@ def test_grpcurl_lists_the_services_of_every_process_through_reflection(obs_stac
 @pytest.mark.integration
 def test_grpcurl_calls_the_job_status_rpc_and_the_token_decides_on_submit(obs_stack):
     control = obs_stack.address("control")
-    r = grpcurl("-plaintext", "-d", json.dumps({"job_id": obs_stack.job_id}), control, "surge.v1.ControlService/GetJob")
+    r = grpcurl("-plaintext", "-H", OPERATOR, "-d", json.dumps({"job_id": obs_stack.job_id}), control,
+                "surge.v1.ControlService/GetJob")
     assert r.returncode == 0, r.stderr
     status = json.loads(r.stdout)
     assert (status["job_id"], status["state"], status["outcome"]) == (obs_stack.job_id, "TERMINATED", "FINISHED")
@@ -60,9 +63,9 @@ def test_grpcurl_calls_the_job_status_rpc_and_the_token_decides_on_submit(obs_st
     assert health.returncode == 0 and json.loads(health.stdout)["status"] == "SERVING", health.stderr
 
     bad_spec = json.dumps({"spec_yaml": "name: [", "spec_path": "x.yaml"})
-    refused = grpcurl("-plaintext", "-d", bad_spec, control, "surge.v1.ControlService/SubmitJob")
+    refused = grpcurl("-plaintext", "-H", OPERATOR, "-d", bad_spec, control, "surge.v1.ControlService/SubmitJob")
     assert refused.returncode != 0 and "Unauthenticated" in refused.stderr, refused.stderr
-    authorized = grpcurl("-plaintext", "-H", f"authorization: Bearer {TOKEN}", "-d", bad_spec, control,
+    authorized = grpcurl("-plaintext", "-H", OPERATOR, "-H", f"authorization: Bearer {TOKEN}", "-d", bad_spec, control,
                          "surge.v1.ControlService/SubmitJob")
     # Past the token: control itself now judges (and refuses) the malformed spec.
     assert "Unauthenticated" not in authorized.stderr, authorized.stderr
@@ -126,7 +129,7 @@ def _call(address: str, fn, **env: str):
     saved = {k: os.environ.pop(k, None) for k in SECURITY_VARS}
     try:
         os.environ.update(env)
-        with channel(address) as ch:
+        with channel(address, module=Module.EXT_USER) as ch:
             return fn(control_pb2_grpc.ControlServiceStub(ch))
     finally:
         for k in SECURITY_VARS:
@@ -176,7 +179,8 @@ def certs(tmp_path_factory) -> dict[str, Path]:
         pytest.skip("openssl not found: needed to make test certificates")
     d = tmp_path_factory.mktemp("certs")
     ext = d / "ext.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n")
+    # DNS:surge-user: the role the client's module (EXT_USER) needs under mutual TLS (identity.py).
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:surge-user\nextendedKeyUsage=serverAuth,clientAuth\n")
 
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
@@ -227,7 +231,8 @@ def test_an_oversized_request_gets_resource_exhausted_and_the_server_lives_on(se
             stub.SubmitJob(control_pb2.SubmitJobRequest(spec_yaml="x" * (MAX_MESSAGE_BYTES + 1)), timeout=60)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "larger than max" in e.value.details()
-        assert stub.SubmitJob(control_pb2.SubmitJobRequest(spec_yaml="x" * 1000), timeout=10).message == "1000 bytes"
+        assert stub.SubmitJob(control_pb2.SubmitJobRequest(spec_yaml="x" * 1000), timeout=10,
+                              metadata=metadata(Module.EXT_USER)).message == "1000 bytes"
 
 
 def test_a_malformed_request_gets_invalid_argument_and_the_server_lives_on(serve):
@@ -238,5 +243,5 @@ def test_a_malformed_request_gets_invalid_argument_and_the_server_lives_on(serve
             raw(b"\xff\xff\xff\xff", timeout=10)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "/surge.v1.ControlService/GetJob: malformed request" in e.value.details()
-        ok = raw(control_pb2.JobQuery(job_id="j").SerializeToString(), timeout=10)
+        ok = raw(control_pb2.JobQuery(job_id="j").SerializeToString(), timeout=10, metadata=metadata(Module.EXT_USER))
         assert control_pb2.JobStatus.FromString(ok).job_id == "j"

@@ -15,7 +15,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.contract import engine_pb2, store_pb2, store_pb2_grpc
+from services.contract import Module, engine_pb2, store_pb2, store_pb2_grpc
+from tests.callers import any_caller_channel, metadata
 from tests.conftest import free_ports
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -83,7 +84,7 @@ def test_save_commit_list_load_and_metrics_through_the_real_service(store):
     torch = pytest.importorskip("torch")
     import torch.distributed.checkpoint as dcp
 
-    with grpc.insecure_channel(f"127.0.0.1:{store.port}") as ch:
+    with any_caller_channel(f"127.0.0.1:{store.port}") as ch:
         stub = store_pb2_grpc.StoreServiceStub(ch)
         staged = [stub.BeginSave(store_pb2.SaveCheckpoint(job_id="it", step=8, rank=r), timeout=10) for r in (0, 1)]
         assert staged[0].staging_path == staged[1].staging_path
@@ -113,7 +114,7 @@ def test_save_commit_list_load_and_metrics_through_the_real_service(store):
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         with pytest.raises(grpc.RpcError) as e:  # the route lets only the training loop commit
             stub.CommitSave(store_pb2.CommitCheckpoint(job_id="it", step=8), timeout=10,
-                            metadata=[("surge-sender", "EXT_USER")])
+                            metadata=metadata(Module.EXT_USER))
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
         records = [
@@ -164,7 +165,7 @@ def test_scrub_watch_verify_and_load_of_a_corrupt_version_through_the_real_servi
     torch = pytest.importorskip("torch")
     import torch.distributed.checkpoint as dcp
 
-    with grpc.insecure_channel(f"127.0.0.1:{store.port}") as ch:
+    with any_caller_channel(f"127.0.0.1:{store.port}") as ch:
         stub = store_pb2_grpc.StoreServiceStub(ch)
         for step in (5, 10):
             staged = stub.BeginSave(store_pb2.SaveCheckpoint(job_id="sc", step=step, rank=0), timeout=10)
@@ -210,7 +211,7 @@ def test_scrub_watch_verify_and_load_of_a_corrupt_version_through_the_real_servi
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert ("surge-store-cause", "CORRUPT") in tuple(e.value.trailing_metadata())
         with pytest.raises(grpc.RpcError) as e:  # only the orchestrator (or the operator) may ask for a scrub
-            stub.Scrub(store_pb2.ScrubCheckpoints(), timeout=10, metadata=[("surge-sender", "L2_TRAINING_LOOP")])
+            stub.Scrub(store_pb2.ScrubCheckpoints(), timeout=10, metadata=metadata(Module.L2_TRAINING_LOOP))
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
@@ -219,7 +220,7 @@ def test_the_scrub_schedule_finds_a_flipped_byte_on_its_own(store):
     torch = pytest.importorskip("torch")
     import torch.distributed.checkpoint as dcp
 
-    with grpc.insecure_channel(f"127.0.0.1:{store.port}") as ch:
+    with any_caller_channel(f"127.0.0.1:{store.port}") as ch:
         stub = store_pb2_grpc.StoreServiceStub(ch)
         staged = stub.BeginSave(store_pb2.SaveCheckpoint(job_id="sched", step=1, rank=0), timeout=10)
         with pytest.warns(UserWarning):

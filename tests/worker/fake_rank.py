@@ -30,6 +30,7 @@ import time
 import grpc
 
 from services.contract import Module, audit_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
+from services.common.grpc_server import channel as grpc_channel
 from services.contract.relay import unpack
 
 
@@ -51,7 +52,7 @@ def main() -> int:
             yield event
 
     send(hello=worker_pb2.RankHello(job_id=job, rank=rank, pid=os.getpid()))
-    channel = grpc.insecure_channel(args.session)
+    channel = grpc_channel(args.session, module=Module.L2_TRAINING_LOOP)  # a rank speaks as its loop
     commands = iter(worker_pb2_grpc.WorkerServiceStub(channel).RankSession(requests()))
     first, second = next(commands), next(commands)
     if first.WhichOneof("command") != "init" or second.WhichOneof("command") != "assignment":

@@ -23,7 +23,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.grpc_server import ServiceServer
+from services.common.grpc_server import ServiceServer, channel
 from services.contract import (
     Module,
     audit_pb2,
@@ -364,7 +364,7 @@ def test_an_audit_asks_every_live_rank_and_sums_their_route_counts_keeping_them_
     control.servicer.registration()
     launch(control.servicer, "ja", ["audited", "audited", "sleep"], world_size=3)
     started_ranks(cluster, control.servicer, 3)
-    with grpc.insecure_channel(f"127.0.0.1:{agent.port}") as ch:
+    with channel(f"127.0.0.1:{agent.port}", module=Module.EXT_USER) as ch:
         report = audit_pb2_grpc.AuditServiceStub(ch).Audit(audit_pb2.AuditRequest(), timeout=30)
     assert report.process == WORKER_ID
     assert [(c.sender, c.message, c.receiver, c.count) for c in report.routes] == [
@@ -516,7 +516,7 @@ def test_a_hello_for_a_rank_not_launched_here_is_refused(cluster):
     agent = cluster.agent(control.port)
     control.servicer.registration()
     hello = worker_pb2.RankEvent(job_id="nope", rank=0, hello=worker_pb2.RankHello(job_id="nope", rank=0, pid=1))
-    with grpc.insecure_channel(f"127.0.0.1:{agent.port}") as ch:
+    with channel(f"127.0.0.1:{agent.port}", module=Module.L2_TRAINING_LOOP) as ch:
         with pytest.raises(grpc.RpcError) as err:
             next(iter(worker_pb2_grpc.WorkerServiceStub(ch).RankSession(iter([hello]), timeout=5)))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
