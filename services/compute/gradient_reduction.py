@@ -31,11 +31,29 @@ micro-step's forward: ``sync=False`` for the accumulation micro-steps (DDP: what
 ``no_sync()`` sets; FSDP2: ``set_requires_gradient_sync(False)``, gradients accumulate
 unsharded locally), ``sync=True`` for the last one.
 
-``ReduceGradients`` all-reduces ``[loss_sum, tokens]`` (float64, one small collective)
-over the dp group; with ``tokens_only`` it is sent before backward, so every rank can
-normalise its loss by the step's global token count. ``seconds`` is that collective's
-time, including waiting for the slowest rank. The gradient reduction itself is overlapped
-with, and counted in, the backward time.
+``ReduceGradients`` (after backward) is the step's one small collective: one float64
+all-reduce (SUM) over the whole world of ``[loss_sum, tokens, replicated_squares,
+sharded_squares, found_inf]``, each rank's share weighted so that each quantity is counted
+once: tokens on the ranks at tp = pp = 0 (tp and pp peers read the same data), the loss on
+tp = 0 (only the last pipeline stage has one; the others send 0), the squares of plain
+(whole, replicated) gradients on dp = tp = 0, DTensor shards' squares as L2-4 counted them
+(services/engine/grad_norm.py), the overflow flags summed (> 0: some rank overflowed). So
+the token count, the loss statistics, the overflow verdict and the gradient norm's pieces
+meet once per step instead of in three to five collectives on three groups, and the loop
+learns the token count after backward (it back-propagates with a known normaliser and has
+L2-4 correct the gradients: training_loop.py, "Loss normalisation"). Sums of integers and
+of 0/1 flags are exact in float64 below 2**53. ``seconds`` is that collective's time,
+including waiting for the slowest rank. The gradient reduction itself is overlapped with,
+and counted in, the backward time.
+
+Under tensor parallelism (without FSDP2) some gradients come out of backward Partial (each
+tp rank holds a summand): the replicated weights' and the row-parallel ones'. They are
+settled here, once the last micro-step's backward has accumulated every gradient (post-
+accumulate-grad hooks, active when ``ArmReduction(sync=True)``): all of them in one flat
+all-reduce over the tp group, then laid out as their parameter (Replicate, or this rank's
+Shard slice, a local view). That is the gradient reduction of those weights, so neither
+the norm (L2-4) nor the update (L2-3) meets the other ranks for them (before: one
+all-reduce or reduce-scatter per such tensor, in both).
 
 With ``data_parallel="none"`` (dp == 1) nothing is wrapped and nothing is communicated here.
 
@@ -46,6 +64,7 @@ group (the mesh's groups are L2-2's).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -55,7 +74,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
@@ -68,7 +87,8 @@ from services.compute.parallelize import (
     checkpoint_activations,
     layout_steps,
 )
-from services.contract import engine_pb2
+from services.contract import Module, engine_pb2
+from services.contract.acting import acting
 from services.contract.bus import Emitter
 from services.contract.frozen import FrozenConfig
 
@@ -85,18 +105,19 @@ class GradientReduction:
         self._frozen = FrozenConfig[engine_pb2.ParallelPlan]("L3_GRADIENT_REDUCTION", "parallel plan")
         self._plan: engine_pb2.ParallelPlan | None = None
         self._group: dist.ProcessGroup | None = None  # the dp axis
-        self._pp_group: dist.ProcessGroup | None = None  # the pp axis (pp > 1)
         self._mesh: DeviceMesh | None = None
         self._ddp: DistributedDataParallel | None = None
         self._fsdp: FSDPModule | None = None
         self._stats_device = torch.device("cpu")
         self._state = "idle"  # idle | reducing | done | comm_failed
+        self._sync = True  # this micro-step's backward is the step's last (ArmReduction.sync)
+        self._replicated: list[nn.Parameter] = []  # tp > 1 (no FSDP2): parameters whose grads may come out Partial
+        self._pending: set[int] = set()  # ids of those whose grad the last backward has accumulated
 
     def parallel_plan(self, msg: engine_pb2.ParallelPlan, payload: Any = None) -> None:
         """通信域同步策略指令 (once; payload: the DeviceMesh). Raises ConfigFrozen on a second plan."""
         self._plan, self._mesh = self._frozen.set(msg), payload
         self._group = payload["dp"].get_group() if payload is not None and msg.dp > 1 else None
-        self._pp_group = payload["pp"].get_group() if payload is not None and msg.pp > 1 else None
         if msg.device.startswith("cuda"):
             self._stats_device = torch.device(msg.device)
 
@@ -110,6 +131,8 @@ class GradientReduction:
         for step in layout_steps(self._plan):
             if step == TENSOR_PARALLEL:
                 _tensor_parallel(model, self._plan, self._mesh["tp"])
+                if self._plan.data_parallel != "fsdp2":
+                    self._arm_partial_settle(model)
             elif step == ACTIVATION_CHECKPOINTING:
                 checkpoint_activations(model)
             elif step == FULLY_SHARD:
@@ -146,6 +169,7 @@ class GradientReduction:
 
     def arm_reduction(self, msg: engine_pb2.ArmReduction, payload: Any = None) -> None:
         """Before a micro-step's forward: whether its backward all-reduces gradients."""
+        self._sync = msg.sync
         if self._ddp is not None:
             # What DDP.no_sync() sets; read by DDP's forward to prepare the reducer.
             self._ddp.require_backward_grad_sync = msg.sync
@@ -153,57 +177,82 @@ class GradientReduction:
             self._fsdp.set_requires_gradient_sync(msg.sync)
 
     def reduce_gradients(self, msg: engine_pb2.ReduceGradients, payload: Any = None) -> engine_pb2.GradientsReduced:
-        """执行梯度归约指令: DDP/FSDP2 reduced the gradients during backward; finish with the
-        global loss statistics over the dp axis (``tokens_only``: before backward, the token
-        count). Communication errors propagate (the plan is not rebuilt)."""
+        """执行梯度归约指令: DDP/FSDP2 reduced the gradients during backward (and the Partial
+        ones were settled at its end); finish with the step's one small all-reduce over the
+        world (module docstring). Communication errors propagate (the plan is not rebuilt)."""
         t0 = time.perf_counter()
         self._mark.enter(ph.COLLECTIVE)
-        found_inf = msg.local_found_inf if msg.tokens_only else self._any_rank(msg.local_found_inf)
-        local_loss_sum = msg.local_loss_sum if msg.tokens_only else self._over_stages(msg.local_loss_sum)
-        if self._group is None:  # dp == 1: the local sums are the global ones
-            return engine_pb2.GradientsReduced(
-                global_loss_sum=local_loss_sum, global_tokens=msg.local_tokens, seconds=time.perf_counter() - t0,
-                found_inf=found_inf,
-            )
-        self._state = "reducing"
-        stats = torch.tensor([local_loss_sum, float(msg.local_tokens)], dtype=torch.float64, device=self._stats_device)
-        try:
-            dist.all_reduce(stats, group=self._group)
-        except Exception:
-            self._state = "comm_failed"
-            raise
-        loss_sum, tokens = stats.tolist()
-        self._state = "done"
+        plan = self._plan
+        local = [msg.local_loss_sum, float(msg.local_tokens), msg.replicated_squares, msg.sharded_squares,
+                 float(msg.local_found_inf)]  # fmt: skip
+        if plan is not None and plan.world_size > 1:
+            # Each quantity counted once over the world (module docstring): zero the shares
+            # this rank's replicas also send.
+            tp0, pp0 = plan.tp_rank == 0, plan.pp_rank == 0
+            weights = [float(tp0), float(tp0 and pp0), float(tp0 and plan.dp_rank == 0), 1.0, 1.0]
+            stats = torch.tensor([v * w for v, w in zip(local, weights)], dtype=torch.float64, device=self._stats_device)
+            self._state = "reducing"
+            try:
+                dist.all_reduce(stats)  # the default (world) group: L2-2's, never one made here
+            except Exception:
+                self._state = "comm_failed"
+                raise
+            local = stats.tolist()
+            self._state = "done"
+        loss_sum, tokens, replicated, sharded, overflowed = local
         return engine_pb2.GradientsReduced(
-            global_loss_sum=loss_sum, global_tokens=round(tokens), seconds=time.perf_counter() - t0, found_inf=found_inf
-        )
+            global_loss_sum=loss_sum, global_tokens=round(tokens), seconds=time.perf_counter() - t0,
+            found_inf=overflowed > 0 or not math.isfinite(overflowed), grad_squares=replicated + sharded,
+        )  # fmt: skip
 
-    def _over_stages(self, local_loss_sum: float) -> float:
-        """pp > 1: only the last pipeline stage computes the loss; summing over the pp group
-        gives every stage its replica's loss sum (one 1-element all-reduce per call)."""
-        if self._pp_group is None:
-            return local_loss_sum
-        loss = torch.tensor([local_loss_sum], dtype=torch.float64, device=self._stats_device)
-        try:
-            dist.all_reduce(loss, group=self._pp_group)
-        except Exception:
-            self._state = "comm_failed"
-            raise
-        return float(loss.item())
+    def _arm_partial_settle(self, model: nn.Module) -> None:
+        """tp > 1 without FSDP2 (which reduces its gradients itself): a hook on every
+        parameter notes that the backward accumulated its grad; the last one noted, on the
+        step's last micro-step, settles the Partial ones (module docstring)."""
+        self._replicated = [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
+        for p in self._replicated:
+            p.register_post_accumulate_grad_hook(self._noted)
 
-    def _any_rank(self, local_found_inf: bool) -> bool:
-        """The overflow verdict of the whole job: MAX over every rank of the world (all mesh
-        axes), because sharded gradients (FSDP2, TP, pipeline stages) make ranks' own
-        verdicts differ; one 1-element all-reduce per step (none with one rank)."""
-        if self._plan is None or self._plan.world_size <= 1:
-            return local_found_inf
-        flag = torch.tensor([float(local_found_inf)], device=self._stats_device)
-        try:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        except Exception:
-            self._state = "comm_failed"
-            raise
-        return bool(flag.item())
+    def _noted(self, param: torch.Tensor) -> None:
+        if not self._sync:
+            return
+        self._pending.add(id(param))
+        if len(self._pending) == len(self._replicated):
+            self._pending.clear()
+            with acting(Module.L3_GRADIENT_REDUCTION):  # inside L3-4's backward, on L3-5's behalf
+                self._settle_partial()
+
+    def _settle_partial(self) -> None:
+        """Every Partial(sum) grad summed over its mesh (one flat all-reduce per mesh, dtype
+        and placements) and laid out as its parameter is: Replicate, or this rank's slice of
+        a Shard (a local view, no more communication)."""
+        groups: dict[tuple, list[nn.Parameter]] = {}
+        for p in self._replicated:
+            g = p.grad
+            if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
+                groups.setdefault((id(g.device_mesh), g.to_local().dtype, tuple(g.placements)), []).append(p)
+        for params in groups.values():
+            grads = [p.grad for p in params]
+            mesh = grads[0].device_mesh
+            flat = torch.cat([g.to_local().reshape(-1) for g in grads])
+            try:
+                for d, pl in enumerate(grads[0].placements):
+                    if isinstance(pl, Partial):
+                        assert pl.reduce_op == "sum", f"a Partial({pl.reduce_op}) gradient"
+                        dist.all_reduce(flat, group=mesh.get_group(d))
+            except Exception:
+                self._state = "comm_failed"
+                raise
+            offset = 0
+            for p, g in zip(params, grads):
+                n = g.to_local().numel()
+                local = flat[offset:offset + n].view_as(g.to_local())
+                offset += n
+                summed = DTensor.from_local(local, mesh, [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements],
+                                            run_check=False, shape=g.shape, stride=g.stride())  # fmt: skip
+                # Replicate -> the parameter's Shard is a local slice (no collective).
+                p.grad = summed if tuple(summed.placements) == tuple(p.placements) else summed.redistribute(
+                    p.device_mesh, p.placements)  # fmt: skip
 
 
 def _tensor_parallel(model: nn.Module, plan: engine_pb2.ParallelPlan, tp_mesh: DeviceMesh) -> None:

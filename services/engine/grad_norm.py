@@ -1,14 +1,21 @@
-"""Gradient norms over parameters that may be DTensor shards (FSDP2, tensor parallel).
+"""This rank's pieces of the squared gradient norm, computed without communicating.
 
-``torch.nn.utils.get_total_norm`` runs ``torch._foreach_norm`` over one list, which refuses
-a mix of plain tensors and DTensors, and on DTensors returns a DTensor (a partial norm)
-rather than a number. A layout may leave non-sharded weights (embedding, norms) plain
-tensors beside DTensor q/k/v/..., or put DTensors on two meshes (dp x tp and dp). (Surge's
-present layout, torch 2.13, gives only DTensors on one mesh: tp, or dp x tp, with Partial
-grads for the replicated weights; tests/parallel/test_precision_parallel.py.) So the gradients are grouped
-by mesh, each group's norm is made whole (``full_tensor()``: the collective that sums the
-shards' squares over the mesh), and the groups are combined as sqrt(sum of squares).
-Every rank must call it, in the same order (the full_tensor reductions are collectives).
+The whole model's norm needs every rank's gradients: DTensor shards (FSDP2, tensor parallel)
+and pipeline stages hold disjoint parts, DDP replicas identical copies. The precision
+manager (L2-4) may not communicate (seed L2-4 red line 4), so it computes only this rank's
+sums of squares here, split so that one sum over every rank of the world counts each
+gradient element exactly once; L3-5 does that sum in the step's one small all-reduce
+(services/compute/gradient_reduction.py), and L2-4 takes the square root of what it is given.
+
+    replicated: plain tensors (held whole; the same on every dp / tp replica: L3-5 counts
+        only the replica at dp = tp = 0, as it laid the replicas out);
+    sharded: DTensor local shards, counted here only on the rank at coordinate 0 of each
+        mesh dim the DTensor is Replicate on (Shard dims: every coordinate holds a distinct
+        part). A Partial grad (a summand, not a part) has no local square; L3-5 settles
+        Partial grads into Replicate ones at the end of backward, so none reaches here.
+
+``torch._foreach_norm`` refuses a mix of plain tensors and DTensors, so the local tensors
+are taken (``to_local()``) and grouped by device and dtype first.
 """
 
 from __future__ import annotations
@@ -16,34 +23,38 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 
-def total_norm(grads: Sequence[torch.Tensor], norm_type: float = 2.0, over: dist.ProcessGroup | None = None) -> float:
-    """The L-``norm_type`` norm of all of ``grads`` together, as a Python float (one host
-    sync). Plain tensors and DTensors of any meshes may be mixed; ``inf`` norms too.
-    ``over``: a process group whose ranks hold disjoint parameters (pipeline stages): the
-    norm of all their gradients together (one more 1-element all-reduce, on every rank of it)."""
-    groups: dict[object, list[torch.Tensor]] = {}
+def local_squares(grads: Sequence[torch.Tensor]) -> tuple[float, float]:
+    """(replicated, sharded): sums of squares (float64 Python numbers, ``inf``/``nan`` when a
+    gradient is not finite) of this rank's plain-tensor gradients and of its counted DTensor
+    shards (module docstring). One host sync.
+
+    Raises:
+        ValueError: a gradient is a Partial DTensor (L3-5 should have settled it).
+    """
+    plain: list[torch.Tensor] = []
+    shards: list[torch.Tensor] = []
     for g in grads:
-        groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
-    parts = []
-    for mesh, group in sorted(groups.items(), key=lambda kv: _mesh_key(kv[0])):
-        norm = torch.nn.utils.get_total_norm(group, norm_type)
-        parts.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float().cpu())
-    inf = norm_type == float("inf")
-    local = torch.stack(parts) if parts else torch.zeros(1)
-    local = local.max().reshape(1) if inf else local.pow(norm_type).sum().reshape(1)
-    if over is not None:  # on the gradients' device: NCCL reduces no CPU tensor
-        local = local.to(grads[0].device if grads else "cpu")
-        dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=over)
-        local = local.cpu()
-    return float(local[0]) if inf else float(local[0].pow(1.0 / norm_type))
+        if not isinstance(g, DTensor):
+            plain.append(g)
+            continue
+        if any(isinstance(p, Partial) for p in g.placements):
+            raise ValueError("gradient norm: a Partial DTensor gradient reached the precision manager unsettled")
+        mesh = g.device_mesh
+        if all(not isinstance(p, Replicate) or mesh.get_local_rank(d) == 0 for d, p in enumerate(g.placements)):
+            shards.append(g.to_local())
+    return _squares(plain), _squares(shards)
 
 
-def _mesh_key(mesh) -> tuple:
-    # Same group order on every rank, so the full_tensor collectives line up.
-    if mesh is None:
-        return ()
-    return (tuple(mesh.mesh_dim_names or ()), tuple(mesh.mesh.flatten().tolist()))
+def _squares(tensors: list[torch.Tensor]) -> float:
+    if not tensors:
+        return 0.0
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    # The norms in float32 (as torch.nn.utils.get_total_norm), squared in float64: squaring
+    # first could overflow float32 for large, still finite, gradients (fp16 loss scaling).
+    norms = [torch.stack(torch._foreach_norm(ts, 2.0)).double() for ts in groups.values()]
+    return float(torch.cat(norms).pow(2).sum())

@@ -2,9 +2,10 @@
 
 Receives (from the training loop): ``InitPrecision`` -> replies ``PrecisionReady`` after
 commanding the operator adapter (``SetComputePrecision``); ``UnscaleAndCheck`` -> replies
-``OverflowChecked`` (this rank's found_inf, loss scale, L2 norm of the unscaled
-gradients); ``ScaleLoss`` (the step's overflow verdict over all ranks) -> replies
-``LossScaleAdjusted`` (the scale for the next step and the scaler's whole state).
+``OverflowChecked`` (this rank's found_inf, loss scale, and its pieces of the squared
+gradient norm); ``ScaleLoss`` (the step's reduced verdict, squares and gradient scale) ->
+unscales the gradients and replies ``LossScaleAdjusted`` (the step's gradient norm, the
+scale for the next step and the scaler's whole state).
 
 Policies:
     fp32: float32 compute, loss scale 1.
@@ -19,8 +20,13 @@ Policies:
 Why the verdict comes back in a second command: this manager checks only the gradients on
 its own rank, and with sharded gradients (FSDP2, tensor or pipeline parallel) ranks can
 disagree. It may not communicate (seed L2-4 red line 4); the loop has the gradient
-reduction unit all-reduce the flag and hands the all-rank verdict to ``ScaleLoss``, so
-every rank's scaler makes the same move.
+reduction unit (L3-5) all-reduce the flag and the norm's pieces (services/engine/grad_norm.py)
+with the loss statistics, in the step's one small all-reduce, and hands the reduced values
+to ``ScaleLoss``, so every rank's scaler makes the same move and reports the same norm.
+The unscale waits for that second command too: the loop back-propagates with a normaliser
+known before the step (services/engine/training_loop.py, "Loss normalisation") and corrects
+it by the global token count only after the reduction; unscale and correction are one
+multiply (``grad_scale / loss_scale``), one pass over the gradients.
 
 Red lines kept (seed L2-4): gradient values are changed only by (un)scaling, never clipped
 or zeroed; the manager never skips an update itself: it reports ``found_inf`` and the loop
@@ -39,7 +45,7 @@ import torch
 from services.contract import engine_pb2
 from services.contract.bus import CommandPort, Emitter
 from services.contract.frozen import FrozenConfig
-from services.engine.grad_norm import total_norm
+from services.engine.grad_norm import local_squares
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -122,18 +128,15 @@ class MixedPrecision:
         self._emit = emit
         self._operators = operators
         self._params: list[torch.Tensor] = []
-        self._stages: Any = None  # the pp group under pipeline parallelism
         # Seed L2-4 s2: 精度策略副本, carried by 混合精度初始化指令 once; frozen after it.
         self._policy = FrozenConfig[str]("L2_MIXED_PRECISION", "precision policy (InitPrecision)")
         self._scaler: DynamicLossScaler | None = None  # fp16 only
         self._state = "idle"  # idle | checking | overflow | no_overflow
 
-    def attach(self, parameters: Iterable[torch.Tensor], *, stages: Any = None) -> None:
-        """Composition root: the parameters whose gradients this manager checks.
-        ``stages`` (pp > 1): the pp process group; each stage holds only its own
-        parameters, so the norm's squares are summed over it (the whole model's norm)."""
+    def attach(self, parameters: Iterable[torch.Tensor]) -> None:
+        """Composition root: the parameters whose gradients this manager checks (this
+        rank's: a pipeline stage's own, DTensor shards under FSDP2 / TP)."""
         self._params = list({id(p): p for p in parameters}.values())
-        self._stages = stages
 
     @property
     def _loss_scale(self) -> float:
@@ -161,30 +164,38 @@ class MixedPrecision:
         return engine_pb2.PrecisionReady(precision=msg.precision, loss_scale=self._loss_scale, state=self._scaler_state())
 
     def unscale_and_check(self, msg: engine_pb2.UnscaleAndCheck, payload: Any = None) -> engine_pb2.OverflowChecked:
-        """执行梯度反缩放与溢出检测指令: unscale (when the scale is not 1), then the L2 norm
-        of this rank's gradients; found_inf when it is not finite. One host sync.
-        Unscaling by 1/scale (scale >= min_scale > 0) cannot create an inf, so the verdict
-        is the scaled gradients' as well."""
+        """执行梯度反缩放与溢出检测指令, the check half: this rank's gradients' sums of squares
+        as back-propagated (services/engine/grad_norm.py); found_inf when one is not finite.
+        One host sync, no communication, no gradient changed. Unscaling by 1/scale (scale
+        >= min_scale > 0) cannot create an inf, so the verdict is the unscaled gradients'
+        as well. The unscale itself comes with ScaleLoss, once the reduced values are in."""
         self._state = "checking"
         grads = [p.grad for p in self._params if p.grad is not None]
-        scale = self._loss_scale
-        if scale != 1.0 and grads:
-            torch._foreach_mul_(grads, 1.0 / scale)
-        norm = total_norm(grads, over=self._stages)  # DTensor-aware (FSDP2/TP shards): services/engine/grad_norm.py
-        found_inf = not math.isfinite(norm)
+        replicated, sharded = local_squares(grads)
+        found_inf = not (math.isfinite(replicated) and math.isfinite(sharded))
         self._state = "overflow" if found_inf else "no_overflow"
-        return engine_pb2.OverflowChecked(found_inf=found_inf, loss_scale=scale, grad_norm=norm)
+        return engine_pb2.OverflowChecked(
+            found_inf=found_inf, loss_scale=self._loss_scale, replicated_squares=replicated, sharded_squares=sharded,
+        )  # fmt: skip
 
     def scale_loss(self, msg: engine_pb2.ScaleLoss, payload: Any = None) -> engine_pb2.LossScaleAdjusted:
-        """执行 loss 缩放指令: move the scale per the rule with the step's all-rank
-        verdict; fp32/bf16 keep 1. Reply: the scale the next step's backward uses."""
+        """执行 loss 缩放指令: unscale this step's gradients (times ``grad_scale`` / loss
+        scale, one pass; skipped when the factor is 1), report the norm of the result from
+        the reduced squares (the whole model's, the same on every rank), then move the
+        scale per the rule with the step's all-rank verdict; fp32/bf16 keep 1. Reply: the
+        norm and the scale the next step's backward uses."""
+        factor = (msg.grad_scale or 1.0) / self._loss_scale
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if factor != 1.0 and grads:
+            torch._foreach_mul_(grads, factor)
+        grad_norm = math.sqrt(msg.grad_squares) * factor if msg.grad_squares >= 0 else float("nan")
         backed_off = at_minimum = False
         if self._scaler is not None:
             backed_off, at_minimum = self._scaler.update(msg.found_inf)
         # (The step number is not echoed: this module keeps no step count, seed L2-4 red line 2.)
         return engine_pb2.LossScaleAdjusted(
             loss_scale=self._loss_scale, state=self._scaler_state(),
-            backed_off=backed_off, at_minimum=at_minimum,
+            backed_off=backed_off, at_minimum=at_minimum, grad_norm=grad_norm,
         )  # fmt: skip
 
     def _scaler_state(self) -> engine_pb2.LossScalerState:

@@ -171,7 +171,7 @@ def compose(
         pipeline = runner_for(model, run, spec, device) if isinstance(model, StageModule) else None
         forward.attach(run, pipeline=pipeline)
         backward.attach(model.parameters(), pipeline=pipeline)
-        precision.attach(model.parameters(), stages=model.group if isinstance(model, StageModule) else None)
+        precision.attach(model.parameters())
         optimizer.attach(model)
 
     shard_loader = ShardLoader(emitter(Module.L3_SHARD_LOADER), handover)

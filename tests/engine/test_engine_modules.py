@@ -105,6 +105,7 @@ def precision_on_bus():
     bus.subscribe(Module.L3_OPERATOR_ADAPTER, engine_pb2.SetComputePrecision, adapter.set_compute_precision)
     bus.subscribe(Module.L2_MIXED_PRECISION, engine_pb2.InitPrecision, mp.init_precision)
     bus.subscribe(Module.L2_MIXED_PRECISION, engine_pb2.UnscaleAndCheck, mp.unscale_and_check)
+    bus.subscribe(Module.L2_MIXED_PRECISION, engine_pb2.ScaleLoss, mp.scale_loss)
     model = build_model(TINY, 0)
     mp.attach(model.parameters())
     return model, bus.port(Module.L2_TRAINING_LOOP, Module.L2_MIXED_PRECISION)
@@ -117,14 +118,19 @@ def test_precision_init_reports_ready_with_loss_scale_one(policy):
     assert ready.precision == policy and ready.loss_scale == 1.0
 
 
-def test_overflow_check_reports_the_global_grad_norm_and_leaves_gradients_alone():
+def test_overflow_check_reports_the_norm_pieces_and_leaves_gradients_alone_until_scale_loss():
     model, port = precision_on_bus()
     port(engine_pb2.InitPrecision(precision="fp32"))
     set_grads(model, 0.5)
     check = port(engine_pb2.UnscaleAndCheck(step=1)).message
     n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    assert not check.found_inf and check.grad_norm == pytest.approx(0.5 * math.sqrt(n), rel=1e-6)
+    assert not check.found_inf and check.replicated_squares == pytest.approx(0.25 * n, rel=1e-6)
+    assert check.sharded_squares == 0.0
     assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters())
+    # ScaleLoss applies the loop's correction (here x2) and reports the norm of the result.
+    adjusted = port(engine_pb2.ScaleLoss(step=1, grad_scale=2.0, grad_squares=check.replicated_squares)).message
+    assert adjusted.grad_norm == pytest.approx(math.sqrt(n), rel=1e-6)
+    assert all(torch.equal(p.grad, torch.full_like(p, 1.0)) for p in model.parameters())
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])

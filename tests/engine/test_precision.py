@@ -107,10 +107,13 @@ def test_fp16_sets_float16_compute_unscales_the_gradients_and_moves_the_scale_by
     assert ready[-1].dtype == "float16"
     p.grad = torch.full((4,), 2048.0)                 # scaled by 1024
     checked = loop(engine_pb2.UnscaleAndCheck(step=1)).message
-    assert not checked.found_inf and checked.loss_scale == 1024.0 and checked.grad_norm == pytest.approx(4.0)
-    assert torch.equal(p.grad, torch.full((4,), 2.0))
-    # The verdict that moves the scale is the all-rank one the loop hands over, not this rank's.
-    adjusted = loop(engine_pb2.ScaleLoss(step=1, found_inf=True)).message
+    assert not checked.found_inf and checked.loss_scale == 1024.0
+    assert checked.replicated_squares == pytest.approx(4 * 2048.0**2)  # as back-propagated
+    assert torch.equal(p.grad, torch.full((4,), 2048.0))
+    # The verdict that moves the scale is the all-rank one the loop hands over, not this
+    # rank's; the unscale comes with it, and the norm is the unscaled gradients'.
+    adjusted = loop(engine_pb2.ScaleLoss(step=1, found_inf=True, grad_squares=checked.replicated_squares)).message
+    assert torch.equal(p.grad, torch.full((4,), 2.0)) and adjusted.grad_norm == pytest.approx(4.0)
     assert (adjusted.loss_scale, adjusted.state.hysteresis_left, adjusted.backed_off) == (1024.0, 1, False)
     adjusted = loop(engine_pb2.ScaleLoss(step=2, found_inf=True)).message
     assert (adjusted.loss_scale, adjusted.backed_off, adjusted.at_minimum) == (512.0, True, False)
