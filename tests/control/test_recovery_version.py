@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 
 from services.contract import control_pb2, engine_pb2, store_pb2, store_pb2_grpc

@@ -14,7 +14,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.grpc_server import channel
 from services.contract import data_pb2, data_pb2_grpc
 from tests.callers import any_caller_channel
 

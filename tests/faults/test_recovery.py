@@ -21,7 +21,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 

@@ -27,10 +27,8 @@ import subprocess
 import sys
 import time
 
-import grpc
-
-from services.contract import Module, audit_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
 from services.common.grpc_server import channel as grpc_channel
+from services.contract import Module, audit_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
 from services.contract.relay import unpack
 
 
