@@ -53,7 +53,7 @@ from __future__ import annotations
 import contextvars
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -208,7 +208,9 @@ class Bus:
         # message -> its subscribed receivers in the route's delivery order (not the order
         # of subscription): the table says who hears an event first.
         self._receivers: dict[str, tuple[int, ...]] = {}
-        self._ports: dict[tuple[int, int], None] = {}  # (sender, receiver) of every port handed out
+        # (sender, receiver) of every port handed out -> the messages its ports may send
+        # (validate_wiring checks each has a handler in this process)
+        self._ports: dict[tuple[int, int], frozenset[str]] = {}
         self._on_violation = on_violation
         self._traffic = traffic if traffic is not None else TRAFFIC
 
@@ -297,6 +299,11 @@ class Bus:
     def ports(self) -> list[tuple[int, int]]:
         """(sender, receiver) of every port handed out, in order."""
         return list(self._ports)
+
+    def port_commands(self) -> dict[tuple[int, int], frozenset[str]]:
+        """(sender, receiver) of every port handed out -> the full names of the messages
+        those ports may send (what ``validate_wiring`` requires a handler for)."""
+        return dict(self._ports)
 
     def command(self, sender: int, receiver: int, msg: Message, payload: Any = None) -> Reply:
         """Send a command to one executor and return its reply.
@@ -409,16 +416,36 @@ class Bus:
         """
         self._violation(sender, message, receiver)
 
-    def port(self, sender: int, receiver: int) -> CommandPort:
-        """A handle through which ``sender`` may command ``receiver`` (and nothing else).
+    def port(
+        self, sender: int, receiver: int, commands: Iterable[type[Message]] | None = None
+    ) -> CommandPort:
+        """A handle through which ``sender`` may command ``receiver`` (and nothing else),
+        typed by the messages it sends: ``commands`` (each routed from ``sender`` to
+        ``receiver`` and IMPLEMENTED; an event the receiver answers, e.g. StepCompleted ->
+        MetricsAck, counts), by default every IMPLEMENTED route from ``sender`` to
+        ``receiver``. A message outside them is refused when sent (:meth:`refuse`), and
+        ``validate_wiring`` refuses a process where one of them has no subscribed handler,
+        so a port that could only fail at its first send fails at start-up instead.
 
         Raises:
-            RouteError: the table has no command from ``sender`` to ``receiver`` at all.
+            RouteError: the table has no command from ``sender`` to ``receiver`` at all, or
+                a message of ``commands`` is not an implemented route between them.
         """
-        if not self._table.commands_between(sender, receiver):
+        between = self._table.commands_between(sender, receiver)
+        if not between:
             raise RouteError(f"{module_name(sender)} may not command {module_name(receiver)}")
-        self._ports[(sender, receiver)] = None
-        return CommandPort(self, sender, receiver)
+        if commands is None:
+            names = frozenset(r.message for r in between if r.implemented)
+        else:
+            names = frozenset(t.DESCRIPTOR.full_name for t in commands)
+            implemented = {r.message for r in between if r.implemented}
+            for name in sorted(names - implemented):
+                raise RouteError(
+                    f"{module_name(sender)}'s port to {module_name(receiver)} sends {name}, "
+                    "which is not an implemented route between them"
+                )
+        self._ports[(sender, receiver)] = self._ports.get((sender, receiver), frozenset()) | names
+        return CommandPort(self, sender, receiver, names)
 
     def emitter(self, sender: int) -> Emitter:
         return Emitter(self, sender)
@@ -436,12 +463,23 @@ class Bus:
 
 
 class CommandPort:
-    """What a module holds instead of a reference to a module it may command."""
+    """What a module holds instead of a reference to a module it may command: one sender,
+    one receiver, and the messages it may send (``commands``)."""
 
-    def __init__(self, bus: Bus, sender: int, receiver: int):
+    def __init__(self, bus: Bus, sender: int, receiver: int, commands: frozenset[str]):
         self._bus, self._sender, self._receiver = bus, sender, receiver
+        self.commands = commands
 
     def __call__(self, msg: Message, payload: Any = None) -> Reply:
+        """Send ``msg`` and return the receiver's reply (routed back, checked by the bus).
+
+        Raises:
+            BoundaryViolation: ``msg`` is not one of this port's commands (or the table
+                refuses it).
+        """
+        name = msg.DESCRIPTOR.full_name
+        if name not in self.commands:
+            self._bus.refuse(self._sender, name, self._receiver)
         return self._bus.command(self._sender, self._receiver, msg, payload)
 
     def __repr__(self) -> str:

@@ -11,8 +11,9 @@ Two checks, run by every composition root before it serves (and by the tests):
   it is checked here).
 * :func:`validate_wiring` -- one process's bus: every subscription is routed to the
   subscribing module (the bus also refuses it at subscribe time), every subscribing module
-  is one the process says it hosts (or relays for), and every hosted module is a known
-  module that the table names.
+  is one the process says it hosts (or relays for), every hosted module is a known
+  module that the table names, and every message a port handed out may send has a
+  subscribed handler of its receiver (here or a relay standing in for it).
 
 Both raise :class:`ContractError` with a one-line message naming the message or module.
 A composition root prints that line and exits with :data:`EXIT_CONTRACT` (78, sysexits'
@@ -148,7 +149,9 @@ def validate_wiring(bus, hosted_modules: Iterable[int]) -> None:
     Raises:
         ContractError: a hosted module that is not a known module or that no route names;
             a subscription whose message has no route or is not routed to its module, or
-            by a module the process does not host.
+            by a module the process does not host; a port handed out (``Bus.port``) that
+            may send a message no subscribed handler of its receiver takes (it would fail
+            only at its first send).
     """
     table: RouteTable = bus.table
     hosted = set(hosted_modules)
@@ -168,6 +171,15 @@ def validate_wiring(bus, hosted_modules: Iterable[int]) -> None:
             raise ContractError(f"{_name(module)} subscribes to {name}, which is not routed to it")
         if module not in hosted:
             raise ContractError(f"{_name(module)} subscribes to {name}, but this process does not host {_name(module)}")
+    subscribed = set(_subscriptions(bus))
+    port_commands = getattr(bus, "port_commands", None)
+    for (sender, receiver), names in sorted((port_commands() if callable(port_commands) else {}).items()):
+        for name in sorted(names):
+            if (name, receiver) not in subscribed:
+                raise ContractError(
+                    f"{_name(sender)} holds a port to send {name} to {_name(receiver)}, "
+                    f"but no handler of {_name(receiver)} for it is subscribed in this process"
+                )
 
 
 def _subscriptions(bus) -> list[tuple[str, int]]:

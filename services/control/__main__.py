@@ -36,17 +36,15 @@ from services.common import logs, paths
 from services.common.grpc_server import AioServiceServer, PortInUse, serve_metrics
 from services.contract import (
     Module,
-    audit_pb2,
     audit_pb2_grpc,
     control_pb2,
     control_pb2_grpc,
+    data_pb2,
     engine_pb2,
     store_pb2,
-    worker_pb2,
 )
 from services.contract.audit import AuditServicer, ViolationReporter
 from services.contract.bus import Bus, RouteError
-from services.contract.failures import failure_events_to
 from services.contract.relay import RANK
 from services.contract.validation import ContractError, refuse, validate_table, validate_wiring
 from services.control import faults
@@ -108,12 +106,13 @@ def build(
     contract = bus.emitter(Module.EXT_CONTRACT)
 
     allocator = ResourceAllocator(
-        hardware=bus.port(Module.L1_RESOURCE_ALLOCATOR, Module.EXT_HARDWARE),
+        hardware=bus.port(Module.L1_RESOURCE_ALLOCATOR, Module.EXT_HARDWARE, commands=(control_pb2.LaunchRanks, control_pb2.ReleaseRanks)),
         emit=bus.emitter(Module.L1_RESOURCE_ALLOCATOR),
         control_host=host,
     )
     detector = FaultDetector(emit=bus.emitter(Module.L1_FAULT_DETECTOR), rules=fault_rules)
-    recovery = RecoveryController(resources=bus.port(Module.L1_RECOVERY_CONTROLLER, Module.L1_RESOURCE_ALLOCATOR))
+    recovery = RecoveryController(
+        resources=bus.port(Module.L1_RECOVERY_CONTROLLER, Module.L1_RESOURCE_ALLOCATOR, commands=(control_pb2.RebuildCommunicator,)))
     sessions = SessionHub(
         hardware=bus.emitter(Module.EXT_HARDWARE),
         loop=bus.emitter(Module.L2_TRAINING_LOOP),
@@ -133,65 +132,46 @@ def build(
     bus.subscribe(Module.L5_CHECKPOINT_MANAGER, store_pb2.VerifyCheckpoints, store.verify_checkpoints)
     bus.subscribe(Module.L5_CHECKPOINT_MANAGER, store_pb2.ScrubCheckpoints, store.scrub_checkpoints)
 
-    bus.subscribe(Module.L1_RESOURCE_ALLOCATOR, control_pb2.WorkerRegistration, allocator.on_worker_registration)
-    bus.subscribe(Module.L1_RESOURCE_ALLOCATOR, control_pb2.MemoryPressure, allocator.on_memory_pressure)
-    bus.subscribe(Module.L1_RESOURCE_ALLOCATOR, control_pb2.AllocateResources, allocator.allocate_resources)
-    bus.subscribe(Module.L1_RESOURCE_ALLOCATOR, control_pb2.ReleaseResources, allocator.release_resources)
-    bus.subscribe(Module.L1_RESOURCE_ALLOCATOR, control_pb2.RebuildCommunicator, allocator.rebuild_communicator)
-    bus.subscribe(Module.L1_RECOVERY_CONTROLLER, control_pb2.StartRecovery, recovery.start_recovery)
+    # Each L1 module is hosted: every route to it goes to the handler the table names
+    # (Bus.host), and an event reaches its receivers in the table's order (receivers of its
+    # route option), whatever the order of these lines.
+    bus.host(Module.L1_RESOURCE_ALLOCATOR, allocator)
+    bus.host(Module.L1_RECOVERY_CONTROLLER, recovery, not_handled={
+        engine_pb2.ParallelReady: "L1-4 answers RebuildCommunicator at once and waits on no rank: a relaunched "
+                                  "rank's readiness reaches L1-1 (TrainingLoopStarted), which keeps the step's deadline",
+    })
     # The detector before the orchestrator is built: restoring a live job re-arms its watch.
-    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring, detector.start_fault_monitoring)
-    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.ResetFaultLedger, detector.reset_fault_ledger)
+    # Every failure event routed to L1-3 goes to on_failure, graded by (event, cause).
+    bus.host(Module.L1_FAULT_DETECTOR, detector, not_handled={
+        data_pb2.DataExhausted: "the end of a stream is the rank's (L2-1 over the data stream); no relay brings it "
+                                "to control, and L1-3 grades the loop's own report of what followed",
+    })
 
     orchestrator = Orchestrator(
-        allocator=bus.port(Module.L1_ORCHESTRATOR, Module.L1_RESOURCE_ALLOCATOR),
-        faults=bus.port(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR),
-        recovery=bus.port(Module.L1_ORCHESTRATOR, Module.L1_RECOVERY_CONTROLLER),
-        loop=bus.port(Module.L1_ORCHESTRATOR, Module.L2_TRAINING_LOOP),
+        allocator=bus.port(Module.L1_ORCHESTRATOR, Module.L1_RESOURCE_ALLOCATOR,
+                           commands=(control_pb2.AllocateResources, control_pb2.ReleaseResources)),
+        faults=bus.port(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR,
+                        commands=(control_pb2.StartFaultMonitoring, control_pb2.ResetFaultLedger)),
+        recovery=bus.port(Module.L1_ORCHESTRATOR, Module.L1_RECOVERY_CONTROLLER, commands=(control_pb2.StartRecovery,)),
+        loop=bus.port(Module.L1_ORCHESTRATOR, Module.L2_TRAINING_LOOP, commands=(
+            engine_pb2.StartTraining, engine_pb2.PauseTraining, engine_pb2.ResumeTraining, engine_pb2.StopTraining,
+            engine_pb2.StepVerdict, engine_pb2.RevokeStandingOrder)),
         emit=bus.emitter(Module.L1_ORCHESTRATOR),
         journal=journal,
         data_address=data_address,
         store_address=store_address,
         persist_interval_s=persist_interval_s,
-        checkpoints=bus.port(Module.L1_ORCHESTRATOR, Module.L5_CHECKPOINT_MANAGER),
+        checkpoints=bus.port(Module.L1_ORCHESTRATOR, Module.L5_CHECKPOINT_MANAGER,
+                             commands=(store_pb2.VerifyCheckpoints, store_pb2.ScrubCheckpoints)),
     )
-    o = orchestrator
-    for msg_type, handler in (
-        (control_pb2.SubmitJobRequest, o.submit_job),
-        (control_pb2.JobQuery, o.job_query),
-        (control_pb2.PauseJobRequest, o.pause_job),
-        (control_pb2.ResumeJobRequest, o.resume_job),
-        (control_pb2.StopJobRequest, o.stop_job),
-        (engine_pb2.TrainingLoopStarted, o.on_training_loop_started),
-        (engine_pb2.StepCompleted, o.on_step_completed),
-        (engine_pb2.EvalCompleted, o.on_eval_completed),
-        (store_pb2.SaveCompleted, o.on_save_completed),
-        (store_pb2.CheckpointVerification, o.on_checkpoint_verification),
-        (store_pb2.SnapshotFailed, o.on_snapshot_failed),
-        (store_pb2.CheckpointCorrupt, o.on_checkpoint_corrupt),
-        (store_pb2.CheckpointScrubbed, o.on_checkpoint_scrubbed),
-        (engine_pb2.TrainingLoopPaused, o.on_training_loop_paused),
-        (engine_pb2.TrainingLoopFinished, o.on_training_loop_finished),
-        # Before the detector's subscription: the failure is on the job's record before
-        # the graded report that decides on it.
-        (engine_pb2.TrainingLoopFailed, o.on_training_loop_failed),
-        (control_pb2.FaultReport, o.on_fault_report),
-        (engine_pb2.StepFaultReported, o.on_step_fault_reported),
-        (control_pb2.ResourcePressure, o.on_resource_pressure),
-    ):
-        bus.subscribe(Module.L1_ORCHESTRATOR, msg_type, handler)
-
-    bus.subscribe(Module.L1_FAULT_DETECTOR, worker_pb2.RankHeartbeat, detector.on_rank_heartbeat)
-    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.RankExited, detector.on_rank_exited)
-    bus.subscribe(Module.L1_FAULT_DETECTOR, engine_pb2.TrainingLoopFailed, detector.on_training_loop_failed)
-    # Every other module's failure event routed to L1-3, graded by (event, cause).
-    for failure_type in failure_events_to(bus.table, Module.L1_FAULT_DETECTOR):
-        if failure_type is not engine_pb2.TrainingLoopFailed:
-            bus.subscribe(Module.L1_FAULT_DETECTOR, failure_type, detector.on_failure)
-    bus.subscribe(Module.L1_FAULT_DETECTOR, audit_pb2.BoundaryViolationReported, detector.on_boundary_violation_reported)
-
-    servicer = ControlServicer(user=bus.port(Module.EXT_USER, Module.L1_ORCHESTRATOR), watches=watches, sessions=sessions,
-                               max_sessions=max_sessions)
+    bus.host(Module.L1_ORCHESTRATOR, orchestrator, not_handled={
+        store_pb2.MetricsAck: "the store answers metrics to the rank that sent them; no relay brings an ack to control",
+        store_pb2.LogWriteFailed: "L1-1 decides on L5-2's failure from L1-3's graded FaultReport",
+    })
+    user = bus.port(Module.EXT_USER, Module.L1_ORCHESTRATOR, commands=(
+        control_pb2.SubmitJobRequest, control_pb2.JobQuery, control_pb2.PauseJobRequest, control_pb2.ResumeJobRequest,
+        control_pb2.StopJobRequest))
+    servicer = ControlServicer(user=user, watches=watches, sessions=sessions, max_sessions=max_sessions)
     # The store's answers are applied in order with the node agents' events, on one thread.
     store.post = servicer.applier.call
     validate_wiring(bus, HOSTED)

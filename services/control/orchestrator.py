@@ -272,7 +272,7 @@ class Orchestrator:
 
     # ------------------------------------------------------------ operator commands
 
-    def submit_job(self, msg: control_pb2.SubmitJobRequest, payload: Any = None) -> control_pb2.JobStatus:
+    def submit_job_request(self, msg: control_pb2.SubmitJobRequest, payload: Any = None) -> control_pb2.JobStatus:
         """Validate the spec, allocate ranks, journal the job in WARMING_UP.
 
         Atomic: a start that fails at any point after the allocation (an event that cannot
@@ -366,7 +366,7 @@ class Orchestrator:
                 return Reply(self._snapshot(job), tuple(self._journal.events(msg.job_id, msg.from_seq)))
             return self._snapshot(job)
 
-    def pause_job(self, msg: control_pb2.PauseJobRequest, payload: Any = None) -> control_pb2.JobStatus:
+    def pause_job_request(self, msg: control_pb2.PauseJobRequest, payload: Any = None) -> control_pb2.JobStatus:
         """Ask every rank to pause after step latest+2, checkpointing that step first (unless
         ``no_checkpoint``); PAUSED once all have paused (after the commit).
 
@@ -408,7 +408,7 @@ class Orchestrator:
                          + ("" if checkpoint else " (no checkpoint)"))
             return self._snapshot(job)
 
-    def resume_job(self, msg: control_pb2.ResumeJobRequest, payload: Any = None) -> control_pb2.JobStatus:
+    def resume_job_request(self, msg: control_pb2.ResumeJobRequest, payload: Any = None) -> control_pb2.JobStatus:
         """Resume a job. A PAUSED one whose ranks run: RUNNING at once (ranks send nothing
         until their next step). A STOPPED or FAILED (TERMINATED) one, or a PAUSED one whose
         ranks are gone (parked: drained by `surgectl down`): from its newest checkpoint the
@@ -450,7 +450,7 @@ class Orchestrator:
             with self._lock:
                 job.resuming = False
 
-    def stop_job(self, msg: control_pb2.StopJobRequest, payload: Any = None) -> control_pb2.JobStatus:
+    def stop_job_request(self, msg: control_pb2.StopJobRequest, payload: Any = None) -> control_pb2.JobStatus:
         """Stop a job, checkpointing its boundary step first (unless ``no_checkpoint``).
         RUNNING: ranks stop after step latest+2; WARMING_UP / PAUSED: at the next boundary
         (at_step 0); TERMINATED with outcome STOPPED once every rank finished (after the
@@ -868,7 +868,7 @@ class Orchestrator:
                 job.verdicts[key] = verdict  # (a relaunched generation that meets the step again is asked anew)
             self._loop(verdict)
 
-    def revoke_standing_order(self, job_id: str, order: int) -> int:
+    def withdraw_standing_order(self, job_id: str, order: int) -> int:
         """Withdraw the job's standing order ``order`` (StandingOrder.id) at a boundary every
         rank has yet to reach (as a pause's, see ``_boundary``); returns that step. A fault
         of its kind after it is decided by the policy, one verdict per fault.

@@ -28,7 +28,7 @@ separator included, already consumed). A stream opened at ``next`` produces exac
 batches that would have followed. The packer learns where it resumes from
 ``PackerConfig.start``.
 
-Commands it takes: ``packer_config`` (L2-1), ``samples_filtered`` (data from L4-4). It
+Commands it takes: ``packer_config`` (L2-1), ``on_samples_filtered`` (data from L4-4). It
 publishes ``MicroBatch`` and ``DataExhausted``.
 
 Legend: B micro_batch_size, L seq_len, R rows, T tokens.
@@ -100,7 +100,7 @@ class BatchPacker:
         if msg.HasField("start") and msg.start.offset:
             self._resume = msg.start
 
-    def samples_filtered(self, msg: data_pb2.SamplesFiltered, docs: Documents) -> None:
+    def on_samples_filtered(self, msg: data_pb2.SamplesFiltered, docs: Documents) -> None:
         """Pack ``docs``; publish every complete batch; at the epoch's end, the rest.
 
         Raises:

@@ -7,7 +7,7 @@ or packs samples, and never decides the read-ahead: mounting a split hands the p
 a :class:`TokenStore` (paths and the document index), nothing more.
 
 Commands it takes (its public methods): ``mount_dataset`` (L2-1 or the operator),
-``list_datasets`` (the operator), ``open_stream`` (L2-1: mount, then activate one split).
+``dataset_query`` (the operator), ``open_stream`` (L2-1: mount, then activate one split).
 Events it publishes: ``DatasetReady`` (the reply), ``DatasetUnavailable`` (to L2-1, when a
 mount fails; the failing command also raises, so a commander without an event route, the
 operator, still gets the one-line reason). It commands only the prefetcher
@@ -58,7 +58,7 @@ class DatasetVersions:
         ready, _, _ = self._mount(msg.name, msg.version, msg.verify)
         return ready
 
-    def list_datasets(self, msg: data_pb2.DatasetQuery, payload: object = None) -> data_pb2.DatasetList:
+    def dataset_query(self, msg: data_pb2.DatasetQuery, payload: object = None) -> data_pb2.DatasetList:
         """Every version under the root whose manifest reads and self-checks (data files are
         not hashed here; ``mount_dataset`` does that)."""
         with self._lock:

@@ -7,7 +7,7 @@ bound); contains a banned byte or a banned token. Banned *bytes* are bytes, so t
 only be checked under the bytes tokenizer (a token is a byte); with another tokenizer a
 non-empty ``banned_bytes`` is refused (use ``banned_tokens``).
 
-Commands it takes: ``filter_rules`` (L2-1), ``samples_shuffled`` (data from L4-3). It
+Commands it takes: ``filter_rules`` (L2-1), ``on_samples_shuffled`` (data from L4-3). It
 publishes ``FilterReport`` (cumulative for the stream, to L2-1) and then
 ``SamplesFiltered`` (payload :class:`Documents`, to the packer) for every batch it gets,
 also for an empty one (an epoch's ``last`` marker must travel on).
@@ -54,7 +54,7 @@ class SampleFilter:
         self._rules.set(msg)
         self._banned = np.unique(np.asarray([*msg.banned_bytes, *msg.banned_tokens], dtype=np.int64))
 
-    def samples_shuffled(self, msg: data_pb2.SamplesShuffled, docs: Documents) -> None:
+    def on_samples_shuffled(self, msg: data_pb2.SamplesShuffled, docs: Documents) -> None:
         """Drop what breaks the rules; publish the tally, then the kept documents.
 
         Raises:

@@ -13,7 +13,7 @@ Sharding: the rank takes positions ``rank::world_size`` of the epoch order, so r
 disjoint documents; a shard's position ``k`` is what ``DataPosition.document`` counts.
 
 Commands it takes: ``shuffle_plan`` (L2-1; ``start_document`` resumes inside the epoch: the
-stream's first plan after a checkpoint), ``samples_read`` (data from L4-2). It publishes ``SamplesShuffled`` (payload
+stream's first plan after a checkpoint), ``on_samples_read`` (data from L4-2). It publishes ``SamplesShuffled`` (payload
 :class:`Documents`, to the filter) in chunks of ``chunk_documents`` documents; the epoch's
 last chunk has ``last=True`` and may be empty.
 """
@@ -67,7 +67,7 @@ class Shuffler:
 
     # ---- commands -------------------------------------------------------------------
 
-    def samples_read(self, msg: data_pb2.SamplesRead, docs: Documents) -> None:
+    def on_samples_read(self, msg: data_pb2.SamplesRead, docs: Documents) -> None:
         """Add a batch of documents (storage order, contiguous) to the snapshot."""
         if self._complete:
             raise RuntimeError("shuffler: samples read after the split was complete")

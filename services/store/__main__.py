@@ -14,9 +14,10 @@ root's, not L5-1's (modules keep no thread or timer of their own). gRPC ``surge.
 port in use is a one-line error and exit status 1; SIGTERM or SIGINT stops it cleanly
 (status 0).
 
-Wiring: L5-1 and L5-2 command nobody, so they get no ports; the bus routes to their
-handlers. The relay gets one command port per remote sender that the route table lets
-command them, and nothing else.
+Wiring: L5-1 and L5-2 command nobody, so they get no ports; each is hosted on the bus
+(``Bus.host``: every route to it goes to the handler the table names). The relay gets one
+command port per remote sender that the route table lets command them, typed by the
+messages that sender may send there, and nothing else.
 """
 
 from __future__ import annotations
@@ -51,31 +52,29 @@ def wire(root: Path, log, registry=REGISTRY, scrub_interval_s: float = 0.0) -> t
     validate_table(bus.table)
     manager = CheckpointManager(root, registry=registry, emit=bus.emitter(CKPT))
     metrics = MetricsLogger(root, registry=registry)
-    bus.subscribe(CKPT, store_pb2.SaveCheckpoint, manager.begin_save)
-    bus.subscribe(CKPT, store_pb2.CommitCheckpoint, manager.commit_save)
-    bus.subscribe(CKPT, store_pb2.LoadCheckpoint, manager.load)
-    bus.subscribe(CKPT, store_pb2.CheckpointQuery, manager.list)
-    bus.subscribe(CKPT, store_pb2.VerifyCheckpoints, manager.verify)
-    bus.subscribe(CKPT, store_pb2.ScrubCheckpoints, manager.scrub)
-    bus.subscribe(CKPT, store_pb2.WatchCheckpointsRequest, manager.watch)
-    bus.subscribe(METRICS, engine_pb2.StepCompleted, metrics.record_step)
-    bus.subscribe(METRICS, engine_pb2.EvalCompleted, metrics.record_eval)
+    bus.host(CKPT, manager, not_handled={
+        store_pb2.FlushCheckpoint: "a rank's own pending write: the rank's store relay answers it in the rank process",
+    })
+    bus.host(METRICS, metrics)
+    # One port per remote sender the table lets send what the relay forwards, typed by it.
+    forwarded = {
+        CKPT: (store_pb2.SaveCheckpoint, store_pb2.CommitCheckpoint, store_pb2.LoadCheckpoint,
+               store_pb2.CheckpointQuery, store_pb2.VerifyCheckpoints, store_pb2.ScrubCheckpoints,
+               store_pb2.WatchCheckpointsRequest),
+        METRICS: (engine_pb2.StepCompleted, engine_pb2.EvalCompleted),
+    }
     ports: dict[tuple[int, int], CommandPort] = {}
-    for receiver, types in (
-        (CKPT, (store_pb2.SaveCheckpoint, store_pb2.CommitCheckpoint, store_pb2.LoadCheckpoint,
-                store_pb2.CheckpointQuery, store_pb2.VerifyCheckpoints, store_pb2.ScrubCheckpoints,
-                store_pb2.WatchCheckpointsRequest)),
-        (METRICS, (engine_pb2.StepCompleted, engine_pb2.EvalCompleted)),
-    ):
-        for t in types:
-            for sender in bus.table.route(t).senders:
-                ports[(sender, receiver)] = bus.port(sender, receiver)
+    for receiver, types in forwarded.items():
+        senders = {s for t in types for s in bus.table.route(t).senders}
+        for sender in sorted(senders):
+            sent = tuple(t for t in types if bus.table.allows(sender, t, receiver))
+            ports[(sender, receiver)] = bus.port(sender, receiver, commands=sent)
     relay = StoreRelay(ports, log, check=bus.check)
     # The relay stands in for control's L1-1 as the receiver of CheckpointCorrupt.
     bus.subscribe(Module.L1_ORCHESTRATOR, store_pb2.CheckpointCorrupt, relay.on_checkpoint_corrupt)
+    schedule = ScrubSchedule(bus.port(Module.EXT_USER, CKPT, commands=(store_pb2.ScrubCheckpoints,)), scrub_interval_s, log)
     # Hosted: L5-1, L5-2, and every remote sender the relay commands them as (or receives for).
     validate_wiring(bus, {CKPT, METRICS, Module.L1_ORCHESTRATOR, *(sender for sender, _ in ports)})
-    schedule = ScrubSchedule(bus.port(Module.EXT_USER, CKPT), scrub_interval_s, log)
     return relay, metrics, schedule
 
 

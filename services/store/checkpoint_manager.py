@@ -1,9 +1,9 @@
 """L5-1 checkpoint manager: hands out staging locations, verifies, commits and catalogs versions.
 
 Ranks write torch.distributed.checkpoint (DCP) shards themselves, straight to storage. This
-module only says where (``begin_save``), seals what was written into a numbered version
-(``commit_save``), proves a version intact before anyone reads it (``load``) and lists the
-chain (``list``). It never decides when to save or which version to load (both come in the
+module only says where (``save_checkpoint``), seals what was written into a numbered version
+(``commit_checkpoint``), proves a version intact before anyone reads it (``load_checkpoint``) and lists the
+chain (``checkpoint_query``). It never decides when to save or which version to load (both come in the
 command), never changes a byte it was handed and never opens a tensor.
 
 On disk, under ``<root>/checkpoints``::
@@ -14,7 +14,7 @@ On disk, under ``<root>/checkpoints``::
 
 Staging (one open save per job, a save is "the ranks of one attempt writing one step"):
 
-* Every rank asks ``begin_save(job, step, rank, attempt)``. ``attempt`` names the
+* Every rank asks ``save_checkpoint(job, step, rank, attempt)``. ``attempt`` names the
   generation of ranks (one launch of the job's ranks: the same for all of them, different
   for every launch; the ranks' checkpoint relay sets it). A rank that asks for the open
   save's step, of the open save's attempt, and has not asked for it before gets the open
@@ -58,7 +58,7 @@ Verification is off the critical path. Every file is hashed at commit (that is t
 verification: the manifest is written from those digests), and the catalog records the
 verdict and when it was reached (``verdict``: ok | corrupt | missing_file, ``verified_unix``,
 ``reason``; a catalog entry written before verdicts existed reads as ok, verified at its
-commit). ``load`` re-hashes nothing: it refuses a version whose recorded verdict is not ok,
+commit). ``load_checkpoint`` re-hashes nothing: it refuses a version whose recorded verdict is not ok,
 checks the manifest (a few hundred bytes) against the catalog and says where the version is;
 the reader checks each file's SHA-256 as it reads it (``services/worker/store_client.py``).
 ``verify`` answers from the recorded verdicts, or re-hashes when asked (``rehash``). A scrub
@@ -165,7 +165,7 @@ class CheckpointManager:
     """The version chain of every job under ``<root>/checkpoints`` (survives restarts).
 
     Thread-safe: the gRPC relay calls it from a thread pool. Hashing runs outside the lock,
-    so one job's large commit does not hold up another job's ``begin_save``.
+    so one job's large commit does not hold up another job's ``save_checkpoint``.
 
     Args:
         root: the store root; this module owns ``root/checkpoints``.
@@ -212,7 +212,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ commands
 
-    def begin_save(self, msg: store_pb2.SaveCheckpoint, payload: Any = None) -> store_pb2.SaveStaged:
+    def save_checkpoint(self, msg: store_pb2.SaveCheckpoint, payload: Any = None) -> store_pb2.SaveStaged:
         """保存当前快照指令, first half: where rank ``msg.rank`` writes step ``msg.step``.
 
         Returns the open save's directory for a rank of the open save's attempt that has
@@ -249,7 +249,7 @@ class CheckpointManager:
             path = save.path
         return store_pb2.SaveStaged(job_id=job, step=msg.step, staging_path=str(path))
 
-    def commit_save(self, msg: store_pb2.CommitCheckpoint, payload: Any = None) -> store_pb2.SaveCompleted:
+    def commit_checkpoint(self, msg: store_pb2.CommitCheckpoint, payload: Any = None) -> store_pb2.SaveCompleted:
         """保存当前快照指令, second half: seal the open save of (job, step) as the next version.
 
         Hashes every file (SHA-256), writes ``manifest.json``, renames the staging directory
@@ -306,7 +306,7 @@ class CheckpointManager:
             seconds=seconds,
         )
 
-    def load(self, msg: store_pb2.LoadCheckpoint, payload: Any = None) -> store_pb2.CheckpointLoaded:
+    def load_checkpoint(self, msg: store_pb2.LoadCheckpoint, payload: Any = None) -> store_pb2.CheckpointLoaded:
         """加载指定版本快照指令: say where ``msg.version`` is, if its recorded verdict is ok.
 
         ``version`` is ``"<job>:<n>"``, ``"<job>:latest"`` or ``"latest"`` (the newest
@@ -336,7 +336,7 @@ class CheckpointManager:
             raise
         return store_pb2.CheckpointLoaded(info=self._info(entry))
 
-    def verify(self, msg: store_pb2.VerifyCheckpoints, payload: Any = None) -> store_pb2.CheckpointVerification:
+    def verify_checkpoints(self, msg: store_pb2.VerifyCheckpoints, payload: Any = None) -> store_pb2.CheckpointVerification:
         """The verdict of every committed version of ``msg.job_id`` (oldest first): as
         recorded (cheap), or re-hashed now and recorded if ``msg.rehash``. Reports; never
         chooses or deletes.
@@ -355,7 +355,7 @@ class CheckpointManager:
                 self._rejected.labels(job, "verify").inc()
         return store_pb2.CheckpointVerification(job_id=job, versions=verdicts)
 
-    def scrub(self, msg: store_pb2.ScrubCheckpoints, payload: Any = None) -> store_pb2.CheckpointScrubbed:
+    def scrub_checkpoints(self, msg: store_pb2.ScrubCheckpoints, payload: Any = None) -> store_pb2.CheckpointScrubbed:
         """Re-hash the committed versions of ``msg.job_id`` (every job if empty) and record
         the verdicts; publish each version newly found corrupt (CheckpointCorrupt). Runs
         outside the manager's lock: commits and loads go on meanwhile.
@@ -378,13 +378,13 @@ class CheckpointManager:
             entries = [e for e in self._chain if (not job_id or e["job_id"] == job_id)]
             return [self._corrupt_msg(e) for e in entries if _verdict(e)[0] != store_pb2.VERDICT_OK]
 
-    def watch(self, msg: store_pb2.WatchCheckpointsRequest, payload: Any = None) -> Reply:
+    def watch_checkpoints_request(self, msg: store_pb2.WatchCheckpointsRequest, payload: Any = None) -> Reply:
         """A subscription to CheckpointCorrupt (the relay fans the events out): answered with
         the versions recorded corrupt now, as the reply's payload (a list, oldest first)."""
         job = _check_job_id(msg.job_id) if msg.job_id else ""
         return Reply(None, self._corrupt_now(job))
 
-    def list(self, msg: store_pb2.CheckpointQuery, payload: Any = None) -> store_pb2.CheckpointList:
+    def checkpoint_query(self, msg: store_pb2.CheckpointQuery, payload: Any = None) -> store_pb2.CheckpointList:
         """The committed versions of ``msg.job_id`` (every job if empty), oldest first."""
         with self._lock:
             entries = [e for e in self._chain if not msg.job_id or e["job_id"] == msg.job_id]
@@ -833,7 +833,7 @@ def _check_unchanged(directory: Path, files: dict[str, _Hashed], job: str, step:
     """Refuse the commit if any file appeared, vanished or changed since it was hashed.
 
     A stat comparison, not a second hash: a rewrite of the same size within one filesystem
-    timestamp tick slips through here, and ``load`` (which re-hashes) catches it.
+    timestamp tick slips through here, and ``load_checkpoint`` (which re-hashes) catches it.
     """
     now = _list_files(directory, f"checkpoint {job}")
     if now != sorted(files):

@@ -106,7 +106,7 @@ class MetricsLogger:
 
     # ------------------------------------------------------------------ commands
 
-    def record_step(self, msg: engine_pb2.StepCompleted, payload: Any = None) -> store_pb2.MetricsAck:
+    def on_step_completed(self, msg: engine_pb2.StepCompleted, payload: Any = None) -> store_pb2.MetricsAck:
         """A rank's raw step metrics: persist the line, then set the Prometheus series.
 
         Raises:
@@ -137,7 +137,7 @@ class MetricsLogger:
             s.skipped.inc()
         return store_pb2.MetricsAck(records=1)
 
-    def record_eval(self, msg: engine_pb2.EvalCompleted, payload: Any = None) -> store_pb2.MetricsAck:
+    def on_eval_completed(self, msg: engine_pb2.EvalCompleted, payload: Any = None) -> store_pb2.MetricsAck:
         """A rank's raw evaluation result (loss in nats per token): persist, then export.
 
         Raises:

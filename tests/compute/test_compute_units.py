@@ -136,9 +136,9 @@ def test_a_committed_version_is_checked_against_its_manifest_as_it_loads_for_inf
     spec = JobSpec.model_validate({"name": "gen", "steps": 1, "seed": 3, "model": SPEC.model_dump(),
                                    "data": {"dataset": "x@v1"}})
     manager = CheckpointManager(tmp_path)
-    staged = manager.begin_save(store_pb2.SaveCheckpoint(job_id="gen", step=1, rank=0)).staging_path
+    staged = manager.save_checkpoint(store_pb2.SaveCheckpoint(job_id="gen", step=1, rank=0)).staging_path
     dcp.save({"model": build_model(spec.model, seed=99).state_dict()}, checkpoint_id=staged, no_dist=True)
-    path = manager.commit_save(store_pb2.CommitCheckpoint(job_id="gen", step=1, world_size=1)).path
+    path = manager.commit_checkpoint(store_pb2.CommitCheckpoint(job_id="gen", step=1, world_size=1)).path
     load_model_for_inference(path, spec)  # intact: loads
     shard = next(p for p in Path(path).iterdir() if p.suffix == ".distcp")
     data = bytearray(shard.read_bytes())

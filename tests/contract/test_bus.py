@@ -13,6 +13,7 @@ from services.contract.bus import (
     RouteError,
     Traffic,
 )
+from services.contract.route_table import default_table, message_class
 
 
 def test_send_outside_the_route_table_raises_and_is_counted():
@@ -178,3 +179,35 @@ def test_a_failing_violation_hook_does_not_hide_the_violation():
     bus = Bus(on_violation=broken_hook, traffic=Traffic())
     with pytest.raises(BoundaryViolation):
         bus.publish(Module.L5_METRICS_LOGGER, engine_pb2.StepCompleted())
+
+
+def test_a_typed_port_sends_its_commands_and_refuses_any_other():
+    traffic = Traffic()
+    reported = []
+    bus = Bus(on_violation=reported.append, traffic=traffic)
+    bus.subscribe(Module.L2_TRAINING_LOOP, engine_pb2.StartTraining, lambda m, p: None)
+    bus.subscribe(Module.L2_TRAINING_LOOP, engine_pb2.StopTraining, lambda m, p: None)
+    port = bus.port(Module.L1_ORCHESTRATOR, Module.L2_TRAINING_LOOP, commands=(engine_pb2.StartTraining,))
+    assert port.commands == {"surge.v1.StartTraining"}
+    port(engine_pb2.StartTraining(job_id="j"))
+    # The table lets L1-1 stop the loop, but this port was handed out for starting it only.
+    with pytest.raises(BoundaryViolation, match="L1_ORCHESTRATOR may not send surge.v1.StopTraining to L2_TRAINING_LOOP"):
+        port(engine_pb2.StopTraining(job_id="j"))
+    snap = traffic.snapshot()
+    assert snap.sent == {(Module.L1_ORCHESTRATOR, "surge.v1.StartTraining", Module.L2_TRAINING_LOOP): 1}
+    assert snap.refused == {(Module.L1_ORCHESTRATOR, "surge.v1.StopTraining", Module.L2_TRAINING_LOOP): 1}
+    assert [r.message for r in reported] == ["surge.v1.StopTraining"]
+    assert bus.port_commands() == {(Module.L1_ORCHESTRATOR, Module.L2_TRAINING_LOOP): {"surge.v1.StartTraining"}}
+
+
+def test_a_port_is_typed_only_with_implemented_routes_between_its_ends():
+    bus = Bus()
+    with pytest.raises(RouteError, match="L2_TRAINING_LOOP's port to L4_SHUFFLER sends surge.v1.FilterRules, "
+                                         "which is not an implemented route between them"):
+        bus.port(Module.L2_TRAINING_LOOP, Module.L4_SHUFFLER, commands=(data_pb2.ShufflePlan, data_pb2.FilterRules))
+    unbuilt = next(r for r in default_table().routes() if not r.implemented)
+    sender, receiver = min(unbuilt.senders), min(unbuilt.receivers)
+    with pytest.raises(RouteError, match="not an implemented route between them"):
+        bus.port(sender, receiver, commands=(message_class(unbuilt.message),))
+    # By default a port may send every implemented route between its ends.
+    assert bus.port(Module.L2_TRAINING_LOOP, Module.L4_SHUFFLER).commands == {"surge.v1.ShufflePlan"}

@@ -181,6 +181,45 @@ def test_a_hosted_module_that_does_not_exist_or_is_not_in_the_table_is_refused()
         validate_wiring(Bus(RouteTable({only.message: only})), {Module.L2_OPTIMIZER, Module.L4_FILTER})
 
 
+def test_a_port_that_could_only_fail_at_its_first_send_is_refused_at_start_up():
+    # The loop holds typed ports to the filter and the shuffler; nothing here handles
+    # ShufflePlan, so the shuffler port's one command would fail at its first send.
+    bus = Bus()
+    bus.subscribe(Module.L4_FILTER, data_pb2.FilterRules, lambda m, p=None: None)
+    bus.port(Module.L2_TRAINING_LOOP, Module.L4_FILTER, commands=(data_pb2.FilterRules,))
+    bus.port(Module.L2_TRAINING_LOOP, Module.L4_SHUFFLER, commands=(data_pb2.ShufflePlan,))
+    with pytest.raises(ContractError, match=(
+        r"^L2_TRAINING_LOOP holds a port to send surge\.v1\.ShufflePlan to L4_SHUFFLER, "
+        r"but no handler of L4_SHUFFLER for it is subscribed in this process$"
+    )):
+        validate_wiring(bus, {Module.L2_TRAINING_LOOP, Module.L4_FILTER, Module.L4_SHUFFLER})
+    # An untyped port stands for every implemented route between its ends.
+    bus.subscribe(Module.L4_SHUFFLER, data_pb2.ShufflePlan, lambda m, p=None: None)
+    validate_wiring(bus, {Module.L2_TRAINING_LOOP, Module.L4_FILTER, Module.L4_SHUFFLER})
+    bus.port(Module.L2_TRAINING_LOOP, Module.L4_PREFETCHER)
+    with pytest.raises(ContractError, match=r"^L2_TRAINING_LOOP holds a port to send surge\.v1\.SetPrefetch to L4_PREFETCHER"):
+        validate_wiring(bus, {Module.L2_TRAINING_LOOP, Module.L4_FILTER, Module.L4_SHUFFLER, Module.L4_PREFETCHER})
+
+
+def test_a_real_root_missing_a_handler_refuses_to_start_with_one_line(tmp_path, monkeypatch, capsys):
+    # The data service's composition root, with its stream bus forgetting to host L4-3: the
+    # relay's typed port to the shuffler has no handler, and main refuses before serving.
+    import services.data.__main__ as data_main
+
+    class ForgetsTheShuffler(Bus):
+        def host(self, module, obj, **kwargs):
+            if module != Module.L4_SHUFFLER:
+                super().host(module, obj, **kwargs)
+
+    monkeypatch.setattr(data_main, "Bus", ForgetsTheShuffler)
+    assert data_main.main(["--port", "0", "--data-root", str(tmp_path)]) == EXIT_CONTRACT
+    err = [line for line in capsys.readouterr().err.splitlines() if "refusing to start" in line]
+    assert err == [
+        "data: refusing to start: L2_TRAINING_LOOP holds a port to send surge.v1.ShufflePlan to L4_SHUFFLER, "
+        "but no handler of L4_SHUFFLER for it is subscribed in this process"
+    ]
+
+
 # ---------------------------------------------------------------- real processes
 
 # Runs a service's composition root in a fresh process after replacing the process's

@@ -19,7 +19,7 @@ def wired(mode, seq_len=4, batch=2, pad_id=9, separator_id=-1, start=None):
     bus = Bus()
     packer = BatchPacker(bus.emitter(Module.L4_BATCH_PACKER))
     bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.PackerConfig, packer.packer_config)
-    bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.SamplesFiltered, packer.samples_filtered)
+    bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.SamplesFiltered, packer.on_samples_filtered)
     batches, exhausted = [], []
     bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.MicroBatch, lambda m, p: batches.append(m))
     bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.DataExhausted, lambda m, p: exhausted.append(m))

@@ -16,7 +16,7 @@ def wired(**rules) -> tuple[Bus, list, list]:
     bus = Bus()
     f = SampleFilter(bus.emitter(Module.L4_FILTER))
     bus.subscribe(Module.L4_FILTER, data_pb2.FilterRules, f.filter_rules)
-    bus.subscribe(Module.L4_FILTER, data_pb2.SamplesShuffled, f.samples_shuffled)
+    bus.subscribe(Module.L4_FILTER, data_pb2.SamplesShuffled, f.on_samples_shuffled)
     kept, reports = [], []
     bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.SamplesFiltered, lambda m, docs: kept.append(docs))
     bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.FilterReport, lambda m, p: reports.append(m))

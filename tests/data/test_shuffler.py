@@ -33,7 +33,7 @@ def wired(chunk: int = 7) -> tuple[Bus, list]:
     """A shuffler on a bus with the filter's inbox replaced by a recorder (a real subscriber)."""
     bus = Bus()
     shuffler = Shuffler(bus.emitter(Module.L4_SHUFFLER), chunk_documents=chunk)
-    bus.subscribe(Module.L4_SHUFFLER, data_pb2.SamplesRead, shuffler.samples_read)
+    bus.subscribe(Module.L4_SHUFFLER, data_pb2.SamplesRead, shuffler.on_samples_read)
     bus.subscribe(Module.L4_SHUFFLER, data_pb2.ShufflePlan, shuffler.shuffle_plan)
     out = []
     bus.subscribe(Module.L4_FILTER, data_pb2.SamplesShuffled, lambda m, docs: out.append(docs))

@@ -331,12 +331,12 @@ def _committed_version(tmp_path, job: str = "v"):
     from services.store.checkpoint_manager import CheckpointManager
 
     manager = CheckpointManager(tmp_path / "store")
-    staged = manager.begin_save(store_pb2.SaveCheckpoint(job_id=job, step=3, rank=0)).staging_path
+    staged = manager.save_checkpoint(store_pb2.SaveCheckpoint(job_id=job, step=3, rank=0)).staging_path
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save({"model": {"w": torch.arange(64.0)}}, checkpoint_id=staged)
-    done = manager.commit_save(store_pb2.CommitCheckpoint(job_id=job, step=3, world_size=1))
-    return manager.load(store_pb2.LoadCheckpoint(version=done.version)).info
+    done = manager.commit_checkpoint(store_pb2.CommitCheckpoint(job_id=job, step=3, world_size=1))
+    return manager.load_checkpoint(store_pb2.LoadCheckpoint(version=done.version)).info
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

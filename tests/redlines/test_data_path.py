@@ -87,7 +87,7 @@ def test_the_filter_output_is_an_ordered_subset_of_its_input_unchanged():
     bus = Bus()
     sample_filter = SampleFilter(bus.emitter(Module.L4_FILTER))
     bus.subscribe(Module.L4_FILTER, data_pb2.FilterRules, sample_filter.filter_rules)
-    bus.subscribe(Module.L4_FILTER, data_pb2.SamplesShuffled, sample_filter.samples_shuffled)
+    bus.subscribe(Module.L4_FILTER, data_pb2.SamplesShuffled, sample_filter.on_samples_shuffled)
     kept, reports = [], []
     bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.SamplesFiltered, lambda m, d: kept.append(d))
     bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.FilterReport, lambda m, p: reports.append(m))
@@ -111,7 +111,7 @@ def test_the_batch_packer_keeps_every_token_in_order_and_pads_only_with_the_plac
     bus = Bus()
     packer = BatchPacker(bus.emitter(Module.L4_BATCH_PACKER))
     bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.PackerConfig, packer.packer_config)
-    bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.SamplesFiltered, packer.samples_filtered)
+    bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.SamplesFiltered, packer.on_samples_filtered)
     batches = []
     bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.MicroBatch, lambda m, p: batches.append(m))
     bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.DataExhausted, lambda m, p: None)

@@ -97,10 +97,10 @@ def test_only_the_orchestrator_may_command_resources_or_a_recovery():
 
 
 def _stage(manager, job: str, step: int, data: bytes):
-    path = manager.begin_save(store_pb2.SaveCheckpoint(job_id=job, step=step, rank=0)).staging_path
+    path = manager.save_checkpoint(store_pb2.SaveCheckpoint(job_id=job, step=step, rank=0)).staging_path
     with open(f"{path}/__0_0.distcp", "wb") as f:
         f.write(data)
-    return manager.commit_save(store_pb2.CommitCheckpoint(job_id=job, step=step, world_size=1, spec_json="{}"))
+    return manager.commit_checkpoint(store_pb2.CommitCheckpoint(job_id=job, step=step, world_size=1, spec_json="{}"))
 
 
 def test_the_checkpoint_manager_cannot_trigger_its_own_save(tmp_path):
@@ -123,7 +123,7 @@ def test_the_checkpoint_manager_cannot_trigger_its_own_save(tmp_path):
     # A step summary on its bus reaches the metrics logger only; nothing is staged or saved.
     assert bus.publish(Module.L2_TRAINING_LOOP, engine_pb2.StepCompleted(job_id="j", step=100, loss=0.5)) == 1
     assert not (tmp_path / "store" / "checkpoints" / "j").exists()
-    assert list(manager.list(store_pb2.CheckpointQuery()).checkpoints) == []
+    assert list(manager.checkpoint_query(store_pb2.CheckpointQuery()).checkpoints) == []
 
 
 def test_the_checkpoint_manager_commands_nobody_so_it_cannot_pause_or_start_training():
@@ -136,10 +136,10 @@ def test_the_checkpoint_manager_loads_exactly_the_version_it_is_told(tmp_path):
     manager = build_store(tmp_path).modules[CKPT]
     first, second = _stage(manager, "j", 1, b"one" * 50), _stage(manager, "j", 2, b"two" * 50)
     assert (first.version, second.version) == ("j:1", "j:2")
-    assert manager.load(store_pb2.LoadCheckpoint(version="j:1")).info.version == "j:1"  # not the newest
-    assert manager.load(store_pb2.LoadCheckpoint(version="j:latest")).info.version == "j:2"  # the caller's word
+    assert manager.load_checkpoint(store_pb2.LoadCheckpoint(version="j:1")).info.version == "j:1"  # not the newest
+    assert manager.load_checkpoint(store_pb2.LoadCheckpoint(version="j:latest")).info.version == "j:2"  # the caller's word
     with pytest.raises(ValueError, match="expected"):
-        manager.load(store_pb2.LoadCheckpoint(version=""))  # no version named: it picks none
+        manager.load_checkpoint(store_pb2.LoadCheckpoint(version=""))  # no version named: it picks none
 
 
 def test_the_checkpoint_manager_never_changes_the_bytes_it_commits(tmp_path):
@@ -276,7 +276,7 @@ def test_the_batch_packer_cannot_change_the_batch_size_or_sequence_length():
     bus = Bus()
     packer = BatchPacker(bus.emitter(Module.L4_BATCH_PACKER))
     bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.PackerConfig, packer.packer_config)
-    bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.SamplesFiltered, packer.samples_filtered)
+    bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.SamplesFiltered, packer.on_samples_filtered)
     batches = []
     bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.MicroBatch, lambda m, p: batches.append(m))
     bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.DataExhausted, lambda m, p: None)

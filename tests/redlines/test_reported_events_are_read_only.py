@@ -32,7 +32,7 @@ def test_a_receiver_mutating_its_step_event_does_not_change_what_the_metrics_log
     bus = Bus()
     logger = MetricsLogger(tmp_path)
     bus.subscribe(Module.L1_ORCHESTRATOR, engine_pb2.StepCompleted, _vandal)  # delivered first
-    bus.subscribe(Module.L5_METRICS_LOGGER, engine_pb2.StepCompleted, logger.record_step)
+    bus.subscribe(Module.L5_METRICS_LOGGER, engine_pb2.StepCompleted, logger.on_step_completed)
     sent = engine_pb2.StepCompleted(job_id="j", rank=0, step=7, loss=2.5, learning_rate=3e-4, tokens=64)
     assert bus.publish(Module.L2_TRAINING_LOOP, sent) == 2
     logger.close()
@@ -47,7 +47,7 @@ def test_the_metrics_logger_stores_raw_values_unsmoothed_and_uncorrected(tmp_pat
     losses = [5.5, math.nan, math.inf, 0.1, 1e-300, -0.0]  # a spike, a NaN, a denormal: as sent
     sent = [engine_pb2.StepCompleted(job_id="r", rank=1, step=i + 1, loss=v) for i, v in enumerate(losses)]
     for msg in sent:
-        logger.record_step(msg)
+        logger.on_step_completed(msg)
     logger.close()
     got = []
     for line in _lines(tmp_path / "metrics" / "r.jsonl"):

@@ -365,7 +365,7 @@ def shuffler_on_bus(chunk: int = 4, n: int = 12, on_chunk=None):
 
     bus = Bus()
     shuffler = Shuffler(bus.emitter(Module.L4_SHUFFLER), chunk_documents=chunk)
-    bus.subscribe(Module.L4_SHUFFLER, data_pb2.SamplesRead, shuffler.samples_read)
+    bus.subscribe(Module.L4_SHUFFLER, data_pb2.SamplesRead, shuffler.on_samples_read)
     bus.subscribe(Module.L4_SHUFFLER, data_pb2.ShufflePlan, shuffler.shuffle_plan)
     out: list[Documents] = []
 

@@ -17,7 +17,7 @@ def manager(tmp_path: Path) -> CheckpointManager:
 
 def stage(manager: CheckpointManager, job: str, step: int, files: dict[str, bytes], ranks=(0,)) -> Path:
     """BeginSave from every rank (they must all get one directory), then write ``files``."""
-    paths = {manager.begin_save(store_pb2.SaveCheckpoint(job_id=job, step=step, rank=r)).staging_path for r in ranks}
+    paths = {manager.save_checkpoint(store_pb2.SaveCheckpoint(job_id=job, step=step, rank=r)).staging_path for r in ranks}
     assert len(paths) == 1, paths
     path = Path(paths.pop())
     for name, data in files.items():
@@ -27,7 +27,7 @@ def stage(manager: CheckpointManager, job: str, step: int, files: dict[str, byte
 
 
 def commit(manager: CheckpointManager, job: str, step: int, keep_last: int = 0, spec_json: str = "{}"):
-    return manager.commit_save(
+    return manager.commit_checkpoint(
         store_pb2.CommitCheckpoint(job_id=job, step=step, world_size=1, spec_json=spec_json, keep_last=keep_last)
     )
 
@@ -38,8 +38,8 @@ def save(manager: CheckpointManager, job: str, step: int, keep_last: int = 0) ->
 
 
 def load(manager: CheckpointManager, version: str) -> store_pb2.CheckpointInfo:
-    return manager.load(store_pb2.LoadCheckpoint(version=version)).info
+    return manager.load_checkpoint(store_pb2.LoadCheckpoint(version=version)).info
 
 
 def versions(manager: CheckpointManager, job: str = "") -> list[str]:
-    return [c.version for c in manager.list(store_pb2.CheckpointQuery(job_id=job)).checkpoints]
+    return [c.version for c in manager.checkpoint_query(store_pb2.CheckpointQuery(job_id=job)).checkpoints]

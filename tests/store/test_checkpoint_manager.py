@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def begin(manager: CheckpointManager, job: str, step: int, rank: int, attempt: str = "") -> str:
-    return manager.begin_save(
+    return manager.save_checkpoint(
         store_pb2.SaveCheckpoint(job_id=job, step=step, rank=rank, attempt=attempt)
     ).staging_path
 
@@ -30,7 +30,7 @@ def begin(manager: CheckpointManager, job: str, step: int, rank: int, attempt: s
 # ---------------------------------------------------------------------- staging
 
 
-def test_begin_save_gives_every_rank_of_one_attempt_the_same_directory(manager):
+def test_save_checkpoint_gives_every_rank_of_one_attempt_the_same_directory(manager):
     paths = [begin(manager, "demo", 100, r) for r in range(4)]
     assert len(set(paths)) == 1
     assert Path(paths[0]).is_dir()
@@ -38,7 +38,7 @@ def test_begin_save_gives_every_rank_of_one_attempt_the_same_directory(manager):
     assert Path(paths[0]).name.startswith("step-100-")
 
 
-def test_begin_save_from_a_rank_that_already_asked_starts_fresh_and_removes_the_stale_dir(manager):
+def test_save_checkpoint_from_a_rank_that_already_asked_starts_fresh_and_removes_the_stale_dir(manager):
     stale = Path(begin(manager, "demo", 100, 0))
     begin(manager, "demo", 100, 1)
     (stale / "__0_0.distcp").write_bytes(b"half-written by a dead attempt")
@@ -49,7 +49,7 @@ def test_begin_save_from_a_rank_that_already_asked_starts_fresh_and_removes_the_
     assert list(fresh.iterdir()) == []
 
 
-def test_begin_save_of_another_step_abandons_the_open_save(manager):
+def test_save_checkpoint_of_another_step_abandons_the_open_save(manager):
     old = Path(begin(manager, "demo", 100, 0))
     new = Path(begin(manager, "demo", 200, 0))
     assert not old.exists() and new.is_dir()
@@ -57,12 +57,12 @@ def test_begin_save_of_another_step_abandons_the_open_save(manager):
         commit(manager, "demo", 100)
 
 
-def test_begin_save_keeps_jobs_apart(manager):
+def test_save_checkpoint_keeps_jobs_apart(manager):
     a, b = begin(manager, "job-a", 5, 0), begin(manager, "job-b", 5, 0)
     assert a != b and Path(a).is_dir() and Path(b).is_dir()
 
 
-def test_begin_save_rejects_a_job_id_that_is_not_a_safe_name(manager):
+def test_save_checkpoint_rejects_a_job_id_that_is_not_a_safe_name(manager):
     with pytest.raises(ValueError, match='job_id "../x"'):
         begin(manager, "../x", 1, 0)
 
@@ -81,7 +81,7 @@ def test_a_killed_generations_half_begun_save_is_never_shared_with_the_next_gene
     assert not old.exists() and list(second_0.iterdir()) == []
     (second_0 / "__0_0.distcp").write_bytes(b"rank 0 of leg 2")
     (second_1 / "__1_0.distcp").write_bytes(b"rank 1 of leg 2")
-    done = manager.commit_save(store_pb2.CommitCheckpoint(job_id="killed", step=12, world_size=2, attempt="leg-2"))
+    done = manager.commit_checkpoint(store_pb2.CommitCheckpoint(job_id="killed", step=12, world_size=2, attempt="leg-2"))
     assert sorted(p.name for p in Path(done.path).iterdir()) == ["__0_0.distcp", "__1_0.distcp", "manifest.json"]
 
 
@@ -120,9 +120,9 @@ def test_a_commit_naming_another_attempt_than_the_open_saves_is_refused(manager)
     path = Path(begin(manager, "job", 4, 0, attempt="leg-2"))
     (path / "__0_0.distcp").write_bytes(b"leg 2")
     with pytest.raises(CheckpointRejected, match="open save of step 4 is attempt leg-2's, not leg-1's"):
-        manager.commit_save(store_pb2.CommitCheckpoint(job_id="job", step=4, world_size=1, attempt="leg-1"))
+        manager.commit_checkpoint(store_pb2.CommitCheckpoint(job_id="job", step=4, world_size=1, attempt="leg-1"))
     assert versions(manager) == []
-    done = manager.commit_save(store_pb2.CommitCheckpoint(job_id="job", step=4, world_size=1, attempt="leg-2"))
+    done = manager.commit_checkpoint(store_pb2.CommitCheckpoint(job_id="job", step=4, world_size=1, attempt="leg-2"))
     assert done.version == "job:1"
 
 
@@ -290,13 +290,13 @@ def _run_and_crash(root: Path, crash_at: str) -> subprocess.CompletedProcess:
         from services.contract import store_pb2
         from services.store import checkpoint_manager as cm
         m = cm.CheckpointManager(Path({str(root)!r}))
-        path = m.begin_save(store_pb2.SaveCheckpoint(job_id="demo", step=20, rank=0)).staging_path
+        path = m.save_checkpoint(store_pb2.SaveCheckpoint(job_id="demo", step=20, rank=0)).staging_path
         Path(path, "__0_0.distcp").write_bytes(b"step 20 shard")
         if {crash_at!r} == "rename":
             cm._rename_into_place = lambda *a: os._exit(3)
         else:
             cm.CheckpointManager._write_catalog = lambda *a: os._exit(3)
-        m.commit_save(store_pb2.CommitCheckpoint(job_id="demo", step=20, world_size=1))
+        m.commit_checkpoint(store_pb2.CommitCheckpoint(job_id="demo", step=20, world_size=1))
     """)
     return subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, timeout=60)
 
@@ -357,7 +357,7 @@ def test_the_catalog_survives_a_restart(tmp_path):
 
 
 def rehash(manager: CheckpointManager, job: str) -> list[tuple[str, bool, str]]:
-    report = manager.verify(store_pb2.VerifyCheckpoints(job_id=job, rehash=True))
+    report = manager.verify_checkpoints(store_pb2.VerifyCheckpoints(job_id=job, rehash=True))
     return [(v.info.version, v.ok, v.reason) for v in report.versions]
 
 
@@ -381,7 +381,7 @@ def test_a_catalog_entry_from_before_verdicts_reads_as_ok_verified_at_its_commit
     for key in ("verdict", "verified_unix", "reason"):
         del raw["versions"][0][key]
     catalog.write_text(json.dumps(raw))
-    (v,) = CheckpointManager(tmp_path).verify(store_pb2.VerifyCheckpoints(job_id="a")).versions
+    (v,) = CheckpointManager(tmp_path).verify_checkpoints(store_pb2.VerifyCheckpoints(job_id="a")).versions
     assert (v.ok, v.cause, v.verified_unix) == (True, store_pb2.VERDICT_OK, v.info.created_unix)
 
 
@@ -394,7 +394,7 @@ def test_load_and_verify_rehash_nothing(manager, monkeypatch):
 
     monkeypatch.setattr(cm, "_hash_one", no_hashing)
     assert load(manager, "a:1").version == "a:1"
-    report = manager.verify(store_pb2.VerifyCheckpoints(job_id="a"))
+    report = manager.verify_checkpoints(store_pb2.VerifyCheckpoints(job_id="a"))
     assert [(v.info.version, v.ok, v.cause) for v in report.versions] == [
         ("a:1", True, store_pb2.VERDICT_OK), ("a:2", True, store_pb2.VERDICT_OK)]
 
@@ -410,7 +410,7 @@ def test_scrub_finds_one_flipped_byte_strikes_only_that_version_and_publishes_it
     data[17] ^= 0x01
     shard.write_bytes(bytes(data))
     assert load(manager, "demo-x:3").version == "demo-x:3"  # before a scrub, nobody re-hashed it
-    done = manager.scrub(store_pb2.ScrubCheckpoints())
+    done = manager.scrub_checkpoints(store_pb2.ScrubCheckpoints())
     assert [(v.info.version, v.cause) for v in done.versions] == [
         ("demo-x:1", store_pb2.VERDICT_OK), ("demo-x:2", store_pb2.VERDICT_OK),
         ("demo-x:3", store_pb2.VERDICT_CORRUPT), ("other:1", store_pb2.VERDICT_OK)]
@@ -419,7 +419,7 @@ def test_scrub_finds_one_flipped_byte_strikes_only_that_version_and_publishes_it
         "demo-x", "demo-x:3", 30, store_pb2.CORRUPT, "checkpoint demo-x:3: __0_0.distcp: sha256 mismatch")
     assert published == [found]
     # Recorded: the cheap verify says so, load refuses it, latest skips it; the others stand.
-    report = manager.verify(store_pb2.VerifyCheckpoints(job_id="demo-x"))
+    report = manager.verify_checkpoints(store_pb2.VerifyCheckpoints(job_id="demo-x"))
     assert [(v.info.version, v.ok) for v in report.versions] == [("demo-x:1", True), ("demo-x:2", True), ("demo-x:3", False)]
     with pytest.raises(CheckpointRejected, match="^checkpoint demo-x:3: __0_0.distcp: sha256 mismatch$"):
         load(manager, "demo-x:3")
@@ -427,7 +427,7 @@ def test_scrub_finds_one_flipped_byte_strikes_only_that_version_and_publishes_it
     assert load(manager, "latest").version == "other:1"
     assert [c.version for c in manager._corrupt_now()] == ["demo-x:3"] and manager._corrupt_now("other") == []
     # A second scrub finds it again but publishes nothing new; the verdict survives a restart.
-    assert list(manager.scrub(store_pb2.ScrubCheckpoints(job_id="demo-x")).newly_corrupt) == []
+    assert list(manager.scrub_checkpoints(store_pb2.ScrubCheckpoints(job_id="demo-x")).newly_corrupt) == []
     assert len(published) == 1
     again = CheckpointManager(tmp_path)
     assert load(again, "demo-x:latest").version == "demo-x:2"
@@ -443,7 +443,7 @@ def test_rehash_finds_missing_extra_and_truncated_files_with_typed_causes(manage
     assert rehash(manager, "d") == [("d:1", False, "checkpoint d:1: .metadata: size 2 bytes, manifest says 4")]
     (path / ".metadata").unlink()
     assert rehash(manager, "d") == [("d:1", False, "checkpoint d:1: .metadata: missing")]
-    (v,) = manager.verify(store_pb2.VerifyCheckpoints(job_id="d")).versions
+    (v,) = manager.verify_checkpoints(store_pb2.VerifyCheckpoints(job_id="d")).versions
     assert v.cause == store_pb2.VERDICT_MISSING_FILE
     (path / ".metadata").write_bytes(b"meta")  # put back: the next re-hash records it ok again
     assert rehash(manager, "d") == [("d:1", True, "")]
@@ -511,7 +511,7 @@ def test_retention_keeps_the_last_n_of_the_committing_job_only(manager):
 def test_keep_every_also_keeps_the_versions_whose_step_is_a_multiple_of_it(manager):
     for step in (100, 200, 300, 400, 500, 600):
         stage(manager, "a", step, {"__0_0.distcp": str(step).encode()})
-        manager.commit_save(store_pb2.CommitCheckpoint(job_id="a", step=step, world_size=1, keep_last=2, keep_every=200))
+        manager.commit_checkpoint(store_pb2.CommitCheckpoint(job_id="a", step=step, world_size=1, keep_last=2, keep_every=200))
     assert [load(manager, v).step for v in versions(manager, "a")] == [200, 400, 500, 600]
     assert sorted(p.name for p in (manager._dir / "a").iterdir() if not p.name.startswith(".")) == ["2", "4", "5", "6"]
 
@@ -521,9 +521,9 @@ def test_retention_never_drops_the_newest_verified_version_nor_the_one_resumed_f
         save(manager, "a", step)
     # a:3 goes bad: the newest verified version is a:2 from then on.
     (Path(load(manager, "a:3").path) / ".metadata").write_bytes(b"mexa")
-    manager.scrub(store_pb2.ScrubCheckpoints(job_id="a"))
+    manager.scrub_checkpoints(store_pb2.ScrubCheckpoints(job_id="a"))
     stage(manager, "a", 40, {"__0_0.distcp": b"40"})
-    manager.commit_save(store_pb2.CommitCheckpoint(job_id="a", step=40, world_size=1, keep_last=1,
+    manager.commit_checkpoint(store_pb2.CommitCheckpoint(job_id="a", step=40, world_size=1, keep_last=1,
                                                    keep_versions=["a:1"]))
     # keep_last=1 keeps a:4; a:2 is the newest verified before it... but a:4 is verified now,
     # so the guard is a:4 itself; a:1 is kept because the ranks resumed from it.
@@ -534,7 +534,7 @@ def test_retention_keeps_the_newest_verified_version_when_the_newer_ones_are_cor
     for step in (10, 20):
         save(manager, "b", step)
     (Path(load(manager, "b:2").path) / "__0_0.distcp").write_bytes(b"zz")
-    manager.scrub(store_pb2.ScrubCheckpoints(job_id="b"))
+    manager.scrub_checkpoints(store_pb2.ScrubCheckpoints(job_id="b"))
     with manager._lock:  # what keep_last=1 would drop on the next commit
         removed = manager._retain("b", keep_last=1)
     assert versions(manager, "b") == ["b:1", "b:2"] and removed == []  # b:1 is the newest verified
@@ -572,9 +572,9 @@ def test_verify_reports_each_version_of_the_job_intact_or_why_not_and_chooses_no
         save(manager, "a", step)
     save(manager, "b", 1)
     (Path(load(manager, "a:2").path) / ".metadata").write_bytes(b"mexa")  # same size, other bytes
-    cheap = manager.verify(store_pb2.VerifyCheckpoints(job_id="a"))
+    cheap = manager.verify_checkpoints(store_pb2.VerifyCheckpoints(job_id="a"))
     assert [v.ok for v in cheap.versions] == [True, True, True]  # recorded at commit; nothing re-hashed
-    report = manager.verify(store_pb2.VerifyCheckpoints(job_id="a", rehash=True))
+    report = manager.verify_checkpoints(store_pb2.VerifyCheckpoints(job_id="a", rehash=True))
     assert report.job_id == "a"
     assert [(v.info.version, v.ok, v.reason, v.cause) for v in report.versions] == [
         ("a:1", True, "", store_pb2.VERDICT_OK),
@@ -583,8 +583,8 @@ def test_verify_reports_each_version_of_the_job_intact_or_why_not_and_chooses_no
     assert versions(manager) == ["a:1", "a:2", "a:3", "b:1"]  # reported, nothing removed
     with pytest.raises(CheckpointRejected):
         load(manager, "a:2")
-    assert [(v.info.version, v.ok) for v in manager.verify(store_pb2.VerifyCheckpoints(job_id="a")).versions] == [
+    assert [(v.info.version, v.ok) for v in manager.verify_checkpoints(store_pb2.VerifyCheckpoints(job_id="a")).versions] == [
         ("a:1", True), ("a:2", False), ("a:3", True)]  # the re-hash was recorded
-    assert list(manager.verify(store_pb2.VerifyCheckpoints(job_id="none")).versions) == []
+    assert list(manager.verify_checkpoints(store_pb2.VerifyCheckpoints(job_id="none")).versions) == []
     with pytest.raises(ValueError, match='job_id "a/b"'):
-        manager.verify(store_pb2.VerifyCheckpoints(job_id="a/b"))
+        manager.verify_checkpoints(store_pb2.VerifyCheckpoints(job_id="a/b"))

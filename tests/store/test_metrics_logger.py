@@ -43,8 +43,8 @@ def test_jsonl_keeps_every_raw_value_unchanged(tmp_path, logger):
     ]
     evals = engine_pb2.EvalCompleted(job_id="demo", rank=1, step=3, loss=2.5, tokens=1000, seconds=1.25)
     for msg in sent:
-        assert logger.record_step(msg).records == 1
-    assert logger.record_eval(evals).records == 1
+        assert logger.on_step_completed(msg).records == 1
+    assert logger.on_eval_completed(evals).records == 1
 
     got = lines(tmp_path)
     assert [g.pop("type") for g in got] == ["step", "step", "eval"]
@@ -59,22 +59,22 @@ def test_jsonl_keeps_every_raw_value_unchanged(tmp_path, logger):
 
 def test_records_append_to_one_file_per_job_across_restarts(tmp_path, registry):
     first = MetricsLogger(tmp_path, registry=registry)
-    first.record_step(step(step=1))
-    first.record_step(step(job_id="other", step=1))
+    first.on_step_completed(step(step=1))
+    first.on_step_completed(step(job_id="other", step=1))
     first.close()
     second = MetricsLogger(tmp_path, registry=CollectorRegistry())
-    second.record_step(step(step=2))
+    second.on_step_completed(step(step=2))
     second.close()
     assert [g["step"] for g in lines(tmp_path)] == [1, 2]
     assert [g["job_id"] for g in lines(tmp_path, "other")] == ["other"]
 
 
 def test_prometheus_series_follow_the_last_record_per_job_and_rank(logger, registry):
-    logger.record_step(step(rank=0, step=1, loss=3.5, tokens=100, skipped=True, loss_scale=1024.0))
-    logger.record_step(step(rank=0, step=2, loss=3.25, tokens=100, forward_seconds=0.02, backward_seconds=0.04,
+    logger.on_step_completed(step(rank=0, step=1, loss=3.5, tokens=100, skipped=True, loss_scale=1024.0))
+    logger.on_step_completed(step(rank=0, step=2, loss=3.25, tokens=100, forward_seconds=0.02, backward_seconds=0.04,
                             step_seconds=0.1, tokens_per_second=1000.0, grad_norm=0.5, epoch=1))
-    logger.record_step(step(rank=1, step=2, loss=3.0))
-    logger.record_eval(engine_pb2.EvalCompleted(job_id="demo", rank=0, step=2, loss=2.9, seconds=4.0))
+    logger.on_step_completed(step(rank=1, step=2, loss=3.0))
+    logger.on_eval_completed(engine_pb2.EvalCompleted(job_id="demo", rank=0, step=2, loss=2.9, seconds=4.0))
 
     def value(name, rank="0", **labels):
         return registry.get_sample_value(name, {"job": "demo", "rank": rank, **labels})
@@ -94,13 +94,13 @@ def test_prometheus_series_follow_the_last_record_per_job_and_rank(logger, regis
 
 def test_a_job_id_that_is_not_a_file_name_is_refused_before_anything_is_written(tmp_path, logger, registry):
     with pytest.raises(ValueError, match='job_id "../evil"'):
-        logger.record_step(step(job_id="../evil"))
+        logger.on_step_completed(step(job_id="../evil"))
     assert list((tmp_path / "metrics").iterdir()) == []
     assert registry.get_sample_value("surge_train_loss", {"job": "../evil", "rank": "0"}) is None
 
 
 def test_the_mfu_estimate_is_exported_as_reported(logger, registry):
-    logger.record_step(step(mfu=0.0123, flops_per_token=5.2e6))
+    logger.on_step_completed(step(mfu=0.0123, flops_per_token=5.2e6))
     labels = {"job": "demo", "rank": "0"}
     assert registry.get_sample_value("surge_mfu_ratio", labels) == pytest.approx(0.0123)
     assert registry.get_sample_value("surge_model_flops_per_token", labels) == pytest.approx(5.2e6)
@@ -118,16 +118,16 @@ def test_model_flops_per_token_is_6n_plus_the_attention_term():
 def test_a_resent_record_is_acknowledged_and_written_once_even_after_a_restart(tmp_path, registry):
     first = MetricsLogger(tmp_path, registry=registry)
     a, b = step(step=1, unix_time=100.5), step(step=2, unix_time=101.5)
-    assert [first.record_step(a).records, first.record_step(b).records] == [1, 1]
-    assert first.record_step(a).records == 0  # a resend after a reconnect
+    assert [first.on_step_completed(a).records, first.on_step_completed(b).records] == [1, 1]
+    assert first.on_step_completed(a).records == 0  # a resend after a reconnect
     assert registry.get_sample_value("surge_train_steps_total", {"job": "demo", "rank": "0"}) == 2
     evals = engine_pb2.EvalCompleted(job_id="demo", rank=0, step=2, loss=2.5, tokens=10, seconds=1.0)
-    assert [first.record_eval(evals).records, first.record_eval(evals).records] == [1, 0]
+    assert [first.on_eval_completed(evals).records, first.on_eval_completed(evals).records] == [1, 0]
     first.close()
     second = MetricsLogger(tmp_path, registry=CollectorRegistry())  # a store restart
-    assert second.record_step(b).records == 0
+    assert second.on_step_completed(b).records == 0
     replayed = step(step=2, unix_time=205.0)  # the same step run again after a recovery: a new record
-    assert second.record_step(replayed).records == 1
+    assert second.on_step_completed(replayed).records == 1
     second.close()
     assert [(g["type"], g["step"]) for g in lines(tmp_path)] == [("step", 1), ("step", 2), ("eval", 2), ("step", 2)]
 
@@ -138,10 +138,10 @@ def test_the_tail_read_back_after_a_restart_skips_a_partial_first_line(tmp_path,
     first = MetricsLogger(tmp_path, registry=CollectorRegistry())
     recs = [step(step=i, unix_time=float(i)) for i in range(1, 40)]
     for r in recs:
-        first.record_step(r)
+        first.on_step_completed(r)
     first.close()
     monkeypatch.setattr(ml, "RECENT_TAIL_BYTES", 2000)  # the tail starts mid-line
     second = MetricsLogger(tmp_path, registry=CollectorRegistry())
-    assert second.record_step(recs[-1]).records == 0
-    assert second.record_step(recs[0]).records == 1  # beyond the tail read back: written again
+    assert second.on_step_completed(recs[-1]).records == 0
+    assert second.on_step_completed(recs[0]).records == 1  # beyond the tail read back: written again
     second.close()
