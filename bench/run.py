@@ -9,6 +9,9 @@ comparison runs both sides in this one invocation, alternating (Surge, torchrun,
 ...), and reports the median and min-max over the repetitions, so drift in the machine's
 load hits both sides alike. Sections (issue 7):
 
+0. meetings: per-step collectives (by op and module) and bus / relay messages, now and
+   before issue 13 part 9 (bench/step_meetings.py; DDP, FSDP2, TP, PP through the real rank
+   wiring);
 1. throughput: tokens/s of a Surge job (full stack: control, store, data, 2 node agents;
    DP=2 gloo) and of ``bench/torchrun_ddp.py`` (torchrun, 2 processes) on the same model,
    data, batch and optimizer (``bench/jobs/throughput.yaml``), over the steps after warm-up;
@@ -77,7 +80,7 @@ def throughput(results: dict) -> None:
                 for ph in PHASES:
                     spans.setdefault(f"{ph[:-8]}", []).append(sum(r.get(ph, 0.0) for r in steady) / wall)
                 inside = sum(sum(r.get(ph, 0.0) for ph in PHASES) for r in steady)
-                spans.setdefault("rest of step (token-count all-reduce, grad-norm/inf check, bus)", []).append((step_s - inside) / wall)
+                spans.setdefault("rest of step (grad-norm/inf check, unscale, bus)", []).append((step_s - inside) / wall)
                 spans.setdefault("between steps (emit)", []).append((wall - step_s) / wall)
             packed_vs_consumed.append(_packed(stack.log("data"), job, STEPS))
             # torchrun, same spec, right after.
@@ -143,12 +146,38 @@ def bus_cost(results: dict) -> None:
         m = re.match(r"(command, no reply|command \+ routed reply|publish to 2 receivers)\s+([\d.]+)", line)
         if m:
             per[m.group(1)] = float(m.group(2))
-    # Sends per step of the training loop (training_loop._run_step, grad_accum 1): commands
-    # with a routed reply: ArmReduction, RunForward, RunBackward, ReduceGradients,
-    # UnscaleAndCheck, ApplyUpdate (6); events: StepCompleted (1 publish), MicroBatch (1
-    # publish, on the data relay's thread).
-    us = 6 * per.get("command + routed reply", float("nan")) + 2 * per.get("publish to 2 receivers", float("nan"))
-    results["bus"] = {"us_per_send": per, "sends_per_step": 8, "us_per_step": us, "raw": out.stdout}
+    # Sends per step of the training loop (training_loop._run_step, grad_accum 1; counted by
+    # bench/step_meetings.py): commands with a routed reply: RunForward, RunBackward,
+    # ReduceGradients, UnscaleAndCheck, ScaleLoss, ApplyUpdate (6), without: ArmReduction
+    # (1, counted as one with a reply); events: StepCompleted (1 publish, 2 receivers),
+    # MicroBatch (1 publish, on the data relay's thread).
+    us = 7 * per.get("command + routed reply", float("nan")) + 2 * per.get("publish to 2 receivers", float("nan"))
+    results["bus"] = {"us_per_send": per, "sends_per_step": 9, "us_per_step": us, "raw": out.stdout}
+
+
+def meetings(results: dict) -> None:
+    """Per-step collectives (by op and module) and bus / relay messages, now (this tree)
+    against bench/results/step_meetings_before.json (the tree before issue 13 part 9):
+    bench/step_meetings.py on the DDP configs the throughput job uses (dp=2, accumulation 1
+    and 2), real rank wiring, gloo."""
+    configs = "ddp_dp2,ddp_dp2_accum2,fsdp2_dp2,tp2,pp2_1f1b"
+    out = subprocess.run([c.PY, "bench/step_meetings.py", "--label", "now", "--configs", configs], cwd=c.REPO,
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-1500:])
+    now = json.loads((c.RESULTS / "step_meetings_now.json").read_text())
+    before_path = c.RESULTS / "step_meetings_before.json"
+    before = json.loads(before_path.read_text()) if before_path.exists() else {"configs": {}}
+    res = {}
+    for name in configs.split(","):
+        row = {}
+        for label, data in (("before", before), ("now", now)):
+            r0 = data["configs"].get(name, {}).get("rank0")
+            if r0:
+                row[label] = {k: r0[k] for k in ("collectives_total", "collectives_outside_backward_forward",
+                                                 "collectives_by_module", "bus_messages_total", "relay_messages_total")}
+        res[name] = row
+    results["meetings_per_step"] = res
 
 
 def data_drain(results: dict) -> None:
@@ -210,6 +239,13 @@ def render(r: dict) -> str:
             ("1 throughput", "torchrun + DDP tokens/s", c.fmt(t["torchrun_tokens_per_s"], "", 0)),
             ("1 throughput", "ratio Surge / torchrun (goal >= 0.99)", c.fmt(t["ratio"], "", 3)),
         ]
+    for name, row in r.get("meetings_per_step", {}).items():
+        if "before" in row and "now" in row:
+            b, n = row["before"], row["now"]
+            rows.append(("1 meetings", f"{name}: collectives / small ones outside forward+backward / bus / relay msgs per step, before -> now",
+                         f"{b['collectives_total']:g} / {b['collectives_outside_backward_forward']:g} / {b['bus_messages_total']:g} / "
+                         f"{b['relay_messages_total']:g} -> {n['collectives_total']:g} / {n['collectives_outside_backward_forward']:g} / "
+                         f"{n['bus_messages_total']:g} / {n['relay_messages_total']:g}"))  # fmt: skip
     for k, v in r.get("spans_fraction_of_wall", {}).items():
         percent = {**v, **{x: 100 * v[x] for x in ('median', 'min', 'max')}}
         rows.append(("2 spans", f"{k}, % of wall time (rank median)", c.fmt(percent, " %", 2)))
@@ -225,7 +261,7 @@ def render(r: dict) -> str:
         per_send = b["us_per_send"]
         rows.append(("2 spans", "bus: us per command+reply / per publish",
                      f"{per_send.get('command + routed reply', 0):.2f} / {per_send.get('publish to 2 receivers', 0):.2f}"))
-        rows.append(("2 spans", "bus: us per step (8 sends)", f"{b['us_per_step']:.1f}"))
+        rows.append(("2 spans", f"bus: us per step ({b['sends_per_step']} sends)", f"{b['us_per_step']:.1f}"))
     dw = r.get("spans_fraction_of_wall", {}).get("data_wait")
     if dw:
         percent = {**dw, **{x: 100 * dw[x] for x in ('median', 'min', 'max')}}
@@ -279,7 +315,7 @@ def main() -> None:
     if only and out.exists():  # re-run some sections: keep the others' figures
         results = {**json.loads(out.read_text()), **results, "sections_rerun": only}
         results.pop("errors", None)
-    for name, fn in (("throughput", throughput), ("bus", bus_cost), ("data drain", data_drain),
+    for name, fn in (("meetings", meetings), ("throughput", throughput), ("bus", bus_cost), ("data drain", data_drain),
                      ("checkpoints", checkpoints), ("control plane", control_scale)):
         if only and name not in only:
             continue

@@ -77,6 +77,9 @@ def rank_main(argv: list[str]) -> None:
             yield
 
     bus_mod.acting = acting_recorded  # the bus calls acting(receiver) around every handler
+    import services.compute.gradient_reduction as l3_5
+
+    l3_5.acting = acting_recorded  # and L3-5 around its Partial-gradient settle (inside backward)
     ledger: dict[int, dict] = {}
     plain_step = tl.TrainingLoop._run_step
 
