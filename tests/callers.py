@@ -14,9 +14,12 @@ from services.contract import Module
 _PREFERENCE = (Module.EXT_USER, Module.L2_TRAINING_LOOP, Module.L1_ORCHESTRATOR, Module.EXT_HARDWARE)
 
 
+_POLICY = CallerPolicy()
+
+
 def usual_caller(method: str) -> int:
     """A module the route table lets call ``method`` (``/surge.v1.StoreService/Verify``)."""
-    callers = CallerPolicy().callers(method)
+    callers = _POLICY.callers(method)
     return next((m for m in _PREFERENCE if m in callers), min(callers))
 
 
@@ -25,6 +28,8 @@ class _PerMethod(_Headers):
         super().__init__([])
 
     def _details(self, details):
+        if not _POLICY.governs(details.method):  # health, reflection: no module
+            return details
         metadata = [*(details.metadata or ()), (MODULE_METADATA, Module.Name(usual_caller(details.method)))]
         return _CallDetails(details.method, details.timeout, metadata, details.credentials,
                             getattr(details, "wait_for_ready", None), getattr(details, "compression", None))

@@ -21,13 +21,20 @@ Map:
                          modules it speaks for, how an envelope goes out
     Link.stand_in        subscribe ``forward`` for every route from ``near`` to ``beyond``
     Link.deliver         an envelope that came in -> this process's bus
+    Outbox, routed_trailers, routed_from_rpc
+                         a called service's events for the caller's side, returned with the
+                         call's end (trailing metadata ``surge-routed-bin``): the data and
+                         store services have no stream up, their caller relays them
 """
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import structlog
 from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.message import DecodeError, Message
 
@@ -36,6 +43,7 @@ from services.contract.bus import BoundaryViolation, Bus, Reply, RouteError
 from services.contract.route_table import RouteTable, default_table, module_name
 
 Routed = route_pb2.Routed
+_log = structlog.get_logger("contract.relay")
 # Where a forwarded envelope goes: (envelope, the message it carries, the bus payload). The
 # transport picks the stream from the message (a job's sessions) or the payload (a worker id).
 Send = Callable[[Routed, Message, Any], None]
@@ -52,6 +60,11 @@ RANK = frozenset({  # a rank process of the worker service
 L4 = frozenset({route_pb2.L4_DATASET_VERSIONS, route_pb2.L4_PREFETCHER, route_pb2.L4_SHUFFLER,
                 route_pb2.L4_FILTER, route_pb2.L4_BATCH_PACKER})  # data
 L5 = frozenset({route_pb2.L5_CHECKPOINT_MANAGER, route_pb2.L5_METRICS_LOGGER})  # store
+
+
+# Trailing metadata of a call: the routed events (serialized ``Routed``, one value each) that
+# the called service's modules sent to modules on the caller's side while serving it.
+ROUTED_METADATA = "surge-routed-bin"
 
 
 class RelayError(ValueError):
@@ -148,12 +161,14 @@ class Link:
     # ------------------------------------------------------------------ out
 
     def stand_in(self, kinds: Iterable[int] = (route_pb2.COMMAND, route_pb2.EVENT),
-                 skip: Iterable[type[Message]] = ()) -> list[tuple[str, int]]:
+                 skip: Iterable[type[Message]] = (), where: Callable[[Any], bool] | None = None,
+                 ) -> list[tuple[str, int]]:
         """Subscribe :meth:`forward` on the bus for every implemented route of ``kinds`` from a module
         of ``near`` to a module ``beyond`` the link: a command as each such receiver; an
         event (or data) once, as the first such receiver in the route's order (the far
         side delivers it to all of them). ``skip``: messages this process carries some
-        other way (set-up plumbing). Returns the (message, module) subscriptions made.
+        other way (set-up plumbing); ``where``: only the routes it accepts (e.g. failure
+        events). Returns the (message, module) subscriptions made.
 
         Raises:
             RouteError: a route has several senders in ``near``: the envelope could not say
@@ -164,6 +179,8 @@ class Link:
         for route in self._table.routes():
             if not route.implemented or route.kind not in kinds or route.message in skipped:
                 continue  # a route that is not IMPLEMENTED is not wired anywhere
+            if where is not None and not where(route):
+                continue
             senders = route.senders & self.near
             receivers = [m for m in route.delivery if m in self.beyond]
             if not senders or not receivers:
@@ -208,6 +225,25 @@ class Link:
 
     # ------------------------------------------------------------------ in
 
+    def deliver_returned(self, error: BaseException, skip: Iterable[type[Message]] = ()) -> list[str]:
+        """Deliver the routed events a failed call brought back (:func:`routed_from_rpc`),
+        each as :meth:`deliver` does; one that is refused or unreadable is logged and
+        skipped (the call's own failure still goes on). ``skip``: types the caller's relay
+        reports itself for that call (not delivered twice). Returns the types delivered."""
+        skipped = {m.DESCRIPTOR.full_name for m in skip}
+        delivered = []
+        for routed in routed_from_rpc(error):
+            if routed.type in skipped:
+                continue
+            try:
+                self.deliver(routed)
+            except Exception as e:  # noqa: BLE001 - see above
+                _log.error("returned event not delivered", link=self.name, type=routed.type,
+                           error=f"{type(e).__name__}: {e}")
+                continue
+            delivered.append(routed.type)
+        return delivered
+
     def accept(self, routed: Routed) -> Message:
         """Check an incoming envelope against the link and the table; its message.
 
@@ -241,3 +277,47 @@ class Link:
             return self._bus.command(routed.sender, routed.receiver, msg, payload)
         return self._bus.publish(routed.sender, msg, payload)
 
+
+
+class Outbox:
+    """Envelopes waiting to go back with a call's end (a ``Link``'s ``send``): the last
+    ``limit`` kept (trailing metadata is small: older ones are dropped, counted)."""
+
+    def __init__(self, limit: int = 8):
+        self._lock = threading.Lock()
+        self._routed: deque[Routed] = deque(maxlen=limit)
+        self.dropped = 0
+
+    def put(self, routed: Routed, msg: Message | None = None, payload: Any = None) -> None:
+        with self._lock:
+            if len(self._routed) == self._routed.maxlen:
+                self.dropped += 1
+            self._routed.append(routed)
+
+    def drain(self) -> list[Routed]:
+        with self._lock:
+            out, self._routed = list(self._routed), deque(maxlen=self._routed.maxlen)
+        return out
+
+
+def routed_trailers(routed: Iterable[Routed]) -> tuple[tuple[str, bytes], ...]:
+    """Trailing metadata carrying ``routed`` back to the caller (see :func:`routed_from_rpc`)."""
+    return tuple((ROUTED_METADATA, r.SerializeToString()) for r in routed)
+
+
+def routed_from_rpc(error: BaseException) -> list[Routed]:
+    """The routed events a failed call brought back (none for any other error)."""
+    try:
+        metadata = error.trailing_metadata() or ()  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - not a call's error, or a half-formed one (cancelled)
+        return []
+    out = []
+    for key, value in metadata:
+        if key == ROUTED_METADATA:
+            routed = Routed()
+            try:
+                routed.ParseFromString(value)
+            except DecodeError:
+                continue  # a malformed trailer is dropped; the call's status still says what failed
+            out.append(routed)
+    return out

@@ -45,7 +45,7 @@ from services.contract import (
 )
 from services.contract.audit import AuditServicer, ViolationReporter
 from services.contract.bus import Bus, RouteError
-from services.contract.relay import RANK
+from services.contract.relay import L1, L5, RANK, Link
 from services.contract.validation import ContractError, refuse, validate_table, validate_wiring
 from services.control import faults
 from services.control.fault_detector import FaultDetector
@@ -122,7 +122,11 @@ def build(
         bus=bus,
     )
     watches = WatchHub()
-    store = StoreRelay(store_address, events=bus.emitter(Module.L5_CHECKPOINT_MANAGER), on_error=reporter.relay_rpc_error)
+    # What the store's modules send control's side comes back with a failed call, by name,
+    # checked (the store may speak only for L5 modules).
+    from_store = Link(bus, name="store service", near=L1, beyond=L5)
+    store = StoreRelay(store_address, events=bus.emitter(Module.L5_CHECKPOINT_MANAGER), on_error=reporter.relay_rpc_error,
+                       back=from_store)
 
     # Relays first, so that restoring jobs (inside Orchestrator()) publishes to a wired bus.
     bus.subscribe(Module.EXT_USER, control_pb2.JobEvent, watches.on_job_event)

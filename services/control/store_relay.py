@@ -13,6 +13,7 @@ import grpc
 from services.common.grpc_server import channel
 from services.contract import Module, store_pb2, store_pb2_grpc
 from services.contract.bus import Emitter
+from services.contract.relay import Link
 
 
 class StoreRelay:
@@ -31,10 +32,12 @@ class StoreRelay:
 
     def __init__(self, address: str, events: Emitter, timeout_s: float = 10.0,
                  on_error: Callable[[grpc.RpcError], None] | None = None,
-                 post: Callable[[Callable[[], None]], None] | None = None):
+                 post: Callable[[Callable[[], None]], None] | None = None,
+                 back: Link | None = None):
         self._address, self._timeout_s = address, timeout_s
         self._events = events
         self._on_error = on_error
+        self._back = back
         self.post = post or (lambda fn: fn())
         self._stub: store_pb2_grpc.StoreServiceStub | None = None
         self._closed = threading.Event()
@@ -87,6 +90,11 @@ class StoreRelay:
         except grpc.RpcError as e:
             if self._on_error is not None:
                 self._on_error(e)
+            # The failure events the store's modules sent control's side, by name (``back``:
+            # control's link checks them); L5-1's own SnapshotFailed replaces the one below.
+            returned = self._back.deliver_returned(e) if self._back is not None else []
+            if store_pb2.SnapshotFailed.DESCRIPTOR.full_name in returned:
+                return
             cause = _STORE_CAUSES.get(e.code(), store_pb2.REJECTED)
             reply = store_pb2.SnapshotFailed(job_id=job_id, operation=operation, cause=cause,
                                              reason=f"store {self._address}: {e.code().name}: {e.details()}")

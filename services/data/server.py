@@ -18,7 +18,11 @@ Threads: the pipeline runs on one producer thread per stream; batches wait in a 
 queue, so the pipeline blocks (back-pressure) when the rank consumes slower than it packs.
 Errors end the stream with a gRPC status and a one-line message (``STATUS`` below). A send
 the route table refused is PERMISSION_DENIED carrying the violation report in its trailing
-metadata: this process has no channel up, so the calling rank reports it.
+metadata: this process has no channel up, so the calling rank reports it. The same way, the
+failure events the stream's modules sent to L2-1 or an L1 module (ShuffleFailed,
+PrefetchFailed, ...) go back with the stream's end, each a ``surge.v1.Routed`` in the
+trailing metadata (``surge-routed-bin``): the rank's relay puts them on its bus, and its
+session carries those routed to L1 up (services/contract/relay.py).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from services.contract import data_pb2, data_pb2_grpc
 from services.contract.audit import abort_with_violation
 from services.contract.bus import BoundaryViolation, CommandPort
 from services.contract.failures import ModuleFailed, Unwind, cause_metadata
+from services.contract.relay import Outbox, routed_trailers
 from services.data.errors import (
     DataReadError,
     DatasetCorrupt,
@@ -100,6 +105,9 @@ class StreamRelay:
         self._report = data_pb2.FilterReport()
         self._exhausted: data_pb2.DataExhausted | None = None
         self._epoch_batches = 0
+        # Failure events of the stream's modules for the rank's side (the composition root's
+        # link puts them here); they go back with the stream's end.
+        self.routed = Outbox()
         self.ready: data_pb2.DatasetReady | None = None
         self.batches_sent = 0
         self.tokens_sent = 0
@@ -258,11 +266,11 @@ class DataServicer(data_pb2_grpc.DataServiceServicer):
         try:
             yield from relay.batches(request)
         except Exception as e:
-            self._abort(context, e, "stream", **where)
+            self._abort(context, e, "stream", routed=relay.routed.drain(), **where)
         finally:
             self._log.info("stream closed", **where, batches=relay.batches_sent, tokens=relay.tokens_sent)
 
-    def _abort(self, context: grpc.ServicerContext, error: Exception, what: str, **where) -> None:
+    def _abort(self, context: grpc.ServicerContext, error: Exception, what: str, routed=(), **where) -> None:
         code, message = status_of(error)
         if code == grpc.StatusCode.INTERNAL:
             self._log.exception(f"{what} failed", **where)
@@ -270,6 +278,7 @@ class DataServicer(data_pb2_grpc.DataServiceServicer):
             self._log.warning(f"{what} refused", **where, code=code.name, error=message)
         if isinstance(error, BoundaryViolation):
             abort_with_violation(context, error, "data")
-        # The typed cause rides along (the rank's relay reads it; never the text).
-        context.set_trailing_metadata(cause_metadata(error))
+        # The typed cause rides along (the rank's relay reads it; never the text), and the
+        # failure events the modules sent the rank's side.
+        context.set_trailing_metadata((*cause_metadata(error), *routed_trailers(routed)))
         context.abort(code, message)

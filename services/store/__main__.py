@@ -33,9 +33,10 @@ from prometheus_client import REGISTRY
 
 from services.common import logs, paths
 from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
-from services.contract import Module, audit_pb2_grpc, engine_pb2, store_pb2, store_pb2_grpc
+from services.contract import Module, audit_pb2_grpc, engine_pb2, route_pb2, store_pb2, store_pb2_grpc
 from services.contract.audit import AuditServicer, ViolationReporter
 from services.contract.bus import Bus, CommandPort, RouteError
+from services.contract.relay import L1, L5, RANK, Link
 from services.contract.validation import ContractError, refuse, validate_table, validate_wiring
 from services.store.checkpoint_manager import CheckpointManager
 from services.store.metrics_logger import MetricsLogger
@@ -72,9 +73,14 @@ def wire(root: Path, log, registry=REGISTRY, scrub_interval_s: float = 0.0) -> t
     relay = StoreRelay(ports, log, check=bus.check)
     # The relay stands in for control's L1-1 as the receiver of CheckpointCorrupt.
     bus.subscribe(Module.L1_ORCHESTRATOR, store_pb2.CheckpointCorrupt, relay.on_checkpoint_corrupt)
+    # A failure event of L5-1 / L5-2 routed to the caller's side (L1, a rank's L2-1) goes back
+    # with the call's end, by its name (the caller's relay puts it on its bus).
+    back = Link(bus, name="store calls", near=L5, beyond=L1 | RANK, send=relay.routed_out).stand_in(
+        kinds=(route_pb2.EVENT,), where=lambda route: route.failure)
     schedule = ScrubSchedule(bus.port(Module.EXT_USER, CKPT, commands=(store_pb2.ScrubCheckpoints,)), scrub_interval_s, log)
     # Hosted: L5-1, L5-2, and every remote sender the relay commands them as (or receives for).
-    validate_wiring(bus, {CKPT, METRICS, Module.L1_ORCHESTRATOR, *(sender for sender, _ in ports)})
+    validate_wiring(bus, {CKPT, METRICS, Module.L1_ORCHESTRATOR, *(sender for sender, _ in ports),
+                          *(module for _, module in back)})
     return relay, metrics, schedule
 
 

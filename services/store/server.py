@@ -13,6 +13,12 @@ A sender the route does not allow is refused with PERMISSION_DENIED and counted 
 ``surge_boundary_violations_total``; the violation report rides in the trailing metadata,
 so the caller reports it up (this process has no channel up).
 
+The failure events the store's modules send to the caller's side while serving a call
+(SnapshotFailed to L1/L2-1, LogWriteFailed to L1) go back with the call's end, each a
+``surge.v1.Routed`` in the trailing metadata (``surge-routed-bin``, services/contract/relay.py):
+the calling rank puts them on its bus, its session carries those routed to L1 up; control's
+store relay puts them on control's bus.
+
 ``WatchCheckpoints`` is a subscription: the relay stands in for the remote L1-1 as the
 receiver of L5-1's ``CheckpointCorrupt`` events and fans each one out to the open watch
 streams (each with a bounded queue; a watcher that falls 1000 events behind loses the oldest,
@@ -26,6 +32,7 @@ failed), PERMISSION_DENIED (route), INTERNAL (I/O failure, with the OS error).
 
 from __future__ import annotations
 
+import contextvars
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -39,6 +46,7 @@ from services.contract import Module, store_pb2, store_pb2_grpc
 from services.contract.audit import abort_with_violation
 from services.contract.bus import BoundaryViolation, CommandPort
 from services.contract.failures import ModuleFailed, cause_metadata
+from services.contract.relay import Outbox, Routed, routed_trailers
 from services.store.checkpoint_manager import CheckpointDamaged, CheckpointNotFound, CheckpointRejected
 
 SENDER_METADATA = MODULE_METADATA  # the caller's module, checked by the server (identity.py)
@@ -154,9 +162,24 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
                     break
         context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{rpc}: no calling module in '{SENDER_METADATA}'")
 
+    def routed_out(self, routed: Routed, msg: Message | None = None, payload: Any = None) -> None:
+        """The composition root's link: a failure event for the caller's side, kept for the
+        call this thread serves (none: sent outside a call, dropped)."""
+        outbox = _CALL.get()
+        if outbox is not None:
+            outbox.put(routed)
+
     def _send(self, sender: int, receiver: int, msg: Message, context: grpc.ServicerContext,
               payload_reply: bool = False) -> Any:
         """The receiver's reply message (its payload instead, with ``payload_reply``)."""
+        token = _CALL.set(Outbox())
+        try:
+            return self._send_in_call(sender, receiver, msg, context, payload_reply)
+        finally:
+            _CALL.reset(token)
+
+    def _send_in_call(self, sender: int, receiver: int, msg: Message, context: grpc.ServicerContext,
+                      payload_reply: bool) -> Any:
         name = msg.DESCRIPTOR.name
         port = self._ports.get((sender, receiver))
         try:
@@ -175,20 +198,38 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         except BoundaryViolation as e:
             abort_with_violation(context, e, "store")
         except CheckpointNotFound as e:
+            _trailers(context)
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except CheckpointRejected as e:
             self._log.warning("checkpoint_rejected", request=name, error=str(e))
-            if isinstance(e, CheckpointDamaged):  # the typed verdict rides along; never parse the text
-                context.set_trailing_metadata(((STORE_CAUSE_METADATA, _DAMAGE_CAUSE[e.cause]),))
+            # The typed verdict rides along; never parse the text.
+            _trailers(context, *(((STORE_CAUSE_METADATA, _DAMAGE_CAUSE[e.cause]),) if isinstance(e, CheckpointDamaged) else ()))
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except ValueError as e:
+            _trailers(context)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except OSError as e:
             self._log.error("store_io_failed", request=name, error=str(e))
-            context.set_trailing_metadata(cause_metadata(e))
+            _trailers(context, *cause_metadata(e))
             context.abort(grpc.StatusCode.INTERNAL, f"store: {name}: {e}")
+        except (RuntimeError, KeyError, TypeError, AttributeError) as e:  # a module's handler failed unexpectedly
+            self._log.error("store_handler_failed", request=name, error=f"{type(e).__name__}: {e}")
+            _trailers(context, *cause_metadata(e))
+            context.abort(grpc.StatusCode.INTERNAL, f"store: {name}: {type(e).__name__}: {e}")
         assert reply is not None, f"{name} handler returned no reply"
         return reply
+
+
+# The failure events for the caller's side of the call this thread serves (see routed_out).
+_CALL: contextvars.ContextVar[Outbox | None] = contextvars.ContextVar("surge_store_call", default=None)
+
+
+def _trailers(context: grpc.ServicerContext, *metadata: tuple[str, Any]) -> None:
+    """Set the call's trailing metadata: ``metadata`` and the failure events kept for it."""
+    outbox = _CALL.get()
+    routed = routed_trailers(outbox.drain()) if outbox is not None else ()
+    if metadata or routed:
+        context.set_trailing_metadata((*metadata, *routed))
 
 
 def _put_dropping_oldest(q: queue.Queue, item: Any) -> None:

@@ -11,7 +11,10 @@ int32 bytes, row-major [B, T] -> int64 tensors) happen off the training step, an
 finds the next batch already decoded. Read-ahead is bounded by the loop's inbox (a full
 inbox blocks this thread, which stops reading, which applies gRPC flow control upstream).
 
-End of a finite stream -> ``DataExhausted(split, position)``. A gRPC error -> the loop gets
+End of a finite stream -> ``DataExhausted(split, position)``. A stream that fails brings back
+the failure events the data service's modules sent this side (ShuffleFailed, PrefetchFailed,
+L4-1's DatasetUnavailable, ...: the call's trailing metadata, by name): they go on the rank's
+bus as those modules (``back``), so the loop and, through the session, L1-3 get them. A gRPC error -> the loop gets
 ``DatasetUnavailable`` (its ``failure`` typed by the cause the service sent) whose reason is the server's one-line message (NOT_FOUND /
 FAILED_PRECONDITION from Mount: unknown dataset or version, manifest mismatch) or
 "data service unreachable at ADDR" for a connection failure. Every failed call is shown
@@ -33,6 +36,7 @@ from services.common.grpc_server import channel
 from services.contract import Module, data_pb2, data_pb2_grpc
 from services.contract.bus import Emitter
 from services.contract.failures import failure_of
+from services.contract.relay import Routed, routed_from_rpc
 from services.engine.training_loop import Batch
 
 MOUNT_TIMEOUT_S = 120.0
@@ -43,9 +47,11 @@ class DataClient:
     """Relay for L4_DATASET_VERSIONS (commands in) and L4_BATCH_PACKER (batches out)."""
 
     def __init__(self, address: str, versions: Emitter, packer: Emitter,
-                 on_error: Callable[[grpc.RpcError], None] | None = None):
+                 on_error: Callable[[grpc.RpcError], None] | None = None,
+                 back: Callable[[Routed], Any] | None = None):
         self._address = address
         self._on_error = on_error
+        self._back = back
         self._versions = versions
         self._packer = packer
         self._channel = channel(address, module=Module.L2_TRAINING_LOOP)  # the loop's commands, relayed
@@ -96,6 +102,8 @@ class DataClient:
             if self._closing or e.code() == grpc.StatusCode.CANCELLED:
                 return
             self._failed(e)
+            if self._relay_back(e):
+                return  # L4-1's own DatasetUnavailable, as the service's bus built it, is on the bus
             self._versions(data_pb2.DatasetUnavailable(name=mount.name, version=mount.version, reason=self._reason(e),
                                                        failure=_failure(e, "surge.v1.OpenStream")))
         except Exception as e:  # noqa: BLE001 - a malformed batch, or a bug: the loop must hear of it
@@ -106,6 +114,21 @@ class DataClient:
     def _failed(self, e: grpc.RpcError) -> None:
         if self._on_error is not None:
             self._on_error(e)
+
+    def _relay_back(self, e: grpc.RpcError) -> bool:
+        """Put the failure events the data service's modules sent this side (the call's
+        trailing metadata, services/contract/relay.py) on the rank's bus, as their modules
+        (``back``: the rank's link checks the route); whether L4-1's DatasetUnavailable was
+        among them."""
+        versions_failed = False
+        for routed in routed_from_rpc(e) if self._back is not None else ():
+            try:
+                self._back(routed)
+            except Exception as error:  # noqa: BLE001 - refused or unreadable: logged, the stream's failure still goes on
+                log.error("data_event_not_relayed", type=routed.type, error=f"{type(error).__name__}: {error}")
+                continue
+            versions_failed |= routed.type == data_pb2.DatasetUnavailable.DESCRIPTOR.full_name
+        return versions_failed
 
     def _reason(self, e: grpc.RpcError) -> str:
         """The server's one-line message (it names dataset, version and cause), or where

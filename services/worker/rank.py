@@ -469,10 +469,20 @@ def main(argv: list[str] | None = None) -> NoReturn:
         from services.worker.data_client import DataClient
         from services.worker.store_client import StoreClient
 
+        # What the data service's modules send this side comes back by name, checked (it may
+        # speak only for L4 modules).
+        from_data = Link(bus, name="data service", near=RANK_MODULES, beyond=L4)
         data = DataClient(init.data_address, bus.emitter(Module.L4_DATASET_VERSIONS), bus.emitter(Module.L4_BATCH_PACKER),
-                          on_error=violations.relay_rpc_error)
-        store = StoreClient(init.store_address, bus.emitter(Module.L5_CHECKPOINT_MANAGER),
-                            on_error=violations.relay_rpc_error)
+                          on_error=violations.relay_rpc_error, back=from_data.deliver)
+        # A failed store call: its violation report, and the failure events the store's
+        # modules sent this side (by name, checked: it may speak only for L5 modules).
+        from_store = Link(bus, name="store service", near=RANK_MODULES, beyond=L5)
+
+        def store_failed(error: BaseException) -> None:
+            violations.relay_rpc_error(error)
+            from_store.deliver_returned(error, skip=(store_pb2.SnapshotFailed,))  # the relay reports its own, with the step
+
+        store = StoreClient(init.store_address, bus.emitter(Module.L5_CHECKPOINT_MANAGER), on_error=store_failed)
         timeout_s = float(os.environ.get("SURGE_PG_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         rank = compose(
             bus, spec, assignment.device or "cpu", data=data, store=store, up=session,

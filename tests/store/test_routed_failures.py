@@ -1,0 +1,43 @@
+"""A store module's failure event crosses to its caller by name (services/contract/relay.py): the
+failed call brings it back in its trailing metadata and the caller's relay puts it on its bus
+as that module. Real gRPC on 127.0.0.1, the store's real composition root, a fault injected
+in a handler."""
+
+from __future__ import annotations
+
+import threading
+
+import structlog
+from prometheus_client import CollectorRegistry
+
+from services.common.grpc_server import ServiceServer
+from services.contract import Module, injection, route_pb2, store_pb2, store_pb2_grpc
+from services.contract.bus import Bus, Traffic
+from services.contract.relay import L1, L5, Link
+from services.control.store_relay import StoreRelay
+from services.store.__main__ import wire
+
+
+def test_a_checkpoint_managers_failure_reaches_control_as_l5_1s_own_event_not_a_rebuilt_one(tmp_path):
+    relay, metrics, _ = wire(tmp_path, structlog.get_logger("store"), registry=CollectorRegistry())
+    server = ServiceServer("store", "127.0.0.1", 0)
+    store_pb2_grpc.add_StoreServiceServicer_to_server(relay, server.server)
+    server.start(["surge.v1.StoreService"])
+    injection.configure("handler:L5_CHECKPOINT_MANAGER:VerifyCheckpoints:cause=FAILURE_IO")
+    try:
+        bus = Bus(traffic=Traffic())
+        got: list[store_pb2.SnapshotFailed] = []
+        answered = threading.Event()
+        bus.subscribe(Module.L1_ORCHESTRATOR, store_pb2.SnapshotFailed, lambda m, p: (got.append(m), answered.set()))
+        control = StoreRelay(f"127.0.0.1:{server.port}", bus.emitter(Module.L5_CHECKPOINT_MANAGER),
+                             back=Link(bus, name="store service", near=L1, beyond=L5))
+        control.verify_checkpoints(store_pb2.VerifyCheckpoints(job_id="j"))
+        assert answered.wait(20)
+    finally:
+        injection.configure("")
+        server.stop(grace=0)
+        metrics.close()
+    (failed,) = got  # L5-1's event, and no SnapshotFailed rebuilt from the status
+    assert (failed.failure.module, failed.failure.cause) == (Module.L5_CHECKPOINT_MANAGER, route_pb2.FAILURE_IO)
+    assert failed.failure.operation == "surge.v1.VerifyCheckpoints"
+    assert bus.snapshot().sent[(Module.L5_CHECKPOINT_MANAGER, "surge.v1.SnapshotFailed", Module.L1_ORCHESTRATOR)] == 1
