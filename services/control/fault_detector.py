@@ -539,7 +539,7 @@ class FaultDetector:
         report = self._graded(job_id, fault_class, failure.module, rank, detail, step=step,
                               event=event, cause=failure.cause)
         if report is None:
-            _log.warning("failure of no monitored job", event=event, module=who, job_id=job_id,
+            _log.warning("failure of no monitored job", failure_event=event, module=who, job_id=job_id,
                          cause=route_pb2.FailureCause.Name(failure.cause), detail=failure.detail)
             return
         with self._lock:

@@ -1,17 +1,24 @@
 """A submit that fails after its ranks were allocated leaves nothing behind (issue 12, part 8):
-no rank (killed, slots free), no journal record, no job; the next submit is placed."""
+no rank (killed, slots free), no journal record, no job; the next submit is placed.
+
+The journal's error escapes the orchestrator's handler, so (issue 13, failures are data) the
+bus publishes L1-1's failure event, OrchestratorFailed, to L1-3 and the operator gets
+ModuleFailed: one line naming the module, the typed cause and the error (what control's gRPC
+server answers, INTERNAL), the OSError as its ``error``."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.contract import control_pb2
+from services.contract import Module, control_pb2, route_pb2
+from services.contract.failures import ModuleFailed
 from services.control.orchestrator import JobNotFound
 from services.jobspec import JobSpecError
 
 from .conftest import drain
 
 JobState = control_pb2.JobState
+FAILED_EVENT = "surge.v1.OrchestratorFailed"
 pytestmark = pytest.mark.timeout(30)
 
 
@@ -23,9 +30,16 @@ def test_a_journal_failure_after_allocation_kills_the_ranks_frees_the_slots_and_
         raise OSError("disk full (injected)")
 
     monkeypatch.setattr(journal, "save_status", refuse)  # the job's first event: after the launch
-    with pytest.raises(OSError, match="disk full"):
+    before = graded(plane)
+    with pytest.raises(ModuleFailed) as failed:
         plane.submit(name="half", dp=2)
     monkeypatch.undo()
+    assert str(failed.value) == ("L1_ORCHESTRATOR failed (FAILURE_IO) handling surge.v1.SubmitJobRequest: "
+                                 "OSError: disk full (injected)")
+    assert isinstance(failed.value.error, OSError) and failed.value.module == Module.L1_ORCHESTRATOR
+    # L1-3 read L1-1's failure event (a job that never came to be: nothing to grade) and did not fail on it.
+    after = graded(plane)
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 0)
     launched = []
     for session in (a, b):
         commands = drain(session)
@@ -46,11 +60,19 @@ def test_a_journal_failure_after_allocation_kills_the_ranks_frees_the_slots_and_
 def test_a_journal_that_refuses_the_new_job_fails_the_submit_before_anything_is_allocated(plane, monkeypatch):
     a = plane.register("wa")
     monkeypatch.setattr(plane.c.journal, "create_job", lambda *args: (_ for _ in ()).throw(OSError("disk full")))
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ModuleFailed, match="^L1_ORCHESTRATOR failed [(]FAILURE_IO[)] .*: OSError: disk full$") as failed:
         plane.submit(dp=1)
+    assert failed.value.failure_cause == route_pb2.FAILURE_IO
     assert drain(a) == []
     monkeypatch.undo()
     assert plane.submit(dp=1).state == JobState.WARMING_UP
+
+
+def graded(plane) -> tuple[int, int]:
+    """(L1-1's failure events delivered to L1-3, L1-3's own failure events) so far."""
+    sent = plane.c.bus.traffic.snapshot().sent
+    return (sent.get((Module.L1_ORCHESTRATOR, FAILED_EVENT, Module.L1_FAULT_DETECTOR), 0),
+            sent.get((Module.L1_FAULT_DETECTOR, "surge.v1.FaultDetectorFailed", Module.L1_FAULT_DETECTOR), 0))
 
 
 def test_a_control_killed_between_the_launch_and_the_first_event_finds_the_job_and_a_stop_releases_its_ranks(tmp_path):
