@@ -101,6 +101,7 @@ from services.contract import (
     worker_pb2,
 )
 from services.contract.bus import Emitter
+from services.contract.route_table import default_table
 from services.control.deadlines import Deadline, Deadlines
 
 FaultGrade = control_pb2.FaultGrade
@@ -215,6 +216,13 @@ def failure_class(event: str, cause: int) -> str:
         if key in FAILURE_CLASSES:
             return FAILURE_CLASSES[key]
     return INTERNAL_ERROR
+
+
+def _sole_sender(msg: Any) -> int:
+    """The one module the route table lets send ``msg`` (0 if none or several)."""
+    route = default_table().route(msg)
+    return next(iter(route.senders)) if route is not None and len(route.senders) == 1 else 0
+
 
 # Deadlines when StartFaultMonitoring leaves one at 0 (seconds; job spec `liveness`).
 DEFAULT_HEARTBEAT_TIMEOUT_S = 3.0
@@ -524,8 +532,10 @@ class FaultDetector:
         """A module's failure event (any route flagged ``failure`` that names L1-3, other than
         TrainingLoopFailed): graded by (event, cause) through FAILURE_CLASSES. Where: the
         failure's job and rank (the bus and the relays stamp them), else the event's own
-        ``job_id`` / ``rank`` fields. A communication error is held for attribution as a
-        loop's is."""
+        ``job_id`` / ``rank`` fields. An event sent without its ``failure`` part (no handler
+        raised: e.g. a save the store refused while the rank trains on) is its route's
+        sender's, in its own words (``reason`` / ``detail``). A communication error is held
+        for attribution as a loop's is."""
         failure = msg.failure
         event = msg.DESCRIPTOR.name
         fields = msg.DESCRIPTOR.fields_by_name
@@ -533,10 +543,16 @@ class FaultDetector:
         rank = failure.rank if failure.HasField("rank") else (msg.rank if "rank" in fields else 0)
         step = msg.step if "step" in fields and isinstance(msg.step, int) else 0
         fault_class = failure_class(event, failure.cause)
-        who = Module.Name(failure.module) if failure.module else event
-        where = f" (rank {rank})" if failure.HasField("rank") else ""
-        detail = f"{who}{where} failed handling {failure.operation or 'an event'}: {failure.detail}"
-        report = self._graded(job_id, fault_class, failure.module, rank, detail, step=step,
+        module = failure.module or _sole_sender(msg)
+        who = Module.Name(module) if module else event
+        if msg.HasField("failure"):
+            where = f" (rank {rank})" if failure.HasField("rank") else ""
+            detail = f"{who}{where} failed handling {failure.operation or 'an event'}: {failure.detail}"
+        else:
+            said = next((getattr(msg, f) for f in ("reason", "detail") if f in fields and getattr(msg, f)), "")
+            where = f", rank {rank}" if "rank" in fields else ""
+            detail = f"{who} ({event}{where}): {said or 'no detail'}"
+        report = self._graded(job_id, fault_class, module, rank, detail, step=step,
                               event=event, cause=failure.cause)
         if report is None:
             _log.warning("failure of no monitored job", failure_event=event, module=who, job_id=job_id,

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from services.contract import Module, control_pb2, engine_pb2, worker_pb2
+from services.contract import Module, control_pb2, engine_pb2, store_pb2, worker_pb2
 from services.contract.bus import Bus
 from services.control.fault_detector import DEFAULT_RULES, FaultDetector
 
@@ -289,6 +289,26 @@ def test_a_checkpoint_integrity_failure_is_reported_as_the_policy_class_checkpoi
     (report,) = reports.wait(1)
     assert (report.fault_class, report.grade) == ("checkpoint_error", DEFAULT_RULES["checkpoint_error"])
     assert "checkpoint_integrity: checkpoint j:2: __0_0.distcp: sha256 mismatch" in report.detail
+
+
+def test_a_failure_event_sent_without_its_failure_part_is_its_routes_sender_in_its_own_words():
+    # A save the store refused while the rank trains on: reported, but no handler raised.
+    bus = Bus()
+    detector = FaultDetector(emit=bus.emitter(Module.L1_FAULT_DETECTOR))
+    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring, detector.start_fault_monitoring)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, store_pb2.SnapshotFailed, detector.on_failure)
+    reports = Reports()
+    bus.subscribe(Module.L1_ORCHESTRATOR, control_pb2.FaultReport, reports.add)
+    bus.command(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring(job_id="j"))
+    bus.publish(Module.L5_CHECKPOINT_MANAGER, store_pb2.SnapshotFailed(
+        job_id="j", operation="save", step=8, rank=1, cause=store_pb2.REJECTED,
+        reason="store refused the save; training continues, saved again at the next interval"))
+    [r] = reports.wait(1)
+    detector.close()
+    assert (r.fault_class, r.grade, r.source, r.rank, r.step, r.event) == (
+        "snapshot_failed", FaultGrade.MINOR, Module.L5_CHECKPOINT_MANAGER, 1, 8, "SnapshotFailed")
+    assert r.detail == ("L5_CHECKPOINT_MANAGER (SnapshotFailed, rank 1): store refused the save; training continues, "
+                        "saved again at the next interval")
 
 
 def test_a_held_stall_whose_rank_moves_on_is_dropped_as_transient():

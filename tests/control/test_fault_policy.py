@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.contract import Module, control_pb2, engine_pb2, store_pb2
+from services.contract import Module, control_pb2, engine_pb2, route_pb2, store_pb2
 from services.control.__main__ import build
 from services.control.job_store import JobStore
 from services.control.store_relay import StoreRelay
@@ -444,12 +444,23 @@ def test_a_store_unreachable_past_store_wait_seconds_is_decided_by_the_policy(pl
 def test_a_load_that_found_corrupt_bytes_has_the_store_rescrub_and_its_findings_are_struck(plane, store):
     job_id, w = running(plane, "wa", "wb")
     v1, v2 = saved(plane, w["wa"], job_id, 1, step=4), saved(plane, w["wa"], job_id, 2, step=8)
+    said = f"checkpoint {v2}: __0_0.distcp: sha256 mismatch"
+    # As the rank's checkpoint relay sends it: L5-1's failure event, with its typed failure.
     failed = store_pb2.SnapshotFailed(job_id=job_id, version=v2, operation="load", cause=store_pb2.CORRUPT, rank=0,
-                                      reason=f"checkpoint {v2}: __0_0.distcp: sha256 mismatch")
+                                      reason=said, failure=route_pb2.Failure(
+                                          cause=route_pb2.FAILURE_DATA_CORRUPT, module=Module.L5_CHECKPOINT_MANAGER,
+                                          operation="surge.v1.LoadCheckpoint", job_id=job_id, rank=0,
+                                          detail=f"CheckpointIntegrityError: {said}"))
     plane.c.bus.publish(Module.L5_CHECKPOINT_MANAGER, failed)
     assert store.scrubbed == [job_id]
-    events = [e.message for e in plane.events(job_id)]
-    assert events[-1] == f"checkpoint load of {v2} failed (corrupt: checkpoint {v2}: __0_0.distcp: sha256 mismatch)"
+    # L1-1 reads it first (the route's order) and has the store rescrub; L1-3 grades it too
+    # (issue 13: every failure event routed to it), for the record: MINOR, ignored.
+    assert [e.message for e in plane.events(job_id)][-3:] == [
+        f"checkpoint load of {v2} failed (corrupt: {said})",
+        f"MINOR snapshot_failed: L5_CHECKPOINT_MANAGER (rank 0) failed handling surge.v1.LoadCheckpoint: "
+        f"CheckpointIntegrityError: {said}",
+        "ignore snapshot_failed of rank 0: fault policy; 1 ignored so far",
+    ]
     answer = store_pb2.CheckpointScrubbed(job_id=job_id, newly_corrupt=[store_pb2.CheckpointCorrupt(
         job_id=job_id, version=v2, step=8, cause=store_pb2.CORRUPT, reason="sha256 mismatch")])
     plane.c.bus.publish(Module.L5_CHECKPOINT_MANAGER, answer)
