@@ -107,11 +107,12 @@ def test_the_fault_detectors_grading_table_cannot_change_after_init():
     detector = FaultDetector(emit=lambda *a: None, rules={"comm_error": 2})
     with pytest.raises(TypeError):
         detector._rules["comm_error"] = 4  # read-only even from inside
-    # No input carries rules: its commands and events are the monitoring start and faults
-    # (and ``close``, the composition root's at process end).
+    # No input carries rules: its commands and events are the monitoring start and faults,
+    # every module's failure event among them (``on_failure``, issue 13), and ``close``, the
+    # composition root's at process end.
     public = {n for n in dir(detector) if not n.startswith("_")}
     assert public == {"start_fault_monitoring", "reset_fault_ledger", "on_rank_heartbeat", "on_rank_exited",
-                      "on_training_loop_failed", "on_boundary_violation_reported", "close"}
+                      "on_training_loop_failed", "on_failure", "on_boundary_violation_reported", "close"}
 
 
 # ---------------------------------------------------------------------- changes the seed lists

@@ -303,8 +303,13 @@ def test_the_fault_detector_cannot_command_a_recovery(tmp_path):
             bus.port(Module.L1_FAULT_DETECTOR, receiver)
     # It holds one thing: its emitter, and the only message that may carry is its report.
     assert holds(detector) == {"ports": [], "emitters": ["L1_FAULT_DETECTOR"], "modules": []}
-    reports = [r for r in default_table().routes() if Module.L1_FAULT_DETECTOR in r.senders]
-    assert reports and all(r.kind == EVENT and r.receivers == {Module.L1_ORCHESTRATOR} for r in reports)
+    # Its reports go to the orchestrator. Its own failure event (issue 13: a handler's exception
+    # is its module's failure event) comes back to it alone, graded by its own table like any
+    # module's, and that report reaches L1-1: no route from it names another module.
+    sent = [r for r in default_table().routes() if Module.L1_FAULT_DETECTOR in r.senders]
+    assert sent and all(r.kind == EVENT for r in sent)
+    assert {r.message: r.receivers for r in sent if r.failure} == {"surge.v1.FaultDetectorFailed": {Module.L1_FAULT_DETECTOR}}
+    assert all(r.receivers == {Module.L1_ORCHESTRATOR} for r in sent if not r.failure)
     emit = detector._emit
     for forged in (control_pb2.StartRecovery(job_id="j"), engine_pb2.StopTraining(job_id="j"),
                    control_pb2.ReleaseResources(job_id="j", kill=True)):
@@ -400,8 +405,11 @@ def test_the_orchestrator_only_commands_below_and_never_queries(tmp_path):
     assert sorted(holds(orchestrator)["ports"]) == [
         "L1_FAULT_DETECTOR", "L1_RECOVERY_CONTROLLER", "L1_RESOURCE_ALLOCATOR", "L2_TRAINING_LOOP",
         "L5_CHECKPOINT_MANAGER"]
-    below = [r for r in default_table().routes() if Module.L1_ORCHESTRATOR in r.senders and r.receivers & set(MODULES)]
+    sent = [r for r in default_table().routes() if Module.L1_ORCHESTRATOR in r.senders and r.receivers & set(MODULES)]
+    below = [r for r in sent if not r.failure]
     assert below and all(r.kind == COMMAND for r in below)
+    # Its one event to a module is its own failure event (issue 13), to the detector that grades it.
+    assert {r.message: r.receivers for r in sent if r.failure} == {"surge.v1.OrchestratorFailed": {Module.L1_FAULT_DETECTOR}}
     assert not [r.message for r in below if "Query" in r.message or "Get" in r.message]
 
 
