@@ -868,10 +868,17 @@ class Orchestrator:
                 job.verdicts[key] = verdict  # (a relaunched generation that meets the step again is asked anew)
             self._loop(verdict)
 
-    def withdraw_standing_order(self, job_id: str, order: int) -> int:
+    def _withdraw_standing_order(self, job_id: str, order: int) -> int:
         """Withdraw the job's standing order ``order`` (StandingOrder.id) at a boundary every
         rank has yet to reach (as a pause's, see ``_boundary``); returns that step. A fault
         of its kind after it is decided by the policy, one verdict per fault.
+
+        L1-1's one producer of RevokeStandingOrder (the loop's side: tests/engine). No input
+        calls it yet: nothing in a job's fault policy changes its standing orders during the
+        run, and an operator's command to withdraw one (EXT_USER -> L1-1) is not part of
+        issue 13, so it is not a public method pretending to be a handler. Tested on its own
+        (tests/control/test_fault_policy.py). A relaunched generation gets the policy's
+        orders again in its InitJob: a withdrawal lasts for the ranks it reached.
 
         Raises:
             JobNotFound, IllegalTransition: no such job, or it is not RUNNING or PAUSED.

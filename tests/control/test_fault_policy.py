@@ -13,9 +13,10 @@ import pytest
 from services.contract import Module, control_pb2, engine_pb2, route_pb2, store_pb2
 from services.control.__main__ import build
 from services.control.job_store import JobStore
+from services.control.orchestrator import IllegalTransition
 from services.control.store_relay import StoreRelay
 
-from .conftest import Plane, drain, kinds
+from .conftest import Plane, drain, kinds, to_ranks
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 pytestmark = pytest.mark.timeout(30)
@@ -371,6 +372,23 @@ def test_every_skipped_step_is_an_event_with_its_reason_and_counted(plane):
     else:  # (the loop's field not built yet: every skip reads as an overflow)
         assert len(skips) == 2
     assert plane.get(job_id).train_loss == 2.0  # a skipped step's loss is not shown as the job's loss
+
+
+def test_a_standing_order_the_orchestrator_withdraws_reaches_every_rank_with_one_boundary_and_is_journaled(plane):
+    # No input asks L1-1 for a withdrawal yet (see Orchestrator._withdraw_standing_order): its
+    # own path, called as a handler of such a request would call it.
+    job_id, w = running(plane, "wa", "wb")
+    plane.rank_event(w["wa"], job_id, 0, step=engine_pb2.StepCompleted(step=5, loss=2.0, tokens=64))
+    at = plane.c.orchestrator._withdraw_standing_order(job_id, 1)
+    assert at > 5  # a boundary the ranks have yet to reach
+    for session in w.values():
+        assert [to_ranks(c) for c in drain(session)] == [
+            engine_pb2.RevokeStandingOrder(job_id=job_id, order=1, after_step=at)]
+    assert decisions(plane, job_id)[-1] == f"standing order 1 revoked after step {at}"
+    plane.user(control_pb2.StopJobRequest(job_id=job_id, no_checkpoint=True))
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=0), plane.rank_exited(w["wb"], job_id, 1, exit_code=0)
+    with pytest.raises(IllegalTransition, match="no ranks to revoke an order of"):
+        plane.c.orchestrator._withdraw_standing_order(job_id, 1)
 
 
 def test_a_version_the_stores_scrub_finds_corrupt_is_struck_and_the_next_recovery_skips_it(plane, store):
