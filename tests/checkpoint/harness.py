@@ -20,7 +20,8 @@ from pathlib import Path
 
 import grpc
 
-from services.contract import engine_pb2, store_pb2, store_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.contract import Module, engine_pb2, store_pb2, store_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.contract.relay import pack, unpack
 from services.jobspec import JobSpec, spec_to_json
 from tests.callers import any_caller_channel
 from tests.conftest import free_ports
@@ -220,25 +221,29 @@ class Cluster:
             if ev is None:
                 open_streams -= 1
                 continue
-            kind = ev.WhichOneof("event")
-            if kind == "started":
+            if ev.WhichOneof("event") != "routed":
+                continue  # hello, heartbeats, audits: the agent's own
+            msg = unpack(ev.routed)  # any routed event, by its name (services/contract/relay.py)
+            if isinstance(msg, engine_pb2.TrainingLoopStarted):
                 started.add(r)
-                out.start_step = ev.started.start_step
+                out.start_step = msg.start_step
                 if len(started) == world:
+                    start = pack(engine_pb2.StartTraining(job_id=job), Module.L1_ORCHESTRATOR, Module.L2_TRAINING_LOOP)
                     for link in links:
-                        link.commands.put(worker_pb2.RankCommand(start=engine_pb2.StartTraining(job_id=job)))
-            elif kind == "step" and r == 0:
-                out.losses[ev.step.step] = ev.step.loss
-                out.epochs[ev.step.step] = ev.step.epoch
-            elif kind == "saved":
-                out.saved[ev.saved.step] = ev.saved.version
-            elif kind == "finished":
+                        link.commands.put(worker_pb2.RankCommand(routed=start))
+            elif isinstance(msg, engine_pb2.StepCompleted) and r == 0:
+                out.losses[msg.step] = msg.loss
+                out.epochs[msg.step] = msg.epoch
+            elif isinstance(msg, store_pb2.SaveCompleted):
+                out.saved[msg.step] = msg.version
+            elif isinstance(msg, engine_pb2.TrainingLoopFinished):
                 ended.add(r)
                 out.finished = len(ended) == world
-            elif kind == "failed":
-                out.failed.append(ev.failed)
-            elif kind == "snapshot_failed":
-                out.snapshot_failed.append(ev.snapshot_failed)
+            elif isinstance(msg, engine_pb2.TrainingLoopFailed):
+                out.failed.append(msg)
+                links[r].commands.put(None)  # L1's release: a failed rank waits for it, then exits
+            elif isinstance(msg, store_pb2.SnapshotFailed):
+                out.snapshot_failed.append(msg)
             if kill_after_saved and kill_after_saved in out.saved and out.losses and \
                     max(out.losses) > kill_after_saved and not out.killed_after_step:
                 out.killed_after_step = max(out.losses)
