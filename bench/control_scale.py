@@ -64,7 +64,8 @@ def sim_process(address: str, ids: list[int], total: int, registered, silence_ra
 async def _sim(address, ids, total, registered, silence_rank, stop, out_q) -> None:
     import grpc
 
-    from services.contract import control_pb2, control_pb2_grpc, engine_pb2, worker_pb2
+    from services.contract import Module, control_pb2, control_pb2_grpc, engine_pb2, worker_pb2
+    from services.contract.relay import pack
 
     sequenced = "seq" in control_pb2.WorkerEvent.DESCRIPTOR.fields_by_name
     # A few HTTP/2 connections per process, as many node agents would each have their own.
@@ -124,8 +125,8 @@ async def _sim(address, ids, total, registered, silence_rank, stop, out_q) -> No
                     state["job"] = cmd.launch.job_id
                     state["ranks"] = [r.rank for r in cmd.launch.ranks]
                     for r in state["ranks"]:
-                        await send(rank_event=worker_pb2.RankEvent(job_id=state["job"], rank=r, started=engine_pb2.TrainingLoopStarted(
-                            job_id=state["job"], rank=r, start_step=0, num_parameters=1, startup_seconds=0.1)))
+                        await send(rank_event=worker_pb2.RankEvent(job_id=state["job"], rank=r, routed=pack(engine_pb2.TrainingLoopStarted(
+                            job_id=state["job"], rank=r, start_step=0, num_parameters=1, startup_seconds=0.1), Module.L2_TRAINING_LOOP)))
                 elif kind == "routed" and cmd.routed.type == "surge.v1.StartTraining":  # to the job's ranks
                     state["stepping"] = True
                 elif kind == "release":
@@ -152,9 +153,10 @@ async def _sim(address, ids, total, registered, silence_rank, stop, out_q) -> No
                 for r in state["ranks"]:
                     await send(rank_event=worker_pb2.RankEvent(job_id=state["job"], rank=r, heartbeat=worker_pb2.RankHeartbeat(
                         job_id=state["job"], rank=r, step=state["step"], stepping=True, step_seconds=1.0, unix_time=t)))
-                    await send(rank_event=worker_pb2.RankEvent(job_id=state["job"], rank=r, step=engine_pb2.StepCompleted(
+                    await send(rank_event=worker_pb2.RankEvent(job_id=state["job"], rank=r, routed=pack(engine_pb2.StepCompleted(
                         job_id=state["job"], rank=r, step=state["step"], loss=2.0, tokens=4096 * total,
-                        tokens_per_second=4096.0 * total, step_seconds=1.0, unix_time=t, world_size=total)))
+                        tokens_per_second=4096.0 * total, step_seconds=1.0, unix_time=t, world_size=total),
+                        Module.L2_TRAINING_LOOP)))
                     last_sent[r] = t
                     if r == 0:
                         step_sent[state["step"]] = t

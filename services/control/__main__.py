@@ -113,14 +113,9 @@ def build(
     detector = FaultDetector(emit=bus.emitter(Module.L1_FAULT_DETECTOR), rules=fault_rules)
     recovery = RecoveryController(
         resources=bus.port(Module.L1_RECOVERY_CONTROLLER, Module.L1_RESOURCE_ALLOCATOR, commands=(control_pb2.RebuildCommunicator,)))
-    sessions = SessionHub(
-        hardware=bus.emitter(Module.EXT_HARDWARE),
-        loop=bus.emitter(Module.L2_TRAINING_LOOP),
-        checkpoints=bus.emitter(Module.L5_CHECKPOINT_MANAGER),
-        contract=contract,
-        journal=journal,
-        bus=bus,
-    )
+    # The node agents' sessions: routed events from the nodes go on this bus as the modules
+    # that sent them (rank modules, their L4/L5 relays, EXT_CONTRACT), checked by the hub's link.
+    sessions = SessionHub(bus, hardware=bus.emitter(Module.EXT_HARDWARE), journal=journal)
     watches = WatchHub()
     # What the store's modules send control's side comes back with a failed call, by name,
     # checked (the store may speak only for L5 modules).

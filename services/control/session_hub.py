@@ -13,7 +13,6 @@ event or command that crosses takes a message, a route and a handler, no field h
 The agent's own facts (RankExited, MemoryPressure, a departing registration) and heartbeats
 keep their stream fields: the hub does bookkeeping on them (ranks per session, the time a
 beat was received). LaunchRanks and ReleaseRanks go to one named node (the bus payload).
-A rank's older field cases (started, step, ...) are still read.
 
 The hub also carries operator log plumbing (``StreamLogs``): TailRankLogs / StopTailing
 down to the sessions that launched ranks of the job, RankLogLines up into a per-request
@@ -90,25 +89,17 @@ class SessionHub:
     """Node agent sessions: routing table worker id -> session, and the bus side of them.
 
     Args:
+        bus: control's bus: the nodes' routed events are published on it, as the modules
+            that sent them, and the commands of L1 modules to rank modules taken from it
+            (``stand_in``).
         hardware: emitter as EXT_HARDWARE (WorkerRegistration, RankExited, MemoryPressure,
-            RankHeartbeat).
-        loop: emitter as L2_TRAINING_LOOP (rank loop events relayed by node agents).
-        checkpoints: emitter as L5_CHECKPOINT_MANAGER (SaveCompleted relayed by ranks).
-        contract: emitter as EXT_CONTRACT (BoundaryViolationReported relayed by ranks);
-            None: such reports are dropped.
-        bus: control's bus: routed events from the nodes are published on it and routed
-            commands to rank modules taken from it (``stand_in``); None: only the field
-            cases are relayed.
+            RankHeartbeat: the node agent's own facts, kept as stream fields).
+        journal: where applied seqs persist (JobStore); None: in memory only.
     """
 
-    def __init__(
-        self, hardware: Emitter, loop: Emitter, checkpoints: Emitter, contract: Emitter | None = None,
-        journal: Any = None, bus: Bus | None = None,
-    ):
-        self._hardware, self._loop, self._checkpoints = hardware, loop, checkpoints
-        self._contract = contract
-        self._link = None if bus is None else Link(
-            bus, name="node agent sessions", near=L1, beyond=RANK, speaks=NODE_SPEAKS, send=self._to_ranks)
+    def __init__(self, bus: Bus, hardware: Emitter, journal: Any = None):
+        self._hardware = hardware
+        self._link = Link(bus, name="node agent sessions", near=L1, beyond=RANK, speaks=NODE_SPEAKS, send=self._to_ranks)
         # Where applied seqs persist (JobStore: worker_cursor / applying); None: in memory only.
         self._journal = journal
         self.duplicates = 0  # sequenced events dropped as already applied (also a metric)
@@ -361,7 +352,6 @@ class SessionHub:
         may send a rank module (InitJob and RankAssignment included, though LaunchRanks
         carries the set-up ones); returns the subscriptions. Raises RouteError (see
         ``Link.stand_in``)."""
-        assert self._link is not None, "SessionHub built without a bus"
         return self._link.stand_in(kinds=(route_pb2.COMMAND,))
 
     def _to_ranks(self, routed: Routed, msg: Any, payload: Any = None) -> None:
@@ -411,30 +401,15 @@ class SessionHub:
         if kind in ("hello", "audit") or kind is None:
             return  # between a rank and its node agent only
         if kind == "routed":
-            if self._link is None:
-                raise ValueError(f"worker {session.worker_id}: a routed rank event, and no bus to put it on")
             # The envelope names the rank the node agent attached; the session names the node.
             self._link.deliver(ev.routed, stamp=lambda msg: stamp_origin(
                 msg, job_id=ev.job_id, rank=ev.rank, worker_id=session.worker_id))
             return
-        inner = getattr(ev, kind)
-        if not inner.job_id:
-            inner.job_id = ev.job_id
-        if kind == "heartbeat":
-            # The envelope names the rank the node agent attached; the session names the node.
-            inner.rank, inner.worker_id = ev.rank, session.worker_id
-            self._hardware(inner)
-        elif kind == "violation":
-            if self._contract is not None:
-                inner.rank = inner.rank or ev.rank
-                self._contract(inner)
-        elif kind in ("saved", "snapshot_failed"):  # the rank's checkpoint relay speaks as L5-1
-            self._checkpoints(inner)
-        else:
-            inner.rank = inner.rank or ev.rank
-            if kind == "started":  # where the rank runs: the session knows, L1-1 journals it
-                inner.worker_id = session.worker_id
-            self._loop(inner)
+        # kind == "heartbeat": liveness plumbing, relayed as the node agent (EXT_HARDWARE) speaks
+        # for its processes; the envelope names the rank the agent attached, the session the node.
+        beat = ev.heartbeat
+        beat.job_id, beat.rank, beat.worker_id = beat.job_id or ev.job_id, ev.rank, session.worker_id
+        self._hardware(beat)
 
     def _report_lost(self, worker_id: str, ranks: list[tuple[str, int]], reason: str) -> None:
         for job_id, rank in ranks:

@@ -9,7 +9,7 @@ Facts it reports up the ``ControlService.WorkerSession`` stream (``WorkerEvent``
 * ``register``: the node's hardware, first message of every session (also after a
   reconnect, with the same ``worker_id``).
 * ``rank_event``: every ``RankEvent`` a local rank sends on its ``RankSession``, in the
-  order received, ``hello``, ``heartbeat`` and ``violation`` included (``audit`` stays
+  order received, ``hello``, ``heartbeat`` and ``routed`` (any routed event by name) included (``audit`` stays
   here: it answers the agent's own question, see :meth:`NodeAgent.audit`).
 * ``rank_exited``: a rank process ended (``exit_code`` < 0: killed by that signal), after
   the events that rank sent before it ended, with the time it was reaped and whether a
@@ -28,7 +28,7 @@ Commands it executes (``WorkerCommand``, in arrival order):
   ``RankCommand{routed}`` once the route table lets its sender command its receiver (a rank
   module); without, a command for this agent (EXT_HARDWARE: ``LaunchRanks``,
   ``ReleaseRanks``), put on the agent's own bus, whose handlers are the methods below.
-* ``rank_command``, ``launch``, ``release``: the same, from a control that names them by field.
+* ``launch``, ``release``: LaunchRanks / ReleaseRanks, addressed to this node by field.
 * ``tail_rank_logs`` / ``stop_tailing`` (operator log plumbing for ``StreamLogs``): send
   the job's rank log lines on this node up as ``rank_log_lines`` batches (then, with
   ``follow``, new lines until the ranks have exited), ending with ``rank_log_lines{done}``.
@@ -176,8 +176,6 @@ class NodeAgent:
             self.launch_ranks(cmd.launch)
         elif kind == "release":
             self.release_ranks(cmd.release)
-        elif kind == "rank_command":
-            self.relay_rank_command(cmd.rank_command)
         elif kind == "tail_rank_logs":
             self.tail_rank_logs(cmd.tail_rank_logs)
         elif kind == "stop_tailing":
@@ -214,18 +212,6 @@ class NodeAgent:
                     r.kill_timer.daemon = True
                     r.kill_timer.start()
         self._log.info("release", job_id=msg.job_id, ranks=[r.rank for r in targets], kill=msg.kill, grace_seconds=grace)
-
-    def relay_rank_command(self, cmd: worker_pb2.RankCommand) -> None:
-        """Deliver ``cmd`` to every live rank of the job named inside its payload (queued
-        for a rank that has not said hello yet, delivered after its init and assignment).
-        A payload without a ``job_id`` (``assignment``) cannot be routed and is dropped."""
-        kind = cmd.WhichOneof("command")
-        payload = getattr(cmd, kind) if kind else None
-        job_id = getattr(payload, "job_id", "") if payload is not None else ""
-        if not job_id:
-            self._log.error("rank command names no job; cannot route it", kind=kind)
-            return
-        self._to_ranks(job_id, cmd, kind)
 
     def _relay_routed(self, job_id: str, routed: Any) -> None:
         """A routed command for the job's ranks: checked (control may send it, a rank module

@@ -2,31 +2,40 @@
 
     python -m services.worker.rank --session HOST:PORT --job JOB_ID --rank R
 
-Protocol on ``WorkerService.RankSession`` (bidi stream to the node agent):
+Protocol on ``WorkerService.RankSession`` (bidi stream to the node agent). ``{X}`` below is a
+routed message travelling as ``RankEvent{routed}`` / ``RankCommand{routed}``: any routed
+message by its full name, from its sending module, checked against the route table on
+both sides (services/contract/relay.py); only set-up and plumbing have fields of their own.
     1. rank -> agent   RankEvent{job_id, rank, hello: RankHello{job_id, rank, pid}}
     2. agent -> rank   RankCommand{init: InitJob} and RankCommand{assignment: RankAssignment},
                        in either order, each exactly once (frozen afterwards)
     3. the rank builds its modules, joins the process group, loads the model, mounts the
-       data and opens its stream, then sends RankEvent{started: TrainingLoopStarted}
-    4. agent -> rank   RankCommand{start}; the rank trains. At any time: {pause: at_step},
-                       {resume}, {stop: at_step} (pause/stop at the boundary after at_step;
-                       stop at_step=0: the next boundary; stop before start: finish at once)
-    5. rank -> agent   {step} per step, {eval} per evaluation, {saved} per committed
-                       checkpoint (rank 0), {paused} when paused, then its final {audit}
-                       (route counts) and {finished} (exit 0) or {failed: fault_class,
-                       one-line detail}. Then the rank half-closes its side and exits;
-                       after {failed} it first waits for L1 to release it (the agent's
+       data and opens its stream, then sends {TrainingLoopStarted}
+    4. agent -> rank   {StartTraining}; the rank trains. At any time: {PauseTraining at_step},
+                       {ResumeTraining}, {StopTraining at_step} (pause/stop at the boundary
+                       after at_step; stop at_step=0: the next boundary; stop before start:
+                       finish at once), {StepVerdict}, ...: every command an L1 module may
+                       send a module of the rank
+    5. rank -> agent   {StepCompleted} per step, {EvalCompleted} per evaluation,
+                       {SaveCompleted} per committed checkpoint (rank 0), {TrainingLoopPaused}
+                       when paused, any event a module here (or an L4/L5 module its data and
+                       store relays speak for) sends an L1 module (failure events included),
+                       then its final RankEvent{audit} (route counts) and
+                       {TrainingLoopFinished} (exit 0) or {TrainingLoopFailed}. Then the rank
+                       half-closes its side and exits;
+                       after {TrainingLoopFailed} it first waits for L1 to release it (the agent's
                        signal, or the session's end: exit 1), unless its communicator is
                        broken (it leaves at once, exit 1). A step fault is no failure:
                        the loop blocks for L1-1's verdict (training_loop.py).
-    At any time after 3: agent -> rank {audit: id}, answered rank -> agent {audit} with
-    the same id (the route counts of this process's bus); rank -> agent {violation} for a
-    send refused by its bus or by a service it called (relayed up to the fault detector).
+    At any time after 3: agent -> rank RankCommand{audit: id}, answered rank -> agent
+    RankEvent{audit} with the same id (the route counts of this process's bus); rank -> agent
+    {BoundaryViolationReported} (as EXT_CONTRACT) for a send refused by its bus or by a
+    service it called (relayed up to the fault detector).
     From the hello on, every ``liveness.heartbeat_interval_seconds`` (1 s until InitJob
-    says otherwise): rank -> agent {heartbeat: the last completed step, whether the loop is
-    stepping}, from a side thread that keeps beating while the main thread is blocked (in
-    a collective, say), so control tells a stalled rank from a silent one.
-A session that ends before the rank sent {finished} or {failed} means the agent is gone:
+    says otherwise): rank -> agent RankEvent{heartbeat: the last completed step, whether the
+    loop is stepping}, from a side thread that keeps beating while the main thread is blocked
+    (in a collective, say), so control tells a stalled rank from a silent one.
+A session that ends before the rank sent {TrainingLoopFinished} or {TrainingLoopFailed} means the agent is gone:
 the rank exits at once (code 3). SIGTERM ends the process immediately (default action).
 
 Fault hooks (:mod:`services.worker.faults`) wrap the loop's port to the backward unit: tests
@@ -99,7 +108,6 @@ RANK_HOSTED = (
 # Events and commands the session's heartbeat reads its state from (what it states, not routing).
 _STEPPING = {m.DESCRIPTOR.full_name for m in (engine_pb2.StartTraining, engine_pb2.ResumeTraining)}
 _TERMINAL = (engine_pb2.TrainingLoopFinished, engine_pb2.TrainingLoopFailed)
-_LEGACY = ("start", "pause", "resume", "stop")
 
 
 class DataRelay(Protocol):
@@ -396,9 +404,7 @@ class Session:
                 if kind == "audit":
                     self._send(audit=report_of(self.process, request_id=cmd.audit.id))
                     continue
-                if kind in _LEGACY:  # a control that still names the command by field
-                    cmd = worker_pb2.RankCommand(routed=pack(getattr(cmd, kind), Module.L1_ORCHESTRATOR, Module.L2_TRAINING_LOOP))
-                elif kind != "routed":
+                if kind != "routed":
                     log.warning("rank_session_command_ignored", kind=kind)
                     continue
                 if cmd.routed.type in _STEPPING:

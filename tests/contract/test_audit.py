@@ -22,6 +22,7 @@ from services.contract.audit import (
     violation_from_rpc,
 )
 from services.contract.bus import BoundaryViolation, Bus, Traffic
+from services.contract.relay import pack
 from services.control.session_hub import SessionHub
 
 log = structlog.get_logger("test")
@@ -169,14 +170,13 @@ def test_the_session_relay_sends_a_ranks_violation_to_the_fault_detector_as_ext_
     bus = Bus(traffic=Traffic())
     seen = []
     bus.subscribe(Module.L1_FAULT_DETECTOR, audit_pb2.BoundaryViolationReported, lambda m, p: seen.append(m))
-    hub = SessionHub(hardware=bus.emitter(Module.EXT_HARDWARE), loop=bus.emitter(Module.L2_TRAINING_LOOP),
-                     checkpoints=bus.emitter(Module.L5_CHECKPOINT_MANAGER), contract=bus.emitter(Module.EXT_CONTRACT))
+    hub = SessionHub(bus, hardware=bus.emitter(Module.EXT_HARDWARE))
     bus.subscribe(Module.L1_RESOURCE_ALLOCATOR, control_pb2.WorkerRegistration, lambda m, p: None)
     session = hub.open(control_pb2.WorkerRegistration(worker_id="w0", slots=1))
     violation = audit_pb2.BoundaryViolationReported(process="data", sender=Module.L4_SHUFFLER,
                                                     message="surge.v1.FilterRules", receiver=Module.L4_FILTER)
     hub.on_worker_event(session, control_pb2.WorkerEvent(
-        rank_event=worker_pb2.RankEvent(job_id="j", rank=1, violation=violation)))
+        rank_event=worker_pb2.RankEvent(job_id="j", rank=1, routed=pack(violation, Module.EXT_CONTRACT))))
     hub.on_worker_event(session, control_pb2.WorkerEvent(  # a rank's audit stays with its agent
         rank_event=worker_pb2.RankEvent(job_id="j", rank=1, audit=audit_pb2.AuditReport(process="x"))))
     assert [(m.process, m.job_id, m.rank, m.sender) for m in seen] == [("data", "j", 1, Module.L4_SHUFFLER)]
@@ -198,7 +198,7 @@ def test_a_ranks_violation_relayed_to_control_is_graded_and_reported_to_the_orch
             process="rank 0 of job j", sender=Module.L4_SHUFFLER, message="surge.v1.FilterRules", receiver=Module.L4_FILTER)
         session = control.sessions.open(control_pb2.WorkerRegistration(worker_id="w0", slots=1))
         control.sessions.on_worker_event(session, control_pb2.WorkerEvent(
-            rank_event=worker_pb2.RankEvent(job_id="j", rank=0, violation=violation)))
+            rank_event=worker_pb2.RankEvent(job_id="j", rank=0, routed=pack(violation, Module.EXT_CONTRACT))))
         assert control.bus.snapshot().sent.get(graded, 0) == before + 1
     finally:
         journal.close()

@@ -9,7 +9,8 @@ import textwrap
 import pytest
 
 from services.contract import Module, control_pb2, worker_pb2
-from services.contract.relay import unpack
+from services.contract.relay import pack, unpack
+from services.contract.route_table import default_table
 from services.control.__main__ import Control, build
 from services.control.job_store import JobStore
 from services.control.orchestrator import EVENT_LOG
@@ -69,7 +70,15 @@ class Plane:
         return self.c.sessions.open(registration(worker_id, slots, **kw))
 
     def rank_event(self, session, job_id: str, rank: int, **event) -> None:
-        ev = worker_pb2.RankEvent(job_id=job_id, rank=rank, **event)
+        """One event of a rank, as its node agent relays it: a heartbeat as its field, any
+        other (``started=TrainingLoopStarted(...)``, the keyword only names it) by its name,
+        from its route's one sender."""
+        (msg,) = event.values()
+        if isinstance(msg, worker_pb2.RankHeartbeat):
+            ev = worker_pb2.RankEvent(job_id=job_id, rank=rank, heartbeat=msg)
+        else:
+            (sender,) = default_table().route(msg).senders
+            ev = worker_pb2.RankEvent(job_id=job_id, rank=rank, routed=pack(msg, sender))
         self.c.sessions.on_worker_event(session, control_pb2.WorkerEvent(rank_event=ev))
 
     def rank_exited(self, session, job_id: str, rank: int, exit_code: int) -> None:

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.grpc_server import channel
 from services.contract import Module, control_pb2, control_pb2_grpc, engine_pb2, worker_pb2
+from services.contract.relay import pack
 from services.control.orchestrator import REATTACH_MESSAGE
 from services.control.server import REGISTERED_HEADER
 from tests.store.test_store_service import store  # noqa: F401 (a real store process)
@@ -109,7 +110,8 @@ class NodeAgent:
         self._out.put(control_pb2.WorkerEvent(memory_pressure=msg))
 
     def _send(self, job_id: str, rank: int, **event) -> None:
-        ev = worker_pb2.RankEvent(job_id=job_id, rank=rank, **event)
+        (msg,) = event.values()  # as a rank sends it: by its name, from the training loop
+        ev = worker_pb2.RankEvent(job_id=job_id, rank=rank, routed=pack(msg, Module.L2_TRAINING_LOOP))
         self._out.put(control_pb2.WorkerEvent(rank_event=ev))
 
     def _run(self) -> None:

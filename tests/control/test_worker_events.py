@@ -9,7 +9,8 @@ import threading
 
 import pytest
 
-from services.contract import control_pb2, engine_pb2, worker_pb2
+from services.contract import Module, control_pb2, engine_pb2, worker_pb2
+from services.contract.relay import pack
 from services.control.__main__ import build
 from services.control.job_store import JobStore
 from services.control.orchestrator import InsufficientResources
@@ -23,7 +24,8 @@ pytestmark = pytest.mark.timeout(30)
 
 def step_event(job_id: str, n: int, seq: int) -> control_pb2.WorkerEvent:
     step = engine_pb2.StepCompleted(job_id=job_id, rank=0, step=n, loss=3.0 - 0.1 * n, tokens=64)
-    return control_pb2.WorkerEvent(rank_event=worker_pb2.RankEvent(job_id=job_id, rank=0, step=step), seq=seq)
+    routed = pack(step, Module.L2_TRAINING_LOOP)
+    return control_pb2.WorkerEvent(rank_event=worker_pb2.RankEvent(job_id=job_id, rank=0, routed=routed), seq=seq)
 
 
 @pytest.fixture(autouse=True)

@@ -29,7 +29,7 @@ import time
 
 from services.common.grpc_server import channel as grpc_channel
 from services.contract import Module, audit_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
-from services.contract.relay import unpack
+from services.contract.relay import pack, unpack
 
 
 def main() -> int:
@@ -44,6 +44,9 @@ def main() -> int:
 
     def send(**event) -> None:
         outgoing.put(worker_pb2.RankEvent(job_id=job, rank=rank, **event))
+
+    def send_up(msg) -> None:  # a routed event, by its name, as the rank's session sends it
+        send(routed=pack(msg, Module.L2_TRAINING_LOOP))
 
     def requests():
         while (event := outgoing.get()) is not None:
@@ -72,7 +75,7 @@ def main() -> int:
     if mode == "family":
         child = subprocess.Popen(["sleep", "300"])
         print(f"grandchild {child.pid}", flush=True)
-    send(started=engine_pb2.TrainingLoopStarted(job_id=job, rank=rank, start_step=0, num_parameters=42))
+    send_up(engine_pb2.TrainingLoopStarted(job_id=job, rank=rank, start_step=0, num_parameters=42))
     if mode == "audited":
         for cmd in commands:
             if cmd.WhichOneof("command") == "audit":
@@ -93,8 +96,8 @@ def main() -> int:
             start = unpack(cmd.routed)  # a real rank puts it on its bus (services/contract/relay.py)
             print(f"start job={start.job_id} from={Module.Name(cmd.routed.sender)}", flush=True)
             break
-    send(step=engine_pb2.StepCompleted(job_id=job, rank=rank, step=1, loss=5.5, tokens=64, world_size=assignment.world_size))
-    send(finished=engine_pb2.TrainingLoopFinished(job_id=job, rank=rank, step=1))
+    send_up(engine_pb2.StepCompleted(job_id=job, rank=rank, step=1, loss=5.5, tokens=64, world_size=assignment.world_size))
+    send_up(engine_pb2.TrainingLoopFinished(job_id=job, rank=rank, step=1))
     outgoing.put(None)  # half-close: the agent then ends our command stream
     for _ in commands:
         pass

@@ -35,7 +35,7 @@ from services.contract import (
     worker_pb2_grpc,
 )
 from services.contract.bus import BoundaryViolation, Bus, Traffic
-from services.contract.relay import pack
+from services.contract.relay import pack, unpack
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -246,7 +246,7 @@ def started_ranks(cluster, control: FakeControl, count: int) -> dict[int, int]:
             pids[event.rank] = event.hello.pid
             cluster.track(event.hello.pid)
         else:
-            assert kind == "started" and event.rank in pids, event
+            assert kind == "routed" and event.routed.type == "surge.v1.TrainingLoopStarted" and event.rank in pids, event
             started.add(event.rank)
     return pids
 
@@ -318,11 +318,13 @@ def test_launched_ranks_get_init_then_assignment_and_their_events_go_up_in_order
             rank_event = event.rank_event
             assert rank_event.job_id == "j1"
             assert rank_event.rank not in exits, "an event went up after its rank's exit"
-            seen[rank_event.rank].append(rank_event.WhichOneof("event"))
-            if rank_event.WhichOneof("event") == "step":
-                assert (rank_event.step.step, rank_event.step.loss) == (1, 5.5)
+            assert rank_event.WhichOneof("event") == "routed", rank_event  # relayed as it came, by name
+            seen[rank_event.rank].append(rank_event.routed.type.rsplit(".", 1)[-1])
+            if rank_event.routed.type == "surge.v1.StepCompleted":
+                step = unpack(rank_event.routed)
+                assert (step.step, step.loss) == (1, 5.5)
 
-    assert seen == {0: ["step", "finished"], 1: ["step", "finished"]}
+    assert seen == {0: ["StepCompleted", "TrainingLoopFinished"], 1: ["StepCompleted", "TrainingLoopFinished"]}
     for rank in (0, 1):
         assert (exits[rank].job_id, exits[rank].exit_code, exits[rank].worker_id) == ("j1", 0, WORKER_ID)
         log = agent.rank_log("j1", rank)
