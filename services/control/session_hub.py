@@ -297,6 +297,8 @@ class SessionHub:
             self._hardware(exited)
         elif kind == "rank_event":
             self._relay_rank_event(session, ev.rank_event)
+        elif kind == "routed":  # the node agent's own (its contract layer's refusals, ...), by name
+            self._link.deliver(ev.routed, stamp=lambda msg: stamp_origin(msg, worker_id=session.worker_id))
         elif kind == "memory_pressure":
             pressure = ev.memory_pressure
             # A node agent speaks only for its own node: the session's identity wins.
