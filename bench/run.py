@@ -242,7 +242,8 @@ def render(r: dict) -> str:
     for name, row in r.get("meetings_per_step", {}).items():
         if "before" in row and "now" in row:
             b, n = row["before"], row["now"]
-            rows.append(("1 meetings", f"{name}: collectives / small ones outside forward+backward / bus / relay msgs per step, before -> now",
+            what = f"{name}: collectives / small ones outside forward+backward / bus / relay msgs per step, before -> now"
+            rows.append(("1 meetings", what,
                          f"{b['collectives_total']:g} / {b['collectives_outside_backward_forward']:g} / {b['bus_messages_total']:g} / "
                          f"{b['relay_messages_total']:g} -> {n['collectives_total']:g} / {n['collectives_outside_backward_forward']:g} / "
                          f"{n['bus_messages_total']:g} / {n['relay_messages_total']:g}"))  # fmt: skip

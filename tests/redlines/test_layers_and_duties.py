@@ -183,10 +183,21 @@ def _grad_writes(tree) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("module", _by_layer(2, 3), ids=Module.Name)
+@pytest.mark.parametrize(
+    "module", [m for m in _by_layer(2, 3) if m != Module.L3_GRADIENT_REDUCTION], ids=Module.Name
+)
 def test_no_rank_module_assigns_a_gradient(module):
     # The backward unit may start a window from zero (``p.grad = None``); nobody writes values.
     assert _grad_writes(source_tree(module)) == []
+
+
+def test_only_the_reduction_writes_the_reduced_gradient():
+    # L3-5's duty is the aggregated gradient (seed L3-5 s3 1175: 梯度归约完成, carrying the
+    # aggregated global gradient): under TP it sums the partial gradients and puts the sum in
+    # place, and that is the only gradient it writes.
+    assert _grad_writes(source_tree(Module.L3_GRADIENT_REDUCTION)) == [
+        "p.grad = summed if tuple(summed.placements) == tuple(p.placements) else summed.redistribute(p.device_mesh, p.placements)"
+    ]
 
 
 def test_the_training_loop_touches_tensors_only_to_carry_and_checkpoint_them():
