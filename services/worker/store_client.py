@@ -307,8 +307,8 @@ class StoreClient:
         t0 = time.perf_counter()
         try:
             loaded = self._rpc("Load", self._stub.Load, msg, LOAD_TIMEOUT_S)
-        except (StoreUnavailable, CheckpointIntegrityError) as e:
-            self._report("load", e.cause, str(e), version=msg.version, error=e)
+        except CheckpointError as e:  # (a plain one: the store refused the request)
+            self._report("load", getattr(e, "cause", store_pb2.REJECTED), str(e), version=msg.version, error=e)
             raise
         asked = time.perf_counter()
         info = loaded.info
@@ -326,8 +326,14 @@ class StoreClient:
                 error = CheckpointIntegrityError(str(mismatch), cause, mismatch.file)
                 if from_me:
                     self._report("load", cause, str(mismatch), version=info.version, error=error)
+                else:
+                    # Another rank's read found it (DCP gathers every rank's errors) and that
+                    # rank reports it: one SnapshotFailed per failed read, not one per rank.
+                    error.failure_reported = True
                 raise error from None
-            raise CheckpointError(f"checkpoint {info.version}: cannot be loaded into this job: {_one_line(e)}") from None
+            error = CheckpointError(f"checkpoint {info.version}: cannot be loaded into this job: {_one_line(e)}")
+            self._report("load", store_pb2.STORE_FAILURE_UNSPECIFIED, str(error), version=info.version, error=error)
+            raise error from None
         log.info("checkpoint_loaded", version=info.version, step=info.step,
                  ask_s=round(asked - t0, 4), read_verified_s=round(time.perf_counter() - asked, 4))
         return loaded
