@@ -147,5 +147,7 @@ def test_exclude_node_relaunches_the_rank_on_another_worker(stack):
     worker = re.match(r"exclude_node after non_finite_loss of rank 0 on (worker-\d+) at step 6 .*; excluding \1$",
                       decision).group(1)
     (relaunch,) = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
-    assert f"relaunched on {worker} " not in relaunch and f"resume from checkpoint {job_id}:1;" in relaunch
+    (placed,) = re.match(r"ranks killed and relaunched on (worker-\d+) \(", relaunch).groups()
+    assert placed != worker and f"resume from checkpoint {job_id}:1;" in relaunch
+    assert [r["step"] for r in rank0_steps(stack, job_id)] == [*range(1, 6), *range(4, 9)]
     finished(events)
