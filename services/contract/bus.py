@@ -381,7 +381,7 @@ class Bus:
         if event_type is None or module in reporting:
             _log.error("handler failed; no failure event", **where, exc_info=error)
             return None
-        event = failure_event(self._table, module, failure, msg)
+        event = failure_event(self._table, module, failure, msg, error)
         heard = 0
         if not getattr(error, "failure_reported", False):  # (else the module published it itself)
             token = _REPORTING.set(reporting | {module})

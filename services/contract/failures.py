@@ -162,8 +162,14 @@ def communication_failed(op: str, error: BaseException) -> BaseException:
     communicator recorded broken; a typed Surge failure or a refusal as it is."""
     if isinstance(error, (Refusal, Unwind, CommunicationFailed, RendezvousFailed)):
         return error
+    if op in _RENDEZVOUS_OPS:  # no communicator existed yet: none is broken
+        return RendezvousFailed(f"{op} failed: {type(error).__name__}")
     communicator_failed()
     return CommunicationFailed(f"{op} failed: {type(error).__name__}")
+
+
+# Calls that form the default process group: a failure there is the rendezvous's.
+_RENDEZVOUS_OPS = frozenset({"init_process_group"})
 
 
 @contextmanager
@@ -317,12 +323,15 @@ def failure_of(exc: BaseException, module: int, operation: str = "", handled: Me
     return f
 
 
-def failure_event(table: Any, module: int, failure: route_pb2.Failure, handled: Message | None = None) -> Message:
+def failure_event(table: Any, module: int, failure: route_pb2.Failure, handled: Message | None = None,
+                  error: BaseException | None = None) -> Message:
     """``module``'s failure event (the route table's) carrying ``failure``.
 
     Fields the event shares by name and type with the message being handled (``job_id``,
     ``rank``, ``step``, ...) are copied from it, so L1-3 knows the job (typed fields, not
-    text); a ``detail`` or ``reason`` string field gets the failure's one line.
+    text); a ``detail`` or ``reason`` string field gets the failure's one line; a
+    ``fault_class`` field gets the class ``error``'s type declares (its ``fault_class``
+    attribute, e.g. RendezvousFailed's ``port_in_use``), when it declares one.
 
     Raises:
         LookupError: the table names no failure event for ``module`` (validation.py
@@ -351,6 +360,10 @@ def failure_event(table: Any, module: int, failure: route_pb2.Failure, handled: 
         f = fields.get(name)
         if f is not None and f.type == f.TYPE_STRING and not getattr(event, name):
             setattr(event, name, failure.detail)
+    declared = getattr(error, "fault_class", None)
+    f = fields.get("fault_class")
+    if f is not None and f.type == f.TYPE_STRING and isinstance(declared, str) and declared:
+        event.fault_class = declared
     return event
 
 

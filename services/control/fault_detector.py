@@ -542,7 +542,10 @@ class FaultDetector:
         job_id = failure.job_id or (msg.job_id if "job_id" in fields else "")
         rank = failure.rank if failure.HasField("rank") else (msg.rank if "rank" in fields else 0)
         step = msg.step if "step" in fields and isinstance(msg.step, int) else 0
-        fault_class = failure_class(event, failure.cause)
+        # A class the event declares (its module's typed exception's, e.g. L2-2's
+        # port_in_use from its bind probe) when the rule table grades it; else by (event, cause).
+        declared = msg.fault_class if "fault_class" in fields and isinstance(msg.fault_class, str) else ""
+        fault_class = declared if declared in self._rules else failure_class(event, failure.cause)
         module = failure.module or _sole_sender(msg)
         who = Module.Name(module) if module else event
         if msg.HasField("failure"):

@@ -20,6 +20,8 @@ the DTensor modules L3-1 lays out) and never touches the step schedule.
 
 from __future__ import annotations
 
+import errno
+import socket
 import time
 from datetime import timedelta
 from typing import Any
@@ -30,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from services.contract import engine_pb2
 from services.contract.bus import CommandPort, Emitter
+from services.contract.failures import RendezvousFailed
 from services.contract.frozen import FrozenConfig
 from services.engine.schedule_check import check_pipeline
 from services.engine.sharding_plan import ShardingPlan, Topology, plan
@@ -78,7 +81,8 @@ class ParallelStrategy:
                 CUDA, unknown backend) or a parallel config the planner refuses (dp * tp *
                 pp != world size, heads not divisible by tp, ...); the message names the field.
             ConfigFrozen: a second assignment (the plan is frozen).
-            RuntimeError: the rendezvous failed.
+            RendezvousFailed: the rendezvous failed (``port_in_use``: rank 0 found its port
+                taken by another socket).
         """
         self._assignment.require_unset()
         _validate(msg)
@@ -92,6 +96,11 @@ class ParallelStrategy:
         if msg.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(msg.device))
         if not dist.is_initialized():
+            # Rank 0 hosts the rendezvous store on master_port: whether another socket holds
+            # it is asked of the OS first (a bind probe's errno), never read from torch's message.
+            if msg.rank == 0 and _port_taken(msg.master_port):
+                self._state = "comm_error"
+                raise RendezvousFailed(f"rendezvous port {msg.master_port} is in use", port_in_use=True)
             try:
                 dist.init_process_group(
                     backend=msg.backend,
@@ -100,9 +109,13 @@ class ParallelStrategy:
                     world_size=msg.world_size,
                     timeout=self._timeout,
                 )
-            except Exception:
+            except (ValueError, TypeError, RendezvousFailed):  # a wrong call (a bug); the guard's own type
                 self._state = "comm_error"
                 raise
+            except Exception as e:  # its store, a peer that never came: the group was not formed
+                self._state = "comm_error"
+                where = f"{msg.master_addr}:{msg.master_port}"
+                raise RendezvousFailed(f"rendezvous at {where} failed: {type(e).__name__}") from e
             self._owns_group = True
         # Every rank builds the same mesh from the same plan (new_group is collective).
         device_type = "cuda" if msg.device.startswith("cuda") else "cpu"
@@ -161,6 +174,19 @@ def plan_message(sharding: ShardingPlan, rank: int, device: str) -> engine_pb2.P
         activation_checkpointing=sharding.activation_checkpointing,
         pipeline_schedule=sharding.pipeline_schedule, microbatches=sharding.microbatches,
     )  # fmt: skip
+
+
+def _port_taken(port: int) -> bool:
+    """Whether another socket holds ``port`` (on any address, as the rendezvous store
+    binds): a bind probe's ``EADDRINUSE``. (One taken between this probe and the store's
+    bind is a plain rendezvous failure.)"""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store's: TIME_WAIT is not "taken"
+        try:
+            probe.bind(("", port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
 
 
 def _validate(msg: engine_pb2.RankAssignment) -> None:

@@ -75,6 +75,14 @@ def test_a_collective_that_raised_breaks_the_communicator_and_what_follows_is_it
     assert fl.cause_of(RuntimeError("Expected all tensors to be on the same device")) == FailureCause.FAILURE_COMMUNICATION
 
 
+def test_a_group_that_could_not_be_formed_is_a_rendezvous_failure_and_breaks_no_communicator():
+    failed = fl.communication_failed("init_process_group", dist.DistNetworkError("connect failed"))
+    assert isinstance(failed, fl.RendezvousFailed) and not failed.port_in_use
+    assert fl.cause_of(failed) == FailureCause.FAILURE_RENDEZVOUS and not fl.communicator_broken()
+    assert isinstance(fl.communication_failed("all_reduce", RuntimeError("x")), fl.CommunicationFailed)
+    assert fl.communicator_broken()
+
+
 def test_a_failure_while_the_process_waits_in_a_collective_is_a_communication_failure():
     waiting = [True]
     fl.set_collective_probe(lambda: waiting[0])

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import math
+import socket
 
 import pytest
 import torch
 
 from services.compute.model import build_model
 from services.compute.operator_adapter import OperatorAdapter
-from services.contract import Module, engine_pb2, route_pb2
+from services.contract import Module, control_pb2, engine_pb2, route_pb2
 from services.contract.bus import Bus
+from services.contract.failures import ModuleFailed, RendezvousFailed, set_origin
+from services.control.fault_detector import FaultDetector
 from services.engine.lr_schedule import learning_rate, schedule_for
 from services.engine.mixed_precision import MixedPrecision
 from services.engine.optimizer import Optimizer
-from services.engine.parallel_strategy import ParallelStrategy
+from services.engine.parallel_strategy import ParallelStrategy, _port_taken
 from services.jobspec import ModelSpec, OptimizerSpec
 from tests.module_failed import raised_in_module
 
@@ -170,3 +173,38 @@ def test_a_rank_assignment_that_cannot_work_is_refused_naming_the_field():
                        ({"backend": "nccl"}, "backend nccl needs a CUDA device")):
         with pytest.raises(ValueError, match=words):
             strategy.rank_assignment(engine_pb2.RankAssignment(**{**base, **bad}))
+
+
+def test_a_taken_rendezvous_port_is_l2_2_s_typed_port_in_use_graded_medium_by_l1_3():
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    bus, reports = Bus(), []
+    strategy = ParallelStrategy(
+        bus.emitter(Module.L2_PARALLEL_STRATEGY),
+        bus.port(Module.L2_PARALLEL_STRATEGY, Module.L3_SHARD_LOADER),
+        bus.port(Module.L2_PARALLEL_STRATEGY, Module.L3_GRADIENT_REDUCTION),
+    )
+    bus.subscribe(Module.L2_PARALLEL_STRATEGY, engine_pb2.RankAssignment, strategy.rank_assignment)
+    detector = FaultDetector(emit=bus.emitter(Module.L1_FAULT_DETECTOR))
+    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring, detector.start_fault_monitoring)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, engine_pb2.ParallelTopologyError, detector.on_failure)
+    bus.subscribe(Module.L1_ORCHESTRATOR, control_pb2.FaultReport, lambda m, p=None: reports.append(m))
+    bus.command(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring(job_id="j"))
+    set_origin("j", 0)  # (a rank's root names its job on its failures)
+    try:
+        with pytest.raises(ModuleFailed) as failed:
+            bus.command(Module.L1_RESOURCE_ALLOCATOR, Module.L2_PARALLEL_STRATEGY, engine_pb2.RankAssignment(
+                rank=0, world_size=1, master_addr="127.0.0.1", master_port=port, backend="gloo", device="cpu"))
+    finally:
+        holder.close()
+        set_origin()
+    error = failed.value.error
+    assert isinstance(error, RendezvousFailed) and error.port_in_use  # the OS said so: a bind probe's errno
+    event = failed.value.event
+    assert (event.DESCRIPTOR.name, event.fault_class, event.failure.cause) == (
+        "ParallelTopologyError", "port_in_use", route_pb2.FAILURE_RENDEZVOUS)
+    assert [(r.event, r.fault_class, r.grade) for r in reports] == [
+        ("ParallelTopologyError", "port_in_use", control_pb2.MEDIUM)]
+    assert not _port_taken(port)  # released: the probe does not claim a free port
