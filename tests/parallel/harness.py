@@ -109,6 +109,7 @@ class Rank:
                  guard=None):
         from services.contract import Module
         from services.contract.bus import Bus
+        from services.control.fault_decision import standing_orders
         from services.jobspec import spec_to_json
         from services.worker.rank import compose
 
@@ -120,7 +121,10 @@ class Rank:
         self.up = FakeUp()
         # guard: a StepGuard with test-only injections on the backward port (as rank.py wires it).
         self.modules = compose(bus, spec, "cpu", data=self.data, store=self.store, up=self.up, guard=guard)
-        self.init = engine_pb2.InitJob(job_id="job", spec_json=spec_to_json(spec), resume_version=resume_version)
+        # The standing orders L1-1 issues with the job (services/control/fault_decision.py):
+        # an fp16 overflow is skipped with no round trip, as under control.
+        self.init = engine_pb2.InitJob(job_id="job", spec_json=spec_to_json(spec), resume_version=resume_version,
+                                       standing_orders=standing_orders(spec.fault_policy))
         self.assignment = engine_pb2.RankAssignment(
             rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port,
             backend="gloo", device="cpu", num_threads=1,
