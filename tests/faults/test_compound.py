@@ -22,7 +22,7 @@ from services.contract import control_pb2
 from tests.conftest import REPO, processes_with
 
 from .test_control_restart import process_argv_env, restart_control, restart_worker
-from .test_recovery import O, S, cli, of_type, running_stack
+from .test_recovery import JobOutcome, JobState, cli, of_type, running_stack
 from .test_recovery import spec as recovery_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
@@ -110,7 +110,7 @@ def test_the_store_stopped_during_a_recovery_loses_nothing_and_disturbs_no_other
         b_step = stack.status(b).step
         time.sleep(12)  # past the store relay's 10 s deadline: the verification times out, is retried
         status = stack.status(a)
-        assert status.state == S.FAULT_FROZEN, status.message
+        assert status.state == JobState.FAULT_FROZEN, status.message
         assert status.message.startswith(("waiting for the store (timeout", "asking the store again")), status.message
         assert stack.status(b).step > b_step  # B trained on while A waited
     finally:
@@ -121,9 +121,9 @@ def test_the_store_stopped_during_a_recovery_loses_nothing_and_disturbs_no_other
     assert int(newest.rsplit(":", 1)[1]) >= int(max(before)[1].rsplit(":", 1)[1])
     assert len(relaunches) == 1 and f"to resume from checkpoint {newest};" in relaunches[0], relaunches
     assert_nothing_struck(events_a)
-    assert events_a[-1].status.outcome == O.FINISHED, events_a[-1].message
+    assert events_a[-1].status.outcome == JobOutcome.FINISHED, events_a[-1].message
     events_b = stack.events(b, timeout=300)
-    assert events_b[-1].status.outcome == O.FINISHED, events_b[-1].message
+    assert events_b[-1].status.outcome == JobOutcome.FINISHED, events_b[-1].message
     assert [m for m in of_type(events_b, "decision") if "after" in m] == []  # never graded, never restarted
     assert of_type(events_b, "fault") == []
     steps_b = [r["step"] for r in stack.step_records(b)]
@@ -162,7 +162,7 @@ def test_control_killed_during_a_recovery_with_the_store_down_resumes_from_the_n
     assert int(newest_at_relaunch(events).rsplit(":", 1)[1]) >= int(newest.rsplit(":", 1)[1])
     assert f"to resume from checkpoint {newest_at_relaunch(events)};" in relaunches[-1], relaunches
     assert_nothing_struck(events)
-    assert events[-1].status.outcome == O.FINISHED, events[-1].message
+    assert events[-1].status.outcome == JobOutcome.FINISHED, events[-1].message
 
 
 def _answers(stack, job_id: str) -> bool:
@@ -191,7 +191,7 @@ def test_a_node_agent_leaving_with_no_spare_is_one_incident_and_the_job_continue
     time.sleep(1.0)
     restart_worker(stack.home, worker, argv, env)
     events = stack.events(job, timeout=300)
-    assert events[-1].status.outcome == O.FINISHED, events[-1].message
+    assert events[-1].status.outcome == JobOutcome.FINISHED, events[-1].message
     assert_one_departure(events)
     stack.stub.StopJob(control_pb2.StopJobRequest(job_id=busy))
 
@@ -204,7 +204,7 @@ def test_flipped_bytes_in_the_newest_version_strike_only_it_and_the_job_resumes_
     job = stack.submit(spec("cflip", steps=400))  # (the pause lands ~1 s of steps after it is asked)
     stack.wait_step(job, 12)
     stack.stub.PauseJob(control_pb2.PauseJobRequest(job_id=job))  # (no newer save while the bytes are flipped)
-    wait_for(lambda: stack.status(job).state == S.PAUSED, 120, "paused")
+    wait_for(lambda: stack.status(job).state == JobState.PAUSED, 120, "paused")
     versions = sorted(committed_versions(events_so_far(stack, job)))
     (_, newest), (_, previous) = versions[-1], versions[-2]
     directory = stack.home / "store" / "checkpoints" / job / newest.rsplit(":", 1)[1]
@@ -218,7 +218,7 @@ def test_flipped_bytes_in_the_newest_version_strike_only_it_and_the_job_resumes_
              240, "recovered and paused")
     stack.stub.ResumeJob(control_pb2.ResumeJobRequest(job_id=job))
     events = stack.events(job, timeout=300)
-    assert events[-1].status.outcome == O.FINISHED, events[-1].message
+    assert events[-1].status.outcome == JobOutcome.FINISHED, events[-1].message
     struck = [m for m in (e.message for e in events) if "never loaded" in m]
     assert len(struck) == 1 and newest in struck[0] and previous not in struck[0], struck
     relaunches = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
@@ -235,5 +235,5 @@ def test_surgectl_restart_of_a_worker_under_a_dp2_job_costs_one_restart_and_the_
     restarted = cli(stack.home, "restart", "worker-1", timeout=120)
     assert restarted.returncode == 0, restarted.stdout + restarted.stderr
     events = stack.events(job, timeout=300)
-    assert events[-1].status.outcome == O.FINISHED, events[-1].message
+    assert events[-1].status.outcome == JobOutcome.FINISHED, events[-1].message
     assert_one_departure(events)
