@@ -3,7 +3,7 @@
 ``SURGE_FAULT_INJECT_HANDLER`` (read when this file is imported; :func:`configure` for tests) holds
 ``;``-separated rules::
 
-    handler:<MODULE>:<Message>[:after=N][:times=K][:cause=<FailureCause name>]
+    handler:<MODULE>:<Message>[:after=N][:times=K][:cause=<FailureCause name>][:in=<main module>]
 
 ``MODULE`` is a ``surge.v1.Module`` name (``L3_FORWARD_UNIT``), ``Message`` a routed message's
 short or full name (``RunForward``). The bus calls :func:`check` right before it runs that
@@ -11,6 +11,10 @@ module's handler of that message: the ``N+1``-th call (``after``, default 0) and
 after it (``times``, default 1) raise :class:`InjectedFault` in place of the handler, with
 the given typed cause (default ``FAILURE_INTERNAL``). What happens next is what happens to any
 exception escaping a handler: the module's failure event (services/contract/failures.py).
+``in``: only in the process whose ``__main__`` module is that one or under it
+(``services.store``): a relay stands in for a module of another process on its own bus (the
+rank's store relay is L5-2 there too), and a rule for the module's own process must not fire
+in the relay's.
 
 No rule set: one dict lookup per handler call.
 """
@@ -18,6 +22,7 @@ No rule set: one dict lookup per handler call.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -56,25 +61,35 @@ def configure(spec: str) -> None:
     for text in filter(None, (part.strip() for part in spec.split(";"))):
         parts = text.split(":")
         if len(parts) < 3 or parts[0] != "handler":
-            raise ValueError(f"{ENV}: {text!r}: expected handler:<MODULE>:<Message>[:after=N][:times=K][:cause=NAME]")
+            raise ValueError(f"{ENV}: {text!r}: expected handler:<MODULE>:<Message>[:after=N][:times=K][:cause=NAME][:in=MAIN]")
         try:
             module = route_pb2.Module.Value(parts[1])
         except ValueError:
             raise ValueError(f"{ENV}: {text!r}: unknown module {parts[1]!r}") from None
         message = parts[2] if "." in parts[2] else f"surge.v1.{parts[2]}"
-        rule = _Rule()
+        rule, here = _Rule(), True
         for option in parts[3:]:
             key, _, value = option.partition("=")
             if key in ("after", "times") and value.isdigit():
                 setattr(rule, key, int(value))
             elif key == "cause" and value in route_pb2.FailureCause.keys():  # noqa: SIM118 - an enum wrapper
                 rule.cause = route_pb2.FailureCause.Value(value)
+            elif key == "in" and value:
+                here = _main_is(value)
             else:
                 raise ValueError(f"{ENV}: {text!r}: bad option {option!r}")
-        rules[(module, message)] = rule
+        if here:
+            rules[(module, message)] = rule
     with _lock:
         _rules.clear()
         _rules.update(rules)
+
+
+def _main_is(name: str) -> bool:
+    """Whether this process's ``__main__`` module is ``name`` or one under it."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    main = getattr(spec, "name", "") or ""
+    return main == name or main.startswith(name + ".")
 
 
 def check(module: int, message: str) -> None:

@@ -5,6 +5,8 @@ reads another module. Names and labels:
 
 * ``surge_faults_total{grade,class}``: graded fault reports, consequences of an incident
   included;
+* ``surge_module_failures_total{event,cause,class}``: the fault reports that grade a module's
+  failure event (``FaultReport.event``, its typed ``FailureCause`` and the class L1-3 gave it);
 * ``surge_fault_detection_latency_seconds{class}``: from when the fault happened, as far as
   the report knows it (a rank's exit reaped, its last heartbeat, its last step progress), to
   the report reaching the orchestrator;
@@ -28,13 +30,18 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
-from services.contract import control_pb2
+from services.contract import control_pb2, route_pb2
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 _LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _RECOVERY_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 300.0, 600.0)
 
 FAULTS = Counter("surge_faults_total", "Graded fault reports received by the orchestrator.", ["grade", "class"])
+MODULE_FAILURES = Counter(
+    "surge_module_failures_total",
+    "Fault reports grading a module's failure event, by event, typed cause and fault class.",
+    ["event", "cause", "class"],
+)
 DETECTION_LATENCY = Histogram(
     "surge_fault_detection_latency_seconds",
     "Seconds from a fault happening to its graded report reaching the orchestrator.",
@@ -71,6 +78,8 @@ class ControlMetrics:
 
     def fault_reported(self, report: control_pb2.FaultReport, received_unix: float) -> None:
         FAULTS.labels(control_pb2.FaultGrade.Name(report.grade), report.fault_class).inc()
+        if report.event:
+            MODULE_FAILURES.labels(report.event, route_pb2.FailureCause.Name(report.cause), report.fault_class).inc()
         if report.occurred_unix > 0:
             DETECTION_LATENCY.labels(report.fault_class).observe(max(0.0, received_unix - report.occurred_unix))
 

@@ -68,9 +68,10 @@ from typing import Any, NamedTuple
 
 import structlog
 import torch
+from google.protobuf.message import Message
 
 from services.common import phase as ph
-from services.contract import Module, data_pb2, engine_pb2, store_pb2
+from services.contract import Module, data_pb2, engine_pb2, route_pb2, store_pb2
 from services.contract.bus import BoundaryViolation, CommandPort, Emitter
 from services.contract.failures import failure_of
 from services.contract.frozen import FrozenConfig
@@ -288,6 +289,18 @@ class TrainingLoop:
                 q.put_nowait((msg, None))
             except queue.Full:
                 pass
+
+    def on_failure(self, msg: Message, payload: Any = None) -> None:
+        """A module's failure event routed to the loop (ShuffleFailed, PrefetchFailed,
+        ForwardFailed, SnapshotFailed, ...), heard after L1-3 (the route's delivery order).
+        Logged, nothing decided (seed L2-1: no recovery of its own): a module the
+        loop commanded already raised ModuleFailed to it; a data module's failure leaves the
+        loop waiting for batches that no longer come, until L1-1's decision on it (stop,
+        relaunch) reaches this rank; a save the store could not take lets training go on."""
+        failure = msg.failure
+        _log.warning("failure_event_heard", failure_event=msg.DESCRIPTOR.name,
+                     module=Module.Name(failure.module) if failure.module in Module.values() else "",
+                     cause=route_pb2.FailureCause.Name(failure.cause), detail=failure.detail, step=self._step)
 
     # ------------------------------------------------------------------ the run
 

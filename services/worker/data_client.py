@@ -14,7 +14,9 @@ inbox blocks this thread, which stops reading, which applies gRPC flow control u
 End of a finite stream -> ``DataExhausted(split, position)``. A stream that fails brings back
 the failure events the data service's modules sent this side (ShuffleFailed, PrefetchFailed,
 L4-1's DatasetUnavailable, ...: the call's trailing metadata, by name): they go on the rank's
-bus as those modules (``back``), so the loop and, through the session, L1-3 get them. A gRPC error -> the loop gets
+bus as those modules (``back``), so the loop and, through the session, L1-3 get them, and
+L1-1 decides (the loop only hears them: it waits for batches that do not come). A gRPC error
+that brought none back -> the loop gets
 ``DatasetUnavailable`` (its ``failure`` typed by the cause the service sent) whose reason is the server's one-line message (NOT_FOUND /
 FAILED_PRECONDITION from Mount: unknown dataset or version, manifest mismatch) or
 "data service unreachable at ADDR" for a connection failure. Every failed call is shown
@@ -103,7 +105,9 @@ class DataClient:
                 return
             self._failed(e)
             if self._relay_back(e):
-                return  # L4-1's own DatasetUnavailable, as the service's bus built it, is on the bus
+                # The module that failed said so itself (its event, on the bus as that module):
+                # a DatasetUnavailable built here would be a second report, in L4-1's name.
+                return
             self._versions(data_pb2.DatasetUnavailable(name=mount.name, version=mount.version, reason=self._reason(e),
                                                        failure=_failure(e, "surge.v1.OpenStream")))
         except Exception as e:  # noqa: BLE001 - a malformed batch, or a bug: the loop must hear of it
@@ -118,17 +122,16 @@ class DataClient:
     def _relay_back(self, e: grpc.RpcError) -> bool:
         """Put the failure events the data service's modules sent this side (the call's
         trailing metadata, services/contract/relay.py) on the rank's bus, as their modules
-        (``back``: the rank's link checks the route); whether L4-1's DatasetUnavailable was
-        among them."""
-        versions_failed = False
+        (``back``: the rank's link checks the route); whether one was delivered."""
+        delivered = False
         for routed in routed_from_rpc(e) if self._back is not None else ():
             try:
                 self._back(routed)
             except Exception as error:  # noqa: BLE001 - refused or unreadable: logged, the stream's failure still goes on
                 log.error("data_event_not_relayed", type=routed.type, error=f"{type(error).__name__}: {error}")
                 continue
-            versions_failed |= routed.type == data_pb2.DatasetUnavailable.DESCRIPTOR.full_name
-        return versions_failed
+            delivered = True
+        return delivered
 
     def _reason(self, e: grpc.RpcError) -> str:
         """The server's one-line message (it names dataset, version and cause), or where

@@ -4,6 +4,7 @@ handler's exception into the module's failure event (services/contract/failures.
 from __future__ import annotations
 
 import errno
+import sys
 
 import grpc
 import pytest
@@ -144,3 +145,21 @@ def test_a_failing_handler_of_its_own_failure_event_does_not_loop():
     bus.publish(Module.L3_FORWARD_UNIT, engine_pb2.ForwardFailed(detail="x"))
     # ForwardFailed -> the detector fails -> FaultDetectorFailed (to itself) -> fails again: logged, no third
     assert [type(m).__name__ for m in calls] == ["ForwardFailed", "FaultDetectorFailed"]
+
+
+def test_an_injection_rule_scoped_to_another_process_main_module_is_not_armed_here():
+    from services.contract import injection
+
+    main = sys.modules["__main__"].__spec__
+    here = main.name.split(".")[0] if main is not None else ""
+    try:
+        injection.configure("handler:L3_FORWARD_UNIT:RunForward:in=services.store")
+        injection.check(Module.L3_FORWARD_UNIT, "surge.v1.RunForward")  # (not armed: nothing raised)
+        if here:
+            injection.configure(f"handler:L3_FORWARD_UNIT:RunForward:in={here}")
+            with pytest.raises(injection.InjectedFault):
+                injection.check(Module.L3_FORWARD_UNIT, "surge.v1.RunForward")
+        with pytest.raises(ValueError, match="bad option"):
+            injection.configure("handler:L3_FORWARD_UNIT:RunForward:in=services.store:times=x")
+    finally:
+        injection.configure("")

@@ -32,13 +32,14 @@ def test_a_stream_modules_failure_event_reaches_the_rank_bus_and_its_session_as_
         bus = Bus(traffic=Traffic())
         up: list = []  # what the rank's session would send to control
         Link(bus, name="rank session", near=RANK | L4, beyond=L1, send=lambda routed, msg, p: up.append(routed)).stand_in()
-        unavailable = threading.Event()
-        bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.DatasetUnavailable, lambda msg, p: unavailable.set())
+        heard, unavailable = threading.Event(), []
+        bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.ShuffleFailed, lambda msg, p: heard.set())
+        bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.DatasetUnavailable, lambda msg, p: unavailable.append(msg))
         client = DataClient(f"127.0.0.1:{server.port}", bus.emitter(Module.L4_DATASET_VERSIONS),
                             bus.emitter(Module.L4_BATCH_PACKER),
                             back=Link(bus, name="data service", near=RANK, beyond=L4).deliver)
         client.open_stream(open_stream())
-        assert unavailable.wait(30), "the loop never heard the stream failed"
+        assert heard.wait(30), "the loop never heard the shuffler failed"
     finally:
         injection.configure("")
         if client is not None:
@@ -48,5 +49,7 @@ def test_a_stream_modules_failure_event_reaches_the_rank_bus_and_its_session_as_
     assert [(r.sender, r.receiver) for r in shuffle] == [(Module.L4_SHUFFLER, 0)]
     failed = unpack(shuffle[0])
     assert (failed.failure.cause, failed.failure.module) == (route_pb2.FAILURE_DATA_CORRUPT, Module.L4_SHUFFLER)
-    # It was delivered on the rank's bus as L4-3, to the stand-in for L1-3.
+    # It was delivered on the rank's bus as L4-3, to the stand-in for L1-3 and to the loop,
+    # and no DatasetUnavailable was made up in L4-1's name next to it.
     assert bus.snapshot().sent[(Module.L4_SHUFFLER, "surge.v1.ShuffleFailed", Module.L1_FAULT_DETECTOR)] == 1
+    assert unavailable == [] and [r.type for r in up] == ["surge.v1.ShuffleFailed"]
