@@ -225,18 +225,20 @@ class Link:
 
     # ------------------------------------------------------------------ in
 
-    def deliver_returned(self, error: BaseException, skip: Iterable[type[Message]] = ()) -> list[str]:
+    def deliver_returned(self, error: BaseException, skip: Iterable[type[Message]] = (),
+                         stamp: Callable[[Message], None] | None = None) -> list[str]:
         """Deliver the routed events a failed call brought back (:func:`routed_from_rpc`),
-        each as :meth:`deliver` does; one that is refused or unreadable is logged and
-        skipped (the call's own failure still goes on). ``skip``: types the caller's relay
-        reports itself for that call (not delivered twice). Returns the types delivered."""
+        each as :meth:`deliver` does (``stamp`` too); one that is refused or unreadable is
+        logged and skipped (the call's own failure still goes on). ``skip``: types the
+        caller's relay reports itself for that call (not delivered twice). Returns the
+        types delivered."""
         skipped = {m.DESCRIPTOR.full_name for m in skip}
         delivered = []
         for routed in routed_from_rpc(error):
             if routed.type in skipped:
                 continue
             try:
-                self.deliver(routed)
+                self.deliver(routed, stamp=stamp)
             except Exception as e:  # noqa: BLE001 - see above
                 _log.error("returned event not delivered", link=self.name, type=routed.type,
                            error=f"{type(e).__name__}: {e}")

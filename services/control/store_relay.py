@@ -90,12 +90,21 @@ class StoreRelay:
         except grpc.RpcError as e:
             if self._on_error is not None:
                 self._on_error(e)
+            cause = _STORE_CAUSES.get(e.code(), store_pb2.REJECTED)
+
+            def the_call(msg: Any) -> None:
+                # L5-1's failure event as its bus built it names the message it handled
+                # (failure.operation), not which store operation that was: this call's.
+                if isinstance(msg, store_pb2.SnapshotFailed):
+                    msg.operation = msg.operation or operation
+                    msg.job_id = msg.job_id or job_id
+                    msg.cause = msg.cause or cause
+
             # The failure events the store's modules sent control's side, by name (``back``:
             # control's link checks them); L5-1's own SnapshotFailed replaces the one below.
-            returned = self._back.deliver_returned(e) if self._back is not None else []
+            returned = self._back.deliver_returned(e, stamp=the_call) if self._back is not None else []
             if store_pb2.SnapshotFailed.DESCRIPTOR.full_name in returned:
                 return
-            cause = _STORE_CAUSES.get(e.code(), store_pb2.REJECTED)
             reply = store_pb2.SnapshotFailed(job_id=job_id, operation=operation, cause=cause,
                                              reason=f"store {self._address}: {e.code().name}: {e.details()}")
         self._events(reply)

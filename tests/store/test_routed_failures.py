@@ -40,4 +40,6 @@ def test_a_checkpoint_managers_failure_reaches_control_as_l5_1s_own_event_not_a_
     (failed,) = got  # L5-1's event, and no SnapshotFailed rebuilt from the status
     assert (failed.failure.module, failed.failure.cause) == (Module.L5_CHECKPOINT_MANAGER, route_pb2.FAILURE_IO)
     assert failed.failure.operation == "surge.v1.VerifyCheckpoints"
+    # ... and as the answer to that call: the orchestrator's verification step reads these.
+    assert (failed.operation, failed.job_id, failed.cause) == ("verify", "j", store_pb2.REJECTED)
     assert bus.snapshot().sent[(Module.L5_CHECKPOINT_MANAGER, "surge.v1.SnapshotFailed", Module.L1_ORCHESTRATOR)] == 1
