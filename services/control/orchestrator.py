@@ -38,7 +38,8 @@ rank that failed first. Every decision is a "decision" event with its reason.
 
 Control restart: what a restarted ``control`` needs is journaled with every event (state,
 status and the bookkeeping in ``_runtime``: ranks started/finished, a pause or stop in
-flight, restart budgets, checkpoint versions, workers excluded, the recovery in flight), and
+flight, restart budgets, checkpoint versions, workers excluded, the recovery in flight, the
+verdicts on the current step's faults and the standing orders withdrawn), and
 every applied step in the journal's step table. A live job is restored in its state; its
 node agents re-attach its ranks and resend the events not yet applied (exactly once, see
 ``server.SessionHub``). A job caught mid-recovery resumes that recovery without spending
@@ -206,11 +207,16 @@ class _Job:
     draining: bool = False
     parked: bool = False
     resuming: bool = False
-    # (step, StepFaultKind) -> the verdict sent to the job's ranks blocked on that step fault:
-    # one decision per fault whichever rank reports it first; sent again to a rank that asks
-    # again (its reminder: the verdict may have been lost). Not journaled: a restarted control
-    # decides again on the reminder (the ranks still wait: nothing was applied).
+    # (step, StepFaultKind) -> the verdict (apply or skip) sent to the job's ranks blocked on
+    # that step fault: one decision per fault whichever rank reports it first; sent again to a
+    # rank that asks again (its reminder: the verdict may have been lost). Journaled with the
+    # decision, so a restarted control answers a reminder with it instead of deciding again
+    # (an ignore counted twice). Only the current step's are kept: every rank reporting a fault
+    # at step s passed L3-5's all-reduce of s, so none still waits on an earlier verdict.
     verdicts: dict[tuple[int, int], engine_pb2.StepVerdict] = field(default_factory=dict)
+    # StandingOrder.id -> the step after which this generation's ranks no longer follow it
+    # (RevokeStandingOrder sent); a relaunched generation gets the policy's orders again.
+    revoked: dict[int, int] = field(default_factory=dict)
 
 
 class Orchestrator:
@@ -585,6 +591,7 @@ class Orchestrator:
             job.started, job.paused, job.exited, job.placement = set(), set(), set(), {}
             job.pending, job.pending_at, job.incident, job.recovered = "", 0, None, None
             job.restarts, job.ignored, job.excluded = Counter(), Counter(), set()
+            job.verdicts, job.revoked = {}, {}
             job.parked = job.draining = False
             # Going back to an older version starts a new branch: what was committed after it
             # is never a recovery's choice (the fresh-user trial saw a fault right after
@@ -840,6 +847,8 @@ class Orchestrator:
             if job is None or job.status.state == JobState.TERMINATED or not fault_class:
                 return  # (its ranks are being released)
             key = (msg.step, msg.kind)
+            for earlier in [k for k in job.verdicts if k[0] < msg.step]:
+                del job.verdicts[earlier]  # (every rank passed that step: see _Job.verdicts)
             sent = job.verdicts.get(key)
             if sent is not None:
                 if msg.reminder:
@@ -861,12 +870,10 @@ class Orchestrator:
             )
             self._metrics.fault_reported(report, received)
             self._record(job, Module.L2_TRAINING_LOOP, "fault", f"{fault_class}: {text}")
-            decision = self._decide(job, report)
-            verdict = engine_pb2.StepVerdict(job_id=msg.job_id, step=msg.step, kind=msg.kind, action=decision.verdict,
-                                             reason=decision.text)
-            if decision.verdict in (engine_pb2.STEP_APPLY, engine_pb2.STEP_SKIP):
-                job.verdicts[key] = verdict  # (a relaunched generation that meets the step again is asked anew)
-            self._loop(verdict)
+            decision = self._decide(job, report, step_fault=msg)
+            # (kept in job.verdicts only if the ranks go on: a relaunched generation that meets
+            # the step again is asked anew)
+            self._loop(job.verdicts.get(key) or _step_verdict(msg, decision))
 
     def _withdraw_standing_order(self, job_id: str, order: int) -> int:
         """Withdraw the job's standing order ``order`` (StandingOrder.id) at a boundary every
@@ -887,7 +894,9 @@ class Orchestrator:
             job = self._get(job_id)
             if job.status.state not in (JobState.RUNNING, JobState.PAUSED):
                 raise IllegalTransition(f"job {job_id} is {JobState.Name(job.status.state)}: no ranks to revoke an order of")
-            at = self._boundary(job)
+            if order in job.revoked:  # (these ranks have it already; journaled: also after a control restart)
+                return job.revoked[order]
+            at = job.revoked[order] = self._boundary(job)
             self._loop(engine_pb2.RevokeStandingOrder(job_id=job_id, order=order, after_step=at))
             self._record(job, ORCH, "decision", f"standing order {order} revoked after step {at}")
             return at
@@ -936,8 +945,11 @@ class Orchestrator:
 
     # ------------------------------------------------------------ fault decisions
 
-    def _decide(self, job: _Job, msg: control_pb2.FaultReport) -> fd.Decision:
-        """Decide on ``msg`` (services/control/fault_decision.py) and do what it says."""
+    def _decide(self, job: _Job, msg: control_pb2.FaultReport,
+                step_fault: engine_pb2.StepFaultReported | None = None) -> fd.Decision:
+        """Decide on ``msg`` (services/control/fault_decision.py) and do what it says.
+        ``step_fault``: the loop's report ``msg`` was made from; a verdict that lets the
+        ranks go on (apply, skip) is kept in ``job.verdicts``."""
         previous = job.incident
         decision = fd.decide(job.spec.fault_policy, fd.JobView(
             restarts=job.restarts, ignored=job.ignored, stop_requested=job.pending == "stop",
@@ -945,11 +957,15 @@ class Orchestrator:
         ), msg)  # fmt: skip
         fault_class, action = decision.fault_class, decision.action
         self._metrics.decided(fault_class, decision.counted)
-        self._record(job, ORCH, "decision", decision.text)
+        # What the decision leaves in the bookkeeping is journaled with its event: a control
+        # restarted right after it neither counts the ignored fault again nor decides the
+        # ranks' reminder of it afresh.
         if action == "ignore":
             job.ignored[fault_class] += 1
-            return decision
-        if action == "skip_step":
+        if step_fault is not None and decision.verdict in (engine_pb2.STEP_APPLY, engine_pb2.STEP_SKIP):
+            job.verdicts[step_fault.step, step_fault.kind] = _step_verdict(step_fault, decision)
+        self._record(job, ORCH, "decision", decision.text)
+        if action in ("ignore", "skip_step"):
             return decision
         if action == "stop":
             self._terminate(job, decision.outcome, decision.final, kill=True)
@@ -974,6 +990,7 @@ class Orchestrator:
         job.incident, job.recovered, job.exited = incident, None, set()
         job.started, job.paused, job.finished, job.placement = set(), set(), {}, {}  # (a new generation)
         job.verdicts.clear()
+        job.revoked.clear()
         job.pending = ""  # a pause in flight ends here: the incident keeps it (``paused``)
         job.start_held = False
         job.excluded.update(exclude)  # journaled with the decision: a restarted control keeps it
@@ -1480,8 +1497,9 @@ class Orchestrator:
 def _runtime(job: _Job) -> dict:
     """The bookkeeping a restarted control needs to continue the job (journaled with every
     event): who started / paused / finished, a pause or stop in flight, restart budgets
-    spent, checkpoint versions, the workers excluded, and the recovery in flight (its cause,
-    the version it loads, whether its relaunch was commanded and completed)."""
+    spent, checkpoint versions, the workers excluded, the recovery in flight (its cause,
+    the version it loads, whether its relaunch was commanded and completed), the verdicts the
+    ranks may ask for again and the standing orders withdrawn from them."""
     return {
         "started": sorted(job.started),
         "paused": sorted(job.paused),
@@ -1501,6 +1519,8 @@ def _runtime(job: _Job) -> dict:
         "incident": _incident_to_json(job.incident) if job.incident is not None else None,
         "draining": job.draining,
         "parked": job.parked,
+        "verdicts": [base64.b64encode(v.SerializeToString()).decode() for v in job.verdicts.values()],
+        "revoked": {str(order): step for order, step in job.revoked.items()},
     }
 
 
@@ -1550,8 +1570,17 @@ def _load_runtime(job: _Job, rt: dict) -> None:
     job.start_held = bool(rt.get("start_held", False))
     job.abandoned = set(rt.get("abandoned", ()))
     job.draining, job.parked = bool(rt.get("draining", False)), bool(rt.get("parked", False))
+    verdicts = (engine_pb2.StepVerdict.FromString(base64.b64decode(v)) for v in rt.get("verdicts", ()))
+    job.verdicts = {(v.step, v.kind): v for v in verdicts}
+    job.revoked = {int(order): int(step) for order, step in rt.get("revoked", {}).items()}
     if rt.get("incident"):
         job.incident = _incident_from_json(rt["incident"])
+
+
+def _step_verdict(report: engine_pb2.StepFaultReported, decision: fd.Decision) -> engine_pb2.StepVerdict:
+    """L1-1's verdict to the ranks blocked on the step fault ``report`` says, by ``decision``."""
+    return engine_pb2.StepVerdict(job_id=report.job_id, step=report.step, kind=report.kind, action=decision.verdict,
+                                  reason=decision.text)
 
 
 def _known(job: _Job, candidates: list[tuple]) -> set[str]:

@@ -16,7 +16,7 @@ from services.control.job_store import JobStore
 from services.control.orchestrator import IllegalTransition
 from services.control.store_relay import StoreRelay
 
-from .conftest import Plane, drain, kinds, to_ranks
+from .conftest import Plane, drain, kinds, registration, to_ranks
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 pytestmark = pytest.mark.timeout(30)
@@ -389,6 +389,38 @@ def test_a_standing_order_the_orchestrator_withdraws_reaches_every_rank_with_one
     plane.rank_exited(w["wa"], job_id, 0, exit_code=0), plane.rank_exited(w["wb"], job_id, 1, exit_code=0)
     with pytest.raises(IllegalTransition, match="no ranks to revoke an order of"):
         plane.c.orchestrator._withdraw_standing_order(job_id, 1)
+
+
+def test_a_restarted_control_answers_a_reminder_with_the_journaled_verdict_and_keeps_a_withdrawal(tmp_path, store):
+    # Rank 0 reports a NaN loss at step 6 (policy: ignore); control decides and dies. Rank 1
+    # never got the verdict: its reminder reaches the restarted control, which sends the same
+    # verdict again instead of deciding (and counting an ignore) afresh.
+    db = tmp_path / "control.db"
+    journal = JobStore(db)
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
+    job_id, w = running(plane, "wa", "wb", extra=QUICK + "\nfault_policy: {actions: {non_finite_loss: ignore}}")
+    nan = dict(job_id=job_id, step=6, kind=engine_pb2.STEP_FAULT_NON_FINITE_LOSS, detail="training loss is nan")
+    plane.rank_event(w["wa"], job_id, 0, step_fault=engine_pb2.StepFaultReported(rank=0, **nan))
+    (verdict,) = [to_ranks(c) for c in drain(w["wb"])]
+    assert (verdict.step, verdict.action) == (6, engine_pb2.STEP_APPLY)
+    at = plane.c.orchestrator._withdraw_standing_order(job_id, 1)
+    journal.close()
+
+    journal = JobStore(db)
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
+    w = {}
+    for rank, name in enumerate(("wa", "wb")):  # the node agents re-attach the ranks they still run
+        reg = registration(name)
+        reg.running.append(control_pb2.LaunchRanks(job_id=job_id, ranks=[engine_pb2.RankAssignment(rank=rank)]))
+        w[name] = plane.c.sessions.open(reg)
+    plane.rank_event(w["wb"], job_id, 1, step_fault=engine_pb2.StepFaultReported(rank=1, reminder=1, **nan))
+    assert [[to_ranks(c) for c in drain(s)] for s in w.values()] == [[verdict], [verdict]]  # (by job, to every rank)
+    assert decisions(plane, job_id)[1:] == [
+        f"standing order 1 revoked after step {at}",
+        "verdict on non_finite_loss at step 6 sent again: rank 1 still waits after 0 s"]
+    assert plane.c.orchestrator._withdraw_standing_order(job_id, 1) == at  # these ranks have it already
+    assert [kinds(drain(s)) for s in w.values()] == [[], []]
+    journal.close()
 
 
 def test_a_version_the_stores_scrub_finds_corrupt_is_struck_and_the_next_recovery_skips_it(plane, store):
