@@ -58,7 +58,7 @@ def rpc_error(error: grpc.RpcError, service: str, addr: str) -> CliError:
     """``from_rpc``, with the local stack's advice for an unreachable service. It never says
     `down`/`up`: that would kill the ranks of running jobs; `restart` starts only the one."""
     mapped = from_rpc(error, service, addr)
-    if "unreachable" in str(mapped) and not os.environ.get(f"SURGE_{service.upper()}_ADDRESS"):
+    if mapped.unreachable and not os.environ.get(f"SURGE_{service.upper()}_ADDRESS"):
         return CliError(
             f"{service} unreachable at {addr} although the local stack is recorded as up; "
             f"`surgectl restart {service}` starts it again on the same port"

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import grpc
 
+from services.contract.failures import CAUSE_METADATA
+
 
 class CliError(Exception):
     """An error the operator can fix; printed as one line, exit code ``code``."""
 
-    def __init__(self, message: str, code: int = 1, status: grpc.StatusCode | None = None):
+    def __init__(self, message: str, code: int = 1, status: grpc.StatusCode | None = None,
+                 unreachable: bool = False):
         super().__init__(message)
         self.code = code
         self.status = status  # the gRPC status it came from (from_rpc), else None
+        self.unreachable = unreachable  # the service could not be reached (from_rpc)
 
 
 # Statuses that mean the operator's input was refused (an unknown job, dataset or
@@ -23,7 +27,7 @@ def from_rpc(error: grpc.RpcError, service: str, address: str) -> CliError:
     """Map a gRPC failure to a one-line CliError naming the service and what to do."""
     code = error.code() if hasattr(error, "code") else None
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and _connect_failure(error):
-        return CliError(f"{service} unreachable at {address} (is the stack up? run `surgectl up`)")
+        return CliError(f"{service} unreachable at {address} (is the stack up? run `surgectl up`)", unreachable=True)
     if code == grpc.StatusCode.CANCELLED:
         return CliError(f"{service} at {address} closed the call (was the stack stopped?)")
     details = error.details() if hasattr(error, "details") else str(error)
@@ -31,7 +35,14 @@ def from_rpc(error: grpc.RpcError, service: str, address: str) -> CliError:
 
 
 def _connect_failure(error: grpc.RpcError) -> bool:
-    details = (error.details() or "").lower() if hasattr(error, "details") else ""
+    """Whether the service could not be reached, rather than answered UNAVAILABLE itself: a
+    Surge server that answers so says why, typed, in its trailing metadata
+    (``surge-failure-cause``); a call that never reached one has no such answer. Never read
+    from the status text."""
     if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         return True
-    return any(s in details for s in ("connect", "unavailable", "refused", "dns", "socket"))
+    try:
+        trailers = error.trailing_metadata() or ()
+    except Exception:  # noqa: BLE001 - an error of no call (a local one): nothing answered
+        trailers = ()
+    return not any(key == CAUSE_METADATA for key, _ in trailers)

@@ -37,6 +37,7 @@ import structlog
 
 from services.contract import control_pb2, control_pb2_grpc
 from services.contract.bus import CommandPort, Reply
+from services.contract.failures import CAUSE_METADATA
 from services.control.event_applier import EventApplier
 from services.control.loop_queue import LoopQueue
 from services.control.orchestrator import EVENT_LOG, IllegalTransition, JobNotFound
@@ -141,7 +142,9 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
             while pending:
                 session, batch = await tail.answers.get()
                 if batch is None and self._sessions.stopping:  # not the job's end: say so
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "control is stopping")
+                    # (typed: the caller tells this answer from a control it could not reach)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "control is stopping",
+                                        trailing_metadata=((CAUSE_METADATA, "FAILURE_UNAVAILABLE"),))
                 if batch is None or batch.done:
                     pending.discard(session)
                     continue

@@ -1,0 +1,52 @@
+"""surgectl's one-line errors: an unreachable service is told from a service that answered
+UNAVAILABLE by the typed cause a Surge server sends (trailing metadata), never by the text."""
+
+from __future__ import annotations
+
+import socket
+from concurrent import futures
+
+import grpc
+import pytest
+
+from services.cli.errors import from_rpc
+from services.contract.failures import CAUSE_METADATA
+
+
+@pytest.fixture
+def answering():
+    """A server whose one method answers UNAVAILABLE, saying why (typed) when asked to."""
+
+    def method(request: bytes, context: grpc.ServicerContext) -> bytes:
+        if request == b"typed":
+            context.set_trailing_metadata(((CAUSE_METADATA, "FAILURE_UNAVAILABLE"),))
+        context.abort(grpc.StatusCode.UNAVAILABLE, "connection refused: socket unavailable")  # words make nothing
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    handler = grpc.unary_unary_rpc_method_handler(method)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.T", {"M": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(grace=0)
+
+
+def call(address: str, request: bytes) -> grpc.RpcError:
+    with grpc.insecure_channel(address) as ch, pytest.raises(grpc.RpcError) as e:
+        ch.unary_unary("/t.T/M")(request, timeout=5)
+    return e.value
+
+
+def test_a_service_that_answered_unavailable_is_not_called_unreachable(answering):
+    answered = from_rpc(call(answering, b"typed"), "control", answering)
+    assert not answered.unreachable and str(answered) == "connection refused: socket unavailable"
+
+
+def test_a_service_that_cannot_be_reached_is_unreachable(answering):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"  # bound, not listening: connection refused
+        gone = from_rpc(call(closed, b""), "control", closed)
+    assert gone.unreachable and str(gone).startswith(f"control unreachable at {closed} ")
+    # An UNAVAILABLE without a Surge server's typed answer (a proxy, a dying process): unreachable.
+    assert from_rpc(call(answering, b""), "control", answering).unreachable
