@@ -21,7 +21,10 @@ that module to its routed receivers (L1-3 among them, here or through a relay). 
 
 * ``command``: the commander gets :class:`ModuleFailed` carrying the event, not the raw error.
 * ``publish``: the event goes on to its other receivers; the publisher gets nothing (an
-  event's sender commands none of its receivers; their failure is L1's to decide).
+  event's sender commands none of its receivers; their failure is L1's to decide). Data
+  (``kind: DATA``, the data path's stages) is the exception: once its other receivers have
+  it, the publisher gets the first receiver's ``ModuleFailed`` (as a commander does), so
+  the stream it feeds ends at the stage that broke instead of going on without an item.
 
 Passed on as raised, never published: :class:`BoundaryViolation` (reported as such), a
 :class:`~services.contract.failures.Refusal` (the module's typed answer to a command it
@@ -332,19 +335,27 @@ class Bus:
 
         Raises:
             BoundaryViolation: ``sender`` is not an allowed sender of ``msg``.
+            ModuleFailed: ``msg`` is data and a receiver failed on it (its failure event is
+                published; the other receivers got ``msg``).
         """
         name = msg.DESCRIPTOR.full_name
         route = self._table.route(name)
         if route is None or sender not in route.senders:
             self._violation(sender, name, None)
-        delivered = 0
+        delivered, broken = 0, None
         for receiver in self._receivers.get(name, ()):
             self._traffic.delivered(sender, name, receiver)
             try:
                 self._run(receiver, name, self._handlers[(name, receiver)], msg, payload)
-            except ModuleFailed:
-                pass  # published as the receiver's failure event; the event's sender commands nobody
+            except ModuleFailed as failed:
+                # Published as the receiver's failure event; an event's sender commands nobody.
+                # Data is a stage of a stream: a stage that failed on an item broke the stream
+                # (what it hands on would silently lack that item), so its sender stops.
+                if route.kind == route_pb2.DATA and broken is None:
+                    broken = failed
             delivered += 1
+        if broken is not None:
+            raise broken
         return delivered
 
     def _run(self, receiver: int, name: str, handler: Handler, msg: Message, payload: Any) -> Any:

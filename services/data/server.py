@@ -22,7 +22,10 @@ metadata: this process has no channel up, so the calling rank reports it. The sa
 failure events the stream's modules sent to L2-1 or an L1 module (ShuffleFailed,
 PrefetchFailed, ...) go back with the stream's end, each a ``surge.v1.Routed`` in the
 trailing metadata (``surge-routed-bin``): the rank's relay puts them on its bus, and its
-session carries those routed to L1 up (services/contract/relay.py).
+session carries those routed to L1 up (services/contract/relay.py). A module that fails on
+the data path (SamplesRead, SamplesShuffled, SamplesFiltered) ends the stream at its first
+failure: the bus raises its ``ModuleFailed`` up through the stages above it (data, unlike an
+event, breaks the stream it feeds), out of the command L2-1's relay sent, as a command's failure.
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ that brought none back -> the loop gets
 ``DatasetUnavailable`` (its ``failure`` typed by the cause the service sent) whose reason is the server's one-line message (NOT_FOUND /
 FAILED_PRECONDITION from Mount: unknown dataset or version, manifest mismatch) or
 "data service unreachable at ADDR" for a connection failure. Every failed call is shown
-to ``on_error`` first (the rank reports a boundary violation the service returned).
+to ``on_error`` first (the rank reports a boundary violation the service returned). A loop
+that fails on a batch (its own failure event, published by the bus) stops this relay reading
+that stream.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch
 from services.common.grpc_server import channel
 from services.contract import Module, data_pb2, data_pb2_grpc
 from services.contract.bus import Emitter
-from services.contract.failures import failure_of
+from services.contract.failures import ModuleFailed, failure_of
 from services.contract.relay import Routed, routed_from_rpc
 from services.engine.training_loop import Batch
 
@@ -100,6 +102,11 @@ class DataClient:
                 last = mb.next
                 self._packer(mb, batch)
             self._packer(data_pb2.DataExhausted(split=split, position=last))
+        except ModuleFailed as e:
+            # The loop failed on a batch (its failure event is published): the stream it was
+            # fed is broken, so stop reading it; a DatasetUnavailable would blame L4-1.
+            log.warning("data_stream_stopped", split=split, failed=e.event.DESCRIPTOR.name)
+            call.cancel()
         except grpc.RpcError as e:
             if self._closing or e.code() == grpc.StatusCode.CANCELLED:
                 return

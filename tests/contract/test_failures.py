@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from services.contract import Module, engine_pb2, route_pb2
+from services.contract import Module, data_pb2, engine_pb2, route_pb2
 from services.contract import failures as fl
 from services.contract.bus import BoundaryViolation, Bus
 
@@ -114,6 +114,27 @@ def test_a_handler_exception_is_the_module_s_failure_event_and_the_commander_get
         FailureCause.FAILURE_OUT_OF_MEMORY, Module.L3_FORWARD_UNIT, "surge.v1.RunForward", "j", 3)
     assert f.exception == "torch.OutOfMemoryError" and event.detail == f.detail
     assert isinstance(failed.value.error, torch.OutOfMemoryError)
+
+
+def test_a_receiver_failing_on_data_stops_its_publisher_after_the_other_receivers_got_it():
+    # An event's publisher gets nothing back from a failed receiver; data's does (a stage of
+    # a stream that broke), once every receiver had the item.
+    bus, got, failed_events = Bus(), [], []
+    bus.subscribe(Module.L1_FAULT_DETECTOR, engine_pb2.TrainingLoopFailed, lambda m, p=None: failed_events.append(m))
+
+    def take(msg, payload=None):
+        raise RuntimeError("cannot take the batch")
+
+    bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.MicroBatch, take)
+    bus.subscribe(Module.L3_FORWARD_UNIT, data_pb2.MicroBatch, lambda m, p=None: got.append(m))
+    with pytest.raises(fl.ModuleFailed) as failed:
+        bus.publish(Module.L4_BATCH_PACKER, data_pb2.MicroBatch(batch_size=2))
+    assert failed_events == [failed.value.event]
+    assert failed.value.failure.operation == "surge.v1.MicroBatch" and [m.batch_size for m in got] == [2]
+    # The same receiver failing on an event: published, and the publisher gets nothing.
+    bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.DataExhausted, take)
+    assert bus.publish(Module.L4_BATCH_PACKER, data_pb2.DataExhausted(split="train")) == 1
+    assert len(failed_events) == 2
 
 
 def test_refusals_unwinds_and_boundary_violations_pass_through_as_raised():

@@ -6,7 +6,9 @@ rank's bus as that module, and the rank's session link sends it up to L1-3. Real
 from __future__ import annotations
 
 import threading
+import time
 
+import pytest
 import structlog
 
 from services.common.grpc_server import ServiceServer
@@ -53,3 +55,88 @@ def test_a_stream_modules_failure_event_reaches_the_rank_bus_and_its_session_as_
     # and no DatasetUnavailable was made up in L4-1's name next to it.
     assert bus.snapshot().sent[(Module.L4_SHUFFLER, "surge.v1.ShuffleFailed", Module.L1_FAULT_DETECTOR)] == 1
     assert unavailable == [] and [r.type for r in up] == ["surge.v1.ShuffleFailed"]
+
+
+# (module, the DATA message its handler fails on, that module's failure event, after N calls).
+# The tiny dataset's train split comes as 9 SamplesRead chunks (watermark 8, 2 threads) and
+# one SamplesShuffled / SamplesFiltered chunk, so the shuffler fails mid-read.
+DATA_PATH_FAILURES = [
+    ("L4_SHUFFLER", "SamplesRead", "ShuffleFailed", 1),
+    ("L4_FILTER", "SamplesShuffled", "SampleStreamInterrupted", 0),
+    ("L4_BATCH_PACKER", "SamplesFiltered", "PackingFailed", 0),
+]
+
+
+@pytest.mark.parametrize(("module", "message", "event", "after"), DATA_PATH_FAILURES,
+                         ids=[m for _, m, _, _ in DATA_PATH_FAILURES])
+def test_a_handler_failing_on_the_data_path_ends_the_stream_with_its_failure_event(
+        dataset, root, module, message, event, after):
+    injection.configure(f"handler:{module}:{message}:after={after}:cause=FAILURE_DATA_CORRUPT")
+    server = ServiceServer("data", "127.0.0.1", 0)
+    data_pb2_grpc.add_DataServiceServicer_to_server(
+        DataServicer(mount=None, list_datasets=None, new_stream=lambda: build_stream(root),
+                     log=structlog.get_logger("data")), server.server)
+    server.start(["surge.v1.DataService"])
+    client = None
+    try:
+        bus = Bus(traffic=Traffic())
+        up: list = []  # what the rank's session would send to control
+        Link(bus, name="rank session", near=RANK | L4, beyond=L1, send=lambda routed, msg, p: up.append(routed)).stand_in()
+        ended, heard, exhausted = threading.Event(), [], []
+        cls = getattr(data_pb2, event)
+        bus.subscribe(Module.L2_TRAINING_LOOP, cls, lambda msg, p: (heard.append(msg), ended.set()))
+        bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.DataExhausted, lambda msg, p: (exhausted.append(msg), ended.set()))
+        client = DataClient(f"127.0.0.1:{server.port}", bus.emitter(Module.L4_DATASET_VERSIONS),
+                            bus.emitter(Module.L4_BATCH_PACKER),
+                            back=Link(bus, name="data service", near=RANK, beyond=L4).deliver)
+        client.open_stream(open_stream())
+        assert ended.wait(30), "the stream neither failed nor ended"
+    finally:
+        injection.configure("")
+        if client is not None:
+            client.close()
+        server.stop(grace=0)
+    # The stream ended with the failure (not as a stream whose data ran out), and the module's
+    # one failure event reached the loop and, by its name, the session: its first failure,
+    # not the failures that followed from it further down the stream.
+    assert exhausted == [] and len(heard) == 1
+    failure = heard[0].failure
+    assert (failure.cause, failure.module, failure.operation) == (
+        route_pb2.FAILURE_DATA_CORRUPT, route_pb2.Module.Value(module), f"surge.v1.{message}")
+    assert [(r.type, r.sender) for r in up] == [(f"surge.v1.{event}", route_pb2.Module.Value(module))]
+
+
+def test_a_loop_failing_on_a_batch_stops_the_rank_reading_and_blames_no_data_module(dataset, root):
+    # MicroBatch is data too: the loop's failure on it is the loop's (TrainingLoopFailed, up to
+    # L1), the relay stops reading the stream, and no DatasetUnavailable names L4-1.
+    server = ServiceServer("data", "127.0.0.1", 0)
+    data_pb2_grpc.add_DataServiceServicer_to_server(
+        DataServicer(mount=None, list_datasets=None, new_stream=lambda: build_stream(root),
+                     log=structlog.get_logger("data")), server.server)
+    server.start(["surge.v1.DataService"])
+    client = None
+    try:
+        bus = Bus(traffic=Traffic())
+        up: list = []
+        sent = threading.Event()
+        Link(bus, name="rank session", near=RANK | L4, beyond=L1,
+             send=lambda routed, msg, p: (up.append(routed), sent.set())).stand_in()
+        batches: list = []
+
+        def on_micro_batch(msg, payload):
+            batches.append(msg)
+            raise RuntimeError("the loop cannot take this batch")
+
+        bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.MicroBatch, on_micro_batch)
+        client = DataClient(f"127.0.0.1:{server.port}", bus.emitter(Module.L4_DATASET_VERSIONS),
+                            bus.emitter(Module.L4_BATCH_PACKER),
+                            back=Link(bus, name="data service", near=RANK, beyond=L4).deliver)
+        client.open_stream(open_stream())
+        assert sent.wait(30), "nothing went up"
+        time.sleep(0.5)  # (what else the relay would send, had it gone on)
+    finally:
+        if client is not None:
+            client.close()
+        server.stop(grace=0)
+    assert len(batches) == 1
+    assert [(r.type, r.sender) for r in up] == [("surge.v1.TrainingLoopFailed", Module.L2_TRAINING_LOOP)]
