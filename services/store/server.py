@@ -202,8 +202,9 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except CheckpointRejected as e:
             self._log.warning("checkpoint_rejected", request=name, error=str(e))
-            # The typed verdict rides along; never parse the text.
-            _trailers(context, *(((STORE_CAUSE_METADATA, _DAMAGE_CAUSE[e.cause]),) if isinstance(e, CheckpointDamaged) else ()))
+            # The typed verdict and cause ride along; never parse the text.
+            _trailers(context, *cause_metadata(e),
+                      *(((STORE_CAUSE_METADATA, _DAMAGE_CAUSE[e.cause]),) if isinstance(e, CheckpointDamaged) else ()))
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except ValueError as e:
             _trailers(context)

@@ -51,6 +51,12 @@ publishes ``SnapshotFailed{operation "save", cause, step}`` up its session (one 
 save). Causes are read from the gRPC status code, never from an error's text. A refused
 ``BeginSave`` (the store busy committing, an I/O error) is skipped the same way (cause
 REJECTED); a refused commit still fails the rank (the staged files are inconsistent).
+Every SnapshotFailed this relay sends carries its ``failure`` typed: by the error's type
+(a refused call: the cause the store sent in ``surge-failure-cause``, else its status code's;
+a failed write: what the write raised) or, with no error of its own (another rank's
+BeginSave failed), by the store cause; ``failure.operation`` names the command (Save-,
+Commit- or FlushCheckpoint). An error a save, commit or flush raises is reported so first,
+once (the bus then publishes no second, untyped one).
 
 Checkpoint layout (DCP keys, flattened with dots): ``model.<param FQN>`` (e.g.
 ``model.blocks.0.attn.q.weight``), ``optim.state.<param FQN>.{exp_avg,exp_avg_sq,step}``,
@@ -65,6 +71,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import hashlib
 import json
 import os
@@ -81,13 +88,23 @@ import structlog
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from google.protobuf.message import Message
 from torch.distributed.checkpoint.api import CheckpointException
 
 from services.common.grpc_server import channel
 from services.compute.inference import safe_load
-from services.contract import Module, engine_pb2, store_pb2, store_pb2_grpc
-from services.contract.bus import Emitter
-from services.contract.failures import FailureCause, collective, failure_of
+from services.contract import Module, engine_pb2, route_pb2, store_pb2, store_pb2_grpc
+from services.contract.bus import BoundaryViolation, Emitter
+from services.contract.failures import (
+    FailureCause,
+    ModuleFailed,
+    Refusal,
+    Unwind,
+    cause_of,
+    collective,
+    failure_of,
+    one_line,
+)
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -121,8 +138,15 @@ log = structlog.get_logger()
 
 
 class CheckpointError(RuntimeError):
+    """A save or load that failed. ``failure_cause``: typed from what failed (the store's
+    cause for a refused call, the write's error's type), FAILURE_IO by default; ``cause``:
+    the StoreFailureCause SnapshotFailed carries (REJECTED: the store refused; 0: the
+    failure was this rank's own, e.g. its write); ``step``: the save it belongs to (0: none)."""
+
     fault_class = "checkpoint_error"
     failure_cause = FailureCause.FAILURE_IO
+    cause = store_pb2.STORE_FAILURE_UNSPECIFIED
+    step = 0
 
 
 class StoreUnavailable(CheckpointError):
@@ -148,6 +172,33 @@ class CheckpointIntegrityError(CheckpointError):
     def __init__(self, message: str, cause: int = store_pb2.CORRUPT, file: str = ""):
         super().__init__(message)
         self.cause, self.file = cause, file
+
+
+def _reported(handled: str):
+    """A save, commit or flush handler (``handled``: its command) whose error is reported
+    first, as this module's failure event for it: SnapshotFailed{operation "save", the
+    store's cause when the store refused, the save's step}, its ``failure`` typed by the
+    error; so the bus, which passes the error on, does not build one of its own (operation
+    '', no store cause). What the bus passes on untouched (a refusal, an unwind, a deeper
+    module's failure, a violation) is not this module's failure. (A decorator, not a
+    wrapper method: the handler's own frame keeps its name, which the exception register's
+    communication sites name.)"""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def handler(self: StoreClient, msg: Message, payload: Any = None) -> Any:
+            try:
+                return fn(self, msg, payload)
+            except (BoundaryViolation, ModuleFailed, Refusal, Unwind):
+                raise
+            except Exception as e:
+                if not getattr(e, "failure_reported", False):
+                    mine = isinstance(e, CheckpointError)
+                    self._report("save", e.cause if mine else store_pb2.STORE_FAILURE_UNSPECIFIED,
+                                 str(e) if mine else one_line(e), step=(e.step if mine else 0) or getattr(msg, "step", 0),
+                                 job_id=msg.job_id, rank=getattr(msg, "rank", 0), handled=handled, error=e)
+                raise
+        return handler
+    return wrap
 
 
 class StoreClient:
@@ -182,6 +233,8 @@ class StoreClient:
         self._group: Any = None                 # the checkpoint's own gloo group (async saves)
         self._agree_group: Any = None           # the ranks' agreement on a save (main thread only)
         self._attempt = ""                      # this generation of ranks (SaveCheckpoint.attempt), from the first save
+        self._write_step = 0                    # the step of the last save's write (what its failure names)
+        self._commit_step = 0                   # the step of the background commit (likewise)
 
     # ------------------------------------------------------------------ metrics (L5-2)
 
@@ -199,6 +252,7 @@ class StoreClient:
 
     # ------------------------------------------------------------------ checkpoints (L5-1)
 
+    @_reported("surge.v1.SaveCheckpoint")
     def save_checkpoint(self, msg: store_pb2.SaveCheckpoint, payload: dict[str, Any]) -> store_pb2.SaveStaged:
         """Write this rank's part of step ``msg.step`` (in the background if
         ``msg.write_async``), or skip the save when the store cannot be asked (every rank
@@ -206,7 +260,8 @@ class StoreClient:
         step.
 
         Raises:
-            CheckpointError: the previous save's write failed, or its commit was refused.
+            CheckpointError: the previous save's write failed, or its commit was refused
+                (reported first: SnapshotFailed{save}, this module's failure event).
         """
         t0 = time.perf_counter()
         self._skipped_step = None
@@ -220,23 +275,23 @@ class StoreClient:
             ask.CopyFrom(msg)
             ask.attempt = attempt
             msg = ask
-        staged = None
+        staged, error = None, None
         if not cause:
             try:
                 staged = self._rpc("BeginSave", self._stub.BeginSave, msg, STORE_RPC_TIMEOUT_S)
-            except StoreUnavailable as e:
-                failure = (e.cause, str(e))
-            except CheckpointError as e:  # refused (busy committing, an I/O error): nothing written yet
-                failure = (store_pb2.REJECTED, str(e))
+            except CheckpointError as e:  # unreachable, or refused (busy committing, an I/O error): nothing written yet
+                failure, error = (e.cause, str(e)), e
             cause = self._agree(failure[0] if failure else 0)  # every rank has the staging directory
         if cause:
             self._skipped_step = msg.step
             reason = failure[1] if failure else f"another rank could not stage step {msg.step}"
             log.warning("checkpoint_save_skipped", step=msg.step, cause=store_pb2.StoreFailureCause.Name(cause),
                         reason=reason)
-            if msg.rank == 0:
-                self._report("save", cause, reason, step=msg.step, job_id=msg.job_id, rank=msg.rank)
+            if msg.rank == 0:  # (typed by its own error when it had one, else by the agreed cause)
+                self._report("save", cause, reason, step=msg.step, job_id=msg.job_id, rank=msg.rank,
+                             handled="surge.v1.SaveCheckpoint", error=error)
             return store_pb2.SaveStaged(job_id=msg.job_id, step=msg.step, seconds=time.perf_counter() - t0)
+        self._write_step = msg.step
         if msg.write_async:
             if dist.is_initialized() and self._group is None:
                 self._group = dist.new_group(backend="gloo")  # collective: same point on every rank
@@ -248,12 +303,13 @@ class StoreClient:
         log.info("checkpoint_staged", step=msg.step, write_async=msg.write_async, blocked_s=round(staged.seconds, 4))
         return staged
 
+    @_reported("surge.v1.CommitCheckpoint")
     def commit_checkpoint(self, msg: store_pb2.CommitCheckpoint, payload: Any = None) -> store_pb2.SaveCompleted | None:
         """Seal the save of ``msg.step`` (rank 0): now, after a synchronous write (reply
         SaveCompleted), or once the background write is done (reply None; SaveCompleted
         goes up when the commit is). A skipped save commits nothing; a commit that cannot
         reach the store is reported (SnapshotFailed) and training goes on. Raises
-        CheckpointError for a refused synchronous commit."""
+        CheckpointError for a refused synchronous commit (reported first, as the save's)."""
         if self._skipped_step == msg.step:
             return None
         if not msg.attempt and self._attempt:  # the save's generation: the store checks the open save is its
@@ -264,9 +320,10 @@ class StoreClient:
         if self._chain is None:
             return self._commit_now(msg)
         write, self._chain = self._chain, None
-        self._commit = self._writer.submit(self._commit_after, write, msg)
+        self._commit, self._commit_step = self._writer.submit(self._commit_after, write, msg), msg.step
         return None
 
+    @_reported("surge.v1.FlushCheckpoint")
     def flush_checkpoint(self, msg: store_pb2.FlushCheckpoint, payload: Any = None) -> None:
         """Return once this rank's pending save (write, and commit on rank 0) is done. A
         last commit still waiting for the store, or that could not reach it, is waited for
@@ -274,14 +331,16 @@ class StoreClient:
         away, the failure is reported and the rank ends normally.
 
         Raises:
-            CheckpointError: that save's write failed, or its commit was refused.
+            CheckpointError: that save's write failed, or its commit was refused (reported
+                first, as the save's).
         """
         self._settle_write()
         deadline, backoff = time.monotonic() + FLUSH_RETRY_S, 0.5
         pending = self._commit_settled(FLUSH_RETRY_S)
         if pending is not None:  # the store never answered the last commit: reported, not a fault
             cause, reason = pending
-            self._report("save", cause, f"{reason}; the run ends without it", job_id=msg.job_id)
+            self._report("save", cause, f"{reason}; the run ends without it", job_id=msg.job_id,
+                         step=self._commit_step, handled="surge.v1.FlushCheckpoint")
             return
         failed = self._failed_commit
         while failed is not None and time.monotonic() < deadline:
@@ -290,7 +349,8 @@ class StoreClient:
             try:
                 self._commit_now(failed, report=False)
             except CheckpointError as e:  # refused now (e.g. the store lost the staging): reported, not fatal
-                self._report("save", store_pb2.REJECTED, str(e), step=failed.step, job_id=failed.job_id)
+                self._report("save", e.cause, str(e), step=failed.step, job_id=failed.job_id,
+                             handled="surge.v1.FlushCheckpoint", error=e)
                 return
             failed = self._failed_commit
 
@@ -397,8 +457,11 @@ class StoreClient:
             self._failed_commit = msg  # its staging stays on disk: the final flush retries it
             if report:
                 self._report("save", e.cause, f"{e}; training continues, saved again at the next interval",
-                             step=msg.step, job_id=msg.job_id)
+                             step=msg.step, job_id=msg.job_id, handled="surge.v1.CommitCheckpoint", error=e)
             return None
+        except CheckpointError as e:  # refused: raised (now, or from the background at the next save or flush)
+            e.step = msg.step
+            raise
         self._failed_commit = None
         self._emit(done)  # SaveCompleted up to L1
         log.info("checkpoint_committed", version=done.version, step=done.step, bytes=done.bytes,
@@ -413,7 +476,7 @@ class StoreClient:
         try:
             write.result()
         except (Exception, CheckpointException) as e:  # the background write failed (disk full, a peer died)
-            raise CheckpointError(f"checkpoint write failed: {_one_line(e)}") from None
+            raise _write_failed(e, self._write_step) from None
 
     def _commit_settled(self, wait_s: float | None) -> tuple[int, str] | None:
         """Wait up to ``wait_s`` (None: as long as it takes) for rank 0's background
@@ -434,23 +497,33 @@ class StoreClient:
             raise
         except (Exception, CheckpointException) as e:
             self._commit = None
-            raise CheckpointError(f"checkpoint write failed: {_one_line(e)}") from None
+            raise _write_failed(e, self._commit_step) from None
         self._commit = None
         return None
 
     def _report(self, operation: str, cause: int, reason: str, *, step: int = 0, job_id: str = "",
-                rank: int = 0, version: str = "", error: BaseException | None = None) -> None:
-        """SnapshotFailed up to L1 (RankEvent{snapshot_failed}); never raises. With the
-        ``error`` about to be raised: the event is this module's failure event for it (the
-        bus does not publish another: ``failure_reported``)."""
+                rank: int = 0, version: str = "", handled: str = "", error: BaseException | None = None) -> None:
+        """SnapshotFailed up to L1 (RankEvent{snapshot_failed}), its ``failure`` typed by
+        ``error``'s type (else by the store ``cause``) and naming the command ``handled``
+        (default: the ``operation``'s); never raises. With the ``error`` about to be raised:
+        the event is this module's failure event for it (the bus does not publish another:
+        ``failure_reported``)."""
         try:
             failed = store_pb2.SnapshotFailed(
                 job_id=job_id or version.rpartition(":")[0], version=version, operation=operation,
                 reason=" ".join(reason.split())[:400], cause=cause, step=step, rank=rank,
             )
+            handled = handled or f"surge.v1.{operation.capitalize()}Checkpoint"
             if error is not None:
-                failed.failure.CopyFrom(failure_of(error, Module.L5_CHECKPOINT_MANAGER, f"surge.v1.{operation.capitalize()}Checkpoint"))
+                failed.failure.CopyFrom(failure_of(error, Module.L5_CHECKPOINT_MANAGER, handled))
                 error.failure_reported = True
+            else:
+                failed.failure.CopyFrom(route_pb2.Failure(cause=_STORE_CAUSES.get(cause, FailureCause.FAILURE_INTERNAL),
+                                                detail=failed.reason, operation=handled,
+                                                module=Module.L5_CHECKPOINT_MANAGER))
+            failed.failure.job_id = failed.failure.job_id or failed.job_id
+            if not failed.failure.HasField("rank"):
+                failed.failure.rank = rank
             self._emit(failed)
         except Exception as e:  # noqa: BLE001 - a report must not turn a skipped save into a fault
             log.error("snapshot_failed_not_reported", error=f"{type(e).__name__}: {e}")
@@ -465,10 +538,15 @@ class StoreClient:
             details = " ".join((e.details() or "").split())
             text = f"store at {self._address}: {name}: {code.name}: {details}"
             if code in OUTAGE_CAUSES:
-                raise StoreUnavailable(text, OUTAGE_CAUSES[code]) from None
-            if name == "Load" and code == grpc.StatusCode.FAILED_PRECONDITION:
+                error: CheckpointError = StoreUnavailable(text, OUTAGE_CAUSES[code])
+            elif name == "Load" and code == grpc.StatusCode.FAILED_PRECONDITION:
                 raise CheckpointIntegrityError(text, _refusal_cause(e)) from None
-            raise CheckpointError(text) from None
+            else:
+                error = CheckpointError(text)
+                error.cause = store_pb2.REJECTED
+            # Typed as the store typed it (its surge-failure-cause), else by the status code.
+            error.failure_cause = cause_of(e)
+            raise error from None
 
     # ------------------------------------------------------------------ private: metrics
 
@@ -532,6 +610,27 @@ class StoreClient:
             if self._closing.wait(backoff):
                 return
             backoff = min(backoff * 2, 5.0)
+
+
+# The store's cause of a failed save -> the FailureCause of a report with no error of its own
+# (another rank's BeginSave failed; the previous commit still waits for the store).
+_STORE_CAUSES = {
+    store_pb2.UNREACHABLE: FailureCause.FAILURE_UNAVAILABLE,
+    store_pb2.TIMEOUT: FailureCause.FAILURE_TIMEOUT,
+    store_pb2.CORRUPT: FailureCause.FAILURE_DATA_CORRUPT,
+    store_pb2.MISSING_FILE: FailureCause.FAILURE_DATA_CORRUPT,
+    store_pb2.REJECTED: FailureCause.FAILURE_INVALID_INPUT,
+}
+
+
+def _write_failed(e: BaseException, step: int) -> CheckpointError:
+    """A save's write that failed, typed by what it raised (I/O unless that says more)."""
+    error = CheckpointError(f"checkpoint write failed: {_one_line(e)}")
+    cause = cause_of(e)
+    if cause != FailureCause.FAILURE_INTERNAL:
+        error.failure_cause = cause
+    error.step = step
+    return error
 
 
 def _manifest_digests(info: store_pb2.CheckpointInfo) -> dict[str, dict[str, Any]]:

@@ -193,6 +193,10 @@ def test_a_checkpoint_is_written_to_the_staging_path_and_rank_0_commit_goes_up(s
     failed = up[-1]
     assert (failed.operation, failed.cause, failed.step, failed.job_id) == ("save", store_pb2.REJECTED, 13, "j")
     assert failed.reason.endswith("BeginSave: RESOURCE_EXHAUSTED: disk full second line")
+    # Its failure part is typed by the store's answer (its status: no surge-failure-cause here).
+    f = failed.failure
+    assert (f.module, f.operation, f.cause, f.job_id) == (
+        Module.L5_CHECKPOINT_MANAGER, "surge.v1.SaveCheckpoint", route_pb2.FAILURE_EXHAUSTED, "j")
     assert server[1].commits == [5]
     client.close()
 
@@ -216,6 +220,18 @@ def test_an_async_save_returns_after_the_staging_copy_and_commits_once_the_write
     client.close()
 
 
+def test_a_refused_commit_is_reported_once_as_the_save_it_seals(server):
+    client, port, up = store_relay(server[0])
+    port(store_pb2.SaveCheckpoint(job_id="j", step=14, rank=0), {"model": {"w": torch.ones(3)}})
+    with raised_in_module(CheckpointError, "CommitSave: FAILED_PRECONDITION"):
+        port(store_pb2.CommitCheckpoint(job_id="j", step=14, world_size=1))
+    assert [(u.operation, u.cause, u.step, u.job_id) for u in up] == [("save", store_pb2.REJECTED, 14, "j")]
+    f = up[0].failure
+    assert (f.module, f.operation, f.cause, f.job_id) == (
+        Module.L5_CHECKPOINT_MANAGER, "surge.v1.CommitCheckpoint", route_pb2.FAILURE_INVALID_INPUT, "j")
+    client.close()
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_background_commit_that_fails_is_raised_at_the_next_flush(server):
     client, port, up = store_relay(server[0])
@@ -223,8 +239,11 @@ def test_a_background_commit_that_fails_is_raised_at_the_next_flush(server):
     port(store_pb2.CommitCheckpoint(job_id="j", step=14, world_size=1))
     with raised_in_module(CheckpointError, "CommitSave: FAILED_PRECONDITION: checkpoint j: step 14: x.distcp: changed"):
         port(store_pb2.FlushCheckpoint(job_id="j"))
-    # Nothing committed; the relay's failure is its failure event (typed), nothing else.
-    assert [(u.DESCRIPTOR.name, u.job_id, u.failure.cause) for u in up] == [("SnapshotFailed", "j", IO)]
+    # Nothing committed; the relay reported its failure once, as the save of step 14 the store
+    # refused (its status: a refusal), raised at the flush; the bus built no second one.
+    assert [(u.DESCRIPTOR.name, u.job_id, u.operation, u.cause, u.step) for u in up] == [
+        ("SnapshotFailed", "j", "save", store_pb2.REJECTED, 14)]
+    assert (up[0].failure.operation, up[0].failure.cause) == ("surge.v1.FlushCheckpoint", route_pb2.FAILURE_INVALID_INPUT)
     port(store_pb2.FlushCheckpoint(job_id="j"))  # reported once; nothing is pending any more
     client.close()
 
@@ -264,7 +283,9 @@ def test_a_background_write_that_fails_is_never_committed_and_is_raised_at_the_f
     with raised_in_module(CheckpointError, "^checkpoint write failed: "):
         port(store_pb2.FlushCheckpoint(job_id="j"))
     assert store.commits == []
-    assert [(u.DESCRIPTOR.name, u.failure.cause) for u in up] == [("SnapshotFailed", IO)]
+    # This rank's own write failed (no store cause), typed by what it raised; the save's step.
+    assert [(u.DESCRIPTOR.name, u.operation, u.cause, u.step, u.failure.cause) for u in up] == [
+        ("SnapshotFailed", "save", store_pb2.STORE_FAILURE_UNSPECIFIED, 15, IO)]
     client.close()
 
 
@@ -276,6 +297,7 @@ def test_a_save_the_store_cannot_be_asked_for_is_skipped_and_reported_and_traini
     assert port(store_pb2.CommitCheckpoint(job_id="j", step=20, world_size=1)).message is None
     (failed,) = up
     assert (failed.operation, failed.cause, failed.step, failed.rank) == ("save", store_pb2.UNREACHABLE, 20, 0)
+    assert (failed.failure.cause, failed.failure.operation) == (route_pb2.FAILURE_UNAVAILABLE, "surge.v1.SaveCheckpoint")
     port(store_pb2.FlushCheckpoint(job_id="j"))  # nothing pending, nothing raised
     client.close(timeout=1)
 
@@ -293,6 +315,7 @@ def test_a_background_commit_that_cannot_reach_the_store_is_reported_retried_at_
     port(store_pb2.FlushCheckpoint(job_id="j"))  # retried for 1.5 s, then given up: not a fault
     assert store.commits[0] == 16 and len(store.commits) >= 2  # the first try, then the flush's retries
     assert [(u.operation, u.cause, u.step) for u in up] == [("save", store_pb2.UNREACHABLE, 16)]  # reported once
+    assert (up[0].failure.cause, up[0].failure.operation) == (route_pb2.FAILURE_UNAVAILABLE, "surge.v1.CommitCheckpoint")
     client.close()
 
 
@@ -377,6 +400,7 @@ def test_the_flush_waits_for_a_silent_store_no_longer_than_its_bound_and_reports
     t0 = time.perf_counter()
     port(store_pb2.FlushCheckpoint(job_id="j"))  # not raised: the run ends without that version
     assert time.perf_counter() - t0 < 2.5
-    assert [(u.operation, u.cause) for u in up] == [("save", store_pb2.TIMEOUT)]
+    assert [(u.operation, u.cause, u.step) for u in up] == [("save", store_pb2.TIMEOUT, 17)]
+    assert (up[0].failure.cause, up[0].failure.operation) == (route_pb2.FAILURE_TIMEOUT, "surge.v1.FlushCheckpoint")
     assert "the run ends without it" in up[0].reason
     client.close(timeout=1)
