@@ -4,7 +4,10 @@ The run directory (``$SURGE_HOME/run``) holds ``stack.json`` (pid, port, address
 ``/metrics`` port, log and command line of every service) and ``logs/``. ``restart`` stops
 one service and starts it again with its recorded command line (same ports). ``up`` waits until every service
 reports SERVING on the standard gRPC health service; if one fails to start, everything
-started is stopped again and the failing service's log tail is shown.
+started is stopped again and the failing service's log tail is shown. A service that exits
+with ``EXIT_PORT_IN_USE`` (its composition root's typed answer to a taken address, read from
+the exit status) lost its port to another process: ``up`` starts it again on fresh ports,
+``restart`` after a moment (the old socket can outlive its pid).
 """
 
 from __future__ import annotations
@@ -24,9 +27,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.cli.errors import CliError
 from services.common import logs, paths
-from services.common.grpc_server import channel
+from services.common.grpc_server import EXIT_PORT_IN_USE, channel
 
 HOST = "127.0.0.1"
+
+
+class StartFailed(CliError):
+    """A service exited while starting (the message: its last log line). ``port_taken``: it
+    exited with ``EXIT_PORT_IN_USE`` (another socket held its address), read from its exit
+    status, never from the log's words: the one failure a fresh port or a moment's wait fixes."""
+
+    def __init__(self, message: str, port_taken: bool):
+        super().__init__(message)
+        self.port_taken = port_taken
 
 
 @dataclass
@@ -155,10 +168,10 @@ def up(num_workers: int = 2, timeout_s: float = 60.0) -> dict[str, ServiceProc]:
                 try:
                     _wait_healthy(procs[name], timeout_s)
                     break
-                except CliError as e:
+                except StartFailed as e:
                     pinned = [var for var in FIXED_PORT_VARS.get(name, ()) if var in fixed]
-                    if "in use" not in str(e) or attempt == START_ATTEMPTS - 1 or pinned:
-                        if pinned and "in use" in str(e):
+                    if not e.port_taken or attempt == START_ATTEMPTS - 1 or pinned:
+                        if pinned and e.port_taken:
                             raise CliError(f"{e} (its port is fixed by {', '.join(pinned)})") from None
                         raise
                     procs[name] = _spawn(service, args(), env, run, log_name=name)
@@ -250,9 +263,9 @@ def restart(name: str, grace_s: float = STOP_GRACE_SECONDS, timeout_s: float = 6
         try:
             _wait_healthy(procs[name], timeout_s)
             return old, procs[name]
-        except CliError as e:
+        except StartFailed as e:
             # The old process's listening socket can outlive its pid by a moment.
-            if "in use" not in str(e) or attempt == START_ATTEMPTS - 1:
+            if not e.port_taken or attempt == START_ATTEMPTS - 1:
                 raise
             time.sleep(0.5 * (attempt + 1))
     raise AssertionError("unreachable")
@@ -314,6 +327,7 @@ def _spawn(service: str, args: list[str], env: dict, run: Path, log_name: str | 
             env=env,
             start_new_session=True,  # own process group: `down` stops it with its children
         )
+    _CHILDREN[p.pid] = p
     port = int(args[args.index("--port") + 1])
     metrics_port = int(args[args.index("--metrics-port") + 1]) if "--metrics-port" in args else 0
     return ServiceProc(name=log_name or service, pid=p.pid, port=port, log=str(log), metrics_port=metrics_port,
@@ -328,7 +342,12 @@ def _write(procs: dict[str, ServiceProc]) -> None:
 
 
 def _wait_healthy(proc: ServiceProc, timeout_s: float) -> None:
-    """Block until ``proc`` reports SERVING (health Watch stream, no polling loop)."""
+    """Block until ``proc`` reports SERVING (health Watch stream, no polling loop).
+
+    Raises:
+        StartFailed: it exited meanwhile.
+        CliError: it did not come up within ``timeout_s``.
+    """
     deadline = time.monotonic() + timeout_s
     with channel(proc.address) as ch:
         ready = grpc.channel_ready_future(ch)
@@ -339,7 +358,7 @@ def _wait_healthy(proc: ServiceProc, timeout_s: float) -> None:
             except grpc.FutureTimeoutError:
                 # The only reason to wake up: notice a process that died while starting.
                 if not is_alive(proc.pid) or _exited(proc.pid):
-                    raise CliError(_start_failure(proc)) from None
+                    raise StartFailed(_start_failure(proc), _exit_status(proc.pid) == EXIT_PORT_IN_USE) from None
                 if time.monotonic() > deadline:
                     raise CliError(f"{proc.name} did not come up within {timeout_s:.0f} s; log: {proc.log}") from None
         stub = health_pb2_grpc.HealthStub(ch)
@@ -349,13 +368,27 @@ def _wait_healthy(proc: ServiceProc, timeout_s: float) -> None:
                 return
 
 
+# The services this process started (pid -> Popen), held so that their exit status stays
+# ours to read (a dropped Popen of a running child is reaped by the next Popen's clean-up).
+_CHILDREN: dict[int, subprocess.Popen] = {}
+
+
 def _exited(pid: int) -> bool:
     """Reap ``pid`` if it is our exited child (a zombie still answers kill(pid, 0))."""
+    child = _CHILDREN.get(pid)
+    if child is not None:
+        return child.poll() is not None
     try:
         done, _ = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
         return False
     return done == pid
+
+
+def _exit_status(pid: int) -> int | None:
+    """The exit status of a service this process started and saw end (None: not known)."""
+    child = _CHILDREN.get(pid)
+    return child.poll() if child is not None else None
 
 
 def _start_failure(proc: ServiceProc) -> str:

@@ -62,8 +62,26 @@ MUTATING_METHODS = frozenset(
 )
 
 
+# A service's exit status when the address it was told to listen on is held by another
+# socket (EADDRINUSE's number on Linux): a supervisor (surgectl up / restart) reads it from
+# the exit status to try another port or wait a moment, never from the log's words. Any other
+# start-up refusal of the address (cannot resolve, no permission, TLS) is a usage error, 2.
+EXIT_PORT_IN_USE = 98
+EXIT_USAGE = 2
+
+
 class PortInUse(RuntimeError):
-    pass
+    """This service cannot listen where it was told to (one line naming it). ``taken``:
+    another socket holds the address (EADDRINUSE), typed where the bind failed."""
+
+    def __init__(self, message: str, *, taken: bool = False):
+        super().__init__(message)
+        self.taken = taken
+
+    @property
+    def exit_status(self) -> int:
+        """What the composition root exits with: ``EXIT_PORT_IN_USE`` when taken, else 2."""
+        return EXIT_PORT_IN_USE if self.taken else EXIT_USAGE
 
 
 class TlsConfigError(PortInUse):
@@ -383,9 +401,10 @@ def _preflight(name: str, host: str, port: int) -> grpc.ServerCredentials | None
     """The checks before a server is built: the port is free (checked before gRPC tries:
     its C core would log its own multi-line bind error first), and the TLS credentials
     (None: plaintext). Raises PortInUse, TlsConfigError."""
-    problem = bind_problem(host, port) if port else None
+    problem = _bind_error(host, port) if port else None
     if problem:
-        raise PortInUse(f"{name}: cannot listen on {host}:{port} ({problem})")
+        text, taken = problem
+        raise PortInUse(f"{name}: cannot listen on {host}:{port} ({text})", taken=taken)
     return server_credentials()
 
 
@@ -397,8 +416,8 @@ def _bind(server, name: str, host: str, port: int, credentials: grpc.ServerCrede
         bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError:
         bound = 0
-    if not bound:
-        raise PortInUse(f"{name}: cannot listen on {address} (port already in use?)")
+    if not bound:  # (the probe just found it free: another process took it in between)
+        raise PortInUse(f"{name}: cannot listen on {address} (port already in use?)", taken=True)
     return bound
 
 
@@ -578,16 +597,25 @@ class _Channel(grpc.Channel):
 
 def bind_problem(host: str, port: int) -> str | None:
     """Why ``host:port`` cannot be listened on, or None if it can (right now)."""
+    problem = _bind_error(host, port)
+    return problem[0] if problem else None
+
+
+def _bind_error(host: str, port: int) -> tuple[str, bool] | None:
+    """(why, whether another socket holds it: EADDRINUSE) if ``host:port`` cannot be
+    listened on right now, else None."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     except socket.gaierror as e:
-        return f"cannot resolve host: {e.strerror}"
+        return f"cannot resolve host: {e.strerror}", False
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no clash
         try:
             s.bind((host, port))
         except OSError as e:
-            return "port already in use?" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+            if e.errno == errno.EADDRINUSE:
+                return "port already in use?", True
+            return e.strerror or str(e), False
     return None
 
 
@@ -605,7 +633,8 @@ def serve_metrics(name: str, host: str, port: int):
     try:
         http, _ = start_http_server(port, addr=host, registry=REGISTRY)
     except OSError as e:
-        raise PortInUse(f"{name}: cannot serve /metrics on {host}:{port}: {e.strerror or e}") from None
+        raise PortInUse(f"{name}: cannot serve /metrics on {host}:{port}: {e.strerror or e}",
+                        taken=e.errno == errno.EADDRINUSE) from None
     return http
 
 

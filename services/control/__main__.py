@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         http = serve_metrics("control", args.host, args.metrics_port)
     except PortInUse as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_status  # EXIT_PORT_IN_USE when another holds it, else 2
     journal = faults.install(JobStore(args.db))  # (test-only injections, off by default)
     try:
         control = build(journal, data_address=args.data, store_address=args.store, host=args.host,

@@ -128,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = ServiceServer("data", args.host, args.port)
         http = serve_metrics("data", args.host, args.metrics_port)
-    except PortInUse as e:  # a usage error, exit 2, as control, store and the node agent
+    except PortInUse as e:  # one line, as control, store and the node agent
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_status  # EXIT_PORT_IN_USE when another holds it, else 2
     data_pb2_grpc.add_DataServiceServicer_to_server(servicer, server.server)
     audit_pb2_grpc.add_AuditServiceServicer_to_server(AuditServicer("data"), server.server)
     server.start([data_pb2.DESCRIPTOR.services_by_name["DataService"].full_name, AuditServicer.SERVICE_NAME])

@@ -133,9 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = ServiceServer("store", args.host, args.port)
         http = serve_metrics("store", args.host, args.metrics_port)
-    except PortInUse as e:  # a usage error, exit 2, as control, data and the node agent
+    except PortInUse as e:  # one line, as control, data and the node agent
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_status  # EXIT_PORT_IN_USE when another holds it, else 2
 
     try:
         relay, metrics, schedule = wire(root, log, scrub_interval_s=args.scrub_interval_seconds)

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         http = serve_metrics("worker", args.host, args.metrics_port)
     except PortInUse as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_status  # EXIT_PORT_IN_USE when another holds it, else 2
     port = server.port
     worker_id = args.worker_id or f"{socket.gethostname()}-{port}"
     log = logs.configure("worker", worker_id=worker_id)

@@ -13,6 +13,7 @@ import pytest
 
 from services.cli import stack
 from services.cli.errors import CliError
+from services.common.grpc_server import EXIT_PORT_IN_USE
 from tests.conftest import REPO, free_ports, kill_all, processes_with
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,6 +33,9 @@ def test_a_service_that_loses_its_port_is_restarted_on_a_fresh_one(surge_home, m
         assert procs["store"].port != taken
         assert set(procs) == {"store", "data", "control", "worker-0"}
         assert "in use" in open(procs["store"].log).read()  # the first attempt did lose it
+        # ... and said so by its exit status, which is what up read
+        lost = [c for c in stack._CHILDREN.values() if str(taken) in c.args]
+        assert [c.returncode for c in lost] == [EXIT_PORT_IN_USE]
     finally:
         stack.down()
         kill_all([p.pid for p in procs.values()])

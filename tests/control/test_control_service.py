@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.grpc_server import channel
+from services.common.grpc_server import EXIT_PORT_IN_USE, channel
 from services.contract import Module, control_pb2, control_pb2_grpc, engine_pb2, worker_pb2
 from services.contract.relay import pack
 from services.control.orchestrator import REATTACH_MESSAGE
@@ -394,6 +394,6 @@ def test_restart_keeps_jobs_and_the_running_one_waits_for_its_ranks(start_contro
 def test_a_port_in_use_is_one_line_and_a_nonzero_exit(start_control):
     control = start_control()
     second = start_control(port=control.port, wait=False)
-    assert second.proc.wait(timeout=30) == 2
+    assert second.proc.wait(timeout=30) == EXIT_PORT_IN_USE  # typed: another socket holds it
     err = second.log.read_text()
     assert err.strip().splitlines() == [f"error: control: cannot listen on 127.0.0.1:{control.port} (port already in use?)"]

@@ -14,6 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.grpc_server import EXIT_PORT_IN_USE
 from services.contract import data_pb2, data_pb2_grpc
 from tests.callers import any_caller_channel
 
@@ -126,5 +127,5 @@ def test_a_port_in_use_is_a_one_line_error(root, tmp_path):
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
-    assert proc.returncode == 2
+    assert proc.returncode == EXIT_PORT_IN_USE  # typed: another socket holds it
     assert err.strip() == f"error: data: cannot listen on 127.0.0.1:{port} (port already in use?)"

@@ -15,6 +15,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.common.grpc_server import EXIT_PORT_IN_USE
 from services.contract import Module, engine_pb2, store_pb2, store_pb2_grpc
 from tests.callers import any_caller_channel, metadata
 from tests.conftest import free_ports
@@ -154,7 +155,7 @@ def test_a_port_in_use_is_a_one_line_error_and_a_nonzero_exit(store, tmp_path):
     ):
         second = spawn(tmp_path / "second", port, metrics_port)
         out, err = second.communicate(timeout=60)
-        assert second.returncode == 2
+        assert second.returncode == EXIT_PORT_IN_USE  # typed: another socket holds it (gRPC or /metrics)
         lines = err.decode().strip().splitlines()
         assert len(lines) == 1 and says in lines[0], err.decode()
 
