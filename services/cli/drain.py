@@ -19,7 +19,7 @@ from collections.abc import Callable
 import grpc
 
 from services.cli import clients
-from services.cli.errors import CliError
+from services.cli.errors import CliError, refusal_of
 from services.contract import control_pb2
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
@@ -57,8 +57,8 @@ def drain(stub, jobs: list[control_pb2.JobStatus], timeout_s: float, say: Callab
                 except grpc.RpcError as e:
                     if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
                         raise
-                    # e.g. a stop in flight ("already stopping"): wait for it to end
-                    if "already stopping" in (e.details() or ""):
+                    # a stop in flight: wait for it to end (another refusal: asked again)
+                    if refusal_of(e) == control_pb2.REFUSED_STOP_PENDING:
                         asked.add(job_id)
             if status.state == JobState.FAULT_FROZEN:  # a fault meanwhile: its recovery drops the pause
                 say(f"{job_id}: FAULT_FROZEN ({status.message}); not drained: control continues its recovery after `up`")
@@ -109,7 +109,7 @@ def resume_drained(timeout_s: float, say: Callable[[str], None]) -> tuple[list[s
                     break
                 except grpc.RpcError as e:
                     details = e.details() or str(e.code())
-                    capacity = e.code() == grpc.StatusCode.FAILED_PRECONDITION and " now: it needs " in details
+                    capacity = e.code() == grpc.StatusCode.FAILED_PRECONDITION and refusal_of(e) == control_pb2.REFUSED_NO_CAPACITY
                     if capacity and time.monotonic() < deadline:
                         time.sleep(0.5)  # the node agents are still registering
                         continue

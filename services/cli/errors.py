@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import grpc
 
-from services.contract.failures import CAUSE_METADATA
+from services.contract import control_pb2
+from services.contract.failures import CAUSE_METADATA, REFUSAL_METADATA
 
 
 class CliError(Exception):
@@ -32,6 +33,19 @@ def from_rpc(error: grpc.RpcError, service: str, address: str) -> CliError:
         return CliError(f"{service} at {address} closed the call (was the stack stopped?)")
     details = error.details() if hasattr(error, "details") else str(error)
     return CliError(details or f"{service} call failed: {code}", code=2 if code in BAD_INPUT else 1, status=code)
+
+
+def refusal_of(error: grpc.RpcError) -> int:
+    """Why control refused a command, typed (``control_pb2.RefusalReason``, from the call's
+    trailing metadata ``surge-refusal``); REFUSAL_UNSPECIFIED when it did not say."""
+    try:
+        trailers = error.trailing_metadata() or ()
+    except Exception:  # noqa: BLE001 - an error of no call (a local one): no reason
+        trailers = ()
+    for key, value in trailers:
+        if key == REFUSAL_METADATA and value in control_pb2.RefusalReason.keys():  # noqa: SIM118 - an enum wrapper
+            return control_pb2.RefusalReason.Value(value)
+    return control_pb2.REFUSAL_UNSPECIFIED
 
 
 def _connect_failure(error: grpc.RpcError) -> bool:

@@ -55,6 +55,9 @@ FAILURE_INTERNAL = C.FAILURE_INTERNAL
 # The trailing-metadata key a Surge gRPC server sets on an aborted call: the FailureCause's
 # name, so the client's cause is the server's, not a guess from the status code.
 CAUSE_METADATA = "surge-failure-cause"
+# The trailing-metadata key of a refused operator command: the refusal's typed reason
+# (a ``surge.v1.RefusalReason`` name, control.proto), for a client that acts on it.
+REFUSAL_METADATA = "surge-refusal"
 _DETAIL_CHARS = 400
 
 

@@ -135,11 +135,22 @@ class JobNotFound(LookupError, Refusal):
 
 
 class IllegalTransition(RuntimeError, Refusal):
-    """The command does not apply to the job's current state (gRPC FAILED_PRECONDITION)."""
+    """The command does not apply to the job's current state (gRPC FAILED_PRECONDITION).
+    ``refusal``: why, typed, where a client acts on it (``control_pb2.RefusalReason``; the
+    server sends it in the call's trailing metadata)."""
+
+    refusal = control_pb2.REFUSAL_UNSPECIFIED
+
+    def __init__(self, message: str, refusal: int | None = None):
+        super().__init__(message)
+        if refusal is not None:
+            self.refusal = refusal
 
 
 class InsufficientResources(IllegalTransition):
     """The allocator cannot place the job's ranks; nothing was persisted."""
+
+    refusal = control_pb2.REFUSED_NO_CAPACITY
 
 
 @dataclass
@@ -1440,7 +1451,8 @@ class Orchestrator:
     def _require_idle(self, job: _Job) -> None:
         if job.pending:
             doing = {"pause": "pausing", "stop": "stopping"}[job.pending]
-            raise IllegalTransition(f"job {job.status.job_id} is already {doing} after step {job.pending_at}")
+            reason = {"pause": control_pb2.REFUSED_PAUSE_PENDING, "stop": control_pb2.REFUSED_STOP_PENDING}[job.pending]
+            raise IllegalTransition(f"job {job.status.job_id} is already {doing} after step {job.pending_at}", reason)
 
     def _terminate(self, job: _Job, outcome: int, message: str, *, kill: bool) -> None:
         self._cancel_timer(job.incident)

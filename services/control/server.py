@@ -37,7 +37,7 @@ import structlog
 
 from services.contract import control_pb2, control_pb2_grpc
 from services.contract.bus import CommandPort, Reply
-from services.contract.failures import CAUSE_METADATA
+from services.contract.failures import CAUSE_METADATA, REFUSAL_METADATA
 from services.control.event_applier import EventApplier
 from services.control.loop_queue import LoopQueue
 from services.control.orchestrator import EVENT_LOG, IllegalTransition, JobNotFound
@@ -222,7 +222,7 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
         try:
             return await asyncio.get_running_loop().run_in_executor(None, self._user, request, payload)
         except Exception as e:
-            await context.abort(*_status(e))
+            await context.abort(*_status(e), _trailers(e))
 
     def _command(self, context, request):
         try:
@@ -232,7 +232,16 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
 
 
 def _abort(context, e: Exception):
+    trailers = _trailers(e)
+    if trailers:
+        context.set_trailing_metadata(trailers)
     context.abort(*_status(e))
+
+
+def _trailers(e: Exception) -> tuple[tuple[str, str], ...]:
+    """A refusal's typed reason, when it has one (the client acts on it, not on the words)."""
+    refusal = e.refusal if isinstance(e, IllegalTransition) else control_pb2.REFUSAL_UNSPECIFIED
+    return ((REFUSAL_METADATA, control_pb2.RefusalReason.Name(refusal)),) if refusal else ()
 
 
 def _status(e: Exception) -> tuple[grpc.StatusCode, str]:

@@ -1,15 +1,23 @@
 """`surgectl down`'s drain against a scripted control (no processes): which jobs are asked to
-pause as a drain, when, and what is waited for."""
+pause as a drain, when, and what is waited for; and, through control's real servicer on real
+gRPC, that `down` and `up` act on control's typed refusal reasons, never on their words."""
 
 from __future__ import annotations
 
+from concurrent import futures
+from contextlib import contextmanager
+
+import grpc
 import pytest
 
 from services.cli import drain
 from services.cli.errors import CliError
-from services.contract import control_pb2
+from services.contract import control_pb2, control_pb2_grpc
+from services.contract.bus import Reply
+from services.control.orchestrator import IllegalTransition, InsufficientResources
+from services.control.server import ControlServicer
 
-JobState = control_pb2.JobState
+JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 pytestmark = pytest.mark.timeout(30)
 
 
@@ -90,3 +98,80 @@ def test_a_job_paused_beyond_its_newest_checkpoint_keeps_the_stack_running(monke
     message = str(e.value)
     assert "\n" not in message and message.startswith("not drained: run (paused at step 7, newest checkpoint run:1 "
                                                       "at step 4): its steps since that checkpoint would be lost")
+
+
+class ScriptedOrchestrator:
+    """What control's real servicer relays the operator's commands to (its user port):
+    GetJob answers each job's scripted states in turn; PauseJob and ResumeJob raise the
+    orchestrator's own refusals, one per call, then answer."""
+
+    def __init__(self, states: dict[str, list[int]], refusals: dict[str, list[Exception]]):
+        self.states, self.refusals = states, refusals
+        self.calls: list[tuple[str, str]] = []
+
+    def __call__(self, request, payload=None):
+        kind = type(request).__name__
+        if kind == "JobQuery" and not request.job_id:
+            return Reply(control_pb2.JobList(jobs=[control_pb2.JobStatus(job_id=j, drained=True) for j in self.states]))
+        self.calls.append((kind, request.job_id))
+        if kind != "JobQuery" and self.refusals.get(request.job_id):
+            raise self.refusals[request.job_id].pop(0)
+        states = self.states[request.job_id]
+        state = states.pop(0) if len(states) > 1 else states[0]
+        return Reply(control_pb2.JobStatus(job_id=request.job_id, state=state, outcome=JobOutcome.STOPPED))
+
+
+@pytest.fixture
+def control_server():
+    """Control's real ControlServicer on real gRPC, relaying to a scripted orchestrator."""
+    servers = []
+
+    def serve(orchestrator):
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        control_pb2_grpc.add_ControlServiceServicer_to_server(
+            ControlServicer(orchestrator, watches=None, sessions=None), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    yield serve
+    for server in servers:
+        server.stop(grace=0)
+
+
+def test_a_stop_in_flight_is_waited_for_by_control_s_typed_refusal_not_its_words(control_server, monkeypatch):
+    monkeypatch.setattr(drain, "POLL_S", 0.0)
+    words = "job {} is already stopping after step 9"
+    control = ScriptedOrchestrator(
+        {"typed": [JobState.RUNNING, JobState.RUNNING, JobState.TERMINATED],
+         "words": [JobState.RUNNING, JobState.RUNNING, JobState.TERMINATED]},
+        {"typed": [IllegalTransition(words.format("typed"), control_pb2.REFUSED_STOP_PENDING)],
+         "words": [IllegalTransition(words.format("words")), IllegalTransition(words.format("words"))]})
+    with grpc_stub(control_server(control)) as stub:
+        said: list[str] = []
+        assert drain.drain(stub, [job("typed", JobState.RUNNING), job("words", JobState.RUNNING)], 10.0, said.append) == []
+    pauses = [j for kind, j in control.calls if kind == "PauseJobRequest"]
+    # The typed stop in flight is asked once and waited for; the same words without the reason
+    # are an other refusal: asked again while the job runs.
+    assert pauses.count("typed") == 1 and pauses.count("words") == 2
+    assert "typed: ended meanwhile (STOPPED)" in said
+
+
+def test_a_resume_waits_for_capacity_by_control_s_typed_refusal_not_its_words(control_server, monkeypatch):
+    monkeypatch.setattr(drain.time, "sleep", lambda s: None)
+    needs = "cannot resume {} now: it needs 2 ranks (parallel.dp=2) but 1 is free on 1 registered worker"
+    control = ScriptedOrchestrator(
+        {"typed": [JobState.WARMING_UP], "words": [JobState.WARMING_UP]},
+        {"typed": [InsufficientResources(needs.format("typed"))], "words": [IllegalTransition(needs.format("words"))]})
+    monkeypatch.setenv("SURGE_CONTROL_ADDRESS", control_server(control))
+    resumed, failed = drain.resume_drained(10.0, lambda line: None)
+    # No capacity yet (typed): asked again, resumed; the same words untyped: one line, given up.
+    assert resumed == ["typed"] and failed == [f"words: {needs.format('words')}"]
+    assert [j for kind, j in control.calls if kind == "ResumeJobRequest"] == ["typed", "typed", "words"]
+
+
+@contextmanager
+def grpc_stub(address: str):
+    with grpc.insecure_channel(address) as ch:
+        yield control_pb2_grpc.ControlServiceStub(ch)

@@ -89,8 +89,9 @@ def test_pause_names_latest_step_plus_two_and_pauses_when_all_ranks_paused(plane
     for session in (a, b):
         (cmd,) = drain(session)
         assert kinds([cmd]) == ["PauseTraining"] and to_ranks(cmd).at_step == 7
-    with pytest.raises(IllegalTransition, match=f"job {job_id} is already pausing after step 7"):
+    with pytest.raises(IllegalTransition, match=f"job {job_id} is already pausing after step 7") as refused:
         plane.user(control_pb2.PauseJobRequest(job_id=job_id))
+    assert refused.value.refusal == control_pb2.REFUSED_PAUSE_PENDING  # typed: what surgectl reads
     plane.rank_event(a, job_id, 0, paused=engine_pb2.TrainingLoopPaused(step=7))
     assert plane.get(job_id).state == JobState.RUNNING
     plane.rank_event(b, job_id, 1, paused=engine_pb2.TrainingLoopPaused(step=7))
