@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 import structlog
@@ -22,31 +23,49 @@ from services.worker.data_client import DataClient
 from .helpers import open_stream
 
 
-def test_a_stream_modules_failure_event_reaches_the_rank_bus_and_its_session_as_that_module(dataset, root):
-    injection.configure("handler:L4_SHUFFLER:ShufflePlan:cause=FAILURE_DATA_CORRUPT")
+@contextmanager
+def rank_reading(root, injected: str = "", on_up=None):
+    """A real data service on 127.0.0.1 (fault ``injected`` into its handlers) and a rank's side
+    of it: a bus whose session link records what would go up to control (``up``), and a
+    ``read(bus)`` that opens the rank's stream with the rank's data relay. Everything is
+    stopped, and the injection cleared, on the way out."""
+    injection.configure(injected)
     server = ServiceServer("data", "127.0.0.1", 0)
     data_pb2_grpc.add_DataServiceServicer_to_server(
         DataServicer(mount=None, list_datasets=None, new_stream=lambda: build_stream(root),
                      log=structlog.get_logger("data")), server.server)
     server.start(["surge.v1.DataService"])
-    client = None
-    try:
-        bus = Bus(traffic=Traffic())
-        up: list = []  # what the rank's session would send to control
-        Link(bus, name="rank session", near=RANK | L4, beyond=L1, send=lambda routed, msg, p: up.append(routed)).stand_in()
-        heard, unavailable = threading.Event(), []
-        bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.ShuffleFailed, lambda msg, p: heard.set())
-        bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.DatasetUnavailable, lambda msg, p: unavailable.append(msg))
+    bus, up, clients = Bus(traffic=Traffic()), [], []
+
+    def send(routed, msg, payload):
+        up.append(routed)
+        if on_up is not None:
+            on_up()
+
+    def read() -> None:
         client = DataClient(f"127.0.0.1:{server.port}", bus.emitter(Module.L4_DATASET_VERSIONS),
                             bus.emitter(Module.L4_BATCH_PACKER),
                             back=Link(bus, name="data service", near=RANK, beyond=L4).deliver)
+        clients.append(client)
         client.open_stream(open_stream())
-        assert heard.wait(30), "the loop never heard the shuffler failed"
+
+    Link(bus, name="rank session", near=RANK | L4, beyond=L1, send=send).stand_in()
+    try:
+        yield bus, up, read
     finally:
         injection.configure("")
-        if client is not None:
+        for client in clients:
             client.close()
         server.stop(grace=0)
+
+
+def test_a_stream_modules_failure_event_reaches_the_rank_bus_and_its_session_as_that_module(dataset, root):
+    with rank_reading(root, "handler:L4_SHUFFLER:ShufflePlan:cause=FAILURE_DATA_CORRUPT") as (bus, up, read):
+        heard, unavailable = threading.Event(), []
+        bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.ShuffleFailed, lambda msg, p: heard.set())
+        bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.DatasetUnavailable, lambda msg, p: unavailable.append(msg))
+        read()
+        assert heard.wait(30), "the loop never heard the shuffler failed"
     shuffle = [r for r in up if r.type == "surge.v1.ShuffleFailed"]
     assert [(r.sender, r.receiver) for r in shuffle] == [(Module.L4_SHUFFLER, 0)]
     failed = unpack(shuffle[0])
@@ -71,31 +90,13 @@ DATA_PATH_FAILURES = [
                          ids=[m for _, m, _, _ in DATA_PATH_FAILURES])
 def test_a_handler_failing_on_the_data_path_ends_the_stream_with_its_failure_event(
         dataset, root, module, message, event, after):
-    injection.configure(f"handler:{module}:{message}:after={after}:cause=FAILURE_DATA_CORRUPT")
-    server = ServiceServer("data", "127.0.0.1", 0)
-    data_pb2_grpc.add_DataServiceServicer_to_server(
-        DataServicer(mount=None, list_datasets=None, new_stream=lambda: build_stream(root),
-                     log=structlog.get_logger("data")), server.server)
-    server.start(["surge.v1.DataService"])
-    client = None
-    try:
-        bus = Bus(traffic=Traffic())
-        up: list = []  # what the rank's session would send to control
-        Link(bus, name="rank session", near=RANK | L4, beyond=L1, send=lambda routed, msg, p: up.append(routed)).stand_in()
+    with rank_reading(root, f"handler:{module}:{message}:after={after}:cause=FAILURE_DATA_CORRUPT") as (bus, up, read):
         ended, heard, exhausted = threading.Event(), [], []
         cls = getattr(data_pb2, event)
         bus.subscribe(Module.L2_TRAINING_LOOP, cls, lambda msg, p: (heard.append(msg), ended.set()))
         bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.DataExhausted, lambda msg, p: (exhausted.append(msg), ended.set()))
-        client = DataClient(f"127.0.0.1:{server.port}", bus.emitter(Module.L4_DATASET_VERSIONS),
-                            bus.emitter(Module.L4_BATCH_PACKER),
-                            back=Link(bus, name="data service", near=RANK, beyond=L4).deliver)
-        client.open_stream(open_stream())
+        read()
         assert ended.wait(30), "the stream neither failed nor ended"
-    finally:
-        injection.configure("")
-        if client is not None:
-            client.close()
-        server.stop(grace=0)
     # The stream ended with the failure (not as a stream whose data ran out), and the module's
     # one failure event reached the loop and, by its name, the session: its first failure,
     # not the failures that followed from it further down the stream.
@@ -109,18 +110,8 @@ def test_a_handler_failing_on_the_data_path_ends_the_stream_with_its_failure_eve
 def test_a_loop_failing_on_a_batch_stops_the_rank_reading_and_blames_no_data_module(dataset, root):
     # MicroBatch is data too: the loop's failure on it is the loop's (TrainingLoopFailed, up to
     # L1), the relay stops reading the stream, and no DatasetUnavailable names L4-1.
-    server = ServiceServer("data", "127.0.0.1", 0)
-    data_pb2_grpc.add_DataServiceServicer_to_server(
-        DataServicer(mount=None, list_datasets=None, new_stream=lambda: build_stream(root),
-                     log=structlog.get_logger("data")), server.server)
-    server.start(["surge.v1.DataService"])
-    client = None
-    try:
-        bus = Bus(traffic=Traffic())
-        up: list = []
-        sent = threading.Event()
-        Link(bus, name="rank session", near=RANK | L4, beyond=L1,
-             send=lambda routed, msg, p: (up.append(routed), sent.set())).stand_in()
+    sent = threading.Event()
+    with rank_reading(root, on_up=sent.set) as (bus, up, read):
         batches: list = []
 
         def on_micro_batch(msg, payload):
@@ -128,15 +119,8 @@ def test_a_loop_failing_on_a_batch_stops_the_rank_reading_and_blames_no_data_mod
             raise RuntimeError("the loop cannot take this batch")
 
         bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.MicroBatch, on_micro_batch)
-        client = DataClient(f"127.0.0.1:{server.port}", bus.emitter(Module.L4_DATASET_VERSIONS),
-                            bus.emitter(Module.L4_BATCH_PACKER),
-                            back=Link(bus, name="data service", near=RANK, beyond=L4).deliver)
-        client.open_stream(open_stream())
+        read()
         assert sent.wait(30), "nothing went up"
         time.sleep(0.5)  # (what else the relay would send, had it gone on)
-    finally:
-        if client is not None:
-            client.close()
-        server.stop(grace=0)
     assert len(batches) == 1
     assert [(r.type, r.sender) for r in up] == [("surge.v1.TrainingLoopFailed", Module.L2_TRAINING_LOOP)]
