@@ -27,6 +27,28 @@ def processes_with(marker: str) -> list[int]:
     return pids
 
 
+def processes_of_home(home: Path) -> list[int]:
+    """PIDs of the Surge stack whose ``SURGE_HOME`` is ``home``: surgectl starts every service
+    with it in its environment and a node agent passes its environment on to its ranks, so
+    this finds the stack's services and every rank its agents started (read from /proc).
+
+    Unlike a job-name or port marker on the command line it never matches a process of
+    another stack on the machine: another test session running the same module names its
+    jobs alike, and killing "the ranks of job tsave-" killed that session's ranks too."""
+    entries = {f"SURGE_HOME={h}".encode() for h in (home, Path(home).resolve())}  # surgectl passes it resolved
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if entries.intersection(env):
+            pids.append(int(d.name))
+    return pids
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct ports the kernel just handed out (all held open at once, so distinct)."""
     socks = [socket.socket() for _ in range(n)]

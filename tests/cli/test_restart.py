@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from services.contract import control_pb2
-from tests.conftest import REPO, free_ports, processes_with
+from tests.conftest import REPO, free_ports, processes_of_home, processes_with
 from tests.faults.test_control_restart import restart_control
 from tests.faults.test_recovery import SURGECTL, cli, finished, running_stack, spec
 
@@ -195,10 +195,14 @@ def test_restart_control_under_a_running_job_then_down_leaves_no_process(stack):
                                       wait_for_ready=True))
     status = finished(events)
     assert (status.outcome, status.step) == (JobOutcome.FINISHED, STEPS)
-    ranks = processes_with("--job cfollow-") + processes_with("--job crestart-")
+    # Every process of this stack, its ranks included (found by its home: a job-name marker
+    # also matched the ranks of another test session running this module at the same time).
+    stack_processes = processes_of_home(home)
+    assert {s["pid"] for s in after.values()} <= set(stack_processes)  # (the look-up sees the stack)
 
     down = cli(home, "down")
     assert down.returncode == 0, down.stderr
-    pids = [s["pid"] for s in after.values()] + ranks
+    pids = [s["pid"] for s in after.values()] + stack_processes
     assert [p for p in pids if running(p)] == []
+    assert [p for p in processes_of_home(home) if running(p)] == []
     assert [p for p in processes_with(f"--job {job}") if running(p)] == []

@@ -26,7 +26,7 @@ import torch
 
 from services.common.grpc_server import channel
 from services.contract import Module, control_pb2, control_pb2_grpc
-from tests.conftest import REPO, kill_all, processes_with
+from tests.conftest import REPO, kill_all, processes_of_home, processes_with
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -105,7 +105,9 @@ class Stack:
 def running_stack(home: Path, packages: tuple[str, ...], jobs: tuple[str, ...], env: dict | None = None):
     """A dataset ``tiny@v1`` prepared from ``packages`` of the standard library and ``surgectl
     up --workers 2`` under ``home``; yields a :class:`Stack`. On exit: ``surgectl down``, then
-    every process of this stack and of the jobs named ``<job>-...`` is killed by PID."""
+    every process of this stack (its services and their ranks: ``processes_of_home``) is
+    killed by PID. ``jobs`` names the jobs the module submits (documentation: their ranks are
+    found by the stack's home, never by name, which other test sessions share)."""
     src = home / "corpus"
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     for pkg in packages:
@@ -126,7 +128,7 @@ def running_stack(home: Path, packages: tuple[str, ...], jobs: tuple[str, ...], 
         if stack_json.exists():
             kill_all([v["pid"] for v in json.loads(stack_json.read_text())["services"].values()])
         kill_all(processes_with(str(home)))
-        kill_all([p for name in jobs for p in processes_with(f"--job {name}-")])
+        kill_all(processes_of_home(home))  # (its ranks by their environment: never another stack's)
 
 
 @pytest.fixture(scope="module")
