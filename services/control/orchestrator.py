@@ -110,6 +110,12 @@ _ALLOWED: dict[int, frozenset[int]] = {
 # Fault classes that state a rank process ended (FaultReport.fault_class, see the detector).
 _EXITS = frozenset({"rank_exit", "rank_exit_clean", "rank_released", "worker_lost", "worker_departed"})
 
+# Failure events routed to L1-1 as well as to L1-3 that L1-1 handles and records itself as
+# they arrive (FaultReport.event): SnapshotFailed, a skipped save ("training continues"), a
+# failed load or verification. L1-3's grade of one is decided like any report, but an ignore
+# leaves no second record: see Orchestrator._handled_on_receipt.
+_HANDLED_ON_RECEIPT = frozenset({"SnapshotFailed"})
+
 _log = structlog.get_logger("orchestrator")
 
 # The steps of a recovery (``_Incident.phase``), in order. Each is a command out and the
@@ -928,6 +934,8 @@ class Orchestrator:
             if job is None or job.status.state == JobState.TERMINATED:
                 return  # e.g. ranks exiting after the job ended: expected, nothing to decide
             self._metrics.fault_reported(msg, received)
+            if self._handled_on_receipt(job, msg):
+                return
             text = f"{FaultGrade.Name(msg.grade)} {msg.fault_class}: {msg.detail}"
             ended = msg.fault_class in _EXITS
             incident = job.incident
@@ -955,6 +963,21 @@ class Orchestrator:
             self._decide(job, msg)
 
     # ------------------------------------------------------------ fault decisions
+
+    def _handled_on_receipt(self, job: _Job, msg: control_pb2.FaultReport) -> bool:
+        """L1-3's grade of a failure event this module handled itself when it arrived
+        (``_HANDLED_ON_RECEIPT``), which the job's policy ignores (the default: MINOR): the
+        decision is counted, nothing is recorded. Why: the event's own record ("checkpoint save
+        of ... failed (timeout: ...); training continues") already tells the operator what
+        happened and what follows; a "fault" record and an "ignore ... N ignored so far"
+        decision next to it read as a second fault, and a store outage is none (no restart,
+        no step lost). A policy that does not ignore the class is decided as any fault."""
+        if msg.event not in _HANDLED_ON_RECEIPT:
+            return False
+        if job.spec.fault_policy.action_for(fd.fault_class_of(msg), FaultGrade.Name(msg.grade)) != "ignore":
+            return False
+        self._metrics.decided(fd.fault_class_of(msg), "ignore")
+        return True
 
     def _decide(self, job: _Job, msg: control_pb2.FaultReport,
                 step_fault: engine_pb2.StepFaultReported | None = None) -> fd.Decision:

@@ -491,6 +491,29 @@ def test_a_store_unreachable_past_store_wait_seconds_is_decided_by_the_policy(pl
     assert store.verified >= 2  # asked again while it waited
 
 
+@pytest.mark.parametrize("policy", ["", "\nfault_policy: {actions: {snapshot_failed: stop}}"], ids=["default", "stop"])
+def test_a_skipped_save_is_one_record_unless_the_policy_decides_on_snapshot_failed(plane, store, policy):
+    job_id, w = running(plane, "wa", "wb", extra=QUICK + policy)
+    said = "store at s:1: BeginSave: DEADLINE_EXCEEDED"
+    # As the rank's store relay sends it: L5-1's failure event, typed by the store's cause.
+    failed = store_pb2.SnapshotFailed(job_id=job_id, operation="save", step=5, cause=store_pb2.TIMEOUT, rank=0,
+                                      reason=said, failure=route_pb2.Failure(
+                                          cause=route_pb2.FAILURE_TIMEOUT, module=Module.L5_CHECKPOINT_MANAGER,
+                                          operation="surge.v1.SaveCheckpoint", job_id=job_id, rank=0, detail=said))
+    plane.rank_event(w["wa"], job_id, 0, snapshot_failed=failed)
+    events = [(e.type, e.message) for e in plane.events(job_id)]
+    assert ("checkpoint", f"checkpoint save failed (timeout: {said}); training continues, the next interval "
+                          "tries again") in events
+    if not policy:  # L1-3 graded it MINOR, L1-1 ignored it: no second record of the one skipped save
+        assert [t for t, _ in events if t == "fault"] == [] and decisions(plane, job_id) == []
+        assert plane.get(job_id).state == JobState.RUNNING
+    else:  # the operator's policy decides on L1-3's grade
+        assert [m for t, m in events if t == "fault"] == [
+            f"MINOR snapshot_failed: L5_CHECKPOINT_MANAGER (rank 0) failed handling surge.v1.SaveCheckpoint: {said}"]
+        assert decisions(plane, job_id) == ["stop after snapshot_failed of rank 0: fault policy"]
+        assert plane.get(job_id).outcome == JobOutcome.FAILED
+
+
 def test_a_load_that_found_corrupt_bytes_has_the_store_rescrub_and_its_findings_are_struck(plane, store):
     job_id, w = running(plane, "wa", "wb")
     v1, v2 = saved(plane, w["wa"], job_id, 1, step=4), saved(plane, w["wa"], job_id, 2, step=8)
@@ -503,14 +526,11 @@ def test_a_load_that_found_corrupt_bytes_has_the_store_rescrub_and_its_findings_
                                           detail=f"CheckpointIntegrityError: {said}"))
     plane.c.bus.publish(Module.L5_CHECKPOINT_MANAGER, failed)
     assert store.scrubbed == [job_id]
-    # L1-1 reads it first (the route's order) and has the store rescrub; L1-3 grades it too
-    # (issue 13: every failure event routed to it), for the record: MINOR, ignored.
-    assert [e.message for e in plane.events(job_id)][-3:] == [
-        f"checkpoint load of {v2} failed (corrupt: {said})",
-        f"MINOR snapshot_failed: L5_CHECKPOINT_MANAGER (rank 0) failed handling surge.v1.LoadCheckpoint: "
-        f"CheckpointIntegrityError: {said}",
-        "ignore snapshot_failed of rank 0: fault policy; 1 ignored so far",
-    ]
+    # L1-1 reads it first (the route's order), records it and has the store rescrub; L1-3
+    # grades it too (issue 13: every failure event routed to it): MINOR, which the policy
+    # ignores, so its report adds no second record (no "fault", no "ignore" decision).
+    assert [e.message for e in plane.events(job_id)][-1] == f"checkpoint load of {v2} failed (corrupt: {said})"
+    assert len(decisions(plane, job_id)) == 0
     answer = store_pb2.CheckpointScrubbed(job_id=job_id, newly_corrupt=[store_pb2.CheckpointCorrupt(
         job_id=job_id, version=v2, step=8, cause=store_pb2.CORRUPT, reason="sha256 mismatch")])
     plane.c.bus.publish(Module.L5_CHECKPOINT_MANAGER, answer)
