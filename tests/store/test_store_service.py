@@ -229,9 +229,12 @@ def test_the_scrub_schedule_finds_a_flipped_byte_on_its_own(store):
         done = stub.CommitSave(store_pb2.CommitCheckpoint(job_id="sched", step=1, world_size=1), timeout=10)
         watch = stub.WatchCheckpoints(store_pb2.WatchCheckpointsRequest(job_id="sched"), timeout=30)
         shard = next(p for p in Path(done.path).iterdir() if p.suffix == ".distcp")
-        data = bytearray(shard.read_bytes())
-        data[0] ^= 0x01
-        shard.write_bytes(bytes(data))
+        # Flipped in place: write_bytes truncates first, and a scrub (every 0.3 s) that read
+        # the file between the truncation and the write found it 0 bytes long.
+        with shard.open("r+b") as f:
+            first = f.read(1)[0]
+            f.seek(0)
+            f.write(bytes([first ^ 0x01]))
         found = next(watch)  # nobody asked: the schedule's scrub found it
         watch.cancel()
     assert (found.version, found.cause) == ("sched:1", store_pb2.CORRUPT)
