@@ -100,9 +100,13 @@ def test_a_handler_failure_in_each_module_is_a_typed_event_graded_by_l1_3_and_de
     fl.set_origin(JOB, 1)  # the process works for job j, rank 1 (what a rank's root sets)
     injected(f"handler:{Module.Name(module)}:{msg_type.DESCRIPTOR.name}:cause={FailureCause.Name(cause)}")
 
-    if kind == route_pb2.COMMAND:
+    if kind in (route_pb2.COMMAND, route_pb2.DATA):
+        # A stream's stage (DATA) unwinds to its publisher like a command to its commander (53887a4).
         with pytest.raises(fl.ModuleFailed) as failed:
-            bus.command(sender, module, msg_type())
+            if kind == route_pb2.COMMAND:
+                bus.command(sender, module, msg_type())
+            else:
+                bus.publish(sender, msg_type())
         event = failed.value.event  # the commander gets the typed event, not the raw error
         assert failed.value.failure.cause == cause
     else:
