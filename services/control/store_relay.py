@@ -30,10 +30,15 @@ class StoreRelay:
     default: on the gRPC callback thread). ``on_error`` sees every failed call first (the
     composition root reports a boundary violation the store returned)."""
 
-    def __init__(self, address: str, events: Emitter, timeout_s: float = 10.0,
-                 on_error: Callable[[grpc.RpcError], None] | None = None,
-                 post: Callable[[Callable[[], None]], None] | None = None,
-                 back: Link | None = None):
+    def __init__(
+        self,
+        address: str,
+        events: Emitter,
+        timeout_s: float = 10.0,
+        on_error: Callable[[grpc.RpcError], None] | None = None,
+        post: Callable[[Callable[[], None]], None] | None = None,
+        back: Link | None = None,
+    ):
         self._address, self._timeout_s = address, timeout_s
         self._events = events
         self._on_error = on_error
@@ -85,6 +90,8 @@ class StoreRelay:
         future.add_done_callback(lambda f: self.post(lambda: self._answer(f, operation, job_id)))
 
     def _answer(self, future: grpc.Future, operation: str, job_id: str) -> None:
+        if self._closed.is_set():
+            return  # control is stopping: its journal may be closed; a restarted control asks again
         try:
             reply = future.result()
         except grpc.RpcError as e:
@@ -105,8 +112,12 @@ class StoreRelay:
             returned = self._back.deliver_returned(e, stamp=the_call) if self._back is not None else []
             if store_pb2.SnapshotFailed.DESCRIPTOR.full_name in returned:
                 return
-            reply = store_pb2.SnapshotFailed(job_id=job_id, operation=operation, cause=cause,
-                                             reason=f"store {self._address}: {e.code().name}: {e.details()}")
+            reply = store_pb2.SnapshotFailed(
+                job_id=job_id,
+                operation=operation,
+                cause=cause,
+                reason=f"store {self._address}: {e.code().name}: {e.details()}",
+            )
         self._events(reply)
 
 

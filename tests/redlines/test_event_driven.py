@@ -64,7 +64,9 @@ def _timed(call: ast.Call) -> bool:
 def test_no_module_sleeps_or_polls_in_a_loop(module):
     tree = source_tree(module)
     polls = [ast.unparse(c) for loop in _loops(tree) for c in ast.walk(loop) if isinstance(c, ast.Call) and _timed(c)]
-    sleeps = [ast.unparse(c) for c in ast.walk(tree) if isinstance(c, ast.Call) and ast.unparse(c.func).endswith("sleep")]
+    sleeps = [
+        ast.unparse(c) for c in ast.walk(tree) if isinstance(c, ast.Call) and ast.unparse(c.func).endswith("sleep")
+    ]
     assert polls == [] and sleeps == []
 
 
@@ -72,16 +74,28 @@ def test_no_module_sleeps_or_polls_in_a_loop(module):
 def test_no_module_keeps_a_thread_or_timer_of_its_own(module):
     tree = source_tree(module)
     started = {
-        ast.unparse(c.func).rsplit(".", 1)[-1] for c in ast.walk(tree) if isinstance(c, ast.Call)
-        and ast.unparse(c.func).rsplit(".", 1)[-1] in ("Thread", "Timer", "ThreadPoolExecutor", "ProcessPoolExecutor",
-                                                        "scheduler", "call_later", "call_at", "Deadlines")
+        ast.unparse(c.func).rsplit(".", 1)[-1]
+        for c in ast.walk(tree)
+        if isinstance(c, ast.Call)
+        and ast.unparse(c.func).rsplit(".", 1)[-1]
+        in (
+            "Thread",
+            "Timer",
+            "ThreadPoolExecutor",
+            "ProcessPoolExecutor",
+            "scheduler",
+            "call_later",
+            "call_at",
+            "Deadlines",
+        )
     }
     expected = {WORKER_POOLS[module]} if module in WORKER_POOLS else set()
     if module in DEADLINE_TIMERS:
         expected.add("Deadlines")  # services/control/deadlines.py: one heap, not a thread per deadline
     assert started == expected
     assert not {"sched", "asyncio", "signal"} & {
-        a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
 
 
 @pytest.mark.parametrize("module", list(DEADLINE_TIMERS) or [None], ids=lambda m: Module.Name(m) if m else "none")
@@ -122,7 +136,7 @@ def test_the_worker_pools_only_run_work_a_command_asked_for():
 
 
 def test_a_rank_exit_is_graded_and_decided_the_moment_its_event_arrives(tmp_path):
-    from .test_reported_events_are_read_only import _control
+    from .test_reported_events_are_read_only import _control, _shut
 
     control, job = _control(tmp_path)
     bus = control.bus
@@ -135,13 +149,13 @@ def test_a_rank_exit_is_graded_and_decided_the_moment_its_event_arrives(tmp_path
     status = user()
     assert status.state == control_pb2.FAULT_FROZEN
     assert status.message == "recovering from rank_exit of rank 0"
-    control.journal.close()
+    _shut(control)
 
 
 def test_a_silent_rank_is_declared_by_the_deadline_its_heartbeats_re_arm(tmp_path):
     from services.contract import worker_pb2
 
-    from .test_reported_events_are_read_only import _control
+    from .test_reported_events_are_read_only import _control, _shut
 
     control, job = _control(tmp_path, liveness="{heartbeat_interval_seconds: 0.2, heartbeat_timeout_seconds: 1.0}")
     bus = control.bus
@@ -152,11 +166,16 @@ def test_a_silent_rank_is_declared_by_the_deadline_its_heartbeats_re_arm(tmp_pat
         time.sleep(0.2)
     assert user().state == control_pb2.WARMING_UP
     time.sleep(2.0)  # silence: the detector's timer fires once and the orchestrator decides
-    decided = [e.message for e in bus.command(Module.EXT_USER, Module.L1_ORCHESTRATOR, control_pb2.JobQuery(job_id=job),
-                                             "event_log").payload if e.type == "decision"]
+    decided = [
+        e.message
+        for e in bus.command(
+            Module.EXT_USER, Module.L1_ORCHESTRATOR, control_pb2.JobQuery(job_id=job), "event_log"
+        ).payload
+        if e.type == "decision"
+    ]
     assert decided[-1].startswith("restart_ranks after rank_silent of rank 0")
     assert user().state == control_pb2.FAULT_FROZEN  # (then waiting for the store this test has none of)
-    control.journal.close()
+    _shut(control)
 
 
 def _identifiers(tree: ast.AST) -> set[str]:

@@ -55,7 +55,18 @@ def test_the_metrics_logger_stores_raw_values_unsmoothed_and_uncorrected(tmp_pat
         got.append(json_format.ParseDict(line, engine_pb2.StepCompleted()))
     assert [g.step for g in got] == [1, 2, 3, 4, 5, 6]
     for g, s in zip(got, sent):
-        assert (math.isnan(g.loss) and math.isnan(s.loss)) or (g.loss == s.loss and math.copysign(1, g.loss) == math.copysign(1, s.loss))
+        assert (math.isnan(g.loss) and math.isnan(s.loss)) or (
+            g.loss == s.loss and math.copysign(1, g.loss) == math.copysign(1, s.loss)
+        )
+
+
+def _shut(control) -> None:
+    """Stop what can still fire (liveness deadlines, recovery retries, store answers) before
+    the journal closes, in the order control's own ``main`` stops them."""
+    control.detector.close()
+    control.orchestrator.close()
+    control.store.close()
+    control.journal.close()
 
 
 def _control(tmp_path, liveness: str = "{}"):
@@ -63,17 +74,24 @@ def _control(tmp_path, liveness: str = "{}"):
     from services.control.job_store import JobStore
 
     control = build(JobStore(tmp_path / "c.db"), data_address="127.0.0.1:1", store_address="127.0.0.1:2")
-    control.sessions.open(control_pb2.WorkerRegistration(
-        worker_id="w", host="127.0.0.1", address="127.0.0.1:0", memory_bytes=1 << 30, cpu_count=2, slots=1))
-    spec = textwrap.dedent("""\
+    control.sessions.open(
+        control_pb2.WorkerRegistration(
+            worker_id="w", host="127.0.0.1", address="127.0.0.1:0", memory_bytes=1 << 30, cpu_count=2, slots=1
+        )
+    )
+    spec = (
+        textwrap.dedent("""\
         name: ro
         steps: 5
         model: {n_layers: 1, d_model: 16, n_heads: 2}
         data: {dataset: x@v1, seq_len: 8, micro_batch_size: 2}
         optimizer: {warmup_steps: 0}
-        """) + f"liveness: {liveness}\n"
-    status = control.bus.command(Module.EXT_USER, Module.L1_ORCHESTRATOR,
-                                 control_pb2.SubmitJobRequest(spec_yaml=spec, spec_path="job.yaml")).message
+        """)
+        + f"liveness: {liveness}\n"
+    )
+    status = control.bus.command(
+        Module.EXT_USER, Module.L1_ORCHESTRATOR, control_pb2.SubmitJobRequest(spec_yaml=spec, spec_path="job.yaml")
+    ).message
     return control, status.job_id
 
 
@@ -85,7 +103,7 @@ def test_a_receiver_mutating_its_step_event_does_not_change_what_the_orchestrato
     bus.publish(Module.L2_TRAINING_LOOP, engine_pb2.StepCompleted(job_id=job, rank=0, step=3, loss=1.25, tokens=16))
     status = bus.command(Module.EXT_USER, Module.L1_ORCHESTRATOR, control_pb2.JobQuery(job_id=job)).message
     assert (status.job_id, status.step, status.train_loss) == (job, 3, 1.25)
-    control.journal.close()
+    _shut(control)
 
 
 def test_the_orchestrators_reply_is_a_snapshot_its_receiver_cannot_write_through(tmp_path):
@@ -95,4 +113,4 @@ def test_the_orchestrators_reply_is_a_snapshot_its_receiver_cannot_write_through
     mine.state, mine.step, mine.message = control_pb2.TERMINATED, 999, "tampered"
     again = user(control_pb2.JobQuery(job_id=job))
     assert again.state == control_pb2.WARMING_UP and again.step == 0 and again.message != "tampered"
-    control.journal.close()
+    _shut(control)
