@@ -56,8 +56,9 @@ def demo_spec(model: str):
     return spec.model_copy(update={"model": spec.model.model_copy(update=MODELS[model])})
 
 
-def rank_main(rank: int, world: int, port: int, store: str, rounds: int, steps_between: int, out: str,
-              model_name: str = "demo") -> None:
+def rank_main(
+    rank: int, world: int, port: int, store: str, rounds: int, steps_between: int, out: str, model_name: str = "demo"
+) -> None:
     import warnings
 
     warnings.simplefilter("ignore")
@@ -113,11 +114,13 @@ def rank_main(rank: int, world: int, port: int, store: str, rounds: int, steps_b
             step += 1
             loop._step = step
             t0 = time.perf_counter()
-            client.save_checkpoint(store_pb2.SaveCheckpoint(job_id="bench", step=step, rank=rank,
-                                                            write_async=mode == "async"), state)
+            client.save_checkpoint(
+                store_pb2.SaveCheckpoint(job_id="bench", step=step, rank=rank, write_async=mode == "async"), state
+            )
             if rank == 0:  # the loop's rank 0 also waits for a synchronous commit
-                client.commit_checkpoint(store_pb2.CommitCheckpoint(job_id="bench", step=step, world_size=world,
-                                                                    spec_json="{}", keep_last=2))
+                client.commit_checkpoint(
+                    store_pb2.CommitCheckpoint(job_id="bench", step=step, world_size=world, spec_json="{}", keep_last=2)
+                )
             blocked = time.perf_counter() - t0
             for _ in range(steps_between):
                 train_step()
@@ -146,14 +149,31 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         port, metrics = free_port(), free_port()
-        store = subprocess.Popen([sys.executable, "-m", "services.store", "--port", str(port), "--metrics-port",
-                                  str(metrics), "--root", f"{tmp}/store"], cwd=REPO,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        store = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.store",
+                "--port",
+                str(port),
+                "--metrics-port",
+                str(metrics),
+                "--root",
+                f"{tmp}/store",
+            ],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             time.sleep(2.0)
             os.environ.setdefault("OMP_NUM_THREADS", "1")
-            mp.spawn(rank_main, args=(2, free_port(), f"127.0.0.1:{port}", args.rounds, args.steps_between, tmp, args.model),
-                     nprocs=2, join=True)
+            mp.spawn(
+                rank_main,
+                args=(2, free_port(), f"127.0.0.1:{port}", args.rounds, args.steps_between, tmp, args.model),
+                nprocs=2,
+                join=True,
+            )
             results = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(2)]
             size = sum(f.stat().st_size for f in Path(tmp, "store", "checkpoints", "bench").rglob("*") if f.is_file())
         finally:
@@ -162,17 +182,30 @@ def main() -> None:
     from services.compute.model import build_model, count_parameters
 
     params = count_parameters(build_model(demo_spec(args.model).model, 0))
-    print(f"{args.model} model ({params / 1e6:.1f} M parameters), 2 gloo ranks, {args.rounds} rounds, "
-          f"checkpoint dirs on disk {size / 1e6:.1f} MB (2 versions)")
+    print(
+        f"{args.model} model ({params / 1e6:.1f} M parameters), 2 gloo ranks, {args.rounds} rounds, "
+        f"checkpoint dirs on disk {size / 1e6:.1f} MB (2 versions)"
+    )
     print(f"{'what (median ms)':32} {'rank 0':>8} {'rank 1':>8}")
     for key in results[0]:
         row = [1e3 * statistics.median(r[key]) for r in results]
-        print(f"{key:32} {row[0]:8.1f} {row[1]:8.1f}   rank 0 each: {' '.join(f'{1e3 * v:.0f}' for v in results[0][key])}")
+        print(
+            f"{key:32} {row[0]:8.1f} {row[1]:8.1f}   rank 0 each: {' '.join(f'{1e3 * v:.0f}' for v in results[0][key])}"
+        )
     if args.json:
-        print(json.dumps({"model": args.model, "params": params, "rounds": args.rounds, "size_mb_2_versions": size / 1e6,
-                          "median_ms_rank0": {k: 1e3 * statistics.median(v) for k, v in results[0].items()},
-                          "median_ms_rank1": {k: 1e3 * statistics.median(v) for k, v in results[1].items()},
-                          "raw_s_rank0": results[0]}))
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "params": params,
+                    "rounds": args.rounds,
+                    "size_mb_2_versions": size / 1e6,
+                    "median_ms_rank0": {k: 1e3 * statistics.median(v) for k, v in results[0].items()},
+                    "median_ms_rank1": {k: 1e3 * statistics.median(v) for k, v in results[1].items()},
+                    "raw_s_rank0": results[0],
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

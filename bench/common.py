@@ -153,7 +153,9 @@ class TorchrunRun:
     records: list[dict] = field(default_factory=list)
 
     def read(self) -> list[dict]:
-        self.records = [json.loads(x) for x in self.log.read_text().splitlines() if x.strip()] if self.log.exists() else []
+        self.records = (
+            [json.loads(x) for x in self.log.read_text().splitlines() if x.strip()] if self.log.exists() else []
+        )
         return self.records
 
     @property
@@ -161,19 +163,42 @@ class TorchrunRun:
         return [r for r in self.records if "step" in r]
 
 
-def torchrun(spec_path: Path, *, steps: int = 0, extra: list[str] = (), torchrun_args: list[str] = (),
-             wait: bool = True, timeout_s: float = 900.0, device: str = "cpu", nproc: int = 2) -> TorchrunRun:
+def torchrun(
+    spec_path: Path,
+    *,
+    steps: int = 0,
+    extra: list[str] = (),
+    torchrun_args: list[str] = (),
+    wait: bool = True,
+    timeout_s: float = 900.0,
+    device: str = "cpu",
+    nproc: int = 2,
+) -> TorchrunRun:
     """``torchrun --standalone --nproc-per-node N bench/torchrun_ddp.py`` on ``spec_path``."""
     log = Path(tempfile.mkstemp(prefix="torchrun-", suffix=".jsonl", dir=BENCH_HOME)[1])
     log.unlink()
-    cmd = [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", *torchrun_args, str(REPO / "bench/torchrun_ddp.py"),
-           "--spec", str(spec_path), "--data-root", str(DATA_ROOT), "--step-log", str(log), "--device", device]
+    cmd = [
+        TORCHRUN,
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        *torchrun_args,
+        str(REPO / "bench/torchrun_ddp.py"),
+        "--spec",
+        str(spec_path),
+        "--data-root",
+        str(DATA_ROOT),
+        "--step-log",
+        str(log),
+        "--device",
+        device,
+    ]
     if steps:
         cmd += ["--steps", str(steps)]
     cmd += list(extra)
     run = TorchrunRun(log=log, t_launch=time.time())
-    run.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(str(log) + ".err", "w"),
-                                start_new_session=True)
+    run.proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(str(log) + ".err", "w"), start_new_session=True
+    )
     if wait:
         try:
             rc = run.proc.wait(timeout=timeout_s)
@@ -207,8 +232,11 @@ def steady_tokens_per_s(records: list[dict], warmup: int) -> float:
 def summary(values: list[float]) -> dict:
     """median and min-max (the form every table prints)."""
     v = [float(x) for x in values]
-    return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v), "values": v} if v else \
-        {"median": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0, "values": []}
+    return (
+        {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v), "values": v}
+        if v
+        else {"median": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0, "values": []}
+    )
 
 
 def fmt(s: dict, unit: str = "", digits: int = 2) -> str:
@@ -219,9 +247,14 @@ def fmt(s: dict, unit: str = "", digits: int = 2) -> str:
 
 def machine() -> dict:
     load = os.getloadavg()
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "loadavg_at_start": [round(x, 2) for x in load], "quick": QUICK,
-            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "loadavg_at_start": [round(x, 2) for x in load],
+        "quick": QUICK,
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def save(name: str, result: dict) -> Path:

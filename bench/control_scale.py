@@ -69,8 +69,10 @@ async def _sim(address, ids, total, registered, silence_rank, stop, out_q) -> No
 
     sequenced = "seq" in control_pb2.WorkerEvent.DESCRIPTOR.fields_by_name
     # A few HTTP/2 connections per process, as many node agents would each have their own.
-    channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(max(1, len(ids) // 100))]
+    channels = [
+        grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(max(1, len(ids) // 100))
+    ]
     reg_lat, ack_lat, step_sent = [], [], {}
     ack_by_kind: dict[str, list[float]] = {}
     last_sent: dict[int, float] = {}
@@ -97,12 +99,22 @@ async def _sim(address, ids, total, registered, silence_rank, stop, out_q) -> No
             if sequenced:
                 seq += 1
                 ev.seq = seq
-                kind = ev.rank_event.WhichOneof("event") if ev.WhichOneof("event") == "rank_event" else ev.WhichOneof("event")
+                kind = (
+                    ev.rank_event.WhichOneof("event")
+                    if ev.WhichOneof("event") == "rank_event"
+                    else ev.WhichOneof("event")
+                )
                 pending[seq] = (time.time(), f"{kind}{'0' if kind == 'step' and ev.rank_event.rank == 0 else ''}")
             outgoing.put_nowait(ev)
 
-        reg = control_pb2.WorkerRegistration(worker_id=f"sim-{i}", host="127.0.0.1", address=f"127.0.0.1:{1 + i}",
-                                             slots=1, cpu_count=1, memory_bytes=1 << 30)
+        reg = control_pb2.WorkerRegistration(
+            worker_id=f"sim-{i}",
+            host="127.0.0.1",
+            address=f"127.0.0.1:{1 + i}",
+            slots=1,
+            cpu_count=1,
+            memory_bytes=1 << 30,
+        )
         if sequenced:
             reg.incarnation = f"sim-{i}-{os.getpid()}"
         t0 = time.time()
@@ -125,8 +137,18 @@ async def _sim(address, ids, total, registered, silence_rank, stop, out_q) -> No
                     state["job"] = cmd.launch.job_id
                     state["ranks"] = [r.rank for r in cmd.launch.ranks]
                     for r in state["ranks"]:
-                        await send(rank_event=worker_pb2.RankEvent(job_id=state["job"], rank=r, routed=pack(engine_pb2.TrainingLoopStarted(
-                            job_id=state["job"], rank=r, start_step=0, num_parameters=1, startup_seconds=0.1), Module.L2_TRAINING_LOOP)))
+                        await send(
+                            rank_event=worker_pb2.RankEvent(
+                                job_id=state["job"],
+                                rank=r,
+                                routed=pack(
+                                    engine_pb2.TrainingLoopStarted(
+                                        job_id=state["job"], rank=r, start_step=0, num_parameters=1, startup_seconds=0.1
+                                    ),
+                                    Module.L2_TRAINING_LOOP,
+                                ),
+                            )
+                        )
                 elif kind == "routed" and cmd.routed.type == "surge.v1.StartTraining":  # to the job's ranks
                     state["stepping"] = True
                 elif kind == "release":
@@ -139,7 +161,7 @@ async def _sim(address, ids, total, registered, silence_rank, stop, out_q) -> No
                         ack_by_kind.setdefault(kind, []).append(now - sent)
 
         read_task = asyncio.create_task(reader())
-        phase = (i / total)  # this worker's offset within each second
+        phase = i / total  # this worker's offset within each second
         try:
             while not stop.is_set():
                 now = time.time()
@@ -151,12 +173,40 @@ async def _sim(address, ids, total, registered, silence_rank, stop, out_q) -> No
                 state["step"] += 1
                 t = time.time()
                 for r in state["ranks"]:
-                    await send(rank_event=worker_pb2.RankEvent(job_id=state["job"], rank=r, heartbeat=worker_pb2.RankHeartbeat(
-                        job_id=state["job"], rank=r, step=state["step"], stepping=True, step_seconds=1.0, unix_time=t)))
-                    await send(rank_event=worker_pb2.RankEvent(job_id=state["job"], rank=r, routed=pack(engine_pb2.StepCompleted(
-                        job_id=state["job"], rank=r, step=state["step"], loss=2.0, tokens=4096 * total,
-                        tokens_per_second=4096.0 * total, step_seconds=1.0, unix_time=t, world_size=total),
-                        Module.L2_TRAINING_LOOP)))
+                    await send(
+                        rank_event=worker_pb2.RankEvent(
+                            job_id=state["job"],
+                            rank=r,
+                            heartbeat=worker_pb2.RankHeartbeat(
+                                job_id=state["job"],
+                                rank=r,
+                                step=state["step"],
+                                stepping=True,
+                                step_seconds=1.0,
+                                unix_time=t,
+                            ),
+                        )
+                    )
+                    await send(
+                        rank_event=worker_pb2.RankEvent(
+                            job_id=state["job"],
+                            rank=r,
+                            routed=pack(
+                                engine_pb2.StepCompleted(
+                                    job_id=state["job"],
+                                    rank=r,
+                                    step=state["step"],
+                                    loss=2.0,
+                                    tokens=4096 * total,
+                                    tokens_per_second=4096.0 * total,
+                                    step_seconds=1.0,
+                                    unix_time=t,
+                                    world_size=total,
+                                ),
+                                Module.L2_TRAINING_LOOP,
+                            ),
+                        )
+                    )
                     last_sent[r] = t
                     if r == 0:
                         step_sent[state["step"]] = t
@@ -172,8 +222,18 @@ async def _sim(address, ids, total, registered, silence_rank, stop, out_q) -> No
     await asyncio.sleep(0.5)
     for t in tasks:
         t.cancel()
-    out_q.put({"reg_latency": reg_lat, "ack_latency": ack_lat, "ack_by_kind": ack_by_kind, "step_sent": step_sent, "errors": errors[:20],
-               "n_errors": len(errors), "last_sent": last_sent, "sequenced": sequenced})
+    out_q.put(
+        {
+            "reg_latency": reg_lat,
+            "ack_latency": ack_lat,
+            "ack_by_kind": ack_by_kind,
+            "step_sent": step_sent,
+            "errors": errors[:20],
+            "n_errors": len(errors),
+            "last_sent": last_sent,
+            "sequenced": sequenced,
+        }
+    )
     for ch in channels:
         await ch.close()
 
@@ -197,8 +257,14 @@ def run(n: int, seconds: float, procs: int, register_timeout_s: float = 60.0, pr
         registered, silence_rank, stop = ctx.Value("i", 0), ctx.Value("i", -1), ctx.Event()
         out_q = ctx.Queue()
         nproc = max(1, min(procs, (n + 249) // 250))
-        ps = [ctx.Process(target=sim_process, args=(address, list(range(k, n, nproc)), n, registered, silence_rank,
-                                                    stop, out_q), daemon=True) for k in range(nproc)]
+        ps = [
+            ctx.Process(
+                target=sim_process,
+                args=(address, list(range(k, n, nproc)), n, registered, silence_rank, stop, out_q),
+                daemon=True,
+            )
+            for k in range(nproc)
+        ]
         cpu0, t0 = cpu_seconds(control_pid), time.time()
         for p in ps:
             p.start()
@@ -209,9 +275,13 @@ def run(n: int, seconds: float, procs: int, register_timeout_s: float = 60.0, pr
         out["control_cpu_percent_registration"] = 100 * (cpu_seconds(control_pid) - cpu0) / (time.time() - t0)
         events: list = []
         if registered.value == n:
-            spec = c.write_spec(c.REPO / "bench/jobs/throughput.yaml", f"scale{n}", steps=1_000_000,
-                                parallel={"dp": n, "backend": "auto", "threads_per_rank": 1},
-                                liveness={"heartbeat_interval_seconds": 1.0, "heartbeat_timeout_seconds": 3.0})
+            spec = c.write_spec(
+                c.REPO / "bench/jobs/throughput.yaml",
+                f"scale{n}",
+                steps=1_000_000,
+                parallel={"dp": n, "backend": "auto", "threads_per_rank": 1},
+                liveness={"heartbeat_interval_seconds": 1.0, "heartbeat_timeout_seconds": 3.0},
+            )
             job, t_submit = c.submit(spec)
             watcher = threading.Thread(target=_watch, args=(job, events), daemon=True)
             watcher.start()
@@ -223,9 +293,22 @@ def run(n: int, seconds: float, procs: int, register_timeout_s: float = 60.0, pr
             sim1 = sum(cpu_seconds(p.pid) for p in ps)
             spy = None
             if profile:  # py-spy samples from outside: a share of a core, not of control's
-                spy = subprocess.Popen([str(c.REPO / ".venv/bin/py-spy"), "record", "-o", profile, "--pid",
-                                        str(control_pid), "--duration", str(int(seconds)), "--rate", "50"],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                spy = subprocess.Popen(
+                    [
+                        str(c.REPO / ".venv/bin/py-spy"),
+                        "record",
+                        "-o",
+                        profile,
+                        "--pid",
+                        str(control_pid),
+                        "--duration",
+                        str(int(seconds)),
+                        "--rate",
+                        "50",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
             time.sleep(seconds)
             if spy is not None:
                 spy.wait(timeout=60)
@@ -264,8 +347,9 @@ def run(n: int, seconds: float, procs: int, register_timeout_s: float = 60.0, pr
         for r in results:
             for k, v in r["ack_by_kind"].items():
                 kinds.setdefault(k, []).extend(v)
-        out["latency_ms_by_event"] = {k: {"p50": 1e3 * _pct(v, 0.5), "p99": 1e3 * _pct(v, 0.99), "n": len(v)}
-                                      for k, v in kinds.items()}  # step0: rank 0's step (journaled in SQLite)
+        out["latency_ms_by_event"] = {
+            k: {"p50": 1e3 * _pct(v, 0.5), "p99": 1e3 * _pct(v, 0.99), "n": len(v)} for k, v in kinds.items()
+        }  # step0: rank 0's step (journaled in SQLite)
         out["latency_source"] = "send -> ack of every WorkerEvent"
         lat = ack
     else:
@@ -284,7 +368,9 @@ def run(n: int, seconds: float, procs: int, register_timeout_s: float = 60.0, pr
     if out.get("t_fault_minus_silence_s") is not None:
         out["silenced_declared_s"] = round(out["t_fault_minus_silence_s"], 2)
         if last.get(n // 2):  # from its last heartbeat (the deadline's start)
-            out["silenced_declared_after_last_beat_s"] = round(out["t_fault_minus_silence_s"] + t_silence - last[n // 2], 2)
+            out["silenced_declared_after_last_beat_s"] = round(
+                out["t_fault_minus_silence_s"] + t_silence - last[n // 2], 2
+            )
     else:
         out["silenced_declared_s"] = None
     out["client_errors"] = sum(r["n_errors"] for r in results)

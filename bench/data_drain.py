@@ -48,11 +48,14 @@ def open_request(rank: int, world: int):
         mount=data_pb2.MountDataset(name=d.name, version=d.version),
         prefetch=data_pb2.SetPrefetch(watermark=d.prefetch.watermark, threads=d.prefetch.threads),
         shuffle=data_pb2.ShufflePlan(seed=d.shuffle_seed, enabled=d.shuffle, rank=rank, world_size=world),
-        filter=data_pb2.FilterRules(min_tokens=d.filter.min_tokens, max_tokens=d.filter.max_tokens,
-                                    banned_bytes=d.filter.banned_bytes.encode()),
-        packer=data_pb2.PackerConfig(seq_len=d.seq_len, micro_batch_size=d.micro_batch_size, pad_id=d.pad_id,
-                                     mode=data_pb2.PACK, separator_id=0),
-        split="train", repeat=True,
+        filter=data_pb2.FilterRules(
+            min_tokens=d.filter.min_tokens, max_tokens=d.filter.max_tokens, banned_bytes=d.filter.banned_bytes.encode()
+        ),
+        packer=data_pb2.PackerConfig(
+            seq_len=d.seq_len, micro_batch_size=d.micro_batch_size, pad_id=d.pad_id, mode=data_pb2.PACK, separator_id=0
+        ),
+        split="train",
+        repeat=True,
     )
 
 
@@ -68,12 +71,26 @@ def main() -> None:
     from services.contract import Module, data_pb2_grpc
 
     port = free_port()
-    svc = subprocess.Popen([c.PY, "-m", "services.data", "--port", str(port), "--metrics-port", str(free_port()),
-                            "--data-root", str(c.DATA_ROOT)], cwd=c.REPO, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+    svc = subprocess.Popen(
+        [
+            c.PY,
+            "-m",
+            "services.data",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(free_port()),
+            "--data-root",
+            str(c.DATA_ROOT),
+        ],
+        cwd=c.REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
-        ch = channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20)],
-                     module=Module.L2_TRAINING_LOOP)  # streams as a rank would
+        ch = channel(
+            f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20)], module=Module.L2_TRAINING_LOOP
+        )  # streams as a rank would
         grpc.channel_ready_future(ch).result(timeout=60)
         stub = data_pb2_grpc.DataServiceStub(ch)
         counts = [[0, 0, 0] for _ in range(args.streams)]  # batches, bytes, tokens (counted window)
@@ -103,10 +120,16 @@ def main() -> None:
         wall, cpu = time.perf_counter() - t0, cpu_seconds(svc.pid) - cpu0
         stop.set()
         batches = sum(n[0] for n in counts)
-        out = {"streams": args.streams, "seconds": wall, "batches": batches,
-               "batches_per_s": batches / wall, "mb_per_s": sum(n[1] for n in counts) / wall / 1e6,
-               "tokens_per_batch": sum(n[2] for n in counts) / max(batches, 1),
-               "data_service_cpu_s_per_batch": cpu / max(batches, 1), "data_service_cpu_percent": 100 * cpu / wall}
+        out = {
+            "streams": args.streams,
+            "seconds": wall,
+            "batches": batches,
+            "batches_per_s": batches / wall,
+            "mb_per_s": sum(n[1] for n in counts) / wall / 1e6,
+            "tokens_per_batch": sum(n[2] for n in counts) / max(batches, 1),
+            "data_service_cpu_s_per_batch": cpu / max(batches, 1),
+            "data_service_cpu_percent": 100 * cpu / wall,
+        }
         print(json.dumps(out))
     finally:
         svc.terminate()

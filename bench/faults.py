@@ -80,10 +80,14 @@ def surge_trial(kind: str, job_name: str, bound_s: float) -> dict:
     from services.cli import clients
     from services.contract import control_pb2
 
-    spec = c.write_spec(SPEC, job_name, steps=100_000,
-                        checkpoint={"every_steps": 10, "keep_last": 2, "at_end": False},
-                        liveness={"stall_min_seconds": STALL_MIN_S},
-                        fault_policy={"max_restarts": 10})
+    spec = c.write_spec(
+        SPEC,
+        job_name,
+        steps=100_000,
+        checkpoint={"every_steps": 10, "keep_last": 2, "at_end": False},
+        liveness={"stall_min_seconds": STALL_MIN_S},
+        fault_policy={"max_restarts": 10},
+    )
     job, _ = c.submit(spec)
     events: list = []
     threading.Thread(target=_watch, args=(job, events), daemon=True).start()
@@ -104,6 +108,7 @@ def surge_trial(kind: str, job_name: str, bound_s: float) -> dict:
             t_fault = time.time()
             os.kill(pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
         deadline = time.time() + bound_s
+
         def first_step() -> list:  # the orchestrator's "first step after the recovery" event
             return [e for e in list(events) if e.type == "recovery" and e.message.startswith("first step")]
 
@@ -119,7 +124,8 @@ def surge_trial(kind: str, job_name: str, bound_s: float) -> dict:
         return {
             "relaunched_rank_startup_s": max(startups) if startups else None,
             "all_ready_s": max(e.unix_time for e in ready) - t_fault if ready and t_fault else None,
-            "job": job, "kind": kind,
+            "job": job,
+            "kind": kind,
             "detect_s": faults[0].unix_time - t_fault if faults and t_fault else None,
             "first_new_step_s": recov[0].unix_time - t_fault if recov and t_fault else None,
             "relaunch_s": relaunch[0].unix_time - t_fault if relaunch and t_fault else None,
@@ -156,8 +162,13 @@ def torchrun_trial(kind: str, timeout_s: float, bound_s: float) -> dict:
     ckpt = c.BENCH_HOME / "torchrun-ckpt"
     shutil.rmtree(ckpt, ignore_errors=True)
     ckpt.mkdir(parents=True)
-    run = c.torchrun(SPEC, steps=100_000, wait=False, torchrun_args=["--max-restarts=3", "--monitor-interval=0.1"],
-                     extra=["--ckpt-dir", str(ckpt), "--ckpt-every", "10", "--collective-timeout", str(timeout_s)])
+    run = c.torchrun(
+        SPEC,
+        steps=100_000,
+        wait=False,
+        torchrun_args=["--max-restarts=3", "--monitor-interval=0.1"],
+        extra=["--ckpt-dir", str(ckpt), "--ckpt-every", "10", "--collective-timeout", str(timeout_s)],
+    )
     try:
         deadline = time.time() + 120
         while time.time() < deadline and not any(r.get("step", 0) >= FAULT_STEP for r in run.read()):
@@ -175,16 +186,21 @@ def torchrun_trial(kind: str, timeout_s: float, bound_s: float) -> dict:
             recs = run.read()
             starts = [i for i, r in enumerate(recs) if r.get("event") == "start"]
             if len(starts) > starts_before:
-                after = [r for r in recs[starts[-1]:] if "step" in r]
+                after = [r for r in recs[starts[-1] :] if "step" in r]
                 if after:
                     t_step = after[0]["unix_time"]
                     break
             if run.proc.poll() is not None:
                 break  # torchrun gave up
             time.sleep(0.01)
-        return {"kind": kind, "detect_s": t_detect - t_fault if t_detect else None,
-                "first_new_step_s": t_step - t_fault if t_step else None, "bound_s": bound_s,
-                "collective_timeout_s": timeout_s, "torchrun_exit": run.proc.poll()}
+        return {
+            "kind": kind,
+            "detect_s": t_detect - t_fault if t_detect else None,
+            "first_new_step_s": t_step - t_fault if t_step else None,
+            "bound_s": bound_s,
+            "collective_timeout_s": timeout_s,
+            "torchrun_exit": run.proc.poll(),
+        }
     finally:
         c.kill_group(run.proc)
         for p in pids_with("bench/torchrun_ddp.py"):
@@ -220,13 +236,23 @@ def _cell(s: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trials", type=int, default=2 if c.QUICK else 5)
-    ap.add_argument("--collective-timeout", type=float, default=30.0,
-                    help="torchrun side: gloo timeout, seconds (PyTorch's default is 600)")
+    ap.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=30.0,
+        help="torchrun side: gloo timeout, seconds (PyTorch's default is 600)",
+    )
     args = ap.parse_args()
     c.setup_env()
     t0 = time.time()
-    result = {"machine": c.machine(), "command": "make bench-faults", "trials": args.trials,
-              "fault_step": FAULT_STEP, "surge_stall_min_seconds": STALL_MIN_S, "collective_timeout_s": args.collective_timeout}
+    result = {
+        "machine": c.machine(),
+        "command": "make bench-faults",
+        "trials": args.trials,
+        "fault_step": FAULT_STEP,
+        "surge_stall_min_seconds": STALL_MIN_S,
+        "collective_timeout_s": args.collective_timeout,
+    }
     name = "faults" if args.trials >= 5 else "faults-quick"  # a short check keeps the real figures
     stamp = int(time.time()) % 100000
     names = {k: [f"f{k}{stamp}x{i}" for i in range(args.trials)] for k in ("kill", "stop", "stall")}
@@ -238,41 +264,79 @@ def main() -> None:
         for kind in ("kill", "stop"):  # Surge and torchrun trials alternate
             for i in range(args.trials):
                 surge[kind].append(surge_trial(kind, names[kind][i], bound))
-                print(f"  surge {kind} {i + 1}: {surge[kind][-1]['detect_s']} / {surge[kind][-1]['first_new_step_s']}", flush=True)
+                print(
+                    f"  surge {kind} {i + 1}: {surge[kind][-1]['detect_s']} / {surge[kind][-1]['first_new_step_s']}",
+                    flush=True,
+                )
                 torch_[kind].append(torchrun_trial(kind, args.collective_timeout, bound))
-                print(f"  torchrun {kind} {i + 1}: {torch_[kind][-1]['detect_s']} / {torch_[kind][-1]['first_new_step_s']}", flush=True)
+                print(
+                    f"  torchrun {kind} {i + 1}: {torch_[kind][-1]['detect_s']} / {torch_[kind][-1]['first_new_step_s']}",
+                    flush=True,
+                )
                 c.save(name, {**result, "surge": surge, "torchrun": torch_})
         for i in range(args.trials):
             surge["stall"].append(surge_trial("stall", names["stall"][i], bound))
-            print(f"  surge stall {i + 1}: {surge['stall'][-1]['detect_s']} / {surge['stall'][-1]['first_new_step_s']}", flush=True)
+            print(
+                f"  surge stall {i + 1}: {surge['stall'][-1]['detect_s']} / {surge['stall'][-1]['first_new_step_s']}",
+                flush=True,
+            )
     result["surge"], result["torchrun"] = surge, torch_
     result["summary"] = {
-        side: {kind: {"detect_s": _stat(t, "detect_s"), "first_new_step_s": _stat(t, "first_new_step_s")}
-               for kind, t in trials.items()}
+        side: {
+            kind: {"detect_s": _stat(t, "detect_s"), "first_new_step_s": _stat(t, "first_new_step_s")}
+            for kind, t in trials.items()
+        }
         for side, trials in (("surge", surge), ("torchrun", torch_))
     }
     result["surge_recovery_breakdown"] = {
-        kind: {key: c.summary([t[key] for t in trials if t.get(key) is not None])
-               for key in ("relaunch_s", "all_ready_s", "relaunched_rank_startup_s", "first_new_step_s")}
+        kind: {
+            key: c.summary([t[key] for t in trials if t.get(key) is not None])
+            for key in ("relaunch_s", "all_ready_s", "relaunched_rank_startup_s", "first_new_step_s")
+        }
         for kind, trials in surge.items()
     }
     result["total_seconds"] = time.time() - t0
     path = c.save(name, result)
     rows = []
-    for kind, label in (("kill", "SIGKILL rank 1"), ("stop", "SIGSTOP rank 1"), ("stall", "rank 1 hangs, heartbeat on")):
+    for kind, label in (
+        ("kill", "SIGKILL rank 1"),
+        ("stop", "SIGSTOP rank 1"),
+        ("stall", "rank 1 hangs, heartbeat on"),
+    ):
         s = result["summary"]["surge"][kind]
         t = result["summary"]["torchrun"].get(kind)
-        rows.append((label, _cell(s["detect_s"]), _cell(t["detect_s"]) if t else "not measured (same as SIGSTOP)",
-                     _cell(s["first_new_step_s"]), _cell(t["first_new_step_s"]) if t else "-"))
-    print(c.table(rows, (f"fault (trials: {args.trials})", "Surge detect s (median / max)", "torchrun detect s",
-                         "Surge fault -> first new step s", "torchrun fault -> first new step s")))
+        rows.append(
+            (
+                label,
+                _cell(s["detect_s"]),
+                _cell(t["detect_s"]) if t else "not measured (same as SIGSTOP)",
+                _cell(s["first_new_step_s"]),
+                _cell(t["first_new_step_s"]) if t else "-",
+            )
+        )
+    print(
+        c.table(
+            rows,
+            (
+                f"fault (trials: {args.trials})",
+                "Surge detect s (median / max)",
+                "torchrun detect s",
+                "Surge fault -> first new step s",
+                "torchrun fault -> first new step s",
+            ),
+        )
+    )
     for kind, b in result["surge_recovery_breakdown"].items():
-        print(f"Surge {kind}, median s after the fault: relaunch decided {b['relaunch_s']['median']:.2f}, all ranks "
-              f"ready {b['all_ready_s']['median']:.2f} (rank start-up {b['relaunched_rank_startup_s']['median']:.2f}), "
-              f"first new step {b['first_new_step_s']['median']:.2f}")
-    print(f"\nSurge: heartbeat timeout 3 s, stall deadline {STALL_MIN_S:.0f} s; torchrun: --max-restarts=3, "
-          f"--monitor-interval=0.1, gloo timeout {args.collective_timeout:.0f} s (default 600). "
-          f"{path.relative_to(c.REPO)}; {result['total_seconds']:.0f} s")
+        print(
+            f"Surge {kind}, median s after the fault: relaunch decided {b['relaunch_s']['median']:.2f}, all ranks "
+            f"ready {b['all_ready_s']['median']:.2f} (rank start-up {b['relaunched_rank_startup_s']['median']:.2f}), "
+            f"first new step {b['first_new_step_s']['median']:.2f}"
+        )
+    print(
+        f"\nSurge: heartbeat timeout 3 s, stall deadline {STALL_MIN_S:.0f} s; torchrun: --max-restarts=3, "
+        f"--monitor-interval=0.1, gloo timeout {args.collective_timeout:.0f} s (default 600). "
+        f"{path.relative_to(c.REPO)}; {result['total_seconds']:.0f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -79,16 +79,23 @@ def plan(args: argparse.Namespace) -> dict:
         raise UsageError(f"{args.spec}: parallel: one GPU, so world size 1, got {spec.world_size}")
     with torch.device("meta"):
         params = count_parameters(build_model(spec.model, spec.seed, "meta"))
-    return {"spec": str(args.spec), "params": params, "flops_per_token": model_flops_per_token(spec, params),
-            "tokens_per_step": spec.data.micro_batch_size * spec.data.seq_len * spec.data.grad_accum,
-            "precision": str(getattr(spec.precision, "dtype", spec.precision)),
-            "steps": args.steps, "warmup": args.warmup, "reps": args.reps}
+    return {
+        "spec": str(args.spec),
+        "params": params,
+        "flops_per_token": model_flops_per_token(spec, params),
+        "tokens_per_step": spec.data.micro_batch_size * spec.data.seq_len * spec.data.grad_accum,
+        "precision": str(getattr(spec.precision, "dtype", spec.precision)),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "reps": args.reps,
+    }
 
 
 def gpu_name() -> str:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
-                             timeout=30)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+        )
     except FileNotFoundError:
         out = subprocess.CompletedProcess([], 127, "", "")
     if out.returncode != 0 or not out.stdout.strip():
@@ -108,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            raise UsageError(f"torch {torch.__version__} in this venv cannot use the GPU (a CPU build?): install the CUDA "
-                             "wheel, e.g. pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128")
+            raise UsageError(
+                f"torch {torch.__version__} in this venv cannot use the GPU (a CPU build?): install the CUDA "
+                "wheel, e.g. pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+            )
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -131,19 +140,42 @@ def main(argv: list[str] | None = None) -> int:
             starts["torchrun"].append(run.steps[0]["unix_time"] - run.t_launch)
     mfu = lambda tps: tps * p["flops_per_token"] / (peak * 1e12)  # noqa: E731
     s, t = c.summary(surge), c.summary(torch_)
-    result = {"machine": {**c.machine(), "gpu": name, "peak_tflops": peak}, "plan": p,
-              "surge_tokens_per_s": s, "torchrun_tokens_per_s": t,
-              "surge_mfu": mfu(s["median"]), "torchrun_mfu": mfu(t["median"]),
-              "ratio": c.summary([a / b for a, b in zip(surge, torch_)]),
-              "startup_s": {k: c.summary(v) for k, v in starts.items()}, "total_seconds": time.time() - t0}
+    result = {
+        "machine": {**c.machine(), "gpu": name, "peak_tflops": peak},
+        "plan": p,
+        "surge_tokens_per_s": s,
+        "torchrun_tokens_per_s": t,
+        "surge_mfu": mfu(s["median"]),
+        "torchrun_mfu": mfu(t["median"]),
+        "ratio": c.summary([a / b for a, b in zip(surge, torch_)]),
+        "startup_s": {k: c.summary(v) for k, v in starts.items()},
+        "total_seconds": time.time() - t0,
+    }
     path = c.save("gpu", result)
-    print(f"{name}, peak {peak:.0f} TFLOP/s bf16; {p['params'] / 1e6:.1f} M parameters, seq {p['tokens_per_step']} "
-          f"tokens/step, {p['flops_per_token'] / 1e9:.2f} GFLOP/token, {args.steps} steps ({args.warmup} warm-up) x {args.reps}")
-    print(c.table([
-        ("Surge (full stack, NCCL)", c.fmt(s, "", 0), f"{100 * result['surge_mfu']:.1f} %", c.fmt(result["startup_s"]["surge"], "", 1)),
-        ("torchrun", c.fmt(t, "", 0), f"{100 * result['torchrun_mfu']:.1f} %", c.fmt(result["startup_s"]["torchrun"], "", 1)),
-        ("ratio Surge / torchrun", c.fmt(result["ratio"], "", 3), "", ""),
-    ], ("side", "tokens/s median (min-max)", "MFU", "start -> first step s")))
+    print(
+        f"{name}, peak {peak:.0f} TFLOP/s bf16; {p['params'] / 1e6:.1f} M parameters, seq {p['tokens_per_step']} "
+        f"tokens/step, {p['flops_per_token'] / 1e9:.2f} GFLOP/token, {args.steps} steps ({args.warmup} warm-up) x {args.reps}"
+    )
+    print(
+        c.table(
+            [
+                (
+                    "Surge (full stack, NCCL)",
+                    c.fmt(s, "", 0),
+                    f"{100 * result['surge_mfu']:.1f} %",
+                    c.fmt(result["startup_s"]["surge"], "", 1),
+                ),
+                (
+                    "torchrun",
+                    c.fmt(t, "", 0),
+                    f"{100 * result['torchrun_mfu']:.1f} %",
+                    c.fmt(result["startup_s"]["torchrun"], "", 1),
+                ),
+                ("ratio Surge / torchrun", c.fmt(result["ratio"], "", 3), "", ""),
+            ],
+            ("side", "tokens/s median (min-max)", "MFU", "start -> first step s"),
+        )
+    )
     print(f"{path.relative_to(c.REPO)}; {result['total_seconds']:.0f} s")
     return 0
 

@@ -46,8 +46,9 @@ def run_all(configs: dict[str, dict], default_out: str, base: dict | None = None
     with tempfile.TemporaryDirectory() as tmp:
         for name, cfg in configs.items():
             t0 = time.perf_counter()
-            res = run_config({**(base or {}), **cfg, "steps": args.steps}, Path(tmp) / name.replace(" ", "_"),
-                             timeout=900)[0]
+            res = run_config(
+                {**(base or {}), **cfg, "steps": args.steps}, Path(tmp) / name.replace(" ", "_"), timeout=900
+            )[0]
             ref = ref or res["losses"]
             row = {
                 "config": name,
@@ -57,8 +58,11 @@ def run_all(configs: dict[str, dict], default_out: str, base: dict | None = None
                 "wall_seconds": time.perf_counter() - t0,
             }
             rows.append(row)
-            print(f"{name:{width}s}ranks {row['ranks']}  step {row['median_step_seconds'] * 1e3:7.1f} ms  "
-                  f"max rel loss diff {row['max_rel_loss_diff']:.2e}", flush=True)
+            print(
+                f"{name:{width}s}ranks {row['ranks']}  step {row['median_step_seconds'] * 1e3:7.1f} ms  "
+                f"max rel loss diff {row['max_rel_loss_diff']:.2e}",
+                flush=True,
+            )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"steps": args.steps, "unix_time": time.time(), "rows": rows}, indent=1))
 

@@ -48,10 +48,14 @@ def _rank(rank: int, port: int, out: Path, steps: int, marked: bool) -> None:
 
     if marked:  # (LocalRank imports compose from the rank's root at construction)
         rank_root.compose = functools.partial(rank_root.compose, phase=PhaseMarker())
-    spec = rank_fakes.tiny_spec(steps=steps, parallel={"dp": 2},
-                                model={"n_layers": 4, "d_model": 128, "n_heads": 4},
-                                data={"seq_len": 256, "micro_batch_size": 8},
-                                eval={"at_end": False, "every_steps": 0}, checkpoint={"at_end": False, "every_steps": 0})
+    spec = rank_fakes.tiny_spec(
+        steps=steps,
+        parallel={"dp": 2},
+        model={"n_layers": 4, "d_model": 128, "n_heads": 4},
+        data={"seq_len": 256, "micro_batch_size": 8},
+        eval={"at_end": False, "every_steps": 0},
+        checkpoint={"at_end": False, "every_steps": 0},
+    )
     local = rank_fakes.LocalRank(spec, out / "ckpt", rank=rank, world_size=2, port=port)
     local.command(engine_pb2.StartTraining(job_id="job"))
     local.run()
@@ -100,13 +104,15 @@ def _paired(pairs: int) -> str:
     a, b = [], []
     for i in range(pairs):
         order = ((plain, ph.NO_PHASE, a), (hooked, marker, b))
-        for model, mark, into in (order if i % 2 else order[::-1]):
+        for model, mark, into in order if i % 2 else order[::-1]:
             into.append(step(model, mark))
     dist.destroy_process_group()
     d = statistics.median(y - x for x, y in zip(a, b))
-    return (f"paired, in one process (DDP world size 1, demo model 4 x 128, seq 256, 8 rows, {pairs} pairs): "
-            f"forward+backward {statistics.median(a) * 1e3:.1f} ms without the marker, {statistics.median(b) * 1e3:.1f} ms "
-            f"with it; median paired difference {d * 1e3:+.2f} ms ({d / statistics.median(a) * 100:+.2f} %)")
+    return (
+        f"paired, in one process (DDP world size 1, demo model 4 x 128, seq 256, 8 rows, {pairs} pairs): "
+        f"forward+backward {statistics.median(a) * 1e3:.1f} ms without the marker, {statistics.median(b) * 1e3:.1f} ms "
+        f"with it; median paired difference {d * 1e3:+.2f} ms ({d / statistics.median(a) * 100:+.2f} %)"
+    )
 
 
 def _free_port() -> int:
@@ -118,9 +124,14 @@ def _free_port() -> int:
 def _run(steps: int, marked: bool) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
         out, port = Path(tmp), _free_port()
-        procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--port", str(port), "--out", tmp,
-                                   "--steps", str(steps)] + (["--marked"] if marked else []), cwd=REPO)
-                 for r in (0, 1)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--rank", str(r), "--port", str(port), "--out", tmp, "--steps", str(steps)]
+                + (["--marked"] if marked else []),
+                cwd=REPO,
+            )
+            for r in (0, 1)
+        ]
         try:
             for p in procs:
                 if p.wait(timeout=600) != 0:
@@ -163,10 +174,14 @@ def main() -> None:
             row.append(f"{'with' if marked else 'without'} {statistics.median(got) * 1e3:.1f} ms")
         print(f"round {i + 1}: median step " + ", ".join(row), flush=True)
     base, marked = statistics.median(times[False]), statistics.median(times[True])
-    print(f"2 ranks (gloo, dp=2, DDP), demo model 4 x 128, seq 256, 8 rows, {args.steps} steps x {args.rounds} rounds, "
-          f"cpu count {os.cpu_count()}")
-    print(f"median step without the phase marker {base * 1e3:.1f} ms, with it {marked * 1e3:.1f} ms "
-          f"({(marked / base - 1) * 100:+.1f} %)")
+    print(
+        f"2 ranks (gloo, dp=2, DDP), demo model 4 x 128, seq 256, 8 rows, {args.steps} steps x {args.rounds} rounds, "
+        f"cpu count {os.cpu_count()}"
+    )
+    print(
+        f"median step without the phase marker {base * 1e3:.1f} ms, with it {marked * 1e3:.1f} ms "
+        f"({(marked / base - 1) * 100:+.1f} %)"
+    )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,13 @@ CONFIGS = {
     "pp=2 1f1b, 2 mb": {"pp": 2, "pipeline_schedule": "1f1b", "microbatches": 2},
     "ddp dp=2 x pp=2 gpipe": {"dp": 2, "pp": 2, "pipeline_schedule": "gpipe", "microbatches": 2},
     "ddp dp=2 x pp=2 1f1b": {"dp": 2, "pp": 2, "pipeline_schedule": "1f1b", "microbatches": 2},
-    "fsdp2 dp=2 x pp=2 1f1b": {"dp": 2, "pp": 2, "data_parallel": "fsdp2", "pipeline_schedule": "1f1b", "microbatches": 2},
+    "fsdp2 dp=2 x pp=2 1f1b": {
+        "dp": 2,
+        "pp": 2,
+        "data_parallel": "fsdp2",
+        "pipeline_schedule": "1f1b",
+        "microbatches": 2,
+    },
 }
 
 

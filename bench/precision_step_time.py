@@ -26,8 +26,12 @@ from services.contract import engine_pb2  # noqa: E402
 
 
 def run(precision: str, steps: int) -> dict[str, float]:
-    spec = tiny_spec(steps=steps, model={"n_layers": 4, "d_model": 128, "n_heads": 4},
-                     data={"seq_len": 256, "micro_batch_size": 8}, precision=precision)
+    spec = tiny_spec(
+        steps=steps,
+        model={"n_layers": 4, "d_model": 128, "n_heads": 4},
+        data={"seq_len": 256, "micro_batch_size": 8},
+        precision=precision,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         local = LocalRank(spec, Path(tmp))
         local.command(engine_pb2.StartTraining(job_id="job"))
@@ -54,13 +58,19 @@ def main() -> None:
     for _ in range(args.rounds):
         for precision in results:
             results[precision].append(run(precision, args.steps))
-    print(f"torch {torch.__version__}, {args.threads} thread(s), demo model (4 x 128, seq 256, 8 rows), "
-          f"{args.steps} steps x {args.rounds} rounds; medians over steps 3..{args.steps}")
-    print(f"{'precision':>9} {'step s':>8} {'fwd s':>8} {'bwd s':>8} {'opt s':>8} {'loss@end':>9} {'skipped':>7} {'scale':>7}")
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s), demo model (4 x 128, seq 256, 8 rows), "
+        f"{args.steps} steps x {args.rounds} rounds; medians over steps 3..{args.steps}"
+    )
+    print(
+        f"{'precision':>9} {'step s':>8} {'fwd s':>8} {'bwd s':>8} {'opt s':>8} {'loss@end':>9} {'skipped':>7} {'scale':>7}"
+    )
     for precision, rows in results.items():
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-        print(f"{precision:>9} {med['step_seconds']:8.3f} {med['forward_seconds']:8.3f} {med['backward_seconds']:8.3f} "
-              f"{med['optimizer_seconds']:8.4f} {med['final_loss']:9.3f} {int(med['skipped']):7d} {med['loss_scale']:7g}")
+        print(
+            f"{precision:>9} {med['step_seconds']:8.3f} {med['forward_seconds']:8.3f} {med['backward_seconds']:8.3f} "
+            f"{med['optimizer_seconds']:8.4f} {med['final_loss']:9.3f} {int(med['skipped']):7d} {med['loss_scale']:7g}"
+        )
 
 
 if __name__ == "__main__":

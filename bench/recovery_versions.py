@@ -35,10 +35,22 @@ from bench.faults import _watch, pids_with  # noqa: E402
 
 MODELS = {
     "demo": (c.REPO / "bench" / "jobs" / "throughput.yaml", {}, 2),
-    "100m": (c.REPO / "bench" / "jobs" / "gpt125m.yaml",
-             {"data": {"dataset": "stdlib@v1", "seq_len": 64, "micro_batch_size": 1, "shuffle_seed": 1234,
-                       "pack": "pack", "prefetch": {"watermark": 64, "threads": 1}},
-              "parallel": {"dp": 2, "backend": "gloo", "threads_per_rank": 1}, "precision": "fp32"}, 1),
+    "100m": (
+        c.REPO / "bench" / "jobs" / "gpt125m.yaml",
+        {
+            "data": {
+                "dataset": "stdlib@v1",
+                "seq_len": 64,
+                "micro_batch_size": 1,
+                "shuffle_seed": 1234,
+                "pack": "pack",
+                "prefetch": {"watermark": 64, "threads": 1},
+            },
+            "parallel": {"dp": 2, "backend": "gloo", "threads_per_rank": 1},
+            "precision": "fp32",
+        },
+        1,
+    ),
 }
 STORE_STOP_S = 30.0
 
@@ -48,13 +60,20 @@ def trial(model: str, kept: int, name: str, *, stop_store: bool = False, bound_s
     from services.contract import control_pb2
 
     base, overrides, every = MODELS[model]
-    spec = c.write_spec(base, name, steps=100_000, checkpoint={"every_steps": every, "keep_last": 0, "at_end": False},
-                        fault_policy={"max_restarts": 10}, eval={"every_steps": 0, "batches": 1, "at_end": False},
-                        **overrides)
+    spec = c.write_spec(
+        base,
+        name,
+        steps=100_000,
+        checkpoint={"every_steps": every, "keep_last": 0, "at_end": False},
+        fault_policy={"max_restarts": 10},
+        eval={"every_steps": 0, "batches": 1, "at_end": False},
+        **overrides,
+    )
     job, _ = c.submit(spec)
     events: list = []
     threading.Thread(target=_watch, args=(job, events), daemon=True).start()
     try:
+
         def saves() -> list:
             return [e for e in list(events) if e.type == "checkpoint" and " bytes, " in e.message]
 
@@ -82,8 +101,12 @@ def trial(model: str, kept: int, name: str, *, stop_store: bool = False, bound_s
         struck = [e.message for e in list(events) if "fails verification" in e.message or "never loaded" in e.message]
         recov = first_step()
         return {
-            "model": model, "kept": kept, "job": job, "store_stopped_s": STORE_STOP_S if stop_store else 0.0,
-            "versions_committed": len(saves()), "version_bytes": version_bytes,
+            "model": model,
+            "kept": kept,
+            "job": job,
+            "store_stopped_s": STORE_STOP_S if stop_store else 0.0,
+            "versions_committed": len(saves()),
+            "version_bytes": version_bytes,
             "decide_s": decided[0].unix_time - t_fault if decided else None,
             "relaunch_s": relaunch[0].unix_time - t_fault if relaunch else None,
             "first_new_step_s": recov[0].unix_time - t_fault if recov else None,
@@ -92,8 +115,9 @@ def trial(model: str, kept: int, name: str, *, stop_store: bool = False, bound_s
         }
     finally:
         try:
-            clients.call("control", lambda s: s.StopJob(control_pb2.StopJobRequest(job_id=job, no_checkpoint=True),
-                                                        timeout=10))
+            clients.call(
+                "control", lambda s: s.StopJob(control_pb2.StopJobRequest(job_id=job, no_checkpoint=True), timeout=10)
+            )
             c.wait_job(job, 120)
         except Exception:  # noqa: BLE001 - a job that will not stop: kill its ranks
             for p in pids_with(f"--job {job} "):
@@ -126,11 +150,34 @@ def main() -> None:
     path = c.save("recovery_versions", result)
     for t in trials:
         fmt = lambda v: f"{v:.2f}" if v is not None else "not recovered"  # noqa: E731
-        what = f"{t['model']}, {t['kept']} kept" + (f", store stopped {t['store_stopped_s']:.0f} s" if t["store_stopped_s"] else "")
-        rows.append((what, f"{t['version_bytes'] / 2**20:.1f}", fmt(t["decide_s"]), fmt(t["relaunch_s"]),
-                     fmt(t["first_new_step_s"]), t["resumed_from"] or "-", str(len(t["struck"]))))
-    print(c.table(rows, ("trial", "MiB per version", "fault -> decision s", "fault -> relaunch s",
-                         "fault -> first new step s", "resumed from", "versions struck")))
+        what = f"{t['model']}, {t['kept']} kept" + (
+            f", store stopped {t['store_stopped_s']:.0f} s" if t["store_stopped_s"] else ""
+        )
+        rows.append(
+            (
+                what,
+                f"{t['version_bytes'] / 2**20:.1f}",
+                fmt(t["decide_s"]),
+                fmt(t["relaunch_s"]),
+                fmt(t["first_new_step_s"]),
+                t["resumed_from"] or "-",
+                str(len(t["struck"])),
+            )
+        )
+    print(
+        c.table(
+            rows,
+            (
+                "trial",
+                "MiB per version",
+                "fault -> decision s",
+                "fault -> relaunch s",
+                "fault -> first new step s",
+                "resumed from",
+                "versions struck",
+            ),
+        )
+    )
     print(f"{path.relative_to(c.REPO)}; {result['total_seconds']:.0f} s")
 
 

@@ -68,7 +68,9 @@ def throughput(results: dict) -> None:
                 services_cpu.setdefault(key, []).append(100 * (_cpu(p.pid) - cpu0[name]) / wall_job)
             recs = c.surge_steps(job)
             if len(recs) < 2 or any(len(v) < STEPS for v in recs.values()):
-                raise RuntimeError(f"Surge job {job} ended {status.outcome} with {[len(v) for v in recs.values()]} steps")
+                raise RuntimeError(
+                    f"Surge job {job} ended {status.outcome} with {[len(v) for v in recs.values()]} steps"
+                )
             r0 = recs[0]
             surge_tps.append(c.steady_tokens_per_s(r0, WARMUP))
             surge_start.append(r0[0]["unix_time"] - t_submit)
@@ -80,7 +82,9 @@ def throughput(results: dict) -> None:
                 for ph in PHASES:
                     spans.setdefault(f"{ph[:-8]}", []).append(sum(r.get(ph, 0.0) for r in steady) / wall)
                 inside = sum(sum(r.get(ph, 0.0) for ph in PHASES) for r in steady)
-                spans.setdefault("rest of step (grad-norm/inf check, unscale, bus)", []).append((step_s - inside) / wall)
+                spans.setdefault("rest of step (grad-norm/inf check, unscale, bus)", []).append(
+                    (step_s - inside) / wall
+                )
                 spans.setdefault("between steps (emit)", []).append((wall - step_s) / wall)
             packed_vs_consumed.append(_packed(stack.log("data"), job, STEPS))
             # torchrun, same spec, right after.
@@ -88,19 +92,27 @@ def throughput(results: dict) -> None:
             torch_tps.append(c.steady_tokens_per_s(run.steps, WARMUP))
             torch_start.append(run.steps[0]["unix_time"] - run.t_launch)
             _add_sched(sched["torchrun"], sampler, run.steps)
-            print(f"  rep {rep + 1}/{REPS}: Surge {surge_tps[-1]:,.0f} tok/s, torchrun {torch_tps[-1]:,.0f} tok/s, "
-                  f"start-up {surge_start[-1]:.1f} s / {torch_start[-1]:.1f} s", flush=True)
+            print(
+                f"  rep {rep + 1}/{REPS}: Surge {surge_tps[-1]:,.0f} tok/s, torchrun {torch_tps[-1]:,.0f} tok/s, "
+                f"start-up {surge_start[-1]:.1f} s / {torch_start[-1]:.1f} s",
+                flush=True,
+            )
     sampler.stop()
     ratios = [s / t for s, t in zip(surge_tps, torch_tps)]
     results["rank_time_per_step_ms"] = {side: {k: c.summary(v) for k, v in d.items()} for side, d in sched.items()}
     results["throughput"] = {
-        "steps": STEPS, "warmup_steps": WARMUP, "repetitions": REPS,
-        "surge_tokens_per_s": c.summary(surge_tps), "torchrun_tokens_per_s": c.summary(torch_tps),
+        "steps": STEPS,
+        "warmup_steps": WARMUP,
+        "repetitions": REPS,
+        "surge_tokens_per_s": c.summary(surge_tps),
+        "torchrun_tokens_per_s": c.summary(torch_tps),
         "ratio": c.summary(ratios),
     }
     results["spans_fraction_of_wall"] = {k: c.summary(v) for k, v in spans.items()}
-    results["startup_seconds"] = {"surge_submit_to_first_step": c.summary(surge_start),
-                                  "torchrun_launch_to_first_step": c.summary(torch_start)}
+    results["startup_seconds"] = {
+        "surge_submit_to_first_step": c.summary(surge_start),
+        "torchrun_launch_to_first_step": c.summary(torch_start),
+    }
     results["data_packed_vs_consumed"] = packed_vs_consumed
     # % of one core over submit..end; "worker" is each node agent (the ranks are its
     # children, not counted here).
@@ -174,16 +186,25 @@ def meetings(results: dict) -> None:
         for label, data in (("before", before), ("now", now)):
             r0 = data["configs"].get(name, {}).get("rank0")
             if r0:
-                row[label] = {k: r0[k] for k in ("collectives_total", "collectives_outside_backward_forward",
-                                                 "collectives_by_module", "bus_messages_total", "relay_messages_total")}
+                row[label] = {
+                    k: r0[k]
+                    for k in (
+                        "collectives_total",
+                        "collectives_outside_backward_forward",
+                        "collectives_by_module",
+                        "bus_messages_total",
+                        "relay_messages_total",
+                    )
+                }
         res[name] = row
     results["meetings_per_step"] = res
 
 
 def data_drain(results: dict) -> None:
     secs = 8 if c.QUICK else 20
-    out = subprocess.run([c.PY, "bench/data_drain.py", "--seconds", str(secs)], cwd=c.REPO, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [c.PY, "bench/data_drain.py", "--seconds", str(secs)], cwd=c.REPO, capture_output=True, text=True, timeout=300
+    )
     if out.returncode != 0:
         results["data_drain"] = {"error": out.stderr[-1500:]}
         return
@@ -196,8 +217,9 @@ def checkpoints(results: dict) -> None:
     if not c.QUICK:
         runs.append(("100M", ["--rounds", "3", "--model", "100m"]))
     for name, args in runs:
-        out = subprocess.run([c.PY, "bench/checkpoint_save.py", *args, "--json"], cwd=c.REPO, capture_output=True,
-                             text=True, timeout=900)
+        out = subprocess.run(
+            [c.PY, "bench/checkpoint_save.py", *args, "--json"], cwd=c.REPO, capture_output=True, text=True, timeout=900
+        )
         if out.returncode != 0:
             res[name] = {"error": out.stderr[-1500:]}
             continue
@@ -212,9 +234,23 @@ def control_scale(results: dict) -> None:
     secs, reg_timeout = (15, 20) if c.QUICK else (45, 60)
     res = {}
     for n in sizes:
-        out = subprocess.run([c.PY, "bench/control_scale.py", "--workers", str(n), "--seconds", str(secs),
-                              "--register-timeout", str(reg_timeout), "--json"],
-                             cwd=c.REPO, capture_output=True, text=True, timeout=secs + reg_timeout + 240)
+        out = subprocess.run(
+            [
+                c.PY,
+                "bench/control_scale.py",
+                "--workers",
+                str(n),
+                "--seconds",
+                str(secs),
+                "--register-timeout",
+                str(reg_timeout),
+                "--json",
+            ],
+            cwd=c.REPO,
+            capture_output=True,
+            text=True,
+            timeout=secs + reg_timeout + 240,
+        )
         if out.returncode != 0:
             res[str(n)] = {"error": out.stderr[-1500:]}
             continue
@@ -242,37 +278,60 @@ def render(r: dict) -> str:
     for name, row in r.get("meetings_per_step", {}).items():
         if "before" in row and "now" in row:
             b, n = row["before"], row["now"]
-            what = f"{name}: collectives / small ones outside forward+backward / bus / relay msgs per step, before -> now"
+            what = (
+                f"{name}: collectives / small ones outside forward+backward / bus / relay msgs per step, before -> now"
+            )
             rows.append(("1 meetings", what,
                          f"{b['collectives_total']:g} / {b['collectives_outside_backward_forward']:g} / {b['bus_messages_total']:g} / "
                          f"{b['relay_messages_total']:g} -> {n['collectives_total']:g} / {n['collectives_outside_backward_forward']:g} / "
                          f"{n['bus_messages_total']:g} / {n['relay_messages_total']:g}"))  # fmt: skip
     for k, v in r.get("spans_fraction_of_wall", {}).items():
-        percent = {**v, **{x: 100 * v[x] for x in ('median', 'min', 'max')}}
+        percent = {**v, **{x: 100 * v[x] for x in ("median", "min", "max")}}
         rows.append(("2 spans", f"{k}, % of wall time (rank median)", c.fmt(percent, " %", 2)))
     sched = r.get("rank_time_per_step_ms", {})
     for k in ("main_cpu_ms", "runqueue_ms", "sleep_ms", "other_threads_cpu_ms"):
         if k in sched.get("surge", {}) and k in sched.get("torchrun", {}):
-            rows.append(("2 spans", f"rank {_SCHED_LABEL[k]}, ms per step: Surge / torchrun",
-                         f"{c.fmt(sched['surge'][k], '', 1)} / {c.fmt(sched['torchrun'][k], '', 1)}"))
+            rows.append(
+                (
+                    "2 spans",
+                    f"rank {_SCHED_LABEL[k]}, ms per step: Surge / torchrun",
+                    f"{c.fmt(sched['surge'][k], '', 1)} / {c.fmt(sched['torchrun'][k], '', 1)}",
+                )
+            )
     for k, v in r.get("services_cpu_percent", {}).items():
         rows.append(("2 spans", f"CPU of {k} during the job, % of one core", c.fmt(v, " %", 1)))
     b = r.get("bus")
     if b:
         per_send = b["us_per_send"]
-        rows.append(("2 spans", "bus: us per command+reply / per publish",
-                     f"{per_send.get('command + routed reply', 0):.2f} / {per_send.get('publish to 2 receivers', 0):.2f}"))
+        rows.append(
+            (
+                "2 spans",
+                "bus: us per command+reply / per publish",
+                f"{per_send.get('command + routed reply', 0):.2f} / {per_send.get('publish to 2 receivers', 0):.2f}",
+            )
+        )
         rows.append(("2 spans", f"bus: us per step ({b['sends_per_step']} sends)", f"{b['us_per_step']:.1f}"))
     dw = r.get("spans_fraction_of_wall", {}).get("data_wait")
     if dw:
-        percent = {**dw, **{x: 100 * dw[x] for x in ('median', 'min', 'max')}}
+        percent = {**dw, **{x: 100 * dw[x] for x in ("median", "min", "max")}}
         rows.append(("3 data", "data wait % of wall (goal < 1 %)", c.fmt(percent, " %", 3)))
     for p in r.get("data_packed_vs_consumed", [])[-1:]:
-        rows.append(("3 data", "batches sent per train stream vs consumed per rank",
-                     f"{p['sent_per_stream_last2']} vs {p['consumed_per_rank']}"))
+        rows.append(
+            (
+                "3 data",
+                "batches sent per train stream vs consumed per rank",
+                f"{p['sent_per_stream_last2']} vs {p['consumed_per_rank']}",
+            )
+        )
     d = r.get("data_drain")
     if d and "error" not in d:
-        rows.append(("3 data", "data service alone: batches/s, MB/s (1 stream drained)", f"{d['batches_per_s']:.0f}, {d['mb_per_s']:.1f}"))
+        rows.append(
+            (
+                "3 data",
+                "data service alone: batches/s, MB/s (1 stream drained)",
+                f"{d['batches_per_s']:.0f}, {d['mb_per_s']:.1f}",
+            )
+        )
         if t:
             need = t["surge_tokens_per_s"]["median"] / (d["tokens_per_batch"])
             rows.append(("3 data", "ranks consume batches/s (both ranks)", f"{need:.1f}"))
@@ -281,29 +340,57 @@ def render(r: dict) -> str:
             rows.append(("4 checkpoint", name, "error: " + cp["error"].splitlines()[-1][:80]))
             continue
         med = cp["median_ms_rank0"]
-        rows.append(("4 checkpoint", f"{name} ({cp['params'] / 1e6:.1f} M params): loop blocked, sync vs async (ms)",
-                     f"{med['sync: blocked']:.0f} vs {med['async: blocked']:.0f}"))
+        rows.append(
+            (
+                "4 checkpoint",
+                f"{name} ({cp['params'] / 1e6:.1f} M params): loop blocked, sync vs async (ms)",
+                f"{med['sync: blocked']:.0f} vs {med['async: blocked']:.0f}",
+            )
+        )
         rows.append(("4 checkpoint", f"{name}: load (ms)", f"{med['load']:.0f}"))
     for n, cs in r.get("control_scale", {}).items():
         if "error" in cs:
             rows.append(("5 control", f"{n} workers", "error: " + cs["error"].splitlines()[-1][:80]))
             continue
-        rows.append(("5 control", f"{n} workers: registered / register ack p50, p99 (ms)",
-                     f"{cs['registered']} / {cs['register_latency_ms']['p50']:.0f}, {cs['register_latency_ms']['p99']:.0f}"))
+        rows.append(
+            (
+                "5 control",
+                f"{n} workers: registered / register ack p50, p99 (ms)",
+                f"{cs['registered']} / {cs['register_latency_ms']['p50']:.0f}, {cs['register_latency_ms']['p99']:.0f}",
+            )
+        )
         if cs["registered"] < int(n):
             rows.append(("5 control", f"{n} workers", f"saturated: {cs['registered']} sessions held, the rest wait"))
             continue
-        rows.append(("5 control", f"{n} workers: event latency p50, p99 (ms; {cs['latency_source']})",
-                     f"{cs['latency_ms']['p50']:.1f}, {cs['latency_ms']['p99']:.1f} (n={cs['latency_ms']['n']})"))
+        rows.append(
+            (
+                "5 control",
+                f"{n} workers: event latency p50, p99 (ms; {cs['latency_source']})",
+                f"{cs['latency_ms']['p50']:.1f}, {cs['latency_ms']['p99']:.1f} (n={cs['latency_ms']['n']})",
+            )
+        )
         declared = cs.get("silenced_declared_after_last_beat_s", cs["silenced_declared_s"])
-        rows.append(("5 control", f"{n} workers: control CPU % of one core / silenced rank declared after (s)",
-                     f"{cs['control_cpu_percent']:.0f} / {declared}"))
+        rows.append(
+            (
+                "5 control",
+                f"{n} workers: control CPU % of one core / silenced rank declared after (s)",
+                f"{cs['control_cpu_percent']:.0f} / {declared}",
+            )
+        )
         if declared is not None and declared < 0:  # a rank declared silent before the planted silence
-            rows.append(("5 control", f"{n} workers", f"saturated: a live rank was declared silent first ({cs['fault_event'][:70]})"))
+            rows.append(
+                (
+                    "5 control",
+                    f"{n} workers",
+                    f"saturated: a live rank was declared silent first ({cs['fault_event'][:70]})",
+                )
+            )
     s = r.get("startup_seconds")
     if s:
         rows.append(("6 start-up", "Surge submit -> first step (s)", c.fmt(s["surge_submit_to_first_step"], "", 2)))
-        rows.append(("6 start-up", "torchrun launch -> first step (s)", c.fmt(s["torchrun_launch_to_first_step"], "", 2)))
+        rows.append(
+            ("6 start-up", "torchrun launch -> first step (s)", c.fmt(s["torchrun_launch_to_first_step"], "", 2))
+        )
     return c.table(rows, ("section", "what", "median (min-max)"))
 
 
@@ -316,8 +403,14 @@ def main() -> None:
     if only and out.exists():  # re-run some sections: keep the others' figures
         results = {**json.loads(out.read_text()), **results, "sections_rerun": only}
         results.pop("errors", None)
-    for name, fn in (("meetings", meetings), ("throughput", throughput), ("bus", bus_cost), ("data drain", data_drain),
-                     ("checkpoints", checkpoints), ("control plane", control_scale)):
+    for name, fn in (
+        ("meetings", meetings),
+        ("throughput", throughput),
+        ("bus", bus_cost),
+        ("data drain", data_drain),
+        ("checkpoints", checkpoints),
+        ("control plane", control_scale),
+    ):
         if only and name not in only:
             continue
         print(f"[{time.time() - t0:6.0f} s] {name} ...", flush=True)
@@ -330,8 +423,10 @@ def main() -> None:
     results["total_seconds"] = time.time() - t0
     path = c.save("bench" + ("-quick" if c.QUICK else ""), results)
     print(render(results))
-    print(f"\n{path.relative_to(c.REPO)}; {results['total_seconds']:.0f} s; load average at start "
-          f"{results['machine']['loadavg_at_start']}")
+    print(
+        f"\n{path.relative_to(c.REPO)}; {results['total_seconds']:.0f} s; load average at start "
+        f"{results['machine']['loadavg_at_start']}"
+    )
 
 
 if __name__ == "__main__":

@@ -211,7 +211,10 @@ def main() -> None:
     for name in args.configs.split(","):
         t0 = time.time()
         try:
-            results["configs"][name] = {"parallel": CONFIGS[name], **summarise(run_config(name, CONFIGS[name], args.steps))}
+            results["configs"][name] = {
+                "parallel": CONFIGS[name],
+                **summarise(run_config(name, CONFIGS[name], args.steps)),
+            }
         except Exception as e:  # one config failing must not lose the others
             results["configs"][name] = {"parallel": CONFIGS[name], "error": str(e)[-3000:]}
         print(f"{name}: {time.time() - t0:.0f} s", flush=True)

@@ -66,10 +66,13 @@ def batches(root: Path, spec, rank: int, world: int, skip: int = 0):
     buf = np.zeros(0, np.int64)
     epoch, n = 0, 0
     while True:
-        order = np.random.default_rng((d.shuffle_seed, epoch)).permutation(len(bounds) - 1) if d.shuffle \
+        order = (
+            np.random.default_rng((d.shuffle_seed, epoch)).permutation(len(bounds) - 1)
+            if d.shuffle
             else np.arange(len(bounds) - 1)
+        )
         for doc in order[rank::world]:
-            toks = np.asarray(tokens[bounds[doc]:bounds[doc + 1]])
+            toks = np.asarray(tokens[bounds[doc] : bounds[doc + 1]])
             if len(toks) < d.filter.min_tokens or (d.filter.max_tokens and len(toks) > d.filter.max_tokens):
                 continue
             if len(banned) and np.isin(toks, banned).any():
@@ -77,7 +80,7 @@ def batches(root: Path, spec, rank: int, world: int, skip: int = 0):
             buf = np.concatenate([buf, toks.astype(np.int64), [0]])
             while len(buf) >= need:
                 rows = np.lib.stride_tricks.sliding_window_view(buf[:need], T + 1)[::T]
-                buf = buf[B * T:]
+                buf = buf[B * T :]
                 n += 1
                 if n > skip:
                     r = torch.from_numpy(np.ascontiguousarray(rows))
@@ -124,9 +127,13 @@ def main(argv: list[str] | None = None) -> None:
     o = spec.optimizer
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    optim = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                               {"params": no_decay, "weight_decay": 0.0}],
-                              lr=0.0, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
+    optim = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=0.0,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        fused=True,
+    )
     start = 0
     ckpt = args.ckpt_dir / "latest.pt" if args.ckpt_dir else None
     if ckpt is not None and ckpt.exists():
@@ -140,7 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision(spec) == "bf16")
     log = open(args.step_log, "a") if rank == 0 else None
     if log:
-        log.write(json.dumps({"event": "start", "unix_time": T_PROCESS, "start_step": start, "pid": os.getpid()}) + "\n")
+        log.write(
+            json.dumps({"event": "start", "unix_time": T_PROCESS, "start_step": start, "pid": os.getpid()}) + "\n"
+        )
         log.flush()
     for step in range(start + 1, steps + 1):
         t0 = time.perf_counter()
@@ -164,8 +173,18 @@ def main(argv: list[str] | None = None) -> None:
         step_s = time.perf_counter() - t0
         if log:
             loss_v, tok = reduced.tolist()
-            log.write(json.dumps({"step": step, "unix_time": time.time(), "step_seconds": step_s,
-                                  "tokens": int(tok), "loss": loss_v / tok}) + "\n")
+            log.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "unix_time": time.time(),
+                        "step_seconds": step_s,
+                        "tokens": int(tok),
+                        "loss": loss_v / tok,
+                    }
+                )
+                + "\n"
+            )
             log.flush()
         if ckpt is not None and step % args.ckpt_every == 0 and rank == 0:
             tmp = ckpt.with_suffix(".tmp")

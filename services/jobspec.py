@@ -78,7 +78,7 @@ class ModelSpec(_Strict):
     vocab_size: int = Field(256, gt=0, le=I32_MAX)  # token ids travel as int32
     rope_theta: float = Field(10000.0, gt=0)  # RoFormer (Su et al. 2021) default
     norm_eps: float = Field(1e-5, gt=0, le=1)
-    init_std: float = Field(0.02, gt=0)       # GPT-2 initialisation
+    init_std: float = Field(0.02, gt=0)  # GPT-2 initialisation
     # Kept for older specs; ``operators.attention`` is the place for the kernel choice
     # (both set and different is refused).
     attention: Literal["sdpa", "math"] = "sdpa"
@@ -93,22 +93,22 @@ class ModelSpec(_Strict):
 
 
 class PrefetchSpec(_Strict):
-    watermark: int = Field(256, gt=0, le=U32_MAX)   # documents read ahead
-    threads: int = Field(2, gt=0, le=256)           # reader threads the data service starts
+    watermark: int = Field(256, gt=0, le=U32_MAX)  # documents read ahead
+    threads: int = Field(2, gt=0, le=256)  # reader threads the data service starts
 
 
 class FilterSpec(_Strict):
     min_tokens: int = Field(1, ge=0, le=U32_MAX)
-    max_tokens: int = Field(0, ge=0, le=U32_MAX)   # 0: no upper bound
-    banned_bytes: str = ""             # documents containing any of these characters are dropped
+    max_tokens: int = Field(0, ge=0, le=U32_MAX)  # 0: no upper bound
+    banned_bytes: str = ""  # documents containing any of these characters are dropped
     banned_tokens: list[Annotated[int, Field(ge=0, le=U32_MAX)]] = []  # token ids (< model.vocab_size)
 
 
 class DataSpec(_Strict):
     dataset: str = Field(..., pattern=r"^[A-Za-z0-9_.-]+@[A-Za-z0-9_.-]+$")  # name@version
     seq_len: int = Field(256, gt=0, le=U32_MAX)
-    micro_batch_size: int = Field(8, gt=0, le=U32_MAX)   # rows per rank per micro-step
-    grad_accum: int = Field(1, gt=0, le=U32_MAX)         # micro-steps per optimizer step
+    micro_batch_size: int = Field(8, gt=0, le=U32_MAX)  # rows per rank per micro-step
+    grad_accum: int = Field(1, gt=0, le=U32_MAX)  # micro-steps per optimizer step
     shuffle: bool = True
     shuffle_seed: int = Field(1234, ge=0)
     pack: Literal["pack", "pad"] = "pack"
@@ -151,7 +151,7 @@ class ParallelSpec(_Strict):
     activation_checkpointing: bool = False
     pipeline_schedule: Literal["gpipe", "1f1b"] = "1f1b"
     microbatches: int = Field(0, ge=0, le=U32_MAX)
-    backend: Literal["auto", "gloo", "nccl"] = "auto"   # auto: nccl on CUDA, else gloo
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, else gloo
     threads_per_rank: int = Field(1, gt=0, le=1024)
     # Peak dense throughput of one device, only for the MFU estimate (e.g. 989 for an H100
     # in bf16, the 2-core CPU here reaches about 0.1).
@@ -181,7 +181,9 @@ def check_parallel(model: ModelSpec, world_size: int, parallel: ParallelSpec) ->
     if dp * tp * pp > U32_MAX:
         raise ValueError(f"parallel: dp ({dp}) * tp ({tp}) * pp ({pp}) = {dp * tp * pp} ranks, more than {U32_MAX}")
     if dp * tp * pp != world_size:
-        raise ValueError(f"parallel: dp ({dp}) * tp ({tp}) * pp ({pp}) = {dp * tp * pp}, but the world has {world_size} ranks")
+        raise ValueError(
+            f"parallel: dp ({dp}) * tp ({tp}) * pp ({pp}) = {dp * tp * pp}, but the world has {world_size} ranks"
+        )
     if tp > 1:
         if model.n_heads % tp:
             raise ValueError(f"parallel.tp: model.n_heads ({model.n_heads}) must be divisible by tp ({tp})")
@@ -189,7 +191,9 @@ def check_parallel(model: ModelSpec, world_size: int, parallel: ParallelSpec) ->
             raise ValueError(f"parallel.tp: model.d_model ({model.d_model}) must be divisible by tp ({tp})")
         hidden = mlp_hidden_width(model)
         if hidden % tp:
-            raise ValueError(f"parallel.tp: the MLP hidden width ({hidden}, from model.mlp_ratio) must be divisible by tp ({tp})")
+            raise ValueError(
+                f"parallel.tp: the MLP hidden width ({hidden}, from model.mlp_ratio) must be divisible by tp ({tp})"
+            )
         if dp > 1 and parallel.data_parallel == "ddp":
             raise ValueError(
                 "parallel.data_parallel: ddp cannot be combined with tp > 1 (DDP does not shard DTensor "
@@ -197,7 +201,9 @@ def check_parallel(model: ModelSpec, world_size: int, parallel: ParallelSpec) ->
             )
     if pp > 1:
         if model.n_layers < pp:
-            raise ValueError(f"parallel.pp: model.n_layers ({model.n_layers}) must be >= pp ({pp}): every stage needs a block")
+            raise ValueError(
+                f"parallel.pp: model.n_layers ({model.n_layers}) must be >= pp ({pp}): every stage needs a block"
+            )
         if model.tie_embeddings:
             raise ValueError(
                 f"model.tie_embeddings: must be false when parallel.pp ({pp}) > 1 (embedding and LM head live on different stages)"
@@ -214,7 +220,7 @@ class OptimizerSpec(_Strict):
     lr: float = Field(3e-3, gt=0)
     weight_decay: float = Field(0.1, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)   # GPT-3 / LLaMA setting
+    beta2: float = Field(0.95, ge=0, lt=1)  # GPT-3 / LLaMA setting
     eps: float = Field(1e-8, gt=0, le=1)
     warmup_steps: int = Field(50, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
@@ -236,7 +242,7 @@ class LossScaleSpec(_Strict):
     init_scale: float = Field(2.0**16, gt=0)
     growth_factor: float = Field(2.0, gt=1, le=2.0**16)
     backoff_factor: float = Field(0.5, gt=0, lt=1)
-    growth_interval: int = Field(2000, gt=0)    # clean steps
+    growth_interval: int = Field(2000, gt=0)  # clean steps
     hysteresis: int = Field(2, gt=0, le=U32_MAX)  # overflows tolerated before a backoff (1: back off at once)
     min_scale: float = Field(1.0, gt=0)
 
@@ -252,7 +258,7 @@ class PrecisionSpec(_Strict):
     scaling (``loss_scale``). A bare string (``precision: bf16``) means ``{dtype: bf16}``."""
 
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    loss_scale: LossScaleSpec | None = None   # fp16 only; None: the defaults
+    loss_scale: LossScaleSpec | None = None  # fp16 only; None: the defaults
 
     @model_validator(mode="after")
     def _scaling_is_fp16_only(self) -> PrecisionSpec:
@@ -284,9 +290,9 @@ class CheckpointSpec(_Strict):
     # `async` is a Python keyword: the field is `async_`, spelled `async` in a job file.
     model_config = ConfigDict(validate_by_name=True, validate_by_alias=True)
 
-    every_steps: int = Field(100, ge=0)   # 0: only at the end
-    keep_last: int = Field(3, ge=0, le=U32_MAX)       # 0: keep all
-    keep_every: int = Field(0, ge=0, le=U32_MAX)      # also keep versions whose step is a multiple of it (0: none)
+    every_steps: int = Field(100, ge=0)  # 0: only at the end
+    keep_last: int = Field(3, ge=0, le=U32_MAX)  # 0: keep all
+    keep_every: int = Field(0, ge=0, le=U32_MAX)  # also keep versions whose step is a multiple of it (0: none)
     at_end: bool = True
     # torch.distributed.checkpoint.async_save: the loop blocks only for the copy to host
     # memory; the write and the commit run in the background (the end of a run waits).
@@ -294,7 +300,7 @@ class CheckpointSpec(_Strict):
 
 
 class EvalSpec(_Strict):
-    every_steps: int = Field(100, ge=0)   # 0: only at the end
+    every_steps: int = Field(100, ge=0)  # 0: only at the end
     batches: int = Field(8, gt=0, le=U32_MAX)  # micro-batches per rank per evaluation
     at_end: bool = True
 
@@ -339,7 +345,12 @@ DEFAULT_CLASS_ACTIONS: dict[str, str] = {
     "overflow_storm": "rollback",
     "checkpoint_error": "rollback",
 }
-DEFAULT_GRADE_ACTIONS: dict[str, str] = {"MINOR": "ignore", "MEDIUM": "ignore", "SEVERE": "restart_ranks", "FATAL": "stop"}
+DEFAULT_GRADE_ACTIONS: dict[str, str] = {
+    "MINOR": "ignore",
+    "MEDIUM": "ignore",
+    "SEVERE": "restart_ranks",
+    "FATAL": "stop",
+}
 
 
 class FaultPolicySpec(_Strict):
@@ -597,9 +608,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark
-                )
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 

@@ -31,8 +31,14 @@ class _PerMethod(_Headers):
         if not _POLICY.governs(details.method):  # health, reflection: no module
             return details
         metadata = [*(details.metadata or ()), (MODULE_METADATA, Module.Name(usual_caller(details.method)))]
-        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
-                            getattr(details, "wait_for_ready", None), getattr(details, "compression", None))
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            metadata,
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
 
 
 def any_caller_channel(address: str) -> grpc.Channel:

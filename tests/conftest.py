@@ -107,6 +107,12 @@ def surge_home(tmp_path, monkeypatch) -> Path:
     home = tmp_path / "surge"
     home.mkdir()
     monkeypatch.setenv("SURGE_HOME", str(home))
-    for var in ("SURGE_CONTROL_ADDRESS", "SURGE_DATA_ADDRESS", "SURGE_STORE_ADDRESS", "SURGE_DATA_ROOT", "SURGE_STORE_ROOT"):
+    for var in (
+        "SURGE_CONTROL_ADDRESS",
+        "SURGE_DATA_ADDRESS",
+        "SURGE_STORE_ADDRESS",
+        "SURGE_DATA_ROOT",
+        "SURGE_STORE_ROOT",
+    ):
         monkeypatch.delenv(var, raising=False)
     return home

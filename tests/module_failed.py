@@ -23,8 +23,9 @@ class Raised:
 
 
 @contextmanager
-def raised_in_module(error_type: type[BaseException], match: str = "", *, event: str = "",
-                     cause: int = 0) -> Iterator[Raised]:
+def raised_in_module(
+    error_type: type[BaseException], match: str = "", *, event: str = "", cause: int = 0
+) -> Iterator[Raised]:
     """Expect ``ModuleFailed`` whose handler error is an ``error_type`` matching ``match``
     (and, when given, whose failure event is ``event`` with typed ``cause``)."""
     raised = Raised()

@@ -27,6 +27,13 @@ def run_two_ranks(spec: JobSpec, out: Path, ckpt: Path, inject: str, resume: str
     out.mkdir(parents=True, exist_ok=True)
     (port,) = free_ports(1)
     env = {**os.environ, "SURGE_FAULT_INJECT": inject, "SURGE_HOME": str(out / "home"), "PYTHONPATH": str(REPO)}
-    run_to_end([[sys.executable, str(HARNESS), str(r), "2", str(port), str(out), str(ckpt), spec_to_json(spec), resume]
-                for r in (0, 1)], timeout=240, cwd=ENGINE_TESTS, env=env)
+    run_to_end(
+        [
+            [sys.executable, str(HARNESS), str(r), "2", str(port), str(out), str(ckpt), spec_to_json(spec), resume]
+            for r in (0, 1)
+        ],
+        timeout=240,
+        cwd=ENGINE_TESTS,
+        env=env,
+    )
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]

@@ -19,7 +19,10 @@ def test_the_demo_spec_is_valid_and_gives_the_reference_global_batch():
     "text, expected",
     [
         ("name: x\nsteps: 5\ndata: {dataset: a@v1, seq_lenn: 4}\n", "job.yaml: data.seq_lenn: unknown key"),
-        ("name: x\nsteps: 5\ndata: {dataset: a@v1, seq_len: -4}\n", "job.yaml: data.seq_len: Input should be greater than 0, got -4"),
+        (
+            "name: x\nsteps: 5\ndata: {dataset: a@v1, seq_len: -4}\n",
+            "job.yaml: data.seq_len: Input should be greater than 0, got -4",
+        ),
         ("name: x\nstepz: 500\ndata: {dataset: a@v1}\n", "job.yaml: stepz: unknown key; steps: Field required"),
         ("name: x\nsteps: 5\ndata: {dataset: a@v1, seq_len: 4}\nmodle: {}\n", "job.yaml: modle: unknown key"),
         ("name: x\nsteps: five\ndata: {dataset: a@v1}\n", "job.yaml: steps: Input should be a valid integer"),
@@ -27,14 +30,23 @@ def test_the_demo_spec_is_valid_and_gives_the_reference_global_batch():
         ("name: x\nsteps: 5\ndata: {dataset: nover}\n", "job.yaml: data.dataset: String should match pattern"),
         ("name: [x\n", "job.yaml: line 2: malformed YAML"),
         ("- a\n- b\n", "job.yaml: expected a mapping"),
-        ("name: x\nsteps: 5\nmodel: {d_model: 100, n_heads: 3}\ndata: {dataset: a@v1}\n",
-         "job.yaml: model: d_model (100) must be divisible by n_heads (3)"),
-        ("name: x\nsteps: '120'\ndata: {dataset: a@v1}\n", "job.yaml: steps: Input should be a valid integer, got '120'"),
-        ("name: x\nsteps: 5\nsteps: 6\ndata: {dataset: a@v1}\n",
-         "job.yaml: line 3: malformed YAML: duplicate key 'steps'"),
-        ("name: x\nsteps: 5\nmodel: {tie_embeddings: false}\nparallel: {pp: 2, microbatches: 3}\n"
-         "data: {dataset: a@v1, micro_batch_size: 8}\n",
-         "job.yaml: data.micro_batch_size: 8 rows must split into parallel.microbatches (3)"),
+        (
+            "name: x\nsteps: 5\nmodel: {d_model: 100, n_heads: 3}\ndata: {dataset: a@v1}\n",
+            "job.yaml: model: d_model (100) must be divisible by n_heads (3)",
+        ),
+        (
+            "name: x\nsteps: '120'\ndata: {dataset: a@v1}\n",
+            "job.yaml: steps: Input should be a valid integer, got '120'",
+        ),
+        (
+            "name: x\nsteps: 5\nsteps: 6\ndata: {dataset: a@v1}\n",
+            "job.yaml: line 3: malformed YAML: duplicate key 'steps'",
+        ),
+        (
+            "name: x\nsteps: 5\nmodel: {tie_embeddings: false}\nparallel: {pp: 2, microbatches: 3}\n"
+            "data: {dataset: a@v1, micro_batch_size: 8}\n",
+            "job.yaml: data.micro_batch_size: 8 rows must split into parallel.microbatches (3)",
+        ),
     ],
 )
 def test_bad_specs_fail_with_one_line_naming_the_field(text, expected):

@@ -116,9 +116,20 @@ CASES = [
 def test_the_enumeration_finds_every_section():
     paths = {".".join(p) for p, *_ in numeric_fields()}
     assert len(paths) >= 45, sorted(paths)
-    for expected in ("steps", "seed", "model.vocab_size", "data.seq_len", "data.filter.banned_tokens",
-                     "precision.loss_scale.init_scale", "fault_policy.restarts", "liveness.heartbeat_timeout_seconds",
-                     "checkpoint.keep_last", "eval.batches", "optimizer.lr", "parallel.threads_per_rank"):
+    for expected in (
+        "steps",
+        "seed",
+        "model.vocab_size",
+        "data.seq_len",
+        "data.filter.banned_tokens",
+        "precision.loss_scale.init_scale",
+        "fault_policy.restarts",
+        "liveness.heartbeat_timeout_seconds",
+        "checkpoint.keep_last",
+        "eval.batches",
+        "optimizer.lr",
+        "parallel.threads_per_rank",
+    ):
         assert expected in paths
 
 
@@ -140,20 +151,35 @@ def test_an_out_of_range_value_is_refused_naming_its_field(path, kind, value, ke
     assert ".".join(path) in message, message
 
 
-@pytest.mark.parametrize(("yaml_text", "names"), [
-    ("steps: 100000000000000000000000", "steps: 100000000000000000000000 does not fit a 64-bit integer"),
-    ("data: {dataset: tiny@v1, pad_id: 256}", "data.pad_id: 256 is not a token id of model.vocab_size 256"),
-    ("data: {dataset: tiny@v1, filter: {banned_tokens: [3, 999]}}", "data.filter.banned_tokens: 999 is not a token id"),
-    ("data: {dataset: tiny@v1, seq_len: 65536, micro_batch_size: 128}", "seq_len x micro_batch_size: 65536 x 128"),
-    ("parallel: {dp: 65536, tp: 65536, pp: 2}", "parallel: dp (65536) * tp (65536) * pp (2) = 8589934592 ranks"),
-    ("liveness: {stall_min_seconds: 1.0e+12}", "liveness.stall_min_seconds: 1e+12 is out of range (at most 2.592e+06 s"),
-    ("liveness: {heartbeat_interval_seconds: 0.001, heartbeat_timeout_seconds: 1.0}",
-     "liveness.heartbeat_interval_seconds: 0.001 s is shorter than"),
-    ("liveness: {heartbeat_interval_seconds: 2.0, heartbeat_timeout_seconds: 5.0, stall_min_seconds: 3.0}",
-     "liveness.stall_min_seconds: 3 s cannot be met: step progress is heard in heartbeats, every 2 s"),
-    ("liveness: {heartbeat_interval_seconds: 2.0, heartbeat_timeout_seconds: 3.0}",
-     "heartbeat_timeout_seconds (3.0) must be at least twice heartbeat_interval_seconds (2.0)"),
-])
+@pytest.mark.parametrize(
+    ("yaml_text", "names"),
+    [
+        ("steps: 100000000000000000000000", "steps: 100000000000000000000000 does not fit a 64-bit integer"),
+        ("data: {dataset: tiny@v1, pad_id: 256}", "data.pad_id: 256 is not a token id of model.vocab_size 256"),
+        (
+            "data: {dataset: tiny@v1, filter: {banned_tokens: [3, 999]}}",
+            "data.filter.banned_tokens: 999 is not a token id",
+        ),
+        ("data: {dataset: tiny@v1, seq_len: 65536, micro_batch_size: 128}", "seq_len x micro_batch_size: 65536 x 128"),
+        ("parallel: {dp: 65536, tp: 65536, pp: 2}", "parallel: dp (65536) * tp (65536) * pp (2) = 8589934592 ranks"),
+        (
+            "liveness: {stall_min_seconds: 1.0e+12}",
+            "liveness.stall_min_seconds: 1e+12 is out of range (at most 2.592e+06 s",
+        ),
+        (
+            "liveness: {heartbeat_interval_seconds: 0.001, heartbeat_timeout_seconds: 1.0}",
+            "liveness.heartbeat_interval_seconds: 0.001 s is shorter than",
+        ),
+        (
+            "liveness: {heartbeat_interval_seconds: 2.0, heartbeat_timeout_seconds: 5.0, stall_min_seconds: 3.0}",
+            "liveness.stall_min_seconds: 3 s cannot be met: step progress is heard in heartbeats, every 2 s",
+        ),
+        (
+            "liveness: {heartbeat_interval_seconds: 2.0, heartbeat_timeout_seconds: 3.0}",
+            "heartbeat_timeout_seconds (3.0) must be at least twice heartbeat_interval_seconds (2.0)",
+        ),
+    ],
+)
 def test_cross_field_ranges_name_what_is_wrong(yaml_text, names):
     raw = {**BASE, **yaml.safe_load(yaml_text)}
     with pytest.raises(JobSpecError) as caught:

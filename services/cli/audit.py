@@ -29,23 +29,28 @@ class RouteRow:
     sender: str
     message: str
     receiver: str
-    kind: str                       # COMMAND | EVENT | DATA, "" for a violation
+    kind: str  # COMMAND | EVENT | DATA, "" for a violation
     count: int = 0
     by_process: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
 class AuditView:
-    processes: list[str]             # the processes that answered
-    used: list[RouteRow]             # routes of the table that carried messages
-    violations: list[RouteRow]       # refused sends (not in the table)
-    unused: list[RouteRow]           # routes of the table nothing used yet
-    notes: list[str]                 # unreachable services, ranks that did not answer
+    processes: list[str]  # the processes that answered
+    used: list[RouteRow]  # routes of the table that carried messages
+    violations: list[RouteRow]  # refused sends (not in the table)
+    unused: list[RouteRow]  # routes of the table nothing used yet
+    notes: list[str]  # unreachable services, ranks that did not answer
 
     def as_dict(self) -> dict:
         rows = lambda rs: [r.__dict__ for r in rs]  # noqa: E731
-        return {"processes": self.processes, "routes": rows(self.used), "violations": rows(self.violations),
-                "unused": rows(self.unused), "notes": self.notes}
+        return {
+            "processes": self.processes,
+            "routes": rows(self.used),
+            "violations": rows(self.violations),
+            "unused": rows(self.unused),
+            "notes": self.notes,
+        }
 
 
 def targets() -> dict[str, str]:
@@ -58,14 +63,19 @@ def targets() -> dict[str, str]:
     procs = stack.read_stack()
     if procs:
         return {name: p.address for name, p in procs.items()}
-    found = {s: os.environ[f"SURGE_{s.upper()}_ADDRESS"] for s in ("control", "data", "store")
-             if os.environ.get(f"SURGE_{s.upper()}_ADDRESS")}
+    found = {
+        s: os.environ[f"SURGE_{s.upper()}_ADDRESS"]
+        for s in ("control", "data", "store")
+        if os.environ.get(f"SURGE_{s.upper()}_ADDRESS")
+    }
     if not found:
         raise CliError("no local stack is running (run `surgectl up`) and no SURGE_<SERVICE>_ADDRESS is set")
     return found
 
 
-def collect(addresses: dict[str, str], timeout_s: float = AUDIT_TIMEOUT_S) -> tuple[list[audit_pb2.AuditReport], list[str]]:
+def collect(
+    addresses: dict[str, str], timeout_s: float = AUDIT_TIMEOUT_S
+) -> tuple[list[audit_pb2.AuditReport], list[str]]:
     """Ask every service; returns the reports and one note per service that did not answer."""
     reports, notes = [], []
     for name, address in addresses.items():
@@ -96,7 +106,9 @@ def view(reports: list[audit_pb2.AuditReport], notes: list[str] = (), table: Rou
 
     def row(key: tuple[int, str, int], by: dict[str, int], kind: str) -> RouteRow:
         sender, message, receiver = key
-        return RouteRow(module_name(sender), message, module_name(receiver), kind, sum(by.values()), dict(sorted(by.items())))
+        return RouteRow(
+            module_name(sender), message, module_name(receiver), kind, sum(by.values()), dict(sorted(by.items()))
+        )
 
     used, unused = [], []
     for route in table.routes():

@@ -33,14 +33,22 @@ def run_demo(spec_path: Path) -> None:
         status = submit_job(spec_path)
         history = follow_job(status.job_id)
         final = history.last
-        png = render.plot(history, paths.surge_home() / f"{final.job_id}-loss.png", f"{final.job_id}: loss and throughput")
+        png = render.plot(
+            history, paths.surge_home() / f"{final.job_id}-loss.png", f"{final.job_id}: loss and throughput"
+        )
         sample = ""
         if final.checkpoint_version:
             sample = sample_text(final.checkpoint_version, SAMPLE_PROMPT, 160, 0.8, 40, 0)
-        render.console.print(render.summary_table(final, history, {
-            "loss curve": str(png),
-            "demo wall time (so far)": f"{time.monotonic() - t0:.1f} s",
-        }))
+        render.console.print(
+            render.summary_table(
+                final,
+                history,
+                {
+                    "loss curve": str(png),
+                    "demo wall time (so far)": f"{time.monotonic() - t0:.1f} s",
+                },
+            )
+        )
         if sample:
             render.console.rule(f"sample from {final.checkpoint_version}, prompt {SAMPLE_PROMPT!r}")
             render.console.print(sample, markup=False, highlight=False)
@@ -59,10 +67,11 @@ def _ensure_dataset(name: str, version: str) -> None:
     if (root / name / version / "manifest.json").exists():
         return
     if name != "stdlib":
-        raise CliError(f"dataset {name}@{version} is not prepared "
-                       f"(surgectl dataset prepare --name {name} --version {version} --source DIR)")
+        raise CliError(
+            f"dataset {name}@{version} is not prepared "
+            f"(surgectl dataset prepare --name {name} --version {version} --source DIR)"
+        )
     render.console.rule(f"preparing {name}@{version} from {default_stdlib_source()}")
     t = time.monotonic()
     info = prepare_dataset(default_stdlib_source(), name, version, root)
     render.console.print(f"prepared in {time.monotonic() - t:.1f} s: {info}")
-

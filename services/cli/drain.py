@@ -61,14 +61,23 @@ def drain(stub, jobs: list[control_pb2.JobStatus], timeout_s: float, say: Callab
                     if refusal_of(e) == control_pb2.REFUSED_STOP_PENDING:
                         asked.add(job_id)
             if status.state == JobState.FAULT_FROZEN:  # a fault meanwhile: its recovery drops the pause
-                say(f"{job_id}: FAULT_FROZEN ({status.message}); not drained: control continues its recovery after `up`")
+                say(
+                    f"{job_id}: FAULT_FROZEN ({status.message}); not drained: control continues its recovery after `up`"
+                )
                 pending.pop(job_id)
                 continue
-            if job_id in asked and status.state == JobState.PAUSED and not status.drained and status.checkpoint_step < status.step:
+            if (
+                job_id in asked
+                and status.state == JobState.PAUSED
+                and not status.drained
+                and status.checkpoint_step < status.step
+            ):
                 # Its checkpoint of the pause could not be saved (e.g. the store is away): the
                 # stack must not take its ranks, or the steps since that checkpoint are lost.
-                unsafe.append(f"{job_id} (paused at step {status.step}, newest checkpoint "
-                              f"{status.checkpoint_version or 'none'} at step {status.checkpoint_step})")
+                unsafe.append(
+                    f"{job_id} (paused at step {status.step}, newest checkpoint "
+                    f"{status.checkpoint_version or 'none'} at step {status.checkpoint_step})"
+                )
                 pending.pop(job_id)
                 continue
             if status.state == JobState.TERMINATED or (job_id in asked and status.state == JobState.PAUSED):
@@ -79,15 +88,20 @@ def drain(stub, jobs: list[control_pb2.JobStatus], timeout_s: float, say: Callab
                     say(f"{job_id}: ended meanwhile ({JobOutcome.Name(status.outcome)})")
                 pending.pop(job_id)
         if pending and time.monotonic() > deadline:
-            left = ", ".join(f"{j} ({JobState.Name(stub.GetJob(control_pb2.JobQuery(job_id=j), timeout=10).state)})"
-                             for j in pending)
-            raise CliError(f"not drained within {timeout_s:.0f} s: {left}; the stack keeps running "
-                           "(`surgectl down --force` stops it anyway, losing their steps since their last checkpoint)")
+            left = ", ".join(
+                f"{j} ({JobState.Name(stub.GetJob(control_pb2.JobQuery(job_id=j), timeout=10).state)})" for j in pending
+            )
+            raise CliError(
+                f"not drained within {timeout_s:.0f} s: {left}; the stack keeps running "
+                "(`surgectl down --force` stops it anyway, losing their steps since their last checkpoint)"
+            )
         if pending:
             time.sleep(POLL_S)
     if unsafe:
-        raise CliError(f"not drained: {'; '.join(unsafe)}: its steps since that checkpoint would be lost; the stack "
-                       "keeps running (`surgectl down` again once the store answers, or `--force` to lose them)")
+        raise CliError(
+            f"not drained: {'; '.join(unsafe)}: its steps since that checkpoint would be lost; the stack "
+            "keeps running (`surgectl down` again once the store answers, or `--force` to lose them)"
+        )
     return drained
 
 
@@ -104,12 +118,17 @@ def resume_drained(timeout_s: float, say: Callable[[str], None]) -> tuple[list[s
                 try:
                     s = stub.ResumeJob(control_pb2.ResumeJobRequest(job_id=job_id), timeout=60)
                     resumed.append(job_id)
-                    say(f"resumed drained job {job_id} from checkpoint {s.checkpoint_version} (step {s.step}); "
-                        f"now {JobState.Name(s.state)}")
+                    say(
+                        f"resumed drained job {job_id} from checkpoint {s.checkpoint_version} (step {s.step}); "
+                        f"now {JobState.Name(s.state)}"
+                    )
                     break
                 except grpc.RpcError as e:
                     details = e.details() or str(e.code())
-                    capacity = e.code() == grpc.StatusCode.FAILED_PRECONDITION and refusal_of(e) == control_pb2.REFUSED_NO_CAPACITY
+                    capacity = (
+                        e.code() == grpc.StatusCode.FAILED_PRECONDITION
+                        and refusal_of(e) == control_pb2.REFUSED_NO_CAPACITY
+                    )
                     if capacity and time.monotonic() < deadline:
                         time.sleep(0.5)  # the node agents are still registering
                         continue

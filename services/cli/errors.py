@@ -11,8 +11,7 @@ from services.contract.failures import CAUSE_METADATA, REFUSAL_METADATA
 class CliError(Exception):
     """An error the operator can fix; printed as one line, exit code ``code``."""
 
-    def __init__(self, message: str, code: int = 1, status: grpc.StatusCode | None = None,
-                 unreachable: bool = False):
+    def __init__(self, message: str, code: int = 1, status: grpc.StatusCode | None = None, unreachable: bool = False):
         super().__init__(message)
         self.code = code
         self.status = status  # the gRPC status it came from (from_rpc), else None

@@ -44,8 +44,14 @@ class Reconnect:
     """The backoff of one follow: ``lost()`` on each failed attempt (sleeps, or raises once
     the outage has lasted ``bound_s``), ``connected()`` when control answers again."""
 
-    def __init__(self, job_id: str, addr: str, bound_s: float,
-                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        job_id: str,
+        addr: str,
+        bound_s: float,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._job, self._addr, self._bound = job_id, addr, bound_s
         self._sleep, self._clock = sleep, clock
         self._since: float | None = None
@@ -61,13 +67,17 @@ class Reconnect:
             self._since = now
             render.err_console.print(
                 f"control unavailable at {self._addr}; reconnecting (up to {self._bound:.0f} s)…",
-                markup=False, highlight=False, soft_wrap=True)
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
         waited = now - self._since
         if waited >= self._bound:
             raise CliError(
                 f"control at {self._addr} unreachable for {waited:.0f} s; stopped following {self._job}, "
                 f"which may still be running (`surgectl restart control` starts control again on its port, "
-                f"then follow again)")
+                f"then follow again)"
+            )
         self._sleep(min(self._delay, self._bound - waited))
         self._delay = min(2 * self._delay, MAX_DELAY_S)
 
@@ -91,7 +101,9 @@ def job_events(job_id: str, reconnect_s: float) -> Iterator[control_pb2.JobEvent
         try:
             with clients.open_channel(addr) as ch:
                 stub = clients.new_stub("control", ch)
-                stub.GetJob(control_pb2.JobQuery(job_id=job_id), timeout=PROBE_TIMEOUT_S)  # NOT_FOUND for an unknown job
+                stub.GetJob(
+                    control_pb2.JobQuery(job_id=job_id), timeout=PROBE_TIMEOUT_S
+                )  # NOT_FOUND for an unknown job
                 retry.connected()
                 for ev in stub.WatchJob(control_pb2.JobQuery(job_id=job_id, from_seq=next_seq, follow=True)):
                     if ev.seq < next_seq:
@@ -154,8 +166,10 @@ def job_logs(job_id: str, rank: int, reconnect_s: float, window_s: float = 0.5) 
             continue
         quiet_since = quiet_since if quiet_since is not None else time.monotonic()
         if time.monotonic() - quiet_since >= reconnect_s:
-            raise CliError(f"{job_id} has not terminated, but no node agent has tailed its rank logs "
-                           f"for {reconnect_s:.0f} s; stopped following")
+            raise CliError(
+                f"{job_id} has not terminated, but no node agent has tailed its rank logs "
+                f"for {reconnect_s:.0f} s; stopped following"
+            )
         time.sleep(FIRST_DELAY_S)
 
 
@@ -173,7 +187,10 @@ def _rest_of_local_files(job_id: str, rank: int, printed: dict[int, int]) -> lis
         render.err_console.print(
             f"{job_id} ended while control was down; lines its ranks wrote meanwhile are only in their "
             f"log files on the workers (<run dir>/logs/{observe.safe_name(job_id)}.rank<R>.log)",
-            markup=False, highlight=False, soft_wrap=True)
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
         return []
     rest = []
     for r, f in files.items():
@@ -181,7 +198,7 @@ def _rest_of_local_files(job_id: str, rank: int, printed: dict[int, int]) -> lis
             lines = [t for t in f.read_text(errors="replace").split("\n") if t.strip()]
         except OSError:
             continue
-        rest += [observe.parse(r, t) for t in lines[printed.get(r, 0):]]
+        rest += [observe.parse(r, t) for t in lines[printed.get(r, 0) :]]
     return rest
 
 

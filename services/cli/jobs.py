@@ -23,7 +23,9 @@ def submit_job(spec_path: Path) -> control_pb2.JobStatus:
     if info.vocab_size > spec.model.vocab_size:
         raise CliError(
             f"{spec_path}: model.vocab_size: {spec.model.vocab_size} is smaller than the "
-            f"dataset's vocabulary ({info.vocab_size}, {info.tokenizer})", code=2)
+            f"dataset's vocabulary ({info.vocab_size}, {info.tokenizer})",
+            code=2,
+        )
     req = control_pb2.SubmitJobRequest(spec_yaml=spec_path.read_text(), spec_path=str(spec_path))
     try:
         return clients.call("control", lambda s: s.SubmitJob(req, timeout=60))

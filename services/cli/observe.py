@@ -57,8 +57,8 @@ def rank_logs(job: str, directory: Path | None = None) -> dict[int, Path]:
 @dataclass
 class LogLine:
     rank: int
-    text: str                   # the line as written (without its newline)
-    record: dict | None         # the JSON object, or None for a line that is not JSON
+    text: str  # the line as written (without its newline)
+    record: dict | None  # the JSON object, or None for a line that is not JSON
 
     @property
     def timestamp(self) -> str:
@@ -132,8 +132,9 @@ def merge(lines: Iterable[LogLine]) -> list[LogLine]:
     return TimeOrder().order(lines)
 
 
-def follow(job: str, finished: Callable[[], bool], poll_s: float = 0.5,
-           directory: Path | None = None) -> Iterator[LogLine]:
+def follow(
+    job: str, finished: Callable[[], bool], poll_s: float = 0.5, directory: Path | None = None
+) -> Iterator[LogLine]:
     """Lines as they are written, until ``finished()`` (asked between polls) and no file has
     grown since; rank files that appear later (a relaunch) are picked up. The lines read in
     one poll (every rank's growth within ``poll_s`` seconds) come out merged by timestamp

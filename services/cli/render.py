@@ -61,8 +61,14 @@ def jobs_table(jobs) -> Table:
         t.add_column(col)
     for j in jobs:
         t.add_row(
-            j.job_id, state_text(j), f"{j.step}/{j.total_steps}", fmt_loss(j.train_loss),
-            fmt_loss(j.eval_loss), f"{j.tokens_per_second:,.0f}", j.checkpoint_version or "—", j.message,
+            j.job_id,
+            state_text(j),
+            f"{j.step}/{j.total_steps}",
+            fmt_loss(j.train_loss),
+            fmt_loss(j.eval_loss),
+            f"{j.tokens_per_second:,.0f}",
+            j.checkpoint_version or "—",
+            j.message,
         )
     return t
 
@@ -83,8 +89,9 @@ def audit_table(view, show_unused: bool = True) -> Table:
     for r in view.used:
         t.add_row(r.sender, short(r.message), r.receiver, r.kind, f"{r.count:,}", where(r.by_process))
     for r in view.violations:
-        t.add_row(r.sender, short(r.message), r.receiver, "VIOLATION", f"{r.count:,}", where(r.by_process),
-                  style="bold red")
+        t.add_row(
+            r.sender, short(r.message), r.receiver, "VIOLATION", f"{r.count:,}", where(r.by_process), style="bold red"
+        )
     if show_unused:
         for r in view.unused:
             t.add_row(r.sender, short(r.message), r.receiver, r.kind, "0", "", style="dim")
@@ -97,7 +104,9 @@ def checkpoints_table(infos) -> Table:
     for col in ("parent", "step", "files", "MiB", "sha256"):
         t.add_column(col)
     for c in infos:
-        t.add_row(c.version, c.parent or "—", str(c.step), str(c.files), f"{c.bytes / 2**20:.1f}", c.manifest_sha256[:12])
+        t.add_row(
+            c.version, c.parent or "—", str(c.step), str(c.files), f"{c.bytes / 2**20:.1f}", c.manifest_sha256[:12]
+        )
     return t
 
 
@@ -108,8 +117,14 @@ def datasets_table(datasets) -> Table:
         t.add_column(col)
     for d in datasets:
         t.add_row(
-            f"{d.name}@{d.version}", d.tokenizer, str(d.vocab_size), f"{d.train_documents:,}",
-            f"{d.train_tokens:,}", f"{d.val_documents:,}", f"{d.val_tokens:,}", d.manifest_sha256[:12],
+            f"{d.name}@{d.version}",
+            d.tokenizer,
+            str(d.vocab_size),
+            f"{d.train_documents:,}",
+            f"{d.train_tokens:,}",
+            f"{d.val_documents:,}",
+            f"{d.val_tokens:,}",
+            d.manifest_sha256[:12],
         )
     return t
 
@@ -159,9 +174,7 @@ def follow(events, quiet_types: frozenset[str] = frozenset({"step"})) -> History
             s = ev.status
             if task is None:
                 task = progress.add_task(s.job_id, total=s.total_steps or None, loss="—", tps="—")
-            progress.update(
-                task, completed=s.step, loss=fmt_loss(s.train_loss), tps=f"{s.tokens_per_second:,.0f}"
-            )
+            progress.update(task, completed=s.step, loss=fmt_loss(s.train_loss), tps=f"{s.tokens_per_second:,.0f}")
             if ev.type not in quiet_types:
                 progress.console.print(Text(f"{ev.type:>10} ", style="dim") + Text(ev.message), highlight=False)
     return h
@@ -171,7 +184,9 @@ def summary_table(s: control_pb2.JobStatus, h: History, extra: dict[str, str] | 
     t = Table(title=f"summary of {s.job_id}", show_header=False)
     t.add_column("what")
     t.add_column("value")
-    mean_tps = sum(h.tokens_per_second[len(h.tokens_per_second) // 5 :]) / max(1, len(h.tokens_per_second) - len(h.tokens_per_second) // 5)
+    mean_tps = sum(h.tokens_per_second[len(h.tokens_per_second) // 5 :]) / max(
+        1, len(h.tokens_per_second) - len(h.tokens_per_second) // 5
+    )
     rows = {
         "outcome": state_text(s),
         "steps": f"{s.step}/{s.total_steps}",

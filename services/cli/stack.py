@@ -49,7 +49,7 @@ class ServiceProc:
     port: int
     log: str
     metrics_port: int = 0
-    service: str = ""        # the services.<service> module it runs
+    service: str = ""  # the services.<service> module it runs
     args: list[str] = field(default_factory=list)  # its arguments after `--host HOST`
 
     @property
@@ -178,22 +178,53 @@ def up(num_workers: int = 2, timeout_s: float = 60.0) -> dict[str, ServiceProc]:
                     _write(procs)
 
     try:
-        start_group({
-            "store": ("store", lambda: ["--port", port("SURGE_STORE_PORT"),
-                                        "--metrics-port", port("SURGE_STORE_METRICS_PORT")]),
-            "data": ("data", lambda: ["--port", port("SURGE_DATA_PORT"), "--metrics-port", port("SURGE_DATA_METRICS_PORT")]),
-        })
-        start_group({"control": ("control", lambda: [
-            "--port", port("SURGE_CONTROL_PORT"), "--data", procs["data"].address, "--store", procs["store"].address,
-            "--metrics-port", port("SURGE_CONTROL_METRICS_PORT"),
-        ])})
-        start_group({
-            f"worker-{i}": ("worker", lambda i=i: [
-                "--port", port(), "--control", procs["control"].address, "--worker-id", f"worker-{i}",
-                "--metrics-port", port(),
-            ])
-            for i in range(num_workers)
-        })
+        start_group(
+            {
+                "store": (
+                    "store",
+                    lambda: ["--port", port("SURGE_STORE_PORT"), "--metrics-port", port("SURGE_STORE_METRICS_PORT")],
+                ),
+                "data": (
+                    "data",
+                    lambda: ["--port", port("SURGE_DATA_PORT"), "--metrics-port", port("SURGE_DATA_METRICS_PORT")],
+                ),
+            }
+        )
+        start_group(
+            {
+                "control": (
+                    "control",
+                    lambda: [
+                        "--port",
+                        port("SURGE_CONTROL_PORT"),
+                        "--data",
+                        procs["data"].address,
+                        "--store",
+                        procs["store"].address,
+                        "--metrics-port",
+                        port("SURGE_CONTROL_METRICS_PORT"),
+                    ],
+                )
+            }
+        )
+        start_group(
+            {
+                f"worker-{i}": (
+                    "worker",
+                    lambda i=i: [
+                        "--port",
+                        port(),
+                        "--control",
+                        procs["control"].address,
+                        "--worker-id",
+                        f"worker-{i}",
+                        "--metrics-port",
+                        port(),
+                    ],
+                )
+                for i in range(num_workers)
+            }
+        )
         # A service can exit after another answered its health check in its place (two
         # fixed to one port): up only if every process we started still runs.
         for p in procs.values():
@@ -277,15 +308,17 @@ def _command_line(proc: ServiceProc) -> tuple[str, list[str]]:
     try:
         argv = [a.decode() for a in Path(f"/proc/{proc.pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")]
         module = argv[argv.index("-m") + 1]
-        rest = argv[argv.index("-m") + 2:]
+        rest = argv[argv.index("-m") + 2 :]
         if rest[:2] == ["--host", HOST]:
             rest = rest[2:]
         if module.startswith("services.") and "--port" in rest:
             return module.removeprefix("services."), rest
     except (OSError, ValueError, IndexError):
         pass
-    raise CliError(f"{proc.name}: {stack_file()} does not record its command line and pid {proc.pid} "
-                   "is not running it; cannot start it again with the same arguments")
+    raise CliError(
+        f"{proc.name}: {stack_file()} does not record its command line and pid {proc.pid} "
+        "is not running it; cannot start it again with the same arguments"
+    )
 
 
 def _stop(proc: ServiceProc, grace_s: float) -> None:
@@ -330,8 +363,15 @@ def _spawn(service: str, args: list[str], env: dict, run: Path, log_name: str | 
     _CHILDREN[p.pid] = p
     port = int(args[args.index("--port") + 1])
     metrics_port = int(args[args.index("--metrics-port") + 1]) if "--metrics-port" in args else 0
-    return ServiceProc(name=log_name or service, pid=p.pid, port=port, log=str(log), metrics_port=metrics_port,
-                       service=service, args=list(args))
+    return ServiceProc(
+        name=log_name or service,
+        pid=p.pid,
+        port=port,
+        log=str(log),
+        metrics_port=metrics_port,
+        service=service,
+        args=list(args),
+    )
 
 
 def _write(procs: dict[str, ServiceProc]) -> None:

@@ -17,12 +17,19 @@ from services.cli.jobs import follow_job, sample_text, submit_job
 from services.contract import Module, control_pb2, data_pb2, store_pb2
 
 HELP = {"help_option_names": ["-h", "--help"]}
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  context_settings=HELP,
-                  help="Surge (狂潮): distributed LM training as gRPC services.\n\n"
-                       "Example: surgectl up && surgectl submit examples/jobs/demo.yaml --follow")
-dataset_app = typer.Typer(no_args_is_help=True, context_settings=HELP,
-                          help="Prepare and list dataset versions.\n\nExample: surgectl dataset list")
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings=HELP,
+    help="Surge (狂潮): distributed LM training as gRPC services.\n\n"
+    "Example: surgectl up && surgectl submit examples/jobs/demo.yaml --follow",
+)
+dataset_app = typer.Typer(
+    no_args_is_help=True,
+    context_settings=HELP,
+    help="Prepare and list dataset versions.\n\nExample: surgectl dataset list",
+)
 app.add_typer(dataset_app, name="dataset")
 
 OutputOpt = typer.Option("table", "--output", "-o", help="table | json")
@@ -70,8 +77,12 @@ def check_home() -> None:
 @app.command()
 def up(
     workers: int = typer.Option(2, min=1, help="node agents to start"),
-    resume_seconds: float = typer.Option(60.0, "--resume-seconds", min=0.0,
-                                         help="how long a drained job waits for its ranks to fit before up gives up on it"),
+    resume_seconds: float = typer.Option(
+        60.0,
+        "--resume-seconds",
+        min=0.0,
+        help="how long a drained job waits for its ranks to fit before up gives up on it",
+    ),
 ) -> None:
     """Start the local stack (control, store, data, workers) and wait until healthy; jobs
     drained by `surgectl down` are resumed from their drain checkpoint.
@@ -80,17 +91,24 @@ def up(
     """
     procs = stack.up(workers)
     for p in procs.values():
-        render.console.print(f"{p.name:>10}  pid {p.pid:<7} {p.address}  /metrics :{p.metrics_port:<6} log {p.log}",
-                             soft_wrap=True)
-    render.console.print(f"stack is up; metrics: http://127.0.0.1:{procs['store'].metrics_port}/metrics "
-                         "(every service serves its own, see above); `surgectl audit` shows the routes used",
-                         soft_wrap=True)
+        render.console.print(
+            f"{p.name:>10}  pid {p.pid:<7} {p.address}  /metrics :{p.metrics_port:<6} log {p.log}", soft_wrap=True
+        )
+    render.console.print(
+        f"stack is up; metrics: http://127.0.0.1:{procs['store'].metrics_port}/metrics "
+        "(every service serves its own, see above); `surgectl audit` shows the routes used",
+        soft_wrap=True,
+    )
     from services.cli import drain
 
     _, failed = drain.resume_drained(resume_seconds, _say)
     for line in failed:
-        render.err_console.print(f"warning: drained job not resumed: {line} (`surgectl resume JOB` when it fits)",
-                                 markup=False, highlight=False, soft_wrap=True)
+        render.err_console.print(
+            f"warning: drained job not resumed: {line} (`surgectl resume JOB` when it fits)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def _say(text: str) -> None:
@@ -99,10 +117,14 @@ def _say(text: str) -> None:
 
 @app.command()
 def down(
-    force: bool = typer.Option(False, "--force", help="stop at once: running jobs are not drained (they lose their "
-                                                       "steps since their last checkpoint)"),
-    drain_seconds: float = typer.Option(300.0, "--drain-seconds", min=0.0,
-                                        help="how long to wait for running jobs to checkpoint and pause"),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="stop at once: running jobs are not drained (they lose their steps since their last checkpoint)",
+    ),
+    drain_seconds: float = typer.Option(
+        300.0, "--drain-seconds", min=0.0, help="how long to wait for running jobs to checkpoint and pause"
+    ),
 ) -> None:
     """Stop the local stack and every rank process it started. Running jobs are drained
     first: each checkpoints and pauses at a step boundary (journaled by control), and the
@@ -132,14 +154,20 @@ def _drain_running_jobs(timeout_s: float) -> bool:
         try:
             jobs = drain.live_jobs(stub)
         except grpc.RpcError:
-            render.err_console.print(f"control unreachable at {addr}: running jobs cannot be drained; stopping anyway",
-                                     markup=False, highlight=False, soft_wrap=True)
+            render.err_console.print(
+                f"control unreachable at {addr}: running jobs cannot be drained; stopping anyway",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
             return False
         if not jobs:
             return False
         names = ", ".join(f"{j.job_id} ({render.state_text(j)})" for j in jobs)
-        _say(f"{len(jobs)} job{'s' if len(jobs) > 1 else ''} running: {names}; draining "
-             "(checkpoint, then PAUSED; `surgectl up` resumes them; `surgectl down --force` skips this)")
+        _say(
+            f"{len(jobs)} job{'s' if len(jobs) > 1 else ''} running: {names}; draining "
+            "(checkpoint, then PAUSED; `surgectl up` resumes them; `surgectl down --force` skips this)"
+        )
         try:
             drain.drain(stub, jobs, timeout_s, _say)
         except grpc.RpcError as e:
@@ -149,9 +177,12 @@ def _drain_running_jobs(timeout_s: float) -> bool:
 
 @app.command()
 def restart(
-    service: str = typer.Argument(..., help="control, data, store, or a worker as named by `surgectl up` (worker-0, ...)"),
-    grace_seconds: float = typer.Option(stack.STOP_GRACE_SECONDS, "--grace-seconds", min=0.0,
-                                        help="wait this long after SIGTERM before SIGKILL"),
+    service: str = typer.Argument(
+        ..., help="control, data, store, or a worker as named by `surgectl up` (worker-0, ...)"
+    ),
+    grace_seconds: float = typer.Option(
+        stack.STOP_GRACE_SECONDS, "--grace-seconds", min=0.0, help="wait this long after SIGTERM before SIGKILL"
+    ),
 ) -> None:
     """Restart one service of the local stack on the same port, with the same arguments;
     the others keep running. Restarting control leaves running jobs running (the node
@@ -160,8 +191,12 @@ def restart(
     Example: surgectl restart control
     """
     old, new = stack.restart(service, grace_seconds)
-    render.console.print(f"restarted {new.name}: pid {old.pid} -> {new.pid}, serving at {new.address}",
-                         markup=False, highlight=False, soft_wrap=True)
+    render.console.print(
+        f"restarted {new.name}: pid {old.pid} -> {new.pid}, serving at {new.address}",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 @dataset_app.command("prepare")
@@ -186,8 +221,13 @@ def dataset_prepare(
         raise CliError(f"--source {src}: not a directory")
     try:
         info = prepare_dataset(
-            Path(src), name, version, paths.datasets_root(),
-            tokenizer=tokenizer, val_fraction=val_fraction, include_glob=glob,
+            Path(src),
+            name,
+            version,
+            paths.datasets_root(),
+            tokenizer=tokenizer,
+            val_fraction=val_fraction,
+            include_glob=glob,
         )
     except (DataError, OSError) as e:
         raise CliError(" ".join(str(e).split())) from None
@@ -222,7 +262,10 @@ def submit(
             render.err_console.print(
                 f"stopped following; {status.job_id} keeps running "
                 f"(`surgectl events {status.job_id} --follow` to watch, `surgectl stop {status.job_id}` to stop)",
-                markup=False, highlight=False, soft_wrap=True)
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
             raise typer.Exit(130) from None
         render.console.print(render.summary_table(h.last, h))
         _exit_for(h.last)
@@ -242,8 +285,11 @@ def status(job: str | None = typer.Argument(None), output: str = OutputOpt) -> N
 
 
 ReconnectOpt = typer.Option(
-    60.0, "--reconnect-seconds", min=0.0,
-    help="with --follow: how long to keep reconnecting when control is unreachable (a control restart)")
+    60.0,
+    "--reconnect-seconds",
+    min=0.0,
+    help="with --follow: how long to keep reconnecting when control is unreachable (a control restart)",
+)
 
 
 @app.command()
@@ -353,9 +399,12 @@ def plot(
         where = "control's event history (sampled steps)"
     if not h.steps:
         raise CliError(f"job {job} has no step records yet; plot it once it has trained a step")
-    png = render.plot(h, out or paths.surge_home() / f"{observe.safe_name(job)}-loss.png", f"{job}: loss and throughput")
-    render.console.print(f"wrote {png} ({len(h.steps)} steps from {where})", markup=False, highlight=False,
-                         soft_wrap=True)
+    png = render.plot(
+        h, out or paths.surge_home() / f"{observe.safe_name(job)}-loss.png", f"{job}: loss and throughput"
+    )
+    render.console.print(
+        f"wrote {png} ({len(h.steps)} steps from {where})", markup=False, highlight=False, soft_wrap=True
+    )
 
 
 NoCheckpointOpt = typer.Option(False, "--no-checkpoint", help="do not checkpoint the boundary step first")
@@ -376,8 +425,12 @@ def pause(job: str, no_checkpoint: bool = NoCheckpointOpt) -> None:
 @app.command()
 def resume(
     job: str,
-    from_version: str | None = typer.Option(None, "--from", help="the checkpoint version to continue from "
-                                               "('<job>:<n>', see `surgectl checkpoints JOB`; default: the newest that verifies)"),
+    from_version: str | None = typer.Option(
+        None,
+        "--from",
+        help="the checkpoint version to continue from "
+        "('<job>:<n>', see `surgectl checkpoints JOB`; default: the newest that verifies)",
+    ),
 ) -> None:
     """Resume a job: a paused one where it paused; a stopped or failed one (or one drained
     by `surgectl down`) from its newest checkpoint that verifies, or --from VERSION, on ranks
@@ -388,8 +441,9 @@ def resume(
     req = control_pb2.ResumeJobRequest(job_id=job, from_version=from_version or "")
     s = clients.call("control", lambda st: st.ResumeJob(req, timeout=90))
     where = f" from checkpoint {s.checkpoint_version} (step {s.step})" if s.state == control_pb2.WARMING_UP else ""
-    render.console.print(f"{job}: resumed{where}; now {render.state_text(s)}", markup=False, highlight=False,
-                         soft_wrap=True)
+    render.console.print(
+        f"{job}: resumed{where}; now {render.state_text(s)}", markup=False, highlight=False, soft_wrap=True
+    )
 
 
 @app.command()
@@ -440,7 +494,9 @@ def audit(
         render.console.print(f"[yellow]note:[/yellow] {note}")
     total = sum(r.count for r in v.violations)
     summary = f"{len(v.used)} routes used, {len(v.unused)} unused"
-    render.console.print(f"{summary}, [bold red]{total} violations[/bold red]" if total else f"{summary}, no violations")
+    render.console.print(
+        f"{summary}, [bold red]{total} violations[/bold red]" if total else f"{summary}, no violations"
+    )
 
 
 @app.command()

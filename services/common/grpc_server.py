@@ -57,9 +57,7 @@ TLS_SERVER_NAME_ENV = "SURGE_TLS_SERVER_NAME"
 AUTH_TOKEN_ENV = "SURGE_AUTH_TOKEN"
 
 # RPCs that change state: they need the bearer token when SURGE_AUTH_TOKEN is set.
-MUTATING_METHODS = frozenset(
-    f"/surge.v1.ControlService/{m}" for m in ("SubmitJob", "PauseJob", "ResumeJob", "StopJob")
-)
+MUTATING_METHODS = frozenset(f"/surge.v1.ControlService/{m}" for m in ("SubmitJob", "PauseJob", "ResumeJob", "StopJob"))
 
 
 # A service's exit status when the address it was told to listen on is held by another
@@ -152,8 +150,11 @@ def _certificate_names(context) -> list[str] | None:
         return None
     if "x509_pem_cert" not in auth and "x509_common_name" not in auth:
         return None
-    return [v.decode() if isinstance(v, bytes) else str(v)
-            for key in ("x509_common_name", "x509_subject_alternative_name") for v in auth.get(key, ())]
+    return [
+        v.decode() if isinstance(v, bytes) else str(v)
+        for key in ("x509_common_name", "x509_subject_alternative_name")
+        for v in auth.get(key, ())
+    ]
 
 
 def _claim(context) -> str | None:
@@ -193,14 +194,17 @@ def _guard_identity(handler, method: str):
 
     def wrap(behavior: Callable, streaming: bool) -> Callable:
         if inspect.iscoroutinefunction(behavior):
+
             async def coroutine(request, context):
                 refused = _identify(method, context)
                 if refused:
                     context.set_trailing_metadata(refused[2])
                     await context.abort(refused[0], refused[1])
                 return await behavior(request, context)
+
             return coroutine
         if inspect.isasyncgenfunction(behavior):
+
             async def agen(request, context):
                 refused = _identify(method, context)
                 if refused:
@@ -208,14 +212,17 @@ def _guard_identity(handler, method: str):
                     await context.abort(refused[0], refused[1])
                 async for response in behavior(request, context):
                     yield response
+
             return agen
         if inspect.isgeneratorfunction(behavior):
+
             def gen(request, context):
                 refused = _identify(method, context)
                 if refused:
                     context.set_trailing_metadata(refused[2])
                     context.abort(refused[0], refused[1])
                 yield from behavior(request, context)
+
             return gen
 
         def plain(request, context):
@@ -224,6 +231,7 @@ def _guard_identity(handler, method: str):
                 context.set_trailing_metadata(refused[2])
                 context.abort(refused[0], refused[1])
             return behavior(request, context)
+
         return plain
 
     return _replace(handler, wrap)
@@ -242,11 +250,14 @@ class _Guard(grpc.ServerInterceptor):
             return None
         method = handler_call_details.method
         if self._token and method in MUTATING_METHODS and not self._authorized(handler_call_details):
-            return _replace(handler, lambda behavior, streaming: _refuse(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"{method}: not authorized: send 'authorization: Bearer <token>' with the server's token "
-                f"(Surge clients and surgectl: set {AUTH_TOKEN_ENV})",
-            ))
+            return _replace(
+                handler,
+                lambda behavior, streaming: _refuse(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    f"{method}: not authorized: send 'authorization: Bearer <token>' with the server's token "
+                    f"(Surge clients and surgectl: set {AUTH_TOKEN_ENV})",
+                ),
+            )
         if _policy().governs(method):
             handler = _guard_identity(handler, method)
         return _guard_parsing(handler, method)
@@ -254,14 +265,18 @@ class _Guard(grpc.ServerInterceptor):
     def _authorized(self, details) -> bool:
         for key, value in details.invocation_metadata or ():
             if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-                return hmac.compare_digest(value[len("Bearer "):].encode(), self._token.encode())
+                return hmac.compare_digest(value[len("Bearer ") :].encode(), self._token.encode())
         return False
 
 
 def _kind(handler) -> tuple[str, bool]:
     """(the handler's behavior attribute, whether its requests stream)."""
-    for attr, streaming in (("unary_unary", False), ("unary_stream", False),
-                            ("stream_unary", True), ("stream_stream", True)):
+    for attr, streaming in (
+        ("unary_unary", False),
+        ("unary_stream", False),
+        ("stream_unary", True),
+        ("stream_stream", True),
+    ):
         if getattr(handler, attr) is not None:
             return attr, streaming
     raise ValueError("handler without behavior")
@@ -286,6 +301,7 @@ def _replace(handler, wrap: Callable[[Callable, bool], Callable], deserializer: 
 
 def _refuse(code: grpc.StatusCode, message: str, asynchronous: bool = False) -> Callable:
     if asynchronous:
+
         async def refuse(request_or_iterator, context):
             await context.abort(code, message)
 
@@ -327,12 +343,15 @@ def _guard_parsing(handler, method: str):
                 if isinstance(request, _Malformed):
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, message(request))
                 yield from behavior(request, context)
+
             return unary_stream
         if not streaming:
+
             def unary(request, context):
                 if isinstance(request, _Malformed):
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, message(request))
                 return behavior(request, context)
+
             return unary
 
         def checked(requests: Iterator, context) -> Iterator:
@@ -343,6 +362,7 @@ def _guard_parsing(handler, method: str):
 
         def stream(requests, context):
             return behavior(checked(requests, context), context)
+
         return stream
 
     return _replace(handler, wrap, deserializer=parse)
@@ -364,13 +384,16 @@ def _guard_async(behavior: Callable, streaming: bool, message: Callable[[_Malfor
         return requests_checked(request, context) if streaming else request
 
     if inspect.isasyncgenfunction(behavior):
+
         async def responses(request, context):
             async for response in behavior(await checked_request(request, context), context):
                 yield response
+
         return responses
 
     async def response(request, context):
         return await behavior(await checked_request(request, context), context)
+
     return response
 
 
@@ -386,12 +409,15 @@ class _AioGuard(grpc.aio.ServerInterceptor):
             return None
         method = handler_call_details.method
         if self._sync._token and method in MUTATING_METHODS and not self._sync._authorized(handler_call_details):
-            return _replace(handler, lambda behavior, streaming: _refuse(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"{method}: not authorized: send 'authorization: Bearer <token>' with the server's token "
-                f"(Surge clients and surgectl: set {AUTH_TOKEN_ENV})",
-                asynchronous=_is_async(behavior),
-            ))
+            return _replace(
+                handler,
+                lambda behavior, streaming: _refuse(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    f"{method}: not authorized: send 'authorization: Bearer <token>' with the server's token "
+                    f"(Surge clients and surgectl: set {AUTH_TOKEN_ENV})",
+                    asynchronous=_is_async(behavior),
+                ),
+            )
         if _policy().governs(method):
             handler = _guard_identity(handler, method)
         return _guard_parsing(handler, method)
@@ -475,8 +501,9 @@ class AioServiceServer:
         TlsConfigError: the TLS variables are incomplete or unreadable.
     """
 
-    def __init__(self, name: str, host: str, port: int, executor_threads: int = 64,
-                 options: Sequence[tuple[str, Any]] = ()):
+    def __init__(
+        self, name: str, host: str, port: int, executor_threads: int = 64, options: Sequence[tuple[str, Any]] = ()
+    ):
         self.name = name
         credentials = _preflight(name, host, port)
         self.tls = credentials is not None
@@ -486,8 +513,11 @@ class AioServiceServer:
         pool = futures.ThreadPoolExecutor(max_workers=executor_threads, thread_name_prefix=name)
 
         async def make() -> grpc.aio.Server:  # grpc.aio binds a server to the loop it is built on
-            return grpc.aio.server(migration_thread_pool=pool, options=[*GRPC_OPTIONS, *options],
-                                   interceptors=[_AioGuard(os.environ.get(AUTH_TOKEN_ENV) or None)])
+            return grpc.aio.server(
+                migration_thread_pool=pool,
+                options=[*GRPC_OPTIONS, *options],
+                interceptors=[_AioGuard(os.environ.get(AUTH_TOKEN_ENV) or None)],
+            )
 
         self.server = self.run(make())
         self.health = health_aio.HealthServicer()
@@ -528,8 +558,12 @@ class AioServiceServer:
         self._thread.join(timeout=5.0)
 
 
-class _Headers(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-               grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _Headers(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     """Adds fixed headers to every call: ``authorization: Bearer <token>`` (works on
     plaintext channels too, where gRPC refuses call credentials) and the calling module."""
 
@@ -538,8 +572,14 @@ class _Headers(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIntercept
 
     def _details(self, details):
         metadata = [*(details.metadata or ()), *self._headers]
-        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
-                            getattr(details, "wait_for_ready", None), getattr(details, "compression", None))
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            metadata,
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
 
     def intercept_unary_unary(self, continuation, details, request):
         return continuation(self._details(details), request)
@@ -633,8 +673,9 @@ def serve_metrics(name: str, host: str, port: int):
     try:
         http, _ = start_http_server(port, addr=host, registry=REGISTRY)
     except OSError as e:
-        raise PortInUse(f"{name}: cannot serve /metrics on {host}:{port}: {e.strerror or e}",
-                        taken=e.errno == errno.EADDRINUSE) from None
+        raise PortInUse(
+            f"{name}: cannot serve /metrics on {host}:{port}: {e.strerror or e}", taken=e.errno == errno.EADDRINUSE
+        ) from None
     return http
 
 

@@ -73,7 +73,9 @@ class CallerPolicy:
                     route = table.route(request)
                     callers = route.senders if route is not None else PLUMBING_CALLERS.get(path)
                     if callers is None:
-                        raise ValueError(f"{path}: its request {request} is plumbing and PLUMBING_CALLERS names no caller")
+                        raise ValueError(
+                            f"{path}: its request {request} is plumbing and PLUMBING_CALLERS names no caller"
+                        )
                     self._callers[path] = (request, frozenset(callers))
 
     def callers(self, method: str) -> frozenset[int]:
@@ -110,6 +112,9 @@ class CallerPolicy:
             names = set(certificate_names)
             roles = sorted(r for r in ROLE_MODULES if r in names)
             if not any(sender in ROLE_MODULES[r] for r in roles):
-                held = ", ".join(roles) or "no Surge role (surge-control, surge-worker, surge-data, surge-store, surge-user)"
+                held = (
+                    ", ".join(roles)
+                    or "no Surge role (surge-control, surge-worker, surge-data, surge-store, surge-user)"
+                )
                 raise Refused(sender, request, f"{method}: the client certificate ({held}) may not speak as {claim}")
         return sender

@@ -190,9 +190,12 @@ def _log_uncaught(log: Any) -> None:
     def on_thread(args) -> None:
         if args.exc_type is SystemExit:
             return
-        log.critical("uncaught_exception", thread=getattr(args.thread, "name", None),
-                     error=f"{args.exc_type.__name__}: {args.exc_value}",
-                     exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+        log.critical(
+            "uncaught_exception",
+            thread=getattr(args.thread, "name", None),
+            error=f"{args.exc_type.__name__}: {args.exc_value}",
+            exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
+        )
 
     sys.excepthook = on_main
     threading.excepthook = on_thread

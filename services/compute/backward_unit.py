@@ -63,7 +63,9 @@ class BackwardUnit:
         self._params = list({id(p): p for p in parameters}.values())
         self._pipeline = pipeline
 
-    def run_backward(self, msg: engine_pb2.RunBackward, payload: tuple[torch.Tensor, torch.Tensor]) -> engine_pb2.BackwardDone:
+    def run_backward(
+        self, msg: engine_pb2.RunBackward, payload: tuple[torch.Tensor, torch.Tensor]
+    ) -> engine_pb2.BackwardDone:
         """启动反向计算指令. Raises ValueError for a non-positive normalizer or loss scale."""
         if msg.normalizer <= 0:
             raise ValueError(f"backward unit: normalizer must be > 0, got {msg.normalizer}")
@@ -88,9 +90,13 @@ class BackwardUnit:
         (loss_sum * (msg.loss_scale / msg.normalizer)).backward()
         self._passes += 1
         self._state = "grads_ready"
-        return engine_pb2.BackwardDone(loss_sum=float(loss_sum.detach()), tokens=tokens, seconds=time.perf_counter() - t0)
+        return engine_pb2.BackwardDone(
+            loss_sum=float(loss_sum.detach()), tokens=tokens, seconds=time.perf_counter() - t0
+        )
 
-    def _run_pipeline(self, msg: engine_pb2.RunBackward, payload: tuple[torch.Tensor, torch.Tensor], t0: float) -> engine_pb2.BackwardDone:
+    def _run_pipeline(
+        self, msg: engine_pb2.RunBackward, payload: tuple[torch.Tensor, torch.Tensor], t0: float
+    ) -> engine_pb2.BackwardDone:
         ids_BT, labels_BT = payload
         tokens = int((labels_BT != IGNORE_INDEX).sum())
         if not msg.backward:

@@ -50,9 +50,7 @@ class ForwardUnit:
         self._device: torch.device | None = None
         self._ops: Operators | None = None
         # The job spec's kernel choice, pushed once by L2-1 (red line 5: no selection of its own).
-        self._choice = FrozenConfig[engine_pb2.ConfigureForward](
-            "L3_FORWARD_UNIT", "kernel choice (ConfigureForward)"
-        )
+        self._choice = FrozenConfig[engine_pb2.ConfigureForward]("L3_FORWARD_UNIT", "kernel choice (ConfigureForward)")
         self._state = "idle"  # idle | running | error
         self._pipeline: Any = None
 

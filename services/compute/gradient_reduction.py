@@ -190,7 +190,9 @@ class GradientReduction:
             # this rank's replicas also send.
             tp0, pp0 = plan.tp_rank == 0, plan.pp_rank == 0
             weights = [float(tp0), float(tp0 and pp0), float(tp0 and plan.dp_rank == 0), 1.0, 1.0]
-            stats = torch.tensor([v * w for v, w in zip(local, weights)], dtype=torch.float64, device=self._stats_device)
+            stats = torch.tensor(
+                [v * w for v, w in zip(local, weights)], dtype=torch.float64, device=self._stats_device
+            )
             self._state = "reducing"
             try:
                 dist.all_reduce(stats)  # the default (world) group: L2-2's, never one made here
@@ -246,7 +248,7 @@ class GradientReduction:
             offset = 0
             for p, g in zip(params, grads):
                 n = g.to_local().numel()
-                local = flat[offset:offset + n].view_as(g.to_local())
+                local = flat[offset : offset + n].view_as(g.to_local())
                 offset += n
                 summed = DTensor.from_local(local, mesh, [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements],
                                             run_check=False, shape=g.shape, stride=g.stride())  # fmt: skip

@@ -53,14 +53,25 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 # torch.Size, dtypes and layouts, and the path type of the writer. Nothing that can run code.
 _METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name)
-    for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
-                 "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
     ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
 }
 
 
@@ -146,8 +157,9 @@ class SafeFileSystemReader(FileSystemReader):
     whatever it names. With ``digests`` (the manifest's files), every file it opens is
     checked as it is read (:class:`ShardDigestMismatch`)."""
 
-    def __init__(self, path: str | os.PathLike, digests: Mapping[str, Mapping[str, Any]] | None = None,
-                 what: str = "checkpoint"):
+    def __init__(
+        self, path: str | os.PathLike, digests: Mapping[str, Mapping[str, Any]] | None = None, what: str = "checkpoint"
+    ):
         super().__init__(path)
         if digests is not None:
             self.fs = _VerifyingFileSystem(self.fs, pathlib.Path(self.path), digests, what)
@@ -165,8 +177,9 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-def safe_load(state: dict, path: str, digests: Mapping[str, Mapping[str, Any]] | None = None,
-              what: str = "checkpoint", **kwargs) -> None:
+def safe_load(
+    state: dict, path: str, digests: Mapping[str, Mapping[str, Any]] | None = None, what: str = "checkpoint", **kwargs
+) -> None:
     """``dcp.load`` of the checkpoint at ``path`` into ``state`` (tensors, Stateful objects)
     without unpickling anything but plain data and DCP's metadata classes; with ``digests``
     (relative path -> {"bytes", "sha256"}, the manifest's files) each file read is checked
@@ -236,8 +249,13 @@ def generate_text(
     model = load_model_for_inference(checkpoint_path, spec)
     prompt_ids = torch.tensor(encode(prompt) or [0], dtype=torch.int64)
     out = generate(
-        model, prompt_ids, max_new_tokens, temperature, top_k,
-        generator=torch.Generator().manual_seed(seed), context_len=spec.data.seq_len,
+        model,
+        prompt_ids,
+        max_new_tokens,
+        temperature,
+        top_k,
+        generator=torch.Generator().manual_seed(seed),
+        context_len=spec.data.seq_len,
     )
     return decode(out.tolist())
 

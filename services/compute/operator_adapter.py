@@ -129,7 +129,9 @@ class OperatorAdapter:
         """张量精度转换指令. Raises OperatorUnavailable for a dtype this device lacks, or one
         the selected attention kernel cannot run in."""
         if msg.dtype not in _DTYPES:
-            raise OperatorUnavailable(f"operator adapter: dtype {msg.dtype!r} is not supported; choose one of {sorted(_DTYPES)}")
+            raise OperatorUnavailable(
+                f"operator adapter: dtype {msg.dtype!r} is not supported; choose one of {sorted(_DTYPES)}"
+            )
         if msg.dtype == "bfloat16" and self._device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise OperatorUnavailable(f"operator adapter: bfloat16 is not supported on {self._device}")
         if self._attention:
@@ -169,7 +171,9 @@ class OperatorAdapter:
             try:
                 import triton  # noqa: F401
             except ImportError:
-                raise OperatorUnavailable("operators.compile: torch.compile on CUDA needs triton, not installed") from None
+                raise OperatorUnavailable(
+                    "operators.compile: torch.compile on CUDA needs triton, not installed"
+                ) from None
 
     # ------------------------------------------------------------------ reports
 
@@ -185,7 +189,10 @@ class OperatorAdapter:
         # One handle per selection, so a compiled wrapper survives a dtype change only if
         # nothing else changed (a new dtype retraces anyway).
         if self._ops is None or (self._ops.attention, self._ops.sdpa_backends, self._ops.compile, self._ops.dtype) != (
-            kernel, backends, self._compile, self._dtype
+            kernel,
+            backends,
+            self._compile,
+            self._dtype,
         ):
             self._ops = Operators(kernel, self._dtype, self._device.type, backends, self._compile)
         return self._ops

@@ -189,12 +189,14 @@ class PipelineRunner:
         self._batch_shape = (microbatch_shape[0] * microbatches, microbatch_shape[1])
         self._region = region or contextlib.nullcontext
         self.stage = PipelineStage(
-            self._run_module, module.stage_index, module.num_stages, torch.device(device), group=module.group,
+            self._run_module,
+            module.stage_index,
+            module.num_stages,
+            torch.device(device),
+            group=module.group,
             **_static_meta(module, microbatch_shape),
         )
-        self._schedule = _SCHEDULES[schedule](
-            self.stage, microbatches, loss_fn=self._loss, scale_grads=False
-        )
+        self._schedule = _SCHEDULES[schedule](self.stage, microbatches, loss_fn=self._loss, scale_grads=False)
         self._ce_sums: dict[int, torch.Tensor] = {}
         self._scale = 1.0  # loss_scale / normalizer of the running step
 

@@ -170,9 +170,7 @@ class BoundaryViolation(RuntimeError):
     def __init__(self, sender: int, message: str, receiver: int | None):
         self.sender, self.message, self.receiver = sender, message, receiver
         to = module_name(receiver) if receiver is not None else "any receiver"
-        super().__init__(
-            f"boundary violation: {module_name(sender)} may not send {message} to {to}"
-        )
+        super().__init__(f"boundary violation: {module_name(sender)} may not send {message} to {to}")
 
 
 class RouteError(ValueError):
@@ -290,7 +288,11 @@ class Bus:
         for name in sorted(set(skip) - mine):
             raise RouteError(f"{who} is hosted as not handling {name}, which is not an implemented route to it")
         for route in self._table.routes():
-            if route.message not in mine and module not in route.receivers and callable(getattr(type(obj), handler_name(route), None)):
+            if (
+                route.message not in mine
+                and module not in route.receivers
+                and callable(getattr(type(obj), handler_name(route), None))
+            ):
                 raise RouteError(
                     f"{who} has a handler {handler_name(route)} for {route.message}, which is not routed to it"
                 )
@@ -387,8 +389,13 @@ class Bus:
         reporting = _REPORTING.get()
         event_type = failure_event_type(self._table, module)
         failure = failure_of(error, module, name, msg)
-        where = {"module": module_name(module), "operation": name, "job_id": failure.job_id,
-                 "cause": route_pb2.FailureCause.Name(failure.cause), "error": failure.detail}
+        where = {
+            "module": module_name(module),
+            "operation": name,
+            "job_id": failure.job_id,
+            "cause": route_pb2.FailureCause.Name(failure.cause),
+            "error": failure.detail,
+        }
         if event_type is None or module in reporting:
             _log.error("handler failed; no failure event", **where, exc_info=error)
             return None
@@ -427,9 +434,7 @@ class Bus:
         """
         self._violation(sender, message, receiver)
 
-    def port(
-        self, sender: int, receiver: int, commands: Iterable[type[Message]] | None = None
-    ) -> CommandPort:
+    def port(self, sender: int, receiver: int, commands: Iterable[type[Message]] | None = None) -> CommandPort:
         """A handle through which ``sender`` may command ``receiver`` (and nothing else),
         typed by the messages it sends: ``commands`` (each routed from ``sender`` to
         ``receiver`` and IMPLEMENTED; an event the receiver answers, e.g. StepCompleted ->

@@ -90,29 +90,77 @@ LIBRARY = "<library>"
 NONE = "none"  # a register entry's module for calls no module's handler makes
 
 # Group lifecycle: L2-2's (seed L3-5 red line 4: 通信域的创建 / 销毁由并行策略控制器管控).
-GROUP_OPS = frozenset({
-    "init_process_group", "destroy_process_group", "new_group", "new_subgroups", "new_subgroups_by_enumeration",
-    "split_group", "shrink_group",
-})
+GROUP_OPS = frozenset(
+    {
+        "init_process_group",
+        "destroy_process_group",
+        "new_group",
+        "new_subgroups",
+        "new_subgroups_by_enumeration",
+        "split_group",
+        "shrink_group",
+    }
+)
 # Data movement between ranks: L3-5's.
-DATA_OPS = frozenset({
-    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_coalesced", "all_gather_into_tensor",
-    "all_gather_object", "all_gather_single", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
-    "reduce", "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "send", "recv", "isend", "irecv",
-    "send_object_list", "recv_object_list", "batch_isend_irecv", "all_to_all", "all_to_all_single", "gather",
-    "gather_object", "scatter", "scatter_object_list",
-    # private bindings DDP's construction calls (torch/distributed/utils.py)
-    "_broadcast_coalesced", "_verify_params_across_processes",
-})
+DATA_OPS = frozenset(
+    {
+        "all_reduce",
+        "all_reduce_coalesced",
+        "all_gather",
+        "all_gather_coalesced",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "all_gather_single",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "reduce_scatter_single",
+        "reduce",
+        "broadcast",
+        "broadcast_object_list",
+        "barrier",
+        "monitored_barrier",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "send_object_list",
+        "recv_object_list",
+        "batch_isend_irecv",
+        "all_to_all",
+        "all_to_all_single",
+        "gather",
+        "gather_object",
+        "scatter",
+        "scatter_object_list",
+        # private bindings DDP's construction calls (torch/distributed/utils.py)
+        "_broadcast_coalesced",
+        "_verify_params_across_processes",
+    }
+)
 OPS = GROUP_OPS | DATA_OPS
 # torch.distributed._functional_collectives (DTensor, TP): recorded as "funcol.<name>".
-FUNCOL_OPS = frozenset({
-    "broadcast", "all_reduce", "all_gather_single", "all_gather_single_autograd", "reduce_scatter_single",
-    "reduce_scatter_single_autograd", "all_gather_tensor", "all_gather_tensor_autograd", "reduce_scatter_tensor",
-    "reduce_scatter_tensor_autograd", "all_reduce_coalesced", "all_gather_single_coalesced",
-    "reduce_scatter_single_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced",
-    "all_to_all_single", "all_to_all_single_autograd", "permute_tensor",
-})
+FUNCOL_OPS = frozenset(
+    {
+        "broadcast",
+        "all_reduce",
+        "all_gather_single",
+        "all_gather_single_autograd",
+        "reduce_scatter_single",
+        "reduce_scatter_single_autograd",
+        "all_gather_tensor",
+        "all_gather_tensor_autograd",
+        "reduce_scatter_tensor",
+        "reduce_scatter_tensor_autograd",
+        "all_reduce_coalesced",
+        "all_gather_single_coalesced",
+        "reduce_scatter_single_coalesced",
+        "all_gather_into_tensor_coalesced",
+        "reduce_scatter_tensor_coalesced",
+        "all_to_all_single",
+        "all_to_all_single_autograd",
+        "permute_tensor",
+    }
+)
 FUNCOL = "funcol."
 
 
@@ -199,7 +247,6 @@ class CommViolation(BoundaryViolation):
         )
         self.sender, self.message, self.receiver = module, f"torch.distributed.{op}", None
         self.op, self.site = op, site
-
 
 
 class CommGuard:
@@ -340,7 +387,7 @@ def _site(frame: types.FrameType | None) -> str:
     while frame is not None:
         file = frame.f_code.co_filename
         if file.startswith(_ROOT) and not file.startswith(_VENV) and file not in _PLUMBING:
-            return f"{file[len(_ROOT):]}::{frame.f_code.co_qualname}"
+            return f"{file[len(_ROOT) :]}::{frame.f_code.co_qualname}"
         frame = frame.f_back
     return LIBRARY
 
@@ -402,8 +449,14 @@ def _wrap_all() -> None:
     import torch.distributed.distributed_c10d as c10d
 
     # The modules that bind collectives by name are imported first, so the sweep sees them.
-    for name in ("torch.distributed.device_mesh", "torch.distributed.tensor", "torch.distributed.fsdp",
-                 "torch.distributed.pipelining", "torch.distributed.checkpoint", "torch.nn.parallel"):
+    for name in (
+        "torch.distributed.device_mesh",
+        "torch.distributed.tensor",
+        "torch.distributed.fsdp",
+        "torch.distributed.pipelining",
+        "torch.distributed.checkpoint",
+        "torch.nn.parallel",
+    ):
         __import__(name)
     wrappers: dict[int, Any] = {}
     for op in sorted(OPS):
@@ -462,7 +515,8 @@ class _CountsCollector:
     @staticmethod
     def _family() -> CounterMetricFamily:
         return CounterMetricFamily(
-            "surge_collectives", "torch.distributed calls of this process, by the module they ran for and op.",
+            "surge_collectives",
+            "torch.distributed calls of this process, by the module they ran for and op.",
             labels=["module", "op"],
         )
 

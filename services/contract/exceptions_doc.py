@@ -38,7 +38,7 @@ def render(entries: list[dict[str, Any]] | None = None) -> str:
         f"     {REGISTER.relative_to(REPO)}. Do not edit: CI fails when it is stale. -->",
         "",
         "Every place where Surge crosses a boundary the seed draws, on purpose and in the open",
-        "(seed 001: 「给\"例外\"留明路」: say why, the impact, and how to roll it back). Each entry",
+        '(seed 001: 「给"例外"留明路」: say why, the impact, and how to roll it back). Each entry',
         "names the test that pins it. The *communication* entries are read at run time: every",
         "torch.distributed call a rank makes is tagged with the module its bus is running",
         "(services/contract/comm_guard.py); a call outside L3-5's job (and L2-2's group",

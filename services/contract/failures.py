@@ -116,8 +116,9 @@ class ModuleFailed(RuntimeError):
         self.module = failure.module
         self.fault_class = getattr(error, "fault_class", None)
         who = route_pb2.Module.Name(failure.module) if failure.module in route_pb2.Module.values() else "?"
-        super().__init__(f"{who} failed ({C.Name(failure.cause)}) handling {failure.operation or 'a call'}: "
-                         f"{failure.detail}")
+        super().__init__(
+            f"{who} failed ({C.Name(failure.cause)}) handling {failure.operation or 'a call'}: {failure.detail}"
+        )
 
 
 # ---------------------------------------------------------------- the communicator's health
@@ -190,6 +191,7 @@ def collective() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------- cause by type
+
 
 def cause_of(exc: BaseException) -> int:
     """The ``FailureCause`` of ``exc``, from its type (see the module docstring)."""
@@ -281,6 +283,7 @@ def cause_metadata(exc: BaseException) -> tuple[tuple[str, str], ...]:
 
 # ---------------------------------------------------------------- the failure event
 
+
 def one_line(exc: BaseException) -> str:
     """``Type: first line of its text`` for people (never parsed)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -301,7 +304,9 @@ def set_origin(job_id: str = "", rank: int | None = None) -> None:
         _origin["rank"] = rank
 
 
-def failure_of(exc: BaseException, module: int, operation: str = "", handled: Message | None = None) -> route_pb2.Failure:
+def failure_of(
+    exc: BaseException, module: int, operation: str = "", handled: Message | None = None
+) -> route_pb2.Failure:
     """The ``Failure`` of ``module`` raising ``exc`` while handling ``operation`` (a message's
     full name; ``handled`` the message itself, whose ``job_id`` / ``rank`` fields say where).
     A :class:`ModuleFailed` keeps the failure it carries (the module that failed first)."""
@@ -310,8 +315,12 @@ def failure_of(exc: BaseException, module: int, operation: str = "", handled: Me
         f.CopyFrom(exc.failure)
         return f
     f = route_pb2.Failure(
-        cause=cause_of(exc), detail=one_line(exc), exception=f"{type(exc).__module__}.{type(exc).__qualname__}",
-        operation=operation, module=module, job_id=_origin.get("job_id", ""),
+        cause=cause_of(exc),
+        detail=one_line(exc),
+        exception=f"{type(exc).__module__}.{type(exc).__qualname__}",
+        operation=operation,
+        module=module,
+        job_id=_origin.get("job_id", ""),
     )
     if "rank" in _origin:
         f.rank = _origin["rank"]
@@ -326,8 +335,13 @@ def failure_of(exc: BaseException, module: int, operation: str = "", handled: Me
     return f
 
 
-def failure_event(table: Any, module: int, failure: route_pb2.Failure, handled: Message | None = None,
-                  error: BaseException | None = None) -> Message:
+def failure_event(
+    table: Any,
+    module: int,
+    failure: route_pb2.Failure,
+    handled: Message | None = None,
+    error: BaseException | None = None,
+) -> Message:
     """``module``'s failure event (the route table's) carrying ``failure``.
 
     Fields the event shares by name and type with the message being handled (``job_id``,
@@ -349,8 +363,15 @@ def failure_event(table: Any, module: int, failure: route_pb2.Failure, handled: 
     if handled is not None:
         for f in handled.DESCRIPTOR.fields:
             mine = fields.get(f.name)
-            if (mine is None or f.name == "failure" or mine.type != f.type or _repeated(f) or _repeated(mine)
-                    or f.message_type is not None or mine.enum_type is not f.enum_type):
+            if (
+                mine is None
+                or f.name == "failure"
+                or mine.type != f.type
+                or _repeated(f)
+                or _repeated(mine)
+                or f.message_type is not None
+                or mine.enum_type is not f.enum_type
+            ):
                 continue
             setattr(event, f.name, getattr(handled, f.name))
     job = fields.get("job_id")
@@ -392,8 +413,11 @@ def message_class(full_name: str) -> type[Message]:
 def failure_events_to(table: Any, receiver: int) -> list[type[Message]]:
     """Message classes of every failure event ``table`` routes to ``receiver`` (by name)."""
     pool = descriptor_pool.Default()
-    return [message_factory.GetMessageClass(pool.FindMessageTypeByName(r.message))
-            for r in table.routes() if r.failure and receiver in r.receivers]
+    return [
+        message_factory.GetMessageClass(pool.FindMessageTypeByName(r.message))
+        for r in table.routes()
+        if r.failure and receiver in r.receivers
+    ]
 
 
 def _repeated(field: Any) -> bool:

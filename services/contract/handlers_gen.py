@@ -96,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         current = OUT.read_text() if OUT.exists() else None
         if current != text:
-            print(f"{where} is {'missing' if current is None else 'stale'}: run `make contracts` and commit it",
-                  file=sys.stderr)
+            print(
+                f"{where} is {'missing' if current is None else 'stale'}: run `make contracts` and commit it",
+                file=sys.stderr,
+            )
             return 1
         return 0
     OUT.write_text(text)

@@ -61,7 +61,9 @@ def configure(spec: str) -> None:
     for text in filter(None, (part.strip() for part in spec.split(";"))):
         parts = text.split(":")
         if len(parts) < 3 or parts[0] != "handler":
-            raise ValueError(f"{ENV}: {text!r}: expected handler:<MODULE>:<Message>[:after=N][:times=K][:cause=NAME][:in=MAIN]")
+            raise ValueError(
+                f"{ENV}: {text!r}: expected handler:<MODULE>:<Message>[:after=N][:times=K][:cause=NAME][:in=MAIN]"
+            )
         try:
             module = route_pb2.Module.Value(parts[1])
         except ValueError:

@@ -61,8 +61,11 @@ def modules() -> list[int]:
     return [v.number for v in route_pb2.Module.DESCRIPTOR.values if v.number != route_pb2.MODULE_UNSPECIFIED]
 
 
-def render(table: RouteTable | None = None, red_lines: dict[int, list[dict[str, Any]]] | None = None,
-           red_lines_source: str = "services/contract/red_lines.yaml") -> str:
+def render(
+    table: RouteTable | None = None,
+    red_lines: dict[int, list[dict[str, Any]]] | None = None,
+    red_lines_source: str = "services/contract/red_lines.yaml",
+) -> str:
     """The whole page as a string (deterministic: same inputs, same bytes)."""
     table = table or default_table()
     red_lines = red_lines if red_lines is not None else load_red_lines()
@@ -98,13 +101,20 @@ def render(table: RouteTable | None = None, red_lines: dict[int, list[dict[str, 
         cells = [("S" if m in r.senders else "") + ("R" if m in r.receivers else "") for m in cols]
         out.append(f"| `{_short(r.message)}` | {_kind(r)} | {_status(r)} | " + " | ".join(cells) + " |")
     waiting = [r for r in routes if not r.implemented]
-    out += ["", "## Not implemented", "",
-            "Routes the seed lists that nothing sends or nothing handles yet, and why. Seed-only: Surge has no",
-            "such act (the work happens inside a library call); deferred: planned, not built.", ""]
+    out += [
+        "",
+        "## Not implemented",
+        "",
+        "Routes the seed lists that nothing sends or nothing handles yet, and why. Seed-only: Surge has no",
+        "such act (the work happens inside a library call); deferred: planned, not built.",
+        "",
+    ]
     if waiting:
         out += ["| message | status | reason |", "| --- | --- | --- |"]
-        out += [f"| `{_short(r.message)}` | {_status(r)} | {_cell(r.reason) or '—'} |"
-                for r in sorted(waiting, key=lambda r: (r.status, r.message))]
+        out += [
+            f"| `{_short(r.message)}` | {_status(r)} | {_cell(r.reason) or '—'} |"
+            for r in sorted(waiting, key=lambda r: (r.status, r.message))
+        ]
     else:
         out.append("none")
     out += ["", "## Routes and red lines by module", ""]
@@ -112,9 +122,14 @@ def render(table: RouteTable | None = None, red_lines: dict[int, list[dict[str, 
         out += _module_section(m, routes, red_lines.get(m))
     plumbing = plumbing_messages()
     if plumbing:
-        out += ["## Not on the bus (plumbing)", "",
-                "Envelopes and helpers: they carry routed messages or describe them, and cannot be sent on the bus.",
-                "", "| message | why |", "| --- | --- |"]
+        out += [
+            "## Not on the bus (plumbing)",
+            "",
+            "Envelopes and helpers: they carry routed messages or describe them, and cannot be sent on the bus.",
+            "",
+            "| message | why |",
+            "| --- | --- |",
+        ]
         out += [f"| `{_short(name)}` | {_cell(why)} |" for name, why in plumbing]
     return "\n".join(out).rstrip() + "\n"
 
@@ -229,11 +244,15 @@ def counts_sentence(table: RouteTable | None = None) -> str:
     the README's statement of how much of the law is lived, from the table."""
     routes = (table or default_table()).routes()
     n = {s: sum(r.status == s for r in routes) for s in STATUS_WORDS}
-    return (f"{n[route_pb2.IMPLEMENTED]} routes implemented, {n[route_pb2.SEED_ONLY]} seed-only, "
-            f"{n[route_pb2.DEFERRED]} deferred (reasons in docs/permissions.md)")
+    return (
+        f"{n[route_pb2.IMPLEMENTED]} routes implemented, {n[route_pb2.SEED_ONLY]} seed-only, "
+        f"{n[route_pb2.DEFERRED]} deferred (reasons in docs/permissions.md)"
+    )
 
 
-_COUNTS = re.compile(r"\d+\s+routes\s+implemented,\s+\d+\s+seed-only,\s+\d+\s+deferred\s+\(reasons\s+in\s+docs/permissions\.md\)")
+_COUNTS = re.compile(
+    r"\d+\s+routes\s+implemented,\s+\d+\s+seed-only,\s+\d+\s+deferred\s+\(reasons\s+in\s+docs/permissions\.md\)"
+)
 
 
 def with_counts(readme: str, table: RouteTable | None = None) -> str:
@@ -243,7 +262,9 @@ def with_counts(readme: str, table: RouteTable | None = None) -> str:
         ValueError: the README has no such sentence.
     """
     if not _COUNTS.search(readme):
-        raise ValueError("README.md: no 'N routes implemented, M seed-only, K deferred (reasons in docs/permissions.md)'")
+        raise ValueError(
+            "README.md: no 'N routes implemented, M seed-only, K deferred (reasons in docs/permissions.md)'"
+        )
     return _COUNTS.sub(counts_sentence(table), readme, count=1)
 
 

@@ -50,15 +50,36 @@ Send = Callable[[Routed, Message, Any], None]
 
 ANY = route_pb2.MODULE_UNSPECIFIED  # Routed.receiver of an event: every receiver beyond the link
 # Which modules live in which process (the seed's layers; the composition roots host them).
-L1 = frozenset({route_pb2.L1_ORCHESTRATOR, route_pb2.L1_RESOURCE_ALLOCATOR,
-                route_pb2.L1_FAULT_DETECTOR, route_pb2.L1_RECOVERY_CONTROLLER})  # control
-RANK = frozenset({  # a rank process of the worker service
-    route_pb2.L2_TRAINING_LOOP, route_pb2.L2_PARALLEL_STRATEGY, route_pb2.L2_OPTIMIZER, route_pb2.L2_MIXED_PRECISION,
-    route_pb2.L3_SHARD_LOADER, route_pb2.L3_OPERATOR_ADAPTER, route_pb2.L3_FORWARD_UNIT, route_pb2.L3_BACKWARD_UNIT,
-    route_pb2.L3_GRADIENT_REDUCTION,
-})
-L4 = frozenset({route_pb2.L4_DATASET_VERSIONS, route_pb2.L4_PREFETCHER, route_pb2.L4_SHUFFLER,
-                route_pb2.L4_FILTER, route_pb2.L4_BATCH_PACKER})  # data
+L1 = frozenset(
+    {
+        route_pb2.L1_ORCHESTRATOR,
+        route_pb2.L1_RESOURCE_ALLOCATOR,
+        route_pb2.L1_FAULT_DETECTOR,
+        route_pb2.L1_RECOVERY_CONTROLLER,
+    }
+)  # control
+RANK = frozenset(
+    {  # a rank process of the worker service
+        route_pb2.L2_TRAINING_LOOP,
+        route_pb2.L2_PARALLEL_STRATEGY,
+        route_pb2.L2_OPTIMIZER,
+        route_pb2.L2_MIXED_PRECISION,
+        route_pb2.L3_SHARD_LOADER,
+        route_pb2.L3_OPERATOR_ADAPTER,
+        route_pb2.L3_FORWARD_UNIT,
+        route_pb2.L3_BACKWARD_UNIT,
+        route_pb2.L3_GRADIENT_REDUCTION,
+    }
+)
+L4 = frozenset(
+    {
+        route_pb2.L4_DATASET_VERSIONS,
+        route_pb2.L4_PREFETCHER,
+        route_pb2.L4_SHUFFLER,
+        route_pb2.L4_FILTER,
+        route_pb2.L4_BATCH_PACKER,
+    }
+)  # data
 L5 = frozenset({route_pb2.L5_CHECKPOINT_MANAGER, route_pb2.L5_METRICS_LOGGER})  # store
 
 
@@ -151,8 +172,16 @@ class Link:
         send: puts one envelope on the wire (must not block on the far side; a queue).
     """
 
-    def __init__(self, bus: Bus, *, name: str, near: Iterable[int], beyond: Iterable[int],
-                 speaks: Iterable[int] | None = None, send: Send | None = None):
+    def __init__(
+        self,
+        bus: Bus,
+        *,
+        name: str,
+        near: Iterable[int],
+        beyond: Iterable[int],
+        speaks: Iterable[int] | None = None,
+        send: Send | None = None,
+    ):
         self._bus, self.name, self._send = bus, name, send
         self.near, self.beyond = frozenset(near), frozenset(beyond)
         self.speaks = frozenset(speaks) if speaks is not None else self.beyond
@@ -160,9 +189,12 @@ class Link:
 
     # ------------------------------------------------------------------ out
 
-    def stand_in(self, kinds: Iterable[int] = (route_pb2.COMMAND, route_pb2.EVENT),
-                 skip: Iterable[type[Message]] = (), where: Callable[[Any], bool] | None = None,
-                 ) -> list[tuple[str, int]]:
+    def stand_in(
+        self,
+        kinds: Iterable[int] = (route_pb2.COMMAND, route_pb2.EVENT),
+        skip: Iterable[type[Message]] = (),
+        where: Callable[[Any], bool] | None = None,
+    ) -> list[tuple[str, int]]:
         """Subscribe :meth:`forward` on the bus for every implemented route of ``kinds`` from a module
         of ``near`` to a module ``beyond`` the link: a command as each such receiver; an
         event (or data) once, as the first such receiver in the route's order (the far
@@ -221,12 +253,14 @@ class Link:
     def _forwarder(self, sender: int, receiver: int) -> Callable[[Message, Any], None]:
         def forward(msg: Message, payload: Any = None) -> None:
             self.forward(msg, sender, receiver, payload)
+
         return forward
 
     # ------------------------------------------------------------------ in
 
-    def deliver_returned(self, error: BaseException, skip: Iterable[type[Message]] = (),
-                         stamp: Callable[[Message], None] | None = None) -> list[str]:
+    def deliver_returned(
+        self, error: BaseException, skip: Iterable[type[Message]] = (), stamp: Callable[[Message], None] | None = None
+    ) -> list[str]:
         """Deliver the routed events a failed call brought back (:func:`routed_from_rpc`),
         each as :meth:`deliver` does (``stamp`` too); one that is refused or unreadable is
         logged and skipped (the call's own failure still goes on). ``skip``: types the
@@ -240,8 +274,9 @@ class Link:
             try:
                 self.deliver(routed, stamp=stamp)
             except Exception as e:  # noqa: BLE001 - see above
-                _log.error("returned event not delivered", link=self.name, type=routed.type,
-                           error=f"{type(e).__name__}: {e}")
+                _log.error(
+                    "returned event not delivered", link=self.name, type=routed.type, error=f"{type(e).__name__}: {e}"
+                )
                 continue
             delivered.append(routed.type)
         return delivered
@@ -257,13 +292,18 @@ class Link:
         """
         name, sender, receiver = routed.type, routed.sender, routed.receiver
         route = self._table.route(name)
-        if sender not in self.speaks or route is None or sender not in route.senders or (
-            receiver != ANY and receiver not in route.receivers
+        if (
+            sender not in self.speaks
+            or route is None
+            or sender not in route.senders
+            or (receiver != ANY and receiver not in route.receivers)
         ):
             self._bus.refuse(sender, name, receiver or None)
         return unpack(routed)
 
-    def deliver(self, routed: Routed, payload: Any = None, *, stamp: Callable[[Message], None] | None = None) -> Reply | int:
+    def deliver(
+        self, routed: Routed, payload: Any = None, *, stamp: Callable[[Message], None] | None = None
+    ) -> Reply | int:
         """Put an incoming envelope on this process's bus: ``Bus.command`` for a command
         (the reply, which does not go back over the link), ``Bus.publish`` for an event
         (how many receivers got it). ``stamp`` sets the identity the transport knows on the
@@ -278,7 +318,6 @@ class Link:
         if routed.receiver != ANY:
             return self._bus.command(routed.sender, routed.receiver, msg, payload)
         return self._bus.publish(routed.sender, msg, payload)
-
 
 
 class Outbox:

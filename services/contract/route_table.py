@@ -31,9 +31,7 @@ PROTO_FILES: tuple[FileDescriptor, ...] = tuple(
     m.DESCRIPTOR for m in (control_pb2, engine_pb2, data_pb2, store_pb2, worker_pb2, audit_pb2)
 )
 
-SEED_MODULES: frozenset[int] = frozenset(
-    v.number for v in route_pb2.Module.DESCRIPTOR.values if v.name[:1] == "L"
-)
+SEED_MODULES: frozenset[int] = frozenset(v.number for v in route_pb2.Module.DESCRIPTOR.values if v.name[:1] == "L")
 
 
 def module_name(module: int) -> str:
@@ -132,9 +130,7 @@ def handled_by(table: RouteTable, module: int) -> list[Handled]:
             required = True
         else:  # not required when it may be a reply: the module sends one of its senders
             # something (``Bus.command`` returns the receiver's answer, e.g. MetricsAck)
-            required = not any(
-                c.implemented for s in route.senders for c in table.commands_between(module, s)
-            )
+            required = not any(c.implemented for s in route.senders for c in table.commands_between(module, s))
         out.append(Handled(route, handler_name(route), required))
     return out
 

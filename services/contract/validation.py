@@ -53,9 +53,7 @@ def _name(module: int) -> str:
     return f"unknown module {module}"
 
 
-def validate_table(
-    table: RouteTable | None = None, files: Iterable[FileDescriptor] = PROTO_FILES
-) -> None:
+def validate_table(table: RouteTable | None = None, files: Iterable[FileDescriptor] = PROTO_FILES) -> None:
     """Check ``table`` (default: the compiled protos') against the messages of ``files``.
 
     Raises:
@@ -72,7 +70,9 @@ def validate_table(
             routed = options.HasExtension(route_pb2.route)
             plumbing = options.HasExtension(route_pb2.plumbing)
             if routed and plumbing:
-                raise ContractError(f"{desc.full_name} has both a route and a plumbing option; it must have exactly one")
+                raise ContractError(
+                    f"{desc.full_name} has both a route and a plumbing option; it must have exactly one"
+                )
             if not routed and not plumbing:
                 raise ContractError(
                     f"{desc.full_name} has no route: give it option (surge.v1.route) or, if it never "
@@ -94,7 +94,7 @@ def validate_table(
             raise ContractError(f"{route.message} has a route with no status (IMPLEMENTED, SEED_ONLY or DEFERRED)")
         if not route.implemented and not route.reason.strip():
             raise ContractError(
-                f"{route.message} is {route_pb2.RouteStatus.Name(route.status)} without a reason; say why in reason: \"...\""
+                f'{route.message} is {route_pb2.RouteStatus.Name(route.status)} without a reason; say why in reason: "..."'
             )
         for module in sorted(route.senders | route.receivers):
             if module not in KNOWN_MODULES:
@@ -128,7 +128,9 @@ def validate_failure_events(table: RouteTable) -> None:
         desc = descriptor_pool.Default().FindMessageTypeByName(route.message)
         field = desc.fields_by_name.get("failure")
         if field is None or field.message_type is None or field.message_type.full_name != "surge.v1.Failure":
-            raise ContractError(f"{route.message} is a failure event without a field `failure` of type surge.v1.Failure")
+            raise ContractError(
+                f"{route.message} is a failure event without a field `failure` of type surge.v1.Failure"
+            )
         found[next(iter(route.senders))].append(route.message)
     for module, events in sorted(found.items()):
         if len(events) != 1:

@@ -63,8 +63,15 @@ from services.control.watch_hub import WatchHub
 # L1 module sends one), the checkpoint manager and the contract layer (checked by
 # validate_wiring at start-up).
 HOSTED = (
-    Module.L1_ORCHESTRATOR, Module.L1_RESOURCE_ALLOCATOR, Module.L1_FAULT_DETECTOR, Module.L1_RECOVERY_CONTROLLER,
-    Module.EXT_USER, Module.EXT_HARDWARE, *sorted(RANK), Module.L5_CHECKPOINT_MANAGER, Module.EXT_CONTRACT,
+    Module.L1_ORCHESTRATOR,
+    Module.L1_RESOURCE_ALLOCATOR,
+    Module.L1_FAULT_DETECTOR,
+    Module.L1_RECOVERY_CONTROLLER,
+    Module.EXT_USER,
+    Module.EXT_HARDWARE,
+    *sorted(RANK),
+    Module.L5_CHECKPOINT_MANAGER,
+    Module.EXT_CONTRACT,
 )
 
 
@@ -106,13 +113,20 @@ def build(
     contract = bus.emitter(Module.EXT_CONTRACT)
 
     allocator = ResourceAllocator(
-        hardware=bus.port(Module.L1_RESOURCE_ALLOCATOR, Module.EXT_HARDWARE, commands=(control_pb2.LaunchRanks, control_pb2.ReleaseRanks)),
+        hardware=bus.port(
+            Module.L1_RESOURCE_ALLOCATOR,
+            Module.EXT_HARDWARE,
+            commands=(control_pb2.LaunchRanks, control_pb2.ReleaseRanks),
+        ),
         emit=bus.emitter(Module.L1_RESOURCE_ALLOCATOR),
         control_host=host,
     )
     detector = FaultDetector(emit=bus.emitter(Module.L1_FAULT_DETECTOR), rules=fault_rules)
     recovery = RecoveryController(
-        resources=bus.port(Module.L1_RECOVERY_CONTROLLER, Module.L1_RESOURCE_ALLOCATOR, commands=(control_pb2.RebuildCommunicator,)))
+        resources=bus.port(
+            Module.L1_RECOVERY_CONTROLLER, Module.L1_RESOURCE_ALLOCATOR, commands=(control_pb2.RebuildCommunicator,)
+        )
+    )
     # The node agents' sessions: routed events from the nodes go on this bus as the modules
     # that sent them (rank modules, their L4/L5 relays, EXT_CONTRACT), checked by the hub's link.
     sessions = SessionHub(bus, hardware=bus.emitter(Module.EXT_HARDWARE), journal=journal)
@@ -120,8 +134,12 @@ def build(
     # What the store's modules send control's side comes back with a failed call, by name,
     # checked (the store may speak only for L5 modules).
     from_store = Link(bus, name="store service", near=L1, beyond=L5)
-    store = StoreRelay(store_address, events=bus.emitter(Module.L5_CHECKPOINT_MANAGER), on_error=reporter.relay_rpc_error,
-                       back=from_store)
+    store = StoreRelay(
+        store_address,
+        events=bus.emitter(Module.L5_CHECKPOINT_MANAGER),
+        on_error=reporter.relay_rpc_error,
+        back=from_store,
+    )
 
     # Relays first, so that restoring jobs (inside Orchestrator()) publishes to a wired bus.
     bus.subscribe(Module.EXT_USER, control_pb2.JobEvent, watches.on_job_event)
@@ -135,68 +153,126 @@ def build(
     # (Bus.host), and an event reaches its receivers in the table's order (receivers of its
     # route option), whatever the order of these lines.
     bus.host(Module.L1_RESOURCE_ALLOCATOR, allocator)
-    bus.host(Module.L1_RECOVERY_CONTROLLER, recovery, not_handled={
-        engine_pb2.ParallelReady: "L1-4 answers RebuildCommunicator at once and waits on no rank: a relaunched "
-                                  "rank's readiness reaches L1-1 (TrainingLoopStarted), which keeps the step's deadline",
-    })
+    bus.host(
+        Module.L1_RECOVERY_CONTROLLER,
+        recovery,
+        not_handled={
+            engine_pb2.ParallelReady: "L1-4 answers RebuildCommunicator at once and waits on no rank: a relaunched "
+            "rank's readiness reaches L1-1 (TrainingLoopStarted), which keeps the step's deadline",
+        },
+    )
     # The detector before the orchestrator is built: restoring a live job re-arms its watch.
     # Every failure event routed to L1-3 goes to on_failure, graded by (event, cause).
-    bus.host(Module.L1_FAULT_DETECTOR, detector, not_handled={
-        data_pb2.DataExhausted: "the end of a stream is the rank's (L2-1 over the data stream); no relay brings it "
-                                "to control, and L1-3 grades the loop's own report of what followed",
-    })
+    bus.host(
+        Module.L1_FAULT_DETECTOR,
+        detector,
+        not_handled={
+            data_pb2.DataExhausted: "the end of a stream is the rank's (L2-1 over the data stream); no relay brings it "
+            "to control, and L1-3 grades the loop's own report of what followed",
+        },
+    )
 
     orchestrator = Orchestrator(
-        allocator=bus.port(Module.L1_ORCHESTRATOR, Module.L1_RESOURCE_ALLOCATOR,
-                           commands=(control_pb2.AllocateResources, control_pb2.ReleaseResources)),
-        faults=bus.port(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR,
-                        commands=(control_pb2.StartFaultMonitoring, control_pb2.ResetFaultLedger)),
+        allocator=bus.port(
+            Module.L1_ORCHESTRATOR,
+            Module.L1_RESOURCE_ALLOCATOR,
+            commands=(control_pb2.AllocateResources, control_pb2.ReleaseResources),
+        ),
+        faults=bus.port(
+            Module.L1_ORCHESTRATOR,
+            Module.L1_FAULT_DETECTOR,
+            commands=(control_pb2.StartFaultMonitoring, control_pb2.ResetFaultLedger),
+        ),
         recovery=bus.port(Module.L1_ORCHESTRATOR, Module.L1_RECOVERY_CONTROLLER, commands=(control_pb2.StartRecovery,)),
-        loop=bus.port(Module.L1_ORCHESTRATOR, Module.L2_TRAINING_LOOP, commands=(
-            engine_pb2.StartTraining, engine_pb2.PauseTraining, engine_pb2.ResumeTraining, engine_pb2.StopTraining,
-            engine_pb2.StepVerdict, engine_pb2.RevokeStandingOrder)),
+        loop=bus.port(
+            Module.L1_ORCHESTRATOR,
+            Module.L2_TRAINING_LOOP,
+            commands=(
+                engine_pb2.StartTraining,
+                engine_pb2.PauseTraining,
+                engine_pb2.ResumeTraining,
+                engine_pb2.StopTraining,
+                engine_pb2.StepVerdict,
+                engine_pb2.RevokeStandingOrder,
+            ),
+        ),
         emit=bus.emitter(Module.L1_ORCHESTRATOR),
         journal=journal,
         data_address=data_address,
         store_address=store_address,
         persist_interval_s=persist_interval_s,
-        checkpoints=bus.port(Module.L1_ORCHESTRATOR, Module.L5_CHECKPOINT_MANAGER,
-                             commands=(store_pb2.VerifyCheckpoints, store_pb2.ScrubCheckpoints)),
+        checkpoints=bus.port(
+            Module.L1_ORCHESTRATOR,
+            Module.L5_CHECKPOINT_MANAGER,
+            commands=(store_pb2.VerifyCheckpoints, store_pb2.ScrubCheckpoints),
+        ),
     )
-    bus.host(Module.L1_ORCHESTRATOR, orchestrator, not_handled={
-        store_pb2.MetricsAck: "the store answers metrics to the rank that sent them; no relay brings an ack to control",
-        store_pb2.LogWriteFailed: "L1-1 decides on L5-2's failure from L1-3's graded FaultReport",
-    })
-    user = bus.port(Module.EXT_USER, Module.L1_ORCHESTRATOR, commands=(
-        control_pb2.SubmitJobRequest, control_pb2.JobQuery, control_pb2.PauseJobRequest, control_pb2.ResumeJobRequest,
-        control_pb2.StopJobRequest))
+    bus.host(
+        Module.L1_ORCHESTRATOR,
+        orchestrator,
+        not_handled={
+            store_pb2.MetricsAck: "the store answers metrics to the rank that sent them; no relay brings an ack to control",
+            store_pb2.LogWriteFailed: "L1-1 decides on L5-2's failure from L1-3's graded FaultReport",
+        },
+    )
+    user = bus.port(
+        Module.EXT_USER,
+        Module.L1_ORCHESTRATOR,
+        commands=(
+            control_pb2.SubmitJobRequest,
+            control_pb2.JobQuery,
+            control_pb2.PauseJobRequest,
+            control_pb2.ResumeJobRequest,
+            control_pb2.StopJobRequest,
+        ),
+    )
     servicer = ControlServicer(user=user, watches=watches, sessions=sessions, max_sessions=max_sessions)
     # The store's answers are applied in order with the node agents' events, on one thread.
     store.post = servicer.applier.call
     validate_wiring(bus, HOSTED)
-    return Control(bus=bus, servicer=servicer, sessions=sessions, journal=journal, detector=detector,
-                   orchestrator=orchestrator, store=store)
+    return Control(
+        bus=bus,
+        servicer=servicer,
+        sessions=sessions,
+        journal=journal,
+        detector=detector,
+        orchestrator=orchestrator,
+        store=store,
+    )
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     env = os.environ
     p = argparse.ArgumentParser(prog="python -m services.control", description="Surge control service (L1)")
     p.add_argument("--host", default=os.environ.get("SURGE_CONTROL_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(env["SURGE_CONTROL_PORT"]) if env.get("SURGE_CONTROL_PORT") else None)
+    p.add_argument(
+        "--port", type=int, default=int(env["SURGE_CONTROL_PORT"]) if env.get("SURGE_CONTROL_PORT") else None
+    )
     p.add_argument("--db", default=env.get("SURGE_CONTROL_DB") or str(paths.surge_home() / "control.db"))
     p.add_argument("--data", default=env.get("SURGE_DATA_ADDRESS"), help="host:port of the data service")
     p.add_argument("--store", default=env.get("SURGE_STORE_ADDRESS"), help="host:port of the store service")
-    p.add_argument("--metrics-port", type=int, default=env.get("SURGE_CONTROL_METRICS_PORT") or 0,
-                   help="Prometheus /metrics port (env SURGE_CONTROL_METRICS_PORT; 0 = off)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=env.get("SURGE_CONTROL_METRICS_PORT") or 0,
+        help="Prometheus /metrics port (env SURGE_CONTROL_METRICS_PORT; 0 = off)",
+    )
     # A session costs no thread (asyncio), only memory and its share of the applier: this is
     # an admission limit; the agent past it is refused with RESOURCE_EXHAUSTED and retries.
-    p.add_argument("--max-sessions", type=int, default=int(env.get("SURGE_CONTROL_MAX_SESSIONS") or 8192),
-                   help="node agent sessions held at once; more are refused (env SURGE_CONTROL_MAX_SESSIONS)")
+    p.add_argument(
+        "--max-sessions",
+        type=int,
+        default=int(env.get("SURGE_CONTROL_MAX_SESSIONS") or 8192),
+        help="node agent sessions held at once; more are refused (env SURGE_CONTROL_MAX_SESSIONS)",
+    )
     args = p.parse_args(argv)
     if args.max_sessions < 1:
         p.error(f"--max-sessions must be >= 1, got {args.max_sessions}")
-    for name, flag, var in (("port", "--port", "SURGE_CONTROL_PORT"), ("data", "--data", "SURGE_DATA_ADDRESS"),
-                            ("store", "--store", "SURGE_STORE_ADDRESS")):
+    for name, flag, var in (
+        ("port", "--port", "SURGE_CONTROL_PORT"),
+        ("data", "--data", "SURGE_DATA_ADDRESS"),
+        ("store", "--store", "SURGE_STORE_ADDRESS"),
+    ):
         if getattr(args, name) is None:
             p.error(f"{flag} (or {var}) is required")
     return args
@@ -210,8 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         # While more than max_pending_requests calls (gRPC core's default 1,000) wait for the
         # server to pick them up, core cancels a growing share of new ones (all past the hard
         # limit, 3,000): measured, 5,000 agents registering at once lost ~1,200 that way.
-        pending = [("grpc.server.max_pending_requests", args.max_sessions),
-                   ("grpc.server.max_pending_requests_hard_limit", 2 * args.max_sessions)]
+        pending = [
+            ("grpc.server.max_pending_requests", args.max_sessions),
+            ("grpc.server.max_pending_requests_hard_limit", 2 * args.max_sessions),
+        ]
         server = AioServiceServer("control", args.host, args.port, executor_threads=64, options=pending)
         http = serve_metrics("control", args.host, args.metrics_port)
     except PortInUse as e:
@@ -219,8 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_status  # EXIT_PORT_IN_USE when another holds it, else 2
     journal = faults.install(JobStore(args.db))  # (test-only injections, off by default)
     try:
-        control = build(journal, data_address=args.data, store_address=args.store, host=args.host,
-                        max_sessions=args.max_sessions)
+        control = build(
+            journal, data_address=args.data, store_address=args.store, host=args.host, max_sessions=args.max_sessions
+        )
     except (ContractError, RouteError) as e:
         server.stop(grace=0)
         journal.close()
@@ -233,8 +312,14 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     server.start(["surge.v1.ControlService", AuditServicer.SERVICE_NAME])
     control.store.watch()  # the store's scrub findings, relayed for as long as control runs
-    log.info("control listening", address=f"{args.host}:{server.port}", db=args.db, data=args.data, store=args.store,
-             metrics=args.metrics_port or None)
+    log.info(
+        "control listening",
+        address=f"{args.host}:{server.port}",
+        db=args.db,
+        data=args.data,
+        store=args.store,
+        metrics=args.metrics_port or None,
+    )
     stop.wait()
     log.info("control stopping")
     control.detector.close()  # first: with the sessions ended, no beat arrives; that is no silence

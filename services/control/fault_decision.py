@@ -40,8 +40,12 @@ assert tuple(STEP_FAULT_CLASS.values()) == STEP_FAULT_CLASSES
 STEP_FAULT_KIND = {c: k for k, c in STEP_FAULT_CLASS.items()}
 
 RELAUNCHES = frozenset({"restart_ranks", "rollback", "exclude_node"})
-_VERDICTS = {"ignore": engine_pb2.STEP_APPLY, "skip_step": engine_pb2.STEP_SKIP, "stop": engine_pb2.STEP_STOP,
-             **{a: engine_pb2.STEP_RELAUNCH for a in RELAUNCHES}}
+_VERDICTS = {
+    "ignore": engine_pb2.STEP_APPLY,
+    "skip_step": engine_pb2.STEP_SKIP,
+    "stop": engine_pb2.STEP_STOP,
+    **{a: engine_pb2.STEP_RELAUNCH for a in RELAUNCHES},
+}
 
 
 @dataclass(frozen=True)
@@ -49,9 +53,9 @@ class JobView:
     """What the decision needs of the job (read-only)."""
 
     restarts: Mapping[str, int]  # fault class -> relaunches spent
-    ignored: Mapping[str, int]   # fault class -> faults ignored so far
+    ignored: Mapping[str, int]  # fault class -> faults ignored so far
     stop_requested: bool = False  # an operator stop is in flight
-    loading_version: str = ""     # the version the ranks of the recovery in flight load ("": none)
+    loading_version: str = ""  # the version the ranks of the recovery in flight load ("": none)
 
 
 @dataclass(frozen=True)
@@ -105,16 +109,30 @@ def decide(policy: FaultPolicySpec, job: JobView, report: control_pb2.FaultRepor
 
     if job.stop_requested and action not in ("ignore", "skip_step"):
         # (an ignored fault or a skipped step changes nothing: the operator's stop goes on)
-        return stop("stop", f"stop after {who}: a stop was already requested", JobOutcome.STOPPED,
-                    f"stopped by the operator; then {said}")
+        return stop(
+            "stop",
+            f"stop after {who}: a stop was already requested",
+            JobOutcome.STOPPED,
+            f"stopped by the operator; then {said}",
+        )
     if action == "ignore":
         n = job.ignored.get(fault_class, 0) + 1
         then = "; the step is applied as it is" if step_fault else ""
-        return Decision(fault_class, "ignore", "ignore", f"ignore {who}: fault policy; {n} ignored so far{then}",
-                        engine_pb2.STEP_APPLY)
+        return Decision(
+            fault_class,
+            "ignore",
+            "ignore",
+            f"ignore {who}: fault policy; {n} ignored so far{then}",
+            engine_pb2.STEP_APPLY,
+        )
     if action == "skip_step":
-        return Decision(fault_class, "skip_step", "skip_step", f"skip step {report.step} after {who}: fault policy",
-                        engine_pb2.STEP_SKIP)
+        return Decision(
+            fault_class,
+            "skip_step",
+            "skip_step",
+            f"skip step {report.step} after {who}: fault policy",
+            engine_pb2.STEP_SKIP,
+        )
     if action == "stop":
         return stop("stop", f"stop after {who}: fault policy", JobOutcome.FAILED, said)
     assert action in RELAUNCHES, action
@@ -131,10 +149,18 @@ def decide(policy: FaultPolicySpec, job: JobView, report: control_pb2.FaultRepor
     if exclude:
         text += f"; excluding {report.worker_id}"
     return Decision(
-        fault_class, action, action, text, _VERDICTS[action], restart=spent + 1, budget=budget,
+        fault_class,
+        action,
+        action,
+        text,
+        _VERDICTS[action],
+        restart=spent + 1,
+        budget=budget,
         # A step fault's step was not applied: a version of it cannot exist, so the bound only
         # says what a rollback says for any fault (nothing after the faulting step).
-        bound=report.step if action == "rollback" and report.step else None, exclude=exclude, strike=strike,
+        bound=report.step if action == "rollback" and report.step else None,
+        exclude=exclude,
+        strike=strike,
     )
 
 

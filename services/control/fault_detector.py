@@ -108,19 +108,19 @@ FaultGrade = control_pb2.FaultGrade
 _log = structlog.get_logger("fault_detector")
 
 # Fault classes this detector names itself (TrainingLoopFailed brings its own class).
-RANK_EXIT = "rank_exit"              # a rank process ended with a non-zero code or a signal
+RANK_EXIT = "rank_exit"  # a rank process ended with a non-zero code or a signal
 RANK_EXIT_CLEAN = "rank_exit_clean"  # exit code 0: normal after the loop finished, early otherwise
-RANK_RELEASED = "rank_released"      # ended after control released it: an exit control asked for
-RANK_SILENT = "rank_silent"          # no heartbeat within the deadline
-RANK_STALLED = "rank_stalled"        # heartbeats, but no progress within its phase's deadline (not in a collective)
+RANK_RELEASED = "rank_released"  # ended after control released it: an exit control asked for
+RANK_SILENT = "rank_silent"  # no heartbeat within the deadline
+RANK_STALLED = "rank_stalled"  # heartbeats, but no progress within its phase's deadline (not in a collective)
 # heartbeats, waiting in a collective with no progress: a consequence of the peer it waits for
 RANK_STALLED_IN_COLLECTIVE = "rank_stalled_in_collective"
-WORKER_LOST = "worker_lost"          # the node agent's session closed under the rank
-LOOP_FAILURE = "loop_failure"        # default for a fault class not in the table
-INTERNAL_ERROR = "internal_error"    # a module's failure of no more specific cause
+WORKER_LOST = "worker_lost"  # the node agent's session closed under the rank
+LOOP_FAILURE = "loop_failure"  # default for a fault class not in the table
+INTERNAL_ERROR = "internal_error"  # a module's failure of no more specific cause
 BOUNDARY_VIOLATION = "boundary_violation"  # a send the route table refused (a module or wiring bug)
-COMM_ERROR = "comm_error"            # a collective failed: usually a peer's fault, see attribution
-PORT_IN_USE = "port_in_use"          # the rendezvous port was taken: a fresh port fixes it
+COMM_ERROR = "comm_error"  # a collective failed: usually a peer's fault, see attribution
+PORT_IN_USE = "port_in_use"  # the rendezvous port was taken: a fresh port fixes it
 CHECKPOINT_ERROR = "checkpoint_error"  # a checkpoint could not be saved or loaded (or failed its check)
 # Classes reported under the class the policy table uses (the detail keeps the original).
 ALIASES = {"checkpoint_integrity": CHECKPOINT_ERROR}
@@ -162,12 +162,12 @@ DEFAULT_RULES: dict[str, int] = {
     "checkpoint_error": FaultGrade.SEVERE,
     "session_lost": FaultGrade.SEVERE,
     # Module failure events, by the class FAILURE_CLASSES gives them (typed cause, never text).
-    INTERNAL_ERROR: FaultGrade.FATAL,        # a bug until shown otherwise: the same on a restart
-    "out_of_memory": FaultGrade.FATAL,       # the same model on the same devices runs out again
-    "io_error": FaultGrade.SEVERE,           # a file or disk that may be back after a restart
+    INTERNAL_ERROR: FaultGrade.FATAL,  # a bug until shown otherwise: the same on a restart
+    "out_of_memory": FaultGrade.FATAL,  # the same model on the same devices runs out again
+    "io_error": FaultGrade.SEVERE,  # a file or disk that may be back after a restart
     "timeout": FaultGrade.SEVERE,
-    "unavailable": FaultGrade.SEVERE,        # a service that may be back
-    "data_corrupt": FaultGrade.FATAL,        # bytes that failed their check stay wrong
+    "unavailable": FaultGrade.SEVERE,  # a service that may be back
+    "data_corrupt": FaultGrade.FATAL,  # bytes that failed their check stay wrong
     "data_io_error": FaultGrade.SEVERE,
     # Reported for the record: the orchestrator decides on these events itself (they are
     # routed to it too), so the report asks for nothing (MINOR: ignore by default).
@@ -238,7 +238,7 @@ _RESTING = frozenset({RankPhase.PHASE_IDLE})
 
 
 def phase_name(phase: int) -> str:
-    """"forward", "collective", ... ("" for a rank that does not say)."""
+    """ "forward", "collective", ... ("" for a rank that does not say)."""
     if phase == RankPhase.PHASE_UNSPECIFIED or phase not in RankPhase.values():
         return ""
     return RankPhase.Name(phase).removeprefix("PHASE_").lower()
@@ -254,7 +254,7 @@ class _RankWatch:
     last_progress_unix: float = 0.0
     interval_s: float = 0.0  # the rank's beat period, as its heartbeats state it
     stepping: bool = False
-    phase: int = 0           # RankPhase of its last beat (PHASE_UNSPECIFIED: it does not say)
+    phase: int = 0  # RankPhase of its last beat (PHASE_UNSPECIFIED: it does not say)
     phase_progress: int = 0  # units of the phase done, as its last beat said
     phase_total: int = 0
     # In a collective past its deadline while a peer still worked: no deadline of its own
@@ -384,7 +384,9 @@ class FaultDetector:
                 for rank in range(msg.world_size):
                     worker_id = workers[rank] if rank < len(workers) else ""
                     watch = job.ranks[rank] = _RankWatch(worker_id=worker_id, last_beat_unix=now, unheard=True)
-                    watch.silence = self._deadlines.after(msg.reattach_seconds, self._silence_passed, (msg.job_id, rank, watch))
+                    watch.silence = self._deadlines.after(
+                        msg.reattach_seconds, self._silence_passed, (msg.job_id, rank, watch)
+                    )
 
     def reset_fault_ledger(self, msg: control_pb2.ResetFaultLedger, payload: Any = None) -> None:
         """重置故障台账指令: the job's incident is over (recovered); the next fault opens a new one."""
@@ -420,8 +422,15 @@ class FaultDetector:
             watch = job.ranks.get(msg.rank)
             if watch is None:
                 watch = job.ranks[msg.rank] = _RankWatch()
-                _log.info("watching rank", job_id=msg.job_id, rank=msg.rank, worker_id=msg.worker_id,
-                          heartbeat_timeout_s=job.heartbeat_timeout_s, stepping=msg.stepping, step=msg.step)
+                _log.info(
+                    "watching rank",
+                    job_id=msg.job_id,
+                    rank=msg.rank,
+                    worker_id=msg.worker_id,
+                    heartbeat_timeout_s=job.heartbeat_timeout_s,
+                    stepping=msg.stepping,
+                    step=msg.step,
+                )
             watch.worker_id = msg.worker_id or watch.worker_id
             watch.last_beat_unix, watch.unheard = now, False
             job.back.add(watch.worker_id)
@@ -441,8 +450,12 @@ class FaultDetector:
                     job.held_timer = None
             if progressed and watch.step >= 0 and msg.step_seconds > 0:
                 job.step_times.append(msg.step_seconds)
-            if (moved and msg.phase == RankPhase.PHASE_EVALUATION and msg.phase_progress > 0
-                    and msg.phase_progress != watch.phase_progress):
+            if (
+                moved
+                and msg.phase == RankPhase.PHASE_EVALUATION
+                and msg.phase_progress > 0
+                and msg.phase_progress != watch.phase_progress
+            ):
                 job.eval_batch_times.append(msg.phase_seconds / msg.phase_progress)
             watch.step, watch.stepping = msg.step, msg.stepping
             watch.phase, watch.phase_progress, watch.phase_total = msg.phase, msg.phase_progress, msg.phase_total
@@ -490,8 +503,14 @@ class FaultDetector:
                 detail += f": {msg.detail}"
         step = watch.step if watch is not None and watch.step >= 0 else 0
         self._report(
-            msg.job_id, fault_class, Module.EXT_HARDWARE, msg.rank, detail,
-            occurred=msg.unix_time, worker_id=msg.worker_id, step=step,
+            msg.job_id,
+            fault_class,
+            Module.EXT_HARDWARE,
+            msg.rank,
+            detail,
+            occurred=msg.unix_time,
+            worker_id=msg.worker_id,
+            step=step,
         )
         # (after the report: held with the rest, and ordered with it)
         if self._reattached(msg.job_id, msg.rank):
@@ -507,10 +526,18 @@ class FaultDetector:
         window: its cause may still be on its way."""
         failure = msg.failure
         event = msg.DESCRIPTOR.name
-        if (msg.HasField("failure") and failure.module not in (0, Module.L2_TRAINING_LOOP)
-                and self._seen_failure(msg.job_id, msg.rank, failure)):
-            _log.info("loop failure follows a reported module failure", job_id=msg.job_id, rank=msg.rank,
-                      module=Module.Name(failure.module), cause=route_pb2.FailureCause.Name(failure.cause))
+        if (
+            msg.HasField("failure")
+            and failure.module not in (0, Module.L2_TRAINING_LOOP)
+            and self._seen_failure(msg.job_id, msg.rank, failure)
+        ):
+            _log.info(
+                "loop failure follows a reported module failure",
+                job_id=msg.job_id,
+                rank=msg.rank,
+                module=Module.Name(failure.module),
+                cause=route_pb2.FailureCause.Name(failure.cause),
+            )
             return
         if msg.fault_class:
             fault_class = msg.fault_class
@@ -522,8 +549,17 @@ class FaultDetector:
         if fault_class in ALIASES:
             subclass, fault_class = fault_class, ALIASES[fault_class]
         detail = f"rank {msg.rank} failed at step {msg.step}: " + (f"{subclass}: " if subclass else "") + msg.detail
-        report = self._graded(msg.job_id, fault_class, Module.L2_TRAINING_LOOP, msg.rank, detail, step=msg.step,
-                              subclass=subclass, event=event, cause=failure.cause)
+        report = self._graded(
+            msg.job_id,
+            fault_class,
+            Module.L2_TRAINING_LOOP,
+            msg.rank,
+            detail,
+            step=msg.step,
+            subclass=subclass,
+            event=event,
+            cause=failure.cause,
+        )
         if report is None:
             return
         self._hold_or_report(msg.job_id, msg.rank, report)
@@ -555,11 +591,16 @@ class FaultDetector:
             said = next((getattr(msg, f) for f in ("reason", "detail") if f in fields and getattr(msg, f)), "")
             where = f", rank {rank}" if "rank" in fields else ""
             detail = f"{who} ({event}{where}): {said or 'no detail'}"
-        report = self._graded(job_id, fault_class, module, rank, detail, step=step,
-                              event=event, cause=failure.cause)
+        report = self._graded(job_id, fault_class, module, rank, detail, step=step, event=event, cause=failure.cause)
         if report is None:
-            _log.warning("failure of no monitored job", failure_event=event, module=who, job_id=job_id,
-                         cause=route_pb2.FailureCause.Name(failure.cause), detail=failure.detail)
+            _log.warning(
+                "failure of no monitored job",
+                failure_event=event,
+                module=who,
+                job_id=job_id,
+                cause=route_pb2.FailureCause.Name(failure.cause),
+                detail=failure.detail,
+            )
             return
         with self._lock:
             self._failures[(job_id, rank)].append((failure.module, failure.operation, failure.cause))
@@ -603,10 +644,14 @@ class FaultDetector:
             timeout = job.heartbeat_timeout_s
             # Nothing of it since the restart, nor of another rank of the worker it ran on (as
             # journaled): that worker is gone. Where it ran is unknown: only silent.
-            lost = watch.unheard and rank in job.reattaching and bool(watch.worker_id) and watch.worker_id not in job.back
+            lost = (
+                watch.unheard and rank in job.reattaching and bool(watch.worker_id) and watch.worker_id not in job.back
+            )
             # Peers that waited in a collective, without a deadline, while it still looked
             # alive and working: they waited for it. Its consequences, reported after it.
-            waiting = [(r, w) for r, w in sorted(job.ranks.items()) if w.waiting and w.phase == RankPhase.PHASE_COLLECTIVE]
+            waiting = [
+                (r, w) for r, w in sorted(job.ranks.items()) if w.waiting and w.phase == RankPhase.PHASE_COLLECTIVE
+            ]
             for _, w in waiting:
                 w.waiting, w.stalled = False, True
             window = max(job.attribution_s, 0.1)
@@ -614,15 +659,26 @@ class FaultDetector:
         silent_for = now - watch.last_beat_unix
         if lost:
             fault_class = WORKER_LOST
-            detail = (f"rank {rank} lost with worker {watch.worker_id}: no node agent re-attached it "
-                      f"within {silent_for:.1f} s of the control restart")
+            detail = (
+                f"rank {rank} lost with worker {watch.worker_id}: no node agent re-attached it "
+                f"within {silent_for:.1f} s of the control restart"
+            )
         else:
             fault_class = RANK_SILENT
-            detail = (f"rank {rank} on worker {watch.worker_id} sent no heartbeat for {silent_for:.1f} s "
-                      f"(deadline {timeout:g} s) after step {max(watch.step, 0)}")
+            detail = (
+                f"rank {rank} on worker {watch.worker_id} sent no heartbeat for {silent_for:.1f} s "
+                f"(deadline {timeout:g} s) after step {max(watch.step, 0)}"
+            )
         self._report(
-            job_id, fault_class, Module.EXT_HARDWARE, rank, detail,
-            occurred=watch.last_beat_unix, worker_id=watch.worker_id, step=max(watch.step, 0), phase=watch.phase,
+            job_id,
+            fault_class,
+            Module.EXT_HARDWARE,
+            rank,
+            detail,
+            occurred=watch.last_beat_unix,
+            worker_id=watch.worker_id,
+            step=max(watch.step, 0),
+            phase=watch.phase,
         )
         followers = self._waiting_reports(job_id, waiting, rank, "silent", now)
         if followers:
@@ -647,8 +703,11 @@ class FaultDetector:
                 return
             watch.stall = None
             quiet = self._quiet(job, now)
-            if watch.phase == RankPhase.PHASE_COLLECTIVE and rank not in quiet and any(
-                    r != rank and r not in quiet and self._working(w) for r, w in job.ranks.items()):
+            if (
+                watch.phase == RankPhase.PHASE_COLLECTIVE
+                and rank not in quiet
+                and any(r != rank and r not in quiet and self._working(w) for r, w in job.ranks.items())
+            ):
                 # Waiting for a peer that still works (e.g. a longer evaluation on it): no
                 # fault (see the docstring).
                 watch.waiting = True
@@ -664,7 +723,9 @@ class FaultDetector:
                 # a deadline for a peer that worked then. Consequences, reported after it.
                 if r == rank or r in quiet or w.phase != RankPhase.PHASE_COLLECTIVE or not w.stepping or w.stalled:
                     continue
-                if w.waiting or (not in_collective and now - w.last_progress_unix > QUIET_BEATS * (w.interval_s or 1.0)):
+                if w.waiting or (
+                    not in_collective and now - w.last_progress_unix > QUIET_BEATS * (w.interval_s or 1.0)
+                ):
                     if w.stall is not None:
                         w.stall.cancel()
                     w.stall, w.stalled, w.waiting = None, True, False
@@ -673,43 +734,77 @@ class FaultDetector:
         where = phase_name(watch.phase)
         fault_class = RANK_STALLED_IN_COLLECTIVE if in_collective else RANK_STALLED
         if in_collective:
-            text = (f"rank {rank} on worker {watch.worker_id} waits in a collective: no step progress for "
-                    f"{stalled_for:.1f} s (deadline {deadline:.1f} s) after step {max(watch.step, 0)}")
+            text = (
+                f"rank {rank} on worker {watch.worker_id} waits in a collective: no step progress for "
+                f"{stalled_for:.1f} s (deadline {deadline:.1f} s) after step {max(watch.step, 0)}"
+            )
         else:
-            text = (f"rank {rank} on worker {watch.worker_id} is alive but made no step progress for {stalled_for:.1f} s "
-                    f"(deadline {deadline:.1f} s) after step {max(watch.step, 0)}")
+            text = (
+                f"rank {rank} on worker {watch.worker_id} is alive but made no step progress for {stalled_for:.1f} s "
+                f"(deadline {deadline:.1f} s) after step {max(watch.step, 0)}"
+            )
             if where:
                 text += f", in its {where} phase" + (
-                    f" ({watch.phase_progress} of {watch.phase_total} done)" if watch.phase_total else "")
+                    f" ({watch.phase_progress} of {watch.phase_total} done)" if watch.phase_total else ""
+                )
         report = self._graded(
-            job_id, fault_class, Module.EXT_HARDWARE, rank, text,
-            occurred=watch.last_progress_unix, worker_id=watch.worker_id, step=max(watch.step, 0), phase=watch.phase,
+            job_id,
+            fault_class,
+            Module.EXT_HARDWARE,
+            rank,
+            text,
+            occurred=watch.last_progress_unix,
+            worker_id=watch.worker_id,
+            step=max(watch.step, 0),
+            phase=watch.phase,
         )
         if report is None:
             return
         followers = self._waiting_reports(job_id, consequences, rank, f"stalled in its {where or 'step'}", now)
         # Held: until a quiet peer's silence deadline can have fired, or long enough to
         # tell whether a peer goes quiet (then extended, see _release_held).
-        _log.info("stall held for attribution", job_id=job_id, rank=rank, quiet=quiet, phase=where,
-                  waiting_in_collective=[r for r, _ in consequences])
+        _log.info(
+            "stall held for attribution",
+            job_id=job_id,
+            rank=rank,
+            quiet=quiet,
+            phase=where,
+            waiting_in_collective=[r for r, _ in consequences],
+        )
         if quiet:
-            self._hold(job_id, report, window=max(job.attribution_s, job.heartbeat_timeout_s + 0.5), extended=True,
-                       followers=followers)
+            self._hold(
+                job_id,
+                report,
+                window=max(job.attribution_s, job.heartbeat_timeout_s + 0.5),
+                extended=True,
+                followers=followers,
+            )
         else:
             self._hold(job_id, report, window=max(job.attribution_s, self._beat_window(job)), followers=followers)
 
     def _waiting_reports(
-        self, job_id: str, waiting: list[tuple[int, _RankWatch]], cause_rank: int, how: str, now: float,
+        self,
+        job_id: str,
+        waiting: list[tuple[int, _RankWatch]],
+        cause_rank: int,
+        how: str,
+        now: float,
     ) -> list[control_pb2.FaultReport]:
         """``rank_stalled_in_collective`` reports of the ranks that wait for ``cause_rank``."""
         reports = []
         for r, w in waiting:
             waited = now - w.last_progress_unix
             report = self._graded(
-                job_id, RANK_STALLED_IN_COLLECTIVE, Module.EXT_HARDWARE, r,
+                job_id,
+                RANK_STALLED_IN_COLLECTIVE,
+                Module.EXT_HARDWARE,
+                r,
                 f"rank {r} on worker {w.worker_id} waits in a collective: no step progress for {waited:.1f} s "
                 f"after step {max(w.step, 0)}, waiting for rank {cause_rank} ({how})",
-                occurred=w.last_progress_unix, worker_id=w.worker_id, step=max(w.step, 0), phase=w.phase,
+                occurred=w.last_progress_unix,
+                worker_id=w.worker_id,
+                step=max(w.step, 0),
+                phase=w.phase,
             )
             if report is not None:
                 reports.append(report)
@@ -719,8 +814,13 @@ class FaultDetector:
     def _working(w: _RankWatch) -> bool:
         """Progressing outside a collective: stepping, its progress deadline armed, not
         declared stalled, in a phase that is not a collective wait."""
-        return (w.stepping and w.stall is not None and not w.stalled
-                and w.phase not in _RESTING and w.phase != RankPhase.PHASE_COLLECTIVE)
+        return (
+            w.stepping
+            and w.stall is not None
+            and not w.stalled
+            and w.phase not in _RESTING
+            and w.phase != RankPhase.PHASE_COLLECTIVE
+        )
 
     def _release_held(self, job_id: str) -> None:
         """The attribution window closed with no cause from another rank: the first held
@@ -731,8 +831,11 @@ class FaultDetector:
             job = self._jobs.get(job_id)
             if job is None:
                 return
-            if (not job.held_extended and any(r.fault_class == RANK_STALLED for r in job.held)
-                    and self._quiet(job, time.time())):
+            if (
+                not job.held_extended
+                and any(r.fault_class == RANK_STALLED for r in job.held)
+                and self._quiet(job, time.time())
+            ):
                 job.held_extended = True
                 job.held_timer = self._deadlines.after(job.heartbeat_timeout_s + 0.5, self._release_held, (job_id,))
                 return
@@ -784,7 +887,11 @@ class FaultDetector:
     @staticmethod
     def _quiet(job: _Job, now: float) -> list[int]:
         """Ranks with no beat for more than QUIET_BEATS of their beat periods."""
-        return [r for r, w in job.ranks.items() if now - w.last_beat_unix > QUIET_BEATS * (w.interval_s or job.heartbeat_timeout_s)]
+        return [
+            r
+            for r, w in job.ranks.items()
+            if now - w.last_beat_unix > QUIET_BEATS * (w.interval_s or job.heartbeat_timeout_s)
+        ]
 
     @staticmethod
     def _beat_window(job: _Job) -> float:
@@ -800,9 +907,20 @@ class FaultDetector:
         return self._rules.get(fault_class, self._rules[LOOP_FAILURE])
 
     def _graded(
-        self, job_id: str, fault_class: str, source: int, rank: int, detail: str, *,
-        occurred: float = 0.0, worker_id: str = "", step: int = 0, phase: int = 0, subclass: str = "",
-        event: str = "", cause: int = 0,
+        self,
+        job_id: str,
+        fault_class: str,
+        source: int,
+        rank: int,
+        detail: str,
+        *,
+        occurred: float = 0.0,
+        worker_id: str = "",
+        step: int = 0,
+        phase: int = 0,
+        subclass: str = "",
+        event: str = "",
+        cause: int = 0,
     ) -> control_pb2.FaultReport | None:
         now = time.time()
         with self._lock:
@@ -814,13 +932,28 @@ class FaultDetector:
             if not worker_id and rank in job.ranks:
                 worker_id = job.ranks[rank].worker_id
         return control_pb2.FaultReport(
-            job_id=job_id, grade=self._grade(fault_class), fault_class=fault_class, source=source, rank=rank,
-            detail=detail, detected_unix=now, occurred_unix=occurred or now, worker_id=worker_id, step=step,
-            phase=phase, subclass=subclass, event=event, cause=cause,
+            job_id=job_id,
+            grade=self._grade(fault_class),
+            fault_class=fault_class,
+            source=source,
+            rank=rank,
+            detail=detail,
+            detected_unix=now,
+            occurred_unix=occurred or now,
+            worker_id=worker_id,
+            step=step,
+            phase=phase,
+            subclass=subclass,
+            event=event,
+            cause=cause,
         )
 
     def _hold(
-        self, job_id: str, report: control_pb2.FaultReport, window: float, extended: bool = False,
+        self,
+        job_id: str,
+        report: control_pb2.FaultReport,
+        window: float,
+        extended: bool = False,
         followers: list[control_pb2.FaultReport] = (),
     ) -> None:
         """Hold a symptom until its cause arrives or ``window`` seconds pass. The window
@@ -872,4 +1005,3 @@ class FaultDetector:
         self._emit(report)
         for symptom in held:
             self._emit(symptom)
-

@@ -68,7 +68,8 @@ APPLIER_LAG = Histogram(
     buckets=_LAG_BUCKETS,
 )
 WORKER_EVENTS = Counter(
-    "surge_worker_events_total", "Sequenced node agent events received by control, applied or dropped as duplicates.",
+    "surge_worker_events_total",
+    "Sequenced node agent events received by control, applied or dropped as duplicates.",
     ["outcome"],
 )
 

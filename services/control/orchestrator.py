@@ -103,7 +103,9 @@ _ALLOWED: dict[int, frozenset[int]] = {
     JobState.WARMING_UP: frozenset({JobState.RUNNING, JobState.FAULT_FROZEN, JobState.TERMINATED}),
     JobState.RUNNING: frozenset({JobState.PAUSED, JobState.FAULT_FROZEN, JobState.TERMINATED}),
     JobState.PAUSED: frozenset({JobState.RUNNING, JobState.FAULT_FROZEN, JobState.TERMINATED}),
-    JobState.FAULT_FROZEN: frozenset({JobState.RUNNING, JobState.PAUSED, JobState.TERMINATED}),  # PAUSED: recovered, paused before
+    JobState.FAULT_FROZEN: frozenset(
+        {JobState.RUNNING, JobState.PAUSED, JobState.TERMINATED}
+    ),  # PAUSED: recovered, paused before
     JobState.TERMINATED: frozenset(),
 }
 
@@ -121,11 +123,11 @@ _log = structlog.get_logger("orchestrator")
 # The steps of a recovery (``_Incident.phase``), in order. Each is a command out and the
 # event that answers it; the wait states retry their step with backoff until the fault
 # policy's deadline for them, after which the policy decides.
-VERIFYING = "verifying"            # VerifyCheckpoints sent; CheckpointVerification / SnapshotFailed answers
-WAITING_STORE = "waiting_store"    # the store could not be asked (unreachable, timeout): retry
-PLACING = "placing"                # StartRecovery sent (answered at once by L1-4)
+VERIFYING = "verifying"  # VerifyCheckpoints sent; CheckpointVerification / SnapshotFailed answers
+WAITING_STORE = "waiting_store"  # the store could not be asked (unreachable, timeout): retry
+PLACING = "placing"  # StartRecovery sent (answered at once by L1-4)
 WAITING_CAPACITY = "waiting_capacity"  # not enough free slots: retry as workers come
-RESTORING = "restoring"            # ranks relaunched; waiting for every one to report ready
+RESTORING = "restoring"  # ranks relaunched; waiting for every one to report ready
 # A pause or stop names a boundary at least this far ahead in time (seconds; see _boundary).
 BOUNDARY_MARGIN_S = 1.0
 # Backoff of a retried step: doubles from the first, capped (seconds).
@@ -170,9 +172,9 @@ class _Incident:
     decided: float  # time.monotonic() of the decision
     dying: Counter[int] = field(default_factory=Counter)
     version: str = ""
-    bound: int | None = None            # rollback: no version after this step
+    bound: int | None = None  # rollback: no version after this step
     exclude: list[str] = field(default_factory=list)  # exclude_node: the worker(s) left out
-    relaunched: bool = False            # RecoveryCompleted applied (journaled with its event)
+    relaunched: bool = False  # RecoveryCompleted applied (journaled with its event)
     # Restored from the journal after a control restart: whether the relaunch reached the
     # node agents is unknown until a relaunched rank reports ready (``relaunched`` or not:
     # a journaled relaunch was only queued to the sessions when control died).
@@ -180,35 +182,35 @@ class _Incident:
     # When that relaunch was commanded again (unix time): reports graded before it are
     # about the ranks it replaced, already accounted for.
     repeated_unix: float = 0.0
-    phase: str = VERIFYING              # the recovery step in flight (journaled)
-    waiting_for: str = ""               # the wait state the step is in (kept across its retries)
-    waiting_since: float = 0.0          # time.monotonic() that wait began
-    asked_since: float = 0.0            # time.monotonic() the store was first asked (a wait counts from it)
-    retries: int = 0                    # retries of the current step
-    timer: Deadline | None = None       # the current step's retry or deadline (not journaled)
-    paused: bool = False                # the job was paused (or pausing) when the fault came
+    phase: str = VERIFYING  # the recovery step in flight (journaled)
+    waiting_for: str = ""  # the wait state the step is in (kept across its retries)
+    waiting_since: float = 0.0  # time.monotonic() that wait began
+    asked_since: float = 0.0  # time.monotonic() the store was first asked (a wait counts from it)
+    retries: int = 0  # retries of the current step
+    timer: Deadline | None = None  # the current step's retry or deadline (not journaled)
+    paused: bool = False  # the job was paused (or pausing) when the fault came
 
 
 @dataclass
 class _Job:
     status: control_pb2.JobStatus
     spec: JobSpec
-    seq: int = 0                                          # last event seq written
-    started: set[int] = field(default_factory=set)        # ranks that reported started
+    seq: int = 0  # last event seq written
+    started: set[int] = field(default_factory=set)  # ranks that reported started
     paused: set[int] = field(default_factory=set)
     finished: dict[int, bool] = field(default_factory=dict)  # rank -> stopped
-    pending: str = ""                                     # "pause" | "stop" while in flight
+    pending: str = ""  # "pause" | "stop" while in flight
     pending_at: int = 0
-    running_since: float = 0.0                            # unix time RUNNING was first entered
+    running_since: float = 0.0  # unix time RUNNING was first entered
     last_persist: float = 0.0
-    exited: set[int] = field(default_factory=set)         # ranks of this generation seen ended
-    incident: _Incident | None = None                     # the recovery in progress
-    recovered: _Incident | None = None                    # recovered, awaiting its first step
+    exited: set[int] = field(default_factory=set)  # ranks of this generation seen ended
+    incident: _Incident | None = None  # the recovery in progress
+    recovered: _Incident | None = None  # recovered, awaiting its first step
     restarts: Counter[str] = field(default_factory=Counter)  # fault class -> relaunches spent
-    ignored: Counter[str] = field(default_factory=Counter)   # fault class -> faults ignored
+    ignored: Counter[str] = field(default_factory=Counter)  # fault class -> faults ignored
     versions: list[tuple[int, str]] = field(default_factory=list)  # (step, version) committed
-    unusable: set[str] = field(default_factory=set)       # versions that failed verification
-    excluded: set[str] = field(default_factory=set)       # workers left out by exclude_node decisions
+    unusable: set[str] = field(default_factory=set)  # versions that failed verification
+    excluded: set[str] = field(default_factory=set)  # workers left out by exclude_node decisions
     placement: dict[int, str] = field(default_factory=dict)  # rank -> worker it reported ready on
     start_held: bool = False  # recovered while paused: the ready ranks wait for StartTraining
     boundary_failed: bool = False  # the checkpoint of the pause/stop boundary in flight could not be saved
@@ -314,7 +316,10 @@ class Orchestrator:
         with self._lock:
             job_id = self._new_id(spec.name)
             init = engine_pb2.InitJob(
-                job_id=job_id, spec_json=spec_json, data_address=self._data_address, store_address=self._store_address,
+                job_id=job_id,
+                spec_json=spec_json,
+                data_address=self._data_address,
+                store_address=self._store_address,
                 standing_orders=fd.standing_orders(spec.fault_policy),
             )
             now = time.time()
@@ -407,15 +412,24 @@ class Orchestrator:
             if msg.drain and job.status.state == JobState.PAUSED and not job.pending:
                 if not job.parked:
                     job.parked = True
-                    self._record(job, ORCH, "decision",
-                                 f"drain: PAUSED at step {job.status.step}; its ranks stop with the stack; "
-                                 f"`surgectl resume {job.status.job_id}` relaunches them from {_newest(job)}")
+                    self._record(
+                        job,
+                        ORCH,
+                        "decision",
+                        f"drain: PAUSED at step {job.status.step}; its ranks stop with the stack; "
+                        f"`surgectl resume {job.status.job_id}` relaunches them from {_newest(job)}",
+                    )
                 return self._snapshot(job)
             if msg.drain and job.pending == "pause":
                 if not job.draining:
                     job.draining = True
-                    self._record(job, ORCH, "decision", f"drain: the pause after step {job.pending_at} in flight "
-                                 "becomes a drain (the stack stops once it is PAUSED)")
+                    self._record(
+                        job,
+                        ORCH,
+                        "decision",
+                        f"drain: the pause after step {job.pending_at} in flight "
+                        "becomes a drain (the stack stops once it is PAUSED)",
+                    )
                 return self._snapshot(job)
             self._require(job, JobState.RUNNING)
             self._require_idle(job)
@@ -424,11 +438,18 @@ class Orchestrator:
             job.boundary_failed = False
             job.draining = msg.drain
             job.paused.clear()
-            self._loop(engine_pb2.PauseTraining(job_id=job.status.job_id, at_step=job.pending_at, checkpoint=checkpoint))
+            self._loop(
+                engine_pb2.PauseTraining(job_id=job.status.job_id, at_step=job.pending_at, checkpoint=checkpoint)
+            )
             what = "drain (pause, then the stack stops)" if msg.drain else "pause"
             how = f"checkpoint step {job.pending_at} and pause" if checkpoint else "pause"
-            self._record(job, ORCH, "decision", f"{what} requested: ranks {how} after step {job.pending_at}"
-                         + ("" if checkpoint else " (no checkpoint)"))
+            self._record(
+                job,
+                ORCH,
+                "decision",
+                f"{what} requested: ranks {how} after step {job.pending_at}"
+                + ("" if checkpoint else " (no checkpoint)"),
+            )
             return self._snapshot(job)
 
     def resume_job_request(self, msg: control_pb2.ResumeJobRequest, payload: Any = None) -> control_pb2.JobStatus:
@@ -449,12 +470,16 @@ class Orchestrator:
             job_id = job.status.job_id
             if not self._relaunchable(job):
                 if job.status.state == JobState.TERMINATED:
-                    raise IllegalTransition(f"job {job_id} is TERMINATED (FINISHED): all {job.status.total_steps} "
-                                            "steps done; nothing to resume")
+                    raise IllegalTransition(
+                        f"job {job_id} is TERMINATED (FINISHED): all {job.status.total_steps} "
+                        "steps done; nothing to resume"
+                    )
                 self._require(job, JobState.PAUSED)
                 if msg.from_version:
-                    raise IllegalTransition(f"--from: job {job_id} is PAUSED with its ranks running; "
-                                            f"`surgectl resume {job_id}` continues it where it paused")
+                    raise IllegalTransition(
+                        f"--from: job {job_id} is PAUSED with its ranks running; "
+                        f"`surgectl resume {job_id}` continues it where it paused"
+                    )
                 if job.start_held:  # recovered while paused: its ready ranks never started
                     job.start_held = False
                     self._loop(engine_pb2.StartTraining(job_id=job_id))
@@ -490,8 +515,13 @@ class Orchestrator:
                 outcome = JobOutcome.Name(job.status.outcome)
                 raise IllegalTransition(f"job {job.status.job_id} is already TERMINATED ({outcome})")
             if state in (JobState.FAULT_FROZEN, JobState.STANDBY) or (state == JobState.PAUSED and job.parked):
-                why = ("its ranks were being recovered" if job.incident else
-                       "its ranks were stopped with the stack" if job.parked else "its ranks were gone")
+                why = (
+                    "its ranks were being recovered"
+                    if job.incident
+                    else "its ranks were stopped with the stack"
+                    if job.parked
+                    else "its ranks were gone"
+                )
                 job.parked = job.draining = False
                 job.status.drained = False
                 self._terminate(job, JobOutcome.STOPPED, f"stopped by the operator; {why}", kill=True)
@@ -531,19 +561,27 @@ class Orchestrator:
             try:
                 reply = self._checkpoints(store_pb2.VerifyCheckpoints(job_id=job_id)).message
             except Exception as e:  # noqa: BLE001 - a relay that cannot even send
-                reply = store_pb2.SnapshotFailed(job_id=job_id, operation="verify", cause=store_pb2.UNREACHABLE,
-                                                 reason=f"not sent: {type(e).__name__}: {e}")
+                reply = store_pb2.SnapshotFailed(
+                    job_id=job_id,
+                    operation="verify",
+                    cause=store_pb2.UNREACHABLE,
+                    reason=f"not sent: {type(e).__name__}: {e}",
+                )
             if not isinstance(reply, (store_pb2.CheckpointVerification, store_pb2.SnapshotFailed)):
                 if not answer.event.wait(RESUME_VERIFY_WAIT_S):
-                    raise IllegalTransition(f"cannot resume {job_id}: the store did not say within "
-                                            f"{RESUME_VERIFY_WAIT_S:.0f} s which checkpoints verify; try again")
+                    raise IllegalTransition(
+                        f"cannot resume {job_id}: the store did not say within "
+                        f"{RESUME_VERIFY_WAIT_S:.0f} s which checkpoints verify; try again"
+                    )
                 reply = answer.reply
         finally:
             self._answers.pop(job_id, None)
         if isinstance(reply, store_pb2.SnapshotFailed):
             cause = store_pb2.StoreFailureCause.Name(reply.cause).lower() if reply.cause else "failed"
-            raise IllegalTransition(f"cannot resume {job_id}: the store could not verify its checkpoints "
-                                    f"({cause}: {reply.reason}); try again")
+            raise IllegalTransition(
+                f"cannot resume {job_id}: the store could not verify its checkpoints "
+                f"({cause}: {reply.reason}); try again"
+            )
         return list(reply.versions)
 
     def _resume_answered(self, msg: store_pb2.CheckpointVerification | store_pb2.SnapshotFailed) -> bool:
@@ -562,24 +600,30 @@ class Orchestrator:
         start the new generation (WARMING_UP). Nothing changes when it is refused."""
         job_id = job.status.job_id
         if not self._relaunchable(job):
-            raise IllegalTransition(f"job {job_id} changed while its checkpoints were verified "
-                                    f"(now {JobState.Name(job.status.state)}); not resumed")
+            raise IllegalTransition(
+                f"job {job_id} changed while its checkpoints were verified "
+                f"(now {JobState.Name(job.status.state)}); not resumed"
+            )
         if verdicts is None:
             candidates = [(step, v, v not in job.unusable, "") for step, v in job.versions]
         else:
-            candidates = [(d.info.step, d.info.version, d.ok and d.info.version not in job.unusable, d.reason)
-                          for d in verdicts]
+            candidates = [
+                (d.info.step, d.info.version, d.ok and d.info.version not in job.unusable, d.reason) for d in verdicts
+            ]
         if not candidates:
             raise IllegalTransition(f"job {job_id} has no checkpoint to resume from; submit again")
         if from_version:
             named = [c for c in candidates if c[1] == from_version]
             if not named:
-                raise IllegalTransition(f"--from {from_version}: not a committed checkpoint of {job_id} "
-                                        f"(its versions: {', '.join(c[1] for c in candidates)})")
+                raise IllegalTransition(
+                    f"--from {from_version}: not a committed checkpoint of {job_id} "
+                    f"(its versions: {', '.join(c[1] for c in candidates)})"
+                )
             chosen = named[0]
             if not chosen[2]:
-                raise IllegalTransition(f"--from {from_version}: fails verification ({chosen[3] or 'struck'}); "
-                                        "never loaded")
+                raise IllegalTransition(
+                    f"--from {from_version}: fails verification ({chosen[3] or 'struck'}); never loaded"
+                )
         else:
             usable = [c for c in candidates if c[2] and c[1] not in job.abandoned]
             if not usable:
@@ -588,18 +632,30 @@ class Orchestrator:
             chosen = max(usable, key=lambda c: (c[0], _version_number(c[1])))
         step, version = chosen[0], chosen[1]
         spec_json = spec_to_json(job.spec)
-        init = engine_pb2.InitJob(job_id=job_id, spec_json=spec_json, resume_version=version,
-                                  data_address=self._data_address, store_address=self._store_address,
-                                  standing_orders=fd.standing_orders(job.spec.fault_policy))
-        reply = self._allocator(control_pb2.AllocateResources(
-            job_id=job_id, world_size=job.status.world_size, backend=job.spec.parallel.backend, init=init)).message
+        init = engine_pb2.InitJob(
+            job_id=job_id,
+            spec_json=spec_json,
+            resume_version=version,
+            data_address=self._data_address,
+            store_address=self._store_address,
+            standing_orders=fd.standing_orders(job.spec.fault_policy),
+        )
+        reply = self._allocator(
+            control_pb2.AllocateResources(
+                job_id=job_id, world_size=job.status.world_size, backend=job.spec.parallel.backend, init=init
+            )
+        ).message
         if isinstance(reply, control_pb2.ResourcesInsufficient):
-            raise InsufficientResources(f"cannot resume {job_id} now: it needs {reply.requested_ranks} ranks "
-                                        f"({_degrees(job.spec)}) but {reply.reason}")
+            raise InsufficientResources(
+                f"cannot resume {job_id} now: it needs {reply.requested_ranks} ranks "
+                f"({_degrees(job.spec)}) but {reply.reason}"
+            )
         assert isinstance(reply, control_pb2.ResourcesReady), reply
         before, before_runtime = control_pb2.JobStatus(), _runtime(job)
         before.CopyFrom(job.status)
-        was = JobState.Name(job.status.state) + (f" ({JobOutcome.Name(job.status.outcome)})" if job.status.outcome else "")
+        was = JobState.Name(job.status.state) + (
+            f" ({JobOutcome.Name(job.status.outcome)})" if job.status.outcome else ""
+        )
         try:
             # A new generation: nothing of the old one's ranks, pause, stop or recovery is kept;
             # the restart budgets start again (the operator decided to go on). Except which
@@ -613,17 +669,22 @@ class Orchestrator:
             # Going back to an older version starts a new branch: what was committed after it
             # is never a recovery's choice (the fresh-user trial saw a fault right after
             # `resume --from J:17` relaunch from J:20, the branch the operator left).
-            job.abandoned = (job.abandoned | {v for v in _known(job, candidates)
-                                              if _version_number(v) > _version_number(version)}) - {version}
+            job.abandoned = (
+                job.abandoned | {v for v in _known(job, candidates) if _version_number(v) > _version_number(version)}
+            ) - {version}
             job.versions = [(st, v) for st, v in job.versions if v not in job.abandoned]
             s = job.status
             s.outcome, s.drained, s.step, s.checkpoint_version = JobOutcome.OUTCOME_UNSPECIFIED, False, step, version
             self._faults(start_monitoring(job_id, job.spec))
             self._faults(control_pb2.ResetFaultLedger(job_id=job_id))
-            self._record(job, ORCH, "decision",
-                         f"resume {was} from checkpoint {version} (step {step}) by the operator: "
-                         f"{reply.world_size} ranks allocated on {', '.join(reply.worker_ids)}; "
-                         f"rendezvous {reply.master_addr}:{reply.master_port}; restart budgets reset")
+            self._record(
+                job,
+                ORCH,
+                "decision",
+                f"resume {was} from checkpoint {version} (step {step}) by the operator: "
+                f"{reply.world_size} ranks allocated on {', '.join(reply.worker_ids)}; "
+                f"rendezvous {reply.master_addr}:{reply.master_port}; restart budgets reset",
+            )
             self._reopen(job, f"ranks launching to resume from checkpoint {version} at step {step}")
         except BaseException:
             self._allocator(control_pb2.ReleaseResources(job_id=job_id, kill=True))
@@ -648,11 +709,15 @@ class Orchestrator:
             return False
         job.draining = False
         if job.status.drained:
-            text = (f"drained by `surgectl down` at step {job.status.step}; `surgectl up` (or `surgectl resume "
-                    f"{job.status.job_id}`) continues it from {_newest(job)}")
+            text = (
+                f"drained by `surgectl down` at step {job.status.step}; `surgectl up` (or `surgectl resume "
+                f"{job.status.job_id}`) continues it from {_newest(job)}"
+            )
         else:
-            text = (f"paused; its ranks stopped with the stack: `surgectl resume {job.status.job_id}` relaunches "
-                    f"them from {_newest(job)}")
+            text = (
+                f"paused; its ranks stopped with the stack: `surgectl resume {job.status.job_id}` relaunches "
+                f"them from {_newest(job)}"
+            )
         self._record(job, ORCH, "state", f"PAUSED: {text}", status_message=text)
         return True
 
@@ -673,9 +738,13 @@ class Orchestrator:
                 # generation's ready reports were applied before the fault): the relaunch
                 # reached the node agents before control went down; it is not repeated.
                 job.incident.relaunched, job.incident.resumed = True, False
-                self._record(job, ORCH, "recovery",
-                             f"the relaunch commanded before the restart happened: rank {msg.rank} of the "
-                             "relaunched ranks is ready; not relaunched again")
+                self._record(
+                    job,
+                    ORCH,
+                    "recovery",
+                    f"the relaunch commanded before the restart happened: rank {msg.rank} of the "
+                    "relaunched ranks is ready; not relaunched again",
+                )
             job.started.add(msg.rank)
             job.finished.pop(msg.rank, None)  # (an old generation's, kept by an operator resume)
             if msg.worker_id:  # journaled: a restarted control knows where each rank ran
@@ -696,7 +765,9 @@ class Orchestrator:
                 self._loop(engine_pb2.StartTraining(job_id=msg.job_id))
             if incident is None:
                 job.running_since = time.time()
-                self._transition(job, JobState.RUNNING, ORCH, f"all {job.status.world_size} ranks ready; training started")
+                self._transition(
+                    job, JobState.RUNNING, ORCH, f"all {job.status.world_size} ranks ready; training started"
+                )
                 return
             # Recovered. The failed generation's last events came before these ranks' own on
             # every worker that runs one, so the incident is over here.
@@ -708,14 +779,18 @@ class Orchestrator:
             if held:
                 job.recovered, job.start_held = None, True
                 self._transition(
-                    job, JobState.PAUSED, ORCH,
+                    job,
+                    JobState.PAUSED,
+                    ORCH,
                     f"recovered from {incident.fault_class} of rank {incident.cause.rank}: all {job.status.world_size} "
                     f"ranks restored from {source} at step {msg.start_step}; paused, as before the fault "
                     "(resume continues it)",
                 )
                 return
             self._transition(
-                job, JobState.RUNNING, ORCH,
+                job,
+                JobState.RUNNING,
+                ORCH,
                 f"recovered from {incident.fault_class} of rank {incident.cause.rank}: all {job.status.world_size} "
                 f"ranks restored from {source} at step {msg.start_step} "
                 f"{time.monotonic() - incident.decided:.1f} s after the decision; training resumed",
@@ -749,14 +824,20 @@ class Orchestrator:
             if msg.skipped:
                 reason = getattr(msg, "skip_reason", "") or "overflow"  # (field 22: "overflow" | "non_finite_loss")
                 self._metrics.step_skipped(reason)
-                self._record(job, Module.L2_TRAINING_LOOP, "skip",
-                             f"step {msg.step} skipped ({reason}): no update applied; loss {msg.loss}")
+                self._record(
+                    job,
+                    Module.L2_TRAINING_LOOP,
+                    "skip",
+                    f"step {msg.step} skipped ({reason}): no update applied; loss {msg.loss}",
+                )
             if job.recovered is not None:
                 incident, job.recovered = job.recovered, None
                 seconds = time.monotonic() - incident.decided
                 self._metrics.recovered(incident.fault_class, seconds)
                 self._record(
-                    job, ORCH, "recovery",
+                    job,
+                    ORCH,
+                    "recovery",
                     f"first step after the recovery from {incident.fault_class} of rank {incident.cause.rank}: "
                     f"step {msg.step}, {seconds:.1f} s after the decision "
                     f"({time.time() - incident.cause.occurred_unix:.1f} s after the fault)",
@@ -783,7 +864,9 @@ class Orchestrator:
         with self._lock:
             # FAULT_FROZEN too: a commit that completed while its ranks were being killed is a
             # verified version all the same.
-            job = self._live(msg.job_id, (JobState.RUNNING, JobState.PAUSED, JobState.WARMING_UP, JobState.FAULT_FROZEN), msg)
+            job = self._live(
+                msg.job_id, (JobState.RUNNING, JobState.PAUSED, JobState.WARMING_UP, JobState.FAULT_FROZEN), msg
+            )
             if job is None or any(v == msg.version for _, v in job.versions):
                 return  # every rank relays the same commit; record it once
             job.status.checkpoint_version = msg.version
@@ -812,8 +895,10 @@ class Orchestrator:
                     # Not parked: stopping its ranks now would lose the steps since the newest
                     # checkpoint (`surgectl down` sees it and keeps the stack running).
                     job.draining = False
-                    text += (f"; not drained: its checkpoint of step {msg.step} could not be saved, the ranks stay "
-                             f"paused (resume, or `surgectl down` again once the store answers)")
+                    text += (
+                        f"; not drained: its checkpoint of step {msg.step} could not be saved, the ranks stay "
+                        f"paused (resume, or `surgectl down` again once the store answers)"
+                    )
                 if job.draining:  # its ranks go away with the stack: the next `up` resumes it
                     job.draining, job.parked, job.status.drained = False, True, True
                     text += f"; drained: `surgectl up` resumes it from {_newest(job)}"
@@ -869,20 +954,35 @@ class Orchestrator:
             sent = job.verdicts.get(key)
             if sent is not None:
                 if msg.reminder:
-                    self._record(job, ORCH, "decision", f"verdict on {fault_class} at step {msg.step} sent again: "
-                                 f"rank {msg.rank} still waits after {msg.waited_seconds:.0f} s")
+                    self._record(
+                        job,
+                        ORCH,
+                        "decision",
+                        f"verdict on {fault_class} at step {msg.step} sent again: "
+                        f"rank {msg.rank} still waits after {msg.waited_seconds:.0f} s",
+                    )
                     self._loop(sent)
                 return
             text = f"rank {msg.rank} blocked at step {msg.step}: {msg.detail}"
             incident = job.incident
             if incident is not None and incident.dying[msg.rank] > 0:
-                self._record(job, Module.L2_TRAINING_LOOP, "fault",
-                             f"{fault_class}: {text} (consequence of rank {incident.cause.rank}'s {incident.fault_class})")
+                self._record(
+                    job,
+                    Module.L2_TRAINING_LOOP,
+                    "fault",
+                    f"{fault_class}: {text} (consequence of rank {incident.cause.rank}'s {incident.fault_class})",
+                )
                 return
             # Ungraded (GRADE_UNSPECIFIED): decided by its class alone (fault_decision.decide).
             report = control_pb2.FaultReport(
-                job_id=msg.job_id, fault_class=fault_class, source=Module.L2_TRAINING_LOOP, rank=msg.rank,
-                detail=text, detected_unix=received, occurred_unix=received, step=msg.step,
+                job_id=msg.job_id,
+                fault_class=fault_class,
+                source=Module.L2_TRAINING_LOOP,
+                rank=msg.rank,
+                detail=text,
+                detected_unix=received,
+                occurred_unix=received,
+                step=msg.step,
                 worker_id=job.placement.get(msg.rank, ""),
             )
             self._metrics.fault_reported(report, received)
@@ -910,7 +1010,9 @@ class Orchestrator:
         with self._lock:
             job = self._get(job_id)
             if job.status.state not in (JobState.RUNNING, JobState.PAUSED):
-                raise IllegalTransition(f"job {job_id} is {JobState.Name(job.status.state)}: no ranks to revoke an order of")
+                raise IllegalTransition(
+                    f"job {job_id} is {JobState.Name(job.status.state)}: no ranks to revoke an order of"
+                )
             if order in job.revoked:  # (these ranks have it already; journaled: also after a control restart)
                 return job.revoked[order]
             at = job.revoked[order] = self._boundary(job)
@@ -949,8 +1051,12 @@ class Orchestrator:
                 if ended:
                     incident.dying[msg.rank] -= 1
                 cause = incident.cause
-                self._record(job, Module.L1_FAULT_DETECTOR, "fault",
-                             f"{text} (consequence of rank {cause.rank}'s {cause.fault_class})")
+                self._record(
+                    job,
+                    Module.L1_FAULT_DETECTOR,
+                    "fault",
+                    f"{text} (consequence of rank {cause.rank}'s {cause.fault_class})",
+                )
                 return
             if ended:
                 job.exited.add(msg.rank)
@@ -979,8 +1085,9 @@ class Orchestrator:
         self._metrics.decided(fd.fault_class_of(msg), "ignore")
         return True
 
-    def _decide(self, job: _Job, msg: control_pb2.FaultReport,
-                step_fault: engine_pb2.StepFaultReported | None = None) -> fd.Decision:
+    def _decide(
+        self, job: _Job, msg: control_pb2.FaultReport, step_fault: engine_pb2.StepFaultReported | None = None
+    ) -> fd.Decision:
         """Decide on ``msg`` (services/control/fault_decision.py) and do what it says.
         ``step_fault``: the loop's report ``msg`` was made from; a verdict that lets the
         ranks go on (apply, skip) is kept in ``job.verdicts``."""
@@ -1007,14 +1114,25 @@ class Orchestrator:
         job.restarts[fault_class] += 1
         if decision.strike:
             job.unusable.add(decision.strike)
-            self._record(job, ORCH, "checkpoint", f"checkpoint {decision.strike} fails its digest check on load; "
-                         "never loaded again")
+            self._record(
+                job,
+                ORCH,
+                "checkpoint",
+                f"checkpoint {decision.strike} fails its digest check on load; never loaded again",
+            )
         bound, exclude = decision.bound, list(decision.exclude)
-        incident = _Incident(cause=msg, fault_class=fault_class, action=action, decided=time.monotonic(),
-                             bound=bound, exclude=exclude,
-                             # The operator's pause outlives the fault: recovered, the job stays paused.
-                             paused=job.status.state == JobState.PAUSED or job.pending == "pause"
-                             or (previous is not None and previous.paused))
+        incident = _Incident(
+            cause=msg,
+            fault_class=fault_class,
+            action=action,
+            decided=time.monotonic(),
+            bound=bound,
+            exclude=exclude,
+            # The operator's pause outlives the fault: recovered, the job stays paused.
+            paused=job.status.state == JobState.PAUSED
+            or job.pending == "pause"
+            or (previous is not None and previous.paused),
+        )
         # Every rank of the failing generation not yet seen ended will end (the recovery
         # kills it): its reports until then are consequences of this incident.
         incident.dying.update(r for r in range(job.status.world_size) if r not in job.exited)
@@ -1047,12 +1165,20 @@ class Orchestrator:
             # (a report graded before the relaunch was commanded again: about the ranks it replaced)
             if ended and incident.dying[msg.rank] > 0:
                 incident.dying[msg.rank] -= 1
-            self._record(job, Module.L1_FAULT_DETECTOR, "fault",
-                         f"{text} (consequence of rank {cause.rank}'s {cause.fault_class})")
+            self._record(
+                job,
+                Module.L1_FAULT_DETECTOR,
+                "fault",
+                f"{text} (consequence of rank {cause.rank}'s {cause.fault_class})",
+            )
             return
-        self._record(job, Module.L1_FAULT_DETECTOR, "fault",
-                     f"{text} (during the recovery from rank {cause.rank}'s {cause.fault_class}, resumed after "
-                     "a control restart)")
+        self._record(
+            job,
+            Module.L1_FAULT_DETECTOR,
+            "fault",
+            f"{text} (during the recovery from rank {cause.rank}'s {cause.fault_class}, resumed after "
+            "a control restart)",
+        )
         if msg.fault_class == "rank_released":
             return  # an exit control asked for: says nothing of the relaunch
         # Once: later reports are this relaunch's business (decided as usual). The ranks it
@@ -1060,10 +1186,14 @@ class Orchestrator:
         # in ``dying``. Not journaled: killed again before it completes, it is resumed again.
         incident.resumed, incident.repeated_unix = False, time.time()
         job.started, job.exited, job.placement = set(), set(), {}
-        self._record(job, ORCH, "decision",
-                     f"relaunch again for the recovery from {incident.fault_class} of rank {cause.rank} interrupted "
-                     f"by the control restart: the relaunched ranks are not all there ({msg.fault_class} of rank "
-                     f"{msg.rank}); no further restart spent")
+        self._record(
+            job,
+            ORCH,
+            "decision",
+            f"relaunch again for the recovery from {incident.fault_class} of rank {cause.rank} interrupted "
+            f"by the control restart: the relaunched ranks are not all there ({msg.fault_class} of rank "
+            f"{msg.rank}); no further restart spent",
+        )
         self._recover(job, incident)
 
     def _recover(self, job: _Job, incident: _Incident) -> None:
@@ -1085,8 +1215,12 @@ class Orchestrator:
             reply = self._checkpoints(store_pb2.VerifyCheckpoints(job_id=job_id)).message
         except Exception as e:  # noqa: BLE001 - a relay that cannot even send: the store is unreachable
             _log.warning("verification not sent", job_id=job_id, error=str(e))
-            reply = store_pb2.SnapshotFailed(job_id=job_id, operation="verify", cause=StoreFailureCause.UNREACHABLE,
-                                             reason=f"not sent: {type(e).__name__}")
+            reply = store_pb2.SnapshotFailed(
+                job_id=job_id,
+                operation="verify",
+                cause=StoreFailureCause.UNREACHABLE,
+                reason=f"not sent: {type(e).__name__}",
+            )
         # A relay that answers in the call (in-process tests) answers here; the gRPC relay
         # answers later, on the applier thread, with the same events. (An answer delivered as
         # an event during the call has moved the recovery on already: not applied twice.)
@@ -1118,9 +1252,13 @@ class Orchestrator:
             if job is None or msg.version in job.unusable:
                 return
             job.unusable.add(msg.version)
-            self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint",
-                         f"checkpoint {msg.version} at step {msg.step} found {StoreFailureCause.Name(msg.cause).lower()} by the "
-                         f"store's scrub ({msg.reason}); never loaded")
+            self._record(
+                job,
+                Module.L5_CHECKPOINT_MANAGER,
+                "checkpoint",
+                f"checkpoint {msg.version} at step {msg.step} found {StoreFailureCause.Name(msg.cause).lower()} by the "
+                f"store's scrub ({msg.reason}); never loaded",
+            )
 
     def on_snapshot_failed(self, msg: store_pb2.SnapshotFailed, payload: Any = None) -> None:
         """A store operation failed, with its typed cause. ``verify``: the recovery's
@@ -1152,13 +1290,21 @@ class Orchestrator:
         if msg.operation == "save" and job.pending and msg.step == job.pending_at:
             # The boundary checkpoint of a pause, stop or drain: nothing continues after it.
             job.boundary_failed = True
-            self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint",
-                         f"{what} failed ({cause}: {msg.reason}): the {job.pending} after step {msg.step} has no "
-                         f"checkpoint of it; the newest is {_newest(job) or 'none'}")
+            self._record(
+                job,
+                Module.L5_CHECKPOINT_MANAGER,
+                "checkpoint",
+                f"{what} failed ({cause}: {msg.reason}): the {job.pending} after step {msg.step} has no "
+                f"checkpoint of it; the newest is {_newest(job) or 'none'}",
+            )
             return
         if msg.operation == "save":
-            self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint",
-                         f"{what} failed ({cause}: {msg.reason}); training continues, the next interval tries again")
+            self._record(
+                job,
+                Module.L5_CHECKPOINT_MANAGER,
+                "checkpoint",
+                f"{what} failed ({cause}: {msg.reason}); training continues, the next interval tries again",
+            )
             return
         self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", f"{what} failed ({cause}: {msg.reason})")
         corrupt = msg.cause in (StoreFailureCause.CORRUPT, StoreFailureCause.MISSING_FILE)
@@ -1182,20 +1328,31 @@ class Orchestrator:
             if not verdict.ok:
                 if _corrupt(verdict) and version not in job.unusable:
                     job.unusable.add(version)
-                    self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint",
-                                 f"checkpoint {version} at step {step} fails verification ({verdict.reason}); "
-                                 "never loaded")
+                    self._record(
+                        job,
+                        Module.L5_CHECKPOINT_MANAGER,
+                        "checkpoint",
+                        f"checkpoint {version} at step {step} fails verification ({verdict.reason}); never loaded",
+                    )
             elif version not in known:
                 job.versions.append((step, version))
-                self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint",
-                             f"checkpoint {version} at step {step} verified: committed by the store, "
-                             "its completion report never arrived")
+                self._record(
+                    job,
+                    Module.L5_CHECKPOINT_MANAGER,
+                    "checkpoint",
+                    f"checkpoint {version} at step {step} verified: committed by the store, "
+                    "its completion report never arrived",
+                )
         job.versions.sort()
         if incident.waiting_for == WAITING_STORE:
             incident.waiting_for = ""
-            self._record(job, Module.L5_CHECKPOINT_MANAGER, "recovery",
-                         f"the store answered after {time.monotonic() - incident.waiting_since:.1f} s of waiting; "
-                         "the recovery goes on")
+            self._record(
+                job,
+                Module.L5_CHECKPOINT_MANAGER,
+                "recovery",
+                f"the store answered after {time.monotonic() - incident.waiting_since:.1f} s of waiting; "
+                "the recovery goes on",
+            )
         self._place(job, incident)
 
     def _verification_failed(self, job: _Job, incident: _Incident, msg: store_pb2.SnapshotFailed) -> None:
@@ -1205,13 +1362,23 @@ class Orchestrator:
         if msg.cause not in (StoreFailureCause.UNREACHABLE, StoreFailureCause.TIMEOUT):
             # The store answered but refused (e.g. it knows no version of the job): the
             # versions reported by SaveCompleted are all there is to choose from.
-            self._record(job, Module.L5_CHECKPOINT_MANAGER, "recovery",
-                         f"checkpoint verification refused ({msg.reason}); choosing among the versions reported")
+            self._record(
+                job,
+                Module.L5_CHECKPOINT_MANAGER,
+                "recovery",
+                f"checkpoint verification refused ({msg.reason}); choosing among the versions reported",
+            )
             self._place(job, incident)
             return
         cause = StoreFailureCause.Name(msg.cause).lower()
-        self._wait(job, incident, WAITING_STORE, STORE_UNREACHABLE, job.spec.fault_policy.store_wait_seconds,
-                   f"waiting for the store ({cause}: {msg.reason}) to verify the checkpoints")
+        self._wait(
+            job,
+            incident,
+            WAITING_STORE,
+            STORE_UNREACHABLE,
+            job.spec.fault_policy.store_wait_seconds,
+            f"waiting for the store ({cause}: {msg.reason}) to verify the checkpoints",
+        )
 
     def _place(self, job: _Job, incident: _Incident) -> None:
         """Name the version (the newest usable one, within the rollback bound) and command
@@ -1224,15 +1391,21 @@ class Orchestrator:
         source = f"checkpoint {version}" if version else "scratch"
         reply = self._recovery(
             control_pb2.StartRecovery(
-                job_id=job.status.job_id, checkpoint_version=version, exclude_worker_ids=incident.exclude,
+                job_id=job.status.job_id,
+                checkpoint_version=version,
+                exclude_worker_ids=incident.exclude,
                 reason=f"{incident.action} after {incident.fault_class} of rank {incident.cause.rank}",
             )
         ).message
         if isinstance(reply, control_pb2.RecoveryCompleted):
             incident.relaunched, incident.phase, incident.retries = True, RESTORING, 0  # journaled with the event
             if incident.waiting_for == WAITING_CAPACITY:
-                self._record(job, Module.L1_RESOURCE_ALLOCATOR, "recovery",
-                             f"capacity came back after {time.monotonic() - incident.waiting_since:.1f} s of waiting")
+                self._record(
+                    job,
+                    Module.L1_RESOURCE_ALLOCATOR,
+                    "recovery",
+                    f"capacity came back after {time.monotonic() - incident.waiting_since:.1f} s of waiting",
+                )
             incident.waiting_for = ""
             self._record_relaunch(job, reply, source)
             self._arm(incident, job.spec.fault_policy.restore_seconds, self._restore_overdue, job.status.job_id)
@@ -1240,8 +1413,14 @@ class Orchestrator:
         assert isinstance(reply, control_pb2.RecoveryFailed), reply
         if reply.cause == RecoveryFailureCause.RECOVERY_NO_PLACEMENT:
             needs = f"needs {reply.requested_ranks or job.status.world_size} ranks, {reply.available_ranks} free"
-            self._wait(job, incident, WAITING_CAPACITY, NO_CAPACITY, job.spec.fault_policy.capacity_wait_seconds,
-                       f"waiting for capacity to resume from {source}: {needs} ({reply.reason})")
+            self._wait(
+                job,
+                incident,
+                WAITING_CAPACITY,
+                NO_CAPACITY,
+                job.spec.fault_policy.capacity_wait_seconds,
+                f"waiting for capacity to resume from {source}: {needs} ({reply.reason})",
+            )
             return
         self._terminate(job, JobOutcome.FAILED, f"recovery failed: {reply.reason}", kill=True)
 
@@ -1267,8 +1446,13 @@ class Orchestrator:
                 return
             missing = sorted(set(range(job.status.world_size)) - job.started)
             report = control_pb2.FaultReport(
-                job_id=job_id, grade=FaultGrade.SEVERE, fault_class=RECOVERY_TIMEOUT, source=Module.L1_RECOVERY_CONTROLLER,
-                rank=missing[0] if missing else 0, detected_unix=time.time(), occurred_unix=time.time(),
+                job_id=job_id,
+                grade=FaultGrade.SEVERE,
+                fault_class=RECOVERY_TIMEOUT,
+                source=Module.L1_RECOVERY_CONTROLLER,
+                rank=missing[0] if missing else 0,
+                detected_unix=time.time(),
+                occurred_unix=time.time(),
                 detail=f"ranks {missing} not ready {job.spec.fault_policy.restore_seconds:.0f} s after the relaunch",
             )
             self._record(job, Module.L1_RECOVERY_CONTROLLER, "fault", f"SEVERE {RECOVERY_TIMEOUT}: {report.detail}")
@@ -1337,7 +1521,9 @@ class Orchestrator:
     def _record_relaunch(self, job: _Job, reply: control_pb2.RecoveryCompleted, source: str) -> None:
         workers = ", ".join(reply.worker_ids)
         self._record(
-            job, Module.L1_RECOVERY_CONTROLLER, "recovery",
+            job,
+            Module.L1_RECOVERY_CONTROLLER,
+            "recovery",
             f"ranks killed and relaunched on {workers} (rendezvous {reply.master_addr}:{reply.master_port}) "
             f"to resume from {source}; {reply.seconds:.2f} s",
         )
@@ -1391,32 +1577,51 @@ class Orchestrator:
                 job.incident = None  # (journaled only while frozen)
             if self._restore_parked(job):  # (operator half: drained / parked jobs have no ranks to wait for)
                 continue
-            if state in (JobState.WARMING_UP, JobState.RUNNING, JobState.PAUSED) or (state == JobState.FAULT_FROZEN and job.incident):
+            if state in (JobState.WARMING_UP, JobState.RUNNING, JobState.PAUSED) or (
+                state == JobState.FAULT_FROZEN and job.incident
+            ):
                 self._faults(start_monitoring(job.status.job_id, job.spec, restored=True, placement=job.placement))
                 # The allocator learns the job again (what a recovery relaunches), with the
                 # workers it must not use; its slots are taken as the node agents re-attach
                 # the ranks.
-                self._allocator(control_pb2.AllocateResources(
-                    job_id=job.status.job_id, world_size=job.status.world_size, backend=job.spec.parallel.backend,
-                    init=engine_pb2.InitJob(job_id=job.status.job_id, spec_json=stored.spec_json,
-                                            data_address=self._data_address, store_address=self._store_address,
-                                            standing_orders=fd.standing_orders(job.spec.fault_policy)),
-                    exclude_worker_ids=sorted(job.excluded), adopt=True,
-                ))
+                self._allocator(
+                    control_pb2.AllocateResources(
+                        job_id=job.status.job_id,
+                        world_size=job.status.world_size,
+                        backend=job.spec.parallel.backend,
+                        init=engine_pb2.InitJob(
+                            job_id=job.status.job_id,
+                            spec_json=stored.spec_json,
+                            data_address=self._data_address,
+                            store_address=self._store_address,
+                            standing_orders=fd.standing_orders(job.spec.fault_policy),
+                        ),
+                        exclude_worker_ids=sorted(job.excluded),
+                        adopt=True,
+                    )
+                )
                 if state != JobState.FAULT_FROZEN:
                     self._reattaching.restored(job.status.job_id, job.status.world_size)
-                    self._record(job, ORCH, "state", f"{JobState.Name(state)}: {REATTACH_MESSAGE}",
-                                 status_message=REATTACH_MESSAGE)
+                    self._record(
+                        job,
+                        ORCH,
+                        "state",
+                        f"{JobState.Name(state)}: {REATTACH_MESSAGE}",
+                        status_message=REATTACH_MESSAGE,
+                    )
                     continue
                 incident = job.incident
                 what = f"{incident.action} after {incident.fault_class} of rank {incident.cause.rank}"
                 if incident.relaunched:
                     how = "its ranks were relaunched; waiting for them to re-attach and report ready"
                 else:
-                    how = ("its relaunch was commanded but not confirmed; waiting for the ranks to re-attach "
-                           "(ready relaunched ranks: done; a rank missing: relaunched again)")
-                self._record(job, ORCH, "state", f"FAULT_FROZEN: {RESUME_MESSAGE} ({what}): {how}",
-                             status_message=RESUME_MESSAGE)
+                    how = (
+                        "its relaunch was commanded but not confirmed; waiting for the ranks to re-attach "
+                        "(ready relaunched ranks: done; a rank missing: relaunched again)"
+                    )
+                self._record(
+                    job, ORCH, "state", f"FAULT_FROZEN: {RESUME_MESSAGE} ({what}): {how}", status_message=RESUME_MESSAGE
+                )
             elif state == JobState.FAULT_FROZEN:
                 self._record(job, ORCH, "state", f"FAULT_FROZEN: {RESTART_MESSAGE}", status_message=RESTART_MESSAGE)
             elif state == JobState.STANDBY:
@@ -1427,8 +1632,13 @@ class Orchestrator:
         status stops saying control waits for them (unless something replaced it since)."""
         job = self._jobs.get(job_id)
         if job is not None and self._reattaching.heard(job_id, rank) and job.status.message == REATTACH_MESSAGE:
-            self._record(job, ORCH, "state", f"{JobState.Name(job.status.state)}: {REATTACHED_MESSAGE}",
-                         status_message=REATTACHED_MESSAGE)
+            self._record(
+                job,
+                ORCH,
+                "state",
+                f"{JobState.Name(job.status.state)}: {REATTACHED_MESSAGE}",
+                status_message=REATTACHED_MESSAGE,
+            )
 
     def _new_id(self, name: str) -> str:
         while True:
@@ -1458,7 +1668,9 @@ class Orchestrator:
 
     def _require(self, job: _Job, state: int) -> None:
         if job.status.state != state:
-            raise IllegalTransition(f"job {job.status.job_id} is {JobState.Name(job.status.state)}, not {JobState.Name(state)}")
+            raise IllegalTransition(
+                f"job {job.status.job_id} is {JobState.Name(job.status.state)}, not {JobState.Name(state)}"
+            )
 
     def _boundary(self, job: _Job) -> int:
         """The step boundary a pause or stop names: far enough ahead that every rank gets the
@@ -1489,9 +1701,13 @@ class Orchestrator:
     def _transition(self, job: _Job, new: int, source: int, message: str) -> None:
         old = job.status.state
         if new not in _ALLOWED[old]:
-            raise IllegalTransition(f"job {job.status.job_id}: {JobState.Name(old)} -> {JobState.Name(new)} is not allowed")
+            raise IllegalTransition(
+                f"job {job.status.job_id}: {JobState.Name(old)} -> {JobState.Name(new)} is not allowed"
+            )
         job.status.state = new
-        self._record(job, source, "state", f"{JobState.Name(old)} -> {JobState.Name(new)}: {message}", status_message=message)
+        self._record(
+            job, source, "state", f"{JobState.Name(old)} -> {JobState.Name(new)}: {message}", status_message=message
+        )
 
     def _snapshot(self, job: _Job) -> control_pb2.JobStatus:
         copy = control_pb2.JobStatus()
@@ -1583,10 +1799,16 @@ def _incident_from_json(d: dict) -> _Incident:
     relaunched = bool(d.get("relaunched", False))
     return _Incident(
         cause=control_pb2.FaultReport.FromString(base64.b64decode(d["cause"])),
-        fault_class=d["fault_class"], action=d["action"], decided=time.monotonic(),
+        fault_class=d["fault_class"],
+        action=d["action"],
+        decided=time.monotonic(),
         dying=Counter({int(r): int(n) for r, n in d.get("dying", {}).items()}),
-        version=d.get("version", ""), bound=d.get("bound"), exclude=list(d.get("exclude", ())),
-        relaunched=relaunched, resumed=True, phase=d.get("phase", RESTORING if relaunched else PLACING),
+        version=d.get("version", ""),
+        bound=d.get("bound"),
+        exclude=list(d.get("exclude", ())),
+        relaunched=relaunched,
+        resumed=True,
+        phase=d.get("phase", RESTORING if relaunched else PLACING),
         paused=bool(d.get("paused", False)),
     )
 
@@ -1614,8 +1836,9 @@ def _load_runtime(job: _Job, rt: dict) -> None:
 
 def _step_verdict(report: engine_pb2.StepFaultReported, decision: fd.Decision) -> engine_pb2.StepVerdict:
     """L1-1's verdict to the ranks blocked on the step fault ``report`` says, by ``decision``."""
-    return engine_pb2.StepVerdict(job_id=report.job_id, step=report.step, kind=report.kind, action=decision.verdict,
-                                  reason=decision.text)
+    return engine_pb2.StepVerdict(
+        job_id=report.job_id, step=report.step, kind=report.kind, action=decision.verdict, reason=decision.text
+    )
 
 
 def _known(job: _Job, candidates: list[tuple]) -> set[str]:

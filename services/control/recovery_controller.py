@@ -50,8 +50,8 @@ class RecoveryController:
     def __init__(self, resources: CommandPort):
         self._resources = resources
         self._lock = threading.Lock()
-        self._state: dict[str, str] = {}      # job_id -> recovery state enum
-        self._version: dict[str, str] = {}    # job_id -> snapshot version used last
+        self._state: dict[str, str] = {}  # job_id -> recovery state enum
+        self._version: dict[str, str] = {}  # job_id -> snapshot version used last
         self._steps: dict[str, list[str]] = {}  # job_id -> steps done in the last recovery (台账)
 
     def start_recovery(
@@ -66,9 +66,13 @@ class RecoveryController:
         t0 = time.monotonic()
         with self._lock:
             if self._state.get(msg.job_id) == RECOVERING:
-                return control_pb2.RecoveryFailed(job_id=msg.job_id, reason="a recovery is already in progress",
-                                                  checkpoint_version=msg.checkpoint_version,
-                                                  cause=RecoveryFailureCause.RECOVERY_IN_PROGRESS, step="placement")
+                return control_pb2.RecoveryFailed(
+                    job_id=msg.job_id,
+                    reason="a recovery is already in progress",
+                    checkpoint_version=msg.checkpoint_version,
+                    cause=RecoveryFailureCause.RECOVERY_IN_PROGRESS,
+                    step="placement",
+                )
             self._state[msg.job_id] = RECOVERING
             self._steps[msg.job_id] = []
         where = f"checkpoint {msg.checkpoint_version}" if msg.checkpoint_version else "fresh start"
@@ -85,7 +89,9 @@ class RecoveryController:
             with self._lock:
                 self._state[msg.job_id] = FAILED
             return control_pb2.RecoveryFailed(
-                job_id=msg.job_id, checkpoint_version=msg.checkpoint_version, step="placement",
+                job_id=msg.job_id,
+                checkpoint_version=msg.checkpoint_version,
+                step="placement",
                 reason=f"placing the ranks ({where}): {short.reason if short else 'no reply'}",
                 cause=RecoveryFailureCause.RECOVERY_NO_PLACEMENT,
                 requested_ranks=short.requested_ranks if short else 0,

@@ -32,7 +32,7 @@ class _Worker:
     reg: control_pb2.WorkerRegistration
     busy: dict[str, list[int]] = field(default_factory=dict)  # job_id -> slot indices
     under_pressure: bool = False  # the seed's 资源紧张 state, per worker
-    departing: bool = False       # the node agent said it is leaving: nothing new is placed here
+    departing: bool = False  # the node agent said it is leaving: nothing new is placed here
 
     def free_slots(self) -> list[int]:
         taken = {s for slots in self.busy.values() for s in slots}
@@ -183,9 +183,7 @@ class ResourceAllocator:
             launches: dict[str, control_pb2.LaunchRanks] = {}
             for rank, (w, slot) in enumerate(picks):
                 w.busy.setdefault(msg.job_id, []).append(slot)
-                launch = launches.setdefault(
-                    w.reg.worker_id, control_pb2.LaunchRanks(job_id=msg.job_id, init=msg.init)
-                )
+                launch = launches.setdefault(w.reg.worker_id, control_pb2.LaunchRanks(job_id=msg.job_id, init=msg.init))
                 launch.ranks.append(
                     engine_pb2.RankAssignment(
                         rank=rank,

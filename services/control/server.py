@@ -70,8 +70,14 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
             RESOURCE_EXHAUSTED.
     """
 
-    def __init__(self, user: CommandPort, watches: WatchHub, sessions: SessionHub,
-                 applier: EventApplier | None = None, max_sessions: int = 8192):
+    def __init__(
+        self,
+        user: CommandPort,
+        watches: WatchHub,
+        sessions: SessionHub,
+        applier: EventApplier | None = None,
+        max_sessions: int = 8192,
+    ):
         self._user, self._watches, self._sessions = user, watches, sessions
         self.applier = applier or EventApplier(sessions)
         self._max_sessions = max_sessions
@@ -143,8 +149,11 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
                 session, batch = await tail.answers.get()
                 if batch is None and self._sessions.stopping:  # not the job's end: say so
                     # (typed: the caller tells this answer from a control it could not reach)
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "control is stopping",
-                                        trailing_metadata=((CAUSE_METADATA, "FAILURE_UNAVAILABLE"),))
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE,
+                        "control is stopping",
+                        trailing_metadata=((CAUSE_METADATA, "FAILURE_UNAVAILABLE"),),
+                    )
                 if batch is None or batch.done:
                     pending.discard(session)
                     continue
@@ -167,7 +176,9 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
         except StopAsyncIteration:
             return
         if first.WhichOneof("event") != "register":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "WorkerSession: the first WorkerEvent must be register")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "WorkerSession: the first WorkerEvent must be register"
+            )
         reg = first.register
         if not reg.worker_id or reg.slots == 0:
             await context.abort(
@@ -189,7 +200,8 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
                 # The acknowledgement: once a node agent sees this header, its slots can be
                 # allocated; it resends its events after the last applied seq.
                 await context.send_initial_metadata(
-                    ((REGISTERED_HEADER, reg.worker_id), (LAST_SEQ_HEADER, str(session.applied))))
+                    ((REGISTERED_HEADER, reg.worker_id), (LAST_SEQ_HEADER, str(session.applied)))
+                )
                 reader = asyncio.create_task(self._read_session(session, requests))
                 while (item := await commands.get()) is not None:
                     yield self._sessions.command(session, item)

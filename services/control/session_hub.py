@@ -65,9 +65,9 @@ class AgentSession:
     jobs: set[str] = field(default_factory=set)
     closed: bool = False
     incarnation: str = ""
-    applied: int = 0           # last WorkerEvent.seq applied for this incarnation
-    durable: int = 0           # last seq whose cursor is journaled (what an ack says)
-    ack_queued: bool = False   # an _ACK marker waits in `commands` (acks are coalesced)
+    applied: int = 0  # last WorkerEvent.seq applied for this incarnation
+    durable: int = 0  # last seq whose cursor is journaled (what an ack says)
+    ack_queued: bool = False  # an _ACK marker waits in `commands` (acks are coalesced)
 
 
 # Marker in a session's command queue: send the latest journaled seq down as an EventAck.
@@ -99,7 +99,9 @@ class SessionHub:
 
     def __init__(self, bus: Bus, hardware: Emitter, journal: Any = None):
         self._hardware = hardware
-        self._link = Link(bus, name="node agent sessions", near=L1, beyond=RANK, speaks=NODE_SPEAKS, send=self._to_ranks)
+        self._link = Link(
+            bus, name="node agent sessions", near=L1, beyond=RANK, speaks=NODE_SPEAKS, send=self._to_ranks
+        )
         # Where applied seqs persist (JobStore: worker_cursor / applying); None: in memory only.
         self._journal = journal
         self.duplicates = 0  # sequenced events dropped as already applied (also a metric)
@@ -136,8 +138,15 @@ class SessionHub:
             if incarnation == reg.incarnation:
                 session.applied = max(session.applied, seq)
         session.durable = session.applied
-        _log.info("worker registered", worker_id=reg.worker_id, host=reg.host, slots=reg.slots, replaces=old is not None,
-                  reattached=running, last_applied_seq=session.applied)
+        _log.info(
+            "worker registered",
+            worker_id=reg.worker_id,
+            host=reg.host,
+            slots=reg.slots,
+            replaces=old is not None,
+            reattached=running,
+            last_applied_seq=session.applied,
+        )
         # The session is routable before the allocator learns of it, so no LaunchRanks
         # can arrive for a worker that has no queue yet.
         self._hardware(reg)
@@ -235,7 +244,9 @@ class SessionHub:
         if ev.seq <= session.applied:
             self.duplicates += 1
             WORKER_EVENTS.labels("duplicate").inc()
-            _log.info("duplicate worker event dropped", worker_id=session.worker_id, seq=ev.seq, applied=session.applied)
+            _log.info(
+                "duplicate worker event dropped", worker_id=session.worker_id, seq=ev.seq, applied=session.applied
+            )
             return False
         if ev.seq != session.applied + 1:
             # The agent's outbox overflowed while control was away: those events are lost.
@@ -281,7 +292,9 @@ class SessionHub:
         if item is _ACK:
             with self._lock:
                 session.ack_queued = False
-            return control_pb2.WorkerCommand(ack=control_pb2.EventAck(seq=session.durable, incarnation=session.incarnation))
+            return control_pb2.WorkerCommand(
+                ack=control_pb2.EventAck(seq=session.durable, incarnation=session.incarnation)
+            )
         return item
 
     def _apply(self, session: AgentSession, ev: control_pb2.WorkerEvent) -> None:
@@ -381,8 +394,9 @@ class SessionHub:
             sessions = [s for s in self._sessions.values() if job_id in s.jobs and not s.closed]
             tail = LogTail(request_id, sessions, answers)
             self._tails[request_id] = tail
-            cmd = control_pb2.WorkerCommand(tail_rank_logs=control_pb2.TailRankLogs(
-                request_id=request_id, job_id=job_id, follow=follow, rank=rank))
+            cmd = control_pb2.WorkerCommand(
+                tail_rank_logs=control_pb2.TailRankLogs(request_id=request_id, job_id=job_id, follow=follow, rank=rank)
+            )
             for s in sessions:
                 s.commands.put(cmd)
         return tail
@@ -404,8 +418,10 @@ class SessionHub:
             return  # between a rank and its node agent only
         if kind == "routed":
             # The envelope names the rank the node agent attached; the session names the node.
-            self._link.deliver(ev.routed, stamp=lambda msg: stamp_origin(
-                msg, job_id=ev.job_id, rank=ev.rank, worker_id=session.worker_id))
+            self._link.deliver(
+                ev.routed,
+                stamp=lambda msg: stamp_origin(msg, job_id=ev.job_id, rank=ev.rank, worker_id=session.worker_id),
+            )
             return
         # kind == "heartbeat": liveness plumbing, relayed as the node agent (EXT_HARDWARE) speaks
         # for its processes; the envelope names the rank the agent attached, the session the node.
@@ -416,7 +432,5 @@ class SessionHub:
     def _report_lost(self, worker_id: str, ranks: list[tuple[str, int]], reason: str) -> None:
         for job_id, rank in ranks:
             self._hardware(
-                control_pb2.RankExited(
-                    job_id=job_id, rank=rank, worker_id=worker_id, detail=reason, worker_lost=True
-                )
+                control_pb2.RankExited(job_id=job_id, rank=rank, worker_id=worker_id, detail=reason, worker_lost=True)
             )

@@ -42,7 +42,11 @@ from services.data.shuffler import Shuffler
 
 L2 = Module.L2_TRAINING_LOOP
 VERSIONS, PREFETCHER, SHUFFLER, FILTER, PACKER = (
-    Module.L4_DATASET_VERSIONS, Module.L4_PREFETCHER, Module.L4_SHUFFLER, Module.L4_FILTER, Module.L4_BATCH_PACKER,
+    Module.L4_DATASET_VERSIONS,
+    Module.L4_PREFETCHER,
+    Module.L4_SHUFFLER,
+    Module.L4_FILTER,
+    Module.L4_BATCH_PACKER,
 )
 # What each bus hosts (checked by validate_wiring): the registry serves the operator; a
 # stream's bus hosts the five L4 modules and the relay standing in for the rank's L2-1.
@@ -95,7 +99,8 @@ def build_stream(root: Path, on_violation=None, queue_batches: int = 64) -> Stre
     # A failure event of the stream's modules routed to L2-1 or L1 goes back to the rank with
     # the stream's end, by its name (the rank's relay puts it on its bus, its session up).
     Link(bus, name="data stream", near=L4, beyond=L1 | {L2}, send=relay.routed.put).stand_in(
-        kinds=(route_pb2.EVENT,), where=lambda route: route.failure)
+        kinds=(route_pb2.EVENT,), where=lambda route: route.failure
+    )
     validate_wiring(bus, STREAM_HOSTED)
     return relay
 
@@ -105,8 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=int(os.environ.get("SURGE_DATA_PORT", "50052")))
     p.add_argument("--host", default=os.environ.get("SURGE_DATA_HOST", "127.0.0.1"))
     p.add_argument("--data-root", type=Path, default=None, help="default: $SURGE_DATA_ROOT or $SURGE_HOME/datasets")
-    p.add_argument("--metrics-port", type=int, default=os.environ.get("SURGE_DATA_METRICS_PORT") or 0,
-                   help="Prometheus /metrics port (env SURGE_DATA_METRICS_PORT; 0 = off)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=os.environ.get("SURGE_DATA_METRICS_PORT") or 0,
+        help="Prometheus /metrics port (env SURGE_DATA_METRICS_PORT; 0 = off)",
+    )
     args = p.parse_args(argv)
     root = (args.data_root or paths.datasets_root()).resolve()
     log = logs.configure("data", root=str(root))

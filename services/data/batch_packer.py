@@ -64,9 +64,9 @@ class BatchPacker:
         # PACK: tokens not yet emitted, and which document each stretch of them belongs to.
         self._buf_T = np.zeros(0, np.int32)
         self._seg_start = np.zeros(0, np.int64)  # where the document's stretch starts in _buf_T
-        self._seg_doc = np.zeros(0, np.int64)    # its shard position
-        self._seg_off = np.zeros(0, np.int64)    # its tokens consumed before the stretch
-        self._seg_len = np.zeros(0, np.int64)    # its contribution length (separator included)
+        self._seg_doc = np.zeros(0, np.int64)  # its shard position
+        self._seg_off = np.zeros(0, np.int64)  # its tokens consumed before the stretch
+        self._seg_len = np.zeros(0, np.int64)  # its contribution length (separator included)
         # PAD: finished rows waiting for a full batch (< B of them).
         self._rows_in = np.zeros((0, 0), np.int32)
         self._rows_lab = np.zeros((0, 0), np.int32)
@@ -197,7 +197,7 @@ class BatchPacker:
         full = len(self._rows_in) // B * B
         for i in range(0, full, B):
             d, o = self._rows_next[i + B - 1]
-            self._publish(self._rows_in[i:i + B], self._rows_lab[i:i + B], (int(d), int(o)))
+            self._publish(self._rows_in[i : i + B], self._rows_lab[i : i + B], (int(d), int(o)))
         if full:
             self._rows_in, self._rows_lab = self._rows_in[full:], self._rows_lab[full:]
             self._rows_next = self._rows_next[full:]
@@ -226,17 +226,22 @@ class BatchPacker:
         position = data_pb2.DataPosition(epoch=self._epoch + 1, document=0, offset=0)
         self._emit(data_pb2.DataExhausted(split=split, position=position))
 
-    def _publish(self, inputs_BL: np.ndarray, labels_BL: np.ndarray, nxt: tuple[int, int],
-                 epoch: int | None = None) -> None:
+    def _publish(
+        self, inputs_BL: np.ndarray, labels_BL: np.ndarray, nxt: tuple[int, int], epoch: int | None = None
+    ) -> None:
         labels = np.ascontiguousarray(labels_BL, dtype="<i4")
-        self._emit(data_pb2.MicroBatch(
-            input_ids=np.ascontiguousarray(inputs_BL, dtype="<i4").tobytes(),
-            labels=labels.tobytes(),
-            batch_size=self._cfg.micro_batch_size,
-            seq_len=self._cfg.seq_len,
-            tokens=int(np.count_nonzero(labels != IGNORE)),
-            next=data_pb2.DataPosition(epoch=self._epoch if epoch is None else epoch, document=nxt[0], offset=nxt[1]),
-        ))
+        self._emit(
+            data_pb2.MicroBatch(
+                input_ids=np.ascontiguousarray(inputs_BL, dtype="<i4").tobytes(),
+                labels=labels.tobytes(),
+                batch_size=self._cfg.micro_batch_size,
+                seq_len=self._cfg.seq_len,
+                tokens=int(np.count_nonzero(labels != IGNORE)),
+                next=data_pb2.DataPosition(
+                    epoch=self._epoch if epoch is None else epoch, document=nxt[0], offset=nxt[1]
+                ),
+            )
+        )
 
 
 def _gather(tokens_T: np.ndarray, starts_R: np.ndarray, lens_R: np.ndarray, L: int, pad_id: int):
@@ -249,5 +254,4 @@ def _gather(tokens_T: np.ndarray, starts_R: np.ndarray, lens_R: np.ndarray, L: i
     idx = np.minimum(starts_R[:, None] + np.arange(L + 1)[None, :], len(tokens_T) - 1)
     rows = tokens_T[idx].astype(np.int32)
     has_label = np.arange(L)[None, :] < (lens_R[:, None] - 1)
-    return (np.where(has_label, rows[:, :L], np.int32(pad_id)),
-            np.where(has_label, rows[:, 1:], np.int32(IGNORE)))
+    return (np.where(has_label, rows[:, :L], np.int32(pad_id)), np.where(has_label, rows[:, 1:], np.int32(IGNORE)))

@@ -85,9 +85,7 @@ class DatasetVersions:
             raise InvalidConfig(f"open_stream.split: must be 'train' or 'val', got {msg.split!r}")
         ready, manifest, path = self._mount(msg.mount.name, msg.mount.version, msg.mount.verify)
         store = _token_store(path, manifest, msg.split, f"{ready.name}@{ready.version}", ready.tokenizer)
-        self._activate_source(
-            data_pb2.ActivateSource(name=ready.name, version=ready.version, split=msg.split), store
-        )
+        self._activate_source(data_pb2.ActivateSource(name=ready.name, version=ready.version, split=msg.split), store)
         return ready
 
     # ---- private ----------------------------------------------------------------------
@@ -167,8 +165,11 @@ def _token_store(path: Path, manifest: dict, split: str, label: str, tokenizer: 
         raise DatasetCorrupt(f"dataset {label}: {index}: unreadable ({e})") from None
     size = tokens_path.stat().st_size
     ok = (
-        bounds.ndim == 1 and bounds.dtype == np.int64 and len(bounds) == entry["documents"] + 1
-        and bounds[0] == 0 and bool(np.all(np.diff(bounds) >= 0))
+        bounds.ndim == 1
+        and bounds.dtype == np.int64
+        and len(bounds) == entry["documents"] + 1
+        and bounds[0] == 0
+        and bool(np.all(np.diff(bounds) >= 0))
         and int(bounds[-1]) * dtype.itemsize == size
     )
     if not ok:

@@ -95,12 +95,18 @@ class Documents:
         tokens = self.tokens_T[np.repeat(keep_n, lengths)]
         bounds = np.zeros(int(keep_n.sum()) + 1, dtype=np.int64)
         np.cumsum(lengths[keep_n], out=bounds[1:])
-        return Documents(tokens, bounds, self.index_n[keep_n].copy(), self.epoch, self.last,
-                         self.split, self.tokenizer)
+        return Documents(tokens, bounds, self.index_n[keep_n].copy(), self.epoch, self.last, self.split, self.tokenizer)
 
     @staticmethod
-    def join(parts: list[np.ndarray], index_n: np.ndarray, epoch: int, last: bool,
-             split: str, tokenizer: str, dtype: np.dtype) -> Documents:
+    def join(
+        parts: list[np.ndarray],
+        index_n: np.ndarray,
+        epoch: int,
+        last: bool,
+        split: str,
+        tokenizer: str,
+        dtype: np.dtype,
+    ) -> Documents:
         """Concatenate whole documents (``parts``, one array each) into one batch."""
         lengths = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
         bounds = np.zeros(len(parts) + 1, dtype=np.int64)

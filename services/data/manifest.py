@@ -99,6 +99,5 @@ def verify_files(directory: Path, manifest: dict, label: str, *, hashes: bool) -
             actual = sha256_file(path)
             if actual != entry["sha256"]:
                 raise DatasetCorrupt(
-                    f"dataset {label}: {name}: sha256 mismatch "
-                    f"(manifest {entry['sha256'][:12]}…, file {actual[:12]}…)"
+                    f"dataset {label}: {name}: sha256 mismatch (manifest {entry['sha256'][:12]}…, file {actual[:12]}…)"
                 )

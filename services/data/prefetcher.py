@@ -145,4 +145,4 @@ def _read(fd: int, store: TokenStore, lo: int, hi: int) -> tuple[np.ndarray, np.
             f"(expected {want} bytes, got {len(raw)})"
         )
     tokens = np.frombuffer(raw, dtype=store.dtype)
-    return tokens, (b[lo:hi + 1] - first).astype(np.int64), np.arange(lo, hi, dtype=np.int64)
+    return tokens, (b[lo : hi + 1] - first).astype(np.int64), np.arange(lo, hi, dtype=np.int64)

@@ -144,44 +144,55 @@ def prepare_dataset(
     if tok_file is not None:
         files["tokenizer.json"] = tok_file.read_bytes()
 
-    manifest = mf.seal({
-        "format": mf.FORMAT,
-        "name": name,
-        "version": version,
-        "created_unix": time.time(),
-        "source": str(source_dir),
-        "include_glob": include_glob,
-        "excluded_dirs": sorted(EXCLUDED_DIRS),
-        "tokenizer_kind": kind,
-        "tokenizer": "bytes" if tok_file is None else "tokenizer.json",
-        "tokenizer_source": None if tok_file is None else str(tok_file),
-        "vocab_size": vocab_size,
-        "dtype": dtype.name,
-        "val_fraction": val_fraction,
-        "split_rule": "val iff int(sha256(relative path)[:8 bytes], big-endian) / 2**64 < val_fraction",
-        "splits": splits,
-        "skipped": {"empty_files": skipped_empty},
-        "files": {n: {"sha256": mf.sha256_bytes(b), "bytes": len(b)} for n, b in sorted(files.items())},
-    })
+    manifest = mf.seal(
+        {
+            "format": mf.FORMAT,
+            "name": name,
+            "version": version,
+            "created_unix": time.time(),
+            "source": str(source_dir),
+            "include_glob": include_glob,
+            "excluded_dirs": sorted(EXCLUDED_DIRS),
+            "tokenizer_kind": kind,
+            "tokenizer": "bytes" if tok_file is None else "tokenizer.json",
+            "tokenizer_source": None if tok_file is None else str(tok_file),
+            "vocab_size": vocab_size,
+            "dtype": dtype.name,
+            "val_fraction": val_fraction,
+            "split_rule": "val iff int(sha256(relative path)[:8 bytes], big-endian) / 2**64 < val_fraction",
+            "splits": splits,
+            "skipped": {"empty_files": skipped_empty},
+            "files": {n: {"sha256": mf.sha256_bytes(b), "bytes": len(b)} for n, b in sorted(files.items())},
+        }
+    )
     path, created = _commit(Path(root), name, version, files, manifest)
     final = manifest if created else mf.read(path, f"{name}@{version}")
     return PreparedDataset(
-        name=name, version=version, path=path,
-        manifest_sha256=final["manifest_sha256"], content_sha256=final["content_sha256"],
-        tokenizer=final["tokenizer"], vocab_size=final["vocab_size"],
-        train_documents=final["splits"]["train"]["documents"], train_tokens=final["splits"]["train"]["tokens"],
-        val_documents=final["splits"]["val"]["documents"], val_tokens=final["splits"]["val"]["tokens"],
-        created=created, seconds=time.monotonic() - t0,
+        name=name,
+        version=version,
+        path=path,
+        manifest_sha256=final["manifest_sha256"],
+        content_sha256=final["content_sha256"],
+        tokenizer=final["tokenizer"],
+        vocab_size=final["vocab_size"],
+        train_documents=final["splits"]["train"]["documents"],
+        train_tokens=final["splits"]["train"]["tokens"],
+        val_documents=final["splits"]["val"]["documents"],
+        val_tokens=final["splits"]["val"]["tokens"],
+        created=created,
+        seconds=time.monotonic() - t0,
     )
 
 
 def _read_sources(source_dir: Path, include_glob: str) -> tuple[list[str], list[bytes], int]:
     """Relative POSIX paths (sorted) and bytes of the matching non-empty regular files."""
-    rels = sorted({
-        p.relative_to(source_dir).as_posix()
-        for p in source_dir.glob(include_glob)
-        if not EXCLUDED_DIRS.intersection(p.relative_to(source_dir).parts) and p.is_file()
-    })
+    rels = sorted(
+        {
+            p.relative_to(source_dir).as_posix()
+            for p in source_dir.glob(include_glob)
+            if not EXCLUDED_DIRS.intersection(p.relative_to(source_dir).parts) and p.is_file()
+        }
+    )
     kept, blobs, empty = [], [], 0
     for rel in rels:
         data = (source_dir / rel).read_bytes()
@@ -206,9 +217,11 @@ def _held_out(rels: list[str], val_fraction: float) -> list[bool]:
 def _tokenizer(spec: str):
     """-> (encode(blobs, dtype) -> (tokens [T], bounds int64 [n+1]), kind, vocab, json path)."""
     if spec == "bytes":
+
         def encode_bytes(blobs: list[bytes], dtype: np.dtype):
             tokens = np.frombuffer(b"".join(blobs), dtype=np.uint8).astype(dtype)
             return tokens, _bounds([len(b) for b in blobs])
+
         return encode_bytes, "bytes", 256, None
 
     from tokenizers import Tokenizer

@@ -31,9 +31,7 @@ class SampleFilter:
         self._emit = emit
         # Pushed once per stream (seed L4-4 s2: 上层一次性下发后固化); the composition root
         # builds a fresh filter for every stream, so "once" is once per stream.
-        self._rules = FrozenConfig[data_pb2.FilterRules](
-            "L4_FILTER", "filter rules", error=ConfigAlreadyPushed
-        )
+        self._rules = FrozenConfig[data_pb2.FilterRules]("L4_FILTER", "filter rules", error=ConfigAlreadyPushed)
         self._banned = np.zeros(0, np.int64)  # token ids; banned bytes count as ids under "bytes"
         self._report = data_pb2.FilterReport()
         # "idle" | "filtering" | "interrupted"

@@ -177,8 +177,10 @@ class StreamRelay:
             # OpenStream.start is where the stream resumes; the plan and config that carry it
             # down (ShufflePlan.start_document, PackerConfig.start) are filled from it here.
             if req.shuffle.start_document not in (0, start.document):
-                raise InvalidConfig(f"open_stream: shuffle.start_document {req.shuffle.start_document} "
-                                    f"differs from start.document {start.document}")
+                raise InvalidConfig(
+                    f"open_stream: shuffle.start_document {req.shuffle.start_document} "
+                    f"differs from start.document {start.document}"
+                )
             if req.packer.HasField("start") and req.packer.start != start:
                 raise InvalidConfig("open_stream: packer.start differs from start")
             self._set_prefetch(req.prefetch)
@@ -237,8 +239,7 @@ class StreamRelay:
 class DataServicer(data_pb2_grpc.DataServiceServicer):
     """Relays the three RPCs; see the module docstring."""
 
-    def __init__(self, *, mount: CommandPort, list_datasets: CommandPort,
-                 new_stream: Callable[[], StreamRelay], log):
+    def __init__(self, *, mount: CommandPort, list_datasets: CommandPort, new_stream: Callable[[], StreamRelay], log):
         self._mount = mount
         self._list = list_datasets
         self._new_stream = new_stream
@@ -249,8 +250,12 @@ class DataServicer(data_pb2_grpc.DataServiceServicer):
             ready = self._mount(request).message
         except Exception as e:
             self._abort(context, e, "mount", dataset=f"{request.name}@{request.version}")
-        self._log.info("mounted", dataset=f"{ready.name}@{ready.version}", verify=request.verify,
-                       manifest=ready.manifest_sha256[:12])
+        self._log.info(
+            "mounted",
+            dataset=f"{ready.name}@{ready.version}",
+            verify=request.verify,
+            manifest=ready.manifest_sha256[:12],
+        )
         return ready
 
     def List(self, request: data_pb2.DatasetQuery, context: grpc.ServicerContext) -> data_pb2.DatasetList:
@@ -262,8 +267,12 @@ class DataServicer(data_pb2_grpc.DataServiceServicer):
     def Stream(self, request: data_pb2.OpenStream, context: grpc.ServicerContext) -> Iterator[data_pb2.MicroBatch]:
         relay = self._new_stream()
         context.add_callback(relay.cancel)  # the rank hung up or the server stops
-        where = dict(dataset=f"{request.mount.name}@{request.mount.version}", split=request.split,
-                     rank=request.shuffle.rank, world_size=request.shuffle.world_size)
+        where = dict(
+            dataset=f"{request.mount.name}@{request.mount.version}",
+            split=request.split,
+            rank=request.shuffle.rank,
+            world_size=request.shuffle.world_size,
+        )
         start = request.start
         self._log.info("stream opened", **where, start=f"{start.epoch}/{start.document}/{start.offset}")
         try:

@@ -50,12 +50,12 @@ class Shuffler:
             raise ValueError(f"chunk_documents: must be > 0, got {chunk_documents}")
         self._emit = emit
         self._chunk = chunk_documents
-        self._parts: list[np.ndarray] = []       # token arrays as read, in storage order
+        self._parts: list[np.ndarray] = []  # token arrays as read, in storage order
         self._part_bounds: list[np.ndarray] = []  # their document bounds, until complete
         self._num_read = 0
-        self._doc_part = np.zeros(0, np.int64)   # [N] which part holds document i
-        self._doc_lo = np.zeros(0, np.int64)     # [N] its first token within that part
-        self._doc_hi = np.zeros(0, np.int64)     # [N] one past its last token
+        self._doc_part = np.zeros(0, np.int64)  # [N] which part holds document i
+        self._doc_lo = np.zeros(0, np.int64)  # [N] its first token within that part
+        self._doc_hi = np.zeros(0, np.int64)  # [N] one past its last token
         self._complete = False
         self._split = ""
         self._tokenizer = ""
@@ -114,7 +114,7 @@ class Shuffler:
             raise RuntimeError("shuffler: shuffle plan before the split was read")
         self._rounds[msg.epoch] = settings
         self._state = "shuffling"
-        shard = epoch_order(msg.seed, msg.epoch, len(self._doc_part), msg.enabled)[msg.rank::msg.world_size]
+        shard = epoch_order(msg.seed, msg.epoch, len(self._doc_part), msg.enabled)[msg.rank :: msg.world_size]
         cursor = min(int(msg.start_document), len(shard))
         try:
             while True:
@@ -131,7 +131,11 @@ class Shuffler:
     # ---- private ----------------------------------------------------------------------
 
     def _emit_chunk(self, docs: np.ndarray, positions: np.ndarray, epoch: int, last: bool) -> None:
-        parts = [self._parts[p][lo:hi] for p, lo, hi in
-                 zip(self._doc_part[docs].tolist(), self._doc_lo[docs].tolist(), self._doc_hi[docs].tolist())]
+        parts = [
+            self._parts[p][lo:hi]
+            for p, lo, hi in zip(
+                self._doc_part[docs].tolist(), self._doc_lo[docs].tolist(), self._doc_hi[docs].tolist()
+            )
+        ]
         batch = Documents.join(parts, positions, epoch, last, self._split, self._tokenizer, self._dtype)
         self._emit(data_pb2.SamplesShuffled(count=len(batch)), batch)

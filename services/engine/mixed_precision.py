@@ -54,12 +54,12 @@ _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 class ScalerPolicy:
     """Dynamic loss-scaling rule (all from the job spec; see ``LossScaleSpec``)."""
 
-    init_scale: float = 2.0**16      # torch.amp.GradScaler
-    growth_factor: float = 2.0       # torch.amp.GradScaler
-    backoff_factor: float = 0.5      # torch.amp.GradScaler
-    growth_interval: int = 2000      # torch.amp.GradScaler
-    hysteresis: int = 2              # Megatron-LM DynamicGradScaler
-    min_scale: float = 1.0           # Megatron-LM DynamicGradScaler
+    init_scale: float = 2.0**16  # torch.amp.GradScaler
+    growth_factor: float = 2.0  # torch.amp.GradScaler
+    backoff_factor: float = 0.5  # torch.amp.GradScaler
+    growth_interval: int = 2000  # torch.amp.GradScaler
+    hysteresis: int = 2  # Megatron-LM DynamicGradScaler
+    min_scale: float = 1.0  # Megatron-LM DynamicGradScaler
 
     def __post_init__(self) -> None:
         bad = [
@@ -90,7 +90,11 @@ class DynamicLossScaler:
         if state is None:
             self.scale, self.growth_tracker, self.hysteresis_left = policy.init_scale, 0, policy.hysteresis
         else:
-            self.scale, self.growth_tracker, self.hysteresis_left = state.scale, state.growth_tracker, state.hysteresis_left
+            self.scale, self.growth_tracker, self.hysteresis_left = (
+                state.scale,
+                state.growth_tracker,
+                state.hysteresis_left,
+            )
             if not (math.isfinite(self.scale) and self.scale > 0):
                 raise ValueError(f"loss scaler: restored scale must be finite and > 0, got {self.scale}")
 
@@ -161,7 +165,9 @@ class MixedPrecision:
         self._operators(engine_pb2.SetComputePrecision(dtype=_DTYPES[msg.precision]))
         self._policy.set(msg.precision)
         self._scaler = scaler
-        return engine_pb2.PrecisionReady(precision=msg.precision, loss_scale=self._loss_scale, state=self._scaler_state())
+        return engine_pb2.PrecisionReady(
+            precision=msg.precision, loss_scale=self._loss_scale, state=self._scaler_state()
+        )
 
     def unscale_and_check(self, msg: engine_pb2.UnscaleAndCheck, payload: Any = None) -> engine_pb2.OverflowChecked:
         """执行梯度反缩放与溢出检测指令, the check half: this rank's gradients' sums of squares

@@ -119,7 +119,9 @@ class Optimizer:
             group["lr"] = msg.learning_rate
         self._optim.step()
         self._updates += 1
-        return engine_pb2.UpdateApplied(step=msg.step, learning_rate=msg.learning_rate, seconds=time.perf_counter() - t0)
+        return engine_pb2.UpdateApplied(
+            step=msg.step, learning_rate=msg.learning_rate, seconds=time.perf_counter() - t0
+        )
 
     def export_state(self, msg: engine_pb2.ExportState, payload: Any = None) -> Reply:
         if self._optim is None or self._model is None:

@@ -156,7 +156,9 @@ def _mesh_layout(sharding: ShardingPlan) -> tuple[torch.Tensor, tuple[str, ...]]
     loop thread that wakes about 100 times a second (measured, torch 2.13). Two size-1
     groups cost a DP=2 rank 200 extra context switches/s on its cores for nothing; a mesh
     of the world's ranks alone reuses the default group."""
-    keep = [i for i, (name, size) in enumerate(zip(sharding.axis_names, sharding.mesh_shape)) if size > 1 or name == "dp"]
+    keep = [
+        i for i, (name, size) in enumerate(zip(sharding.axis_names, sharding.mesh_shape)) if size > 1 or name == "dp"
+    ]
     shape = tuple(sharding.mesh_shape[i] for i in keep)
     return torch.tensor(sharding.flat_mesh()).view(shape), tuple(sharding.axis_names[i] for i in keep)
 

@@ -113,7 +113,9 @@ def check_schedule(
     Raises ScheduleError (a ValueError) naming the first problem; see the module docstring.
     """
     if num_stages < 1 or num_microbatches < 1:
-        raise ScheduleError(f"schedule: num_stages and num_microbatches must be >= 1, got {num_stages}, {num_microbatches}")
+        raise ScheduleError(
+            f"schedule: num_stages and num_microbatches must be >= 1, got {num_stages}, {num_microbatches}"
+        )
     owner = dict(stage_to_rank) if stage_to_rank is not None else {s: s for s in range(num_stages)}
     if sorted(owner) != list(range(num_stages)):
         raise ScheduleError(f"schedule: stage_to_rank must map stages 0..{num_stages - 1}, got {sorted(owner)}")
@@ -146,15 +148,21 @@ def _check_well_formed(lists, owner, num_stages, num_microbatches) -> None:
                         f"schedule: {_where(r, i, step)}: {a} is outside {num_stages} stages x {num_microbatches} micro-batches"
                     )
                 if owner[a.stage] != r:
-                    raise ScheduleError(f"schedule: {_where(r, i, step)}: stage {a.stage} belongs to rank {owner[a.stage]}")
+                    raise ScheduleError(
+                        f"schedule: {_where(r, i, step)}: stage {a.stage} belongs to rank {owner[a.stage]}"
+                    )
                 if isinstance(step, tuple) and a.kind in COMPUTE_KINDS:
-                    raise ScheduleError(f"schedule: {_where(r, i, step)}: compute action {a} inside a send/receive batch")
+                    raise ScheduleError(
+                        f"schedule: {_where(r, i, step)}: compute action {a} inside a send/receive batch"
+                    )
                 if a.kind in COMM_KINDS:
                     peer_stage = _match(a).stage
                     if not 0 <= peer_stage < num_stages:
                         raise ScheduleError(f"schedule: {_where(r, i, step)}: {a} has no peer stage {peer_stage}")
                     if owner[peer_stage] == r:
-                        raise ScheduleError(f"schedule: {_where(r, i, step)}: {a} talks to its own rank (stage {peer_stage})")
+                        raise ScheduleError(
+                            f"schedule: {_where(r, i, step)}: {a} talks to its own rank (stage {peer_stage})"
+                        )
                 if a in seen:
                     raise ScheduleError(f"schedule: {_where(r, i, step)}: {a} appears twice")
                 seen.add(a)
@@ -194,9 +202,13 @@ def _check_local_order(lists, owner, num_stages) -> None:
         # A receive whose data nobody uses is a hang waiting to happen (its sender may never come).
         for a in before:
             if a.kind == "RECV_F" and Action("F", a.stage, a.microbatch) not in before:
-                raise ScheduleError(f"schedule: rank {r}: {a} is never consumed by {Action('F', a.stage, a.microbatch)}")
+                raise ScheduleError(
+                    f"schedule: rank {r}: {a} is never consumed by {Action('F', a.stage, a.microbatch)}"
+                )
             if a.kind == "RECV_B" and Action("B", a.stage, a.microbatch) not in before:
-                raise ScheduleError(f"schedule: rank {r}: {a} is never consumed by {Action('B', a.stage, a.microbatch)}")
+                raise ScheduleError(
+                    f"schedule: rank {r}: {a} is never consumed by {Action('B', a.stage, a.microbatch)}"
+                )
 
 
 def _channels(lists, owner) -> dict[tuple[int, int, str], list[tuple[Action, int]]]:
@@ -219,10 +231,14 @@ def _check_matching(lists, owner) -> None:
         for k in range(max(len(sends), len(recvs))):
             if k >= len(recvs):
                 a, i = sends[k]
-                raise ScheduleError(f"schedule: {_where(src, i, lists[src][i])}: {a} has no matching {_match(a)} on rank {dst}")
+                raise ScheduleError(
+                    f"schedule: {_where(src, i, lists[src][i])}: {a} has no matching {_match(a)} on rank {dst}"
+                )
             if k >= len(sends):
                 a, i = recvs[k]
-                raise ScheduleError(f"schedule: {_where(dst, i, lists[dst][i])}: {a} has no matching {_match(a)} on rank {src}")
+                raise ScheduleError(
+                    f"schedule: {_where(dst, i, lists[dst][i])}: {a} has no matching {_match(a)} on rank {src}"
+                )
             (sa, si), (ra, ri) = sends[k], recvs[k]
             if _match(sa) != ra:
                 raise ScheduleError(
@@ -265,7 +281,9 @@ def _stall_message(lists, owner, pc, done) -> str:
             waits[r] = (owner[_match(a).stage], a)
     first = min(waits)
     peer, a = waits[first]
-    head = f"schedule deadlock: {_where(first, pc[first], lists[first][pc[first]])} blocks in {a} waiting for rank {peer}"
+    head = (
+        f"schedule deadlock: {_where(first, pc[first], lists[first][pc[first]])} blocks in {a} waiting for rank {peer}"
+    )
     if peer not in waits:
         return f"{head}, which has finished without posting {_match(a)}"
     chain, r = [first], peer
@@ -310,9 +328,7 @@ def one_f_one_b_actions(num_stages: int, num_microbatches: int) -> dict[int, lis
     Raises ScheduleError when num_microbatches < num_stages (torch refuses it too)."""
     _require_sizes(num_stages, num_microbatches)
     if num_microbatches < num_stages:
-        raise ScheduleError(
-            f"schedule: 1f1b needs microbatches >= stages, got {num_microbatches} < {num_stages}"
-        )
+        raise ScheduleError(f"schedule: 1f1b needs microbatches >= stages, got {num_microbatches} < {num_stages}")
     last, n = num_stages - 1, num_microbatches
     out: dict[int, list[Step]] = {}
     for s in range(num_stages):

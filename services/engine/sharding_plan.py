@@ -140,9 +140,7 @@ def plan(model: ModelSpec, world_size: int, parallel: ParallelSpec, topology: To
     order, notes = _node_major_order(topology, tp)
     for note in notes:
         warnings.warn(note, TopologyWarning, stacklevel=2)
-    mesh = tuple(
-        tuple(tuple(order[(s * dp + d) * tp : (s * dp + d + 1) * tp]) for d in range(dp)) for s in range(pp)
-    )
+    mesh = tuple(tuple(tuple(order[(s * dp + d) * tp : (s * dp + d + 1) * tp]) for d in range(dp)) for s in range(pp))
     coords: list[tuple[int, int, int]] = [(0, 0, 0)] * world_size
     for s in range(pp):
         for d in range(dp):
@@ -194,7 +192,9 @@ def _node_major_order(topology: Topology, tp: int) -> tuple[list[int], list[str]
     notes = []
     if tp > 1:
         node_of = topology.rank_nodes
-        spanning = [order[i : i + tp] for i in range(0, len(order), tp) if len({node_of[r] for r in order[i : i + tp]}) > 1]
+        spanning = [
+            order[i : i + tp] for i in range(0, len(order), tp) if len({node_of[r] for r in order[i : i + tp]}) > 1
+        ]
         if spanning:
             sizes = sorted({len(v) for v in nodes.values()})
             notes.append(

@@ -103,9 +103,9 @@ class _Released(Exception):
 class Batch(NamedTuple):
     """Payload of a MicroBatch on the rank's bus (tensors on the CPU)."""
 
-    split: str                 # "train" | "val"
-    input_ids: torch.Tensor    # int64 [B, T]
-    labels: torch.Tensor       # int64 [B, T]; -100 marks padding
+    split: str  # "train" | "val"
+    input_ids: torch.Tensor  # int64 [B, T]
+    labels: torch.Tensor  # int64 [B, T]; -100 marks padding
 
 
 @dataclass(frozen=True)
@@ -169,9 +169,13 @@ class LoopState:
         loop._consecutive_skips = int(state["consecutive_skips"])
         growth_tracker, hysteresis_left, dynamic = (int(v) for v in state["loss_scaler"].tolist())
         # Only an fp16 scaler's state is resumed; an fp32/bf16 checkpoint's placeholder is not.
-        loop._resume_scaler = engine_pb2.LossScalerState(
-            scale=float(state["loss_scale"]), growth_tracker=growth_tracker, hysteresis_left=hysteresis_left
-        ) if dynamic else None
+        loop._resume_scaler = (
+            engine_pb2.LossScalerState(
+                scale=float(state["loss_scale"]), growth_tracker=growth_tracker, hysteresis_left=hysteresis_left
+            )
+            if dynamic
+            else None
+        )
         loop._position = data_pb2.DataPosition(epoch=epoch, document=document, offset=offset)
         loop._loaded_order = tuple(int(v) for v in mine["data_order"].tolist())
         rng_streams.restore(mine["rng"])
@@ -182,7 +186,12 @@ class TrainingLoop:
     main thread and blocks on its inboxes (no polling)."""
 
     def __init__(
-        self, emit: Emitter, ports: LoopPorts, *, read_ahead: int = 4, started_at: float | None = None,
+        self,
+        emit: Emitter,
+        ports: LoopPorts,
+        *,
+        read_ahead: int = 4,
+        started_at: float | None = None,
         phase: ph.PhaseMarker | ph.NoPhase = ph.NO_PHASE,
     ):
         """``read_ahead``: decoded micro-batches held per stream; ``started_at``: the
@@ -298,9 +307,14 @@ class TrainingLoop:
         loop waiting for batches that no longer come, until L1-1's decision on it (stop,
         relaunch) reaches this rank; a save the store could not take lets training go on."""
         failure = msg.failure
-        _log.warning("failure_event_heard", failure_event=msg.DESCRIPTOR.name,
-                     module=Module.Name(failure.module) if failure.module in Module.values() else "",
-                     cause=route_pb2.FailureCause.Name(failure.cause), detail=failure.detail, step=self._step)
+        _log.warning(
+            "failure_event_heard",
+            failure_event=msg.DESCRIPTOR.name,
+            module=Module.Name(failure.module) if failure.module in Module.values() else "",
+            cause=route_pb2.FailureCause.Name(failure.cause),
+            detail=failure.detail,
+            step=self._step,
+        )
 
     # ------------------------------------------------------------------ the run
 
@@ -317,8 +331,12 @@ class TrainingLoop:
         except _Released as released:  # L1-1's verdict on a step fault: the ranks are stopped or replaced
             self._phase = "released"
             self._mark.enter(ph.IDLE)
-            _log.info("released by L1", step=released.verdict.step, action=engine_pb2.StepVerdictAction.Name(
-                released.verdict.action), reason=released.verdict.reason)
+            _log.info(
+                "released by L1",
+                step=released.verdict.step,
+                action=engine_pb2.StepVerdictAction.Name(released.verdict.action),
+                reason=released.verdict.reason,
+            )
 
     def fail(self, exc: BaseException) -> None:
         """Report ``exc`` as this rank's TrainingLoopFailed (once), classified."""
@@ -332,7 +350,11 @@ class TrainingLoop:
         failure.job_id, failure.rank = self._job_id, self._rank
         self._emit(
             engine_pb2.TrainingLoopFailed(
-                job_id=self._job_id, rank=self._rank, step=self._step, fault_class=fault_class, detail=detail,
+                job_id=self._job_id,
+                rank=self._rank,
+                step=self._step,
+                fault_class=fault_class,
+                detail=detail,
                 failure=failure,
             )
         )
@@ -441,8 +463,10 @@ class TrainingLoop:
             detail = f"training loss is {loss} at step {step} ({reduced.global_tokens} tokens)"
         elif reduced.found_inf and adjusted.at_minimum:
             kind, reason = engine_pb2.STEP_FAULT_LOSS_SCALE_AT_MINIMUM, "overflow"
-            detail = (f"gradients are not finite at step {step} and the loss scale backed off to its minimum "
-                      f"{adjusted.loss_scale:g} (precision.loss_scale.min_scale); fp16 cannot hold these gradients")
+            detail = (
+                f"gradients are not finite at step {step} and the loss scale backed off to its minimum "
+                f"{adjusted.loss_scale:g} (precision.loss_scale.min_scale); fp16 cannot hold these gradients"
+            )
         elif reduced.found_inf:
             kind, reason = engine_pb2.STEP_FAULT_GRADIENT_OVERFLOW, "overflow"
             detail = f"gradients are not finite at step {step} (loss scale {adjusted.loss_scale:g} after it)"
@@ -465,7 +489,11 @@ class TrainingLoop:
         return kind, engine_pb2.STEP_SKIP, order, reason
 
     def _verdict(
-        self, step: int, kind: int, detail: str, reduced: engine_pb2.GradientsReduced,
+        self,
+        step: int,
+        kind: int,
+        detail: str,
+        reduced: engine_pb2.GradientsReduced,
         adjusted: engine_pb2.LossScaleAdjusted,
     ) -> tuple[int, int]:
         """(StepVerdictAction, standing order id) for a fault of ``kind`` at ``step``: its
@@ -500,8 +528,13 @@ class TrainingLoop:
                 break
             report.reminder += 1
             report.waited_seconds = time.monotonic() - t0
-            _log.warning("no verdict on a step fault yet", step=step, kind=engine_pb2.StepFaultKind.Name(kind),
-                         waited_s=round(report.waited_seconds, 1), reminder=report.reminder)
+            _log.warning(
+                "no verdict on a step fault yet",
+                step=step,
+                kind=engine_pb2.StepFaultKind.Name(kind),
+                waited_s=round(report.waited_seconds, 1),
+                reminder=report.reminder,
+            )
             self._emit(report)
         self._phase = phase
         self._mark.enter(ph.OPTIMIZER)
@@ -682,7 +715,9 @@ class TrainingLoop:
         # Background saves are done (written, committed) before anyone hears of the end.
         self._p.store(store_pb2.FlushCheckpoint(job_id=self._job_id))
         self._phase = "done"
-        self._emit(engine_pb2.TrainingLoopFinished(job_id=self._job_id, rank=self._rank, step=self._step, stopped=stopped))
+        self._emit(
+            engine_pb2.TrainingLoopFinished(job_id=self._job_id, rank=self._rank, step=self._step, stopped=stopped)
+        )
 
     def _next_batch(self, split: str) -> tuple[data_pb2.MicroBatch, Batch] | None:
         """The next micro-batch of ``split`` (None at the end of a finite stream)."""

@@ -45,7 +45,9 @@ from services.store.server import StoreRelay
 CKPT, METRICS = Module.L5_CHECKPOINT_MANAGER, Module.L5_METRICS_LOGGER
 
 
-def wire(root: Path, log, registry=REGISTRY, scrub_interval_s: float = 0.0) -> tuple[StoreRelay, MetricsLogger, ScrubSchedule]:
+def wire(
+    root: Path, log, registry=REGISTRY, scrub_interval_s: float = 0.0
+) -> tuple[StoreRelay, MetricsLogger, ScrubSchedule]:
     """Build L5-1, L5-2 and the relay on one bus. Returns the relay, the logger (to close)
     and the operator's scrub schedule (to start and stop)."""
     # No channel up from here: refusals are logged and counted, then returned to the caller.
@@ -53,15 +55,25 @@ def wire(root: Path, log, registry=REGISTRY, scrub_interval_s: float = 0.0) -> t
     validate_table(bus.table)
     manager = CheckpointManager(root, registry=registry, emit=bus.emitter(CKPT))
     metrics = MetricsLogger(root, registry=registry)
-    bus.host(CKPT, manager, not_handled={
-        store_pb2.FlushCheckpoint: "a rank's own pending write: the rank's store relay answers it in the rank process",
-    })
+    bus.host(
+        CKPT,
+        manager,
+        not_handled={
+            store_pb2.FlushCheckpoint: "a rank's own pending write: the rank's store relay answers it in the rank process",
+        },
+    )
     bus.host(METRICS, metrics)
     # One port per remote sender the table lets send what the relay forwards, typed by it.
     forwarded = {
-        CKPT: (store_pb2.SaveCheckpoint, store_pb2.CommitCheckpoint, store_pb2.LoadCheckpoint,
-               store_pb2.CheckpointQuery, store_pb2.VerifyCheckpoints, store_pb2.ScrubCheckpoints,
-               store_pb2.WatchCheckpointsRequest),
+        CKPT: (
+            store_pb2.SaveCheckpoint,
+            store_pb2.CommitCheckpoint,
+            store_pb2.LoadCheckpoint,
+            store_pb2.CheckpointQuery,
+            store_pb2.VerifyCheckpoints,
+            store_pb2.ScrubCheckpoints,
+            store_pb2.WatchCheckpointsRequest,
+        ),
         METRICS: (engine_pb2.StepCompleted, engine_pb2.EvalCompleted),
     }
     ports: dict[tuple[int, int], CommandPort] = {}
@@ -76,11 +88,15 @@ def wire(root: Path, log, registry=REGISTRY, scrub_interval_s: float = 0.0) -> t
     # A failure event of L5-1 / L5-2 routed to the caller's side (L1, a rank's L2-1) goes back
     # with the call's end, by its name (the caller's relay puts it on its bus).
     back = Link(bus, name="store calls", near=L5, beyond=L1 | RANK, send=relay.routed_out).stand_in(
-        kinds=(route_pb2.EVENT,), where=lambda route: route.failure)
-    schedule = ScrubSchedule(bus.port(Module.EXT_USER, CKPT, commands=(store_pb2.ScrubCheckpoints,)), scrub_interval_s, log)
+        kinds=(route_pb2.EVENT,), where=lambda route: route.failure
+    )
+    schedule = ScrubSchedule(
+        bus.port(Module.EXT_USER, CKPT, commands=(store_pb2.ScrubCheckpoints,)), scrub_interval_s, log
+    )
     # Hosted: L5-1, L5-2, and every remote sender the relay commands them as (or receives for).
-    validate_wiring(bus, {CKPT, METRICS, Module.L1_ORCHESTRATOR, *(sender for sender, _ in ports),
-                          *(module for _, module in back)})
+    validate_wiring(
+        bus, {CKPT, METRICS, Module.L1_ORCHESTRATOR, *(sender for sender, _ in ports), *(module for _, module in back)}
+    )
     return relay, metrics, schedule
 
 
@@ -104,8 +120,12 @@ class ScrubSchedule:
         while not self._stop.wait(self._interval):
             try:
                 done = self._port(store_pb2.ScrubCheckpoints()).message
-                self._log.info("checkpoints_scrubbed", versions=len(done.versions),
-                               newly_corrupt=[c.version for c in done.newly_corrupt], seconds=round(done.seconds, 3))
+                self._log.info(
+                    "checkpoints_scrubbed",
+                    versions=len(done.versions),
+                    newly_corrupt=[c.version for c in done.newly_corrupt],
+                    seconds=round(done.seconds, 3),
+                )
             except Exception as e:  # noqa: BLE001 - the next interval tries again
                 self._log.error("checkpoint_scrub_failed", error=f"{type(e).__name__}: {e}")
 
@@ -117,9 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     # argparse applies `type` to string defaults too: a bad env value is a one-line usage error.
     p.add_argument("--port", type=int, default=env("SURGE_STORE_PORT"))
     p.add_argument("--metrics-port", type=int, default=env("SURGE_STORE_METRICS_PORT"))
-    p.add_argument("--root", type=Path, default=None, help="store root (default: SURGE_STORE_ROOT or $SURGE_HOME/store)")
-    p.add_argument("--scrub-interval-seconds", type=float, default=env("SURGE_STORE_SCRUB_INTERVAL_S", "0"),
-                   help="re-hash every committed checkpoint version this often (0: never; env SURGE_STORE_SCRUB_INTERVAL_S)")
+    p.add_argument(
+        "--root", type=Path, default=None, help="store root (default: SURGE_STORE_ROOT or $SURGE_HOME/store)"
+    )
+    p.add_argument(
+        "--scrub-interval-seconds",
+        type=float,
+        default=env("SURGE_STORE_SCRUB_INTERVAL_S", "0"),
+        help="re-hash every committed checkpoint version this often (0: never; env SURGE_STORE_SCRUB_INTERVAL_S)",
+    )
     args = p.parse_args(argv)
     if args.scrub_interval_seconds < 0:
         p.error(f"--scrub-interval-seconds must be >= 0, got {args.scrub_interval_seconds}")
@@ -150,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     server.start(["surge.v1.StoreService", AuditServicer.SERVICE_NAME])
     schedule.start()
-    log.info("serving", address=f"{args.host}:{server.port}", metrics=f"{args.host}:{http.server_port}" if http else "off")
+    log.info(
+        "serving", address=f"{args.host}:{server.port}", metrics=f"{args.host}:{http.server_port}" if http else "off"
+    )
     stop.wait()
     log.info("stopping")
     schedule.stop()

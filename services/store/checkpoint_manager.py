@@ -172,8 +172,12 @@ class CheckpointManager:
         registry: where its Prometheus metrics register (a private one by default).
     """
 
-    def __init__(self, root: Path, registry: CollectorRegistry | None = None,
-                 emit: Callable[[store_pb2.CheckpointCorrupt], Any] | None = None):
+    def __init__(
+        self,
+        root: Path,
+        registry: CollectorRegistry | None = None,
+        emit: Callable[[store_pb2.CheckpointCorrupt], Any] | None = None,
+    ):
         """``emit``: where each version newly found corrupt is published (the bus emitter of
         L5-1 in the service; None drops them)."""
         self._emit = emit
@@ -185,23 +189,27 @@ class CheckpointManager:
         self._verifying: dict[str, Future[None]] = {}  # version -> verification in flight
         self._chain: list[dict[str, Any]] = _read_catalog(self._dir / CATALOG)
         reg = registry if registry is not None else CollectorRegistry()
-        self._commits = Counter(
-            "surge_checkpoint_commits_total", "Versions committed.", ["job"], registry=reg
-        )
+        self._commits = Counter("surge_checkpoint_commits_total", "Versions committed.", ["job"], registry=reg)
         self._commit_seconds = Gauge(
-            "surge_checkpoint_commit_seconds", "Hash + commit time of the last version (seconds).",
-            ["job"], registry=reg,
+            "surge_checkpoint_commit_seconds",
+            "Hash + commit time of the last version (seconds).",
+            ["job"],
+            registry=reg,
         )
         self._bytes = Gauge(
             "surge_checkpoint_bytes", "Size of the last committed version (bytes).", ["job"], registry=reg
         )
         self._rejected = Counter(
-            "surge_checkpoint_rejected_total", "Commits and loads refused, by operation.",
-            ["job", "op"], registry=reg,
+            "surge_checkpoint_rejected_total",
+            "Commits and loads refused, by operation.",
+            ["job", "op"],
+            registry=reg,
         )
         self._found_corrupt = Counter(
-            "surge_checkpoint_corrupt_found_total", "Committed versions newly found corrupt, by cause.",
-            ["job", "cause"], registry=reg,
+            "surge_checkpoint_corrupt_found_total",
+            "Committed versions newly found corrupt, by cause.",
+            ["job", "cause"],
+            registry=reg,
         )
         self._scrub_seconds = Gauge(
             "surge_checkpoint_scrub_seconds", "Wall time of the last scrub (seconds).", registry=reg
@@ -230,8 +238,7 @@ class CheckpointManager:
             save = self._open.get(job)
             if save is not None and save.committing:
                 raise CheckpointRejected(
-                    f"checkpoint {job}: save of step {save.step} is being committed; "
-                    f"cannot begin step {msg.step}"
+                    f"checkpoint {job}: save of step {save.step} is being committed; cannot begin step {msg.step}"
                 )
             seen = self._attempts.setdefault(job, [])
             if attempt and attempt in seen[:-1]:
@@ -242,8 +249,13 @@ class CheckpointManager:
             if attempt and (not seen or seen[-1] != attempt):
                 seen.append(attempt)
                 del seen[:-_ATTEMPTS_KEPT]
-            if (save is None or save.step != msg.step or save.attempt != attempt or msg.rank in save.ranks
-                    or not save.path.is_dir()):
+            if (
+                save is None
+                or save.step != msg.step
+                or save.attempt != attempt
+                or msg.rank in save.ranks
+                or not save.path.is_dir()
+            ):
                 save = self._fresh_staging(job, msg.step, attempt)
             save.ranks.add(msg.rank)
             path = save.path
@@ -336,7 +348,9 @@ class CheckpointManager:
             raise
         return store_pb2.CheckpointLoaded(info=self._info(entry))
 
-    def verify_checkpoints(self, msg: store_pb2.VerifyCheckpoints, payload: Any = None) -> store_pb2.CheckpointVerification:
+    def verify_checkpoints(
+        self, msg: store_pb2.VerifyCheckpoints, payload: Any = None
+    ) -> store_pb2.CheckpointVerification:
         """The verdict of every committed version of ``msg.job_id`` (oldest first): as
         recorded (cheap), or re-hashed now and recorded if ``msg.rehash``. Reports; never
         chooses or deletes.
@@ -469,8 +483,12 @@ class CheckpointManager:
     def _corrupt_msg(self, entry: dict[str, Any]) -> store_pb2.CheckpointCorrupt:
         cause, reason, when = _verdict(entry)
         return store_pb2.CheckpointCorrupt(
-            job_id=entry["job_id"], version=entry["version"], step=entry["step"], reason=reason,
-            cause=_FAILURE_CAUSE.get(cause, store_pb2.CORRUPT), found_unix=when,
+            job_id=entry["job_id"],
+            version=entry["version"],
+            step=entry["step"],
+            reason=reason,
+            cause=_FAILURE_CAUSE.get(cause, store_pb2.CORRUPT),
+            found_unix=when,
         )
 
     # ------------------------------------------------------------------ staging
@@ -592,7 +610,8 @@ class CheckpointManager:
         if verified:
             guarded.add(verified[-1])
         drop = [
-            e for e in mine[:-keep_last]
+            e
+            for e in mine[:-keep_last]
             if not (keep_every > 0 and e["step"] % keep_every == 0) and e["version"] not in guarded
         ]
         if not drop:
@@ -624,14 +643,13 @@ class CheckpointManager:
             if ok:
                 return ok[-1]
             raise CheckpointNotFound(
-                "checkpoint latest not found (have: none)" if not self._chain
+                "checkpoint latest not found (have: none)"
+                if not self._chain
                 else "checkpoint latest not found: no version's recorded verdict is ok"
             )
         job, sep, n = version.rpartition(":")
         if not sep or not job or not (n == "latest" or n.isdigit()):
-            raise ValueError(
-                f'checkpoint version "{version}": expected "<job>:<n>", "<job>:latest" or "latest"'
-            )
+            raise ValueError(f'checkpoint version "{version}": expected "<job>:<n>", "<job>:latest" or "latest"')
         mine = [e for e in self._chain if e["job_id"] == job]
         if n == "latest" and mine:
             hit = [e for e in ok if e["job_id"] == job][-1:]
@@ -645,7 +663,9 @@ class CheckpointManager:
         if not hit:  # an unknown job: name the jobs that do have checkpoints (newest last)
             latest = {e["job_id"]: e["version"] for e in self._chain}
             have = ", ".join(list(latest.values())[-5:]) or "none"
-            raise CheckpointNotFound(f"checkpoint {version} not found: no checkpoint of job {job} (latest of each job: {have})")
+            raise CheckpointNotFound(
+                f"checkpoint {version} not found: no checkpoint of job {job} (latest of each job: {have})"
+            )
         return hit[0]
 
     def _info(self, entry: dict[str, Any]) -> store_pb2.CheckpointInfo:
@@ -669,8 +689,10 @@ def _verdict(entry: dict[str, Any]) -> tuple[int, str, float]:
     """(VerdictCause, reason, verified_unix) recorded for a catalog entry. An entry written
     before verdicts were recorded was hashed at its commit: ok, verified when created."""
     name = entry.get("verdict", "ok")
-    return _VERDICT_NAMES.get(name, store_pb2.VERDICT_CORRUPT), entry.get("reason", ""), entry.get(
-        "verified_unix", entry["created_unix"]
+    return (
+        _VERDICT_NAMES.get(name, store_pb2.VERDICT_CORRUPT),
+        entry.get("reason", ""),
+        entry.get("verified_unix", entry["created_unix"]),
     )
 
 
@@ -764,13 +786,10 @@ def _check_complete(directory: Path, files: dict[str, _Hashed], job: str, step: 
         if have is None:
             raise CheckpointIncomplete(f"{what}: {DCP_METADATA} names {rel}, which is not there", rel)
         if have.bytes < end:
-            raise CheckpointIncomplete(
-                f"{what}: {rel}: {have.bytes} bytes, {DCP_METADATA} says it holds {end}", rel
-            )
+            raise CheckpointIncomplete(f"{what}: {rel}: {have.bytes} bytes, {DCP_METADATA} says it holds {end}", rel)
 
 
-_PICKLE_STRINGS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING",
-                   "SHORT_BINSTRING"}
+_PICKLE_STRINGS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING"}
 _PICKLE_INTS = {"BININT", "BININT1", "BININT2", "INT", "LONG", "LONG1", "LONG4"}
 _PICKLE_GETS = {"GET", "BINGET", "LONG_BINGET"}
 _PICKLE_PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
@@ -854,9 +873,13 @@ def _check_manifest(version: str, directory: Path, manifest_sha256: str) -> dict
     try:
         data = (directory / MANIFEST).read_bytes()
     except FileNotFoundError:
-        raise CheckpointDamaged(f"checkpoint {version}: {MANIFEST}: missing", store_pb2.VERDICT_MISSING_FILE, MANIFEST) from None
+        raise CheckpointDamaged(
+            f"checkpoint {version}: {MANIFEST}: missing", store_pb2.VERDICT_MISSING_FILE, MANIFEST
+        ) from None
     if hashlib.sha256(data).hexdigest() != manifest_sha256:
-        raise CheckpointDamaged(f"checkpoint {version}: {MANIFEST}: sha256 mismatch", store_pb2.VERDICT_CORRUPT, MANIFEST)
+        raise CheckpointDamaged(
+            f"checkpoint {version}: {MANIFEST}: sha256 mismatch", store_pb2.VERDICT_CORRUPT, MANIFEST
+        )
     return {f["path"]: f for f in json.loads(data)["files"]}
 
 
@@ -879,7 +902,8 @@ def _verify(version: str, directory: Path, manifest_sha256: str) -> None:
         if size != expected[rel]["bytes"]:
             raise CheckpointDamaged(
                 f"checkpoint {version}: {rel}: size {size} bytes, manifest says {expected[rel]['bytes']}",
-                store_pb2.VERDICT_CORRUPT, rel,
+                store_pb2.VERDICT_CORRUPT,
+                rel,
             )
     names = sorted(expected)
     try:

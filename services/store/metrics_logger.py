@@ -121,10 +121,16 @@ class MetricsLogger:
         s.grad_norm.set(msg.grad_norm)
         s.tps.set(msg.tokens_per_second)
         s.step_seconds.set(msg.step_seconds)
-        for child, seconds in zip(s.phases, (
-            msg.data_wait_seconds, msg.forward_seconds, msg.backward_seconds,
-            msg.reduction_seconds, msg.optimizer_seconds,
-        )):
+        for child, seconds in zip(
+            s.phases,
+            (
+                msg.data_wait_seconds,
+                msg.forward_seconds,
+                msg.backward_seconds,
+                msg.reduction_seconds,
+                msg.optimizer_seconds,
+            ),
+        ):
             child.set(seconds)
         s.loss_scale.set(msg.loss_scale)
         s.mfu.set(msg.mfu)

@@ -68,8 +68,12 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         the refusal is then counted and reported like any other.
     """
 
-    def __init__(self, ports: Mapping[tuple[int, int], CommandPort], log: Any,
-                 check: Callable[[int, str, int], None] | None = None):
+    def __init__(
+        self,
+        ports: Mapping[tuple[int, int], CommandPort],
+        log: Any,
+        check: Callable[[int, str, int], None] | None = None,
+    ):
         self._ports = dict(ports)
         self._log = log
         self._check = check
@@ -81,8 +85,13 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
     def on_checkpoint_corrupt(self, msg: store_pb2.CheckpointCorrupt, payload: Any = None) -> None:
         """L1_ORCHESTRATOR receiver (standing in for control): queue the event on every
         watch stream of its job (or of every job)."""
-        self._log.warning("checkpoint_corrupt", version=msg.version, step=msg.step,
-                          cause=store_pb2.StoreFailureCause.Name(msg.cause), reason=msg.reason)
+        self._log.warning(
+            "checkpoint_corrupt",
+            version=msg.version,
+            step=msg.step,
+            cause=store_pb2.StoreFailureCause.Name(msg.cause),
+            reason=msg.reason,
+        )
         with self._watch_lock:
             watchers = [q for job, q in self._watchers if not job or job == msg.job_id]
         for q in watchers:
@@ -93,8 +102,14 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
 
     def CommitSave(self, request: store_pb2.CommitCheckpoint, context: grpc.ServicerContext) -> Message:
         reply = self._relay("CommitSave", CKPT, request, context)
-        self._log.info("checkpoint_committed", version=reply.version, step=reply.step,
-                       bytes=reply.bytes, files=reply.files, seconds=round(reply.seconds, 3))
+        self._log.info(
+            "checkpoint_committed",
+            version=reply.version,
+            step=reply.step,
+            bytes=reply.bytes,
+            files=reply.files,
+            seconds=round(reply.seconds, 3),
+        )
         return reply
 
     def Load(self, request: store_pb2.LoadCheckpoint, context: grpc.ServicerContext) -> Message:
@@ -111,12 +126,18 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
 
     def Scrub(self, request: store_pb2.ScrubCheckpoints, context: grpc.ServicerContext) -> Message:
         reply = self._relay("Scrub", CKPT, request, context)
-        self._log.info("checkpoints_scrubbed", job=reply.job_id, versions=len(reply.versions),
-                       newly_corrupt=[c.version for c in reply.newly_corrupt], seconds=round(reply.seconds, 3))
+        self._log.info(
+            "checkpoints_scrubbed",
+            job=reply.job_id,
+            versions=len(reply.versions),
+            newly_corrupt=[c.version for c in reply.newly_corrupt],
+            seconds=round(reply.seconds, 3),
+        )
         return reply
 
-    def WatchCheckpoints(self, request: store_pb2.WatchCheckpointsRequest,
-                         context: grpc.ServicerContext) -> Iterator[store_pb2.CheckpointCorrupt]:
+    def WatchCheckpoints(
+        self, request: store_pb2.WatchCheckpointsRequest, context: grpc.ServicerContext
+    ) -> Iterator[store_pb2.CheckpointCorrupt]:
         """Every version recorded corrupt now (L5-1's answer to the subscription), then each
         one found from here on, until the caller cancels."""
         q: queue.Queue = queue.Queue(maxsize=WATCH_QUEUE)
@@ -136,8 +157,9 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
             with self._watch_lock:
                 self._watchers.remove(entry)
 
-    def Record(self, request_iterator: Iterator[store_pb2.MetricRecord],
-               context: grpc.ServicerContext) -> Iterator[store_pb2.MetricsAck]:
+    def Record(
+        self, request_iterator: Iterator[store_pb2.MetricRecord], context: grpc.ServicerContext
+    ) -> Iterator[store_pb2.MetricsAck]:
         sender = self._sender("Record", context)
         for i, rec in enumerate(request_iterator):
             which = rec.WhichOneof("record")
@@ -169,8 +191,9 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         if outbox is not None:
             outbox.put(routed)
 
-    def _send(self, sender: int, receiver: int, msg: Message, context: grpc.ServicerContext,
-              payload_reply: bool = False) -> Any:
+    def _send(
+        self, sender: int, receiver: int, msg: Message, context: grpc.ServicerContext, payload_reply: bool = False
+    ) -> Any:
         """The receiver's reply message (its payload instead, with ``payload_reply``)."""
         token = _CALL.set(Outbox())
         try:
@@ -178,8 +201,9 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         finally:
             _CALL.reset(token)
 
-    def _send_in_call(self, sender: int, receiver: int, msg: Message, context: grpc.ServicerContext,
-                      payload_reply: bool) -> Any:
+    def _send_in_call(
+        self, sender: int, receiver: int, msg: Message, context: grpc.ServicerContext, payload_reply: bool
+    ) -> Any:
         name = msg.DESCRIPTOR.name
         port = self._ports.get((sender, receiver))
         try:
@@ -203,8 +227,11 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         except CheckpointRejected as e:
             self._log.warning("checkpoint_rejected", request=name, error=str(e))
             # The typed verdict and cause ride along; never parse the text.
-            _trailers(context, *cause_metadata(e),
-                      *(((STORE_CAUSE_METADATA, _DAMAGE_CAUSE[e.cause]),) if isinstance(e, CheckpointDamaged) else ()))
+            _trailers(
+                context,
+                *cause_metadata(e),
+                *(((STORE_CAUSE_METADATA, _DAMAGE_CAUSE[e.cause]),) if isinstance(e, CheckpointDamaged) else ()),
+            )
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except ValueError as e:
             _trailers(context)

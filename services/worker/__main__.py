@@ -51,26 +51,58 @@ WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     env = os.environ
     p = argparse.ArgumentParser(prog="python -m services.worker", description="Surge node agent")
-    p.add_argument("--port", type=int, default=env.get("SURGE_WORKER_PORT"), help="gRPC port (env SURGE_WORKER_PORT; 0 = any free port)")
-    p.add_argument("--control", default=env.get("SURGE_CONTROL_ADDRESS"), help="control host:port (env SURGE_CONTROL_ADDRESS)")
-    p.add_argument("--host", default=os.environ.get("SURGE_WORKER_HOST", "127.0.0.1"), help="address to listen on (env SURGE_WORKER_HOST)")
-    p.add_argument("--advertise", default=os.environ.get("SURGE_WORKER_ADVERTISE"),
-                   help="host other nodes reach this agent at (env SURGE_WORKER_ADVERTISE; "
-                        "default: --host, or the host name when listening on all addresses)")
-    p.add_argument("--worker-id", default=env.get("SURGE_WORKER_ID"), help="stable id (env SURGE_WORKER_ID; default <hostname>-<port>)")
-    p.add_argument("--slots", type=int, default=env.get("SURGE_WORKER_SLOTS"),
-                   help="rank processes this node may run (env SURGE_WORKER_SLOTS; default: CUDA devices, else 1)")
-    p.add_argument("--run-dir", type=Path, default=None, help="rank logs go to <run-dir>/logs (default $SURGE_HOME/run)")
     p.add_argument(
-        "--memory-check-seconds", type=float, default=env.get("SURGE_WORKER_MEMORY_CHECK_SECONDS") or 2.0,
+        "--port",
+        type=int,
+        default=env.get("SURGE_WORKER_PORT"),
+        help="gRPC port (env SURGE_WORKER_PORT; 0 = any free port)",
+    )
+    p.add_argument(
+        "--control", default=env.get("SURGE_CONTROL_ADDRESS"), help="control host:port (env SURGE_CONTROL_ADDRESS)"
+    )
+    p.add_argument(
+        "--host",
+        default=os.environ.get("SURGE_WORKER_HOST", "127.0.0.1"),
+        help="address to listen on (env SURGE_WORKER_HOST)",
+    )
+    p.add_argument(
+        "--advertise",
+        default=os.environ.get("SURGE_WORKER_ADVERTISE"),
+        help="host other nodes reach this agent at (env SURGE_WORKER_ADVERTISE; "
+        "default: --host, or the host name when listening on all addresses)",
+    )
+    p.add_argument(
+        "--worker-id",
+        default=env.get("SURGE_WORKER_ID"),
+        help="stable id (env SURGE_WORKER_ID; default <hostname>-<port>)",
+    )
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=env.get("SURGE_WORKER_SLOTS"),
+        help="rank processes this node may run (env SURGE_WORKER_SLOTS; default: CUDA devices, else 1)",
+    )
+    p.add_argument(
+        "--run-dir", type=Path, default=None, help="rank logs go to <run-dir>/logs (default $SURGE_HOME/run)"
+    )
+    p.add_argument(
+        "--memory-check-seconds",
+        type=float,
+        default=env.get("SURGE_WORKER_MEMORY_CHECK_SECONDS") or 2.0,
         help="seconds between host memory samples (env SURGE_WORKER_MEMORY_CHECK_SECONDS; 0 disables)",
     )
     p.add_argument(
-        "--memory-pressure-fraction", type=float, default=env.get("SURGE_WORKER_MEMORY_PRESSURE_FRACTION") or 0.10,
+        "--memory-pressure-fraction",
+        type=float,
+        default=env.get("SURGE_WORKER_MEMORY_PRESSURE_FRACTION") or 0.10,
         help="report memory pressure below this fraction of MemTotal available (env SURGE_WORKER_MEMORY_PRESSURE_FRACTION)",
     )
-    p.add_argument("--metrics-port", type=int, default=env.get("SURGE_WORKER_METRICS_PORT") or 0,
-                   help="Prometheus /metrics port (env SURGE_WORKER_METRICS_PORT; 0 = off)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=env.get("SURGE_WORKER_METRICS_PORT") or 0,
+        help="Prometheus /metrics port (env SURGE_WORKER_METRICS_PORT; 0 = off)",
+    )
     args = p.parse_args(argv)
     if args.port is None:
         p.error("--port (or SURGE_WORKER_PORT) is required")
@@ -116,8 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     outbox = Outbox()
     # A command from control this agent refuses (its sender may not send it here) goes up as
     # the contract layer's report, like a rank's.
-    violations = ViolationReporter(worker_id, log, deliver=lambda event: outbox.put(
-        control_pb2.WorkerEvent(routed=pack(event, Module.EXT_CONTRACT))))
+    violations = ViolationReporter(
+        worker_id,
+        log,
+        deliver=lambda event: outbox.put(control_pb2.WorkerEvent(routed=pack(event, Module.EXT_CONTRACT))),
+    )
     agent = NodeAgent(
         worker_id,
         session_address=f"{local_host(args.host)}:{port}",
@@ -130,9 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(RankSessionServicer(agent, log), server.server)
     audit_pb2_grpc.add_AuditServiceServicer_to_server(
-        AuditServicer(worker_id, report=lambda request: merge_reports(worker_id, [report_of(worker_id), agent.audit()])),
+        AuditServicer(
+            worker_id, report=lambda request: merge_reports(worker_id, [report_of(worker_id), agent.audit()])
+        ),
         server.server,
     )
+
     def current_registration():
         # Every (re-)registration declares the ranks still running here (re-attach).
         reg = type(registration)()
@@ -170,8 +208,13 @@ def main(argv: list[str] | None = None) -> int:
         sampler.stop()
     # Say it first: control places no rank here any more, and the exits that follow are
     # this agent's departure (one incident), not crashes.
-    outbox.put(control_pb2.WorkerEvent(register=control_pb2.WorkerRegistration(
-        worker_id=worker_id, incarnation=registration.incarnation, departing=True)))
+    outbox.put(
+        control_pb2.WorkerEvent(
+            register=control_pb2.WorkerRegistration(
+                worker_id=worker_id, incarnation=registration.incarnation, departing=True
+            )
+        )
+    )
     agent.shutdown(SHUTDOWN_GRACE_SECONDS)  # first: no rank may outlive the agent
     session.close(drain_seconds=1.0)  # lets the ranks' RankExited go up if control is there
     server.stop(grace=0.5)

@@ -46,13 +46,13 @@ class Outbox:
         self._items: collections.deque[control_pb2.WorkerEvent] = collections.deque()  # seq ascending
         self._max = max_events
         self._cond = threading.Condition()
-        self._seq = 0        # last seq given
-        self._next = 0       # index in _items of the next event to send in this session
-        self._sent = 0       # highest seq ever handed to a session
-        self._open = False   # a session resumed and may take events
-        self._acked = True   # the session's control acknowledges (else: sent = delivered)
+        self._seq = 0  # last seq given
+        self._next = 0  # index in _items of the next event to send in this session
+        self._sent = 0  # highest seq ever handed to a session
+        self._open = False  # a session resumed and may take events
+        self._acked = True  # the session's control acknowledges (else: sent = delivered)
         self.dropped = 0
-        self.resent = 0      # events sent again after a reconnect (sent before, never acknowledged)
+        self.resent = 0  # events sent again after a reconnect (sent before, never acknowledged)
 
     def put(self, event: control_pb2.WorkerEvent) -> None:
         """Give ``event`` the next seq and queue it; never blocks."""
@@ -221,7 +221,9 @@ class ControlSession:
             attempts += 1
             now = time.monotonic()
             if now - last_log >= self._log_every:
-                self._log.warning("control session down; retrying", control=self._address, attempts=attempts, problem=problem)
+                self._log.warning(
+                    "control session down; retrying", control=self._address, attempts=attempts, problem=problem
+                )
                 last_log = now
             if problem != _UNREACHABLE:
                 # Control answered and ended the session at once: back off here, as the
@@ -259,9 +261,16 @@ class ControlSession:
             applied = int(header[LAST_SEQ_HEADER]) if header.get(LAST_SEQ_HEADER, "").isdigit() else None
             pending, resent = self._outbox.resume(applied)
             if REGISTERED_HEADER in header:
-                self._log.info("registered with control", control=self._address, acknowledged=header[REGISTERED_HEADER],
-                               last_applied_seq=applied, events_to_send=pending, events_resent=resent,
-                               events_resent_total=self._outbox.resent, last_seq=self._outbox.last_seq())
+                self._log.info(
+                    "registered with control",
+                    control=self._address,
+                    acknowledged=header[REGISTERED_HEADER],
+                    last_applied_seq=applied,
+                    events_to_send=pending,
+                    events_resent=resent,
+                    events_resent_total=self._outbox.resent,
+                    last_seq=self._outbox.last_seq(),
+                )
             else:
                 self._log.info("session open; no registration acknowledgement", control=self._address)
             for cmd in self._call:
@@ -290,4 +299,3 @@ class ControlSession:
             self._execute(cmd)
         except Exception:  # a command that fails must not drop the node's session
             self._log.exception("worker command failed", kind=cmd.WhichOneof("command"))
-

@@ -50,9 +50,14 @@ log = structlog.get_logger()
 class DataClient:
     """Relay for L4_DATASET_VERSIONS (commands in) and L4_BATCH_PACKER (batches out)."""
 
-    def __init__(self, address: str, versions: Emitter, packer: Emitter,
-                 on_error: Callable[[grpc.RpcError], None] | None = None,
-                 back: Callable[[Routed], Any] | None = None):
+    def __init__(
+        self,
+        address: str,
+        versions: Emitter,
+        packer: Emitter,
+        on_error: Callable[[grpc.RpcError], None] | None = None,
+        back: Callable[[Routed], Any] | None = None,
+    ):
         self._address = address
         self._on_error = on_error
         self._back = back
@@ -64,14 +69,17 @@ class DataClient:
         self._closing = False
         self._lock = threading.Lock()
 
-    def mount(self, msg: data_pb2.MountDataset, payload: Any = None) -> data_pb2.DatasetReady | data_pb2.DatasetUnavailable:
+    def mount(
+        self, msg: data_pb2.MountDataset, payload: Any = None
+    ) -> data_pb2.DatasetReady | data_pb2.DatasetUnavailable:
         """挂载指定数据集版本指令 -> DatasetReady, or DatasetUnavailable with the reason."""
         try:
             return self._stub.Mount(msg, timeout=MOUNT_TIMEOUT_S)
         except grpc.RpcError as e:
             self._failed(e)
-            return data_pb2.DatasetUnavailable(name=msg.name, version=msg.version, reason=self._reason(e),
-                                              failure=_failure(e, "surge.v1.MountDataset"))
+            return data_pb2.DatasetUnavailable(
+                name=msg.name, version=msg.version, reason=self._reason(e), failure=_failure(e, "surge.v1.MountDataset")
+            )
 
     def open_stream(self, msg: data_pb2.OpenStream, payload: Any = None) -> None:
         """Open a stream and start its reader thread; batches arrive as MicroBatch events."""
@@ -115,12 +123,21 @@ class DataClient:
                 # The module that failed said so itself (its event, on the bus as that module):
                 # a DatasetUnavailable built here would be a second report, in L4-1's name.
                 return
-            self._versions(data_pb2.DatasetUnavailable(name=mount.name, version=mount.version, reason=self._reason(e),
-                                                       failure=_failure(e, "surge.v1.OpenStream")))
+            self._versions(
+                data_pb2.DatasetUnavailable(
+                    name=mount.name,
+                    version=mount.version,
+                    reason=self._reason(e),
+                    failure=_failure(e, "surge.v1.OpenStream"),
+                )
+            )
         except Exception as e:  # noqa: BLE001 - a malformed batch, or a bug: the loop must hear of it
             reason = str(e) if isinstance(e, ValueError) else f"data relay: {type(e).__name__}: {e}"
-            self._versions(data_pb2.DatasetUnavailable(name=mount.name, version=mount.version, reason=reason,
-                                                       failure=_failure(e, "surge.v1.OpenStream")))
+            self._versions(
+                data_pb2.DatasetUnavailable(
+                    name=mount.name, version=mount.version, reason=reason, failure=_failure(e, "surge.v1.OpenStream")
+                )
+            )
 
     def _failed(self, e: grpc.RpcError) -> None:
         if self._on_error is not None:
@@ -146,7 +163,10 @@ class DataClient:
         details = " ".join((e.details() or "").split())
         if e.code() == grpc.StatusCode.UNAVAILABLE:
             return f"data service unreachable at {self._address}: {details}"
-        if e.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED) or not details:
+        if (
+            e.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED)
+            or not details
+        ):
             return f"data service at {self._address}: {e.code().name}: {details}"
         return details
 

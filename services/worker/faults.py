@@ -106,7 +106,9 @@ class FaultInjector:
         injections = parse_injections(text, job_name) if text else []
         return cls(injections, job_id, rank) if injections else None
 
-    def before_backward(self, step: int, payload: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def before_backward(
+        self, step: int, payload: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Apply what is due at ``step`` to the backward pass's (logits, labels)."""
         for injection in self._mine:
             if injection.kind not in _BEFORE_BACKWARD or injection.step != step or not self._fire(injection):
@@ -129,8 +131,12 @@ class FaultInjector:
         for injection in self._mine:
             if injection.kind == "hang_forward" and training and injection.step == step and self._fire(injection):
                 threading.Event().wait()  # forever, in the forward pass: alive, no progress
-            elif (injection.kind == "slow_eval" and not training and injection.step == step - 1
-                  and (injection in self._slowing or self._fire(injection))):
+            elif (
+                injection.kind == "slow_eval"
+                and not training
+                and injection.step == step - 1
+                and (injection in self._slowing or self._fire(injection))
+            ):
                 self._slowing.add(injection)  # every batch of that evaluation
                 time.sleep(injection.seconds)
 

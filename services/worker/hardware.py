@@ -46,7 +46,10 @@ def _cuda_from_nvidia_smi() -> list[control_pb2.Device] | None:
     try:
         out = subprocess.run(
             [exe, "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=10, check=True,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
@@ -55,7 +58,9 @@ def _cuda_from_nvidia_smi() -> list[control_pb2.Device] | None:
         parts = [p.strip() for p in line.split(",")]
         if len(parts) == 3 and parts[0].isdigit():
             mib = int(parts[2]) if parts[2].isdigit() else 0
-            devices.append(control_pb2.Device(kind="cuda", index=int(parts[0]), name=parts[1], memory_bytes=mib * 2**20))
+            devices.append(
+                control_pb2.Device(kind="cuda", index=int(parts[0]), name=parts[1], memory_bytes=mib * 2**20)
+            )
     return devices
 
 
@@ -145,7 +150,9 @@ def hardware_report(
     if slots < 1:
         raise ValueError(f"worker: slots: must be >= 1, got {slots}")
     memory = host_memory_bytes(meminfo)
-    devices = list(cuda_devices) or [control_pb2.Device(kind="cpu", index=0, name=cpu_model_name(), memory_bytes=memory)]
+    devices = list(cuda_devices) or [
+        control_pb2.Device(kind="cpu", index=0, name=cpu_model_name(), memory_bytes=memory)
+    ]
     return control_pb2.WorkerRegistration(
         worker_id=worker_id,
         host=socket.gethostname(),
@@ -155,4 +162,3 @@ def hardware_report(
         cpu_count=usable_cpu_count(),
         slots=slots,
     )
-

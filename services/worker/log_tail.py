@@ -80,7 +80,9 @@ class LogTailer:
         found: dict[int, Path] = {}
         if self._logs_dir.is_dir():
             for f in self._logs_dir.iterdir():
-                digits = f.name[len(prefix):-len(".log")] if f.name.startswith(prefix) and f.name.endswith(".log") else ""
+                digits = (
+                    f.name[len(prefix) : -len(".log")] if f.name.startswith(prefix) and f.name.endswith(".log") else ""
+                )
                 if digits.isdigit() and int(digits) in ours and (rank < 0 or int(digits) == rank):
                     found[int(digits)] = f
         return dict(sorted(found.items()))
@@ -123,11 +125,19 @@ class LogTailer:
                 fh.close()
             with self._lock:
                 self._tails.pop(msg.request_id, None)
-            self._emit(control_pb2.WorkerEvent(rank_log_lines=control_pb2.RankLogLines(
-                request_id=msg.request_id, job_id=msg.job_id, done=True)))
+            self._emit(
+                control_pb2.WorkerEvent(
+                    rank_log_lines=control_pb2.RankLogLines(request_id=msg.request_id, job_id=msg.job_id, done=True)
+                )
+            )
 
     def _send_lines(self, msg: control_pb2.TailRankLogs, rank: int, lines: list[str]) -> None:
         lines = [line for line in lines if line.strip()]
         for i in range(0, len(lines), TAIL_BATCH_LINES):
-            self._emit(control_pb2.WorkerEvent(rank_log_lines=control_pb2.RankLogLines(
-                request_id=msg.request_id, job_id=msg.job_id, rank=rank, lines=lines[i:i + TAIL_BATCH_LINES])))
+            self._emit(
+                control_pb2.WorkerEvent(
+                    rank_log_lines=control_pb2.RankLogLines(
+                        request_id=msg.request_id, job_id=msg.job_id, rank=rank, lines=lines[i : i + TAIL_BATCH_LINES]
+                    )
+                )
+            )

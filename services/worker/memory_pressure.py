@@ -100,7 +100,9 @@ class MemorySampler:
         reading = read_meminfo(self._meminfo)
         if reading is None:
             if not self._unreadable_logged:
-                self._log.warning("cannot read MemAvailable/MemTotal; memory pressure not reported", meminfo=self._meminfo)
+                self._log.warning(
+                    "cannot read MemAvailable/MemTotal; memory pressure not reported", meminfo=self._meminfo
+                )
                 self._unreadable_logged = True
             return
         available, total = reading
@@ -113,7 +115,9 @@ class MemorySampler:
             return
         self._log.warning(
             "memory pressure" if self._under else "memory pressure relieved",
-            available_bytes=available, total_bytes=total, threshold=self._fraction,
+            available_bytes=available,
+            total_bytes=total,
+            threshold=self._fraction,
         )
         self._emit(
             control_pb2.WorkerEvent(
@@ -128,4 +132,3 @@ class MemorySampler:
             self._sample()
             if self._stop.wait(self._interval):
                 return
-

@@ -211,7 +211,9 @@ class NodeAgent:
                     r.kill_timer = threading.Timer(grace, self._kill_if_alive, args=(r,))
                     r.kill_timer.daemon = True
                     r.kill_timer.start()
-        self._log.info("release", job_id=msg.job_id, ranks=[r.rank for r in targets], kill=msg.kill, grace_seconds=grace)
+        self._log.info(
+            "release", job_id=msg.job_id, ranks=[r.rank for r in targets], kill=msg.kill, grace_seconds=grace
+        )
 
     def _relay_routed(self, job_id: str, routed: Any) -> None:
         """A routed command for the job's ranks: checked (control may send it, a rank module
@@ -250,12 +252,22 @@ class NodeAgent:
         with self._lock:
             r = self._ranks.get((hello.job_id, hello.rank))
             if r is None or r.dead:
-                raise RankNotLaunched(f"worker {self._worker_id}: no live rank {hello.rank} of job {hello.job_id!r} here")
+                raise RankNotLaunched(
+                    f"worker {self._worker_id}: no live rank {hello.rank} of job {hello.job_id!r} here"
+                )
             if r.session != "none":
-                raise RankAlreadyAttached(f"worker {self._worker_id}: rank {hello.rank} of job {hello.job_id!r} already has a session")
+                raise RankAlreadyAttached(
+                    f"worker {self._worker_id}: rank {hello.rank} of job {hello.job_id!r} already has a session"
+                )
             r.session = "open"
         if hello.pid and hello.pid != r.proc.pid:
-            self._log.warning("hello pid differs from the launched pid", job_id=r.job_id, rank=r.rank, hello_pid=hello.pid, pid=r.proc.pid)
+            self._log.warning(
+                "hello pid differs from the launched pid",
+                job_id=r.job_id,
+                rank=r.rank,
+                hello_pid=hello.pid,
+                pid=r.proc.pid,
+            )
         self._log.info("rank connected", job_id=r.job_id, rank=r.rank, pid=r.proc.pid)
         return r
 
@@ -270,8 +282,13 @@ class NodeAgent:
             return
         if (event.job_id, event.rank) != (r.job_id, r.rank):
             if event.job_id or event.rank:
-                self._log.warning("rank event envelope names another rank; corrected",
-                                  job_id=r.job_id, rank=r.rank, said_job=event.job_id, said_rank=event.rank)
+                self._log.warning(
+                    "rank event envelope names another rank; corrected",
+                    job_id=r.job_id,
+                    rank=r.rank,
+                    said_job=event.job_id,
+                    said_rank=event.rank,
+                )
             event.job_id, event.rank = r.job_id, r.rank
         self._emit(control_pb2.WorkerEvent(rank_event=event))
 
@@ -369,10 +386,14 @@ class NodeAgent:
             # before control's release, which therefore skipped it) ends within the settle
             # time: wait for it like for a released one.
             if not old.released and not old.dead:
-                self._log.error("launch refused: rank already running here", job_id=job_id, rank=assignment.rank, pid=old.proc.pid)
+                self._log.error(
+                    "launch refused: rank already running here", job_id=job_id, rank=assignment.rank, pid=old.proc.pid
+                )
                 return
             if not old.exited.wait(old.grace_seconds + STREAM_SETTLE_SECONDS + 2.0):
-                self._log.error("launch refused: released rank has not ended", job_id=job_id, rank=assignment.rank, pid=old.proc.pid)
+                self._log.error(
+                    "launch refused: released rank has not ended", job_id=job_id, rank=assignment.rank, pid=old.proc.pid
+                )
                 return
         log_path = self._logs_dir / f"{safe_file_name(job_id)}.rank{assignment.rank}.log"
         argv = rank_command_line(self._rank_module, self._session_address, job_id, assignment.rank)
@@ -382,15 +403,18 @@ class NodeAgent:
             self._log.error("rank spawn failed", job_id=job_id, rank=assignment.rank, error=str(e))
             self._emit(self._exited_event(job_id, assignment.rank, SPAWN_FAILED_EXIT_CODE, f"spawn failed: {e}"))
             return
-        r = RankProcess(job_id=job_id, rank=assignment.rank, init=init, assignment=assignment, proc=proc, log_path=log_path)
+        r = RankProcess(
+            job_id=job_id, rank=assignment.rank, init=init, assignment=assignment, proc=proc, log_path=log_path
+        )
         with self._lock:
             self._ranks[key] = r
             self._launched[job_id].add(assignment.rank)
             if self._stopping:  # shutdown began while it was spawning and did not see it
                 signal_group(proc.pid, signal.SIGKILL)
         threading.Thread(target=self._watch, args=(r,), name=f"wait-{job_id}-{r.rank}", daemon=True).start()
-        self._log.info("rank launched", job_id=job_id, rank=r.rank, pid=proc.pid, device=assignment.device, log=str(log_path))
-
+        self._log.info(
+            "rank launched", job_id=job_id, rank=r.rank, pid=proc.pid, device=assignment.device, log=str(log_path)
+        )
 
     def _launched_ranks(self, job_id: str) -> set[int]:
         with self._lock:
@@ -442,8 +466,13 @@ class NodeAgent:
     ) -> control_pb2.WorkerEvent:
         return control_pb2.WorkerEvent(
             rank_exited=control_pb2.RankExited(
-                job_id=job_id, rank=rank, exit_code=code, worker_id=self._worker_id, detail=detail,
-                unix_time=reaped or time.time(), released=released,
+                job_id=job_id,
+                rank=rank,
+                exit_code=code,
+                worker_id=self._worker_id,
+                detail=detail,
+                unix_time=reaped or time.time(),
+                released=released,
                 # Ended by this agent's own shutdown (it is leaving): a departure, not a crash.
                 departing=self._stopping and not released,
             )

@@ -102,8 +102,12 @@ SESSION_NEAR = RANK_MODULES | L4 | L5
 # in for L1 (the session, every L1 module an event is routed to), L4 (data_client) and L5
 # (store_client).
 RANK_HOSTED = (
-    *sorted(RANK_MODULES), *sorted(L1), Module.L4_DATASET_VERSIONS, Module.L4_BATCH_PACKER,
-    Module.L5_CHECKPOINT_MANAGER, Module.L5_METRICS_LOGGER,
+    *sorted(RANK_MODULES),
+    *sorted(L1),
+    Module.L4_DATASET_VERSIONS,
+    Module.L4_BATCH_PACKER,
+    Module.L5_CHECKPOINT_MANAGER,
+    Module.L5_METRICS_LOGGER,
 )
 # Events and commands the session's heartbeat reads its state from (what it states, not routing).
 _STEPPING = {m.DESCRIPTOR.full_name for m in (engine_pb2.StartTraining, engine_pb2.ResumeTraining)}
@@ -133,8 +137,8 @@ class RankModules:
     loop: TrainingLoop
     parallel: ParallelStrategy
     orchestrator: CommandPort  # L1-1 -> L2-1 (InitJob, Start/Pause/Resume/Stop)
-    allocator: CommandPort     # L1-2 -> L2-2 (RankAssignment)
-    link: Link                 # the session's side of the rank: what L1 sends comes in here
+    allocator: CommandPort  # L1-2 -> L2-2 (RankAssignment)
+    link: Link  # the session's side of the rank: what L1 sends comes in here
 
 
 def compose(
@@ -168,7 +172,9 @@ def compose(
     marked = {"phase": phase} if phase is not None else {}
     reduction = GradientReduction(emitter(Module.L3_GRADIENT_REDUCTION), **marked)
     optimizer = Optimizer(spec.optimizer, emitter(Module.L2_OPTIMIZER), implementation=spec.operators.adamw)
-    precision = MixedPrecision(emitter(Module.L2_MIXED_PRECISION), port(Module.L2_MIXED_PRECISION, Module.L3_OPERATOR_ADAPTER))
+    precision = MixedPrecision(
+        emitter(Module.L2_MIXED_PRECISION), port(Module.L2_MIXED_PRECISION, Module.L3_OPERATOR_ADAPTER)
+    )
 
     def handover(model: torch.nn.Module) -> None:
         # The loaded model goes to the units that run or update it; L3-5 lays it out first
@@ -214,15 +220,23 @@ def compose(
     # Protocols in services/contract/handlers.py list them).
     bus.host(L, loop)
     bus.host(Module.L2_PARALLEL_STRATEGY, parallel)
-    bus.host(Module.L2_OPTIMIZER, optimizer, not_handled={
-        engine_pb2.GradientsReduced: "the loop commands the update (ApplyUpdate) once the reduction has replied",
-    })
+    bus.host(
+        Module.L2_OPTIMIZER,
+        optimizer,
+        not_handled={
+            engine_pb2.GradientsReduced: "the loop commands the update (ApplyUpdate) once the reduction has replied",
+        },
+    )
     bus.host(Module.L2_MIXED_PRECISION, precision)
     bus.host(Module.L3_SHARD_LOADER, shard_loader)
     bus.host(Module.L3_OPERATOR_ADAPTER, adapter)
-    bus.host(Module.L3_FORWARD_UNIT, forward, not_handled={
-        data_pb2.MicroBatch: "the micro-batch arrives as RunForward's payload, from the loop",
-    })
+    bus.host(
+        Module.L3_FORWARD_UNIT,
+        forward,
+        not_handled={
+            data_pb2.MicroBatch: "the micro-batch arrives as RunForward's payload, from the loop",
+        },
+    )
     bus.host(Module.L3_BACKWARD_UNIT, backward)
     bus.host(Module.L3_GRADIENT_REDUCTION, reduction)
     sub = bus.subscribe
@@ -264,7 +278,12 @@ class Session:
     """
 
     def __init__(
-        self, address: str, job_id: str, rank: int, heartbeat_interval_s: float = 1.0, phase: PhaseMarker | None = None,
+        self,
+        address: str,
+        job_id: str,
+        rank: int,
+        heartbeat_interval_s: float = 1.0,
+        phase: PhaseMarker | None = None,
     ):
         self._job_id, self._rank = job_id, rank
         self._phase = phase or PhaseMarker()
@@ -336,7 +355,9 @@ class Session:
 
     def send_failed(self, fault_class: str, detail: str) -> None:
         """For a failure before the loop exists (it would otherwise report it itself)."""
-        failed = engine_pb2.TrainingLoopFailed(job_id=self._job_id, rank=self._rank, fault_class=fault_class, detail=detail)
+        failed = engine_pb2.TrainingLoopFailed(
+            job_id=self._job_id, rank=self._rank, fault_class=fault_class, detail=detail
+        )
         self.send_up(pack(failed, Module.L2_TRAINING_LOOP), failed)
 
     def wait_released(self) -> None:
@@ -383,11 +404,21 @@ class Session:
                 phase, phase_s, progress, total = self._phase.read()
                 with self._progress_lock:
                     beat = worker_pb2.RankHeartbeat(
-                        job_id=self._job_id, rank=self._rank, step=self._step, stepping=self._stepping,
-                        step_seconds=self._step_seconds, unix_time=time.time(), interval_seconds=self._beat_interval,
+                        job_id=self._job_id,
+                        rank=self._rank,
+                        step=self._step,
+                        stepping=self._stepping,
+                        step_seconds=self._step_seconds,
+                        unix_time=time.time(),
+                        interval_seconds=self._beat_interval,
                     )
                     if self._stepping:  # not started, paused or ended: idle, whatever was marked last
-                        beat.phase, beat.phase_seconds, beat.phase_progress, beat.phase_total = phase, phase_s, progress, total
+                        beat.phase, beat.phase_seconds, beat.phase_progress, beat.phase_total = (
+                            phase,
+                            phase_s,
+                            progress,
+                            total,
+                        )
                     else:
                         beat.phase = IDLE
                 self._send(heartbeat=beat)
@@ -478,25 +509,47 @@ def main(argv: list[str] | None = None) -> NoReturn:
         # What the data service's modules send this side comes back by name, checked (it may
         # speak only for L4 modules).
         from_data = Link(bus, name="data service", near=RANK_MODULES, beyond=L4)
-        data = DataClient(init.data_address, bus.emitter(Module.L4_DATASET_VERSIONS), bus.emitter(Module.L4_BATCH_PACKER),
-                          on_error=violations.relay_rpc_error, back=from_data.deliver)
+        data = DataClient(
+            init.data_address,
+            bus.emitter(Module.L4_DATASET_VERSIONS),
+            bus.emitter(Module.L4_BATCH_PACKER),
+            on_error=violations.relay_rpc_error,
+            back=from_data.deliver,
+        )
         # A failed store call: its violation report, and the failure events the store's
         # modules sent this side (by name, checked: it may speak only for L5 modules).
         from_store = Link(bus, name="store service", near=RANK_MODULES, beyond=L5)
 
         def store_failed(error: BaseException) -> None:
             violations.relay_rpc_error(error)
-            from_store.deliver_returned(error, skip=(store_pb2.SnapshotFailed,))  # the relay reports its own, with the step
+            from_store.deliver_returned(
+                error, skip=(store_pb2.SnapshotFailed,)
+            )  # the relay reports its own, with the step
 
         store = StoreClient(init.store_address, bus.emitter(Module.L5_CHECKPOINT_MANAGER), on_error=store_failed)
         timeout_s = float(os.environ.get("SURGE_PG_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         rank = compose(
-            bus, spec, assignment.device or "cpu", data=data, store=store, up=session,
-            pg_timeout_s=timeout_s, started_at=t_start, guard=guard, phase=phase,
+            bus,
+            spec,
+            assignment.device or "cpu",
+            data=data,
+            store=store,
+            up=session,
+            pg_timeout_s=timeout_s,
+            started_at=t_start,
+            guard=guard,
+            phase=phase,
         )
-        log.info("rank_composed", world_size=assignment.world_size, device=assignment.device,
-                 backend=assignment.backend, threads=torch.get_num_threads(), data=init.data_address,
-                 store=init.store_address, resume=init.resume_version)
+        log.info(
+            "rank_composed",
+            world_size=assignment.world_size,
+            device=assignment.device,
+            backend=assignment.backend,
+            threads=torch.get_num_threads(),
+            data=init.data_address,
+            store=init.store_address,
+            resume=init.resume_version,
+        )
         session.relay_commands(rank.link)
         rank.orchestrator(init)
         rank.allocator(assignment)

@@ -52,7 +52,9 @@ class RankSessionServicer(worker_pb2_grpc.WorkerServiceServicer):
         except RankAlreadyAttached as e:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         self._agent.relay_event(r, first)
-        threading.Thread(target=self._read, args=(r, request_iterator), name=f"rank-{r.job_id}-{r.rank}", daemon=True).start()
+        threading.Thread(
+            target=self._read, args=(r, request_iterator), name=f"rank-{r.job_id}-{r.rank}", daemon=True
+        ).start()
         yield from self._agent.commands_for(r)
 
     def _read(self, r: RankProcess, request_iterator: Iterator[worker_pb2.RankEvent]) -> None:

@@ -117,12 +117,12 @@ def _env_seconds(name: str, default: float) -> float:
 # BeginSave (a mkdir in the store) and how long a new save waits for the previous commit:
 # the loop is blocked meanwhile, so this stays well under the stall deadline.
 STORE_RPC_TIMEOUT_S = _env_seconds("SURGE_STORE_RPC_TIMEOUT_S", 10.0)
-COMMIT_TIMEOUT_S = 600.0   # the manager hashes every file (in the background: the loop trains on)
-LOAD_TIMEOUT_S = 60.0      # the store re-hashes nothing at load: the reader checks digests
+COMMIT_TIMEOUT_S = 600.0  # the manager hashes every file (in the background: the loop trains on)
+LOAD_TIMEOUT_S = 60.0  # the store re-hashes nothing at load: the reader checks digests
 # At the end of a run: how long the last commit may wait for the store (pending, or retried
 # while unreachable). Below the default stall deadline (30 s): the rank has finished training.
 FLUSH_RETRY_S = _env_seconds("SURGE_CHECKPOINT_FLUSH_RETRY_S", 20.0)
-METRICS_BUFFER = 100_000   # metric records held until the store acknowledged them
+METRICS_BUFFER = 100_000  # metric records held until the store acknowledged them
 RECONNECT_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
@@ -183,6 +183,7 @@ def _reported(handled: str):
     module's failure, a violation) is not this module's failure. (A decorator, not a
     wrapper method: the handler's own frame keeps its name, which the exception register's
     communication sites name.)"""
+
     def wrap(fn):
         @functools.wraps(fn)
         def handler(self: StoreClient, msg: Message, payload: Any = None) -> Any:
@@ -193,26 +194,41 @@ def _reported(handled: str):
             except Exception as e:
                 if not getattr(e, "failure_reported", False):
                     mine = isinstance(e, CheckpointError)
-                    self._report("save", e.cause if mine else store_pb2.STORE_FAILURE_UNSPECIFIED,
-                                 str(e) if mine else one_line(e), step=(e.step if mine else 0) or getattr(msg, "step", 0),
-                                 job_id=msg.job_id, rank=getattr(msg, "rank", 0), handled=handled, error=e)
+                    self._report(
+                        "save",
+                        e.cause if mine else store_pb2.STORE_FAILURE_UNSPECIFIED,
+                        str(e) if mine else one_line(e),
+                        step=(e.step if mine else 0) or getattr(msg, "step", 0),
+                        job_id=msg.job_id,
+                        rank=getattr(msg, "rank", 0),
+                        handled=handled,
+                        error=e,
+                    )
                 raise
+
         return handler
+
     return wrap
 
 
 class StoreClient:
     """Relay for L5_CHECKPOINT_MANAGER and L5_METRICS_LOGGER inside a rank process."""
 
-    def __init__(self, address: str, checkpoint_events: Emitter,
-                 on_error: Callable[[grpc.RpcError], None] | None = None,
-                 metrics_buffer: int = METRICS_BUFFER):
+    def __init__(
+        self,
+        address: str,
+        checkpoint_events: Emitter,
+        on_error: Callable[[grpc.RpcError], None] | None = None,
+        metrics_buffer: int = METRICS_BUFFER,
+    ):
         self._address = address
         self._on_error = on_error
         self._emit = checkpoint_events
         # A store that comes back is found within RECONNECT_BACKOFF_MS (gRPC's default backoff
         # grows to 120 s while it is away, and calls fail fast meanwhile).
-        self._channel = channel(address, options=RECONNECT_OPTIONS, module=Module.L2_TRAINING_LOOP)  # the loop's commands, relayed
+        self._channel = channel(
+            address, options=RECONNECT_OPTIONS, module=Module.L2_TRAINING_LOOP
+        )  # the loop's commands, relayed
         self._stub = store_pb2_grpc.StoreServiceStub(self._channel)
         # Metric records held until acknowledged: (seq, record), oldest first.
         self._held: collections.deque[tuple[int, store_pb2.MetricRecord]] = collections.deque()
@@ -225,16 +241,16 @@ class StoreClient:
         self._sender.start()
         # Asynchronous saves: one thread waits for the write and sends the commit, in order.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-        self._write: Future | None = None       # the DCP write of the last save, until settled
-        self._chain: Future | None = None       # the same write, until rank 0 chains its commit on it
-        self._commit: Future | None = None      # rank 0: the background commit, until settled
+        self._write: Future | None = None  # the DCP write of the last save, until settled
+        self._chain: Future | None = None  # the same write, until rank 0 chains its commit on it
+        self._commit: Future | None = None  # rank 0: the background commit, until settled
         self._failed_commit: store_pb2.CommitCheckpoint | None = None  # last commit that could not reach the store
-        self._skipped_step: int | None = None   # the save of this step was skipped: nothing to commit
-        self._group: Any = None                 # the checkpoint's own gloo group (async saves)
-        self._agree_group: Any = None           # the ranks' agreement on a save (main thread only)
-        self._attempt = ""                      # this generation of ranks (SaveCheckpoint.attempt), from the first save
-        self._write_step = 0                    # the step of the last save's write (what its failure names)
-        self._commit_step = 0                   # the step of the background commit (likewise)
+        self._skipped_step: int | None = None  # the save of this step was skipped: nothing to commit
+        self._group: Any = None  # the checkpoint's own gloo group (async saves)
+        self._agree_group: Any = None  # the ranks' agreement on a save (main thread only)
+        self._attempt = ""  # this generation of ranks (SaveCheckpoint.attempt), from the first save
+        self._write_step = 0  # the step of the last save's write (what its failure names)
+        self._commit_step = 0  # the step of the background commit (likewise)
 
     # ------------------------------------------------------------------ metrics (L5-2)
 
@@ -285,18 +301,28 @@ class StoreClient:
         if cause:
             self._skipped_step = msg.step
             reason = failure[1] if failure else f"another rank could not stage step {msg.step}"
-            log.warning("checkpoint_save_skipped", step=msg.step, cause=store_pb2.StoreFailureCause.Name(cause),
-                        reason=reason)
+            log.warning(
+                "checkpoint_save_skipped", step=msg.step, cause=store_pb2.StoreFailureCause.Name(cause), reason=reason
+            )
             if msg.rank == 0:  # (typed by its own error when it had one, else by the agreed cause)
-                self._report("save", cause, reason, step=msg.step, job_id=msg.job_id, rank=msg.rank,
-                             handled="surge.v1.SaveCheckpoint", error=error)
+                self._report(
+                    "save",
+                    cause,
+                    reason,
+                    step=msg.step,
+                    job_id=msg.job_id,
+                    rank=msg.rank,
+                    handled="surge.v1.SaveCheckpoint",
+                    error=error,
+                )
             return store_pb2.SaveStaged(job_id=msg.job_id, step=msg.step, seconds=time.perf_counter() - t0)
         self._write_step = msg.step
         if msg.write_async:
             if dist.is_initialized() and self._group is None:
                 self._group = dist.new_group(backend="gloo")  # collective: same point on every rank
-            self._write = self._chain = dcp.async_save(payload, checkpoint_id=staged.staging_path,
-                                                        process_group=self._group)
+            self._write = self._chain = dcp.async_save(
+                payload, checkpoint_id=staged.staging_path, process_group=self._group
+            )
         else:
             dcp.save(payload, checkpoint_id=staged.staging_path)
         staged.seconds = time.perf_counter() - t0
@@ -339,8 +365,14 @@ class StoreClient:
         pending = self._commit_settled(FLUSH_RETRY_S)
         if pending is not None:  # the store never answered the last commit: reported, not a fault
             cause, reason = pending
-            self._report("save", cause, f"{reason}; the run ends without it", job_id=msg.job_id,
-                         step=self._commit_step, handled="surge.v1.FlushCheckpoint")
+            self._report(
+                "save",
+                cause,
+                f"{reason}; the run ends without it",
+                job_id=msg.job_id,
+                step=self._commit_step,
+                handled="surge.v1.FlushCheckpoint",
+            )
             return
         failed = self._failed_commit
         while failed is not None and time.monotonic() < deadline:
@@ -349,8 +381,15 @@ class StoreClient:
             try:
                 self._commit_now(failed, report=False)
             except CheckpointError as e:  # refused now (e.g. the store lost the staging): reported, not fatal
-                self._report("save", e.cause, str(e), step=failed.step, job_id=failed.job_id,
-                             handled="surge.v1.FlushCheckpoint", error=e)
+                self._report(
+                    "save",
+                    e.cause,
+                    str(e),
+                    step=failed.step,
+                    job_id=failed.job_id,
+                    handled="surge.v1.FlushCheckpoint",
+                    error=e,
+                )
                 return
             failed = self._failed_commit
 
@@ -394,8 +433,13 @@ class StoreClient:
             error = CheckpointError(f"checkpoint {info.version}: cannot be loaded into this job: {_one_line(e)}")
             self._report("load", store_pb2.STORE_FAILURE_UNSPECIFIED, str(error), version=info.version, error=error)
             raise error from None
-        log.info("checkpoint_loaded", version=info.version, step=info.step,
-                 ask_s=round(asked - t0, 4), read_verified_s=round(time.perf_counter() - asked, 4))
+        log.info(
+            "checkpoint_loaded",
+            version=info.version,
+            step=info.step,
+            ask_s=round(asked - t0, 4),
+            read_verified_s=round(time.perf_counter() - asked, 4),
+        )
         return loaded
 
     def close(self, timeout: float = 5.0) -> None:
@@ -412,8 +456,9 @@ class StoreClient:
         self._sender.join(max(0.0, deadline - time.monotonic()) + 0.5)
         self._writer.shutdown(wait=False, cancel_futures=True)
         if self._dropped or left:
-            log.warning("metrics_dropped", records=self._dropped + left, over_bound=self._dropped,
-                        unacknowledged_at_exit=left)
+            log.warning(
+                "metrics_dropped", records=self._dropped + left, over_bound=self._dropped, unacknowledged_at_exit=left
+            )
         self._channel.close()
 
     # ------------------------------------------------------------------ private: checkpoints
@@ -456,16 +501,28 @@ class StoreClient:
         except StoreUnavailable as e:
             self._failed_commit = msg  # its staging stays on disk: the final flush retries it
             if report:
-                self._report("save", e.cause, f"{e}; training continues, saved again at the next interval",
-                             step=msg.step, job_id=msg.job_id, handled="surge.v1.CommitCheckpoint", error=e)
+                self._report(
+                    "save",
+                    e.cause,
+                    f"{e}; training continues, saved again at the next interval",
+                    step=msg.step,
+                    job_id=msg.job_id,
+                    handled="surge.v1.CommitCheckpoint",
+                    error=e,
+                )
             return None
         except CheckpointError as e:  # refused: raised (now, or from the background at the next save or flush)
             e.step = msg.step
             raise
         self._failed_commit = None
         self._emit(done)  # SaveCompleted up to L1
-        log.info("checkpoint_committed", version=done.version, step=done.step, bytes=done.bytes,
-                 commit_s=round(done.seconds, 4))
+        log.info(
+            "checkpoint_committed",
+            version=done.version,
+            step=done.step,
+            bytes=done.bytes,
+            commit_s=round(done.seconds, 4),
+        )
         return done
 
     def _settle_write(self) -> None:
@@ -501,8 +558,19 @@ class StoreClient:
         self._commit = None
         return None
 
-    def _report(self, operation: str, cause: int, reason: str, *, step: int = 0, job_id: str = "",
-                rank: int = 0, version: str = "", handled: str = "", error: BaseException | None = None) -> None:
+    def _report(
+        self,
+        operation: str,
+        cause: int,
+        reason: str,
+        *,
+        step: int = 0,
+        job_id: str = "",
+        rank: int = 0,
+        version: str = "",
+        handled: str = "",
+        error: BaseException | None = None,
+    ) -> None:
         """SnapshotFailed up to L1 (RankEvent{snapshot_failed}), its ``failure`` typed by
         ``error``'s type (else by the store ``cause``) and naming the command ``handled``
         (default: the ``operation``'s); never raises. With the ``error`` about to be raised:
@@ -510,17 +578,27 @@ class StoreClient:
         ``failure_reported``)."""
         try:
             failed = store_pb2.SnapshotFailed(
-                job_id=job_id or version.rpartition(":")[0], version=version, operation=operation,
-                reason=" ".join(reason.split())[:400], cause=cause, step=step, rank=rank,
+                job_id=job_id or version.rpartition(":")[0],
+                version=version,
+                operation=operation,
+                reason=" ".join(reason.split())[:400],
+                cause=cause,
+                step=step,
+                rank=rank,
             )
             handled = handled or f"surge.v1.{operation.capitalize()}Checkpoint"
             if error is not None:
                 failed.failure.CopyFrom(failure_of(error, Module.L5_CHECKPOINT_MANAGER, handled))
                 error.failure_reported = True
             else:
-                failed.failure.CopyFrom(route_pb2.Failure(cause=_STORE_CAUSES.get(cause, FailureCause.FAILURE_INTERNAL),
-                                                detail=failed.reason, operation=handled,
-                                                module=Module.L5_CHECKPOINT_MANAGER))
+                failed.failure.CopyFrom(
+                    route_pb2.Failure(
+                        cause=_STORE_CAUSES.get(cause, FailureCause.FAILURE_INTERNAL),
+                        detail=failed.reason,
+                        operation=handled,
+                        module=Module.L5_CHECKPOINT_MANAGER,
+                    )
+                )
             failed.failure.job_id = failed.failure.job_id or failed.job_id
             if not failed.failure.HasField("rank"):
                 failed.failure.rank = rank
@@ -600,8 +678,7 @@ class StoreClient:
                     return
                 if self._on_error is not None:
                     self._on_error(e)
-                log.warning("metrics_stream_failed", store=self._address, code=e.code().name,
-                            held=self.held_records)
+                log.warning("metrics_stream_failed", store=self._address, code=e.code().name, held=self.held_records)
             finally:
                 done.set()
                 call.cancel()
@@ -640,11 +717,13 @@ def _manifest_digests(info: store_pb2.CheckpointInfo) -> dict[str, dict[str, Any
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        raise CheckpointIntegrityError(f"checkpoint {info.version}: manifest.json: missing",
-                                       store_pb2.MISSING_FILE, "manifest.json") from None
+        raise CheckpointIntegrityError(
+            f"checkpoint {info.version}: manifest.json: missing", store_pb2.MISSING_FILE, "manifest.json"
+        ) from None
     if hashlib.sha256(data).hexdigest() != info.manifest_sha256:
-        raise CheckpointIntegrityError(f"checkpoint {info.version}: manifest.json: sha256 mismatch",
-                                       store_pb2.CORRUPT, "manifest.json")
+        raise CheckpointIntegrityError(
+            f"checkpoint {info.version}: manifest.json: sha256 mismatch", store_pb2.CORRUPT, "manifest.json"
+        )
     return {f["path"]: f for f in json.loads(data)["files"]}
 
 
@@ -666,7 +745,7 @@ def _digest_failure(e: BaseException):
 
 def _refusal_cause(e: grpc.RpcError) -> int:
     """The store's typed verdict on a refused Load (trailing metadata), CORRUPT if absent."""
-    for key, value in (e.trailing_metadata() or ()):
+    for key, value in e.trailing_metadata() or ():
         if key == STORE_CAUSE_METADATA:
             try:
                 return store_pb2.StoreFailureCause.Value(value)

@@ -29,8 +29,15 @@ def _tiny_dataset(root, docs: list[list[int]]) -> None:
 
 def _spec(tmp_path, **data):
     spec = yaml.safe_load((REPO / "bench/jobs/throughput.yaml").read_text())
-    spec["data"].update({"dataset": "tiny@v1", "seq_len": 4, "micro_batch_size": 2,
-                         "filter": {"min_tokens": 1, "max_tokens": 0, "banned_bytes": ""}, **data})
+    spec["data"].update(
+        {
+            "dataset": "tiny@v1",
+            "seq_len": 4,
+            "micro_batch_size": 2,
+            "filter": {"min_tokens": 1, "max_tokens": 0, "banned_bytes": ""},
+            **data,
+        }
+    )
     p = tmp_path / "spec.yaml"
     p.write_text(yaml.safe_dump(spec))
     return load_job_spec(p)
@@ -106,8 +113,9 @@ def test_gpu_sh_dry_run_checks_the_spec_and_prints_the_plan_without_a_gpu():
 
 @pytest.mark.timeout(120)
 def test_gpu_sh_refuses_bad_arguments_with_one_line_naming_the_flag():
-    out = subprocess.run([str(REPO / "bench/gpu.sh"), "--steps", "5", "--dry-run"], capture_output=True, text=True,
-                         timeout=100)
+    out = subprocess.run(
+        [str(REPO / "bench/gpu.sh"), "--steps", "5", "--dry-run"], capture_output=True, text=True, timeout=100
+    )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == ["error: --steps: must be > --warmup + 1 (21), got 5"]
 
@@ -148,8 +156,14 @@ def test_rank_sampler_splits_a_busy_process_wall_time_into_cpu_runqueue_and_slee
     from bench.rank_sched import RankSampler
 
     marker = "surge-rank-sampler-test"
-    child = subprocess.Popen([sys.executable, "-c", "import time, sys\nt = time.time()\nwhile time.time() - t < 1.5: pass\n"
-                              "time.sleep(1.5)", marker])
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time, sys\nt = time.time()\nwhile time.time() - t < 1.5: pass\ntime.sleep(1.5)",
+            marker,
+        ]
+    )
     try:
         sampler = RankSampler((marker,), period_s=0.05)
         sampler.start()

@@ -81,8 +81,22 @@ class Processes:
 
 def start_store(procs: Processes, root: Path, name: str = "store") -> tuple[subprocess.Popen, str]:
     port, metrics = free_ports(2)
-    proc = procs.start(name, [sys.executable, "-m", "services.store", "--host", "127.0.0.1", "--port", str(port),
-                              "--metrics-port", str(metrics), "--root", str(root)])
+    proc = procs.start(
+        name,
+        [
+            sys.executable,
+            "-m",
+            "services.store",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics),
+            "--root",
+            str(root),
+        ],
+    )
     address = f"127.0.0.1:{port}"
     wait_ready(address, proc, "store")
     return proc, address
@@ -90,8 +104,10 @@ def start_store(procs: Processes, root: Path, name: str = "store") -> tuple[subp
 
 def start_data(procs: Processes, root: Path) -> tuple[subprocess.Popen, str]:
     (port,) = free_ports(1)
-    proc = procs.start("data", [sys.executable, "-m", "services.data", "--host", "127.0.0.1", "--port", str(port),
-                                "--data-root", str(root)])
+    proc = procs.start(
+        "data",
+        [sys.executable, "-m", "services.data", "--host", "127.0.0.1", "--port", str(port), "--data-root", str(root)],
+    )
     address = f"127.0.0.1:{port}"
     wait_ready(address, proc, "data")
     return proc, address
@@ -141,9 +157,9 @@ class Agent(worker_pb2_grpc.WorkerServiceServicer):
 class Outcome:
     """What the ranks of one launch reported (rank 0's step events carry the global loss)."""
 
-    losses: dict[int, float] = field(default_factory=dict)   # step -> loss (rank 0)
-    epochs: dict[int, int] = field(default_factory=dict)     # step -> epoch after it (rank 0)
-    saved: dict[int, str] = field(default_factory=dict)      # step -> committed version
+    losses: dict[int, float] = field(default_factory=dict)  # step -> loss (rank 0)
+    epochs: dict[int, int] = field(default_factory=dict)  # step -> epoch after it (rank 0)
+    saved: dict[int, str] = field(default_factory=dict)  # step -> committed version
     start_step: int = -1
     finished: bool = False
     failed: list[engine_pb2.TrainingLoopFailed] = field(default_factory=list)
@@ -167,8 +183,9 @@ class Cluster:
     def close(self) -> None:
         self._server.stop(0)
 
-    def run(self, job: str, spec: JobSpec, *, resume: str = "", kill_after_saved: int = 0,
-            timeout: float = 240.0) -> Outcome:
+    def run(
+        self, job: str, spec: JobSpec, *, resume: str = "", kill_after_saved: int = 0, timeout: float = 240.0
+    ) -> Outcome:
         """Launch ``spec.world_size`` ranks of ``job`` (loading ``resume`` first), start them
         and follow them to the end. ``kill_after_saved``: SIGKILL every rank as soon as the
         version of that step is committed and rank 0 has stepped past it (mid-run; a later
@@ -178,8 +195,20 @@ class Cluster:
         (master_port,) = free_ports(1)
         tag = f"{job}-{self._launches}"
         procs = [
-            self.procs.start(f"{tag}-rank{r}", [sys.executable, "-m", "services.worker.rank", "--session",
-                                                self.agent_address, "--job", job, "--rank", str(r)])
+            self.procs.start(
+                f"{tag}-rank{r}",
+                [
+                    sys.executable,
+                    "-m",
+                    "services.worker.rank",
+                    "--session",
+                    self.agent_address,
+                    "--job",
+                    job,
+                    "--rank",
+                    str(r),
+                ],
+            )
             for r in range(world)
         ]
         links = [self.agent.link(job, r) for r in range(world)]
@@ -201,13 +230,29 @@ class Cluster:
         merged: queue.Queue = queue.Queue()
         for r, link in enumerate(links):
             threading.Thread(target=_pump, args=(r, link.events, merged), daemon=True).start()
-        init = engine_pb2.InitJob(job_id=job, spec_json=spec_to_json(spec), resume_version=resume,
-                                  data_address=self.data_address, store_address=self.store_address)
+        init = engine_pb2.InitJob(
+            job_id=job,
+            spec_json=spec_to_json(spec),
+            resume_version=resume,
+            data_address=self.data_address,
+            store_address=self.store_address,
+        )
         for r, link in enumerate(links):
             link.commands.put(worker_pb2.RankCommand(init=init))
-            link.commands.put(worker_pb2.RankCommand(assignment=engine_pb2.RankAssignment(
-                rank=r, world_size=world, master_addr="127.0.0.1", master_port=master_port, backend="gloo",
-                device="cpu", num_threads=1, worker_id="test")))
+            link.commands.put(
+                worker_pb2.RankCommand(
+                    assignment=engine_pb2.RankAssignment(
+                        rank=r,
+                        world_size=world,
+                        master_addr="127.0.0.1",
+                        master_port=master_port,
+                        backend="gloo",
+                        device="cpu",
+                        num_threads=1,
+                        worker_id="test",
+                    )
+                )
+            )
         started, ended, open_streams = set(), set(), world
         while open_streams:
             left = deadline - time.monotonic()
@@ -244,8 +289,13 @@ class Cluster:
                 links[r].commands.put(None)  # L1's release: a failed rank waits for it, then exits
             elif isinstance(msg, store_pb2.SnapshotFailed):
                 out.snapshot_failed.append(msg)
-            if kill_after_saved and kill_after_saved in out.saved and out.losses and \
-                    max(out.losses) > kill_after_saved and not out.killed_after_step:
+            if (
+                kill_after_saved
+                and kill_after_saved in out.saved
+                and out.losses
+                and max(out.losses) > kill_after_saved
+                and not out.killed_after_step
+            ):
                 out.killed_after_step = max(out.losses)
                 for p in procs:
                     p.send_signal(signal.SIGKILL)

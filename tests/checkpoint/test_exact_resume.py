@@ -34,18 +34,25 @@ STEPS, EVERY = 30, 4
 
 
 def spec(**checkpoint) -> JobSpec:
-    return JobSpec.model_validate({
-        "name": "resume",
-        "steps": STEPS,
-        "seed": 3,
-        "model": {"n_layers": 1, "d_model": 32, "n_heads": 2},
-        "data": {"dataset": "tiny@v1", "seq_len": 32, "micro_batch_size": 2, "shuffle_seed": 11,
-                 "prefetch": {"watermark": 8, "threads": 1}},
-        "parallel": {"dp": 2},
-        "optimizer": {"lr": 3e-3, "warmup_steps": 3},
-        "checkpoint": {"every_steps": EVERY, "keep_last": 0, "at_end": True, **checkpoint},
-        "eval": {"every_steps": 0, "at_end": False, "batches": 1},
-    })
+    return JobSpec.model_validate(
+        {
+            "name": "resume",
+            "steps": STEPS,
+            "seed": 3,
+            "model": {"n_layers": 1, "d_model": 32, "n_heads": 2},
+            "data": {
+                "dataset": "tiny@v1",
+                "seq_len": 32,
+                "micro_batch_size": 2,
+                "shuffle_seed": 11,
+                "prefetch": {"watermark": 8, "threads": 1},
+            },
+            "parallel": {"dp": 2},
+            "optimizer": {"lr": 3e-3, "warmup_steps": 3},
+            "checkpoint": {"every_steps": EVERY, "keep_last": 0, "at_end": True, **checkpoint},
+            "eval": {"every_steps": 0, "at_end": False, "batches": 1},
+        }
+    )
 
 
 def corpus(directory: Path) -> Path:
@@ -141,7 +148,8 @@ def test_a_job_killed_and_resumed_three_times_ends_bit_identical_to_one_never_in
     # and reported with its typed cause.
     assert all(f"{newest.version}: {shard.name}: sha256 mismatch" in f.detail for f in refused.failed)
     assert {(s.operation, s.cause, s.version) for s in refused.snapshot_failed} == {
-        ("load", store_pb2.CORRUPT, newest.version)}
+        ("load", store_pb2.CORRUPT, newest.version)
+    }
     # The orchestrator's choice: the newest version the store reports intact once re-hashed.
     assert verify(cluster.store_address, job)[-1].ok  # recorded at commit; nobody re-hashed it yet
     verdicts = verify(cluster.store_address, job, rehash=True)

@@ -34,8 +34,14 @@ MIB = 64
 def write(address: str, job: str, step: int, kill_after: float | None = None) -> tuple[int, list[str]]:
     """Run the writer; with ``kill_after``, SIGKILL it that many seconds after it starts
     saving. -> (exit code, the progress lines it printed)."""
-    proc = subprocess.Popen([sys.executable, str(HERE / "save_main.py"), address, job, str(step), str(MIB)],
-                            cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "save_main.py"), address, job, str(step), str(MIB)],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     said: list[str] = []
     try:
         for line in proc.stdout:

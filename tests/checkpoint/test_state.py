@@ -20,17 +20,33 @@ from services.jobspec import parse_job_spec
 
 
 def draws() -> tuple:
-    return (random.random(), random.gauss(0, 1), np.random.standard_normal(3).tolist(),
-            np.random.randint(0, 1 << 30), torch.rand(3).tolist(), torch.randn(2).tolist())
+    return (
+        random.random(),
+        random.gauss(0, 1),
+        np.random.standard_normal(3).tolist(),
+        np.random.randint(0, 1 << 30),
+        torch.rand(3).tolist(),
+        torch.randn(2).tolist(),
+    )
 
 
 def loop_stub(rank: int = 1, world: int = 2, **kw) -> SimpleNamespace:
     spec = SimpleNamespace(data=SimpleNamespace(shuffle_seed=kw.get("seed", 1234), shuffle=True))
     scaler = kw.get("scaler")  # an fp16 scaler's LossScalerState, else fp32's placeholder
-    return SimpleNamespace(_rank=rank, _world=world, _dp_size=world, _spec=spec, _step=kw.get("step", 0),
-                           _skipped=kw.get("skipped", 0), _consecutive_skips=kw.get("consecutive", 0),
-                           _scaler_state=scaler or engine_pb2.LossScalerState(scale=1.0), _dynamic_scaling=scaler is not None,
-                           _resume_scaler=None, _position=kw.get("position", data_pb2.DataPosition()), _loaded_order=None)
+    return SimpleNamespace(
+        _rank=rank,
+        _world=world,
+        _dp_size=world,
+        _spec=spec,
+        _step=kw.get("step", 0),
+        _skipped=kw.get("skipped", 0),
+        _consecutive_skips=kw.get("consecutive", 0),
+        _scaler_state=scaler or engine_pb2.LossScalerState(scale=1.0),
+        _dynamic_scaling=scaler is not None,
+        _resume_scaler=None,
+        _position=kw.get("position", data_pb2.DataPosition()),
+        _loaded_order=None,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -74,13 +90,16 @@ def test_the_rng_state_is_plain_tensors_and_seeding_is_per_rank_and_repeatable()
 
 def test_ranks_keep_their_own_keys_so_their_streams_never_collide():
     keys = [set(LoopState(loop_stub(rank=r)).state_dict()) for r in (0, 1)]
-    assert keys[0] - {"rank0"} == keys[1] - {"rank1"} == {
-        "step", "skipped_steps", "consecutive_skips", "loss_scale", "loss_scaler"}
+    assert (
+        keys[0] - {"rank0"}
+        == keys[1] - {"rank1"}
+        == {"step", "skipped_steps", "consecutive_skips", "loss_scale", "loss_scaler"}
+    )
 
 
 def test_an_fp16_scaler_state_comes_back_exactly_and_is_handed_to_initprecision(tmp_path):
     # A scale no float32 holds exactly (growth factor 3, backoff 0.7 are allowed).
-    scaler = engine_pb2.LossScalerState(scale=65536 * 3 * 0.7 ** 5, growth_tracker=1234, hysteresis_left=1)
+    scaler = engine_pb2.LossScalerState(scale=65536 * 3 * 0.7**5, growth_tracker=1234, hysteresis_left=1)
     dcp.save({"train": LoopState(loop_stub(scaler=scaler, consecutive=2))}, checkpoint_id=str(tmp_path / "ckpt"))
     fresh = loop_stub()
     safe_load({"train": LoopState(fresh)}, str(tmp_path / "ckpt"), no_dist=True)

@@ -32,8 +32,14 @@ class FakeControl:
     def _now(self, job_id: str) -> control_pb2.JobStatus:
         states = self.scripts[job_id]
         state = states.pop(0) if len(states) > 1 else states[0]
-        return control_pb2.JobStatus(job_id=job_id, state=state, step=7, checkpoint_version=f"{job_id}:1",
-                                     checkpoint_step=7, drained=state == JobState.PAUSED)
+        return control_pb2.JobStatus(
+            job_id=job_id,
+            state=state,
+            step=7,
+            checkpoint_version=f"{job_id}:1",
+            checkpoint_step=7,
+            drained=state == JobState.PAUSED,
+        )
 
     def GetJob(self, query, timeout=None):
         return self._now(query.job_id)
@@ -50,15 +56,26 @@ def job(job_id: str, state: int) -> control_pb2.JobStatus:
 
 def test_running_and_paused_jobs_are_drained_a_warming_up_one_once_it_runs_a_recovering_one_not(monkeypatch):
     monkeypatch.setattr(drain, "POLL_S", 0.0)
-    control = FakeControl({
-        "run": [JobState.RUNNING, JobState.RUNNING, JobState.PAUSED],
-        "paused": [JobState.PAUSED],
-        "warm": [JobState.WARMING_UP, JobState.WARMING_UP, JobState.RUNNING, JobState.RUNNING, JobState.PAUSED],
-        "frozen": [JobState.FAULT_FROZEN],
-    })
+    control = FakeControl(
+        {
+            "run": [JobState.RUNNING, JobState.RUNNING, JobState.PAUSED],
+            "paused": [JobState.PAUSED],
+            "warm": [JobState.WARMING_UP, JobState.WARMING_UP, JobState.RUNNING, JobState.RUNNING, JobState.PAUSED],
+            "frozen": [JobState.FAULT_FROZEN],
+        }
+    )
     said: list[str] = []
-    drained = drain.drain(control, [job("run", JobState.RUNNING), job("paused", JobState.PAUSED), job("warm", JobState.WARMING_UP),
-                                    job("frozen", JobState.FAULT_FROZEN)], 10.0, said.append)
+    drained = drain.drain(
+        control,
+        [
+            job("run", JobState.RUNNING),
+            job("paused", JobState.PAUSED),
+            job("warm", JobState.WARMING_UP),
+            job("frozen", JobState.FAULT_FROZEN),
+        ],
+        10.0,
+        said.append,
+    )
     assert sorted(drained) == ["paused", "run", "warm"]
     assert sorted(control.paused) == ["paused", "run", "warm"]  # each asked once, frozen never
     assert any(line.startswith("frozen: FAULT_FROZEN") and "not drained" in line for line in said)
@@ -71,7 +88,9 @@ def test_a_job_that_does_not_pause_in_time_leaves_the_stack_running_with_one_lin
     with pytest.raises(CliError) as caught:
         drain.drain(control, [job("stuck", JobState.RUNNING)], 0.1, lambda line: None)
     message = str(caught.value)
-    assert "\n" not in message and message.startswith("not drained within 0 s: stuck (RUNNING); the stack keeps running")
+    assert "\n" not in message and message.startswith(
+        "not drained within 0 s: stuck (RUNNING); the stack keeps running"
+    )
     assert "--force" in message
 
 
@@ -96,8 +115,10 @@ def test_a_job_paused_beyond_its_newest_checkpoint_keeps_the_stack_running(monke
     with pytest.raises(CliError) as e:
         drain.drain(control, [job("run", JobState.RUNNING)], timeout_s=5, say=lambda line: None)
     message = str(e.value)
-    assert "\n" not in message and message.startswith("not drained: run (paused at step 7, newest checkpoint run:1 "
-                                                      "at step 4): its steps since that checkpoint would be lost")
+    assert "\n" not in message and message.startswith(
+        "not drained: run (paused at step 7, newest checkpoint run:1 "
+        "at step 4): its steps since that checkpoint would be lost"
+    )
 
 
 class ScriptedOrchestrator:
@@ -129,7 +150,8 @@ def control_server():
     def serve(orchestrator):
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         control_pb2_grpc.add_ControlServiceServicer_to_server(
-            ControlServicer(orchestrator, watches=None, sessions=None), server)
+            ControlServicer(orchestrator, watches=None, sessions=None), server
+        )
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
         servers.append(server)
@@ -144,13 +166,20 @@ def test_a_stop_in_flight_is_waited_for_by_control_s_typed_refusal_not_its_words
     monkeypatch.setattr(drain, "POLL_S", 0.0)
     words = "job {} is already stopping after step 9"
     control = ScriptedOrchestrator(
-        {"typed": [JobState.RUNNING, JobState.RUNNING, JobState.TERMINATED],
-         "words": [JobState.RUNNING, JobState.RUNNING, JobState.TERMINATED]},
-        {"typed": [IllegalTransition(words.format("typed"), control_pb2.REFUSED_STOP_PENDING)],
-         "words": [IllegalTransition(words.format("words")), IllegalTransition(words.format("words"))]})
+        {
+            "typed": [JobState.RUNNING, JobState.RUNNING, JobState.TERMINATED],
+            "words": [JobState.RUNNING, JobState.RUNNING, JobState.TERMINATED],
+        },
+        {
+            "typed": [IllegalTransition(words.format("typed"), control_pb2.REFUSED_STOP_PENDING)],
+            "words": [IllegalTransition(words.format("words")), IllegalTransition(words.format("words"))],
+        },
+    )
     with grpc_stub(control_server(control)) as stub:
         said: list[str] = []
-        assert drain.drain(stub, [job("typed", JobState.RUNNING), job("words", JobState.RUNNING)], 10.0, said.append) == []
+        assert (
+            drain.drain(stub, [job("typed", JobState.RUNNING), job("words", JobState.RUNNING)], 10.0, said.append) == []
+        )
     pauses = [j for kind, j in control.calls if kind == "PauseJobRequest"]
     # The typed stop in flight is asked once and waited for; the same words without the reason
     # are an other refusal: asked again while the job runs.
@@ -163,7 +192,8 @@ def test_a_resume_waits_for_capacity_by_control_s_typed_refusal_not_its_words(co
     needs = "cannot resume {} now: it needs 2 ranks (parallel.dp=2) but 1 is free on 1 registered worker"
     control = ScriptedOrchestrator(
         {"typed": [JobState.WARMING_UP], "words": [JobState.WARMING_UP]},
-        {"typed": [InsufficientResources(needs.format("typed"))], "words": [IllegalTransition(needs.format("words"))]})
+        {"typed": [InsufficientResources(needs.format("typed"))], "words": [IllegalTransition(needs.format("words"))]},
+    )
     monkeypatch.setenv("SURGE_CONTROL_ADDRESS", control_server(control))
     resumed, failed = drain.resume_drained(10.0, lambda line: None)
     # No capacity yet (typed): asked again, resumed; the same words untyped: one line, given up.

@@ -31,8 +31,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 STEPS = 200  # about 20 ms a step here: long enough to stop or drain it midway
 CONTROL_PORT = free_ports(1)[0]
-ENV = {"SURGE_CONTROL_PORT": str(CONTROL_PORT), "SURGE_CONTROL_FAULT_INJECT": "tjournal:journal_record",
-       "SURGE_FAULT_INJECT": "tfail:nan_loss@12"}  # (fires once per job and rank, across relaunches)
+ENV = {
+    "SURGE_CONTROL_PORT": str(CONTROL_PORT),
+    "SURGE_CONTROL_FAULT_INJECT": "tjournal:journal_record",
+    "SURGE_FAULT_INJECT": "tfail:nan_loss@12",
+}  # (fires once per job and rank, across relaunches)
 JOBS = ("tref", "tstopres", "tfail", "tdrain", "trange", "tjournal", "tafter", "tcrash")
 
 
@@ -59,7 +62,9 @@ def write_spec(tmp_path: Path, name: str, text: str) -> Path:
 def wait_state(stack, job_id: str, state: int, timeout: float = 120) -> control_pb2.JobStatus:
     t0 = time.monotonic()
     while (s := stack.status(job_id)).state != state:
-        assert time.monotonic() - t0 < timeout, f"{job_id} is {JobState.Name(s.state)}, not {JobState.Name(state)}: {s.message}"
+        assert time.monotonic() - t0 < timeout, (
+            f"{job_id} is {JobState.Name(s.state)}, not {JobState.Name(state)}: {s.message}"
+        )
         time.sleep(0.1)
     return s
 
@@ -67,7 +72,9 @@ def wait_state(stack, job_id: str, state: int, timeout: float = 120) -> control_
 def wait_no_ranks(job_id: str, timeout: float = 30) -> None:
     t0 = time.monotonic()
     while processes_with(f"--job {job_id} "):
-        assert time.monotonic() - t0 < timeout, f"rank processes of {job_id} still run: {processes_with(f'--job {job_id} ')}"
+        assert time.monotonic() - t0 < timeout, (
+            f"rank processes of {job_id} still run: {processes_with(f'--job {job_id} ')}"
+        )
         time.sleep(0.1)
 
 
@@ -84,10 +91,14 @@ def messages(stack, job_id: str) -> list[str]:
 
 
 def test_a_spec_out_of_range_is_refused_at_submit_naming_the_field_and_starts_nothing(stack, tmp_path):
-    for field, text in (("steps", spec("trange").replace("steps: 30", "steps: 100000000000000000000000")),
-                        ("data.seq_len", spec("trange").replace("seq_len: 64", "seq_len: 10000000000")),
-                        ("liveness.stall_min_seconds", spec("trange").replace("stall_min_seconds: 60.0",
-                                                                               "stall_min_seconds: 1.0e+300"))):
+    for field, text in (
+        ("steps", spec("trange").replace("steps: 30", "steps: 100000000000000000000000")),
+        ("data.seq_len", spec("trange").replace("seq_len: 64", "seq_len: 10000000000")),
+        (
+            "liveness.stall_min_seconds",
+            spec("trange").replace("stall_min_seconds: 60.0", "stall_min_seconds: 1.0e+300"),
+        ),
+    ):
         r = cli(stack.home, "submit", str(write_spec(tmp_path, "trange", text)))
         assert r.returncode == 2, r.stdout + r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and f"{field}: " in r.stderr, r.stderr
@@ -172,10 +183,13 @@ def test_a_failed_job_resumes_from_its_newest_verified_checkpoint_and_ends_bit_i
     assert int(newest["step"]) in (5, 10)
     r = cli(stack.home, "resume", job)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert f"resumed from checkpoint {newest['version']} (step {newest['step']}); now WARMING_UP" in r.stdout, \
+    assert f"resumed from checkpoint {newest['version']} (step {newest['step']}); now WARMING_UP" in r.stdout, (
         r.stdout + listed.stdout
+    )
     events = stack.events(job, timeout=300)
-    assert (events[-1].status.state, events[-1].status.outcome) == (JobState.TERMINATED, JobOutcome.FINISHED), events[-1].message
+    assert (events[-1].status.state, events[-1].status.outcome) == (JobState.TERMINATED, JobOutcome.FINISHED), events[
+        -1
+    ].message
     assert any(e.message.startswith("resume TERMINATED (FAILED) from checkpoint") for e in events)
     same_state(reference, final_state(stack.home, job))
 
@@ -197,7 +211,9 @@ def test_down_drains_a_running_job_and_up_resumes_it_bit_identical(stack, refere
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"resumed drained job {job} from checkpoint {job}:1" in r.stdout, r.stdout + r.stderr
     events = stack.events(job, timeout=300)
-    assert (events[-1].status.state, events[-1].status.outcome) == (JobState.TERMINATED, JobOutcome.FINISHED), events[-1].message
+    assert (events[-1].status.state, events[-1].status.outcome) == (JobState.TERMINATED, JobOutcome.FINISHED), events[
+        -1
+    ].message
     log = [e.message for e in events]
     assert any(m.startswith("drain (pause, then the stack stops) requested") for m in log)
     paused = [m for m in log if "; drained: `surgectl up` resumes it from checkpoint" in m]
@@ -224,8 +240,12 @@ def test_up_after_a_kill_9_of_every_service_continues_the_running_job_bit_identi
     r = cli(stack.home, "up", "--workers", "2", env=ENV, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     events = stack.events(job, timeout=300)
-    assert (events[-1].status.state, events[-1].status.outcome) == (JobState.TERMINATED, JobOutcome.FINISHED), \
+    assert (events[-1].status.state, events[-1].status.outcome) == (JobState.TERMINATED, JobOutcome.FINISHED), (
         "\n".join(e.message for e in events[-15:])
-    print("after kill -9 and up:", *[f"  {e.type}: {e.message}" for e in events if e.type in ("decision", "recovery", "fault")],
-          sep="\n")
+    )
+    print(
+        "after kill -9 and up:",
+        *[f"  {e.type}: {e.message}" for e in events if e.type in ("decision", "recovery", "fault")],
+        sep="\n",
+    )
     same_state(reference, final_state(stack.home, job))

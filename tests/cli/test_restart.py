@@ -55,8 +55,14 @@ def start_follow(home: Path, out: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "SURGE_HOME": str(home)}
     for var in ("SURGE_CONTROL_ADDRESS", "SURGE_DATA_ADDRESS", "SURGE_STORE_ADDRESS"):
         env.pop(var, None)
-    return subprocess.Popen([*SURGECTL, *args], cwd=REPO, env=env, stdout=open(out.with_suffix(".out"), "wb"),
-                            stderr=open(out.with_suffix(".err"), "wb"), stdin=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [*SURGECTL, *args],
+        cwd=REPO,
+        env=env,
+        stdout=open(out.with_suffix(".out"), "wb"),
+        stderr=open(out.with_suffix(".err"), "wb"),
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -79,8 +85,11 @@ def test_up_puts_control_on_the_port_of_SURGE_CONTROL_PORT(stack):
     assert services(stack.home)["control"]["port"] == CONTROL_PORT
 
 
-@pytest.mark.parametrize(("steps", "how"), [(STEPS, "sigkill"), (300, "sigkill"), (STEPS, "restart")],
-                         ids=["job-outlives-the-outage", "job-ends-during-the-outage", "surgectl-restart-control"])
+@pytest.mark.parametrize(
+    ("steps", "how"),
+    [(STEPS, "sigkill"), (300, "sigkill"), (STEPS, "restart")],
+    ids=["job-outlives-the-outage", "job-ends-during-the-outage", "surgectl-restart-control"],
+)
 def test_events_and_logs_follow_print_everything_once_across_a_control_restart(stack, tmp_path, steps, how):
     """A SIGKILL of control and its start on the same port, or a graceful `surgectl restart
     control` (SIGTERM: control ends its sessions and streams first; a logs stream ended
@@ -136,8 +145,10 @@ def test_events_and_logs_follow_print_everything_once_across_a_control_restart(s
     assert logs.returncode == 0, err
     assert "control unavailable" in err and "surgectl down" not in err
     shown = (tmp_path / "logs.out").read_text().splitlines()
-    on_disk = {r: [line for line in (home / "run" / "logs" / f"{job}.rank{r}.log").read_text().splitlines()
-                   if line.strip()] for r in (0, 1)}
+    on_disk = {
+        r: [line for line in (home / "run" / "logs" / f"{job}.rank{r}.log").read_text().splitlines() if line.strip()]
+        for r in (0, 1)
+    }
     assert Counter(shown) == Counter(on_disk[0] + on_disk[1])  # every rank line exactly once
     for r in (0, 1):  # and each rank's lines in the order its file has them
         mine = set(on_disk[r])
@@ -165,8 +176,7 @@ def test_follow_gives_up_after_the_bound_and_restart_brings_a_dead_control_back(
     r = cli(home, "restart", "control")  # its process is gone: nothing to stop, start it again
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"pid {dead} -> " in r.stdout and services(home)["control"]["port"] == CONTROL_PORT
-    events = list(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job, follow=True), timeout=300,
-                                      wait_for_ready=True))
+    events = list(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job, follow=True), timeout=300, wait_for_ready=True))
     assert (finished(events).outcome, finished(events).step) == (JobOutcome.FINISHED, STEPS)
 
 
@@ -187,12 +197,14 @@ def test_restart_control_under_a_running_job_then_down_leaves_no_process(stack):
     assert not running(old) and running(new)
     assert after["control"]["port"] == CONTROL_PORT
     argv = cmdline(new)
-    assert argv[argv.index("--host") + 2:] == after["control"]["args"] == before["control"]["args"]  # same command line
-    assert {n: s["pid"] for n, s in after.items() if n != "control"} == \
-        {n: s["pid"] for n, s in before.items() if n != "control"}  # nothing else was touched
+    assert (
+        argv[argv.index("--host") + 2 :] == after["control"]["args"] == before["control"]["args"]
+    )  # same command line
+    assert {n: s["pid"] for n, s in after.items() if n != "control"} == {
+        n: s["pid"] for n, s in before.items() if n != "control"
+    }  # nothing else was touched
 
-    events = list(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job, follow=True), timeout=300,
-                                      wait_for_ready=True))
+    events = list(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job, follow=True), timeout=300, wait_for_ready=True))
     status = finished(events)
     assert (status.outcome, status.step) == (JobOutcome.FINISHED, STEPS)
     # Every process of this stack, its ranks included (found by its home: a job-name marker

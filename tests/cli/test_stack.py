@@ -54,7 +54,7 @@ def test_restart_without_a_stack_or_of_an_unknown_service_is_one_line(surge_home
     with pytest.raises(CliError, match="no local stack is running"):
         stack.restart("control")
     stack.stack_file().parent.mkdir(parents=True)
-    stack._write({"control": stack.ServiceProc("control", pid=2 ** 22 + 1, port=1, log="x")})
+    stack._write({"control": stack.ServiceProc("control", pid=2**22 + 1, port=1, log="x")})
     with pytest.raises(CliError) as e:
         stack.restart("contorl")
     assert "SERVICE: no service 'contorl'" in str(e.value) and "(one of: control)" in str(e.value)
@@ -69,8 +69,10 @@ def test_two_services_fixed_to_one_port_are_refused_naming_both_and_start_nothin
     monkeypatch.setenv("SURGE_STORE_PORT", port)
     with pytest.raises(CliError) as e:
         stack.up(num_workers=1)
-    assert str(e.value) == (f"SURGE_DATA_PORT and SURGE_STORE_PORT are both {port}; "
-                            "every service needs a port of its own") and e.value.code == 2
+    assert (
+        str(e.value) == (f"SURGE_DATA_PORT and SURGE_STORE_PORT are both {port}; every service needs a port of its own")
+        and e.value.code == 2
+    )
     assert stack.read_stack() is None and not (surge_home / "run").exists()  # nothing was started
     monkeypatch.delenv("SURGE_DATA_PORT")
     monkeypatch.setenv("SURGE_CONTROL_METRICS_PORT", port)  # a metrics port counts as well
@@ -88,7 +90,9 @@ def test_a_service_that_exits_after_another_answered_its_health_check_fails_up(s
     try:
         with pytest.raises(CliError) as e:
             stack.up(num_workers=1, timeout_s=60)
-        assert re.fullmatch(r"(data|store) failed to start: cannot listen on 127\.0\.0\.1:\d+ .*", str(e.value)), str(e.value)
+        assert re.fullmatch(r"(data|store) failed to start: cannot listen on 127\.0\.0\.1:\d+ .*", str(e.value)), str(
+            e.value
+        )
         assert "error:" not in str(e.value)
         assert stack.read_stack() is None  # what had started was stopped again
     finally:
@@ -113,10 +117,13 @@ def test_a_start_failure_is_relayed_without_the_services_own_error_prefix(surge_
         squatter.close()
 
 
-@pytest.mark.parametrize("var, value, allowed", [
-    ("SURGE_LOG_FORMAT", "xml", "json, console"),
-    ("SURGE_LOG_LEVEL", "LOUD", "DEBUG, INFO, WARNING, ERROR, CRITICAL"),
-])
+@pytest.mark.parametrize(
+    "var, value, allowed",
+    [
+        ("SURGE_LOG_FORMAT", "xml", "json, console"),
+        ("SURGE_LOG_LEVEL", "LOUD", "DEBUG, INFO, WARNING, ERROR, CRITICAL"),
+    ],
+)
 def test_a_bad_log_setting_is_refused_by_up_before_anything_starts(surge_home, monkeypatch, var, value, allowed):
     monkeypatch.setenv(var, value)
     with pytest.raises(CliError) as e:
@@ -131,7 +138,13 @@ def test_a_surge_home_that_is_not_a_directory_is_one_line_and_exit_2(tmp_path, a
     regular.write_text("not a directory")
     for home, extra in ((regular, ""), (regular / "sub", f" ({regular} is a file)")):
         env = {**os.environ, "SURGE_HOME": str(home)}
-        r = subprocess.run([sys.executable, "-m", "services.cli.surgectl", *args], cwd=REPO, env=env,
-                           capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-m", "services.cli.surgectl", *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 2, r.stdout + r.stderr
         assert r.stderr.strip() == f"error: SURGE_HOME: {home} is not a directory{extra}", r.stderr

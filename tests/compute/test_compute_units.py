@@ -22,7 +22,9 @@ SPEC = ModelSpec(n_layers=1, d_model=32, n_heads=2, vocab_size=256)
 def wired(micro_steps: int = 1):
     bus = Bus()
     adapter = OperatorAdapter(bus.emitter(Module.L3_OPERATOR_ADAPTER), "cpu")
-    forward = ForwardUnit(bus.emitter(Module.L3_FORWARD_UNIT), bus.port(Module.L3_FORWARD_UNIT, Module.L3_OPERATOR_ADAPTER))
+    forward = ForwardUnit(
+        bus.emitter(Module.L3_FORWARD_UNIT), bus.port(Module.L3_FORWARD_UNIT, Module.L3_OPERATOR_ADAPTER)
+    )
     backward = BackwardUnit(bus.emitter(Module.L3_BACKWARD_UNIT), micro_steps=micro_steps)
     bus.subscribe(Module.L3_OPERATOR_ADAPTER, engine_pb2.SelectOperators, adapter.select_operators)
     bus.subscribe(Module.L3_OPERATOR_ADAPTER, engine_pb2.SetComputePrecision, adapter.set_compute_precision)
@@ -33,8 +35,10 @@ def wired(micro_steps: int = 1):
     model = build_model(SPEC, 0)
     forward.attach(model)
     backward.attach(model.parameters())
-    loop = {name: bus.port(Module.L2_TRAINING_LOOP, mod) for name, mod in
-            (("forward", Module.L3_FORWARD_UNIT), ("backward", Module.L3_BACKWARD_UNIT))}
+    loop = {
+        name: bus.port(Module.L2_TRAINING_LOOP, mod)
+        for name, mod in (("forward", Module.L3_FORWARD_UNIT), ("backward", Module.L3_BACKWARD_UNIT))
+    }
     precision = bus.port(Module.L2_MIXED_PRECISION, Module.L3_OPERATOR_ADAPTER)
     return model, loop, precision
 
@@ -115,11 +119,15 @@ def test_bfloat16_precision_runs_the_forward_in_bf16_autocast():
 
 
 def test_a_checkpoint_loads_for_inference_and_generates_text(tmp_path):
-    spec = JobSpec.model_validate({"name": "gen", "steps": 1, "seed": 3, "model": SPEC.model_dump(),
-                                   "data": {"dataset": "x@v1"}})
+    spec = JobSpec.model_validate(
+        {"name": "gen", "steps": 1, "seed": 3, "model": SPEC.model_dump(), "data": {"dataset": "x@v1"}}
+    )
     trained = build_model(spec.model, seed=99)  # weights that differ from a fresh seed-3 model
-    dcp.save({"model": trained.state_dict(), "train": {"step": torch.tensor(1)}}, checkpoint_id=str(tmp_path / "v1"),
-             no_dist=True)
+    dcp.save(
+        {"model": trained.state_dict(), "train": {"step": torch.tensor(1)}},
+        checkpoint_id=str(tmp_path / "v1"),
+        no_dist=True,
+    )
     loaded = load_model_for_inference(str(tmp_path / "v1"), spec)
     assert all(torch.equal(v, trained.state_dict()[k]) for k, v in loaded.state_dict().items())
     text = generate_text(str(tmp_path / "v1"), spec_to_json(spec), "def ", 12, temperature=0.0, top_k=0)
@@ -133,8 +141,9 @@ def test_a_committed_version_is_checked_against_its_manifest_as_it_loads_for_inf
     from services.contract import store_pb2
     from services.store.checkpoint_manager import CheckpointManager
 
-    spec = JobSpec.model_validate({"name": "gen", "steps": 1, "seed": 3, "model": SPEC.model_dump(),
-                                   "data": {"dataset": "x@v1"}})
+    spec = JobSpec.model_validate(
+        {"name": "gen", "steps": 1, "seed": 3, "model": SPEC.model_dump(), "data": {"dataset": "x@v1"}}
+    )
     manager = CheckpointManager(tmp_path)
     staged = manager.save_checkpoint(store_pb2.SaveCheckpoint(job_id="gen", step=1, rank=0)).staging_path
     dcp.save({"model": build_model(spec.model, seed=99).state_dict()}, checkpoint_id=staged, no_dist=True)
@@ -154,14 +163,17 @@ def test_a_model_trained_on_a_bpe_dataset_generates_through_its_tokenizer(tmp_pa
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 50, trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    tok.train_from_iterator(
+        ["def f(x):\n    return x + 1\n"] * 50, trainers.BpeTrainer(vocab_size=300, show_progress=False)
+    )
     tok_path = tmp_path / "tokenizer.json"
     tok.save(str(tok_path))
     model_spec = {**SPEC.model_dump(), "vocab_size": tok.get_vocab_size()}
     spec = JobSpec.model_validate({"name": "bpe", "steps": 1, "model": model_spec, "data": {"dataset": "bpe@v1"}})
     dcp.save({"model": build_model(spec.model, seed=1).state_dict()}, checkpoint_id=str(tmp_path / "v1"), no_dist=True)
-    text = generate_text(str(tmp_path / "v1"), spec_to_json(spec), "def ", 8, temperature=0.0, top_k=0,
-                         tokenizer=str(tok_path))
+    text = generate_text(
+        str(tmp_path / "v1"), spec_to_json(spec), "def ", 8, temperature=0.0, top_k=0, tokenizer=str(tok_path)
+    )
     assert text.startswith("def")
     with pytest.raises(ValueError, match="tokenizer 'bytes' needs model.vocab_size 256"):
         generate_text(str(tmp_path / "v1"), spec_to_json(spec), "def ", 8, tokenizer="bytes")

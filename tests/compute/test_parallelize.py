@@ -22,10 +22,16 @@ MODEL = ModelSpec(d_model=64, n_heads=4, n_layers=4, vocab_size=256, tie_embeddi
         (2, ParallelSpec(dp=2, activation_checkpointing=True), ("activation_checkpointing", "ddp")),
         (2, ParallelSpec(dp=2, data_parallel="fsdp2"), ("fully_shard",)),
         (2, ParallelSpec(tp=2, activation_checkpointing=True), ("tensor_parallel", "activation_checkpointing")),
-        (4, ParallelSpec(dp=2, tp=2, data_parallel="fsdp2", activation_checkpointing=True),
-         ("tensor_parallel", "activation_checkpointing", "fully_shard")),
-        (4, ParallelSpec(dp=2, pp=2, data_parallel="fsdp2", activation_checkpointing=True),
-         ("activation_checkpointing", "fully_shard")),
+        (
+            4,
+            ParallelSpec(dp=2, tp=2, data_parallel="fsdp2", activation_checkpointing=True),
+            ("tensor_parallel", "activation_checkpointing", "fully_shard"),
+        ),
+        (
+            4,
+            ParallelSpec(dp=2, pp=2, data_parallel="fsdp2", activation_checkpointing=True),
+            ("activation_checkpointing", "fully_shard"),
+        ),
     ],
 )
 def test_every_plan_lays_the_model_out_tp_then_checkpointing_then_fsdp2_or_ddp(world, parallel, steps):

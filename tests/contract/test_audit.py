@@ -48,10 +48,13 @@ def test_a_report_lists_the_ledgers_routes_and_refusals_and_merging_sums_them():
     one = report_of("rank 0 of job j", traffic, request_id=3)
     assert one.id == 3 and _counts(one) == {("L2_TRAINING_LOOP", "surge.v1.RunForward", "L3_FORWARD_UNIT"): 5}
     assert [(v.sender, v.message, v.receiver, v.count) for v in one.violations] == [
-        (Module.L4_SHUFFLER, "surge.v1.FilterRules", Module.L4_FILTER, 1)]
+        (Module.L4_SHUFFLER, "surge.v1.FilterRules", Module.L4_FILTER, 1)
+    ]
 
     other = audit_pb2.AuditReport(process="rank 1 of job j", notes=["late"])
-    other.routes.add(sender=Module.L2_TRAINING_LOOP, message="surge.v1.RunForward", receiver=Module.L3_FORWARD_UNIT, count=2)
+    other.routes.add(
+        sender=Module.L2_TRAINING_LOOP, message="surge.v1.RunForward", receiver=Module.L3_FORWARD_UNIT, count=2
+    )
     merged = merge_reports("worker-0", [one, other], ["asked 2 ranks"])
     assert merged.process == "worker-0"
     assert _counts(merged) == {("L2_TRAINING_LOOP", "surge.v1.RunForward", "L3_FORWARD_UNIT"): 7}
@@ -61,15 +64,23 @@ def test_a_report_lists_the_ledgers_routes_and_refusals_and_merging_sums_them():
 
 def test_the_audit_view_lays_counts_over_the_table_marking_violations_and_unused_routes():
     control = audit_pb2.AuditReport(process="control")
-    control.routes.add(sender=Module.EXT_HARDWARE, message="surge.v1.WorkerRegistration", receiver=Module.L1_RESOURCE_ALLOCATOR, count=2)
+    control.routes.add(
+        sender=Module.EXT_HARDWARE,
+        message="surge.v1.WorkerRegistration",
+        receiver=Module.L1_RESOURCE_ALLOCATOR,
+        count=2,
+    )
     data = audit_pb2.AuditReport(process="data")
     data.violations.add(sender=Module.L4_SHUFFLER, message="surge.v1.FilterRules", receiver=Module.L4_FILTER, count=1)
     v = view([control, data], ["worker-1 at 127.0.0.1:9 did not answer"])
     assert v.processes == ["control", "data"]
     used = {(r.sender, r.message, r.receiver): (r.kind, r.count, r.by_process) for r in v.used}
-    assert used == {("EXT_HARDWARE", "surge.v1.WorkerRegistration", "L1_RESOURCE_ALLOCATOR"): ("EVENT", 2, {"control": 2})}
+    assert used == {
+        ("EXT_HARDWARE", "surge.v1.WorkerRegistration", "L1_RESOURCE_ALLOCATOR"): ("EVENT", 2, {"control": 2})
+    }
     assert [(r.sender, r.message, r.receiver, r.count) for r in v.violations] == [
-        ("L4_SHUFFLER", "surge.v1.FilterRules", "L4_FILTER", 1)]
+        ("L4_SHUFFLER", "surge.v1.FilterRules", "L4_FILTER", 1)
+    ]
     unused = {(r.sender, r.message, r.receiver) for r in v.unused}
     assert ("L2_TRAINING_LOOP", "surge.v1.RunForward", "L3_FORWARD_UNIT") in unused
     assert ("EXT_HARDWARE", "surge.v1.WorkerRegistration", "L1_RESOURCE_ALLOCATOR") not in unused
@@ -92,7 +103,11 @@ def test_a_reporter_delivers_off_the_violating_thread_and_never_reports_its_own_
     event, thread = delivered[0]
     assert thread == "violation-reporter"  # not this (the violating) thread
     assert (event.process, event.sender, event.message, event.receiver) == (
-        "control", Module.L5_METRICS_LOGGER, "surge.v1.StepCompleted", Module.MODULE_UNSPECIFIED)
+        "control",
+        Module.L5_METRICS_LOGGER,
+        "surge.v1.StepCompleted",
+        Module.MODULE_UNSPECIFIED,
+    )
     assert event.detail == "boundary violation: L5_METRICS_LOGGER may not send surge.v1.StepCompleted to any receiver"
     # A refused report is logged and counted, not reported again (that would loop).
     with pytest.raises(BoundaryViolation):
@@ -110,7 +125,8 @@ def test_an_inline_reporter_stamps_the_rank_and_delivers_before_the_violation_is
     with pytest.raises(BoundaryViolation):
         bus.command(Module.L3_FORWARD_UNIT, Module.L2_OPTIMIZER, engine_pb2.ApplyUpdate())
     assert [(e.job_id, e.rank, e.sender, e.receiver) for e in delivered] == [
-        ("j", 1, Module.L3_FORWARD_UNIT, Module.L2_OPTIMIZER)]
+        ("j", 1, Module.L3_FORWARD_UNIT, Module.L2_OPTIMIZER)
+    ]
 
 
 class _Refusing(audit_pb2_grpc.AuditServiceServicer):
@@ -118,8 +134,11 @@ class _Refusing(audit_pb2_grpc.AuditServiceServicer):
 
     def Audit(self, request, context):  # noqa: N802
         if request.id == 1:
-            abort_with_violation(context, BoundaryViolation(Module.L3_FORWARD_UNIT, "surge.v1.SaveCheckpoint",
-                                                            Module.L5_CHECKPOINT_MANAGER), "store")
+            abort_with_violation(
+                context,
+                BoundaryViolation(Module.L3_FORWARD_UNIT, "surge.v1.SaveCheckpoint", Module.L5_CHECKPOINT_MANAGER),
+                "store",
+            )
         context.abort(grpc.StatusCode.PERMISSION_DENIED, "some other refusal")
 
 
@@ -144,9 +163,14 @@ def test_a_violation_returned_as_permission_denied_is_read_back_and_relayed_by_t
             stub.Audit(audit_pb2.AuditRequest(id=2), timeout=10)
     assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert refused.value.details() == (
-        "boundary violation: L3_FORWARD_UNIT may not send surge.v1.SaveCheckpoint to L5_CHECKPOINT_MANAGER")
+        "boundary violation: L3_FORWARD_UNIT may not send surge.v1.SaveCheckpoint to L5_CHECKPOINT_MANAGER"
+    )
     event = violation_from_rpc(refused.value)
-    assert (event.process, event.sender, event.receiver) == ("store", Module.L3_FORWARD_UNIT, Module.L5_CHECKPOINT_MANAGER)
+    assert (event.process, event.sender, event.receiver) == (
+        "store",
+        Module.L3_FORWARD_UNIT,
+        Module.L5_CHECKPOINT_MANAGER,
+    )
     assert violation_from_rpc(other.value) is None  # a refusal that carries no violation
     reporter.relay_rpc_error(refused.value)
     reporter.relay_rpc_error(other.value)
@@ -173,14 +197,25 @@ def test_the_session_relay_sends_a_ranks_violation_to_the_fault_detector_as_ext_
     hub = SessionHub(bus, hardware=bus.emitter(Module.EXT_HARDWARE))
     bus.subscribe(Module.L1_RESOURCE_ALLOCATOR, control_pb2.WorkerRegistration, lambda m, p: None)
     session = hub.open(control_pb2.WorkerRegistration(worker_id="w0", slots=1))
-    violation = audit_pb2.BoundaryViolationReported(process="data", sender=Module.L4_SHUFFLER,
-                                                    message="surge.v1.FilterRules", receiver=Module.L4_FILTER)
-    hub.on_worker_event(session, control_pb2.WorkerEvent(
-        rank_event=worker_pb2.RankEvent(job_id="j", rank=1, routed=pack(violation, Module.EXT_CONTRACT))))
-    hub.on_worker_event(session, control_pb2.WorkerEvent(  # a rank's audit stays with its agent
-        rank_event=worker_pb2.RankEvent(job_id="j", rank=1, audit=audit_pb2.AuditReport(process="x"))))
+    violation = audit_pb2.BoundaryViolationReported(
+        process="data", sender=Module.L4_SHUFFLER, message="surge.v1.FilterRules", receiver=Module.L4_FILTER
+    )
+    hub.on_worker_event(
+        session,
+        control_pb2.WorkerEvent(
+            rank_event=worker_pb2.RankEvent(job_id="j", rank=1, routed=pack(violation, Module.EXT_CONTRACT))
+        ),
+    )
+    hub.on_worker_event(
+        session,
+        control_pb2.WorkerEvent(  # a rank's audit stays with its agent
+            rank_event=worker_pb2.RankEvent(job_id="j", rank=1, audit=audit_pb2.AuditReport(process="x"))
+        ),
+    )
     assert [(m.process, m.job_id, m.rank, m.sender) for m in seen] == [("data", "j", 1, Module.L4_SHUFFLER)]
-    assert bus.snapshot().sent[(Module.EXT_CONTRACT, "surge.v1.BoundaryViolationReported", Module.L1_FAULT_DETECTOR)] == 1
+    assert (
+        bus.snapshot().sent[(Module.EXT_CONTRACT, "surge.v1.BoundaryViolationReported", Module.L1_FAULT_DETECTOR)] == 1
+    )
 
 
 def test_a_ranks_violation_relayed_to_control_is_graded_and_reported_to_the_orchestrator(tmp_path):
@@ -192,13 +227,23 @@ def test_a_ranks_violation_relayed_to_control_is_graded_and_reported_to_the_orch
         control = build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0)
         graded = (Module.L1_FAULT_DETECTOR, "surge.v1.FaultReport", Module.L1_ORCHESTRATOR)
         before = control.bus.snapshot().sent.get(graded, 0)
-        control.bus.command(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring(job_id="j"))
+        control.bus.command(
+            Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring(job_id="j")
+        )
         # A rank's report, as its node agent relays it up the session.
         violation = audit_pb2.BoundaryViolationReported(
-            process="rank 0 of job j", sender=Module.L4_SHUFFLER, message="surge.v1.FilterRules", receiver=Module.L4_FILTER)
+            process="rank 0 of job j",
+            sender=Module.L4_SHUFFLER,
+            message="surge.v1.FilterRules",
+            receiver=Module.L4_FILTER,
+        )
         session = control.sessions.open(control_pb2.WorkerRegistration(worker_id="w0", slots=1))
-        control.sessions.on_worker_event(session, control_pb2.WorkerEvent(
-            rank_event=worker_pb2.RankEvent(job_id="j", rank=0, routed=pack(violation, Module.EXT_CONTRACT))))
+        control.sessions.on_worker_event(
+            session,
+            control_pb2.WorkerEvent(
+                rank_event=worker_pb2.RankEvent(job_id="j", rank=0, routed=pack(violation, Module.EXT_CONTRACT))
+            ),
+        )
         assert control.bus.snapshot().sent.get(graded, 0) == before + 1
     finally:
         journal.close()
@@ -262,12 +307,15 @@ def test_the_store_counts_and_returns_a_request_from_a_sender_that_may_command_n
     try:
         with channel(address) as ch, pytest.raises(grpc.RpcError) as e:
             store_pb2_grpc.StoreServiceStub(ch).BeginSave(
-                store_pb2.SaveCheckpoint(job_id="j", step=1), metadata=((SENDER_METADATA, "L3_FORWARD_UNIT"),),
-                timeout=10)
+                store_pb2.SaveCheckpoint(job_id="j", step=1),
+                metadata=((SENDER_METADATA, "L3_FORWARD_UNIT"),),
+                timeout=10,
+            )
     finally:
         server.stop(0)
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert violation_from_rpc(e.value).sender == Module.L3_FORWARD_UNIT
     assert traffic.snapshot().refused == {
-        (Module.L3_FORWARD_UNIT, "surge.v1.SaveCheckpoint", Module.L5_CHECKPOINT_MANAGER): 1}
+        (Module.L3_FORWARD_UNIT, "surge.v1.SaveCheckpoint", Module.L5_CHECKPOINT_MANAGER): 1
+    }
     assert len(reported) == 1

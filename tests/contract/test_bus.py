@@ -109,8 +109,7 @@ def test_a_port_exists_only_between_a_commander_and_its_executor():
 def test_every_delivery_is_counted_per_route_and_every_refusal_per_intended_route():
     traffic = Traffic()
     bus = Bus(traffic=traffic)
-    bus.subscribe(Module.L2_OPTIMIZER, engine_pb2.ApplyUpdate,
-                  lambda m, p: engine_pb2.UpdateApplied(step=m.step))
+    bus.subscribe(Module.L2_OPTIMIZER, engine_pb2.ApplyUpdate, lambda m, p: engine_pb2.UpdateApplied(step=m.step))
     bus.subscribe(Module.L1_ORCHESTRATOR, engine_pb2.StepCompleted, lambda m, p: None)
     bus.subscribe(Module.L5_METRICS_LOGGER, engine_pb2.StepCompleted, lambda m, p: None)
     port = bus.port(Module.L2_TRAINING_LOOP, Module.L2_OPTIMIZER)
@@ -155,8 +154,10 @@ def test_buses_of_one_process_share_its_ledger_which_prometheus_exports():
         bus.command(Module.L2_TRAINING_LOOP, Module.L2_OPTIMIZER, engine_pb2.ExportState())
     assert TRAFFIC.snapshot().sent[key] == before + 2
     text = generate_latest(REGISTRY).decode()
-    line = ('surge_bus_messages_total{message="surge.v1.ExportState",receiver="L2_OPTIMIZER",'
-            f'sender="L2_TRAINING_LOOP"}} {float(before + 2)}')
+    line = (
+        'surge_bus_messages_total{message="surge.v1.ExportState",receiver="L2_OPTIMIZER",'
+        f'sender="L2_TRAINING_LOOP"}} {float(before + 2)}'
+    )
     assert line in text.splitlines()
 
 
@@ -168,7 +169,9 @@ def test_a_relay_refusing_a_remote_request_counts_and_reports_it_like_a_send():
     with pytest.raises(BoundaryViolation, match="L3_FORWARD_UNIT may not send surge.v1.SaveCheckpoint"):
         bus.check(Module.L3_FORWARD_UNIT, "surge.v1.SaveCheckpoint", Module.L5_CHECKPOINT_MANAGER)
     assert [(e.sender, e.receiver) for e in reported] == [(Module.L3_FORWARD_UNIT, Module.L5_CHECKPOINT_MANAGER)]
-    assert traffic.snapshot().refused == {(Module.L3_FORWARD_UNIT, "surge.v1.SaveCheckpoint", Module.L5_CHECKPOINT_MANAGER): 1}
+    assert traffic.snapshot().refused == {
+        (Module.L3_FORWARD_UNIT, "surge.v1.SaveCheckpoint", Module.L5_CHECKPOINT_MANAGER): 1
+    }
     assert traffic.snapshot().sent == {}
 
 
@@ -191,7 +194,9 @@ def test_a_typed_port_sends_its_commands_and_refuses_any_other():
     assert port.commands == {"surge.v1.StartTraining"}
     port(engine_pb2.StartTraining(job_id="j"))
     # The table lets L1-1 stop the loop, but this port was handed out for starting it only.
-    with pytest.raises(BoundaryViolation, match="L1_ORCHESTRATOR may not send surge.v1.StopTraining to L2_TRAINING_LOOP"):
+    with pytest.raises(
+        BoundaryViolation, match="L1_ORCHESTRATOR may not send surge.v1.StopTraining to L2_TRAINING_LOOP"
+    ):
         port(engine_pb2.StopTraining(job_id="j"))
     snap = traffic.snapshot()
     assert snap.sent == {(Module.L1_ORCHESTRATOR, "surge.v1.StartTraining", Module.L2_TRAINING_LOOP): 1}
@@ -202,8 +207,11 @@ def test_a_typed_port_sends_its_commands_and_refuses_any_other():
 
 def test_a_port_is_typed_only_with_implemented_routes_between_its_ends():
     bus = Bus()
-    with pytest.raises(RouteError, match="L2_TRAINING_LOOP's port to L4_SHUFFLER sends surge.v1.FilterRules, "
-                                         "which is not an implemented route between them"):
+    with pytest.raises(
+        RouteError,
+        match="L2_TRAINING_LOOP's port to L4_SHUFFLER sends surge.v1.FilterRules, "
+        "which is not an implemented route between them",
+    ):
         bus.port(Module.L2_TRAINING_LOOP, Module.L4_SHUFFLER, commands=(data_pb2.ShufflePlan, data_pb2.FilterRules))
     unbuilt = next(r for r in default_table().routes() if not r.implemented)
     sender, receiver = min(unbuilt.senders), min(unbuilt.receivers)

@@ -37,24 +37,30 @@ def _healthy_communicator():
     fl.set_collective_probe(None)
 
 
-@pytest.mark.parametrize("error, cause", [
-    (torch.OutOfMemoryError("CUDA out of memory"), FailureCause.FAILURE_OUT_OF_MEMORY),
-    (dist.DistStoreError("timed out"), FailureCause.FAILURE_RENDEZVOUS),
-    (dist.DistNetworkError("connection reset"), FailureCause.FAILURE_COMMUNICATION),
-    (dist.DistBackendError("NCCL error"), FailureCause.FAILURE_COMMUNICATION),
-    (MemoryError(), FailureCause.FAILURE_OUT_OF_MEMORY),
-    (TimeoutError("deadline"), FailureCause.FAILURE_TIMEOUT),
-    (ConnectionRefusedError(), FailureCause.FAILURE_UNAVAILABLE),
-    (OSError(errno.EADDRINUSE, "in use"), FailureCause.FAILURE_RENDEZVOUS),
-    (OSError(errno.ENOSPC, "disk full"), FailureCause.FAILURE_IO),
-    (NotImplementedError(), FailureCause.FAILURE_UNSUPPORTED),
-    (ValueError("seq_len: must be > 0"), FailureCause.FAILURE_INVALID_INPUT),
-    (KeyError("model"), FailureCause.FAILURE_INVALID_INPUT),
-    (RuntimeError("gloo: Connection closed by peer"), FailureCause.FAILURE_INTERNAL),  # words make nothing
-    (_Rpc(grpc.StatusCode.UNAVAILABLE), FailureCause.FAILURE_UNAVAILABLE),
-    (_Rpc(grpc.StatusCode.DEADLINE_EXCEEDED), FailureCause.FAILURE_TIMEOUT),
-    (_Rpc(grpc.StatusCode.INTERNAL, ((fl.CAUSE_METADATA, "FAILURE_DATA_CORRUPT"),)), FailureCause.FAILURE_DATA_CORRUPT),
-])
+@pytest.mark.parametrize(
+    "error, cause",
+    [
+        (torch.OutOfMemoryError("CUDA out of memory"), FailureCause.FAILURE_OUT_OF_MEMORY),
+        (dist.DistStoreError("timed out"), FailureCause.FAILURE_RENDEZVOUS),
+        (dist.DistNetworkError("connection reset"), FailureCause.FAILURE_COMMUNICATION),
+        (dist.DistBackendError("NCCL error"), FailureCause.FAILURE_COMMUNICATION),
+        (MemoryError(), FailureCause.FAILURE_OUT_OF_MEMORY),
+        (TimeoutError("deadline"), FailureCause.FAILURE_TIMEOUT),
+        (ConnectionRefusedError(), FailureCause.FAILURE_UNAVAILABLE),
+        (OSError(errno.EADDRINUSE, "in use"), FailureCause.FAILURE_RENDEZVOUS),
+        (OSError(errno.ENOSPC, "disk full"), FailureCause.FAILURE_IO),
+        (NotImplementedError(), FailureCause.FAILURE_UNSUPPORTED),
+        (ValueError("seq_len: must be > 0"), FailureCause.FAILURE_INVALID_INPUT),
+        (KeyError("model"), FailureCause.FAILURE_INVALID_INPUT),
+        (RuntimeError("gloo: Connection closed by peer"), FailureCause.FAILURE_INTERNAL),  # words make nothing
+        (_Rpc(grpc.StatusCode.UNAVAILABLE), FailureCause.FAILURE_UNAVAILABLE),
+        (_Rpc(grpc.StatusCode.DEADLINE_EXCEEDED), FailureCause.FAILURE_TIMEOUT),
+        (
+            _Rpc(grpc.StatusCode.INTERNAL, ((fl.CAUSE_METADATA, "FAILURE_DATA_CORRUPT"),)),
+            FailureCause.FAILURE_DATA_CORRUPT,
+        ),
+    ],
+)
 def test_the_cause_is_the_exception_type_s(error, cause):
     assert fl.cause_of(error) == cause
 
@@ -73,7 +79,9 @@ def test_a_collective_that_raised_breaks_the_communicator_and_what_follows_is_it
     with pytest.raises(fl.CommunicationFailed) as failed, fl.collective():
         raise RuntimeError("[gloo] Connection closed by peer")
     assert fl.cause_of(failed.value) == FailureCause.FAILURE_COMMUNICATION and fl.communicator_broken()
-    assert fl.cause_of(RuntimeError("Expected all tensors to be on the same device")) == FailureCause.FAILURE_COMMUNICATION
+    assert (
+        fl.cause_of(RuntimeError("Expected all tensors to be on the same device")) == FailureCause.FAILURE_COMMUNICATION
+    )
 
 
 def test_a_group_that_could_not_be_formed_is_a_rendezvous_failure_and_breaks_no_communicator():
@@ -111,7 +119,12 @@ def test_a_handler_exception_is_the_module_s_failure_event_and_the_commander_get
     assert isinstance(event, engine_pb2.ForwardFailed) and seen == [event]
     f = event.failure
     assert (f.cause, f.module, f.operation, f.job_id, f.rank) == (
-        FailureCause.FAILURE_OUT_OF_MEMORY, Module.L3_FORWARD_UNIT, "surge.v1.RunForward", "j", 3)
+        FailureCause.FAILURE_OUT_OF_MEMORY,
+        Module.L3_FORWARD_UNIT,
+        "surge.v1.RunForward",
+        "j",
+        3,
+    )
     assert f.exception == "torch.OutOfMemoryError" and event.detail == f.detail
     assert isinstance(failed.value.error, torch.OutOfMemoryError)
 
@@ -143,6 +156,7 @@ def test_refusals_unwinds_and_boundary_violations_pass_through_as_raised():
 
     seen = []
     for error in (Unknown("no such job"), BoundaryViolation(Module.L3_FORWARD_UNIT, "x", None)):
+
         def forward(msg, payload=None, error=error):
             raise error
 

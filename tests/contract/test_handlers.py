@@ -16,8 +16,13 @@ from services.contract.route_table import default_table, handler_name
 
 
 def test_the_committed_handler_protocols_are_what_make_contracts_generates():
-    r = subprocess.run([sys.executable, "-m", "services.contract.handlers_gen", "--check"],
-                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "services.contract.handlers_gen", "--check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -43,7 +48,10 @@ def test_host_subscribes_every_routed_message_to_the_method_the_table_names():
     bus = Bus()
     f = Filter()
     bus.host(Module.L4_FILTER, f)
-    assert sorted(bus.subscriptions()) == [("surge.v1.FilterRules", Module.L4_FILTER), ("surge.v1.SamplesShuffled", Module.L4_FILTER)]
+    assert sorted(bus.subscriptions()) == [
+        ("surge.v1.FilterRules", Module.L4_FILTER),
+        ("surge.v1.SamplesShuffled", Module.L4_FILTER),
+    ]
     bus.command(Module.L2_TRAINING_LOOP, Module.L4_FILTER, data_pb2.FilterRules(min_tokens=3))
     assert f.seen == [3]
 
@@ -78,4 +86,6 @@ def test_host_takes_a_stated_exception_and_refuses_a_stale_one():
         Bus().host(Module.L4_FILTER, Filter(), not_handled={data_pb2.SamplesShuffled: "stale"})
     unrouted = r"^L4_FILTER \(NoSamples\) is hosted as not handling surge\.v1\.RunForward, which is not an implemented route to it$"
     with pytest.raises(RouteError, match=unrouted):
-        Bus().host(Module.L4_FILTER, NoSamples(), not_handled={data_pb2.SamplesShuffled: "a test", engine_pb2.RunForward: "no"})
+        Bus().host(
+            Module.L4_FILTER, NoSamples(), not_handled={data_pb2.SamplesShuffled: "a test", engine_pb2.RunForward: "no"}
+        )

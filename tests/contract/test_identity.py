@@ -102,7 +102,9 @@ def test_an_asyncio_server_checks_a_streaming_call_the_same_way(serve):
         events = list(control_pb2_grpc.ControlServiceStub(ch).WatchJob(control_pb2.JobQuery(job_id="w"), timeout=10))
     assert [e.seq for e in events] == [1, 2]
     with channel(address, module=M.EXT_HARDWARE) as ch:
-        refusal(lambda: list(control_pb2_grpc.ControlServiceStub(ch).WatchJob(control_pb2.JobQuery(job_id="w"), timeout=10)))
+        refusal(
+            lambda: list(control_pb2_grpc.ControlServiceStub(ch).WatchJob(control_pb2.JobQuery(job_id="w"), timeout=10))
+        )
 
 
 @pytest.fixture(scope="module")
@@ -120,16 +122,35 @@ def certs(tmp_path_factory) -> dict[str, Path]:
     run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=surge test ca")
     for who, role in (("user", "surge-user"), ("worker", "surge-worker"), ("nobody", "someone")):
         (d / f"{who}.cnf").write_text(
-            f"subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:{role}\nextendedKeyUsage=serverAuth,clientAuth\n")
+            f"subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:{role}\nextendedKeyUsage=serverAuth,clientAuth\n"
+        )
         run("req", *ec, "-keyout", f"{who}.key", "-out", f"{who}.csr", "-subj", f"/CN={who} host")
-        run("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", f"{who}.pem", "-days", "2", "-extfile", f"{who}.cnf")
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{who}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{who}.pem",
+            "-days",
+            "2",
+            "-extfile",
+            f"{who}.cnf",
+        )
     return {p.name: p for p in d.iterdir()}
 
 
 def tls(certs: dict[str, Path], who: str) -> dict[str, str]:
-    return {"SURGE_TLS_CERT": str(certs[f"{who}.pem"]), "SURGE_TLS_KEY": str(certs[f"{who}.key"]),
-            "SURGE_TLS_CA": str(certs["ca.pem"])}
+    return {
+        "SURGE_TLS_CERT": str(certs[f"{who}.pem"]),
+        "SURGE_TLS_KEY": str(certs[f"{who}.key"]),
+        "SURGE_TLS_CA": str(certs["ca.pem"]),
+    }
 
 
 def test_under_mutual_tls_the_certificate_role_must_be_one_that_may_claim_the_module(serve, env, certs):

@@ -17,14 +17,19 @@ LINT = str(Path(sys.executable).with_name("lint-imports"))
 
 
 def _lint(root: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([LINT, "--no-cache"], cwd=root, capture_output=True, text=True, timeout=150,
-                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    return subprocess.run(
+        [LINT, "--no-cache"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+    )
 
 
 @pytest.fixture
 def tree_copy(tmp_path: Path) -> Path:
-    shutil.copytree(REPO / "services", tmp_path / "services",
-                    ignore=shutil.ignore_patterns("__pycache__", "gen"))
+    shutil.copytree(REPO / "services", tmp_path / "services", ignore=shutil.ignore_patterns("__pycache__", "gen"))
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
     return tmp_path
 

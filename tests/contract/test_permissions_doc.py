@@ -11,28 +11,52 @@ from services.contract.route_table import Route, RouteTable
 
 
 def test_the_committed_permissions_page_is_what_make_contracts_generates():
-    r = subprocess.run([sys.executable, "-m", "services.contract.permissions_doc", "--check"],
-                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "services.contract.permissions_doc", "--check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
 
 
 def test_a_stale_page_fails_the_check_with_one_line(tmp_path):
     stale = tmp_path / "permissions.md"
     stale.write_text(DOC.read_text().replace("| S |", "| R |", 1))
-    r = subprocess.run([sys.executable, "-m", "services.contract.permissions_doc", "--check", "--out", str(stale)],
-                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "services.contract.permissions_doc", "--check", "--out", str(stale)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1
     assert r.stderr.strip() == f"{stale} is stale: run `make contracts` and commit it"
 
 
 def test_every_route_of_the_table_is_a_matrix_row_with_its_senders_and_receivers():
-    table = RouteTable({
-        "surge.v1.A": Route("surge.v1.A", frozenset({Module.L2_TRAINING_LOOP}), frozenset({Module.L2_OPTIMIZER}), 1,
-                            "L2-1 s5 529", status=route_pb2.IMPLEMENTED),
-        "surge.v1.B": Route("surge.v1.B", frozenset({Module.L2_OPTIMIZER}),
-                            frozenset({Module.L2_TRAINING_LOOP, Module.L2_OPTIMIZER}), 2, "a | note",
-                            status=route_pb2.DEFERRED, reason="not built | yet"),
-    })
+    table = RouteTable(
+        {
+            "surge.v1.A": Route(
+                "surge.v1.A",
+                frozenset({Module.L2_TRAINING_LOOP}),
+                frozenset({Module.L2_OPTIMIZER}),
+                1,
+                "L2-1 s5 529",
+                status=route_pb2.IMPLEMENTED,
+            ),
+            "surge.v1.B": Route(
+                "surge.v1.B",
+                frozenset({Module.L2_OPTIMIZER}),
+                frozenset({Module.L2_TRAINING_LOOP, Module.L2_OPTIMIZER}),
+                2,
+                "a | note",
+                status=route_pb2.DEFERRED,
+                reason="not built | yet",
+            ),
+        }
+    )
     page = render(table, red_lines={})
     header = next(line for line in page.splitlines() if line.startswith("| message | kind |"))
     assert header == "| message | kind | status | L2-1 | L2-3 |"  # only the modules the table names
@@ -56,8 +80,9 @@ def test_red_lines_render_with_their_test_or_structural_reason_and_missing_ones_
         "  - Must not pad.\n"
     )
     lines = load_red_lines(f)
-    table = RouteTable({"surge.v1.A": Route("surge.v1.A", frozenset({Module.L4_SHUFFLER}),
-                                            frozenset({Module.L4_FILTER}), 3, "")})
+    table = RouteTable(
+        {"surge.v1.A": Route("surge.v1.A", frozenset({Module.L4_SHUFFLER}), frozenset({Module.L4_FILTER}), 3, "")}
+    )
     page = render(table, red_lines=lines)
     assert "1. Must not filter samples. — test: `tests/redlines/test_x.py::test_the_shuffler_only_permutes`" in page
     assert "2. Must not read upper-layer state. — structural: holds no port to any upper module" in page

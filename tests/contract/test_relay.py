@@ -17,10 +17,20 @@ def wired() -> tuple[Bus, Bus, Link, Link, list]:
     """A 'rank' bus and a 'control' bus joined by a link each way (the wire: direct calls)."""
     rank, control = Bus(traffic=Traffic()), Bus(traffic=Traffic())
     wire: list = []
-    up = Link(rank, name="rank", near=RANK, beyond=L1,
-              send=lambda routed, msg, payload: (wire.append(routed), down.deliver(routed)))
-    down = Link(control, name="control", near=L1, beyond=RANK,
-                send=lambda routed, msg, payload: (wire.append(routed), up.deliver(routed)))
+    up = Link(
+        rank,
+        name="rank",
+        near=RANK,
+        beyond=L1,
+        send=lambda routed, msg, payload: (wire.append(routed), down.deliver(routed)),
+    )
+    down = Link(
+        control,
+        name="control",
+        near=L1,
+        beyond=RANK,
+        send=lambda routed, msg, payload: (wire.append(routed), up.deliver(routed)),
+    )
     return rank, control, up, down, wire
 
 
@@ -50,8 +60,12 @@ def test_an_event_routed_beyond_the_link_reaches_every_receiver_there_in_route_o
     rank, control, up, down, wire = wired()
     up.stand_in()
     got: list[tuple[str, int]] = []
-    control.subscribe(Module.L1_FAULT_DETECTOR, engine_pb2.TrainingLoopFailed, lambda m, p: got.append(("detector", m.rank)))
-    control.subscribe(Module.L1_ORCHESTRATOR, engine_pb2.TrainingLoopFailed, lambda m, p: got.append(("orchestrator", m.rank)))
+    control.subscribe(
+        Module.L1_FAULT_DETECTOR, engine_pb2.TrainingLoopFailed, lambda m, p: got.append(("detector", m.rank))
+    )
+    control.subscribe(
+        Module.L1_ORCHESTRATOR, engine_pb2.TrainingLoopFailed, lambda m, p: got.append(("orchestrator", m.rank))
+    )
     control.subscribe(Module.L1_FAULT_DETECTOR, data_pb2.DatasetUnavailable, lambda m, p: got.append(("data", 0)))
     rank.publish(Module.L2_TRAINING_LOOP, engine_pb2.TrainingLoopFailed(job_id="j", rank=3, fault_class="x"))
     rank.publish(Module.L4_DATASET_VERSIONS, data_pb2.DatasetUnavailable(name="d", reason="gone"))
@@ -82,14 +96,20 @@ def test_an_envelope_claiming_a_module_the_far_side_does_not_speak_for_is_refuse
     got: list = []
     control.subscribe(Module.L1_ORCHESTRATOR, engine_pb2.StepCompleted, lambda m, p: got.append(m))
     # The route lets EXT_CONTRACT send it, but this link's far side may not speak for it.
-    forged = route_pb2.Routed(type="surge.v1.BoundaryViolationReported", sender=Module.EXT_CONTRACT,
-                              body=audit_pb2.BoundaryViolationReported().SerializeToString())
+    forged = route_pb2.Routed(
+        type="surge.v1.BoundaryViolationReported",
+        sender=Module.EXT_CONTRACT,
+        body=audit_pb2.BoundaryViolationReported().SerializeToString(),
+    )
     with pytest.raises(BoundaryViolation):
         link.deliver(forged)
     # Routed to a receiver the route does not name.
     with pytest.raises(BoundaryViolation):
-        link.deliver(route_pb2.Routed(type="surge.v1.StepCompleted", sender=Module.L2_TRAINING_LOOP,
-                                      receiver=Module.L1_FAULT_DETECTOR))
+        link.deliver(
+            route_pb2.Routed(
+                type="surge.v1.StepCompleted", sender=Module.L2_TRAINING_LOOP, receiver=Module.L1_FAULT_DETECTOR
+            )
+        )
     assert got == [] and len(reported) == 2
     assert control.snapshot().refused[(Module.EXT_CONTRACT, "surge.v1.BoundaryViolationReported", 0)] == 1
     link.deliver(pack(engine_pb2.StepCompleted(step=4), Module.L2_TRAINING_LOOP))
@@ -98,8 +118,18 @@ def test_an_envelope_claiming_a_module_the_far_side_does_not_speak_for_is_refuse
 
 def test_a_route_with_several_senders_on_the_near_side_cannot_be_stood_in_for():
     name = "surge.v1.RebuildParallelGroup"
-    table = RouteTable({name: Route(name, frozenset(L1), frozenset({Module.L2_PARALLEL_STRATEGY}), route_pb2.COMMAND,
-                                    "test", status=route_pb2.IMPLEMENTED)})
+    table = RouteTable(
+        {
+            name: Route(
+                name,
+                frozenset(L1),
+                frozenset({Module.L2_PARALLEL_STRATEGY}),
+                route_pb2.COMMAND,
+                "test",
+                status=route_pb2.IMPLEMENTED,
+            )
+        }
+    )
     link = Link(Bus(table, traffic=Traffic()), name="control", near=L1, beyond={Module.L2_PARALLEL_STRATEGY})
     with pytest.raises(RouteError, match="RebuildParallelGroup"):  # an envelope could not say who sent it
         link.stand_in()

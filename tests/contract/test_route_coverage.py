@@ -46,8 +46,12 @@ def _short(full: str) -> str:
 @pytest.fixture(scope="module")
 def roots(tmp_path_factory) -> list[wiring.Built]:
     tmp = tmp_path_factory.mktemp("roots")
-    return [wiring.build_control(tmp), wiring.build_data(tmp), wiring.build_store(tmp),
-            wiring.build_rank(tmp, load_model=False)]
+    return [
+        wiring.build_control(tmp),
+        wiring.build_data(tmp),
+        wiring.build_store(tmp),
+        wiring.build_rank(tmp, load_model=False),
+    ]
 
 
 def constructed_in_services() -> set[str]:
@@ -71,7 +75,9 @@ def bus_publishes_failure_events() -> bool:
     ``failure_event`` in services/contract/bus.py): then every module with a subscribed
     handler produces its failure event (``failure: true`` route) when that handler raises."""
     tree = ast.parse((REPO / "services" / "contract" / "bus.py").read_text(encoding="utf-8"))
-    return any(isinstance(n, ast.Call) and wiring.dotted(n.func).split(".")[-1] == "failure_event" for n in ast.walk(tree))
+    return any(
+        isinstance(n, ast.Call) and wiring.dotted(n.func).split(".")[-1] == "failure_event" for n in ast.walk(tree)
+    )
 
 
 def produced(roots: list[wiring.Built]) -> set[str]:
@@ -101,8 +107,13 @@ def receivers_in_roots(roots: list[wiring.Built]) -> set[tuple[str, int]]:
     subscribed (the bus checks the reply's route S -> R)."""
     subscribed = {(t.DESCRIPTOR.full_name, m) for root in roots for bus in root.buses for m, t, _ in bus.subscriptions}
     table = default_table()
-    handled = {(c.message, s) for c in table.routes() if c.kind == route_pb2.COMMAND for s in c.receivers
-               if (c.message, s) in subscribed}
+    handled = {
+        (c.message, s)
+        for c in table.routes()
+        if c.kind == route_pb2.COMMAND
+        for s in c.receivers
+        if (c.message, s) in subscribed
+    }
     replies = set()
     for e in table.routes():
         if e.kind != route_pb2.EVENT:
@@ -131,7 +142,8 @@ def test_a_route_with_a_producer_and_a_receiver_is_marked_implemented(roots):
     # Both ends built: the DEFERRED / SEED_ONLY mark is stale (flip it to IMPLEMENTED).
     have, received = produced(roots), receivers_in_roots(roots)
     stale = [
-        _short(r.message) for r in default_table().routes()
+        _short(r.message)
+        for r in default_table().routes()
         if not r.implemented and r.message in have and any((r.message, m) in received for m in r.receivers)
     ]
     assert not stale, f"routes marked not implemented whose producer and receiver both exist: {stale}"

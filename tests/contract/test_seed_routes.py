@@ -35,14 +35,26 @@ T = yaml.safe_load((HERE / "seed_routes.yaml").read_text(encoding="utf-8"))
 Module = route_pb2.Module
 
 SEED_IDS = {
-    "L1-1": Module.L1_ORCHESTRATOR, "L1-2": Module.L1_RESOURCE_ALLOCATOR, "L1-3": Module.L1_FAULT_DETECTOR,
+    "L1-1": Module.L1_ORCHESTRATOR,
+    "L1-2": Module.L1_RESOURCE_ALLOCATOR,
+    "L1-3": Module.L1_FAULT_DETECTOR,
     "L1-4": Module.L1_RECOVERY_CONTROLLER,
-    "L2-1": Module.L2_TRAINING_LOOP, "L2-2": Module.L2_PARALLEL_STRATEGY, "L2-3": Module.L2_OPTIMIZER, "L2-4": Module.L2_MIXED_PRECISION,
-    "L3-1": Module.L3_SHARD_LOADER, "L3-2": Module.L3_OPERATOR_ADAPTER, "L3-3": Module.L3_FORWARD_UNIT, "L3-4": Module.L3_BACKWARD_UNIT,
+    "L2-1": Module.L2_TRAINING_LOOP,
+    "L2-2": Module.L2_PARALLEL_STRATEGY,
+    "L2-3": Module.L2_OPTIMIZER,
+    "L2-4": Module.L2_MIXED_PRECISION,
+    "L3-1": Module.L3_SHARD_LOADER,
+    "L3-2": Module.L3_OPERATOR_ADAPTER,
+    "L3-3": Module.L3_FORWARD_UNIT,
+    "L3-4": Module.L3_BACKWARD_UNIT,
     "L3-5": Module.L3_GRADIENT_REDUCTION,
-    "L4-1": Module.L4_DATASET_VERSIONS, "L4-2": Module.L4_PREFETCHER, "L4-3": Module.L4_SHUFFLER, "L4-4": Module.L4_FILTER,
+    "L4-1": Module.L4_DATASET_VERSIONS,
+    "L4-2": Module.L4_PREFETCHER,
+    "L4-3": Module.L4_SHUFFLER,
+    "L4-4": Module.L4_FILTER,
     "L4-5": Module.L4_BATCH_PACKER,
-    "L5-1": Module.L5_CHECKPOINT_MANAGER, "L5-2": Module.L5_METRICS_LOGGER,
+    "L5-1": Module.L5_CHECKPOINT_MANAGER,
+    "L5-2": Module.L5_METRICS_LOGGER,
 }
 # External endpoints a transcription may name (not seed modules): the operator's CLI, the
 # node agent speaking for the hardware, disk I/O, storage, and the contract layer itself.
@@ -52,11 +64,26 @@ KINDS = {"command": route_pb2.COMMAND, "event": route_pb2.EVENT, "data": route_p
 # Items per module in the seed (shared/seeds/seed_routes_notes.md, part (b)): section-4
 # inputs (including the three misplaced outputs), section-5 outputs, section-3 events.
 SEED_COUNTS = {
-    "L1-1": (4, 6, 6), "L1-2": (6, 6, 5), "L1-3": (6, 2, 4), "L1-4": (5, 5, 3),
-    "L2-1": (7, 5, 4), "L2-2": (4, 4, 4), "L2-3": (3, 3, 3), "L2-4": (5, 6, 4),
-    "L3-1": (5, 5, 4), "L3-2": (6, 5, 4), "L3-3": (3, 4, 3), "L3-4": (3, 4, 4), "L3-5": (4, 4, 3),
-    "L4-1": (5, 5, 4), "L4-2": (5, 5, 4), "L4-3": (4, 3, 3), "L4-4": (4, 4, 3), "L4-5": (4, 3, 3),
-    "L5-1": (5, 6, 4), "L5-2": (5, 3, 3),
+    "L1-1": (4, 6, 6),
+    "L1-2": (6, 6, 5),
+    "L1-3": (6, 2, 4),
+    "L1-4": (5, 5, 3),
+    "L2-1": (7, 5, 4),
+    "L2-2": (4, 4, 4),
+    "L2-3": (3, 3, 3),
+    "L2-4": (5, 6, 4),
+    "L3-1": (5, 5, 4),
+    "L3-2": (6, 5, 4),
+    "L3-3": (3, 4, 3),
+    "L3-4": (3, 4, 4),
+    "L3-5": (4, 4, 3),
+    "L4-1": (5, 5, 4),
+    "L4-2": (5, 5, 4),
+    "L4-3": (4, 3, 3),
+    "L4-4": (4, 4, 3),
+    "L4-5": (4, 3, 3),
+    "L5-1": (5, 6, 4),
+    "L5-2": (5, 3, 3),
 }
 
 Route = tuple[int, str, int, int]  # sender, message full name, receiver, kind
@@ -139,7 +166,9 @@ def test_all_20_modules_are_transcribed_with_every_seed_item():
     assert list(T["modules"]) == list(SEED_IDS)
     for mod, spec in T["modules"].items():
         counts = (len(spec["inputs"]), len(spec["outputs"]), len(spec["published_events"]))
-        assert counts == SEED_COUNTS[mod], f"{mod}: (inputs, outputs, published events) {counts} != seed {SEED_COUNTS[mod]}"
+        assert counts == SEED_COUNTS[mod], (
+            f"{mod}: (inputs, outputs, published events) {counts} != seed {SEED_COUNTS[mod]}"
+        )
         lines = [i["seed_line"] for i in spec["inputs"] + spec["outputs"]]
         assert lines == sorted(set(lines)), f"{mod}: seed lines out of order or repeated: {lines}"
         events = [e["seed_line"] for e in spec["published_events"]]
@@ -216,7 +245,10 @@ def test_every_route_to_the_fault_detector_from_a_lower_module_is_a_published_ev
     }
     # A module's failure event added where the seed lists none (additions marked failure).
     observed |= {
-        (module(s), full(e["proto"])) for e in T["additions"] if e.get("failure") and "L1-3" in e["to"] for s in e["from"]
+        (module(s), full(e["proto"]))
+        for e in T["additions"]
+        if e.get("failure") and "L1-3" in e["to"]
+        for s in e["from"]
     }
     lower = {SEED_IDS[m] for m in SEED_IDS if not m.startswith("L1-")}
     unexplained = sorted(

@@ -51,7 +51,9 @@ def test_a_message_without_a_route_is_refused():
 
 def test_a_route_naming_a_module_that_does_not_exist_is_refused():
     # proto3 enums are open: 77 parses, and names no module.
-    with pytest.raises(ContractError, match=r"^surge\.v1\.RunForward names unknown module 77, which is not a surge\.v1\.Module$"):
+    with pytest.raises(
+        ContractError, match=r"^surge\.v1\.RunForward names unknown module 77, which is not a surge\.v1\.Module$"
+    ):
         validate_table(table_with("surge.v1.RunForward", senders=frozenset({Module.L2_TRAINING_LOOP, 77})))
     with pytest.raises(ContractError, match=r"^surge\.v1\.ForwardDone names MODULE_UNSPECIFIED"):
         validate_table(table_with("surge.v1.ForwardDone", receivers=frozenset({Module.MODULE_UNSPECIFIED})))
@@ -63,9 +65,15 @@ def test_a_route_naming_a_module_that_does_not_exist_is_refused():
         ({"senders": frozenset()}, "has a route with no senders"),
         ({"receivers": frozenset()}, "has a route with no receivers"),
         ({"kind": route_pb2.KIND_UNSPECIFIED}, r"has a route with no kind \(command, event or data\)"),
-        ({"status": route_pb2.ROUTE_STATUS_UNSPECIFIED}, r"has a route with no status \(IMPLEMENTED, SEED_ONLY or DEFERRED\)"),
+        (
+            {"status": route_pb2.ROUTE_STATUS_UNSPECIFIED},
+            r"has a route with no status \(IMPLEMENTED, SEED_ONLY or DEFERRED\)",
+        ),
         ({"status": route_pb2.DEFERRED}, r"is DEFERRED without a reason; say why in reason: \"\.\.\.\""),
-        ({"status": route_pb2.SEED_ONLY, "reason": "  "}, r"is SEED_ONLY without a reason; say why in reason: \"\.\.\.\""),
+        (
+            {"status": route_pb2.SEED_ONLY, "reason": "  "},
+            r"is SEED_ONLY without a reason; say why in reason: \"\.\.\.\"",
+        ),
     ],
 )
 def test_an_incomplete_route_is_refused(change, error):
@@ -74,7 +82,9 @@ def test_an_incomplete_route_is_refused(change, error):
 
 
 def test_a_route_for_an_unknown_or_plumbing_message_is_refused():
-    extra = Route("surge.v1.Nope", frozenset({Module.L2_TRAINING_LOOP}), frozenset({Module.L2_OPTIMIZER}), route_pb2.COMMAND, "")
+    extra = Route(
+        "surge.v1.Nope", frozenset({Module.L2_TRAINING_LOOP}), frozenset({Module.L2_OPTIMIZER}), route_pb2.COMMAND, ""
+    )
     with pytest.raises(ContractError, match=r"^the route table names surge\.v1\.Nope, which no service proto defines$"):
         validate_table(RouteTable({**routes(), extra.message: extra}))
     device = dataclasses.replace(extra, message="surge.v1.Device")
@@ -90,7 +100,9 @@ def _file(name: str, build) -> object:
         dep.CopyToProto(proto)
         pool.Add(proto)
     fdp = descriptor_pb2.FileDescriptorProto(
-        name=f"surge/test/{name}.proto", package="surge.test", syntax="proto3",
+        name=f"surge/test/{name}.proto",
+        package="surge.test",
+        syntax="proto3",
         dependency=["surge/v1/route.proto"],
     )
     msg = fdp.message_type.add(name=name)
@@ -101,7 +113,9 @@ def _file(name: str, build) -> object:
 
 def test_a_dynamically_built_message_without_route_or_plumbing_is_refused():
     fd = _file("Unmarked", lambda options: None)
-    with pytest.raises(ContractError, match=r"^surge\.test\.Unmarked has no route: give it option \(surge\.v1\.route\)"):
+    with pytest.raises(
+        ContractError, match=r"^surge\.test\.Unmarked has no route: give it option \(surge\.v1\.route\)"
+    ):
         validate_table(RouteTable.from_proto((fd,)), files=(fd,))
 
 
@@ -157,7 +171,9 @@ class _WiredBus:
 def test_a_subscription_not_routed_to_its_module_is_refused():
     # The bus refuses this at subscribe time; the start-up check catches any way around it.
     bus = _WiredBus(default_table(), [("surge.v1.FilterRules", Module.L4_SHUFFLER)])
-    with pytest.raises(ContractError, match=r"^L4_SHUFFLER subscribes to surge\.v1\.FilterRules, which is not routed to it$"):
+    with pytest.raises(
+        ContractError, match=r"^L4_SHUFFLER subscribes to surge\.v1\.FilterRules, which is not routed to it$"
+    ):
         validate_wiring(bus, {Module.L4_SHUFFLER})
     bus = _WiredBus(default_table(), [("surge.v1.Nope", Module.L4_SHUFFLER)])
     with pytest.raises(ContractError, match=r"^L4_SHUFFLER subscribes to surge\.v1\.Nope, which has no route$"):
@@ -168,13 +184,16 @@ def test_a_subscription_by_a_module_the_process_does_not_host_is_refused():
     bus = Bus()
     bus.subscribe(Module.L2_OPTIMIZER, engine_pb2.ApplyUpdate, lambda m, p=None: None)
     with pytest.raises(
-        ContractError, match=r"^L2_OPTIMIZER subscribes to surge\.v1\.ApplyUpdate, but this process does not host L2_OPTIMIZER$"
+        ContractError,
+        match=r"^L2_OPTIMIZER subscribes to surge\.v1\.ApplyUpdate, but this process does not host L2_OPTIMIZER$",
     ):
         validate_wiring(bus, {Module.L2_TRAINING_LOOP})
 
 
 def test_a_hosted_module_that_does_not_exist_or_is_not_in_the_table_is_refused():
-    with pytest.raises(ContractError, match=r"^this process hosts unknown module 77, which is not a surge\.v1\.Module$"):
+    with pytest.raises(
+        ContractError, match=r"^this process hosts unknown module 77, which is not a surge\.v1\.Module$"
+    ):
         validate_wiring(Bus(), {Module.L2_TRAINING_LOOP, 77})
     only = routes()["surge.v1.ApplyUpdate"]
     with pytest.raises(ContractError, match=r"^this process hosts L4_FILTER, which no route in the table names$"):
@@ -188,16 +207,21 @@ def test_a_port_that_could_only_fail_at_its_first_send_is_refused_at_start_up():
     bus.subscribe(Module.L4_FILTER, data_pb2.FilterRules, lambda m, p=None: None)
     bus.port(Module.L2_TRAINING_LOOP, Module.L4_FILTER, commands=(data_pb2.FilterRules,))
     bus.port(Module.L2_TRAINING_LOOP, Module.L4_SHUFFLER, commands=(data_pb2.ShufflePlan,))
-    with pytest.raises(ContractError, match=(
-        r"^L2_TRAINING_LOOP holds a port to send surge\.v1\.ShufflePlan to L4_SHUFFLER, "
-        r"but no handler of L4_SHUFFLER for it is subscribed in this process$"
-    )):
+    with pytest.raises(
+        ContractError,
+        match=(
+            r"^L2_TRAINING_LOOP holds a port to send surge\.v1\.ShufflePlan to L4_SHUFFLER, "
+            r"but no handler of L4_SHUFFLER for it is subscribed in this process$"
+        ),
+    ):
         validate_wiring(bus, {Module.L2_TRAINING_LOOP, Module.L4_FILTER, Module.L4_SHUFFLER})
     # An untyped port stands for every implemented route between its ends.
     bus.subscribe(Module.L4_SHUFFLER, data_pb2.ShufflePlan, lambda m, p=None: None)
     validate_wiring(bus, {Module.L2_TRAINING_LOOP, Module.L4_FILTER, Module.L4_SHUFFLER})
     bus.port(Module.L2_TRAINING_LOOP, Module.L4_PREFETCHER)
-    with pytest.raises(ContractError, match=r"^L2_TRAINING_LOOP holds a port to send surge\.v1\.SetPrefetch to L4_PREFETCHER"):
+    with pytest.raises(
+        ContractError, match=r"^L2_TRAINING_LOOP holds a port to send surge\.v1\.SetPrefetch to L4_PREFETCHER"
+    ):
         validate_wiring(bus, {Module.L2_TRAINING_LOOP, Module.L4_FILTER, Module.L4_SHUFFLER, Module.L4_PREFETCHER})
 
 
@@ -244,15 +268,34 @@ _HARNESS = textwrap.dedent(
 @pytest.mark.parametrize(
     ("service", "how", "message", "args", "line"),
     [
-        ("services.store", "unrouted", "surge.v1.SaveCheckpoint", ["--port", "0", "--metrics-port", "0", "--root", "{tmp}"],
-         "store: refusing to start: surge.v1.SaveCheckpoint has no route in the route table"),
-        ("services.data", "unknown", "surge.v1.OpenStream", ["--port", "0", "--data-root", "{tmp}"],
-         "data: refusing to start: surge.v1.OpenStream names unknown module 77, which is not a surge.v1.Module"),
-        ("services.control", "unrouted", "surge.v1.FaultReport",
-         ["--port", "0", "--db", "{tmp}/control.db", "--data", "127.0.0.1:1", "--store", "127.0.0.1:1"],
-         "control: refusing to start: surge.v1.FaultReport has no route in the route table"),
-        ("services.worker", "unknown", "surge.v1.LaunchRanks", ["--port", "0", "--control", "127.0.0.1:1", "--run-dir", "{tmp}"],
-         "worker: refusing to start: surge.v1.LaunchRanks names unknown module 77, which is not a surge.v1.Module"),
+        (
+            "services.store",
+            "unrouted",
+            "surge.v1.SaveCheckpoint",
+            ["--port", "0", "--metrics-port", "0", "--root", "{tmp}"],
+            "store: refusing to start: surge.v1.SaveCheckpoint has no route in the route table",
+        ),
+        (
+            "services.data",
+            "unknown",
+            "surge.v1.OpenStream",
+            ["--port", "0", "--data-root", "{tmp}"],
+            "data: refusing to start: surge.v1.OpenStream names unknown module 77, which is not a surge.v1.Module",
+        ),
+        (
+            "services.control",
+            "unrouted",
+            "surge.v1.FaultReport",
+            ["--port", "0", "--db", "{tmp}/control.db", "--data", "127.0.0.1:1", "--store", "127.0.0.1:1"],
+            "control: refusing to start: surge.v1.FaultReport has no route in the route table",
+        ),
+        (
+            "services.worker",
+            "unknown",
+            "surge.v1.LaunchRanks",
+            ["--port", "0", "--control", "127.0.0.1:1", "--run-dir", "{tmp}"],
+            "worker: refusing to start: surge.v1.LaunchRanks names unknown module 77, which is not a surge.v1.Module",
+        ),
     ],
     ids=["store", "data", "control", "worker"],
 )
@@ -261,7 +304,11 @@ def test_a_service_with_a_broken_table_refuses_to_start(tmp_path, service, how, 
     argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
     proc = subprocess.run(
         [sys.executable, "-c", _HARNESS, service, how, message, *argv],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == EXIT_CONTRACT, proc.stderr
     assert line in proc.stderr.splitlines(), proc.stderr

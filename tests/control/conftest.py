@@ -20,8 +20,11 @@ def spec_yaml(
     name: str = "demo", dp: int = 2, steps: int = 3, threads: int = 1, backend: str = "auto", extra: str = ""
 ) -> str:
     """A small job spec; ``extra`` is more YAML at the top level (e.g. a fault_policy line)."""
-    return extra + "\n" + textwrap.dedent(
-        f"""\
+    return (
+        extra
+        + "\n"
+        + textwrap.dedent(
+            f"""\
         name: {name}
         steps: {steps}
         model: {{n_layers: 1, d_model: 32, n_heads: 2}}
@@ -29,6 +32,7 @@ def spec_yaml(
         parallel: {{dp: {dp}, backend: {backend}, threads_per_rank: {threads}}}
         optimizer: {{warmup_steps: 0}}
         """
+        )
     )
 
 
@@ -94,8 +98,10 @@ def to_ranks(cmd: control_pb2.WorkerCommand):
 
 def kinds(cmds: list[control_pb2.WorkerCommand]) -> list[str]:
     """Each command's kind: the message name of a routed one, else its field."""
-    return [c.routed.type.rsplit(".", 1)[-1] if c.WhichOneof("command") == "routed" else c.WhichOneof("command")
-            for c in cmds]
+    return [
+        c.routed.type.rsplit(".", 1)[-1] if c.WhichOneof("command") == "routed" else c.WhichOneof("command")
+        for c in cmds
+    ]
 
 
 def drain(session) -> list[control_pb2.WorkerCommand]:
@@ -115,8 +121,11 @@ def store_with_no_versions(monkeypatch):
     from services.contract import store_pb2
     from services.control.store_relay import StoreRelay
 
-    monkeypatch.setattr(StoreRelay, "verify_checkpoints",
-                        lambda self, msg, payload=None: store_pb2.CheckpointVerification(job_id=msg.job_id))
+    monkeypatch.setattr(
+        StoreRelay,
+        "verify_checkpoints",
+        lambda self, msg, payload=None: store_pb2.CheckpointVerification(job_id=msg.job_id),
+    )
 
 
 @pytest.fixture

@@ -49,9 +49,23 @@ class ControlProcess:
         self.log = home / f"control-{self.port}-{os.urandom(2).hex()}.log"
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "services.control", "--port", str(self.port), "--db", str(db),
-                 "--data", "127.0.0.1:7001", "--store", store_address],
-                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                [
+                    sys.executable,
+                    "-m",
+                    "services.control",
+                    "--port",
+                    str(self.port),
+                    "--db",
+                    str(db),
+                    "--data",
+                    "127.0.0.1:7001",
+                    "--store",
+                    store_address,
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         self.channel = channel(self.address, module=Module.EXT_USER)
         self.stub = control_pb2_grpc.ControlServiceStub(self.channel)
@@ -257,7 +271,11 @@ def test_a_malformed_request_to_any_method_is_invalid_argument_and_control_lives
     on control's asyncio server): one line naming the method, and control still answers."""
     control = start_control()
     with channel(control.address, module=Module.EXT_USER) as ch:
-        for method, call in (("GetJob", ch.unary_unary), ("WatchJob", ch.unary_stream), ("StreamLogs", ch.unary_stream)):
+        for method, call in (
+            ("GetJob", ch.unary_unary),
+            ("WatchJob", ch.unary_stream),
+            ("StreamLogs", ch.unary_stream),
+        ):
             with pytest.raises(grpc.RpcError) as e:
                 reply = call(f"/surge.v1.ControlService/{method}")(b"\xff\xff\xff\x01garbage", timeout=10)
                 list(reply) if method != "GetJob" else reply
@@ -396,4 +414,6 @@ def test_a_port_in_use_is_one_line_and_a_nonzero_exit(start_control):
     second = start_control(port=control.port, wait=False)
     assert second.proc.wait(timeout=30) == EXIT_PORT_IN_USE  # typed: another socket holds it
     err = second.log.read_text()
-    assert err.strip().splitlines() == [f"error: control: cannot listen on 127.0.0.1:{control.port} (port already in use?)"]
+    assert err.strip().splitlines() == [
+        f"error: control: cannot listen on 127.0.0.1:{control.port} (port already in use?)"
+    ]

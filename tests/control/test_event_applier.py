@@ -47,16 +47,27 @@ def test_a_burst_journals_its_effectless_cursors_in_one_write_and_acks_the_last_
     journal.write_cursors = lambda cursors: (writes.append(list(cursors)), real_write(cursors))  # spy, real write
 
     # beat, step (journaled: rank 0's step row, with its cursor), beat, beat
-    hub.on_worker_events([(session, heartbeat_event(job_id, 0, 1, 1)), (session, step_event(job_id, 1, 2)),
-                          (session, heartbeat_event(job_id, 0, 1, 3)), (session, heartbeat_event(job_id, 0, 2, 4))])
+    hub.on_worker_events(
+        [
+            (session, heartbeat_event(job_id, 0, 1, 1)),
+            (session, step_event(job_id, 1, 2)),
+            (session, heartbeat_event(job_id, 0, 1, 3)),
+            (session, heartbeat_event(job_id, 0, 2, 4)),
+        ]
+    )
     assert writes == [[("wa", "i1", 4)]]  # one group write, for the beats after the step
     assert journal.worker_cursor("wa") == ("i1", 4)
     assert [s for s, _ in journal.steps(job_id)] == [1]
     assert acks(plane, session) == [4]  # coalesced
 
     # A resend after a reconnect: the duplicates are dropped, the new one applied and acked.
-    hub.on_worker_events([(session, step_event(job_id, 1, 2)), (session, heartbeat_event(job_id, 0, 2, 4)),
-                          (session, step_event(job_id, 2, 5))])
+    hub.on_worker_events(
+        [
+            (session, step_event(job_id, 1, 2)),
+            (session, heartbeat_event(job_id, 0, 2, 4)),
+            (session, step_event(job_id, 2, 5)),
+        ]
+    )
     assert [s for s, _ in journal.steps(job_id)] == [1, 2]
     assert hub.duplicates == 2 and writes == [[("wa", "i1", 4)]]  # 5 was journaled with its step
     assert journal.worker_cursor("wa") == ("i1", 5) and acks(plane, session) == [5]
@@ -72,8 +83,9 @@ def test_no_ack_covers_a_seq_whose_cursor_the_journal_did_not_take(tmp_path):
 
     journal.write_cursors = disk_full
     with pytest.raises(sqlite3.OperationalError):
-        plane.c.sessions.on_worker_events([(session, heartbeat_event(job_id, 0, 1, 1)),
-                                           (session, heartbeat_event(job_id, 0, 1, 2))])
+        plane.c.sessions.on_worker_events(
+            [(session, heartbeat_event(job_id, 0, 1, 1)), (session, heartbeat_event(job_id, 0, 1, 2))]
+        )
     assert (session.applied, session.durable) == (2, 0)
     assert acks(plane, session) == []
     assert journal.worker_cursor("wa") == ("", 0)  # after a restart the agent resends 1 and 2
@@ -91,14 +103,29 @@ class Control:
         self.address = f"127.0.0.1:{self.port}"
         self.log = open(tmp / f"control-{self.port}.log", "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.control", "--port", str(self.port), "--db", str(tmp / "control.db"),
-             "--data", f"127.0.0.1:{data}", "--store", f"127.0.0.1:{store}", *flags],
-            cwd=REPO, env={**os.environ, "SURGE_HOME": str(tmp), "PYTHONUNBUFFERED": "1"},
-            stdout=self.log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "services.control",
+                "--port",
+                str(self.port),
+                "--db",
+                str(tmp / "control.db"),
+                "--data",
+                f"127.0.0.1:{data}",
+                "--store",
+                f"127.0.0.1:{store}",
+                *flags,
+            ],
+            cwd=REPO,
+            env={**os.environ, "SURGE_HOME": str(tmp), "PYTHONUNBUFFERED": "1"},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
         )
         with grpc.insecure_channel(self.address) as ch:
             watch = health_pb2_grpc.HealthStub(ch).Watch(
-                health_pb2.HealthCheckRequest(service="surge.v1.ControlService"), timeout=30, wait_for_ready=True)
+                health_pb2.HealthCheckRequest(service="surge.v1.ControlService"), timeout=30, wait_for_ready=True
+            )
             for reply in watch:
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     watch.cancel()
@@ -141,7 +168,8 @@ class Agent:
         self.outgoing: asyncio.Queue = asyncio.Queue()
         self.outgoing.put_nowait(control_pb2.WorkerEvent(register=reg))
         self.call = control_pb2_grpc.ControlServiceStub(channel).WorkerSession(
-            self._requests(), metadata=metadata(Module.EXT_HARDWARE))  # as a node agent
+            self._requests(), metadata=metadata(Module.EXT_HARDWARE)
+        )  # as a node agent
 
     async def _requests(self):
         while (ev := await self.outgoing.get()) is not None:
@@ -209,8 +237,25 @@ def test_the_session_past_max_sessions_is_refused_and_one_closing_makes_room(con
 
 
 def test_max_sessions_below_one_is_one_line_and_exit_2(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "services.control", "--port", "1", "--data", "a:1", "--store", "b:1",
-                        "--max-sessions", "0"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.control",
+            "--port",
+            "1",
+            "--data",
+            "a:1",
+            "--store",
+            "b:1",
+            "--max-sessions",
+            "0",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].endswith("--max-sessions must be >= 1, got 0")
 

@@ -46,7 +46,9 @@ def wired(rules=None, **deadlines) -> tuple[Bus, Reports]:
     bus.subscribe(Module.L1_FAULT_DETECTOR, engine_pb2.TrainingLoopFailed, detector.on_training_loop_failed)
     reports = Reports()
     bus.subscribe(Module.L1_ORCHESTRATOR, control_pb2.FaultReport, reports.add)
-    bus.command(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring(job_id="j", **deadlines))
+    bus.command(
+        Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring(job_id="j", **deadlines)
+    )
     return bus, reports
 
 
@@ -137,7 +139,13 @@ def test_a_rank_that_stops_beating_is_declared_silent_once_after_its_deadline():
     last = time.time()
     assert reports == []
     (r,) = reports.wait(1)
-    assert (r.fault_class, r.grade, r.rank, r.source, r.step) == ("rank_silent", FaultGrade.SEVERE, 1, Module.EXT_HARDWARE, 7)
+    assert (r.fault_class, r.grade, r.rank, r.source, r.step) == (
+        "rank_silent",
+        FaultGrade.SEVERE,
+        1,
+        Module.EXT_HARDWARE,
+        7,
+    )
     assert 0.25 <= r.detected_unix - last < 1.0 and abs(r.occurred_unix - last) < 0.05
     assert "sent no heartbeat for" in r.detail and "deadline 0.3 s" in r.detail
     time.sleep(0.5)
@@ -206,12 +214,16 @@ def test_a_taken_rendezvous_port_is_its_own_class_named_by_the_rank_not_read_fro
     failed(bus, 0, "port_in_use", "RendezvousFailed: the rendezvous port 29500 is taken")
     # The words alone make nothing: the class is the rank's typed one (comm_error here).
     failed(bus, 1, "comm_error", "DistStoreError: ... name: EADDRINUSE, message: address already in use")
-    assert [(r.fault_class, r.grade) for r in reports] == [("port_in_use", FaultGrade.MEDIUM), ("comm_error", FaultGrade.SEVERE)]
+    assert [(r.fault_class, r.grade) for r in reports] == [
+        ("port_in_use", FaultGrade.MEDIUM),
+        ("comm_error", FaultGrade.SEVERE),
+    ]
 
 
 def beat_at(bus: Bus, rank: int, step: int, interval: float = 0.1) -> None:
-    msg = worker_pb2.RankHeartbeat(job_id="j", rank=rank, step=step, stepping=True, step_seconds=0.01,
-                                   worker_id="w", interval_seconds=interval)
+    msg = worker_pb2.RankHeartbeat(
+        job_id="j", rank=rank, step=step, stepping=True, step_seconds=0.01, worker_id="w", interval_seconds=interval
+    )
     bus.publish(Module.EXT_HARDWARE, msg)
 
 
@@ -219,8 +231,9 @@ def test_a_stalled_survivor_is_not_blamed_when_its_peer_went_silent_first():
     # Rank 1 is SIGSTOPped (stops beating) at step 3; rank 0 keeps beating but waits in the
     # collective for it. Rank 0's stall deadline (0.4 s) fires before rank 1's silence
     # deadline (1 s): the stall is held as a symptom and the silence is reported first.
-    bus, reports = wired(heartbeat_timeout_seconds=1.0, stall_min_seconds=0.4, stall_step_factor=0.01,
-                         attribution_seconds=0.0)
+    bus, reports = wired(
+        heartbeat_timeout_seconds=1.0, stall_min_seconds=0.4, stall_step_factor=0.01, attribution_seconds=0.0
+    )
     for rank in (0, 1):
         beat_at(bus, rank, step=3)
     stop = threading.Event()
@@ -266,8 +279,9 @@ def test_a_stall_with_every_peer_beating_is_reported_at_once():
 
 def test_after_a_control_restart_each_rank_has_until_the_reattach_deadline_and_a_beat_rearms_it():
     bus, reports = wired()  # job "j": not restored
-    monitor = control_pb2.StartFaultMonitoring(job_id="r", heartbeat_timeout_seconds=0.5, world_size=2,
-                                               reattach_seconds=1.0)
+    monitor = control_pb2.StartFaultMonitoring(
+        job_id="r", heartbeat_timeout_seconds=0.5, world_size=2, reattach_seconds=1.0
+    )
     bus.command(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR, monitor)
     t0 = time.time()
     time.sleep(0.6)  # past the heartbeat timeout, inside the re-attach deadline: nobody is silent
@@ -300,15 +314,31 @@ def test_a_failure_event_sent_without_its_failure_part_is_its_routes_sender_in_i
     reports = Reports()
     bus.subscribe(Module.L1_ORCHESTRATOR, control_pb2.FaultReport, reports.add)
     bus.command(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring(job_id="j"))
-    bus.publish(Module.L5_CHECKPOINT_MANAGER, store_pb2.SnapshotFailed(
-        job_id="j", operation="save", step=8, rank=1, cause=store_pb2.REJECTED,
-        reason="store refused the save; training continues, saved again at the next interval"))
+    bus.publish(
+        Module.L5_CHECKPOINT_MANAGER,
+        store_pb2.SnapshotFailed(
+            job_id="j",
+            operation="save",
+            step=8,
+            rank=1,
+            cause=store_pb2.REJECTED,
+            reason="store refused the save; training continues, saved again at the next interval",
+        ),
+    )
     [r] = reports.wait(1)
     detector.close()
     assert (r.fault_class, r.grade, r.source, r.rank, r.step, r.event) == (
-        "snapshot_failed", FaultGrade.MINOR, Module.L5_CHECKPOINT_MANAGER, 1, 8, "SnapshotFailed")
-    assert r.detail == ("L5_CHECKPOINT_MANAGER (SnapshotFailed, rank 1): store refused the save; training continues, "
-                        "saved again at the next interval")
+        "snapshot_failed",
+        FaultGrade.MINOR,
+        Module.L5_CHECKPOINT_MANAGER,
+        1,
+        8,
+        "SnapshotFailed",
+    )
+    assert r.detail == (
+        "L5_CHECKPOINT_MANAGER (SnapshotFailed, rank 1): store refused the save; training continues, "
+        "saved again at the next interval"
+    )
 
 
 def test_a_held_stall_whose_rank_moves_on_is_dropped_as_transient():
@@ -324,17 +354,27 @@ def test_after_a_restart_a_survivors_collective_error_waits_for_every_node_agent
     # Control was down when rank 1 died and rank 0 failed in the collective; rank 0's agent
     # re-attaches first. Its comm_error waits (beyond attribution_seconds) for rank 1's agent.
     bus, reports = wired()
-    monitor = control_pb2.StartFaultMonitoring(job_id="r", heartbeat_timeout_seconds=5.0, attribution_seconds=0.2,
-                                               world_size=2, reattach_seconds=10.0)
+    monitor = control_pb2.StartFaultMonitoring(
+        job_id="r", heartbeat_timeout_seconds=5.0, attribution_seconds=0.2, world_size=2, reattach_seconds=10.0
+    )
     bus.command(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR, monitor)
     bus.publish(Module.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=7, worker_id="wa"))
-    bus.publish(Module.L2_TRAINING_LOOP, engine_pb2.TrainingLoopFailed(job_id="r", rank=0, step=7, fault_class="comm_error",
-                                                                  detail="gloo: connection closed by peer"))
+    bus.publish(
+        Module.L2_TRAINING_LOOP,
+        engine_pb2.TrainingLoopFailed(
+            job_id="r", rank=0, step=7, fault_class="comm_error", detail="gloo: connection closed by peer"
+        ),
+    )
     died = time.time() - 5.0  # rank 1 was killed while control was down; rank 0 failed after it
-    bus.publish(Module.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died + 0.2))
+    bus.publish(
+        Module.EXT_HARDWARE,
+        control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died + 0.2),
+    )
     time.sleep(0.6)  # past attribution_seconds: still held, rank 1's agent has not re-attached
     assert list(reports) == []
-    bus.publish(Module.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=1, exit_code=-9, worker_id="wb", unix_time=died))
+    bus.publish(
+        Module.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=1, exit_code=-9, worker_id="wb", unix_time=died)
+    )
     cause, *rest = reports.wait(3)
     assert (cause.fault_class, cause.rank) == ("rank_exit", 1)
     assert [(r.fault_class, r.rank) for r in rest] == [("comm_error", 0), ("rank_exit", 0)]
@@ -342,27 +382,40 @@ def test_after_a_restart_a_survivors_collective_error_waits_for_every_node_agent
 
 def test_after_a_restart_the_rank_that_died_first_is_the_cause_whichever_agent_re_attaches_last():
     bus, reports = wired()
-    monitor = control_pb2.StartFaultMonitoring(job_id="r", heartbeat_timeout_seconds=5.0, attribution_seconds=0.2,
-                                               world_size=2, reattach_seconds=10.0)
+    monitor = control_pb2.StartFaultMonitoring(
+        job_id="r", heartbeat_timeout_seconds=5.0, attribution_seconds=0.2, world_size=2, reattach_seconds=10.0
+    )
     bus.command(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR, monitor)
     died = time.time() - 5.0  # while control was down
-    bus.publish(Module.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=1, exit_code=-9, worker_id="wb", unix_time=died))
+    bus.publish(
+        Module.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=1, exit_code=-9, worker_id="wb", unix_time=died)
+    )
     time.sleep(0.3)
     assert list(reports) == []  # rank 0's agent has not re-attached yet
     # Its agent re-attaches and resends: first a beat rank 0 sent before it failed (stale).
-    bus.publish(Module.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=7, worker_id="wa", unix_time=died))
+    bus.publish(
+        Module.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=7, worker_id="wa", unix_time=died)
+    )
     time.sleep(0.3)
     assert list(reports) == []
-    bus.publish(Module.L2_TRAINING_LOOP, engine_pb2.TrainingLoopFailed(job_id="r", rank=0, step=7, fault_class="comm_error",
-                                                                  detail="gloo: connection reset by peer"))
-    bus.publish(Module.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died + 0.2))
+    bus.publish(
+        Module.L2_TRAINING_LOOP,
+        engine_pb2.TrainingLoopFailed(
+            job_id="r", rank=0, step=7, fault_class="comm_error", detail="gloo: connection reset by peer"
+        ),
+    )
+    bus.publish(
+        Module.EXT_HARDWARE,
+        control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died + 0.2),
+    )
     got = reports.wait(3)
     assert [(r.fault_class, r.rank) for r in got] == [("rank_exit", 1), ("comm_error", 0), ("rank_exit", 0)]
 
 
 def restored(bus: Bus, heartbeat_timeout_seconds: float = 5.0, **kw) -> None:
-    monitor = control_pb2.StartFaultMonitoring(job_id="r", heartbeat_timeout_seconds=heartbeat_timeout_seconds,
-                                               attribution_seconds=0.2, world_size=2, **kw)
+    monitor = control_pb2.StartFaultMonitoring(
+        job_id="r", heartbeat_timeout_seconds=heartbeat_timeout_seconds, attribution_seconds=0.2, world_size=2, **kw
+    )
     bus.command(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR, monitor)
 
 
@@ -373,13 +426,25 @@ def test_after_a_restart_a_rank_whose_node_agent_never_re_attaches_is_lost_with_
     bus, reports = wired()
     restored(bus, reattach_seconds=0.6, rank_worker_ids=["wa", "wb"])
     died = time.time() - 5.0
-    bus.publish(Module.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=7, worker_id="wa", unix_time=died))
-    bus.publish(Module.L2_TRAINING_LOOP, engine_pb2.TrainingLoopFailed(job_id="r", rank=0, step=7, fault_class="comm_error",
-                                                                  detail="gloo: connection closed by peer"))
-    bus.publish(Module.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died + 0.5))
+    bus.publish(
+        Module.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=7, worker_id="wa", unix_time=died)
+    )
+    bus.publish(
+        Module.L2_TRAINING_LOOP,
+        engine_pb2.TrainingLoopFailed(
+            job_id="r", rank=0, step=7, fault_class="comm_error", detail="gloo: connection closed by peer"
+        ),
+    )
+    bus.publish(
+        Module.EXT_HARDWARE,
+        control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died + 0.5),
+    )
     got = reports.wait(3)
     assert [(r.fault_class, r.rank, r.worker_id) for r in got] == [
-        ("worker_lost", 1, "wb"), ("comm_error", 0, "wa"), ("rank_exit", 0, "wa")]
+        ("worker_lost", 1, "wb"),
+        ("comm_error", 0, "wa"),
+        ("rank_exit", 0, "wa"),
+    ]
     assert got[0].detail.startswith("rank 1 lost with worker wb: no node agent re-attached it within ")
     assert got[0].grade == FaultGrade.SEVERE
 
@@ -389,8 +454,10 @@ def test_after_a_restart_a_rank_whose_agent_resent_its_old_beats_but_that_beats_
     restored(bus, heartbeat_timeout_seconds=0.5, reattach_seconds=0.6, rank_worker_ids=["wa", "wb"])
     bus.publish(Module.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=7, worker_id="wa"))
     # Rank 1's agent is back (it resends a beat from before the restart); rank 1 is stopped.
-    bus.publish(Module.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=1, step=7, worker_id="wb",
-                                                         unix_time=time.time() - 5.0))
+    bus.publish(
+        Module.EXT_HARDWARE,
+        worker_pb2.RankHeartbeat(job_id="r", rank=1, step=7, worker_id="wb", unix_time=time.time() - 5.0),
+    )
     (silent,) = [r for r in reports.wait(2) if r.rank == 1]  # (rank 0 stops beating too)
     assert (silent.fault_class, silent.rank, silent.worker_id) == ("rank_silent", 1, "wb")
 
@@ -409,13 +476,21 @@ def test_after_a_restart_a_lost_node_agent_reported_by_its_session_is_the_cause_
     bus, reports = wired()
     restored(bus, reattach_seconds=10.0)
     died = time.time() - 5.0
-    bus.publish(Module.L2_TRAINING_LOOP, engine_pb2.TrainingLoopFailed(job_id="r", rank=0, step=7, fault_class="comm_error",
-                                                                  detail="gloo: connection closed by peer"))
-    bus.publish(Module.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died))
+    bus.publish(
+        Module.L2_TRAINING_LOOP,
+        engine_pb2.TrainingLoopFailed(
+            job_id="r", rank=0, step=7, fault_class="comm_error", detail="gloo: connection closed by peer"
+        ),
+    )
+    bus.publish(
+        Module.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died)
+    )
     time.sleep(0.3)
     assert list(reports) == []
-    bus.publish(Module.EXT_HARDWARE, control_pb2.RankExited(job_id="r", rank=1, worker_id="wb",
-                                                       detail="session closed", worker_lost=True))
+    bus.publish(
+        Module.EXT_HARDWARE,
+        control_pb2.RankExited(job_id="r", rank=1, worker_id="wb", detail="session closed", worker_lost=True),
+    )
     got = reports.wait(3)
     assert [(r.fault_class, r.rank) for r in got] == [("worker_lost", 1), ("comm_error", 0), ("rank_exit", 0)]
 
@@ -423,7 +498,19 @@ def test_after_a_restart_a_lost_node_agent_reported_by_its_session_is_the_cause_
 def test_every_fault_class_a_rank_raises_has_its_own_grade():
     # The classes the loop, the precision policy and the operator adapter fail with: none may
     # fall through to the catch-all grade by accident (a new class needs a deliberate rule).
-    raised = {"config_error", "data_unavailable", "data_exhausted", "non_finite_loss", "gradient_overflow",
-              "loss_scale_at_minimum", "overflow_storm", "operator_unavailable", "checkpoint_error",
-              "comm_error", "model_error", "boundary_violation", "session_lost"}
+    raised = {
+        "config_error",
+        "data_unavailable",
+        "data_exhausted",
+        "non_finite_loss",
+        "gradient_overflow",
+        "loss_scale_at_minimum",
+        "overflow_storm",
+        "operator_unavailable",
+        "checkpoint_error",
+        "comm_error",
+        "model_error",
+        "boundary_violation",
+        "session_lost",
+    }
     assert raised - set(DEFAULT_RULES) == set()

@@ -35,16 +35,28 @@ def store(monkeypatch):
     def verify(self, msg, payload=None):
         seen.verified += 1
         if seen.down:
-            return store_pb2.SnapshotFailed(job_id=msg.job_id, operation="verify", cause=store_pb2.UNREACHABLE,
-                                            reason="store s:1: UNAVAILABLE: connection refused")
-        return store_pb2.CheckpointVerification(job_id=msg.job_id, versions=[
-            store_pb2.CheckpointVerdict(info=store_pb2.CheckpointInfo(version=v, step=step, job_id=msg.job_id), ok=ok,
-                                        reason="" if ok else f"checkpoint {v}: __0_0.distcp: sha256 mismatch")
-            for v, step, ok in seen.verdicts
-        ])
+            return store_pb2.SnapshotFailed(
+                job_id=msg.job_id,
+                operation="verify",
+                cause=store_pb2.UNREACHABLE,
+                reason="store s:1: UNAVAILABLE: connection refused",
+            )
+        return store_pb2.CheckpointVerification(
+            job_id=msg.job_id,
+            versions=[
+                store_pb2.CheckpointVerdict(
+                    info=store_pb2.CheckpointInfo(version=v, step=step, job_id=msg.job_id),
+                    ok=ok,
+                    reason="" if ok else f"checkpoint {v}: __0_0.distcp: sha256 mismatch",
+                )
+                for v, step, ok in seen.verdicts
+            ],
+        )
 
     monkeypatch.setattr(StoreRelay, "verify_checkpoints", verify)
-    monkeypatch.setattr(StoreRelay, "scrub_checkpoints", lambda self, msg, payload=None: seen.scrubbed.append(msg.job_id))
+    monkeypatch.setattr(
+        StoreRelay, "scrub_checkpoints", lambda self, msg, payload=None: seen.scrubbed.append(msg.job_id)
+    )
     return seen
 
 
@@ -80,7 +92,9 @@ def saved(plane: Plane, session, job_id: str, n: int, step: int) -> str:
 def restarted(plane: Plane, job_id: str, placed: dict, start_step: int) -> None:
     """The relaunched ranks report ready (restored at ``start_step``)."""
     for rank, session in placed.items():
-        plane.rank_event(session, job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank, start_step=start_step))
+        plane.rank_event(
+            session, job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank, start_step=start_step)
+        )
 
 
 def decisions(plane: Plane, job_id: str) -> list[str]:
@@ -144,16 +158,28 @@ def test_an_exhausted_restart_budget_fails_the_job_with_the_reason(plane):
     plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)  # again: the budget is spent
     s = plane.get(job_id)
     assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.FAILED)
-    assert s.message.startswith("FAILED: restart budget for rank_exit exhausted (1 of 1 used); last fault: SEVERE rank_exit")
-    assert decisions(plane, job_id)[-1] == "stop after rank_exit of rank 1 on wb: restart budget for rank_exit exhausted (1 of 1 used)"
+    assert s.message.startswith(
+        "FAILED: restart budget for rank_exit exhausted (1 of 1 used); last fault: SEVERE rank_exit"
+    )
+    assert (
+        decisions(plane, job_id)[-1]
+        == "stop after rank_exit of rank 1 on wb: restart budget for rank_exit exhausted (1 of 1 used)"
+    )
 
 
 def test_a_worker_rejoining_does_not_reset_the_budget(plane):
-    job_id, w = running(plane, "wa", "wb",
-                        extra=QUICK + "\nfault_policy: {restarts: {worker_lost: 1}, actions: {worker_lost: exclude_node}}")
+    job_id, w = running(
+        plane,
+        "wa",
+        "wb",
+        extra=QUICK + "\nfault_policy: {restarts: {worker_lost: 1}, actions: {worker_lost: exclude_node}}",
+    )
     spare = plane.register("wc")
     plane.c.sessions.close(w["wb"])  # wb's node agent is gone: worker_lost, exclude it
-    assert decisions(plane, job_id)[0] == "exclude_node after worker_lost of rank 1 on wb (restart 1 of 1 for worker_lost); excluding wb"
+    assert (
+        decisions(plane, job_id)[0]
+        == "exclude_node after worker_lost of rank 1 on wb (restart 1 of 1 for worker_lost); excluding wb"
+    )
     placed = {0: w["wa"], 1: spare}
     assert [[r.rank for r in c.launch.ranks] for c in drain(spare)] == [[1]]
     plane.rank_exited(w["wa"], job_id, 0, exit_code=-9)
@@ -162,7 +188,10 @@ def test_a_worker_rejoining_does_not_reset_the_budget(plane):
     drain(back)
     plane.c.sessions.close(spare)  # and another one goes
     s = plane.get(job_id)
-    assert (s.outcome, "restart budget for worker_lost exhausted (1 of 1 used)" in s.message) == (JobOutcome.FAILED, True)
+    assert (s.outcome, "restart budget for worker_lost exhausted (1 of 1 used)" in s.message) == (
+        JobOutcome.FAILED,
+        True,
+    )
 
 
 def test_rollback_skips_checkpoints_after_the_faulting_step_and_ones_that_do_not_verify(plane, store):
@@ -171,7 +200,9 @@ def test_rollback_skips_checkpoints_after_the_faulting_step_and_ones_that_do_not
     v2 = saved(plane, w["wa"], job_id, 2, step=4)  # does not verify
     v3 = saved(plane, w["wa"], job_id, 3, step=6)  # after the faulting step
     store.verdicts = [(v1, 2, True), (v2, 4, False), (v3, 6, True)]
-    failed = engine_pb2.TrainingLoopFailed(step=5, fault_class="non_finite_loss", detail="training loss is nan at step 6")
+    failed = engine_pb2.TrainingLoopFailed(
+        step=5, fault_class="non_finite_loss", detail="training loss is nan at step 6"
+    )
     plane.rank_event(w["wa"], job_id, 0, failed=failed)
     assert decisions(plane, job_id) == ["rollback after non_finite_loss of rank 0 (restart 1 of 3 for non_finite_loss)"]
     events = [e.message for e in plane.events(job_id)]
@@ -196,28 +227,37 @@ def test_an_ignored_fault_is_recorded_and_counted_and_nothing_else_happens(plane
     job_id, w = running(plane, "wa", "wb", extra=QUICK + "\nfault_policy: {actions: {SEVERE: ignore}}")
     for _ in range(2):
         plane.rank_event(w["wa"], job_id, 0, failed=engine_pb2.TrainingLoopFailed(fault_class="comm_error"))
-    assert decisions(plane, job_id) == ["ignore comm_error of rank 0: fault policy; 1 ignored so far",
-                                        "ignore comm_error of rank 0: fault policy; 2 ignored so far"]
+    assert decisions(plane, job_id) == [
+        "ignore comm_error of rank 0: fault policy; 1 ignored so far",
+        "ignore comm_error of rank 0: fault policy; 2 ignored so far",
+    ]
     assert plane.get(job_id).state == JobState.RUNNING
     assert drain(w["wa"]) == [] and drain(w["wb"]) == []
 
 
 def test_exclude_node_without_enough_slots_elsewhere_waits_for_capacity_then_the_policy_fails_the_job(plane):
-    job_id, w = running(plane, "wa", "wb", extra=QUICK + "\nfault_policy: {actions: {worker_lost: exclude_node}, "
-                                                   "capacity_wait_seconds: 0.6}")
+    job_id, w = running(
+        plane,
+        "wa",
+        "wb",
+        extra=QUICK + "\nfault_policy: {actions: {worker_lost: exclude_node}, capacity_wait_seconds: 0.6}",
+    )
     plane.c.sessions.close(w["wb"])
     s = plane.get(job_id)
     assert s.state == JobState.FAULT_FROZEN
-    assert s.message.startswith("waiting for capacity to resume from scratch: needs 2 ranks, 1 free "
-                                "(placing the ranks (fresh start): 1 is free on 1 registered worker (excluding wb)); "
-                                "retry 1 in 0.5 s, the fault policy decides after 1 s")
+    assert s.message.startswith(
+        "waiting for capacity to resume from scratch: needs 2 ranks, 1 free "
+        "(placing the ranks (fresh start): 1 is free on 1 registered worker (excluding wb)); "
+        "retry 1 in 0.5 s, the fault policy decides after 1 s"
+    )
     deadline = time.monotonic() + 10
     while plane.get(job_id).state != JobState.TERMINATED and time.monotonic() < deadline:
         time.sleep(0.05)
     s = plane.get(job_id)
     assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.FAILED)
     assert s.message.startswith("FAILED: waiting for capacity to resume from scratch") and s.message.endswith(
-        "every checkpoint is kept")
+        "every checkpoint is kept"
+    )
 
 
 def test_a_stop_during_a_recovery_ends_the_job_stopped(plane):
@@ -260,15 +300,24 @@ def test_faults_detection_latency_decisions_and_recovery_time_are_exported(plane
     assert latency >= 0.25  # from the exit the node agent reaped, not from the report
 
 
-@pytest.mark.parametrize("section, error", [
-    ("fault_policy: {actions: {rank_exit: reboot}}",
-     "job.yaml: fault_policy.actions.rank_exit: Input should be "),
-    ("fault_policy: {actions: {Severe: stop}}",
-     "job.yaml: fault_policy: 'Severe' is neither a grade (MINOR, MEDIUM, SEVERE, FATAL) nor a fault class name"),
-    ("fault_policy: {restarts: {rank_exit: -1}}", "job.yaml: fault_policy: restarts.rank_exit must be >= 0, got -1"),
-    ("liveness: {heartbeat_interval_seconds: 2}",
-     "job.yaml: liveness: heartbeat_timeout_seconds (3.0) must be at least twice heartbeat_interval_seconds (2.0)"),
-])
+@pytest.mark.parametrize(
+    "section, error",
+    [
+        ("fault_policy: {actions: {rank_exit: reboot}}", "job.yaml: fault_policy.actions.rank_exit: Input should be "),
+        (
+            "fault_policy: {actions: {Severe: stop}}",
+            "job.yaml: fault_policy: 'Severe' is neither a grade (MINOR, MEDIUM, SEVERE, FATAL) nor a fault class name",
+        ),
+        (
+            "fault_policy: {restarts: {rank_exit: -1}}",
+            "job.yaml: fault_policy: restarts.rank_exit must be >= 0, got -1",
+        ),
+        (
+            "liveness: {heartbeat_interval_seconds: 2}",
+            "job.yaml: liveness: heartbeat_timeout_seconds (3.0) must be at least twice heartbeat_interval_seconds (2.0)",
+        ),
+    ],
+)
 def test_a_bad_fault_policy_or_liveness_section_is_one_line_naming_the_field(section, error):
     from services.jobspec import JobSpecError, parse_job_spec
 
@@ -277,8 +326,9 @@ def test_a_bad_fault_policy_or_liveness_section_is_one_line_naming_the_field(sec
     with pytest.raises(JobSpecError) as e:
         parse_job_spec(spec_yaml(extra=section))
     # (a prefix for the list of actions: the set of actions grows, e.g. skip_step)
-    assert str(e.value) == error or (error.endswith("should be ") and str(e.value).startswith(error)
-                                     and str(e.value).endswith("got 'reboot'"))
+    assert str(e.value) == error or (
+        error.endswith("should be ") and str(e.value).startswith(error) and str(e.value).endswith("got 'reboot'")
+    )
 
 
 def test_a_class_entry_beats_a_grade_entry_which_beats_the_defaults():
@@ -286,11 +336,13 @@ def test_a_class_entry_beats_a_grade_entry_which_beats_the_defaults():
 
     from .conftest import spec_yaml
 
-    policy = parse_job_spec(spec_yaml(extra="fault_policy: {actions: {SEVERE: stop, worker_lost: ignore}}")).fault_policy
-    assert policy.action_for("worker_lost", "SEVERE") == "ignore"   # class entry
-    assert policy.action_for("rank_exit", "SEVERE") == "stop"       # grade entry over the class default
+    policy = parse_job_spec(
+        spec_yaml(extra="fault_policy: {actions: {SEVERE: stop, worker_lost: ignore}}")
+    ).fault_policy
+    assert policy.action_for("worker_lost", "SEVERE") == "ignore"  # class entry
+    assert policy.action_for("rank_exit", "SEVERE") == "stop"  # grade entry over the class default
     assert policy.action_for("non_finite_loss", "FATAL") == "rollback"  # class default
-    assert policy.action_for("model_error", "FATAL") == "stop"      # grade default
+    assert policy.action_for("model_error", "FATAL") == "stop"  # grade default
     assert policy.action_for("something_new", "MINOR") == "ignore"
 
 
@@ -304,7 +356,9 @@ def test_a_load_that_failed_for_want_of_the_store_does_not_strike_the_version(pl
     # bytes are wrong (the class the rank named is checkpoint_error, not checkpoint_integrity).
     failed = engine_pb2.TrainingLoopFailed(step=8, fault_class="checkpoint_error", detail="store: Load: UNAVAILABLE")
     plane.rank_event(w["wa"], job_id, 0, failed=failed)
-    assert decisions(plane, job_id)[1] == "rollback after checkpoint_error of rank 0 (restart 1 of 3 for checkpoint_error)"
+    assert (
+        decisions(plane, job_id)[1] == "rollback after checkpoint_error of rank 0 (restart 1 of 3 for checkpoint_error)"
+    )
     relaunched = [m for m in (e.message for e in plane.events(job_id)) if m.startswith("ranks killed and relaunched")]
     assert [m.split("resume from ")[1].split(";")[0] for m in relaunched] == [f"checkpoint {job_id}:2"] * 2
 
@@ -318,7 +372,10 @@ def test_recovery_names_a_version_the_store_verified_even_if_its_completion_repo
     plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
     assert store.verified == 1
     events = [e.message for e in plane.events(job_id)]
-    assert f"checkpoint {job_id}:2 at step 8 verified: committed by the store, its completion report never arrived" in events
+    assert (
+        f"checkpoint {job_id}:2 at step 8 verified: committed by the store, its completion report never arrived"
+        in events
+    )
     (relaunch,) = [m for m in events if m.startswith("ranks killed and relaunched")]
     assert f"resume from checkpoint {job_id}:2;" in relaunch
 
@@ -343,12 +400,18 @@ def test_a_checkpoint_integrity_failure_of_the_relaunched_ranks_rolls_back_by_th
     saved(plane, w["wa"], job_id, 2, step=8)
     plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
     plane.rank_exited(w["wa"], job_id, 0, exit_code=-9)
-    failed = engine_pb2.TrainingLoopFailed(step=8, fault_class="checkpoint_integrity",
-                                           detail=f"checkpoint {job_id}:2: __0_0.distcp: sha256 mismatch")
+    failed = engine_pb2.TrainingLoopFailed(
+        step=8, fault_class="checkpoint_integrity", detail=f"checkpoint {job_id}:2: __0_0.distcp: sha256 mismatch"
+    )
     plane.rank_event(w["wa"], job_id, 0, failed=failed)
-    assert decisions(plane, job_id)[1] == "rollback after checkpoint_error of rank 0 (restart 1 of 3 for checkpoint_error)"
+    assert (
+        decisions(plane, job_id)[1] == "rollback after checkpoint_error of rank 0 (restart 1 of 3 for checkpoint_error)"
+    )
     relaunched = [m for m in (e.message for e in plane.events(job_id)) if m.startswith("ranks killed and relaunched")]
-    assert [m.split("resume from ")[1].split(";")[0] for m in relaunched] == [f"checkpoint {job_id}:2", f"checkpoint {job_id}:1"]
+    assert [m.split("resume from ")[1].split(";")[0] for m in relaunched] == [
+        f"checkpoint {job_id}:2",
+        f"checkpoint {job_id}:1",
+    ]
 
 
 def test_every_skipped_step_is_an_event_with_its_reason_and_counted(plane):
@@ -366,8 +429,10 @@ def test_every_skipped_step_is_an_event_with_its_reason_and_counted(plane):
         plane.rank_event(w["wa"], job_id, 0, step=step)
     skips = [e.message for e in plane.events(job_id) if e.type == "skip"]
     if "skip_reason" in engine_pb2.StepCompleted.DESCRIPTOR.fields_by_name:
-        assert skips == ["step 5 skipped (non_finite_loss): no update applied; loss nan",
-                         "step 7 skipped (overflow): no update applied; loss nan"]
+        assert skips == [
+            "step 5 skipped (non_finite_loss): no update applied; loss nan",
+            "step 7 skipped (overflow): no update applied; loss nan",
+        ]
         assert (count("non_finite_loss"), count("overflow")) == (before[0] + 1, before[1] + 1)
     else:  # (the loop's field not built yet: every skip reads as an overflow)
         assert len(skips) == 2
@@ -383,7 +448,8 @@ def test_a_standing_order_the_orchestrator_withdraws_reaches_every_rank_with_one
     assert at > 5  # a boundary the ranks have yet to reach
     for session in w.values():
         assert [to_ranks(c) for c in drain(session)] == [
-            engine_pb2.RevokeStandingOrder(job_id=job_id, order=1, after_step=at)]
+            engine_pb2.RevokeStandingOrder(job_id=job_id, order=1, after_step=at)
+        ]
     assert decisions(plane, job_id)[-1] == f"standing order 1 revoked after step {at}"
     plane.user(control_pb2.StopJobRequest(job_id=job_id, no_checkpoint=True))
     plane.rank_exited(w["wa"], job_id, 0, exit_code=0), plane.rank_exited(w["wb"], job_id, 1, exit_code=0)
@@ -417,7 +483,8 @@ def test_a_restarted_control_answers_a_reminder_with_the_journaled_verdict_and_k
     assert [[to_ranks(c) for c in drain(s)] for s in w.values()] == [[verdict], [verdict]]  # (by job, to every rank)
     assert decisions(plane, job_id)[1:] == [
         f"standing order 1 revoked after step {at}",
-        "verdict on non_finite_loss at step 6 sent again: rank 1 still waits after 0 s"]
+        "verdict on non_finite_loss at step 6 sent again: rank 1 still waits after 0 s",
+    ]
     assert plane.c.orchestrator._withdraw_standing_order(job_id, 1) == at  # these ranks have it already
     assert [kinds(drain(s)) for s in w.values()] == [[], []]
     journal.close()
@@ -426,11 +493,17 @@ def test_a_restarted_control_answers_a_reminder_with_the_journaled_verdict_and_k
 def test_a_version_the_stores_scrub_finds_corrupt_is_struck_and_the_next_recovery_skips_it(plane, store):
     job_id, w = running(plane, "wa", "wb")
     v1, v2 = saved(plane, w["wa"], job_id, 1, step=4), saved(plane, w["wa"], job_id, 2, step=8)
-    plane.c.bus.publish(Module.L5_CHECKPOINT_MANAGER, store_pb2.CheckpointCorrupt(
-        job_id=job_id, version=v2, step=8, cause=store_pb2.CORRUPT, reason=f"checkpoint {v2}: __0_0.distcp: sha256"))
+    plane.c.bus.publish(
+        Module.L5_CHECKPOINT_MANAGER,
+        store_pb2.CheckpointCorrupt(
+            job_id=job_id, version=v2, step=8, cause=store_pb2.CORRUPT, reason=f"checkpoint {v2}: __0_0.distcp: sha256"
+        ),
+    )
     events = [e.message for e in plane.events(job_id)]
-    assert f"checkpoint {v2} at step 8 found corrupt by the store's scrub (checkpoint {v2}: __0_0.distcp: sha256); " \
-           "never loaded" in events
+    assert (
+        f"checkpoint {v2} at step 8 found corrupt by the store's scrub (checkpoint {v2}: __0_0.distcp: sha256); "
+        "never loaded" in events
+    )
     plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
     assert resumes(w["wa"]) == [v1]  # (v1 was never struck: only the scrubbed version is)
 
@@ -474,8 +547,12 @@ def test_a_second_rank_dying_while_the_recovery_waits_for_the_store_is_a_consequ
 
 @pytest.mark.parametrize("action, outcome", [("stop", "failed"), ("restart_ranks", "relaunched")])
 def test_a_store_unreachable_past_store_wait_seconds_is_decided_by_the_policy(plane, store, action, outcome):
-    job_id, w = running(plane, "wa", "wb", extra=QUICK + "\nfault_policy: {store_wait_seconds: 0.6, "
-                                                         f"actions: {{store_unreachable: {action}}}}}")
+    job_id, w = running(
+        plane,
+        "wa",
+        "wb",
+        extra=QUICK + f"\nfault_policy: {{store_wait_seconds: 0.6, actions: {{store_unreachable: {action}}}}}",
+    )
     v1 = saved(plane, w["wa"], job_id, 1, step=4)
     store.down = True
     plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
@@ -485,7 +562,9 @@ def test_a_store_unreachable_past_store_wait_seconds_is_decided_by_the_policy(pl
         time.sleep(0.05)
     s = plane.get(job_id)
     if outcome == "failed":
-        assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.FAILED) and s.message.endswith("every checkpoint is kept")
+        assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.FAILED) and s.message.endswith(
+            "every checkpoint is kept"
+        )
     else:  # goes on with the version reported, unverified: the ranks check its digests as they load it
         assert s.state == JobState.FAULT_FROZEN and resumes(w["wa"]) == [v1]
     assert store.verified >= 2  # asked again while it waited
@@ -496,20 +575,35 @@ def test_a_skipped_save_is_one_record_unless_the_policy_decides_on_snapshot_fail
     job_id, w = running(plane, "wa", "wb", extra=QUICK + policy)
     said = "store at s:1: BeginSave: DEADLINE_EXCEEDED"
     # As the rank's store relay sends it: L5-1's failure event, typed by the store's cause.
-    failed = store_pb2.SnapshotFailed(job_id=job_id, operation="save", step=5, cause=store_pb2.TIMEOUT, rank=0,
-                                      reason=said, failure=route_pb2.Failure(
-                                          cause=route_pb2.FAILURE_TIMEOUT, module=Module.L5_CHECKPOINT_MANAGER,
-                                          operation="surge.v1.SaveCheckpoint", job_id=job_id, rank=0, detail=said))
+    failed = store_pb2.SnapshotFailed(
+        job_id=job_id,
+        operation="save",
+        step=5,
+        cause=store_pb2.TIMEOUT,
+        rank=0,
+        reason=said,
+        failure=route_pb2.Failure(
+            cause=route_pb2.FAILURE_TIMEOUT,
+            module=Module.L5_CHECKPOINT_MANAGER,
+            operation="surge.v1.SaveCheckpoint",
+            job_id=job_id,
+            rank=0,
+            detail=said,
+        ),
+    )
     plane.rank_event(w["wa"], job_id, 0, snapshot_failed=failed)
     events = [(e.type, e.message) for e in plane.events(job_id)]
-    assert ("checkpoint", f"checkpoint save failed (timeout: {said}); training continues, the next interval "
-                          "tries again") in events
+    assert (
+        "checkpoint",
+        f"checkpoint save failed (timeout: {said}); training continues, the next interval tries again",
+    ) in events
     if not policy:  # L1-3 graded it MINOR, L1-1 ignored it: no second record of the one skipped save
         assert [t for t, _ in events if t == "fault"] == [] and decisions(plane, job_id) == []
         assert plane.get(job_id).state == JobState.RUNNING
     else:  # the operator's policy decides on L1-3's grade
         assert [m for t, m in events if t == "fault"] == [
-            f"MINOR snapshot_failed: L5_CHECKPOINT_MANAGER (rank 0) failed handling surge.v1.SaveCheckpoint: {said}"]
+            f"MINOR snapshot_failed: L5_CHECKPOINT_MANAGER (rank 0) failed handling surge.v1.SaveCheckpoint: {said}"
+        ]
         assert decisions(plane, job_id) == ["stop after snapshot_failed of rank 0: fault policy"]
         assert plane.get(job_id).outcome == JobOutcome.FAILED
 
@@ -519,11 +613,22 @@ def test_a_load_that_found_corrupt_bytes_has_the_store_rescrub_and_its_findings_
     v1, v2 = saved(plane, w["wa"], job_id, 1, step=4), saved(plane, w["wa"], job_id, 2, step=8)
     said = f"checkpoint {v2}: __0_0.distcp: sha256 mismatch"
     # As the rank's checkpoint relay sends it: L5-1's failure event, with its typed failure.
-    failed = store_pb2.SnapshotFailed(job_id=job_id, version=v2, operation="load", cause=store_pb2.CORRUPT, rank=0,
-                                      reason=said, failure=route_pb2.Failure(
-                                          cause=route_pb2.FAILURE_DATA_CORRUPT, module=Module.L5_CHECKPOINT_MANAGER,
-                                          operation="surge.v1.LoadCheckpoint", job_id=job_id, rank=0,
-                                          detail=f"CheckpointIntegrityError: {said}"))
+    failed = store_pb2.SnapshotFailed(
+        job_id=job_id,
+        version=v2,
+        operation="load",
+        cause=store_pb2.CORRUPT,
+        rank=0,
+        reason=said,
+        failure=route_pb2.Failure(
+            cause=route_pb2.FAILURE_DATA_CORRUPT,
+            module=Module.L5_CHECKPOINT_MANAGER,
+            operation="surge.v1.LoadCheckpoint",
+            job_id=job_id,
+            rank=0,
+            detail=f"CheckpointIntegrityError: {said}",
+        ),
+    )
     plane.c.bus.publish(Module.L5_CHECKPOINT_MANAGER, failed)
     assert store.scrubbed == [job_id]
     # L1-1 reads it first (the route's order), records it and has the store rescrub; L1-3
@@ -531,8 +636,14 @@ def test_a_load_that_found_corrupt_bytes_has_the_store_rescrub_and_its_findings_
     # ignores, so its report adds no second record (no "fault", no "ignore" decision).
     assert [e.message for e in plane.events(job_id)][-1] == f"checkpoint load of {v2} failed (corrupt: {said})"
     assert len(decisions(plane, job_id)) == 0
-    answer = store_pb2.CheckpointScrubbed(job_id=job_id, newly_corrupt=[store_pb2.CheckpointCorrupt(
-        job_id=job_id, version=v2, step=8, cause=store_pb2.CORRUPT, reason="sha256 mismatch")])
+    answer = store_pb2.CheckpointScrubbed(
+        job_id=job_id,
+        newly_corrupt=[
+            store_pb2.CheckpointCorrupt(
+                job_id=job_id, version=v2, step=8, cause=store_pb2.CORRUPT, reason="sha256 mismatch"
+            )
+        ],
+    )
     plane.c.bus.publish(Module.L5_CHECKPOINT_MANAGER, answer)
     plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
     assert resumes(w["wa"]) == [v1]

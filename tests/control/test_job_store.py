@@ -16,10 +16,17 @@ def test_jobs_and_events_survive_a_reopen(tmp_path):
     store = JobStore(db)
     status = control_pb2.JobStatus(job_id="demo-abcdef", name="demo", state=JobState.WARMING_UP, created_unix=1.0)
     store.create_job(status, '{"name": "demo"}')
-    for seq, (state, step) in enumerate([(JobState.RUNNING, 0), (JobState.RUNNING, 10), (JobState.TERMINATED, 20)], start=1):
+    for seq, (state, step) in enumerate(
+        [(JobState.RUNNING, 0), (JobState.RUNNING, 10), (JobState.TERMINATED, 20)], start=1
+    ):
         status.state, status.step = state, step
         event = control_pb2.JobEvent(
-            job_id=status.job_id, seq=seq, unix_time=float(seq), source=Module.L1_ORCHESTRATOR, type="state", status=status
+            job_id=status.job_id,
+            seq=seq,
+            unix_time=float(seq),
+            source=Module.L1_ORCHESTRATOR,
+            type="state",
+            status=status,
         )
         store.save_status(status, event)
     store.close()
@@ -29,7 +36,10 @@ def test_jobs_and_events_survive_a_reopen(tmp_path):
     assert (job.status.job_id, job.status.state, job.status.step) == ("demo-abcdef", JobState.TERMINATED, 20)
     assert (job.spec_json, job.last_seq) == ('{"name": "demo"}', 3)
     events = store.events("demo-abcdef", from_seq=2)
-    assert [(e.seq, e.status.step, e.source) for e in events] == [(2, 10, Module.L1_ORCHESTRATOR), (3, 20, Module.L1_ORCHESTRATOR)]
+    assert [(e.seq, e.status.step, e.source) for e in events] == [
+        (2, 10, Module.L1_ORCHESTRATOR),
+        (3, 20, Module.L1_ORCHESTRATOR),
+    ]
     assert store.events("unknown") == []
     store.close()
 

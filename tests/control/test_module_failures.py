@@ -31,15 +31,22 @@ JOB = "j"
 # ignored (L1-1 decides on SnapshotFailed itself; metrics are not worth a relaunch); a
 # prefetcher that cannot read its files is a data I/O error (SEVERE -> restart_ranks).
 CASES: dict[int, tuple[int, str, int, str]] = {  # module -> (cause, class, grade, action)
-    Module.L3_GRADIENT_REDUCTION: (FailureCause.FAILURE_COMMUNICATION, "comm_error", FaultGrade.SEVERE, "restart_ranks"),
+    Module.L3_GRADIENT_REDUCTION: (
+        FailureCause.FAILURE_COMMUNICATION,
+        "comm_error",
+        FaultGrade.SEVERE,
+        "restart_ranks",
+    ),
     Module.L5_CHECKPOINT_MANAGER: (FailureCause.FAILURE_IO, "snapshot_failed", FaultGrade.MINOR, "ignore"),
     Module.L4_PREFETCHER: (FailureCause.FAILURE_IO, "data_io_error", FaultGrade.SEVERE, "restart_ranks"),
     Module.L2_OPTIMIZER: (FailureCause.FAILURE_OUT_OF_MEMORY, "out_of_memory", FaultGrade.FATAL, "stop"),
     Module.L1_RECOVERY_CONTROLLER: (FailureCause.FAILURE_TIMEOUT, "recovery_failed", FaultGrade.MINOR, "ignore"),
     Module.L5_METRICS_LOGGER: (FailureCause.FAILURE_INTERNAL, "log_write_failed", FaultGrade.MINOR, "ignore"),
     # The data pipeline's failures, of no more specific cause: the data is unavailable.
-    **{m: (FailureCause.FAILURE_INTERNAL, "data_unavailable", FaultGrade.FATAL, "stop")
-       for m in (Module.L4_DATASET_VERSIONS, Module.L4_SHUFFLER, Module.L4_FILTER, Module.L4_BATCH_PACKER)},
+    **{
+        m: (FailureCause.FAILURE_INTERNAL, "data_unavailable", FaultGrade.FATAL, "stop")
+        for m in (Module.L4_DATASET_VERSIONS, Module.L4_SHUFFLER, Module.L4_FILTER, Module.L4_BATCH_PACKER)
+    },
 }
 DEFAULT = (FailureCause.FAILURE_INTERNAL, "internal_error", FaultGrade.FATAL, "stop")
 
@@ -87,7 +94,9 @@ def test_a_handler_failure_in_each_module_is_a_typed_event_graded_by_l1_3_and_de
     detector = FaultDetector(emit=bus.emitter(Module.L1_FAULT_DETECTOR))
     bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring, detector.start_fault_monitoring)
     for failure_type in fl.failure_events_to(bus.table, Module.L1_FAULT_DETECTOR):
-        handler = detector.on_training_loop_failed if failure_type is engine_pb2.TrainingLoopFailed else detector.on_failure
+        handler = (
+            detector.on_training_loop_failed if failure_type is engine_pb2.TrainingLoopFailed else detector.on_failure
+        )
         bus.subscribe(Module.L1_FAULT_DETECTOR, failure_type, handler)
     decisions = Decisions(FaultPolicySpec())
     bus.subscribe(Module.L1_ORCHESTRATOR, control_pb2.FaultReport, decisions.on_fault_report)

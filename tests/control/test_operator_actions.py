@@ -41,12 +41,16 @@ def store(monkeypatch):
     def verify_checkpoints(relay, msg, payload=None):  # answered as the gRPC relay does: as an event
         fake.asked += 1
         if fake.down:
-            reply = store_pb2.SnapshotFailed(job_id=msg.job_id, operation="verify", cause=store_pb2.UNREACHABLE,
-                                             reason="store s:1: UNAVAILABLE")
+            reply = store_pb2.SnapshotFailed(
+                job_id=msg.job_id, operation="verify", cause=store_pb2.UNREACHABLE, reason="store s:1: UNAVAILABLE"
+            )
         else:
-            verdicts = [store_pb2.CheckpointVerdict(info=store_pb2.CheckpointInfo(version=v, step=st, job_id=msg.job_id),
-                                                    ok=ok, reason=reason)
-                        for v, st, ok, reason in fake.versions.get(msg.job_id, [])]
+            verdicts = [
+                store_pb2.CheckpointVerdict(
+                    info=store_pb2.CheckpointInfo(version=v, step=st, job_id=msg.job_id), ok=ok, reason=reason
+                )
+                for v, st, ok, reason in fake.versions.get(msg.job_id, [])
+            ]
             reply = store_pb2.CheckpointVerification(job_id=msg.job_id, versions=verdicts)
         if hasattr(relay, "_events"):  # (the asynchronous relay's emitter)
             relay._events(reply)
@@ -87,7 +91,9 @@ def stopped_job(plane: Plane, store: FakeStore, at: int = 6):
     plane.user(control_pb2.StopJobRequest(job_id=job_id))
     saved(plane, a, job_id, 1, at)
     for rank, session in ((0, a), (1, b)):
-        plane.rank_event(session, job_id, rank, finished=engine_pb2.TrainingLoopFinished(rank=rank, step=at, stopped=True))
+        plane.rank_event(
+            session, job_id, rank, finished=engine_pb2.TrainingLoopFinished(rank=rank, step=at, stopped=True)
+        )
     drain(a), drain(b)
     store.versions[job_id] = [(f"{job_id}:1", at, True, "")]
     return job_id, a, b
@@ -117,16 +123,25 @@ def test_a_stopped_job_resumes_from_its_newest_verified_checkpoint_as_a_new_gene
     job_id, a, b = stopped_job(plane, store, at=6)
     s = plane.get(job_id)
     assert (s.state, s.outcome, s.checkpoint_version) == (JobState.TERMINATED, JobOutcome.STOPPED, f"{job_id}:1")
-    assert s.message == f"STOPPED: all ranks stopped at step 6; `surgectl resume` continues from checkpoint {job_id}:1 (step 6)"
+    assert (
+        s.message
+        == f"STOPPED: all ranks stopped at step 6; `surgectl resume` continues from checkpoint {job_id}:1 (step 6)"
+    )
     s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
-    assert (s.state, s.outcome, s.step, s.checkpoint_version) == (JobState.WARMING_UP, JobOutcome.OUTCOME_UNSPECIFIED, 6, f"{job_id}:1")
+    assert (s.state, s.outcome, s.step, s.checkpoint_version) == (
+        JobState.WARMING_UP,
+        JobOutcome.OUTCOME_UNSPECIFIED,
+        6,
+        f"{job_id}:1",
+    )
     assert store.asked == 1
     for session in (a, b):
         (cmd,) = drain(session)
         assert cmd.launch.init.resume_version == f"{job_id}:1"
     messages = [e.message for e in plane.events(job_id)]
-    assert messages[-2].startswith(f"resume TERMINATED (STOPPED) from checkpoint {job_id}:1 (step 6) by the operator: "
-                                   "2 ranks allocated on wa, wb")
+    assert messages[-2].startswith(
+        f"resume TERMINATED (STOPPED) from checkpoint {job_id}:1 (step 6) by the operator: 2 ranks allocated on wa, wb"
+    )
     assert messages[-1] == f"TERMINATED -> WARMING_UP: ranks launching to resume from checkpoint {job_id}:1 at step 6"
     for rank, session in ((0, a), (1, b)):
         plane.rank_event(session, job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank, start_step=6))
@@ -143,8 +158,9 @@ def test_a_clean_exit_of_an_old_rank_reported_after_the_resume_is_no_fault(plane
     plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
     plane.rank_exited(a, job_id, 0, exit_code=0)  # the stopped generation's rank 0, reaped late
     s = plane.get(job_id)
-    assert s.state == JobState.WARMING_UP and not [e for e in plane.events(job_id) if e.type == "decision"
-                                            and e.message.startswith("restart_ranks")]
+    assert s.state == JobState.WARMING_UP and not [
+        e for e in plane.events(job_id) if e.type == "decision" and e.message.startswith("restart_ranks")
+    ]
     for rank, session in ((0, a), (1, b)):
         plane.rank_event(session, job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank, start_step=6))
     assert plane.get(job_id).state == JobState.RUNNING
@@ -152,9 +168,14 @@ def test_a_clean_exit_of_an_old_rank_reported_after_the_resume_is_no_fault(plane
 
 def test_resume_takes_the_newest_version_that_verifies_or_the_one_named(plane, store):
     job_id, a, _b = stopped_job(plane, store, at=6)
-    store.versions[job_id] = [(f"{job_id}:1", 2, True, ""), (f"{job_id}:2", 4, True, ""),
-                              (f"{job_id}:3", 6, False, "__0_0.distcp: sha256 mismatch")]
-    with pytest.raises(IllegalTransition, match=f"^--from {job_id}:3: fails verification \\(__0_0.distcp: sha256 mismatch\\)"):
+    store.versions[job_id] = [
+        (f"{job_id}:1", 2, True, ""),
+        (f"{job_id}:2", 4, True, ""),
+        (f"{job_id}:3", 6, False, "__0_0.distcp: sha256 mismatch"),
+    ]
+    with pytest.raises(
+        IllegalTransition, match=f"^--from {job_id}:3: fails verification \\(__0_0.distcp: sha256 mismatch\\)"
+    ):
         plane.user(control_pb2.ResumeJobRequest(job_id=job_id, from_version=f"{job_id}:3"))
     with pytest.raises(IllegalTransition, match=f"^--from other:1: not a committed checkpoint of {job_id} "):
         plane.user(control_pb2.ResumeJobRequest(job_id=job_id, from_version="other:1"))
@@ -178,17 +199,24 @@ def test_resume_refusals_are_one_line_and_change_nothing(plane, store):
     with pytest.raises(IllegalTransition, match=f"^job {job_id} has no checkpoint to resume from; submit again$"):
         plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
     store.versions[job_id] = [(f"{job_id}:1", 6, False, "manifest missing")]
-    with pytest.raises(IllegalTransition, match=f"^job {job_id}: no checkpoint verifies \\({job_id}:1: manifest missing\\); submit again$"):
+    with pytest.raises(
+        IllegalTransition,
+        match=f"^job {job_id}: no checkpoint verifies \\({job_id}:1: manifest missing\\); submit again$",
+    ):
         plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
     store.versions[job_id] = [(f"{job_id}:1", 6, True, "")]
     store.down = True
-    with pytest.raises(IllegalTransition, match=f"^cannot resume {job_id}: the store could not verify its checkpoints \\(unreachable"):
+    with pytest.raises(
+        IllegalTransition, match=f"^cannot resume {job_id}: the store could not verify its checkpoints \\(unreachable"
+    ):
         plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
     store.down = False
     other = plane.register("wc")
     blocker = plane.submit(name="blocker", dp=1)  # takes one of the three slots... and wc takes the rest
     plane.submit(name="blocker", dp=1)
-    with pytest.raises(InsufficientResources, match=f"^cannot resume {job_id} now: it needs 2 ranks \\(parallel.dp=2\\) but 1 is free"):
+    with pytest.raises(
+        InsufficientResources, match=f"^cannot resume {job_id} now: it needs 2 ranks \\(parallel.dp=2\\) but 1 is free"
+    ):
         plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
     s = plane.get(job_id)
     assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.STOPPED)
@@ -196,8 +224,10 @@ def test_resume_refusals_are_one_line_and_change_nothing(plane, store):
     del other
 
 
-@pytest.mark.skipif(not hasattr(Orchestrator, "on_checkpoint_verification"),
-                    reason="the store's answers reach the orchestrator as events only with the asynchronous StoreRelay")
+@pytest.mark.skipif(
+    not hasattr(Orchestrator, "on_checkpoint_verification"),
+    reason="the store's answers reach the orchestrator as events only with the asynchronous StoreRelay",
+)
 def test_the_store_answer_arriving_as_an_event_reaches_the_waiting_resume(plane, store):
     job_id, _a, _b = stopped_job(plane, store, at=6)
     store.in_call, store.down = False, True
@@ -217,7 +247,9 @@ def test_a_finished_or_running_job_is_not_resumed(plane, store):
         plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
 
 
-def test_a_drain_pauses_with_a_checkpoint_parks_the_job_across_a_control_restart_and_resume_relaunches_it(tmp_path, store):
+def test_a_drain_pauses_with_a_checkpoint_parks_the_job_across_a_control_restart_and_resume_relaunches_it(
+    tmp_path, store
+):
     db = tmp_path / "control.db"
     journal = JobStore(db)
     plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
@@ -293,8 +325,9 @@ def test_a_drain_whose_checkpoint_could_not_be_saved_is_not_parked_and_says_its_
     step(plane, a, job_id, 7)
     plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True))
     drain(a), drain(b)
-    failed = store_pb2.SnapshotFailed(job_id=job_id, operation="save", step=9, cause=store_pb2.TIMEOUT,
-                                      reason="BeginSave: DEADLINE_EXCEEDED")
+    failed = store_pb2.SnapshotFailed(
+        job_id=job_id, operation="save", step=9, cause=store_pb2.TIMEOUT, reason="BeginSave: DEADLINE_EXCEEDED"
+    )
     plane.rank_event(a, job_id, 0, snapshot_failed=failed)  # the store is away: the boundary save is skipped
     for rank, session in ((0, a), (1, b)):
         plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=9))

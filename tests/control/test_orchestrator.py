@@ -121,7 +121,13 @@ def test_all_ranks_finished_terminates_finished_and_releases_slots(plane):
     assert plane.get(job_id).state == JobState.RUNNING
     plane.rank_event(b, job_id, 1, finished=engine_pb2.TrainingLoopFinished(rank=1, step=3))
     s = plane.get(job_id)
-    assert (s.state, s.outcome, s.step, s.train_loss, s.tokens_seen) == (JobState.TERMINATED, JobOutcome.FINISHED, 3, 1.5, 192)
+    assert (s.state, s.outcome, s.step, s.train_loss, s.tokens_seen) == (
+        JobState.TERMINATED,
+        JobOutcome.FINISHED,
+        3,
+        1.5,
+        192,
+    )
     for session in (a, b):
         (cmd,) = drain(session)
         assert (cmd.release.job_id, cmd.release.kill) == (job_id, False)
@@ -224,7 +230,9 @@ def test_insufficient_resources_refuse_the_job_and_persist_nothing(plane):
 
 def test_an_invalid_spec_is_refused_with_its_one_line_error(plane):
     with pytest.raises(JobSpecError, match="^bad.yaml: steps: Input should be greater than 0, got -1$"):
-        plane.user(control_pb2.SubmitJobRequest(spec_yaml="name: x\nsteps: -1\ndata: {dataset: x@v1}\n", spec_path="bad.yaml"))
+        plane.user(
+            control_pb2.SubmitJobRequest(spec_yaml="name: x\nsteps: -1\ndata: {dataset: x@v1}\n", spec_path="bad.yaml")
+        )
 
 
 def test_unknown_job_is_not_found(plane):
@@ -272,7 +280,9 @@ def test_restart_keeps_live_jobs_running_for_their_ranks_to_reattach_and_their_l
     stopped = plane.user(control_pb2.StopJobRequest(job_id=running))
     assert stopped.state == JobState.RUNNING  # stopping at a step boundary
     for rank, session in ((0, a), (1, b)):
-        plane.rank_event(session, running, rank, finished=engine_pb2.TrainingLoopFinished(rank=rank, step=7, stopped=True))
+        plane.rank_event(
+            session, running, rank, finished=engine_pb2.TrainingLoopFinished(rank=rank, step=7, stopped=True)
+        )
     s = plane.get(running)
     assert (s.state, s.outcome, s.step) == (JobState.TERMINATED, JobOutcome.STOPPED, 7)
     seqs = [e.seq for e in plane.events(running)]
@@ -387,8 +397,9 @@ def test_a_pause_or_stop_names_a_boundary_a_second_of_steps_ahead_so_no_rank_has
     job_id, a, b = start_job(plane, steps=100000)
     t0 = 1_000_000.0
     for step in range(1, 41):  # 100 steps/s: 10 ms a step
-        plane.rank_event(a, job_id, 0, step=engine_pb2.StepCompleted(step=step, loss=1.0, tokens=64,
-                                                                      unix_time=t0 + step * 0.01))
+        plane.rank_event(
+            a, job_id, 0, step=engine_pb2.StepCompleted(step=step, loss=1.0, tokens=64, unix_time=t0 + step * 0.01)
+        )
     paused = plane.user(control_pb2.PauseJobRequest(job_id=job_id, no_checkpoint=True))
     (pause,) = [to_ranks(c) for c in drain(a) if kinds([c]) == ["PauseTraining"]]
     assert 40 + 90 <= pause.at_step <= 40 + 110  # ~1 s of steps ahead, not step + 2

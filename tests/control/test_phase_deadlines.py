@@ -18,13 +18,36 @@ RankPhase = worker_pb2.RankPhase
 pytestmark = pytest.mark.timeout(30)
 
 
-def beat(bus, rank: int, step: int, phase: int, progress: int = 0, total: int = 0, *, phase_seconds: float = 0.0,
-         received: float = 0.0, interval: float = 0.1, step_seconds: float = 0.1) -> None:
-    bus.publish(Module.EXT_HARDWARE, worker_pb2.RankHeartbeat(
-        job_id="j", rank=rank, step=step, stepping=True, step_seconds=step_seconds, worker_id=f"w{rank}",
-        interval_seconds=interval, phase=phase, phase_progress=progress, phase_total=total,
-        phase_seconds=phase_seconds, received_monotonic=received,
-    ))
+def beat(
+    bus,
+    rank: int,
+    step: int,
+    phase: int,
+    progress: int = 0,
+    total: int = 0,
+    *,
+    phase_seconds: float = 0.0,
+    received: float = 0.0,
+    interval: float = 0.1,
+    step_seconds: float = 0.1,
+) -> None:
+    bus.publish(
+        Module.EXT_HARDWARE,
+        worker_pb2.RankHeartbeat(
+            job_id="j",
+            rank=rank,
+            step=step,
+            stepping=True,
+            step_seconds=step_seconds,
+            worker_id=f"w{rank}",
+            interval_seconds=interval,
+            phase=phase,
+            phase_progress=progress,
+            phase_total=total,
+            phase_seconds=phase_seconds,
+            received_monotonic=received,
+        ),
+    )
 
 
 class Beating:
@@ -86,8 +109,10 @@ def test_an_evaluations_budget_scales_with_its_batch_count():
     assert time.monotonic() - t0 > 2.2
 
 
-@pytest.mark.parametrize("phase, field", [(RankPhase.PHASE_CHECKPOINT_STAGING, "checkpoint_staging_seconds"),
-                                          (RankPhase.PHASE_COMPILE, "compile_seconds")])
+@pytest.mark.parametrize(
+    "phase, field",
+    [(RankPhase.PHASE_CHECKPOINT_STAGING, "checkpoint_staging_seconds"), (RankPhase.PHASE_COMPILE, "compile_seconds")],
+)
 def test_checkpoint_staging_and_compile_have_their_own_budgets(phase, field):
     bus, reports = wired(heartbeat_timeout_seconds=10.0, stall_min_seconds=0.2, stall_step_factor=0.01, **{field: 1.2})
     t0 = time.monotonic()
@@ -101,8 +126,9 @@ def test_checkpoint_staging_and_compile_have_their_own_budgets(phase, field):
 def test_the_rank_hung_outside_a_collective_is_blamed_and_its_peer_waiting_in_one_follows(peer_first):
     # Rank 1 hangs in its forward pass at step 4; rank 0 finished its backward and waits in
     # DDP's all-reduce for it. Whichever deadline fires first, rank 1 is the cause.
-    bus, reports = wired(heartbeat_timeout_seconds=5.0, stall_min_seconds=0.4, stall_step_factor=0.01,
-                         attribution_seconds=0.1)
+    bus, reports = wired(
+        heartbeat_timeout_seconds=5.0, stall_min_seconds=0.4, stall_step_factor=0.01, attribution_seconds=0.1
+    )
     state = {0: (3, RankPhase.PHASE_FORWARD), 1: (3, RankPhase.PHASE_FORWARD)}
     beat(bus, 0, 3, RankPhase.PHASE_OPTIMIZER)
     beat(bus, 1, 3, RankPhase.PHASE_OPTIMIZER)
@@ -118,8 +144,17 @@ def test_the_rank_hung_outside_a_collective_is_blamed_and_its_peer_waiting_in_on
             state[0] = (3, RankPhase.PHASE_COLLECTIVE)
         first, second = reports.wait(2, timeout=5.0)
         time.sleep(1.0)
-    assert (first.fault_class, first.rank, first.worker_id, first.phase) == ("rank_stalled", 1, "w1", RankPhase.PHASE_FORWARD)
-    assert (second.fault_class, second.rank, second.phase) == ("rank_stalled_in_collective", 0, RankPhase.PHASE_COLLECTIVE)
+    assert (first.fault_class, first.rank, first.worker_id, first.phase) == (
+        "rank_stalled",
+        1,
+        "w1",
+        RankPhase.PHASE_FORWARD,
+    )
+    assert (second.fault_class, second.rank, second.phase) == (
+        "rank_stalled_in_collective",
+        0,
+        RankPhase.PHASE_COLLECTIVE,
+    )
     assert "waiting for rank 1" in second.detail or "waits in a collective" in second.detail
     assert len(reports) == 2, [(r.fault_class, r.rank) for r in reports]
 
@@ -141,18 +176,23 @@ def test_a_rank_waiting_in_a_collective_for_a_peer_that_still_advances_is_no_fau
 
 
 def test_ranks_that_all_wait_in_a_collective_with_nobody_working_are_reported_stalled_in_it():
-    bus, reports = wired(heartbeat_timeout_seconds=5.0, stall_min_seconds=0.3, stall_step_factor=0.01,
-                         attribution_seconds=0.1)
+    bus, reports = wired(
+        heartbeat_timeout_seconds=5.0, stall_min_seconds=0.3, stall_step_factor=0.01, attribution_seconds=0.1
+    )
     with Beating(bus, {0: (3, RankPhase.PHASE_COLLECTIVE), 1: (3, RankPhase.PHASE_COLLECTIVE)}):
         got = reports.wait(2, timeout=5.0)
-    assert {(r.fault_class, r.rank) for r in got} == {("rank_stalled_in_collective", 0), ("rank_stalled_in_collective", 1)}
+    assert {(r.fault_class, r.rank) for r in got} == {
+        ("rank_stalled_in_collective", 0),
+        ("rank_stalled_in_collective", 1),
+    }
 
 
 def test_a_rank_that_waited_for_a_working_peer_is_reported_with_it_when_that_peer_stops_too():
     # Rank 0 waits in a collective while rank 1 evaluates; then rank 1 enters the
     # collective too and nothing moves any more (a collective that never completes).
-    bus, reports = wired(heartbeat_timeout_seconds=5.0, stall_min_seconds=0.5, stall_step_factor=0.01,
-                         attribution_seconds=0.1)
+    bus, reports = wired(
+        heartbeat_timeout_seconds=5.0, stall_min_seconds=0.5, stall_step_factor=0.01, attribution_seconds=0.1
+    )
     state = {0: (3, RankPhase.PHASE_COLLECTIVE), 1: (3, RankPhase.PHASE_EVALUATION, 0, 50)}
     with Beating(bus, state):
         for batch in range(1, 6):
@@ -162,7 +202,9 @@ def test_a_rank_that_waited_for_a_working_peer_is_reported_with_it_when_that_pee
         first, second = reports.wait(2, timeout=5.0)
         time.sleep(0.5)
     assert [(r.fault_class, r.rank) for r in (first, second)] == [
-        ("rank_stalled_in_collective", 1), ("rank_stalled_in_collective", 0)]
+        ("rank_stalled_in_collective", 1),
+        ("rank_stalled_in_collective", 0),
+    ]
     assert len(reports) == 2
 
 
@@ -192,7 +234,7 @@ def test_the_event_applier_stamps_a_beats_receipt_and_observes_how_long_it_waite
     time.sleep(0.3)
     release.set()
     applier.stop()
-    (ev, applied_at), = applied
+    ((ev, applied_at),) = applied
     stamp = ev.rank_event.heartbeat.received_monotonic
     assert queued <= stamp < queued + 0.1 and applied_at - stamp >= 0.3
     assert lag_count() == before + 1
@@ -204,12 +246,20 @@ def test_the_job_specs_phase_budgets_are_pushed_to_the_detector():
 
     spec = parse_job_spec(
         "name: x\nsteps: 3\ndata: {dataset: tiny@v1, seq_len: 8, micro_batch_size: 1}\neval: {batches: 12}\n"
-        "liveness: {phase_seconds: {evaluation: 40, checkpoint_staging: 120, compile: 300}}\n")
+        "liveness: {phase_seconds: {evaluation: 40, checkpoint_staging: 120, compile: 300}}\n"
+    )
     msg = start_monitoring("j", spec)
-    assert (msg.eval_seconds, msg.eval_batches, msg.checkpoint_staging_seconds, msg.compile_seconds) == (40, 12, 120, 300)
+    assert (msg.eval_seconds, msg.eval_batches, msg.checkpoint_staging_seconds, msg.compile_seconds) == (
+        40,
+        12,
+        120,
+        300,
+    )
     with pytest.raises(ValueError, match=r"liveness\.phase_seconds\.compile"):
-        parse_job_spec("name: x\nsteps: 3\ndata: {dataset: tiny@v1, seq_len: 8, micro_batch_size: 1}\n"
-                       "liveness: {phase_seconds: {compile: -1}}\n")
+        parse_job_spec(
+            "name: x\nsteps: 3\ndata: {dataset: tiny@v1, seq_len: 8, micro_batch_size: 1}\n"
+            "liveness: {phase_seconds: {compile: -1}}\n"
+        )
 
 
 def test_a_rank_that_waited_for_a_peer_that_then_went_silent_follows_that_silence():
@@ -217,8 +267,9 @@ def test_a_rank_that_waited_for_a_peer_that_then_went_silent_follows_that_silenc
     # beating (SIGSTOP) before its own progress deadline: rank 0's deadline fires while rank 1
     # still looks alive (it waits, no report), then rank 1's silence is the cause and rank 0
     # follows it.
-    bus, reports = wired(heartbeat_timeout_seconds=2.0, stall_min_seconds=1.2, stall_step_factor=0.01,
-                         attribution_seconds=0.1)
+    bus, reports = wired(
+        heartbeat_timeout_seconds=2.0, stall_min_seconds=1.2, stall_step_factor=0.01, attribution_seconds=0.1
+    )
     state = {0: (3, RankPhase.PHASE_COLLECTIVE)}
     beat(bus, 0, 3, RankPhase.PHASE_COLLECTIVE, interval=0.4)  # its deadline: 1.2 s from now
     beat(bus, 1, 3, RankPhase.PHASE_BACKWARD, interval=0.4)
@@ -240,8 +291,12 @@ def test_a_rank_told_to_step_that_never_leaves_idle_is_stalled_and_one_not_stepp
 
     def beats():
         while not stop.wait(0.1):
-            bus.publish(Module.EXT_HARDWARE, worker_pb2.RankHeartbeat(  # paused, finished, not started
-                job_id="j", rank=0, step=3, stepping=False, interval_seconds=0.1, phase=RankPhase.PHASE_IDLE))
+            bus.publish(
+                Module.EXT_HARDWARE,
+                worker_pb2.RankHeartbeat(  # paused, finished, not started
+                    job_id="j", rank=0, step=3, stepping=False, interval_seconds=0.1, phase=RankPhase.PHASE_IDLE
+                ),
+            )
             beat(bus, 1, 3, RankPhase.PHASE_IDLE)  # stepping, yet its loop never started the step
 
     t = threading.Thread(target=beats, daemon=True)

@@ -56,14 +56,19 @@ def test_a_fresh_start_relaunches_with_no_version():
 
 def test_ranks_that_no_longer_fit_are_a_typed_no_placement_failure_with_the_numbers():
     def full(msg, payload):
-        return control_pb2.ResourcesInsufficient(job_id=msg.job_id, requested_ranks=2, available_ranks=1,
-                                                 reason="1 is free on 1 registered worker")
+        return control_pb2.ResourcesInsufficient(
+            job_id=msg.job_id, requested_ranks=2, available_ranks=1, reason="1 is free on 1 registered worker"
+        )
 
     bus, _ = wired(full)
     reply = recover(bus, "j:2")
     assert isinstance(reply, control_pb2.RecoveryFailed)
-    assert (reply.cause, reply.step, reply.requested_ranks, reply.available_ranks) == (RecoveryFailureCause.RECOVERY_NO_PLACEMENT,
-                                                                                      "placement", 2, 1)
+    assert (reply.cause, reply.step, reply.requested_ranks, reply.available_ranks) == (
+        RecoveryFailureCause.RECOVERY_NO_PLACEMENT,
+        "placement",
+        2,
+        1,
+    )
     assert reply.reason == "placing the ranks (checkpoint j:2): 1 is free on 1 registered worker"
     # The same command, once capacity is back, places the ranks (the controller holds no grudge).
     bus2, rebuilt = wired()

@@ -22,8 +22,10 @@ from .test_fault_policy import running, saved, store  # noqa: F401  (store: fixt
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 pytestmark = pytest.mark.timeout(30)
 # Budget 2 for rank_exit: a second fault after the resumed recovery must read "restart 2 of 2".
-POLICY = ("liveness: {attribution_seconds: 0, heartbeat_interval_seconds: 0.25, heartbeat_timeout_seconds: 1.0}\n"
-          "fault_policy: {restarts: {rank_exit: 2, worker_lost: 2}}")
+POLICY = (
+    "liveness: {attribution_seconds: 0, heartbeat_interval_seconds: 0.25, heartbeat_timeout_seconds: 1.0}\n"
+    "fault_policy: {restarts: {rank_exit: 2, worker_lost: 2}}"
+)
 
 
 class Killed(BaseException):
@@ -81,11 +83,19 @@ def test_a_recovery_whose_relaunch_was_done_waits_for_the_relaunched_ranks_after
     s = plane.get(job_id)
     assert s.state == JobState.RUNNING and s.step == 4
     assert all(launches_of(drain(x)) == [] for x in sessions.values())  # not relaunched again
-    assert any(m.startswith("FAULT_FROZEN: control restarted mid-recovery; resuming it (restart_ranks after "
-                            "rank_exit of rank 1): its ranks were relaunched") for m in messages(plane, job_id, "state"))
+    assert any(
+        m.startswith(
+            "FAULT_FROZEN: control restarted mid-recovery; resuming it (restart_ranks after "
+            "rank_exit of rank 1): its ranks were relaunched"
+        )
+        for m in messages(plane, job_id, "state")
+    )
     # The restart was spent once, before the restart: the next fault is the second.
     plane.rank_exited(sessions["wb"], job_id, 1, exit_code=-9)
-    assert messages(plane, job_id, "decision")[-1] == "restart_ranks after rank_exit of rank 1 on wb (restart 2 of 2 for rank_exit)"
+    assert (
+        messages(plane, job_id, "decision")[-1]
+        == "restart_ranks after rank_exit of rank 1 on wb (restart 2 of 2 for rank_exit)"
+    )
     stop(plane, job_id)
     journal.close()
 
@@ -123,7 +133,9 @@ def test_a_relaunch_that_reached_the_agents_before_the_restart_is_not_repeated(t
 
 
 def test_a_relaunch_that_never_reached_the_agents_is_commanded_again_once_a_rank_is_missing(
-    tmp_path, store, monkeypatch  # noqa: F811
+    tmp_path,
+    store,  # noqa: F811  (the fixture imported above)
+    monkeypatch,
 ):
     monkeypatch.setattr(monitoring, "REATTACH_MIN_SECONDS", 0.5)  # re-attach window: 3 x 1.0 s heartbeat deadline
     db = tmp_path / "control.db"
@@ -156,8 +168,10 @@ def test_a_relaunch_that_never_reached_the_agents_is_commanded_again_once_a_rank
     assert [[r.rank for r in ls[0].ranks] for ls in relaunched.values()] == [[0], [1]]
     assert all(ls[0].init.resume_version == f"{job_id}:1" for ls in relaunched.values())
     decisions = messages(plane, job_id, "decision")
-    assert decisions[-1].startswith("relaunch again for the recovery from rank_exit of rank 1 interrupted by the "
-                                    "control restart: the relaunched ranks are not all there (rank_silent of rank 1)")
+    assert decisions[-1].startswith(
+        "relaunch again for the recovery from rank_exit of rank 1 interrupted by the "
+        "control restart: the relaunched ranks are not all there (rank_silent of rank 1)"
+    )
     time.sleep(1.5)  # rank 0's own silence, graded before the relaunch, must not decide again
     assert len(messages(plane, job_id, "decision")) == len(decisions)
     for rank, wid in enumerate(("wa", "wb")):

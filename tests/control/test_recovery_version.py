@@ -27,7 +27,9 @@ def commit(stub, job_id: str, step: int) -> store_pb2.SaveCompleted:
     path = Path(staged.staging_path)
     (path / "__0_0.distcp").write_bytes(f"{job_id}@{step}".encode() * 4096)
     (path / ".metadata").write_bytes(b"meta")
-    return stub.CommitSave(store_pb2.CommitCheckpoint(job_id=job_id, step=step, world_size=1, spec_json="{}"), timeout=30)
+    return stub.CommitSave(
+        store_pb2.CommitCheckpoint(job_id=job_id, step=step, world_size=1, spec_json="{}"), timeout=30
+    )
 
 
 def test_recovery_uses_a_version_committed_after_its_report_was_lost_asking_the_store_without_blocking(tmp_path, store):  # noqa: F811
@@ -52,7 +54,10 @@ def test_recovery_uses_a_version_committed_after_its_report_was_lost_asking_the_
         if any(m.startswith("ranks killed and relaunched") for m in events):
             break
         time.sleep(0.05)
-    assert f"checkpoint {v3.version} at step 12 verified: committed by the store, its completion report never arrived" in events
+    assert (
+        f"checkpoint {v3.version} at step 12 verified: committed by the store, its completion report never arrived"
+        in events
+    )
     (relaunch,) = [m for m in events if m.startswith("ranks killed and relaunched")]
     assert f"resume from checkpoint {v3.version};" in relaunch
     launches = [c.launch for s in (a, b) for c in drain(s) if c.WhichOneof("command") == "launch"]

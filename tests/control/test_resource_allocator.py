@@ -24,13 +24,18 @@ def allocate(plane, job_id: str, dp: int, backend: str = "auto", threads: int = 
 def allocate_on(bus: Bus, job_id: str, dp: int, backend: str = "auto", threads: int = 1):
     spec = parse_job_spec(spec_yaml(dp=dp, backend=backend, threads=threads))
     msg = control_pb2.AllocateResources(
-        job_id=job_id, world_size=dp, backend=backend, init=engine_pb2.InitJob(job_id=job_id, spec_json=spec_to_json(spec))
+        job_id=job_id,
+        world_size=dp,
+        backend=backend,
+        init=engine_pb2.InitJob(job_id=job_id, spec_json=spec_to_json(spec)),
     )
     return bus.command(Module.L1_ORCHESTRATOR, Module.L1_RESOURCE_ALLOCATOR, msg).message
 
 
 def release(plane, job_id: str, kill: bool = False) -> None:
-    plane.c.bus.command(Module.L1_ORCHESTRATOR, Module.L1_RESOURCE_ALLOCATOR, control_pb2.ReleaseResources(job_id=job_id, kill=kill))
+    plane.c.bus.command(
+        Module.L1_ORCHESTRATOR, Module.L1_RESOURCE_ALLOCATOR, control_pb2.ReleaseResources(job_id=job_id, kill=kill)
+    )
 
 
 def test_ranks_fill_workers_in_registration_order(plane):
@@ -89,7 +94,11 @@ def test_release_frees_the_slots_and_tells_each_holding_worker(plane):
     release(plane, "j-1")
     for session in (a, b):
         (cmd,) = drain(session)
-        assert (cmd.release.job_id, cmd.release.kill, cmd.release.grace_seconds) == ("j-1", False, RELEASE_GRACE_SECONDS)
+        assert (cmd.release.job_id, cmd.release.kill, cmd.release.grace_seconds) == (
+            "j-1",
+            False,
+            RELEASE_GRACE_SECONDS,
+        )
     release(plane, "j-1")  # nothing held any more: a no-op
     assert drain(a) == []
     assert isinstance(allocate(plane, "j-2", dp=2), control_pb2.ResourcesReady)
@@ -109,7 +118,9 @@ def test_a_withdrawn_worker_has_no_slots_and_a_reregistered_one_keeps_its_busy_s
 
 
 def rebuild(plane, job_id: str, version: str = "", exclude=()):
-    msg = control_pb2.RebuildCommunicator(job_id=job_id, reason="test", resume_version=version, exclude_worker_ids=exclude)
+    msg = control_pb2.RebuildCommunicator(
+        job_id=job_id, reason="test", resume_version=version, exclude_worker_ids=exclude
+    )
     return plane.c.bus.command(Module.L1_RECOVERY_CONTROLLER, Module.L1_RESOURCE_ALLOCATOR, msg).message
 
 
@@ -160,7 +171,8 @@ def test_memory_pressure_on_a_worker_is_published_naming_the_jobs_holding_ranks_
     bus.subscribe(Module.EXT_HARDWARE, control_pb2.LaunchRanks, lambda msg, worker_id: launches.append(worker_id))
     bus.subscribe(Module.L1_ORCHESTRATOR, control_pb2.ResourcePressure, lambda msg, payload: pressures.append(msg))
     allocator = ResourceAllocator(
-        hardware=bus.port(Module.L1_RESOURCE_ALLOCATOR, Module.EXT_HARDWARE), emit=bus.emitter(Module.L1_RESOURCE_ALLOCATOR)
+        hardware=bus.port(Module.L1_RESOURCE_ALLOCATOR, Module.EXT_HARDWARE),
+        emit=bus.emitter(Module.L1_RESOURCE_ALLOCATOR),
     )
     for msg_type, handler in (
         (control_pb2.WorkerRegistration, allocator.on_worker_registration),
@@ -185,7 +197,11 @@ def test_memory_pressure_on_a_worker_is_published_naming_the_jobs_holding_ranks_
     report("wb", True, 1 << 30)
     (p,) = pressures
     assert (p.worker_id, list(p.job_ids), p.available_bytes, p.total_bytes, p.under_pressure) == (
-        "wb", ["j-both", "j-wb"], 1 << 30, 24 << 30, True,
+        "wb",
+        ["j-both", "j-wb"],
+        1 << 30,
+        24 << 30,
+        True,
     )
     report("wb", True, 1 << 29)  # no change of state: nothing new to say
     assert len(pressures) == 1

@@ -34,8 +34,9 @@ def test_a_journal_failure_after_allocation_kills_the_ranks_frees_the_slots_and_
     with pytest.raises(ModuleFailed) as failed:
         plane.submit(name="half", dp=2)
     monkeypatch.undo()
-    assert str(failed.value) == ("L1_ORCHESTRATOR failed (FAILURE_IO) handling surge.v1.SubmitJobRequest: "
-                                 "OSError: disk full (injected)")
+    assert str(failed.value) == (
+        "L1_ORCHESTRATOR failed (FAILURE_IO) handling surge.v1.SubmitJobRequest: OSError: disk full (injected)"
+    )
     assert isinstance(failed.value.error, OSError) and failed.value.module == Module.L1_ORCHESTRATOR
     # L1-3 read L1-1's failure event (a job that never came to be: nothing to grade) and did not fail on it.
     after = graded(plane)
@@ -60,7 +61,9 @@ def test_a_journal_failure_after_allocation_kills_the_ranks_frees_the_slots_and_
 def test_a_journal_that_refuses_the_new_job_fails_the_submit_before_anything_is_allocated(plane, monkeypatch):
     a = plane.register("wa")
     monkeypatch.setattr(plane.c.journal, "create_job", lambda *args: (_ for _ in ()).throw(OSError("disk full")))
-    with pytest.raises(ModuleFailed, match="^L1_ORCHESTRATOR failed [(]FAILURE_IO[)] .*: OSError: disk full$") as failed:
+    with pytest.raises(
+        ModuleFailed, match="^L1_ORCHESTRATOR failed [(]FAILURE_IO[)] .*: OSError: disk full$"
+    ) as failed:
         plane.submit(dp=1)
     assert failed.value.failure_cause == route_pb2.FAILURE_IO
     assert drain(a) == []
@@ -71,8 +74,10 @@ def test_a_journal_that_refuses_the_new_job_fails_the_submit_before_anything_is_
 def graded(plane) -> tuple[int, int]:
     """(L1-1's failure events delivered to L1-3, L1-3's own failure events) so far."""
     sent = plane.c.bus.traffic.snapshot().sent
-    return (sent.get((Module.L1_ORCHESTRATOR, FAILED_EVENT, Module.L1_FAULT_DETECTOR), 0),
-            sent.get((Module.L1_FAULT_DETECTOR, "surge.v1.FaultDetectorFailed", Module.L1_FAULT_DETECTOR), 0))
+    return (
+        sent.get((Module.L1_ORCHESTRATOR, FAILED_EVENT, Module.L1_FAULT_DETECTOR), 0),
+        sent.get((Module.L1_FAULT_DETECTOR, "surge.v1.FaultDetectorFailed", Module.L1_FAULT_DETECTOR), 0),
+    )
 
 
 def test_a_control_killed_between_the_launch_and_the_first_event_finds_the_job_and_a_stop_releases_its_ranks(tmp_path):
@@ -86,8 +91,10 @@ def test_a_control_killed_between_the_launch_and_the_first_event_finds_the_job_a
 
     db = tmp_path / "control.db"
     journal = JobStore(db)
-    journal.create_job(control_pb2.JobStatus(job_id="orphan-1", name="orphan", state=JobState.STANDBY, world_size=1),
-                       spec_to_json(parse_job_spec(spec_yaml(name="orphan", dp=1))))
+    journal.create_job(
+        control_pb2.JobStatus(job_id="orphan-1", name="orphan", state=JobState.STANDBY, world_size=1),
+        spec_to_json(parse_job_spec(spec_yaml(name="orphan", dp=1))),
+    )
     journal.close()
     journal = JobStore(db)
     plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
@@ -127,10 +134,14 @@ def test_the_allocator_frees_every_slot_of_an_allocation_whose_launch_failed_hal
     spec = parse_job_spec(spec_yaml(dp=2))
     init = engine_pb2.InitJob(job_id="j1", spec_json=spec_to_json(spec))
     with pytest.raises(ConnectionError):
-        allocator.allocate_resources(control_pb2.AllocateResources(job_id="j1", world_size=2, backend="gloo", init=init))
+        allocator.allocate_resources(
+            control_pb2.AllocateResources(job_id="j1", world_size=2, backend="gloo", init=init)
+        )
     # What submit_job does on any failure after the allocation:
     allocator.release_resources(control_pb2.ReleaseResources(job_id="j1", kill=True))
     assert sent == [("LaunchRanks", "wa"), ("LaunchRanks", "wb"), ("ReleaseRanks", "wa"), ("ReleaseRanks", "wb")]
     init.job_id = "j2"
-    ready = allocator.allocate_resources(control_pb2.AllocateResources(job_id="j2", world_size=2, backend="gloo", init=init))
+    ready = allocator.allocate_resources(
+        control_pb2.AllocateResources(job_id="j2", world_size=2, backend="gloo", init=init)
+    )
     assert isinstance(ready, control_pb2.ResourcesReady) and sorted(ready.worker_ids) == ["wa", "wb"]

@@ -200,15 +200,26 @@ def test_with_a_control_that_tracks_no_sequence_sent_events_count_as_delivered()
 
 def test_a_node_agents_own_routed_event_is_published_as_its_sender_and_a_forged_one_refused(plane):
     session = plane.register("wa")
-    refused = audit_pb2.BoundaryViolationReported(process="wa", sender=Module.L1_ORCHESTRATOR,
-                                                  message="surge.v1.ReleaseRanks", receiver=Module.EXT_HARDWARE)
+    refused = audit_pb2.BoundaryViolationReported(
+        process="wa", sender=Module.L1_ORCHESTRATOR, message="surge.v1.ReleaseRanks", receiver=Module.EXT_HARDWARE
+    )
     before = plane.c.bus.snapshot().sent.get(
-        (Module.EXT_CONTRACT, "surge.v1.BoundaryViolationReported", Module.L1_FAULT_DETECTOR), 0)
+        (Module.EXT_CONTRACT, "surge.v1.BoundaryViolationReported", Module.L1_FAULT_DETECTOR), 0
+    )
     plane.c.sessions.on_worker_event(session, control_pb2.WorkerEvent(routed=pack(refused, Module.EXT_CONTRACT)))
-    assert plane.c.bus.snapshot().sent[
-        (Module.EXT_CONTRACT, "surge.v1.BoundaryViolationReported", Module.L1_FAULT_DETECTOR)] == before + 1
+    assert (
+        plane.c.bus.snapshot().sent[
+            (Module.EXT_CONTRACT, "surge.v1.BoundaryViolationReported", Module.L1_FAULT_DETECTOR)
+        ]
+        == before + 1
+    )
     # A node may not speak for an L1 module: refused, counted, and nothing delivered.
     forged = pack(control_pb2.ReleaseResources(job_id="x"), Module.L1_ORCHESTRATOR, Module.L1_RESOURCE_ALLOCATOR)
     with pytest.raises(BoundaryViolation):
         plane.c.sessions.on_worker_event(session, control_pb2.WorkerEvent(routed=forged))
-    assert plane.c.bus.snapshot().refused[(Module.L1_ORCHESTRATOR, "surge.v1.ReleaseResources", Module.L1_RESOURCE_ALLOCATOR)] >= 1
+    assert (
+        plane.c.bus.snapshot().refused[
+            (Module.L1_ORCHESTRATOR, "surge.v1.ReleaseResources", Module.L1_RESOURCE_ALLOCATOR)
+        ]
+        >= 1
+    )

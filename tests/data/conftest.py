@@ -19,11 +19,11 @@ def source(tmp_path) -> Path:
         path = src / f"pkg{i % 2}" / f"mod_{i:02d}.py"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(file_text(i))
-    (src / "pkg0" / "has_nul.py").write_bytes(b"x = 1\n\0\n" * 10)     # dropped by a banned-bytes rule
-    (src / "pkg0" / "empty.py").write_bytes(b"")                        # skipped: no token
+    (src / "pkg0" / "has_nul.py").write_bytes(b"x = 1\n\0\n" * 10)  # dropped by a banned-bytes rule
+    (src / "pkg0" / "empty.py").write_bytes(b"")  # skipped: no token
     (src / "site-packages" / "third").mkdir(parents=True)
     (src / "site-packages" / "third" / "vendored.py").write_bytes(b"import os\n")  # excluded
-    (src / "pkg1" / "notes.txt").write_bytes(b"not python\n")           # not matched by the glob
+    (src / "pkg1" / "notes.txt").write_bytes(b"not python\n")  # not matched by the glob
     return src
 
 

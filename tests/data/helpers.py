@@ -48,12 +48,16 @@ def open_stream(
     req = data_pb2.OpenStream(
         mount=data_pb2.MountDataset(name=name, version=version, verify=verify),
         prefetch=data_pb2.SetPrefetch(watermark=watermark, threads=threads),
-        shuffle=data_pb2.ShufflePlan(seed=seed, epoch=start.epoch if start else 0, enabled=shuffle,
-                                     rank=rank, world_size=world_size),
+        shuffle=data_pb2.ShufflePlan(
+            seed=seed, epoch=start.epoch if start else 0, enabled=shuffle, rank=rank, world_size=world_size
+        ),
         filter=data_pb2.FilterRules(min_tokens=min_tokens, max_tokens=max_tokens, banned_bytes=banned_bytes),
-        packer=data_pb2.PackerConfig(seq_len=seq_len, micro_batch_size=micro_batch_size, pad_id=pad_id,
-                                     mode=mode, separator_id=separator_id),
-        split=split, repeat=repeat, max_batches=max_batches,
+        packer=data_pb2.PackerConfig(
+            seq_len=seq_len, micro_batch_size=micro_batch_size, pad_id=pad_id, mode=mode, separator_id=separator_id
+        ),
+        split=split,
+        repeat=repeat,
+        max_batches=max_batches,
     )
     if start is not None:
         req.start.CopyFrom(start)
@@ -63,16 +67,22 @@ def open_stream(
 def as_arrays(batch: data_pb2.MicroBatch) -> tuple[np.ndarray, np.ndarray]:
     """(input_ids, labels) int32 [batch_size, seq_len] from a MicroBatch."""
     shape = (batch.batch_size, batch.seq_len)
-    return (np.frombuffer(batch.input_ids, "<i4").reshape(shape),
-            np.frombuffer(batch.labels, "<i4").reshape(shape))
+    return (np.frombuffer(batch.input_ids, "<i4").reshape(shape), np.frombuffer(batch.labels, "<i4").reshape(shape))
 
 
-def make_docs(*docs: list[int] | np.ndarray, epoch: int = 0, last: bool = False, first: int = 0,
-              tokenizer: str = "bytes", dtype=np.uint16) -> Documents:
+def make_docs(
+    *docs: list[int] | np.ndarray,
+    epoch: int = 0,
+    last: bool = False,
+    first: int = 0,
+    tokenizer: str = "bytes",
+    dtype=np.uint16,
+) -> Documents:
     """A Documents payload from literal token lists (index = first, first + 1, ...)."""
     parts = [np.asarray(d, dtype=dtype) for d in docs]
-    return Documents.join(parts, np.arange(first, first + len(parts), dtype=np.int64), epoch, last,
-                          "train", tokenizer, np.dtype(dtype))
+    return Documents.join(
+        parts, np.arange(first, first + len(parts), dtype=np.int64), epoch, last, "train", tokenizer, np.dtype(dtype)
+    )
 
 
 @contextmanager

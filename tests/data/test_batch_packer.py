@@ -23,8 +23,9 @@ def wired(mode, seq_len=4, batch=2, pad_id=9, separator_id=-1, start=None):
     batches, exhausted = [], []
     bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.MicroBatch, lambda m, p: batches.append(m))
     bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.DataExhausted, lambda m, p: exhausted.append(m))
-    cfg = data_pb2.PackerConfig(seq_len=seq_len, micro_batch_size=batch, pad_id=pad_id, mode=mode,
-                                separator_id=separator_id, start=start)
+    cfg = data_pb2.PackerConfig(
+        seq_len=seq_len, micro_batch_size=batch, pad_id=pad_id, mode=mode, separator_id=separator_id, start=start
+    )
     bus.port(Module.L2_TRAINING_LOOP, Module.L4_BATCH_PACKER)(cfg)
     return bus, batches, exhausted
 
@@ -48,14 +49,14 @@ def test_pad_mode_pads_with_the_pad_id_and_labels_padding_minus_100():
     assert l0.tolist() == [[2, 3, X, X], [6, 7, 8, 9]]
     assert i1.tolist() == [[9, 10, 9, 9], [9, 9, 9, 9]]  # the last batch keeps its size: a padding row
     assert l1.tolist() == [[10, 11, X, X], [X, X, X, X]]
-    assert [b.tokens for b in batches] == [6, 2]          # labels that are not -100
+    assert [b.tokens for b in batches] == [6, 2]  # labels that are not -100
     assert pos(batches[0]) == (0, 22, 4) and pos(batches[1]) == (1, 0, 0)
     assert [(e.split, e.position.epoch, e.position.document) for e in exhausted] == [("train", 1, 0)]
 
 
 def test_pack_mode_rows_are_seq_len_plus_one_tokens_input_row_minus_last_labels_row_minus_first():
     bus, batches, _ = wired(data_pb2.PACK, separator_id=0)
-    send(bus, make_docs(list(range(1, 11)), first=3))   # 10 tokens + separator = 11
+    send(bus, make_docs(list(range(1, 11)), first=3))  # 10 tokens + separator = 11
     assert len(batches) == 1
     ids, labels = as_arrays(batches[0])
     assert ids.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
@@ -66,8 +67,8 @@ def test_pack_mode_rows_are_seq_len_plus_one_tokens_input_row_minus_last_labels_
 def test_pack_mode_separates_documents_and_pads_the_rest_at_the_end_of_the_epoch():
     bus, batches, exhausted = wired(data_pb2.PACK, separator_id=0)
     send(bus, make_docs([1, 2, 3], [4, 5]))
-    assert batches == []                                  # 7 tokens: not a full batch yet
-    send(bus, make_docs(last=True, first=2))              # the epoch ends
+    assert batches == []  # 7 tokens: not a full batch yet
+    send(bus, make_docs(last=True, first=2))  # the epoch ends
     ids, labels = as_arrays(batches[0])
     assert ids.tolist() == [[1, 2, 3, 0], [4, 5, 9, 9]]
     assert labels.tolist() == [[2, 3, 0, 4], [5, 0, X, X]]
@@ -81,7 +82,7 @@ def test_documents_split_over_chunks_pack_exactly_as_if_sent_at_once():
         bus, batches, _ = wired(data_pb2.PACK, seq_len=5, batch=3, separator_id=0)
         lo = 0
         for size in chunks:
-            send(bus, make_docs(*docs[lo:lo + size], first=lo, last=lo + size == len(docs)))
+            send(bus, make_docs(*docs[lo : lo + size], first=lo, last=lo + size == len(docs)))
             lo += size
         return [(b.input_ids, b.labels, pos(b)) for b in batches]
 

@@ -71,7 +71,9 @@ def test_an_edited_manifest_is_caught_by_its_own_hash(dataset, root):
     manifest["splits"]["train"]["documents"] += 1
     path.write_text(json.dumps(manifest))
     bus, _ = build_registry(root)
-    with module_failure(DatasetCorrupt, r"^dataset tiny@v1: manifest\.json: sha256 mismatch", "DatasetUnavailable", CORRUPT):
+    with module_failure(
+        DatasetCorrupt, r"^dataset tiny@v1: manifest\.json: sha256 mismatch", "DatasetUnavailable", CORRUPT
+    ):
         mount(bus, verify=False)
 
 
@@ -79,7 +81,9 @@ def test_a_truncated_file_is_caught_by_its_size_without_hashing(dataset, root):
     path = dataset.path / "val.bin"
     path.write_bytes(path.read_bytes()[:-2])
     bus, _ = build_registry(root)
-    with module_failure(DatasetCorrupt, r"val\.bin: size mismatch \(manifest \d+ bytes, file \d+ bytes\)", "DatasetUnavailable", CORRUPT):
+    with module_failure(
+        DatasetCorrupt, r"val\.bin: size mismatch \(manifest \d+ bytes, file \d+ bytes\)", "DatasetUnavailable", CORRUPT
+    ):
         mount(bus, verify=False)
 
 

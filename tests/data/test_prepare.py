@@ -34,7 +34,7 @@ def test_each_file_is_one_document_and_the_split_is_by_file(dataset, source):
     for tokens, bounds, paths in (train, val):
         assert len(bounds) == len(paths) + 1 and bounds[-1] == len(tokens)
         for k, rel in enumerate(paths):  # a token is a byte of the file, in file order
-            assert tokens[bounds[k]:bounds[k + 1]].astype(np.uint8).tobytes() == (source / rel).read_bytes()
+            assert tokens[bounds[k] : bounds[k + 1]].astype(np.uint8).tobytes() == (source / rel).read_bytes()
     assert dataset.val_documents == len(val[2]) >= 1
     assert dataset.train_tokens == len(train[0]) and dataset.vocab_size == 256
 
@@ -92,8 +92,10 @@ def test_a_tokenizers_json_sets_the_vocab_and_is_copied_into_the_version(source,
 
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator([file_text(i).decode() for i in range(NUM_FILES)],
-                            trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"], show_progress=False))
+    tok.train_from_iterator(
+        [file_text(i).decode() for i in range(NUM_FILES)],
+        trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"], show_progress=False),
+    )
     path = tmp_path / "tok.json"
     tok.save(str(path))
     info = prepare_dataset(source, "bpe", "v1", root, tokenizer=str(path), val_fraction=0.1)
@@ -102,7 +104,7 @@ def test_a_tokenizers_json_sets_the_vocab_and_is_copied_into_the_version(source,
     assert (info.path / "tokenizer.json").read_bytes() == path.read_bytes()
     tokens, bounds, paths = _split(info.path, "train")
     first = (source / paths[0]).read_bytes().decode()
-    assert tokens[bounds[0]:bounds[1]].tolist() == tok.encode(first, add_special_tokens=False).ids
+    assert tokens[bounds[0] : bounds[1]].tolist() == tok.encode(first, add_special_tokens=False).ids
     assert info.train_tokens < sum(len((source / p).read_bytes()) for p in paths)  # BPE merges bytes
 
 

@@ -32,8 +32,11 @@ def rank_reading(root, injected: str = "", on_up=None):
     injection.configure(injected)
     server = ServiceServer("data", "127.0.0.1", 0)
     data_pb2_grpc.add_DataServiceServicer_to_server(
-        DataServicer(mount=None, list_datasets=None, new_stream=lambda: build_stream(root),
-                     log=structlog.get_logger("data")), server.server)
+        DataServicer(
+            mount=None, list_datasets=None, new_stream=lambda: build_stream(root), log=structlog.get_logger("data")
+        ),
+        server.server,
+    )
     server.start(["surge.v1.DataService"])
     bus, up, clients = Bus(traffic=Traffic()), [], []
 
@@ -43,9 +46,12 @@ def rank_reading(root, injected: str = "", on_up=None):
             on_up()
 
     def read() -> None:
-        client = DataClient(f"127.0.0.1:{server.port}", bus.emitter(Module.L4_DATASET_VERSIONS),
-                            bus.emitter(Module.L4_BATCH_PACKER),
-                            back=Link(bus, name="data service", near=RANK, beyond=L4).deliver)
+        client = DataClient(
+            f"127.0.0.1:{server.port}",
+            bus.emitter(Module.L4_DATASET_VERSIONS),
+            bus.emitter(Module.L4_BATCH_PACKER),
+            back=Link(bus, name="data service", near=RANK, beyond=L4).deliver,
+        )
         clients.append(client)
         client.open_stream(open_stream())
 
@@ -86,15 +92,19 @@ DATA_PATH_FAILURES = [
 ]
 
 
-@pytest.mark.parametrize(("module", "message", "event", "after"), DATA_PATH_FAILURES,
-                         ids=[m for _, m, _, _ in DATA_PATH_FAILURES])
+@pytest.mark.parametrize(
+    ("module", "message", "event", "after"), DATA_PATH_FAILURES, ids=[m for _, m, _, _ in DATA_PATH_FAILURES]
+)
 def test_a_handler_failing_on_the_data_path_ends_the_stream_with_its_failure_event(
-        dataset, root, module, message, event, after):
+    dataset, root, module, message, event, after
+):
     with rank_reading(root, f"handler:{module}:{message}:after={after}:cause=FAILURE_DATA_CORRUPT") as (bus, up, read):
         ended, heard, exhausted = threading.Event(), [], []
         cls = getattr(data_pb2, event)
         bus.subscribe(Module.L2_TRAINING_LOOP, cls, lambda msg, p: (heard.append(msg), ended.set()))
-        bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.DataExhausted, lambda msg, p: (exhausted.append(msg), ended.set()))
+        bus.subscribe(
+            Module.L2_TRAINING_LOOP, data_pb2.DataExhausted, lambda msg, p: (exhausted.append(msg), ended.set())
+        )
         read()
         assert ended.wait(30), "the stream neither failed nor ended"
     # The stream ended with the failure (not as a stream whose data ran out), and the module's
@@ -103,7 +113,10 @@ def test_a_handler_failing_on_the_data_path_ends_the_stream_with_its_failure_eve
     assert exhausted == [] and len(heard) == 1
     failure = heard[0].failure
     assert (failure.cause, failure.module, failure.operation) == (
-        route_pb2.FAILURE_DATA_CORRUPT, route_pb2.Module.Value(module), f"surge.v1.{message}")
+        route_pb2.FAILURE_DATA_CORRUPT,
+        route_pb2.Module.Value(module),
+        f"surge.v1.{message}",
+    )
     assert [(r.type, r.sender) for r in up] == [(f"surge.v1.{event}", route_pb2.Module.Value(module))]
 
 

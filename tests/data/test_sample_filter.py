@@ -29,7 +29,7 @@ def send(bus, docs) -> None:
 
 
 def contents(docs) -> list[list[int]]:
-    return [docs.tokens_T[docs.bounds_n1[k]:docs.bounds_n1[k + 1]].tolist() for k in range(len(docs))]
+    return [docs.tokens_T[docs.bounds_n1[k] : docs.bounds_n1[k + 1]].tolist() for k in range(len(docs))]
 
 
 def counts(report) -> tuple[int, int, int, int]:
@@ -41,8 +41,8 @@ def test_filter_only_drops_and_counts():
     docs = make_docs([1, 2], [1, 2, 3], [0, 1, 2, 3], [1] * 7, [4, 255, 5], [9, 8, 7, 6, 5, 4], [], first=10)
     send(bus, docs)
     assert contents(kept[0]) == [[1, 2, 3], [9, 8, 7, 6, 5, 4]]
-    assert kept[0].index_n.tolist() == [11, 15]   # shard positions travel with the documents
-    assert counts(reports[-1]) == (2, 2, 1, 2)     # [1,2] and [] short; 7 long; NUL and 255 banned
+    assert kept[0].index_n.tolist() == [11, 15]  # shard positions travel with the documents
+    assert counts(reports[-1]) == (2, 2, 1, 2)  # [1,2] and [] short; 7 long; NUL and 255 banned
 
 
 def test_the_report_is_cumulative_and_an_empty_last_batch_still_travels():

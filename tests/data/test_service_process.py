@@ -35,7 +35,11 @@ def start(root: Path, port: int, home: Path) -> subprocess.Popen:
     env.pop("SURGE_DATA_ROOT", None)
     return subprocess.Popen(
         [sys.executable, "-m", "services.data", "--port", str(port), "--host", "127.0.0.1", "--data-root", str(root)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -71,7 +75,10 @@ def test_the_service_mounts_lists_streams_and_stops_on_sigterm(service, dataset,
 
     ready = stub.Mount(data_pb2.MountDataset(name="tiny", version="v1", verify=True), timeout=30)
     assert (ready.train_documents, ready.train_tokens, ready.vocab_size) == (
-        dataset.train_documents, dataset.train_tokens, 256)
+        dataset.train_documents,
+        dataset.train_tokens,
+        256,
+    )
 
     batches = list(stub.Stream(open_stream(seq_len=64, micro_batch_size=4, repeat=True, max_batches=3), timeout=30))
     assert len(batches) == 3
@@ -95,7 +102,9 @@ def test_the_service_mounts_lists_streams_and_stops_on_sigterm(service, dataset,
 def test_errors_are_grpc_statuses_with_one_line_messages(service, dataset, root):
     _, stub = service
     assert code_and_details(lambda: stub.Mount(data_pb2.MountDataset(name="tiny", version="v9"), timeout=30)) == (
-        grpc.StatusCode.NOT_FOUND, "dataset tiny@v9 not found (have: tiny@v1)")
+        grpc.StatusCode.NOT_FOUND,
+        "dataset tiny@v9 not found (have: tiny@v1)",
+    )
 
     shutil.copytree(dataset.path, root / "tiny" / "v2")
     victim = root / "tiny" / "v2" / "train.bin"
@@ -103,7 +112,8 @@ def test_errors_are_grpc_statuses_with_one_line_messages(service, dataset, root)
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
     code, details = code_and_details(
-        lambda: stub.Mount(data_pb2.MountDataset(name="tiny", version="v2", verify=True), timeout=30))
+        lambda: stub.Mount(data_pb2.MountDataset(name="tiny", version="v2", verify=True), timeout=30)
+    )
     assert code == grpc.StatusCode.FAILED_PRECONDITION
     assert details.startswith("dataset tiny@v2: train.bin: sha256 mismatch (manifest ") and "\n" not in details
 

@@ -39,14 +39,15 @@ def wired(chunk: int = 7) -> tuple[Bus, list]:
     bus.subscribe(Module.L4_FILTER, data_pb2.SamplesShuffled, lambda m, docs: out.append(docs))
     docs = [[i] * (i % 5 + 1) for i in range(N)]  # document i is made of the token i
     for lo in range(0, N, 20):
-        batch = make_docs(*docs[lo:lo + 20], first=lo, epoch=-1, last=lo + 20 >= N)
+        batch = make_docs(*docs[lo : lo + 20], first=lo, epoch=-1, last=lo + 20 >= N)
         bus.publish(Module.L4_PREFETCHER, data_pb2.SamplesRead(count=len(batch)), batch)
     return bus, out
 
 
 def plan(bus, epoch=0, rank=0, world_size=1, start=None, seed=99):
-    msg = data_pb2.ShufflePlan(seed=seed, epoch=epoch, enabled=True, rank=rank, world_size=world_size,
-                               start_document=start or 0)
+    msg = data_pb2.ShufflePlan(
+        seed=seed, epoch=epoch, enabled=True, rank=rank, world_size=world_size, start_document=start or 0
+    )
     bus.port(Module.L2_TRAINING_LOOP, Module.L4_SHUFFLER)(msg)
 
 
@@ -55,7 +56,7 @@ def emitted(out) -> list[tuple[int, list[int]]]:
     res = []
     for d in out:
         for k in range(len(d)):
-            res.append((int(d.index_n[k]), d.tokens_T[d.bounds_n1[k]:d.bounds_n1[k + 1]].tolist()))
+            res.append((int(d.index_n[k]), d.tokens_T[d.bounds_n1[k] : d.bounds_n1[k + 1]].tolist()))
     return res
 
 

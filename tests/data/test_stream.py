@@ -32,14 +32,13 @@ def key(b: data_pb2.MicroBatch):
 
 @pytest.mark.parametrize("mode", [data_pb2.PACK, data_pb2.PAD])
 def test_a_stream_opened_at_any_next_position_continues_exactly(dataset, root, mode):
-    kw = dict(mode=mode, seq_len=32, micro_batch_size=3, min_tokens=40, banned_bytes=b"\0",
-              rank=1, world_size=2)
+    kw = dict(mode=mode, seq_len=32, micro_batch_size=3, min_tokens=40, banned_bytes=b"\0", rank=1, world_size=2)
     full = stream(root, **kw)
     assert len(full) > 20 and full[-1].next.epoch == 1
     assert any(b.next.offset for b in full)  # some cuts fall inside a document
     for k in range(0, len(full) - 1, 4):
         resumed = stream(root, start=full[k].next, **kw)
-        assert [key(b) for b in resumed] == [key(b) for b in full[k + 1:]], f"resume after batch {k}"
+        assert [key(b) for b in resumed] == [key(b) for b in full[k + 1 :]], f"resume after batch {k}"
 
 
 def documents_of(rows_ids, rows_labels) -> list[bytes]:
@@ -55,7 +54,7 @@ def documents_of(rows_ids, rows_labels) -> list[bytes]:
 def test_ranks_see_disjoint_documents_that_together_are_the_split(dataset, root):
     tokens = np.fromfile(dataset.path / "train.bin", dtype="<u2")
     bounds = np.load(dataset.path / "train.idx.npy")
-    split = sorted(tokens[bounds[i]:bounds[i + 1]].astype(np.uint8).tobytes() for i in range(len(bounds) - 1))
+    split = sorted(tokens[bounds[i] : bounds[i + 1]].astype(np.uint8).tobytes() for i in range(len(bounds) - 1))
     per_rank = []
     for rank in range(3):
         docs = []
@@ -71,8 +70,8 @@ def test_repeat_goes_on_to_the_next_epoch_in_a_new_order(dataset, root):
     one = stream(root)
     both = stream(root, repeat=True, max_batches=2 * len(one))
     assert len(both) == 2 * len(one)
-    assert [key(b) for b in both[:len(one)]] == [key(b) for b in one]
-    second = both[len(one):]
+    assert [key(b) for b in both[: len(one)]] == [key(b) for b in one]
+    second = both[len(one) :]
     assert {b.next.epoch for b in second[:-1]} == {1} and second[-1].next.epoch == 2
     assert [b.input_ids for b in second] != [b.input_ids for b in one]  # epoch 1 is another order
 
@@ -96,8 +95,8 @@ def test_the_filter_report_rides_on_every_batch_and_adds_up(dataset, root):
     for split, documents in (("train", dataset.train_documents), ("val", dataset.val_documents)):
         r = last[split]
         assert r.kept + r.dropped_too_short + r.dropped_too_long + r.dropped_banned == documents
-    assert sum(r.dropped_banned for r in last.values()) == 1       # has_nul.py, in whichever split
-    assert sum(r.dropped_too_short for r in last.values()) == 1    # mod_00.py: 11 bytes
+    assert sum(r.dropped_banned for r in last.values()) == 1  # has_nul.py, in whichever split
+    assert sum(r.dropped_too_short for r in last.values()) == 1  # mod_00.py: 11 bytes
 
 
 def test_errors_end_the_stream_with_one_line_reasons(dataset, root):

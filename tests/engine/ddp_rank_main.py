@@ -28,8 +28,13 @@ from services.contract import engine_pb2  # noqa: E402
 def main() -> None:
     rank, port, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     torch.set_num_threads(1)
-    spec = tiny_spec(steps=6, parallel={"dp": 2}, data={"micro_batch_size": 4, "grad_accum": 2},
-                     eval={"at_end": True, "batches": 2}, checkpoint={"at_end": True})
+    spec = tiny_spec(
+        steps=6,
+        parallel={"dp": 2},
+        data={"micro_batch_size": 4, "grad_accum": 2},
+        eval={"at_end": True, "batches": 2},
+        checkpoint={"at_end": True},
+    )
     rank_module.compose = functools.partial(rank_module.compose, phase=PhaseMarker())
     local = LocalRank(spec, out / "ckpt", rank=rank, world_size=2, port=port)
     local.command(engine_pb2.StartTraining(job_id="job"))

@@ -28,8 +28,9 @@ from services.worker.faults import FaultInjector, Injection, StepGuard
 STEP_FIELDS = ("step", "loss", "loss_scale", "skipped", "skip_reason", "grad_norm")
 
 
-def guarded_rank(spec: JobSpec, ckpt: Path, *, injections: list[Injection] | None = None,
-                 marker_dir: Path | None = None, **kw: Any) -> LocalRank:
+def guarded_rank(
+    spec: JobSpec, ckpt: Path, *, injections: list[Injection] | None = None, marker_dir: Path | None = None, **kw: Any
+) -> LocalRank:
     """LocalRank with a StepGuard on the backward port (injections from the list, else
     from SURGE_FAULT_INJECT)."""
     import services.worker.rank as rank_module
@@ -82,8 +83,9 @@ def main() -> None:
         # L3-5's all-rank verdict when only rank 0 saw an overflow (one more collective,
         # both ranks reach it after the same number of steps).
         reduce = local.bus.port(Module.L2_TRAINING_LOOP, Module.L3_GRADIENT_REDUCTION)
-        verdict = reduce(engine_pb2.ReduceGradients(local_loss_sum=1.0, local_tokens=1,
-                                                    local_found_inf=rank == 0)).message.found_inf
+        verdict = reduce(
+            engine_pb2.ReduceGradients(local_loss_sum=1.0, local_tokens=1, local_found_inf=rank == 0)
+        ).message.found_inf
     except BaseException as e:  # noqa: BLE001 - reported like rank.py does, then saved
         local.error = e
         local.modules.loop.fail(e)

@@ -51,7 +51,9 @@ class FakeData:
 
     def mount(self, msg: data_pb2.MountDataset, payload: Any = None):
         if msg.name == "missing":
-            return data_pb2.DatasetUnavailable(name=msg.name, version=msg.version, reason=f"dataset {msg.name}@{msg.version} not found")
+            return data_pb2.DatasetUnavailable(
+                name=msg.name, version=msg.version, reason=f"dataset {msg.name}@{msg.version} not found"
+            )
         return data_pb2.DatasetReady(name=msg.name, version=msg.version, vocab_size=256, tokenizer="bytes")
 
     def open_stream(self, msg: data_pb2.OpenStream, payload: Any = None) -> None:
@@ -79,7 +81,10 @@ class FakeData:
         x = torch.from_numpy(rows[:, :-1].copy())
         y = torch.from_numpy(rows[:, 1:].copy())
         mb = data_pb2.MicroBatch(
-            batch_size=x.shape[0], seq_len=x.shape[1], tokens=int(y.numel()), next=data_pb2.DataPosition(document=document)
+            batch_size=x.shape[0],
+            seq_len=x.shape[1],
+            tokens=int(y.numel()),
+            next=data_pb2.DataPosition(document=document),
         )
         if split == "train" and self.first_train_batch is None:
             self.first_train_batch = x
@@ -113,8 +118,12 @@ class FakeStore:
         self.flushed += 1
 
     def commit_checkpoint(self, msg: store_pb2.CommitCheckpoint, payload=None):
-        done = store_pb2.SaveCompleted(job_id=msg.job_id, version=f"{msg.job_id}:{len(self.committed) + 1}",
-                                       step=msg.step, path=str(self._root / f"step{msg.step}"))
+        done = store_pb2.SaveCompleted(
+            job_id=msg.job_id,
+            version=f"{msg.job_id}:{len(self.committed) + 1}",
+            step=msg.step,
+            path=str(self._root / f"step{msg.step}"),
+        )
         self.committed.append(done)
         self._events(done)
         return done
@@ -172,8 +181,17 @@ def tiny_spec(**overrides: Any):
 class LocalRank:
     """One rank wired by the real composition root, with fake relays, in this process."""
 
-    def __init__(self, spec, ckpt_root: Path, *, rank: int = 0, world_size: int = 1, port: int | None = None,
-                 resume_version: str = "", job_id: str = "job"):
+    def __init__(
+        self,
+        spec,
+        ckpt_root: Path,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        port: int | None = None,
+        resume_version: str = "",
+        job_id: str = "job",
+    ):
         from services.contract import Module
         from services.contract.bus import Bus
         from services.jobspec import spec_to_json
@@ -181,19 +199,32 @@ class LocalRank:
 
         self.spec = spec
         self.bus = bus = Bus()
-        self.data = FakeData(bus.emitter(Module.L4_DATASET_VERSIONS), bus.emitter(Module.L4_BATCH_PACKER), corpus_bytes(),
-                             train_batches=spec.steps * spec.data.grad_accum + 4)
+        self.data = FakeData(
+            bus.emitter(Module.L4_DATASET_VERSIONS),
+            bus.emitter(Module.L4_BATCH_PACKER),
+            corpus_bytes(),
+            train_batches=spec.steps * spec.data.grad_accum + 4,
+        )
         self.store = FakeStore(bus.emitter(Module.L5_CHECKPOINT_MANAGER), ckpt_root)
         self.up = FakeUp()
         self.modules = compose(bus, spec, "cpu", data=self.data, store=self.store, up=self.up)
         from services.control.fault_decision import standing_orders
 
         # The standing orders L1-1 would issue with this job (e.g. skip fp16 overflow steps).
-        self.init = engine_pb2.InitJob(job_id=job_id, spec_json=spec_to_json(spec), resume_version=resume_version,
-                                       standing_orders=standing_orders(spec.fault_policy))
+        self.init = engine_pb2.InitJob(
+            job_id=job_id,
+            spec_json=spec_to_json(spec),
+            resume_version=resume_version,
+            standing_orders=standing_orders(spec.fault_policy),
+        )
         self.assignment = engine_pb2.RankAssignment(
-            rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port or free_port(),
-            backend="gloo", device="cpu", num_threads=1,
+            rank=rank,
+            world_size=world_size,
+            master_addr="127.0.0.1",
+            master_port=port or free_port(),
+            backend="gloo",
+            device="cpu",
+            num_threads=1,
         )
         self.error: BaseException | None = None
 

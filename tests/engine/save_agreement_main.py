@@ -27,12 +27,21 @@ def main() -> None:
     rank, port, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     guard = comm_guard.install(mode="report")  # as rank.py does: the relay's collectives are attributed
     # (the rendezvous stands for L2-2's, as the barrier below for L3-5's all-reduce)
-    run_as(Module.L2_PARALLEL_STRATEGY, dist.init_process_group, "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-           world_size=2)
+    run_as(
+        Module.L2_PARALLEL_STRATEGY,
+        dist.init_process_group,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+    )
     bus, failed = Bus(), []
     client = StoreClient(store, bus.emitter(Module.L5_CHECKPOINT_MANAGER))
-    for t, h in ((store_pb2.SaveCheckpoint, client.save_checkpoint), (store_pb2.CommitCheckpoint, client.commit_checkpoint),
-                 (store_pb2.FlushCheckpoint, client.flush_checkpoint)):
+    for t, h in (
+        (store_pb2.SaveCheckpoint, client.save_checkpoint),
+        (store_pb2.CommitCheckpoint, client.commit_checkpoint),
+        (store_pb2.FlushCheckpoint, client.flush_checkpoint),
+    ):
         bus.subscribe(Module.L5_CHECKPOINT_MANAGER, t, h)
     bus.subscribe(Module.L1_ORCHESTRATOR, store_pb2.SnapshotFailed, lambda m, p=None: failed.append([m.step, m.cause]))
     port_ = bus.port(Module.L2_TRAINING_LOOP, Module.L5_CHECKPOINT_MANAGER)

@@ -21,8 +21,12 @@ REPO = HERE.parents[1]
 @pytest.mark.timeout(120)
 def test_two_gloo_ranks_with_different_data_end_with_identical_parameters(tmp_path):
     port = free_port()
-    run_to_end([[sys.executable, str(HERE / "ddp_rank_main.py"), str(r), str(port), str(tmp_path)] for r in (0, 1)],
-               timeout=100, tail=2000, cwd=REPO)
+    run_to_end(
+        [[sys.executable, str(HERE / "ddp_rank_main.py"), str(r), str(port), str(tmp_path)] for r in (0, 1)],
+        timeout=100,
+        tail=2000,
+        cwd=REPO,
+    )
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
 
     assert not torch.equal(r0["first_batch"], r1["first_batch"])  # each rank its own data
@@ -45,8 +49,12 @@ def test_two_gloo_ranks_with_different_data_end_with_identical_parameters(tmp_pa
     # are: tests/engine/test_save_agreement.py), so the guard finds them, as it would any.
     for r in (r0, r1):
         registered = {c[3] for c in r["crossings"] if c[3]}
-        assert registered == {"shard-loader-handover-communication", "ddp-hook-in-backward",
-                              "composition-root-teardown"}, r["crossings"]
+        assert registered == {
+            "shard-loader-handover-communication",
+            "ddp-hook-in-backward",
+            "composition-root-teardown",
+        }, r["crossings"]
         assert {(c[0], c[2]) for c in r["crossings"] if not c[3]} == {
-            (Module.L5_CHECKPOINT_MANAGER, "tests/engine/rank_fakes.py::FakeStore.save_checkpoint")}
+            (Module.L5_CHECKPOINT_MANAGER, "tests/engine/rank_fakes.py::FakeStore.save_checkpoint")
+        }
         assert "barrier" in {c[1] for c in r["crossings"] if not c[3]}

@@ -104,7 +104,9 @@ def test_optimizer_state_exports_keyed_by_parameter_name():
 def precision_on_bus():
     bus = Bus()
     adapter = OperatorAdapter(bus.emitter(Module.L3_OPERATOR_ADAPTER), "cpu")
-    mp = MixedPrecision(bus.emitter(Module.L2_MIXED_PRECISION), bus.port(Module.L2_MIXED_PRECISION, Module.L3_OPERATOR_ADAPTER))
+    mp = MixedPrecision(
+        bus.emitter(Module.L2_MIXED_PRECISION), bus.port(Module.L2_MIXED_PRECISION, Module.L3_OPERATOR_ADAPTER)
+    )
     bus.subscribe(Module.L3_OPERATOR_ADAPTER, engine_pb2.SetComputePrecision, adapter.set_compute_precision)
     bus.subscribe(Module.L2_MIXED_PRECISION, engine_pb2.InitPrecision, mp.init_precision)
     bus.subscribe(Module.L2_MIXED_PRECISION, engine_pb2.UnscaleAndCheck, mp.unscale_and_check)
@@ -152,8 +154,9 @@ def test_an_inf_or_nan_gradient_is_reported_as_found_inf_and_not_repaired(bad):
 def test_an_unknown_precision_policy_is_refused():
     _, port = precision_on_bus()
     # A configuration the module cannot use is its failure (PrecisionFailed, INVALID_INPUT).
-    with raised_in_module(ValueError, "precision: expected one of", event="PrecisionFailed",
-                          cause=route_pb2.FAILURE_INVALID_INPUT):
+    with raised_in_module(
+        ValueError, "precision: expected one of", event="PrecisionFailed", cause=route_pb2.FAILURE_INVALID_INPUT
+    ):
         port(engine_pb2.InitPrecision(precision="fp8"))
 
 
@@ -168,9 +171,11 @@ def test_a_rank_assignment_that_cannot_work_is_refused_naming_the_field():
         bus.port(Module.L2_PARALLEL_STRATEGY, Module.L3_GRADIENT_REDUCTION),
     )
     base = dict(rank=0, world_size=1, master_addr="127.0.0.1", master_port=1, backend="gloo", device="cpu")
-    for bad, words in (({"rank": 2}, "rank 2 is not in world_size 1"),
-                       ({"backend": "mpi"}, "backend must be 'gloo' or 'nccl'"),
-                       ({"backend": "nccl"}, "backend nccl needs a CUDA device")):
+    for bad, words in (
+        ({"rank": 2}, "rank 2 is not in world_size 1"),
+        ({"backend": "mpi"}, "backend must be 'gloo' or 'nccl'"),
+        ({"backend": "nccl"}, "backend nccl needs a CUDA device"),
+    ):
         with pytest.raises(ValueError, match=words):
             strategy.rank_assignment(engine_pb2.RankAssignment(**{**base, **bad}))
 
@@ -195,8 +200,13 @@ def test_a_taken_rendezvous_port_is_l2_2_s_typed_port_in_use_graded_medium_by_l1
     set_origin("j", 0)  # (a rank's root names its job on its failures)
     try:
         with pytest.raises(ModuleFailed) as failed:
-            bus.command(Module.L1_RESOURCE_ALLOCATOR, Module.L2_PARALLEL_STRATEGY, engine_pb2.RankAssignment(
-                rank=0, world_size=1, master_addr="127.0.0.1", master_port=port, backend="gloo", device="cpu"))
+            bus.command(
+                Module.L1_RESOURCE_ALLOCATOR,
+                Module.L2_PARALLEL_STRATEGY,
+                engine_pb2.RankAssignment(
+                    rank=0, world_size=1, master_addr="127.0.0.1", master_port=port, backend="gloo", device="cpu"
+                ),
+            )
     finally:
         holder.close()
         set_origin()
@@ -204,7 +214,11 @@ def test_a_taken_rendezvous_port_is_l2_2_s_typed_port_in_use_graded_medium_by_l1
     assert isinstance(error, RendezvousFailed) and error.port_in_use  # the OS said so: a bind probe's errno
     event = failed.value.event
     assert (event.DESCRIPTOR.name, event.fault_class, event.failure.cause) == (
-        "ParallelTopologyError", "port_in_use", route_pb2.FAILURE_RENDEZVOUS)
+        "ParallelTopologyError",
+        "port_in_use",
+        route_pb2.FAILURE_RENDEZVOUS,
+    )
     assert [(r.event, r.fault_class, r.grade) for r in reports] == [
-        ("ParallelTopologyError", "port_in_use", control_pb2.MEDIUM)]
+        ("ParallelTopologyError", "port_in_use", control_pb2.MEDIUM)
+    ]
     assert not _port_taken(port)  # released: the probe does not claim a free port

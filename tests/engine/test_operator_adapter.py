@@ -22,13 +22,19 @@ SPEC = ModelSpec(n_layers=1, d_model=32, n_heads=2, vocab_size=64)
 def wired(device: str = "cpu"):
     bus = Bus()
     adapter = OperatorAdapter(bus.emitter(Module.L3_OPERATOR_ADAPTER), device)
-    forward = ForwardUnit(bus.emitter(Module.L3_FORWARD_UNIT), bus.port(Module.L3_FORWARD_UNIT, Module.L3_OPERATOR_ADAPTER))
+    forward = ForwardUnit(
+        bus.emitter(Module.L3_FORWARD_UNIT), bus.port(Module.L3_FORWARD_UNIT, Module.L3_OPERATOR_ADAPTER)
+    )
     reports: list[engine_pb2.OperatorsReady] = []
     bus.subscribe(Module.L3_OPERATOR_ADAPTER, engine_pb2.SelectOperators, adapter.select_operators)
     bus.subscribe(Module.L3_OPERATOR_ADAPTER, engine_pb2.SetComputePrecision, adapter.set_compute_precision)
     bus.subscribe(Module.L3_FORWARD_UNIT, engine_pb2.ConfigureForward, forward.configure_forward)
     bus.subscribe(Module.L3_FORWARD_UNIT, engine_pb2.RunForward, forward.run_forward)
-    bus.subscribe(Module.L3_FORWARD_UNIT, engine_pb2.OperatorsReady, lambda m, p: (reports.append(m), forward.on_operators_ready(m, p)))
+    bus.subscribe(
+        Module.L3_FORWARD_UNIT,
+        engine_pb2.OperatorsReady,
+        lambda m, p: (reports.append(m), forward.on_operators_ready(m, p)),
+    )
     model = build_model(SPEC, 0)
     if device == "cpu":
         forward.attach(model)
@@ -56,8 +62,9 @@ def test_math_and_sdpa_give_the_same_logits():
     forward(engine_pb2.ConfigureForward(attention="math"))
     x = torch.randint(0, 64, (2, 16))
     with torch.no_grad():
-        assert torch.allclose(forward(engine_pb2.RunForward(training=False), x).payload,
-                              model(x, attention="sdpa"), atol=1e-5)
+        assert torch.allclose(
+            forward(engine_pb2.RunForward(training=False), x).payload, model(x, attention="sdpa"), atol=1e-5
+        )
 
 
 def test_an_unavailable_kernel_is_refused_with_the_field_named_and_nothing_selected():

@@ -20,9 +20,14 @@ RULE = {"init_scale": 1024.0, "growth_interval": 2, "hysteresis": 2, "backoff_fa
 
 
 def fp16_spec(**kw):
-    return tiny_spec(steps=8, parallel={"dp": 2}, data={"micro_batch_size": 2, "seq_len": 32},
-                     precision={"dtype": "fp16", "loss_scale": RULE},
-                     checkpoint={"every_steps": 4, "at_end": False}, **kw)
+    return tiny_spec(
+        steps=8,
+        parallel={"dp": 2},
+        data={"micro_batch_size": 2, "seq_len": 32},
+        precision={"dtype": "fp16", "loss_scale": RULE},
+        checkpoint={"every_steps": 4, "at_end": False},
+        **kw,
+    )
 
 
 def comparable(steps: list[dict]) -> list[dict]:
@@ -82,12 +87,20 @@ def run_local(tmp_path, spec, injections):
 
 @pytest.mark.timeout(180)
 def test_k_consecutive_skipped_steps_are_an_overflow_storm_reported_to_l1_at_the_kth(tmp_path):
-    spec = tiny_spec(steps=6, precision={"dtype": "fp16", "loss_scale": {**RULE, "hysteresis": 5}},
-                     fault_policy={"overflow_storm_steps": 3})
+    spec = tiny_spec(
+        steps=6,
+        precision={"dtype": "fp16", "loss_scale": {**RULE, "hysteresis": 5}},
+        fault_policy={"overflow_storm_steps": 3},
+    )
     local, reports = run_local(tmp_path, spec, [Injection("inf_grad", s, 0) for s in (2, 4, 5, 6)])
     # The overflows follow the standing order (skip_step, the default): no round trip.
-    assert [(s.skipped, s.standing_order) for s in local.steps()] == [(False, 0), (True, 1), (False, 0), (True, 1),
-                                                                      (True, 1)]
+    assert [(s.skipped, s.standing_order) for s in local.steps()] == [
+        (False, 0),
+        (True, 1),
+        (False, 0),
+        (True, 1),
+        (True, 1),
+    ]
     (storm,) = reports
     assert (storm.kind, storm.step, storm.consecutive_skips) == (engine_pb2.STEP_FAULT_OVERFLOW_STORM, 6, 3)
     assert storm.detail.startswith("3 consecutive steps skipped (up to step 6, last: overflow, loss scale 1024)")
@@ -95,8 +108,10 @@ def test_k_consecutive_skipped_steps_are_an_overflow_storm_reported_to_l1_at_the
 
 @pytest.mark.timeout(180)
 def test_an_overflow_that_backs_the_scale_off_to_its_minimum_is_a_step_fault_of_its_own(tmp_path):
-    spec = tiny_spec(steps=4, precision={"dtype": "fp16", "loss_scale": {**RULE, "init_scale": 4.0, "min_scale": 2.0,
-                                                                          "hysteresis": 1}})
+    spec = tiny_spec(
+        steps=4,
+        precision={"dtype": "fp16", "loss_scale": {**RULE, "init_scale": 4.0, "min_scale": 2.0, "hysteresis": 1}},
+    )
     local, reports = run_local(tmp_path, spec, [Injection("inf_grad", 2, 0)])
     assert [s.skipped for s in local.steps()] == [False]
     (fault,) = reports

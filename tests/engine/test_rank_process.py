@@ -95,8 +95,12 @@ class FakeDataService(data_pb2_grpc.DataServiceServicer):
             rows = np.stack([self._data[s : s + T + 1] for s in starts])
             n += 1
             yield data_pb2.MicroBatch(
-                input_ids=rows[:, :-1].astype("<i4").tobytes(), labels=rows[:, 1:].astype("<i4").tobytes(),
-                batch_size=B, seq_len=T, tokens=B * T, next=data_pb2.DataPosition(document=n),
+                input_ids=rows[:, :-1].astype("<i4").tobytes(),
+                labels=rows[:, 1:].astype("<i4").tobytes(),
+                batch_size=B,
+                seq_len=T,
+                tokens=B * T,
+                next=data_pb2.DataPosition(document=n),
             )
 
 
@@ -120,7 +124,10 @@ def services():
 def start_rank(address: str, procs: list, job: str = "job-1") -> subprocess.Popen:
     p = subprocess.Popen(
         [sys.executable, "-m", "services.worker.rank", "--session", address, "--job", job, "--rank", "0"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     procs.append(p)
     return p
@@ -128,11 +135,26 @@ def start_rank(address: str, procs: list, job: str = "job-1") -> subprocess.Pope
 
 def push_setup(agent: FakeAgent, address: str, spec) -> None:
     unused = free_port()  # no store listens here: metrics are retried in the background
-    agent.commands.put(worker_pb2.RankCommand(init=engine_pb2.InitJob(
-        job_id="job-1", spec_json=spec_to_json(spec), data_address=address, store_address=f"127.0.0.1:{unused}")))
-    agent.commands.put(worker_pb2.RankCommand(assignment=engine_pb2.RankAssignment(
-        rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(), backend="gloo", device="cpu",
-        num_threads=1)))
+    agent.commands.put(
+        worker_pb2.RankCommand(
+            init=engine_pb2.InitJob(
+                job_id="job-1", spec_json=spec_to_json(spec), data_address=address, store_address=f"127.0.0.1:{unused}"
+            )
+        )
+    )
+    agent.commands.put(
+        worker_pb2.RankCommand(
+            assignment=engine_pb2.RankAssignment(
+                rank=0,
+                world_size=1,
+                master_addr="127.0.0.1",
+                master_port=free_port(),
+                backend="gloo",
+                device="cpu",
+                num_threads=1,
+            )
+        )
+    )
 
 
 def released(agent: FakeAgent, proc: subprocess.Popen) -> None:
@@ -158,8 +180,11 @@ def test_a_rank_says_hello_reports_started_waits_for_start_and_exits_0_after_fin
     assert body(started).start_step == 0 and body(started).num_parameters > 0
     with pytest.raises(queue.Empty):
         agent.next_event(timeout=0.5)  # nothing happens before StartTraining
-    agent.commands.put(worker_pb2.RankCommand(
-        routed=pack(engine_pb2.StartTraining(job_id="job-1"), Module.L1_ORCHESTRATOR, Module.L2_TRAINING_LOOP)))
+    agent.commands.put(
+        worker_pb2.RankCommand(
+            routed=pack(engine_pb2.StartTraining(job_id="job-1"), Module.L1_ORCHESTRATOR, Module.L2_TRAINING_LOOP)
+        )
+    )
     events = []
     while (ev := agent.next_event()) is not None:
         events.append(ev)
@@ -199,7 +224,11 @@ def test_a_violation_the_data_service_returns_goes_up_before_the_failure_it_caus
     assert kind(ev) == "BoundaryViolationReported" and ev.routed.sender == Module.EXT_CONTRACT, ev
     v = body(ev)
     assert (v.process, v.sender, v.message, v.receiver) == (
-        "data", Module.L4_SHUFFLER, "surge.v1.FilterRules", Module.L4_FILTER)
+        "data",
+        Module.L4_SHUFFLER,
+        "surge.v1.FilterRules",
+        Module.L4_FILTER,
+    )
     assert (v.job_id, v.rank) == ("job-1", 0)
     assert v.detail == "boundary violation: L4_SHUFFLER may not send surge.v1.FilterRules to L4_FILTER"
     final = agent.next_event()

@@ -29,8 +29,14 @@ class Data(data_pb2_grpc.DataServiceServicer):
 
     def Stream(self, request, context):
         ids = np.arange(2 * 3, dtype="<i4").reshape(2, 3)
-        yield data_pb2.MicroBatch(input_ids=ids.tobytes(), labels=(ids + 1).tobytes(), batch_size=2, seq_len=3,
-                                  tokens=6, next=data_pb2.DataPosition(document=1))
+        yield data_pb2.MicroBatch(
+            input_ids=ids.tobytes(),
+            labels=(ids + 1).tobytes(),
+            batch_size=2,
+            seq_len=3,
+            tokens=6,
+            next=data_pb2.DataPosition(document=1),
+        )
         if request.split == "bad":
             yield data_pb2.MicroBatch(input_ids=b"\0" * 5, labels=b"", batch_size=2, seq_len=3)
 
@@ -56,7 +62,9 @@ class Store(store_pb2_grpc.StoreServiceServicer):
         self.commits.append(request.step)
         self.attempts.append(("CommitSave", request.step, request.attempt))
         if request.step == 14:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "checkpoint j: step 14: x.distcp: changed while committing")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "checkpoint j: step 14: x.distcp: changed while committing"
+            )
         if request.step == 16:  # the store went away under the commit
             context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
         if request.step == 17:  # a store that does not answer (stopped)
@@ -117,7 +125,9 @@ def test_batches_are_decoded_to_int64_B_T_and_the_stream_end_is_reported(server)
     mb, batch = got.get(timeout=10)
     assert (mb.batch_size, mb.seq_len, mb.tokens, mb.input_ids) == (2, 3, 6, b"")  # bytes stay behind
     assert batch.split == "val" and batch.input_ids.dtype == torch.int64
-    assert torch.equal(batch.input_ids, torch.arange(6).reshape(2, 3)) and torch.equal(batch.labels, batch.input_ids + 1)
+    assert torch.equal(batch.input_ids, torch.arange(6).reshape(2, 3)) and torch.equal(
+        batch.labels, batch.input_ids + 1
+    )
     end, _ = got.get(timeout=10)
     assert isinstance(end, data_pb2.DataExhausted) and end.split == "val" and end.position.document == 1
     client.close()
@@ -196,7 +206,11 @@ def test_a_checkpoint_is_written_to_the_staging_path_and_rank_0_commit_goes_up(s
     # Its failure part is typed by the store's answer (its status: no surge-failure-cause here).
     f = failed.failure
     assert (f.module, f.operation, f.cause, f.job_id) == (
-        Module.L5_CHECKPOINT_MANAGER, "surge.v1.SaveCheckpoint", route_pb2.FAILURE_EXHAUSTED, "j")
+        Module.L5_CHECKPOINT_MANAGER,
+        "surge.v1.SaveCheckpoint",
+        route_pb2.FAILURE_EXHAUSTED,
+        "j",
+    )
     assert server[1].commits == [5]
     client.close()
 
@@ -228,7 +242,11 @@ def test_a_refused_commit_is_reported_once_as_the_save_it_seals(server):
     assert [(u.operation, u.cause, u.step, u.job_id) for u in up] == [("save", store_pb2.REJECTED, 14, "j")]
     f = up[0].failure
     assert (f.module, f.operation, f.cause, f.job_id) == (
-        Module.L5_CHECKPOINT_MANAGER, "surge.v1.CommitCheckpoint", route_pb2.FAILURE_INVALID_INPUT, "j")
+        Module.L5_CHECKPOINT_MANAGER,
+        "surge.v1.CommitCheckpoint",
+        route_pb2.FAILURE_INVALID_INPUT,
+        "j",
+    )
     client.close()
 
 
@@ -242,8 +260,12 @@ def test_a_background_commit_that_fails_is_raised_at_the_next_flush(server):
     # Nothing committed; the relay reported its failure once, as the save of step 14 the store
     # refused (its status: a refusal), raised at the flush; the bus built no second one.
     assert [(u.DESCRIPTOR.name, u.job_id, u.operation, u.cause, u.step) for u in up] == [
-        ("SnapshotFailed", "j", "save", store_pb2.REJECTED, 14)]
-    assert (up[0].failure.operation, up[0].failure.cause) == ("surge.v1.FlushCheckpoint", route_pb2.FAILURE_INVALID_INPUT)
+        ("SnapshotFailed", "j", "save", store_pb2.REJECTED, 14)
+    ]
+    assert (up[0].failure.operation, up[0].failure.cause) == (
+        "surge.v1.FlushCheckpoint",
+        route_pb2.FAILURE_INVALID_INPUT,
+    )
     port(store_pb2.FlushCheckpoint(job_id="j"))  # reported once; nothing is pending any more
     client.close()
 
@@ -257,15 +279,21 @@ def test_every_save_and_commit_of_one_launch_names_its_attempt_and_a_relaunch_an
             port(store_pb2.SaveCheckpoint(job_id="j", step=step, rank=0), {"model": {"w": torch.ones(3)}})
             port(store_pb2.CommitCheckpoint(job_id="j", step=step, world_size=1))
         client.close()
-    assert [(op, step) for op, step, _ in store.attempts] == [("BeginSave", 4), ("CommitSave", 4),
-                                                               ("BeginSave", 8), ("CommitSave", 8)] * 2
+    assert [(op, step) for op, step, _ in store.attempts] == [
+        ("BeginSave", 4),
+        ("CommitSave", 4),
+        ("BeginSave", 8),
+        ("CommitSave", 8),
+    ] * 2
     first, second = {a for _, _, a in store.attempts[:4]}, {a for _, _, a in store.attempts[4:]}
     assert len(first) == len(second) == 1 and first != second and "" not in first | second
 
 
 def test_a_version_that_fails_verification_is_a_checkpoint_integrity_fault(server):
     client, port, _ = store_relay(server[0])
-    with raised_in_module(CheckpointIntegrityError, "Load: FAILED_PRECONDITION: checkpoint bad:1: __0_0.distcp: sha256") as e:
+    with raised_in_module(
+        CheckpointIntegrityError, "Load: FAILED_PRECONDITION: checkpoint bad:1: __0_0.distcp: sha256"
+    ) as e:
         port(store_pb2.LoadCheckpoint(version="bad:1"), {"model": {"w": torch.ones(3)}})
     assert e.value.fault_class == "checkpoint_integrity"
     with raised_in_module(CheckpointError, "NOT_FOUND") as e:
@@ -285,7 +313,8 @@ def test_a_background_write_that_fails_is_never_committed_and_is_raised_at_the_f
     assert store.commits == []
     # This rank's own write failed (no store cause), typed by what it raised; the save's step.
     assert [(u.DESCRIPTOR.name, u.operation, u.cause, u.step, u.failure.cause) for u in up] == [
-        ("SnapshotFailed", "save", store_pb2.STORE_FAILURE_UNSPECIFIED, 15, IO)]
+        ("SnapshotFailed", "save", store_pb2.STORE_FAILURE_UNSPECIFIED, 15, IO)
+    ]
     client.close()
 
 
@@ -297,14 +326,18 @@ def test_a_save_the_store_cannot_be_asked_for_is_skipped_and_reported_and_traini
     assert port(store_pb2.CommitCheckpoint(job_id="j", step=20, world_size=1)).message is None
     (failed,) = up
     assert (failed.operation, failed.cause, failed.step, failed.rank) == ("save", store_pb2.UNREACHABLE, 20, 0)
-    assert (failed.failure.cause, failed.failure.operation) == (route_pb2.FAILURE_UNAVAILABLE, "surge.v1.SaveCheckpoint")
+    assert (failed.failure.cause, failed.failure.operation) == (
+        route_pb2.FAILURE_UNAVAILABLE,
+        "surge.v1.SaveCheckpoint",
+    )
     port(store_pb2.FlushCheckpoint(job_id="j"))  # nothing pending, nothing raised
     client.close(timeout=1)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_background_commit_that_cannot_reach_the_store_is_reported_retried_at_the_flush_and_not_raised(
-        server, monkeypatch):
+    server, monkeypatch
+):
     from services.worker import store_client
 
     monkeypatch.setattr(store_client, "FLUSH_RETRY_S", 1.5)
@@ -315,7 +348,10 @@ def test_a_background_commit_that_cannot_reach_the_store_is_reported_retried_at_
     port(store_pb2.FlushCheckpoint(job_id="j"))  # retried for 1.5 s, then given up: not a fault
     assert store.commits[0] == 16 and len(store.commits) >= 2  # the first try, then the flush's retries
     assert [(u.operation, u.cause, u.step) for u in up] == [("save", store_pb2.UNREACHABLE, 16)]  # reported once
-    assert (up[0].failure.cause, up[0].failure.operation) == (route_pb2.FAILURE_UNAVAILABLE, "surge.v1.CommitCheckpoint")
+    assert (up[0].failure.cause, up[0].failure.operation) == (
+        route_pb2.FAILURE_UNAVAILABLE,
+        "surge.v1.CommitCheckpoint",
+    )
     client.close()
 
 
@@ -385,7 +421,9 @@ def test_a_load_checks_each_file_as_it_reads_it_and_names_the_one_that_differs(s
         port(store_pb2.LoadCheckpoint(version=info.version), {"model": {"w": torch.zeros(64)}})
     assert e.value.cause == store_pb2.MISSING_FILE
     assert [(u.operation, u.cause, u.version) for u in up] == [
-        ("load", store_pb2.CORRUPT, "v:1"), ("load", store_pb2.MISSING_FILE, "v:1")]
+        ("load", store_pb2.CORRUPT, "v:1"),
+        ("load", store_pb2.MISSING_FILE, "v:1"),
+    ]
     client.close()
 
 

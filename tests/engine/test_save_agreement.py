@@ -62,8 +62,13 @@ def test_both_ranks_skip_a_save_that_one_cannot_stage_or_whose_previous_commit_i
     try:
         port = free_port()
         env = {**os.environ, "SURGE_STORE_RPC_TIMEOUT_S": "1.0", "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE)])}
-        outs = run_to_end([[sys.executable, str(HERE / "save_agreement_main.py"), str(r), str(port), address]
-                           for r in (0, 1)], timeout=100, tail=3000, cwd=REPO, env=env)
+        outs = run_to_end(
+            [[sys.executable, str(HERE / "save_agreement_main.py"), str(r), str(port), address] for r in (0, 1)],
+            timeout=100,
+            tail=3000,
+            cwd=REPO,
+            env=env,
+        )
     finally:
         server.stop(0)
     got = {d["rank"]: d for d in (json.loads(o.strip().splitlines()[-1]) for o in outs)}
@@ -81,4 +86,7 @@ def test_both_ranks_skip_a_save_that_one_cannot_stage_or_whose_previous_commit_i
     # exceptions (services/contract/exceptions.yaml), attributed to L5-1 at run time.
     for r in (0, 1):
         assert [c for c in got[r]["crossings"] if not c[3]] == [], got[r]["crossings"]
-        assert {c[3] for c in got[r]["crossings"]} == {"store-relay-save-agreement", "store-relay-distributed-checkpoint"}
+        assert {c[3] for c in got[r]["crossings"]} == {
+            "store-relay-save-agreement",
+            "store-relay-distributed-checkpoint",
+        }

@@ -122,7 +122,6 @@ def test_an_unknown_dataset_is_reported_as_data_unavailable_with_the_reason(tmp_
 # ------------------------------------------------------------------ step faults: the blocked state
 
 
-
 def poisoned(rank: LocalRank) -> threading.Thread:
     """Start ``rank`` with one weight made inf: every step's loss and gradients are not finite."""
     t = started(rank)
@@ -140,11 +139,14 @@ def test_a_step_fault_blocks_the_loop_until_l1_says_skip_and_nothing_is_applied(
     before = rank.model_state()
     rank.command(engine_pb2.StartTraining(job_id="job"))
     t.join(30)
-    assert [(r.step, r.kind, r.reminder) for r in reports] == [(s, engine_pb2.STEP_FAULT_NON_FINITE_LOSS, 0) for s in (1, 2, 3)]
+    assert [(r.step, r.kind, r.reminder) for r in reports] == [
+        (s, engine_pb2.STEP_FAULT_NON_FINITE_LOSS, 0) for s in (1, 2, 3)
+    ]
     assert reports[0].detail == "training loss is nan at step 1 (512 tokens)" and reports[0].loss != reports[0].loss
     steps = rank.steps()
     assert [(s.fault, s.action, s.standing_order, s.skipped, s.skip_reason) for s in steps] == [
-        (engine_pb2.STEP_FAULT_NON_FINITE_LOSS, engine_pb2.STEP_SKIP, 0, True, "non_finite_loss")] * 3
+        (engine_pb2.STEP_FAULT_NON_FINITE_LOSS, engine_pb2.STEP_SKIP, 0, True, "non_finite_loss")
+    ] * 3
     assert all(s.loss != s.loss for s in steps)  # reported as it was: NaN, never smoothed away
     after = rank.model_state()
     assert all(torch.equal(before[k], after[k]) for k in before if k != "norm.weight")
@@ -159,7 +161,9 @@ def test_l1s_apply_verdict_applies_the_step_as_it_is(tmp_path):
     rank.command(engine_pb2.StartTraining(job_id="job"))
     t.join(30)
     steps = rank.steps()
-    assert [(s.fault, s.action, s.skipped) for s in steps] == [(engine_pb2.STEP_FAULT_NON_FINITE_LOSS, engine_pb2.STEP_APPLY, False)] * 2
+    assert [(s.fault, s.action, s.skipped) for s in steps] == [
+        (engine_pb2.STEP_FAULT_NON_FINITE_LOSS, engine_pb2.STEP_APPLY, False)
+    ] * 2
     after = rank.model_state()  # the NaN gradients were applied: the weights are NaN now
     assert any(not torch.isfinite(v).all() for k, v in after.items() if k != "norm.weight")
     assert all(torch.isfinite(v).all() for k, v in before.items() if k != "norm.weight")
@@ -198,7 +202,11 @@ def test_a_verdict_that_arrives_before_the_rank_blocks_is_kept_for_that_step(tmp
     rank = LocalRank(tiny_spec(steps=1), tmp_path)
     reports = answer_step_faults(rank, lambda r: None)  # L1 answered a peer's report already
     t = poisoned(rank)
-    rank.command(engine_pb2.StepVerdict(job_id="job", step=1, kind=engine_pb2.STEP_FAULT_NON_FINITE_LOSS, action=engine_pb2.STEP_SKIP))
+    rank.command(
+        engine_pb2.StepVerdict(
+            job_id="job", step=1, kind=engine_pb2.STEP_FAULT_NON_FINITE_LOSS, action=engine_pb2.STEP_SKIP
+        )
+    )
     rank.command(engine_pb2.StartTraining(job_id="job"))
     t.join(30)
     assert [r.step for r in reports] == [1]  # it still says it blocked, and went on at once
@@ -215,7 +223,11 @@ def test_a_standing_order_needs_no_round_trip_is_echoed_and_a_revocation_takes_e
     rank.command(engine_pb2.StartTraining(job_id="job"))
     t.join(30)
     assert [(s.step, s.standing_order, s.action) for s in rank.steps()] == [
-        (1, 7, engine_pb2.STEP_SKIP), (2, 7, engine_pb2.STEP_SKIP), (3, 0, engine_pb2.STEP_SKIP), (4, 0, engine_pb2.STEP_SKIP)]
+        (1, 7, engine_pb2.STEP_SKIP),
+        (2, 7, engine_pb2.STEP_SKIP),
+        (3, 0, engine_pb2.STEP_SKIP),
+        (4, 0, engine_pb2.STEP_SKIP),
+    ]
     assert [r.step for r in reports] == [3, 4]  # asked only after the named boundary
 
 
@@ -223,13 +235,18 @@ def test_the_overflow_storm_steps_th_consecutive_skip_is_a_step_fault_of_its_own
     rank = LocalRank(tiny_spec(steps=5, fault_policy={"overflow_storm_steps": 2}), tmp_path)
     del rank.init.standing_orders[:]
     rank.init.standing_orders.add(id=1, kind=engine_pb2.STEP_FAULT_NON_FINITE_LOSS, action=engine_pb2.STEP_SKIP)
-    reports = answer_step_faults(rank, lambda r: engine_pb2.STEP_SKIP)  # ignore/skip the storm: go on, the count restarts
+    reports = answer_step_faults(
+        rank, lambda r: engine_pb2.STEP_SKIP
+    )  # ignore/skip the storm: go on, the count restarts
     t = poisoned(rank)
     rank.command(engine_pb2.StartTraining(job_id="job"))
     t.join(30)
     assert [(r.step, r.kind, r.consecutive_skips) for r in reports] == [
-        (2, engine_pb2.STEP_FAULT_OVERFLOW_STORM, 2), (4, engine_pb2.STEP_FAULT_OVERFLOW_STORM, 2)]
+        (2, engine_pb2.STEP_FAULT_OVERFLOW_STORM, 2),
+        (4, engine_pb2.STEP_FAULT_OVERFLOW_STORM, 2),
+    ]
     assert reports[0].detail.startswith("2 consecutive steps skipped (up to step 2, last: non_finite_loss")
     assert [(s.fault, s.skipped) for s in rank.steps()] == [
-        (engine_pb2.STEP_FAULT_NON_FINITE_LOSS, True), (engine_pb2.STEP_FAULT_OVERFLOW_STORM, True)] * 2 + [
-        (engine_pb2.STEP_FAULT_NON_FINITE_LOSS, True)]
+        (engine_pb2.STEP_FAULT_NON_FINITE_LOSS, True),
+        (engine_pb2.STEP_FAULT_OVERFLOW_STORM, True),
+    ] * 2 + [(engine_pb2.STEP_FAULT_NON_FINITE_LOSS, True)]

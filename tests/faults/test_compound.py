@@ -27,16 +27,21 @@ from .test_recovery import spec as recovery_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
+
 def spec(name: str, steps: int) -> str:
     """test_recovery's job at dp=1 (two jobs fit the two one-slot workers), with a fault policy
     that waits long enough for every wait these tests make."""
-    return (recovery_spec(name, steps=steps, every=5).replace("parallel: {dp: 2}", "parallel: {dp: 1}")
-            + "fault_policy: {store_wait_seconds: 300, capacity_wait_seconds: 300}\n")
+    return (
+        recovery_spec(name, steps=steps, every=5).replace("parallel: {dp: 2}", "parallel: {dp: 1}")
+        + "fault_policy: {store_wait_seconds: 300, capacity_wait_seconds: 300}\n"
+    )
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with running_stack(tmp_path_factory.mktemp("surge-compound"), ("json", "email"), ("cstore", "cother", "cctl", "cleave", "cflip")) as s:
+    with running_stack(
+        tmp_path_factory.mktemp("surge-compound"), ("json", "email"), ("cstore", "cother", "cctl", "cleave", "cflip")
+    ) as s:
         yield s
 
 
@@ -63,7 +68,7 @@ def committed_versions(events) -> list[tuple[int, str]]:
     out = []
     for m in of_type(events, "checkpoint"):
         if m.startswith("checkpoint ") and " at step " in m and "bytes" in m:
-            version, rest = m[len("checkpoint "):].split(" at step ", 1)
+            version, rest = m[len("checkpoint ") :].split(" at step ", 1)
             out.append((int(rest.split(" ", 1)[0]), version))
     return out
 
@@ -72,14 +77,18 @@ def newest_at_relaunch(events) -> str:
     """The newest version control knew of when it relaunched the ranks: committed (its report
     applied) or found by the store's verification (a commit whose report never arrived)."""
     relaunch = next(i for i, e in enumerate(events) if e.type == "recovery" and e.message.startswith("ranks killed"))
-    versions = [e.message.split()[1] for e in events[:relaunch] if e.type == "checkpoint"
-                and (" bytes, " in e.message or "committed by the store" in e.message)]
+    versions = [
+        e.message.split()[1]
+        for e in events[:relaunch]
+        if e.type == "checkpoint" and (" bytes, " in e.message or "committed by the store" in e.message)
+    ]
     return max(versions, key=lambda v: int(v.rsplit(":", 1)[1]))
 
 
 def assert_nothing_struck(events) -> None:
-    struck = [m for m in (e.message for e in events) if "fails verification" in m or "unusable" in m
-              or "never loaded" in m]
+    struck = [
+        m for m in (e.message for e in events) if "fails verification" in m or "unusable" in m or "never loaded" in m
+    ]
     assert struck == [], struck
 
 
@@ -150,8 +159,15 @@ def test_control_killed_during_a_recovery_with_the_store_down_resumes_from_the_n
     wait_for(lambda: _answers(stack, job), 60, "control back")
     time.sleep(max(0.0, 20 - (time.monotonic() - killed_at)))
     with open(svc["store"]["log"], "ab") as log:
-        store = subprocess.Popen(store_argv, cwd=REPO, env=store_env, stdout=log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        store = subprocess.Popen(
+            store_argv,
+            cwd=REPO,
+            env=store_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     stack_json = stack.home / "run" / "stack.json"
     data = json.loads(stack_json.read_text())
     data["services"]["store"]["pid"] = store.pid
@@ -183,8 +199,11 @@ def test_a_node_agent_leaving_with_no_spare_is_one_incident_and_the_job_continue
     stack.wait_step(job, 8)
     svc = services(stack.home)
     (rank_pid,) = stack.rank_pids(job, 0)
-    worker = next(n for n, s in svc.items()
-                  if n.startswith("worker") and rank_pid in processes_with(f"--session 127.0.0.1:{s['port']} "))
+    worker = next(
+        n
+        for n, s in svc.items()
+        if n.startswith("worker") and rank_pid in processes_with(f"--session 127.0.0.1:{s['port']} ")
+    )
     argv, env = process_argv_env(svc[worker]["pid"])
     os.kill(svc[worker]["pid"], signal.SIGTERM)
     wait_for(lambda: stack.status(job).message.startswith("waiting for capacity"), 60, "waiting for capacity")
@@ -214,8 +233,11 @@ def test_flipped_bytes_in_the_newest_version_strike_only_it_and_the_job_resumes_
     shard.write_bytes(bytes(data))
     os.kill(stack.rank_pids(job, 0)[0], signal.SIGKILL)
     # Recovered, the job is paused as the operator left it (then resumed by the operator).
-    wait_for(lambda: stack.status(job).message.endswith("paused, as before the fault (resume continues it)"),
-             240, "recovered and paused")
+    wait_for(
+        lambda: stack.status(job).message.endswith("paused, as before the fault (resume continues it)"),
+        240,
+        "recovered and paused",
+    )
     stack.stub.ResumeJob(control_pb2.ResumeJobRequest(job_id=job))
     events = stack.events(job, timeout=300)
     assert events[-1].status.outcome == JobOutcome.FINISHED, events[-1].message

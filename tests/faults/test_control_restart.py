@@ -44,8 +44,15 @@ def restart_control(home: Path, argv: list[str]) -> subprocess.Popen:
     stack_json = home / "run" / "stack.json"
     services = json.loads(stack_json.read_text())
     with open(services["services"]["control"]["log"], "ab") as log:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     services["services"]["control"]["pid"] = proc.pid
     stack_json.write_text(json.dumps(services, indent=2))
     return proc
@@ -54,7 +61,9 @@ def restart_control(home: Path, argv: list[str]) -> subprocess.Popen:
 def applied_steps(home: Path, job_id: str) -> list[tuple[int, float, float]]:
     """(step, loss, applied_unix) of every step control applied, in order of application."""
     with sqlite3.connect(home / "control.db") as db:
-        return db.execute("SELECT step, loss, applied_unix FROM steps WHERE job_id=? ORDER BY rowid", (job_id,)).fetchall()
+        return db.execute(
+            "SELECT step, loss, applied_unix FROM steps WHERE job_id=? ORDER BY rowid", (job_id,)
+        ).fetchall()
 
 
 def agent_resends(home: Path, since: float) -> list[dict]:
@@ -85,7 +94,7 @@ def test_a_job_survives_a_sigkill_of_control_with_every_step_applied_exactly_onc
     job = stack.submit(spec("trestart", steps=STEPS, every=EVERY))
     stack.wait_step(job, 8)
     pid = json.loads((home / "run" / "stack.json").read_text())["services"]["control"]["pid"]
-    argv = (Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0"))
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
     argv = [a.decode() for a in argv]
     step_before = stack.status(job).step
     os.kill(pid, signal.SIGKILL)
@@ -97,8 +106,9 @@ def test_a_job_survives_a_sigkill_of_control_with_every_step_applied_exactly_onc
     # What `surgectl status` shows (GetJob, ListJobs): the restart's "waiting for the ranks"
     # until every rank was heard from, then that they re-attached, while the job trains on.
     t0 = time.monotonic()
-    while (now := stack.stub.GetJob(control_pb2.JobQuery(job_id=job), timeout=30,
-                                    wait_for_ready=True)).message == REATTACH_MESSAGE:
+    while (
+        now := stack.stub.GetJob(control_pb2.JobQuery(job_id=job), timeout=30, wait_for_ready=True)
+    ).message == REATTACH_MESSAGE:
         assert time.monotonic() - t0 < 60, f"status still {now.message!r} at step {now.step}"
         time.sleep(0.05)
     assert (now.state, now.message) == (control_pb2.JobState.RUNNING, REATTACHED_MESSAGE)
@@ -142,10 +152,12 @@ def test_a_job_survives_a_sigkill_of_control_with_every_step_applied_exactly_onc
     sent_after = sum(r["events_to_send"] for r in resends)
     duplicates = metric(stack.metrics(), "surge_worker_events_total", outcome="duplicate")
     applied = metric(stack.metrics(), "surge_worker_events_total", outcome="applied")
-    print(f"control restart: killed at step {step_before}, down {restarted - killed:.1f} s; next step applied "
-          f"{to_next_step:.2f} s after the restart; agents resent {resent} unacknowledged events and sent "
-          f"{sent_after} queued in all; control applied {applied:.0f} sequenced events and dropped "
-          f"{duplicates:.0f} duplicates")
+    print(
+        f"control restart: killed at step {step_before}, down {restarted - killed:.1f} s; next step applied "
+        f"{to_next_step:.2f} s after the restart; agents resent {resent} unacknowledged events and sent "
+        f"{sent_after} queued in all; control applied {applied:.0f} sequenced events and dropped "
+        f"{duplicates:.0f} duplicates"
+    )
     assert duplicates == 0 or duplicates <= resent
 
 
@@ -174,8 +186,10 @@ def test_a_rank_that_dies_while_control_is_down_is_recovered_by_the_policy_after
     steps = [s for s, _, _ in applied_steps(home, job)]
     resumed = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])  # where the replay starts
     assert steps[:resumed] == list(range(1, resumed + 1)) and steps[resumed:] == list(range(101, STEPS + 1))
-    print(f"rank killed while control was down: recovered from {job}:1 after the restart; "
-          f"steps applied 1..{resumed} then 101..{STEPS}")
+    print(
+        f"rank killed while control was down: recovered from {job}:1 after the restart; "
+        f"steps applied 1..{resumed} then 101..{STEPS}"
+    )
 
 
 def journaled_messages(home: Path, job_id: str) -> list[str]:
@@ -213,8 +227,12 @@ def test_a_recovery_interrupted_by_a_sigkill_of_control_is_resumed_after_the_res
     assert proc.poll() is None
     status = finished(events)
     assert status.step == STEPS
-    assert any(e.message.startswith("FAULT_FROZEN: control restarted mid-recovery; resuming it (restart_ranks after "
-                                    "rank_exit of rank 1)") for e in events)
+    assert any(
+        e.message.startswith(
+            "FAULT_FROZEN: control restarted mid-recovery; resuming it (restart_ranks after rank_exit of rank 1)"
+        )
+        for e in events
+    )
     decisions = of_type(events, "decision")[1:]
     # One restart spent (before the kill); the relaunch commanded again after the restart.
     (spent,) = [d for d in decisions if "(restart " in d]
@@ -229,9 +247,11 @@ def test_a_recovery_interrupted_by_a_sigkill_of_control_is_resumed_after_the_res
     first_after = min(applied for _, _, applied in steps if applied >= restarted)
     recovered = [e for e in events if e.type == "state" and "recovered from rank_exit" in e.message]
     assert recovered
-    print(f"recovery interrupted by a control SIGKILL: resumed after the restart ({again!r}); first step "
-          f"(step {numbers[resumed]}) applied {first_after - restarted:.2f} s after control was restarted; "
-          f"RUNNING again {recovered[0].unix_time - restarted:.2f} s after it")
+    print(
+        f"recovery interrupted by a control SIGKILL: resumed after the restart ({again!r}); first step "
+        f"(step {numbers[resumed]}) applied {first_after - restarted:.2f} s after control was restarted; "
+        f"RUNNING again {recovered[0].unix_time - restarted:.2f} s after it"
+    )
 
 
 def test_ranks_relaunched_just_before_a_sigkill_of_control_are_adopted_not_relaunched_again(stack):
@@ -255,8 +275,13 @@ def test_ranks_relaunched_just_before_a_sigkill_of_control_are_adopted_not_relau
     events = list(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job, follow=True), timeout=240, wait_for_ready=True))
     assert proc.poll() is None
     assert finished(events).step == STEPS
-    assert any(e.message.startswith("FAULT_FROZEN: control restarted mid-recovery; resuming it (restart_ranks after "
-                                    "rank_exit of rank 1): its ranks were relaunched") for e in events)
+    assert any(
+        e.message.startswith(
+            "FAULT_FROZEN: control restarted mid-recovery; resuming it (restart_ranks after "
+            "rank_exit of rank 1): its ranks were relaunched"
+        )
+        for e in events
+    )
     relaunches = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
     decisions = of_type(events, "decision")[1:]
     # The designed fallback, seen only on a machine so loaded that a relaunched rank takes
@@ -270,8 +295,10 @@ def test_ranks_relaunched_just_before_a_sigkill_of_control_are_adopted_not_relau
     resumed = next(i for i in range(1, len(numbers)) if numbers[i] <= numbers[i - 1])
     assert numbers[resumed:] == list(range(101, STEPS + 1))
     first_after = min(applied for _, _, applied in applied_steps(home, job) if applied >= restarted)
-    print(f"ranks relaunched just before the control SIGKILL: adopted after the restart, not relaunched again; "
-          f"first step applied {first_after - restarted:.2f} s after control was restarted")
+    print(
+        f"ranks relaunched just before the control SIGKILL: adopted after the restart, not relaunched again; "
+        f"first step applied {first_after - restarted:.2f} s after control was restarted"
+    )
 
 
 def process_argv_env(pid: int) -> tuple[list[str], dict[str, str]]:
@@ -289,8 +316,15 @@ def restart_worker(home: Path, name: str, argv: list[str], env: dict[str, str]) 
     log_path = Path(services["services"][name]["log"])
     start = log_path.stat().st_size
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     services["services"][name]["pid"] = proc.pid
     stack_json.write_text(json.dumps(services, indent=2))
     t0 = time.monotonic()
@@ -384,7 +418,9 @@ def test_a_node_agent_lost_around_a_control_restart_is_blamed_not_the_surviving_
     # The survivor is never blamed: whatever rank 0 reported is a consequence of the loss.
     assert all(m.endswith("(consequence of rank 1's worker_lost)") for m in faults if "rank 0" in m), story
     decisions = [m for m in of_type(events, "decision")[1:] if not m.startswith("stop requested")]
-    assert decisions == [f"restart_ranks after worker_lost of rank 1 on {worker} (restart 1 of 3 for worker_lost)"], story
+    assert decisions == [f"restart_ranks after worker_lost of rank 1 on {worker} (restart 1 of 3 for worker_lost)"], (
+        story
+    )
     relaunches = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
     first_fault = next(i for i, e in enumerate(events) if e.type == "fault")
     newest = [e.message.split()[1] for e in events[:first_fault] if e.type == "checkpoint"][-1]

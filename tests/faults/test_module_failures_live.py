@@ -32,11 +32,13 @@ from tests.faults.test_recovery import finished, metric, of_type, running_stack
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
-RULES = ";".join((
-    "handler:L4_SHUFFLER:ShufflePlan:times=1:cause=FAILURE_IO",
-    "handler:L5_METRICS_LOGGER:EvalCompleted:in=services.store",
-    "handler:L3_FORWARD_UNIT:RunForward:after=40:cause=FAILURE_OUT_OF_MEMORY",
-))
+RULES = ";".join(
+    (
+        "handler:L4_SHUFFLER:ShufflePlan:times=1:cause=FAILURE_IO",
+        "handler:L5_METRICS_LOGGER:EvalCompleted:in=services.store",
+        "handler:L3_FORWARD_UNIT:RunForward:after=40:cause=FAILURE_OUT_OF_MEMORY",
+    )
+)
 JOBS = ("mfdata", "mfstore", "mfrank")
 
 JOB = """\
@@ -58,8 +60,9 @@ def job(name: str, steps: int, *, eval_every: int = 0) -> str:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with running_stack(tmp_path_factory.mktemp("surge-module-failures"), ("json",), JOBS,
-                       env={"SURGE_FAULT_INJECT_HANDLER": RULES}) as s:
+    with running_stack(
+        tmp_path_factory.mktemp("surge-module-failures"), ("json",), JOBS, env={"SURGE_FAULT_INJECT_HANDLER": RULES}
+    ) as s:
         yield s
 
 
@@ -68,7 +71,7 @@ def failures(stack) -> dict[tuple[str, str, str], float]:
     text = stack.metrics()
     out = {}
     for line in text.splitlines():
-        m = re.match(r'surge_module_failures_total\{(.*)\} (\S+)$', line)
+        m = re.match(r"surge_module_failures_total\{(.*)\} (\S+)$", line)
         if m:
             labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
             out[labels["event"], labels["cause"], labels["class"]] = float(m.group(2))
@@ -105,22 +108,31 @@ def test_a_failure_in_a_rank_a_data_and_a_store_module_reaches_l1_3_typed_and_l1
     # L5-2's LogWriteFailed came back with the failed Record stream, went up the rank's
     # session as L5-2: log_write_failed, MINOR; L1-1 ignores it (the rank resent the record).
     (fault,) = of_type(events, "fault")
-    assert fault.startswith("MINOR log_write_failed: L5_METRICS_LOGGER (rank 0) failed handling surge.v1.EvalCompleted: "), fault
+    assert fault.startswith(
+        "MINOR log_write_failed: L5_METRICS_LOGGER (rank 0) failed handling surge.v1.EvalCompleted: "
+    ), fault
     assert of_type(events, "decision")[1].startswith("ignore log_write_failed of rank 0 "), events
     finished(events)
     events = stack.events(rank_job)
     # L3-3's ForwardFailed (out of memory, typed by the rule) at the rank's 41st forward:
     # FATAL; L1-1 stops the job.
     faults = [m for m in of_type(events, "fault") if "(consequence of" not in m]
-    assert faults[0].startswith("FATAL out_of_memory: L3_FORWARD_UNIT (rank 0) failed handling surge.v1.RunForward: "), faults
+    assert faults[0].startswith(
+        "FATAL out_of_memory: L3_FORWARD_UNIT (rank 0) failed handling surge.v1.RunForward: "
+    ), faults
     assert of_type(events, "decision")[1].startswith("stop after out_of_memory of rank 0 "), events
     status = events[-1].status
-    assert (status.state, status.outcome, status.step) == (JobState.TERMINATED, JobOutcome.FAILED, 40), events[-1].message
+    assert (status.state, status.outcome, status.step) == (JobState.TERMINATED, JobOutcome.FAILED, 40), events[
+        -1
+    ].message
 
     # What L1-1 received: each report names the failure event and its typed cause.
     graded = failures(stack)
     assert graded.get(("ShuffleFailed", "FAILURE_IO", "data_io_error")) == 1, graded
     assert graded.get(("LogWriteFailed", "FAILURE_INTERNAL", "log_write_failed")) == 1, graded
     assert graded.get(("ForwardFailed", "FAILURE_OUT_OF_MEMORY", "out_of_memory")) == 1, graded
-    assert metric(stack.metrics(), "surge_fault_decisions_total", **{"class": "data_io_error", "action": "restart_ranks"}) == 1
+    assert (
+        metric(stack.metrics(), "surge_fault_decisions_total", **{"class": "data_io_error", "action": "restart_ranks"})
+        == 1
+    )
     print(f"three legs: {time.monotonic() - t0:.1f} s after the stack was up")

@@ -28,8 +28,9 @@ def spec(**fault_policy) -> JobSpec:
 
 @pytest.mark.timeout(300)
 def test_a_nan_loss_on_one_rank_is_skipped_on_both_under_skip_step_and_training_goes_on(tmp_path):
-    r0, r1 = run_two_ranks(spec(actions={"non_finite_loss": "skip_step"}), tmp_path, tmp_path / "ckpt",
-                           "nan:nan_loss@3:rank=1")
+    r0, r1 = run_two_ranks(
+        spec(actions={"non_finite_loss": "skip_step"}), tmp_path, tmp_path / "ckpt", "nan:nan_loss@3:rank=1"
+    )
     for r in (r0, r1):
         assert r["failed"] == []
         assert [s["step"] for s in r["steps"]] == [1, 2, 3, 4, 5, 6]

@@ -34,8 +34,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 RUNS = int(os.environ.get("SURGE_BLAME_RUNS", "3"))
 SLOW_BATCH_S, EVAL_BATCHES, STALL_S = 0.5, 8, 1.0
 SLOW_SAVE_S = 4.0
-INJECT = (f"thang:hang_forward@8:rank=1,tslow:slow_eval@4:rank=1:seconds={SLOW_BATCH_S},"
-          f"tsave:slow_save@4:rank=0:seconds={SLOW_SAVE_S}")
+INJECT = (
+    f"thang:hang_forward@8:rank=1,tslow:slow_eval@4:rank=1:seconds={SLOW_BATCH_S},"
+    f"tsave:slow_save@4:rank=0:seconds={SLOW_SAVE_S}"
+)
 
 HANG_JOB = """\
 name: thang
@@ -68,8 +70,12 @@ liveness: {{heartbeat_interval_seconds: 0.25, heartbeat_timeout_seconds: 3.0, st
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with running_stack(tmp_path_factory.mktemp("surge-phase-blame"), ("json", "email"), ("thang", "tslow", "tsave"),
-                       env={"SURGE_FAULT_INJECT": INJECT}) as s:
+    with running_stack(
+        tmp_path_factory.mktemp("surge-phase-blame"),
+        ("json", "email"),
+        ("thang", "tslow", "tsave"),
+        env={"SURGE_FAULT_INJECT": INJECT},
+    ) as s:
         yield s
 
 
@@ -98,15 +104,22 @@ def test_a_rank_hung_in_its_forward_pass_is_blamed_and_its_peer_in_the_all_reduc
         faults, decisions = r["faults"], r["decisions"]
         assert faults, f"run {run}: no fault reported"
         cause = faults[0]
-        ok = bool(re.match(r"SEVERE rank_stalled: rank 1 on worker \S+ is alive but made no step progress for "
-                           r"[\d.]+ s \(deadline [\d.]+ s\) after step 7, in its forward phase", cause))
+        ok = bool(
+            re.match(
+                r"SEVERE rank_stalled: rank 1 on worker \S+ is alive but made no step progress for "
+                r"[\d.]+ s \(deadline [\d.]+ s\) after step 7, in its forward phase",
+                cause,
+            )
+        )
         ok = ok and decisions[1].startswith("restart_ranks after rank_stalled of rank 1 ")
         peers = [m for m in faults if m.startswith("SEVERE rank_stalled_in_collective: rank 0 ")]
         ok = ok and bool(peers) and all(m.endswith("(consequence of rank 1's rank_stalled)") for m in peers)
         ok = ok and not any(m.startswith("SEVERE rank_stalled: rank 0 ") for m in faults)
         results.append(ok)
-        print(f"run {run + 1}/{RUNS}: {'blamed rank 1' if ok else 'WRONG'}: {cause} | "
-              f"{peers[0] if peers else 'no consequence from rank 0'}")
+        print(
+            f"run {run + 1}/{RUNS}: {'blamed rank 1' if ok else 'WRONG'}: {cause} | "
+            f"{peers[0] if peers else 'no consequence from rank 0'}"
+        )
         assert ok, json.dumps(faults + decisions, indent=1)
         assert r["end"].state == control_pb2.TERMINATED
     print(f"hung rank blamed, its peer a consequence: {sum(results)} of {RUNS} runs")
@@ -128,10 +141,14 @@ def test_an_evaluation_three_times_longer_than_the_stall_deadline_that_advances_
 
 
 def test_a_checkpoint_staging_four_times_longer_than_the_stall_deadline_is_no_fault(stack):
-    job = stack.submit(SLOW_JOB.replace("name: tslow", "name: tsave")
-                       .replace("eval: {every_steps: 4,", "eval: {every_steps: 0,")
-                       .replace("checkpoint: {every_steps: 0, keep_last: 0, at_end: false}",
-                                "checkpoint: {every_steps: 4, keep_last: 0, at_end: false}"))
+    job = stack.submit(
+        SLOW_JOB.replace("name: tslow", "name: tsave")
+        .replace("eval: {every_steps: 4,", "eval: {every_steps: 0,")
+        .replace(
+            "checkpoint: {every_steps: 0, keep_last: 0, at_end: false}",
+            "checkpoint: {every_steps: 4, keep_last: 0, at_end: false}",
+        )
+    )
     t0 = time.monotonic()
     events = list(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job, follow=True), timeout=240))
     faults = [e.message for e in events if e.type == "fault"]
@@ -143,5 +160,4 @@ def test_a_checkpoint_staging_four_times_longer_than_the_stall_deadline_is_no_fa
     assert time.monotonic() - t0 > SLOW_SAVE_S
     lag = [line for line in stack.metrics().splitlines() if line.startswith("surge_control_applier_lag_seconds_count")]
     assert lag and float(lag[0].split()[-1]) > 0, lag
-    print(f"slow checkpoint staging: +{SLOW_SAVE_S:g} s at step 4 (stall deadline {STALL_S:g} s): no fault; "
-          f"{lag[0]}")
+    print(f"slow checkpoint staging: +{SLOW_SAVE_S:g} s at step 4 (stall deadline {STALL_S:g} s): no fault; {lag[0]}")

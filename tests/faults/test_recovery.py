@@ -112,7 +112,9 @@ def running_stack(home: Path, packages: tuple[str, ...], jobs: tuple[str, ...], 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     for pkg in packages:
         shutil.copytree(stdlib / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    prep = cli(home, "dataset", "prepare", "--name", "tiny", "--version", "v1", "--source", str(src), "--val-fraction", "0.2")
+    prep = cli(
+        home, "dataset", "prepare", "--name", "tiny", "--version", "v1", "--source", str(src), "--val-fraction", "0.2"
+    )
     assert prep.returncode == 0, prep.stderr
     up = cli(home, "up", "--workers", "2", env=env)
     s = None
@@ -134,8 +136,9 @@ def running_stack(home: Path, packages: tuple[str, ...], jobs: tuple[str, ...], 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     jobs = ("tkill", "tstop", "tstall", "exacta", "exactb", "tworker")
-    with running_stack(tmp_path_factory.mktemp("surge-faults"), ("json", "email", "logging"), jobs,
-                       env={"SURGE_FAULT_INJECT": INJECT}) as s:
+    with running_stack(
+        tmp_path_factory.mktemp("surge-faults"), ("json", "email", "logging"), jobs, env={"SURGE_FAULT_INJECT": INJECT}
+    ) as s:
         yield s
 
 
@@ -145,7 +148,9 @@ def of_type(events, kind: str) -> list[str]:
 
 def causes(events, prefix: str) -> list[control_pb2.JobEvent]:
     """Fault events starting with ``prefix`` that opened an incident (not its consequences)."""
-    return [e for e in events if e.type == "fault" and e.message.startswith(prefix) and "(consequence of" not in e.message]
+    return [
+        e for e in events if e.type == "fault" and e.message.startswith(prefix) and "(consequence of" not in e.message
+    ]
 
 
 def finished(events) -> control_pb2.JobStatus:
@@ -158,7 +163,7 @@ def metric(text: str, name: str, **labels: str) -> float:
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     for line in text.splitlines():
         if line.startswith(name + "{"):
-            got = ",".join(sorted(line[len(name) + 1:line.index("}")].split(",")))
+            got = ",".join(sorted(line[len(name) + 1 : line.index("}")].split(",")))
             if got == want:
                 return float(line.rsplit(" ", 1)[1])
     return 0.0
@@ -179,13 +184,17 @@ def test_a_sigstopped_rank_is_declared_silent_after_its_heartbeat_deadline_and_r
     silent_for = float(fault.message.split("sent no heartbeat for ")[1].split(" s")[0])
     assert silent_for >= 2.0  # measured from its last beat: the deadline
     latency = fault.unix_time - stopped
-    assert latency <= 4.0, f"declared {latency:.2f} s after SIGSTOP (deadline 2 s after the last beat, beats every 0.5 s)"
+    assert latency <= 4.0, (
+        f"declared {latency:.2f} s after SIGSTOP (deadline 2 s after the last beat, beats every 0.5 s)"
+    )
     assert of_type(events, "decision")[1].startswith("restart_ranks after rank_silent of rank 1")
     assert len(of_type(events, "decision")) == 2  # the allocation, and one decision for the incident
     resumed = [e for e in events if e.message.startswith("first step after the recovery from rank_silent")]
     assert len(resumed) == 1
-    print(f"SIGSTOP: declared silent {latency:.2f} s after the stop; first step after recovery "
-          f"{resumed[0].unix_time - stopped:.2f} s after the stop")
+    print(
+        f"SIGSTOP: declared silent {latency:.2f} s after the stop; first step after recovery "
+        f"{resumed[0].unix_time - stopped:.2f} s after the stop"
+    )
     finished(events)
 
 
@@ -213,11 +222,13 @@ def test_sigkill_of_a_rank_while_its_peer_waits_in_the_all_reduce_kills_the_surv
     first_port = of_type(events, "decision")[0].rsplit(":", 1)[1]
     (relaunch,) = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
     assert f":{first_port})" not in relaunch  # a fresh rendezvous port
-    newest = of_type(events[:[e.type for e in events].index("fault")], "checkpoint")[-1].split()[1]
+    newest = of_type(events[: [e.type for e in events].index("fault")], "checkpoint")[-1].split()[1]
     assert f"resume from checkpoint {newest};" in relaunch  # the newest committed before the fault
     resumed = [e for e in events if e.message.startswith("first step after the recovery from rank_exit")]
-    print(f"SIGKILL: fault at the orchestrator {latency * 1000:.0f} ms after the kill; first step after recovery "
-          f"{resumed[0].unix_time - killed:.2f} s after the kill")
+    print(
+        f"SIGKILL: fault at the orchestrator {latency * 1000:.0f} ms after the kill; first step after recovery "
+        f"{resumed[0].unix_time - killed:.2f} s after the kill"
+    )
     finished(events)
     text = stack.metrics()
     assert metric(text, "surge_faults_total", grade="SEVERE", **{"class": "rank_exit"}) >= 1

@@ -66,11 +66,13 @@ def test_a_sigstopped_rank_is_blamed_not_its_stalled_peer_whose_stall_deadline_f
     stalls = [e for e in faults if e.message.startswith("SEVERE rank_stalled_in_collective: rank 0 ")]
     assert stalls, [e.message for e in faults]
     assert all(e.message.endswith("(consequence of rank 1's rank_silent)") for e in stalls)
-    first_incident = events[:[e.message for e in events].index(decision)]
+    first_incident = events[: [e.message for e in events].index(decision)]
     assert causes(first_incident, "SEVERE rank_stalled") == []
     assert any(e.message.startswith("first step after the recovery from rank_silent of rank 1") for e in events)
     stalled_for = float(stalls[0].message.split("no step progress for ")[1].split(" s")[0])
     print(cause.message)
-    print(f"stall blame: rank 0 stalled {stalled_for:.1f} s (deadline 1 s) yet rank 1's silence, declared "
-          f"{cause.unix_time - stopped:.2f} s after the SIGSTOP, named the incident")
+    print(
+        f"stall blame: rank 0 stalled {stalled_for:.1f} s (deadline 1 s) yet rank 1's silence, declared "
+        f"{cause.unix_time - stopped:.2f} s after the SIGSTOP, named the incident"
+    )
     assert events[-1].status.state == control_pb2.TERMINATED

@@ -23,8 +23,10 @@ from tests.faults.test_recovery import finished, metric, of_type, running_stack
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
-INJECT = ("sfroll:nan_loss@7:rank=1,sfskip:inf_grad@3,sfskip:nan_loss@5:rank=1,sfignore:nan_loss@4,"
-          "sfstop:nan_loss@4,sfrestart:nan_loss@6,sfexclude:nan_loss@6")
+INJECT = (
+    "sfroll:nan_loss@7:rank=1,sfskip:inf_grad@3,sfskip:nan_loss@5:rank=1,sfignore:nan_loss@4,"
+    "sfstop:nan_loss@4,sfrestart:nan_loss@6,sfexclude:nan_loss@6"
+)
 JOBS = ("sfroll", "sfskip", "sfignore", "sfstop", "sfrestart", "sfexclude")
 
 JOB = """\
@@ -47,8 +49,9 @@ def job(name: str, action: str, *, steps: int = 8, dp: int = 1, every: int = 3, 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with running_stack(tmp_path_factory.mktemp("surge-step-faults"), ("json",), JOBS,
-                       env={"SURGE_FAULT_INJECT": INJECT}) as s:
+    with running_stack(
+        tmp_path_factory.mktemp("surge-step-faults"), ("json",), JOBS, env={"SURGE_FAULT_INJECT": INJECT}
+    ) as s:
         yield s
 
 
@@ -69,8 +72,11 @@ def test_rollback_relaunches_both_ranks_from_the_newest_checkpoint_before_the_fa
     (fault,) = faults(events)
     assert re.match(r"non_finite_loss: rank [01] blocked at step 7: training loss is nan at step 7", fault), fault
     (decision,) = of_type(events, "decision")[1:]
-    assert re.match(r"rollback after non_finite_loss of rank [01] on worker-\d+ at step 7 "
-                    r"\(restart 1 of 3 for non_finite_loss\)$", decision), decision
+    assert re.match(
+        r"rollback after non_finite_loss of rank [01] on worker-\d+ at step 7 "
+        r"\(restart 1 of 3 for non_finite_loss\)$",
+        decision,
+    ), decision
     (relaunch,) = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
     assert f"resume from checkpoint {job_id}:2;" in relaunch  # step 6: the newest, saved before step 7
     assert [r["step"] for r in rank0_steps(stack, job_id)] == [*range(1, 7), *range(7, 11)]
@@ -79,7 +85,9 @@ def test_rollback_relaunches_both_ranks_from_the_newest_checkpoint_before_the_fa
 
 
 def test_skip_step_is_a_standing_order_each_faulty_step_is_skipped_on_both_ranks_with_no_round_trip(stack):
-    before = {r: metric(stack.metrics(), "surge_skipped_steps_total", reason=r) for r in ("overflow", "non_finite_loss")}
+    before = {
+        r: metric(stack.metrics(), "surge_skipped_steps_total", reason=r) for r in ("overflow", "non_finite_loss")
+    }
     fp16 = "precision: {dtype: fp16, loss_scale: {init_scale: 1024.0, hysteresis: 1}}"
     job_id = stack.submit(job("sfskip", "skip_step", dp=2, every=0, extra=fp16))
     events = stack.events(job_id)
@@ -102,11 +110,14 @@ def test_ignore_applies_the_faulty_step_as_it_is_and_the_job_goes_on(stack):
     # The NaN gradients were applied: the weights are NaN, every later step faults too, and
     # each is decided (ignored) and applied.
     assert [m.split(": training")[0] for m in faults(events)] == [
-        f"non_finite_loss: rank 0 blocked at step {s}" for s in (4, 5, 6)]
+        f"non_finite_loss: rank 0 blocked at step {s}" for s in (4, 5, 6)
+    ]
     decisions = of_type(events, "decision")[1:]
     assert [re.sub(r"worker-\d+", "W", d) for d in decisions] == [
         f"ignore non_finite_loss of rank 0 on W at step {s}: fault policy; {n} ignored so far; the step is applied "
-        "as it is" for n, s in enumerate((4, 5, 6), 1)]
+        "as it is"
+        for n, s in enumerate((4, 5, 6), 1)
+    ]
     records = rank0_steps(stack, job_id)
     assert [(r["step"], r["skipped"]) for r in records] == [(s, False) for s in range(1, 7)]
     # (proto3's JSON mapping writes a non-finite float as a string: "NaN")
@@ -144,8 +155,9 @@ def test_exclude_node_relaunches_the_rank_on_another_worker(stack):
     job_id = stack.submit(job("sfexclude", "exclude_node"))
     events = stack.events(job_id)
     (decision,) = of_type(events, "decision")[1:]
-    worker = re.match(r"exclude_node after non_finite_loss of rank 0 on (worker-\d+) at step 6 .*; excluding \1$",
-                      decision).group(1)
+    worker = re.match(
+        r"exclude_node after non_finite_loss of rank 0 on (worker-\d+) at step 6 .*; excluding \1$", decision
+    ).group(1)
     (relaunch,) = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
     (placed,) = re.match(r"ranks killed and relaunched on (worker-\d+) \(", relaunch).groups()
     assert placed != worker and f"resume from checkpoint {job_id}:1;" in relaunch

@@ -28,8 +28,12 @@ RPC_TIMEOUT_S = 2.0
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with running_stack(tmp_path_factory.mktemp("surge-store-outage"), ("json", "email"), ("sstop", "skill"),
-                       env={"SURGE_STORE_RPC_TIMEOUT_S": str(RPC_TIMEOUT_S)}) as s:
+    with running_stack(
+        tmp_path_factory.mktemp("surge-store-outage"),
+        ("json", "email"),
+        ("sstop", "skill"),
+        env={"SURGE_STORE_RPC_TIMEOUT_S": str(RPC_TIMEOUT_S)},
+    ) as s:
         yield s
 
 

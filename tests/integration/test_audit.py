@@ -55,21 +55,36 @@ def test_a_planted_unauthorized_send_is_refused_and_counted_on_metrics(tmp_path)
     port, metrics_port = free_ports(2)
     env = {**os.environ, "SURGE_HOME": str(tmp_path), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.planted_violation", "--host", "127.0.0.1", "--port", str(port),
-         "--metrics-port", str(metrics_port), "--data-root", str(tmp_path / "datasets")],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "tests.integration.planted_violation",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            "--data-root",
+            str(tmp_path / "datasets"),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         with channel(f"127.0.0.1:{port}") as ch:
             grpc.channel_ready_future(ch).result(timeout=60)
         samples = scrape(metrics_port)
-        refused = ("surge_boundary_violations_total",
-                   (("message", "surge.v1.FilterRules"), ("sender", "L4_SHUFFLER")))
+        refused = ("surge_boundary_violations_total", (("message", "surge.v1.FilterRules"), ("sender", "L4_SHUFFLER")))
         assert samples.get(refused) == 1.0, sorted(k for k in samples if "boundary" in k[0])
         report = audit(f"127.0.0.1:{port}")
         assert report.process == "data"
         assert [(v.sender, v.message, v.receiver, v.count) for v in report.violations] == [
-            (Module.L4_SHUFFLER, "surge.v1.FilterRules", Module.L4_FILTER, 1)]
+            (Module.L4_SHUFFLER, "surge.v1.FilterRules", Module.L4_FILTER, 1)
+        ]
         assert not [r for r in report.routes if r.message == "surge.v1.FilterRules"]  # never delivered
     finally:
         proc.kill()
@@ -114,6 +129,8 @@ def test_every_service_of_the_stack_serves_its_own_metrics(small_stack: Path):
         assert "# TYPE surge_boundary_violations_total counter" in text, name
         assert "# TYPE surge_bus_messages_total counter" in text, name
     control = scrape(info["control"]["metrics_port"])
-    key = ("surge_bus_messages_total", (("message", "surge.v1.WorkerRegistration"),
-                                        ("receiver", "L1_RESOURCE_ALLOCATOR"), ("sender", "EXT_HARDWARE")))
+    key = (
+        "surge_bus_messages_total",
+        (("message", "surge.v1.WorkerRegistration"), ("receiver", "L1_RESOURCE_ALLOCATOR"), ("sender", "EXT_HARDWARE")),
+    )
     assert control.get(key, 0) >= 1

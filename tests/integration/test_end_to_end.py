@@ -59,7 +59,9 @@ def running_stack(tmp_path_factory, packages: tuple[str, ...] = ("json", "email"
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     for pkg in packages:
         shutil.copytree(stdlib / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    prep = cli(home, "dataset", "prepare", "--name", "tiny", "--version", "v1", "--source", str(src), "--val-fraction", "0.2")
+    prep = cli(
+        home, "dataset", "prepare", "--name", "tiny", "--version", "v1", "--source", str(src), "--val-fraction", "0.2"
+    )
     assert prep.returncode == 0, prep.stderr
     up = cli(home, "up", "--workers", "2", timeout=120)
     try:
@@ -188,9 +190,25 @@ def test_a_service_port_already_in_use_is_a_one_line_error(tmp_path):
         s.listen()
         port = s.getsockname()[1]
         r = subprocess.run(
-            [sys.executable, "-m", "services.control", "--port", str(port), "--host", "127.0.0.1",
-             "--db", str(tmp_path / "c.db"), "--data", "127.0.0.1:1", "--store", "127.0.0.1:1"],
-            cwd=REPO, capture_output=True, text=True, timeout=60,
+            [
+                sys.executable,
+                "-m",
+                "services.control",
+                "--port",
+                str(port),
+                "--host",
+                "127.0.0.1",
+                "--db",
+                str(tmp_path / "c.db"),
+                "--data",
+                "127.0.0.1:1",
+                "--store",
+                "127.0.0.1:1",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     assert r.returncode != 0
     assert str(port) in r.stderr and "in use" in r.stderr

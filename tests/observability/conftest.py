@@ -44,8 +44,9 @@ eval: {every_steps: 5, batches: 1}
 """
 
 
-def cli(home: Path, *args: str, env: dict | None = None, token: str | None = TOKEN,
-        timeout: float = 300) -> subprocess.CompletedProcess:
+def cli(
+    home: Path, *args: str, env: dict | None = None, token: str | None = TOKEN, timeout: float = 300
+) -> subprocess.CompletedProcess:
     """Run surgectl against the stack under ``home`` (with the stack's token unless
     ``token`` is None)."""
     full = {**os.environ, "SURGE_HOME": str(home), "COLUMNS": "200", "PROMETHEUS_DISABLE_CREATED_SERIES": "true"}
@@ -82,8 +83,13 @@ def require_tool(binary: str, package: str) -> str:
     for attempt in ([], ["update"]):
         if attempt:
             subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=300)
-        r = subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", package],
-                           env=env, capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            ["apt-get", "install", "-y", "-q", "--no-install-recommends", package],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         found = shutil.which(binary)
         if found:
             return found
@@ -100,11 +106,11 @@ def venv_tool(name: str) -> str | None:
 @dataclass
 class ObsStack:
     home: Path
-    services: dict           # stack.json's services: name -> {pid, port, metrics_port, log, ...}
+    services: dict  # stack.json's services: name -> {pid, port, metrics_port, log, ...}
     job_id: str
-    status: dict             # `surgectl status JOB -o json` after the job
-    prometheus: str | None   # http://127.0.0.1:PORT of the Prometheus scraping the stack
-    prometheus_skip: str     # why there is none
+    status: dict  # `surgectl status JOB -o json` after the job
+    prometheus: str | None  # http://127.0.0.1:PORT of the Prometheus scraping the stack
+    prometheus_skip: str  # why there is none
 
     def address(self, service: str) -> str:
         return f"127.0.0.1:{self.services[service]['port']}"
@@ -113,8 +119,13 @@ class ObsStack:
 def prometheus_config(services: dict, interval: str = "1s") -> str:
     """A Prometheus config scraping every service of the local stack (as deploy/prometheus.yml
     does for compose: honor_labels keeps Surge's `job` label)."""
-    lines = [f"global: {{scrape_interval: {interval}, evaluation_interval: {interval}}}", "scrape_configs:",
-             "  - job_name: surge", "    honor_labels: true", "    static_configs:"]
+    lines = [
+        f"global: {{scrape_interval: {interval}, evaluation_interval: {interval}}}",
+        "scrape_configs:",
+        "  - job_name: surge",
+        "    honor_labels: true",
+        "    static_configs:",
+    ]
     for name, s in services.items():
         if s.get("metrics_port"):
             lines.append(f'      - {{targets: ["127.0.0.1:{s["metrics_port"]}"], labels: {{service: {name}}}}}')
@@ -127,16 +138,25 @@ def start_prometheus(binary: str, workdir: Path, services: dict) -> tuple[subpro
     port = free_port()
     log = open(workdir / "prometheus.log", "wb")
     proc = subprocess.Popen(
-        [binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={workdir / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
     )
     log.close()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"prometheus exited {proc.returncode}: {(workdir / 'prometheus.log').read_text()[-2000:]}")
+            raise RuntimeError(
+                f"prometheus exited {proc.returncode}: {(workdir / 'prometheus.log').read_text()[-2000:]}"
+            )
         try:
             urllib.request.urlopen(f"{url}/-/ready", timeout=2).read()
             return proc, url
@@ -173,8 +193,9 @@ def obs_stack(tmp_path_factory) -> ObsStack:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     for pkg in ("json", "email"):
         shutil.copytree(stdlib / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    prep = cli(home, "dataset", "prepare", "--name", "tiny", "--version", "v1", "--source", str(src),
-               "--val-fraction", "0.2")
+    prep = cli(
+        home, "dataset", "prepare", "--name", "tiny", "--version", "v1", "--source", str(src), "--val-fraction", "0.2"
+    )
     assert prep.returncode == 0, prep.stderr
     prom_proc = None
     up = cli(home, "up", "--workers", "2", timeout=120)

@@ -57,17 +57,27 @@ def test_plot_writes_a_png_of_every_step(obs_stack, tmp_path):
 @pytest.mark.integration
 def test_plot_falls_back_to_controls_history_without_the_metrics_file(obs_stack, tmp_path):
     out = tmp_path / "coarse.png"
-    r = cli(obs_stack.home, "plot", obs_stack.job_id, "--out", str(out), env={"SURGE_STORE_ROOT": str(tmp_path / "elsewhere")})
+    r = cli(
+        obs_stack.home,
+        "plot",
+        obs_stack.job_id,
+        "--out",
+        str(out),
+        env={"SURGE_STORE_ROOT": str(tmp_path / "elsewhere")},
+    )
     assert r.returncode == 0, r.stderr
     assert "control's event history" in r.stdout and out.exists()
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("args, words", [
-    (("plot", "no-such-job"), "no-such-job"),
-    (("plot", "JOB", "--metrics", "/nonexistent.jsonl"), "--metrics /nonexistent.jsonl: no such file"),
-    (("plot", "JOB", "--rank", "5"), "no step records of rank 5"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (("plot", "no-such-job"), "no-such-job"),
+        (("plot", "JOB", "--metrics", "/nonexistent.jsonl"), "--metrics /nonexistent.jsonl: no such file"),
+        (("plot", "JOB", "--rank", "5"), "no step records of rank 5"),
+    ],
+)
 def test_plot_errors_are_one_line(obs_stack, args, words):
     r = cli(obs_stack.home, *[obs_stack.job_id if a == "JOB" else a for a in args])
     assert r.returncode != 0 and words in r.stderr, r.stderr

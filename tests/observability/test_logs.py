@@ -72,8 +72,9 @@ def test_surgectl_logs_merges_the_ranks_and_follow_ends_with_the_job(obs_stack):
     # line of the job, as its node agent wrote it.
     via_control = cli(obs_stack.home, "logs", job, "-o", "json")
     assert via_control.returncode == 0, via_control.stderr
-    on_disk = sorted(line for rank in (0, 1)
-                     for line in _lines(obs_stack.home / "run" / "logs" / f"{job}.rank{rank}.log"))
+    on_disk = sorted(
+        line for rank in (0, 1) for line in _lines(obs_stack.home / "run" / "logs" / f"{job}.rank{rank}.log")
+    )
     assert sorted(via_control.stdout.splitlines()) == on_disk
 
     as_json = cli(obs_stack.home, "logs", job, "--rank", "1", "-o", "json")
@@ -90,9 +91,11 @@ def test_surgectl_logs_merges_the_ranks_and_follow_ends_with_the_job(obs_stack):
 
 @pytest.mark.integration
 def test_surgectl_logs_errors_are_one_line(obs_stack):
-    for args, words in ((("logs", "no-such-job"), "no-such-job"),
-                        (("logs", obs_stack.job_id, "--rank", "7"), "no log of rank 7"),
-                        (("logs", obs_stack.job_id, "-o", "yaml"), "--output")):
+    for args, words in (
+        (("logs", "no-such-job"), "no-such-job"),
+        (("logs", obs_stack.job_id, "--rank", "7"), "no log of rank 7"),
+        (("logs", obs_stack.job_id, "-o", "yaml"), "--output"),
+    ):
         r = cli(obs_stack.home, *args)
         assert r.returncode != 0 and words in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
@@ -124,8 +127,10 @@ def test_follow_merges_each_poll_of_the_rank_files_by_timestamp(tmp_path):
 
     from services.cli import observe
 
-    got = [(line.rank, (line.record or {}).get("event", line.text)) for line in
-           observe.follow("j", finished, poll_s=0.01, directory=logs_dir)]
+    got = [
+        (line.rank, (line.record or {}).get("event", line.text))
+        for line in observe.follow("j", finished, poll_s=0.01, directory=logs_dir)
+    ]
     assert got == [(0, "a"), (1, "b"), (1, "Traceback (not json)"), (0, "c"), (1, "d"), (1, "e"), (0, "f")]
 
 
@@ -226,8 +231,9 @@ PROGRAM = textwrap.dedent("""
 def _run(rank: int, env: dict | None = None) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if k not in ("SURGE_LOG_FORMAT", "SURGE_LOG_LEVEL")}
     full.update(env or {})
-    return subprocess.run([sys.executable, "-c", PROGRAM, str(rank)], cwd=REPO, capture_output=True, text=True,
-                          env=full, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", PROGRAM, str(rank)], cwd=REPO, capture_output=True, text=True, env=full, timeout=60
+    )
 
 
 def test_configure_writes_one_json_object_per_event_with_service_job_rank_step():
@@ -235,9 +241,19 @@ def test_configure_writes_one_json_object_per_event_with_service_job_rank_step()
     lines = r.stderr.splitlines()
     records = [json.loads(line) for line in lines]  # every line is JSON, tracebacks included
     assert [x["event"] for x in records] == [
-        "composed", "job_wide", "from a module logger", "from the logging module", "failed", "uncaught_exception"]
+        "composed",
+        "job_wide",
+        "from a module logger",
+        "from the logging module",
+        "failed",
+        "uncaught_exception",
+    ]
     for x in records:
-        assert list(x)[:5] == ["timestamp", "level", "service", "job", "rank"] and (x["service"], x["job"], x["rank"]) == ("rank", "j1", 0)
+        assert list(x)[:5] == ["timestamp", "level", "service", "job", "rank"] and (
+            x["service"],
+            x["job"],
+            x["rank"],
+        ) == ("rank", "j1", 0)
     assert [x.get("step") for x in records] == [None, None, 3, 3, 3, 3]
     assert "job_id" not in records[2] and records[2]["logger"] == "orchestrator"
     assert "ZeroDivisionError" in records[4]["exception"]
@@ -252,8 +268,13 @@ def test_a_job_wide_line_is_written_by_rank_0_only():
 def test_a_terminal_gets_the_human_console_renderer():
     main, sub = pty.openpty()
     try:
-        proc = subprocess.Popen([sys.executable, "-c", PROGRAM, "0"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=sub,
-                                env={k: v for k, v in os.environ.items() if k != "SURGE_LOG_FORMAT"})
+        proc = subprocess.Popen(
+            [sys.executable, "-c", PROGRAM, "0"],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=sub,
+            env={k: v for k, v in os.environ.items() if k != "SURGE_LOG_FORMAT"},
+        )
         os.close(sub)
         out = b""
         while True:
@@ -272,10 +293,13 @@ def test_a_terminal_gets_the_human_console_renderer():
     assert not text.lstrip().startswith("{"), text[:300]
 
 
-@pytest.mark.parametrize("var, value, allowed", [
-    ("SURGE_LOG_FORMAT", "xml", "json, console"),
-    ("SURGE_LOG_LEVEL", "LOUD", "DEBUG, INFO, WARNING, ERROR, CRITICAL"),
-])
+@pytest.mark.parametrize(
+    "var, value, allowed",
+    [
+        ("SURGE_LOG_FORMAT", "xml", "json, console"),
+        ("SURGE_LOG_LEVEL", "LOUD", "DEBUG, INFO, WARNING, ERROR, CRITICAL"),
+    ],
+)
 def test_a_bad_log_setting_stops_the_process_with_one_line_and_exit_2(var, value, allowed):
     r = _run(0, {var: value})
     assert r.returncode == 2 and r.stderr == f"error: {var}: expected one of {allowed}, got {value!r}\n", r.stderr

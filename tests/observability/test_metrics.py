@@ -23,9 +23,20 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "surge.json"
 # Series the metrics logger sets per rank of a job (services/store/metrics_logger.py).
 PER_RANK = {
-    "surge_train_loss", "surge_learning_rate", "surge_grad_norm", "surge_tokens_per_second", "surge_step_seconds",
-    "surge_step_phase_seconds", "surge_loss_scale", "surge_train_step", "surge_train_epoch", "surge_train_steps_total",
-    "surge_train_tokens_total", "surge_skipped_steps_total", "surge_eval_loss", "surge_eval_seconds",
+    "surge_train_loss",
+    "surge_learning_rate",
+    "surge_grad_norm",
+    "surge_tokens_per_second",
+    "surge_step_seconds",
+    "surge_step_phase_seconds",
+    "surge_loss_scale",
+    "surge_train_step",
+    "surge_train_epoch",
+    "surge_train_steps_total",
+    "surge_train_tokens_total",
+    "surge_skipped_steps_total",
+    "surge_eval_loss",
+    "surge_eval_seconds",
     "surge_eval_runs_total",
 }
 
@@ -45,8 +56,9 @@ def test_promtool_accepts_the_metrics_of_every_service(obs_stack):
     problems = {}
     for name, s in obs_stack.services.items():
         assert s["metrics_port"], f"{name} serves no /metrics"
-        r = subprocess.run([promtool, "check", "metrics"], input=scrape(s["metrics_port"]), capture_output=True,
-                           text=True, timeout=60)
+        r = subprocess.run(
+            [promtool, "check", "metrics"], input=scrape(s["metrics_port"]), capture_output=True, text=True, timeout=60
+        )
         if r.returncode != 0 or (r.stdout + r.stderr).strip():
             problems[name] = (r.stdout + r.stderr).strip()
     assert problems == {}, "\n".join(f"{n}: {p}" for n, p in problems.items())
@@ -83,7 +95,9 @@ def test_a_real_prometheus_scrapes_the_stack_and_serves_the_final_training_loss(
     if not obs_stack.prometheus:
         pytest.skip(obs_stack.prometheus_skip)
     job, final = obs_stack.job_id, obs_stack.status["train_loss"]
-    records = [json.loads(line) for line in (obs_stack.home / "store" / "metrics" / f"{job}.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (obs_stack.home / "store" / "metrics" / f"{job}.jsonl").read_text().splitlines()
+    ]
     last_rank0 = [r for r in records if r["type"] == "step" and int(r["rank"]) == 0][-1]
     assert abs(last_rank0["loss"] - final) < 1e-6  # control's status is rank 0's last step
 
@@ -128,8 +142,11 @@ def test_the_grafana_dashboard_queries_metrics_that_the_stack_exports(obs_stack)
         for e in exprs:
             if e.startswith("label_values("):
                 continue
-            r = json.loads(_get(f"{obs_stack.prometheus}/api/v1/query?" + urllib.parse.urlencode(
-                {"query": e.replace("$job", ".*")})))
+            r = json.loads(
+                _get(
+                    f"{obs_stack.prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": e.replace("$job", ".*")})
+                )
+            )
             assert r["status"] == "success", (e, r)
 
 

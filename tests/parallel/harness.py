@@ -73,12 +73,15 @@ class GlobalRowsData:
             rows = [self.row((i * W + d) * B + b) for b in range(B)]
             x = torch.from_numpy(np.stack([r[0] for r in rows]))
             y = torch.from_numpy(np.stack([r[1] for r in rows]))
-            mb = data_pb2.MicroBatch(batch_size=B, seq_len=SEQ_LEN, tokens=int((y != -100).sum()),
-                                     next=data_pb2.DataPosition(document=i + 1))
+            mb = data_pb2.MicroBatch(
+                batch_size=B, seq_len=SEQ_LEN, tokens=int((y != -100).sum()), next=data_pb2.DataPosition(document=i + 1)
+            )
             self._packer(mb, Batch(msg.split, x, y))
 
 
-def parity_spec(steps: int = 10, ckpt_every: int = 0, model: dict | None = None, precision: str = "fp32", **parallel: Any):
+def parity_spec(
+    steps: int = 10, ckpt_every: int = 0, model: dict | None = None, precision: str = "fp32", **parallel: Any
+):
     """2 layers, d_model 64, 4 heads, seq 32, fp32, AdamW with warmup + cosine; ``parallel``
     overrides the parallel section; micro-batch rows are chosen so each step holds
     GLOBAL_ROWS rows. ``grad_accum`` may be passed among them. ``ckpt_every``: save every
@@ -105,8 +108,9 @@ def parity_spec(steps: int = 10, ckpt_every: int = 0, model: dict | None = None,
 class Rank:
     """One rank wired by the real composition root, with the global-rows data relay."""
 
-    def __init__(self, spec, ckpt_root: Path, *, rank: int, world_size: int, port: int, resume_version: str = "",
-                 guard=None):
+    def __init__(
+        self, spec, ckpt_root: Path, *, rank: int, world_size: int, port: int, resume_version: str = "", guard=None
+    ):
         from services.contract import Module
         from services.contract.bus import Bus
         from services.control.fault_decision import standing_orders
@@ -115,16 +119,23 @@ class Rank:
 
         self.spec = spec
         self.bus = bus = Bus()
-        self.data = GlobalRowsData(bus.emitter(Module.L4_DATASET_VERSIONS), bus.emitter(Module.L4_BATCH_PACKER),
-                                   batches=spec.steps * spec.data.grad_accum + 4)
+        self.data = GlobalRowsData(
+            bus.emitter(Module.L4_DATASET_VERSIONS),
+            bus.emitter(Module.L4_BATCH_PACKER),
+            batches=spec.steps * spec.data.grad_accum + 4,
+        )
         self.store = FakeStore(bus.emitter(Module.L5_CHECKPOINT_MANAGER), ckpt_root)
         self.up = FakeUp()
         # guard: a StepGuard with test-only injections on the backward port (as rank.py wires it).
         self.modules = compose(bus, spec, "cpu", data=self.data, store=self.store, up=self.up, guard=guard)
         # The standing orders L1-1 issues with the job (services/control/fault_decision.py):
         # an fp16 overflow is skipped with no round trip, as under control.
-        self.init = engine_pb2.InitJob(job_id="job", spec_json=spec_to_json(spec), resume_version=resume_version,
-                                       standing_orders=standing_orders(spec.fault_policy))
+        self.init = engine_pb2.InitJob(
+            job_id="job",
+            spec_json=spec_to_json(spec),
+            resume_version=resume_version,
+            standing_orders=standing_orders(spec.fault_policy),
+        )
         self.assignment = engine_pb2.RankAssignment(
             rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port,
             backend="gloo", device="cpu", num_threads=1,
@@ -176,7 +187,9 @@ class Rank:
 
         port = self.bus.port(Module.L2_TRAINING_LOOP, Module.L3_SHARD_LOADER)
         state = port(engine_pb2.ExportState()).payload.state_dict()
-        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in sorted(state.items())}
+        return {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in sorted(state.items())
+        }
 
 
 def rank_main(argv: list[str]) -> None:
@@ -229,7 +242,9 @@ def _guard(inject: list, rank: int, out: Path, current: Any):
         done, started = up.of(engine_pb2.StepCompleted), up.of(engine_pb2.TrainingLoopStarted)
         return (done[-1].step if done else started[-1].start_step if started else 0) + 1
 
-    injector = FaultInjector([Injection(k, int(s), int(r)) for k, s, r in inject], "job", rank, marker_dir=out / "faults")
+    injector = FaultInjector(
+        [Injection(k, int(s), int(r)) for k, s, r in inject], "job", rank, marker_dir=out / "faults"
+    )
     return StepGuard(step, injector=injector)
 
 
@@ -239,12 +254,16 @@ def full_optimizer_state(r: Rank) -> dict[str, torch.Tensor]:
 
     from services.contract import Module
 
-    state = r.bus.port(Module.L2_TRAINING_LOOP, Module.L2_OPTIMIZER)(engine_pb2.ExportState()).payload.state_dict()["state"]
+    state = r.bus.port(Module.L2_TRAINING_LOOP, Module.L2_OPTIMIZER)(engine_pb2.ExportState()).payload.state_dict()[
+        "state"
+    ]
     return {f"{fqn}.{k}": (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
             for fqn, per in sorted(state.items()) for k, v in sorted(per.items())}  # fmt: skip
 
 
-def run_config(config: dict[str, Any], out: Path, *, timeout: float = 240.0, expect_failure: bool = False) -> list[dict[str, Any]]:
+def run_config(
+    config: dict[str, Any], out: Path, *, timeout: float = 240.0, expect_failure: bool = False
+) -> list[dict[str, Any]]:
     """Start ``dp * tp * pp`` rank processes for ``config``, wait, return each rank's results.
 
     Raises AssertionError with the ranks' output tails when any rank fails (with

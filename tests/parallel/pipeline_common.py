@@ -23,7 +23,7 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     labels_BT = ids_BT[:, 1:].clone()
     for r in range(ROWS):
         if r:
-            labels_BT[r, SEQ - 3 * r:] = -100
+            labels_BT[r, SEQ - 3 * r :] = -100
     return ids_BT[:, :-1].contiguous(), labels_BT
 
 
@@ -35,8 +35,7 @@ def layer_ranges(pp: int, dp: int = 1) -> list[range]:
 
 def make_optimizer(module: torch.nn.Module) -> torch.optim.Optimizer:
     # foreach=False: per-parameter updates, identical whatever the set of parameters held.
-    return torch.optim.AdamW(module.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8,
-                             weight_decay=0.1, foreach=False)
+    return torch.optim.AdamW(module.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
 
 
 def reference_run(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -49,8 +48,9 @@ def reference_run(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
         ids_BT, labels_BT = global_batch(step)
         logits_BTV = model(ids_BT)
         tokens = int((labels_BT != -100).sum())
-        ce_sum = functional.cross_entropy(logits_BTV.reshape(-1, SPEC.vocab_size), labels_BT.reshape(-1),
-                                 ignore_index=-100, reduction="sum")
+        ce_sum = functional.cross_entropy(
+            logits_BTV.reshape(-1, SPEC.vocab_size), labels_BT.reshape(-1), ignore_index=-100, reduction="sum"
+        )
         optim.zero_grad(set_to_none=True)
         (ce_sum / tokens).backward()
         optim.step()

@@ -49,18 +49,26 @@ FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 def record_actions(runner: PipelineRunner, trace: list) -> None:
     """Log, in order, every compute call and every p2p batch torch issues for this stage."""
     stage, tags = runner.stage, {}
-    for name, kind in (("get_fwd_recv_ops", "RECV_F"), ("get_fwd_send_ops", "SEND_F"),
-                       ("get_bwd_recv_ops", "RECV_B"), ("get_bwd_send_ops", "SEND_B")):
+    for name, kind in (
+        ("get_fwd_recv_ops", "RECV_F"),
+        ("get_fwd_send_ops", "SEND_F"),
+        ("get_bwd_recv_ops", "RECV_B"),
+        ("get_bwd_send_ops", "SEND_B"),
+    ):
+
         def wrapped(i, _orig=getattr(stage, name), _kind=kind):  # noqa: B008 (binds this iteration's method)
             ops = _orig(i)
             for op in ops:
                 tags[id(op)] = Action(_kind, stage.stage_index, i)
             return ops
+
         setattr(stage, name, wrapped)
     for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B")):
+
         def wrapped(i, *a, _orig=getattr(stage, name), _kind=kind, **k):  # noqa: B008 (binds this iteration's method)
             trace.append(Action(_kind, stage.stage_index, i))
             return _orig(i, *a, **k)
+
         setattr(stage, name, wrapped)
     batch = torch_schedules._batch_p2p
 
@@ -80,8 +88,9 @@ def main() -> None:
     accum = cfg.get("grad_accum", 1)
     torch.set_num_threads(1)
     torch.manual_seed(1234 + rank)  # nothing may depend on it: init and data are seeded explicitly
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=90))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=90)
+    )
     mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     dp_group = mesh["dp"].get_group()
@@ -98,16 +107,24 @@ def main() -> None:
         for block in stage.blocks:
             fully_shard(block, mesh=mesh["dp"])
         run_module = fully_shard(stage, mesh=mesh["dp"])
-    runner = PipelineRunner(stage, schedule=schedule, microbatches=n_mb, run_module=run_module,
-                            microbatch_shape=(ROWS // dp // accum // n_mb, SEQ))
+    runner = PipelineRunner(
+        stage,
+        schedule=schedule,
+        microbatches=n_mb,
+        run_module=run_module,
+        microbatch_shape=(ROWS // dp // accum // n_mb, SEQ),
+    )
     optim = make_optimizer(runner.module)
     trace: list = []
     record_actions(runner, trace)
 
     start = 0
     if cfg.get("load_from"):
-        state = {"model": get_model_state_dict(runner.module), "optim": get_optimizer_state_dict(runner.module, optim, options=FLAT),
-                 "step": torch.tensor(0)}
+        state = {
+            "model": get_model_state_dict(runner.module),
+            "optim": get_optimizer_state_dict(runner.module, optim, options=FLAT),
+            "step": torch.tensor(0),
+        }
         dcp.load(state, checkpoint_id=cfg["load_from"])
         set_model_state_dict(runner.module, state["model"])
         set_optimizer_state_dict(runner.module, optim, state["optim"], options=FLAT)
@@ -117,7 +134,10 @@ def main() -> None:
     for step in range(start + 1, cfg["steps"] + 1):
         ids_BT, labels_BT = global_batch(step)
         rows = ids_BT.shape[0] // dp
-        ids_BT, labels_BT = ids_BT[dp_rank * rows:(dp_rank + 1) * rows], labels_BT[dp_rank * rows:(dp_rank + 1) * rows]
+        ids_BT, labels_BT = (
+            ids_BT[dp_rank * rows : (dp_rank + 1) * rows],
+            labels_BT[dp_rank * rows : (dp_rank + 1) * rows],
+        )
         t0 = time.perf_counter()
         tokens = torch.tensor([float((labels_BT != -100).sum())], dtype=torch.float64)
         dist.all_reduce(tokens, group=dp_group)  # global non-padding tokens of the step
@@ -127,7 +147,10 @@ def main() -> None:
         ce_sum, rows = 0.0, ids_BT.shape[0] // accum
         for i in range(accum):
             part = slice(i * rows, (i + 1) * rows)
-            ce_sum += runner.forward_backward(ids_BT[part], labels_BT[part], normalizer=float(tokens) / dp, zero_grad=i == 0) or 0.0
+            ce_sum += (
+                runner.forward_backward(ids_BT[part], labels_BT[part], normalizer=float(tokens) / dp, zero_grad=i == 0)
+                or 0.0
+            )
         optim.step()
         stats = torch.tensor([ce_sum], dtype=torch.float64)
         dist.all_reduce(stats)  # only the last stage's dp replicas contribute
@@ -137,14 +160,29 @@ def main() -> None:
         if cfg.get("eval_every") and step % cfg["eval_every"] == 0:  # eval between training steps
             evals.append(runner.forward_only(*global_batch(1000)))
         if cfg.get("save_at") == step:
-            state = {"model": get_model_state_dict(runner.module),
-                     "optim": get_optimizer_state_dict(runner.module, optim, options=FLAT), "step": torch.tensor(step)}
+            state = {
+                "model": get_model_state_dict(runner.module),
+                "optim": get_optimizer_state_dict(runner.module, optim, options=FLAT),
+                "step": torch.tensor(step),
+            }
             dcp.save(state, checkpoint_id=cfg["save_dir"])
     val = runner.forward_only(*global_batch(1000)) if dp == accum == 1 else None
-    torch.save({"losses": losses, "times": times, "trace": traces[0] if traces else [], "val_ce_sum": val, "evals": evals,
-                "state": {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
-                          for k, v in runner.module.state_dict().items()},
-                "pp_rank": pp_rank, "dp_rank": dp_rank}, out / f"rank{rank}.pt")
+    torch.save(
+        {
+            "losses": losses,
+            "times": times,
+            "trace": traces[0] if traces else [],
+            "val_ce_sum": val,
+            "evals": evals,
+            "state": {
+                k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
+                for k, v in runner.module.state_dict().items()
+            },
+            "pp_rank": pp_rank,
+            "dp_rank": dp_rank,
+        },
+        out / f"rank{rank}.pt",
+    )
     dist.destroy_process_group()
     exit_now(0)  # no interpreter finalization under gloo's threads (see exit_now)
 

@@ -39,8 +39,9 @@ def stack(tmp_path_factory):
     yield from running_stack(tmp_path_factory)
 
 
-def train_and_sample(home: Path, tmp_path: Path, name: str, parallel: str, tie: bool = True,
-                     eval_every: int = 0) -> list[dict]:
+def train_and_sample(
+    home: Path, tmp_path: Path, name: str, parallel: str, tie: bool = True, eval_every: int = 0
+) -> list[dict]:
     """Submit the job, check it FINISHED at step 16 with both ranks reporting the same
     falling loss, checkpoints at 8 and 16, text sampled from the last one and no rank
     process left; returns the job's metrics records."""
@@ -77,7 +78,8 @@ def test_a_job_spec_trains_checkpoints_and_samples_under(stack, tmp_path, name, 
 
 
 def test_a_pp2_job_trains_evaluates_checkpoints_and_samples(stack, tmp_path):
-    records = train_and_sample(stack, tmp_path, "e2e-pp2", "{pp: 2, pipeline_schedule: 1f1b, microbatches: 2}",
-                               tie=False, eval_every=8)
+    records = train_and_sample(
+        stack, tmp_path, "e2e-pp2", "{pp: 2, pipeline_schedule: 1f1b, microbatches: 2}", tie=False, eval_every=8
+    )
     evals = [r for r in records if r.get("type") == "eval"]
     assert evals and all(r["loss"] > 0 for r in evals)

@@ -58,7 +58,10 @@ def test_a_dp2_checkpoint_refuses_a_dp1_resume_of_its_data_position(full_runs, t
     _, ckpt = full_runs("fsdp2_dp2")
     (failed,) = run_config({"steps": 6, "ckpt_root": str(ckpt), "resume": "step3"}, tmp_path, expect_failure=True)
     assert "config_error" in failed["error"]
-    assert "parallel.dp 2; this job has" in failed["error"] and "its data position would not resume exactly" in failed["error"]
+    assert (
+        "parallel.dp 2; this job has" in failed["error"]
+        and "its data position would not resume exactly" in failed["error"]
+    )
 
 
 @pytest.mark.timeout(600)

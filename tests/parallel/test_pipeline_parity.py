@@ -36,8 +36,19 @@ def run_ranks(out: Path, world: int, cfg: dict, timeout: float = 150) -> list[di
     (port,) = free_ports(1)
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "pipeline_rank_main.py"), str(r), str(world), str(port), str(out), json.dumps(cfg)],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                str(HERE / "pipeline_rank_main.py"),
+                str(r),
+                str(world),
+                str(port),
+                str(out),
+                json.dumps(cfg),
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for r in range(world)
     ]
@@ -79,11 +90,14 @@ def assert_parity(results: list[dict], pp: int, steps: int = STEPS) -> list[floa
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pp2_matches_the_single_process_reference_for_10_adamw_steps(tmp_path, schedule):
     # Forward-only evaluations every 3 steps switch the schedule out of training and back.
-    results = run_ranks(tmp_path, 2, {"pp": 2, "dp": 1, "schedule": schedule, "microbatches": 4, "steps": STEPS,
-                                      "eval_every": 3})
+    results = run_ranks(
+        tmp_path, 2, {"pp": 2, "dp": 1, "schedule": schedule, "microbatches": 4, "steps": STEPS, "eval_every": 3}
+    )
     rel = assert_parity(results, pp=2)
-    print(f"PP=2 {schedule}: max relative loss difference {max(rel):.2e}, "
-          f"step time {sum(results[0]['times'][1:]) / (STEPS - 1) * 1e3:.1f} ms")
+    print(
+        f"PP=2 {schedule}: max relative loss difference {max(rel):.2e}, "
+        f"step time {sum(results[0]['times'][1:]) / (STEPS - 1) * 1e3:.1f} ms"
+    )
     # What torch executed in step 1 is exactly the action list the deadlock check verified.
     expected = schedule_actions(schedule, 2, 4)
     for res in results:
@@ -93,8 +107,9 @@ def test_pp2_matches_the_single_process_reference_for_10_adamw_steps(tmp_path, s
     model.load_state_dict(reference()[1])
     ids, labels = global_batch(1000)
     with torch.no_grad():
-        ref_ce = torch.nn.functional.cross_entropy(model(ids).reshape(-1, SPEC.vocab_size), labels.reshape(-1),
-                                                   ignore_index=-100, reduction="sum")
+        ref_ce = torch.nn.functional.cross_entropy(
+            model(ids).reshape(-1, SPEC.vocab_size), labels.reshape(-1), ignore_index=-100, reduction="sum"
+        )
     last = next(r for r in results if r["pp_rank"] == 1)
     assert last["val_ce_sum"] == pytest.approx(float(ref_ce), rel=1e-4)
     assert next(r for r in results if r["pp_rank"] == 0)["val_ce_sum"] is None

@@ -16,7 +16,13 @@ CONFIGS = {
     "reference": {},
     "pp2_1f1b": {"pp": 2, "pipeline_schedule": "1f1b", "microbatches": 2},
     "pp2_gpipe_accum2": {"pp": 2, "pipeline_schedule": "gpipe", "microbatches": 4, "grad_accum": 2},
-    "fsdp2_dp2_x_pp2_1f1b": {"dp": 2, "pp": 2, "data_parallel": "fsdp2", "pipeline_schedule": "1f1b", "microbatches": 2},
+    "fsdp2_dp2_x_pp2_1f1b": {
+        "dp": 2,
+        "pp": 2,
+        "data_parallel": "fsdp2",
+        "pipeline_schedule": "1f1b",
+        "microbatches": 2,
+    },
     "ddp_dp2_x_pp2_gpipe": {"dp": 2, "pp": 2, "data_parallel": "ddp", "pipeline_schedule": "gpipe", "microbatches": 2},
 }
 
@@ -51,8 +57,10 @@ def test_pipeline_config_matches_the_single_process_loss_at_every_step(results, 
     for r in runs:  # every rank (every stage) reports the same global loss and token count
         assert r["losses"] == runs[0]["losses"] and r["tokens"] == ref["tokens"]
     worst = max(abs(a - b) / b for a, b in zip(runs[0]["losses"], ref["losses"], strict=True))
-    print(f"{name}: max relative loss difference {worst:.2e}, "
-          f"mean step {sum(runs[0]['step_seconds'][1:]) / (len(runs[0]['step_seconds']) - 1) * 1e3:.1f} ms")
+    print(
+        f"{name}: max relative loss difference {worst:.2e}, "
+        f"mean step {sum(runs[0]['step_seconds'][1:]) / (len(runs[0]['step_seconds']) - 1) * 1e3:.1f} ms"
+    )
     assert worst <= 1e-5
     # The reported gradient norm is the whole model's (squares summed over the stages).
     for r in runs:
@@ -85,7 +93,9 @@ def test_a_pipeline_job_it_cannot_run_is_refused_naming_the_field(tmp_path):
 
     # Refused when the spec is parsed (JobSpec's validator); check_pipeline_job repeats it in the rank.
     with pytest.raises(ValueError, match=r"data.micro_batch_size: 8 rows must split into parallel.microbatches \(3\)"):
-        check_pipeline_job(parity_spec(model={**UNTIED, "n_layers": 3}, pp=3, microbatches=3, pipeline_schedule="gpipe"))
+        check_pipeline_job(
+            parity_spec(model={**UNTIED, "n_layers": 3}, pp=3, microbatches=3, pipeline_schedule="gpipe")
+        )
     spec = parity_spec(model=UNTIED, pp=2)
     check_pipeline_job(spec)  # the tested configuration passes
     compiled = spec.model_copy(update={"operators": spec.operators.model_copy(update={"compile": True})})

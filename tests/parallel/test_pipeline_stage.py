@@ -50,7 +50,9 @@ def test_tied_embeddings_with_more_than_one_stage_are_refused_naming_the_field()
 
 
 def test_unknown_schedule_and_bad_microbatches_are_refused_before_any_communication():
-    with pytest.raises(ValueError, match=r"parallel.pipeline_schedule: expected one of \('gpipe', '1f1b'\), got 'dualpipe'"):
+    with pytest.raises(
+        ValueError, match=r"parallel.pipeline_schedule: expected one of \('gpipe', '1f1b'\), got 'dualpipe'"
+    ):
         _runner(schedule="dualpipe")
     with pytest.raises(ValueError, match=r"parallel.microbatches: must be >= 1, got 0"):
         _runner(microbatches=0)

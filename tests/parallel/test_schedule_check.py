@@ -118,8 +118,10 @@ def test_an_action_posted_twice_is_refused():
 def test_send_without_receive_is_refused():
     # Rank 1 gets micro-batch 1 some other way (here: never receives, never computes it on
     # this rank), so rank 0's send would block forever.
-    actions = {0: [Action("F", 0, 0), Action("SEND_F", 0, 0), Action("RECV_B", 0, 0), Action("B", 0, 0)],
-               1: [Action("F", 1, 0), Action("B", 1, 0), Action("SEND_B", 1, 0)]}
+    actions = {
+        0: [Action("F", 0, 0), Action("SEND_F", 0, 0), Action("RECV_B", 0, 0), Action("B", 0, 0)],
+        1: [Action("F", 1, 0), Action("B", 1, 0), Action("SEND_B", 1, 0)],
+    }
     with pytest.raises(ScheduleError, match=r"1F0 runs before 1RECV_F0"):
         check_schedule(actions, num_stages=2, num_microbatches=1)
     actions[1].insert(0, Action("RECV_F", 1, 0))
@@ -150,8 +152,10 @@ def test_malformed_schedules_are_refused_with_the_field_named():
 
 def test_batched_send_and_receive_between_neighbours_complete_together():
     # The fused step that makes 1F1B safe: each side posts send + receive as one batch.
-    a = {0: [Action("F", 0, 0), (Action("SEND_F", 0, 0), Action("RECV_B", 0, 0)), Action("B", 0, 0)],
-         1: [Action("RECV_F", 1, 0), Action("F", 1, 0), Action("B", 1, 0), Action("SEND_B", 1, 0)]}
+    a = {
+        0: [Action("F", 0, 0), (Action("SEND_F", 0, 0), Action("RECV_B", 0, 0)), Action("B", 0, 0)],
+        1: [Action("RECV_F", 1, 0), Action("F", 1, 0), Action("B", 1, 0), Action("SEND_B", 1, 0)],
+    }
     assert check_schedule(a, num_stages=2, num_microbatches=1) > 0
 
 
@@ -168,12 +172,15 @@ def test_parallel_strategy_refuses_a_failing_schedule_before_any_process_group(m
     monkeypatch.setattr("services.engine.schedule_check.schedule_actions", broken)
     pushed = []
     strategy = parallel_strategy.ParallelStrategy(
-        pushed.append, pushed.append, pushed.append,
+        pushed.append,
+        pushed.append,
+        pushed.append,
         model=ModelSpec(n_layers=4, d_model=64, n_heads=4, tie_embeddings=False),
         parallel=ParallelSpec(pp=2, pipeline_schedule="1f1b", microbatches=4),
     )
-    msg = engine_pb2.RankAssignment(rank=0, world_size=2, backend="gloo", device="cpu",
-                                    master_addr="127.0.0.1", master_port=1)
+    msg = engine_pb2.RankAssignment(
+        rank=0, world_size=2, backend="gloo", device="cpu", master_addr="127.0.0.1", master_port=1
+    )
     with pytest.raises(ScheduleError, match=r"^schedule deadlock: rank 0 step 3 \(0SEND_F1\)"):
         strategy.rank_assignment(msg)
     assert pushed == [] and not dist.is_initialized()

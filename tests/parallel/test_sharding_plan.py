@@ -44,9 +44,19 @@ def test_tp_styles_are_megatrons_column_then_row_split():
 
 
 def test_data_parallel_kind_schedule_and_checkpointing_come_from_the_config():
-    p = plan(MODEL, 4, ParallelSpec(dp=2, pp=2, data_parallel="fsdp2", activation_checkpointing=True,
-                                    pipeline_schedule="gpipe", microbatches=4))
-    assert (p.data_parallel, p.activation_checkpointing, p.pipeline_schedule, p.microbatches) == ("fsdp2", True, "gpipe", 4)
+    p = plan(
+        MODEL,
+        4,
+        ParallelSpec(
+            dp=2, pp=2, data_parallel="fsdp2", activation_checkpointing=True, pipeline_schedule="gpipe", microbatches=4
+        ),
+    )
+    assert (p.data_parallel, p.activation_checkpointing, p.pipeline_schedule, p.microbatches) == (
+        "fsdp2",
+        True,
+        "gpipe",
+        4,
+    )
     assert plan(MODEL, 2, ParallelSpec(tp=2, data_parallel="fsdp2")).data_parallel == "none"  # dp == 1
     assert plan(MODEL, 2, ParallelSpec(pp=2)).microbatches == 2  # 0 means pp
 
@@ -56,19 +66,40 @@ def test_plan_is_immutable_and_a_pure_function_of_its_inputs():
     assert a == plan(MODEL, 4, ParallelSpec(dp=2, tp=2, data_parallel="fsdp2"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.dp = 4  # type: ignore[misc]
-    assert isinstance(a, ShardingPlan) and hash(a) == hash(plan(MODEL, 4, ParallelSpec(dp=2, tp=2, data_parallel="fsdp2")))
+    assert isinstance(a, ShardingPlan) and hash(a) == hash(
+        plan(MODEL, 4, ParallelSpec(dp=2, tp=2, data_parallel="fsdp2"))
+    )
 
 
 @pytest.mark.parametrize(
     ("model", "world", "parallel", "message"),
     [
         (MODEL, 4, ParallelSpec(dp=2), r"^parallel: dp \(2\) \* tp \(1\) \* pp \(1\) = 2, but the world has 4 ranks$"),
-        (ModelSpec(d_model=96, n_heads=6), 4, ParallelSpec(tp=4), r"^parallel.tp: model.n_heads \(6\) must be divisible by tp \(4\)$"),
-        (ModelSpec(d_model=96, n_heads=3), 3, ParallelSpec(tp=3),
-         r"^parallel.tp: the MLP hidden width \(256, from model.mlp_ratio\) must be divisible by tp \(3\)$"),
+        (
+            ModelSpec(d_model=96, n_heads=6),
+            4,
+            ParallelSpec(tp=4),
+            r"^parallel.tp: model.n_heads \(6\) must be divisible by tp \(4\)$",
+        ),
+        (
+            ModelSpec(d_model=96, n_heads=3),
+            3,
+            ParallelSpec(tp=3),
+            r"^parallel.tp: the MLP hidden width \(256, from model.mlp_ratio\) must be divisible by tp \(3\)$",
+        ),
         (MODEL, 8, ParallelSpec(pp=8), r"^parallel.pp: model.n_layers \(4\) must be >= pp \(8\)"),
-        (ModelSpec(n_layers=4), 2, ParallelSpec(pp=2), r"^model.tie_embeddings: must be false when parallel.pp \(2\) > 1"),
-        (MODEL, 4, ParallelSpec(pp=4, microbatches=2), r"^parallel.microbatches: 1f1b needs at least pp \(4\) micro-batches, got 2$"),
+        (
+            ModelSpec(n_layers=4),
+            2,
+            ParallelSpec(pp=2),
+            r"^model.tie_embeddings: must be false when parallel.pp \(2\) > 1",
+        ),
+        (
+            MODEL,
+            4,
+            ParallelSpec(pp=4, microbatches=2),
+            r"^parallel.microbatches: 1f1b needs at least pp \(4\) micro-batches, got 2$",
+        ),
         (MODEL, 4, ParallelSpec(dp=2, tp=2), r"^parallel.data_parallel: ddp cannot be combined with tp > 1"),
     ],
 )
@@ -110,8 +141,10 @@ def test_job_spec_parallel_section_sets_world_size_and_old_specs_stay_valid():
     base = "name: j\nsteps: 3\ndata: {dataset: d@v1}\n"
     assert parse_job_spec(base).world_size == 1
     assert parse_job_spec(base + "parallel: {dp: 2}\n").world_size == 2
-    spec = parse_job_spec(base + "model: {tie_embeddings: false}\nparallel: {dp: 2, pp: 2, data_parallel: fsdp2,"
-                          " activation_checkpointing: true, pipeline_schedule: gpipe, microbatches: 4}\n")
+    spec = parse_job_spec(
+        base + "model: {tie_embeddings: false}\nparallel: {dp: 2, pp: 2, data_parallel: fsdp2,"
+        " activation_checkpointing: true, pipeline_schedule: gpipe, microbatches: 4}\n"
+    )
     assert spec.world_size == 4 and spec.tokens_per_step == 2 * 8 * 1 * 256
     assert parse_job_spec(base + "parallel: {dp: 2, tp: 2, data_parallel: fsdp2}\n").world_size == 4
     with pytest.raises(ValueError, match=r"^job.yaml: parallel.data_parallel: "):

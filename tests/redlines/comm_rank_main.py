@@ -32,8 +32,13 @@ def main() -> None:
     for port, parallel in runs:
         guard.reset()
         model = {"tie_embeddings": False} if parallel.get("pp", 1) > 1 else {}
-        spec = tiny_spec(steps=2, parallel=parallel, model=model, data={"micro_batch_size": 4, "grad_accum": 2},
-                         eval={"at_end": True, "batches": 1})
+        spec = tiny_spec(
+            steps=2,
+            parallel=parallel,
+            model=model,
+            data={"micro_batch_size": 4, "grad_accum": 2},
+            eval={"at_end": True, "batches": 1},
+        )
         rank_module.compose = functools.partial(compose, phase=PhaseMarker())
         local = LocalRank(spec, None, rank=rank, world_size=2, port=port)
         local.command(engine_pb2.StartTraining(job_id="job"))

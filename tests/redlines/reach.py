@@ -30,8 +30,18 @@ from services.contract.comm_guard import FUNCOL, FUNCOL_OPS, OPS
 REPO = Path(__file__).resolve().parents[2]
 _C10D = ("torch.distributed.", "torch.distributed.distributed_c10d.")
 _FUNCOL = "torch.distributed._functional_collectives."
-_DCP_OPS = frozenset({"gather_object", "scatter_object_list", "all_gather_object", "broadcast_object_list", "barrier",
-                      "all_reduce", "reduce_scatter", "all_gather"})
+_DCP_OPS = frozenset(
+    {
+        "gather_object",
+        "scatter_object_list",
+        "all_gather_object",
+        "broadcast_object_list",
+        "barrier",
+        "all_reduce",
+        "reduce_scatter",
+        "all_gather",
+    }
+)
 # Calls that run collectives inside torch: what they run (for the register's names).
 FAMILIES: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.save": _DCP_OPS,
@@ -46,8 +56,10 @@ FAMILIES: dict[str, frozenset[str]] = {
     "torch.distributed.fsdp.fully_shard": frozenset({"all_gather_single", "reduce_scatter_single"}),
 }
 # DTensor methods that communicate when the placements differ (a Partial or Shard made whole).
-DTENSOR_METHODS = {"full_tensor": frozenset({FUNCOL + "all_reduce", FUNCOL + "all_gather_single"}),
-                   "redistribute": frozenset({FUNCOL + op for op in FUNCOL_OPS})}
+DTENSOR_METHODS = {
+    "full_tensor": frozenset({FUNCOL + "all_reduce", FUNCOL + "all_gather_single"}),
+    "redistribute": frozenset({FUNCOL + op for op in FUNCOL_OPS}),
+}
 
 
 @dataclass(frozen=True)
@@ -137,8 +149,9 @@ def _callee(file: _File, fn: _Function, call: ast.Call) -> _Function | None:
     if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self" and fn.cls:
         return file.functions.get(f"{fn.cls}.{func.attr}")
     if isinstance(func, ast.Name) and func.id not in file.aliases:
-        local = file.functions.get(func.id) or (file.functions.get(f"{func.id}.__init__") if func.id in file.classes
-                                                 else None)
+        local = file.functions.get(func.id) or (
+            file.functions.get(f"{func.id}.__init__") if func.id in file.classes else None
+        )
         return local
     dotted = file.resolve(func)
     if not dotted.startswith("services."):
@@ -157,10 +170,10 @@ def _callee(file: _File, fn: _Function, call: ast.Call) -> _Function | None:
 def _communication(file: _File, call: ast.Call) -> frozenset[str]:
     dotted = file.resolve(call.func)
     for prefix in _C10D:
-        if dotted.startswith(prefix) and dotted[len(prefix):] in OPS:
-            return frozenset({dotted[len(prefix):]})
-    if dotted.startswith(_FUNCOL) and dotted[len(_FUNCOL):] in FUNCOL_OPS:
-        return frozenset({FUNCOL + dotted[len(_FUNCOL):]})
+        if dotted.startswith(prefix) and dotted[len(prefix) :] in OPS:
+            return frozenset({dotted[len(prefix) :]})
+    if dotted.startswith(_FUNCOL) and dotted[len(_FUNCOL) :] in FUNCOL_OPS:
+        return frozenset({FUNCOL + dotted[len(_FUNCOL) :]})
     if dotted in FAMILIES:
         return FAMILIES[dotted]
     if isinstance(call.func, ast.Attribute) and call.func.attr in DTENSOR_METHODS:

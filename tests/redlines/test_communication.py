@@ -49,8 +49,10 @@ HERE = Path(__file__).resolve().parent
 KINDS = {"communication", "reference", "io", "authority", "seed"}
 FIELDS = ("id", "kind", "module", "operations", "where", "boundary", "why", "impact", "rollback", "test")
 # The relays that speak for a module of another process inside a rank (their class).
-RELAYS = {("services/worker/store_client.py", "StoreClient"): Module.L5_CHECKPOINT_MANAGER,
-          ("services/worker/data_client.py", "DataClient"): Module.L4_DATASET_VERSIONS}
+RELAYS = {
+    ("services/worker/store_client.py", "StoreClient"): Module.L5_CHECKPOINT_MANAGER,
+    ("services/worker/data_client.py", "DataClient"): Module.L4_DATASET_VERSIONS,
+}
 
 
 # ---------------------------------------------------------------------- the register
@@ -86,14 +88,16 @@ def test_docs_exceptions_md_is_rendered_from_the_register():
 
 def _roots() -> list[tuple[str, str | None, int]]:
     return [(path, None, module) for module, (_, path) in MODULES.items()] + [
-        (path, cls, module) for (path, cls), module in RELAYS.items()]
+        (path, cls, module) for (path, cls), module in RELAYS.items()
+    ]
 
 
 @pytest.mark.parametrize("path, cls, module", _roots(), ids=lambda v: Module.Name(v) if isinstance(v, int) else None)
 def test_communication_reachable_from_a_module_is_its_job_or_registered(path, cls, module):
     register = exemptions()
     unregistered = [
-        f"{f} runs {sorted(f.ops)}" for f in reachable_communication(path, only_class=cls)
+        f"{f} runs {sorted(f.ops)}"
+        for f in reachable_communication(path, only_class=cls)
         if not all(allowed(module, op) or any(e.covers(module, op, f.site) for e in register) for op in f.ops)
     ]
     assert unregistered == []
@@ -106,14 +110,18 @@ def test_the_static_check_follows_imports_and_calls_into_helpers(tmp_path):
         "import torch.distributed as dist\n\n"
         "def agree(t):\n    dist.barrier()\n    return _norm(t)\n\n"
         "def _norm(t):\n    return t.full_tensor()\n\n"
-        "def unused():\n    dist.broadcast(None, 0)\n")
+        "def unused():\n    dist.broadcast(None, 0)\n"
+    )
     (pkg / "planted_module.py").write_text(
         "from services.engine.planted_helper import agree\n\n"
         "class Planted:\n    def check(self, t):\n        return self._inner(t)\n\n"
-        "    def _inner(self, t):\n        return agree(t)\n")
+        "    def _inner(self, t):\n        return agree(t)\n"
+    )
     found = {(f.site, f.call) for f in reachable_communication("services/engine/planted_module.py", root=tmp_path)}
-    assert found == {("services/engine/planted_helper.py::agree", "dist.barrier"),
-                     ("services/engine/planted_helper.py::_norm", "t.full_tensor")}  # not the unused broadcast
+    assert found == {
+        ("services/engine/planted_helper.py::agree", "dist.barrier"),
+        ("services/engine/planted_helper.py::_norm", "t.full_tensor"),
+    }  # not the unused broadcast
 
 
 # ---------------------------------------------------------------------- run time, one rank
@@ -133,8 +141,9 @@ def one_rank_group():
 def guarded(one_rank_group):
     """The guard installed with a rank's ViolationReporter whose reports land in a list."""
     reports: list = []
-    reporter = ViolationReporter("rank 0 of job j", structlog.get_logger(), deliver=reports.append, job_id="j",
-                                 inline=True)
+    reporter = ViolationReporter(
+        "rank 0 of job j", structlog.get_logger(), deliver=reports.append, job_id="j", inline=True
+    )
     traffic = Traffic()
     guard = comm_guard.install(report=reporter, mode="report", traffic=traffic)
     guard.reports, guard.reporter, guard.traffic = reports, reporter, traffic
@@ -156,18 +165,33 @@ def test_a_collective_planted_in_the_precision_manager_is_caught_at_run_time(gua
     # The call still ran (report mode): the ranks stay in step and L1 decides.
     assert isinstance(reply.message, engine_pb2.OverflowChecked) and not reply.message.found_inf
 
-    site = ("tests/redlines/test_communication.py::test_a_collective_planted_in_the_precision_manager_is_caught_at_"
-            "run_time.<locals>.planted_unscale_and_check")
+    site = (
+        "tests/redlines/test_communication.py::test_a_collective_planted_in_the_precision_manager_is_caught_at_"
+        "run_time.<locals>.planted_unscale_and_check"
+    )
     [event] = guarded.reports
     assert (event.sender, event.message, event.job_id, event.process) == (
-        Module.L2_MIXED_PRECISION, "torch.distributed.all_reduce", "j", "rank 0 of job j")
+        Module.L2_MIXED_PRECISION,
+        "torch.distributed.all_reduce",
+        "j",
+        "rank 0 of job j",
+    )
     assert site in event.detail
     [crossing] = guarded.unregistered()
     assert (crossing.module, crossing.op, crossing.site, crossing.count) == (
-        Module.L2_MIXED_PRECISION, "all_reduce", site, 1)
+        Module.L2_MIXED_PRECISION,
+        "all_reduce",
+        site,
+        1,
+    )
     assert guarded.traffic.snapshot().refused == {(Module.L2_MIXED_PRECISION, "torch.distributed.all_reduce", 0): 1}
-    assert REGISTRY.get_sample_value("surge_boundary_violations_total", {
-        "sender": "L2_MIXED_PRECISION", "message": "torch.distributed.all_reduce"}) >= 1
+    assert (
+        REGISTRY.get_sample_value(
+            "surge_boundary_violations_total",
+            {"sender": "L2_MIXED_PRECISION", "message": "torch.distributed.all_reduce"},
+        )
+        >= 1
+    )
     bus.command(Module.L2_TRAINING_LOOP, Module.L2_MIXED_PRECISION, engine_pb2.UnscaleAndCheck())
     assert len(guarded.reports) == 1 and guarded.unregistered()[0].count == 2  # reported once, counted always
 
@@ -189,7 +213,9 @@ def test_a_barrier_planted_in_the_store_relay_is_caught_and_its_registered_agree
         assert run_as(Module.L5_CHECKPOINT_MANAGER, client._agree, 0) == 0
     finally:
         client.close(timeout=0.1)
-    assert [(e.sender, e.message) for e in guarded.reports] == [(Module.L5_CHECKPOINT_MANAGER, "torch.distributed.barrier")]
+    assert [(e.sender, e.message) for e in guarded.reports] == [
+        (Module.L5_CHECKPOINT_MANAGER, "torch.distributed.barrier")
+    ]
     by_op = {c.op: c for c in guarded.crossings()}
     assert by_op["barrier"].exception == "" and by_op["barrier"].site.endswith("planted_flush")
     assert by_op["new_group"].exception == by_op["all_reduce"].exception == "store-relay-save-agreement"
@@ -199,8 +225,11 @@ def test_a_barrier_planted_in_the_store_relay_is_caught_and_its_registered_agree
 def test_raise_mode_refuses_the_call_before_it_runs(one_rank_group):
     guard = comm_guard.install(mode="raise", traffic=Traffic())
     try:
-        with pytest.raises(CommViolation, match=r"^boundary violation: L2_OPTIMIZER may not run torch.distributed "
-                                                r"broadcast \(at tests/redlines/test_communication.py::"):
+        with pytest.raises(
+            CommViolation,
+            match=r"^boundary violation: L2_OPTIMIZER may not run torch.distributed "
+            r"broadcast \(at tests/redlines/test_communication.py::",
+        ):
             run_as(Module.L2_OPTIMIZER, dist.broadcast, torch.zeros(1), 0)
         assert guard.counts() == {(Module.L2_OPTIMIZER, "broadcast"): 1}
     finally:
@@ -210,7 +239,7 @@ def test_raise_mode_refuses_the_call_before_it_runs(one_rank_group):
 def test_calls_are_counted_per_module_and_op_and_attributed_to_the_module_that_created_the_group(guarded):
     for _ in range(3):
         run_as(Module.L3_GRADIENT_REDUCTION, dist.all_reduce, torch.ones(1))  # its job: counted, not a crossing
-    run_as(Module.L2_PARALLEL_STRATEGY, dist.new_group, backend="gloo")       # its job too
+    run_as(Module.L2_PARALLEL_STRATEGY, dist.new_group, backend="gloo")  # its job too
     group = run_as(Module.L5_CHECKPOINT_MANAGER, dist.new_group, backend="gloo")  # the relay's own group
     worker = threading.Thread(target=dist.all_reduce, args=(torch.ones(1),), kwargs={"group": group})
     worker.start()  # a library thread (DCP's writer) using the relay's group, no module acting
@@ -219,16 +248,24 @@ def test_calls_are_counted_per_module_and_op_and_attributed_to_the_module_that_c
     assert counts[(Module.L3_GRADIENT_REDUCTION, "all_reduce")] == 3
     assert counts[(Module.L2_PARALLEL_STRATEGY, "new_group")] == 1
     assert counts[(Module.L5_CHECKPOINT_MANAGER, "all_reduce")] == 1  # attributed by its group
-    assert {(c.module, c.op) for c in guarded.crossings()} == {(Module.L5_CHECKPOINT_MANAGER, "new_group"),
-                                                              (Module.L5_CHECKPOINT_MANAGER, "all_reduce")}
-    assert REGISTRY.get_sample_value("surge_collectives_total", {"module": "L3_GRADIENT_REDUCTION",
-                                                                 "op": "all_reduce"}) == 3
+    assert {(c.module, c.op) for c in guarded.crossings()} == {
+        (Module.L5_CHECKPOINT_MANAGER, "new_group"),
+        (Module.L5_CHECKPOINT_MANAGER, "all_reduce"),
+    }
+    assert (
+        REGISTRY.get_sample_value("surge_collectives_total", {"module": "L3_GRADIENT_REDUCTION", "op": "all_reduce"})
+        == 3
+    )
 
 
 def test_the_law_before_exceptions():
-    assert allowed(Module.L3_GRADIENT_REDUCTION, "all_reduce") and allowed(Module.L3_GRADIENT_REDUCTION, "funcol.all_reduce")
+    assert allowed(Module.L3_GRADIENT_REDUCTION, "all_reduce") and allowed(
+        Module.L3_GRADIENT_REDUCTION, "funcol.all_reduce"
+    )
     assert not allowed(Module.L3_GRADIENT_REDUCTION, "new_group")  # seed L3-5 red line 4
-    assert allowed(Module.L2_PARALLEL_STRATEGY, "init_process_group") and not allowed(Module.L2_PARALLEL_STRATEGY, "barrier")
+    assert allowed(Module.L2_PARALLEL_STRATEGY, "init_process_group") and not allowed(
+        Module.L2_PARALLEL_STRATEGY, "barrier"
+    )
     assert not any(allowed(m, "all_reduce") for m in MODULES if m != Module.L3_GRADIENT_REDUCTION)
 
 
@@ -236,8 +273,10 @@ def test_the_law_before_exceptions():
 
 # Each configuration and register entries its run must use (the crossings it pins).
 REAL_RUNS = {
-    "fsdp2": ({"dp": 2, "data_parallel": "fsdp2"},
-              {"fsdp2-gathers-in-forward", "fsdp2-and-tp-collectives-in-backward", "composition-root-teardown"}),
+    "fsdp2": (
+        {"dp": 2, "data_parallel": "fsdp2"},
+        {"fsdp2-gathers-in-forward", "fsdp2-and-tp-collectives-in-backward", "composition-root-teardown"},
+    ),
     "tp2": ({"tp": 2, "data_parallel": "fsdp2"}, {"tp-reductions-in-forward", "shard-loader-handover-communication"}),
     "pp2": ({"pp": 2}, {"pipeline-p2p-in-backward"}),
 }
@@ -248,8 +287,12 @@ def test_real_training_crosses_only_registered_boundaries():
     ports = free_ports(len(REAL_RUNS))
     runs = json.dumps([[port, parallel] for port, (parallel, _) in zip(ports, REAL_RUNS.values())])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "engine")])}
-    outs = run_to_end([[sys.executable, str(HERE / "comm_rank_main.py"), str(r), runs] for r in (0, 1)],
-                      timeout=150, cwd=REPO / "tests" / "engine", env=env)
+    outs = run_to_end(
+        [[sys.executable, str(HERE / "comm_rank_main.py"), str(r), runs] for r in (0, 1)],
+        timeout=150,
+        cwd=REPO / "tests" / "engine",
+        env=env,
+    )
     for out in outs:
         lines = [json.loads(line) for line in out.strip().splitlines() if line.startswith("[")]
         assert len(lines) == len(REAL_RUNS), out[-2000:]

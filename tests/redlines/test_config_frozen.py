@@ -38,11 +38,17 @@ def test_frozen_config_takes_one_push_and_refuses_the_next():
 def _stream_pushes():
     """(module, first push, second push) of one stream's L4 config commands."""
     return [
-        (Module.L4_PREFETCHER, data_pb2.SetPrefetch(watermark=8, threads=2), data_pb2.SetPrefetch(watermark=64, threads=8)),
+        (
+            Module.L4_PREFETCHER,
+            data_pb2.SetPrefetch(watermark=8, threads=2),
+            data_pb2.SetPrefetch(watermark=64, threads=8),
+        ),
         (Module.L4_FILTER, data_pb2.FilterRules(min_tokens=1), data_pb2.FilterRules(min_tokens=50)),
-        (Module.L4_BATCH_PACKER,
-         data_pb2.PackerConfig(seq_len=16, micro_batch_size=4, mode=data_pb2.PACK),
-         data_pb2.PackerConfig(seq_len=16, micro_batch_size=64, mode=data_pb2.PACK)),
+        (
+            Module.L4_BATCH_PACKER,
+            data_pb2.PackerConfig(seq_len=16, micro_batch_size=4, mode=data_pb2.PACK),
+            data_pb2.PackerConfig(seq_len=16, micro_batch_size=64, mode=data_pb2.PACK),
+        ),
     ]
 
 
@@ -50,7 +56,7 @@ def _stream_pushes():
 def test_a_data_module_refuses_a_second_config_push_on_its_stream(tmp_path, module):
     built = build_data(tmp_path)
     stream_bus = built.buses[-1]  # build_stream's bus: the one with the whole pipeline
-    (_, first, second), = [(m, a, b) for m, a, b in _stream_pushes() if m == module]
+    ((_, first, second),) = [(m, a, b) for m, a, b in _stream_pushes() if m == module]
     port = stream_bus.port(Module.L2_TRAINING_LOOP, module)
     port(first)
     with pytest.raises(ConfigFrozen, match=f"^{Module.Name(module)}: .* already set at init") as err:
@@ -67,18 +73,36 @@ def test_each_stream_gets_its_own_data_modules_so_once_means_once_per_stream(tmp
 @pytest.mark.parametrize(
     "sender, receiver, first, second",
     [
-        (Module.L2_PARALLEL_STRATEGY, Module.L3_SHARD_LOADER,
-         engine_pb2.ParallelPlan(rank=0, world_size=1, dp=1, data_parallel="none", device="cpu"),
-         engine_pb2.ParallelPlan(rank=0, world_size=2, dp=2, data_parallel="ddp", device="cpu")),
-        (Module.L2_PARALLEL_STRATEGY, Module.L3_GRADIENT_REDUCTION,
-         engine_pb2.ParallelPlan(rank=0, world_size=1, dp=1, data_parallel="none", device="cpu"),
-         engine_pb2.ParallelPlan(rank=0, world_size=2, dp=2, data_parallel="ddp", device="cpu")),
-        (Module.L2_TRAINING_LOOP, Module.L2_MIXED_PRECISION,
-         engine_pb2.InitPrecision(precision="fp32"), engine_pb2.InitPrecision(precision="bf16")),
-        (Module.L2_TRAINING_LOOP, Module.L3_FORWARD_UNIT,
-         engine_pb2.ConfigureForward(attention="sdpa"), engine_pb2.ConfigureForward(attention="math")),
-        (Module.L1_ORCHESTRATOR, Module.L2_TRAINING_LOOP,
-         engine_pb2.InitJob(job_id="a", spec_json="{}"), engine_pb2.InitJob(job_id="b", spec_json="{}")),
+        (
+            Module.L2_PARALLEL_STRATEGY,
+            Module.L3_SHARD_LOADER,
+            engine_pb2.ParallelPlan(rank=0, world_size=1, dp=1, data_parallel="none", device="cpu"),
+            engine_pb2.ParallelPlan(rank=0, world_size=2, dp=2, data_parallel="ddp", device="cpu"),
+        ),
+        (
+            Module.L2_PARALLEL_STRATEGY,
+            Module.L3_GRADIENT_REDUCTION,
+            engine_pb2.ParallelPlan(rank=0, world_size=1, dp=1, data_parallel="none", device="cpu"),
+            engine_pb2.ParallelPlan(rank=0, world_size=2, dp=2, data_parallel="ddp", device="cpu"),
+        ),
+        (
+            Module.L2_TRAINING_LOOP,
+            Module.L2_MIXED_PRECISION,
+            engine_pb2.InitPrecision(precision="fp32"),
+            engine_pb2.InitPrecision(precision="bf16"),
+        ),
+        (
+            Module.L2_TRAINING_LOOP,
+            Module.L3_FORWARD_UNIT,
+            engine_pb2.ConfigureForward(attention="sdpa"),
+            engine_pb2.ConfigureForward(attention="math"),
+        ),
+        (
+            Module.L1_ORCHESTRATOR,
+            Module.L2_TRAINING_LOOP,
+            engine_pb2.InitJob(job_id="a", spec_json="{}"),
+            engine_pb2.InitJob(job_id="b", spec_json="{}"),
+        ),
     ],
     ids=["shard_loader", "gradient_reduction", "mixed_precision", "forward_unit", "training_loop"],
 )
@@ -97,8 +121,11 @@ def test_the_parallel_strategy_refuses_a_second_rank_assignment(tmp_path):
     strategy._assignment.set(engine_pb2.RankAssignment(rank=0, world_size=1))
     port = built.buses[0].port(Module.L1_RESOURCE_ALLOCATOR, Module.L2_PARALLEL_STRATEGY)
     with pytest.raises(ConfigFrozen, match="^L2_PARALLEL_STRATEGY: rank assignment already set at init"):
-        port(engine_pb2.RankAssignment(rank=0, world_size=1, backend="gloo", master_addr="127.0.0.1",
-                                       master_port=1, device="cpu"))
+        port(
+            engine_pb2.RankAssignment(
+                rank=0, world_size=1, backend="gloo", master_addr="127.0.0.1", master_port=1, device="cpu"
+            )
+        )
 
 
 def test_the_fault_detectors_grading_table_cannot_change_after_init():
@@ -111,8 +138,16 @@ def test_the_fault_detectors_grading_table_cannot_change_after_init():
     # every module's failure event among them (``on_failure``, issue 13), and ``close``, the
     # composition root's at process end.
     public = {n for n in dir(detector) if not n.startswith("_")}
-    assert public == {"start_fault_monitoring", "reset_fault_ledger", "on_rank_heartbeat", "on_rank_exited",
-                      "on_training_loop_failed", "on_failure", "on_boundary_violation_reported", "close"}
+    assert public == {
+        "start_fault_monitoring",
+        "reset_fault_ledger",
+        "on_rank_heartbeat",
+        "on_rank_exited",
+        "on_training_loop_failed",
+        "on_failure",
+        "on_boundary_violation_reported",
+        "close",
+    }
 
 
 # ---------------------------------------------------------------------- changes the seed lists

@@ -28,12 +28,13 @@ RNG = np.random.default_rng(20260101)
 
 def _random_docs(n: int, *, max_len: int = 40, first: int = 0, epoch: int = 0, last: bool = True) -> Documents:
     parts = [RNG.integers(1, 250, size=int(k)).astype(np.uint16) for k in RNG.integers(0, max_len, size=n)]
-    return Documents.join(parts, np.arange(first, first + n, dtype=np.int64), epoch, last, "train", "bytes",
-                          np.dtype(np.uint16))
+    return Documents.join(
+        parts, np.arange(first, first + n, dtype=np.int64), epoch, last, "train", "bytes", np.dtype(np.uint16)
+    )
 
 
 def _contents(docs: Documents) -> list[list[int]]:
-    return [docs.tokens_T[docs.bounds_n1[k]:docs.bounds_n1[k + 1]].tolist() for k in range(len(docs))]
+    return [docs.tokens_T[docs.bounds_n1[k] : docs.bounds_n1[k + 1]].tolist() for k in range(len(docs))]
 
 
 # ---------------------------------------------------------------------- L4-2 prefetcher
@@ -51,7 +52,9 @@ def test_the_prefetcher_hands_on_every_document_unchanged_in_storage_order(tmp_p
     got: list[Documents] = []
     bus.subscribe(Module.L4_SHUFFLER, data_pb2.SamplesRead, lambda m, d: got.append(d))
     bus.port(Module.L2_TRAINING_LOOP, Module.L4_PREFETCHER)(data_pb2.SetPrefetch(watermark=8, threads=3))
-    bus.port(Module.L4_DATASET_VERSIONS, Module.L4_PREFETCHER)(data_pb2.ActivateSource(name="t", version="v1", split="train"), store)
+    bus.port(Module.L4_DATASET_VERSIONS, Module.L4_PREFETCHER)(
+        data_pb2.ActivateSource(name="t", version="v1", split="train"), store
+    )
     prefetcher.close()
     assert [c for d in got for c in _contents(d)] == _contents(docs)  # no drop, no edit, no reorder
     assert np.concatenate([d.index_n for d in got]).tolist() == list(range(57))
@@ -64,14 +67,29 @@ def test_the_prefetcher_hears_nothing_from_the_compute_path():
     # Its parameters from L2-1 (SetPrefetch), its source from L4-1, its file reads from disk.
     assert senders <= {Module.L2_TRAINING_LOOP, Module.L4_DATASET_VERSIONS, Module.EXT_DISK_IO}
     assert {r.message for r in into if Module.L2_TRAINING_LOOP in r.senders} == {"surge.v1.SetPrefetch"}
-    assert not [i for i in imported_modules(source_tree(Module.L4_PREFETCHER)) if i.split(".")[0] in ("torch", "psutil")]
+    assert not [
+        i for i in imported_modules(source_tree(Module.L4_PREFETCHER)) if i.split(".")[0] in ("torch", "psutil")
+    ]
 
 
 @pytest.mark.parametrize("module", [Module.L4_DATASET_VERSIONS, Module.L4_PREFETCHER], ids=Module.Name)
 def test_the_data_modules_that_read_files_never_write_them(module):
     tree = source_tree(module)
-    writes = {"write", "write_bytes", "write_text", "pwrite", "unlink", "rename", "replace", "rmtree", "mkdir",
-              "tofile", "save", "truncate", "remove"} & called_names(tree)
+    writes = {
+        "write",
+        "write_bytes",
+        "write_text",
+        "pwrite",
+        "unlink",
+        "rename",
+        "replace",
+        "rmtree",
+        "mkdir",
+        "tofile",
+        "save",
+        "truncate",
+        "remove",
+    } & called_names(tree)
     assert writes == set()
     for call in (c for c in ast.walk(tree) if isinstance(c, ast.Call)):
         name = getattr(call.func, "attr", getattr(call.func, "id", ""))
@@ -91,14 +109,16 @@ def test_the_filter_output_is_an_ordered_subset_of_its_input_unchanged():
     kept, reports = [], []
     bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.SamplesFiltered, lambda m, d: kept.append(d))
     bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.FilterReport, lambda m, p: reports.append(m))
-    bus.port(Module.L2_TRAINING_LOOP, Module.L4_FILTER)(data_pb2.FilterRules(min_tokens=5, max_tokens=30, banned_tokens=[7]))
+    bus.port(Module.L2_TRAINING_LOOP, Module.L4_FILTER)(
+        data_pb2.FilterRules(min_tokens=5, max_tokens=30, banned_tokens=[7])
+    )
     sent = [_random_docs(40, first=40 * i, last=i == 2) for i in range(3)]
     for docs in sent:
         bus.publish(Module.L4_SHUFFLER, data_pb2.SamplesShuffled(count=len(docs)), docs)
     by_position = {int(d.index_n[k]): c for d in sent for k, c in enumerate(_contents(d))}
     out = [(int(d.index_n[k]), c) for d in kept for k, c in enumerate(_contents(d))]
     assert [p for p, _ in out] == sorted(p for p, _ in out)  # order kept
-    assert all(by_position[p] == c for p, c in out)           # content untouched, nothing invented
+    assert all(by_position[p] == c for p, c in out)  # content untouched, nothing invented
     r = reports[-1]
     assert r.kept == len(out) and r.kept + r.dropped_too_short + r.dropped_too_long + r.dropped_banned == 120
 
@@ -117,11 +137,13 @@ def test_the_batch_packer_keeps_every_token_in_order_and_pads_only_with_the_plac
     bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.DataExhausted, lambda m, p: None)
     pad = 251
     bus.port(Module.L2_TRAINING_LOOP, Module.L4_BATCH_PACKER)(
-        data_pb2.PackerConfig(seq_len=16, micro_batch_size=3, pad_id=pad, mode=data_pb2.PACK, separator_id=separator))
+        data_pb2.PackerConfig(seq_len=16, micro_batch_size=3, pad_id=pad, mode=data_pb2.PACK, separator_id=separator)
+    )
     docs = _random_docs(30, max_len=50)
     bus.publish(Module.L4_FILTER, data_pb2.SamplesFiltered(count=len(docs)), docs)
-    stream = np.concatenate([np.append(c, separator) if separator >= 0 else np.asarray(c, np.int64)
-                             for c in _contents(docs)]).astype(np.int64)
+    stream = np.concatenate(
+        [np.append(c, separator) if separator >= 0 else np.asarray(c, np.int64) for c in _contents(docs)]
+    ).astype(np.int64)
     ids = np.concatenate([np.frombuffer(b.input_ids, "<i4").reshape(-1, 16) for b in batches]).ravel()
     labels = np.concatenate([np.frombuffer(b.labels, "<i4").reshape(-1, 16) for b in batches]).ravel()
     real = labels != IGNORE

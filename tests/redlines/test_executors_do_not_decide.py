@@ -42,7 +42,12 @@ from .wiring import (
 
 COMMAND, EVENT = 1, 2
 CKPT, METRICS = Module.L5_CHECKPOINT_MANAGER, Module.L5_METRICS_LOGGER
-TRAINING_CONTROL = (engine_pb2.StartTraining, engine_pb2.PauseTraining, engine_pb2.ResumeTraining, engine_pb2.StopTraining)
+TRAINING_CONTROL = (
+    engine_pb2.StartTraining,
+    engine_pb2.PauseTraining,
+    engine_pb2.ResumeTraining,
+    engine_pb2.StopTraining,
+)
 
 
 def holds(module_instance) -> dict[str, list[str]]:
@@ -63,14 +68,16 @@ def sends(module: int, kind: int | None = None) -> set[str]:
     ``kind`` if given). External endpoints (storage, disk, hardware) are left out: a module
     driving its own device or files is not commanding a module."""
     return {
-        r.message.rsplit(".", 1)[-1] for r in default_table().routes()
+        r.message.rsplit(".", 1)[-1]
+        for r in default_table().routes()
         if module in r.senders and r.receivers & set(MODULES) and (kind is None or r.kind == kind)
     }
 
 
 def commands_to(sender: int, receiver: int) -> set[str]:
     return {
-        r.message.rsplit(".", 1)[-1] for r in default_table().routes()
+        r.message.rsplit(".", 1)[-1]
+        for r in default_table().routes()
         if sender in r.senders and receiver in r.receivers and r.kind == COMMAND
     }
 
@@ -82,8 +89,12 @@ def test_only_the_orchestrator_may_start_pause_resume_or_stop_training():
     table = default_table()
     for msg in TRAINING_CONTROL:
         assert table.route(msg).senders == {Module.L1_ORCHESTRATOR}, msg.DESCRIPTOR.name
-    for msg in (control_pb2.PauseJobRequest, control_pb2.ResumeJobRequest, control_pb2.StopJobRequest,
-                control_pb2.SubmitJobRequest):
+    for msg in (
+        control_pb2.PauseJobRequest,
+        control_pb2.ResumeJobRequest,
+        control_pb2.StopJobRequest,
+        control_pb2.SubmitJobRequest,
+    ):
         assert table.route(msg).senders == {Module.EXT_USER} and table.route(msg).receivers == {Module.L1_ORCHESTRATOR}
 
 
@@ -137,7 +148,9 @@ def test_the_checkpoint_manager_loads_exactly_the_version_it_is_told(tmp_path):
     first, second = _stage(manager, "j", 1, b"one" * 50), _stage(manager, "j", 2, b"two" * 50)
     assert (first.version, second.version) == ("j:1", "j:2")
     assert manager.load_checkpoint(store_pb2.LoadCheckpoint(version="j:1")).info.version == "j:1"  # not the newest
-    assert manager.load_checkpoint(store_pb2.LoadCheckpoint(version="j:latest")).info.version == "j:2"  # the caller's word
+    assert (
+        manager.load_checkpoint(store_pb2.LoadCheckpoint(version="j:latest")).info.version == "j:2"
+    )  # the caller's word
     with pytest.raises(ValueError, match="expected"):
         manager.load_checkpoint(store_pb2.LoadCheckpoint(version=""))  # no version named: it picks none
 
@@ -148,7 +161,10 @@ def test_the_checkpoint_manager_never_changes_the_bytes_it_commits(tmp_path):
     done = _stage(manager, "k", 5, data)
     assert (tmp_path / "store" / "checkpoints" / "k" / "1" / "__0_0.distcp").read_bytes() == data
     assert done.bytes == len(data)
-    assert hashlib.sha256(data).hexdigest() in (tmp_path / "store" / "checkpoints" / "k" / "1" / "manifest.json").read_text()
+    assert (
+        hashlib.sha256(data).hexdigest()
+        in (tmp_path / "store" / "checkpoints" / "k" / "1" / "manifest.json").read_text()
+    )
 
 
 # ---------------------------------------------------------------------- L2-3 optimizer
@@ -175,11 +191,17 @@ def test_the_optimizer_never_writes_a_gradient():
         port(engine_pb2.ApplyUpdate(step=step, learning_rate=0.01 * step))
     assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
     tree = source_tree(Module.L2_OPTIMIZER)
-    writes = [ast.unparse(t) for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AugAssign))
-              for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if "grad" in ast.unparse(t)]
+    writes = [
+        ast.unparse(t)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Assign, ast.AugAssign))
+        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if "grad" in ast.unparse(t)
+    ]
     assert writes == []
     assert not {"clip_grad_norm_", "clip_grad_value_", "backward", "zero_grad"} & {
-        n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+    }
 
 
 def test_the_optimizer_learning_rate_is_only_ever_the_commanded_one():
@@ -188,7 +210,9 @@ def test_the_optimizer_learning_rate_is_only_ever_the_commanded_one():
     port(engine_pb2.ApplyUpdate(step=1, learning_rate=0.003))
     assert {g["lr"] for g in optimizer._optim.param_groups} == {0.003}
     # No schedule of its own: the learning-rate schedule lives with the loop (lr_schedule.py).
-    assert not any(m.startswith("services.engine.lr_schedule") for m in imported_modules(source_tree(Module.L2_OPTIMIZER)))
+    assert not any(
+        m.startswith("services.engine.lr_schedule") for m in imported_modules(source_tree(Module.L2_OPTIMIZER))
+    )
 
 
 # ---------------------------------------------------------------------- L2-4 mixed precision
@@ -209,8 +233,14 @@ def test_the_precision_manager_reports_overflow_but_never_skips_or_edits_gradien
     assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))  # reported, not zeroed or clipped
     # It can command only the operator adapter: no update, evaluation or save of its own.
     assert holds(precision)["ports"] == ["L3_OPERATOR_ADAPTER"]
-    for receiver in (Module.L2_OPTIMIZER, Module.L2_TRAINING_LOOP, Module.L3_FORWARD_UNIT, Module.L5_CHECKPOINT_MANAGER,
-                     Module.L2_PARALLEL_STRATEGY, Module.L3_GRADIENT_REDUCTION):
+    for receiver in (
+        Module.L2_OPTIMIZER,
+        Module.L2_TRAINING_LOOP,
+        Module.L3_FORWARD_UNIT,
+        Module.L5_CHECKPOINT_MANAGER,
+        Module.L2_PARALLEL_STRATEGY,
+        Module.L3_GRADIENT_REDUCTION,
+    ):
         assert commands_to(Module.L2_MIXED_PRECISION, receiver) == set(), Module.Name(receiver)
 
 
@@ -231,7 +261,8 @@ def test_the_shuffle_order_is_a_pure_function_of_the_plan_it_is_given():
     for seed in (5, 5, 6):
         bus, out = shuffler_on_bus()
         bus.port(Module.L2_TRAINING_LOOP, Module.L4_SHUFFLER)(
-            data_pb2.ShufflePlan(seed=seed, epoch=3, enabled=True, rank=0, world_size=1))
+            data_pb2.ShufflePlan(seed=seed, epoch=3, enabled=True, rank=0, world_size=1)
+        )
         orders.append(_order(out))
     assert orders[0] == orders[1] == epoch_order(5, 3, 12).tolist()
     assert orders[2] == epoch_order(6, 3, 12).tolist() != orders[0]
@@ -308,11 +339,16 @@ def test_the_fault_detector_cannot_command_a_recovery(tmp_path):
     # module's, and that report reaches L1-1: no route from it names another module.
     sent = [r for r in default_table().routes() if Module.L1_FAULT_DETECTOR in r.senders]
     assert sent and all(r.kind == EVENT for r in sent)
-    assert {r.message: r.receivers for r in sent if r.failure} == {"surge.v1.FaultDetectorFailed": {Module.L1_FAULT_DETECTOR}}
+    assert {r.message: r.receivers for r in sent if r.failure} == {
+        "surge.v1.FaultDetectorFailed": {Module.L1_FAULT_DETECTOR}
+    }
     assert all(r.receivers == {Module.L1_ORCHESTRATOR} for r in sent if not r.failure)
     emit = detector._emit
-    for forged in (control_pb2.StartRecovery(job_id="j"), engine_pb2.StopTraining(job_id="j"),
-                   control_pb2.ReleaseResources(job_id="j", kill=True)):
+    for forged in (
+        control_pb2.StartRecovery(job_id="j"),
+        engine_pb2.StopTraining(job_id="j"),
+        control_pb2.ReleaseResources(job_id="j", kill=True),
+    ):
         with pytest.raises(BoundaryViolation):
             emit(forged)
     # A fatal fault is reported and nothing else happens: the recovery controller saw nothing.
@@ -333,7 +369,10 @@ def test_the_recovery_controller_cannot_listen_for_faults(tmp_path):
     # It reaches the allocator (the rebuild), no one else: the snapshot's digests are checked
     # by the ranks as they load it, the versions' verdicts asked by the orchestrator.
     assert holds(built.modules[Module.L1_RECOVERY_CONTROLLER]) == {
-        "ports": ["L1_RESOURCE_ALLOCATOR"], "emitters": [], "modules": []}
+        "ports": ["L1_RESOURCE_ALLOCATOR"],
+        "emitters": [],
+        "modules": [],
+    }
 
 
 def test_the_recovery_controller_relaunches_exactly_the_version_it_is_told():
@@ -359,7 +398,11 @@ def test_the_recovery_controller_cannot_change_the_job_or_its_parallel_rules():
     # pushed (RebuildCommunicator carries a version and exclusions, never a config); it can
     # send nothing that carries a configuration, a plan or a spec.
     assert sends(Module.L1_RECOVERY_CONTROLLER, COMMAND) <= {
-        "LoadCheckpoint", "VerifyCheckpoints", "RebuildParallelGroup", "RebuildCommunicator"}
+        "LoadCheckpoint",
+        "VerifyCheckpoints",
+        "RebuildParallelGroup",
+        "RebuildCommunicator",
+    }
     assert not _fields("surge.v1.RebuildCommunicator") & {"init", "spec_json", "spec_yaml", "world_size", "backend"}
     for msg in (engine_pb2.InitJob, engine_pb2.RankAssignment, engine_pb2.ParallelPlan, control_pb2.AllocateResources):
         assert Module.L1_RECOVERY_CONTROLLER not in default_table().route(msg).senders
@@ -374,8 +417,13 @@ def test_the_resource_allocator_cannot_steer_training_or_read_its_metrics(tmp_pa
     assert holds(allocator) == {"ports": ["EXT_HARDWARE"], "emitters": ["L1_RESOURCE_ALLOCATOR"], "modules": []}
     for msg in TRAINING_CONTROL + (engine_pb2.ParallelPlan, engine_pb2.ApplyUpdate, engine_pb2.InitJob):
         assert Module.L1_RESOURCE_ALLOCATOR not in default_table().route(msg).senders, msg.DESCRIPTOR.name
-    for metric in (engine_pb2.StepCompleted, engine_pb2.EvalCompleted, engine_pb2.OverflowChecked,
-                   engine_pb2.PrecisionReady, engine_pb2.BackwardDone):
+    for metric in (
+        engine_pb2.StepCompleted,
+        engine_pb2.EvalCompleted,
+        engine_pb2.OverflowChecked,
+        engine_pb2.PrecisionReady,
+        engine_pb2.BackwardDone,
+    ):
         with pytest.raises(RouteError):
             bus.subscribe(Module.L1_RESOURCE_ALLOCATOR, metric, lambda m, p: None)
 
@@ -387,12 +435,22 @@ def test_the_training_loop_cannot_request_resources_or_change_the_job(tmp_path):
     loop = build_rank(tmp_path, load_model=False).modules[Module.L2_TRAINING_LOOP]
     ports = holds(loop)["ports"]
     assert not [p for p in ports if p.startswith("L1_") or p.startswith("EXT_")]
-    for msg in (control_pb2.AllocateResources, control_pb2.ReleaseResources, control_pb2.LaunchRanks,
-                control_pb2.ReleaseRanks, control_pb2.SubmitJobRequest, control_pb2.StopJobRequest,
-                engine_pb2.InitJob, engine_pb2.RankAssignment):
+    for msg in (
+        control_pb2.AllocateResources,
+        control_pb2.ReleaseResources,
+        control_pb2.LaunchRanks,
+        control_pb2.ReleaseRanks,
+        control_pb2.SubmitJobRequest,
+        control_pb2.StopJobRequest,
+        engine_pb2.InitJob,
+        engine_pb2.RankAssignment,
+    ):
         assert Module.L2_TRAINING_LOOP not in default_table().route(msg).senders, msg.DESCRIPTOR.name
     # Its fault is a report to L1 (the detector grades it, the orchestrator decides).
-    assert default_table().route(engine_pb2.TrainingLoopFailed).receivers == {Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR}
+    assert default_table().route(engine_pb2.TrainingLoopFailed).receivers == {
+        Module.L1_ORCHESTRATOR,
+        Module.L1_FAULT_DETECTOR,
+    }
 
 
 # ---------------------------------------------------------------------- L1-1 orchestrator
@@ -403,13 +461,19 @@ def test_the_orchestrator_only_commands_below_and_never_queries(tmp_path):
     # L5_CHECKPOINT_MANAGER: VerifyCheckpoints before naming a version to load (a recorded
     # addition in seed_routes.yaml); the store reports verdicts, the orchestrator chooses.
     assert sorted(holds(orchestrator)["ports"]) == [
-        "L1_FAULT_DETECTOR", "L1_RECOVERY_CONTROLLER", "L1_RESOURCE_ALLOCATOR", "L2_TRAINING_LOOP",
-        "L5_CHECKPOINT_MANAGER"]
+        "L1_FAULT_DETECTOR",
+        "L1_RECOVERY_CONTROLLER",
+        "L1_RESOURCE_ALLOCATOR",
+        "L2_TRAINING_LOOP",
+        "L5_CHECKPOINT_MANAGER",
+    ]
     sent = [r for r in default_table().routes() if Module.L1_ORCHESTRATOR in r.senders and r.receivers & set(MODULES)]
     below = [r for r in sent if not r.failure]
     assert below and all(r.kind == COMMAND for r in below)
     # Its one event to a module is its own failure event (issue 13), to the detector that grades it.
-    assert {r.message: r.receivers for r in sent if r.failure} == {"surge.v1.OrchestratorFailed": {Module.L1_FAULT_DETECTOR}}
+    assert {r.message: r.receivers for r in sent if r.failure} == {
+        "surge.v1.OrchestratorFailed": {Module.L1_FAULT_DETECTOR}
+    }
     assert not [r.message for r in below if "Query" in r.message or "Get" in r.message]
 
 
@@ -434,11 +498,17 @@ def test_the_metrics_logger_commands_nobody_and_cannot_trigger_a_save(tmp_path):
 def test_no_data_module_can_command_another_stage_or_the_reads(tmp_path):
     built = build_data(tmp_path)
     got = {Module.Name(m): holds(inst)["ports"] for m, inst in built.modules.items()}
-    assert got == {"L4_DATASET_VERSIONS": ["L4_PREFETCHER"], "L4_PREFETCHER": [], "L4_SHUFFLER": [],
-                   "L4_FILTER": [], "L4_BATCH_PACKER": []}
+    assert got == {
+        "L4_DATASET_VERSIONS": ["L4_PREFETCHER"],
+        "L4_PREFETCHER": [],
+        "L4_SHUFFLER": [],
+        "L4_FILTER": [],
+        "L4_BATCH_PACKER": [],
+    }
     for stage in (Module.L4_SHUFFLER, Module.L4_FILTER, Module.L4_BATCH_PACKER, Module.L4_DATASET_VERSIONS):
         assert data_pb2.SetPrefetch.DESCRIPTOR.full_name not in {
-            r.message for r in default_table().routes() if stage in r.senders}
+            r.message for r in default_table().routes() if stage in r.senders
+        }
 
 
 def test_the_dataset_manager_activates_only_the_version_it_is_told(tmp_path):
@@ -456,7 +526,9 @@ def test_the_dataset_manager_activates_only_the_version_it_is_told(tmp_path):
     from services.data.dataset_versions import DatasetVersions
 
     activated = []
-    versions = DatasetVersions(root, bus.emitter(Module.L4_DATASET_VERSIONS), bus.port(Module.L4_DATASET_VERSIONS, Module.L4_PREFETCHER))
+    versions = DatasetVersions(
+        root, bus.emitter(Module.L4_DATASET_VERSIONS), bus.port(Module.L4_DATASET_VERSIONS, Module.L4_PREFETCHER)
+    )
     bus.subscribe(Module.L4_DATASET_VERSIONS, data_pb2.OpenStream, versions.open_stream)
     bus.subscribe(Module.L4_PREFETCHER, data_pb2.ActivateSource, lambda m, store: activated.append(m.version))
     port = bus.port(Module.L2_TRAINING_LOOP, Module.L4_DATASET_VERSIONS)
@@ -483,7 +555,11 @@ def test_the_orchestrator_sends_no_training_parameter_down():
     # The job's configuration goes down once, frozen, in InitJob (全局初始化指令); after that
     # every command it sends says when (a step boundary), never what a parameter becomes.
     for route in default_table().routes():
-        if Module.L1_ORCHESTRATOR in route.senders and route.receivers & set(MODULES) and route.message != "surge.v1.InitJob":
+        if (
+            Module.L1_ORCHESTRATOR in route.senders
+            and route.receivers & set(MODULES)
+            and route.message != "surge.v1.InitJob"
+        ):
             assert not _fields(route.message) & (TRAINING_PARAMETERS | {"spec_json", "spec_yaml"}), route.message
 
 
@@ -494,15 +570,25 @@ def test_the_resource_allocator_cannot_change_the_parallel_plan():
         assert route is None or Module.L1_RESOURCE_ALLOCATOR not in route.senders, name
     # Its RankAssignment is the launch-time topology, sent once per rank with LaunchRanks.
     tree = source_tree(Module.L1_RESOURCE_ALLOCATOR)
-    where = [f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
-             for n in ast.walk(f) if isinstance(n, ast.Call) and ast.unparse(n.func).endswith("RankAssignment")]
+    where = [
+        f.name
+        for f in ast.walk(tree)
+        if isinstance(f, ast.FunctionDef)
+        for n in ast.walk(f)
+        if isinstance(n, ast.Call) and ast.unparse(n.func).endswith("RankAssignment")
+    ]
     assert where == ["allocate_resources"]
 
 
 def test_the_resource_allocator_launches_and_releases_ranks_only_when_commanded():
     tree = source_tree(Module.L1_RESOURCE_ALLOCATOR)
-    callers = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
-               for n in ast.walk(f) if isinstance(n, ast.Call) and ast.unparse(n.func) == "self._hardware"}
+    callers = {
+        f.name
+        for f in ast.walk(tree)
+        if isinstance(f, ast.FunctionDef)
+        for n in ast.walk(f)
+        if isinstance(n, ast.Call) and ast.unparse(n.func) == "self._hardware"
+    }
     assert callers == {"allocate_resources", "release_resources"}  # L1-1's two commands, nothing else
 
 
@@ -519,14 +605,27 @@ def test_the_fault_detector_hears_only_public_error_events_and_its_commands():
 def test_the_training_loop_reports_a_fault_and_leaves_the_verdict_to_l1(tmp_path):
     built = build_rank(tmp_path, load_model=False)
     loop = built.modules[Module.L2_TRAINING_LOOP]
-    for verdict in (control_pb2.FaultReport(job_id="j", grade=control_pb2.FATAL),
-                    control_pb2.StopJobRequest(job_id="j"), control_pb2.ReleaseResources(job_id="j")):
+    for verdict in (
+        control_pb2.FaultReport(job_id="j", grade=control_pb2.FATAL),
+        control_pb2.StopJobRequest(job_id="j"),
+        control_pb2.ReleaseResources(job_id="j"),
+    ):
         with pytest.raises(BoundaryViolation):
             loop._emit(verdict)
-    for above in (Module.L1_ORCHESTRATOR, Module.L1_RESOURCE_ALLOCATOR, Module.L1_FAULT_DETECTOR, Module.L1_RECOVERY_CONTROLLER):
+    for above in (
+        Module.L1_ORCHESTRATOR,
+        Module.L1_RESOURCE_ALLOCATOR,
+        Module.L1_FAULT_DETECTOR,
+        Module.L1_RECOVERY_CONTROLLER,
+    ):
         assert commands_to(Module.L2_TRAINING_LOOP, above) == set()  # it reports up; it commands nothing above
     tree = source_tree(Module.L2_TRAINING_LOOP)
-    graded = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} & {"FaultGrade", "SEVERE", "FATAL", "grade"}
+    graded = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} & {
+        "FaultGrade",
+        "SEVERE",
+        "FATAL",
+        "grade",
+    }
     assert graded == set()  # it classifies what happened; the detector grades, the orchestrator decides
 
 
@@ -535,7 +634,8 @@ def test_the_parallel_strategy_sends_the_loop_only_events():
     assert commands_to(Module.L2_PARALLEL_STRATEGY, Module.L2_OPTIMIZER) == set()
     tree = source_tree(Module.L2_PARALLEL_STRATEGY)
     assert not {"step", "at_step", "StopTraining", "PauseTraining"} & {
-        n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+    }
 
 
 def test_the_precision_manager_cannot_touch_the_learning_rate_or_the_step():
@@ -544,7 +644,8 @@ def test_the_precision_manager_cannot_touch_the_learning_rate_or_the_step():
             assert not _fields(route.message) & {"learning_rate", "lr"}, route.message
     tree = source_tree(Module.L2_MIXED_PRECISION)
     names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | {
-        n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        n.id for n in ast.walk(tree) if isinstance(n, ast.Name)
+    }
     assert not names & {"learning_rate", "lr", "param_groups", "_step", "global_step"}
 
 

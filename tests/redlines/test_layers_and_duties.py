@@ -75,8 +75,11 @@ def test_every_port_and_emitter_a_module_holds_speaks_as_that_module(tmp_path):
 def test_no_compute_or_data_module_may_send_anything_to_the_orchestrator():
     # The decider hears L3 and L4 only through the loop's reports and the detector's grades.
     direct = [
-        f"{r.message} from {Module.Name(s)}" for r in default_table().routes() if Module.L1_ORCHESTRATOR in r.receivers
-        for s in r.senders if s in MODULES and layer(s) in (3, 4)
+        f"{r.message} from {Module.Name(s)}"
+        for r in default_table().routes()
+        if Module.L1_ORCHESTRATOR in r.receivers
+        for s in r.senders
+        if s in MODULES and layer(s) in (3, 4)
     ]
     assert direct == []
 
@@ -88,8 +91,11 @@ def test_no_compute_or_data_module_may_send_anything_to_the_orchestrator():
 def test_control_modules_import_no_tensor_library_and_no_lower_layer_code(module):
     roots = {i.split(".")[0] for i in imported_modules(source_tree(module))}
     assert not roots & {"torch", "numpy", "safetensors"}
-    assert not [i for i in imported_modules(source_tree(module))
-                if i.startswith(("services.engine", "services.compute", "services.data", "services.store"))]
+    assert not [
+        i
+        for i in imported_modules(source_tree(module))
+        if i.startswith(("services.engine", "services.compute", "services.data", "services.store"))
+    ]
 
 
 @pytest.mark.parametrize("module", _by_layer(4, 5), ids=Module.Name)
@@ -101,42 +107,96 @@ def test_data_and_store_modules_import_no_torch_and_no_training_code(module):
 
 # ---------------------------------------------------------------------- source: who communicates
 
-COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-               "broadcast", "barrier", "send", "recv", "isend", "irecv", "all_to_all", "reduce", "gather",
-               "scatter", "DistributedDataParallel", "FullyShardedDataParallel", "fully_shard"}
+COLLECTIVES = {
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "all_to_all",
+    "reduce",
+    "gather",
+    "scatter",
+    "DistributedDataParallel",
+    "FullyShardedDataParallel",
+    "fully_shard",
+}
 GROUP_LIFECYCLE = {"init_process_group", "new_group", "destroy_process_group"}
 ALLOWED_COMMUNICATION = {
     # gradient aggregation is its job (DDP or FSDP2 over the dp axis; TP's layout too, issue 6)
     Module.L3_GRADIENT_REDUCTION: {"all_reduce", "DistributedDataParallel", "fully_shard"},
-    Module.L2_PARALLEL_STRATEGY: {"init_process_group", "destroy_process_group"},  # communicator lifecycle (seed L3-5 red line 4)
+    Module.L2_PARALLEL_STRATEGY: {
+        "init_process_group",
+        "destroy_process_group",
+    },  # communicator lifecycle (seed L3-5 red line 4)
 }
 
 
 @pytest.mark.parametrize("module", list(MODULES), ids=Module.Name)
 def test_only_the_reduction_unit_communicates_and_only_the_parallel_strategy_builds_groups(module):
     tree = source_tree(module)
-    used = (called_names(tree) | attribute_names(tree) | {i.rsplit(".", 1)[-1] for i in imported_modules(tree)})
+    used = called_names(tree) | attribute_names(tree) | {i.rsplit(".", 1)[-1] for i in imported_modules(tree)}
     assert used & (COLLECTIVES | GROUP_LIFECYCLE) == ALLOWED_COMMUNICATION.get(module, set())
     # torch.distributed beyond the local state-dict helpers only where communication is the job.
-    dist = {i for i in imported_modules(tree) if i.startswith("torch.distributed")
-            and not i.startswith("torch.distributed.checkpoint.state_dict")}
+    dist = {
+        i
+        for i in imported_modules(tree)
+        if i.startswith("torch.distributed") and not i.startswith("torch.distributed.checkpoint.state_dict")
+    }
     if module not in ALLOWED_COMMUNICATION:
         assert dist == set(), dist
 
 
 # ---------------------------------------------------------------------- source: disk
 
-DISK = {"open", "pread", "pwrite", "read_bytes", "read_text", "write_bytes", "write_text", "mkdir", "rmtree",
-        "unlink", "rename", "replace", "fsync", "iterdir", "glob", "rglob", "walk", "load", "save", "memmap",
-        "fromfile", "tofile", "remove", "makedirs"}
-FILES_ARE_THE_JOB = {Module.L4_DATASET_VERSIONS, Module.L4_PREFETCHER, Module.L5_CHECKPOINT_MANAGER, Module.L5_METRICS_LOGGER}
+DISK = {
+    "open",
+    "pread",
+    "pwrite",
+    "read_bytes",
+    "read_text",
+    "write_bytes",
+    "write_text",
+    "mkdir",
+    "rmtree",
+    "unlink",
+    "rename",
+    "replace",
+    "fsync",
+    "iterdir",
+    "glob",
+    "rglob",
+    "walk",
+    "load",
+    "save",
+    "memmap",
+    "fromfile",
+    "tofile",
+    "remove",
+    "makedirs",
+}
+FILES_ARE_THE_JOB = {
+    Module.L4_DATASET_VERSIONS,
+    Module.L4_PREFETCHER,
+    Module.L5_CHECKPOINT_MANAGER,
+    Module.L5_METRICS_LOGGER,
+}
 
 
 @pytest.mark.parametrize("module", [m for m in MODULES if m not in FILES_ARE_THE_JOB], ids=Module.Name)
 def test_modules_whose_job_is_not_files_touch_no_disk(module):
     tree = source_tree(module)
-    calls = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
-             for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    calls = {
+        n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+    }
     assert calls & DISK == set()
     assert not {i.split(".")[0] for i in imported_modules(tree)} & {"os", "shutil", "pathlib", "sqlite3", "io"}
 
@@ -149,17 +209,66 @@ FORBIDDEN = {
     # command, so its tensor use is checked by name below instead.)
     Module.L2_TRAINING_LOOP: {"cross_entropy", "zero_grad", "grad", "parameters", "no_grad", "_foreach_mul_"},
     Module.L2_PARALLEL_STRATEGY: {"backward", "cross_entropy", "step", "grad", "parameters"},
-    Module.L2_OPTIMIZER: {"backward", "cross_entropy", "clip_grad_norm_", "clip_grad_value_", "zero_grad", "forward",
-                     "autocast", "GradScaler"},
-    Module.L2_MIXED_PRECISION: {"backward", "cross_entropy", "step", "zero_grad", "clip_grad_norm_", "clip_grad_value_",
-                           "memory_allocated", "memory_reserved", "mem_get_info", "memory_stats", "max_memory_allocated"},
-    Module.L3_SHARD_LOADER: {"backward", "cross_entropy", "step", "zero_grad", "grad", "forward", "load", "save",
-                        "clip_grad_norm_"},
+    Module.L2_OPTIMIZER: {
+        "backward",
+        "cross_entropy",
+        "clip_grad_norm_",
+        "clip_grad_value_",
+        "zero_grad",
+        "forward",
+        "autocast",
+        "GradScaler",
+    },
+    Module.L2_MIXED_PRECISION: {
+        "backward",
+        "cross_entropy",
+        "step",
+        "zero_grad",
+        "clip_grad_norm_",
+        "clip_grad_value_",
+        "memory_allocated",
+        "memory_reserved",
+        "mem_get_info",
+        "memory_stats",
+        "max_memory_allocated",
+    },
+    Module.L3_SHARD_LOADER: {
+        "backward",
+        "cross_entropy",
+        "step",
+        "zero_grad",
+        "grad",
+        "forward",
+        "load",
+        "save",
+        "clip_grad_norm_",
+    },
     Module.L3_OPERATOR_ADAPTER: {"backward", "cross_entropy", "step", "grad", "parameters", "loss"},
-    Module.L3_FORWARD_UNIT: {"backward", "cross_entropy", "nll_loss", "log_softmax", "step", "zero_grad", "grad",
-                        "copy_", "no_sync", "data"},
-    Module.L3_BACKWARD_UNIT: {"step", "zero_grad", "clip_grad_norm_", "clip_grad_value_", "_foreach_mul_", "mul_", "add_",
-                         "isfinite", "isinf", "isnan", "GradScaler"},
+    Module.L3_FORWARD_UNIT: {
+        "backward",
+        "cross_entropy",
+        "nll_loss",
+        "log_softmax",
+        "step",
+        "zero_grad",
+        "grad",
+        "copy_",
+        "no_sync",
+        "data",
+    },
+    Module.L3_BACKWARD_UNIT: {
+        "step",
+        "zero_grad",
+        "clip_grad_norm_",
+        "clip_grad_value_",
+        "_foreach_mul_",
+        "mul_",
+        "add_",
+        "isfinite",
+        "isinf",
+        "isnan",
+        "GradScaler",
+    },
     Module.L3_GRADIENT_REDUCTION: {"backward", "cross_entropy", "step", "zero_grad", "clip_grad_norm_", "forward"},
 }
 
@@ -174,7 +283,9 @@ def test_each_rank_module_does_only_its_own_kind_of_tensor_work(module):
 def _grad_writes(tree) -> list[str]:
     out = []
     for node in ast.walk(tree):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        )
         for t in targets:
             if isinstance(t, ast.Attribute) and t.attr == "grad":
                 value = node.value if isinstance(node, ast.Assign) else None
@@ -183,9 +294,7 @@ def _grad_writes(tree) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize(
-    "module", [m for m in _by_layer(2, 3) if m != Module.L3_GRADIENT_REDUCTION], ids=Module.Name
-)
+@pytest.mark.parametrize("module", [m for m in _by_layer(2, 3) if m != Module.L3_GRADIENT_REDUCTION], ids=Module.Name)
 def test_no_rank_module_assigns_a_gradient(module):
     # The backward unit may start a window from zero (``p.grad = None``); nobody writes values.
     assert _grad_writes(source_tree(module)) == []
@@ -202,11 +311,21 @@ def test_only_the_reduction_writes_the_reduced_gradient():
 
 def test_the_training_loop_touches_tensors_only_to_carry_and_checkpoint_them():
     tree = source_tree(Module.L2_TRAINING_LOOP)
-    used = {dotted.split(".", 1)[1] for dotted in
-            (ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute))
-            if dotted.startswith("torch.")}
-    assert {u.split(".")[0] for u in used} <= {"Tensor", "tensor", "int64", "float64", "get_rng_state", "set_rng_state",
-                                               "OutOfMemoryError", "distributed"}
+    used = {
+        dotted.split(".", 1)[1]
+        for dotted in (ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute))
+        if dotted.startswith("torch.")
+    }
+    assert {u.split(".")[0] for u in used} <= {
+        "Tensor",
+        "tensor",
+        "int64",
+        "float64",
+        "get_rng_state",
+        "set_rng_state",
+        "OutOfMemoryError",
+        "distributed",
+    }
 
 
 def test_the_forward_unit_reads_weights_and_never_writes_them(tmp_path):
@@ -217,8 +336,9 @@ def test_the_forward_unit_reads_weights_and_never_writes_them(tmp_path):
     loop(Module.L3_FORWARD_UNIT, engine_pb2.ConfigureForward(attention="math"))
     state = loop(Module.L3_SHARD_LOADER, engine_pb2.ExportState()).payload.state_dict()
     before = {k: v.clone() for k, v in state.items()}
-    logits = loop(Module.L3_FORWARD_UNIT, engine_pb2.RunForward(training=True),
-                  torch.randint(0, 32, (2, 8), dtype=torch.int64)).payload
+    logits = loop(
+        Module.L3_FORWARD_UNIT, engine_pb2.RunForward(training=True), torch.randint(0, 32, (2, 8), dtype=torch.int64)
+    ).payload
     assert logits.shape == (2, 8, 32)
     after = loop(Module.L3_SHARD_LOADER, engine_pb2.ExportState()).payload.state_dict()
     assert all(torch.equal(after[k], before[k]) for k in before)

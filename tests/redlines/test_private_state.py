@@ -41,7 +41,10 @@ LIFECYCLE: dict[str, set[str]] = {
 # The one composition-root callback a module holds that reaches other modules: the shard
 # loader's model handover (services/worker/rank.py::compose), which attaches the model it
 # built to the units that run and update it. Write-only: see the test below.
-HANDOVER = ("ShardLoader._handover", {"ForwardUnit", "GradientReduction", "BackwardUnit", "MixedPrecision", "Optimizer"})
+HANDOVER = (
+    "ShardLoader._handover",
+    {"ForwardUnit", "GradientReduction", "BackwardUnit", "MixedPrecision", "Optimizer"},
+)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +60,10 @@ def test_the_composition_roots_build_all_twenty_modules(built):
 def test_module_instances_keep_every_attribute_private(built):
     public = {
         f"{type(inst).__name__}.{name}"
-        for b in built for inst in b.modules.values() for name in vars(inst) if not name.startswith("_")
+        for b in built
+        for inst in b.modules.values()
+        for name in vars(inst)
+        if not name.startswith("_")
     }
     assert public == set()
 
@@ -83,7 +89,10 @@ def test_module_public_methods_are_exactly_their_commands_and_event_handlers(bui
         public = {n for n, v in inspect.getmembers(cls, inspect.isfunction) if not n.startswith("_")}
         expected = subscribed.get(cls.__name__, set()) | LIFECYCLE.get(cls.__name__, set())
         if public != expected:
-            mismatches[cls.__name__] = {"not a handler": sorted(public - expected), "missing": sorted(expected - public)}
+            mismatches[cls.__name__] = {
+                "not a handler": sorted(public - expected),
+                "missing": sorted(expected - public),
+            }
     assert mismatches == {}
 
 
@@ -132,8 +141,10 @@ def test_no_command_route_points_up_a_layer():
     table = default_table()
     upward = [
         f"{r.message}: {Module.Name(s)} -> {Module.Name(t)}"
-        for r in table.routes() if r.kind == 1  # COMMAND
-        for s in r.senders for t in r.receivers
+        for r in table.routes()
+        if r.kind == 1  # COMMAND
+        for s in r.senders
+        for t in r.receivers
         if s in MODULES and t in MODULES and layer(t) < layer(s)
     ]
     assert upward == []

@@ -23,9 +23,28 @@ SEED_TEXT = SEEDS / "000_82d85e39cfc38fe1.txt"
 SEED_ROUTES = SEEDS / "seed_routes.yaml"
 
 # ❌ items per module in seed 000 section 6 (used when the seed is not beside the repo).
-COUNTS = {"L1-1": 5, "L1-2": 5, "L1-3": 5, "L1-4": 4, "L2-1": 4, "L2-2": 3, "L2-3": 3, "L2-4": 6,
-          "L3-1": 6, "L3-2": 6, "L3-3": 6, "L3-4": 6, "L3-5": 6, "L4-1": 6, "L4-2": 6, "L4-3": 6,
-          "L4-4": 6, "L4-5": 5, "L5-1": 5, "L5-2": 5}
+COUNTS = {
+    "L1-1": 5,
+    "L1-2": 5,
+    "L1-3": 5,
+    "L1-4": 4,
+    "L2-1": 4,
+    "L2-2": 3,
+    "L2-3": 3,
+    "L2-4": 6,
+    "L3-1": 6,
+    "L3-2": 6,
+    "L3-3": 6,
+    "L3-4": 6,
+    "L3-5": 6,
+    "L4-1": 6,
+    "L4-2": 6,
+    "L4-3": 6,
+    "L4-4": 6,
+    "L4-5": 5,
+    "L5-1": 5,
+    "L5-2": 5,
+}
 KEYS = {"text", "text_zh", "seed_line", "test", "structural", "note"}
 
 

@@ -172,12 +172,15 @@ class _Relay:
 def rank_spec():
     from services.jobspec import JobSpec
 
-    return JobSpec.model_validate({
-        "name": "redlines", "steps": 2,
-        "model": {"n_layers": 1, "d_model": 16, "n_heads": 2, "vocab_size": 32},
-        "data": {"dataset": "tiny@v1", "seq_len": 8, "micro_batch_size": 2},
-        "optimizer": {"warmup_steps": 0},  # (warmup must be shorter than the run)
-    })
+    return JobSpec.model_validate(
+        {
+            "name": "redlines",
+            "steps": 2,
+            "model": {"n_layers": 1, "d_model": 16, "n_heads": 2, "vocab_size": 32},
+            "data": {"dataset": "tiny@v1", "seq_len": 8, "micro_batch_size": 2},
+            "optimizer": {"warmup_steps": 0},  # (warmup must be shorter than the run)
+        }
+    )
 
 
 def build_rank(tmp: Path, *, load_model: bool = True) -> Built:
@@ -194,8 +197,11 @@ def build_rank(tmp: Path, *, load_model: bool = True) -> Built:
         bus.command(Module.L2_PARALLEL_STRATEGY, Module.L3_SHARD_LOADER, plan)
         bus.command(Module.L2_PARALLEL_STRATEGY, Module.L3_GRADIENT_REDUCTION, plan)
         spec = rank_spec()
-        bus.command(Module.L2_TRAINING_LOOP, Module.L3_SHARD_LOADER,
-                    engine_pb2.LoadModel(model_json=spec.model.model_dump_json(), seed=0))
+        bus.command(
+            Module.L2_TRAINING_LOOP,
+            Module.L3_SHARD_LOADER,
+            engine_pb2.LoadModel(model_json=spec.model.model_dump_json(), seed=0),
+        )
     return built
 
 

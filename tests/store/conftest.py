@@ -17,7 +17,9 @@ def manager(tmp_path: Path) -> CheckpointManager:
 
 def stage(manager: CheckpointManager, job: str, step: int, files: dict[str, bytes], ranks=(0,)) -> Path:
     """BeginSave from every rank (they must all get one directory), then write ``files``."""
-    paths = {manager.save_checkpoint(store_pb2.SaveCheckpoint(job_id=job, step=step, rank=r)).staging_path for r in ranks}
+    paths = {
+        manager.save_checkpoint(store_pb2.SaveCheckpoint(job_id=job, step=step, rank=r)).staging_path for r in ranks
+    }
     assert len(paths) == 1, paths
     path = Path(paths.pop())
     for name, data in files.items():

@@ -81,7 +81,9 @@ def test_a_killed_generations_half_begun_save_is_never_shared_with_the_next_gene
     assert not old.exists() and list(second_0.iterdir()) == []
     (second_0 / "__0_0.distcp").write_bytes(b"rank 0 of leg 2")
     (second_1 / "__1_0.distcp").write_bytes(b"rank 1 of leg 2")
-    done = manager.commit_checkpoint(store_pb2.CommitCheckpoint(job_id="killed", step=12, world_size=2, attempt="leg-2"))
+    done = manager.commit_checkpoint(
+        store_pb2.CommitCheckpoint(job_id="killed", step=12, world_size=2, attempt="leg-2")
+    )
     assert sorted(p.name for p in Path(done.path).iterdir()) == ["__0_0.distcp", "__1_0.distcp", "manifest.json"]
 
 
@@ -153,7 +155,9 @@ def test_a_commit_is_refused_when_a_shard_is_shorter_than_the_dcp_metadata_says(
     path, shards = _dcp_staging(manager, "dcp", 12)
     size = shards[0].stat().st_size
     shards[0].write_bytes(shards[0].read_bytes()[: size - 1])  # cut short
-    with pytest.raises(cm.CheckpointIncomplete, match=f"{shards[0].name}: {size - 1} bytes, .metadata says it holds {size}"):
+    with pytest.raises(
+        cm.CheckpointIncomplete, match=f"{shards[0].name}: {size - 1} bytes, .metadata says it holds {size}"
+    ):
         commit(manager, "dcp", 12)
     (path / ".metadata").write_bytes((path / ".metadata").read_bytes()[:-9])  # a truncated index
     with pytest.raises(cm.CheckpointIncomplete, match=r"\.metadata: unreadable"):
@@ -203,7 +207,10 @@ def test_the_dcp_index_is_read_without_unpickling_anything(manager, monkeypatch)
 def test_versions_are_numbered_per_job_and_each_names_its_parent(manager):
     a1, b1, a2, a3 = save(manager, "a", 10), save(manager, "b", 10), save(manager, "a", 20), save(manager, "a", 30)
     assert [(v.version, v.parent, v.step) for v in (a1, b1, a2, a3)] == [
-        ("a:1", "", 10), ("b:1", "", 10), ("a:2", "a:1", 20), ("a:3", "a:2", 30)
+        ("a:1", "", 10),
+        ("b:1", "", 10),
+        ("a:2", "a:1", 20),
+        ("a:3", "a:2", 30),
     ]
     assert a3.path == str(manager._dir / "a" / "3")
     assert versions(manager) == ["a:1", "b:1", "a:2", "a:3"]  # oldest first
@@ -396,7 +403,9 @@ def test_load_and_verify_rehash_nothing(manager, monkeypatch):
     assert load(manager, "a:1").version == "a:1"
     report = manager.verify_checkpoints(store_pb2.VerifyCheckpoints(job_id="a"))
     assert [(v.info.version, v.ok, v.cause) for v in report.versions] == [
-        ("a:1", True, store_pb2.VERDICT_OK), ("a:2", True, store_pb2.VERDICT_OK)]
+        ("a:1", True, store_pb2.VERDICT_OK),
+        ("a:2", True, store_pb2.VERDICT_OK),
+    ]
 
 
 def test_scrub_finds_one_flipped_byte_strikes_only_that_version_and_publishes_it_once(tmp_path):
@@ -412,15 +421,27 @@ def test_scrub_finds_one_flipped_byte_strikes_only_that_version_and_publishes_it
     assert load(manager, "demo-x:3").version == "demo-x:3"  # before a scrub, nobody re-hashed it
     done = manager.scrub_checkpoints(store_pb2.ScrubCheckpoints())
     assert [(v.info.version, v.cause) for v in done.versions] == [
-        ("demo-x:1", store_pb2.VERDICT_OK), ("demo-x:2", store_pb2.VERDICT_OK),
-        ("demo-x:3", store_pb2.VERDICT_CORRUPT), ("other:1", store_pb2.VERDICT_OK)]
+        ("demo-x:1", store_pb2.VERDICT_OK),
+        ("demo-x:2", store_pb2.VERDICT_OK),
+        ("demo-x:3", store_pb2.VERDICT_CORRUPT),
+        ("other:1", store_pb2.VERDICT_OK),
+    ]
     (found,) = done.newly_corrupt
     assert (found.job_id, found.version, found.step, found.cause, found.reason) == (
-        "demo-x", "demo-x:3", 30, store_pb2.CORRUPT, "checkpoint demo-x:3: __0_0.distcp: sha256 mismatch")
+        "demo-x",
+        "demo-x:3",
+        30,
+        store_pb2.CORRUPT,
+        "checkpoint demo-x:3: __0_0.distcp: sha256 mismatch",
+    )
     assert published == [found]
     # Recorded: the cheap verify says so, load refuses it, latest skips it; the others stand.
     report = manager.verify_checkpoints(store_pb2.VerifyCheckpoints(job_id="demo-x"))
-    assert [(v.info.version, v.ok) for v in report.versions] == [("demo-x:1", True), ("demo-x:2", True), ("demo-x:3", False)]
+    assert [(v.info.version, v.ok) for v in report.versions] == [
+        ("demo-x:1", True),
+        ("demo-x:2", True),
+        ("demo-x:3", False),
+    ]
     with pytest.raises(CheckpointRejected, match="^checkpoint demo-x:3: __0_0.distcp: sha256 mismatch$"):
         load(manager, "demo-x:3")
     assert load(manager, "demo-x:latest").version == "demo-x:2"
@@ -476,7 +497,9 @@ def test_load_of_an_unknown_version_names_the_versions_that_exist(manager):
     assert str(e.value) == "checkpoint demo-x:9 not found (have: demo-x:1, demo-x:2)"
     with pytest.raises(CheckpointNotFound) as e:
         load(manager, "other:latest")
-    assert str(e.value) == "checkpoint other:latest not found: no checkpoint of job other (latest of each job: demo-x:2)"
+    assert (
+        str(e.value) == "checkpoint other:latest not found: no checkpoint of job other (latest of each job: demo-x:2)"
+    )
     with pytest.raises(ValueError, match='checkpoint version "demo-x"'):
         load(manager, "demo-x")
 
@@ -511,7 +534,9 @@ def test_retention_keeps_the_last_n_of_the_committing_job_only(manager):
 def test_keep_every_also_keeps_the_versions_whose_step_is_a_multiple_of_it(manager):
     for step in (100, 200, 300, 400, 500, 600):
         stage(manager, "a", step, {"__0_0.distcp": str(step).encode()})
-        manager.commit_checkpoint(store_pb2.CommitCheckpoint(job_id="a", step=step, world_size=1, keep_last=2, keep_every=200))
+        manager.commit_checkpoint(
+            store_pb2.CommitCheckpoint(job_id="a", step=step, world_size=1, keep_last=2, keep_every=200)
+        )
     assert [load(manager, v).step for v in versions(manager, "a")] == [200, 400, 500, 600]
     assert sorted(p.name for p in (manager._dir / "a").iterdir() if not p.name.startswith(".")) == ["2", "4", "5", "6"]
 
@@ -523,8 +548,9 @@ def test_retention_never_drops_the_newest_verified_version_nor_the_one_resumed_f
     (Path(load(manager, "a:3").path) / ".metadata").write_bytes(b"mexa")
     manager.scrub_checkpoints(store_pb2.ScrubCheckpoints(job_id="a"))
     stage(manager, "a", 40, {"__0_0.distcp": b"40"})
-    manager.commit_checkpoint(store_pb2.CommitCheckpoint(job_id="a", step=40, world_size=1, keep_last=1,
-                                                   keep_versions=["a:1"]))
+    manager.commit_checkpoint(
+        store_pb2.CommitCheckpoint(job_id="a", step=40, world_size=1, keep_last=1, keep_versions=["a:1"])
+    )
     # keep_last=1 keeps a:4; a:2 is the newest verified before it... but a:4 is verified now,
     # so the guard is a:4 itself; a:1 is kept because the ranks resumed from it.
     assert versions(manager, "a") == ["a:1", "a:4"]
@@ -579,12 +605,14 @@ def test_verify_reports_each_version_of_the_job_intact_or_why_not_and_chooses_no
     assert [(v.info.version, v.ok, v.reason, v.cause) for v in report.versions] == [
         ("a:1", True, "", store_pb2.VERDICT_OK),
         ("a:2", False, "checkpoint a:2: .metadata: sha256 mismatch", store_pb2.VERDICT_CORRUPT),
-        ("a:3", True, "", store_pb2.VERDICT_OK)]
+        ("a:3", True, "", store_pb2.VERDICT_OK),
+    ]
     assert versions(manager) == ["a:1", "a:2", "a:3", "b:1"]  # reported, nothing removed
     with pytest.raises(CheckpointRejected):
         load(manager, "a:2")
-    assert [(v.info.version, v.ok) for v in manager.verify_checkpoints(store_pb2.VerifyCheckpoints(job_id="a")).versions] == [
-        ("a:1", True), ("a:2", False), ("a:3", True)]  # the re-hash was recorded
+    assert [
+        (v.info.version, v.ok) for v in manager.verify_checkpoints(store_pb2.VerifyCheckpoints(job_id="a")).versions
+    ] == [("a:1", True), ("a:2", False), ("a:3", True)]  # the re-hash was recorded
     assert list(manager.verify_checkpoints(store_pb2.VerifyCheckpoints(job_id="none")).versions) == []
     with pytest.raises(ValueError, match='job_id "a/b"'):
         manager.verify_checkpoints(store_pb2.VerifyCheckpoints(job_id="a/b"))

@@ -36,9 +36,21 @@ def lines(tmp_path, job="demo") -> list[dict]:
 
 def test_jsonl_keeps_every_raw_value_unchanged(tmp_path, logger):
     sent = [
-        step(step=2**62 + 1, loss=2.718281828459045, learning_rate=3.0000000000000004e-07, grad_norm=1e-300,
-             tokens=123457, tokens_per_second=98765.4321, step_seconds=0.1 + 0.2, loss_scale=65536.0,
-             skipped=True, epoch=3, unix_time=1767225600.123456, world_size=8, data_wait_seconds=0.001),
+        step(
+            step=2**62 + 1,
+            loss=2.718281828459045,
+            learning_rate=3.0000000000000004e-07,
+            grad_norm=1e-300,
+            tokens=123457,
+            tokens_per_second=98765.4321,
+            step_seconds=0.1 + 0.2,
+            loss_scale=65536.0,
+            skipped=True,
+            epoch=3,
+            unix_time=1767225600.123456,
+            world_size=8,
+            data_wait_seconds=0.001,
+        ),
         step(step=3, loss=float("nan"), grad_norm=float("inf")),
     ]
     evals = engine_pb2.EvalCompleted(job_id="demo", rank=1, step=3, loss=2.5, tokens=1000, seconds=1.25)
@@ -71,8 +83,20 @@ def test_records_append_to_one_file_per_job_across_restarts(tmp_path, registry):
 
 def test_prometheus_series_follow_the_last_record_per_job_and_rank(logger, registry):
     logger.on_step_completed(step(rank=0, step=1, loss=3.5, tokens=100, skipped=True, loss_scale=1024.0))
-    logger.on_step_completed(step(rank=0, step=2, loss=3.25, tokens=100, forward_seconds=0.02, backward_seconds=0.04,
-                            step_seconds=0.1, tokens_per_second=1000.0, grad_norm=0.5, epoch=1))
+    logger.on_step_completed(
+        step(
+            rank=0,
+            step=2,
+            loss=3.25,
+            tokens=100,
+            forward_seconds=0.02,
+            backward_seconds=0.04,
+            step_seconds=0.1,
+            tokens_per_second=1000.0,
+            grad_norm=0.5,
+            epoch=1,
+        )
+    )
     logger.on_step_completed(step(rank=1, step=2, loss=3.0))
     logger.on_eval_completed(engine_pb2.EvalCompleted(job_id="demo", rank=0, step=2, loss=2.9, seconds=4.0))
 
@@ -110,8 +134,14 @@ def test_model_flops_per_token_is_6n_plus_the_attention_term():
     from services.engine.training_loop import model_flops_per_token
     from services.jobspec import JobSpec
 
-    spec = JobSpec.model_validate({"name": "m", "steps": 10, "data": {"dataset": "x@v1", "seq_len": 256},
-                                   "model": {"n_layers": 4, "d_model": 128, "n_heads": 4}})
+    spec = JobSpec.model_validate(
+        {
+            "name": "m",
+            "steps": 10,
+            "data": {"dataset": "x@v1", "seq_len": 256},
+            "model": {"n_layers": 4, "d_model": 128, "n_heads": 4},
+        }
+    )
     assert model_flops_per_token(spec, 824_448) == 6 * 824_448 + 12 * 4 * 128 * 256
 
 

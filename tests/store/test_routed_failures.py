@@ -30,8 +30,11 @@ def test_a_checkpoint_managers_failure_reaches_control_as_l5_1s_own_event_not_a_
         got: list[store_pb2.SnapshotFailed] = []
         answered = threading.Event()
         bus.subscribe(Module.L1_ORCHESTRATOR, store_pb2.SnapshotFailed, lambda m, p: (got.append(m), answered.set()))
-        control = StoreRelay(f"127.0.0.1:{server.port}", bus.emitter(Module.L5_CHECKPOINT_MANAGER),
-                             back=Link(bus, name="store service", near=L1, beyond=L5))
+        control = StoreRelay(
+            f"127.0.0.1:{server.port}",
+            bus.emitter(Module.L5_CHECKPOINT_MANAGER),
+            back=Link(bus, name="store service", near=L1, beyond=L5),
+        )
         control.verify_checkpoints(store_pb2.VerifyCheckpoints(job_id="j"))
         assert answered.wait(20)
     finally:
@@ -60,8 +63,11 @@ def test_a_begin_save_the_store_failed_reaches_the_rank_as_one_typed_snapshot_fa
         got: list[store_pb2.SnapshotFailed] = []
         bus.subscribe(Module.L1_ORCHESTRATOR, store_pb2.SnapshotFailed, lambda m, p: got.append(m))
         back = Link(bus, name="store service", near=RANK, beyond=L5)
-        client = StoreClient(f"127.0.0.1:{server.port}", bus.emitter(Module.L5_CHECKPOINT_MANAGER),
-                             on_error=lambda e: back.deliver_returned(e, skip=(store_pb2.SnapshotFailed,)))  # as rank.py
+        client = StoreClient(
+            f"127.0.0.1:{server.port}",
+            bus.emitter(Module.L5_CHECKPOINT_MANAGER),
+            on_error=lambda e: back.deliver_returned(e, skip=(store_pb2.SnapshotFailed,)),
+        )  # as rank.py
         bus.subscribe(Module.L5_CHECKPOINT_MANAGER, store_pb2.SaveCheckpoint, client.save_checkpoint)  # as rank.py
         port = bus.port(Module.L2_TRAINING_LOOP, Module.L5_CHECKPOINT_MANAGER, commands=(store_pb2.SaveCheckpoint,))
         staged = port(store_pb2.SaveCheckpoint(job_id="j", step=8, rank=0), {"model": {}}).message
@@ -78,4 +84,8 @@ def test_a_begin_save_the_store_failed_reaches_the_rank_as_one_typed_snapshot_fa
     assert (failed.operation, failed.cause, failed.step, failed.job_id) == ("save", store_pb2.REJECTED, 8, "j")
     f = failed.failure
     assert (f.module, f.operation, f.cause, f.job_id) == (
-        Module.L5_CHECKPOINT_MANAGER, "surge.v1.SaveCheckpoint", route_pb2.FAILURE_IO, "j")
+        Module.L5_CHECKPOINT_MANAGER,
+        "surge.v1.SaveCheckpoint",
+        route_pb2.FAILURE_IO,
+        "j",
+    )

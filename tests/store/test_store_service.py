@@ -27,9 +27,25 @@ REPO = Path(__file__).resolve().parents[2]
 def spawn(root: Path, port: int, metrics_port: int, log=subprocess.PIPE, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "SURGE_HOME": str(root / "home"), "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "services.store", "--host", "127.0.0.1", "--port", str(port),
-         "--metrics-port", str(metrics_port), "--root", str(root / "store"), *extra],
-        cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+        [
+            sys.executable,
+            "-m",
+            "services.store",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            "--root",
+            str(root / "store"),
+            *extra,
+        ],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=log,
     )
 
 
@@ -92,8 +108,9 @@ def test_save_commit_list_load_and_metrics_through_the_real_service(store):
         state = {"w": torch.linspace(0, 1, 10)}
         with pytest.warns(UserWarning):
             dcp.save(state, checkpoint_id=staged[0].staging_path)
-        done = stub.CommitSave(store_pb2.CommitCheckpoint(job_id="it", step=8, world_size=2, spec_json='{"a": 1}'),
-                               timeout=10)
+        done = stub.CommitSave(
+            store_pb2.CommitCheckpoint(job_id="it", step=8, world_size=2, spec_json='{"a": 1}'), timeout=10
+        )
         assert (done.version, done.parent, done.step) == ("it:1", "", 8)
         assert Path(done.path) == store.root / "checkpoints" / "it" / "1"
 
@@ -114,13 +131,18 @@ def test_save_commit_list_load_and_metrics_through_the_real_service(store):
             stub.CommitSave(store_pb2.CommitCheckpoint(job_id="it", step=99), timeout=10)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         with pytest.raises(grpc.RpcError) as e:  # the route lets only the training loop commit
-            stub.CommitSave(store_pb2.CommitCheckpoint(job_id="it", step=8), timeout=10,
-                            metadata=metadata(Module.EXT_USER))
+            stub.CommitSave(
+                store_pb2.CommitCheckpoint(job_id="it", step=8), timeout=10, metadata=metadata(Module.EXT_USER)
+            )
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
         records = [
-            store_pb2.MetricRecord(step=engine_pb2.StepCompleted(job_id="it", rank=0, step=1, loss=4.5, tokens=64), seq=1),
-            store_pb2.MetricRecord(step=engine_pb2.StepCompleted(job_id="it", rank=0, step=2, loss=4.25, tokens=64), seq=2),
+            store_pb2.MetricRecord(
+                step=engine_pb2.StepCompleted(job_id="it", rank=0, step=1, loss=4.5, tokens=64), seq=1
+            ),
+            store_pb2.MetricRecord(
+                step=engine_pb2.StepCompleted(job_id="it", rank=0, step=2, loss=4.25, tokens=64), seq=2
+            ),
         ]
         acks = list(stub.Record(iter(records), timeout=10))
         assert [(a.records, a.seq) for a in acks] == [(1, 1), (1, 2)]
@@ -131,7 +153,8 @@ def test_save_commit_list_load_and_metrics_through_the_real_service(store):
     body = urllib.request.urlopen(f"http://127.0.0.1:{store.metrics_port}/metrics", timeout=10).read().decode()
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(body) for s in fam.samples
+        for fam in text_string_to_metric_families(body)
+        for s in fam.samples
     }
     labels = (("job", "it"), ("rank", "0"))
     assert samples[("surge_train_loss", labels)] == 4.25
@@ -193,7 +216,9 @@ def test_scrub_watch_verify_and_load_of_a_corrupt_version_through_the_real_servi
         assert [v.cause for v in cheap.versions] == [store_pb2.VERDICT_OK] * 2  # recorded, not re-hashed
         done = stub.Scrub(store_pb2.ScrubCheckpoints(job_id="sc"), timeout=30)
         assert [(v.info.version, v.ok, v.cause) for v in done.versions] == [
-            ("sc:1", True, store_pb2.VERDICT_OK), ("sc:2", False, store_pb2.VERDICT_CORRUPT)]
+            ("sc:1", True, store_pb2.VERDICT_OK),
+            ("sc:2", False, store_pb2.VERDICT_CORRUPT),
+        ]
         assert [(c.version, c.step, c.cause) for c in done.newly_corrupt] == [("sc:2", 10, store_pb2.CORRUPT)]
         for _ in range(100):
             if watched:
@@ -205,7 +230,10 @@ def test_scrub_watch_verify_and_load_of_a_corrupt_version_through_the_real_servi
         late = stub.WatchCheckpoints(store_pb2.WatchCheckpointsRequest(), timeout=10)
         assert next(late).version == "sc:2"
         late.cancel()
-        assert [v.ok for v in stub.Verify(store_pb2.VerifyCheckpoints(job_id="sc"), timeout=10).versions] == [True, False]
+        assert [v.ok for v in stub.Verify(store_pb2.VerifyCheckpoints(job_id="sc"), timeout=10).versions] == [
+            True,
+            False,
+        ]
         assert stub.Load(store_pb2.LoadCheckpoint(version="sc:latest"), timeout=10).info.version == "sc:1"
         with pytest.raises(grpc.RpcError) as e:
             stub.Load(store_pb2.LoadCheckpoint(version="sc:2"), timeout=10)

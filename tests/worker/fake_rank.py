@@ -80,8 +80,12 @@ def main() -> int:
         for cmd in commands:
             if cmd.WhichOneof("command") == "audit":
                 report = audit_pb2.AuditReport(process=f"rank {rank} of job {job}", id=cmd.audit.id)
-                report.routes.add(sender=Module.L2_TRAINING_LOOP, message="surge.v1.RunForward",
-                                  receiver=Module.L3_FORWARD_UNIT, count=5 + rank)
+                report.routes.add(
+                    sender=Module.L2_TRAINING_LOOP,
+                    message="surge.v1.RunForward",
+                    receiver=Module.L3_FORWARD_UNIT,
+                    count=5 + rank,
+                )
                 send(audit=report)
         return 0
     if mode != "train":
@@ -96,7 +100,9 @@ def main() -> int:
             start = unpack(cmd.routed)  # a real rank puts it on its bus (services/contract/relay.py)
             print(f"start job={start.job_id} from={Module.Name(cmd.routed.sender)}", flush=True)
             break
-    send_up(engine_pb2.StepCompleted(job_id=job, rank=rank, step=1, loss=5.5, tokens=64, world_size=assignment.world_size))
+    send_up(
+        engine_pb2.StepCompleted(job_id=job, rank=rank, step=1, loss=5.5, tokens=64, world_size=assignment.world_size)
+    )
     send_up(engine_pb2.TrainingLoopFinished(job_id=job, rank=rank, step=1))
     outgoing.put(None)  # half-close: the agent then ends our command stream
     for _ in commands:

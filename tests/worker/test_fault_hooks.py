@@ -100,8 +100,12 @@ def test_slow_save_delays_only_the_save_of_its_step_once(tmp_path):
 
     injector = FaultInjector([Injection("slow_save", 4, 0, 0.2)], "j-1", 0, marker_dir=tmp_path)
     store = StepGuard(lambda: 5, injector=injector).store(lambda msg, payload=None: Reply(msg))
-    for msg, slow in ((store_pb2.SaveCheckpoint(step=3), False), (store_pb2.CommitCheckpoint(step=4), False),
-                      (store_pb2.SaveCheckpoint(step=4), True), (store_pb2.SaveCheckpoint(step=4), False)):
+    for msg, slow in (
+        (store_pb2.SaveCheckpoint(step=3), False),
+        (store_pb2.CommitCheckpoint(step=4), False),
+        (store_pb2.SaveCheckpoint(step=4), True),
+        (store_pb2.SaveCheckpoint(step=4), False),
+    ):
         t0 = time.monotonic()
         store(msg)
         assert (time.monotonic() - t0 >= 0.2) == slow, msg

@@ -89,28 +89,53 @@ def kill_ours(pid: int, marker: str) -> None:
 class Agent:
     """One ``python -m services.worker`` process with its log under ``tmp``."""
 
-    def __init__(self, tmp: Path, control_port: int, *extra: str, worker_id: str | None = WORKER_ID,
-                 port: int | None = None, env: dict | None = None):
+    def __init__(
+        self,
+        tmp: Path,
+        control_port: int,
+        *extra: str,
+        worker_id: str | None = WORKER_ID,
+        port: int | None = None,
+        env: dict | None = None,
+    ):
         self.port = port if port is not None else free_port()
         self.run_dir = tmp / "run"
         self.log = tmp / f"agent-{self.port}.log"
         extra_env = env or {}
         env = {**os.environ, "SURGE_RANK_MODULE": FAKE_RANK, "SURGE_HOME": str(tmp / "home"), "PYTHONUNBUFFERED": "1"}
-        for var in ("SURGE_WORKER_ID", "SURGE_WORKER_SLOTS", "SURGE_WORKER_PORT", "SURGE_CONTROL_ADDRESS", "CUDA_VISIBLE_DEVICES",
-                    "SURGE_WORKER_MEMINFO", "SURGE_WORKER_MEMORY_PRESSURE_FRACTION"):
+        for var in (
+            "SURGE_WORKER_ID",
+            "SURGE_WORKER_SLOTS",
+            "SURGE_WORKER_PORT",
+            "SURGE_CONTROL_ADDRESS",
+            "CUDA_VISIBLE_DEVICES",
+            "SURGE_WORKER_MEMINFO",
+            "SURGE_WORKER_MEMORY_PRESSURE_FRACTION",
+        ):
             env.pop(var, None)
         # The memory sampler is off unless a test turns it on: a test machine short of
         # memory would otherwise slip a memory_pressure report between the events a test
         # expects.
         env["SURGE_WORKER_MEMORY_CHECK_SECONDS"] = "0"
         env.update(extra_env)
-        argv = [sys.executable, "-m", "services.worker", "--port", str(self.port),
-                "--control", f"127.0.0.1:{control_port}", "--run-dir", str(self.run_dir)]
+        argv = [
+            sys.executable,
+            "-m",
+            "services.worker",
+            "--port",
+            str(self.port),
+            "--control",
+            f"127.0.0.1:{control_port}",
+            "--run-dir",
+            str(self.run_dir),
+        ]
         if worker_id:
             argv += ["--worker-id", worker_id]
         argv += extra
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def rank_log(self, job: str, rank: int) -> str:
         path = self.run_dir / "logs" / f"{job}.rank{rank}.log"
@@ -221,8 +246,15 @@ def cluster(tmp_path):
 
 def assignment(rank: int, world_size: int = 1, threads: int = 1, device: str = "cpu") -> engine_pb2.RankAssignment:
     return engine_pb2.RankAssignment(
-        rank=rank, world_size=world_size, local_rank=rank, master_addr="127.0.0.1", master_port=29500,
-        backend="gloo", device=device, num_threads=threads, worker_id=WORKER_ID,
+        rank=rank,
+        world_size=world_size,
+        local_rank=rank,
+        master_addr="127.0.0.1",
+        master_port=29500,
+        backend="gloo",
+        device=device,
+        num_threads=threads,
+        worker_id=WORKER_ID,
     )
 
 
@@ -246,7 +278,9 @@ def started_ranks(cluster, control: FakeControl, count: int) -> dict[int, int]:
             pids[event.rank] = event.hello.pid
             cluster.track(event.hello.pid)
         else:
-            assert kind == "routed" and event.routed.type == "surge.v1.TrainingLoopStarted" and event.rank in pids, event
+            assert kind == "routed" and event.routed.type == "surge.v1.TrainingLoopStarted" and event.rank in pids, (
+                event
+            )
             started.add(event.rank)
     return pids
 
@@ -285,9 +319,13 @@ def test_registration_reports_the_nodes_hardware_address_and_slots(cluster):
     assert reg.memory_bytes == mem_bytes
     assert reg.cpu_count == len(os.sched_getaffinity(0))
     assert reg.slots == 3
-    assert [(d.kind, d.index, d.memory_bytes) for d in reg.devices] == [("cpu", 0, mem_bytes)]  # this machine has no GPU
+    assert [(d.kind, d.index, d.memory_bytes) for d in reg.devices] == [
+        ("cpu", 0, mem_bytes)
+    ]  # this machine has no GPU
     with grpc.insecure_channel(f"127.0.0.1:{agent.port}") as ch:
-        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="surge.v1.WorkerService"), timeout=5)
+        health = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="surge.v1.WorkerService"), timeout=5
+        )
     assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -329,7 +367,10 @@ def test_launched_ranks_get_init_then_assignment_and_their_events_go_up_in_order
         assert (exits[rank].job_id, exits[rank].exit_code, exits[rank].worker_id) == ("j1", 0, WORKER_ID)
         log = agent.rank_log("j1", rank)
         assert "init job=j1 data=127.0.0.1:1 mode=train" in log
-        assert f"assignment rank={rank} world=2 device=cpu OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 CUDA_VISIBLE_DEVICES=-" in log
+        assert (
+            f"assignment rank={rank} world=2 device=cpu OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 CUDA_VISIBLE_DEVICES=-"
+            in log
+        )
         assert "start job=j1 from=L1_ORCHESTRATOR" in log
         assert not alive(pids[rank])
 
@@ -353,7 +394,9 @@ def test_a_routed_command_whose_sender_may_not_send_it_is_refused_reported_and_n
     with pytest.raises(BoundaryViolation):
         agent.execute(control_pb2.WorkerCommand(routed=release))
     assert [(v.sender, v.message) for v in reported] == [
-        (Module.L1_FAULT_DETECTOR, "surge.v1.StartTraining"), (Module.L2_TRAINING_LOOP, "surge.v1.ReleaseRanks")]
+        (Module.L1_FAULT_DETECTOR, "surge.v1.StartTraining"),
+        (Module.L2_TRAINING_LOOP, "surge.v1.ReleaseRanks"),
+    ]
     # The allocator's own ReleaseRanks runs on the agent's bus (nothing to release here).
     release.sender = Module.L1_RESOURCE_ALLOCATOR
     agent.execute(control_pb2.WorkerCommand(routed=release))
@@ -370,7 +413,8 @@ def test_an_audit_asks_every_live_rank_and_sums_their_route_counts_keeping_them_
         report = audit_pb2_grpc.AuditServiceStub(ch).Audit(audit_pb2.AuditRequest(), timeout=30)
     assert report.process == WORKER_ID
     assert [(c.sender, c.message, c.receiver, c.count) for c in report.routes] == [
-        (Module.L2_TRAINING_LOOP, "surge.v1.RunForward", Module.L3_FORWARD_UNIT, 5 + 6)]
+        (Module.L2_TRAINING_LOOP, "surge.v1.RunForward", Module.L3_FORWARD_UNIT, 5 + 6)
+    ]
     # The sleeping rank reads no command: the audit waits its 2 s for it, then says so.
     assert len(report.notes) == 1 and "rank 2 of job ja did not answer" in report.notes[0]
     with pytest.raises(queue.Empty):  # the ranks' answers stay with the agent
@@ -530,8 +574,22 @@ def test_a_port_in_use_fails_with_one_line_and_a_nonzero_exit(tmp_path):
         held.listen()
         port = held.getsockname()[1]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.worker", "--port", str(port), "--control", "127.0.0.1:1", "--run-dir", str(tmp_path)],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "services.worker",
+                "--port",
+                str(port),
+                "--control",
+                "127.0.0.1:1",
+                "--run-dir",
+                str(tmp_path),
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         )
         try:
             out, err = proc.communicate(timeout=30)
@@ -576,8 +634,10 @@ def test_memory_pressure_is_reported_once_on_entering_and_once_when_relieved(clu
     control = cluster.control()
     cluster.agent(
         control.port,
-        "--memory-check-seconds", "0.05",
-        "--memory-pressure-fraction", "0.10",
+        "--memory-check-seconds",
+        "0.05",
+        "--memory-pressure-fraction",
+        "0.10",
         env={"SURGE_WORKER_MEMINFO": str(meminfo)},
     )
     reg = control.servicer.registration()
@@ -589,7 +649,10 @@ def test_memory_pressure_is_reported_once_on_entering_and_once_when_relieved(clu
     assert event.WhichOneof("event") == "memory_pressure", event
     p = event.memory_pressure
     assert (p.worker_id, p.available_bytes, p.total_bytes, p.under_pressure) == (
-        WORKER_ID, int(1.2 * GIB) // 1024 * 1024, 24 * GIB, True,
+        WORKER_ID,
+        int(1.2 * GIB) // 1024 * 1024,
+        24 * GIB,
+        True,
     )
     assert no_event_within(control.servicer, 0.5)  # ~10 more samples, still low: silent
 
