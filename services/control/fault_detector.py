@@ -198,6 +198,9 @@ FAILURE_CLASSES: dict[tuple[str, int], str] = {
     (ANY_EVENT, FailureCause.FAILURE_EXHAUSTED): "data_exhausted",
     (ANY_EVENT, FailureCause.FAILURE_INTERNAL): INTERNAL_ERROR,
     ("SnapshotFailed", ANY_CAUSE): "snapshot_failed",
+    # Bytes that fail their digest as a rank reads them (a load): the version is bad, not the
+    # store; reported as checkpoint_error with this subclass (ALIASES), which strikes it.
+    ("SnapshotFailed", FailureCause.FAILURE_DATA_CORRUPT): "checkpoint_integrity",
     ("LogWriteFailed", ANY_CAUSE): "log_write_failed",
     ("RecoveryFailed", ANY_CAUSE): "recovery_failed",
     ("UpdateFailed", FailureCause.FAILURE_NON_FINITE): "non_finite_loss",
@@ -591,7 +594,12 @@ class FaultDetector:
             said = next((getattr(msg, f) for f in ("reason", "detail") if f in fields and getattr(msg, f)), "")
             where = f", rank {rank}" if "rank" in fields else ""
             detail = f"{who} ({event}{where}): {said or 'no detail'}"
-        report = self._graded(job_id, fault_class, module, rank, detail, step=step, event=event, cause=failure.cause)
+        subclass = ""
+        if fault_class in ALIASES:
+            subclass, fault_class = fault_class, ALIASES[fault_class]
+        report = self._graded(
+            job_id, fault_class, module, rank, detail, step=step, subclass=subclass, event=event, cause=failure.cause
+        )
         if report is None:
             _log.warning(
                 "failure of no monitored job",

@@ -1112,7 +1112,7 @@ class Orchestrator:
             self._terminate(job, decision.outcome, decision.final, kill=True)
             return decision
         job.restarts[fault_class] += 1
-        if decision.strike:
+        if decision.strike and decision.strike not in job.unusable:  # (struck already if its load's report came first)
             job.unusable.add(decision.strike)
             self._record(
                 job,
@@ -1308,8 +1308,20 @@ class Orchestrator:
             return
         self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", f"{what} failed ({cause}: {msg.reason})")
         corrupt = msg.cause in (StoreFailureCause.CORRUPT, StoreFailureCause.MISSING_FILE)
-        if msg.operation == "load" and corrupt and self._checkpoints is not None:
-            self._checkpoints(store_pb2.ScrubCheckpoints(job_id=job.status.job_id))  # answered as events
+        if msg.operation == "load" and corrupt:
+            # The rank read the version's bytes and they fail their digest (or a file is gone):
+            # a finding about the bytes, so the version is struck at once (L1-3's report of it,
+            # checkpoint_error, is then decided by the policy and relaunches from an older one).
+            if msg.version and msg.version not in job.unusable:
+                job.unusable.add(msg.version)
+                self._record(
+                    job,
+                    ORCH,
+                    "checkpoint",
+                    f"checkpoint {msg.version} fails its digest check on load; never loaded again",
+                )
+            if self._checkpoints is not None:
+                self._checkpoints(store_pb2.ScrubCheckpoints(job_id=job.status.job_id))  # answered as events
 
     def on_checkpoint_scrubbed(self, msg: store_pb2.CheckpointScrubbed, payload: Any = None) -> None:
         """The store re-hashed a job's versions: those it found corrupt for the first time

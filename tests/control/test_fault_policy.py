@@ -631,11 +631,17 @@ def test_a_load_that_found_corrupt_bytes_has_the_store_rescrub_and_its_findings_
     )
     plane.c.bus.publish(Module.L5_CHECKPOINT_MANAGER, failed)
     assert store.scrubbed == [job_id]
-    # L1-1 reads it first (the route's order), records it and has the store rescrub; L1-3
-    # grades it too (issue 13: every failure event routed to it): MINOR, which the policy
-    # ignores, so its report adds no second record (no "fault", no "ignore" decision).
-    assert [e.message for e in plane.events(job_id)][-1] == f"checkpoint load of {v2} failed (corrupt: {said})"
-    assert len(decisions(plane, job_id)) == 0
+    # L1-1 reads it first (the route's order): records it, strikes the version (a finding about
+    # its bytes) and has the store rescrub. L1-3 grades it (issue 13: every failure event routed
+    # to it) as checkpoint_error (subclass checkpoint_integrity), and L1-1 decides it by the
+    # policy (rollback): the ranks, which wait for L1 after a failure, relaunch from v1.
+    messages = [e.message for e in plane.events(job_id)]
+    assert f"checkpoint load of {v2} failed (corrupt: {said})" in messages
+    assert messages.count(f"checkpoint {v2} fails its digest check on load; never loaded again") == 1
+    assert [d for d in decisions(plane, job_id)] and decisions(plane, job_id)[-1].startswith(
+        "rollback after checkpoint_error"
+    )
+    # The rescrub's answer names v2 again: already struck, nothing more happens.
     answer = store_pb2.CheckpointScrubbed(
         job_id=job_id,
         newly_corrupt=[
@@ -645,7 +651,7 @@ def test_a_load_that_found_corrupt_bytes_has_the_store_rescrub_and_its_findings_
         ],
     )
     plane.c.bus.publish(Module.L5_CHECKPOINT_MANAGER, answer)
-    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)  # (the killed generation's exit)
     assert resumes(w["wa"]) == [v1]
 
 
