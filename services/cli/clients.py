@@ -16,6 +16,7 @@ import grpc
 
 from services.cli import stack
 from services.cli.errors import CliError, from_rpc
+from services.common import paths
 from services.common.grpc_server import TlsConfigError, channel
 from services.contract import Module, control_pb2_grpc, data_pb2_grpc, store_pb2_grpc
 
@@ -36,8 +37,8 @@ def address(service: str) -> str:
     if procs and service in procs:
         return procs[service].address
     raise CliError(
-        f"{service} address unknown: no local stack is running (run `surgectl up`) "
-        f"and SURGE_{service.upper()}_ADDRESS is not set"
+        f"{service} address unknown: no local stack is running under {paths.surge_home()} "
+        f"(run `surgectl up`, or set SURGE_HOME to the stack's home) and SURGE_{service.upper()}_ADDRESS is not set"
     )
 
 
