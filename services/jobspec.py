@@ -345,6 +345,40 @@ DEFAULT_CLASS_ACTIONS: dict[str, str] = {
     "overflow_storm": "rollback",
     "checkpoint_error": "rollback",
 }
+# Every fault class control can report (and a policy can name): the fault detector's rules
+# (services/control/fault_detector.py DEFAULT_RULES, FAILURE_CLASSES, ALIASES), the classes a
+# failure exception carries (``fault_class``), and the orchestrator's recovery-wait classes.
+# jobspec is below control (import-linter), so the list lives here;
+# tests/test_fault_classes_known.py fails when control can report a class it lacks.
+KNOWN_FAULT_CLASSES: frozenset[str] = frozenset(
+    {
+        *DEFAULT_CLASS_ACTIONS,
+        *STEP_FAULT_CLASSES,
+        "rank_exit_clean",
+        "rank_released",
+        "rank_stalled_in_collective",
+        "loop_failure",
+        "internal_error",
+        "boundary_violation",
+        "checkpoint_integrity",
+        "data_unavailable",
+        "data_exhausted",
+        "operator_unavailable",
+        "model_error",
+        "config_error",
+        "config_frozen",
+        "session_lost",
+        "out_of_memory",
+        "io_error",
+        "timeout",
+        "unavailable",
+        "data_corrupt",
+        "data_io_error",
+        "snapshot_failed",
+        "log_write_failed",
+        "recovery_failed",
+    }
+)
 DEFAULT_GRADE_ACTIONS: dict[str, str] = {
     "MINOR": "ignore",
     "MEDIUM": "ignore",
@@ -382,9 +416,13 @@ class FaultPolicySpec(_Strict):
 
     @model_validator(mode="after")
     def _known_keys(self) -> FaultPolicySpec:
-        for key in [*self.actions, *self.restarts]:
-            if key not in FAULT_GRADES and not re.fullmatch(r"[a-z][a-z0-9_]*", key):
-                raise ValueError(f"{key!r} is neither a grade ({', '.join(FAULT_GRADES)}) nor a fault class name")
+        for table, name in ((self.actions, "actions"), (self.restarts, "restarts")):
+            for key in table:
+                if key not in FAULT_GRADES and key not in KNOWN_FAULT_CLASSES:
+                    raise ValueError(
+                        f"{name}.{key}: unknown fault class (known: {', '.join(FAULT_GRADES)}, "
+                        f"{', '.join(sorted(KNOWN_FAULT_CLASSES))})"
+                    )
         for key, action in self.actions.items():
             if action == "skip_step" and key not in STEP_FAULT_CLASSES:
                 raise ValueError(f"actions.{key}: skip_step applies only to {', '.join(STEP_FAULT_CLASSES)}")
@@ -594,6 +632,9 @@ def _field_error(err: dict) -> str:
     path = ".".join(str(p) for p in err["loc"]) or "(top level)"
     msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
     # A cross-field rule's input is the whole section: its message already says what is wrong.
+    # A section's rule whose message names a field under it (``actions.x: ...``): one dotted path.
+    if err["type"] == "value_error" and err["loc"] and re.match(r"[a-z_]+\.[^\s:]+: ", msg):
+        return f"{path}.{msg}"
     quiet = ("extra_forbidden", "missing", "value_error")
     got = "" if err["type"] in quiet else f", got {err.get('input')!r}"
     return f"{path}: {msg}{got}"

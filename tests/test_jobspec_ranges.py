@@ -185,3 +185,29 @@ def test_cross_field_ranges_name_what_is_wrong(yaml_text, names):
     with pytest.raises(JobSpecError) as caught:
         parse_job_spec(yaml.safe_dump(raw), "ranges.yaml")
     assert names in str(caught.value), str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "section, field",
+    [
+        ("{actions: {non_finite_los: stop}}", "fault_policy.actions.non_finite_los"),
+        ("{actions: {bogus_class: stop}}", "fault_policy.actions.bogus_class"),
+        ("{actions: {severe: stop}}", "fault_policy.actions.severe"),
+        ("{restarts: {rank_exitt: 2}}", "fault_policy.restarts.rank_exitt"),
+    ],
+)
+def test_an_unknown_fault_class_in_the_policy_is_one_line_naming_it(section, field):
+    raw = {**BASE, "fault_policy": yaml.safe_load(section)}
+    with pytest.raises(JobSpecError) as caught:
+        parse_job_spec(yaml.safe_dump(raw), "ranges.yaml")
+    text = str(caught.value)
+    assert text.startswith(f"ranges.yaml: {field}: unknown fault class (known: MINOR, MEDIUM, SEVERE, FATAL, "), text
+    assert "\n" not in text and "non_finite_loss" in text and "rank_exit" in text
+
+
+def test_every_known_fault_class_and_grade_is_accepted_in_the_policy():
+    from services.jobspec import FAULT_GRADES, KNOWN_FAULT_CLASSES
+
+    keys = sorted(KNOWN_FAULT_CLASSES) + list(FAULT_GRADES)
+    raw = {**BASE, "fault_policy": {"actions": dict.fromkeys(keys, "stop"), "restarts": dict.fromkeys(keys, 1)}}
+    parse_job_spec(yaml.safe_dump(raw), "ranges.yaml")

@@ -89,6 +89,10 @@ def up(
 
     Example: surgectl up --workers 2
     """
+    from services.contract.injection import env_error
+
+    if bad := env_error():  # every service would refuse to start with it
+        raise CliError(bad, code=2)
     procs = stack.up(workers)
     for p in procs.values():
         render.console.print(

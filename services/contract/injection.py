@@ -16,7 +16,9 @@ exception escaping a handler: the module's failure event (services/contract/fail
 rank's store relay is L5-2 there too), and a rule for the module's own process must not fire
 in the relay's.
 
-No rule set: one dict lookup per handler call.
+No rule set: one dict lookup per handler call. A malformed value never fails the import
+(every process, ``surgectl`` too, imports this file): no rule applies, and each service's
+``main`` refuses to start with :func:`env_error`'s one line.
 """
 
 from __future__ import annotations
@@ -112,4 +114,15 @@ def check(module: int, message: str) -> None:
         raise InjectedFault(module, message, rule.cause)
 
 
-configure(os.environ.get(ENV, ""))
+_env_error: str | None = None
+
+
+def env_error() -> str | None:
+    """Why ``SURGE_FAULT_INJECT_HANDLER`` (as read at import) is malformed, in one line; None if it is not."""
+    return _env_error
+
+
+try:
+    configure(os.environ.get(ENV, ""))
+except ValueError as _e:
+    _env_error = str(_e)

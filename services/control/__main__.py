@@ -45,6 +45,7 @@ from services.contract import (
 )
 from services.contract.audit import AuditServicer, ViolationReporter
 from services.contract.bus import Bus, RouteError
+from services.contract.injection import env_error
 from services.contract.relay import L1, L5, RANK, Link
 from services.contract.validation import ContractError, refuse, validate_table, validate_wiring
 from services.control import faults
@@ -280,6 +281,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    if bad := env_error():  # a malformed test-only injection: one line, not a service without it
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     log = logs.configure("control")
     try:
         # 64 threads: the operator RPCs (a WatchJob or StreamLogs stream holds one while open).

@@ -31,6 +31,7 @@ from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
 from services.contract import Module, audit_pb2_grpc, data_pb2, data_pb2_grpc, route_pb2
 from services.contract.audit import AuditServicer, ViolationReporter
 from services.contract.bus import Bus, RouteError
+from services.contract.injection import env_error
 from services.contract.relay import L1, L4, Link
 from services.contract.validation import ContractError, refuse, validate_table, validate_wiring
 from services.data.batch_packer import BatchPacker
@@ -117,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         help="Prometheus /metrics port (env SURGE_DATA_METRICS_PORT; 0 = off)",
     )
     args = p.parse_args(argv)
+    if bad := env_error():  # a malformed test-only injection: one line, not a service without it
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     root = (args.data_root or paths.datasets_root()).resolve()
     log = logs.configure("data", root=str(root))
 

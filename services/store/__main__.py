@@ -36,6 +36,7 @@ from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
 from services.contract import Module, audit_pb2_grpc, engine_pb2, route_pb2, store_pb2, store_pb2_grpc
 from services.contract.audit import AuditServicer, ViolationReporter
 from services.contract.bus import Bus, CommandPort, RouteError
+from services.contract.injection import env_error
 from services.contract.relay import L1, L5, RANK, Link
 from services.contract.validation import ContractError, refuse, validate_table, validate_wiring
 from services.store.checkpoint_manager import CheckpointManager
@@ -147,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         help="re-hash every committed checkpoint version this often (0: never; env SURGE_STORE_SCRUB_INTERVAL_S)",
     )
     args = p.parse_args(argv)
+    if bad := env_error():  # a malformed test-only injection: one line, not a service without it
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     if args.scrub_interval_seconds < 0:
         p.error(f"--scrub-interval-seconds must be >= 0, got {args.scrub_interval_seconds}")
     if args.port is None or args.metrics_port is None:

@@ -36,6 +36,7 @@ from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
 from services.contract import Module, audit_pb2_grpc, control_pb2, worker_pb2_grpc
 from services.contract.audit import AuditServicer, ViolationReporter, merge_reports, report_of
 from services.contract.bus import Bus
+from services.contract.injection import env_error
 from services.contract.relay import pack
 from services.contract.validation import ContractError, refuse, validate_table
 from services.worker.control_link import ControlSession, Outbox
@@ -124,6 +125,9 @@ def local_host(listen_host: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if bad := env_error():  # a malformed test-only injection: one line, not a service without it
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     try:
         validate_table()  # the node agent relays the table's messages (it is EXT_HARDWARE)
     except ContractError as e:

@@ -81,6 +81,7 @@ from services.contract.audit import ViolationReporter, report_of
 from services.contract.bus import Bus, CommandPort
 from services.contract.comm_guard import install as install_comm_guard
 from services.contract.failures import set_collective_probe, set_origin
+from services.contract.injection import env_error
 from services.contract.relay import L1, L4, L5, RANK, Link, Routed, pack
 from services.contract.validation import validate_table, validate_wiring
 from services.engine.mixed_precision import MixedPrecision
@@ -479,6 +480,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
     ap.add_argument("--job", required=True, help="job id")
     ap.add_argument("--rank", type=int, required=True, help="global rank")
     args = ap.parse_args(argv)
+    if bad := env_error():  # a malformed test-only injection: one line, not a service without it
+        print(f"error: {bad}", file=sys.stderr)
+        sys.exit(2)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # exit promptly, even inside a collective
     log = configure("rank", job=args.job, rank=args.rank)
 
