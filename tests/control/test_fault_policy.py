@@ -574,26 +574,25 @@ def test_a_store_unreachable_past_store_wait_seconds_is_decided_by_the_policy(pl
     assert store.verified >= 2  # asked again while it waited
 
 
+def relay_snapshot_failed(job_id, operation, cause, failure_cause, handled, said, *, detail=None, **fields):
+    """L5-1's failure event as rank 0's store relay sends it: the store's cause and the typed
+    failure of the command it was handling."""
+    failure = route_pb2.Failure(
+        cause=failure_cause, module=Module.L5_CHECKPOINT_MANAGER, operation=handled, job_id=job_id, rank=0,
+        detail=detail or said,
+    )  # fmt: skip
+    return store_pb2.SnapshotFailed(
+        job_id=job_id, operation=operation, cause=cause, rank=0, reason=said, failure=failure, **fields
+    )
+
+
 @pytest.mark.parametrize("policy", ["", "\nfault_policy: {actions: {snapshot_failed: stop}}"], ids=["default", "stop"])
 def test_a_skipped_save_is_one_record_unless_the_policy_decides_on_snapshot_failed(plane, store, policy):
     job_id, w = running(plane, "wa", "wb", extra=QUICK + policy)
     said = "store at s:1: BeginSave: DEADLINE_EXCEEDED"
     # As the rank's store relay sends it: L5-1's failure event, typed by the store's cause.
-    failed = store_pb2.SnapshotFailed(
-        job_id=job_id,
-        operation="save",
-        step=5,
-        cause=store_pb2.TIMEOUT,
-        rank=0,
-        reason=said,
-        failure=route_pb2.Failure(
-            cause=route_pb2.FAILURE_TIMEOUT,
-            module=Module.L5_CHECKPOINT_MANAGER,
-            operation="surge.v1.SaveCheckpoint",
-            job_id=job_id,
-            rank=0,
-            detail=said,
-        ),
+    failed = relay_snapshot_failed(
+        job_id, "save", store_pb2.TIMEOUT, route_pb2.FAILURE_TIMEOUT, "surge.v1.SaveCheckpoint", said, step=5
     )
     plane.rank_event(w["wa"], job_id, 0, snapshot_failed=failed)
     events = [(e.type, e.message) for e in plane.events(job_id)]
@@ -617,22 +616,10 @@ def test_a_load_that_found_corrupt_bytes_has_the_store_rescrub_and_its_findings_
     v1, v2 = saved(plane, w["wa"], job_id, 1, step=4), saved(plane, w["wa"], job_id, 2, step=8)
     said = f"checkpoint {v2}: __0_0.distcp: sha256 mismatch"
     # As the rank's checkpoint relay sends it: L5-1's failure event, with its typed failure.
-    failed = store_pb2.SnapshotFailed(
-        job_id=job_id,
-        version=v2,
-        operation="load",
-        cause=store_pb2.CORRUPT,
-        rank=0,
-        reason=said,
-        failure=route_pb2.Failure(
-            cause=route_pb2.FAILURE_DATA_CORRUPT,
-            module=Module.L5_CHECKPOINT_MANAGER,
-            operation="surge.v1.LoadCheckpoint",
-            job_id=job_id,
-            rank=0,
-            detail=f"CheckpointIntegrityError: {said}",
-        ),
-    )
+    failed = relay_snapshot_failed(
+        job_id, "load", store_pb2.CORRUPT, route_pb2.FAILURE_DATA_CORRUPT, "surge.v1.LoadCheckpoint",
+        said, version=v2, detail=f"CheckpointIntegrityError: {said}",
+    )  # fmt: skip
     plane.c.bus.publish(Module.L5_CHECKPOINT_MANAGER, failed)
     assert store.scrubbed == [job_id]
     # L1-1 reads it first (the route's order): records it, strikes the version (a finding about
