@@ -1,0 +1,1 @@
+"""The state layer: the rank-local state manager, snapshots, and checkpoint storage."""
