@@ -46,6 +46,11 @@ PLUMBING_CALLERS: dict[str, frozenset[int]] = {
     "/surge.v1.WorkerService/RankSession": frozenset({M.L2_TRAINING_LOOP}),  # a rank, for its modules
     "/surge.v1.StoreService/Record": frozenset({M.L2_TRAINING_LOOP}),  # StepCompleted / EvalCompleted to L5-2
     "/surge.v1.AuditService/Audit": frozenset({M.EXT_USER}),
+    # In-memory checkpoint copies (worker.proto MemoryCopyService; the data plane, exception
+    # memory-copies-data-plane): a rank's L5 relay with its own agent, an agent with its peer.
+    "/surge.v1.MemoryCopyService/PutChunks": frozenset({M.L5_CHECKPOINT_MANAGER, M.EXT_HARDWARE}),
+    "/surge.v1.MemoryCopyService/HeldChunks": frozenset({M.L5_CHECKPOINT_MANAGER, M.EXT_HARDWARE}),
+    "/surge.v1.MemoryCopyService/GetChunk": frozenset({M.L5_CHECKPOINT_MANAGER, M.EXT_HARDWARE}),
 }
 
 

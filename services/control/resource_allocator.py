@@ -139,7 +139,10 @@ class ResourceAllocator:
         Ranks fill workers in registration order (skipping ``exclude_worker_ids``), lowest
         free slot first. Rank 0's host is the rendezvous (master_addr), on a fresh port.
         Each rank's memory quota is its device's memory (CUDA) or the host memory divided
-        by the worker's slots (CPU), in bytes.
+        by the worker's slots (CPU), in bytes. Each launch names the node's peer for the
+        in-memory checkpoint copies (``memory_peer``): the next placeable worker after it in
+        registration order, wrapping around (a ring: every node's copies live on one other
+        node, and a node's peer is the same for every job).
 
         Returns ResourcesInsufficient (nothing reserved) when fewer slots are free than
         ranks are needed, or when backend ``nccl`` is asked for on CPU-only slots.
@@ -199,6 +202,10 @@ class ResourceAllocator:
                         rank_nodes=[pw.reg.worker_id for pw, _ in picks],  # topology for L2-2's TP placement
                     )
                 )
+            for worker_id, launch in launches.items():
+                peer = _memory_peer(usable, worker_id)
+                if peer is not None:
+                    launch.memory_peer.CopyFrom(peer)
         # Commands leave outside the lock: the relay only queues them, but keep the
         # allocator's lock short and never held across another module's code.
         for worker_id, launch in launches.items():
@@ -291,3 +298,13 @@ def _memory_quota(w: _Worker, slot: int) -> int:
     if slot < len(devices):
         return devices[slot].memory_bytes
     return w.reg.memory_bytes // max(w.reg.slots, 1)
+
+
+def _memory_peer(usable: list[_Worker], worker_id: str) -> control_pb2.MemoryPeer | None:
+    """The worker after ``worker_id`` among ``usable`` (registration order, wrapping); None
+    when it is the only one."""
+    ids = [w.reg.worker_id for w in usable]
+    if worker_id not in ids or len(ids) < 2:
+        return None
+    nxt = usable[(ids.index(worker_id) + 1) % len(ids)].reg
+    return control_pb2.MemoryPeer(worker_id=nxt.worker_id, address=nxt.address)

@@ -10,10 +10,13 @@ else 1), SURGE_RANK_MODULE (module the rank processes run, default
 ``services.worker.rank``), SURGE_WORKER_MEMORY_CHECK_SECONDS (default 2.0; 0 disables
 the memory sampler), SURGE_WORKER_MEMORY_PRESSURE_FRACTION (default 0.10),
 SURGE_WORKER_MEMINFO (file the host memory is read from, default /proc/meminfo),
-SURGE_WORKER_METRICS_PORT (Prometheus ``/metrics``; default 0 = not served). Port 0
+SURGE_WORKER_METRICS_PORT (Prometheus ``/metrics``; default 0 = not served),
+SURGE_WORKER_MEMORY_COPY_BYTES (bound on the in-memory checkpoint copies, default a quarter
+of the host's memory; 0 = off). Port 0
 takes a free port (the bound one is registered).
 
-Serves ``surge.v1.WorkerService`` (RankSession), ``surge.v1.AuditService`` (the route
+Serves ``surge.v1.WorkerService`` (RankSession), ``surge.v1.MemoryCopyService`` (the
+in-memory checkpoint copies, ``memory_copies.py``), ``surge.v1.AuditService`` (the route
 counts of this node's rank processes, asked over their sessions) plus health and
 reflection. Rank processes serve no port of their own. SIGTERM or
 SIGINT: kill the rank process groups, close the session, stop the server, exit 0. A port
@@ -41,11 +44,13 @@ from services.contract.relay import pack
 from services.contract.validation import ContractError, refuse, validate_table
 from services.worker.control_link import ControlSession, Outbox
 from services.worker.hardware import DEFAULT_MEMINFO, MEMINFO_ENV, detect_cuda_devices, hardware_report
+from services.worker.memory_copies import MemoryCopies, MemoryCopyServicer, limit_from_env
 from services.worker.memory_pressure import MemorySampler
 from services.worker.node_agent import DEFAULT_RANK_MODULE, RANK_MODULE_ENV, SHUTDOWN_GRACE_SECONDS, NodeAgent
 from services.worker.rank_session import RankSessionServicer
 
 SERVICE_NAME = "surge.v1.WorkerService"
+MEMORY_SERVICE_NAME = "surge.v1.MemoryCopyService"
 WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
 
 
@@ -157,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         log,
         deliver=lambda event: outbox.put(control_pb2.WorkerEvent(routed=pack(event, Module.EXT_CONTRACT))),
     )
+    # In-memory copies of the local ranks' newest checkpoint (0 bytes: off; the ranks then
+    # find no MemoryCopyService here and read the store only).
+    memory_limit = limit_from_env(registration.memory_bytes)
+    memory = MemoryCopies(worker_id, log, memory_limit) if memory_limit > 0 else None
     agent = NodeAgent(
         worker_id,
         session_address=f"{local_host(args.host)}:{port}",
@@ -166,8 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         rank_module=os.environ.get(RANK_MODULE_ENV) or DEFAULT_RANK_MODULE,
         cwd=Path.cwd(),
         bus=Bus(on_violation=violations),
+        memory=memory,
     )
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(RankSessionServicer(agent, log), server.server)
+    if memory is not None:
+        worker_pb2_grpc.add_MemoryCopyServiceServicer_to_server(MemoryCopyServicer(memory), server.server)
     audit_pb2_grpc.add_AuditServiceServicer_to_server(
         AuditServicer(
             worker_id, report=lambda request: merge_reports(worker_id, [report_of(worker_id), agent.audit()])
@@ -192,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
-    server.start([SERVICE_NAME, AuditServicer.SERVICE_NAME])
+    server.start([SERVICE_NAME, AuditServicer.SERVICE_NAME] + ([MEMORY_SERVICE_NAME] if memory is not None else []))
     session.start()
     if sampler is not None:
         sampler.start()
@@ -220,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     agent.shutdown(SHUTDOWN_GRACE_SECONDS)  # first: no rank may outlive the agent
+    if memory is not None:
+        memory.close()
     session.close(drain_seconds=1.0)  # lets the ranks' RankExited go up if control is there
     server.stop(grace=0.5)
     if http is not None:

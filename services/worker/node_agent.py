@@ -44,7 +44,9 @@ relays, and wires the parts below; ``__main__.py`` builds them):
   after a reconnect, acknowledgements);
 * ``rank_process.py``: a rank process's record, argv, environment and signals;
 * ``rank_session.py``: the ``RankSession`` servicer local ranks connect to;
-* ``log_tail.py``: the rank log tails behind ``tail_rank_logs``.
+* ``log_tail.py``: the rank log tails behind ``tail_rank_logs``;
+* ``memory_copies.py``: the in-memory copies of the local ranks' newest checkpoint, served
+  to them and replicated to the job's peer agent (``MemoryCopyService``).
 
 Threads, and why each exists:
 
@@ -81,6 +83,7 @@ from services.contract.bus import Bus
 from services.contract.relay import L1, RANK, Link
 from services.worker.control_link import Emit
 from services.worker.log_tail import LogTailer
+from services.worker.memory_copies import MemoryCopies
 from services.worker.rank_process import (
     END_OF_COMMANDS,
     RankProcess,
@@ -124,6 +127,8 @@ class NodeAgent:
         cwd: working directory of rank processes (the repository root).
         bus: where control's commands to EXT_HARDWARE are delivered (default: a bus of
             its own); its refusals are the agent's boundary violations.
+        memory: the in-memory checkpoint copies of this node (``memory_copies.py``): told
+            each job's peer node agent from its LaunchRanks. None: no such tier here.
     """
 
     def __init__(
@@ -136,8 +141,10 @@ class NodeAgent:
         rank_module: str = DEFAULT_RANK_MODULE,
         cwd: Path | None = None,
         bus: Bus | None = None,
+        memory: MemoryCopies | None = None,
     ):
         self._worker_id = worker_id
+        self._memory = memory
         self._session_address = session_address
         self._logs_dir = Path(run_dir) / "logs"
         self._emit = emit
@@ -189,8 +196,11 @@ class NodeAgent:
         A rank of this job still alive here is not started twice: if it was released, the
         launch waits for it to end (its grace period at most); otherwise the launch of
         that rank is refused and logged. A process that cannot be spawned is reported as
-        ``RankExited`` with exit code 127.
+        ``RankExited`` with exit code 127. The job's peer for the in-memory checkpoint
+        copies (``memory_peer``) is noted first.
         """
+        if self._memory is not None:
+            self._memory.set_peer(msg.job_id, msg.memory_peer)
         for assignment in msg.ranks:
             self._launch_one(msg.job_id, msg.init, assignment)
 

@@ -231,3 +231,19 @@ def test_a_departing_worker_gets_no_rank_until_it_registers_again_and_a_rebuild_
     assert isinstance(again, control_pb2.ResourcesReady) and list(again.worker_ids) == ["wa", "wb"]
     (launch,) = [c.launch for c in drain(back) if c.WhichOneof("command") == "launch"]
     assert ([r.rank for r in launch.ranks], launch.init.resume_version) == ([1], "j-1:2")
+
+
+def test_each_launch_names_the_next_worker_as_the_peer_of_its_memory_copies(plane):
+    a = plane.register("wa", slots=2, host="10.0.0.1")
+    b = plane.register("wb", slots=1, host="10.0.0.2")
+    c = plane.register("wc", slots=1, host="10.0.0.3")
+    allocate(plane, "j-ring", dp=3)  # ranks on wa (2) and wb: wc holds none, yet is wb's peer
+    (la,), (lb,) = drain(a), drain(b)
+    assert drain(c) == []
+    assert (la.launch.memory_peer.worker_id, la.launch.memory_peer.address) == ("wb", "10.0.0.2:0")
+    assert (lb.launch.memory_peer.worker_id, lb.launch.memory_peer.address) == ("wc", "10.0.0.3:0")
+    release(plane, "j-ring")
+    plane.c.sessions.close(b)
+    plane.c.sessions.close(c)
+    allocate(plane, "j-alone", dp=1)  # one worker left: no peer
+    assert not drain(a)[-1].launch.HasField("memory_peer")

@@ -1,0 +1,375 @@
+"""The node agent's in-memory copies of its ranks' newest checkpoint (issue 14, part 3).
+
+Every save of a local rank streams the content-addressed chunks of that rank's part
+(``services/state/chunk_store.py``: SHA-256 of fixed-size pieces of each tensor's bytes) to
+this agent over ``MemoryCopyService.PutChunks`` on loopback; the rank first asks which of
+its chunks the agent holds (``HeldChunks``) and sends only the others. The save's last part
+names every chunk of the save: that list replaces the rank's previous one, so only the
+newest snapshot of each rank is kept, a chunk shared with the previous version stays (it
+is not sent again), and a chunk no kept set names any more is freed.
+
+The agent then replicates the rank's set to one peer node agent (``LaunchRanks.memory_peer``,
+chosen by L1-2: the next placeable worker in registration order), the same way (the peer
+says what it holds, the agent sends the rest). A recovery's reader asks its own agent for a
+chunk (``GetChunk``), then its agent's peer through its agent (``via_peer``): a rank talks
+to its own agent only, an agent to its peer only. Nothing here verifies a chunk on the read
+path: the reader checks every chunk's SHA-256 and falls back to the next source (the store's
+files last), so a corrupt copy costs a re-read, never a wrong restore.
+
+Held per (job, rank, replica): the newest set. Memory is bounded (``limit_bytes``,
+``SURGE_WORKER_MEMORY_COPY_BYTES``, default a quarter of the host's memory; 0 turns the tier
+off): a chunk that does not fit evicts whole sets, least recently stored first, the set it
+replaces last (so the newest snapshot wins, without the chunks it shared with the old one);
+one that still does not fit is not kept (``missing`` in the reply, counted). A reader finds
+what is missing in the next source.
+
+Data plane, not routed messages: exception ``memory-copies-data-plane`` in
+``services/contract/exceptions.yaml`` (like DCP's writes to the store's files).
+
+Test-only: ``SURGE_MEMORY_COPY_CORRUPT="<job name>[,...]"`` flips the first byte of every
+replica chunk this agent stores for a job of that name (bit rot in the peer's memory), so a
+test can see the reader detect it and fall back to the store.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from prometheus_client import Counter, Gauge
+
+from services.common.grpc_server import channel
+from services.contract import Module, control_pb2, worker_pb2, worker_pb2_grpc
+
+LIMIT_ENV = "SURGE_WORKER_MEMORY_COPY_BYTES"
+CORRUPT_ENV = "SURGE_MEMORY_COPY_CORRUPT"
+PEER_RPC_TIMEOUT_S = 10.0  # one chunk from the peer (a chunk is a few MiB at most)
+REPLICATE_TIMEOUT_S = 600.0  # one replication stream
+MODULE_METADATA = "x-surge-module"
+
+CHUNKS_RECEIVED = Counter(
+    "surge_memory_copy_received_bytes_total",
+    "Chunk bytes this agent received for its in-memory checkpoint copies",
+    ["origin"],  # rank | peer
+)
+CHUNKS_SERVED = Counter(
+    "surge_memory_copy_served_bytes_total",
+    "Chunk bytes this agent served to a reader",
+    ["holder"],  # local | peer (fetched from its peer for a local rank)
+)
+CHUNKS_REFUSED = Counter(
+    "surge_memory_copy_refused_chunks_total", "Chunks not kept: over the memory bound of the copies"
+)
+HELD_BYTES = Gauge("surge_memory_copy_held_bytes", "Bytes of chunks held in memory by this agent")
+
+
+def limit_from_env(meminfo_total_bytes: int) -> int:
+    """The memory bound: ``SURGE_WORKER_MEMORY_COPY_BYTES`` (0: off), else a quarter of the
+    host's memory."""
+    text = os.environ.get(LIMIT_ENV)
+    if text:
+        return max(0, int(text))
+    return meminfo_total_bytes // 4
+
+
+def _job_name(job_id: str) -> str:
+    return job_id.rpartition("-")[0] or job_id  # ids are "<name>-<6 hex>"
+
+
+@dataclass
+class _Set:
+    step: int
+    digests: tuple[str, ...]
+    stored_at: float
+
+
+class MemoryCopies:
+    """The chunk memory of one node agent: newest set per (job, rank, replica), chunks
+    shared between sets held once, and the replication of local ranks' sets to the peer.
+
+    Args:
+        worker_id: this agent (named as the holder of what it serves).
+        log: a structlog logger.
+        limit_bytes: bound on held chunk bytes (0: keep nothing).
+    """
+
+    def __init__(self, worker_id: str, log: Any, limit_bytes: int):
+        self._worker_id = worker_id
+        self._log = log
+        self._limit = limit_bytes
+        self._lock = threading.Lock()
+        self._chunks: dict[str, bytes] = {}
+        self._refs: dict[str, int] = {}
+        self._held = 0  # bytes in _chunks and in open streams
+        self._sets: dict[tuple[str, int, bool], _Set] = {}
+        self._peers: dict[str, control_pb2.MemoryPeer] = {}
+        self._stubs: dict[str, tuple[grpc.Channel, worker_pb2_grpc.MemoryCopyServiceStub]] = {}
+        self._corrupt = {n.strip() for n in os.environ.get(CORRUPT_ENV, "").split(",") if n.strip()}
+        self._outbox: queue.Queue = queue.Queue()
+        self._closed = threading.Event()
+        self._replicator = threading.Thread(target=self._replicate_loop, name="memory-replicator", daemon=True)
+        self._replicator.start()
+
+    # ------------------------------------------------------------ from the node agent
+
+    def set_peer(self, job_id: str, peer: control_pb2.MemoryPeer) -> None:
+        """The peer node agent of ``job_id``'s copies (from LaunchRanks)."""
+        with self._lock:
+            if peer.address:
+                self._peers[job_id] = peer
+            else:
+                self._peers.pop(job_id, None)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._outbox.put(None)
+        with self._lock:
+            stubs, self._stubs = list(self._stubs.values()), {}
+        for ch, _ in stubs:
+            ch.close()
+
+    # ------------------------------------------------------------ the service's calls
+
+    def held(self, job_id: str, rank: int, replica: bool) -> list[str]:
+        with self._lock:
+            s = self._sets.get((job_id, rank, replica))
+            return [d for d in s.digests if d in self._chunks] if s else []
+
+    def put(self, parts: Iterator[worker_pb2.ChunkPut]) -> worker_pb2.ChunksKept:
+        """One PutChunks stream: header, chunks, end. The chunks received are held apart
+        until the end names the set; a stream that breaks off keeps nothing new."""
+        header = None
+        fresh: dict[str, bytes] = {}
+        received = refused = 0
+        try:
+            for part in parts:
+                kind = part.WhichOneof("part")
+                if kind == "header":
+                    header = part.header
+                elif kind == "chunk":
+                    data = part.chunk.data
+                    received += len(data)
+                    if header is not None and header.replica and _job_name(header.job_id) in self._corrupt and data:
+                        data = bytes([data[0] ^ 0xFF]) + data[1:]  # test-only: bit rot in the peer's copy
+                    if not self._reserve(part.chunk.sha256, data, fresh, header):
+                        refused += 1
+                elif kind == "end":
+                    if header is None:
+                        raise ValueError("PutChunks: the end came before the header")
+                    CHUNKS_RECEIVED.labels("peer" if header.replica else "rank").inc(received)
+                    if part.end.aborted:
+                        return worker_pb2.ChunksKept(received_bytes=received)
+                    return self._commit(header, part.end, fresh, received, refused)
+            return worker_pb2.ChunksKept(received_bytes=received)  # broken off: nothing new kept
+        finally:
+            with self._lock:  # what the stream held apart and no set took
+                self._held -= sum(len(d) for d in fresh.values())
+                HELD_BYTES.set(self._held)
+
+    def get(self, job_id: str, sha256: str, via_peer: bool) -> worker_pb2.ChunkReply:
+        if not via_peer:
+            with self._lock:
+                data = self._chunks.get(sha256)
+            if data is None:
+                return worker_pb2.ChunkReply(found=False)
+            CHUNKS_SERVED.labels("local").inc(len(data))
+            return worker_pb2.ChunkReply(found=True, data=data, holder=self._worker_id)
+        stub = self._peer_stub(job_id)
+        if stub is None:
+            return worker_pb2.ChunkReply(found=False)
+        try:
+            reply = stub.GetChunk(worker_pb2.ChunkQuery(job_id=job_id, sha256=sha256), timeout=PEER_RPC_TIMEOUT_S)
+        except grpc.RpcError as e:
+            self._log.warning("memory_copy_peer_unreachable", job_id=job_id, code=e.code().name)
+            return worker_pb2.ChunkReply(found=False)
+        if reply.found:
+            CHUNKS_SERVED.labels("peer").inc(len(reply.data))
+        return reply
+
+    # ------------------------------------------------------------ private
+
+    def _reserve(self, sha: str, data: bytes, fresh: dict[str, bytes], header: Any) -> bool:
+        """Hold a received chunk apart for its stream, within the bound (evicting the
+        least recently stored sets, never the one this stream replaces)."""
+        with self._lock:
+            if sha in self._chunks or sha in fresh:
+                return True
+            replaced = (header.job_id, header.rank, header.replica) if header is not None else None
+            while self._held + len(data) > self._limit:
+                # Least recently stored first; the set this stream replaces last (its chunks
+                # the new set shares were not sent again: they go missing with it).
+                victims = sorted((k == replaced, s.stored_at, k) for k, s in self._sets.items())
+                if not victims:
+                    CHUNKS_REFUSED.inc()
+                    return False
+                *_, key = victims[0]
+                self._drop(key)
+                self._log.info("memory_copy_evicted", job_id=key[0], rank=key[1], replica=key[2])
+            fresh[sha] = data
+            self._held += len(data)
+            HELD_BYTES.set(self._held)
+            return True
+
+    def _commit(
+        self,
+        header: worker_pb2.SnapshotHeader,
+        end: worker_pb2.SnapshotEnd,
+        fresh: dict[str, bytes],
+        received: int,
+        refused: int,
+    ) -> worker_pb2.ChunksKept:
+        key = (header.job_id, header.rank, header.replica)
+        with self._lock:
+            kept: list[str] = []
+            nbytes = 0
+            for sha in dict.fromkeys(end.sha256):  # (each once)
+                data = fresh.pop(sha, None)
+                if data is not None:
+                    self._chunks[sha] = data  # (already counted in _held when received)
+                elif sha not in self._chunks:
+                    continue
+                self._refs[sha] = self._refs.get(sha, 0) + 1
+                kept.append(sha)
+                nbytes += len(self._chunks[sha])
+            self._drop(key)  # the previous set of this rank: its chunks go unless shared
+            self._sets[key] = _Set(header.step, tuple(kept), time.monotonic())
+            if not header.replica:
+                self._drop((header.job_id, header.rank, True))  # a replica of this rank is older
+            HELD_BYTES.set(self._held)
+            missing = len(set(end.sha256)) - len(kept)
+        self._log.info(
+            "memory_copy_stored",
+            job_id=header.job_id,
+            rank=header.rank,
+            step=header.step,
+            replica=header.replica,
+            chunks=len(kept),
+            bytes=nbytes,
+            received_bytes=received,
+            missing=missing,
+            refused=refused,
+        )
+        if not header.replica:
+            self._outbox.put((header.job_id, header.rank))
+        return worker_pb2.ChunksKept(chunks=len(kept), bytes=nbytes, missing=missing, received_bytes=received)
+
+    def _drop(self, key: tuple[str, int, bool]) -> None:
+        """Forget a set (lock held); free its chunks no other set names."""
+        old = self._sets.pop(key, None)
+        if old is None:
+            return
+        for sha in old.digests:
+            n = self._refs.get(sha, 0) - 1
+            if n > 0:
+                self._refs[sha] = n
+                continue
+            self._refs.pop(sha, None)
+            data = self._chunks.pop(sha, None)
+            if data is not None:
+                self._held -= len(data)
+
+    def _peer_stub(self, job_id: str) -> worker_pb2_grpc.MemoryCopyServiceStub | None:
+        with self._lock:
+            peer = self._peers.get(job_id)
+            if peer is None:
+                return None
+            have = self._stubs.get(peer.address)
+            if have is None:
+                ch = channel(peer.address, module=Module.EXT_HARDWARE)
+                have = self._stubs[peer.address] = (ch, worker_pb2_grpc.MemoryCopyServiceStub(ch))
+            return have[1]
+
+    def _replicate_loop(self) -> None:
+        """Send each local rank's newest set to the job's peer, one stream at a time; a set
+        superseded while waiting is sent once, as its newest."""
+        while True:
+            item = self._outbox.get()
+            if item is None or self._closed.is_set():
+                return
+            pending = {item}
+            while True:  # coalesce what queued meanwhile
+                try:
+                    more = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    return
+                pending.add(more)
+            for job_id, rank in sorted(pending):
+                try:
+                    self._replicate(job_id, rank)
+                except Exception as e:  # noqa: BLE001 - a failed replication costs only the copy
+                    self._log.warning(
+                        "memory_copy_replication_failed", job_id=job_id, rank=rank, error=f"{type(e).__name__}: {e}"
+                    )
+
+    def _replicate(self, job_id: str, rank: int) -> None:
+        stub = self._peer_stub(job_id)
+        if stub is None:
+            return
+        with self._lock:
+            s = self._sets.get((job_id, rank, False))
+            if s is None:
+                return
+            chunks = [(d, self._chunks[d]) for d in s.digests if d in self._chunks]
+            step = s.step
+        t0 = time.perf_counter()
+        held = set(stub.HeldChunks(worker_pb2.HeldQuery(job_id=job_id, rank=rank, replica=True), timeout=30).sha256)
+
+        def parts() -> Iterator[worker_pb2.ChunkPut]:
+            yield worker_pb2.ChunkPut(
+                header=worker_pb2.SnapshotHeader(
+                    job_id=job_id, rank=rank, step=step, replica=True, origin_worker_id=self._worker_id
+                )
+            )
+            for sha, data in chunks:
+                if sha not in held:
+                    yield worker_pb2.ChunkPut(chunk=worker_pb2.ChunkData(sha256=sha, data=data))
+            yield worker_pb2.ChunkPut(
+                end=worker_pb2.SnapshotEnd(sha256=[d for d, _ in chunks], nbytes=[len(b) for _, b in chunks])
+            )
+
+        kept = stub.PutChunks(parts(), timeout=REPLICATE_TIMEOUT_S)
+        self._log.info(
+            "memory_copy_replicated",
+            job_id=job_id,
+            rank=rank,
+            step=step,
+            peer=self._peers.get(job_id, control_pb2.MemoryPeer()).worker_id,
+            chunks=kept.chunks,
+            bytes=kept.bytes,
+            sent_bytes=kept.received_bytes,
+            missing=kept.missing,
+            seconds=round(time.perf_counter() - t0, 4),
+        )
+
+
+class MemoryCopyServicer(worker_pb2_grpc.MemoryCopyServiceServicer):
+    """``MemoryCopyService`` on the node agent's gRPC server. A peer agent (EXT_HARDWARE)
+    is answered from this agent's memory only: ``via_peer`` is a local rank's request."""
+
+    def __init__(self, copies: MemoryCopies):
+        self._copies = copies
+
+    def PutChunks(self, request_iterator, context):  # noqa: N802 (gRPC method name)
+        return self._copies.put(request_iterator)
+
+    def HeldChunks(self, request, context):  # noqa: N802
+        return worker_pb2.HeldReply(sha256=self._copies.held(request.job_id, request.rank, request.replica))
+
+    def GetChunk(self, request, context):  # noqa: N802
+        via_peer = request.via_peer and _caller(context) != Module.Name(Module.EXT_HARDWARE)
+        return self._copies.get(request.job_id, request.sha256, via_peer)
+
+
+def _caller(context) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == MODULE_METADATA:
+            return value if isinstance(value, str) else value.decode()
+    return ""

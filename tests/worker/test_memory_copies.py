@@ -1,0 +1,206 @@
+"""The node agent's in-memory checkpoint copies (services/worker/memory_copies.py) and the
+rank's side of them (memory_client.py), over real gRPC servers in this process: three
+agents' MemoryCopyService (A: the rank's node, B: A's peer, C: a node with nothing), the
+rank's client, and part A's chunk reader with the store's files last.
+
+The real stack (a worker killed, its rank recovered from the peer's copy): tests/faults/
+test_memory_recovery.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+import structlog
+
+from services.common.grpc_server import ServiceServer
+from services.contract import control_pb2, worker_pb2_grpc
+from services.state.chunk_store import ChunkIntegrityError, ChunkReader, DirectorySource, chunk_path
+from services.worker import memory_copies
+from services.worker.memory_client import MemoryCopyClient
+from services.worker.memory_copies import MemoryCopies, MemoryCopyServicer
+
+pytestmark = pytest.mark.timeout(60)
+JOB = "mem-0a1b2c"
+
+
+class Agent:
+    def __init__(self, worker_id: str, limit: int = 1 << 30):
+        self.copies = MemoryCopies(worker_id, structlog.get_logger(), limit)
+        self.server = ServiceServer(worker_id, "127.0.0.1", 0)
+        worker_pb2_grpc.add_MemoryCopyServiceServicer_to_server(MemoryCopyServicer(self.copies), self.server.server)
+        self.server.start(["surge.v1.MemoryCopyService"])
+        self.address = f"127.0.0.1:{self.server.port}"
+        self.worker_id = worker_id
+
+    def peer(self, other: Agent) -> None:
+        self.copies.set_peer(JOB, control_pb2.MemoryPeer(worker_id=other.worker_id, address=other.address))
+
+    def close(self) -> None:
+        self.copies.close()
+        self.server.stop(0)
+
+
+@pytest.fixture
+def agents(monkeypatch):
+    made: list[Agent] = []
+
+    def make(worker_id: str, limit: int = 1 << 30, corrupt: str = "") -> Agent:
+        if corrupt:
+            monkeypatch.setenv(memory_copies.CORRUPT_ENV, corrupt)
+        else:
+            monkeypatch.delenv(memory_copies.CORRUPT_ENV, raising=False)
+        a = Agent(worker_id, limit)
+        made.append(a)
+        return a
+
+    yield make
+    for a in made:
+        a.close()
+
+
+def chunks(*payloads: bytes) -> dict[str, bytes]:
+    return {hashlib.sha256(p).hexdigest(): p for p in payloads}
+
+
+def save(client: MemoryCopyClient, step: int, parts: dict[str, bytes]):
+    sink = client.begin(step)
+    assert sink is not None
+    for sha, data in parts.items():
+        sink(sha, memoryview(data))
+    client.end(True)
+    return client.wait()
+
+
+def replicated(agent: Agent, rank: int, want: set[str], timeout: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if set(agent.copies.held(JOB, rank, True)) == want:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def store_dir(tmp_path: Path, parts: dict[str, bytes]) -> Path:
+    root = tmp_path / "chunks"
+    for sha, data in parts.items():
+        p = chunk_path(root, sha)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    return root
+
+
+def reader(tmp_path: Path, client: MemoryCopyClient, root: Path) -> ChunkReader:
+    return ChunkReader(tmp_path, [*client.sources(), DirectorySource(root)])
+
+
+def test_only_new_chunks_travel_the_newest_set_replaces_the_old_and_reaches_the_peer(agents):
+    a, b = agents("wa"), agents("wb")
+    a.peer(b)
+    client = MemoryCopyClient(a.address, JOB, 0)
+    try:
+        v1 = chunks(b"a" * 1000, b"b" * 2000, b"c" * 3000)
+        kept = save(client, 5, v1)
+        assert (kept.chunks, kept.bytes, kept.missing, kept.received_bytes) == (3, 6000, 0, 6000)
+        assert replicated(b, 0, set(v1))
+        v2 = chunks(b"a" * 1000, b"B" * 2500, b"c" * 3000)  # one chunk changed
+        kept = save(client, 10, v2)
+        assert (kept.chunks, kept.bytes, kept.received_bytes) == (3, 6500, 2500)  # only the new one sent
+        assert set(a.copies.held(JOB, 0, False)) == set(v2)
+        assert a.copies._held == 6500  # the old chunk is freed, the shared ones held once
+        assert replicated(b, 0, set(v2))
+        assert b.copies._held == 6500
+    finally:
+        client.close()
+
+
+def test_a_reader_gets_chunks_from_its_agent_then_the_peer_through_it_then_the_store(agents, tmp_path):
+    a, b, c = agents("wa"), agents("wb"), agents("wc")
+    a.peer(b)
+    c.peer(b)
+    v = chunks(b"x" * 4096, b"y" * 4096)
+    extra = chunks(b"only in the store")
+    root = store_dir(tmp_path, {**v, **extra})
+    writer = MemoryCopyClient(a.address, JOB, 0)
+    here, elsewhere = MemoryCopyClient(a.address, JOB, 0), MemoryCopyClient(c.address, JOB, 0)
+    try:
+        save(writer, 5, v)
+        assert replicated(b, 0, set(v))
+        r = reader(tmp_path, here, root)
+        for sha, data in {**v, **extra}.items():
+            assert r.fetch(sha, len(data)) == data
+        assert dict(r.served) == {"memory": 2, "store": 1}
+        # A rank on a node whose agent has nothing (C): its agent asks its peer (B).
+        r = reader(tmp_path, elsewhere, root)
+        for sha, data in v.items():
+            assert r.fetch(sha, len(data)) == data
+        assert dict(r.served) == {"peer": 2} and not r.mismatches
+    finally:
+        for cl in (writer, here, elsewhere):
+            cl.close()
+
+
+def test_a_corrupt_peer_copy_is_detected_counted_and_the_store_read(agents, tmp_path):
+    a = agents("wa")
+    b = agents("wb", corrupt=JOB.rpartition("-")[0])  # B flips a byte of every replica it stores
+    c = agents("wc")
+    a.peer(b)
+    c.peer(b)
+    v = chunks(os.urandom(5000), os.urandom(7000))
+    root = store_dir(tmp_path, v)
+    writer, elsewhere = MemoryCopyClient(a.address, JOB, 0), MemoryCopyClient(c.address, JOB, 0)
+    try:
+        save(writer, 5, v)
+        assert replicated(b, 0, set(v))
+        r = reader(tmp_path, elsewhere, root)
+        for sha, data in v.items():
+            assert r.fetch(sha, len(data)) == data
+        assert dict(r.mismatches) == {"peer": 2}
+        assert dict(r.served) == {"store": 2}
+        # With the store's file gone too, the load fails, naming the chunk.
+        sha = next(iter(v))
+        chunk_path(root, sha).unlink()
+        with pytest.raises(ChunkIntegrityError, match=sha):
+            reader(tmp_path, elsewhere, root).fetch(sha, len(v[sha]))
+    finally:
+        writer.close()
+        elsewhere.close()
+
+
+def test_memory_is_bounded_older_sets_of_other_ranks_are_evicted_first(agents):
+    a = agents("wa", limit=10_000)
+    r0, r1 = MemoryCopyClient(a.address, JOB, 0), MemoryCopyClient(a.address, JOB, 1)
+    try:
+        kept = save(r0, 5, chunks(b"p" * 6000))
+        assert kept.chunks == 1
+        kept = save(r1, 5, chunks(b"q" * 6000))  # does not fit beside rank 0's: rank 0's set goes
+        assert (kept.chunks, kept.missing) == (1, 0)
+        assert a.copies.held(JOB, 0, False) == [] and a.copies._held == 6000
+        # Its own previous set goes last, then the second new chunk does not fit: not kept.
+        kept = save(r1, 10, chunks(b"r" * 6000, b"s" * 6000))
+        assert (kept.chunks, kept.missing) == (1, 1)
+        assert a.copies._held == 6000
+    finally:
+        r0.close()
+        r1.close()
+
+
+def test_an_aborted_save_keeps_the_previous_set(agents):
+    a = agents("wa")
+    client = MemoryCopyClient(a.address, JOB, 0)
+    try:
+        v1 = chunks(b"k" * 100)
+        save(client, 5, v1)
+        sink = client.begin(10)
+        sink(*next(iter(chunks(b"half written").items())))
+        client.end(False)
+        client.wait()
+        assert set(a.copies.held(JOB, 0, False)) == set(v1)
+        assert a.copies._held == 100
+    finally:
+        client.close()
