@@ -47,13 +47,14 @@ def open_request(rank: int, world: int):
     return data_pb2.OpenStream(
         mount=data_pb2.MountDataset(name=d.name, version=d.version),
         prefetch=data_pb2.SetPrefetch(watermark=d.prefetch.watermark, threads=d.prefetch.threads),
-        shuffle=data_pb2.ShufflePlan(seed=d.shuffle_seed, enabled=d.shuffle, rank=rank, world_size=world),
+        shuffle=data_pb2.ShufflePlan(seed=d.shuffle_seed, enabled=d.shuffle),
         filter=data_pb2.FilterRules(
             min_tokens=d.filter.min_tokens, max_tokens=d.filter.max_tokens, banned_bytes=d.filter.banned_bytes.encode()
         ),
         packer=data_pb2.PackerConfig(
-            seq_len=d.seq_len, micro_batch_size=d.micro_batch_size, pad_id=d.pad_id, mode=data_pb2.PACK, separator_id=0
-        ),
+            seq_len=d.seq_len, micro_batch_size=d.micro_batch_size, pad_id=d.pad_id, mode=data_pb2.PACK, separator_id=0,
+            rank=rank, world_size=world,
+        ),  # fmt: skip
         split="train",
         repeat=True,
     )

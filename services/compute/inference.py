@@ -21,6 +21,7 @@ import io
 import os
 import pathlib
 import pickle
+import re
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -37,9 +38,24 @@ from torch.distributed.checkpoint.planner import ReadItem
 from services.compute.model import build_model, generate
 from services.jobspec import JobSpec, spec_from_json
 
+# A key one rank owns: a path component ``rank<r>`` (e.g. the loop's ``train.rank3.rng.*``).
+PER_RANK_KEY = re.compile(r"(?:^|\.)rank\d+\.")
+
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DefaultLoadPlanner, except that non-tensor values are loaded with weights_only=True."""
+    """DefaultLoadPlanner, except that non-tensor values are loaded with weights_only=True,
+    and a per-rank key (:data:`PER_RANK_KEY`) the checkpoint lacks is left as it is instead
+    of failing the load: that rank did not exist at the size the checkpoint was written at
+    (a resume at a larger data-parallel size). The owner of the key knows its own keys and
+    tells a missing one from a loaded one (the loop: ``train.ranks``). Every other key must
+    be in the checkpoint, as with DCP's default."""
+
+    def create_local_plan(self):
+        held = self.metadata.state_dict_metadata if self.metadata is not None else {}
+        absent = [k for k in self.state_dict if k not in held and PER_RANK_KEY.search(k)]
+        for k in absent:
+            del self.state_dict[k]
+        return super().create_local_plan()
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)

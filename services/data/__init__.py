@@ -4,9 +4,9 @@ Modules (one file each, named after the seed's roles)::
 
     dataset_versions.py  L4-1  registry of prepared versions, mount + manifest verification
     prefetcher.py        L4-2  thread-pool reads of a split into memory (storage order)
-    shuffler.py          L4-3  epoch order = pure function of (seed, epoch); rank shards
+    shuffler.py          L4-3  global epoch order = pure function of (seed, epoch)
     sample_filter.py     L4-4  drops (too short / too long / banned) and counts, nothing else
-    batch_packer.py      L4-5  PACK or PAD into [micro_batch_size, seq_len] int32, labels -100
+    batch_packer.py      L4-5  PACK or PAD rows, dealt to dp ranks as [micro_batch_size, seq_len] int32
 
 Around them: ``prepare.py`` (offline: source files -> immutable version directory),
 ``manifest.py`` (sealing and checking manifests), ``documents.py`` (the payloads that ride

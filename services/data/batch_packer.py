@@ -1,4 +1,4 @@
-"""L4-5 batch packer (批次打包器): groups documents into micro-batches, pads, converts.
+"""L4-5 batch packer (批次打包器): cuts documents into rows, deals rows into micro-batches.
 
 It never drops, reorders or edits a document, never repeats one to fill a batch, and never
 changes the batch size or sequence length pushed by L2-1 (``PackerConfig``). Every batch
@@ -6,32 +6,43 @@ it emits is ``[micro_batch_size, seq_len]``: input ids and labels as little-endi
 Labels are -100 wherever there is no real next token (padding), so padding never counts in
 the loss (PyTorch ``cross_entropy``'s default ``ignore_index``).
 
+Rows. The documents (the whole global epoch order: every rank's stream reads all of it,
+see ``shuffler.py``) become ONE global stream of rows of ``seq_len`` tokens, a pure function
+of the documents, ``seq_len``, mode and separator; never of the batch size or the ranks.
 Two modes (``PackerConfig.mode``):
 
 * PACK: the epoch's documents are one stream, each followed by ``separator_id`` unless it
-  is -1. Row r of a batch is the ``seq_len + 1`` tokens starting at ``cursor + r*seq_len``:
+  is -1. Row r is the ``seq_len + 1`` tokens starting at ``cursor + r*seq_len``:
   ``input_ids = row[:-1]``, ``labels = row[1:]``. Consecutive rows share their boundary
   token (Megatron-LM's GPTDataset does the same), so every token of the stream except the
-  first is a label exactly once and nothing is thrown away.
+  first is a label exactly once and nothing is thrown away. The epoch's incomplete last row
+  is padded, not dropped.
 * PAD: one document per row; a document longer than ``seq_len + 1`` continues on the next
   row (again sharing the boundary token); the rest of a row is ``pad_id`` / -100. A
   document of one token has no label and makes no row.
 
-End of an epoch (the shuffler's ``last`` marker) is a batch boundary: what is left is
-emitted as one final batch, its missing rows and tokens padded (PACK: the incomplete final
-row is padded, not dropped, so no token is lost), then ``DataExhausted`` tells L2-1 the
-shard is used up. Whether another epoch follows is L2-1's call (a new shuffle plan).
+The deal. From the stream's start (a step boundary: the job's start or a checkpoint's
+position), rows are cut into slots of ``micro_batch_size`` (B) rows and slot m goes to
+dp rank ``m % world_size`` (W): a round of W slots is one micro-step of every rank, and an
+optimizer step of ``grad_accum`` (A) micro-steps takes the next A*W*B rows, the global
+batch. So the sequence of global batches depends only on A*W*B, not on how it splits: a
+job checkpointed at dp 2 x B 2 resumes at dp 1 x A 2, dp 1 x B 4 or dp 4 x B 1 on the same
+rows. An epoch's end is a row boundary only: with ``repeat`` (training) the next epoch's
+rows complete the round; without it (evaluation: one pass) the last round is padded with
+empty rows (labels -100), so every rank gets as many micro-batches, and ``DataExhausted``
+tells L2-1 the pass is over. With ``repeat`` ``DataExhausted`` still marks each epoch's end
+(the stream relay then plans the next one).
 
-``MicroBatch.next`` is the position the stream continues from after the batch: (epoch,
-document = position in the rank's shard, offset = tokens of that document's contribution,
-separator included, already consumed). A stream opened at ``next`` produces exactly the
-batches that would have followed. The packer learns where it resumes from
-``PackerConfig.start``.
+``MicroBatch.next`` is the position the global stream continues from after the batch's
+round (the same on every rank): (epoch, document = position in the epoch's order, offset =
+tokens of that document's contribution, separator included, already consumed). A stream
+opened at the ``next`` of a round that ends a step produces exactly the rows that would
+have followed; the packer learns where it resumes from ``PackerConfig.start``.
 
 Commands it takes: ``packer_config`` (L2-1), ``on_samples_filtered`` (data from L4-4). It
 publishes ``MicroBatch`` and ``DataExhausted``.
 
-Legend: B micro_batch_size, L seq_len, R rows, T tokens.
+Legend: B micro_batch_size, L seq_len, W world_size (data-parallel ranks), R rows, T tokens.
 """
 
 from __future__ import annotations
@@ -49,39 +60,41 @@ IGNORE = -100  # label of a padding position
 
 
 class BatchPacker:
-    """Turns filtered documents into fixed-shape micro-batches."""
+    """Turns filtered documents into rows, and rows into this rank's micro-batches."""
 
     def __init__(self, emit: Emitter):
         self._emit = emit
-        # Batch shape and mode, pushed once per stream (seed L4-5 s2: 上层下发后固化); the
-        # composition root builds a fresh packer for every stream. ``_cfg`` is the value.
+        # Batch shape, mode and deal, pushed once per stream (seed L4-5 s2: 上层下发后固化);
+        # the composition root builds a fresh packer for every stream. ``_cfg`` is the value.
         self._frozen = FrozenConfig[data_pb2.PackerConfig](
             "L4_BATCH_PACKER", "batching rules (PackerConfig)", error=ConfigAlreadyPushed
         )
         self._cfg: data_pb2.PackerConfig | None = None
-        self._resume: data_pb2.DataPosition | None = None  # applied to the first batch only
+        self._resume: data_pb2.DataPosition | None = None  # applied to the first documents only
         self._epoch = 0
-        # PACK: tokens not yet emitted, and which document each stretch of them belongs to.
+        self._epoch_rows = 0  # rows the current epoch gave the global stream
+        # PACK: tokens not yet cut into rows, and which document each stretch of them belongs to.
         self._buf_T = np.zeros(0, np.int32)
         self._seg_start = np.zeros(0, np.int64)  # where the document's stretch starts in _buf_T
-        self._seg_doc = np.zeros(0, np.int64)  # its shard position
+        self._seg_doc = np.zeros(0, np.int64)  # its position in the epoch order
         self._seg_off = np.zeros(0, np.int64)  # its tokens consumed before the stretch
         self._seg_len = np.zeros(0, np.int64)  # its contribution length (separator included)
-        # PAD: finished rows waiting for a full batch (< B of them).
+        # Rows of the global stream not yet dealt (< one round of W*B after each deal).
         self._rows_in = np.zeros((0, 0), np.int32)
         self._rows_lab = np.zeros((0, 0), np.int32)
-        self._rows_next = np.zeros((0, 2), np.int64)  # (document, offset) after each row
+        self._rows_next = np.zeros((0, 3), np.int64)  # (epoch, document, offset) after each row
         # "idle" | "packing" | "short_of_samples"
         self._state = "idle"
 
     # ---- commands -------------------------------------------------------------------
 
     def packer_config(self, msg: data_pb2.PackerConfig, payload: object = None) -> None:
-        """Fix batch shape and mode for this stream (pushed once); ``msg.start`` resumes:
-        its ``offset`` tokens of its document were emitted before the checkpoint.
+        """Fix batch shape, mode and deal for this stream (pushed once); ``msg.start``
+        resumes: its ``offset`` tokens of its document were emitted before the checkpoint.
 
         Raises:
-            InvalidConfig: seq_len or micro_batch_size 0, mode unspecified, separator < -1.
+            InvalidConfig: seq_len or micro_batch_size 0, mode unspecified, separator < -1,
+                rank >= world_size.
             ConfigAlreadyPushed: the config was already set (batch size and sequence length
                 never change within a stream; the seed lists no command for it).
         """
@@ -93,6 +106,8 @@ class BatchPacker:
             raise InvalidConfig(f"packer.mode: must be PACK or PAD, got {data_pb2.PackMode.Name(msg.mode)}")
         if msg.separator_id < -1:
             raise InvalidConfig(f"packer.separator_id: must be -1 (none) or a token id, got {msg.separator_id}")
+        if msg.rank >= max(msg.world_size, 1):
+            raise InvalidConfig(f"packer.rank: rank {msg.rank} / world_size {msg.world_size}: need rank < world_size")
         self._cfg = self._frozen.set(msg)
         L = msg.seq_len
         self._rows_in = np.zeros((0, L), np.int32)
@@ -101,19 +116,21 @@ class BatchPacker:
             self._resume = msg.start
 
     def on_samples_filtered(self, msg: data_pb2.SamplesFiltered, docs: Documents) -> None:
-        """Pack ``docs``; publish every complete batch; at the epoch's end, the rest.
+        """Cut ``docs`` into rows; deal every complete round; at the epoch's end, its last
+        row (and, for a single pass, its last round, padded).
 
         Raises:
             RuntimeError: documents before the config (wiring fault).
         """
         if self._cfg is None:
             raise RuntimeError("packer: samples before PackerConfig")
+        if docs.epoch != self._epoch:
+            self._epoch, self._epoch_rows = docs.epoch, 0
         self._state = "packing"
-        self._epoch = docs.epoch
         skip = 0
-        if self._resume is not None:
+        if self._resume is not None and len(docs):
             r, self._resume = self._resume, None
-            if len(docs) and docs.epoch == r.epoch and int(docs.index_n[0]) == r.document:
+            if docs.epoch == r.epoch and int(docs.index_n[0]) == r.document:
                 skip = int(r.offset)
         if self._cfg.mode == data_pb2.PACK:
             self._pack(docs, skip)
@@ -121,11 +138,13 @@ class BatchPacker:
             self._pad(docs, skip)
         if docs.last:
             self._finish_epoch(docs.split)
+        else:
+            self._deal()
 
     # ---- PACK -------------------------------------------------------------------------
 
     def _pack(self, docs: Documents, skip: int) -> None:
-        B, L, sep = self._cfg.micro_batch_size, self._cfg.seq_len, self._cfg.separator_id
+        L, sep = self._cfg.seq_len, self._cfg.separator_id
         n = len(docs)
         if n:
             contrib = docs.lengths_n + (1 if sep >= 0 else 0)
@@ -148,21 +167,20 @@ class BatchPacker:
             self._seg_doc = np.concatenate([self._seg_doc, docs.index_n])
             self._seg_off = np.concatenate([self._seg_off, offs])
             self._seg_len = np.concatenate([self._seg_len, contrib])
-        buf, c, step = self._buf_T, 0, B * L
-        while len(buf) - c >= step + 1:
-            rows = as_strided(buf[c:], shape=(B, L + 1), strides=(L * buf.itemsize, buf.itemsize))
-            c += step
-            self._publish(rows[:, :L], rows[:, 1:], self._position(c))
-        if c:
-            self._drop_consumed(c)
+        buf = self._buf_T
+        R = (len(buf) - 1) // L if len(buf) > L else 0  # complete rows: L + 1 tokens each
+        if R:
+            rows = as_strided(buf, shape=(R, L + 1), strides=(L * buf.itemsize, buf.itemsize))
+            self._add_rows(rows[:, :L], rows[:, 1:], self._positions(np.arange(1, R + 1, dtype=np.int64) * L))
+            self._drop_consumed(R * L)
 
-    def _position(self, c: int) -> tuple[int, int]:
-        """(shard position, offset) of buffer index ``c``: the next token to be emitted."""
-        k = int(np.searchsorted(self._seg_start, c, side="right")) - 1
-        off = int(self._seg_off[k]) + c - int(self._seg_start[k])
-        if off >= self._seg_len[k]:
-            return int(self._seg_doc[k]) + 1, 0
-        return int(self._seg_doc[k]), off
+    def _positions(self, c_R: np.ndarray) -> np.ndarray:
+        """(epoch, document, offset) of buffer indices ``c_R``: the next token to be cut."""
+        k = np.searchsorted(self._seg_start, c_R, side="right") - 1
+        off = self._seg_off[k] + c_R - self._seg_start[k]
+        done = off >= self._seg_len[k]
+        doc = self._seg_doc[k] + done
+        return np.stack([np.full(len(c_R), self._epoch, np.int64), doc, np.where(done, 0, off)], axis=1)
 
     def _drop_consumed(self, c: int) -> None:
         k = max(0, int(np.searchsorted(self._seg_start, c, side="right")) - 1)
@@ -175,7 +193,7 @@ class BatchPacker:
     # ---- PAD --------------------------------------------------------------------------
 
     def _pad(self, docs: Documents, skip: int) -> None:
-        B, L = self._cfg.micro_batch_size, self._cfg.seq_len
+        L = self._cfg.seq_len
         n = len(docs)
         if n:
             lengths = docs.lengths_n
@@ -190,14 +208,27 @@ class BatchPacker:
             inputs, labels = _gather(docs.tokens_T, docs.bounds_n1[doc] + in_doc, lens, L, self._cfg.pad_id)
             after = in_doc + L
             done = after >= lengths[doc] - 1
-            nxt = np.stack([docs.index_n[doc] + done, np.where(done, 0, after)], axis=1)
-            self._rows_in = np.concatenate([self._rows_in, inputs])
-            self._rows_lab = np.concatenate([self._rows_lab, labels])
-            self._rows_next = np.concatenate([self._rows_next, nxt])
-        full = len(self._rows_in) // B * B
-        for i in range(0, full, B):
-            d, o = self._rows_next[i + B - 1]
-            self._publish(self._rows_in[i : i + B], self._rows_lab[i : i + B], (int(d), int(o)))
+            nxt = np.stack(
+                [np.full(len(doc), self._epoch, np.int64), docs.index_n[doc] + done, np.where(done, 0, after)], axis=1
+            )
+            self._add_rows(inputs, labels, nxt)
+
+    # ---- rows and the deal ------------------------------------------------------------
+
+    def _add_rows(self, inputs_RL: np.ndarray, labels_RL: np.ndarray, next_R3: np.ndarray) -> None:
+        self._rows_in = np.concatenate([self._rows_in, inputs_RL])
+        self._rows_lab = np.concatenate([self._rows_lab, labels_RL])
+        self._rows_next = np.concatenate([self._rows_next, next_R3])
+        self._epoch_rows += len(inputs_RL)
+
+    def _deal(self) -> None:
+        """Publish this rank's slot of every complete round (W slots of B rows)."""
+        B, W, rank = self._cfg.micro_batch_size, max(self._cfg.world_size, 1), self._cfg.rank
+        round_rows = W * B
+        full = len(self._rows_in) // round_rows * round_rows
+        for lo in range(0, full, round_rows):
+            mine = slice(lo + rank * B, lo + (rank + 1) * B)
+            self._publish(self._rows_in[mine], self._rows_lab[mine], self._rows_next[lo + round_rows - 1])
         if full:
             self._rows_in, self._rows_lab = self._rows_in[full:], self._rows_lab[full:]
             self._rows_next = self._rows_next[full:]
@@ -205,31 +236,28 @@ class BatchPacker:
     # ---- end of epoch -----------------------------------------------------------------
 
     def _finish_epoch(self, split: str) -> None:
-        B, L, pad = self._cfg.micro_batch_size, self._cfg.seq_len, self._cfg.pad_id
-        after_epoch = (0, 0)  # (document, offset) in epoch + 1
-        if self._cfg.mode == data_pb2.PACK:
-            if len(self._buf_T) >= 2:  # at least one label left
-                lens = np.clip(len(self._buf_T) - np.arange(B) * L, 0, L + 1)
-                inputs, labels = _gather(self._buf_T, np.arange(B) * L, lens, L, pad)
-                self._publish(inputs, labels, after_epoch, epoch=self._epoch + 1)
-        elif len(self._rows_in):
-            missing = B - len(self._rows_in)
-            inputs = np.concatenate([self._rows_in, np.full((missing, L), pad, np.int32)])
-            labels = np.concatenate([self._rows_lab, np.full((missing, L), IGNORE, np.int32)])
-            self._publish(inputs, labels, after_epoch, epoch=self._epoch + 1)
+        L, pad = self._cfg.seq_len, self._cfg.pad_id
+        after_epoch = np.array([[self._epoch + 1, 0, 0]], np.int64)
+        if self._cfg.mode == data_pb2.PACK and len(self._buf_T) >= 2:  # at least one label left
+            inputs, labels = _gather(self._buf_T, np.zeros(1, np.int64), np.array([len(self._buf_T)]), L, pad)
+            self._add_rows(inputs, labels, after_epoch)
         self._buf_T = np.zeros(0, np.int32)
         for name in ("_seg_start", "_seg_doc", "_seg_off", "_seg_len"):
             setattr(self, name, np.zeros(0, np.int64))
-        self._rows_in, self._rows_lab = self._rows_in[:0], self._rows_lab[:0]
-        self._rows_next = self._rows_next[:0]
+        if not self._cfg.repeat and len(self._rows_in):  # the pass ends: pad its last round
+            round_rows = max(self._cfg.world_size, 1) * self._cfg.micro_batch_size
+            missing = -len(self._rows_in) % round_rows
+            self._rows_in = np.concatenate([self._rows_in, np.full((missing, L), pad, np.int32)])
+            self._rows_lab = np.concatenate([self._rows_lab, np.full((missing, L), IGNORE, np.int32)])
+            self._rows_next = np.concatenate([self._rows_next, np.repeat(after_epoch, missing, axis=0)])
+        self._deal()
         self._state = "short_of_samples"
         position = data_pb2.DataPosition(epoch=self._epoch + 1, document=0, offset=0)
-        self._emit(data_pb2.DataExhausted(split=split, position=position))
+        self._emit(data_pb2.DataExhausted(split=split, position=position, rows=self._epoch_rows))
 
-    def _publish(
-        self, inputs_BL: np.ndarray, labels_BL: np.ndarray, nxt: tuple[int, int], epoch: int | None = None
-    ) -> None:
+    def _publish(self, inputs_BL: np.ndarray, labels_BL: np.ndarray, nxt: np.ndarray) -> None:
         labels = np.ascontiguousarray(labels_BL, dtype="<i4")
+        epoch, document, offset = (int(v) for v in nxt)
         self._emit(
             data_pb2.MicroBatch(
                 input_ids=np.ascontiguousarray(inputs_BL, dtype="<i4").tobytes(),
@@ -237,9 +265,7 @@ class BatchPacker:
                 batch_size=self._cfg.micro_batch_size,
                 seq_len=self._cfg.seq_len,
                 tokens=int(np.count_nonzero(labels != IGNORE)),
-                next=data_pb2.DataPosition(
-                    epoch=self._epoch if epoch is None else epoch, document=nxt[0], offset=nxt[1]
-                ),
+                next=data_pb2.DataPosition(epoch=epoch, document=document, offset=offset),
             )
         )
 

@@ -107,7 +107,6 @@ class StreamRelay:
         self._cancelled = threading.Event()
         self._report = data_pb2.FilterReport()
         self._exhausted: data_pb2.DataExhausted | None = None
-        self._epoch_batches = 0
         # Failure events of the stream's modules for the rank's side (the composition root's
         # link puts them here); they go back with the stream's end.
         self.routed = Outbox()
@@ -119,7 +118,6 @@ class StreamRelay:
 
     def on_micro_batch(self, msg: data_pb2.MicroBatch, payload: object = None) -> None:
         msg.filter.CopyFrom(self._report)
-        self._epoch_batches += 1
         self._put(msg)
 
     def on_filter_report(self, msg: data_pb2.FilterReport, payload: object = None) -> None:
@@ -188,22 +186,24 @@ class StreamRelay:
             packer = data_pb2.PackerConfig()
             packer.CopyFrom(req.packer)
             packer.start.CopyFrom(start)  # the batch after the checkpoint's comes first
+            packer.repeat = req.repeat  # a single pass pads its last round (batch_packer.py)
             self._packer_config(packer)
             self.ready = self._open_stream(req).message
             epoch, resume = start.epoch, start
             while not self._cancelled.is_set():
-                self._epoch_batches, self._exhausted = 0, None
+                self._exhausted = None
                 plan = data_pb2.ShufflePlan()
                 plan.CopyFrom(req.shuffle)
                 plan.epoch, plan.start_document = epoch, resume.document
                 self._shuffle_plan(plan)
                 # An endless stream that cannot yield would cycle through empty epochs forever;
                 # a single pass (eval) with nothing in it just ends: that is its true answer.
-                if req.repeat and self._epoch_batches == 0 and resume.document == 0 and resume.offset == 0:
+                # (An epoch shorter than a round of the deal is no fault: the next completes it.)
+                rows = self._exhausted.rows if self._exhausted is not None else 0
+                if req.repeat and rows == 0 and resume.document == 0 and resume.offset == 0:
                     raise NoDocuments(
-                        f"dataset {req.mount.name}@{req.mount.version}: split {req.split}: rank "
-                        f"{req.shuffle.rank} of {req.shuffle.world_size} has no document left after "
-                        f"filtering in epoch {epoch}"
+                        f"dataset {req.mount.name}@{req.mount.version}: split {req.split}: no document "
+                        f"left after filtering in epoch {epoch}"
                     )
                 if not req.repeat or self._exhausted is None:
                     break
@@ -270,8 +270,8 @@ class DataServicer(data_pb2_grpc.DataServiceServicer):
         where = dict(
             dataset=f"{request.mount.name}@{request.mount.version}",
             split=request.split,
-            rank=request.shuffle.rank,
-            world_size=request.shuffle.world_size,
+            rank=request.packer.rank,
+            world_size=request.packer.world_size,
         )
         start = request.start
         self._log.info("stream opened", **where, start=f"{start.epoch}/{start.document}/{start.offset}")

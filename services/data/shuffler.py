@@ -1,16 +1,19 @@
 """L4-3 shuffler (数据混洗器): changes the order of documents, nothing else.
 
 It keeps the snapshot of the split the prefetcher read (why the whole split: see
-``prefetcher.py``) and, on each ``ShufflePlan`` from L2-1, emits this rank's shard of that
-epoch's order. The order is :func:`epoch_order`, a pure function of ``(seed, epoch)``: the
-shuffler never picks a seed, never advances the epoch by itself (the next epoch is a new
-plan from L2-1), and never reads training state. A round's seed and scope are fixed once
-issued (seed L4-3 s2: 本轮随机种子, 上层下发后本地固化): a plan that names an epoch already
-planned with other settings, or arrives while a round is being emitted, is refused
+``prefetcher.py``) and, on each ``ShufflePlan`` from L2-1, emits that epoch's order. The
+order is :func:`epoch_order`, a pure function of ``(seed, epoch)``: the shuffler never picks
+a seed, never advances the epoch by itself (the next epoch is a new plan from L2-1), and
+never reads training state. A round's seed and scope are fixed once issued (seed L4-3 s2:
+本轮随机种子, 上层下发后本地固化): a plan that names an epoch already planned with other
+settings, or arrives while a round is being emitted, is refused
 (``ConfigAlreadyPushed``); a new epoch may bring a new plan (本轮混洗启动指令).
 
-Sharding: the rank takes positions ``rank::world_size`` of the epoch order, so ranks see
-disjoint documents; a shard's position ``k`` is what ``DataPosition.document`` counts.
+No sharding: every stream reads the whole (global) epoch order, whatever the job's
+data-parallel size, and position ``k`` of that order is what ``DataPosition.document``
+counts; the batch packer deals the packed rows to the ranks (``PackerConfig.rank``). So
+the data position is one global cursor, and a job resumes at another dp on the same
+global sample sequence.
 
 Commands it takes: ``shuffle_plan`` (L2-1; ``start_document`` resumes inside the epoch: the
 stream's first plan after a checkpoint), ``on_samples_read`` (data from L4-2). It publishes ``SamplesShuffled`` (payload
@@ -25,7 +28,7 @@ import numpy as np
 from services.contract import data_pb2
 from services.contract.bus import Emitter
 from services.data.documents import Documents
-from services.data.errors import ConfigAlreadyPushed, InvalidConfig
+from services.data.errors import ConfigAlreadyPushed
 
 
 def epoch_order(seed: int, epoch: int, num_documents: int, enabled: bool = True) -> np.ndarray:
@@ -43,7 +46,7 @@ def epoch_order(seed: int, epoch: int, num_documents: int, enabled: bool = True)
 
 
 class Shuffler:
-    """Holds the split's snapshot; emits one shard of one epoch per plan."""
+    """Holds the split's snapshot; emits one epoch's order per plan."""
 
     def __init__(self, emit: Emitter, chunk_documents: int = 128):
         if chunk_documents <= 0:
@@ -60,9 +63,9 @@ class Shuffler:
         self._split = ""
         self._tokenizer = ""
         self._dtype = np.dtype(np.uint16)
-        # Each round's settings as issued: epoch -> (seed, enabled, rank, world_size).
-        self._rounds: dict[int, tuple[int, bool, int, int]] = {}
-        # "idle" | "buffering" | "shuffling" | "done" (a plan's shard fully emitted) | "aborted"
+        # Each round's settings as issued: epoch -> (seed, enabled).
+        self._rounds: dict[int, tuple[int, bool]] = {}
+        # "idle" | "buffering" | "shuffling" | "done" (a plan's order fully emitted) | "aborted"
         self._state = "idle"
 
     # ---- commands -------------------------------------------------------------------
@@ -87,11 +90,10 @@ class Shuffler:
             self._complete = True
 
     def shuffle_plan(self, msg: data_pb2.ShufflePlan, payload: object = None) -> None:
-        """Emit this rank's shard of epoch ``msg.epoch``, from shard position
-        ``msg.start_document`` (past the end: only the empty last chunk), then return.
+        """Emit the order of epoch ``msg.epoch``, from position ``msg.start_document``
+        (past the end: only the empty last chunk), then return.
 
         Raises:
-            InvalidConfig: ``world_size`` is 0 or ``rank >= world_size``.
             ConfigAlreadyPushed: a round is being emitted, or ``msg.epoch`` was already
                 planned with another seed or scope (a round's seed never changes).
             RuntimeError: the split has not been read completely yet (wiring fault).
@@ -101,26 +103,24 @@ class Shuffler:
                 f"L4_SHUFFLER: a plan for epoch {msg.epoch} arrived while a round is being emitted; "
                 "a round's seed and scope are fixed until it ends"
             )
-        settings = (msg.seed, msg.enabled, msg.rank, msg.world_size)
+        settings = (msg.seed, msg.enabled)
         issued = self._rounds.get(msg.epoch)
         if issued is not None and issued != settings:
             raise ConfigAlreadyPushed(
-                f"L4_SHUFFLER: epoch {msg.epoch} was planned with seed {issued[0]}, enabled {issued[1]}, "
-                f"rank {issued[2]}/{issued[3]}; a round's seed and scope never change"
+                f"L4_SHUFFLER: epoch {msg.epoch} was planned with seed {issued[0]}, enabled {issued[1]}; "
+                "a round's seed and scope never change"
             )
-        if msg.world_size == 0 or msg.rank >= msg.world_size:
-            raise InvalidConfig(f"shuffle: rank {msg.rank} / world_size {msg.world_size}: need rank < world_size")
         if not self._complete:
             raise RuntimeError("shuffler: shuffle plan before the split was read")
         self._rounds[msg.epoch] = settings
         self._state = "shuffling"
-        shard = epoch_order(msg.seed, msg.epoch, len(self._doc_part), msg.enabled)[msg.rank :: msg.world_size]
-        cursor = min(int(msg.start_document), len(shard))
+        order = epoch_order(msg.seed, msg.epoch, len(self._doc_part), msg.enabled)
+        cursor = min(int(msg.start_document), len(order))
         try:
             while True:
-                hi = min(cursor + self._chunk, len(shard))
-                self._emit_chunk(shard[cursor:hi], np.arange(cursor, hi, dtype=np.int64), msg.epoch, hi == len(shard))
-                if hi == len(shard):
+                hi = min(cursor + self._chunk, len(order))
+                self._emit_chunk(order[cursor:hi], np.arange(cursor, hi, dtype=np.int64), msg.epoch, hi == len(order))
+                if hi == len(order):
                     break
                 cursor = hi
         except BaseException:

@@ -124,17 +124,23 @@ class LoopPorts:
 
 class LoopState:
     """Stateful (torch.distributed.checkpoint) view of the loop's own progress. Keys that
-    differ per rank (data position, RNG) live under ``rank<r>`` so ranks never collide.
+    differ per rank (RNG) live under ``rank<r>`` so ranks never collide.
 
     Every value is a tensor, so a checkpoint loads with ``weights_only=True`` and nothing
     is unpickled. Keys (under ``train.``): ``step``, ``skipped_steps``,
     ``consecutive_skips`` (toward ``fault_policy.overflow_storm_steps``), the precision
     manager's scaler state as it last reported it: ``loss_scale`` float64 (1 for
     fp32/bf16) and ``loss_scaler`` int64 [growth tracker, hysteresis left, dynamic (1: an
-    fp16 scaler wrote it)], restored exactly and pushed back in InitPrecision; and per rank: ``data_position`` int64
-    [epoch, document, offset] (where this rank's stream continues), ``data_order`` int64
-    [shuffle seed, shuffle on, dp size] (checked on resume) and ``rng.*`` (python,
-    numpy, torch and CUDA streams: ``services/engine/rng_streams.py``).
+    fp16 scaler wrote it)], restored exactly and pushed back in InitPrecision;
+    ``data_position`` int64 [epoch, document, offset]: where the job's one global data stream
+    continues (the same on every rank, whatever the dp size: services/data/batch_packer.py);
+    ``data_order`` int64 (:data:`DATA_ORDER`: what must not change for that position to
+    mean the same samples, checked on resume); ``ranks``: the world size it was written at;
+    and per rank ``rng.*`` (python, numpy, torch and CUDA streams:
+    ``services/engine/rng_streams.py``). A resume at another size is exact: the position is
+    global, the model and optimizer reshard through DCP, a rank that existed restores its
+    streams and a rank new at this size (its key absent: ``rank >= ranks``) keeps the
+    streams seeded from (job seed, rank).
     """
 
     def __init__(self, loop: TrainingLoop):
@@ -142,7 +148,7 @@ class LoopState:
 
     def state_dict(self) -> dict[str, Any]:
         loop = self._loop
-        p, d = loop._position, loop._spec.data
+        p = loop._position
         return {
             "step": torch.tensor(loop._step, dtype=torch.int64),
             "skipped_steps": torch.tensor(loop._skipped, dtype=torch.int64),
@@ -153,17 +159,15 @@ class LoopState:
                 [loop._scaler_state.growth_tracker, loop._scaler_state.hysteresis_left, int(loop._dynamic_scaling)],
                 dtype=torch.int64,
             ),
-            f"rank{loop._rank}": {
-                "data_position": torch.tensor([p.epoch, p.document, p.offset], dtype=torch.int64),
-                "data_order": torch.tensor([d.shuffle_seed, int(d.shuffle), loop._dp_size], dtype=torch.int64),
-                "rng": rng_streams.capture(),
-            },
+            "data_position": torch.tensor([p.epoch, p.document, p.offset], dtype=torch.int64),
+            "data_order": torch.tensor(data_order(loop._spec, loop._dp_size), dtype=torch.int64),
+            "ranks": torch.tensor(loop._world, dtype=torch.int64),
+            f"rank{loop._rank}": {"rng": rng_streams.capture()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         loop = self._loop
-        mine = state[f"rank{loop._rank}"]
-        epoch, document, offset = (int(v) for v in mine["data_position"].tolist())
+        epoch, document, offset = (int(v) for v in state["data_position"].tolist())
         loop._step = int(state["step"])
         loop._skipped = int(state["skipped_steps"])
         loop._consecutive_skips = int(state["consecutive_skips"])
@@ -177,8 +181,9 @@ class LoopState:
             else None
         )
         loop._position = data_pb2.DataPosition(epoch=epoch, document=document, offset=offset)
-        loop._loaded_order = tuple(int(v) for v in mine["data_order"].tolist())
-        rng_streams.restore(mine["rng"])
+        loop._loaded_order = tuple(int(v) for v in state["data_order"].tolist())
+        if loop._rank < int(state["ranks"]):  # else this rank is new at this size: seeded (seed, rank)
+            rng_streams.restore(state[f"rank{loop._rank}"]["rng"])
 
 
 class TrainingLoop:
@@ -632,13 +637,11 @@ class TrainingLoop:
             )
         if self._init.resume_version:
             p.store(store_pb2.LoadCheckpoint(version=self._init.resume_version), self._states())
-            d = spec.data
-            if self._loaded_order != (d.shuffle_seed, int(d.shuffle), self._dp_size):
-                seed, shuffle, world = self._loaded_order or (0, 0, 0)
+            changed = data_order_changes(self._loaded_order, data_order(spec, self._dp_size))
+            if changed:  # (the dp size alone may change: the position is global)
                 raise TrainingFault("config_error", (
-                    f"checkpoint {self._init.resume_version} was written with data.shuffle_seed {seed}, "
-                    f"data.shuffle {bool(shuffle)}, parallel.dp {world}; this job has {d.shuffle_seed}, "
-                    f"{d.shuffle}, {self._dp_size}: its data position would not resume exactly"
+                    f"checkpoint {self._init.resume_version} was written with {changed}: its data position "
+                    "would not resume exactly"
                 ))  # fmt: skip
         self._init_precision()  # after the load: a checkpoint's scaler state goes with it
         self._open_stream("train", self._position, repeat=True, max_batches=0)
@@ -736,10 +739,7 @@ class TrainingLoop:
         self._p.data(data_pb2.OpenStream(
             mount=data_pb2.MountDataset(name=d.name, version=d.version, verify=False),
             prefetch=data_pb2.SetPrefetch(watermark=d.prefetch.watermark, threads=d.prefetch.threads),
-            shuffle=data_pb2.ShufflePlan(
-                seed=d.shuffle_seed, epoch=start.epoch, enabled=d.shuffle and split == "train",
-                rank=self._dp_rank, world_size=self._dp_size,  # tp/pp peers read the same data
-            ),
+            shuffle=data_pb2.ShufflePlan(seed=d.shuffle_seed, epoch=start.epoch, enabled=d.shuffle and split == "train"),
             filter=data_pb2.FilterRules(
                 min_tokens=d.filter.min_tokens, max_tokens=d.filter.max_tokens,
                 banned_bytes=d.filter.banned_bytes.encode("utf-8"), banned_tokens=d.filter.banned_tokens,
@@ -747,6 +747,7 @@ class TrainingLoop:
             packer=data_pb2.PackerConfig(
                 seq_len=d.seq_len, micro_batch_size=d.micro_batch_size, pad_id=d.pad_id,
                 mode=data_pb2.PACK if pack else data_pb2.PAD, separator_id=0 if pack else -1,
+                rank=self._dp_rank, world_size=self._dp_size,  # the deal; tp/pp peers read the same data
             ),
             split=split, start=start, repeat=repeat, max_batches=max_batches,
         ))  # fmt: skip
@@ -762,6 +763,45 @@ class TrainingLoop:
     @property
     def _job_id(self) -> str:
         return self._init.job_id if self._init is not None else ""
+
+
+# What the checkpoint's data position depends on (LoopState ``data_order``), in this order:
+# a resume that changes one of them would not continue the same global sample sequence. The
+# dp size may change (the global batch split another way: batch_packer.py's deal).
+DATA_ORDER = (
+    "data.shuffle_seed",
+    "data.shuffle",
+    "data.seq_len",
+    "data.pack",
+    "global batch rows (data.micro_batch_size x data.grad_accum x parallel.dp)",
+)
+
+
+def data_order(spec: JobSpec, dp_size: int) -> tuple[int, ...]:
+    """The values of :data:`DATA_ORDER` for ``spec`` at ``dp_size`` (data.pack: 1 pack, 0 pad)."""
+    d = spec.data
+    return d.shuffle_seed, int(d.shuffle), d.seq_len, int(d.pack == "pack"), d.micro_batch_size * d.grad_accum * dp_size
+
+
+def data_order_changes(loaded: tuple[int, ...] | None, now: tuple[int, ...]) -> str:
+    """The empty string when a checkpoint's data order is this job's; else one line naming
+    each field that changed, its value then and now."""
+    loaded = loaded or (None,) * len(now)
+    return "; ".join(
+        f"{name} {_shown(name, a)} (this job: {_shown(name, b)})"
+        for name, a, b in zip(DATA_ORDER, loaded, now, strict=True)
+        if a != b
+    )
+
+
+def _shown(name: str, value: int | None) -> object:
+    if value is None:
+        return "(none)"
+    if name == "data.shuffle":
+        return bool(value)
+    if name == "data.pack":
+        return "pack" if value else "pad"
+    return value
 
 
 def model_flops_per_token(spec: JobSpec, num_parameters: int) -> float:

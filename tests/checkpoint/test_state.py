@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from services.compute.inference import SafeFileSystemReader, safe_load
 from services.contract import data_pb2, engine_pb2
@@ -31,7 +32,11 @@ def draws() -> tuple:
 
 
 def loop_stub(rank: int = 1, world: int = 2, **kw) -> SimpleNamespace:
-    spec = SimpleNamespace(data=SimpleNamespace(shuffle_seed=kw.get("seed", 1234), shuffle=True))
+    spec = SimpleNamespace(
+        data=SimpleNamespace(
+            shuffle_seed=kw.get("seed", 1234), shuffle=True, seq_len=64, pack="pack", micro_batch_size=4, grad_accum=2
+        )
+    )
     scaler = kw.get("scaler")  # an fp16 scaler's LossScalerState, else fp32's placeholder
     return SimpleNamespace(
         _rank=rank,
@@ -72,7 +77,7 @@ def test_every_rng_stream_and_the_data_position_come_back_from_a_checkpoint_load
     assert draws() == expected
     assert (fresh._step, fresh._skipped, fresh._consecutive_skips, fresh._resume_scaler) == (42, 3, 0, None)
     assert fresh._position == data_pb2.DataPosition(epoch=2, document=17, offset=5)
-    assert fresh._loaded_order == (1234, 1, 2)
+    assert fresh._loaded_order == (1234, 1, 64, 1, 4 * 2 * 2)  # seed, shuffle, seq_len, pack, global batch
 
 
 def test_the_rng_state_is_plain_tensors_and_seeding_is_per_rank_and_repeatable():
@@ -94,7 +99,31 @@ def test_ranks_keep_their_own_keys_so_their_streams_never_collide():
         keys[0] - {"rank0"}
         == keys[1] - {"rank1"}
         == {"step", "skipped_steps", "consecutive_skips", "loss_scale", "loss_scaler"}
+        | {"data_position", "data_order", "ranks"}  # one global data position, not one per rank
     )
+
+
+def test_a_rank_new_at_a_larger_size_loads_the_global_state_and_keeps_its_seeded_streams(tmp_path):
+    """Written by rank 1 of 2, loaded by rank 1 and rank 3 of 4: both get the step and the
+    global data position; rank 1 its streams back, rank 3 (no key of its own in the
+    checkpoint: a partial load of per-rank keys only) the streams seeded from (seed, 3)."""
+    seed(7, 1)
+    position = data_pb2.DataPosition(epoch=1, document=9, offset=3)
+    dcp.save({"train": LoopState(loop_stub(step=6, position=position))}, checkpoint_id=str(tmp_path / "ckpt"))
+    expected = draws()
+    for rank in (1, 3):
+        seed(7, rank)
+        fresh_draws = draws() if rank == 3 else None
+        seed(7, rank)  # what a fresh rank's _initialise does before the load
+        fresh = loop_stub(rank=rank, world=4)
+        safe_load({"train": LoopState(fresh)}, str(tmp_path / "ckpt"), no_dist=True)
+        assert (fresh._step, fresh._position) == (6, position)
+        assert draws() == (expected if rank == 1 else fresh_draws)
+    dcp.save({"train": {"x": torch.zeros(1)}}, checkpoint_id=str(tmp_path / "other"))
+    with pytest.raises(CheckpointException) as refused:  # any other missing key still fails the load
+        safe_load({"train": LoopState(loop_stub())}, str(tmp_path / "other"), no_dist=True)
+    (error, _), *_ = refused.value.failures.values()
+    assert "Missing key in checkpoint state_dict: train.step" in str(error)
 
 
 def test_an_fp16_scaler_state_comes_back_exactly_and_is_handed_to_initprecision(tmp_path):

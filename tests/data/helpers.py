@@ -48,13 +48,17 @@ def open_stream(
     req = data_pb2.OpenStream(
         mount=data_pb2.MountDataset(name=name, version=version, verify=verify),
         prefetch=data_pb2.SetPrefetch(watermark=watermark, threads=threads),
-        shuffle=data_pb2.ShufflePlan(
-            seed=seed, epoch=start.epoch if start else 0, enabled=shuffle, rank=rank, world_size=world_size
-        ),
+        shuffle=data_pb2.ShufflePlan(seed=seed, epoch=start.epoch if start else 0, enabled=shuffle),
         filter=data_pb2.FilterRules(min_tokens=min_tokens, max_tokens=max_tokens, banned_bytes=banned_bytes),
         packer=data_pb2.PackerConfig(
-            seq_len=seq_len, micro_batch_size=micro_batch_size, pad_id=pad_id, mode=mode, separator_id=separator_id
-        ),
+            seq_len=seq_len,
+            micro_batch_size=micro_batch_size,
+            pad_id=pad_id,
+            mode=mode,
+            separator_id=separator_id,
+            rank=rank,
+            world_size=world_size,
+        ),  # fmt: skip
         split=split,
         repeat=repeat,
         max_batches=max_batches,

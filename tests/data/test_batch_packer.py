@@ -1,4 +1,5 @@
-"""L4-5: fixed-shape batches; padding is pad_id with label -100; pack rows share a boundary."""
+"""L4-5: fixed-shape batches; padding is pad_id with label -100; pack rows share a boundary;
+rows are dealt to ranks slot by slot."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from .helpers import as_arrays, make_docs
 X = -100  # label of padding
 
 
-def wired(mode, seq_len=4, batch=2, pad_id=9, separator_id=-1, start=None):
+def wired(mode, seq_len=4, batch=2, pad_id=9, separator_id=-1, start=None, rank=0, world_size=1, repeat=False):
     bus = Bus()
     packer = BatchPacker(bus.emitter(Module.L4_BATCH_PACKER))
     bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.PackerConfig, packer.packer_config)
@@ -24,8 +25,9 @@ def wired(mode, seq_len=4, batch=2, pad_id=9, separator_id=-1, start=None):
     bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.MicroBatch, lambda m, p: batches.append(m))
     bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.DataExhausted, lambda m, p: exhausted.append(m))
     cfg = data_pb2.PackerConfig(
-        seq_len=seq_len, micro_batch_size=batch, pad_id=pad_id, mode=mode, separator_id=separator_id, start=start
-    )
+        seq_len=seq_len, micro_batch_size=batch, pad_id=pad_id, mode=mode, separator_id=separator_id, start=start,
+        rank=rank, world_size=world_size, repeat=repeat,
+    )  # fmt: skip
     bus.port(Module.L2_TRAINING_LOOP, Module.L4_BATCH_PACKER)(cfg)
     return bus, batches, exhausted
 
@@ -109,3 +111,28 @@ def test_a_bad_config_is_refused_with_the_field_named():
         wired(data_pb2.PACK, seq_len=0)
     with pytest.raises(InvalidConfig, match=r"packer\.mode: must be PACK or PAD, got PACK_MODE_UNSPECIFIED"):
         wired(data_pb2.PACK_MODE_UNSPECIFIED)
+
+
+def test_rows_are_dealt_slot_by_slot_and_an_epoch_end_is_a_row_boundary_when_the_stream_repeats():
+    docs = [list(range(10 * k + 1, 10 * k + 9)) for k in range(5)]  # 5 documents, 2 rows each
+    per_rank = []
+    for rank in range(2):
+        bus, batches, exhausted = wired(data_pb2.PAD, batch=2, rank=rank, world_size=2, repeat=True)
+        send(bus, make_docs(*docs, last=True))  # 10 rows: 2 rounds of 2 x 2, 2 rows wait
+        assert len(batches) == 2 and exhausted[0].rows == 10
+        send(bus, make_docs(*docs, epoch=1, last=True))  # the next epoch's rows complete the round
+        assert len(batches) == 5
+        per_rank.append(batches)
+    single_bus, single, _ = wired(data_pb2.PAD, batch=4, repeat=True)
+    send(single_bus, make_docs(*docs, last=True))
+    send(single_bus, make_docs(*docs, epoch=1, last=True))
+    for k in range(5):  # round k of the pair is micro-batch k of one rank taking both slots
+        ids = np.concatenate([as_arrays(per_rank[0][k])[0], as_arrays(per_rank[1][k])[0]])
+        assert ids.tolist() == as_arrays(single[k])[0].tolist()
+        assert pos(per_rank[0][k]) == pos(per_rank[1][k]) == pos(single[k])
+    assert pos(single[2]) == (1, 1, 0)  # round 2 straddles the epochs: 2 rows of epoch 0, 2 of epoch 1
+
+
+def test_a_rank_outside_the_deal_is_refused():
+    with pytest.raises(InvalidConfig, match=r"^packer\.rank: rank 2 / world_size 2: need rank < world_size$"):
+        wired(data_pb2.PACK, rank=2, world_size=2)

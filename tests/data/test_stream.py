@@ -1,4 +1,4 @@
-"""The whole pipeline in-process (real bus, real modules): resume, sharding, epochs, errors."""
+"""The whole pipeline in-process (real bus, real modules): resume, the deal to ranks, epochs, errors."""
 
 from __future__ import annotations
 
@@ -66,19 +66,37 @@ def test_ranks_see_disjoint_documents_that_together_are_the_split(dataset, root)
     assert sorted(d for docs in per_rank for d in docs) == split
 
 
+def rows_of(batches) -> list[tuple[bytes, bytes]]:
+    """Every row of ``batches`` in order, as (input ids, labels) bytes; all-padding rows
+    (a single pass's last round) left out."""
+    out = []
+    for b in batches:
+        ids, labels = as_arrays(b)
+        out += [(i.tobytes(), lab.tobytes()) for i, lab in zip(ids, labels) if (lab != -100).any()]
+    return out
+
+
 def test_repeat_goes_on_to_the_next_epoch_in_a_new_order(dataset, root):
     one = stream(root)
     both = stream(root, repeat=True, max_batches=2 * len(one))
     assert len(both) == 2 * len(one)
-    assert [key(b) for b in both[: len(one)]] == [key(b) for b in one]
-    second = both[len(one) :]
-    assert {b.next.epoch for b in second[:-1]} == {1} and second[-1].next.epoch == 2
-    assert [b.input_ids for b in second] != [b.input_ids for b in one]  # epoch 1 is another order
+    first = rows_of(one)
+    assert rows_of(both)[: len(first)] == first  # the epoch's rows; its end is a row boundary only
+    assert [key(b) for b in both[: len(one) - 1]] == [key(b) for b in one[:-1]]
+    second = rows_of(both)[len(first) :]
+    assert {b.next.epoch for b in both[len(one) : -1]} == {1} and both[-1].next.epoch == 2
+    assert second[: len(first) // 2] != first[: len(first) // 2]  # epoch 1 is another order
 
 
-def test_a_single_pass_over_a_shard_with_no_document_just_ends(dataset, root):
-    # More ranks than held-out documents: the last rank's evaluation shard is empty.
-    assert stream(root, split="val", rank=dataset.val_documents, world_size=dataset.val_documents + 1) == []
+def test_a_single_pass_gives_every_rank_as_many_batches_and_an_empty_one_just_ends(dataset, root):
+    # More ranks than held-out documents (one row each): the last round is padded, so every
+    # rank meets every collective of the evaluation; the surplus rank's batch is all padding.
+    W = dataset.val_documents + 1
+    kw = dict(split="val", mode=data_pb2.PAD, seq_len=8192, micro_batch_size=1, world_size=W)
+    per_rank = [stream(root, rank=r, **kw) for r in range(W)]
+    assert [len(b) for b in per_rank] == [1] * W
+    assert [b[0].tokens > 0 for b in per_rank] == [True] * (W - 1) + [False]
+    assert stream(root, split="val", min_tokens=10**6) == []  # nothing in the pass: it just ends
 
 
 def test_max_batches_ends_the_stream_early(dataset, root):
@@ -106,7 +124,7 @@ def test_errors_end_the_stream_with_one_line_reasons(dataset, root):
         stream(root, micro_batch_size=0)
     with pytest.raises(InvalidConfig, match=r"^open_stream\.split: must be 'train' or 'val', got 'test'$"):
         stream(root, split="test")
-    with pytest.raises(NoDocuments, match=r"split train: rank 0 of 1 has no document left after filtering in epoch 0"):
+    with pytest.raises(NoDocuments, match=r"split train: no document left after filtering in epoch 0"):
         stream(root, min_tokens=10**6, repeat=True)
     (dataset.path / "val.bin").write_bytes(bytes(reversed((dataset.path / "val.bin").read_bytes())))
     with module_failure(DatasetCorrupt, r"val\.bin: sha256 mismatch", "DatasetUnavailable", CORRUPT):
@@ -141,3 +159,47 @@ def test_the_resume_position_travels_in_the_commands_own_fields_and_must_agree(d
     req.shuffle.start_document = start.document + 1
     with pytest.raises(InvalidConfig, match=r"shuffle.start_document \d+ differs from start.document"):
         list(build_stream(root).batches(req))
+
+
+def global_rows(root, world: int, batch: int, rounds: int, **kw) -> tuple[list, list]:
+    """The global stream as the ranks of a dp=``world`` job see it: round k is rank 0's k-th
+    micro-batch, then rank 1's, ... -> (rows in order, each round's ``next`` position)."""
+    per_rank = [
+        stream(root, rank=r, world_size=world, micro_batch_size=batch, repeat=True, max_batches=rounds, **kw)
+        for r in range(world)
+    ]
+    positions = []
+    for k in range(rounds):
+        nexts = {(b[k].next.epoch, b[k].next.document, b[k].next.offset) for b in per_rank}
+        assert len(nexts) == 1, f"round {k}: ranks disagree on the global position {nexts}"
+        positions += list(nexts)
+    rows = []
+    for k in range(rounds):
+        for r in range(world):
+            ids, labels = as_arrays(per_rank[r][k])
+            rows += [(i.tobytes(), lab.tobytes()) for i, lab in zip(ids, labels)]
+    return rows, positions
+
+
+@pytest.mark.parametrize("mode", [data_pb2.PACK, data_pb2.PAD])
+def test_the_global_batches_do_not_depend_on_the_split_and_a_resume_at_another_dp_continues_them(dataset, root, mode):
+    """Global batch G = 8 rows: dp 1 x 8, dp 2 x 4, dp 4 x 2 (or dp 2 x 2 x grad_accum 2:
+    the same rounds), dp 8 x 1 see the same rows in the same order, over an epoch's end, and
+    agree on the one global position; a stream resumed at a step's position under another
+    split continues the same rows."""
+    kw = dict(mode=mode, seq_len=256, min_tokens=40)
+    G, steps = 8, 40
+    ref, ref_pos = global_rows(root, 1, G, steps, **kw)
+    in_epoch_1 = [e for e, _, _ in ref_pos].index(1) + 2  # a step well inside epoch 1
+    assert in_epoch_1 < steps - 2 and ref_pos[in_epoch_1 - 1][0] == 1
+    for world, batch in ((2, 4), (4, 2), (2, 2), (8, 1)):
+        rows, positions = global_rows(root, world, batch, steps * G // (world * batch), **kw)
+        assert rows == ref, f"dp {world} x {batch}"
+        per_step = G // (world * batch)  # rounds per step (grad_accum, for dp 2 x 2)
+        assert positions[per_step - 1 :: per_step] == ref_pos, f"dp {world} x {batch}"
+    for s in (3, in_epoch_1):  # resume after step s (in epoch 0, in epoch 1) at dp 4 x 2 and dp 2 x 4
+        start = data_pb2.DataPosition(epoch=ref_pos[s - 1][0], document=ref_pos[s - 1][1], offset=ref_pos[s - 1][2])
+        for world, batch in ((4, 2), (2, 4)):
+            rounds = (steps - s) * G // (world * batch)
+            rows, _ = global_rows(root, world, batch, rounds, start=start, **kw)
+            assert rows == ref[s * G :], f"resume after step {s} at dp {world} x {batch}"

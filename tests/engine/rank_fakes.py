@@ -38,8 +38,10 @@ def free_port() -> int:
 
 
 class FakeData:
-    """L4 relay: windows of a byte corpus. Train: random windows from the first 90%,
-    seeded by (shuffle seed, rank, epoch); val: consecutive windows of the last 10%."""
+    """L4 relay: windows of a byte corpus. Train: random windows from the first 90%, micro-
+    batch i of dp rank d (of W) seeded by (shuffle seed, epoch, round i, d): a global cursor
+    counting rounds, as the real deal does (services/data/batch_packer.py); val: consecutive
+    windows of the last 10%, rank d's share."""
 
     def __init__(self, versions: Emitter, packer: Emitter, corpus: bytes, *, train_batches: int):
         self._versions, self._packer = versions, packer
@@ -63,15 +65,15 @@ class FakeData:
     def _pump(self, msg: data_pb2.OpenStream) -> None:
         B, T = msg.packer.micro_batch_size, msg.packer.seq_len
         if msg.split == "train":
-            first = msg.start.document  # batch i is a pure function of (seed, rank, epoch, i)
+            first = msg.start.document  # batch i is a pure function of (seed, epoch, i, rank)
             for i in range(first, first + self._train_batches):
-                rng = np.random.default_rng([msg.shuffle.seed, msg.shuffle.rank, msg.shuffle.epoch, i])
+                rng = np.random.default_rng([msg.shuffle.seed, msg.shuffle.epoch, i, msg.packer.rank])
                 starts = rng.integers(0, self._split_at - T - 1, size=B)
                 self._emit("train", np.stack([self._data[s : s + T + 1] for s in starts]), i + 1)
             return
         val = self._data[self._split_at :]
-        rows_per_rank = (len(val) - 1) // T // max(1, msg.shuffle.world_size)
-        base = msg.shuffle.rank * rows_per_rank
+        rows_per_rank = (len(val) - 1) // T // max(1, msg.packer.world_size)
+        base = msg.packer.rank * rows_per_rank
         for i in range(min(msg.max_batches, rows_per_rank // B)):
             rows = [val[(base + i * B + b) * T : (base + i * B + b) * T + T + 1] for b in range(B)]
             self._emit("val", np.stack(rows), i + 1)

@@ -107,7 +107,7 @@ def test_a_checkpoint_written_with_another_data_order_is_refused_as_a_config_err
     other.run()
     (failed,) = other.up.of(engine_pb2.TrainingLoopFailed)
     assert failed.fault_class == "config_error"
-    assert "data.shuffle_seed 1234" in failed.detail and "this job has 9" in failed.detail
+    assert "written with data.shuffle_seed 1234 (this job: 9): its data position" in failed.detail
 
 
 def test_an_unknown_dataset_is_reported_as_data_unavailable_with_the_reason(tmp_path):

@@ -1,4 +1,4 @@
-"""Checkpoints under sharded parallel configs, and a dp=2 checkpoint continuing at dp=1.
+"""Checkpoints under sharded parallel configs, and a dp=2 checkpoint resumed at dp=1.
 
 Every run drives Surge's real rank wiring in gloo processes (tests/parallel/harness.py);
 checkpoints are torch.distributed.checkpoint directories written and read through the
@@ -54,14 +54,14 @@ def test_a_sharded_checkpoint_loads_for_single_process_inference(full_runs):
 
 
 @pytest.mark.timeout(600)
-def test_a_dp2_checkpoint_refuses_a_dp1_resume_of_its_data_position(full_runs, tmp_path):
-    _, ckpt = full_runs("fsdp2_dp2")
-    (failed,) = run_config({"steps": 6, "ckpt_root": str(ckpt), "resume": "step3"}, tmp_path, expect_failure=True)
-    assert "config_error" in failed["error"]
-    assert (
-        "parallel.dp 2; this job has" in failed["error"]
-        and "its data position would not resume exactly" in failed["error"]
-    )
+def test_a_dp2_checkpoint_resumes_at_dp1_on_the_same_global_batches(full_runs, tmp_path):
+    """The data position is global (one cursor): the FSDP2 dp=2 checkpoint of step 3 resumes
+    in one process (the same 8-row global batch in one micro-batch) and steps 4..6 take the
+    same rows: the same token counts, the same losses to 1e-5."""
+    full, ckpt = full_runs("fsdp2_dp2")
+    (single,) = run_config({"steps": 6, "ckpt_root": str(ckpt), "resume": "step3"}, tmp_path)
+    assert single["steps"] == [4, 5, 6] and single["tokens"] == full[0]["tokens"][3:]
+    assert max(abs(a - b) / b for a, b in zip(single["losses"], full[0]["losses"][3:], strict=True)) <= 1e-5
 
 
 @pytest.mark.timeout(600)

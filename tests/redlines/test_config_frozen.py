@@ -157,7 +157,7 @@ def test_the_shuffler_takes_a_new_plan_for_every_epoch(tmp_path):
     bus, out = shuffler_on_bus()
     port = bus.port(Module.L2_TRAINING_LOOP, Module.L4_SHUFFLER)
     for epoch, seed in ((0, 7), (1, 7), (2, 8)):  # 本轮混洗启动指令 + 本轮随机种子: per round
-        port(data_pb2.ShufflePlan(seed=seed, epoch=epoch, enabled=True, rank=0, world_size=1))
+        port(data_pb2.ShufflePlan(seed=seed, epoch=epoch, enabled=True))
     assert {d.epoch for d in out} == {0, 1, 2}
 
 

@@ -261,7 +261,7 @@ def test_the_shuffle_order_is_a_pure_function_of_the_plan_it_is_given():
     for seed in (5, 5, 6):
         bus, out = shuffler_on_bus()
         bus.port(Module.L2_TRAINING_LOOP, Module.L4_SHUFFLER)(
-            data_pb2.ShufflePlan(seed=seed, epoch=3, enabled=True, rank=0, world_size=1)
+            data_pb2.ShufflePlan(seed=seed, epoch=3, enabled=True)
         )
         orders.append(_order(out))
     assert orders[0] == orders[1] == epoch_order(5, 3, 12).tolist()
@@ -274,17 +274,17 @@ def test_a_rounds_seed_cannot_change_mid_epoch():
     def change_seed_mid_round(out):
         if len(out) == 1:  # the first chunk of the round is out; the round is in progress
             try:
-                port(data_pb2.ShufflePlan(seed=8, epoch=0, enabled=True, rank=0, world_size=1))
+                port(data_pb2.ShufflePlan(seed=8, epoch=0, enabled=True))
             except ConfigFrozen as e:
                 refused.append(e)
 
     bus, out = shuffler_on_bus(chunk=2, on_chunk=change_seed_mid_round)
     port = bus.port(Module.L2_TRAINING_LOOP, Module.L4_SHUFFLER)
-    port(data_pb2.ShufflePlan(seed=7, epoch=0, enabled=True, rank=0, world_size=1))
+    port(data_pb2.ShufflePlan(seed=7, epoch=0, enabled=True))
     assert len(refused) == 1 and "being emitted" in str(refused[0])
     assert _order(out) == epoch_order(7, 0, 12).tolist()  # the round finished with its own seed
     with pytest.raises(ConfigFrozen, match="epoch 0 was planned with seed 7"):
-        port(data_pb2.ShufflePlan(seed=8, epoch=0, enabled=True, rank=0, world_size=1))
+        port(data_pb2.ShufflePlan(seed=8, epoch=0, enabled=True))
 
 
 def test_the_shuffler_has_no_entropy_source_of_its_own():
