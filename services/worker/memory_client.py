@@ -36,7 +36,7 @@ HELD_TIMEOUT_S = 5.0
 GET_TIMEOUT_S = 10.0
 STREAM_TIMEOUT_S = 600.0
 QUEUE_BYTES = 256 << 20  # chunks copied but not yet sent; the writer waits beyond this
-PREVIOUS_STREAM_WAIT_S = 30.0
+PREVIOUS_STREAM_WAIT_S = 1.0  # the loop waits for it at a save: never long
 # A source that failed this way is not asked again by this process (each ask would wait).
 _GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.DEADLINE_EXCEEDED}
 _END = object()
@@ -189,10 +189,11 @@ class MemoryCopyClient:
         if self._off:
             return None
         previous = self._save
-        if previous is not None:
-            if previous.kept is None and previous.thread.is_alive():
-                previous.finish(False)  # never ended (its write's outcome never came): keep the older set
-            previous.thread.join(PREVIOUS_STREAM_WAIT_S)
+        if previous is not None and previous.thread.is_alive():
+            previous.thread.join(PREVIOUS_STREAM_WAIT_S)  # (its write is done: the relay settled it)
+            if previous.thread.is_alive():  # the agent is behind: this save gets no copy
+                log.warning("memory_copy_skipped", step=step, reason="the previous copy is still being stored")
+                return None
         self._save = None
         try:
             held = self._stub.HeldChunks(
