@@ -347,8 +347,8 @@ class ChunkReader(StorageReader):
     ``digests[".metadata"]`` when given: {"bytes", "sha256"}), every chunk from ``sources``
     in order, verified by its SHA-256 (see the module docstring).
 
-    After a load: ``served[name]`` chunks came from each source, ``mismatches[name]`` of
-    them were refused for wrong bytes.
+    After a load: ``served[name]`` chunks (``served_bytes[name]`` bytes) came from each
+    source, ``mismatches[name]`` of them were refused for wrong bytes.
 
     Args:
         path: the version's directory.
@@ -379,6 +379,7 @@ class ChunkReader(StorageReader):
         self.thread_count = max(1, thread_count)
         self.storage_data: dict[MetadataIndex, dict[str, Any]] = {}
         self.served: collections.Counter[str] = collections.Counter()
+        self.served_bytes: collections.Counter[str] = collections.Counter()
         self.mismatches: collections.Counter[str] = collections.Counter()
         self._count_lock = threading.Lock()
         self._index: bytes | None = None  # the checked .metadata bytes
@@ -466,6 +467,7 @@ class ChunkReader(StorageReader):
             if len(data) == nbytes and hashlib.sha256(data).hexdigest() == sha:
                 with self._count_lock:
                     self.served[source.name] += 1
+                    self.served_bytes[source.name] += nbytes
                 return data
             with self._count_lock:
                 self.mismatches[source.name] += 1

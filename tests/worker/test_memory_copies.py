@@ -135,6 +135,7 @@ def test_a_reader_gets_chunks_from_its_agent_then_the_peer_through_it_then_the_s
         for sha, data in {**v, **extra}.items():
             assert r.fetch(sha, len(data)) == data
         assert dict(r.served) == {"memory": 2, "store": 1}
+        assert dict(r.served_bytes) == {"memory": 8192, "store": len(b"only in the store")}
         # A rank on a node whose agent has nothing (C): its agent asks its peer (B).
         r = reader(tmp_path, elsewhere, root)
         for sha, data in v.items():
