@@ -159,6 +159,7 @@ class Outcome:
 
     losses: dict[int, float] = field(default_factory=dict)  # step -> loss (rank 0)
     epochs: dict[int, int] = field(default_factory=dict)  # step -> epoch after it (rank 0)
+    tokens: dict[int, int] = field(default_factory=dict)  # step -> global label tokens (rank 0)
     saved: dict[int, str] = field(default_factory=dict)  # step -> committed version
     start_step: int = -1
     finished: bool = False
@@ -279,6 +280,7 @@ class Cluster:
             elif isinstance(msg, engine_pb2.StepCompleted) and r == 0:
                 out.losses[msg.step] = msg.loss
                 out.epochs[msg.step] = msg.epoch
+                out.tokens[msg.step] = msg.tokens
             elif isinstance(msg, store_pb2.SaveCompleted):
                 out.saved[msg.step] = msg.version
             elif isinstance(msg, engine_pb2.TrainingLoopFinished):
