@@ -293,6 +293,9 @@ class CheckpointSpec(_Strict):
     every_steps: int = Field(100, ge=0)  # 0: only at the end
     keep_last: int = Field(3, ge=0, le=U32_MAX)  # 0: keep all
     keep_every: int = Field(0, ge=0, le=U32_MAX)  # also keep versions whose step is a multiple of it (0: none)
+    # Incremental saves: every Nth version is a full baseline, the versions between write only
+    # the chunks that changed (services/state/chunk_store.py). 0 or 1: every version is full.
+    baseline_every: int = Field(10, ge=0, le=U32_MAX)
     at_end: bool = True
     # torch.distributed.checkpoint.async_save: the loop blocks only for the copy to host
     # memory; the write and the commit run in the background (the end of a run waits).

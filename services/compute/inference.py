@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from services.compute.model import build_model, generate
 from services.jobspec import JobSpec, spec_from_json
+from services.state.chunk_store import ChunkIntegrityError, ChunkReader, DirectorySource
 
 # A key one rank owns: a path component ``rank<r>`` (e.g. the loop's ``train.rank3.rng.*``).
 PER_RANK_KEY = re.compile(r"(?:^|\.)rank\d+\.")
@@ -218,17 +219,50 @@ def load_model_for_inference(checkpoint_path: str, spec: JobSpec) -> nn.Module:
     """
     model = build_model(spec.model, seed=spec.seed)
     state = {"model": model.state_dict()}
+    manifest = _manifest(checkpoint_path)
+    digests = {f["path"]: f for f in manifest["files"]} if manifest else None
     with warnings.catch_warnings():  # "assuming single process": yes, that is the intent
         warnings.simplefilter("ignore", UserWarning)
         try:
-            safe_load(state, checkpoint_path, digests=manifest_digests(checkpoint_path), no_dist=True)
+            if manifest and "chunk_dir" in manifest:  # a chunked version: its chunks, each checked
+                reader = _chunk_reader(checkpoint_path, manifest, digests)
+                dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+            else:
+                safe_load(state, checkpoint_path, digests=digests, no_dist=True)
+        except ChunkIntegrityError as e:
+            raise ShardDigestMismatch(str(e), e.file, e.missing) from None
         except CheckpointException as e:  # DCP wraps even a single process's failure
             mismatch = [exc for exc, _ in e.failures.values() if isinstance(exc, ShardDigestMismatch)]
+            chunk = [exc for exc, _ in e.failures.values() if isinstance(exc, ChunkIntegrityError)]
             if mismatch:
                 raise mismatch[0] from None
+            if chunk:
+                raise ShardDigestMismatch(str(chunk[0]), chunk[0].file, chunk[0].missing) from None
             raise
     model.load_state_dict(state["model"])
     return model.eval()
+
+
+def _manifest(checkpoint_path: str) -> dict[str, Any] | None:
+    """A committed version's ``manifest.json``, or None for a bare DCP save."""
+    import json
+
+    path = pathlib.Path(checkpoint_path) / "manifest.json"
+    return json.loads(path.read_bytes()) if path.exists() else None
+
+
+def _chunk_reader(checkpoint_path: str, manifest: dict[str, Any], digests: Mapping[str, Any] | None) -> ChunkReader:
+    """The reader of a chunked version: its chunks under ``<job dir>/<chunk_dir>``."""
+    root = pathlib.Path(checkpoint_path).parent / manifest["chunk_dir"]
+    reader = ChunkReader(
+        checkpoint_path,
+        [DirectorySource(root)],
+        digests=digests,
+        what=f"checkpoint {manifest.get('version', '')}",
+        chunk_label=manifest["chunk_dir"],
+    )
+    reader.read_metadata()  # checked first: DCP would hide its failure in an error of its own
+    return reader
 
 
 def manifest_digests(checkpoint_path: str) -> dict[str, Any] | None:

@@ -578,6 +578,7 @@ class TrainingLoop:
         spec = self._spec
         self._p.store(store_pb2.SaveCheckpoint(
             job_id=self._job_id, step=step, rank=self._rank, write_async=spec.checkpoint.async_,
+            baseline_every=spec.checkpoint.baseline_every,
         ), self._states())  # fmt: skip
         if self._rank == 0:
             self._p.store(store_pb2.CommitCheckpoint(

@@ -101,6 +101,10 @@ _CHUNK_BYTES = 1 << 20
 _HASH_THREADS = 4  # hashlib releases the GIL on large updates; shards hash in parallel
 _ATTEMPTS_KEPT = 32  # per job: attempts remembered to refuse a superseded one
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index (rank 0 writes it last)
+CHUNKS_DIR = "chunks"  # <job>/chunks/<epoch>/<sha[:2]>/<sha>: the job's content-addressed chunks
+CHUNK_INDEX = "chunks.json"  # a chunked version's list of chunks (services/state/chunk_store.py)
+CHUNK_INDEX_FORMAT = "surge.checkpoint.chunks/1"
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class CheckpointNotFound(LookupError, Refusal):
@@ -152,6 +156,19 @@ class _OpenSave:
     ranks: set[int] = field(default_factory=set)
     committing: bool = False
     attempt: str = ""  # SaveCheckpoint.attempt of the ranks writing it ("" : not named)
+    epoch: int = 0  # the chunk directory its ranks write into (0: not told, e.g. adopted)
+    baseline: bool = False
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    """A staged chunked save, checked: its epoch, every chunk it references (sha -> bytes)
+    and what its ranks wrote."""
+
+    epoch: int
+    sizes: dict[str, int]
+    written_bytes: int
+    hashed: int  # chunks hashed at this commit (not verified by an earlier version)
 
 
 @dataclass(frozen=True)
@@ -188,6 +205,7 @@ class CheckpointManager:
         self._attempts: dict[str, list[str]] = {}  # job -> attempts seen, oldest first (last: current)
         self._verifying: dict[str, Future[None]] = {}  # version -> verification in flight
         self._chain: list[dict[str, Any]] = _read_catalog(self._dir / CATALOG)
+        self._chunk_sets: dict[str, frozenset[str]] = {}  # version -> the chunks it references
         reg = registry if registry is not None else CollectorRegistry()
         self._commits = Counter("surge_checkpoint_commits_total", "Versions committed.", ["job"], registry=reg)
         self._commit_seconds = Gauge(
@@ -198,6 +216,15 @@ class CheckpointManager:
         )
         self._bytes = Gauge(
             "surge_checkpoint_bytes", "Size of the last committed version (bytes).", ["job"], registry=reg
+        )
+        self._written = Gauge(
+            "surge_checkpoint_written_bytes",
+            "Chunk bytes the last committed version's save wrote (a delta: what changed).",
+            ["job"],
+            registry=reg,
+        )
+        self._swept = Counter(
+            "surge_checkpoint_chunks_swept_total", "Chunk files removed by garbage collection.", ["job"], registry=reg
         )
         self._rejected = Counter(
             "surge_checkpoint_rejected_total",
@@ -257,9 +284,17 @@ class CheckpointManager:
                 or not save.path.is_dir()
             ):
                 save = self._fresh_staging(job, msg.step, attempt)
+                save.epoch, save.baseline = self._next_epoch(job, msg.baseline_every)
             save.ranks.add(msg.rank)
-            path = save.path
-        return store_pb2.SaveStaged(job_id=job, step=msg.step, staging_path=str(path))
+            path, epoch, baseline = save.path, save.epoch, save.baseline
+        return store_pb2.SaveStaged(
+            job_id=job,
+            step=msg.step,
+            staging_path=str(path),
+            chunk_path=str(self._dir / job / CHUNKS_DIR / str(epoch)),
+            baseline=baseline,
+            epoch=epoch,
+        )
 
     def commit_checkpoint(self, msg: store_pb2.CommitCheckpoint, payload: Any = None) -> store_pb2.SaveCompleted:
         """保存当前快照指令, second half: seal the open save of (job, step) as the next version.
@@ -286,10 +321,12 @@ class CheckpointManager:
             if not files:
                 raise CheckpointRejected(f"checkpoint {job}: step {msg.step}: staging {save.path} is empty")
             _check_complete(save.path, files, job, msg.step)
+            chunks = self._check_chunks(job, msg.step, save, files) if CHUNK_INDEX in files else None
             with self._lock:
-                entry = self._seal(job, msg, save, files)
+                entry = self._seal(job, msg, save, files, chunks)
                 committed = True
                 removed = self._retain(job, msg.keep_last, msg.keep_every, msg.keep_versions)
+                self._sweep_chunks(job, save)
         except CheckpointRejected:
             self._rejected.labels(job, "commit").inc()
             raise
@@ -306,6 +343,7 @@ class CheckpointManager:
         self._commits.labels(job).inc()
         self._commit_seconds.labels(job).set(seconds)
         self._bytes.labels(job).set(entry["bytes"])
+        self._written.labels(job).set(entry.get("written_bytes", entry["bytes"]))
         return store_pb2.SaveCompleted(
             job_id=job,
             version=entry["version"],
@@ -316,6 +354,8 @@ class CheckpointManager:
             bytes=entry["bytes"],
             files=entry["files"],
             seconds=seconds,
+            written_bytes=entry.get("written_bytes", 0),
+            baseline=entry.get("baseline", False),
         )
 
     def load_checkpoint(self, msg: store_pb2.LoadCheckpoint, payload: Any = None) -> store_pb2.CheckpointLoaded:
@@ -404,7 +444,7 @@ class CheckpointManager:
             entries = [e for e in self._chain if not msg.job_id or e["job_id"] == msg.job_id]
         return store_pb2.CheckpointList(checkpoints=[self._info(e) for e in entries])
 
-    def _check(self, entry: dict[str, Any]) -> None:
+    def _check(self, entry: dict[str, Any], memo: dict[str, tuple[int, str] | None] | None = None) -> None:
         """Verify one cataloged version; raises CheckpointRejected. Callers asking for the
         same version while it is being verified share that one verification (every rank of
         a job loads the same version at once on resume; one re-hash serves them all)."""
@@ -416,7 +456,7 @@ class CheckpointManager:
                 verdict = self._verifying[version] = Future()
         if mine:
             try:
-                _verify(version, self._dir / entry["path"], entry["manifest_sha256"])
+                _verify(version, self._dir / entry["path"], entry["manifest_sha256"], memo)
                 verdict.set_result(None)
             except BaseException as e:
                 verdict.set_exception(e)
@@ -431,9 +471,10 @@ class CheckpointManager:
         with self._lock:
             entries = [e for e in self._chain if not job or e["job_id"] == job]
         found: list[tuple[dict[str, Any], int, str]] = []
+        memo: dict[str, tuple[int, str] | None] = {}  # chunk -> its finding: versions share chunks
         for entry in entries:
             try:
-                self._check(entry)
+                self._check(entry, memo)
                 found.append((entry, store_pb2.VERDICT_OK, ""))
             except CheckpointDamaged as e:
                 found.append((entry, e.cause, str(e)))
@@ -491,6 +532,144 @@ class CheckpointManager:
             found_unix=when,
         )
 
+    # ------------------------------------------------------------------ chunks
+
+    def _next_epoch(self, job: str, baseline_every: int) -> tuple[int, bool]:
+        """(epoch, baseline) of a new save of ``job``: a delta of the newest chunked
+        version's epoch while that epoch holds fewer than ``baseline_every`` versions (counted
+        from its baseline, pruned ones included), all of them recorded ok, and its directory
+        is there; else a baseline into a new epoch (a number never used by this job). Caller
+        holds the lock."""
+        mine = [e for e in self._chain if e["job_id"] == job and "epoch" in e]
+        root = self._dir / job / CHUNKS_DIR
+        if mine and baseline_every > 1:
+            last = mine[-1]
+            same = [e for e in mine if e["epoch"] == last["epoch"]]
+            if (
+                last.get("epoch_index", 0) + 1 < baseline_every
+                and all(_verdict(e)[0] == store_pb2.VERDICT_OK for e in same)
+                and (root / str(last["epoch"])).is_dir()
+            ):
+                return last["epoch"], False
+        used = [e["epoch"] for e in mine]
+        if root.is_dir():
+            used += [int(p.name) for p in root.iterdir() if p.name.isdigit()]
+        return max(used, default=0) + 1, True
+
+    def _check_chunks(self, job: str, step: int, save: _OpenSave, files: dict[str, _Hashed]) -> _Chunks:
+        """The staged save's ``chunks.json``, checked: every chunk it names is in its epoch's
+        directory with its size, and each one no ok version of the epoch references (so not
+        verified yet) hashes to its name. Outside the lock (hashing takes time).
+
+        Raises:
+            CheckpointIncomplete: ``chunks.json`` is malformed or names another epoch, or a
+                chunk is missing, short or long, or its bytes do not hash to its name.
+        """
+        what = f"checkpoint {job}: step {step}"
+        try:
+            index = json.loads((save.path / CHUNK_INDEX).read_bytes())
+            if index.get("format") != CHUNK_INDEX_FORMAT:
+                raise ValueError(f"format {index.get('format')!r}, expected {CHUNK_INDEX_FORMAT!r}")
+            epoch = int(index["epoch"])
+            sizes = {c["sha"]: int(c["bytes"]) for c in index["chunks"]}
+            written = int(index.get("written_bytes", 0))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointIncomplete(f"{what}: {CHUNK_INDEX}: unreadable ({e})", CHUNK_INDEX) from None
+        if save.epoch and epoch != save.epoch:
+            raise CheckpointIncomplete(
+                f"{what}: {CHUNK_INDEX}: chunks of epoch {epoch}, the save was told epoch {save.epoch}", CHUNK_INDEX
+            )
+        for sha in sizes:
+            if not _SHA256.match(sha):
+                raise CheckpointIncomplete(f"{what}: {CHUNK_INDEX}: {sha!r} is not a SHA-256", CHUNK_INDEX)
+        root = self._dir / job / CHUNKS_DIR / str(epoch)
+        with self._lock:
+            same = [
+                e
+                for e in self._chain
+                if e["job_id"] == job and e.get("epoch") == epoch and _verdict(e)[0] == store_pb2.VERDICT_OK
+            ]
+        verified: set[str] = set()
+        for e in same:
+            verified |= self._chunk_set(e) or frozenset()
+        fresh = []
+        for sha, size in sorted(sizes.items()):
+            rel = f"{CHUNKS_DIR}/{epoch}/{sha}"
+            try:
+                have = os.stat(root / sha[:2] / sha).st_size
+            except FileNotFoundError:
+                raise CheckpointIncomplete(f"{what}: {rel}: named by {CHUNK_INDEX}, which is not there", rel) from None
+            if have != size:
+                raise CheckpointIncomplete(f"{what}: {rel}: {have} bytes, {CHUNK_INDEX} says {size}", rel)
+            if sha not in verified:
+                fresh.append(sha)
+        if fresh:
+            with ThreadPoolExecutor(max_workers=min(_HASH_THREADS, len(fresh))) as pool:
+                digests = list(pool.map(lambda sha: _hash_one(root / sha[:2] / sha).sha256, fresh))
+            for sha, got in zip(fresh, digests):
+                if got != sha:
+                    rel = f"{CHUNKS_DIR}/{epoch}/{sha}"
+                    raise CheckpointIncomplete(f"{what}: {rel}: sha256 mismatch", rel)
+        return _Chunks(epoch=epoch, sizes=sizes, written_bytes=written, hashed=len(fresh))
+
+    def _chunk_set(self, entry: dict[str, Any]) -> frozenset[str] | None:
+        """The chunks a cataloged version references (from its manifest, checked against the
+        catalog), or None if its manifest cannot be read or does not match."""
+        version = entry["version"]
+        got = self._chunk_sets.get(version)
+        if got is None:
+            try:
+                _, manifest = _check_manifest(version, self._dir / entry["path"], entry["manifest_sha256"], whole=True)
+            except (CheckpointDamaged, OSError, ValueError):
+                return None
+            got = self._chunk_sets[version] = frozenset(c["sha"] for c in manifest.get("chunks", ()))
+        return got
+
+    def _sweep_chunks(self, job: str, committing: _OpenSave | None = None) -> int:
+        """Garbage-collect the job's chunks (mark and sweep): remove every chunk no cataloged
+        version of the job references, and every epoch directory none references. An epoch
+        with a version whose manifest cannot be read is left whole (what it needs is unknown).
+        Nothing is swept while another save of the job is open (its chunks are in no manifest
+        yet). Caller holds the lock (a save cannot begin meanwhile). Returns chunks removed."""
+        root = self._dir / job / CHUNKS_DIR
+        if not root.is_dir() or self._open.get(job) not in (None, committing):
+            return 0
+        live = {e["version"] for e in self._chain}
+        for version in [v for v in self._chunk_sets if v not in live]:
+            del self._chunk_sets[version]
+        need: dict[int, set[str] | None] = {}
+        for e in self._chain:
+            if e["job_id"] != job or "epoch" not in e:
+                continue
+            refs = self._chunk_set(e)
+            have = need.setdefault(e["epoch"], set())
+            if refs is None or have is None:
+                need[e["epoch"]] = None
+            else:
+                have |= refs
+        removed = 0
+        for epoch_dir in sorted(root.iterdir()):
+            if not epoch_dir.name.isdigit():
+                continue
+            epoch = int(epoch_dir.name)
+            if epoch not in need:
+                removed += sum(1 for _ in epoch_dir.rglob("*") if _.is_file())
+                shutil.rmtree(epoch_dir, ignore_errors=True)
+                continue
+            keep = need[epoch]
+            if keep is None:
+                continue
+            for sub in epoch_dir.iterdir():
+                for f in sub.iterdir() if sub.is_dir() else ():
+                    if f.name not in keep:  # an unreferenced chunk, or a killed writer's temp file
+                        f.unlink(missing_ok=True)
+                        removed += 1
+                if sub.is_dir() and not any(sub.iterdir()):
+                    sub.rmdir()
+        if removed:
+            self._swept.labels(job).inc(removed)
+        return removed
+
     # ------------------------------------------------------------------ staging
 
     def _staging_root(self, job: str) -> Path:
@@ -542,7 +721,12 @@ class CheckpointManager:
     # ------------------------------------------------------------------ commit
 
     def _seal(
-        self, job: str, msg: store_pb2.CommitCheckpoint, save: _OpenSave, files: dict[str, _Hashed]
+        self,
+        job: str,
+        msg: store_pb2.CommitCheckpoint,
+        save: _OpenSave,
+        files: dict[str, _Hashed],
+        chunks: _Chunks | None = None,
     ) -> dict[str, Any]:
         """Manifest, re-check, rename, catalog; returns the new catalog entry. Caller holds
         the lock."""
@@ -551,6 +735,17 @@ class CheckpointManager:
         parent = mine[-1]["version"] if mine else ""
         created = time.time()
         total = sum(h.bytes for h in files.values())
+        chunked: dict[str, Any] = {}
+        if chunks is not None:
+            total += sum(chunks.sizes.values())
+            same = [e for e in mine if e.get("epoch") == chunks.epoch]
+            chunked = {
+                "epoch": chunks.epoch,
+                "epoch_index": max((e.get("epoch_index", 0) + 1 for e in same), default=0),
+                "baseline": not same,
+                "chunk_dir": f"{CHUNKS_DIR}/{chunks.epoch}",  # relative to the job's directory
+                "written_bytes": chunks.written_bytes,
+            }
         manifest = {
             "format": MANIFEST_FORMAT,
             "version": f"{job}:{n}",
@@ -563,6 +758,9 @@ class CheckpointManager:
             "bytes": total,
             "files": [{"path": p, "bytes": h.bytes, "sha256": h.sha256} for p, h in sorted(files.items())],
         }
+        if chunks is not None:
+            manifest |= chunked
+            manifest["chunks"] = [{"sha": sha, "bytes": b} for sha, b in sorted(chunks.sizes.items())]
         data = json.dumps(manifest, indent=1, sort_keys=True).encode()
         _write_durable(save.path / MANIFEST, data)
         _check_unchanged(save.path, files, job, msg.step)
@@ -581,7 +779,7 @@ class CheckpointManager:
             "path": f"{job}/{n}",
             "manifest_sha256": hashlib.sha256(data).hexdigest(),
             "bytes": total,
-            "files": len(files),
+            "files": len(files) + (len(chunks.sizes) if chunks is not None else 0),
             "created_unix": created,
             "world_size": msg.world_size,
             "spec_json": msg.spec_json,
@@ -589,10 +787,13 @@ class CheckpointManager:
             "verdict": "ok",
             "verified_unix": time.time(),
             "reason": "",
+            **chunked,
         }
         # If this write fails, <n> is an orphan that the next commit of this job replaces.
         self._write_catalog([*self._chain, entry])
         self._chain.append(entry)
+        if chunks is not None:
+            self._chunk_sets[entry["version"]] = frozenset(chunks.sizes)
         return entry
 
     def _retain(self, job: str, keep_last: int, keep_every: int = 0, keep_versions: Any = ()) -> list[Path]:
@@ -682,6 +883,9 @@ class CheckpointManager:
             spec_json=entry["spec_json"],
             verdict=_verdict(entry)[0],
             verified_unix=_verdict(entry)[2],
+            chunk_path=str(self._dir / entry["job_id"] / entry["chunk_dir"]) if "chunk_dir" in entry else "",
+            written_bytes=entry.get("written_bytes", 0),
+            baseline=entry.get("baseline", False),
         )
 
 
@@ -864,8 +1068,9 @@ def _check_unchanged(directory: Path, files: dict[str, _Hashed], job: str, step:
             raise CheckpointRejected(f"checkpoint {job}: step {step}: {rel}: changed while committing")
 
 
-def _check_manifest(version: str, directory: Path, manifest_sha256: str) -> dict[str, dict[str, Any]]:
-    """The manifest's files (path -> {bytes, sha256}) once the manifest matches the catalog.
+def _check_manifest(version: str, directory: Path, manifest_sha256: str, whole: bool = False) -> Any:
+    """The manifest's files (path -> {bytes, sha256}) once the manifest matches the catalog;
+    with ``whole``: (those files, the whole manifest).
 
     Raises:
         CheckpointDamaged: the manifest is missing (MISSING_FILE) or differs (CORRUPT).
@@ -880,17 +1085,24 @@ def _check_manifest(version: str, directory: Path, manifest_sha256: str) -> dict
         raise CheckpointDamaged(
             f"checkpoint {version}: {MANIFEST}: sha256 mismatch", store_pb2.VERDICT_CORRUPT, MANIFEST
         )
-    return {f["path"]: f for f in json.loads(data)["files"]}
+    manifest = json.loads(data)
+    files = {f["path"]: f for f in manifest["files"]}
+    return (files, manifest) if whole else files
 
 
-def _verify(version: str, directory: Path, manifest_sha256: str) -> None:
-    """Re-hash ``directory`` against its manifest, and the manifest against the catalog.
+def _verify(
+    version: str, directory: Path, manifest_sha256: str, memo: dict[str, tuple[int, str] | None] | None = None
+) -> None:
+    """Re-hash ``directory`` against its manifest, and the manifest against the catalog; for
+    a chunked version, every chunk it references too (``memo``: chunk path -> finding, so
+    one scrub hashes a chunk shared by several versions once).
 
     Raises:
         CheckpointDamaged: with the cause (MISSING_FILE, CORRUPT) and the file named.
         CheckpointRejected: a symlink in the version.
     """
-    expected = _check_manifest(version, directory, manifest_sha256)
+    manifest_files, manifest = _check_manifest(version, directory, manifest_sha256, whole=True)
+    expected = manifest_files
     present = set(_list_files(directory, f"checkpoint {version}"))
     for rel in sorted(expected):
         if rel not in present:
@@ -915,6 +1127,48 @@ def _verify(version: str, directory: Path, manifest_sha256: str) -> None:
     for rel, h in zip(names, hashed):
         if h.sha256 != expected[rel]["sha256"]:
             raise CheckpointDamaged(f"checkpoint {version}: {rel}: sha256 mismatch", store_pb2.VERDICT_CORRUPT, rel)
+    if "chunk_dir" in manifest:
+        _verify_chunks(version, directory.parent / manifest["chunk_dir"], manifest, memo if memo is not None else {})
+
+
+def _verify_chunks(version: str, root: Path, manifest: dict[str, Any], memo: dict[str, tuple[int, str] | None]) -> None:
+    """Every chunk a version's manifest lists is under ``root`` with its size and digest.
+
+    Raises:
+        CheckpointDamaged: naming the first chunk missing (MISSING_FILE) or wrong (CORRUPT).
+    """
+    label = manifest["chunk_dir"]
+    chunks = sorted((c["sha"], int(c["bytes"])) for c in manifest.get("chunks", ()))
+
+    def finding(item: tuple[str, int]) -> tuple[int, str] | None:
+        sha, size = item
+        key = f"{root}/{sha}"
+        if key in memo:
+            return memo[key]
+        path = root / sha[:2] / sha
+        try:
+            h = _hash_one(path)
+            found = (
+                None
+                if h.bytes == size and h.sha256 == sha
+                else (
+                    (store_pb2.VERDICT_CORRUPT, f"size {h.bytes} bytes, manifest says {size}")
+                    if h.bytes != size
+                    else (store_pb2.VERDICT_CORRUPT, "sha256 mismatch")
+                )
+            )
+        except FileNotFoundError:
+            found = (store_pb2.VERDICT_MISSING_FILE, "missing")
+        memo[key] = found
+        return found
+
+    with ThreadPoolExecutor(max_workers=min(_HASH_THREADS, max(1, len(chunks)))) as pool:
+        results = list(pool.map(finding, chunks))
+    for (sha, _), found in zip(chunks, results):
+        if found is not None:
+            cause, why = found
+            rel = f"{label}/{sha}"
+            raise CheckpointDamaged(f"checkpoint {version}: {rel}: {why}", cause, rel)
 
 
 def _write_durable(path: Path, data: bytes) -> None:

@@ -92,7 +92,7 @@ from google.protobuf.message import Message
 from torch.distributed.checkpoint.api import CheckpointException
 
 from services.common.grpc_server import channel
-from services.compute.inference import safe_load
+from services.compute.inference import SafeLoadPlanner, safe_load
 from services.contract import Module, engine_pb2, route_pb2, store_pb2, store_pb2_grpc
 from services.contract.bus import BoundaryViolation, Emitter
 from services.contract.failures import (
@@ -105,6 +105,7 @@ from services.contract.failures import (
     failure_of,
     one_line,
 )
+from services.state.chunk_store import ChunkIntegrityError, ChunkReader, ChunkSource, ChunkWriter, DirectorySource
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -220,7 +221,13 @@ class StoreClient:
         checkpoint_events: Emitter,
         on_error: Callable[[grpc.RpcError], None] | None = None,
         metrics_buffer: int = METRICS_BUFFER,
+        copies: Any = None,
     ):
+        """``copies``: this rank's in-memory copies of its newest snapshot (optional; e.g.
+        ``services/worker/memory_client.py``): ``begin(step) -> sink | None`` before a save's
+        write (the chunk writer's sink), ``end(ok)`` once the write is done or failed, and
+        ``sources() -> [ChunkSource]``, the sources a load tries before the store's files."""
+        self._copies = copies
         self._address = address
         self._on_error = on_error
         self._emit = checkpoint_events
@@ -317,16 +324,32 @@ class StoreClient:
                 )
             return store_pb2.SaveStaged(job_id=msg.job_id, step=msg.step, seconds=time.perf_counter() - t0)
         self._write_step = msg.step
+        writer = self._writer_for(staged)
         if msg.write_async:
             if dist.is_initialized() and self._group is None:
                 self._group = dist.new_group(backend="gloo")  # collective: same point on every rank
             self._write = self._chain = dcp.async_save(
-                payload, checkpoint_id=staged.staging_path, process_group=self._group
+                payload, checkpoint_id=staged.staging_path, storage_writer=writer, process_group=self._group
             )
+            if self._copies is not None and writer is not None and writer.sink is not None:
+                self._write.add_done_callback(lambda f: self._copies.end(not f.cancelled() and f.exception() is None))
         else:
-            dcp.save(payload, checkpoint_id=staged.staging_path)
+            written = False
+            try:
+                dcp.save(payload, checkpoint_id=staged.staging_path, storage_writer=writer)
+                written = True
+            finally:
+                if self._copies is not None and writer is not None and writer.sink is not None:
+                    self._copies.end(written)
         staged.seconds = time.perf_counter() - t0
-        log.info("checkpoint_staged", step=msg.step, write_async=msg.write_async, blocked_s=round(staged.seconds, 4))
+        log.info(
+            "checkpoint_staged",
+            step=msg.step,
+            write_async=msg.write_async,
+            blocked_s=round(staged.seconds, 4),
+            baseline=staged.baseline,
+            epoch=staged.epoch,
+        )
         return staged
 
     @_reported("surge.v1.CommitCheckpoint")
@@ -411,9 +434,19 @@ class StoreClient:
             raise
         asked = time.perf_counter()
         info = loaded.info
+        reader = None
         try:
             digests = _manifest_digests(info)
-            safe_load(payload, info.path, digests=digests, what=f"checkpoint {info.version}")
+            if info.chunk_path:
+                reader = self._reader_for(info, digests)
+                reader.read_metadata()  # checked first: DCP would hide its failure in an error of its own
+                dcp.load(payload, storage_reader=reader, planner=SafeLoadPlanner())
+            else:
+                safe_load(payload, info.path, digests=digests, what=f"checkpoint {info.version}")
+        except ChunkIntegrityError as e:
+            error = CheckpointIntegrityError(str(e), store_pb2.MISSING_FILE if e.missing else store_pb2.CORRUPT, e.file)
+            self._report("load", error.cause, str(e), version=info.version, error=error)
+            raise error from None
         except CheckpointIntegrityError as e:
             self._report("load", e.cause, str(e), version=info.version, error=e)
             raise
@@ -439,6 +472,7 @@ class StoreClient:
             step=info.step,
             ask_s=round(asked - t0, 4),
             read_verified_s=round(time.perf_counter() - asked, 4),
+            **({"chunks_from": dict(reader.served), "mismatches": dict(reader.mismatches)} if reader else {}),
         )
         return loaded
 
@@ -490,6 +524,31 @@ class StoreClient:
                     dist.all_reduce(draw, op=dist.ReduceOp.MAX, group=self._agree_group)
             self._attempt = "".join(f"{int(v):016x}" for v in draw.tolist())
         return self._attempt
+
+    def _writer_for(self, staged: store_pb2.SaveStaged) -> ChunkWriter | None:
+        """The chunk writer of a save the store gave a chunk directory (None: an older store,
+        plain DCP files into the staging directory)."""
+        if not staged.chunk_path:
+            return None
+        sink = None
+        if self._copies is not None:
+            try:
+                sink = self._copies.begin(staged.step)
+            except Exception as e:  # noqa: BLE001 - a memory copy is optional; the store's files are the record
+                log.warning("memory_copy_skipped", step=staged.step, error=_one_line(e))
+        return ChunkWriter(staged.staging_path, staged.chunk_path, sink=sink)
+
+    def _reader_for(self, info: store_pb2.CheckpointInfo, digests: dict[str, dict[str, Any]]) -> ChunkReader:
+        """The reader of a chunked version: the copies' sources first, the store's files last."""
+        sources: list[ChunkSource] = []
+        if self._copies is not None:
+            try:
+                sources = list(self._copies.sources())
+            except Exception as e:  # noqa: BLE001 - the store's files suffice
+                log.warning("memory_copy_sources_failed", error=_one_line(e))
+        label = f"chunks/{Path(info.chunk_path).name}"
+        sources.append(DirectorySource(info.chunk_path))
+        return ChunkReader(info.path, sources, digests=digests, what=f"checkpoint {info.version}", chunk_label=label)
 
     def _commit_after(self, write: Future, msg: store_pb2.CommitCheckpoint) -> store_pb2.SaveCompleted | None:
         write.result()  # a failed write (of any rank: DCP gathers them) is never committed
@@ -732,11 +791,14 @@ def _digest_failure(e: BaseException):
     one, from any rank), else None."""
     from services.compute.inference import ShardDigestMismatch
 
-    if isinstance(e, ShardDigestMismatch):
+    kinds = (ShardDigestMismatch, ChunkIntegrityError)
+    if isinstance(e, kinds):
         return True, e
     if isinstance(e, CheckpointException):
         me = dist.get_rank() if dist.is_initialized() else 0
-        found = sorted((r, exc) for r, (exc, _) in e.failures.items() if isinstance(exc, ShardDigestMismatch))
+        found = sorted(
+            ((r, exc) for r, (exc, _) in e.failures.items() if isinstance(exc, kinds)), key=lambda pair: pair[0]
+        )
         if found:
             rank, exc = found[0]
             return rank == me, exc

@@ -166,6 +166,10 @@ class Outcome:
     failed: list[engine_pb2.TrainingLoopFailed] = field(default_factory=list)
     snapshot_failed: list[store_pb2.SnapshotFailed] = field(default_factory=list)  # typed store failures
     killed_after_step: int = 0
+    # Seconds from the launch (rank processes spawned) until every rank reported
+    # TrainingLoopStarted (set up, checkpoint loaded, stream open), and until rank 0's first step.
+    started_s: float = 0.0
+    first_step_s: float = 0.0
 
 
 class Cluster:
@@ -226,7 +230,8 @@ class Cluster:
 
     def _follow(self, job, spec, resume, kill_after_saved, procs, links, master_port, tag, timeout) -> Outcome:
         world = spec.world_size
-        deadline = time.monotonic() + timeout
+        t_launch = time.monotonic()
+        deadline = t_launch + timeout
         out = Outcome()
         merged: queue.Queue = queue.Queue()
         for r, link in enumerate(links):
@@ -274,10 +279,12 @@ class Cluster:
                 started.add(r)
                 out.start_step = msg.start_step
                 if len(started) == world:
+                    out.started_s = time.monotonic() - t_launch
                     start = pack(engine_pb2.StartTraining(job_id=job), Module.L1_ORCHESTRATOR, Module.L2_TRAINING_LOOP)
                     for link in links:
                         link.commands.put(worker_pb2.RankCommand(routed=start))
             elif isinstance(msg, engine_pb2.StepCompleted) and r == 0:
+                out.first_step_s = out.first_step_s or time.monotonic() - t_launch
                 out.losses[msg.step] = msg.loss
                 out.epochs[msg.step] = msg.epoch
                 out.tokens[msg.step] = msg.tokens
@@ -333,3 +340,67 @@ def verify(address: str, job: str, rehash: bool = False) -> list[store_pb2.Check
     ch, stub = store_stub(address)
     with ch:
         return list(stub.Verify(store_pb2.VerifyCheckpoints(job_id=job, rehash=rehash), timeout=120).versions)
+
+
+def read_version(info: store_pb2.CheckpointInfo, state: dict) -> None:
+    """Load a committed version into ``state`` in this process, as a rank reads it: every
+    file (and, for a chunked version, every chunk) checked against the manifest as it is read."""
+    import json
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from services.compute.inference import SafeLoadPlanner, safe_load
+    from services.state.chunk_store import ChunkReader, DirectorySource
+
+    digests = {f["path"]: f for f in json.loads((Path(info.path) / "manifest.json").read_bytes())["files"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming single process"
+        if info.chunk_path:
+            reader = ChunkReader(info.path, [DirectorySource(info.chunk_path)], digests=digests)
+            reader.read_metadata()
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+        else:
+            safe_load(state, info.path, digests=digests, no_dist=True)
+
+
+def chunk_files(info: store_pb2.CheckpointInfo) -> list[Path]:
+    """The chunk files a chunked version references (from its manifest), largest first."""
+    import json
+
+    manifest = json.loads((Path(info.path) / "manifest.json").read_bytes())
+    root = Path(info.chunk_path)
+    files = [root / c["sha"][:2] / c["sha"] for c in manifest["chunks"]]
+    return sorted(files, key=lambda p: (-p.stat().st_size, p.name))
+
+
+def own_chunk(info: store_pb2.CheckpointInfo, others: list[store_pb2.CheckpointInfo]) -> Path:
+    """The largest chunk of a chunked version that no other version listed references (so
+    damaging it strikes that version only)."""
+    import json
+
+    shared = set()
+    for other in others:
+        if other.version != info.version and other.chunk_path == info.chunk_path:
+            shared |= {c["sha"] for c in json.loads((Path(other.path) / "manifest.json").read_bytes())["chunks"]}
+    return next(p for p in chunk_files(info) if p.name not in shared)
+
+
+def full_state(info: store_pb2.CheckpointInfo) -> dict:
+    """Every key of a committed version, as saved (nested: ``model``, ``optim``, ``train``)."""
+    import warnings
+
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from services.state.chunk_store import ChunkReader, DirectorySource
+
+    reader = (
+        ChunkReader(info.path, [DirectorySource(info.chunk_path)]) if info.chunk_path else FileSystemReader(info.path)
+    )
+    state: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return state

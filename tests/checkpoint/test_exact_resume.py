@@ -15,18 +15,16 @@ third job saving synchronously commits the same state.
 from __future__ import annotations
 
 import random
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from services.contract import store_pb2
 from services.data.prepare import prepare_dataset
 from services.jobspec import JobSpec
 
-from .harness import Cluster, Processes, start_data, start_store, verify, versions_of
+from .harness import Cluster, Processes, full_state, own_chunk, start_data, start_store, verify, versions_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -64,13 +62,9 @@ def corpus(directory: Path) -> Path:
     return directory
 
 
-def state_of(path: str, scratch: Path) -> dict:
-    """Every key of a committed DCP checkpoint, flattened (``model.*``, ``optim.*``, ``train.*``)."""
-    out = scratch / (Path(path).parent.name + "-" + Path(path).name + ".pt")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp_to_torch_save(path, out)
-    return _flatten(torch.load(out, weights_only=True))
+def state_of(info: store_pb2.CheckpointInfo) -> dict:
+    """Every key of a committed version, flattened (``model.*``, ``optim.*``, ``train.*``)."""
+    return _flatten(full_state(info))
 
 
 def _flatten(tree, prefix: str = "") -> dict:
@@ -109,8 +103,6 @@ def cluster(tmp_path_factory):
 
 
 def test_a_job_killed_and_resumed_three_times_ends_bit_identical_to_one_never_interrupted(cluster):
-    scratch = cluster.home / "scratch"
-    scratch.mkdir()
     straight = cluster.run("straight", spec())
     assert straight.finished and not straight.failed, straight.failed
     assert sorted(straight.losses) == list(range(1, STEPS + 1))
@@ -134,10 +126,11 @@ def test_a_job_killed_and_resumed_three_times_ends_bit_identical_to_one_never_in
     second = leg(first.saved[8], 16, 8)
     third = leg(second.saved[16], 24, 16)
 
-    # The newest version is damaged on disk: one flipped byte in a shard.
-    newest = versions_of(cluster.store_address, job)[-1]
+    # The newest version is damaged on disk: one flipped byte in a chunk only it references
+    # (an incremental save shares unchanged chunks with the versions before it).
+    *older, newest = versions_of(cluster.store_address, job)
     assert newest.step >= 24
-    shard = sorted(p for p in Path(newest.path).iterdir() if p.suffix == ".distcp")[0]
+    shard = own_chunk(newest, older)
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x40
     shard.write_bytes(bytes(data))
@@ -146,7 +139,8 @@ def test_a_job_killed_and_resumed_three_times_ends_bit_identical_to_one_never_in
     assert {f.fault_class for f in refused.failed} == {"checkpoint_integrity"}
     # Found by the ranks' own read (the store re-hashed nothing at load), the file named,
     # and reported with its typed cause.
-    assert all(f"{newest.version}: {shard.name}: sha256 mismatch" in f.detail for f in refused.failed)
+    chunk = f"chunks/{Path(newest.chunk_path).name}/{shard.name}"
+    assert all(f"{newest.version}: {chunk}: sha256 mismatch" in f.detail for f in refused.failed)
     assert {(s.operation, s.cause, s.version) for s in refused.snapshot_failed} == {
         ("load", store_pb2.CORRUPT, newest.version)
     }
@@ -169,7 +163,7 @@ def test_a_job_killed_and_resumed_three_times_ends_bit_identical_to_one_never_in
     theirs = {v.step: v for v in versions_of(cluster.store_address, "straight")}
     assert set(ours) == set(theirs)
     for step in sorted(ours):
-        a, b = state_of(theirs[step].path, scratch), state_of(ours[step].path, scratch)
+        a, b = state_of(theirs[step]), state_of(ours[step])
         assert a.keys() == b.keys(), step
         different = [k for k in a if not same(a[k], b[k])]
         assert not different, f"step {step}: {different}"
@@ -177,9 +171,9 @@ def test_a_job_killed_and_resumed_three_times_ends_bit_identical_to_one_never_in
     sync = cluster.run("sync", spec(**{"async": False}))
     assert sync.finished and sync.losses == straight.losses
     for v in versions_of(cluster.store_address, "sync"):
-        a, b = state_of(theirs[v.step].path, scratch), state_of(v.path, scratch)
+        a, b = state_of(theirs[v.step]), state_of(v)
         assert a.keys() == b.keys() and all(same(a[k], b[k]) for k in a), v.step
-    final = state_of(ours[STEPS].path, scratch)
+    final = state_of(ours[STEPS])
     assert int(final["train.step"]) == STEPS
     assert {k.split(".")[1] for k in final if k.startswith("train.rank") and k != "train.ranks"} == {"rank0", "rank1"}
     assert int(final["train.ranks"]) == 2

@@ -12,17 +12,15 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
-from services.compute.inference import safe_load
 from services.contract import store_pb2
 
-from .harness import REPO, Processes, child_env, start_store, store_stub, verify, versions_of
+from .harness import REPO, Processes, child_env, chunk_files, read_version, start_store, store_stub, verify, versions_of
 from .save_main import state_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -64,9 +62,7 @@ def load_back(address: str, version: str) -> store_pb2.CheckpointInfo:
     with ch:
         info = stub.Load(store_pb2.LoadCheckpoint(version=version), timeout=60).info
     back = {"model": {"w": torch.zeros(MIB * 262144)}, "train": {"step": torch.tensor(0)}}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        safe_load(back, info.path, no_dist=True)
+    read_version(info, back)
     assert int(back["train"]["step"]) == info.step
     assert torch.equal(back["model"]["w"], state_for(info.step, MIB)["model"]["w"])
     return info
@@ -79,8 +75,10 @@ def procs(tmp_path):
     p.close()
 
 
-def flip_a_byte(version_path: str) -> Path:
-    shard = sorted(p for p in Path(version_path).iterdir() if p.suffix == ".distcp")[0]
+def flip_a_byte(info: store_pb2.CheckpointInfo) -> Path:
+    """One bit of the version's largest chunk (a chunk a delta shares would strike every
+    version sharing it: with baseline_every unset, every version here is a baseline)."""
+    shard = chunk_files(info)[0]
     with open(shard, "r+b") as f:
         f.seek(12345)
         byte = f.read(1)
@@ -112,11 +110,11 @@ def test_a_writer_killed_at_any_moment_of_a_save_leaves_the_previous_version_loa
     assert list((root / "checkpoints" / "job" / ".staging").iterdir()) == []
     assert all(v.ok for v in verify(address, "job"))
 
-    # One flipped bit in a shard of the newest version: a scrub finds it (a load re-hashes
+    # One flipped bit in a chunk of the newest version: a scrub finds it (a load re-hashes
     # nothing: the reader checks digests as it reads), then it is refused and reported; the
     # version before it still loads and is what latest names.
     newest = versions_of(address, "job")[-1]
-    shard = flip_a_byte(newest.path)
+    shard = flip_a_byte(newest)
     ch, stub = store_stub(address)
     with ch:
         scrubbed = stub.Scrub(store_pb2.ScrubCheckpoints(job_id="job"), timeout=60)
@@ -124,7 +122,8 @@ def test_a_writer_killed_at_any_moment_of_a_save_leaves_the_previous_version_loa
         with pytest.raises(grpc.RpcError) as refused:
             stub.Load(store_pb2.LoadCheckpoint(version=newest.version), timeout=60)
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert refused.value.details() == f"checkpoint {newest.version}: {shard.name}: sha256 mismatch"
+    chunk = f"chunks/{Path(newest.chunk_path).name}/{shard.name}"
+    assert refused.value.details() == f"checkpoint {newest.version}: {chunk}: sha256 mismatch"
     assert load_back(address, "job:latest").step == max(good)
     verdicts = verify(address, "job")
     assert [(v.info.step, v.ok) for v in verdicts] == [(s, s != 99) for s in sorted(good | {99})]

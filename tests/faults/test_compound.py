@@ -39,8 +39,14 @@ def spec(name: str, steps: int) -> str:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
+    # No in-memory checkpoint copies: these faults are about the store's files (a recovery
+    # would otherwise read a damaged version's chunks from the agents' memory, intact; that
+    # path is tested in tests/worker/test_memory_copies.py).
     with running_stack(
-        tmp_path_factory.mktemp("surge-compound"), ("json", "email"), ("cstore", "cother", "cctl", "cleave", "cflip")
+        tmp_path_factory.mktemp("surge-compound"),
+        ("json", "email"),
+        ("cstore", "cother", "cctl", "cleave", "cflip"),
+        env={"SURGE_WORKER_MEMORY_COPY_BYTES": "0"},
     ) as s:
         yield s
 
@@ -215,8 +221,18 @@ def test_a_node_agent_leaving_with_no_spare_is_one_incident_and_the_job_continue
     stack.stub.StopJob(control_pb2.StopJobRequest(job_id=busy))
 
 
+def own_chunk(job_dir: Path, n: str) -> Path:
+    """The largest chunk of version ``n`` that no other version of the job references (the
+    versions of an epoch share the chunks that did not change)."""
+    manifests = {d.name: json.loads((d / "manifest.json").read_text()) for d in job_dir.iterdir() if d.name.isdigit()}
+    mine = manifests[n]
+    shared = {c["sha"] for k, m in manifests.items() if k != n for c in m.get("chunks", ())}
+    sha = max((c for c in mine["chunks"] if c["sha"] not in shared), key=lambda c: (c["bytes"], c["sha"]))["sha"]
+    return job_dir / mine["chunk_dir"] / sha[:2] / sha
+
+
 def test_flipped_bytes_in_the_newest_version_strike_only_it_and_the_job_resumes_from_the_one_before(stack):
-    """One byte flipped in a shard of the newest version of a paused job, then its rank
+    """One byte flipped in a chunk of the newest version (one no other version shares) of a paused job, then its rank
     killed: the relaunched ranks find it as they read it (a digest mismatch,
     checkpoint_integrity): only that version is struck, the policy rolls back to the one
     before; recovered, the job stays paused until the operator resumes it, then finishes."""
@@ -226,8 +242,7 @@ def test_flipped_bytes_in_the_newest_version_strike_only_it_and_the_job_resumes_
     wait_for(lambda: stack.status(job).state == JobState.PAUSED, 120, "paused")
     versions = sorted(committed_versions(events_so_far(stack, job)))
     (_, newest), (_, previous) = versions[-1], versions[-2]
-    directory = stack.home / "store" / "checkpoints" / job / newest.rsplit(":", 1)[1]
-    shard = max((p for p in directory.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+    shard = own_chunk(stack.home / "store" / "checkpoints" / job, newest.rsplit(":", 1)[1])
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
