@@ -88,7 +88,7 @@ class FakeDataService(data_pb2_grpc.DataServiceServicer):
     def Stream(self, request, context):
         self.Mount(request.mount, context)
         B, T = request.packer.micro_batch_size, request.packer.seq_len
-        rng = np.random.default_rng(request.shuffle.rank)
+        rng = np.random.default_rng(request.packer.rank)  # the dp rank of the deal
         n = 0
         while context.is_active() and (request.max_batches == 0 or n < request.max_batches):
             starts = rng.integers(0, len(self._data) - T - 1, size=B)
