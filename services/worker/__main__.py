@@ -12,7 +12,8 @@ the memory sampler), SURGE_WORKER_MEMORY_PRESSURE_FRACTION (default 0.10),
 SURGE_WORKER_MEMINFO (file the host memory is read from, default /proc/meminfo),
 SURGE_WORKER_METRICS_PORT (Prometheus ``/metrics``; default 0 = not served),
 SURGE_WORKER_MEMORY_COPY_BYTES (bound on the in-memory checkpoint copies, default a quarter
-of the host's memory; 0 = off). Port 0
+of the host's memory; 0 = off), SURGE_WORKER_MEMORY_COPY_SHM (``off``: keep them in the
+agent's process instead of /dev/shm). Port 0
 takes a free port (the bound one is registered).
 
 Serves ``surge.v1.WorkerService`` (RankSession), ``surge.v1.MemoryCopyService`` (the
@@ -44,7 +45,7 @@ from services.contract.relay import pack
 from services.contract.validation import ContractError, refuse, validate_table
 from services.worker.control_link import ControlSession, Outbox
 from services.worker.hardware import DEFAULT_MEMINFO, MEMINFO_ENV, detect_cuda_devices, hardware_report
-from services.worker.memory_copies import MemoryCopies, MemoryCopyServicer, limit_from_env
+from services.worker.memory_copies import MemoryCopies, MemoryCopyServicer, limit_from_env, shm_from_env
 from services.worker.memory_pressure import MemorySampler
 from services.worker.node_agent import DEFAULT_RANK_MODULE, RANK_MODULE_ENV, SHUTDOWN_GRACE_SECONDS, NodeAgent
 from services.worker.rank_session import RankSessionServicer
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     # In-memory copies of the local ranks' newest checkpoint (0 bytes: off; the ranks then
     # find no MemoryCopyService here and read the store only).
     memory_limit = limit_from_env(registration.memory_bytes)
-    memory = MemoryCopies(worker_id, log, memory_limit) if memory_limit > 0 else None
+    memory = MemoryCopies(worker_id, log, memory_limit, shm_from_env(worker_id)) if memory_limit > 0 else None
     agent = NodeAgent(
         worker_id,
         session_address=f"{local_host(args.host)}:{port}",

@@ -10,9 +10,11 @@ Used by the rank's L5 relay (``store_client.py``) only, and only with its own no
   up by the agent; :meth:`MemoryCopyClient.end` closes the stream with the list of every
   chunk of the save (the agent's new set for this rank), or aborts it when the write failed.
 * loading: :meth:`MemoryCopyClient.sources` are the reader's first two chunk sources, the
-  agent's own memory (``memory``) and its peer's through it (``peer``); the store's files
-  come last. A source returns what it got; the reader verifies every chunk (SHA-256) and
-  falls back to the next source on a mismatch or a miss.
+  agent's own memory (``memory``: the agent lists the job's chunk files in its shared-memory
+  directory once per load, and the rank reads them, so the bytes do not cross gRPC; an
+  agent without one sends each chunk's bytes) and its peer's through it (``peer``: bytes);
+  the store's files come last. A source returns what it got; the reader verifies every
+  chunk (SHA-256) and falls back to the next source on a mismatch or a miss.
 
 A copy is never needed for correctness: any failure here is logged and the rank goes on (a
 save without its memory copy, a load from the store). An agent without the tier
@@ -132,13 +134,35 @@ class AgentSource:
         self._job_id = job_id
         self._via_peer = via_peer
         self._gone = False
+        self._files: dict[str, str] | None = None  # the agent's shared-memory files of the job (local only)
+        self._asked = False
+        self._files_lock = threading.Lock()
         self.bytes = 0  # returned (verified or not: the reader counts its mismatches)
         self.misses = 0
 
     def get(self, sha: str, nbytes: int) -> bytes | None:
         if self._gone:
             return None
-        query = worker_pb2.ChunkQuery(job_id=self._job_id, sha256=sha, nbytes=nbytes, via_peer=self._via_peer)
+        files = self._job_files()
+        if self._gone:
+            return None
+        if files is not None:  # one look-up for the whole load: no RPC per chunk
+            path = files.get(sha)
+            data = None
+            if path is not None:
+                try:
+                    with open(path, "rb") as f:  # the agent's shared memory, read-only
+                        data = f.read()
+                except OSError:  # freed since (a newer save): a miss
+                    pass
+            if data is None:
+                self.misses += 1
+                return None
+            self.bytes += len(data)
+            return data
+        query = worker_pb2.ChunkQuery(
+            job_id=self._job_id, sha256=sha, nbytes=nbytes, via_peer=self._via_peer, local_path=not self._via_peer
+        )
         try:
             reply = self._stub.GetChunk(query, timeout=GET_TIMEOUT_S)
         except grpc.RpcError as e:
@@ -146,11 +170,39 @@ class AgentSource:
                 self._gone = True
             log.warning("memory_copy_source_failed", source=self.name, code=e.code().name)
             return None
-        if not reply.found:
+        data: bytes | None = reply.data
+        if reply.found and reply.path:
+            try:
+                with open(reply.path, "rb") as f:  # the agent's shared memory, read-only
+                    data = f.read()
+            except OSError:  # freed since (a newer save), or not readable: a miss
+                data = None
+        if not reply.found or data is None:
             self.misses += 1
             return None
-        self.bytes += len(reply.data)
-        return reply.data
+        self.bytes += len(data)
+        return data
+
+    def _job_files(self) -> dict[str, str] | None:
+        """The agent's shared-memory files of this job, asked once per source (a source
+        serves one load); None for the peer source or an agent without shared memory (then
+        each chunk is asked for)."""
+        if self._via_peer:
+            return None
+        with self._files_lock:
+            if not self._asked:
+                self._asked = True
+                try:
+                    reply = self._stub.HeldChunks(
+                        worker_pb2.HeldQuery(job_id=self._job_id, job_files=True), timeout=HELD_TIMEOUT_S
+                    )
+                    if reply.files:
+                        self._files = dict(zip(reply.sha256, reply.path, strict=True))
+                except grpc.RpcError as e:
+                    if e.code() in _GONE:
+                        self._gone = True
+                    log.warning("memory_copy_source_failed", source=self.name, code=e.code().name)
+            return self._files
 
 
 class CountedSource:

@@ -16,6 +16,14 @@ to its own agent only, an agent to its peer only. Nothing here verifies a chunk 
 path: the reader checks every chunk's SHA-256 and falls back to the next source (the store's
 files last), so a corrupt copy costs a re-read, never a wrong restore.
 
+Where: one file per chunk in a shared-memory directory of this agent process
+(``/dev/shm/surge-memory-<worker>-<pid>``, tmpfs: host memory; removed at exit, and a
+directory of an agent process no longer alive is removed when the next agent starts), so a
+rank of this node reads a chunk from it without its bytes crossing gRPC (``GetChunk`` names
+the file; the files are written once and never changed). Without a writable ``/dev/shm``
+(or ``SURGE_WORKER_MEMORY_COPY_SHM=off``) the chunks are bytes in this process and travel
+in the reply.
+
 Held per (job, rank, replica): the newest set. Memory is bounded (``limit_bytes``,
 ``SURGE_WORKER_MEMORY_COPY_BYTES``, default a quarter of the host's memory; 0 turns the tier
 off): a chunk that does not fit evicts whole sets, least recently stored first, the set it
@@ -35,10 +43,12 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -48,7 +58,10 @@ from services.common.grpc_server import channel
 from services.contract import Module, control_pb2, worker_pb2, worker_pb2_grpc
 
 LIMIT_ENV = "SURGE_WORKER_MEMORY_COPY_BYTES"
+SHM_ROOT = Path("/dev/shm")
+SHM_PREFIX = "surge-memory-"
 CORRUPT_ENV = "SURGE_MEMORY_COPY_CORRUPT"
+SHM_ENV = "SURGE_WORKER_MEMORY_COPY_SHM"  # "off": chunks as bytes in the agent's process
 PEER_RPC_TIMEOUT_S = 10.0  # one chunk from the peer (a chunk is a few MiB at most)
 REPLICATE_TIMEOUT_S = 600.0  # one replication stream
 MODULE_METADATA = "x-surge-module"
@@ -78,6 +91,14 @@ def limit_from_env(meminfo_total_bytes: int) -> int:
     return meminfo_total_bytes // 4
 
 
+def shm_from_env(worker_id: str) -> Path | None:
+    """The shared-memory directory of this agent (None: ``SURGE_WORKER_MEMORY_COPY_SHM=off``,
+    or no writable ``/dev/shm``)."""
+    if os.environ.get(SHM_ENV, "").strip().lower() == "off":
+        return None
+    return shared_memory_dir(worker_id)
+
+
 def _job_name(job_id: str) -> str:
     return job_id.rpartition("-")[0] or job_id  # ids are "<name>-<6 hex>"
 
@@ -87,6 +108,82 @@ class _Set:
     step: int
     digests: tuple[str, ...]
     stored_at: float
+
+
+class _Chunks:
+    """Where held chunks live: one file per chunk in a shared-memory directory (tmpfs, the
+    same host memory) that this node's ranks may read directly, or, without one, bytes in
+    this process. Files are written once (temp name, rename) and never changed; a freed
+    chunk's file is unlinked (a reader that opened it keeps its bytes). Not thread-safe:
+    the owner's lock guards it."""
+
+    def __init__(self, shm_dir: Path | None):
+        self.dir = shm_dir
+        self._sizes: dict[str, int] = {}
+        self._bytes: dict[str, bytes] = {}
+
+    def __contains__(self, sha: str) -> bool:
+        return sha in self._sizes
+
+    def size(self, sha: str) -> int:
+        return self._sizes[sha]
+
+    def put(self, sha: str, data: bytes) -> None:
+        if self.dir is None:
+            self._bytes[sha] = data
+        else:
+            tmp = self.dir / f".{sha}.tmp"
+            tmp.write_bytes(data)
+            os.replace(tmp, self.dir / sha)
+        self._sizes[sha] = len(data)
+
+    def get(self, sha: str) -> bytes | None:
+        if sha not in self._sizes:
+            return None
+        if self.dir is None:
+            return self._bytes[sha]
+        try:
+            return (self.dir / sha).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def path(self, sha: str) -> str:
+        return str(self.dir / sha) if self.dir is not None and sha in self._sizes else ""
+
+    def free(self, sha: str) -> int:
+        n = self._sizes.pop(sha, 0)
+        if self.dir is None:
+            self._bytes.pop(sha, None)
+        else:
+            (self.dir / sha).unlink(missing_ok=True)
+        return n
+
+
+def shared_memory_dir(worker_id: str, root: Path = SHM_ROOT) -> Path | None:
+    """A fresh directory of this agent process under ``root`` (``/dev/shm``), after removing
+    those of agent processes no longer alive (a SIGKILLed agent leaves its own); None when
+    ``root`` is not a writable directory."""
+    if not root.is_dir() or not os.access(root, os.W_OK):
+        return None
+    for old in root.glob(f"{SHM_PREFIX}*"):
+        pid = old.name.rpartition("-")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    safe = "".join(ch if ch.isalnum() or ch in "._" else "_" for ch in worker_id)
+    path = root / f"{SHM_PREFIX}{safe}-{os.getpid()}"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(mode=0o755)
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class MemoryCopies:
@@ -99,12 +196,12 @@ class MemoryCopies:
         limit_bytes: bound on held chunk bytes (0: keep nothing).
     """
 
-    def __init__(self, worker_id: str, log: Any, limit_bytes: int):
+    def __init__(self, worker_id: str, log: Any, limit_bytes: int, shm_dir: Path | None = None):
         self._worker_id = worker_id
         self._log = log
         self._limit = limit_bytes
         self._lock = threading.Lock()
-        self._chunks: dict[str, bytes] = {}
+        self._chunks = _Chunks(shm_dir)
         self._refs: dict[str, int] = {}
         self._held = 0  # bytes in _chunks and in open streams
         self._sets: dict[tuple[str, int, bool], _Set] = {}
@@ -131,6 +228,8 @@ class MemoryCopies:
         self._outbox.put(None)
         with self._lock:
             stubs, self._stubs = list(self._stubs.values()), {}
+            if self._chunks.dir is not None:
+                shutil.rmtree(self._chunks.dir, ignore_errors=True)
         for ch, _ in stubs:
             ch.close()
 
@@ -140,6 +239,15 @@ class MemoryCopies:
         with self._lock:
             s = self._sets.get((job_id, rank, replica))
             return [d for d in s.digests if d in self._chunks] if s else []
+
+    def job_files(self, job_id: str) -> tuple[list[str], list[str]] | None:
+        """Every chunk held for ``job_id`` and its shared-memory file (None: no shared memory)."""
+        with self._lock:
+            if self._chunks.dir is None:
+                return None
+            shas = dict.fromkeys(d for k, s in self._sets.items() if k[0] == job_id for d in s.digests)
+            shas = [d for d in shas if d in self._chunks]
+            return shas, [self._chunks.path(d) for d in shas]
 
     def put(self, parts: Iterator[worker_pb2.ChunkPut]) -> worker_pb2.ChunksKept:
         """One PutChunks stream: header, chunks, end. The chunks received are held apart
@@ -172,14 +280,20 @@ class MemoryCopies:
                 self._held -= sum(len(d) for d in fresh.values())
                 HELD_BYTES.set(self._held)
 
-    def get(self, job_id: str, sha256: str, via_peer: bool) -> worker_pb2.ChunkReply:
+    def get(self, job_id: str, sha256: str, via_peer: bool, local_path: bool = False) -> worker_pb2.ChunkReply:
+        """A chunk from this agent's memory, or (``via_peer``) its peer's. ``local_path``:
+        the caller runs on this node: name the chunk's shared-memory file instead of
+        sending its bytes (when the chunks live in one)."""
         if not via_peer:
             with self._lock:
-                data = self._chunks.get(sha256)
+                if sha256 not in self._chunks:
+                    return worker_pb2.ChunkReply(found=False)
+                size, path = self._chunks.size(sha256), self._chunks.path(sha256) if local_path else ""
+                data = b"" if path else self._chunks.get(sha256)
             if data is None:
                 return worker_pb2.ChunkReply(found=False)
-            CHUNKS_SERVED.labels("local").inc(len(data))
-            return worker_pb2.ChunkReply(found=True, data=data, holder=self._worker_id)
+            CHUNKS_SERVED.labels("local").inc(size)
+            return worker_pb2.ChunkReply(found=True, data=data, path=path, holder=self._worker_id)
         stub = self._peer_stub(job_id)
         if stub is None:
             return worker_pb2.ChunkReply(found=False)
@@ -231,12 +345,12 @@ class MemoryCopies:
             for sha in dict.fromkeys(end.sha256):  # (each once)
                 data = fresh.pop(sha, None)
                 if data is not None:
-                    self._chunks[sha] = data  # (already counted in _held when received)
+                    self._chunks.put(sha, data)  # (already counted in _held when received)
                 elif sha not in self._chunks:
                     continue
                 self._refs[sha] = self._refs.get(sha, 0) + 1
                 kept.append(sha)
-                nbytes += len(self._chunks[sha])
+                nbytes += self._chunks.size(sha)
             self._drop(key)  # the previous set of this rank: its chunks go unless shared
             self._sets[key] = _Set(header.step, tuple(kept), time.monotonic())
             if not header.replica:
@@ -270,9 +384,7 @@ class MemoryCopies:
                 self._refs[sha] = n
                 continue
             self._refs.pop(sha, None)
-            data = self._chunks.pop(sha, None)
-            if data is not None:
-                self._held -= len(data)
+            self._held -= self._chunks.free(sha)
 
     def _peer_stub(self, job_id: str) -> worker_pb2_grpc.MemoryCopyServiceStub | None:
         with self._lock:
@@ -317,7 +429,7 @@ class MemoryCopies:
             s = self._sets.get((job_id, rank, False))
             if s is None:
                 return
-            chunks = [(d, self._chunks[d]) for d in s.digests if d in self._chunks]
+            digests = [d for d in s.digests if d in self._chunks]
             step = s.step
         t0 = time.perf_counter()
         held = set(stub.HeldChunks(worker_pb2.HeldQuery(job_id=job_id, rank=rank, replica=True), timeout=30).sha256)
@@ -328,12 +440,17 @@ class MemoryCopies:
                     job_id=job_id, rank=rank, step=step, replica=True, origin_worker_id=self._worker_id
                 )
             )
-            for sha, data in chunks:
-                if sha not in held:
+            sent = []
+            for sha in digests:
+                if sha in held:
+                    sent.append(sha)
+                    continue
+                with self._lock:
+                    data = self._chunks.get(sha)
+                if data is not None:  # (None: freed meanwhile, by a newer set: not sent)
+                    sent.append(sha)
                     yield worker_pb2.ChunkPut(chunk=worker_pb2.ChunkData(sha256=sha, data=data))
-            yield worker_pb2.ChunkPut(
-                end=worker_pb2.SnapshotEnd(sha256=[d for d, _ in chunks], nbytes=[len(b) for _, b in chunks])
-            )
+            yield worker_pb2.ChunkPut(end=worker_pb2.SnapshotEnd(sha256=sent))
 
         kept = stub.PutChunks(parts(), timeout=REPLICATE_TIMEOUT_S)
         self._log.info(
@@ -361,11 +478,18 @@ class MemoryCopyServicer(worker_pb2_grpc.MemoryCopyServiceServicer):
         return self._copies.put(request_iterator)
 
     def HeldChunks(self, request, context):  # noqa: N802
+        if request.job_files:
+            if _caller(context) == Module.Name(Module.EXT_HARDWARE):
+                return worker_pb2.HeldReply()  # files are for this node's ranks
+            files = self._copies.job_files(request.job_id)
+            if files is None:
+                return worker_pb2.HeldReply()
+            return worker_pb2.HeldReply(sha256=files[0], path=files[1], files=True)
         return worker_pb2.HeldReply(sha256=self._copies.held(request.job_id, request.rank, request.replica))
 
     def GetChunk(self, request, context):  # noqa: N802
-        via_peer = request.via_peer and _caller(context) != Module.Name(Module.EXT_HARDWARE)
-        return self._copies.get(request.job_id, request.sha256, via_peer)
+        local_rank = _caller(context) != Module.Name(Module.EXT_HARDWARE)
+        return self._copies.get(request.job_id, request.sha256, request.via_peer and local_rank, request.local_path)
 
 
 def _caller(context) -> str:

@@ -493,7 +493,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     set_origin(args.job, args.rank)
     session = Session(args.session, args.job, args.rank, phase=phase)
     rank: RankModules | None = None
-    data = store = None
+    data = store = copies = None
     code = 0
     try:
         init, assignment = session.receive_setup()
@@ -508,6 +508,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         install_comm_guard(report=violations)  # tags every torch.distributed call with its module
         # Imported here so a rank that fails before this point does not pay for them.
         from services.worker.data_client import DataClient
+        from services.worker.memory_client import MemoryCopyClient
         from services.worker.store_client import StoreClient
 
         # What the data service's modules send this side comes back by name, checked (it may
@@ -530,7 +531,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
                 error, skip=(store_pb2.SnapshotFailed,)
             )  # the relay reports its own, with the step
 
-        store = StoreClient(init.store_address, bus.emitter(Module.L5_CHECKPOINT_MANAGER), on_error=store_failed)
+        # The newest checkpoint's chunks are also kept in memory by this node's agent (and
+        # its peer's): a recovery reads them there first (services/worker/memory_client.py).
+        copies = MemoryCopyClient(args.session, args.job, args.rank)
+        store = StoreClient(
+            init.store_address, bus.emitter(Module.L5_CHECKPOINT_MANAGER), on_error=store_failed, copies=copies
+        )
         timeout_s = float(os.environ.get("SURGE_PG_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         rank = compose(
             bus,
@@ -578,6 +584,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
     finally:
         if store is not None:
             store.close(timeout=5.0)
+        if copies is not None:
+            copies.close()
         if data is not None:
             data.close()
         if rank is not None and code == 0:

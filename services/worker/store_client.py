@@ -472,7 +472,15 @@ class StoreClient:
             step=info.step,
             ask_s=round(asked - t0, 4),
             read_verified_s=round(time.perf_counter() - asked, 4),
-            **({"chunks_from": dict(reader.served), "mismatches": dict(reader.mismatches)} if reader else {}),
+            **(
+                {
+                    "chunks_from": dict(reader.served),
+                    "bytes_from": dict(reader.served_bytes),
+                    "mismatches": dict(reader.mismatches),
+                }
+                if reader
+                else {}
+            ),
         )
         return loaded
 

@@ -102,9 +102,11 @@ class Stack:
 
 
 @contextlib.contextmanager
-def running_stack(home: Path, packages: tuple[str, ...], jobs: tuple[str, ...], env: dict | None = None):
+def running_stack(
+    home: Path, packages: tuple[str, ...], jobs: tuple[str, ...], env: dict | None = None, workers: int = 2
+):
     """A dataset ``tiny@v1`` prepared from ``packages`` of the standard library and ``surgectl
-    up --workers 2`` under ``home``; yields a :class:`Stack`. On exit: ``surgectl down``, then
+    up --workers N`` (``workers``) under ``home``; yields a :class:`Stack`. On exit: ``surgectl down``, then
     every process of this stack (its services and their ranks: ``processes_of_home``) is
     killed by PID. ``jobs`` names the jobs the module submits (documentation: their ranks are
     found by the stack's home, never by name, which other test sessions share)."""
@@ -116,7 +118,7 @@ def running_stack(home: Path, packages: tuple[str, ...], jobs: tuple[str, ...], 
         home, "dataset", "prepare", "--name", "tiny", "--version", "v1", "--source", str(src), "--val-fraction", "0.2"
     )
     assert prep.returncode == 0, prep.stderr
-    up = cli(home, "up", "--workers", "2", env=env)
+    up = cli(home, "up", "--workers", str(workers), env=env)
     s = None
     try:
         assert up.returncode == 0, up.stdout + up.stderr

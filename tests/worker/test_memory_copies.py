@@ -21,15 +21,15 @@ from services.contract import control_pb2, worker_pb2_grpc
 from services.state.chunk_store import ChunkIntegrityError, ChunkReader, DirectorySource, chunk_path
 from services.worker import memory_copies
 from services.worker.memory_client import MemoryCopyClient
-from services.worker.memory_copies import MemoryCopies, MemoryCopyServicer
+from services.worker.memory_copies import MemoryCopies, MemoryCopyServicer, shared_memory_dir
 
 pytestmark = pytest.mark.timeout(60)
 JOB = "mem-0a1b2c"
 
 
 class Agent:
-    def __init__(self, worker_id: str, limit: int = 1 << 30):
-        self.copies = MemoryCopies(worker_id, structlog.get_logger(), limit)
+    def __init__(self, worker_id: str, limit: int = 1 << 30, shm: Path | None = None):
+        self.copies = MemoryCopies(worker_id, structlog.get_logger(), limit, shm)
         self.server = ServiceServer(worker_id, "127.0.0.1", 0)
         worker_pb2_grpc.add_MemoryCopyServiceServicer_to_server(MemoryCopyServicer(self.copies), self.server.server)
         self.server.start(["surge.v1.MemoryCopyService"])
@@ -44,8 +44,10 @@ class Agent:
         self.server.stop(0)
 
 
-@pytest.fixture
-def agents(monkeypatch):
+@pytest.fixture(params=["shared memory", "in process"])
+def agents(request, monkeypatch, tmp_path):
+    """Agents keeping their chunks in a shared-memory directory (here under tmp_path, as
+    under /dev/shm: files a local rank reads) or as bytes in their process."""
     made: list[Agent] = []
 
     def make(worker_id: str, limit: int = 1 << 30, corrupt: str = "") -> Agent:
@@ -53,7 +55,8 @@ def agents(monkeypatch):
             monkeypatch.setenv(memory_copies.CORRUPT_ENV, corrupt)
         else:
             monkeypatch.delenv(memory_copies.CORRUPT_ENV, raising=False)
-        a = Agent(worker_id, limit)
+        shm = shared_memory_dir(worker_id, tmp_path) if request.param == "shared memory" else None
+        a = Agent(worker_id, limit, shm)
         made.append(a)
         return a
 

@@ -1,0 +1,167 @@
+"""Recovery from the in-memory copies (issue 14, part 3) on the real stack: control, store,
+data, three node agents, ranks as real processes.
+
+Each node agent keeps its ranks' newest checkpoint chunks in memory and replicates them to
+its peer (the next worker in registration order). A node agent SIGKILLed with its rank takes
+its own copy with it; the rank is relaunched on the next worker, the node that holds the
+replica, and reads its chunks from that memory instead of the store's files. The run then
+ends bit-identical to an uninterrupted one (per-step losses, and the final version's model
+and optimizer slot digests: SHA-256 over every chunk of the slot). With the peer's copy
+corrupted (SURGE_MEMORY_COPY_CORRUPT: the agents flip a byte of every replica chunk they
+store for that job), the reader's SHA-256 check refuses every chunk of it (counted in the
+load's record, each one logged) and the store's files serve the load: the run still ends
+bit-identical.
+
+What served the load is read from the rank's ``checkpoint_loaded`` log record (JSON lines).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from services.contract import control_pb2
+from tests.faults.test_recovery import finished, of_type, running_stack
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+SPEC = """\
+name: {name}
+steps: 16
+seed: 0
+model: {{n_layers: 2, d_model: 64, n_heads: 2, vocab_size: 256}}
+data:
+  dataset: tiny@v1
+  seq_len: 64
+  micro_batch_size: 4
+parallel: {{dp: 1}}
+optimizer: {{lr: 3.0e-3, warmup_steps: 4}}
+checkpoint: {{every_steps: 5, keep_last: 0}}
+eval: {{every_steps: 0, batches: 2, at_end: false}}
+liveness: {{heartbeat_interval_seconds: 0.5, heartbeat_timeout_seconds: 2.0}}
+"""
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    with running_stack(
+        tmp_path_factory.mktemp("surge-memory"),
+        ("json", "email"),
+        ("mref", "mpeer", "mcorrupt"),
+        env={"SURGE_MEMORY_COPY_CORRUPT": "mcorrupt"},
+        workers=3,
+    ) as s:
+        yield s
+
+
+def records(path: Path, event: str) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if r.get("event") == event:
+            out.append(r)
+    return out
+
+
+def placed_on(stack, job: str) -> str:
+    first = next(iter(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job), timeout=30)))
+    return first.message.split(" allocated on ")[1].split(";")[0]  # "1 ranks allocated on worker-N; ..."
+
+
+def replicated(stack, job: str, step: int, timeout: float = 30.0) -> str:
+    """The worker whose agent stored the replica of ``job``'s rank 0 at ``step`` (its log)."""
+    deadline = time.monotonic() + timeout
+    logs = stack.home / "run" / "logs"
+    while time.monotonic() < deadline:
+        for path in sorted(logs.glob("worker-*.log")):
+            for r in records(path, "memory_copy_stored"):
+                if r.get("job") == job and r.get("replica") and r.get("step") == step and r.get("chunks", 0) > 0:
+                    return path.stem
+        time.sleep(0.1)
+    raise AssertionError(f"{job}: no replica of step {step} stored within {timeout:.0f} s")
+
+
+def run_killing_its_worker(stack, name: str) -> tuple[str, dict, list[dict]]:
+    """Submit ``name``; once step 5's version is committed and its replica stored, SIGKILL the
+    node agent running the rank (the rank ends with it); follow the job to its end. Returns
+    the job id, the load record of the relaunched rank and the job's events."""
+    job = stack.submit(SPEC.format(name=name))
+    worker = placed_on(stack, job)
+    stack.wait_step(job, 7)
+    deadline = time.monotonic() + 60
+    while stack.status(job).checkpoint_step < 5:
+        assert time.monotonic() < deadline, f"{job}: step 5 not committed"
+        time.sleep(0.05)
+    holder = replicated(stack, job, 5)
+    assert holder != worker
+    services = json.loads((stack.home / "run" / "stack.json").read_text())["services"]
+    os.kill(services[worker]["pid"], signal.SIGKILL)
+    events = stack.events(job)
+    finished(events)
+    assert any(
+        m.startswith(f"restart_ranks after worker_lost of rank 0 on {worker}") for m in of_type(events, "decision")
+    )
+    (loaded,) = records(stack.home / "run" / "logs" / f"{job}.rank0.log", "checkpoint_loaded")
+    assert loaded["step"] == 5
+    return job, loaded, events
+
+
+def losses(stack, job: str) -> dict[int, float]:
+    out = {}
+    for r in stack.step_records(job):  # in order: a replayed step's last record wins
+        if r["rank"] == 0:
+            out[r["step"]] = r["loss"]
+    return out
+
+
+def final_slots(stack, job: str) -> dict[str, str]:
+    """The slot digests of the job's last version (chunks.json)."""
+    root = stack.home / "store" / "checkpoints" / job
+    last = max((p for p in root.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    return json.loads((last / "chunks.json").read_text())["slots"]
+
+
+@pytest.fixture(scope="module")
+def reference(stack):
+    job = stack.submit(SPEC.format(name="mref"))
+    finished(stack.events(job))
+    return job
+
+
+def same_run(stack, job: str, reference: str) -> None:
+    la, lb = losses(stack, reference), losses(stack, job)
+    assert sorted(la) == sorted(lb) == list(range(1, 17))
+    assert [s for s in la if la[s] != lb[s]] == [], "per-step losses differ"
+    sa, sb = final_slots(stack, reference), final_slots(stack, job)
+    assert (sa["model"], sa["optim"]) == (sb["model"], sb["optim"]), "final model or optimizer state differs"
+
+
+def test_a_rank_whose_node_died_is_recovered_from_the_peers_memory_copy_bit_identical(stack, reference):
+    job, loaded, _ = run_killing_its_worker(stack, "mpeer")
+    assert loaded["chunks_from"].get("memory", 0) > 0, loaded
+    assert loaded["chunks_from"].get("store", 0) == 0 and not loaded["mismatches"], loaded
+    same_run(stack, job, reference)
+    print(f"recovered from the peer's memory: {loaded['chunks_from']}, read in {loaded['read_verified_s']} s")
+
+
+def test_a_corrupt_peer_copy_is_detected_and_the_store_serves_the_recovery(stack, reference):
+    job, loaded, _ = run_killing_its_worker(stack, "mcorrupt")
+    refused = loaded["mismatches"].get("memory", 0)
+    # Every corrupted chunk is refused and read from the store. (A chunk the agent also held
+    # for another job, e.g. a small item equal to mpeer's, was not stored again, so not
+    # corrupted: it is served from memory, verified.)
+    assert refused > 0 and loaded["chunks_from"].get("store", 0) == refused, loaded
+    logged = records(stack.home / "run" / "logs" / f"{job}.rank0.log", "chunk_digest_mismatch")
+    assert len(logged) == refused and {r["source"] for r in logged} == {"memory"}
+    same_run(stack, job, reference)
+    print(f"corrupt peer copy: {refused} chunks refused, chunks from {loaded['chunks_from']}")
