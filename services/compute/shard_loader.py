@@ -1,8 +1,10 @@
 """L3-1 shard loader: builds the model and makes it resident on the rank's device.
 
 Receives: ``ParallelPlan`` (from L2-2, once; payload: the ``("pp", "dp", "tp")`` DeviceMesh),
-``LoadModel`` and ``ExportState`` (from the training loop). Replies ``ModelLoaded`` and
-``StateExported`` (payload: a Stateful handle on the model's weights).
+``LoadModel``, ``ExportState`` and ``RestoreState`` (from the training loop). Replies
+``ModelLoaded``, ``StateExported`` (payload: a copy of the weights, an immutable
+:class:`~services.state.snapshot.Slot`) and ``StateRestored`` (it copied the weights of the
+slot it was handed into the model; it keeps nothing of the slot).
 
 Local layout only (no communication): with pp > 1 the rank keeps its pipeline stage only.
 Everything else a parallel plan does to the model (tensor parallelism, activation
@@ -15,8 +17,9 @@ The built module is handed to whoever the composition root named (``handover``);
 loader keeps only its own reference for exporting state.
 
 Red lines kept (seed L3-1): no forward/backward, no optimizer logic, no communication, no
-disk I/O of its own (checkpoint bytes are read by the checkpoint relay into the Stateful
-handle this module exports), the plan is taken as pushed and never changed.
+disk I/O of its own (checkpoint bytes are read by the rank's state manager into copies of
+its own, and come back as a RestoreState), the plan is taken as pushed and never changed.
+No live handle on the weights leaves through a message.
 """
 
 from __future__ import annotations
@@ -30,23 +33,11 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from services.compute.model import build_model, count_parameters
 from services.compute.pipeline_stage import stage_of
-from services.contract import engine_pb2
+from services.contract import Module, engine_pb2
 from services.contract.bus import Emitter, Reply
 from services.contract.frozen import FrozenConfig
 from services.jobspec import ModelSpec
-
-
-class ModelState:
-    """Stateful (torch.distributed.checkpoint) view of the model weights, keyed by FQN."""
-
-    def __init__(self, model: nn.Module):
-        self._model = model
-
-    def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self._model)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self._model, state_dict)
+from services.state.snapshot import Slot, restorable
 
 
 class ShardLoader:
@@ -95,6 +86,25 @@ class ShardLoader:
         )
 
     def export_state(self, msg: engine_pb2.ExportState, payload: Any = None) -> Reply:
+        """A copy of the weights keyed by FQN (the slot ``model``), stamped with ``msg``'s step
+        and version. Raises RuntimeError if no model is loaded."""
         if self._model is None:
             raise RuntimeError("shard loader: no model loaded, nothing to export")
-        return Reply(engine_pb2.StateExported(key="model"), ModelState(self._model))
+        slot = Slot.exported("model", Module.L3_SHARD_LOADER, msg, get_model_state_dict(self._model))
+        return Reply(slot.stamped(engine_pb2.StateExported(key="model")), slot)
+
+    def restore_state(self, msg: engine_pb2.RestoreState, payload: Slot) -> engine_pb2.StateRestored:
+        """Copy the weights of ``payload`` (this module's slot, of the step, version and digest
+        ``msg`` names) into the model.
+
+        Raises:
+            RuntimeError: no model loaded.
+            InconsistentSnapshot, SlotDigestMismatch: not this module's slot, not the one named,
+                or its content changed since it was taken (nothing is copied).
+        """
+        if self._model is None:
+            raise RuntimeError("shard loader: no model loaded, nothing to restore into")
+        t0 = time.perf_counter()
+        slot = restorable(payload, "model", Module.L3_SHARD_LOADER, msg)
+        set_model_state_dict(self._model, slot.state_dict())  # a copy; copied again into the parameters
+        return slot.stamped(engine_pb2.StateRestored(key="model", seconds=time.perf_counter() - t0))

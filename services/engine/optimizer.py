@@ -1,8 +1,10 @@
 """L2-3 optimizer wrapper: AdamW weight updates, on command only.
 
-Receives: ``ApplyUpdate`` (update now, with this learning rate) and ``ExportState`` from
-the training loop. Replies: ``UpdateApplied``, ``StateExported`` (payload: a Stateful
-handle for the checkpoint writer).
+Receives: ``ApplyUpdate`` (update now, with this learning rate), ``ExportState`` and
+``RestoreState`` from the training loop. Replies: ``UpdateApplied``, ``StateExported``
+(payload: a copy of the moments and step counts, an immutable
+:class:`~services.state.snapshot.Slot`) and ``StateRestored`` (the slot it was handed copied
+into the optimizer; nothing of it kept). No live handle on the moments leaves this module.
 
 Red lines kept (seed L2-3): the learning rate is only ever the one ``ApplyUpdate``
 carries (no schedule, no adaptation here); the update is never skipped, clipped or
@@ -28,10 +30,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from services.contract import engine_pb2
+from services.contract import Module, engine_pb2
 from services.contract.bus import Emitter, Reply
 from services.contract.failures import FailureCause, Refusal
 from services.jobspec import OptimizerSpec
+from services.state.snapshot import Slot, restorable
 
 # operators.adamw -> torch.optim.AdamW keyword arguments.
 _IMPLEMENTATIONS: dict[str, dict[str, bool]] = {
@@ -46,24 +49,6 @@ class OptimizerUnavailable(RuntimeError, Refusal):
 
     fault_class = "operator_unavailable"
     failure_cause = FailureCause.FAILURE_UNSUPPORTED
-
-
-class OptimizerState:
-    """Stateful (torch.distributed.checkpoint) view of the optimizer: moment buffers and
-    step counts keyed by parameter FQN, so the checkpoint does not depend on param order."""
-
-    def __init__(self, model: nn.Module, optim: torch.optim.Optimizer):
-        self._model, self._optim = model, optim
-        # Pipeline stages hold different parameters: the nested layout's param_groups list
-        # would then collide across ranks in a DCP checkpoint (one rank's copy is kept), so a
-        # stage keys everything by FQN (torchtitan's flatten_optimizer_state_dict).
-        self._options = StateDictOptions(flatten_optimizer_state_dict=getattr(model, "num_stages", 1) > 1)
-
-    def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self._model, self._optim, options=self._options)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self._model, self._optim, state_dict, options=self._options)
 
 
 class Optimizer:
@@ -124,6 +109,34 @@ class Optimizer:
         )
 
     def export_state(self, msg: engine_pb2.ExportState, payload: Any = None) -> Reply:
+        """A copy of the moment buffers and step counts keyed by parameter FQN (the slot
+        ``optim``: the checkpoint does not depend on parameter order), stamped with ``msg``'s
+        step and version. Raises RuntimeError if no model is attached."""
         if self._optim is None or self._model is None:
             raise RuntimeError("optimizer: no model attached, nothing to export")
-        return Reply(engine_pb2.StateExported(key="optim"), OptimizerState(self._model, self._optim))
+        state = get_optimizer_state_dict(self._model, self._optim, options=self._options())
+        slot = Slot.exported("optim", Module.L2_OPTIMIZER, msg, state)
+        return Reply(slot.stamped(engine_pb2.StateExported(key="optim")), slot)
+
+    def restore_state(self, msg: engine_pb2.RestoreState, payload: Slot) -> engine_pb2.StateRestored:
+        """Copy the moments and step counts of ``payload`` (this module's slot, of the step,
+        version and digest ``msg`` names) into the optimizer. torch's load keeps the tensors
+        it is given where their device and dtype already fit, so it gets a fresh copy.
+
+        Raises:
+            RuntimeError: no model attached.
+            InconsistentSnapshot, SlotDigestMismatch: not this module's slot, not the one named,
+                or its content changed since it was taken (nothing is copied).
+        """
+        if self._optim is None or self._model is None:
+            raise RuntimeError("optimizer: no model attached, nothing to restore into")
+        t0 = time.perf_counter()
+        slot = restorable(payload, "optim", Module.L2_OPTIMIZER, msg)
+        set_optimizer_state_dict(self._model, self._optim, slot.state_dict(), options=self._options())
+        return slot.stamped(engine_pb2.StateRestored(key="optim", seconds=time.perf_counter() - t0))
+
+    def _options(self) -> StateDictOptions:
+        # Pipeline stages hold different parameters: the nested layout's param_groups list
+        # would then collide across ranks in a DCP checkpoint (one rank's copy is kept), so a
+        # stage keys everything by FQN (torchtitan's flatten_optimizer_state_dict).
+        return StateDictOptions(flatten_optimizer_state_dict=getattr(self._model, "num_stages", 1) > 1)

@@ -12,9 +12,9 @@ Receives
     from L2-2: ParallelReady; from L4 (through the data relay): MicroBatch (payload
         :class:`Batch`), DataExhausted, DatasetUnavailable.
 Commands
-    L3-1 LoadModel/ExportState, L2-4 InitPrecision/UnscaleAndCheck/ScaleLoss, L3-3 ConfigureForward/
+    L3-1 LoadModel/ExportState/RestoreState, L2-4 InitPrecision/UnscaleAndCheck/ScaleLoss, L3-3 ConfigureForward/
     RunForward, L3-4 RunBackward, L3-5 ArmReduction/ReduceGradients, L2-3 ApplyUpdate/
-    ExportState, L4 MountDataset/OpenStream, L5 SaveCheckpoint/CommitCheckpoint/LoadCheckpoint/
+    ExportState/RestoreState, L4 MountDataset/OpenStream, L5 SaveCheckpoint/CommitCheckpoint/LoadCheckpoint/
     FlushCheckpoint.
 Publishes
     TrainingLoopStarted, StepCompleted, EvalCompleted, TrainingLoopPaused, StepFaultReported,
@@ -45,12 +45,18 @@ step no further (L1 relaunches the ranks or stops the job). ``StepCompleted`` sa
 what was done and the standing order followed (``fault``, ``action``, ``standing_order``;
 ``skipped`` / ``skip_reason`` as before; the loss stays what it was, NaN included).
 
-Exact resume (DESIGN.md "Faults"): the checkpoint is the union of the modules' state
-(model, optimizer) and the loop's own (:class:`LoopState`: step, skipped steps, loss scale,
+Exact resume (DESIGN.md "Faults"): the checkpoint is a snapshot (services/state/snapshot.py):
+an immutable copy of each owner's state at one step, the modules' (model, optimizer: their
+``ExportState`` replies) and the loop's own (slot ``train``, :class:`LoopState`: step,
+skipped steps, loss scale,
 and per rank the data position and the python / numpy / torch (and CUDA) RNG streams). The
 LR schedule is a pure function of the step and the shuffle order a pure function of (seed,
 epoch), so a run resumed from step k replays steps k+1.. bit for bit: same batches, same
 random draws, same updates. A fresh start seeds those streams from (job seed, rank).
+Nothing hands out live state: a save hands the snapshot to L5-1 (the rank's state manager);
+a load hands L5-1 a template snapshot and gets back the loaded one, which the loop checks
+(one step, one version, every digest) and restores: ``RestoreState`` with each module's slot,
+its own fields from its slot.
 
 Saves are asynchronous by default (``checkpoint.async``): the loop blocks for the copy of
 the state to host memory only; before it reports its end it waits for the write and
@@ -78,6 +84,7 @@ from services.contract.frozen import FrozenConfig
 from services.engine import rng_streams
 from services.engine.lr_schedule import schedule_for
 from services.jobspec import JobSpec, spec_from_json
+from services.state.snapshot import RANK_SLOTS, InconsistentSnapshot, Slot, Snapshot
 
 _DETAIL_CHARS = 400
 _log = structlog.get_logger("training_loop")
@@ -123,8 +130,9 @@ class LoopPorts:
 
 
 class LoopState:
-    """Stateful (torch.distributed.checkpoint) view of the loop's own progress. Keys that
-    differ per rank (RNG) live under ``rank<r>`` so ranks never collide.
+    """The loop's own progress as a state dict (the slot ``train``; the loop copies it into a
+    :class:`~services.state.snapshot.Slot` and restores from one: this object never leaves
+    the loop). Keys that differ per rank (RNG) live under ``rank<r>`` so ranks never collide.
 
     Every value is a tensor, so a checkpoint loads with ``weights_only=True`` and nothing
     is unpickled. Keys (under ``train.``): ``step``, ``skipped_steps``,
@@ -244,6 +252,7 @@ class TrainingLoop:
         self._revoked: dict[int, int] = {}
         self._dynamic_scaling = False
         self._loaded_order: tuple[int, ...] | None = None  # data order of the loaded checkpoint
+        self._snapshots = 0  # snapshots taken by this loop (part of each one's version)
         self._num_parameters = 0
         self._flops_per_token = 0.0
         self._peak_flops = 1.0
@@ -579,7 +588,7 @@ class TrainingLoop:
         self._p.store(store_pb2.SaveCheckpoint(
             job_id=self._job_id, step=step, rank=self._rank, write_async=spec.checkpoint.async_,
             baseline_every=spec.checkpoint.baseline_every,
-        ), self._states())  # fmt: skip
+        ), self._snapshot(step))  # fmt: skip
         if self._rank == 0:
             self._p.store(store_pb2.CommitCheckpoint(
                 job_id=self._job_id, step=step, world_size=self._world, spec_json=self._init.spec_json,
@@ -637,7 +646,8 @@ class TrainingLoop:
                 f"dataset {spec.data.dataset} has vocab_size {mounted.vocab_size} > model.vocab_size {spec.model.vocab_size}",
             )
         if self._init.resume_version:
-            p.store(store_pb2.LoadCheckpoint(version=self._init.resume_version), self._states())
+            template = self._snapshot(self._step)  # copies of the fresh state: keys, shapes, placements
+            self._restore(p.store(store_pb2.LoadCheckpoint(version=self._init.resume_version), template).payload)
             changed = data_order_changes(self._loaded_order, data_order(spec, self._dp_size))
             if changed:  # (the dp size alone may change: the position is global)
                 raise TrainingFault("config_error", (
@@ -753,13 +763,33 @@ class TrainingLoop:
             split=split, start=start, repeat=repeat, max_batches=max_batches,
         ))  # fmt: skip
 
-    def _states(self) -> dict[str, Any]:
-        """The checkpoint: the union of the modules' Stateful handles (nothing copied)."""
-        return {
-            "model": self._p.shard_loader(engine_pb2.ExportState()).payload,
-            "optim": self._p.optimizer(engine_pb2.ExportState()).payload,
-            "train": LoopState(self),
-        }
+    def _snapshot(self, step: int) -> Snapshot:
+        """A copy of the rank's state at ``step``: the model's and the optimizer's slots
+        (ExportState) and the loop's own, under one version. Raises InconsistentSnapshot if
+        a reply is not a slot of that step and version."""
+        self._snapshots += 1
+        version = f"{self._job_id}@{step}#{self._snapshots}"
+        ask = engine_pb2.ExportState(step=step, version=version)
+        own = Slot.copy_of("train", Module.L2_TRAINING_LOOP, step, version, LoopState(self).state_dict())
+        return Snapshot.of([self._p.shard_loader(ask).payload, self._p.optimizer(ask).payload, own])
+
+    def _restore(self, snapshot: Snapshot) -> None:
+        """Restore every slot of ``snapshot``: the model's and the optimizer's by RestoreState
+        (each owner copies its slot in), the loop's own here.
+
+        Raises:
+            InconsistentSnapshot, SlotDigestMismatch: not one snapshot of one step and version
+                (checked before anything is restored), a slot changed since it was taken.
+        """
+        if not isinstance(snapshot, Snapshot):
+            raise InconsistentSnapshot(f"restore: expected a Snapshot, got {type(snapshot).__name__}")
+        snapshot.check(RANK_SLOTS)
+        for key, port in (("model", self._p.shard_loader), ("optim", self._p.optimizer)):
+            slot = snapshot.slots[key]
+            port(engine_pb2.RestoreState(step=slot.step, version=slot.version, digest=slot.digest), slot)
+        own = snapshot.slots["train"]
+        own.check_restore("train", Module.L2_TRAINING_LOOP, snapshot.step, snapshot.version, own.digest)
+        LoopState(self).load_state_dict(own.state_dict())
 
     @property
     def _job_id(self) -> str:

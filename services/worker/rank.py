@@ -89,6 +89,8 @@ from services.engine.optimizer import Optimizer
 from services.engine.parallel_strategy import DEFAULT_TIMEOUT_S, ParallelStrategy
 from services.engine.training_loop import LoopPorts, TrainingLoop
 from services.jobspec import JobSpec, spec_from_json
+from services.state.snapshot import RANK_SLOTS
+from services.state.state_manager import StateManager
 from services.worker.faults import FaultInjector, StepGuard
 
 log = structlog.get_logger()
@@ -244,10 +246,13 @@ def compose(
     # Relays standing in for the modules of other processes.
     sub(Module.L4_DATASET_VERSIONS, data_pb2.MountDataset, data.mount)
     sub(Module.L4_DATASET_VERSIONS, data_pb2.OpenStream, data.open_stream)
-    sub(Module.L5_CHECKPOINT_MANAGER, store_pb2.SaveCheckpoint, store.save_checkpoint)
+    # L5-1's rank side: the state manager takes the loop's snapshots (copies) and reads
+    # checkpoints into copies of its own; the store relay writes and reads the bytes.
+    state = StateManager(bus.emitter(Module.L5_CHECKPOINT_MANAGER), store, RANK_SLOTS)
+    sub(Module.L5_CHECKPOINT_MANAGER, store_pb2.SaveCheckpoint, state.save_checkpoint)
     sub(Module.L5_CHECKPOINT_MANAGER, store_pb2.CommitCheckpoint, store.commit_checkpoint)
     sub(Module.L5_CHECKPOINT_MANAGER, store_pb2.FlushCheckpoint, store.flush_checkpoint)
-    sub(Module.L5_CHECKPOINT_MANAGER, store_pb2.LoadCheckpoint, store.load_checkpoint)
+    sub(Module.L5_CHECKPOINT_MANAGER, store_pb2.LoadCheckpoint, state.load_checkpoint)
     sub(Module.L5_METRICS_LOGGER, engine_pb2.StepCompleted, store.on_step_completed)
     sub(Module.L5_METRICS_LOGGER, engine_pb2.EvalCompleted, store.on_eval_completed)
     # Every event routed from here to an L1 module goes up the session by its name.

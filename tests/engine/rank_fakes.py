@@ -133,7 +133,8 @@ class FakeStore:
     def load_checkpoint(self, msg: store_pb2.LoadCheckpoint, payload):
         path = self._root / msg.version
         safe_load(payload, str(path))
-        return store_pb2.CheckpointLoaded(info=store_pb2.CheckpointInfo(version=msg.version, path=str(path)))
+        step = int(msg.version.removeprefix("step")) if msg.version.startswith("step") else 0  # as a catalog would
+        return store_pb2.CheckpointLoaded(info=store_pb2.CheckpointInfo(version=msg.version, path=str(path), step=step))
 
 
 class FakeUp:
@@ -252,7 +253,7 @@ class LocalRank:
         return self.up.of(engine_pb2.StepCompleted)
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        """The weights, read the way the loop reads them (ExportState -> Stateful handle)."""
+        """The weights, read the way the loop reads them (ExportState -> a copy)."""
         from services.contract import Module
 
         port = self.bus.port(Module.L2_TRAINING_LOOP, Module.L3_SHARD_LOADER)

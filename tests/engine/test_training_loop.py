@@ -16,6 +16,7 @@ from rank_fakes import (
 )
 
 from services.contract import Module, engine_pb2
+from services.state.snapshot import Slot
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -127,8 +128,12 @@ def poisoned(rank: LocalRank) -> threading.Thread:
     t = started(rank)
     wait_for(rank, t, engine_pb2.TrainingLoopStarted)
     port = rank.bus.port(Module.L2_TRAINING_LOOP, Module.L3_SHARD_LOADER)
-    with torch.no_grad():
-        port(engine_pb2.ExportState()).payload.state_dict()["norm.weight"].fill_(float("inf"))
+    # ExportState hands out a copy: poison the copy and restore it (the only way in).
+    slot = port(engine_pb2.ExportState(version="poison")).payload
+    state = slot.state_dict()
+    state["norm.weight"].fill_(float("inf"))
+    poisoned = Slot.copy_of(slot.key, slot.owner, slot.step, slot.version, state)
+    port(engine_pb2.RestoreState(version="poison", digest=poisoned.digest), poisoned)
     return t
 
 

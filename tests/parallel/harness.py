@@ -170,15 +170,22 @@ class Rank:
             self.modules.loop.fail(e)
 
     def load_model_and_optimizer(self, path: Path) -> None:
-        """Through the checkpoint relay (LoadCheckpoint from the loop's own port), only the
-        model and optimizer of the checkpoint at ``path``; the loop keeps its own state."""
+        """Through the rank's state manager (LoadCheckpoint from the loop's own port, with a
+        template snapshot of the model and optimizer only), the model and optimizer of the
+        checkpoint at ``path``, restored the loop's way (RestoreState to each owner); the loop
+        keeps its own state."""
         from services.contract import Module, store_pb2
+        from services.state.snapshot import Snapshot
 
-        L = Module.L2_TRAINING_LOOP
-        states = {"model": self.bus.port(L, Module.L3_SHARD_LOADER)(engine_pb2.ExportState()).payload,
-                  "optim": self.bus.port(L, Module.L2_OPTIMIZER)(engine_pb2.ExportState()).payload}  # fmt: skip
+        L, owners = Module.L2_TRAINING_LOOP, {"model": Module.L3_SHARD_LOADER, "optim": Module.L2_OPTIMIZER}
+        ask = engine_pb2.ExportState(version="template")
+        template = Snapshot.of([self.bus.port(L, m)(ask).payload for m in owners.values()])
         self.store._root = path.parent
-        self.bus.port(L, Module.L5_CHECKPOINT_MANAGER)(store_pb2.LoadCheckpoint(version=path.name), states)
+        loaded = self.bus.port(L, Module.L5_CHECKPOINT_MANAGER)(store_pb2.LoadCheckpoint(version=path.name), template)
+        for key, module in owners.items():
+            slot = loaded.payload.slots[key]
+            restore = engine_pb2.RestoreState(step=slot.step, version=slot.version, digest=slot.digest)
+            self.bus.port(L, module)(restore, slot)
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every weight as a whole tensor (DTensor shards gathered: collective, all ranks)."""
