@@ -82,6 +82,12 @@ class ModelSpec(_Strict):
     # Kept for older specs; ``operators.attention`` is the place for the kernel choice
     # (both set and different is refused).
     attention: Literal["sdpa", "math"] = "sdpa"
+    # Fine-tuning: parameters to keep frozen, as fnmatch patterns over their names
+    # (``tok_emb.weight``, ``blocks.*.attn.*``; a tied weight matches by either name). A
+    # frozen parameter gets no gradient and the optimizer keeps no state for it, so an
+    # incremental checkpoint never writes it again. A pattern that matches nothing is refused
+    # when the model is built.
+    freeze: list[Annotated[str, Field(min_length=1, max_length=1024)]] = []
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelSpec:

@@ -24,6 +24,7 @@ No live handle on the weights leaves through a message.
 
 from __future__ import annotations
 
+import fnmatch
 import time
 from collections.abc import Callable
 from typing import Any
@@ -73,6 +74,7 @@ class ShardLoader:
         spec = ModelSpec.model_validate_json(msg.model_json)
         plan = self._plan.get()
         model = build_model(spec, msg.seed, plan.device or "cpu")
+        _freeze(model, spec.freeze)
         if plan.pp > 1:  # this rank keeps its pipeline stage only (services/compute/pipeline_stage.py)
             model = stage_of(model, plan, self._mesh)
         self._model = model
@@ -108,3 +110,22 @@ class ShardLoader:
         slot = restorable(payload, "model", Module.L3_SHARD_LOADER, msg)
         set_model_state_dict(self._model, slot.state_dict())  # a copy; copied again into the parameters
         return slot.stamped(engine_pb2.StateRestored(key="model", seconds=time.perf_counter() - t0))
+
+
+def _freeze(model: nn.Module, patterns: list[str]) -> None:
+    """``requires_grad = False`` on every parameter whose name matches one of ``patterns``
+    (fnmatch; a tied parameter by any of its names): the fine-tune's frozen part.
+
+    Raises:
+        ValueError: a pattern matches no parameter (one line, naming a few that exist).
+    """
+    if not patterns:
+        return
+    named = list(model.named_parameters(remove_duplicate=False))
+    for pattern in patterns:
+        hits = [p for name, p in named if fnmatch.fnmatchcase(name, pattern)]
+        if not hits:
+            have = ", ".join(name for name, _ in named[:4])
+            raise ValueError(f"model.freeze: {pattern!r} matches no parameter (names look like: {have}, ...)")
+        for p in hits:
+            p.requires_grad_(False)
