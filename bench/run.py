@@ -22,6 +22,7 @@ load hits both sides alike. Sections (issue 7):
 3. data path: data wait as a fraction of step time; batches the data service packed per
    stream against batches consumed; a standalone client draining a stream (bench/data_drain.py);
 4. checkpoints: bench/checkpoint_save.py (demo model, and a ~100 M-parameter one);
+   restore time from the in-memory copies against the store (bench/memory_restore.py; BENCH_ONLY=memory);
 5. control plane: bench/control_scale.py (simulated node agents against a real control);
 6. start-up: submit -> first completed step, against torchrun launch -> first step.
 """
@@ -227,6 +228,22 @@ def checkpoints(results: dict) -> None:
     results["checkpoints"] = res
 
 
+def memory_restore(results: dict) -> None:
+    """bench/memory_restore.py: time to restored state from the node agents' memory copies
+    (own node, peer) against from the store's files (page cache, cold)."""
+    res = {}
+    for model in ["demo"] if c.QUICK else ["demo", "100m"]:
+        args = ["--model", model, "--rounds", "3" if c.QUICK or model == "100m" else "5", "--json"]
+        out = subprocess.run(
+            [c.PY, "bench/memory_restore.py", *args], cwd=c.REPO, capture_output=True, text=True, timeout=1200
+        )
+        if out.returncode != 0:
+            res[model] = {"error": out.stderr[-1500:]}
+            continue
+        res[model] = json.loads(out.stdout.strip().splitlines()[-1])
+    results["memory_restore"] = res
+
+
 def control_scale(results: dict) -> None:
     # A sweep, to say where control saturates on this machine (the simulated agents share
     # its cores), then the issue's 1,000 and 5,000.
@@ -348,6 +365,17 @@ def render(r: dict) -> str:
             )
         )
         rows.append(("4 checkpoint", f"{name}: load (ms)", f"{med['load']:.0f}"))
+    for model, mr in r.get("memory_restore", {}).items():
+        if "error" in mr:
+            rows.append(("4 memory copies", model, "error: " + mr["error"].splitlines()[-1][:80]))
+            continue
+        med = mr["median_s"]
+        rows.append((
+            "4 memory copies",
+            f"{model}: restore (s): store page cache / store cold / own agent's memory / peer's memory",
+            " / ".join(f"{med[k]:.3f}" for k in ("store (page cache)", "store (cold)", "memory (own agent)",
+                                                 "memory (peer via own agent)")),
+        ))  # fmt: skip
     for n, cs in r.get("control_scale", {}).items():
         if "error" in cs:
             rows.append(("5 control", f"{n} workers", "error: " + cs["error"].splitlines()[-1][:80]))
@@ -410,6 +438,7 @@ def main() -> None:
         ("data drain", data_drain),
         ("checkpoints", checkpoints),
         ("control plane", control_scale),
+        ("memory", memory_restore),
     ):
         if only and name not in only:
             continue
