@@ -133,8 +133,12 @@ class _Chunks:
             self._bytes[sha] = data
         else:
             tmp = self.dir / f".{sha}.tmp"
-            tmp.write_bytes(data)
-            os.replace(tmp, self.dir / sha)
+            try:
+                tmp.write_bytes(data)
+                os.replace(tmp, self.dir / sha)
+            except OSError:
+                tmp.unlink(missing_ok=True)
+                raise
         self._sizes[sha] = len(data)
 
     def get(self, sha: str) -> bytes | None:
@@ -345,7 +349,13 @@ class MemoryCopies:
             for sha in dict.fromkeys(end.sha256):  # (each once)
                 data = fresh.pop(sha, None)
                 if data is not None:
-                    self._chunks.put(sha, data)  # (already counted in _held when received)
+                    try:
+                        self._chunks.put(sha, data)  # (already counted in _held when received)
+                    except OSError as e:  # shared memory full (a small /dev/shm): not kept
+                        self._held -= len(data)
+                        CHUNKS_REFUSED.inc()
+                        self._log.warning("memory_copy_chunk_not_stored", error=f"{type(e).__name__}: {e}")
+                        continue
                 elif sha not in self._chunks:
                     continue
                 self._refs[sha] = self._refs.get(sha, 0) + 1

@@ -208,3 +208,24 @@ def test_an_aborted_save_keeps_the_previous_set(agents):
         assert a.copies._held == 100
     finally:
         client.close()
+
+
+def test_a_full_shared_memory_keeps_what_fits_and_says_what_it_did_not(monkeypatch, tmp_path):
+    a = Agent("wa", shm=shared_memory_dir("wa", tmp_path))
+    real = Path.write_bytes
+
+    def full(self, data):
+        if len(data) > 5000:
+            raise OSError(28, "No space left on device")
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", full)  # /dev/shm full for the big chunk (ENOSPC)
+    client = MemoryCopyClient(a.address, JOB, 0)
+    try:
+        kept = save(client, 5, chunks(b"s" * 100, b"L" * 6000))
+        assert (kept.chunks, kept.missing) == (1, 1)
+        assert a.copies._held == 100
+        assert [p.name for p in a.copies._chunks.dir.iterdir()] == a.copies.held(JOB, 0, False)
+    finally:
+        client.close()
+        a.close()
