@@ -22,6 +22,8 @@ load hits both sides alike. Sections (issue 7):
 3. data path: data wait as a fraction of step time; batches the data service packed per
    stream against batches consumed; a standalone client draining a stream (bench/data_drain.py);
 4. checkpoints: bench/checkpoint_save.py (demo model, and a ~100 M-parameter one);
+   incremental saves, full against baseline + deltas, dense and 90 % / 97 % frozen
+   (bench/incremental_save.py; BENCH_ONLY=incremental);
    restore time from the in-memory copies against the store (bench/memory_restore.py; BENCH_ONLY=memory);
 5. control plane: bench/control_scale.py (simulated node agents against a real control);
 6. start-up: submit -> first completed step, against torchrun launch -> first step.
@@ -228,6 +230,20 @@ def checkpoints(results: dict) -> None:
     results["checkpoints"] = res
 
 
+def incremental(results: dict) -> None:
+    """bench/incremental_save.py: bytes and seconds per save, full versions against a baseline
+    then deltas, dense and with 90 % / 97 % of the parameters frozen."""
+    models = ["demo"] if c.QUICK else ["demo", "100m"]
+    out = subprocess.run(
+        [c.PY, "bench/incremental_save.py", "--models", *models, "--saves", "4" if c.QUICK else "6", "--json"],
+        cwd=c.REPO, capture_output=True, text=True, timeout=3600,
+    )  # fmt: skip
+    if out.returncode != 0:
+        results["incremental_save"] = {"error": out.stderr[-1500:]}
+        return
+    results["incremental_save"] = json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def memory_restore(results: dict) -> None:
     """bench/memory_restore.py: time to restored state from the node agents' memory copies
     (own node, peer) against from the store's files (page cache, cold)."""
@@ -365,6 +381,19 @@ def render(r: dict) -> str:
             )
         )
         rows.append(("4 checkpoint", f"{name}: load (ms)", f"{med['load']:.0f}"))
+    inc = r.get("incremental_save", {})
+    if "error" in inc:
+        rows.append(("4 incremental saves", "error", inc["error"].splitlines()[-1][:80]))
+        inc = {}
+    for model, cases in inc.items():
+        for label, case in cases.items():
+            s = case["summary"]
+            rows.append((
+                "4 incremental saves",
+                f"{model} {label} ({100 * case['frozen_share']:.0f} %): delta / full bytes; save s full, delta",
+                f"{s['delta_over_full']:.3f} (1/{1 / max(s['delta_over_full'], 1e-9):.1f}); "
+                f"{s['full_save_s_median']:.2f}, {s['delta_save_s_median']:.2f}",
+            ))  # fmt: skip
     for model, mr in r.get("memory_restore", {}).items():
         if "error" in mr:
             rows.append(("4 memory copies", model, "error: " + mr["error"].splitlines()[-1][:80]))
@@ -437,6 +466,7 @@ def main() -> None:
         ("bus", bus_cost),
         ("data drain", data_drain),
         ("checkpoints", checkpoints),
+        ("incremental", incremental),
         ("control plane", control_scale),
         ("memory", memory_restore),
     ):
