@@ -9,6 +9,9 @@ On-disk layout under the store root (``--root``, ``SURGE_STORE_ROOT``, default
 
     checkpoints/catalog.json                         version chain of every job
     checkpoints/<job_id>/.staging/step-<s>-<token>/  the job's open save (ranks write here)
-    checkpoints/<job_id>/<n>/                        version "<job_id>:<n>": shards + manifest.json
+    checkpoints/<job_id>/<n>/                        version "<job_id>:<n>": DCP index (.metadata,
+                                                     chunks.json; older versions: shards) + manifest.json
+    checkpoints/<job_id>/chunks/<epoch>/<sha[:2]>/<sha>  content-addressed chunks of an epoch
+                                                     (a baseline and its deltas share them)
     metrics/<job_id>.jsonl                           every raw metric record, one JSON line each
 """

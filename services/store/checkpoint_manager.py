@@ -9,8 +9,26 @@ command), never changes a byte it was handed and never opens a tensor.
 On disk, under ``<root>/checkpoints``::
 
     catalog.json                               the version chain of every job
-    <job_id>/.staging/step-<step>-<token>/     the job's open save: ranks write shards here
-    <job_id>/<n>/                              version "<job_id>:<n>": the shards + manifest.json
+    <job_id>/.staging/step-<step>-<token>/     the job's open save: ranks write its index here
+    <job_id>/<n>/                              version "<job_id>:<n>": the index + manifest.json
+    <job_id>/chunks/<epoch>/<sha[:2]>/<sha>    the chunks of an epoch (content-addressed)
+
+Incremental saves (the ranks' side: ``services/state/chunk_store.py``). A version is DCP's
+``.metadata`` plus ``chunks.json`` (every chunk it references: SHA-256, bytes) in its own
+directory, and chunks, each a file named by its SHA-256, in its epoch's directory. An epoch
+begins with a baseline (a new directory, so its save writes every chunk); the versions after
+it in the same epoch are deltas: their ranks write only the chunks the directory lacks.
+``save_checkpoint`` decides which (``_next_epoch``: a new epoch every ``baseline_every``
+versions, counted from the epoch's baseline whatever was pruned since, or when a version of
+the epoch is recorded not ok, or its directory is gone) and says so in SaveStaged. A commit
+also checks every chunk ``chunks.json`` names: there, its size, and, if no ok version of the
+epoch references it already (verified at that version's commit), hashed to its name. The
+manifest lists the chunks; ``bytes`` is the whole version, ``written_bytes`` what its save
+wrote. Chunks are never rewritten, so a killed delta leaves every older version whole. After
+retention, the job's chunks are garbage-collected (mark and sweep, under the lock, so no save
+of the job can begin meanwhile): a chunk no cataloged version references is removed, and so
+is an epoch directory none references. Verification hashes each chunk once per pass (a scrub
+or a re-hash); a damaged chunk strikes every version that references it.
 
 Staging (one open save per job, a save is "the ranks of one attempt writing one step"):
 
