@@ -765,12 +765,14 @@ class TrainingLoop:
 
     def _snapshot(self, step: int) -> Snapshot:
         """A copy of the rank's state at ``step``: the model's and the optimizer's slots
-        (ExportState) and the loop's own, under one version. Raises InconsistentSnapshot if
-        a reply is not a slot of that step and version."""
+        (ExportState) and the loop's own, under one version, to be written or read into (no
+        digests: the writer hashes what it writes, a load's snapshot is digested when read).
+        Raises InconsistentSnapshot if a reply is not a slot of that step and version."""
         self._snapshots += 1
         version = f"{self._job_id}@{step}#{self._snapshots}"
         ask = engine_pb2.ExportState(step=step, version=version)
-        own = Slot.copy_of("train", Module.L2_TRAINING_LOOP, step, version, LoopState(self).state_dict())
+        state = LoopState(self).state_dict()
+        own = Slot.copy_of("train", Module.L2_TRAINING_LOOP, step, version, state, digest=False)
         return Snapshot.of([self._p.shard_loader(ask).payload, self._p.optimizer(ask).payload, own])
 
     def _restore(self, snapshot: Snapshot) -> None:

@@ -107,7 +107,7 @@ def _feed(h: Any, path: str, value: Any) -> None:
         local = local.detach()
         h.update(f"{path}:{local.dtype}:{tuple(local.shape)}\n".encode())
         if local.numel():
-            h.update(local.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+            h.update(local.contiguous().reshape(-1).view(torch.uint8).cpu().numpy())  # (no copy on the CPU)
     elif isinstance(value, Mapping):
         for k in sorted(value, key=str):
             _feed(h, f"{path}.{k}", value[k])
@@ -127,19 +127,23 @@ class Slot:
     step: int
     version: str  # the snapshot it belongs to (a save's "<job>@<step>#<n>", a loaded version's name)
     state: Mapping[str, Any]  # read-only; tensors are this slot's own
-    digest: str  # digest_of(state) when the copy was taken
+    digest: str  # digest_of(state) when the copy was taken; "" when none was asked for
 
     @classmethod
-    def copy_of(cls, key: str, owner: int, step: int, version: str, state: Mapping[str, Any]) -> Slot:
-        """A slot holding a copy of ``state`` (the owner's live state dict, read once)."""
+    def copy_of(
+        cls, key: str, owner: int, step: int, version: str, state: Mapping[str, Any], *, digest: bool = True
+    ) -> Slot:
+        """A slot holding a copy of ``state`` (the owner's live state dict, read once), with
+        its digest taken now unless ``digest`` is False (a snapshot only written: its writer
+        hashes what it writes; such a slot cannot be restored)."""
         frozen = freeze(state)
-        return cls(key, owner, step, version, frozen, digest_of(frozen))
+        return cls(key, owner, step, version, frozen, digest_of(frozen) if digest else "")
 
     @classmethod
     def exported(cls, key: str, owner: int, msg: Any, state: Mapping[str, Any]) -> Slot:
         """An owner's reply to ``msg`` (an ExportState): a copy of ``state`` stamped with the
-        step and version the message names."""
-        return cls.copy_of(key, owner, msg.step, msg.version, state)
+        step and version the message names, digested if it asks."""
+        return cls.copy_of(key, owner, msg.step, msg.version, state, digest=msg.digest)
 
     def stamped(self, message: Any) -> Any:
         """``message`` (StateExported, StateRestored) with this slot's step, version and,
@@ -154,7 +158,12 @@ class Slot:
         return thaw(self.state)
 
     def verify(self) -> None:
-        """Raises SlotDigestMismatch if the content is no longer what was copied."""
+        """Raises SlotDigestMismatch if the content is no longer what was copied (or no
+        digest was taken: then nothing says what it was)."""
+        if not self.digest:
+            raise SlotDigestMismatch(
+                f"snapshot {self.version}: slot {self.key!r} ({Module.Name(self.owner)}) has no digest to check"
+            )
         if digest_of(self.state) != self.digest:
             raise SlotDigestMismatch(
                 f"snapshot {self.version}: slot {self.key!r} ({Module.Name(self.owner)}, step {self.step}) "
@@ -219,7 +228,7 @@ class Snapshot:
 
     def check(self, owners: Mapping[str, int] | None = None) -> None:
         """Every slot consistent with the snapshot, from its registered owner (``owners``:
-        key -> module; a snapshot may hold a subset), and matching its digest.
+        key -> module; a snapshot may hold a subset), and matching its digest where it has one.
 
         Raises InconsistentSnapshot or SlotDigestMismatch."""
         for key, slot in self.slots.items():
@@ -232,7 +241,8 @@ class Snapshot:
                 raise InconsistentSnapshot(
                     f"snapshot {self.version}: slot {key!r} is {Module.Name(slot.owner)}'s, not a registered slot"
                 )
-            slot.verify()
+            if slot.digest:
+                slot.verify()
 
     def to_write(self) -> dict[str, Any]:
         """The nested dict a checkpoint writer saves: the slots' own tensors (not copied:

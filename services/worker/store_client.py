@@ -10,8 +10,9 @@ record once). The held records are bounded (``METRICS_BUFFER``): past it the old
 dropped, counted and logged.
 
 Checkpoints (as L5_CHECKPOINT_MANAGER), for the loop's commands:
-    SaveCheckpoint (payload: {"model", "optim", "train"} Stateful handles; every rank, at
-        the same step) -> wait for this rank's previous write (and, on the committing rank,
+    SaveCheckpoint (payload: the rank's snapshot as a nested dict of tensors, {"model",
+        "optim", "train"}: a private copy the rank's state manager hands over, never live
+        state; every rank, at the same step) -> wait for this rank's previous write (and, on the committing rank,
         up to ``STORE_RPC_TIMEOUT_S`` for its commit) -> the ranks agree that every previous
         save settled (an all-reduce on a gloo group of the relay's own: the manager holds
         one open save per job) -> ``BeginSave`` naming this generation of ranks
@@ -20,8 +21,9 @@ Checkpoints (as L5_CHECKPOINT_MANAGER), for the loop's commands:
         staging directory, and never one a killed generation was handed)
         -> the ranks agree that every rank got it -> a torch.distributed.checkpoint save of
         the payload into it -> SaveStaged, whose ``seconds`` is how long the loop was blocked.
-        ``write_async``: ``dcp.async_save`` copies the state to host memory (the only part
-        the loop waits for) and writes it from a background thread. Its collectives (plan
+        ``write_async``: the snapshot is written from the relay's background thread
+        (``dcp.save`` there; the loop waited only for the snapshot's copy, taken before this
+        call, and no second staging copy is made). Its collectives (plan
         exchange, the gather of write results, rank 0 writing ``.metadata``) run on a
         process group of their own (gloo), never on the training group: two threads issuing
         collectives on one gloo group can interleave them and deadlock.
@@ -35,10 +37,11 @@ Checkpoints (as L5_CHECKPOINT_MANAGER), for the loop's commands:
         loop sends it before it reports its end. A failed background write or a refused
         commit is raised here or at the next SaveCheckpoint (CheckpointError). A final
         commit that could not reach the store is retried for ``FLUSH_RETRY_S``.
-    LoadCheckpoint (payload: the same handles) -> ``Load`` (the store checks the version's
+    LoadCheckpoint (payload: a nested dict of tensors to read into: the state manager's own
+        copies) -> ``Load`` (the store checks the version's
         recorded verdict and manifest; a refusal is FAILED_PRECONDITION ->
         CheckpointIntegrityError, fault class ``checkpoint_integrity``) -> DCP load into the
-        handles, unpickling nothing but plain data (``services.compute.inference.safe_load``)
+        copies, unpickling nothing but plain data (``services.compute.inference.safe_load``)
         and checking each file's SHA-256 against the manifest as it is read: a mismatch or a
         missing file is a CheckpointIntegrityError naming the file.
 
@@ -328,8 +331,10 @@ class StoreClient:
         if msg.write_async:
             if dist.is_initialized() and self._group is None:
                 self._group = dist.new_group(backend="gloo")  # collective: same point on every rank
-            self._write = self._chain = dcp.async_save(
-                payload, checkpoint_id=staged.staging_path, storage_writer=writer, process_group=self._group
+            # The payload is the rank's snapshot, already a private copy (services/state/
+            # state_manager.py): written as it is from the relay's thread, no staging copy.
+            self._write = self._chain = self._writer.submit(
+                dcp.save, payload, checkpoint_id=staged.staging_path, storage_writer=writer, process_group=self._group
             )
             if self._copies is not None and writer is not None and writer.sink is not None:
                 self._write.add_done_callback(lambda f: self._copies.end(not f.cancelled() and f.exception() is None))
@@ -417,7 +422,7 @@ class StoreClient:
             failed = self._failed_commit
 
     def load_checkpoint(self, msg: store_pb2.LoadCheckpoint, payload: dict[str, Any]) -> store_pb2.CheckpointLoaded:
-        """Load version ``msg.version`` into the handles, checking every file read against
+        """Load version ``msg.version`` into the payload (copies), checking every file read against
         the version's manifest as it is read.
 
         Raises:

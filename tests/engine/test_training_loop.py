@@ -129,7 +129,7 @@ def poisoned(rank: LocalRank) -> threading.Thread:
     wait_for(rank, t, engine_pb2.TrainingLoopStarted)
     port = rank.bus.port(Module.L2_TRAINING_LOOP, Module.L3_SHARD_LOADER)
     # ExportState hands out a copy: poison the copy and restore it (the only way in).
-    slot = port(engine_pb2.ExportState(version="poison")).payload
+    slot = port(engine_pb2.ExportState(version="poison", digest=True)).payload
     state = slot.state_dict()
     state["norm.weight"].fill_(float("inf"))
     poisoned = Slot.copy_of(slot.key, slot.owner, slot.step, slot.version, state)

@@ -272,7 +272,7 @@ def test_an_exported_state_is_a_read_only_copy_whose_changes_reach_no_owner(rank
     before_w = {k: v.clone() for k, v in model.state_dict().items()}
     before_m = [v.clone() for per in optim.state.values() for v in per.values()]
     for receiver in (Module.L3_SHARD_LOADER, Module.L2_OPTIMIZER):
-        reply = rank.send(receiver, engine_pb2.ExportState(step=1, version="v"))
+        reply = rank.send(receiver, engine_pb2.ExportState(step=1, version="v", digest=True))
         slot = reply.payload
         assert (reply.message.digest, reply.message.step, reply.message.version) == (slot.digest, 1, "v")
         with pytest.raises(TypeError):
@@ -301,13 +301,16 @@ def test_a_restore_refuses_a_changed_slot_and_a_slot_of_another_step_and_changes
     port = rank.bus.port(L, Module.L3_SHARD_LOADER)
     model = rank.module(Module.L3_SHARD_LOADER)._model
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    slot = port(engine_pb2.ExportState(step=3, version="own@3")).payload
+    undigested = port(engine_pb2.ExportState(step=3, version="own@3")).payload  # a save's: nothing to check it by
+    with pytest.raises(SlotDigestMismatch, match="has no digest to check"):
+        port(engine_pb2.RestoreState(step=3, version="own@3"), undigested)
+    slot = port(engine_pb2.ExportState(step=3, version="own@3", digest=True)).payload
     with pytest.raises(InconsistentSnapshot, match=r"^restore of 'model': the command names step 4"):
         port(engine_pb2.RestoreState(step=4, version="own@3", digest=slot.digest), slot)
     next(iter(_tensors(slot.state))).add_(1)
     with pytest.raises(SlotDigestMismatch, match="does not match its digest"):
         port(engine_pb2.RestoreState(step=3, version="own@3", digest=slot.digest), slot)
-    optim_slot = rank.send(Module.L2_OPTIMIZER, engine_pb2.ExportState(step=3, version="own@3")).payload
+    optim_slot = rank.send(Module.L2_OPTIMIZER, engine_pb2.ExportState(step=3, version="own@3", digest=True)).payload
     with pytest.raises(InconsistentSnapshot, match="got another module's slot"):
         port(engine_pb2.RestoreState(step=3, version="own@3", digest=optim_slot.digest), optim_slot)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
