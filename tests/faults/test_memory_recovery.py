@@ -53,7 +53,12 @@ def stack(tmp_path_factory):
         tmp_path_factory.mktemp("surge-memory"),
         ("json", "email"),
         ("mref", "mpeer", "mcorrupt"),
-        env={"SURGE_MEMORY_COPY_CORRUPT": "mcorrupt"},
+        # The save at step 10 waits 60 s (once): the kill after step 5's version always
+        # precedes the next version, however fast the steps run.
+        env={
+            "SURGE_MEMORY_COPY_CORRUPT": "mcorrupt",
+            "SURGE_FAULT_INJECT": "mpeer:slow_save@10:seconds=60,mcorrupt:slow_save@10:seconds=60",
+        },
         workers=3,
     ) as s:
         yield s
