@@ -29,6 +29,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+from services.compute.inference import load_model_for_inference
 from services.compute.model import build_model
 from services.contract import store_pb2
 from services.data.prepare import prepare_dataset
@@ -166,6 +167,9 @@ def test_a_fine_tune_with_97_percent_frozen_writes_at_most_a_tenth_of_a_full_ver
         assert torch.equal(last["model.blocks.0.attn.q.weight"], first["model.blocks.0.attn.q.weight"])
         assert not torch.equal(last["model.blocks.3.attn.proj.weight"], first["model.blocks.3.attn.proj.weight"])
         assert not any(k.startswith("optim.state.blocks.0.") for k in last)
+        # What `surgectl sample` loads: the weights of a delta, from its epoch's chunks.
+        sampled = load_model_for_inference(versions[-1].path, spec).state_dict()
+        assert torch.equal(sampled["blocks.3.attn.proj.weight"], last["model.blocks.3.attn.proj.weight"])
         cluster.close()
     finally:
         procs.close()
