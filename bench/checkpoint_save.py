@@ -10,12 +10,16 @@ near a second on one CPU thread per rank; what is timed is the save, not the ste
 ``--json``: also print the medians as one JSON line (bench/run.py reads it).
 
 Each rank holds the demo model and its AdamW state (after one update) and the loop's own
-state, and saves it ``rounds`` times per mode through ``StoreClient.save_checkpoint`` and,
-on rank 0, ``commit_checkpoint`` (what the loop blocks on), then both run k = ``steps-between`` training steps (micro-batch
+state, and saves it ``rounds`` times per mode the way the loop does: a snapshot (each
+owner's ExportState copy, services/state/snapshot.py) handed to
+``StoreClient.save_checkpoint`` and, on rank 0, ``commit_checkpoint`` (what the loop blocks
+on, the snapshot's copy included; the asynchronous write then runs from the relay's thread,
+with no staging copy), then both run k = ``steps-between`` training steps (micro-batch
 8 x 256, like the demo); "save + k steps" against "no_save: k steps" shows what the save
 costs in all, the background write's competition for the cores included. Modes are
-interleaved round by round. Then every rank loads the last
-version (store verification + DCP read). Medians over rounds, in milliseconds.
+interleaved round by round. Then every rank loads the last version into the state
+manager's copies, as a resume does (store verification + DCP read + the loaded snapshot's
+digests). Medians over rounds, in milliseconds.
 """
 
 from __future__ import annotations
@@ -65,12 +69,14 @@ def rank_main(
     torch.set_num_threads(1)
     from dataclasses import fields
 
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
     from services.common.process_exit import exit_now
     from services.compute.model import build_model
-    from services.compute.shard_loader import ModelState
-    from services.contract import data_pb2, store_pb2
+    from services.contract import Module, data_pb2, engine_pb2, store_pb2
     from services.engine.optimizer import Optimizer
     from services.engine.training_loop import LoopPorts, LoopState, TrainingLoop
+    from services.state.snapshot import Slot, Snapshot
     from services.worker.store_client import StoreClient
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -97,7 +103,17 @@ def rank_main(
     loop = TrainingLoop(lambda *a, **k: 1, LoopPorts(*[None] * len(fields(LoopPorts))))
     loop._rank, loop._world, loop._spec, loop._dp_size = rank, world, spec, world
     loop._position = data_pb2.DataPosition()
-    state = {"model": ModelState(model), "optim": opt.export_state(None).payload, "train": LoopState(loop)}
+
+    def snapshot(step: int) -> Snapshot:
+        """What the loop's _snapshot builds: L3-1's and L2-3's ExportState copies and its own."""
+        v = f"bench@{step}"
+        slots = [
+            Slot.copy_of("model", Module.L3_SHARD_LOADER, step, v, get_model_state_dict(model), digest=False),
+            opt.export_state(engine_pb2.ExportState(step=step, version=v)).payload,
+            Slot.copy_of("train", Module.L2_TRAINING_LOOP, step, v, LoopState(loop).state_dict(), digest=False),
+        ]
+        return Snapshot.of(slots)
+
     client = StoreClient(store, lambda *a, **k: 1)
     results: dict[str, list[float]] = {}
     for _ in range(3):
@@ -115,7 +131,8 @@ def rank_main(
             loop._step = step
             t0 = time.perf_counter()
             client.save_checkpoint(
-                store_pb2.SaveCheckpoint(job_id="bench", step=step, rank=rank, write_async=mode == "async"), state
+                store_pb2.SaveCheckpoint(job_id="bench", step=step, rank=rank, write_async=mode == "async"),
+                snapshot(step).to_write(),
             )
             if rank == 0:  # the loop's rank 0 also waits for a synchronous commit
                 client.commit_checkpoint(
@@ -129,10 +146,13 @@ def rank_main(
             t0 = time.perf_counter()
             client.flush_checkpoint(store_pb2.FlushCheckpoint(job_id="bench"))
             results.setdefault(f"{mode}: flush wait after", []).append(time.perf_counter() - t0)
+    template = snapshot(0)
     for _ in range(rounds):
         dist.barrier()
         t0 = time.perf_counter()
-        client.load_checkpoint(store_pb2.LoadCheckpoint(version="bench:latest"), state)
+        into = template.blank()
+        loaded = client.load_checkpoint(store_pb2.LoadCheckpoint(version="bench:latest"), into)
+        Snapshot.loaded(into, template, loaded.info.version)  # restorable: every slot digested
         results.setdefault("load", []).append(time.perf_counter() - t0)
     client.close(timeout=2)
     torch.save(results, Path(out) / f"rank{rank}.pt")

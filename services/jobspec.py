@@ -303,8 +303,8 @@ class CheckpointSpec(_Strict):
     # the chunks that changed (services/state/chunk_store.py). 0 or 1: every version is full.
     baseline_every: int = Field(10, ge=0, le=U32_MAX)
     at_end: bool = True
-    # torch.distributed.checkpoint.async_save: the loop blocks only for the copy to host
-    # memory; the write and the commit run in the background (the end of a run waits).
+    # Asynchronous save: the loop blocks only for the snapshot's copy; the write (dcp.save
+    # from the store relay's thread) and the commit run in the background (the end of a run waits).
     async_: bool = Field(True, alias="async")
 
 

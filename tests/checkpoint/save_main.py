@@ -1,7 +1,7 @@
 """A rank's checkpoint writer alone: ``python save_main.py STORE JOB STEP MIB [EVERY FROZEN_MIB [DIE_AFTER]]``.
 
 Saves {"model": {"w": float32 tensor of MIB MiB}, "train": {"step": STEP}} through the
-rank's real checkpoint relay (StoreClient: BeginSave, dcp.async_save, CommitSave after the
+rank's real checkpoint relay (StoreClient: BeginSave, dcp.save from its thread, CommitSave after the
 write, flush) and prints ``saving``, ``staged``, ``committed VERSION`` as it goes, so a test
 can kill it at any moment of the save. The tensor is a pure function of STEP. With
 FROZEN_MIB, the model also holds "frozen", the same FROZEN_MIB MiB at every step (what an

@@ -1,7 +1,7 @@
 """A kill at any moment of a save leaves the previous version loadable, and a damaged
 version is detected, never loaded, while the older ones stay usable. Real processes: the
 `store` service, and a rank's checkpoint writer (``save_main.py``: the rank's relay,
-dcp.async_save, commit after the write) killed with SIGKILL at several delays.
+dcp.save from its thread, commit after the write) killed with SIGKILL at several delays.
 """
 
 from __future__ import annotations
