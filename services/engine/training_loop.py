@@ -49,10 +49,13 @@ Exact resume (DESIGN.md "Faults"): the checkpoint is a snapshot (services/state/
 an immutable copy of each owner's state at one step, the modules' (model, optimizer: their
 ``ExportState`` replies) and the loop's own (slot ``train``, :class:`LoopState`: step,
 skipped steps, loss scale,
-and per rank the data position and the python / numpy / torch (and CUDA) RNG streams). The
-LR schedule is a pure function of the step and the shuffle order a pure function of (seed,
-epoch), so a run resumed from step k replays steps k+1.. bit for bit: same batches, same
-random draws, same updates. A fresh start seeds those streams from (job seed, rank).
+the one global data position, and per rank the python / numpy / torch (and CUDA) RNG
+streams). The LR schedule is a pure function of the step and the shuffle order a pure
+function of (seed, epoch), so a run resumed from step k replays steps k+1.. bit for bit:
+same batches, same random draws, same updates. A fresh start seeds those streams from (job
+seed, rank). The data position does not depend on the dp size (every rank reads the global
+order, the packer deals rows: services/data/batch_packer.py), so a job also resumes at
+another dp on the same global batches (losses equal to float rounding; :class:`LoopState`).
 Nothing hands out live state: a save hands the snapshot to L5-1 (the rank's state manager);
 a load hands L5-1 a template snapshot and gets back the loaded one, which the loop checks
 (one step, one version, every digest) and restores: ``RestoreState`` with each module's slot,
