@@ -23,7 +23,9 @@ load finds a checkpoint whose slots come from different steps (:meth:`Snapshot.l
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -94,28 +96,47 @@ def thaw(value: Any, *, clone: bool = True) -> Any:
 
 
 def digest_of(state: Any) -> str:
-    """SHA-256 over a state dict: every tensor's (this rank's local shard of a DTensor)
-    dtype, shape and bytes, and every other value's repr, in sorted key order."""
-    h = hashlib.sha256()
-    _feed(h, "", state)
-    return h.hexdigest()
+    """SHA-256 over a state dict, in sorted key order: one line per value, a tensor's (this
+    rank's local shard of a DTensor) path, dtype, shape and the SHA-256 of its bytes, any
+    other value's path and repr. The tensors' own digests are taken on a few threads
+    (hashlib releases the GIL), so a large state hashes at the speed of the cores, not one."""
+    lines: list[Any] = []
+    _lines(lines, "", state)
+    tensors = [i for i, line in enumerate(lines) if isinstance(line, tuple)]
+    workers = min(_DIGEST_THREADS, len(tensors))
+    if workers > 1:
+        with ThreadPoolExecutor(workers, thread_name_prefix="digest") as pool:
+            hashed = list(pool.map(lambda i: _tensor_line(*lines[i]), tensors))
+    else:
+        hashed = [_tensor_line(*lines[i]) for i in tensors]
+    for i, line in zip(tensors, hashed):
+        lines[i] = line
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
-def _feed(h: Any, path: str, value: Any) -> None:
+_DIGEST_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
+def _lines(out: list[Any], path: str, value: Any) -> None:
+    """Each value's line (a tensor's: a (path, tensor) pair, hashed later), in key order."""
     if isinstance(value, torch.Tensor):
-        local = value.to_local() if hasattr(value, "to_local") else value
-        local = local.detach()
-        h.update(f"{path}:{local.dtype}:{tuple(local.shape)}\n".encode())
-        if local.numel():
-            h.update(local.contiguous().reshape(-1).view(torch.uint8).cpu().numpy())  # (no copy on the CPU)
+        out.append((path, value))
     elif isinstance(value, Mapping):
         for k in sorted(value, key=str):
-            _feed(h, f"{path}.{k}", value[k])
+            _lines(out, f"{path}.{k}", value[k])
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            _feed(h, f"{path}[{i}]", v)
+            _lines(out, f"{path}[{i}]", v)
     else:
-        h.update(f"{path}={value!r}\n".encode())
+        out.append(f"{path}={value!r}\n")
+
+
+def _tensor_line(path: str, value: torch.Tensor) -> str:
+    local = (value.to_local() if hasattr(value, "to_local") else value).detach()
+    h = hashlib.sha256()
+    if local.numel():
+        h.update(local.contiguous().reshape(-1).view(torch.uint8).cpu().numpy())  # (no copy on the CPU)
+    return f"{path}:{local.dtype}:{tuple(local.shape)}:{h.hexdigest()}\n"
 
 
 @dataclass(frozen=True, eq=False)
