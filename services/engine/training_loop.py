@@ -784,11 +784,13 @@ class TrainingLoop:
 
         Raises:
             InconsistentSnapshot, SlotDigestMismatch: not one snapshot of one step and version
-                (checked before anything is restored), a slot changed since it was taken.
+                (checked before anything is restored), or a slot changed since it was taken
+                (its owner refuses it; what was restored before it is not to be trained on:
+                the loop fails and L1 decides).
         """
         if not isinstance(snapshot, Snapshot):
             raise InconsistentSnapshot(f"restore: expected a Snapshot, got {type(snapshot).__name__}")
-        snapshot.check(RANK_SLOTS)
+        snapshot.check(RANK_SLOTS, verify=False)  # structure; each owner checks its slot's digest
         for key, port in (("model", self._p.shard_loader), ("optim", self._p.optimizer)):
             slot = snapshot.slots[key]
             port(engine_pb2.RestoreState(step=slot.step, version=slot.version, digest=slot.digest), slot)
