@@ -17,8 +17,11 @@ the tensors) from:
 * ``store (cold)``: the same, each file's cached pages dropped first
   (``posix_fadvise(DONTNEED)``: what a read from the disk itself costs);
 * ``memory (own agent)``: agent A's memory over loopback gRPC;
-* ``memory (peer via own agent)``: a rank on node C, whose agent holds nothing and asks its
-  peer A (two gRPC hops on loopback here; a network hop between nodes in a cluster).
+* ``memory (peer via own agent)``: a rank on a node whose agent holds nothing and asks its
+  peer A for each chunk (one gRPC hop with the bytes, loopback here, a network hop between
+  nodes in a cluster; the agent keeps the chunk in its shared memory and the rank reads it
+  there). A fresh node per round: an agent keeps what it fetched, so its second load is a
+  local one.
 
 Each mode's first load is checked bit-identical to the saved tensors. Medians in seconds.
 The store is on this machine's local disk: against a remote store (the case the Gemini
@@ -161,9 +164,13 @@ def main() -> None:
                 )
             )
             wait_port(sp, procs[-1], "store")
-            pa, pb, pc = free_port(), free_port(), free_port()
+            pa, pb = free_port(), free_port()
+            # C0, C1, ...: one node per round whose agent holds nothing (it keeps what it fetches
+            # from its peer, so each round's peer load needs a node that never fetched).
+            nodes = [(pa, "A", f"127.0.0.1:{pb}"), (pb, "B", "-")]
+            nodes += [(free_port(), f"C{i}", f"127.0.0.1:{pa}") for i in range(args.rounds)]
             agents = {}
-            for port, wid, peer in ((pa, "A", f"127.0.0.1:{pb}"), (pb, "B", "-"), (pc, "C", f"127.0.0.1:{pa}")):
+            for port, wid, peer in nodes:
                 procs.append(
                     subprocess.Popen(
                         [sys.executable, __file__, "--agent", str(port), wid, peer],
@@ -222,13 +229,15 @@ def main() -> None:
                 "memory (own agent)": StoreClient(
                     store, lambda *a, **k: 1, copies=MemoryCopyClient(agents["A"], "bench", 0)
                 ),
-                "memory (peer via own agent)": StoreClient(
-                    store, lambda *a, **k: 1, copies=MemoryCopyClient(agents["C"], "bench", 0)
-                ),
             }
+            peer_clients = [
+                StoreClient(store, lambda *a, **k: 1, copies=MemoryCopyClient(agents[f"C{i}"], "bench", 0))
+                for i in range(args.rounds)
+            ]
             times: dict[str, list[float]] = {m: [] for m in MODES}
             exact: dict[str, bool] = {}
-            for _ in range(args.rounds):
+            for round_ in range(args.rounds):
+                clients["memory (peer via own agent)"] = peer_clients[round_]
                 for mode in MODES:
                     target = zeroed(state)
                     if mode == "store (cold)":
@@ -239,7 +248,7 @@ def main() -> None:
                     if mode not in exact:
                         exact[mode] = identical(state, target)
                     del target
-            for c in clients.values():
+            for c in [*clients.values(), *peer_clients]:
                 c.close(timeout=1)
         finally:
             for p in procs:

@@ -160,8 +160,8 @@ class AgentSource:
                 return None
             self.bytes += len(data)
             return data
-        query = worker_pb2.ChunkQuery(
-            job_id=self._job_id, sha256=sha, nbytes=nbytes, via_peer=self._via_peer, local_path=not self._via_peer
+        query = worker_pb2.ChunkQuery(  # (its own agent is on this node: a file there may be named)
+            job_id=self._job_id, sha256=sha, nbytes=nbytes, via_peer=self._via_peer, local_path=True
         )
         try:
             reply = self._stub.GetChunk(query, timeout=GET_TIMEOUT_S)

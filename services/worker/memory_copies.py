@@ -20,9 +20,11 @@ Where: one file per chunk in a shared-memory directory of this agent process
 (``/dev/shm/surge-memory-<worker>-<pid>``, tmpfs: host memory; removed at exit, and a
 directory of an agent process no longer alive is removed when the next agent starts), so a
 rank of this node reads a chunk from it without its bytes crossing gRPC (``GetChunk`` names
-the file; the files are written once and never changed). Without a writable ``/dev/shm``
-(or ``SURGE_WORKER_MEMORY_COPY_SHM=off``) the chunks are bytes in this process and travel
-in the reply.
+the file; the files are written once and never changed). A chunk fetched from the peer for
+a local rank is kept there as well (the job's ``fetched`` set, once its SHA-256 matches), so
+the rank reads it from this node's memory and a second load finds it here. Without a
+writable ``/dev/shm`` (or ``SURGE_WORKER_MEMORY_COPY_SHM=off``) the chunks are bytes in this
+process and travel in the reply.
 
 Held per (job, rank, replica): the newest set. Memory is bounded (``limit_bytes``,
 ``SURGE_WORKER_MEMORY_COPY_BYTES``, default a quarter of the host's memory; 0 turns the tier
@@ -41,6 +43,7 @@ test can see the reader detect it and fall back to the store.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import queue
 import shutil
@@ -60,6 +63,7 @@ from services.contract import Module, control_pb2, worker_pb2, worker_pb2_grpc
 LIMIT_ENV = "SURGE_WORKER_MEMORY_COPY_BYTES"
 SHM_ROOT = Path("/dev/shm")
 SHM_PREFIX = "surge-memory-"
+FETCHED_RANK = 2**32 - 1  # the set of chunks an agent fetched from its peer for its ranks (per job)
 CORRUPT_ENV = "SURGE_MEMORY_COPY_CORRUPT"
 SHM_ENV = "SURGE_WORKER_MEMORY_COPY_SHM"  # "off": chunks as bytes in the agent's process
 PEER_RPC_TIMEOUT_S = 10.0  # one chunk from the peer (a chunk is a few MiB at most)
@@ -292,12 +296,17 @@ class MemoryCopies:
             with self._lock:
                 if sha256 not in self._chunks:
                     return worker_pb2.ChunkReply(found=False)
-                size, path = self._chunks.size(sha256), self._chunks.path(sha256) if local_path else ""
-                data = b"" if path else self._chunks.get(sha256)
-            if data is None:
-                return worker_pb2.ChunkReply(found=False)
+                size, path = self._chunks.size(sha256), self._chunks.path(sha256)
+                data = self._chunks.get(sha256) if not path else None
+            if path and not local_path:  # read outside the lock (a file in shared memory)
+                try:
+                    with open(path, "rb") as f:
+                        data = f.read()
+                except FileNotFoundError:  # freed meanwhile
+                    return worker_pb2.ChunkReply(found=False)
+                path = ""
             CHUNKS_SERVED.labels("local").inc(size)
-            return worker_pb2.ChunkReply(found=True, data=data, path=path, holder=self._worker_id)
+            return worker_pb2.ChunkReply(found=True, data=data or b"", path=path, holder=self._worker_id)
         stub = self._peer_stub(job_id)
         if stub is None:
             return worker_pb2.ChunkReply(found=False)
@@ -306,11 +315,43 @@ class MemoryCopies:
         except grpc.RpcError as e:
             self._log.warning("memory_copy_peer_unreachable", job_id=job_id, code=e.code().name)
             return worker_pb2.ChunkReply(found=False)
-        if reply.found:
-            CHUNKS_SERVED.labels("peer").inc(len(reply.data))
+        if not reply.found:
+            return reply
+        CHUNKS_SERVED.labels("peer").inc(len(reply.data))
+        if local_path and self._chunks.dir is not None:
+            path = self._keep_fetched(job_id, sha256, reply.data)
+            if path:  # the rank reads it here; the next ask for it is a local hit
+                return worker_pb2.ChunkReply(found=True, path=path, holder=reply.holder)
         return reply
 
     # ------------------------------------------------------------ private
+
+    def _keep_fetched(self, job_id: str, sha: str, data: bytes) -> str:
+        """Keep a chunk fetched from the peer for a local rank in this agent's shared memory
+        (the job's ``fetched`` set, evicted like any other), once its bytes match its digest
+        (a wrong copy is passed on as it came, for the reader to refuse, and not kept).
+        Returns its file, or "" when it is not kept."""
+        if hashlib.sha256(data).hexdigest() != sha:
+            return ""
+        key = (job_id, FETCHED_RANK, True)
+        with self._lock:
+            if sha not in self._chunks:
+                while self._held + len(data) > self._limit:
+                    victims = sorted((s.stored_at, k) for k, s in self._sets.items() if k != key)
+                    if not victims:
+                        return ""
+                    self._drop(victims[0][1])
+                try:
+                    self._chunks.put(sha, data)
+                except OSError:
+                    return ""
+                self._held += len(data)
+                HELD_BYTES.set(self._held)
+            old = self._sets.get(key)
+            if old is None or sha not in old.digests:
+                self._refs[sha] = self._refs.get(sha, 0) + 1
+                self._sets[key] = _Set(0, (*(old.digests if old else ()), sha), time.monotonic())
+            return self._chunks.path(sha)
 
     def _reserve(self, sha: str, data: bytes, fresh: dict[str, bytes], header: Any) -> bool:
         """Hold a received chunk apart for its stream, within the bound (evicting the

@@ -144,6 +144,11 @@ def test_a_reader_gets_chunks_from_its_agent_then_the_peer_through_it_then_the_s
         for sha, data in v.items():
             assert r.fetch(sha, len(data)) == data
         assert dict(r.served) == {"peer": 2} and not r.mismatches
+        # C kept what it fetched (in shared memory): the next load finds it there.
+        r = reader(tmp_path, elsewhere, root)
+        for sha, data in v.items():
+            assert r.fetch(sha, len(data)) == data
+        assert dict(r.served) == ({"memory": 2} if c.copies._chunks.dir is not None else {"peer": 2})
     finally:
         for cl in (writer, here, elsewhere):
             cl.close()
