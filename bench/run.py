@@ -25,6 +25,7 @@ load hits both sides alike. Sections (issue 7):
    incremental saves, full against baseline + deltas, dense and 90 % / 97 % frozen
    (bench/incremental_save.py; BENCH_ONLY=incremental);
    restore time from the in-memory copies against the store (bench/memory_restore.py; BENCH_ONLY=memory);
+   resume of a dp 2 checkpoint at dp 1, 2 and 4 (bench/reshard_resume.py; BENCH_ONLY=reshard);
 5. control plane: bench/control_scale.py (simulated node agents against a real control);
 6. start-up: submit -> first completed step, against torchrun launch -> first step.
 """
@@ -244,6 +245,19 @@ def incremental(results: dict) -> None:
     results["incremental_save"] = json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def reshard(results: dict) -> None:
+    """bench/reshard_resume.py: resume time of a dp 2 checkpoint at dp 1, 2 and 4."""
+    models = ["demo"] if c.QUICK else ["demo", "100m"]
+    out = subprocess.run(
+        [c.PY, "bench/reshard_resume.py", "--models", *models],
+        cwd=c.REPO, capture_output=True, text=True, timeout=3600,
+    )  # fmt: skip
+    if out.returncode != 0:
+        results["reshard_resume"] = {"error": out.stderr[-1500:]}
+        return
+    results["reshard_resume"] = json.loads((c.RESULTS / "reshard_resume.json").read_text())["models"]
+
+
 def memory_restore(results: dict) -> None:
     """bench/memory_restore.py: time to restored state from the node agents' memory copies
     (own node, peer) against from the store's files (page cache, cold)."""
@@ -394,6 +408,17 @@ def render(r: dict) -> str:
                 f"{s['delta_over_full']:.3f} (1/{1 / max(s['delta_over_full'], 1e-9):.1f}); "
                 f"{s['full_save_s_median']:.2f}, {s['delta_save_s_median']:.2f}",
             ))  # fmt: skip
+    reshard_runs = r.get("reshard_resume", {})
+    if "error" in reshard_runs:
+        rows.append(("4 resume at a new dp", "error", reshard_runs["error"].splitlines()[-1][:80]))
+        reshard_runs = {}
+    for model, rr in reshard_runs.items():
+        for label, s in rr["resumes"].items():
+            rows.append((
+                "4 resume at a new dp",
+                f"{model}: dp 2 checkpoint at {label}: launch -> first step / load (s)",
+                f"{s['first_step_s']['median']:.1f} / {s['load_s']['median']:.2f}",
+            ))  # fmt: skip
     for model, mr in r.get("memory_restore", {}).items():
         if "error" in mr:
             rows.append(("4 memory copies", model, "error: " + mr["error"].splitlines()[-1][:80]))
@@ -467,6 +492,7 @@ def main() -> None:
         ("data drain", data_drain),
         ("checkpoints", checkpoints),
         ("incremental", incremental),
+        ("reshard", reshard),
         ("control plane", control_scale),
         ("memory", memory_restore),
     ):
