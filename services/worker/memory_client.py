@@ -5,9 +5,10 @@ Used by the rank's L5 relay (``store_client.py``) only, and only with its own no
 
 * saving: :meth:`MemoryCopyClient.begin` returns the chunk writer's ``sink`` for one save.
   It asks the agent which chunks of this rank it already holds (``HeldChunks``: the
-  previous save's), and streams the others (copied: the writer's view is valid during the
-  call only) on one ``PutChunks`` stream from a thread of its own, so the write is not held
-  up by the agent; :meth:`MemoryCopyClient.end` closes the stream with the list of every
+  previous save's) and writes the others as files into the staging directory the agent
+  names in its shared memory (a copy into host memory, no bytes on gRPC), or, from an agent
+  without one, streams them (copied: the writer's view is valid during the call only) on
+  one ``PutChunks`` stream from a thread of its own; :meth:`MemoryCopyClient.end` closes the stream with the list of every
   chunk of the save (the agent's new set for this rank), or aborts it when the write failed.
 * loading: :meth:`MemoryCopyClient.sources` are the reader's first two chunk sources, the
   agent's own memory (``memory``: the agent lists the job's chunk files in its shared-memory
@@ -23,9 +24,11 @@ save without its memory copy, a load from the store). An agent without the tier
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -49,8 +52,17 @@ log = structlog.get_logger()
 class _Save:
     """One save's PutChunks stream: chunks queued by the sink, sent by a thread."""
 
-    def __init__(self, stub: worker_pb2_grpc.MemoryCopyServiceStub, job_id: str, rank: int, step: int, held: set):
+    def __init__(
+        self,
+        stub: worker_pb2_grpc.MemoryCopyServiceStub,
+        job_id: str,
+        rank: int,
+        step: int,
+        held: set,
+        staging: str = "",
+    ):
         self._stub = stub
+        self._staging = Path(staging) if staging else None
         self._header = worker_pb2.SnapshotHeader(job_id=job_id, rank=rank, step=step)
         self._held = held
         self._digests: dict[str, int] = {}  # every chunk of the save, in order, once
@@ -69,6 +81,18 @@ class _Save:
             return
         self._digests[sha] = len(data)
         if sha in self._held or self._failed:
+            return
+        if self._staging is not None:  # the agent's shared memory: a file, no bytes on gRPC
+            tmp = self._staging / f".{sha}.tmp"
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, self._staging / sha)
+                self.sent_bytes += len(data)
+            except OSError as e:  # (full, or the agent removed it): the rest of this save is not copied
+                tmp.unlink(missing_ok=True)
+                self._failed = True
+                log.warning("memory_copy_not_stored", step=self._header.step, error=f"{type(e).__name__}: {e}")
             return
         part = worker_pb2.ChunkPut(chunk=worker_pb2.ChunkData(sha256=sha, data=bytes(data)))
         with self._cond:
@@ -250,7 +274,7 @@ class MemoryCopyClient:
         try:
             held = self._stub.HeldChunks(
                 worker_pb2.HeldQuery(job_id=self._job_id, rank=self._rank), timeout=HELD_TIMEOUT_S
-            ).sha256
+            )
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self._off = True
@@ -258,7 +282,7 @@ class MemoryCopyClient:
             else:
                 log.warning("memory_copy_skipped", step=step, code=e.code().name)
             return None
-        self._save = _Save(self._stub, self._job_id, self._rank, step, set(held))
+        self._save = _Save(self._stub, self._job_id, self._rank, step, set(held.sha256), held.staging)
         return self._save.sink
 
     def end(self, ok: bool) -> None:

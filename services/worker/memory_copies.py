@@ -155,6 +155,14 @@ class _Chunks:
         except FileNotFoundError:
             return None
 
+    def adopt(self, sha: str, src: Path) -> int:
+        """Take a chunk file written by a local rank (a rename within shared memory)."""
+        assert self.dir is not None
+        n = src.stat().st_size
+        os.replace(src, self.dir / sha)
+        self._sizes[sha] = n
+        return n
+
     def path(self, sha: str) -> str:
         return str(self.dir / sha) if self.dir is not None and sha in self._sizes else ""
 
@@ -243,6 +251,22 @@ class MemoryCopies:
 
     # ------------------------------------------------------------ the service's calls
 
+    def staging(self, job_id: str, rank: int) -> str:
+        """A fresh directory in shared memory where a local rank writes the new chunks of its
+        next save ("" without shared memory)."""
+        path = self._staging_path(job_id, rank)
+        if path is None:
+            return ""
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        return str(path)
+
+    def _staging_path(self, job_id: str, rank: int) -> Path | None:
+        if self._chunks.dir is None:
+            return None
+        safe = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in job_id)
+        return self._chunks.dir / "incoming" / f"{safe}.{rank}"
+
     def held(self, job_id: str, rank: int, replica: bool) -> list[str]:
         with self._lock:
             s = self._sets.get((job_id, rank, replica))
@@ -287,6 +311,9 @@ class MemoryCopies:
             with self._lock:  # what the stream held apart and no set took
                 self._held -= sum(len(d) for d in fresh.values())
                 HELD_BYTES.set(self._held)
+            staged = self._staging_path(header.job_id, header.rank) if header and not header.replica else None
+            if staged is not None:
+                shutil.rmtree(staged, ignore_errors=True)  # (an aborted or broken-off save's files)
 
     def get(self, job_id: str, sha256: str, via_peer: bool, local_path: bool = False) -> worker_pb2.ChunkReply:
         """A chunk from this agent's memory, or (``via_peer``) its peer's. ``local_path``:
@@ -360,20 +387,26 @@ class MemoryCopies:
             if sha in self._chunks or sha in fresh:
                 return True
             replaced = (header.job_id, header.rank, header.replica) if header is not None else None
-            while self._held + len(data) > self._limit:
-                # Least recently stored first; the set this stream replaces last (its chunks
-                # the new set shares were not sent again: they go missing with it).
-                victims = sorted((k == replaced, s.stored_at, k) for k, s in self._sets.items())
-                if not victims:
-                    CHUNKS_REFUSED.inc()
-                    return False
-                *_, key = victims[0]
-                self._drop(key)
-                self._log.info("memory_copy_evicted", job_id=key[0], rank=key[1], replica=key[2])
+            if not self._make_room(len(data), replaced):
+                CHUNKS_REFUSED.inc()
+                return False
             fresh[sha] = data
             self._held += len(data)
             HELD_BYTES.set(self._held)
             return True
+
+    def _make_room(self, n: int, replaced: tuple[str, int, bool] | None) -> bool:
+        """Evict sets until ``n`` more bytes fit (lock held): least recently stored first, the
+        set ``replaced`` last (its chunks the new set shares were not sent again: they go
+        missing with it). False when even an empty memory could not take them."""
+        while self._held + n > self._limit:
+            victims = sorted((k == replaced, s.stored_at, k) for k, s in self._sets.items())
+            if not victims:
+                return False
+            *_, key = victims[0]
+            self._drop(key)
+            self._log.info("memory_copy_evicted", job_id=key[0], rank=key[1], replica=key[2])
+        return True
 
     def _commit(
         self,
@@ -384,12 +417,23 @@ class MemoryCopies:
         refused: int,
     ) -> worker_pb2.ChunksKept:
         key = (header.job_id, header.rank, header.replica)
+        staged = None if header.replica else self._staging_path(header.job_id, header.rank)
         with self._lock:
             kept: list[str] = []
             nbytes = 0
             for sha in dict.fromkeys(end.sha256):  # (each once)
                 data = fresh.pop(sha, None)
-                if data is not None:
+                if data is None and sha not in self._chunks and staged is not None and (staged / sha).is_file():
+                    try:  # written by the rank into its staging directory: moved in, within the bound
+                        size = (staged / sha).stat().st_size
+                        if not self._make_room(size, key):
+                            CHUNKS_REFUSED.inc()
+                            continue
+                        self._held += self._chunks.adopt(sha, staged / sha)
+                        received += size
+                    except OSError:
+                        continue
+                elif data is not None:
                     try:
                         self._chunks.put(sha, data)  # (already counted in _held when received)
                     except OSError as e:  # shared memory full (a small /dev/shm): not kept
@@ -536,7 +580,10 @@ class MemoryCopyServicer(worker_pb2_grpc.MemoryCopyServiceServicer):
             if files is None:
                 return worker_pb2.HeldReply()
             return worker_pb2.HeldReply(sha256=files[0], path=files[1], files=True)
-        return worker_pb2.HeldReply(sha256=self._copies.held(request.job_id, request.rank, request.replica))
+        reply = worker_pb2.HeldReply(sha256=self._copies.held(request.job_id, request.rank, request.replica))
+        if not request.replica and _caller(context) != Module.Name(Module.EXT_HARDWARE):
+            reply.staging = self._copies.staging(request.job_id, request.rank)  # (a rank of this node)
+        return reply
 
     def GetChunk(self, request, context):  # noqa: N802
         local_rank = _caller(context) != Module.Name(Module.EXT_HARDWARE)

@@ -216,7 +216,8 @@ def test_an_aborted_save_keeps_the_previous_set(agents):
 
 
 def test_a_full_shared_memory_keeps_what_fits_and_says_what_it_did_not(monkeypatch, tmp_path):
-    a = Agent("wa", shm=shared_memory_dir("wa", tmp_path))
+    a, b = Agent("wa", shm=shared_memory_dir("wa", tmp_path)), Agent("wb", shm=shared_memory_dir("wb", tmp_path))
+    a.peer(b)
     real = Path.write_bytes
 
     def full(self, data):
@@ -224,13 +225,17 @@ def test_a_full_shared_memory_keeps_what_fits_and_says_what_it_did_not(monkeypat
             raise OSError(28, "No space left on device")
         return real(self, data)
 
-    monkeypatch.setattr(Path, "write_bytes", full)  # /dev/shm full for the big chunk (ENOSPC)
+    # The peer's /dev/shm is full for the big chunk (ENOSPC) when the replica arrives.
+    monkeypatch.setattr(Path, "write_bytes", full)
     client = MemoryCopyClient(a.address, JOB, 0)
     try:
-        kept = save(client, 5, chunks(b"s" * 100, b"L" * 6000))
-        assert (kept.chunks, kept.missing) == (1, 1)
-        assert a.copies._held == 100
-        assert [p.name for p in a.copies._chunks.dir.iterdir()] == a.copies.held(JOB, 0, False)
+        small, big = chunks(b"s" * 100), chunks(b"L" * 6000)
+        kept = save(client, 5, {**small, **big})
+        assert (kept.chunks, kept.missing) == (2, 0)  # the rank wrote its files itself
+        assert replicated(b, 0, set(small))
+        assert b.copies._held == 100
+        assert [p.name for p in b.copies._chunks.dir.iterdir()] == list(small)
     finally:
         client.close()
         a.close()
+        b.close()
