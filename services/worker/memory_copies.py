@@ -450,6 +450,7 @@ class MemoryCopies:
             self._sets[key] = _Set(header.step, tuple(kept), time.monotonic())
             if not header.replica:
                 self._drop((header.job_id, header.rank, True))  # a replica of this rank is older
+                self._drop((header.job_id, FETCHED_RANK, True))  # so is what a recovery fetched
             HELD_BYTES.set(self._held)
             missing = len(set(end.sha256)) - len(kept)
         self._log.info(

@@ -149,6 +149,15 @@ def test_a_reader_gets_chunks_from_its_agent_then_the_peer_through_it_then_the_s
         for sha, data in v.items():
             assert r.fetch(sha, len(data)) == data
         assert dict(r.served) == ({"memory": 2} if c.copies._chunks.dir is not None else {"peer": 2})
+        # The recovered rank's next save on C replaces what C fetched (only the newest is kept).
+        on_c = MemoryCopyClient(c.address, JOB, 0)
+        try:
+            newer = chunks(b"x" * 4096, b"z" * 4096)  # one chunk shared with what was fetched
+            save(on_c, 10, newer)
+            assert set(c.copies.job_files(JOB)[0] if c.copies._chunks.dir else newer) == set(newer)
+            assert c.copies._held == 8192
+        finally:
+            on_c.close()
     finally:
         for cl in (writer, here, elsewhere):
             cl.close()
