@@ -649,7 +649,9 @@ class TrainingLoop:
                 f"dataset {spec.data.dataset} has vocab_size {mounted.vocab_size} > model.vocab_size {spec.model.vocab_size}",
             )
         if self._init.resume_version:
-            template = self._snapshot(self._step)  # copies of the fresh state: keys, shapes, placements
+            # Copies of the fresh state (keys, shapes, placements, values a checkpoint may lack),
+            # handed to L5-1 to be read into.
+            template = self._snapshot(self._step)
             self._restore(p.store(store_pb2.LoadCheckpoint(version=self._init.resume_version), template).payload)
             changed = data_order_changes(self._loaded_order, data_order(spec, self._dp_size))
             if changed:  # (the dp size alone may change: the position is global)

@@ -275,11 +275,13 @@ class Snapshot:
             for key, slot in self.slots.items()
         }
 
-    def blank(self) -> dict[str, Any]:
-        """A mutable copy to load a checkpoint into (same keys, shapes, dtypes and
-        placements; the values are overwritten by the load)."""
+    def blank(self, *, reuse: bool = False) -> dict[str, Any]:
+        """A mutable dict to load a checkpoint into (same keys, shapes, dtypes and
+        placements; a value the checkpoint holds is overwritten, one it lacks stays). Its
+        tensors are copies, or with ``reuse`` this snapshot's own: for a template taken for
+        this load alone, which its holder hands over and never uses again (one copy fewer)."""
         return {
-            key: {**slot.state_dict(), SLOT_META: torch.tensor([-1], dtype=torch.int64)}
+            key: {**thaw(slot.state, clone=not reuse), SLOT_META: torch.tensor([-1], dtype=torch.int64)}
             for key, slot in self.slots.items()
         }
 

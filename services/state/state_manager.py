@@ -9,15 +9,17 @@ L5_CHECKPOINT_MANAGER's rank side, in front of the store relay that writes and r
 bytes):
 
     SaveCheckpoint (payload: a :class:`Snapshot` of this step) -> checks it (registered
-        slots, from their owners, one step and version, every digest) -> the store relay
+        slots, from their owners, one step and version, any digest it has) -> the store relay
         writes it (``Snapshot.to_write``: the snapshot's own tensors, already a private copy).
-    LoadCheckpoint (payload: a template Snapshot: a copy of the current state, for keys,
-        shapes and placements) -> the store relay reads the version into copies of the
-        manager's own (``Snapshot.blank``) -> reply ``CheckpointLoaded`` with the loaded
-        Snapshot as payload: every slot from the step written with it (a checkpoint whose
-        slots were written at different steps is refused: InconsistentSnapshot, reported as
-        SnapshotFailed{load, CORRUPT} so the orchestrator strikes the version), its digest
-        taken. The loop then hands each owner its slot (RestoreState).
+    LoadCheckpoint (payload: a template Snapshot: a copy of the current state taken for this
+        load, for keys, shapes, placements and the values a checkpoint may lack; handed over:
+        its holder does not use it again) -> the store relay reads the version into the
+        template's tensors (``Snapshot.blank(reuse=True)``: they are no module's) -> reply
+        ``CheckpointLoaded`` with the loaded Snapshot as payload: every slot from the step
+        written with it (a checkpoint whose slots were written at different steps is
+        refused: InconsistentSnapshot, reported as SnapshotFailed{load, CORRUPT} so the
+        orchestrator strikes the version), its digest taken. The loop then hands each owner
+        its slot (RestoreState).
 
 Why the loop, not this manager, sends RestoreState: commands never point up a layer, and
 this is L5-1's side of the rank; its reply payload is the copy the loop passes on.
@@ -80,7 +82,7 @@ class StateManager:
             CheckpointError: the store relay's (refused, unreadable, corrupt).
         """
         template = self._checked(payload, "load")
-        into = template.blank()
+        into = template.blank(reuse=True)  # the template is the caller's copy for this load: read into
         loaded = self._storage.load_checkpoint(msg, into)
         info = loaded.info
         try:
