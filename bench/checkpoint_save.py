@@ -152,8 +152,10 @@ def rank_main(
         t0 = time.perf_counter()
         into = template.blank(reuse=True)
         loaded = client.load_checkpoint(store_pb2.LoadCheckpoint(version="bench:latest"), into)
+        read = time.perf_counter()
         Snapshot.loaded(into, template, loaded.info.version)  # restorable: every slot digested
         results.setdefault("load", []).append(time.perf_counter() - t0)
+        results.setdefault("load: of which digests", []).append(time.perf_counter() - read)
     client.close(timeout=2)
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
