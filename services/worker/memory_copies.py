@@ -431,6 +431,7 @@ class MemoryCopies:
                             continue
                         self._held += self._chunks.adopt(sha, staged / sha)
                         received += size
+                        CHUNKS_RECEIVED.labels("rank").inc(size)
                     except OSError:
                         continue
                 elif data is not None:
