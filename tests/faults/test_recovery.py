@@ -130,7 +130,11 @@ def running_stack(
         cli(home, "down", "--force", timeout=60)  # (a teardown: no drain of a job left running or hung)
         stack_json = home / "run" / "stack.json"
         if stack_json.exists():
-            kill_all([v["pid"] for v in json.loads(stack_json.read_text())["services"].values()])
+            pids = [v["pid"] for v in json.loads(stack_json.read_text())["services"].values()]
+            kill_all(pids)
+            for pid in pids:  # a SIGKILLed node agent leaves its memory copies' directory behind
+                for leftover in Path("/dev/shm").glob(f"surge-memory-*-{pid}"):
+                    shutil.rmtree(leftover, ignore_errors=True)
         kill_all(processes_with(str(home)))
         kill_all(processes_of_home(home))  # (its ranks by their environment: never another stack's)
 
