@@ -259,12 +259,17 @@ def test_a_rank_that_beats_but_makes_no_progress_is_stalled_and_the_job_recovers
 
 
 def final_state(home: Path, job_id: str) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from services.state.chunk_store import ChunkReader, DirectorySource
 
     root = home / "store" / "checkpoints" / job_id
     last = max((p for p in root.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
-    out = home / f"{job_id}.pt"
-    dcp_to_torch_save(last, out)
+    manifest = json.loads((last / "manifest.json").read_text())
+    state: dict = {}  # every key of the version, read from its epoch's chunks
+    reader = ChunkReader(last, [DirectorySource(root / manifest["chunk_dir"])])
+    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     flat: dict[str, torch.Tensor] = {}
 
     def walk(prefix: str, value) -> None:
@@ -274,7 +279,7 @@ def final_state(home: Path, job_id: str) -> dict[str, torch.Tensor]:
         elif isinstance(value, torch.Tensor):
             flat[prefix] = value
 
-    walk("", torch.load(out, weights_only=False))
+    walk("", state)
     return flat
 
 
@@ -283,13 +288,21 @@ def test_a_run_killed_after_a_checkpoint_and_recovered_ends_bit_identical_to_an_
     events_a = stack.events(a)
     finished(events_a)
     b = stack.submit(spec("exactb", steps=24, every=10))
-    stack.wait_step(b, 14)  # after the checkpoint at step 10
+    stack.wait_step(b, 14)
+    t0 = time.monotonic()  # and once the checkpoint of step 10 is committed (it is written in the background)
+    while not any(
+        " at step 10 " in m
+        for m in of_type(stack.stub.WatchJob(control_pb2.JobQuery(job_id=b), timeout=30), "checkpoint")
+    ):
+        assert time.monotonic() - t0 < 60, "the checkpoint of step 10 was never committed"
+        time.sleep(0.05)
     for pid in stack.rank_pids(b, 1):
         os.kill(pid, signal.SIGKILL)
     events_b = stack.events(b)
     finished(events_b)
     assert any(m.startswith("restart_ranks after rank_exit of rank 1") for m in of_type(events_b, "decision"))
-    assert any(f"resume from checkpoint {b}:1" in m for m in of_type(events_b, "recovery"))
+    # From a checkpoint, never from scratch (the one of step 10, or of 20 if it was committed before the kill).
+    assert any(f"resume from checkpoint {b}:" in m for m in of_type(events_b, "recovery"))
 
     def losses(job: str) -> dict[int, float]:
         out = {}
