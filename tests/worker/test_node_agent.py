@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -237,6 +238,8 @@ def cluster(tmp_path):
             if a.proc.poll() is None:
                 os.killpg(a.proc.pid, signal.SIGKILL)
             a.proc.wait(timeout=10)
+            for leftover in Path("/dev/shm").glob(f"surge-memory-*-{a.proc.pid}"):  # (its memory copies)
+                shutil.rmtree(leftover, ignore_errors=True)
         for pid in pids:
             kill_ours(pid, FAKE_RANK)
             kill_ours(pid, "sleep 300")
