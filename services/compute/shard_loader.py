@@ -122,10 +122,10 @@ def _freeze(model: nn.Module, patterns: list[str]) -> None:
     if not patterns:
         return
     named = list(model.named_parameters(remove_duplicate=False))
+    have = ", ".join(name for name, _ in named[:4])
     for pattern in patterns:
         hits = [p for name, p in named if fnmatch.fnmatchcase(name, pattern)]
         if not hits:
-            have = ", ".join(name for name, _ in named[:4])
             raise ValueError(f"model.freeze: {pattern!r} matches no parameter (names look like: {have}, ...)")
         for p in hits:
             p.requires_grad_(False)
