@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from services.compute.inference import SafeFileSystemReader, safe_load
 from services.contract import data_pb2, engine_pb2
 from services.engine.rng_streams import capture, restore, seed
-from services.engine.training_loop import LoopState
+from services.engine.training_loop import LoopState, data_order, data_order_changes
 from services.jobspec import parse_job_spec
 
 
@@ -160,3 +160,21 @@ def test_checkpoint_async_is_on_by_default_and_spelled_async_in_a_job_file():
     assert parse_job_spec(base).checkpoint.async_ is True
     spec = parse_job_spec(base + "checkpoint: {async: false, keep_every: 50}\n")
     assert (spec.checkpoint.async_, spec.checkpoint.keep_every) == (False, 50)
+
+
+def test_a_changed_data_order_is_named_field_by_field_in_one_line_and_the_dp_size_alone_may_change():
+    spec = SimpleNamespace(
+        data=SimpleNamespace(shuffle_seed=5, shuffle=True, seq_len=64, pack="pack", micro_batch_size=4, grad_accum=1)
+    )
+    at_dp2 = data_order(spec, 2)
+    spec.data.micro_batch_size, spec.data.grad_accum = 2, 2  # dp 2 x 4 -> dp 2 x 2 x accum 2: the same 8 rows
+    assert data_order_changes(at_dp2, data_order(spec, 2)) == ""
+    spec.data.micro_batch_size, spec.data.grad_accum = 8, 1  # dp 1 x 8
+    assert data_order_changes(at_dp2, data_order(spec, 1)) == ""
+    spec.data.shuffle, spec.data.seq_len, spec.data.pack = False, 128, "pad"
+    changed = data_order_changes(at_dp2, data_order(spec, 2))  # dp 2 x 8: 16 rows
+    assert changed == (
+        "data.shuffle True (this job: False); data.seq_len 64 (this job: 128); data.pack pack (this job: pad); "
+        "global batch rows (data.micro_batch_size x data.grad_accum x parallel.dp) 8 (this job: 16)"
+    )
+    assert "\n" not in changed
