@@ -79,10 +79,13 @@ class BatchPacker:
         self._seg_doc = np.zeros(0, np.int64)  # its position in the epoch order
         self._seg_off = np.zeros(0, np.int64)  # its tokens consumed before the stretch
         self._seg_len = np.zeros(0, np.int64)  # its contribution length (separator included)
-        # Rows of the global stream not yet dealt (< one round of W*B after each deal).
+        # Rows of the global stream not yet dealt (< one round of W*B after each deal): the
+        # position after each, and the contents of this rank's only (the others' are cut, to
+        # know where the stream stands, and dropped); _rows_cut counts rows since the start.
+        self._rows_next = np.zeros((0, 3), np.int64)  # (epoch, document, offset) after each row
         self._rows_in = np.zeros((0, 0), np.int32)
         self._rows_lab = np.zeros((0, 0), np.int32)
-        self._rows_next = np.zeros((0, 3), np.int64)  # (epoch, document, offset) after each row
+        self._rows_cut = 0
         # "idle" | "packing" | "short_of_samples"
         self._state = "idle"
 
@@ -216,22 +219,25 @@ class BatchPacker:
     # ---- rows and the deal ------------------------------------------------------------
 
     def _add_rows(self, inputs_RL: np.ndarray, labels_RL: np.ndarray, next_R3: np.ndarray) -> None:
-        self._rows_in = np.concatenate([self._rows_in, inputs_RL])
-        self._rows_lab = np.concatenate([self._rows_lab, labels_RL])
+        B, W = self._cfg.micro_batch_size, max(self._cfg.world_size, 1)
+        j = self._rows_cut + np.arange(len(inputs_RL))  # global row index since the stream's start
+        mine = (j // B) % W == self._cfg.rank  # slot j // B goes to rank (j // B) % W
+        self._rows_in = np.concatenate([self._rows_in, inputs_RL[mine]])
+        self._rows_lab = np.concatenate([self._rows_lab, labels_RL[mine]])
         self._rows_next = np.concatenate([self._rows_next, next_R3])
+        self._rows_cut += len(inputs_RL)
         self._epoch_rows += len(inputs_RL)
 
     def _deal(self) -> None:
         """Publish this rank's slot of every complete round (W slots of B rows)."""
-        B, W, rank = self._cfg.micro_batch_size, max(self._cfg.world_size, 1), self._cfg.rank
-        round_rows = W * B
-        full = len(self._rows_in) // round_rows * round_rows
-        for lo in range(0, full, round_rows):
-            mine = slice(lo + rank * B, lo + (rank + 1) * B)
-            self._publish(self._rows_in[mine], self._rows_lab[mine], self._rows_next[lo + round_rows - 1])
-        if full:
-            self._rows_in, self._rows_lab = self._rows_in[full:], self._rows_lab[full:]
-            self._rows_next = self._rows_next[full:]
+        B, W = self._cfg.micro_batch_size, max(self._cfg.world_size, 1)
+        rounds = len(self._rows_next) // (W * B)
+        for k in range(rounds):
+            mine = slice(k * B, (k + 1) * B)
+            self._publish(self._rows_in[mine], self._rows_lab[mine], self._rows_next[(k + 1) * W * B - 1])
+        if rounds:
+            self._rows_in, self._rows_lab = self._rows_in[rounds * B :], self._rows_lab[rounds * B :]
+            self._rows_next = self._rows_next[rounds * W * B :]
 
     # ---- end of epoch -----------------------------------------------------------------
 
@@ -244,12 +250,14 @@ class BatchPacker:
         self._buf_T = np.zeros(0, np.int32)
         for name in ("_seg_start", "_seg_doc", "_seg_off", "_seg_len"):
             setattr(self, name, np.zeros(0, np.int64))
-        if not self._cfg.repeat and len(self._rows_in):  # the pass ends: pad its last round
-            round_rows = max(self._cfg.world_size, 1) * self._cfg.micro_batch_size
-            missing = -len(self._rows_in) % round_rows
-            self._rows_in = np.concatenate([self._rows_in, np.full((missing, L), pad, np.int32)])
-            self._rows_lab = np.concatenate([self._rows_lab, np.full((missing, L), IGNORE, np.int32)])
-            self._rows_next = np.concatenate([self._rows_next, np.repeat(after_epoch, missing, axis=0)])
+        if not self._cfg.repeat and len(self._rows_next):  # the pass ends: pad its last round
+            missing = -len(self._rows_next) % (max(self._cfg.world_size, 1) * self._cfg.micro_batch_size)
+            self._add_rows(
+                np.full((missing, L), pad, np.int32),
+                np.full((missing, L), IGNORE, np.int32),
+                np.repeat(after_epoch, missing, axis=0),
+            )
+            self._epoch_rows -= missing  # (padding: not rows the epoch gave)
         self._deal()
         self._state = "short_of_samples"
         position = data_pb2.DataPosition(epoch=self._epoch + 1, document=0, offset=0)
