@@ -52,9 +52,14 @@ def open_request(rank: int, world: int):
             min_tokens=d.filter.min_tokens, max_tokens=d.filter.max_tokens, banned_bytes=d.filter.banned_bytes.encode()
         ),
         packer=data_pb2.PackerConfig(
-            seq_len=d.seq_len, micro_batch_size=d.micro_batch_size, pad_id=d.pad_id, mode=data_pb2.PACK, separator_id=0,
-            rank=rank, world_size=world,
-        ),  # fmt: skip
+            seq_len=d.seq_len,
+            micro_batch_size=d.micro_batch_size,
+            pad_id=d.pad_id,
+            mode=data_pb2.PACK,
+            separator_id=0,
+            rank=rank,
+            world_size=world,
+        ),
         split="train",
         repeat=True,
     )
