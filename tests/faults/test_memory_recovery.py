@@ -12,6 +12,9 @@ store for that job), the reader's SHA-256 check refuses every chunk of it (count
 load's record, each one logged) and the store's files serve the load: the run still ends
 bit-identical.
 
+A dp 2 job whose rank is SIGKILLed restores both ranks from memory: the chunks DCP wrote on
+the other rank's node come from that node, the peer, through the rank's own agent.
+
 What served the load is read from the rank's ``checkpoint_loaded`` log record (JSON lines).
 """
 
@@ -39,7 +42,7 @@ data:
   dataset: tiny@v1
   seq_len: 64
   micro_batch_size: 4
-parallel: {{dp: 1}}
+parallel: {{dp: {dp}}}
 optimizer: {{lr: 3.0e-3, warmup_steps: 4}}
 checkpoint: {{every_steps: 5, keep_last: 0}}
 eval: {{every_steps: 0, batches: 2, at_end: false}}
@@ -52,12 +55,13 @@ def stack(tmp_path_factory):
     with running_stack(
         tmp_path_factory.mktemp("surge-memory"),
         ("json", "email"),
-        ("mref", "mpeer", "mcorrupt"),
+        ("mdp", "mref", "mpeer", "mcorrupt"),
         # The save at step 10 waits 60 s (once): the kill after step 5's version always
         # precedes the next version, however fast the steps run.
         env={
             "SURGE_MEMORY_COPY_CORRUPT": "mcorrupt",
-            "SURGE_FAULT_INJECT": "mpeer:slow_save@10:seconds=60,mcorrupt:slow_save@10:seconds=60",
+            "SURGE_FAULT_INJECT": "mdp:slow_save@10:seconds=60,mpeer:slow_save@10:seconds=60,"
+            "mcorrupt:slow_save@10:seconds=60",
         },
         workers=3,
     ) as s:
@@ -83,14 +87,19 @@ def placed_on(stack, job: str) -> str:
     return first.message.split(" allocated on ")[1].split(";")[0]  # "1 ranks allocated on worker-N; ..."
 
 
-def replicated(stack, job: str, step: int, timeout: float = 30.0) -> str:
-    """The worker whose agent stored the replica of ``job``'s rank 0 at ``step`` (its log)."""
+def replicated(stack, job: str, step: int, timeout: float = 30.0, rank: int = 0) -> str:
+    """The worker whose agent stored the replica of ``job``'s ``rank`` at ``step`` (its log)."""
     deadline = time.monotonic() + timeout
     logs = stack.home / "run" / "logs"
     while time.monotonic() < deadline:
         for path in sorted(logs.glob("worker-*.log")):
             for r in records(path, "memory_copy_stored"):
-                if r.get("job") == job and r.get("replica") and r.get("step") == step and r.get("chunks", 0) > 0:
+                if (
+                    r.get("job") == job
+                    and r.get("replica")
+                    and (r.get("rank", 0), r.get("step")) == (rank, step)
+                    and r.get("chunks", 0) > 0
+                ):
                     return path.stem
         time.sleep(0.1)
     raise AssertionError(f"{job}: no replica of step {step} stored within {timeout:.0f} s")
@@ -100,7 +109,7 @@ def run_killing_its_worker(stack, name: str) -> tuple[str, dict, list[dict]]:
     """Submit ``name``; once step 5's version is committed and its replica stored, SIGKILL the
     node agent running the rank (the rank ends with it); follow the job to its end. Returns
     the job id, the load record of the relaunched rank and the job's events."""
-    job = stack.submit(SPEC.format(name=name))
+    job = stack.submit(SPEC.format(name=name, dp=1))
     worker = placed_on(stack, job)
     stack.wait_step(job, 7)
     deadline = time.monotonic() + 60
@@ -138,7 +147,7 @@ def final_slots(stack, job: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def reference(stack):
-    job = stack.submit(SPEC.format(name="mref"))
+    job = stack.submit(SPEC.format(name="mref", dp=1))
     finished(stack.events(job))
     return job
 
@@ -149,6 +158,34 @@ def same_run(stack, job: str, reference: str) -> None:
     assert [s for s in la if la[s] != lb[s]] == [], "per-step losses differ"
     sa, sb = final_slots(stack, reference), final_slots(stack, job)
     assert (sa["model"], sa["optim"]) == (sb["model"], sb["optim"]), "final model or optimizer state differs"
+
+
+def test_a_killed_dp_2_rank_restores_from_its_nodes_memory_and_its_peers_through_its_agent(stack):
+    # First in this module (it needs all three workers). Workers in registration order a, b,
+    # c; peers a -> b -> c -> a; ranks 0 on a, 1 on b. DCP writes each replicated tensor on one
+    # of the two ranks; after rank 1 is SIGKILLed both are relaunched where they were: rank 1
+    # finds all it needs on b (its part, and rank 0's replica), rank 0 finds its part on a and
+    # rank 1's on a's peer b, through a's agent. Nothing from the store.
+    job = stack.submit(SPEC.format(name="mdp", dp=2))
+    stack.wait_step(job, 7)
+    deadline = time.monotonic() + 60
+    while stack.status(job).checkpoint_step < 5:
+        assert time.monotonic() < deadline, f"{job}: step 5 not committed"
+        time.sleep(0.05)
+    replicated(stack, job, 5, rank=0)
+    replicated(stack, job, 5, rank=1)
+    for pid in stack.rank_pids(job, 1):
+        os.kill(pid, signal.SIGKILL)
+    events = stack.events(job)
+    finished(events)
+    assert any(m.startswith("restart_ranks after rank_exit of rank 1") for m in of_type(events, "decision"))
+    logs = stack.home / "run" / "logs"
+    (r0,) = records(logs / f"{job}.rank0.log", "checkpoint_loaded")
+    (r1,) = records(logs / f"{job}.rank1.log", "checkpoint_loaded")
+    assert r0["step"] == r1["step"] == 5
+    assert set(r0["chunks_from"]) == {"memory", "peer"} and not r0["mismatches"], r0
+    assert set(r1["chunks_from"]) == {"memory"} and not r1["mismatches"], r1
+    print(f"dp 2: rank 0 {r0['bytes_from']}, rank 1 {r1['bytes_from']} (bytes)")
 
 
 def test_a_rank_whose_node_died_is_recovered_from_the_peers_memory_copy_bit_identical(stack, reference):
