@@ -205,7 +205,7 @@ class Slot:
             raise InconsistentSnapshot(
                 f"restore of {key!r}: the command names step {step} version {version!r}, the slot is "
                 f"step {self.step} version {self.version!r}"
-                + (f" with digest {self.digest[:12]} (named {digest[:12]})" if digest != self.digest else "")
+                + (f" with digest {self.digest[:12]} (named {digest[:12]})" if digest and digest != self.digest else "")
             )
         self.verify()
 
@@ -237,6 +237,9 @@ class Snapshot:
         slots = list(slots)
         if not slots:
             raise InconsistentSnapshot("snapshot: no slot")
+        strays = sorted({type(s).__name__ for s in slots if not isinstance(s, Slot)})
+        if strays:
+            raise InconsistentSnapshot(f"snapshot: not a slot: {', '.join(strays)}")
         keys = [s.key for s in slots]
         if len(set(keys)) != len(keys):
             raise InconsistentSnapshot(f"snapshot: a slot twice: {sorted(keys)}")
