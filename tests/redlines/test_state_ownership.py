@@ -232,7 +232,11 @@ def test_no_module_or_relay_can_reach_another_modules_state(rank):
     state = owned(rank)
     assert all(storages or ids for _, storages, ids in state.values())
     holders: dict[str, Any] = {Module.Name(m): inst for m, inst in rank.built.modules.items()}
-    holders |= {"state manager (L5-1 rank side)": rank.manager, "store relay (StoreClient)": rank.store}
+    holders |= {
+        "state manager (L5-1 rank side)": rank.manager,
+        "store relay (StoreClient)": rank.store,
+        "session link (compose's L1 stand-in)": rank.rank.link,
+    }
     allowed = {
         "L3-1 weights": {Module.Name(m) for m in COMPUTE_GROUP},
         "L2-3 moments": {Module.Name(Module.L2_OPTIMIZER)},
