@@ -69,9 +69,12 @@ class _FrozenList(tuple):
 
 def freeze(value: Any, *, clone: bool = True) -> Any:
     """A read-only copy of a state dict: mappings as MappingProxyType, lists as tuples,
-    tensors cloned (``clone=False``: kept, for tensors that are already a private copy)."""
+    tensors copied (``clone=False``: kept, for tensors that are already a private copy).
+    A plain tensor on an accelerator is copied to host memory (a snapshot does not double
+    the device's memory; a restore copies it back); a DTensor is cloned as a DTensor, on
+    its mesh's device."""
     if isinstance(value, torch.Tensor):
-        return value.detach().clone() if clone else value.detach()
+        return _copy(value) if clone else value.detach()
     if isinstance(value, Mapping):
         return MappingProxyType({k: freeze(v, clone=clone) for k, v in value.items()})
     if isinstance(value, list):
@@ -79,6 +82,13 @@ def freeze(value: Any, *, clone: bool = True) -> Any:
     if isinstance(value, tuple):
         return tuple(freeze(v, clone=clone) for v in value)
     return value  # plain data: int, float, str, bool, None
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type != "cpu" and not hasattr(t, "to_local"):
+        return t.to("cpu", copy=True)
+    return t.clone()
 
 
 def thaw(value: Any, *, clone: bool = True) -> Any:
