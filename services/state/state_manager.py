@@ -30,7 +30,7 @@ Holds no reference to any module's state: a snapshot passes through it and is go
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import structlog
 
@@ -87,14 +87,15 @@ class StateManager:
         info = loaded.info
         try:
             snapshot = Snapshot.loaded(into, template, info.version)
-            if snapshot.step != info.step:
-                raise InconsistentSnapshot(
-                    f"checkpoint {info.version}: its slots were written at step {snapshot.step}, the catalog says {info.step}"
-                )
         except SnapshotError as e:
-            error = e if str(e).startswith("checkpoint ") else InconsistentSnapshot(f"checkpoint {info.version}: {e}")
-            self._report(error, info.version)
-            raise error from None
+            self._refuse(InconsistentSnapshot(f"checkpoint {info.version}: {e}"), info.version)
+        if snapshot.step != info.step:
+            self._refuse(
+                InconsistentSnapshot(
+                    f"checkpoint {info.version}: its slots were written at step {snapshot.step}, the catalog says {info.step}"
+                ),
+                info.version,
+            )
         log.info("snapshot_loaded", version=info.version, step=snapshot.step, slots=sorted(snapshot.slots))
         return Reply(loaded, snapshot)
 
@@ -104,9 +105,9 @@ class StateManager:
         payload.check(self._owners)
         return payload
 
-    def _report(self, error: SnapshotError, version: str) -> None:
-        """SnapshotFailed{load, CORRUPT} up to L1 for ``error`` (then raised: the bus does not
-        publish another)."""
+    def _refuse(self, error: SnapshotError, version: str) -> NoReturn:
+        """SnapshotFailed{load, CORRUPT} up to L1 for ``error``, then ``error`` raised (the bus
+        does not publish another)."""
         failed = store_pb2.SnapshotFailed(
             job_id=version.rpartition(":")[0],
             version=version,
@@ -118,3 +119,4 @@ class StateManager:
         failed.failure.job_id = failed.failure.job_id or failed.job_id
         self._emit(failed)
         error.failure_reported = True
+        raise error from None
