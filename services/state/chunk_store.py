@@ -59,7 +59,6 @@ import pickle
 import secrets
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -218,29 +217,42 @@ class ChunkWriter(StorageWriter, BlockingAsyncStager):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         results: list[WriteResult] = []
         stats = SaveStats()
-        pending: dict[str, ThreadFuture[Path | None]] = {}  # sha -> its temp file (None: present)
+        claimed: set[str] = set()  # chunks a task of this save writes (or found present): once each
+        temps: dict[str, Path] = {}  # sha -> its temp file, for the chunks this save wrote
         lock = threading.Lock()
         sink_failed = False
+
+        def hash_put(piece: memoryview) -> tuple[str, Path | None]:
+            sha = _sha256(piece)
+            with lock:
+                if sha in claimed:
+                    return sha, None
+                claimed.add(sha)
+            return sha, self._put(sha, piece)
+
         with ThreadPoolExecutor(max_workers=self.thread_count, thread_name_prefix="chunk-write") as pool:
-            # Bytes items first (small), then tensors, as FileSystemWriter orders them.
+            # Every chunk of every item is hashed and written by the pool at once (hashing one
+            # item overlaps writing another); the results are taken in item order. Bytes items
+            # first (small), then tensors, as FileSystemWriter orders them. The items' bytes
+            # stay alive until the end: DCP holds the state dict through the save.
             items = sorted(plan.items, key=lambda wi: wi.type != WriteItemType.BYTE_IO)
+            queued = []
             for item in items:
-                data = planner.resolve_data(item)
-                view, shape, dtype = _raw_bytes(item, data)
+                view, shape, dtype = _raw_bytes(item, planner.resolve_data(item))
                 pieces = [view[i : i + self.chunk_bytes] for i in range(0, len(view), self.chunk_bytes)]
-                hashed = list(pool.map(_sha256, pieces)) if len(pieces) > 1 else [_sha256(p) for p in pieces]
-                mine: list[tuple[int, ThreadFuture[Path | None]]] = []  # (piece, write) this item started
-                for k, (sha, piece) in enumerate(zip(hashed, pieces)):
-                    with lock:
-                        if sha not in pending:
-                            pending[sha] = pool.submit(self._put, sha, piece)
-                            mine.append((k, pending[sha]))
-                    stats.chunks += 1
-                    stats.bytes += len(piece)
-                # (the item's bytes stay alive until its chunks are on disk)
-                new = [k for k, write in mine if write.result() is not None]
-                written = sum(len(pieces[k]) for k in new)
-                stats.written_chunks += len(new)
+                queued.append((item, view, shape, dtype, pieces, [pool.submit(hash_put, p) for p in pieces]))
+            for item, view, shape, dtype, pieces, futures in queued:
+                hashed, written, new = [], 0, 0
+                for piece, done in zip(pieces, futures):
+                    sha, tmp = done.result()
+                    hashed.append(sha)
+                    if tmp is not None:
+                        temps[sha] = tmp
+                        written += len(piece)
+                        new += 1
+                stats.chunks += len(pieces)
+                stats.bytes += len(view)
+                stats.written_chunks += new
                 stats.written_bytes += written
                 for sha, piece in zip(hashed, pieces):
                     if self.sink is not None and not sink_failed:
@@ -260,12 +272,12 @@ class ChunkWriter(StorageWriter, BlockingAsyncStager):
                     WriteResult(
                         index=item.index,
                         size_in_bytes=len(view),
-                        storage_data={**info, "written": [written, len(new)]},
+                        storage_data={**info, "written": [written, new]},
                     )
                 )
-            # Every chunk is in a temp file now: made durable in one go, then renamed into
-            # place (a chunk file that exists is always whole).
-            self._publish({sha: w.result() for sha, w in pending.items() if w.result() is not None})
+        # Every chunk is in a temp file now: made durable in one go, then renamed into place
+        # (a chunk file that exists is always whole).
+        self._publish(temps)
         self.stats = stats
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
