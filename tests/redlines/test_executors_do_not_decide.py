@@ -260,9 +260,7 @@ def test_the_shuffle_order_is_a_pure_function_of_the_plan_it_is_given():
     orders = []
     for seed in (5, 5, 6):
         bus, out = shuffler_on_bus()
-        bus.port(Module.L2_TRAINING_LOOP, Module.L4_SHUFFLER)(
-            data_pb2.ShufflePlan(seed=seed, epoch=3, enabled=True)
-        )
+        bus.port(Module.L2_TRAINING_LOOP, Module.L4_SHUFFLER)(data_pb2.ShufflePlan(seed=seed, epoch=3, enabled=True))
         orders.append(_order(out))
     assert orders[0] == orders[1] == epoch_order(5, 3, 12).tolist()
     assert orders[2] == epoch_order(6, 3, 12).tolist() != orders[0]
