@@ -6,6 +6,7 @@ the file and the field (``demo.yaml: data.seq_len: Input should be greater than 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -622,18 +623,23 @@ def parse_job_spec(text: str, source: str = "job.yaml") -> JobSpec:
     try:
         return JobSpec.model_validate(raw)
     except ValidationError as e:
-        errors = e.errors()
-        # An unknown key is most often a misspelt one: name it first, with the required
-        # fields it left missing (`stepz: unknown key; steps: Field required`), not only
-        # the missing field pydantic lists first.
-        unknown = [err for err in errors if err["type"] == "extra_forbidden"]
-        if unknown:
-            missing = [err for err in errors if err["type"] == "missing"]
-            raise JobSpecError(f"{source}: " + "; ".join(_field_error(err) for err in unknown + missing)) from None
-        err = errors[0]
-        if not err["loc"] and err["type"] == "value_error":  # a cross-section rule: its message names the fields
-            raise JobSpecError(f"{source}: {err['msg'].removeprefix('Value error, ')}") from None
-        raise JobSpecError(f"{source}: {_field_error(err)}") from None
+        raise _spec_error(e, source) from None
+
+
+def _spec_error(e: ValidationError, source: str) -> JobSpecError:
+    """One pydantic failure of a whole spec as one line naming ``source`` and the field."""
+    errors = e.errors()
+    # An unknown key is most often a misspelt one: name it first, with the required
+    # fields it left missing (`stepz: unknown key; steps: Field required`), not only
+    # the missing field pydantic lists first.
+    unknown = [err for err in errors if err["type"] == "extra_forbidden"]
+    if unknown:
+        missing = [err for err in errors if err["type"] == "missing"]
+        return JobSpecError(f"{source}: " + "; ".join(_field_error(err) for err in unknown + missing))
+    err = errors[0]
+    if not err["loc"] and err["type"] == "value_error":  # a cross-section rule: its message names the fields
+        return JobSpecError(f"{source}: {err['msg'].removeprefix('Value error, ')}")
+    return JobSpecError(f"{source}: {_field_error(err)}")
 
 
 def _field_error(err: dict) -> str:
@@ -681,3 +687,20 @@ def spec_to_json(spec: JobSpec) -> str:
 
 def spec_from_json(text: str) -> JobSpec:
     return JobSpec.model_validate_json(text)
+
+
+def with_layout(spec: JobSpec, *, dp: int, micro_batch_size: int, grad_accum: int, source: str) -> JobSpec:
+    """``spec`` at another data-parallel layout (``parallel.dp``, ``data.micro_batch_size``,
+    ``data.grad_accum``; everything else unchanged), validated like a submitted spec.
+
+    Raises:
+        JobSpecError: the layout breaks a rule of the spec (one line naming ``source`` and
+            the field, e.g. a pipeline's micro-batch split).
+    """
+    raw = json.loads(spec_to_json(spec))
+    raw["parallel"]["dp"] = dp
+    raw["data"]["micro_batch_size"], raw["data"]["grad_accum"] = micro_batch_size, grad_accum
+    try:
+        return JobSpec.model_validate_json(json.dumps(raw))
+    except ValidationError as e:
+        raise _spec_error(e, source) from None

@@ -435,16 +435,54 @@ def resume(
         help="the checkpoint version to continue from "
         "('<job>:<n>', see `surgectl checkpoints JOB`; default: the newest that verifies)",
     ),
+    dp: int | None = typer.Option(
+        None,
+        "--dp",
+        min=1,
+        max=2**32 - 1,
+        help="relaunch at this data-parallel size (the global batch must stay the job's)",
+    ),
+    micro_batch_size: int | None = typer.Option(
+        None,
+        "--micro-batch-size",
+        min=1,
+        max=2**32 - 1,
+        help="rows per rank per micro-step at the new layout (default: the job's)",
+    ),
+    grad_accum: int | None = typer.Option(
+        None,
+        "--grad-accum",
+        min=1,
+        max=2**32 - 1,
+        help="micro-steps per optimizer step at the new layout (default: the job's)",
+    ),
 ) -> None:
     """Resume a job: a paused one where it paused; a stopped or failed one (or one drained
     by `surgectl down`) from its newest checkpoint that verifies, or --from VERSION, on ranks
     allocated again, bit-exactly where that checkpoint left off.
 
-    Example: surgectl resume demo-3f2a1c --from demo-3f2a1c:4
+    --dp N (with --micro-batch-size / --grad-accum) relaunches it at another data-parallel
+    size: the global batch (micro_batch_size x grad_accum x dp rows) must stay the job's, and
+    the ranks must fit the cluster; the job's spec becomes the new layout and it continues on
+    the same global batches (model and optimizer resharded). A paused job with running ranks
+    is stopped first (`surgectl stop JOB`).
+
+    Example: surgectl resume demo-3f2a1c --from demo-3f2a1c:4 --dp 1 --grad-accum 2
     """
-    req = control_pb2.ResumeJobRequest(job_id=job, from_version=from_version or "")
+    req = control_pb2.ResumeJobRequest(
+        job_id=job,
+        from_version=from_version or "",
+        dp=dp or 0,
+        micro_batch_size=micro_batch_size or 0,
+        grad_accum=grad_accum or 0,
+    )
     s = clients.call("control", lambda st: st.ResumeJob(req, timeout=90))
     where = f" from checkpoint {s.checkpoint_version} (step {s.step})" if s.state == control_pb2.WARMING_UP else ""
+    if where and req.dp + req.micro_batch_size + req.grad_accum:
+        where += (
+            f" at dp {s.dp} x micro_batch_size {s.micro_batch_size} x grad_accum {s.grad_accum}"
+            f" ({s.world_size} rank{'' if s.world_size == 1 else 's'})"
+        )
     render.console.print(
         f"{job}: resumed{where}; now {render.state_text(s)}", markup=False, highlight=False, soft_wrap=True
     )

@@ -1,7 +1,8 @@
 """The orchestrator's journal: jobs and their event logs in one embedded SQLite file.
 
 Not a seed module. It persists what the orchestrator (L1-1) already owns (each job's state
-enum, published status and frozen spec) so that a restarted `control` knows its jobs. The
+enum, published status and frozen spec: replaced only by an operator resume at a new
+data-parallel layout) so that a restarted `control` knows its jobs. The
 orchestrator's red line against disk I/O is about training data, samples and tensors; its
 own journal is how it keeps its private state, and nothing else reads this file.
 
@@ -142,11 +143,16 @@ class JobStore:
                 self._db.execute(f"DELETE FROM {table} WHERE job_id=?", (job_id,))
 
     def save_status(
-        self, status: control_pb2.JobStatus, event: control_pb2.JobEvent | None = None, runtime: dict | None = None
+        self,
+        status: control_pb2.JobStatus,
+        event: control_pb2.JobEvent | None = None,
+        runtime: dict | None = None,
+        spec_json: str | None = None,
     ) -> None:
         """Overwrite the job's status (and its ``runtime`` bookkeeping, a JSON-able dict,
-        when given) and optionally append one event, in one transaction; with the cursor
-        of the worker event being applied on this thread, if any (:meth:`applying`)."""
+        when given; its frozen spec, when given: an operator resume at a new data-parallel
+        layout replaces it) and optionally append one event, in one transaction; with the
+        cursor of the worker event being applied on this thread, if any (:meth:`applying`)."""
         with self._transaction():
             self._db.execute(
                 "UPDATE jobs SET state=?, outcome=?, updated_unix=?, status=? WHERE job_id=?",
@@ -154,6 +160,8 @@ class JobStore:
             )
             if runtime is not None:
                 self._db.execute("UPDATE jobs SET runtime=? WHERE job_id=?", (json.dumps(runtime), status.job_id))
+            if spec_json is not None:
+                self._db.execute("UPDATE jobs SET spec_json=? WHERE job_id=?", (spec_json, status.job_id))
             if event is not None:
                 self._insert_event(event)
 

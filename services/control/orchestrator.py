@@ -80,7 +80,7 @@ from services.control.job_store import JobStore
 from services.control.metrics import ControlMetrics
 from services.control.monitoring import start_monitoring
 from services.control.reattach import Reattaching
-from services.jobspec import JobSpec, parse_job_spec, spec_from_json, spec_to_json
+from services.jobspec import JobSpec, JobSpecError, parse_job_spec, spec_from_json, spec_to_json, with_layout
 
 JobState = control_pb2.JobState
 JobOutcome = control_pb2.JobOutcome
@@ -334,6 +334,7 @@ class Orchestrator:
                 updated_unix=now,
                 world_size=spec.world_size,
             )
+            _set_layout(status, spec)
             job = _Job(status=status, spec=spec)
             # Monitoring starts before the ranks launch, so a rank that dies at once is
             # still reported; a job whose allocation fails simply never produces faults.
@@ -459,11 +460,21 @@ class Orchestrator:
         store verifies (or ``from_version``), on ranks allocated again (a new generation,
         WARMING_UP, restart budgets reset), bit-exactly where that checkpoint left off.
 
+        A new data-parallel layout (``dp``, ``micro_batch_size``, ``grad_accum``; 0 = the
+        job's own) is validated before anything else is asked or changed: the global batch
+        (micro_batch_size x grad_accum x dp rows) stays the job's, tp and pp stay, the spec's
+        rules hold; then the allocator places the new world size. Accepted, the job's spec
+        (journaled, with the decision) becomes the new one and the ranks load the checkpoint
+        resharded (the data position is global: the same global batches follow). Only for a
+        relaunch: a PAUSED job whose ranks run is refused ("stop it first").
+
         Raises:
             JobNotFound; IllegalTransition (one line): the job is live, FINISHED, already
             resuming, has no checkpoint ("no checkpoint to resume from; submit again"), none
             that verifies, an unknown ``from_version``, or the store could not be asked;
-            InsufficientResources: its ranks do not fit now (nothing changed).
+            JobSpecError (one line naming the field): the new layout changes the global
+            batch or breaks a rule of the spec; InsufficientResources: its ranks do not fit
+            now (nothing changed).
         """
         with self._lock:
             job = self._get(msg.job_id)
@@ -480,6 +491,11 @@ class Orchestrator:
                         f"--from: job {job_id} is PAUSED with its ranks running; "
                         f"`surgectl resume {job_id}` continues it where it paused"
                     )
+                if _layout_asked(msg):
+                    raise IllegalTransition(
+                        f"{_layout_flags(msg)}: job {job_id} is PAUSED with its ranks running; a new layout needs new "
+                        f"ranks: `surgectl stop {job_id}` first (it checkpoints), then resume it with {_layout_flags(msg)}"
+                    )
                 if job.start_held:  # recovered while paused: its ready ranks never started
                     job.start_held = False
                     self._loop(engine_pb2.StartTraining(job_id=job_id))
@@ -489,11 +505,12 @@ class Orchestrator:
                 return self._snapshot(job)
             if job.resuming:
                 raise IllegalTransition(f"job {job_id} is already being resumed")
+            spec = _new_layout(job.spec, msg)  # (refused: nothing asked, nothing changed)
             job.resuming = True
         try:
             verdicts = self._ask_versions(job_id)  # outside the lock: the store answers on the applier thread
             with self._lock:
-                return self._relaunch(job, msg.from_version, verdicts)
+                return self._relaunch(job, msg.from_version, verdicts, spec)
         finally:
             with self._lock:
                 job.resuming = False
@@ -595,9 +612,13 @@ class Orchestrator:
         answer.event.set()
         return True
 
-    def _relaunch(self, job: _Job, from_version: str, verdicts: list | None) -> control_pb2.JobStatus:
+    def _relaunch(
+        self, job: _Job, from_version: str, verdicts: list | None, spec: JobSpec | None = None
+    ) -> control_pb2.JobStatus:
         """Under the lock: pick the version, allocate the job's ranks again to load it, and
-        start the new generation (WARMING_UP). Nothing changes when it is refused."""
+        start the new generation (WARMING_UP). ``spec``: the job's spec at a new
+        data-parallel layout (validated by ``_new_layout``), None: its own. Nothing changes
+        when it is refused."""
         job_id = job.status.job_id
         if not self._relaunchable(job):
             raise IllegalTransition(
@@ -631,27 +652,28 @@ class Orchestrator:
                 raise IllegalTransition(f"job {job_id}: no checkpoint verifies ({why}); submit again")
             chosen = max(usable, key=lambda c: (c[0], _version_number(c[1])))
         step, version = chosen[0], chosen[1]
-        spec_json = spec_to_json(job.spec)
+        new = spec or job.spec
+        spec_json = spec_to_json(new)
         init = engine_pb2.InitJob(
             job_id=job_id,
             spec_json=spec_json,
             resume_version=version,
             data_address=self._data_address,
             store_address=self._store_address,
-            standing_orders=fd.standing_orders(job.spec.fault_policy),
+            standing_orders=fd.standing_orders(new.fault_policy),
         )
         reply = self._allocator(
             control_pb2.AllocateResources(
-                job_id=job_id, world_size=job.status.world_size, backend=job.spec.parallel.backend, init=init
+                job_id=job_id, world_size=new.world_size, backend=new.parallel.backend, init=init
             )
         ).message
         if isinstance(reply, control_pb2.ResourcesInsufficient):
             raise InsufficientResources(
                 f"cannot resume {job_id} now: it needs {reply.requested_ranks} ranks "
-                f"({_degrees(job.spec)}) but {reply.reason}"
+                f"({_degrees(new)}) but {reply.reason}"
             )
         assert isinstance(reply, control_pb2.ResourcesReady), reply
-        before, before_runtime = control_pb2.JobStatus(), _runtime(job)
+        before, before_runtime, before_spec = control_pb2.JobStatus(), _runtime(job), job.spec
         before.CopyFrom(job.status)
         was = JobState.Name(job.status.state) + (
             f" ({JobOutcome.Name(job.status.outcome)})" if job.status.outcome else ""
@@ -675,21 +697,31 @@ class Orchestrator:
             job.versions = [(st, v) for st, v in job.versions if v not in job.abandoned]
             s = job.status
             s.outcome, s.drained, s.step, s.checkpoint_version = JobOutcome.OUTCOME_UNSPECIFIED, False, step, version
+            layout = "" if spec is None else f" at a new layout: {_layout_change(job.spec, spec)}"
+            job.spec, s.world_size = new, new.world_size
+            _set_layout(s, new)
             self._faults(start_monitoring(job_id, job.spec))
             self._faults(control_pb2.ResetFaultLedger(job_id=job_id))
             self._record(
                 job,
                 ORCH,
                 "decision",
-                f"resume {was} from checkpoint {version} (step {step}) by the operator: "
+                f"resume {was} from checkpoint {version} (step {step}) by the operator{layout}: "
                 f"{reply.world_size} ranks allocated on {', '.join(reply.worker_ids)}; "
                 f"rendezvous {reply.master_addr}:{reply.master_port}; restart budgets reset",
+                spec_json=spec_json if spec is not None else None,  # (the new spec, with the decision)
             )
             self._reopen(job, f"ranks launching to resume from checkpoint {version} at step {step}")
         except BaseException:
             self._allocator(control_pb2.ReleaseResources(job_id=job_id, kill=True))
             job.status.CopyFrom(before)
             _load_runtime(job, before_runtime)
+            if job.spec is not before_spec:
+                job.spec = before_spec
+                try:  # (the decision may have been journaled with the new spec before the failure)
+                    self._journal.save_status(job.status, None, before_runtime, spec_json=spec_to_json(before_spec))
+                except Exception as e:  # noqa: BLE001 - the failure being raised is the one to report
+                    _log.error("the job's spec could not be put back in the journal", job_id=job_id, error=str(e))
             raise
         return self._snapshot(job)
 
@@ -913,10 +945,13 @@ class Orchestrator:
                 return
             job.finished[msg.rank] = msg.stopped
             job.status.step = max(job.status.step, msg.step)
-            if len(job.finished) < job.status.world_size:
+            # (Ranks beyond the world size are an older generation's, kept by an operator
+            # resume at a smaller dp so that their late clean exits are no faults.)
+            ours = {r: stopped for r, stopped in job.finished.items() if r < job.status.world_size}
+            if len(ours) < job.status.world_size:
                 self._keep(job)
                 return
-            stopped = any(job.finished.values()) or job.pending == "stop"
+            stopped = any(ours.values()) or job.pending == "stop"
             outcome = JobOutcome.STOPPED if stopped else JobOutcome.FINISHED
             how = "stopped" if stopped else "finished"
             # Stopped: say where a resume continues (the stop's checkpoint, or an older one
@@ -1583,6 +1618,7 @@ class Orchestrator:
         for stored in self._journal.load_jobs():
             job = _Job(status=stored.status, spec=spec_from_json(stored.spec_json), seq=stored.last_seq)
             _load_runtime(job, stored.runtime)
+            _set_layout(job.status, job.spec)  # (a journal of an older control has none)
             self._jobs[stored.status.job_id] = job
             state = job.status.state
             if state != JobState.FAULT_FROZEN:
@@ -1738,8 +1774,18 @@ class Orchestrator:
         tests/cli/test_restart.py)."""
         self._journal.save_status(job.status, None, _runtime(job))
 
-    def _record(self, job: _Job, source: int, kind: str, message: str, *, status_message: str | None = None) -> None:
-        """Append one event to the job's log: journal status + event atomically, publish."""
+    def _record(
+        self,
+        job: _Job,
+        source: int,
+        kind: str,
+        message: str,
+        *,
+        status_message: str | None = None,
+        spec_json: str | None = None,
+    ) -> None:
+        """Append one event to the job's log: journal status + event atomically (with the
+        job's new spec, ``spec_json``, when it changed), publish."""
         now = time.time()
         s = job.status
         s.updated_unix = now
@@ -1751,7 +1797,7 @@ class Orchestrator:
         event = control_pb2.JobEvent(
             job_id=s.job_id, seq=job.seq, unix_time=now, source=source, type=kind, message=message, status=s
         )
-        self._journal.save_status(s, event, _runtime(job))
+        self._journal.save_status(s, event, _runtime(job), spec_json=spec_json)
         job.last_persist = time.monotonic()
         _log.info("job event", job_id=s.job_id, seq=job.seq, type=kind, message=message)
         self._emit(event)
@@ -1900,3 +1946,63 @@ def _degrees(spec: JobSpec) -> str:
     """The parallel degrees a job's rank count comes from, as its spec names them."""
     p = spec.parallel
     return f"parallel.dp={p.dp}" + (f" x tp={p.tp} x pp={p.pp}" if p.tp * p.pp > 1 else "")
+
+
+def _layout_asked(msg: control_pb2.ResumeJobRequest) -> bool:
+    """Whether an operator resume names a data-parallel layout."""
+    return bool(msg.dp or msg.micro_batch_size or msg.grad_accum)
+
+
+def _layout_flags(msg: control_pb2.ResumeJobRequest) -> str:
+    """The layout options of an operator resume, as `surgectl resume` spells them."""
+    named = (("--dp", msg.dp), ("--micro-batch-size", msg.micro_batch_size), ("--grad-accum", msg.grad_accum))
+    return " ".join(f"{flag} {value}" for flag, value in named if value)
+
+
+def _new_layout(spec: JobSpec, msg: control_pb2.ResumeJobRequest) -> JobSpec | None:
+    """The job's spec at the data-parallel layout an operator resume asks for (0: the job's
+    own value); None when it asks for none, or for the job's own. The global batch
+    (micro_batch_size x grad_accum x dp rows) must stay: the data position is a cursor into
+    one global sequence of global batches, and the step count, schedule and losses are per
+    global batch. tp and pp cannot be asked for (a reshape of the model's shards is another
+    matter); the allocator says whether the new world size fits.
+
+    Raises:
+        JobSpecError: one line naming the options and the field at fault; nothing changed.
+    """
+    if not _layout_asked(msg):
+        return None
+    p, d = spec.parallel, spec.data
+    dp, mbs, accum = msg.dp or p.dp, msg.micro_batch_size or d.micro_batch_size, msg.grad_accum or d.grad_accum
+    if (dp, mbs, accum) == (p.dp, d.micro_batch_size, d.grad_accum):
+        return None
+    rows, kept = mbs * accum * dp, d.micro_batch_size * d.grad_accum * p.dp
+    flags = _layout_flags(msg)
+    if rows != kept:
+        raise JobSpecError(
+            f"{flags}: the global batch (data.micro_batch_size x data.grad_accum x parallel.dp) would be "
+            f"{mbs} x {accum} x {dp} = {rows} rows, not the job's {kept} ({d.micro_batch_size} x {d.grad_accum} x "
+            f"{p.dp}); a resume keeps it: choose --micro-batch-size and --grad-accum so the product stays {kept}"
+        )
+    return with_layout(spec, dp=dp, micro_batch_size=mbs, grad_accum=accum, source=flags)
+
+
+def _layout_change(old: JobSpec, new: JobSpec) -> str:
+    """What a resume at a new layout changes, as text (the decision's)."""
+    fields = (
+        ("parallel.dp", old.parallel.dp, new.parallel.dp),
+        ("data.micro_batch_size", old.data.micro_batch_size, new.data.micro_batch_size),
+        ("data.grad_accum", old.data.grad_accum, new.data.grad_accum),
+    )
+    changed = ", ".join(f"{name} {a} -> {b}" for name, a, b in fields if a != b)
+    rows = new.parallel.dp * new.data.micro_batch_size * new.data.grad_accum
+    return f"{changed} (world size {old.world_size} -> {new.world_size}; the global batch of {rows} rows kept)"
+
+
+def _set_layout(status: control_pb2.JobStatus, spec: JobSpec) -> None:
+    """The job's data-parallel layout in its published status."""
+    status.dp, status.micro_batch_size, status.grad_accum = (
+        spec.parallel.dp,
+        spec.data.micro_batch_size,
+        spec.data.grad_accum,
+    )

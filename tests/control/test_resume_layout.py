@@ -1,0 +1,128 @@
+"""An operator resume at another data-parallel size (issue 14 part 4: `surgectl resume JOB
+--dp N`), in-process through the real bus: L1-1 validates the new layout before it asks or
+changes anything (the global batch kept, the spec's rules, the allocator's free slots), then
+relaunches at the new world size with the job's spec replaced and journaled. The real stack
+(ranks resharding the checkpoint, losses): tests/cli/test_resume_dp.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.contract import control_pb2, engine_pb2
+from services.control.__main__ import build
+from services.control.job_store import JobStore
+from services.control.orchestrator import IllegalTransition, InsufficientResources
+from services.jobspec import JobSpecError, spec_from_json
+
+from .conftest import Plane, drain
+from .test_operator_actions import plane, running_job, stopped_job, store  # noqa: F401 - fixtures
+
+JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
+pytestmark = pytest.mark.timeout(30)
+
+
+def stored_spec(tmp_path, job_id: str):
+    """The job's spec as control's journal holds it (what a restarted control runs)."""
+    journal = JobStore(tmp_path / "control.db")
+    try:
+        (row,) = [j for j in journal.load_jobs() if j.status.job_id == job_id]
+        return spec_from_json(row.spec_json)
+    finally:
+        journal.close()
+
+
+def test_a_stopped_dp2_job_resumes_at_dp1_with_the_global_batch_kept_and_its_spec_journaled(plane, store, tmp_path):  # noqa: F811
+    job_id, a, b = stopped_job(plane, store, at=6)  # dp 2 x micro_batch_size 2 x grad_accum 1: 4 rows
+    s = plane.get(job_id)
+    assert (s.world_size, s.dp, s.micro_batch_size, s.grad_accum) == (2, 2, 2, 1)
+    s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id, dp=1, grad_accum=2))
+    assert (s.state, s.step, s.checkpoint_version) == (JobState.WARMING_UP, 6, f"{job_id}:1")
+    assert (s.world_size, s.dp, s.micro_batch_size, s.grad_accum) == (1, 1, 2, 2)
+    (cmd,) = drain(a)  # one rank, on the first worker; nothing for the second
+    assert drain(b) == []
+    launch = cmd.launch
+    assert [(r.rank, r.world_size) for r in launch.ranks] == [(0, 1)]
+    assert launch.init.resume_version == f"{job_id}:1"
+    sent = spec_from_json(launch.init.spec_json)
+    assert (sent.parallel.dp, sent.data.micro_batch_size, sent.data.grad_accum) == (1, 2, 2)
+    decision = plane.events(job_id)[-2]
+    assert decision.message.startswith(
+        f"resume TERMINATED (STOPPED) from checkpoint {job_id}:1 (step 6) by the operator at a new layout: "
+        "parallel.dp 2 -> 1, data.grad_accum 1 -> 2 (world size 2 -> 1; the global batch of 4 rows kept): "
+        "1 ranks allocated on wa"
+    ), decision.message
+    kept = stored_spec(tmp_path, job_id)
+    assert (kept.parallel.dp, kept.data.grad_accum, kept.world_size) == (1, 2, 1)
+    # One rank is the whole world now: its ready report starts the job.
+    plane.rank_event(a, job_id, 0, started=engine_pb2.TrainingLoopStarted(rank=0, start_step=6))
+    assert plane.get(job_id).state == JobState.RUNNING
+    # The stopped generation's rank 1, reaped late: its clean exit is no fault; and the job
+    # ends FINISHED when its one rank finishes (rank 1's old "stopped" is not this generation's).
+    plane.rank_exited(b, job_id, 1, exit_code=0)
+    plane.rank_event(a, job_id, 0, finished=engine_pb2.TrainingLoopFinished(rank=0, step=20))
+    s = plane.get(job_id)
+    assert (s.state, s.outcome, s.step) == (JobState.TERMINATED, JobOutcome.FINISHED, 20), s.message
+    assert not [e for e in plane.events(job_id) if e.type == "decision" and "rank_exit" in e.message]
+
+    # A control restarted now knows the job at its journaled layout.
+    journal = JobStore(tmp_path / "control.db")
+    try:
+        again = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
+        s = again.get(job_id)
+        assert (s.state, s.world_size, s.dp, s.grad_accum) == (JobState.TERMINATED, 1, 1, 2)
+    finally:
+        journal.close()
+
+
+def test_a_layout_that_changes_the_global_batch_or_does_not_fit_is_refused_with_one_line_and_changes_nothing(
+    plane,  # noqa: F811
+    store,  # noqa: F811
+    tmp_path,
+):
+    job_id, a, b = stopped_job(plane, store, at=6)
+    before = plane.get(job_id)
+    events = len(plane.events(job_id))
+    asked = store.asked
+    with pytest.raises(JobSpecError) as refused:
+        plane.user(control_pb2.ResumeJobRequest(job_id=job_id, dp=3))
+    assert str(refused.value) == (
+        "--dp 3: the global batch (data.micro_batch_size x data.grad_accum x parallel.dp) would be 2 x 1 x 3 = 6 "
+        "rows, not the job's 4 (2 x 1 x 2); a resume keeps it: choose --micro-batch-size and --grad-accum so the "
+        "product stays 4"
+    )
+    assert store.asked == asked  # refused before the store was asked
+    # The global batch kept, but 4 ranks do not fit two one-slot workers: the allocator says so.
+    with pytest.raises(InsufficientResources) as refused:
+        plane.user(control_pb2.ResumeJobRequest(job_id=job_id, dp=4, micro_batch_size=1))
+    assert str(refused.value).startswith(f"cannot resume {job_id} now: it needs 4 ranks (parallel.dp=4) but 2 are free")
+    assert "\n" not in str(refused.value)
+    after = plane.get(job_id)
+    assert (after.state, after.outcome, after.world_size, after.dp, after.micro_batch_size) == (
+        before.state,
+        before.outcome,
+        2,
+        2,
+        2,
+    )
+    assert len(plane.events(job_id)) == events and drain(a) == [] and drain(b) == []
+    assert stored_spec(tmp_path, job_id).parallel.dp == 2
+    # Its own layout named again is a plain resume.
+    s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id, dp=2, micro_batch_size=2, grad_accum=1))
+    assert (s.state, s.world_size) == (JobState.WARMING_UP, 2)
+    assert "new layout" not in plane.events(job_id)[-2].message
+
+
+def test_a_paused_job_with_running_ranks_is_told_to_stop_first(plane, store):  # noqa: F811
+    job_id, a, b = running_job(plane)
+    plane.user(control_pb2.PauseJobRequest(job_id=job_id, no_checkpoint=True))
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=2))
+    drain(a), drain(b)
+    with pytest.raises(IllegalTransition) as refused:
+        plane.user(control_pb2.ResumeJobRequest(job_id=job_id, dp=1, grad_accum=2))
+    assert str(refused.value) == (
+        f"--dp 1 --grad-accum 2: job {job_id} is PAUSED with its ranks running; a new layout needs new ranks: "
+        f"`surgectl stop {job_id}` first (it checkpoints), then resume it with --dp 1 --grad-accum 2"
+    )
+    s = plane.get(job_id)
+    assert (s.state, s.dp) == (JobState.PAUSED, 2) and drain(a) == [] and drain(b) == []
