@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.contract import control_pb2, engine_pb2
+from services.contract import control_pb2, engine_pb2, store_pb2
 from services.control.__main__ import build
 from services.control.job_store import JobStore
 from services.control.orchestrator import IllegalTransition, InsufficientResources
@@ -126,3 +126,34 @@ def test_a_paused_job_with_running_ranks_is_told_to_stop_first(plane, store):  #
     )
     s = plane.get(job_id)
     assert (s.state, s.dp) == (JobState.PAUSED, 2) and drain(a) == [] and drain(b) == []
+
+
+def test_a_drained_job_resumes_at_a_new_dp_after_the_stack_came_back(plane, store, tmp_path):  # noqa: F811
+    """Drained by `surgectl down` (PAUSED, its ranks gone with the stack), then `up`: the
+    same relaunch, at dp 1."""
+    job_id, a, b = running_job(plane)
+    plane.rank_event(a, job_id, 0, step=engine_pb2.StepCompleted(step=7, loss=2.0, tokens=64))
+    plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True))
+    plane.rank_event(a, job_id, 0, saved=store_pb2.SaveCompleted(version=f"{job_id}:1", step=9))
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=9))
+    drain(a), drain(b)
+    assert plane.get(job_id).drained
+    journal = JobStore(tmp_path / "control.db")  # the stack came back: a new control, new node agents
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
+    a, b = plane.register("wa"), plane.register("wb")
+    store.versions[job_id] = [(f"{job_id}:1", 9, True, "")]
+    s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id, dp=1, micro_batch_size=1, grad_accum=4))
+    assert (s.state, s.drained, s.step, s.world_size, s.dp, s.micro_batch_size, s.grad_accum) == (
+        JobState.WARMING_UP,
+        False,
+        9,
+        1,
+        1,
+        1,
+        4,
+    )
+    (cmd,) = drain(a)
+    assert cmd.launch.init.resume_version == f"{job_id}:1" and len(cmd.launch.ranks) == 1
+    assert "PAUSED -> WARMING_UP" in plane.events(job_id)[-1].message
+    journal.close()
