@@ -491,7 +491,7 @@ class Orchestrator:
                         f"--from: job {job_id} is PAUSED with its ranks running; "
                         f"`surgectl resume {job_id}` continues it where it paused"
                     )
-                if _layout_asked(msg):
+                if _new_layout(job.spec, msg) is not None:  # (its own layout named: a plain resume)
                     raise IllegalTransition(
                         f"{_layout_flags(msg)}: job {job_id} is PAUSED with its ranks running; a new layout needs new "
                         f"ranks: `surgectl stop {job_id}` first (it checkpoints), then resume it with {_layout_flags(msg)}"

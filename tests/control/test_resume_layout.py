@@ -126,6 +126,9 @@ def test_a_paused_job_with_running_ranks_is_told_to_stop_first(plane, store):  #
     )
     s = plane.get(job_id)
     assert (s.state, s.dp) == (JobState.PAUSED, 2) and drain(a) == [] and drain(b) == []
+    # Its own layout named: a plain resume of the running ranks.
+    s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id, dp=2, grad_accum=1))
+    assert (s.state, s.world_size) == (JobState.RUNNING, 2)
 
 
 def test_a_drained_job_resumes_at_a_new_dp_after_the_stack_came_back(plane, store, tmp_path):  # noqa: F811
