@@ -16,7 +16,9 @@ checkpoint that step first unless the operator says not to (the ranks report pau
 finished after the commit). A drain (`surgectl down`) is a pause whose job is then parked:
 its ranks go with the stack, a restarted control waits for none, and the next `up` resumes
 it. An operator resume of a STOPPED, FAILED or parked job relaunches its ranks (a new
-generation) from the newest version the checkpoint manager verifies, or the one named.
+generation) from the newest version the checkpoint manager verifies, or the one named, at
+another data-parallel layout when asked (`surgectl resume --dp`: the global batch kept, the
+job's spec replaced and journaled; see ``resume_job_request``).
 
 Faults: a graded ``FaultReport`` opens an incident and gets one decision, by the job
 spec's ``fault_policy`` (class first, then grade): ignore (record and count), stop (FAILED),
