@@ -160,3 +160,18 @@ def test_a_drained_job_resumes_at_a_new_dp_after_the_stack_came_back(plane, stor
     assert cmd.launch.init.resume_version == f"{job_id}:1" and len(cmd.launch.ranks) == 1
     assert "PAUSED -> WARMING_UP" in plane.events(job_id)[-1].message
     journal.close()
+
+
+def test_a_rank_lost_after_a_resume_at_a_new_dp_is_relaunched_at_that_dp(plane, store):  # noqa: F811
+    """The recovery relaunches what the allocator holds: the new world size and spec."""
+    job_id, a, b = stopped_job(plane, store, at=6)
+    plane.user(control_pb2.ResumeJobRequest(job_id=job_id, dp=1, grad_accum=2))
+    drain(a), drain(b)
+    plane.rank_event(a, job_id, 0, started=engine_pb2.TrainingLoopStarted(rank=0, start_step=6))
+    plane.rank_exited(a, job_id, 0, exit_code=-9)
+    events = [e.message for e in plane.events(job_id)]
+    assert [m for m in events if m.startswith("ranks killed and relaunched")], events[-6:]
+    launches = [c.launch for s in (a, b) for c in drain(s) if c.WhichOneof("command") == "launch"]
+    assert [[r.world_size for r in launch.ranks] for launch in launches] == [[1]]
+    sent = spec_from_json(launches[0].init.spec_json)
+    assert (sent.parallel.dp, sent.data.grad_accum, launches[0].init.resume_version) == (1, 2, f"{job_id}:1")
