@@ -201,8 +201,19 @@ def test_a_node_agent_leaving_with_no_spare_is_one_incident_and_the_job_continue
     onto the departing agent, the job waits for capacity and continues from its newest
     checkpoint once the agent is back under the same id; one restart spent."""
     busy = stack.submit(spec("cother", steps=100000))  # holds the other worker's only slot
+    try:
+        _leave_and_come_back(stack)
+    finally:  # the busy job never holds a slot past this test, passed or failed
+        stack.stub.StopJob(control_pb2.StopJobRequest(job_id=busy, no_checkpoint=True))
+        stack.events(busy, timeout=120)  # (to its end: its rank has left the slot)
+
+
+def _leave_and_come_back(stack) -> None:
     job = stack.submit(spec("cleave", steps=60))
     stack.wait_step(job, 8)
+    # A committed version to continue from (its write and commit run in the background: on a
+    # loaded machine step 5's may land after step 8).
+    wait_for(lambda: committed_versions(events_so_far(stack, job)), 120, "a committed version of the job")
     svc = services(stack.home)
     (rank_pid,) = stack.rank_pids(job, 0)
     worker = next(
@@ -218,7 +229,6 @@ def test_a_node_agent_leaving_with_no_spare_is_one_incident_and_the_job_continue
     events = stack.events(job, timeout=300)
     assert events[-1].status.outcome == JobOutcome.FINISHED, events[-1].message
     assert_one_departure(events)
-    stack.stub.StopJob(control_pb2.StopJobRequest(job_id=busy))
 
 
 def own_chunk(job_dir: Path, n: str) -> Path:
