@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.cli.errors import CliError
 from services.common import logs, paths
 from services.common.grpc_server import EXIT_PORT_IN_USE, channel
+from services.worker.memory_copies import remove_dead_dirs
 
 HOST = "127.0.0.1"
 
@@ -262,6 +263,7 @@ def down(timeout_s: float = 10.0, control_first: bool = False) -> list[str]:
     if control_first and "control" in procs:
         _stop_all({"control": procs["control"]}, timeout_s)
     _stop_all(procs, timeout_s)
+    remove_dead_dirs()  # the in-memory checkpoint copies of agents that died without cleaning up
     stack_file().unlink(missing_ok=True)
     return list(procs)
 

@@ -181,15 +181,25 @@ def shared_memory_dir(worker_id: str, root: Path = SHM_ROOT) -> Path | None:
     ``root`` is not a writable directory."""
     if not root.is_dir() or not os.access(root, os.W_OK):
         return None
-    for old in root.glob(f"{SHM_PREFIX}*"):
-        pid = old.name.rpartition("-")[2]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
+    remove_dead_dirs(root)
     safe = "".join(ch if ch.isalnum() or ch in "._" else "_" for ch in worker_id)
     path = root / f"{SHM_PREFIX}{safe}-{os.getpid()}"
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(mode=0o755)
     return path
+
+
+def remove_dead_dirs(root: Path = SHM_ROOT) -> list[Path]:
+    """Remove the shared-memory directories of agent processes no longer alive (a SIGKILLed
+    agent leaves its own); the next agent to start, and `surgectl down`, call it. Returns
+    what was removed."""
+    removed = []
+    for old in root.glob(f"{SHM_PREFIX}*"):
+        pid = old.name.rpartition("-")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+            removed.append(old)
+    return removed
 
 
 def _alive(pid: int) -> bool:

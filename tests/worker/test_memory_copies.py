@@ -248,3 +248,19 @@ def test_a_full_shared_memory_keeps_what_fits_and_says_what_it_did_not(monkeypat
         client.close()
         a.close()
         b.close()
+
+
+def test_the_directories_of_dead_agents_are_removed_and_a_live_ones_kept(tmp_path):
+    """A SIGKILLed agent leaves its shared-memory directory; the next agent (and `surgectl
+    down`) removes it, never a live agent's."""
+    import subprocess
+    import sys
+
+    live = shared_memory_dir("w2", tmp_path)  # this process's
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid no process has now
+    dead = tmp_path / f"{memory_copies.SHM_PREFIX}w1-{gone.pid}"
+    (dead / "ab").mkdir(parents=True)
+    (dead / "ab" / "chunk").write_bytes(b"x" * 10)
+    assert memory_copies.remove_dead_dirs(tmp_path) == [dead]
+    assert not dead.exists() and live is not None and live.is_dir()
