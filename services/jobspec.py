@@ -6,13 +6,24 @@ the file and the field (``demo.yaml: data.seq_len: Input should be greater than 
 
 from __future__ import annotations
 
+import difflib
+import fnmatch
 import json
 import re
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from services.contract.failures import Refusal
 
@@ -86,8 +97,9 @@ class ModelSpec(_Strict):
     # Fine-tuning: parameters to keep frozen, as fnmatch patterns over their names
     # (``tok_emb.weight``, ``blocks.*.attn.*``; a tied weight matches by either name). A
     # frozen parameter gets no gradient and the optimizer keeps no state for it, so an
-    # incremental checkpoint never writes it again. A pattern that matches nothing is refused
-    # when the model is built.
+    # incremental checkpoint never writes it again. Checked against the model's parameter
+    # names (:func:`model_parameters`) wherever a spec is validated, so at submit: a pattern
+    # that matches nothing, or patterns that leave nothing to train, are refused.
     freeze: list[Annotated[str, Field(min_length=1, max_length=1024)]] = []
 
     @model_validator(mode="after")
@@ -97,6 +109,67 @@ class ModelSpec(_Strict):
         if (self.d_model // self.n_heads) % 2:
             raise ValueError("d_model / n_heads must be even for RoPE")
         return self
+
+    @model_validator(mode="after")
+    def _freeze_leaves_something_to_train(self, info: ValidationInfo) -> ModelSpec:
+        # Not on a spec read back (STORED: a journal or checkpoint of a job submitted before
+        # this rule; the shard loader applies it to the built model's names).
+        if self.freeze and not (info.context or {}).get("stored"):
+            frozen_parameters(self.freeze, ((name, owner) for name, owner, _ in model_parameters(self)))
+        return self
+
+
+def model_parameters(spec: ModelSpec) -> Iterator[tuple[str, str, int]]:
+    """``(name, owner, numel)`` of every parameter of the model services/compute/model.py
+    builds for ``spec``, in its ``named_parameters(remove_duplicate=False)`` order (a tied
+    weight under both names; ``owner``: the name of the tensor it is, its first name).
+
+    Here, without torch, so that a spec's ``freeze`` is checked wherever the spec is
+    validated (control has no tensor library); tests/compute/test_freeze.py keeps it equal
+    to the built model's names and sizes.
+    """
+    V, D, F = spec.vocab_size, spec.d_model, mlp_hidden_width(spec)
+    yield "tok_emb.weight", "tok_emb.weight", V * D
+    mlp = (("gate", F * D),) if spec.mlp == "swiglu" else ()
+    for i in range(spec.n_layers):
+        b = f"blocks.{i}."
+        yield b + "attn_norm.weight", b + "attn_norm.weight", D
+        for proj in ("q", "k", "v", "proj"):
+            yield b + f"attn.{proj}.weight", b + f"attn.{proj}.weight", D * D
+        yield b + "mlp_norm.weight", b + "mlp_norm.weight", D
+        for lin, numel in (*mlp, ("up", F * D), ("down", D * F)):
+            yield b + f"mlp.{lin}.weight", b + f"mlp.{lin}.weight", numel
+    yield "norm.weight", "norm.weight", D
+    yield "lm_head.weight", "tok_emb.weight" if spec.tie_embeddings else "lm_head.weight", V * D
+
+
+def frozen_parameters(patterns: Sequence[str], named: Iterable[tuple[str, Hashable]]) -> set[Hashable]:
+    """The parameters ``patterns`` (``model.freeze``: fnmatch, case-sensitive) freeze, out of
+    ``named``: ``(name, owner)`` pairs, a tied parameter under each of its names with one
+    owner (the spec's :func:`model_parameters`, or a built model's names and tensors).
+
+    Raises:
+        ValueError, one line naming the field: ``freeze[i]: '<pattern>' matches no
+            parameter (names look like: ...)``, with the names nearest to it; or
+            ``freeze: [...] freezes all N parameters; nothing would train``.
+    """
+    named = list(named)
+    frozen: set[Hashable] = set()
+    for i, pattern in enumerate(patterns):
+        hit = re.compile(fnmatch.translate(pattern)).match
+        owners = {owner for name, owner in named if hit(name)}
+        if not owners:
+            names = list(dict.fromkeys(name for name, _ in named))[:2000]  # (a hint: bounded work)
+            near = difflib.get_close_matches(pattern, names, n=4, cutoff=0.5) or names[:4]
+            raise ValueError(f"freeze[{i}]: {pattern!r} matches no parameter (names look like: {', '.join(near)}, ...)")
+        frozen |= owners
+    every = {owner for _, owner in named}
+    if every and frozen >= every:
+        raise ValueError(
+            f"freeze: {list(patterns)!r} freezes all {len(every)} parameters; nothing would train "
+            "(leave at least one unfrozen)"
+        )
+    return frozen
 
 
 class PrefetchSpec(_Strict):
@@ -648,7 +721,8 @@ def _field_error(err: dict) -> str:
     msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
     # A cross-field rule's input is the whole section: its message already says what is wrong.
     # A section's rule whose message names a field under it (``actions.x: ...``): one dotted path.
-    if err["type"] == "value_error" and err["loc"] and re.match(r"[a-z_]+\.[^\s:]+: ", msg):
+    # (``freeze[1]: ...`` and ``freeze: ...`` name the section's field the same way.)
+    if err["type"] == "value_error" and err["loc"] and re.match(r"[a-z_]+(\.[^\s:]+|\[\d+\])?: ", msg):
         return f"{path}.{msg}"
     quiet = ("extra_forbidden", "missing", "value_error")
     got = "" if err["type"] in quiet else f", got {err.get('input')!r}"
@@ -685,8 +759,13 @@ def spec_to_json(spec: JobSpec) -> str:
     return spec.model_dump_json()
 
 
+# Validation context of a spec read back (journal, checkpoint, InitJob): the freeze rule that
+# needs the model's names is left to the shard loader, so a job journaled before it reloads.
+STORED: dict[str, bool] = {"stored": True}
+
+
 def spec_from_json(text: str) -> JobSpec:
-    return JobSpec.model_validate_json(text)
+    return JobSpec.model_validate_json(text, context=STORED)
 
 
 def with_layout(spec: JobSpec, *, dp: int, micro_batch_size: int, grad_accum: int, source: str) -> JobSpec:

@@ -24,11 +24,11 @@ No live handle on the weights leaves through a message.
 
 from __future__ import annotations
 
-import fnmatch
 import time
 from collections.abc import Callable
 from typing import Any
 
+import structlog
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -37,8 +37,10 @@ from services.compute.pipeline_stage import stage_of
 from services.contract import Module, engine_pb2
 from services.contract.bus import Emitter, Reply
 from services.contract.frozen import FrozenConfig
-from services.jobspec import ModelSpec
+from services.jobspec import STORED, ModelSpec, frozen_parameters
 from services.state.snapshot import Slot, restorable
+
+_log = structlog.get_logger("shard_loader")
 
 
 class ShardLoader:
@@ -71,7 +73,7 @@ class ShardLoader:
             raise RuntimeError("shard loader: a model is already loaded")
         self._state = "loading"
         t0 = time.perf_counter()
-        spec = ModelSpec.model_validate_json(msg.model_json)
+        spec = ModelSpec.model_validate_json(msg.model_json, context=STORED)  # freeze: _freeze's check below
         plan = self._plan.get()
         model = build_model(spec, msg.seed, plan.device or "cpu")
         _freeze(model, spec.freeze)
@@ -114,18 +116,29 @@ class ShardLoader:
 
 def _freeze(model: nn.Module, patterns: list[str]) -> None:
     """``requires_grad = False`` on every parameter whose name matches one of ``patterns``
-    (fnmatch; a tied parameter by any of its names): the fine-tune's frozen part.
+    (fnmatch; a tied parameter by any of its names): the fine-tune's frozen part. The
+    rule is the spec's (services/jobspec.py ``frozen_parameters``), applied to the built
+    model's own names.
 
     Raises:
-        ValueError: a pattern matches no parameter (one line, naming a few that exist).
+        ValueError: a pattern matches no parameter, or the patterns freeze every parameter
+            (one line naming ``model.freeze``; a validated spec has neither).
     """
     if not patterns:
         return
     named = list(model.named_parameters(remove_duplicate=False))
-    have = ", ".join(name for name, _ in named[:4])
-    for pattern in patterns:
-        hits = [p for name, p in named if fnmatch.fnmatchcase(name, pattern)]
-        if not hits:
-            raise ValueError(f"model.freeze: {pattern!r} matches no parameter (names look like: {have}, ...)")
-        for p in hits:
+    try:
+        frozen = frozen_parameters(patterns, ((name, id(p)) for name, p in named))
+    except ValueError as e:
+        raise ValueError(f"model.{e}") from None
+    for _, p in named:
+        if id(p) in frozen:
             p.requires_grad_(False)
+    distinct = {id(p): p for _, p in named}.values()
+    _log.info(
+        "model.freeze applied",
+        trainable=sum(p.numel() for p in distinct if p.requires_grad),
+        frozen=sum(p.numel() for p in distinct if not p.requires_grad),
+        frozen_tensors=len(frozen),
+        patterns=list(patterns),
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -233,6 +234,18 @@ def test_an_invalid_spec_is_refused_with_its_one_line_error(plane):
         plane.user(
             control_pb2.SubmitJobRequest(spec_yaml="name: x\nsteps: -1\ndata: {dataset: x@v1}\n", spec_path="bad.yaml")
         )
+
+
+def test_a_freeze_that_leaves_nothing_to_train_is_refused_before_anything_is_allocated(plane):
+    # The backstop behind surgectl's own check: a spec that reached control another way.
+    plane.register("wa")
+    for freeze, words in (("['blocks.*.atn.*']", "model.freeze[0]: 'blocks.*.atn.*' matches no parameter"),
+                          ("['*']", "model.freeze: ['*'] freezes all ")):  # fmt: skip
+        text = f"name: x\nsteps: 4\ndata: {{dataset: x@v1}}\nmodel: {{n_layers: 1, freeze: {freeze}}}\n"
+        with pytest.raises(JobSpecError, match=f"^ft.yaml: {re.escape(words)}"):
+            plane.user(control_pb2.SubmitJobRequest(spec_yaml=text, spec_path="ft.yaml"))
+    assert list(plane.user(control_pb2.JobQuery()).jobs) == []
+    assert plane.c.journal.load_jobs() == []
 
 
 def test_unknown_job_is_not_found(plane):
