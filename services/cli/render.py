@@ -98,14 +98,52 @@ def audit_table(view, show_unused: bool = True) -> Table:
     return t
 
 
+def checkpoint_kind(info) -> tuple[str, int]:
+    """(kind, bytes its save wrote) of a CheckpointInfo: ("baseline", every chunk),
+    ("delta", the chunks that changed) or ("full", the whole version: plain files)."""
+    if not info.chunk_path:
+        return "full", info.bytes
+    return ("baseline" if info.baseline else "delta"), info.written_bytes
+
+
+def _mib(n: int) -> str:
+    """``n`` bytes in MiB: two decimals below 10 (a small delta is not "0.0"), else one."""
+    mib = n / 2**20
+    return f"{mib:.2f}" if mib < 10 else f"{mib:.1f}"
+
+
+def _parent_text(version: str, parent: str) -> str:
+    """The parent's number when it is of the same job ("11" for "J:11"), else the whole name."""
+    if not parent:
+        return "—"
+    job, _, _ = version.rpartition(":")
+    pjob, _, n = parent.rpartition(":")
+    return n if pjob == job else parent
+
+
 def checkpoints_table(infos) -> Table:
+    """One row a version: its parent (the number, of the same job), step, kind (baseline: its
+    save wrote every chunk; delta: only the chunks that changed; full: a version of plain
+    files), its whole size and what its save wrote (MiB), and its manifest's hash (the first
+    12 hex digits; `-o json` has every field)."""
     t = Table(title="checkpoints")
     _id_column(t, "version")
-    for col in ("parent", "step", "files", "MiB", "sha256"):
-        t.add_column(col)
+    t.add_column("parent")
+    t.add_column("step", justify="right")
+    t.add_column("kind")
+    t.add_column("MiB", justify="right")
+    t.add_column("written MiB", justify="right")
+    t.add_column("sha256")
     for c in infos:
+        kind, written = checkpoint_kind(c)
         t.add_row(
-            c.version, c.parent or "—", str(c.step), str(c.files), f"{c.bytes / 2**20:.1f}", c.manifest_sha256[:12]
+            c.version,
+            _parent_text(c.version, c.parent),
+            str(c.step),
+            kind,
+            _mib(c.bytes),
+            _mib(written),
+            c.manifest_sha256[:12],
         )
     return t
 

@@ -73,6 +73,7 @@ from typing import Any
 
 import structlog
 
+from services.common.sizes import size_text
 from services.contract import Module, control_pb2, engine_pb2, store_pb2
 from services.contract.bus import CommandPort, Emitter, Reply
 from services.contract.failures import Refusal
@@ -191,6 +192,9 @@ class _Incident:
     retries: int = 0  # retries of the current step
     timer: Deadline | None = None  # the current step's retry or deadline (not journaled)
     paused: bool = False  # the job was paused (or pausing) when the fault came
+    # Bytes the relaunched ranks read per source ("memory", "peer", "store": their
+    # TrainingLoopStarted.restored_bytes_from, summed; not journaled).
+    restored_from: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass
@@ -781,6 +785,8 @@ class Orchestrator:
                 )
             job.started.add(msg.rank)
             job.finished.pop(msg.rank, None)  # (an old generation's, kept by an operator resume)
+            if job.incident is not None:
+                job.incident.restored_from.update(dict(msg.restored_bytes_from))
             if msg.worker_id:  # journaled: a restarted control knows where each rank ran
                 job.placement[msg.rank] = msg.worker_id
             self._record(
@@ -810,6 +816,8 @@ class Orchestrator:
             job.running_since = job.running_since or time.time()  # (a fault while warming up)
             self._faults(control_pb2.ResetFaultLedger(job_id=msg.job_id))
             source = f"checkpoint {incident.version}" if incident.version else "scratch"
+            read = restored_from_text(incident.restored_from) if incident.version else ""
+            source += f", {read}," if read else ""
             if held:
                 job.recovered, job.start_held = None, True
                 self._transition(
@@ -909,7 +917,7 @@ class Orchestrator:
                 job,
                 Module.L5_CHECKPOINT_MANAGER,
                 "checkpoint",
-                f"checkpoint {msg.version} at step {msg.step} ({msg.bytes} bytes, {msg.files} files)",
+                checkpoint_text(msg),
             )
 
     def on_training_loop_paused(self, msg: engine_pb2.TrainingLoopPaused, payload: Any = None) -> None:
@@ -1929,6 +1937,38 @@ def _version_number(version: str) -> int:
     """The commit number of ``<job>:<n>`` (0 if it has none)."""
     tail = version.rsplit(":", 1)[-1]
     return int(tail) if tail.isdigit() else 0
+
+
+def checkpoint_text(msg: store_pb2.SaveCompleted) -> str:
+    """The event of a committed version: its size, and what its save wrote (a baseline: every
+    chunk; a delta: the chunks that changed). Parsers rely on "checkpoint V at step N (" and
+    " bytes, " (tests/faults)."""
+    total = size_text(msg.bytes)
+    if msg.baseline:
+        wrote = f"{total}, baseline"
+    elif msg.written_bytes:
+        wrote = f"{total} total, {size_text(msg.written_bytes)} written, delta"
+    else:  # a version of plain files (or a delta that wrote nothing: SaveCompleted cannot tell)
+        wrote = total
+    return f"checkpoint {msg.version} at step {msg.step} ({wrote}; {msg.bytes} bytes, {msg.files} files)"
+
+
+# How a recovery's event names where its ranks' chunks came from.
+_SOURCE_TEXT = {"memory": "memory (own node)", "peer": "the peer's memory", "store": "the store"}
+
+
+def restored_from_text(bytes_from: dict[str, int] | Counter[str]) -> str:
+    """Where the ranks of a recovery read their checkpoint's chunks, from the bytes per
+    source they reported: "read from memory (own node)" (one source), or with the bytes of
+    each when mixed ("read from memory (own node) 1.2 MB + the peer's memory 300 KB");
+    "" when nothing was reported (a version of plain files, or ranks of an older release)."""
+    order = list(_SOURCE_TEXT) + sorted(set(bytes_from) - set(_SOURCE_TEXT))
+    used = [(name, bytes_from[name]) for name in order if bytes_from.get(name)]
+    if not used:
+        return ""
+    if len(used) == 1:
+        return f"read from {_SOURCE_TEXT.get(used[0][0], used[0][0])}"
+    return "read from " + " + ".join(f"{_SOURCE_TEXT.get(n, n)} {size_text(b)}" for n, b in used)
 
 
 def _newest(job: _Job) -> str:

@@ -648,11 +648,14 @@ class TrainingLoop:
                 "config_error",
                 f"dataset {spec.data.dataset} has vocab_size {mounted.vocab_size} > model.vocab_size {spec.model.vocab_size}",
             )
+        restored_from: dict[str, int] = {}
         if self._init.resume_version:
             # Copies of the fresh state (keys, shapes, placements, values a checkpoint may lack),
             # handed to L5-1 to be read into.
             template = self._snapshot(self._step)
-            self._restore(p.store(store_pb2.LoadCheckpoint(version=self._init.resume_version), template).payload)
+            loaded = p.store(store_pb2.LoadCheckpoint(version=self._init.resume_version), template)
+            self._restore(loaded.payload)
+            restored_from = dict(getattr(loaded.message, "bytes_from", {}))  # (chunks read per source)
             changed = data_order_changes(self._loaded_order, data_order(spec, self._dp_size))
             if changed:  # (the dp size alone may change: the position is global)
                 raise TrainingFault("config_error", (
@@ -664,6 +667,7 @@ class TrainingLoop:
         self._emit(engine_pb2.TrainingLoopStarted(
             job_id=self._job_id, rank=self._rank, start_step=self._step,
             num_parameters=self._num_parameters, startup_seconds=time.perf_counter() - self._t_created,
+            restored_bytes_from=restored_from,
         ))  # fmt: skip
 
     def _init_precision(self) -> None:

@@ -487,6 +487,8 @@ class StoreClient:
                 else {}
             ),
         )
+        if reader:  # where this rank's chunks came from (for the recovery's event, via TrainingLoopStarted)
+            loaded.bytes_from.update({name: int(n) for name, n in reader.served_bytes.items() if n})
         return loaded
 
     def close(self, timeout: float = 5.0) -> None:

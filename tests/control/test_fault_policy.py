@@ -13,7 +13,7 @@ import pytest
 from services.contract import Module, control_pb2, engine_pb2, route_pb2, store_pb2
 from services.control.__main__ import build
 from services.control.job_store import JobStore
-from services.control.orchestrator import IllegalTransition
+from services.control.orchestrator import IllegalTransition, checkpoint_text, restored_from_text
 from services.control.store_relay import StoreRelay
 
 from .conftest import Plane, drain, kinds, registration, to_ranks
@@ -89,12 +89,14 @@ def saved(plane: Plane, session, job_id: str, n: int, step: int) -> str:
     return version
 
 
-def restarted(plane: Plane, job_id: str, placed: dict, start_step: int) -> None:
-    """The relaunched ranks report ready (restored at ``start_step``)."""
+def restarted(plane: Plane, job_id: str, placed: dict, start_step: int, read: dict | None = None) -> None:
+    """The relaunched ranks report ready (restored at ``start_step``; ``read``: rank -> the
+    bytes its load read per source)."""
     for rank, session in placed.items():
-        plane.rank_event(
-            session, job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank, start_step=start_step)
+        started = engine_pb2.TrainingLoopStarted(
+            rank=rank, start_step=start_step, restored_bytes_from=(read or {}).get(rank, {})
         )
+        plane.rank_event(session, job_id, rank, started=started)
 
 
 def decisions(plane: Plane, job_id: str) -> list[str]:
@@ -117,10 +119,16 @@ def test_a_killed_rank_is_restarted_from_the_newest_checkpoint_and_the_job_resum
         assert [r.rank for r in launch.launch.ranks] == [rank]
         assert launch.launch.init.resume_version == f"{job_id}:2"
 
-    restarted(plane, job_id, {0: w["wa"], 1: w["wb"]}, start_step=8)
+    # Rank 0 read its chunks from its node's memory and rank 1's from the peer's; rank 1 all
+    # from its own node's memory: the event sums them per source.
+    read = {0: {"memory": 700_000, "peer": 300_000}, 1: {"memory": 1_000_000}}
+    restarted(plane, job_id, {0: w["wa"], 1: w["wb"]}, start_step=8, read=read)
     s = plane.get(job_id)
     assert (s.state, s.step) == (JobState.RUNNING, 8)
-    assert s.message.startswith(f"recovered from rank_exit of rank 1: all 2 ranks restored from checkpoint {job_id}:2")
+    assert s.message.startswith(
+        f"recovered from rank_exit of rank 1: all 2 ranks restored from checkpoint {job_id}:2, read from "
+        "memory (own node) 1.7 MB + the peer's memory 300 KB, at step 8 "
+    ), s.message
     assert kinds(drain(w["wa"])) == ["StartTraining"]
     plane.rank_event(w["wa"], job_id, 0, step=engine_pb2.StepCompleted(step=9, loss=2.0, tokens=64))
     (first,) = [e.message for e in plane.events(job_id) if e.message.startswith("first step after the recovery")]
@@ -664,3 +672,28 @@ def test_a_paused_job_whose_rank_dies_is_recovered_and_stays_paused_until_the_op
     plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
     assert plane.get(job_id).state == JobState.RUNNING
     assert kinds(drain(w["wa"])) == ["StartTraining"]
+
+
+def test_the_recovery_event_names_where_the_ranks_read_their_chunks():
+    assert restored_from_text({"memory": 5_000_000}) == "read from memory (own node)"
+    assert restored_from_text({"peer": 1_466_208, "memory": 0}) == "read from the peer's memory"
+    assert restored_from_text({"store": 42}) == "read from the store"
+    assert restored_from_text({"store": 20_000, "peer": 300_000, "memory": 1_200_000}) == (
+        "read from memory (own node) 1.2 MB + the peer's memory 300 KB + the store 20 KB"
+    )
+    assert restored_from_text({}) == ""  # a version of plain files, or ranks that do not say
+
+
+def test_a_checkpoint_event_says_what_its_save_wrote():
+    base = store_pb2.SaveCompleted(
+        version="J:1", step=40, bytes=1_466_208, files=88, written_bytes=1_466_000, baseline=True
+    )
+    assert checkpoint_text(base) == "checkpoint J:1 at step 40 (1.5 MB, baseline; 1466208 bytes, 88 files)"
+    delta = store_pb2.SaveCompleted(version="J:2", step=80, bytes=1_466_208, files=88, written_bytes=120_000)
+    text = checkpoint_text(delta)
+    assert text == "checkpoint J:2 at step 80 (1.5 MB total, 120 KB written, delta; 1466208 bytes, 88 files)"
+    # What the fault tests parse (tests/faults/test_compound.py, test_store_outage.py).
+    version, rest = text[len("checkpoint ") :].split(" at step ", 1)
+    assert (version, int(rest.split(" ", 1)[0]), " bytes, " in text) == ("J:2", 80, True)
+    plain = store_pb2.SaveCompleted(version="J:3", step=90, bytes=2048, files=3)
+    assert checkpoint_text(plain) == "checkpoint J:3 at step 90 (2.0 KB; 2048 bytes, 3 files)"

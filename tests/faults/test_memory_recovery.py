@@ -130,6 +130,12 @@ def run_killing_its_worker(stack, name: str) -> tuple[str, dict, list[dict]]:
     return job, loaded, events
 
 
+def recovered_event(events) -> str:
+    """The recovery's state event ("... ranks restored from checkpoint V, read from ..., at step N")."""
+    (event,) = [m for m in of_type(events, "state") if "ranks restored from checkpoint " in m]
+    return event
+
+
 def losses(stack, job: str) -> dict[int, float]:
     out = {}
     for r in stack.step_records(job):  # in order: a replayed step's last record wins
@@ -185,20 +191,27 @@ def test_a_killed_dp_2_rank_restores_from_its_nodes_memory_and_its_peers_through
     assert r0["step"] == r1["step"] == 5
     assert set(r0["chunks_from"]) == {"memory", "peer"} and not r0["mismatches"], r0
     assert set(r1["chunks_from"]) == {"memory"} and not r1["mismatches"], r1
+    # The recovery's event says so (the ranks' TrainingLoopStarted carry their bytes per source).
+    recovered = recovered_event(events)
+    assert ", read from memory (own node) " in recovered and " + the peer's memory " in recovered, recovered
     print(f"dp 2: rank 0 {r0['bytes_from']}, rank 1 {r1['bytes_from']} (bytes)")
 
 
 def test_a_rank_whose_node_died_is_recovered_from_the_peers_memory_copy_bit_identical(stack, reference):
-    job, loaded, _ = run_killing_its_worker(stack, "mpeer")
+    job, loaded, events = run_killing_its_worker(stack, "mpeer")
     assert loaded["chunks_from"].get("memory", 0) > 0, loaded
     assert loaded["chunks_from"].get("store", 0) == 0 and not loaded["mismatches"], loaded
+    # (Relaunched on the node that held the replica: its own node's memory.)
+    assert ", read from memory (own node), at step 5 " in recovered_event(events), recovered_event(events)
     same_run(stack, job, reference)
     print(f"recovered from the peer's memory: {loaded['chunks_from']}, read in {loaded['read_verified_s']} s")
 
 
 def test_a_corrupt_peer_copy_is_detected_and_the_store_serves_the_recovery(stack, reference):
-    job, loaded, _ = run_killing_its_worker(stack, "mcorrupt")
+    job, loaded, events = run_killing_its_worker(stack, "mcorrupt")
     refused = loaded["mismatches"].get("memory", 0)
+    recovered = recovered_event(events)  # (the refused chunks were read from the store)
+    assert ", read from " in recovered and "the store" in recovered.split(", read from ", 1)[1], recovered
     # Every corrupted chunk is refused and read from the store. (A chunk the agent also held
     # for another job, e.g. a small item equal to mpeer's, was not stored again, so not
     # corrupted: it is served from memory, verified.)
