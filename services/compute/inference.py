@@ -37,7 +37,12 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from services.compute.model import build_model, generate
 from services.jobspec import JobSpec, spec_from_json
-from services.state.chunk_store import ChunkIntegrityError, ChunkReader, DirectorySource
+from services.state.chunk_store import (
+    CHUNKED_METADATA_CLASSES,
+    ChunkIntegrityError,
+    ChunkReader,
+    DirectorySource,
+)
 
 # A key one rank owns: a path component ``rank<r>`` (e.g. the loop's ``train.rank3.rng.*``).
 PER_RANK_KEY = re.compile(r"(?:^|\.)rank\d+\.")
@@ -66,25 +71,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-# What a DCP ``.metadata`` pickle may name (torch 2.x FileSystemWriter): its dataclasses,
-# torch.Size, dtypes and layouts, and the path type of the writer. Nothing that can run code.
-_METADATA_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {
+# What a DCP ``.metadata`` pickle of torch 2.x's FileSystemWriter may name: what a chunked
+# one may (services/state/chunk_store.py), plus its storage info and the writer's path type.
+# Nothing that can run code.
+_METADATA_CLASSES = CHUNKED_METADATA_CLASSES | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
     ("pathlib", "PosixPath"),
     ("pathlib", "PurePosixPath"),
     ("pathlib", "WindowsPath"),

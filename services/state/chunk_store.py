@@ -670,7 +670,7 @@ def _from_bytes(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tens
 
 # What a chunked ``.metadata`` pickle may name: DCP's metadata dataclasses, torch.Size,
 # dtypes and layouts; per item, storage data is plain dicts, lists, strings and ints.
-_METADATA_CLASSES = {
+CHUNKED_METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name)
     for name in (
         "Metadata",
@@ -687,7 +687,7 @@ _METADATA_CLASSES = {
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        if (module, name) in _METADATA_CLASSES:
+        if (module, name) in CHUNKED_METADATA_CLASSES:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
