@@ -16,6 +16,11 @@ from services.cli.errors import CliError
 from services.cli.jobs import follow_job, sample_text, submit_job
 from services.contract import Module, control_pb2, data_pb2, store_pb2
 
+try:  # typer >= 0.2x parses with its own copy of click; older releases with click itself
+    from typer._click import exceptions as _click
+except ImportError:  # pragma: no cover - depends on the installed typer
+    from click import exceptions as _click
+
 HELP = {"help_option_names": ["-h", "--help"]}
 app = typer.Typer(
     no_args_is_help=True,
@@ -584,13 +589,25 @@ def _exit_for(s: control_pb2.JobStatus) -> None:
 
 def main() -> None:
     try:
-        app()
+        # Not standalone: a usage error (a bad option value, an unknown command) is printed
+        # as one line below instead of click's framed box.
+        code = app(standalone_mode=False)
+    except _click.NoArgsIsHelpError as e:
+        e.show()  # the help text, as a bare `surgectl` or group asks for it
+        sys.exit(e.exit_code)
+    except _click.UsageError as e:
+        render.print_error(" ".join(e.format_message().split()))
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        render.err_console.print("interrupted")
+        sys.exit(130)
     except CliError as e:
         render.print_error(str(e))
         sys.exit(e.code)
     except KeyboardInterrupt:
         render.err_console.print("interrupted")
         sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
@@ -50,3 +51,27 @@ def test_a_service_that_cannot_be_reached_is_unreachable(answering):
     assert gone.unreachable and str(gone).startswith(f"control unreachable at {closed} ")
     # An UNAVAILABLE without a Surge server's typed answer (a proxy, a dying process): unreachable.
     assert from_rpc(call(answering, b""), "control", answering).unreachable
+
+
+@pytest.mark.parametrize(
+    "argv,names",
+    [
+        (["resume", "j", "--dp", "0"], "--dp"),
+        (["resume", "j", "--grad-accum", "abc"], "--grad-accum"),
+        (["frobnicate"], "frobnicate"),
+        (["submit"], "spec"),
+    ],
+)
+def test_a_usage_error_is_one_line_naming_the_option_and_exit_2(argv, names, tmp_path):
+    """A bad option value, an unknown command or a missing argument: one line on stderr
+    naming it, exit 2, nothing on stdout (not click's framed box)."""
+    import subprocess
+    import sys
+
+    env = {"PATH": "/usr/bin:/bin", "SURGE_HOME": str(tmp_path), "PYTHONPATH": str(Path(__file__).parents[2])}
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli.surgectl", *argv], capture_output=True, text=True, env=env, timeout=60
+    )
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    assert names in lines[0] and done.stdout == ""
