@@ -33,6 +33,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from services.compute.model import build_model, generate
@@ -46,6 +47,10 @@ from services.state.chunk_store import (
 
 # A key one rank owns: a path component ``rank<r>`` (e.g. the loop's ``train.rank3.rng.*``).
 PER_RANK_KEY = re.compile(r"(?:^|\.)rank\d+\.")
+# Keys read at the size the checkpoint holds, whatever the template's: the training loop's
+# data position and the data order that names its format (a checkpoint of an older format
+# must load, so that the loop can refuse it by name instead of DCP failing on a size).
+AS_SAVED_KEY = re.compile(r"(?:^|\.)data_(?:order|position)$")
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -54,13 +59,25 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     of failing the load: that rank did not exist at the size the checkpoint was written at
     (a resume at a larger data-parallel size). The owner of the key knows its own keys and
     tells a missing one from a loaded one (the loop: ``train.ranks``). Every other key must
-    be in the checkpoint, as with DCP's default."""
+    be in the checkpoint, as with DCP's default. A plain tensor under :data:`AS_SAVED_KEY`
+    is read at the size it was saved at."""
 
     def create_local_plan(self):
         held = self.metadata.state_dict_metadata if self.metadata is not None else {}
         absent = [k for k in self.state_dict if k not in held and PER_RANK_KEY.search(k)]
         for k in absent:
             del self.state_dict[k]
+        for k, v in list(self.state_dict.items()):
+            md = held.get(k)
+            if (
+                AS_SAVED_KEY.search(k)
+                and type(v) is torch.Tensor
+                and isinstance(md, TensorStorageMetadata)
+                and tuple(md.size) != tuple(v.shape)
+            ):
+                self.state_dict[k] = torch.zeros(md.size, dtype=v.dtype)
+                if self.flatten_state_dict:
+                    set_element(self.original_state_dict, self.mappings[k], self.state_dict[k])
         return super().create_local_plan()
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:

@@ -6,10 +6,10 @@ it emits is ``[micro_batch_size, seq_len]``: input ids and labels as little-endi
 Labels are -100 wherever there is no real next token (padding), so padding never counts in
 the loss (PyTorch ``cross_entropy``'s default ``ignore_index``).
 
-Rows. The documents (the whole global epoch order: every rank's stream reads all of it,
-see ``shuffler.py``) become ONE global stream of rows of ``seq_len`` tokens, a pure function
-of the documents, ``seq_len``, mode and separator; never of the batch size or the ranks.
-Two modes (``PackerConfig.mode``):
+Rows. The documents of an epoch (the whole global epoch order: every rank's stream reads
+all of it, see ``shuffler.py``) become the epoch's rows of ``seq_len`` tokens, a pure
+function of the filtered documents in that order, ``seq_len``, mode and separator; never of
+the batch size or the ranks. Two modes (``PackerConfig.mode``):
 
 * PACK: the epoch's documents are one stream, each followed by ``separator_id`` unless it
   is -1. Row r is the ``seq_len + 1`` tokens starting at ``cursor + r*seq_len``:
@@ -20,6 +20,15 @@ Two modes (``PackerConfig.mode``):
 * PAD: one document per row; a document longer than ``seq_len + 1`` continues on the next
   row (again sharing the boundary token); the rest of a row is ``pad_id`` / -100. A
   document of one token has no label and makes no row.
+
+Row order (Megatron-LM's GPTDataset ``shuffle_idx``). The packer holds the epoch's
+filtered documents until its last, cuts all its rows, then the global stream takes them in
+the order :func:`row_order` ``(seed, epoch, rows)`` when ``PackerConfig.shuffle`` is on
+(training with ``data.shuffle``), else in stream order (evaluation). Shuffling documents
+alone is not enough: a document is often longer than a global batch (a stdlib file
+averages ~18,000 tokens against 2,048 in the demo's batch), so consecutive rows would put
+one document in a whole batch. Memory: the epoch's filtered tokens (the shuffler already
+holds the split) and the separator-interleaved stream while its rows are dealt.
 
 The deal. From the stream's start (a step boundary: the job's start or a checkpoint's
 position), rows are cut into slots of ``micro_batch_size`` (B) rows and slot m goes to
@@ -34,10 +43,12 @@ tells L2-1 the pass is over. With ``repeat`` ``DataExhausted`` still marks each 
 (the stream relay then plans the next one).
 
 ``MicroBatch.next`` is the position the global stream continues from after the batch's
-round (the same on every rank): (epoch, document = position in the epoch's order, offset =
-tokens of that document's contribution, separator included, already consumed). A stream
-opened at the ``next`` of a round that ends a step produces exactly the rows that would
-have followed; the packer learns where it resumes from ``PackerConfig.start``.
+round (the same on every rank): (epoch, row = rows of that epoch's row order already dealt;
+after an epoch's last row, (epoch + 1, 0)). ``DataPosition.document``/``offset`` (the
+format before rows were ordered) are always 0 and refused in a start. A stream opened at
+the ``next`` of a round that ends a step produces exactly the rows that would have followed:
+the packer learns where it resumes from ``PackerConfig.start`` and skips that many rows of
+the epoch's order.
 
 Commands it takes: ``packer_config`` (L2-1), ``on_samples_filtered`` (data from L4-4). It
 publishes ``MicroBatch`` and ``DataExhausted``.
@@ -48,7 +59,6 @@ Legend: B micro_batch_size, L seq_len, W world_size (data-parallel ranks), R row
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
 from services.contract import data_pb2
 from services.contract.bus import Emitter
@@ -70,19 +80,15 @@ class BatchPacker:
             "L4_BATCH_PACKER", "batching rules (PackerConfig)", error=ConfigAlreadyPushed
         )
         self._cfg: data_pb2.PackerConfig | None = None
-        self._resume: data_pb2.DataPosition | None = None  # applied to the first documents only
+        self._resume: data_pb2.DataPosition | None = None  # applied to the first epoch only
         self._epoch = 0
-        self._epoch_rows = 0  # rows the current epoch gave the global stream
-        # PACK: tokens not yet cut into rows, and which document each stretch of them belongs to.
-        self._buf_T = np.zeros(0, np.int32)
-        self._seg_start = np.zeros(0, np.int64)  # where the document's stretch starts in _buf_T
-        self._seg_doc = np.zeros(0, np.int64)  # its position in the epoch order
-        self._seg_off = np.zeros(0, np.int64)  # its tokens consumed before the stretch
-        self._seg_len = np.zeros(0, np.int64)  # its contribution length (separator included)
+        # The current epoch's filtered documents, as received (rows are cut at its end).
+        self._parts: list[np.ndarray] = []
+        self._lengths: list[np.ndarray] = []
         # Rows of the global stream not yet dealt (< one round of W*B after each deal): the
-        # position after each, and the contents of this rank's only (the others' are cut, to
-        # know where the stream stands, and dropped); _rows_cut counts rows since the start.
-        self._rows_next = np.zeros((0, 3), np.int64)  # (epoch, document, offset) after each row
+        # position after each, and the contents of this rank's only (the others' are
+        # skipped, to know where the stream stands); _rows_cut counts rows since the start.
+        self._rows_next = np.zeros((0, 2), np.int64)  # (epoch, row) after each row
         self._rows_in = np.zeros((0, 0), np.int32)
         self._rows_lab = np.zeros((0, 0), np.int32)
         self._rows_cut = 0
@@ -92,12 +98,13 @@ class BatchPacker:
     # ---- commands -------------------------------------------------------------------
 
     def packer_config(self, msg: data_pb2.PackerConfig, payload: object = None) -> None:
-        """Fix batch shape, mode and deal for this stream (pushed once); ``msg.start``
-        resumes: its ``offset`` tokens of its document were emitted before the checkpoint.
+        """Fix batch shape, mode, row order and deal for this stream (pushed once);
+        ``msg.start`` resumes: rows ``[0, start.row)`` of epoch ``start.epoch``'s row order
+        were dealt before the checkpoint.
 
         Raises:
             InvalidConfig: seq_len or micro_batch_size 0, mode unspecified, separator < -1,
-                rank >= world_size.
+                rank >= world_size, a start in the document/offset format.
             ConfigAlreadyPushed: the config was already set (batch size and sequence length
                 never change within a stream; the seed lists no command for it).
         """
@@ -111,16 +118,21 @@ class BatchPacker:
             raise InvalidConfig(f"packer.separator_id: must be -1 (none) or a token id, got {msg.separator_id}")
         if msg.rank >= max(msg.world_size, 1):
             raise InvalidConfig(f"packer.rank: rank {msg.rank} / world_size {msg.world_size}: need rank < world_size")
+        if msg.start.document or msg.start.offset:
+            raise InvalidConfig(
+                "packer.start: a position by document/offset (the format before row positions); "
+                "a position is (epoch, row)"
+            )
         self._cfg = self._frozen.set(msg)
         L = msg.seq_len
         self._rows_in = np.zeros((0, L), np.int32)
         self._rows_lab = np.zeros((0, L), np.int32)
-        if msg.HasField("start") and msg.start.offset:
+        if msg.HasField("start") and msg.start.row:
             self._resume = msg.start
 
     def on_samples_filtered(self, msg: data_pb2.SamplesFiltered, docs: Documents) -> None:
-        """Cut ``docs`` into rows; deal every complete round; at the epoch's end, its last
-        row (and, for a single pass, its last round, padded).
+        """Hold ``docs``; at the epoch's end, cut the epoch's rows, order them, and deal
+        every complete round (and, for a single pass, the last one, padded).
 
         Raises:
             RuntimeError: documents before the config (wiring fault).
@@ -128,105 +140,86 @@ class BatchPacker:
         if self._cfg is None:
             raise RuntimeError("packer: samples before PackerConfig")
         if docs.epoch != self._epoch:
-            self._epoch, self._epoch_rows = docs.epoch, 0
+            self._epoch, self._parts, self._lengths = docs.epoch, [], []
         self._state = "packing"
-        skip = 0
-        if self._resume is not None and len(docs):
-            r, self._resume = self._resume, None
-            if docs.epoch == r.epoch and int(docs.index_n[0]) == r.document:
-                skip = int(r.offset)
-        if self._cfg.mode == data_pb2.PACK:
-            self._pack(docs, skip)
-        else:
-            self._pad(docs, skip)
+        if len(docs):
+            self._parts.append(docs.tokens_T)
+            self._lengths.append(docs.lengths_n)
         if docs.last:
             self._finish_epoch(docs.split)
-        else:
-            self._deal()
 
-    # ---- PACK -------------------------------------------------------------------------
+    # ---- the epoch's rows ----------------------------------------------------------------
 
-    def _pack(self, docs: Documents, skip: int) -> None:
+    def _epoch_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The epoch's rows in stream order: (buffer [T], starts [R], lengths [R]); row r
+        is ``buffer[starts[r] : starts[r] + lengths[r]]`` (at most L + 1 tokens)."""
         L, sep = self._cfg.seq_len, self._cfg.separator_id
-        n = len(docs)
-        if n:
-            contrib = docs.lengths_n + (1 if sep >= 0 else 0)
-            if sep >= 0:  # interleave: document i's tokens, then one separator
-                out = np.full(len(docs.tokens_T) + n, sep, np.int32)
-                is_token = np.ones(len(out), dtype=bool)
-                is_token[docs.bounds_n1[1:] + np.arange(n)] = False
-                out[is_token] = docs.tokens_T
-                starts = docs.bounds_n1[:-1] + np.arange(n)
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
+        tokens = np.concatenate(self._parts) if self._parts else np.zeros(0, np.int32)
+        self._parts, self._lengths = [], []
+        n = len(lengths)
+        if self._cfg.mode == data_pb2.PACK:
+            if sep >= 0 and n:  # interleave: document i's tokens, then one separator
+                dtype = np.promote_types(tokens.dtype, np.min_scalar_type(sep))
+                buf = np.full(len(tokens) + n, sep, dtype)
+                is_token = np.ones(len(buf), dtype=bool)
+                is_token[np.cumsum(lengths) + np.arange(n)] = False
+                buf[is_token] = tokens
             else:
-                out = docs.tokens_T.astype(np.int32)
-                starts = docs.bounds_n1[:-1].copy()
-            skip = min(skip, int(contrib[0]))
-            offs = np.zeros(n, np.int64)
-            offs[0] = skip
-            starts = np.maximum(starts - skip, 0)
-            base = len(self._buf_T)
-            self._buf_T = np.concatenate([self._buf_T, out[skip:]])
-            self._seg_start = np.concatenate([self._seg_start, starts + base])
-            self._seg_doc = np.concatenate([self._seg_doc, docs.index_n])
-            self._seg_off = np.concatenate([self._seg_off, offs])
-            self._seg_len = np.concatenate([self._seg_len, contrib])
-        buf = self._buf_T
-        R = (len(buf) - 1) // L if len(buf) > L else 0  # complete rows: L + 1 tokens each
+                buf = tokens
+            T = len(buf)
+            R = -(-(T - 1) // L) if T >= 2 else 0  # every token after the first is a label once
+            starts = np.arange(R, dtype=np.int64) * L
+            return buf, starts, np.minimum(L + 1, T - starts)
+        bounds = np.zeros(n + 1, np.int64)
+        np.cumsum(lengths, out=bounds[1:])
+        # PAD: rows per document, enough to give every token after the first a label.
+        per_doc = np.maximum(0, (lengths - 1 + L - 1) // L)
+        doc = np.repeat(np.arange(n), per_doc)
+        in_doc = (np.arange(len(doc)) - np.repeat(np.cumsum(per_doc) - per_doc, per_doc)) * L
+        return tokens, bounds[doc] + in_doc, np.minimum(L + 1, lengths[doc] - in_doc)
+
+    def _finish_epoch(self, split: str) -> None:
+        B, W = self._cfg.micro_batch_size, max(self._cfg.world_size, 1)
+        buf, starts, lens = self._epoch_rows()
+        R = len(starts)
+        order = row_order(self._cfg.seed, self._epoch, R, self._cfg.shuffle)
+        first = 0
+        if self._resume is not None:
+            r, self._resume = self._resume, None
+            if r.epoch == self._epoch:
+                first = min(int(r.row), R)
+        # After row k of the order: (epoch, k + 1); after the epoch's last: the next epoch's start.
+        nxt = np.stack([np.full(R, self._epoch, np.int64), np.arange(1, R + 1, dtype=np.int64)], axis=1)
         if R:
-            rows = as_strided(buf, shape=(R, L + 1), strides=(L * buf.itemsize, buf.itemsize))
-            self._add_rows(rows[:, :L], rows[:, 1:], self._positions(np.arange(1, R + 1, dtype=np.int64) * L))
-            self._drop_consumed(R * L)
-
-    def _positions(self, c_R: np.ndarray) -> np.ndarray:
-        """(epoch, document, offset) of buffer indices ``c_R``: the next token to be cut."""
-        k = np.searchsorted(self._seg_start, c_R, side="right") - 1
-        off = self._seg_off[k] + c_R - self._seg_start[k]
-        done = off >= self._seg_len[k]
-        doc = self._seg_doc[k] + done
-        return np.stack([np.full(len(c_R), self._epoch, np.int64), doc, np.where(done, 0, off)], axis=1)
-
-    def _drop_consumed(self, c: int) -> None:
-        k = max(0, int(np.searchsorted(self._seg_start, c, side="right")) - 1)
-        self._seg_off = self._seg_off[k:].copy()
-        self._seg_off[0] += c - self._seg_start[k]
-        self._seg_start = np.maximum(self._seg_start[k:] - c, 0)
-        self._seg_doc, self._seg_len = self._seg_doc[k:], self._seg_len[k:]
-        self._buf_T = self._buf_T[c:]
-
-    # ---- PAD --------------------------------------------------------------------------
-
-    def _pad(self, docs: Documents, skip: int) -> None:
-        L = self._cfg.seq_len
-        n = len(docs)
-        if n:
-            lengths = docs.lengths_n
-            first = np.zeros(n, np.int64)
-            first[0] = min(skip, int(lengths[0]))
-            # Rows per document: enough to give every token after the first a label.
-            per_doc = np.maximum(0, (lengths - first - 1 + L - 1) // L)
-            doc = np.repeat(np.arange(n), per_doc)
-            j = np.arange(len(doc)) - np.repeat(np.cumsum(per_doc) - per_doc, per_doc)
-            in_doc = first[doc] + j * L
-            lens = np.minimum(L + 1, lengths[doc] - in_doc)
-            inputs, labels = _gather(docs.tokens_T, docs.bounds_n1[doc] + in_doc, lens, L, self._cfg.pad_id)
-            after = in_doc + L
-            done = after >= lengths[doc] - 1
-            nxt = np.stack(
-                [np.full(len(doc), self._epoch, np.int64), docs.index_n[doc] + done, np.where(done, 0, after)], axis=1
-            )
-            self._add_rows(inputs, labels, nxt)
+            nxt[-1] = (self._epoch + 1, 0)
+        chunk = W * B * 64  # gather this rank's rows a few rounds at a time
+        for lo in range(first, R, chunk):
+            hi = min(lo + chunk, R)
+            self._add_rows(buf, starts[order[lo:hi]], lens[order[lo:hi]], nxt[lo:hi])
+            self._deal()
+        after_epoch = np.array([[self._epoch + 1, 0]], np.int64)
+        if not self._cfg.repeat and len(self._rows_next):  # the pass ends: pad its last round
+            missing = -len(self._rows_next) % (W * B)
+            none = np.zeros(missing, np.int64)
+            self._add_rows(buf[:0], none, none, np.repeat(after_epoch, missing, axis=0))
+            self._deal()
+        self._state = "short_of_samples"
+        position = data_pb2.DataPosition(epoch=self._epoch + 1, row=0)
+        self._emit(data_pb2.DataExhausted(split=split, position=position, rows=R - first))
 
     # ---- rows and the deal ------------------------------------------------------------
 
-    def _add_rows(self, inputs_RL: np.ndarray, labels_RL: np.ndarray, next_R3: np.ndarray) -> None:
+    def _add_rows(self, buf_T: np.ndarray, starts_R: np.ndarray, lens_R: np.ndarray, next_R2: np.ndarray) -> None:
+        """Append rows to the global stream; only this rank's are gathered."""
         B, W = self._cfg.micro_batch_size, max(self._cfg.world_size, 1)
-        j = self._rows_cut + np.arange(len(inputs_RL))  # global row index since the stream's start
+        j = self._rows_cut + np.arange(len(starts_R))  # global row index since the stream's start
         mine = (j // B) % W == self._cfg.rank  # slot j // B goes to rank (j // B) % W
-        self._rows_in = np.concatenate([self._rows_in, inputs_RL[mine]])
-        self._rows_lab = np.concatenate([self._rows_lab, labels_RL[mine]])
-        self._rows_next = np.concatenate([self._rows_next, next_R3])
-        self._rows_cut += len(inputs_RL)
-        self._epoch_rows += len(inputs_RL)
+        inputs, labels = _gather(buf_T, starts_R[mine], lens_R[mine], self._cfg.seq_len, self._cfg.pad_id)
+        self._rows_in = np.concatenate([self._rows_in, inputs])
+        self._rows_lab = np.concatenate([self._rows_lab, labels])
+        self._rows_next = np.concatenate([self._rows_next, next_R2])
+        self._rows_cut += len(starts_R)
 
     def _deal(self) -> None:
         """Publish this rank's slot of every complete round (W slots of B rows)."""
@@ -239,33 +232,9 @@ class BatchPacker:
             self._rows_in, self._rows_lab = self._rows_in[rounds * B :], self._rows_lab[rounds * B :]
             self._rows_next = self._rows_next[rounds * W * B :]
 
-    # ---- end of epoch -----------------------------------------------------------------
-
-    def _finish_epoch(self, split: str) -> None:
-        L, pad = self._cfg.seq_len, self._cfg.pad_id
-        after_epoch = np.array([[self._epoch + 1, 0, 0]], np.int64)
-        if self._cfg.mode == data_pb2.PACK and len(self._buf_T) >= 2:  # at least one label left
-            inputs, labels = _gather(self._buf_T, np.zeros(1, np.int64), np.array([len(self._buf_T)]), L, pad)
-            self._add_rows(inputs, labels, after_epoch)
-        self._buf_T = np.zeros(0, np.int32)
-        for name in ("_seg_start", "_seg_doc", "_seg_off", "_seg_len"):
-            setattr(self, name, np.zeros(0, np.int64))
-        if not self._cfg.repeat and len(self._rows_next):  # the pass ends: pad its last round
-            missing = -len(self._rows_next) % (max(self._cfg.world_size, 1) * self._cfg.micro_batch_size)
-            self._add_rows(
-                np.full((missing, L), pad, np.int32),
-                np.full((missing, L), IGNORE, np.int32),
-                np.repeat(after_epoch, missing, axis=0),
-            )
-            self._epoch_rows -= missing  # (padding: not rows the epoch gave)
-        self._deal()
-        self._state = "short_of_samples"
-        position = data_pb2.DataPosition(epoch=self._epoch + 1, document=0, offset=0)
-        self._emit(data_pb2.DataExhausted(split=split, position=position, rows=self._epoch_rows))
-
     def _publish(self, inputs_BL: np.ndarray, labels_BL: np.ndarray, nxt: np.ndarray) -> None:
         labels = np.ascontiguousarray(labels_BL, dtype="<i4")
-        epoch, document, offset = (int(v) for v in nxt)
+        epoch, row = (int(v) for v in nxt)
         self._emit(
             data_pb2.MicroBatch(
                 input_ids=np.ascontiguousarray(inputs_BL, dtype="<i4").tobytes(),
@@ -273,9 +242,23 @@ class BatchPacker:
                 batch_size=self._cfg.micro_batch_size,
                 seq_len=self._cfg.seq_len,
                 tokens=int(np.count_nonzero(labels != IGNORE)),
-                next=data_pb2.DataPosition(epoch=epoch, document=document, offset=offset),
+                next=data_pb2.DataPosition(epoch=epoch, row=row),
             )
         )
+
+
+def row_order(seed: int, epoch: int, num_rows: int, enabled: bool = True) -> np.ndarray:
+    """The order the global stream takes an epoch's rows in: int64 [num_rows], a
+    permutation of ``range(num_rows)`` (stream order when not ``enabled``).
+
+    Megatron-LM's GPTDataset ``shuffle_idx``: a pure function of its arguments, stable
+    across NumPy releases the way :func:`services.data.shuffler.epoch_order` is (sorted raw
+    PCG64 outputs), on a stream of its own: ``SeedSequence([seed, epoch, 1])``.
+    """
+    if not enabled:
+        return np.arange(num_rows, dtype=np.int64)
+    keys = np.random.PCG64(np.random.SeedSequence([int(seed), int(epoch), 1])).random_raw(num_rows)
+    return np.argsort(keys, kind="stable").astype(np.int64)
 
 
 def _gather(tokens_T: np.ndarray, starts_R: np.ndarray, lens_R: np.ndarray, L: int, pad_id: int):

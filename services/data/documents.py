@@ -56,8 +56,7 @@ class Documents:
         bounds_n1: int64 [n + 1], ``bounds_n1[0] == 0``; document i is
             ``tokens_T[bounds_n1[i]:bounds_n1[i + 1]]``.
         index_n: int64 [n]. Before the shuffler: the document's position in the split's
-            storage order. After it: the position in the epoch's (global) order
-            (what ``DataPosition.document`` counts).
+            storage order. After it: the position in the epoch's (global) order.
         epoch: the epoch these documents belong to; -1 before the shuffler.
         last: the last documents of the split (SamplesRead) or of the epoch's order (after
             the shuffler). A batch with ``last`` may hold no document at all.

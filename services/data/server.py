@@ -10,9 +10,11 @@ design's "a process's own relay carries them" reads: it holds L2-1's command por
 five L4 modules, pushes the commands ``OpenStream`` carries, once, and receives L2-1's
 events (``MicroBatch``, ``FilterReport``, ``DataExhausted``). The only decision it takes is
 the one the loop wrote into the request: ``repeat`` (open the next epoch when one ends).
-A stream that resumes (``OpenStream.start``, from a checkpoint) carries its start down in
-the commands' own fields: ``ShufflePlan.start_document`` for the first epoch's plan and
-``PackerConfig.start`` for the packer; later epochs start at their beginning.
+A stream that resumes (``OpenStream.start``, from a checkpoint: epoch and row) carries its
+start down in ``PackerConfig.start``: the shuffler emits the whole epoch's order (the packer
+needs all of an epoch's documents to cut and order its rows) and the packer skips the rows
+dealt before; later epochs start at their beginning. The packer's row order follows the
+shuffle plan: ``PackerConfig.shuffle``/``seed`` are filled from ``OpenStream.shuffle``.
 
 Threads: the pipeline runs on one producer thread per stream; batches wait in a bounded
 queue, so the pipeline blocks (back-pressure) when the rank consumes slower than it packs.
@@ -172,12 +174,13 @@ class StreamRelay:
                 raise InvalidConfig(
                     f"open_stream: start.epoch {start.epoch} differs from shuffle.epoch {req.shuffle.epoch}"
                 )
-            # OpenStream.start is where the stream resumes; the plan and config that carry it
-            # down (ShufflePlan.start_document, PackerConfig.start) are filled from it here.
-            if req.shuffle.start_document not in (0, start.document):
+            # OpenStream.start is where the stream resumes; the config that carries it down
+            # (PackerConfig.start) is filled from it here. Positions are (epoch, row).
+            if start.document or start.offset or req.shuffle.start_document:
                 raise InvalidConfig(
-                    f"open_stream: shuffle.start_document {req.shuffle.start_document} "
-                    f"differs from start.document {start.document}"
+                    f"open_stream: start {start.epoch}/{start.document}/{start.offset} "
+                    f"(shuffle.start_document {req.shuffle.start_document}) is a position by document; "
+                    "a position is (epoch, row)"
                 )
             if req.packer.HasField("start") and req.packer.start != start:
                 raise InvalidConfig("open_stream: packer.start differs from start")
@@ -187,6 +190,7 @@ class StreamRelay:
             packer.CopyFrom(req.packer)
             packer.start.CopyFrom(start)  # the batch after the checkpoint's comes first
             packer.repeat = req.repeat  # a single pass pads its last round (batch_packer.py)
+            packer.shuffle, packer.seed = req.shuffle.enabled, req.shuffle.seed  # the row order
             self._packer_config(packer)
             self.ready = self._open_stream(req).message
             epoch, resume = start.epoch, start
@@ -194,13 +198,13 @@ class StreamRelay:
                 self._exhausted = None
                 plan = data_pb2.ShufflePlan()
                 plan.CopyFrom(req.shuffle)
-                plan.epoch, plan.start_document = epoch, resume.document
+                plan.epoch = epoch
                 self._shuffle_plan(plan)
                 # An endless stream that cannot yield would cycle through empty epochs forever;
                 # a single pass (eval) with nothing in it just ends: that is its true answer.
                 # (An epoch shorter than a round of the deal is no fault: the next completes it.)
                 rows = self._exhausted.rows if self._exhausted is not None else 0
-                if req.repeat and rows == 0 and resume.document == 0 and resume.offset == 0:
+                if req.repeat and rows == 0 and resume.row == 0:
                     raise NoDocuments(
                         f"dataset {req.mount.name}@{req.mount.version}: split {req.split}: no document "
                         f"left after filtering in epoch {epoch}"
@@ -274,7 +278,7 @@ class DataServicer(data_pb2_grpc.DataServiceServicer):
             world_size=request.packer.world_size,
         )
         start = request.start
-        self._log.info("stream opened", **where, start=f"{start.epoch}/{start.document}/{start.offset}")
+        self._log.info("stream opened", **where, start=f"{start.epoch}/{start.row}")
         try:
             yield from relay.batches(request)
         except Exception as e:

@@ -10,10 +10,11 @@ settings, or arrives while a round is being emitted, is refused
 (``ConfigAlreadyPushed``); a new epoch may bring a new plan (本轮混洗启动指令).
 
 No sharding: every stream reads the whole (global) epoch order, whatever the job's
-data-parallel size, and position ``k`` of that order is what ``DataPosition.document``
-counts; the batch packer deals the packed rows to the ranks (``PackerConfig.rank``). So
-the data position is one global cursor, and a job resumes at another dp on the same
-global sample sequence.
+data-parallel size; the batch packer cuts the epoch's rows, orders them (its own
+``row_order``, on a stream of the same seed) and deals them to the ranks
+(``PackerConfig.rank``). So the data position is one global cursor (epoch, row), and a job
+resumes at another dp on the same global sample sequence. A resume emits the whole epoch
+again (the packer skips rows, not documents: ``start_document`` is 0 from the relay).
 
 Commands it takes: ``shuffle_plan`` (L2-1; ``start_document`` resumes inside the epoch: the
 stream's first plan after a checkpoint), ``on_samples_read`` (data from L4-2). It publishes ``SamplesShuffled`` (payload

@@ -143,11 +143,13 @@ class LoopState:
     manager's scaler state as it last reported it: ``loss_scale`` float64 (1 for
     fp32/bf16) and ``loss_scaler`` int64 [growth tracker, hysteresis left, dynamic (1: an
     fp16 scaler wrote it)], restored exactly and pushed back in InitPrecision;
-    ``data_position`` int64 [epoch, document, offset]: where the job's one global data stream
-    continues (the same on every rank, whatever the dp size: services/data/batch_packer.py);
-    ``data_order`` int64 (:data:`DATA_ORDER`: what must not change for that position to
-    mean the same samples, checked on resume); ``ranks``: the world size it was written at;
-    and per rank ``rng.*`` (python, numpy, torch and CUDA streams:
+    ``data_position`` int64 [epoch, row]: where the job's one global data stream continues,
+    rows of that epoch's row order already dealt (the same on every rank, whatever the dp
+    size: services/data/batch_packer.py); ``data_order`` int64 (:data:`DATA_ORDER`: what
+    must not change for that position to mean the same samples, checked on resume; its last
+    value is the position's format, :data:`DATA_FORMAT`: a checkpoint of another format, such
+    as [epoch, document, offset] before rows were ordered, is refused); ``ranks``: the world
+    size it was written at; and per rank ``rng.*`` (python, numpy, torch and CUDA streams:
     ``services/engine/rng_streams.py``). A resume at another size is exact: the position is
     global, the model and optimizer reshard through DCP, a rank that existed restores its
     streams and a rank new at this size (its key absent: ``rank >= ranks``) keeps the
@@ -170,7 +172,7 @@ class LoopState:
                 [loop._scaler_state.growth_tracker, loop._scaler_state.hysteresis_left, int(loop._dynamic_scaling)],
                 dtype=torch.int64,
             ),
-            "data_position": torch.tensor([p.epoch, p.document, p.offset], dtype=torch.int64),
+            "data_position": torch.tensor([p.epoch, p.row], dtype=torch.int64),
             "data_order": torch.tensor(data_order(loop._spec, loop._dp_size), dtype=torch.int64),
             "ranks": torch.tensor(loop._world, dtype=torch.int64),
             f"rank{loop._rank}": {"rng": rng_streams.capture()},
@@ -178,7 +180,8 @@ class LoopState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         loop = self._loop
-        epoch, document, offset = (int(v) for v in state["data_position"].tolist())
+        # (An older format's position is read as its epoch alone: resume refuses it by data_order.)
+        position = [int(v) for v in state["data_position"].tolist()]
         loop._step = int(state["step"])
         loop._skipped = int(state["skipped_steps"])
         loop._consecutive_skips = int(state["consecutive_skips"])
@@ -191,7 +194,9 @@ class LoopState:
             if dynamic
             else None
         )
-        loop._position = data_pb2.DataPosition(epoch=epoch, document=document, offset=offset)
+        loaded_format = data_format(tuple(int(v) for v in state["data_order"].tolist()))
+        row = position[1] if loaded_format == DATA_FORMAT else 0
+        loop._position = data_pb2.DataPosition(epoch=position[0], row=row)
         loop._loaded_order = tuple(int(v) for v in state["data_order"].tolist())
         if loop._rank < int(state["ranks"]):  # else this rank is new at this size: seeded (seed, rank)
             rng_streams.restore(state[f"rank{loop._rank}"]["rng"])
@@ -656,6 +661,13 @@ class TrainingLoop:
             loaded = p.store(store_pb2.LoadCheckpoint(version=self._init.resume_version), template)
             self._restore(loaded.payload)
             restored_from = dict(getattr(loaded.message, "bytes_from", {}))  # (chunks read per source)
+            loaded_format = data_format(self._loaded_order)
+            if loaded_format != DATA_FORMAT:
+                raise TrainingFault("config_error", (
+                    f"checkpoint {self._init.resume_version} holds a data position of format {loaded_format} "
+                    f"({DATA_FORMATS.get(loaded_format, 'unknown')}); this build resumes format {DATA_FORMAT} "
+                    f"({DATA_FORMATS[DATA_FORMAT]}): start the job afresh or resume with the build that wrote it"
+                ))  # fmt: skip
             changed = data_order_changes(self._loaded_order, data_order(spec, self._dp_size))
             if changed:  # (the dp size alone may change: the position is global)
                 raise TrainingFault("config_error", (
@@ -818,19 +830,34 @@ DATA_ORDER = (
     "data.seq_len",
     "data.pack",
     "global batch rows (data.micro_batch_size x data.grad_accum x parallel.dp)",
+    "data position format",
 )
+# The format of ``data_position`` (the last value of ``data_order``; a checkpoint whose
+# data_order has no such value is format 1).
+DATA_FORMATS = {
+    1: "[epoch, document, offset] of the epoch's document order",
+    2: "[epoch, row] of the epoch's ordered packed rows",
+}
+DATA_FORMAT = 2
 
 
 def data_order(spec: JobSpec, dp_size: int) -> tuple[int, ...]:
     """The values of :data:`DATA_ORDER` for ``spec`` at ``dp_size`` (data.pack: 1 pack, 0 pad)."""
     d = spec.data
-    return d.shuffle_seed, int(d.shuffle), d.seq_len, int(d.pack == "pack"), d.micro_batch_size * d.grad_accum * dp_size
+    rows = d.micro_batch_size * d.grad_accum * dp_size
+    return d.shuffle_seed, int(d.shuffle), d.seq_len, int(d.pack == "pack"), rows, DATA_FORMAT
+
+
+def data_format(loaded: tuple[int, ...] | None) -> int:
+    """The data position format a checkpoint's ``data_order`` names (1 when it names none)."""
+    return loaded[len(DATA_ORDER) - 1] if loaded and len(loaded) >= len(DATA_ORDER) else 1
 
 
 def data_order_changes(loaded: tuple[int, ...] | None, now: tuple[int, ...]) -> str:
     """The empty string when a checkpoint's data order is this job's; else one line naming
     each field that changed, its value then and now."""
-    loaded = loaded or (None,) * len(now)
+    loaded = tuple(loaded or ())[: len(now)]
+    loaded = loaded + (None,) * (len(now) - len(loaded))
     return "; ".join(
         f"{name} {_shown(name, a)} (this job: {_shown(name, b)})"
         for name, a, b in zip(DATA_ORDER, loaded, now, strict=True)

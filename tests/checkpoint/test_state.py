@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from services.compute.inference import SafeFileSystemReader, safe_load
 from services.contract import data_pb2, engine_pb2
 from services.engine.rng_streams import capture, restore, seed
-from services.engine.training_loop import LoopState, data_order, data_order_changes
+from services.engine.training_loop import DATA_FORMAT, LoopState, data_format, data_order, data_order_changes
 from services.jobspec import parse_job_spec
 
 
@@ -66,7 +66,7 @@ def test_every_rng_stream_and_the_data_position_come_back_from_a_checkpoint_load
     draws()
     random.gauss(0, 1)  # a cached second gaussian in python's state ...
     np.random.standard_normal(1)  # ... and in numpy's (has_gauss = 1)
-    saved = LoopState(loop_stub(step=42, skipped=3, position=data_pb2.DataPosition(epoch=2, document=17, offset=5)))
+    saved = LoopState(loop_stub(step=42, skipped=3, position=data_pb2.DataPosition(epoch=2, row=17)))
     dcp.save({"train": saved}, checkpoint_id=str(tmp_path / "ckpt"))
     expected = draws()
 
@@ -76,8 +76,24 @@ def test_every_rng_stream_and_the_data_position_come_back_from_a_checkpoint_load
     safe_load({"train": LoopState(fresh)}, str(tmp_path / "ckpt"), no_dist=True)
     assert draws() == expected
     assert (fresh._step, fresh._skipped, fresh._consecutive_skips, fresh._resume_scaler) == (42, 3, 0, None)
-    assert fresh._position == data_pb2.DataPosition(epoch=2, document=17, offset=5)
-    assert fresh._loaded_order == (1234, 1, 64, 1, 4 * 2 * 2)  # seed, shuffle, seq_len, pack, global batch
+    assert fresh._position == data_pb2.DataPosition(epoch=2, row=17)
+    # seed, shuffle, seq_len, pack, global batch, the position's format
+    assert fresh._loaded_order == (1234, 1, 64, 1, 4 * 2 * 2, DATA_FORMAT) and DATA_FORMAT == 2
+
+
+def test_a_checkpoint_of_the_position_format_before_rows_loads_and_names_its_format(tmp_path):
+    """Written before positions were rows: data_position [epoch, document, offset] and a
+    data_order of five values. It loads (the sizes differ from this build's) and says format 1,
+    so the loop refuses it by name; its document is never read as a row."""
+    old = LoopState(loop_stub(step=6))
+    state = old.state_dict()
+    state["data_position"] = torch.tensor([1, 9, 3], dtype=torch.int64)
+    state["data_order"] = state["data_order"][:5]
+    dcp.save({"train": state}, checkpoint_id=str(tmp_path / "ckpt"))
+    fresh = loop_stub()
+    safe_load({"train": LoopState(fresh)}, str(tmp_path / "ckpt"), no_dist=True)
+    assert fresh._step == 6 and data_format(fresh._loaded_order) == 1
+    assert fresh._position == data_pb2.DataPosition(epoch=1)
 
 
 def test_the_rng_state_is_plain_tensors_and_seeding_is_per_rank_and_repeatable():
@@ -108,7 +124,7 @@ def test_a_rank_new_at_a_larger_size_loads_the_global_state_and_keeps_its_seeded
     global data position; rank 1 its streams back, rank 3 (no key of its own in the
     checkpoint: a partial load of per-rank keys only) the streams seeded from (seed, 3)."""
     seed(7, 1)
-    position = data_pb2.DataPosition(epoch=1, document=9, offset=3)
+    position = data_pb2.DataPosition(epoch=1, row=9)
     dcp.save({"train": LoopState(loop_stub(step=6, position=position))}, checkpoint_id=str(tmp_path / "ckpt"))
     expected = draws()
     for rank in (1, 3):

@@ -27,7 +27,7 @@ def stream(root, **kw) -> list[data_pb2.MicroBatch]:
 
 
 def key(b: data_pb2.MicroBatch):
-    return b.input_ids, b.labels, (b.next.epoch, b.next.document, b.next.offset)
+    return b.input_ids, b.labels, (b.next.epoch, b.next.row)
 
 
 @pytest.mark.parametrize("mode", [data_pb2.PACK, data_pb2.PAD])
@@ -35,7 +35,7 @@ def test_a_stream_opened_at_any_next_position_continues_exactly(dataset, root, m
     kw = dict(mode=mode, seq_len=32, micro_batch_size=3, min_tokens=40, banned_bytes=b"\0", rank=1, world_size=2)
     full = stream(root, **kw)
     assert len(full) > 20 and full[-1].next.epoch == 1
-    assert any(b.next.offset for b in full)  # some cuts fall inside a document
+    assert any(b.next.row for b in full)  # (positions inside an epoch, not only its start)
     for k in range(0, len(full) - 1, 4):
         resumed = stream(root, start=full[k].next, **kw)
         assert [key(b) for b in resumed] == [key(b) for b in full[k + 1 :]], f"resume after batch {k}"
@@ -84,7 +84,8 @@ def test_repeat_goes_on_to_the_next_epoch_in_a_new_order(dataset, root):
     assert rows_of(both)[: len(first)] == first  # the epoch's rows; its end is a row boundary only
     assert [key(b) for b in both[: len(one) - 1]] == [key(b) for b in one[:-1]]
     second = rows_of(both)[len(first) :]
-    assert {b.next.epoch for b in both[len(one) : -1]} == {1} and both[-1].next.epoch == 2
+    # (2,090 rows an epoch: 522 batches and 2 rows, so the last two batches reach epoch 2)
+    assert {b.next.epoch for b in both[len(one) : -2]} == {1} and both[-1].next.epoch == 2
     assert second[: len(first) // 2] != first[: len(first) // 2]  # epoch 1 is another order
 
 
@@ -154,11 +155,14 @@ def test_the_resume_position_travels_in_the_commands_own_fields_and_must_agree(d
     start = full[3].next
     req = open_stream(seq_len=16, micro_batch_size=2, start=start)
     req.packer.start.CopyFrom(start)  # what the relay fills in from `start` itself
-    req.shuffle.start_document = start.document
     assert [key(b) for b in build_stream(root).batches(req)] == [key(b) for b in full[4:]]
-    req.shuffle.start_document = start.document + 1
-    with pytest.raises(InvalidConfig, match=r"shuffle.start_document \d+ differs from start.document"):
+    req.packer.start.row += 1
+    with pytest.raises(InvalidConfig, match=r"packer.start differs from start"):
         list(build_stream(root).batches(req))
+    # A position by document (the format before rows were ordered) is refused, not misread.
+    old = open_stream(seq_len=16, micro_batch_size=2, start=data_pb2.DataPosition(epoch=0, document=3, offset=5))
+    with pytest.raises(InvalidConfig, match=r"start 0/3/5 .* is a position by document; a position is \(epoch, row\)"):
+        list(build_stream(root).batches(old))
 
 
 def global_rows(root, world: int, batch: int, rounds: int, **kw) -> tuple[list, list]:
@@ -170,7 +174,7 @@ def global_rows(root, world: int, batch: int, rounds: int, **kw) -> tuple[list, 
     ]
     positions = []
     for k in range(rounds):
-        nexts = {(b[k].next.epoch, b[k].next.document, b[k].next.offset) for b in per_rank}
+        nexts = {(b[k].next.epoch, b[k].next.row) for b in per_rank}
         assert len(nexts) == 1, f"round {k}: ranks disagree on the global position {nexts}"
         positions += list(nexts)
     rows = []
@@ -190,7 +194,7 @@ def test_the_global_batches_do_not_depend_on_the_split_and_a_resume_at_another_d
     kw = dict(mode=mode, seq_len=256, min_tokens=40)
     G, steps = 8, 40
     ref, ref_pos = global_rows(root, 1, G, steps, **kw)
-    in_epoch_1 = [e for e, _, _ in ref_pos].index(1) + 2  # a step well inside epoch 1
+    in_epoch_1 = [e for e, _ in ref_pos].index(1) + 2  # a step well inside epoch 1
     assert in_epoch_1 < steps - 2 and ref_pos[in_epoch_1 - 1][0] == 1
     for world, batch in ((2, 4), (4, 2), (2, 2), (8, 1)):
         rows, positions = global_rows(root, world, batch, steps * G // (world * batch), **kw)
@@ -198,7 +202,7 @@ def test_the_global_batches_do_not_depend_on_the_split_and_a_resume_at_another_d
         per_step = G // (world * batch)  # rounds per step (grad_accum, for dp 2 x 2)
         assert positions[per_step - 1 :: per_step] == ref_pos, f"dp {world} x {batch}"
     for s in (3, in_epoch_1):  # resume after step s (in epoch 0, in epoch 1) at dp 4 x 2 and dp 2 x 4
-        start = data_pb2.DataPosition(epoch=ref_pos[s - 1][0], document=ref_pos[s - 1][1], offset=ref_pos[s - 1][2])
+        start = data_pb2.DataPosition(epoch=ref_pos[s - 1][0], row=ref_pos[s - 1][1])
         for world, batch in ((4, 2), (2, 4)):
             rounds = (steps - s) * G // (world * batch)
             rows, _ = global_rows(root, world, batch, rounds, start=start, **kw)

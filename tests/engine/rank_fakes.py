@@ -65,7 +65,7 @@ class FakeData:
     def _pump(self, msg: data_pb2.OpenStream) -> None:
         B, T = msg.packer.micro_batch_size, msg.packer.seq_len
         if msg.split == "train":
-            first = msg.start.document  # batch i is a pure function of (seed, epoch, i, rank)
+            first = msg.start.row  # batch i is a pure function of (seed, epoch, i, rank)
             for i in range(first, first + self._train_batches):
                 rng = np.random.default_rng([msg.shuffle.seed, msg.shuffle.epoch, i, msg.packer.rank])
                 starts = rng.integers(0, self._split_at - T - 1, size=B)
@@ -86,7 +86,7 @@ class FakeData:
             batch_size=x.shape[0],
             seq_len=x.shape[1],
             tokens=int(y.numel()),
-            next=data_pb2.DataPosition(document=document),
+            next=data_pb2.DataPosition(row=document),
         )
         if split == "train" and self.first_train_batch is None:
             self.first_train_batch = x

@@ -100,7 +100,7 @@ class FakeDataService(data_pb2_grpc.DataServiceServicer):
                 batch_size=B,
                 seq_len=T,
                 tokens=B * T,
-                next=data_pb2.DataPosition(document=n),
+                next=data_pb2.DataPosition(row=n),
             )
 
 

@@ -35,7 +35,7 @@ class Data(data_pb2_grpc.DataServiceServicer):
             batch_size=2,
             seq_len=3,
             tokens=6,
-            next=data_pb2.DataPosition(document=1),
+            next=data_pb2.DataPosition(row=1),
         )
         if request.split == "bad":
             yield data_pb2.MicroBatch(input_ids=b"\0" * 5, labels=b"", batch_size=2, seq_len=3)
@@ -129,7 +129,7 @@ def test_batches_are_decoded_to_int64_B_T_and_the_stream_end_is_reported(server)
         batch.labels, batch.input_ids + 1
     )
     end, _ = got.get(timeout=10)
-    assert isinstance(end, data_pb2.DataExhausted) and end.split == "val" and end.position.document == 1
+    assert isinstance(end, data_pb2.DataExhausted) and end.split == "val" and end.position.row == 1
     client.close()
 
 

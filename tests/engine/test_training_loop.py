@@ -16,6 +16,7 @@ from rank_fakes import (
 )
 
 from services.contract import Module, engine_pb2
+from services.engine.training_loop import LoopState
 from services.state.snapshot import Slot
 
 pytestmark = pytest.mark.timeout(120)
@@ -109,6 +110,31 @@ def test_a_checkpoint_written_with_another_data_order_is_refused_as_a_config_err
     (failed,) = other.up.of(engine_pb2.TrainingLoopFailed)
     assert failed.fault_class == "config_error"
     assert "written with data.shuffle_seed 1234 (this job: 9): its data position" in failed.detail
+
+
+def test_a_checkpoint_of_the_data_position_format_before_rows_is_refused_naming_it(tmp_path, monkeypatch):
+    written = LoopState.state_dict
+
+    def old_format(self):  # what a build before row positions wrote
+        state = written(self)
+        state["data_position"] = torch.tensor([0, 3, 17], dtype=torch.int64)  # epoch, document, offset
+        state["data_order"] = state["data_order"][:5]
+        return state
+
+    monkeypatch.setattr(LoopState, "state_dict", old_format)
+    first = LocalRank(tiny_spec(steps=4, checkpoint={"every_steps": 4}), tmp_path)
+    first.command(engine_pb2.StartTraining(job_id="job"))
+    first.run()
+    monkeypatch.setattr(LoopState, "state_dict", written)
+    other = LocalRank(tiny_spec(steps=8), tmp_path, resume_version="step4")
+    other.run()
+    (failed,) = other.up.of(engine_pb2.TrainingLoopFailed)
+    assert failed.fault_class == "config_error"
+    assert failed.detail.startswith(
+        "checkpoint step4 holds a data position of format 1 ([epoch, document, offset] of the epoch's document "
+        "order); this build resumes format 2 ([epoch, row] of the epoch's ordered packed rows)"
+    )
+    assert "\n" not in failed.detail
 
 
 def test_an_unknown_dataset_is_reported_as_data_unavailable_with_the_reason(tmp_path):

@@ -4,7 +4,7 @@ one OS process per rank over gloo, and collect what the parity tests compare.
 Data: a relay that hands out rows of ONE global stream, so every config sees the same
 global batch per optimizer step (the real data service's deal, services/data/batch_packer.py).
 Micro-batch ``i`` of dp rank ``d`` (of ``W``) holds global rows ``(i * W + d) * B .. + B``
-from the stream's start (``OpenStream.start.document``: a global row index here); with
+from the stream's start (``OpenStream.start.row``: a global row index here); with
 ``A`` micro-steps per step, step ``s`` covers rows ``s * A * W * B .. (s + 1) * A * W * B``
 whatever the split (dp, accumulation), so a single process with ``B' = A * W * B`` sees
 exactly the same tokens, and a checkpoint's position resumes at any split. Each row has a
@@ -70,12 +70,12 @@ class GlobalRowsData:
 
     def _pump(self, msg: data_pb2.OpenStream) -> None:
         B, W, d = msg.packer.micro_batch_size, max(1, msg.packer.world_size), msg.packer.rank
-        first = msg.start.document  # the global row the stream starts at (a step boundary)
+        first = msg.start.row  # the global row the stream starts at (a step boundary)
         for i in range(self._batches):
             rows = [self.row(first + (i * W + d) * B + b) for b in range(B)]
             x = torch.from_numpy(np.stack([r[0] for r in rows]))
             y = torch.from_numpy(np.stack([r[1] for r in rows]))
-            after = data_pb2.DataPosition(document=first + (i + 1) * W * B)  # after the round: every rank's
+            after = data_pb2.DataPosition(row=first + (i + 1) * W * B)  # after the round: every rank's
             mb = data_pb2.MicroBatch(batch_size=B, seq_len=SEQ_LEN, tokens=int((y != -100).sum()), next=after)
             self._packer(mb, Batch(msg.split, x, y))
 
