@@ -149,6 +149,12 @@ def _ready(name: str, version: str, path: Path, manifest: dict) -> data_pb2.Data
     )
 
 
+# np.load parses the .npy header with ast.literal_eval, and CPython 3.11's AST constructor is
+# not safe when two threads compile at once ("SystemError: AST constructor recursion depth
+# mismatch", python/cpython#106905): two ranks opening their eval streams together hit it.
+_NPY_HEADER_LOCK = threading.Lock()
+
+
 def _token_store(path: Path, manifest: dict, split: str, label: str, tokenizer: str) -> TokenStore:
     """Load a split's document index and check it against its token file's size.
 
@@ -160,7 +166,8 @@ def _token_store(path: Path, manifest: dict, split: str, label: str, tokenizer: 
     tokens_path = path / entry["tokens_file"]
     index = entry["index_file"]
     try:
-        bounds = np.load(path / index, allow_pickle=False)
+        with _NPY_HEADER_LOCK:
+            bounds = np.load(path / index, allow_pickle=False)
     except (OSError, ValueError) as e:
         raise DatasetCorrupt(f"dataset {label}: {index}: unreadable ({e})") from None
     size = tokens_path.stat().st_size
