@@ -40,10 +40,10 @@ def install(journal: JobStore, spec: str | None = None) -> JobStore:
     if kinds.get("journal_record"):
         save, refused_events = journal.save_status, kinds["journal_record"]
 
-        def save_status(status: control_pb2.JobStatus, event=None, runtime=None) -> None:
+        def save_status(status: control_pb2.JobStatus, event=None, runtime=None, spec_json=None) -> None:
             if event is not None and status.name in refused_events:
                 raise OSError(f"journal write refused ({ENV}: {status.name}:journal_record)")
-            save(status, event, runtime)
+            save(status, event, runtime, spec_json=spec_json)
 
         journal.save_status = save_status  # type: ignore[method-assign]
     return journal
