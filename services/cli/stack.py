@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.cli.errors import CliError
 from services.common import logs, paths
 from services.common.grpc_server import EXIT_PORT_IN_USE, channel
+from services.common.pids import pid_alive
 from services.worker.memory_copies import remove_dead_dirs
 
 HOST = "127.0.0.1"
@@ -68,16 +69,6 @@ def read_stack() -> dict[str, ServiceProc] | None:
         return None
     raw = json.loads(f.read_text())
     return {name: ServiceProc(**s) for name, s in raw["services"].items()}
-
-
-def is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def free_port() -> int:
@@ -145,7 +136,7 @@ def up(num_workers: int = 2, timeout_s: float = 60.0) -> dict[str, ServiceProc]:
             is in the message); nothing is left running in that case.
     """
     existing = read_stack()
-    if existing and any(is_alive(s.pid) for s in existing.values()):
+    if existing and any(pid_alive(s.pid) for s in existing.values()):
         raise CliError("a stack is already running (see `surgectl status`; `surgectl down` stops it)")
     fixed = {var for pair in FIXED_PORT_VARS.values() for var in pair if os.environ.get(var)}
     fixed_ports = _check_fixed_ports(fixed)  # a bad or shared value is refused before anything starts
@@ -339,7 +330,7 @@ def _stop(proc: ServiceProc, grace_s: float) -> None:
 
 
 def _running(pid: int) -> bool:
-    return is_alive(pid) and not _exited(pid) and not _zombie(pid)
+    return pid_alive(pid) and not _exited(pid) and not _zombie(pid)
 
 
 def _zombie(pid: int) -> bool:
@@ -399,7 +390,7 @@ def _wait_healthy(proc: ServiceProc, timeout_s: float) -> None:
                 break
             except grpc.FutureTimeoutError:
                 # The only reason to wake up: notice a process that died while starting.
-                if not is_alive(proc.pid) or _exited(proc.pid):
+                if not pid_alive(proc.pid) or _exited(proc.pid):
                     raise StartFailed(_start_failure(proc), _exit_status(proc.pid) == EXIT_PORT_IN_USE) from None
                 if time.monotonic() > deadline:
                     raise CliError(f"{proc.name} did not come up within {timeout_s:.0f} s; log: {proc.log}") from None

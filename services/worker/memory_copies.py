@@ -58,6 +58,7 @@ import grpc
 from prometheus_client import Counter, Gauge
 
 from services.common.grpc_server import channel
+from services.common.pids import pid_alive
 from services.contract import Module, control_pb2, worker_pb2, worker_pb2_grpc
 
 LIMIT_ENV = "SURGE_WORKER_MEMORY_COPY_BYTES"
@@ -196,20 +197,10 @@ def remove_dead_dirs(root: Path = SHM_ROOT) -> list[Path]:
     removed = []
     for old in root.glob(f"{SHM_PREFIX}*"):
         pid = old.name.rpartition("-")[2]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
             removed.append(old)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class MemoryCopies:
