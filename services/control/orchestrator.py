@@ -387,8 +387,9 @@ class Orchestrator:
     def job_query(
         self, msg: control_pb2.JobQuery, payload: Any = None
     ) -> control_pb2.JobStatus | control_pb2.JobList | Reply:
-        """An empty job id lists every job (JobList). Otherwise the job's JobStatus; with
-        payload ``EVENT_LOG`` the reply payload is its events with seq >= from_seq.
+        """An empty job id lists every job (JobList). Otherwise the job's JobStatus (with
+        ``spec_json``, its effective spec, when ``with_spec``); with payload ``EVENT_LOG``
+        the reply payload is its events with seq >= from_seq.
 
         Raises:
             JobNotFound: unknown job id.
@@ -399,7 +400,10 @@ class Orchestrator:
             job = self._get(msg.job_id)
             if payload == EVENT_LOG:
                 return Reply(self._snapshot(job), tuple(self._journal.events(msg.job_id, msg.from_seq)))
-            return self._snapshot(job)
+            status = self._snapshot(job)
+            if msg.with_spec:  # the effective spec, as journaled (a resume --dp replaced it there too)
+                status.spec_json = spec_to_json(job.spec)
+            return status
 
     def pause_job_request(self, msg: control_pb2.PauseJobRequest, payload: Any = None) -> control_pb2.JobStatus:
         """Ask every rank to pause after step latest+2, checkpointing that step first (unless

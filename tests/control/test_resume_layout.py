@@ -53,6 +53,9 @@ def test_a_stopped_dp2_job_resumes_at_dp1_with_the_global_batch_kept_and_its_spe
     ), decision.message
     kept = stored_spec(tmp_path, job_id)
     assert (kept.parallel.dp, kept.data.grad_accum, kept.world_size) == (1, 2, 1)
+    # `surgectl spec JOB`: GetJob with_spec answers the journaled spec; without, no spec.
+    assert spec_from_json(plane.user(control_pb2.JobQuery(job_id=job_id, with_spec=True)).spec_json) == kept
+    assert plane.get(job_id).spec_json == ""
     # One rank is the whole world now: its ready report starts the job.
     plane.rank_event(a, job_id, 0, started=engine_pb2.TrainingLoopStarted(rank=0, start_step=6))
     assert plane.get(job_id).state == JobState.RUNNING
