@@ -37,6 +37,37 @@ def submit_job(spec_path: Path) -> control_pb2.JobStatus:
         raise
 
 
+def resolve_job(ref: str, stub: object | None = None) -> str:
+    """The job id of ``ref``, a job id or a job's name (``name:`` of its spec), as every
+    command that takes a JOB argument reads it.
+
+    A name several jobs share means the newest live one (not TERMINATED); when none of them
+    is live it is ambiguous. ``stub``: a control stub to ask (default: a new channel).
+
+    Raises:
+        CliError (exit 2): no job has that id or name, or the name is ambiguous (one line
+            listing the ids).
+    """
+    if not ref:
+        raise CliError("JOB: a job id or name is required", code=2)
+    query = control_pb2.JobQuery()
+    jobs = list((stub.ListJobs(query, timeout=10) if stub is not None else _list_jobs(query)).jobs)
+    if any(j.job_id == ref for j in jobs):
+        return ref
+    named = sorted((j for j in jobs if j.name == ref), key=lambda j: (j.created_unix, j.job_id))
+    if not named:
+        raise CliError(f"no job {ref!r}: no job has that id or name (`surgectl status` lists them)", code=2)
+    live = [j for j in named if j.state != control_pb2.TERMINATED]
+    if len(named) == 1 or live:
+        return (live or named)[-1].job_id
+    ids = ", ".join(j.job_id for j in named)
+    raise CliError(f"job name {ref!r} is ambiguous: {len(named)} ended jobs have it ({ids}); give the id", code=2)
+
+
+def _list_jobs(query: control_pb2.JobQuery) -> control_pb2.JobList:
+    return clients.call("control", lambda s: s.ListJobs(query, timeout=10))
+
+
 def follow_job(job_id: str, reconnect_s: float = 60.0) -> render.History:
     """Progress of ``job_id`` until it ends, through a control restart (services/cli/follow.py)."""
     from services.cli import follow as following

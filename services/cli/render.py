@@ -262,7 +262,9 @@ def plot(h: History, out: Path, title: str) -> Path:
     ax2.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=100)
+    finally:
+        plt.close(fig)
     return out

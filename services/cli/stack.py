@@ -144,7 +144,7 @@ def up(num_workers: int = 2, timeout_s: float = 60.0) -> dict[str, ServiceProc]:
     if problem:
         raise CliError(problem, code=2)
     run = paths.run_dir()
-    (run / "logs").mkdir(parents=True, exist_ok=True)
+    _check_writable(run / "logs")
     env = _env()
     port = _Ports(fixed_ports)
     procs: dict[str, ServiceProc] = {}
@@ -227,6 +227,24 @@ def up(num_workers: int = 2, timeout_s: float = 60.0) -> dict[str, ServiceProc]:
         stack_file().unlink(missing_ok=True)
         raise
     return procs
+
+
+def _check_writable(logs: Path) -> None:
+    """Create ``logs`` (under SURGE_HOME) and write a file in it, before anything starts.
+
+    Raises:
+        CliError (exit 2): one line naming SURGE_HOME and the path that could not be written.
+    """
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+        probe = logs / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        where = e.filename or logs
+        raise CliError(
+            f"SURGE_HOME: cannot write {where} ({e.strerror or e}); choose a writable SURGE_HOME", code=2
+        ) from None
 
 
 def _check_fixed_ports(fixed: set[str]) -> set[int]:

@@ -13,7 +13,7 @@ import typer
 
 from services.cli import clients, jsonout, render, stack
 from services.cli.errors import CliError
-from services.cli.jobs import follow_job, sample_text, submit_job
+from services.cli.jobs import follow_job, resolve_job, sample_text, submit_job
 from services.contract import Module, control_pb2, data_pb2, store_pb2
 
 try:  # typer >= 0.2x parses with its own copy of click; older releases with click itself
@@ -287,6 +287,7 @@ def status(job: str | None = typer.Argument(None), output: str = OutputOpt) -> N
     Example: surgectl status demo-3f2a1c -o json
     """
     if job:
+        job = resolve_job(job)
         jobs = [clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))]
     else:
         jobs = list(clients.call("control", lambda s: s.ListJobs(control_pb2.JobQuery(), timeout=10)).jobs)
@@ -318,6 +319,7 @@ def events(
 
     if output not in ("table", "json"):
         raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
+    job = resolve_job(job)
 
     def show(ev) -> None:
         if output == "json":
@@ -356,6 +358,7 @@ def logs(
 
     if output not in ("table", "json"):
         raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
+    job = resolve_job(job)
 
     def show(line) -> None:
         print(line.text if output == "json" else line.human(), flush=True)
@@ -394,6 +397,8 @@ def plot(
     from services.cli import observe
     from services.common import paths
 
+    if metrics is None and not observe.metrics_file(job).is_file():
+        job = resolve_job(job)  # a name, or a job whose records are not on this machine
     source = metrics or observe.metrics_file(job)
     if metrics is not None and not metrics.is_file():
         raise CliError(f"--metrics {metrics}: no such file")
@@ -408,9 +413,12 @@ def plot(
         where = "control's event history (sampled steps)"
     if not h.steps:
         raise CliError(f"job {job} has no step records yet; plot it once it has trained a step")
-    png = render.plot(
-        h, out or paths.surge_home() / f"{observe.safe_name(job)}-loss.png", f"{job}: loss and throughput"
-    )
+    target = out or paths.surge_home() / f"{observe.safe_name(job)}-loss.png"
+    try:
+        png = render.plot(h, target, f"{job}: loss and throughput")
+    except OSError as e:
+        field = "--out" if out is not None else "SURGE_HOME"
+        raise CliError(f"{field}: cannot write {target}: {e.strerror or e}", code=2) from None
     render.console.print(
         f"wrote {png} ({len(h.steps)} steps from {where})", markup=False, highlight=False, soft_wrap=True
     )
@@ -426,6 +434,7 @@ def pause(job: str, no_checkpoint: bool = NoCheckpointOpt) -> None:
 
     Example: surgectl pause demo-3f2a1c
     """
+    job = resolve_job(job)
     req = control_pb2.PauseJobRequest(job_id=job, no_checkpoint=no_checkpoint)
     s = clients.call("control", lambda st: st.PauseJob(req, timeout=10))
     render.console.print(f"{job}: pause requested; now {render.state_text(s)}", markup=False, highlight=False)
@@ -474,6 +483,7 @@ def resume(
 
     Example: surgectl resume demo-3f2a1c --from demo-3f2a1c:4 --dp 1 --grad-accum 2
     """
+    job = resolve_job(job)
     req = control_pb2.ResumeJobRequest(
         job_id=job,
         from_version=from_version or "",
@@ -500,6 +510,7 @@ def stop(job: str, no_checkpoint: bool = NoCheckpointOpt) -> None:
 
     Example: surgectl stop demo-3f2a1c
     """
+    job = resolve_job(job)
     req = control_pb2.StopJobRequest(job_id=job, no_checkpoint=no_checkpoint)
     s = clients.call("control", lambda st: st.StopJob(req, timeout=10))
     render.console.print(f"{job}: stop requested; now {render.state_text(s)}", markup=False, highlight=False)
@@ -511,6 +522,7 @@ def checkpoints(job: str | None = typer.Argument(None), output: str = OutputOpt)
 
     Example: surgectl checkpoints demo-3f2a1c
     """
+    job = resolve_job(job) if job else None
     resp = clients.call("store", lambda s: s.List(store_pb2.CheckpointQuery(job_id=job or ""), timeout=10))
     if job and not resp.checkpoints:  # an unknown job is an error, a job without versions is not
         clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))

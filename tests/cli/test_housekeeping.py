@@ -1,0 +1,151 @@
+"""surgectl housekeeping: a job looked up by id or name, and one line (no traceback) for
+every failure a user can cause, each case run in-process through ``main()``."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.cli.errors import CliError
+from services.cli.jobs import resolve_job
+from services.contract import control_pb2
+
+TERMINATED, RUNNING = control_pb2.TERMINATED, control_pb2.RUNNING
+
+
+class _Control:
+    """Answers ListJobs with fixed jobs (what resolve_job asks control)."""
+
+    def __init__(self, *jobs: tuple[str, str, int, float]):
+        self.jobs = [control_pb2.JobStatus(job_id=i, name=n, state=st, created_unix=t) for i, n, st, t in jobs]
+
+    def ListJobs(self, query, timeout=None):  # noqa: N802 - the gRPC method's name
+        return control_pb2.JobList(jobs=self.jobs)
+
+
+def test_a_job_is_found_by_id_or_by_name():
+    control = _Control(("demo-1", "demo", TERMINATED, 1.0), ("other-2", "other", RUNNING, 2.0))
+    assert resolve_job("demo-1", control) == "demo-1"
+    assert resolve_job("demo", control) == "demo-1"
+    assert resolve_job("other", control) == "other-2"
+
+
+def test_a_shared_name_means_the_newest_live_job():
+    control = _Control(
+        ("demo-1", "demo", TERMINATED, 1.0),
+        ("demo-2", "demo", RUNNING, 2.0),
+        ("demo-3", "demo", RUNNING, 3.0),
+        ("demo-4", "demo", TERMINATED, 4.0),
+    )
+    assert resolve_job("demo", control) == "demo-3"
+
+
+def test_a_name_of_several_ended_jobs_is_ambiguous_listing_the_ids():
+    control = _Control(("demo-1", "demo", TERMINATED, 1.0), ("demo-2", "demo", TERMINATED, 2.0))
+    with pytest.raises(CliError) as e:
+        resolve_job("demo", control)
+    assert e.value.code == 2 and "ambiguous" in str(e.value) and "demo-1, demo-2" in str(e.value)
+
+
+def test_an_unknown_job_is_one_line_exit_2():
+    with pytest.raises(CliError) as e:
+        resolve_job("nope", _Control(("demo-1", "demo", RUNNING, 1.0)))
+    assert e.value.code == 2 and "'nope'" in str(e.value)
+
+
+# ------------------------------------------------------------------- no traceback
+
+
+def unwritable(tmp_path: Path) -> Path:
+    """A directory nothing can be created in: read-only by mode, or (root ignores modes)
+    under /sys, where mkdir is refused."""
+    if os.geteuid() != 0:
+        d = tmp_path / "read-only"
+        d.mkdir()
+        d.chmod(0o500)
+        return d
+    if not Path("/sys").is_dir() or os.access("/sys", os.W_OK) and _can_mkdir(Path("/sys/surge-probe")):
+        pytest.skip("no unwritable directory for root here")
+    return Path("/sys")
+
+
+def _can_mkdir(p: Path) -> bool:
+    try:
+        p.mkdir()
+    except OSError:
+        return False
+    p.rmdir()
+    return True
+
+
+def run_cli(argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
+    """``surgectl argv`` in this process: (exit code, stdout, stderr). An exception other
+    than SystemExit escaping main() is the traceback a user would see: the test fails."""
+    from services.cli.surgectl import main
+
+    monkeypatch.setattr(sys, "argv", ["surgectl", *argv])
+    with pytest.raises(SystemExit) as done:
+        main()
+    out, err = capsys.readouterr()
+    return done.value.code, out, err
+
+
+def assert_one_line(code: int, err: str, expected_code: int, *words: str) -> None:
+    lines = err.strip().splitlines()
+    assert code == expected_code and len(lines) == 1 and lines[0].startswith("error: "), (code, err)
+    assert "Traceback" not in err and all(w in lines[0] for w in words), err
+
+
+def test_plot_to_an_unwritable_path_is_one_line(surge_home, tmp_path, monkeypatch, capsys):
+    metrics = surge_home / "store" / "metrics" / "j.jsonl"
+    metrics.parent.mkdir(parents=True)
+    metrics.write_text(
+        "".join(
+            json.dumps({"type": "step", "rank": 0, "step": s, "loss": 2.0, "tokens_per_second": 9.0}) + "\n"
+            for s in (1, 2)
+        )
+    )
+    out = unwritable(tmp_path) / "sub" / "x.png"
+    code, _, err = run_cli(["plot", "j", "--out", str(out)], monkeypatch, capsys)
+    assert_one_line(code, err, 2, "--out", str(out))
+    # SURGE_HOME unwritable: the default output under it is named as SURGE_HOME
+    monkeypatch.setenv("SURGE_HOME", str(unwritable(tmp_path) / "home"))
+    code, _, err = run_cli(["plot", "j", "--metrics", str(metrics)], monkeypatch, capsys)
+    assert_one_line(code, err, 2, "SURGE_HOME")
+
+
+def test_up_with_an_unwritable_home_is_one_line_and_starts_nothing(tmp_path, monkeypatch, capsys):
+    home = unwritable(tmp_path) / "surge-home"
+    monkeypatch.setenv("SURGE_HOME", str(home))
+    code, out, err = run_cli(["up", "--workers", "1"], monkeypatch, capsys)
+    assert_one_line(code, err, 2, "SURGE_HOME", str(home))
+    assert out == "" and not home.exists()
+
+
+@pytest.mark.parametrize(
+    "argv,expected_code,words",
+    [
+        (["status", "nojob"], 1, ["control address unknown"]),
+        (["events", "nojob"], 1, ["control address unknown"]),
+        (["logs", "nojob"], 1, ["control address unknown"]),
+        (["stop", "nojob"], 1, ["control address unknown"]),
+        (["pause", "nojob"], 1, ["control address unknown"]),
+        (["resume", "nojob", "--from", "not-a-version"], 1, ["control address unknown"]),
+        (["checkpoints", "nojob"], 1, ["address unknown"]),
+        (["plot", "nojob"], 1, ["control address unknown"]),
+        (["plot", "nojob", "--metrics", "/nonexistent/m.jsonl"], 1, ["--metrics"]),
+        (["generate", "--checkpoint", "bad:version"], 1, ["address unknown"]),
+        (["dataset", "list"], 1, ["data address unknown"]),
+        (["dataset", "prepare", "--source", "/nonexistent-dir", "--name", "x"], 1, ["/nonexistent-dir"]),
+        (["submit", "/nonexistent.yaml"], 2, ["/nonexistent.yaml"]),
+        (["restart", "control"], 1, ["no local stack"]),
+        (["status", "-o", "yaml"], 1, ["address unknown"]),
+    ],
+)
+def test_a_failure_with_the_stack_down_is_one_line(argv, expected_code, words, surge_home, monkeypatch, capsys):
+    code, _, err = run_cli(argv, monkeypatch, capsys)
+    assert_one_line(code, err, expected_code, *words)
