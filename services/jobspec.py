@@ -294,7 +294,11 @@ def check_parallel(model: ModelSpec, world_size: int, parallel: ParallelSpec) ->
 
 
 class OptimizerSpec(_Strict):
-    """AdamW with linear warmup then cosine decay to ``min_lr_ratio * lr``."""
+    """AdamW; linear warmup then ``schedule`` (services/engine/lr_schedule.py): constant,
+    linear or cosine decay to ``min_lr_ratio * lr``, or ``wsd`` (warmup-stable-decay: the
+    last ``decay_ratio`` share of the steps decays, ``decay_shape`` linear or 1-sqrt).
+    ``max_grad_norm``: clip the gradients to this global L2 norm (0: no clipping; the
+    precision manager scales them, services/engine/mixed_precision.py)."""
 
     name: Literal["adamw"] = "adamw"
     lr: float = Field(3e-3, gt=0)
@@ -304,7 +308,10 @@ class OptimizerSpec(_Strict):
     eps: float = Field(1e-8, gt=0, le=1)
     warmup_steps: int = Field(50, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    schedule: Literal["cosine", "constant"] = "cosine"
+    schedule: Literal["constant", "linear", "cosine", "wsd"] = "cosine"
+    decay_ratio: float = Field(0.2, gt=0, le=1)  # wsd only: the share of all steps that decays
+    decay_shape: Literal["linear", "1-sqrt"] = "linear"  # wsd only
+    max_grad_norm: float = Field(0.0, ge=0, le=1e9)  # 0: off (1.0 is GPT-3's / Llama's)
 
 
 class LossScaleSpec(_Strict):

@@ -28,9 +28,25 @@ known before the step (services/engine/training_loop.py, "Loss normalisation") a
 it by the global token count only after the reduction; unscale and correction are one
 multiply (``grad_scale / loss_scale``), one pass over the gradients.
 
-Red lines kept (seed L2-4): gradient values are changed only by (un)scaling, never clipped
-or zeroed; the manager never skips an update itself: it reports ``found_inf`` and the loop
-decides. It reads gradients through the parameter handles the composition root gives it.
+Gradient clipping by global norm (``optimizer.max_grad_norm``, pushed once with
+``InitPrecision``) is this manager's, as a scaling: every gradient of every rank is multiplied
+by the same ``clip_coef = min(1, max_grad_norm / (norm + 1e-6))`` (torch.nn.utils.
+clip_grad_norm_'s coefficient), folded into the unscale's one multiply, after unscaling as
+``torch.amp`` orders it (``unscale_`` then ``clip_grad_norm_``). The norm is the reduced,
+whole-model one, so the coefficient is the same on every rank under DDP, FSDP2, TP and PP.
+Why here (a law question, recorded in services/contract/exceptions.yaml,
+``seed-gradient-clipping-owner``): the optimizer's own red line forbids it to clip (L2-3,
+seed line 681), the backward unit's allows gradient changes only as 「缩放除外，由精度模块统一
+管控」 (scaling, under the precision module, line 1123), and this module's red line allows
+「仅做缩放转换」 (scaling, line 759); clipping by the global norm is a scaling of the whole
+gradient by one number, direction unchanged. A step whose verdict is found_inf is not
+clipped (coefficient 1): its update is not applied. The reported ``grad_norm`` is the norm
+before clipping (as clip_grad_norm_ returns it, and as Megatron-LM logs it).
+
+Red lines kept (seed L2-4): gradient values are changed only by scaling (the unscale and the
+clip coefficient, one multiply), never clipped element-wise or zeroed; the manager never
+skips an update itself: it reports ``found_inf`` and the loop decides. It reads gradients
+through the parameter handles the composition root gives it.
 """
 
 from __future__ import annotations
@@ -135,6 +151,7 @@ class MixedPrecision:
         # Seed L2-4 s2: 精度策略副本, carried by 混合精度初始化指令 once; frozen after it.
         self._policy = FrozenConfig[str]("L2_MIXED_PRECISION", "precision policy (InitPrecision)")
         self._scaler: DynamicLossScaler | None = None  # fp16 only
+        self._max_grad_norm = 0.0  # from InitPrecision (set with the policy); 0: no clipping
         self._state = "idle"  # idle | checking | overflow | no_overflow
 
     def attach(self, parameters: Iterable[torch.Tensor]) -> None:
@@ -155,6 +172,8 @@ class MixedPrecision:
         self._policy.require_unset()
         if msg.precision not in _DTYPES:
             raise ValueError(f"precision: expected one of {sorted(_DTYPES)}, got {msg.precision!r}")
+        if not (math.isfinite(msg.max_grad_norm) and msg.max_grad_norm >= 0):
+            raise ValueError(f"optimizer.max_grad_norm: must be finite and >= 0, got {msg.max_grad_norm}")
         scaler = None
         if msg.precision == "fp16":
             policy = ScalerPolicy(
@@ -165,6 +184,7 @@ class MixedPrecision:
         self._operators(engine_pb2.SetComputePrecision(dtype=_DTYPES[msg.precision]))
         self._policy.set(msg.precision)
         self._scaler = scaler
+        self._max_grad_norm = msg.max_grad_norm
         return engine_pb2.PrecisionReady(
             precision=msg.precision, loss_scale=self._loss_scale, state=self._scaler_state()
         )
@@ -186,22 +206,26 @@ class MixedPrecision:
 
     def scale_loss(self, msg: engine_pb2.ScaleLoss, payload: Any = None) -> engine_pb2.LossScaleAdjusted:
         """执行 loss 缩放指令: unscale this step's gradients (times ``grad_scale`` / loss
-        scale, one pass; skipped when the factor is 1), report the norm of the result from
-        the reduced squares (the whole model's, the same on every rank), then move the
-        scale per the rule with the step's all-rank verdict; fp32/bf16 keep 1. Reply: the
-        norm and the scale the next step's backward uses."""
+        scale) and clip them to ``max_grad_norm`` (times ``clip_coef``), in one pass, skipped
+        when the product is 1; report the norm of the unscaled gradients from the reduced
+        squares (the whole model's, the same on every rank), then move the scale per the
+        rule with the step's all-rank verdict; fp32/bf16 keep 1. Reply: the norm, the clip
+        coefficient and the scale the next step's backward uses."""
         factor = (msg.grad_scale or 1.0) / self._loss_scale
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if factor != 1.0 and grads:
-            torch._foreach_mul_(grads, factor)
         grad_norm = math.sqrt(msg.grad_squares) * factor if msg.grad_squares >= 0 else float("nan")
+        clip_coef = 1.0
+        if self._max_grad_norm > 0 and not msg.found_inf and math.isfinite(grad_norm):
+            clip_coef = min(1.0, self._max_grad_norm / (grad_norm + 1e-6))  # clip_grad_norm_'s
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if factor * clip_coef != 1.0 and grads:
+            torch._foreach_mul_(grads, factor * clip_coef)
         backed_off = at_minimum = False
         if self._scaler is not None:
             backed_off, at_minimum = self._scaler.update(msg.found_inf)
         # (The step number is not echoed: this module keeps no step count, seed L2-4 red line 2.)
         return engine_pb2.LossScaleAdjusted(
             loss_scale=self._loss_scale, state=self._scaler_state(),
-            backed_off=backed_off, at_minimum=at_minimum, grad_norm=grad_norm,
+            backed_off=backed_off, at_minimum=at_minimum, grad_norm=grad_norm, clip_coef=clip_coef,
         )  # fmt: skip
 
     def _scaler_state(self) -> engine_pb2.LossScalerState:

@@ -690,7 +690,7 @@ class TrainingLoop:
         msg = engine_pb2.InitPrecision(
             precision=prec.dtype, init_scale=rule.init_scale, growth_factor=rule.growth_factor,
             backoff_factor=rule.backoff_factor, growth_interval=rule.growth_interval,
-            hysteresis=rule.hysteresis, min_scale=rule.min_scale,
+            hysteresis=rule.hysteresis, min_scale=rule.min_scale, max_grad_norm=self._spec.optimizer.max_grad_norm,
         )  # fmt: skip
         if self._resume_scaler is not None and prec.dtype == "fp16":
             msg.resume.CopyFrom(self._resume_scaler)

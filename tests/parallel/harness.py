@@ -81,13 +81,19 @@ class GlobalRowsData:
 
 
 def parity_spec(
-    steps: int = 10, ckpt_every: int = 0, model: dict | None = None, precision: str = "fp32", **parallel: Any
+    steps: int = 10,
+    ckpt_every: int = 0,
+    model: dict | None = None,
+    precision: str = "fp32",
+    optimizer: dict | None = None,
+    **parallel: Any,
 ):
     """2 layers, d_model 64, 4 heads, seq 32, fp32, AdamW with warmup + cosine; ``parallel``
     overrides the parallel section; micro-batch rows are chosen so each step holds
     GLOBAL_ROWS rows. ``grad_accum`` may be passed among them. ``ckpt_every``: save every
     that many steps (0: never). ``model`` overrides model fields (e.g. untied embeddings
-    for pipeline parallelism); ``precision``: "fp32" | "bf16" | "fp16"."""
+    for pipeline parallelism); ``precision``: "fp32" | "bf16" | "fp16"; ``optimizer``
+    overrides optimizer fields (e.g. ``max_grad_norm``)."""
     from services.jobspec import JobSpec
 
     accum = parallel.pop("grad_accum", 1)
@@ -100,7 +106,7 @@ def parity_spec(
                  "grad_accum": accum},
         "parallel": parallel,
         "precision": precision,
-        "optimizer": {"lr": 3e-3, "warmup_steps": 2},
+        "optimizer": {"lr": 3e-3, "warmup_steps": 2, **(optimizer or {})},
         "checkpoint": {"every_steps": ckpt_every, "at_end": False, "keep_last": 0},
         "eval": {"every_steps": 0, "at_end": False},
     })  # fmt: skip
