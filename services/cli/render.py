@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -21,8 +21,45 @@ from rich.text import Text
 from services.cli import jsonout
 from services.contract import control_pb2
 
-console = Console()
-err_console = Console(stderr=True)
+# Piped (not a terminal), rich would lay tables out for 80 columns and wrap or cut their
+# cells; a pipe gets each row on one line instead (unless COLUMNS says otherwise).
+PIPE_WIDTH = 1000
+RULE_PIPE_WIDTH = 100  # a console.rule's width then
+
+
+def _width(stream) -> int | None:
+    import os
+
+    if os.environ.get("COLUMNS") or (hasattr(stream, "isatty") and stream.isatty()):
+        return None  # rich's own choice: the terminal's width, or COLUMNS
+    return PIPE_WIDTH
+
+
+class _Console(Console):
+    """rich's Console, PIPE_WIDTH columns wide when its stream is not a terminal (asked at
+    every print: tests and callers swap sys.stdout)."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = Console.size.fget(self)
+        width = None if self._width is not None else _width(self.file)
+        return ConsoleDimensions(width, size.height) if width else size
+
+    @size.setter
+    def size(self, value: tuple[int, int]) -> None:
+        Console.size.fset(self, value)
+
+    def rule(self, title="", *, characters="─", style="rule.line", align="center") -> None:
+        """A rule as wide as a terminal, not PIPE_WIDTH, when piped."""
+        if self._width is not None or not _width(self.file):
+            return super().rule(title, characters=characters, style=style, align=align)
+        from rich.rule import Rule
+
+        self.print(Rule(title, characters=characters, style=style, align=align), width=RULE_PIPE_WIDTH)
+
+
+console = _Console()
+err_console = _Console(stderr=True)
 
 STATE = control_pb2.JobState
 OUTCOME = control_pb2.JobOutcome
@@ -39,6 +76,11 @@ def state_text(s: control_pb2.JobStatus) -> str:
 
 def fmt_loss(x: float) -> str:
     return "—" if x == 0 or math.isnan(x) else f"{x:.3f}"
+
+
+def tokens_per_second(s: control_pb2.JobStatus) -> str:
+    """A job's tokens/s as every table shows it (jobs table, end-of-run summary)."""
+    return f"{s.tokens_per_second:,.0f}"
 
 
 def print_json(messages) -> None:
@@ -66,7 +108,7 @@ def jobs_table(jobs) -> Table:
             f"{j.step}/{j.total_steps}",
             fmt_loss(j.train_loss),
             fmt_loss(j.eval_loss),
-            f"{j.tokens_per_second:,.0f}",
+            tokens_per_second(j),
             j.checkpoint_version or "—",
             j.message,
         )
@@ -222,15 +264,14 @@ def summary_table(s: control_pb2.JobStatus, h: History, extra: dict[str, str] | 
     t = Table(title=f"summary of {s.job_id}", show_header=False)
     t.add_column("what")
     t.add_column("value")
-    mean_tps = sum(h.tokens_per_second[len(h.tokens_per_second) // 5 :]) / max(
-        1, len(h.tokens_per_second) - len(h.tokens_per_second) // 5
-    )
     rows = {
         "outcome": state_text(s),
         "steps": f"{s.step}/{s.total_steps}",
         "final train loss": f"{fmt_loss(s.train_loss)} nats/token",
         "final held-out loss": f"{fmt_loss(s.eval_loss)} nats/token",
-        "tokens/s (mean, after warm-up)": f"{mean_tps:,.0f}" if h.tokens_per_second else f"{s.tokens_per_second:,.0f}",
+        # control's one definition, as `surgectl status` shows it (tokens / step seconds
+        # of the job's steps but the first; services/control/orchestrator.py _throughput)
+        "tokens/s (steps after the first)": tokens_per_second(s),
         "tokens seen": f"{s.tokens_seen:,}",
         "training wall time": f"{s.elapsed_seconds:.1f} s",
         "checkpoint": s.checkpoint_version or "—",

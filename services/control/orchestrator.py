@@ -225,6 +225,11 @@ class _Job:
     abandoned: set[str] = field(default_factory=set)
     step_seconds: float = 0.0  # rank 0's recent step time (from its StepCompleted times; not journaled)
     last_step_unix: tuple[int, float] = (0, 0.0)  # (step, unix_time) of the last one applied
+    # JobStatus.tokens_per_second, the one definition `surgectl status` and the end-of-run
+    # summary both show: tokens / step seconds summed over the steps applied since this
+    # control took the job, its first step (compilation, warm-up) left out; not journaled.
+    throughput: tuple[int, float] = (0, 0.0)
+    throughput_warm: bool = False  # the first step was seen (and left out)
     # Operator actions (issue 12 part 7). ``draining``: the pause in flight is a drain
     # (`surgectl down`); ``parked``: PAUSED and its ranks are gone (drained, or stopped with
     # the stack): not waited for after a control restart, and a resume relaunches them from
@@ -860,7 +865,7 @@ class Orchestrator:
                 rate = (msg.unix_time - last_unix) / (msg.step - last_step)
                 job.step_seconds = rate if not job.step_seconds else 0.8 * job.step_seconds + 0.2 * rate
             job.last_step_unix = (msg.step, msg.unix_time)
-            s.step, s.tokens_per_second = msg.step, msg.tokens_per_second
+            s.step, s.tokens_per_second = msg.step, self._throughput(job, msg)
             if not msg.skipped:
                 s.train_loss = msg.loss
             s.tokens_seen += msg.tokens
@@ -893,8 +898,21 @@ class Orchestrator:
                     job,
                     Module.L2_TRAINING_LOOP,
                     "step",
-                    f"step {msg.step}/{s.total_steps} loss {msg.loss:.4f} {msg.tokens_per_second:.0f} tok/s",
+                    f"step {msg.step}/{s.total_steps} loss {msg.loss:.4f} {s.tokens_per_second:.0f} tok/s",
                 )
+
+    @staticmethod
+    def _throughput(job: _Job, msg: engine_pb2.StepCompleted) -> float:
+        """The job's tokens/s after ``msg``: tokens over step seconds of its steps but the
+        first this control saw (``_Job.throughput``); that step's own rate until there is
+        another (or when the steps carry no step time). Under the lock."""
+        if msg.step_seconds > 0:
+            if job.throughput_warm:
+                tokens, seconds = job.throughput
+                job.throughput = (tokens + msg.tokens, seconds + msg.step_seconds)
+            job.throughput_warm = True
+        tokens, seconds = job.throughput
+        return tokens / seconds if seconds > 0 else msg.tokens_per_second
 
     def on_eval_completed(self, msg: engine_pb2.EvalCompleted, payload: Any = None) -> None:
         if msg.rank != 0:

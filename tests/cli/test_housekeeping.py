@@ -149,3 +149,23 @@ def test_up_with_an_unwritable_home_is_one_line_and_starts_nothing(tmp_path, mon
 def test_a_failure_with_the_stack_down_is_one_line(argv, expected_code, words, surge_home, monkeypatch, capsys):
     code, _, err = run_cli(argv, monkeypatch, capsys)
     assert_one_line(code, err, expected_code, *words)
+
+
+def test_a_piped_table_keeps_its_columns(monkeypatch, capsys):
+    """Not a terminal (capsys): each row on one line, no cell cut to 'st…'."""
+    from services.cli import render
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    job = control_pb2.JobStatus(
+        job_id="a-rather-long-job-name-0123456789",
+        state=RUNNING,
+        step=10,
+        total_steps=100,
+        tokens_per_second=12345,
+        checkpoint_version="a-rather-long-job-name-0123456789:3",
+        message="a message long enough to be wrapped into many lines of an eighty column table",
+    )
+    render.console.print(render.jobs_table([job]))
+    out = capsys.readouterr().out
+    (row,) = [line for line in out.splitlines() if job.job_id in line]
+    assert job.message in row and job.checkpoint_version in row and "RUNNING" in row and "…" not in out
