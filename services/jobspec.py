@@ -589,6 +589,51 @@ class LivenessSpec(_Strict):
         return self
 
 
+# A checkpoint version of another job: "<job_id>:<n>" or "<job_id>:latest" (the store's forms).
+_VERSION = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}:(?:[0-9]{1,19}|latest)$"
+
+
+class InitFromSpec(_Strict):
+    """Start from existing weights instead of ``seed``'s initialisation (fine-tuning, a fork):
+    exactly one of
+
+    * ``checkpoint``: a committed Surge version (``<job_id>:<n>`` or ``<job_id>:latest``) whose
+      model has this spec's architecture; ``load``: ``weights`` (the model only: a fresh
+      optimizer) or ``weights+optimizer`` (its AdamW moments too);
+    * ``hf``: the absolute path of a Hugging Face Llama directory (config.json and
+      ``*.safetensors``), read by every rank on its own node (a shared or copied path, like
+      ``SURGE_HOME``); its config must describe this spec's model (nothing is filled in).
+
+    The job starts at step 0 with a fresh data position and LR schedule either way; a job
+    that resumes from a checkpoint of its own (a pause, a recovery) loads that instead.
+    Mapping and checks: services/compute/hf_format.py; the load: the training loop's start.
+    """
+
+    checkpoint: Annotated[str, Field(max_length=160)] | None = None
+    load: Literal["weights", "weights+optimizer"] = "weights"
+    hf: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+
+    @field_validator("checkpoint")
+    @classmethod
+    def _a_version(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(_VERSION, value):
+            raise ValueError(f'expected a checkpoint version "<job_id>:<n>" or "<job_id>:latest", got {value!r}')
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> InitFromSpec:
+        if (self.checkpoint is None) == (self.hf is None):
+            raise ValueError("set exactly one of checkpoint (a version <job_id>:<n>) or hf (a directory)")
+        if self.hf is not None:
+            if not self.hf.startswith("/"):
+                raise ValueError(f"hf: {self.hf!r} must be an absolute path (the ranks read it on their node)")
+            if self.load != "weights":
+                raise ValueError(
+                    f"load: {self.load} needs a Surge checkpoint (a Hugging Face directory holds weights only)"
+                )
+        return self
+
+
 class JobSpec(_Strict):
     name: str = Field(..., pattern=r"^[a-z0-9][a-z0-9-]{0,39}$")
     steps: int = Field(..., gt=0)
@@ -603,6 +648,7 @@ class JobSpec(_Strict):
     eval: EvalSpec = EvalSpec()
     fault_policy: FaultPolicySpec = FaultPolicySpec()
     liveness: LivenessSpec = LivenessSpec()
+    init_from: InitFromSpec | None = None
 
     @field_validator("precision", mode="before")
     @classmethod

@@ -9,6 +9,7 @@ import grpc
 
 from services.cli import clients, render
 from services.cli.errors import CliError
+from services.cli.init_from import check_init_from
 from services.contract import control_pb2, data_pb2, store_pb2
 from services.jobspec import JobSpecError, load_job_spec
 
@@ -26,6 +27,7 @@ def submit_job(spec_path: Path) -> control_pb2.JobStatus:
             f"dataset's vocabulary ({info.vocab_size}, {info.tokenizer})",
             code=2,
         )
+    check_init_from(spec, spec_path)
     req = control_pb2.SubmitJobRequest(spec_yaml=spec_path.read_text(), spec_path=str(spec_path))
     try:
         return clients.call("control", lambda s: s.SubmitJob(req, timeout=60))

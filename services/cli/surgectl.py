@@ -575,6 +575,22 @@ def generate(
 
 
 @app.command()
+def export(
+    version: str = typer.Argument(..., help="checkpoint version '<job>:<n>', '<job>:latest' or 'latest'"),
+    fmt: str = typer.Option("hf", "--format", help="hf (safetensors + config.json) | torch (a state_dict)"),
+    out: Path = typer.Option(..., "--out", help="directory to write (absent or empty)"),
+    force: bool = typer.Option(False, "--force", help="replace a non-empty --out"),
+) -> None:
+    """Write a committed checkpoint's model for other tools (no running stack needed).
+
+    Example: surgectl export demo-1:latest --format hf --out ./demo-hf
+    """
+    from services.cli.export import export_version
+
+    render.console.print(export_version(version, fmt, out, force), markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command()
 def demo(spec: Path = typer.Argument(Path("examples/jobs/demo.yaml"))) -> None:
     """The main job: prepare data, start the stack, train, summarise, plot, sample, stop.
 

@@ -74,6 +74,7 @@ from typing import Any
 import structlog
 
 from services.common.sizes import size_text
+from services.compute.hf_format import check_spec_directory
 from services.contract import Module, control_pb2, engine_pb2, store_pb2
 from services.contract.bus import CommandPort, Emitter, Reply
 from services.contract.failures import Refusal
@@ -323,6 +324,7 @@ class Orchestrator:
             InsufficientResources: not enough free slots; nothing is persisted.
         """
         spec = parse_job_spec(msg.spec_yaml, msg.spec_path or "job.yaml")
+        check_spec_directory(spec, msg.spec_path or "job.yaml")  # init_from.hf (file reads: outside the lock)
         spec_json = spec_to_json(spec)
         with self._lock:
             job_id = self._new_id(spec.name)

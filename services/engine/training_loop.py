@@ -86,7 +86,7 @@ from services.contract.failures import failure_of
 from services.contract.frozen import FrozenConfig
 from services.engine import rng_streams
 from services.engine.lr_schedule import schedule_for
-from services.jobspec import JobSpec, spec_from_json
+from services.jobspec import InitFromSpec, JobSpec, spec_from_json
 from services.state.snapshot import RANK_SLOTS, InconsistentSnapshot, Slot, Snapshot
 
 _DETAIL_CHARS = 400
@@ -674,6 +674,8 @@ class TrainingLoop:
                     f"checkpoint {self._init.resume_version} was written with {changed}: its data position "
                     "would not resume exactly"
                 ))  # fmt: skip
+        elif spec.init_from is not None:  # a new job from existing weights (a resume loads its own instead)
+            self._start_from(spec.init_from)
         self._init_precision()  # after the load: a checkpoint's scaler state goes with it
         self._open_stream("train", self._position, repeat=True, max_batches=0)
         self._emit(engine_pb2.TrainingLoopStarted(
@@ -815,6 +817,32 @@ class TrainingLoop:
         own = snapshot.slots["train"]
         own.check_restore("train", Module.L2_TRAINING_LOOP, snapshot.step, snapshot.version, own.digest)
         LoopState(self).load_state_dict(own.state_dict())
+
+    def _start_from(self, init_from: InitFromSpec) -> None:
+        """``init_from``: the model's weights (and with ``weights+optimizer`` the optimizer's
+        state) of a committed version of another job, or of a Hugging Face directory, read by
+        L5-1's rank side into copies of the fresh state like a resume load (only those slots),
+        then handed to their owners (RestoreState). Nothing else is taken: the step stays 0,
+        the data position, the LR schedule, the RNG streams and the loss scale are the new
+        job's. (``model.freeze`` already applied by the shard loader, whatever was loaded.)
+
+        Raises: the load's errors (CheckpointError: refused, unreadable, corrupt, or weights
+        that do not fit this model, naming the tensor), InconsistentSnapshot."""
+        keys = ("model", "optim") if init_from.load == "weights+optimizer" else ("model",)
+        fresh = self._snapshot(self._step)
+        template = Snapshot.of([fresh.slots[k] for k in keys])
+        ask = (
+            store_pb2.LoadCheckpoint(version=init_from.checkpoint)
+            if init_from.checkpoint
+            else store_pb2.LoadCheckpoint(hf_directory=init_from.hf)
+        )
+        loaded = self._p.store(ask, template).payload
+        loaded.check({k: fresh.slots[k].owner for k in keys}, verify=False)
+        for key, port in (("model", self._p.shard_loader), ("optim", self._p.optimizer)):
+            if key in keys:
+                slot = loaded.slots[key]
+                port(engine_pb2.RestoreState(step=slot.step, version=slot.version, digest=slot.digest), slot)
+        _log.info("init_from loaded", source=loaded.version, step_of_source=loaded.step, slots=list(keys))
 
     @property
     def _job_id(self) -> str:

@@ -1207,3 +1207,28 @@ def _fsync_dir(path: Path) -> None:
 def _rename_into_place(staging: Path, final: Path) -> None:
     """The commit point of a version's files (atomic within one filesystem)."""
     os.rename(staging, final)
+
+
+def read_committed(root: str | Path, version: str) -> store_pb2.CheckpointInfo:
+    """Where ``version`` is, from the catalog under ``root`` (the store's root), for a reader
+    that runs without the store service (``surgectl export``): the same resolution
+    (``"<job>:<n>"``, ``"<job>:latest"``, ``"latest"``), recorded-verdict check and manifest
+    check as :meth:`CheckpointManager.load_checkpoint`, read-only: nothing is created,
+    recorded or published (a running store may own the catalog). The reader still checks
+    every file against the manifest as it reads it.
+
+    Raises:
+        ValueError: ``version`` is not one of the three forms, or the catalog is unreadable.
+        CheckpointNotFound: no such version (the message lists the ones that exist).
+        CheckpointRejected: its recorded verdict is not ok, or its manifest is missing or
+            differs from the catalog (CheckpointDamaged).
+    """
+    view = CheckpointManager.__new__(CheckpointManager)  # the lookups only: no directory, lock or metrics
+    view._dir = Path(root) / "checkpoints"
+    view._chain = _read_catalog(view._dir / CATALOG)
+    entry = view._resolve(version)
+    cause, reason, _ = _verdict(entry)
+    if cause != store_pb2.VERDICT_OK:
+        raise CheckpointDamaged(reason or f"checkpoint {entry['version']}: recorded {_VERDICT_OF[cause]}", cause)
+    _check_manifest(entry["version"], view._dir / entry["path"], entry["manifest_sha256"])
+    return view._info(entry)

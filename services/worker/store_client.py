@@ -1,6 +1,7 @@
 """The rank's relay of the L5 store service (checkpoint manager and metrics logger).
 
-Metrics (as L5_METRICS_LOGGER): every ``StepCompleted`` / ``EvalCompleted`` becomes a
+Metrics (as L5_METRICS_LOGGER): every ``StepCompleted`` / ``EvalCompleted`` (and the loop's
+``LogCollectionConfig``, before them) becomes a
 ``MetricRecord`` (numbered ``seq`` 1, 2, ...) on one long-lived bidirectional
 ``StoreService.Record`` stream, fed by a background thread. Nothing on the step path waits
 for the store. A record is held until the store's ``MetricsAck`` for its ``seq`` arrives;
@@ -95,6 +96,7 @@ from google.protobuf.message import Message
 from torch.distributed.checkpoint.api import CheckpointException
 
 from services.common.grpc_server import channel
+from services.compute.hf_format import HfFormatError, read_hf_tensors
 from services.compute.inference import SafeLoadPlanner, safe_load
 from services.contract import Module, engine_pb2, route_pb2, store_pb2, store_pb2_grpc
 from services.contract.bus import BoundaryViolation, Emitter
@@ -109,6 +111,7 @@ from services.contract.failures import (
     one_line,
 )
 from services.state.chunk_store import ChunkIntegrityError, ChunkReader, ChunkSource, ChunkWriter, DirectorySource
+from services.state.snapshot import SLOT_META
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -176,6 +179,42 @@ class CheckpointIntegrityError(CheckpointError):
     def __init__(self, message: str, cause: int = store_pb2.CORRUPT, file: str = ""):
         super().__init__(message)
         self.cause, self.file = cause, file
+
+
+class WeightsMismatch(CheckpointError):
+    """``init_from`` weights that do not fit this job's model (a tensor missing, or of
+    another shape): the spec's fault, the same on every retry; nothing was copied into the
+    model."""
+
+    fault_class = "config_error"
+    failure_cause = FailureCause.FAILURE_INVALID_INPUT
+
+
+def load_hf_weights(msg: store_pb2.LoadCheckpoint, payload: dict[str, Any]) -> store_pb2.CheckpointLoaded:
+    """``init_from.hf``: read the model slot of ``payload`` (a load template's dict, read
+    into in place) from the Hugging Face directory ``msg.hf_directory`` on this node
+    (safetensors: no pickle; names and shapes by services/compute/hf_format.py), as a load
+    of step 0. The store is not asked: the directory is no version of its catalog.
+
+    Raises:
+        WeightsMismatch: a tensor the model needs is missing or of another shape, a file
+            cannot be read, or the template holds more than the model slot (one line
+            naming it); nothing of the template is changed then.
+    """
+    t0 = time.perf_counter()
+    where = msg.hf_directory
+    try:
+        if set(payload) != {"model"}:
+            raise HfFormatError(f"init_from.hf: {where}: holds weights only, asked for {sorted(payload)}")
+        model = payload["model"]
+        wanted = {k: v for k, v in model.items() if k != SLOT_META}
+        tensors = read_hf_tensors(where, wanted)
+    except (HfFormatError, OSError) as e:
+        raise WeightsMismatch(" ".join(str(e).split()) if isinstance(e, HfFormatError) else _one_line(e)) from None
+    model.update(tensors)
+    model[SLOT_META] = torch.tensor([0], dtype=torch.int64)  # read as a version of step 0
+    log.info("hf_weights_loaded", directory=where, tensors=len(wanted), seconds=round(time.perf_counter() - t0, 4))
+    return store_pb2.CheckpointLoaded(info=store_pb2.CheckpointInfo(version=f"hf:{where}", step=0, path=where))
 
 
 def _reported(handled: str):
@@ -269,6 +308,11 @@ class StoreClient:
 
     def on_eval_completed(self, msg: engine_pb2.EvalCompleted, payload: Any = None) -> None:
         self._enqueue(store_pb2.MetricRecord(eval=msg))
+
+    def log_collection_config(self, msg: store_pb2.LogCollectionConfig, payload: Any = None) -> None:
+        """The loop's sink choice for L5-2: sent on the metric stream ahead of the records
+        (held and resent like them; the store keeps its copy across its restarts)."""
+        self._enqueue(store_pb2.MetricRecord(config=msg))
 
     @property
     def held_records(self) -> int:
@@ -431,6 +475,8 @@ class StoreClient:
             CheckpointError: any other refusal (unknown version, store unreachable), or a
                 version that does not fit this job.
         """
+        if msg.hf_directory:
+            return self._load_hf(msg, payload)
         t0 = time.perf_counter()
         try:
             loaded = self._rpc("Load", self._stub.Load, msg, LOAD_TIMEOUT_S)
@@ -490,6 +536,15 @@ class StoreClient:
         if reader:  # where this rank's chunks came from (for the recovery's event, via TrainingLoopStarted)
             loaded.bytes_from.update({name: int(n) for name, n in reader.served_bytes.items() if n})
         return loaded
+
+    def _load_hf(self, msg: store_pb2.LoadCheckpoint, payload: dict[str, Any]) -> store_pb2.CheckpointLoaded:
+        """``init_from.hf`` (:func:`load_hf_weights`); a failure is reported first, as
+        SnapshotFailed{load, REJECTED} typed by the error (INVALID_INPUT)."""
+        try:
+            return load_hf_weights(msg, payload)
+        except WeightsMismatch as error:
+            self._report("load", store_pb2.REJECTED, str(error), version=f"hf:{msg.hf_directory}", error=error)
+            raise
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is held (waiting up to ``timeout`` seconds for the store's acks) and

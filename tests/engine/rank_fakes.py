@@ -131,9 +131,16 @@ class FakeStore:
         return done
 
     def load_checkpoint(self, msg: store_pb2.LoadCheckpoint, payload):
-        path = self._root / msg.version
+        if msg.hf_directory:  # (the real relay's reader: no store is asked)
+            from services.worker.store_client import load_hf_weights
+
+            return load_hf_weights(msg, payload)
+        version = msg.version
+        if ":" in version:  # "<job>:<n>" (init_from.checkpoint): this fake's directory of step n
+            version = f"step{version.rpartition(':')[2]}"
+        path = self._root / version
         safe_load(payload, str(path))
-        step = int(msg.version.removeprefix("step")) if msg.version.startswith("step") else 0  # as a catalog would
+        step = int(version.removeprefix("step")) if version.startswith("step") else 0  # as a catalog would
         return store_pb2.CheckpointLoaded(info=store_pb2.CheckpointInfo(version=msg.version, path=str(path), step=step))
 
 

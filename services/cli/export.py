@@ -1,0 +1,152 @@
+"""``surgectl export VERSION --format hf|torch --out DIR``: a committed checkpoint's model as
+files other tools read, without a running stack.
+
+The version is looked up in the store's catalog under ``$SURGE_HOME`` read-only
+(services/store/checkpoint_manager.py ``read_committed``: its recorded verdict and manifest),
+and its weights are read with every file checked against the manifest as it is read
+(services/compute/inference.py). Formats:
+
+* ``hf``: ``model.safetensors`` + ``config.json`` (a ``LlamaForCausalLM``: names and config by
+  services/compute/hf_format.py), loadable by ``transformers.AutoModelForCausalLM``; the
+  dataset's tokenizer (``tokenizer.json``) travels with it when it has one.
+* ``torch``: ``model.pt``, a plain ``state_dict`` with Surge's names, for
+  ``build_model(spec).load_state_dict(torch.load(..., weights_only=True))``.
+
+Both also hold ``surge_spec.json`` (the job spec the version was written with). Nothing is
+half-done: the files are written into a temporary directory beside ``DIR`` and renamed into
+place; an existing non-empty ``DIR`` is refused unless ``--force`` (then replaced whole).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+from pathlib import Path
+
+from services.cli.errors import CliError
+
+FORMATS = ("hf", "torch")
+
+
+def export_version(version: str, fmt: str, out: Path, force: bool = False) -> str:
+    """Export ``version`` as ``fmt`` into ``out``; returns the line to print.
+
+    Raises:
+        CliError: code 2 for usage (an unknown format, a malformed version); code 1 for a
+            refusal (``out`` a file or not empty without ``force``, no such version, a
+            version not ok or failing its digests, a model with no Hugging Face form),
+            one line naming the option, version or file.
+    """
+    from services.common import paths
+
+    if fmt not in FORMATS:
+        raise CliError(f"--format: expected one of {', '.join(FORMATS)}, got {fmt!r}", code=2)
+    out = Path(out).absolute()
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out: {out} exists and is not a directory", code=1)
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise CliError(f"--out: {out} is not empty (use --force to replace it)", code=1)
+    info = _committed(paths.store_root(), version)
+
+    from services.compute import hf_format
+    from services.jobspec import spec_from_json
+
+    spec = spec_from_json(info.spec_json)
+    if fmt == "hf":
+        try:
+            hf_format.hf_config(spec)
+        except hf_format.HfFormatError as e:
+            raise CliError(f"export {info.version} --format hf: {e}; --format torch writes it", code=1) from None
+    model = _load(info)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.export-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        notes = _write(tmp, fmt, model, spec, hf_format)
+        (tmp / "surge_spec.json").write_text(info.spec_json + "\n")
+        _into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    files = ", ".join(sorted(p.name for p in out.iterdir()))
+    return f"exported {info.version} (step {info.step}) as {fmt} to {out}: {files}" + "".join(f"; {n}" for n in notes)
+
+
+def _committed(root: Path, version: str):
+    from services.store.checkpoint_manager import CheckpointNotFound, CheckpointRejected, read_committed
+
+    if not (root / "checkpoints").is_dir():
+        raise CliError(f"export: no checkpoints under {root} (SURGE_HOME's store)", code=1)
+    try:
+        return read_committed(root, version)
+    except CheckpointNotFound as e:
+        raise CliError(str(e), code=1) from None
+    except CheckpointRejected as e:
+        raise CliError(f"export: {e}", code=1) from None
+    except ValueError as e:
+        raise CliError(str(e), code=2) from None
+
+
+def _load(info):
+    """The version's model, every file checked against its manifest as it is read."""
+    from services.compute.inference import ShardDigestMismatch, load_model_for_inference
+    from services.jobspec import spec_from_json
+
+    try:
+        return load_model_for_inference(info.path, spec_from_json(info.spec_json))
+    except ShardDigestMismatch as e:
+        raise CliError(f"export: {e}", code=1) from None
+
+
+def _write(directory: Path, fmt: str, model, spec, hf_format) -> list[str]:
+    import torch
+
+    state = model.state_dict()
+    if fmt == "torch":
+        torch.save(state, directory / "model.pt")
+        return []
+    hf_format.save_hf(directory, state, spec)
+    return _tokenizer(directory, spec)
+
+
+def _tokenizer(directory: Path, spec) -> list[str]:
+    """Copy the dataset's tokenizer (the HF ``tokenizers`` JSON it was prepared with) as
+    ``tokenizer.json`` + a ``tokenizer_config.json`` naming ``PreTrainedTokenizerFast``;
+    a note when there is none to copy."""
+    from services.common import paths
+
+    label = spec.data.dataset
+    manifest_path = paths.datasets_root() / spec.data.name / spec.data.version / "manifest.json"
+    try:
+        tokenizer = json.loads(manifest_path.read_text()).get("tokenizer", "bytes")
+    except (OSError, ValueError):
+        return [f"tokenizer not copied: dataset {label} not found under {paths.datasets_root()}"]
+    if tokenizer == "bytes":
+        return [f"no tokenizer file: dataset {label} is byte-level (token id = UTF-8 byte)"]
+    source = manifest_path.parent / tokenizer
+    if not source.is_file():
+        return [f"tokenizer not copied: {source} is missing"]
+    shutil.copyfile(source, directory / "tokenizer.json")
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": spec.data.seq_len}, indent=2)
+        + "\n"
+    )
+    return []
+
+
+def _into_place(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``; an existing ``out`` (empty, or replaced with --force) is
+    moved aside first and removed once the new one is in place."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{secrets.token_hex(4)}"
+        out.rename(old)
+    try:
+        tmp.rename(out)
+    except BaseException:
+        if old is not None:
+            old.rename(out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

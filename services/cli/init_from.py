@@ -1,0 +1,81 @@
+"""``init_from:`` checked at submit, before control is asked: what the spec's own validation
+cannot see (the files and the version it names).
+
+* ``hf``: the directory holds ``config.json`` and ``*.safetensors``, and the config describes
+  the spec's model (services/compute/hf_format.py ``check_hf_directory``; control checks it
+  too). Read here, on the submitting machine: the path must be the same on the ranks' nodes.
+* ``checkpoint``: the store knows the version and its recorded verdict is ok; the model it
+  was written with has this spec's tensors (names and shapes, from both specs: the first
+  that differs is named); with ``weights+optimizer``, the source job kept optimizer state
+  for every parameter this job trains.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.cli import clients
+from services.cli.errors import CliError
+from services.contract import store_pb2
+from services.jobspec import JobSpec, frozen_parameters, model_parameters, spec_from_json
+
+
+def check_init_from(spec: JobSpec, source: str | Path) -> None:
+    """Raises CliError (exit 2), one line naming ``source`` and the ``init_from`` field."""
+    init = spec.init_from
+    if init is None:
+        return
+    if init.hf is not None:
+        from services.compute.hf_format import HfFormatError, check_hf_directory
+
+        try:
+            check_hf_directory(init.hf, spec.model)
+        except HfFormatError as e:
+            raise CliError(f"{source}: {e}", code=2) from None
+        return
+    try:
+        loaded = clients.call("store", lambda s: s.Load(store_pb2.LoadCheckpoint(version=init.checkpoint), timeout=60))
+    except CliError as e:
+        raise CliError(f"{source}: init_from.checkpoint: {e}", code=2) from None
+    problem = weights_mismatch(spec_from_json(loaded.info.spec_json), spec, init.load == "weights+optimizer")
+    if problem:
+        raise CliError(f"{source}: init_from.checkpoint: {loaded.info.version}: {problem}", code=2)
+
+
+def weights_mismatch(source: JobSpec, target: JobSpec, optimizer: bool) -> str:
+    """Why the weights of a checkpoint of ``source`` cannot start ``target`` ("" if they
+    can): a tensor of ``target``'s model missing or of another size in ``source``'s (named),
+    or, with ``optimizer``, a parameter ``target`` trains that ``source`` kept frozen (no
+    moments saved)."""
+    if source.model.n_heads != target.model.n_heads:  # same shapes, other heads: not the same function
+        return f"its model.n_heads is {source.model.n_heads}, this job's {target.model.n_heads}"
+    have = {name: numel for name, _, numel in model_parameters(source.model)}
+    for name, _, numel in model_parameters(target.model):
+        if name not in have:
+            return f"holds no tensor {name} (its model: {_shape(source)}; this job's: {_shape(target)})"
+        if have[name] != numel:
+            return (
+                f"tensor {name} has {have[name]} elements, this job's needs {numel} "
+                f"(its model: {_shape(source)}; this job's: {_shape(target)})"
+            )
+    if optimizer:
+        frozen_then = _frozen(source)
+        trained_now = {o for _, o, _ in model_parameters(target.model)} - _frozen(target)
+        missing = sorted(trained_now & frozen_then)
+        if missing:
+            return f"init_from.load weights+optimizer: its job froze {missing[0]}, which this job trains (no moments saved)"
+    return ""
+
+
+def _frozen(spec: JobSpec) -> set:
+    if not spec.model.freeze:
+        return set()
+    return frozen_parameters(spec.model.freeze, ((n, o) for n, o, _ in model_parameters(spec.model)))
+
+
+def _shape(spec: JobSpec) -> str:
+    m = spec.model
+    return (
+        f"n_layers {m.n_layers}, d_model {m.d_model}, n_heads {m.n_heads}, mlp {m.mlp}, "
+        f"vocab_size {m.vocab_size}, tie_embeddings {m.tie_embeddings}"
+    )

@@ -1,0 +1,108 @@
+"""``init_from``: a new job starts from a checkpoint's weights (optionally its optimizer
+state) or a Hugging Face directory, at step 0; the real composition root, fake relays (the
+Hugging Face reader is the real relay's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rank_fakes import LocalRank, tiny_spec, torch_threads
+from safetensors.torch import load_file
+
+from services.compute import hf_format
+from services.compute.model import build_model
+from services.contract import Module, engine_pb2
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    with torch_threads(1):
+        yield
+
+
+def started_only(spec, root, **kw) -> LocalRank:
+    """A rank that loads, starts and stops before its first step: what it loaded is its state."""
+    rank = LocalRank(spec, root, **kw)
+    rank.command(engine_pb2.StopTraining(job_id="job"))
+    rank.run()
+    assert rank.error is None, rank.error
+    return rank
+
+
+def optimizer_state(rank: LocalRank) -> dict:
+    port = rank.bus.port(Module.L2_TRAINING_LOOP, Module.L2_OPTIMIZER)
+    return port(engine_pb2.ExportState()).payload.state_dict()["state"]
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_checkpoints_weights_start_a_new_job_at_step_0_with_a_fresh_or_the_saved_optimizer(tmp_path):
+    source = LocalRank(tiny_spec(steps=3, checkpoint={"every_steps": 3, "at_end": False}), tmp_path)
+    source.command(engine_pb2.StartTraining(job_id="job"))
+    source.run()
+    trained, moments = source.model_state(), optimizer_state(source)
+
+    weights = started_only(tiny_spec(steps=5, seed=9, init_from={"checkpoint": "src:3"}), tmp_path)
+    (start,) = weights.up.of(engine_pb2.TrainingLoopStarted)
+    assert start.start_step == 0
+    assert same(weights.model_state(), trained)
+    fresh = optimizer_state(weights)
+    assert all(not v["exp_avg"].any() for v in fresh.values())  # no moments: a fresh AdamW
+
+    both = started_only(
+        tiny_spec(steps=5, seed=9, init_from={"checkpoint": "src:3", "load": "weights+optimizer"}), tmp_path
+    )
+    assert same(both.model_state(), trained)
+    loaded = optimizer_state(both)
+    assert loaded.keys() == moments.keys()
+    assert all(same(loaded[k], moments[k]) for k in moments)
+
+
+def test_a_job_started_from_weights_trains_from_step_1_on_its_own_schedule(tmp_path):
+    source = LocalRank(tiny_spec(steps=3, checkpoint={"every_steps": 3, "at_end": False}), tmp_path)
+    source.command(engine_pb2.StartTraining(job_id="job"))
+    source.run()
+    rank = LocalRank(tiny_spec(steps=2, init_from={"checkpoint": "src:3"}), tmp_path)
+    rank.command(engine_pb2.StartTraining(job_id="job"))
+    rank.run()
+    assert rank.error is None
+    steps = rank.steps()
+    assert [s.step for s in steps] == [1, 2]
+    assert steps[0].learning_rate == pytest.approx(3e-3)  # its own warmup (1 step), not the source's step 4
+    assert steps[0].loss < source.steps()[0].loss  # it starts where the source ended, not at random
+
+
+def test_hugging_face_weights_round_trip_bit_exact(tmp_path):
+    spec = tiny_spec(steps=2, model={"tie_embeddings": False})
+    original = build_model(spec.model, seed=5)
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    hf_format.save_hf(hf_dir, original.state_dict(), spec)
+
+    rank = started_only(tiny_spec(steps=2, model={"tie_embeddings": False}, init_from={"hf": str(hf_dir)}), tmp_path)
+    assert rank.up.of(engine_pb2.TrainingLoopStarted)[0].start_step == 0
+    again = tmp_path / "again"
+    again.mkdir()
+    hf_format.save_hf(again, rank.model_state(), spec)  # what export writes from the loaded model
+    a, b = load_file(hf_dir / hf_format.WEIGHTS), load_file(again / hf_format.WEIGHTS)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_hugging_face_weights_of_another_shape_fail_the_start_as_a_config_error_naming_the_tensor(tmp_path):
+    small = tiny_spec(steps=2, model={"d_model": 32})
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    hf_format.save_hf(hf_dir, build_model(small.model, seed=5).state_dict(), small)
+
+    rank = LocalRank(tiny_spec(steps=2, init_from={"hf": str(hf_dir)}), tmp_path)
+    rank.run()
+    (failed,) = rank.up.of(engine_pb2.TrainingLoopFailed)
+    assert failed.fault_class == "config_error", failed
+    assert "tensor model.embed_tokens.weight has shape [256, 32], this job's tok_emb.weight needs [256, 64]" in (
+        failed.detail
+    )
+    assert not rank.steps()
