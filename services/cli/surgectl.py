@@ -213,7 +213,11 @@ def dataset_prepare(
     name: str = typer.Option("stdlib", help="dataset name"),
     version: str = typer.Option("v1", help="version label (immutable once prepared)"),
     source: Path | None = typer.Option(None, help="directory of text files (default: this Python's standard library)"),
-    tokenizer: str = typer.Option("bytes", help="'bytes' (vocab 256) or a HF tokenizers JSON file"),
+    tokenizer: str = typer.Option(
+        "bytes",
+        help="'bytes' (vocab 256), 'bpe:N' (train a byte-level BPE of N tokens on the train split) "
+        "or a HF tokenizers JSON file",
+    ),
     val_fraction: float = typer.Option(0.02, min=0.0, max=0.5, help="share of files held out (by file)"),
     glob: str = typer.Option("**/*.py", help="which files of --source are documents"),
 ) -> None:

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from services.data import manifest as mf
+from services.data.bpe import bpe_vocab_size, train_bpe
 from services.data.errors import DatasetCorrupt, InvalidConfig, VersionConflict
 
 SPLITS = ("train", "val")
@@ -115,6 +116,7 @@ def prepare_dataset(
             raise InvalidConfig(f"prepare: {field}: {value!r} must match {_LABEL.pattern}")
     if not 0.0 <= val_fraction < 1.0:
         raise InvalidConfig(f"prepare: val_fraction: must be in [0, 1), got {val_fraction}")
+    bpe_vocab_size(tokenizer)  # a bad bpe:N is refused before any file is read
     source_dir = Path(source_dir).resolve()
     if not source_dir.is_dir():
         raise InvalidConfig(f"prepare: source {source_dir}: not a directory")
@@ -122,9 +124,11 @@ def prepare_dataset(
     rels, blobs, skipped_empty = _read_sources(source_dir, include_glob)
     if not blobs:
         raise InvalidConfig(f"prepare: source {source_dir}: no non-empty file matches {include_glob!r}")
-    encode, kind, vocab_size, tok_file = _tokenizer(tokenizer)
-    dtype = np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
     is_val = _held_out(rels, val_fraction)
+    encode, kind, vocab_size, tok_json, tok_source = _tokenizer(
+        tokenizer, [blobs[i] for i in range(len(rels)) if not is_val[i]]
+    )
+    dtype = np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
     files: dict[str, bytes] = {}
     splits: dict[str, dict] = {}
@@ -141,8 +145,8 @@ def prepare_dataset(
             "index_file": f"{split}.idx.npy",
             "paths_file": f"{split}.docs.txt",
         }
-    if tok_file is not None:
-        files["tokenizer.json"] = tok_file.read_bytes()
+    if tok_json is not None:
+        files["tokenizer.json"] = tok_json
 
     manifest = mf.seal(
         {
@@ -154,8 +158,8 @@ def prepare_dataset(
             "include_glob": include_glob,
             "excluded_dirs": sorted(EXCLUDED_DIRS),
             "tokenizer_kind": kind,
-            "tokenizer": "bytes" if tok_file is None else "tokenizer.json",
-            "tokenizer_source": None if tok_file is None else str(tok_file),
+            "tokenizer": "bytes" if tok_json is None else "tokenizer.json",
+            "tokenizer_source": tok_source,
             "vocab_size": vocab_size,
             "dtype": dtype.name,
             "val_fraction": val_fraction,
@@ -214,23 +218,33 @@ def _held_out(rels: list[str], val_fraction: float) -> list[bool]:
     return is_val
 
 
-def _tokenizer(spec: str):
-    """-> (encode(blobs, dtype) -> (tokens [T], bounds int64 [n+1]), kind, vocab, json path)."""
+def _tokenizer(spec: str, train_blobs: list[bytes]):
+    """-> (encode(blobs, dtype) -> (tokens [T], bounds int64 [n+1]), kind, vocab, the
+    tokenizers JSON to store (None for bytes), where it came from (the file's path, or
+    ``bpe:N`` and what it was trained on)). ``bpe:N`` trains one on ``train_blobs``."""
     if spec == "bytes":
 
         def encode_bytes(blobs: list[bytes], dtype: np.dtype):
             tokens = np.frombuffer(b"".join(blobs), dtype=np.uint8).astype(dtype)
             return tokens, _bounds([len(b) for b in blobs])
 
-        return encode_bytes, "bytes", 256, None
+        return encode_bytes, "bytes", 256, None, None
 
     from tokenizers import Tokenizer
 
-    path = Path(spec).resolve()
-    try:
-        tok = Tokenizer.from_file(str(path))
-    except Exception as e:  # the tokenizers library raises its own exception types
-        raise InvalidConfig(f"prepare: tokenizer {spec}: not a tokenizers JSON file ({e})") from None
+    bpe_vocab = bpe_vocab_size(spec)
+    if bpe_vocab is not None:
+        texts = [b.decode("utf-8", "replace") for b in train_blobs]
+        tok_json = train_bpe(texts, bpe_vocab).encode()
+        tok = Tokenizer.from_str(tok_json.decode())
+        source = f"{spec}: byte-level BPE trained on the train split ({len(texts)} documents)"
+    else:
+        path = Path(spec).resolve()
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises its own exception types
+            raise InvalidConfig(f"prepare: tokenizer {spec}: not a tokenizers JSON file ({e})") from None
+        tok_json, source = path.read_bytes(), str(path)
 
     def encode_json(blobs: list[bytes], dtype: np.dtype):
         encs = tok.encode_batch([b.decode("utf-8", "replace") for b in blobs], add_special_tokens=False)
@@ -238,7 +252,7 @@ def _tokenizer(spec: str):
         tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
         return tokens, _bounds([len(p) for p in parts])
 
-    return encode_json, "tokenizers-json", tok.get_vocab_size(with_added_tokens=True), path
+    return encode_json, "tokenizers-json", tok.get_vocab_size(with_added_tokens=True), tok_json, source
 
 
 def _bounds(lengths: list[int]) -> np.ndarray:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 
 import numpy as np
@@ -106,6 +107,39 @@ def test_a_tokenizers_json_sets_the_vocab_and_is_copied_into_the_version(source,
     first = (source / paths[0]).read_bytes().decode()
     assert tokens[bounds[0] : bounds[1]].tolist() == tok.encode(first, add_special_tokens=False).ids
     assert info.train_tokens < sum(len((source / p).read_bytes()) for p in paths)  # BPE merges bytes
+
+
+def test_bpe_n_trains_a_byte_level_bpe_on_the_train_split_and_stores_it_in_the_version(source, root):
+    from tokenizers import Tokenizer
+
+    info = prepare_dataset(source, "bpe", "v1", root, tokenizer="bpe:400", val_fraction=0.1)
+    manifest = json.loads((info.path / "manifest.json").read_text())
+    tok = Tokenizer.from_file(str(info.path / "tokenizer.json"))
+    # (This small corpus has fewer pairs seen twice than 400 - 257 merges.)
+    assert info.tokenizer == "tokenizer.json" and 300 < info.vocab_size == tok.get_vocab_size() <= 400
+    assert tok.token_to_id("<|endoftext|>") == 0  # the packer's document separator
+    assert (
+        manifest["tokenizer_source"]
+        == f"bpe:400: byte-level BPE trained on the train split ({info.train_documents} documents)"
+    )
+    for split in ("train", "val"):  # every document's tokens decode back to its bytes
+        tokens, bounds, paths = _split(info.path, split)
+        for k, rel in enumerate(paths):
+            ids = tokens[bounds[k] : bounds[k + 1]].tolist()
+            assert 0 not in ids and tok.decode(ids).encode() == (source / rel).read_bytes()
+    assert info.train_tokens < sum(len((source / p).read_bytes()) for p in _split(info.path, "train")[2])
+    # Training is deterministic: preparing the same content again is a no-op, not a conflict.
+    again = prepare_dataset(source, "bpe", "v1", root, tokenizer="bpe:400", val_fraction=0.1)
+    assert not again.created and again.content_sha256 == info.content_sha256
+
+
+@pytest.mark.parametrize("spec", ["bpe:257", "bpe:0", "bpe:x", "bpe:", f"bpe:{2**20 + 1}"])
+def test_a_bpe_vocabulary_out_of_range_is_one_line_and_nothing_is_written(source, root, spec):
+    with pytest.raises(
+        InvalidConfig, match=rf"^prepare: tokenizer {re.escape(spec)}: bpe:N needs a vocabulary size N from 258"
+    ):
+        prepare_dataset(source, "bpe", "v1", root, tokenizer=spec)
+    assert not root.exists()
 
 
 def test_the_default_source_is_this_pythons_standard_library():
