@@ -737,19 +737,36 @@ def parse_job_spec(text: str, source: str = "job.yaml") -> JobSpec:
         JobSpecError: malformed YAML, unknown key, wrong type or value; one line naming
             ``source`` and the field's dotted path.
     """
+    raw = read_spec_mapping(text, source)
     try:
-        raw = yaml.load(text, Loader=_UniqueKeyLoader)
+        return JobSpec.model_validate(raw)
+    except ValidationError as e:
+        raise _spec_error(e, source) from None
+
+
+def read_spec_mapping(text: str, source: str = "job.yaml") -> dict:
+    """YAML text -> the raw mapping of job fields, not validated (``surgectl submit --set``
+    edits it before :func:`parse_job_spec` validates it).
+
+    Raises:
+        JobSpecError: malformed YAML (a key twice included) or not a mapping; one line.
+    """
+    raw = yaml_value(text, source)
+    if not isinstance(raw, dict):
+        raise JobSpecError(f"{source}: expected a mapping of job fields, got {type(raw).__name__}")
+    return raw
+
+
+def yaml_value(text: str, source: str) -> object:
+    """A YAML document read as a job file is read (``1e-3`` is a float, a key twice is an
+    error). Raises JobSpecError: malformed YAML, one line naming ``source``."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise JobSpecError(f"{source}:{where}: malformed YAML: {problem}") from None
-    if not isinstance(raw, dict):
-        raise JobSpecError(f"{source}: expected a mapping of job fields, got {type(raw).__name__}")
-    try:
-        return JobSpec.model_validate(raw)
-    except ValidationError as e:
-        raise _spec_error(e, source) from None
 
 
 def _spec_error(e: ValidationError, source: str) -> JobSpecError:
@@ -794,6 +811,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.2's floats without a dot (``1e-3``, ``3E+4``): PyYAML reads them as strings (YAML
+# 1.1), which the strict spec then refuses as "not a number"; everyone writes an LR so.
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
 
 
 def load_job_spec(path: str | Path) -> JobSpec:

@@ -3,32 +3,26 @@ dataset), follow it to its end, and sample text from one of its checkpoints."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
 
-from services.cli import clients, render
+from services.cli import clients, render, spec_tools
 from services.cli.errors import CliError
 from services.cli.init_from import check_init_from
 from services.contract import control_pb2, data_pb2, store_pb2
-from services.jobspec import JobSpecError, load_job_spec
+from services.jobspec import JobSpec
 
 
-def submit_job(spec_path: Path) -> control_pb2.JobStatus:
-    try:
-        spec = load_job_spec(spec_path)
-    except JobSpecError as e:
-        raise CliError(str(e), code=2) from None
+def submit_job(spec_path: Path, overrides: Sequence[str] = ()) -> control_pb2.JobStatus:
+    """Submit the spec of ``spec_path`` with ``overrides`` (``--set KEY=VALUE``) applied,
+    after the checks of :func:`check_submission`; control validates it again."""
+    spec, text, source = spec_tools.load_spec(spec_path, overrides)
     ds = data_pb2.MountDataset(name=spec.data.name, version=spec.data.version, verify=True)
     info = clients.call("data", lambda s: s.Mount(ds, timeout=120))
-    if info.vocab_size > spec.model.vocab_size:
-        raise CliError(
-            f"{spec_path}: model.vocab_size: {spec.model.vocab_size} is smaller than the "
-            f"dataset's vocabulary ({info.vocab_size}, {info.tokenizer})",
-            code=2,
-        )
-    check_init_from(spec, spec_path)
-    req = control_pb2.SubmitJobRequest(spec_yaml=spec_path.read_text(), spec_path=str(spec_path))
+    check_submission(spec, info, source)
+    req = control_pb2.SubmitJobRequest(spec_yaml=text, spec_path=source)
     try:
         return clients.call("control", lambda s: s.SubmitJob(req, timeout=60))
     except CliError as e:
@@ -37,6 +31,19 @@ def submit_job(spec_path: Path) -> control_pb2.JobStatus:
         if e.status == grpc.StatusCode.FAILED_PRECONDITION:
             e.code = 2
         raise
+
+
+def check_submission(spec: JobSpec, info: data_pb2.DatasetReady, source: str) -> None:
+    """What surgectl checks of a valid spec before control sees it (a submit and a
+    ``--dry-run`` alike), against its dataset version ``info``. Raises CliError (exit 2)."""
+    spec_tools.check_vocabulary(spec, info, source)
+    check_init_from(spec, source)
+
+
+def dry_run_job(spec_path: Path, overrides: Sequence[str] = ()) -> str:
+    """``surgectl submit --dry-run`` (services/cli/spec_tools.py): the report and the
+    effective spec; nothing submitted."""
+    return spec_tools.dry_run(spec_path, overrides, check_submission)
 
 
 def resolve_job(ref: str, stub: object | None = None) -> str:

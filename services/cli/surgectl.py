@@ -13,7 +13,7 @@ import typer
 
 from services.cli import clients, jsonout, render, stack
 from services.cli.errors import CliError
-from services.cli.jobs import follow_job, resolve_job, sample_text, submit_job
+from services.cli.jobs import dry_run_job, follow_job, resolve_job, sample_text, submit_job
 from services.contract import Module, control_pb2, data_pb2, store_pb2
 
 try:  # typer >= 0.2x parses with its own copy of click; older releases with click itself
@@ -261,12 +261,29 @@ def dataset_list(output: str = OutputOpt) -> None:
 def submit(
     spec: Path = typer.Argument(..., help="job spec YAML"),
     follow: bool = typer.Option(False, "--follow", "-f", help="show live progress until the job ends"),
+    overrides: list[str] | None = typer.Option(
+        None,
+        "--set",
+        metavar="KEY=VALUE",
+        help="override a field of the file: a dotted path and a YAML value (repeatable), "
+        "validated like the file, e.g. --set optimizer.lr=1e-3 --set steps=2000",
+    ),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="validate, resolve the dataset, estimate memory per rank and print the effective spec; submit nothing",
+    ),
 ) -> None:
     """Validate a job spec, check its dataset, submit it.
 
-    Example: surgectl submit examples/jobs/demo.yaml --follow
+    Example: surgectl submit examples/jobs/demo.yaml --set optimizer.lr=1e-3 --dry-run
     """
-    status = submit_job(spec)
+    if dry_run:
+        if follow:
+            raise CliError("--follow: nothing is submitted with --dry-run, so there is nothing to follow", code=2)
+        print(dry_run_job(spec, overrides or ()), end="", flush=True)
+        return
+    status = submit_job(spec, overrides or ())
     render.console.print(f"submitted {status.job_id} ({render.state_text(status)})")
     if follow:
         try:
@@ -296,6 +313,25 @@ def status(job: str | None = typer.Argument(None), output: str = OutputOpt) -> N
     else:
         jobs = list(clients.call("control", lambda s: s.ListJobs(control_pb2.JobQuery(), timeout=10)).jobs)
     _show(jobs, output, render.jobs_table)
+
+
+@app.command("spec")
+def job_spec(job: str, output: str = typer.Option("yaml", "--output", "-o", help="yaml | json")) -> None:
+    """Print a submitted job's effective spec: every default filled, --set overrides and a
+    resume's new layout applied, as control journaled it. It is a job file: `surgectl
+    submit` of it runs the same job again.
+
+    Example: surgectl spec demo-3f2a1c > again.yaml
+    """
+    from services.cli.spec_tools import show_spec
+
+    if output not in ("yaml", "json"):
+        raise CliError(f"--output: expected 'yaml' or 'json', got {output!r}", code=2)
+    job = resolve_job(job)
+    s = clients.call("control", lambda st: st.GetJob(control_pb2.JobQuery(job_id=job, with_spec=True), timeout=10))
+    if not s.spec_json:
+        raise CliError(f"control did not send the spec of {job} (a control older than this surgectl?)")
+    print(show_spec(s.spec_json, output), end="", flush=True)
 
 
 ReconnectOpt = typer.Option(

@@ -1,0 +1,204 @@
+"""An estimate of the memory one rank of a job needs, from its spec alone (`surgectl submit
+--dry-run`). Arithmetic, no torch: it counts the tensors the rank holds, as Surge lays the
+model out (services/compute/parallelize.py, services/engine/sharding_plan.py) and trains it.
+
+What it counts, per rank (the pipeline stage that holds the most, when pp > 1):
+
+* parameters: float32 always (autocast computes in bf16/fp16, the weights stay float32);
+  tensor parallelism splits the projections Megatron's way (sharding_plan.tp_styles: q, k,
+  v, gate, up by column, proj and down by row; norms and embeddings whole); FSDP2 shards
+  every tensor over dp (``fully_shard`` per block, then the root); a frozen parameter
+  (``model.freeze``) is held but gets no gradient and no optimizer state.
+* gradients: float32, one per trainable parameter, sharded like it.
+* AdamW moments: ``exp_avg`` and ``exp_avg_sq``, float32 (8 bytes a trainable parameter).
+* DDP buckets (ddp, dp > 1): DistributedDataParallel's flat gradient buckets, a second
+  copy of the gradients (Surge leaves ``gradient_as_bucket_view`` at its default, off).
+* FSDP2 all-gathered (fsdp2, dp > 1): the root's parameters (embedding, final norm, LM head:
+  FSDP2 keeps the root's unsharded through backward), two blocks' (the one running and the
+  one prefetched) and one block's unsharded gradients before their reduce-scatter.
+* autocast weight casts (bf16 / fp16): autocast keeps a 2-byte copy of every weight a matmul
+  used until backward has used it.
+* activations: what autograd saves per token of a micro-batch in each block (sizes from
+  services/compute/model.py; a = 2 bytes under autocast, else 4): for each of the two
+  RMSNorms its input (the float32 residual stream), the normalised input and 1/rms (torch's
+  RMSNorm as its composite ops save them: 8 D + 4); the inputs of q/k/v and of the MLP's first linears
+  (in float32 one shared tensor of 4 D; under autocast each linear saves its own cast, a D);
+  q, k, v, the attention output and its transposed copy (5 a D, split by tp); SwiGLU's
+  gate, up, silu(gate) and product (4 a F; GELU: 2 a F; split by tp); the SDPA kernel's
+  log-sum-exp (4 H) or, with ``attention: math``, the softmax probabilities instead of
+  the kernel's output (H T in float32, and their cast). With activation checkpointing a block keeps its input (4 D)
+  and one block's are recomputed at a time. Pipeline stages hold the micro-batches in
+  flight: all of them under GPipe, at most pp - stage under 1F1B.
+* logits and loss: per token, the float32 logits, their log-softmax (kept for backward)
+  and its gradient (3 x 4 V), and under autocast the 2-byte logits too; the final norm's
+  and the LM head's saved inputs; on the last stage.
+
+Not counted: the process itself (Python, torch, CUDA context: hundreds of MiB), the
+allocator's caching and fragmentation, communication buffers, evaluation (no gradients,
+smaller), the optimizer's transient buffers. It is an estimate; tests/cli/test_spec_tools.py
+checks the activations against what autograd really saves for a small model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from services.engine.sharding_plan import plan
+from services.jobspec import JobSpec, frozen_parameters, mlp_hidden_width, model_parameters
+
+FLOAT32 = 4
+HALF = 2  # bf16 / fp16
+
+
+@dataclass(frozen=True)
+class MemoryItem:
+    name: str
+    bytes: int
+    note: str
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The estimate for the rank of pipeline stage ``stage`` (the largest of ``stages``)."""
+
+    stage: int
+    stages: int
+    parameters: int  # parameters this rank holds (elements)
+    total_parameters: int  # the model's (elements, a tied weight once)
+    items: tuple[MemoryItem, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(i.bytes for i in self.items)
+
+    def lines(self) -> list[str]:
+        """The estimate as text lines (what `submit --dry-run` prints)."""
+        where = f"pipeline stage {self.stage} of {self.stages}, the largest; " if self.stages > 1 else ""
+        head = (
+            f"memory per rank (an estimate: tensors only; the process's own runtime, allocator caching and "
+            f"communication buffers come on top): {where}{self.parameters:,} of {self.total_parameters:,} parameters"
+        )
+        out = [head]
+        width = max(len(i.name) for i in self.items)
+        out += [f"  {i.name:<{width}}  {human_bytes(i.bytes):>10}  {i.note}" for i in self.items]
+        out.append(f"  {'total':<{width}}  {human_bytes(self.total):>10}")
+        return out
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _owner_stage(name: str, stage_of_layer: dict[int, int], last: int) -> int:
+    if name.startswith("blocks."):
+        return stage_of_layer[int(name.split(".")[1])]
+    return 0 if name == "tok_emb.weight" else last
+
+
+def estimate_memory(spec: JobSpec) -> MemoryEstimate:
+    """Bytes one rank of ``spec`` holds at its peak (the module docstring says what is
+    counted); for pp > 1, the stage whose rank needs the most."""
+    m, p = spec.model, spec.parallel
+    sp = plan(m, spec.world_size, p)
+    stages, last = len(sp.stage_layers), len(sp.stage_layers) - 1
+    stage_of_layer = {layer: s for s, layers in enumerate(sp.stage_layers) for layer in layers}
+    tp_split = {f"{fqn}.weight" for fqn, _ in sp.tp_styles}
+    owners = {owner: numel for _, owner, numel in model_parameters(m)}
+    frozen = frozen_parameters(m.freeze, ((n, o) for n, o, _ in model_parameters(m))) if m.freeze else set()
+    fsdp = sp.data_parallel == "fsdp2"
+    ddp = sp.data_parallel == "ddp"
+    autocast = spec.precision.dtype in ("bf16", "fp16")
+    a = HALF if autocast else FLOAT32
+
+    best: MemoryEstimate | None = None
+    for s in range(stages):
+        local: dict[str, int] = {}  # tp-local, unsharded by dp
+        for name, numel in owners.items():
+            if _owner_stage(name, stage_of_layer, last) == s:
+                local[name] = numel // p.tp if name in tp_split else numel
+        shard = (lambda n: math.ceil(n / p.dp)) if fsdp else (lambda n: n)
+        held = sum(shard(n) for n in local.values())
+        trainable = sum(shard(n) for name, n in local.items() if name not in frozen)
+        items = [
+            MemoryItem("parameters", FLOAT32 * held, "float32" + (f", sharded over dp {p.dp} (fsdp2)" if fsdp else "")),
+            MemoryItem("gradients", FLOAT32 * trainable, "float32, trainable parameters only"),
+            MemoryItem("AdamW moments", 2 * FLOAT32 * trainable, "exp_avg and exp_avg_sq, float32"),
+        ]
+        if ddp:
+            unsharded = sum(n for name, n in local.items() if name not in frozen)
+            items.append(MemoryItem("DDP buckets", FLOAT32 * unsharded, "a flat copy of the gradients"))
+        if fsdp:
+            blocks: dict[str, int] = {}
+            for name, n in local.items():
+                if name.startswith("blocks."):
+                    key = ".".join(name.split(".")[:2])
+                    blocks[key] = blocks.get(key, 0) + n
+            root = sum(n for name, n in local.items() if not name.startswith("blocks."))
+            block = max(blocks.values(), default=0)
+            items.append(
+                MemoryItem(
+                    "FSDP2 gathered",
+                    FLOAT32 * (root + 3 * block),
+                    "unsharded: the root's parameters, two blocks' parameters, one block's gradients",
+                )
+            )
+        if autocast:  # the blocks' linears, and the LM head (the embedding's lookup is no matmul)
+            matmul = sum(n for name, n in local.items() if name.split(".")[2:3] in (["attn"], ["mlp"]))
+            if s == last:
+                matmul += local.get("lm_head.weight", owners["tok_emb.weight"] if m.tie_embeddings else 0)
+            items.append(MemoryItem("autocast casts", HALF * matmul, f"{spec.precision.dtype} copies of the weights"))
+        items += _activations(spec, s, stages, sp.microbatches, sp.pipeline_schedule, len(sp.stage_layers[s]), a)
+        est = MemoryEstimate(s, stages, held, sum(owners.values()), tuple(items))
+        if best is None or est.total > best.total:
+            best = est
+    assert best is not None
+    return best
+
+
+def _activations(
+    spec: JobSpec, stage: int, stages: int, n_micro: int, schedule: str, layers: int, a: int
+) -> list[MemoryItem]:
+    m, p, d = spec.model, spec.parallel, spec.data
+    D, F, H, T, tp = m.d_model, mlp_hidden_width(m), m.n_heads, d.seq_len, p.tp
+    rows, in_flight = d.micro_batch_size, 1
+    if stages > 1:  # a pipeline micro-batch is micro_batch_size / microbatches rows
+        rows = d.micro_batch_size // n_micro
+        in_flight = n_micro if schedule == "gpipe" else min(n_micro, stages - stage)
+    rows_held = rows * in_flight
+    tokens = rows_held * T
+    qkv_in = FLOAT32 * D if a == FLOAT32 else 3 * a * D
+    mlp_in = FLOAT32 * D if a == FLOAT32 else (2 if m.mlp == "swiglu" else 1) * a * D
+    mlp_hidden = (4 if m.mlp == "swiglu" else 2) * a * F // tp
+    if spec.attention == "math":  # q, k, v, the heads' output copy; the probabilities
+        attention = 4 * a * D // tp + (H // tp) * T * (FLOAT32 + (a if a != FLOAT32 else 0))
+    else:  # q, k, v, the kernel's output and its copy; the log-sum-exp
+        attention = 5 * a * D // tp + FLOAT32 * (H // tp)
+    norm = 2 * FLOAT32 * D + FLOAT32  # RMSNorm: its input, the normalised input, 1/rms
+    per_layer = 2 * norm + qkv_in + attention + mlp_in + mlp_hidden
+    if p.activation_checkpointing:
+        blocks = FLOAT32 * D * layers * tokens + per_layer * tokens
+        how = f"checkpointed: each block's input, one block recomputed at a time ({layers} blocks)"
+    else:
+        blocks = per_layer * layers * tokens
+        how = f"{per_layer:,} bytes a token a block x {layers} blocks"
+    held = f"{rows_held} rows x seq_len {T}"
+    if stages > 1:
+        held += f" ({in_flight} pipeline micro-batch{'es' if in_flight > 1 else ''} of {rows} rows in flight)"
+    out = [MemoryItem("activations", blocks, f"{held}; {how}")]
+    if stage == stages - 1:
+        logits_tokens = (rows if schedule != "gpipe" else rows_held) * T  # (1F1B's last stage: one at a time)
+        per_token = 3 * FLOAT32 * m.vocab_size + (a * m.vocab_size if a != FLOAT32 else 0)
+        final_norm = norm + a * D  # and the LM head's input
+        out.append(
+            MemoryItem(
+                "logits and loss",
+                (per_token + final_norm) * logits_tokens,
+                f"vocab_size {m.vocab_size} x {logits_tokens} tokens: logits, log-softmax and its gradient",
+            )
+        )
+    return out
