@@ -1,0 +1,141 @@
+"""``surgectl export``: a committed version (made here by the real checkpoint manager and the
+ranks' chunk writer, in this process) written as a Hugging Face directory or a plain
+state_dict, with no stack running; each refusal one line."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from services.compute.model import build_model
+from services.contract import store_pb2
+from services.jobspec import JobSpec, spec_to_json
+from services.state.chunk_store import ChunkWriter
+from services.store.checkpoint_manager import CheckpointManager
+from tests.cli.test_housekeeping import assert_one_line, run_cli
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def spec_of(**model) -> JobSpec:
+    return JobSpec.model_validate(
+        {
+            "name": "src",
+            "steps": 4,
+            "data": {"dataset": "words@v1", "seq_len": 16},
+            "model": {"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64, **model},
+        }
+    )
+
+
+def commit_version(home: Path, spec: JobSpec, job: str = "src-1", step: int = 4) -> torch.nn.Module:
+    """A version of ``job`` at ``step`` holding a model of ``spec`` (seed 11), as ranks write it."""
+    model = build_model(spec.model, seed=11)
+    manager = CheckpointManager(home / "store")
+    staged = manager.save_checkpoint(store_pb2.SaveCheckpoint(job_id=job, step=step, rank=0, baseline_every=1))
+    writer = ChunkWriter(staged.staging_path, staged.chunk_path, sync_files=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": model.state_dict()}, storage_writer=writer, no_dist=True)
+    manager.commit_checkpoint(
+        store_pb2.CommitCheckpoint(job_id=job, step=step, world_size=1, spec_json=spec_to_json(spec))
+    )
+    return model
+
+
+def dataset_with_tokenizer(home: Path) -> bytes:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    d = home / "datasets" / "words" / "v1"
+    d.mkdir(parents=True)
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "manifest.json").write_text(json.dumps({"name": "words", "version": "v1", "tokenizer": "tokenizer.json"}))
+    return (d / "tokenizer.json").read_bytes()
+
+
+def test_hf_export_loads_in_transformers_with_the_same_logits_and_the_datasets_tokenizer(
+    surge_home, tmp_path, monkeypatch, capsys
+):
+    transformers = pytest.importorskip("transformers")
+    model = commit_version(surge_home, spec_of(tie_embeddings=False))
+    tokenizer = dataset_with_tokenizer(surge_home)
+    out = tmp_path / "hf"
+    code, stdout, err = run_cli(["export", "src-1:latest", "--format", "hf", "--out", str(out)], monkeypatch, capsys)
+    assert code == 0, err
+    assert "exported src-1:1 (step 4) as hf to" in stdout
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "surge_spec.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    assert (out / "tokenizer.json").read_bytes() == tokenizer
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    idx_BT = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (model.eval()(idx_BT) - hf(idx_BT).logits).abs().max().item() < 1e-5
+    assert transformers.AutoTokenizer.from_pretrained(out)("hello world")["input_ids"] == [1, 2]
+    assert not list(tmp_path.glob(".hf.*"))  # no temporary directory left
+
+
+def test_torch_export_is_a_state_dict_that_build_model_loads_strictly(surge_home, tmp_path, monkeypatch, capsys):
+    spec = spec_of(mlp="gelu")  # any model: the torch format has Surge's names
+    model = commit_version(surge_home, spec)
+    out = tmp_path / "pt"
+    code, stdout, err = run_cli(["export", "src-1:1", "--format", "torch", "--out", str(out)], monkeypatch, capsys)
+    assert code == 0, err
+    assert "no tokenizer" not in stdout  # (the torch format carries none)
+    state = torch.load(out / "model.pt", weights_only=True)
+    fresh = build_model(spec.model, seed=0)
+    fresh.load_state_dict(state, strict=True)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    assert json.loads((out / "surge_spec.json").read_text())["model"]["mlp"] == "gelu"
+
+
+def test_export_refusals_are_one_line_and_write_nothing(surge_home, tmp_path, monkeypatch, capsys):
+    def export(*argv):
+        return run_cli(["export", *argv], monkeypatch, capsys)
+
+    out = tmp_path / "out"
+    code, _, err = export("src-1:1", "--out", str(out))
+    assert_one_line(code, err, 1, "no checkpoints under", "store")
+    commit_version(surge_home, spec_of(mlp="gelu"))
+    code, _, err = export("src-1:1", "--format", "onnx", "--out", str(out))
+    assert_one_line(code, err, 2, "--format", "'onnx'")
+    code, _, err = export("src-1", "--out", str(out))
+    assert_one_line(code, err, 2, '"src-1"', "<job>:<n>")
+    code, _, err = export("src-1:7", "--out", str(out))
+    assert_one_line(code, err, 1, "src-1:7 not found", "src-1:1")
+    code, _, err = export("src-1:1", "--format", "hf", "--out", str(out))
+    assert_one_line(code, err, 1, "model.mlp: gelu", "--format torch")
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["surge"]  # (SURGE_HOME)
+
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, _, err = export("src-1:1", "--format", "torch", "--out", str(out))
+    assert_one_line(code, err, 1, "--out", "not empty", "--force")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    code, _, err = export("src-1:1", "--format", "torch", "--out", str(out), "--force")
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["model.pt", "surge_spec.json"]
+
+
+def test_a_damaged_chunk_is_refused_naming_it_and_nothing_is_written(surge_home, tmp_path, monkeypatch, capsys):
+    commit_version(surge_home, spec_of())
+    chunks = sorted((surge_home / "store" / "checkpoints" / "src-1" / "chunks").rglob("*"))
+    victim = max((p for p in chunks if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    out = tmp_path / "hf"
+    code, _, err = run_cli(["export", "src-1:1", "--out", str(out)], monkeypatch, capsys)
+    assert_one_line(code, err, 1, "export:", victim.name[:12])
+    assert not out.exists() and not list(tmp_path.glob(".hf.*"))

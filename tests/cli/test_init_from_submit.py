@@ -1,0 +1,96 @@
+"""surgectl's checks of ``init_from`` at submit (services/cli/init_from.py): the Hugging Face
+directory against the spec's model, and a checkpoint version through the store (answered
+here by a stand-in for the store service); each refusal one line naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.cli import clients
+from services.cli.errors import CliError
+from services.cli.init_from import check_init_from, weights_mismatch
+from services.compute import hf_format
+from services.compute.model import build_model
+from services.contract import store_pb2
+from services.jobspec import JobSpec, spec_to_json
+
+
+def spec_of(init_from=None, **model) -> JobSpec:
+    return JobSpec.model_validate(
+        {
+            "name": "ft",
+            "steps": 4,
+            "data": {"dataset": "x@v1", "seq_len": 16},
+            "model": {"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64, **model},
+            "init_from": init_from,
+        }
+    )
+
+
+def test_an_hf_directory_of_another_model_is_refused_naming_key_and_field(tmp_path):
+    other = spec_of(n_layers=3)
+    hf_format.save_hf(tmp_path, build_model(other.model, seed=0).state_dict(), other)
+    with pytest.raises(CliError) as e:
+        check_init_from(spec_of({"hf": str(tmp_path)}), "ft.yaml")
+    assert e.value.code == 2
+    assert str(e.value) == (
+        f"ft.yaml: init_from.hf: {tmp_path / 'config.json'}: num_hidden_layers 3 differs from model.n_layers 2"
+    )
+    check_init_from(spec_of({"hf": str(tmp_path)}, n_layers=3), "ft.yaml")  # its own model: accepted
+
+
+class _Store:
+    """The store service's Load: the version's info with the spec it was written with."""
+
+    def __init__(self, spec: JobSpec | None):
+        self.spec, self.asked = spec, []
+
+    def Load(self, msg, timeout=None):  # noqa: N802 - the gRPC method's name
+        self.asked.append(msg.version)
+        if self.spec is None:
+            raise CliError(f"checkpoint {msg.version} not found (have: src-1:1)")
+        return store_pb2.CheckpointLoaded(
+            info=store_pb2.CheckpointInfo(version="src-1:4", spec_json=spec_to_json(self.spec))
+        )
+
+
+@pytest.fixture
+def store(monkeypatch):
+    def use(spec):
+        stub = _Store(spec)
+        monkeypatch.setattr(clients, "call", lambda service, fn: fn(stub) if service == "store" else None)
+        return stub
+
+    return use
+
+
+def test_a_checkpoint_version_is_asked_of_the_store_and_its_model_must_have_this_specs_tensors(store):
+    stub = store(spec_of())
+    check_init_from(spec_of({"checkpoint": "src-1:latest"}, rope_theta=500.0), "ft.yaml")  # same tensors
+    assert stub.asked == ["src-1:latest"]
+    store(spec_of(n_layers=1))
+    with pytest.raises(CliError) as e:
+        check_init_from(spec_of({"checkpoint": "src-1:latest"}), "ft.yaml")
+    assert e.value.code == 2 and str(e.value).startswith(
+        "ft.yaml: init_from.checkpoint: src-1:4: holds no tensor blocks.1.attn_norm.weight (its model: n_layers 1, "
+    )
+    store(None)
+    with pytest.raises(CliError) as e:
+        check_init_from(spec_of({"checkpoint": "src-1:9"}), "ft.yaml")
+    assert (e.value.code, str(e.value)) == (
+        2,
+        "ft.yaml: init_from.checkpoint: checkpoint src-1:9 not found (have: src-1:1)",
+    )
+
+
+def test_weights_must_match_in_size_and_heads_and_moments_must_exist_for_what_is_trained():
+    assert weights_mismatch(spec_of(), spec_of(vocab_size=96), False).startswith(
+        "tensor tok_emb.weight has 2048 elements, this job's needs 3072"
+    )
+    assert weights_mismatch(spec_of(), spec_of(n_heads=2), False) == "its model.n_heads is 4, this job's 2"
+    frozen = spec_of(freeze=["blocks.0.*"])
+    assert weights_mismatch(frozen, spec_of(), False) == ""
+    assert weights_mismatch(frozen, spec_of(), True) == (
+        "init_from.load weights+optimizer: its job froze blocks.0.attn.k.weight, which this job trains (no moments saved)"
+    )
+    assert weights_mismatch(spec_of(), frozen, True) == ""

@@ -1,0 +1,38 @@
+"""Control's own check of ``init_from.hf`` at submit (the backstop behind surgectl's): a
+directory that is not the spec's model is refused before anything is allocated."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from services.compute import hf_format
+from services.compute.model import build_model
+from services.contract import control_pb2
+from services.jobspec import JobSpecError, parse_job_spec
+
+
+def test_an_hf_directory_that_is_not_the_specs_model_is_refused_before_anything_is_allocated(plane, tmp_path):
+    plane.register("wa")
+    text = "name: x\nsteps: 4\ndata: {dataset: x@v1, seq_len: 16}\nmodel: {n_layers: 1, d_model: 32, n_heads: 2}\n"
+    cases = (
+        (str(tmp_path / "none"), "init_from.hf: " + str(tmp_path / "none") + ": not a directory"),
+        (
+            str(tmp_path),
+            "init_from.hf: " + str(tmp_path / "config.json") + ": hidden_size 64 differs from model.d_model 32",
+        ),
+    )
+    other = parse_job_spec(text.replace("d_model: 32", "d_model: 64"))
+    hf_format.save_hf(tmp_path, build_model(other.model, seed=0).state_dict(), other)
+    for where, words in cases:
+        with pytest.raises(JobSpecError, match=f"^ft.yaml: {re.escape(words)}$"):
+            plane.user(
+                control_pb2.SubmitJobRequest(spec_yaml=text + f"init_from: {{hf: {where}}}\n", spec_path="ft.yaml")
+            )
+    assert list(plane.user(control_pb2.JobQuery()).jobs) == []
+    hf_format.save_hf(tmp_path, build_model(parse_job_spec(text).model, seed=0).state_dict(), parse_job_spec(text))
+    status = plane.user(
+        control_pb2.SubmitJobRequest(spec_yaml=text + f"init_from: {{hf: {tmp_path}}}\n", spec_path="ft.yaml")
+    )
+    assert status.job_id
