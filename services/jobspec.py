@@ -395,6 +395,23 @@ class EvalSpec(_Strict):
     at_end: bool = True
 
 
+class WandbSpec(_Strict):
+    # A W&B run per job, written by the store's metrics logger (L5-2) under the job's metrics
+    # directory; offline only: `wandb sync <dir>` uploads it from a machine that may.
+    project: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+    mode: Literal["offline"] = "offline"
+
+
+class MetricsSpec(_Strict):
+    """Where a job's metrics go besides the store's JSONL file and Prometheus (same raw values)."""
+
+    tensorboard: bool = False  # TensorBoard event files under the job's metrics directory
+    wandb: WandbSpec | None = None
+    # A `step N loss ... lr ... grad_norm ... tok/s ...` line in the rank logs every N steps
+    # and at the last step (0: none).
+    log_every: int = Field(10, ge=0, le=U32_MAX)
+
+
 # skip_step: the training loop skips the step's update on every rank and goes on (only for
 # the step faults of STEP_FAULT_CLASSES).
 FaultAction = Literal["ignore", "skip_step", "restart_ranks", "rollback", "exclude_node", "stop"]
@@ -649,6 +666,7 @@ class JobSpec(_Strict):
     fault_policy: FaultPolicySpec = FaultPolicySpec()
     liveness: LivenessSpec = LivenessSpec()
     init_from: InitFromSpec | None = None
+    metrics: MetricsSpec = MetricsSpec()
 
     @field_validator("precision", mode="before")
     @classmethod

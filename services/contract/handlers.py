@@ -307,6 +307,8 @@ class MetricsLoggerHandlers(Protocol):
     ``on_step_completed`` (StepCompleted)
     """
 
+    def log_collection_config(self, msg: store_pb2.LogCollectionConfig, payload: Any = None) -> Any: ...
+
 
 class UserHandlers(Protocol):
     """EXT_USER: what ``Bus.host(EXT_USER, obj)`` subscribes.

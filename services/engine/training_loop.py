@@ -15,7 +15,7 @@ Commands
     L3-1 LoadModel/ExportState/RestoreState, L2-4 InitPrecision/UnscaleAndCheck/ScaleLoss, L3-3 ConfigureForward/
     RunForward, L3-4 RunBackward, L3-5 ArmReduction/ReduceGradients, L2-3 ApplyUpdate/
     ExportState/RestoreState, L4 MountDataset/OpenStream, L5 SaveCheckpoint/CommitCheckpoint/LoadCheckpoint/
-    FlushCheckpoint.
+    FlushCheckpoint, L5-2 LogCollectionConfig (the spec's ``metrics:``, once, before the first step).
 Publishes
     TrainingLoopStarted, StepCompleted, EvalCompleted, TrainingLoopPaused, StepFaultReported,
     TrainingLoopFinished, TrainingLoopFailed (to L1; step and eval events also to L5-2).
@@ -130,6 +130,7 @@ class LoopPorts:
     precision: CommandPort
     data: CommandPort
     store: CommandPort
+    metrics: CommandPort | None = None  # L5-2 (LogCollectionConfig); None: no sinks configured
 
 
 class LoopState:
@@ -448,7 +449,7 @@ class TrainingLoop:
         self._position = batches[-1][0].next
         step_s = time.perf_counter() - t0
         tokens = reduced.global_tokens
-        self._emit(engine_pb2.StepCompleted(
+        self._emit(done := engine_pb2.StepCompleted(
             job_id=self._job_id, rank=self._rank, step=step,
             loss=reduced.global_loss_sum / tokens if tokens else float("nan"),
             learning_rate=lr, grad_norm=adjusted.grad_norm, tokens=tokens,
@@ -460,6 +461,9 @@ class TrainingLoop:
             flops_per_token=self._flops_per_token,
             mfu=tokens / step_s * self._flops_per_token / (self._peak_flops * self._world),
         ))  # fmt: skip
+        every = self._spec.metrics.log_every
+        if every and _due(step, every, step == self._spec.steps):
+            _log.info(step_line(done), once=True)  # the same on every rank: rank 0 writes it
 
     def _judge(
         self, step: int, reduced: engine_pb2.GradientsReduced, adjusted: engine_pb2.LossScaleAdjusted
@@ -678,6 +682,12 @@ class TrainingLoop:
             self._start_from(spec.init_from)
         self._init_precision()  # after the load: a checkpoint's scaler state goes with it
         self._open_stream("train", self._position, repeat=True, max_batches=0)
+        if p.metrics is not None:  # where L5-2 writes this job's records besides its own files
+            m = spec.metrics
+            p.metrics(store_pb2.LogCollectionConfig(
+                job_id=self._job_id, tensorboard=m.tensorboard,
+                wandb_project=m.wandb.project if m.wandb else "", wandb_mode=m.wandb.mode if m.wandb else "",
+            ))  # fmt: skip
         self._emit(engine_pb2.TrainingLoopStarted(
             job_id=self._job_id, rank=self._rank, start_step=self._step,
             num_parameters=self._num_parameters, startup_seconds=time.perf_counter() - self._t_created,
@@ -908,6 +918,16 @@ def model_flops_per_token(spec: JobSpec, num_parameters: int) -> float:
     12 * n_layers * d_model * seq_len (PaLM, Chowdhery et al. 2022, appendix B)."""
     m = spec.model
     return 6.0 * num_parameters + 12.0 * m.n_layers * m.d_model * spec.data.seq_len
+
+
+def step_line(done: engine_pb2.StepCompleted) -> str:
+    """A step's line in the rank log: ``step 120 loss 2.3141 lr 2.9e-03 grad_norm 0.84 tok/s 12345``
+    (the StepCompleted's values, rounded for reading; the store keeps them exact)."""
+    line = (
+        f"step {done.step} loss {done.loss:.4f} lr {done.learning_rate:.1e} "
+        f"grad_norm {done.grad_norm:.4g} tok/s {done.tokens_per_second:.0f}"
+    )
+    return f"{line} skipped ({done.skip_reason})" if done.skipped else line
 
 
 def _due(step: int, every: int, at_end: bool) -> bool:

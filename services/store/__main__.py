@@ -55,7 +55,7 @@ def wire(
     bus = Bus(on_violation=ViolationReporter("store", log))
     validate_table(bus.table)
     manager = CheckpointManager(root, registry=registry, emit=bus.emitter(CKPT))
-    metrics = MetricsLogger(root, registry=registry)
+    metrics = MetricsLogger(root, registry=registry, emit=bus.emitter(METRICS))
     bus.host(
         CKPT,
         manager,
@@ -75,7 +75,7 @@ def wire(
             store_pb2.ScrubCheckpoints,
             store_pb2.WatchCheckpointsRequest,
         ),
-        METRICS: (engine_pb2.StepCompleted, engine_pb2.EvalCompleted),
+        METRICS: (engine_pb2.StepCompleted, engine_pb2.EvalCompleted, store_pb2.LogCollectionConfig),
     }
     ports: dict[tuple[int, int], CommandPort] = {}
     for receiver, types in forwarded.items():

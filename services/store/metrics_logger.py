@@ -32,6 +32,11 @@ Prometheus (names per the Prometheus conventions: base units, ``_total`` for cou
 ``surge_eval_seconds`` (gauges of the last record); ``surge_train_steps_total``,
 ``surge_train_tokens_total`` (each rank reports the all-rank count, as sent),
 ``surge_skipped_steps_total``, ``surge_eval_runs_total`` (counters).
+
+Sinks (``metric_sinks.py``): a job's ``LogCollectionConfig`` (its spec's ``metrics:``, pushed by
+its ranks) turns on TensorBoard event files and an offline W&B run; every record written
+here (rank 0's) goes there too, unchanged. A sink that fails is reported as ``LogWriteFailed``
+(typed) and closed; the record is still written here and acknowledged.
 """
 
 from __future__ import annotations
@@ -45,11 +50,13 @@ from collections import deque
 from pathlib import Path
 from typing import IO, Any
 
+import structlog
 from google.protobuf import json_format
 from google.protobuf.message import Message
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.contract import engine_pb2, store_pb2
+from services.store.metric_sinks import Sinks
 
 PHASES = ("data_wait", "forward", "backward", "reduction", "optimizer")
 # Per job: lines remembered to recognise a resent record. Only records that were sent but
@@ -57,6 +64,7 @@ PHASES = ("data_wait", "forward", "backward", "reduction", "optimizer")
 # (gRPC's flow-control window), far fewer than this.
 RECENT_LINES = 1 << 16
 RECENT_TAIL_BYTES = 16 << 20  # read back from a job's file after a restart
+_log = structlog.get_logger("metrics_logger")
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # it names a file
 
 
@@ -95,7 +103,9 @@ class MetricsLogger:
             service; a private one by default so tests can build several loggers).
     """
 
-    def __init__(self, root: Path, registry: CollectorRegistry | None = None):
+    def __init__(self, root: Path, registry: CollectorRegistry | None = None, emit: Any = None):
+        """``emit``: publishes this module's events (its failure event ``LogWriteFailed`` for
+        a sink that failed); None: such a failure is only logged."""
         self._dir = Path(root) / "metrics"
         self._dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
@@ -103,8 +113,22 @@ class MetricsLogger:
         self._recent: dict[str, _Recent] = {}
         self._series: dict[tuple[str, int], _Series] = {}
         self._metrics = _define(registry if registry is not None else CollectorRegistry())
+        self._emit = emit
+        self._sinks = Sinks(self._dir, on_failure=self._sink_failed)
 
     # ------------------------------------------------------------------ commands
+
+    def log_collection_config(self, msg: store_pb2.LogCollectionConfig, payload: Any = None) -> store_pb2.MetricsAck:
+        """The job's sinks (kept, see ``metric_sinks.py``); a config is no record: ``records`` 0.
+
+        Raises:
+            ValueError: ``job_id`` is not a safe file name.
+            OSError: the config's copy could not be written (nothing was acknowledged).
+        """
+        if not _JOB_ID.match(msg.job_id):
+            raise ValueError(f'metrics: job_id "{msg.job_id}": must match {_JOB_ID.pattern}')
+        self._sinks.configure(msg)
+        return store_pb2.MetricsAck(records=0)
 
     def on_step_completed(self, msg: engine_pb2.StepCompleted, payload: Any = None) -> store_pb2.MetricsAck:
         """A rank's raw step metrics: persist the line, then set the Prometheus series.
@@ -141,6 +165,7 @@ class MetricsLogger:
         s.tokens.inc(msg.tokens)
         if msg.skipped:
             s.skipped.inc()
+        self._sinks.record("step", msg)
         return store_pb2.MetricsAck(records=1)
 
     def on_eval_completed(self, msg: engine_pb2.EvalCompleted, payload: Any = None) -> store_pb2.MetricsAck:
@@ -156,10 +181,12 @@ class MetricsLogger:
         s.eval_loss.set(msg.loss)
         s.eval_seconds.set(msg.seconds)
         s.evals.inc()
+        self._sinks.record("eval", msg)
         return store_pb2.MetricsAck(records=1)
 
     def close(self) -> None:
-        """Flush and close every JSONL file (at shutdown)."""
+        """Flush and close every JSONL file and sink (at shutdown)."""
+        self._sinks.close()
         with self._lock:
             for f in self._files.values():
                 f.close()
@@ -196,6 +223,11 @@ class MetricsLogger:
             f.flush()
             recent.add(key)
             return True
+
+    def _sink_failed(self, event: store_pb2.LogWriteFailed) -> None:
+        _log.error("metric_sink_failed", job=event.failure.job_id, path=event.path, reason=event.reason)
+        if self._emit is not None:
+            self._emit(event)
 
     def _series_of(self, job: str, rank: int) -> _Series:
         s = self._series.get((job, rank))

@@ -128,6 +128,7 @@ class StoreRelay(Protocol):
     def flush_checkpoint(self, msg: store_pb2.FlushCheckpoint, payload: Any = None) -> Any: ...
     def load_checkpoint(self, msg: store_pb2.LoadCheckpoint, payload: Any) -> Any: ...
     def on_step_completed(self, msg: engine_pb2.StepCompleted, payload: Any = None) -> None: ...
+    def log_collection_config(self, msg: store_pb2.LogCollectionConfig, payload: Any = None) -> None: ...
     def on_eval_completed(self, msg: engine_pb2.EvalCompleted, payload: Any = None) -> None: ...
 
 
@@ -214,6 +215,7 @@ def compose(
             precision=precision_port,
             data=port(L, Module.L4_DATASET_VERSIONS),
             store=guard.store(store_port) if guard else store_port,
+            metrics=port(L, Module.L5_METRICS_LOGGER),
         ),
         read_ahead=2 * spec.data.grad_accum + 2,
         started_at=started_at,
@@ -255,6 +257,7 @@ def compose(
     sub(Module.L5_CHECKPOINT_MANAGER, store_pb2.LoadCheckpoint, state.load_checkpoint)
     sub(Module.L5_METRICS_LOGGER, engine_pb2.StepCompleted, store.on_step_completed)
     sub(Module.L5_METRICS_LOGGER, engine_pb2.EvalCompleted, store.on_eval_completed)
+    sub(Module.L5_METRICS_LOGGER, store_pb2.LogCollectionConfig, store.log_collection_config)
     # Every event routed from here to an L1 module goes up the session by its name.
     link = Link(bus, name="rank session", near=SESSION_NEAR, beyond=L1, send=up.send_up)
     link.stand_in()

@@ -100,6 +100,7 @@ class FakeStore:
     def __init__(self, events: Emitter, root: Path):
         self._events, self._root = events, root
         self.metrics: list[Any] = []
+        self.configs: list[store_pb2.LogCollectionConfig] = []
         self.committed: list[store_pb2.SaveCompleted] = []
         self.flushed = 0
 
@@ -108,6 +109,9 @@ class FakeStore:
 
     def on_eval_completed(self, msg, payload=None):
         self.metrics.append(msg)
+
+    def log_collection_config(self, msg, payload=None):
+        self.configs.append(msg)
 
     def save_checkpoint(self, msg: store_pb2.SaveCheckpoint, payload):
         path = self._root / f"step{msg.step}"

@@ -480,7 +480,8 @@ def test_the_orchestrator_only_commands_below_and_never_queries(tmp_path):
 
 def test_the_metrics_logger_commands_nobody_and_cannot_trigger_a_save(tmp_path):
     built = build_store(tmp_path)
-    assert holds(built.modules[METRICS]) == {"ports": [], "emitters": [], "modules": []}
+    # Its own emitter only: for its failure event (LogWriteFailed, a sink that failed to write).
+    assert holds(built.modules[METRICS]) == {"ports": [], "emitters": ["L5_METRICS_LOGGER"], "modules": []}
     assert sends(METRICS, COMMAND) == set()  # (it commands storage: its own log files)
     with pytest.raises(RouteError, match="L5_METRICS_LOGGER may not command L5_CHECKPOINT_MANAGER"):
         built.buses[0].port(METRICS, CKPT)
@@ -657,7 +658,7 @@ def test_the_operator_adapter_only_responds_to_calls(tmp_path):
 
 def test_the_metrics_logger_only_waits_for_reported_events(tmp_path):
     metrics = build_store(tmp_path).modules[METRICS]
-    assert holds(metrics) == {"ports": [], "emitters": [], "modules": []}
+    assert holds(metrics) == {"ports": [], "emitters": ["L5_METRICS_LOGGER"], "modules": []}
     assert not any(isinstance(v, threading.Thread) for v in vars(metrics).values())
     for route in default_table().routes():
         if METRICS in route.receivers and route.kind == COMMAND:

@@ -136,19 +136,20 @@ def test_save_commit_list_load_and_metrics_through_the_real_service(store):
             )
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
-        records = [
+        records = [  # the loop's sink choice first (metrics: {tensorboard: true}), then its steps
+            store_pb2.MetricRecord(config=store_pb2.LogCollectionConfig(job_id="it", tensorboard=True), seq=1),
             store_pb2.MetricRecord(
-                step=engine_pb2.StepCompleted(job_id="it", rank=0, step=1, loss=4.5, tokens=64), seq=1
+                step=engine_pb2.StepCompleted(job_id="it", rank=0, step=1, loss=4.5, tokens=64), seq=2
             ),
             store_pb2.MetricRecord(
-                step=engine_pb2.StepCompleted(job_id="it", rank=0, step=2, loss=4.25, tokens=64), seq=2
+                step=engine_pb2.StepCompleted(job_id="it", rank=0, step=2, loss=4.25, tokens=64), seq=3
             ),
         ]
         acks = list(stub.Record(iter(records), timeout=10))
-        assert [(a.records, a.seq) for a in acks] == [(1, 1), (1, 2)]
+        assert [(a.records, a.seq) for a in acks] == [(0, 1), (1, 2), (1, 3)]
         # A rank that reconnects resends what it holds: acknowledged again, written once.
         again = list(stub.Record(iter(records), timeout=10))
-        assert [(a.records, a.seq) for a in again] == [(0, 1), (0, 2)]
+        assert [(a.records, a.seq) for a in again] == [(0, 1), (0, 2), (0, 3)]
 
     body = urllib.request.urlopen(f"http://127.0.0.1:{store.metrics_port}/metrics", timeout=10).read().decode()
     samples = {
@@ -163,6 +164,9 @@ def test_save_commit_list_load_and_metrics_through_the_real_service(store):
     assert samples[("surge_checkpoint_commits_total", (("job", "it"),))] == 1
     jsonl = (store.root / "metrics" / "it.jsonl").read_text().splitlines()
     assert [json.loads(x)["loss"] for x in jsonl] == [4.5, 4.25]
+    from tests.store.test_metric_sinks import tensorboard_scalars
+
+    assert tensorboard_scalars(store.root / "metrics" / "it" / "tensorboard")["train/loss"] == [(1, 4.5), (2, 4.25)]
 
 
 def test_sigterm_stops_the_service_cleanly(store):

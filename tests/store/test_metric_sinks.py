@@ -1,0 +1,218 @@
+"""L5-2's sinks: TensorBoard event files and an offline W&B run hold the JSONL's raw values."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from services.contract import Module, engine_pb2, route_pb2, store_pb2
+from services.store.metric_sinks import EVAL_FIELDS, STEP_FIELDS
+from services.store.metrics_logger import MetricsLogger
+
+JOB = "sinks"
+
+
+@pytest.fixture(autouse=True)
+def _no_network(monkeypatch, tmp_path):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
+
+
+def config(**kw) -> store_pb2.LogCollectionConfig:
+    return store_pb2.LogCollectionConfig(job_id=JOB, **kw)
+
+
+def step(n: int, rank: int = 0, **kw) -> engine_pb2.StepCompleted:
+    base = dict(
+        job_id=JOB,
+        rank=rank,
+        step=n,
+        loss=2.718281828459045 / n,
+        learning_rate=3.0000000000000004e-07 * n,
+        grad_norm=0.1 + 0.2 * n,
+        tokens=4096 + n,
+        tokens_per_second=98765.4321 + n,
+        step_seconds=0.1 + 0.2,
+        loss_scale=65536.0,
+        mfu=1e-7 / 3,
+        flops_per_token=1.5e6,
+        epoch=1,
+        unix_time=1767225600.123456 + n,
+    )
+    return engine_pb2.StepCompleted(**{**base, **kw})
+
+
+def jsonl(root: Path) -> list[dict]:
+    return [json.loads(x) for x in (root / "metrics" / f"{JOB}.jsonl").read_text().splitlines()]
+
+
+def expected(root: Path, rank: int = 0) -> dict[str, list[tuple[int, float]]]:
+    """The JSONL's values of ``rank``, by sink tag: (step, value) in order."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for line in jsonl(root):
+        if line["rank"] != rank:
+            continue
+        prefix, fields = ("train", STEP_FIELDS) if line["type"] == "step" else ("eval", EVAL_FIELDS)
+        for f in fields:
+            out.setdefault(f"{prefix}/{f}", []).append((line["step"], float(line[f])))
+    return out
+
+
+def same(v: float) -> object:
+    """A value compared exactly, NaN equal to NaN."""
+    return "NaN" if math.isnan(v) else v
+
+
+def tensorboard_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing import event_accumulator
+    from tensorboard.util import tensor_util
+
+    acc = event_accumulator.EventAccumulator(str(logdir), size_guidance={event_accumulator.TENSORS: 0})
+    acc.Reload()
+    return {
+        tag: [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in acc.Tensors(tag)]
+        for tag in acc.Tags()["tensors"]
+    }
+
+
+def wandb_history(run_root: Path) -> list[dict]:
+    """The history rows of the one offline run under ``run_root``, read from its ``.wandb``
+    file with wandb's own record schema (wandb 0.31 ships no Python reader of the file: its
+    framing is LevelDB's log format, 32 KiB blocks of CRC-length-type records)."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = run_root.glob("wandb/offline-run-*/run-*.wandb")
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, buf, rows = 7, b"", []
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:  # block trailer: zero padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        buf += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST: a whole record
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(buf)
+            buf = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+    return rows
+
+
+def test_tensorboard_and_wandb_hold_the_jsonl_values(tmp_path):
+    emitted = []
+    logger = MetricsLogger(tmp_path, registry=CollectorRegistry(), emit=emitted.append)
+    try:
+        assert (
+            logger.log_collection_config(
+                config(tensorboard=True, wandb_project="surge-tests", wandb_mode="offline")
+            ).records
+            == 0
+        )
+        for n in (1, 2, 3):
+            logger.on_step_completed(step(n))
+            logger.on_step_completed(step(n, rank=1, loss=9.0))  # another rank: Prometheus and JSONL only
+        assert logger.on_step_completed(step(3)).records == 0  # a resend: not written again
+        logger.on_step_completed(step(4, loss=float("nan"), skipped=True, skip_reason="non_finite_loss"))
+        logger.on_eval_completed(
+            engine_pb2.EvalCompleted(job_id=JOB, rank=0, step=4, loss=1.25, tokens=999, seconds=0.5)
+        )
+    finally:
+        logger.close()  # finishes the W&B run
+    assert emitted == []
+    want = expected(tmp_path)
+    assert len(want["train/loss"]) == 4 and want["eval/loss"] == [(4, 1.25)]
+
+    base = tmp_path / "metrics" / JOB
+    got = tensorboard_scalars(base / "tensorboard")
+    assert set(got) == set(want)
+    for tag, points in want.items():
+        assert len(got[tag]) == len(points), tag
+        for (s, v), (gs, gv) in zip(points, got[tag]):  # bit-exact (float64), NaN included
+            assert gs == s and same(gv) == same(v), (tag, s, v, gv)
+    assert got["train/skipped"][-1] == (4, 1.0)
+
+    rows = wandb_history(base)
+    by_tag: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        for tag in want:
+            if tag in row:
+                by_tag.setdefault(tag, []).append((row["_step"], row[tag]))
+    for tag, points in want.items():
+        assert [(s, same(v)) for s, v in by_tag[tag]] == [(s, same(v)) for s, v in points], tag
+
+
+def test_the_config_outlives_a_store_restart(tmp_path):
+    first = MetricsLogger(tmp_path, registry=CollectorRegistry())
+    first.log_collection_config(config(tensorboard=True))
+    first.on_step_completed(step(1))
+    first.close()
+    kept = json.loads((tmp_path / "metrics" / JOB / "sinks.json").read_text())
+    assert kept == {"tensorboard": True, "wandb_project": "", "wandb_mode": ""}
+    again = MetricsLogger(tmp_path, registry=CollectorRegistry())  # no config pushed since the restart
+    again.on_step_completed(step(2))
+    again.close()
+    assert [s for s, _ in tensorboard_scalars(tmp_path / "metrics" / JOB / "tensorboard")["train/loss"]] == [1, 2]
+
+
+def test_no_config_no_sinks(tmp_path):
+    logger = MetricsLogger(tmp_path, registry=CollectorRegistry())
+    logger.log_collection_config(config())
+    logger.on_step_completed(step(1))
+    logger.close()
+    assert sorted(p.name for p in (tmp_path / "metrics" / JOB).iterdir()) == ["sinks.json"]
+    assert len(jsonl(tmp_path)) == 1
+
+
+def test_a_failing_sink_is_a_typed_event_and_the_record_is_still_written(tmp_path):
+    (tmp_path / "metrics" / JOB).mkdir(parents=True)
+    (tmp_path / "metrics" / JOB / "tensorboard").write_text("a file where the event directory goes")
+    emitted: list = []
+    logger = MetricsLogger(tmp_path, registry=CollectorRegistry(), emit=emitted.append)
+    logger.log_collection_config(config(tensorboard=True))
+    assert logger.on_step_completed(step(1)).records == 1
+    assert logger.on_step_completed(step(2)).records == 1
+    logger.close()
+    (event,) = emitted  # once, when the sink could not start; the records go on
+    assert isinstance(event, store_pb2.LogWriteFailed)
+    assert event.path.endswith(f"{JOB}/tensorboard") and event.reason.startswith("open: ")
+    assert event.failure.module == Module.L5_METRICS_LOGGER and event.failure.job_id == JOB
+    assert event.failure.cause == route_pb2.FAILURE_IO
+    assert [x["step"] for x in jsonl(tmp_path)] == [1, 2]
+
+
+def test_a_write_that_fails_closes_the_sink_once(tmp_path):
+    emitted: list = []
+    logger = MetricsLogger(tmp_path, registry=CollectorRegistry(), emit=emitted.append)
+    logger.log_collection_config(config(tensorboard=True))
+    logger.on_step_completed(step(1))
+    (sink,) = logger._sinks._open[JOB]
+
+    def broken(*_a):
+        raise OSError(28, "No space left on device")
+
+    sink.write = broken
+    logger.on_step_completed(step(2))
+    logger.on_step_completed(step(3))
+    logger.close()
+    (event,) = emitted
+    assert event.reason.startswith("write: ") and "No space left on device" in event.reason
+    assert event.failure.operation == "surge.v1.StepCompleted" and event.failure.cause == route_pb2.FAILURE_IO
+    assert [x["step"] for x in jsonl(tmp_path)] == [1, 2, 3]
+
+
+def test_a_bad_job_id_is_refused(tmp_path):
+    logger = MetricsLogger(tmp_path, registry=CollectorRegistry())
+    with pytest.raises(ValueError, match="job_id"):
+        logger.log_collection_config(store_pb2.LogCollectionConfig(job_id="../x", tensorboard=True))
+    logger.close()
