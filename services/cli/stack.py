@@ -18,7 +18,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -124,8 +127,11 @@ def _env() -> dict:
 START_ATTEMPTS = 4
 
 
-def up(num_workers: int = 2, timeout_s: float = 60.0) -> dict[str, ServiceProc]:
+def up(num_workers: int = 2, timeout_s: float = 60.0, exit_on_interrupt: bool = False) -> dict[str, ServiceProc]:
     """Start control, store, data and ``num_workers`` workers; wait for health.
+
+    ``exit_on_interrupt`` (`surgectl up`): Ctrl-C (SIGINT) meanwhile stops every service
+    started so far and ends this process at once, exit 130 (see ``_StopOnInterrupt``).
 
     Store and data start together, then control (it needs their addresses), then the
     workers together. A service that loses its port to another process is restarted on
@@ -148,12 +154,14 @@ def up(num_workers: int = 2, timeout_s: float = 60.0) -> dict[str, ServiceProc]:
     env = _env()
     port = _Ports(fixed_ports)
     procs: dict[str, ServiceProc] = {}
+    guard = _StopOnInterrupt(procs) if exit_on_interrupt else None
 
     def start_group(specs: dict[str, tuple[str, callable]]) -> None:
         """Spawn every (name -> (service, args())) at once, then wait for each; retry a
         service that lost its port."""
         for name, (service, args) in specs.items():
-            procs[name] = _spawn(service, args(), env, run, log_name=name)
+            with guard.spawning() if guard else nullcontext():
+                procs[name] = _spawn(service, args(), env, run, log_name=name)
         _write(procs)
         for name, (service, args) in specs.items():
             for attempt in range(START_ATTEMPTS):
@@ -166,10 +174,13 @@ def up(num_workers: int = 2, timeout_s: float = 60.0) -> dict[str, ServiceProc]:
                         if pinned and e.port_taken:
                             raise CliError(f"{e} (its port is fixed by {', '.join(pinned)})") from None
                         raise
-                    procs[name] = _spawn(service, args(), env, run, log_name=name)
+                    with guard.spawning() if guard else nullcontext():
+                        procs[name] = _spawn(service, args(), env, run, log_name=name)
                     _write(procs)
 
     try:
+        if guard:
+            guard.install()
         start_group(
             {
                 "store": (
@@ -226,7 +237,103 @@ def up(num_workers: int = 2, timeout_s: float = 60.0) -> dict[str, ServiceProc]:
         _stop_all(procs)
         stack_file().unlink(missing_ok=True)
         raise
+    finally:
+        if guard:
+            guard.uninstall()
     return procs
+
+
+@contextmanager
+def exit_on_interrupt(message: str) -> Iterator[None]:
+    """Ctrl-C inside the block prints ``message`` on stderr and ends the process at once
+    (exit 130) instead of raising KeyboardInterrupt inside a gRPC call (see
+    ``_StopOnInterrupt`` for why). Outside the main thread: nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def leave(signum, frame) -> None:
+        try:
+            sys.stdout.flush()
+            sys.stderr.write(message + "\n")
+            sys.stderr.flush()
+        finally:
+            os._exit(130)
+
+    old = signal.signal(signal.SIGINT, leave)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+# How long the services started before a Ctrl-C of `surgectl up` get to stop after SIGTERM
+# before SIGKILL (they are still starting: nothing of theirs is worth waiting for).
+INTERRUPT_STOP_SECONDS = 3.0
+
+
+class _StopOnInterrupt:
+    """Ctrl-C while `surgectl up` starts the stack: stop the services started so far
+    (SIGTERM to their process groups, SIGKILL after ``INTERRUPT_STOP_SECONDS``), remove
+    ``stack.json`` and end the process at once (exit 130).
+
+    Done in the SIGINT handler instead of by a KeyboardInterrupt: raised inside a gRPC call
+    (the health checks) that exception can leave the channel's state locked, and the
+    channel's finalizer then blocks the process's exit for good. The handler touches no
+    gRPC object and the process ends with ``os._exit``. A signal arriving while a service
+    is being spawned waits until its pid is known (``spawning``); a second Ctrl-C during
+    the clean-up is ignored."""
+
+    def __init__(self, procs: dict[str, ServiceProc]):
+        self._procs = procs  # filled by up as it spawns
+        self._before = set(_CHILDREN)
+        self._spawning = 0
+        self._pending = False
+        self._old = None
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def uninstall(self) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+            self._old = None
+
+    @contextmanager
+    def spawning(self) -> Iterator[None]:
+        self._spawning += 1
+        try:
+            yield
+        finally:
+            self._spawning -= 1
+            if self._pending and not self._spawning:
+                self._stop()
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self._spawning:
+            self._pending = True
+            return
+        self._stop()
+
+    def _stop(self) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        pids = {p.pid for p in self._procs.values()} | (set(_CHILDREN) - self._before)
+        for pid in pids:
+            _signal_group(pid, signal.SIGTERM)
+        deadline = time.monotonic() + INTERRUPT_STOP_SECONDS
+        while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for pid in pids:
+            if _running(pid):
+                _signal_group(pid, signal.SIGKILL)
+        stack_file().unlink(missing_ok=True)
+        try:
+            sys.stdout.flush()
+            sys.stderr.write(f"interrupted: stopped the {len(pids)} services started so far\n")
+            sys.stderr.flush()
+        finally:
+            os._exit(130)
 
 
 def _check_writable(logs: Path) -> None:

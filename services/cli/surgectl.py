@@ -98,7 +98,7 @@ def up(
 
     if bad := env_error():  # every service would refuse to start with it
         raise CliError(bad, code=2)
-    procs = stack.up(workers)
+    procs = stack.up(workers, exit_on_interrupt=True)  # Ctrl-C: what started is stopped, exit 130
     for p in procs.values():
         render.console.print(
             f"{p.name:>10}  pid {p.pid:<7} {p.address}  /metrics :{p.metrics_port:<6} log {p.log}", soft_wrap=True
@@ -110,7 +110,8 @@ def up(
     )
     from services.cli import drain
 
-    _, failed = drain.resume_drained(resume_seconds, _say)
+    with stack.exit_on_interrupt("interrupted: the stack is up; drained jobs not resumed yet: `surgectl resume JOB`"):
+        _, failed = drain.resume_drained(resume_seconds, _say)
     for line in failed:
         render.err_console.print(
             f"warning: drained job not resumed: {line} (`surgectl resume JOB` when it fits)",
