@@ -88,9 +88,11 @@ class ModelSpec(_Strict):
     mlp_ratio: float = Field(4.0, gt=0, le=1024)
     tie_embeddings: bool = True
     vocab_size: int = Field(256, gt=0, le=I32_MAX)  # token ids travel as int32
-    rope_theta: float = Field(10000.0, gt=0)  # RoFormer (Su et al. 2021) default
+    # RoFormer (Su et al. 2021) default. Above 1: at theta <= 1 every pair of channels turns
+    # by a radian or more per position, and positions alias.
+    rope_theta: float = Field(10000.0, gt=1)
     norm_eps: float = Field(1e-5, gt=0, le=1)
-    init_std: float = Field(0.02, gt=0)  # GPT-2 initialisation
+    init_std: float = Field(0.02, gt=0, le=1)  # GPT-2 initialisation (above 1 the logits blow up at step 0)
     # Kept for older specs; ``operators.attention`` is the place for the kernel choice
     # (both set and different is refused).
     attention: Literal["sdpa", "math"] = "sdpa"
@@ -301,8 +303,10 @@ class OptimizerSpec(_Strict):
     precision manager scales them, services/engine/mixed_precision.py)."""
 
     name: Literal["adamw"] = "adamw"
-    lr: float = Field(3e-3, gt=0)
-    weight_decay: float = Field(0.1, ge=0)
+    # AdamW moves every weight by about lr a step: at 1 it overwrites weights of scale
+    # init_std at once (schedules go up to it; 3e-3 .. 6e-4 is the usual range).
+    lr: float = Field(3e-3, gt=0, le=1)
+    weight_decay: float = Field(0.1, ge=0)  # decoupled: lr x weight_decay < 1 (checked below)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)  # GPT-3 / LLaMA setting
     eps: float = Field(1e-8, gt=0, le=1)
@@ -312,6 +316,17 @@ class OptimizerSpec(_Strict):
     decay_ratio: float = Field(0.2, gt=0, le=1)  # wsd only: the share of all steps that decays
     decay_shape: Literal["linear", "1-sqrt"] = "linear"  # wsd only
     max_grad_norm: float = Field(0.0, ge=0, le=1e9)  # 0: off (1.0 is GPT-3's / Llama's)
+
+    @model_validator(mode="after")
+    def _decay_keeps_the_sign(self) -> OptimizerSpec:
+        # AdamW multiplies each weight by 1 - lr x weight_decay a step: at 1 or more the
+        # "decay" zeroes or flips every weight at the peak learning rate.
+        if self.lr * self.weight_decay >= 1:
+            raise ValueError(
+                f"weight_decay: lr x weight_decay = {self.lr:g} x {self.weight_decay:g} must be < 1 "
+                "(AdamW multiplies every weight by 1 - lr x weight_decay each step)"
+            )
+        return self
 
 
 class LossScaleSpec(_Strict):
@@ -326,7 +341,7 @@ class LossScaleSpec(_Strict):
     (``* growth_factor``) and refill the hysteresis.
     """
 
-    init_scale: float = Field(2.0**16, gt=0)
+    init_scale: float = Field(2.0**16, gt=0, le=2.0**32)  # (Megatron-LM starts at 2**32)
     growth_factor: float = Field(2.0, gt=1, le=2.0**16)
     backoff_factor: float = Field(0.5, gt=0, lt=1)
     growth_interval: int = Field(2000, gt=0)  # clean steps
@@ -507,7 +522,8 @@ class FaultPolicySpec(_Strict):
     actions: dict[str, FaultAction] = {}
     max_restarts: int = Field(3, ge=0, le=U32_MAX)
     restarts: dict[str, Annotated[int, Field(le=U32_MAX)]] = {}  # (>= 0: checked below, naming the class)
-    overflow_storm_steps: int = Field(8, gt=0)  # K consecutive skipped (overflowing) steps
+    # K consecutive skipped (overflowing) steps; counted in a uint32 (StepFaultReported.consecutive_skips)
+    overflow_storm_steps: int = Field(8, gt=0, le=U32_MAX)
     # How long a recovery waits (seconds) before the policy decides: for the store to answer
     # its verification (``store_unreachable``), for enough free slots to relaunch the ranks
     # (``no_capacity``), and for the relaunched ranks to restore and report ready
@@ -592,7 +608,7 @@ class LivenessSpec(_Strict):
     heartbeat_interval_seconds: float = Field(1.0, gt=0)
     heartbeat_timeout_seconds: float = Field(3.0, gt=0)
     stall_min_seconds: float = Field(30.0, gt=0)
-    stall_step_factor: float = Field(5.0, gt=0)
+    stall_step_factor: float = Field(5.0, gt=0, le=10_000)  # (a step 10^4 x the median is stalled)
     attribution_seconds: float = Field(1.0, ge=0)
     phase_seconds: PhaseSecondsSpec = PhaseSecondsSpec()
 

@@ -178,6 +178,23 @@ def test_an_out_of_range_value_is_refused_naming_its_field(path, kind, value, ke
             "liveness: {heartbeat_interval_seconds: 2.0, heartbeat_timeout_seconds: 3.0}",
             "heartbeat_timeout_seconds (3.0) must be at least twice heartbeat_interval_seconds (2.0)",
         ),
+        (
+            "optimizer: {lr: 0.5, weight_decay: 2.0}",
+            "optimizer.weight_decay: lr x weight_decay = 0.5 x 2 must be < 1",
+        ),
+        # Bounds of meaning, below the transport floor (issue 15 part 4).
+        ("model: {rope_theta: 1.0}", "model.rope_theta: Input should be greater than 1"),
+        ("model: {init_std: 1.5}", "model.init_std: Input should be less than or equal to 1"),
+        ("optimizer: {lr: 2.0}", "optimizer.lr: Input should be less than or equal to 1"),
+        (
+            "precision: {dtype: fp16, loss_scale: {init_scale: 1.0e+12}}",
+            "precision.loss_scale.init_scale: Input should be less than or equal to 4294967296",
+        ),
+        (
+            "fault_policy: {overflow_storm_steps: 4294967296}",
+            "fault_policy.overflow_storm_steps: Input should be less than or equal to 4294967295",
+        ),
+        ("liveness: {stall_step_factor: 1.0e+5}", "liveness.stall_step_factor: Input should be less than or equal"),
     ],
 )
 def test_cross_field_ranges_name_what_is_wrong(yaml_text, names):

@@ -36,7 +36,7 @@ def submit_job(spec_path: Path, overrides: Sequence[str] = ()) -> control_pb2.Jo
 def check_submission(spec: JobSpec, info: data_pb2.DatasetReady, source: str) -> None:
     """What surgectl checks of a valid spec before control sees it (a submit and a
     ``--dry-run`` alike), against its dataset version ``info``. Raises CliError (exit 2)."""
-    spec_tools.check_vocabulary(spec, info, source)
+    spec_tools.check_dataset(spec, info, source)
     check_init_from(spec, source)
 
 

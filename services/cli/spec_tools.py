@@ -142,8 +142,8 @@ def show_spec(spec_json: str, output: str) -> str:
 def dry_run(path: Path, overrides: Sequence[str] = (), checks: Checks = None) -> str:
     """``surgectl submit --dry-run``: validate the spec (with its overrides), resolve its
     dataset (the data service when the stack is up, else the catalog under $SURGE_HOME read
-    directly), run a submit's ``checks`` of the spec against it (default: the model's
-    vocabulary covers the dataset's), estimate the memory of one rank. Submits nothing,
+    directly), run a submit's ``checks`` of the spec against it (default:
+    :func:`check_dataset`), estimate the memory of one rank. Submits nothing,
     asks control nothing.
 
     Returns:
@@ -155,7 +155,7 @@ def dry_run(path: Path, overrides: Sequence[str] = (), checks: Checks = None) ->
     """
     spec, _, source = load_spec(path, overrides)
     info, where = resolve_dataset(spec, source)
-    (checks or check_vocabulary)(spec, info, source)
+    (checks or check_dataset)(spec, info, source)
     d, p = spec.data, spec.parallel
     tokens = spec.steps * spec.tokens_per_step
     epochs = f", {tokens / info.train_tokens:.2f} epochs of the train split" if info.train_tokens else ""
@@ -210,13 +210,26 @@ def resolve_dataset(spec: JobSpec, source: str) -> tuple[data_pb2.DatasetReady, 
     return ready, f"{note}read from the catalog under {root}"
 
 
-def check_vocabulary(spec: JobSpec, info: data_pb2.DatasetReady, source: str) -> None:
-    """Raises CliError (exit 2): the dataset's tokenizer has more tokens than the model's
-    embedding has rows (``model.vocab_size``)."""
+def check_dataset(spec: JobSpec, info: data_pb2.DatasetReady, source: str) -> None:
+    """What a spec asks of its dataset version ``info``, checked at submit rather than when
+    the ranks start.
+
+    Raises:
+        CliError (exit 2), one line naming the field: the dataset's tokenizer has more
+            tokens than the model's embedding has rows (``model.vocab_size``);
+            ``data.filter.banned_bytes`` on a dataset whose tokens are not bytes (the data
+            service's filter refuses it when the ranks open their streams).
+    """
     if info.vocab_size > spec.model.vocab_size:
         raise CliError(
             f"{source}: model.vocab_size: {spec.model.vocab_size} is smaller than the "
             f"dataset's vocabulary ({info.vocab_size}, {info.tokenizer})",
+            code=2,
+        )
+    if spec.data.filter.banned_bytes and info.tokenizer != "bytes":
+        raise CliError(
+            f"{source}: data.filter.banned_bytes: needs a dataset of the bytes tokenizer, "
+            f"{info.name}@{info.version} uses {info.tokenizer} (use data.filter.banned_tokens)",
             code=2,
         )
 

@@ -232,6 +232,23 @@ def test_dry_run_refuses_what_a_submit_would_with_one_line(job, catalog, monkeyp
     assert err.count("\n") == 1 and err.startswith(f"error: {job} with --set ") and message in err, err
 
 
+def test_dry_run_refuses_banned_bytes_on_a_dataset_of_other_tokens(job, catalog, monkeypatch, capsys):
+    """The data service's filter refuses banned_bytes on a BPE dataset when the ranks open
+    their streams; a submit (and its dry run) refuses it first, naming the field."""
+    from services.data.prepare import prepare_dataset
+
+    prepare_dataset(
+        catalog / "corpus", "tiny", "bpe", catalog / "datasets", tokenizer="bpe:300", include_glob="**/*.txt"
+    )
+    args = ["--set", "data.dataset=tiny@bpe", "--set", "model.vocab_size=512"]
+    code, out, err = surgectl_main(monkeypatch, capsys, "submit", str(job), *args, "--dry-run")
+    assert code == 0, err  # the same spec without banned_bytes is fine
+    args += ["--set", "data.filter.banned_bytes=x"]
+    code, out, err = surgectl_main(monkeypatch, capsys, "submit", str(job), *args, "--dry-run")
+    assert code == 2 and out == "" and err.count("\n") == 1, (out, err)
+    assert "data.filter.banned_bytes: needs a dataset of the bytes tokenizer, tiny@bpe uses " in err, err
+
+
 def test_dry_run_with_follow_is_a_usage_error(job, catalog, monkeypatch, capsys):
     code, out, err = surgectl_main(monkeypatch, capsys, "submit", str(job), "--dry-run", "--follow")
     assert (code, out) == (2, "") and err.startswith("error: --follow: nothing is submitted with --dry-run"), err
