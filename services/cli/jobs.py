@@ -10,6 +10,7 @@ import grpc
 
 from services.cli import clients, render, spec_tools
 from services.cli.errors import CliError
+from services.cli.evaluation import check_held_out
 from services.cli.init_from import check_init_from
 from services.contract import control_pb2, data_pb2, store_pb2
 from services.jobspec import JobSpec
@@ -37,6 +38,7 @@ def check_submission(spec: JobSpec, info: data_pb2.DatasetReady, source: str) ->
     """What surgectl checks of a valid spec before control sees it (a submit and a
     ``--dry-run`` alike), against its dataset version ``info``. Raises CliError (exit 2)."""
     spec_tools.check_dataset(spec, info, source)
+    check_held_out(spec, info, source)
     check_init_from(spec, source)
 
 

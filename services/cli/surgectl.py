@@ -13,7 +13,7 @@ import typer
 
 from services.cli import clients, jsonout, render, stack
 from services.cli.errors import CliError
-from services.cli.jobs import dry_run_job, follow_job, resolve_job, sample_text, submit_job
+from services.cli.jobs import dry_run_job, follow_job, resolve_job, submit_job
 from services.contract import Module, control_pb2, data_pb2, store_pb2
 
 try:  # typer >= 0.2x parses with its own copy of click; older releases with click itself
@@ -220,11 +220,18 @@ def dataset_prepare(
         "or a HF tokenizers JSON file",
     ),
     val_fraction: float = typer.Option(0.02, min=0.0, max=0.5, help="share of files held out (by file)"),
-    glob: str = typer.Option("**/*.py", help="which files of --source are documents"),
+    include: str | None = typer.Option(
+        None,
+        "--include",
+        "--glob",
+        help="glob of the --source files that are documents (default: every text file, hidden "
+        "files and directories skipped; for the standard library: '**/*.py')",
+    ),
 ) -> None:
     """Tokenize a directory (one document per file) into an immutable, hashed dataset version.
+    A version without held-out files is written with a warning: jobs on it cannot evaluate.
 
-    Example: surgectl dataset prepare --name notes --version v1 --source ~/notes --glob '**/*.txt'
+    Example: surgectl dataset prepare --name notes --version v1 --source ~/notes --include '**/*.md'
     """
     from services.common import paths
     from services.data.errors import DataError
@@ -241,11 +248,13 @@ def dataset_prepare(
             paths.datasets_root(),
             tokenizer=tokenizer,
             val_fraction=val_fraction,
-            include_glob=glob,
+            include_glob=include if include is not None or source is not None else "**/*.py",
         )
     except (DataError, OSError) as e:
         raise CliError(" ".join(str(e).split())) from None
     render.console.print(f"prepared {name}@{version}: {info}")
+    for warning in info.warnings:
+        render.err_console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
 
 
 @dataset_app.command("list")
@@ -608,11 +617,43 @@ def generate(
     top_k: int = typer.Option(40, min=0),
     seed: int = typer.Option(0),
 ) -> None:
-    """Sample text from a committed checkpoint (verified before loading).
+    """Sample text from a committed checkpoint, in this process: no running stack needed
+    (the version and its dataset's tokenizer are read under SURGE_HOME, every file checked).
 
     Example: surgectl generate --checkpoint latest --prompt 'def '
     """
-    render.console.print(sample_text(checkpoint, prompt, max_new_tokens, temperature, top_k, seed))
+    from services.cli import evaluation
+
+    text = evaluation.generate(checkpoint, prompt, max_new_tokens, temperature, top_k, seed)
+    render.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command("eval")
+def eval_checkpoint(
+    version: str = typer.Argument(..., help="checkpoint version: '<job>:<n>', '<job>:latest' or 'latest'"),
+    dataset: str | None = typer.Option(None, help="name@version (default: the dataset the job trained on)"),
+    batches: int | None = typer.Option(
+        None, min=1, max=1_000_000, help="micro-batches (default: the job's eval.batches x its dp ranks)"
+    ),
+    split: str = typer.Option("val", help="val (held out) or train"),
+    output: str = OutputOpt,
+) -> None:
+    """Loss of a committed checkpoint on a dataset's held-out split, in this process: no
+    running stack needed (the version and the dataset are read under SURGE_HOME, verified).
+
+    Example: surgectl eval demo-3f2a1c:2 --dataset stdlib@v1 --batches 16
+    """
+    from services.cli import evaluation
+
+    if output not in ("table", "json"):
+        raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
+    result = evaluation.evaluate(version, dataset, batches, split)
+    if output == "json":
+        import dataclasses
+
+        print(json.dumps(dataclasses.asdict(result)))
+    else:
+        render.console.print(str(result), markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()

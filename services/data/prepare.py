@@ -67,6 +67,7 @@ class PreparedDataset:
     val_tokens: int
     created: bool
     seconds: float
+    warnings: tuple[str, ...] = ()  # also in the manifest's "warnings" (e.g. no held-out split)
 
     def __str__(self) -> str:
         verb = "written" if self.created else "already present, unchanged"
@@ -90,10 +91,17 @@ def prepare_dataset(
     root: Path,
     tokenizer: str = "bytes",
     val_fraction: float = 0.02,
-    include_glob: str = "**/*.py",
+    include_glob: str | None = "**/*.py",
 ) -> PreparedDataset:
     """Tokenize every file under ``source_dir`` matching ``include_glob`` into the immutable
     version ``root/name/version``. Full stdlib, bytes tokenizer: ~2 s on 2 cores.
+    ``include_glob`` None: every text file (:func:`is_text`: no NUL byte in its first
+    8000 bytes, git's and grep's test), skipping hidden files and directories (a path part
+    starting with "."); binary and hidden files are counted in the manifest's ``skipped``.
+
+    A version with no held-out document (``val_fraction`` 0, or one file) is written with a
+    warning (``PreparedDataset.warnings``, and the manifest's ``warnings``): a job that
+    evaluates on it is refused at submit (services/cli/evaluation.py).
 
     Args:
         tokenizer: ``"bytes"`` (a token is a byte, vocab 256) or the path of a HF
@@ -121,8 +129,13 @@ def prepare_dataset(
     if not source_dir.is_dir():
         raise InvalidConfig(f"prepare: source {source_dir}: not a directory")
 
-    rels, blobs, skipped_empty = _read_sources(source_dir, include_glob)
+    rels, blobs, skipped = _read_sources(source_dir, include_glob)
     if not blobs:
+        if include_glob is None:
+            raise InvalidConfig(
+                f"prepare: source {source_dir}: no non-empty text file ({skipped['binary_files']} binary, "
+                f"{skipped['hidden_files']} hidden skipped; --include picks files by glob)"
+            )
         raise InvalidConfig(f"prepare: source {source_dir}: no non-empty file matches {include_glob!r}")
     is_val = _held_out(rels, val_fraction)
     encode, kind, vocab_size, tok_json, tok_source = _tokenizer(
@@ -147,6 +160,8 @@ def prepare_dataset(
         }
     if tok_json is not None:
         files["tokenizer.json"] = tok_json
+    no_val = splits["val"]["documents"] == 0
+    warnings = [no_held_out_warning(f"{name}@{version}", val_fraction, len(rels))] if no_val else []
 
     manifest = mf.seal(
         {
@@ -165,7 +180,8 @@ def prepare_dataset(
             "val_fraction": val_fraction,
             "split_rule": "val iff int(sha256(relative path)[:8 bytes], big-endian) / 2**64 < val_fraction",
             "splits": splits,
-            "skipped": {"empty_files": skipped_empty},
+            "skipped": skipped,
+            **({"warnings": list(warnings)} if warnings else {}),
             "files": {n: {"sha256": mf.sha256_bytes(b), "bytes": len(b)} for n, b in sorted(files.items())},
         }
     )
@@ -185,27 +201,54 @@ def prepare_dataset(
         val_tokens=final["splits"]["val"]["tokens"],
         created=created,
         seconds=time.monotonic() - t0,
+        warnings=tuple(final.get("warnings", ())),
     )
 
 
-def _read_sources(source_dir: Path, include_glob: str) -> tuple[list[str], list[bytes], int]:
-    """Relative POSIX paths (sorted) and bytes of the matching non-empty regular files."""
+def _read_sources(source_dir: Path, include_glob: str | None) -> tuple[list[str], list[bytes], dict[str, int]]:
+    """Relative POSIX paths (sorted) and bytes of the matching non-empty regular files, and
+    what was skipped (``empty_files``; with ``include_glob`` None also ``binary_files`` and
+    ``hidden_files``: text mode, see ``prepare_dataset``)."""
+    text_mode = include_glob is None
     rels = sorted(
         {
             p.relative_to(source_dir).as_posix()
-            for p in source_dir.glob(include_glob)
+            for p in source_dir.glob("**/*" if text_mode else include_glob)
             if not EXCLUDED_DIRS.intersection(p.relative_to(source_dir).parts) and p.is_file()
         }
     )
-    kept, blobs, empty = [], [], 0
+    kept, blobs = [], []
+    skipped = {"empty_files": 0, **({"binary_files": 0, "hidden_files": 0} if text_mode else {})}
     for rel in rels:
+        if text_mode and any(part.startswith(".") for part in rel.split("/")):
+            skipped["hidden_files"] += 1
+            continue
         data = (source_dir / rel).read_bytes()
         if not data:
-            empty += 1
+            skipped["empty_files"] += 1
+            continue
+        if text_mode and not is_text(data):
+            skipped["binary_files"] += 1
             continue
         kept.append(rel)
         blobs.append(data)
-    return kept, blobs, empty
+    return kept, blobs, skipped
+
+
+def is_text(data: bytes) -> bool:
+    """No NUL byte in the first 8000 bytes: git's ``buffer_is_binary`` test (grep's is alike).
+    UTF-16 text counts as binary, Latin-1 as text (it is read as bytes anyway)."""
+    return b"\0" not in data[:8000]
+
+
+def no_held_out_warning(label: str, val_fraction: float, files: int) -> str:
+    """The one line ``prepare`` warns with when a version has no held-out document."""
+    why = f"val_fraction {val_fraction:g}" if val_fraction == 0 else f"{files} file(s): the split is by file"
+    return (
+        f"{label}: no held-out split ({why}); a job evaluating on it is refused at submit: turn "
+        "eval off (eval: {every_steps: 0, at_end: false}) or prepare a version with --val-fraction > 0 "
+        "from at least two files"
+    )
 
 
 def _held_out(rels: list[str], val_fraction: float) -> list[bool]:

@@ -103,6 +103,14 @@ def test_a_short_dp2_job_trains_checkpoints_and_reports(stack, tmp_path):
     assert [c["version"] for c in cks] == [f"{job_id}:1"]
     gen = cli(home, "generate", "--checkpoint", f"{job_id}:1", "--prompt", "def ", "--max-new-tokens", "20")
     assert gen.returncode == 0 and gen.stdout.startswith("def "), gen.stderr
+    # The job's final held-out loss, reproduced from the checkpoint in one process that asks
+    # no service (the same rows: eval.batches x dp micro-batches from the split's start).
+    final_eval = [r for r in records if r.get("type") == "eval" and int(r.get("rank", 0)) == 0][-1]
+    offline = cli(home, "eval", f"{job_id}:1", "-o", "json", env={"SURGE_DATA_ADDRESS": "127.0.0.1:9"})
+    assert offline.returncode == 0, offline.stderr
+    got = json.loads(offline.stdout)
+    assert got["tokens"] == int(final_eval["tokens"]) and got["batches"] == 2 * 2
+    assert abs(got["loss"] - final_eval["loss"]) <= 1e-5 * final_eval["loss"], (got, final_eval)
 
     # The store's /metrics serves the training loss of this job.
     mport = stack_info(home)["store"]["metrics_port"]
@@ -127,6 +135,21 @@ def test_the_audit_after_the_job_shows_the_routes_every_process_used_and_no_viol
     assert used[("L2_TRAINING_LOOP", "surge.v1.ShufflePlan", "L4_SHUFFLER")]["data"] >= 2
     assert used[("L2_TRAINING_LOOP", "surge.v1.StepCompleted", "L5_METRICS_LOGGER")]["store"] >= 2 * 24
     assert v["violations"] == []
+
+
+def test_a_job_evaluating_on_a_dataset_without_held_out_split_is_refused(stack, tmp_path):
+    src = tmp_path / "one"
+    src.mkdir()
+    (src / "only.txt").write_text("a corpus of one file has no held-out split\n" * 50)
+    prep = cli(stack, "dataset", "prepare", "--name", "one", "--version", "v1", "--source", str(src))
+    assert prep.returncode == 0 and prep.stderr.startswith("warning: one@v1: no held-out split"), prep.stderr
+    spec = tmp_path / "one.yaml"
+    spec.write_text(JOB.replace("tiny@v1", "one@v1"))
+    before = json.loads(cli(stack, "status", "-o", "json").stdout)
+    r = cli(stack, "submit", str(spec))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "eval: dataset one@v1 has no held-out split" in r.stderr
+    assert json.loads(cli(stack, "status", "-o", "json").stdout) == before
 
 
 def test_dp_larger_than_the_available_ranks_is_refused_and_nothing_is_created(stack, tmp_path):
