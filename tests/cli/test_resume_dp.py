@@ -8,7 +8,9 @@ from the allocator; neither changes the job. `--dp 1 --grad-accum 2` (8 rows) re
 on one rank from that checkpoint (model and optimizer resharded through DCP, the global data
 position kept): it finishes, its status and events say dp 1 on a world of 1, and every step
 after the resume has the token count and the loss (to 1e-5, relative) of an uninterrupted
-dp 2 run's same step. Every process of the stack is killed by PID at the end (running_stack).
+dp 2 run's same step; `surgectl spec JOB` shows the new layout, and a `submit --dry-run`
+reads the dataset from the running data service and submits nothing. Every process of the
+stack is killed by PID at the end (running_stack).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 import pytest
 
 from services.contract import control_pb2
+from services.jobspec import parse_job_spec
 from tests.faults.test_recovery import cli, running_stack, spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -96,6 +99,19 @@ def test_a_stopped_dp2_job_resumes_at_dp1_with_the_same_global_batches_and_losse
     assert not [e for e in events if e.type == "fault"], [e.message for e in events if e.type == "fault"]
     listed = json.loads(cli(stack.home, "status", job, "-o", "json").stdout)
     assert listed and int(listed[0]["dp"]) == 1, listed
+    # `surgectl spec JOB`: the effective spec control journaled, the resume's layout in it.
+    shown = cli(stack.home, "spec", job, "-o", "json")
+    assert shown.returncode == 0, shown.stderr
+    effective = parse_job_spec(shown.stdout, "spec.json")
+    assert (effective.parallel.dp, effective.data.micro_batch_size, effective.data.grad_accum) == (1, 4, 2)
+    assert effective.steps == STEPS and effective.name == "tdp"
+    # A dry run with the stack up reads the dataset from the data service; submits nothing.
+    (stack.home / "tdp.yaml").write_text(spec("tdp", steps=STEPS, every=1000))
+    dry = cli(stack.home, "submit", str(stack.home / "tdp.yaml"), "--set", "steps=7", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "# dataset tiny@v1 (the data service at 127.0.0.1:" in dry.stdout, dry.stdout
+    assert parse_job_spec(dry.stdout, "dry-run.yaml").steps == 7
+    assert len(stack.stub.ListJobs(control_pb2.JobQuery(), timeout=10).jobs) == 2
 
     ours = rank0(stack, job)
     assert sorted(ours) == list(range(1, STEPS + 1)), "a step lost or repeated across the stop and the resume"
