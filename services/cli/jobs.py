@@ -12,7 +12,7 @@ from services.cli import clients, render, spec_tools
 from services.cli.errors import CliError
 from services.cli.evaluation import check_held_out
 from services.cli.init_from import check_init_from
-from services.contract import control_pb2, data_pb2, store_pb2
+from services.contract import control_pb2, data_pb2
 from services.jobspec import JobSpec
 
 
@@ -87,13 +87,8 @@ def follow_job(job_id: str, reconnect_s: float = 60.0) -> render.History:
 
 
 def sample_text(version: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> str:
-    loaded = clients.call("store", lambda s: s.Load(store_pb2.LoadCheckpoint(version=version), timeout=120))
-    from services.compute.inference import generate_text
-    from services.jobspec import spec_from_json
+    """``surgectl generate``'s sample (services/cli/evaluation.py: in this process, the
+    version and its dataset's tokenizer read under SURGE_HOME; no service asked)."""
+    from services.cli.evaluation import generate
 
-    data = spec_from_json(loaded.info.spec_json).data
-    mount = data_pb2.MountDataset(name=data.name, version=data.version, verify=False)
-    tokenizer = clients.call("data", lambda s: s.Mount(mount, timeout=30)).tokenizer
-    return generate_text(
-        loaded.info.path, loaded.info.spec_json, prompt, max_new_tokens, temperature, top_k, seed, tokenizer
-    )
+    return generate(version, prompt, max_new_tokens, temperature, top_k, seed)
