@@ -266,9 +266,19 @@ class Link:
         logged and skipped (the call's own failure still goes on). ``skip``: types the
         caller's relay reports itself for that call (not delivered twice). Returns the
         types delivered."""
+        return self.deliver_each(routed_from_rpc(error), skip, stamp)
+
+    def deliver_each(
+        self,
+        routed_events: Iterable[Routed],
+        skip: Iterable[type[Message]] = (),
+        stamp: Callable[[Message], None] | None = None,
+    ) -> list[str]:
+        """Deliver routed events that came back with a reply (e.g. a metric record's
+        ``MetricsAck.routed``) as :meth:`deliver_returned` does. Returns the types delivered."""
         skipped = {m.DESCRIPTOR.full_name for m in skip}
         delivered = []
-        for routed in routed_from_rpc(error):
+        for routed in routed_events:
             if routed.type in skipped:
                 continue
             try:

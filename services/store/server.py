@@ -23,7 +23,9 @@ store relay puts them on control's bus.
 receiver of L5-1's ``CheckpointCorrupt`` events and fans each one out to the open watch
 streams (each with a bounded queue; a watcher that falls 1000 events behind loses the oldest,
 counted in the log). ``Record`` answers each record with its own ``MetricsAck`` (``seq``
-echoed), so the rank can forget what the store has written.
+echoed), so the rank can forget what the store has written; the failure events sent while
+taking it (``LogWriteFailed``: a sink failed, the record was written) ride in that ack's
+``routed``, the stream having no trailers until it ends.
 
 Errors become one-line gRPC statuses: INVALID_ARGUMENT (bad job id, version form, empty
 record), NOT_FOUND (unknown version), FAILED_PRECONDITION (no open save, verification
@@ -165,8 +167,13 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
             which = rec.WhichOneof("record")
             if which is None:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"metric record #{i}: empty (set step or eval)")
-            ack = self._send(sender, METRICS, getattr(rec, which), context)
-            yield store_pb2.MetricsAck(records=ack.records, seq=rec.seq)
+            outbox = Outbox()  # this record's failure events for the rank (a sink that failed)
+            token = _CALL.set(outbox)
+            try:
+                ack = self._send_in_call(sender, METRICS, getattr(rec, which), context, False)
+            finally:
+                _CALL.reset(token)
+            yield store_pb2.MetricsAck(records=ack.records, seq=rec.seq, routed=outbox.drain())
 
     # ------------------------------------------------------------------ internals
 

@@ -543,7 +543,11 @@ def main(argv: list[str] | None = None) -> NoReturn:
         # its peer's): a recovery reads them there first (services/worker/memory_client.py).
         copies = MemoryCopyClient(args.session, args.job, args.rank)
         store = StoreClient(
-            init.store_address, bus.emitter(Module.L5_CHECKPOINT_MANAGER), on_error=store_failed, copies=copies
+            init.store_address,
+            bus.emitter(Module.L5_CHECKPOINT_MANAGER),
+            on_error=store_failed,
+            copies=copies,
+            on_routed=from_store.deliver_each,  # L5-2's failure events, back with a metric ack
         )
         timeout_s = float(os.environ.get("SURGE_PG_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         rank = compose(

@@ -264,12 +264,16 @@ class StoreClient:
         on_error: Callable[[grpc.RpcError], None] | None = None,
         metrics_buffer: int = METRICS_BUFFER,
         copies: Any = None,
+        on_routed: Callable[[list[Any]], Any] | None = None,
     ):
         """``copies``: this rank's in-memory copies of its newest snapshot (optional; e.g.
         ``services/worker/memory_client.py``): ``begin(step) -> sink | None`` before a save's
         write (the chunk writer's sink), ``end(ok)`` once the write is done or failed, and
-        ``sources() -> [ChunkSource]``, the sources a load tries before the store's files."""
+        ``sources() -> [ChunkSource]``, the sources a load tries before the store's files.
+        ``on_routed``: gets the failure events a metric ack brought back (``MetricsAck.routed``,
+        e.g. LogWriteFailed of a sink), to put on the rank's bus."""
         self._copies = copies
+        self._on_routed = on_routed
         self._address = address
         self._on_error = on_error
         self._emit = checkpoint_events
@@ -799,6 +803,8 @@ class StoreClient:
             try:
                 for ack in call:
                     self._acked(ack.seq)
+                    if ack.routed and self._on_routed is not None:
+                        self._on_routed(list(ack.routed))
                     backoff = 0.5
                 if self._closing.is_set():
                     return

@@ -216,3 +216,39 @@ def test_a_bad_job_id_is_refused(tmp_path):
     with pytest.raises(ValueError, match="job_id"):
         logger.log_collection_config(store_pb2.LogCollectionConfig(job_id="../x", tensorboard=True))
     logger.close()
+
+
+def test_a_sink_failure_reaches_the_rank_with_the_records_ack(tmp_path):
+    """Through the real store relay and the rank's store client: the LogWriteFailed rides in
+    the MetricsAck (the stream goes on) and lands on the rank's bus, for its session to
+    carry up to L1."""
+    import time
+
+    from services.contract.bus import Bus
+    from services.contract.relay import L5, RANK, Link
+    from services.worker.store_client import StoreClient
+    from tests.redlines.test_state_ownership import store_service
+
+    (tmp_path / "metrics" / JOB).mkdir(parents=True)
+    (tmp_path / "metrics" / JOB / "tensorboard").write_text("a file where the event directory goes")
+    bus = Bus()
+    heard: list = []
+    bus.subscribe(Module.L1_FAULT_DETECTOR, store_pb2.LogWriteFailed, lambda msg, payload=None: heard.append(msg))
+    with store_service(tmp_path) as address:
+        client = StoreClient(
+            address,
+            bus.emitter(Module.L5_CHECKPOINT_MANAGER),
+            on_routed=Link(bus, name="store service", near=RANK, beyond=L5).deliver_each,
+        )
+        try:
+            client.log_collection_config(config(tensorboard=True))
+            client.on_step_completed(step(1))
+            deadline = time.monotonic() + 10
+            while (client.held_records or not heard) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        finally:
+            client.close()
+    (event,) = heard
+    assert event.failure.module == Module.L5_METRICS_LOGGER and event.failure.cause == route_pb2.FAILURE_IO
+    assert event.reason.startswith("open: ") and event.path.endswith(f"{JOB}/tensorboard")
+    assert [x["step"] for x in jsonl(tmp_path)] == [1]
