@@ -104,6 +104,30 @@ def read_all(files: dict[int, Path]) -> list[LogLine]:
     return [t[3] for t in lines]
 
 
+def local_rank_logs(job: str, rank: int = -1) -> list[LogLine] | None:
+    """Every line of ``job``'s rank log files in the local stack's run dir, merged by time
+    (``rank`` only, unless -1); None unless this CLI talks to a local stack
+    (``SURGE_CONTROL_ADDRESS`` unset) that has such files.
+
+    Why `surgectl logs` reads these first: every session's node agents append a rank's
+    lines to the same file, so it holds the job's whole history, each line once, also the
+    lines of an earlier `surgectl up` whose node agents are gone (StreamLogs asks only the
+    node agents of this session that ran the job's ranks)."""
+    import os
+
+    if os.environ.get("SURGE_CONTROL_ADDRESS"):
+        return None
+    files = rank_logs(job)
+    if rank >= 0:
+        files = {r: f for r, f in files.items() if r == rank}
+    if not files:
+        return None
+    try:
+        return read_all(files)
+    except OSError:
+        return None
+
+
 class TimeOrder:
     """Orders log lines by timestamp, batch by batch (a follow's poll window): a line
     without a timestamp sorts at its rank's previous timestamp, remembered across batches,

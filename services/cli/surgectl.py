@@ -400,7 +400,8 @@ def logs(
     twice).
 
     Control streams the lines (StreamLogs) from the node agents that ran the job's ranks,
-    so it works from any machine that reaches control.
+    so it works from any machine that reaches control; on the machine of a local stack the
+    rank log files are read directly (every `surgectl up` session's lines, each once).
 
     Example: surgectl logs demo-3f2a1c --follow
     """
@@ -419,9 +420,11 @@ def logs(
         for line in following.job_logs(job, -1 if rank is None else rank, reconnect_seconds):
             show(line)
         return
-    query = control_pb2.LogQuery(job_id=job, follow=False, rank=-1 if rank is None else rank)
-    with clients.stub("control") as s:
-        merged = observe.merge(observe.parse(m.rank, m.line) for m in s.StreamLogs(query))
+    merged = observe.local_rank_logs(job, -1 if rank is None else rank)  # the local stack: every session's lines
+    if merged is None:
+        query = control_pb2.LogQuery(job_id=job, follow=False, rank=-1 if rank is None else rank)
+        with clients.stub("control") as s:
+            merged = observe.merge(observe.parse(m.rank, m.line) for m in s.StreamLogs(query))
     for line in merged:
         show(line)
     if not merged:

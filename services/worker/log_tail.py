@@ -31,8 +31,11 @@ class LogTailer:
         logs_dir: where rank logs are written (``<job>.rank<R>.log``).
         emit: queues one ``WorkerEvent`` for control; must not block.
         log: a structlog logger.
-        launched: job id -> the ranks of that job this agent launched (agents sharing one
-            run dir must not each send every file).
+        spans: job id -> rank -> the byte spans ``(start, end)`` of that rank's log file
+            that this agent's launches of it wrote, in order (``end`` None: still being
+            written). A rank's file is appended by every process of that rank; agents that
+            share one run dir (the local stack) each send only their own spans, so a rank
+            that moved from one to another has each line sent once.
         alive: (job id, rank) -> whether that rank process still runs here.
     """
 
@@ -41,13 +44,13 @@ class LogTailer:
         logs_dir: Path,
         emit: Emit,
         log: Any,
-        launched: Callable[[str], set[int]],
+        spans: Callable[[str], dict[int, list[tuple[int, int | None]]]],
         alive: Callable[[str, int], bool],
     ):
         self._logs_dir = logs_dir
         self._emit = emit
         self._log = log
-        self._launched = launched
+        self._spans = spans
         self._alive = alive
         self._lock = threading.Lock()
         self._tails: dict[str, threading.Event] = {}  # request id -> stop flag of a log tail
@@ -76,7 +79,7 @@ class LogTailer:
         """rank -> ``<run_dir>/logs/<job>.rank<R>.log`` of the ranks of ``job_id`` this
         agent launched (one rank unless ``rank`` is -1)."""
         prefix = f"{safe_file_name(job_id)}.rank"
-        ours = self._launched(job_id)
+        ours = set(self._spans(job_id))
         found: dict[int, Path] = {}
         if self._logs_dir.is_dir():
             for f in self._logs_dir.iterdir():
@@ -100,9 +103,13 @@ class LogTailer:
                 grew = False
                 for rank in list(files):
                     fh, partial = files[rank]
-                    # Asked before reading: a line written before the exit is not missed.
+                    # Asked before reading (and before the spans, whose end is set before
+                    # the exit is): a line written before the exit is not missed.
                     alive = msg.follow and self._alive(msg.job_id, rank)
-                    chunk = fh.read()
+                    chunk = self._read_own(fh, self._spans(msg.job_id).get(rank, []), partial)
+                    if chunk is None:  # a span of another agent's process skipped: its last line ended
+                        self._flush(msg, rank, partial)
+                        continue
                     if chunk:
                         grew = True
                         partial += chunk
@@ -110,8 +117,7 @@ class LogTailer:
                         partial[:] = rest
                         self._send_lines(msg, rank, [c.decode(errors="replace") for c in complete])
                     elif not alive:  # exited (or no follow) and drained
-                        if partial:
-                            self._send_lines(msg, rank, [bytes(partial).decode(errors="replace")])
+                        self._flush(msg, rank, partial)
                         fh.close()
                         del files[rank]
                 if not grew and files:
@@ -130,6 +136,26 @@ class LogTailer:
                     rank_log_lines=control_pb2.RankLogLines(request_id=msg.request_id, job_id=msg.job_id, done=True)
                 )
             )
+
+    @staticmethod
+    def _read_own(fh: Any, spans: list[tuple[int, int | None]], partial: bytearray) -> bytes | None:
+        """The next bytes of ``fh`` within this agent's ``spans``; None (nothing read) when
+        the position was moved to the start of the next span (after another writer's)."""
+        pos = fh.tell()
+        span = next(((start, end) for start, end in spans if end is None or end > pos), None)
+        if span is None:
+            return b""
+        start, end = span
+        if pos < start:
+            fh.seek(start)
+            return None
+        return fh.read() if end is None else fh.read(end - pos)
+
+    def _flush(self, msg: control_pb2.TailRankLogs, rank: int, partial: bytearray) -> None:
+        """Send a last line without its newline (a process ended in the middle of it)."""
+        if partial:
+            self._send_lines(msg, rank, [bytes(partial).decode(errors="replace")])
+            partial.clear()
 
     def _send_lines(self, msg: control_pb2.TailRankLogs, rank: int, lines: list[str]) -> None:
         lines = [line for line in lines if line.strip()]

@@ -159,10 +159,11 @@ class NodeAgent:
         self._audits: dict[tuple[str, int, int], audit_pb2.AuditReport] = {}
         self._audit_seq = 0
         self._audit_answered = threading.Condition(self._lock)
-        # job -> ranks this agent launched: the log files it wrote (agents sharing one run
-        # dir must not each send every file).
-        self._launched: dict[str, set[int]] = collections.defaultdict(set)
-        self._tailer = LogTailer(self._logs_dir, emit, log, self._launched_ranks, self._rank_alive)
+        # job -> rank -> the byte spans [start, end] of the rank's log file that this agent's
+        # launches of it wrote (end None while running): agents sharing one run dir send
+        # only their own spans (services/worker/log_tail.py), each line once.
+        self._launched: dict[str, dict[int, list[list]]] = collections.defaultdict(dict)
+        self._tailer = LogTailer(self._logs_dir, emit, log, self._log_spans, self._rank_alive)
         # Control's side of this node: its commands to the agent (EXT_HARDWARE) run here, on
         # this bus; those to a job's ranks pass through, checked, to be run on the rank's bus.
         self._bus = bus or Bus()
@@ -406,6 +407,10 @@ class NodeAgent:
                 )
                 return
         log_path = self._logs_dir / f"{safe_file_name(job_id)}.rank{assignment.rank}.log"
+        try:
+            span_start = log_path.stat().st_size  # the file is appended: this process's lines start here
+        except OSError:
+            span_start = 0
         argv = rank_command_line(self._rank_module, self._session_address, job_id, assignment.rank)
         try:
             proc = self._spawn(argv, log_path, rank_environment(os.environ, assignment))
@@ -418,7 +423,7 @@ class NodeAgent:
         )
         with self._lock:
             self._ranks[key] = r
-            self._launched[job_id].add(assignment.rank)
+            self._launched[job_id].setdefault(assignment.rank, []).append([span_start, None])
             if self._stopping:  # shutdown began while it was spawning and did not see it
                 signal_group(proc.pid, signal.SIGKILL)
         threading.Thread(target=self._watch, args=(r,), name=f"wait-{job_id}-{r.rank}", daemon=True).start()
@@ -426,9 +431,21 @@ class NodeAgent:
             "rank launched", job_id=job_id, rank=r.rank, pid=proc.pid, device=assignment.device, log=str(log_path)
         )
 
-    def _launched_ranks(self, job_id: str) -> set[int]:
+    def _log_spans(self, job_id: str) -> dict[int, list[tuple[int, int | None]]]:
+        """rank -> the spans of its log file this agent's launches of it wrote."""
         with self._lock:
-            return set(self._launched.get(job_id, ()))
+            return {rank: [tuple(span) for span in spans] for rank, spans in self._launched.get(job_id, {}).items()}
+
+    def _end_log_span(self, r: RankProcess) -> None:
+        """``r`` ended (its process group killed): its span of the log file ends here."""
+        try:
+            end = r.log_path.stat().st_size
+        except OSError:
+            end = None
+        with self._lock:
+            spans = self._launched.get(r.job_id, {}).get(r.rank, [])
+            if spans and spans[-1][1] is None:
+                spans[-1][1] = end if end is not None else spans[-1][0]
 
     def _rank_alive(self, job_id: str, rank: int) -> bool:
         with self._lock:
@@ -464,6 +481,7 @@ class NodeAgent:
         detail = describe_exit(code) + (" after release" if r.released else "") + f"; log {r.log_path}"
         self._log.info("rank exited", job_id=r.job_id, rank=r.rank, pid=r.proc.pid, exit_code=code, released=r.released)
         self._emit(self._exited_event(r.job_id, r.rank, code, detail, reaped=reaped, released=r.released))
+        self._end_log_span(r)  # before `exited`: a log tail that sees it gone finds the span's end
         r.exited.set()
 
     def _kill_if_alive(self, r: RankProcess) -> None:

@@ -68,14 +68,18 @@ def test_surgectl_logs_merges_the_ranks_and_follow_ends_with_the_job(obs_stack):
     lines = r.stdout.splitlines()
     assert any(" rank 0" in line for line in lines) and any(" rank 1" in line for line in lines)
 
-    # The lines come from control (StreamLogs), not from this machine's files: every rank
-    # line of the job, as its node agent wrote it.
-    via_control = cli(obs_stack.home, "logs", job, "-o", "json")
+    # Through control (StreamLogs: an address given, as from another machine) the lines are
+    # the same: every rank line of the job once, as its node agent wrote it. (On the local
+    # stack's machine `logs` reads the files, every session's lines.)
+    control = f"127.0.0.1:{obs_stack.services['control']['port']}"
+    via_control = cli(obs_stack.home, "logs", job, "-o", "json", env={"SURGE_CONTROL_ADDRESS": control})
     assert via_control.returncode == 0, via_control.stderr
     on_disk = sorted(
         line for rank in (0, 1) for line in _lines(obs_stack.home / "run" / "logs" / f"{job}.rank{rank}.log")
     )
     assert sorted(via_control.stdout.splitlines()) == on_disk
+    local = cli(obs_stack.home, "logs", job, "-o", "json")
+    assert local.returncode == 0 and sorted(local.stdout.splitlines()) == on_disk, local.stderr
 
     as_json = cli(obs_stack.home, "logs", job, "--rank", "1", "-o", "json")
     assert as_json.returncode == 0, as_json.stderr
