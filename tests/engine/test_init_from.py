@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from services.compute import hf_format
 from services.compute.model import build_model
 from services.contract import Module, engine_pb2
+from tests.module_failed import raised_in_module
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -106,3 +107,36 @@ def test_hugging_face_weights_of_another_shape_fail_the_start_as_a_config_error_
         failed.detail
     )
     assert not rank.steps()
+
+
+def test_the_ranks_relay_reads_hugging_face_weights_without_asking_the_store_and_reports_a_mismatch(tmp_path):
+    from services.contract import route_pb2, store_pb2
+    from services.contract.bus import Bus
+    from services.worker.store_client import StoreClient, WeightsMismatch
+
+    spec = tiny_spec(steps=2, model={"d_model": 32})
+    hf_format.save_hf(tmp_path, build_model(spec.model, seed=5).state_dict(), spec)
+    bus, up = Bus(), []
+    client = StoreClient("127.0.0.1:1", bus.emitter(Module.L5_CHECKPOINT_MANAGER))  # nothing listens there
+    bus.subscribe(Module.L5_CHECKPOINT_MANAGER, store_pb2.LoadCheckpoint, client.load_checkpoint)
+    bus.subscribe(Module.L1_ORCHESTRATOR, store_pb2.SnapshotFailed, lambda m, p=None: up.append(m))
+    port = bus.port(Module.L2_TRAINING_LOOP, Module.L5_CHECKPOINT_MANAGER)
+    try:
+        into = {"model": {k: torch.zeros_like(v) for k, v in build_model(spec.model, seed=0).state_dict().items()}}
+        into["model"]["_slot"] = torch.tensor([-1])
+        loaded = port(store_pb2.LoadCheckpoint(hf_directory=str(tmp_path)), into).message
+        assert (loaded.info.version, loaded.info.step) == (f"hf:{tmp_path}", 0)
+        assert torch.equal(
+            into["model"]["blocks.1.mlp.down.weight"], build_model(spec.model, seed=5).blocks[1].mlp.down.weight
+        )
+        assert into["model"]["_slot"].tolist() == [0] and up == []
+
+        wrong = {"model": {"tok_emb.weight": torch.zeros(256, 64), "_slot": torch.tensor([-1])}}
+        with raised_in_module(WeightsMismatch, r"tok_emb.weight needs \[256, 64\]", event="SnapshotFailed") as e:
+            port(store_pb2.LoadCheckpoint(hf_directory=str(tmp_path)), wrong)
+        assert e.value.fault_class == "config_error"
+        assert not wrong["model"]["tok_emb.weight"].any()  # nothing copied
+        (failed,) = up
+        assert failed.operation == "load" and failed.failure.cause == route_pb2.FAILURE_INVALID_INPUT
+    finally:
+        client.close(timeout=1)
