@@ -39,6 +39,7 @@ parallel: {dp: 2}
 optimizer: {lr: 3.0e-3, warmup_steps: 4}
 checkpoint: {every_steps: 0, keep_last: 2}
 eval: {every_steps: 0, batches: 2}
+metrics: {tensorboard: true, log_every: 10}
 """
 
 
@@ -97,6 +98,15 @@ def test_a_short_dp2_job_trains_checkpoints_and_reports(stack, tmp_path):
     losses = [r["loss"] for r in records if r.get("type") == "step" and int(r.get("rank", 0)) == 0]
     assert len(losses) == 24
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.3
+    # The same raw values in the job's TensorBoard event files (metrics.tensorboard), and a
+    # step line in rank 0's log every metrics.log_every steps and at the last.
+    from tests.store.test_metric_sinks import tensorboard_scalars
+
+    tb = tensorboard_scalars(home / "store" / "metrics" / job_id / "tensorboard")
+    assert tb["train/loss"] == list(enumerate(losses, start=1))
+    rank_log = [json.loads(x) for x in (home / "run" / "logs" / f"{job_id}.rank0.log").read_text().splitlines()]
+    lines = [e["event"] for e in rank_log if e.get("event", "").startswith("step ")]
+    assert [int(x.split()[1]) for x in lines] == [10, 20, 24] and f"loss {losses[9]:.4f}" in lines[0], lines
 
     # A checkpoint version was committed with a verified manifest.
     cks = json.loads(cli(home, "checkpoints", job_id, "-o", "json").stdout)
