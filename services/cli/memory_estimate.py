@@ -36,7 +36,12 @@ What it counts, per rank (the pipeline stage that holds the most, when pp > 1):
 Not counted: the process itself (Python, torch, CUDA context: hundreds of MiB), the
 allocator's caching and fragmentation, communication buffers, evaluation (no gradients,
 smaller), the optimizer's transient buffers. It is an estimate; tests/cli/test_spec_tools.py
-checks the activations against what autograd really saves for a small model.
+checks the activations against what autograd really saves for a small model (within 1%).
+Measured on the CPU (2026-12-01; n_layers 8, d_model 512, vocab 4096, 2 x 512 tokens, dp 1,
+two AdamW steps, peak RSS growth from before the model is built, glibc told to return freed
+memory with MALLOC_MMAP_THRESHOLD_=65536): fp32 822.4 MiB measured vs 817.9 estimated
+(-0.5%), bf16 757.9 vs 759.5 (+0.2%). With glibc's defaults the peak is 938.9 MiB: the
+allocator keeps freed memory (building the model alone kept 78 MiB over its 104).
 """
 
 from __future__ import annotations
