@@ -7,17 +7,20 @@ cannot see (the files and the version it names).
 * ``checkpoint``: the store knows the version and its recorded verdict is ok; the model it
   was written with has this spec's tensors (names and shapes, from both specs: the first
   that differs is named); with ``weights+optimizer``, the source job kept optimizer state
-  for every parameter this job trains.
+  for every parameter this job trains. ``<job>:latest`` is pinned to the version it names at
+  submit (:func:`pin_latest`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import yaml
+
 from services.cli import clients
 from services.cli.errors import CliError
 from services.contract import store_pb2
-from services.jobspec import JobSpec, frozen_parameters, model_parameters, spec_from_json
+from services.jobspec import JobSpec, frozen_parameters, model_parameters, read_spec_mapping, spec_from_json
 
 
 def check_init_from(spec: JobSpec, source: str | Path) -> None:
@@ -40,6 +43,28 @@ def check_init_from(spec: JobSpec, source: str | Path) -> None:
     problem = weights_mismatch(spec_from_json(loaded.info.spec_json), spec, init.load == "weights+optimizer")
     if problem:
         raise CliError(f"{source}: init_from.checkpoint: {loaded.info.version}: {problem}", code=2)
+
+
+def pin_latest(spec: JobSpec, text: str, source: str) -> str:
+    """The YAML to submit: ``text`` with ``init_from.checkpoint: <job>:latest`` replaced by
+    the version it names now (asked of the store), so that the job, and a relaunch of it
+    before its own first checkpoint, loads those weights even if the source job commits more;
+    ``text`` itself when there is nothing to pin. (The effective spec, ``surgectl spec JOB``,
+    shows the version.)
+
+    Raises:
+        CliError (exit 2): the store refuses the version (one line naming the field).
+    """
+    init = spec.init_from
+    if init is None or init.checkpoint is None or not init.checkpoint.endswith(":latest"):
+        return text
+    try:
+        loaded = clients.call("store", lambda s: s.Load(store_pb2.LoadCheckpoint(version=init.checkpoint), timeout=60))
+    except CliError as e:
+        raise CliError(f"{source}: init_from.checkpoint: {e}", code=2) from None
+    raw = read_spec_mapping(text, source)
+    raw["init_from"]["checkpoint"] = loaded.info.version
+    return yaml.safe_dump(raw, sort_keys=False, allow_unicode=True)
 
 
 def weights_mismatch(source: JobSpec, target: JobSpec, optimizer: bool) -> str:

@@ -11,7 +11,7 @@ import grpc
 from services.cli import clients, render, spec_tools
 from services.cli.errors import CliError
 from services.cli.evaluation import check_held_out
-from services.cli.init_from import check_init_from
+from services.cli.init_from import check_init_from, pin_latest
 from services.contract import control_pb2, data_pb2
 from services.jobspec import JobSpec
 
@@ -23,6 +23,7 @@ def submit_job(spec_path: Path, overrides: Sequence[str] = ()) -> control_pb2.Jo
     ds = data_pb2.MountDataset(name=spec.data.name, version=spec.data.version, verify=True)
     info = clients.call("data", lambda s: s.Mount(ds, timeout=120))
     check_submission(spec, info, source)
+    text = pin_latest(spec, text, source)  # init_from.checkpoint <job>:latest -> the version it is now
     req = control_pb2.SubmitJobRequest(spec_yaml=text, spec_path=source)
     try:
         return clients.call("control", lambda s: s.SubmitJob(req, timeout=60))

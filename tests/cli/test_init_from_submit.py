@@ -8,11 +8,11 @@ import pytest
 
 from services.cli import clients
 from services.cli.errors import CliError
-from services.cli.init_from import check_init_from, weights_mismatch
+from services.cli.init_from import check_init_from, pin_latest, weights_mismatch
 from services.compute import hf_format
 from services.compute.model import build_model
 from services.contract import store_pb2
-from services.jobspec import JobSpec, spec_to_json
+from services.jobspec import JobSpec, parse_job_spec, spec_to_json
 
 
 def spec_of(init_from=None, **model) -> JobSpec:
@@ -94,3 +94,15 @@ def test_weights_must_match_in_size_and_heads_and_moments_must_exist_for_what_is
         "init_from.load weights+optimizer: its job froze blocks.0.attn.k.weight, which this job trains (no moments saved)"
     )
     assert weights_mismatch(spec_of(), frozen, True) == ""
+
+
+def test_latest_is_pinned_to_the_version_it_names_at_submit_and_nothing_else_changes(store):
+    store(spec_of())
+    text = "# mine\nname: ft\nsteps: 4\ndata: {dataset: x@v1}\ninit_from: {checkpoint: 'src-1:latest'}\n"
+    pinned = pin_latest(parse_job_spec(text), text, "ft.yaml")
+    assert parse_job_spec(pinned).init_from.checkpoint == "src-1:4"
+    assert parse_job_spec(pinned).model_dump(exclude={"init_from"}) == parse_job_spec(text).model_dump(
+        exclude={"init_from"}
+    )
+    exact = text.replace("src-1:latest", "src-1:2")
+    assert pin_latest(parse_job_spec(exact), exact, "ft.yaml") is exact
