@@ -5,7 +5,7 @@ Seed 000 L1-1. It owns each job's state machine and publishes what it decides as
 snapshots. It never touches tensors, data or devices, and never polls: everything it knows
 arrives as an event (rank events relayed from the node agents, fault reports, replies).
 
-    STANDBY -> WARMING_UP -> RUNNING <-> PAUSED
+    STANDBY (queued) -> WARMING_UP -> RUNNING <-> PAUSED
     any non-terminal -> FAULT_FROZEN (recovering) -> RUNNING | TERMINATED
     any non-terminal -> TERMINATED  (outcome FINISHED | STOPPED | FAILED)
     TERMINATED (STOPPED | FAILED), PAUSED (ranks gone) -> WARMING_UP  (operator resume only)
@@ -19,6 +19,17 @@ it. An operator resume of a STOPPED, FAILED or parked job relaunches its ranks (
 generation) from the newest version the checkpoint manager verifies, or the one named, at
 another data-parallel layout when asked (`surgectl resume --dp`: the global batch kept, the
 job's spec replaced and journaled; see ``resume_job_request``).
+
+The queue (issue 15): a submitted job whose ranks do not fit now is not refused: it stays
+STANDBY in a queue (services/control/job_queue.py: FIFO within priority, only the head is
+tried), its status saying its place and what it waits for, journaled with its place. The
+head starts when ranks may have freed up: a job ended or left the queue, a recovery or an
+operator resume placed its ranks, a worker registered (L1-2's ``ResourcesReady`` with no
+job). Live jobs come first: the queue is held while a job recovers and its ranks are not
+relaunched yet, or a job drained by `surgectl down` waits for the `up` that resumes it.
+Starting queued jobs is handed to the deadline pool's thread (no delay), never run on the
+thread that applies the node agents' events. ``surgectl cancel`` (StopJobRequest.queued_only)
+or a stop takes a job out of the queue (TERMINATED, STOPPED).
 
 Faults: a graded ``FaultReport`` opens an incident and gets one decision, by the job
 spec's ``fault_policy`` (class first, then grade): ignore (record and count), stop (FAILED),
@@ -80,6 +91,7 @@ from services.contract.bus import CommandPort, Emitter, Reply
 from services.contract.failures import Refusal
 from services.control import fault_decision as fd
 from services.control.deadlines import Deadline, Deadlines
+from services.control.job_queue import JobQueue, QueueEntry, check_priority
 from services.control.job_store import JobStore
 from services.control.metrics import ControlMetrics
 from services.control.monitoring import start_monitoring
@@ -248,6 +260,7 @@ class _Job:
     # StandingOrder.id -> the step after which this generation's ranks no longer follow it
     # (RevokeStandingOrder sent); a relaunched generation gets the policy's orders again.
     revoked: dict[int, int] = field(default_factory=dict)
+    queued: QueueEntry | None = None  # its place while it waits in the queue (journaled)
 
 
 class Orchestrator:
@@ -300,6 +313,8 @@ class Orchestrator:
         self._answers: dict[str, _Answer] = {}  # job -> an operator resume waiting for the store's verdicts
         # The recovery steps' retries and deadlines: callbacks take the lock like any event.
         self._deadlines = Deadlines("orchestrator", workers=1)
+        self._queue = JobQueue()
+        self._start_armed: Deadline | None = None  # the queue's head is about to be tried
         self._restore()
 
     def close(self) -> None:
@@ -310,7 +325,9 @@ class Orchestrator:
     # ------------------------------------------------------------ operator commands
 
     def submit_job_request(self, msg: control_pb2.SubmitJobRequest, payload: Any = None) -> control_pb2.JobStatus:
-        """Validate the spec, allocate ranks, journal the job in WARMING_UP.
+        """Validate the spec, journal the job, and start it (allocate its ranks: WARMING_UP),
+        or queue it (STANDBY, see "The queue" above): when its ranks do not fit now, when a
+        job of its priority or higher waits ahead of it, or while the queue is held.
 
         Atomic: a start that fails at any point after the allocation (an event that cannot
         be journaled) takes the ranks back (killed, their slots free again) and removes
@@ -321,20 +338,14 @@ class Orchestrator:
 
         Raises:
             JobSpecError: the spec is invalid (one line naming file and field).
-            InsufficientResources: not enough free slots; nothing is persisted.
+            PriorityOutOfRange (a ValueError): ``priority`` out of range (one line); nothing is persisted.
         """
         spec = parse_job_spec(msg.spec_yaml, msg.spec_path or "job.yaml")
         check_spec_directory(spec, msg.spec_path or "job.yaml")  # init_from.hf (file reads: outside the lock)
         spec_json = spec_to_json(spec)
+        priority = check_priority(msg.priority)
         with self._lock:
             job_id = self._new_id(spec.name)
-            init = engine_pb2.InitJob(
-                job_id=job_id,
-                spec_json=spec_json,
-                data_address=self._data_address,
-                store_address=self._store_address,
-                standing_orders=fd.standing_orders(spec.fault_policy),
-            )
             now = time.time()
             # Built before anything is allocated: a value that does not fit fails here.
             status = control_pb2.JobStatus(
@@ -346,40 +357,62 @@ class Orchestrator:
                 created_unix=now,
                 updated_unix=now,
                 world_size=spec.world_size,
+                priority=priority,
             )
             _set_layout(status, spec)
             job = _Job(status=status, spec=spec)
-            # Monitoring starts before the ranks launch, so a rank that dies at once is
-            # still reported; a job whose allocation fails simply never produces faults.
-            self._faults(start_monitoring(job_id, spec))
             self._journal.create_job(status, spec_json)  # (fails: nothing allocated yet)
-            try:
-                reply = self._allocator(
-                    control_pb2.AllocateResources(
-                        job_id=job_id, world_size=spec.world_size, backend=spec.parallel.backend, init=init
-                    )
-                ).message
-                if isinstance(reply, control_pb2.ResourcesInsufficient):
-                    raise InsufficientResources(
-                        f"job needs {reply.requested_ranks} ranks ({_degrees(spec)}) but {reply.reason}"
-                    )
-                assert isinstance(reply, control_pb2.ResourcesReady), reply
-                self._jobs[job_id] = job
-                self._record(
-                    job,
-                    ORCH,
-                    "decision",
-                    f"{reply.world_size} ranks allocated on {', '.join(reply.worker_ids)}; "
-                    f"rendezvous {reply.master_addr}:{reply.master_port}",
-                )
-                self._transition(job, JobState.WARMING_UP, ORCH, "ranks launching")
-            except InsufficientResources:
-                self._journal.delete_job(job_id)  # nothing was reserved; nothing stays
-                raise
-            except BaseException as e:
-                self._abandon_start(job_id, e)
-                raise
+            self._jobs[job_id] = job
+            held = "" if self._queue.leads(priority) else "waits for the jobs queued ahead of it"
+            held = held or self._queue_held()
+            reply = None if held else self._launch(job)
+            if held or reply is not None:
+                try:
+                    self._enqueue(job, self._queue.add(job_id, priority), held or _waits_for(job, reply))
+                except BaseException:
+                    self._queue.remove(job_id)
+                    self._jobs.pop(job_id, None)
+                    self._journal.delete_job(job_id)
+                    raise
             return self._snapshot(job)
+
+    def _launch(self, job: _Job, note: str = "") -> control_pb2.ResourcesInsufficient | None:
+        """Under the lock: allocate the ranks of a journaled STANDBY job and journal it
+        WARMING_UP. Returns the allocator's refusal when they do not fit (nothing reserved,
+        nothing journaled). A failure after the allocation takes the ranks back and forgets
+        the job (``_abandon_start``), then raises."""
+        job_id, spec = job.status.job_id, job.spec
+        init = engine_pb2.InitJob(
+            job_id=job_id,
+            spec_json=spec_to_json(spec),
+            data_address=self._data_address,
+            store_address=self._store_address,
+            standing_orders=fd.standing_orders(spec.fault_policy),
+        )
+        # Monitoring starts before the ranks launch, so a rank that dies at once is still
+        # reported; a job whose allocation fails simply never produces faults.
+        self._faults(start_monitoring(job_id, spec))
+        try:
+            reply = self._allocator(
+                control_pb2.AllocateResources(
+                    job_id=job_id, world_size=spec.world_size, backend=spec.parallel.backend, init=init
+                )
+            ).message
+            if isinstance(reply, control_pb2.ResourcesInsufficient):
+                return reply  # nothing was reserved
+            assert isinstance(reply, control_pb2.ResourcesReady), reply
+            self._record(
+                job,
+                ORCH,
+                "decision",
+                f"{reply.world_size} ranks allocated on {', '.join(reply.worker_ids)}; "
+                f"rendezvous {reply.master_addr}:{reply.master_port}",
+            )
+            self._transition(job, JobState.WARMING_UP, ORCH, f"{note}ranks launching")
+        except BaseException as e:
+            self._abandon_start(job_id, e)
+            raise
+        return None
 
     def _abandon_start(self, job_id: str, cause: BaseException) -> None:
         """A job whose start failed half-way must not run untracked nor hold slots: its ranks
@@ -544,6 +577,8 @@ class Orchestrator:
         """
         with self._lock:
             job = self._get(msg.job_id)
+            if msg.queued_only or job.queued is not None:
+                return self._cancel(job)
             state = job.status.state
             if state == JobState.TERMINATED:
                 outcome = JobOutcome.Name(job.status.outcome)
@@ -571,6 +606,100 @@ class Orchestrator:
             how = "checkpoint and stop" if checkpoint else "stop (no checkpoint)"
             self._record(job, ORCH, "decision", f"stop requested: ranks {how} {where}")
             return self._snapshot(job)
+
+    # ------------------------------------------------------------ the queue
+
+    def on_resources_ready(self, msg: control_pb2.ResourcesReady, payload: Any = None) -> None:
+        """L1-2 published that a worker registered with slots (no job id; ``free_ranks`` free
+        now): the queue's head may fit. (A reply to AllocateResources comes back to its
+        command, not here.)"""
+        if msg.job_id or not msg.free_ranks:
+            return
+        with self._lock:
+            self._start_soon()
+
+    def _enqueue(self, job: _Job, entry: QueueEntry, why: str) -> None:
+        """Under the lock: ``job`` (STANDBY, journaled) waits in the queue at ``entry``."""
+        job.queued = entry
+        where = f"position {self._queue.position(entry.job_id)} of {len(self._queue)}, priority {entry.priority}"
+        self._record(job, ORCH, "queue", f"queued at {where}: {why}", status_message=f"queued: {why}")
+
+    def _queue_held(self) -> str:
+        """Why no queued job may start now ("": none may). Live jobs come first: one that
+        recovers and whose ranks are not relaunched yet, or one drained by `surgectl down`
+        that the next `up` resumes, needs the ranks a queued job would take."""
+        for j in self._jobs.values():
+            if j.incident is not None and not j.incident.relaunched and j.status.state == JobState.FAULT_FROZEN:
+                return f"waits while job {j.status.job_id} recovers (live jobs first)"
+            if j.parked and j.status.drained:
+                return (
+                    f"waits for drained job {j.status.job_id} to be resumed (`surgectl up` resumes it, "
+                    "`surgectl stop` ends it; live jobs first)"
+                )
+        return ""
+
+    def _start_soon(self) -> None:
+        """Under the lock: ranks may have freed up, so the queue's head is tried, on the
+        deadline pool's thread (no delay; never on the caller's, which may be the thread that
+        applies the node agents' events), once however many ask before it runs."""
+        if len(self._queue) and self._start_armed is None:
+            self._start_armed = self._deadlines.after(0.0, self._start_queued)
+
+    def _start_queued(self) -> None:
+        """Start queued jobs from the head while their ranks fit and nothing holds the queue;
+        the first that does not fit stays the head, its status saying what it waits for."""
+        with self._lock:
+            self._start_armed = None
+            while (entry := self._queue.head()) is not None:
+                job = self._jobs[entry.job_id]
+                held = self._queue_held()
+                if held:
+                    self._waiting(job, held)
+                    return
+                self._queue.remove(entry.job_id)
+                job.queued = None
+                # Journaled out of the queue before its ranks launch: a control killed in
+                # between finds it STANDBY and not queued (FAULT_FROZEN, see _restore), never
+                # queued again while its ranks run.
+                self._keep(job)
+                waited = time.time() - job.status.created_unix
+                try:
+                    reply = self._launch(job, note=f"left the queue after {waited:.0f} s; ")
+                except Exception as e:  # noqa: BLE001 - _launch forgot the job; the rest stay queued
+                    _log.error("a queued job could not be started", job_id=entry.job_id, error=str(e))
+                    return
+                if reply is not None:
+                    job.queued = self._queue.put(entry)  # its place kept
+                    self._waiting(job, _waits_for(job, reply))
+                    return
+
+    def _waiting(self, job: _Job, why: str) -> None:
+        """Under the lock: the queued ``job`` still waits, for ``why``: an event when the
+        reason changed (none at every retry), its place journaled either way."""
+        message = f"queued: {why}"
+        if job.status.message == message:
+            self._keep(job)
+            return
+        where = f"position {self._queue.position(job.status.job_id)} of {len(self._queue)}"
+        self._record(job, ORCH, "queue", f"still queued at {where}: {why}", status_message=message)
+
+    def _cancel(self, job: _Job) -> control_pb2.JobStatus:
+        """Under the lock: take a queued job out of the queue (TERMINATED, STOPPED; it never
+        ran). Raises IllegalTransition when it is not queued (nothing changes)."""
+        job_id = job.status.job_id
+        if job.queued is None:
+            raise IllegalTransition(
+                f"job {job_id} is {JobState.Name(job.status.state)}, not queued: `surgectl stop {job_id}` stops it"
+            )
+        where = self._queue.position(job_id)
+        self._queue.remove(job_id)
+        job.queued = None
+        job.status.outcome = JobOutcome.STOPPED
+        self._transition(
+            job, JobState.TERMINATED, ORCH, f"STOPPED: taken out of the queue (position {where}) by the operator"
+        )
+        self._start_soon()  # the jobs behind it move up
+        return self._snapshot(job)
 
     # ------------------------------------------------------------ operator resume from a checkpoint
 
@@ -740,6 +869,7 @@ class Orchestrator:
                 except Exception as e:  # noqa: BLE001 - the failure being raised is the one to report
                     _log.error("the job's spec could not be put back in the journal", job_id=job_id, error=str(e))
             raise
+        self._start_soon()  # (the queue was held while it was drained)
         return self._snapshot(job)
 
     def _reopen(self, job: _Job, message: str) -> None:
@@ -1489,6 +1619,7 @@ class Orchestrator:
                 )
             incident.waiting_for = ""
             self._record_relaunch(job, reply, source)
+            self._start_soon()  # (the queue was held for it)
             self._arm(incident, job.spec.fault_policy.restore_seconds, self._restore_overdue, job.status.job_id)
             return
         assert isinstance(reply, control_pb2.RecoveryFailed), reply
@@ -1657,6 +1788,9 @@ class Orchestrator:
             state = job.status.state
             if state != JobState.FAULT_FROZEN:
                 job.incident = None  # (journaled only while frozen)
+            if state == JobState.STANDBY and stored.runtime.get("queued"):  # waits in the queue, in its place
+                job.queued = self._queue.restore(job.status.job_id, stored.runtime["queued"])
+                continue
             if self._restore_parked(job):  # (operator half: drained / parked jobs have no ranks to wait for)
                 continue
             if state in (JobState.WARMING_UP, JobState.RUNNING, JobState.PAUSED) or (
@@ -1779,6 +1913,7 @@ class Orchestrator:
         # Journal the terminal state first: a failing release must never lose it.
         self._transition(job, JobState.TERMINATED, ORCH, f"{JobOutcome.Name(outcome)}: {message}")
         self._allocator(control_pb2.ReleaseResources(job_id=job.status.job_id, kill=kill))
+        self._start_soon()
 
     def _transition(self, job: _Job, new: int, source: int, message: str) -> None:
         old = job.status.state
@@ -1795,6 +1930,7 @@ class Orchestrator:
         copy = control_pb2.JobStatus()
         copy.CopyFrom(job.status)
         copy.checkpoint_step = next((st for st, v in job.versions if v == copy.checkpoint_version), 0)
+        copy.queue_position = self._queue.position(copy.job_id)
         if job.running_since and copy.state != JobState.TERMINATED:
             copy.elapsed_seconds = time.time() - job.running_since
         return copy
@@ -1827,6 +1963,7 @@ class Orchestrator:
             s.elapsed_seconds = now - job.running_since
         if status_message is not None:
             s.message = status_message
+        s.queue_position = self._queue.position(s.job_id)
         job.seq += 1
         event = control_pb2.JobEvent(
             job_id=s.job_id, seq=job.seq, unix_time=now, source=source, type=kind, message=message, status=s
@@ -1864,6 +2001,7 @@ def _runtime(job: _Job) -> dict:
         "parked": job.parked,
         "verdicts": [base64.b64encode(v.SerializeToString()).decode() for v in job.verdicts.values()],
         "revoked": {str(order): step for order, step in job.revoked.items()},
+        "queued": job.queued.to_json() if job.queued is not None else None,
     }
 
 
@@ -2006,6 +2144,15 @@ def _newest(job: _Job) -> str:
 
 def _gib(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:.1f} GiB"
+
+
+def _waits_for(job: _Job, reply: control_pb2.ResourcesInsufficient) -> str:
+    """What a queued job waits for, from the allocator's refusal to place it."""
+    n = reply.requested_ranks or job.status.world_size
+    needs = f"needs {n} rank{'' if n == 1 else 's'} ({_degrees(job.spec)})"
+    if reply.registered_ranks < reply.requested_ranks:
+        return f"{needs}, more than the {reply.registered_ranks} registered: waits for workers to join"
+    return f"{needs}; {reply.reason}: waits for ranks to free up"
 
 
 def _degrees(spec: JobSpec) -> str:

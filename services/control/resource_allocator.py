@@ -9,7 +9,8 @@ relay), ``AllocateResources`` and ``ReleaseResources`` (from L1-1), ``RebuildCom
 (from L1-4, executing a recovery L1-1 commanded).
 Outputs: ``ResourcesReady`` / ``ResourcesInsufficient`` (replies), ``LaunchRanks``
 and ``ReleaseRanks`` (to one node agent each; the payload names the worker id),
-``ResourcePressure`` (published; the orchestrator observes it).
+``ResourcePressure`` (published; the orchestrator observes it), ``ResourcesReady`` with no job
+id (published when a worker registers with slots: the orchestrator's queue may start a job).
 """
 
 from __future__ import annotations
@@ -76,7 +77,11 @@ class ResourceAllocator:
         Departure: a registration with ``departing`` (the agent was asked to stop) keeps the
         worker's record and busy slots but takes it out of placement, so a recovery of the
         ranks it is stopping never relaunches one there. The next registration of the id
-        (the agent restarted in place) is placeable again."""
+        (the agent restarted in place) is placeable again.
+
+        A registration that offers slots is published as ``ResourcesReady`` with no job id
+        (资源就绪可训练事件: ``free_ranks``, the ranks free on the placeable workers now), so
+        that L1-1 can start a job waiting in its queue."""
         with self._lock:
             old = self._workers.get(msg.worker_id)
             if msg.departing:  # (before the zero-slot check: it keeps the record and its busy slots)
@@ -102,6 +107,8 @@ class ResourceAllocator:
                         job_id=launch.job_id, world_size=first.world_size, backend=first.backend, init=launch.init
                     )
             self._workers[msg.worker_id] = worker  # a known id keeps its place in the order
+            free = sum(len(w.free_slots()) for w in self._workers.values() if not w.departing)
+        self._emit(control_pb2.ResourcesReady(free_ranks=free))  # (outside the lock, like every send)
 
     def on_memory_pressure(self, msg: control_pb2.MemoryPressure, payload: Any = None) -> None:
         """显存溢出上报事件: publish ``ResourcePressure`` (显存资源紧张告警事件) naming the
@@ -269,8 +276,17 @@ class ResourceAllocator:
     def _insufficient(
         self, msg: control_pb2.AllocateResources, available: int, reason: str
     ) -> control_pb2.ResourcesInsufficient:
+        registered = sum(
+            w.reg.slots
+            for w in self._workers.values()
+            if not w.departing and w.reg.worker_id not in msg.exclude_worker_ids
+        )
         return control_pb2.ResourcesInsufficient(
-            job_id=msg.job_id, requested_ranks=msg.world_size, available_ranks=available, reason=reason
+            job_id=msg.job_id,
+            requested_ranks=msg.world_size,
+            available_ranks=available,
+            reason=reason,
+            registered_ranks=registered,
         )
 
     def _free_port(self) -> int:

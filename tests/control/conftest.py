@@ -134,3 +134,15 @@ def plane(tmp_path, store_with_no_versions):
     control = build(journal, data_address="127.0.0.1:7001", store_address="127.0.0.1:7002", persist_interval_s=0.0)
     yield Plane(control)
     journal.close()
+
+
+def settle(read, expected, timeout_s: float = 10.0):
+    """``read()`` once it equals ``expected`` (the orchestrator starts queued jobs on its
+    deadline pool's thread, not on the caller's); fails with the last value after ``timeout_s``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (value := read()) != expected:
+        assert time.monotonic() < deadline, f"{value!r} != {expected!r} after {timeout_s} s"
+        time.sleep(0.01)
+    return value

@@ -15,12 +15,11 @@ from services.control.orchestrator import (
     REATTACH_MESSAGE,
     REATTACHED_MESSAGE,
     IllegalTransition,
-    InsufficientResources,
     JobNotFound,
 )
 from services.jobspec import JobSpecError, spec_from_json
 
-from .conftest import Plane, drain, kinds, to_ranks
+from .conftest import Plane, drain, kinds, settle, to_ranks
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 pytestmark = pytest.mark.timeout(30)
@@ -214,19 +213,27 @@ def test_a_lost_node_agent_freezes_its_job_waiting_for_capacity_and_its_slots_va
     assert s.state == JobState.FAULT_FROZEN  # waits for a worker to relaunch rank 1 on; nothing lost yet
     assert s.message.startswith("waiting for capacity to resume from scratch: needs 2 ranks, 1 free")
     assert any(e.message.startswith("SEVERE worker_lost") for e in plane.events(job_id))
-    with pytest.raises(InsufficientResources, match="but 1 is free on 1 registered worker$"):
-        plane.submit(dp=2)
+    queued = plane.submit(dp=2)  # live jobs first: the queue waits for the recovery
+    assert (queued.state, queued.queue_position) == (JobState.STANDBY, 1)
+    assert queued.message == f"queued: waits while job {job_id} recovers (live jobs first)"
     plane.user(control_pb2.StopJobRequest(job_id=job_id))
     assert plane.get(job_id).outcome == JobOutcome.STOPPED
+    settle(
+        lambda: plane.get(queued.job_id).message,
+        "queued: needs 2 ranks (parallel.dp=2), more than the 1 registered: waits for workers to join",
+    )
 
 
-def test_insufficient_resources_refuse_the_job_and_persist_nothing(plane):
-    plane.register("wa"), plane.register("wb")
-    with pytest.raises(InsufficientResources) as e:
-        plane.submit(dp=3)
-    assert str(e.value) == "job needs 3 ranks (parallel.dp=3) but 2 are free on 2 registered workers"
-    assert list(plane.user(control_pb2.JobQuery()).jobs) == []
-    assert plane.c.journal.load_jobs() == []
+def test_a_job_needing_more_ranks_than_registered_is_queued_saying_so_and_launches_nothing(plane):
+    a, b = plane.register("wa"), plane.register("wb")
+    status = plane.submit(dp=3)
+    assert (status.state, status.queue_position) == (JobState.STANDBY, 1)
+    assert (
+        status.message == "queued: needs 3 ranks (parallel.dp=3), more than the 2 registered: waits for workers to join"
+    )
+    assert drain(a) == drain(b) == []
+    (stored,) = plane.c.journal.load_jobs()
+    assert stored.runtime["queued"] == {"priority": 0, "seq": 1}
 
 
 def test_an_invalid_spec_is_refused_with_its_one_line_error(plane):

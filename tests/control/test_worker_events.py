@@ -14,10 +14,9 @@ from services.contract.bus import BoundaryViolation
 from services.contract.relay import pack
 from services.control.__main__ import build
 from services.control.job_store import JobStore
-from services.control.orchestrator import InsufficientResources
 from services.worker.control_link import Outbox
 
-from .conftest import Plane, drain, kinds, registration, to_ranks
+from .conftest import Plane, drain, kinds, registration, settle, to_ranks
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 pytestmark = pytest.mark.timeout(30)
@@ -130,15 +129,19 @@ def test_reattached_ranks_hold_their_slots_and_their_job_can_be_released(tmp_pat
     reg.incarnation = "i1"
     reg.running.append(launch)
     session = plane.c.sessions.open(reg)
-    with pytest.raises(InsufficientResources):  # its one slot is the re-attached rank's
-        plane.submit(name="other", dp=1)
+    other = plane.submit(name="other", dp=1)  # its one slot is the re-attached rank's
+    assert (
+        other.message
+        == "queued: needs 1 rank (parallel.dp=1); 0 are free on 1 registered worker: waits for ranks to free up"
+    )
     stopped = plane.user(control_pb2.StopJobRequest(job_id=job_id))
     assert stopped.state == JobState.RUNNING
     (stop,) = [c for c in drain(session) if kinds([c]) == ["StopTraining"]]
     assert stop.job_id == to_ranks(stop).job_id == job_id  # relayed to the re-attached rank's node
     plane.rank_event(session, job_id, 0, finished=engine_pb2.TrainingLoopFinished(rank=0, step=9, stopped=True))
     assert (plane.get(job_id).state, plane.get(job_id).outcome) == (JobState.TERMINATED, JobOutcome.STOPPED)
-    assert [c.WhichOneof("command") for c in drain(session)] == ["release"]
+    settle(lambda: plane.get(other.job_id).state, JobState.WARMING_UP)  # the freed slot goes to the queued job
+    assert [c.WhichOneof("command") for c in drain(session)] == ["release", "launch"]
     journal.close()
 
 

@@ -1,0 +1,108 @@
+"""The orchestrator's job queue (issue 15 part 3): a submitted job whose ranks do not fit
+waits here, FIFO within priority (higher first), until L1-1 starts it.
+
+Not a seed module: a data structure L1-1 (services/control/orchestrator.py) owns, like its
+journal. It decides nothing and touches nothing: the orchestrator asks it which job is at
+the head and where a job stands; the allocator (L1-2) says whether the head's ranks fit.
+
+Order: ``(-priority, seq)``. ``seq`` is the submission order, handed out here and journaled
+with the entry, so a restarted control rebuilds the same order (``restore``). No backfill:
+only the head is tried, so a large job at the head is never overtaken by smaller ones
+behind it (Slurm's and Kubernetes' strict-FIFO mode; backfill needs run-time estimates
+Surge does not have). A new job of a higher priority than every queued one becomes the
+head. Preemption is out of scope.
+
+Journal form (``QueueEntry.to_json``): ``{"priority": p, "seq": n}`` in the job's journaled
+bookkeeping (job_store's ``runtime``); a job without it is not queued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.contract.failures import Refusal
+
+# The priorities an operator may give (``surgectl submit --priority``; 0 by default).
+MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
+
+
+class PriorityOutOfRange(ValueError, Refusal):
+    """A submit's priority is outside [MIN_PRIORITY, MAX_PRIORITY] (gRPC INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True)
+class QueueEntry:
+    """One queued job: its priority (higher first) and its place in submission order."""
+
+    job_id: str
+    priority: int
+    seq: int
+
+    def key(self) -> tuple[int, int]:
+        return (-self.priority, self.seq)
+
+    def to_json(self) -> dict:
+        return {"priority": self.priority, "seq": self.seq}
+
+
+def check_priority(priority: int) -> int:
+    """``priority`` if in [MIN_PRIORITY, MAX_PRIORITY].
+
+    Raises:
+        PriorityOutOfRange: one line naming the field and the range.
+    """
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise PriorityOutOfRange(f"priority: must be between {MIN_PRIORITY} and {MAX_PRIORITY}, got {priority}")
+    return priority
+
+
+class JobQueue:
+    """Queued jobs in start order. Not thread-safe: the orchestrator's lock guards it."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, QueueEntry] = {}
+        self._next_seq = 1
+
+    def add(self, job_id: str, priority: int) -> QueueEntry:
+        """Queue ``job_id`` behind every job of its priority or higher."""
+        entry = QueueEntry(job_id, check_priority(priority), self._next_seq)
+        self._next_seq += 1
+        return self.put(entry)
+
+    def restore(self, job_id: str, journaled: dict) -> QueueEntry:
+        """Queue ``job_id`` again as journaled (``QueueEntry.to_json``), in its old place."""
+        return self.put(QueueEntry(job_id, int(journaled["priority"]), int(journaled["seq"])))
+
+    def put(self, entry: QueueEntry) -> QueueEntry:
+        """Queue ``entry`` (a new one, or one taken out to be tried, back in its place)."""
+        assert entry.job_id not in self._entries, entry
+        self._entries[entry.job_id] = entry
+        self._next_seq = max(self._next_seq, entry.seq + 1)
+        return entry
+
+    def remove(self, job_id: str) -> QueueEntry | None:
+        return self._entries.pop(job_id, None)
+
+    def ordered(self) -> list[QueueEntry]:
+        return sorted(self._entries.values(), key=QueueEntry.key)
+
+    def head(self) -> QueueEntry | None:
+        return min(self._entries.values(), key=QueueEntry.key, default=None)
+
+    def position(self, job_id: str) -> int:
+        """1 for the head, 2 for the next...; 0: not queued."""
+        entry = self._entries.get(job_id)
+        if entry is None:
+            return 0
+        return 1 + sum(1 for e in self._entries.values() if e.key() < entry.key())
+
+    def leads(self, priority: int) -> bool:
+        """Whether a job submitted now with ``priority`` would be the head (every queued job
+        has a lower priority)."""
+        return all(e.priority < priority for e in self._entries.values())
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
