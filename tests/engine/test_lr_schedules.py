@@ -72,11 +72,11 @@ def test_wsd_decay_never_reaches_into_the_warmup():
 
 def test_schedule_for_takes_every_field_from_the_spec():
     spec = OptimizerSpec(
-        lr=2.0, warmup_steps=0, min_lr_ratio=0.0, schedule="wsd", decay_ratio=0.5, decay_shape="1-sqrt"
+        lr=0.5, warmup_steps=0, min_lr_ratio=0.0, schedule="wsd", decay_ratio=0.5, decay_shape="1-sqrt"
     )
     f = schedule_for(spec, 8)
-    assert [f(s) for s in (1, 4)] == [2.0, 2.0]
-    assert f(6) == pytest.approx(2.0 * (1 - math.sqrt(0.5)))
+    assert [f(s) for s in (1, 4)] == [0.5, 0.5]
+    assert f(6) == pytest.approx(0.5 * (1 - math.sqrt(0.5)))
     assert f(8) == 0.0
 
 
