@@ -154,6 +154,7 @@ def evaluate(version: str, dataset: str | None, batches: int | None, split: str 
     import torch
     from torch.nn import functional
 
+    from services.common import paths
     from services.data.__main__ import build_stream
     from services.data.errors import DataError
 
@@ -173,8 +174,6 @@ def evaluate(version: str, dataset: str | None, batches: int | None, split: str 
         raise CliError(f"--dataset {label}: no held-out split (0 val documents); try --split train")
     n = batches or spec.eval.batches * spec.parallel.dp
     model = load_model(ckpt)
-    from services.common import paths
-
     relay = build_stream(paths.datasets_root())
     pack = d.pack == "pack"
     req = data_pb2.OpenStream(
