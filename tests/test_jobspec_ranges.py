@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
-from annotated_types import Ge, Gt
+from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BaseModel
 
 from services.jobspec import JobSpec, JobSpecError, parse_job_spec
@@ -80,6 +80,52 @@ def numeric_fields(model: type[BaseModel] = JobSpec, path: tuple[str, ...] = ())
             item = _unwrap(v)
             keys = typing.get_args(k) if typing.get_origin(k) is typing.Literal else ("rank_exit",)
             yield where, f"dict[{item.__name__}]", _lower(_item_metadata(ann)), keys[0]
+
+
+def _has_upper(metadata: list) -> bool:
+    return any(isinstance(m, (Le, Lt)) for m in metadata)
+
+
+def unbounded_above(model: type[BaseModel] = JobSpec, path: tuple[str, ...] = ()):
+    """Dotted paths of the numeric fields (or their list / mapping items) without an upper
+    bound of their own (``le`` / ``lt``), recursively."""
+    for name, info in model.model_fields.items():
+        key = info.alias if info.alias and info.alias != name else name
+        ann = _unwrap(info.annotation)
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            yield from unbounded_above(ann, (*path, key))
+        elif ann in (int, float) and not _has_upper(info.metadata):
+            yield ".".join((*path, key))
+        elif typing.get_origin(ann) in (list, dict) and _unwrap(typing.get_args(ann)[-1]) in (int, float):
+            if not _has_upper(_item_metadata(ann)):
+                yield ".".join((*path, key))
+
+
+# The numeric fields with no upper bound of their own, and why the floor (int64; |float| <=
+# 1e15; a *_seconds duration <= 30 days) is theirs. A new numeric field gets a bound of
+# meaning (Field(le=...)), or a line here saying why it has none.
+NO_UPPER_BOUND = {
+    "steps": "a step count: int64, as the loop carries steps",
+    "seed": "a seed: any int64 (torch and numpy take 64 bits)",
+    "data.shuffle_seed": "a seed",
+    "model.rope_theta": "RoPE's base: long-context models use 1e6 .. 1e8 and more",
+    "optimizer.weight_decay": "bounded with lr: lr x weight_decay < 1",
+    "optimizer.warmup_steps": "a step count",
+    "precision.loss_scale.growth_interval": "a step count",
+    "precision.loss_scale.min_scale": "bounded by init_scale",
+    "checkpoint.every_steps": "a step count",
+    "eval.every_steps": "a step count",
+    "liveness.heartbeat_interval_seconds": "a duration; stall_min_seconds covers two of them",
+    "liveness.heartbeat_timeout_seconds": "a duration",
+    "liveness.stall_min_seconds": "a duration",
+    "liveness.attribution_seconds": "a duration",
+}
+
+
+def test_every_numeric_field_has_an_upper_bound_or_a_reason():
+    missing = sorted(set(unbounded_above()) - set(NO_UPPER_BOUND))
+    assert not missing, f"numeric fields without an upper bound (add Field(le=...) or a reason here): {missing}"
+    assert sorted(NO_UPPER_BOUND) == sorted(unbounded_above()), "NO_UPPER_BOUND lists a field that has one now"
 
 
 def bad_values(kind: str, lower: float | None) -> list[Any]:
