@@ -308,6 +308,7 @@ class MetricsLoggerHandlers(Protocol):
     """
 
     def log_collection_config(self, msg: store_pb2.LogCollectionConfig, payload: Any = None) -> Any: ...
+    def stop_log_collection(self, msg: store_pb2.StopLogCollection, payload: Any = None) -> Any: ...
 
 
 class UserHandlers(Protocol):

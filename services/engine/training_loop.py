@@ -15,7 +15,8 @@ Commands
     L3-1 LoadModel/ExportState/RestoreState, L2-4 InitPrecision/UnscaleAndCheck/ScaleLoss, L3-3 ConfigureForward/
     RunForward, L3-4 RunBackward, L3-5 ArmReduction/ReduceGradients, L2-3 ApplyUpdate/
     ExportState/RestoreState, L4 MountDataset/OpenStream, L5 SaveCheckpoint/CommitCheckpoint/LoadCheckpoint/
-    FlushCheckpoint, L5-2 LogCollectionConfig (the spec's ``metrics:``, once, before the first step).
+    FlushCheckpoint, L5-2 LogCollectionConfig (the spec's ``metrics:``, once, before the first step) and
+    StopLogCollection (at the end).
 Publishes
     TrainingLoopStarted, StepCompleted, EvalCompleted, TrainingLoopPaused, StepFaultReported,
     TrainingLoopFinished, TrainingLoopFailed (to L1; step and eval events also to L5-2).
@@ -761,6 +762,8 @@ class TrainingLoop:
     def _finish(self, stopped: bool) -> None:
         # Background saves are done (written, committed) before anyone hears of the end.
         self._p.store(store_pb2.FlushCheckpoint(job_id=self._job_id))
+        if self._p.metrics is not None:  # after the last record: L5-2 closes the job's sinks
+            self._p.metrics(store_pb2.StopLogCollection(job_id=self._job_id, rank=self._rank))
         self._phase = "done"
         self._emit(
             engine_pb2.TrainingLoopFinished(job_id=self._job_id, rank=self._rank, step=self._step, stopped=stopped)

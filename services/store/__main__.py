@@ -75,7 +75,12 @@ def wire(
             store_pb2.ScrubCheckpoints,
             store_pb2.WatchCheckpointsRequest,
         ),
-        METRICS: (engine_pb2.StepCompleted, engine_pb2.EvalCompleted, store_pb2.LogCollectionConfig),
+        METRICS: (
+            engine_pb2.StepCompleted,
+            engine_pb2.EvalCompleted,
+            store_pb2.LogCollectionConfig,
+            store_pb2.StopLogCollection,
+        ),
     }
     ports: dict[tuple[int, int], CommandPort] = {}
     for receiver, types in forwarded.items():

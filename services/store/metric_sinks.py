@@ -197,6 +197,14 @@ class Sinks:
                     self._failed(job, sink.path, e, "write", msg.DESCRIPTOR.full_name)
                     _close_quietly(sink)
 
+    def stop(self, msg: store_pb2.StopLogCollection) -> None:
+        """The sinks' rank ended its training: close the job's sinks (a later record opens
+        them again: a resumed job gets a new event file and a new W&B run)."""
+        if msg.rank != SINK_RANK:
+            return
+        with self._lock:
+            self._close_job(msg.job_id)
+
     def close(self) -> None:
         """Close every sink (flushes event files, finishes W&B runs)."""
         with self._lock:

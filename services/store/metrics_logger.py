@@ -130,6 +130,11 @@ class MetricsLogger:
         self._sinks.configure(msg)
         return store_pb2.MetricsAck(records=0)
 
+    def stop_log_collection(self, msg: store_pb2.StopLogCollection, payload: Any = None) -> store_pb2.MetricsAck:
+        """A rank's training ended: the job's sinks are closed (rank 0's say; ``records`` 0)."""
+        self._sinks.stop(msg)
+        return store_pb2.MetricsAck(records=0)
+
     def on_step_completed(self, msg: engine_pb2.StepCompleted, payload: Any = None) -> store_pb2.MetricsAck:
         """A rank's raw step metrics: persist the line, then set the Prometheus series.
 

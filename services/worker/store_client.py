@@ -318,6 +318,10 @@ class StoreClient:
         (held and resent like them; the store keeps its copy across its restarts)."""
         self._enqueue(store_pb2.MetricRecord(config=msg))
 
+    def stop_log_collection(self, msg: store_pb2.StopLogCollection, payload: Any = None) -> None:
+        """The loop's end, after its last record on the same stream (L5-2 closes the sinks)."""
+        self._enqueue(store_pb2.MetricRecord(stop=msg))
+
     @property
     def held_records(self) -> int:
         """Metric records not yet acknowledged by the store."""

@@ -113,6 +113,9 @@ class FakeStore:
     def log_collection_config(self, msg, payload=None):
         self.configs.append(msg)
 
+    def stop_log_collection(self, msg, payload=None):
+        self.configs.append(msg)
+
     def save_checkpoint(self, msg: store_pb2.SaveCheckpoint, payload):
         path = self._root / f"step{msg.step}"
         dcp.save(payload, checkpoint_id=str(path))

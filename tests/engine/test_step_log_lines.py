@@ -28,8 +28,11 @@ def test_every_log_every_th_step_and_the_last_get_a_line_with_the_reported_value
     lines = [e for e in logs if e["event"].startswith("step ")]
     assert [e["event"] for e in lines] == [step_line(steps[n]) for n in (2, 4, 5)]
     assert all(e.get("once") for e in lines)  # the same on every rank: rank 0 writes it
-    assert rank.store.configs == [
-        store_pb2.LogCollectionConfig(job_id="job", tensorboard=True, wandb_project="surge-tests", wandb_mode="offline")
+    assert rank.store.configs == [  # before the first step, and after the last
+        store_pb2.LogCollectionConfig(
+            job_id="job", tensorboard=True, wandb_project="surge-tests", wandb_mode="offline"
+        ),
+        store_pb2.StopLogCollection(job_id="job", rank=0),
     ]
 
 
@@ -53,4 +56,7 @@ def test_log_every_zero_writes_no_step_line(tmp_path):
         rank.run()
     assert rank.error is None and len(rank.steps()) == 2
     assert not [e for e in logs if e["event"].startswith("step ")]
-    assert rank.store.configs == [store_pb2.LogCollectionConfig(job_id="job")]
+    assert rank.store.configs == [
+        store_pb2.LogCollectionConfig(job_id="job"),
+        store_pb2.StopLogCollection(job_id="job", rank=0),
+    ]

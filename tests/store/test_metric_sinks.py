@@ -127,8 +127,10 @@ def test_tensorboard_and_wandb_hold_the_jsonl_values(tmp_path):
         logger.on_eval_completed(
             engine_pb2.EvalCompleted(job_id=JOB, rank=0, step=4, loss=1.25, tokens=999, seconds=0.5)
         )
+        assert logger.stop_log_collection(store_pb2.StopLogCollection(job_id=JOB, rank=0)).records == 0
+        assert logger._sinks._open == {}  # the event file closed, the W&B run finished
     finally:
-        logger.close()  # finishes the W&B run
+        logger.close()
     assert emitted == []
     want = expected(tmp_path)
     assert len(want["train/loss"]) == 4 and want["eval/loss"] == [(4, 1.25)]
@@ -162,6 +164,20 @@ def test_the_config_outlives_a_store_restart(tmp_path):
     again = MetricsLogger(tmp_path, registry=CollectorRegistry())  # no config pushed since the restart
     again.on_step_completed(step(2))
     again.close()
+    assert [s for s, _ in tensorboard_scalars(tmp_path / "metrics" / JOB / "tensorboard")["train/loss"]] == [1, 2]
+
+
+def test_rank_0s_stop_closes_the_sinks_and_a_later_record_opens_them_again(tmp_path):
+    logger = MetricsLogger(tmp_path, registry=CollectorRegistry())
+    logger.log_collection_config(config(tensorboard=True))
+    logger.on_step_completed(step(1))
+    logger.stop_log_collection(store_pb2.StopLogCollection(job_id=JOB, rank=1))  # not the sinks' rank
+    assert len(logger._sinks._open[JOB]) == 1
+    logger.stop_log_collection(store_pb2.StopLogCollection(job_id=JOB, rank=0))
+    assert JOB not in logger._sinks._open
+    logger.on_step_completed(step(2))  # a resumed job: a new event file beside the first
+    logger.close()
+    assert len(list((tmp_path / "metrics" / JOB / "tensorboard").iterdir())) == 2
     assert [s for s, _ in tensorboard_scalars(tmp_path / "metrics" / JOB / "tensorboard")["train/loss"]] == [1, 2]
 
 
