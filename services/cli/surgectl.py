@@ -36,6 +36,13 @@ dataset_app = typer.Typer(
     help="Prepare and list dataset versions.\n\nExample: surgectl dataset list",
 )
 app.add_typer(dataset_app, name="dataset")
+delete_app = typer.Typer(
+    no_args_is_help=True,
+    context_settings=HELP,
+    help="Delete a job's records, a checkpoint version or a dataset version (refused while in use).\n\n"
+    "Example: surgectl delete checkpoint demo-3f2a1c:2",
+)
+app.add_typer(delete_app, name="delete")
 
 OutputOpt = typer.Option("table", "--output", "-o", help="table | json")
 
@@ -265,6 +272,41 @@ def dataset_list(output: str = OutputOpt) -> None:
     """
     resp = clients.call("data", lambda s: s.List(data_pb2.DatasetQuery(), timeout=30))
     _show(resp.datasets, output, render.datasets_table)
+
+
+@delete_app.command("job")
+def delete_job(job: str = typer.Argument(..., help="job id or name")) -> None:
+    """Forget an ended job: control's records of it (status, event log, steps). A live job
+    is refused; its checkpoints stay.
+
+    Example: surgectl delete job demo-3f2a1c
+    """
+    from services.cli import housekeeping
+
+    _say(housekeeping.delete_job(job))
+
+
+@delete_app.command("checkpoint")
+def delete_checkpoint(version: str = typer.Argument(..., help="'<job>:<n>' (see `surgectl checkpoints`)")) -> None:
+    """Delete a checkpoint version. Refused while in use: a save or load of it in flight,
+    or the newest ok version of a job that has not ended (a relaunch resumes from it).
+
+    Example: surgectl delete checkpoint demo-3f2a1c:2
+    """
+    from services.cli import housekeeping
+
+    _say(housekeeping.delete_checkpoint(version))
+
+
+@delete_app.command("dataset")
+def delete_dataset(dataset: str = typer.Argument(..., help="'name@version' (see `surgectl dataset list`)")) -> None:
+    """Delete a prepared dataset version. Refused while a live job reads it.
+
+    Example: surgectl delete dataset notes@v1
+    """
+    from services.cli import housekeeping
+
+    _say(housekeeping.delete_dataset(dataset))
 
 
 @app.command()

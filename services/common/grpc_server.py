@@ -57,7 +57,10 @@ TLS_SERVER_NAME_ENV = "SURGE_TLS_SERVER_NAME"
 AUTH_TOKEN_ENV = "SURGE_AUTH_TOKEN"
 
 # RPCs that change state: they need the bearer token when SURGE_AUTH_TOKEN is set.
-MUTATING_METHODS = frozenset(f"/surge.v1.ControlService/{m}" for m in ("SubmitJob", "PauseJob", "ResumeJob", "StopJob"))
+MUTATING_METHODS = frozenset(
+    [f"/surge.v1.ControlService/{m}" for m in ("SubmitJob", "PauseJob", "ResumeJob", "StopJob", "DeleteJob")]
+    + ["/surge.v1.StoreService/Delete", "/surge.v1.DataService/Delete"]
+)
 
 
 # A service's exit status when the address it was told to listen on is held by another

@@ -225,6 +225,7 @@ def build(
             control_pb2.PauseJobRequest,
             control_pb2.ResumeJobRequest,
             control_pb2.StopJobRequest,
+            control_pb2.DeleteJobRequest,
         ),
     )
     servicer = ControlServicer(user=user, watches=watches, sessions=sessions, max_sessions=max_sessions)

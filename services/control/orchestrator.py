@@ -565,6 +565,26 @@ class Orchestrator:
             with self._lock:
                 job.resuming = False
 
+    def delete_job_request(self, msg: control_pb2.DeleteJobRequest, payload: Any = None) -> control_pb2.JobStatus:
+        """Forget a TERMINATED job: its journaled status, event log and steps go, and it is
+        no longer listed. Answers its last status. Its checkpoints and metrics are the
+        store's (not touched here).
+
+        Raises:
+            JobNotFound, IllegalTransition (the job is live: not TERMINATED; nothing changed).
+        """
+        with self._lock:
+            job = self._get(msg.job_id)
+            if job.status.state != JobState.TERMINATED:
+                raise IllegalTransition(
+                    f"job {msg.job_id} is {JobState.Name(job.status.state)}: only an ended job's records can be "
+                    f"deleted (`surgectl stop {msg.job_id}` first)"
+                )
+            self._journal.delete_job(msg.job_id)
+            del self._jobs[msg.job_id]
+            _log.info("job deleted", job_id=msg.job_id)
+            return self._snapshot(job)
+
     def stop_job_request(self, msg: control_pb2.StopJobRequest, payload: Any = None) -> control_pb2.JobStatus:
         """Stop a job, checkpointing its boundary step first (unless ``no_checkpoint``).
         RUNNING: ranks stop after step latest+2; WARMING_UP / PAUSED: at the next boundary

@@ -103,6 +103,9 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
     def StopJob(self, request, context):
         return self._command(context, request)
 
+    def DeleteJob(self, request, context):
+        return self._command(context, request)
+
     async def WatchJob(self, request, context) -> AsyncIterator[control_pb2.JobEvent]:
         """History from ``from_seq``, then (with ``follow``) live events until TERMINATED.
         Subscribing before reading the history and skipping seen seqs closes the gap

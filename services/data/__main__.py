@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             list_datasets=bus.port(Module.EXT_USER, VERSIONS, commands=(data_pb2.DatasetQuery,)),
             new_stream=lambda: build_stream(root, violation),
             log=log,
+            delete=bus.port(Module.EXT_USER, VERSIONS, commands=(data_pb2.DeleteDataset,)),
         )
         validate_wiring(bus, REGISTRY_HOSTED)  # again, with the operator's ports
         build_stream(root, violation)  # a stream's wiring, checked once before serving

@@ -16,6 +16,7 @@ operator, still gets the one-line reason). It commands only the prefetcher
 
 from __future__ import annotations
 
+import shutil
 import threading
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from services.contract import data_pb2
 from services.contract.bus import CommandPort, Emitter
 from services.data import manifest as mf
 from services.data.documents import TokenStore
-from services.data.errors import DatasetCorrupt, DatasetNotFound, InvalidConfig
+from services.data.errors import DatasetCorrupt, DatasetInUse, DatasetNotFound, InvalidConfig
 
 SPLITS = ("train", "val")
 
@@ -71,6 +72,37 @@ class DatasetVersions:
             except DatasetCorrupt:
                 continue  # listed versions are usable ones; mount_dataset names the fault
         return out
+
+    def delete_dataset(self, msg: data_pb2.DeleteDataset, payload: object = None) -> data_pb2.DatasetDeleted:
+        """Remove the version ``msg.name@msg.version`` (its directory; the name's directory
+        too once it holds no version). ``payload``: how many streams read it now (the
+        servicer's count; a stream's own L4-1 is another instance).
+
+        Raises:
+            DatasetNotFound: no such version.
+            DatasetInUse: a stream of it is open; nothing changed.
+        """
+        key, label = (msg.name, msg.version), f"{msg.name}@{msg.version}"
+        with self._lock:
+            self._scan()
+            path = self._registry.get(key)
+            if path is None:
+                have = ", ".join(f"{n}@{v}" for n, v in sorted(self._registry)) or f"none under {self._root}"
+                raise DatasetNotFound(f"dataset {label} not found (have: {have})")
+            if isinstance(payload, int) and payload > 0:
+                raise DatasetInUse(
+                    f"dataset {label} is in use: {payload} stream{'s' if payload > 1 else ''} of it open "
+                    "(a running job reads it); stop the job first"
+                )
+            freed = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            shutil.rmtree(path)
+            if path.parent != self._root and path.parent.is_dir() and not any(path.parent.iterdir()):
+                path.parent.rmdir()
+            del self._registry[key]
+            self._state.pop(key, None)
+            if self._active == key:
+                self._active = None
+        return data_pb2.DatasetDeleted(name=msg.name, version=msg.version, bytes_freed=freed)
 
     def open_stream(self, msg: data_pb2.OpenStream, payload: object = None) -> data_pb2.DatasetReady:
         """Mount ``msg.mount`` and activate ``msg.split`` in the prefetcher (which reads it

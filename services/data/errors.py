@@ -27,6 +27,10 @@ class DatasetCorrupt(DataError):
     failure_cause = FailureCause.FAILURE_DATA_CORRUPT
 
 
+class DatasetInUse(DataError, Refusal):
+    """A version cannot be deleted while a stream of it is open (a rank reads it)."""
+
+
 class VersionConflict(DataError, Refusal):
     """``prepare_dataset`` found ``name@version`` already prepared with different content."""
 

@@ -32,6 +32,7 @@ event, breaks the stream it feeds), out of the command L2-1's relay sent, as a c
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -46,6 +47,7 @@ from services.contract.relay import Outbox, routed_trailers
 from services.data.errors import (
     DataReadError,
     DatasetCorrupt,
+    DatasetInUse,
     DatasetNotFound,
     InvalidConfig,
     NoDocuments,
@@ -55,6 +57,7 @@ from services.data.errors import (
 STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (DatasetNotFound, grpc.StatusCode.NOT_FOUND),
     (DatasetCorrupt, grpc.StatusCode.FAILED_PRECONDITION),
+    (DatasetInUse, grpc.StatusCode.FAILED_PRECONDITION),
     (VersionConflict, grpc.StatusCode.ALREADY_EXISTS),
     (InvalidConfig, grpc.StatusCode.INVALID_ARGUMENT),
     (NoDocuments, grpc.StatusCode.OUT_OF_RANGE),
@@ -243,11 +246,36 @@ class StreamRelay:
 class DataServicer(data_pb2_grpc.DataServiceServicer):
     """Relays the three RPCs; see the module docstring."""
 
-    def __init__(self, *, mount: CommandPort, list_datasets: CommandPort, new_stream: Callable[[], StreamRelay], log):
+    def __init__(
+        self,
+        *,
+        mount: CommandPort,
+        list_datasets: CommandPort,
+        new_stream: Callable[[], StreamRelay],
+        log,
+        delete: CommandPort | None = None,
+    ):
         self._mount = mount
         self._list = list_datasets
         self._new_stream = new_stream
         self._log = log
+        self._delete = delete
+        # (name, version) -> streams open now: a version being read is not deleted. The
+        # lock is held across a delete, so no stream opens on a version while it goes.
+        self._reading: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._reading_lock = threading.Lock()
+
+    def Delete(self, request: data_pb2.DeleteDataset, context: grpc.ServicerContext) -> data_pb2.DatasetDeleted:
+        """Remove one prepared version (L4-1), told how many streams read it now."""
+        if self._delete is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "data: Delete is not served here")
+        try:
+            with self._reading_lock:
+                done = self._delete(request, self._reading[(request.name, request.version)]).message
+        except Exception as e:
+            self._abort(context, e, "delete", dataset=f"{request.name}@{request.version}")
+        self._log.info("dataset deleted", dataset=f"{done.name}@{done.version}", bytes_freed=done.bytes_freed)
+        return done
 
     def Mount(self, request: data_pb2.MountDataset, context: grpc.ServicerContext) -> data_pb2.DatasetReady:
         try:
@@ -278,12 +306,19 @@ class DataServicer(data_pb2_grpc.DataServiceServicer):
             world_size=request.packer.world_size,
         )
         start = request.start
+        key = (request.mount.name, request.mount.version)
+        with self._reading_lock:
+            self._reading[key] += 1
         self._log.info("stream opened", **where, start=f"{start.epoch}/{start.row}")
         try:
             yield from relay.batches(request)
         except Exception as e:
             self._abort(context, e, "stream", routed=relay.routed.drain(), **where)
         finally:
+            with self._reading_lock:
+                self._reading[key] -= 1
+                if self._reading[key] <= 0:
+                    del self._reading[key]
             self._log.info("stream closed", **where, batches=relay.batches_sent, tokens=relay.tokens_sent)
 
     def _abort(self, context: grpc.ServicerContext, error: Exception, what: str, routed=(), **where) -> None:

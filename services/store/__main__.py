@@ -71,6 +71,7 @@ def wire(
             store_pb2.CommitCheckpoint,
             store_pb2.LoadCheckpoint,
             store_pb2.CheckpointQuery,
+            store_pb2.DeleteCheckpoint,
             store_pb2.VerifyCheckpoints,
             store_pb2.ScrubCheckpoints,
             store_pb2.WatchCheckpointsRequest,

@@ -456,6 +456,50 @@ class CheckpointManager:
         job = _check_job_id(msg.job_id) if msg.job_id else ""
         return Reply(None, self._corrupt_now(job))
 
+    def delete_checkpoint(self, msg: store_pb2.DeleteCheckpoint, payload: Any = None) -> store_pb2.CheckpointDeleted:
+        """Remove ``msg.version`` (``<job>:<n>``): out of the catalog first, then its
+        directory, then the job's chunks no other version references (as retention does).
+
+        Raises:
+            ValueError: not a ``<job>:<n>`` version.
+            CheckpointNotFound: no such version.
+            CheckpointRejected: it is in use: a save of its job or a verification of it is in
+                flight, or it is the newest ok version of a job not known to have ended
+                (``msg.job_ended`` false: a relaunch of the job resumes from it). Nothing
+                changed.
+        """
+        job, sep, n = msg.version.rpartition(":")
+        if not sep or not job or not n.isdigit():
+            raise ValueError(f"version: expected '<job>:<n>', got {msg.version!r}")
+        with self._lock:
+            entry = next((e for e in self._chain if e["version"] == msg.version), None)
+            if entry is None:
+                have = [e["version"] for e in self._chain if e["job_id"] == job]
+                raise CheckpointNotFound(f"checkpoint {msg.version} not found (have: {', '.join(have) or 'none'})")
+            ok = [e["version"] for e in self._chain if e["job_id"] == job and _verdict(e)[0] == store_pb2.VERDICT_OK]
+            if msg.version in self._verifying or job in self._open:
+                raise CheckpointRejected(
+                    f"checkpoint {msg.version} is in use: a {'save of ' + job if job in self._open else 'load'} "
+                    "is in flight; try again when it is done"
+                )
+            if ok and ok[-1] == msg.version and not msg.job_ended:
+                raise CheckpointRejected(
+                    f"checkpoint {msg.version} is in use: the newest ok version of {job}, which has not ended "
+                    "(a relaunch resumes from it); stop the job first"
+                )
+            kept = [e for e in self._chain if e is not entry]
+            self._write_catalog(kept)
+            self._chain = kept
+            self._chunk_sets.pop(msg.version, None)
+            path = self._dir / entry["path"]
+            freed = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+            shutil.rmtree(path, ignore_errors=True)
+            chunks = self._dir / job / CHUNKS_DIR
+            before = _tree_bytes(chunks)
+            self._sweep_chunks(job)
+            freed += before - _tree_bytes(chunks)
+        return store_pb2.CheckpointDeleted(version=msg.version, bytes_freed=freed)
+
     def checkpoint_query(self, msg: store_pb2.CheckpointQuery, payload: Any = None) -> store_pb2.CheckpointList:
         """The committed versions of ``msg.job_id`` (every job if empty), oldest first."""
         with self._lock:
@@ -905,6 +949,11 @@ class CheckpointManager:
             written_bytes=entry.get("written_bytes", 0),
             baseline=entry.get("baseline", False),
         )
+
+
+def _tree_bytes(root: Path) -> int:
+    """Bytes of the files under ``root`` (0 when it is not a directory)."""
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.is_dir() else 0
 
 
 def _verdict(entry: dict[str, Any]) -> tuple[int, str, float]:

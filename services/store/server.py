@@ -120,6 +120,9 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
     def List(self, request: store_pb2.CheckpointQuery, context: grpc.ServicerContext) -> Message:
         return self._relay("List", CKPT, request, context)
 
+    def Delete(self, request: store_pb2.DeleteCheckpoint, context: grpc.ServicerContext) -> Message:
+        return self._relay("Delete", CKPT, request, context)
+
     def Verify(self, request: store_pb2.VerifyCheckpoints, context: grpc.ServicerContext) -> Message:
         reply = self._relay("Verify", CKPT, request, context)
         bad = [v.info.version for v in reply.versions if not v.ok]

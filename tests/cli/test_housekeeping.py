@@ -144,6 +144,13 @@ def test_up_with_an_unwritable_home_is_one_line_and_starts_nothing(tmp_path, mon
         (["submit", "/nonexistent.yaml"], 2, ["/nonexistent.yaml"]),
         (["restart", "control"], 1, ["no local stack"]),
         (["status", "-o", "yaml"], 1, ["address unknown"]),
+        (["delete", "job", "nojob"], 1, ["control address unknown"]),
+        (["delete", "checkpoint", "no-colon"], 2, ["VERSION", "'<job>:<n>'"]),
+        (["delete", "checkpoint", "j:latest"], 2, ["VERSION"]),
+        (["delete", "checkpoint", "j:1"], 1, ["control address unknown"]),
+        (["delete", "dataset", "no-at"], 2, ["DATASET", "'name@version'"]),
+        (["delete", "dataset", "tiny@v1"], 1, ["control address unknown"]),
+        (["delete", "frobnicate", "x"], 2, ["frobnicate"]),
     ],
 )
 def test_a_failure_with_the_stack_down_is_one_line(argv, expected_code, words, surge_home, monkeypatch, capsys):
