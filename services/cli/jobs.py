@@ -16,20 +16,21 @@ from services.contract import control_pb2, data_pb2
 from services.jobspec import JobSpec
 
 
-def submit_job(spec_path: Path, overrides: Sequence[str] = ()) -> control_pb2.JobStatus:
+def submit_job(spec_path: Path, overrides: Sequence[str] = (), priority: int = 0) -> control_pb2.JobStatus:
     """Submit the spec of ``spec_path`` with ``overrides`` (``--set KEY=VALUE``) applied,
-    after the checks of :func:`check_submission`; control validates it again."""
+    after the checks of :func:`check_submission`; control validates it again. Ranks that do
+    not fit now: control queues the job (STANDBY, ``queue_position``), FIFO within ``priority``."""
     spec, text, source = spec_tools.load_spec(spec_path, overrides)
     ds = data_pb2.MountDataset(name=spec.data.name, version=spec.data.version, verify=True)
     info = clients.call("data", lambda s: s.Mount(ds, timeout=120))
     check_submission(spec, info, source)
     text = pin_latest(spec, text, source)  # init_from.checkpoint <job>:latest -> the version it is now
-    req = control_pb2.SubmitJobRequest(spec_yaml=text, spec_path=source)
+    req = control_pb2.SubmitJobRequest(spec_yaml=text, spec_path=source, priority=priority)
     try:
         return clients.call("control", lambda s: s.SubmitJob(req, timeout=60))
     except CliError as e:
-        # Control refuses a spec it cannot place (more ranks than free slots) as
-        # FAILED_PRECONDITION: at submit that is the spec's fault, exit 2 like its other errors.
+        # A spec control refuses as FAILED_PRECONDITION at submit is the spec's fault: exit 2
+        # like its other errors. (Ranks that do not fit are no refusal: the job is queued.)
         if e.status == grpc.StatusCode.FAILED_PRECONDITION:
             e.code = 2
         raise

@@ -71,6 +71,8 @@ def state_text(s: control_pb2.JobStatus) -> str:
         text += f" ({OUTCOME.Name(s.outcome)})"
     elif s.state == STATE.PAUSED and s.drained:
         text += " (drained)"  # by `surgectl down`: the next `up` resumes it
+    elif s.state == STATE.STANDBY and s.queue_position:
+        text += f" (queued #{s.queue_position})"  # control's job queue: `message` says what it waits for
     return text
 
 

@@ -325,6 +325,13 @@ def submit(
         "--dry-run",
         help="validate, resolve the dataset, estimate memory per rank and print the effective spec; submit nothing",
     ),
+    priority: int = typer.Option(
+        0,
+        "--priority",
+        min=-1000,
+        max=1000,
+        help="queue priority, higher first (-1000..1000): a job whose ranks do not fit now waits, FIFO within priority",
+    ),
 ) -> None:
     """Validate a job spec, check its dataset, submit it.
 
@@ -335,7 +342,7 @@ def submit(
             raise CliError("--follow: nothing is submitted with --dry-run, so there is nothing to follow", code=2)
         print(dry_run_job(spec, overrides or ()), end="", flush=True)
         return
-    status = submit_job(spec, overrides or ())
+    status = submit_job(spec, overrides or (), priority)
     render.console.print(f"submitted {status.job_id} ({render.state_text(status)})")
     if follow:
         try:
@@ -609,6 +616,19 @@ def stop(job: str, no_checkpoint: bool = NoCheckpointOpt) -> None:
     req = control_pb2.StopJobRequest(job_id=job, no_checkpoint=no_checkpoint)
     s = clients.call("control", lambda st: st.StopJob(req, timeout=10))
     render.console.print(f"{job}: stop requested; now {render.state_text(s)}", markup=False, highlight=False)
+
+
+@app.command()
+def cancel(job: str) -> None:
+    """Take a queued job out of control's job queue (it never ran: TERMINATED, STOPPED). A job
+    that is not queued is refused and left as it is (`surgectl stop` stops it).
+
+    Example: surgectl cancel demo-3f2a1c
+    """
+    job = resolve_job(job)
+    req = control_pb2.StopJobRequest(job_id=job, queued_only=True)
+    s = clients.call("control", lambda st: st.StopJob(req, timeout=10))
+    _say(f"{job}: taken out of the queue; now {render.state_text(s)}")
 
 
 @app.command()

@@ -162,14 +162,50 @@ def test_a_job_evaluating_on_a_dataset_without_held_out_split_is_refused(stack, 
     assert json.loads(cli(stack, "status", "-o", "json").stdout) == before
 
 
-def test_dp_larger_than_the_available_ranks_is_refused_and_nothing_is_created(stack, tmp_path):
+def submitted(run: subprocess.CompletedProcess) -> str:
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr
+    return run.stdout.split("submitted ", 1)[1].split()[0]
+
+
+def test_dp_larger_than_the_registered_ranks_waits_in_the_queue_saying_so_until_cancelled(stack, tmp_path):
     spec = tmp_path / "big.yaml"
     spec.write_text(JOB.replace("dp: 2", "dp: 3"))
-    before = json.loads(cli(stack, "status", "-o", "json").stdout)
     r = cli(stack, "submit", str(spec))
-    assert r.returncode == 2, r.stderr  # bad input, like every other spec error
-    assert "parallel.dp=3" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    assert json.loads(cli(stack, "status", "-o", "json").stdout) == before
+    job_id = submitted(r)
+    assert "(STANDBY (queued #1))" in r.stdout
+    (status,) = json.loads(cli(stack, "status", job_id, "-o", "json").stdout)
+    assert status["message"] == (
+        "queued: needs 3 ranks (parallel.dp=3), more than the 2 registered: waits for workers to join"
+    )
+    assert cli(stack, "cancel", job_id).returncode == 0  # (else it would hold the queue for the tests after it)
+    (status,) = json.loads(cli(stack, "status", job_id, "-o", "json").stdout)
+    assert (status["state"], status["outcome"], status.get("queue_position", 0)) == ("TERMINATED", "STOPPED", 0)
+    assert processes_with(f"--job {job_id}") == []
+
+
+def test_a_job_submitted_while_another_holds_the_ranks_is_queued_and_runs_once_they_free_up(stack, tmp_path):
+    small = JOB.replace("d_model: 64", "d_model: 32")
+    first, second = tmp_path / "qa.yaml", tmp_path / "qb.yaml"
+    first.write_text(small.replace("name: e2e", "name: qa").replace("steps: 24", "steps: 30"))
+    second.write_text(small.replace("name: e2e", "name: qb").replace("steps: 24", "steps: 3"))
+    a = submitted(cli(stack, "submit", str(first)))
+    run = cli(stack, "submit", str(second), "--follow")  # queued behind a (its ranks take seconds to start)
+    b = submitted(run)
+    assert "(STANDBY (queued #1))" in run.stdout.splitlines()[0], run.stdout[:500]
+
+    def log(job: str) -> list[dict]:
+        r = cli(stack, "events", job, "-o", "json")
+        assert r.returncode == 0, r.stderr
+        return [json.loads(line) for line in r.stdout.splitlines()]
+
+    ended = [e for e in log(a) if e["type"] == "state" and "-> TERMINATED" in e["message"]]
+    assert len(ended) == 1 and ended[0]["status"]["outcome"] == "FINISHED", log(a)[-3:]
+    events = log(b)
+    assert events[0]["type"] == "queue" and events[0]["message"].startswith("queued at position 1 of 1, priority 0")
+    (left,) = [e for e in events if e["type"] == "state" and "STANDBY -> WARMING_UP: left the queue" in e["message"]]
+    assert left["unix_time"] >= ended[0]["unix_time"]  # started once a's ranks were released
+    assert events[-1]["status"]["state"] == "TERMINATED" and events[-1]["status"]["outcome"] == "FINISHED"
+    assert int(events[-1]["status"]["step"]) == 3
 
 
 def test_unknown_dataset_or_version_is_a_one_line_error(stack, tmp_path):

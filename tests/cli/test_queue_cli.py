@@ -1,0 +1,91 @@
+"""`surgectl status`, `cancel` and `submit --priority` with control's job queue (issue 15
+part 3), in this process: the real control plane (build()) served by its real servicer on
+loopback gRPC, one registered worker (one slot), jobs submitted as the operator would."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from concurrent import futures
+
+import grpc
+import pytest
+
+from services.cli import surgectl
+from services.contract import control_pb2, control_pb2_grpc
+from services.control.__main__ import build
+from services.control.job_store import JobStore
+from tests.control.conftest import registration, spec_yaml
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def control(tmp_path, monkeypatch):
+    """(the control plane, a submit function): wa (one slot) registered; SURGE_CONTROL_ADDRESS set."""
+    journal = JobStore(tmp_path / "control.db")
+    plane = build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    control_pb2_grpc.add_ControlServiceServicer_to_server(plane.servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    monkeypatch.setenv("SURGE_CONTROL_ADDRESS", f"127.0.0.1:{port}")
+    monkeypatch.setenv("SURGE_HOME", str(tmp_path))
+    plane.sessions.open(registration("wa"))
+    stub = control_pb2_grpc.ControlServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+
+    def submit(name: str) -> str:
+        req = control_pb2.SubmitJobRequest(spec_yaml=spec_yaml(name=name, dp=1), spec_path="job.yaml")
+        return stub.SubmitJob(req, timeout=10).job_id
+
+    yield submit
+    server.stop(grace=0)
+    journal.close()
+
+
+# What control's modules log in this process (structlog, on stdout): not surgectl's output.
+SERVICE_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[")
+
+
+def run(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
+    """``surgectl ARGV`` in this process: (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["surgectl", *argv])
+    with pytest.raises(SystemExit) as done:
+        surgectl.main()
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    out = "".join(line for line in out.splitlines(keepends=True) if not SERVICE_LOG.match(line))
+    return done.value.code, out, err
+
+
+def test_status_shows_the_queue_position_and_cancel_takes_a_queued_job_out(control, monkeypatch, capsys):
+    running, first, second = control("a"), control("b"), control("c")
+    code, out, _ = run(monkeypatch, capsys, "status", "-o", "json")
+    rows = {j["job_id"]: j for j in json.loads(out)}
+    assert code == 0 and (rows[first]["queue_position"], rows[second]["queue_position"]) == (1, 2)
+    assert rows[second]["message"] == "queued: waits for the jobs queued ahead of it"
+    monkeypatch.setenv("COLUMNS", "300")
+    code, out, _ = run(monkeypatch, capsys, "status", first)
+    assert code == 0 and "STANDBY (queued #1)" in out
+
+    code, out, _ = run(monkeypatch, capsys, "cancel", first)
+    assert code == 0 and out.strip() == f"{first}: taken out of the queue; now TERMINATED (STOPPED)"
+    code, out, _ = run(monkeypatch, capsys, "status", second, "-o", "json")
+    assert json.loads(out)[0]["queue_position"] == 1
+
+    code, _, err = run(monkeypatch, capsys, "cancel", running)  # refused: not queued, left running
+    assert code == 1 and err.strip() == (
+        f"error: job {running} is WARMING_UP, not queued: `surgectl stop {running}` stops it"
+    )
+    code, out, _ = run(monkeypatch, capsys, "status", running, "-o", "json")
+    assert json.loads(out)[0]["state"] == "WARMING_UP"
+
+
+def test_a_priority_out_of_range_is_one_line_naming_the_option_and_exit_2(tmp_path, monkeypatch, capsys):
+    spec = tmp_path / "job.yaml"
+    spec.write_text(spec_yaml(name="x", dp=1))
+    code, out, err = run(monkeypatch, capsys, "submit", str(spec), "--priority", "1001")
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1 and "--priority" in lines[0], err
