@@ -854,6 +854,8 @@ class TrainingLoop:
         for key, port in (("model", self._p.shard_loader), ("optim", self._p.optimizer)):
             if key in keys:
                 slot = loaded.slots[key]
+                if key == "optim":
+                    slot = _own_hyperparameters(slot, fresh.slots[key])
                 port(engine_pb2.RestoreState(step=slot.step, version=slot.version, digest=slot.digest), slot)
         _log.info("init_from loaded", source=loaded.version, step_of_source=loaded.step, slots=list(keys))
 
@@ -921,6 +923,19 @@ def model_flops_per_token(spec: JobSpec, num_parameters: int) -> float:
     12 * n_layers * d_model * seq_len (PaLM, Chowdhery et al. 2022, appendix B)."""
     m = spec.model
     return 6.0 * num_parameters + 12.0 * m.n_layers * m.d_model * spec.data.seq_len
+
+
+def _own_hyperparameters(loaded: Slot, fresh: Slot) -> Slot:
+    """An ``init_from`` optimizer slot: the source's moments and step counts (``state``)
+    with this job's ``param_groups`` (betas, eps, weight decay: the spec's, not the source
+    job's; either layout, nested or flattened by FQN), digested anew. (``fresh`` was the
+    load's template, read into in place: its tensors are the source's now, its plain values,
+    the param_groups' numbers among them, are still this job's.)"""
+    state = loaded.state_dict()
+    mine = fresh.state_dict()
+    for key in [k for k in state if k == "param_groups" or k.startswith("param_groups.")]:
+        state[key] = mine[key]
+    return Slot.copy_of(loaded.key, loaded.owner, loaded.step, loaded.version, state)
 
 
 def step_line(done: engine_pb2.StepCompleted) -> str:

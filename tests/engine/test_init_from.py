@@ -37,6 +37,14 @@ def optimizer_state(rank: LocalRank) -> dict:
     return port(engine_pb2.ExportState()).payload.state_dict()["state"]
 
 
+def optimizer_groups(rank: LocalRank) -> list:
+    port = rank.bus.port(Module.L2_TRAINING_LOOP, Module.L2_OPTIMIZER)
+    return [
+        {k: tuple(v) if isinstance(v, list) else v for k, v in g.items() if k != "params"}
+        for g in port(engine_pb2.ExportState()).payload.state_dict()["param_groups"]
+    ]
+
+
 def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -54,13 +62,21 @@ def test_a_checkpoints_weights_start_a_new_job_at_step_0_with_a_fresh_or_the_sav
     fresh = optimizer_state(weights)
     assert all(not v["exp_avg"].any() for v in fresh.values())  # no moments: a fresh AdamW
 
+    new_settings = {"lr": 1e-3, "weight_decay": 0.05, "beta2": 0.99}
     both = started_only(
-        tiny_spec(steps=5, seed=9, init_from={"checkpoint": "src:3", "load": "weights+optimizer"}), tmp_path
+        tiny_spec(
+            steps=5, seed=9, optimizer=new_settings, init_from={"checkpoint": "src:3", "load": "weights+optimizer"}
+        ),
+        tmp_path,
     )
     assert same(both.model_state(), trained)
     loaded = optimizer_state(both)
     assert loaded.keys() == moments.keys()
     assert all(same(loaded[k], moments[k]) for k in moments)
+    # the moments are the source's, the hyperparameters this job's spec
+    groups = optimizer_groups(both)
+    assert [g["weight_decay"] for g in groups] == [0.05, 0.0] and {g["betas"] for g in groups} == {(0.9, 0.99)}
+    assert [g["weight_decay"] for g in optimizer_groups(source)] == [0.1, 0.0]
 
 
 def test_a_job_started_from_weights_trains_from_step_1_on_its_own_schedule(tmp_path):
