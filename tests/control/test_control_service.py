@@ -244,14 +244,16 @@ def test_a_session_must_open_with_a_registration(start_control):
     )
 
 
-def test_a_job_needing_more_ranks_than_free_fails_and_leaves_no_job(start_control, agents):
+def test_a_job_needing_more_ranks_than_registered_is_queued_and_starts_when_a_worker_joins(start_control, agents):
     control = start_control()
     agents(control.address, "wa"), agents(control.address, "wb")
-    with pytest.raises(grpc.RpcError) as e:
-        submit(control, dp=3)
-    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert e.value.details() == "job needs 3 ranks (parallel.dp=3) but 2 are free on 2 registered workers"
-    assert list(control.stub.ListJobs(control_pb2.JobQuery()).jobs) == []
+    job = submit(control, dp=3)
+    assert (job.state, job.queue_position) == (JobState.STANDBY, 1)
+    assert job.message == "queued: needs 3 ranks (parallel.dp=3), more than the 2 registered: waits for workers to join"
+    agents(control.address, "wc")  # its registration (L1-2's ResourcesReady) starts the queue's head
+    events = follow(control, job.job_id)
+    assert [e.status.state for e in events if e.type == "state"][:2] == [JobState.WARMING_UP, JobState.RUNNING]
+    assert events[-1].status.outcome == JobOutcome.FINISHED
 
 
 def test_malformed_yaml_is_invalid_argument_and_unknown_job_not_found(start_control):

@@ -160,3 +160,37 @@ def test_a_control_restart_keeps_the_queue_in_its_order_and_starts_its_head_when
     e = submit(plane, "e")  # numbered after the restored ones: behind them
     assert e.queue_position == 3
     journal.close()
+
+
+def test_a_drained_job_holds_the_queue_across_a_restart_until_it_is_resumed_or_stopped(tmp_path):
+    from services.control.__main__ import build
+    from services.control.job_store import JobStore
+
+    def open_plane() -> tuple[Plane, JobStore]:
+        journal = JobStore(tmp_path / "control.db")
+        return Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0)), journal
+
+    plane, journal = open_plane()
+    wa = plane.register("wa")
+    a = submit(plane, "a").job_id
+    plane.rank_event(wa, a, 0, started=engine_pb2.TrainingLoopStarted(rank=0))
+    plane.user(control_pb2.PauseJobRequest(job_id=a, drain=True))  # `surgectl down`
+    plane.rank_event(wa, a, 0, paused=engine_pb2.TrainingLoopPaused(rank=0, step=2))
+    assert plane.get(a).drained
+    b = submit(plane, "b")
+    held = (
+        f"queued: waits for drained job {a} to be resumed (`surgectl up` resumes it, `surgectl stop` ends it; "
+        "live jobs first)"
+    )
+    assert (b.state, b.message) == (JobState.STANDBY, held)
+    journal.close()
+
+    plane, journal = open_plane()  # `surgectl up`: a's ranks went with the stack; its slot is free
+    wa = plane.register("wa")  # b is tried (on the orchestrator's pool), and held again: live jobs first
+    settle(lambda: plane.c.orchestrator._start_armed is None, True)  # (the try began; get() waits for its end)
+    assert (plane.get(b.job_id).state, plane.get(b.job_id).message) == (JobState.STANDBY, held)
+    assert launched(wa) == []
+    plane.user(control_pb2.StopJobRequest(job_id=a))  # the operator ends it instead
+    settle(lambda: plane.get(b.job_id).state, JobState.WARMING_UP)
+    assert launched(wa) == [b.job_id]
+    journal.close()
