@@ -100,7 +100,7 @@ def test_a_short_dp2_job_trains_checkpoints_and_reports(stack, tmp_path):
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.3
     # The same raw values in the job's TensorBoard event files (metrics.tensorboard), and a
     # step line in rank 0's log every metrics.log_every steps and at the last.
-    from tests.store.test_metric_sinks import tensorboard_scalars
+    from tests.sink_readers import tensorboard_scalars
 
     tb = tensorboard_scalars(home / "store" / "metrics" / job_id / "tensorboard")
     assert tb["train/loss"] == list(enumerate(losses, start=1))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from services.contract import Module, engine_pb2, route_pb2, store_pb2
 from services.store.metric_sinks import EVAL_FIELDS, STEP_FIELDS
 from services.store.metrics_logger import MetricsLogger
+from tests.sink_readers import tensorboard_scalars, wandb_history
 
 JOB = "sinks"
 
@@ -68,45 +68,6 @@ def expected(root: Path, rank: int = 0) -> dict[str, list[tuple[int, float]]]:
 def same(v: float) -> object:
     """A value compared exactly, NaN equal to NaN."""
     return "NaN" if math.isnan(v) else v
-
-
-def tensorboard_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing import event_accumulator
-    from tensorboard.util import tensor_util
-
-    acc = event_accumulator.EventAccumulator(str(logdir), size_guidance={event_accumulator.TENSORS: 0})
-    acc.Reload()
-    return {
-        tag: [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in acc.Tensors(tag)]
-        for tag in acc.Tags()["tensors"]
-    }
-
-
-def wandb_history(run_root: Path) -> list[dict]:
-    """The history rows of the one offline run under ``run_root``, read from its ``.wandb``
-    file with wandb's own record schema (wandb 0.31 ships no Python reader of the file: its
-    framing is LevelDB's log format, 32 KiB blocks of CRC-length-type records)."""
-    from wandb.proto import wandb_internal_pb2
-
-    (path,) = run_root.glob("wandb/offline-run-*/run-*.wandb")
-    data = path.read_bytes()
-    assert data[:4] == b":W&B"
-    pos, buf, rows = 7, b"", []
-    while pos + 7 <= len(data):
-        left = 32768 - pos % 32768
-        if left < 7:  # block trailer: zero padding
-            pos += left
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        buf += data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # FULL or LAST: a whole record
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(buf)
-            buf = b""
-            if record.WhichOneof("record_type") == "history":
-                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
-    return rows
 
 
 def test_tensorboard_and_wandb_hold_the_jsonl_values(tmp_path):

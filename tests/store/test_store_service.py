@@ -164,7 +164,7 @@ def test_save_commit_list_load_and_metrics_through_the_real_service(store):
     assert samples[("surge_checkpoint_commits_total", (("job", "it"),))] == 1
     jsonl = (store.root / "metrics" / "it.jsonl").read_text().splitlines()
     assert [json.loads(x)["loss"] for x in jsonl] == [4.5, 4.25]
-    from tests.store.test_metric_sinks import tensorboard_scalars
+    from tests.sink_readers import tensorboard_scalars
 
     assert tensorboard_scalars(store.root / "metrics" / "it" / "tensorboard")["train/loss"] == [(1, 4.5), (2, 4.25)]
 
