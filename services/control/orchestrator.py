@@ -590,7 +590,9 @@ class Orchestrator:
         RUNNING: ranks stop after step latest+2; WARMING_UP / PAUSED: at the next boundary
         (at_step 0); TERMINATED with outcome STOPPED once every rank finished (after the
         commit). A job whose ranks are gone (FAULT_FROZEN, STANDBY, PAUSED and parked) is
-        released and terminated now. Stopping a job already stopping returns its status.
+        released and terminated now. Stopping a job already stopping returns its status. A
+        queued job leaves the queue (see ``_cancel``); with ``queued_only`` (`surgectl
+        cancel`) any other job is refused.
 
         Raises:
             JobNotFound, IllegalTransition (the job is already TERMINATED).
@@ -681,7 +683,12 @@ class Orchestrator:
                 # Journaled out of the queue before its ranks launch: a control killed in
                 # between finds it STANDBY and not queued (FAULT_FROZEN, see _restore), never
                 # queued again while its ranks run.
-                self._keep(job)
+                try:
+                    self._keep(job)
+                except Exception as e:  # noqa: BLE001 - still queued (journal and here); tried again later
+                    job.queued = self._queue.put(entry)
+                    _log.error("a queued job could not be taken out of the queue", job_id=entry.job_id, error=str(e))
+                    return
                 waited = time.time() - job.status.created_unix
                 try:
                     reply = self._launch(job, note=f"left the queue after {waited:.0f} s; ")
