@@ -106,14 +106,19 @@ def _write(directory: Path, fmt: str, model, spec, hf_format) -> list[str]:
     if fmt == "torch":
         torch.save(state, directory / "model.pt")
         return []
-    hf_format.save_hf(directory, state, spec)
-    return _tokenizer(directory, spec)
+    notes, end = _tokenizer(directory, spec)
+    hf_format.save_hf(directory, state, spec, eos_token_id=end)
+    return notes
 
 
-def _tokenizer(directory: Path, spec) -> list[str]:
+END_OF_TEXT = "<|endoftext|>"  # the special token `dataset prepare --tokenizer bpe:N` adds (services/data/bpe.py)
+
+
+def _tokenizer(directory: Path, spec) -> tuple[list[str], int | None]:
     """Copy the dataset's tokenizer (the HF ``tokenizers`` JSON it was prepared with) as
-    ``tokenizer.json`` + a ``tokenizer_config.json`` naming ``PreTrainedTokenizerFast``;
-    a note when there is none to copy."""
+    ``tokenizer.json`` + a ``tokenizer_config.json`` naming ``PreTrainedTokenizerFast`` (and
+    ``<|endoftext|>`` as its BOS/EOS when it has that token); returns a note when there is
+    none to copy, and the end-of-text token's id (None without one)."""
     from services.common import paths
 
     label = spec.data.dataset
@@ -121,18 +126,23 @@ def _tokenizer(directory: Path, spec) -> list[str]:
     try:
         tokenizer = json.loads(manifest_path.read_text()).get("tokenizer", "bytes")
     except (OSError, ValueError):
-        return [f"tokenizer not copied: dataset {label} not found under {paths.datasets_root()}"]
+        return [f"tokenizer not copied: dataset {label} not found under {paths.datasets_root()}"], None
     if tokenizer == "bytes":
-        return [f"no tokenizer file: dataset {label} is byte-level (token id = UTF-8 byte)"]
+        return [f"no tokenizer file: dataset {label} is byte-level (token id = UTF-8 byte)"], None
     source = manifest_path.parent / tokenizer
     if not source.is_file():
-        return [f"tokenizer not copied: {source} is missing"]
+        return [f"tokenizer not copied: {source} is missing"], None
     shutil.copyfile(source, directory / "tokenizer.json")
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": spec.data.seq_len}, indent=2)
-        + "\n"
-    )
-    return []
+    try:
+        added = json.loads(source.read_text()).get("added_tokens") or []
+    except (OSError, ValueError):
+        added = []
+    end = next((t.get("id") for t in added if isinstance(t, dict) and t.get("content") == END_OF_TEXT), None)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": spec.data.seq_len}
+    if end is not None:
+        config.update(bos_token=END_OF_TEXT, eos_token=END_OF_TEXT)
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return [], end
 
 
 def _into_place(tmp: Path, out: Path) -> None:

@@ -90,11 +90,13 @@ def surge_name(hf: str) -> str:
 # ------------------------------------------------------------------ configuration
 
 
-def hf_config(spec: JobSpec, dtype: str = "float32") -> dict[str, Any]:
+def hf_config(spec: JobSpec, dtype: str = "float32", eos_token_id: int | None = None) -> dict[str, Any]:
     """The ``config.json`` of ``spec``'s model as a ``LlamaConfig`` (transformers): sizes,
     norm epsilon, RoPE base (both as ``rope_theta``, transformers 4, and ``rope_parameters``,
     transformers 5), tied embeddings; ``max_position_embeddings`` is the job's
-    ``data.seq_len`` (the longest context it was trained on).
+    ``data.seq_len`` (the longest context it was trained on). ``eos_token_id``: the
+    tokenizer's end-of-text token, also the BOS (GPT-2's convention), else none (null: not
+    transformers' Llama defaults 1 and 2, which would end a generation at an ordinary token).
 
     Raises:
         HfFormatError: ``model.mlp`` is not ``swiglu`` (Llama's MLP is SwiGLU).
@@ -123,6 +125,9 @@ def hf_config(spec: JobSpec, dtype: str = "float32") -> dict[str, Any]:
         "torch_dtype": dtype,
         "dtype": dtype,
         "initializer_range": m.init_std,
+        "bos_token_id": eos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": None,
     }
 
 
@@ -312,12 +317,13 @@ def read_hf_tensors(directory: str | Path, wanted: Mapping[str, Any]) -> dict[st
     return out
 
 
-def save_hf(directory: str | Path, state: Mapping[str, Any], spec: JobSpec) -> None:
+def save_hf(directory: str | Path, state: Mapping[str, Any], spec: JobSpec, eos_token_id: int | None = None) -> None:
     """Write ``state`` (a Surge model's ``state_dict``, float32) and its config into
-    ``directory`` (which exists): ``model.safetensors`` + ``config.json``."""
+    ``directory`` (which exists): ``model.safetensors`` + ``config.json`` (``eos_token_id``:
+    see :func:`hf_config`)."""
     from safetensors.torch import save_file
 
-    config = hf_config(spec)  # refuses a model with no Llama form before anything is written
+    config = hf_config(spec, eos_token_id=eos_token_id)  # refuses a model with no Llama form before anything is written
     tensors = to_hf(state, spec.model.tie_embeddings)
     d = Path(directory)
     save_file(tensors, str(d / WEIGHTS), metadata={"format": "pt"})

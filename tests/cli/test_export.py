@@ -55,6 +55,7 @@ def dataset_with_tokenizer(home: Path) -> bytes:
     d.mkdir(parents=True)
     tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|endoftext|>"])  # id 3, as `dataset prepare --tokenizer bpe:N` adds one
     tok.save(str(d / "tokenizer.json"))
     (d / "manifest.json").write_text(json.dumps({"name": "words", "version": "v1", "tokenizer": "tokenizer.json"}))
     return (d / "tokenizer.json").read_bytes()
@@ -82,7 +83,9 @@ def test_hf_export_loads_in_transformers_with_the_same_logits_and_the_datasets_t
     idx_BT = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (model.eval()(idx_BT) - hf(idx_BT).logits).abs().max().item() < 1e-5
-    assert transformers.AutoTokenizer.from_pretrained(out)("hello world")["input_ids"] == [1, 2]
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok("hello world")["input_ids"] == [1, 2] and tok.eos_token == "<|endoftext|>"
+    assert (hf.config.bos_token_id, hf.config.eos_token_id) == (3, 3)  # its end of text, not Llama's 1 and 2
     assert not list(tmp_path.glob(".hf.*"))  # no temporary directory left
 
 

@@ -41,6 +41,7 @@ def test_an_exported_model_loads_in_transformers_with_the_same_logits(tmp_path, 
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(hf).__name__ == "LlamaForCausalLM" and hf.dtype == torch.float32
     assert hf.config.tie_word_embeddings is tied
+    assert hf.config.eos_token_id is None  # no tokenizer said which: not Llama's default 2
     idx_BT = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (model(idx_BT) - hf(idx_BT).logits).abs().max().item()
