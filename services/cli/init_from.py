@@ -36,13 +36,39 @@ def check_init_from(spec: JobSpec, source: str | Path) -> None:
         except HfFormatError as e:
             raise CliError(f"{source}: {e}", code=2) from None
         return
-    try:
-        loaded = clients.call("store", lambda s: s.Load(store_pb2.LoadCheckpoint(version=init.checkpoint), timeout=60))
-    except CliError as e:
-        raise CliError(f"{source}: init_from.checkpoint: {e}", code=2) from None
-    problem = weights_mismatch(spec_from_json(loaded.info.spec_json), spec, init.load == "weights+optimizer")
+    info = committed(init.checkpoint, source)
+    problem = weights_mismatch(spec_from_json(info.spec_json), spec, init.load == "weights+optimizer")
     if problem:
-        raise CliError(f"{source}: init_from.checkpoint: {loaded.info.version}: {problem}", code=2)
+        raise CliError(f"{source}: init_from.checkpoint: {info.version}: {problem}", code=2)
+
+
+def committed(version: str, source: str) -> store_pb2.CheckpointInfo:
+    """Where ``version`` is and the spec it was written with: asked of the store when one is
+    known and answers (its recorded verdict must be ok), else read from the catalog under
+    ``$SURGE_HOME``'s store directly, the same checks read-only (``submit --dry-run`` with
+    the stack down).
+
+    Raises:
+        CliError (exit 2): no such version, not ok, or the store refused (one line naming
+            ``source`` and ``init_from.checkpoint``).
+    """
+    try:
+        addr = clients.address("store")
+    except CliError:
+        addr = None  # no stack here, no address given
+    if addr is not None:
+        try:
+            return clients.call("store", lambda s: s.Load(store_pb2.LoadCheckpoint(version=version), timeout=60)).info
+        except CliError as e:
+            if not e.unreachable:
+                raise CliError(f"{source}: init_from.checkpoint: {e}", code=2) from None
+    from services.common import paths
+    from services.store.checkpoint_manager import CheckpointNotFound, CheckpointRejected, read_committed
+
+    try:
+        return read_committed(paths.store_root(), version)
+    except (CheckpointNotFound, CheckpointRejected, ValueError, OSError) as e:
+        raise CliError(f"{source}: init_from.checkpoint: {' '.join(str(e).split())}", code=2) from None
 
 
 def pin_latest(spec: JobSpec, text: str, source: str) -> str:
@@ -58,12 +84,8 @@ def pin_latest(spec: JobSpec, text: str, source: str) -> str:
     init = spec.init_from
     if init is None or init.checkpoint is None or not init.checkpoint.endswith(":latest"):
         return text
-    try:
-        loaded = clients.call("store", lambda s: s.Load(store_pb2.LoadCheckpoint(version=init.checkpoint), timeout=60))
-    except CliError as e:
-        raise CliError(f"{source}: init_from.checkpoint: {e}", code=2) from None
     raw = read_spec_mapping(text, source)
-    raw["init_from"]["checkpoint"] = loaded.info.version
+    raw["init_from"]["checkpoint"] = committed(init.checkpoint, source).version
     return yaml.safe_dump(raw, sort_keys=False, allow_unicode=True)
 
 

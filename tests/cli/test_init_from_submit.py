@@ -58,6 +58,7 @@ class _Store:
 def store(monkeypatch):
     def use(spec):
         stub = _Store(spec)
+        monkeypatch.setattr(clients, "address", lambda service: "127.0.0.1:1")
         monkeypatch.setattr(clients, "call", lambda service, fn: fn(stub) if service == "store" else None)
         return stub
 
@@ -106,3 +107,18 @@ def test_latest_is_pinned_to_the_version_it_names_at_submit_and_nothing_else_cha
     )
     exact = text.replace("src-1:latest", "src-1:2")
     assert pin_latest(parse_job_spec(exact), exact, "ft.yaml") is exact
+
+
+def test_with_no_stack_the_version_is_read_from_the_catalog_under_surge_home(surge_home):
+    from tests.cli.test_export import commit_version
+
+    commit_version(surge_home, spec_of(), job="src-1", step=4)
+    check_init_from(spec_of({"checkpoint": "src-1:latest"}), "ft.yaml")
+    text = "name: ft\nsteps: 4\ndata: {dataset: x@v1}\ninit_from: {checkpoint: 'src-1:latest'}\n"
+    assert parse_job_spec(pin_latest(parse_job_spec(text), text, "ft.yaml")).init_from.checkpoint == "src-1:1"
+    with pytest.raises(CliError) as e:
+        check_init_from(spec_of({"checkpoint": "src-1:2"}), "ft.yaml")
+    assert (e.value.code, str(e.value)) == (
+        2,
+        "ft.yaml: init_from.checkpoint: checkpoint src-1:2 not found (have: src-1:1)",
+    )
