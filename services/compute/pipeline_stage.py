@@ -46,7 +46,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.nn import functional
 
 from services.compute.model import Rotary, Transformer, math_attention, sdpa_attention
@@ -54,7 +53,10 @@ from services.contract import engine_pb2
 
 IGNORE_INDEX = -100
 _KERNELS = {"sdpa": sdpa_attention, "math": math_attention}
-_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+# torch.distributed.pipelining's classes, imported when a stage is built: the package pulls
+# in torch._dynamo and sympy (about a second per process on 2 cores), which every rank
+# would pay at start-up, pipeline or not.
+_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
 
 class LayerSlice(nn.Module):
@@ -188,7 +190,9 @@ class PipelineRunner:
         self._microbatches = microbatches
         self._batch_shape = (microbatch_shape[0] * microbatches, microbatch_shape[1])
         self._region = region or contextlib.nullcontext
-        self.stage = PipelineStage(
+        from torch.distributed import pipelining
+
+        self.stage = pipelining.PipelineStage(
             self._run_module,
             module.stage_index,
             module.num_stages,
@@ -196,7 +200,8 @@ class PipelineRunner:
             group=module.group,
             **_static_meta(module, microbatch_shape),
         )
-        self._schedule = _SCHEDULES[schedule](self.stage, microbatches, loss_fn=self._loss, scale_grads=False)
+        schedule_class = getattr(pipelining, _SCHEDULES[schedule])
+        self._schedule = schedule_class(self.stage, microbatches, loss_fn=self._loss, scale_grads=False)
         self._ce_sums: dict[int, torch.Tensor] = {}
         self._scale = 1.0  # loss_scale / normalizer of the running step
 
