@@ -1,16 +1,21 @@
-"""Every job spec under examples/jobs/ runs: one stack (control, data, store, two node
-agents), the examples submitted one after another as a user would (`surgectl submit
-examples/jobs/X.yaml --set ... --follow`), each for a few steps: the file as it is, with
-only ``steps``, ``data.seq_len``, ``checkpoint`` and ``eval`` shortened by ``--set``. Each
-FINISHES with finite losses, the tokens per step its layout says, and an evaluation at the
-end. The fine-tunes start from the FSDP2 example's checkpoint: ``finetune_checkpoint``
-through ``--set init_from.checkpoint``, ``finetune_hf_frozen`` from its `surgectl export
---format hf` through ``--set init_from.hf``.
+"""Every job spec under examples/jobs/ runs, and a newcomer's path from their own text to
+Hugging Face and back works (issue 15 part 8 and its acceptance), on one stack (control,
+data, store, two node agents), the jobs one after another.
 
-The datasets the examples name are prepared here from small corpora: ``stdlib@v1`` (bytes)
-from two standard-library packages; ``notes@v1`` (`dataset prepare --tokenizer bpe:4096`)
-and ``notes-bytes@v1`` (bytes) from English prose: the docstrings of standard-library
-modules, one text file per module.
+Each example is submitted as a user would (`surgectl submit examples/jobs/X.yaml --set ...
+--follow`), for a few steps: the file as it is, with only ``steps``, ``data.seq_len``,
+``checkpoint`` and ``eval`` shortened by ``--set``. Each FINISHES with finite losses, the
+tokens per step its layout says and an evaluation at the end. Chained like the examples'
+headers: ``finetune_checkpoint`` starts from the FSDP2 example's last checkpoint; the BPE
+example's model (`dataset prepare --tokenizer bpe:4096` of a directory of text) is exported
+with `surgectl export --format hf`, loaded by ``transformers`` with Surge's logits (1e-5,
+fp32), and ``finetune_hf_frozen`` starts from that directory with half its blocks frozen,
+submitted while ``finetune_checkpoint`` holds the ranks: it waits in the queue, then runs;
+its loss is read back from its TensorBoard event files.
+
+Corpora: ``stdlib@v1`` (bytes) from two standard-library packages; the text: the docstrings
+of standard-library modules, one text file per module (``notes@v1`` BPE, ``notes-bytes@v1``
+bytes, ``notes@v2`` more of them, with the exported model's tokenizer).
 """
 
 from __future__ import annotations
@@ -24,16 +29,18 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.cli.spec_tools import load_spec
 from services.data.prepare import prepare_dataset
 from services.jobspec import load_job_spec
 from tests.conftest import REPO
 from tests.integration.test_end_to_end import cli, running_stack
+from tests.store.test_metric_sinks import tensorboard_scalars
 
 EXAMPLES = REPO / "examples" / "jobs"
-# What each example shows, beyond the demo (issue 15 part 8), in the order they run: the
-# fine-tunes start from fsdp2's checkpoint.
+# What each example shows, beyond the demo, in the order they run (the fine-tunes start
+# from the fsdp2 and text_bpe jobs).
 SHOWN = {
     "fsdp2.yaml": lambda s: s.parallel.dp == 2 and s.parallel.data_parallel == "fsdp2",
     "tp.yaml": lambda s: s.parallel.tp == 2,
@@ -69,12 +76,12 @@ def test_every_example_is_a_valid_spec_with_a_header_saying_how_to_run_it():
         assert header and f"surgectl submit examples/jobs/{name}" in header.group(0), name
 
 
-def docstring_corpus(out: Path, n: int = 120) -> Path:
-    """English prose: the module, class and function docstrings of the first ``n``
-    standard-library modules (sorted), one text file per module."""
+def docstring_corpus(out: Path, first: int, n: int) -> Path:
+    """English prose: the module, class and function docstrings of standard-library
+    modules ``first`` .. ``first + n - 1`` (those with any, sorted), one text file each."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     out.mkdir(parents=True)
-    written = 0
+    k = 0
     for src in sorted(stdlib.glob("*.py")):
         try:
             tree = ast.parse(src.read_bytes())
@@ -83,9 +90,10 @@ def docstring_corpus(out: Path, n: int = 120) -> Path:
         nodes = [tree, *(x for x in ast.walk(tree) if isinstance(x, (ast.ClassDef, ast.FunctionDef)))]
         docs = [d for d in map(ast.get_docstring, nodes) if d]
         if docs:
-            (out / f"{src.stem}.txt").write_text("\n\n".join(docs) + "\n")
-            written += 1
-        if written == n:
+            if k >= first:
+                (out / f"{src.stem}.txt").write_text("\n\n".join(docs) + "\n")
+            k += 1
+        if k == first + n:
             break
     return out
 
@@ -95,18 +103,27 @@ def stack(tmp_path_factory):
     yield from running_stack(tmp_path_factory, ("json", "email"))
 
 
+def finished_steps(home: Path, name: str, job_id: str, spec) -> list[dict]:
+    """Rank 0's step records of the job, checked: steps 1..STEPS with finite losses and the
+    layout's tokens per step (dp x micro_batch_size x grad_accum x seq_len); and an evaluation."""
+    records = [json.loads(x) for x in (home / "store" / "metrics" / f"{job_id}.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["type"] == "step" and int(r.get("rank", 0)) == 0]
+    assert [int(r["step"]) for r in steps] == list(range(1, STEPS + 1)), name
+    assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in steps), (name, steps)
+    assert {int(r["tokens"]) for r in steps} == {spec.tokens_per_step}, (name, steps)
+    evals = [r for r in records if r["type"] == "eval"]
+    assert evals and all(math.isfinite(r["loss"]) for r in evals), (name, records)
+    return steps
+
+
 @pytest.mark.integration
-@pytest.mark.timeout(400)
-def test_every_example_trains_a_few_steps_on_one_stack(stack, tmp_path):
+@pytest.mark.timeout(500)
+def test_every_example_runs_and_own_text_goes_to_hugging_face_and_back(stack, tmp_path, monkeypatch):
     home = stack
     t0 = time.monotonic()
-    notes = docstring_corpus(tmp_path / "notes")
-    r = cli(
-        home,
-        "dataset",
-        "prepare",
-        *f"--name notes --version v1 --source {notes} --glob **/*.txt --tokenizer bpe:4096".split(),
-    )
+    notes = docstring_corpus(tmp_path / "notes", 0, 120)
+    prep = f"--name notes --version v1 --source {notes} --glob **/*.txt --tokenizer bpe:4096"
+    r = cli(home, "dataset", "prepare", *prep.split())
     assert r.returncode == 0, r.stderr
     for src, name, files in ((home / "corpus", "stdlib", "**/*.py"), (notes, "notes-bytes", "**/*.txt")):
         prepare_dataset(
@@ -116,40 +133,74 @@ def test_every_example_trains_a_few_steps_on_one_stack(stack, tmp_path):
     seconds, jobs = {}, {}
     for name in SHOWN:
         start = time.monotonic()
-        overrides = list(SHORT)
-        if name == "fsdp2.yaml":  # the fine-tunes' source
-            overrides.append("checkpoint.at_end=true")
-        elif name == "finetune_checkpoint.yaml":
+        overrides = [*SHORT, "checkpoint.at_end=true"] if name in ("fsdp2.yaml", "text_bpe.yaml") else list(SHORT)
+        if name == "finetune_checkpoint.yaml":
             overrides.append(f"init_from.checkpoint={jobs['fsdp2.yaml']}:latest")
-        elif name == "finetune_hf_frozen.yaml":
-            hf = tmp_path / "fsdp2-hf"
-            r = cli(home, "export", f"{jobs['fsdp2.yaml']}:latest", "--format", "hf", "--out", str(hf))
-            assert r.returncode == 0, r.stdout + r.stderr
+            # Ready before it is submitted, so that the next one is submitted while it runs.
+            hf = export_and_compare_logits(home, f"{jobs['text_bpe.yaml']}:latest", tmp_path, monkeypatch)
+            more = docstring_corpus(tmp_path / "more-notes", 120, 60)  # more text, the exported tokenizer
+            tok = str(hf / "tokenizer.json")
+            prepare_dataset(more, "notes", "v2", home / "datasets", tokenizer=tok, include_glob="**/*.txt")
+        if name == "finetune_hf_frozen.yaml":
             overrides.append(f"init_from.hf={hf}")
         spec, _, _ = load_spec(EXAMPLES / name, overrides)
-        run = cli(home, "submit", str(EXAMPLES / name), *(f"--set={o}" for o in overrides), "--follow")
+        argv = ["submit", str(EXAMPLES / name), *(f"--set={o}" for o in overrides)]
+        if name == "finetune_checkpoint.yaml":  # left running: the next one queues behind it
+            run = cli(home, *argv)
+        else:
+            run = cli(home, *argv, "--follow")
         assert run.returncode == 0, name + run.stdout[-3000:] + run.stderr
         jobs[name] = job_id = run.stdout.split("submitted ", 1)[1].split()[0]
-
-        lines = (home / "store" / "metrics" / f"{job_id}.jsonl").read_text().splitlines()
-        records = [json.loads(line) for line in lines]
-        steps = [r for r in records if r["type"] == "step" and int(r.get("rank", 0)) == 0]
-        assert [int(r["step"]) for r in steps] == list(range(1, STEPS + 1)), name
-        assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in steps), (name, steps)
-        # The layout's global batch: dp x micro_batch_size x grad_accum rows of seq_len tokens.
-        assert {int(r["tokens"]) for r in steps} == {spec.tokens_per_step}, (name, steps)
-        evals = [r for r in records if r["type"] == "eval"]
-        assert evals and all(math.isfinite(r["loss"]) for r in evals), (name, records)
+        if name == "finetune_checkpoint.yaml":
+            seconds[name] = round(time.monotonic() - start, 1)
+            continue
+        steps = finished_steps(home, name, job_id, spec)
         if name == "fp16.yaml":  # dynamic loss scaling, from the spec's init_scale
-            assert steps[0]["loss_scale"] == spec.precision.scaling.init_scale, steps
+            assert steps[0]["loss_scale"] == spec.precision.scaling.init_scale, steps[0]
         if name == "text_bpe.yaml":  # BPE ids: a fresh model's loss is about ln(vocabulary), not ln(256)
-            assert steps[0]["loss"] > math.log(1024), steps
+            assert steps[0]["loss"] > math.log(1024), steps[0]
         if name == "finetune_hf_frozen.yaml":
+            # It waited in the queue behind finetune_checkpoint, which then finished too.
+            events = [json.loads(x) for x in cli(home, "events", job_id, "-o", "json").stdout.splitlines()]
+            assert any(e["type"] == "queue" and e["message"].startswith("queued at position 1") for e in events), events
+            ahead = jobs["finetune_checkpoint.yaml"]
+            finished_steps(
+                home, "finetune_checkpoint.yaml", ahead, load_spec(EXAMPLES / "finetune_checkpoint.yaml", SHORT)[0]
+            )
             log = (home / "run" / "logs" / f"{job_id}.rank0.log").read_text()
-            assert "model.freeze applied" in log, log[-3000:]
-            print([line for line in log.splitlines() if "model.freeze applied" in line])
+            frozen = [json.loads(x) for x in log.splitlines() if '"model.freeze applied"' in x]
+            assert frozen and frozen[0]["frozen_tensors"] == 2 * 9 + 1, log[-3000:]  # two blocks, the tied embedding
+            # The loss in TensorBoard: the JSONL's values, step for step.
+            board = tensorboard_scalars(home / "store" / "metrics" / job_id / "tensorboard")
+            assert board["train/loss"] == [(int(r["step"]), r["loss"]) for r in steps], board
         seconds[name] = round(time.monotonic() - start, 1)
     status = {s["job_id"]: s for s in json.loads(cli(home, "status", "-o", "json").stdout)}
     for name, job_id in jobs.items():
         assert (status[job_id]["outcome"], int(status[job_id]["step"])) == ("FINISHED", STEPS), (name, status[job_id])
     print(f"examples: {seconds}, {time.monotonic() - t0:.1f} s with the datasets")
+
+
+def export_and_compare_logits(home: Path, version: str, tmp_path: Path, monkeypatch) -> Path:
+    """`surgectl export VERSION --format hf`; the directory loads in transformers with
+    Surge's logits (its ``--format torch`` state_dict in Surge's own model) to 1e-5, and holds
+    the dataset's tokenizer. Returns the directory."""
+    transformers = pytest.importorskip("transformers")
+    from services.cli.export import export_version
+    from services.compute.model import build_model
+    from services.jobspec import spec_from_json
+
+    hf = tmp_path / "notes-hf"
+    r = cli(home, "export", version, "--format", "hf", "--out", str(hf))
+    assert r.returncode == 0, r.stdout + r.stderr
+    monkeypatch.setenv("SURGE_HOME", str(home))
+    export_version(version, "torch", tmp_path / "notes-torch")
+    spec = spec_from_json((tmp_path / "notes-torch" / "surge_spec.json").read_text())
+    model = build_model(spec.model, seed=0).eval()
+    model.load_state_dict(torch.load(tmp_path / "notes-torch" / "model.pt", weights_only=True))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
+    ids_BT = torch.randint(0, spec.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (model(ids_BT) - theirs(ids_BT).logits).abs().max().item()
+    assert diff < 1e-5, diff
+    assert (hf / "tokenizer.json").read_bytes() == (home / "datasets" / "notes" / "v1" / "tokenizer.json").read_bytes()
+    return hf
