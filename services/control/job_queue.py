@@ -80,7 +80,8 @@ class JobQueue:
         self._next_seq = max(self._next_seq, entry.seq + 1)
         return entry
 
-    def remove(self, job_id: str) -> QueueEntry | None:
+    def take(self, job_id: str) -> QueueEntry | None:
+        """Take ``job_id`` out of the queue (its entry; None: it was not queued)."""
         return self._entries.pop(job_id, None)
 
     def ordered(self) -> list[QueueEntry]:

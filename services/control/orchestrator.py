@@ -370,7 +370,7 @@ class Orchestrator:
                 try:
                     self._enqueue(job, self._queue.add(job_id, priority), held or _waits_for(job, reply))
                 except BaseException:
-                    self._queue.remove(job_id)
+                    self._queue.take(job_id)
                     self._jobs.pop(job_id, None)
                     self._journal.delete_job(job_id)
                     raise
@@ -678,7 +678,7 @@ class Orchestrator:
                 if held:
                     self._waiting(job, held)
                     return
-                self._queue.remove(entry.job_id)
+                self._queue.take(entry.job_id)
                 job.queued = None
                 # Journaled out of the queue before its ranks launch: a control killed in
                 # between finds it STANDBY and not queued (FAULT_FROZEN, see _restore), never
@@ -719,7 +719,7 @@ class Orchestrator:
                 f"job {job_id} is {JobState.Name(job.status.state)}, not queued: `surgectl stop {job_id}` stops it"
             )
         where = self._queue.position(job_id)
-        self._queue.remove(job_id)
+        self._queue.take(job_id)
         job.queued = None
         job.status.outcome = JobOutcome.STOPPED
         self._transition(

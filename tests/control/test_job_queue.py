@@ -24,7 +24,7 @@ def test_the_queue_orders_by_priority_then_submission_and_a_restore_keeps_the_or
     assert [e.job_id for e in q.ordered()] == ["b", "d", "a", "c", "e"]
     assert (q.head().job_id, q.position("a"), q.position("e"), q.position("zz")) == ("b", 3, 5, 0)
     assert q.leads(6) and not q.leads(5)  # equal priority queues behind
-    q.remove("b")
+    q.take("b")
     again = JobQueue()
     for e in reversed(q.ordered()):  # journaled entries come back in any order
         again.restore(e.job_id, e.to_json())
