@@ -54,8 +54,8 @@ from services.contract import engine_pb2
 IGNORE_INDEX = -100
 _KERNELS = {"sdpa": sdpa_attention, "math": math_attention}
 # torch.distributed.pipelining's classes, imported when a stage is built: the package pulls
-# in torch._dynamo and sympy (about a second per process on 2 cores), which every rank
-# would pay at start-up, pipeline or not.
+# in torch._dynamo (0.3-1 s per process on 2 cores), which every rank would pay at
+# start-up, pipeline or not.
 _SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
 
