@@ -608,7 +608,8 @@ def resume(
 @app.command()
 def stop(job: str, no_checkpoint: bool = NoCheckpointOpt) -> None:
     """Stop a job at the next step boundary, after checkpointing that step (unless
-    --no-checkpoint); `surgectl resume` continues it from there.
+    --no-checkpoint); `surgectl resume` continues it from there. A queued job leaves the
+    queue (as with `surgectl cancel`).
 
     Example: surgectl stop demo-3f2a1c
     """

@@ -63,7 +63,8 @@ its restart again (see ``_restore``). Skipped steps
 Inputs: the operator's commands (SubmitJobRequest, JobQuery, Pause/Resume/StopJobRequest),
 TrainingLoopStarted / StepCompleted / EvalCompleted / TrainingLoopPaused /
 TrainingLoopFinished / TrainingLoopFailed (L2-1 via the relay), SaveCompleted (L5-1 via the
-relay), FaultReport (L1-3), ResourcePressure (L1-2, observed and recorded),
+relay), FaultReport (L1-3), ResourcePressure (L1-2, observed and recorded), ResourcesReady
+without a job (L1-2: a worker registered; the queue's head is tried),
 CheckpointVerification / SnapshotFailed / CheckpointCorrupt (L5-1 via the store relay: the
 verification's answer, a failed save or verification with its typed cause, a scrub finding).
 Outputs: AllocateResources / ReleaseResources (L1-2), StartFaultMonitoring / ResetFaultLedger
