@@ -183,7 +183,7 @@ def test_every_example_runs_and_own_text_goes_to_hugging_face_and_back(stack, tm
 def export_and_compare_logits(home: Path, version: str, tmp_path: Path, monkeypatch) -> Path:
     """`surgectl export VERSION --format hf`; the directory loads in transformers with
     Surge's logits (its ``--format torch`` state_dict in Surge's own model) to 1e-5, and holds
-    the dataset's tokenizer. Returns the directory."""
+    the dataset's tokenizer; ``generate`` samples from VERSION. Returns the directory."""
     transformers = pytest.importorskip("transformers")
     from services.cli.export import export_version
     from services.compute.model import build_model
@@ -203,4 +203,9 @@ def export_and_compare_logits(home: Path, version: str, tmp_path: Path, monkeypa
         diff = (model(ids_BT) - theirs(ids_BT).logits).abs().max().item()
     assert diff < 1e-5, diff
     assert (hf / "tokenizer.json").read_bytes() == (home / "datasets" / "notes" / "v1" / "tokenizer.json").read_bytes()
+    # `surgectl generate` (in this process) decodes with the dataset's BPE.
+    from services.cli import evaluation
+
+    text = evaluation.generate(version, "The ", 8, 0.8, 40, 0)
+    assert text.startswith("The ") and len(text) > len("The "), text
     return hf
