@@ -272,7 +272,7 @@ def read_hf_tensors(directory: str | Path, wanted: Mapping[str, Any]) -> dict[st
     """
     import torch
     from safetensors import safe_open
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     d = Path(directory)
     tied = bool(read_config(d).get("tie_word_embeddings", False))
@@ -306,15 +306,28 @@ def read_hf_tensors(directory: str | Path, wanted: Mapping[str, Any]) -> dict[st
                     f"this job's {name} needs {list(shape)}"
                 )
             if isinstance(like, DTensor):
-                out[name] = distribute_tensor(
-                    full.to(like.dtype), like.device_mesh, like.placements, src_data_rank=None
-                )
+                out[name] = _shard_like(full, like)
             else:
                 out[name] = full.to(dtype=like.dtype, device=like.device if isinstance(like, torch.Tensor) else "cpu")
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
     return out
+
+
+def _shard_like(full: Any, like: Any) -> Any:
+    """This rank's shard of ``full`` laid out as DTensor ``like`` (mesh, placements, global
+    shape and stride), cut locally: every rank read the whole tensor, so nothing is sent
+    (``distribute_tensor`` would scatter it from one rank)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local_shape, offset = compute_local_shape_and_global_offset(full.shape, like.device_mesh, like.placements)
+    local = full[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))]
+    local = local.to(dtype=like.dtype, device=like.to_local().device).contiguous()
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
 
 
 def save_hf(directory: str | Path, state: Mapping[str, Any], spec: JobSpec, eos_token_id: int | None = None) -> None:
