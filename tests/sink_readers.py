@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 
@@ -47,3 +48,15 @@ def wandb_history(run_root: Path) -> list[dict]:
             if record.WhichOneof("record_type") == "history":
                 rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
     return rows
+
+
+def tensorboard_points(logdir: Path, tag: str, n: int, timeout: float = 15.0) -> list[tuple[int, float]]:
+    """``tag``'s points under ``logdir`` once there are ``n`` of them (the store writes its
+    sinks on a thread of their own, after it acknowledged the records); what is there after
+    ``timeout`` seconds otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        points = tensorboard_scalars(logdir).get(tag, []) if logdir.is_dir() else []
+        if len(points) >= n or time.monotonic() > deadline:
+            return points
+        time.sleep(0.1)

@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from prometheus_client import REGISTRY
@@ -47,15 +48,16 @@ CKPT, METRICS = Module.L5_CHECKPOINT_MANAGER, Module.L5_METRICS_LOGGER
 
 
 def wire(
-    root: Path, log, registry=REGISTRY, scrub_interval_s: float = 0.0
+    root: Path, log, registry=REGISTRY, scrub_interval_s: float = 0.0, defer=None
 ) -> tuple[StoreRelay, MetricsLogger, ScrubSchedule]:
     """Build L5-1, L5-2 and the relay on one bus. Returns the relay, the logger (to close)
-    and the operator's scrub schedule (to start and stop)."""
+    and the operator's scrub schedule (to start and stop). ``defer``: where L5-2's sinks
+    work (``main`` gives its sink thread; None: on the record's own thread)."""
     # No channel up from here: refusals are logged and counted, then returned to the caller.
     bus = Bus(on_violation=ViolationReporter("store", log))
     validate_table(bus.table)
     manager = CheckpointManager(root, registry=registry, emit=bus.emitter(CKPT))
-    metrics = MetricsLogger(root, registry=registry, emit=bus.emitter(METRICS))
+    metrics = MetricsLogger(root, registry=registry, emit=bus.emitter(METRICS), defer=defer)
     bus.host(
         CKPT,
         manager,
@@ -173,8 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_status  # EXIT_PORT_IN_USE when another holds it, else 2
 
+    # L5-2's sinks (TensorBoard, W&B) write on this root's one thread, in order: a record is
+    # acknowledged once it is in the JSONL file, whatever a sink costs (a W&B run opens in seconds).
+    sinks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metric-sinks")
     try:
-        relay, metrics, schedule = wire(root, log, scrub_interval_s=args.scrub_interval_seconds)
+        relay, metrics, schedule = wire(root, log, scrub_interval_s=args.scrub_interval_seconds, defer=sinks.submit)
     except (ContractError, RouteError) as e:
         if http is not None:
             http.shutdown()
@@ -196,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     if http is not None:
         http.shutdown()
     metrics.close()
+    sinks.shutdown(wait=True)  # the sinks closed: event files flushed, W&B runs finished
     return 0
 
 

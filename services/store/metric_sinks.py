@@ -1,5 +1,8 @@
 """L5-2's sinks beside the JSONL file and Prometheus: TensorBoard event files and W&B runs.
 
+Nothing here raises: every failure goes to ``on_failure``. The metrics logger calls in on
+one thread at a time, in arrival order (the service's sink thread).
+
 A job chooses them in its spec (``metrics: {tensorboard: true, wandb: {project: P}}``); its
 ranks push that choice as ``LogCollectionConfig`` before their first record and the metrics
 logger hands it here (:meth:`Sinks.configure`). The copy is kept in
@@ -158,20 +161,20 @@ class Sinks:
         self._open: dict[str, list[Sink]] = {}
 
     def configure(self, msg: store_pb2.LogCollectionConfig) -> None:
-        """Keep the job's config (a different one replaces it: its sinks are reopened).
-
-        Raises:
-            OSError: ``sinks.json`` could not be written (the config is not kept).
-        """
+        """Keep the job's config (a different one replaces it: its sinks are reopened). A
+        copy that cannot be written is reported (the config holds until the store restarts)."""
         job, config = msg.job_id, _config_of(msg)
         with self._lock:
             if self._config_locked(job) == config:
                 return
             path = self._dir / job / CONFIG_FILE
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(config, sort_keys=True) + "\n")
-            os.replace(tmp, path)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(config, sort_keys=True) + "\n")
+                os.replace(tmp, path)
+            except OSError as e:
+                self._failed(job, path, e, "write")
             self._close_job(job)
             self._config[job] = config
             self._open[job] = self._start(job, config)

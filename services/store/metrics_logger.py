@@ -35,8 +35,12 @@ Prometheus (names per the Prometheus conventions: base units, ``_total`` for cou
 
 Sinks (``metric_sinks.py``): a job's ``LogCollectionConfig`` (its spec's ``metrics:``, pushed by
 its ranks) turns on TensorBoard event files and an offline W&B run; every record written
-here (rank 0's) goes there too, unchanged. A sink that fails is reported as ``LogWriteFailed``
-(typed) and closed; the record is still written here and acknowledged.
+here (rank 0's) goes there too, unchanged. Their work (opening a W&B run takes seconds) is
+handed to ``defer``, the composition root's one sink thread, in arrival order, so a record is
+acknowledged once its JSONL line is written, never later because of a sink. A sink that
+fails is closed and its ``LogWriteFailed`` (typed) is published with the job's next command
+or record here (the failure happened on the sink thread, outside any call); the records go
+on being written and acknowledged.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import os
 import re
 import threading
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -103,9 +108,17 @@ class MetricsLogger:
             service; a private one by default so tests can build several loggers).
     """
 
-    def __init__(self, root: Path, registry: CollectorRegistry | None = None, emit: Any = None):
+    def __init__(
+        self,
+        root: Path,
+        registry: CollectorRegistry | None = None,
+        emit: Any = None,
+        defer: Callable[..., Any] | None = None,
+    ):
         """``emit``: publishes this module's events (its failure event ``LogWriteFailed`` for
-        a sink that failed); None: such a failure is only logged."""
+        a sink that failed); None: such a failure is only logged. ``defer(fn, *args)``: runs
+        the sinks' work in order off the caller's thread (the service's sink thread); None:
+        at once, on the caller's thread."""
         self._dir = Path(root) / "metrics"
         self._dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
@@ -114,6 +127,8 @@ class MetricsLogger:
         self._series: dict[tuple[str, int], _Series] = {}
         self._metrics = _define(registry if registry is not None else CollectorRegistry())
         self._emit = emit
+        self._defer = defer or _now
+        self._failed: dict[str, list[store_pb2.LogWriteFailed]] = {}  # job -> not yet published
         self._sinks = Sinks(self._dir, on_failure=self._sink_failed)
 
     # ------------------------------------------------------------------ commands
@@ -127,12 +142,14 @@ class MetricsLogger:
         """
         if not _JOB_ID.match(msg.job_id):
             raise ValueError(f'metrics: job_id "{msg.job_id}": must match {_JOB_ID.pattern}')
-        self._sinks.configure(msg)
+        self._defer(self._sinks.configure, msg)
+        self._publish_failures(msg.job_id)
         return store_pb2.MetricsAck(records=0)
 
     def stop_log_collection(self, msg: store_pb2.StopLogCollection, payload: Any = None) -> store_pb2.MetricsAck:
         """A rank's training ended: the job's sinks are closed (rank 0's say; ``records`` 0)."""
-        self._sinks.stop(msg)
+        self._defer(self._sinks.stop, msg)
+        self._publish_failures(msg.job_id)
         return store_pb2.MetricsAck(records=0)
 
     def on_step_completed(self, msg: engine_pb2.StepCompleted, payload: Any = None) -> store_pb2.MetricsAck:
@@ -170,7 +187,8 @@ class MetricsLogger:
         s.tokens.inc(msg.tokens)
         if msg.skipped:
             s.skipped.inc()
-        self._sinks.record("step", msg)
+        self._defer(self._sinks.record, "step", msg)
+        self._publish_failures(msg.job_id)
         return store_pb2.MetricsAck(records=1)
 
     def on_eval_completed(self, msg: engine_pb2.EvalCompleted, payload: Any = None) -> store_pb2.MetricsAck:
@@ -186,12 +204,14 @@ class MetricsLogger:
         s.eval_loss.set(msg.loss)
         s.eval_seconds.set(msg.seconds)
         s.evals.inc()
-        self._sinks.record("eval", msg)
+        self._defer(self._sinks.record, "eval", msg)
+        self._publish_failures(msg.job_id)
         return store_pb2.MetricsAck(records=1)
 
     def close(self) -> None:
-        """Flush and close every JSONL file and sink (at shutdown)."""
-        self._sinks.close()
+        """Flush and close every JSONL file; the sinks are closed through ``defer`` (the
+        service waits for its sink thread after this)."""
+        self._defer(self._sinks.close)
         with self._lock:
             for f in self._files.values():
                 f.close()
@@ -230,9 +250,19 @@ class MetricsLogger:
             return True
 
     def _sink_failed(self, event: store_pb2.LogWriteFailed) -> None:
+        """(On the sink thread.) Logged now, published with the job's next call here."""
         _log.error("metric_sink_failed", job=event.failure.job_id, path=event.path, reason=event.reason)
-        if self._emit is not None:
-            self._emit(event)
+        with self._lock:
+            self._failed.setdefault(event.failure.job_id, []).append(event)
+
+    def _publish_failures(self, job: str) -> None:
+        if not self._failed:  # (read without the lock: a failure found meanwhile goes with the next call)
+            return
+        with self._lock:
+            events = self._failed.pop(job, [])
+        for event in events:
+            if self._emit is not None:
+                self._emit(event)
 
     def _series_of(self, job: str, rank: int) -> _Series:
         s = self._series.get((job, rank))
@@ -258,6 +288,10 @@ class _Recent:
         self._keys.add(key)
         if len(self._order) > RECENT_LINES:
             self._keys.discard(self._order.popleft())
+
+
+def _now(fn: Callable[..., Any], *args: Any) -> None:
+    fn(*args)
 
 
 def _tail_lines(path: Path, limit: int) -> list[bytes]:

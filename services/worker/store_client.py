@@ -130,6 +130,9 @@ LOAD_TIMEOUT_S = 60.0  # the store re-hashes nothing at load: the reader checks 
 # while unreachable). Below the default stall deadline (30 s): the rank has finished training.
 FLUSH_RETRY_S = _env_seconds("SURGE_CHECKPOINT_FLUSH_RETRY_S", 20.0)
 METRICS_BUFFER = 100_000  # metric records held until the store acknowledged them
+# At the loop's end (StopLogCollection): how long it waits for the store to acknowledge every
+# record (the rank may be released as soon as it reports its end).
+METRICS_FLUSH_S = _env_seconds("SURGE_METRICS_FLUSH_S", 5.0)
 RECONNECT_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
@@ -319,8 +322,17 @@ class StoreClient:
         self._enqueue(store_pb2.MetricRecord(config=msg))
 
     def stop_log_collection(self, msg: store_pb2.StopLogCollection, payload: Any = None) -> None:
-        """The loop's end, after its last record on the same stream (L5-2 closes the sinks)."""
-        self._enqueue(store_pb2.MetricRecord(stop=msg))
+        """The loop's end, after its last record on the same stream (L5-2 closes the sinks).
+        Returns once the store acknowledged it, so every record before it (a finished rank
+        may be released at once, its held records with it), or after ``METRICS_FLUSH_S``
+        (logged: the rest may be lost, training is not held up for it)."""
+        seq = self._enqueue(store_pb2.MetricRecord(stop=msg))
+        deadline = time.monotonic() + METRICS_FLUSH_S
+        with self._held_cond:
+            while self._held and self._held[0][0] <= seq and time.monotonic() < deadline:
+                self._held_cond.wait(min(0.5, max(0.0, deadline - time.monotonic())))
+            if self._held and self._held[0][0] <= seq:
+                log.warning("metrics_not_flushed", held=len(self._held), seconds=METRICS_FLUSH_S)
 
     @property
     def held_records(self) -> int:
@@ -765,7 +777,8 @@ class StoreClient:
 
     # ------------------------------------------------------------------ private: metrics
 
-    def _enqueue(self, record: store_pb2.MetricRecord) -> None:
+    def _enqueue(self, record: store_pb2.MetricRecord) -> int:
+        """Hold ``record`` for sending; its ``seq``."""
         with self._held_cond:
             self._seq += 1
             record.seq = self._seq
@@ -776,6 +789,7 @@ class StoreClient:
                 if self._dropped == 1 or self._dropped % 1000 == 0:
                     log.warning("metrics_buffer_full", held=self._held_max, dropped=self._dropped)
             self._held_cond.notify_all()
+            return self._seq
 
     def _acked(self, seq: int) -> None:
         with self._held_cond:

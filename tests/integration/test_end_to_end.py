@@ -100,10 +100,10 @@ def test_a_short_dp2_job_trains_checkpoints_and_reports(stack, tmp_path):
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.3
     # The same raw values in the job's TensorBoard event files (metrics.tensorboard), and a
     # step line in rank 0's log every metrics.log_every steps and at the last.
-    from tests.sink_readers import tensorboard_scalars
+    from tests.sink_readers import tensorboard_points
 
-    tb = tensorboard_scalars(home / "store" / "metrics" / job_id / "tensorboard")
-    assert tb["train/loss"] == list(enumerate(losses, start=1))
+    tb = tensorboard_points(home / "store" / "metrics" / job_id / "tensorboard", "train/loss", len(losses))
+    assert tb == list(enumerate(losses, start=1))
     rank_log = [json.loads(x) for x in (home / "run" / "logs" / f"{job_id}.rank0.log").read_text().splitlines()]
     lines = [e["event"] for e in rank_log if e.get("event", "").startswith("step ")]
     assert [int(x.split()[1]) for x in lines] == [10, 20, 24] and f"loss {losses[9]:.4f}" in lines[0], lines

@@ -188,6 +188,30 @@ def test_a_write_that_fails_closes_the_sink_once(tmp_path):
     assert [x["step"] for x in jsonl(tmp_path)] == [1, 2, 3]
 
 
+def test_sink_work_is_deferred_and_its_failure_goes_with_the_jobs_next_record(tmp_path):
+    """The service's sink thread (``defer``): a record is acknowledged before any sink work;
+    a failure found there is published with the job's next call, which has a caller."""
+    (tmp_path / "metrics" / JOB).mkdir(parents=True)
+    (tmp_path / "metrics" / JOB / "tensorboard").write_text("a file where the event directory goes")
+    queued: list = []
+    emitted: list = []
+    logger = MetricsLogger(
+        tmp_path, registry=CollectorRegistry(), emit=emitted.append, defer=lambda fn, *args: queued.append((fn, args))
+    )
+    logger.log_collection_config(config(tensorboard=True))
+    assert logger.on_step_completed(step(1)).records == 1
+    assert [fn.__name__ for fn, _ in queued] == ["configure", "record"] and emitted == []
+    for fn, args in queued:  # the sink thread's turn: the event directory cannot be made
+        fn(*args)
+    queued.clear()
+    assert emitted == []  # found outside any call
+    logger.on_step_completed(step(1, rank=1))
+    (event,) = emitted
+    assert event.failure.job_id == JOB and event.reason.startswith("open: ")
+    logger.close()
+    assert [fn.__name__ for fn, _ in queued] == ["record", "close"]
+
+
 def test_a_bad_job_id_is_refused(tmp_path):
     logger = MetricsLogger(tmp_path, registry=CollectorRegistry())
     with pytest.raises(ValueError, match="job_id"):
@@ -229,3 +253,37 @@ def test_a_sink_failure_reaches_the_rank_with_the_records_ack(tmp_path):
     assert event.failure.module == Module.L5_METRICS_LOGGER and event.failure.cause == route_pb2.FAILURE_IO
     assert event.reason.startswith("open: ") and event.path.endswith(f"{JOB}/tensorboard")
     assert [x["step"] for x in jsonl(tmp_path)] == [1]
+
+
+def test_the_loops_stop_returns_once_the_store_has_every_record(tmp_path, monkeypatch):
+    """A finished rank may be released at once: StopLogCollection returns when the store has
+    acknowledged it, so every record before it; with no store, after METRICS_FLUSH_S."""
+    import time
+
+    from services.contract.bus import Bus
+    from services.worker import store_client
+    from services.worker.store_client import StoreClient
+    from tests.redlines.test_state_ownership import store_service
+
+    with store_service(tmp_path) as address:
+        client = StoreClient(address, Bus().emitter(Module.L5_CHECKPOINT_MANAGER))
+        try:
+            client.log_collection_config(config(tensorboard=True))
+            for n in (1, 2, 3):
+                client.on_step_completed(step(n))
+            client.stop_log_collection(store_pb2.StopLogCollection(job_id=JOB, rank=0))
+            assert client.held_records == 0
+            assert [x["step"] for x in jsonl(tmp_path)] == [1, 2, 3]
+        finally:
+            client.close()
+    assert tensorboard_scalars(tmp_path / "metrics" / JOB / "tensorboard")["train/loss"][-1][0] == 3
+
+    monkeypatch.setattr(store_client, "METRICS_FLUSH_S", 0.3)
+    gone = StoreClient("127.0.0.1:9", Bus().emitter(Module.L5_CHECKPOINT_MANAGER))  # nobody there
+    try:
+        gone.on_step_completed(step(1))
+        t0 = time.monotonic()
+        gone.stop_log_collection(store_pb2.StopLogCollection(job_id=JOB, rank=0))
+        assert 0.3 <= time.monotonic() - t0 < 3 and gone.held_records == 2
+    finally:
+        gone.close(timeout=0.1)

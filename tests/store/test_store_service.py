@@ -164,9 +164,9 @@ def test_save_commit_list_load_and_metrics_through_the_real_service(store):
     assert samples[("surge_checkpoint_commits_total", (("job", "it"),))] == 1
     jsonl = (store.root / "metrics" / "it.jsonl").read_text().splitlines()
     assert [json.loads(x)["loss"] for x in jsonl] == [4.5, 4.25]
-    from tests.sink_readers import tensorboard_scalars
+    from tests.sink_readers import tensorboard_points
 
-    assert tensorboard_scalars(store.root / "metrics" / "it" / "tensorboard")["train/loss"] == [(1, 4.5), (2, 4.25)]
+    assert tensorboard_points(store.root / "metrics" / "it" / "tensorboard", "train/loss", 2) == [(1, 4.5), (2, 4.25)]
 
 
 def test_sigterm_stops_the_service_cleanly(store):
