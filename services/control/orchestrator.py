@@ -86,7 +86,6 @@ from typing import Any
 import structlog
 
 from services.common.sizes import size_text
-from services.compute.hf_format import check_spec_directory
 from services.contract import Module, control_pb2, engine_pb2, store_pb2
 from services.contract.bus import CommandPort, Emitter, Reply
 from services.contract.failures import Refusal
@@ -97,6 +96,7 @@ from services.control.job_store import JobStore
 from services.control.metrics import ControlMetrics
 from services.control.monitoring import start_monitoring
 from services.control.reattach import Reattaching
+from services.hf_config import check_spec_directory
 from services.jobspec import JobSpec, JobSpecError, parse_job_spec, spec_from_json, spec_to_json, with_layout
 
 JobState = control_pb2.JobState
