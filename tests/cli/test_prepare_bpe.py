@@ -26,8 +26,6 @@ def test_bpe_n_trains_a_tokenizer_and_the_version_keeps_it(surge_home, tmp_path,
         "notes",
         "--source",
         str(src),
-        "--glob",
-        "**/*.txt",
         "--tokenizer",
         "bpe:300",
     ]
@@ -42,7 +40,7 @@ def test_bpe_n_trains_a_tokenizer_and_the_version_keeps_it(surge_home, tmp_path,
 @pytest.mark.parametrize("spec", ["bpe:100", "bpe:many"])
 def test_a_bad_bpe_vocabulary_is_one_line_and_nothing_is_written(surge_home, tmp_path, monkeypatch, capsys, spec):
     src = text_corpus(tmp_path / "notes")
-    argv = ["dataset", "prepare", "--name", "notes", "--source", str(src), "--glob", "**/*.txt", "--tokenizer", spec]
+    argv = ["dataset", "prepare", "--name", "notes", "--source", str(src), "--tokenizer", spec]
     code, out, err = run_cli(argv, monkeypatch, capsys)
     assert_one_line(code, err, 1, f"tokenizer {spec}", "vocabulary size N from 258")
     assert not (surge_home / "datasets" / "notes").exists()

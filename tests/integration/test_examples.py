@@ -122,7 +122,7 @@ def test_every_example_runs_and_own_text_goes_to_hugging_face_and_back(stack, tm
     home = stack
     t0 = time.monotonic()
     notes = docstring_corpus(tmp_path / "notes", 0, 120)
-    prep = f"--name notes --version v1 --source {notes} --glob **/*.txt --tokenizer bpe:4096"
+    prep = f"--name notes --version v1 --source {notes} --tokenizer bpe:4096"
     r = cli(home, "dataset", "prepare", *prep.split())
     assert r.returncode == 0, r.stderr
     for src, name, files in ((home / "corpus", "stdlib", "**/*.py"), (notes, "notes-bytes", "**/*.txt")):
