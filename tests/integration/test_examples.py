@@ -36,7 +36,7 @@ from services.data.prepare import prepare_dataset
 from services.jobspec import load_job_spec
 from tests.conftest import REPO
 from tests.integration.test_end_to_end import cli, running_stack
-from tests.sink_readers import tensorboard_scalars
+from tests.sink_readers import tensorboard_points
 
 EXAMPLES = REPO / "examples" / "jobs"
 # What each example shows, beyond the demo, in the order they run (the fine-tunes start
@@ -171,7 +171,7 @@ def test_every_example_runs_and_own_text_goes_to_hugging_face_and_back(stack, tm
             frozen = [json.loads(x) for x in log.splitlines() if '"model.freeze applied"' in x]
             assert frozen and frozen[0]["frozen_tensors"] == 2 * 9 + 1, log[-3000:]  # two blocks, the tied embedding
             # The loss in TensorBoard: the JSONL's values, step for step.
-            assert tensorboard_loss(home / "store" / "metrics" / job_id / "tensorboard") == [
+            assert tensorboard_points(home / "store" / "metrics" / job_id / "tensorboard", "train/loss", STEPS) == [
                 (int(r["step"]), r["loss"]) for r in steps
             ]
         seconds[name] = round(time.monotonic() - start, 1)
@@ -179,17 +179,6 @@ def test_every_example_runs_and_own_text_goes_to_hugging_face_and_back(stack, tm
     for name, job_id in jobs.items():
         assert (status[job_id]["outcome"], int(status[job_id]["step"])) == ("FINISHED", STEPS), (name, status[job_id])
     print(f"examples: {seconds}, {time.monotonic() - t0:.1f} s with the datasets")
-
-
-def tensorboard_loss(logdir: Path, timeout: float = 15.0) -> list[tuple[int, float]]:
-    """``train/loss`` of the event files under ``logdir`` once it has STEPS points (the store
-    writes its sinks on a thread of their own, after it acknowledged the records)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        points = tensorboard_scalars(logdir).get("train/loss", []) if logdir.is_dir() else []
-        if len(points) >= STEPS or time.monotonic() > deadline:
-            return points
-        time.sleep(0.1)
 
 
 def export_and_compare_logits(home: Path, version: str, tmp_path: Path, monkeypatch) -> Path:
