@@ -83,7 +83,7 @@ from google.protobuf.message import Message
 from services.common import phase as ph
 from services.contract import Module, data_pb2, engine_pb2, route_pb2, store_pb2
 from services.contract.bus import BoundaryViolation, CommandPort, Emitter
-from services.contract.failures import failure_of
+from services.contract.failures import ModuleFailed, failure_of
 from services.contract.frozen import FrozenConfig
 from services.engine import rng_streams
 from services.engine.lr_schedule import schedule_for
@@ -849,7 +849,17 @@ class TrainingLoop:
             if init_from.checkpoint
             else store_pb2.LoadCheckpoint(hf_directory=init_from.hf)
         )
-        loaded = self._p.store(ask, template).payload
+        try:
+            loaded = self._p.store(ask, template).payload
+        except ModuleFailed as e:
+            if e.failure_cause != route_pb2.FAILURE_INVALID_INPUT:
+                raise  # corrupt, unreachable, ...: L5-1's failure, reported and decided as any load's
+            # Refused as asked (an unknown version, weights of another shape): the spec names a
+            # source this job cannot start from, the same on every relaunch. The loop's own
+            # fault, so it is graded (a load's SnapshotFailed alone is left to L1-1, which acts
+            # on it for a recovery's load only: a start would wait).
+            source = f"init_from.checkpoint: {init_from.checkpoint}" if init_from.checkpoint else "init_from.hf"
+            raise TrainingFault("config_error", f"{source}: {e.error}") from None
         loaded.check({k: fresh.slots[k].owner for k in keys}, verify=False)
         for key, port in (("model", self._p.shard_loader), ("optim", self._p.optimizer)):
             if key in keys:

@@ -184,10 +184,13 @@ class CheckpointIntegrityError(CheckpointError):
         self.cause, self.file = cause, file
 
 
-class WeightsMismatch(CheckpointError):
+class WeightsMismatch(CheckpointError, Refusal):
     """``init_from`` weights that do not fit this job's model (a tensor missing, or of
     another shape): the spec's fault, the same on every retry; nothing was copied into the
-    model."""
+    model. A refusal of the load as asked, not a failure of this relay: the loop gets it as
+    raised and fails with it (``config_error``, graded fatal: the job stops), and no
+    SnapshotFailed is published (the orchestrator acts on those itself, for a recovery's
+    load; a start's would leave the job waiting)."""
 
     fault_class = "config_error"
     failure_cause = FailureCause.FAILURE_INVALID_INPUT
@@ -558,13 +561,8 @@ class StoreClient:
         return loaded
 
     def _load_hf(self, msg: store_pb2.LoadCheckpoint, payload: dict[str, Any]) -> store_pb2.CheckpointLoaded:
-        """``init_from.hf`` (:func:`load_hf_weights`); a failure is reported first, as
-        SnapshotFailed{load, REJECTED} typed by the error (INVALID_INPUT)."""
-        try:
-            return load_hf_weights(msg, payload)
-        except WeightsMismatch as error:
-            self._report("load", store_pb2.REJECTED, str(error), version=f"hf:{msg.hf_directory}", error=error)
-            raise
+        """``init_from.hf`` (:func:`load_hf_weights`; a mismatch is refused: WeightsMismatch)."""
+        return load_hf_weights(msg, payload)
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is held (waiting up to ``timeout`` seconds for the store's acks) and

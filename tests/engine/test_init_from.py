@@ -12,7 +12,6 @@ from safetensors.torch import load_file
 from services.compute import hf_format
 from services.compute.model import build_model
 from services.contract import Module, engine_pb2
-from tests.module_failed import raised_in_module
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -125,7 +124,7 @@ def test_hugging_face_weights_of_another_shape_fail_the_start_as_a_config_error_
     assert not rank.steps()
 
 
-def test_the_ranks_relay_reads_hugging_face_weights_without_asking_the_store_and_reports_a_mismatch(tmp_path):
+def test_the_ranks_relay_reads_hugging_face_weights_without_asking_the_store_and_refuses_a_mismatch(tmp_path):
     from services.contract import route_pb2, store_pb2
     from services.contract.bus import Bus
     from services.worker.store_client import StoreClient, WeightsMismatch
@@ -148,11 +147,35 @@ def test_the_ranks_relay_reads_hugging_face_weights_without_asking_the_store_and
         assert into["model"]["_slot"].tolist() == [0] and up == []
 
         wrong = {"model": {"tok_emb.weight": torch.zeros(256, 64), "_slot": torch.tensor([-1])}}
-        with raised_in_module(WeightsMismatch, r"tok_emb.weight needs \[256, 64\]", event="SnapshotFailed") as e:
+        # refused as asked (the loop fails with it: config_error, fatal), no SnapshotFailed: the
+        # orchestrator acts on those itself (a recovery's load), and a start's would wait
+        with pytest.raises(WeightsMismatch, match=r"tok_emb.weight needs \[256, 64\]") as e:
             port(store_pb2.LoadCheckpoint(hf_directory=str(tmp_path)), wrong)
-        assert e.value.fault_class == "config_error"
+        assert e.value.fault_class == "config_error" and e.value.failure_cause == route_pb2.FAILURE_INVALID_INPUT
         assert not wrong["model"]["tok_emb.weight"].any()  # nothing copied
-        (failed,) = up
-        assert failed.operation == "load" and failed.failure.cause == route_pb2.FAILURE_INVALID_INPUT
+        assert up == []
     finally:
         client.close(timeout=1)
+
+
+def test_a_version_the_store_refuses_fails_the_start_as_a_config_error_not_a_wait(tmp_path):
+    """The store's answer to a version that is not there (typed INVALID_INPUT, published as
+    L5-1's SnapshotFailed): the loop fails as config_error (graded fatal: the job stops)
+    instead of leaving it to a SnapshotFailed that L1-1 acts on for a recovery's load only."""
+    from services.contract import route_pb2
+
+    class Refused(RuntimeError):  # what the store relay raises for NOT_FOUND
+        failure_cause = route_pb2.FAILURE_INVALID_INPUT
+        fault_class = "checkpoint_error"
+
+    rank = LocalRank(tiny_spec(steps=2, init_from={"checkpoint": "gone-1:3"}), tmp_path)
+
+    def refuse(msg, payload):
+        raise Refused(f"checkpoint {msg.version} not found (have: src-1:1)")
+
+    rank.store.load_checkpoint = refuse
+    rank.run()
+    (failed,) = rank.up.of(engine_pb2.TrainingLoopFailed)
+    assert failed.fault_class == "config_error"
+    assert failed.detail.endswith("init_from.checkpoint: gone-1:3: checkpoint gone-1:3 not found (have: src-1:1)")
+    assert not rank.steps()
