@@ -28,6 +28,7 @@ services/hf_config.py, without torch, so that control checks it too; it is re-ex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Mapping
@@ -116,7 +117,6 @@ def read_hf_tensors(directory: str | Path, wanted: Mapping[str, Any]) -> dict[st
             the model needs in no file, or of another shape (one line naming the file and
             both names and shapes).
     """
-    import torch
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
 
@@ -133,31 +133,30 @@ def read_hf_tensors(directory: str | Path, wanted: Mapping[str, Any]) -> dict[st
                 f"init_from.hf: {file}: not a readable safetensors file: {' '.join(str(e).split())}"
             ) from None
     out: dict[str, Any] = {}
-    handles: dict[Path, Any] = {}
-    try:
+    with contextlib.ExitStack() as files:
+        handles: dict[Path, Any] = {}
         for name, like in wanted.items():
-            key = hf_name(name)
+            try:
+                key = hf_name(name)
+            except KeyError:
+                raise HfFormatError(f"init_from.hf: {d}: this job's {name} has no Hugging Face Llama name") from None
             if key not in where and tied and name == "lm_head.weight":
                 key = hf_name("tok_emb.weight")
             if key not in where:
                 raise HfFormatError(f"init_from.hf: {d}: tensor {key} (for {name}) is in no *.safetensors file")
             file = where[key]
             if file not in handles:
-                handles[file] = safe_open(str(file), framework="pt").__enter__()
+                handles[file] = files.enter_context(safe_open(str(file), framework="pt"))
             full = handles[file].get_tensor(key)
-            shape = tuple(like.shape)
-            if tuple(full.shape) != shape:
+            if tuple(full.shape) != tuple(like.shape):
                 raise HfFormatError(
                     f"init_from.hf: {file.name}: tensor {key} has shape {list(full.shape)}, "
-                    f"this job's {name} needs {list(shape)}"
+                    f"this job's {name} needs {list(like.shape)}"
                 )
             if isinstance(like, DTensor):
                 out[name] = _shard_like(full, like)
             else:
-                out[name] = full.to(dtype=like.dtype, device=like.device if isinstance(like, torch.Tensor) else "cpu")
-    finally:
-        for h in handles.values():
-            h.__exit__(None, None, None)
+                out[name] = full.to(dtype=like.dtype, device=like.device)
     return out
 
 
