@@ -19,7 +19,7 @@ import yaml
 
 from services.cli import clients
 from services.cli.errors import CliError
-from services.contract import store_pb2
+from services.contract import control_pb2, store_pb2
 from services.jobspec import JobSpec, frozen_parameters, model_parameters, read_spec_mapping, spec_from_json
 
 
@@ -52,6 +52,7 @@ def committed(version: str, source: str) -> store_pb2.CheckpointInfo:
         CliError (exit 2): no such version, not ok, or the store refused (one line naming
             ``source`` and ``init_from.checkpoint``).
     """
+    version = _job_id_for_name(version)
     try:
         addr = clients.address("store")
     except CliError:
@@ -71,9 +72,29 @@ def committed(version: str, source: str) -> store_pb2.CheckpointInfo:
         raise CliError(f"{source}: init_from.checkpoint: {' '.join(str(e).split())}", code=2) from None
 
 
+def _job_id_for_name(version: str) -> str:
+    """``version`` with its job part, when that is a job's name rather than an id, replaced
+    by the id of the newest job of that name (a live one first): the checkpoints a user means
+    by ``demo:latest`` are the last demo run's. Unchanged when control is not reachable or
+    knows no job of that name (the store then names the version it lacks)."""
+    job, sep, n = version.rpartition(":")
+    if not sep or not job:
+        return version
+    try:
+        jobs = list(clients.call("control", lambda s: s.ListJobs(control_pb2.JobQuery(), timeout=10)).jobs)
+    except CliError:
+        return version
+    if any(j.job_id == job for j in jobs):
+        return version
+    named = sorted(
+        (j for j in jobs if j.name == job), key=lambda j: (j.state != control_pb2.TERMINATED, j.created_unix)
+    )
+    return f"{named[-1].job_id}:{n}" if named else version
+
+
 def pin_latest(spec: JobSpec, text: str, source: str) -> str:
     """The YAML to submit: ``text`` with ``init_from.checkpoint: <job>:latest`` replaced by
-    the version it names now (asked of the store), so that the job, and a relaunch of it
+    the version it names now (asked of the store), and a job's name by its id, so that the job, and a relaunch of it
     before its own first checkpoint, loads those weights even if the source job commits more;
     ``text`` itself when there is nothing to pin. (The effective spec, ``surgectl spec JOB``,
     shows the version.)
@@ -82,10 +103,14 @@ def pin_latest(spec: JobSpec, text: str, source: str) -> str:
         CliError (exit 2): the store refuses the version (one line naming the field).
     """
     init = spec.init_from
-    if init is None or init.checkpoint is None or not init.checkpoint.endswith(":latest"):
+    if init is None or init.checkpoint is None:
+        return text
+    asked = init.checkpoint
+    pinned = committed(asked, source).version if asked.endswith(":latest") else _job_id_for_name(asked)
+    if pinned == asked:
         return text
     raw = read_spec_mapping(text, source)
-    raw["init_from"]["checkpoint"] = committed(init.checkpoint, source).version
+    raw["init_from"]["checkpoint"] = pinned
     return yaml.safe_dump(raw, sort_keys=False, allow_unicode=True)
 
 

@@ -11,7 +11,7 @@ from services.cli.errors import CliError
 from services.cli.init_from import check_init_from, pin_latest, weights_mismatch
 from services.compute import hf_format
 from services.compute.model import build_model
-from services.contract import store_pb2
+from services.contract import control_pb2, store_pb2
 from services.jobspec import JobSpec, parse_job_spec, spec_to_json
 
 
@@ -54,12 +54,25 @@ class _Store:
         )
 
 
+class _Control:
+    """Control's ListJobs: two ended runs of the job named ``src`` (``src-1`` the newer)."""
+
+    def ListJobs(self, msg, timeout=None):  # noqa: N802 - the gRPC method's name
+        ended = control_pb2.TERMINATED
+        return control_pb2.JobList(
+            jobs=[
+                control_pb2.JobStatus(job_id="src-0", name="src", state=ended, created_unix=1),
+                control_pb2.JobStatus(job_id="src-1", name="src", state=ended, created_unix=2),
+            ]
+        )
+
+
 @pytest.fixture
 def store(monkeypatch):
     def use(spec):
         stub = _Store(spec)
         monkeypatch.setattr(clients, "address", lambda service: "127.0.0.1:1")
-        monkeypatch.setattr(clients, "call", lambda service, fn: fn(stub) if service == "store" else None)
+        monkeypatch.setattr(clients, "call", lambda service, fn: fn(stub if service == "store" else _Control()))
         return stub
 
     return use
@@ -107,6 +120,17 @@ def test_latest_is_pinned_to_the_version_it_names_at_submit_and_nothing_else_cha
     )
     exact = text.replace("src-1:latest", "src-1:2")
     assert pin_latest(parse_job_spec(exact), exact, "ft.yaml") is exact
+
+
+def test_a_job_name_is_pinned_to_the_newest_run_of_that_name(store):
+    stub = store(spec_of())
+    text = "name: ft\nsteps: 4\ndata: {dataset: x@v1}\ninit_from: {checkpoint: 'src:latest'}\n"
+    assert parse_job_spec(pin_latest(parse_job_spec(text), text, "ft.yaml")).init_from.checkpoint == "src-1:4"
+    assert stub.asked == ["src-1:latest"]
+    exact = text.replace("src:latest", "src:2")
+    assert parse_job_spec(pin_latest(parse_job_spec(exact), exact, "ft.yaml")).init_from.checkpoint == "src-1:2"
+    unknown = text.replace("src:latest", "other-7:2")
+    assert pin_latest(parse_job_spec(unknown), unknown, "ft.yaml") is unknown  # the store names what it lacks
 
 
 def test_with_no_stack_the_version_is_read_from_the_catalog_under_surge_home(surge_home):

@@ -135,7 +135,7 @@ def test_every_example_runs_and_own_text_goes_to_hugging_face_and_back(stack, tm
         start = time.monotonic()
         overrides = [*SHORT, "checkpoint.at_end=true"] if name in ("fsdp2.yaml", "text_bpe.yaml") else list(SHORT)
         if name == "finetune_checkpoint.yaml":
-            overrides.append(f"init_from.checkpoint={jobs['fsdp2.yaml']}:latest")
+            overrides.append("init_from.checkpoint=fsdp2:latest")  # by name: the newest fsdp2 run
             # Ready before it is submitted, so that the next one is submitted while it runs.
             hf = export_and_compare_logits(home, f"{jobs['text_bpe.yaml']}:latest", tmp_path, monkeypatch)
             more = docstring_corpus(tmp_path / "more-notes", 120, 60)  # more text, the exported tokenizer
