@@ -59,13 +59,19 @@ def export_version(version: str, fmt: str, out: Path, force: bool = False) -> st
         except hf_format.HfFormatError as e:
             raise CliError(f"export {info.version} --format hf: {e}; --format torch writes it", code=1) from None
     model = _load(info)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.export-{secrets.token_hex(4)}"
-    tmp.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:  # read-only, no permission, /proc: nothing written yet
+        raise CliError(f"--out: cannot write {out}: {e.strerror or e}", code=1) from None
     try:
         notes = _write(tmp, fmt, model, spec, hf_format)
         (tmp / "surge_spec.json").write_text(info.spec_json + "\n")
         _into_place(tmp, out)
+    except OSError as e:  # disk full, permissions changed under us: the temporary is removed
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CliError(f"--out: cannot write {out}: {e.strerror or e}", code=1) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -515,7 +515,12 @@ def plot(
         where = "control's event history (sampled steps)"
     if not h.steps:
         raise CliError(f"job {job} has no step records yet; plot it once it has trained a step")
-    target = out or paths.surge_home() / f"{observe.safe_name(job)}-loss.png"
+    default_name = f"{observe.safe_name(job)}-loss.png"
+    target = out or paths.surge_home() / default_name
+    if out is not None and out.is_dir():
+        target = out / default_name  # a directory: the default name in it
+    elif out is not None and out.suffix.lower() not in PLOT_SUFFIXES:
+        raise CliError(f"--out: {out}: the file name must end in {', '.join(PLOT_SUFFIXES)}", code=2)
     try:
         png = render.plot(h, target, f"{job}: loss and throughput")
     except OSError as e:
@@ -526,6 +531,7 @@ def plot(
     )
 
 
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")  # what matplotlib writes by the name's suffix (no other backend here)
 NoCheckpointOpt = typer.Option(False, "--no-checkpoint", help="do not checkpoint the boundary step first")
 
 

@@ -120,6 +120,8 @@ def test_export_refusals_are_one_line_and_write_nothing(surge_home, tmp_path, mo
     code, _, err = export("src-1:1", "--format", "hf", "--out", str(out))
     assert_one_line(code, err, 1, "model.mlp: gelu", "--format torch")
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["surge"]  # (SURGE_HOME)
+    code, _, err = export("src-1:1", "--format", "torch", "--out", "/proc/surge-export")
+    assert_one_line(code, err, 1, "--out", "/proc/surge-export")
 
     out.mkdir()
     (out / "keep.txt").write_text("mine")

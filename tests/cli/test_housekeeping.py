@@ -116,6 +116,16 @@ def test_plot_to_an_unwritable_path_is_one_line(surge_home, tmp_path, monkeypatc
     monkeypatch.setenv("SURGE_HOME", str(unwritable(tmp_path) / "home"))
     code, _, err = run_cli(["plot", "j", "--metrics", str(metrics)], monkeypatch, capsys)
     assert_one_line(code, err, 2, "SURGE_HOME")
+    # --out a file name matplotlib cannot write by its suffix: one line, nothing written
+    code, _, err = run_cli(
+        ["plot", "j", "--metrics", str(metrics), "--out", str(tmp_path / "x.txt")], monkeypatch, capsys
+    )
+    assert_one_line(code, err, 2, "--out", "x.txt", ".png")
+    assert not (tmp_path / "x.txt").exists()
+    # --out a directory: the default name in it (not <dir>.png beside it)
+    code, out_text, err = run_cli(["plot", "j", "--metrics", str(metrics), "--out", str(tmp_path)], monkeypatch, capsys)
+    assert code == 0, err
+    assert (tmp_path / "j-loss.png").stat().st_size > 0 and str(tmp_path / "j-loss.png") in out_text
 
 
 def test_up_with_an_unwritable_home_is_one_line_and_starts_nothing(tmp_path, monkeypatch, capsys):
