@@ -54,6 +54,24 @@ def rank_logs(job: str, directory: Path | None = None) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
+def local_job(ref: str) -> str | None:
+    """The job id of ``ref`` (an id or a job's name) among the local stack's rank log files,
+    for `surgectl logs` when control is not there to ask: the id itself if it has files, else
+    the newest job (by its files' times) named ``ref``; None if none."""
+    if rank_logs(ref):
+        return ref
+    directory = logs_dir()
+    if not directory.is_dir():
+        return None
+    named = re.compile(rf"^{re.escape(safe_name(ref))}-[0-9a-f]+$")
+    newest: dict[str, float] = {}
+    for f in directory.iterdir():
+        m = _RANK_LOG.match(f.name)
+        if m and named.match(m["job"]):
+            newest[m["job"]] = max(newest.get(m["job"], 0.0), f.stat().st_mtime)
+    return max(newest, key=newest.__getitem__) if newest else None
+
+
 @dataclass
 class LogLine:
     rank: int

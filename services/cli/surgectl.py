@@ -344,6 +344,10 @@ def submit(
         return
     status = submit_job(spec, overrides or (), priority)
     render.console.print(f"submitted {status.job_id} ({render.state_text(status)})")
+    if status.state == render.STATE.STANDBY and status.queue_position and status.message:
+        # What it waits for, e.g. "queued: needs 64 ranks (parallel.dp=64), more than the 2
+        # registered: waits for workers to join" (it holds back none of the jobs behind it).
+        render.console.print(status.message, markup=False, highlight=False, soft_wrap=True)
     if follow:
         try:
             h = follow_job(status.job_id)
@@ -458,7 +462,15 @@ def logs(
 
     if output not in ("table", "json"):
         raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
-    job = resolve_job(job)
+    try:
+        job = resolve_job(job)
+    except CliError:
+        # The stack is down (or control does not know the job): the local rank log files
+        # still hold every session's lines (`up` keeps them), found by the id or the name.
+        local = None if follow else observe.local_job(job)
+        if local is None:
+            raise
+        job = local
 
     def show(line) -> None:
         print(line.text if output == "json" else line.human(), flush=True)

@@ -128,6 +128,21 @@ def test_plot_to_an_unwritable_path_is_one_line(surge_home, tmp_path, monkeypatc
     assert (tmp_path / "j-loss.png").stat().st_size > 0 and str(tmp_path / "j-loss.png") in out_text
 
 
+def test_logs_with_the_stack_down_read_the_local_rank_files_by_id_or_name(surge_home, monkeypatch, capsys):
+    logs = surge_home / "run" / "logs"
+    logs.mkdir(parents=True)
+    line = '{"timestamp": "2026-12-01T10:00:0%d", "event": "step %d", "rank": 0}\n'
+    (logs / "demo-0a0a0a.rank0.log").write_text(line % (1, 1))
+    (logs / "demo-0b0b0b.rank0.log").write_text(line % (2, 2) + line % (3, 3))
+    os.utime(logs / "demo-0a0a0a.rank0.log", (1, 1))  # the older run of the name
+    code, out, err = run_cli(["logs", "demo", "-o", "json"], monkeypatch, capsys)
+    assert code == 0 and out.splitlines() == [(line % (2, 2)).strip(), (line % (3, 3)).strip()], (code, err)
+    code, out, err = run_cli(["logs", "demo-0a0a0a", "-o", "json"], monkeypatch, capsys)
+    assert code == 0 and out.splitlines() == [(line % (1, 1)).strip()], (code, err)
+    code, _, err = run_cli(["logs", "other"], monkeypatch, capsys)
+    assert_one_line(code, err, 1, "control address unknown")
+
+
 def test_up_with_an_unwritable_home_is_one_line_and_starts_nothing(tmp_path, monkeypatch, capsys):
     home = unwritable(tmp_path) / "surge-home"
     monkeypatch.setenv("SURGE_HOME", str(home))
