@@ -115,6 +115,7 @@ CATALOG = "catalog.json"
 MANIFEST_FORMAT = "surge.checkpoint.manifest/1"
 CATALOG_FORMAT = "surge.checkpoint.catalog/1"
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # no ':' (version ids) or '/'
+_RUN_OF = re.compile(r"(.+)-[0-9a-f]{6}")  # a job id: its name, then control's 6 hex digits
 _CHUNK_BYTES = 1 << 20
 _HASH_THREADS = 4  # hashlib releases the GIL on large updates; shards hash in parallel
 _ATTEMPTS_KEPT = 32  # per job: attempts remembered to refuse a superseded one
@@ -914,6 +915,15 @@ class CheckpointManager:
         if not sep or not job or not (n == "latest" or n.isdigit()):
             raise ValueError(f'checkpoint version "{version}": expected "<job>:<n>", "<job>:latest" or "latest"')
         mine = [e for e in self._chain if e["job_id"] == job]
+        if not mine:  # a job's name (control's ids are "<name>-<6 hex>"): its newest run with versions
+            runs = [
+                e["job_id"]
+                for e in self._chain
+                if _RUN_OF.fullmatch(e["job_id"]) and _RUN_OF.fullmatch(e["job_id"])[1] == job
+            ]
+            if runs:
+                job = runs[-1]
+                mine = [e for e in self._chain if e["job_id"] == job]
         if n == "latest" and mine:
             hit = [e for e in ok if e["job_id"] == job][-1:]
             if not hit:

@@ -515,6 +515,19 @@ def test_latest_is_the_newest_commit_of_any_job_and_job_latest_that_jobs_newest(
     assert (info.version, info.step, info.parent, info.spec_json) == ("a:2", 20, "a:1", "{}")
 
 
+def test_a_jobs_name_means_its_newest_run_with_versions(manager):
+    save(manager, "demo-0a0a0a", 10)
+    save(manager, "demo-0b0b0b", 20)
+    save(manager, "demo-0b0b0b", 30)
+    save(manager, "demo-x-0c0c0c", 5)  # another name that starts like it
+    assert load(manager, "demo:latest").version == "demo-0b0b0b:2"
+    assert load(manager, "demo:1").version == "demo-0b0b0b:1"
+    assert load(manager, "demo-0a0a0a:latest").version == "demo-0a0a0a:1"  # an id is itself
+    assert load(manager, "demo-x:latest").version == "demo-x-0c0c0c:1"
+    with pytest.raises(CheckpointNotFound, match="no checkpoint of job dem "):
+        load(manager, "dem:latest")
+
+
 # ---------------------------------------------------------------------- retention
 
 
