@@ -286,6 +286,12 @@ def cause_metadata(exc: BaseException) -> tuple[tuple[str, str], ...]:
 
 def one_line(exc: BaseException) -> str:
     """``Type: first line of its text`` for people (never parsed)."""
+    details = getattr(exc, "details", None)
+    if callable(details) and callable(getattr(exc, "code", None)):  # a gRPC error: its status, not its repr
+        try:
+            return f"{exc.code().name}: {' '.join(str(details()).split())}"[:_DETAIL_CHARS]
+        except Exception:  # noqa: BLE001, S110 - a local RpcError without a status: as any error
+            pass
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
     return text[:_DETAIL_CHARS]

@@ -198,3 +198,29 @@ def test_an_injection_rule_scoped_to_another_process_main_module_is_not_armed_he
             injection.configure("handler:L3_FORWARD_UNIT:RunForward:in=services.store:times=x")
     finally:
         injection.configure("")
+
+
+def test_a_grpc_error_reads_as_its_status_and_details_in_one_line_not_its_repr():
+    """A stream's error (_MultiThreadedRendezvous) prints as a multi-line repr; the failure
+    event's detail is its status code and details, on one line (from a real loopback call)."""
+    from concurrent import futures
+
+    def fail(request, context):
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, "dataset x@v1: no document\npasses the filter")
+        yield b""
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("t.T", {"M": grpc.unary_stream_rpc_method_handler(fail)}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.RpcError) as caught:
+                list(channel.unary_stream("/t.T/M")(b"", timeout=10))
+    finally:
+        server.stop(None)
+    assert "\n" in str(caught.value)  # the repr a user would have seen
+    assert fl.one_line(caught.value) == "FAILED_PRECONDITION: dataset x@v1: no document passes the filter"
+    assert fl.one_line(ValueError("a\nb")) == "ValueError: a"
