@@ -148,7 +148,9 @@ def evaluate(version: str, dataset: str | None, batches: int | None, split: str 
     rows of the job's own evaluation). Float32 on the CPU, whatever the job's precision.
 
     Raises:
-        CliError: the version, the dataset or the split cannot be used (one line).
+        CliError: the version, the dataset or the split cannot be used (one line); exit 2
+            when ``dataset`` was prepared with another tokenizer than the job's own dataset
+            (or that one is gone, so it cannot be checked: services/cli/tokenizer_check.py).
     """
     import numpy as np
     import torch
@@ -170,6 +172,12 @@ def evaluate(version: str, dataset: str | None, batches: int | None, split: str 
             f"--dataset {label}: its vocabulary ({ready.vocab_size}, {ready.tokenizer}) is larger than "
             f"the model's (model.vocab_size {spec.model.vocab_size})"
         )
+    if dataset is not None:
+        from services.cli.tokenizer_check import trained_with_mismatch
+
+        problem = trained_with_mismatch("", d.dataset, ready, ask_service=False)
+        if problem:
+            raise CliError(f"--dataset {label}: checkpoint {ckpt.version}: {problem}", code=2)
     if split == "val" and ready.val_documents == 0:
         raise CliError(f"--dataset {label}: no held-out split (0 val documents); try --split train")
     n = batches or spec.eval.batches * spec.parallel.dp

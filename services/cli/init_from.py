@@ -9,6 +9,10 @@ cannot see (the files and the version it names).
   that differs is named); with ``weights+optimizer``, the source job kept optimizer state
   for every parameter this job trains. ``<job>:latest`` is pinned to the version it names at
   submit (:func:`pin_latest`).
+* both: the weights were trained with the tokenizer of this job's dataset
+  (services/cli/tokenizer_check.py): a checkpoint's source job names its dataset, whose
+  tokenizer must be this one's (that dataset deleted: refused, it cannot be checked); an HF
+  directory's ``tokenizer.json``, when it has one, must be this dataset's.
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ import yaml
 
 from services.cli import clients
 from services.cli.errors import CliError
-from services.contract import control_pb2, store_pb2
+from services.cli.tokenizer_check import hf_mismatch, trained_with_mismatch
+from services.contract import control_pb2, data_pb2, store_pb2
 from services.jobspec import JobSpec, frozen_parameters, model_parameters, read_spec_mapping, spec_from_json
 
 
-def check_init_from(spec: JobSpec, source: str | Path) -> None:
-    """Raises CliError (exit 2), one line naming ``source`` and the ``init_from`` field."""
+def check_init_from(spec: JobSpec, source: str | Path, dataset: data_pb2.DatasetReady) -> None:
+    """``spec``'s ``init_from`` against its model and its dataset version ``dataset``.
+
+    Raises CliError (exit 2), one line naming ``source`` and the ``init_from`` field."""
     init = spec.init_from
     if init is None:
         return
@@ -35,9 +42,15 @@ def check_init_from(spec: JobSpec, source: str | Path) -> None:
             check_hf_directory(init.hf, spec.model)
         except HfFormatError as e:
             raise CliError(f"{source}: {e}", code=2) from None
+        problem = hf_mismatch(init.hf, dataset)
+        if problem:
+            raise CliError(f"{source}: init_from.hf: {problem}", code=2)
         return
     info = committed(init.checkpoint, source)
-    problem = weights_mismatch(spec_from_json(info.spec_json), spec, init.load == "weights+optimizer")
+    trained = spec_from_json(info.spec_json)
+    problem = weights_mismatch(trained, spec, init.load == "weights+optimizer") or trained_with_mismatch(
+        "data.dataset", trained.data.dataset, dataset
+    )
     if problem:
         raise CliError(f"{source}: init_from.checkpoint: {info.version}: {problem}", code=2)
 

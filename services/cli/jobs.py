@@ -41,7 +41,7 @@ def check_submission(spec: JobSpec, info: data_pb2.DatasetReady, source: str) ->
     ``--dry-run`` alike), against its dataset version ``info``. Raises CliError (exit 2)."""
     spec_tools.check_dataset(spec, info, source)
     check_held_out(spec, info, source)
-    check_init_from(spec, source)
+    check_init_from(spec, source, info)
 
 
 def dry_run_job(spec_path: Path, overrides: Sequence[str] = ()) -> str:

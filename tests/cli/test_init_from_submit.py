@@ -11,16 +11,18 @@ from services.cli.errors import CliError
 from services.cli.init_from import check_init_from, pin_latest, weights_mismatch
 from services.compute import hf_format
 from services.compute.model import build_model
-from services.contract import control_pb2, store_pb2
+from services.contract import control_pb2, data_pb2, store_pb2
 from services.jobspec import JobSpec, parse_job_spec, spec_to_json
 
+X = data_pb2.DatasetReady(name="x", version="v1", tokenizer="bytes", vocab_size=256)  # the job's dataset
 
-def spec_of(init_from=None, **model) -> JobSpec:
+
+def spec_of(init_from=None, dataset="x@v1", **model) -> JobSpec:
     return JobSpec.model_validate(
         {
             "name": "ft",
             "steps": 4,
-            "data": {"dataset": "x@v1", "seq_len": 16},
+            "data": {"dataset": dataset, "seq_len": 16},
             "model": {"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64, **model},
             "init_from": init_from,
         }
@@ -31,12 +33,12 @@ def test_an_hf_directory_of_another_model_is_refused_naming_key_and_field(tmp_pa
     other = spec_of(n_layers=3)
     hf_format.save_hf(tmp_path, build_model(other.model, seed=0).state_dict(), other)
     with pytest.raises(CliError) as e:
-        check_init_from(spec_of({"hf": str(tmp_path)}), "ft.yaml")
+        check_init_from(spec_of({"hf": str(tmp_path)}), "ft.yaml", X)
     assert e.value.code == 2
     assert str(e.value) == (
         f"ft.yaml: init_from.hf: {tmp_path / 'config.json'}: num_hidden_layers 3 differs from model.n_layers 2"
     )
-    check_init_from(spec_of({"hf": str(tmp_path)}, n_layers=3), "ft.yaml")  # its own model: accepted
+    check_init_from(spec_of({"hf": str(tmp_path)}, n_layers=3), "ft.yaml", X)  # its own model: accepted
 
 
 class _Store:
@@ -80,17 +82,17 @@ def store(monkeypatch):
 
 def test_a_checkpoint_version_is_asked_of_the_store_and_its_model_must_have_this_specs_tensors(store):
     stub = store(spec_of())
-    check_init_from(spec_of({"checkpoint": "src-1:latest"}, rope_theta=500.0), "ft.yaml")  # same tensors
+    check_init_from(spec_of({"checkpoint": "src-1:latest"}, rope_theta=500.0), "ft.yaml", X)  # same tensors
     assert stub.asked == ["src-1:latest"]
     store(spec_of(n_layers=1))
     with pytest.raises(CliError) as e:
-        check_init_from(spec_of({"checkpoint": "src-1:latest"}), "ft.yaml")
+        check_init_from(spec_of({"checkpoint": "src-1:latest"}), "ft.yaml", X)
     assert e.value.code == 2 and str(e.value).startswith(
         "ft.yaml: init_from.checkpoint: src-1:4: holds no tensor blocks.1.attn_norm.weight (its model: n_layers 1, "
     )
     store(None)
     with pytest.raises(CliError) as e:
-        check_init_from(spec_of({"checkpoint": "src-1:9"}), "ft.yaml")
+        check_init_from(spec_of({"checkpoint": "src-1:9"}), "ft.yaml", X)
     assert (e.value.code, str(e.value)) == (
         2,
         "ft.yaml: init_from.checkpoint: checkpoint src-1:9 not found (have: src-1:1)",
@@ -137,12 +139,121 @@ def test_with_no_stack_the_version_is_read_from_the_catalog_under_surge_home(sur
     from tests.cli.test_export import commit_version
 
     commit_version(surge_home, spec_of(), job="src-1", step=4)
-    check_init_from(spec_of({"checkpoint": "src-1:latest"}), "ft.yaml")
+    check_init_from(spec_of({"checkpoint": "src-1:latest"}), "ft.yaml", X)
     text = "name: ft\nsteps: 4\ndata: {dataset: x@v1}\ninit_from: {checkpoint: 'src-1:latest'}\n"
     assert parse_job_spec(pin_latest(parse_job_spec(text), text, "ft.yaml")).init_from.checkpoint == "src-1:1"
     with pytest.raises(CliError) as e:
-        check_init_from(spec_of({"checkpoint": "src-1:2"}), "ft.yaml")
+        check_init_from(spec_of({"checkpoint": "src-1:2"}), "ft.yaml", X)
     assert (e.value.code, str(e.value)) == (
         2,
         "ft.yaml: init_from.checkpoint: checkpoint src-1:2 not found (have: src-1:1)",
     )
+
+
+# ------------------------------------------------------------------ the tokenizer the weights were trained with
+
+
+@pytest.fixture
+def notes(surge_home, tmp_path):
+    """notes@v1/v2: two bpe:280 tokenizers of one vocabulary size; notes@v3: v1's on v2's
+    text; version src-1:1 of a model trained on notes@v1. No stack: all read under SURGE_HOME."""
+    from tests.cli.test_export import commit_version
+    from tests.cli.test_train_settings import bpe_versions
+
+    paths = bpe_versions(surge_home / "datasets", tmp_path)
+    commit_version(surge_home, spec_of(dataset="notes@v1", vocab_size=288), job="src-1", step=4)
+    return paths
+
+
+def fine_tune(dataset: str, init_from: dict) -> None:
+    """check_init_from of a job on ``dataset`` (as the real L4-1 mounts it) from ``init_from``."""
+    from services.cli.evaluation import mount
+
+    check_init_from(spec_of(init_from, dataset=dataset, vocab_size=288), "ft.yaml", mount(dataset, verify=False))
+
+
+def test_a_checkpoint_trained_with_another_tokenizer_of_the_same_size_is_refused(notes):
+    v1, _, _ = notes
+    with pytest.raises(CliError) as e:
+        fine_tune("notes@v2", {"checkpoint": "src-1:latest"})
+    msg = str(e.value)
+    assert e.value.code == 2 and "\n" not in msg
+    assert msg.startswith("ft.yaml: init_from.checkpoint: src-1:1: trained on notes@v1 (tokenizer sha256:")
+    assert "but data.dataset notes@v2 was prepared with another tokenizer (sha256:" in msg
+    assert msg.endswith(f"`dataset prepare --tokenizer {v1 / 'tokenizer.json'}`")
+    fine_tune("notes@v3", {"checkpoint": "src-1:latest"})  # v1's tokenizer: accepted
+    fine_tune("notes@v1", {"checkpoint": "src-1:latest"})  # its own dataset
+
+
+def test_bytes_against_bytes_is_the_same_tokenizer_and_bytes_against_bpe_is_not(surge_home, tmp_path):
+    from services.cli.evaluation import mount
+    from services.data.prepare import prepare_dataset
+    from tests.cli.test_export import commit_version
+    from tests.cli.test_train_settings import bpe_versions, text_corpus
+
+    src = text_corpus(tmp_path / "src")
+    for version in ("v1", "v2"):
+        prepare_dataset(src, "b", version, surge_home / "datasets", val_fraction=0.3, include_glob=None)
+    bpe_versions(surge_home / "datasets", tmp_path)
+    commit_version(surge_home, spec_of(dataset="b@v1", vocab_size=288), job="src-1", step=4)
+    ft = spec_of({"checkpoint": "src-1:1"}, dataset="b@v2", vocab_size=288)
+    check_init_from(ft, "ft.yaml", mount("b@v2", verify=False))
+    with pytest.raises(CliError) as e:
+        check_init_from(ft, "ft.yaml", mount("notes@v1", verify=False))
+    assert str(e.value).startswith("ft.yaml: init_from.checkpoint: src-1:1: trained on b@v1 (tokenizer bytes), but ")
+    assert str(e.value).endswith("`dataset prepare --tokenizer bytes`")
+
+
+def test_a_checkpoint_whose_dataset_was_deleted_cannot_be_checked_and_is_refused(notes):
+    import shutil
+
+    shutil.rmtree(notes[0])
+    with pytest.raises(CliError) as e:
+        fine_tune("notes@v3", {"checkpoint": "src-1:latest"})
+    assert e.value.code == 2 and str(e.value).startswith(
+        "ft.yaml: init_from.checkpoint: src-1:1: trained on dataset notes@v1, which cannot be read "
+        "(dataset notes@v1 not found (have: notes@v2, notes@v3)), so its tokenizer cannot be checked "
+        "against notes@v3's"
+    )
+
+
+def test_an_hf_directory_whose_tokenizer_json_differs_from_the_datasets_is_refused(notes, tmp_path):
+    import json
+
+    from services.cli.evaluation import mount
+
+    v1, _, _ = notes
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    spec = spec_of({"hf": str(hf)}, dataset="notes@v2", vocab_size=288)
+    v2 = mount("notes@v2", verify=False)
+    hf_format.save_hf(hf, build_model(spec.model, seed=0).state_dict(), spec)
+    check_init_from(spec, "ft.yaml", v2)  # no tokenizer.json: nothing says what it was trained with
+    # v1's tokenizer, written with other whitespace (as a re-save may): the same tokenizer.
+    (hf / "tokenizer.json").write_text(json.dumps(json.loads((v1 / "tokenizer.json").read_text()), indent=2))
+    with pytest.raises(CliError) as e:
+        check_init_from(spec, "ft.yaml", v2)
+    assert e.value.code == 2 and str(e.value).startswith(
+        f"ft.yaml: init_from.hf: {hf / 'tokenizer.json'} (tokenizer sha256:"
+    )
+    assert "differs from the tokenizer of data.dataset notes@v2 (sha256:" in str(e.value)
+    fine_tune("notes@v3", {"hf": str(hf)})  # v1's tokenizer: accepted
+    fine_tune("notes@v1", {"hf": str(hf)})
+    (hf / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CliError) as e:
+        fine_tune("notes@v1", {"hf": str(hf)})
+    assert str(e.value).startswith(f"ft.yaml: init_from.hf: {hf / 'tokenizer.json'}: cannot be read")
+
+
+def test_submit_dry_run_refuses_a_fine_tune_on_a_dataset_of_another_tokenizer(notes, tmp_path, monkeypatch, capsys):
+    from tests.cli.test_housekeeping import assert_one_line, run_cli
+
+    job = tmp_path / "ft.yaml"
+    job.write_text(
+        "name: ft\nsteps: 4\nmodel: {n_layers: 2, d_model: 32, n_heads: 4, vocab_size: 288}\n"
+        "data: {dataset: notes@v2, seq_len: 16}\ninit_from: {checkpoint: 'src-1:latest'}\n"
+    )
+    code, out, err = run_cli(["submit", str(job), "--dry-run"], monkeypatch, capsys)
+    assert_one_line(code, err, 2, f"{job}: init_from.checkpoint: src-1:1: trained on notes@v1", "notes@v2")
+    code, out, err = run_cli(["submit", str(job), "--set", "data.dataset=notes@v3", "--dry-run"], monkeypatch, capsys)
+    assert code == 0 and "valid; nothing submitted" in out, err

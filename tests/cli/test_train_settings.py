@@ -81,6 +81,29 @@ def home(surge_home, tmp_path) -> Path:
     return surge_home
 
 
+def bpe_versions(datasets: Path, tmp_path: Path) -> tuple[Path, Path, Path]:
+    """notes@v1 and notes@v2, each with its own ``bpe:280`` trained on other words (two
+    tokenizers, one vocabulary size: the user trial's case), and notes@v3, v2's text
+    tokenized with v1's tokenizer.json. -> their directories."""
+
+    def corpus(d: Path, words: list[str], seed: int) -> Path:
+        rng = random.Random(seed)
+        d.mkdir(parents=True)
+        for i in range(6):
+            (d / f"f{i}.txt").write_text("".join(" ".join(rng.choices(words, k=12)) + "\n" for _ in range(60)))
+        return d
+
+    a = corpus(tmp_path / "greek", ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"], 1)
+    b = corpus(tmp_path / "colours", ["red", "green", "blue", "yellow", "orange", "violet"], 2)
+    kw = {"val_fraction": 0.3, "include_glob": None}
+    v1 = prepare_dataset(a, "notes", "v1", datasets, tokenizer="bpe:280", **kw)
+    v2 = prepare_dataset(b, "notes", "v2", datasets, tokenizer="bpe:280", **kw)
+    v3 = prepare_dataset(b, "notes", "v3", datasets, tokenizer=str(v1.path / "tokenizer.json"), **kw)
+    assert v1.vocab_size == v2.vocab_size == v3.vocab_size == 280
+    assert (v1.path / "tokenizer.json").read_bytes() != (v2.path / "tokenizer.json").read_bytes()
+    return v1.path, v2.path, v3.path
+
+
 # ------------------------------------------------------------------ dataset prepare
 
 
@@ -234,3 +257,32 @@ def test_eval_of_a_damaged_version_names_the_file(home, monkeypatch, capsys):
     code, out, err = run_cli(["eval", "tj:1"], monkeypatch, capsys)
     assert_one_line(code, err, 1, "checkpoint tj:1: ", chunk.name, "sha256 mismatch")
     assert err.count("checkpoint tj:1") == 1
+
+
+def test_eval_on_a_dataset_of_another_tokenizer_is_refused_naming_both(home, tmp_path, monkeypatch, capsys):
+    """The user trial: same vocabulary size, other tokenizer: a loss printed with no warning.
+    Refused (exit 2, one line); the same tokenizer on other text is evaluated."""
+    from tests.cli.test_export import commit_version
+
+    v1, _, _ = bpe_versions(home / "datasets", tmp_path)
+    spec = {**SPEC, "model": {**SPEC["model"], "vocab_size": 288}, "data": {**SPEC["data"], "dataset": "notes@v1"}}
+    commit_version(home, JobSpec.model_validate(spec), job="bt", step=2)
+    code, out, err = run_cli(["eval", "bt:1", "--dataset", "notes@v2"], monkeypatch, capsys)
+    assert_one_line(code, err, 2, "--dataset notes@v2: checkpoint bt:1: trained on notes@v1 (tokenizer sha256:")
+    assert "prepared with another tokenizer" in err and f"--tokenizer {v1 / 'tokenizer.json'}" in err
+    code, out, err = run_cli(["eval", "bt:1", "--dataset", "notes@v3", "--batches", "1"], monkeypatch, capsys)
+    assert code == 0 and "on notes@v3 val: loss" in out, err  # v1's tokenizer, other text
+    code, out, err = run_cli(["eval", "bt:1", "--batches", "1"], monkeypatch, capsys)
+    assert code == 0 and "on notes@v1 val: loss" in out, err  # its own dataset: nothing to compare
+
+
+def test_eval_on_another_dataset_when_the_jobs_own_is_deleted_is_refused(home, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    shutil.rmtree(home / "datasets" / "tiny" / "v1")
+    prepare_dataset(text_corpus(tmp_path / "nv"), "nv", "v1", home / "datasets", val_fraction=0.3, include_glob=None)
+    code, out, err = run_cli(["eval", "tj:1", "--dataset", "nv@v1"], monkeypatch, capsys)
+    assert_one_line(
+        code, err, 2, "--dataset nv@v1: checkpoint tj:1: trained on dataset tiny@v1, which cannot be read",
+        "dataset tiny@v1 not found", "cannot be checked against nv@v1's",
+    )  # fmt: skip
