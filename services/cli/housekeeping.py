@@ -14,6 +14,7 @@ from services.cli.errors import CliError
 from services.cli.jobs import resolve_job
 from services.common.sizes import size_text
 from services.contract import control_pb2, data_pb2, store_pb2
+from services.jobspec import JobSpec, spec_from_json
 
 _DATASET = re.compile(r"^(?P<name>[A-Za-z0-9_.-]+)@(?P<version>[A-Za-z0-9_.-]+)$")
 
@@ -35,7 +36,10 @@ def delete_job(ref: str) -> str:
 
 def delete_checkpoint(version: str) -> str:
     """The store removes ``version`` (``<job>:<n>``); the newest ok version of a job that has
-    not ended is refused (control says whether it has).
+    not ended is refused (control says whether it has), and so is a version that a job not
+    ended starts from (its spec's ``init_from.checkpoint``: queued, it would fail to load
+    it; live, a recovery with no checkpoint of its own starts from it again). Any job not
+    TERMINATED counts, whether or not it committed a checkpoint of its own since.
 
     Raises:
         CliError: not ``<job>:<n>`` (exit 2); unknown version (exit 2); in use (exit 1).
@@ -43,6 +47,14 @@ def delete_checkpoint(version: str) -> str:
     job, sep, n = version.rpartition(":")
     if not sep or not job or not n.isdigit():
         raise CliError(f"VERSION: expected '<job>:<n>' (see `surgectl checkpoints`), got {version!r}", code=2)
+    starters = _jobs_starting_from(version)
+    if starters:
+        raise CliError(
+            f"checkpoint {version} is in use: job{'s' if len(starters) > 1 else ''} {', '.join(starters)} "
+            f"start{'' if len(starters) > 1 else 's'} from it (init_from.checkpoint) and "
+            f"{'have' if len(starters) > 1 else 'has'} not ended; stop or cancel "
+            f"{'them' if len(starters) > 1 else 'it'} first"
+        )
     req = store_pb2.DeleteCheckpoint(version=version, job_ended=_job_ended(job))
     done = clients.call("store", lambda s: s.Delete(req, timeout=120))
     return f"deleted checkpoint {done.version} ({size_text(done.bytes_freed)} freed)"
@@ -84,14 +96,26 @@ def _job_ended(job_id: str) -> bool:
 
 def _live_jobs_reading(dataset: str) -> list[str]:
     """The live (not TERMINATED) jobs whose spec reads ``dataset`` (control's journaled specs)."""
-    from services.jobspec import spec_from_json
+    return [job_id for job_id, spec in _live_specs() if spec.data.dataset == dataset]
 
-    readers = []
+
+def _jobs_starting_from(version: str) -> list[str]:
+    """The jobs not TERMINATED (queued or live) whose spec's ``init_from.checkpoint`` is
+    ``version`` (control's journaled specs: a ``:latest`` or a job's name was pinned to a
+    version at submit)."""
+    return [
+        job_id for job_id, spec in _live_specs() if spec.init_from is not None and spec.init_from.checkpoint == version
+    ]
+
+
+def _live_specs() -> list[tuple[str, JobSpec]]:
+    """(job id, effective spec) of every job control has that is not TERMINATED."""
+    specs = []
     with clients.stub("control") as s:
         for j in s.ListJobs(control_pb2.JobQuery(), timeout=10).jobs:
             if j.state == control_pb2.TERMINATED:
                 continue
             full = s.GetJob(control_pb2.JobQuery(job_id=j.job_id, with_spec=True), timeout=10)
-            if full.spec_json and spec_from_json(full.spec_json).data.dataset == dataset:
-                readers.append(j.job_id)
-    return readers
+            if full.spec_json:
+                specs.append((j.job_id, spec_from_json(full.spec_json)))
+    return specs

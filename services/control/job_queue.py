@@ -12,6 +12,14 @@ behind it (Slurm's and Kubernetes' strict-FIFO mode; backfill needs run-time est
 Surge does not have). A new job of a higher priority than every queued one becomes the
 head. Preemption is out of scope.
 
+One exception to "only the head": a job that needs more ranks than every registered worker's
+slots together can start only once more workers join, so it holds no one back: it keeps its
+place (and starts first once it fits) while the jobs behind it are tried in order, as if it
+were not there (``mark_beyond_cluster``, set by the orchestrator from the allocator's
+refusal). A job that fits the registered cluster but not the free ranks still blocks every
+job behind it. The mark is not journaled and is cleared whenever a worker registers: an
+unmarked job blocks until it is tried again, never the other way round.
+
 Journal form (``QueueEntry.to_json``): ``{"priority": p, "seq": n}`` in the job's journaled
 bookkeeping (job_store's ``runtime``); a job without it is not queued.
 """
@@ -62,6 +70,7 @@ class JobQueue:
     def __init__(self) -> None:
         self._entries: dict[str, QueueEntry] = {}
         self._next_seq = 1
+        self._beyond: set[str] = set()  # queued jobs needing more ranks than are registered
 
     def add(self, job_id: str, priority: int) -> QueueEntry:
         """Queue ``job_id`` behind every job of its priority or higher."""
@@ -81,8 +90,25 @@ class JobQueue:
         return entry
 
     def take(self, job_id: str) -> QueueEntry | None:
-        """Take ``job_id`` out of the queue (its entry; None: it was not queued)."""
+        """Take ``job_id`` out of the queue (its entry; None: it was not queued). Its mark
+        (``mark_beyond_cluster``) goes with it."""
+        self._beyond.discard(job_id)
         return self._entries.pop(job_id, None)
+
+    def mark_beyond_cluster(self, job_id: str, beyond: bool) -> None:
+        """Whether the queued ``job_id`` needs more ranks than the registered workers have
+        slots (it waits for workers to join): marked, it holds back none of the jobs behind it."""
+        if beyond and job_id in self._entries:
+            self._beyond.add(job_id)
+        else:
+            self._beyond.discard(job_id)
+
+    def beyond_cluster(self, job_id: str) -> bool:
+        return job_id in self._beyond
+
+    def clear_beyond_cluster(self) -> None:
+        """A worker registered: every mark may be stale (until tried again, each blocks)."""
+        self._beyond.clear()
 
     def ordered(self) -> list[QueueEntry]:
         return sorted(self._entries.values(), key=QueueEntry.key)
@@ -101,6 +127,11 @@ class JobQueue:
         """Whether a job submitted now with ``priority`` would be the head (every queued job
         has a lower priority)."""
         return all(e.priority < priority for e in self._entries.values())
+
+    def blocks(self, priority: int) -> bool:
+        """Whether a job submitted now with ``priority`` must wait behind a queued one: one of
+        its priority or higher that is not marked beyond the registered cluster."""
+        return any(e.priority >= priority and e.job_id not in self._beyond for e in self._entries.values())
 
     def __contains__(self, job_id: object) -> bool:
         return job_id in self._entries

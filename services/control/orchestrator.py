@@ -22,7 +22,9 @@ job's spec replaced and journaled; see ``resume_job_request``).
 
 The queue (issue 15): a submitted job whose ranks do not fit now is not refused: it stays
 STANDBY in a queue (services/control/job_queue.py: FIFO within priority, only the head is
-tried), its status saying its place and what it waits for, journaled with its place. The
+tried; a job needing more ranks than the registered workers have slots holds back none
+behind it while it waits for workers to join), its status saying its place and what it
+waits for, journaled with its place. The
 head starts when ranks may have freed up: a job ended or left the queue, a recovery or an
 operator resume placed its ranks, a worker registered (L1-2's ``ResourcesReady`` with no
 job). Live jobs come first: the queue is held while a job recovers and its ranks are not
@@ -328,7 +330,8 @@ class Orchestrator:
     def submit_job_request(self, msg: control_pb2.SubmitJobRequest, payload: Any = None) -> control_pb2.JobStatus:
         """Validate the spec, journal the job, and start it (allocate its ranks: WARMING_UP),
         or queue it (STANDBY, see "The queue" above): when its ranks do not fit now, when a
-        job of its priority or higher waits ahead of it, or while the queue is held.
+        job of its priority or higher waits ahead of it (one that does not just wait for
+        workers to join), or while the queue is held.
 
         Atomic: a start that fails at any point after the allocation (an event that cannot
         be journaled) takes the ranks back (killed, their slots free again) and removes
@@ -364,12 +367,14 @@ class Orchestrator:
             job = _Job(status=status, spec=spec)
             self._journal.create_job(status, spec_json)  # (fails: nothing allocated yet)
             self._jobs[job_id] = job
-            held = "" if self._queue.leads(priority) else "waits for the jobs queued ahead of it"
+            held = "waits for the jobs queued ahead of it" if self._queue.blocks(priority) else ""
             held = held or self._queue_held()
             reply = None if held else self._launch(job)
             if held or reply is not None:
                 try:
-                    self._enqueue(job, self._queue.add(job_id, priority), held or _waits_for(job, reply))
+                    entry = self._queue.add(job_id, priority)
+                    self._queue.mark_beyond_cluster(job_id, reply is not None and _beyond_cluster(reply))
+                    self._enqueue(job, entry, held or _waits_for(job, reply))
                 except BaseException:
                     self._queue.take(job_id)
                     self._jobs.pop(job_id, None)
@@ -639,6 +644,7 @@ class Orchestrator:
         if msg.job_id or not msg.free_ranks:
             return
         with self._lock:
+            self._queue.clear_beyond_cluster()  # a job waiting for workers may fit now: it blocks until tried
             self._start_soon()
 
     def _enqueue(self, job: _Job, entry: QueueEntry, why: str) -> None:
@@ -669,11 +675,16 @@ class Orchestrator:
             self._start_armed = self._deadlines.after(0.0, self._start_queued)
 
     def _start_queued(self) -> None:
-        """Start queued jobs from the head while their ranks fit and nothing holds the queue;
-        the first that does not fit stays the head, its status saying what it waits for."""
+        """Start queued jobs in queue order while their ranks fit and nothing holds the queue;
+        the first that does not fit stays where it is, its status saying what it waits for,
+        and the rest wait behind it -- unless it needs more ranks than the registered
+        workers have slots: it waits for workers to join, holding back none of the jobs
+        behind it, which are tried next."""
         with self._lock:
             self._start_armed = None
-            while (entry := self._queue.head()) is not None:
+            for entry in self._queue.ordered():
+                if entry.job_id not in self._queue:  # (taken out meanwhile)
+                    continue
                 job = self._jobs[entry.job_id]
                 held = self._queue_held()
                 if held:
@@ -698,8 +709,11 @@ class Orchestrator:
                     return
                 if reply is not None:
                     job.queued = self._queue.put(entry)  # its place kept
+                    beyond = _beyond_cluster(reply)
+                    self._queue.mark_beyond_cluster(entry.job_id, beyond)
                     self._waiting(job, _waits_for(job, reply))
-                    return
+                    if not beyond:
+                        return
 
     def _waiting(self, job: _Job, why: str) -> None:
         """Under the lock: the queued ``job`` still waits, for ``why``: an event when the
@@ -2174,11 +2188,17 @@ def _gib(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:.1f} GiB"
 
 
+def _beyond_cluster(reply: control_pb2.ResourcesInsufficient) -> bool:
+    """Whether the allocator refused because the job needs more ranks than every registered
+    worker's slots together (it can start only once more workers join)."""
+    return reply.registered_ranks < reply.requested_ranks
+
+
 def _waits_for(job: _Job, reply: control_pb2.ResourcesInsufficient) -> str:
     """What a queued job waits for, from the allocator's refusal to place it."""
     n = reply.requested_ranks or job.status.world_size
     needs = f"needs {n} rank{'' if n == 1 else 's'} ({_degrees(job.spec)})"
-    if reply.registered_ranks < reply.requested_ranks:
+    if _beyond_cluster(reply):
         return f"{needs}, more than the {reply.registered_ranks} registered: waits for workers to join"
     return f"{needs}; {reply.reason}: waits for ranks to free up"
 

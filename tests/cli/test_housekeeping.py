@@ -201,3 +201,52 @@ def test_a_piped_table_keeps_its_columns(monkeypatch, capsys):
     out = capsys.readouterr().out
     (row,) = [line for line in out.splitlines() if job.job_id in line]
     assert job.message in row and job.checkpoint_version in row and "RUNNING" in row and "…" not in out
+
+
+# ------------------------------------------------------------------- in use by a job's init_from
+
+
+@pytest.fixture
+def control_served(surge_home, monkeypatch):
+    """The real control plane (build()) on loopback gRPC, no worker registered: a stub;
+    SURGE_CONTROL_ADDRESS set (the store's is unknown)."""
+    from concurrent import futures
+
+    import grpc
+
+    from services.contract import control_pb2_grpc
+    from services.control.__main__ import build
+    from services.control.job_store import JobStore
+
+    journal = JobStore(surge_home / "control.db")
+    plane = build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    control_pb2_grpc.add_ControlServiceServicer_to_server(plane.servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    monkeypatch.setenv("SURGE_CONTROL_ADDRESS", f"127.0.0.1:{port}")
+    yield control_pb2_grpc.ControlServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    server.stop(grace=0)
+    journal.close()
+
+
+def test_a_checkpoint_a_queued_job_starts_from_is_not_deleted(control_served, monkeypatch, capsys):
+    from tests.control.conftest import spec_yaml
+
+    def submit(name: str) -> str:
+        text = spec_yaml(name=name, dp=1, extra="init_from: {checkpoint: src-1a2b:3}")
+        return control_served.SubmitJob(control_pb2.SubmitJobRequest(spec_yaml=text), timeout=10).job_id
+
+    ft, ft2 = submit("ft"), submit("ftb")  # queued (no worker): each would load src-1a2b:3 when it starts
+    code, out, err = run_cli(["delete", "checkpoint", "src-1a2b:3"], monkeypatch, capsys)
+    assert_one_line(code, err, 1, "checkpoint src-1a2b:3 is in use", f"jobs {ft}, {ft2} start from it")
+    assert "deleted" not in out
+    # Another version of that job is not theirs: the store is asked (its address is unknown here).
+    code, _, err = run_cli(["delete", "checkpoint", "src-1a2b:2"], monkeypatch, capsys)
+    assert_one_line(code, err, 1, "store")
+    assert "in use" not in err
+    for job in (ft, ft2):  # once they ended, it is the store's to decide
+        control_served.StopJob(control_pb2.StopJobRequest(job_id=job, queued_only=True), timeout=10)
+    code, _, err = run_cli(["delete", "checkpoint", "src-1a2b:3"], monkeypatch, capsys)
+    assert_one_line(code, err, 1, "store")
+    assert "in use" not in err

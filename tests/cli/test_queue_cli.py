@@ -5,6 +5,7 @@ loopback gRPC, one registered worker (one slot), jobs submitted as the operator 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from concurrent import futures
@@ -89,3 +90,24 @@ def test_a_priority_out_of_range_is_one_line_naming_the_option_and_exit_2(tmp_pa
     code, out, err = run(monkeypatch, capsys, "submit", str(spec), "--priority", "1001")
     lines = err.strip().splitlines()
     assert code == 2 and out == "" and len(lines) == 1 and "--priority" in lines[0], err
+
+
+def test_submit_says_when_a_job_waits_for_workers_to_join(control, tmp_path, monkeypatch, capsys):
+    """The data service's checks are left out (surgectl's submit_job sends the spec as is):
+    what is printed for a job queued because it needs more ranks than are registered."""
+    stub = control_pb2_grpc.ControlServiceStub(grpc.insecure_channel(os.environ["SURGE_CONTROL_ADDRESS"]))
+
+    def submit_job(spec, overrides, priority):
+        req = control_pb2.SubmitJobRequest(spec_yaml=spec.read_text(), spec_path=str(spec), priority=priority)
+        return stub.SubmitJob(req, timeout=10)
+
+    monkeypatch.setattr(surgectl, "submit_job", submit_job)
+    spec = tmp_path / "big.yaml"
+    spec.write_text(spec_yaml(name="big", dp=2))
+    code, out, err = run(monkeypatch, capsys, "submit", str(spec))
+    first, second = out.strip().splitlines()
+    assert code == 0 and first.startswith("submitted big-") and first.endswith("(STANDBY (queued #1))"), out
+    assert second == "queued: needs 2 ranks (parallel.dp=2), more than the 1 registered: waits for workers to join"
+    spec.write_text(spec_yaml(name="small", dp=1))  # behind it, yet it starts: one line
+    code, out, err = run(monkeypatch, capsys, "submit", str(spec))
+    assert code == 0 and out.strip().endswith("(WARMING_UP)") and len(out.strip().splitlines()) == 1, out

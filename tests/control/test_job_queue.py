@@ -34,6 +34,23 @@ def test_the_queue_orders_by_priority_then_submission_and_a_restore_keeps_the_or
         again.add("g", 1001)
 
 
+def test_a_job_marked_beyond_the_registered_cluster_blocks_no_one_until_a_worker_registers():
+    q = JobQueue()
+    q.add("big", 0)
+    assert q.blocks(0) and not q.blocks(1)
+    q.mark_beyond_cluster("big", True)
+    assert not q.blocks(0) and q.head().job_id == "big"  # keeps its place
+    q.add("mid", 0)
+    assert q.blocks(0) and q.blocks(-5) and not q.blocks(1)
+    q.clear_beyond_cluster()  # a worker registered: stale until tried again
+    assert not q.beyond_cluster("big")
+    q.mark_beyond_cluster("big", True)
+    q.take("big")
+    assert not q.beyond_cluster("big")  # the mark goes with the entry
+    q.mark_beyond_cluster("gone", True)  # not queued: no mark
+    assert not q.beyond_cluster("gone")
+
+
 def submit(plane: Plane, name: str, dp: int = 1, priority: int = 0) -> control_pb2.JobStatus:
     return plane.user(
         control_pb2.SubmitJobRequest(spec_yaml=spec_yaml(name=name, dp=dp), spec_path="job.yaml", priority=priority)
@@ -194,3 +211,44 @@ def test_a_drained_job_holds_the_queue_across_a_restart_until_it_is_resumed_or_s
     settle(lambda: plane.get(b.job_id).state, JobState.WARMING_UP)
     assert launched(wa) == [b.job_id]
     journal.close()
+
+
+def test_a_job_needing_more_ranks_than_are_registered_holds_back_none_behind_it(plane):
+    wa, wb = plane.register("wa"), plane.register("wb")  # 2 ranks registered
+    big = submit(plane, "big", dp=64)
+    waits = "queued: needs 64 ranks (parallel.dp=64), more than the 2 registered: waits for workers to join"
+    assert (big.state, big.queue_position, big.message) == (JobState.STANDBY, 1, waits)
+    small = submit(plane, "small")  # behind it, but it can start only once workers join: small starts now
+    assert (small.state, small.queue_position) == (JobState.WARMING_UP, 0)
+    # FIFO among the jobs that fit the registered cluster: mid (2 ranks, 1 free) blocks the one behind it.
+    mid, late = submit(plane, "mid", dp=2), submit(plane, "late")
+    assert places(plane, big.job_id, mid.job_id, late.job_id) == [1, 2, 3]
+    assert plane.get(mid.job_id).message.endswith("waits for ranks to free up")
+    assert plane.get(late.job_id).message == "queued: waits for the jobs queued ahead of it"
+    assert plane.get(big.job_id).message == waits  # still says what it waits for
+    assert sorted(launched(wa) + launched(wb)) == [small.job_id]
+    # A worker with 64 slots joins: big, still the head, starts first; mid needs 2 of the 1 left.
+    wc = plane.register("wc", slots=64)
+    settle(lambda: plane.get(big.job_id).state, JobState.WARMING_UP)
+    assert places(plane, mid.job_id, late.job_id) == [1, 2]
+    assert launched(wc) == [big.job_id]
+
+
+def test_when_ranks_free_up_the_jobs_behind_one_waiting_for_workers_are_tried_in_order(plane):
+    wa = plane.register("wa")  # 1 rank registered
+    a = submit(plane, "a")
+    big, b = submit(plane, "big", dp=2), submit(plane, "b")
+    assert places(plane, big.job_id, b.job_id) == [1, 2]
+    assert b.message == (
+        "queued: needs 1 rank (parallel.dp=1); 0 are free on 1 registered worker: waits for ranks to free up"
+    )
+    assert launched(wa) == [a.job_id]
+    finish(plane, wa, a.job_id)
+    settle(lambda: plane.get(b.job_id).state, JobState.WARMING_UP)
+    s = plane.get(big.job_id)
+    assert (s.state, s.queue_position, s.message) == (
+        JobState.STANDBY,
+        1,
+        "queued: needs 2 ranks (parallel.dp=2), more than the 1 registered: waits for workers to join",
+    )
+    assert launched(wa) == [b.job_id]
