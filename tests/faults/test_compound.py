@@ -112,7 +112,7 @@ def test_the_store_stopped_during_a_recovery_loses_nothing_and_disturbs_no_other
     once the store runs again; job B, training on the other worker all along, is never graded
     silent nor restarted (its saves fail and are reported; it trains on)."""
     a = stack.submit(spec("cstore", steps=400))
-    # B outlasts A's wait by any machine's speed: it is stopped once A has finished (a job
+    # B outlasts A's wait by any machine's speed: it is stopped once the store is back (a job
     # that ends while the store is away cannot hand the store its last metric records).
     b = stack.submit(spec("cother", steps=1_000_000))
     stack.wait_step(a, 12)
@@ -132,6 +132,9 @@ def test_the_store_stopped_during_a_recovery_loses_nothing_and_disturbs_no_other
         assert stack.status(b).step > b_step  # B trained on while A waited
     finally:
         os.kill(store_pid, signal.SIGCONT)
+    resumed_at = stack.status(b).step
+    stack.wait_step(b, resumed_at + 5)  # B trains on with the store back; then it leaves A the cores
+    stack.stub.StopJob(control_pb2.StopJobRequest(job_id=b, no_checkpoint=True))
     events_a = stack.events(a, timeout=300)
     relaunches = [m for m in of_type(events_a, "recovery") if m.startswith("ranks killed and relaunched")]
     newest = newest_at_relaunch(events_a)  # (a commit in flight at the SIGSTOP may be newer than `before`)
@@ -139,7 +142,6 @@ def test_the_store_stopped_during_a_recovery_loses_nothing_and_disturbs_no_other
     assert len(relaunches) == 1 and f"to resume from checkpoint {newest};" in relaunches[0], relaunches
     assert_nothing_struck(events_a)
     assert events_a[-1].status.outcome == JobOutcome.FINISHED, events_a[-1].message
-    stack.stub.StopJob(control_pb2.StopJobRequest(job_id=b, no_checkpoint=True))
     events_b = stack.events(b, timeout=300)
     assert events_b[-1].status.outcome == JobOutcome.STOPPED, events_b[-1].message
     graded = [m for m in of_type(events_b, "decision") if "after" in m and not m.startswith("stop requested")]
