@@ -257,8 +257,14 @@ def dataset_prepare(
             val_fraction=val_fraction,
             include_glob=include if include is not None or source is not None else "**/*.py",
         )
-    except (DataError, OSError) as e:
+    except DataError as e:
         raise CliError(" ".join(str(e).split())) from None
+    except OSError as e:  # named by where it failed: the home written to, or the source read
+        where = str(e.filename or "")
+        if where and Path(where).is_relative_to(Path(src).absolute()):
+            raise CliError(f"--source: cannot read {where}: {e.strerror or e}") from None
+        home = paths.datasets_root()
+        raise CliError(f"SURGE_HOME: cannot write datasets under {home}: {e.strerror or e}", code=2) from None
     render.console.print(f"prepared {name}@{version}: {info}")
     for warning in info.warnings:
         render.err_console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)

@@ -151,6 +151,18 @@ def test_up_with_an_unwritable_home_is_one_line_and_starts_nothing(tmp_path, mon
     assert out == "" and not home.exists()
 
 
+def test_dataset_prepare_into_an_unwritable_home_is_one_line_naming_surge_home(tmp_path, monkeypatch, capsys):
+    source = tmp_path / "text"
+    source.mkdir()
+    (source / "a.txt").write_text("some text to tokenize\n")
+    home = unwritable(tmp_path) / "surge-home"
+    monkeypatch.setenv("SURGE_HOME", str(home))
+    argv = ["dataset", "prepare", "--name", "n", "--version", "v1", "--source", str(source)]
+    code, _, err = run_cli(argv, monkeypatch, capsys)
+    assert_one_line(code, err, 2, "SURGE_HOME", str(home))
+    assert not home.exists()
+
+
 @pytest.mark.parametrize(
     "argv,expected_code,words",
     [
