@@ -730,9 +730,10 @@ class Orchestrator:
         ran). Raises IllegalTransition when it is not queued (nothing changes)."""
         job_id = job.status.job_id
         if job.queued is None:
-            raise IllegalTransition(
-                f"job {job_id} is {JobState.Name(job.status.state)}, not queued: `surgectl stop {job_id}` stops it"
-            )
+            state = JobState.Name(job.status.state)
+            if job.status.state == JobState.TERMINATED:  # nothing to take out, nothing to stop
+                raise IllegalTransition(f"job {job_id} is {state} ({JobOutcome.Name(job.status.outcome)}), not queued")
+            raise IllegalTransition(f"job {job_id} is {state}, not queued: `surgectl stop {job_id}` stops it")
         where = self._queue.position(job_id)
         self._queue.take(job_id)
         job.queued = None

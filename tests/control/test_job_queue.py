@@ -126,6 +126,8 @@ def test_cancel_takes_a_queued_job_out_and_the_next_moves_up_but_refuses_a_runni
     gone = plane.user(control_pb2.StopJobRequest(job_id=b.job_id, queued_only=True))
     assert (gone.state, gone.outcome, gone.queue_position) == (JobState.TERMINATED, JobOutcome.STOPPED, 0)
     assert gone.message == "STOPPED: taken out of the queue (position 1) by the operator"
+    with pytest.raises(IllegalTransition, match=f"^job {b.job_id} is TERMINATED \\(STOPPED\\), not queued$"):
+        plane.user(control_pb2.StopJobRequest(job_id=b.job_id, queued_only=True))  # an ended job: no advice to stop it
     settle(lambda: plane.get(c.job_id).queue_position, 1)
     # A plain stop of a queued job does the same; neither sends its (never launched) ranks anything.
     assert plane.user(control_pb2.StopJobRequest(job_id=c.job_id)).outcome == JobOutcome.STOPPED
