@@ -222,24 +222,10 @@ def test_a_piped_table_keeps_its_columns(monkeypatch, capsys):
 def control_served(surge_home, monkeypatch):
     """The real control plane (build()) on loopback gRPC, no worker registered: a stub;
     SURGE_CONTROL_ADDRESS set (the store's is unknown)."""
-    from concurrent import futures
+    from tests.control.conftest import served_control
 
-    import grpc
-
-    from services.contract import control_pb2_grpc
-    from services.control.__main__ import build
-    from services.control.job_store import JobStore
-
-    journal = JobStore(surge_home / "control.db")
-    plane = build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    control_pb2_grpc.add_ControlServiceServicer_to_server(plane.servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    monkeypatch.setenv("SURGE_CONTROL_ADDRESS", f"127.0.0.1:{port}")
-    yield control_pb2_grpc.ControlServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-    server.stop(grace=0)
-    journal.close()
+    with served_control(surge_home / "control.db", monkeypatch) as (_, stub):
+        yield stub
 
 
 def test_a_checkpoint_a_queued_job_starts_from_is_not_deleted(control_served, monkeypatch, capsys):

@@ -8,16 +8,13 @@ import json
 import os
 import re
 import sys
-from concurrent import futures
 
 import grpc
 import pytest
 
 from services.cli import surgectl
 from services.contract import control_pb2, control_pb2_grpc
-from services.control.__main__ import build
-from services.control.job_store import JobStore
-from tests.control.conftest import registration, spec_yaml
+from tests.control.conftest import registration, served_control, spec_yaml
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,24 +22,15 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.fixture
 def control(tmp_path, monkeypatch):
     """(the control plane, a submit function): wa (one slot) registered; SURGE_CONTROL_ADDRESS set."""
-    journal = JobStore(tmp_path / "control.db")
-    plane = build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    control_pb2_grpc.add_ControlServiceServicer_to_server(plane.servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    monkeypatch.setenv("SURGE_CONTROL_ADDRESS", f"127.0.0.1:{port}")
     monkeypatch.setenv("SURGE_HOME", str(tmp_path))
-    plane.sessions.open(registration("wa"))
-    stub = control_pb2_grpc.ControlServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    with served_control(tmp_path / "control.db", monkeypatch) as (plane, stub):
+        plane.sessions.open(registration("wa"))
 
-    def submit(name: str) -> str:
-        req = control_pb2.SubmitJobRequest(spec_yaml=spec_yaml(name=name, dp=1), spec_path="job.yaml")
-        return stub.SubmitJob(req, timeout=10).job_id
+        def submit(name: str) -> str:
+            req = control_pb2.SubmitJobRequest(spec_yaml=spec_yaml(name=name, dp=1), spec_path="job.yaml")
+            return stub.SubmitJob(req, timeout=10).job_id
 
-    yield submit
-    server.stop(grace=0)
-    journal.close()
+        yield submit
 
 
 # What control's modules log in this process (structlog, on stdout): not surgectl's output.

@@ -3,12 +3,17 @@ the real composition root, and node-agent sessions driven from the test."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import textwrap
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
 
+import grpc
 import pytest
 
-from services.contract import Module, control_pb2, worker_pb2
+from services.contract import Module, control_pb2, control_pb2_grpc, worker_pb2
 from services.contract.relay import pack, unpack
 from services.contract.route_table import default_table
 from services.control.__main__ import Control, build
@@ -146,3 +151,21 @@ def settle(read, expected, timeout_s: float = 10.0):
         assert time.monotonic() < deadline, f"{value!r} != {expected!r} after {timeout_s} s"
         time.sleep(0.01)
     return value
+
+
+@contextlib.contextmanager
+def served_control(db: Path, monkeypatch) -> Iterator[tuple[Control, control_pb2_grpc.ControlServiceStub]]:
+    """The real control plane (build()) journaling to ``db``, served by its real servicer on
+    loopback gRPC, SURGE_CONTROL_ADDRESS set to it: (the plane, a stub)."""
+    journal = JobStore(db)
+    plane = build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    control_pb2_grpc.add_ControlServiceServicer_to_server(plane.servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    monkeypatch.setenv("SURGE_CONTROL_ADDRESS", f"127.0.0.1:{port}")
+    try:
+        yield plane, control_pb2_grpc.ControlServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    finally:
+        server.stop(grace=0)
+        journal.close()
