@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 GEN    := services/contract/gen
 PROTOS := $(wildcard proto/surge/v1/*.proto)
 
-.PHONY: setup tools proto contracts demo test lint format up down clean bench bench-faults
+.PHONY: setup tools proto contracts demo test test-compose lint format up down clean bench bench-faults bench-goodput
 
 setup: $(STAMP) $(GEN)/.stamp
 
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0 numpy
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,s3test]'
 	touch $(STAMP)
 
 proto: $(STAMP)
@@ -41,8 +41,12 @@ contracts: setup
 demo: setup
 	$(BIN)/surgectl demo examples/jobs/demo.yaml
 
+# Two test processes (pytest-xdist), each taking a whole file at a time so that a module's
+# one stack serves all its tests, keep both of CI's 2 cores busy (serial, TEST_WORKERS=0:
+# about 26 min in CI; two processes on clean clones under load: 23 min, 42 min). 0: serial.
+TEST_WORKERS ?= 2
 test: setup tools
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # Debian tools some tests use, installed where missing: promtool and prometheus (metrics
 # and config checks, a real scrape), docker-compose (`docker-compose config -q`). Tests that
@@ -58,15 +62,38 @@ tools:
 	    || echo "warning: could not install$$missing; the tests that need it will skip"; \
 	fi
 
+# docker-compose.yml for real, not part of `make test` (about 12 min the first time, 6 of
+# them images; 6-7 min once built, on a quiet 2-core host): deploy/podman/compose_test.sh
+# builds a Debian base image locally (no registry is pulled), runs the README's compose
+# commands with podman-compose, trains the demo job in the stack, reads surge_train_loss
+# from its Prometheus and removes all it started. Installed where missing: podman, runc,
+# netavark, aardvark-dns and mmdebstrap (apt-get), and podman-compose (pip, into the venv);
+# podman's settings: deploy/podman/containers.conf.
+COMPOSE_APT := podman runc netavark aardvark-dns slirp4netns uidmap catatonit mmdebstrap
+test-compose: setup
+	@missing=""; \
+	for t in podman runc netavark mmdebstrap; do command -v $$t >/dev/null || [ -x /usr/lib/podman/$$t ] || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing$$missing (apt-get)"; \
+	  { $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $(COMPOSE_APT); } >/dev/null; \
+	fi
+	@$(BIN)/podman-compose --version >/dev/null 2>&1 || $(BIN)/pip install -q 'podman-compose==1.6.0'
+	PATH="$(CURDIR)/$(BIN):$$PATH" deploy/podman/compose_test.sh
+
 # Benchmarks (not tests): Surge against torchrun, data path, checkpoints, control plane
-# (bench/run.py; BENCH_QUICK=1 for a ~3 min pass) and faults (bench/faults.py). Results
-# in bench/results/*.json, a markdown table on stdout; see README "Benchmarks".
+# (bench/run.py; BENCH_QUICK=1 for a ~3 min pass), faults (bench/faults.py) and goodput
+# under a fault schedule (bench/goodput.py; BENCH_QUICK=1: 4 min per system; flags in
+# GOODPUT_ARGS, e.g. "--policy restart_ranks --only surge"). Results in bench/results/*.json,
+# a markdown table on stdout; see README "Benchmarks".
 bench: setup
 	$(BIN)/python bench/run.py
 
 bench-faults: setup
 	$(BIN)/python bench/faults.py
 	$(BIN)/python bench/recovery_versions.py
+
+bench-goodput: setup
+	$(BIN)/python bench/goodput.py $(GOODPUT_ARGS)
 
 # The import contracts (layers), ruff's linter, and ruff's formatter as a check: CI fails on
 # code `make format` would change.

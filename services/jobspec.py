@@ -429,7 +429,16 @@ class MetricsSpec(_Strict):
 
 # skip_step: the training loop skips the step's update on every rank and goes on (only for
 # the step faults of STEP_FAULT_CLASSES).
-FaultAction = Literal["ignore", "skip_step", "restart_ranks", "rollback", "exclude_node", "stop"]
+FaultAction = Literal["ignore", "skip_step", "restart_ranks", "rollback", "exclude_node", "rebuild", "shrink", "stop"]
+# rebuild (issue 16): the lost rank is replaced and the survivors keep their processes: they
+# rebuild the process group in place and the replacement takes its state from a live peer's
+# memory (services/control/fault_decision.py). It applies to the loss of a rank (these
+# classes); a job whose state is not whole on a data-parallel peer cannot take it
+# (rebuild_refusal). shrink: a rebuild that, when no slot is free for a replacement (a node
+# lost, no spare), goes on at the largest data-parallel size the remaining ranks allow, on the
+# same global batches, and grows back when slots return.
+IN_PLACE_ACTIONS = ("rebuild", "shrink")
+REBUILD_CLASSES = ("rank_exit", "rank_silent", "rank_stalled", "worker_lost", "worker_departed", "comm_error")
 # Step faults: found by the training loop in a step's all-rank values (every rank finds the same
 # one at the same step). The loop blocks at that step and L1-1 decides by the class's action
 # (services/control/fault_decision.py), every action valid: ignore applies the step as it is,
@@ -547,6 +556,8 @@ class FaultPolicySpec(_Strict):
                         f"{', '.join(sorted(KNOWN_FAULT_CLASSES))})"
                     )
         for key, action in self.actions.items():
+            if action in IN_PLACE_ACTIONS and key not in REBUILD_CLASSES:  # (a grade holds other faults too)
+                raise ValueError(f"actions.{key}: {action} applies only to a lost rank ({', '.join(REBUILD_CLASSES)})")
             if action == "skip_step" and key not in STEP_FAULT_CLASSES:
                 raise ValueError(f"actions.{key}: skip_step applies only to {', '.join(STEP_FAULT_CLASSES)}")
         for key, n in self.restarts.items():
@@ -566,6 +577,12 @@ class FaultPolicySpec(_Strict):
         class's entry in ``actions``, else the default table. Grades do not apply: a step
         fault is not graded (the loop reports it to L1-1 directly)."""
         return self.actions.get(fault_class, DEFAULT_CLASS_ACTIONS[fault_class])
+
+    @property
+    def rebuilds(self) -> bool:
+        """Whether some fault is rebuilt in place: the ranks then keep their processes when
+        their group breaks, waiting for L1's decision (InitJob.rebuild_in_place)."""
+        return any(a in IN_PLACE_ACTIONS for a in self.actions.values())
 
     def budget_for(self, fault_class: str) -> int:
         """Relaunches allowed for ``fault_class`` in one job."""
@@ -667,6 +684,22 @@ class InitFromSpec(_Strict):
         return self
 
 
+def rebuild_refusal(spec: JobSpec, *, structural: bool = False) -> str:
+    """Why ``spec``'s ranks cannot rebuild their group in place ("" when they can): the
+    replacement of a lost rank takes its whole state from a live peer, so every rank must
+    hold a whole replica (data parallelism alone: DDP, no FSDP2, TP or PP shards) and there
+    must be a peer (dp >= 2). ``structural``: the plan alone (checked at submit; the dp
+    size may change by an operator's resume, so dp >= 2 is the decision's to check)."""
+    p = spec.parallel
+    if p.tp > 1 or p.pp > 1:
+        return f"needs tp = pp = 1 (a lost rank's tp/pp shard is on no live peer; this job has tp {p.tp}, pp {p.pp})"
+    if p.dp > 1 and p.data_parallel != "ddp":
+        return f"needs data_parallel ddp (with {p.data_parallel} a lost rank's shard is on no live peer)"
+    if p.dp < 2 and not structural:
+        return "needs dp >= 2 (a lost rank heals from a live peer)"
+    return ""
+
+
 class JobSpec(_Strict):
     name: str = Field(..., pattern=r"^[a-z0-9][a-z0-9-]{0,39}$")
     steps: int = Field(..., gt=0)
@@ -745,6 +778,14 @@ class JobSpec(_Strict):
                 f"data.micro_batch_size: {self.data.micro_batch_size} rows must split into "
                 f"parallel.microbatches ({n_micro}) pipeline micro-batches"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _rebuild_fits_plan(self) -> JobSpec:
+        asked = sorted((k, a) for k, a in self.fault_policy.actions.items() if a in IN_PLACE_ACTIONS)
+        why = rebuild_refusal(self, structural=True) if asked else ""
+        if why:
+            raise ValueError(f"fault_policy.actions.{asked[0][0]}: {asked[0][1]} {why}; use restart_ranks")
         return self
 
     @property
@@ -879,9 +920,48 @@ def spec_from_json(text: str) -> JobSpec:
     return JobSpec.model_validate_json(text, context=STORED)
 
 
+def at_data_parallel_size(
+    spec: JobSpec, dp: int, *, micro_batch_size: int = 0, grad_accum: int = 0, largest: int = 0, source: str
+) -> JobSpec:
+    """``spec`` at ``dp`` data-parallel ranks with the job's global batch (micro_batch_size x
+    grad_accum x dp rows) kept: the data position is a cursor into one sequence of global
+    batches, and the step count, schedule and losses are per global batch. Unnamed
+    (0): ``micro_batch_size`` is the largest not above ``largest`` (default: the job's) that
+    divides the rows per rank (no rank holds more activations than the job ran with),
+    ``grad_accum`` what is left.
+
+    Raises:
+        JobSpecError: ``dp`` does not divide the global batch, or the given sizes do not
+            multiply to it (one line naming ``source`` and the fields).
+    """
+    d = spec.data
+    rows = d.micro_batch_size * d.grad_accum * spec.parallel.dp
+    per_rank, left = divmod(rows, dp) if dp > 0 else (0, 1)
+    if left:
+        raise JobSpecError(
+            f"{source}: the global batch of {rows} rows (data.micro_batch_size x data.grad_accum x parallel.dp = "
+            f"{d.micro_batch_size} x {d.grad_accum} x {spec.parallel.dp}) does not split over {dp} ranks"
+        )
+    mbs, accum = micro_batch_size, grad_accum
+    if not mbs and accum:
+        mbs = per_rank // accum if per_rank % accum == 0 else 0
+    if not mbs:
+        mbs = max(b for b in range(1, min(largest or d.micro_batch_size, per_rank) + 1) if per_rank % b == 0)
+    accum = accum or per_rank // mbs
+    if mbs * accum != per_rank:
+        raise JobSpecError(
+            f"{source}: data.micro_batch_size x data.grad_accum must be {per_rank} rows per rank at dp {dp} "
+            f"(the global batch of {rows} rows kept), not {mbs} x {accum}"
+        )
+    return with_layout(spec, dp=dp, micro_batch_size=mbs, grad_accum=accum, source=source)
+
+
 def with_layout(spec: JobSpec, *, dp: int, micro_batch_size: int, grad_accum: int, source: str) -> JobSpec:
     """``spec`` at another data-parallel layout (``parallel.dp``, ``data.micro_batch_size``,
-    ``data.grad_accum``; everything else unchanged), validated like a submitted spec.
+    ``data.grad_accum``), validated like a submitted spec. ``eval.batches`` (micro-batches per
+    rank) follows, so that an evaluation reads the same held-out rows at every layout (the
+    rows, batches x dp x micro_batch_size, rounded up where the new layout does not split
+    them); everything else is unchanged.
 
     Raises:
         JobSpecError: the layout breaks a rule of the spec (one line naming ``source`` and
@@ -890,6 +970,8 @@ def with_layout(spec: JobSpec, *, dp: int, micro_batch_size: int, grad_accum: in
     raw = json.loads(spec_to_json(spec))
     raw["parallel"]["dp"] = dp
     raw["data"]["micro_batch_size"], raw["data"]["grad_accum"] = micro_batch_size, grad_accum
+    eval_rows = spec.eval.batches * spec.parallel.dp * spec.data.micro_batch_size
+    raw["eval"]["batches"] = max(1, -(-eval_rows // max(dp * micro_batch_size, 1)))
     try:
         return JobSpec.model_validate_json(json.dumps(raw))
     except ValidationError as e:

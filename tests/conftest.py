@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 from pathlib import Path
 
 import pytest
+
+from tests.ports import free_port, free_ports  # noqa: F401 (the tests' ports, one place)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,18 +48,6 @@ def processes_of_home(home: Path) -> list[int]:
         if entries.intersection(env):
             pids.append(int(d.name))
     return pids
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports the kernel just handed out (all held open at once, so distinct)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def kill_all(pids: list[int]) -> None:
@@ -116,3 +105,56 @@ def surge_home(tmp_path, monkeypatch) -> Path:
     ):
         monkeypatch.delenv(var, raising=False)
     return home
+
+
+@pytest.fixture(autouse=True)
+def _restore_process_logging():
+    """A test that runs a service's ``main`` in-process (``logs.configure``) sets up logging
+    for the whole process: the root logger's handler and level, and warnings captured as log
+    records. Put back as it was when the test ends, or every later test of the process would
+    have the in-process planes' INFO lines on its stderr (and on the captured stream of a
+    test long gone, before logs.configure wrote to the stderr of the moment)."""
+    import logging
+    import warnings
+
+    root = logging.getLogger()
+    handlers, level, showwarning = list(root.handlers), root.level, warnings.showwarning
+    yield
+    if root.handlers != handlers or root.level != level:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        for h in handlers:
+            root.addHandler(h)
+        root.setLevel(level)
+    if warnings.showwarning is not showwarning:
+        logging.captureWarnings(False)
+        warnings.showwarning = showwarning
+
+
+@pytest.fixture(autouse=True)
+def _stop_control_planes(monkeypatch):
+    """Every in-process control plane a test builds (``services.control.__main__.build``,
+    directly or through a fixture) is stopped when the test ends, as control's main stops
+    it (``tests.control.conftest.stop_plane``). Tests that close a plane's journal to stand
+    for a killed control, or that build one inline, otherwise left its threads running:
+    a store call answered after its 10 s deadline, or a deadline firing, then wrote to the
+    closed journal and logged the failure into whichever test the process ran next."""
+    import sys
+
+    main = sys.modules.get("services.control.__main__")
+    if main is None:  # (no test module imported so far builds a plane)
+        yield
+        return
+    built = []
+    made = main.Control
+
+    def record(**parts):
+        built.append(made(**parts))
+        return built[-1]
+
+    monkeypatch.setattr(main, "Control", record)
+    yield
+    from tests.control.conftest import stop_plane
+
+    for control in built:
+        stop_plane(control)

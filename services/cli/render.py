@@ -37,7 +37,14 @@ def _width(stream) -> int | None:
 
 class _Console(Console):
     """rich's Console, PIPE_WIDTH columns wide when its stream is not a terminal (asked at
-    every print: tests and callers swap sys.stdout)."""
+    every print: tests and callers swap sys.stdout). COLUMNS too is read at every print, not
+    once when the console is made (rich's own Console keeps the COLUMNS of that moment for
+    good: a module imported while a test had set it kept that width for every later table)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if kwargs.get("width") is None:
+            self._width = None  # (rich's size property reads COLUMNS itself, each time)
 
     @property
     def size(self) -> ConsoleDimensions:

@@ -630,6 +630,86 @@ def resume(
 
 
 @app.command()
+def scale(
+    job: str,
+    dp: int = typer.Option(..., "--dp", min=1, max=2**32 - 1, help="the new data-parallel size"),
+    micro_batch_size: int | None = typer.Option(
+        None,
+        "--micro-batch-size",
+        min=1,
+        max=2**32 - 1,
+        help="rows per rank per micro-step at the new size (default: the largest not above the job's that fits)",
+    ),
+    grad_accum: int | None = typer.Option(
+        None, "--grad-accum", min=1, max=2**32 - 1, help="micro-steps per optimizer step at the new size"
+    ),
+    wait_seconds: float = typer.Option(
+        300.0, "--wait-seconds", min=0.0, max=86400.0, help="how long to wait for the resize to be done (0: do not)"
+    ),
+) -> None:
+    """Grow or shrink a RUNNING job's data-parallel size without restarting the ranks that
+    stay: the ranks pause at the next step boundary (no checkpoint), the ranks above the new
+    size are released or the new ones launched, and every rank rebuilds its process group at
+    the new size; new ranks take the model and optimizer from a live peer's memory. The
+    global batch (micro_batch_size x grad_accum x dp rows) is kept, so the job goes on at
+    the same global batches. Refused with one line where the plan cannot take it (tp or
+    pp > 1, FSDP2, a global batch that does not split over the new size). Waits until it is
+    done; exit 1 if it was not (the new ranks did not fit: the job goes on at its size).
+
+    Example: surgectl scale demo-3f2a1c --dp 3
+    """
+    import time  # (typer's start-up stays lean: only this command needs it)
+
+    job = resolve_job(job)
+    req = control_pb2.ScaleJobRequest(
+        job_id=job, dp=dp, micro_batch_size=micro_batch_size or 0, grad_accum=grad_accum or 0
+    )
+    asked = time.time()
+    s = clients.call("control", lambda st: st.ScaleJob(req, timeout=30))
+    if s.dp == dp and micro_batch_size in (None, s.micro_batch_size) and grad_accum in (None, s.grad_accum):
+        render.console.print(
+            f"{job}: already at dp {s.dp} x micro_batch_size {s.micro_batch_size} x grad_accum {s.grad_accum}; "
+            "nothing to do",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        return
+    render.console.print(
+        f"{job}: scale to dp {dp} requested; now {render.state_text(s)}", markup=False, highlight=False, soft_wrap=True
+    )
+    if wait_seconds <= 0:
+        return
+    done = _scale_outcome(job, asked, wait_seconds)
+    if done is None:
+        raise CliError(f"{job}: the resize was not done within {wait_seconds:g} s (see `surgectl events {job}`)")
+    render.console.print(f"{job}: {done.message}", markup=False, highlight=False, soft_wrap=True)
+    if done.status.dp != dp:
+        raise typer.Exit(1)
+
+
+def _scale_outcome(job: str, asked: float, wait_seconds: float) -> control_pb2.JobEvent | None:
+    """The job's first ``scale`` event (done, not done or given up) after ``asked``, or
+    None when none came within ``wait_seconds`` or the job ended first."""
+
+    import grpc
+
+    def first(stub) -> control_pb2.JobEvent | None:
+        try:
+            for ev in stub.WatchJob(control_pb2.JobQuery(job_id=job, follow=True), timeout=wait_seconds):
+                if ev.unix_time >= asked and ev.type == "scale":
+                    return ev
+                if ev.unix_time >= asked and ev.status.state == control_pb2.TERMINATED:
+                    return None
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # (the wait ran out: said by the caller)
+                raise
+        return None
+
+    return clients.call("control", first)
+
+
+@app.command()
 def stop(job: str, no_checkpoint: bool = NoCheckpointOpt) -> None:
     """Stop a job at the next step boundary, after checkpointing that step (unless
     --no-checkpoint); `surgectl resume` continues it from there. A queued job leaves the

@@ -51,6 +51,11 @@ PLUMBING_CALLERS: dict[str, frozenset[int]] = {
     "/surge.v1.MemoryCopyService/PutChunks": frozenset({M.L5_CHECKPOINT_MANAGER, M.EXT_HARDWARE}),
     "/surge.v1.MemoryCopyService/HeldChunks": frozenset({M.L5_CHECKPOINT_MANAGER, M.EXT_HARDWARE}),
     "/surge.v1.MemoryCopyService/GetChunk": frozenset({M.L5_CHECKPOINT_MANAGER, M.EXT_HARDWARE}),
+    # Checkpoint bytes without a shared filesystem (store.proto, exception checkpoint-bytes-stream):
+    # a rank's L5 relay streams its save's files to the store and reads a version's back.
+    "/surge.v1.StoreService/PutCheckpointFiles": frozenset({M.L5_CHECKPOINT_MANAGER}),
+    "/surge.v1.StoreService/HeldCheckpointChunks": frozenset({M.L5_CHECKPOINT_MANAGER}),
+    "/surge.v1.StoreService/GetCheckpointFiles": frozenset({M.L5_CHECKPOINT_MANAGER}),
 }
 
 

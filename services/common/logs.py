@@ -104,12 +104,26 @@ def _use_console(stream: IO[str]) -> bool:
     return bool(isatty and isatty())
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a line is written, not to the one it was at
+    ``configure`` time: a process that swaps it later (a test runner capturing each test's
+    output, then closing that capture) never has its lines go to a closed stream, and
+    its threads' lines land where the rest of its output goes now."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self) -> IO[str]:  # type: ignore[override]
+        return sys.stderr
+
+
 def configure(service: str, stream: IO[str] | None = None, **bound: object) -> structlog.stdlib.BoundLogger:
     """Configure logging for this process and return a logger bound to ``service``.
 
     Args:
         service: written as ``service`` on every line of the process.
-        stream: where lines go (default: stderr).
+        stream: where lines go (default: the process's ``sys.stderr`` at the time of each line).
         bound: more process-wide fields, e.g. ``job=..., rank=...`` in a rank process.
 
     Calling it again replaces the previous set-up (no line is ever written twice).
@@ -123,7 +137,8 @@ def configure(service: str, stream: IO[str] | None = None, **bound: object) -> s
     if problem:
         print(f"error: {problem}", file=sys.stderr, flush=True)
         raise SystemExit(2)
-    stream = stream if stream is not None else sys.stderr
+    explicit = stream is not None
+    stream = stream if explicit else sys.stderr
     level = getattr(logging, (os.environ.get(LEVEL_ENV) or "INFO").upper())
     defaults = {"service": service, **bound}
     if "job_id" in defaults:
@@ -149,7 +164,7 @@ def configure(service: str, stream: IO[str] | None = None, **bound: object) -> s
             renderer,
         ],
     )
-    handler = logging.StreamHandler(stream)
+    handler = logging.StreamHandler(stream) if explicit else _StderrHandler()
     handler.set_name(_HANDLER_NAME)
     handler.setFormatter(formatter)
     root = logging.getLogger()

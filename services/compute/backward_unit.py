@@ -10,8 +10,11 @@ Cross entropy is computed in float32 whatever the compute dtype. ``backward=Fals
 the loss sum only, without autograd (evaluation).
 
 Gradient buffers are this unit's product: they start from zero at the first micro-step of
-each accumulation window (every ``micro_steps`` backward passes, a count pushed once at
-construction) and accumulate within it. Nothing here scales, clips or reduces them.
+each accumulation window (every ``micro_steps`` backward passes: ``RunBackward.micro_steps``,
+the loop's current ``data.grad_accum``; 0 means the count given at construction) and
+accumulate within it. A count other than the window's starts a fresh window (a resize in
+place changed the layout; issue 16), as does ``attach``. Nothing here scales, clips or
+reduces them.
 
 One host sync per call (the loss sum as a Python float); the token count is taken from the
 CPU labels, no device sync.
@@ -42,7 +45,8 @@ class BackwardUnit:
         if micro_steps < 1:
             raise ValueError(f"backward unit: micro_steps must be >= 1, got {micro_steps}")
         self._emit = emit
-        self._micro_steps = micro_steps
+        self._micro_steps = micro_steps  # the count when RunBackward names none
+        self._window = micro_steps  # the current accumulation window's length
         self._params: list[torch.Tensor] = []
         self._passes = 0  # backward passes run, for the accumulation window
         self._state = "idle"  # idle | running | grads_ready | error
@@ -62,6 +66,9 @@ class BackwardUnit:
         overlapped all-reduce)."""
         self._params = list({id(p): p for p in parameters}.values())
         self._pipeline = pipeline
+        # An attach starts a new accumulation window: attached again after a group was
+        # rebuilt in place, the step cut short by the fault may have left one half done.
+        self._passes = 0
 
     def run_backward(
         self, msg: engine_pb2.RunBackward, payload: tuple[torch.Tensor, torch.Tensor]
@@ -72,6 +79,8 @@ class BackwardUnit:
         if msg.backward and msg.loss_scale <= 0:
             raise ValueError(f"backward unit: loss_scale must be > 0, got {msg.loss_scale}")
         t0 = time.perf_counter()
+        if msg.backward:
+            self._take_window(msg.micro_steps or self._micro_steps)
         if self._pipeline is not None:
             return self._run_pipeline(msg, payload, t0)
         logits_BTV, labels_BT = payload
@@ -83,7 +92,7 @@ class BackwardUnit:
                 loss_sum = functional.cross_entropy(logits_NV, labels_N, ignore_index=IGNORE_INDEX, reduction="sum")
             return engine_pb2.BackwardDone(loss_sum=float(loss_sum), tokens=tokens, seconds=time.perf_counter() - t0)
         self._state = "running"
-        if self._passes % self._micro_steps == 0:  # a new accumulation window starts from zero
+        if self._passes % self._window == 0:  # a new accumulation window starts from zero
             for p in self._params:
                 p.grad = None
         loss_sum = functional.cross_entropy(logits_NV, labels_N, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -94,6 +103,12 @@ class BackwardUnit:
             loss_sum=float(loss_sum.detach()), tokens=tokens, seconds=time.perf_counter() - t0
         )
 
+    def _take_window(self, micro_steps: int) -> None:
+        """Accumulate over ``micro_steps`` passes from now on; a changed count starts a
+        fresh window (its first pass zeroes the gradients)."""
+        if micro_steps != self._window:
+            self._window, self._passes = micro_steps, 0
+
     def _run_pipeline(
         self, msg: engine_pb2.RunBackward, payload: tuple[torch.Tensor, torch.Tensor], t0: float
     ) -> engine_pb2.BackwardDone:
@@ -103,7 +118,7 @@ class BackwardUnit:
             loss_sum = self._pipeline.forward_only(ids_BT, labels_BT)
         else:
             self._state = "running"
-            first = self._passes % self._micro_steps == 0  # a new accumulation window starts from zero
+            first = self._passes % self._window == 0  # a new accumulation window starts from zero
             loss_sum = self._pipeline.forward_backward(
                 ids_BT, labels_BT, normalizer=msg.normalizer, loss_scale=msg.loss_scale, zero_grad=first
             )

@@ -1,8 +1,20 @@
 """L3-5 gradient reduction: cross-rank sync of gradients and of the step's token and loss sums.
 
-Receives: ``ParallelPlan`` from L2-2 (once; payload: the ``("pp", "dp", "tp")`` DeviceMesh),
+Receives: ``ParallelPlan`` from L2-2 (payload: the ``("pp", "dp", "tp")`` DeviceMesh),
 ``ArmReduction`` and ``ReduceGradients`` from the training loop. Replies
 ``GradientsReduced`` with the global loss sum and token count.
+
+The plan is pushed once; an in-place rebuild of the group (issue 16, L2-2's
+RebuildParallelGroup, only for tp == pp == 1 and data_parallel ddp or none) pushes the
+plan twice more: first without a mesh (the group is withdrawn: this unit drops its DDP
+wrapper, its group and its mesh, so nothing holds the broken group when L2-2 destroys it:
+a live reference keeps its sockets open and a peer blocked in it stays blocked), then with
+the new group's mesh; the composition root then attaches the model again and only the DDP
+wrapper is made anew, on the new group. That second plan is the same, or, for a resize in
+place (L1's command, through L2-2), the same at another dp size, accepted only after the
+withdrawal (:func:`services.compute.parallelize.data_parallel_resize`: world size, dp, dp
+coordinate, mesh; ddp at dp > 1, none at 1); the wrapper and the step's statistics
+reduction follow it. Any other plan is refused (ConfigFrozen).
 
 The model's communication is laid out here, when the composition root attaches the model
 (after L3-1 built it), together with activation checkpointing, in the order
@@ -85,7 +97,9 @@ from services.compute.parallelize import (
     FULLY_SHARD,
     TENSOR_PARALLEL,
     checkpoint_activations,
+    data_parallel_resize,
     layout_steps,
+    rebuildable,
 )
 from services.contract import Module, engine_pb2
 from services.contract.acting import acting
@@ -96,14 +110,22 @@ from services.contract.frozen import FrozenConfig
 class GradientReduction:
     """L3-5."""
 
-    def __init__(self, emit: Emitter, *, phase: ph.PhaseMarker | ph.NoPhase = ph.NO_PHASE):
+    def __init__(self, emit: Emitter, *, phase: ph.PhaseMarker | ph.NoPhase = ph.NO_PHASE, sync_at_wrap: bool = True):
         """``phase``: the rank's phase marker: set to "collective" while this unit waits in a
-        collective (services/common/phase.py)."""
+        collective (services/common/phase.py). ``sync_at_wrap``: DDP's construction checks
+        the parameters' shapes across the ranks and broadcasts rank 0's values (two
+        collectives). False for a rank that replaces a lost one (InitJob.heal_from_peer): it
+        takes its state from a peer after the group is formed, and its peers, re-wrapping
+        for the rebuilt group, construct theirs without those collectives too (a broadcast
+        of rank 0's weights then would overwrite the state being healed)."""
         self._emit = emit
         self._mark = phase
+        self._sync_at_wrap = sync_at_wrap
+        self._laid_out = False  # the model was laid out once (a re-attach only wraps it again)
         # Seed L3-5: group config is pushed once at init (red line 1); never rebuilt here (4).
         self._frozen = FrozenConfig[engine_pb2.ParallelPlan]("L3_GRADIENT_REDUCTION", "parallel plan")
-        self._plan: engine_pb2.ParallelPlan | None = None
+        self._plan: engine_pb2.ParallelPlan | None = None  # the plan in force (the first, or a resize's)
+        self._withdrawn = False  # the plan was pushed again without a mesh: a rebuild is under way
         self._group: dist.ProcessGroup | None = None  # the dp axis
         self._mesh: DeviceMesh | None = None
         self._ddp: DistributedDataParallel | None = None
@@ -115,11 +137,38 @@ class GradientReduction:
         self._pending: set[int] = set()  # ids of those whose grad the last backward has accumulated
 
     def parallel_plan(self, msg: engine_pb2.ParallelPlan, payload: Any = None) -> None:
-        """通信域同步策略指令 (once; payload: the DeviceMesh). Raises ConfigFrozen on a second plan."""
+        """通信域同步策略指令 (payload: the DeviceMesh). Once, then only the same plan again
+        for an in-place rebuild (module docstring): without a mesh, the group is withdrawn;
+        with one, it is the rebuilt group's. Once withdrawn, the same plan at another dp size
+        may come with the new group's mesh (a resize in place).
+
+        Raises:
+            ConfigFrozen: another plan, or a plan this unit cannot rebuild in place (tp or
+                pp > 1, FSDP2).
+        """
+        if self._frozen.is_set:
+            self._rebuilt(msg, payload)
+            return
         self._plan, self._mesh = self._frozen.set(msg), payload
         self._group = payload["dp"].get_group() if payload is not None and msg.dp > 1 else None
         if msg.device.startswith("cuda"):
             self._stats_device = torch.device(msg.device)
+
+    def _rebuilt(self, msg: engine_pb2.ParallelPlan, mesh: DeviceMesh | None) -> None:
+        # The same plan (withdrawn, or with the rebuilt group's mesh), or, once withdrawn, the
+        # same at another dp size with the new group's mesh (a resize).
+        same = msg == self._plan and rebuildable(msg)
+        resized = self._withdrawn and mesh is not None and data_parallel_resize(self._plan, msg)
+        if not (same or resized):
+            self._frozen.require_unset()  # raises ConfigFrozen
+        self._plan, self._withdrawn = msg, mesh is None  # (the first plan stays the frozen one)
+        # Every reference to the old group goes: the wrapper (its reducer holds the group and
+        # the failed bucket's work) and the mesh. The forward unit's reference to the wrapper
+        # goes when the model is attached again (the composition root, from L3-1).
+        self._ddp = None
+        self._mesh = mesh
+        self._group = mesh["dp"].get_group() if mesh is not None and msg.dp > 1 else None
+        self._state = "idle"
 
     def attach(self, model: nn.Module) -> nn.Module:
         """Composition root: lay ``model`` out per the plan, one step after the other in the
@@ -127,6 +176,13 @@ class GradientReduction:
         DDP); returns the module to run forward (the model, or its DDP wrapper)."""
         if self._plan is None:
             raise RuntimeError("gradient reduction: a model was attached before the parallel plan")
+        if self._laid_out:  # a rebuilt group (ddp or none only): the layout stays, the wrapper is new
+            return (
+                self._wrap_ddp(model, sync=False)
+                if DDP in layout_steps(self._plan) and self._group is not None
+                else model
+            )
+        self._laid_out = True
         run = model
         for step in layout_steps(self._plan):
             if step == TENSOR_PARALLEL:
@@ -142,10 +198,13 @@ class GradientReduction:
                 fully_shard(model, mesh=dp_mesh)
                 self._fsdp = model
             elif step == DDP:
-                run = self._wrap_ddp(model)
+                run = self._wrap_ddp(model, sync=self._sync_at_wrap)
         return run
 
-    def _wrap_ddp(self, model: nn.Module) -> DistributedDataParallel:
+    def _wrap_ddp(self, model: nn.Module, *, sync: bool) -> DistributedDataParallel:
+        """``sync``: DDP's construction-time shape check and broadcast of rank 0's weights
+        (``sync_at_wrap``); never on a re-wrap for a rebuilt group, whose weights are healed
+        after it."""
         device = torch.device(self._plan.device)
         # Defaults otherwise (25 MiB buckets, grads not bucket views), as a plain
         # torchrun + DDP script has them. The model registers no buffers (RoPE tables are
@@ -154,6 +213,7 @@ class GradientReduction:
             model,
             device_ids=[device.index or 0] if device.type == "cuda" else None,
             process_group=self._group,
+            init_sync=sync,
         )
         if self._mark is not ph.NO_PHASE:
             # The default all-reduce, marking the rank "in a collective" once the last

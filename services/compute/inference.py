@@ -43,6 +43,7 @@ from services.state.chunk_store import (
     ChunkIntegrityError,
     ChunkReader,
     DirectorySource,
+    enum_member,
 )
 
 # A key one rank owns: a path component ``rank<r>`` (e.g. the loop's ``train.rank3.rng.*``).
@@ -104,6 +105,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in _METADATA_CLASSES:
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):
+            return enum_member  # an enum member as some Python 3.11 releases pickle it
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if module in ("pathlib", "pathlib._local") and name in ("PosixPath", "PurePosixPath"):

@@ -53,6 +53,35 @@ def layout_steps(plan: engine_pb2.ParallelPlan) -> tuple[str, ...]:
     return tuple(step for step, applies in wanted if applies)
 
 
+def rebuildable(plan: engine_pb2.ParallelPlan) -> bool:
+    """Whether a group of ``plan`` can be rebuilt in place (issue 16): one stage, no tensor
+    parallelism, gradients synced by DDP or not at all. (FSDP2 and TP lay the parameters
+    out as DTensors over the old mesh; re-laying them out is not built.)"""
+    return plan.tp <= 1 and plan.pp <= 1 and plan.data_parallel in ("ddp", "none")
+
+
+# What a plan says about the data-parallel axis alone (issue 16's resize in place changes
+# these and nothing else).
+_DP_FIELDS = ("world_size", "dp", "dp_rank", "mesh", "data_parallel")
+
+
+def data_parallel_resize(old: engine_pb2.ParallelPlan, new: engine_pb2.ParallelPlan) -> bool:
+    """Whether ``new`` is ``old`` at another data-parallel size (a resize in place, issue 16):
+    both with one stage, no tensor parallelism and gradients synced by DDP or not at all
+    (data_parallel ``none`` at dp 1), the same rank, and equal in every field but the dp
+    axis's (world size, dp, dp coordinate, mesh, ddp/none). Such a plan changes nothing a
+    layout step did to the model's parameters: only the DDP wrapper is made anew."""
+
+    def local(plan: engine_pb2.ParallelPlan) -> engine_pb2.ParallelPlan:
+        copy = engine_pb2.ParallelPlan()
+        copy.CopyFrom(plan)
+        for field in _DP_FIELDS:
+            copy.ClearField(field)
+        return copy
+
+    return rebuildable(old) and rebuildable(new) and local(old) == local(new)
+
+
 def checkpoint_activations(model: nn.Module) -> None:
     """Make every block of ``model`` (a Transformer or a pipeline stage) recompute its
     activations in backward instead of keeping them (Chen et al. 2016). No communication;

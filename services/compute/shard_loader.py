@@ -1,6 +1,10 @@
 """L3-1 shard loader: builds the model and makes it resident on the rank's device.
 
-Receives: ``ParallelPlan`` (from L2-2, once; payload: the ``("pp", "dp", "tp")`` DeviceMesh),
+Receives: ``ParallelPlan`` (from L2-2, once; payload: the ``("pp", "dp", "tp")`` DeviceMesh;
+during an in-place rebuild of the group the same plan twice more, without a mesh and then
+with the new group's (for a resize in place, issue 16, the second at another dp size: what
+this module lays out does not depend on it): each time a loaded model is handed over
+again, so that L3-5 drops its wrapper on the old group and then wraps it anew on the new one),
 ``LoadModel``, ``ExportState`` and ``RestoreState`` (from the training loop). Replies
 ``ModelLoaded``, ``StateExported`` (payload: a copy of the weights, an immutable
 :class:`~services.state.snapshot.Slot`) and ``StateRestored`` (it copied the weights of the
@@ -33,6 +37,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from services.compute.model import build_model, count_parameters
+from services.compute.parallelize import data_parallel_resize
 from services.compute.pipeline_stage import stage_of
 from services.contract import Module, engine_pb2
 from services.contract.bus import Emitter, Reply
@@ -52,13 +57,32 @@ class ShardLoader:
         # Seed L3-1 s4: 并行分片规则配置推送（一次性初始化）; frozen after that (red line 5).
         self._plan = FrozenConfig[engine_pb2.ParallelPlan]("L3_SHARD_LOADER", "parallel plan")
         self._mesh: Any = None  # the DeviceMesh (only handed on: pipeline stages need it)
+        # The plan in force (the first, or a resize's) and whether it was just withdrawn (the
+        # same plan again without a mesh: a rebuild is under way, the next one may resize it).
+        self._current: engine_pb2.ParallelPlan | None = None
+        self._withdrawn = False
         self._model: nn.Module | None = None
         self._state = "unloaded"  # unloaded | loading | loaded | mismatch
 
     def parallel_plan(self, msg: engine_pb2.ParallelPlan, payload: Any = None) -> None:
-        """固化分片规则指令 (once; payload: the DeviceMesh). Raises ConfigFrozen on a second plan."""
-        self._plan.set(msg)
-        self._mesh = payload
+        """固化分片规则指令 (payload: the DeviceMesh). Once, then only the same plan again,
+        for a group rebuilt in place; once that plan was withdrawn (pushed without a mesh),
+        the same at another dp size may come with the new mesh, for a resize in place (module
+        docstring). Each time the loaded model is handed over again (the weights stay as they
+        are).
+
+        Raises ConfigFrozen on another plan (red line 5)."""
+        if not self._plan.is_set:
+            self._current = self._plan.set(msg)
+            self._mesh = payload
+            return
+        # A resize leaves this module's part of the plan (device, stages, layers) as it was.
+        resized = self._withdrawn and payload is not None and data_parallel_resize(self._current, msg)
+        if msg != self._current and not resized:
+            self._plan.require_unset()  # raises ConfigFrozen: the plan is fixed (red line 5)
+        self._current, self._withdrawn, self._mesh = msg, payload is None, payload
+        if self._model is not None:
+            self._hand_over(self._model)
 
     def load_model(self, msg: engine_pb2.LoadModel, payload: Any = None) -> engine_pb2.ModelLoaded:
         """初始化模型权重加载指令.
@@ -81,13 +105,17 @@ class ShardLoader:
             model = stage_of(model, plan, self._mesh)
         self._model = model
         self._state = "loaded"
-        self._handover(model)
+        self._hand_over(model)
         n = count_parameters(model)
         return engine_pb2.ModelLoaded(
             num_parameters=n,
             parameter_bytes=sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values()),
             seconds=time.perf_counter() - t0,
         )
+
+    def _hand_over(self, model: nn.Module) -> None:
+        """The one way the model leaves this module (write-only: nothing is read back)."""
+        self._handover(model)
 
     def export_state(self, msg: engine_pb2.ExportState, payload: Any = None) -> Reply:
         """A copy of the weights keyed by FQN (the slot ``model``), stamped with ``msg``'s step

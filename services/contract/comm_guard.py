@@ -60,6 +60,7 @@ import os
 import sys
 import threading
 import types
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -268,7 +269,10 @@ class CommGuard:
         self._counts: dict[tuple[int, str], int] = defaultdict(int)
         self._crossings: dict[tuple[int, str, str], list] = {}  # -> [count, exception id]
         self._local = threading.local()
-        self._owners: dict[int, tuple[Any, int]] = {}  # id(group) -> (group, the module that created it)
+        # id(group) -> (a weak reference to the group, the module that created it). Weak: a
+        # group referenced anywhere after its destruction keeps its sockets open, and a peer
+        # blocked in it stays blocked (a group rebuilt in place, issue 16).
+        self._owners: dict[int, tuple[weakref.ref, int]] = {}
 
     def counts(self) -> dict[tuple[int, str], int]:
         """Calls per (module, op) since install, every module (L3-5's included)."""
@@ -326,7 +330,7 @@ class CommGuard:
         if self._owners:
             for value in (*args, *kwargs.values()):
                 owned = self._owners.get(id(value))
-                if owned is not None and owned[0] is value:
+                if owned is not None and owned[0]() is value:
                     return owned[1]
         return 0
 
@@ -334,8 +338,8 @@ class CommGuard:
         import torch.distributed as dist
 
         if isinstance(group, dist.ProcessGroup):
-            with self._lock:  # the group is held here, so its id is never reused meanwhile
-                self._owners[id(group)] = (group, module)
+            with self._lock:  # (an id reused by a later object is told apart by the reference)
+                self._owners[id(group)] = (weakref.ref(group), module)
 
     def _check(self, module: int, op: str, frame: types.FrameType | None) -> None:
         if allowed(module, op):

@@ -121,6 +121,13 @@ def build(
         ),
         emit=bus.emitter(Module.L1_RESOURCE_ALLOCATOR),
         control_host=host,
+        # The fresh rendezvous of a group rebuilt in place, to L2-2 of the job's ranks through
+        # the session hub (its stand-in for the rank modules, subscribed below).
+        parallel=bus.port(
+            Module.L1_RESOURCE_ALLOCATOR,
+            Module.L2_PARALLEL_STRATEGY,
+            commands=(engine_pb2.RebuildParallelGroup,),
+        ),
     )
     detector = FaultDetector(emit=bus.emitter(Module.L1_FAULT_DETECTOR), rules=fault_rules)
     recovery = RecoveryController(
@@ -224,6 +231,7 @@ def build(
             control_pb2.JobQuery,
             control_pb2.PauseJobRequest,
             control_pb2.ResumeJobRequest,
+            control_pb2.ScaleJobRequest,
             control_pb2.StopJobRequest,
             control_pb2.DeleteJobRequest,
         ),

@@ -89,16 +89,19 @@ class EventApplier:
 
     def stop(self) -> None:
         """End the thread after what is queued (idempotent)."""
-        if self._thread is not None:
+        with self._start_lock:  # (not while a first event is starting the thread)
+            thread = self._thread
+        if thread is not None:
             self._queue.put(None)
-            self._thread.join(timeout=10.0)
+            thread.join(timeout=10.0)
 
     def _put(self, item: tuple) -> None:
         if self._thread is None:
             with self._start_lock:
                 if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="event-applier", daemon=True)
-                    self._thread.start()
+                    thread = threading.Thread(target=self._run, name="event-applier", daemon=True)
+                    thread.start()
+                    self._thread = thread  # (published started: a stop on another thread joins it)
         self._queue.put(item)
 
     def _run(self) -> None:

@@ -11,6 +11,13 @@ grade, else the defaults; step faults by their class only (the loop reports them
 directly, ungraded). Every relaunch spends one restart of the class's budget; a spent budget
 stops the job FAILED; an operator's stop in flight turns any decision into that stop.
 
+``rebuild`` (issue 16) relaunches only the lost rank: the survivors rebuild their process
+group in place and the replacement heals from a live peer; ``shrink`` does the same, and
+where no slot is free for the replacement the orchestrator resizes the job to the largest
+data-parallel size the remaining ranks allow. It applies to the loss of a rank
+(``REBUILD_CLASSES``) while the ranks run; a fault that interrupts a rebuild's recovery, or
+any other class, falls back to ``restart_ranks`` (said in the decision's text).
+
 Step faults also get a verdict for the loops blocked at the step (``StepVerdictAction``):
 ignore -> apply the step as it is, skip_step -> skip its update, a relaunch -> relaunch (the
 loops step no further; the ranks are replaced), stop -> stop. :func:`standing_orders` gives
@@ -24,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from services.contract import control_pb2, engine_pb2
-from services.jobspec import STEP_FAULT_CLASSES, FaultPolicySpec
+from services.jobspec import IN_PLACE_ACTIONS, REBUILD_CLASSES, STEP_FAULT_CLASSES, FaultPolicySpec
 
 FaultGrade = control_pb2.FaultGrade
 JobOutcome = control_pb2.JobOutcome
@@ -39,7 +46,7 @@ STEP_FAULT_CLASS: dict[int, str] = {
 assert tuple(STEP_FAULT_CLASS.values()) == STEP_FAULT_CLASSES
 STEP_FAULT_KIND = {c: k for k, c in STEP_FAULT_CLASS.items()}
 
-RELAUNCHES = frozenset({"restart_ranks", "rollback", "exclude_node"})
+RELAUNCHES = frozenset({"restart_ranks", "rollback", "exclude_node", *IN_PLACE_ACTIONS})
 _VERDICTS = {
     "ignore": engine_pb2.STEP_APPLY,
     "skip_step": engine_pb2.STEP_SKIP,
@@ -56,6 +63,9 @@ class JobView:
     ignored: Mapping[str, int]  # fault class -> faults ignored so far
     stop_requested: bool = False  # an operator stop is in flight
     loading_version: str = ""  # the version the ranks of the recovery in flight load ("": none)
+    # Why a rebuild in place cannot be done now ("": it can): the recovery in flight is a
+    # rebuild that another fault interrupted, or no rank is running (paused, warming up).
+    no_rebuild: str = ""
 
 
 @dataclass(frozen=True)
@@ -136,6 +146,11 @@ def decide(policy: FaultPolicySpec, job: JobView, report: control_pb2.FaultRepor
     if action == "stop":
         return stop("stop", f"stop after {who}: fault policy", JobOutcome.FAILED, said)
     assert action in RELAUNCHES, action
+    fallback = ""
+    if action in IN_PLACE_ACTIONS and (job.no_rebuild or fault_class not in REBUILD_CLASSES):
+        # The survivors cannot rebuild: the old path (every rank from the newest checkpoint).
+        fallback = f"; restart_ranks instead of {action}: {job.no_rebuild or f'{fault_class} is not a lost rank'}"
+        action = "restart_ranks"
     spent, budget = job.restarts.get(fault_class, 0), policy.budget_for(fault_class)
     if spent >= budget:
         why = f"restart budget for {fault_class} exhausted ({spent} of {budget} used)"
@@ -148,6 +163,14 @@ def decide(policy: FaultPolicySpec, job: JobView, report: control_pb2.FaultRepor
     text = f"{action} after {who} (restart {spent + 1} of {budget} for {fault_class})"
     if exclude:
         text += f"; excluding {report.worker_id}"
+    if action == "rebuild":
+        text += f"; survivors keep training, rank {report.rank} is replaced and heals from a live peer"
+    if action == "shrink":
+        text += (
+            f"; survivors keep training, rank {report.rank} is replaced and heals from a live peer, "
+            "or without a free slot the job goes on at a smaller data-parallel size"
+        )
+    text += fallback
     return Decision(
         fault_class,
         action,

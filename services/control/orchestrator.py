@@ -99,7 +99,17 @@ from services.control.metrics import ControlMetrics
 from services.control.monitoring import start_monitoring
 from services.control.reattach import Reattaching
 from services.hf_config import check_spec_directory
-from services.jobspec import JobSpec, JobSpecError, parse_job_spec, spec_from_json, spec_to_json, with_layout
+from services.jobspec import (
+    IN_PLACE_ACTIONS,
+    JobSpec,
+    JobSpecError,
+    at_data_parallel_size,
+    parse_job_spec,
+    rebuild_refusal,
+    spec_from_json,
+    spec_to_json,
+    with_layout,
+)
 
 JobState = control_pb2.JobState
 JobOutcome = control_pb2.JobOutcome
@@ -211,6 +221,28 @@ class _Incident:
     # Bytes the relaunched ranks read per source ("memory", "peer", "store": their
     # TrainingLoopStarted.restored_bytes_from, summed; not journaled).
     restored_from: Counter[str] = field(default_factory=Counter)
+    # rebuild (issue 16): the ranks replaced (the others survive and rebuild their group in
+    # place), and the rank each ready rank's state came from (TrainingLoopStarted; not journaled).
+    lost: list[int] = field(default_factory=list)
+    healed_from: dict[int, int] = field(default_factory=dict)
+    recovered_unix: float = 0.0  # when every rank was ready again (not journaled)
+    # shrink (issue 16): the job at the smaller data-parallel size its ranks go on at, once no
+    # slot was free for a replacement (journaled as the layout's three numbers).
+    shrunk: JobSpec | None = None
+
+
+@dataclass
+class _Scale:
+    """A resize of a running job in flight (issue 16: `surgectl scale`, or growing back after
+    a shrink): its ranks pause at a common step boundary, then the kept ones rebuild their
+    group at the new size with the new ranks, which heal from a live peer."""
+
+    spec: JobSpec  # the job at the new layout
+    why: str  # "scale by the operator", "grow back": said in the events
+    phase: str = "pausing"  # pausing (PauseTraining sent) | rebuilding (RebuildCommunicator done)
+    old_dp: int = 0
+    since: float = 0.0  # time.monotonic() it was asked
+    healed_from: dict[int, int] = field(default_factory=dict)  # rank -> source (TrainingLoopStarted)
 
 
 @dataclass
@@ -228,6 +260,10 @@ class _Job:
     exited: set[int] = field(default_factory=set)  # ranks of this generation seen ended
     incident: _Incident | None = None  # the recovery in progress
     recovered: _Incident | None = None  # recovered, awaiting its first step
+    # The last incident once recovered: a symptom of it that reaches control late (the fault
+    # detector holds a comm_error to attribute it; a rank of the relaunched generation reported
+    # its failed collective as it was killed) is no new fault.
+    last_incident: _Incident | None = None
     restarts: Counter[str] = field(default_factory=Counter)  # fault class -> relaunches spent
     ignored: Counter[str] = field(default_factory=Counter)  # fault class -> faults ignored
     versions: list[tuple[int, str]] = field(default_factory=list)  # (step, version) committed
@@ -264,6 +300,17 @@ class _Job:
     # (RevokeStandingOrder sent); a relaunched generation gets the policy's orders again.
     revoked: dict[int, int] = field(default_factory=dict)
     queued: QueueEntry | None = None  # its place while it waits in the queue (journaled)
+    scale: _Scale | None = None  # a resize in flight (journaled)
+    # The layout (dp, micro_batch_size, grad_accum) a job shrunk by a fault grows back to as
+    # slots return (empty: none; journaled). An operator's scale sets the size: it is forgotten.
+    grow_to: tuple[int, ...] = ()
+    # The largest micro-batch its ranks ran with (journaled): a resize picks none larger, and
+    # scaling back returns to it (was: each resize could only shrink it: 6 -> 4 -> 3 -> 2).
+    micro_batch_cap_seen: int = 0
+
+    @property
+    def micro_batch_cap(self) -> int:
+        return max(self.micro_batch_cap_seen, self.spec.data.micro_batch_size)
 
 
 class Orchestrator:
@@ -394,6 +441,7 @@ class Orchestrator:
             data_address=self._data_address,
             store_address=self._store_address,
             standing_orders=fd.standing_orders(spec.fault_policy),
+            rebuild_in_place=spec.fault_policy.rebuilds,
         )
         # Monitoring starts before the ranks launch, so a rank that dies at once is still
         # reported; a job whose allocation fails simply never produces faults.
@@ -571,6 +619,159 @@ class Orchestrator:
             with self._lock:
                 job.resuming = False
 
+    def scale_job_request(self, msg: control_pb2.ScaleJobRequest, payload: Any = None) -> control_pb2.JobStatus:
+        """Resize a RUNNING job to ``dp`` data-parallel ranks without restarting the ranks
+        that stay (issue 16, ``surgectl scale``): the ranks pause after a common step
+        boundary (no checkpoint), L1-4 has L1-2 release the ranks >= dp or launch the new
+        ones, every kept rank rebuilds its group at the new size, the new ranks heal from a
+        live peer, and the job goes on at the same global batches (the global batch is kept:
+        :func:`services.jobspec.at_data_parallel_size`). Where the new ranks do not fit, the
+        ranks go on at the old size (the events say so).
+
+        Raises:
+            JobNotFound; IllegalTransition: the job is not RUNNING, or a pause, stop, scale or
+            recovery is in flight; JobSpecError (one line naming the field): the plan cannot
+            be resized in place (tp or pp > 1, FSDP2) or the global batch does not split into
+            the new layout. Nothing changed.
+        """
+        with self._lock:
+            job = self._get(msg.job_id)
+            flags = f"--dp {msg.dp}" + "".join(
+                f" {flag} {v}"
+                for flag, v in (("--micro-batch-size", msg.micro_batch_size), ("--grad-accum", msg.grad_accum))
+                if v
+            )
+            if msg.dp < 1:
+                raise JobSpecError(f"--dp: the new data-parallel size must be >= 1, got {msg.dp}")
+            why = rebuild_refusal(job.spec, structural=True)
+            if why:
+                raise JobSpecError(f"{flags}: scaling in place {why}; `surgectl stop` then `surgectl resume --dp`")
+            self._require(job, JobState.RUNNING)
+            self._require_idle(job)
+            if msg.dp == job.spec.parallel.dp and not (msg.micro_batch_size or msg.grad_accum):
+                return self._snapshot(job)  # (already at that size: nothing to do; `surgectl scale` says so)
+            spec = at_data_parallel_size(
+                job.spec,
+                msg.dp,
+                micro_batch_size=msg.micro_batch_size,
+                grad_accum=msg.grad_accum,
+                largest=job.micro_batch_cap,
+                source=flags,
+            )
+            if _layout_of(spec) == _layout_of(job.spec):
+                return self._snapshot(job)  # (already at that layout: nothing to do)
+            job.grow_to = ()  # the operator chose the size
+            self._start_scale(job, spec, "scale by the operator")
+            return self._snapshot(job)
+
+    def _start_scale(self, job: _Job, spec: JobSpec, why: str) -> None:
+        """Under the lock: pause every rank after a common boundary (no checkpoint: nothing
+        is lost, no rank restarts) for a resize to ``spec``'s layout (``_resize`` goes on
+        once all have paused)."""
+        job.scale = _Scale(spec, why, old_dp=job.spec.parallel.dp, since=time.monotonic())
+        job.pending, job.pending_at = "scale", self._boundary(job)
+        job.paused.clear()
+        self._loop(engine_pb2.PauseTraining(job_id=job.status.job_id, at_step=job.pending_at, checkpoint=False))
+        self._record(
+            job,
+            ORCH,
+            "decision",
+            f"{why}: {_layout_change(job.spec, spec)}; ranks pause after step {job.pending_at}, then rebuild "
+            "their group at the new size (the ranks that stay keep their processes, new ranks heal from a live peer)",
+        )
+
+    def _resize(self, job: _Job, step: int) -> None:
+        """Under the lock, every rank paused after ``step`` for the scale in flight: command
+        the rebuild at the new layout (L1-4, then L1-2), then have the paused ranks leave
+        their pause into it (ResumeTraining.rebuild). Where it cannot be placed, they go on
+        at the old size."""
+        scale, job_id = job.scale, job.status.job_id
+        job.pending, scale.phase, job.status.step = "", "rebuilding", step
+        old_world = job.status.world_size
+        reply = self._recovery(
+            control_pb2.StartRecovery(
+                job_id=job_id,
+                reason=f"{scale.why}: dp {scale.old_dp} -> {scale.spec.parallel.dp}",
+                in_place=True,
+                layout=_layout_msg(scale.spec),
+            )
+        ).message
+        if isinstance(reply, control_pb2.RecoveryFailed):
+            job.scale = None
+            self._loop(engine_pb2.ResumeTraining(job_id=job_id))
+            self._record(
+                job,
+                Module.L1_RECOVERY_CONTROLLER,
+                "scale",
+                f"{scale.why} to dp {scale.spec.parallel.dp} not done: {reply.reason}; "
+                f"the ranks go on at dp {scale.old_dp} from step {step}",
+            )
+            return
+        job.started = set()
+        self._take_layout(job, scale.spec)
+        self._loop(engine_pb2.ResumeTraining(job_id=job_id, rebuild=True))
+        self._record_relaunch(job, reply, "a live peer's memory", old_world=old_world)
+
+    def _take_layout(self, job: _Job, spec: JobSpec) -> None:
+        """Under the lock: ``spec`` (a new data-parallel layout) is the job's now, its ranks
+        above the new size released; journaled with the next event (``_record``'s spec)."""
+        job.micro_batch_cap_seen = job.micro_batch_cap
+        job.spec = spec
+        job.status.world_size = spec.world_size
+        _set_layout(job.status, spec)
+        job.placement = {r: w for r, w in job.placement.items() if r < spec.world_size}
+
+    def _scaled(self, job: _Job, msg: engine_pb2.TrainingLoopStarted) -> None:
+        """Under the lock: every rank of the resized group is ready: start them."""
+        scale, job.scale = job.scale, None
+        if job.grow_to and job.spec.parallel.dp >= job.grow_to[0]:
+            job.grow_to = ()  # (grown back the whole way)
+        self._loop(engine_pb2.StartTraining(job_id=msg.job_id))
+        self._faults(control_pb2.ResetFaultLedger(job_id=msg.job_id))
+        healed = sorted((r, src) for r, src in scale.healed_from.items() if r >= scale.old_dp)  # (the new ranks)
+        how = ", ".join(f"rank {r} healed from rank {src}'s memory" for r, src in healed)
+        kept = min(scale.old_dp, scale.spec.parallel.dp)
+        self._record(
+            job,
+            ORCH,
+            "scale",
+            status_message=f"{scale.why} done at step {msg.start_step}: dp {scale.old_dp} -> {scale.spec.parallel.dp}",
+            message=f"{scale.why} done: dp {scale.old_dp} -> {scale.spec.parallel.dp} at step {msg.start_step}"
+            + (f" ({how})" if how else "")
+            + f"; {_kept_text(kept)}; "
+            f"{time.monotonic() - scale.since:.1f} s after it was asked; training resumed",
+        )
+
+    def _grow_soon(self, job_id: str, free: int) -> None:
+        """Under the lock: try growing the job back on the deadline pool's thread (no delay;
+        never on the caller's, the thread that applies the node agents' events: it sends
+        commands)."""
+        self._deadlines.after(0.0, self._grow_back, (job_id, free))
+
+    def _grow_back(self, job_id: str, free: int) -> None:
+        """A worker registered: a job shrunk by a fault grows back toward its size, as far
+        as the free slots allow (the allocator places the new ranks; none placed: it goes on
+        at its size and tries again at the next registration)."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None or not job.grow_to or job.status.state != JobState.RUNNING:
+                return
+            if job.pending or job.incident is not None or job.scale is not None:
+                return
+            # The whole way back at the job's own layout, else as far as the global batch
+            # splits (tried largest first: the allocator says what fits).
+            full, mbs, accum = job.grow_to
+            for target in range(min(full, job.spec.parallel.dp + free), job.spec.parallel.dp, -1):
+                layout = {"micro_batch_size": mbs, "grad_accum": accum} if target == full else {}
+                try:
+                    spec = at_data_parallel_size(
+                        job.spec, target, largest=job.micro_batch_cap, source="grow back", **layout
+                    )
+                except JobSpecError:
+                    continue
+                self._start_scale(job, spec, "grow back (slots returned)")
+                return
+
     def delete_job_request(self, msg: control_pb2.DeleteJobRequest, payload: Any = None) -> control_pb2.JobStatus:
         """Forget a TERMINATED job: its journaled status, event log and steps go, and it is
         no longer listed. Answers its last status. Its checkpoints and metrics are the
@@ -625,6 +826,11 @@ class Orchestrator:
                 return self._snapshot(job)
             if job.pending == "stop":
                 return self._snapshot(job)
+            if job.scale is not None:  # (its ranks pause for it: a stop's boundary would never come)
+                raise IllegalTransition(
+                    f"job {job.status.job_id} is being resized to dp {job.scale.spec.parallel.dp} ({job.scale.why}); "
+                    "stop it once its events say the resize is done (seconds)"
+                )
             checkpoint = not msg.no_checkpoint
             at_step = self._boundary(job) if state == JobState.RUNNING else 0
             job.pending, job.pending_at = "stop", at_step
@@ -646,6 +852,9 @@ class Orchestrator:
         with self._lock:
             self._queue.clear_beyond_cluster()  # a job waiting for workers may fit now: it blocks until tried
             self._start_soon()
+            for job in self._jobs.values():
+                if job.grow_to and job.status.state == JobState.RUNNING:
+                    self._grow_soon(job.status.job_id, msg.free_ranks)
 
     def _enqueue(self, job: _Job, entry: QueueEntry, why: str) -> None:
         """Under the lock: ``job`` (STANDBY, journaled) waits in the queue at ``entry``."""
@@ -850,6 +1059,7 @@ class Orchestrator:
             data_address=self._data_address,
             store_address=self._store_address,
             standing_orders=fd.standing_orders(new.fault_policy),
+            rebuild_in_place=new.fault_policy.rebuilds,
         )
         reply = self._allocator(
             control_pb2.AllocateResources(
@@ -950,7 +1160,9 @@ class Orchestrator:
         when all have, start them all."""
         with self._lock:
             self._heard_from(msg.job_id, msg.rank)
-            job = self._live(msg.job_id, (JobState.WARMING_UP, JobState.FAULT_FROZEN), msg)
+            scaling = msg.job_id in self._jobs and _rebuilding(self._jobs[msg.job_id].scale)
+            states = (JobState.WARMING_UP, JobState.FAULT_FROZEN) + ((JobState.RUNNING,) if scaling else ())
+            job = self._live(msg.job_id, states, msg)
             if job is None:
                 return
             if job.status.state == JobState.FAULT_FROZEN and job.incident is None:
@@ -971,6 +1183,10 @@ class Orchestrator:
             job.finished.pop(msg.rank, None)  # (an old generation's, kept by an operator resume)
             if job.incident is not None:
                 job.incident.restored_from.update(dict(msg.restored_bytes_from))
+                if msg.healed:
+                    job.incident.healed_from[msg.rank] = msg.healed_from_rank
+            elif scaling and msg.healed:
+                job.scale.healed_from[msg.rank] = msg.healed_from_rank
             if msg.worker_id:  # journaled: a restarted control knows where each rank ran
                 job.placement[msg.rank] = msg.worker_id
             self._record(
@@ -983,6 +1199,9 @@ class Orchestrator:
             if len(job.started) < job.status.world_size or job.pending == "stop":
                 return
             job.status.step = msg.start_step
+            if scaling:
+                self._scaled(job, msg)
+                return
             incident = job.incident
             held = incident is not None and incident.paused  # the operator's pause outlives the fault
             if not held:
@@ -997,19 +1216,24 @@ class Orchestrator:
             # every worker that runs one, so the incident is over here.
             self._cancel_timer(incident)
             job.incident, job.recovered = None, incident
+            incident.recovered_unix = time.time()
+            job.last_incident = incident
             job.running_since = job.running_since or time.time()  # (a fault while warming up)
             self._faults(control_pb2.ResetFaultLedger(job_id=msg.job_id))
             source = f"checkpoint {incident.version}" if incident.version else "scratch"
             read = restored_from_text(incident.restored_from) if incident.version else ""
             source += f", {read}," if read else ""
+            restored = f"all {job.status.world_size} ranks restored from {source}"
+            if incident.action in IN_PLACE_ACTIONS:
+                restored = _healed_text(incident, job.status.world_size)
             if held:
                 job.recovered, job.start_held = None, True
                 self._transition(
                     job,
                     JobState.PAUSED,
                     ORCH,
-                    f"recovered from {incident.fault_class} of rank {incident.cause.rank}: all {job.status.world_size} "
-                    f"ranks restored from {source} at step {msg.start_step}; paused, as before the fault "
+                    f"recovered from {incident.fault_class} of rank {incident.cause.rank}: {restored} "
+                    f"at step {msg.start_step}; paused, as before the fault "
                     "(resume continues it)",
                 )
                 return
@@ -1017,8 +1241,8 @@ class Orchestrator:
                 job,
                 JobState.RUNNING,
                 ORCH,
-                f"recovered from {incident.fault_class} of rank {incident.cause.rank}: all {job.status.world_size} "
-                f"ranks restored from {source} at step {msg.start_step} "
+                f"recovered from {incident.fault_class} of rank {incident.cause.rank}: {restored} "
+                f"at step {msg.start_step} "
                 f"{time.monotonic() - incident.decided:.1f} s after the decision; training resumed",
             )
 
@@ -1121,9 +1345,15 @@ class Orchestrator:
         with self._lock:
             self._heard_from(msg.job_id, msg.rank)
             job = self._live(msg.job_id, (JobState.RUNNING,), msg)
-            if job is None or job.pending != "pause":
+            if job is None or job.pending not in ("pause", "scale"):
                 return
             job.paused.add(msg.rank)
+            if job.pending == "scale":
+                if len(job.paused) < job.status.world_size:
+                    self._keep(job)
+                else:
+                    self._resize(job, msg.step)
+                return
             if len(job.paused) < job.status.world_size:
                 self._keep(job)
             else:
@@ -1289,8 +1519,17 @@ class Orchestrator:
             ):
                 self._on_resumed_fault(job, incident, msg, text, ended)
                 return
-            if incident is not None and incident.dying[msg.rank] > 0:
-                if ended:
+            late = job.last_incident if incident is None else None  # (a symptom from before it recovered)
+            if late is not None and _late_symptom(late, msg):
+                self._record(
+                    job,
+                    Module.L1_FAULT_DETECTOR,
+                    "fault",
+                    f"{text} (consequence of rank {late.cause.rank}'s {late.fault_class}, reported after the recovery)",
+                )
+                return
+            if incident is not None and (incident.dying[msg.rank] > 0 or _survivor_symptom(incident, msg)):
+                if ended and incident.dying[msg.rank] > 0:
                     incident.dying[msg.rank] -= 1
                 cause = incident.cause
                 self._record(
@@ -1337,6 +1576,7 @@ class Orchestrator:
         decision = fd.decide(job.spec.fault_policy, fd.JobView(
             restarts=job.restarts, ignored=job.ignored, stop_requested=job.pending == "stop",
             loading_version=previous.version if previous is not None else "",
+            no_rebuild=_no_rebuild(job, msg),
         ), msg)  # fmt: skip
         fault_class, action = decision.fault_class, decision.action
         self._metrics.decided(fault_class, decision.counted)
@@ -1375,9 +1615,17 @@ class Orchestrator:
             or job.pending == "pause"
             or (previous is not None and previous.paused),
         )
-        # Every rank of the failing generation not yet seen ended will end (the recovery
-        # kills it): its reports until then are consequences of this incident.
-        incident.dying.update(r for r in range(job.status.world_size) if r not in job.exited)
+        if action in IN_PLACE_ACTIONS:
+            # Only the lost ranks end (the recovery kills them if they still run); the others
+            # survive: their collective's failure, reported as they rebuild, is a consequence.
+            # A rebuild during a rebuild also replaces the ranks the first one was replacing
+            # (they hold no state yet: relaunched from a spare, they heal with the others).
+            incident.lost = sorted(set(_lost_ranks(job, msg)) | set(previous.lost if previous is not None else ()))
+            incident.dying.update(r for r in incident.lost if r not in job.exited)
+        else:
+            # Every rank of the failing generation not yet seen ended will end (the recovery
+            # kills it): its reports until then are consequences of this incident.
+            incident.dying.update(r for r in range(job.status.world_size) if r not in job.exited)
         if previous is not None:
             incident.dying.update(previous.dying)
             self._cancel_timer(previous)
@@ -1386,6 +1634,11 @@ class Orchestrator:
         job.verdicts.clear()
         job.revoked.clear()
         job.pending = ""  # a pause in flight ends here: the incident keeps it (``paused``)
+        if job.scale is not None:  # (its new layout stays if it was already commanded)
+            self._record(
+                job, ORCH, "scale", f"{job.scale.why} to dp {job.scale.spec.parallel.dp} given up: {decision.text}"
+            )
+            job.scale = None
         job.start_held = False
         job.excluded.update(exclude)  # journaled with the decision: a restarted control keeps it
         if job.status.state != JobState.FAULT_FROZEN:
@@ -1446,7 +1699,7 @@ class Orchestrator:
         self._cancel_timer(incident)
         incident.phase, incident.retries, incident.waiting_for = VERIFYING, 0, ""
         incident.asked_since = time.monotonic()
-        if self._checkpoints is None:
+        if self._checkpoints is None or incident.action in IN_PLACE_ACTIONS:  # (a rebuild loads no version)
             self._place(job, incident)
             return
         self._ask_verification(job, incident)
@@ -1639,19 +1892,29 @@ class Orchestrator:
         the recovery controller to relaunch the ranks to load it. Scratch only when the job
         has no usable committed version."""
         self._cancel_timer(incident)
-        version = self._pick_version(job, incident.bound)
+        in_place = incident.action in IN_PLACE_ACTIONS
+        version = "" if in_place else self._pick_version(job, incident.bound)
         incident.version = version
         incident.phase = PLACING
         source = f"checkpoint {version}" if version else "scratch"
+        if in_place:
+            source = "a live peer's memory"
         reply = self._recovery(
             control_pb2.StartRecovery(
                 job_id=job.status.job_id,
                 checkpoint_version=version,
                 exclude_worker_ids=incident.exclude,
                 reason=f"{incident.action} after {incident.fault_class} of rank {incident.cause.rank}",
+                in_place=in_place,
+                lost_ranks=incident.lost,
+                layout=_layout_msg(incident.shrunk) if incident.shrunk is not None else None,
             )
         ).message
         if isinstance(reply, control_pb2.RecoveryCompleted):
+            old_world = job.status.world_size
+            if incident.shrunk is not None and incident.shrunk.world_size != old_world:
+                job.grow_to = job.grow_to or _layout_of(job.spec)  # (a second shrink grows back to the first's)
+                self._take_layout(job, incident.shrunk)
             incident.relaunched, incident.phase, incident.retries = True, RESTORING, 0  # journaled with the event
             if incident.waiting_for == WAITING_CAPACITY:
                 self._record(
@@ -1661,11 +1924,42 @@ class Orchestrator:
                     f"capacity came back after {time.monotonic() - incident.waiting_since:.1f} s of waiting",
                 )
             incident.waiting_for = ""
-            self._record_relaunch(job, reply, source)
+            self._record_relaunch(job, reply, source, old_world=old_world, lost=incident.lost)
             self._start_soon()  # (the queue was held for it)
             self._arm(incident, job.spec.fault_policy.restore_seconds, self._restore_overdue, job.status.job_id)
             return
         assert isinstance(reply, control_pb2.RecoveryFailed), reply
+        # (Shrunk only when ranks to launch did not fit: not when the placement is unknown.)
+        if incident.action == "shrink" and incident.shrunk is None and reply.requested_ranks > reply.available_ranks:
+            smaller = _shrink_to(job, incident, reply.available_ranks)
+            if smaller is not None:
+                incident.shrunk = smaller
+                self._record(
+                    job,
+                    ORCH,
+                    "decision",
+                    f"shrink after {incident.fault_class} of rank {incident.cause.rank}: {reply.reason}; the job goes "
+                    f"on at {_layout_change(job.spec, smaller)}, and grows back to dp {job.spec.parallel.dp} "
+                    "when slots return",
+                )
+                self._place(job, incident)
+                return
+        if in_place:
+            # The survivors cannot be kept (no slot for a replacement, the placement unknown
+            # after a control restart): every rank is relaunched from the newest checkpoint.
+            self._record(
+                job,
+                ORCH,
+                "decision",
+                f"restart_ranks instead of rebuild after {incident.fault_class} of rank {incident.cause.rank}: "
+                f"{reply.reason}; every rank relaunched from the newest checkpoint",
+            )
+            incident.action, incident.lost, incident.shrunk = "restart_ranks", [], None
+            incident.dying.update(
+                r for r in range(job.status.world_size) if r not in job.exited and not incident.dying[r]
+            )
+            self._recover(job, incident)
+            return
         if reply.cause == RecoveryFailureCause.RECOVERY_NO_PLACEMENT:
             needs = f"needs {reply.requested_ranks or job.status.world_size} ranks, {reply.available_ranks} free"
             self._wait(
@@ -1773,8 +2067,35 @@ class Orchestrator:
             incident.timer.cancel()
             incident.timer = None
 
-    def _record_relaunch(self, job: _Job, reply: control_pb2.RecoveryCompleted, source: str) -> None:
+    def _record_relaunch(
+        self, job: _Job, reply: control_pb2.RecoveryCompleted, source: str, *, old_world: int = 0, lost: list[int] = ()
+    ) -> None:
+        """The recovery controller's relaunch, as an event; ``old_world``: the group's size
+        before a resize (the job's new spec is journaled with it), ``lost``: its ranks that
+        were lost (the others above the new size are released)."""
         workers = ", ".join(reply.worker_ids)
+        if reply.in_place:
+            launched = ", ".join(str(r) for r in reply.replaced_ranks)
+            resized = old_world and old_world != job.status.world_size
+            if not resized:
+                what = f"replacement for rank(s) {launched or 'none'} launched on {workers or 'no worker'}"
+                what += ", the survivors keep their processes"
+            else:
+                what = f"{old_world} -> {job.status.world_size} ranks: "
+                what += f"rank(s) {launched} launched on {workers}" if launched else "no rank launched"
+                released = [r for r in range(job.status.world_size, old_world) if r not in lost]
+                if released:
+                    what += f", rank(s) {', '.join(map(str, released))} released"
+                what += "; the other ranks keep their processes"
+            self._record(
+                job,
+                Module.L1_RECOVERY_CONTROLLER,
+                "recovery",
+                f"rebuild in place commanded (generation {reply.generation}, rendezvous "
+                f"{reply.master_addr}:{reply.master_port}): {what}",
+                spec_json=spec_to_json(job.spec) if old_world else None,
+            )
+            return
         self._record(
             job,
             Module.L1_RECOVERY_CONTROLLER,
@@ -1854,6 +2175,7 @@ class Orchestrator:
                             data_address=self._data_address,
                             store_address=self._store_address,
                             standing_orders=fd.standing_orders(job.spec.fault_policy),
+                            rebuild_in_place=job.spec.fault_policy.rebuilds,
                         ),
                         exclude_worker_ids=sorted(job.excluded),
                         adopt=True,
@@ -1943,10 +2265,15 @@ class Orchestrator:
         return job.status.step + max(2, ahead)
 
     def _require_idle(self, job: _Job) -> None:
-        if job.pending:
+        if job.pending in ("pause", "stop"):
             doing = {"pause": "pausing", "stop": "stopping"}[job.pending]
             reason = {"pause": control_pb2.REFUSED_PAUSE_PENDING, "stop": control_pb2.REFUSED_STOP_PENDING}[job.pending]
             raise IllegalTransition(f"job {job.status.job_id} is already {doing} after step {job.pending_at}", reason)
+        if job.scale is not None:
+            raise IllegalTransition(
+                f"job {job.status.job_id} is being resized to dp {job.scale.spec.parallel.dp} ({job.scale.why}); "
+                "try again once its events say it is done"
+            )
 
     def _terminate(self, job: _Job, outcome: int, message: str, *, kill: bool) -> None:
         self._cancel_timer(job.incident)
@@ -2045,7 +2372,83 @@ def _runtime(job: _Job) -> dict:
         "verdicts": [base64.b64encode(v.SerializeToString()).decode() for v in job.verdicts.values()],
         "revoked": {str(order): step for order, step in job.revoked.items()},
         "queued": job.queued.to_json() if job.queued is not None else None,
+        "grow_to": list(job.grow_to),
+        "micro_batch_cap": job.micro_batch_cap_seen,
+        "scale": _scale_to_json(job.scale) if job.scale is not None else None,
     }
+
+
+def _no_rebuild(job: _Job, report: control_pb2.FaultReport) -> str:
+    """Why the job's ranks cannot rebuild their group in place now for ``report`` ("": they
+    can). During a rebuild another lost rank is rebuilt again as long as a rank that held
+    the state before the first loss survives (a replacement that dies while it starts, or a
+    second survivor lost, costs nothing of the training); only when none is left, or during
+    another kind of recovery, is every rank relaunched from the checkpoint."""
+    i = job.incident
+    if i is not None and i.action in IN_PLACE_ACTIONS:
+        holders = set(range(job.status.world_size)) - set(i.lost) - set(_lost_ranks(job, report))
+        if holders:
+            return ""
+        return f"no rank that held the state survives (rebuild after {i.fault_class} of rank {i.cause.rank})"
+    if i is not None:
+        return f"a recovery is in flight ({i.action} after {i.fault_class} of rank {i.cause.rank})"
+    if job.status.state != JobState.RUNNING:
+        return f"the job is {JobState.Name(job.status.state)}, not training"
+    if job.pending:
+        return f"a {job.pending} is in flight"
+    return rebuild_refusal(job.spec)
+
+
+def _lost_ranks(job: _Job, report: control_pb2.FaultReport) -> list[int]:
+    """The ranks a rebuild replaces: the rank the fault names, and for a lost node agent
+    every rank it ran. A failed collective alone (comm_error) loses no rank: every rank
+    survives and the group is rebuilt with the same processes."""
+    if report.fault_class == "comm_error":
+        return []
+    lost = {report.rank}
+    if report.fault_class in ("worker_lost", "worker_departed") and report.worker_id:
+        lost |= {r for r, w in job.placement.items() if w == report.worker_id}
+    return sorted(lost)
+
+
+# What a survivor of a rebuild reports as its group breaks under it: consequences of the
+# incident, not faults of their own.
+_SURVIVOR_SYMPTOMS = frozenset({"comm_error", "rank_stalled_in_collective"})
+
+
+def _survivor_symptom(incident: _Incident, report: control_pb2.FaultReport) -> bool:
+    return (
+        incident.action in IN_PLACE_ACTIONS
+        and report.rank not in incident.lost
+        and report.fault_class in _SURVIVOR_SYMPTOMS
+    )
+
+
+def _late_symptom(incident: _Incident, report: control_pb2.FaultReport) -> bool:
+    """Whether ``report``, arriving after ``incident`` recovered, is a failed collective it
+    caused before that: a rebuild's survivor's, or any rank's of a relaunched generation
+    (every rank was replaced: seen when a rank died during a resize's pause, the survivors'
+    comm_error came after the relaunch and was decided as a second fault)."""
+    if report.fault_class not in _SURVIVOR_SYMPTOMS or not 0 < report.occurred_unix <= incident.recovered_unix:
+        return False
+    return incident.action not in IN_PLACE_ACTIONS or report.rank not in incident.lost
+
+
+def _healed_text(incident: _Incident, world_size: int) -> str:
+    """What a rebuild in place did, e.g. "group of 2 rebuilt in place: rank 1 healed from
+    rank 0's memory, 1 rank kept its process"."""
+    # (The survivors restore the source's state too: only the replacements are news.)
+    healed = sorted((r, src) for r, src in incident.healed_from.items() if r in incident.lost and r != src)
+    kept = len([r for r in range(world_size) if r not in incident.lost])
+    text = f"group of {world_size} rebuilt in place: "
+    if healed:
+        text += ", ".join(f"rank {r} healed from rank {src}'s memory" for r, src in healed) + ", "
+    return text + _kept_text(kept)
+
+
+def _kept_text(kept: int) -> str:
+    """E.g. "1 rank kept its process", "2 ranks kept their processes"."""
+    return f"{kept} rank{'' if kept == 1 else 's'} kept {'its process' if kept == 1 else 'their processes'}"
 
 
 def _incident_to_json(i: _Incident) -> dict:
@@ -2057,6 +2460,8 @@ def _incident_to_json(i: _Incident) -> dict:
         "version": i.version,
         "bound": i.bound,
         "exclude": list(i.exclude),
+        "lost": list(i.lost),
+        "shrunk": spec_to_json(i.shrunk) if i.shrunk is not None else "",
         "relaunched": i.relaunched,
         "phase": i.phase,
         "paused": i.paused,
@@ -2073,7 +2478,12 @@ def _incident_from_json(d: dict) -> _Incident:
     return _Incident(
         cause=control_pb2.FaultReport.FromString(base64.b64decode(d["cause"])),
         fault_class=d["fault_class"],
+        # A rebuild caught by a control restart stays one: if its ranks report ready, it
+        # completed; if it must be commanded again, the allocator no longer knows the
+        # placement and the orchestrator falls back to relaunching every rank (_place).
         action=d["action"],
+        lost=[int(r) for r in d.get("lost", ())],
+        shrunk=spec_from_json(d["shrunk"]) if d.get("shrunk") else None,
         decided=time.monotonic(),
         dying=Counter({int(r): int(n) for r, n in d.get("dying", {}).items()}),
         version=d.get("version", ""),
@@ -2105,6 +2515,17 @@ def _load_runtime(job: _Job, rt: dict) -> None:
     job.revoked = {int(order): int(step) for order, step in rt.get("revoked", {}).items()}
     if rt.get("incident"):
         job.incident = _incident_from_json(rt["incident"])
+    job.grow_to = tuple(int(n) for n in rt.get("grow_to", ()))
+    job.micro_batch_cap_seen = int(rt.get("micro_batch_cap", 0))
+    if rt.get("scale"):
+        d = rt["scale"]
+        job.scale = _Scale(
+            spec_from_json(d["spec"]), d["why"], phase=d["phase"], old_dp=int(d["old_dp"]), since=time.monotonic()
+        )
+
+
+def _scale_to_json(scale: _Scale) -> dict:
+    return {"spec": spec_to_json(scale.spec), "why": scale.why, "phase": scale.phase, "old_dp": scale.old_dp}
 
 
 def _step_verdict(report: engine_pb2.StepFaultReported, decision: fd.Decision) -> engine_pb2.StepVerdict:
@@ -2255,6 +2676,7 @@ def _layout_change(old: JobSpec, new: JobSpec) -> str:
         ("parallel.dp", old.parallel.dp, new.parallel.dp),
         ("data.micro_batch_size", old.data.micro_batch_size, new.data.micro_batch_size),
         ("data.grad_accum", old.data.grad_accum, new.data.grad_accum),
+        ("eval.batches", old.eval.batches, new.eval.batches),
     )
     changed = ", ".join(f"{name} {a} -> {b}" for name, a, b in fields if a != b)
     rows = new.parallel.dp * new.data.micro_batch_size * new.data.grad_accum
@@ -2268,3 +2690,35 @@ def _set_layout(status: control_pb2.JobStatus, spec: JobSpec) -> None:
         spec.data.micro_batch_size,
         spec.data.grad_accum,
     )
+
+
+def _layout_of(spec: JobSpec) -> tuple[int, int, int]:
+    return spec.parallel.dp, spec.data.micro_batch_size, spec.data.grad_accum
+
+
+def _layout_msg(spec: JobSpec) -> engine_pb2.DataParallelLayout:
+    dp, mbs, accum = _layout_of(spec)
+    return engine_pb2.DataParallelLayout(dp=dp, micro_batch_size=mbs, grad_accum=accum)
+
+
+def _rebuilding(scale: _Scale | None) -> bool:
+    """Whether a resize's ranks are rebuilding their group (they report ready next)."""
+    return scale is not None and scale.phase == "rebuilding"
+
+
+def _shrink_to(job: _Job, incident: _Incident, free_slots: int) -> JobSpec | None:
+    """The job at the largest data-parallel size its remaining ranks allow (issue 16's
+    shrink), or None: the survivors plus the free slots, below the job's size, with the
+    global batch split evenly (:func:`services.jobspec.at_data_parallel_size`) and a
+    survivor among the kept ranks 0..dp-1 (ranks keep their ids: one holding the state
+    must remain to heal the others)."""
+    world = job.status.world_size
+    survivors = [r for r in range(world) if r not in incident.lost]
+    for dp in range(min(len(survivors) + free_slots, world - 1), 0, -1):
+        if not any(r < dp for r in survivors):
+            continue
+        try:
+            return at_data_parallel_size(job.spec, dp, largest=job.micro_batch_cap, source="shrink")
+        except JobSpecError:
+            continue
+    return None

@@ -20,6 +20,13 @@ in it blocks (no RPC, no disk): the orchestrator drives the sequence from the an
    this step answers at once: ``ResourcesReady`` or ``ResourcesInsufficient``, the latter
    reported as ``RecoveryFailed`` with cause ``RECOVERY_NO_PLACEMENT`` (the orchestrator
    waits for capacity and commands the step again).
+   With ``in_place`` (the policy's ``rebuild``, issue 16) the allocator kills only the lost
+   ranks, launches their replacements (which heal from a live peer) and sends the survivors
+   the fresh rendezvous (重建通信域 in place: their processes stay). A replacement that does
+   not fit is reported as ``RECOVERY_NO_PLACEMENT``, and the orchestrator falls back to
+   relaunching every rank (or, for ``shrink``, commands it again at a smaller ``layout``).
+   With a ``layout`` (a resize: a shrink, `surgectl scale`, growing back) the group is
+   rebuilt in place at that data-parallel size.
 3. restore: each relaunched rank loads the version, checking every shard's digest as it
    reads it (a mismatch is the rank's typed ``checkpoint_integrity`` failure), and reports
    ready; the orchestrator sees that and keeps the step's deadline.
@@ -76,12 +83,19 @@ class RecoveryController:
             self._state[msg.job_id] = RECOVERING
             self._steps[msg.job_id] = []
         where = f"checkpoint {msg.checkpoint_version}" if msg.checkpoint_version else "fresh start"
+        if msg.in_place:
+            where = f"replacing rank(s) {', '.join(map(str, msg.lost_ranks))} in place" if msg.lost_ranks else ""
+            if msg.HasField("layout"):
+                where = (where + " " if where else "") + f"resizing in place to dp {msg.layout.dp}"
         rebuilt = self._resources(
             control_pb2.RebuildCommunicator(
                 job_id=msg.job_id,
                 reason=msg.reason,
                 resume_version=msg.checkpoint_version,
                 exclude_worker_ids=msg.exclude_worker_ids,
+                in_place=msg.in_place,
+                lost_ranks=msg.lost_ranks,
+                layout=msg.layout if msg.HasField("layout") else None,
             )
         ).message
         if not isinstance(rebuilt, control_pb2.ResourcesReady):
@@ -98,7 +112,11 @@ class RecoveryController:
                 available_ranks=short.available_ranks if short else 0,
             )
         with self._lock:
-            self._steps[msg.job_id].append(f"ranks relaunched on port {rebuilt.master_port}")
+            self._steps[msg.job_id].append(
+                f"group rebuilt in place on port {rebuilt.master_port}"
+                if msg.in_place
+                else f"ranks relaunched on port {rebuilt.master_port}"
+            )
             self._state[msg.job_id] = SUCCEEDED
             self._version[msg.job_id] = msg.checkpoint_version
         return control_pb2.RecoveryCompleted(
@@ -108,4 +126,8 @@ class RecoveryController:
             master_addr=rebuilt.master_addr,
             master_port=rebuilt.master_port,
             worker_ids=rebuilt.worker_ids,
+            in_place=msg.in_place,
+            replaced_ranks=rebuilt.replaced_ranks,
+            generation=rebuilt.generation,
+            world_size=rebuilt.world_size,
         )

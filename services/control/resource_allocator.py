@@ -9,6 +9,8 @@ relay), ``AllocateResources`` and ``ReleaseResources`` (from L1-1), ``RebuildCom
 (from L1-4, executing a recovery L1-1 commanded).
 Outputs: ``ResourcesReady`` / ``ResourcesInsufficient`` (replies), ``LaunchRanks``
 and ``ReleaseRanks`` (to one node agent each; the payload names the worker id),
+``RebuildParallelGroup`` (to L2-2 of every live rank of a job rebuilt in place, through
+control's session relay: the fresh rendezvous),
 ``ResourcePressure`` (published; the orchestrator observes it), ``ResourcesReady`` with no job
 id (published when a worker registers with slots: the orchestrator's queue may start a job).
 """
@@ -17,12 +19,13 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.contract import control_pb2, engine_pb2
 from services.contract.bus import CommandPort, Emitter
-from services.jobspec import spec_from_json
+from services.jobspec import spec_from_json, spec_to_json, with_layout
 
 # How long a node agent gives a released rank to exit before killing it (seconds).
 RELEASE_GRACE_SECONDS = 10.0
@@ -48,9 +51,17 @@ class ResourceAllocator:
             is the worker id it is addressed to.
         emit: publishes this module's events (ResourcePressure).
         control_host: the address this host's free ports are found on (master_port).
+        parallel: command port to L2-2 of the job's ranks (RebuildParallelGroup; None: no
+            rebuild in place, e.g. in tests of placement alone).
     """
 
-    def __init__(self, hardware: CommandPort, emit: Emitter, control_host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        hardware: CommandPort,
+        emit: Emitter,
+        control_host: str = "127.0.0.1",
+        parallel: CommandPort | None = None,
+    ):
         self._hardware = hardware
         self._emit = emit
         self._control_host = control_host
@@ -60,6 +71,12 @@ class ResourceAllocator:
         # job_id -> the allocation as commanded (job config, world size, exclusions): what
         # a communicator rebuild launches again.
         self._allocations: dict[str, control_pb2.AllocateResources] = {}
+        # job_id -> where each rank runs, index = rank (worker id, slot), the backend chosen
+        # and the generation of its rendezvous: what a rebuild in place keeps and changes.
+        self._placed: dict[str, _Placement] = {}
+        # job -> rank -> (worker id, slot) its node agent re-attached after a control restart
+        self._reattached: dict[str, dict[int, tuple[str, int]]] = {}
+        self._parallel = parallel
 
     # ------------------------------------------------------------ hardware events
 
@@ -90,6 +107,9 @@ class ResourceAllocator:
                 return
             if msg.slots == 0:
                 self._workers.pop(msg.worker_id, None)
+                for where in self._reattached.values():  # (its ranks are lost: not placed there any more)
+                    for rank in [r for r, (w, _) in where.items() if w == msg.worker_id]:
+                        del where[rank]
                 return
             worker = _Worker(msg)
             if old is not None:
@@ -101,11 +121,21 @@ class ResourceAllocator:
                     free = worker.free_slots()
                     if free:
                         worker.busy.setdefault(launch.job_id, []).append(free[0])
+                # Where each re-attached rank runs (its slot: one of the job's here, in rank
+                # order), so that a rebuild in place after a control restart knows the placement.
+                slots = sorted(worker.busy.get(launch.job_id, ()))
+                ranks = sorted(a.rank for a in launch.ranks)
+                where = self._reattached.setdefault(launch.job_id, {})
+                where.update({r: (msg.worker_id, s) for r, s in zip(ranks, slots, strict=False)})
                 if launch.job_id not in self._allocations and launch.ranks:
                     first = launch.ranks[0]
                     self._allocations[launch.job_id] = control_pb2.AllocateResources(
                         job_id=launch.job_id, world_size=first.world_size, backend=first.backend, init=launch.init
                     )
+                if launch.job_id not in self._placed and launch.job_id in self._allocations:
+                    # Fixed once every rank is back: a node lost later (its ranks then leave
+                    # the re-attached set) is replaced in place, not the whole job relaunched.
+                    self._placement_from_reattach(self._allocations[launch.job_id])
             self._workers[msg.worker_id] = worker  # a known id keeps its place in the order
             free = sum(len(w.free_slots()) for w in self._workers.values() if not w.departing)
         self._emit(control_pb2.ResourcesReady(free_ranks=free))  # (outside the lock, like every send)
@@ -161,7 +191,11 @@ class ResourceAllocator:
             with self._lock:
                 known = self._allocations.setdefault(msg.job_id, msg)  # a re-attached launch may have set it
                 if known is not msg:
-                    known.exclude_worker_ids[:] = sorted(set(known.exclude_worker_ids) | set(msg.exclude_worker_ids))
+                    # The journal's job is the one to go on with (a launch re-attached first
+                    # names the size and spec it was launched at, before any resize).
+                    excluded = sorted(set(known.exclude_worker_ids) | set(msg.exclude_worker_ids))
+                    known.CopyFrom(msg)
+                    known.exclude_worker_ids[:] = excluded
             return control_pb2.ResourcesReady(job_id=msg.job_id, world_size=msg.world_size)
         spec = spec_from_json(msg.init.spec_json)
         excluded = set(msg.exclude_worker_ids)
@@ -187,9 +221,10 @@ class ResourceAllocator:
             backend = msg.backend if msg.backend in ("gloo", "nccl") else ("nccl" if kinds == {"cuda"} else "gloo")
             if backend == "nccl" and kinds != {"cuda"}:
                 return self._insufficient(msg, free, "backend nccl needs a CUDA device for every rank")
-            master_addr = picks[0][0].reg.host
+            master_addr = _reachable_host(picks[0][0].reg)
             master_port = self._free_port()
             self._allocations[msg.job_id] = msg
+            self._placed[msg.job_id] = _Placement([(w.reg.worker_id, slot) for w, slot in picks], backend)
             launches: dict[str, control_pb2.LaunchRanks] = {}
             for rank, (w, slot) in enumerate(picks):
                 w.busy.setdefault(msg.job_id, []).append(slot)
@@ -233,6 +268,8 @@ class ResourceAllocator:
         release of a job it does not run. A graceful release of such a job is a no-op."""
         with self._lock:
             self._allocations.pop(msg.job_id, None)
+            self._placed.pop(msg.job_id, None)
+            self._reattached.pop(msg.job_id, None)
             holders = [w.reg.worker_id for w in self._workers.values() if w.busy.pop(msg.job_id, None) is not None]
             if not holders and msg.kill:
                 holders = list(self._workers)
@@ -255,6 +292,8 @@ class ResourceAllocator:
         ranks no longer fit (its old ranks are killed either way). In the latter case the
         allocation is kept: the same command places the ranks once capacity returns.
         """
+        if msg.in_place:
+            return self._rebuild_in_place(msg)
         with self._lock:
             allocated = self._allocations.get(msg.job_id)
         if allocated is None:
@@ -271,7 +310,152 @@ class ResourceAllocator:
                 self._allocations.setdefault(msg.job_id, again)
         return placed
 
+    def _rebuild_in_place(
+        self, msg: control_pb2.RebuildCommunicator
+    ) -> control_pb2.ResourcesReady | control_pb2.ResourcesInsufficient:
+        """The survivors keep their processes (issue 16): kill only ``lost_ranks``, place one
+        replacement per lost rank (same rank, same world size; its own worker first once the
+        killed process is reaped, else the first free slot of another usable worker), started
+        to heal from a live peer (InitJob.heal_from_peer), and send every live rank of the job
+        the fresh rendezvous (RebuildParallelGroup, the next generation). Rank 0's host is the
+        rendezvous, as at launch.
+
+        With ``layout`` (a resize: shrink, scale, growing back) the group gets ``layout.dp``
+        ranks: the surviving ranks at or above it are released, the lost ranks below it
+        replaced, and the ranks from the old size up to it launched (healing like a
+        replacement); the allocation's spec and world size become the new layout's.
+
+        Returns ResourcesInsufficient, having killed the lost ranks (and nothing else), when a
+        rank to launch does not fit or the job's placement is not known here (an allocation
+        adopted after a control restart): the orchestrator then falls back to relaunching
+        every rank, shrinks, or (a scale) lets the ranks go on at their size."""
+        with self._lock:
+            allocated, placed = self._allocations.get(msg.job_id), self._placed.get(msg.job_id)
+            if placed is None and allocated is not None:
+                placed = self._placement_from_reattach(allocated)
+            if allocated is None or placed is None:
+                why = "holds no allocation" if allocated is None else "has no known placement (control restarted)"
+                return control_pb2.ResourcesInsufficient(job_id=msg.job_id, reason=f"job {msg.job_id} {why}")
+            old_world = len(placed.ranks)
+            world = msg.layout.dp if msg.HasField("layout") else old_world
+            lost = sorted({r for r in msg.lost_ranks if r < old_world})
+            released = [r for r in range(world, old_world) if r not in lost]  # survivors above the new size
+            launched = [r for r in lost if r < world] + list(range(old_world, world))
+            kills: dict[str, list[int]] = {}
+            freed: list[tuple[_Worker, int]] = []  # slots of released ranks: given back if the rest does not fit
+            for r in lost + released:
+                worker_id, slot = placed.ranks[r]
+                if r in lost:
+                    kills.setdefault(worker_id, []).append(r)
+                w = self._workers.get(worker_id)
+                if w is not None and msg.job_id in w.busy:
+                    w.busy[msg.job_id] = [s for s in w.busy[msg.job_id] if s != slot]
+                    if r in released:
+                        freed.append((w, slot))
+            excluded = set(allocated.exclude_worker_ids) | set(msg.exclude_worker_ids)
+            usable = [w for w in self._workers.values() if w.reg.worker_id not in excluded and not w.departing]
+            picks: list[tuple[_Worker, int]] = []
+            for r in launched:
+                own = self._workers.get(placed.ranks[r][0]) if r < old_world else None
+                candidates = ([own] if own in usable else []) + [w for w in usable if w is not own]
+                taken = {(w.reg.worker_id, s) for w, s in picks}
+                spot = next(
+                    ((w, s) for w in candidates for s in w.free_slots() if (w.reg.worker_id, s) not in taken), None
+                )
+                if spot is None:
+                    what = f"a replacement of rank {r}" if r < old_world else f"new rank {r}"
+                    short = self._insufficient(allocated, len(picks), f"no free slot for {what}")
+                    short.requested_ranks = len(launched)
+                    break
+                picks.append(spot)
+            else:
+                short = None
+            launches: dict[str, control_pb2.LaunchRanks] = {}
+            if short is not None:
+                for w, slot in freed:  # (the released ranks stay, as they were)
+                    w.busy.setdefault(msg.job_id, []).append(slot)
+            else:
+                for r in released:
+                    worker_id, _ = placed.ranks[r]
+                    kills.setdefault(worker_id, []).append(r)
+                del placed.ranks[world:]
+                placed.ranks.extend([("", 0)] * (world - len(placed.ranks)))
+                for r, (w, slot) in zip(launched, picks, strict=True):
+                    w.busy.setdefault(msg.job_id, []).append(slot)
+                    placed.ranks[r] = (w.reg.worker_id, slot)
+                if msg.HasField("layout"):  # (also a new micro-batch split at the same size)
+                    layout = msg.layout
+                    spec = with_layout(
+                        spec_from_json(allocated.init.spec_json),
+                        dp=layout.dp,
+                        micro_batch_size=layout.micro_batch_size,
+                        grad_accum=layout.grad_accum,
+                        source="RebuildCommunicator.layout",
+                    )
+                    allocated.init.spec_json, allocated.world_size = spec_to_json(spec), world
+                placed.generation += 1
+                master_addr = _reachable_host(self._workers[placed.ranks[0][0]].reg)
+                master_port = self._free_port()
+                rank_nodes = [worker_id for worker_id, _ in placed.ranks]
+                init = engine_pb2.InitJob()
+                init.CopyFrom(allocated.init)
+                init.resume_version, init.heal_from_peer = "", True
+                threads = spec_from_json(init.spec_json).parallel.threads_per_rank
+                for r, (w, slot) in zip(launched, picks, strict=True):
+                    launch = launches.setdefault(w.reg.worker_id, control_pb2.LaunchRanks(job_id=msg.job_id, init=init))
+                    launch.ranks.append(engine_pb2.RankAssignment(
+                        rank=r, world_size=len(placed.ranks), local_rank=slot, master_addr=master_addr,
+                        master_port=master_port, backend=placed.backend, device=_device_name(w, slot),
+                        memory_quota_bytes=_memory_quota(w, slot), num_threads=threads, worker_id=w.reg.worker_id,
+                        rank_nodes=rank_nodes,
+                    ))  # fmt: skip
+                for worker_id, launch in launches.items():
+                    peer = _memory_peer(usable, worker_id)
+                    if peer is not None:
+                        launch.memory_peer.CopyFrom(peer)
+                rebuild = engine_pb2.RebuildParallelGroup(
+                    job_id=msg.job_id, master_addr=master_addr, master_port=master_port, reason=msg.reason,
+                    world_size=len(placed.ranks), generation=placed.generation, rank_nodes=rank_nodes,
+                    layout=msg.layout if msg.HasField("layout") else None,
+                )  # fmt: skip
+        # The kills go first on each node agent's queue: a replacement of the same rank starts
+        # only once the killed process is reaped (the node agent's rule), and a survivor blocked
+        # in a collective with a hung rank is freed by that rank's death.
+        for worker_id, ranks in kills.items():
+            self._hardware(control_pb2.ReleaseRanks(job_id=msg.job_id, kill=True, ranks=ranks), worker_id)
+        if short is not None:
+            return short
+        for worker_id, launch in launches.items():
+            self._hardware(launch, worker_id)
+        if self._parallel is not None:
+            self._parallel(rebuild)
+        return control_pb2.ResourcesReady(
+            job_id=msg.job_id,
+            world_size=rebuild.world_size,
+            master_addr=rebuild.master_addr,
+            master_port=rebuild.master_port,
+            worker_ids=list(launches),
+            generation=rebuild.generation,
+            replaced_ranks=launched,
+        )
+
     # ------------------------------------------------------------ private
+
+    def _placement_from_reattach(self, allocated: control_pb2.AllocateResources) -> _Placement | None:
+        """Under the lock: the placement of a job adopted after a control restart, from where
+        its node agents said its ranks run (None until every rank re-attached). The generation
+        of its rendezvous starts from the clock: the ranks may be in any generation of the
+        control that went, and they take only a newer one."""
+        where = self._reattached.get(allocated.job_id, {})
+        if any(r not in where for r in range(allocated.world_size)):
+            return None
+        ranks = [where[r] for r in range(allocated.world_size)]
+        backend = allocated.backend
+        if backend not in ("gloo", "nccl"):  # (auto: as at launch, from the devices)
+            cuda = all(w in self._workers and _device_kind(self._workers[w], s) == "cuda" for w, s in ranks)
+            backend = "nccl" if cuda else "gloo"
+        placed = self._placed[allocated.job_id] = _Placement(ranks, backend, generation=int(time.time() * 1000))
+        return placed
 
     def _insufficient(
         self, msg: control_pb2.AllocateResources, available: int, reason: str
@@ -297,6 +481,24 @@ class ResourceAllocator:
         with socket.socket() as s:
             s.bind((self._control_host, 0))
             return s.getsockname()[1]
+
+
+def _reachable_host(reg: control_pb2.WorkerRegistration) -> str:
+    """The host other nodes reach this node agent at: its advertised address's (rank 0's
+    host is the rendezvous). Not ``reg.host``, the machine's own name, which another node
+    may not resolve, or resolve to itself (hosts sharing one name: containers, namespaces)."""
+    host = reg.address.rsplit(":", 1)[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host  # "[v6]:port"
+
+
+@dataclass
+class _Placement:
+    """Where a job's ranks run (index = rank: worker id, slot), the backend chosen at launch,
+    and the generation of the rendezvous its survivors last got (a rebuild in place)."""
+
+    ranks: list[tuple[str, int]]
+    backend: str
+    generation: int = 0
 
 
 def _device_kind(w: _Worker, slot: int) -> str:

@@ -100,6 +100,9 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
     def ResumeJob(self, request, context):
         return self._command(context, request)
 
+    def ScaleJob(self, request, context):
+        return self._command(context, request)
+
     def StopJob(self, request, context):
         return self._command(context, request)
 

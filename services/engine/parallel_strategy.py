@@ -1,7 +1,7 @@
 """L2-2 parallel strategy: turns the rank assignment into a frozen plan and a device mesh.
 
 Receives: ``RankAssignment`` (from L1's resource allocator, through the rank's session
-relay), pushed once. On it: compute the plan with the pure planner
+relay), pushed once; ``RebuildParallelGroup`` (below). On the assignment: compute the plan with the pure planner
 (:func:`services.engine.sharding_plan.plan`: mesh, coordinates, groups, stages, TP styles),
 initialise the torch.distributed default process group (gloo on CPU, nccl on CUDA;
 rendezvous at ``tcp://master_addr:master_port``), build the ``("pp", "dp", "tp")``
@@ -13,32 +13,75 @@ The model and parallel sections of the job spec are given at construction (compo
 root); an impossible combination (dp * tp * pp != world size, heads not divisible by tp,
 ...) is refused with the planner's one-line ``ValueError`` before any group is formed.
 
-Red lines kept (seed L2-2): the plan is fixed at initialisation and never adapted; this
-module performs no tensor communication (DDP/FSDP's collectives belong to L3-5, TP's to
-the DTensor modules L3-1 lays out) and never touches the step schedule.
+In-place rebuild (issue 16; seed 重建并行通信域指令): ``RebuildParallelGroup`` comes from two
+senders. From L1-2 (on the session's thread) it names the next generation's rendezvous of
+the job (a lost rank's replacement joins it with its RankAssignment): it is kept in a
+mailbox, newest generation first (one that names the group this rank is in only records
+that generation). From the training loop (``master_port`` 0, on the main thread) it says
+this rank leaves its group: the group broke under a collective, or the loop was paused for
+a resize L1 commanded (``ResumeTraining.rebuild``). A broken group (this process's
+communicator recorded broken: services/contract/failures.py) is published as
+``ParallelTopologyError`` (comm_error, typed FAILURE_COMMUNICATION; L1-3 and L1-2 hear of
+it); a group left for a resize is no fault and is not. Then: have L3-5 and L3-1 drop
+everything that holds the old group (the current ``ParallelPlan`` without a mesh: L3-5
+lets go of its DDP wrapper, L3-1 hands the model over again so the forward unit lets go of
+it too), destroy the group (and collect: a group still referenced keeps its sockets open,
+and a peer blocked in it, not next to the lost rank, stays blocked until its timeout --
+measured, torch 2.13 gloo), wait up to the group timeout for a rendezvous newer than this
+rank's, join it with the same rank, build the mesh, push the plan with the new mesh (L3-5
+wraps the model in a new DDP, without DDP's start-up broadcast) and publish
+``ParallelReady``. Only plans with tp == pp == 1 and data_parallel ddp or none are rebuilt
+(L1 decides a relaunch for the others).
+
+Resize in place (issue 16: ``surgectl scale``, a job shrunk by a fault, growing back): a
+rendezvous of L1-2's that names a ``layout`` (``world_size`` = ``layout.dp``) is a group of
+another size. The plan is computed again for it (the same model and parallel sections with
+``dp`` = ``layout.dp``, by the same planner; it must still be tp == pp == 1 and ddp or none),
+this rank joins with its rank id at the new world size (ranks >= the new size were released
+by L1; one here is a bug: RuntimeError), and the new plan goes to L3-5 and L3-1 and its
+coordinates out in ``ParallelReady``. The world size this rank is in is kept here (the
+RankAssignment stays as given: frozen). A rendezvous without a layout must be of the current
+size. The reply to the loop's rebuild carries the rendezvous joined as its payload
+(generation, and the layout the loop takes: the data side of the same resize).
+
+Red lines kept (seed L2-2): the plan is computed by the planner, never adapted here: it is
+fixed at initialisation, and a new plan at a new size comes only with L1-2's rendezvous
+naming a new layout (L1's command), computed from the same job sections; this module
+performs no tensor communication (DDP/FSDP's collectives belong to L3-5, TP's to the
+DTensor modules L3-1 lays out) and never touches the step schedule.
 """
 
 from __future__ import annotations
 
 import errno
+import gc
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Any
 
+import structlog
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from services.contract import engine_pb2
-from services.contract.bus import CommandPort, Emitter
-from services.contract.failures import RendezvousFailed
+from services.contract import Module, engine_pb2
+from services.contract.bus import CommandPort, Emitter, Reply
+from services.contract.failures import (
+    CommunicationFailed,
+    RendezvousFailed,
+    communicator_broken,
+    communicator_reset,
+    failure_of,
+)
 from services.contract.frozen import FrozenConfig
 from services.engine.schedule_check import check_pipeline
 from services.engine.sharding_plan import ShardingPlan, Topology, plan
 from services.jobspec import ModelSpec, ParallelSpec
 
 DEFAULT_TIMEOUT_S = 300.0
+_log = structlog.get_logger("parallel_strategy")
 
 
 class ParallelStrategy:
@@ -66,11 +109,20 @@ class ParallelStrategy:
         self._parallel_spec = parallel
         self._mesh: DeviceMesh | None = None
         # Seed L2-2: the plan is fixed at initialisation (red line 1). The seed's 重建并行通信域
-        # 指令 (RebuildParallelGroup) rebuilds the group on the same plan; nothing changes it.
+        # 指令 (RebuildParallelGroup) rebuilds the group on the same plan; only L1-2's rendezvous
+        # naming a new layout (a resize, L1's command) brings a plan computed at the new size.
         self._assignment = FrozenConfig[engine_pb2.RankAssignment]("L2_PARALLEL_STRATEGY", "rank assignment")
         self._plan: ShardingPlan | None = None
+        self._world_size = 0  # the group's size now (the assignment's, until a resize)
         self._owns_group = False
-        self._state = "uninitialised"  # uninitialised | ready | comm_error
+        self._state = "uninitialised"  # uninitialised | ready | comm_error | rebuilding
+        # In-place rebuilds: the generation of the group this rank is in (0: its launch's),
+        # the rendezvous it joined last, and L1-2's newest rendezvous not joined yet.
+        self._generation = 0
+        self._joined: tuple[str, int] = ("", 0)
+        self._rendezvous: engine_pb2.RebuildParallelGroup | None = None
+        self._mailbox = threading.Condition()
+        self._joining: tuple[str, int] | None = None  # a rebuild's rendezvous being waited at
 
     def rank_assignment(self, msg: engine_pb2.RankAssignment, payload: Any = None) -> None:
         """分配 rank 拓扑与通信权限指令: build the group (blocks until every rank joined or
@@ -96,40 +148,262 @@ class ParallelStrategy:
         if msg.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(msg.device))
         if not dist.is_initialized():
-            # Rank 0 hosts the rendezvous store on master_port: whether another socket holds
-            # it is asked of the OS first (a bind probe's errno), never read from torch's message.
-            if msg.rank == 0 and _port_taken(msg.master_port):
-                self._state = "comm_error"
-                raise RendezvousFailed(f"rendezvous port {msg.master_port} is in use", port_in_use=True)
+            # (Counted in at the store like a rebuild's ranks: a replacement may be joining
+            # survivors that wait for it there.)
             try:
-                dist.init_process_group(
-                    backend=msg.backend,
-                    init_method=f"tcp://{msg.master_addr}:{msg.master_port}",
-                    rank=msg.rank,
-                    world_size=msg.world_size,
-                    timeout=self._timeout,
+                self._join(msg.master_addr, msg.master_port, msg.rank, msg.world_size, msg.backend)
+            except _Superseded as e:
+                self._state = "comm_error"
+                raise RendezvousFailed(f"rendezvous at {msg.master_addr}:{msg.master_port} failed: {e}") from None
+        self._plan, self._world_size = sharding, msg.world_size
+        self._ready(t0, (self._shard_loader, self._reduction))
+
+    def rebuild_parallel_group(self, msg: engine_pb2.RebuildParallelGroup, payload: Any = None) -> Reply | None:
+        """重建并行通信域指令 (module docstring, "In-place rebuild", "Resize in place"). From
+        L1-2: kept for the loop's rebuild (reply None). From the loop (``master_port`` 0):
+        rebuild now; reply payload: the RebuildParallelGroup (L1-2's rendezvous) joined.
+
+        Raises:
+            RuntimeError: a rebuild before the group was formed, or of a plan that cannot be
+                rebuilt in place (tp or pp > 1, FSDP2); a rendezvous of another size without a
+                layout, or with a layout this rank is not in or that is not its world size.
+            ValueError: the planner refuses the plan at the new layout (one line, the field).
+            RendezvousFailed: no newer rendezvous came within the group timeout, or joining it failed.
+        """
+        if msg.master_port:
+            self._post(msg)
+            return None
+        if self._plan is None:
+            raise RuntimeError("parallel strategy: RebuildParallelGroup before the group was formed")
+        assignment = self._assignment.get()
+        plan_msg = plan_message(self._plan, assignment.rank, assignment.device)
+        if not (self._plan.tp == 1 and self._plan.pp == 1 and self._plan.data_parallel in ("ddp", "none")):
+            raise RuntimeError(
+                f"parallel strategy: a plan with tp={self._plan.tp} pp={self._plan.pp} "
+                f"data_parallel={self._plan.data_parallel} is not rebuilt in place"
+            )
+        t0 = time.perf_counter()
+        self._state = "rebuilding"
+        if communicator_broken():  # (else the loop leaves a whole group for a resize: no fault)
+            broken = CommunicationFailed(msg.reason or "the process group broke")
+            self._emit(engine_pb2.ParallelTopologyError(
+                rank=assignment.rank, fault_class="comm_error", detail=str(broken),
+                failure=failure_of(broken, Module.L2_PARALLEL_STRATEGY, msg.DESCRIPTOR.full_name),
+            ))  # fmt: skip
+        if self._mesh is not None:  # (None: a rebuild that failed to join is being retried)
+            # L3-5 first: L3-1's handover then finds it without a group, and the forward
+            # unit gets the bare model in place of the old wrapper.
+            self._reduction(plan_msg, None)
+            self._shard_loader(plan_msg, None)
+            self._mesh = None
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # noqa: BLE001 - a broken group may fail to say goodbye; it is gone either way
+                _log.warning("destroy_of_broken_group_failed", error=f"{type(e).__name__}: {e}")
+        gc.collect()  # what referenced the group's work (the wrapper's reducer) frees its sockets now
+        destroyed = time.perf_counter()
+        while True:
+            rendezvous = self._wait_rendezvous()
+            sharding = self._plan_for(rendezvous, assignment.rank)  # (the same plan, or one at the new layout)
+            self._generation = rendezvous.generation
+            try:
+                self._join(rendezvous.master_addr, rendezvous.master_port, assignment.rank, rendezvous.world_size,
+                           assignment.backend)  # fmt: skip
+                break
+            except _Superseded as why:  # a rank of this generation was lost before all arrived
+                _log.warning("rendezvous_superseded", generation=rendezvous.generation, reason=str(why))
+        communicator_reset()  # the new group is whole
+        resized = sharding.world_size != self._world_size
+        self._plan, self._world_size = sharding, rendezvous.world_size
+        _log.info(
+            "group_rebuilt",
+            generation=self._generation,
+            world_size=rendezvous.world_size,
+            resized=resized,
+            teardown_s=round(destroyed - t0, 4),
+            waited_and_joined_s=round(time.perf_counter() - destroyed, 4),
+        )
+        # L3-5 first: L3-1 hands the model over again and L3-5 wraps it on the new group.
+        self._ready(t0, (self._reduction, self._shard_loader))
+        return Reply(None, rendezvous)
+
+    def _plan_for(self, rendezvous: engine_pb2.RebuildParallelGroup, rank: int) -> ShardingPlan:
+        """The plan of the group ``rendezvous`` names: this rank's plan when it names no layout,
+        else the plan computed again at ``layout.dp`` (module docstring, "Resize in place").
+
+        Raises:
+            RuntimeError: another size without a layout; a layout that is not the world size,
+                that this rank is not in, or whose plan cannot be rebuilt in place (a bug: L1
+                decides these before it commands a resize).
+            ValueError: the planner refuses it (one line naming the field).
+        """
+        layout, generation = rendezvous.layout, rendezvous.generation
+        if not layout.dp:
+            if rendezvous.world_size != self._world_size:
+                raise RuntimeError(
+                    f"parallel strategy: generation {generation} has {rendezvous.world_size} ranks and names no "
+                    f"layout; the group has {self._world_size}"
                 )
-            except (ValueError, TypeError, RendezvousFailed):  # a wrong call (a bug); the guard's own type
-                self._state = "comm_error"
-                raise
-            except Exception as e:  # its store, a peer that never came: the group was not formed
-                self._state = "comm_error"
-                where = f"{msg.master_addr}:{msg.master_port}"
-                raise RendezvousFailed(f"rendezvous at {where} failed: {type(e).__name__}") from e
-            self._owns_group = True
-        # Every rank builds the same mesh from the same plan (new_group is collective).
-        device_type = "cuda" if msg.device.startswith("cuda") else "cpu"
+            return self._plan
+        if rendezvous.world_size != layout.dp or rank >= layout.dp:
+            raise RuntimeError(
+                f"parallel strategy: generation {generation} has {rendezvous.world_size} ranks at layout dp "
+                f"{layout.dp}; rank {rank} cannot join it (world size must be dp, ranks above it are released)"
+            )
+        base = self._parallel_spec or ParallelSpec(dp=self._world_size)
+        parallel = ParallelSpec.model_validate({**base.model_dump(), "dp": layout.dp})
+        topology = Topology(tuple(rendezvous.rank_nodes)) if rendezvous.rank_nodes else None
+        sharding = plan(self._model_spec or ModelSpec(), layout.dp, parallel, topology)  # ValueError: bad config
+        if not (sharding.tp == 1 and sharding.pp == 1 and sharding.data_parallel in ("ddp", "none")):
+            raise RuntimeError(
+                f"parallel strategy: the plan at dp {layout.dp} has data_parallel={sharding.data_parallel}: "
+                "it is not rebuilt in place"
+            )
+        return sharding
+
+    def _post(self, msg: engine_pb2.RebuildParallelGroup) -> None:
+        """L1-2's rendezvous: kept when newer than this rank's group and than what is kept
+        (one naming the group this rank joined or is joining records its generation only). A rank waiting
+        at an older rendezvous for peers that will never come (one was lost before it
+        arrived) is released from it: the newer one supersedes it."""
+        with self._mailbox:
+            if (msg.master_addr, msg.master_port) in (self._joined, self._joining):
+                # The group this rank is in, or joining (a replacement launched to it): only
+                # its generation is news.
+                self._generation = max(self._generation, msg.generation)
+                return
+            kept = self._rendezvous.generation if self._rendezvous is not None else 0
+            if msg.generation > max(self._generation, kept):
+                self._rendezvous = msg
+                self._mailbox.notify_all()
+            joining = self._joining if msg.generation > self._generation else None
+        if joining is not None:
+            _supersede(*joining, self._timeout)
+
+    def _wait_rendezvous(self) -> engine_pb2.RebuildParallelGroup:
+        """L1-2's newest rendezvous past this rank's generation (taken out of the mailbox),
+        waiting up to the group timeout.
+
+        Raises:
+            RendezvousFailed: none came in time.
+        """
+
+        def newer() -> bool:
+            return self._rendezvous is not None and self._rendezvous.generation > self._generation
+
+        with self._mailbox:
+            if not self._mailbox.wait_for(newer, timeout=self._timeout.total_seconds()):
+                raise RendezvousFailed(
+                    f"no rendezvous for generation {self._generation + 1} within {self._timeout.total_seconds():g} s"
+                )
+            rendezvous, self._rendezvous = self._rendezvous, None
+        return rendezvous
+
+    def _join(self, addr: str, port: int, rank: int, world_size: int, backend: str) -> None:
+        """Initialise the default process group on the rendezvous store at ``addr:port``.
+
+        Every rank first counts itself in at the store and waits for the last to arrive, or
+        for a newer rendezvous from L1-2 (``_post`` marks this one superseded): a peer lost
+        before it joined never comes, and the ranks waiting for it move on to the group that
+        replaces it instead of waiting out the group timeout. An unreachable store (its
+        host, rank 0, was lost) is the same.
+
+        Raises:
+            _Superseded: the rendezvous was given up for a newer one.
+            RendezvousFailed: ``port_in_use`` (rank 0 found its port taken by another socket),
+                or the group was not formed (its store, a peer that never came).
+            ValueError, TypeError: a wrong call (a bug).
+        """
+        # Rank 0 hosts the rendezvous store on the port: whether another socket holds it is
+        # asked of the OS first (a bind probe's errno), never read from torch's message.
+        if rank == 0 and _port_taken(port):
+            self._state = "comm_error"
+            raise RendezvousFailed(f"rendezvous port {port} is in use", port_in_use=True)
+        store = self._arrive(addr, port, rank, world_size)
+        try:
+            dist.init_process_group(
+                backend=backend,
+                store=dist.PrefixStore("group", store),
+                rank=rank,
+                world_size=world_size,
+                timeout=self._timeout,
+            )
+        except (ValueError, TypeError, RendezvousFailed):  # a wrong call (a bug); the guard's own type
+            self._state = "comm_error"
+            raise
+        except Exception as e:  # its store, a peer that never came: the group was not formed
+            self._state = "comm_error"
+            raise RendezvousFailed(f"rendezvous at {addr}:{port} failed: {type(e).__name__}") from e
+        self._owns_group = True
+        with self._mailbox:
+            self._joined = (addr, port)
+
+    def _arrive(self, addr: str, port: int, rank: int, world_size: int) -> dist.TCPStore:
+        """Count this rank in at the rendezvous store (rank 0 hosts it) and wait until all
+        ``world_size`` arrived; returns the store to form the group on.
+
+        Raises:
+            _Superseded: a newer rendezvous came first, or the store was unreachable.
+        """
+        with self._mailbox:
+            self._joining = (addr, port)
+            newer = self._rendezvous is not None and self._rendezvous.generation > self._generation
+        try:
+            if newer:
+                raise _Superseded("a newer rendezvous came before this one was joined")
+            try:
+                store = self._connect(addr, port, rank, world_size)
+                if store.add(_ARRIVED, 1) == world_size:
+                    store.compare_set(_GO, "", _ALL)  # (unless superseded first)
+                store.wait([_GO])  # set by the last rank to arrive, or by _post (superseded)
+                go = store.get(_GO)
+            except Exception as e:  # noqa: BLE001 - its host went away, or it timed out: not this group
+                raise _Superseded(f"rendezvous store {addr}:{port}: {type(e).__name__}") from None
+            if go != _ALL:
+                raise _Superseded("a newer rendezvous came while waiting for the others")
+            return store
+        finally:
+            with self._mailbox:
+                self._joining = None
+
+    def _connect(self, addr: str, port: int, rank: int, world_size: int) -> dist.TCPStore:
+        """The rendezvous store: rank 0 hosts it; the others connect, in attempts of a few
+        seconds between which a newer rendezvous is looked for (a host that was lost never
+        answers), up to the group timeout.
+
+        Raises:
+            _Superseded: a newer rendezvous came. RuntimeError: the timeout passed."""
+        if rank == 0:
+            return dist.TCPStore(addr, port, world_size, is_master=True, wait_for_workers=False, timeout=self._timeout)
+        give_up_at = time.monotonic() + self._timeout.total_seconds()
+        while True:
+            try:
+                store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=_CONNECT)
+                store.set_timeout(self._timeout)  # (the short one was for connecting only)
+                return store
+            except Exception:  # noqa: BLE001 - not up yet, or gone
+                with self._mailbox:
+                    if self._rendezvous is not None and self._rendezvous.generation > self._generation:
+                        raise _Superseded("a newer rendezvous came while connecting") from None
+                if time.monotonic() > give_up_at:
+                    raise
+
+    def _ready(self, t0: float, ports: tuple[CommandPort, ...]) -> None:
+        """Build the mesh of the plan on the group (every rank the same: new_group is
+        collective), push the plan to ``ports`` in that order, publish ParallelReady."""
+        assignment, sharding = self._assignment.get(), self._plan
+        device_type = "cuda" if assignment.device.startswith("cuda") else "cpu"
         ranks, names = _mesh_layout(sharding)
         self._mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
-        self._plan = sharding
-        plan_msg = plan_message(sharding, msg.rank, msg.device)
-        self._shard_loader(plan_msg, self._mesh)
-        self._reduction(plan_msg, self._mesh)
+        plan_msg = plan_message(sharding, assignment.rank, assignment.device)
+        for port in ports:
+            port(plan_msg, self._mesh)
         self._state = "ready"
         self._emit(
             engine_pb2.ParallelReady(
-                rank=msg.rank,
-                world_size=msg.world_size,
+                rank=assignment.rank,
+                world_size=self._world_size,
                 dp_rank=plan_msg.dp_rank,
                 dp_size=sharding.dp,
                 tp_rank=plan_msg.tp_rank,
@@ -145,6 +419,25 @@ class ParallelStrategy:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False
+
+
+# Keys of a rebuild's rendezvous store, next to the group's own (under its prefix "group").
+_ARRIVED, _GO, _ALL, _SUPERSEDED = "surge/arrived", "surge/go", b"all", b"superseded"
+_CONNECT = timedelta(seconds=3)  # one attempt to reach a rebuild's rendezvous store
+
+
+class _Superseded(Exception):
+    """A rebuild's rendezvous given up for a newer one (a peer was lost before it arrived)."""
+
+
+def _supersede(addr: str, port: int, timeout: timedelta) -> None:
+    """Mark the rendezvous at ``addr:port`` superseded, releasing every rank waiting there.
+    (A store that cannot be reached has released them already: their wait fails.)"""
+    try:
+        client = dist.TCPStore(addr, port, is_master=False, timeout=min(timeout, _CONNECT))
+        client.compare_set(_GO, "", _SUPERSEDED)  # (a group already complete stays complete)
+    except Exception as e:  # noqa: BLE001 - see above
+        _log.info("rendezvous_supersede_unreachable", store=f"{addr}:{port}", error=type(e).__name__)
 
 
 def _mesh_layout(sharding: ShardingPlan) -> tuple[torch.Tensor, tuple[str, ...]]:

@@ -65,6 +65,50 @@ its own fields from its slot.
 Saves are asynchronous by default (``checkpoint.async``): the loop blocks for the copy of
 the state to host memory only; before it reports its end it waits for the write and
 commit (``FlushCheckpoint``), because a finished rank may be released at once.
+
+Survivors keep training (issue 16; ``InitJob.rebuild_in_place``, the job's fault policy
+``rebuild``): a communication failure (typed cause FAILURE_COMMUNICATION) raised in a step,
+an evaluation, a save or a heal does not fail the rank. The loop first leaves the ``except``
+block: the exception's traceback holds the failed collective's work, and while anything
+references it, destroying the group does not close its sockets, so a peer not next to the
+lost rank stays blocked in it (measured, torch 2.13 gloo). Then (:meth:`TrainingLoop._recover`,
+phase FAULT_WAIT: no progress deadline) it rolls back to the last step it completed
+(``self._step``): under ddp or none nothing communicates after ApplyUpdate and the update is
+local, so the model and optimizer are untouched until then; the RNG streams go back to the
+step's start, the data position stays, and gradients start anew (the backward unit's window
+restarts when the model is attached again). It commands L2-2 ``RebuildParallelGroup``
+(``master_port`` 0: L2-2 drops the broken group and joins the next generation L1-2 names;
+it blocks until then), takes ``ParallelReady`` (the dp coordinates), and sends L5-1's rank
+side ``HealState``: the ranks agree on the lowest rank at the highest completed step as the
+source, and every other rank restores the source's snapshot (model, optimizer, the loop's
+progress; it keeps its own RNG streams: the source's slot holds only its own rank's). It
+reopens the train stream at the healed position (a batch of the old stream still in the
+inbox, or on its way, is dropped by its stream token: data_client.py), reports
+``TrainingLoopStarted`` (``rebuild_generation``, ``healed``, ``healed_from_rank``) and waits
+for ``StartTraining``, like a relaunched generation. A rank launched to replace a lost one
+(``InitJob.heal_from_peer``) heals (``has_state`` false) where it would load a checkpoint.
+Evaluation and checkpoint work of a step boundary cut short by the fault is not done again,
+except at the last step (its at-end work); the next interval saves. Only ddp or none with
+tp == pp == 1 are rebuilt in place (L1 decides a relaunch for anything else).
+
+Resize in place (issue 16: ``surgectl scale``, a job shrunk on a fault, growing back): the
+rendezvous L2-2 joined may name a new data-parallel layout (``RebuildParallelGroup.layout``,
+L1's command: dp, micro_batch_size, grad_accum; the global batch unchanged). L2-2's reply
+carries it, and the loop takes it as the job's from then on (``services.jobspec.with_layout``;
+the InitJob stays as pushed): the micro-steps per step (and ``RunBackward.micro_steps``,
+L3-4's accumulation window), the normaliser and ``grad_scale`` (dp x K / N), the stream
+reopened at the same global position with the new dp coordinates and micro-batch size,
+the MFU's world, the checkpoint's ``data_order`` (its global rows, hence its meaning, are
+unchanged) and the spec a commit names. A survivor of a fault enters it from :meth:`_recover`
+as above; an operator's resize pauses every rank at a common boundary first
+(PauseTraining, no checkpoint) and then sends ``ResumeTraining(rebuild=True)``: the paused
+loop goes the same way (no step in flight: nothing is taken back), reports
+``TrainingLoopStarted`` and waits for StartTraining. A ``rebuild`` resume that finds the loop
+not paused is dropped (logged). Ranks at the new size or above were released by L1; new
+ranks are launched at the new layout with ``heal_from_peer`` (their RNG streams are a fresh
+rank's, seeded from (job seed, rank); the survivors keep their own). The read-ahead bound,
+fixed at construction, only bounds what waits: the loop takes a step's micro-batches one at
+a time, so a larger ``grad_accum`` never waits on it.
 """
 
 from __future__ import annotations
@@ -83,11 +127,11 @@ from google.protobuf.message import Message
 from services.common import phase as ph
 from services.contract import Module, data_pb2, engine_pb2, route_pb2, store_pb2
 from services.contract.bus import BoundaryViolation, CommandPort, Emitter
-from services.contract.failures import ModuleFailed, failure_of
+from services.contract.failures import ModuleFailed, cause_of, failure_of
 from services.contract.frozen import FrozenConfig
 from services.engine import rng_streams
 from services.engine.lr_schedule import schedule_for
-from services.jobspec import InitFromSpec, JobSpec, spec_from_json
+from services.jobspec import InitFromSpec, JobSpec, JobSpecError, spec_from_json, spec_to_json, with_layout
 from services.state.snapshot import RANK_SLOTS, InconsistentSnapshot, Slot, Snapshot
 
 _DETAIL_CHARS = 400
@@ -117,6 +161,7 @@ class Batch(NamedTuple):
     split: str  # "train" | "val"
     input_ids: torch.Tensor  # int64 [B, T]
     labels: torch.Tensor  # int64 [B, T]; -100 marks padding
+    stream: Any = None  # the token of the stream it came from (OpenStream's reply payload)
 
 
 @dataclass(frozen=True)
@@ -132,6 +177,7 @@ class LoopPorts:
     data: CommandPort
     store: CommandPort
     metrics: CommandPort | None = None  # L5-2 (LogCollectionConfig); None: no sinks configured
+    parallel: CommandPort | None = None  # L2-2 (RebuildParallelGroup): a group rebuilt in place
 
 
 class LoopState:
@@ -227,6 +273,9 @@ class TrainingLoop:
         self._t_created = time.perf_counter() if started_at is None else started_at
         self._control: queue.Queue = queue.Queue()
         self._batches = {s: queue.Queue(maxsize=max(1, read_ahead)) for s in ("train", "val")}
+        self._streams: dict[str, Any] = {"train": None, "val": None}  # each split's open stream (its token)
+        self._rng_at_step: dict[str, torch.Tensor] | None = None  # the streams at the start of the step in flight
+        self._generation = 0  # the generation of the group this rank trains in (0: its launch's)
         self._lock = threading.Lock()
         self._pause_at: int | None = None
         self._stop_at: int | None = None
@@ -242,6 +291,7 @@ class TrainingLoop:
         # The job as L1 pushed it (seed L2-1 red line 3: never modified here); once per rank.
         self._job = FrozenConfig[engine_pb2.InitJob]("L2_TRAINING_LOOP", "job (InitJob)")
         self._spec: JobSpec | None = None
+        self._spec_json = ""  # the spec as a commit names it: InitJob's, or the resized one's
         self._rank, self._world = 0, 1
         self._dp_rank, self._dp_size = 0, 1  # the data-parallel coordinate: which data this rank reads
         self._step = 0
@@ -267,7 +317,8 @@ class TrainingLoop:
         self._flops_per_token = 0.0
         self._peak_flops = 1.0
         self._lr_at = None
-        # standby | stepping | waiting_data | evaluating | saving | paused | blocked | released | done | failed
+        # standby | stepping | waiting_data | evaluating | saving | paused | blocked | rebuilding | released
+        # | done | failed
         self._phase = "standby"
 
     # ------------------------------------------------------------------ L1 commands
@@ -284,6 +335,13 @@ class TrainingLoop:
             self._pause_at, self._pause_checkpoint = msg.at_step, msg.checkpoint
 
     def resume_training(self, msg: engine_pb2.ResumeTraining, payload: Any = None) -> None:
+        """Resume a paused loop; ``rebuild``: into a resize (module docstring), only while
+        paused (else dropped: a rebuild left queued would start one at the next pause)."""
+        # (The phase is set before TrainingLoopPaused goes out; a loop wired without L2-2 has
+        # no group to rebuild.)
+        if msg.rebuild and (self._phase != "paused" or self._p.parallel is None):
+            _log.warning("rebuild_resume_ignored", phase=self._phase, step=self._step)
+            return
         self._control.put(msg)
 
     def stop_training(self, msg: engine_pb2.StopTraining, payload: Any = None) -> None:
@@ -386,25 +444,162 @@ class TrainingLoop:
     def _train(self) -> None:
         spec = self._spec
         self._durable_step = self._step  # loaded from a checkpoint, or step 0 (from the seed)
-        while self._step < spec.steps:
-            step = self._step + 1
-            self._run_step(step)
-            self._step = step
-            last = step == spec.steps
-            if _due(step, spec.eval.every_steps, last and spec.eval.at_end):
-                self._evaluate(step)
-            if _due(step, spec.checkpoint.every_steps, last and spec.checkpoint.at_end):
-                self._save(step)
-                self._durable_step = step
-            if not last and self._stop_requested_at_boundary(step):
-                return self._finish(stopped=True)
+        boundary: int | None = None  # a completed step whose boundary work (eval, save, stop) is due
+        while self._step < spec.steps or boundary is not None:
+            try:
+                if boundary is None:
+                    step = self._step + 1
+                    self._run_step(step)
+                    self._step = boundary = step
+                after = self._boundary(boundary)
+                if after == _STOP:
+                    return self._finish(stopped=True)
+                boundary = None
+                if after != _RESIZE:
+                    continue
+                reason, in_step, resize = "resize (ResumeTraining.rebuild)", False, True
+            except Exception as e:
+                if not self._rebuilds(e):
+                    raise
+                reason, in_step, resize = _one_line(e), boundary is None, False
+            # Out of the except block: nothing references the failed collective any more.
+            if not self._recover(reason, in_step, resize=resize):
+                return  # stopped while waiting to start again (finished)
+            # At the last step its at-end work is done again (the run would end without it);
+            # elsewhere a cut-short boundary is not (every rank decides alike: from the step).
+            boundary = self._step if self._step == spec.steps else None
         self._finish(stopped=False)
+
+    def _boundary(self, step: int) -> str:
+        """The work due at the boundary after ``step``: evaluation, checkpoint, then an
+        operator's stop or pause. What follows: :data:`_STOP`, :data:`_RESIZE` (a pause left
+        into a resize), or "" (the next step)."""
+        spec = self._spec
+        last = step == spec.steps
+        if _due(step, spec.eval.every_steps, last and spec.eval.at_end):
+            self._evaluate(step)
+        if _due(step, spec.checkpoint.every_steps, last and spec.checkpoint.at_end):
+            self._save(step)
+            self._durable_step = step
+        return "" if last else self._stop_requested_at_boundary(step)
+
+    def _rebuilds(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is a broken group this rank survives (module docstring): the job
+        rebuilds in place and the failure is a communication failure (typed cause)."""
+        if isinstance(exc, (_Released, TrainingFault)) or not self._init.rebuild_in_place or self._p.parallel is None:
+            return False
+        return cause_of(exc) == route_pb2.FAILURE_COMMUNICATION
+
+    def _recover(self, reason: str, in_step: bool, *, resize: bool = False) -> bool:
+        """Roll back to the last completed step, have the group rebuilt (at a new layout when
+        L1-2's rendezvous names one), heal, reopen the data and wait to start again (module
+        docstring, "Survivors keep training", "Resize in place"). ``in_step``: the fault cut
+        a step short (its RNG draws are taken back). ``resize``: no fault, a paused loop left
+        for an operator's resize. Returns False when a StopTraining came instead of
+        StartTraining (the loop finished).
+
+        Raises:
+            whatever is not a communication failure (a rendezvous that never came, a heal with
+            no state to take, a layout the spec refuses: L1 decides, as for any failure).
+        """
+        t0 = time.perf_counter()
+        self._phase = "rebuilding"
+        self._mark.enter(ph.FAULT_WAIT)  # no progress deadline while the group is rebuilt
+        if resize:
+            _log.info("group_left_for_resize", step=self._step, reason=reason)
+        else:
+            _log.warning("group_broke", step=self._step, in_step=in_step, reason=reason)
+        if in_step and self._rng_at_step is not None:
+            rng_streams.restore(self._rng_at_step)
+        healed: engine_pb2.StateHealed | None = None
+        while healed is None:
+            try:
+                joined = self._p.parallel(engine_pb2.RebuildParallelGroup(job_id=self._job_id, reason=reason)).payload
+                self._generation = joined.generation
+                self._await_ready()
+                if joined.layout.dp:
+                    self._take_layout(joined.layout)
+                healed = self._heal(has_state=True)
+            except Exception as e:
+                if not self._rebuilds(e):  # (a peer lost again while healing: rebuilt again)
+                    raise
+                reason = _one_line(e)
+        self._open_stream("train", self._position, repeat=True, max_batches=0)
+        self._emit(engine_pb2.TrainingLoopStarted(
+            job_id=self._job_id, rank=self._rank, start_step=self._step, num_parameters=self._num_parameters,
+            startup_seconds=time.perf_counter() - t0, rebuild_generation=self._generation,
+            healed=True, healed_from_rank=healed.source_rank,
+        ))  # fmt: skip
+        _log.info(
+            "group_rebuilt_and_healed",
+            step=self._step,
+            generation=self._generation,
+            world_size=self._world,
+            layout=self._layout_text(),
+            source=healed.source_rank,
+            healed_bytes=healed.bytes,
+            heal_s=round(healed.seconds, 4),
+            recovery_s=round(time.perf_counter() - t0, 4),
+        )
+        self._phase = "standby"
+        return self._await_start()
+
+    def _take_layout(self, layout: engine_pb2.DataParallelLayout) -> None:
+        """The layout of the group just joined (L1's command) is the job's from now on
+        (module docstring, "Resize in place").
+
+        Raises:
+            TrainingFault: config_error, a layout the spec's rules refuse or that is not the
+                group's size (L1 checks both before it commands a resize).
+        """
+        try:
+            spec = with_layout(
+                self._spec, dp=layout.dp, micro_batch_size=layout.micro_batch_size, grad_accum=layout.grad_accum,
+                source="RebuildParallelGroup.layout",
+            )  # fmt: skip
+        except JobSpecError as e:
+            raise TrainingFault("config_error", _one_line(e)) from None
+        if spec.world_size != self._world:
+            raise TrainingFault(
+                "config_error",
+                f"RebuildParallelGroup.layout: dp {layout.dp} needs {spec.world_size} ranks, the group has {self._world}",
+            )
+        before = self._layout_text()
+        self._spec, self._spec_json = spec, spec_to_json(spec)
+        _log.info("layout_taken", step=self._step, before=before, now=self._layout_text())
+
+    def _layout_text(self) -> str:
+        d = self._spec.data
+        return f"dp {self._spec.parallel.dp} x micro_batch_size {d.micro_batch_size} x grad_accum {d.grad_accum}"
+
+    def _await_ready(self) -> None:
+        """Take the ParallelReady of a rebuilt group off the control inbox (other commands
+        stay queued, in order) and take its coordinates."""
+        kept = []
+        while not isinstance(msg := self._control.get(), engine_pb2.ParallelReady):
+            kept.append(msg)
+        for other in kept:
+            self._control.put(other)
+        self._rank, self._world = msg.rank, msg.world_size
+        self._dp_rank, self._dp_size = msg.dp_rank, max(msg.dp_size, 1)
+
+    def _heal(self, *, has_state: bool) -> engine_pb2.StateHealed:
+        """HealState with a template of this rank's state; restore what came unless this
+        rank is the source. ``has_state`` false: a replacement, nothing to give."""
+        ask = engine_pb2.HealState(job_id=self._job_id, step=self._step, has_state=has_state)
+        reply = self._p.store(ask, self._snapshot(self._step))
+        healed = reply.message
+        if healed.source_rank != self._rank or not has_state:
+            self._restore(reply.payload)
+        return healed
 
     def _run_step(self, step: int) -> None:
         """One optimizer step: data -> (forward, backward) x grad_accum -> reduce ->
         unscale/check -> update or skip -> report."""
         p, accum = self._p, self._spec.data.grad_accum
         t0 = time.perf_counter()
+        if self._init.rebuild_in_place:  # what a step cut short by a broken group takes back
+            self._rng_at_step = rng_streams.capture()
         mark, warm = self._mark, self._warm
         mark.enter(ph.DATA_WAIT)
         batches = [self._next_batch("train") for _ in range(accum)]
@@ -420,10 +615,15 @@ class TrainingLoop:
             fwd = p.forward(engine_pb2.RunForward(training=True), batch.input_ids)
             mark.enter(ph.BACKWARD if warm else ph.COMPILE)
             bwd = p.backward(
-                engine_pb2.RunBackward(normalizer=normalizer, loss_scale=self._loss_scale, backward=True),
+                engine_pb2.RunBackward(
+                    normalizer=normalizer, loss_scale=self._loss_scale, backward=True, micro_steps=accum
+                ),
                 (fwd.payload, batch.labels),
             ).message
             fwd_s, bwd_s, loss_sum = fwd_s + fwd.message.seconds, bwd_s + bwd.seconds, loss_sum + bwd.loss_sum
+            # The logits (micro-batch x sequence x vocabulary, the largest activation) and
+            # their graph: freed now, not while the next micro-batch's forward runs.
+            del fwd
         # This rank's overflow verdict and norm pieces first; L3-5 all-reduces them with the
         # token count and loss sum (one collective), so every rank (every mesh axis) skips or
         # applies together; L2-4 then unscales (and renormalises) and moves the scale.
@@ -604,7 +804,7 @@ class TrainingLoop:
         ), self._snapshot(step))  # fmt: skip
         if self._rank == 0:
             self._p.store(store_pb2.CommitCheckpoint(
-                job_id=self._job_id, step=step, world_size=self._world, spec_json=self._init.spec_json,
+                job_id=self._job_id, step=step, world_size=self._world, spec_json=self._spec_json,
                 keep_last=spec.checkpoint.keep_last, keep_every=spec.checkpoint.keep_every,
                 # Retention never deletes the version this generation of ranks resumed from.
                 keep_versions=[self._init.resume_version] if self._init.resume_version else [],
@@ -630,7 +830,7 @@ class TrainingLoop:
         self._dp_rank, self._dp_size = ready.dp_rank, max(ready.dp_size, 1)
         self._orders = {order.kind: order for order in self._init.standing_orders}
         try:
-            self._spec = spec_from_json(self._init.spec_json)
+            self._spec, self._spec_json = spec_from_json(self._init.spec_json), self._init.spec_json
         except ValueError as e:
             raise TrainingFault("config_error", f"InitJob.spec_json is not a valid job spec: {_one_line(e)}") from None
         if self._spec.world_size != self._world:
@@ -659,7 +859,10 @@ class TrainingLoop:
                 f"dataset {spec.data.dataset} has vocab_size {mounted.vocab_size} > model.vocab_size {spec.model.vocab_size}",
             )
         restored_from: dict[str, int] = {}
-        if self._init.resume_version:
+        healed: engine_pb2.StateHealed | None = None
+        if self._init.heal_from_peer:  # a replacement of a lost rank: a live peer's state, not a load
+            healed = self._heal(has_state=False)
+        elif self._init.resume_version:
             # Copies of the fresh state (keys, shapes, placements, values a checkpoint may lack),
             # handed to L5-1 to be read into.
             template = self._snapshot(self._step)
@@ -692,7 +895,8 @@ class TrainingLoop:
         self._emit(engine_pb2.TrainingLoopStarted(
             job_id=self._job_id, rank=self._rank, start_step=self._step,
             num_parameters=self._num_parameters, startup_seconds=time.perf_counter() - self._t_created,
-            restored_bytes_from=restored_from,
+            restored_bytes_from=restored_from, healed=healed is not None,
+            healed_from_rank=healed.source_rank if healed is not None else 0,
         ))  # fmt: skip
 
     def _init_precision(self) -> None:
@@ -722,8 +926,9 @@ class TrainingLoop:
                 self._finish(stopped=True)
                 return False
 
-    def _stop_requested_at_boundary(self, step: int) -> bool:
-        """At the boundary after ``step``: stop (True), or pause until resumed or stopped.
+    def _stop_requested_at_boundary(self, step: int) -> str:
+        """At the boundary after ``step``: stop (:data:`_STOP`), or pause until resumed (""),
+        resumed into a resize (:data:`_RESIZE`: ``ResumeTraining.rebuild``) or stopped.
         An operator's stop or pause that asks for it checkpoints ``step`` first (every rank
         is at the same boundary, so the save's collectives meet); a pause waits for that
         commit before it reports paused (a stop's ``_finish`` waits for it)."""
@@ -736,7 +941,7 @@ class TrainingLoop:
         if stop or not pause:
             if stop and checkpoint:
                 self._checkpoint_boundary(step)
-            return stop
+            return _STOP if stop else ""
         if checkpoint:
             self._checkpoint_boundary(step)
             self._p.store(store_pb2.FlushCheckpoint(job_id=self._job_id))
@@ -746,11 +951,11 @@ class TrainingLoop:
             msg = self._control.get()
             if isinstance(msg, engine_pb2.ResumeTraining):
                 self._phase = "stepping"
-                return False
+                return _RESIZE if msg.rebuild else ""
             if isinstance(msg, engine_pb2.StopTraining) and msg.at_step <= step:  # 0: now
                 if msg.checkpoint:
                     self._checkpoint_boundary(step)
-                return True
+                return _STOP
 
     def _checkpoint_boundary(self, step: int) -> None:
         """Save ``step`` unless its state is durable already (saved at this step, loaded from
@@ -771,7 +976,10 @@ class TrainingLoop:
 
     def _next_batch(self, split: str) -> tuple[data_pb2.MicroBatch, Batch] | None:
         """The next micro-batch of ``split`` (None at the end of a finite stream)."""
-        msg, batch = self._batches[split].get()
+        while True:
+            msg, batch = self._batches[split].get()
+            if batch is None or batch.stream is self._streams[split]:
+                break  # (else a batch of a stream since replaced: dropped)
         if self._data_fault is not None:
             raise TrainingFault("data_unavailable", self._data_fault)
         if batch is None:
@@ -783,7 +991,7 @@ class TrainingLoop:
     def _open_stream(self, split: str, start: data_pb2.DataPosition, *, repeat: bool, max_batches: int) -> None:
         d = self._spec.data
         pack = d.pack == "pack"
-        self._p.data(data_pb2.OpenStream(
+        self._streams[split] = self._p.data(data_pb2.OpenStream(
             mount=data_pb2.MountDataset(name=d.name, version=d.version, verify=False),
             prefetch=data_pb2.SetPrefetch(watermark=d.prefetch.watermark, threads=d.prefetch.threads),
             shuffle=data_pb2.ShufflePlan(seed=d.shuffle_seed, epoch=start.epoch, enabled=d.shuffle and split == "train"),
@@ -797,7 +1005,7 @@ class TrainingLoop:
                 rank=self._dp_rank, world_size=self._dp_size,  # the deal; tp/pp peers read the same data
             ),
             split=split, start=start, repeat=repeat, max_batches=max_batches,
-        ))  # fmt: skip
+        )).payload  # fmt: skip
 
     def _snapshot(self, step: int) -> Snapshot:
         """A copy of the rank's state at ``step``: the model's and the optimizer's slots
@@ -873,6 +1081,9 @@ class TrainingLoop:
     def _job_id(self) -> str:
         return self._init.job_id if self._init is not None else ""
 
+
+# What follows a step boundary besides the next step (TrainingLoop._boundary).
+_STOP, _RESIZE = "stop", "resize"
 
 # What the checkpoint's data position depends on (LoopState ``data_order``), in this order:
 # a resume that changes one of them would not continue the same global sample sequence. The

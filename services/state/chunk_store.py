@@ -48,8 +48,8 @@ record).
 from __future__ import annotations
 
 import collections
-import ctypes
 import dataclasses
+import enum
 import hashlib
 import io
 import json
@@ -79,6 +79,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
+
+from services.common.disk import syncfs
 
 log = structlog.get_logger()
 
@@ -353,14 +355,14 @@ class ChunkWriter(StorageWriter, BlockingAsyncStager):
         costs ~10x the write), else an fsync of every file and directory."""
         if not temps:
             return
-        one_sync = self.sync_files and _syncfs(self.chunk_dir)
+        one_sync = self.sync_files and syncfs(self.chunk_dir)
         if self.sync_files and not one_sync:
             for tmp in temps.values():
                 with open(tmp, "rb+") as f:
                     os.fsync(f.fileno())
         for sha, tmp in temps.items():
             os.replace(tmp, chunk_path(self.chunk_dir, sha))
-        if self.sync_files and not (one_sync and _syncfs(self.chunk_dir)):
+        if self.sync_files and not (one_sync and syncfs(self.chunk_dir)):
             for parent in {chunk_path(self.chunk_dir, sha).parent for sha in temps}:
                 _fsync_dir(parent)
 
@@ -406,8 +408,10 @@ class ChunkReader(StorageReader):
         what: str = "checkpoint",
         chunk_label: str = "chunks",
         thread_count: int = _IO_THREADS,
+        files: Callable[[str], bytes] | None = None,
     ):
         super().__init__()
+        self._files = files  # the version's index files by name (None: read under ``path``)
         if not sources:
             raise ValueError("ChunkReader: sources: at least one (the store's files, last)")
         self.path = Path(path)
@@ -497,34 +501,68 @@ class ChunkReader(StorageReader):
         Raises:
             ChunkIntegrityError: the last source has it wrong, or no source has it.
         """
-        name = f"{self.chunk_label}/{sha}"
-        last = len(self.sources) - 1
-        for i, source in enumerate(self.sources):
+        data = self._early(sha, nbytes)
+        if data is not None:
+            return data
+        return self._from_last(sha, nbytes, self.sources[-1].get(sha, nbytes))
+
+    def _early(self, sha: str, nbytes: int) -> bytes | None:
+        """Chunk ``sha`` from the first source before the last whose bytes hash to it."""
+        for source in self.sources[:-1]:
             data = source.get(sha, nbytes)
-            if data is None:
-                continue
-            if len(data) == nbytes and hashlib.sha256(data).hexdigest() == sha:
-                with self._count_lock:
-                    self.served[source.name] += 1
-                    self.served_bytes[source.name] += nbytes
+            if data is not None and self._accept(source, sha, nbytes, data):
                 return data
+        return None
+
+    def _accept(self, source: ChunkSource, sha: str, nbytes: int, data: bytes) -> bool:
+        if len(data) == nbytes and hashlib.sha256(data).hexdigest() == sha:
             with self._count_lock:
-                self.mismatches[source.name] += 1
-            log.warning("chunk_digest_mismatch", what=self.what, chunk=name, source=source.name, bytes=len(data))
-            if i == last:
-                raise ChunkIntegrityError(
-                    f"{self.what}: {name}: sha256 mismatch (source {source.name})"
-                    if len(data) == nbytes
-                    else f"{self.what}: {name}: size {len(data)} bytes, expected {nbytes} (source {source.name})",
-                    name,
-                )
-        raise ChunkIntegrityError(f"{self.what}: {name}: missing", name, missing=True)
+                self.served[source.name] += 1
+                self.served_bytes[source.name] += nbytes
+            return True
+        with self._count_lock:
+            self.mismatches[source.name] += 1
+        log.warning(
+            "chunk_digest_mismatch",
+            what=self.what,
+            chunk=f"{self.chunk_label}/{sha}",
+            source=source.name,
+            bytes=len(data),
+        )
+        return False
+
+    def _from_last(self, sha: str, nbytes: int, data: bytes | None) -> bytes:
+        """The last (authoritative) source's ``data`` for chunk ``sha``, checked."""
+        name = f"{self.chunk_label}/{sha}"
+        source = self.sources[-1]
+        if data is None:
+            raise ChunkIntegrityError(f"{self.what}: {name}: missing", name, missing=True)
+        if self._accept(source, sha, nbytes, data):
+            return data
+        raise ChunkIntegrityError(
+            f"{self.what}: {name}: sha256 mismatch (source {source.name})"
+            if len(data) == nbytes
+            else f"{self.what}: {name}: size {len(data)} bytes, expected {nbytes} (source {source.name})",
+            name,
+        )
+
+    def _fetch_all(self, shas: list[str], lens: list[int], pool: ThreadPoolExecutor) -> list[bytes]:
+        """Chunks ``shas`` in order, as :meth:`fetch` gets each; a last source with
+        ``get_many`` (a remote store: one streamed call) is asked once for every chunk the
+        sources before it did not serve."""
+        many = getattr(self.sources[-1], "get_many", None)
+        if many is None or len(shas) < 2:
+            return list(pool.map(self.fetch, shas, lens)) if len(shas) > 1 else [self.fetch(shas[0], lens[0])]
+        early = list(pool.map(self._early, shas, lens)) if len(self.sources) > 1 else [None] * len(shas)
+        need = [(s, n) for s, n, d in zip(shas, lens, early) if d is None]
+        batch = many(need) if need else {}
+        return [d if d is not None else self._from_last(s, n, batch.get(s)) for s, n, d in zip(shas, lens, early)]
 
     # -- private
 
     def _index_bytes(self, rel: str) -> bytes:
         try:
-            data = (self.path / rel).read_bytes()
+            data = self._files(rel) if self._files is not None else (self.path / rel).read_bytes()
         except FileNotFoundError:
             raise ChunkIntegrityError(f"{self.what}: {rel}: missing", rel, missing=True) from None
         if self.digests is not None:
@@ -547,7 +585,7 @@ class ChunkReader(StorageReader):
         first, last = start // size, (stop - 1) // size
         shas = info["chunks"][first : last + 1]
         lens = [_piece_len(total, size, first + k) for k in range(len(shas))]
-        parts = list(pool.map(self.fetch, shas, lens)) if len(shas) > 1 else [self.fetch(shas[0], lens[0])]
+        parts = self._fetch_all(shas, lens, pool)
         joined = b"".join(parts)
         base = first * size
         return joined[start - base : stop - base]
@@ -599,20 +637,6 @@ def iter_chunk_files(chunk_dir: str | os.PathLike) -> Iterator[Path]:
             for f in sorted(sub.iterdir()):
                 if is_sha(f.name):
                     yield f
-
-
-def _syncfs(path: Path) -> bool:
-    """``syncfs(2)`` of the filesystem holding ``path``: every dirty page and inode on it
-    reaches the disk. False where the C library has no syncfs (then the caller fsyncs)."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).syncfs
-    except (OSError, AttributeError):
-        return False
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return fn(fd) == 0
-    finally:
-        os.close(fd)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -685,10 +709,28 @@ CHUNKED_METADATA_CLASSES = {
 } | {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
 
 
+def enum_member(cls: Any, name: Any) -> enum.Enum:
+    """What stands in for ``builtins.getattr`` in a ``.metadata`` pickle: some Python 3.11
+    releases (Debian 12's 3.11.2 among them) pickle an enum member as ``getattr(cls, name)``.
+    Only a member of an Enum among the allowed classes is returned; anything else is refused
+    (a getattr of any other attribute could reach code)."""
+    if (
+        isinstance(cls, type)
+        and issubclass(cls, enum.Enum)
+        and (cls.__module__, cls.__qualname__) in CHUNKED_METADATA_CLASSES
+        and isinstance(name, str)
+        and name in cls.__members__
+    ):
+        return cls[name]
+    raise pickle.UnpicklingError(f"checkpoint {METADATA_FILE}: refusing getattr({cls!r}, {name!r})")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in CHUNKED_METADATA_CLASSES:
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):
+            return enum_member
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"checkpoint {METADATA_FILE}: refusing to load {module}.{name}")

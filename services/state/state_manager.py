@@ -21,6 +21,18 @@ bytes):
         orchestrator strikes the version), its digest taken. The loop then hands each owner
         its slot (RestoreState).
 
+    HealState (payload: a template Snapshot, as a load's; every rank of a group rebuilt in
+        place, right after ParallelReady: issue 16) -> the ranks all-gather (step, has_state)
+        over the new group; the source is the lowest rank at the highest step that holds
+        state (a replacement holds none); the source broadcasts its template's tensors (a
+        manifest of paths, shapes and dtypes, then one flat buffer per dtype), the others
+        receive them into their template's tensors (a path only the source has, such as its
+        own rank's RNG streams in the loop's slot, is added; the receiver's own stay) ->
+        reply ``StateHealed`` (source rank, step, bytes received, seconds) with the healed
+        Snapshot as payload, each slot at the source's step. The source's payload is its own
+        template: the loop restores nothing there. Communication outside L3-5, registered as
+        ``heal-from-peer-broadcast`` (services/contract/exceptions.yaml).
+
 Why the loop, not this manager, sends RestoreState: commands never point up a layer, and
 this is L5-1's side of the rank; its reply payload is the copy the loop passes on.
 
@@ -29,15 +41,18 @@ Holds no reference to any module's state: a snapshot passes through it and is go
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn, Protocol
 
 import structlog
+import torch
+import torch.distributed as dist
 
-from services.contract import Module, store_pb2
+from services.contract import Module, engine_pb2, route_pb2, store_pb2
 from services.contract.bus import Emitter, Reply
-from services.contract.failures import failure_of
-from services.state.snapshot import InconsistentSnapshot, Snapshot, SnapshotError
+from services.contract.failures import collective, failure_of
+from services.state.snapshot import SLOT_META, InconsistentSnapshot, Snapshot, SnapshotError
 
 log = structlog.get_logger("state_manager")
 
@@ -99,6 +114,40 @@ class StateManager:
         log.info("snapshot_loaded", version=info.version, step=snapshot.step, slots=sorted(snapshot.slots))
         return Reply(loaded, snapshot)
 
+    def heal_state(self, msg: engine_pb2.HealState, payload: Snapshot) -> Reply:
+        """Agree on a source among the ranks of the (new) group and take its state
+        (module docstring). Collective: every rank of the group calls it, after ParallelReady.
+
+        Raises:
+            NoStateToHeal: no rank holds state (every rank is a replacement).
+            InconsistentSnapshot: the template is not one, or a tensor the source sent does not
+                fit the one this rank holds at its path (raised after every transfer, so the
+                ranks stay in step).
+            CommunicationFailed: a peer was lost during the transfer (the group is broken again).
+        """
+        t0 = time.perf_counter()
+        template = self._checked(payload, "heal")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        device = _wire_device()
+        offer = torch.tensor([msg.step, int(msg.has_state)], dtype=torch.int64, device=device)
+        offers = [torch.empty_like(offer) for _ in range(world)]
+        with collective():
+            dist.all_gather(offers, offer)
+        held = [(int(t[0]), r) for r, t in enumerate(offers) if int(t[1])]
+        if not held:
+            raise NoStateToHeal(f"heal of job {msg.job_id}: none of the {world} ranks holds state")
+        step = max(s for s, _ in held)
+        source = min(r for s, r in held if s == step)
+        into = template.blank(reuse=True)  # the template is the caller's copy for this heal
+        if rank == source:
+            for slot in into.values():
+                slot[SLOT_META].fill_(step)
+        received = _broadcast_tensors(into, source, device)
+        snapshot = Snapshot.loaded(into, template, f"{msg.job_id}@{step}:healed-from-rank{source}")
+        seconds = time.perf_counter() - t0
+        log.info("state_healed", step=step, source=source, received_bytes=received, seconds=round(seconds, 4))
+        return Reply(engine_pb2.StateHealed(source_rank=source, step=step, bytes=received, seconds=seconds), snapshot)
+
     def _checked(self, payload: Any, what: str) -> Snapshot:
         if not isinstance(payload, Snapshot):
             raise InconsistentSnapshot(f"{what}: expected a Snapshot, got {type(payload).__name__}")
@@ -120,3 +169,91 @@ class StateManager:
         self._emit(failed)
         error.failure_reported = True
         raise error from None
+
+
+class NoStateToHeal(RuntimeError):
+    """A heal found no rank holding state (every rank of the group is a replacement)."""
+
+    failure_cause = route_pb2.FAILURE_UNAVAILABLE
+
+
+def _wire_device() -> torch.device:
+    """Where the heal's tensors travel: host memory under gloo, the current CUDA device
+    under NCCL (which moves device memory only)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _tensors(tree: Any, path: tuple = ()) -> Iterator[tuple[tuple, torch.Tensor]]:
+    """(path, tensor) of every tensor in a nested state dict, in sorted key order."""
+    if isinstance(tree, torch.Tensor):
+        yield path, tree
+    elif isinstance(tree, Mapping):
+        for key in sorted(tree, key=str):
+            yield from _tensors(tree[key], (*path, key))
+    elif isinstance(tree, (list, tuple)):
+        for i, value in enumerate(tree):
+            yield from _tensors(value, (*path, i))
+
+
+def _place(tree: dict[str, Any], path: tuple, tensor: torch.Tensor) -> None:
+    """Put ``tensor`` at ``path`` (a path the receiver lacks; its parents are mappings)."""
+    node: Any = tree
+    for key in path[:-1]:
+        if not isinstance(node, dict):
+            raise InconsistentSnapshot(f"heal: cannot add {'.'.join(map(str, path))} (not a mapping on the way)")
+        node = node.setdefault(key, {})
+    node[path[-1]] = tensor
+
+
+def _broadcast_tensors(into: dict[str, Any], source: int, device: torch.device) -> int:
+    """Every tensor of the source's ``into`` into the others' (module docstring): the
+    source's manifest, then one flat buffer per dtype. Returns the bytes this rank received
+    (0 on the source). Every rank runs the same collectives, whatever it finds."""
+    mine = dict(_tensors(into))
+    is_source = dist.get_rank() == source
+    manifest = [[(p, tuple(t.shape), t.dtype) for p, t in mine.items()] if is_source else None]
+    with collective():
+        dist.broadcast_object_list(manifest, src=source)
+    by_dtype: dict[torch.dtype, list[tuple[tuple, tuple]]] = {}
+    for path, shape, dtype in manifest[0]:
+        by_dtype.setdefault(dtype, []).append((path, shape))
+    received, misfits = 0, []
+    for dtype, entries in by_dtype.items():
+        wire = torch.uint8 if dtype == torch.bool else dtype  # (gloo has no bool reduction type)
+        if is_source:
+            flat = torch.cat([mine[p].detach().reshape(-1).to(wire) for p, _ in entries]).to(device)
+        else:
+            flat = torch.empty(sum(_numel(s) for _, s in entries), dtype=wire, device=device)
+        with collective():
+            dist.broadcast(flat, src=source)
+        if is_source:
+            continue
+        received += flat.numel() * flat.element_size()
+        flat, offset = flat.cpu(), 0
+        for path, shape in entries:
+            n = _numel(shape)
+            value = flat[offset : offset + n].view(shape).to(dtype)
+            offset += n
+            held = mine.get(path)
+            if held is None:
+                _place(into, path, value.clone())
+            elif held.shape != value.shape or held.dtype != dtype:
+                misfits.append(
+                    f"{'.'.join(map(str, path))}: {tuple(held.shape)} {held.dtype} here, {shape} {dtype} sent"
+                )
+            else:
+                held.copy_(value)
+    if misfits:
+        raise InconsistentSnapshot(
+            f"heal from rank {source}: {len(misfits)} tensors do not fit: {'; '.join(misfits[:3])}"
+        )
+    return received
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

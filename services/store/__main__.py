@@ -5,6 +5,20 @@
 
 (env ``SURGE_STORE_PORT``, ``SURGE_STORE_METRICS_PORT``, ``SURGE_STORE_ROOT``,
 ``SURGE_STORE_SCRUB_INTERVAL_S``; the root defaults to ``services.common.paths.store_root()``).
+
+Where checkpoint bytes live and how ranks move them (SaveStaged.transfer tells every rank):
+
+    --backend local --transfer path     (default) ranks write the store root's directories
+                                        themselves: a filesystem mounted at the same path on
+                                        every node (SURGE_STORE_BACKEND, SURGE_STORE_TRANSFER)
+    --backend local --transfer stream   nothing shared: ranks stream their files to the store
+                                        over gRPC, the store writes its own disk
+    --backend s3 --s3-url s3://BUCKET/PREFIX [--s3-endpoint URL]
+                                        chunks in S3-compatible object storage (s3fs), written
+                                        and read by the ranks themselves; the small index files
+                                        stream to the store, which keeps the catalog on its disk
+                                        (SURGE_STORE_S3_URL, SURGE_STORE_S3_ENDPOINT; credentials
+                                        from the standard AWS_* variables of each process)
 Every S seconds (0, the default: never) the operator's scrub schedule sends L5-1 a
 ``ScrubCheckpoints`` for every job (as EXT_USER: the operator configured it): every committed
 checkpoint version is re-hashed and its verdict recorded; a version newly found corrupt is
@@ -41,6 +55,7 @@ from services.contract.injection import env_error
 from services.contract.relay import L1, L5, RANK, Link
 from services.contract.validation import ContractError, refuse, validate_table, validate_wiring
 from services.store.checkpoint_manager import CheckpointManager
+from services.store.chunk_roots import FsspecChunks
 from services.store.metrics_logger import MetricsLogger
 from services.store.server import StoreRelay
 
@@ -48,21 +63,29 @@ CKPT, METRICS = Module.L5_CHECKPOINT_MANAGER, Module.L5_METRICS_LOGGER
 
 
 def wire(
-    root: Path, log, registry=REGISTRY, scrub_interval_s: float = 0.0, defer=None
+    root: Path,
+    log,
+    registry=REGISTRY,
+    scrub_interval_s: float = 0.0,
+    defer=None,
+    transfer: int = store_pb2.TRANSFER_PATH,
+    chunks: FsspecChunks | None = None,
 ) -> tuple[StoreRelay, MetricsLogger, ScrubSchedule]:
     """Build L5-1, L5-2 and the relay on one bus. Returns the relay, the logger (to close)
     and the operator's scrub schedule (to start and stop). ``defer``: where L5-2's sinks
-    work (``main`` gives its sink thread; None: on the record's own thread)."""
+    work (``main`` gives its sink thread; None: on the record's own thread). ``transfer``,
+    ``chunks``: where checkpoint bytes live (:func:`checkpoint_storage`)."""
     # No channel up from here: refusals are logged and counted, then returned to the caller.
     bus = Bus(on_violation=ViolationReporter("store", log))
     validate_table(bus.table)
-    manager = CheckpointManager(root, registry=registry, emit=bus.emitter(CKPT))
+    manager = CheckpointManager(root, registry=registry, emit=bus.emitter(CKPT), transfer=transfer, chunks=chunks)
     metrics = MetricsLogger(root, registry=registry, emit=bus.emitter(METRICS), defer=defer)
     bus.host(
         CKPT,
         manager,
         not_handled={
             store_pb2.FlushCheckpoint: "a rank's own pending write: the rank's store relay answers it in the rank process",
+            engine_pb2.HealState: "state from a live peer: L5-1's rank side (the state manager) does it over the rank's group",
         },
     )
     bus.host(METRICS, metrics)
@@ -91,7 +114,7 @@ def wire(
         for sender in sorted(senders):
             sent = tuple(t for t in types if bus.table.allows(sender, t, receiver))
             ports[(sender, receiver)] = bus.port(sender, receiver, commands=sent)
-    relay = StoreRelay(ports, log, check=bus.check)
+    relay = StoreRelay(ports, log, check=bus.check, files=manager)  # the data plane: L5-1's own methods
     # The relay stands in for control's L1-1 as the receiver of CheckpointCorrupt.
     bus.subscribe(Module.L1_ORCHESTRATOR, store_pb2.CheckpointCorrupt, relay.on_checkpoint_corrupt)
     # A failure event of L5-1 / L5-2 routed to the caller's side (L1, a rank's L2-1) goes back
@@ -107,6 +130,32 @@ def wire(
         bus, {CKPT, METRICS, Module.L1_ORCHESTRATOR, *(sender for sender, _ in ports), *(module for _, module in back)}
     )
     return relay, metrics, schedule
+
+
+TRANSFERS = {"path": store_pb2.TRANSFER_PATH, "stream": store_pb2.TRANSFER_STREAM}
+
+
+def checkpoint_storage(backend: str, transfer: str, s3_url: str, s3_endpoint: str) -> tuple[int, FsspecChunks | None]:
+    """(SaveStaged.transfer, the object store for chunks or None) of a deployment's choice.
+
+    Raises:
+        ValueError: an unknown backend or transfer, s3 without a URL, or a bucket that cannot
+            be listed now (one line).
+    """
+    if backend == "local":
+        if transfer not in TRANSFERS:
+            raise ValueError(f"--transfer {transfer!r}: expected one of {', '.join(TRANSFERS)}")
+        return TRANSFERS[transfer], None
+    if backend == "s3":
+        if not s3_url.startswith("s3://") or len(s3_url) <= len("s3://"):
+            raise ValueError(f"--backend s3 needs --s3-url s3://BUCKET[/PREFIX] (SURGE_STORE_S3_URL), got {s3_url!r}")
+        chunks = FsspecChunks(s3_url, endpoint_url=s3_endpoint)
+        try:
+            chunks.check()
+        except Exception as e:  # noqa: BLE001 - any failure to reach it: one line, no service
+            raise ValueError(f"--s3-url {s3_url}: cannot be used ({type(e).__name__}: {e})") from None
+        return store_pb2.TRANSFER_FSSPEC, chunks
+    raise ValueError(f"--backend {backend!r}: expected local or s3")
 
 
 class ScrubSchedule:
@@ -155,6 +204,16 @@ def main(argv: list[str] | None = None) -> int:
         default=env("SURGE_STORE_SCRUB_INTERVAL_S", "0"),
         help="re-hash every committed checkpoint version this often (0: never; env SURGE_STORE_SCRUB_INTERVAL_S)",
     )
+    p.add_argument("--backend", default=env("SURGE_STORE_BACKEND", "local"), help="local | s3 (SURGE_STORE_BACKEND)")
+    p.add_argument(
+        "--transfer",
+        default=env("SURGE_STORE_TRANSFER", "path"),
+        help="local backend: path | stream (SURGE_STORE_TRANSFER)",
+    )
+    p.add_argument("--s3-url", default=env("SURGE_STORE_S3_URL", ""), help="s3://BUCKET[/PREFIX] (SURGE_STORE_S3_URL)")
+    p.add_argument(
+        "--s3-endpoint", default=env("SURGE_STORE_S3_ENDPOINT", ""), help="S3 endpoint URL (SURGE_STORE_S3_ENDPOINT)"
+    )
     args = p.parse_args(argv)
     if bad := env_error():  # a malformed test-only injection: one line, not a service without it
         print(f"error: {bad}", file=sys.stderr)
@@ -165,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--port and --metrics-port are required (or SURGE_STORE_PORT, SURGE_STORE_METRICS_PORT)")
     if args.port == args.metrics_port and args.port != 0:
         p.error(f"--port and --metrics-port must differ, both are {args.port}")
+    try:
+        transfer, chunks = checkpoint_storage(args.backend, args.transfer, args.s3_url, args.s3_endpoint)
+    except (ValueError, ImportError) as e:
+        p.error(str(e))
     root = (args.root or paths.store_root()).resolve()
     log = logs.configure("store", root=str(root))
 
@@ -179,7 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     # acknowledged once it is in the JSONL file, whatever a sink costs (a W&B run opens in seconds).
     sinks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metric-sinks")
     try:
-        relay, metrics, schedule = wire(root, log, scrub_interval_s=args.scrub_interval_seconds, defer=sinks.submit)
+        relay, metrics, schedule = wire(
+            root,
+            log,
+            scrub_interval_s=args.scrub_interval_seconds,
+            defer=sinks.submit,
+            transfer=transfer,
+            chunks=chunks,
+        )
     except (ContractError, RouteError) as e:
         if http is not None:
             http.shutdown()

@@ -1,6 +1,7 @@
 """L5-1 checkpoint manager: hands out staging locations, verifies, commits and catalogs versions.
 
-Ranks write torch.distributed.checkpoint (DCP) shards themselves, straight to storage. This
+Ranks write torch.distributed.checkpoint (DCP) shards themselves, straight to storage, or
+stream them here (see "Where the bytes live" below). This
 module only says where (``save_checkpoint``), seals what was written into a numbered version
 (``commit_checkpoint``), proves a version intact before anyone reads it (``load_checkpoint``) and lists the
 chain (``checkpoint_query``). It never decides when to save or which version to load (both come in the
@@ -29,6 +30,34 @@ retention, the job's chunks are garbage-collected (mark and sweep, under the loc
 of the job can begin meanwhile): a chunk no cataloged version references is removed, and so
 is an epoch directory none references. Verification hashes each chunk once per pass (a scrub
 or a re-hash); a damaged chunk strikes every version that references it.
+
+Where the bytes live (the deployment's choice, ``services/store/__main__.py``; every
+SaveStaged and CheckpointInfo says it in ``transfer``, so a rank never guesses):
+
+* ``TRANSFER_PATH`` (the default): the layout above on the store's disk, which the ranks
+  write and read themselves at the paths handed out: a filesystem mounted at the same path
+  on every node.
+* ``TRANSFER_STREAM``: the same layout on the store's disk, which only the store touches.
+  Ranks stream their files (``receive_files``: index files into the staging directory,
+  chunks into the epoch's directory), each checked as it arrives: the name stays inside its
+  directory (``_check_index_name``; a chunk's name is a SHA-256), the size is bounded
+  (``MAX_STREAMED_CHUNK_BYTES``, ``MAX_STREAMED_INDEX_BYTES``) and as declared, the bytes
+  hash to the declared SHA-256 (a chunk's: its name); a file that fails is refused
+  (CheckpointTransferRefused, its cause typed) and nothing of it stays. A stream only feeds
+  the job's open save of its step and attempt; the commit is the same as ever (the files
+  are hashed again there). ``held_chunks`` tells a rank what the epoch has (a delta sends
+  only the rest); ``send_files`` streams a committed version's index files and chunks back,
+  only those its manifest names.
+* ``TRANSFER_FSSPEC``: chunks live in an object store (``chunk_roots.FsspecChunks``, e.g.
+  ``s3://bucket/prefix/<job>/chunks/<epoch>/<sha[:2]>/<sha>``), which the ranks write and read
+  themselves; the index files stream to the store as above, and the catalog, each version's
+  index and manifest stay on the store's disk. Commit checks, verification, scrubs and
+  garbage collection of chunks go to the object store (one listing per epoch, a read per
+  chunk hashed).
+
+These data-plane methods are called by the store's relay for the plumbing RPCs
+``PutCheckpointFiles``, ``HeldCheckpointChunks`` and ``GetCheckpointFiles`` (bytes, not
+routed messages; exception checkpoint-bytes-stream); nothing is decided on them.
 
 Staging (one open save per job, a save is "the ranks of one attempt writing one step"):
 
@@ -98,7 +127,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,9 +135,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from services.common.disk import syncfs
 from services.contract import store_pb2
 from services.contract.bus import Reply
 from services.contract.failures import FailureCause, Refusal
+from services.store.chunk_roots import FsspecChunks, LocalChunks
 
 MANIFEST = "manifest.json"
 CATALOG = "catalog.json"
@@ -124,6 +155,10 @@ CHUNKS_DIR = "chunks"  # <job>/chunks/<epoch>/<sha[:2]>/<sha>: the job's content
 CHUNK_INDEX = "chunks.json"  # a chunked version's list of chunks (services/state/chunk_store.py)
 CHUNK_INDEX_FORMAT = "surge.checkpoint.chunks/1"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# The data plane (PutCheckpointFiles / GetCheckpointFiles): bounds of what a rank may stream.
+TRANSFER_PART_BYTES = 1 << 20  # one CheckpointFileData's bytes at most (what this side sends)
+MAX_STREAMED_CHUNK_BYTES = 64 << 20  # a chunk (the writer's chunk_bytes is 1 MiB)
+MAX_STREAMED_INDEX_BYTES = 1 << 30  # .metadata / chunks.json of one version
 
 
 class CheckpointNotFound(LookupError, Refusal):
@@ -142,6 +177,20 @@ class CheckpointIncomplete(CheckpointRejected):
 
     def __init__(self, message: str, file: str = ""):
         super().__init__(message)
+        self.file = file
+
+
+class CheckpointTransferRefused(CheckpointRejected):
+    """A file streamed to the store (``PutCheckpointFiles``) refused on arrival, nothing of it
+    kept: a name outside its directory or not a chunk's digest, a size over the bound or other
+    than declared, bytes whose SHA-256 is not the declared one (a chunk's: its name), a stream
+    that ended inside a file, or no open save it belongs to. ``failure_cause``: typed
+    (FAILURE_DATA_CORRUPT for bytes that fail their check, FAILURE_INVALID_INPUT otherwise),
+    sent with the refusal; ``file``: the name."""
+
+    def __init__(self, message: str, cause: int = FailureCause.FAILURE_INVALID_INPUT, file: str = ""):
+        super().__init__(message)
+        self.failure_cause = cause
         self.file = file
 
 
@@ -213,12 +262,24 @@ class CheckpointManager:
         root: Path,
         registry: CollectorRegistry | None = None,
         emit: Callable[[store_pb2.CheckpointCorrupt], Any] | None = None,
+        transfer: int = store_pb2.TRANSFER_PATH,
+        chunks: FsspecChunks | None = None,
     ):
         """``emit``: where each version newly found corrupt is published (the bus emitter of
-        L5-1 in the service; None drops them)."""
+        L5-1 in the service; None drops them). ``transfer``: how ranks move this store's
+        bytes (SaveStaged.transfer: TRANSFER_PATH, the default, or TRANSFER_STREAM);
+        ``chunks``: an object store for the chunks (then TRANSFER_FSSPEC; None: the
+        store's disk). See "Where the bytes live" in the module docstring."""
         self._emit = emit
         self._dir = Path(root) / "checkpoints"
         self._dir.mkdir(parents=True, exist_ok=True)
+        self._chunks: LocalChunks | FsspecChunks = chunks if chunks is not None else LocalChunks(self._dir)
+        if chunks is not None:
+            transfer = store_pb2.TRANSFER_FSSPEC
+        elif transfer not in (store_pb2.TRANSFER_PATH, store_pb2.TRANSFER_STREAM):
+            raise ValueError(f"checkpoint transfer {transfer}: TRANSFER_FSSPEC needs an object store for the chunks")
+        self._transfer = transfer
+        self._endpoint = chunks.endpoint_url if chunks is not None else ""
         self._lock = threading.Lock()
         self._open: dict[str, _OpenSave] = {}
         self._attempts: dict[str, list[str]] = {}  # job -> attempts seen, oldest first (last: current)
@@ -310,9 +371,11 @@ class CheckpointManager:
             job_id=job,
             step=msg.step,
             staging_path=str(path),
-            chunk_path=str(self._dir / job / CHUNKS_DIR / str(epoch)),
+            chunk_path=self._chunks.location(job, epoch),
             baseline=baseline,
             epoch=epoch,
+            transfer=self._transfer,
+            endpoint_url=self._endpoint,
         )
 
     def commit_checkpoint(self, msg: store_pb2.CommitCheckpoint, payload: Any = None) -> store_pb2.SaveCompleted:
@@ -495,11 +558,199 @@ class CheckpointManager:
             path = self._dir / entry["path"]
             freed = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
             shutil.rmtree(path, ignore_errors=True)
-            chunks = self._dir / job / CHUNKS_DIR
-            before = _tree_bytes(chunks)
+            before = self._chunks.tree_bytes(job)
             self._sweep_chunks(job)
-            freed += before - _tree_bytes(chunks)
+            freed += before - self._chunks.tree_bytes(job)
         return store_pb2.CheckpointDeleted(version=msg.version, bytes_freed=freed)
+
+    # ------------------------------------------------------------------ data plane (no shared filesystem)
+
+    def held_chunks(self, query: store_pb2.HeldCheckpointChunksQuery) -> store_pb2.HeldCheckpointChunksReply:
+        """The chunks the open save's epoch holds (what its ranks need not send), as raw
+        32-byte digests. Data plane: called by the relay, not a routed command.
+
+        Raises:
+            CheckpointTransferRefused: no open save of (job, step, attempt, epoch).
+        """
+        job, epoch, _ = self._receiving(query.job_id, query.step, query.attempt, query.epoch)
+        shas = self._chunks.sizes(job, epoch)
+        return store_pb2.HeldCheckpointChunksReply(sha256=b"".join(bytes.fromhex(s) for s in sorted(shas)))
+
+    def receive_files(
+        self, header: store_pb2.CheckpointUploadHeader, parts: Iterator[store_pb2.CheckpointFileData]
+    ) -> store_pb2.CheckpointFilesPut:
+        """Take the files a rank streams for the open save of ``header`` (TRANSFER_STREAM:
+        index files into its staging directory, chunks into its epoch's directory;
+        TRANSFER_FSSPEC: index files only). Each file is written to a temp name beside its
+        place while it is hashed, checked when its last byte arrived (size as declared, SHA-256
+        as declared; a chunk's SHA-256 is its name), then made durable and renamed into place
+        (chunks: all at the stream's end, one filesystem sync). A chunk the epoch holds already
+        is read and dropped. Data plane: called by the relay, not a routed command.
+
+        Raises:
+            CheckpointTransferRefused: see the class; every temp file of the stream is removed.
+        """
+        job, epoch, staging = self._receiving(header.job_id, header.step, header.attempt, header.epoch)
+        what = f"checkpoint {job}: step {header.step}: rank {header.rank}"
+        chunk_dir = self._chunks.epoch_dir(job, epoch) if isinstance(self._chunks, LocalChunks) else None
+        held = set(self._chunks.sizes(job, epoch)) if chunk_dir is not None else set()
+        temps: list[tuple[Path, Path]] = []  # (temp, final) of the chunks received, renamed at the end
+        current: _Incoming | None = None
+        files = total = present = 0
+        try:
+            for part in parts:
+                if current is None:
+                    current = self._incoming(part, what, staging, chunk_dir, held)
+                elif part.name:
+                    raise CheckpointTransferRefused(
+                        f"{what}: {current.name}: {current.received} of {current.size} bytes, then {part.name!r} began",
+                        FailureCause.FAILURE_DATA_CORRUPT,
+                        current.name,
+                    )
+                current.add(part.data, what)
+                if current.received == current.size:
+                    done, current = current, None
+                    done.finish(what)
+                    files += 1
+                    total += done.size
+                    if done.final is None:
+                        present += 1
+                    elif done.kind == store_pb2.CHECKPOINT_FILE_CHUNK:
+                        temps.append((done.temp, done.final))
+                        held.add(done.name)
+                    else:
+                        os.replace(done.temp, done.final)
+            if current is not None:
+                raise CheckpointTransferRefused(
+                    f"{what}: {current.name}: the stream ended after {current.received} of {current.size} bytes",
+                    FailureCause.FAILURE_DATA_CORRUPT,
+                    current.name,
+                )
+            if temps:
+                synced = syncfs(temps[0][0].parent)
+                for tmp, final in temps:
+                    if not synced:
+                        with open(tmp, "rb+") as f:
+                            os.fsync(f.fileno())
+                    os.replace(tmp, final)
+                if not (synced and syncfs(temps[0][1].parent)):
+                    for parent in {final.parent for _, final in temps}:
+                        _fsync_dir(parent)
+                temps = []
+        finally:
+            if current is not None:
+                current.discard()
+            for tmp, _ in temps:
+                tmp.unlink(missing_ok=True)
+        return store_pb2.CheckpointFilesPut(files=files, bytes=total, chunks_present=present)
+
+    def send_files(self, query: store_pb2.CheckpointFilesQuery) -> Iterator[store_pb2.CheckpointFileData]:
+        """The files of committed version ``query.version`` a reader asks for: index files of
+        its directory (``manifest.json`` and those its manifest lists) and chunks it references,
+        each as parts of at most ``TRANSFER_PART_BYTES`` (a file the store lacks: one part with
+        ``missing``). Checked before anything is sent: the version is cataloged with an ok
+        verdict, its manifest matches the catalog, every name is the version's. The bytes are
+        sent as stored: the reader checks each file's SHA-256 against the manifest.
+
+        Raises:
+            ValueError: not a ``<job>:<n>`` version.
+            CheckpointNotFound: no such version.
+            CheckpointRejected: its verdict is not ok, its manifest is damaged, or a name is
+                not one of its files (CheckpointTransferRefused).
+        """
+        job, sep, n = query.version.rpartition(":")
+        if not sep or not job or not n.isdigit():
+            raise ValueError(f"version: expected '<job>:<n>', got {query.version!r}")
+        with self._lock:
+            entry = next((e for e in self._chain if e["version"] == query.version), None)
+        if entry is None:
+            raise CheckpointNotFound(f"checkpoint {query.version} not found")
+        cause, reason, _ = _verdict(entry)
+        if cause != store_pb2.VERDICT_OK:
+            raise CheckpointDamaged(reason or f"checkpoint {entry['version']}: recorded {_VERDICT_OF[cause]}", cause)
+        directory = self._dir / entry["path"]
+        files, manifest = _check_manifest(entry["version"], directory, entry["manifest_sha256"], whole=True)
+        chunk_sizes = {c["sha"]: int(c["bytes"]) for c in manifest.get("chunks", ())}
+        for name in query.names:
+            if name != MANIFEST and name not in files:
+                raise CheckpointTransferRefused(
+                    f"checkpoint {entry['version']}: {name!r} is not a file of it", file=name
+                )
+        for sha in query.chunks:
+            if sha not in chunk_sizes:
+                raise CheckpointTransferRefused(
+                    f"checkpoint {entry['version']}: chunk {sha!r} is not one of its", file=sha
+                )
+        epoch = entry.get("epoch", 0)
+        jid = entry["job_id"]
+
+        def stream() -> Iterator[store_pb2.CheckpointFileData]:
+            index = store_pb2.CHECKPOINT_FILE_INDEX
+            for name in query.names:
+                try:
+                    data = (directory / name).read_bytes()
+                except FileNotFoundError:
+                    yield store_pb2.CheckpointFileData(name=name, kind=index, missing=True)
+                    continue
+                yield from _parts(name, index, data)
+            for sha in query.chunks:
+                try:
+                    data = self._chunks.read(jid, epoch, sha)
+                except FileNotFoundError:
+                    yield store_pb2.CheckpointFileData(name=sha, kind=store_pb2.CHECKPOINT_FILE_CHUNK, missing=True)
+                    continue
+                yield from _parts(sha, store_pb2.CHECKPOINT_FILE_CHUNK, data)
+
+        return stream()
+
+    def _receiving(self, job_id: str, step: int, attempt: str, epoch: int) -> tuple[str, int, Path]:
+        """(job, epoch, staging directory) of the open save files are streamed for."""
+        job = _check_job_id(job_id)
+        with self._lock:
+            save = self._open.get(job)
+            if save is None or save.step != step or (attempt and save.attempt and attempt != save.attempt):
+                raise CheckpointTransferRefused(f"checkpoint {job}: no open save of step {step} for this attempt")
+            if save.committing:
+                raise CheckpointTransferRefused(f"checkpoint {job}: step {step} is being committed")
+            if epoch != save.epoch:
+                raise CheckpointTransferRefused(f"checkpoint {job}: step {step} writes epoch {save.epoch}, not {epoch}")
+            return job, save.epoch, save.path
+
+    def _incoming(
+        self, part: store_pb2.CheckpointFileData, what: str, staging: Path, chunk_dir: Path | None, held: set[str]
+    ) -> _Incoming:
+        """A file's first part, checked: its name, kind and size; its temp file opened."""
+        name, size = part.name, part.size
+        if part.kind == store_pb2.CHECKPOINT_FILE_CHUNK:
+            if chunk_dir is None:
+                raise CheckpointTransferRefused(
+                    f"{what}: chunks go to the object store, not to the store service", file=name
+                )
+            if not _SHA256.fullmatch(name):
+                raise CheckpointTransferRefused(f"{what}: chunk {name[:80]!r}: not a SHA-256", file=name[:80])
+            if size > MAX_STREAMED_CHUNK_BYTES:
+                raise CheckpointTransferRefused(
+                    f"{what}: chunk {name}: {size} bytes, over the bound of {MAX_STREAMED_CHUNK_BYTES}", file=name
+                )
+            if name in held:
+                return _Incoming(name, part.kind, size, name, None, None)
+            final = chunk_dir / name[:2] / name
+            final.parent.mkdir(parents=True, exist_ok=True)
+            return _Incoming(name, part.kind, size, name, final.with_name(f".{name}.{secrets.token_hex(4)}.up"), final)
+        if part.kind != store_pb2.CHECKPOINT_FILE_INDEX:
+            raise CheckpointTransferRefused(f"{what}: {name[:80]!r}: no file kind", file=name[:80])
+        _check_index_name(name, what)
+        if size > MAX_STREAMED_INDEX_BYTES:
+            raise CheckpointTransferRefused(
+                f"{what}: {name}: {size} bytes, over the bound of {MAX_STREAMED_INDEX_BYTES}", file=name
+            )
+        if not _SHA256.fullmatch(part.sha256):
+            raise CheckpointTransferRefused(f"{what}: {name}: no SHA-256 declared", file=name)
+        final = staging / name
+        final.parent.mkdir(parents=True, exist_ok=True)
+        return _Incoming(
+            name, part.kind, size, part.sha256, final.with_name(f".{final.name}.{secrets.token_hex(4)}.up"), final
+        )
 
     def checkpoint_query(self, msg: store_pb2.CheckpointQuery, payload: Any = None) -> store_pb2.CheckpointList:
         """The committed versions of ``msg.job_id`` (every job if empty), oldest first."""
@@ -519,7 +770,9 @@ class CheckpointManager:
                 verdict = self._verifying[version] = Future()
         if mine:
             try:
-                _verify(version, self._dir / entry["path"], entry["manifest_sha256"], memo)
+                _verify(
+                    version, self._dir / entry["path"], entry["manifest_sha256"], memo, self._chunks, entry["job_id"]
+                )
                 verdict.set_result(None)
             except BaseException as e:
                 verdict.set_exception(e)
@@ -604,19 +857,16 @@ class CheckpointManager:
         is there; else a baseline into a new epoch (a number never used by this job). Caller
         holds the lock."""
         mine = [e for e in self._chain if e["job_id"] == job and "epoch" in e]
-        root = self._dir / job / CHUNKS_DIR
         if mine and baseline_every > 1:
             last = mine[-1]
             same = [e for e in mine if e["epoch"] == last["epoch"]]
             if (
                 last.get("epoch_index", 0) + 1 < baseline_every
                 and all(_verdict(e)[0] == store_pb2.VERDICT_OK for e in same)
-                and (root / str(last["epoch"])).is_dir()
+                and self._chunks.epoch_exists(job, last["epoch"])
             ):
                 return last["epoch"], False
-        used = [e["epoch"] for e in mine]
-        if root.is_dir():
-            used += [int(p.name) for p in root.iterdir() if p.name.isdigit()]
+        used = [e["epoch"] for e in mine] + self._chunks.epochs(job)
         return max(used, default=0) + 1, True
 
     def _check_chunks(self, job: str, step: int, save: _OpenSave, files: dict[str, _Hashed]) -> _Chunks:
@@ -645,7 +895,6 @@ class CheckpointManager:
         for sha in sizes:
             if not _SHA256.match(sha):
                 raise CheckpointIncomplete(f"{what}: {CHUNK_INDEX}: {sha!r} is not a SHA-256", CHUNK_INDEX)
-        root = self._dir / job / CHUNKS_DIR / str(epoch)
         with self._lock:
             same = [
                 e
@@ -656,19 +905,19 @@ class CheckpointManager:
         for e in same:
             verified |= self._chunk_set(e) or frozenset()
         fresh = []
+        stored = self._chunks.sizes(job, epoch)  # one listing (an object store: one LIST, not a HEAD per chunk)
         for sha, size in sorted(sizes.items()):
             rel = f"{CHUNKS_DIR}/{epoch}/{sha}"
-            try:
-                have = os.stat(root / sha[:2] / sha).st_size
-            except FileNotFoundError:
-                raise CheckpointIncomplete(f"{what}: {rel}: named by {CHUNK_INDEX}, which is not there", rel) from None
+            have = stored.get(sha)
+            if have is None:
+                raise CheckpointIncomplete(f"{what}: {rel}: named by {CHUNK_INDEX}, which is not there", rel)
             if have != size:
                 raise CheckpointIncomplete(f"{what}: {rel}: {have} bytes, {CHUNK_INDEX} says {size}", rel)
             if sha not in verified:
                 fresh.append(sha)
         if fresh:
             with ThreadPoolExecutor(max_workers=min(_HASH_THREADS, len(fresh))) as pool:
-                digests = list(pool.map(lambda sha: _hash_one(root / sha[:2] / sha).sha256, fresh))
+                digests = list(pool.map(lambda sha: self._chunks.hash(job, epoch, sha)[1], fresh))
             for sha, got in zip(fresh, digests):
                 if got != sha:
                     rel = f"{CHUNKS_DIR}/{epoch}/{sha}"
@@ -694,8 +943,8 @@ class CheckpointManager:
         with a version whose manifest cannot be read is left whole (what it needs is unknown).
         Nothing is swept while another save of the job is open (its chunks are in no manifest
         yet). Caller holds the lock (a save cannot begin meanwhile). Returns chunks removed."""
-        root = self._dir / job / CHUNKS_DIR
-        if not root.is_dir() or self._open.get(job) not in (None, committing):
+        epochs = self._chunks.epochs(job)
+        if not epochs or self._open.get(job) not in (None, committing):
             return 0
         live = {e["version"] for e in self._chain}
         for version in [v for v in self._chunk_sets if v not in live]:
@@ -711,24 +960,14 @@ class CheckpointManager:
             else:
                 have |= refs
         removed = 0
-        for epoch_dir in sorted(root.iterdir()):
-            if not epoch_dir.name.isdigit():
-                continue
-            epoch = int(epoch_dir.name)
+        for epoch in epochs:
             if epoch not in need:
-                removed += sum(1 for _ in epoch_dir.rglob("*") if _.is_file())
-                shutil.rmtree(epoch_dir, ignore_errors=True)
+                removed += self._chunks.remove_epoch(job, epoch)
                 continue
             keep = need[epoch]
             if keep is None:
                 continue
-            for sub in epoch_dir.iterdir():
-                for f in sub.iterdir() if sub.is_dir() else ():
-                    if f.name not in keep:  # an unreferenced chunk, or a killed writer's temp file
-                        f.unlink(missing_ok=True)
-                        removed += 1
-                if sub.is_dir() and not any(sub.iterdir()):
-                    sub.rmdir()
+            removed += self._chunks.remove_except(job, epoch, keep)  # unreferenced chunks, killed writers' temp files
         if removed:
             self._swept.labels(job).inc(removed)
         return removed
@@ -955,15 +1194,12 @@ class CheckpointManager:
             spec_json=entry["spec_json"],
             verdict=_verdict(entry)[0],
             verified_unix=_verdict(entry)[2],
-            chunk_path=str(self._dir / entry["job_id"] / entry["chunk_dir"]) if "chunk_dir" in entry else "",
+            chunk_path=self._chunks.location(entry["job_id"], entry["epoch"]) if "chunk_dir" in entry else "",
             written_bytes=entry.get("written_bytes", 0),
             baseline=entry.get("baseline", False),
+            transfer=self._transfer,
+            endpoint_url=self._endpoint,
         )
-
-
-def _tree_bytes(root: Path) -> int:
-    """Bytes of the files under ``root`` (0 when it is not a directory)."""
-    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.is_dir() else 0
 
 
 def _verdict(entry: dict[str, Any]) -> tuple[int, str, float]:
@@ -1168,7 +1404,12 @@ def _check_manifest(version: str, directory: Path, manifest_sha256: str, whole: 
 
 
 def _verify(
-    version: str, directory: Path, manifest_sha256: str, memo: dict[str, tuple[int, str] | None] | None = None
+    version: str,
+    directory: Path,
+    manifest_sha256: str,
+    memo: dict[str, tuple[int, str] | None] | None = None,
+    chunks: LocalChunks | FsspecChunks | None = None,
+    job: str = "",
 ) -> None:
     """Re-hash ``directory`` against its manifest, and the manifest against the catalog; for
     a chunked version, every chunk it references too (``memo``: chunk path -> finding, so
@@ -1205,10 +1446,17 @@ def _verify(
         if h.sha256 != expected[rel]["sha256"]:
             raise CheckpointDamaged(f"checkpoint {version}: {rel}: sha256 mismatch", store_pb2.VERDICT_CORRUPT, rel)
     if "chunk_dir" in manifest:
-        _verify_chunks(version, directory.parent / manifest["chunk_dir"], manifest, memo if memo is not None else {})
+        root = chunks if chunks is not None else LocalChunks(directory.parent.parent)
+        _verify_chunks(version, root, job or directory.parent.name, manifest, memo if memo is not None else {})
 
 
-def _verify_chunks(version: str, root: Path, manifest: dict[str, Any], memo: dict[str, tuple[int, str] | None]) -> None:
+def _verify_chunks(
+    version: str,
+    root: LocalChunks | FsspecChunks,
+    job: str,
+    manifest: dict[str, Any],
+    memo: dict[str, tuple[int, str] | None],
+) -> None:
     """Every chunk a version's manifest lists is under ``root`` with its size and digest.
 
     Raises:
@@ -1219,18 +1467,18 @@ def _verify_chunks(version: str, root: Path, manifest: dict[str, Any], memo: dic
 
     def finding(item: tuple[str, int]) -> tuple[int, str] | None:
         sha, size = item
-        key = f"{root}/{sha}"
+        key = f"{job}/{label}/{sha}"
         if key in memo:
             return memo[key]
-        path = root / sha[:2] / sha
+        epoch = int(label.rsplit("/", 1)[-1])
         try:
-            h = _hash_one(path)
+            got_bytes, got_sha = root.hash(job, epoch, sha)
             found = (
                 None
-                if h.bytes == size and h.sha256 == sha
+                if got_bytes == size and got_sha == sha
                 else (
-                    (store_pb2.VERDICT_CORRUPT, f"size {h.bytes} bytes, manifest says {size}")
-                    if h.bytes != size
+                    (store_pb2.VERDICT_CORRUPT, f"size {got_bytes} bytes, manifest says {size}")
+                    if got_bytes != size
                     else (store_pb2.VERDICT_CORRUPT, "sha256 mismatch")
                 )
             )
@@ -1246,6 +1494,86 @@ def _verify_chunks(version: str, root: Path, manifest: dict[str, Any], memo: dic
             cause, why = found
             rel = f"{label}/{sha}"
             raise CheckpointDamaged(f"checkpoint {version}: {rel}: {why}", cause, rel)
+
+
+class _Incoming:
+    """One file arriving on a PutCheckpointFiles stream: written to ``temp`` (None: a chunk
+    the epoch holds already, read and dropped) while hashed."""
+
+    def __init__(self, name: str, kind: int, size: int, sha256: str, temp: Path | None, final: Path | None):
+        self.name, self.kind, self.size, self.sha256 = name, kind, size, sha256
+        self.temp, self.final = temp, final
+        self.received = 0
+        self._hash = hashlib.sha256()
+        self._file = open(temp, "wb") if temp is not None else None  # noqa: SIM115 - closed in finish/discard
+
+    def add(self, data: bytes, what: str) -> None:
+        if self.received + len(data) > self.size:
+            raise CheckpointTransferRefused(
+                f"{what}: {self.name}: more than the {self.size} bytes declared",
+                FailureCause.FAILURE_DATA_CORRUPT,
+                self.name,
+            )
+        self.received += len(data)
+        self._hash.update(data)
+        if self._file is not None:
+            self._file.write(data)
+
+    def finish(self, what: str) -> None:
+        """The whole file arrived: its digest checked, index files made durable."""
+        if self._hash.hexdigest() != self.sha256:
+            self.discard()
+            raise CheckpointTransferRefused(
+                f"{what}: {self.name}: sha256 mismatch on arrival", FailureCause.FAILURE_DATA_CORRUPT, self.name
+            )
+        if self._file is not None:
+            if self.kind == store_pb2.CHECKPOINT_FILE_INDEX:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+
+    def discard(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self.temp is not None:
+            self.temp.unlink(missing_ok=True)
+
+
+def _check_index_name(name: str, what: str) -> None:
+    """A streamed index file's name stays inside its staging directory: relative, no ``..``
+    or ``.`` component, no empty component, no backslash or NUL, at most 4 deep, not the
+    manifest (the store writes it).
+
+    Raises:
+        CheckpointTransferRefused: naming it (cut to 80 characters).
+    """
+    shown = name[:80]
+    parts = name.split("/")
+    if (
+        not name
+        or len(name) > 255
+        or name.startswith("/")
+        or "\\" in name
+        or "\0" in name
+        or len(parts) > 4
+        or any(p in ("", ".", "..") for p in parts)
+        or name == MANIFEST
+        or parts[-1].endswith(".up")
+    ):
+        raise CheckpointTransferRefused(f"{what}: {shown!r}: not a file name inside the staging directory", file=shown)
+
+
+def _parts(name: str, kind: int, data: bytes) -> Iterator[store_pb2.CheckpointFileData]:
+    """One file as parts of at most TRANSFER_PART_BYTES (the first names it)."""
+    sha = hashlib.sha256(data).hexdigest() if kind == store_pb2.CHECKPOINT_FILE_INDEX else name
+    view = memoryview(data)
+    yield store_pb2.CheckpointFileData(
+        name=name, kind=kind, size=len(data), sha256=sha, data=bytes(view[:TRANSFER_PART_BYTES])
+    )
+    for i in range(TRANSFER_PART_BYTES, len(data), TRANSFER_PART_BYTES):
+        yield store_pb2.CheckpointFileData(data=bytes(view[i : i + TRANSFER_PART_BYTES]))
 
 
 def _write_durable(path: Path, data: bytes) -> None:
@@ -1285,6 +1613,7 @@ def read_committed(root: str | Path, version: str) -> store_pb2.CheckpointInfo:
     view = CheckpointManager.__new__(CheckpointManager)  # the lookups only: no directory, lock or metrics
     view._dir = Path(root) / "checkpoints"
     view._chain = _read_catalog(view._dir / CATALOG)
+    view._chunks, view._transfer, view._endpoint = LocalChunks(view._dir), store_pb2.TRANSFER_PATH, ""
     entry = view._resolve(version)
     cause, reason, _ = _verdict(entry)
     if cause != store_pb2.VERDICT_OK:

@@ -27,6 +27,13 @@ echoed), so the rank can forget what the store has written; the failure events s
 taking it (``LogWriteFailed``: a sink failed, the record was written) ride in that ack's
 ``routed``, the stream having no trailers until it ends.
 
+The checkpoint data plane (``PutCheckpointFiles``, ``HeldCheckpointChunks``,
+``GetCheckpointFiles``: a rank without the store's filesystem streams its save's files here
+and reads a version's back; exception checkpoint-bytes-stream) carries bytes, not messages:
+the relay hands each stream to L5-1's data-plane methods directly (``files``: the checkpoint
+manager, which checks every name, size and digest and decides where the bytes live). Only a
+rank's L5 relay may open them (services/common/identity.py PLUMBING_CALLERS).
+
 Errors become one-line gRPC statuses: INVALID_ARGUMENT (bad job id, version form, empty
 record), NOT_FOUND (unknown version), FAILED_PRECONDITION (no open save, verification
 failed), PERMISSION_DENIED (route), INTERNAL (I/O failure, with the OS error).
@@ -49,7 +56,12 @@ from services.contract.audit import abort_with_violation
 from services.contract.bus import BoundaryViolation, CommandPort
 from services.contract.failures import ModuleFailed, cause_metadata
 from services.contract.relay import Outbox, Routed, routed_trailers
-from services.store.checkpoint_manager import CheckpointDamaged, CheckpointNotFound, CheckpointRejected
+from services.store.checkpoint_manager import (
+    CheckpointDamaged,
+    CheckpointNotFound,
+    CheckpointRejected,
+    CheckpointTransferRefused,
+)
 
 SENDER_METADATA = MODULE_METADATA  # the caller's module, checked by the server (identity.py)
 # Trailing metadata of a Load refused for a damaged version: its StoreFailureCause name.
@@ -75,7 +87,11 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         ports: Mapping[tuple[int, int], CommandPort],
         log: Any,
         check: Callable[[int, str, int], None] | None = None,
+        files: Any = None,
     ):
+        """``files``: L5-1's data plane (held_chunks, receive_files, send_files); None: the
+        data-plane RPCs answer UNIMPLEMENTED."""
+        self._files = files
         self._ports = dict(ports)
         self._log = log
         self._check = check
@@ -177,6 +193,78 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
             finally:
                 _CALL.reset(token)
             yield store_pb2.MetricsAck(records=ack.records, seq=rec.seq, routed=outbox.drain())
+
+    # ------------------------------------------------------------------ checkpoint data plane
+
+    def PutCheckpointFiles(
+        self, request_iterator: Iterator[store_pb2.CheckpointUpload], context: grpc.ServicerContext
+    ) -> store_pb2.CheckpointFilesPut:
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("part") != "header":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PutCheckpointFiles: the stream must open with a header")
+
+        def files() -> Iterator[store_pb2.CheckpointFileData]:
+            for part in request_iterator:
+                if part.WhichOneof("part") != "file":
+                    raise CheckpointTransferRefused("PutCheckpointFiles: a second header inside the stream")
+                yield part.file
+
+        reply = self._data_plane(
+            "PutCheckpointFiles", lambda: self._files.receive_files(first.header, files()), context
+        )
+        self._log.info(
+            "checkpoint_files_received",
+            job=first.header.job_id,
+            step=first.header.step,
+            rank=first.header.rank,
+            files=reply.files,
+            bytes=reply.bytes,
+            present=reply.chunks_present,
+        )
+        return reply
+
+    def HeldCheckpointChunks(
+        self, request: store_pb2.HeldCheckpointChunksQuery, context: grpc.ServicerContext
+    ) -> store_pb2.HeldCheckpointChunksReply:
+        return self._data_plane("HeldCheckpointChunks", lambda: self._files.held_chunks(request), context)
+
+    def GetCheckpointFiles(
+        self, request: store_pb2.CheckpointFilesQuery, context: grpc.ServicerContext
+    ) -> Iterator[store_pb2.CheckpointFileData]:
+        parts = self._data_plane("GetCheckpointFiles", lambda: self._files.send_files(request), context)
+        try:
+            yield from parts
+        except Exception as e:  # noqa: BLE001 - mapped to a status (or raised again) by _abort
+            self._abort("GetCheckpointFiles", e, context)
+
+    def _data_plane(self, rpc: str, fn: Callable[[], Any], context: grpc.ServicerContext) -> Any:
+        """``fn()`` (a data-plane call of L5-1), its errors mapped to statuses as a routed
+        call's are (the cause typed in the trailing metadata)."""
+        if self._files is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{rpc}: this store has no checkpoint data plane")
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - mapped to a status (or raised again) by _abort
+            self._abort(rpc, e, context)
+
+    def _abort(self, rpc: str, e: Exception, context: grpc.ServicerContext) -> None:
+        if isinstance(e, CheckpointNotFound):
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        if isinstance(e, CheckpointRejected):
+            self._log.warning("checkpoint_transfer_refused", request=rpc, error=str(e))
+            _trailers(
+                context,
+                *cause_metadata(e),
+                *(((STORE_CAUSE_METADATA, _DAMAGE_CAUSE[e.cause]),) if isinstance(e, CheckpointDamaged) else ()),
+            )
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        if isinstance(e, ValueError):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if isinstance(e, OSError):
+            self._log.error("store_io_failed", request=rpc, error=str(e))
+            _trailers(context, *cause_metadata(e))
+            context.abort(grpc.StatusCode.INTERNAL, f"store: {rpc}: {e}")
+        raise e
 
     # ------------------------------------------------------------------ internals
 

@@ -13,7 +13,8 @@ SURGE_WORKER_MEMINFO (file the host memory is read from, default /proc/meminfo),
 SURGE_WORKER_METRICS_PORT (Prometheus ``/metrics``; default 0 = not served),
 SURGE_WORKER_MEMORY_COPY_BYTES (bound on the in-memory checkpoint copies, default a quarter
 of the host's memory; 0 = off), SURGE_WORKER_MEMORY_COPY_SHM (``off``: keep them in the
-agent's process instead of /dev/shm). Port 0
+agent's process instead of /dev/shm), SURGE_WORKER_SPARE_RANKS (warm spare rank processes kept
+while a job here rebuilds in place, default 1; 0 = none: services/worker/warm_spares.py). Port 0
 takes a free port (the bound one is registered).
 
 Serves ``surge.v1.WorkerService`` (RankSession), ``surge.v1.MemoryCopyService`` (the
@@ -44,11 +45,20 @@ from services.contract.injection import env_error
 from services.contract.relay import pack
 from services.contract.validation import ContractError, refuse, validate_table
 from services.worker.control_link import ControlSession, Outbox
-from services.worker.hardware import DEFAULT_MEMINFO, MEMINFO_ENV, detect_cuda_devices, hardware_report
+from services.worker.hardware import (
+    DEFAULT_MEMINFO,
+    GLOO_IFNAME,
+    MEMINFO_ENV,
+    detect_cuda_devices,
+    gloo_interface,
+    hardware_report,
+)
 from services.worker.memory_copies import MemoryCopies, MemoryCopyServicer, limit_from_env, shm_from_env
 from services.worker.memory_pressure import MemorySampler
 from services.worker.node_agent import DEFAULT_RANK_MODULE, RANK_MODULE_ENV, SHUTDOWN_GRACE_SECONDS, NodeAgent
+from services.worker.rank_process import REPO_ROOT
 from services.worker.rank_session import RankSessionServicer
+from services.worker.warm_spares import WarmSpares
 
 SERVICE_NAME = "surge.v1.WorkerService"
 MEMORY_SERVICE_NAME = "surge.v1.MemoryCopyService"
@@ -117,6 +127,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--control (or SURGE_CONTROL_ADDRESS) is required")
     if args.slots is not None and args.slots < 1:
         p.error(f"--slots: must be >= 1, got {args.slots}")
+    spares_text = os.environ.get(SPARES_ENV, "")
+    if spares_text and not (spares_text.isdigit() and int(spares_text) <= 64):
+        p.error(f"{SPARES_ENV}: must be a whole number of spare rank processes from 0 to 64, got {spares_text!r}")
     if not args.memory_check_seconds >= 0:  # also refuses nan
         p.error(f"--memory-check-seconds: must be >= 0, got {args.memory_check_seconds}")
     if not 0 < args.memory_pressure_fraction < 1:
@@ -148,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     worker_id = args.worker_id or f"{socket.gethostname()}-{port}"
     log = logs.configure("worker", worker_id=worker_id)
     advertise = args.advertise or (socket.gethostname() if args.host in WILDCARD_HOSTS else args.host)
+    if not os.environ.get(GLOO_IFNAME) and (ifname := gloo_interface(advertise)):
+        os.environ[GLOO_IFNAME] = ifname  # every rank and warm spare starts with this environment
     cuda = detect_cuda_devices()
     meminfo = os.environ.get(MEMINFO_ENV) or DEFAULT_MEMINFO
     registration = hardware_report(worker_id, f"{advertise}:{port}", args.slots or len(cuda) or 1, cuda, meminfo)
@@ -167,17 +182,23 @@ def main(argv: list[str] | None = None) -> int:
     # find no MemoryCopyService here and read the store only).
     memory_limit = limit_from_env(registration.memory_bytes)
     memory = MemoryCopies(worker_id, log, memory_limit, shm_from_env(worker_id)) if memory_limit > 0 else None
+    rank_module = os.environ.get(RANK_MODULE_ENV) or DEFAULT_RANK_MODULE
+    run_dir = args.run_dir or paths.run_dir()
+    spares = spares_from_env(worker_id, Path(run_dir), rank_module)
     agent = NodeAgent(
         worker_id,
         session_address=f"{local_host(args.host)}:{port}",
-        run_dir=args.run_dir or paths.run_dir(),
+        run_dir=run_dir,
         emit=outbox.put,
         log=log,
-        rank_module=os.environ.get(RANK_MODULE_ENV) or DEFAULT_RANK_MODULE,
+        rank_module=rank_module,
         cwd=Path.cwd(),
         bus=Bus(on_violation=violations),
         memory=memory,
+        spares=spares,
     )
+    if spares is not None and spares.always:
+        spares.keep_warm()  # a spare node: ready before any rank is lost
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(RankSessionServicer(agent, log), server.server)
     if memory is not None:
         worker_pb2_grpc.add_MemoryCopyServiceServicer_to_server(MemoryCopyServicer(memory), server.server)
@@ -241,6 +262,24 @@ def main(argv: list[str] | None = None) -> int:
         http.shutdown()
     log.info("worker stopped")
     return 0
+
+
+SPARES_ENV = "SURGE_WORKER_SPARE_RANKS"
+
+
+def spares_from_env(worker_id: str, run_dir: Path, rank_module: str) -> WarmSpares | None:
+    """The warm spare rank processes: unset, one while a job here rebuilds in place;
+    ``SURGE_WORKER_SPARE_RANKS=N``, N at all times (a spare node); 0, none. Only for the real
+    rank module (a test's stand-in rank module starts as it is). (Its value was checked with
+    the command line.)"""
+    text = os.environ.get(SPARES_ENV, "")
+    size = int(text) if text else 1
+    if size <= 0 or rank_module != DEFAULT_RANK_MODULE:
+        return None
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    log_path = run_dir / "logs" / f"spares-{worker_id}.log"
+    return WarmSpares(env, REPO_ROOT, log_path, size, always=bool(text))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,12 @@ int32 bytes, row-major [B, T] -> int64 tensors) happen off the training step, an
 finds the next batch already decoded. Read-ahead is bounded by the loop's inbox (a full
 inbox blocks this thread, which stops reading, which applies gRPC flow control upstream).
 
+One stream per split: ``OpenStream`` of a split whose stream is still open cancels that
+one (the loop reopens its train stream at another position after a group rebuilt in
+place). ``OpenStream``'s reply payload is the new stream's token, and every batch carries
+its stream's (``Batch.stream``): a batch of the cancelled stream may already sit in the
+loop's inbox, or be on its way into it from that stream's thread, and the loop drops it.
+
 End of a finite stream -> ``DataExhausted(split, position)``. A stream that fails brings back
 the failure events the data service's modules sent this side (ShuffleFailed, PrefetchFailed,
 L4-1's DatasetUnavailable, ...: the call's trailing metadata, by name): they go on the rank's
@@ -38,7 +44,7 @@ import torch
 
 from services.common.grpc_server import channel
 from services.contract import Module, data_pb2, data_pb2_grpc
-from services.contract.bus import Emitter
+from services.contract.bus import Emitter, Reply
 from services.contract.failures import ModuleFailed, failure_of
 from services.contract.relay import Routed, routed_from_rpc
 from services.engine.training_loop import Batch
@@ -65,7 +71,7 @@ class DataClient:
         self._packer = packer
         self._channel = channel(address, module=Module.L2_TRAINING_LOOP)  # the loop's commands, relayed
         self._stub = data_pb2_grpc.DataServiceStub(self._channel)
-        self._calls: list[grpc.Future] = []
+        self._calls: dict[str, grpc.Future] = {}  # split -> its open stream
         self._closing = False
         self._lock = threading.Lock()
 
@@ -81,35 +87,44 @@ class DataClient:
                 name=msg.name, version=msg.version, reason=self._reason(e), failure=_failure(e, "surge.v1.MountDataset")
             )
 
-    def open_stream(self, msg: data_pb2.OpenStream, payload: Any = None) -> None:
-        """Open a stream and start its reader thread; batches arrive as MicroBatch events."""
+    def open_stream(self, msg: data_pb2.OpenStream, payload: Any = None) -> Reply:
+        """Open a stream (cancelling the split's previous one) and start its reader thread;
+        batches arrive as MicroBatch events. Reply payload: the stream's token."""
+        split = msg.split or "train"
+        token = StreamToken(split)
         call = self._stub.Stream(msg)  # no deadline: a training stream lives as long as the job
         with self._lock:
-            self._calls = [c for c in self._calls if c.running()] + [call]
+            previous, self._calls[split] = self._calls.get(split), call
+        if previous is not None:
+            previous.cancel()  # its reader ends quietly (CANCELLED); what it still hands on is dropped
         threading.Thread(
-            target=self._pump, args=(msg.split or "train", msg.mount, call), name=f"data-{msg.split}", daemon=True
+            target=self._pump, args=(split, msg.mount, call, token), name=f"data-{split}", daemon=True
         ).start()
+        return Reply(None, token)
 
     def close(self) -> None:
         """Cancel every open stream and close the channel (composition root, at exit)."""
         self._closing = True
         with self._lock:
-            for call in self._calls:
+            for call in self._calls.values():
                 call.cancel()
         self._channel.close()
 
     # ------------------------------------------------------------------ private
 
-    def _pump(self, split: str, mount: data_pb2.MountDataset, call) -> None:
+    def _pump(self, split: str, mount: data_pb2.MountDataset, call, token: StreamToken) -> None:
         last = data_pb2.DataPosition()
         try:
             for mb in call:
-                batch = Batch(split, _decode(mb.input_ids, mb), _decode(mb.labels, mb))
+                batch = Batch(split, _decode(mb.input_ids, mb), _decode(mb.labels, mb), token)
                 mb.ClearField("input_ids")  # the tensors travel as payload; don't copy bytes
                 mb.ClearField("labels")
                 last = mb.next
                 self._packer(mb, batch)
-            self._packer(data_pb2.DataExhausted(split=split, position=last))
+            with self._lock:
+                replaced = self._calls.get(split) is not call
+            if not replaced:  # (the end of a stream another one replaced is no news to the loop)
+                self._packer(data_pb2.DataExhausted(split=split, position=last))
         except ModuleFailed as e:
             # The loop failed on a batch (its failure event is published): the stream it was
             # fed is broken, so stop reading it; a DatasetUnavailable would blame L4-1.
@@ -169,6 +184,19 @@ class DataClient:
         ):
             return f"data service at {self._address}: {e.code().name}: {details}"
         return details
+
+
+class StreamToken:
+    """Names one opened stream (compared by identity): OpenStream's reply payload, and
+    every batch of that stream's ``Batch.stream``."""
+
+    __slots__ = ("split",)
+
+    def __init__(self, split: str):
+        self.split = split
+
+    def __repr__(self) -> str:
+        return f"StreamToken({self.split!r}, {id(self):#x})"
 
 
 def _failure(e: BaseException, operation: str):

@@ -20,7 +20,10 @@ root (``rank.py``). No module file knows about them.
   it is in its forward pass while its peers wait for it in the gradient all-reduce) and
   ``slow_eval`` (each batch of the evaluation after that step takes ``seconds=<s>`` more,
   default 1: a long evaluation that still advances) and ``slow_save`` (the checkpoint save
-  at that step takes ``seconds=<s>`` more before it is staged). Each injection fires once per job and
+  at that step takes ``seconds=<s>`` more before it is staged) and ``slow_heal`` (the rank's
+  heal from a live peer in a rebuilt group, when it holds step ``<step>`` or later, takes
+  ``seconds=<s>`` more before the transfer: a window in which to kill the healing source).
+  Each injection fires once per job and
   rank, also across relaunches: it leaves a marker file under ``$SURGE_HOME/run/faults``.
 """
 
@@ -41,7 +44,7 @@ from services.contract import engine_pb2, store_pb2
 from services.contract.bus import CommandPort, Reply
 
 INJECT_ENV = "SURGE_FAULT_INJECT"
-KINDS = ("nan_loss", "inf_grad", "hang", "hang_forward", "slow_eval", "slow_save")
+KINDS = ("nan_loss", "inf_grad", "hang", "hang_forward", "slow_eval", "slow_save", "slow_heal")
 _BEFORE_BACKWARD = ("nan_loss", "inf_grad", "hang")
 
 
@@ -146,6 +149,12 @@ class FaultInjector:
             if injection.kind == "slow_save" and injection.step == step and self._fire(injection):
                 time.sleep(injection.seconds)
 
+    def before_heal(self, step: int) -> None:
+        """Apply what is due before a heal from a live peer of a rank holding ``step``."""
+        for injection in self._mine:
+            if injection.kind == "slow_heal" and step >= injection.step and self._fire(injection):
+                time.sleep(injection.seconds)
+
     def _fire(self, injection: Injection) -> bool:
         """True the first time ``injection`` is due for this job and rank (marker file)."""
         self._markers.mkdir(parents=True, exist_ok=True)
@@ -190,6 +199,8 @@ class StepGuard:
         def save(msg: Any, payload: Any = None) -> Reply:
             if isinstance(msg, store_pb2.SaveCheckpoint):
                 injector.before_save(msg.step)
+            elif isinstance(msg, engine_pb2.HealState):
+                injector.before_heal(msg.step)
             return port(msg, payload)
 
         return save

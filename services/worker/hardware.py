@@ -8,9 +8,11 @@ broken driver (the node then reports no GPU).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import socket
+import struct
 import subprocess
 
 from services.contract import control_pb2
@@ -162,3 +164,36 @@ def hardware_report(
         cpu_count=usable_cpu_count(),
         slots=slots,
     )
+
+
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
+def gloo_interface(advertised: str) -> str | None:
+    """The network interface that carries this node's advertised address (``--advertise``,
+    the address its peers reach it at), for gloo's ``GLOO_SOCKET_IFNAME``. Left alone, gloo
+    binds to what the machine's own name resolves to, which is loopback where /etc/hosts
+    says so (containers, network namespaces, many cloud images): a rank then advertises
+    127.0.0.1 to its peers on other hosts and its group is never formed. None when it cannot
+    be told (a name that does not resolve, not Linux): gloo then chooses as before."""
+    try:
+        target = socket.getaddrinfo(advertised, None, socket.AF_INET)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+            udp.connect((target, 9))  # no packet is sent: the kernel picks the route and source
+            local = udp.getsockname()[0]
+        for _, name in socket.if_nameindex():
+            if _ipv4_of(name) == local:
+                return name
+    except OSError:
+        return None
+    return None
+
+
+def _ipv4_of(name: str) -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        except OSError:  # no IPv4 address on it
+            return None
+    return socket.inet_ntoa(raw[20:24])

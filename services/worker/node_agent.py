@@ -94,6 +94,7 @@ from services.worker.rank_process import (
     signal_group,
 )
 from services.worker.rank_session import RankAlreadyAttached, RankNotLaunched
+from services.worker.warm_spares import WarmSpares
 
 RANK_MODULE_ENV = "SURGE_RANK_MODULE"
 DEFAULT_RANK_MODULE = "services.worker.rank"
@@ -129,6 +130,9 @@ class NodeAgent:
             its own); its refusals are the agent's boundary violations.
         memory: the in-memory checkpoint copies of this node (``memory_copies.py``): told
             each job's peer node agent from its LaunchRanks. None: no such tier here.
+        spares: warm spare rank processes (``warm_spares.py``), kept while a job here
+            rebuilds in place (InitJob.rebuild_in_place); a launch takes one when it is
+            ready. None: every rank is a new interpreter.
     """
 
     def __init__(
@@ -142,8 +146,10 @@ class NodeAgent:
         cwd: Path | None = None,
         bus: Bus | None = None,
         memory: MemoryCopies | None = None,
+        spares: WarmSpares | None = None,
     ):
         self._worker_id = worker_id
+        self._spares = spares
         self._memory = memory
         self._session_address = session_address
         self._logs_dir = Path(run_dir) / "logs"
@@ -204,16 +210,22 @@ class NodeAgent:
             self._memory.set_peer(msg.job_id, msg.memory_peer)
         for assignment in msg.ranks:
             self._launch_one(msg.job_id, msg.init, assignment)
+        self._warm_spares()
 
     def release_ranks(self, msg: control_pb2.ReleaseRanks, payload: Any = None) -> None:
-        """SIGTERM the job's live rank process groups, SIGKILL them after ``grace_seconds``
-        (default 5 s), or SIGKILL at once with ``kill``. Does not block: each process's
+        """SIGTERM the job's live rank process groups (only ``ranks`` when it names some),
+        SIGKILL them after ``grace_seconds`` (default 5 s), or SIGKILL at once with ``kill``. Does not block: each process's
         waiter reaps it and reports ``RankExited``."""
         grace = msg.grace_seconds if msg.grace_seconds > 0 else DEFAULT_GRACE_SECONDS
         with self._lock:
             for key in [k for k, r in self._ranks.items() if k[0] == msg.job_id and r.exited.is_set()]:
                 del self._ranks[key]  # ended earlier: nothing left to release
-            targets = [r for r in self._ranks.values() if r.job_id == msg.job_id and not r.dead]
+            only = set(msg.ranks)  # a rebuild in place replaces these; empty: every rank of the job
+            targets = [
+                r
+                for r in self._ranks.values()
+                if r.job_id == msg.job_id and not r.dead and (not only or r.rank in only)
+            ]
             for r in targets:
                 r.released = True
                 r.grace_seconds = grace
@@ -225,6 +237,8 @@ class NodeAgent:
         self._log.info(
             "release", job_id=msg.job_id, ranks=[r.rank for r in targets], kill=msg.kill, grace_seconds=grace
         )
+        if not only:  # the job is gone from here: its spare with it, unless another job wants one
+            self._warm_spares(leaving=msg.job_id)
 
     def _relay_routed(self, job_id: str, routed: Any) -> None:
         """A routed command for the job's ranks: checked (control may send it, a rank module
@@ -366,6 +380,8 @@ class NodeAgent:
     def shutdown(self, grace_seconds: float = SHUTDOWN_GRACE_SECONDS) -> None:
         """Stop every rank (SIGTERM, SIGKILL after ``grace_seconds``) and wait until each is
         reaped; refuse launches from now on. Blocks at most ``grace_seconds`` + ~6 s."""
+        if self._spares is not None:
+            self._spares.close()
         with self._lock:
             self._stopping = True
             live = [r for r in self._ranks.values() if not r.dead]
@@ -412,8 +428,13 @@ class NodeAgent:
         except OSError:
             span_start = 0
         argv = rank_command_line(self._rank_module, self._session_address, job_id, assignment.rank)
+        env = rank_environment(os.environ, assignment)
         try:
-            proc = self._spawn(argv, log_path, rank_environment(os.environ, assignment))
+            # A warm spare becomes this rank when one is ready (its interpreter and imports
+            # are paid for); else a new process.
+            proc = (self._spares.take(argv[3:], env, log_path) if self._spares is not None else None) or self._spawn(
+                argv, log_path, env
+            )
         except OSError as e:
             self._log.error("rank spawn failed", job_id=job_id, rank=assignment.rank, error=str(e))
             self._emit(self._exited_event(job_id, assignment.rank, SPAWN_FAILED_EXIT_CODE, f"spawn failed: {e}"))
@@ -430,6 +451,21 @@ class NodeAgent:
         self._log.info(
             "rank launched", job_id=job_id, rank=r.rank, pid=proc.pid, device=assignment.device, log=str(log_path)
         )
+
+    def _warm_spares(self, leaving: str = "") -> None:
+        """Keep a spare ready while a rank here belongs to a job that rebuilds in place (or
+        always, on a spare node); retire it otherwise. ``leaving``: a job being released."""
+        if self._spares is None:
+            return
+        with self._lock:
+            wanted = not self._stopping and (
+                self._spares.always
+                or any(r.init.rebuild_in_place for r in self._ranks.values() if r.job_id != leaving and not r.released)
+            )
+        if wanted:
+            self._spares.keep_warm()
+        else:
+            self._spares.retire()
 
     def _log_spans(self, job_id: str) -> dict[int, list[tuple[int, int | None]]]:
         """rank -> the spans of its log file this agent's launches of it wrote."""
@@ -483,6 +519,8 @@ class NodeAgent:
         self._emit(self._exited_event(r.job_id, r.rank, code, detail, reaped=reaped, released=r.released))
         self._end_log_span(r)  # before `exited`: a log tail that sees it gone finds the span's end
         r.exited.set()
+        # (Its spare stays: a replacement of this very rank may be on its way. The job's
+        # release, or the next launch, decides whether spares are still wanted.)
 
     def _kill_if_alive(self, r: RankProcess) -> None:
         with self._lock:

@@ -158,11 +158,14 @@ def compose(
     started_at: float | None = None,
     guard: StepGuard | None = None,
     phase: PhaseMarker | None = None,
+    heals: bool = False,
 ) -> RankModules:
     """Build the rank's L2/L3 modules on ``bus`` and subscribe them and the relays.
     ``guard`` wraps the loop's ports to the forward and backward units and to the checkpoint
     relay (test-only fault injection). ``phase``: the rank's phase marker, set by the loop and L3-5 at phase
-    boundaries and read by the session's beats (services/common/phase.py).
+    boundaries and read by the session's beats (services/common/phase.py). ``heals``: this
+    rank replaces a lost one and takes its state from a live peer (InitJob.heal_from_peer):
+    its DDP wrapper is built without DDP's start-up broadcast, as its rebuilding peers' are.
 
     Raises:
         RouteError, ContractError: the table or this wiring breaks the contract; the rank
@@ -173,19 +176,32 @@ def compose(
     port, emitter = bus.port, bus.emitter
     adapter = OperatorAdapter(emitter(Module.L3_OPERATOR_ADAPTER), device)
     forward = ForwardUnit(emitter(Module.L3_FORWARD_UNIT), port(Module.L3_FORWARD_UNIT, Module.L3_OPERATOR_ADAPTER))
+    # (The loop names the window in each RunBackward: a resize in place may change it.)
     backward = BackwardUnit(emitter(Module.L3_BACKWARD_UNIT), micro_steps=spec.data.grad_accum)
     marked = {"phase": phase} if phase is not None else {}
-    reduction = GradientReduction(emitter(Module.L3_GRADIENT_REDUCTION), **marked)
+    reduction = GradientReduction(emitter(Module.L3_GRADIENT_REDUCTION), sync_at_wrap=not heals, **marked)
     optimizer = Optimizer(spec.optimizer, emitter(Module.L2_OPTIMIZER), implementation=spec.operators.adamw)
     precision = MixedPrecision(
         emitter(Module.L2_MIXED_PRECISION), port(Module.L2_MIXED_PRECISION, Module.L3_OPERATOR_ADAPTER)
     )
+
+    attached: list[bool] = []  # [True] once the model was handed over
 
     def handover(model: torch.nn.Module) -> None:
         # The loaded model goes to the units that run or update it; L3-5 lays it out first
         # (TP, activation checkpointing, FSDP2 or DDP: services/compute/parallelize.py), in
         # place, so the parameter handles below are the final (possibly sharded) ones.
         run = reduction.attach(model)
+        if attached:
+            # Handed over again: the group was rebuilt in place (ddp or none only). The
+            # parameters are the same tensors, so L2-3 keeps its moments and L2-4 its list;
+            # the forward unit takes the new wrapper (dropping its reference to the old one),
+            # and the backward unit starts a fresh accumulation window (a step cut short by
+            # the fault left it in the middle of one).
+            forward.attach(run)
+            backward.attach(model.parameters())
+            return
+        attached.append(True)
         # pp > 1: the pipeline schedule runs this stage, inside L3-4's RunBackward.
         pipeline = runner_for(model, run, spec, device) if isinstance(model, StageModule) else None
         forward.attach(run, pipeline=pipeline)
@@ -217,7 +233,9 @@ def compose(
             data=port(L, Module.L4_DATASET_VERSIONS),
             store=guard.store(store_port) if guard else store_port,
             metrics=port(L, Module.L5_METRICS_LOGGER),
+            parallel=port(L, Module.L2_PARALLEL_STRATEGY),
         ),
+        # Fixed at the launch's layout: a resize's larger grad_accum is taken one batch at a time.
         read_ahead=2 * spec.data.grad_accum + 2,
         started_at=started_at,
         **marked,
@@ -256,6 +274,7 @@ def compose(
     sub(Module.L5_CHECKPOINT_MANAGER, store_pb2.CommitCheckpoint, store.commit_checkpoint)
     sub(Module.L5_CHECKPOINT_MANAGER, store_pb2.FlushCheckpoint, store.flush_checkpoint)
     sub(Module.L5_CHECKPOINT_MANAGER, store_pb2.LoadCheckpoint, state.load_checkpoint)
+    sub(Module.L5_CHECKPOINT_MANAGER, engine_pb2.HealState, state.heal_state)
     sub(Module.L5_METRICS_LOGGER, engine_pb2.StepCompleted, store.on_step_completed)
     sub(Module.L5_METRICS_LOGGER, engine_pb2.EvalCompleted, store.on_eval_completed)
     sub(Module.L5_METRICS_LOGGER, store_pb2.LogCollectionConfig, store.log_collection_config)
@@ -563,6 +582,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
             started_at=t_start,
             guard=guard,
             phase=phase,
+            heals=init.heal_from_peer,
         )
         log.info(
             "rank_composed",

@@ -46,6 +46,14 @@ Checkpoints (as L5_CHECKPOINT_MANAGER), for the loop's commands:
         and checking each file's SHA-256 against the manifest as it is read: a mismatch or a
         missing file is a CheckpointIntegrityError naming the file.
 
+Where the bytes go is the store's word, never this relay's guess: ``SaveStaged.transfer``
+(and ``CheckpointInfo.transfer`` for a load) is TRANSFER_PATH (write and read the store's
+directories at the paths it names: a shared filesystem), TRANSFER_STREAM (stream the chunks
+and index to the store over its data plane, read them back the same way) or TRANSFER_FSSPEC
+(chunks to and from the object store URL it names, the index streamed):
+``services/worker/checkpoint_transfer.py``. The same ChunkWriter / ChunkReader (chunks,
+digests, memory copies, DCP planners) serve all three.
+
 A store outage is not a training fault. When ``BeginSave`` or ``CommitSave`` fails with
 UNAVAILABLE (cause UNREACHABLE) or DEADLINE_EXCEEDED (TIMEOUT), or the previous commit is
 still waiting for the store, the save is skipped (every rank agrees; nothing half-written is
@@ -82,6 +90,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -112,6 +121,14 @@ from services.contract.failures import (
 )
 from services.state.chunk_store import ChunkIntegrityError, ChunkReader, ChunkSource, ChunkWriter, DirectorySource
 from services.state.snapshot import SLOT_META
+from services.worker.checkpoint_transfer import (
+    FsspecSource,
+    FsspecTransfer,
+    StreamSource,
+    StreamTransfer,
+    TransferChunkWriter,
+    TransferFailed,
+)
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -289,6 +306,8 @@ class StoreClient:
             address, options=RECONNECT_OPTIONS, module=Module.L2_TRAINING_LOOP
         )  # the loop's commands, relayed
         self._stub = store_pb2_grpc.StoreServiceStub(self._channel)
+        self._data_channel: grpc.Channel | None = None  # the checkpoint data plane, opened at first use
+        self._data_stub_: store_pb2_grpc.StoreServiceStub | None = None
         # Metric records held until acknowledged: (seq, record), oldest first.
         self._held: collections.deque[tuple[int, store_pb2.MetricRecord]] = collections.deque()
         self._held_cond = threading.Condition()
@@ -305,8 +324,13 @@ class StoreClient:
         self._commit: Future | None = None  # rank 0: the background commit, until settled
         self._failed_commit: store_pb2.CommitCheckpoint | None = None  # last commit that could not reach the store
         self._skipped_step: int | None = None  # the save of this step was skipped: nothing to commit
-        self._group: Any = None  # the checkpoint's own gloo group (async saves)
-        self._agree_group: Any = None  # the ranks' agreement on a save (main thread only)
+        # The relay's own gloo groups, by use: "write" (async saves' DCP collectives) and
+        # "agree" (the ranks' agreement on a save, main thread only). Weak references: torch
+        # holds a group until its world is destroyed, and a group referenced after that
+        # keeps its sockets open (a peer blocked in it stays blocked: a group rebuilt in
+        # place, issue 16). ``_world``: the default group they (and ``_attempt``) belong to.
+        self._groups: dict[str, weakref.ref] = {}
+        self._world: weakref.ref | None = None
         self._attempt = ""  # this generation of ranks (SaveCheckpoint.attempt), from the first save
         self._write_step = 0  # the step of the last save's write (what its failure names)
         self._commit_step = 0  # the step of the background commit (likewise)
@@ -357,6 +381,7 @@ class StoreClient:
                 (reported first: SnapshotFailed{save}, this module's failure event).
         """
         t0 = time.perf_counter()
+        self._leave_old_world()
         self._skipped_step = None
         self._failed_commit = None  # a new save supersedes a commit that never reached the store
         self._settle_write()
@@ -394,14 +419,13 @@ class StoreClient:
                 )
             return store_pb2.SaveStaged(job_id=msg.job_id, step=msg.step, seconds=time.perf_counter() - t0)
         self._write_step = msg.step
-        writer = self._writer_for(staged)
+        writer = self._writer_for(staged, msg)
         if msg.write_async:
-            if dist.is_initialized() and self._group is None:
-                self._group = dist.new_group(backend="gloo")  # collective: same point on every rank
+            group = self._relay_group("write") if dist.is_initialized() else None  # collective at the first
             # The payload is the rank's snapshot, already a private copy (services/state/
             # state_manager.py): written as it is from the relay's thread, no staging copy.
             self._write = self._chain = self._writer.submit(
-                dcp.save, payload, checkpoint_id=staged.staging_path, storage_writer=writer, process_group=self._group
+                dcp.save, payload, checkpoint_id=staged.staging_path, storage_writer=writer, process_group=group
             )
             if self._copies is not None and writer is not None and writer.sink is not None:
                 self._write.add_done_callback(lambda f: self._copies.end(not f.cancelled() and f.exception() is None))
@@ -455,6 +479,7 @@ class StoreClient:
             CheckpointError: that save's write failed, or its commit was refused (reported
                 first, as the save's).
         """
+        self._leave_old_world()
         self._settle_write()
         deadline, backoff = time.monotonic() + FLUSH_RETRY_S, 0.5
         pending = self._commit_settled(FLUSH_RETRY_S)
@@ -510,13 +535,28 @@ class StoreClient:
         info = loaded.info
         reader = None
         try:
-            digests = _manifest_digests(info)
+            remote = self._remote_store(info)
+            index = _RemoteIndex(remote, info) if remote is not None else None
+            digests = _manifest_digests(info, index)
             if info.chunk_path:
-                reader = self._reader_for(info, digests)
+                reader = self._reader_for(info, digests, remote, index)
                 reader.read_metadata()  # checked first: DCP would hide its failure in an error of its own
                 dcp.load(payload, storage_reader=reader, planner=SafeLoadPlanner())
+            elif remote is not None:
+                raise CheckpointError(f"checkpoint {info.version}: a version of plain files is read from a path only")
             else:
                 safe_load(payload, info.path, digests=digests, what=f"checkpoint {info.version}")
+        except TransferFailed as e:
+            error = CheckpointError(f"checkpoint {info.version}: {e}")
+            error.failure_cause = e.failure_cause
+            self._report(
+                "load",
+                store_pb2.UNREACHABLE if e.code in OUTAGE_CAUSES else 0,
+                str(error),
+                version=info.version,
+                error=error,
+            )
+            raise error from None
         except ChunkIntegrityError as e:
             error = CheckpointIntegrityError(str(e), store_pb2.MISSING_FILE if e.missing else store_pb2.CORRUPT, e.file)
             self._report("load", error.cause, str(e), version=info.version, error=error)
@@ -582,6 +622,8 @@ class StoreClient:
                 "metrics_dropped", records=self._dropped + left, over_bound=self._dropped, unacknowledged_at_exit=left
             )
         self._channel.close()
+        if self._data_channel is not None:
+            self._data_channel.close()
 
     # ------------------------------------------------------------------ private: checkpoints
 
@@ -590,11 +632,10 @@ class StoreClient:
         the relay's own gloo group, from the main thread only."""
         if not dist.is_initialized():
             return cause
-        if self._agree_group is None:
-            self._agree_group = dist.new_group(backend="gloo")  # collective: the first save, every rank
+        group = self._relay_group("agree")  # collective the first time: the first save, every rank
         t = torch.tensor([int(cause)], dtype=torch.int64)
         with collective():
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._agree_group)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return int(t.item())
 
     def _generation(self) -> str:
@@ -606,17 +647,65 @@ class StoreClient:
         if not self._attempt:
             draw = torch.tensor([secrets.randbits(63), secrets.randbits(63)], dtype=torch.int64)
             if dist.is_initialized():
-                if self._agree_group is None:
-                    self._agree_group = dist.new_group(backend="gloo")  # collective, as in _agree
+                group = self._relay_group("agree")  # collective the first time, as in _agree
                 with collective():
-                    dist.all_reduce(draw, op=dist.ReduceOp.MAX, group=self._agree_group)
+                    dist.all_reduce(draw, op=dist.ReduceOp.MAX, group=group)
             self._attempt = "".join(f"{int(v):016x}" for v in draw.tolist())
         return self._attempt
 
-    def _writer_for(self, staged: store_pb2.SaveStaged) -> ChunkWriter | None:
+    def _relay_group(self, use: str) -> Any:
+        """The relay's own gloo group for ``use`` ("agree", "write"), made on first use:
+        ``new_group`` is collective, so every rank asks at the same point (its first save)."""
+        group = self._groups[use]() if use in self._groups else None
+        if group is None:
+            group = dist.new_group(backend="gloo")
+            self._groups[use] = weakref.ref(group)
+            self._world = weakref.ref(dist.group.WORLD)
+        return group
+
+    def _leave_old_world(self) -> None:
+        """After the default group was rebuilt in place (issue 16), before anything of a save:
+        the old world's groups are gone and its generation of ranks with them. The write in
+        flight (its collectives ran on the broken group) and rank 0's commit chained on it are
+        waited for and dropped, never committed (logged); the groups are made anew and the
+        attempt drawn anew at the next save, by every rank of the new group at the same point
+        (a replacement rank starts with neither)."""
+        if self._world is None or (dist.is_initialized() and self._world() is dist.group.WORLD):
+            return
+        self._world, self._groups, self._attempt = None, {}, ""
+        self._chain = None
+        for what, pending in (("write", self._write), ("commit", self._commit)):
+            if pending is None:
+                continue
+            try:
+                pending.result(timeout=STORE_RPC_TIMEOUT_S)
+            except concurrent.futures.TimeoutError:
+                # Still blocked in the old group: left to itself on a thread of its own; the
+                # next save's write gets a new one (a single worker would queue it behind).
+                log.warning("checkpoint_abandoned_with_old_group", what=what, step=self._write_step)
+                self._writer.shutdown(wait=False)
+                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - the old world's save: dropped
+                log.warning("checkpoint_dropped_with_old_group", what=what, step=self._write_step, error=_one_line(e))
+        self._write = self._commit = None
+        self._skipped_step, self._failed_commit = None, None
+
+    def _data_stub(self) -> store_pb2_grpc.StoreServiceStub:
+        """The store's checkpoint data plane (PutCheckpointFiles, GetCheckpointFiles, ...),
+        spoken as L5-1's rank side (services/common/identity.py PLUMBING_CALLERS)."""
+        if self._data_stub_ is None:
+            self._data_channel = channel(self._address, options=RECONNECT_OPTIONS, module=Module.L5_CHECKPOINT_MANAGER)
+            self._data_stub_ = store_pb2_grpc.StoreServiceStub(self._data_channel)
+        return self._data_stub_
+
+    def _writer_for(self, staged: store_pb2.SaveStaged, msg: store_pb2.SaveCheckpoint) -> ChunkWriter | None:
         """The chunk writer of a save the store gave a chunk directory (None: an older store,
-        plain DCP files into the staging directory)."""
+        plain DCP files into the staging directory): into the store's directories
+        (TRANSFER_PATH), streamed to the store (TRANSFER_STREAM) or to an object store
+        (TRANSFER_FSSPEC; services/worker/checkpoint_transfer.py)."""
         if not staged.chunk_path:
+            if staged.transfer != store_pb2.TRANSFER_PATH:
+                raise CheckpointError(f"checkpoint step {staged.step}: the store asked for a transfer without chunks")
             return None
         sink = None
         if self._copies is not None:
@@ -624,19 +713,50 @@ class StoreClient:
                 sink = self._copies.begin(staged.step)
             except Exception as e:  # noqa: BLE001 - a memory copy is optional; the store's files are the record
                 log.warning("memory_copy_skipped", step=staged.step, error=_one_line(e))
-        return ChunkWriter(staged.staging_path, staged.chunk_path, sink=sink)
+        if staged.transfer == store_pb2.TRANSFER_PATH:
+            return ChunkWriter(staged.staging_path, staged.chunk_path, sink=sink)
+        stream = StreamTransfer(
+            self._data_stub(), staged, msg.attempt, msg.rank, chunks=staged.transfer == store_pb2.TRANSFER_STREAM
+        )
+        transfer = stream if staged.transfer == store_pb2.TRANSFER_STREAM else FsspecTransfer(staged, stream)
+        return TransferChunkWriter(staged.staging_path, staged.chunk_path, transfer, sink=sink)
 
-    def _reader_for(self, info: store_pb2.CheckpointInfo, digests: dict[str, dict[str, Any]]) -> ChunkReader:
-        """The reader of a chunked version: the copies' sources first, the store's files last."""
+    def _remote_store(self, info: store_pb2.CheckpointInfo) -> StreamSource | None:
+        """The store's data plane for a version read without its filesystem (None: TRANSFER_PATH)."""
+        if info.transfer == store_pb2.TRANSFER_PATH:
+            return None
+        return StreamSource(self._data_stub(), info.version)
+
+    def _reader_for(
+        self,
+        info: store_pb2.CheckpointInfo,
+        digests: dict[str, dict[str, Any]],
+        remote: StreamSource | None = None,
+        index: _RemoteIndex | None = None,
+    ) -> ChunkReader:
+        """The reader of a chunked version: the copies' sources first, the store's files last
+        (its directory, its data plane, or the object store: as ``info.transfer`` says)."""
         sources: list[ChunkSource] = []
         if self._copies is not None:
             try:
                 sources = list(self._copies.sources())
             except Exception as e:  # noqa: BLE001 - the store's files suffice
                 log.warning("memory_copy_sources_failed", error=_one_line(e))
-        label = f"chunks/{Path(info.chunk_path).name}"
-        sources.append(DirectorySource(info.chunk_path))
-        return ChunkReader(info.path, sources, digests=digests, what=f"checkpoint {info.version}", chunk_label=label)
+        label = f"chunks/{info.chunk_path.rstrip('/').rsplit('/', 1)[-1]}"
+        if info.transfer == store_pb2.TRANSFER_STREAM and remote is not None:
+            sources.append(remote)
+        elif info.transfer == store_pb2.TRANSFER_FSSPEC:
+            sources.append(FsspecSource(info.chunk_path, info.endpoint_url))
+        else:
+            sources.append(DirectorySource(info.chunk_path))
+        return ChunkReader(
+            info.path,
+            sources,
+            digests=digests,
+            what=f"checkpoint {info.version}",
+            chunk_label=label,
+            files=index.get if index is not None else None,
+        )
 
     def _commit_after(self, write: Future, msg: store_pb2.CommitCheckpoint) -> store_pb2.SaveCompleted | None:
         write.result()  # a failed write (of any rank: DCP gathers them) is never committed
@@ -861,12 +981,29 @@ def _write_failed(e: BaseException, step: int) -> CheckpointError:
     return error
 
 
-def _manifest_digests(info: store_pb2.CheckpointInfo) -> dict[str, dict[str, Any]]:
+class _RemoteIndex:
+    """A version's index files (manifest.json, .metadata) from the store's data plane, asked
+    for once: ``get(name)`` -> bytes, FileNotFoundError when the store lacks one."""
+
+    NAMES = ("manifest.json", ".metadata")
+
+    def __init__(self, remote: StreamSource, info: store_pb2.CheckpointInfo):
+        self._files = remote.files(names=list(self.NAMES))
+
+    def get(self, name: str) -> bytes:
+        data = self._files.get(name)
+        if data is None:
+            raise FileNotFoundError(name)
+        return data
+
+
+def _manifest_digests(info: store_pb2.CheckpointInfo, index: _RemoteIndex | None = None) -> dict[str, dict[str, Any]]:
     """The manifest's files of a version (path -> {bytes, sha256}), once the manifest's own
-    SHA-256 matches the catalog's (``info.manifest_sha256``)."""
+    SHA-256 matches the catalog's (``info.manifest_sha256``); read from ``index`` (the
+    store's data plane) when given, else under ``info.path``."""
     path = Path(info.path) / "manifest.json"
     try:
-        data = path.read_bytes()
+        data = index.get("manifest.json") if index is not None else path.read_bytes()
     except FileNotFoundError:
         raise CheckpointIntegrityError(
             f"checkpoint {info.version}: manifest.json: missing", store_pb2.MISSING_FILE, "manifest.json"

@@ -31,11 +31,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 STEPS, EVERY = 30, 4
 
 
-def spec(**checkpoint) -> JobSpec:
+def spec(*, name: str = "resume", steps: int = STEPS, **checkpoint) -> JobSpec:
     return JobSpec.model_validate(
         {
-            "name": "resume",
-            "steps": STEPS,
+            "name": name,
+            "steps": steps,
             "seed": 3,
             "model": {"n_layers": 1, "d_model": 32, "n_heads": 2},
             "data": {

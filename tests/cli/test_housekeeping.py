@@ -215,6 +215,26 @@ def test_a_piped_table_keeps_its_columns(monkeypatch, capsys):
     assert job.message in row and job.checkpoint_version in row and "RUNNING" in row and "…" not in out
 
 
+def test_a_console_made_while_columns_was_set_reads_it_at_each_print(monkeypatch, capsys):
+    """COLUMNS is the width of the moment it is printed at, not of the moment the console was
+    made (render's consoles are made at import: a test that had set COLUMNS then left every
+    later table in that process cut to its width)."""
+    from services.cli import render
+
+    monkeypatch.setenv("COLUMNS", "60")
+    console = render._Console()
+    monkeypatch.delenv("COLUMNS")
+    job = control_pb2.JobStatus(
+        job_id="a-rather-long-job-name-0123456789", state=RUNNING, message="a message longer than sixty columns " * 2
+    )
+    console.print(render.jobs_table([job]))
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if job.job_id in line]
+    assert job.message.strip() in row and "…" not in row, row
+    monkeypatch.setenv("COLUMNS", "60")
+    console.print(render.jobs_table([job]))
+    assert max(map(len, capsys.readouterr().out.splitlines())) <= 60
+
+
 # ------------------------------------------------------------------- in use by a job's init_from
 
 

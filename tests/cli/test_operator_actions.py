@@ -29,7 +29,9 @@ from tests.test_jobspec_ranges import spec_with
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
-STEPS = 200  # about 20 ms a step here: long enough to stop or drain it midway
+# About 20 ms a step here: long enough to stop or drain it midway (200 were all done before a
+# `surgectl stop` on a loaded host had started: seen in a full parallel run).
+STEPS = 400
 CONTROL_PORT = free_ports(1)[0]
 ENV = {
     "SURGE_CONTROL_PORT": str(CONTROL_PORT),

@@ -92,7 +92,8 @@ def test_a_stopped_dp2_job_resumes_at_dp1_with_the_same_global_batches_and_losse
     assert (end.dp, end.grad_accum, end.world_size) == (1, 2, 1)
     assert any(
         e.message.startswith(f"resume TERMINATED (STOPPED) from checkpoint {job}:1 (step {at}) by the operator at a ")
-        and "parallel.dp 2 -> 1, data.grad_accum 1 -> 2 (world size 2 -> 1; the global batch of 8 rows kept)"
+        and "parallel.dp 2 -> 1, data.grad_accum 1 -> 2, eval.batches 2 -> 4 (world size 2 -> 1; the global batch "
+        "of 8 rows kept)"
         in e.message
         for e in events
     ), [e.message for e in events]

@@ -93,6 +93,28 @@ def test_gradients_accumulate_within_a_window_and_restart_at_the_next():
     torch.testing.assert_close(model.tok_emb.weight.grad, g)
 
 
+def test_the_window_length_comes_with_run_backward_and_a_changed_length_starts_a_fresh_window():
+    # A resize in place changes data.grad_accum (issue 16): the loop names it in RunBackward.
+    model, loop, _ = wired(micro_steps=2)
+    _configure(loop)
+    x, y = torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8))
+
+    def run(micro_steps: int) -> torch.Tensor:
+        fwd = loop["forward"](engine_pb2.RunForward(training=True), x)
+        msg = engine_pb2.RunBackward(normalizer=1.0, loss_scale=1.0, backward=True, micro_steps=micro_steps)
+        loop["backward"](msg, (fwd.payload, y))
+        return model.tok_emb.weight.grad.clone()
+
+    g = run(0)  # 0: the constructor's count (2), its first pass
+    run(3)  # another count: a fresh window of 3, though the window of 2 was half done
+    torch.testing.assert_close(model.tok_emb.weight.grad, g)
+    run(3)
+    torch.testing.assert_close(run(3), 3 * g)
+    torch.testing.assert_close(run(3), g)  # the fourth pass at 3 opens the next window
+    step(loop, x, y, backward=False)  # evaluation names no count: the window stays
+    torch.testing.assert_close(run(3), 2 * g)
+
+
 def test_the_forward_unit_refuses_to_run_before_operators_are_selected():
     _, loop, _ = wired()
     with pytest.raises(RuntimeError, match="no attention kernel selected"):

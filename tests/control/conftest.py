@@ -133,12 +133,26 @@ def store_with_no_versions(monkeypatch):
     )
 
 
+def stop_plane(control: Control) -> None:
+    """Stop an in-process control plane as control's main does when it stops (its deadline
+    pools, the store relay, the sessions, then the event applier's thread), then close its
+    journal. A plane left running kept its threads after the test: a store call answered
+    later (its 10 s deadline) still wrote to the closed journal and logged the failure into
+    whatever test the process ran next."""
+    control.detector.close()
+    control.orchestrator.close()
+    control.store.close()
+    control.sessions.shutdown()
+    control.servicer.applier.stop()
+    control.journal.close()
+
+
 @pytest.fixture
 def plane(tmp_path, store_with_no_versions):
     journal = JobStore(tmp_path / "control.db")
     control = build(journal, data_address="127.0.0.1:7001", store_address="127.0.0.1:7002", persist_interval_s=0.0)
     yield Plane(control)
-    journal.close()
+    stop_plane(control)
 
 
 def settle(read, expected, timeout_s: float = 10.0):
@@ -168,4 +182,4 @@ def served_control(db: Path, monkeypatch) -> Iterator[tuple[Control, control_pb2
         yield plane, control_pb2_grpc.ControlServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
     finally:
         server.stop(grace=0)
-        journal.close()
+        stop_plane(plane)

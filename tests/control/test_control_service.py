@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from services.contract import Module, control_pb2, control_pb2_grpc, engine_pb2,
 from services.contract.relay import pack
 from services.control.orchestrator import REATTACH_MESSAGE
 from services.control.server import REGISTERED_HEADER
+from tests.ports import free_port
 from tests.store.test_store_service import store  # noqa: F401 (a real store process)
 
 from .conftest import registration, spec_yaml
@@ -29,12 +29,6 @@ from .conftest import registration, spec_yaml
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ControlProcess:

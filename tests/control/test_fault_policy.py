@@ -12,11 +12,13 @@ import pytest
 
 from services.contract import Module, control_pb2, engine_pb2, route_pb2, store_pb2
 from services.control.__main__ import build
+from services.control.fault_decision import JobView, decide
 from services.control.job_store import JobStore
 from services.control.orchestrator import IllegalTransition, checkpoint_text, restored_from_text
 from services.control.store_relay import StoreRelay
+from services.jobspec import FaultPolicySpec, JobSpecError, parse_job_spec
 
-from .conftest import Plane, drain, kinds, registration, to_ranks
+from .conftest import Plane, drain, kinds, registration, spec_yaml, to_ranks
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 pytestmark = pytest.mark.timeout(30)
@@ -697,3 +699,148 @@ def test_a_checkpoint_event_says_what_its_save_wrote():
     assert (version, int(rest.split(" ", 1)[0]), " bytes, " in text) == ("J:2", 80, True)
     plain = store_pb2.SaveCompleted(version="J:3", step=90, bytes=2048, files=3)
     assert checkpoint_text(plain) == "checkpoint J:3 at step 90 (2.0 KB; 2048 bytes, 3 files)"
+
+
+# ---------------------------------------------------------------- rebuild in place (issue 16)
+# The survivors keep their processes, only the lost rank is killed and replaced (healing from
+# a live peer), every live rank gets the fresh rendezvous; anything that cannot be rebuilt
+# falls back to restart_ranks.
+
+REBUILD = (
+    "liveness: {attribution_seconds: 0}\n"
+    "fault_policy: {actions: {rank_exit: rebuild, rank_stalled: rebuild, worker_lost: rebuild}}"
+)
+
+
+def commands(session) -> list[tuple[str, object]]:
+    """(kind, message) of every command queued on an in-process node-agent session."""
+    out = []
+    for cmd in drain(session):
+        kind = cmd.WhichOneof("command")
+        out.append((kind, cmd.routed.type.rsplit(".", 1)[-1] if kind == "routed" else getattr(cmd, kind)))
+    return out
+
+
+def test_a_lost_rank_is_replaced_in_place_and_the_survivors_get_the_new_rendezvous(plane, store):
+    job_id, w = running(plane, "wa", "wb", extra=REBUILD)
+    saved(plane, w["wa"], job_id, 1, step=4)
+    drain(w["wa"])
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+
+    assert decisions(plane, job_id) == [
+        "rebuild after rank_exit of rank 1 on wb (restart 1 of 3 for rank_exit); survivors keep training, "
+        "rank 1 is replaced and heals from a live peer"
+    ]
+    assert store.verified == 0  # nothing is loaded: no checkpoint to verify
+    on_a, on_b = commands(w["wa"]), commands(w["wb"])
+    # The survivor's node is not told to release anything: only the rendezvous reaches it.
+    assert [k for k, _ in on_a] == ["routed"] and on_a[0][1] == "RebuildParallelGroup"
+    (kill, launch, routed) = on_b
+    assert kill[0] == "release" and list(kill[1].ranks) == [1] and kill[1].kill
+    assert launch[0] == "launch"
+    (assignment,) = launch[1].ranks
+    assert (assignment.rank, assignment.world_size) == (1, 2)
+    assert launch[1].init.heal_from_peer and launch[1].init.resume_version == ""
+    assert launch[1].init.rebuild_in_place
+    assert routed == ("routed", "RebuildParallelGroup")
+    recovery = [e.message for e in plane.events(job_id) if e.type == "recovery"]
+    assert recovery[-1] == (
+        f"rebuild in place commanded (generation 1, rendezvous 127.0.0.1:{assignment.master_port}): "
+        "replacement for rank(s) 1 launched on wb, the survivors keep their processes"
+    ), recovery[-1]
+
+    # The survivor's collective failed under it: a consequence, not a second decision.
+    broken = engine_pb2.ParallelTopologyError(rank=0, fault_class="comm_error", detail="Connection closed by peer")
+    broken.failure.cause = 7  # FAILURE_COMMUNICATION
+    plane.rank_event(w["wa"], job_id, 0, broken=broken)
+    assert len(decisions(plane, job_id)) == 1
+
+    for rank, session, source in ((0, w["wa"], 0), (1, w["wb"], 0)):
+        started = engine_pb2.TrainingLoopStarted(
+            rank=rank, start_step=6, rebuild_generation=1, healed=True, healed_from_rank=source
+        )
+        plane.rank_event(session, job_id, rank, started=started)
+    s = plane.get(job_id)
+    assert (s.state, s.step) == (JobState.RUNNING, 6)
+    assert (
+        "group of 2 rebuilt in place: rank 1 healed from rank 0's memory, 1 rank kept its process at step 6"
+        in s.message
+    ), s.message
+    assert kinds(drain(w["wa"])) == ["StartTraining"]
+
+
+def test_the_last_rank_holding_the_state_lost_during_the_rebuild_falls_back_to_relaunching_every_rank(plane, store):
+    job_id, w = running(plane, "wa", "wb", extra=REBUILD)
+    saved(plane, w["wa"], job_id, 1, step=4)
+    store.verdicts = [(f"{job_id}:1", 4, True)]
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    drain(w["wa"]), drain(w["wb"])
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=-9)  # the healing source dies mid-transfer
+    assert decisions(plane, job_id)[1] == (
+        "restart_ranks after rank_exit of rank 0 on wa (restart 2 of 3 for rank_exit); restart_ranks instead of "
+        "rebuild: no rank that held the state survives (rebuild after rank_exit of rank 1)"
+    )
+    for session in (w["wa"], w["wb"]):
+        launches = [m for k, m in commands(session) if k == "launch"]
+        assert [m.init.resume_version for m in launches] == [f"{job_id}:1"]
+        assert not launches[0].init.heal_from_peer
+
+
+def test_a_replacement_lost_while_it_starts_is_replaced_again_and_the_survivors_stay(plane, store):
+    job_id, w = running(plane, "wa", "wb", "wc", dp=3, extra=REBUILD)
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    for session in w.values():
+        drain(session)
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)  # the replacement dies before it healed
+    assert decisions(plane, job_id)[1] == (
+        "rebuild after rank_exit of rank 1 on wb (restart 2 of 3 for rank_exit); survivors keep training, "
+        "rank 1 is replaced and heals from a live peer"
+    )
+    on_a, on_b = commands(w["wa"]), commands(w["wb"])
+    assert [k for k, _ in on_a] == ["routed"]  # the survivors only get the next rendezvous
+    assert [k for k, _ in on_b] == ["release", "launch", "routed"]
+    assert list(on_b[1][1].ranks[0:1])[0].rank == 1 and on_b[1][1].init.heal_from_peer
+    # Then a survivor is lost too: rank 2 still holds the state, so it is rebuilt again.
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=-9)
+    assert decisions(plane, job_id)[2].startswith("rebuild after rank_exit of rank 0 on wa (restart 3 of 3")
+    relaunched = sorted(r.rank for k, m in commands(w["wa"]) + commands(w["wb"]) if k == "launch" for r in m.ranks)
+    assert relaunched == [0, 1]  # both have nothing to lose: rank 1 never healed
+    assert [k for k, _ in commands(w["wc"])] == ["routed", "routed"]  # rank 2 is never released
+
+
+def test_no_slot_for_the_replacement_falls_back_to_relaunching_every_rank_from_the_checkpoint(plane, store):
+    job_id, w = running(plane, "wa", "wb", extra=REBUILD)
+    saved(plane, w["wa"], job_id, 1, step=4)
+    store.verdicts = [(f"{job_id}:1", 4, True)]
+    # The node agent of rank 1 is lost: its slot is withdrawn, and no other slot is free.
+    plane.c.sessions.close(w["wb"])
+    events = [e.message for e in plane.events(job_id)]
+    assert any(
+        "restart_ranks instead of rebuild" in m and "no free slot for a replacement of rank 1" in m for m in events
+    ), events
+    assert plane.get(job_id).state == JobState.FAULT_FROZEN  # waiting for capacity for both ranks
+
+
+def test_rebuild_is_refused_at_submit_for_a_plan_whose_state_is_not_whole_on_a_peer():
+    base = spec_yaml(dp=2, extra="fault_policy: {actions: {rank_exit: rebuild}}")
+    for parallel, why in (
+        ("{dp: 2, data_parallel: fsdp2}", "needs data_parallel ddp"),
+        ("{dp: 1, tp: 2}", "needs tp = pp = 1"),
+    ):
+        text = base.replace("parallel: {dp: 2, backend: auto, threads_per_rank: 1}", f"parallel: {parallel}")
+        with pytest.raises(JobSpecError, match=f"fault_policy.actions.rank_exit: rebuild {why}"):
+            parse_job_spec(text)
+    parse_job_spec(base.replace("dp: 2,", "dp: 1,"))  # dp 1 is the decision's to refuse (a resume may change dp)
+    with pytest.raises(JobSpecError, match="actions.non_finite_loss: rebuild applies only to a lost rank"):
+        parse_job_spec(spec_yaml(dp=2, extra="fault_policy: {actions: {non_finite_loss: rebuild}}"))
+
+
+def test_rebuild_is_for_lost_ranks_only_and_falls_back_when_it_cannot_be_done():
+    # A grade holds faults of every kind (FATAL's default is stop): rebuild is named per class.
+    with pytest.raises(ValueError, match="actions.SEVERE: rebuild applies only to a lost rank"):
+        FaultPolicySpec(actions={"SEVERE": "rebuild"})
+    policy = FaultPolicySpec(actions={"rank_exit": "rebuild"})
+    loss = control_pb2.FaultReport(fault_class="rank_exit", grade=control_pb2.SEVERE, rank=1, detail="x")
+    assert decide(policy, JobView(restarts={}, ignored={}), loss).action == "rebuild"
+    paused = decide(policy, JobView(restarts={}, ignored={}, no_rebuild="the job is PAUSED, not training"), loss)
+    assert paused.action == "restart_ranks" and paused.text.endswith("the job is PAUSED, not training")

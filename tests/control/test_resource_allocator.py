@@ -53,6 +53,21 @@ def test_ranks_fill_workers_in_registration_order(plane):
     assert la.launch.init.job_id == "j-1"
 
 
+def test_the_rendezvous_is_rank_0s_advertised_address_not_its_machine_name(plane):
+    # Hosts that share a machine name (network namespaces, containers) or whose name other
+    # nodes cannot resolve: the rendezvous must be the address the node agent advertised.
+    sessions = []
+    for worker_id, ip in (("wa", "10.9.0.2"), ("wb", "10.9.0.3")):
+        reg = registration(worker_id, host=ip)
+        reg.host = "vm"  # socket.gethostname(), the same on both
+        sessions.append(plane.c.sessions.open(reg))
+    ready = allocate(plane, "j-1", dp=2)
+    assert ready.master_addr == "10.9.0.2"
+    assert {r.master_addr for s in sessions for (cmd,) in [drain(s)] for r in cmd.launch.ranks} == {"10.9.0.2"}
+    again = rebuild(plane, "j-1", version="j-1:1")
+    assert again.master_addr == "10.9.0.2"
+
+
 def test_cpu_quota_is_host_memory_per_slot_and_cuda_quota_is_device_memory(plane):
     cpu = plane.register("cpu", slots=4, memory=16 << 30)
     allocate(plane, "j-cpu", dp=1)

@@ -48,7 +48,8 @@ def test_a_stopped_dp2_job_resumes_at_dp1_with_the_global_batch_kept_and_its_spe
     decision = plane.events(job_id)[-2]
     assert decision.message.startswith(
         f"resume TERMINATED (STOPPED) from checkpoint {job_id}:1 (step 6) by the operator at a new layout: "
-        "parallel.dp 2 -> 1, data.grad_accum 1 -> 2 (world size 2 -> 1; the global batch of 4 rows kept): "
+        "parallel.dp 2 -> 1, data.grad_accum 1 -> 2, eval.batches 8 -> 16 (world size 2 -> 1; the global batch of "
+        "4 rows kept): "
         "1 ranks allocated on wa"
     ), decision.message
     kept = stored_spec(tmp_path, job_id)

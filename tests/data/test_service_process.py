@@ -17,17 +17,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.grpc_server import EXIT_PORT_IN_USE
 from services.contract import data_pb2, data_pb2_grpc
 from tests.callers import any_caller_channel
+from tests.ports import free_port
 
 from .helpers import as_arrays, open_stream
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(root: Path, port: int, home: Path) -> subprocess.Popen:

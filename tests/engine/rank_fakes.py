@@ -4,9 +4,10 @@ the real rank wiring (``services.worker.rank.compose``) runs without any service
 from __future__ import annotations
 
 import contextlib
-import socket
+import subprocess
 import sysconfig
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 from services.compute.inference import safe_load
 from services.contract import data_pb2, engine_pb2, store_pb2
-from services.contract.bus import Emitter
+from services.contract.bus import Emitter, Reply
 from services.engine.training_loop import Batch
 
 
@@ -32,9 +33,9 @@ def corpus_bytes(limit: int = 400_000) -> bytes:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from tests.ports import free_port as below_the_ephemeral_range  # only the test process calls this
+
+    return below_the_ephemeral_range()
 
 
 class FakeData:
@@ -49,6 +50,7 @@ class FakeData:
         self._split_at = int(len(self._data) * 0.9)
         self._train_batches = train_batches
         self.opened: list[data_pb2.OpenStream] = []
+        self._current: dict[str, object] = {}  # split -> the token of its open stream
         self.first_train_batch: torch.Tensor | None = None
 
     def mount(self, msg: data_pb2.MountDataset, payload: Any = None):
@@ -58,28 +60,36 @@ class FakeData:
             )
         return data_pb2.DatasetReady(name=msg.name, version=msg.version, vocab_size=256, tokenizer="bytes")
 
-    def open_stream(self, msg: data_pb2.OpenStream, payload: Any = None) -> None:
+    def open_stream(self, msg: data_pb2.OpenStream, payload: Any = None) -> Reply:
+        """As the real relay: a stream of a split replaces the split's previous one (which
+        stops), and the reply's payload is the stream's token, carried by its batches."""
         self.opened.append(msg)
-        threading.Thread(target=self._pump, args=(msg,), daemon=True).start()
+        token = object()
+        self._current[msg.split] = token
+        threading.Thread(target=self._pump, args=(msg, token), daemon=True).start()
+        return Reply(None, token)
 
-    def _pump(self, msg: data_pb2.OpenStream) -> None:
+    def _pump(self, msg: data_pb2.OpenStream, token: object) -> None:
         B, T = msg.packer.micro_batch_size, msg.packer.seq_len
         if msg.split == "train":
             first = msg.start.row  # batch i is a pure function of (seed, epoch, i, rank)
             for i in range(first, first + self._train_batches):
                 rng = np.random.default_rng([msg.shuffle.seed, msg.shuffle.epoch, i, msg.packer.rank])
                 starts = rng.integers(0, self._split_at - T - 1, size=B)
-                self._emit("train", np.stack([self._data[s : s + T + 1] for s in starts]), i + 1)
+                if self._current.get("train") is not token:
+                    return
+                self._emit("train", np.stack([self._data[s : s + T + 1] for s in starts]), i + 1, token)
             return
         val = self._data[self._split_at :]
         rows_per_rank = (len(val) - 1) // T // max(1, msg.packer.world_size)
         base = msg.packer.rank * rows_per_rank
         for i in range(min(msg.max_batches, rows_per_rank // B)):
             rows = [val[(base + i * B + b) * T : (base + i * B + b) * T + T + 1] for b in range(B)]
-            self._emit("val", np.stack(rows), i + 1)
-        self._packer(data_pb2.DataExhausted(split="val"))
+            self._emit("val", np.stack(rows), i + 1, token)
+        if self._current.get("val") is token:
+            self._packer(data_pb2.DataExhausted(split="val"))
 
-    def _emit(self, split: str, rows: np.ndarray, document: int) -> None:
+    def _emit(self, split: str, rows: np.ndarray, document: int, token: object = None) -> None:
         x = torch.from_numpy(rows[:, :-1].copy())
         y = torch.from_numpy(rows[:, 1:].copy())
         mb = data_pb2.MicroBatch(
@@ -90,7 +100,33 @@ class FakeData:
         )
         if split == "train" and self.first_train_batch is None:
             self.first_train_batch = x
-        self._packer(mb, Batch(split, x, y))
+        self._packer(mb, Batch(split, x, y, token))
+
+
+class GlobalRowData(FakeData):
+    """FakeData whose train stream is dealt as the real packer deals it
+    (services/data/batch_packer.py): one global order of rows (row r: seq_len + 1 tokens at a
+    start drawn from (shuffle seed, epoch, r)); from the stream's start row P, slot m (rows
+    P + m*B .. P + m*B + B - 1) goes to dp rank m % W, and a micro-batch's ``next`` is the
+    position after its round, P + (round + 1) * W * B. So the global batches depend only on
+    A*W*B: a run resized in place reads the same rows as one that never was."""
+
+    def row(self, seed: int, epoch: int, r: int, seq_len: int) -> np.ndarray:
+        """Row ``r`` of the global order (input ids and the label: ``seq_len + 1`` tokens)."""
+        start = int(np.random.default_rng([seed, epoch, r]).integers(0, self._split_at - seq_len - 1))
+        return self._data[start : start + seq_len + 1]
+
+    def _pump(self, msg: data_pb2.OpenStream, token: object) -> None:
+        if msg.split != "train":
+            return super()._pump(msg, token)
+        B, T = msg.packer.micro_batch_size, msg.packer.seq_len
+        W, d = max(1, msg.packer.world_size), msg.packer.rank
+        for i in range(self._train_batches):
+            first = msg.start.row + i * W * B + d * B
+            rows = np.stack([self.row(msg.shuffle.seed, msg.shuffle.epoch, first + b, T) for b in range(B)])
+            if self._current.get("train") is not token:
+                return
+            self._emit("train", rows, msg.start.row + (i + 1) * W * B, token)
 
 
 class FakeStore:
@@ -208,7 +244,9 @@ class LocalRank:
         port: int | None = None,
         resume_version: str = "",
         job_id: str = "job",
+        data: type[FakeData] = FakeData,
     ):
+        """``data``: the L4 relay's fake (:class:`GlobalRowData`: the real deal's global rows)."""
         from services.contract import Module
         from services.contract.bus import Bus
         from services.jobspec import spec_to_json
@@ -216,7 +254,7 @@ class LocalRank:
 
         self.spec = spec
         self.bus = bus = Bus()
-        self.data = FakeData(
+        self.data = data(
             bus.emitter(Module.L4_DATASET_VERSIONS),
             bus.emitter(Module.L4_BATCH_PACKER),
             corpus_bytes(),
@@ -317,3 +355,22 @@ def wait_for(rank: LocalRank, t: threading.Thread, kind) -> list:
             break
         t.join(0.1)
     return rank.up.of(kind)
+
+
+def finish_processes(procs: list, timeout: float) -> list[str]:
+    """Wait for every rank process (``timeout`` in all), SIGKILL what is left (by its PID);
+    return each one's output (``p.log``: the file its stdout and stderr went to)."""
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            p.log.close()
+    return [Path(p.log.name).read_text() for p in procs]

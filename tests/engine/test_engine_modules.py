@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from services.engine.optimizer import Optimizer
 from services.engine.parallel_strategy import ParallelStrategy, _port_taken
 from services.jobspec import ModelSpec, OptimizerSpec
 from tests.module_failed import raised_in_module
+from tests.ports import free_port
 
 TINY = ModelSpec(n_layers=1, d_model=16, n_heads=2, vocab_size=32)
 
@@ -222,3 +225,78 @@ def test_a_taken_rendezvous_port_is_l2_2_s_typed_port_in_use_graded_medium_by_l1
         ("ParallelTopologyError", "port_in_use", control_pb2.MEDIUM)
     ]
     assert not _port_taken(port)  # released: the probe does not claim a free port
+
+
+def test_a_rank_waiting_at_a_rendezvous_for_a_peer_that_never_comes_is_released_by_a_newer_one():
+    # A rebuild's replacement died before it joined: the survivors wait at that rendezvous's
+    # store; L1-2's next rendezvous (a newer generation) releases them at once, instead of the
+    # group timeout. (A real TCPStore; the peer simply never arrives.)
+    from services.engine import parallel_strategy as ps
+
+    bus = Bus()
+    strategy = ParallelStrategy(
+        bus.emitter(Module.L2_PARALLEL_STRATEGY),
+        bus.port(Module.L2_PARALLEL_STRATEGY, Module.L3_SHARD_LOADER),
+        bus.port(Module.L2_PARALLEL_STRATEGY, Module.L3_GRADIENT_REDUCTION),
+        timeout_s=120,
+    )
+    port = free_port()
+    outcome: list[BaseException | None] = []
+
+    def join() -> None:
+        try:
+            strategy._arrive("127.0.0.1", port, 0, 2)  # rank 0 of 2: hosts the store, waits for rank 1
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            outcome.append(e)
+
+    waiter = threading.Thread(target=join, daemon=True)
+    t0 = time.monotonic()
+    waiter.start()
+    time.sleep(1.0)
+    assert waiter.is_alive() and not outcome  # still waiting for rank 1
+    newer = engine_pb2.RebuildParallelGroup(
+        job_id="j", master_addr="127.0.0.1", master_port=port + 1, world_size=2, generation=1
+    )
+    strategy.rebuild_parallel_group(newer)  # from L1-2 (the session's thread): posted, and supersedes
+    waiter.join(10)
+    assert outcome and isinstance(outcome[0], ps._Superseded), outcome
+    assert time.monotonic() - t0 < 10  # not the 120 s group timeout
+
+
+def test_a_rendezvous_naming_a_new_layout_brings_the_plan_computed_again_at_its_dp():
+    # A resize in place (issue 16): the plan at the new size comes only with L1-2's rendezvous
+    # naming the layout; without one the size must be the group's; a rank at or above the new
+    # size, or a layout that makes FSDP2 of a plan that had no dp axis, is a bug (L1 checks).
+    from services.engine.sharding_plan import plan
+    from services.jobspec import ParallelSpec
+
+    def strategy(parallel: ParallelSpec) -> ParallelStrategy:
+        bus = Bus()
+        s = ParallelStrategy(
+            bus.emitter(Module.L2_PARALLEL_STRATEGY),
+            bus.port(Module.L2_PARALLEL_STRATEGY, Module.L3_SHARD_LOADER),
+            bus.port(Module.L2_PARALLEL_STRATEGY, Module.L3_GRADIENT_REDUCTION),
+            model=TINY,
+            parallel=parallel,
+        )
+        s._plan, s._world_size = plan(TINY, parallel.dp, parallel), parallel.dp  # (as a formed group)
+        return s
+
+    def rendezvous(world_size: int, dp: int = 0) -> engine_pb2.RebuildParallelGroup:
+        layout = engine_pb2.DataParallelLayout(dp=dp, micro_batch_size=2, grad_accum=3) if dp else None
+        return engine_pb2.RebuildParallelGroup(master_port=1, world_size=world_size, generation=1, layout=layout)
+
+    three = strategy(ParallelSpec(dp=3))
+    assert three._plan_for(rendezvous(3), rank=2) is three._plan  # the same size: the same plan
+    smaller = three._plan_for(rendezvous(2, dp=2), rank=1)
+    assert (smaller.world_size, smaller.dp, smaller.coords[1], smaller.data_parallel) == (2, 2, (0, 1, 0), "ddp")
+    assert three._plan_for(rendezvous(1, dp=1), rank=0).data_parallel == "none"
+    with pytest.raises(RuntimeError, match="names no layout"):
+        three._plan_for(rendezvous(2), rank=0)
+    with pytest.raises(RuntimeError, match="rank 2 cannot join"):
+        three._plan_for(rendezvous(2, dp=2), rank=2)
+    with pytest.raises(RuntimeError, match="rank 0 cannot join"):
+        three._plan_for(rendezvous(3, dp=2), rank=0)  # world size must be the layout's dp
+    with pytest.raises(RuntimeError, match="data_parallel=fsdp2"):
+        strategy(ParallelSpec(dp=1, data_parallel="fsdp2"))._plan_for(rendezvous(2, dp=2), rank=0)

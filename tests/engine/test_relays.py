@@ -3,15 +3,18 @@ against in-test gRPC servers."""
 
 from __future__ import annotations
 
+import gc
 import queue
 import shutil
 import time
+import weakref
 from concurrent import futures
 
 import grpc
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from rank_fakes import free_port
 
 from services.contract import Module, data_pb2, data_pb2_grpc, engine_pb2, route_pb2, store_pb2, store_pb2_grpc
@@ -29,6 +32,14 @@ class Data(data_pb2_grpc.DataServiceServicer):
 
     def Stream(self, request, context):
         ids = np.arange(2 * 3, dtype="<i4").reshape(2, 3)
+        if request.split == "train":  # a long stream, one batch per row from the start position
+            for row in range(request.start.row + 1, request.start.row + 500):
+                time.sleep(0.01)
+                yield data_pb2.MicroBatch(
+                    input_ids=ids.tobytes(), labels=ids.tobytes(), batch_size=2, seq_len=3, tokens=6,
+                    next=data_pb2.DataPosition(row=row),
+                )  # fmt: skip
+            return
         yield data_pb2.MicroBatch(
             input_ids=ids.tobytes(),
             labels=(ids + 1).tobytes(),
@@ -130,6 +141,30 @@ def test_batches_are_decoded_to_int64_B_T_and_the_stream_end_is_reported(server)
     )
     end, _ = got.get(timeout=10)
     assert isinstance(end, data_pb2.DataExhausted) and end.split == "val" and end.position.row == 1
+    client.close()
+
+
+def test_a_reopened_stream_replaces_the_old_one_and_its_batches_carry_the_new_token(server):
+    # The loop reopens its train stream at the healed position after a group rebuilt in place
+    # (issue 16): the old stream stops, and a batch of it still on its way is told apart by
+    # its token (OpenStream's reply payload), which the loop drops.
+    client, port, got = data_relay(server[0])
+    first = port(data_pb2.OpenStream(split="train")).payload
+    mb, batch = got.get(timeout=10)
+    assert batch.stream is first and mb.next.row == 1
+    second = port(data_pb2.OpenStream(split="train", start=data_pb2.DataPosition(row=100))).payload
+    assert second is not first
+    late = []
+    while (item := got.get(timeout=10))[1].stream is not second:
+        late.append(item)
+    assert item[0].next.row == 101  # the new stream, from its start
+    assert all(b.stream is first for _, b in late)
+    time.sleep(0.3)  # the old stream was cancelled: nothing more of it comes
+    rest = []
+    while not got.empty():
+        rest.append(got.get())
+    assert rest and all(b.stream is second for _, b in rest)
+    assert [m.next.row for m, _ in rest] == list(range(102, 102 + len(rest)))
     client.close()
 
 
@@ -288,6 +323,34 @@ def test_every_save_and_commit_of_one_launch_names_its_attempt_and_a_relaunch_an
     ] * 2
     first, second = {a for _, _, a in store.attempts[:4]}, {a for _, _, a in store.attempts[4:]}
     assert len(first) == len(second) == 1 and first != second and "" not in first | second
+
+
+def test_after_the_group_is_rebuilt_in_place_a_save_makes_its_groups_and_its_attempt_anew(server, tmp_path):
+    # Issue 16: the survivors' relay outlives the default group. It must neither keep the old
+    # world alive (a referenced group keeps its sockets open: a peer blocked in it stays
+    # blocked) nor save on its destroyed groups; the new group's ranks draw a new attempt
+    # together (a replacement rank starts with none).
+    address, store = server
+    client, port, _ = store_relay(address)
+    try:
+        for step in (4, 8):
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+            shutil.rmtree(tmp_path / "staging", ignore_errors=True)
+            port(
+                store_pb2.SaveCheckpoint(job_id="j", step=step, rank=0, write_async=True),
+                {"model": {"w": torch.ones(3)}},
+            )
+            port(store_pb2.FlushCheckpoint(job_id="j"))
+            world = weakref.ref(dist.group.WORLD)
+            dist.destroy_process_group()
+            gc.collect()
+            assert world() is None, "the store relay still holds the destroyed world"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        client.close()
+    begun = [attempt for op, _, attempt in store.attempts if op == "BeginSave"]
+    assert len(begun) == 2 and len(set(begun)) == 2 and "" not in begun
 
 
 def test_a_version_that_fails_verification_is_a_checkpoint_integrity_fault(server):

@@ -82,6 +82,21 @@ def test_pause_at_a_step_holds_there_until_resume_and_stop_ends_at_its_boundary(
     assert fin.stopped and fin.step == 5
 
 
+def test_a_rebuild_resume_that_finds_the_loop_not_paused_is_dropped(tmp_path):
+    # Left queued, it would leave the next pause into a resize nobody commanded (issue 16).
+    rank = LocalRank(tiny_spec(steps=4), tmp_path)
+    rank.command(engine_pb2.PauseTraining(job_id="job", at_step=2))
+    rank.command(engine_pb2.ResumeTraining(job_id="job", rebuild=True))  # not paused yet: dropped
+    rank.command(engine_pb2.StartTraining(job_id="job"))
+    t = started(rank)
+    wait_for(rank, t, engine_pb2.TrainingLoopPaused)
+    t.join(0.5)
+    assert len(rank.steps()) == 2 and len(rank.up.of(engine_pb2.TrainingLoopStarted)) == 1  # still paused
+    rank.command(engine_pb2.ResumeTraining(job_id="job"))  # a plain resume goes on as before
+    t.join(30)
+    assert [s.step for s in rank.steps()] == [1, 2, 3, 4] and rank.error is None
+
+
 def test_a_run_resumed_from_its_checkpoint_ends_with_the_same_parameters(tmp_path):
     spec = tiny_spec(steps=8, checkpoint={"every_steps": 4, "at_end": False})
     straight = LocalRank(spec, tmp_path / "a")

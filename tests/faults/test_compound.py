@@ -111,7 +111,9 @@ def test_the_store_stopped_during_a_recovery_loses_nothing_and_disturbs_no_other
     A waits FAULT_FROZEN for the store, strikes nothing, and resumes from its newest version
     once the store runs again; job B, training on the other worker all along, is never graded
     silent nor restarted (its saves fail and are reported; it trains on)."""
-    a = stack.submit(spec("cstore", steps=400))
+    # A is killed soon after step 12 and then has only to finish: 120 steps leave it ample room
+    # before the kill, and after its recovery ~100 steps (a save every 5) instead of ~390.
+    a = stack.submit(spec("cstore", steps=120))
     # B outlasts A's wait by any machine's speed: it is stopped once the store is back (a job
     # that ends while the store is away cannot hand the store its last metric records).
     b = stack.submit(spec("cother", steps=1_000_000))

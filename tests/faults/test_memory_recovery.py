@@ -136,14 +136,6 @@ def recovered_event(events) -> str:
     return event
 
 
-def losses(stack, job: str) -> dict[int, float]:
-    out = {}
-    for r in stack.step_records(job):  # in order: a replayed step's last record wins
-        if r["rank"] == 0:
-            out[r["step"]] = r["loss"]
-    return out
-
-
 def final_slots(stack, job: str) -> dict[str, str]:
     """The slot digests of the job's last version (chunks.json)."""
     root = stack.home / "store" / "checkpoints" / job
@@ -159,7 +151,7 @@ def reference(stack):
 
 
 def same_run(stack, job: str, reference: str) -> None:
-    la, lb = losses(stack, reference), losses(stack, job)
+    la, lb = stack.losses(reference), stack.losses(job)
     assert sorted(la) == sorted(lb) == list(range(1, 17))
     assert [s for s in la if la[s] != lb[s]] == [], "per-step losses differ"
     sa, sb = final_slots(stack, reference), final_slots(stack, job)

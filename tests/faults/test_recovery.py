@@ -93,6 +93,10 @@ class Stack:
     def metrics(self) -> str:
         return urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
 
+    def losses(self, job_id: str) -> dict[int, float]:
+        """step -> rank 0's loss (in order: a replayed step's last record wins)."""
+        return {r["step"]: r["loss"] for r in self.step_records(job_id) if r["rank"] == 0}
+
     def step_records(self, job_id: str) -> list[dict]:
         path = self.home / "store" / "metrics" / f"{job_id}.jsonl"
         return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("type") == "step"]
@@ -304,14 +308,7 @@ def test_a_run_killed_after_a_checkpoint_and_recovered_ends_bit_identical_to_an_
     # From a checkpoint, never from scratch (the one of step 10, or of 20 if it was committed before the kill).
     assert any(f"resume from checkpoint {b}:" in m for m in of_type(events_b, "recovery"))
 
-    def losses(job: str) -> dict[int, float]:
-        out = {}
-        for r in stack.step_records(job):  # in order: a replayed step's last record wins
-            if r["rank"] == 0:
-                out[r["step"]] = r["loss"]
-        return out
-
-    la, lb = losses(a), losses(b)
+    la, lb = stack.losses(a), stack.losses(b)
     assert sorted(la) == sorted(lb) == list(range(1, 25))
     differ = [s for s in range(11, 25) if la[s] != lb[s]]
     assert differ == [], f"per-step losses after the resume differ at steps {differ}"

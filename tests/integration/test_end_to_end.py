@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, down_and_reap, processes_with
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -284,9 +285,7 @@ def test_a_service_port_already_in_use_is_a_one_line_error(tmp_path):
 
 
 def test_control_unreachable_is_a_one_line_error(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens here
+    port = free_port()  # nothing listens here
     r = cli(tmp_path, "status", env={"SURGE_CONTROL_ADDRESS": f"127.0.0.1:{port}"}, timeout=60)
     assert r.returncode == 1
     assert f"control unreachable at 127.0.0.1:{port}" in r.stderr

@@ -34,7 +34,7 @@ import torch
 from services.cli.spec_tools import load_spec
 from services.data.prepare import prepare_dataset
 from services.jobspec import load_job_spec
-from tests.conftest import REPO
+from tests.conftest import REPO, processes_with
 from tests.integration.test_end_to_end import cli, running_stack
 from tests.sink_readers import tensorboard_points
 
@@ -51,6 +51,7 @@ SHOWN = {
     "text_bpe.yaml": lambda s: s.data.dataset == "notes@v1" and s.model.vocab_size > 256,
     "finetune_checkpoint.yaml": lambda s: s.init_from is not None and s.init_from.checkpoint is not None,
     "finetune_hf_frozen.yaml": lambda s: s.init_from is not None and s.init_from.hf is not None and s.model.freeze,
+    "rebuild.yaml": lambda s: s.fault_policy.action_for("rank_exit", "SEVERE") == "rebuild",
 }
 STEPS = 3
 # A few steps of rows of 64 tokens (fp16 on a CPU runs about 10x slower than fp32), no
@@ -100,7 +101,9 @@ def docstring_corpus(out: Path, first: int, n: int) -> Path:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    yield from running_stack(tmp_path_factory, ("json", "email"))
+    # One stack for the examples and the parallel layouts' end-to-end checks below (each had
+    # its own); tiny@v1 (and the examples' stdlib@v1) from json, email and logging.
+    yield from running_stack(tmp_path_factory, ("json", "email", "logging"))
 
 
 def finished_steps(home: Path, name: str, job_id: str, spec) -> list[dict]:
@@ -128,7 +131,7 @@ def test_every_example_runs_and_own_text_goes_to_hugging_face_and_back(stack, tm
     for src, name, files in ((home / "corpus", "stdlib", "**/*.py"), (notes, "notes-bytes", "**/*.txt")):
         prepare_dataset(
             src, name, "v1", home / "datasets", val_fraction=0.2, include_glob=files
-        )  # (corpus: json, email)
+        )  # (corpus: json, email, logging)
 
     seconds, jobs = {}, {}
     for name in SHOWN:
@@ -210,3 +213,79 @@ def export_and_compare_logits(home: Path, version: str, tmp_path: Path, monkeypa
     text = evaluation.generate(version, "The ", 8, 0.8, 40, 0)
     assert text.startswith("The ") and len(text) > len("The "), text
     return hf
+
+
+# ---------------------------------------------------------------------------------------
+# The full stack (control, data, store, two node agents, rank processes) trains a job spec
+# under FSDP2 (dp=2), under tensor parallelism (tp=2) and under pipeline parallelism (pp=2,
+# 1F1B, with a held-out evaluation through the pipeline): submitted with surgectl, trained,
+# checkpointed asynchronously through the store (sharded DTensor state; under pp each stage
+# writes its own keys), and sampled from the committed checkpoint as one whole model.
+# (Formerly tests/parallel/test_end_to_end_parallel.py, on a stack of its own.)
+
+PARALLEL_JOB = """\
+name: {name}
+steps: 16
+seed: 0
+model: {{n_layers: 2, d_model: 64, n_heads: 4, vocab_size: 256, tie_embeddings: {tie}}}
+data:
+  dataset: tiny@v1
+  seq_len: 64
+  micro_batch_size: 4
+  grad_accum: 2
+  filter: {{min_tokens: 16, banned_bytes: "\\0"}}
+parallel: {parallel}
+optimizer: {{lr: 3.0e-3, warmup_steps: 4}}
+checkpoint: {{every_steps: 8, keep_last: 2}}
+eval: {{every_steps: {eval_every}, batches: 2}}
+"""
+
+
+def train_and_sample(
+    home: Path, tmp_path: Path, name: str, parallel: str, tie: bool = True, eval_every: int = 0
+) -> list[dict]:
+    """Submit the job, check it FINISHED at step 16 with both ranks reporting the same
+    falling loss, checkpoints at 8 and 16, text sampled from the last one and no rank
+    process left; returns the job's metrics records."""
+    spec = tmp_path / f"{name}.yaml"
+    spec.write_text(PARALLEL_JOB.format(name=name, parallel=parallel, tie=str(tie).lower(), eval_every=eval_every))
+    run = cli(home, "submit", str(spec), "--follow")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr
+    job_id = run.stdout.split("submitted ", 1)[1].split()[0]
+
+    status = json.loads(cli(home, "status", job_id, "-o", "json").stdout)[0]
+    assert status["state"] == "TERMINATED" and status["outcome"] == "FINISHED" and int(status["step"]) == 16
+
+    records = [json.loads(line) for line in (home / "store" / "metrics" / f"{job_id}.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r.get("type") == "step"]
+    by_rank = {rank: [r["loss"] for r in steps if int(r.get("rank", 0)) == rank] for rank in (0, 1)}
+    # Both ranks report the global loss (under pp, stage 0 reports the last stage's).
+    assert len(by_rank[0]) == 16 and by_rank[0] == by_rank[1] and all(x > 0 for x in by_rank[0])
+    assert sum(by_rank[0][-4:]) / 4 < sum(by_rank[0][:4]) / 4 - 0.2
+
+    cks = json.loads(cli(home, "checkpoints", job_id, "-o", "json").stdout)
+    assert [int(c["step"]) for c in cks] == [8, 16]
+    gen = cli(home, "generate", "--checkpoint", cks[-1]["version"], "--prompt", "def ", "--max-new-tokens", "10")
+    assert gen.returncode == 0 and gen.stdout.startswith("def "), gen.stderr
+    assert processes_with(f"--job {job_id}") == []
+    return records
+
+
+@pytest.mark.parametrize(
+    ("name", "parallel"),
+    [("e2e-fsdp2", "{dp: 2, data_parallel: fsdp2, activation_checkpointing: true}"), ("e2e-tp2", "{tp: 2}")],
+)
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_job_spec_trains_checkpoints_and_samples_under(stack, tmp_path, name, parallel):
+    train_and_sample(stack, tmp_path, name, parallel)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_pp2_job_trains_evaluates_checkpoints_and_samples(stack, tmp_path):
+    records = train_and_sample(
+        stack, tmp_path, "e2e-pp2", "{pp: 2, pipeline_schedule: 1f1b, microbatches: 2}", tie=False, eval_every=8
+    )
+    evals = [r for r in records if r.get("type") == "eval"]
+    assert evals and all(r["loss"] > 0 for r in evals)

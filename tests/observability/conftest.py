@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, down_and_reap
+from tests.ports import free_port  # noqa: F401 (test_grpc imports it from here)
 
 SURGECTL = [sys.executable, "-m", "services.cli.surgectl"]
 TOKEN = "obs-test-token"
@@ -56,12 +56,6 @@ def cli(
         full["SURGE_AUTH_TOKEN"] = token
     full.update(env or {})
     return subprocess.run([*SURGECTL, *args], cwd=REPO, env=full, capture_output=True, text=True, timeout=timeout)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> str:

@@ -314,3 +314,29 @@ def test_log_settings_are_case_insensitive_and_empty_means_unset():
     levels = {json.loads(line)["level"] for line in r.stderr.splitlines()}
     assert levels and levels <= {"warning", "error", "critical"}, r.stderr
     assert _run(0, {"SURGE_LOG_FORMAT": "", "SURGE_LOG_LEVEL": ""}).returncode == 1  # the program's own uncaught error
+
+
+SWAPPED = textwrap.dedent("""
+    import io, sys
+    from services.common import logs
+    first, sys.stderr = sys.stderr, io.StringIO()  # as a test runner swaps it for one test's capture
+    log = logs.configure("data")
+    log.info("while swapped")
+    swapped, sys.stderr = sys.stderr, first
+    swapped.close()  # the capture ends; the process goes on logging
+    log.info("after the swapped stream was closed")
+    print(swapped.closed, file=sys.stdout)
+""")
+
+
+def test_lines_go_to_the_stderr_of_the_moment_and_never_to_a_closed_one():
+    """``configure`` called while ``sys.stderr`` is swapped for another stream (pytest's
+    capture of one test, when a test runs a service's main in-process), which is then closed:
+    later lines go to the stderr of the moment, not to the closed stream (which printed
+    '--- Logging error --- ValueError: I/O operation on closed file' into whatever test ran
+    next in the same process)."""
+    env = {**os.environ, "SURGE_LOG_FORMAT": "json", "SURGE_LOG_LEVEL": "INFO"}
+    r = subprocess.run([sys.executable, "-c", SWAPPED], cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0 and r.stdout == "True\n", r.stderr
+    events = [json.loads(line)["event"] for line in r.stderr.splitlines()]
+    assert events == ["after the swapped stream was closed"], r.stderr

@@ -46,7 +46,7 @@ STEP_DEADLINE_ARMERS = {Module.L1_ORCHESTRATOR: {"_arm"}}
 # Functions that hand work to the deadline pool's thread with no delay: not a timer on
 # anyone, a hand-off off the caller's thread. L1-1 starts its queued jobs so (issue 15):
 # the caller may be the thread applying the node agents' events.
-HANDOFFS = {Module.L1_ORCHESTRATOR: {"_start_soon"}}
+HANDOFFS = {Module.L1_ORCHESTRATOR: {"_start_soon", "_grow_soon"}}
 # A blocking call that takes a timeout is a poll when it sits in a loop: wake, look, wait again.
 TIMED_WAITS = {"sleep", "wait", "get", "put", "join", "poll", "select", "acquire", "result", "recv"}
 

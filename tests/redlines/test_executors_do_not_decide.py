@@ -412,7 +412,14 @@ def test_the_recovery_controller_cannot_change_the_job_or_its_parallel_rules():
 def test_the_resource_allocator_cannot_steer_training_or_read_its_metrics(tmp_path):
     built = build_control(tmp_path)
     bus, allocator = built.buses[0], built.modules[Module.L1_RESOURCE_ALLOCATOR]
-    assert holds(allocator) == {"ports": ["EXT_HARDWARE"], "emitters": ["L1_RESOURCE_ALLOCATOR"], "modules": []}
+    # L2_PARALLEL_STRATEGY: the fresh rendezvous of a group rebuilt in place (RebuildParallelGroup:
+    # an address, a generation, where each rank runs; no configuration, nothing of the training).
+    assert holds(allocator) == {
+        "ports": ["EXT_HARDWARE", "L2_PARALLEL_STRATEGY"],
+        "emitters": ["L1_RESOURCE_ALLOCATOR"],
+        "modules": [],
+    }
+    assert not _fields("surge.v1.RebuildParallelGroup") & (TRAINING_PARAMETERS | {"spec_json", "spec_yaml", "init"})
     for msg in TRAINING_CONTROL + (engine_pb2.ParallelPlan, engine_pb2.ApplyUpdate, engine_pb2.InitJob):
         assert Module.L1_RESOURCE_ALLOCATOR not in default_table().route(msg).senders, msg.DESCRIPTOR.name
     for metric in (
@@ -567,7 +574,8 @@ def test_the_resource_allocator_cannot_change_the_parallel_plan():
     for name in ("ParallelPlan", "ReloadShards"):  # the plan, and a re-shard by it
         route = table.route(f"surge.v1.{name}")
         assert route is None or Module.L1_RESOURCE_ALLOCATOR not in route.senders, name
-    # Its RankAssignment is the launch-time topology, sent once per rank with LaunchRanks.
+    # Its RankAssignment is the launch-time topology, sent once per rank with LaunchRanks (a
+    # replacement rank of a rebuild in place is launched with one too, the same rank and world).
     tree = source_tree(Module.L1_RESOURCE_ALLOCATOR)
     where = [
         f.name
@@ -576,7 +584,7 @@ def test_the_resource_allocator_cannot_change_the_parallel_plan():
         for n in ast.walk(f)
         if isinstance(n, ast.Call) and ast.unparse(n.func).endswith("RankAssignment")
     ]
-    assert where == ["allocate_resources"]
+    assert sorted(where) == ["_rebuild_in_place", "allocate_resources"]
 
 
 def test_the_resource_allocator_launches_and_releases_ranks_only_when_commanded():
@@ -588,7 +596,16 @@ def test_the_resource_allocator_launches_and_releases_ranks_only_when_commanded(
         for n in ast.walk(f)
         if isinstance(n, ast.Call) and ast.unparse(n.func) == "self._hardware"
     }
-    assert callers == {"allocate_resources", "release_resources"}  # L1-1's two commands, nothing else
+    # L1-1's two commands and L1-4's rebuild in place, nothing else.
+    assert callers == {"allocate_resources", "release_resources", "_rebuild_in_place"}
+    entries = {
+        f.name
+        for f in ast.walk(tree)
+        if isinstance(f, ast.FunctionDef)
+        for n in ast.walk(f)
+        if isinstance(n, ast.Call) and ast.unparse(n.func) == "self._rebuild_in_place"
+    }
+    assert entries == {"rebuild_communicator"}  # (RebuildCommunicator.in_place, from L1-4)
 
 
 def test_the_fault_detector_hears_only_public_error_events_and_its_commands():

@@ -27,19 +27,12 @@ from torch.distributed.checkpoint.state_dict import (
 from services.compute.model import build_model
 from services.jobspec import ModelSpec
 from services.state.chunk_store import ChunkReader, ChunkWriter, DirectorySource, iter_chunk_files
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 SPEC = ModelSpec(n_layers=2, d_model=64, n_heads=2)
 CHUNK = 2048  # several chunks per weight: a shard's rows are a part of them
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _sharded(rank: int):
@@ -113,7 +106,7 @@ def test_dcp_reshards_through_the_chunk_store_fsdp2_dp2_to_one_process_and_back(
         )
     env = {"OMP_NUM_THREADS": "1"}
     os.environ.update(env)
-    mp.spawn(_ranks, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_ranks, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
 
     # dp 2 -> one process: every weight and moment, as the ranks gathered them.
     gathered = _flat(torch.load(tmp_path / "gathered.pt", weights_only=True))

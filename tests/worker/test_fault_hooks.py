@@ -20,7 +20,7 @@ def test_injections_are_parsed_per_job_name_and_a_bad_entry_is_one_line():
     text = "a:nan_loss@7,b:hang@3:rank=1, a:hang@9:rank=2"
     assert parse_injections(text, "a") == [Injection("nan_loss", 7, 0), Injection("hang", 9, 2)]
     assert parse_injections(text, "c") == []
-    expected = r"expected <job name>:<nan_loss\|inf_grad\|hang\|hang_forward\|slow_eval\|slow_save>@<step>"
+    expected = r"expected <job name>:<nan_loss\|inf_grad\|hang\|hang_forward\|slow_eval\|slow_save\|slow_heal>@<step>"
     with pytest.raises(ValueError, match=r"^SURGE_FAULT_INJECT: 'a:explode@1': " + expected):
         parse_injections("a:explode@1", "a")
     assert parse_injections("a:slow_eval@4:rank=1:seconds=2.5", "a") == [Injection("slow_eval", 4, 1, 2.5)]

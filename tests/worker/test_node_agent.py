@@ -37,6 +37,7 @@ from services.contract import (
 )
 from services.contract.bus import BoundaryViolation, Bus, Traffic
 from services.contract.relay import pack, unpack
+from tests.ports import free_port
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -47,12 +48,6 @@ START_TIMEOUT = 20.0  # seconds for an agent or a rank to start on a loaded 2-co
 
 
 # ---------------------------------------------------------------- processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def alive(pid: int) -> bool:
