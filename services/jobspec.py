@@ -611,7 +611,11 @@ class LivenessSpec(_Strict):
     """Deadlines the fault detector keeps on every rank, reset by its heartbeats (seconds).
 
     A rank beats every ``heartbeat_interval_seconds`` from a side thread; silent for
-    ``heartbeat_timeout_seconds``: declared silent. Each beat says the rank's phase (data
+    ``heartbeat_timeout_seconds``: declared silent, unless its node agent states that its
+    process runs (not stopped by a signal): then its beats are late, not gone (a loaded host,
+    a slow relay), and it is declared silent after ``heartbeat_timeout_running_seconds``. A
+    process its agent states stopped (SIGSTOP, a debugger) is declared silent once it has
+    stayed stopped for a beat period, before its deadline. Each beat says the rank's phase (data
     wait, forward, backward, collective, optimizer, evaluation, checkpoint staging,
     compile). Beating but no progress (no new step, phase or unit of the phase) for the
     phase's budget: stalled. The budget of a training step's phases is
@@ -624,6 +628,7 @@ class LivenessSpec(_Strict):
 
     heartbeat_interval_seconds: float = Field(1.0, gt=0)
     heartbeat_timeout_seconds: float = Field(3.0, gt=0)
+    heartbeat_timeout_running_seconds: float = Field(15.0, gt=0)
     stall_min_seconds: float = Field(30.0, gt=0)
     stall_step_factor: float = Field(5.0, gt=0, le=10_000)  # (a step 10^4 x the median is stalled)
     attribution_seconds: float = Field(1.0, ge=0)
@@ -635,6 +640,11 @@ class LivenessSpec(_Strict):
             raise ValueError(
                 f"heartbeat_timeout_seconds ({self.heartbeat_timeout_seconds}) must be at least twice "
                 f"heartbeat_interval_seconds ({self.heartbeat_interval_seconds})"
+            )
+        if self.heartbeat_timeout_running_seconds < self.heartbeat_timeout_seconds:
+            raise ValueError(
+                f"heartbeat_timeout_running_seconds ({self.heartbeat_timeout_running_seconds}) must be at least "
+                f"heartbeat_timeout_seconds ({self.heartbeat_timeout_seconds})"
             )
         return self
 

@@ -229,6 +229,7 @@ def _sole_sender(msg: Any) -> int:
 
 # Deadlines when StartFaultMonitoring leaves one at 0 (seconds; job spec `liveness`).
 DEFAULT_HEARTBEAT_TIMEOUT_S = 3.0
+DEFAULT_HEARTBEAT_TIMEOUT_RUNNING_S = 15.0
 DEFAULT_STALL_MIN_S = 30.0
 DEFAULT_STALL_STEP_FACTOR = 5.0  # attribution_seconds 0: a comm_error is reported at once
 DEFAULT_CHECKPOINT_STAGING_S = 600.0
@@ -264,6 +265,7 @@ class _RankWatch:
     # until it moves on; that peer's stall reports it as a consequence.
     waiting: bool = False
     silence: Deadline | None = None
+    silence_due: float = 0.0  # time.monotonic() when `silence` fires
     stall: Deadline | None = None
     stalled: bool = False  # declared stalled at ``step``; the next progress re-arms the deadline
     # Restored after a control restart and nothing of it arrived since (no beat, resent or
@@ -287,6 +289,7 @@ class _Job:
     eval_batches: int = 0
     staging_s: float = DEFAULT_CHECKPOINT_STAGING_S
     compile_s: float = DEFAULT_COMPILE_S
+    running_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_RUNNING_S
     ranks: dict[int, _RankWatch] = field(default_factory=dict)
     step_times: deque = field(default_factory=lambda: deque(maxlen=_STEP_TIMES_KEPT))
     eval_batch_times: deque = field(default_factory=lambda: deque(maxlen=_STEP_TIMES_KEPT))
@@ -352,6 +355,9 @@ class FaultDetector:
         # (job_id, rank) -> (module, operation, cause) of module failures reported: a loop
         # failure that repeats one (it commanded the failed module) is not reported twice.
         self._failures: defaultdict[tuple[str, int], deque] = defaultdict(lambda: deque(maxlen=16))
+        # (job_id, rank) -> (worker_id, pid) -> (RankProcessState.State, detail, unix_time):
+        # what the node agents last stated of each process of the rank, until its exit.
+        self._processes: defaultdict[tuple[str, int], dict[tuple[str, int], tuple[int, str, float]]] = defaultdict(dict)
 
     def close(self) -> None:
         """Composition root, when control stops: no silence, stall or attribution deadline
@@ -379,6 +385,9 @@ class FaultDetector:
                 eval_batches=msg.eval_batches,
                 staging_s=msg.checkpoint_staging_seconds or DEFAULT_CHECKPOINT_STAGING_S,
                 compile_s=msg.compile_seconds or DEFAULT_COMPILE_S,
+            )
+            job.running_timeout_s = max(
+                msg.heartbeat_timeout_running_seconds or DEFAULT_HEARTBEAT_TIMEOUT_RUNNING_S, job.heartbeat_timeout_s
             )
             if msg.reattach_seconds > 0:
                 job.reattaching, job.reattach_s = set(range(msg.world_size)), msg.reattach_seconds
@@ -440,8 +449,11 @@ class FaultDetector:
             watch.interval_s = msg.interval_seconds or watch.interval_s
             if watch.silence is not None:
                 watch.silence.cancel()
-            args = (msg.job_id, msg.rank, watch)
-            watch.silence = self._deadlines.after(job.heartbeat_timeout_s - lag, self._silence_passed, args)
+            # Longer while its node agent states its process running: late beats are not a
+            # dead rank (a stop the agent states brings it forward: on_rank_process_state).
+            wait = self._silence_timeout(msg.job_id, job, msg.rank, watch) - lag
+            watch.silence_due = time.monotonic() + wait
+            watch.silence = self._deadlines.after(wait, self._silence_passed, (msg.job_id, msg.rank, watch))
             progressed = msg.step != watch.step
             # Progress within a step or a long phase: a new phase, or more of it done.
             moved = progressed or msg.phase != watch.phase or msg.phase_progress != watch.phase_progress
@@ -475,15 +487,39 @@ class FaultDetector:
                 else:
                     watch.last_progress_unix = now  # stepping starts now: the clock starts now
                 budget = job.phase_deadline_s(msg.phase, msg.phase_total)
-                watch.stall = self._deadlines.after(budget - lag, self._stall_passed, args)
+                watch.stall = self._deadlines.after(budget - lag, self._stall_passed, (msg.job_id, msg.rank, watch))
 
     # ------------------------------------------------------------ fault events
+
+    def on_rank_process_state(self, msg: control_pb2.RankProcessState, payload: Any = None) -> None:
+        """A node agent states a rank process RUNNING (watched from now on, or continued) or
+        STOPPED by a signal. A stopped rank that beats no more is declared silent once it has
+        stayed stopped for a beat period (its silence deadline is brought forward to then);
+        one stated running gets ``heartbeat_timeout_running_seconds`` before it is declared
+        silent (see ``_silence_passed``)."""
+        with self._lock:
+            self._processes[(msg.job_id, msg.rank)][(msg.worker_id, msg.pid)] = (msg.state, msg.detail, msg.unix_time)
+            job = self._jobs.get(msg.job_id)
+            watch = job.ranks.get(msg.rank) if job is not None else None
+            if watch is None or watch.silence is None or watch.unheard:
+                return  # not beating yet, declared already, or on its re-attach deadline
+            if watch.worker_id and watch.worker_id != msg.worker_id:
+                return  # another process of the rank, elsewhere (a relaunch): not the one watched
+            now = time.monotonic()
+            if msg.state == control_pb2.RankProcessState.STOPPED:
+                wait = min(watch.silence_due - now, self._stop_hold(job, watch))  # brought forward
+            else:  # running (continued): its deadline counts from its last beat again
+                wait = job.running_timeout_s - (time.time() - watch.last_beat_unix)
+            watch.silence.cancel()
+            watch.silence_due = now + wait
+            watch.silence = self._deadlines.after(wait, self._silence_passed, (msg.job_id, msg.rank, watch))
 
     def on_rank_exited(self, msg: control_pb2.RankExited, payload: Any = None) -> None:
         """A rank process ended: its deadlines end with it. Every exit of a monitored job is
         graded: a code-0 exit is normal once the loop finished, but only the orchestrator
         knows that; an exit after a release is one control asked for."""
         with self._lock:
+            self._forget_process(msg.job_id, msg.rank, msg.worker_id, msg.pid)
             job = self._jobs.get(msg.job_id)
             watch = job.ranks.pop(msg.rank, None) if job is not None else None
             if watch is not None:
@@ -643,10 +679,14 @@ class FaultDetector:
     # ------------------------------------------------------------ deadlines (timer threads)
 
     def _silence_passed(self, job_id: str, rank: int, watch: _RankWatch) -> None:
+        """The rank's silence deadline passed (``heartbeat_timeout_s`` after its last beat,
+        ``running_timeout_s`` while its node agent states its process running, a beat period
+        after the agent stated it stopped): it is declared silent, saying which."""
         with self._lock:
             job = self._jobs.get(job_id)
             if job is None or job.ranks.get(rank) is not watch:
                 return  # the rank exited (or a new process of it beats) meanwhile
+            state, stopped_how = self._process_state(job_id, rank, watch.worker_id)
             del job.ranks[rank]  # declared once; a new heartbeat starts a new watch
             watch.cancel()
             timeout = job.heartbeat_timeout_s
@@ -670,6 +710,19 @@ class FaultDetector:
             detail = (
                 f"rank {rank} lost with worker {watch.worker_id}: no node agent re-attached it "
                 f"within {silent_for:.1f} s of the control restart"
+            )
+        elif state == control_pb2.RankProcessState.STOPPED:
+            fault_class = RANK_SILENT
+            detail = (
+                f"rank {rank} on worker {watch.worker_id} sent no heartbeat for {silent_for:.1f} s: its process "
+                f"is {stopped_how or 'stopped'} (stated by its node agent) after step {max(watch.step, 0)}"
+            )
+        elif state == control_pb2.RankProcessState.RUNNING:
+            fault_class = RANK_SILENT
+            detail = (
+                f"rank {rank} on worker {watch.worker_id} sent no heartbeat for {silent_for:.1f} s "
+                f"(deadline {job.running_timeout_s:g} s for a process its node agent states running) "
+                f"after step {max(watch.step, 0)}"
             )
         else:
             fault_class = RANK_SILENT
@@ -845,7 +898,10 @@ class FaultDetector:
                 and self._quiet(job, time.time())
             ):
                 job.held_extended = True
-                job.held_timer = self._deadlines.after(job.heartbeat_timeout_s + 0.5, self._release_held, (job_id,))
+                # Until the quiet ranks' silence deadlines can have fired (longer for one whose
+                # process its node agent states running).
+                wait = max(self._silence_timeout(job_id, job, r, job.ranks[r]) for r in self._quiet(job, time.time()))
+                job.held_timer = self._deadlines.after(wait + 0.5, self._release_held, (job_id,))
                 return
             if job.held_timer is not None:
                 job.held_timer.cancel()  # (released early: every rank re-attached)
@@ -867,6 +923,44 @@ class FaultDetector:
             self._emit(report)
 
     # ------------------------------------------------------------ private
+
+    def _process_state(self, job_id: str, rank: int, worker_id: str) -> tuple[int, str]:
+        """What the node agent of ``worker_id`` last stated of the rank's process there:
+        (RankProcessState.State, its detail); (STATE_UNSPECIFIED, "") where it stated nothing
+        (a rank not launched by a node agent, a worker unknown). Lock held."""
+        states = [v for (w, _), v in self._processes.get((job_id, rank), {}).items() if w == worker_id]
+        if not worker_id or not states:
+            return control_pb2.RankProcessState.STATE_UNSPECIFIED, ""
+        stopped = [s for s in states if s[0] == control_pb2.RankProcessState.STOPPED]
+        if stopped:
+            return stopped[-1][0], stopped[-1][1]
+        return control_pb2.RankProcessState.RUNNING, ""
+
+    def _forget_process(self, job_id: str, rank: int, worker_id: str, pid: int) -> None:
+        """The process ended (pid 0: every process of the rank on that worker). Lock held."""
+        known = self._processes.get((job_id, rank))
+        if known is None:
+            return
+        for key in [k for k in known if k[0] == worker_id and (not pid or k[1] == pid)]:
+            del known[key]
+        if not known:
+            del self._processes[(job_id, rank)]
+
+    def _silence_timeout(self, job_id: str, job: _Job, rank: int, watch: _RankWatch) -> float:
+        """How long the rank may stay without a beat: longer while its node agent states its
+        process runs, a beat period once the agent stated it stopped (lock held)."""
+        state, _ = self._process_state(job_id, rank, watch.worker_id)
+        if state == control_pb2.RankProcessState.RUNNING:
+            return job.running_timeout_s
+        if state == control_pb2.RankProcessState.STOPPED:
+            return self._stop_hold(job, watch)
+        return job.heartbeat_timeout_s
+
+    @staticmethod
+    def _stop_hold(job: _Job, watch: _RankWatch) -> float:
+        """How long a rank stated stopped has to continue before it is declared silent: a
+        beat period (a stop and continue within it, ^Z and fg, is no fault)."""
+        return watch.interval_s or job.heartbeat_timeout_s / 2
 
     def _reattached(self, job_id: str, rank: int) -> bool:
         """The rank was heard from after a control restart; True when it was the last one

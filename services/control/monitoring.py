@@ -30,6 +30,7 @@ def start_monitoring(
     msg = control_pb2.StartFaultMonitoring(
         job_id=job_id,
         heartbeat_timeout_seconds=live.heartbeat_timeout_seconds,
+        heartbeat_timeout_running_seconds=live.heartbeat_timeout_running_seconds,
         stall_min_seconds=live.stall_min_seconds,
         stall_step_factor=live.stall_step_factor,
         attribution_seconds=live.attribution_seconds,

@@ -214,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         reg = type(registration)()
         reg.CopyFrom(registration)
         reg.running.extend(agent.running())
+        # ...and what it knows of their processes (stopped or running), after the registration:
+        # a control that restarted has not heard it.
+        agent.restate_processes()
         return reg
 
     session = ControlSession(args.control, current_registration, outbox, agent.execute, log)

@@ -14,6 +14,10 @@ Facts it reports up the ``ControlService.WorkerSession`` stream (``WorkerEvent``
 * ``rank_exited``: a rank process ended (``exit_code`` < 0: killed by that signal), after
   the events that rank sent before it ended, with the time it was reaped and whether a
   ``release`` asked for it.
+* ``routed`` ``RankProcessState``: a rank process is watched (RUNNING, when its waiter
+  starts), was stopped by a signal (STOPPED: SIGSTOP, SIGTSTP, a debugger) or continued
+  (RUNNING), as the kernel tells its parent; stated again for every live rank when a new
+  control session registers (a restarted control has not heard it).
 * ``memory_pressure``: the node's available memory fell below its pressure threshold
   (``under_pressure`` true), or rose back above it plus a hysteresis margin (false). Edge-
   triggered: one report per crossing, none while the state holds.
@@ -53,8 +57,8 @@ Threads, and why each exists:
 * the control-session thread keeps the stream open, reconnects when it breaks, and
   executes commands one by one (so a ``release`` then ``launch`` of the same rank is
   ordered);
-* one waiter per rank process, blocked in ``proc.wait()``: a death is reported within
-  milliseconds without any polling;
+* one waiter per rank process, blocked in ``waitid``: a death, and a stop or continue by a
+  signal, is reported within milliseconds without any polling;
 * per rank session, one gRPC handler thread streams commands down and one reader thread
   relays events up;
 * one timer per released rank, firing SIGKILL when the grace period ends;
@@ -80,7 +84,7 @@ from typing import Any
 from services.contract import Module, audit_pb2, control_pb2, engine_pb2, worker_pb2
 from services.contract.audit import merge_reports
 from services.contract.bus import Bus
-from services.contract.relay import L1, RANK, Link
+from services.contract.relay import L1, RANK, Link, pack
 from services.worker.control_link import Emit
 from services.worker.log_tail import LogTailer
 from services.worker.memory_copies import MemoryCopies
@@ -88,10 +92,12 @@ from services.worker.rank_process import (
     END_OF_COMMANDS,
     RankProcess,
     describe_exit,
+    describe_stop,
     rank_command_line,
     rank_environment,
     safe_file_name,
     signal_group,
+    wait_reporting_stops,
 )
 from services.worker.rank_session import RankAlreadyAttached, RankNotLaunched
 from services.worker.warm_spares import WarmSpares
@@ -502,8 +508,14 @@ class NodeAgent:
             )
 
     def _watch(self, r: RankProcess) -> None:
-        """Waiter thread of one rank: reap it the moment it ends and report the fact."""
-        code = r.proc.wait()
+        """Waiter thread of one rank: report it watched (RUNNING), every stop and continue by a
+        signal as it happens, and reap it the moment it ends and report that."""
+        self._emit_process_state(r, control_pb2.RankProcessState.RUNNING)
+        code = wait_reporting_stops(
+            r.proc,
+            stopped=lambda sig: self._emit_process_state(r, control_pb2.RankProcessState.STOPPED, sig),
+            continued=lambda: self._emit_process_state(r, control_pb2.RankProcessState.RUNNING),
+        )
         reaped = time.time()
         with self._lock:
             r.dead = True  # from now on no session can attach to it
@@ -516,11 +528,37 @@ class NodeAgent:
         r.commands.put(END_OF_COMMANDS)  # a stream still held open by a stray helper ends now
         detail = describe_exit(code) + (" after release" if r.released else "") + f"; log {r.log_path}"
         self._log.info("rank exited", job_id=r.job_id, rank=r.rank, pid=r.proc.pid, exit_code=code, released=r.released)
-        self._emit(self._exited_event(r.job_id, r.rank, code, detail, reaped=reaped, released=r.released))
+        self._emit(
+            self._exited_event(r.job_id, r.rank, code, detail, reaped=reaped, released=r.released, pid=r.proc.pid)
+        )
         self._end_log_span(r)  # before `exited`: a log tail that sees it gone finds the span's end
         r.exited.set()
         # (Its spare stays: a replacement of this very rank may be on its way. The job's
         # release, or the next launch, decides whether spares are still wanted.)
+
+    def restate_processes(self) -> None:
+        """State again what is known of every live rank process (RUNNING or STOPPED): for a
+        new control session, whose fault detector has not heard it (a control restart)."""
+        with self._lock:
+            live = [r for r in self._ranks.values() if not r.dead]
+        for r in live:
+            self._emit_process_state(r, r.process_state, r.stop_signal)
+
+    def _emit_process_state(self, r: RankProcess, state: int, stop_signal: int = 0) -> None:
+        r.process_state, r.stop_signal = state, stop_signal
+        if state == control_pb2.RankProcessState.STOPPED:
+            self._log.warning("rank stopped", job_id=r.job_id, rank=r.rank, pid=r.proc.pid, signal=stop_signal)
+        fact = control_pb2.RankProcessState(
+            job_id=r.job_id,
+            rank=r.rank,
+            worker_id=self._worker_id,
+            pid=r.proc.pid,
+            state=state,
+            signal=stop_signal,
+            unix_time=time.time(),
+            detail=describe_stop(stop_signal) if state == control_pb2.RankProcessState.STOPPED else "running",
+        )
+        self._emit(control_pb2.WorkerEvent(routed=pack(fact, Module.EXT_HARDWARE)))
 
     def _kill_if_alive(self, r: RankProcess) -> None:
         with self._lock:
@@ -528,7 +566,15 @@ class NodeAgent:
                 signal_group(r.proc.pid, signal.SIGKILL)
 
     def _exited_event(
-        self, job_id: str, rank: int, code: int, detail: str, *, reaped: float | None = None, released: bool = False
+        self,
+        job_id: str,
+        rank: int,
+        code: int,
+        detail: str,
+        *,
+        reaped: float | None = None,
+        released: bool = False,
+        pid: int = 0,
     ) -> control_pb2.WorkerEvent:
         return control_pb2.WorkerEvent(
             rank_exited=control_pb2.RankExited(
@@ -539,6 +585,7 @@ class NodeAgent:
                 detail=detail,
                 unix_time=reaped or time.time(),
                 released=released,
+                pid=pid,
                 # Ended by this agent's own shutdown (it is leaving): a departure, not a crash.
                 departing=self._stopping and not released,
             )

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +44,30 @@ class RankProcess:
     kill_timer: threading.Timer | None = None
     stream_closed: threading.Event = field(default_factory=threading.Event)
     exited: threading.Event = field(default_factory=threading.Event)  # RankExited emitted
+    # What the agent last stated of it (RankProcessState), set by its waiter thread.
+    process_state: int = 0
+    stop_signal: int = 0
+
+
+def wait_reporting_stops(proc: subprocess.Popen, stopped: Callable[[int], None], continued: Callable[[], None]) -> int:
+    """``proc.wait()`` that also calls ``stopped(signal)`` / ``continued()`` each time the
+    kernel tells this parent the process was stopped by a signal or continued (waitid with
+    WSTOPPED | WCONTINUED: the parent hears it at once, nothing polls). Returns the exit code
+    as ``Popen.wait`` does (the exit is only peeked at here, Popen reaps it)."""
+    while True:
+        try:
+            info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WSTOPPED | os.WCONTINUED | os.WNOWAIT)
+        except ChildProcessError:
+            break  # reaped already (a Popen.poll elsewhere): its code is in proc.returncode
+        if info is None or info.si_code not in (os.CLD_STOPPED, os.CLD_CONTINUED):
+            break  # exited, killed or dumped: Popen reaps it below
+        # Consume that stop or continue (WEXITED not asked: an exit since stays to be reaped).
+        os.waitid(os.P_PID, proc.pid, os.WSTOPPED | os.WCONTINUED | os.WNOHANG)
+        if info.si_code == os.CLD_STOPPED:
+            stopped(info.si_status)
+        else:
+            continued()
+    return proc.wait()
 
 
 def rank_command_line(module: str, session_address: str, job_id: str, rank: int) -> list[str]:
@@ -85,6 +109,14 @@ def describe_exit(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with code {code}"
+
+
+def describe_stop(sig: int) -> str:
+    """'stopped by SIGSTOP' (a signal number this platform does not name: 'stopped by signal N')."""
+    try:
+        return f"stopped by {signal.Signals(sig).name}"
+    except ValueError:
+        return f"stopped by signal {sig}"
 
 
 def signal_group(pgid: int, sig: int) -> None:

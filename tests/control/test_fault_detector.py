@@ -43,6 +43,7 @@ def wired(rules=None, **deadlines) -> tuple[Bus, Reports]:
     bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.ResetFaultLedger, detector.reset_fault_ledger)
     bus.subscribe(Module.L1_FAULT_DETECTOR, worker_pb2.RankHeartbeat, detector.on_rank_heartbeat)
     bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.RankExited, detector.on_rank_exited)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.RankProcessState, detector.on_rank_process_state)
     bus.subscribe(Module.L1_FAULT_DETECTOR, engine_pb2.TrainingLoopFailed, detector.on_training_loop_failed)
     reports = Reports()
     bus.subscribe(Module.L1_ORCHESTRATOR, control_pb2.FaultReport, reports.add)
@@ -150,6 +151,76 @@ def test_a_rank_that_stops_beating_is_declared_silent_once_after_its_deadline():
     assert "sent no heartbeat for" in r.detail and "deadline 0.3 s" in r.detail
     time.sleep(0.5)
     assert len(reports) == 1  # declared once, not every deadline
+
+
+def process(bus: Bus, state: int, rank: int = 1, pid: int = 100, signal: int = 0, worker_id: str = "w") -> None:
+    """What the rank's node agent states of its process (RankProcessState)."""
+    detail = "stopped by SIGSTOP" if state == STOPPED else "running"
+    msg = control_pb2.RankProcessState(
+        job_id="j",
+        rank=rank,
+        worker_id=worker_id,
+        pid=pid,
+        state=state,
+        signal=signal,
+        unix_time=time.time(),
+        detail=detail,
+    )
+    bus.publish(Module.EXT_HARDWARE, msg)
+
+
+RUNNING, STOPPED = control_pb2.RankProcessState.RUNNING, control_pb2.RankProcessState.STOPPED
+
+
+def test_a_rank_its_agent_states_running_whose_beats_are_late_is_silent_only_at_the_running_deadline():
+    """Late beats of a process that runs (a loaded host, a slow relay) are not a dead rank:
+    past the heartbeat deadline nothing is reported; a beat within the running deadline
+    re-arms it as usual; silent past the running deadline, it is declared, saying why."""
+    bus, reports = wired(heartbeat_timeout_seconds=0.3, heartbeat_timeout_running_seconds=1.2)
+    process(bus, RUNNING)
+    beat(bus, step=7)
+    time.sleep(0.8)  # past 0.3 s: late, not silent
+    assert reports == []
+    beat(bus, step=8)  # the late beat arrives
+    last = time.time()
+    (r,) = reports.wait(1, timeout=3.0)
+    assert (r.fault_class, r.rank, r.step) == ("rank_silent", 1, 8)
+    assert 1.1 <= r.detected_unix - last < 2.0, r.detected_unix - last
+    assert "deadline 1.2 s for a process its node agent states running" in r.detail, r.detail
+
+
+def test_a_rank_its_agent_states_stopped_is_silent_one_beat_period_after_the_stop_before_its_deadline():
+    bus, reports = wired(heartbeat_timeout_seconds=3.0, heartbeat_timeout_running_seconds=10.0)
+    process(bus, RUNNING)
+    bus.publish(
+        Module.EXT_HARDWARE,
+        worker_pb2.RankHeartbeat(job_id="j", rank=1, step=5, worker_id="w", interval_seconds=0.2),
+    )
+    stopped = time.time()
+    process(bus, STOPPED, signal=19)
+    (r,) = reports.wait(1, timeout=2.0)
+    assert r.fault_class == "rank_silent" and 0.15 <= r.detected_unix - stopped < 1.0, r.detected_unix - stopped
+    assert "its process is stopped by SIGSTOP (stated by its node agent) after step 5" in r.detail, r.detail
+
+
+def test_a_stop_continued_within_a_beat_period_is_no_fault_and_facts_of_another_worker_or_pid_do_not_count():
+    bus, reports = wired(heartbeat_timeout_seconds=0.4, heartbeat_timeout_running_seconds=5.0)
+    process(bus, RUNNING, pid=100)
+    bus.publish(
+        Module.EXT_HARDWARE,
+        worker_pb2.RankHeartbeat(job_id="j", rank=1, step=5, worker_id="w", interval_seconds=0.2),
+    )
+    process(bus, STOPPED, pid=100, signal=19)
+    process(bus, RUNNING, pid=100)  # continued at once
+    process(bus, STOPPED, pid=7, signal=19, worker_id="elsewhere")  # another process of rank 1
+    time.sleep(0.6)  # past the heartbeat deadline: running here, so late, not silent
+    assert reports == []
+    # Its exit ends what was known of that process: a new process of the rank, not stated
+    # by any agent, has the heartbeat deadline again.
+    exited(bus, -9, pid=100)
+    assert [r.fault_class for r in reports.wait(1)] == ["rank_exit"]
+    beat(bus, step=6)
+    assert [r.fault_class for r in reports.wait(2, timeout=2.0)] == ["rank_exit", "rank_silent"]
 
 
 def test_a_beating_rank_without_step_progress_is_stalled_and_progress_resets_the_deadline():

@@ -1,10 +1,14 @@
-"""The survivor is not blamed (issue 4, detection): on real processes, rank 1 is SIGSTOPped
-while rank 0 waits for it in the gradient all-reduce. Rank 0 keeps beating (side thread) but
-makes no progress, and its stall deadline (1 s) fires long before rank 1's silence deadline
-(3 s after its last beat). Such a short stall deadline also fires on ordinary hiccups of a
-loaded machine, so once the incident is recovered the operator stops the job. The incident must still be named after rank 1, the rank that
-failed first; rank 0's stall, which its beats say happened in a collective, is recorded as a
-consequence (``rank_stalled_in_collective``, issue 12 part 5)."""
+"""The survivor is not blamed (issue 4, detection): on real processes, rank 1's host hangs
+(its node agent and rank 1 SIGSTOPped: nobody is left to say the rank stopped) while rank 0
+waits for it in the gradient all-reduce. Rank 0 keeps beating (side thread) but makes no
+progress, and its stall deadline (1 s) fires long before rank 1's silence deadline (3 s after
+its last beat; `heartbeat_timeout_running_seconds` 3 s, as the agent had stated it running).
+Such a short stall deadline also fires on ordinary hiccups of a loaded machine, so once the
+incident is recovered the operator stops the job. The incident must still be named after
+rank 1, the rank that failed first; rank 0's stall, which its beats say happened in a
+collective, is recorded as a consequence (``rank_stalled_in_collective``, issue 12 part 5).
+The host's agent is continued once the fault is reported (rank 1 stays stopped), so that
+the recovery can release rank 1 there."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import pytest
 
 from services.contract import control_pb2
 from tests.conftest import kill_all
-from tests.faults.test_recovery import causes, of_type, running_stack
+from tests.faults.test_recovery import causes, of_type, parent_pid, running_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -30,8 +34,8 @@ parallel: {dp: 2}
 optimizer: {lr: 3.0e-3, warmup_steps: 4}
 checkpoint: {every_steps: 50, keep_last: 0}
 eval: {every_steps: 0, batches: 2, at_end: false}
-liveness: {heartbeat_interval_seconds: 0.5, heartbeat_timeout_seconds: 3.0, stall_min_seconds: 1.0,
-           stall_step_factor: 1.0, attribution_seconds: 0.5}
+liveness: {heartbeat_interval_seconds: 0.5, heartbeat_timeout_seconds: 3.0, heartbeat_timeout_running_seconds: 3.0,
+           stall_min_seconds: 1.0, stall_step_factor: 1.0, attribution_seconds: 0.5}
 """
 
 
@@ -41,20 +45,28 @@ def stack(tmp_path_factory):
         yield s
 
 
-def test_a_sigstopped_rank_is_blamed_not_its_stalled_peer_whose_stall_deadline_fired_first(stack):
+def test_a_rank_on_a_hung_host_is_blamed_not_its_stalled_peer_whose_stall_deadline_fired_first(stack):
     job = stack.submit(JOB)
     stack.wait_step(job, 20)
     (pid,) = stack.rank_pids(job, 1)
+    agent = parent_pid(pid)
     stopped = time.time()
+    os.kill(agent, signal.SIGSTOP)
     os.kill(pid, signal.SIGSTOP)
+    agent_stopped = True
     events = []
     try:
         stream = stack.stub.WatchJob(control_pb2.JobQuery(job_id=job, follow=True), timeout=240)
         for ev in stream:
             events.append(ev)
+            if ev.type == "fault" and agent_stopped:
+                os.kill(agent, signal.SIGCONT)
+                agent_stopped = False
             if ev.message.startswith("first step after the recovery"):
                 stack.stub.StopJob(control_pb2.StopJobRequest(job_id=job))
     finally:
+        if agent_stopped:
+            os.kill(agent, signal.SIGCONT)
         kill_all([pid])
     faults = [e for e in events if e.type == "fault"]
     assert faults, "no fault was reported"

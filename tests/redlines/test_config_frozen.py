@@ -143,6 +143,7 @@ def test_the_fault_detectors_grading_table_cannot_change_after_init():
         "reset_fault_ledger",
         "on_rank_heartbeat",
         "on_rank_exited",
+        "on_rank_process_state",
         "on_training_loop_failed",
         "on_failure",
         "on_boundary_violation_reported",

@@ -143,11 +143,13 @@ class Agent:
 
 class FakeControl(control_pb2_grpc.ControlServiceServicer):
     """WorkerSession only: acknowledges like control (``surge-registered`` header), records
-    registrations and events, pushes commands to the newest session."""
+    registrations and events (RankProcessState facts apart, in ``process_states``), pushes
+    commands to the newest session."""
 
     def __init__(self):
         self.registrations: queue.Queue = queue.Queue()
         self.events: queue.Queue = queue.Queue()
+        self.process_states: queue.Queue = queue.Queue()
         self._sessions: list[queue.Queue] = []
         self._lock = threading.Lock()
 
@@ -162,6 +164,8 @@ class FakeControl(control_pb2_grpc.ControlServiceServicer):
                 for event in request_iterator:
                     if event.WhichOneof("event") == "register":
                         self.registrations.put(event.register)
+                    elif event.WhichOneof("event") == "routed" and event.routed.type.endswith(".RankProcessState"):
+                        self.process_states.put(unpack(event.routed))
                     else:
                         self.events.put(event)
             except grpc.RpcError:
@@ -434,6 +438,53 @@ def test_a_rank_killed_by_sigkill_is_reported_with_exit_code_minus_9_within_one_
     assert elapsed < 1.0, f"RankExited took {elapsed:.3f} s"
     assert "killed by SIGKILL" in exited.detail
     assert not exited.released and 0 <= exited.unix_time - killed < 0.5  # when it was reaped
+
+
+def test_a_rank_stopped_and_continued_by_signals_is_stated_at_once_and_again_to_a_new_control(cluster):
+    """The agent states each rank process RUNNING when it starts watching it, STOPPED (with
+    the signal) the moment the kernel tells it of a SIGSTOP, RUNNING again on SIGCONT, and a
+    restarted control hears the current state of every live rank after the registration."""
+    first = cluster.control()
+    port = first.port
+    agent = cluster.agent(port)
+    first.servicer.registration()
+    launch(first.servicer, "st", "sleep")
+    pid = started_ranks(cluster, first.servicer, 1)[0]
+    states = first.servicer.process_states
+    watched = states.get(timeout=5)
+    RPS = control_pb2.RankProcessState
+    assert (watched.job_id, watched.rank, watched.pid, watched.state, watched.worker_id) == (
+        "st",
+        0,
+        pid,
+        RPS.RUNNING,
+        WORKER_ID,
+    )
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGSTOP)
+    stopped = states.get(timeout=5)
+    took = time.monotonic() - t0
+    assert (stopped.state, stopped.signal, stopped.pid, stopped.detail) == (
+        RPS.STOPPED,
+        signal.SIGSTOP,
+        pid,
+        "stopped by SIGSTOP",
+    )
+    assert took < 1.0, f"STOPPED stated {took:.3f} s after the SIGSTOP"
+    os.kill(pid, signal.SIGCONT)
+    assert states.get(timeout=5).state == RPS.RUNNING
+    os.kill(pid, signal.SIGSTOP)
+    assert states.get(timeout=5).state == RPS.STOPPED
+
+    first.stop()  # control restarts while the rank is stopped
+    wait_for_line(agent, "control session down; retrying")
+    second = cluster.control(port)
+    assert [a.rank for job in second.servicer.registration(timeout=15).running for a in job.ranks] == [0]
+    restated = second.servicer.process_states.get(timeout=5)
+    assert (restated.pid, restated.state, restated.signal) == (pid, RPS.STOPPED, signal.SIGSTOP)
+    os.kill(pid, signal.SIGKILL)  # a stopped process dies of SIGKILL; its exit names it
+    exited = second.servicer.rank_exited(timeout=5)
+    assert (exited.exit_code, exited.pid) == (-9, pid)
 
 
 def test_release_terminates_sleeping_ranks_and_kills_one_that_ignores_sigterm_after_grace(cluster):
