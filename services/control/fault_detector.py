@@ -927,14 +927,13 @@ class FaultDetector:
     def _process_state(self, job_id: str, rank: int, worker_id: str) -> tuple[int, str]:
         """What the node agent of ``worker_id`` last stated of the rank's process there:
         (RankProcessState.State, its detail); (STATE_UNSPECIFIED, "") where it stated nothing
-        (a rank not launched by a node agent, a worker unknown). Lock held."""
+        (a rank not launched by a node agent, a worker unknown). Of two processes of the rank
+        there (one released, not yet reaped), the newest: the one that beats. Lock held."""
         states = [v for (w, _), v in self._processes.get((job_id, rank), {}).items() if w == worker_id]
         if not worker_id or not states:
             return control_pb2.RankProcessState.STATE_UNSPECIFIED, ""
-        stopped = [s for s in states if s[0] == control_pb2.RankProcessState.STOPPED]
-        if stopped:
-            return stopped[-1][0], stopped[-1][1]
-        return control_pb2.RankProcessState.RUNNING, ""
+        state, detail, _ = states[-1]  # (keys keep the order in which each process was first stated)
+        return state, detail
 
     def _forget_process(self, job_id: str, rank: int, worker_id: str, pid: int) -> None:
         """The process ended (pid 0: every process of the rank on that worker). Lock held."""

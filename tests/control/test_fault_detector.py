@@ -223,6 +223,18 @@ def test_a_stop_continued_within_a_beat_period_is_no_fault_and_facts_of_another_
     assert [r.fault_class for r in reports.wait(2, timeout=2.0)] == ["rank_exit", "rank_silent"]
 
 
+def test_the_newest_process_of_a_rank_on_its_worker_is_the_one_judged_not_a_released_one_still_stopped():
+    bus, reports = wired(heartbeat_timeout_seconds=0.4, heartbeat_timeout_running_seconds=5.0)
+    process(bus, STOPPED, pid=100, signal=19)  # released while stopped: not reaped yet
+    process(bus, RUNNING, pid=101)  # its replacement on the same worker
+    bus.publish(
+        Module.EXT_HARDWARE,
+        worker_pb2.RankHeartbeat(job_id="j", rank=1, step=5, worker_id="w", interval_seconds=0.2),
+    )
+    time.sleep(0.7)  # past both the stop hold and the heartbeat deadline: the new process runs
+    assert reports == []
+
+
 def test_a_beating_rank_without_step_progress_is_stalled_and_progress_resets_the_deadline():
     bus, reports = wired(heartbeat_timeout_seconds=5.0, stall_min_seconds=0.4, stall_step_factor=1.0)
     beat(bus, step=1, stepping=False)
