@@ -545,9 +545,12 @@ class NodeAgent:
             self._emit_process_state(r, r.process_state, r.stop_signal)
 
     def _emit_process_state(self, r: RankProcess, state: int, stop_signal: int = 0) -> None:
+        was = r.process_state
         r.process_state, r.stop_signal = state, stop_signal
         if state == control_pb2.RankProcessState.STOPPED:
             self._log.warning("rank stopped", job_id=r.job_id, rank=r.rank, pid=r.proc.pid, signal=stop_signal)
+        elif was == control_pb2.RankProcessState.STOPPED:
+            self._log.info("rank continued", job_id=r.job_id, rank=r.rank, pid=r.proc.pid)
         fact = control_pb2.RankProcessState(
             job_id=r.job_id,
             rank=r.rank,
