@@ -117,6 +117,7 @@ NO_UPPER_BOUND = {
     "eval.every_steps": "a step count",
     "liveness.heartbeat_interval_seconds": "a duration; stall_min_seconds covers two of them",
     "liveness.heartbeat_timeout_seconds": "a duration",
+    "liveness.heartbeat_timeout_running_seconds": "a duration; at least heartbeat_timeout_seconds",
     "liveness.stall_min_seconds": "a duration",
     "liveness.attribution_seconds": "a duration",
 }
