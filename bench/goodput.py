@@ -241,6 +241,14 @@ def torchrun_worker_pids(marker: str) -> dict[int, int]:
     return _newest(found)
 
 
+def _kill_or_stop(pid: int, kind: str) -> None:
+    """The "kill" or "stop" fault on ``pid``; a stopped process is remembered, to be killed
+    at clean-up (by its start time: never a recycled pid)."""
+    _signal(pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+    if kind == "stop":
+        CLEANUP.stopped[pid] = _start_ticks(pid)
+
+
 def _signal(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
@@ -387,9 +395,7 @@ def run_surge(args, plan: list[tuple[float, str]]) -> dict:
                 returns.append((f["t_fault"] + args.agent_return, workers[agent]))
             else:
                 f["t_fault"] = time.time()
-                _signal(target, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
-                if kind == "stop":
-                    CLEANUP.stopped[target] = _start_ticks(target)
+                _kill_or_stop(target, kind)
             faults.append(f)
             pending.append(f)
             print(f"    {when:5.0f} s {kind:4s} rank pids {pids}", flush=True)
@@ -529,9 +535,7 @@ def run_torchrun(args, plan: list[tuple[float, str]], home: Path) -> dict:
             else:
                 f["target_pid"] = target
                 f["t_fault"] = time.time()
-                _signal(target, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
-                if kind == "stop":
-                    CLEANUP.stopped[target] = _start_ticks(target)
+                _kill_or_stop(target, kind)
             faults.append(f)
             pending.append(f)
             print(f"    {when:5.0f} s {kind:4s} worker pids {pids}", flush=True)

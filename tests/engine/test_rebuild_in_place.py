@@ -43,6 +43,35 @@ def _start(role: str, rank: int, port: int, out: Path, world: int = WORLD, **env
     return proc
 
 
+def _replace_lost_rank(
+    tmp_path: Path, lost: int, world: int = WORLD, check_killed: bool = False, **env: str
+) -> tuple[list[str], list[dict]]:
+    """Start ``world`` ranks, rank ``lost`` the victim; once it died, start its replacement on
+    a fresh rendezvous and tell the survivors that rendezvous, as L1-2 would. Returns the
+    final ranks' outputs and saved results; every process it started has ended."""
+    port = free_port()
+    procs = [_start("victim" if r == lost else "survivor", r, port, tmp_path, world, **env) for r in range(world)]
+    ranks: list[subprocess.Popen] = []
+    try:
+        victim = procs[lost]
+        victim.wait(timeout=150)
+        if check_killed:
+            assert victim.returncode == -9, _finish([victim], 1)[0][-2000:]
+        new_port = free_port()
+        replacement = _start("replacement", lost, new_port, tmp_path, world, **env)
+        (tmp_path / "rendezvous.json").write_text(json.dumps({"port": new_port, "lost": lost}))
+        ranks = [replacement if r == lost else p for r, p in enumerate(procs)]
+        outputs = _finish(ranks, timeout=150)
+    finally:
+        for p in [*procs, *ranks]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in ranks] == [0] * world, "\n".join(o[-3000:] for o in outputs)
+    got = [torch.load(tmp_path / f"{'replacement' if r == lost else 'survivor'}-{r}.pt") for r in range(world)]
+    return outputs, got
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict:
     """Rank 0's result of the run nobody interrupts."""
@@ -57,30 +86,11 @@ def uninterrupted(tmp_path_factory) -> dict:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("lost", [1, 0], ids=["rank1-lost", "rank0-lost-the-replacement-hosts-the-rendezvous"])
 def test_survivors_rebuild_and_a_replacement_heals_to_the_uninterrupted_parameters(uninterrupted, lost, tmp_path):
-    roles = ["victim" if r == lost else "survivor" for r in range(WORLD)]
-    port = free_port()
-    procs = [_start(role, r, port, tmp_path) for r, role in enumerate(roles)]
-    ranks: list[subprocess.Popen] = []
-    try:
-        victim = procs[lost]
-        victim.wait(timeout=120)
-        assert victim.returncode == -9, _finish([victim], 1)[0][-2000:]
-        # L1-2: a replacement of the lost rank on a fresh rendezvous (rank 0's host), and the
-        # same rendezvous to the survivors.
-        new_port = free_port()
-        replacement = _start("replacement", lost, new_port, tmp_path)
-        (tmp_path / "rendezvous.json").write_text(json.dumps({"port": new_port, "lost": lost}))
-        ranks = [replacement if r == lost else p for r, p in enumerate(procs)]
-        outputs = _finish(ranks, timeout=150)
-    finally:
-        for p in [*procs, *ranks]:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in ranks] == [0] * WORLD, "\n".join(o[-3000:] for o in outputs)
+    # L1-2: a replacement of the lost rank on a fresh rendezvous (rank 0's host), and the
+    # same rendezvous to the survivors.
+    outputs, got = _replace_lost_rank(tmp_path, lost, check_killed=True)
 
     expected = uninterrupted["state"]
-    got = [torch.load(tmp_path / f"{'replacement' if r == lost else 'survivor'}-{r}.pt") for r in range(WORLD)]
     for r, result in enumerate(got):  # the three ranks hold one model, bit for bit
         assert result["state"].keys() == expected.keys()
         assert all(torch.equal(result["state"][k], got[0]["state"][k]) for k in expected), f"rank {r} differs"
@@ -127,23 +137,7 @@ def test_a_survivor_not_next_to_the_lost_rank_is_freed_by_its_peers_teardown(tmp
     # only once nothing holds it (training_loop.py, parallel_strategy.py). Had anything held it,
     # rank 3 would wait out the group timeout (300 s) and the test its own.
     world, lost = 4, 1
-    port = free_port()
-    procs = [_start("victim" if r == lost else "survivor", r, port, tmp_path, world) for r in range(world)]
-    ranks: list[subprocess.Popen] = []
-    try:
-        procs[lost].wait(timeout=150)
-        new_port = free_port()
-        replacement = _start("replacement", lost, new_port, tmp_path, world)
-        (tmp_path / "rendezvous.json").write_text(json.dumps({"port": new_port, "lost": lost}))
-        ranks = [replacement if r == lost else p for r, p in enumerate(procs)]
-        outputs = _finish(ranks, timeout=150)
-    finally:
-        for p in [*procs, *ranks]:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in ranks] == [0] * world, "\n".join(o[-3000:] for o in outputs)
-    got = [torch.load(tmp_path / f"{'replacement' if r == lost else 'survivor'}-{r}.pt") for r in range(world)]
+    outputs, got = _replace_lost_rank(tmp_path, lost, world)
     assert all(torch.equal(g["state"][k], got[0]["state"][k]) for g in got for k in got[0]["state"])
     assert all(g["steps"][-1] == STEPS for g in got)
     broke = {r: float(m) for r, o in enumerate(outputs) for m in re.findall(r"teardown_s=([0-9.]+)", o)}
@@ -154,24 +148,8 @@ def test_a_survivor_not_next_to_the_lost_rank_is_freed_by_its_peers_teardown(tmp
 def test_evaluations_and_checkpoints_go_on_after_the_rebuild(uninterrupted, tmp_path):
     # Evaluations every 2 steps (a val stream each) and checkpoints every 4, the fault in step 5:
     # the rebuilt group evaluates at 6 and 8 and saves at 8 like the uninterrupted run's would.
-    lost, env = 1, {"REBUILD_BOUNDARY": "1"}
-    port = free_port()
-    procs = [_start("victim" if r == lost else "survivor", r, port, tmp_path, **env) for r in range(WORLD)]
-    ranks: list[subprocess.Popen] = []
-    try:
-        procs[lost].wait(timeout=150)
-        new_port = free_port()
-        replacement = _start("replacement", lost, new_port, tmp_path, **env)
-        (tmp_path / "rendezvous.json").write_text(json.dumps({"port": new_port, "lost": lost}))
-        ranks = [replacement if r == lost else p for r, p in enumerate(procs)]
-        outputs = _finish(ranks, timeout=150)
-    finally:
-        for p in [*procs, *ranks]:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in ranks] == [0] * WORLD, "\n".join(o[-3000:] for o in outputs)
-    got = [torch.load(tmp_path / f"{'replacement' if r == lost else 'survivor'}-{r}.pt") for r in range(WORLD)]
+    lost = 1
+    _, got = _replace_lost_rank(tmp_path, lost, REBUILD_BOUNDARY="1")
     assert all(torch.equal(g["state"][k], got[0]["state"][k]) for g in got for k in got[0]["state"])
     worst = max((got[0]["state"][k] - uninterrupted["state"][k]).abs().max().item() for k in got[0]["state"])
     assert worst < 1e-6, worst  # (evaluating and saving change no weight)
