@@ -541,6 +541,11 @@ class FaultPolicySpec(_Strict):
     store_wait_seconds: float = Field(600.0, gt=0, le=7 * 86400)
     capacity_wait_seconds: float = Field(600.0, ge=0, le=7 * 86400)
     restore_seconds: float = Field(600.0, gt=0, le=7 * 86400)
+    # The same bound for a rebuild in place (``rebuild``, ``shrink``): every rank of the new
+    # group (survivors and replacements) ready within it, else ``recovery_timeout``. Shorter:
+    # a survivor reaches the new rendezvous in seconds unless it is blocked in a wait its
+    # lost peer's death does not end, and the fallback (restart_ranks) loses little.
+    rebuild_seconds: float = Field(120.0, gt=0, le=7 * 86400)
     # How long a training loop blocked on a step fault waits for L1-1's verdict before it says
     # so (seconds): it reports the fault again and keeps waiting (it never decides itself);
     # the report reaches a restarted control, which decides then.

@@ -1926,7 +1926,9 @@ class Orchestrator:
             incident.waiting_for = ""
             self._record_relaunch(job, reply, source, old_world=old_world, lost=incident.lost)
             self._start_soon()  # (the queue was held for it)
-            self._arm(incident, job.spec.fault_policy.restore_seconds, self._restore_overdue, job.status.job_id)
+            policy = job.spec.fault_policy
+            limit = policy.rebuild_seconds if in_place else policy.restore_seconds
+            self._arm(incident, limit, self._restore_overdue, job.status.job_id)
             return
         assert isinstance(reply, control_pb2.RecoveryFailed), reply
         # (Shrunk only when ranks to launch did not fit: not when the placement is unknown.)
@@ -1987,8 +1989,9 @@ class Orchestrator:
                 self._place(job, incident)
 
     def _restore_overdue(self, job_id: str, incident: _Incident) -> None:
-        """The relaunched ranks did not all report ready within ``restore_seconds``: a fault
-        of the recovery itself (``recovery_timeout``), decided by the policy like any other."""
+        """The relaunched ranks did not all report ready within ``restore_seconds`` (a rebuild
+        in place: ``rebuild_seconds``, survivors included): a fault of the recovery itself
+        (``recovery_timeout``), decided by the policy like any other."""
         with self._lock:
             job = self._current(job_id, incident, RESTORING)
             if job is None:
@@ -2002,7 +2005,7 @@ class Orchestrator:
                 rank=missing[0] if missing else 0,
                 detected_unix=time.time(),
                 occurred_unix=time.time(),
-                detail=f"ranks {missing} not ready {job.spec.fault_policy.restore_seconds:.0f} s after the relaunch",
+                detail=_overdue(job, incident, missing),
             )
             self._record(job, Module.L1_RECOVERY_CONTROLLER, "fault", f"SEVERE {RECOVERY_TIMEOUT}: {report.detail}")
             self._decide(job, report)
@@ -2376,6 +2379,13 @@ def _runtime(job: _Job) -> dict:
         "micro_batch_cap": job.micro_batch_cap_seen,
         "scale": _scale_to_json(job.scale) if job.scale is not None else None,
     }
+
+
+def _overdue(job: _Job, incident: _Incident, missing: list[int]) -> str:
+    policy = job.spec.fault_policy
+    if incident.action in IN_PLACE_ACTIONS:
+        return f"ranks {missing} not ready {policy.rebuild_seconds:g} s after the rebuild in place was commanded"
+    return f"ranks {missing} not ready {policy.restore_seconds:g} s after the relaunch"
 
 
 def _no_rebuild(job: _Job, report: control_pb2.FaultReport) -> str:

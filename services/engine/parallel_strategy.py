@@ -96,9 +96,13 @@ class ParallelStrategy:
         model: ModelSpec | None = None,
         parallel: ParallelSpec | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        side_groups: tuple[str, ...] = (),
     ):
         """``model`` and ``parallel``: the job spec's sections the plan is computed from
-        (default: a data-parallel-only plan over whatever world the assignment names)."""
+        (default: a data-parallel-only plan over whatever world the assignment names).
+        ``side_groups``: names of the gloo groups over the whole world that other parts of
+        the rank run on (the store relay's "agree" and "write"), made at every formation of
+        the group (:meth:`side_group`)."""
         if timeout_s <= 0:
             raise ValueError(f"parallel strategy: timeout_s must be > 0, got {timeout_s}")
         self._emit = emit
@@ -123,6 +127,8 @@ class ParallelStrategy:
         self._rendezvous: engine_pb2.RebuildParallelGroup | None = None
         self._mailbox = threading.Condition()
         self._joining: tuple[str, int] | None = None  # a rebuild's rendezvous being waited at
+        self._side_names = side_groups
+        self._side: dict[str, Any] = {}  # the current world's side groups, by name
 
     def rank_assignment(self, msg: engine_pb2.RankAssignment, payload: Any = None) -> None:
         """分配 rank 拓扑与通信权限指令: build the group (blocks until every rank joined or
@@ -196,6 +202,7 @@ class ParallelStrategy:
             self._reduction(plan_msg, None)
             self._shard_loader(plan_msg, None)
             self._mesh = None
+        self._side = {}  # (destroyed with the world below; no reference may keep their sockets open)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -336,8 +343,22 @@ class ParallelStrategy:
             self._state = "comm_error"
             raise RendezvousFailed(f"rendezvous at {addr}:{port} failed: {type(e).__name__}") from e
         self._owns_group = True
+        # The side groups, made here while every rank is at the rendezvous: new_group is
+        # collective and waits at the store for every peer, so one made later (the relay's
+        # first save) waited for a peer lost just then in a store wait that its loss never
+        # ends, and the survivor never reached L1's rebuild (CI: a node agent lost at step 10).
+        try:
+            self._side = {name: dist.new_group(backend="gloo", timeout=self._timeout) for name in self._side_names}
+        except Exception as e:  # a peer lost during the formation: the group was not formed
+            self._state = "comm_error"
+            raise RendezvousFailed(f"rendezvous at {addr}:{port} failed: {type(e).__name__}") from e
         with self._mailbox:
             self._joined = (addr, port)
+
+    def side_group(self, name: str) -> Any:
+        """The side group ``name`` of the current world (None before the group is formed, or
+        when something else formed it). Destroyed with the world: a rebuild makes new ones."""
+        return self._side.get(name) if dist.is_initialized() else None
 
     def _arrive(self, addr: str, port: int, rank: int, world_size: int) -> dist.TCPStore:
         """Count this rank in at the rendezvous store (rank 0 hosts it) and wait until all
@@ -416,6 +437,7 @@ class ParallelStrategy:
 
     def shutdown(self) -> None:
         """Composition root, at process end: destroy the group this module created."""
+        self._side = {}
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False

@@ -159,6 +159,7 @@ def compose(
     guard: StepGuard | None = None,
     phase: PhaseMarker | None = None,
     heals: bool = False,
+    side_groups: tuple[str, ...] = (),
 ) -> RankModules:
     """Build the rank's L2/L3 modules on ``bus`` and subscribe them and the relays.
     ``guard`` wraps the loop's ports to the forward and backward units and to the checkpoint
@@ -166,6 +167,8 @@ def compose(
     boundaries and read by the session's beats (services/common/phase.py). ``heals``: this
     rank replaces a lost one and takes its state from a live peer (InitJob.heal_from_peer):
     its DDP wrapper is built without DDP's start-up broadcast, as its rebuilding peers' are.
+    ``side_groups``: the gloo groups L2-2 makes at every formation of the world for the
+    relays (ParallelStrategy.side_group).
 
     Raises:
         RouteError, ContractError: the table or this wiring breaks the contract; the rank
@@ -217,6 +220,7 @@ def compose(
         model=spec.model,
         parallel=spec.parallel,
         timeout_s=pg_timeout_s,
+        side_groups=side_groups,
     )
     L = Module.L2_TRAINING_LOOP
     backward_port, precision_port = port(L, Module.L3_BACKWARD_UNIT), port(L, Module.L2_MIXED_PRECISION)
@@ -538,7 +542,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         # Imported here so a rank that fails before this point does not pay for them.
         from services.worker.data_client import DataClient
         from services.worker.memory_client import MemoryCopyClient
-        from services.worker.store_client import StoreClient
+        from services.worker.store_client import RELAY_GROUPS, StoreClient
 
         # What the data service's modules send this side comes back by name, checked (it may
         # speak only for L4 modules).
@@ -583,7 +587,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
             guard=guard,
             phase=phase,
             heals=init.heal_from_peer,
+            side_groups=RELAY_GROUPS,
         )
+        store.use_side_groups(rank.parallel.side_group)  # the relay's groups are made by L2-2, with the world
         log.info(
             "rank_composed",
             world_size=assignment.world_size,

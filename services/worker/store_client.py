@@ -108,6 +108,7 @@ from services.common.grpc_server import channel
 from services.compute.hf_format import HfFormatError, read_hf_tensors
 from services.compute.inference import SafeLoadPlanner, safe_load
 from services.contract import Module, engine_pb2, route_pb2, store_pb2, store_pb2_grpc
+from services.contract.acting import run_as
 from services.contract.bus import BoundaryViolation, Emitter
 from services.contract.failures import (
     FailureCause,
@@ -277,6 +278,11 @@ def _reported(handled: str):
     return wrap
 
 
+# The relay's own gloo groups: "agree" (the ranks' agreement on a save, main thread) and
+# "write" (an asynchronous save's DCP collectives, on the writer thread).
+RELAY_GROUPS = ("agree", "write")
+
+
 class StoreClient:
     """Relay for L5_CHECKPOINT_MANAGER and L5_METRICS_LOGGER inside a rank process."""
 
@@ -331,6 +337,10 @@ class StoreClient:
         # place, issue 16). ``_world``: the default group they (and ``_attempt``) belong to.
         self._groups: dict[str, weakref.ref] = {}
         self._world: weakref.ref | None = None
+        # Where the groups come from in a rank: L2-2 makes them at every formation of the
+        # world (services/engine/parallel_strategy.py, side_groups); without it (a relay on
+        # its own), made here at the first save.
+        self._side_group: Callable[[str], Any] | None = None
         self._attempt = ""  # this generation of ranks (SaveCheckpoint.attempt), from the first save
         self._write_step = 0  # the step of the last save's write (what its failure names)
         self._commit_step = 0  # the step of the background commit (likewise)
@@ -424,8 +434,15 @@ class StoreClient:
             group = self._relay_group("write") if dist.is_initialized() else None  # collective at the first
             # The payload is the rank's snapshot, already a private copy (services/state/
             # state_manager.py): written as it is from the relay's thread, no staging copy.
+            # (The writer thread acts for L5: DCP's collectives there are the relay's.)
             self._write = self._chain = self._writer.submit(
-                dcp.save, payload, checkpoint_id=staged.staging_path, storage_writer=writer, process_group=group
+                run_as,
+                Module.L5_CHECKPOINT_MANAGER,
+                dcp.save,
+                payload,
+                checkpoint_id=staged.staging_path,
+                storage_writer=writer,
+                process_group=group,
             )
             if self._copies is not None and writer is not None and writer.sink is not None:
                 self._write.add_done_callback(lambda f: self._copies.end(not f.cancelled() and f.exception() is None))
@@ -653,14 +670,22 @@ class StoreClient:
             self._attempt = "".join(f"{int(v):016x}" for v in draw.tolist())
         return self._attempt
 
+    def use_side_groups(self, side_group: Callable[[str], Any]) -> None:
+        """Composition root: take the relay's groups ("agree", "write") from ``side_group``
+        (L2-2's, made at every formation of the world) instead of making them at the first save."""
+        self._side_group = side_group
+
     def _relay_group(self, use: str) -> Any:
-        """The relay's own gloo group for ``use`` ("agree", "write"), made on first use:
-        ``new_group`` is collective, so every rank asks at the same point (its first save)."""
+        """The relay's own gloo group for ``use`` ("agree", "write"): L2-2's side group of the
+        current world, else made on first use (``new_group`` is collective, so every rank asks
+        at the same point, its first save)."""
         group = self._groups[use]() if use in self._groups else None
         if group is None:
-            group = dist.new_group(backend="gloo")
+            group = self._side_group(use) if self._side_group is not None else None
+            if group is None:
+                group = dist.new_group(backend="gloo")
             self._groups[use] = weakref.ref(group)
-            self._world = weakref.ref(dist.group.WORLD)
+            self._world = weakref.ref(dist.group.WORLD)  # (the world they belong to: _leave_old_world)
         return group
 
     def _leave_old_world(self) -> None:

@@ -29,10 +29,14 @@ JobState = control_pb2.JobState
 # Rank 1 hangs before the backward of step 12 (so its peers wait in that step's gradient
 # all-reduce when it is killed); in "rbheal" rank 0 also sleeps before its first heal, a
 # window in which the test kills it (the healing source dies during the transfer); in
-# "rbtwice" the replacement of rank 1 sleeps before its heal and is killed there.
+# "rbtwice" the replacement of rank 1 sleeps before its heal and is killed there; in "rbstuck"
+# the survivor sleeps in its heal past the rebuild's deadline; in "rbsave" rank 1 sleeps in
+# its first save (step 10) and is killed there.
 INJECT = (
     "rbkill:hang@12:rank=1,rbheal:hang@8:rank=1,rbheal:slow_heal@0:rank=0:seconds=60,"
-    "rbtwice:hang@8:rank=1,rbtwice:slow_heal@0:rank=1:seconds=60"
+    "rbtwice:hang@8:rank=1,rbtwice:slow_heal@0:rank=1:seconds=60,"
+    "rbstuck:hang@8:rank=1,rbstuck:slow_heal@0:rank=0:seconds=60,"
+    "rbsave:slow_save@10:rank=1:seconds=60"
 )
 
 JOB = """\
@@ -57,7 +61,7 @@ fault_policy: {{actions: {{rank_exit: rebuild, rank_silent: rebuild, worker_lost
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    jobs = ("rbbase", "rbkill", "rbheal", "rbtwice", "rbnode")
+    jobs = ("rbbase", "rbkill", "rbheal", "rbtwice", "rbstuck", "rbsave", "rbnode")
     with running_stack(
         tmp_path_factory.mktemp("surge-rebuild"),
         ("json", "email", "logging"),
@@ -183,6 +187,51 @@ def test_a_replacement_killed_while_it_heals_is_replaced_again_and_the_survivor_
     decisions = of_type(events, "decision")[1:]
     assert len(decisions) == 2 and all(d.startswith("rebuild after rank_exit of rank 1") for d in decisions), decisions
     assert sorted(stack.losses(job)) == list(range(1, 17))
+
+
+def test_a_rank_lost_in_the_first_save_is_rebuilt_in_place(stack):
+    # The relay's gloo groups are made with the world (L2-2), not at the first save: made
+    # there, the survivor waited for its lost peer in new_group's store wait, which the loss
+    # never ends, and never reached L1's rebuild (CI: a node agent lost at step 10).
+    job = stack.submit(JOB.format(name="rbsave", steps=16))
+    wait_for(stack, job, stack.home / "run" / "faults" / f"{job}.rank1.slow_save@10", "rank 1 never got to its save")
+    (survivor,) = stack.rank_pids(job, 0)
+    (victim,) = stack.rank_pids(job, 1)
+    os.kill(victim, signal.SIGKILL)
+    stack.wait_step(job, 12)
+    assert stack.rank_pids(job, 0) == [survivor]
+    events = stack.events(job)
+    finished(events)
+    decisions = of_type(events, "decision")[1:]
+    assert len(decisions) == 1 and decisions[0].startswith("rebuild after rank_exit of rank 1"), decisions
+    assert sorted(stack.losses(job)) == list(range(1, 17))
+
+
+def test_a_survivor_stuck_in_the_rebuild_past_its_deadline_is_relaunched_with_every_rank(stack):
+    # The survivor sleeps 60 s in its heal: a rank blocked where its lost peer's death does
+    # not end the wait never completes the rebuild. Past fault_policy.rebuild_seconds the
+    # recovery itself is the fault (recovery_timeout), decided by the policy: restart_ranks.
+    spec = JOB.format(name="rbstuck", steps=16).replace(
+        "fault_policy: {actions", "fault_policy: {rebuild_seconds: 6, actions"
+    )
+    job = stack.submit(spec)
+    stack.wait_step(job, 7)
+    time.sleep(1.0)  # rank 1 hangs before step 8's backward
+    (victim,) = stack.rank_pids(job, 1)
+    os.kill(victim, signal.SIGKILL)
+    wait_for(
+        stack, job, stack.home / "run" / "faults" / f"{job}.rank0.slow_heal@0", "the survivor never got to its heal"
+    )
+    events = stack.events(job)
+    assert finished(events).step == 16
+    (overdue,) = causes(events, "SEVERE recovery_timeout")
+    assert overdue.message.endswith("not ready 6 s after the rebuild in place was commanded"), overdue.message
+    decisions = of_type(events, "decision")[1:]
+    assert decisions[0].startswith("rebuild after rank_exit of rank 1"), decisions
+    assert decisions[1].startswith("restart_ranks after recovery_timeout of rank 0"), decisions
+    assert len(decisions) == 2, decisions
+    assert any(m.startswith("ranks killed and relaunched") for m in of_type(events, "recovery"))
+    assert sorted(stack.losses(job)) == list(range(1, 17))  # from the checkpoint (or scratch): every step once
 
 
 def test_a_lost_node_agent_s_rank_moves_to_the_spare_worker_and_the_survivor_keeps_training(stack):

@@ -133,6 +133,7 @@ ALLOWED_COMMUNICATION = {
     Module.L3_GRADIENT_REDUCTION: {"all_reduce", "DistributedDataParallel", "fully_shard"},
     Module.L2_PARALLEL_STRATEGY: {
         "init_process_group",
+        "new_group",  # the relays' side groups, made with the world
         "destroy_process_group",
     },  # communicator lifecycle (seed L3-5 red line 4)
 }

@@ -23,10 +23,11 @@ from .wiring import MODULES, REPO, build_all, build_rank, layer, reachable
 # Public methods that are not message handlers, each called only by its composition root:
 # ``attach`` hands a module the model handles it works on (parallelism applied from outside,
 # DESIGN.md); ``close`` / ``shutdown`` release resources at process end; ``run`` is the rank's
-# main thread entering the loop and ``fail`` reports what ended it.
+# main thread entering the loop and ``fail`` reports what ended it; ``side_group`` is the
+# handle the root gives the store relay to the gloo groups L2-2 makes with the world.
 LIFECYCLE: dict[str, set[str]] = {
     "TrainingLoop": {"run", "fail"},
-    "ParallelStrategy": {"shutdown"},
+    "ParallelStrategy": {"shutdown", "side_group"},
     "Optimizer": {"attach"},
     "MixedPrecision": {"attach"},
     "ForwardUnit": {"attach"},
