@@ -71,8 +71,8 @@ class _Strict(BaseModel):
             if isinstance(v, float):
                 top = SECONDS_MAX if (info.field_name or "").endswith("_seconds") else FLOAT_MAX
                 if abs(v) > top:
-                    what = f"{top:g} s (30 days)" if top == SECONDS_MAX else f"{top:g}"
-                    raise ValueError(f"{v:g} is out of range (at most {what})")
+                    what = f"{top:.0f} s (30 days)" if top == SECONDS_MAX else f"{top:g}"
+                    raise ValueError(f"{v!r} is out of range (at most {what})")  # (repr: never rounded)
         return value
 
 

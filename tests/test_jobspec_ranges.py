@@ -211,7 +211,12 @@ def test_an_out_of_range_value_is_refused_naming_its_field(path, kind, value, ke
         ("parallel: {dp: 65536, tp: 65536, pp: 2}", "parallel: dp (65536) * tp (65536) * pp (2) = 8589934592 ranks"),
         (
             "liveness: {stall_min_seconds: 1.0e+12}",
-            "liveness.stall_min_seconds: 1e+12 is out of range (at most 2.592e+06 s",
+            "liveness.stall_min_seconds: 1000000000000.0 is out of range (at most 2592000 s (30 days))",
+        ),
+        (
+            # just over the bound: printed as given, not rounded onto the bound
+            "liveness: {stall_min_seconds: 2592000.5}",
+            "liveness.stall_min_seconds: 2592000.5 is out of range (at most 2592000 s (30 days))",
         ),
         (
             "liveness: {heartbeat_interval_seconds: 0.001, heartbeat_timeout_seconds: 1.0}",

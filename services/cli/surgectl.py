@@ -265,7 +265,7 @@ def dataset_prepare(
             raise CliError(f"--source: cannot read {where}: {e.strerror or e}") from None
         home = paths.datasets_root()
         raise CliError(f"SURGE_HOME: cannot write datasets under {home}: {e.strerror or e}", code=2) from None
-    render.console.print(f"prepared {name}@{version}: {info}")
+    render.console.print(f"prepared {info}")  # (the info names the dataset and version first)
     for warning in info.warnings:
         render.err_console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
 

@@ -2104,7 +2104,7 @@ class Orchestrator:
             Module.L1_RECOVERY_CONTROLLER,
             "recovery",
             f"ranks killed and relaunched on {workers} (rendezvous {reply.master_addr}:{reply.master_port}) "
-            f"to resume from {source}; {reply.seconds:.2f} s",
+            f"to resume from {source}; commanded in {reply.seconds:.2f} s (the ranks report ready as they restore)",
         )
 
     def _pick_version(self, job: _Job, bound: int | None) -> str:
