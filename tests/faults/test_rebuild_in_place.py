@@ -87,6 +87,19 @@ def wait_for(stack, job: str, marker, what: str) -> None:
         time.sleep(0.05)
 
 
+def survivor_kept_training(stack, job: str, survivor: int, *, past: int, rebuilds: int, steps: int = 16) -> None:
+    """Rank 0 trains past step ``past`` in its own process; the job finishes after ``rebuilds``
+    rebuild decisions for rank 1's exit, every step once."""
+    stack.wait_step(job, past)
+    assert stack.rank_pids(job, 0) == [survivor]
+    events = stack.events(job)
+    finished(events)
+    decisions = of_type(events, "decision")[1:]
+    assert len(decisions) == rebuilds, decisions
+    assert all(d.startswith("rebuild after rank_exit of rank 1") for d in decisions), decisions
+    assert sorted(stack.losses(job)) == list(range(1, steps + 1))
+
+
 def test_a_rank_killed_mid_all_reduce_is_replaced_in_place_and_the_run_ends_bit_identical(stack):
     base = stack.submit(JOB.format(name="rbbase", steps=24))
     finished(stack.events(base))
@@ -180,13 +193,7 @@ def test_a_replacement_killed_while_it_heals_is_replaced_again_and_the_survivor_
     wait_for(stack, job, marker, "the replacement never got to its heal")
     (replacement,) = stack.rank_pids(job, 1)
     os.kill(replacement, signal.SIGKILL)
-    stack.wait_step(job, 9)
-    assert stack.rank_pids(job, 0) == [survivor]
-    events = stack.events(job)
-    finished(events)
-    decisions = of_type(events, "decision")[1:]
-    assert len(decisions) == 2 and all(d.startswith("rebuild after rank_exit of rank 1") for d in decisions), decisions
-    assert sorted(stack.losses(job)) == list(range(1, 17))
+    survivor_kept_training(stack, job, survivor, past=9, rebuilds=2)
 
 
 def test_a_rank_lost_in_the_first_save_is_rebuilt_in_place(stack):
@@ -198,13 +205,7 @@ def test_a_rank_lost_in_the_first_save_is_rebuilt_in_place(stack):
     (survivor,) = stack.rank_pids(job, 0)
     (victim,) = stack.rank_pids(job, 1)
     os.kill(victim, signal.SIGKILL)
-    stack.wait_step(job, 12)
-    assert stack.rank_pids(job, 0) == [survivor]
-    events = stack.events(job)
-    finished(events)
-    decisions = of_type(events, "decision")[1:]
-    assert len(decisions) == 1 and decisions[0].startswith("rebuild after rank_exit of rank 1"), decisions
-    assert sorted(stack.losses(job)) == list(range(1, 17))
+    survivor_kept_training(stack, job, survivor, past=12, rebuilds=1)
 
 
 def test_a_survivor_stuck_in_the_rebuild_past_its_deadline_is_relaunched_with_every_rank(stack):
