@@ -2002,7 +2002,9 @@ class Orchestrator:
                 grade=FaultGrade.SEVERE,
                 fault_class=RECOVERY_TIMEOUT,
                 source=Module.L1_RECOVERY_CONTROLLER,
-                rank=missing[0] if missing else 0,
+                # A rebuild's is named after the rank it replaces (the survivors not ready are
+                # in the detail: naming one would blame a healthy peer); a relaunch's after its first missing rank.
+                rank=incident.cause.rank if incident.action in IN_PLACE_ACTIONS else missing[0] if missing else 0,
                 detected_unix=time.time(),
                 occurred_unix=time.time(),
                 detail=_overdue(job, incident, missing),
@@ -2384,8 +2386,11 @@ def _runtime(job: _Job) -> dict:
 def _overdue(job: _Job, incident: _Incident, missing: list[int]) -> str:
     policy = job.spec.fault_policy
     if incident.action in IN_PLACE_ACTIONS:
-        return f"ranks {missing} not ready {policy.rebuild_seconds:g} s after the rebuild in place was commanded"
-    return f"ranks {missing} not ready {policy.restore_seconds:g} s after the relaunch"
+        return (
+            f"ranks {missing} not ready {policy.rebuild_seconds:g} s (fault_policy.rebuild_seconds) after the "
+            f"rebuild in place for rank {incident.cause.rank}'s {incident.fault_class} was commanded"
+        )
+    return f"ranks {missing} not ready {policy.restore_seconds:g} s (fault_policy.restore_seconds) after the relaunch"
 
 
 def _no_rebuild(job: _Job, report: control_pb2.FaultReport) -> str:

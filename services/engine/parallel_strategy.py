@@ -369,6 +369,12 @@ class ParallelStrategy:
         """
         with self._mailbox:
             self._joining = (addr, port)
+            kept = self._rendezvous
+            if kept is not None and (kept.master_addr, kept.master_port) == (addr, port):
+                # L1-2's notice of this very group, heard before this rank began to join it (a
+                # replacement still starting up): only its generation is news, as in _post. (The
+                # trial: taken for a newer group, it superseded the replacement's own join.)
+                self._generation, self._rendezvous = max(self._generation, kept.generation), None
             newer = self._rendezvous is not None and self._rendezvous.generation > self._generation
         try:
             if newer:

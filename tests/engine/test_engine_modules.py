@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from services.compute.model import build_model
 from services.compute.operator_adapter import OperatorAdapter
@@ -262,6 +263,38 @@ def test_a_rank_waiting_at_a_rendezvous_for_a_peer_that_never_comes_is_released_
     waiter.join(10)
     assert outcome and isinstance(outcome[0], ps._Superseded), outcome
     assert time.monotonic() - t0 < 10  # not the 120 s group timeout
+
+
+def test_a_replacement_that_hears_of_its_own_group_before_it_joins_still_joins_it():
+    # L1-2 sends every live rank the new generation's rendezvous; a replacement still starting
+    # may hear it before its RankAssignment (the same rendezvous) is joined. That is no newer
+    # group: the replacement joins, at that generation (a fresh-user trial saw it superseded).
+    bus, ready = Bus(), []
+    strategy = ParallelStrategy(
+        bus.emitter(Module.L2_PARALLEL_STRATEGY),
+        bus.port(Module.L2_PARALLEL_STRATEGY, Module.L3_SHARD_LOADER),
+        bus.port(Module.L2_PARALLEL_STRATEGY, Module.L3_GRADIENT_REDUCTION),
+        timeout_s=30,
+    )
+    bus.subscribe(Module.L2_TRAINING_LOOP, engine_pb2.ParallelReady, lambda m, p=None: ready.append(m))
+    for target in (Module.L3_SHARD_LOADER, Module.L3_GRADIENT_REDUCTION):
+        bus.subscribe(target, engine_pb2.ParallelPlan, lambda m, p=None: None)
+    port = free_port()
+    strategy.rebuild_parallel_group(
+        engine_pb2.RebuildParallelGroup(
+            job_id="j", master_addr="127.0.0.1", master_port=port, world_size=1, generation=3
+        )
+    )
+    try:
+        strategy.rank_assignment(
+            engine_pb2.RankAssignment(
+                rank=0, world_size=1, master_addr="127.0.0.1", master_port=port, backend="gloo", device="cpu"
+            )
+        )
+        assert [m.world_size for m in ready] == [1] and dist.is_initialized()
+        assert strategy._generation == 3  # a later rendezvous must be newer than this one
+    finally:
+        strategy.shutdown()
 
 
 def test_a_rendezvous_naming_a_new_layout_brings_the_plan_computed_again_at_its_dp():
