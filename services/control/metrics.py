@@ -17,7 +17,8 @@ reads another module. Names and labels:
 * ``surge_skipped_steps_total{reason}``: training steps the loop skipped (no update), by
   reason ("overflow": a loss-scale overflow; "non_finite_loss": the policy's skip_step);
 * ``surge_checkpoint_failures_total{cause}``: checkpoint saves that failed (``unreachable``,
-  ``timeout``, ...: the store's typed cause); training goes on and the next interval retries;
+  ``timeout``, ...: the store's typed cause; without one, the failure's typed cause, e.g.
+  ``communication`` for a peer lost in the save); training goes on and the next interval retries;
 * ``surge_worker_events_total{outcome}``: sequenced node agent events received by control's
   session relay, ``applied`` or ``duplicate`` (a resent event already applied: dropped);
 * ``surge_control_applier_lag_seconds``: how long node agent messages waited between

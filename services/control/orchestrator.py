@@ -88,7 +88,7 @@ from typing import Any
 import structlog
 
 from services.common.sizes import size_text
-from services.contract import Module, control_pb2, engine_pb2, store_pb2
+from services.contract import Module, control_pb2, engine_pb2, route_pb2, store_pb2
 from services.contract.bus import CommandPort, Emitter, Reply
 from services.contract.failures import Refusal
 from services.control import fault_decision as fd
@@ -1779,7 +1779,7 @@ class Orchestrator:
         (its loop reports the failure itself, decided as a fault). A load that found the
         version's bytes wrong has the store re-hash the job's versions (``ScrubCheckpoints``),
         so that its catalog, and so ``latest``, knows it too."""
-        cause = StoreFailureCause.Name(msg.cause).lower() if msg.cause else "unknown"
+        cause = StoreFailureCause.Name(msg.cause).lower() if msg.cause else _failure_name(msg)
         self._metrics.checkpoint_failed(cause)
         what = f"checkpoint {msg.operation}" + (f" of {msg.version}" if msg.version else "")
         if msg.operation == "save" and job.pending and msg.step == job.pending_at:
@@ -2381,6 +2381,13 @@ def _runtime(job: _Job) -> dict:
         "micro_batch_cap": job.micro_batch_cap_seen,
         "scale": _scale_to_json(job.scale) if job.scale is not None else None,
     }
+
+
+def _failure_name(msg: store_pb2.SnapshotFailed) -> str:
+    """A failure with no store cause, by its typed failure cause ("communication": a peer lost
+    in the save's collectives); "unknown" only when it has none."""
+    cause = msg.failure.cause if msg.HasField("failure") else 0
+    return route_pb2.FailureCause.Name(cause).removeprefix("FAILURE_").lower() if cause else "unknown"
 
 
 def _overdue(job: _Job, incident: _Incident, missing: list[int]) -> str:

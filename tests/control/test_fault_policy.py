@@ -621,6 +621,20 @@ def test_a_skipped_save_is_one_record_unless_the_policy_decides_on_snapshot_fail
         assert plane.get(job_id).outcome == JobOutcome.FAILED
 
 
+def test_a_save_broken_by_a_lost_peer_is_recorded_by_its_typed_cause_not_as_unknown(plane, store):
+    # No store cause (the store answered): a peer died in the save's collectives. The line
+    # names the typed failure (a fresh-user trial read "unknown" there).
+    job_id, w = running(plane, "wa", "wb")
+    said = "CommunicationFailed: all_reduce failed: RuntimeError"
+    failed = relay_snapshot_failed(
+        job_id, "save", 0, route_pb2.FAILURE_COMMUNICATION, "surge.v1.SaveCheckpoint", said, step=10
+    )
+    plane.rank_event(w["wa"], job_id, 0, snapshot_failed=failed)
+    assert f"checkpoint save failed (communication: {said}); training continues, the next interval tries again" in [
+        e.message for e in plane.events(job_id)
+    ]
+
+
 def test_a_load_that_found_corrupt_bytes_has_the_store_rescrub_and_its_findings_are_struck(plane, store):
     job_id, w = running(plane, "wa", "wb")
     v1, v2 = saved(plane, w["wa"], job_id, 1, step=4), saved(plane, w["wa"], job_id, 2, step=8)
