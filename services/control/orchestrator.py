@@ -1189,12 +1189,17 @@ class Orchestrator:
                 job.scale.healed_from[msg.rank] = msg.healed_from_rank
             if msg.worker_id:  # journaled: a restarted control knows where each rank ran
                 job.placement[msg.rank] = msg.worker_id
+            incident = job.incident
+            if incident is not None and incident.action in IN_PLACE_ACTIONS and msg.rank not in incident.lost:
+                # A survivor: its process never restarted; its seconds are the rebuild's (a trial read start-up).
+                how = f"kept its process, rejoined in {msg.startup_seconds:.1f} s"
+            else:
+                how = f"{msg.startup_seconds:.1f} s start-up"
             self._record(
                 job,
                 Module.L2_TRAINING_LOOP,
                 "rank",
-                f"rank {msg.rank} ready at step {msg.start_step} ({msg.num_parameters} parameters, "
-                f"{msg.startup_seconds:.1f} s start-up)",
+                f"rank {msg.rank} ready at step {msg.start_step} ({msg.num_parameters} parameters, {how})",
             )
             if len(job.started) < job.status.world_size or job.pending == "stop":
                 return

@@ -134,6 +134,9 @@ def test_a_rank_killed_mid_all_reduce_is_replaced_in_place_and_the_run_ends_bit_
     assert (
         "group of 2 rebuilt in place: rank 1 healed from rank 0's memory, 1 rank kept its process at step 11" in state
     ), state
+    # The survivor's ready line says it kept its process (its seconds are the rebuild's, not a start-up).
+    (ready,) = [m for m in of_type(events, "rank")[2:] if m.startswith("rank 0 ready")]
+    assert "kept its process, rejoined in" in ready and "start-up" not in ready, ready
     (first,) = [e for e in events if e.message.startswith("first step after the recovery from rank_exit")]
     print(
         f"rebuild in place: first new step {first.unix_time - killed:.2f} s after SIGKILL "
