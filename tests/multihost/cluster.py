@@ -88,9 +88,24 @@ class Cluster:
         """SIGKILL control and start it again with the recipe's own line."""
         (control,) = self.bed.pids_of("head", "services.control")
         os.kill(control, 9)
+        self._restarted_at = (self.root / "head.log").stat().st_size  # (the new control's lines come after)
         lines = self.head_script.splitlines()
         script = [line for line in lines if line.startswith("export ") or "services.control" in line]
         self.bed.start("head", "\n".join(script) + "\n", self.host_env(), self.root / "head.log")
+
+    def wait_registered(self, timeout: float = 60) -> None:
+        """Until every node agent registered with the control restart_control started (its
+        log lines): a node lost before the spare host is back has no slot to move to."""
+        want = {f"gpu-{n.split('-')[1]}" for n in self.nodes}
+        t0, seen = time.monotonic(), set()
+        while seen != want:
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"node agents not registered again {timeout:.0f} s after the restart: {want - seen}")
+            time.sleep(0.2)
+            with open(self.root / "head.log", "rb") as f:
+                f.seek(self._restarted_at)
+                lines = [line for line in f.read().decode(errors="replace").splitlines() if "worker registered" in line]
+            seen = {w for w in want if any(f'"worker_id": "{w}"' in line for line in lines)}
 
     def wait_ready(self, timeout: float = 120) -> None:
         """Until control answers the operator and the head prepared the dataset (a job then
