@@ -1207,7 +1207,6 @@ class Orchestrator:
             if scaling:
                 self._scaled(job, msg)
                 return
-            incident = job.incident
             held = incident is not None and incident.paused  # the operator's pause outlives the fault
             if not held:
                 self._loop(engine_pb2.StartTraining(job_id=msg.job_id))
