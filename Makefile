@@ -67,12 +67,14 @@ tools:
 # builds a Debian base image locally (no registry is pulled), runs the README's compose
 # commands with podman-compose, trains the demo job in the stack, reads surge_train_loss
 # from its Prometheus and removes all it started. Installed where missing: podman, runc,
-# netavark, aardvark-dns and mmdebstrap (apt-get), and podman-compose (pip, into the venv);
+# netavark, aardvark-dns, iptables (netavark's firewall driver; without it every build
+# step that makes a network fails with "netavark: No such file or directory") and
+# mmdebstrap (apt-get), and podman-compose (pip, into the venv);
 # podman's settings: deploy/podman/containers.conf.
-COMPOSE_APT := podman runc netavark aardvark-dns slirp4netns uidmap catatonit mmdebstrap
+COMPOSE_APT := podman runc netavark aardvark-dns iptables slirp4netns uidmap catatonit mmdebstrap
 test-compose: setup
 	@missing=""; \
-	for t in podman runc netavark mmdebstrap; do command -v $$t >/dev/null || [ -x /usr/lib/podman/$$t ] || missing="$$missing $$t"; done; \
+	for t in podman runc netavark iptables mmdebstrap; do command -v $$t >/dev/null || [ -x /usr/lib/podman/$$t ] || missing="$$missing $$t"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing$$missing (apt-get)"; \
 	  { $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $(COMPOSE_APT); } >/dev/null; \
