@@ -1529,7 +1529,7 @@ class Orchestrator:
                     job,
                     Module.L1_FAULT_DETECTOR,
                     "fault",
-                    f"{text} (consequence of rank {late.cause.rank}'s {late.fault_class}, reported after the recovery)",
+                    _consequence(msg, f"rank {late.cause.rank}'s {late.fault_class}, reported after the recovery"),
                 )
                 return
             if incident is not None and (incident.dying[msg.rank] > 0 or _survivor_symptom(incident, msg)):
@@ -1540,7 +1540,7 @@ class Orchestrator:
                     job,
                     Module.L1_FAULT_DETECTOR,
                     "fault",
-                    f"{text} (consequence of rank {cause.rank}'s {cause.fault_class})",
+                    _consequence(msg, f"rank {cause.rank}'s {cause.fault_class}"),
                 )
                 return
             if ended:
@@ -1665,10 +1665,7 @@ class Orchestrator:
             if ended and incident.dying[msg.rank] > 0:
                 incident.dying[msg.rank] -= 1
             self._record(
-                job,
-                Module.L1_FAULT_DETECTOR,
-                "fault",
-                f"{text} (consequence of rank {cause.rank}'s {cause.fault_class})",
+                job, Module.L1_FAULT_DETECTOR, "fault", _consequence(msg, f"rank {cause.rank}'s {cause.fault_class}")
             )
             return
         self._record(
@@ -2440,6 +2437,20 @@ def _lost_ranks(job: _Job, report: control_pb2.FaultReport) -> list[int]:
 # What a survivor of a rebuild reports as its group breaks under it: consequences of the
 # incident, not faults of their own.
 _SURVIVOR_SYMPTOMS = frozenset({"comm_error", "rank_stalled_in_collective"})
+
+
+CONSEQUENCE_DETAIL_CHARS = 160
+
+
+def _consequence(report: control_pb2.FaultReport, of: str) -> str:
+    """The event line of a report recorded as a consequence of an incident, not decided on:
+    without L1-3's grade (SEVERE after every rebuild read as a new failure) and with the
+    first ``CONSEQUENCE_DETAIL_CHARS`` of its detail (a broken collective's text runs to
+    hundreds of characters and repeats in the report of every module it went through)."""
+    detail = " ".join(report.detail.split())
+    if len(detail) > CONSEQUENCE_DETAIL_CHARS:
+        detail = detail[: CONSEQUENCE_DETAIL_CHARS - 1].rstrip() + "…"
+    return f"{report.fault_class}, expected: {detail} (consequence of {of})"
 
 
 def _survivor_symptom(incident: _Incident, report: control_pb2.FaultReport) -> bool:

@@ -14,7 +14,12 @@ from services.contract import Module, control_pb2, engine_pb2, route_pb2, store_
 from services.control.__main__ import build
 from services.control.fault_decision import JobView, decide
 from services.control.job_store import JobStore
-from services.control.orchestrator import IllegalTransition, checkpoint_text, restored_from_text
+from services.control.orchestrator import (
+    CONSEQUENCE_DETAIL_CHARS,
+    IllegalTransition,
+    checkpoint_text,
+    restored_from_text,
+)
 from services.control.store_relay import StoreRelay
 from services.jobspec import FaultPolicySpec, JobSpecError, parse_job_spec
 
@@ -148,6 +153,25 @@ def test_the_survivors_failure_and_the_kills_are_consequences_not_new_decisions(
     assert faults[1].endswith("(consequence of rank 1's rank_exit)")
     assert faults[2].endswith("(consequence of rank 1's rank_exit)")
     assert plane.get(job_id).state == JobState.FAULT_FROZEN
+
+
+def test_a_consequence_line_has_no_grade_and_a_clipped_detail(plane):
+    # After every rebuild the survivor's broken collective was printed "SEVERE comm_error:"
+    # with gloo's whole text, twice (L3 and L2-2): read as a new failure. It is now marked
+    # expected, and its detail cut to the first CONSEQUENCE_DETAIL_CHARS characters.
+    job_id, w = running(plane, "wa", "wb")
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    gloo = "RuntimeError: [../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:5517: Connection reset " * 5
+    plane.rank_event(
+        w["wa"], job_id, 0, failed=engine_pb2.TrainingLoopFailed(step=3, fault_class="comm_error", detail=gloo)
+    )
+    consequence = [e.message for e in plane.events(job_id) if e.type == "fault"][1]
+    assert consequence.startswith("comm_error, expected: ") and "SEVERE" not in consequence, consequence
+    assert consequence.endswith("… (consequence of rank 1's rank_exit)"), consequence
+    detail = consequence.removeprefix("comm_error, expected: ").removesuffix(" (consequence of rank 1's rank_exit)")
+    assert len(detail) == CONSEQUENCE_DETAIL_CHARS and detail.startswith("rank 0 failed at step 3: RuntimeError: "), (
+        detail
+    )
 
 
 def test_a_fault_of_the_relaunched_generation_is_a_new_incident(plane):
