@@ -100,7 +100,7 @@ from services.worker.rank_process import (
     wait_reporting_stops,
 )
 from services.worker.rank_session import RankAlreadyAttached, RankNotLaunched
-from services.worker.warm_spares import WarmSpares
+from services.worker.warm_spares import REFILL_DELAY_SECONDS, WarmSpares
 
 RANK_MODULE_ENV = "SURGE_RANK_MODULE"
 DEFAULT_RANK_MODULE = "services.worker.rank"
@@ -216,7 +216,7 @@ class NodeAgent:
             self._memory.set_peer(msg.job_id, msg.memory_peer)
         for assignment in msg.ranks:
             self._launch_one(msg.job_id, msg.init, assignment)
-        self._warm_spares()
+        self._warm_spares(after=REFILL_DELAY_SECONDS)  # not while these ranks start (warm_spares.py)
 
     def release_ranks(self, msg: control_pb2.ReleaseRanks, payload: Any = None) -> None:
         """SIGTERM the job's live rank process groups (only ``ranks`` when it names some),
@@ -458,9 +458,10 @@ class NodeAgent:
             "rank launched", job_id=job_id, rank=r.rank, pid=proc.pid, device=assignment.device, log=str(log_path)
         )
 
-    def _warm_spares(self, leaving: str = "") -> None:
+    def _warm_spares(self, leaving: str = "", after: float = 0.0) -> None:
         """Keep a spare ready while a rank here belongs to a job that rebuilds in place (or
-        always, on a spare node); retire it otherwise. ``leaving``: a job being released."""
+        always, on a spare node); retire it otherwise. ``leaving``: a job being released.
+        ``after``: start missing spares that many seconds from now."""
         if self._spares is None:
             return
         with self._lock:
@@ -469,7 +470,7 @@ class NodeAgent:
                 or any(r.init.rebuild_in_place for r in self._ranks.values() if r.job_id != leaving and not r.released)
             )
         if wanted:
-            self._spares.keep_warm()
+            self._spares.keep_warm(after=after)
         else:
             self._spares.retire()
 

@@ -9,6 +9,12 @@ here. A spare holds host memory (one interpreter with torch, about 300 MB) and n
 
 A spare is its own process group (killed with the agent's ranks) and ends on its own when
 its stdin closes (the agent exited or retired it).
+
+The spare that replaces one just taken starts ``REFILL_DELAY_SECONDS`` after the launch, not
+at once: its import takes a whole core for 3-7 s on a 2-core host (measured), and started at
+the launch it competed with the ranks it was meant to serve, which are then restoring,
+rendezvousing and taking their first steps (in the goodput bench the recovery's first step
+waited 1.2-2 s for its data while a refill imported).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 from services.worker.rank_process import signal_group
 
 SPARE_MODULE = "services.worker.spare_rank"
+REFILL_DELAY_SECONDS = 5.0  # after a launch: its ranks' start-up or recovery (module docstring)
 
 
 class WarmSpares:
@@ -44,25 +51,47 @@ class WarmSpares:
         self._lock = threading.Lock()
         self._ready: list[subprocess.Popen] = []
         self._closed = False
+        self._refill: threading.Timer | None = None  # a keep_warm(after=...) not yet due
 
-    def keep_warm(self) -> None:
-        """Start spares until ``size`` are alive (does not wait for their imports)."""
+    def keep_warm(self, after: float = 0.0) -> None:
+        """Start spares until ``size`` are alive (does not wait for their imports); ``after``
+        seconds from now when ``after`` > 0 (a launch's ranks are starting: module docstring),
+        unless retired or closed before then."""
         with self._lock:
-            self._ready = [p for p in self._ready if p.poll() is None]
-            while not self._closed and len(self._ready) < self._size:
-                self._log_path.parent.mkdir(parents=True, exist_ok=True)
-                with open(self._log_path, "ab") as out:
-                    self._ready.append(
-                        subprocess.Popen(
-                            [sys.executable, "-m", SPARE_MODULE],
-                            cwd=self._cwd,
-                            env=self._env,
-                            stdin=subprocess.PIPE,
-                            stdout=out,
-                            stderr=subprocess.STDOUT,
-                            start_new_session=True,
-                        )
+            if self._refill is not None:
+                self._refill.cancel()
+                self._refill = None
+            if after > 0:
+                self._refill = threading.Timer(after, self._due)
+                self._refill.daemon = True
+                self._refill.start()
+            else:
+                self._fill()
+
+    def _due(self) -> None:
+        with self._lock:
+            if threading.current_thread() is not self._refill:
+                return  # cancelled (retired, closed, or a newer keep_warm) while it ran
+            self._refill = None
+            self._fill()
+
+    def _fill(self) -> None:
+        """(Under the lock.)"""
+        self._ready = [p for p in self._ready if p.poll() is None]
+        while not self._closed and len(self._ready) < self._size:
+            self._log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self._log_path, "ab") as out:
+                self._ready.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", SPARE_MODULE],
+                        cwd=self._cwd,
+                        env=self._env,
+                        stdin=subprocess.PIPE,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
                     )
+                )
 
     @property
     def processes(self) -> list[subprocess.Popen]:
@@ -98,6 +127,9 @@ class WarmSpares:
     def _retire(self, closing: bool) -> None:
         with self._lock:
             self._closed = self._closed or closing
+            if self._refill is not None:
+                self._refill.cancel()
+                self._refill = None
             spares, self._ready = self._ready, []
         for proc in spares:
             try:

@@ -46,3 +46,24 @@ def test_retired_spares_end_and_none_starts_after_close(tmp_path):
     spares.close()
     spares.keep_warm()
     assert spares.take(["--help"], spare_env(), tmp_path / "x.log") is None
+
+
+def test_a_refill_after_a_launch_waits_and_a_retire_cancels_it(tmp_path):
+    # The refill's import must not compete with the ranks a launch just started
+    # (warm_spares.py): nothing starts before the delay, one spare after it, none once retired.
+    spares = WarmSpares(spare_env(), REPO_ROOT, tmp_path / "spares.log", size=1)
+    try:
+        spares.keep_warm(after=0.6)
+        time.sleep(0.3)
+        assert spares.processes == []
+        deadline = time.monotonic() + 10
+        while not spares.processes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(spares.processes) == 1
+        spares.retire()
+        spares.keep_warm(after=0.3)
+        spares.retire()  # before it is due
+        time.sleep(0.8)
+        assert spares.processes == []
+    finally:
+        spares.close()
