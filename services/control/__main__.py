@@ -34,6 +34,7 @@ import structlog
 
 from services.common import logs, paths
 from services.common.grpc_server import AioServiceServer, PortInUse, serve_metrics
+from services.common.service_args import ServiceArgumentParser, address, host, port
 from services.contract import (
     Module,
     audit_pb2_grpc,
@@ -253,18 +254,28 @@ def build(
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     env = os.environ
-    p = argparse.ArgumentParser(prog="python -m services.control", description="Surge control service (L1)")
-    p.add_argument("--host", default=os.environ.get("SURGE_CONTROL_HOST", "127.0.0.1"))
+    p = ServiceArgumentParser(prog="python -m services.control", description="Surge control service (L1)")
     p.add_argument(
-        "--port", type=int, default=int(env["SURGE_CONTROL_PORT"]) if env.get("SURGE_CONTROL_PORT") else None
+        "--host", type=host("SURGE_CONTROL_HOST", wildcard=True), default=env.get("SURGE_CONTROL_HOST", "127.0.0.1")
     )
+    p.add_argument("--port", type=port("SURGE_CONTROL_PORT"), default=env.get("SURGE_CONTROL_PORT") or None)
     p.add_argument("--db", default=env.get("SURGE_CONTROL_DB") or str(paths.surge_home() / "control.db"))
-    p.add_argument("--data", default=env.get("SURGE_DATA_ADDRESS"), help="host:port of the data service")
-    p.add_argument("--store", default=env.get("SURGE_STORE_ADDRESS"), help="host:port of the store service")
+    p.add_argument(
+        "--data",
+        type=address("SURGE_DATA_ADDRESS"),
+        default=env.get("SURGE_DATA_ADDRESS"),
+        help="host:port of the data service",
+    )
+    p.add_argument(
+        "--store",
+        type=address("SURGE_STORE_ADDRESS"),
+        default=env.get("SURGE_STORE_ADDRESS"),
+        help="host:port of the store service",
+    )
     p.add_argument(
         "--metrics-port",
-        type=int,
-        default=env.get("SURGE_CONTROL_METRICS_PORT") or 0,
+        type=port("SURGE_CONTROL_METRICS_PORT"),
+        default=env.get("SURGE_CONTROL_METRICS_PORT") or "0",
         help="Prometheus /metrics port (env SURGE_CONTROL_METRICS_PORT; 0 = off)",
     )
     # A session costs no thread (asyncio), only memory and its share of the applier: this is

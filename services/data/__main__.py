@@ -19,7 +19,6 @@ counted here and returned to the calling rank as PERMISSION_DENIED (see ``server
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from services.common import logs, paths
 from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
+from services.common.service_args import ServiceArgumentParser, host, port
 from services.contract import Module, audit_pb2_grpc, data_pb2, data_pb2_grpc, route_pb2
 from services.contract.audit import AuditServicer, ViolationReporter
 from services.contract.bus import Bus, RouteError
@@ -107,14 +107,16 @@ def build_stream(root: Path, on_violation=None, queue_batches: int = 64) -> Stre
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.data", description="Surge data service (L4)")
-    p.add_argument("--port", type=int, default=int(os.environ.get("SURGE_DATA_PORT", "50052")))
-    p.add_argument("--host", default=os.environ.get("SURGE_DATA_HOST", "127.0.0.1"))
+    p = ServiceArgumentParser(prog="python -m services.data", description="Surge data service (L4)")
+    p.add_argument("--port", type=port("SURGE_DATA_PORT"), default=os.environ.get("SURGE_DATA_PORT", "50052"))
+    p.add_argument(
+        "--host", type=host("SURGE_DATA_HOST", wildcard=True), default=os.environ.get("SURGE_DATA_HOST", "127.0.0.1")
+    )
     p.add_argument("--data-root", type=Path, default=None, help="default: $SURGE_DATA_ROOT or $SURGE_HOME/datasets")
     p.add_argument(
         "--metrics-port",
-        type=int,
-        default=os.environ.get("SURGE_DATA_METRICS_PORT") or 0,
+        type=port("SURGE_DATA_METRICS_PORT"),
+        default=os.environ.get("SURGE_DATA_METRICS_PORT") or "0",
         help="Prometheus /metrics port (env SURGE_DATA_METRICS_PORT; 0 = off)",
     )
     args = p.parse_args(argv)

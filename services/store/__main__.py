@@ -36,7 +36,6 @@ messages that sender may send there, and nothing else.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
@@ -48,6 +47,7 @@ from prometheus_client import REGISTRY
 
 from services.common import logs, paths
 from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
+from services.common.service_args import ServiceArgumentParser, host, port, seconds
 from services.contract import Module, audit_pb2_grpc, engine_pb2, route_pb2, store_pb2, store_pb2_grpc
 from services.contract.audit import AuditServicer, ViolationReporter
 from services.contract.bus import Bus, CommandPort, RouteError
@@ -144,7 +144,9 @@ def checkpoint_storage(backend: str, transfer: str, s3_url: str, s3_endpoint: st
     """
     if backend == "local":
         if transfer not in TRANSFERS:
-            raise ValueError(f"--transfer {transfer!r}: expected one of {', '.join(TRANSFERS)}")
+            raise ValueError(
+                f"--transfer (or SURGE_STORE_TRANSFER) {transfer!r}: expected one of {', '.join(TRANSFERS)}"
+            )
         return TRANSFERS[transfer], None
     if backend == "s3":
         if not s3_url.startswith("s3://") or len(s3_url) <= len("s3://"):
@@ -155,7 +157,7 @@ def checkpoint_storage(backend: str, transfer: str, s3_url: str, s3_endpoint: st
         except Exception as e:  # noqa: BLE001 - any failure to reach it: one line, no service
             raise ValueError(f"--s3-url {s3_url}: cannot be used ({type(e).__name__}: {e})") from None
         return store_pb2.TRANSFER_FSSPEC, chunks
-    raise ValueError(f"--backend {backend!r}: expected local or s3")
+    raise ValueError(f"--backend (or SURGE_STORE_BACKEND) {backend!r}: expected local or s3")
 
 
 class ScrubSchedule:
@@ -190,17 +192,17 @@ class ScrubSchedule:
 
 def main(argv: list[str] | None = None) -> int:
     env = os.environ.get
-    p = argparse.ArgumentParser(prog="python -m services.store", description=__doc__.split("\n")[0])
-    p.add_argument("--host", default=env("SURGE_STORE_HOST", "127.0.0.1"))
+    p = ServiceArgumentParser(prog="python -m services.store", description=__doc__.split("\n")[0])
+    p.add_argument("--host", type=host("SURGE_STORE_HOST", wildcard=True), default=env("SURGE_STORE_HOST", "127.0.0.1"))
     # argparse applies `type` to string defaults too: a bad env value is a one-line usage error.
-    p.add_argument("--port", type=int, default=env("SURGE_STORE_PORT"))
-    p.add_argument("--metrics-port", type=int, default=env("SURGE_STORE_METRICS_PORT"))
+    p.add_argument("--port", type=port("SURGE_STORE_PORT"), default=env("SURGE_STORE_PORT"))
+    p.add_argument("--metrics-port", type=port("SURGE_STORE_METRICS_PORT"), default=env("SURGE_STORE_METRICS_PORT"))
     p.add_argument(
         "--root", type=Path, default=None, help="store root (default: SURGE_STORE_ROOT or $SURGE_HOME/store)"
     )
     p.add_argument(
         "--scrub-interval-seconds",
-        type=float,
+        type=seconds("SURGE_STORE_SCRUB_INTERVAL_S"),
         default=env("SURGE_STORE_SCRUB_INTERVAL_S", "0"),
         help="re-hash every committed checkpoint version this often (0: never; env SURGE_STORE_SCRUB_INTERVAL_S)",
     )
@@ -218,8 +220,6 @@ def main(argv: list[str] | None = None) -> int:
     if bad := env_error():  # a malformed test-only injection: one line, not a service without it
         print(f"error: {bad}", file=sys.stderr)
         return 2
-    if args.scrub_interval_seconds < 0:
-        p.error(f"--scrub-interval-seconds must be >= 0, got {args.scrub_interval_seconds}")
     if args.port is None or args.metrics_port is None:
         p.error("--port and --metrics-port are required (or SURGE_STORE_PORT, SURGE_STORE_METRICS_PORT)")
     if args.port == args.metrics_port and args.port != 0:
@@ -229,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ImportError) as e:
         p.error(str(e))
     root = (args.root or paths.store_root()).resolve()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--root {root} (or SURGE_STORE_ROOT, SURGE_HOME): cannot be created: {e.strerror or e}")
     log = logs.configure("store", root=str(root))
 
     try:

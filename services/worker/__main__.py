@@ -38,6 +38,7 @@ from pathlib import Path
 
 from services.common import logs, paths
 from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
+from services.common.service_args import ServiceArgumentParser, address, host, port, seconds
 from services.contract import Module, audit_pb2_grpc, control_pb2, worker_pb2_grpc
 from services.contract.audit import AuditServicer, ViolationReporter, merge_reports, report_of
 from services.contract.bus import Bus
@@ -53,7 +54,14 @@ from services.worker.hardware import (
     gloo_interface,
     hardware_report,
 )
-from services.worker.memory_copies import MemoryCopies, MemoryCopyServicer, limit_from_env, shm_from_env
+from services.worker.memory_copies import (
+    LIMIT_ENV,
+    SHM_ENV,
+    MemoryCopies,
+    MemoryCopyServicer,
+    limit_from_env,
+    shm_from_env,
+)
 from services.worker.memory_pressure import MemorySampler
 from services.worker.node_agent import DEFAULT_RANK_MODULE, RANK_MODULE_ENV, SHUTDOWN_GRACE_SECONDS, NodeAgent
 from services.worker.rank_process import REPO_ROOT
@@ -67,23 +75,28 @@ WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     env = os.environ
-    p = argparse.ArgumentParser(prog="python -m services.worker", description="Surge node agent")
+    p = ServiceArgumentParser(prog="python -m services.worker", description="Surge node agent")
     p.add_argument(
         "--port",
-        type=int,
+        type=port("SURGE_WORKER_PORT"),
         default=env.get("SURGE_WORKER_PORT"),
         help="gRPC port (env SURGE_WORKER_PORT; 0 = any free port)",
     )
     p.add_argument(
-        "--control", default=env.get("SURGE_CONTROL_ADDRESS"), help="control host:port (env SURGE_CONTROL_ADDRESS)"
+        "--control",
+        type=address("SURGE_CONTROL_ADDRESS"),
+        default=env.get("SURGE_CONTROL_ADDRESS"),
+        help="control host:port (env SURGE_CONTROL_ADDRESS)",
     )
     p.add_argument(
         "--host",
+        type=host("SURGE_WORKER_HOST", wildcard=True),
         default=os.environ.get("SURGE_WORKER_HOST", "127.0.0.1"),
         help="address to listen on (env SURGE_WORKER_HOST)",
     )
     p.add_argument(
         "--advertise",
+        type=host("SURGE_WORKER_ADVERTISE"),
         default=os.environ.get("SURGE_WORKER_ADVERTISE"),
         help="host other nodes reach this agent at (env SURGE_WORKER_ADVERTISE; "
         "default: --host, or the host name when listening on all addresses)",
@@ -104,7 +117,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--memory-check-seconds",
-        type=float,
+        type=seconds("SURGE_WORKER_MEMORY_CHECK_SECONDS"),
         default=env.get("SURGE_WORKER_MEMORY_CHECK_SECONDS") or 2.0,
         help="seconds between host memory samples (env SURGE_WORKER_MEMORY_CHECK_SECONDS; 0 disables)",
     )
@@ -116,8 +129,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--metrics-port",
-        type=int,
-        default=env.get("SURGE_WORKER_METRICS_PORT") or 0,
+        type=port("SURGE_WORKER_METRICS_PORT"),
+        default=env.get("SURGE_WORKER_METRICS_PORT") or "0",
         help="Prometheus /metrics port (env SURGE_WORKER_METRICS_PORT; 0 = off)",
     )
     args = p.parse_args(argv)
@@ -130,8 +143,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     spares_text = os.environ.get(SPARES_ENV, "")
     if spares_text and not (spares_text.isdigit() and int(spares_text) <= 64):
         p.error(f"{SPARES_ENV}: must be a whole number of spare rank processes from 0 to 64, got {spares_text!r}")
-    if not args.memory_check_seconds >= 0:  # also refuses nan
-        p.error(f"--memory-check-seconds: must be >= 0, got {args.memory_check_seconds}")
+    copy_bytes = os.environ.get(LIMIT_ENV, "")
+    if copy_bytes and not copy_bytes.isdigit():
+        p.error(f"{LIMIT_ENV}: expected a whole number of bytes >= 0 (0: no in-memory copies), got {copy_bytes!r}")
+    if os.environ.get(SHM_ENV, "").strip().lower() not in ("", "on", "off"):
+        p.error(f"{SHM_ENV}: expected on or off, got {os.environ[SHM_ENV]!r}")
     if not 0 < args.memory_pressure_fraction < 1:
         p.error(f"--memory-pressure-fraction: must be in (0, 1), got {args.memory_pressure_fraction}")
     return args
