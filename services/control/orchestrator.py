@@ -1252,14 +1252,26 @@ class Orchestrator:
 
     def on_step_completed(self, msg: engine_pb2.StepCompleted, payload: Any = None) -> None:
         """Rank 0's step summary (global loss, all-rank tokens) updates the status; it is
-        journaled at most every ``persist_interval_s``."""
+        journaled at most every ``persist_interval_s``. A new step that arrives after a fault
+        that is being rebuilt in place counts too: the survivors keep it (the job goes on
+        from the highest step every rank completed), so its tokens and its journal record
+        would otherwise be missing (the trial's "tokens seen" was one step short)."""
         if msg.rank != 0:
             with self._lock:
                 self._heard_from(msg.job_id, msg.rank)
             return  # every rank reports the same global numbers; rank 0 speaks for them
         with self._lock:
             self._heard_from(msg.job_id, msg.rank)
-            job = self._live(msg.job_id, (JobState.RUNNING, JobState.PAUSED), msg)
+            job = self._jobs.get(msg.job_id)
+            kept = (
+                job is not None
+                and job.status.state == JobState.FAULT_FROZEN
+                and job.incident is not None
+                and job.incident.action in IN_PLACE_ACTIONS
+                and msg.step > job.status.step
+            )
+            if not kept:
+                job = self._live(msg.job_id, (JobState.RUNNING, JobState.PAUSED), msg)
             if job is None:
                 return
             s = job.status

@@ -807,6 +807,28 @@ def test_a_lost_rank_is_replaced_in_place_and_the_survivors_get_the_new_rendezvo
     assert kinds(drain(w["wa"])) == ["StartTraining"]
 
 
+def test_a_step_that_arrives_after_the_fault_of_a_rebuild_counts_once(plane):
+    # Rank 0 completed step 6 just before the kill; its record came after the fault report.
+    # The survivors keep step 6 (they resume after it), so it counts: tokens and the journal
+    # (a trial's "tokens seen" was one step short after two rebuilds). Old or repeated
+    # records do not count again, and a restart_ranks recovery ignores records as before.
+    job_id, w = running(plane, "wa", "wb", extra=REBUILD)
+    for n in range(1, 6):
+        plane.rank_event(w["wa"], job_id, 0, step=engine_pb2.StepCompleted(step=n, loss=2.0, tokens=64))
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    assert plane.get(job_id).state == JobState.FAULT_FROZEN
+    for n in (6, 6, 5):
+        plane.rank_event(w["wa"], job_id, 0, step=engine_pb2.StepCompleted(step=n, loss=2.0, tokens=64))
+    s = plane.get(job_id)
+    assert (s.state, s.step, s.tokens_seen) == (JobState.FAULT_FROZEN, 6, 6 * 64)
+
+    job_id, w = running(plane, "wc", "wd")  # restart_ranks: what comes after the fault is rolled back
+    plane.rank_event(w["wc"], job_id, 0, step=engine_pb2.StepCompleted(step=1, loss=2.0, tokens=64))
+    plane.rank_exited(w["wd"], job_id, 1, exit_code=-9)
+    plane.rank_event(w["wc"], job_id, 0, step=engine_pb2.StepCompleted(step=2, loss=2.0, tokens=64))
+    assert (plane.get(job_id).step, plane.get(job_id).tokens_seen) == (1, 64)
+
+
 def test_the_last_rank_holding_the_state_lost_during_the_rebuild_falls_back_to_relaunching_every_rank(plane, store):
     job_id, w = running(plane, "wa", "wb", extra=REBUILD)
     saved(plane, w["wa"], job_id, 1, step=4)
