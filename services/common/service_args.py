@@ -26,7 +26,7 @@ class ServiceArgumentParser(argparse.ArgumentParser):
     """argparse with its errors on one line (argparse prints the usage block first)."""
 
     def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: error: {message} (--help for usage)", file=sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
 
 
