@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import math
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -84,6 +85,25 @@ def host(env: str = "", *, wildcard: bool = False) -> Callable[[str], str]:
         raise argparse.ArgumentTypeError(f"expected a host name or IP address{_from(env)}, got {text!r}")
 
     return parse
+
+
+def listen_host(env: str = "") -> Callable[[str], str]:
+    """The address a service listens on: a host, or a wildcard (every address)."""
+    return host(env, wildcard=True)
+
+
+def env_option(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    var: str,
+    kind: Callable[[str], Callable[[str], object]],
+    default: str | None = None,
+    help: str = "",
+) -> None:
+    """``flag``; without it the value of environment variable ``var``, else ``default``;
+    checked by ``kind(var)`` (so that its error names the variable too)."""
+    text = f"{help}; env {var}" if help else f"env {var}"
+    parser.add_argument(flag, type=kind(var), default=os.environ.get(var) or default, help=text)
 
 
 def address(env: str = "") -> Callable[[str], str]:

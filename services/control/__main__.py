@@ -34,7 +34,7 @@ import structlog
 
 from services.common import logs, paths
 from services.common.grpc_server import AioServiceServer, PortInUse, serve_metrics
-from services.common.service_args import ServiceArgumentParser, address, host, port
+from services.common.service_args import ServiceArgumentParser, address, env_option, listen_host, port
 from services.contract import (
     Module,
     audit_pb2_grpc,
@@ -255,29 +255,12 @@ def build(
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     env = os.environ
     p = ServiceArgumentParser(prog="python -m services.control", description="Surge control service (L1)")
-    p.add_argument(
-        "--host", type=host("SURGE_CONTROL_HOST", wildcard=True), default=env.get("SURGE_CONTROL_HOST", "127.0.0.1")
-    )
-    p.add_argument("--port", type=port("SURGE_CONTROL_PORT"), default=env.get("SURGE_CONTROL_PORT") or None)
+    env_option(p, "--host", "SURGE_CONTROL_HOST", listen_host, "127.0.0.1", "address to listen on")
+    env_option(p, "--port", "SURGE_CONTROL_PORT", port, help="gRPC port (0: any free port)")
     p.add_argument("--db", default=env.get("SURGE_CONTROL_DB") or str(paths.surge_home() / "control.db"))
-    p.add_argument(
-        "--data",
-        type=address("SURGE_DATA_ADDRESS"),
-        default=env.get("SURGE_DATA_ADDRESS"),
-        help="host:port of the data service",
-    )
-    p.add_argument(
-        "--store",
-        type=address("SURGE_STORE_ADDRESS"),
-        default=env.get("SURGE_STORE_ADDRESS"),
-        help="host:port of the store service",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=port("SURGE_CONTROL_METRICS_PORT"),
-        default=env.get("SURGE_CONTROL_METRICS_PORT") or "0",
-        help="Prometheus /metrics port (env SURGE_CONTROL_METRICS_PORT; 0 = off)",
-    )
+    env_option(p, "--data", "SURGE_DATA_ADDRESS", address, help="host:port of the data service")
+    env_option(p, "--store", "SURGE_STORE_ADDRESS", address, help="host:port of the store service")
+    env_option(p, "--metrics-port", "SURGE_CONTROL_METRICS_PORT", port, "0", "Prometheus /metrics port (0: off)")
     # A session costs no thread (asyncio), only memory and its share of the applier: this is
     # an admission limit; the agent past it is refused with RESOURCE_EXHAUSTED and retries.
     p.add_argument(

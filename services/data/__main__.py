@@ -19,7 +19,6 @@ counted here and returned to the calling rank as PERMISSION_DENIED (see ``server
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -27,7 +26,7 @@ from pathlib import Path
 
 from services.common import logs, paths
 from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
-from services.common.service_args import ServiceArgumentParser, host, port
+from services.common.service_args import ServiceArgumentParser, env_option, listen_host, port
 from services.contract import Module, audit_pb2_grpc, data_pb2, data_pb2_grpc, route_pb2
 from services.contract.audit import AuditServicer, ViolationReporter
 from services.contract.bus import Bus, RouteError
@@ -108,17 +107,10 @@ def build_stream(root: Path, on_violation=None, queue_batches: int = 64) -> Stre
 
 def main(argv: list[str] | None = None) -> int:
     p = ServiceArgumentParser(prog="python -m services.data", description="Surge data service (L4)")
-    p.add_argument("--port", type=port("SURGE_DATA_PORT"), default=os.environ.get("SURGE_DATA_PORT", "50052"))
-    p.add_argument(
-        "--host", type=host("SURGE_DATA_HOST", wildcard=True), default=os.environ.get("SURGE_DATA_HOST", "127.0.0.1")
-    )
+    env_option(p, "--port", "SURGE_DATA_PORT", port, "50052", "gRPC port (0: any free port)")
+    env_option(p, "--host", "SURGE_DATA_HOST", listen_host, "127.0.0.1", "address to listen on")
     p.add_argument("--data-root", type=Path, default=None, help="default: $SURGE_DATA_ROOT or $SURGE_HOME/datasets")
-    p.add_argument(
-        "--metrics-port",
-        type=port("SURGE_DATA_METRICS_PORT"),
-        default=os.environ.get("SURGE_DATA_METRICS_PORT") or "0",
-        help="Prometheus /metrics port (env SURGE_DATA_METRICS_PORT; 0 = off)",
-    )
+    env_option(p, "--metrics-port", "SURGE_DATA_METRICS_PORT", port, "0", "Prometheus /metrics port (0: off)")
     args = p.parse_args(argv)
     if bad := env_error():  # a malformed test-only injection: one line, not a service without it
         print(f"error: {bad}", file=sys.stderr)

@@ -47,7 +47,7 @@ from prometheus_client import REGISTRY
 
 from services.common import logs, paths
 from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
-from services.common.service_args import ServiceArgumentParser, host, port, seconds
+from services.common.service_args import ServiceArgumentParser, env_option, listen_host, port, seconds
 from services.contract import Module, audit_pb2_grpc, engine_pb2, route_pb2, store_pb2, store_pb2_grpc
 from services.contract.audit import AuditServicer, ViolationReporter
 from services.contract.bus import Bus, CommandPort, RouteError
@@ -193,10 +193,9 @@ class ScrubSchedule:
 def main(argv: list[str] | None = None) -> int:
     env = os.environ.get
     p = ServiceArgumentParser(prog="python -m services.store", description=__doc__.split("\n")[0])
-    p.add_argument("--host", type=host("SURGE_STORE_HOST", wildcard=True), default=env("SURGE_STORE_HOST", "127.0.0.1"))
-    # argparse applies `type` to string defaults too: a bad env value is a one-line usage error.
-    p.add_argument("--port", type=port("SURGE_STORE_PORT"), default=env("SURGE_STORE_PORT"))
-    p.add_argument("--metrics-port", type=port("SURGE_STORE_METRICS_PORT"), default=env("SURGE_STORE_METRICS_PORT"))
+    env_option(p, "--host", "SURGE_STORE_HOST", listen_host, "127.0.0.1", "address to listen on")
+    env_option(p, "--port", "SURGE_STORE_PORT", port, help="gRPC port (0: any free port)")
+    env_option(p, "--metrics-port", "SURGE_STORE_METRICS_PORT", port, help="Prometheus /metrics port (0: off)")
     p.add_argument(
         "--root", type=Path, default=None, help="store root (default: SURGE_STORE_ROOT or $SURGE_HOME/store)"
     )

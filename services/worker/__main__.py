@@ -38,7 +38,15 @@ from pathlib import Path
 
 from services.common import logs, paths
 from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
-from services.common.service_args import ServiceArgumentParser, address, host, port, seconds
+from services.common.service_args import (
+    ServiceArgumentParser,
+    address,
+    env_option,
+    host,
+    listen_host,
+    port,
+    seconds,
+)
 from services.contract import Module, audit_pb2_grpc, control_pb2, worker_pb2_grpc
 from services.contract.audit import AuditServicer, ViolationReporter, merge_reports, report_of
 from services.contract.bus import Bus
@@ -76,31 +84,13 @@ WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     env = os.environ
     p = ServiceArgumentParser(prog="python -m services.worker", description="Surge node agent")
-    p.add_argument(
-        "--port",
-        type=port("SURGE_WORKER_PORT"),
-        default=env.get("SURGE_WORKER_PORT"),
-        help="gRPC port (env SURGE_WORKER_PORT; 0 = any free port)",
-    )
-    p.add_argument(
-        "--control",
-        type=address("SURGE_CONTROL_ADDRESS"),
-        default=env.get("SURGE_CONTROL_ADDRESS"),
-        help="control host:port (env SURGE_CONTROL_ADDRESS)",
-    )
-    p.add_argument(
-        "--host",
-        type=host("SURGE_WORKER_HOST", wildcard=True),
-        default=os.environ.get("SURGE_WORKER_HOST", "127.0.0.1"),
-        help="address to listen on (env SURGE_WORKER_HOST)",
-    )
-    p.add_argument(
-        "--advertise",
-        type=host("SURGE_WORKER_ADVERTISE"),
-        default=os.environ.get("SURGE_WORKER_ADVERTISE"),
-        help="host other nodes reach this agent at (env SURGE_WORKER_ADVERTISE; "
-        "default: --host, or the host name when listening on all addresses)",
-    )
+    env_option(p, "--port", "SURGE_WORKER_PORT", port, help="gRPC port (0: any free port)")
+    env_option(p, "--control", "SURGE_CONTROL_ADDRESS", address, help="control host:port")
+    env_option(p, "--host", "SURGE_WORKER_HOST", listen_host, "127.0.0.1", "address to listen on")
+    env_option(
+        p, "--advertise", "SURGE_WORKER_ADVERTISE", host,
+        help="host other nodes reach this agent at (default: --host, or the host name when listening on all addresses)",
+    )  # fmt: skip
     p.add_argument(
         "--worker-id",
         default=env.get("SURGE_WORKER_ID"),
@@ -127,12 +117,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=env.get("SURGE_WORKER_MEMORY_PRESSURE_FRACTION") or 0.10,
         help="report memory pressure below this fraction of MemTotal available (env SURGE_WORKER_MEMORY_PRESSURE_FRACTION)",
     )
-    p.add_argument(
-        "--metrics-port",
-        type=port("SURGE_WORKER_METRICS_PORT"),
-        default=env.get("SURGE_WORKER_METRICS_PORT") or "0",
-        help="Prometheus /metrics port (env SURGE_WORKER_METRICS_PORT; 0 = off)",
-    )
+    env_option(p, "--metrics-port", "SURGE_WORKER_METRICS_PORT", port, "0", "Prometheus /metrics port (0: off)")
     args = p.parse_args(argv)
     if args.port is None:
         p.error("--port (or SURGE_WORKER_PORT) is required")
