@@ -215,8 +215,10 @@ def test_a_survivor_stuck_in_the_rebuild_past_its_deadline_is_relaunched_with_ev
     # The survivor sleeps 60 s in its heal: a rank blocked where its lost peer's death does
     # not end the wait never completes the rebuild. Past fault_policy.rebuild_seconds the
     # recovery itself is the fault (recovery_timeout), decided by the policy: restart_ranks.
+    # (20 s: the replacement may start cold, its agent's spare not warm yet this early in the
+    # job; CI: with 6 s the deadline passed before the survivor reached its heal.)
     spec = JOB.format(name="rbstuck", steps=16).replace(
-        "fault_policy: {actions", "fault_policy: {rebuild_seconds: 6, actions"
+        "fault_policy: {actions", "fault_policy: {rebuild_seconds: 20, actions"
     )
     job = stack.submit(spec)
     stack.wait_step(job, 7)
@@ -230,7 +232,7 @@ def test_a_survivor_stuck_in_the_rebuild_past_its_deadline_is_relaunched_with_ev
     assert finished(events).step == 16
     (overdue,) = causes(events, "SEVERE recovery_timeout")
     assert overdue.message.endswith(
-        "not ready 6 s (fault_policy.rebuild_seconds) after the rebuild in place for rank 1's rank_exit was commanded"
+        "not ready 20 s (fault_policy.rebuild_seconds) after the rebuild in place for rank 1's rank_exit was commanded"
     ), overdue.message
     decisions = of_type(events, "decision")[1:]
     assert decisions[0].startswith("rebuild after rank_exit of rank 1"), decisions
