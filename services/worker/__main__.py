@@ -62,14 +62,8 @@ from services.worker.hardware import (
     gloo_interface,
     hardware_report,
 )
-from services.worker.memory_copies import (
-    LIMIT_ENV,
-    SHM_ENV,
-    MemoryCopies,
-    MemoryCopyServicer,
-    limit_from_env,
-    shm_from_env,
-)
+from services.worker.memory_copies import MemoryCopies, MemoryCopyServicer, limit_from_env, shm_from_env
+from services.worker.memory_copies import env_problem as memory_copies_env_problem
 from services.worker.memory_pressure import MemorySampler
 from services.worker.node_agent import DEFAULT_RANK_MODULE, RANK_MODULE_ENV, SHUTDOWN_GRACE_SECONDS, NodeAgent
 from services.worker.rank_process import REPO_ROOT
@@ -128,11 +122,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     spares_text = os.environ.get(SPARES_ENV, "")
     if spares_text and not (spares_text.isdigit() and int(spares_text) <= 64):
         p.error(f"{SPARES_ENV}: must be a whole number of spare rank processes from 0 to 64, got {spares_text!r}")
-    copy_bytes = os.environ.get(LIMIT_ENV, "")
-    if copy_bytes and not copy_bytes.isdigit():
-        p.error(f"{LIMIT_ENV}: expected a whole number of bytes >= 0 (0: no in-memory copies), got {copy_bytes!r}")
-    if os.environ.get(SHM_ENV, "").strip().lower() not in ("", "on", "off"):
-        p.error(f"{SHM_ENV}: expected on or off, got {os.environ[SHM_ENV]!r}")
+    if problem := memory_copies_env_problem():
+        p.error(problem)
     if not 0 < args.memory_pressure_fraction < 1:
         p.error(f"--memory-pressure-fraction: must be in (0, 1), got {args.memory_pressure_fraction}")
     return args

@@ -87,12 +87,23 @@ CHUNKS_REFUSED = Counter(
 HELD_BYTES = Gauge("surge_memory_copy_held_bytes", "Bytes of chunks held in memory by this agent")
 
 
+def env_problem() -> str | None:
+    """What is wrong with this module's two environment variables (one line), or None; the
+    node agent refuses to start on it, before anything runs."""
+    limit = os.environ.get(LIMIT_ENV, "")
+    if limit and not limit.isdigit():
+        return f"{LIMIT_ENV}: expected a whole number of bytes >= 0 (0: no in-memory copies), got {limit!r}"
+    if os.environ.get(SHM_ENV, "").strip().lower() not in ("", "on", "off"):
+        return f"{SHM_ENV}: expected on or off, got {os.environ[SHM_ENV]!r}"
+    return None
+
+
 def limit_from_env(meminfo_total_bytes: int) -> int:
     """The memory bound: ``SURGE_WORKER_MEMORY_COPY_BYTES`` (0: off), else a quarter of the
-    host's memory."""
+    host's memory. (Checked by :func:`env_problem` at start-up.)"""
     text = os.environ.get(LIMIT_ENV)
     if text:
-        return max(0, int(text))
+        return int(text)
     return meminfo_total_bytes // 4
 
 
