@@ -1806,6 +1806,9 @@ class Orchestrator:
                 f"checkpoint of it; the newest is {_newest(job) or 'none'}",
             )
             return
+        if msg.operation == "save" and not msg.cause and msg.failure.cause == route_pb2.FailureCause.FAILURE_COMMUNICATION:
+            self._save_broken(job, msg, what)
+            return
         if msg.operation == "save":
             self._record(
                 job,
@@ -1830,6 +1833,33 @@ class Orchestrator:
                 )
             if self._checkpoints is not None:
                 self._checkpoints(store_pb2.ScrubCheckpoints(job_id=job.status.job_id))  # answered as events
+
+    def _save_broken(self, job: _Job, msg: store_pb2.SnapshotFailed, what: str) -> None:
+        """A save whose own collectives failed: almost always a peer lost during it (its rank
+        killed, its node gone), whose fault L1-3 reports on its own path, often a moment after
+        this (a node agent's session closing, a silence). Recorded as that incident's
+        consequence, never as a failure of its own: the save is lost with the generation, and
+        the recovery, not the store, is what the operator needs to read about. With no
+        incident open yet, the record waits as long as L1-3 holds a comm_error for its cause
+        (``_attribution_window``); an incident opened by then is the cause, else the save's
+        failure is recorded as it is (the next interval tries again either way)."""
+        if job.incident is not None:
+            self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", _broken_save_text(what, msg, job.incident))
+            return
+        self._deadlines.after(
+            _attribution_window(job.spec), self._save_broken_due, (job.status.job_id, msg, what, job.last_incident)
+        )
+
+    def _save_broken_due(
+        self, job_id: str, msg: store_pb2.SnapshotFailed, what: str, last_seen: _Incident | None
+    ) -> None:
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None:
+                return
+            # An incident opened since the save broke (still open, or already recovered).
+            incident = job.incident or (job.last_incident if job.last_incident is not last_seen else None)
+            self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", _broken_save_text(what, msg, incident))
 
     def on_checkpoint_scrubbed(self, msg: store_pb2.CheckpointScrubbed, payload: Any = None) -> None:
         """The store re-hashed a job's versions: those it found corrupt for the first time
@@ -2396,6 +2426,30 @@ def _runtime(job: _Job) -> dict:
     }
 
 
+# Beyond L1-3's hold of a comm_error, the time for its cause's decision to open an incident.
+DECISION_MARGIN_SECONDS = 1.0
+# A record held longer than this tells the operator nothing more (a heartbeat timeout of hours).
+MAX_ATTRIBUTION_SECONDS = 60.0
+
+
+def _attribution_window(spec: JobSpec) -> float:
+    """How long a failed collective waits for its cause: as long as L1-3 holds a comm_error
+    while a peer may be going quiet (its heartbeat timeout), plus the decision's margin."""
+    live = spec.liveness
+    window = max(live.attribution_seconds, live.heartbeat_timeout_seconds + 0.5) + DECISION_MARGIN_SECONDS
+    return min(window, MAX_ATTRIBUTION_SECONDS)
+
+
+def _broken_save_text(what: str, msg: store_pb2.SnapshotFailed, incident: _Incident | None) -> str:
+    """The record of a save whose collectives failed, e.g. "checkpoint save of j:7 failed,
+    expected: CommunicationFailed: ... (consequence of rank 1's rank_exit)" (what follows is
+    the recovery's, in its own records)."""
+    if incident is None:
+        return f"{what} failed (communication: {msg.reason}); training continues, the next interval tries again"
+    of = f"rank {incident.cause.rank}'s {incident.fault_class}"
+    return f"{what} failed, expected: {_clipped(msg.reason)} (consequence of {of})"
+
+
 def _failure_name(msg: store_pb2.SnapshotFailed) -> str:
     """A failure with no store cause, by its typed failure cause ("communication": a peer lost
     in the save's collectives); "unknown" only when it has none."""
@@ -2459,10 +2513,15 @@ def _consequence(report: control_pb2.FaultReport, of: str) -> str:
     without L1-3's grade (SEVERE after every rebuild read as a new failure) and with the
     first ``CONSEQUENCE_DETAIL_CHARS`` of its detail (a broken collective's text runs to
     hundreds of characters and repeats in the report of every module it went through)."""
-    detail = " ".join(report.detail.split())
+    return f"{report.fault_class}, expected: {_clipped(report.detail)} (consequence of {of})"
+
+
+def _clipped(detail: str) -> str:
+    """``detail`` on one line, its first ``CONSEQUENCE_DETAIL_CHARS``."""
+    detail = " ".join(detail.split())
     if len(detail) > CONSEQUENCE_DETAIL_CHARS:
         detail = detail[: CONSEQUENCE_DETAIL_CHARS - 1].rstrip() + "…"
-    return f"{report.fault_class}, expected: {detail} (consequence of {of})"
+    return detail
 
 
 def _survivor_symptom(incident: _Incident, report: control_pb2.FaultReport) -> bool:

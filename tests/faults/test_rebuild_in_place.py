@@ -209,6 +209,13 @@ def test_a_rank_lost_in_the_first_save_is_rebuilt_in_place(stack):
     (victim,) = stack.rank_pids(job, 1)
     os.kill(victim, signal.SIGKILL)
     survivor_kept_training(stack, job, survivor, past=12, rebuilds=1)
+    # The save of step 10 is lost with the rank that died in it: recorded as that death's
+    # consequence (a CI run read a bare "checkpoint save failed" as a second fault), and the
+    # next interval's save is whole.
+    saves = of_type(stack.events(job), "checkpoint")
+    failed = [m for m in saves if "failed" in m]
+    assert failed and all(m.endswith("(consequence of rank 1's rank_exit)") for m in failed), saves
+    assert "at step 10 " not in " ".join(saves) and any(" at step 16 " in m for m in saves), saves
 
 
 def test_a_survivor_stuck_in_the_rebuild_past_its_deadline_is_relaunched_with_every_rank(stack):

@@ -126,7 +126,9 @@ def test_the_readme_recipe_trains_across_hosts_through_a_rank_kill_a_control_res
     assert sum(m.startswith("rebuild after rank_exit") for m in decisions) == 1, decisions
     assert sum(m.startswith("rebuild after worker_lost") for m in decisions) == 1, decisions
     saved = [e.message for e in done if e.type == "checkpoint"]
-    assert saved and not [m for m in saved if "failed" in m], saved
+    # A save in flight when a rank or its node died is lost with it (recorded as that fault's
+    # consequence: a CI run's kill fell inside one); no save failed for a reason of its own.
+    assert saved and not [m for m in saved if "failed" in m and "(consequence of rank" not in m], saved
     # The ranks' hosts cannot see the store's files: every version came by stream.
     assert "checkpoint_files_received" in (bed.root / "head.log").read_text()
 
