@@ -1806,7 +1806,11 @@ class Orchestrator:
                 f"checkpoint of it; the newest is {_newest(job) or 'none'}",
             )
             return
-        if msg.operation == "save" and not msg.cause and msg.failure.cause == route_pb2.FailureCause.FAILURE_COMMUNICATION:
+        if (
+            msg.operation == "save"
+            and not msg.cause
+            and msg.failure.cause == route_pb2.FailureCause.FAILURE_COMMUNICATION
+        ):
             self._save_broken(job, msg, what)
             return
         if msg.operation == "save":

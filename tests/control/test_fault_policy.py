@@ -676,9 +676,7 @@ def test_a_save_broken_with_no_fault_in_sight_is_recorded_by_its_typed_cause_onc
 
 
 @pytest.mark.parametrize("order", ["fault-first", "save-first"])
-def test_a_save_broken_by_a_peer_s_death_is_recorded_as_that_fault_s_consequence_in_either_order(
-    plane, store, order
-):
+def test_a_save_broken_by_a_peer_s_death_is_recorded_as_that_fault_s_consequence_in_either_order(plane, store, order):
     # The CI run that found it: a rank SIGKILLed during a save (or its node lost a moment
     # before its session closed) left "checkpoint save failed" with no cause among the
     # recovery's records, read as a second failure of the store.
