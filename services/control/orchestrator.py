@@ -1806,22 +1806,10 @@ class Orchestrator:
                 f"checkpoint of it; the newest is {_newest(job) or 'none'}",
             )
             return
-        if (
-            msg.operation == "save"
-            and not msg.cause
-            and msg.failure.cause == route_pb2.FailureCause.FAILURE_COMMUNICATION
-        ):
-            self._save_broken(job, msg, what)
+        if not msg.cause and msg.failure.cause == route_pb2.FailureCause.FAILURE_COMMUNICATION:
+            self._broken_by_peer(job, msg, what)
             return
-        if msg.operation == "save":
-            self._record(
-                job,
-                Module.L5_CHECKPOINT_MANAGER,
-                "checkpoint",
-                f"{what} failed ({cause}: {msg.reason}); training continues, the next interval tries again",
-            )
-            return
-        self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", f"{what} failed ({cause}: {msg.reason})")
+        self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", _failed_text(what, cause, msg))
         corrupt = msg.cause in (StoreFailureCause.CORRUPT, StoreFailureCause.MISSING_FILE)
         if msg.operation == "load" and corrupt:
             # The rank read the version's bytes and they fail their digest (or a file is gone):
@@ -1838,32 +1826,32 @@ class Orchestrator:
             if self._checkpoints is not None:
                 self._checkpoints(store_pb2.ScrubCheckpoints(job_id=job.status.job_id))  # answered as events
 
-    def _save_broken(self, job: _Job, msg: store_pb2.SnapshotFailed, what: str) -> None:
-        """A save whose own collectives failed: almost always a peer lost during it (its rank
-        killed, its node gone), whose fault L1-3 reports on its own path, often a moment after
-        this (a node agent's session closing, a silence). Recorded as that incident's
-        consequence, never as a failure of its own: the save is lost with the generation, and
-        the recovery, not the store, is what the operator needs to read about. With no
-        incident open yet, the record waits as long as L1-3 holds a comm_error for its cause
-        (``_attribution_window``); an incident opened by then is the cause, else the save's
-        failure is recorded as it is (the next interval tries again either way)."""
+    def _broken_by_peer(self, job: _Job, msg: store_pb2.SnapshotFailed, what: str) -> None:
+        """A save or load whose own collectives failed: almost always a peer lost during it
+        (its rank killed, its node gone), whose fault L1-3 reports on its own path, often a
+        moment after this (a node agent's session closing, a silence). Recorded as that
+        incident's consequence, never as a failure of its own: the save is lost with the
+        generation, and the recovery, not the store, is what the operator needs to read
+        about. With no incident open yet, the record waits as long as L1-3 holds a comm_error
+        for its cause (``_attribution_window``); an incident opened by then is the cause, else
+        the failure is recorded as it is (a save's next interval tries again either way)."""
         if job.incident is not None:
-            self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", _broken_save_text(what, msg, job.incident))
+            self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", _broken_text(what, msg, job.incident))
             return
         self._deadlines.after(
-            _attribution_window(job.spec), self._save_broken_due, (job.status.job_id, msg, what, job.last_incident)
+            _attribution_window(job.spec), self._broken_by_peer_due, (job.status.job_id, msg, what, job.last_incident)
         )
 
-    def _save_broken_due(
+    def _broken_by_peer_due(
         self, job_id: str, msg: store_pb2.SnapshotFailed, what: str, last_seen: _Incident | None
     ) -> None:
         with self._lock:
             job = self._jobs.get(job_id)
             if job is None:
                 return
-            # An incident opened since the save broke (still open, or already recovered).
+            # An incident opened since the collective broke (still open, or already recovered).
             incident = job.incident or (job.last_incident if job.last_incident is not last_seen else None)
-            self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", _broken_save_text(what, msg, incident))
+            self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", _broken_text(what, msg, incident))
 
     def on_checkpoint_scrubbed(self, msg: store_pb2.CheckpointScrubbed, payload: Any = None) -> None:
         """The store re-hashed a job's versions: those it found corrupt for the first time
@@ -2444,12 +2432,19 @@ def _attribution_window(spec: JobSpec) -> float:
     return min(window, MAX_ATTRIBUTION_SECONDS)
 
 
-def _broken_save_text(what: str, msg: store_pb2.SnapshotFailed, incident: _Incident | None) -> str:
-    """The record of a save whose collectives failed, e.g. "checkpoint save of j:7 failed,
-    expected: CommunicationFailed: ... (consequence of rank 1's rank_exit)" (what follows is
-    the recovery's, in its own records)."""
+def _failed_text(what: str, cause: str, msg: store_pb2.SnapshotFailed) -> str:
+    """E.g. "checkpoint save failed (timeout: ...); training continues, the next interval
+    tries again"."""
+    text = f"{what} failed ({cause}: {msg.reason})"
+    return text + ("; training continues, the next interval tries again" if msg.operation == "save" else "")
+
+
+def _broken_text(what: str, msg: store_pb2.SnapshotFailed, incident: _Incident | None) -> str:
+    """The record of a save or load whose collectives failed, e.g. "checkpoint save of j:7
+    failed, expected: CommunicationFailed: ... (consequence of rank 1's rank_exit)" (what
+    follows is the recovery's, in its own records)."""
     if incident is None:
-        return f"{what} failed (communication: {msg.reason}); training continues, the next interval tries again"
+        return _failed_text(what, "communication", msg)
     of = f"rank {incident.cause.rank}'s {incident.fault_class}"
     return f"{what} failed, expected: {_clipped(msg.reason)} (consequence of {of})"
 

@@ -651,11 +651,10 @@ BROKEN = "CommunicationFailed: all_reduce failed: RuntimeError"
 THEN = "training continues, the next interval tries again"
 
 
-def broken_save(job_id: str, step: int) -> store_pb2.SnapshotFailed:
-    """No store cause (the store answered): a peer died in the save's collectives."""
-    return relay_snapshot_failed(
-        job_id, "save", 0, route_pb2.FAILURE_COMMUNICATION, "surge.v1.SaveCheckpoint", BROKEN, step=step
-    )
+def broken_save(job_id: str, step: int, operation: str = "save") -> store_pb2.SnapshotFailed:
+    """No store cause (the store answered): a peer died in the save's (or load's) collectives."""
+    handled = f"surge.v1.{operation.capitalize()}Checkpoint"
+    return relay_snapshot_failed(job_id, operation, 0, route_pb2.FAILURE_COMMUNICATION, handled, BROKEN, step=step)
 
 
 def checkpoint_records(plane: Plane, job_id: str) -> list[str]:
@@ -675,8 +674,11 @@ def test_a_save_broken_with_no_fault_in_sight_is_recorded_by_its_typed_cause_onc
     assert plane.get(job_id).state == JobState.RUNNING
 
 
+@pytest.mark.parametrize("operation", ["save", "load"])
 @pytest.mark.parametrize("order", ["fault-first", "save-first"])
-def test_a_save_broken_by_a_peer_s_death_is_recorded_as_that_fault_s_consequence_in_either_order(plane, store, order):
+def test_a_save_broken_by_a_peer_s_death_is_recorded_as_that_fault_s_consequence_in_either_order(
+    plane, store, order, operation
+):
     # The CI run that found it: a rank SIGKILLed during a save (or its node lost a moment
     # before its session closed) left "checkpoint save failed" with no cause among the
     # recovery's records, read as a second failure of the store.
@@ -684,16 +686,16 @@ def test_a_save_broken_by_a_peer_s_death_is_recorded_as_that_fault_s_consequence
     saved(plane, w["wa"], job_id, 1, step=4)
     if order == "fault-first":
         plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
-        plane.rank_event(w["wa"], job_id, 0, snapshot_failed=broken_save(job_id, 10))
+        plane.rank_event(w["wa"], job_id, 0, snapshot_failed=broken_save(job_id, 10, operation))
     else:
-        plane.rank_event(w["wa"], job_id, 0, snapshot_failed=broken_save(job_id, 10))
+        plane.rank_event(w["wa"], job_id, 0, snapshot_failed=broken_save(job_id, 10, operation))
         time.sleep(0.5)  # within the window: the fault comes after the save broke
         plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
-    expected = f"checkpoint save failed, expected: {BROKEN} (consequence of rank 1's rank_exit)"
+    expected = f"checkpoint {operation} failed, expected: {BROKEN} (consequence of rank 1's rank_exit)"
     until = time.monotonic() + 10
     while expected not in checkpoint_records(plane, job_id) and time.monotonic() < until:
         time.sleep(0.05)
-    assert [m for m in checkpoint_records(plane, job_id) if "save failed" in m] == [expected]
+    assert [m for m in checkpoint_records(plane, job_id) if "failed" in m] == [expected]
     # One fault, one decision: the broken save is none of its own.
     assert decisions(plane, job_id) == ["rollback after rank_exit of rank 1 on wb (restart 1 of 3 for rank_exit)"]
 
