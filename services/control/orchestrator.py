@@ -226,9 +226,21 @@ class _Incident:
     lost: list[int] = field(default_factory=list)
     healed_from: dict[int, int] = field(default_factory=dict)
     recovered_unix: float = 0.0  # when every rank was ready again (not journaled)
+    at_step: int = 0  # the job's last completed step when it was decided (not journaled)
     # shrink (issue 16): the job at the smaller data-parallel size its ranks go on at, once no
     # slot was free for a replacement (journaled as the layout's three numbers).
     shrunk: JobSpec | None = None
+
+
+@dataclass
+class _HeldFailure:
+    """A save or load broken in its collectives, waiting for the fault that caused it
+    (``Orchestrator._broken_by_peer``; not journaled: a control restarted meanwhile loses
+    the record, not a decision)."""
+
+    msg: store_pb2.SnapshotFailed
+    what: str
+    timer: Deadline | None = None
 
 
 @dataclass
@@ -264,6 +276,7 @@ class _Job:
     # detector holds a comm_error to attribute it; a rank of the relaunched generation reported
     # its failed collective as it was killed) is no new fault.
     last_incident: _Incident | None = None
+    held: list[_HeldFailure] = field(default_factory=list)  # failures waiting for their cause
     restarts: Counter[str] = field(default_factory=Counter)  # fault class -> relaunches spent
     ignored: Counter[str] = field(default_factory=Counter)  # fault class -> faults ignored
     versions: list[tuple[int, str]] = field(default_factory=list)  # (step, version) committed
@@ -1624,6 +1637,7 @@ class Orchestrator:
             fault_class=fault_class,
             action=action,
             decided=time.monotonic(),
+            at_step=job.status.step,
             bound=bound,
             exclude=exclude,
             # The operator's pause outlives the fault: recovered, the job stays paused.
@@ -1646,6 +1660,7 @@ class Orchestrator:
             incident.dying.update(previous.dying)
             self._cancel_timer(previous)
         job.incident, job.recovered, job.exited = incident, None, set()
+        self._release_held(job, incident)  # (a save that broke a moment before this fault came)
         job.started, job.paused, job.finished, job.placement = set(), set(), {}, {}  # (a new generation)
         job.verdicts.clear()
         job.revoked.clear()
@@ -1835,23 +1850,33 @@ class Orchestrator:
         about. With no incident open yet, the record waits as long as L1-3 holds a comm_error
         for its cause (``_attribution_window``); an incident opened by then is the cause, else
         the failure is recorded as it is (a save's next interval tries again either way)."""
-        if job.incident is not None:
-            self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", _broken_text(what, msg, job.incident))
+        incident = job.incident or _old_world_save(job.last_incident, msg)
+        if incident is not None:
+            self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", _broken_text(what, msg, incident))
             return
-        self._deadlines.after(
-            _attribution_window(job.spec), self._broken_by_peer_due, (job.status.job_id, msg, what, job.last_incident)
+        held = _HeldFailure(msg, what)
+        held.timer = self._deadlines.after(
+            _attribution_window(job.spec), self._broken_by_peer_due, (job.status.job_id, held)
         )
+        job.held.append(held)
 
-    def _broken_by_peer_due(
-        self, job_id: str, msg: store_pb2.SnapshotFailed, what: str, last_seen: _Incident | None
-    ) -> None:
+    def _broken_by_peer_due(self, job_id: str, held: _HeldFailure) -> None:
+        """A held failure's window passed with no incident opened: recorded as it is."""
         with self._lock:
             job = self._jobs.get(job_id)
-            if job is None:
-                return
-            # An incident opened since the collective broke (still open, or already recovered).
-            incident = job.incident or (job.last_incident if job.last_incident is not last_seen else None)
-            self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", _broken_text(what, msg, incident))
+            if job is not None and held in job.held:
+                job.held.remove(held)
+                self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", _broken_text(held.what, held.msg, None))
+
+    def _release_held(self, job: _Job, incident: _Incident | None) -> None:
+        """Record the failures held for their cause (``_broken_by_peer``), oldest first: as
+        ``incident``'s consequences (it opened), or as they are (a window passed, the job
+        ends)."""
+        held, job.held = job.held, []
+        for h in held:
+            if h.timer is not None:
+                h.timer.cancel()
+            self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", _broken_text(h.what, h.msg, incident))
 
     def on_checkpoint_scrubbed(self, msg: store_pb2.CheckpointScrubbed, payload: Any = None) -> None:
         """The store re-hashed a job's versions: those it found corrupt for the first time
@@ -2331,6 +2356,8 @@ class Orchestrator:
             raise IllegalTransition(
                 f"job {job.status.job_id}: {JobState.Name(old)} -> {JobState.Name(new)} is not allowed"
             )
+        if new == JobState.TERMINATED:
+            self._release_held(job, None)  # (the job's last records: nothing comes after its end)
         job.status.state = new
         self._record(
             job, source, "state", f"{JobState.Name(old)} -> {JobState.Name(new)}: {message}", status_message=message
@@ -2430,6 +2457,15 @@ def _attribution_window(spec: JobSpec) -> float:
     live = spec.liveness
     window = max(live.attribution_seconds, live.heartbeat_timeout_seconds + 0.5) + DECISION_MARGIN_SECONDS
     return min(window, MAX_ATTRIBUTION_SECONDS)
+
+
+def _old_world_save(incident: _Incident | None, msg: store_pb2.SnapshotFailed) -> _Incident | None:
+    """``incident``, if ``msg`` is a save its survivors began before it (a step no later than
+    the job's when it was decided): dropped with the group it rebuilt, reported by the relay
+    at the next save, long after the recovery."""
+    if incident is None or incident.action not in IN_PLACE_ACTIONS:
+        return None
+    return incident if msg.operation == "save" and 0 < msg.step <= incident.at_step else None
 
 
 def _failed_text(what: str, cause: str, msg: store_pb2.SnapshotFailed) -> str:

@@ -391,7 +391,7 @@ class StoreClient:
                 (reported first: SnapshotFailed{save}, this module's failure event).
         """
         t0 = time.perf_counter()
-        self._leave_old_world()
+        self._leave_old_world(msg.job_id, msg.rank)
         self._skipped_step = None
         self._failed_commit = None  # a new save supersedes a commit that never reached the store
         self._settle_write()
@@ -496,7 +496,7 @@ class StoreClient:
             CheckpointError: that save's write failed, or its commit was refused (reported
                 first, as the save's).
         """
-        self._leave_old_world()
+        self._leave_old_world(msg.job_id, None)
         self._settle_write()
         deadline, backoff = time.monotonic() + FLUSH_RETRY_S, 0.5
         pending = self._commit_settled(FLUSH_RETRY_S)
@@ -688,17 +688,21 @@ class StoreClient:
             self._world = weakref.ref(dist.group.WORLD)  # (the world they belong to: _leave_old_world)
         return group
 
-    def _leave_old_world(self) -> None:
+    def _leave_old_world(self, job_id: str, rank: int | None) -> None:
         """After the default group was rebuilt in place (issue 16), before anything of a save:
         the old world's groups are gone and its generation of ranks with them. The write in
         flight (its collectives ran on the broken group) and rank 0's commit chained on it are
-        waited for and dropped, never committed (logged); the groups are made anew and the
-        attempt drawn anew at the next save, by every rank of the new group at the same point
-        (a replacement rank starts with neither)."""
+        waited for and dropped, never committed; the groups are made anew and the attempt
+        drawn anew at the next save, by every rank of the new group at the same point (a
+        replacement rank starts with neither). A save that failed or was abandoned so is
+        reported once, by rank 0 (``rank``; None: not known here, as in a flush, whose
+        caller ends the rank), typed by its own error where that says more than
+        "communication": L1 records it as the consequence of the fault that broke the group."""
         if self._world is None or (dist.is_initialized() and self._world() is dist.group.WORLD):
             return
         self._world, self._groups, self._attempt = None, {}, ""
         self._chain = None
+        dropped: CheckpointError | None = None
         for what, pending in (("write", self._write), ("commit", self._commit)):
             if pending is None:
                 continue
@@ -710,10 +714,15 @@ class StoreClient:
                 log.warning("checkpoint_abandoned_with_old_group", what=what, step=self._write_step)
                 self._writer.shutdown(wait=False)
                 self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+                dropped = dropped or _dropped(CheckpointError(f"checkpoint {what} abandoned, blocked in the old group"))
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - the old world's save: dropped
                 log.warning("checkpoint_dropped_with_old_group", what=what, step=self._write_step, error=_one_line(e))
+                dropped = dropped or _dropped(_write_failed(e, self._write_step), cause_of(e))
         self._write = self._commit = None
         self._skipped_step, self._failed_commit = None, None
+        if dropped is not None and rank == 0:
+            reason = f"the save of step {self._write_step} was dropped with the replaced group: {dropped}"
+            self._report("save", 0, reason, step=self._write_step, job_id=job_id, rank=rank, error=dropped)
 
     def _data_stub(self) -> store_pb2_grpc.StoreServiceStub:
         """The store's checkpoint data plane (PutCheckpointFiles, GetCheckpointFiles, ...),
@@ -994,6 +1003,14 @@ _STORE_CAUSES = {
     store_pb2.MISSING_FILE: FailureCause.FAILURE_DATA_CORRUPT,
     store_pb2.REJECTED: FailureCause.FAILURE_INVALID_INPUT,
 }
+
+
+def _dropped(error: CheckpointError, own: int = FailureCause.FAILURE_INTERNAL) -> CheckpointError:
+    """An old world's save dropped at a rebuild, typed ``FAILURE_COMMUNICATION`` unless its
+    own error's type (``own``) said more: its collectives ran on the group the rebuild replaced."""
+    if own == FailureCause.FAILURE_INTERNAL:
+        error.failure_cause = FailureCause.FAILURE_COMMUNICATION
+    return error
 
 
 def _write_failed(e: BaseException, step: int) -> CheckpointError:

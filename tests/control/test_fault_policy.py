@@ -646,7 +646,8 @@ def test_a_skipped_save_is_one_record_unless_the_policy_decides_on_snapshot_fail
 
 
 # Liveness whose attribution window (orchestrator._attribution_window) is 2 s.
-SHORT_BEATS = "liveness: {attribution_seconds: 0, heartbeat_interval_seconds: 0.25, heartbeat_timeout_seconds: 0.5}"
+SHORT_WINDOW = "attribution_seconds: 0, heartbeat_interval_seconds: 0.25, heartbeat_timeout_seconds: 0.5"
+SHORT_BEATS = f"liveness: {{{SHORT_WINDOW}}}"
 BROKEN = "CommunicationFailed: all_reduce failed: RuntimeError"
 THEN = "training continues, the next interval tries again"
 
@@ -868,6 +869,31 @@ def test_a_step_that_arrives_after_the_fault_of_a_rebuild_counts_once(plane):
     plane.rank_exited(w["wd"], job_id, 1, exit_code=-9)
     plane.rank_event(w["wc"], job_id, 0, step=engine_pb2.StepCompleted(step=2, loss=2.0, tokens=64))
     assert (plane.get(job_id).step, plane.get(job_id).tokens_seen) == (1, 64)
+
+
+def test_a_survivor_s_save_dropped_with_the_old_group_is_that_fault_s_consequence_though_reported_after_it(plane):
+    # The survivor's relay learns its step-6 save died with the old group only at its next
+    # save, long after the rebuild recovered (CI: the rbsave test found no record at all).
+    job_id, w = running(plane, "wa", "wb", extra=REBUILD.replace("attribution_seconds: 0", SHORT_WINDOW))
+    for n in range(1, 7):
+        plane.rank_event(w["wa"], job_id, 0, step=engine_pb2.StepCompleted(step=n, loss=2.0, tokens=64))
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    for rank, session in ((0, w["wa"]), (1, w["wb"])):
+        started = engine_pb2.TrainingLoopStarted(rank=rank, start_step=6, rebuild_generation=1, healed=True)
+        plane.rank_event(session, job_id, rank, started=started)
+    assert plane.get(job_id).state == JobState.RUNNING
+    plane.rank_event(w["wa"], job_id, 0, snapshot_failed=broken_save(job_id, 6))
+    assert checkpoint_records(plane, job_id) == [
+        f"checkpoint save failed, expected: {BROKEN} (consequence of rank 1's rank_exit)"
+    ]
+    # A save of the new group (step 8) broken with no fault in sight: its own failure, once
+    # its window passed.
+    plane.rank_event(w["wa"], job_id, 0, snapshot_failed=broken_save(job_id, 8))
+    until = time.monotonic() + 10
+    while len(checkpoint_records(plane, job_id)) < 2 and time.monotonic() < until:
+        time.sleep(0.05)
+    assert checkpoint_records(plane, job_id)[1:] == [f"checkpoint save failed (communication: {BROKEN}); {THEN}"]
+    assert len(decisions(plane, job_id)) == 1
 
 
 def test_the_last_rank_holding_the_state_lost_during_the_rebuild_falls_back_to_relaunching_every_rank(plane, store):
