@@ -1865,7 +1865,7 @@ class Orchestrator:
         with self._lock:
             job = self._jobs.get(job_id)
             if job is not None and held in job.held:
-                job.held.remove(held)
+                job.held = [h for h in job.held if h is not held]
                 self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", _broken_text(held.what, held.msg, None))
 
     def _release_held(self, job: _Job, incident: _Incident | None) -> None:
