@@ -1864,7 +1864,7 @@ class Orchestrator:
         """A held failure's window passed with no incident opened: recorded as it is."""
         with self._lock:
             job = self._jobs.get(job_id)
-            if job is not None and held in job.held:
+            if job is not None and any(h is held for h in job.held):  # (not yet released by an incident or the end)
                 job.held = [h for h in job.held if h is not held]
                 self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", _broken_text(held.what, held.msg, None))
 
