@@ -4,7 +4,7 @@
 
 One rank (this process) saves a model state of ``--mib`` MiB (``--tensors`` float32
 tensors, random: every chunk new) through the rank's real checkpoint relay
-(``services/worker/store_client.py``: BeginSave, DCP through the chunk writer, CommitSave)
+(``services/rank/store_client.py``: BeginSave, DCP through the chunk writer, CommitSave)
 and loads it back (Load, every chunk's SHA-256 checked as read), against a real `store`
 process on 127.0.0.1 deployed three ways:
 
@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from services.contract import store_pb2  # noqa: E402
-from services.worker.store_client import StoreClient  # noqa: E402
+from services.rank.store_client import StoreClient  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "checkpoint_backends.json"
 S3_ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}

@@ -76,8 +76,8 @@ def rank_main(
     from services.contract import Module, data_pb2, engine_pb2, store_pb2
     from services.engine.optimizer import Optimizer
     from services.engine.training_loop import LoopPorts, LoopState, TrainingLoop
+    from services.rank.store_client import StoreClient
     from services.state.snapshot import Slot, Snapshot
-    from services.worker.store_client import StoreClient
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     spec = demo_spec(model_name)

@@ -10,7 +10,7 @@ Every trial is a fresh job (Surge: ``bench/jobs/throughput.yaml`` with a checkpo
 - ``kill``: SIGKILL of the rank process;
 - ``stop``: SIGSTOP of the rank process (alive, silent);
 - ``stall`` (Surge only): the rank's main thread blocks before step 15's backward
-  (``SURGE_FAULT_INJECT=<job>:hang@15:rank=1``, services/worker/faults.py), its heartbeat
+  (``SURGE_FAULT_INJECT=<job>:hang@15:rank=1``, services/rank/faults.py), its heartbeat
   goes on: the fault detector's stall deadline (``liveness.stall_min_seconds``, set to 10 s
   here; default 30 s) must catch it. torchrun has no notion of it: a hung rank looks like
   SIGSTOP to its peers (they wait for the collective timeout).

@@ -223,7 +223,7 @@ def surge_rank_pids(job: str) -> dict[int, int]:
     found: dict[int, list[int]] = {}
     for pid in _procs():
         a = _argv(pid)
-        if "services.worker.rank" in a and "--job" in a and a[a.index("--job") + 1 : a.index("--job") + 2] == [job]:
+        if "services.rank" in a and "--job" in a and a[a.index("--job") + 1 : a.index("--job") + 2] == [job]:
             if "--rank" in a and alive(pid):
                 found.setdefault(int(a[a.index("--rank") + 1]), []).append(pid)
     return _newest(found)

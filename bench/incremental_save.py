@@ -77,7 +77,7 @@ def run_case(store: str, model_name: str, share: float, saves: int, tag: str) ->
 
     from services.compute.model import build_model, count_parameters
     from services.contract import store_pb2
-    from services.worker.store_client import StoreClient
+    from services.rank.store_client import StoreClient
 
     spec = model_spec(model_name)
     model = build_model(spec, 0)

@@ -145,8 +145,8 @@ def main() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up
     torch.set_num_threads(1)
     from services.contract import store_pb2, worker_pb2, worker_pb2_grpc
-    from services.worker.memory_client import MemoryCopyClient
-    from services.worker.store_client import StoreClient
+    from services.rank.memory_client import MemoryCopyClient
+    from services.rank.store_client import StoreClient
 
     procs: list[subprocess.Popen] = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

@@ -44,7 +44,7 @@ def _rank(rank: int, port: int, out: Path, steps: int, marked: bool) -> None:
     from services.contract import engine_pb2
 
     torch.set_num_threads(1)
-    import services.worker.rank as rank_root
+    import services.rank.__main__ as rank_root
 
     if marked:  # (LocalRank imports compose from the rank's root at construction)
         rank_root.compose = functools.partial(rank_root.compose, phase=PhaseMarker())

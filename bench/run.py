@@ -57,7 +57,7 @@ def throughput(results: dict) -> None:
     packed_vs_consumed = []
     services_cpu: dict[str, list[float]] = {}
     sched: dict[str, dict[str, list[float]]] = {"surge": {}, "torchrun": {}}
-    sampler = RankSampler(("services.worker.rank", "bench/torchrun_ddp.py"), exclude=("--standalone",))
+    sampler = RankSampler(("services.rank", "bench/torchrun_ddp.py"), exclude=("--standalone",))
     sampler.start()
     with c.Stack(workers=2) as stack:
         for rep in range(REPS):

@@ -3,7 +3,7 @@ route, and the cross-process (gRPC) messages they become, for DP, FSDP2, TP and 
 
     .venv/bin/python bench/step_meetings.py [--label before|after] [--configs ddp_dp2,tp2] [--steps 8]
 
-Each config runs Surge's real rank wiring (``services.worker.rank.compose``, the
+Each config runs Surge's real rank wiring (``services.rank.__main__.compose``, the
 tests/parallel harness: one OS process per rank over gloo, in-process relays standing in for
 the services) under ``torch.profiler``. What is counted, per steady step (steps 3.. of the
 run, rank 0, and for PP the first and last stage):

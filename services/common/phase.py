@@ -9,7 +9,7 @@ tell a rank that stopped computing from one waiting for it in a collective.
 
 It is a probe, not a message: nothing reads it but the beat thread, no module reads
 another's phase, and it carries no command (the same standing as a metric). The
-composition root (``services/worker/rank.py``) builds one per rank and hands it to the
+composition root (``services/rank/__main__.py``) builds one per rank and hands it to the
 modules that mark it.
 
 Cost on the hot path: ``enter`` is three attribute stores (no lock, no allocation beyond a

@@ -1,7 +1,7 @@
 """Load a committed checkpoint into a fresh model for sampling (single process, no group).
 
 Checkpoints are torch.distributed.checkpoint (DCP) directories written by the ranks; the
-model's weights are the ``model.*`` keys (see ``services/worker/store_client.py``). Loading
+model's weights are the ``model.*`` keys (see ``services/rank/store_client.py``). Loading
 never unpickles arbitrary objects: tensors are read with ``torch.load(weights_only=True)``
 (DCP's own reader), :class:`SafeLoadPlanner` reads DCP's non-tensor entries the same way
 (plain numbers, strings, lists, dicts only), and :class:`SafeFileSystemReader` reads the

@@ -14,7 +14,7 @@ it does not judge one: L2-2 checks it first (``ParallelStrategy.rank_assignment`
 its receive and blocking execution completes) before any process group exists, so no rank
 can wait on a bad schedule. L3 may not import L2, hence the check lives there.
 
-In a rank (``services/worker/rank.py``): the shard loader cuts this rank's stage
+In a rank (``services/rank/__main__.py``): the shard loader cuts this rank's stage
 (:func:`stage_of`), L3-5 wraps it for the dp axis (DDP or FSDP2), the composition root
 builds the runner (:func:`runner_for`) and hands it to the backward unit, whose RunBackward
 runs the schedule for each micro-step (forward and backward interleave across ranks, so

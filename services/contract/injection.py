@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from services.contract import route_pb2
 
-ENV = "SURGE_FAULT_INJECT_HANDLER"  # (SURGE_FAULT_INJECT is services/worker/faults.py's step injections)
+ENV = "SURGE_FAULT_INJECT_HANDLER"  # (SURGE_FAULT_INJECT is services/rank/faults.py's step injections)
 
 
 class InjectedFault(RuntimeError):

@@ -58,7 +58,7 @@ log = structlog.get_logger("state_manager")
 
 
 class CheckpointStorage(Protocol):
-    """The store relay's checkpoint side (services/worker/store_client.py): DCP-writes and
+    """The store relay's checkpoint side (services/rank/store_client.py): DCP-writes and
     -reads nested dicts of tensors."""
 
     def save_checkpoint(self, msg: store_pb2.SaveCheckpoint, payload: dict[str, Any]) -> Any: ...

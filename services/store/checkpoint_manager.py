@@ -107,7 +107,7 @@ verdict and when it was reached (``verdict``: ok | corrupt | missing_file, ``ver
 ``reason``; a catalog entry written before verdicts existed reads as ok, verified at its
 commit). ``load_checkpoint`` re-hashes nothing: it refuses a version whose recorded verdict is not ok,
 checks the manifest (a few hundred bytes) against the catalog and says where the version is;
-the reader checks each file's SHA-256 as it reads it (``services/worker/store_client.py``).
+the reader checks each file's SHA-256 as it reads it (``services/rank/store_client.py``).
 ``verify`` answers from the recorded verdicts, or re-hashes when asked (``rehash``). A scrub
 (``scrub``: on the orchestrator's command, or the operator's schedule kept by the store's
 composition root) re-hashes committed versions and records the verdicts; each version newly

@@ -7,7 +7,7 @@
 Environment defaults: SURGE_WORKER_PORT, SURGE_CONTROL_ADDRESS, SURGE_WORKER_ID
 (default ``<hostname>-<port>``), SURGE_WORKER_SLOTS (default: number of CUDA devices,
 else 1), SURGE_RANK_MODULE (module the rank processes run, default
-``services.worker.rank``), SURGE_WORKER_MEMORY_CHECK_SECONDS (default 2.0; 0 disables
+``services.rank``), SURGE_WORKER_MEMORY_CHECK_SECONDS (default 2.0; 0 disables
 the memory sampler), SURGE_WORKER_MEMORY_PRESSURE_FRACTION (default 0.10),
 SURGE_WORKER_MEMINFO (file the host memory is read from, default /proc/meminfo),
 SURGE_WORKER_METRICS_PORT (Prometheus ``/metrics``; default 0 = not served),

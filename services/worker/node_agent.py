@@ -103,7 +103,7 @@ from services.worker.rank_session import RankAlreadyAttached, RankNotLaunched
 from services.worker.warm_spares import REFILL_DELAY_SECONDS, WarmSpares
 
 RANK_MODULE_ENV = "SURGE_RANK_MODULE"
-DEFAULT_RANK_MODULE = "services.worker.rank"
+DEFAULT_RANK_MODULE = "services.rank"
 DEFAULT_GRACE_SECONDS = 5.0  # ReleaseRanks.grace_seconds when control leaves it at 0
 SHUTDOWN_GRACE_SECONDS = 2.0  # agent stopping: SIGTERM its ranks, SIGKILL after this
 # After a rank process dies, wait at most this long for its RankSession stream to end, so

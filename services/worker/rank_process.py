@@ -96,7 +96,7 @@ def rank_environment(base: Mapping[str, str], assignment: engine_pb2.RankAssignm
     if index is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(index)
     env["PYTHONUNBUFFERED"] = "1"  # its log is read while it runs
-    # `-m services.worker.rank` must resolve even when the agent was started elsewhere.
+    # `-m services.rank` must resolve even when the agent was started elsewhere.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), base.get("PYTHONPATH", "")) if p)
     return env
 

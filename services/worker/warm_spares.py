@@ -1,4 +1,4 @@
-"""The node agent's warm spare rank processes (services/worker/spare_rank.py).
+"""The node agent's warm spare rank processes (services/rank/spare.py).
 
 While this node runs a job whose fault policy rebuilds in place (InitJob.rebuild_in_place),
 or at all times on a node told to (``SURGE_WORKER_SPARE_RANKS`` set: a spare node, where a
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from services.worker.rank_process import signal_group
 
-SPARE_MODULE = "services.worker.spare_rank"
+SPARE_MODULE = "services.rank.spare"
 REFILL_DELAY_SECONDS = 5.0  # after a launch: its ranks' start-up or recovery (module docstring)
 
 

@@ -1,5 +1,5 @@
 """Real service processes for the checkpoint tests: the `data` and `store` services, rank
-processes (``python -m services.worker.rank``), and an in-test node agent that plays the
+processes (``python -m services.rank``), and an in-test node agent that plays the
 agent's side of ``WorkerService.RankSession`` (the orchestrator's decisions are the test's).
 
 Every process started here is killed by PID when the test ends.
@@ -205,7 +205,7 @@ class Cluster:
                 [
                     sys.executable,
                     "-m",
-                    "services.worker.rank",
+                    "services.rank",
                     "--session",
                     self.agent_address,
                     "--job",

@@ -61,7 +61,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from services.contract import store_pb2  # noqa: E402
-from services.worker.store_client import StoreClient  # noqa: E402
+from services.rank.store_client import StoreClient  # noqa: E402
 
 
 def state_for(step: int, rank: int, mib: int) -> dict:

@@ -17,7 +17,7 @@ import sys
 import torch
 
 from services.contract import store_pb2
-from services.worker.store_client import StoreClient
+from services.rank.store_client import StoreClient
 
 
 def state_for(step: int, mib: int, frozen_mib: int = 0) -> dict:

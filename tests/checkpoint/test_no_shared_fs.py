@@ -33,7 +33,7 @@ import torch
 from services.common.grpc_server import channel
 from services.contract import Module, store_pb2, store_pb2_grpc
 from services.contract.failures import CAUSE_METADATA, FailureCause
-from services.worker.store_client import CheckpointIntegrityError, StoreClient
+from services.rank.store_client import CheckpointIntegrityError, StoreClient
 from tests.conftest import free_ports
 
 from .harness import REPO, Processes, child_env, store_stub, verify, versions_of, wait_ready

@@ -18,7 +18,7 @@ from services.contract.bus import Bus, Traffic
 from services.contract.relay import L1, L4, RANK, Link, unpack
 from services.data.__main__ import build_stream
 from services.data.server import DataServicer
-from services.worker.data_client import DataClient
+from services.rank.data_client import DataClient
 
 from .helpers import open_stream
 

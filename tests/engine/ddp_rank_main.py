@@ -19,7 +19,7 @@ guard = comm_guard.install(mode="report")
 
 from rank_fakes import LocalRank, tiny_spec  # noqa: E402
 
-import services.worker.rank as rank_module  # noqa: E402
+import services.rank.__main__ as rank_module  # noqa: E402
 from services.common.phase import PhaseMarker  # noqa: E402
 from services.common.process_exit import exit_now  # noqa: E402
 from services.contract import engine_pb2  # noqa: E402

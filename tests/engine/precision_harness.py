@@ -23,7 +23,7 @@ from services.common.process_exit import exit_now
 from services.contract import Module, engine_pb2
 from services.engine.training_loop import LoopState
 from services.jobspec import JobSpec
-from services.worker.faults import FaultInjector, Injection, StepGuard
+from services.rank.faults import FaultInjector, Injection, StepGuard
 
 STEP_FIELDS = ("step", "loss", "loss_scale", "skipped", "skip_reason", "grad_norm")
 
@@ -33,7 +33,7 @@ def guarded_rank(
 ) -> LocalRank:
     """LocalRank with a StepGuard on the backward port (injections from the list, else
     from SURGE_FAULT_INJECT)."""
-    import services.worker.rank as rank_module
+    import services.rank.__main__ as rank_module
 
     rank, job_id = kw.get("rank", 0), kw.get("job_id", "job")
     if injections is not None:

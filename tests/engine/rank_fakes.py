@@ -1,5 +1,5 @@
 """In-process stand-ins for the relays of other layers (L1 session, L4 data, L5 store), so
-the real rank wiring (``services.worker.rank.compose``) runs without any service."""
+the real rank wiring (``services.rank.__main__.compose``) runs without any service."""
 
 from __future__ import annotations
 
@@ -175,7 +175,7 @@ class FakeStore:
 
     def load_checkpoint(self, msg: store_pb2.LoadCheckpoint, payload):
         if msg.hf_directory:  # (the real relay's reader: no store is asked)
-            from services.worker.store_client import load_hf_weights
+            from services.rank.store_client import load_hf_weights
 
             return load_hf_weights(msg, payload)
         version = msg.version
@@ -250,7 +250,7 @@ class LocalRank:
         from services.contract import Module
         from services.contract.bus import Bus
         from services.jobspec import spec_to_json
-        from services.worker.rank import compose
+        from services.rank.__main__ import compose
 
         self.spec = spec
         self.bus = bus = Bus()

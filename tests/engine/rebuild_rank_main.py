@@ -1,6 +1,6 @@
 """One rank of the in-place rebuild test: ``python rebuild_rank_main.py ROLE RANK PORT DIR [WORLD]``.
 
-The real rank wiring (``services.worker.rank.compose``, fake L4/L5/L1 relays: rank_fakes.py)
+The real rank wiring (``services.rank.__main__.compose``, fake L4/L5/L1 relays: rank_fakes.py)
 under a gloo group of WORLD ranks (default 3), data parallel (DDP). ROLE:
 
     plain        train to the end (the uninterrupted run)
@@ -35,7 +35,7 @@ guard = comm_guard.install(mode="report")
 from rank_fakes import LocalRank, tiny_spec  # noqa: E402
 
 import services.compute.gradient_reduction as reduction_module  # noqa: E402
-import services.worker.rank as rank_module  # noqa: E402
+import services.rank.__main__ as rank_module  # noqa: E402
 from services.common.phase import COLLECTIVE, PhaseMarker  # noqa: E402
 from services.common.process_exit import exit_now  # noqa: E402
 from services.contract import engine_pb2  # noqa: E402

@@ -1,6 +1,6 @@
 """One rank of the resize-in-place tests: ``python resize_rank_main.py SCENARIO ROLE RANK PORT DIR``.
 
-The real rank wiring (``services.worker.rank.compose``, fake L1/L4/L5 relays: rank_fakes.py,
+The real rank wiring (``services.rank.__main__.compose``, fake L1/L4/L5 relays: rank_fakes.py,
 the train stream dealt from one global row order as the real packer deals it) under a gloo
 group, data parallel (DDP). Every layout holds the same 12 rows per optimizer step.
 
@@ -46,7 +46,7 @@ guard = comm_guard.install(mode="report")
 from rank_fakes import GlobalRowData, LocalRank, tiny_spec  # noqa: E402
 
 import services.compute.gradient_reduction as reduction_module  # noqa: E402
-import services.worker.rank as rank_module  # noqa: E402
+import services.rank.__main__ as rank_module  # noqa: E402
 from services.common.phase import COLLECTIVE, PhaseMarker  # noqa: E402
 from services.common.process_exit import exit_now  # noqa: E402
 from services.compute.forward_unit import ForwardUnit  # noqa: E402

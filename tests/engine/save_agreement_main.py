@@ -19,7 +19,7 @@ from services.common.process_exit import exit_now
 from services.contract import Module, comm_guard, store_pb2
 from services.contract.acting import run_as
 from services.contract.bus import Bus
-from services.worker.store_client import StoreClient
+from services.rank.store_client import StoreClient
 
 
 def main() -> None:

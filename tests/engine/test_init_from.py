@@ -127,7 +127,7 @@ def test_hugging_face_weights_of_another_shape_fail_the_start_as_a_config_error_
 def test_the_ranks_relay_reads_hugging_face_weights_without_asking_the_store_and_refuses_a_mismatch(tmp_path):
     from services.contract import route_pb2, store_pb2
     from services.contract.bus import Bus
-    from services.worker.store_client import StoreClient, WeightsMismatch
+    from services.rank.store_client import StoreClient, WeightsMismatch
 
     spec = tiny_spec(steps=2, model={"d_model": 32})
     hf_format.save_hf(tmp_path, build_model(spec.model, seed=5).state_dict(), spec)

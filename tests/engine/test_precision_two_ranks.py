@@ -13,7 +13,7 @@ from precision_harness import guarded_rank
 from rank_fakes import answer_step_faults, tiny_spec
 
 from services.contract import engine_pb2
-from services.worker.faults import Injection
+from services.rank.faults import Injection
 from tests.precision_ranks import run_two_ranks
 
 RULE = {"init_scale": 1024.0, "growth_interval": 2, "hysteresis": 2, "backoff_factor": 0.5, "min_scale": 1.0}

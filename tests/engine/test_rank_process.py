@@ -1,4 +1,4 @@
-"""``python -m services.worker.rank`` as a process, against an in-test node agent and data
+"""``python -m services.rank`` as a process, against an in-test node agent and data
 service (gRPC servers in this process): the RankSession protocol end to end."""
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def services():
 
 def start_rank(address: str, procs: list, job: str = "job-1") -> subprocess.Popen:
     p = subprocess.Popen(
-        [sys.executable, "-m", "services.worker.rank", "--session", address, "--job", job, "--rank", "0"],
+        [sys.executable, "-m", "services.rank", "--session", address, "--job", job, "--rank", "0"],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

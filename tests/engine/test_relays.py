@@ -1,4 +1,4 @@
-"""The rank's relays of L4 and L5 (services/worker/data_client.py, store_client.py)
+"""The rank's relays of L4 and L5 (services/rank/data_client.py, store_client.py)
 against in-test gRPC servers."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from rank_fakes import free_port
 
 from services.contract import Module, data_pb2, data_pb2_grpc, engine_pb2, route_pb2, store_pb2, store_pb2_grpc
 from services.contract.bus import Bus
-from services.worker.data_client import DataClient
-from services.worker.store_client import CheckpointError, CheckpointIntegrityError, StoreClient
+from services.rank.data_client import DataClient
+from services.rank.store_client import CheckpointError, CheckpointIntegrityError, StoreClient
 from tests.module_failed import raised_in_module
 
 pytestmark = pytest.mark.timeout(60)
@@ -402,7 +402,7 @@ def test_a_save_the_store_cannot_be_asked_for_is_skipped_and_reported_and_traini
 def test_a_background_commit_that_cannot_reach_the_store_is_reported_retried_at_the_flush_and_not_raised(
     server, monkeypatch
 ):
-    from services.worker import store_client
+    from services.rank import store_client
 
     monkeypatch.setattr(store_client, "FLUSH_RETRY_S", 1.5)
     address, store = server
@@ -435,7 +435,7 @@ def test_metric_records_not_acknowledged_are_resent_after_the_stream_breaks(serv
 
 
 def test_the_metric_buffer_is_bounded_and_counts_what_it_drops():
-    from services.worker.store_client import StoreClient as SC
+    from services.rank.store_client import StoreClient as SC
 
     client = SC(f"127.0.0.1:{free_port()}", Bus().emitter(Module.L5_CHECKPOINT_MANAGER), metrics_buffer=100)
     for step in range(1, 251):
@@ -493,7 +493,7 @@ def test_a_load_checks_each_file_as_it_reads_it_and_names_the_one_that_differs(s
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_the_flush_waits_for_a_silent_store_no_longer_than_its_bound_and_reports_it(server, monkeypatch):
-    from services.worker import store_client
+    from services.rank import store_client
 
     monkeypatch.setattr(store_client, "FLUSH_RETRY_S", 1.0)
     client, port, up = store_relay(server[0])

@@ -1,4 +1,4 @@
-"""Run Surge's real rank wiring (``services.worker.rank.compose``) under any parallel config,
+"""Run Surge's real rank wiring (``services.rank.__main__.compose``) under any parallel config,
 one OS process per rank over gloo, and collect what the parity tests compare.
 
 Data: a relay that hands out rows of ONE global stream, so every config sees the same
@@ -122,7 +122,7 @@ class Rank:
         from services.contract.bus import Bus
         from services.control.fault_decision import standing_orders
         from services.jobspec import spec_to_json
-        from services.worker.rank import compose
+        from services.rank.__main__ import compose
 
         self.spec = spec
         self.bus = bus = Bus()
@@ -213,7 +213,7 @@ def rank_main(argv: list[str]) -> None:
     (where checkpoints go; default OUT/ckpt), ``resume`` (a version under ckpt_root: the
     loop resumes it), ``load_weights_from`` (a checkpoint directory whose model and
     optimizer are loaded before training starts, from step 0) and ``inject`` (a list of
-    ``[kind, step, rank]``: services.worker.faults injections, e.g. ``["inf_grad", 3, 1]``)."""
+    ``[kind, step, rank]``: services.rank.faults injections, e.g. ``["inf_grad", 3, 1]``)."""
     config, rank, world, port, out = json.loads(argv[0]), int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -249,7 +249,7 @@ def _guard(inject: list, rank: int, out: Path, current: Any):
     running now (``current()``: the Rank, once built); None when there is nothing to inject."""
     if not inject:
         return None
-    from services.worker.faults import FaultInjector, Injection, StepGuard
+    from services.rank.faults import FaultInjector, Injection, StepGuard
 
     def step() -> int:
         up = current().up

@@ -18,7 +18,7 @@ import sys
 import torch
 from rank_fakes import LocalRank, tiny_spec
 
-import services.worker.rank as rank_module
+import services.rank.__main__ as rank_module
 from services.common.phase import PhaseMarker
 from services.common.process_exit import exit_now
 from services.contract import comm_guard, engine_pb2

@@ -38,7 +38,7 @@ from services.contract.comm_guard import (
     load_register,
 )
 from services.engine.mixed_precision import MixedPrecision
-from services.worker.store_client import StoreClient
+from services.rank.store_client import StoreClient
 from tests.conftest import free_ports, run_to_end
 
 from .reach import defines, reachable_communication
@@ -50,8 +50,8 @@ KINDS = {"communication", "reference", "io", "authority", "seed"}
 FIELDS = ("id", "kind", "module", "operations", "where", "boundary", "why", "impact", "rollback", "test")
 # The relays that speak for a module of another process inside a rank (their class).
 RELAYS = {
-    ("services/worker/store_client.py", "StoreClient"): Module.L5_CHECKPOINT_MANAGER,
-    ("services/worker/data_client.py", "DataClient"): Module.L4_DATASET_VERSIONS,
+    ("services/rank/store_client.py", "StoreClient"): Module.L5_CHECKPOINT_MANAGER,
+    ("services/rank/data_client.py", "DataClient"): Module.L4_DATASET_VERSIONS,
 }
 
 
@@ -219,7 +219,7 @@ def test_a_barrier_planted_in_the_store_relay_is_caught_and_its_registered_agree
     by_op = {c.op: c for c in guarded.crossings()}
     assert by_op["barrier"].exception == "" and by_op["barrier"].site.endswith("planted_flush")
     assert by_op["new_group"].exception == by_op["all_reduce"].exception == "store-relay-save-agreement"
-    assert by_op["all_reduce"].site == "services/worker/store_client.py::StoreClient._agree"
+    assert by_op["all_reduce"].site == "services/rank/store_client.py::StoreClient._agree"
 
 
 def test_raise_mode_refuses_the_call_before_it_runs(one_rank_group):

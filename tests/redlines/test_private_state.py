@@ -47,7 +47,7 @@ DATA_PLANE: dict[str, set[str]] = {
 }
 
 # The one composition-root callback a module holds that reaches other modules: the shard
-# loader's model handover (services/worker/rank.py::compose), which attaches the model it
+# loader's model handover (services/rank/__main__.py::compose), which attaches the model it
 # built to the units that run and update it. Write-only: see the test below.
 HANDOVER = (
     "ShardLoader._handover",
@@ -133,7 +133,7 @@ def test_the_shard_loader_handover_is_write_only():
     stmt_parents = [n for n in ast.walk(tree) if isinstance(n, ast.Expr) and n.value is call]
     assert stmt_parents, "the handover's result must not be used"
     # And the composition root's handover returns nothing.
-    rank = ast.parse((REPO / "services/worker/rank.py").read_text())
+    rank = ast.parse((REPO / "services/rank/__main__.py").read_text())
     (handover,) = [n for n in ast.walk(rank) if isinstance(n, ast.FunctionDef) and n.name == "handover"]
     assert all(r.value is None for r in ast.walk(handover) if isinstance(r, ast.Return))
 

@@ -1,7 +1,7 @@
 """Red line of the state layer (issue 14): no module can obtain a writable reference to
 another module's state, and a restore takes only a consistent snapshot.
 
-The rank is built by the real composition root (``services.worker.rank.compose``) with its
+The rank is built by the real composition root (``services.rank.__main__.compose``) with its
 real store relay (``StoreClient``) talking to a real store service (in this process, on
 loopback); the model is loaded, the optimizer's moments exist, and a checkpoint has been
 saved and loaded back through the rank's state manager and restored into the owners. Then
@@ -95,14 +95,14 @@ class RankWithStore:
     """The rank as compose builds it, with a real StoreClient, the model loaded."""
 
     def __init__(self, address: str):
-        from services.worker.rank import compose
-        from services.worker.store_client import StoreClient
+        from services.rank.__main__ import compose
+        from services.rank.store_client import StoreClient
 
         self.bus = RecordingBus()
         self.store = StoreClient(address, self.bus.emitter(Module.L5_CHECKPOINT_MANAGER))
         self.relay = relay = _Relay()
         self.rank = compose(self.bus, rank_spec(), "cpu", data=relay, store=self.store, up=relay)
-        self.built = Built("services.worker.rank.compose", [self.bus])
+        self.built = Built("services.rank.__main__.compose", [self.bus])
         self.manager = next(
             h.__self__ for _, _, h in self.bus.subscriptions if isinstance(getattr(h, "__self__", None), StateManager)
         )

@@ -2,7 +2,7 @@
 
 Every red-line test that asks "what can this module reach?" starts here: the modules are
 built by ``services.control.__main__.build``, ``services.data.__main__.build_registry`` /
-``build_stream``, ``services.store.__main__.wire`` and ``services.worker.rank.compose``
+``build_stream``, ``services.store.__main__.wire`` and ``services.rank.__main__.compose``
 (the rank's model loaded, so the composition root's handover has run), on a bus that
 records every subscription. Nothing is hand-wired here.
 """
@@ -186,12 +186,12 @@ def rank_spec():
 def build_rank(tmp: Path, *, load_model: bool = True) -> Built:
     """The rank's L2/L3 modules as ``compose`` wires them; with ``load_model`` the plan is
     pushed and the model loaded, so the handover has attached it to the units."""
-    from services.worker.rank import compose
+    from services.rank.__main__ import compose
 
     bus = RecordingBus()
     relay = _Relay()
     compose(bus, rank_spec(), "cpu", data=relay, store=relay, up=relay)
-    built = Built("services.worker.rank.compose", [bus])
+    built = Built("services.rank.__main__.compose", [bus])
     if load_model:
         plan = engine_pb2.ParallelPlan(rank=0, world_size=1, dp=1, data_parallel="none", device="cpu")
         bus.command(Module.L2_PARALLEL_STRATEGY, Module.L3_SHARD_LOADER, plan)

@@ -13,8 +13,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from services.contract import store_pb2
+from services.rank.checkpoint_transfer import read_files
 from services.state.chunk_store import ChunkIntegrityError, ChunkReader, ChunkWriter, DirectorySource, chunk_path
-from services.worker.checkpoint_transfer import read_files
 
 CHUNK = 4096
 

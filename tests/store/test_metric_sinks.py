@@ -227,7 +227,7 @@ def test_a_sink_failure_reaches_the_rank_with_the_records_ack(tmp_path):
 
     from services.contract.bus import Bus
     from services.contract.relay import L5, RANK, Link
-    from services.worker.store_client import StoreClient
+    from services.rank.store_client import StoreClient
     from tests.redlines.test_state_ownership import store_service
 
     (tmp_path / "metrics" / JOB).mkdir(parents=True)
@@ -261,8 +261,8 @@ def test_the_loops_stop_returns_once_the_store_has_every_record(tmp_path, monkey
     import time
 
     from services.contract.bus import Bus
-    from services.worker import store_client
-    from services.worker.store_client import StoreClient
+    from services.rank.store_client import StoreClient
+    from services.rank import store_client
     from tests.redlines.test_state_ownership import store_service
 
     with store_service(tmp_path) as address:

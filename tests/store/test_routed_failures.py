@@ -15,8 +15,8 @@ from services.contract import Module, injection, route_pb2, store_pb2, store_pb2
 from services.contract.bus import Bus, Traffic
 from services.contract.relay import L1, L5, RANK, Link
 from services.control.store_relay import StoreRelay
+from services.rank.store_client import StoreClient
 from services.store.__main__ import wire
-from services.worker.store_client import StoreClient
 
 
 def test_a_checkpoint_managers_failure_reaches_control_as_l5_1s_own_event_not_a_rebuilt_one(tmp_path):

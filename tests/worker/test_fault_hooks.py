@@ -11,7 +11,7 @@ import torch
 
 from services.contract import engine_pb2
 from services.contract.bus import Reply
-from services.worker.faults import FaultInjector, Injection, StepGuard, parse_injections
+from services.rank.faults import FaultInjector, Injection, StepGuard, parse_injections
 
 pytestmark = pytest.mark.timeout(30)
 

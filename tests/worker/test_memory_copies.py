@@ -18,9 +18,9 @@ import structlog
 
 from services.common.grpc_server import ServiceServer
 from services.contract import control_pb2, worker_pb2_grpc
+from services.rank.memory_client import MemoryCopyClient
 from services.state.chunk_store import ChunkIntegrityError, ChunkReader, DirectorySource, chunk_path
 from services.worker import memory_copies
-from services.worker.memory_client import MemoryCopyClient
 from services.worker.memory_copies import MemoryCopies, MemoryCopyServicer, shared_memory_dir
 
 pytestmark = pytest.mark.timeout(60)

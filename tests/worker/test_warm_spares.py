@@ -30,7 +30,7 @@ def test_a_spare_becomes_the_rank_it_is_told_with_its_arguments_environment_and_
         proc = spares.take(["--help"], {**spare_env(), "SURGE_TEST_MARK": "1"}, log)
         assert proc is not None
         assert proc.wait(timeout=90) == 0
-        assert "usage: python -m services.worker.rank" in log.read_text()
+        assert "usage: python -m services.rank" in log.read_text()
         assert spares.take(["--help"], spare_env(), log) is None  # one spare, now used
     finally:
         spares.close()

@@ -51,7 +51,7 @@ Where the bytes go is the store's word, never this relay's guess: ``SaveStaged.t
 directories at the paths it names: a shared filesystem), TRANSFER_STREAM (stream the chunks
 and index to the store over its data plane, read them back the same way) or TRANSFER_FSSPEC
 (chunks to and from the object store URL it names, the index streamed):
-``services/worker/checkpoint_transfer.py``. The same ChunkWriter / ChunkReader (chunks,
+``services/rank/checkpoint_transfer.py``. The same ChunkWriter / ChunkReader (chunks,
 digests, memory copies, DCP planners) serve all three.
 
 A store outage is not a training fault. When ``BeginSave`` or ``CommitSave`` fails with
@@ -120,9 +120,7 @@ from services.contract.failures import (
     failure_of,
     one_line,
 )
-from services.state.chunk_store import ChunkIntegrityError, ChunkReader, ChunkSource, ChunkWriter, DirectorySource
-from services.state.snapshot import SLOT_META
-from services.worker.checkpoint_transfer import (
+from services.rank.checkpoint_transfer import (
     FsspecSource,
     FsspecTransfer,
     StreamSource,
@@ -130,6 +128,8 @@ from services.worker.checkpoint_transfer import (
     TransferChunkWriter,
     TransferFailed,
 )
+from services.state.chunk_store import ChunkIntegrityError, ChunkReader, ChunkSource, ChunkWriter, DirectorySource
+from services.state.snapshot import SLOT_META
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -296,7 +296,7 @@ class StoreClient:
         on_routed: Callable[[list[Any]], Any] | None = None,
     ):
         """``copies``: this rank's in-memory copies of its newest snapshot (optional; e.g.
-        ``services/worker/memory_client.py``): ``begin(step) -> sink | None`` before a save's
+        ``services/rank/memory_client.py``): ``begin(step) -> sink | None`` before a save's
         write (the chunk writer's sink), ``end(ok)`` once the write is done or failed, and
         ``sources() -> [ChunkSource]``, the sources a load tries before the store's files.
         ``on_routed``: gets the failure events a metric ack brought back (``MetricsAck.routed``,
@@ -736,7 +736,7 @@ class StoreClient:
         """The chunk writer of a save the store gave a chunk directory (None: an older store,
         plain DCP files into the staging directory): into the store's directories
         (TRANSFER_PATH), streamed to the store (TRANSFER_STREAM) or to an object store
-        (TRANSFER_FSSPEC; services/worker/checkpoint_transfer.py)."""
+        (TRANSFER_FSSPEC; services/rank/checkpoint_transfer.py)."""
         if not staged.chunk_path:
             if staged.transfer != store_pb2.TRANSFER_PATH:
                 raise CheckpointError(f"checkpoint step {staged.step}: the store asked for a transfer without chunks")

@@ -1,6 +1,6 @@
 """One rank process: the composition root of the L2 engine and L3 compute modules.
 
-    python -m services.worker.rank --session HOST:PORT --job JOB_ID --rank R
+    python -m services.rank --session HOST:PORT --job JOB_ID --rank R
 
 Protocol on ``WorkerService.RankSession`` (bidi stream to the node agent). ``{X}`` below is a
 routed message travelling as ``RankEvent{routed}`` / ``RankCommand{routed}``: any routed
@@ -38,7 +38,7 @@ both sides (services/contract/relay.py); only set-up and plumbing have fields of
 A session that ends before the rank sent {TrainingLoopFinished} or {TrainingLoopFailed} means the agent is gone:
 the rank exits at once (code 3). SIGTERM ends the process immediately (default action).
 
-Fault hooks (:mod:`services.worker.faults`) wrap the loop's port to the backward unit: tests
+Fault hooks (:mod:`services.rank.faults`) wrap the loop's port to the backward unit: tests
 inject faults through ``SURGE_FAULT_INJECT``. A non-finite loss or gradient is the loop's
 to handle (skip per the spec's policy, or a typed failure).
 
@@ -89,9 +89,9 @@ from services.engine.optimizer import Optimizer
 from services.engine.parallel_strategy import DEFAULT_TIMEOUT_S, ParallelStrategy
 from services.engine.training_loop import LoopPorts, TrainingLoop
 from services.jobspec import JobSpec, spec_from_json
+from services.rank.faults import FaultInjector, StepGuard
 from services.state.snapshot import RANK_SLOTS
 from services.state.state_manager import StateManager
-from services.worker.faults import FaultInjector, StepGuard
 
 log = structlog.get_logger()
 EXIT_FAILED, EXIT_SESSION_LOST = 1, 3
@@ -508,7 +508,7 @@ def _rpc_text(e: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> NoReturn:
     t_start = time.perf_counter()
-    ap = argparse.ArgumentParser(prog="python -m services.worker.rank", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m services.rank", description=__doc__.split("\n")[0])
     ap.add_argument("--session", required=True, help="HOST:PORT of the node agent's WorkerService")
     ap.add_argument("--job", required=True, help="job id")
     ap.add_argument("--rank", type=int, required=True, help="global rank")
@@ -540,9 +540,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
         bus = Bus(on_violation=violations)
         install_comm_guard(report=violations)  # tags every torch.distributed call with its module
         # Imported here so a rank that fails before this point does not pay for them.
-        from services.worker.data_client import DataClient
-        from services.worker.memory_client import MemoryCopyClient
-        from services.worker.store_client import RELAY_GROUPS, StoreClient
+        from services.rank.data_client import DataClient
+        from services.rank.memory_client import MemoryCopyClient
+        from services.rank.store_client import RELAY_GROUPS, StoreClient
 
         # What the data service's modules send this side comes back by name, checked (it may
         # speak only for L4 modules).
@@ -565,7 +565,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
             )  # the relay reports its own, with the step
 
         # The newest checkpoint's chunks are also kept in memory by this node's agent (and
-        # its peer's): a recovery reads them there first (services/worker/memory_client.py).
+        # its peer's): a recovery reads them there first (services/rank/memory_client.py).
         copies = MemoryCopyClient(args.session, args.job, args.rank)
         store = StoreClient(
             init.store_address,

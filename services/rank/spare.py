@@ -1,7 +1,7 @@
 """A warm spare rank process: everything a rank imports is imported, then it waits to be told
 which rank to become.
 
-    python -m services.worker.spare_rank        (started by the node agent, stdin a pipe)
+    python -m services.rank.spare        (started by the node agent, stdin a pipe)
 
 Why: a replacement rank's start is dominated by the interpreter importing torch and the rank's
 modules (2-3 s on an idle core, 10 s on a loaded 2-core host, measured); a group rebuilt in
@@ -32,8 +32,9 @@ import torch  # noqa: E402, F401
 import torch.distributed  # noqa: E402, F401
 import torch.nn.parallel  # noqa: E402, F401
 
+import services.rank.__main__ as rank  # noqa: E402
 from services.common.process_exit import exit_now  # noqa: E402
-from services.worker import data_client, memory_client, rank, store_client  # noqa: E402, F401
+from services.rank import data_client, memory_client, store_client  # noqa: E402, F401
 
 
 def main() -> None:
@@ -47,7 +48,7 @@ def main() -> None:
     order = json.loads(line)
     # Seen as the rank it is now (`ps`, `pkill -f "rank --job J --rank R"`), not as a spare.
     # (Before the environment is replaced: setproctitle needs the process's original one.)
-    setproctitle.setproctitle(" ".join([sys.executable, "-m", "services.worker.rank", *order["argv"]]))
+    setproctitle.setproctitle(" ".join([sys.executable, "-m", "services.rank", *order["argv"]]))
     os.environ.clear()
     os.environ.update(order["env"])
     fd = os.open(order["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
