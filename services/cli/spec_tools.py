@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 
 from services.cli import clients
 from services.cli.errors import CliError, from_rpc
-from services.cli.memory_estimate import estimate_memory
+from services.memory_estimate import estimate_memory
 from services.contract import data_pb2
 from services.jobspec import JobSpec, JobSpecError, parse_job_spec, read_spec_mapping, spec_from_json, yaml_value
 

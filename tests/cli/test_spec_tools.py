@@ -19,7 +19,7 @@ import yaml
 
 from services.cli import surgectl
 from services.cli.errors import CliError
-from services.cli.memory_estimate import estimate_memory
+from services.memory_estimate import estimate_memory
 from services.cli.spec_tools import effective_yaml, load_spec, show_spec
 from services.jobspec import JobSpec, parse_job_spec, spec_from_json, spec_to_json
 
