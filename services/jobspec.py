@@ -475,6 +475,9 @@ DEFAULT_CLASS_ACTIONS: dict[str, str] = {
     "loss_scale_at_minimum": "rollback",
     "overflow_storm": "rollback",
     "checkpoint_error": "rollback",
+    # A device of the node failed (an uncorrectable ECC error, a fatal Xid: the node agent's
+    # NVML sampler): its ranks are relaunched without that node, which would fail them again.
+    "device_error": "exclude_node",
 }
 # Every fault class control can report (and a policy can name): the fault detector's rules
 # (services/control/fault_detector.py DEFAULT_RULES, FAILURE_CLASSES, ALIASES), the classes a
@@ -508,6 +511,7 @@ KNOWN_FAULT_CLASSES: frozenset[str] = frozenset(
         "snapshot_failed",
         "log_write_failed",
         "recovery_failed",
+        "device_degraded",
     }
 )
 DEFAULT_GRADE_ACTIONS: dict[str, str] = {

@@ -4,8 +4,9 @@ Seed 000 L1-3: it only listens, grades (minor / medium / severe / fatal) and rep
 never decides whether to stop or recover, never retries, never touches another module.
 Its grading table is pushed once at construction (the seed's 故障分级规则台账) and frozen.
 
-Inputs: ``StartFaultMonitoring`` and ``ResetFaultLedger`` (from L1-1), ``RankHeartbeat`` and
-``RankExited`` (from the node agent, via the session relay), ``BoundaryViolationReported``
+Inputs: ``StartFaultMonitoring`` and ``ResetFaultLedger`` (from L1-1), ``RankHeartbeat``,
+``RankExited`` and ``HardwareError`` (from the node agent, via the session relay: a device's
+error graded by ``device_fault_class``), ``BoundaryViolationReported``
 (from the contract layer of any process), and every module's failure event routed here
 (``TrainingLoopFailed``, ``ForwardFailed``, ``DatasetUnavailable``, ``SnapshotFailed``, ...:
 the routes flagged ``failure``; the bus builds one when a module's handler raises, relays
@@ -132,12 +133,25 @@ QUIET_BEATS = 1.5
 
 # A node agent that stopped its ranks because it is leaving (SIGTERM): one departure.
 WORKER_DEPARTED = "worker_departed"
+# A device of the node failed (HardwareError: an uncorrectable ECC error, a fatal Xid) or runs
+# degraded (corrected ECC errors, another Xid, clocks throttled by heat or power).
+DEVICE_ERROR = "device_error"
+DEVICE_DEGRADED = "device_degraded"
+# Xids that mean the device (not the program on it) failed and its node should be left out,
+# from NVIDIA's Xid catalog (docs.nvidia.com/deploy/xid-errors, "Xid errors that are
+# hardware / driver failures"): 48 double-bit ECC error, 62 internal micro-controller halt,
+# 63/64 ECC page retirement or row remapping (recording / failed), 74 NVLink error, 79 fallen
+# off the bus, 92 high single-bit ECC rate, 94/95 contained / uncontained ECC error, 119/120
+# GSP RPC timeout / GSP error. Others (13, 31, 43: a program's own fault) are degraded only.
+FATAL_XIDS = frozenset({48, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120})
 
 DEFAULT_RULES: dict[str, int] = {
     RANK_EXIT: FaultGrade.SEVERE,
     RANK_EXIT_CLEAN: FaultGrade.MEDIUM,  # the orchestrator knows whether the rank had finished
     RANK_RELEASED: FaultGrade.MINOR,
     WORKER_DEPARTED: FaultGrade.SEVERE,  # its ranks must run elsewhere (or on it once it is back)
+    DEVICE_ERROR: FaultGrade.SEVERE,  # its ranks must run elsewhere (fault_policy default: exclude_node)
+    DEVICE_DEGRADED: FaultGrade.MINOR,  # a warning: recorded, nothing done by default
     RANK_SILENT: FaultGrade.SEVERE,
     RANK_STALLED: FaultGrade.SEVERE,
     RANK_STALLED_IN_COLLECTIVE: FaultGrade.SEVERE,
@@ -219,6 +233,16 @@ def failure_class(event: str, cause: int) -> str:
         if key in FAILURE_CLASSES:
             return FAILURE_CLASSES[key]
     return INTERNAL_ERROR
+
+
+def device_fault_class(msg: engine_pb2.HardwareError) -> str:
+    """The rule for a device's error: an uncorrectable ECC error or a fatal Xid
+    (``FATAL_XIDS``) is ``device_error``; anything else the sampler states (corrected ECC
+    errors, another Xid, heat, throttled clocks) is ``device_degraded``."""
+    Error = engine_pb2.HardwareError.Error
+    if msg.error == Error.ECC_UNCORRECTABLE or (msg.error == Error.XID and msg.xid in FATAL_XIDS):
+        return DEVICE_ERROR
+    return DEVICE_DEGRADED
 
 
 def _sole_sender(msg: Any) -> int:
@@ -554,6 +578,35 @@ class FaultDetector:
         # (after the report: held with the rest, and ordered with it)
         if self._reattached(msg.job_id, msg.rank):
             self._release_held(msg.job_id)
+
+    def on_hardware_error(self, msg: engine_pb2.HardwareError, payload: Any = None) -> None:
+        """硬件故障事件 from a node agent's NVML sampler: graded by :func:`device_fault_class`
+        and reported for every monitored job with a rank on that worker (one report per job,
+        for its lowest rank there; a rank is known there by its heartbeats or by the agent's
+        process states, so a rank still starting counts too). The report names the worker:
+        the default policy for ``device_error`` excludes it (exclude_node)."""
+        fault_class = device_fault_class(msg)
+        where: dict[str, int] = {}
+        with self._lock:
+            for job_id, job in self._jobs.items():
+                for rank, watch in job.ranks.items():
+                    if watch.worker_id == msg.worker_id:
+                        where[job_id] = min(rank, where.get(job_id, rank))
+            for (job_id, rank), processes in self._processes.items():
+                if job_id in self._jobs and any(w == msg.worker_id for w, _ in processes):
+                    where[job_id] = min(rank, where.get(job_id, rank))
+        detail = f"device {msg.device} of {msg.worker_id}: {msg.detail or engine_pb2.HardwareError.Error.Name(msg.error)}"
+        for job_id, rank in sorted(where.items()):
+            self._report(
+                job_id,
+                fault_class,
+                Module.EXT_HARDWARE,
+                rank,
+                detail,
+                occurred=msg.unix_time,
+                worker_id=msg.worker_id,
+                event=msg.DESCRIPTOR.name,
+            )
 
     def on_training_loop_failed(self, msg: engine_pb2.TrainingLoopFailed, payload: Any = None) -> None:
         """A rank's training loop stopped on an error. Its class is the one the rank named

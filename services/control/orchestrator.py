@@ -2184,7 +2184,8 @@ class Orchestrator:
         # Recorded only: what to do about pressure (pause, shrink, checkpoint and move)
         # is the fault policy's to decide, in a later issue; this method takes no action.
         what = "memory pressure" if msg.under_pressure else "memory pressure relieved"
-        text = f"{what} on {msg.worker_id}: {_gib(msg.available_bytes)} of {_gib(msg.total_bytes)} available"
+        where = f"{msg.worker_id} {msg.device}" if msg.device else msg.worker_id  # (a device's, or the host's)
+        text = f"{what} on {where}: {_gib(msg.available_bytes)} of {_gib(msg.total_bytes)} available"
         with self._lock:
             for job_id in msg.job_ids:
                 job = self._jobs.get(job_id)

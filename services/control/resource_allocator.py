@@ -4,8 +4,8 @@ Seed 000 L1-2: it allocates and releases resources and lays out the rank topolog
 never starts or stops training on its own, never reads training metrics, never changes
 hyper-parameters. Quotas are fixed at launch and never changed while the job runs.
 
-Inputs: ``WorkerRegistration`` and ``MemoryPressure`` (node agents, via the session
-relay), ``AllocateResources`` and ``ReleaseResources`` (from L1-1), ``RebuildCommunicator``
+Inputs: ``WorkerRegistration``, ``MemoryPressure`` and ``DeviceMemoryUsage`` (node agents,
+via the session relay), ``AllocateResources`` and ``ReleaseResources`` (from L1-1), ``RebuildCommunicator``
 (from L1-4, executing a recovery L1-1 commanded).
 Outputs: ``ResourcesReady`` / ``ResourcesInsufficient`` (replies), ``LaunchRanks``
 and ``ReleaseRanks`` (to one node agent each; the payload names the worker id),
@@ -35,7 +35,8 @@ RELEASE_GRACE_SECONDS = 10.0
 class _Worker:
     reg: control_pb2.WorkerRegistration
     busy: dict[str, list[int]] = field(default_factory=dict)  # job_id -> slot indices
-    under_pressure: bool = False  # the seed's 资源紧张 state, per worker
+    under_pressure: bool = False  # the seed's 资源紧张 state, per worker (host memory)
+    devices_under_pressure: set[int] = field(default_factory=set)  # ... per device (NVML index)
     departing: bool = False  # the node agent said it is leaving: nothing new is placed here
 
     def free_slots(self) -> list[int]:
@@ -115,6 +116,7 @@ class ResourceAllocator:
             if old is not None:
                 worker.busy = {job: [s for s in slots if s < msg.slots] for job, slots in old.busy.items()}
                 worker.under_pressure = old.under_pressure
+                worker.devices_under_pressure = old.devices_under_pressure
             for launch in msg.running:
                 have = len(worker.busy.get(launch.job_id, ()))
                 for _ in range(len(launch.ranks) - have):
@@ -163,6 +165,31 @@ class ResourceAllocator:
                 available_bytes=msg.available_bytes,
                 total_bytes=msg.total_bytes,
                 under_pressure=msg.under_pressure,
+            )
+        )
+
+    def on_device_memory_usage(self, msg: engine_pb2.DeviceMemoryUsage, payload: Any = None) -> None:
+        """显存溢出上报事件 of one device (the node agent's NVML sampler): published as
+        ``ResourcePressure`` with ``device`` "cuda:<index>", as :meth:`on_memory_pressure`
+        does for the host's memory: only a change of that device's state, only from a
+        registered worker, and no quota touched."""
+        with self._lock:
+            worker = self._workers.get(msg.worker_id)
+            if worker is None or (msg.device in worker.devices_under_pressure) == msg.under_pressure:
+                return
+            if msg.under_pressure:
+                worker.devices_under_pressure.add(msg.device)
+            else:
+                worker.devices_under_pressure.discard(msg.device)
+            job_ids = list(worker.busy)
+        self._emit(
+            control_pb2.ResourcePressure(
+                worker_id=msg.worker_id,
+                job_ids=job_ids,
+                available_bytes=max(msg.total_bytes - msg.used_bytes, 0),
+                total_bytes=msg.total_bytes,
+                under_pressure=msg.under_pressure,
+                device=f"cuda:{msg.device}",
             )
         )
 

@@ -10,6 +10,9 @@ else 1), SURGE_RANK_MODULE (module the rank processes run, default
 ``services.rank``), SURGE_WORKER_MEMORY_CHECK_SECONDS (default 2.0; 0 disables
 the memory sampler), SURGE_WORKER_MEMORY_PRESSURE_FRACTION (default 0.10),
 SURGE_WORKER_MEMINFO (file the host memory is read from, default /proc/meminfo),
+SURGE_WORKER_GPU_CHECK_SECONDS (default 5.0; 0 disables the GPU health sampler, which is off
+anyway without NVML: services/worker/gpu_health.py), SURGE_WORKER_GPU_MEMORY_PRESSURE_FRACTION
+(default 0.95 of a device's memory used),
 SURGE_WORKER_METRICS_PORT (Prometheus ``/metrics``; default 0 = not served),
 SURGE_WORKER_MEMORY_COPY_BYTES (bound on the in-memory checkpoint copies, default a quarter
 of the host's memory; 0 = off), SURGE_WORKER_MEMORY_COPY_SHM (``off``: keep them in the
@@ -62,6 +65,7 @@ from services.worker.hardware import (
     gloo_interface,
     hardware_report,
 )
+from services.worker.gpu_health import GpuHealthSampler
 from services.worker.memory_copies import MemoryCopies, MemoryCopyServicer, limit_from_env, shm_from_env
 from services.worker.memory_copies import env_problem as memory_copies_env_problem
 from services.worker.memory_pressure import MemorySampler
@@ -111,6 +115,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=env.get("SURGE_WORKER_MEMORY_PRESSURE_FRACTION") or 0.10,
         help="report memory pressure below this fraction of MemTotal available (env SURGE_WORKER_MEMORY_PRESSURE_FRACTION)",
     )
+    p.add_argument(
+        "--gpu-check-seconds",
+        type=seconds("SURGE_WORKER_GPU_CHECK_SECONDS"),
+        default=env.get("SURGE_WORKER_GPU_CHECK_SECONDS") or 5.0,
+        help="seconds between GPU health samples through NVML (env SURGE_WORKER_GPU_CHECK_SECONDS; 0 disables)",
+    )
+    p.add_argument(
+        "--gpu-memory-pressure-fraction",
+        type=float,
+        default=env.get("SURGE_WORKER_GPU_MEMORY_PRESSURE_FRACTION") or 0.95,
+        help="report a device under memory pressure at this fraction of its memory used "
+        "(env SURGE_WORKER_GPU_MEMORY_PRESSURE_FRACTION)",
+    )
     env_option(p, "--metrics-port", "SURGE_WORKER_METRICS_PORT", port, "0", "Prometheus /metrics port (0: off)")
     args = p.parse_args(argv)
     if args.port is None:
@@ -126,6 +143,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(problem)
     if not 0 < args.memory_pressure_fraction < 1:
         p.error(f"--memory-pressure-fraction: must be in (0, 1), got {args.memory_pressure_fraction}")
+    if not 0 < args.gpu_memory_pressure_fraction < 1:
+        p.error(f"--gpu-memory-pressure-fraction: must be in (0, 1), got {args.gpu_memory_pressure_fraction}")
     return args
 
 
@@ -217,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         sampler = MemorySampler(
             worker_id, outbox.put, log, meminfo, args.memory_check_seconds, args.memory_pressure_fraction
         )
+    gpus = None
+    if args.gpu_check_seconds > 0:
+        gpus = GpuHealthSampler(worker_id, outbox.put, log, args.gpu_check_seconds, args.gpu_memory_pressure_fraction)
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -225,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     session.start()
     if sampler is not None:
         sampler.start()
+    if gpus is not None and not gpus.start():  # (no NVML: off, said in one line)
+        gpus = None
     log.info(
         "worker serving",
         port=port,
@@ -239,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("worker stopping")
     if sampler is not None:
         sampler.stop()
+    if gpus is not None:
+        gpus.stop()
     # Say it first: control places no rank here any more, and the exits that follow are
     # this agent's departure (one incident), not crashes.
     outbox.put(

@@ -21,6 +21,9 @@ Facts it reports up the ``ControlService.WorkerSession`` stream (``WorkerEvent``
 * ``memory_pressure``: the node's available memory fell below its pressure threshold
   (``under_pressure`` true), or rose back above it plus a hysteresis margin (false). Edge-
   triggered: one report per crossing, none while the state holds.
+* ``routed`` ``DeviceMemoryUsage`` and ``HardwareError``: a GPU's memory crossed its pressure
+  threshold, or the GPU reported an error (ECC, Xid) or throttled clocks, sampled through NVML;
+  each once per change.
 
 Commands it executes (``WorkerCommand``, in arrival order):
 
@@ -44,6 +47,8 @@ relays, and wires the parts below; ``__main__.py`` builds them):
 
 * ``hardware.py``: the hardware probe behind ``register``;
 * ``memory_pressure.py``: the memory sampler behind ``memory_pressure``;
+* ``gpu_health.py``: the NVML sampler behind ``DeviceMemoryUsage`` and ``HardwareError`` (off
+  without NVML);
 * ``control_link.py``: the session with control and its outbox (sequence numbers, resend
   after a reconnect, acknowledgements);
 * ``rank_process.py``: a rank process's record, argv, environment and signals;
@@ -65,8 +70,10 @@ Threads, and why each exists:
 * one tail thread per TailRankLogs request, reading the job's rank log files (a followed
   file is re-read after a short wait when empty: appends to a file notify nobody);
 * the memory sampler, which reads /proc/meminfo every few seconds: the kernel sends no
-  event when memory runs low, so this is the one place the agent samples. It reads the
-  OS, never another module.
+  event when memory runs low, so this is one of the two places the agent samples. It reads
+  the OS, never another module;
+* the GPU health sampler (and, where the driver offers an event set, its Xid event waiter):
+  NVML likewise tells nobody when a device's memory fills or an ECC error is counted.
 """
 
 from __future__ import annotations
