@@ -807,10 +807,10 @@ class Orchestrator:
 
     def stop_job_request(self, msg: control_pb2.StopJobRequest, payload: Any = None) -> control_pb2.JobStatus:
         """Stop a job, checkpointing its boundary step first (unless ``no_checkpoint``).
-        RUNNING: ranks stop after step latest+2; WARMING_UP / PAUSED: at the next boundary
-        (at_step 0); TERMINATED with outcome STOPPED once every rank finished (after the
-        commit). A job whose ranks are gone (FAULT_FROZEN, STANDBY, PAUSED and parked) is
-        released and terminated now. Stopping a job already stopping returns its status. A
+        RUNNING: ranks stop after step latest+2; PAUSED: at the next boundary (at_step 0);
+        TERMINATED with outcome STOPPED once every rank finished (after the commit). A job
+        whose ranks are gone (FAULT_FROZEN, STANDBY, PAUSED and parked) or still starting
+        (WARMING_UP: no step to checkpoint; they are killed) is released and terminated now. Stopping a job already stopping returns its status. A
         queued job leaves the queue (see ``_cancel``); with ``queued_only`` (`surgectl
         cancel`) any other job is refused.
 
@@ -825,12 +825,20 @@ class Orchestrator:
             if state == JobState.TERMINATED:
                 outcome = JobOutcome.Name(job.status.outcome)
                 raise IllegalTransition(f"job {job.status.job_id} is already TERMINATED ({outcome})")
-            if state in (JobState.FAULT_FROZEN, JobState.STANDBY) or (state == JobState.PAUSED and job.parked):
+            # WARMING_UP: the ranks are still starting (importing, building or loading the
+            # model); a rank reads StopTraining only once its set-up is done, which a model too
+            # large for its host never is. Nothing was trained since they launched, so there
+            # is no step to checkpoint: they are killed now, like ranks being recovered.
+            if state in (JobState.FAULT_FROZEN, JobState.STANDBY, JobState.WARMING_UP) or (
+                state == JobState.PAUSED and job.parked
+            ):
                 why = (
                     "its ranks were being recovered"
                     if job.incident
                     else "its ranks were stopped with the stack"
                     if job.parked
+                    else "its ranks were still starting (killed; nothing trained since they launched)"
+                    if state == JobState.WARMING_UP
                     else "its ranks were gone"
                 )
                 job.parked = job.draining = False

@@ -76,6 +76,7 @@ from services.contract.failures import (
     failure_of,
 )
 from services.contract.frozen import FrozenConfig
+from services.engine.memory_quota import apply_memory_quota
 from services.engine.schedule_check import check_pipeline
 from services.engine.sharding_plan import ShardingPlan, Topology, plan
 from services.jobspec import ModelSpec, ParallelSpec
@@ -153,6 +154,7 @@ class ParallelStrategy:
         t0 = time.perf_counter()
         if msg.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(msg.device))
+            apply_memory_quota(msg.memory_quota_bytes, torch.cuda.current_device())  # L1-2's quota, enforced
         if not dist.is_initialized():
             # (Counted in at the store like a rebuild's ranks: a replacement may be joining
             # survivors that wait for it there.)

@@ -148,18 +148,22 @@ def test_stop_of_a_running_job_stops_at_step_plus_two_and_ends_stopped(plane):
     assert (s.state, s.outcome, s.step) == (JobState.TERMINATED, JobOutcome.STOPPED, 6)
 
 
-def test_stop_of_a_warming_up_job_stops_at_the_next_boundary(plane):
+def test_stop_of_a_warming_up_job_kills_its_starting_ranks_at_once(plane):
+    # A rank reads StopTraining only once its set-up is done (a model too large for its host
+    # never is); nothing was trained since the launch, so there is no step to checkpoint.
     a = plane.register("wa")
     job_id = plane.submit(dp=1).job_id
     drain(a)
-    plane.user(control_pb2.StopJobRequest(job_id=job_id))
-    (stop,) = drain(a)
-    assert kinds([stop]) == ["StopTraining"] and to_ranks(stop).at_step == 0
-    # A rank that comes up after the stop is not started.
+    s = plane.user(control_pb2.StopJobRequest(job_id=job_id))
+    assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.STOPPED)
+    assert s.message == (
+        "STOPPED: stopped by the operator; its ranks were still starting (killed; nothing trained since they launched)"
+    )
+    assert [(c.release.job_id, c.release.kill) for c in drain(a)] == [(job_id, True)]
+    # A rank that comes up after the stop is not started, and its killed exit decides nothing.
     plane.rank_event(a, job_id, 0, started=engine_pb2.TrainingLoopStarted())
-    assert drain(a) == [] and plane.get(job_id).state == JobState.WARMING_UP
-    plane.rank_event(a, job_id, 0, finished=engine_pb2.TrainingLoopFinished(stopped=True))
-    assert plane.get(job_id).outcome == JobOutcome.STOPPED
+    plane.rank_exited(a, job_id, 0, exit_code=-9)
+    assert drain(a) == [] and plane.get(job_id).outcome == JobOutcome.STOPPED
 
 
 def test_a_killed_rank_under_a_stop_policy_fails_the_job_and_kills_the_others(plane):
