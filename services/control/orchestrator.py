@@ -171,6 +171,11 @@ class JobNotFound(LookupError, Refusal):
     """No job has this id (gRPC NOT_FOUND)."""
 
 
+class JobDoesNotFit(ValueError, Refusal):
+    """The job's estimated memory per rank fits no registered slot (gRPC INVALID_ARGUMENT):
+    one line naming the estimate and the largest device; nothing is persisted."""
+
+
 class IllegalTransition(RuntimeError, Refusal):
     """The command does not apply to the job's current state (gRPC FAILED_PRECONDITION).
     ``refusal``: why, typed, where a client acts on it (``control_pb2.RefusalReason``; the
@@ -400,8 +405,14 @@ class Orchestrator:
         (FAULT_FROZEN, "ranks not re-attached"; a stop releases what was launched), never
         ranks of a job it does not know holding slots.
 
+        Admission by memory: a job whose estimated memory per rank fits too few of the
+        registered workers' slots (L1-2's refusal says so) is refused here, or, tried from
+        the queue, ends FAILED saying why; where no worker is registered yet it is queued.
+
         Raises:
             JobSpecError: the spec is invalid (one line naming file and field).
+            JobDoesNotFit (a ValueError): its memory per rank fits no registered slot (one line
+                naming the estimate and the largest slot); nothing is persisted.
             PriorityOutOfRange (a ValueError): ``priority`` out of range (one line); nothing is persisted.
         """
         spec = parse_job_spec(msg.spec_yaml, msg.spec_path or "job.yaml")
@@ -430,6 +441,10 @@ class Orchestrator:
             held = "waits for the jobs queued ahead of it" if self._queue.blocks(priority) else ""
             held = held or self._queue_held()
             reply = None if held else self._launch(job)
+            if reply is not None and reply.rank_memory_bytes:  # it cannot start on these workers
+                self._jobs.pop(job_id, None)
+                self._journal.delete_job(job_id)
+                raise JobDoesNotFit(f"{msg.spec_path or 'job.yaml'}: {reply.reason}")
             if held or reply is not None:
                 try:
                     entry = self._queue.add(job_id, priority)
@@ -937,6 +952,10 @@ class Orchestrator:
                 except Exception as e:  # noqa: BLE001 - _launch forgot the job; the rest stay queued
                     _log.error("a queued job could not be started", job_id=entry.job_id, error=str(e))
                     return
+                if reply is not None and reply.rank_memory_bytes:  # it cannot start on these workers
+                    job.status.outcome = JobOutcome.FAILED
+                    self._transition(job, JobState.TERMINATED, ORCH, f"FAILED: refused: {reply.reason}")
+                    continue
                 if reply is not None:
                     job.queued = self._queue.put(entry)  # its place kept
                     beyond = _beyond_cluster(reply)

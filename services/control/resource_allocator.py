@@ -25,7 +25,8 @@ from typing import Any
 
 from services.contract import control_pb2, engine_pb2
 from services.contract.bus import CommandPort, Emitter
-from services.jobspec import spec_from_json, spec_to_json, with_layout
+from services.jobspec import JobSpec, spec_from_json, spec_to_json, with_layout
+from services.memory_estimate import estimate_memory, human_bytes
 
 # How long a node agent gives a released rank to exit before killing it (seconds).
 RELEASE_GRACE_SECONDS = 10.0
@@ -208,6 +209,12 @@ class ResourceAllocator:
         registration order, wrapping around (a ring: every node's copies live on one other
         node, and a node's peer is the same for every job).
 
+        Admission by memory: a rank goes only to a slot whose quota holds the job's
+        estimated memory per rank (services/memory_estimate.py, what `submit --dry-run`
+        prints). When fewer registered slots (free or taken) hold it than the job has ranks,
+        and some slot is too small for it, the refusal says so (``rank_memory_bytes``, and the largest slot registered): the job
+        cannot start on these workers.
+
         Returns ResourcesInsufficient (nothing reserved) when fewer slots are free than
         ranks are needed, or when backend ``nccl`` is asked for on CPU-only slots.
 
@@ -231,7 +238,12 @@ class ResourceAllocator:
                 return self._insufficient(msg, 0, f"job {msg.job_id} already holds resources")
             departing = sorted(w.reg.worker_id for w in self._workers.values() if w.departing)
             usable = [w for w in self._workers.values() if w.reg.worker_id not in excluded and not w.departing]
-            free = sum(len(w.free_slots()) for w in usable)
+            need = _rank_memory(spec)
+            slots = [(w, s) for w in usable for s in range(w.reg.slots)]
+            fit = sum(_memory_quota(w, s) >= need for w, s in slots)
+            if fit < msg.world_size and fit < len(slots):  # (too few slots at all: wait for workers)
+                return self._does_not_fit(msg, usable, need)
+            free = sum(1 for w in usable for s in w.free_slots() if _memory_quota(w, s) >= need)
             if free < msg.world_size:
                 reason = f"{free} {'is' if free == 1 else 'are'} free on {len(usable)} registered worker{'' if len(usable) == 1 else 's'}"
                 if excluded:
@@ -242,7 +254,7 @@ class ResourceAllocator:
             picks: list[tuple[_Worker, int]] = []
             for w in usable:
                 for slot in w.free_slots():
-                    if len(picks) < msg.world_size:
+                    if len(picks) < msg.world_size and _memory_quota(w, slot) >= need:
                         picks.append((w, slot))
             kinds = {_device_kind(w, s) for w, s in picks}
             backend = msg.backend if msg.backend in ("gloo", "nccl") else ("nccl" if kinds == {"cuda"} else "gloo")
@@ -500,6 +512,27 @@ class ResourceAllocator:
             registered_ranks=registered,
         )
 
+    def _does_not_fit(
+        self, msg: control_pb2.AllocateResources, usable: list[_Worker], need: int
+    ) -> control_pb2.ResourcesInsufficient:
+        """Under the lock: the refusal of a job whose memory per rank fits too few registered
+        slots, naming the estimate and the largest slot."""
+        size, w, slot = max(((_memory_quota(w, s), w, s) for w in usable for s in range(w.reg.slots)), key=lambda t: t[0])
+        largest = f"{_device_name(w, slot)} of {w.reg.worker_id}"
+        if _device_kind(w, slot) == "cuda":
+            largest += f" ({[d for d in w.reg.devices if d.kind == 'cuda'][slot].name})"
+        else:
+            share = f"1 of {w.reg.slots} slots" if w.reg.slots > 1 else "1 slot"
+            largest += f" (host memory {human_bytes(w.reg.memory_bytes)}, {share})"
+        reply = self._insufficient(
+            msg,
+            0,
+            f"memory per rank {human_bytes(need)} (estimated) fits no registered slot for {msg.world_size} "
+            f"rank{'' if msg.world_size == 1 else 's'}: the largest is {human_bytes(size)}, {largest}",
+        )
+        reply.rank_memory_bytes, reply.largest_memory_bytes, reply.largest = need, size, largest
+        return reply
+
     def _free_port(self) -> int:
         # A fresh port per launch, found by binding port 0 here, on the control host. This
         # assumes rank 0 runs on this host (single-machine deployments) or that the port is
@@ -543,6 +576,15 @@ def _memory_quota(w: _Worker, slot: int) -> int:
     if slot < len(devices):
         return devices[slot].memory_bytes
     return w.reg.memory_bytes // max(w.reg.slots, 1)
+
+
+def _rank_memory(spec: JobSpec) -> int:
+    """The job's estimated memory per rank in bytes (services/memory_estimate.py); 0 where the
+    estimate cannot be made (a layout the planner refuses: the rank refuses it in one line)."""
+    try:
+        return estimate_memory(spec).total
+    except ValueError:
+        return 0
 
 
 def _memory_peer(usable: list[_Worker], worker_id: str) -> control_pb2.MemoryPeer | None:
