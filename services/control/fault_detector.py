@@ -595,7 +595,9 @@ class FaultDetector:
             for (job_id, rank), processes in self._processes.items():
                 if job_id in self._jobs and any(w == msg.worker_id for w, _ in processes):
                     where[job_id] = min(rank, where.get(job_id, rank))
-        detail = f"device {msg.device} of {msg.worker_id}: {msg.detail or engine_pb2.HardwareError.Error.Name(msg.error)}"
+        detail = (
+            f"device {msg.device} of {msg.worker_id}: {msg.detail or engine_pb2.HardwareError.Error.Name(msg.error)}"
+        )
         for job_id, rank in sorted(where.items()):
             self._report(
                 job_id,

@@ -825,7 +825,8 @@ class Orchestrator:
         RUNNING: ranks stop after step latest+2; PAUSED: at the next boundary (at_step 0);
         TERMINATED with outcome STOPPED once every rank finished (after the commit). A job
         whose ranks are gone (FAULT_FROZEN, STANDBY, PAUSED and parked) or still starting
-        (WARMING_UP: no step to checkpoint; they are killed) is released and terminated now. Stopping a job already stopping returns its status. A
+        (WARMING_UP: no step to checkpoint; they are killed) is released and terminated
+        now. Stopping a job already stopping returns its status. A
         queued job leaves the queue (see ``_cancel``); with ``queued_only`` (`surgectl
         cancel`) any other job is refused.
 

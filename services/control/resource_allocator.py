@@ -517,7 +517,9 @@ class ResourceAllocator:
     ) -> control_pb2.ResourcesInsufficient:
         """Under the lock: the refusal of a job whose memory per rank fits too few registered
         slots, naming the estimate and the largest slot."""
-        size, w, slot = max(((_memory_quota(w, s), w, s) for w in usable for s in range(w.reg.slots)), key=lambda t: t[0])
+        size, w, slot = max(
+            ((_memory_quota(w, s), w, s) for w in usable for s in range(w.reg.slots)), key=lambda t: t[0]
+        )
         largest = f"{_device_name(w, slot)} of {w.reg.worker_id}"
         if _device_kind(w, slot) == "cuda":
             largest += f" ({[d for d in w.reg.devices if d.kind == 'cuda'][slot].name})"

@@ -57,6 +57,7 @@ from services.contract.injection import env_error
 from services.contract.relay import pack
 from services.contract.validation import ContractError, refuse, validate_table
 from services.worker.control_link import ControlSession, Outbox
+from services.worker.gpu_health import GpuHealthSampler
 from services.worker.hardware import (
     DEFAULT_MEMINFO,
     GLOO_IFNAME,
@@ -65,7 +66,6 @@ from services.worker.hardware import (
     gloo_interface,
     hardware_report,
 )
-from services.worker.gpu_health import GpuHealthSampler
 from services.worker.memory_copies import MemoryCopies, MemoryCopyServicer, limit_from_env, shm_from_env
 from services.worker.memory_copies import env_problem as memory_copies_env_problem
 from services.worker.memory_pressure import MemorySampler
