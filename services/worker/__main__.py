@@ -238,7 +238,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     gpus = None
     if args.gpu_check_seconds > 0:
-        gpus = GpuHealthSampler(worker_id, outbox.put, log, args.gpu_check_seconds, args.gpu_memory_pressure_fraction)
+        gpus = GpuHealthSampler(
+            worker_id,
+            outbox.put,
+            log,
+            args.gpu_check_seconds,
+            args.gpu_memory_pressure_fraction,
+            devices={d.index for d in cuda} if cuda else None,  # (the devices this agent registered)
+        )
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

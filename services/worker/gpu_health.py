@@ -9,8 +9,9 @@ routed events of EXT_HARDWARE:
   (entering pressure), or fell back below it minus a hysteresis margin (relieved). To L1-2.
 * ``HardwareError``: a device's volatile uncorrectable or corrected ECC count grew (the
   first sample counts from zero: errors since the driver loaded are news to control), an Xid
-  event arrived, or a thermal / other clock throttle reason appeared (the temperature at the
-  device's slowdown threshold counts as thermal). To L1-3, which grades it (an uncorrectable
+  event arrived, or a thermal / hardware-slowdown clock throttle reason appeared (the
+  temperature at the device's slowdown threshold counts as thermal; a warning that comes and
+  goes is reported at most every ``WARNING_INTERVAL_SECONDS``). To L1-3, which grades it (an uncorrectable
   ECC error or a fatal Xid excludes the node); the agent decides nothing.
 
 Xid events come from an NVML event set (``nvmlEventSetWait_v2`` on a second thread, with a
@@ -27,6 +28,7 @@ from __future__ import annotations
 import importlib
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,10 +42,15 @@ Error = engine_pb2.HardwareError.Error
 # at the threshold reports one crossing, not one per sample (as memory_pressure.py does).
 DEVICE_MEMORY_HYSTERESIS = 0.02
 # Clock throttle reasons (nvml.h, nvmlClocksThrottleReason*; the same bits as the newer
-# nvmlClocksEventReason*): heat, and the others that slow a busy device down. Idle, the
-# applications-clocks setting and the display clock are not faults.
+# nvmlClocksEventReason*): heat, and the hardware slowdowns (an external power brake, HW
+# slowdown). Not faults: idle, the applications-clocks setting, the display clock, sync boost
+# and the software power cap (a busy device at its power limit is working as designed).
 THERMAL_REASONS = 0x20 | 0x40  # SwThermalSlowdown | HwThermalSlowdown
-OTHER_REASONS = 0x4 | 0x8 | 0x10 | 0x80  # SwPowerCap | HwSlowdown | SyncBoost | HwPowerBrakeSlowdown
+OTHER_REASONS = 0x8 | 0x80  # HwSlowdown | HwPowerBrakeSlowdown
+# A warning (heat, throttling) that clears and comes back is reported again at most this often
+# (seconds): a device hovering at its limit would otherwise put an event into every job's log
+# every few seconds.
+WARNING_INTERVAL_SECONDS = 600.0
 # NVML constants (nvml.h), named here so a stand-in library needs only the functions.
 _UNCORRECTED, _CORRECTED = 1, 0  # nvmlMemoryErrorType_t
 _VOLATILE_ECC = 0  # nvmlEccCounterType_t: since the driver loaded
@@ -61,6 +68,7 @@ class _Device:
     under_pressure: bool = False
     ecc: dict[int, int] = field(default_factory=lambda: {Error.ECC_UNCORRECTABLE: 0, Error.ECC_CORRECTED: 0})
     throttled: dict[int, bool] = field(default_factory=lambda: {Error.THERMAL: False, Error.THROTTLE: False})
+    warned: dict[int, float] = field(default_factory=dict)  # warning -> when it was last reported (monotonic)
     unsupported: set[str] = field(default_factory=set)  # metrics NVML said this device lacks
 
 
@@ -76,6 +84,9 @@ class GpuHealthSampler:
             (0, 1). Default 0.95: the caching allocator holds what it freed, so a training
             rank's device sits well above half; at 95 % the next larger activation or a save
             may not fit.
+        devices: the NVML indices to sample: this agent's registered devices (an agent given
+            some of a node's GPUs by CUDA_VISIBLE_DEVICES speaks for those only). None:
+            every device NVML lists.
         nvml: the NVML bindings (default: ``import pynvml``; tests pass a stand-in module).
 
     Raises:
@@ -89,6 +100,7 @@ class GpuHealthSampler:
         log: Any,
         interval_seconds: float = 5.0,
         memory_fraction: float = 0.95,
+        devices: Collection[int] | None = None,
         nvml: Any = None,
     ):
         if not interval_seconds > 0:
@@ -101,6 +113,7 @@ class GpuHealthSampler:
         self._interval = interval_seconds
         self._fraction = memory_fraction
         self._nvml = nvml
+        self._only = None if devices is None else set(devices)
         self._devices: list[_Device] = []
         self._events: Any = None  # the NVML event set (None: counters only)
         self._stop = threading.Event()
@@ -123,6 +136,8 @@ class GpuHealthSampler:
         self._nvml = nvml
         try:
             for i in range(nvml.nvmlDeviceGetCount()):
+                if self._only is not None and i not in self._only:
+                    continue
                 handle = nvml.nvmlDeviceGetHandleByIndex(i)
                 self._devices.append(_Device(i, handle, _text(self._call(nvml.nvmlDeviceGetUUID, handle) or "")))
         except nvml.NVMLError as e:
@@ -214,9 +229,11 @@ class GpuHealthSampler:
             (Error.THERMAL, hot, f"clocks throttled by heat at {temperature} C (slowdown at {slowdown} C)"),
             (Error.THROTTLE, bool(reasons & OTHER_REASONS), f"clocks throttled (NVML reasons 0x{reasons:x})"),
         ):
-            if now and not d.throttled[error]:
+            due = time.monotonic() - d.warned.get(error, -WARNING_INTERVAL_SECONDS) >= WARNING_INTERVAL_SECONDS
+            if now and not d.throttled[error] and due:
+                d.warned[error] = time.monotonic()
                 self._error(d, error, why, temperature_c=temperature or 0)
-            d.throttled[error] = now  # (a reason that clears is reported again when it returns)
+            d.throttled[error] = now  # (one that clears is reported again when it returns, once the interval passed)
 
     def _error(self, d: _Device, error: int, detail: str, **fields: Any) -> None:
         self._log.warning("device error", device=d.index, error=Error.Name(error), detail=detail)

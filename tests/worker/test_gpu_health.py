@@ -124,20 +124,38 @@ def test_ecc_counts_are_reported_when_they_grow_and_a_device_without_ecc_is_skip
     ]
 
 
-def test_heat_and_other_throttling_are_reported_when_they_appear_and_again_after_they_cleared(devices):
+def test_heat_and_hardware_slowdown_are_reported_when_they_appear_at_most_once_per_interval(devices, monkeypatch):
+    from services.worker import gpu_health
+
     events = queue.Queue()
     s = sampler(events)
     s.start()
     s.stop()
     devices.set(0, temperature=91, slowdown=90)
     s.sample()
+    s.sample()  # still hot: nothing more
+    devices.set(0, temperature=60, reasons=0x4 | 0x8)  # cooled; power capped (no fault) and HW slowdown
     s.sample()
-    devices.set(0, temperature=60, reasons=0x4)  # cooled; power capped
+    devices.set(0, reasons=0x40)  # hardware thermal slowdown again, within the interval: not repeated
     s.sample()
-    devices.set(0, reasons=0x40)  # hardware thermal slowdown (at 60 C)
+    monkeypatch.setattr(gpu_health, "WARNING_INTERVAL_SECONDS", 0.0)
+    devices.set(0, reasons=0)
+    s.sample()
+    devices.set(0, reasons=0x40)  # back after the interval: reported again
     s.sample()
     got = [(r.device, Error.Name(r.error), r.temperature_c) for r in reports(events)]
     assert got == [(0, "THERMAL", 91), (0, "THROTTLE", 60), (0, "THERMAL", 60)]
+
+
+def test_only_the_devices_the_agent_registered_are_sampled(devices):
+    devices.set(0, ecc_uncorrected=1)
+    devices.set(1, ecc_uncorrected=2)
+    events = queue.Queue()
+    s = sampler(events, devices={1}, interval_seconds=60.0)
+    s.start()
+    s.stop()
+    assert s.devices == 1
+    assert [(r.device, r.count) for r in reports(events)] == [(1, 2)]
 
 
 def test_an_xid_event_is_reported_from_the_event_thread(devices):
