@@ -69,7 +69,8 @@ class _Device:
     ecc: dict[int, int] = field(default_factory=lambda: {Error.ECC_UNCORRECTABLE: 0, Error.ECC_CORRECTED: 0})
     throttled: dict[int, bool] = field(default_factory=lambda: {Error.THERMAL: False, Error.THROTTLE: False})
     warned: dict[int, float] = field(default_factory=dict)  # warning -> when it was last reported (monotonic)
-    unsupported: set[str] = field(default_factory=set)  # metrics NVML said this device lacks
+    unsupported: set[str] = field(default_factory=set)  # metrics NVML said this device (or driver) lacks
+    failing: set[str] = field(default_factory=set)  # metrics whose query failed (logged once)
 
 
 class GpuHealthSampler:
@@ -301,18 +302,28 @@ class GpuHealthSampler:
     # ------------------------------------------------------------ NVML calls
 
     def _metric(self, d: _Device, name: str, fn: Any, *args: Any) -> Any:
-        """``fn(*args)``, or None: the device does not support it (not asked again) or NVML
-        failed this once (logged)."""
+        """``fn(*args)``, or None: the device or its driver does not support it (not asked
+        again) or NVML failed this time (logged the first time)."""
         if name in d.unsupported:
             return None
+        nvml = self._nvml
+        # (a driver older than the bindings lacks a newer function: FunctionNotFound)
+        lacking = (
+            nvml.NVMLError_NotSupported,
+            getattr(nvml, "NVMLError_FunctionNotFound", nvml.NVMLError_NotSupported),
+        )
         try:
-            return fn(*args)
-        except self._nvml.NVMLError_NotSupported:
+            value = fn(*args)
+        except lacking:
             d.unsupported.add(name)
             return None
-        except self._nvml.NVMLError as e:
-            self._log.warning("NVML query failed", device=d.index, metric=name, error=f"{type(e).__name__}: {e}")
+        except nvml.NVMLError as e:
+            if name not in d.failing:
+                self._log.warning("NVML query failed", device=d.index, metric=name, error=f"{type(e).__name__}: {e}")
+                d.failing.add(name)
             return None
+        d.failing.discard(name)
+        return value
 
     def _call(self, fn: Any, *args: Any) -> Any:
         try:
