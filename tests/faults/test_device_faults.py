@@ -86,7 +86,8 @@ def test_stop_ends_ranks_that_are_still_starting(stack):
 
 
 def test_an_uncorrectable_ecc_error_excludes_the_node_and_memory_pressure_reaches_l1_2(stack):
-    job = stack.submit(spec("tecc", steps=14, every=2).replace("dp: 2", "dp: 1"))
+    # (steps enough that the job is still training when the sampler, every 0.2 s, reports)
+    job = stack.submit(spec("tecc", steps=40, every=4).replace("dp: 2", "dp: 1"))
     stack.wait_step(job, 3)
     placed = next(iter(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job), timeout=30))).message
     worker = placed.split(" allocated on ")[1].split(";")[0]  # "1 ranks allocated on worker-N; ..."
