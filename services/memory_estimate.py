@@ -6,7 +6,8 @@ What it counts, per rank (the pipeline stage that holds the most, when pp > 1):
 
 * parameters: float32 always (autocast computes in bf16/fp16, the weights stay float32);
   tensor parallelism splits the projections Megatron's way (sharding_plan.tp_styles: q, k,
-  v, gate, up by column, proj and down by row; norms and embeddings whole); FSDP2 shards
+  v (and their biases), gate, up by column, proj and down by row; norms and embeddings
+  whole); the k and v projections are n_kv_heads x head_dim wide (GQA); FSDP2 shards
   every tensor over dp (``fully_shard`` per block, then the root); a frozen parameter
   (``model.freeze``) is held but gets no gradient and no optimizer state.
 * gradients: float32, one per trainable parameter, sharded like it.
@@ -23,7 +24,8 @@ What it counts, per rank (the pipeline stage that holds the most, when pp > 1):
   RMSNorms its input (the float32 residual stream), the normalised input and 1/rms (torch's
   RMSNorm as its composite ops save them: 8 D + 4); the inputs of q/k/v and of the MLP's first linears
   (in float32 one shared tensor of 4 D; under autocast each linear saves its own cast, a D);
-  q, k, v, the attention output and its transposed copy (5 a D, split by tp); SwiGLU's
+  q, the attention output and its transposed copy (3 a D) and k, v (2 a G K: narrower with
+  GQA; the math kernel's repeated copies are D wide), split by tp; SwiGLU's
   gate, up, silu(gate) and product (4 a F; GELU: 2 a F; split by tp); the SDPA kernel's
   log-sum-exp (4 H) or, with ``attention: math``, the softmax probabilities instead of
   the kernel's output (H T in float32, and their cast). With activation checkpointing a block keeps its input (4 D)
@@ -33,9 +35,11 @@ What it counts, per rank (the pipeline stage that holds the most, when pp > 1):
   and its gradient (3 x 4 V), and under autocast the 2-byte logits too; the final norm's
   and the LM head's saved inputs; on the last stage.
 
-Not counted: the process itself (Python, torch, CUDA context: hundreds of MiB), the
-allocator's caching and fragmentation, communication buffers, evaluation (no gradients,
-smaller), the optimizer's transient buffers. It is an estimate; tests/cli/test_spec_tools.py
+Not counted in these tensors: the process itself (Python, torch, CUDA context: hundreds of
+MiB), the allocator's caching and fragmentation, communication buffers, evaluation (no
+gradients, smaller), the optimizer's transient buffers. :func:`estimate_gpu_memory` adds,
+for the same rank on a GPU, what CUDA brings on the device and what stays on the host (see
+there: constants from vendors' documentation, not measured here: Surge has not run on a GPU). It is an estimate; tests/cli/test_spec_tools.py
 checks the activations against what autograd really saves for a small model (within 1%).
 Measured on the CPU (2026-12-01; n_layers 8, d_model 512, vocab 4096, 2 x 512 tokens, dp 1,
 two AdamW steps, peak RSS growth from before the model is built, glibc told to return freed
@@ -112,7 +116,9 @@ def estimate_memory(spec: JobSpec) -> MemoryEstimate:
     sp = plan(m, spec.world_size, p)
     stages, last = len(sp.stage_layers), len(sp.stage_layers) - 1
     stage_of_layer = {layer: s for s, layers in enumerate(sp.stage_layers) for layer in layers}
-    tp_split = {f"{fqn}.weight" for fqn, _ in sp.tp_styles}
+    # A column-parallel linear's bias is split with its output features; a row-parallel
+    # one has none here (proj and down are bias-free).
+    tp_split = {f"{fqn}.{kind}" for fqn, _ in sp.tp_styles for kind in ("weight", "bias")}
     owners = {owner: numel for _, owner, numel in model_parameters(m)}
     frozen = frozen_parameters(m.freeze, ((n, o) for n, o, _ in model_parameters(m))) if m.freeze else set()
     fsdp = sp.data_parallel == "fsdp2"
@@ -170,6 +176,7 @@ def _activations(
 ) -> list[MemoryItem]:
     m, p, d = spec.model, spec.parallel, spec.data
     D, F, H, T, tp = m.d_model, mlp_hidden_width(m), m.n_heads, d.seq_len, p.tp
+    KV = m.kv_heads * m.head_dim  # k and v: D wide without GQA
     rows, in_flight = d.micro_batch_size, 1
     if stages > 1:  # a pipeline micro-batch is micro_batch_size / microbatches rows
         rows = d.micro_batch_size // n_micro
@@ -179,10 +186,10 @@ def _activations(
     qkv_in = FLOAT32 * D if a == FLOAT32 else 3 * a * D
     mlp_in = FLOAT32 * D if a == FLOAT32 else (2 if m.mlp == "swiglu" else 1) * a * D
     mlp_hidden = (4 if m.mlp == "swiglu" else 2) * a * F // tp
-    if spec.attention == "math":  # q, k, v, the heads' output copy; the probabilities
+    if spec.attention == "math":  # q, k and v (repeated to H heads), the heads' output copy; the probabilities
         attention = 4 * a * D // tp + (H // tp) * T * (FLOAT32 + (a if a != FLOAT32 else 0))
-    else:  # q, k, v, the kernel's output and its copy; the log-sum-exp
-        attention = 5 * a * D // tp + FLOAT32 * (H // tp)
+    else:  # q, k, v (G heads: SDPA's enable_gqa reads them unrepeated), the kernel's output and its copy; the log-sum-exp
+        attention = a * (3 * D + 2 * KV) // tp + FLOAT32 * (H // tp)
     norm = 2 * FLOAT32 * D + FLOAT32  # RMSNorm: its input, the normalised input, 1/rms
     per_layer = 2 * norm + qkv_in + attention + mlp_in + mlp_hidden
     if p.activation_checkpointing:

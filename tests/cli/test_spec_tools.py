@@ -305,7 +305,7 @@ def test_the_estimate_of_known_layouts_equals_the_hand_computed_bytes(name):
     assert lines[0].startswith("memory per rank (an estimate") and lines[-1].split()[0] == "total"
 
 
-@pytest.mark.parametrize("variant", ["fp32 sdpa", "bf16 math", "fp32 gelu"])
+@pytest.mark.parametrize("variant", ["fp32 sdpa", "bf16 math", "fp32 gelu", "fp32 sdpa gqa", "bf16 math gqa"])
 def test_the_activation_estimate_matches_what_autograd_saves(variant):
     """The model Surge trains, one micro-batch forward with the backward unit's loss: the
     bytes of every tensor autograd saves for backward (the weights themselves left out)
@@ -318,6 +318,7 @@ def test_the_activation_estimate_matches_what_autograd_saves(variant):
     precision = "bf16" if "bf16" in variant else "fp32"
     attention = ", attention: math" if "math" in variant else ""
     mlp = ", mlp: gelu" if "gelu" in variant else ""
+    mlp += ", n_kv_heads: 2, qkv_bias: true" if "gqa" in variant else ""  # (4 query heads a k/v pair of 2)
     spec = parse_job_spec(
         "name: t\nsteps: 1\ndata: {dataset: t@v1, seq_len: 32, micro_batch_size: 2}\n"
         f"model: {{n_layers: 2, d_model: 64, n_heads: 4, vocab_size: 256{attention}{mlp}}}\nprecision: {precision}\n"
