@@ -240,7 +240,7 @@ def check_config(config: Mapping[str, Any], model: ModelSpec, source: str) -> No
         got_f = fields["ffn_hidden"]
         if model.ffn_hidden is not None:
             refuse(f"intermediate_size {got_f!r} differs from model.ffn_hidden {model.ffn_hidden}")
-        hint = f" (model.mlp_ratio {got_f * 3 / (2 * model.d_model):g} gives it; or set model.ffn_hidden)"
+        hint = f" (model.mlp_ratio {got_f * 3 / (2 * model.d_model):g} gives it, or model.ffn_hidden {got_f})"
         refuse(f"intermediate_size {got_f!r} differs from the MLP width of model.mlp_ratio {model.mlp_ratio:g} ({hidden}){hint}")
     if not _close(fields["norm_eps"], model.norm_eps):
         refuse(f"rms_norm_eps {fields['norm_eps']!r} differs from model.norm_eps {model.norm_eps!r}")

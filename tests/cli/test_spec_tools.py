@@ -60,6 +60,8 @@ def test_overrides_reach_every_kind_of_field_and_are_validated_as_a_whole(job):
         [
             "optimizer.lr=1e-3",  # a YAML 1.2 float (PyYAML alone reads a string)
             "steps=2000",
+            "model.rope_theta=5.0e5",  # another (no sign after the e)
+            "model.rope_scaling.factor=8",  # a section of a field that is None by default
             "checkpoint.async=false",  # a field spelled by its alias
             "precision.dtype=fp16",  # inside a section the file wrote in its short form
             "precision.loss_scale.init_scale=1024",  # a section the file does not have
@@ -70,6 +72,7 @@ def test_overrides_reach_every_kind_of_field_and_are_validated_as_a_whole(job):
         ],
     )
     assert spec.optimizer.lr == 1e-3 and spec.steps == 2000 and spec.checkpoint.async_ is False
+    assert spec.model.rope_theta == 5e5 and spec.model.rope_scaling.factor == 8.0
     assert spec.precision.dtype == "fp16" and spec.precision.scaling.init_scale == 1024.0
     assert spec.fault_policy.restarts == {"rank_exit": 2} and spec.model.freeze == ["blocks.0.*"]
     assert spec.data.seq_len == 32 and spec.model.n_layers == 2  # the file's other fields kept
@@ -108,7 +111,7 @@ def test_every_field_of_the_model_is_overridable_new_sections_included(job):
     [
         ("optimizer.lrr=0.1", "--set optimizer.lrr=0.1: optimizer.lrr: unknown key (did you mean optimizer.lr?)"),
         ("stepz=3", "--set stepz=3: stepz: unknown key (did you mean steps?)"),
-        ("model.zzz=1", "--set model.zzz=1: model.zzz: unknown key (model has: attention, d_model, freeze, "),
+        ("model.zzz=1", "--set model.zzz=1: model.zzz: unknown key (model has: attention, d_model, ffn_hidden, freeze, "),
         (
             "optimizer.lr.x=1",
             "--set optimizer.lr.x=1: optimizer.lr is a value, not a section (optimizer.lr.x does not exist)",
