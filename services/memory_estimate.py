@@ -39,7 +39,7 @@ Not counted in these tensors: the process itself (Python, torch, CUDA context: h
 MiB), the allocator's caching and fragmentation, communication buffers, evaluation (no
 gradients, smaller), the optimizer's transient buffers. :func:`estimate_gpu_memory` adds,
 for the same rank on a GPU, what CUDA brings on the device and what stays on the host (see
-there: constants from vendors' documentation, not measured here: Surge has not run on a GPU). It is an estimate; tests/cli/test_spec_tools.py
+there: rules of thumb, named constants below, not measured here: Surge has not run on a GPU). It is an estimate; tests/cli/test_spec_tools.py
 checks the activations against what autograd really saves for a small model (within 1%).
 Measured on the CPU (2026-12-01; n_layers 8, d_model 512, vocab 4096, 2 x 512 tokens, dp 1,
 two AdamW steps, peak RSS growth from before the model is built, glibc told to return freed
@@ -58,6 +58,24 @@ from services.jobspec import JobSpec, frozen_parameters, mlp_hidden_width, model
 
 FLOAT32 = 4
 HALF = 2  # bf16 / fp16
+MiB = 2**20
+
+# What a rank on a GPU holds beyond its tensors (estimate_gpu_memory). Rules of thumb from
+# vendors' documentation and common reports, not measured here (no GPU yet; docs/LOG.md will
+# hold the measurement): the CUDA context with cuBLAS / cuDNN handles and cuBLAS's workspace
+# (torch 2.x, CUDA 12 loading modules lazily, a Hopper GPU: about 0.5 to 0.8 GiB);
+CUDA_CONTEXT = 640 * MiB
+# NCCL's buffers per communicator: NCCL_BUFFSIZE (4 MiB, its default) per channel, for each
+# of a ring's two neighbours, sending and receiving, over 16 channels (NCCL opens up to 32
+# on NVLink): 4 MiB x 2 x 2 x 16 = 256 MiB;
+NCCL_BUFFSIZE = 4 * MiB
+NCCL_CHANNELS = 16
+# the caching allocator's rounding and fragmentation (torch.cuda.memory_reserved over
+# memory_allocated: typically 5 to 20 % in training), as a share of the tensors;
+ALLOCATOR_RESERVE = 0.10
+# and, on the host, the rank process itself: Python, torch's CUDA build and the CUDA
+# runtime's host side (a CPU-only torch process with Surge's modules: 0.24 GiB here).
+HOST_RUNTIME = 1536 * MiB
 
 
 @dataclass(frozen=True)
@@ -214,3 +232,78 @@ def _activations(
             )
         )
     return out
+
+
+@dataclass(frozen=True)
+class GpuEstimate:
+    """One rank of the job on a GPU: what its device holds (``device``) and what it keeps
+    in host memory beside it (``host``)."""
+
+    device: tuple[MemoryItem, ...]
+    host: tuple[MemoryItem, ...]
+
+    @property
+    def device_total(self) -> int:
+        return sum(i.bytes for i in self.device)
+
+    @property
+    def host_total(self) -> int:
+        return sum(i.bytes for i in self.host)
+
+    def lines(self) -> list[str]:
+        """The estimate as text lines (what `submit --dry-run` prints after the tensors')."""
+        out = ["on a GPU, per rank (rules of thumb for CUDA's own memory, not measured; see services/memory_estimate.py):"]
+        width = max(len(i.name) for i in (*self.device, *self.host))
+        out += [f"  {i.name:<{width}}  {human_bytes(i.bytes):>10}  {i.note}" for i in self.device]
+        out.append(f"  {'GPU total':<{width}}  {human_bytes(self.device_total):>10}")
+        out += [f"  {i.name:<{width}}  {human_bytes(i.bytes):>10}  {i.note}" for i in self.host]
+        out.append(f"  {'host total':<{width}}  {human_bytes(self.host_total):>10}")
+        return out
+
+
+def estimate_gpu_memory(spec: JobSpec, tensors: MemoryEstimate | None = None) -> GpuEstimate:
+    """The memory one rank of ``spec`` needs when it trains on a GPU (``tensors``: its
+    :func:`estimate_memory`, computed when not given).
+
+    Device: the tensors (the same as on the CPU: float32 weights, gradients and moments,
+    autocast's bf16/fp16 weight casts, activations, logits), the CUDA context
+    (``CUDA_CONTEXT``), NCCL's buffers for each communicator the rank joins (the world's
+    and each parallel axis's of more than one rank, narrower than the world), the caching
+    allocator's reserve (``ALLOCATOR_RESERVE`` of the tensors). Host: the process
+    (``HOST_RUNTIME``) and, when the job checkpoints, the staging buffers its snapshots are
+    copied into (pinned, reused between saves): the rank's float32 parameters and AdamW
+    moments. Not counted: a Hugging Face import's transient host copies, the data
+    service's buffers (another process), evaluation.
+    """
+    est = tensors or estimate_memory(spec)
+    p, world = spec.parallel, spec.world_size
+    axes = [n for n in (p.dp, p.tp, p.pp) if 1 < n < world]
+    communicators = (1 if world > 1 else 0) + len(axes)
+    nccl = communicators * NCCL_BUFFSIZE * 2 * 2 * NCCL_CHANNELS
+    device = [
+        MemoryItem("tensors", est.total, "the estimate above"),
+        MemoryItem("CUDA context", CUDA_CONTEXT, "context, cuBLAS/cuDNN handles and workspace"),
+    ]
+    if nccl:
+        device.append(
+            MemoryItem(
+                "NCCL buffers",
+                nccl,
+                f"{communicators} communicator(s) x {NCCL_CHANNELS} channels x 2 neighbours x 2 directions x "
+                f"NCCL_BUFFSIZE {NCCL_BUFFSIZE // MiB} MiB",
+            )
+        )
+    device.append(
+        MemoryItem(
+            "allocator reserve",
+            round(ALLOCATOR_RESERVE * est.total),
+            f"{ALLOCATOR_RESERVE:.0%} of the tensors: the caching allocator's rounding and fragmentation",
+        )
+    )
+    host = [MemoryItem("host: rank process", HOST_RUNTIME, "Python, torch (CUDA build), the CUDA runtime's host side")]
+    c = spec.checkpoint
+    if c.every_steps > 0 or c.at_end:
+        by_name = {i.name: i.bytes for i in est.items}
+        staged = by_name["parameters"] + by_name["AdamW moments"]
+        host.append(MemoryItem("host: snapshot staging", staged, "pinned copies of the rank's parameters and AdamW moments"))
+    return GpuEstimate(tuple(device), tuple(host))

@@ -215,6 +215,11 @@ def test_dry_run_with_no_stack_validates_reads_the_catalog_estimates_and_submits
     assert report[2].startswith("# training: 100 steps x 32 tokens a step (dp 1 x micro_batch_size 2 x ")
     assert report[4].startswith("# memory per rank (an estimate: tensors only;")
     assert any(line.startswith("#   total ") for line in report)
+    # And on a GPU: the device's total (tensors, CUDA context, allocator reserve) and the host's.
+    gpu = report.index("# on a GPU, per rank (rules of thumb for CUDA's own memory, not measured; see services/memory_estimate.py):")
+    assert report[gpu + 1].startswith("#   tensors ") and report[gpu + 2].startswith("#   CUDA context ")
+    assert any(line.startswith("#   GPU total ") for line in report[gpu:])
+    assert any(line.startswith("#   host total ") for line in report[gpu:])
     # The output is a job file: the effective spec, every default filled, the overrides in.
     effective = parse_job_spec(out, "dry-run.yaml")
     assert effective == load_spec(job, ["steps=100", "optimizer.lr=1e-3"])[0]
@@ -306,6 +311,26 @@ def test_the_estimate_of_known_layouts_equals_the_hand_computed_bytes(name):
     assert (est.stage, est.total) == (stage, total), [(i.name, i.bytes) for i in est.items]
     lines = est.lines()
     assert lines[0].startswith("memory per rank (an estimate") and lines[-1].split()[0] == "total"
+
+
+def test_the_gpu_estimate_adds_cuda_context_nccl_per_communicator_and_host_staging():
+    """On a GPU: the tensors' estimate, the CUDA context, NCCL's buffers for each
+    communicator a rank joins (the world and each axis narrower than it), the allocator's
+    reserve; on the host, the process and (when the job checkpoints) its snapshot staging."""
+    from services import memory_estimate as me
+
+    nccl = me.NCCL_BUFFSIZE * 2 * 2 * me.NCCL_CHANNELS
+    for spec, communicators in ((layout(), 0), (layout(dp=2), 1), (layout(dp=2, tp=2, dpk="fsdp2"), 3)):
+        tensors = estimate_memory(spec)
+        gpu = me.estimate_gpu_memory(spec, tensors)
+        reserve = round(me.ALLOCATOR_RESERVE * tensors.total)
+        assert gpu.device_total == tensors.total + me.CUDA_CONTEXT + communicators * nccl + reserve
+        items = {i.name: i.bytes for i in tensors.items}
+        assert gpu.host_total == me.HOST_RUNTIME + items["parameters"] + items["AdamW moments"]
+    no_saves = parse_job_spec(
+        "name: t\nsteps: 1\ndata: {dataset: t@v1}\ncheckpoint: {every_steps: 0, at_end: false}\n"
+    )
+    assert me.estimate_gpu_memory(no_saves).host_total == me.HOST_RUNTIME
 
 
 @pytest.mark.parametrize("variant", ["fp32 sdpa", "bf16 math", "fp32 gelu", "fp32 sdpa gqa", "bf16 math gqa"])
