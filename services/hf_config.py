@@ -257,18 +257,25 @@ def model_from_hf(directory: str, written: object, source: str) -> object:
     (:func:`model_fields`), those it writes kept and checked against it (``freeze``,
     ``init_std`` and ``attention`` are the job's own). ``mlp_ratio`` or ``ffn_hidden``
     written: the config's MLP width is not filled in, the written one is compared.
-    ``written`` that is not a mapping is returned as it is (the spec's validation names it).
+
+    ``written`` (the section as the file has it, None when it has none) is returned as it
+    is when it is not a mapping (the spec's validation names it) or when the directory
+    cannot be read here: a file is still read where its directory is not (a job file
+    checked on a laptop, an example), and every submit checks the directory
+    (:func:`check_spec_directory`, surgectl's ``check_init_from``), naming what is wrong.
 
     Raises:
-        JobSpecError: the directory or its config cannot be read, describes an architecture
-            Surge lacks, or differs from a written field (one line naming ``source``, the
-            config key and the field).
+        JobSpecError: the config describes an architecture Surge lacks, or differs from a
+            written field (one line naming ``source``, the config key and the field).
     """
     if written is not None and not isinstance(written, dict):
         return written
-    written = written or {}
     try:
         config = read_config(directory)
+    except HfFormatError:
+        return written
+    written = written or {}
+    try:
         path = str(Path(directory) / CONFIG)
         merged = {k: v for k, v in model_fields(config, path).items() if v is not None}
         if "mlp_ratio" in written or "ffn_hidden" in written:

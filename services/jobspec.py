@@ -719,9 +719,11 @@ class InitFromSpec(_Strict):
     * ``checkpoint``: a committed Surge version (``<job_id>:<n>`` or ``<job_id>:latest``) whose
       model has this spec's architecture; ``load``: ``weights`` (the model only: a fresh
       optimizer) or ``weights+optimizer`` (its AdamW moments too);
-    * ``hf``: the absolute path of a Hugging Face Llama directory (config.json and
+    * ``hf``: the absolute path of a Hugging Face Llama or Qwen2 directory (config.json and
       ``*.safetensors``), read by every rank on its own node (a shared or copied path, like
-      ``SURGE_HOME``); its config must describe this spec's model (nothing is filled in).
+      ``SURGE_HOME``); the fields of ``model:`` the spec leaves out that describe the
+      architecture are taken from its config (no ``model:`` section: all of them), those it
+      writes must agree with it (:func:`parse_job_spec`).
 
     The job starts at step 0 with a fresh data position and LR schedule either way; a job
     that resumes from a checkpoint of its own (a pause, a recovery) loads that instead.
@@ -876,13 +878,14 @@ class JobSpec(_Strict):
 
 def parse_job_spec(text: str, source: str = "job.yaml") -> JobSpec:
     """YAML text -> JobSpec. With ``init_from.hf``, the fields of ``model:`` the text leaves
-    out that describe the architecture come from that directory's config.json (read here;
-    services/hf_config.py ``model_from_hf``), and those it writes must agree with it.
+    out that describe the architecture come from that directory's config.json when it can
+    be read here (services/hf_config.py ``model_from_hf``: a submit checks the directory
+    in any case), and those it writes must agree with it.
 
     Raises:
         JobSpecError: malformed YAML, unknown key, wrong type or value; ``init_from.hf``'s
-            config unreadable or differing from a written model field; one line naming
-            ``source`` and the field's dotted path.
+            config differing from a written model field or of an architecture Surge lacks;
+            one line naming ``source`` and the field's dotted path.
     """
     raw = read_spec_mapping(text, source)
     init = raw.get("init_from")
@@ -894,7 +897,8 @@ def parse_job_spec(text: str, source: str = "job.yaml") -> JobSpec:
         # services/hf_config.py builds on this module.)
         from services.hf_config import model_from_hf
 
-        raw = {**raw, "model": model_from_hf(init["hf"], raw.get("model"), source)}
+        model = model_from_hf(init["hf"], raw.get("model"), source)
+        raw = raw if model is None else {**raw, "model": model}
     try:
         return JobSpec.model_validate(raw)
     except ValidationError as e:

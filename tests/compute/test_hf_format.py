@@ -328,5 +328,12 @@ def test_a_spec_that_restates_the_model_must_agree_with_config_json_naming_the_f
         with pytest.raises(JobSpecError) as e:
             parse_job_spec(head + section + "\n", "ft.yaml")
         assert str(e.value) == f"ft.yaml: init_from.hf: {tmp_path / 'config.json'}: {words}", section
+    # A directory not here: the file still reads (as written), and a submit's check names it.
+    elsewhere = parse_job_spec(head.replace(str(tmp_path), str(tmp_path / "nowhere")), "ft.yaml")
+    assert elsewhere.model == ModelSpec()
     with pytest.raises(JobSpecError, match=r"^ft.yaml: init_from.hf: .*/nowhere: not a directory$"):
-        parse_job_spec(head.replace(str(tmp_path), str(tmp_path / "nowhere")), "ft.yaml")
+        hf_format.check_spec_directory(elsewhere, "ft.yaml")
+    config["architectures"], config["model_type"] = ["GemmaForCausalLM"], "gemma"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(JobSpecError, match=r"^ft.yaml: init_from.hf: .*config.json: architectures \['Gemma"):
+        parse_job_spec(head, "ft.yaml")
