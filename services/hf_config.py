@@ -176,12 +176,12 @@ def model_fields(config: Mapping[str, Any], source: str) -> dict[str, Any]:
     if kind == "llama3":
         try:
             scaling = RopeScaling(
-                factor=float(rope["factor"]),
+                factor=float(rope.get("factor", 8.0)),
                 low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
                 high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
                 original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
             ).model_dump()
-        except (KeyError, TypeError, ValueError) as e:  # (pydantic's ValidationError is a ValueError)
+        except (TypeError, ValueError) as e:  # (pydantic's ValidationError is a ValueError)
             refuse(f"rope llama3 parameters {rope!r}: {' '.join(str(e).split())[:200]}")
     elif kind != "default":
         refuse(f"rope type {kind!r}: only the default RoPE and Llama 3's scaling (llama3) are supported")
@@ -241,7 +241,9 @@ def check_config(config: Mapping[str, Any], model: ModelSpec, source: str) -> No
         if model.ffn_hidden is not None:
             refuse(f"intermediate_size {got_f!r} differs from model.ffn_hidden {model.ffn_hidden}")
         hint = f" (model.mlp_ratio {got_f * 3 / (2 * model.d_model):g} gives it, or model.ffn_hidden {got_f})"
-        refuse(f"intermediate_size {got_f!r} differs from the MLP width of model.mlp_ratio {model.mlp_ratio:g} ({hidden}){hint}")
+        refuse(
+            f"intermediate_size {got_f!r} differs from the MLP width of model.mlp_ratio {model.mlp_ratio:g} ({hidden}){hint}"
+        )
     if not _close(fields["norm_eps"], model.norm_eps):
         refuse(f"rms_norm_eps {fields['norm_eps']!r} differs from model.norm_eps {model.norm_eps!r}")
     if not _close(fields["rope_theta"], model.rope_theta):

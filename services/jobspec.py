@@ -82,11 +82,10 @@ class RopeScaling(_Strict):
     ``rope_scaling: {rope_type: llama3, ...}``): wavelengths shorter than
     ``original_max_position_embeddings / high_freq_factor`` are kept, longer than
     ``original_max_position_embeddings / low_freq_factor`` divided by ``factor``, and those
-    between interpolated smoothly. Defaults: Llama 3.1's, except ``factor`` (8 for 3.1, 32
-    for 3.2), which a config always states."""
+    between interpolated smoothly. Defaults: Llama 3.1's (Llama 3.2's factor is 32)."""
 
     type: Literal["llama3"] = "llama3"
-    factor: float = Field(..., gt=0, le=1e6)
+    factor: float = Field(8.0, gt=0, le=1e6)
     low_freq_factor: float = Field(1.0, gt=0, le=1e6)
     high_freq_factor: float = Field(4.0, gt=0, le=1e6)
     original_max_position_embeddings: int = Field(8192, gt=0, le=I32_MAX)  # tokens

@@ -39,8 +39,8 @@ Not counted in these tensors: the process itself (Python, torch, CUDA context: h
 MiB), the allocator's caching and fragmentation, communication buffers, evaluation (no
 gradients, smaller), the optimizer's transient buffers. :func:`estimate_gpu_memory` adds,
 for the same rank on a GPU, what CUDA brings on the device and what stays on the host (see
-there: rules of thumb, named constants below, not measured here: Surge has not run on a GPU). It is an estimate; tests/cli/test_spec_tools.py
-checks the activations against what autograd really saves for a small model (within 1%).
+there: rules of thumb, named constants below, not measured: Surge has not run on a GPU).
+It is an estimate; tests/cli/test_spec_tools.py checks the activations against what autograd really saves for a small model (within 1%).
 Measured on the CPU (2026-12-01; n_layers 8, d_model 512, vocab 4096, 2 x 512 tokens, dp 1,
 two AdamW steps, peak RSS growth from before the model is built, glibc told to return freed
 memory with MALLOC_MMAP_THRESHOLD_=65536): fp32 822.4 MiB measured vs 817.9 estimated
@@ -252,7 +252,9 @@ class GpuEstimate:
 
     def lines(self) -> list[str]:
         """The estimate as text lines (what `submit --dry-run` prints after the tensors')."""
-        out = ["on a GPU, per rank (rules of thumb for CUDA's own memory, not measured; see services/memory_estimate.py):"]
+        out = [
+            "on a GPU, per rank (rules of thumb for CUDA's own memory, not measured; see services/memory_estimate.py):"
+        ]
         width = max(len(i.name) for i in (*self.device, *self.host))
         out += [f"  {i.name:<{width}}  {human_bytes(i.bytes):>10}  {i.note}" for i in self.device]
         out.append(f"  {'GPU total':<{width}}  {human_bytes(self.device_total):>10}")
@@ -305,5 +307,7 @@ def estimate_gpu_memory(spec: JobSpec, tensors: MemoryEstimate | None = None) ->
     if c.every_steps > 0 or c.at_end:
         by_name = {i.name: i.bytes for i in est.items}
         staged = by_name["parameters"] + by_name["AdamW moments"]
-        host.append(MemoryItem("host: snapshot staging", staged, "pinned copies of the rank's parameters and AdamW moments"))
+        host.append(
+            MemoryItem("host: snapshot staging", staged, "pinned copies of the rank's parameters and AdamW moments")
+        )
     return GpuEstimate(tuple(device), tuple(host))

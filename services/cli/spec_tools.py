@@ -24,9 +24,9 @@ from pydantic import BaseModel, ValidationError
 
 from services.cli import clients
 from services.cli.errors import CliError, from_rpc
-from services.memory_estimate import estimate_gpu_memory, estimate_memory
 from services.contract import data_pb2
 from services.jobspec import JobSpec, JobSpecError, parse_job_spec, read_spec_mapping, spec_from_json, yaml_value
+from services.memory_estimate import estimate_gpu_memory, estimate_memory
 
 # A submit's checks of a valid spec against its dataset version (source: what to name).
 Checks = Callable[[JobSpec, data_pb2.DatasetReady, str], None] | None

@@ -19,9 +19,9 @@ import yaml
 
 from services.cli import surgectl
 from services.cli.errors import CliError
-from services.memory_estimate import estimate_memory
 from services.cli.spec_tools import effective_yaml, load_spec, show_spec
 from services.jobspec import JobSpec, parse_job_spec, spec_from_json, spec_to_json
+from services.memory_estimate import estimate_memory
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -111,7 +111,10 @@ def test_every_field_of_the_model_is_overridable_new_sections_included(job):
     [
         ("optimizer.lrr=0.1", "--set optimizer.lrr=0.1: optimizer.lrr: unknown key (did you mean optimizer.lr?)"),
         ("stepz=3", "--set stepz=3: stepz: unknown key (did you mean steps?)"),
-        ("model.zzz=1", "--set model.zzz=1: model.zzz: unknown key (model has: attention, d_model, ffn_hidden, freeze, "),
+        (
+            "model.zzz=1",
+            "--set model.zzz=1: model.zzz: unknown key (model has: attention, d_model, ffn_hidden, freeze, ",
+        ),
         (
             "optimizer.lr.x=1",
             "--set optimizer.lr.x=1: optimizer.lr is a value, not a section (optimizer.lr.x does not exist)",
@@ -216,7 +219,9 @@ def test_dry_run_with_no_stack_validates_reads_the_catalog_estimates_and_submits
     assert report[4].startswith("# memory per rank (an estimate: tensors only;")
     assert any(line.startswith("#   total ") for line in report)
     # And on a GPU: the device's total (tensors, CUDA context, allocator reserve) and the host's.
-    gpu = report.index("# on a GPU, per rank (rules of thumb for CUDA's own memory, not measured; see services/memory_estimate.py):")
+    gpu = report.index(
+        "# on a GPU, per rank (rules of thumb for CUDA's own memory, not measured; see services/memory_estimate.py):"
+    )
     assert report[gpu + 1].startswith("#   tensors ") and report[gpu + 2].startswith("#   CUDA context ")
     assert any(line.startswith("#   GPU total ") for line in report[gpu:])
     assert any(line.startswith("#   host total ") for line in report[gpu:])
@@ -327,9 +332,7 @@ def test_the_gpu_estimate_adds_cuda_context_nccl_per_communicator_and_host_stagi
         assert gpu.device_total == tensors.total + me.CUDA_CONTEXT + communicators * nccl + reserve
         items = {i.name: i.bytes for i in tensors.items}
         assert gpu.host_total == me.HOST_RUNTIME + items["parameters"] + items["AdamW moments"]
-    no_saves = parse_job_spec(
-        "name: t\nsteps: 1\ndata: {dataset: t@v1}\ncheckpoint: {every_steps: 0, at_end: false}\n"
-    )
+    no_saves = parse_job_spec("name: t\nsteps: 1\ndata: {dataset: t@v1}\ncheckpoint: {every_steps: 0, at_end: false}\n")
     assert me.estimate_gpu_memory(no_saves).host_total == me.HOST_RUNTIME
 
 

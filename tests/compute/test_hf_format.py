@@ -107,7 +107,10 @@ def test_a_config_that_is_not_the_specs_model_is_one_line_naming_key_and_field(t
 
 def test_the_intermediate_size_refusal_names_the_mlp_ratio_that_gives_it(tmp_path):
     exported(tmp_path, mlp_ratio=5.5)  # F = 120
-    with pytest.raises(hf_format.HfFormatError, match=r"intermediate_size 120 .* \(model.mlp_ratio 5.625 gives it, or model.ffn_hidden 120\)$"):
+    with pytest.raises(
+        hf_format.HfFormatError,
+        match=r"intermediate_size 120 .* \(model.mlp_ratio 5.625 gives it, or model.ffn_hidden 120\)$",
+    ):
         hf_format.check_hf_directory(str(tmp_path), small_spec().model)
 
 

@@ -143,7 +143,12 @@ def test_llama3_rope_scaling_gives_transformers_frequencies():
 
     from services.compute.model import rotary_for
 
-    scaling = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    scaling = {
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     config = transformers.LlamaConfig(
         hidden_size=2048,
         num_attention_heads=32,

@@ -215,7 +215,9 @@ def dry_run_presets(home: Path, monkeypatch) -> None:
         lines = report.splitlines()
         assert lines[0].endswith("valid; nothing submitted (--dry-run)"), (name, lines[0])
         assert "(the data service at " in lines[1], (name, lines[1])  # the stack's, not the catalog read directly
-        assert any(x.startswith("#   GPU total ") for x in lines) and any(x.startswith("#   host total ") for x in lines)
+        assert any(x.startswith("#   GPU total ") for x in lines) and any(
+            x.startswith("#   host total ") for x in lines
+        )
         assert parse_job_spec(report, "dry-run.yaml").model == load_job_spec(EXAMPLES / name).model, name
 
 
