@@ -19,8 +19,8 @@ Architecture sources:
     * grouped-query attention (Ainslie et al. 2023): G k/v heads, each read by H / G
       consecutive query heads (Llama 3, Qwen2, Mistral); optional q/k/v biases (Qwen2);
     * SwiGLU MLP (Shazeer 2020) with hidden width 2/3 * mlp_ratio * D (LLaMA), rounded to
-      a multiple of 8 so both MLP choices cost about the same FLOPs;
-    * initialisation N(0, init_std), residual output projections scaled by
+      a multiple of 8 so both MLP choices cost about the same FLOPs, or ``ffn_hidden``;
+    * initialisation N(0, init_std), biases 0, residual output projections scaled by
       1/sqrt(2 * n_layers) (GPT-2).
 """
 
@@ -43,8 +43,9 @@ ATTENTION_BACKENDS = ("sdpa", "math")
 
 def sdpa_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor) -> torch.Tensor:
     """Causal attention through ``F.scaled_dot_product_attention`` (fused kernels); with
-    fewer k/v heads than query heads (G < H) its ``enable_gqa`` reads each k/v head for its
-    H / G query heads without a repeated copy (torchtitan's choice)."""
+    fewer k/v heads than query heads (G < H) its ``enable_gqa`` (torch >= 2.5) reads each
+    k/v head for its H / G query heads without a repeated copy (the flash and math kernels
+    take it; a kernel that does not is refused by SDPA, never silently replaced)."""
     gqa = k_BGTK.shape[1] != q_BHTK.shape[1]
     return functional.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, is_causal=True, enable_gqa=gqa)
 
