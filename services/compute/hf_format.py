@@ -147,9 +147,7 @@ def read_hf_tensors(directory: str | Path, wanted: Mapping[str, Any]) -> dict[st
             try:
                 key = hf_name(name)
             except KeyError:
-                raise HfFormatError(
-                    f"init_from.hf: {d}: this job's {name} has no Hugging Face Llama / Qwen2 name"
-                ) from None
+                raise HfFormatError(f"init_from.hf: {d}: this job's {name} has no Hugging Face Llama name") from None
             if key not in where and tied and name == "lm_head.weight":
                 key = hf_name("tok_emb.weight")
             if key not in where:
