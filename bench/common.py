@@ -50,7 +50,9 @@ def setup_env() -> None:
 def write_spec(base: Path, name: str, **overrides) -> Path:
     """A copy of job spec ``base`` with top-level keys replaced (``steps=60``) and nested
     ones given as ``section__key`` (``liveness__stall_min_seconds=10``)."""
-    spec = yaml.safe_load(base.read_text())
+    from services.jobspec import read_spec_mapping
+
+    spec = read_spec_mapping(base.read_text(), str(base))  # (as jobspec reads a job file: 5.0e5 a float)
     spec["name"] = name
     for key, value in overrides.items():
         if "__" in key:

@@ -40,7 +40,9 @@ WARMUP = 20
 
 
 def spec_text(name: str, steps: int) -> str:
-    spec = yaml.safe_load(SPEC.read_text())
+    from services.jobspec import read_spec_mapping
+
+    spec = read_spec_mapping(SPEC.read_text(), str(SPEC))  # (as jobspec reads a job file: 5.0e5 a float)
     spec.update(name=name, steps=steps)
     spec["checkpoint"] = {"every_steps": 100, "keep_last": 2, "at_end": False}
     return yaml.safe_dump(spec, sort_keys=False)

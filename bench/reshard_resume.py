@@ -30,8 +30,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common as c  # noqa: E402
@@ -55,10 +53,10 @@ SIZES = {"dp1 (grad_accum 2)": (1, 1, 2), "dp2 (same size)": (2, 1, 1), "dp4 (mi
 def spec_for(model: str, dp: int, mbs_div: int, accum: int, dataset: str, source: bool = False):
     """The model's job at ``dp`` ranks, micro_batch_size divided by ``mbs_div`` and
     ``grad_accum`` ``accum``: the same global batch as dp 2 x micro_batch_size x 1."""
-    from services.jobspec import JobSpec
+    from services.jobspec import JobSpec, read_spec_mapping
 
     base, over, mbs, data_parallel = MODELS[model]
-    raw = yaml.safe_load(base.read_text())
+    raw = read_spec_mapping(base.read_text(), str(base))  # (as jobspec reads a job file: 5.0e5 a float)
     for section, values in over.items():
         raw.setdefault(section, {}).update(values)
     raw["name"], raw["steps"], raw["seed"] = f"reshard-{model}", STEPS, 0

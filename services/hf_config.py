@@ -1,7 +1,10 @@
-"""A Hugging Face Llama ``config.json`` <-> Surge's ``model:`` spec, both directions, and the
-submit-time check of ``init_from.hf`` (the directory and its config): the configuration half
-of services/compute/hf_format.py (which maps the tensors), here without torch so that
-control's submit (no tensor library, no lower-layer code) checks a spec's directory too.
+"""A Hugging Face Llama or Qwen2 ``config.json`` <-> Surge's ``model:`` spec, both
+directions, and the submit-time check of ``init_from.hf`` (the directory and its config):
+the configuration half of services/compute/hf_format.py (which maps the tensors), here
+without torch so that control's submit (no tensor library, no lower-layer code) checks a
+spec's directory too. A job with ``init_from.hf`` takes the fields its ``model:`` leaves out
+from the directory's config (:func:`model_from_hf`, called by services/jobspec.py's
+``parse_job_spec``, so that surgectl and control read a spec alike).
 """
 
 from __future__ import annotations
@@ -9,12 +12,19 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from services.jobspec import JobSpec, JobSpecError, ModelSpec, mlp_hidden_width
+from pydantic import ValidationError
+
+from services.jobspec import JobSpec, JobSpecError, ModelSpec, RopeScaling, mlp_hidden_width
 
 CONFIG = "config.json"
-ARCHITECTURE = "LlamaForCausalLM"
+# The architectures read and written: transformers' class -> its model_type. Surge's model is
+# both (services/compute/model.py): Llama when model.qkv_bias is false, Qwen2 when it is
+# true (Qwen2 is Llama with biases on q, k and v; Llama's own attention_bias also puts one
+# on o_proj, which Surge has not).
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURE = "LlamaForCausalLM"  # (the default; kept for callers that name it)
 
 
 class HfFormatError(ValueError):
@@ -23,12 +33,15 @@ class HfFormatError(ValueError):
 
 
 def hf_config(spec: JobSpec, dtype: str = "float32", eos_token_id: int | None = None) -> dict[str, Any]:
-    """The ``config.json`` of ``spec``'s model as a ``LlamaConfig`` (transformers): sizes,
-    norm epsilon, RoPE base (both as ``rope_theta``, transformers 4, and ``rope_parameters``,
-    transformers 5), tied embeddings; ``max_position_embeddings`` is the job's
-    ``data.seq_len`` (the longest context it was trained on). ``eos_token_id``: the
-    tokenizer's end-of-text token, also the BOS (GPT-2's convention), else none (null: not
-    transformers' Llama defaults 1 and 2, which would end a generation at an ordinary token).
+    """The ``config.json`` of ``spec``'s model as a ``LlamaConfig`` (or, with
+    ``model.qkv_bias``, a ``Qwen2Config``; transformers): sizes, grouped-query heads, MLP
+    width, norm epsilon, RoPE base and Llama 3 scaling (both as ``rope_theta`` /
+    ``rope_scaling``, transformers 4, and ``rope_parameters``, transformers 5), tied
+    embeddings; ``max_position_embeddings`` is the job's ``data.seq_len`` (the longest
+    context it was trained on; with RoPE scaling at least the context the scaling is for,
+    ``original_max_position_embeddings x factor``). ``eos_token_id``: the tokenizer's
+    end-of-text token, also the BOS (GPT-2's convention), else none (null: not transformers'
+    Llama defaults 1 and 2, which would end a generation at an ordinary token).
 
     Raises:
         HfFormatError: ``model.mlp`` is not ``swiglu`` (Llama's MLP is SwiGLU).
@@ -36,24 +49,36 @@ def hf_config(spec: JobSpec, dtype: str = "float32", eos_token_id: int | None = 
     m = spec.model
     if m.mlp != "swiglu":
         raise HfFormatError(f"model.mlp: {m.mlp} has no Hugging Face Llama form (Llama's MLP is swiglu)")
-    return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
+    architecture = "Qwen2ForCausalLM" if m.qkv_bias else "LlamaForCausalLM"
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
+    context = spec.data.seq_len
+    if m.rope_scaling is not None:
+        r = m.rope_scaling
+        scaling = {
+            "rope_type": r.type,
+            "factor": r.factor,
+            "low_freq_factor": r.low_freq_factor,
+            "high_freq_factor": r.high_freq_factor,
+            "original_max_position_embeddings": r.original_max_position_embeddings,
+        }
+        rope = {**scaling, "rope_theta": m.rope_theta}
+        context = max(context, round(r.original_max_position_embeddings * r.factor))
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": ARCHITECTURES[architecture],
         "hidden_size": m.d_model,
         "intermediate_size": mlp_hidden_width(m),
         "num_hidden_layers": m.n_layers,
         "num_attention_heads": m.n_heads,
-        "num_key_value_heads": m.n_heads,
-        "head_dim": m.d_model // m.n_heads,
+        "num_key_value_heads": m.kv_heads,
+        "head_dim": m.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "rope_parameters": rope,
         "vocab_size": m.vocab_size,
         "tie_word_embeddings": m.tie_embeddings,
-        "max_position_embeddings": spec.data.seq_len,
-        "attention_bias": False,
-        "mlp_bias": False,
+        "max_position_embeddings": context,
         "torch_dtype": dtype,
         "dtype": dtype,
         "initializer_range": m.init_std,
@@ -61,6 +86,13 @@ def hf_config(spec: JobSpec, dtype: str = "float32", eos_token_id: int | None = 
         "eos_token_id": eos_token_id,
         "pad_token_id": None,
     }
+    if m.rope_scaling is not None:
+        config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if architecture == "LlamaForCausalLM":
+        config.update(attention_bias=False, mlp_bias=False)
+    else:  # Qwen2: full attention in every layer (Surge has no sliding window)
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=m.n_layers)
+    return config
 
 
 def read_config(directory: str | Path) -> dict[str, Any]:
@@ -90,69 +122,175 @@ def read_config(directory: str | Path) -> dict[str, Any]:
     return config
 
 
+def model_fields(config: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The ``model:`` fields (services/jobspec.py ModelSpec) of the architecture
+    ``config`` (a Hugging Face ``config.json``: Llama or Qwen2) describes: n_layers, d_model,
+    n_heads, n_kv_heads (None when it equals n_heads), mlp (swiglu), ffn_hidden, qkv_bias,
+    tie_embeddings, vocab_size, rope_theta, rope_scaling, norm_eps. RoPE is read in both
+    transformers' forms (``rope_parameters``, 5; ``rope_theta`` and ``rope_scaling``, 4).
+
+    Raises:
+        HfFormatError: an architecture or feature Surge's model lacks, or a size that is
+            missing or not a positive integer; one line naming ``source`` and the key.
+    """
+
+    def refuse(text: str) -> NoReturn:
+        raise HfFormatError(f"init_from.hf: {source}: {text}")
+
+    archs = config.get("architectures") or []
+    model_type = config.get("model_type")
+    known = [a for a in archs if a in ARCHITECTURES] if isinstance(archs, list) else []
+    if model_type not in ARCHITECTURES.values() and not known:
+        refuse(f"architectures {archs} / model_type {model_type!r}: only {' and '.join(ARCHITECTURES)} are read")
+    qwen2 = model_type == "qwen2" or "Qwen2ForCausalLM" in known
+    if config.get("hidden_act", "silu") != "silu":
+        refuse(f"hidden_act {config.get('hidden_act')!r}: only silu (SwiGLU) matches Surge's model")
+    if not qwen2 and config.get("attention_bias"):
+        refuse("attention_bias true: Surge's model has biases on q, k and v only (Qwen2's), not on o_proj")
+    if config.get("mlp_bias"):
+        refuse("mlp_bias true: Surge's MLP has no biases")
+    if config.get("use_sliding_window"):
+        refuse("use_sliding_window true: Surge's attention has no sliding window")
+    sizes = {}
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+        value = config.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            refuse(f"{key} {value!r}: expected a positive integer")
+        sizes[key] = value
+    heads = sizes["num_attention_heads"]
+    kv = config.get("num_key_value_heads")
+    kv = heads if kv is None else kv
+    if not isinstance(kv, int) or isinstance(kv, bool) or kv <= 0:
+        refuse(f"num_key_value_heads {kv!r}: expected a positive integer")
+    head_dim = config.get("head_dim")
+    if head_dim is not None and head_dim != sizes["hidden_size"] // heads:
+        refuse(
+            f"head_dim {head_dim} differs from hidden_size / num_attention_heads = {sizes['hidden_size'] // heads} "
+            "(Surge's heads are d_model / n_heads wide)"
+        )
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        refuse(f"rope_parameters {rope!r}: expected a mapping")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    scaling = None
+    if kind == "llama3":
+        try:
+            scaling = RopeScaling(
+                factor=float(rope.get("factor", 8.0)),
+                low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+                original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
+            ).model_dump()
+        except (TypeError, ValueError) as e:  # (pydantic's ValidationError is a ValueError)
+            refuse(f"rope llama3 parameters {rope!r}: {' '.join(str(e).split())[:200]}")
+    elif kind != "default":
+        refuse(f"rope type {kind!r}: only the default RoPE and Llama 3's scaling (llama3) are supported")
+    theta = rope.get("rope_theta")
+    if theta is None:
+        theta = config.get("rope_theta", 10000.0)  # transformers 4 keeps it at the top; Llama's default
+    return {
+        "n_layers": sizes["num_hidden_layers"],
+        "d_model": sizes["hidden_size"],
+        "n_heads": heads,
+        "n_kv_heads": None if kv == heads else kv,
+        "mlp": "swiglu",
+        "ffn_hidden": sizes["intermediate_size"],
+        "qkv_bias": qwen2,
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "vocab_size": sizes["vocab_size"],
+        "rope_theta": float(theta) if isinstance(theta, (int, float)) and not isinstance(theta, bool) else theta,
+        "rope_scaling": scaling,
+        "norm_eps": config.get("rms_norm_eps", 1e-6 if qwen2 else 1e-5),  # (each class's default)
+    }
+
+
 def check_config(config: Mapping[str, Any], model: ModelSpec, source: str) -> None:
     """That ``config`` (a Hugging Face ``config.json``) describes the architecture of
-    ``model``: nothing is filled in from it, a difference is refused.
+    ``model``: a difference is refused (:func:`model_from_hf` fills in what a spec leaves
+    out before this check).
 
     Raises:
         HfFormatError: one line naming ``source``, the config key and the spec field
             (``...config.json: hidden_size 64 differs from model.d_model 32``).
     """
 
-    def refuse(text: str) -> None:
+    def refuse(text: str) -> NoReturn:
         raise HfFormatError(f"init_from.hf: {source}: {text}")
 
-    archs = config.get("architectures") or []
-    if config.get("model_type") != "llama" and ARCHITECTURE not in archs:
-        refuse(f"architectures {archs} / model_type {config.get('model_type')!r}: only {ARCHITECTURE} (llama) is read")
     if model.mlp != "swiglu":
         refuse(f"model.mlp: {model.mlp}: a Llama model's MLP is swiglu")
-    if config.get("hidden_act", "silu") != "silu":
-        refuse(f"hidden_act {config.get('hidden_act')!r}: only silu (SwiGLU) matches Surge's model")
-    for key in ("attention_bias", "mlp_bias"):
-        if config.get(key):
-            refuse(f"{key} true: Surge's model has no biases")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
-        refuse(
-            f"rope type {rope.get('rope_type', rope.get('type'))!r}: only the default RoPE (no scaling) is supported"
-        )
-    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-    if theta is None:
-        theta = config.get("rope_theta", 10000.0)  # transformers 4 keeps it at the top; Llama's default
-    heads = config.get("num_attention_heads")
+    fields = model_fields(config, source)
+    got = ModelSpec.model_construct(**fields)  # (the config's values as they are: compared, not validated)
     wanted = (
-        ("hidden_size", "model.d_model", model.d_model),
-        ("num_hidden_layers", "model.n_layers", model.n_layers),
-        ("num_attention_heads", "model.n_heads", model.n_heads),
-        ("vocab_size", "model.vocab_size", model.vocab_size),
-        ("tie_word_embeddings", "model.tie_embeddings", model.tie_embeddings),
+        ("hidden_size", "model.d_model", got.d_model, model.d_model),
+        ("num_hidden_layers", "model.n_layers", got.n_layers, model.n_layers),
+        ("num_attention_heads", "model.n_heads", got.n_heads, model.n_heads),
+        ("num_key_value_heads", "model.n_kv_heads", got.n_kv_heads or got.n_heads, model.kv_heads),
+        ("vocab_size", "model.vocab_size", got.vocab_size, model.vocab_size),
+        ("tie_word_embeddings", "model.tie_embeddings", got.tie_embeddings, model.tie_embeddings),
     )
-    for key, field, value in wanted:
-        got = config.get(key, False if key == "tie_word_embeddings" else None)
-        if got != value:
-            refuse(f"{key} {got!r} differs from {field} {value!r}")
-    kv = config.get("num_key_value_heads", heads)
-    if kv != heads:
-        refuse(
-            f"num_key_value_heads {kv} differs from num_attention_heads {heads}: Surge has no grouped-query attention"
-        )
-    head_dim = config.get("head_dim")
-    if head_dim is not None and head_dim != model.d_model // model.n_heads:
-        refuse(f"head_dim {head_dim} differs from model.d_model / model.n_heads = {model.d_model // model.n_heads}")
+    for key, field, value, spec_value in wanted:
+        if value != spec_value:
+            refuse(f"{key} {value!r} differs from {field} {spec_value!r}")
+    if fields["qkv_bias"] != model.qkv_bias:
+        arch = "Qwen2 (q/k/v biases)" if fields["qkv_bias"] else "Llama (no biases)"
+        refuse(f"architecture {arch} differs from model.qkv_bias {model.qkv_bias}")
     hidden = mlp_hidden_width(model)
-    if config.get("intermediate_size") != hidden:
-        got = config.get("intermediate_size")
-        hint = (
-            f" (model.mlp_ratio {got * 3 / (2 * model.d_model):g} gives it)" if isinstance(got, int) and got > 0 else ""
-        )
+    if fields["ffn_hidden"] != hidden:
+        got_f = fields["ffn_hidden"]
+        if model.ffn_hidden is not None:
+            refuse(f"intermediate_size {got_f!r} differs from model.ffn_hidden {model.ffn_hidden}")
+        hint = f" (model.mlp_ratio {got_f * 3 / (2 * model.d_model):g} gives it, or model.ffn_hidden {got_f})"
         refuse(
-            f"intermediate_size {got!r} differs from the MLP width of model.mlp_ratio {model.mlp_ratio:g} ({hidden}){hint}"
+            f"intermediate_size {got_f!r} differs from the MLP width of model.mlp_ratio {model.mlp_ratio:g} ({hidden}){hint}"
         )
-    if not _close(config.get("rms_norm_eps"), model.norm_eps):
-        refuse(f"rms_norm_eps {config.get('rms_norm_eps')!r} differs from model.norm_eps {model.norm_eps!r}")
-    if not _close(theta, model.rope_theta):
-        refuse(f"rope_theta {theta!r} differs from model.rope_theta {model.rope_theta!r}")
+    if not _close(fields["norm_eps"], model.norm_eps):
+        refuse(f"rms_norm_eps {fields['norm_eps']!r} differs from model.norm_eps {model.norm_eps!r}")
+    if not _close(fields["rope_theta"], model.rope_theta):
+        refuse(f"rope_theta {fields['rope_theta']!r} differs from model.rope_theta {model.rope_theta!r}")
+    mine = model.rope_scaling.model_dump() if model.rope_scaling is not None else None
+    if fields["rope_scaling"] != mine:
+        refuse(f"rope scaling {fields['rope_scaling']!r} differs from model.rope_scaling {mine!r}")
+
+
+def model_from_hf(directory: str, written: object, source: str) -> object:
+    """The ``model:`` mapping of a job whose ``init_from.hf`` is ``directory``: the fields
+    it leaves out that describe the architecture taken from ``directory``'s config.json
+    (:func:`model_fields`), those it writes kept and checked against it (``freeze``,
+    ``init_std`` and ``attention`` are the job's own). ``mlp_ratio`` or ``ffn_hidden``
+    written: the config's MLP width is not filled in, the written one is compared.
+
+    ``written`` (the section as the file has it, None when it has none) is returned as it
+    is when it is not a mapping (the spec's validation names it) or when the directory
+    cannot be read here: a file is still read where its directory is not (a job file
+    checked on a laptop, an example), and every submit checks the directory
+    (:func:`check_spec_directory`, surgectl's ``check_init_from``), naming what is wrong.
+
+    Raises:
+        JobSpecError: the config describes an architecture Surge lacks, or differs from a
+            written field (one line naming ``source``, the config key and the field).
+    """
+    if written is not None and not isinstance(written, dict):
+        return written
+    try:
+        config = read_config(directory)
+    except HfFormatError:
+        return written
+    written = written or {}
+    try:
+        path = str(Path(directory) / CONFIG)
+        merged = {k: v for k, v in model_fields(config, path).items() if v is not None}
+        if "mlp_ratio" in written or "ffn_hidden" in written:
+            merged.pop("ffn_hidden")
+        merged.update(written)
+        try:
+            model = ModelSpec.model_validate(merged)
+        except ValidationError:
+            return merged  # (the job spec's validation names the field at fault)
+        check_config(config, model, path)
+    except HfFormatError as e:
+        raise JobSpecError(f"{source}: {e}") from None
+    return merged
 
 
 def _close(a: Any, b: float) -> bool:

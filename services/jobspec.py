@@ -76,21 +76,54 @@ class _Strict(BaseModel):
         return value
 
 
+class RopeScaling(_Strict):
+    """Llama 3.1 / 3.2's rewrite of the RoPE frequencies for long contexts (Meta's
+    ``apply_scaling``, transformers' ``_compute_llama3_parameters``, HF config
+    ``rope_scaling: {rope_type: llama3, ...}``): wavelengths shorter than
+    ``original_max_position_embeddings / high_freq_factor`` are kept, longer than
+    ``original_max_position_embeddings / low_freq_factor`` divided by ``factor``, and those
+    between interpolated smoothly. Defaults: Llama 3.1's (Llama 3.2's factor is 32)."""
+
+    type: Literal["llama3"] = "llama3"
+    factor: float = Field(8.0, gt=0, le=1e6)
+    low_freq_factor: float = Field(1.0, gt=0, le=1e6)
+    high_freq_factor: float = Field(4.0, gt=0, le=1e6)
+    original_max_position_embeddings: int = Field(8192, gt=0, le=I32_MAX)  # tokens
+
+    @model_validator(mode="after")
+    def _high_above_low(self) -> RopeScaling:
+        if self.high_freq_factor <= self.low_freq_factor:  # (the smoothing divides by their difference)
+            raise ValueError(
+                f"high_freq_factor: {self.high_freq_factor:g} must be greater than low_freq_factor "
+                f"({self.low_freq_factor:g})"
+            )
+        return self
+
+
 class ModelSpec(_Strict):
     """Decoder-only transformer (pre-norm, RoPE). Sizes in tokens / channels."""
 
     n_layers: int = Field(4, gt=0, le=I32_MAX)
     d_model: int = Field(128, gt=0, le=I32_MAX)
     n_heads: int = Field(4, gt=0, le=I32_MAX)
+    # Grouped-query attention (Ainslie et al. 2023), HF ``num_key_value_heads``: the k and v
+    # projections have n_kv_heads heads, each shared by n_heads / n_kv_heads query heads
+    # (None: n_heads, multi-head attention; 1: multi-query attention).
+    n_kv_heads: int | None = Field(None, gt=0, le=I32_MAX)
     mlp: Literal["swiglu", "gelu"] = "swiglu"
     # Hidden width of the MLP as a multiple of d_model. SwiGLU uses 2/3 of it per branch
     # (LLaMA, Touvron et al. 2023) so both choices cost the same FLOPs.
     mlp_ratio: float = Field(4.0, gt=0, le=1024)
+    # The MLP hidden width itself (HF ``intermediate_size``); when set, mlp_ratio is not read.
+    ffn_hidden: int | None = Field(None, gt=0, le=I32_MAX)
+    # Biases on the q, k and v projections (Qwen2, HF ``attention_bias``); initialised to 0.
+    qkv_bias: bool = False
     tie_embeddings: bool = True
     vocab_size: int = Field(256, gt=0, le=I32_MAX)  # token ids travel as int32
     # RoFormer (Su et al. 2021) default. Above 1: at theta <= 1 every pair of channels turns
     # by a radian or more per position, and positions alias.
     rope_theta: float = Field(10000.0, gt=1)
+    rope_scaling: RopeScaling | None = None  # None: RoPE's frequencies as they are
     norm_eps: float = Field(1e-5, gt=0, le=1)
     init_std: float = Field(0.02, gt=0, le=1)  # GPT-2 initialisation (above 1 the logits blow up at step 0)
     # Kept for older specs; ``operators.attention`` is the place for the kernel choice
@@ -110,7 +143,19 @@ class ModelSpec(_Strict):
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if (self.d_model // self.n_heads) % 2:
             raise ValueError("d_model / n_heads must be even for RoPE")
+        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads: {self.n_kv_heads} must divide n_heads ({self.n_heads})")
         return self
+
+    @property
+    def head_dim(self) -> int:
+        """K: the width of one attention head (d_model / n_heads)."""
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """The k/v heads: ``n_kv_heads``, else ``n_heads``."""
+        return self.n_kv_heads or self.n_heads
 
     @model_validator(mode="after")
     def _freeze_leaves_something_to_train(self, info: ValidationInfo) -> ModelSpec:
@@ -131,13 +176,17 @@ def model_parameters(spec: ModelSpec) -> Iterator[tuple[str, str, int]]:
     to the built model's names and sizes.
     """
     V, D, F = spec.vocab_size, spec.d_model, mlp_hidden_width(spec)
+    KV = spec.kv_heads * spec.head_dim  # the k and v projections' width
     yield "tok_emb.weight", "tok_emb.weight", V * D
     mlp = (("gate", F * D),) if spec.mlp == "swiglu" else ()
     for i in range(spec.n_layers):
         b = f"blocks.{i}."
         yield b + "attn_norm.weight", b + "attn_norm.weight", D
-        for proj in ("q", "k", "v", "proj"):
-            yield b + f"attn.{proj}.weight", b + f"attn.{proj}.weight", D * D
+        for proj, width in (("q", D), ("k", KV), ("v", KV)):  # (nn.Linear: weight, then bias)
+            yield b + f"attn.{proj}.weight", b + f"attn.{proj}.weight", width * D
+            if spec.qkv_bias:
+                yield b + f"attn.{proj}.bias", b + f"attn.{proj}.bias", width
+        yield b + "attn.proj.weight", b + "attn.proj.weight", D * D
         yield b + "mlp_norm.weight", b + "mlp_norm.weight", D
         for lin, numel in (*mlp, ("up", F * D), ("down", D * F)):
             yield b + f"mlp.{lin}.weight", b + f"mlp.{lin}.weight", numel
@@ -241,7 +290,10 @@ class ParallelSpec(_Strict):
 
 
 def mlp_hidden_width(spec: ModelSpec) -> int:
-    """F for ``spec``: mlp_ratio * D (GELU) or 2/3 of it rounded to a multiple of 8 (SwiGLU)."""
+    """F for ``spec``: ``ffn_hidden`` when set, else mlp_ratio * D (GELU) or 2/3 of it
+    rounded to a multiple of 8 (SwiGLU)."""
+    if spec.ffn_hidden is not None:
+        return spec.ffn_hidden
     if spec.mlp == "swiglu":
         return max(8, 8 * round(2 / 3 * spec.mlp_ratio * spec.d_model / 8))
     return max(1, round(spec.mlp_ratio * spec.d_model))
@@ -253,7 +305,7 @@ def check_parallel(model: ModelSpec, world_size: int, parallel: ParallelSpec) ->
 
     Raises:
         ValueError, one line naming the field: dp * tp * pp differs from ``world_size``;
-            model.n_heads, model.d_model or the MLP hidden width not divisible by tp; ddp
+            model.n_heads, model.n_kv_heads, model.d_model or the MLP hidden width not divisible by tp; ddp
             with tp > 1 (DDP does not shard DTensor parameters: use fsdp2); fewer layers
             than stages; tied embeddings with pp > 1 (the
             two ends of the tie would live on different stages); fewer micro-batches than
@@ -269,13 +321,14 @@ def check_parallel(model: ModelSpec, world_size: int, parallel: ParallelSpec) ->
     if tp > 1:
         if model.n_heads % tp:
             raise ValueError(f"parallel.tp: model.n_heads ({model.n_heads}) must be divisible by tp ({tp})")
+        if model.kv_heads % tp:  # each tp rank holds whole k/v heads: those its query heads read
+            raise ValueError(f"parallel.tp: model.n_kv_heads ({model.kv_heads}) must be divisible by tp ({tp})")
         if model.d_model % tp:
             raise ValueError(f"parallel.tp: model.d_model ({model.d_model}) must be divisible by tp ({tp})")
         hidden = mlp_hidden_width(model)
         if hidden % tp:
-            raise ValueError(
-                f"parallel.tp: the MLP hidden width ({hidden}, from model.mlp_ratio) must be divisible by tp ({tp})"
-            )
+            field = "model.ffn_hidden" if model.ffn_hidden is not None else "from model.mlp_ratio"
+            raise ValueError(f"parallel.tp: the MLP hidden width ({hidden}, {field}) must be divisible by tp ({tp})")
         if dp > 1 and parallel.data_parallel == "ddp":
             raise ValueError(
                 "parallel.data_parallel: ddp cannot be combined with tp > 1 (DDP does not shard DTensor "
@@ -669,9 +722,11 @@ class InitFromSpec(_Strict):
     * ``checkpoint``: a committed Surge version (``<job_id>:<n>`` or ``<job_id>:latest``) whose
       model has this spec's architecture; ``load``: ``weights`` (the model only: a fresh
       optimizer) or ``weights+optimizer`` (its AdamW moments too);
-    * ``hf``: the absolute path of a Hugging Face Llama directory (config.json and
+    * ``hf``: the absolute path of a Hugging Face Llama or Qwen2 directory (config.json and
       ``*.safetensors``), read by every rank on its own node (a shared or copied path, like
-      ``SURGE_HOME``); its config must describe this spec's model (nothing is filled in).
+      ``SURGE_HOME``); the fields of ``model:`` the spec leaves out that describe the
+      architecture are taken from its config (no ``model:`` section: all of them), those it
+      writes must agree with it (:func:`parse_job_spec`).
 
     The job starts at step 0 with a fresh data position and LR schedule either way; a job
     that resumes from a checkpoint of its own (a pause, a recovery) loads that instead.
@@ -825,13 +880,28 @@ class JobSpec(_Strict):
 
 
 def parse_job_spec(text: str, source: str = "job.yaml") -> JobSpec:
-    """YAML text -> JobSpec.
+    """YAML text -> JobSpec. With ``init_from.hf``, the fields of ``model:`` the text leaves
+    out that describe the architecture come from that directory's config.json when it can
+    be read here (services/hf_config.py ``model_from_hf``: a submit checks the directory
+    in any case), and those it writes must agree with it.
 
     Raises:
-        JobSpecError: malformed YAML, unknown key, wrong type or value; one line naming
-            ``source`` and the field's dotted path.
+        JobSpecError: malformed YAML, unknown key, wrong type or value; ``init_from.hf``'s
+            config differing from a written model field or of an architecture Surge lacks;
+            one line naming ``source`` and the field's dotted path.
     """
     raw = read_spec_mapping(text, source)
+    init = raw.get("init_from")
+    if isinstance(init, dict) and isinstance(init.get("hf"), str) and init["hf"].startswith("/"):
+        # The model's shape from the directory's config.json, for the fields the spec leaves
+        # out (a spec with no model section: all of them). Here, where every reader of a job
+        # file passes (surgectl, control's SubmitJob), so both see the same model; a spec read
+        # back (spec_from_json) holds the whole model and reads no directory. (Imported here:
+        # services/hf_config.py builds on this module.)
+        from services.hf_config import model_from_hf
+
+        model = model_from_hf(init["hf"], raw.get("model"), source)
+        raw = raw if model is None else {**raw, "model": model}
     try:
         return JobSpec.model_validate(raw)
     except ValidationError as e:
@@ -907,10 +977,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-# YAML 1.2's floats without a dot (``1e-3``, ``3E+4``): PyYAML reads them as strings (YAML
-# 1.1), which the strict spec then refuses as "not a number"; everyone writes an LR so.
+# YAML 1.2's floats that YAML 1.1 (PyYAML) reads as strings, which the strict spec then
+# refuses as "not a number": an exponent with no dot (``1e-3``, ``3E+4``: everyone writes an
+# LR so) or with no sign (``5.0e5``, ``.5e6``: how rope_theta is written). YAML 1.2's core
+# schema float, less what YAML 1.1 already reads (``1.0e+5``, ``.inf``).
 _UniqueKeyLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789")
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+.0123456789"),
 )
 
 

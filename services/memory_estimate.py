@@ -6,7 +6,8 @@ What it counts, per rank (the pipeline stage that holds the most, when pp > 1):
 
 * parameters: float32 always (autocast computes in bf16/fp16, the weights stay float32);
   tensor parallelism splits the projections Megatron's way (sharding_plan.tp_styles: q, k,
-  v, gate, up by column, proj and down by row; norms and embeddings whole); FSDP2 shards
+  v (and their biases), gate, up by column, proj and down by row; norms and embeddings
+  whole); the k and v projections are n_kv_heads x head_dim wide (GQA); FSDP2 shards
   every tensor over dp (``fully_shard`` per block, then the root); a frozen parameter
   (``model.freeze``) is held but gets no gradient and no optimizer state.
 * gradients: float32, one per trainable parameter, sharded like it.
@@ -23,7 +24,8 @@ What it counts, per rank (the pipeline stage that holds the most, when pp > 1):
   RMSNorms its input (the float32 residual stream), the normalised input and 1/rms (torch's
   RMSNorm as its composite ops save them: 8 D + 4); the inputs of q/k/v and of the MLP's first linears
   (in float32 one shared tensor of 4 D; under autocast each linear saves its own cast, a D);
-  q, k, v, the attention output and its transposed copy (5 a D, split by tp); SwiGLU's
+  q, the attention output and its transposed copy (3 a D) and k, v (2 a G K: narrower with
+  GQA; the math kernel's repeated copies are D wide), split by tp; SwiGLU's
   gate, up, silu(gate) and product (4 a F; GELU: 2 a F; split by tp); the SDPA kernel's
   log-sum-exp (4 H) or, with ``attention: math``, the softmax probabilities instead of
   the kernel's output (H T in float32, and their cast). With activation checkpointing a block keeps its input (4 D)
@@ -33,10 +35,12 @@ What it counts, per rank (the pipeline stage that holds the most, when pp > 1):
   and its gradient (3 x 4 V), and under autocast the 2-byte logits too; the final norm's
   and the LM head's saved inputs; on the last stage.
 
-Not counted: the process itself (Python, torch, CUDA context: hundreds of MiB), the
-allocator's caching and fragmentation, communication buffers, evaluation (no gradients,
-smaller), the optimizer's transient buffers. It is an estimate; tests/cli/test_spec_tools.py
-checks the activations against what autograd really saves for a small model (within 1%).
+Not counted in these tensors: the process itself (Python, torch, CUDA context: hundreds of
+MiB), the allocator's caching and fragmentation, communication buffers, evaluation (no
+gradients, smaller), the optimizer's transient buffers. :func:`estimate_gpu_memory` adds,
+for the same rank on a GPU, what CUDA brings on the device and what stays on the host (see
+there: rules of thumb, named constants below, not measured: Surge has not run on a GPU).
+It is an estimate; tests/cli/test_spec_tools.py checks the activations against what autograd really saves for a small model (within 1%).
 Measured on the CPU (2026-12-01; n_layers 8, d_model 512, vocab 4096, 2 x 512 tokens, dp 1,
 two AdamW steps, peak RSS growth from before the model is built, glibc told to return freed
 memory with MALLOC_MMAP_THRESHOLD_=65536): fp32 822.4 MiB measured vs 817.9 estimated
@@ -54,6 +58,24 @@ from services.jobspec import JobSpec, frozen_parameters, mlp_hidden_width, model
 
 FLOAT32 = 4
 HALF = 2  # bf16 / fp16
+MiB = 2**20
+
+# What a rank on a GPU holds beyond its tensors (estimate_gpu_memory). Rules of thumb from
+# vendors' documentation and common reports, not measured here (no GPU yet; docs/LOG.md will
+# hold the measurement): the CUDA context with cuBLAS / cuDNN handles and cuBLAS's workspace
+# (torch 2.x, CUDA 12 loading modules lazily, a Hopper GPU: about 0.5 to 0.8 GiB);
+CUDA_CONTEXT = 640 * MiB
+# NCCL's buffers per communicator: NCCL_BUFFSIZE (4 MiB, its default) per channel, for each
+# of a ring's two neighbours, sending and receiving, over 16 channels (NCCL opens up to 32
+# on NVLink): 4 MiB x 2 x 2 x 16 = 256 MiB;
+NCCL_BUFFSIZE = 4 * MiB
+NCCL_CHANNELS = 16
+# the caching allocator's rounding and fragmentation (torch.cuda.memory_reserved over
+# memory_allocated: typically 5 to 20 % in training), as a share of the tensors;
+ALLOCATOR_RESERVE = 0.10
+# and, on the host, the rank process itself: Python, torch's CUDA build and the CUDA
+# runtime's host side (a CPU-only torch process with Surge's modules: 0.24 GiB here).
+HOST_RUNTIME = 1536 * MiB
 
 
 @dataclass(frozen=True)
@@ -112,7 +134,9 @@ def estimate_memory(spec: JobSpec) -> MemoryEstimate:
     sp = plan(m, spec.world_size, p)
     stages, last = len(sp.stage_layers), len(sp.stage_layers) - 1
     stage_of_layer = {layer: s for s, layers in enumerate(sp.stage_layers) for layer in layers}
-    tp_split = {f"{fqn}.weight" for fqn, _ in sp.tp_styles}
+    # A column-parallel linear's bias is split with its output features; a row-parallel
+    # one has none here (proj and down are bias-free).
+    tp_split = {f"{fqn}.{kind}" for fqn, _ in sp.tp_styles for kind in ("weight", "bias")}
     owners = {owner: numel for _, owner, numel in model_parameters(m)}
     frozen = frozen_parameters(m.freeze, ((n, o) for n, o, _ in model_parameters(m))) if m.freeze else set()
     fsdp = sp.data_parallel == "fsdp2"
@@ -170,6 +194,7 @@ def _activations(
 ) -> list[MemoryItem]:
     m, p, d = spec.model, spec.parallel, spec.data
     D, F, H, T, tp = m.d_model, mlp_hidden_width(m), m.n_heads, d.seq_len, p.tp
+    KV = m.kv_heads * m.head_dim  # k and v: D wide without GQA
     rows, in_flight = d.micro_batch_size, 1
     if stages > 1:  # a pipeline micro-batch is micro_batch_size / microbatches rows
         rows = d.micro_batch_size // n_micro
@@ -179,10 +204,10 @@ def _activations(
     qkv_in = FLOAT32 * D if a == FLOAT32 else 3 * a * D
     mlp_in = FLOAT32 * D if a == FLOAT32 else (2 if m.mlp == "swiglu" else 1) * a * D
     mlp_hidden = (4 if m.mlp == "swiglu" else 2) * a * F // tp
-    if spec.attention == "math":  # q, k, v, the heads' output copy; the probabilities
+    if spec.attention == "math":  # q, k and v (repeated to H heads), the heads' output copy; the probabilities
         attention = 4 * a * D // tp + (H // tp) * T * (FLOAT32 + (a if a != FLOAT32 else 0))
-    else:  # q, k, v, the kernel's output and its copy; the log-sum-exp
-        attention = 5 * a * D // tp + FLOAT32 * (H // tp)
+    else:  # q, k, v (G heads: SDPA's enable_gqa reads them unrepeated), the kernel's output and its copy; the log-sum-exp
+        attention = a * (3 * D + 2 * KV) // tp + FLOAT32 * (H // tp)
     norm = 2 * FLOAT32 * D + FLOAT32  # RMSNorm: its input, the normalised input, 1/rms
     per_layer = 2 * norm + qkv_in + attention + mlp_in + mlp_hidden
     if p.activation_checkpointing:
@@ -207,3 +232,82 @@ def _activations(
             )
         )
     return out
+
+
+@dataclass(frozen=True)
+class GpuEstimate:
+    """One rank of the job on a GPU: what its device holds (``device``) and what it keeps
+    in host memory beside it (``host``)."""
+
+    device: tuple[MemoryItem, ...]
+    host: tuple[MemoryItem, ...]
+
+    @property
+    def device_total(self) -> int:
+        return sum(i.bytes for i in self.device)
+
+    @property
+    def host_total(self) -> int:
+        return sum(i.bytes for i in self.host)
+
+    def lines(self) -> list[str]:
+        """The estimate as text lines (what `submit --dry-run` prints after the tensors')."""
+        out = [
+            "on a GPU, per rank (rules of thumb for CUDA's own memory, not measured; see services/memory_estimate.py):"
+        ]
+        width = max(len(i.name) for i in (*self.device, *self.host))
+        out += [f"  {i.name:<{width}}  {human_bytes(i.bytes):>10}  {i.note}" for i in self.device]
+        out.append(f"  {'GPU total':<{width}}  {human_bytes(self.device_total):>10}")
+        out += [f"  {i.name:<{width}}  {human_bytes(i.bytes):>10}  {i.note}" for i in self.host]
+        out.append(f"  {'host total':<{width}}  {human_bytes(self.host_total):>10}")
+        return out
+
+
+def estimate_gpu_memory(spec: JobSpec, tensors: MemoryEstimate | None = None) -> GpuEstimate:
+    """The memory one rank of ``spec`` needs when it trains on a GPU (``tensors``: its
+    :func:`estimate_memory`, computed when not given).
+
+    Device: the tensors (the same as on the CPU: float32 weights, gradients and moments,
+    autocast's bf16/fp16 weight casts, activations, logits), the CUDA context
+    (``CUDA_CONTEXT``), NCCL's buffers for each communicator the rank joins (the world's
+    and each parallel axis's of more than one rank, narrower than the world), the caching
+    allocator's reserve (``ALLOCATOR_RESERVE`` of the tensors). Host: the process
+    (``HOST_RUNTIME``) and, when the job checkpoints, the staging buffers its snapshots are
+    copied into (pinned, reused between saves): the rank's float32 parameters and AdamW
+    moments. Not counted: a Hugging Face import's transient host copies, the data
+    service's buffers (another process), evaluation.
+    """
+    est = tensors or estimate_memory(spec)
+    p, world = spec.parallel, spec.world_size
+    axes = [n for n in (p.dp, p.tp, p.pp) if 1 < n < world]
+    communicators = (1 if world > 1 else 0) + len(axes)
+    nccl = communicators * NCCL_BUFFSIZE * 2 * 2 * NCCL_CHANNELS
+    device = [
+        MemoryItem("tensors", est.total, "the estimate above"),
+        MemoryItem("CUDA context", CUDA_CONTEXT, "context, cuBLAS/cuDNN handles and workspace"),
+    ]
+    if nccl:
+        device.append(
+            MemoryItem(
+                "NCCL buffers",
+                nccl,
+                f"{communicators} communicator(s) x {NCCL_CHANNELS} channels x 2 neighbours x 2 directions x "
+                f"NCCL_BUFFSIZE {NCCL_BUFFSIZE // MiB} MiB",
+            )
+        )
+    device.append(
+        MemoryItem(
+            "allocator reserve",
+            round(ALLOCATOR_RESERVE * est.total),
+            f"{ALLOCATOR_RESERVE:.0%} of the tensors: the caching allocator's rounding and fragmentation",
+        )
+    )
+    host = [MemoryItem("host: rank process", HOST_RUNTIME, "Python, torch (CUDA build), the CUDA runtime's host side")]
+    c = spec.checkpoint
+    if c.every_steps > 0 or c.at_end:
+        by_name = {i.name: i.bytes for i in est.items}
+        staged = by_name["parameters"] + by_name["AdamW moments"]
+        host.append(
+            MemoryItem("host: snapshot staging", staged, "pinned copies of the rank's parameters and AdamW moments")
+        )
+    return GpuEstimate(tuple(device), tuple(host))

@@ -6,7 +6,8 @@ The version is looked up in the store's catalog under ``$SURGE_HOME`` read-only
 and its weights are read with every file checked against the manifest as it is read
 (services/compute/inference.py). Formats:
 
-* ``hf``: ``model.safetensors`` + ``config.json`` (a ``LlamaForCausalLM``: names and config by
+* ``hf``: ``model.safetensors`` + ``config.json`` (a ``LlamaForCausalLM``, a
+  ``Qwen2ForCausalLM`` with ``model.qkv_bias``: names and config by
   services/compute/hf_format.py), loadable by ``transformers.AutoModelForCausalLM``; the
   dataset's tokenizer (``tokenizer.json``) travels with it when it has one.
 * ``torch``: ``model.pt``, a plain ``state_dict`` with Surge's names, for

@@ -3,7 +3,8 @@ cannot see (the files and the version it names).
 
 * ``hf``: the directory holds ``config.json`` and ``*.safetensors``, and the config describes
   the spec's model (services/compute/hf_format.py ``check_hf_directory``; control checks it
-  too). Read here, on the submitting machine: the path must be the same on the ranks' nodes.
+  too; the model fields a spec leaves out were filled in from it when it was parsed). Read
+  here, on the submitting machine: the path must be the same on the ranks' nodes.
 * ``checkpoint``: the store knows the version and its recorded verdict is ok; the model it
   was written with has this spec's tensors (names and shapes, from both specs: the first
   that differs is named); with ``weights+optimizer``, the source job kept optimizer state
@@ -161,6 +162,6 @@ def _frozen(spec: JobSpec) -> set:
 def _shape(spec: JobSpec) -> str:
     m = spec.model
     return (
-        f"n_layers {m.n_layers}, d_model {m.d_model}, n_heads {m.n_heads}, mlp {m.mlp}, "
+        f"n_layers {m.n_layers}, d_model {m.d_model}, n_heads {m.n_heads}, n_kv_heads {m.kv_heads}, mlp {m.mlp}, "
         f"vocab_size {m.vocab_size}, tie_embeddings {m.tie_embeddings}"
     )

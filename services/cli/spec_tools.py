@@ -1,8 +1,8 @@
 """Specs people can drive from the command line: ``surgectl submit JOB.yaml --set
 optimizer.lr=1e-3`` (overrides validated like the file), ``surgectl submit --dry-run``
-(validate, resolve the dataset, estimate memory per rank, print the effective spec; submit
-nothing) and ``surgectl spec JOB`` (a submitted job's effective spec, as control journaled
-it).
+(validate, resolve the dataset, estimate memory per rank, on the CPU and on a GPU, print
+the effective spec; submit nothing) and ``surgectl spec JOB`` (a submitted job's effective
+spec, as control journaled it).
 
 The overrides know nothing of particular fields: a path is checked against the job spec's
 pydantic model (services/jobspec.py), so a section added to it is overridable at once.
@@ -24,9 +24,9 @@ from pydantic import BaseModel, ValidationError
 
 from services.cli import clients
 from services.cli.errors import CliError, from_rpc
-from services.memory_estimate import estimate_memory
 from services.contract import data_pb2
 from services.jobspec import JobSpec, JobSpecError, parse_job_spec, read_spec_mapping, spec_from_json, yaml_value
+from services.memory_estimate import estimate_gpu_memory, estimate_memory
 
 # A submit's checks of a valid spec against its dataset version (source: what to name).
 Checks = Callable[[JobSpec, data_pb2.DatasetReady, str], None] | None
@@ -143,7 +143,8 @@ def dry_run(path: Path, overrides: Sequence[str] = (), checks: Checks = None) ->
     """``surgectl submit --dry-run``: validate the spec (with its overrides), resolve its
     dataset (the data service when the stack is up, else the catalog under $SURGE_HOME read
     directly), run a submit's ``checks`` of the spec against it (default:
-    :func:`check_dataset`), estimate the memory of one rank. Submits nothing,
+    :func:`check_dataset`), estimate the memory of one rank (its tensors; on a GPU, the
+    device's and the host's totals). Submits nothing,
     asks control nothing.
 
     Returns:
@@ -168,7 +169,8 @@ def dry_run(path: Path, overrides: Sequence[str] = (), checks: Checks = None) ->
         f"{d.micro_batch_size} x grad_accum {d.grad_accum} x seq_len {d.seq_len}) = {tokens:,} tokens{epochs}",
         f"ranks: {spec.world_size} (dp {p.dp} x tp {p.tp} x pp {p.pp}, {p.data_parallel}), "
         f"precision {spec.precision.dtype}",
-        *estimate_memory(spec).lines(),
+        *(est := estimate_memory(spec)).lines(),
+        *estimate_gpu_memory(spec, est).lines(),
         "effective spec (every default filled; this output is a job file `surgectl submit` takes):",
     ]
     return "".join(f"# {line}\n" for line in lines) + effective_yaml(spec)

@@ -1,21 +1,24 @@
-"""Surge's model <-> a Hugging Face Llama directory: the one place that maps names, shapes
-and configuration in both directions (``surgectl export --format hf`` writes one;
+"""Surge's model <-> a Hugging Face Llama or Qwen2 directory: the one place that maps names,
+shapes and configuration in both directions (``surgectl export --format hf`` writes one;
 ``init_from: {hf: DIR}`` reads one).
 
 Surge's model (services/compute/model.py) is the Llama architecture (Touvron et al. 2023):
-pre-norm RMSNorm blocks, rotate-half RoPE, SwiGLU MLP, no biases, optional tied
-embeddings; transformers' ``LlamaForCausalLM`` computes the same function. The q and k
-projections need no permutation: Surge's RoPE already rotates the two halves of each head
-(GPT-NeoX / HF layout), as HF's ``rotate_half`` does; tests/compute/test_hf_format.py holds
-the logits equal. Surge has no grouped-query attention (``num_key_value_heads`` equals
-``num_attention_heads``), no RoPE scaling and no MLP other than SwiGLU for this format.
+pre-norm RMSNorm blocks, rotate-half RoPE (optionally Llama 3.1's frequency scaling),
+grouped-query attention, SwiGLU MLP, optional tied embeddings; transformers'
+``LlamaForCausalLM`` computes the same function, and ``Qwen2ForCausalLM`` the same with
+biases on q, k and v (``model.qkv_bias``). The q and k projections need no permutation:
+Surge's RoPE already rotates the two halves of each head (GPT-NeoX / HF layout), as HF's
+``rotate_half`` does, and its k/v heads are grouped as HF's ``repeat_kv`` reads them (query
+head h reads k/v head h // (n_heads / n_kv_heads)); tests/compute/test_hf_format.py holds
+the logits equal both ways. No MLP other than SwiGLU has this form.
 
 Names (``i``: the block)::
 
-    Surge                          Hugging Face (LlamaForCausalLM)
+    Surge                          Hugging Face (LlamaForCausalLM, Qwen2ForCausalLM)
     tok_emb.weight                 model.embed_tokens.weight
     blocks.i.attn_norm.weight      model.layers.i.input_layernorm.weight
     blocks.i.attn.{q,k,v}.weight   model.layers.i.self_attn.{q,k,v}_proj.weight
+    blocks.i.attn.{q,k,v}.bias     model.layers.i.self_attn.{q,k,v}_proj.bias (Qwen2)
     blocks.i.attn.proj.weight      model.layers.i.self_attn.o_proj.weight
     blocks.i.mlp_norm.weight       model.layers.i.post_attention_layernorm.weight
     blocks.i.mlp.{gate,up,down}.weight  model.layers.i.mlp.{gate,up,down}_proj.weight
@@ -37,12 +40,14 @@ from typing import Any
 
 from services.hf_config import (  # noqa: F401 (the configuration half, re-exported: one module for callers)
     ARCHITECTURE,
+    ARCHITECTURES,
     CONFIG,
     HfFormatError,
     check_config,
     check_hf_directory,
     check_spec_directory,
     hf_config,
+    model_fields,
     read_config,
 )
 from services.jobspec import JobSpec
@@ -54,6 +59,9 @@ _BLOCK = {
     "attn.q.weight": "self_attn.q_proj.weight",
     "attn.k.weight": "self_attn.k_proj.weight",
     "attn.v.weight": "self_attn.v_proj.weight",
+    "attn.q.bias": "self_attn.q_proj.bias",
+    "attn.k.bias": "self_attn.k_proj.bias",
+    "attn.v.bias": "self_attn.v_proj.bias",
     "attn.proj.weight": "self_attn.o_proj.weight",
     "mlp_norm.weight": "post_attention_layernorm.weight",
     "mlp.gate.weight": "mlp.gate_proj.weight",
@@ -181,7 +189,7 @@ def save_hf(directory: str | Path, state: Mapping[str, Any], spec: JobSpec, eos_
     see :func:`hf_config`)."""
     from safetensors.torch import save_file
 
-    config = hf_config(spec, eos_token_id=eos_token_id)  # refuses a model with no Llama form before anything is written
+    config = hf_config(spec, eos_token_id=eos_token_id)  # refuses a model with no HF form before anything is written
     tensors = to_hf(state, spec.model.tie_embeddings)
     d = Path(directory)
     save_file(tensors, str(d / WEIGHTS), metadata={"format": "pt"})

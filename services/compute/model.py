@@ -8,16 +8,19 @@ Shape legend (suffixes on tensor names, torchtitan style):
     B  batch rows                     T  time (sequence positions)
     D  model width (d_model)          H  attention heads
     K  head width (D / H)             F  MLP hidden width
-    V  vocabulary size
+    V  vocabulary size                G  k/v heads (n_kv_heads; H / G query heads share one)
 
 Architecture sources:
     * pre-norm residual blocks: GPT-2 (Radford et al. 2019), RMSNorm (Zhang & Sennrich 2019)
       as in LLaMA (Touvron et al. 2023);
     * rotary position embedding, "rotate-half" layout: RoFormer (Su et al. 2021) as in
-      GPT-NeoX / LLaMA;
+      GPT-NeoX / LLaMA; Llama 3.1's frequency rewrite (``rope_scaling``), as transformers'
+      ``_compute_llama3_parameters``;
+    * grouped-query attention (Ainslie et al. 2023): G k/v heads, each read by H / G
+      consecutive query heads (Llama 3, Qwen2, Mistral); optional q/k/v biases (Qwen2);
     * SwiGLU MLP (Shazeer 2020) with hidden width 2/3 * mlp_ratio * D (LLaMA), rounded to
-      a multiple of 8 so both MLP choices cost about the same FLOPs;
-    * initialisation N(0, init_std), residual output projections scaled by
+      a multiple of 8 so both MLP choices cost about the same FLOPs, or ``ffn_hidden``;
+    * initialisation N(0, init_std), biases 0, residual output projections scaled by
       1/sqrt(2 * n_layers) (GPT-2).
 """
 
@@ -30,7 +33,7 @@ from torch import nn
 from torch.nn import functional
 from torch.utils.checkpoint import checkpoint
 
-from services.jobspec import ModelSpec, mlp_hidden_width  # noqa: F401 (re-exported: F of a spec)
+from services.jobspec import ModelSpec, RopeScaling, mlp_hidden_width  # noqa: F401 (re-exported: F of a spec)
 
 ATTENTION_BACKENDS = ("sdpa", "math")
 
@@ -38,14 +41,21 @@ ATTENTION_BACKENDS = ("sdpa", "math")
 # ------------------------------------------------------------------ attention kernels
 
 
-def sdpa_attention(q_BHTK: torch.Tensor, k_BHTK: torch.Tensor, v_BHTK: torch.Tensor) -> torch.Tensor:
-    """Causal attention through ``F.scaled_dot_product_attention`` (fused kernels)."""
-    return functional.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTK, is_causal=True)
+def sdpa_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor) -> torch.Tensor:
+    """Causal attention through ``F.scaled_dot_product_attention`` (fused kernels); with
+    fewer k/v heads than query heads (G < H) its ``enable_gqa`` (torch >= 2.5) reads each
+    k/v head for its H / G query heads without a repeated copy (the flash and math kernels
+    take it; a kernel that does not is refused by SDPA, never silently replaced)."""
+    gqa = k_BGTK.shape[1] != q_BHTK.shape[1]
+    return functional.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, is_causal=True, enable_gqa=gqa)
 
 
-def math_attention(q_BHTK: torch.Tensor, k_BHTK: torch.Tensor, v_BHTK: torch.Tensor) -> torch.Tensor:
-    """Causal attention written out: softmax(Q K^T / sqrt(K) + causal mask) V (Vaswani et al. 2017)."""
+def math_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor) -> torch.Tensor:
+    """Causal attention written out: softmax(Q K^T / sqrt(K) + causal mask) V (Vaswani et al. 2017);
+    k/v heads repeated for their H / G query heads (HF's ``repeat_kv``)."""
     T, K = q_BHTK.shape[-2], q_BHTK.shape[-1]
+    group = q_BHTK.shape[1] // k_BGTK.shape[1]
+    k_BHTK, v_BHTK = (t.repeat_interleave(group, dim=1) if group > 1 else t for t in (k_BGTK, v_BGTK))
     scores_BHTT = (q_BHTK @ k_BHTK.transpose(-2, -1)) * (1.0 / math.sqrt(K))
     future_TT = torch.ones(T, T, dtype=torch.bool, device=q_BHTK.device).triu(1)
     scores_BHTT = scores_BHTT.masked_fill(future_TT, float("-inf"))
@@ -60,10 +70,13 @@ _KERNELS = {"sdpa": sdpa_attention, "math": math_attention}
 
 class Rotary:
     """cos/sin tables of RoPE, cached per (T, device, dtype). Not a buffer: nothing to
-    save, nothing for DDP to broadcast each step."""
+    save, nothing for DDP to broadcast each step. ``scaling``: Llama 3.1's rewrite of the
+    frequencies (:func:`llama3_inv_freq`)."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None):
         self._inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        if scaling is not None:
+            self._inv_freq = llama3_inv_freq(self._inv_freq, scaling)
         self._cache: dict[tuple[int, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, T: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,6 +90,26 @@ class Rotary:
         return self._cache[key]
 
 
+def rotary_for(spec: ModelSpec) -> Rotary:
+    """The RoPE tables of ``spec``'s model (head width, base, scaling)."""
+    return Rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's frequencies (Meta's ``apply_scaling``; transformers'
+    ``_compute_llama3_parameters``, same formula): wavelengths 2 pi / f shorter than
+    ``original_max_position_embeddings / high_freq_factor`` kept, longer than
+    ``original_max_position_embeddings / low_freq_factor`` divided by ``factor``, those
+    between interpolated by ``smooth = (original / wavelength - low) / (high - low)``."""
+    old = s.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / s.low_freq_factor, inv_freq / s.factor, inv_freq)
+    smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= old / s.high_freq_factor) & (wavelen <= old / s.low_freq_factor)
+    return torch.where(medium, smoothed, scaled)
+
+
 def apply_rotary(x_BHTK: torch.Tensor, cos_TK2: torch.Tensor, sin_TK2: torch.Tensor) -> torch.Tensor:
     x1, x2 = x_BHTK.chunk(2, dim=-1)
     return torch.cat((x1 * cos_TK2 - x2 * sin_TK2, x1 * sin_TK2 + x2 * cos_TK2), dim=-1)
@@ -87,27 +120,32 @@ def apply_rotary(x_BHTK: torch.Tensor, cos_TK2: torch.Tensor, sin_TK2: torch.Ten
 
 class Attention(nn.Module):
     """q, k and v are separate projections (not one fused qkv matmul) so that a
-    column-parallel split of each gives every tensor-parallel rank whole heads."""
+    column-parallel split of each gives every tensor-parallel rank whole heads: n_heads / tp
+    query heads and the n_kv_heads / tp k/v heads they read (heads are grouped
+    consecutively, so the two splits line up)."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.head_dim = spec.d_model // spec.n_heads
-        self.q = nn.Linear(spec.d_model, spec.d_model, bias=False)
-        self.k = nn.Linear(spec.d_model, spec.d_model, bias=False)
-        self.v = nn.Linear(spec.d_model, spec.d_model, bias=False)
-        self.proj = nn.Linear(spec.d_model, spec.d_model, bias=False)
+        D, kv_width = spec.d_model, spec.kv_heads * spec.head_dim
+        self.head_dim = spec.head_dim
+        self.q = nn.Linear(D, D, bias=spec.qkv_bias)
+        self.k = nn.Linear(D, kv_width, bias=spec.qkv_bias)
+        self.v = nn.Linear(D, kv_width, bias=spec.qkv_bias)
+        self.proj = nn.Linear(D, D, bias=False)
 
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kernel) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        # The heads are counted from the projection's width, not the spec: under tensor
-        # parallelism q/k/v are column shards and this rank holds n_heads / tp of them.
-        q_BTD, k_BTD, v_BTD = self.q(x_BTD), self.k(x_BTD), self.v(x_BTD)
-        H = q_BTD.shape[-1] // self.head_dim
-        q_BHTK, k_BHTK, v_BHTK = (t.view(B, T, H, self.head_dim).transpose(1, 2) for t in (q_BTD, k_BTD, v_BTD))
+        # The heads are counted from the projections' widths, not the spec: under tensor
+        # parallelism q/k/v are column shards and this rank holds n_heads / tp query heads
+        # and n_kv_heads / tp k/v heads.
+        q_BTD, k_BTGK, v_BTGK = self.q(x_BTD), self.k(x_BTD), self.v(x_BTD)
+        H, G = q_BTD.shape[-1] // self.head_dim, k_BTGK.shape[-1] // self.head_dim
+        q_BHTK = q_BTD.view(B, T, H, self.head_dim).transpose(1, 2)
+        k_BGTK, v_BGTK = (t.view(B, T, G, self.head_dim).transpose(1, 2) for t in (k_BTGK, v_BTGK))
         cos, sin = rope
         q_BHTK = apply_rotary(q_BHTK, cos.to(q_BHTK.dtype), sin.to(q_BHTK.dtype))
-        k_BHTK = apply_rotary(k_BHTK, cos.to(k_BHTK.dtype), sin.to(k_BHTK.dtype))
-        y_BHTK = kernel(q_BHTK, k_BHTK, v_BHTK)
+        k_BGTK = apply_rotary(k_BGTK, cos.to(k_BGTK.dtype), sin.to(k_BGTK.dtype))
+        y_BHTK = kernel(q_BHTK, k_BGTK, v_BGTK)
         return self.proj(y_BHTK.transpose(1, 2).reshape(B, T, H * self.head_dim))
 
 
@@ -167,7 +205,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
         if spec.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight  # Press & Wolf 2017
-        self._rotary = Rotary(spec.d_model // spec.n_heads, spec.rope_theta)
+        self._rotary = rotary_for(spec)
 
     def forward(self, idx_BT: torch.Tensor, attention: str | None = None) -> torch.Tensor:
         """Args: idx_BT int64 token ids; attention: "sdpa" | "math" (default: the spec's).
@@ -196,6 +234,9 @@ class Transformer(nn.Module):
             if id(p) in seen:  # tied weight: initialise once
                 continue
             seen.add(id(p))
+            if name.endswith(".bias"):  # q/k/v biases (qkv_bias): start at zero, as HF's Qwen2
+                p.zero_()
+                continue
             if p.ndim == 1:  # norm gains
                 p.fill_(1.0)
                 continue

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional
 
-from services.compute.model import Rotary, Transformer, math_attention, sdpa_attention
+from services.compute.model import Transformer, math_attention, rotary_for, sdpa_attention
 from services.contract import engine_pb2
 
 IGNORE_INDEX = -100
@@ -116,7 +116,7 @@ class StageModule(nn.Module):
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
         self._kernel = _KERNELS[name]
-        self._rotary = Rotary(spec.d_model // spec.n_heads, spec.rope_theta)
+        self._rotary = rotary_for(spec)
 
     def use_attention(self, name: str) -> None:
         """The job's attention kernel ("sdpa" | "math"). Raises ValueError otherwise."""

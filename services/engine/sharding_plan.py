@@ -11,9 +11,13 @@ inside one node whenever a node holds a multiple of ``tp`` ranks (Megatron-LM's 
 Narayanan et al. 2021, sec. 3.3: TP's per-layer all-reduces need the intra-node links).
 
 Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019): the q, k, v and MLP gate/up
-projections are column-parallel (each rank computes n_heads / tp heads, F / tp hidden
+projections are column-parallel (each rank computes n_heads / tp query heads, F / tp hidden
 units), the attention output and MLP down projections row-parallel (partial sums, one
-all-reduce per sub-block). Embedding, norms and the LM head stay replicated.
+all-reduce per sub-block). Embedding, norms and the LM head stay replicated. Under
+grouped-query attention the k and v columns are n_kv_heads heads, so a rank holds
+n_kv_heads / tp of them: exactly those its query heads read (the heads are grouped
+consecutively), so tp must divide n_kv_heads too (refused at parse otherwise). The q/k/v
+biases (qkv_bias) split with their columns.
 
 Pipeline stages get an even split of the blocks, the first ``n_layers % pp`` stages one
 more; the embedding belongs to stage 0, the final norm and LM head to the last stage.
@@ -122,8 +126,8 @@ def plan(model: ModelSpec, world_size: int, parallel: ParallelSpec, topology: To
     Raises:
         ValueError: an impossible configuration, one line naming the field (the rules are
             :func:`services.jobspec.check_parallel`, so a job spec is refused when parsed:
-            dp * tp * pp differs from the world size; n_heads, d_model or the MLP hidden
-            width not divisible by tp; ddp with tp > 1; fewer layers than
+            dp * tp * pp differs from the world size; n_heads, n_kv_heads, d_model or the
+            MLP hidden width not divisible by tp; ddp with tp > 1; fewer layers than
             stages; tied embeddings with pp > 1; fewer micro-batches than stages under
             1f1b); a topology that does not list every rank.
 

@@ -19,9 +19,9 @@ import yaml
 
 from services.cli import surgectl
 from services.cli.errors import CliError
-from services.memory_estimate import estimate_memory
 from services.cli.spec_tools import effective_yaml, load_spec, show_spec
 from services.jobspec import JobSpec, parse_job_spec, spec_from_json, spec_to_json
+from services.memory_estimate import estimate_memory
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,6 +60,8 @@ def test_overrides_reach_every_kind_of_field_and_are_validated_as_a_whole(job):
         [
             "optimizer.lr=1e-3",  # a YAML 1.2 float (PyYAML alone reads a string)
             "steps=2000",
+            "model.rope_theta=5.0e5",  # another (no sign after the e)
+            "model.rope_scaling.factor=8",  # a section of a field that is None by default
             "checkpoint.async=false",  # a field spelled by its alias
             "precision.dtype=fp16",  # inside a section the file wrote in its short form
             "precision.loss_scale.init_scale=1024",  # a section the file does not have
@@ -70,6 +72,7 @@ def test_overrides_reach_every_kind_of_field_and_are_validated_as_a_whole(job):
         ],
     )
     assert spec.optimizer.lr == 1e-3 and spec.steps == 2000 and spec.checkpoint.async_ is False
+    assert spec.model.rope_theta == 5e5 and spec.model.rope_scaling.factor == 8.0
     assert spec.precision.dtype == "fp16" and spec.precision.scaling.init_scale == 1024.0
     assert spec.fault_policy.restarts == {"rank_exit": 2} and spec.model.freeze == ["blocks.0.*"]
     assert spec.data.seq_len == 32 and spec.model.n_layers == 2  # the file's other fields kept
@@ -108,7 +111,10 @@ def test_every_field_of_the_model_is_overridable_new_sections_included(job):
     [
         ("optimizer.lrr=0.1", "--set optimizer.lrr=0.1: optimizer.lrr: unknown key (did you mean optimizer.lr?)"),
         ("stepz=3", "--set stepz=3: stepz: unknown key (did you mean steps?)"),
-        ("model.zzz=1", "--set model.zzz=1: model.zzz: unknown key (model has: attention, d_model, freeze, "),
+        (
+            "model.zzz=1",
+            "--set model.zzz=1: model.zzz: unknown key (model has: attention, d_model, ffn_hidden, freeze, ",
+        ),
         (
             "optimizer.lr.x=1",
             "--set optimizer.lr.x=1: optimizer.lr is a value, not a section (optimizer.lr.x does not exist)",
@@ -212,6 +218,13 @@ def test_dry_run_with_no_stack_validates_reads_the_catalog_estimates_and_submits
     assert report[2].startswith("# training: 100 steps x 32 tokens a step (dp 1 x micro_batch_size 2 x ")
     assert report[4].startswith("# memory per rank (an estimate: tensors only;")
     assert any(line.startswith("#   total ") for line in report)
+    # And on a GPU: the device's total (tensors, CUDA context, allocator reserve) and the host's.
+    gpu = report.index(
+        "# on a GPU, per rank (rules of thumb for CUDA's own memory, not measured; see services/memory_estimate.py):"
+    )
+    assert report[gpu + 1].startswith("#   tensors ") and report[gpu + 2].startswith("#   CUDA context ")
+    assert any(line.startswith("#   GPU total ") for line in report[gpu:])
+    assert any(line.startswith("#   host total ") for line in report[gpu:])
     # The output is a job file: the effective spec, every default filled, the overrides in.
     effective = parse_job_spec(out, "dry-run.yaml")
     assert effective == load_spec(job, ["steps=100", "optimizer.lr=1e-3"])[0]
@@ -305,7 +318,25 @@ def test_the_estimate_of_known_layouts_equals_the_hand_computed_bytes(name):
     assert lines[0].startswith("memory per rank (an estimate") and lines[-1].split()[0] == "total"
 
 
-@pytest.mark.parametrize("variant", ["fp32 sdpa", "bf16 math", "fp32 gelu"])
+def test_the_gpu_estimate_adds_cuda_context_nccl_per_communicator_and_host_staging():
+    """On a GPU: the tensors' estimate, the CUDA context, NCCL's buffers for each
+    communicator a rank joins (the world and each axis narrower than it), the allocator's
+    reserve; on the host, the process and (when the job checkpoints) its snapshot staging."""
+    from services import memory_estimate as me
+
+    nccl = me.NCCL_BUFFSIZE * 2 * 2 * me.NCCL_CHANNELS
+    for spec, communicators in ((layout(), 0), (layout(dp=2), 1), (layout(dp=2, tp=2, dpk="fsdp2"), 3)):
+        tensors = estimate_memory(spec)
+        gpu = me.estimate_gpu_memory(spec, tensors)
+        reserve = round(me.ALLOCATOR_RESERVE * tensors.total)
+        assert gpu.device_total == tensors.total + me.CUDA_CONTEXT + communicators * nccl + reserve
+        items = {i.name: i.bytes for i in tensors.items}
+        assert gpu.host_total == me.HOST_RUNTIME + items["parameters"] + items["AdamW moments"]
+    no_saves = parse_job_spec("name: t\nsteps: 1\ndata: {dataset: t@v1}\ncheckpoint: {every_steps: 0, at_end: false}\n")
+    assert me.estimate_gpu_memory(no_saves).host_total == me.HOST_RUNTIME
+
+
+@pytest.mark.parametrize("variant", ["fp32 sdpa", "bf16 math", "fp32 gelu", "fp32 sdpa gqa", "bf16 math gqa"])
 def test_the_activation_estimate_matches_what_autograd_saves(variant):
     """The model Surge trains, one micro-batch forward with the backward unit's loss: the
     bytes of every tensor autograd saves for backward (the weights themselves left out)
@@ -318,6 +349,7 @@ def test_the_activation_estimate_matches_what_autograd_saves(variant):
     precision = "bf16" if "bf16" in variant else "fp32"
     attention = ", attention: math" if "math" in variant else ""
     mlp = ", mlp: gelu" if "gelu" in variant else ""
+    mlp += ", n_kv_heads: 2, qkv_bias: true" if "gqa" in variant else ""  # (4 query heads a k/v pair of 2)
     spec = parse_job_spec(
         "name: t\nsteps: 1\ndata: {dataset: t@v1, seq_len: 32, micro_batch_size: 2}\n"
         f"model: {{n_layers: 2, d_model: 64, n_heads: 4, vocab_size: 256{attention}{mlp}}}\nprecision: {precision}\n"

@@ -28,8 +28,9 @@ model: {{n_layers: 2, d_model: 32, n_heads: 2, tie_embeddings: {tie}, freeze: {f
     [
         ModelSpec(n_layers=2, d_model=32, n_heads=2),
         ModelSpec(n_layers=3, d_model=48, n_heads=4, mlp="gelu", mlp_ratio=3.0, tie_embeddings=False, vocab_size=300),
+        ModelSpec(n_layers=2, d_model=48, n_heads=6, n_kv_heads=2, qkv_bias=True, ffn_hidden=40),
     ],
-    ids=["swiglu-tied", "gelu-untied"],
+    ids=["swiglu-tied", "gelu-untied", "gqa-qkv-bias-ffn-hidden"],
 )
 def test_the_spec_names_the_parameters_the_built_model_has(spec):
     with torch.device("meta"):

@@ -1,5 +1,7 @@
-"""Surge's model <-> a Hugging Face Llama directory (services/compute/hf_format.py), checked
-against the real ``transformers`` package with small models made here (no download)."""
+"""Surge's model <-> a Hugging Face Llama or Qwen2 directory (services/compute/hf_format.py),
+checked against the real ``transformers`` package with small models made here (no download):
+configs shaped like Llama-3.2-1B, Qwen2.5-0.5B, SmolLM2-135M and (untied) Llama-3-8B,
+scaled down, with logits equal both ways."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from services.compute import hf_format
 from services.compute.model import build_model
-from services.jobspec import JobSpec, JobSpecError, model_parameters
+from services.jobspec import JobSpec, JobSpecError, ModelSpec, model_parameters, parse_job_spec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -74,12 +76,20 @@ def exported(tmp_path, **model):
 @pytest.mark.parametrize(
     "change, words",
     [
-        ({"hidden_size": 64}, "hidden_size 64 differs from model.d_model 32"),
+        ({"hidden_size": 64, "head_dim": 16}, "hidden_size 64 differs from model.d_model 32"),
+        ({"head_dim": 16}, "head_dim 16 differs from hidden_size / num_attention_heads = 8"),
         ({"num_hidden_layers": 3}, "num_hidden_layers 3 differs from model.n_layers 2"),
-        ({"num_key_value_heads": 2}, "num_key_value_heads 2 differs from num_attention_heads 4"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads 2 differs from model.n_kv_heads 4"),
         ({"intermediate_size": 96}, "intermediate_size 96 differs from the MLP width of model.mlp_ratio 4 (88)"),
         ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}, "rope_theta 10000.0 differs"),
-        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500.0}}, "rope type 'llama3'"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 500.0}}, "rope type 'yarn': only the default"),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0}},
+            "rope scaling {'type': 'llama3', 'factor': 8.0, ",
+        ),
+        ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}, "architecture Qwen2 (q/k/v biases) differs"),
+        ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}, "only LlamaForCausalLM and Qwen2"),
+        ({"attention_bias": True}, "attention_bias true: Surge's model has biases on q, k and v only"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"tie_word_embeddings": False}, "tie_word_embeddings False differs from model.tie_embeddings True"),
     ],
@@ -97,7 +107,10 @@ def test_a_config_that_is_not_the_specs_model_is_one_line_naming_key_and_field(t
 
 def test_the_intermediate_size_refusal_names_the_mlp_ratio_that_gives_it(tmp_path):
     exported(tmp_path, mlp_ratio=5.5)  # F = 120
-    with pytest.raises(hf_format.HfFormatError, match=r"intermediate_size 120 .* \(model.mlp_ratio 5.625 gives it\)"):
+    with pytest.raises(
+        hf_format.HfFormatError,
+        match=r"intermediate_size 120 .* \(model.mlp_ratio 5.625 gives it, or model.ffn_hidden 120\)$",
+    ):
         hf_format.check_hf_directory(str(tmp_path), small_spec().model)
 
 
@@ -132,3 +145,198 @@ def test_a_tensor_of_another_shape_is_one_line_naming_both_names_and_shapes(tmp_
         match=r"tensor model.layers.1.mlp.up_proj.weight \(for blocks.1.mlp.up.weight\) is in no",
     ):
         hf_format.read_hf_tensors(tmp_path, wanted)
+
+
+# ---------------------------------------------------------------- the shapes people fine-tune
+
+# Published configs (their config.json, transformers 4's form: rope_theta at the top, Llama
+# 3's scaling as rope_scaling) scaled down for a CPU: the same query / k-v head counts, heads
+# 8 wide, the MLP in the published ratio to the width, 2 layers, a vocabulary of 512. Llama
+# 3.2's original context is cut to 64 tokens with it, so that its scaling changes the
+# positions the test reads (at 8192 it would only move channels that turn < 0.01 rad in 48).
+SHAPES = {
+    "llama-3.2-1b": {  # 2048 wide, 32 / 8 heads, 8192 MLP, tied, theta 5e5 with llama3 scaling x32
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 256,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 1024,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 32.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 64,
+            "rope_type": "llama3",
+        },
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "head_dim": 8,
+    },
+    "qwen2.5-0.5b": {  # 896 wide, 14 / 2 heads, 4864 MLP, q/k/v biases, tied, theta 1e6
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 112,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "intermediate_size": 608,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+        "sliding_window": 32768,
+        "use_sliding_window": False,
+        "max_window_layers": 2,
+        "tie_word_embeddings": True,
+    },
+    "smollm2-135m": {  # 576 wide, 9 / 3 heads, 1536 MLP, tied, theta 1e5
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 72,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "intermediate_size": 192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+    },
+    "llama-3-8b-untied": {  # 4096 wide, 32 / 8 heads, 14336 MLP, untied, theta 5e5
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 256,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 896,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+    },
+}
+COMMON = {"num_hidden_layers": 2, "vocab_size": 512, "hidden_act": "silu", "torch_dtype": "float32"}
+
+
+def randomised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Every 1-D parameter (norm gains, q/k/v biases) drawn away from its initial 1 or 0, so
+    that a swapped, dropped or misnamed one shows in the logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(torch.rand(p.shape, generator=g) + (0.5 if name.endswith("weight") else -0.5))
+    return model.eval()
+
+
+def logits_diff(ours: torch.nn.Module, theirs: torch.nn.Module) -> float:
+    idx_BT = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return (ours(idx_BT) - theirs(idx_BT).logits).abs().max().item()
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_hugging_face_model_imports_with_its_shape_from_config_json_and_the_same_logits(tmp_path, shape):
+    """HF -> Surge: a model transformers builds from the config, saved by transformers with
+    the published form of config.json; a job that names the directory and has no ``model:``
+    section takes its shape from it, and the tensors read into Surge's model give
+    transformers' logits (1e-5)."""
+    transformers = pytest.importorskip("transformers")
+    config = {**SHAPES[shape], **COMMON}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
+    randomised(hf, seed=1).save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config))  # (the published form, not transformers 5's)
+    spec = parse_job_spec(
+        f"name: ft\nsteps: 2\ndata: {{dataset: corpus@v1, seq_len: 48}}\ninit_from: {{hf: {tmp_path}}}\n", "ft.yaml"
+    )
+    m = spec.model
+    assert (m.d_model, m.n_heads, m.n_kv_heads, m.n_layers, m.ffn_hidden, m.vocab_size) == (
+        config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"], 2,
+        config["intermediate_size"], 512,
+    )  # fmt: skip
+    assert (m.tie_embeddings, m.qkv_bias, m.rope_theta) == (
+        config["tie_word_embeddings"], shape.startswith("qwen"), config["rope_theta"],
+    )  # fmt: skip
+    assert (m.rope_scaling is not None) == ("rope_scaling" in config)
+    hf_format.check_spec_directory(spec, "ft.yaml")  # control's check agrees with the filled-in model
+    ours = build_model(m, seed=0)
+    ours.load_state_dict(hf_format.read_hf_tensors(tmp_path, ours.state_dict()))
+    assert (ours.lm_head.weight is ours.tok_emb.weight) is config["tie_word_embeddings"]
+    diff = logits_diff(ours.eval(), hf)
+    assert diff < 1e-5, diff
+    if m.rope_scaling is not None:  # the test can see the scaling: without it the logits differ
+        plain = build_model(m.model_copy(update={"rope_scaling": None}), seed=0)
+        plain.load_state_dict(ours.state_dict())
+        assert logits_diff(plain.eval(), hf) > 1e-3
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_surge_model_exports_to_the_same_hugging_face_class_with_the_same_logits(tmp_path, shape):
+    """Surge -> HF: the model of the shape's ``model:`` fields (as the import reads them),
+    randomly initialised, written by save_hf; transformers loads the class the shape
+    publishes (Qwen2 for q/k/v biases), with its grouped heads and RoPE scaling, and gives
+    Surge's logits (1e-5)."""
+    transformers = pytest.importorskip("transformers")
+    config = {**SHAPES[shape], **COMMON}
+    fields = hf_format.model_fields(config, "config.json")
+    spec = JobSpec.model_validate(
+        {"name": "x", "steps": 1, "data": {"dataset": "corpus@v1", "seq_len": 48}, "model": fields}
+    )
+    model = randomised(build_model(spec.model, seed=2), seed=3)
+    hf_format.save_hf(tmp_path, model.state_dict(), spec)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert hf_format.model_fields(written, "config.json") == fields  # config.json -> model: -> config.json
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(theirs).__name__ == config["architectures"][0] and theirs.dtype == torch.float32
+    assert theirs.config.num_key_value_heads == config["num_key_value_heads"]
+    assert theirs.config.rope_parameters["rope_type"] == ("llama3" if "rope_scaling" in config else "default")
+    assert ("lm_head.weight" in load_file(tmp_path / hf_format.WEIGHTS)) is not config["tie_word_embeddings"]
+    diff = logits_diff(model, theirs)
+    assert diff < 1e-5, diff
+
+
+def test_every_parameter_name_of_a_qwen2_shaped_model_maps_to_hugging_face_and_back():
+    spec = ModelSpec(n_layers=2, d_model=48, n_heads=6, n_kv_heads=2, qkv_bias=True, vocab_size=64)
+    names = [n for n, _, _ in model_parameters(spec)]
+    assert "blocks.1.attn.k.bias" in names
+    assert all(hf_format.surge_name(hf_format.hf_name(n)) == n for n in names)
+    assert hf_format.hf_name("blocks.1.attn.v.bias") == "model.layers.1.self_attn.v_proj.bias"
+    with pytest.raises(KeyError):
+        hf_format.hf_name("blocks.0.attn.proj.bias")  # (Surge's o_proj has no bias, nor does Qwen2's)
+
+
+def test_a_spec_that_restates_the_model_must_agree_with_config_json_naming_the_field(tmp_path):
+    """``init_from.hf`` with a ``model:`` section: the fields it writes are checked against
+    the directory's config (one line naming the key and the field), those it leaves out are
+    filled in, and the job's own fields (freeze) are kept."""
+    config = {**SHAPES["smollm2-135m"], **COMMON}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"")  # (the parse reads config.json only)
+    head = f"name: ft\nsteps: 2\ndata: {{dataset: corpus@v1, seq_len: 48}}\ninit_from: {{hf: {tmp_path}}}\n"
+    spec = parse_job_spec(head + "model: {n_layers: 2, freeze: ['tok_emb.weight']}\n", "ft.yaml")
+    assert (spec.model.n_kv_heads, spec.model.ffn_hidden, spec.model.freeze) == (3, 192, ["tok_emb.weight"])
+    cases = {
+        "model: {d_model: 144}": "hidden_size 72 differs from model.d_model 144",
+        "model: {n_kv_heads: 9}": "num_key_value_heads 3 differs from model.n_kv_heads 9",
+        "model: {qkv_bias: true}": "architecture Llama (no biases) differs from model.qkv_bias True",
+        "model: {ffn_hidden: 256}": "intermediate_size 192 differs from model.ffn_hidden 256",
+        "model: {rope_theta: 5.0e5}": "rope_theta 100000.0 differs from model.rope_theta 500000.0",
+        "model: {tie_embeddings: false}": "tie_word_embeddings True differs from model.tie_embeddings False",
+    }
+    for section, words in cases.items():
+        with pytest.raises(JobSpecError) as e:
+            parse_job_spec(head + section + "\n", "ft.yaml")
+        assert str(e.value) == f"ft.yaml: init_from.hf: {tmp_path / 'config.json'}: {words}", section
+    # A directory not here: the file still reads (as written), and a submit's check names it.
+    elsewhere = parse_job_spec(head.replace(str(tmp_path), str(tmp_path / "nowhere")), "ft.yaml")
+    assert elsewhere.model == ModelSpec()
+    with pytest.raises(JobSpecError, match=r"^ft.yaml: init_from.hf: .*/nowhere: not a directory$"):
+        hf_format.check_spec_directory(elsewhere, "ft.yaml")
+    config["architectures"], config["model_type"] = ["GemmaForCausalLM"], "gemma"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(JobSpecError, match=r"^ft.yaml: init_from.hf: .*config.json: architectures \['Gemma"):
+        parse_job_spec(head, "ft.yaml")

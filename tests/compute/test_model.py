@@ -83,3 +83,82 @@ def test_top_k_sampling_draws_only_among_the_k_most_likely():
     g = torch.Generator().manual_seed(0)
     firsts = {generate(m, prompt, 1, temperature=1.0, top_k=2, generator=g)[-1].item() for _ in range(30)}
     assert firsts <= top2
+
+
+# ---------------------------------------------------------------- the shapes people fine-tune
+
+GQA = {"n_layers": 2, "d_model": 48, "n_heads": 6, "n_kv_heads": 2, "vocab_size": 64}
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "math"])
+def test_grouped_query_attention_is_multi_head_attention_with_each_kv_head_repeated_for_its_group(attention):
+    """n_kv_heads 2 of 6: query heads 0-2 read k/v head 0, 3-5 head 1 (HF's repeat_kv
+    order). The same model with n_kv_heads = n_heads and each k/v head's rows copied to its
+    group's heads computes the same logits."""
+    gqa = build_model(ModelSpec(**GQA), seed=0)
+    mha = build_model(ModelSpec(**{**GQA, "n_kv_heads": None}), seed=1)
+    assert gqa.blocks[0].attn.k.weight.shape == (2 * 8, 48) and mha.blocks[0].attn.k.weight.shape == (48, 48)
+    state = gqa.state_dict()
+    for name, t in list(state.items()):
+        if name.endswith(("attn.k.weight", "attn.v.weight")):  # [G*K, D] -> [H*K, D]
+            state[name] = t.view(2, 8, 48).repeat_interleave(3, dim=0).reshape(48, 48)
+    mha.load_state_dict(state)
+    x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(gqa(x, attention=attention), mha(x, attention=attention), rtol=1e-5, atol=1e-5)
+
+
+def test_sdpa_and_math_attention_agree_under_grouped_query_attention():
+    m = build_model(ModelSpec(**GQA, qkv_bias=True), seed=0)
+    x = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(m(x, attention="sdpa"), m(x, attention="math"), rtol=1e-5, atol=1e-5)
+
+
+def test_qkv_biases_start_at_zero_and_change_the_function_once_set():
+    m = build_model(ModelSpec(**GQA, qkv_bias=True), seed=0)
+    attn = m.blocks[1].attn
+    assert [b.shape for b in (attn.q.bias, attn.k.bias, attn.v.bias)] == [(48,), (16,), (16,)]
+    assert attn.proj.bias is None and all(not b.any() for b in (attn.q.bias, attn.k.bias, attn.v.bias))
+    assert torch.equal(m.blocks[1].attn_norm.weight, torch.ones(48))  # (norm gains still 1)
+    x = torch.randint(0, 64, (1, 8))
+    with torch.no_grad():
+        before = m(x)
+        attn.v.bias.fill_(0.5)
+        assert not torch.allclose(m(x), before, atol=1e-4)
+
+
+def test_ffn_hidden_is_the_mlp_width_whatever_the_ratio():
+    spec = ModelSpec(**SMALL, ffn_hidden=40, mlp_ratio=8.0)
+    assert mlp_hidden_width(spec) == 40 and build_model(spec, 0).blocks[0].mlp.up.weight.shape == (40, 32)
+    gelu = ModelSpec(**SMALL, mlp="gelu", ffn_hidden=24)
+    assert build_model(gelu, 0).blocks[0].mlp.down.weight.shape == (32, 24)
+
+
+def test_llama3_rope_scaling_gives_transformers_frequencies():
+    """Llama-3.2-1B's RoPE (head width 64, theta 5e5, factor 32, 1 / 4, 8192 tokens) against
+    transformers' ``_compute_llama3_parameters``: the three bands (kept, smoothed, divided)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from services.compute.model import rotary_for
+
+    scaling = {
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    config = transformers.LlamaConfig(
+        hidden_size=2048,
+        num_attention_heads=32,
+        max_position_embeddings=131072,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, **scaling},
+    )
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    spec = ModelSpec(d_model=2048, n_heads=32, rope_theta=500000.0, rope_scaling=scaling)
+    ours = rotary_for(spec)._inv_freq
+    torch.testing.assert_close(ours.float(), theirs, rtol=1e-6, atol=0)
+    plain = rotary_for(ModelSpec(d_model=2048, n_heads=32, rope_theta=500000.0))._inv_freq
+    kept, divided = ours == plain, torch.isclose(ours, plain / 32)
+    assert kept.sum() > 0 and divided.sum() > 0 and (~kept & ~divided).sum() > 0  # all three bands are there

@@ -10,7 +10,7 @@ import pytest
 from services.compute import hf_format
 from services.compute.model import build_model
 from services.contract import control_pb2
-from services.jobspec import JobSpecError, parse_job_spec
+from services.jobspec import JobSpecError, parse_job_spec, spec_from_json
 
 
 def test_an_hf_directory_that_is_not_the_specs_model_is_refused_before_anything_is_allocated(plane, tmp_path):
@@ -36,3 +36,22 @@ def test_an_hf_directory_that_is_not_the_specs_model_is_refused_before_anything_
         control_pb2.SubmitJobRequest(spec_yaml=text + f"init_from: {{hf: {tmp_path}}}\n", spec_path="ft.yaml")
     )
     assert status.job_id
+
+
+def test_a_spec_without_a_model_section_takes_the_hf_directorys_shape_in_control_too(plane, tmp_path):
+    """surgectl and control parse a job file alike (services/jobspec.py parse_job_spec):
+    with ``init_from.hf`` and no ``model:`` section, the job control journals has the
+    directory's model (grouped-query heads, MLP width) and its own ``freeze``."""
+    plane.register("wa")
+    source = parse_job_spec(
+        "name: src\nsteps: 1\ndata: {dataset: x@v1, seq_len: 16}\n"
+        "model: {n_layers: 1, d_model: 48, n_heads: 6, n_kv_heads: 2, ffn_hidden: 40, tie_embeddings: false}\n"
+    )
+    hf_format.save_hf(tmp_path, build_model(source.model, seed=0).state_dict(), source)
+    text = f"name: ft\nsteps: 4\ndata: {{dataset: x@v1, seq_len: 16}}\ninit_from: {{hf: {tmp_path}}}\n"
+    status = plane.user(control_pb2.SubmitJobRequest(spec_yaml=text, spec_path="ft.yaml"))
+    journaled = plane.user(control_pb2.JobQuery(job_id=status.job_id, with_spec=True)).spec_json
+    assert spec_from_json(journaled).model == source.model
+    differing = r"^ft.yaml: init_from.hf: .*config.json: num_key_value_heads 2 differs from model.n_kv_heads 6$"
+    with pytest.raises(JobSpecError, match=differing):
+        plane.user(control_pb2.SubmitJobRequest(spec_yaml=text + "model: {n_kv_heads: 6}\n", spec_path="ft.yaml"))

@@ -1,4 +1,5 @@
-"""Every job spec under examples/jobs/ runs, and a newcomer's path from their own text to
+"""Every job spec under examples/jobs/ runs (the presets for 8-GPU nodes are dry-run instead:
+``PRESETS``), and a newcomer's path from their own text to
 Hugging Face and back works (issue 15 part 8 and its acceptance), on one stack (control,
 data, store, two node agents), the jobs one after another.
 
@@ -53,6 +54,18 @@ SHOWN = {
     "finetune_hf_frozen.yaml": lambda s: s.init_from is not None and s.init_from.hf is not None and s.model.freeze,
     "rebuild.yaml": lambda s: s.fault_policy.action_for("rank_exit", "SEVERE") == "rebuild",
 }
+# Presets shaped like the models people fine-tune, sized for 8-GPU nodes: checked as specs
+# (shape, header) and dry-run on the stack's data service (`submit --dry-run`: validated,
+# dataset resolved, memory per rank estimated on the CPU and on a GPU), never trained here:
+# a step of a 1 B-parameter model takes minutes on two CPU cores. The dry run swaps in the
+# stack's byte-level dataset and leaves init_from out (the weights are not on this machine).
+PRESETS = {
+    "llama3_2_1b.yaml": lambda s: (s.model.n_heads, s.model.kv_heads) == (32, 8) and s.model.rope_scaling is not None,
+    "qwen2_5_0_5b.yaml": lambda s: (s.model.n_heads, s.model.kv_heads, s.model.qkv_bias) == (14, 2, True),
+    "smollm2_135m.yaml": lambda s: (s.model.n_heads, s.model.kv_heads, s.model.n_layers) == (9, 3, 30),
+    "gpt2_124m.yaml": lambda s: (s.model.n_layers, s.model.d_model, s.model.mlp) == (12, 768, "gelu"),
+    "llama3_8b.yaml": lambda s: (s.model.d_model, s.model.kv_heads, s.model.tie_embeddings) == (4096, 8, False),
+}
 STEPS = 3
 # A few steps of rows of 64 tokens (fp16 on a CPU runs about 10x slower than fp32), no
 # checkpoint, one evaluation batch at the end.
@@ -68,11 +81,13 @@ SHORT = (
 
 def test_every_example_is_a_valid_spec_with_a_header_saying_how_to_run_it():
     files = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
-    assert set(SHOWN) <= set(files), files
+    assert set(SHOWN) | set(PRESETS) <= set(files), files
     for name in files:
         path = EXAMPLES / name
         spec = load_job_spec(path)
-        assert SHOWN.get(name, lambda s: True)(spec), name
+        assert {**SHOWN, **PRESETS}.get(name, lambda s: True)(spec), name
+        if name in PRESETS:  # GPU settings
+            assert spec.precision.dtype == "bf16" and spec.parallel.dp == 8, name
         header = re.match(r"(?:#.*\n)+", path.read_text())
         assert header and f"surgectl submit examples/jobs/{name}" in header.group(0), name
 
@@ -133,6 +148,7 @@ def test_every_example_runs_and_own_text_goes_to_hugging_face_and_back(stack, tm
             src, name, "v1", home / "datasets", val_fraction=0.2, include_glob=files
         )  # (corpus: json, email, logging)
 
+    dry_run_presets(home, monkeypatch)
     seconds, jobs = {}, {}
     for name in SHOWN:
         start = time.monotonic()
@@ -182,6 +198,27 @@ def test_every_example_runs_and_own_text_goes_to_hugging_face_and_back(stack, tm
     for name, job_id in jobs.items():
         assert (status[job_id]["outcome"], int(status[job_id]["step"])) == ("FINISHED", STEPS), (name, status[job_id])
     print(f"examples: {seconds}, {time.monotonic() - t0:.1f} s with the datasets")
+
+
+def dry_run_presets(home: Path, monkeypatch) -> None:
+    """`surgectl submit PRESET --dry-run` (in this process: no stack of their size here) for
+    each preset, on the stack's ``stdlib@v1``: valid, the model as the file writes it, and
+    the memory per rank on the CPU and on a GPU reported."""
+    from services.cli.jobs import dry_run_job
+    from services.jobspec import parse_job_spec
+
+    monkeypatch.setenv("SURGE_HOME", str(home))
+    for var in ("SURGE_CONTROL_ADDRESS", "SURGE_DATA_ADDRESS", "SURGE_STORE_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+    for name in PRESETS:
+        report = dry_run_job(EXAMPLES / name, ["data.dataset=stdlib@v1", "init_from=null"])
+        lines = report.splitlines()
+        assert lines[0].endswith("valid; nothing submitted (--dry-run)"), (name, lines[0])
+        assert "(the data service at " in lines[1], (name, lines[1])  # the stack's, not the catalog read directly
+        assert any(x.startswith("#   GPU total ") for x in lines) and any(
+            x.startswith("#   host total ") for x in lines
+        )
+        assert parse_job_spec(report, "dry-run.yaml").model == load_job_spec(EXAMPLES / name).model, name
 
 
 def export_and_compare_logits(home: Path, version: str, tmp_path: Path, monkeypatch) -> Path:

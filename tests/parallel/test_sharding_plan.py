@@ -87,6 +87,12 @@ def test_plan_is_immutable_and_a_pure_function_of_its_inputs():
             ParallelSpec(tp=3),
             r"^parallel.tp: the MLP hidden width \(256, from model.mlp_ratio\) must be divisible by tp \(3\)$",
         ),
+        (
+            ModelSpec(d_model=64, n_heads=4, n_kv_heads=2),
+            4,
+            ParallelSpec(tp=4, data_parallel="fsdp2"),
+            r"^parallel.tp: model.n_kv_heads \(2\) must be divisible by tp \(4\)$",
+        ),
         (MODEL, 8, ParallelSpec(pp=8), r"^parallel.pp: model.n_layers \(4\) must be >= pp \(8\)"),
         (
             ModelSpec(n_layers=4),
