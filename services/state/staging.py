@@ -49,6 +49,7 @@ class HostStaging:
         self._lock = threading.Lock()
         self._buffers: dict[tuple[str, str], list[torch.UntypedStorage]] = {}
         self._pending_cuda = False  # a non-blocking device -> host copy not yet awaited
+        self._allocated = self._reused = 0  # bytes handed out in new buffers / in kept ones
 
     def stage(self, key: str, path: str, value: torch.Tensor) -> torch.Tensor:
         """A host copy of ``value`` (detached; a DTensor's local shard, returned as a DTensor
@@ -79,11 +80,17 @@ class HostStaging:
         with self._lock:
             return sum(s.nbytes() for kept in self._buffers.values() for s in kept)
 
+    def stats(self) -> dict[str, int]:
+        """Bytes staged so far into new buffers (``allocated``) and into reused ones
+        (``reused``), and the bytes the pool keeps (``held``)."""
+        return {"allocated": self._allocated, "reused": self._reused, "held": self.held_bytes()}
+
     def _buffer(self, key: str, path: str, like: torch.Tensor) -> torch.Tensor:
         """A free host tensor shaped like ``like`` (contiguous, same dtype), from the pool or new."""
         pin = like.device.type == "cuda" and torch.cuda.is_available()
         nbytes = max(1, like.numel() * like.element_size())  # (a storage of 0 bytes cannot be pinned)
         if not self.reuse:
+            self._allocated += nbytes
             return torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
         with self._lock:
             kept = self._buffers.setdefault((key, path), [])
@@ -95,6 +102,9 @@ class HostStaging:
                 storage = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin).untyped_storage()
                 kept.append(storage)
                 del kept[:-_KEPT_PER_PATH]  # forget the oldest (its holder keeps it until it lets go)
+                self._allocated += nbytes
+            else:
+                self._reused += nbytes
             return torch.empty(0, dtype=like.dtype).set_(storage, 0, like.shape)
 
     def _copy(self, host: torch.Tensor, src: torch.Tensor) -> None:
@@ -128,11 +138,12 @@ def pool() -> HostStaging:
     return _POOL
 
 
-def set_reuse(reuse: bool) -> None:
-    """Reuse buffers between saves (the default) or allocate fresh ones each save (a
-    benchmark's baseline). Drops every kept buffer."""
+def use_pool(staging: HostStaging) -> HostStaging:
+    """Make ``staging`` this process's pool (a benchmark comparing a reusing pool with fresh
+    memory each save, a test starting from an empty pool); returns the pool it replaces."""
     global _POOL
-    _POOL = HostStaging(reuse=reuse)
+    _POOL, previous = staging, _POOL
+    return previous
 
 
 def staging_for(key: str | None) -> HostStaging:

@@ -17,9 +17,9 @@ from services.state.snapshot import Slot, SlotDigestMismatch, Snapshot
 
 @pytest.fixture(autouse=True)
 def fresh_pool():
-    staging.set_reuse(True)  # each test starts from an empty pool
+    previous = staging.use_pool(staging.HostStaging())  # each test starts from an empty pool
     yield
-    staging.set_reuse(True)
+    staging.use_pool(previous)
 
 
 def live_state() -> dict:
@@ -66,6 +66,8 @@ def test_a_slot_taken_again_after_the_last_save_let_go_reuses_its_buffers_with_t
     second = slot_of(state, 2)
     assert pointers(second) == was
     assert_holds(second, state)
+    stats = staging.pool().stats()
+    assert stats["reused"] == stats["allocated"] == stats["held"]  # the second save allocated nothing
     state["w"].add_(1.0)  # the live state moves on; the slot does not
     second.verify()
 
@@ -141,7 +143,7 @@ def test_a_dtensor_is_staged_as_a_dtensor_over_a_reused_host_copy_of_its_shard(t
 
 
 def test_without_reuse_every_save_gets_fresh_buffers():
-    staging.set_reuse(False)
+    staging.use_pool(staging.HostStaging(reuse=False))
     state = live_state()
     first = slot_of(state, 1)
     second = slot_of(state, 2)  # (first still held: the allocator cannot hand its pages back)
