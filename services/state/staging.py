@@ -7,9 +7,11 @@ with its optimizer state) and, for state on an accelerator, pinned memory alloca
 pool keeps the buffers instead, as torch's own asynchronous checkpoint stager does with
 ``cache_staged_state_dict`` (torch.distributed.checkpoint.staging): every tensor of a slot is
 staged into a host buffer kept per (slot key, path) — the path is the state dict's FQN —
-and handed out again at the next save when its shape, dtype and pinning still match. A
-different shape or dtype at a path (a resize, a new parallel layout) drops the path's old
-buffers.
+and handed out again at the next save when its size in bytes and its pinning still match
+(the bytes are viewed as the tensor's shape and dtype). A different size at a path (a
+resize, a new parallel layout) drops the path's old buffers. The pool keeps one copy of the
+state in host memory between saves (two while a background write overlaps the next
+snapshot): the price of saves without page faults, as in torch's stager.
 
 Why reuse can never overwrite bytes still being read: a buffer is handed out only while no
 tensor but the pool's own handle refers to its storage (the storage's reference count,
