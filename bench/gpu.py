@@ -339,7 +339,7 @@ def run_restore(spec_path: Path) -> dict:
 def _log_values(logs: Path, job: str, event: str, key: str) -> list[float]:
     """``key`` of every ``event`` line in ``job``'s rank logs."""
     out = []
-    for path in logs.glob(f"{job}-*rank*.log"):
+    for path in logs.glob(f"{job}.rank*.log"):  # the node agent names them <job>.rank<r>.log
         for line in path.read_text(errors="replace").splitlines():
             if f'"{event}"' in line:
                 try:
@@ -377,15 +377,40 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     c.setup_env()
     t0 = time.time()
-    rows: list[dict] = []
-    threads = max(1, (os.cpu_count() or 1) // n_gpus)
     base = yaml.safe_load(args.spec.read_text())
     if facts["gqa"]:
         base["model"]["n_kv_heads"] = facts["gqa"]
+    rows = qualify(configs, base, args, peak, facts, threads=max(1, (os.cpu_count() or 1) // n_gpus))
+    result = {
+        "machine": {**c.machine(), "gpu": name, "gpus": n_gpus, "peak_tflops": peak},
+        "facts": facts,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "rows": rows,
+        "total_seconds": time.time() - t0,
+    }
+    path = c.save("gpu", result)
+    print(header(facts, args))
+    print(c.table([(r["name"], str(r["ranks"]), _cell(r)) for r in rows], ("configuration", "ranks", "result")))
+    print(f"{path.relative_to(c.REPO)}; {result['total_seconds']:.0f} s")
+    return 0
+
+
+def qualify(
+    configs: list[Config],
+    base: dict,
+    args: argparse.Namespace,
+    peak: float,
+    facts: dict,
+    threads: int,
+    workers: int = 1,
+) -> list[dict]:
+    """Run ``configs`` in order on a stack of ``workers`` node agents (one: it offers every
+    GPU), within ``args.budget_s``; one row per configuration (its result, or why not)."""
+    t0 = time.time()
+    rows: list[dict] = []
     saved_job = ""
-    with c.Stack(workers=1):
+    with c.Stack(workers=workers):
         for i, cfg in enumerate(configs):
-            row = {**asdict(cfg)}
             left = args.budget_s - (time.time() - t0)
             if cfg.kind == "restore" and not saved_job and not cfg.skip:
                 cfg.skip = "no version to restore (the saving DDP row did not save)"
@@ -393,8 +418,9 @@ def main(argv: list[str] | None = None) -> int:
                 cfg.skip = (
                     f"over the {args.budget_s:.0f} s budget (estimated {cfg.estimate_s:.0f} s, {left:.0f} s left)"
                 )
+            row = {**asdict(cfg)}
             if cfg.skip:
-                rows.append({**row, "skip": cfg.skip})
+                rows.append(row)
                 continue
             spec = job_spec(base, cfg, args, peak, threads, f"gpu{i}-{cfg.kind}", saved_job)
             path = c.BENCH_HOME / "jobs" / f"{spec['name']}.yaml"
@@ -414,18 +440,7 @@ def main(argv: list[str] | None = None) -> int:
             if cfg.save and "save_stall_s" in res:
                 saved_job = res["job"]
             print(f"{cfg.name}: {_cell(rows[-1])}", flush=True)
-    result = {
-        "machine": {**c.machine(), "gpu": name, "gpus": n_gpus, "peak_tflops": peak},
-        "facts": facts,
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "rows": rows,
-        "total_seconds": time.time() - t0,
-    }
-    path = c.save("gpu", result)
-    print(header(facts, args))
-    print(c.table([(r["name"], str(r["ranks"]), _cell(r)) for r in rows], ("configuration", "ranks", "result")))
-    print(f"{path.relative_to(c.REPO)}; {result['total_seconds']:.0f} s")
-    return 0
+    return rows
 
 
 def header(facts: dict, args: argparse.Namespace) -> str:
