@@ -65,11 +65,11 @@ class HostStaging:
             return host
         from torch.distributed.tensor import DTensor
 
-        # torch's own CPU staging keeps a DTensor a DTensor with a host-side local shard
-        # (torch.distributed._state_dict_utils._create_cpu_state_dict): DCP writes it as one.
-        return DTensor.from_local(
-            host, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
-        )
+        # A DTensor over a host-side local shard, with the source's spec (mesh, placements,
+        # global shape and stride), as torch's own CPU staging builds it for an asynchronous
+        # DCP save (torch.distributed._state_dict_utils._create_cpu_state_dict). Not
+        # DTensor.from_local: it moves the local tensor to the mesh's device, back onto the GPU.
+        return DTensor(host, value._spec, requires_grad=False)
 
     def wait(self) -> None:
         """Wait for the device -> host copies issued since the last wait (none on a CPU)."""
@@ -110,15 +110,13 @@ class HostStaging:
             return torch.empty(0, dtype=like.dtype).set_(storage, 0, like.shape)
 
     def _copy(self, host: torch.Tensor, src: torch.Tensor) -> None:
-        if src.device.type == "cpu":
-            host.copy_(src)
-            return
+        on_device = src.device.type != "cpu"
         self._pending_cuda = self._pending_cuda or src.device.type == "cuda"
-        non_blocking = host.is_pinned()
+        non_blocking = on_device and host.is_pinned()
         if src.is_contiguous() or src.dim() == 0:
             host.copy_(src, non_blocking=non_blocking)  # device -> host directly: no device memory
             return
-        # A strided source is made contiguous on the device before it crosses: a slice of
+        # A strided source is made contiguous on its device before it crosses: a slice of
         # rows at a time, so that temporary is one chunk, never the whole tensor.
         row_bytes = max(1, src[0].numel() * src.element_size())
         rows = max(1, CHUNK_BYTES // row_bytes)

@@ -142,6 +142,15 @@ def test_a_dtensor_is_staged_as_a_dtensor_over_a_reused_host_copy_of_its_shard(t
         dist.destroy_process_group()
 
 
+def test_a_strided_tensor_crosses_in_chunks_of_rows_and_arrives_whole(monkeypatch):
+    monkeypatch.setattr(staging, "CHUNK_BYTES", 2 * 6 * 4)  # two rows of the 4 x 6 (transposed) weight: two chunks
+    state = live_state()
+    assert not state["w"].is_contiguous()
+    slot = slot_of(state, 1)
+    assert slot.state["w"].is_contiguous()
+    assert_holds(slot, state)
+
+
 def test_without_reuse_every_save_gets_fresh_buffers():
     staging.use_pool(staging.HostStaging(reuse=False))
     state = live_state()
