@@ -2,7 +2,8 @@
 and how long a resume takes to load: the demo model (examples/jobs/demo.yaml), two gloo
 ranks, the real `store` service and the ranks' real checkpoint relay.
 
-    .venv/bin/python bench/checkpoint_save.py [--rounds 5] [--steps-between 3] [--model demo|100m] [--json]
+    .venv/bin/python bench/checkpoint_save.py [--rounds 5] [--steps-between 3] [--model demo|100m]
+        [--staging reused|both] [--json]
 
 ``--model 100m``: the demo spec with 14 layers, d_model 768, 12 heads (99 M parameters,
 12 x 14 x 768^2 in the blocks), trained on 1 x 64-token micro-batches so one step stays
@@ -20,6 +21,14 @@ costs in all, the background write's competition for the cores included. Modes a
 interleaved round by round. Then every rank loads the last version into the state
 manager's copies, as a resume does (store verification + DCP read + the loaded snapshot's
 digests). Medians over rounds, in milliseconds.
+
+Host staging (services/state/staging.py): each snapshot's tensors are copied into host
+buffers the rank's pool reuses from the previous save once nothing refers to them (modes
+"sync" and "async"). ``--staging both`` adds "sync fresh" and "async fresh": the same saves
+with a pool that allocates fresh memory every save (the behaviour before the pool), so the
+first-touch page faults of a fresh copy show. "of which snapshot copy" is the part of the
+stall spent copying the state; each mode's first save is listed apart ("first save") since
+a reusing pool allocates then too.
 """
 
 from __future__ import annotations
@@ -61,7 +70,15 @@ def demo_spec(model: str):
 
 
 def rank_main(
-    rank: int, world: int, port: int, store: str, rounds: int, steps_between: int, out: str, model_name: str = "demo"
+    rank: int,
+    world: int,
+    port: int,
+    store: str,
+    rounds: int,
+    steps_between: int,
+    out: str,
+    model_name: str = "demo",
+    staging_modes: tuple[str, ...] = ("reused",),
 ) -> None:
     import warnings
 
@@ -77,6 +94,7 @@ def rank_main(
     from services.engine.optimizer import Optimizer
     from services.engine.training_loop import LoopPorts, LoopState, TrainingLoop
     from services.rank.store_client import StoreClient
+    from services.state import staging
     from services.state.snapshot import Slot, Snapshot
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -115,6 +133,12 @@ def rank_main(
         return Snapshot.of(slots)
 
     client = StoreClient(store, lambda *a, **k: 1)
+    pools = {"reused": staging.HostStaging(), "fresh": staging.HostStaging(reuse=False)}
+    modes = [
+        (f"{mode}{'' if kind == 'reused' else ' fresh'}", mode == "async", pools[kind])
+        for kind in staging_modes
+        for mode in ("sync", "async")
+    ]
     results: dict[str, list[float]] = {}
     for _ in range(3):
         train_step()  # warm-up
@@ -125,15 +149,19 @@ def rank_main(
         for _ in range(steps_between):
             train_step()
         results.setdefault("no_save: k steps", []).append(time.perf_counter() - t0)
-        for mode in ("sync", "async"):
+        for mode, write_async, pool in modes:
+            staging.use_pool(pool)
             dist.barrier()
             step += 1
             loop._step = step
             t0 = time.perf_counter()
+            taken = snapshot(step)
+            copied = time.perf_counter() - t0
             client.save_checkpoint(
-                store_pb2.SaveCheckpoint(job_id="bench", step=step, rank=rank, write_async=mode == "async"),
-                snapshot(step).to_write(),
+                store_pb2.SaveCheckpoint(job_id="bench", step=step, rank=rank, write_async=write_async),
+                taken.to_write(),
             )
+            del taken  # the loop keeps nothing of a save: only the writer holds the copy now
             if rank == 0:  # the loop's rank 0 also waits for a synchronous commit
                 client.commit_checkpoint(
                     store_pb2.CommitCheckpoint(job_id="bench", step=step, world_size=world, spec_json="{}", keep_last=2)
@@ -141,11 +169,15 @@ def rank_main(
             blocked = time.perf_counter() - t0
             for _ in range(steps_between):
                 train_step()
-            results.setdefault(f"{mode}: blocked", []).append(blocked)
+            first = f"{mode}: first save blocked" not in results
+            results.setdefault(f"{mode}: {'first save blocked' if first else 'blocked'}", []).append(blocked)
+            results.setdefault(f"{mode}: of which snapshot copy", []).append(copied)
             results.setdefault(f"{mode}: save + k steps", []).append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             client.flush_checkpoint(store_pb2.FlushCheckpoint(job_id="bench"))
             results.setdefault(f"{mode}: flush wait after", []).append(time.perf_counter() - t0)
+    staging.use_pool(pools["reused"])
+    results["staging bytes (allocated, reused, held)"] = [float(v) for v in pools["reused"].stats().values()]
     for _ in range(rounds):
         template = snapshot(0)  # (taken before a resume's load too: not timed here)
         dist.barrier()
@@ -167,6 +199,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps-between", type=int, default=3)
     ap.add_argument("--model", choices=sorted(MODELS), default="demo")
+    ap.add_argument(
+        "--staging", choices=("reused", "both"), default="reused", help="both: also saves into fresh memory each time"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -192,7 +227,16 @@ def main() -> None:
             os.environ.setdefault("OMP_NUM_THREADS", "1")
             mp.spawn(
                 rank_main,
-                args=(2, free_port(), f"127.0.0.1:{port}", args.rounds, args.steps_between, tmp, args.model),
+                args=(
+                    2,
+                    free_port(),
+                    f"127.0.0.1:{port}",
+                    args.rounds,
+                    args.steps_between,
+                    tmp,
+                    args.model,
+                    ("reused", "fresh") if args.staging == "both" else ("reused",),
+                ),
                 nprocs=2,
                 join=True,
             )
@@ -208,12 +252,16 @@ def main() -> None:
         f"{args.model} model ({params / 1e6:.1f} M parameters), 2 gloo ranks, {args.rounds} rounds, "
         f"checkpoint dirs on disk {size / 1e6:.1f} MB (2 versions)"
     )
+    pool_bytes = [r.pop("staging bytes (allocated, reused, held)") for r in results]
     print(f"{'what (median ms)':32} {'rank 0':>8} {'rank 1':>8}")
-    for key in results[0]:
+    order = [m.split(":")[0] for m in results[0]]  # each mode's rows together, in the order they ran
+    for key in sorted(results[0], key=lambda k: order.index(k.split(":")[0])):
         row = [1e3 * statistics.median(r[key]) for r in results]
         print(
             f"{key:32} {row[0]:8.1f} {row[1]:8.1f}   rank 0 each: {' '.join(f'{1e3 * v:.0f}' for v in results[0][key])}"
         )
+    allocated, reused, held = (v / 1e6 for v in pool_bytes[0])
+    print(f"host staging pool, rank 0: MB allocated {allocated:.0f}, reused {reused:.0f}, kept {held:.0f}")
     if args.json:
         print(
             json.dumps(
@@ -225,6 +273,7 @@ def main() -> None:
                     "median_ms_rank0": {k: 1e3 * statistics.median(v) for k, v in results[0].items()},
                     "median_ms_rank1": {k: 1e3 * statistics.median(v) for k, v in results[1].items()},
                     "raw_s_rank0": results[0],
+                    "staging_pool_bytes_rank0": dict(zip(("allocated", "reused", "held"), pool_bytes[0])),
                 }
             )
         )

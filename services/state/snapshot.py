@@ -2,9 +2,11 @@
 
 The state layer's unit of exchange (DESIGN.md "State"). An owner (L3-1 the model, L2-3 the
 optimizer, L2-1 the loop's own progress) never hands out its live tensors: ``ExportState``
-replies with a :class:`Slot`, a copy taken at that instant (every tensor cloned, a DTensor
-cloned as a DTensor with its placements; containers read-only: ``MappingProxyType`` and
-tuples), stamped with the owner, the training step and the snapshot's version, and carrying
+replies with a :class:`Slot`, a copy taken at that instant (every tensor copied to host
+memory, a DTensor as a DTensor with its placements over a host copy of its shard, in
+buffers reused from the slot's previous save once nothing refers to them any more:
+services/state/staging.py; containers read-only: ``MappingProxyType`` and tuples),
+stamped with the owner, the training step and the snapshot's version, and carrying
 the SHA-256 digest of its content. A :class:`Snapshot` is the slots of one instant: every
 slot from the same step and the same version, else it is refused (:class:`InconsistentSnapshot`).
 Restoring is a command carrying a slot (``RestoreState``); the owner checks it (its key, its
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -34,6 +36,7 @@ import torch
 
 from services.contract import Module
 from services.contract.failures import FailureCause, Refusal
+from services.state.staging import staging_for
 
 SLOT_META = "_slot"  # per slot in a written snapshot: int64 [step] (no state key starts with "_")
 # A rank's slots and the module owning each (the loop snapshots them; the composition root
@@ -67,28 +70,32 @@ class _FrozenList(tuple):
     __slots__ = ()
 
 
-def freeze(value: Any, *, clone: bool = True) -> Any:
+def freeze(value: Any, *, clone: bool = True, slot: str | None = None) -> Any:
     """A read-only copy of a state dict: mappings as MappingProxyType, lists as tuples,
     tensors copied (``clone=False``: kept, for tensors that are already a private copy).
-    A plain tensor on an accelerator is copied to host memory (a snapshot does not double
-    the device's memory; a restore copies it back); a DTensor is cloned as a DTensor, on
-    its mesh's device."""
+    Every copied tensor is in host memory (services/state/staging.py): a snapshot never
+    doubles the device's memory (a restore copies it back); a DTensor stays a DTensor (same
+    mesh and placements) over a host copy of its local shard. ``slot``: the slot the copy is
+    for; its tensors are staged in buffers this process reuses from one save of that slot to
+    the next (never one still referred to), else in fresh memory."""
+    if not clone:
+        return _frozen(value, lambda path, t: t.detach(), "")
+    staging = staging_for(slot)
+    frozen = _frozen(value, lambda path, t: staging.stage(slot or "", path, t), "")
+    staging.wait()  # device -> host copies are asynchronous into pinned memory
+    return frozen
+
+
+def _frozen(value: Any, copy: Callable[[str, torch.Tensor], torch.Tensor], path: str) -> Any:
     if isinstance(value, torch.Tensor):
-        return _copy(value) if clone else value.detach()
+        return copy(path, value)
     if isinstance(value, Mapping):
-        return MappingProxyType({k: freeze(v, clone=clone) for k, v in value.items()})
+        return MappingProxyType({k: _frozen(v, copy, f"{path}.{k}") for k, v in value.items()})
     if isinstance(value, list):
-        return _FrozenList(freeze(v, clone=clone) for v in value)
+        return _FrozenList(_frozen(v, copy, f"{path}[{i}]") for i, v in enumerate(value))
     if isinstance(value, tuple):
-        return tuple(freeze(v, clone=clone) for v in value)
+        return tuple(_frozen(v, copy, f"{path}[{i}]") for i, v in enumerate(value))
     return value  # plain data: int, float, str, bool, None
-
-
-def _copy(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if t.device.type != "cpu" and not hasattr(t, "to_local"):
-        return t.to("cpu", copy=True)
-    return t.clone()
 
 
 def thaw(value: Any, *, clone: bool = True) -> Any:
@@ -167,7 +174,7 @@ class Slot:
         """A slot holding a copy of ``state`` (the owner's live state dict, read once), with
         its digest taken now unless ``digest`` is False (a snapshot only written: its writer
         hashes what it writes; such a slot cannot be restored)."""
-        frozen = freeze(state)
+        frozen = freeze(state, slot=key)
         return cls(key, owner, step, version, frozen, digest_of(frozen) if digest else "")
 
     @classmethod

@@ -1,6 +1,7 @@
 """The CPU-side parts of the benchmarks: the torchrun baseline's data and schedule, the
-job specs the comparisons use, bench/gpu.sh's argument and spec checks (it cannot run
-without a GPU), and the statistics every table prints. No speed is asserted here."""
+job specs the comparisons use, bench/gpu.sh's dry run (every configuration's job spec
+validated, the plan for 1 and 8 GPUs, its one-line refusals; the qualification itself
+needs a GPU), and the statistics every table prints. No speed is asserted here."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import numpy as np
 import pytest
 import yaml
 
-from services.jobspec import load_job_spec
+from services.jobspec import load_job_spec, mlp_hidden_width
+from services.memory_estimate import estimate_memory
 from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO))
@@ -96,19 +98,66 @@ def test_throughput_spec_is_the_demo_job_without_eval_and_checkpoints():
     assert bench["checkpoint"]["every_steps"] == 0 and bench["checkpoint"]["at_end"] is False
 
 
-def test_gpu_spec_is_a_one_gpu_bf16_gpt2_small_shape():
-    spec = load_job_spec(REPO / "bench/jobs/gpt125m.yaml")
+def test_gpu_spec_is_a_llama_1b_shape_at_bf16():
+    spec = load_job_spec(REPO / "bench/jobs/llama1b.yaml")
     m = spec.model
-    assert (m.n_layers, m.d_model, m.n_heads, m.vocab_size, spec.data.seq_len) == (12, 768, 12, 256, 1024)
-    assert spec.world_size == 1 and torchrun_ddp.precision(spec) == "bf16"
+    assert (m.n_layers, m.d_model, m.n_heads, m.vocab_size, spec.data.seq_len) == (16, 2048, 32, 32000, 2048)
+    assert mlp_hidden_width(m) == 8192 and spec.precision.dtype == "bf16"
+    # 16 x (4 x 2048^2 + 3 x 2048 x 8192) + 32000 x 2048 (tied) + norms: ~1.1 G
+    assert estimate_memory(spec).total_parameters == 1_038_682_112
+
+
+def _plan(tmp_path, *argv: str):
+    """bench/gpu.py's plan as --dry-run makes it (8 GPUs of 80 GiB unless told)."""
+    args = gpu.parse(["--dry-run", *argv])
+    return gpu.plan(args, args.gpus or 8, (args.gpu_memory_gib or 80) * 2**30, 989.0, tmp_path)
 
 
 @pytest.mark.timeout(120)
-def test_gpu_sh_dry_run_checks_the_spec_and_prints_the_plan_without_a_gpu():
-    out = subprocess.run([str(REPO / "bench/gpu.sh"), "--dry-run"], capture_output=True, text=True, timeout=100)
+def test_gpu_sh_dry_run_validates_every_configuration_for_eight_gpus_without_a_gpu():
+    out = subprocess.run(
+        [str(REPO / "bench/gpu.sh"), "--dry-run", "--gpus", "8"], capture_output=True, text=True, timeout=100
+    )
     assert out.returncode == 0, out.stderr
-    assert "'params': 85150464" in out.stdout  # 12 x 12 x 768^2 + tied 256 x 768 embedding + norms
-    assert "'precision': 'bf16'" in out.stdout
+    rows = {line.split(" | ")[0].strip("| "): line for line in out.stdout.splitlines() if line.startswith("| ")}
+    for name in ("DDP dp=8", "FSDP2 dp=8", "TP tp=8", "FSDP2 dp=4 x TP tp=2"):
+        for compiled in ("off", "on"):
+            key = next(k for k in rows if k.startswith(f"{name}, compile {compiled}"))
+            assert "| runs, ~" in rows[key], rows[key]
+    assert "| runs, ~" in rows["SIGKILL rank 1, rebuild in place (DDP dp=8)"]
+    assert "validated: 10 job specs" in out.stdout
+    assert "1.04 G parameters (GQA 8 KV heads)" in out.stdout
+
+
+def test_gpu_plan_on_one_gpu_runs_one_rank_layouts_and_says_why_the_rest_cannot_run(tmp_path):
+    facts, configs = _plan(tmp_path, "--gpus", "1")
+    by_name = {cfg.name: cfg for cfg in configs}
+    assert not by_name["DDP dp=1 (one rank), compile off, then a save"].skip
+    assert not by_name["FSDP2 dp=1 (one rank), compile on"].skip
+    assert not by_name["restore of that save (DDP dp=1)"].skip
+    for name in (
+        "TP tp=2, compile off",
+        "FSDP2 dp=2 x TP tp=2, compile on",
+        "SIGKILL rank 1, rebuild in place (DDP dp=1)",
+    ):
+        assert "NCCL cannot run two ranks on one GPU" in by_name[name].skip, name
+    assert facts["flops_per_token"] == 6.0 * facts["params"] + 12.0 * 16 * 2048 * 2048
+
+
+def test_gpu_plan_skips_a_layout_whose_estimated_memory_exceeds_the_gpu(tmp_path):
+    _, configs = _plan(tmp_path, "--gpus", "8", "--gpu-memory-gib", "40")
+    skips = {cfg.name.split(",")[0]: cfg.skip for cfg in configs if cfg.kind == "train" and cfg.compile}
+    assert skips["DDP dp=8"].startswith("estimated 61.0 GiB per rank > the GPU's 40.0 GiB")
+    assert skips["TP tp=8"] == "" and skips["FSDP2 dp=4 x TP tp=2"] == ""
+
+
+def test_gpu_plan_refuses_a_spec_the_job_spec_validation_refuses_naming_the_field(tmp_path):
+    spec = yaml.safe_load((REPO / "bench/jobs/llama1b.yaml").read_text())
+    spec["model"]["vocab_size"] = 0
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(spec))
+    with pytest.raises(gpu.UsageError, match="vocab_size"):
+        _plan(tmp_path, "--spec", str(p))
 
 
 @pytest.mark.timeout(120)
@@ -117,24 +166,28 @@ def test_gpu_sh_refuses_bad_arguments_with_one_line_naming_the_flag():
         [str(REPO / "bench/gpu.sh"), "--steps", "5", "--dry-run"], capture_output=True, text=True, timeout=100
     )
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == ["error: --steps: must be > --warmup + 1 (21), got 5"]
+    assert out.stderr.strip().splitlines() == ["error: --steps: must be > --warmup + 1 (11), got 5"]
+
+
+@pytest.mark.timeout(120)
+def test_gpu_sh_says_in_one_line_when_the_venvs_torch_has_no_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this venv's torch has CUDA: gpu.sh would run the qualification")
+    out = subprocess.run([str(REPO / "bench/gpu.sh")], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 2
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith(f"error: the venv's torch ({torch.__version__}) cannot use a GPU")
 
 
 def test_gpu_peak_table_knows_datacenter_gpus_and_refuses_unknown_ones():
     assert gpu.peak_for("NVIDIA H200") == 989.0
+    assert gpu.peak_for("NVIDIA H100 80GB HBM3") == 989.0
     assert gpu.peak_for("NVIDIA A100-SXM4-80GB") == 312.0
     assert gpu.peak_for("NVIDIA L40S") == 362.0  # not L4's figure: longest name first
     with pytest.raises(gpu.UsageError, match="--peak-tflops"):
         gpu.peak_for("Some Future GPU")
-
-
-def test_gpu_plan_refuses_a_spec_of_more_than_one_rank(tmp_path):
-    spec = yaml.safe_load((REPO / "bench/jobs/gpt125m.yaml").read_text())
-    spec["parallel"]["dp"] = 2
-    p = tmp_path / "two.yaml"
-    p.write_text(yaml.safe_dump(spec))
-    with pytest.raises(gpu.UsageError, match="world size 1"):
-        gpu.plan(gpu.parse(["--spec", str(p)]))
 
 
 def test_steady_tokens_per_second_counts_wall_time_after_warmup():
