@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import os
 import socket
 import threading
 import time
@@ -70,6 +71,7 @@ from services.contract import Module, engine_pb2
 from services.contract.bus import CommandPort, Emitter, Reply
 from services.contract.failures import (
     CommunicationFailed,
+    Refusal,
     RendezvousFailed,
     communicator_broken,
     communicator_reset,
@@ -138,6 +140,7 @@ class ParallelStrategy:
             ValueError: an assignment that cannot work (rank >= world size, nccl without
                 CUDA, unknown backend) or a parallel config the planner refuses (dp * tp *
                 pp != world size, heads not divisible by tp, ...); the message names the field.
+            DeviceNotVisible: a device this process cannot see (a typed refusal, config_error).
             ConfigFrozen: a second assignment (the plan is frozen).
             RendezvousFailed: the rendezvous failed (``port_in_use``: rank 0 found its port
                 taken by another socket).
@@ -519,7 +522,35 @@ def _validate(msg: engine_pb2.RankAssignment) -> None:
         raise ValueError(f"rank assignment: backend must be 'gloo' or 'nccl', got {msg.backend!r}")
     if msg.backend == "nccl" and not msg.device.startswith("cuda"):
         raise ValueError(f"rank assignment: backend nccl needs a CUDA device, got device {msg.device!r}")
-    if msg.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"rank assignment: device {msg.device!r} but CUDA is not available in this process")
+    if msg.device.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        why = device_not_visible(msg.device, count, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if why is not None:
+            raise DeviceNotVisible(why)
+
+
+class DeviceNotVisible(ValueError, Refusal):
+    """The rank was told a device this process cannot see (its node agent's binding and
+    the process disagree, or the node has no such GPU): a configuration error, graded fatal
+    (``config_error``), reported in one line."""
+
+    fault_class = "config_error"
+
+
+def device_not_visible(device: str, visible_count: int, cuda_visible_devices: str | None) -> str | None:
+    """Why ``device`` ("cuda", "cuda:N") cannot be used by a process that sees
+    ``visible_count`` CUDA devices under ``CUDA_VISIBLE_DEVICES`` = ``cuda_visible_devices``
+    (None: unset); None when it can. The node agent masks each rank to its one GPU, which
+    it then sees as ``cuda:0`` (services/worker/device_binding.py)."""
+    mask = "unset" if cuda_visible_devices is None else repr(cuda_visible_devices)
+    if visible_count == 0:
+        return f"rank assignment: device {device!r} but this process sees no CUDA device (CUDA_VISIBLE_DEVICES {mask})"
+    index = device.partition(":")[2]
+    if index and (not index.isdigit() or int(index) >= visible_count):
+        return (
+            f"rank assignment: device {device!r} but this process sees {visible_count} CUDA "
+            f"device{'' if visible_count == 1 else 's'} (cuda:0..cuda:{visible_count - 1}; CUDA_VISIBLE_DEVICES {mask})"
+        )
+    return None
     if not msg.master_addr or not msg.master_port:
         raise ValueError("rank assignment: master_addr and master_port are required")

@@ -66,6 +66,7 @@ import grpc
 import structlog
 import torch
 
+from services.common.cpu_list import CPU_AFFINITY_ENV, parse_cpu_list
 from services.common.grpc_server import channel
 from services.common.logs import configure
 from services.common.phase import COLLECTIVE, IDLE, PhaseMarker
@@ -80,7 +81,7 @@ from services.contract import Module, audit_pb2, data_pb2, engine_pb2, store_pb2
 from services.contract.audit import ViolationReporter, report_of
 from services.contract.bus import Bus, CommandPort
 from services.contract.comm_guard import install as install_comm_guard
-from services.contract.failures import set_collective_probe, set_origin
+from services.contract.failures import Refusal, set_collective_probe, set_origin
 from services.contract.injection import env_error
 from services.contract.relay import L1, L4, L5, RANK, Link, Routed, pack
 from services.contract.validation import validate_table, validate_wiring
@@ -500,6 +501,36 @@ def _waits_for_release(e: BaseException) -> bool:
     return failures.cause_of(e) != failures.C.FAILURE_COMMUNICATION and not failures.communicator_broken()
 
 
+class CpuAffinityRefused(ValueError, Refusal):
+    """The CPUs the node agent bound this rank to cannot be applied (one line, config_error)."""
+
+    fault_class = "config_error"
+
+
+def pin_cpus(cpu_list: str | None) -> tuple[int, ...]:
+    """Pin this process to ``cpu_list`` (``SURGE_CPU_AFFINITY``: its GPU's share of the
+    node's CPUs, services/worker/device_binding.py); threads started later inherit it.
+    Returns the CPUs pinned to (empty: none asked, or not Linux).
+
+    Raises:
+        CpuAffinityRefused: not a cpulist, or CPUs this process may not run on."""
+    if not cpu_list:
+        return ()
+    try:
+        cpus = tuple(parse_cpu_list(cpu_list))
+    except ValueError:
+        raise CpuAffinityRefused(f"{CPU_AFFINITY_ENV}: not a cpulist: {cpu_list!r}") from None
+    if not hasattr(os, "sched_setaffinity"):
+        return ()
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as e:
+        raise CpuAffinityRefused(
+            f"{CPU_AFFINITY_ENV}: cannot run on CPUs {cpu_list} ({os.strerror(e.errno or 0)})"
+        ) from None
+    return cpus
+
+
 def _rpc_text(e: BaseException) -> str:
     if isinstance(e, grpc.RpcError):
         return f"{e.code().name}: {e.details()}"
@@ -530,7 +561,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
     code = 0
     try:
         init, assignment = session.receive_setup()
-        torch.set_num_threads(max(1, assignment.num_threads or 1))
+        pinned = pin_cpus(os.environ.get(CPU_AFFINITY_ENV))  # before torch starts its thread pools
+        torch.set_num_threads(max(1, assignment.num_threads or len(pinned) or 1))
         spec = spec_from_json(init.spec_json)
         session.set_heartbeat_interval(spec.liveness.heartbeat_interval_seconds)
         guard = StepGuard(lambda: session.step + 1, injector=FaultInjector.from_env(spec.name, args.job, args.rank))
@@ -594,6 +626,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
             "rank_composed",
             world_size=assignment.world_size,
             device=assignment.device,
+            cpus=os.environ.get(CPU_AFFINITY_ENV, ""),
             backend=assignment.backend,
             threads=torch.get_num_threads(),
             data=init.data_address,
