@@ -44,6 +44,15 @@ RankAssignment stays as given: frozen). A rendezvous without a layout must be of
 size. The reply to the loop's rebuild carries the rendezvous joined as its payload
 (generation, and the layout the loop takes: the data side of the same resize).
 
+Communication faults (issue 26): the group's timeout is a collective's, derived from the
+job's liveness settings (:func:`collective_timeout_s`: 60 s with the defaults, never before
+L1 has judged); the rendezvous keeps its own (:data:`RENDEZVOUS_TIMEOUT_S`). An NCCL rank's
+watchdog aborts the communicator on a timeout or an NCCL error and leaves the process alive
+(:func:`nccl_environment`). When L1-2's rendezvous names ``lost_ranks``, the survivor's group
+is recorded broken and aborted from the session's thread (:meth:`_abort_group`), so a
+collective blocked on the lost peer returns at once; either way the failure reaches the
+loop typed as a communication failure and the rebuild above proceeds.
+
 Red lines kept (seed L2-2): the plan is computed by the planner, never adapted here: it is
 fixed at initialisation, and a new plan at a new size comes only with L1-2's rendezvous
 naming a new layout (L1's command), computed from the same job sections; this module
@@ -60,6 +69,7 @@ import socket
 import threading
 import time
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -74,16 +84,99 @@ from services.contract.failures import (
     Refusal,
     RendezvousFailed,
     communicator_broken,
+    communicator_failed,
     communicator_reset,
     failure_of,
 )
 from services.contract.frozen import FrozenConfig
 from services.engine.schedule_check import check_pipeline
 from services.engine.sharding_plan import ShardingPlan, Topology, plan
-from services.jobspec import ModelSpec, ParallelSpec
+from services.jobspec import LivenessSpec, ModelSpec, ParallelSpec
 
-DEFAULT_TIMEOUT_S = 300.0
+# The floor of a collective's timeout (seconds): torchft's Manager and ProcessGroup default
+# (``timeout=timedelta(seconds=60)``, torchft/manager.py, torchft/process_group.py).
+COLLECTIVE_TIMEOUT_FLOOR_S = 60.0
+# How long a rendezvous may take (every rank counted in, a replacement started, L1-2's next
+# rendezvous heard): torchtitan's ``comm.init_timeout_seconds`` (300 s).
+RENDEZVOUS_TIMEOUT_S = 300.0
+DEFAULT_TIMEOUT_S = COLLECTIVE_TIMEOUT_FLOOR_S  # a collective's, without a job spec
 _log = structlog.get_logger("parallel_strategy")
+
+
+def collective_timeout_s(liveness: LivenessSpec, compiles: bool = False) -> float:
+    """How long a collective of the job's process group may wait for a peer (seconds): the
+    group's timeout, after which NCCL's watchdog aborts its communicator (gloo raises).
+
+    ``liveness.collective_timeout_seconds`` when the spec sets it; else derived from the
+    job's liveness deadlines so it never fires before L1 has judged: L1 hears a dead rank
+    within ``heartbeat_timeout_seconds`` (a running but silent one within
+    ``heartbeat_timeout_running_seconds``) and a stalled one after ``stall_min_seconds``, and
+    orders the rebuild, which aborts the survivors' communicator at once
+    (:meth:`ParallelStrategy.rebuild_parallel_group`). The timeout is the backstop for when
+    that order does not come: twice the longest of those deadlines, at least
+    :data:`COLLECTIVE_TIMEOUT_FLOOR_S` (60 s with the defaults, where a constant 300 s was).
+    A job that compiles waits out ``phase_seconds.compile`` too: a replacement compiling its
+    first step keeps its healed peers in that step's first collective that long.
+    """
+    if liveness.collective_timeout_seconds > 0:
+        return liveness.collective_timeout_seconds
+    judged = max(liveness.heartbeat_timeout_running_seconds, liveness.stall_min_seconds)
+    timeout = max(COLLECTIVE_TIMEOUT_FLOOR_S, 2 * judged)
+    if compiles:
+        timeout = max(timeout, liveness.phase_seconds.compile)
+    return timeout
+
+
+def side_timeout_s(liveness: LivenessSpec, compiles: bool = False) -> float:
+    """The timeout of the side groups (the store relay's gloo groups, ``side_groups``): a
+    save's agreement and DCP write wait for the slowest peer's staging, whose budget is
+    ``phase_seconds.checkpoint_staging``; never shorter than a collective's."""
+    return max(collective_timeout_s(liveness, compiles), liveness.phase_seconds.checkpoint_staging)
+
+
+def nccl_environment(timeout_s: float) -> dict[str, str]:
+    """The NCCL settings of a rank whose group is ``nccl`` (read by ProcessGroupNCCL when a
+    group is made; an operator's own value of any of them is kept).
+
+    * ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (CleanUpOnly): on a timeout or an NCCL error the
+      watchdog aborts the communicators and leaves the process alive; the rank's next use
+      of the group raises, typed as a communication failure by the guard around it, and the
+      rebuild proceeds. torch 2.13's default, 3 (SkipCleanUp), and 1 (TearDown) end the
+      process instead (torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp, ErrorHandlingMode),
+      so no survivor could be kept.
+    * ``TORCH_NCCL_DUMP_ON_TIMEOUT=0``: no flight-recorder dump first (it delays the abort by
+      up to ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``; L1 has the fault's record already).
+    * ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC``: the monitor that kills a process whose watchdog
+      hangs (an ``ncclCommAbort`` that never returns) fires after one collective timeout,
+      not torch's 480 s: such a rank cannot be kept and L1 relaunches it.
+    * ``TORCH_NCCL_BLOCKING_WAIT=0``: the CPU does not block in ``wait()``; a failure shows
+      at the next use of the group (as with 2 above).
+    """
+    return {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(max(1, round(timeout_s))),
+        "TORCH_NCCL_BLOCKING_WAIT": "0",
+    }
+
+
+def abort_communicators(backend: str) -> bool:
+    """Abort this process's process groups so that a collective blocked in them returns
+    (the caller recorded the communicator broken first). Returns whether anything could be
+    aborted.
+
+    ``nccl``: ``ncclCommAbort`` of every group (torch's ``_abort_process_group``, as torchft
+    aborts a timed-out group); the blocked collective's kernels return and its next use
+    raises; the world is gone (``dist.is_initialized()`` is False) and the rebuild forms a
+    new one. ``gloo``: nothing can be: torch 2.13's ProcessGroupGloo does not implement
+    ``abort`` (``Backend::abort`` is a no-op; measured: a collective blocked on a SIGSTOPped
+    peer stays blocked after ``abort()``, ``shutdown()`` and ``_abort_process_group()``). A
+    gloo survivor is released when the lost peer's process ends (L1 kills it: its sockets
+    close) or at the collective timeout."""
+    if backend != "nccl" or not dist.is_initialized():
+        return False
+    dist.distributed_c10d._abort_process_group()
+    return True
 
 
 class ParallelStrategy:
@@ -99,18 +192,31 @@ class ParallelStrategy:
         parallel: ParallelSpec | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         side_groups: tuple[str, ...] = (),
+        side_timeout_s: float | None = None,
+        rendezvous_timeout_s: float = RENDEZVOUS_TIMEOUT_S,
+        abort: Callable[[str], bool] = abort_communicators,
     ):
         """``model`` and ``parallel``: the job spec's sections the plan is computed from
         (default: a data-parallel-only plan over whatever world the assignment names).
-        ``side_groups``: names of the gloo groups over the whole world that other parts of
-        the rank run on (the store relay's "agree" and "write"), made at every formation of
-        the group (:meth:`side_group`)."""
-        if timeout_s <= 0:
-            raise ValueError(f"parallel strategy: timeout_s must be > 0, got {timeout_s}")
+        ``timeout_s``: a collective's timeout, the process group's (:func:`collective_timeout_s`
+        of the job's liveness settings). ``side_groups``: names of the gloo groups over the
+        whole world that other parts of the rank run on (the store relay's "agree" and
+        "write"), made at every formation of the group (:meth:`side_group`), with
+        ``side_timeout_s`` (default ``timeout_s``). ``rendezvous_timeout_s``: how long a
+        rendezvous may take (the store, every rank's arrival, L1-2's next rendezvous).
+        ``abort``: aborts the process groups of a backend (:func:`abort_communicators`; the
+        NCCL boundary, which tests on CPU stand in for)."""
+        for name, value in (("timeout_s", timeout_s), ("rendezvous_timeout_s", rendezvous_timeout_s)):
+            if value <= 0:
+                raise ValueError(f"parallel strategy: {name} must be > 0, got {value}")
         self._emit = emit
         self._shard_loader = shard_loader
         self._reduction = reduction
-        self._timeout = timedelta(seconds=timeout_s)
+        self._timeout = timedelta(seconds=rendezvous_timeout_s)  # (the rendezvous's waits)
+        self._collective_timeout = timedelta(seconds=timeout_s)
+        self._side_timeout = timedelta(seconds=side_timeout_s or timeout_s)
+        self._abort = abort
+        self._aborted_generation = 0  # the newest rendezvous whose lost ranks made this rank abort
         self._model_spec = model
         self._parallel_spec = parallel
         self._mesh: DeviceMesh | None = None
@@ -288,8 +394,42 @@ class ParallelStrategy:
                 self._rendezvous = msg
                 self._mailbox.notify_all()
             joining = self._joining if msg.generation > self._generation else None
+            # Ranks of the group this rank is in were lost: its communicator is broken (once
+            # per rendezvous; not while no group is formed, nor while it is left already).
+            abort = (
+                bool(msg.lost_ranks)
+                and self._state == "ready"
+                and msg.generation > max(self._generation, self._aborted_generation)
+            )
+            if abort:
+                self._aborted_generation = msg.generation
+        if abort:
+            self._abort_group(msg)
         if joining is not None:
             _supersede(*joining, self._timeout)
+
+    def _abort_group(self, msg: engine_pb2.RebuildParallelGroup) -> None:
+        """L1-2 says ranks of this rank's group were lost (``msg.lost_ranks``): the group's
+        communicator is recorded broken (so what its use raises now is a communication
+        failure by type, services/contract/failures.py, never by its text) and aborted, on
+        this, the session's thread: a collective the main thread is blocked in on a lost
+        peer returns at once instead of at the group timeout (NCCL; gloo cannot be aborted:
+        :func:`abort_communicators`), and the loop's rebuild proceeds."""
+        backend = self._assignment.get().backend
+        communicator_failed()
+        t0 = time.perf_counter()
+        try:
+            aborted = self._abort(backend)
+        except Exception as e:  # noqa: BLE001 - a failed abort leaves the timeout as the backstop
+            _log.warning("abort_failed", backend=backend, error=f"{type(e).__name__}: {e}")
+            return
+        _log.info(
+            "communicator_aborted" if aborted else "communicator_not_abortable",
+            backend=backend,
+            lost_ranks=list(msg.lost_ranks),
+            generation=msg.generation,
+            abort_s=round(time.perf_counter() - t0, 4),
+        )
 
     def _wait_rendezvous(self) -> engine_pb2.RebuildParallelGroup:
         """L1-2's newest rendezvous past this rank's generation (taken out of the mailbox),
@@ -332,12 +472,15 @@ class ParallelStrategy:
             raise RendezvousFailed(f"rendezvous port {port} is in use", port_in_use=True)
         store = self._arrive(addr, port, rank, world_size)
         try:
+            if backend == "nccl":
+                for name, value in nccl_environment(self._collective_timeout.total_seconds()).items():
+                    os.environ.setdefault(name, value)  # (read when the group is made)
             dist.init_process_group(
                 backend=backend,
                 store=dist.PrefixStore("group", store),
                 rank=rank,
                 world_size=world_size,
-                timeout=self._timeout,
+                timeout=self._collective_timeout,
             )
         except (ValueError, TypeError, RendezvousFailed):  # a wrong call (a bug); the guard's own type
             self._state = "comm_error"
@@ -351,7 +494,9 @@ class ParallelStrategy:
         # first save) waited for a peer lost just then in a store wait that its loss never
         # ends, and the survivor never reached L1's rebuild (CI: a node agent lost at step 10).
         try:
-            self._side = {name: dist.new_group(backend="gloo", timeout=self._timeout) for name in self._side_names}
+            self._side = {
+                name: dist.new_group(backend="gloo", timeout=self._side_timeout) for name in self._side_names
+            }
         except Exception as e:  # a peer lost during the formation: the group was not formed
             self._state = "comm_error"
             raise RendezvousFailed(f"rendezvous at {addr}:{port} failed: {type(e).__name__}") from e

@@ -87,7 +87,7 @@ from services.contract.relay import L1, L4, L5, RANK, Link, Routed, pack
 from services.contract.validation import validate_table, validate_wiring
 from services.engine.mixed_precision import MixedPrecision
 from services.engine.optimizer import Optimizer
-from services.engine.parallel_strategy import DEFAULT_TIMEOUT_S, ParallelStrategy
+from services.engine.parallel_strategy import ParallelStrategy, collective_timeout_s, side_timeout_s
 from services.engine.training_loop import LoopPorts, TrainingLoop
 from services.jobspec import JobSpec, spec_from_json
 from services.rank.faults import FaultInjector, StepGuard
@@ -155,7 +155,7 @@ def compose(
     data: DataRelay,
     store: StoreRelay,
     up: UpRelay,
-    pg_timeout_s: float = DEFAULT_TIMEOUT_S,
+    pg_timeout_s: float | None = None,
     started_at: float | None = None,
     guard: StepGuard | None = None,
     phase: PhaseMarker | None = None,
@@ -169,7 +169,8 @@ def compose(
     rank replaces a lost one and takes its state from a live peer (InitJob.heal_from_peer):
     its DDP wrapper is built without DDP's start-up broadcast, as its rebuilding peers' are.
     ``side_groups``: the gloo groups L2-2 makes at every formation of the world for the
-    relays (ParallelStrategy.side_group).
+    relays (ParallelStrategy.side_group). ``pg_timeout_s``: a collective's timeout (default:
+    from the spec's liveness settings, :func:`collective_timeout_s`).
 
     Raises:
         RouteError, ContractError: the table or this wiring breaks the contract; the rank
@@ -220,8 +221,9 @@ def compose(
         port(Module.L2_PARALLEL_STRATEGY, Module.L3_GRADIENT_REDUCTION),
         model=spec.model,
         parallel=spec.parallel,
-        timeout_s=pg_timeout_s,
+        timeout_s=pg_timeout_s or collective_timeout_s(spec.liveness, spec.operators.compile),
         side_groups=side_groups,
+        side_timeout_s=max(pg_timeout_s or 0.0, side_timeout_s(spec.liveness, spec.operators.compile)),
     )
     L = Module.L2_TRAINING_LOOP
     backward_port, precision_port = port(L, Module.L3_BACKWARD_UNIT), port(L, Module.L2_MIXED_PRECISION)
@@ -606,7 +608,6 @@ def main(argv: list[str] | None = None) -> NoReturn:
             copies=copies,
             on_routed=from_store.deliver_each,  # L5-2's failure events, back with a metric ack
         )
-        timeout_s = float(os.environ.get("SURGE_PG_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         rank = compose(
             bus,
             spec,
@@ -614,7 +615,6 @@ def main(argv: list[str] | None = None) -> NoReturn:
             data=data,
             store=store,
             up=session,
-            pg_timeout_s=timeout_s,
             started_at=t_start,
             guard=guard,
             phase=phase,
