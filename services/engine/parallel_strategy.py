@@ -68,8 +68,8 @@ import os
 import socket
 import threading
 import time
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import structlog
@@ -494,9 +494,7 @@ class ParallelStrategy:
         # first save) waited for a peer lost just then in a store wait that its loss never
         # ends, and the survivor never reached L1's rebuild (CI: a node agent lost at step 10).
         try:
-            self._side = {
-                name: dist.new_group(backend="gloo", timeout=self._side_timeout) for name in self._side_names
-            }
+            self._side = {name: dist.new_group(backend="gloo", timeout=self._side_timeout) for name in self._side_names}
         except Exception as e:  # a peer lost during the formation: the group was not formed
             self._state = "comm_error"
             raise RendezvousFailed(f"rendezvous at {addr}:{port} failed: {type(e).__name__}") from e
@@ -667,6 +665,8 @@ def _validate(msg: engine_pb2.RankAssignment) -> None:
         raise ValueError(f"rank assignment: backend must be 'gloo' or 'nccl', got {msg.backend!r}")
     if msg.backend == "nccl" and not msg.device.startswith("cuda"):
         raise ValueError(f"rank assignment: backend nccl needs a CUDA device, got device {msg.device!r}")
+    if not msg.master_addr or not msg.master_port:
+        raise ValueError("rank assignment: master_addr and master_port are required")
     if msg.device.startswith("cuda"):
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         why = device_not_visible(msg.device, count, os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -697,5 +697,3 @@ def device_not_visible(device: str, visible_count: int, cuda_visible_devices: st
             f"device{'' if visible_count == 1 else 's'} (cuda:0..cuda:{visible_count - 1}; CUDA_VISIBLE_DEVICES {mask})"
         )
     return None
-    if not msg.master_addr or not msg.master_port:
-        raise ValueError("rank assignment: master_addr and master_port are required")

@@ -36,8 +36,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.contract import control_pb2, engine_pb2
 from services.common.cpu_list import CPU_AFFINITY_ENV, format_cpu_list, parse_cpu_list
+from services.contract import control_pb2, engine_pb2
 
 NUMA_NODE_ENV = "SURGE_NUMA_NODE"
 

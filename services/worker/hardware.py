@@ -2,8 +2,9 @@
 
 What the node agent declares to control first on every session: its CUDA devices
 (``nvidia-smi``, or torch only when the tool is missing) with where each sits (PCI bus id,
-NUMA node and local CPUs, from sysfs), host memory, usable CPUs and the slots it offers. Reads the OS and the driver, never another module; never raises for a
-broken driver (the node then reports no GPU).
+NUMA node and local CPUs, from sysfs), host memory, usable CPUs and the slots it offers.
+Reads the OS and the driver, never another module; never raises for a broken driver (the
+node then reports no GPU).
 """
 
 from __future__ import annotations
