@@ -44,11 +44,11 @@ RankAssignment stays as given: frozen). A rendezvous without a layout must be of
 size. The reply to the loop's rebuild carries the rendezvous joined as its payload
 (generation, and the layout the loop takes: the data side of the same resize).
 
-Communication faults (issue 26): the group's timeout is a collective's, derived from the
-job's liveness settings (:func:`collective_timeout_s`: 60 s with the defaults, never before
-L1 has judged); the rendezvous keeps its own (:data:`RENDEZVOUS_TIMEOUT_S`). An NCCL rank's
-watchdog aborts the communicator on a timeout or an NCCL error and leaves the process alive
-(:func:`nccl_environment`). When L1-2's rendezvous names ``lost_ranks``, the survivor's group
+Communication faults (issue 26): the group's timeout is a collective's, given at
+construction (derived from the job's settings by the rank's root:
+services/rank/comm_settings.py); the rendezvous keeps its own (:data:`RENDEZVOUS_TIMEOUT_S`).
+An NCCL rank's watchdog aborts the communicator on a timeout or an NCCL error and leaves the
+process alive (the root's NCCL settings). When L1-2's rendezvous names ``lost_ranks``, the survivor's group
 is recorded broken and aborted from the session's thread (:meth:`_abort_group`), so a
 collective blocked on the lost peer returns at once; either way the failure reaches the
 loop typed as a communication failure and the rebuild above proceeds.
@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import errno
 import gc
-import os
 import socket
 import threading
 import time
@@ -91,73 +90,15 @@ from services.contract.failures import (
 from services.contract.frozen import FrozenConfig
 from services.engine.schedule_check import check_pipeline
 from services.engine.sharding_plan import ShardingPlan, Topology, plan
-from services.jobspec import LivenessSpec, ModelSpec, ParallelSpec
+from services.jobspec import ModelSpec, ParallelSpec
 
-# The floor of a collective's timeout (seconds): torchft's Manager and ProcessGroup default
-# (``timeout=timedelta(seconds=60)``, torchft/manager.py, torchft/process_group.py).
-COLLECTIVE_TIMEOUT_FLOOR_S = 60.0
+# A collective's timeout without a job spec (seconds): torchft's default (60 s); a rank's is
+# derived from its job's settings (services/rank/comm_settings.py).
+DEFAULT_TIMEOUT_S = 60.0
 # How long a rendezvous may take (every rank counted in, a replacement started, L1-2's next
 # rendezvous heard): torchtitan's ``comm.init_timeout_seconds`` (300 s).
 RENDEZVOUS_TIMEOUT_S = 300.0
-DEFAULT_TIMEOUT_S = COLLECTIVE_TIMEOUT_FLOOR_S  # a collective's, without a job spec
 _log = structlog.get_logger("parallel_strategy")
-
-
-def collective_timeout_s(liveness: LivenessSpec, compiles: bool = False) -> float:
-    """How long a collective of the job's process group may wait for a peer (seconds): the
-    group's timeout, after which NCCL's watchdog aborts its communicator (gloo raises).
-
-    ``liveness.collective_timeout_seconds`` when the spec sets it; else derived from the
-    job's liveness deadlines so it never fires before L1 has judged: L1 hears a dead rank
-    within ``heartbeat_timeout_seconds`` (a running but silent one within
-    ``heartbeat_timeout_running_seconds``) and a stalled one after ``stall_min_seconds``, and
-    orders the rebuild, which aborts the survivors' communicator at once
-    (:meth:`ParallelStrategy.rebuild_parallel_group`). The timeout is the backstop for when
-    that order does not come: twice the longest of those deadlines, at least
-    :data:`COLLECTIVE_TIMEOUT_FLOOR_S` (60 s with the defaults, where a constant 300 s was).
-    A job that compiles waits out ``phase_seconds.compile`` too: a replacement compiling its
-    first step keeps its healed peers in that step's first collective that long.
-    """
-    if liveness.collective_timeout_seconds > 0:
-        return liveness.collective_timeout_seconds
-    judged = max(liveness.heartbeat_timeout_running_seconds, liveness.stall_min_seconds)
-    timeout = max(COLLECTIVE_TIMEOUT_FLOOR_S, 2 * judged)
-    if compiles:
-        timeout = max(timeout, liveness.phase_seconds.compile)
-    return timeout
-
-
-def side_timeout_s(liveness: LivenessSpec, compiles: bool = False) -> float:
-    """The timeout of the side groups (the store relay's gloo groups, ``side_groups``): a
-    save's agreement and DCP write wait for the slowest peer's staging, whose budget is
-    ``phase_seconds.checkpoint_staging``; never shorter than a collective's."""
-    return max(collective_timeout_s(liveness, compiles), liveness.phase_seconds.checkpoint_staging)
-
-
-def nccl_environment(timeout_s: float) -> dict[str, str]:
-    """The NCCL settings of a rank whose group is ``nccl`` (read by ProcessGroupNCCL when a
-    group is made; an operator's own value of any of them is kept).
-
-    * ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (CleanUpOnly): on a timeout or an NCCL error the
-      watchdog aborts the communicators and leaves the process alive; the rank's next use
-      of the group raises, typed as a communication failure by the guard around it, and the
-      rebuild proceeds. torch 2.13's default, 3 (SkipCleanUp), and 1 (TearDown) end the
-      process instead (torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp, ErrorHandlingMode),
-      so no survivor could be kept.
-    * ``TORCH_NCCL_DUMP_ON_TIMEOUT=0``: no flight-recorder dump first (it delays the abort by
-      up to ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``; L1 has the fault's record already).
-    * ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC``: the monitor that kills a process whose watchdog
-      hangs (an ``ncclCommAbort`` that never returns) fires after one collective timeout,
-      not torch's 480 s: such a rank cannot be kept and L1 relaunches it.
-    * ``TORCH_NCCL_BLOCKING_WAIT=0``: the CPU does not block in ``wait()``; a failure shows
-      at the next use of the group (as with 2 above).
-    """
-    return {
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
-        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(max(1, round(timeout_s))),
-        "TORCH_NCCL_BLOCKING_WAIT": "0",
-    }
 
 
 def abort_communicators(backend: str) -> bool:
@@ -195,17 +136,19 @@ class ParallelStrategy:
         side_timeout_s: float | None = None,
         rendezvous_timeout_s: float = RENDEZVOUS_TIMEOUT_S,
         abort: Callable[[str], bool] = abort_communicators,
+        visible_devices: str | None = None,
     ):
         """``model`` and ``parallel``: the job spec's sections the plan is computed from
         (default: a data-parallel-only plan over whatever world the assignment names).
-        ``timeout_s``: a collective's timeout, the process group's (:func:`collective_timeout_s`
-        of the job's liveness settings). ``side_groups``: names of the gloo groups over the
+        ``timeout_s``: a collective's timeout, the process group's (the rank's root derives it
+        from the job's settings: services/rank/comm_settings.py). ``side_groups``: names of the gloo groups over the
         whole world that other parts of the rank run on (the store relay's "agree" and
         "write"), made at every formation of the group (:meth:`side_group`), with
         ``side_timeout_s`` (default ``timeout_s``). ``rendezvous_timeout_s``: how long a
         rendezvous may take (the store, every rank's arrival, L1-2's next rendezvous).
         ``abort``: aborts the process groups of a backend (:func:`abort_communicators`; the
-        NCCL boundary, which tests on CPU stand in for)."""
+        NCCL boundary, which tests on CPU stand in for). ``visible_devices``: the process's
+        ``CUDA_VISIBLE_DEVICES`` (None: unset), named when a device it cannot see is refused."""
         for name, value in (("timeout_s", timeout_s), ("rendezvous_timeout_s", rendezvous_timeout_s)):
             if value <= 0:
                 raise ValueError(f"parallel strategy: {name} must be > 0, got {value}")
@@ -216,6 +159,7 @@ class ParallelStrategy:
         self._collective_timeout = timedelta(seconds=timeout_s)
         self._side_timeout = timedelta(seconds=side_timeout_s or timeout_s)
         self._abort = abort
+        self._visible_devices = visible_devices
         self._aborted_generation = 0  # the newest rendezvous whose lost ranks made this rank abort
         self._model_spec = model
         self._parallel_spec = parallel
@@ -252,7 +196,7 @@ class ParallelStrategy:
                 taken by another socket).
         """
         self._assignment.require_unset()
-        _validate(msg)
+        _validate(msg, self._visible_devices)
         parallel = self._parallel_spec or ParallelSpec(dp=msg.world_size)
         topology = Topology(tuple(msg.rank_nodes)) if msg.rank_nodes else None
         sharding = plan(self._model_spec or ModelSpec(), msg.world_size, parallel, topology)  # ValueError: bad config
@@ -472,9 +416,6 @@ class ParallelStrategy:
             raise RendezvousFailed(f"rendezvous port {port} is in use", port_in_use=True)
         store = self._arrive(addr, port, rank, world_size)
         try:
-            if backend == "nccl":
-                for name, value in nccl_environment(self._collective_timeout.total_seconds()).items():
-                    os.environ.setdefault(name, value)  # (read when the group is made)
             dist.init_process_group(
                 backend=backend,
                 store=dist.PrefixStore("group", store),
@@ -658,7 +599,7 @@ def _port_taken(port: int) -> bool:
     return False
 
 
-def _validate(msg: engine_pb2.RankAssignment) -> None:
+def _validate(msg: engine_pb2.RankAssignment, visible_devices: str | None) -> None:
     if msg.world_size < 1 or msg.rank >= msg.world_size:
         raise ValueError(f"rank assignment: rank {msg.rank} is not in world_size {msg.world_size}")
     if msg.backend not in ("gloo", "nccl"):
@@ -669,7 +610,7 @@ def _validate(msg: engine_pb2.RankAssignment) -> None:
         raise ValueError("rank assignment: master_addr and master_port are required")
     if msg.device.startswith("cuda"):
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        why = device_not_visible(msg.device, count, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        why = device_not_visible(msg.device, count, visible_devices)
         if why is not None:
             raise DeviceNotVisible(why)
 

@@ -87,9 +87,10 @@ from services.contract.relay import L1, L4, L5, RANK, Link, Routed, pack
 from services.contract.validation import validate_table, validate_wiring
 from services.engine.mixed_precision import MixedPrecision
 from services.engine.optimizer import Optimizer
-from services.engine.parallel_strategy import ParallelStrategy, collective_timeout_s, side_timeout_s
+from services.engine.parallel_strategy import ParallelStrategy
 from services.engine.training_loop import LoopPorts, TrainingLoop
 from services.jobspec import JobSpec, spec_from_json
+from services.rank.comm_settings import apply_nccl_environment, collective_timeout_s, side_timeout_s
 from services.rank.faults import FaultInjector, StepGuard
 from services.state.snapshot import RANK_SLOTS
 from services.state.state_manager import StateManager
@@ -170,7 +171,7 @@ def compose(
     its DDP wrapper is built without DDP's start-up broadcast, as its rebuilding peers' are.
     ``side_groups``: the gloo groups L2-2 makes at every formation of the world for the
     relays (ParallelStrategy.side_group). ``pg_timeout_s``: a collective's timeout (default:
-    from the spec's liveness settings, :func:`collective_timeout_s`).
+    from the spec's settings, services/rank/comm_settings.py).
 
     Raises:
         RouteError, ContractError: the table or this wiring breaks the contract; the rank
@@ -224,6 +225,7 @@ def compose(
         timeout_s=pg_timeout_s or collective_timeout_s(spec.liveness, spec.operators.compile),
         side_groups=side_groups,
         side_timeout_s=max(pg_timeout_s or 0.0, side_timeout_s(spec.liveness, spec.operators.compile)),
+        visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),  # (named when a device it cannot see is refused)
     )
     L = Module.L2_TRAINING_LOOP
     backward_port, precision_port = port(L, Module.L3_BACKWARD_UNIT), port(L, Module.L2_MIXED_PRECISION)
@@ -567,6 +569,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
         torch.set_num_threads(max(1, assignment.num_threads or len(pinned) or 1))
         spec = spec_from_json(init.spec_json)
         session.set_heartbeat_interval(spec.liveness.heartbeat_interval_seconds)
+        if assignment.backend == "nccl":  # (read by ProcessGroupNCCL when L2-2 makes the group)
+            apply_nccl_environment(collective_timeout_s(spec.liveness, spec.operators.compile))
         guard = StepGuard(lambda: session.step + 1, injector=FaultInjector.from_env(spec.name, args.job, args.rank))
         violations = ViolationReporter(
             session.process, log, deliver=session.report_violation, job_id=args.job, rank=args.rank, inline=True

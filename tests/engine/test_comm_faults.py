@@ -24,16 +24,19 @@ from services.contract.failures import (
     communicator_reset,
 )
 from services.engine.parallel_strategy import (
-    COLLECTIVE_TIMEOUT_FLOOR_S,
     DeviceNotVisible,
     ParallelStrategy,
     abort_communicators,
-    collective_timeout_s,
     device_not_visible,
+)
+from services.jobspec import LivenessSpec, spec_from_json
+from services.rank.comm_settings import (
+    COLLECTIVE_TIMEOUT_FLOOR_S,
+    apply_nccl_environment,
+    collective_timeout_s,
     nccl_environment,
     side_timeout_s,
 )
-from services.jobspec import LivenessSpec, spec_from_json
 
 
 @pytest.fixture(autouse=True)
@@ -73,6 +76,9 @@ def test_an_nccl_rank_is_set_to_abort_its_communicator_and_live():
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
     assert env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "90"
     assert env["TORCH_NCCL_BLOCKING_WAIT"] == "0"
+    process = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}  # an operator's own choice is kept
+    assert apply_nccl_environment(90.0, process)["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert process["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
 
 
 def test_the_timeout_reaches_the_process_group_from_the_jobs_spec(tmp_path):
@@ -172,9 +178,8 @@ def test_a_device_the_process_cannot_see_is_named_in_one_line(device, count, vis
     assert device_not_visible(device, count, visible) == expected
 
 
-def test_a_cuda_assignment_in_a_process_without_cuda_is_a_typed_config_error(monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    s, _ = strategy()
+def test_a_cuda_assignment_in_a_process_without_cuda_is_a_typed_config_error():
+    s, _ = strategy(visible_devices="3")
     with pytest.raises(DeviceNotVisible) as refused:
         s.rank_assignment(
             engine_pb2.RankAssignment(
@@ -182,4 +187,6 @@ def test_a_cuda_assignment_in_a_process_without_cuda_is_a_typed_config_error(mon
             )
         )
     assert refused.value.fault_class == "config_error" and cause_of(refused.value) == C.FAILURE_INVALID_INPUT
-    assert "\n" not in str(refused.value)
+    assert str(refused.value) == (
+        "rank assignment: device 'cuda:0' but this process sees no CUDA device (CUDA_VISIBLE_DEVICES '3')"
+    )
