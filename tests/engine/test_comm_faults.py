@@ -190,3 +190,20 @@ def test_a_cuda_assignment_in_a_process_without_cuda_is_a_typed_config_error():
     assert str(refused.value) == (
         "rank assignment: device 'cuda:0' but this process sees no CUDA device (CUDA_VISIBLE_DEVICES '3')"
     )
+
+
+def test_a_step_whose_group_was_aborted_under_it_fails_typed_instead_of_using_its_numbers():
+    # NCCL: a collective cut short by the abort returns what its buffers held. L3-5's step
+    # reduction (the world's one small all-reduce) checks the record L2-2 made before it
+    # aborted, and the step fails as a communication failure (then the loop rebuilds).
+    from services.compute.gradient_reduction import GradientReduction
+    from services.contract.failures import CommunicationFailed, communicator_failed
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    reduction = GradientReduction(Bus().emitter(Module.L3_GRADIENT_REDUCTION))
+    reduction._plan = engine_pb2.ParallelPlan(world_size=2, dp=2, tp=1, pp=1)  # (as after ParallelPlan: a dp 2 world)
+    step = engine_pb2.ReduceGradients(local_loss_sum=3.0, local_tokens=4)
+    assert reduction.reduce_gradients(step).global_loss_sum == 3.0  # a whole group: its numbers
+    communicator_failed()  # L2-2's record, made before it aborts
+    with pytest.raises(CommunicationFailed):
+        reduction.reduce_gradients(step)
