@@ -21,9 +21,10 @@ their NUMA node and local CPUs where it reports them) to what the rank process g
   ``--numa-binding=exclusive`` does the same by physical core: ``torch/numa/binding.py``).
   The slice travels as ``SURGE_CPU_AFFINITY`` (a cpulist) and the rank applies it
   (``os.sched_setaffinity``) before its threads start; ``SURGE_NUMA_NODE`` names the node.
-* ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``: ``num_threads`` when the spec sets it, else
-  the size of the CPU slice when there is one (torchrun sets 1 for several processes per
-  node; a rank pinned to its own CPUs can use them all without oversubscribing).
+* ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``: ``num_threads`` (the spec's
+  ``parallel.threads_per_rank``, 1 by default as torchrun sets for several processes per
+  node); an assignment without one gets the size of its CPU slice (a rank pinned to its
+  own CPUs can use them all without oversubscribing).
 
 A ``cpu`` rank (no GPU) is neither masked nor pinned, as before; a bare ``cuda`` sees every
 device. A device the node did not register is still masked: the rank then sees no device
