@@ -685,7 +685,9 @@ class LivenessSpec(_Strict):
     checkpoint staging and compile have theirs (``phase_seconds``). A rank stalled while it
     waits in a collective is ``rank_stalled_in_collective``: a consequence of the peer that
     stopped outside one. A communication error waits ``attribution_seconds`` for the fault
-    that caused it (a peer's death), so the survivor is not blamed.
+    that caused it (a peer's death), so the survivor is not blamed. A collective waits for a
+    peer at most ``collective_timeout_seconds`` (the process group's timeout; 0: derived from
+    these deadlines, at least 60 s: services/engine/parallel_strategy.collective_timeout_s).
     """
 
     heartbeat_interval_seconds: float = Field(1.0, gt=0)
@@ -694,6 +696,7 @@ class LivenessSpec(_Strict):
     stall_min_seconds: float = Field(30.0, gt=0)
     stall_step_factor: float = Field(5.0, gt=0, le=10_000)  # (a step 10^4 x the median is stalled)
     attribution_seconds: float = Field(1.0, ge=0)
+    collective_timeout_seconds: float = Field(0.0, ge=0, le=PHASE_SECONDS_MAX)
     phase_seconds: PhaseSecondsSpec = PhaseSecondsSpec()
 
     @model_validator(mode="after")

@@ -104,6 +104,7 @@ from services.compute.parallelize import (
 from services.contract import Module, engine_pb2
 from services.contract.acting import acting
 from services.contract.bus import Emitter
+from services.contract.failures import CommunicationFailed, communicator_broken
 from services.contract.frozen import FrozenConfig
 
 
@@ -260,6 +261,12 @@ class GradientReduction:
                 self._state = "comm_failed"
                 raise
             local = stats.tolist()
+            if communicator_broken():
+                # Aborted under this step (L2-2, on L1-2's word that a peer was lost): an NCCL
+                # collective cut short returns what its buffers held, so the step's numbers
+                # are not the group's. Typed by the record, never by what NCCL said.
+                self._state = "comm_failed"
+                raise CommunicationFailed("the process group was aborted during the step's reduction")
             self._state = "done"
         loss_sum, tokens, replicated, sharded, overflowed = local
         return engine_pb2.GradientsReduced(

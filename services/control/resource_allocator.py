@@ -456,6 +456,7 @@ class ResourceAllocator:
                     job_id=msg.job_id, master_addr=master_addr, master_port=master_port, reason=msg.reason,
                     world_size=len(placed.ranks), generation=placed.generation, rank_nodes=rank_nodes,
                     layout=msg.layout if msg.HasField("layout") else None,
+                    lost_ranks=lost,  # the survivors abort their broken communicator at once
                 )  # fmt: skip
         # The kills go first on each node agent's queue: a replacement of the same rank starts
         # only once the killed process is reaped (the node agent's rule), and a survivor blocked

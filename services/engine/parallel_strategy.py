@@ -44,6 +44,15 @@ RankAssignment stays as given: frozen). A rendezvous without a layout must be of
 size. The reply to the loop's rebuild carries the rendezvous joined as its payload
 (generation, and the layout the loop takes: the data side of the same resize).
 
+Communication faults (issue 26): the group's timeout is a collective's, given at
+construction (derived from the job's settings by the rank's root:
+services/rank/comm_settings.py); the rendezvous keeps its own (:data:`RENDEZVOUS_TIMEOUT_S`).
+An NCCL rank's watchdog aborts the communicator on a timeout or an NCCL error and leaves the
+process alive (the root's NCCL settings). When L1-2's rendezvous names ``lost_ranks``, the survivor's group
+is recorded broken and aborted from the session's thread (:meth:`_abort_group`), so a
+collective blocked on the lost peer returns at once; either way the failure reaches the
+loop typed as a communication failure and the rebuild above proceeds.
+
 Red lines kept (seed L2-2): the plan is computed by the planner, never adapted here: it is
 fixed at initialisation, and a new plan at a new size comes only with L1-2's rendezvous
 naming a new layout (L1's command), computed from the same job sections; this module
@@ -58,6 +67,7 @@ import gc
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -70,8 +80,10 @@ from services.contract import Module, engine_pb2
 from services.contract.bus import CommandPort, Emitter, Reply
 from services.contract.failures import (
     CommunicationFailed,
+    Refusal,
     RendezvousFailed,
     communicator_broken,
+    communicator_failed,
     communicator_reset,
     failure_of,
 )
@@ -81,8 +93,32 @@ from services.engine.schedule_check import check_pipeline
 from services.engine.sharding_plan import ShardingPlan, Topology, plan
 from services.jobspec import ModelSpec, ParallelSpec
 
-DEFAULT_TIMEOUT_S = 300.0
+# A collective's timeout without a job spec (seconds): torchft's default (60 s); a rank's is
+# derived from its job's settings (services/rank/comm_settings.py).
+DEFAULT_TIMEOUT_S = 60.0
+# How long a rendezvous may take (every rank counted in, a replacement started, L1-2's next
+# rendezvous heard): torchtitan's ``comm.init_timeout_seconds`` (300 s).
+RENDEZVOUS_TIMEOUT_S = 300.0
 _log = structlog.get_logger("parallel_strategy")
+
+
+def abort_communicators(backend: str) -> bool:
+    """Abort this process's process groups so that a collective blocked in them returns
+    (the caller recorded the communicator broken first). Returns whether anything could be
+    aborted.
+
+    ``nccl``: ``ncclCommAbort`` of every group (torch's ``_abort_process_group``, as torchft
+    aborts a timed-out group); the blocked collective's kernels return and its next use
+    raises; the world is gone (``dist.is_initialized()`` is False) and the rebuild forms a
+    new one. ``gloo``: nothing can be: torch 2.13's ProcessGroupGloo does not implement
+    ``abort`` (``Backend::abort`` is a no-op; measured: a collective blocked on a SIGSTOPped
+    peer stays blocked after ``abort()``, ``shutdown()`` and ``_abort_process_group()``). A
+    gloo survivor is released when the lost peer's process ends (L1 kills it: its sockets
+    close) or at the collective timeout."""
+    if backend != "nccl" or not dist.is_initialized():
+        return False
+    dist.distributed_c10d._abort_process_group()
+    return True
 
 
 class ParallelStrategy:
@@ -98,18 +134,34 @@ class ParallelStrategy:
         parallel: ParallelSpec | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         side_groups: tuple[str, ...] = (),
+        side_timeout_s: float | None = None,
+        rendezvous_timeout_s: float = RENDEZVOUS_TIMEOUT_S,
+        abort: Callable[[str], bool] = abort_communicators,
+        visible_devices: str | None = None,
     ):
         """``model`` and ``parallel``: the job spec's sections the plan is computed from
         (default: a data-parallel-only plan over whatever world the assignment names).
-        ``side_groups``: names of the gloo groups over the whole world that other parts of
-        the rank run on (the store relay's "agree" and "write"), made at every formation of
-        the group (:meth:`side_group`)."""
-        if timeout_s <= 0:
-            raise ValueError(f"parallel strategy: timeout_s must be > 0, got {timeout_s}")
+        ``timeout_s``: a collective's timeout, the process group's (the rank's root derives it
+        from the job's settings: services/rank/comm_settings.py). ``side_groups``: names of the gloo groups over the
+        whole world that other parts of the rank run on (the store relay's "agree" and
+        "write"), made at every formation of the group (:meth:`side_group`), with
+        ``side_timeout_s`` (default ``timeout_s``). ``rendezvous_timeout_s``: how long a
+        rendezvous may take (the store, every rank's arrival, L1-2's next rendezvous).
+        ``abort``: aborts the process groups of a backend (:func:`abort_communicators`; the
+        NCCL boundary, which tests on CPU stand in for). ``visible_devices``: the process's
+        ``CUDA_VISIBLE_DEVICES`` (None: unset), named when a device it cannot see is refused."""
+        for name, value in (("timeout_s", timeout_s), ("rendezvous_timeout_s", rendezvous_timeout_s)):
+            if value <= 0:
+                raise ValueError(f"parallel strategy: {name} must be > 0, got {value}")
         self._emit = emit
         self._shard_loader = shard_loader
         self._reduction = reduction
-        self._timeout = timedelta(seconds=timeout_s)
+        self._timeout = timedelta(seconds=rendezvous_timeout_s)  # (the rendezvous's waits)
+        self._collective_timeout = timedelta(seconds=timeout_s)
+        self._side_timeout = timedelta(seconds=side_timeout_s or timeout_s)
+        self._abort = abort
+        self._visible_devices = visible_devices
+        self._aborted_generation = 0  # the newest rendezvous whose lost ranks made this rank abort
         self._model_spec = model
         self._parallel_spec = parallel
         self._mesh: DeviceMesh | None = None
@@ -139,12 +191,13 @@ class ParallelStrategy:
             ValueError: an assignment that cannot work (rank >= world size, nccl without
                 CUDA, unknown backend) or a parallel config the planner refuses (dp * tp *
                 pp != world size, heads not divisible by tp, ...); the message names the field.
+            DeviceNotVisible: a device this process cannot see (a typed refusal, config_error).
             ConfigFrozen: a second assignment (the plan is frozen).
             RendezvousFailed: the rendezvous failed (``port_in_use``: rank 0 found its port
                 taken by another socket).
         """
         self._assignment.require_unset()
-        _validate(msg)
+        _validate(msg, self._visible_devices)
         parallel = self._parallel_spec or ParallelSpec(dp=msg.world_size)
         topology = Topology(tuple(msg.rank_nodes)) if msg.rank_nodes else None
         sharding = plan(self._model_spec or ModelSpec(), msg.world_size, parallel, topology)  # ValueError: bad config
@@ -287,8 +340,42 @@ class ParallelStrategy:
                 self._rendezvous = msg
                 self._mailbox.notify_all()
             joining = self._joining if msg.generation > self._generation else None
+            # Ranks of the group this rank is in were lost: its communicator is broken (once
+            # per rendezvous; not while no group is formed, nor while it is left already).
+            abort = (
+                bool(msg.lost_ranks)
+                and self._state == "ready"
+                and msg.generation > max(self._generation, self._aborted_generation)
+            )
+            if abort:
+                self._aborted_generation = msg.generation
+        if abort:
+            self._abort_group(msg)
         if joining is not None:
             _supersede(*joining, self._timeout)
+
+    def _abort_group(self, msg: engine_pb2.RebuildParallelGroup) -> None:
+        """L1-2 says ranks of this rank's group were lost (``msg.lost_ranks``): the group's
+        communicator is recorded broken (so what its use raises now is a communication
+        failure by type, services/contract/failures.py, never by its text) and aborted, on
+        this, the session's thread: a collective the main thread is blocked in on a lost
+        peer returns at once instead of at the group timeout (NCCL; gloo cannot be aborted:
+        :func:`abort_communicators`), and the loop's rebuild proceeds."""
+        backend = self._assignment.get().backend
+        communicator_failed()
+        t0 = time.perf_counter()
+        try:
+            aborted = self._abort(backend)
+        except Exception as e:  # noqa: BLE001 - a failed abort leaves the timeout as the backstop
+            _log.warning("abort_failed", backend=backend, error=f"{type(e).__name__}: {e}")
+            return
+        _log.info(
+            "communicator_aborted" if aborted else "communicator_not_abortable",
+            backend=backend,
+            lost_ranks=list(msg.lost_ranks),
+            generation=msg.generation,
+            abort_s=round(time.perf_counter() - t0, 4),
+        )
 
     def _wait_rendezvous(self) -> engine_pb2.RebuildParallelGroup:
         """L1-2's newest rendezvous past this rank's generation (taken out of the mailbox),
@@ -336,7 +423,7 @@ class ParallelStrategy:
                 store=dist.PrefixStore("group", store),
                 rank=rank,
                 world_size=world_size,
-                timeout=self._timeout,
+                timeout=self._collective_timeout,
             )
         except (ValueError, TypeError, RendezvousFailed):  # a wrong call (a bug); the guard's own type
             self._state = "comm_error"
@@ -350,7 +437,7 @@ class ParallelStrategy:
         # first save) waited for a peer lost just then in a store wait that its loss never
         # ends, and the survivor never reached L1's rebuild (CI: a node agent lost at step 10).
         try:
-            self._side = {name: dist.new_group(backend="gloo", timeout=self._timeout) for name in self._side_names}
+            self._side = {name: dist.new_group(backend="gloo", timeout=self._side_timeout) for name in self._side_names}
         except Exception as e:  # a peer lost during the formation: the group was not formed
             self._state = "comm_error"
             raise RendezvousFailed(f"rendezvous at {addr}:{port} failed: {type(e).__name__}") from e
@@ -514,14 +601,42 @@ def _port_taken(port: int) -> bool:
     return False
 
 
-def _validate(msg: engine_pb2.RankAssignment) -> None:
+def _validate(msg: engine_pb2.RankAssignment, visible_devices: str | None) -> None:
     if msg.world_size < 1 or msg.rank >= msg.world_size:
         raise ValueError(f"rank assignment: rank {msg.rank} is not in world_size {msg.world_size}")
     if msg.backend not in ("gloo", "nccl"):
         raise ValueError(f"rank assignment: backend must be 'gloo' or 'nccl', got {msg.backend!r}")
     if msg.backend == "nccl" and not msg.device.startswith("cuda"):
         raise ValueError(f"rank assignment: backend nccl needs a CUDA device, got device {msg.device!r}")
-    if msg.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"rank assignment: device {msg.device!r} but CUDA is not available in this process")
     if not msg.master_addr or not msg.master_port:
         raise ValueError("rank assignment: master_addr and master_port are required")
+    if msg.device.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        why = device_not_visible(msg.device, count, visible_devices)
+        if why is not None:
+            raise DeviceNotVisible(why)
+
+
+class DeviceNotVisible(ValueError, Refusal):
+    """The rank was told a device this process cannot see (its node agent's binding and
+    the process disagree, or the node has no such GPU): a configuration error, graded fatal
+    (``config_error``), reported in one line."""
+
+    fault_class = "config_error"
+
+
+def device_not_visible(device: str, visible_count: int, cuda_visible_devices: str | None) -> str | None:
+    """Why ``device`` ("cuda", "cuda:N") cannot be used by a process that sees
+    ``visible_count`` CUDA devices under ``CUDA_VISIBLE_DEVICES`` = ``cuda_visible_devices``
+    (None: unset); None when it can. The node agent masks each rank to its one GPU, which
+    it then sees as ``cuda:0`` (services/worker/device_binding.py)."""
+    mask = "unset" if cuda_visible_devices is None else repr(cuda_visible_devices)
+    if visible_count == 0:
+        return f"rank assignment: device {device!r} but this process sees no CUDA device (CUDA_VISIBLE_DEVICES {mask})"
+    index = device.partition(":")[2]
+    if index and (not index.isdigit() or int(index) >= visible_count):
+        return (
+            f"rank assignment: device {device!r} but this process sees {visible_count} CUDA "
+            f"device{'' if visible_count == 1 else 's'} (cuda:0..cuda:{visible_count - 1}; CUDA_VISIBLE_DEVICES {mask})"
+        )
+    return None

@@ -66,6 +66,7 @@ import grpc
 import structlog
 import torch
 
+from services.common.cpu_list import CPU_AFFINITY_ENV, parse_cpu_list
 from services.common.grpc_server import channel
 from services.common.logs import configure
 from services.common.phase import COLLECTIVE, IDLE, PhaseMarker
@@ -80,15 +81,16 @@ from services.contract import Module, audit_pb2, data_pb2, engine_pb2, store_pb2
 from services.contract.audit import ViolationReporter, report_of
 from services.contract.bus import Bus, CommandPort
 from services.contract.comm_guard import install as install_comm_guard
-from services.contract.failures import set_collective_probe, set_origin
+from services.contract.failures import Refusal, set_collective_probe, set_origin
 from services.contract.injection import env_error
 from services.contract.relay import L1, L4, L5, RANK, Link, Routed, pack
 from services.contract.validation import validate_table, validate_wiring
 from services.engine.mixed_precision import MixedPrecision
 from services.engine.optimizer import Optimizer
-from services.engine.parallel_strategy import DEFAULT_TIMEOUT_S, ParallelStrategy
+from services.engine.parallel_strategy import ParallelStrategy
 from services.engine.training_loop import LoopPorts, TrainingLoop
 from services.jobspec import JobSpec, spec_from_json
+from services.rank.comm_settings import apply_nccl_environment, collective_timeout_s, side_timeout_s
 from services.rank.faults import FaultInjector, StepGuard
 from services.state.snapshot import RANK_SLOTS
 from services.state.state_manager import StateManager
@@ -154,7 +156,7 @@ def compose(
     data: DataRelay,
     store: StoreRelay,
     up: UpRelay,
-    pg_timeout_s: float = DEFAULT_TIMEOUT_S,
+    pg_timeout_s: float | None = None,
     started_at: float | None = None,
     guard: StepGuard | None = None,
     phase: PhaseMarker | None = None,
@@ -168,7 +170,8 @@ def compose(
     rank replaces a lost one and takes its state from a live peer (InitJob.heal_from_peer):
     its DDP wrapper is built without DDP's start-up broadcast, as its rebuilding peers' are.
     ``side_groups``: the gloo groups L2-2 makes at every formation of the world for the
-    relays (ParallelStrategy.side_group).
+    relays (ParallelStrategy.side_group). ``pg_timeout_s``: a collective's timeout (default:
+    from the spec's settings, services/rank/comm_settings.py).
 
     Raises:
         RouteError, ContractError: the table or this wiring breaks the contract; the rank
@@ -219,8 +222,10 @@ def compose(
         port(Module.L2_PARALLEL_STRATEGY, Module.L3_GRADIENT_REDUCTION),
         model=spec.model,
         parallel=spec.parallel,
-        timeout_s=pg_timeout_s,
+        timeout_s=pg_timeout_s or collective_timeout_s(spec.liveness, spec.operators.compile),
         side_groups=side_groups,
+        side_timeout_s=max(pg_timeout_s or 0.0, side_timeout_s(spec.liveness, spec.operators.compile)),
+        visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),  # (named when a device it cannot see is refused)
     )
     L = Module.L2_TRAINING_LOOP
     backward_port, precision_port = port(L, Module.L3_BACKWARD_UNIT), port(L, Module.L2_MIXED_PRECISION)
@@ -500,6 +505,36 @@ def _waits_for_release(e: BaseException) -> bool:
     return failures.cause_of(e) != failures.C.FAILURE_COMMUNICATION and not failures.communicator_broken()
 
 
+class CpuAffinityRefused(ValueError, Refusal):
+    """The CPUs the node agent bound this rank to cannot be applied (one line, config_error)."""
+
+    fault_class = "config_error"
+
+
+def pin_cpus(cpu_list: str | None) -> tuple[int, ...]:
+    """Pin this process to ``cpu_list`` (``SURGE_CPU_AFFINITY``: its GPU's share of the
+    node's CPUs, services/worker/device_binding.py); threads started later inherit it.
+    Returns the CPUs pinned to (empty: none asked, or not Linux).
+
+    Raises:
+        CpuAffinityRefused: not a cpulist, or CPUs this process may not run on."""
+    if not cpu_list:
+        return ()
+    try:
+        cpus = tuple(parse_cpu_list(cpu_list))
+    except ValueError:
+        raise CpuAffinityRefused(f"{CPU_AFFINITY_ENV}: not a cpulist: {cpu_list!r}") from None
+    if not hasattr(os, "sched_setaffinity"):
+        return ()
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as e:
+        raise CpuAffinityRefused(
+            f"{CPU_AFFINITY_ENV}: cannot run on CPUs {cpu_list} ({os.strerror(e.errno or 0)})"
+        ) from None
+    return cpus
+
+
 def _rpc_text(e: BaseException) -> str:
     if isinstance(e, grpc.RpcError):
         return f"{e.code().name}: {e.details()}"
@@ -530,9 +565,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
     code = 0
     try:
         init, assignment = session.receive_setup()
-        torch.set_num_threads(max(1, assignment.num_threads or 1))
+        pinned = pin_cpus(os.environ.get(CPU_AFFINITY_ENV))  # before torch starts its thread pools
+        torch.set_num_threads(max(1, assignment.num_threads or len(pinned) or 1))
         spec = spec_from_json(init.spec_json)
         session.set_heartbeat_interval(spec.liveness.heartbeat_interval_seconds)
+        if assignment.backend == "nccl":  # (read by ProcessGroupNCCL when L2-2 makes the group)
+            apply_nccl_environment(collective_timeout_s(spec.liveness, spec.operators.compile))
         guard = StepGuard(lambda: session.step + 1, injector=FaultInjector.from_env(spec.name, args.job, args.rank))
         violations = ViolationReporter(
             session.process, log, deliver=session.report_violation, job_id=args.job, rank=args.rank, inline=True
@@ -574,7 +612,6 @@ def main(argv: list[str] | None = None) -> NoReturn:
             copies=copies,
             on_routed=from_store.deliver_each,  # L5-2's failure events, back with a metric ack
         )
-        timeout_s = float(os.environ.get("SURGE_PG_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         rank = compose(
             bus,
             spec,
@@ -582,7 +619,6 @@ def main(argv: list[str] | None = None) -> NoReturn:
             data=data,
             store=store,
             up=session,
-            pg_timeout_s=timeout_s,
             started_at=t_start,
             guard=guard,
             phase=phase,
@@ -594,6 +630,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
             "rank_composed",
             world_size=assignment.world_size,
             device=assignment.device,
+            cpus=os.environ.get(CPU_AFFINITY_ENV, ""),
             backend=assignment.backend,
             threads=torch.get_num_threads(),
             data=init.data_address,

@@ -60,8 +60,10 @@ from services.worker.control_link import ControlSession, Outbox
 from services.worker.gpu_health import GpuHealthSampler
 from services.worker.hardware import (
     DEFAULT_MEMINFO,
+    DEFAULT_SYSFS,
     GLOO_IFNAME,
     MEMINFO_ENV,
+    SYSFS_ENV,
     detect_cuda_devices,
     gloo_interface,
     hardware_report,
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     advertise = args.advertise or (socket.gethostname() if args.host in WILDCARD_HOSTS else args.host)
     if not os.environ.get(GLOO_IFNAME) and (ifname := gloo_interface(advertise)):
         os.environ[GLOO_IFNAME] = ifname  # every rank and warm spare starts with this environment
-    cuda = detect_cuda_devices()
+    cuda = detect_cuda_devices(os.environ.get(SYSFS_ENV) or DEFAULT_SYSFS)
     meminfo = os.environ.get(MEMINFO_ENV) or DEFAULT_MEMINFO
     registration = hardware_report(worker_id, f"{advertise}:{port}", args.slots or len(cuda) or 1, cuda, meminfo)
     # This process's event sequence (WorkerEvent.seq) is new: a restarted agent is a new
@@ -207,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         bus=Bus(on_violation=violations),
         memory=memory,
         spares=spares,
+        devices=registration.devices,
     )
     if spares is not None and spares.always:
         spares.keep_warm()  # a spare node: ready before any rank is lost

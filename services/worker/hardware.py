@@ -1,33 +1,47 @@
 """The node's hardware, probed once per registration (``WorkerRegistration``).
 
 What the node agent declares to control first on every session: its CUDA devices
-(``nvidia-smi``, or torch only when the tool is missing), host memory, usable CPUs and the
-slots it offers. Reads the OS and the driver, never another module; never raises for a
-broken driver (the node then reports no GPU).
+(``nvidia-smi``, or torch only when the tool is missing) with where each sits (PCI bus id,
+NUMA node and local CPUs, from sysfs), host memory, usable CPUs and the slots it offers.
+Reads the OS and the driver, never another module; never raises for a broken driver (the
+node then reports no GPU).
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 import socket
 import struct
 import subprocess
 
+from services.common.cpu_list import format_cpu_list, parse_cpu_list
 from services.contract import control_pb2
 
 MEMINFO_ENV = "SURGE_WORKER_MEMINFO"  # tests point it at a file they write
 DEFAULT_MEMINFO = "/proc/meminfo"
 
 
-def detect_cuda_devices() -> list[control_pb2.Device]:
-    """The node's CUDA devices (kind "cuda", physical index, name, memory in bytes).
+SYSFS_ENV = "SURGE_WORKER_SYSFS"  # tests point it at a tree they write
+DEFAULT_SYSFS = "/sys"
+
+
+def detect_cuda_devices(sysfs: str = DEFAULT_SYSFS) -> list[control_pb2.Device]:
+    """The node's CUDA devices (kind "cuda", physical index, name, memory in bytes, and
+    where each sits: PCI bus id, NUMA node, local CPUs).
 
     Reads ``nvidia-smi`` (fast). Only when it is missing but a driver is present
     (``/dev/nvidiactl``) does it import torch, which costs ~2 s of start-up. A numeric
     ``CUDA_VISIBLE_DEVICES`` restricts the list to those physical indices; rank processes
-    get ``CUDA_VISIBLE_DEVICES=<index>`` from the same numbering.
+    get ``CUDA_VISIBLE_DEVICES=<index>`` from the same numbering (``nvidia-smi``'s, which is
+    PCI bus order: the ranks get ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` to match).
+
+    A device's NUMA node and local CPUs are read from ``<sysfs>/bus/pci/devices/<bus
+    id>/numa_node`` and ``local_cpulist`` (what torchrun's ``--numa-binding`` reads,
+    ``torch/numa/binding.py``), the CPUs kept to those this agent may use; a node that does
+    not say (no file, NUMA node -1) leaves them unset.
 
     Returns [] when the node has no usable GPU; never raises (a broken driver reports no
     devices rather than stopping the agent).
@@ -38,6 +52,9 @@ def detect_cuda_devices() -> list[control_pb2.Device]:
     visible = _visible_cuda_indices()
     if visible is not None:
         devices = [d for d in devices if d.index in visible]
+    allowed = _allowed_cpus()
+    for d in devices:
+        _locate(d, sysfs, allowed)
     return devices
 
 
@@ -47,7 +64,7 @@ def _cuda_from_nvidia_smi() -> list[control_pb2.Device] | None:
         return None
     try:
         out = subprocess.run(
-            [exe, "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
+            [exe, "--query-gpu=index,name,memory.total,pci.bus_id", "--format=csv,noheader,nounits"],
             capture_output=True,
             text=True,
             timeout=10,
@@ -58,12 +75,50 @@ def _cuda_from_nvidia_smi() -> list[control_pb2.Device] | None:
     devices = []
     for line in out.strip().splitlines():
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 3 and parts[0].isdigit():
+        if len(parts) == 4 and parts[0].isdigit():
             mib = int(parts[2]) if parts[2].isdigit() else 0
             devices.append(
-                control_pb2.Device(kind="cuda", index=int(parts[0]), name=parts[1], memory_bytes=mib * 2**20)
+                control_pb2.Device(
+                    kind="cuda",
+                    index=int(parts[0]),
+                    name=parts[1],
+                    memory_bytes=mib * 2**20,
+                    pci_bus_id=sysfs_bus_id(parts[3]) or "",
+                )
             )
     return devices
+
+
+def sysfs_bus_id(bus_id: str) -> str | None:
+    """A PCI bus id as sysfs names its directory: nvidia-smi's "00000000:1B:00.0" (and
+    torch's "0000:1b:00.0") -> "0000:1b:00.0". None when it is not one."""
+    m = re.fullmatch(r"([0-9A-Fa-f]{4,8}):([0-9A-Fa-f]{2}):([0-9A-Fa-f]{2})\.([0-7])", bus_id.strip())
+    if m is None:
+        return None
+    domain, bus, device, function = m.groups()
+    return f"{int(domain, 16):04x}:{bus.lower()}:{device.lower()}.{function}"
+
+
+def _locate(device: control_pb2.Device, sysfs: str, allowed: set[int] | None) -> None:
+    """Fill ``numa_node`` and ``cpu_list`` of ``device`` from sysfs (where it says)."""
+    if not device.pci_bus_id:
+        return
+    where = os.path.join(sysfs, "bus", "pci", "devices", device.pci_bus_id)
+    try:
+        with open(os.path.join(where, "numa_node")) as f:
+            node = int(f.read().strip())
+        if node >= 0:  # -1: the platform has no NUMA information for this device
+            device.numa_node = node
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(where, "local_cpulist")) as f:
+            cpus = parse_cpu_list(f.read())
+    except (OSError, ValueError):
+        return
+    if allowed is not None:  # (a cpuset or taskset narrows what its ranks may run on)
+        cpus = [c for c in cpus if c in allowed]
+    device.cpu_list = format_cpu_list(cpus)
 
 
 def _cuda_from_torch() -> list[control_pb2.Device]:
@@ -79,7 +134,15 @@ def _cuda_from_torch() -> list[control_pb2.Device]:
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
         index = physical[i] if physical and i < len(physical) else i
-        devices.append(control_pb2.Device(kind="cuda", index=index, name=props.name, memory_bytes=props.total_memory))
+        try:  # as torch/numa/binding.py formats it
+            bus_id = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        except (AttributeError, TypeError, ValueError):
+            bus_id = ""
+        devices.append(
+            control_pb2.Device(
+                kind="cuda", index=index, name=props.name, memory_bytes=props.total_memory, pci_bus_id=bus_id
+            )
+        )
     return devices
 
 
@@ -108,6 +171,13 @@ def host_memory_bytes(meminfo: str = DEFAULT_MEMINFO) -> int:
     except (OSError, ValueError, IndexError):
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _allowed_cpus() -> set[int] | None:
+    try:
+        return set(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return None
 
 
 def usable_cpu_count() -> int:

@@ -84,7 +84,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +93,7 @@ from services.contract.audit import merge_reports
 from services.contract.bus import Bus
 from services.contract.relay import L1, RANK, Link, pack
 from services.worker.control_link import Emit
+from services.worker.device_binding import CPU_AFFINITY_ENV, bind_rank
 from services.worker.log_tail import LogTailer
 from services.worker.memory_copies import MemoryCopies
 from services.worker.rank_process import (
@@ -104,6 +105,7 @@ from services.worker.rank_process import (
     rank_environment,
     safe_file_name,
     signal_group,
+    told_assignment,
     wait_reporting_stops,
 )
 from services.worker.rank_session import RankAlreadyAttached, RankNotLaunched
@@ -160,8 +162,10 @@ class NodeAgent:
         bus: Bus | None = None,
         memory: MemoryCopies | None = None,
         spares: WarmSpares | None = None,
+        devices: Sequence[control_pb2.Device] = (),
     ):
         self._worker_id = worker_id
+        self._devices = list(devices)  # as registered: where each rank is bound (device_binding.py)
         self._spares = spares
         self._memory = memory
         self._session_address = session_address
@@ -334,7 +338,7 @@ class NodeAgent:
         """The command stream of one rank session: init, assignment, then what control
         relays, until the session or the process ends."""
         yield worker_pb2.RankCommand(init=r.init)
-        yield worker_pb2.RankCommand(assignment=r.assignment)
+        yield worker_pb2.RankCommand(assignment=r.told or r.assignment)
         while (cmd := r.commands.get()) is not END_OF_COMMANDS:
             yield cmd
 
@@ -441,7 +445,8 @@ class NodeAgent:
         except OSError:
             span_start = 0
         argv = rank_command_line(self._rank_module, self._session_address, job_id, assignment.rank)
-        env = rank_environment(os.environ, assignment)
+        binding = bind_rank(assignment, self._devices)
+        env = rank_environment(os.environ, binding)
         try:
             # A warm spare becomes this rank when one is ready (its interpreter and imports
             # are paid for); else a new process.
@@ -453,8 +458,9 @@ class NodeAgent:
             self._emit(self._exited_event(job_id, assignment.rank, SPAWN_FAILED_EXIT_CODE, f"spawn failed: {e}"))
             return
         r = RankProcess(
-            job_id=job_id, rank=assignment.rank, init=init, assignment=assignment, proc=proc, log_path=log_path
-        )
+            job_id=job_id, rank=assignment.rank, init=init, assignment=assignment, proc=proc, log_path=log_path,
+            told=told_assignment(assignment, binding),
+        )  # fmt: skip
         with self._lock:
             self._ranks[key] = r
             self._launched[job_id].setdefault(assignment.rank, []).append([span_start, None])
@@ -462,8 +468,9 @@ class NodeAgent:
                 signal_group(proc.pid, signal.SIGKILL)
         threading.Thread(target=self._watch, args=(r,), name=f"wait-{job_id}-{r.rank}", daemon=True).start()
         self._log.info(
-            "rank launched", job_id=job_id, rank=r.rank, pid=proc.pid, device=assignment.device, log=str(log_path)
-        )
+            "rank launched", job_id=job_id, rank=r.rank, pid=proc.pid, device=assignment.device,
+            sees=binding.device, cpus=binding.env.get(CPU_AFFINITY_ENV, ""), log=str(log_path),
+        )  # fmt: skip
 
     def _warm_spares(self, leaving: str = "", after: float = 0.0) -> None:
         """Keep a spare ready while a rank here belongs to a job that rebuilds in place (or

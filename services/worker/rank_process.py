@@ -2,7 +2,8 @@
 and described when it ends.
 
 One process per ``RankAssignment``, in its own process group (so helpers it starts die
-with it), with its thread count and device in its environment and its output appended to
+with it), with its binding in its environment (the device it sees, its CPUs and threads:
+:mod:`services.worker.device_binding`) and its output appended to
 ``<run_dir>/logs/<job>.rank<R>.log``.
 """
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.contract import engine_pb2
+from services.worker.device_binding import RankBinding
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,7 +35,7 @@ class RankProcess:
     job_id: str
     rank: int
     init: engine_pb2.InitJob
-    assignment: engine_pb2.RankAssignment
+    assignment: engine_pb2.RankAssignment  # as L1-2 assigned it (the node's device: re-attach declares it)
     proc: subprocess.Popen
     log_path: Path
     commands: queue.Queue = field(default_factory=queue.Queue)  # RankCommand | END_OF_COMMANDS
@@ -47,6 +49,7 @@ class RankProcess:
     # What the agent last stated of it (RankProcessState), set by its waiter thread.
     process_state: int = 0
     stop_signal: int = 0
+    told: engine_pb2.RankAssignment | None = None  # as the rank is told it (its device as it sees it)
 
 
 def wait_reporting_stops(proc: subprocess.Popen, stopped: Callable[[int], None], continued: Callable[[], None]) -> int:
@@ -75,30 +78,29 @@ def rank_command_line(module: str, session_address: str, job_id: str, rank: int)
     return [sys.executable, "-m", module, "--session", session_address, "--job", job_id, "--rank", str(rank)]
 
 
-def cuda_index(device: str) -> int | None:
-    """Physical CUDA index of an assignment's device ("cuda:3" -> 3); None for "cpu" or a
-    bare "cuda" (then the rank sees every device)."""
-    m = re.fullmatch(r"cuda:(\d+)", device.strip())
-    return int(m.group(1)) if m else None
+def rank_environment(base: Mapping[str, str], binding: RankBinding) -> dict[str, str]:
+    """Environment of a rank process: the agent's, plus its binding's (device, CPUs, threads,
+    torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE: services/worker/device_binding.py).
 
-
-def rank_environment(base: Mapping[str, str], assignment: engine_pb2.RankAssignment) -> dict[str, str]:
-    """Environment of a rank process: the agent's, plus its thread count and device.
-
-    ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` = ``num_threads`` (when > 0) so ranks sharing a
-    node do not oversubscribe its cores; ``CUDA_VISIBLE_DEVICES`` = the physical index only
-    for a ``cuda:N`` device (the rank then sees it as ``cuda:0``).
+    A ``CUDA_VISIBLE_DEVICES`` the agent itself was started with is replaced for a rank on
+    one GPU (the binding names the physical index, which is what the agent's registration
+    already listed).
     """
     env = dict(base)
-    if assignment.num_threads > 0:
-        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(assignment.num_threads)
-    index = cuda_index(assignment.device)
-    if index is not None:
-        env["CUDA_VISIBLE_DEVICES"] = str(index)
+    env.update(binding.env)
     env["PYTHONUNBUFFERED"] = "1"  # its log is read while it runs
     # `-m services.rank` must resolve even when the agent was started elsewhere.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), base.get("PYTHONPATH", "")) if p)
     return env
+
+
+def told_assignment(assignment: engine_pb2.RankAssignment, binding: RankBinding) -> engine_pb2.RankAssignment:
+    """The assignment as the rank is told it: L1-2's, with the device the rank sees
+    (``cuda:5`` on the node is ``cuda:0`` behind ``CUDA_VISIBLE_DEVICES=5``)."""
+    told = engine_pb2.RankAssignment()
+    told.CopyFrom(assignment)
+    told.device = binding.device
+    return told
 
 
 def describe_exit(code: int) -> str:

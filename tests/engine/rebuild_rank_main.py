@@ -6,6 +6,8 @@ under a gloo group of WORLD ranks (default 3), data parallel (DDP). ROLE:
     plain        train to the end (the uninterrupted run)
     victim       SIGKILL itself in the first gradient all-reduce after step KILL_AFTER
                  (DDP's comm hook: its peers are inside the same all-reduce)
+    stopped      SIGSTOP itself there instead (alive, silent: its peers stay blocked in
+                 the all-reduce until it is killed or the group times out)
     survivor     train; when the group breaks, L2-2 waits for a rendezvous, which this
                  script delivers as L1-2 would (RebuildParallelGroup, read from
                  DIR/rendezvous.json once the test writes it); start again once healed
@@ -69,8 +71,8 @@ def main() -> None:
     local = LocalRank(spec(), out / "ckpt", rank=rank, world_size=WORLD, port=port)
     local.init.rebuild_in_place = True
     local.init.heal_from_peer = heals
-    if role == "victim":
-        die_in_allreduce(local)
+    if role in ("victim", "stopped"):
+        die_in_allreduce(local, signal.SIGKILL if role == "victim" else signal.SIGSTOP)
     first_world: list[weakref.ref] = []
     if role == "survivor":
         threading.Thread(target=play_l1, args=(local, out, first_world), daemon=True).start()
@@ -101,13 +103,13 @@ def main() -> None:
     exit_now(0)
 
 
-def die_in_allreduce(local: LocalRank) -> None:
-    """SIGKILL this process inside the first bucket all-reduce of step KILL_AFTER + 1."""
+def die_in_allreduce(local: LocalRank, sig: int = signal.SIGKILL) -> None:
+    """Send this process ``sig`` inside the first bucket all-reduce of step KILL_AFTER + 1."""
     original = reduction_module.default_hooks.allreduce_hook
 
     def hook(group, bucket):
         if len(local.steps()) == KILL_AFTER:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), sig)
         return original(group, bucket)
 
     reduction_module.default_hooks.allreduce_hook = hook
@@ -125,7 +127,7 @@ def play_l1(local: LocalRank, out: Path, first_world: list) -> None:
     r = json.loads(rendezvous.read_text())
     local.modules.allocator(engine_pb2.RebuildParallelGroup(
         job_id="job", master_addr="127.0.0.1", master_port=r["port"], world_size=WORLD, generation=1,
-        reason=f"rank {r['lost']} lost",
+        reason=f"rank {r['lost']} lost", lost_ranks=[r["lost"]],
     ))  # fmt: skip
     while len(local.up.of(engine_pb2.TrainingLoopStarted)) < 2:
         time.sleep(0.05)

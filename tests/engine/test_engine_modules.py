@@ -239,7 +239,7 @@ def test_a_rank_waiting_at_a_rendezvous_for_a_peer_that_never_comes_is_released_
         bus.emitter(Module.L2_PARALLEL_STRATEGY),
         bus.port(Module.L2_PARALLEL_STRATEGY, Module.L3_SHARD_LOADER),
         bus.port(Module.L2_PARALLEL_STRATEGY, Module.L3_GRADIENT_REDUCTION),
-        timeout_s=120,
+        rendezvous_timeout_s=120,
     )
     port = free_port()
     outcome: list[BaseException | None] = []
@@ -262,7 +262,7 @@ def test_a_rank_waiting_at_a_rendezvous_for_a_peer_that_never_comes_is_released_
     strategy.rebuild_parallel_group(newer)  # from L1-2 (the session's thread): posted, and supersedes
     waiter.join(10)
     assert outcome and isinstance(outcome[0], ps._Superseded), outcome
-    assert time.monotonic() - t0 < 10  # not the 120 s group timeout
+    assert time.monotonic() - t0 < 10  # not the 120 s rendezvous timeout
 
 
 def test_a_replacement_that_hears_of_its_own_group_before_it_joins_still_joins_it():
@@ -274,7 +274,7 @@ def test_a_replacement_that_hears_of_its_own_group_before_it_joins_still_joins_i
         bus.emitter(Module.L2_PARALLEL_STRATEGY),
         bus.port(Module.L2_PARALLEL_STRATEGY, Module.L3_SHARD_LOADER),
         bus.port(Module.L2_PARALLEL_STRATEGY, Module.L3_GRADIENT_REDUCTION),
-        timeout_s=30,
+        rendezvous_timeout_s=30,
     )
     bus.subscribe(Module.L2_TRAINING_LOOP, engine_pb2.ParallelReady, lambda m, p=None: ready.append(m))
     for target in (Module.L3_SHARD_LOADER, Module.L3_GRADIENT_REDUCTION):

@@ -3,6 +3,7 @@ service (gRPC servers in this process): the RankSession protocol end to end."""
 
 from __future__ import annotations
 
+import os
 import queue
 import subprocess
 import sys
@@ -121,10 +122,11 @@ def services():
     server.stop(0)
 
 
-def start_rank(address: str, procs: list, job: str = "job-1") -> subprocess.Popen:
+def start_rank(address: str, procs: list, job: str = "job-1", env: dict | None = None) -> subprocess.Popen:
     p = subprocess.Popen(
         [sys.executable, "-m", "services.rank", "--session", address, "--job", job, "--rank", "0"],
         cwd=REPO,
+        env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -133,7 +135,7 @@ def start_rank(address: str, procs: list, job: str = "job-1") -> subprocess.Pope
     return p
 
 
-def push_setup(agent: FakeAgent, address: str, spec) -> None:
+def push_setup(agent: FakeAgent, address: str, spec, device: str = "cpu") -> None:
     unused = free_port()  # no store listens here: metrics are retried in the background
     agent.commands.put(
         worker_pb2.RankCommand(
@@ -150,7 +152,7 @@ def push_setup(agent: FakeAgent, address: str, spec) -> None:
                 master_addr="127.0.0.1",
                 master_port=free_port(),
                 backend="gloo",
-                device="cpu",
+                device=device,
                 num_threads=1,
             )
         )
@@ -213,6 +215,26 @@ def test_an_unknown_dataset_is_reported_failed_data_unavailable_and_the_rank_wai
     assert body(ev).fault_class == "data_unavailable"
     assert body(ev).detail == "dataset nope@v9 not found"
     released(agent, proc)
+
+
+def test_a_rank_pins_its_cpus_and_refuses_a_device_it_cannot_see_in_one_typed_line(services):
+    agent, address, procs = services
+    cpu = min(os.sched_getaffinity(0))
+    # As its node agent binds a rank on GPU 3 (services/worker/device_binding.py), in a
+    # process without CUDA: told cuda:3, which it cannot see.
+    proc = start_rank(address, procs, env={"SURGE_CPU_AFFINITY": str(cpu), "CUDA_VISIBLE_DEVICES": "3"})
+    assert agent.next_event().WhichOneof("event") == "hello"
+    push_setup(agent, address, tiny_spec(), device="cuda:3")
+    assert agent.next_event().WhichOneof("event") == "audit"
+    failed = agent.next_event()
+    assert kind(failed) == "TrainingLoopFailed", failed
+    assert body(failed).fault_class == "config_error"
+    assert body(failed).detail == (
+        "rank assignment: device 'cuda:3' but this process sees no CUDA device (CUDA_VISIBLE_DEVICES '3')"
+    )
+    assert os.sched_getaffinity(proc.pid) == {cpu}  # pinned before anything else ran
+    released(agent, proc)
+    assert "Traceback" not in proc.stderr.read()
 
 
 def test_a_violation_the_data_service_returns_goes_up_before_the_failure_it_causes(services):

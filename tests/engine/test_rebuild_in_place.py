@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,64 @@ def test_evaluations_and_checkpoints_go_on_after_the_rebuild(uninterrupted, tmp_
     assert [s for s, _ in got[0]["evals"]] == [2, 4, 6, 8] and [s for s, _ in got[lost]["evals"]] == [6, 8]
     assert got[0]["evals"][-2:] == got[lost]["evals"]  # global losses
     assert got[0]["saved"] == [4, 8]  # rank 0 commits; the save at 8 ran on the rebuilt group
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped by a signal (its /proc state 'T')."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.timeout(300)
+def test_survivors_blocked_on_a_stopped_peer_abort_on_l1s_word_and_rebuild_once_it_is_killed(uninterrupted, tmp_path):
+    # Rank 1 SIGSTOPs itself inside the all-reduce of step 5: alive and silent, its peers
+    # blocked in the same all-reduce (gloo raises only at the group timeout). L1-2's
+    # rendezvous names it lost: each survivor records its communicator broken and aborts it
+    # from its session thread at once. torch 2.13's gloo cannot abort a collective in flight
+    # (NCCL's ncclCommAbort would release it here), so the survivors stay blocked until L1
+    # kills the stopped rank (ReleaseRanks kill) -- then they rebuild in place with its
+    # replacement and end with the uninterrupted run's parameters.
+    lost, world = 1, WORLD
+    port = free_port()
+    procs = [_start("stopped" if r == lost else "survivor", r, port, tmp_path, world) for r in range(world)]
+    ranks: list[subprocess.Popen] = []
+    try:
+        victim = procs[lost]
+        deadline = time.monotonic() + 150
+        while not _stopped(victim.pid):
+            assert time.monotonic() < deadline and victim.poll() is None, "the victim never stopped"
+            time.sleep(0.05)
+        new_port = free_port()
+        replacement = _start("replacement", lost, new_port, tmp_path, world)
+        (tmp_path / "rendezvous.json").write_text(json.dumps({"port": new_port, "lost": lost}))
+        survivor_logs = [tmp_path / f"survivor-{r}.log" for r in range(world) if r != lost]
+        deadline = time.monotonic() + 60
+        while not all("communicator_not_abortable" in p.read_text() for p in survivor_logs):
+            assert time.monotonic() < deadline, "a survivor never heard L1-2's lost ranks"
+            time.sleep(0.05)
+        time.sleep(2.0)
+        assert not any("group_rebuilt" in p.read_text() for p in survivor_logs)  # gloo: still blocked
+        killed_at = time.monotonic()
+        victim.kill()  # L1's release of the lost rank: its sockets close
+        victim.wait()
+        ranks = [replacement if r == lost else p for r, p in enumerate(procs)]
+        outputs = _finish(ranks, timeout=150)
+        released_s = time.monotonic() - killed_at
+    finally:
+        for p in [*procs, *ranks]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in ranks] == [0] * world, "\n".join(o[-3000:] for o in outputs)
+    got = [torch.load(tmp_path / f"{'replacement' if r == lost else 'survivor'}-{r}.pt") for r in range(world)]
+    assert all(torch.equal(g["state"][k], got[0]["state"][k]) for g in got for k in got[0]["state"])
+    worst = max((got[0]["state"][k] - uninterrupted["state"][k]).abs().max().item() for k in got[0]["state"])
+    assert worst < 1e-6, worst
+    for r, g in enumerate(got):
+        if r != lost:
+            assert g["steps"] == list(range(1, STEPS + 1)) and g["topology_errors"] == 1
+    print(
+        f"kill -> every rank finished {released_s:.1f} s",
+        *re.findall(r"group_rebuilt .*", "\n".join(outputs)),
+        sep="\n",
+    )

@@ -62,7 +62,18 @@ def main() -> int:
     init, assignment = first.init, second.assignment
     fake = json.loads(init.spec_json or "{}").get("fake", "train")
     mode = fake if isinstance(fake, str) else fake[rank]
-    env = {k: os.environ.get(k, "-") for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES")}
+    env = {
+        k: os.environ.get(k, "-")
+        for k in (
+            "OMP_NUM_THREADS",
+            "MKL_NUM_THREADS",
+            "CUDA_VISIBLE_DEVICES",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "SURGE_CPU_AFFINITY",
+            "SURGE_NUMA_NODE",
+        )
+    }
     print(f"init job={init.job_id} data={init.data_address} mode={mode}", flush=True)
     print(
         f"assignment rank={assignment.rank} world={assignment.world_size} device={assignment.device} "

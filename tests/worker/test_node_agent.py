@@ -24,6 +24,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.cpu_list import format_cpu_list
 from services.common.grpc_server import ServiceServer, channel
 from services.contract import (
     Module,
@@ -106,6 +107,7 @@ class Agent:
             "SURGE_CONTROL_ADDRESS",
             "CUDA_VISIBLE_DEVICES",
             "SURGE_WORKER_MEMINFO",
+            "SURGE_WORKER_SYSFS",
             "SURGE_WORKER_MEMORY_PRESSURE_FRACTION",
         ):
             env.pop(var, None)
@@ -296,13 +298,25 @@ def wait_for_line(agent: Agent, text: str, timeout: float = START_TIMEOUT) -> No
 
 def fake_nvidia_smi(tmp: Path) -> Path:
     """A directory holding an ``nvidia-smi`` that prints two H200s the way the real one
-    answers the agent's query (index, name, MiB)."""
+    answers the agent's query (index, name, MiB, PCI bus id)."""
     bin_dir = tmp / "bin"
     bin_dir.mkdir(exist_ok=True)
     exe = bin_dir / "nvidia-smi"
-    exe.write_text("#!/bin/sh\nprintf '0, NVIDIA H200, 143771\\n1, NVIDIA H200, 143771\\n'\n")
+    exe.write_text(
+        "#!/bin/sh\nprintf '0, NVIDIA H200, 143771, 00000000:1B:00.0\\n1, NVIDIA H200, 143771, 00000000:9C:00.0\\n'\n"
+    )
     exe.chmod(0o755)
     return bin_dir
+
+
+def fake_sysfs(tmp: Path, cpus: str) -> Path:
+    """A sysfs tree placing both fake GPUs on NUMA node 0 with local CPUs ``cpus``."""
+    for bus_id in ("0000:1b:00.0", "0000:9c:00.0"):
+        d = tmp / "sys" / "bus" / "pci" / "devices" / bus_id
+        d.mkdir(parents=True)
+        (d / "numa_node").write_text("0\n")
+        (d / "local_cpulist").write_text(f"{cpus}\n")
+    return tmp / "sys"
 
 
 # ---------------------------------------------------------------- tests
@@ -580,20 +594,30 @@ def test_a_launch_right_after_a_release_starts_the_rank_once_the_old_process_end
     assert new_pid != old_pid and not alive(old_pid) and alive(new_pid)
 
 
-def test_cuda_devices_from_nvidia_smi_are_registered_and_a_cuda_rank_sees_only_its_device(cluster, tmp_path):
+def test_cuda_devices_from_nvidia_smi_are_registered_and_a_cuda_rank_is_told_the_device_it_sees(cluster, tmp_path):
     bin_dir = fake_nvidia_smi(tmp_path)
+    cpus = sorted(os.sched_getaffinity(0))
+    sysfs = fake_sysfs(tmp_path, format_cpu_list(cpus))
     control = cluster.control()
-    agent = cluster.agent(control.port, env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    agent = cluster.agent(
+        control.port, env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SURGE_WORKER_SYSFS": str(sysfs)}
+    )
     reg = control.servicer.registration()
-    assert [(d.kind, d.index, d.name, d.memory_bytes) for d in reg.devices] == [
-        ("cuda", 0, "NVIDIA H200", 143771 * 2**20),
-        ("cuda", 1, "NVIDIA H200", 143771 * 2**20),
+    assert [(d.kind, d.index, d.name, d.memory_bytes, d.pci_bus_id, d.numa_node) for d in reg.devices] == [
+        ("cuda", 0, "NVIDIA H200", 143771 * 2**20, "0000:1b:00.0", 0),
+        ("cuda", 1, "NVIDIA H200", 143771 * 2**20, "0000:9c:00.0", 0),
     ]
     assert reg.slots == 2  # one per device by default
 
     launch(control.servicer, "gpu", "sleep", device="cuda:1")
     started_ranks(cluster, control.servicer, 1)
-    assert "device=cuda:1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=1" in agent.rank_log("gpu", 0)
+    # GPU 1 of the node is the only device the rank sees, as cuda:0; it runs on GPU 1's
+    # share of the CPUs the two GPUs share (the second half).
+    second_half = cpus[(len(cpus) + 1) // 2 :] if len(cpus) > 1 else cpus
+    assert (
+        "device=cuda:0 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 "
+        f"SURGE_CPU_AFFINITY={format_cpu_list(second_half)} SURGE_NUMA_NODE=0"
+    ) in agent.rank_log("gpu", 0)
 
 
 def test_cuda_visible_devices_of_the_agent_restricts_the_reported_devices(tmp_path, monkeypatch):
