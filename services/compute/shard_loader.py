@@ -51,7 +51,7 @@ from services.contract import Module, engine_pb2
 from services.contract.bus import Emitter, Reply
 from services.contract.frozen import FrozenConfig
 from services.jobspec import STORED, ModelSpec, frozen_parameters
-from services.state.snapshot import Slot, restorable
+from services.state.snapshot import Slot, restorable, thaw
 
 _log = structlog.get_logger("shard_loader")
 
@@ -158,7 +158,9 @@ class ShardLoader:
             raise RuntimeError("shard loader: no model loaded, nothing to restore into")
         t0 = time.perf_counter()
         slot = restorable(payload, "model", Module.L3_SHARD_LOADER, msg)
-        set_model_state_dict(self._model, slot.state_dict())  # a copy; copied again into the parameters
+        # The slot's own tensors, read only (copied into the parameters, nothing kept): no
+        # second copy of this rank's weights beside the slot's while it restores.
+        set_model_state_dict(self._model, thaw(slot.state, clone=False))
         return slot.stamped(engine_pb2.StateRestored(key="model", seconds=time.perf_counter() - t0))
 
 
