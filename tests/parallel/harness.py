@@ -450,7 +450,8 @@ def run_config(
         if expect_failure:
             assert all(codes), f"config {config}: exit codes {codes}, expected every rank to fail"
         else:
-            assert codes == [0] * world, f"config {config}: exit codes {codes}\n" + "\n".join(o[-3000:] for o in outputs)
+            tails = "\n".join(o[-3000:] for o in outputs)
+            assert codes == [0] * world, f"config {config}: exit codes {codes}\n{tails}"
         results = []
         for r, code in enumerate(codes):
             path = out / f"rank{r}.pt"
