@@ -16,10 +16,12 @@ withdrawal (:func:`services.compute.parallelize.data_parallel_resize`: world siz
 coordinate, mesh; ddp at dp > 1, none at 1); the wrapper and the step's statistics
 reduction follow it. Any other plan is refused (ConfigFrozen).
 
-The model's communication is laid out here, when the composition root attaches the model
-(after L3-1 built it), together with activation checkpointing, in the order
-services/compute/parallelize.py fixes (torchtitan's: TP, activation checkpointing, then
-FSDP2 or DDP):
+The model's communication is laid out here, together with activation checkpointing, in the
+order services/compute/parallelize.py fixes (torchtitan's: TP, activation checkpointing, then
+FSDP2 or DDP): TP, activation checkpointing and FSDP2 when L3-1 has them applied to the
+model on the meta device (``lay_out``, through the composition root, before it materialises
+this rank's shards), DDP and the hooks on the real parameters when the composition root
+attaches the materialised model (``attach``):
 
 Tensor parallelism (tp > 1) over the mesh's tp axis: ``parallelize_module`` with the plan's
 Megatron styles (Shoeybi et al. 2019): ``ColwiseParallel`` for q/k/v and the MLP gate/up,
@@ -95,6 +97,7 @@ from services.compute.parallelize import (
     ACTIVATION_CHECKPOINTING,
     DDP,
     FULLY_SHARD,
+    ON_META,
     TENSOR_PARALLEL,
     checkpoint_activations,
     data_parallel_resize,
@@ -122,7 +125,8 @@ class GradientReduction:
         self._emit = emit
         self._mark = phase
         self._sync_at_wrap = sync_at_wrap
-        self._laid_out = False  # the model was laid out once (a re-attach only wraps it again)
+        self._laid_out = False  # the parameter layout (lay_out) was applied, once
+        self._attached = False  # the model was attached once (a re-attach only wraps it again)
         # Seed L3-5: group config is pushed once at init (red line 1); never rebuilt here (4).
         self._frozen = FrozenConfig[engine_pb2.ParallelPlan]("L3_GRADIENT_REDUCTION", "parallel plan")
         self._plan: engine_pb2.ParallelPlan | None = None  # the plan in force (the first, or a resize's)
@@ -171,25 +175,21 @@ class GradientReduction:
         self._group = mesh["dp"].get_group() if mesh is not None and msg.dp > 1 else None
         self._state = "idle"
 
-    def attach(self, model: nn.Module) -> nn.Module:
-        """Composition root: lay ``model`` out per the plan, one step after the other in the
-        order services/compute/parallelize.py fixes (TP, activation checkpointing, FSDP2 or
-        DDP); returns the module to run forward (the model, or its DDP wrapper)."""
+    def lay_out(self, model: nn.Module) -> None:
+        """Composition root (for L3-1, before the weights exist): the layout steps that only
+        re-lay ``model``'s parameters out (TP, activation checkpointing, FSDP2:
+        :data:`~services.compute.parallelize.ON_META`), in place, in the order
+        services/compute/parallelize.py fixes. They apply to a model on the meta device,
+        without communication; L3-1 then materialises this rank's shards. Once: later
+        calls leave the model as it is."""
         if self._plan is None:
-            raise RuntimeError("gradient reduction: a model was attached before the parallel plan")
-        if self._laid_out:  # a rebuilt group (ddp or none only): the layout stays, the wrapper is new
-            return (
-                self._wrap_ddp(model, sync=False)
-                if DDP in layout_steps(self._plan) and self._group is not None
-                else model
-            )
+            raise RuntimeError("gradient reduction: a model was laid out before the parallel plan")
+        if self._laid_out:
+            return
         self._laid_out = True
-        run = model
-        for step in layout_steps(self._plan):
+        for step in (step for step in layout_steps(self._plan) if step in ON_META):
             if step == TENSOR_PARALLEL:
                 _tensor_parallel(model, self._plan, self._mesh["tp"])
-                if self._plan.data_parallel != "fsdp2":
-                    self._arm_partial_settle(model)
             elif step == ACTIVATION_CHECKPOINTING:
                 checkpoint_activations(model)
             elif step == FULLY_SHARD:
@@ -198,9 +198,24 @@ class GradientReduction:
                     fully_shard(block, mesh=dp_mesh)
                 fully_shard(model, mesh=dp_mesh)
                 self._fsdp = model
-            elif step == DDP:
-                run = self._wrap_ddp(model, sync=self._sync_at_wrap)
-        return run
+
+    def attach(self, model: nn.Module) -> nn.Module:
+        """Composition root: lay ``model`` out per the plan, one step after the other in the
+        order services/compute/parallelize.py fixes (TP, activation checkpointing, FSDP2 or
+        DDP; those of :meth:`lay_out` unless L3-1 had them applied before it materialised the
+        weights), and arm the hooks on its (now real) parameters; returns the module to run
+        forward (the model, or its DDP wrapper)."""
+        if self._plan is None:
+            raise RuntimeError("gradient reduction: a model was attached before the parallel plan")
+        steps = layout_steps(self._plan)
+        if self._attached:  # a rebuilt group (ddp or none only): the layout stays, the wrapper is new
+            return self._wrap_ddp(model, sync=False) if DDP in steps and self._group is not None else model
+        self._attached = True
+        self.lay_out(model)
+        if TENSOR_PARALLEL in steps and self._plan.data_parallel != "fsdp2":
+            self._arm_partial_settle(model)
+        # DDP last (parallelize.py): its wrap checks and broadcasts the weights themselves.
+        return self._wrap_ddp(model, sync=self._sync_at_wrap) if DDP in steps else model
 
     def _wrap_ddp(self, model: nn.Module, *, sync: bool) -> DistributedDataParallel:
         """``sync``: DDP's construction-time shape check and broadcast of rank 0's weights
@@ -325,8 +340,10 @@ class GradientReduction:
 
 
 def _tensor_parallel(model: nn.Module, plan: engine_pb2.ParallelPlan, tp_mesh: DeviceMesh) -> None:
-    """The module docstring's TP layout, in place. Every rank built bit-identical full
-    weights (seeded), so each keeps its slice of the tensor a single process would have.
+    """The module docstring's TP layout, in place. On the meta device (L3-1's load) there
+    are no values yet (and nothing is sent): L3-1 then fills each rank's slice of the tensor
+    a single process would have; on a built model every rank holds bit-identical full
+    weights (seeded), so each keeps its slice.
     Between the column- and row-parallel linears the attention and MLP work on plain local
     tensors (n_heads / tp heads, F / tp hidden units); the residual stream is a replicated
     DTensor, made a plain tensor again at the model's output (the logits)."""

@@ -116,9 +116,10 @@ def to_hf(state: Mapping[str, Any], tied: bool) -> dict[str, Any]:
 
 def read_hf_tensors(directory: str | Path, wanted: Mapping[str, Any]) -> dict[str, Any]:
     """The tensors of the Hugging Face directory for Surge names ``wanted`` (name -> a
-    tensor of the shape and dtype needed, or a DTensor: the full tensor is split into this
-    rank's shard locally, no communication), read with safetensors (no pickle). A tied
-    model's ``lm_head.weight`` is the embedding when the files hold no head of their own.
+    tensor of the shape and dtype needed, or a DTensor: only this rank's shard is read,
+    a slice of the file's tensor, so no rank holds a full copy of a sharded model; no
+    communication), read with safetensors (no pickle). A tied model's ``lm_head.weight``
+    is the embedding when the files hold no head of their own.
 
     Raises:
         HfFormatError: no config.json or weights, a file safetensors cannot read, a tensor
@@ -155,28 +156,30 @@ def read_hf_tensors(directory: str | Path, wanted: Mapping[str, Any]) -> dict[st
             file = where[key]
             if file not in handles:
                 handles[file] = files.enter_context(safe_open(str(file), framework="pt"))
-            full = handles[file].get_tensor(key)
-            if tuple(full.shape) != tuple(like.shape):
+            stored = handles[file].get_slice(key)  # nothing read yet: the shape from the header
+            shape = list(stored.get_shape())
+            if shape != list(like.shape):
                 raise HfFormatError(
-                    f"init_from.hf: {file.name}: tensor {key} has shape {list(full.shape)}, "
+                    f"init_from.hf: {file.name}: tensor {key} has shape {shape}, "
                     f"this job's {name} needs {list(like.shape)}"
                 )
             if isinstance(like, DTensor):
-                out[name] = _shard_like(full, like)
+                out[name] = _shard_like(stored, like)
             else:
-                out[name] = full.to(dtype=like.dtype, device=like.device)
+                out[name] = stored[:].to(dtype=like.dtype, device=like.device)
     return out
 
 
-def _shard_like(full: Any, like: Any) -> Any:
-    """This rank's shard of ``full`` laid out as DTensor ``like`` (mesh, placements, global
-    shape and stride), cut locally: every rank read the whole tensor, so nothing is sent
-    (``distribute_tensor`` would scatter it from one rank)."""
+def _shard_like(stored: Any, like: Any) -> Any:
+    """This rank's shard of ``stored`` (a safetensors slice handle, or a tensor) laid out as
+    DTensor ``like`` (mesh, placements, global shape and stride): only the shard's rows and
+    columns are read (DTensor's offsets, as DCP plans its reads), and nothing is sent
+    (``distribute_tensor`` would scatter the whole tensor from one rank)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    local_shape, offset = compute_local_shape_and_global_offset(full.shape, like.device_mesh, like.placements)
-    local = full[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))]
+    local_shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    local = stored[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))]
     local = local.to(dtype=like.dtype, device=like.to_local().device).contiguous()
     return DTensor.from_local(
         local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()

@@ -205,7 +205,8 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
         if spec.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight  # Press & Wolf 2017
-        self._rotary = rotary_for(spec)
+        with torch.device("cpu"):  # RoPE tables are computed, not weights: never on the meta device
+            self._rotary = rotary_for(spec)
 
     def forward(self, idx_BT: torch.Tensor, attention: str | None = None) -> torch.Tensor:
         """Args: idx_BT int64 token ids; attention: "sdpa" | "math" (default: the spec's).
@@ -222,38 +223,93 @@ class Transformer(nn.Module):
             x_BTD = block(x_BTD, rope, kernel)
         return self.lm_head(self.norm(x_BTD))
 
-    @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Deterministic initialisation from ``seed`` (identical on every rank and device:
-        the values are drawn on the CPU by a private generator, then copied)."""
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        std = self.spec.init_std
-        residual_std = std / math.sqrt(2 * self.spec.n_layers)
-        seen: set[int] = set()
-        for name, p in self.named_parameters():
-            if id(p) in seen:  # tied weight: initialise once
-                continue
-            seen.add(id(p))
-            if name.endswith(".bias"):  # q/k/v biases (qkv_bias): start at zero, as HF's Qwen2
-                p.zero_()
-                continue
-            if p.ndim == 1:  # norm gains
-                p.fill_(1.0)
-                continue
-            s = residual_std if name.endswith(("attn.proj.weight", "mlp.down.weight")) else std
-            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, s, generator=gen))
+        """Deterministic initialisation from ``seed`` (:func:`init_weights`)."""
+        init_weights(self, self.spec, seed)
+
+
+def meta_model(spec: ModelSpec, *, activation_checkpointing: bool = False) -> Transformer:
+    """The model's structure on the meta device: every parameter's name, shape and dtype,
+    no storage. Parallelism is laid out on it (services/compute/parallelize.py) before any
+    weight exists, then :func:`materialise` allocates and fills only what this rank holds,
+    so no rank ever holds the whole model (torchtitan's meta-device initialisation)."""
+    with torch.device("meta"):
+        model = Transformer(spec)
+    for block in model.blocks:
+        block.activation_checkpointing = activation_checkpointing
+    return model
+
+
+def materialise(module: nn.Module, spec: ModelSpec, seed: int, device: str | torch.device) -> None:
+    """Give ``module`` (a :func:`meta_model`, a pipeline stage of one, laid out or not) storage
+    on ``device`` and its initial weights (:func:`init_weights`), in place: with FSDP2 or
+    tensor parallelism applied, each parameter is this rank's shard, allocated at its local
+    size (``to_empty``: FSDP2 re-pads its shards and keeps the parameter objects)."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    module.to_empty(device=device)
+    # A plain meta parameter is replaced by a new one in each module that holds it, which
+    # unties a shared weight (the tied embedding): tie it again, to the first name's.
+    for first, *others in (group for group in names.values() if len(group) > 1):
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner), attr, module.get_parameter(first))
+    init_weights(module, spec, seed)
+
+
+@torch.no_grad()
+def init_weights(module: nn.Module, spec: ModelSpec, seed: int) -> None:
+    """Deterministic initialisation of ``module``'s parameters from ``seed``, the same values
+    whatever the module holds of the model (all of it, a pipeline stage, DTensor shards of
+    any layout) and on whatever device.
+
+    One CPU generator seeded with ``seed`` draws every parameter of the full model (of
+    ``spec``) in the full model's ``named_parameters`` order (a tied weight once), each as a
+    whole tensor: N(0, init_std), the residual output projections ``attn.proj`` and
+    ``mlp.down`` N(0, init_std / sqrt(2 * n_layers)) (GPT-2). ``module`` keeps the slice it
+    holds of each (a DTensor's local shard at its global offset) and drops the rest, so the
+    peak beyond the module is one full parameter, and a sharded model equals, bit for bit,
+    the one-process model of the same seed. 1-D parameters take no draw: biases (``*.bias``)
+    0, norm gains 1.
+
+    Raises AssertionError if ``module`` holds a parameter the model of ``spec`` has not.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    std = spec.init_std
+    residual_std = std / math.sqrt(2 * spec.n_layers)
+    held = dict(module.named_parameters())
+    for name, like in meta_model(spec).named_parameters():  # the full model's order and shapes
+        p = held.pop(name, None)
+        if like.ndim == 1:
+            if p is not None:
+                (p.to_local() if isinstance(p, DTensor) else p).fill_(0.0 if name.endswith(".bias") else 1.0)
+            continue
+        s = residual_std if name.endswith(("attn.proj.weight", "mlp.down.weight")) else std
+        full = torch.empty(like.shape, dtype=torch.float32).normal_(0.0, s, generator=gen)
+        if p is None:  # another stage's: drawn all the same, so later draws do not shift
+            continue
+        if isinstance(p, DTensor):  # this rank's shard: its slice of the whole tensor
+            shape, offset = compute_local_shape_and_global_offset(like.shape, p.device_mesh, p.placements)
+            p.to_local().copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+        else:
+            p.copy_(full)
+    assert not held, f"init_weights: parameters the model of this spec has not: {sorted(held)}"
 
 
 def build_model(
     spec: ModelSpec, seed: int, device: str | torch.device = "cpu", *, activation_checkpointing: bool = False
 ) -> Transformer:
     """A freshly initialised model on ``device`` (float32 parameters); with
-    ``activation_checkpointing`` every block recomputes its activations in backward."""
-    model = Transformer(spec)
-    model.init_weights(seed)
-    for block in model.blocks:
-        block.activation_checkpointing = activation_checkpointing
-    return model.to(device)
+    ``activation_checkpointing`` every block recomputes its activations in backward.
+    On ``"meta"``: the structure only (:func:`meta_model`), nothing drawn."""
+    model = meta_model(spec, activation_checkpointing=activation_checkpointing)
+    if torch.device(device).type != "meta":
+        materialise(model, spec, seed, device)
+    return model
 
 
 def count_parameters(model: nn.Module) -> int:

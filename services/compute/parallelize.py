@@ -25,6 +25,15 @@ compiles each block before FSDP.
 
 A pipeline stage (pp > 1) is cut from the model before any of this (L3-1 keeps its stage
 only), and a stage iterates its blocks like the model, so every step applies to it as is.
+
+Models larger than one rank: L3-1 builds the model on the meta device (no storage), has the
+steps of :data:`ON_META` (TP, activation checkpointing, FSDP2) applied to it there, then
+materialises it (``to_empty`` + the seeded initialisation of services/compute/model.py,
+each rank filling only its shards), and only then hands it over for DDP, whose wrap checks
+and broadcasts the weights themselves. So the order stays the one above, with the weights
+coming into existence between FSDP2's place and DDP's (the two never apply together), and
+no rank ever holds more of the model than its plan gives it (torchtitan's meta-device
+initialisation).
 """
 
 from __future__ import annotations
@@ -37,6 +46,11 @@ TENSOR_PARALLEL = "tensor_parallel"
 ACTIVATION_CHECKPOINTING = "activation_checkpointing"
 FULLY_SHARD = "fully_shard"
 DDP = "ddp"
+
+
+# The steps that only re-lay the parameters out (DTensor placements, module hooks, the
+# blocks' recompute flag): they apply to a model on the meta device, before its weights exist.
+ON_META = frozenset({TENSOR_PARALLEL, ACTIVATION_CHECKPOINTING, FULLY_SHARD})
 
 
 def layout_steps(plan: engine_pb2.ParallelPlan) -> tuple[str, ...]:

@@ -10,13 +10,21 @@ again, so that L3-5 drops its wrapper on the old group and then wraps it anew on
 :class:`~services.state.snapshot.Slot`) and ``StateRestored`` (it copied the weights of the
 slot it was handed into the model; it keeps nothing of the slot).
 
-Local layout only (no communication): with pp > 1 the rank keeps its pipeline stage only.
-Everything else a parallel plan does to the model (tensor parallelism, activation
-checkpointing, FSDP2 or DDP) L3-5 applies when the composition root attaches the model to
-it, in the one order services/compute/parallelize.py fixes.
+Models larger than one rank: the model is built on the meta device (structure, no storage);
+with pp > 1 the rank keeps its pipeline stage only (local, no communication); then the
+layout steps that only re-lay parameters out (tensor parallelism, activation checkpointing,
+FSDP2) are applied to it there by L3-5, through the composition root (``lay_out``), in the
+one order services/compute/parallelize.py fixes; then the loader materialises it
+(services/compute/model.py ``materialise``: ``to_empty`` on the device, each parameter
+allocated at this rank's shard size, then filled). Only then is it handed over, for DDP
+and the units that run and update it. No rank ever holds the whole model: the peak beyond
+its shards is one full parameter, drawn on the CPU.
 
 Initialisation is a pure function of (ModelSpec, seed): values are drawn on the CPU by a
-private generator, so every rank starts from bit-identical weights without a broadcast.
+private generator, every parameter whole in the full model's order, each rank keeping its
+slice, so every rank starts from the weights a single process would have, bit for bit,
+whatever the layout, without a broadcast. A checkpoint or an ``init_from`` is then read into
+these shards (DCP, or safetensors slices: services/compute/hf_format.py), never a full copy.
 The built module is handed to whoever the composition root named (``handover``); the
 loader keeps only its own reference for exporting state.
 
@@ -36,24 +44,33 @@ import structlog
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from services.compute.model import build_model, count_parameters
+from services.compute.model import count_parameters, materialise, meta_model
 from services.compute.parallelize import data_parallel_resize
 from services.compute.pipeline_stage import stage_of
 from services.contract import Module, engine_pb2
 from services.contract.bus import Emitter, Reply
 from services.contract.frozen import FrozenConfig
 from services.jobspec import STORED, ModelSpec, frozen_parameters
-from services.state.snapshot import Slot, restorable
+from services.state.snapshot import Slot, restorable, thaw
 
 _log = structlog.get_logger("shard_loader")
 
 
 class ShardLoader:
-    """L3-1. ``handover`` receives the built module (wired by the composition root)."""
+    """L3-1. ``handover`` receives the built module (wired by the composition root);
+    ``lay_out`` (the composition root's, L3-5's ``lay_out``) applies the parameter layout
+    to the model on the meta device before its weights are materialised (None: nothing
+    before; the whole layout then happens at the handover, on full weights)."""
 
-    def __init__(self, emit: Emitter, handover: Callable[[nn.Module], None]):
+    def __init__(
+        self,
+        emit: Emitter,
+        handover: Callable[[nn.Module], None],
+        lay_out: Callable[[nn.Module], None] | None = None,
+    ):
         self._emit = emit
         self._handover = handover
+        self._lay_out = lay_out
         # Seed L3-1 s4: 并行分片规则配置推送（一次性初始化）; frozen after that (red line 5).
         self._plan = FrozenConfig[engine_pb2.ParallelPlan]("L3_SHARD_LOADER", "parallel plan")
         self._mesh: Any = None  # the DeviceMesh (only handed on: pipeline stages need it)
@@ -99,10 +116,13 @@ class ShardLoader:
         t0 = time.perf_counter()
         spec = ModelSpec.model_validate_json(msg.model_json, context=STORED)  # freeze: _freeze's check below
         plan = self._plan.get()
-        model = build_model(spec, msg.seed, plan.device or "cpu")
+        model = meta_model(spec)  # no storage yet (module docstring)
         _freeze(model, spec.freeze)
         if plan.pp > 1:  # this rank keeps its pipeline stage only (services/compute/pipeline_stage.py)
             model = stage_of(model, plan, self._mesh)
+        if self._lay_out is not None:  # TP / activation checkpointing / FSDP2, on the meta device
+            self._lay_out(model)
+        materialise(model, spec, msg.seed, plan.device or "cpu")  # this rank's shards only
         self._model = model
         self._state = "loaded"
         self._hand_over(model)
@@ -138,7 +158,9 @@ class ShardLoader:
             raise RuntimeError("shard loader: no model loaded, nothing to restore into")
         t0 = time.perf_counter()
         slot = restorable(payload, "model", Module.L3_SHARD_LOADER, msg)
-        set_model_state_dict(self._model, slot.state_dict())  # a copy; copied again into the parameters
+        # The slot's own tensors, read only (copied into the parameters, nothing kept): no
+        # second copy of this rank's weights beside the slot's while it restores.
+        set_model_state_dict(self._model, thaw(slot.state, clone=False))
         return slot.stamped(engine_pb2.StateRestored(key="model", seconds=time.perf_counter() - t0))
 
 

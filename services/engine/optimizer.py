@@ -34,7 +34,7 @@ from services.contract import Module, engine_pb2
 from services.contract.bus import Emitter, Reply
 from services.contract.failures import FailureCause, Refusal
 from services.jobspec import OptimizerSpec
-from services.state.snapshot import Slot, restorable
+from services.state.snapshot import Slot, restorable, thaw
 
 # operators.adamw -> torch.optim.AdamW keyword arguments.
 _IMPLEMENTATIONS: dict[str, dict[str, bool]] = {
@@ -121,7 +121,11 @@ class Optimizer:
     def restore_state(self, msg: engine_pb2.RestoreState, payload: Slot) -> engine_pb2.StateRestored:
         """Copy the moments and step counts of ``payload`` (this module's slot, of the step,
         version and digest ``msg`` names) into the optimizer. torch's load keeps the tensors
-        it is given where their device and dtype already fit, so it gets a fresh copy.
+        it is given where their device and dtype already fit: it is given the slot's own
+        (read only), and each is then copied into the moment this optimizer already holds
+        of that shape (a fresh copy where it holds none), so a restore needs no second copy
+        of the moments beside the slot and the live ones (on a resume the live ones are the
+        template's zeros: the peak stays the template plus the state).
 
         Raises:
             RuntimeError: no model attached.
@@ -132,7 +136,17 @@ class Optimizer:
             raise RuntimeError("optimizer: no model attached, nothing to restore into")
         t0 = time.perf_counter()
         slot = restorable(payload, "optim", Module.L2_OPTIMIZER, msg)
-        set_optimizer_state_dict(self._model, self._optim, slot.state_dict(), options=self._options())
+        live = {p: dict(state) for p, state in self._optim.state.items()}
+        set_optimizer_state_dict(self._model, self._optim, thaw(slot.state, clone=False), options=self._options())
+        for p, state in self._optim.state.items():
+            for key, value in state.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                held = live.get(p, {}).get(key)
+                if held is not None and _same_layout(held, value):
+                    state[key] = held.copy_(value)  # into the live buffer: the slot stays as it was
+                else:
+                    state[key] = value.detach().clone()
         return slot.stamped(engine_pb2.StateRestored(key="optim", seconds=time.perf_counter() - t0))
 
     def _options(self) -> StateDictOptions:
@@ -140,3 +154,11 @@ class Optimizer:
         # would then collide across ranks in a DCP checkpoint (one rank's copy is kept), so a
         # stage keys everything by FQN (torchtitan's flatten_optimizer_state_dict).
         return StateDictOptions(flatten_optimizer_state_dict=getattr(self._model, "num_stages", 1) > 1)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``b`` can be copied into ``a`` element for element (type, shape, dtype,
+    device, and a DTensor's mesh and placements)."""
+    if type(a) is not type(b) or a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    return not hasattr(a, "placements") or (a.device_mesh == b.device_mesh and a.placements == b.placements)

@@ -194,9 +194,10 @@ def compose(
     attached: list[bool] = []  # [True] once the model was handed over
 
     def handover(model: torch.nn.Module) -> None:
-        # The loaded model goes to the units that run or update it; L3-5 lays it out first
-        # (TP, activation checkpointing, FSDP2 or DDP: services/compute/parallelize.py), in
-        # place, so the parameter handles below are the final (possibly sharded) ones.
+        # The loaded model goes to the units that run or update it; L3-5 finishes its layout
+        # first (DDP, hooks; TP, activation checkpointing and FSDP2 were applied on the meta
+        # device: services/compute/parallelize.py), in place, so the parameter handles below
+        # are the final (possibly sharded) ones.
         run = reduction.attach(model)
         if attached:
             # Handed over again: the group was rebuilt in place (ddp or none only). The
@@ -215,7 +216,9 @@ def compose(
         precision.attach(model.parameters())
         optimizer.attach(model)
 
-    shard_loader = ShardLoader(emitter(Module.L3_SHARD_LOADER), handover)
+    # L3-1 builds the model on the meta device, has L3-5 lay out its parameters there (TP,
+    # activation checkpointing, FSDP2), materialises only this rank's shards, then hands over.
+    shard_loader = ShardLoader(emitter(Module.L3_SHARD_LOADER), handover, lay_out=reduction.lay_out)
     parallel = ParallelStrategy(
         emitter(Module.L2_PARALLEL_STRATEGY),
         port(Module.L2_PARALLEL_STRATEGY, Module.L3_SHARD_LOADER),

@@ -162,3 +162,54 @@ def test_llama3_rope_scaling_gives_transformers_frequencies():
     plain = rotary_for(ModelSpec(d_model=2048, n_heads=32, rope_theta=500000.0))._inv_freq
     kept, divided = ours == plain, torch.isclose(ours, plain / 32)
     assert kept.sum() > 0 and divided.sum() > 0 and (~kept & ~divided).sum() > 0  # all three bands are there
+
+
+def test_initialisation_is_one_seeded_cpu_draw_per_parameter_in_order():
+    # The rule every layout reproduces (services/compute/model.py init_weights), written out:
+    # one generator, each matrix drawn whole in named_parameters order (the tied one once),
+    # the residual projections at init_std / sqrt(2 L), 1-D gains 1 without a draw.
+    spec = ModelSpec(**{**SMALL, "tie_embeddings": False})
+    gen = torch.Generator().manual_seed(9)
+    want = {}
+    for name, p in build_model(spec, 9, "meta").named_parameters():
+        if p.ndim == 1:
+            want[name] = torch.ones(p.shape)
+            continue
+        std = (
+            spec.init_std / (2 * spec.n_layers) ** 0.5
+            if name.endswith(("attn.proj.weight", "mlp.down.weight"))
+            else spec.init_std
+        )
+        want[name] = torch.empty(p.shape).normal_(0.0, std, generator=gen)
+    got = dict(build_model(spec, 9).named_parameters())
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_meta_model_has_no_storage_and_materialises_with_its_tied_weight_tied():
+    from services.compute.model import materialise, meta_model
+
+    spec = ModelSpec(**SMALL)
+    m = meta_model(spec)
+    assert all(p.is_meta for p in m.parameters()) and m.lm_head.weight is m.tok_emb.weight
+    materialise(m, spec, 3, "cpu")
+    assert m.lm_head.weight is m.tok_emb.weight and not any(p.is_meta for p in m.parameters())
+    ref = build_model(spec, 3)
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), ref.state_dict().values(), strict=True))
+    assert m(torch.randint(0, 64, (1, 5))).shape == (1, 5, 64)  # RoPE tables are real tensors
+
+
+def test_a_pipeline_stage_materialised_alone_holds_the_whole_models_values():
+    # Stage 1 of 2 draws every tensor (so its own come out as the whole model's) and keeps its own.
+    from services.compute.model import materialise, meta_model
+    from services.compute.pipeline_stage import stage_of
+    from services.engine.parallel_strategy import plan_message
+    from services.engine.sharding_plan import plan
+    from services.jobspec import ParallelSpec
+
+    spec = ModelSpec(**{**SMALL, "n_layers": 4, "tie_embeddings": False})
+    stage = stage_of(meta_model(spec), plan_message(plan(spec, 2, ParallelSpec(pp=2)), 1, "cpu"), None)
+    materialise(stage, spec, 4, "cpu")
+    whole = build_model(spec, 4).state_dict()
+    held = stage.state_dict()
+    assert sorted(held) == sorted(k for k in whole if k.startswith(("blocks.2.", "blocks.3.", "norm.", "lm_head.")))
+    assert all(torch.equal(v, whole[k]) for k, v in held.items())

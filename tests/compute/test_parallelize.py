@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from services.compute.model import build_model
 from services.compute.parallelize import checkpoint_activations, layout_steps
@@ -85,3 +88,85 @@ def test_the_shard_loader_takes_a_resized_plan_only_after_the_plan_was_withdrawn
     loader.parallel_plan(at(2), None)
     with pytest.raises(ConfigFrozen):
         loader.parallel_plan(plan_message(plan(MODEL, 2, ParallelSpec(dp=1, tp=2)), 1, "cpu"), mesh)
+
+
+# ---------------------------------------------------------------- meta-device layout and init
+
+LAYOUTS = {  # (world, rank to check, parallel section): ranks whose shards are uneven or 2-D
+    "fsdp2_dp2": (2, 1, {"dp": 2, "data_parallel": "fsdp2"}),
+    "tp2": (2, 1, {"tp": 2}),
+    "fsdp2_dp2_x_tp2": (4, 2, {"dp": 2, "tp": 2, "data_parallel": "fsdp2"}),
+}
+SHARDED = ModelSpec(d_model=64, n_heads=4, n_layers=2, vocab_size=97, tie_embeddings=False)  # 97: uneven rows
+
+
+def _check_rank(world: int, rank: int, parallel: dict, hf_dir: str) -> None:
+    """In a process of its own: rank ``rank`` of ``world`` joins torch's fake process group
+    (every collective a no-op: any communication would leave wrong values), has L3-5 lay
+    out the meta model for ``parallel``, materialises it, and checks every local shard
+    against the one-process model's tensor cut as torch cuts it (``distribute_tensor``
+    with ``src_data_rank=None``); then reads the same shards from the Hugging Face
+    directory ``hf_dir`` (that model, exported) and checks them too."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from services.compute.gradient_reduction import GradientReduction
+    from services.compute.hf_format import read_hf_tensors
+    from services.compute.model import materialise, meta_model
+
+    whole = build_model(SHARDED, 5).state_dict()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    msg = plan_message(plan(SHARDED, world, ParallelSpec(**parallel)), rank, "cpu")
+    reduction = GradientReduction(lambda *a, **k: None)
+    reduction.parallel_plan(msg, init_device_mesh("cpu", (msg.pp, msg.dp, msg.tp), mesh_dim_names=("pp", "dp", "tp")))
+    model = meta_model(SHARDED)
+    reduction.lay_out(model)
+    materialise(model, SHARDED, 5, "cpu")
+    params = dict(model.named_parameters())
+    assert params.keys() == whole.keys() and all(isinstance(p, DTensor) for p in params.values())
+    for name, p in params.items():
+        want = distribute_tensor(whole[name], p.device_mesh, p.placements, src_data_rank=None).to_local()
+        assert torch.equal(p.to_local(), want), (name, p.placements)
+    for name, t in read_hf_tensors(hf_dir, params).items():
+        assert torch.equal(t.to_local(), params[name].to_local()), (name, t.placements)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_each_rank_materialises_its_shards_of_the_one_process_weights_without_communication(tmp_path):
+    import subprocess
+    import sys
+
+    from services.compute import hf_format
+    from services.jobspec import JobSpec
+
+    spec = JobSpec.model_validate(
+        {"name": "hf", "steps": 1, "model": SHARDED.model_dump(), "data": {"dataset": "corpus@v1", "seq_len": 16}}
+    )
+    hf_format.save_hf(tmp_path, build_model(SHARDED, 5).state_dict(), spec)
+    # One process per layout: a fake process group and its device meshes are per process.
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, __file__, str(world), str(rank), json.dumps(parallel), str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name, (world, rank, parallel) in LAYOUTS.items()
+    }
+    try:
+        failed = {name: p.communicate(timeout=100)[0][-2000:] for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert {name: p.returncode for name, p in procs.items()} == dict.fromkeys(LAYOUTS, 0), failed
+
+
+if __name__ == "__main__":
+    import sys
+
+    _check_rank(int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4])

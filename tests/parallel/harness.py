@@ -193,6 +193,17 @@ class Rank:
             restore = engine_pb2.RestoreState(step=slot.step, version=slot.version, digest=slot.digest)
             self.bus.port(L, module)(restore, slot)
 
+    def weight_digests(self) -> dict[str, str]:
+        """The sha256 of every weight's whole tensor (float32 bytes), one tensor gathered at a
+        time (collective, all ranks), so a rank never holds more than one whole weight."""
+        from torch.distributed.tensor import DTensor
+
+        from services.contract import Module
+
+        port = self.bus.port(Module.L2_TRAINING_LOOP, Module.L3_SHARD_LOADER)
+        state = port(engine_pb2.ExportState()).payload.state_dict()
+        return {k: tensor_digest(v.full_tensor() if isinstance(v, DTensor) else v) for k, v in sorted(state.items())}
+
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every weight as a whole tensor (DTensor shards gathered: collective, all ranks)."""
         from torch.distributed.tensor import DTensor
@@ -206,41 +217,68 @@ class Rank:
         }
 
 
+def peak_rss() -> int:
+    """This process's peak resident set size so far (``VmHWM`` of /proc/self/status), bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM")
+
+
 def rank_main(argv: list[str]) -> None:
     """``python harness.py CONFIG_JSON RANK WORLD PORT OUT``: run one rank, save results.
 
     Besides the parallel section, CONFIG may hold ``steps``, ``ckpt_every``, ``ckpt_root``
     (where checkpoints go; default OUT/ckpt), ``resume`` (a version under ckpt_root: the
     loop resumes it), ``load_weights_from`` (a checkpoint directory whose model and
-    optimizer are loaded before training starts, from step 0) and ``inject`` (a list of
-    ``[kind, step, rank]``: services.rank.faults injections, e.g. ``["inf_grad", 3, 1]``)."""
+    optimizer are loaded before training starts, from step 0), ``inject`` (a list of
+    ``[kind, step, rank]``: services.rank.faults injections, e.g. ``["inf_grad", 3, 1]``),
+    ``start_digests`` (true: the sha256 of every whole weight once the loop has started,
+    before the first step, in ``started_digests``, also written at once to
+    OUT/started<rank>.json, which outlives a rank killed later; the gathering is collective) and
+    ``final_state`` (false: no gathered copy of the weights at the end, whose whole tensors
+    would cost a memory-limited rank the full model), ``end_digests`` (true: their sha256
+    instead, in ``end_digests``). Every result holds the rank's peak
+    RSS (``peak_rss``; and ``started_rss`` where a hook ran before the first step)."""
     config, rank, world, port, out = json.loads(argv[0]), int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     ckpt_root = Path(config.pop("ckpt_root", out / "ckpt"))
     resume, load_from = config.pop("resume", ""), config.pop("load_weights_from", "")
+    start_digests, final_state = config.pop("start_digests", False), config.pop("final_state", True)
+    end_digests = config.pop("end_digests", False)
     guard = _guard(config.pop("inject", []), rank, out, lambda: r)
     spec = parity_spec(**config)
     r = Rank(spec, ckpt_root, rank=rank, world_size=world, port=port, resume_version=resume, guard=guard)
     loaded: dict[str, Any] = {}
+    started: dict[str, Any] = {}
 
-    def load(rank_: Rank) -> None:
-        rank_.load_model_and_optimizer(Path(load_from))
-        loaded["state"] = rank_.full_state()
-        loaded["optim"] = full_optimizer_state(rank_)
+    def before_start(rank_: Rank) -> None:
+        started["rss"] = peak_rss()  # the load's peak: model built, laid out, resumed
+        if load_from:
+            rank_.load_model_and_optimizer(Path(load_from))
+            loaded["state"] = rank_.full_state()
+            loaded["optim"] = full_optimizer_state(rank_)
+        if start_digests:
+            started["digests"] = rank_.weight_digests()
+        # Written now: a rank killed later in the run (a memory limit) still tells how it started.
+        (out / f"started{rank}.json").write_text(json.dumps(started))
 
     try:
-        r.run(before_start=load if load_from else None)
+        r.run(before_start=before_start if load_from or start_digests else None)
     except RuntimeError as e:
         torch.save({"error": f"{getattr(e, 'fault_class', 'error')}: {e}"}, out / f"rank{rank}.pt")
         raise
     steps = r.up.of(engine_pb2.StepCompleted)
-    state = r.full_state()
+    state = r.full_state() if final_state else {}
+    digests = r.weight_digests() if end_digests else {}
     r.modules.parallel.shutdown()
     torch.save({"losses": [s.loss for s in steps], "tokens": [s.tokens for s in steps], "steps": [s.step for s in steps],
                 "grad_norms": [s.grad_norm for s in steps], "step_seconds": [s.step_seconds for s in steps],
                 "loss_scales": [s.loss_scale for s in steps], "skipped": [s.skipped for s in steps],
-                "state": state, "loaded": loaded, "committed": [c.step for c in r.store.committed]},
+                "state": state, "loaded": loaded, "committed": [c.step for c in r.store.committed],
+                "started_digests": started.get("digests", {}), "started_rss": started.get("rss", 0), "end_digests": digests,
+                "peak_rss": peak_rss()},
                out / f"rank{rank}.pt")  # fmt: skip
 
 
@@ -262,6 +300,13 @@ def _guard(inject: list, rank: int, out: Path, current: Any):
     return StepGuard(step, injector=injector)
 
 
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of ``t``'s float32 bytes (row-major): equal digests, bit-identical tensors."""
+    import hashlib
+
+    return hashlib.sha256(t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes()).hexdigest()
+
+
 def full_optimizer_state(r: Rank) -> dict[str, torch.Tensor]:
     """The optimizer's moments, whole tensors keyed ``<param FQN>.<exp_avg|exp_avg_sq|step>``."""
     from torch.distributed.tensor import DTensor
@@ -275,10 +320,96 @@ def full_optimizer_state(r: Rank) -> dict[str, torch.Tensor]:
             for fqn, per in sorted(state.items()) for k, v in sorted(per.items())}  # fmt: skip
 
 
+class MemoryLimit:
+    """A memory cgroup per rank process: the kernel charges it every page the process
+    touches (its heap, the tensors' storage, the page cache it brings in) and OOM-kills it
+    (SIGKILL) when the charge would pass ``limit_bytes``; its peak charge is read back.
+
+    Why a cgroup and not RLIMIT_AS: RLIMIT_AS caps virtual address space, and a torch +
+    gloo process reserves far more of it than it ever touches (each thread's 8 MiB stack,
+    glibc's 64 MiB malloc arena per thread, every shared library's whole mapping, the
+    allocator's unreturned reservations), by amounts that vary with the thread count; a cap
+    set at a budget of resident memory then fails the process at start-up or at a thread
+    spawn, not where the model's memory grows, and one set above those reservations does not
+    bound the resident memory. The memory controller charges resident pages only, which is
+    what a device's memory is to FSDP. (Pages of the shared libraries already cached by
+    another process are not charged: the same for every configuration compared.)
+
+    cgroup v1 (``/sys/fs/cgroup/memory``) or v2 (a child of ``/sys/fs/cgroup`` with the
+    memory controller): both need root; :meth:`unavailable` says why not otherwise.
+    """
+
+    V1, V2 = Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")
+
+    def __init__(self, limit_bytes: int, tag: str, ranks: int):
+        self.limit = limit_bytes
+        v1 = (self.V1 / "memory.limit_in_bytes").exists()
+        root = self.V1 if v1 else self.V2
+        # (limit, peak, OOM events, swap cap) files: v1's names, v2's names.
+        self._files = (
+            ("memory.limit_in_bytes", "memory.max_usage_in_bytes", "memory.oom_control", "memory.memsw.limit_in_bytes")
+            if v1
+            else ("memory.max", "memory.peak", "memory.events", "memory.swap.max")
+        )
+        self.dirs = [root / f"surge-test-{tag}-{os.getpid()}-rank{r}" for r in range(ranks)]
+        try:
+            for d in self.dirs:
+                d.mkdir()
+                limit, _, _, swap = self._files
+                (d / limit).write_text(str(limit_bytes))
+                if (d / swap).exists():  # no swapping out instead of failing (v2: a swap cap of 0)
+                    (d / swap).write_text(str(limit_bytes) if v1 else "0")
+        except OSError:
+            self.close()
+            raise
+
+    @classmethod
+    def unavailable(cls) -> str:
+        """Why memory cgroups cannot be made here ("" when they can)."""
+        try:
+            probe = cls(1 << 30, "probe", 1)
+        except OSError as e:
+            return f"no writable memory cgroup (v1 {cls.V1} or v2 {cls.V2}, root needed): {e}"
+        probe.close()
+        return ""
+
+    def command(self, rank: int, argv: list[str]) -> list[str]:
+        """``argv`` run inside rank ``rank``'s cgroup: a shell puts its own pid in the cgroup,
+        then execs ``argv`` (same pid), so everything the rank touches from exec on is charged
+        (no preexec_fn: it is not safe in a parent with threads)."""
+        return ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.dirs[rank] / "cgroup.procs"), *argv]
+
+    def peak(self, rank: int) -> int:
+        """The most memory rank ``rank``'s cgroup was ever charged, bytes."""
+        return int((self.dirs[rank] / self._files[1]).read_text())
+
+    def oom_killed(self, rank: int) -> bool:
+        """Whether the kernel's OOM killer killed a process of rank ``rank``'s cgroup."""
+        for line in (self.dirs[rank] / self._files[2]).read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value) > 0
+        return False
+
+    def close(self) -> None:
+        for d in self.dirs:
+            if d.exists():
+                d.rmdir()  # (empty once its processes have exited)
+
+
 def run_config(
-    config: dict[str, Any], out: Path, *, timeout: float = 240.0, expect_failure: bool = False
+    config: dict[str, Any],
+    out: Path,
+    *,
+    timeout: float = 240.0,
+    expect_failure: bool = False,
+    memory_limit: int = 0,
 ) -> list[dict[str, Any]]:
     """Start ``dp * tp * pp`` rank processes for ``config``, wait, return each rank's results.
+    ``memory_limit`` (bytes): each rank runs in a memory cgroup of that limit
+    (:class:`MemoryLimit`); each result then holds ``charged_peak`` (bytes) and
+    ``oom_killed``. Every result holds ``exit_code``; a rank that died before writing its
+    results (killed) has only those.
 
     Raises AssertionError with the ranks' output tails when any rank fails (with
     ``expect_failure``: when any rank succeeds; the results then hold each rank's error)."""
@@ -290,27 +421,53 @@ def run_config(
     (port,) = free_ports(1)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    procs = [
-        subprocess.Popen([sys.executable, str(HERE / "harness.py"), json.dumps(config), str(r), str(world), str(port), str(out)],
-                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(world)
-    ]  # fmt: skip
-    outputs = []
-    deadline = time.monotonic() + timeout
+    limit = MemoryLimit(memory_limit, out.name, world) if memory_limit else None
+    if limit is not None:
+        # glibc keeps freed heap memory for reuse, and a freed tensor of a few MiB raises its
+        # mmap threshold so the next ones come from that heap too; at 64 KiB every tensor
+        # beyond it is a mapping of its own, returned when freed, so the cgroup is charged
+        # the tensors alive, not what the allocator happened to keep (as services/memory_estimate.py measures).
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    argv = [[sys.executable, str(HERE / "harness.py"), json.dumps(config), str(r), str(world), str(port), str(out)]
+            for r in range(world)]  # fmt: skip
     try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+        procs = [
+            subprocess.Popen(limit.command(r, argv[r]) if limit else argv[r],
+                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for r in range(world)
+        ]  # fmt: skip
+        outputs = []
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        codes = [p.returncode for p in procs]
+        if expect_failure:
+            assert all(codes), f"config {config}: exit codes {codes}, expected every rank to fail"
+        else:
+            tails = "\n".join(o[-3000:] for o in outputs)
+            assert codes == [0] * world, f"config {config}: exit codes {codes}\n{tails}"
+        results = []
+        for r, code in enumerate(codes):
+            path = out / f"rank{r}.pt"
+            result = torch.load(path) if path.exists() else {}
+            started = out / f"started{r}.json"
+            if started.exists() and not result:  # killed after it started: what it wrote then
+                begun = json.loads(started.read_text())
+                result = {"started_digests": begun.get("digests", {}), "started_rss": begun["rss"]}
+            result["exit_code"] = code
+            if limit is not None:
+                result["charged_peak"], result["oom_killed"] = limit.peak(r), limit.oom_killed(r)
+            results.append(result)
+        return results
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    codes = [p.returncode for p in procs]
-    if expect_failure:
-        assert all(codes), f"config {config}: exit codes {codes}, expected every rank to fail"
-    else:
-        assert codes == [0] * world, f"config {config}: exit codes {codes}\n" + "\n".join(o[-3000:] for o in outputs)
-    return [torch.load(out / f"rank{r}.pt") for r in range(world)]
+        if limit is not None:
+            limit.close()
 
 
 if __name__ == "__main__":

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import ast
 import inspect
+from types import SimpleNamespace
 
 import pytest
 
+from services.compute.shard_loader import ShardLoader
 from services.contract import Module
 from services.contract.bus import CommandPort, Emitter
 from services.contract.route_table import default_table
@@ -32,7 +34,7 @@ LIFECYCLE: dict[str, set[str]] = {
     "MixedPrecision": {"attach"},
     "ForwardUnit": {"attach"},
     "BackwardUnit": {"attach"},
-    "GradientReduction": {"attach"},
+    "GradientReduction": {"attach", "lay_out"},
     "Prefetcher": {"close"},
     "MetricsLogger": {"close"},
     "FaultDetector": {"close"},
@@ -53,6 +55,9 @@ HANDOVER = (
     "ShardLoader._handover",
     {"ForwardUnit", "GradientReduction", "BackwardUnit", "MixedPrecision", "Optimizer"},
 )
+# And the layout it has applied to the model on the meta device before it materialises the
+# weights (L3-5's ``lay_out``: TP, activation checkpointing, FSDP2). Write-only as well.
+LAY_OUT = ("ShardLoader._lay_out", {"GradientReduction"})
 
 
 @pytest.fixture(scope="module")
@@ -110,13 +115,17 @@ def test_module_public_methods_are_exactly_their_commands_and_event_handlers(bui
 
 def test_no_module_holds_a_reference_to_another_module(built):
     held: dict[str, set[str]] = {}
+    lay_out: set[str] = set()
     for b in built:
         for inst in b.modules.values():
             for r in reachable(inst):
                 if not isinstance(r.target, (CommandPort, Emitter)):
                     top = r.path.split("<")[0].split("[")[0]
                     held.setdefault(top, set()).add(type(r.target).__name__)
+            if isinstance(inst, ShardLoader):  # (walked alone: the handover's closure reached L3-5 first)
+                lay_out |= {type(r.target).__name__ for r in reachable(SimpleNamespace(lay_out=inst._lay_out))}
     assert held == {HANDOVER[0]: HANDOVER[1]}
+    assert lay_out == LAY_OUT[1]
 
 
 def test_the_shard_loader_handover_is_write_only():
@@ -132,6 +141,10 @@ def test_the_shard_loader_handover_is_write_only():
     assert [ast.unparse(a) for a in call.args] == ["model"] and not call.keywords
     stmt_parents = [n for n in ast.walk(tree) if isinstance(n, ast.Expr) and n.value is call]
     assert stmt_parents, "the handover's result must not be used"
+    # The layout callback likewise: called once, with the model, its result unused.
+    lay_outs = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "_lay_out"]
+    assert [[ast.unparse(a) for a in c.args] for c in lay_outs] == [["model"]]
+    assert any(isinstance(n, ast.Expr) and n.value is lay_outs[0] for n in ast.walk(tree))
     # And the composition root's handover returns nothing.
     rank = ast.parse((REPO / "services/rank/__main__.py").read_text())
     (handover,) = [n for n in ast.walk(rank) if isinstance(n, ast.FunctionDef) and n.name == "handover"]
