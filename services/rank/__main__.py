@@ -92,6 +92,7 @@ from services.engine.training_loop import LoopPorts, TrainingLoop
 from services.jobspec import JobSpec, spec_from_json
 from services.rank.comm_settings import apply_nccl_environment, collective_timeout_s, side_timeout_s
 from services.rank.faults import FaultInjector, StepGuard
+from services.state import staging
 from services.state.snapshot import RANK_SLOTS
 from services.state.state_manager import StateManager
 
@@ -179,6 +180,7 @@ def compose(
     """
     validate_table(bus.table)
     check_pipeline_job(spec)  # ValueError: a pp > 1 combination the pipeline path lacks
+    staging.keep_buffers(not device.startswith("cpu"))  # snapshot buffers kept off the CPU only (staging.py)
     port, emitter = bus.port, bus.emitter
     adapter = OperatorAdapter(emitter(Module.L3_OPERATOR_ADAPTER), device)
     forward = ForwardUnit(emitter(Module.L3_FORWARD_UNIT), port(Module.L3_FORWARD_UNIT, Module.L3_OPERATOR_ADAPTER))

@@ -146,6 +146,15 @@ def use_pool(staging: HostStaging) -> HostStaging:
     return previous
 
 
+def keep_buffers(keep: bool) -> None:
+    """Whether this process's pool keeps its buffers between saves (a fresh pool either way).
+    A rank decides it once from its device (services/rank/__main__.py compose): kept when the
+    state is on an accelerator, where the copies are host memory beside it; not on a CPU rank,
+    whose state is itself host memory: kept buffers would hold a second copy of the state for
+    the whole job, and a model sized to the host would no longer fit."""
+    use_pool(HostStaging(reuse=keep))
+
+
 def staging_for(key: str | None) -> HostStaging:
     """The pool a copy of slot ``key`` is staged in: this process's, or for no key (a copy
     that is no slot's) fresh memory each time."""
