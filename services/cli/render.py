@@ -129,12 +129,15 @@ def cordons_table(cordoned) -> Table:
     and how the cordon ends."""
     import time
 
-    t = Table(title="unhealthy workers (no rank is placed on them)")
-    for col in ("worker", "since", "reason", "cleared by"):
+    t = Table(
+        title="unhealthy workers: no rank is placed on them",
+        caption="each until its node agent registers again (`surgectl restart WORKER`, or the node rebooted)",
+    )
+    for col in ("worker", "since", "reason"):
         t.add_column(col)
     for c in cordoned:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.unix_time)) if c.unix_time else "—"
-        t.add_row(c.worker_id, since, c.reason, "its node agent registering again (restart or reboot)")
+        t.add_row(c.worker_id, since, c.reason)
     return t
 
 
