@@ -124,6 +124,23 @@ def jobs_table(jobs) -> Table:
     return t
 
 
+def cordons_table(cordoned) -> Table:
+    """Workers taken out of placement for every job (``JobList.cordoned``), with the reason
+    and how the cordon ends."""
+    import time
+
+    t = Table(
+        title="unhealthy workers: no rank is placed on them",
+        caption="each until its node agent registers again (`surgectl restart WORKER`, or the node rebooted)",
+    )
+    for col in ("worker", "since", "reason"):
+        t.add_column(col)
+    for c in cordoned:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.unix_time)) if c.unix_time else "—"
+        t.add_row(c.worker_id, since, c.reason)
+    return t
+
+
 def audit_table(view, show_unused: bool = True) -> Table:
     """The live permission matrix (``services.cli.audit.AuditView``): routes that carried
     messages, refused sends in red, then (``show_unused``) the table's unused routes, dim."""

@@ -372,16 +372,21 @@ def submit(
 
 @app.command()
 def status(job: str | None = typer.Argument(None), output: str = OutputOpt) -> None:
-    """Show one job or all jobs.
+    """Show one job or all jobs (all jobs: then, in a table, the workers taken out of
+    placement after a device's fatal error, with the reason).
 
     Example: surgectl status demo-3f2a1c -o json
     """
+    cordoned = []
     if job:
         job = resolve_job(job)
         jobs = [clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))]
     else:
-        jobs = list(clients.call("control", lambda s: s.ListJobs(control_pb2.JobQuery(), timeout=10)).jobs)
+        listed = clients.call("control", lambda s: s.ListJobs(control_pb2.JobQuery(), timeout=10))
+        jobs, cordoned = list(listed.jobs), list(listed.cordoned)
     _show(jobs, output, render.jobs_table)
+    if cordoned and output == "table":  # (json stays the list of jobs it always was)
+        render.console.print(render.cordons_table(cordoned))
 
 
 @app.command("spec")

@@ -36,6 +36,7 @@ class OrchestratorHandlers(Protocol):
     ``on_training_loop_finished`` (TrainingLoopFinished)
     ``on_training_loop_paused`` (TrainingLoopPaused)
     ``on_training_loop_started`` (TrainingLoopStarted)
+    ``on_worker_cordoned`` (WorkerCordoned)
 
     A failure event's handler may be replaced by one ``on_failure(msg, payload)``.
     """
@@ -63,6 +64,7 @@ class ResourceAllocatorHandlers(Protocol):
     """
 
     def allocate_resources(self, msg: control_pb2.AllocateResources, payload: Any = None) -> Any: ...
+    def cordon_worker(self, msg: control_pb2.CordonWorker, payload: Any = None) -> Any: ...
     def rebuild_communicator(self, msg: control_pb2.RebuildCommunicator, payload: Any = None) -> Any: ...
     def release_resources(self, msg: control_pb2.ReleaseResources, payload: Any = None) -> Any: ...
 

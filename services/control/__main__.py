@@ -185,7 +185,7 @@ def build(
         allocator=bus.port(
             Module.L1_ORCHESTRATOR,
             Module.L1_RESOURCE_ALLOCATOR,
-            commands=(control_pb2.AllocateResources, control_pb2.ReleaseResources),
+            commands=(control_pb2.AllocateResources, control_pb2.ReleaseResources, control_pb2.CordonWorker),
         ),
         faults=bus.port(
             Module.L1_ORCHESTRATOR,

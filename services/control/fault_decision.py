@@ -55,6 +55,12 @@ _VERDICTS = {
 }
 
 
+# A worker's own fault (a FaultReport with no job): the classes that cordon it, taking it out
+# of placement for every job (CordonWorker) until its node agent registers again. A device's
+# uncorrectable ECC error or fatal Xid (issue 26: "an uncorrectable ECC error excludes the node").
+CORDON_CLASSES = frozenset({"device_error"})
+
+
 @dataclass(frozen=True)
 class JobView:
     """What the decision needs of the job (read-only)."""

@@ -584,7 +584,11 @@ class FaultDetector:
         and reported for every monitored job with a rank on that worker (one report per job,
         for its lowest rank there; a rank is known there by its heartbeats or by the agent's
         process states, so a rank still starting counts too). The report names the worker:
-        the default policy for ``device_error`` excludes it (exclude_node)."""
+        the default policy for ``device_error`` excludes it (exclude_node).
+
+        Reported first for the node itself (``job_id`` empty), whether or not a job runs
+        there: whether the worker stays placeable for every job is L1-1's to decide (a
+        ``device_error`` cordons it), and a device can fail on an idle node."""
         fault_class = device_fault_class(msg)
         where: dict[str, int] = {}
         with self._lock:
@@ -597,6 +601,20 @@ class FaultDetector:
                     where[job_id] = min(rank, where.get(job_id, rank))
         detail = (
             f"device {msg.device} of {msg.worker_id}: {msg.detail or engine_pb2.HardwareError.Error.Name(msg.error)}"
+        )
+        # The node first: a cordon is in force before any job on it decides where to relaunch.
+        now = time.time()
+        self._emit(
+            control_pb2.FaultReport(
+                grade=self._grade(fault_class),
+                fault_class=fault_class,
+                source=Module.EXT_HARDWARE,
+                detail=detail,
+                detected_unix=now,
+                occurred_unix=msg.unix_time or now,
+                worker_id=msg.worker_id,
+                event=msg.DESCRIPTOR.name,
+            )
         )
         for job_id, rank in sorted(where.items()):
             self._report(

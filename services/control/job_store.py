@@ -65,6 +65,12 @@ CREATE TABLE IF NOT EXISTS worker_cursors (
     incarnation TEXT NOT NULL,
     seq         INTEGER NOT NULL
 );
+-- Workers out of placement for every job (L1-1's cordon after a device's fatal error), until
+-- their node agent registers as another incarnation: commanded to L1-2 again at a restart.
+CREATE TABLE IF NOT EXISTS cordons (
+    worker_id TEXT PRIMARY KEY,
+    cordon    BLOB NOT NULL             -- control_pb2.WorkerCordoned, serialized
+);
 """
 
 _UPSERT_CURSOR = (
@@ -177,6 +183,28 @@ class JobStore:
         None: it was not finite)."""
         with self._lock:
             return self._db.execute("SELECT step, loss FROM steps WHERE job_id=? ORDER BY rowid", (job_id,)).fetchall()
+
+    # ------------------------------------------------------------ cordoned workers
+
+    def save_cordon(self, cordon: control_pb2.WorkerCordoned) -> None:
+        """Journal a worker's cordon (replacing an earlier one of the worker), with the
+        cursor of the worker event being applied on this thread, if any."""
+        with self._transaction():
+            self._db.execute(
+                "INSERT INTO cordons VALUES (?,?) ON CONFLICT(worker_id) DO UPDATE SET cordon=excluded.cordon",
+                (cordon.worker_id, cordon.SerializeToString()),
+            )
+
+    def delete_cordon(self, worker_id: str) -> None:
+        """The worker's cordon ended (with the applying worker event's cursor, if any)."""
+        with self._transaction():
+            self._db.execute("DELETE FROM cordons WHERE worker_id=?", (worker_id,))
+
+    def load_cordons(self) -> list[control_pb2.WorkerCordoned]:
+        """Every cordon in force, by worker id."""
+        with self._lock:
+            rows = self._db.execute("SELECT cordon FROM cordons ORDER BY worker_id").fetchall()
+        return [control_pb2.WorkerCordoned.FromString(row[0]) for row in rows]
 
     # ------------------------------------------------------------ worker event cursors
 

@@ -65,11 +65,13 @@ its restart again (see ``_restore``). Skipped steps
 Inputs: the operator's commands (SubmitJobRequest, JobQuery, Pause/Resume/StopJobRequest),
 TrainingLoopStarted / StepCompleted / EvalCompleted / TrainingLoopPaused /
 TrainingLoopFinished / TrainingLoopFailed (L2-1 via the relay), SaveCompleted (L5-1 via the
-relay), FaultReport (L1-3), ResourcePressure (L1-2, observed and recorded), ResourcesReady
-without a job (L1-2: a worker registered; the queue's head is tried),
+relay), FaultReport (L1-3; one with no job is a worker's own fault: a device_error cordons the
+worker), ResourcePressure (L1-2, observed and recorded), ResourcesReady
+without a job (L1-2: a worker registered; the queue's head is tried), WorkerCordoned (L1-2: a
+cordon in force or ended; journaled, listed with the jobs),
 CheckpointVerification / SnapshotFailed / CheckpointCorrupt (L5-1 via the store relay: the
 verification's answer, a failed save or verification with its typed cause, a scrub finding).
-Outputs: AllocateResources / ReleaseResources (L1-2), StartFaultMonitoring / ResetFaultLedger
+Outputs: AllocateResources / ReleaseResources / CordonWorker (L1-2), StartFaultMonitoring / ResetFaultLedger
 (L1-3), StartRecovery (L1-4), VerifyCheckpoints (L5-1), Start/Pause/Resume/StopTraining (L2-1 of the job's ranks, via
 the session relay), JobStatus / JobList / JobEvent (the operator).
 """
@@ -383,6 +385,7 @@ class Orchestrator:
         self._deadlines = Deadlines("orchestrator", workers=1)
         self._queue = JobQueue()
         self._start_armed: Deadline | None = None  # the queue's head is about to be tried
+        self._cordoned: dict[str, control_pb2.WorkerCordoned] = {}  # worker id -> its cordon in force
         self._restore()
 
     def close(self) -> None:
@@ -518,7 +521,9 @@ class Orchestrator:
         """
         with self._lock:
             if not msg.job_id:
-                return control_pb2.JobList(jobs=[self._snapshot(j) for j in self._jobs.values()])
+                return control_pb2.JobList(
+                    jobs=[self._snapshot(j) for j in self._jobs.values()], cordoned=list(self._cordoned.values())
+                )
             job = self._get(msg.job_id)
             if payload == EVENT_LOG:
                 return Reply(self._snapshot(job), tuple(self._journal.events(msg.job_id, msg.from_seq)))
@@ -1559,6 +1564,9 @@ class Orchestrator:
         or the clean exit of a rank that had finished needs no decision. A clean exit of a
         rank that never finished is a lost rank (decided as ``rank_exit``).
         """
+        if not msg.job_id:
+            self._on_worker_fault(msg)
+            return
         received = time.time()
         with self._lock:
             job = self._jobs.get(msg.job_id)
@@ -2220,6 +2228,51 @@ class Orchestrator:
                 if job is not None and job.status.state != JobState.TERMINATED:
                     self._record(job, Module.L1_RESOURCE_ALLOCATOR, "resource", text)
 
+    # ------------------------------------------------------------ worker health (L1-3, L1-2)
+
+    def _on_worker_fault(self, msg: control_pb2.FaultReport) -> None:
+        """A fault of a worker itself (a report with no job: a device's error, reported once
+        for its node whether or not a job runs there). A class that cordons
+        (``fd.CORDON_CLASSES``) takes the worker out of placement for every job, new or
+        relaunched, until its node agent registers again as another incarnation (L1-2 ends
+        it then). The jobs with ranks there decide on their own reports, by their policies."""
+        if msg.fault_class not in fd.CORDON_CLASSES:
+            return
+        with self._lock:
+            if msg.worker_id in self._cordoned:
+                return  # (a second device of the node, or the same error again)
+        reason = f"{msg.fault_class}: {msg.detail}"
+        cordon = self._allocator(
+            control_pb2.CordonWorker(worker_id=msg.worker_id, reason=reason, unix_time=time.time())
+        )
+        _log.warning("worker cordoned", worker_id=msg.worker_id, reason=reason)
+        self.on_worker_cordoned(cordon.message)
+
+    def on_worker_cordoned(self, msg: control_pb2.WorkerCordoned, payload: Any = None) -> None:
+        """A cordon in force (L1-2's reply to CordonWorker) or ended (``cleared``: the
+        worker's node agent registered as another incarnation): journaled, so a restarted
+        control commands it again, and listed with the jobs (``JobList.cordoned``)."""
+        with self._lock:
+            if msg.cleared:
+                ended = self._cordoned.pop(msg.worker_id, None)
+            else:
+                self._cordoned[msg.worker_id] = msg
+        if not msg.cleared:
+            self._journal.save_cordon(msg)
+            return
+        if ended is not None:
+            _log.info("worker cordon ended: its node agent registered again", worker_id=msg.worker_id)
+        self._journal.delete_cordon(msg.worker_id)  # (also one restored for an agent gone meanwhile)
+
+    def _restore_cordons(self) -> None:
+        """The journaled cordons, commanded to L1-2 again with the node agent incarnation
+        each holds for (another registering ends it)."""
+        for c in self._journal.load_cordons():
+            again = control_pb2.CordonWorker(
+                worker_id=c.worker_id, reason=c.reason, incarnation=c.incarnation, unix_time=c.unix_time
+            )
+            self.on_worker_cordoned(self._allocator(again).message)
+
     # ------------------------------------------------------------ private
 
     def _restore(self) -> None:
@@ -2237,7 +2290,9 @@ class Orchestrator:
         tell: a relaunched rank's ready report says it happened (not repeated); a fault
         report first (a rank not re-attached in time, an exit) says it did not, and it is
         commanded again (``_on_resumed_fault``). A frozen job without a journaled incident
-        (journal of an older control) stays frozen; the operator can stop it."""
+        (journal of an older control) stays frozen; the operator can stop it. Cordoned
+        workers stay cordoned."""
+        self._restore_cordons()
         for stored in self._journal.load_jobs():
             job = _Job(status=stored.status, spec=spec_from_json(stored.spec_json), seq=stored.last_seq)
             _load_runtime(job, stored.runtime)

@@ -5,14 +5,15 @@ never starts or stops training on its own, never reads training metrics, never c
 hyper-parameters. Quotas are fixed at launch and never changed while the job runs.
 
 Inputs: ``WorkerRegistration``, ``MemoryPressure`` and ``DeviceMemoryUsage`` (node agents,
-via the session relay), ``AllocateResources`` and ``ReleaseResources`` (from L1-1), ``RebuildCommunicator``
-(from L1-4, executing a recovery L1-1 commanded).
+via the session relay), ``AllocateResources``, ``ReleaseResources`` and ``CordonWorker`` (from
+L1-1), ``RebuildCommunicator`` (from L1-4, executing a recovery L1-1 commanded).
 Outputs: ``ResourcesReady`` / ``ResourcesInsufficient`` (replies), ``LaunchRanks``
 and ``ReleaseRanks`` (to one node agent each; the payload names the worker id),
 ``RebuildParallelGroup`` (to L2-2 of every live rank of a job rebuilt in place, through
 control's session relay: the fresh rendezvous),
 ``ResourcePressure`` (published; the orchestrator observes it), ``ResourcesReady`` with no job
-id (published when a worker registers with slots: the orchestrator's queue may start a job).
+id (published when a worker registers with slots: the orchestrator's queue may start a job),
+``WorkerCordoned`` (the reply to CordonWorker; published with ``cleared`` when the cordon ends).
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ class ResourceAllocator:
         self._placed: dict[str, _Placement] = {}
         # job -> rank -> (worker id, slot) its node agent re-attached after a control restart
         self._reattached: dict[str, dict[int, tuple[str, int]]] = {}
+        # worker id -> its cordon (CordonWorker): kept while the worker is withdrawn (a broken
+        # stream), ended only by a registration of another node agent incarnation.
+        self._cordons: dict[str, control_pb2.WorkerCordoned] = {}
         self._parallel = parallel
 
     # ------------------------------------------------------------ hardware events
@@ -100,7 +104,12 @@ class ResourceAllocator:
 
         A registration that offers slots is published as ``ResourcesReady`` with no job id
         (资源就绪可训练事件: ``free_ranks``, the ranks free on the placeable workers now), so
-        that L1-1 can start a job waiting in its queue."""
+        that L1-1 can start a job waiting in its queue.
+
+        Cordon: a registration of another node agent incarnation than the one cordoned (the
+        agent restarted, the node rebooted or was replaced) ends the worker's cordon,
+        published as ``WorkerCordoned`` with ``cleared``; the same incarnation registering
+        again (a reconnect, or a control restart) keeps it."""
         with self._lock:
             old = self._workers.get(msg.worker_id)
             if msg.departing:  # (before the zero-slot check: it keeps the record and its busy slots)
@@ -113,6 +122,7 @@ class ResourceAllocator:
                     for rank in [r for r, (w, _) in where.items() if w == msg.worker_id]:
                         del where[rank]
                 return
+            cleared = self._end_cordon(msg)
             worker = _Worker(msg)
             if old is not None:
                 worker.busy = {job: [s for s in slots if s < msg.slots] for job, slots in old.busy.items()}
@@ -140,8 +150,10 @@ class ResourceAllocator:
                     # the re-attached set) is replaced in place, not the whole job relaunched.
                     self._placement_from_reattach(self._allocations[launch.job_id])
             self._workers[msg.worker_id] = worker  # a known id keeps its place in the order
-            free = sum(len(w.free_slots()) for w in self._workers.values() if not w.departing)
-        self._emit(control_pb2.ResourcesReady(free_ranks=free))  # (outside the lock, like every send)
+            free = sum(len(w.free_slots()) for w in self._workers.values() if self._placeable(w))
+        if cleared is not None:  # (outside the lock, like every send; before the slots are offered)
+            self._emit(cleared)
+        self._emit(control_pb2.ResourcesReady(free_ranks=free))
 
     def on_memory_pressure(self, msg: control_pb2.MemoryPressure, payload: Any = None) -> None:
         """显存溢出上报事件: publish ``ResourcePressure`` (显存资源紧张告警事件) naming the
@@ -237,7 +249,8 @@ class ResourceAllocator:
             if msg.job_id in {j for w in self._workers.values() for j in w.busy}:
                 return self._insufficient(msg, 0, f"job {msg.job_id} already holds resources")
             departing = sorted(w.reg.worker_id for w in self._workers.values() if w.departing)
-            usable = [w for w in self._workers.values() if w.reg.worker_id not in excluded and not w.departing]
+            cordoned = sorted(w for w in self._cordons if w in self._workers and w not in excluded)
+            usable = [w for w in self._workers.values() if w.reg.worker_id not in excluded and self._placeable(w)]
             need = _rank_memory(spec)
             slots = [(w, s) for w in usable for s in range(w.reg.slots)]
             fit = sum(_memory_quota(w, s) >= need for w, s in slots)
@@ -250,6 +263,8 @@ class ResourceAllocator:
                     reason += f" (excluding {', '.join(sorted(excluded))})"
                 if departing:
                     reason += f" ({', '.join(departing)} leaving)"
+                if cordoned:
+                    reason += f" ({', '.join(cordoned)} unhealthy)"
                 return self._insufficient(msg, free, reason)
             picks: list[tuple[_Worker, int]] = []
             for w in usable:
@@ -392,7 +407,7 @@ class ResourceAllocator:
                     if r in released:
                         freed.append((w, slot))
             excluded = set(allocated.exclude_worker_ids) | set(msg.exclude_worker_ids)
-            usable = [w for w in self._workers.values() if w.reg.worker_id not in excluded and not w.departing]
+            usable = [w for w in self._workers.values() if w.reg.worker_id not in excluded and self._placeable(w)]
             picks: list[tuple[_Worker, int]] = []
             for r in launched:
                 own = self._workers.get(placed.ranks[r][0]) if r < old_world else None
@@ -479,7 +494,63 @@ class ResourceAllocator:
             replaced_ranks=launched,
         )
 
+    def cordon_worker(self, msg: control_pb2.CordonWorker, payload: Any = None) -> control_pb2.WorkerCordoned:
+        """Take worker ``msg.worker_id`` out of placement for every job (L1-1 decided: a
+        device of it failed fatally), until a registration of another node agent incarnation
+        ends the cordon (see :meth:`on_worker_registration`). Its running ranks are not
+        touched: each job with a rank there decides by its own fault policy (exclude_node).
+
+        The unit is the worker, not the failed device's slot: the issue's rule ("an
+        uncorrectable ECC error excludes the node"), and the same unit the job's own
+        exclude_node decision takes. A device after an uncorrectable ECC error or a fatal Xid
+        needs a GPU reset, which on NVSwitch (HGX) boards resets every GPU of the node, and
+        several fatal Xids (74 NVLink, 79 off the bus, 95 uncontained) are the node's
+        interconnect, not one device; ranks placed beside it meanwhile would be stopped by
+        that reset.
+
+        ``incarnation`` "" is the one registered now (none registered yet: the next to
+        register is the one cordoned). Returns ``WorkerCordoned`` (``cleared`` when the
+        incarnation named is not the one registered now: that agent is gone already)."""
+        with self._lock:
+            worker = self._workers.get(msg.worker_id)
+            registered = worker.reg.incarnation if worker is not None else ""
+            cordon = control_pb2.WorkerCordoned(
+                worker_id=msg.worker_id,
+                incarnation=msg.incarnation or registered,
+                reason=msg.reason,
+                unix_time=msg.unix_time,
+            )
+            if worker is not None and msg.incarnation and msg.incarnation != registered:
+                cordon.cleared = True  # (restored after a control restart; the node came back meanwhile)
+                return cordon
+            self._cordons[msg.worker_id] = cordon
+            reply = control_pb2.WorkerCordoned()
+            reply.CopyFrom(cordon)
+        return reply
+
     # ------------------------------------------------------------ private
+
+    def _placeable(self, w: _Worker) -> bool:
+        """Under the lock: may new ranks be placed on ``w`` (not leaving, not cordoned)."""
+        return not w.departing and w.reg.worker_id not in self._cordons
+
+    def _end_cordon(self, reg: control_pb2.WorkerRegistration) -> control_pb2.WorkerCordoned | None:
+        """Under the lock: a registration's effect on its worker's cordon. Another incarnation
+        ends it (returned, ``cleared``); the first registration after a cordon of no known
+        incarnation becomes the one cordoned."""
+        cordon = self._cordons.get(reg.worker_id)
+        if cordon is None:
+            return None
+        if not cordon.incarnation:
+            cordon.incarnation = reg.incarnation
+            return None
+        if cordon.incarnation == reg.incarnation:
+            return None
+        del self._cordons[reg.worker_id]
+        cleared = control_pb2.WorkerCordoned()
+        cleared.CopyFrom(cordon)
+        cleared.incarnation, cleared.cleared = reg.incarnation, True
+        return cleared
 
     def _placement_from_reattach(self, allocated: control_pb2.AllocateResources) -> _Placement | None:
         """Under the lock: the placement of a job adopted after a control restart, from where
@@ -503,7 +574,7 @@ class ResourceAllocator:
         registered = sum(
             w.reg.slots
             for w in self._workers.values()
-            if not w.departing and w.reg.worker_id not in msg.exclude_worker_ids
+            if self._placeable(w) and w.reg.worker_id not in msg.exclude_worker_ids
         )
         return control_pb2.ResourcesInsufficient(
             job_id=msg.job_id,

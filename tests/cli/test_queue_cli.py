@@ -99,3 +99,23 @@ def test_submit_says_when_a_job_waits_for_workers_to_join(control, tmp_path, mon
     spec.write_text(spec_yaml(name="small", dp=1))  # behind it, yet it starts: one line
     code, out, err = run(monkeypatch, capsys, "submit", str(spec))
     assert code == 0 and out.strip().endswith("(WARMING_UP)") and len(out.strip().splitlines()) == 1, out
+
+
+def test_status_lists_a_worker_cordoned_after_a_device_error_with_the_reason(tmp_path, monkeypatch, capsys):
+    from services.contract import Module, engine_pb2
+    from services.contract.relay import pack
+
+    monkeypatch.setenv("SURGE_HOME", str(tmp_path))
+    with served_control(tmp_path / "control.db", monkeypatch) as (plane, stub):
+        session = plane.sessions.open(registration("wa"))
+        ecc = engine_pb2.HardwareError(worker_id="wa", device=3, error=engine_pb2.HardwareError.ECC_UNCORRECTABLE)
+        ecc.detail = "uncorrectable ECC errors: 1 since the driver loaded"
+        event = control_pb2.WorkerEvent(routed=pack(ecc, Module.EXT_HARDWARE))
+        plane.sessions.on_worker_event(session, event)
+        monkeypatch.setenv("COLUMNS", "300")
+        code, out, _ = run(monkeypatch, capsys, "status")
+        assert code == 0 and "unhealthy workers" in out
+        (row,) = [line for line in out.splitlines() if "wa" in line and "ECC" in line]
+        assert "device_error: device 3 of wa: uncorrectable ECC errors: 1 since the driver loaded" in row
+        code, out, _ = run(monkeypatch, capsys, "status", "-o", "json")
+        assert code == 0 and json.loads(out) == []  # (json: the jobs, as before)

@@ -144,6 +144,7 @@ def test_the_fault_detectors_grading_table_cannot_change_after_init():
         "on_rank_heartbeat",
         "on_rank_exited",
         "on_rank_process_state",
+        "on_hardware_error",
         "on_training_loop_failed",
         "on_failure",
         "on_boundary_violation_reported",
