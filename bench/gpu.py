@@ -1,31 +1,37 @@
 """bench/gpu.sh's body: a one-command GPU qualification of Surge, through its real services.
 
-    bench/gpu.sh [--spec bench/jobs/llama1b.yaml] [--steps 30] [--warmup 10] [--gpus N]
+    bench/gpu.sh [--spec bench/jobs/llama1b.yaml] [--steps 13] [--warmup 3] [--gpus N]
                  [--compile both|off|on] [--kv-heads 8] [--peak-tflops T] [--budget-s 480]
                  [--gpu-memory-gib G] [--dry-run]
 
-On every GPU of the machine (``--gpus``: how many nvidia-smi lists), one stack
-(``surgectl up --workers 1``: one node agent offering every GPU, ``backend: auto`` picks
-NCCL), jobs submitted as a user submits them (``surgectl submit``'s code path), each a
+On every GPU of the machine (``--gpus``, >= 1; left out: how many nvidia-smi lists), one
+stack (``surgectl up --workers 1``: one node agent offering every GPU and keeping as many
+warm spare rank processes, ``backend: auto`` picks NCCL), jobs submitted as a user submits them (``surgectl submit``'s code path), each a
 ~1 B-parameter Llama-shaped model (bench/jobs/llama1b.yaml) at bf16:
 
-* training, tokens/s and MFU, for each layout: DDP (dp = N), FSDP2 (dp = N), TP (tp = N)
-  and FSDP2 x TP (dp = N / 2, tp = 2), each with ``operators.compile`` off and on;
-* a SIGKILL of rank 1 of a DDP job whose policy rebuilds in place (``rank_exit: rebuild``):
-  seconds from the kill to the orchestrator's "first step after the recovery" (survivors
-  and the replacement training again over a rebuilt NCCL group);
+* training, tokens/s and MFU, for each layout: DDP (dp = N), FSDP2 (dp = N), TP (tp = the
+  largest divisor of N the model takes: its heads and KV heads divisible by it) and FSDP2 x
+  TP (dp = N / 2, tp = 2), each with ``operators.compile`` off and on (the compile counted
+  apart: it falls in the warm-up steps);
 * a save and a restore: the first DDP job saves at its end, after its timed steps
   (synchronously: the loop's stall and rank 0's commit, from the rank logs'
   ``checkpoint_staged`` / ``checkpoint_committed``), then a job ``init_from`` that version
   (weights + optimizer) loads it (the slowest rank's ``checkpoint_loaded``: ask the store,
-  read and verify every byte).
+  read and verify every byte);
+* in that same job (one start-up for both), a SIGKILL of rank 1 at step ``KILL_AT_STEP``,
+  its policy rebuilding in place (``rank_exit: rebuild``): seconds from the kill to the
+  orchestrator's "first step after the recovery" (survivors and the replacement training
+  again over a rebuilt NCCL group).
 
 What cannot run here is skipped with its reason in the table: NCCL cannot run two ranks on
 one GPU, so with one GPU TP, FSDP2 x TP and the rebuild (which needs a live peer) are
 skipped and DDP / FSDP2 run one rank (no gradient exchange); a layout whose estimated memory
 per rank (services/memory_estimate.py, what ``submit --dry-run`` prints) exceeds the GPU's;
-and whatever would overrun ``--budget-s`` (8 minutes) by the plan's estimate of its time.
-The compile-off runs, the rebuild and the save / restore go first, then the compiled ones.
+a layout the model cannot take (the job spec validation's reason); and whatever would
+overrun ``--budget-s`` (8 minutes, the stack's start included) by the plan's estimate of
+its time (``STACK_S`` ...: guesses until a GPU run, their basis beside them), marked
+"skipped: budget" in the plan already. The compile-off runs and the save / restore /
+rebuild go first, then the compiled ones.
 
 Tokens/s: rank 0's steps after ``--warmup``, wall time (c.steady_tokens_per_s). MFU =
 tokens/s x FLOPs per token / (peak x ranks), FLOPs per token = 6 N + 12 L d T
@@ -36,8 +42,9 @@ nvidia-smi names (``PEAK_TFLOPS``: H100 / H200 989, A100 312; vendor data sheets
 ``--kv-heads``: grouped-query attention's KV heads (default: the spec's, 8 as Llama 3;
 ``--kv-heads 32`` is full multi-head attention). ``--dry-run`` (CI: tests/bench/test_bench_tools.py): no GPU; builds
 every configuration's job spec for ``--gpus`` (default 8), validates it with the real job
-spec validation and memory estimate, and prints the plan (what runs, what is skipped and
-why, the estimated time). Results: ``bench/results/gpu.json`` and a table.
+spec validation and memory estimate, and prints the plan (what runs within the budget with
+its estimate and the running total, what is skipped and why). ``--help`` and ``--dry-run``
+need no CUDA. Results: ``bench/results/gpu.json`` and a table.
 """
 
 from __future__ import annotations
