@@ -1,31 +1,37 @@
 """bench/gpu.sh's body: a one-command GPU qualification of Surge, through its real services.
 
-    bench/gpu.sh [--spec bench/jobs/llama1b.yaml] [--steps 30] [--warmup 10] [--gpus N]
+    bench/gpu.sh [--spec bench/jobs/llama1b.yaml] [--steps 13] [--warmup 3] [--gpus N]
                  [--compile both|off|on] [--kv-heads 8] [--peak-tflops T] [--budget-s 480]
                  [--gpu-memory-gib G] [--dry-run]
 
-On every GPU of the machine (``--gpus``: how many nvidia-smi lists), one stack
-(``surgectl up --workers 1``: one node agent offering every GPU, ``backend: auto`` picks
-NCCL), jobs submitted as a user submits them (``surgectl submit``'s code path), each a
+On every GPU of the machine (``--gpus``, >= 1; left out: how many nvidia-smi lists), one
+stack (``surgectl up --workers 1``: one node agent offering every GPU and keeping as many
+warm spare rank processes, ``backend: auto`` picks NCCL), jobs submitted as a user submits them (``surgectl submit``'s code path), each a
 ~1 B-parameter Llama-shaped model (bench/jobs/llama1b.yaml) at bf16:
 
-* training, tokens/s and MFU, for each layout: DDP (dp = N), FSDP2 (dp = N), TP (tp = N)
-  and FSDP2 x TP (dp = N / 2, tp = 2), each with ``operators.compile`` off and on;
-* a SIGKILL of rank 1 of a DDP job whose policy rebuilds in place (``rank_exit: rebuild``):
-  seconds from the kill to the orchestrator's "first step after the recovery" (survivors
-  and the replacement training again over a rebuilt NCCL group);
+* training, tokens/s and MFU, for each layout: DDP (dp = N), FSDP2 (dp = N), TP (tp = the
+  largest divisor of N the model takes: its heads and KV heads divisible by it) and FSDP2 x
+  TP (dp = N / 2, tp = 2), each with ``operators.compile`` off and on (the compile counted
+  apart: it falls in the warm-up steps);
 * a save and a restore: the first DDP job saves at its end, after its timed steps
   (synchronously: the loop's stall and rank 0's commit, from the rank logs'
   ``checkpoint_staged`` / ``checkpoint_committed``), then a job ``init_from`` that version
   (weights + optimizer) loads it (the slowest rank's ``checkpoint_loaded``: ask the store,
-  read and verify every byte).
+  read and verify every byte);
+* in that same job (one start-up for both), a SIGKILL of rank 1 at step ``KILL_AT_STEP``,
+  its policy rebuilding in place (``rank_exit: rebuild``): seconds from the kill to the
+  orchestrator's "first step after the recovery" (survivors and the replacement training
+  again over a rebuilt NCCL group).
 
 What cannot run here is skipped with its reason in the table: NCCL cannot run two ranks on
 one GPU, so with one GPU TP, FSDP2 x TP and the rebuild (which needs a live peer) are
 skipped and DDP / FSDP2 run one rank (no gradient exchange); a layout whose estimated memory
 per rank (services/memory_estimate.py, what ``submit --dry-run`` prints) exceeds the GPU's;
-and whatever would overrun ``--budget-s`` (8 minutes) by the plan's estimate of its time.
-The compile-off runs, the rebuild and the save / restore go first, then the compiled ones.
+a layout the model cannot take (the job spec validation's reason); and whatever would
+overrun ``--budget-s`` (8 minutes, the stack's start included) by the plan's estimate of
+its time (``STACK_S`` ...: guesses until a GPU run, their basis beside them), marked
+"skipped: budget" in the plan already. The compile-off runs and the save / restore /
+rebuild go first, then the compiled ones.
 
 Tokens/s: rank 0's steps after ``--warmup``, wall time (c.steady_tokens_per_s). MFU =
 tokens/s x FLOPs per token / (peak x ranks), FLOPs per token = 6 N + 12 L d T
@@ -36,8 +42,9 @@ nvidia-smi names (``PEAK_TFLOPS``: H100 / H200 989, A100 312; vendor data sheets
 ``--kv-heads``: grouped-query attention's KV heads (default: the spec's, 8 as Llama 3;
 ``--kv-heads 32`` is full multi-head attention). ``--dry-run`` (CI: tests/bench/test_bench_tools.py): no GPU; builds
 every configuration's job spec for ``--gpus`` (default 8), validates it with the real job
-spec validation and memory estimate, and prints the plan (what runs, what is skipped and
-why, the estimated time). Results: ``bench/results/gpu.json`` and a table.
+spec validation and memory estimate, and prints the plan (what runs within the budget with
+its estimate and the running total, what is skipped and why). ``--help`` and ``--dry-run``
+need no CUDA. Results: ``bench/results/gpu.json`` and a table.
 """
 
 from __future__ import annotations
@@ -48,7 +55,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -63,13 +69,35 @@ from bench import common as c  # noqa: E402
 # Dense bf16 tensor-core peak, TFLOP/s (NVIDIA data sheets; SXM parts).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0, "V100": 125.0}
 SPEC = c.REPO / "bench/jobs/llama1b.yaml"
-KILL_AT_STEP = 10  # the rebuild trial's SIGKILL, after warm-up
-RESTORE_STEPS = 3
-# The plan's guesses of a job's wall time on an H100-class GPU (seconds), to keep to the
-# budget: submit -> first step without compile (process start, imports, a 1 B model built
-# and moved, NCCL rendezvous, data stream), the compile of forward and backward on top, a
-# rebuild's recovery, and the MFU a step is assumed to reach.
-START_S, COMPILE_S, REBUILD_S, SAVE_S, ASSUMED_MFU = 45.0, 75.0, 30.0, 30.0, 0.35
+KILL_AT_STEP = 5  # the rebuild trial's SIGKILL: the restored job has trained a few steps
+RESTORE_STEPS = 3  # a restore with no rebuild after it (one GPU): steps on the loaded state
+SPARES_ENV = "SURGE_WORKER_SPARE_RANKS"  # services/worker/__main__.py: warm spares kept at all times
+# The plan's estimates of wall time on an H100 / H200 (seconds), to keep to the budget.
+# GUESSES until a GPU run measures them (bench/results/gpu.json's wall_s per row: replace
+# them then). Their basis:
+# - STACK_S: `surgectl up` (control, data, store, one node agent; ~6 s on this project's CPU
+#   runs, docs/LOG.md session 14) plus the agent's warm spare rank processes finishing their
+#   imports (torch with CUDA and Triton: ~10 s, in parallel), waited for before the first submit.
+# - START_S: submit -> first step of an uncompiled job whose ranks start from warm spares (no
+#   interpreter or import: 4.2 s on CPU, docs/LOG.md session 11): CUDA context ~2 s, the
+#   seeded init of 1.04 G float32 values drawn on the CPU (services/compute/model.py
+#   init_weights, ~5-8 s at 2 threads per rank), NCCL rendezvous and communicators ~3 s, the
+#   first batch and the first step's cuBLAS / allocator warm-up ~3 s.
+# - COMPILE_S: the first compiled step's extra time (counted apart from the timed steps):
+#   Dynamo + Inductor + Triton for forward and backward of the 16-block model, for per-rank
+#   shapes not compiled before in this run. COMPILE_CACHED_S: the same per-rank shapes (the
+#   same tp) compiled by an earlier row: Inductor's on-disk caches (FX graph, Triton kernels;
+#   TORCHINDUCTOR_CACHE_DIR, shared by every rank process of the run) answer most of it;
+#   Dynamo still traces.
+# - SAVE_S / LOAD_S: weights + AdamW state of 1.04 G parameters (~12.5 GB in float32) copied
+#   off the GPU, written and hashed by the store / asked for, read and verified: ~2 GB/s.
+# - REBUILD_S: kill -> survivors and the replacement training again (goal <= 5 s; 1.9-4.3 s
+#   on CPU, docs/LOG.md), with the replacement's CUDA init, NCCL re-init and a weight copy
+#   from a live peer on top.
+# - ASSUMED_MFU: a step's speed (each row's step time = its tokens x FLOPs/token / peak /
+#   MFU); steps are a small part of the total (13 steps of ~0.3 s at 1 G parameters).
+STACK_S, START_S, COMPILE_S, COMPILE_CACHED_S = 20.0, 20.0, 45.0, 25.0
+SAVE_S, LOAD_S, REBUILD_S, ASSUMED_MFU = 20.0, 20.0, 30.0, 0.35
 NO_SHARED_GPU = "NCCL cannot run two ranks on one GPU"
 
 
@@ -82,10 +110,11 @@ class Config:
     """One row of the qualification: a job spec's overrides, or why it does not run here."""
 
     name: str
-    kind: str  # "train" | "rebuild" | "restore"
+    kind: str  # "train" | "restore" (loads the save; with ``rebuild``, then a SIGKILL + rebuild)
     parallel: dict
     compile: bool = False
     save: bool = False  # a train job that saves at its end (what "restore" loads)
+    rebuild: bool = False  # a restore job whose rank 1 is then SIGKILLed and rebuilt in place
     skip: str = ""
     ranks: int = 1
     estimate_s: float = 0.0
@@ -105,9 +134,11 @@ def peak_for(gpu_name: str) -> float:
 def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="bench/gpu.sh", description=__doc__.split("\n")[0])
     ap.add_argument("--spec", type=Path, default=SPEC)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--gpus", type=int, default=0, help="GPUs to use (default: all; --dry-run: 8)")
+    ap.add_argument("--steps", type=int, default=13, help="steps per run (default 13: 3 warm-up + 10 timed)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed first steps (a compile is counted apart)")
+    ap.add_argument(
+        "--gpus", type=int, default=None, help="GPUs to use, >= 1 (default: every GPU nvidia-smi lists; --dry-run: 8)"
+    )
     ap.add_argument("--compile", choices=("both", "off", "on"), default="both")
     ap.add_argument("--kv-heads", type=int, default=None)
     ap.add_argument("--peak-tflops", type=float, default=0.0)
@@ -119,9 +150,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
         raise UsageError(f"--steps: must be > --warmup + 1 ({args.warmup + 1}), got {args.steps}")
     if args.warmup < 1:
         raise UsageError(f"--warmup: must be >= 1, got {args.warmup}")
-    for flag in ("gpus", "kv_heads"):
-        if (getattr(args, flag) or 0) < 0:
-            raise UsageError(f"--{flag.replace('_', '-')}: must be >= 0, got {getattr(args, flag)}")
+    if args.gpus is not None and args.gpus < 1:
+        raise UsageError(f"--gpus: must be >= 1 (leave it out for every GPU nvidia-smi lists), got {args.gpus}")
+    if args.kv_heads is not None and args.kv_heads < 1:
+        raise UsageError(f"--kv-heads: must be >= 1, got {args.kv_heads}")
     for flag in ("peak_tflops", "budget_s", "gpu_memory_gib"):
         if getattr(args, flag) < 0:
             raise UsageError(f"--{flag.replace('_', '-')}: must be > 0, got {getattr(args, flag)}")
@@ -130,90 +162,140 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def layouts(n_gpus: int, spec: dict) -> list[tuple[str, dict, str]]:
-    """(name, parallel overrides, skip reason) of the four layouts on ``n_gpus`` GPUs."""
-    heads = spec["model"]["n_heads"]
+def tp_degree(n_gpus: int, spec) -> tuple[int, str]:
+    """(the largest tp > 1 dividing ``n_gpus`` that the model of ``spec`` (a JobSpec) takes,
+    "") or (0, why none): the job spec's own check (heads, KV heads, width divisible by tp)."""
+    from services.jobspec import check_parallel
+
+    if n_gpus == 1:
+        return 0, f"needs 2+ GPUs ({NO_SHARED_GPU})"
+    for tp in range(n_gpus, 1, -1):
+        if n_gpus % tp == 0:
+            try:
+                check_parallel(spec.model, tp, spec.parallel.model_copy(update={"dp": 1, "tp": tp, "pp": 1}))
+                return tp, ""
+            except ValueError:
+                continue
+    m = spec.model
+    return 0, (f"no tp > 1 dividing {n_gpus} GPUs divides model.n_heads ({m.n_heads}) and n_kv_heads ({m.kv_heads})")
+
+
+def layouts(n_gpus: int, spec) -> list[tuple[str, dict, str]]:
+    """(name, parallel overrides, skip reason) of the four layouts on ``n_gpus`` GPUs;
+    ``spec``: the base JobSpec (its model decides which TP degrees it takes)."""
     one = n_gpus == 1
     out = [
         ("DDP dp=1 (one rank)" if one else f"DDP dp={n_gpus}", {"dp": n_gpus, "data_parallel": "ddp"}, ""),
         ("FSDP2 dp=1 (one rank)" if one else f"FSDP2 dp={n_gpus}", {"dp": n_gpus, "data_parallel": "fsdp2"}, ""),
     ]
-    tp_skip = f"needs 2+ GPUs ({NO_SHARED_GPU})" if one else ""
-    if not tp_skip and heads % n_gpus:
-        tp_skip = f"tp={n_gpus} does not divide model.n_heads ({heads})"
-    out.append((f"TP tp={max(n_gpus, 2)}", {"dp": 1, "tp": max(n_gpus, 2), "data_parallel": "ddp"}, tp_skip))
+    tp, tp_skip = tp_degree(n_gpus, spec)
+    # DDP cannot take TP shards (services/jobspec.py check_parallel): a TP degree below the
+    # GPU count leaves GPUs idle in this row (the FSDP2 x TP row uses them all).
+    name = f"TP tp={tp}" + (f" ({tp} of {n_gpus} GPUs)" if tp and tp < n_gpus else "") if tp else "TP"
+    out.append((name, {"dp": 1, "tp": max(tp, 2), "data_parallel": "ddp"}, tp_skip))
     dp = max(n_gpus // 2, 2)
     mixed_skip = "" if n_gpus >= 4 and n_gpus % 2 == 0 else f"needs an even 4+ GPUs for dp>=2 x tp=2 ({NO_SHARED_GPU})"
+    if not mixed_skip:
+        try:
+            from services.jobspec import check_parallel
+
+            check_parallel(
+                spec.model,
+                n_gpus,
+                spec.parallel.model_copy(update={"dp": dp, "tp": 2, "pp": 1, "data_parallel": "fsdp2"}),
+            )
+        except ValueError as e:
+            mixed_skip = f"the model cannot take tp=2: {e}"
     out.append((f"FSDP2 dp={dp} x TP tp=2", {"dp": dp, "tp": 2, "data_parallel": "fsdp2"}, mixed_skip))
     return out
 
 
-def plan(args: argparse.Namespace, n_gpus: int, gpu_memory: float, peak: float, out_dir: Path) -> tuple[dict, list]:
+def plan(args: argparse.Namespace, n_gpus: int, gpu_memory: float, peak: float) -> tuple[dict, list]:
     """Every configuration's job spec, validated with the real job spec validation and
-    memory estimate; returns (the base facts, the configurations in running order).
+    memory estimate, each with its estimated time and marked skipped where it would overrun
+    ``args.budget_s`` (STACK_S first); returns (the base facts, the configurations in
+    running order).
 
-    Raises: UsageError naming the spec's field (a spec the real validation refuses)."""
-    from services.jobspec import JobSpecError
+    Raises: UsageError naming --spec's file and field (a spec the real validation refuses
+    whatever the layout)."""
+    from services.jobspec import JobSpecError, parse_job_spec
     from services.memory_estimate import estimate_memory, human_bytes
 
     base = yaml.safe_load(args.spec.read_text())
     if args.kv_heads:
         base["model"]["n_kv_heads"] = args.kv_heads
+    try:
+        base_spec = parse_job_spec(yaml.safe_dump(base), str(args.spec))
+    except JobSpecError as e:
+        raise UsageError(str(e)) from None
     configs: list[Config] = []
     runs = {"both": (False, True), "off": (False,), "on": (True,)}[args.compile]
     for compiled in runs:
         # The compiled runs come last, FSDP2 first (the layout most jobs train with), so a
         # budget spent early costs the least-used rows.
-        order = layouts(n_gpus, base)
+        order = layouts(n_gpus, base_spec)
         if compiled:
             order = [order[1], order[0], *order[2:]]
         for name, parallel, skip in order:
             save = not compiled and parallel["data_parallel"] == "ddp" and parallel.get("tp", 1) == 1
             label = f"{name}, compile {'on' if compiled else 'off'}" + (", then a save" if save else "")
             configs.append(Config(label, "train", parallel, compile=compiled, skip=skip, save=save))
-        if not compiled:  # the fault and the checkpoint rows, before the compiled runs
-            configs.append(
-                Config(
-                    f"SIGKILL rank 1, rebuild in place (DDP dp={n_gpus})",
-                    "rebuild",
-                    {"dp": n_gpus, "data_parallel": "ddp"},
-                    skip="" if n_gpus >= 2 else f"needs 2+ GPUs (a rebuild heals from a live peer; {NO_SHARED_GPU})",
-                )
-            )
-            configs.append(Config(f"restore of that save (DDP dp={n_gpus})", "restore", {"dp": n_gpus}))
+        if not compiled:  # the checkpoint and fault row, before the compiled runs
+            # One job: it loads the save, then (2+ GPUs) loses rank 1 to a SIGKILL and
+            # rebuilds in place: one start-up for both trials.
+            rebuild = n_gpus >= 2
+            label = f"restore of that save (DDP dp={n_gpus})"
+            label += ", then SIGKILL rank 1, rebuild in place" if rebuild else " (no rebuild: it needs 2+ GPUs)"
+            configs.append(Config(label, "restore", {"dp": n_gpus, "data_parallel": "ddp"}, rebuild=rebuild))
     facts: dict = {"gpus": n_gpus, "gqa": base["model"].get("n_kv_heads", 0), "peak_tflops": peak}
     threads = max(1, (os.cpu_count() or 1) // max(n_gpus, 1))
-    for i, cfg in enumerate(configs):
+    compiled_tp: set[int] = set()  # per-rank shapes an earlier row compiled (COMPILE_CACHED_S)
+    spent = STACK_S
+    saved = False
+    for cfg in configs:
         cfg.ranks = cfg.parallel["dp"] * cfg.parallel.get("tp", 1)
         spec_dict = job_spec(base, cfg, args, peak, threads, name="dryrun")
-        path = out_dir / f"{i}-{cfg.kind}.yaml"
-        path.write_text(yaml.safe_dump(spec_dict, sort_keys=False))
         try:
-            spec = _load(path)
-        except JobSpecError as e:
-            raise UsageError(f"{cfg.name}: {e}") from None
+            spec = parse_job_spec(yaml.safe_dump(spec_dict, sort_keys=False), f"{args.spec} as {cfg.name}")
+        except JobSpecError as e:  # this layout only: the row says why, the others still plan
+            cfg.skip = cfg.skip or str(e)
+            continue
         est = estimate_memory(spec)
         flops = _flops_per_token(spec, est.total_parameters)
         facts["params"], facts["flops_per_token"] = est.total_parameters, flops
         cfg.checks = {"memory_per_rank_bytes": est.total, "memory_per_rank": human_bytes(est.total)}
         if not cfg.skip and est.total > gpu_memory:
             cfg.skip = f"estimated {human_bytes(est.total)} per rank > the GPU's {human_bytes(gpu_memory)}"
-        tokens_per_step = spec.data.micro_batch_size * spec.data.seq_len * spec.parallel.dp
-        step_s = tokens_per_step * flops / (peak * 1e12 * ASSUMED_MFU * cfg.ranks)
-        if cfg.kind == "train":
-            cfg.estimate_s = START_S + (COMPILE_S if cfg.compile else 0.0) + args.steps * step_s
-            cfg.estimate_s += SAVE_S if cfg.save else 0.0
-        elif cfg.kind == "rebuild":
-            cfg.estimate_s = START_S + (KILL_AT_STEP + 5) * step_s + REBUILD_S
-        else:
-            cfg.estimate_s = START_S + SAVE_S + RESTORE_STEPS * step_s
+        if cfg.kind == "restore" and not cfg.skip and not saved:
+            cfg.skip = "no save to restore (the DDP compile-off row does not run)"
+        cfg.estimate_s = estimate_s(cfg, spec, flops, peak, args, compiled_tp)
+        if not cfg.skip and spent + cfg.estimate_s > args.budget_s:
+            cfg.skip = budget_skip(cfg.estimate_s, args.budget_s - spent, args.budget_s)
+        if cfg.skip:
+            continue
+        spent += cfg.estimate_s
+        saved = saved or cfg.save
+        if cfg.compile:
+            compiled_tp.add(cfg.parallel.get("tp", 1))
     return facts, configs
 
 
-def _load(path: Path):
-    from services.jobspec import load_job_spec
+def budget_skip(estimate: float, left: float, budget: float) -> str:
+    return f"budget (estimated {estimate:.0f} s, {max(left, 0):.0f} s of the {budget:.0f} s left)"
 
-    return load_job_spec(path)
+
+def estimate_s(cfg: Config, spec, flops: float, peak: float, args: argparse.Namespace, compiled_tp: set[int]) -> float:
+    """The row's estimated wall time from the constants above (guesses: see them)."""
+    tokens_per_step = spec.data.micro_batch_size * spec.data.seq_len * spec.parallel.dp
+    step_s = tokens_per_step * flops / (peak * 1e12 * ASSUMED_MFU * cfg.ranks)
+    if cfg.kind == "train":
+        t = START_S + args.steps * step_s + (SAVE_S if cfg.save else 0.0)
+        if cfg.compile:
+            t += COMPILE_CACHED_S if cfg.parallel.get("tp", 1) in compiled_tp else COMPILE_S
+        return t
+    if cfg.rebuild:  # load, KILL_AT_STEP steps, the kill and rebuild, 2 steps after it
+        return START_S + LOAD_S + (KILL_AT_STEP + 2) * step_s + REBUILD_S
+    return START_S + LOAD_S + RESTORE_STEPS * step_s
 
 
 def _flops_per_token(spec, params: int) -> float:
@@ -231,14 +313,14 @@ def job_spec(
     spec["steps"] = args.steps
     spec["parallel"].update(cfg.parallel, backend="auto", peak_tflops_per_device=peak, threads_per_rank=threads)
     spec.setdefault("operators", {})["compile"] = cfg.compile
-    if cfg.kind == "rebuild":
-        spec["steps"] = 100_000  # stopped once the survivors train again
-        spec["fault_policy"] = {"actions": {"rank_exit": "rebuild"}, "max_restarts": 2}
     if cfg.save:  # the save at the end, synchronous: the loop's whole stall
         spec["checkpoint"] = {"every_steps": 0, "keep_last": 1, "at_end": True, "async": False}
     if cfg.kind == "restore":
         spec.update(steps=RESTORE_STEPS, checkpoint={"every_steps": 0, "at_end": False})
         spec["init_from"] = {"checkpoint": f"{saved_job}:latest", "load": "weights+optimizer"}
+    if cfg.rebuild:
+        spec["steps"] = 100_000  # stopped once the survivors train again
+        spec["fault_policy"] = {"actions": {"rank_exit": "rebuild"}, "max_restarts": 2}
     return spec
 
 
@@ -282,56 +364,66 @@ def run_train(cfg: Config, spec_path: Path, args: argparse.Namespace, facts: dic
     return out
 
 
-def run_rebuild(cfg: Config, spec_path: Path) -> dict:
+def kill_and_rebuild(job: str) -> dict:
+    """SIGKILL rank 1 of running ``job`` once it reached KILL_AT_STEP; seconds from the kill
+    to the orchestrator's "first step after the recovery"."""
     from bench.faults import _watch, pids_with
+
+    events: list = []
+    threading.Thread(target=_watch, args=(job, events), daemon=True).start()
+    deadline = time.time() + 300
+    while c.job_status(job).step < KILL_AT_STEP and time.time() < deadline:
+        time.sleep(0.05)
+    pids = pids_with(f"--job {job} --rank 1")
+    if not pids:
+        return {"error": f"rank 1 not found at step {c.job_status(job).step}"}
+    t_kill = time.time()
+    os.kill(pids[0], signal.SIGKILL)
+    deadline = time.time() + 180
+    first = []
+    while time.time() < deadline and not first:
+        first = [e for e in list(events) if e.type == "recovery" and e.message.startswith("first step")]
+        time.sleep(0.05)
+    faults = [e for e in list(events) if e.type == "fault"]
+    if not first:
+        return {"error": "no first step after the recovery within 180 s", "faults": len(faults)}
+    return {
+        "detect_s": faults[0].unix_time - t_kill if faults else None,
+        "kill_to_training_s": first[0].unix_time - t_kill,
+        "recovery_event": first[0].message,
+    }
+
+
+def run_restore(cfg: Config, spec_path: Path) -> dict:
+    """The job that loads the save; with ``cfg.rebuild``, then loses rank 1 and rebuilds
+    (stopped once it trains again)."""
+    from bench.faults import pids_with
     from services.cli import clients
     from services.contract import control_pb2
 
     job, _ = c.submit(spec_path)
-    events: list = []
-    threading.Thread(target=_watch, args=(job, events), daemon=True).start()
+    out: dict = {"job": job}
     try:
-        deadline = time.time() + 300
-        while c.job_status(job).step < KILL_AT_STEP and time.time() < deadline:
-            time.sleep(0.05)
-        pids = pids_with(f"--job {job} --rank 1")
-        if not pids:
-            return {"job": job, "error": f"rank 1 not found at step {c.job_status(job).step}"}
-        pid = pids[0]
-        t_kill = time.time()
-        os.kill(pid, signal.SIGKILL)
-        deadline = time.time() + 180
-        first = []
-        while time.time() < deadline and not first:
-            first = [e for e in list(events) if e.type == "recovery" and e.message.startswith("first step")]
-            time.sleep(0.05)
-        faults = [e for e in list(events) if e.type == "fault"]
-        if not first:
-            return {"job": job, "error": "no first step after the recovery within 180 s", "faults": len(faults)}
-        return {
-            "job": job,
-            "detect_s": faults[0].unix_time - t_kill if faults else None,
-            "kill_to_training_s": first[0].unix_time - t_kill,
-            "recovery_event": first[0].message,
-        }
+        if cfg.rebuild:
+            out.update(kill_and_rebuild(job))
+        else:
+            status = c.wait_job(job, timeout_s=300)
+            out["status"] = status.message
     finally:
-        try:
-            clients.call("control", lambda s: s.StopJob(control_pb2.StopJobRequest(job_id=job), timeout=10))
-            c.wait_job(job, 60)
-        except Exception:  # noqa: BLE001 - a job that will not stop: end its ranks by PID
-            for pid in pids_with(f"--job {job} "):
-                os.kill(pid, signal.SIGKILL)
-
-
-def run_restore(spec_path: Path) -> dict:
-    job, _ = c.submit(spec_path)
-    status = c.wait_job(job, timeout_s=300)
+        if cfg.rebuild:
+            try:
+                clients.call("control", lambda s: s.StopJob(control_pb2.StopJobRequest(job_id=job), timeout=10))
+                c.wait_job(job, 60)
+            except Exception:  # noqa: BLE001 - a job that will not stop: end its ranks by PID
+                for pid in pids_with(f"--job {job} "):
+                    os.kill(pid, signal.SIGKILL)
     logs = c.BENCH_HOME / "run" / "logs"
     asked, read = (_log_values(logs, job, "checkpoint_loaded", k) for k in ("ask_s", "read_verified_s"))
     if not read:
-        return {"job": job, "error": f"no checkpoint load in the rank logs ({status.message})"}
-    # The slowest rank: ask the store, read and verify every byte.
-    return {"job": job, "restore_s": max(a + b for a, b in zip(asked, read))}
+        return {**out, "error": out.get("error") or f"no checkpoint load in the rank logs ({out.get('status', '')})"}
+    # The slowest rank: ask the store, read and verify every byte (the first load: a
+    # rebuilt rank heals from a peer, it loads nothing).
+    return {**out, "restore_s": max(a + b for a, b in zip(asked, read))}
 
 
 def _log_values(logs: Path, job: str, event: str, key: str) -> list[float]:
@@ -364,8 +456,7 @@ def main(argv: list[str] | None = None) -> int:
             name, memory = found[0]
             memory = args.gpu_memory_gib * 2**30 if args.gpu_memory_gib else memory
             peak = args.peak_tflops or peak_for(name)  # (bench/gpu.sh checked that the venv's torch has CUDA)
-        with tempfile.TemporaryDirectory() as tmp:
-            facts, configs = plan(args, n_gpus, memory, peak, Path(tmp))
+        facts, configs = plan(args, n_gpus, memory, peak)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -378,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     base = yaml.safe_load(args.spec.read_text())
     if facts["gqa"]:
         base["model"]["n_kv_heads"] = facts["gqa"]
-    rows = qualify(configs, base, args, peak, facts, threads=max(1, (os.cpu_count() or 1) // n_gpus))
+    rows = qualify(configs, base, args, peak, facts, n_gpus, threads=max(1, (os.cpu_count() or 1) // n_gpus))
     result = {
         "machine": {**c.machine(), "gpu": name, "gpus": n_gpus, "peak_tflops": peak},
         "facts": facts,
@@ -399,46 +490,57 @@ def qualify(
     args: argparse.Namespace,
     peak: float,
     facts: dict,
+    n_gpus: int,
     threads: int,
-    workers: int = 1,
 ) -> list[dict]:
-    """Run ``configs`` in order on a stack of ``workers`` node agents (one: it offers every
-    GPU), within ``args.budget_s``; one row per configuration (its result, or why not)."""
+    """Run ``configs`` in order on one stack (``surgectl up --workers 1``: one node agent
+    offering every GPU), within ``args.budget_s`` counted from before the stack starts; one
+    row per configuration (its result, or why not).
+
+    The agent keeps ``n_gpus`` warm spare rank processes (SURGE_WORKER_SPARE_RANKS: their
+    imports done) and each job is submitted once they are ready, so no row pays for an
+    interpreter and torch's import (START_S's basis)."""
     t0 = time.time()
     rows: list[dict] = []
     saved_job = ""
-    with c.Stack(workers=workers):
+    os.environ[SPARES_ENV] = str(n_gpus)  # read by the node agent `surgectl up` starts
+    spares = _spares_ready() + n_gpus  # the logs are appended to: earlier runs' lines count
+    with c.Stack(workers=1):
         for i, cfg in enumerate(configs):
             left = args.budget_s - (time.time() - t0)
             if cfg.kind == "restore" and not saved_job and not cfg.skip:
                 cfg.skip = "no version to restore (the saving DDP row did not save)"
             if not cfg.skip and cfg.estimate_s > left:
-                cfg.skip = (
-                    f"over the {args.budget_s:.0f} s budget (estimated {cfg.estimate_s:.0f} s, {left:.0f} s left)"
-                )
+                cfg.skip = budget_skip(cfg.estimate_s, left, args.budget_s)
             row = {**asdict(cfg)}
             if cfg.skip:
                 rows.append(row)
                 continue
+            try:  # every spare started so far (a launch's are refilled) has imported
+                c.wait_spares_warm(spares, timeout_s=60)
+            except TimeoutError:
+                pass  # this row's ranks start partly cold: slower, still measured
             spec = job_spec(base, cfg, args, peak, threads, f"gpu{i}-{cfg.kind}", saved_job)
             path = c.BENCH_HOME / "jobs" / f"{spec['name']}.yaml"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(yaml.safe_dump(spec, sort_keys=False))
             t = time.time()
             try:
-                if cfg.kind == "train":
-                    res = run_train(cfg, path, args, facts)
-                elif cfg.kind == "rebuild":
-                    res = run_rebuild(cfg, path)
-                else:
-                    res = run_restore(path)
+                res = run_train(cfg, path, args, facts) if cfg.kind == "train" else run_restore(cfg, path)
             except Exception as e:  # noqa: BLE001 - a failed row is reported, the next one runs
                 res = {"error": f"{type(e).__name__}: {e}"[:400]}
             rows.append({**row, **res, "wall_s": time.time() - t})
+            spares += min(cfg.ranks, n_gpus) + (1 if cfg.rebuild else 0)  # taken, then refilled
             if cfg.save and "save_stall_s" in res:
                 saved_job = res["job"]
             print(f"{cfg.name}: {_cell(rows[-1])}", flush=True)
     return rows
+
+
+def _spares_ready() -> int:
+    """``spare_ready`` lines in the agents' spares logs so far (c.wait_spares_warm counts them)."""
+    logs = (c.BENCH_HOME / "run" / "logs").glob("spares-*.log")
+    return sum(f.read_text(errors="replace").count('"spare_ready"') for f in logs)
 
 
 def header(facts: dict, args: argparse.Namespace) -> str:
@@ -468,17 +570,25 @@ def _cell(r: dict) -> str:
 
 
 def print_plan(facts: dict, configs: list[Config], args: argparse.Namespace) -> None:
-    """The dry run's report: what would run, what is skipped and why, the estimated time."""
+    """The dry run's report: per row whether it runs within the budget (its estimate and the
+    running total, the stack's start first) or why it is skipped; the estimated total."""
     print(f"plan: {header(facts, args)}")
-    rows = []
+    spent = STACK_S
+    rows = [("stack start (surgectl up, warm spares imported)", "-", "-", f"runs, ~{STACK_S:.0f} s", f"{spent:.0f} s")]
     for cfg in configs:
-        what = f"skipped: {cfg.skip}" if cfg.skip else f"runs, ~{cfg.estimate_s:.0f} s"
-        rows.append((cfg.name, str(cfg.ranks), cfg.checks.get("memory_per_rank", "-"), what))
-    print(c.table(rows, ("configuration", "ranks", "memory/rank (est.)", "plan")))
-    total = sum(cfg.estimate_s for cfg in configs if not cfg.skip)
-    over = " (the last ones in order are skipped at run time past it)" if total > args.budget_s else ""
-    print(f"estimated total {total:.0f} s, budget {args.budget_s:.0f} s{over}")
-    print(f"validated: {len(configs)} job specs (job spec validation and memory estimate), no GPU used")
+        if cfg.skip:
+            what, at = f"skipped: {cfg.skip}", "-"
+        else:
+            spent += cfg.estimate_s
+            what, at = f"runs, ~{cfg.estimate_s:.0f} s", f"{spent:.0f} s"
+        rows.append((cfg.name, str(cfg.ranks), cfg.checks.get("memory_per_rank", "-"), what, at))
+    print(c.table(rows, ("configuration", "ranks", "memory/rank (est.)", "plan", "running total (est.)")))
+    print(
+        f"estimated total {spent:.0f} s, budget {args.budget_s:.0f} s "
+        "(the estimates are guesses until a GPU run measures them: bench/gpu.py STACK_S ...)"
+    )
+    valid = sum(1 for cfg in configs if cfg.checks)
+    print(f"validated: {valid} of {len(configs)} job specs (job spec validation and memory estimate), no GPU used")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The CPU-side parts of the benchmarks: the torchrun baseline's data and schedule, the
 job specs the comparisons use, bench/gpu.sh's dry run (every configuration's job spec
-validated, the plan for 1 and 8 GPUs, its one-line refusals; the qualification itself
+validated, the plan for 1, 3, 6 and 8 GPUs within its budget, its one-line refusals; the qualification itself
 needs a GPU), and the statistics every table prints. No speed is asserted here."""
 
 from __future__ import annotations
@@ -107,10 +107,14 @@ def test_gpu_spec_is_a_llama_1b_shape_at_bf16():
     assert estimate_memory(spec).total_parameters == 1_038_682_112
 
 
-def _plan(tmp_path, *argv: str):
+def _plan(*argv: str):
     """bench/gpu.py's plan as --dry-run makes it (8 GPUs of 80 GiB unless told)."""
     args = gpu.parse(["--dry-run", *argv])
-    return gpu.plan(args, args.gpus or 8, (args.gpu_memory_gib or 80) * 2**30, 989.0, tmp_path)
+    return gpu.plan(args, args.gpus or 8, (args.gpu_memory_gib or 80) * 2**30, 989.0)
+
+
+def _planned_total(configs) -> float:
+    return gpu.STACK_S + sum(cfg.estimate_s for cfg in configs if not cfg.skip)
 
 
 @pytest.mark.timeout(120)
@@ -124,53 +128,112 @@ def test_gpu_sh_dry_run_validates_every_configuration_for_eight_gpus_without_a_g
         for compiled in ("off", "on"):
             key = next(k for k in rows if k.startswith(f"{name}, compile {compiled}"))
             assert "| runs, ~" in rows[key], rows[key]
-    assert "| runs, ~" in rows["SIGKILL rank 1, rebuild in place (DDP dp=8)"]
-    assert "validated: 10 job specs" in out.stdout
+    assert "| runs, ~" in rows["restore of that save (DDP dp=8), then SIGKILL rank 1, rebuild in place"]
+    assert "validated: 9 of 9 job specs" in out.stdout
     assert "1.04 G parameters (GQA 8 KV heads)" in out.stdout
+    total = float(out.stdout.split("estimated total ")[1].split(" s")[0])
+    assert total <= 480, out.stdout
 
 
-def test_gpu_plan_on_one_gpu_runs_one_rank_layouts_and_says_why_the_rest_cannot_run(tmp_path):
-    facts, configs = _plan(tmp_path, "--gpus", "1")
+@pytest.mark.parametrize("n_gpus", [1, 8])
+def test_gpu_plan_runs_every_row_the_hardware_allows_within_the_default_budget(n_gpus):
+    _, configs = _plan("--gpus", str(n_gpus))
+    assert not [cfg.name for cfg in configs if cfg.skip.startswith("budget")]
+    if n_gpus == 8:
+        assert not [cfg.name for cfg in configs if cfg.skip]
+    assert _planned_total(configs) <= 480.0
+    # torch.compile is counted apart from the timed steps, cheaper for per-rank shapes (tp)
+    # an earlier row compiled: FSDP2 compiles first, DDP (same shapes) after it
+    est = {cfg.name.split(", then")[0]: cfg.estimate_s for cfg in configs if cfg.kind == "train"}
+    one = "dp=1 (one rank)" if n_gpus == 1 else f"dp={n_gpus}"
+    on, off = est[f"FSDP2 {one}, compile on"], est[f"FSDP2 {one}, compile off"]
+    assert on - off == pytest.approx(gpu.COMPILE_S)
+    ddp_on, ddp_off = est[f"DDP {one}, compile on"], est[f"DDP {one}, compile off"]
+    assert ddp_on - (ddp_off - gpu.SAVE_S) == pytest.approx(gpu.COMPILE_CACHED_S)
+
+
+def test_gpu_plan_marks_rows_past_the_budget_skipped_in_the_plan_table(capsys):
+    facts, configs = _plan("--gpus", "8", "--budget-s", "250")
+    facts["gpu"] = "(dry run)"
+    over = [cfg for cfg in configs if cfg.skip]
+    assert over and all(cfg.skip.startswith("budget (estimated") for cfg in over)
+    assert _planned_total(configs) <= 250.0
+    assert [cfg.name for cfg in over] == [cfg.name for cfg in configs if cfg.compile]  # they go last
+    gpu.print_plan(facts, configs, gpu.parse(["--dry-run", "--budget-s", "250"]))
+    table = capsys.readouterr().out
+    for cfg in over:
+        (line,) = [x for x in table.splitlines() if x.startswith(f"| {cfg.name} |")]
+        assert "| skipped: budget (" in line and "| runs" not in line
+
+
+@pytest.mark.parametrize(
+    ("n_gpus", "tp_row", "tp_skip", "mixed_runs"),
+    [
+        (3, "TP, compile off", "no tp > 1 dividing 3 GPUs divides model.n_heads (32) and n_kv_heads (8)", False),
+        (6, "TP tp=2 (2 of 6 GPUs), compile off", "", True),
+    ],
+)
+def test_gpu_plan_picks_the_largest_tp_the_model_takes_and_still_plans_the_other_rows(
+    n_gpus, tp_row, tp_skip, mixed_runs
+):
+    _, configs = _plan("--gpus", str(n_gpus))
+    by_name = {cfg.name: cfg for cfg in configs}
+    assert by_name[tp_row].skip == tp_skip
+    assert not by_name[f"DDP dp={n_gpus}, compile off, then a save"].skip
+    assert not by_name[f"FSDP2 dp={n_gpus}, compile on"].skip
+    mixed = by_name[f"FSDP2 dp={max(n_gpus // 2, 2)} x TP tp=2, compile off"]
+    assert (mixed.skip == "") is mixed_runs and (mixed.ranks == n_gpus) is mixed_runs
+
+
+def test_gpu_plan_skips_tp_rows_a_model_with_one_kv_head_cannot_take():
+    _, configs = _plan("--gpus", "8", "--kv-heads", "1")
+    skips = {cfg.name: cfg.skip for cfg in configs if "TP" in cfg.name}
+    assert skips["TP, compile on"] == "no tp > 1 dividing 8 GPUs divides model.n_heads (32) and n_kv_heads (1)"
+    assert skips["FSDP2 dp=4 x TP tp=2, compile on"].startswith("the model cannot take tp=2: parallel.tp: model.n_kv")
+    assert not [cfg.name for cfg in configs if "TP" not in cfg.name and cfg.skip]
+
+
+def test_gpu_plan_on_one_gpu_runs_one_rank_layouts_and_says_why_the_rest_cannot_run():
+    facts, configs = _plan("--gpus", "1")
     by_name = {cfg.name: cfg for cfg in configs}
     assert not by_name["DDP dp=1 (one rank), compile off, then a save"].skip
     assert not by_name["FSDP2 dp=1 (one rank), compile on"].skip
-    assert not by_name["restore of that save (DDP dp=1)"].skip
-    for name in (
-        "TP tp=2, compile off",
-        "FSDP2 dp=2 x TP tp=2, compile on",
-        "SIGKILL rank 1, rebuild in place (DDP dp=1)",
-    ):
+    restore = by_name["restore of that save (DDP dp=1) (no rebuild: it needs 2+ GPUs)"]
+    assert not restore.skip and not restore.rebuild
+    for name in ("TP, compile off", "FSDP2 dp=2 x TP tp=2, compile on"):
         assert "NCCL cannot run two ranks on one GPU" in by_name[name].skip, name
     assert facts["flops_per_token"] == 6.0 * facts["params"] + 12.0 * 16 * 2048 * 2048
 
 
-def test_gpu_plan_skips_a_layout_whose_estimated_memory_exceeds_the_gpu(tmp_path):
-    _, configs = _plan(tmp_path, "--gpus", "8", "--gpu-memory-gib", "40")
+def test_gpu_plan_skips_a_layout_whose_estimated_memory_exceeds_the_gpu():
+    _, configs = _plan("--gpus", "8", "--gpu-memory-gib", "40")
     skips = {cfg.name.split(",")[0]: cfg.skip for cfg in configs if cfg.kind == "train" and cfg.compile}
     assert skips["DDP dp=8"].startswith("estimated 61.0 GiB per rank > the GPU's 40.0 GiB")
     assert skips["TP tp=8"] == "" and skips["FSDP2 dp=4 x TP tp=2"] == ""
 
 
-def test_gpu_plan_refuses_a_spec_the_job_spec_validation_refuses_naming_the_field(tmp_path):
+def test_gpu_plan_refuses_a_spec_the_job_spec_validation_refuses_naming_the_file_and_field(tmp_path):
     spec = yaml.safe_load((REPO / "bench/jobs/llama1b.yaml").read_text())
     spec["model"]["vocab_size"] = 0
     p = tmp_path / "bad.yaml"
     p.write_text(yaml.safe_dump(spec))
-    with pytest.raises(gpu.UsageError, match="vocab_size"):
-        _plan(tmp_path, "--spec", str(p))
+    with pytest.raises(gpu.UsageError, match=f"{p}.*vocab_size"):
+        _plan("--spec", str(p))
 
 
 @pytest.mark.timeout(120)
 def test_gpu_sh_refuses_bad_arguments_with_one_line_naming_the_flag():
     out = subprocess.run(
-        [str(REPO / "bench/gpu.sh"), "--steps", "5", "--dry-run"], capture_output=True, text=True, timeout=100
+        [str(REPO / "bench/gpu.sh"), "--steps", "3", "--dry-run"], capture_output=True, text=True, timeout=100
     )
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == ["error: --steps: must be > --warmup + 1 (11), got 5"]
+    assert out.stderr.strip().splitlines() == ["error: --steps: must be > --warmup + 1 (4), got 3"]
+    with pytest.raises(gpu.UsageError, match=r"^--gpus: must be >= 1 \(leave it out for every GPU"):
+        gpu.parse(["--dry-run", "--gpus", "0"])
 
 
 @pytest.mark.timeout(120)
-def test_gpu_sh_says_in_one_line_when_the_venvs_torch_has_no_cuda():
+def test_gpu_sh_says_in_one_line_when_the_venvs_torch_has_no_cuda_and_helps_without_one():
     import torch
 
     if torch.cuda.is_available():
@@ -179,6 +242,10 @@ def test_gpu_sh_says_in_one_line_when_the_venvs_torch_has_no_cuda():
     assert out.returncode == 2
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith(f"error: the venv's torch ({torch.__version__}) cannot use a GPU")
+    assert "pip install torch==2.13.0 --index-url" in line  # the project's torch, not the newest
+    out = subprocess.run([str(REPO / "bench/gpu.sh"), "--help"], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0 and out.stdout.startswith("usage: bench/gpu.sh") and not out.stderr
+    assert "default: every GPU nvidia-smi lists" in " ".join(out.stdout.split())  # argparse wraps lines
 
 
 def test_gpu_peak_table_knows_datacenter_gpus_and_refuses_unknown_ones():
