@@ -1,8 +1,10 @@
 """A Hugging Face Llama or Qwen2 ``config.json`` <-> Surge's ``model:`` spec, both
-directions, and the submit-time check of ``init_from.hf`` (the directory and its config):
-the configuration half of services/compute/hf_format.py (which maps the tensors), here
-without torch so that control's submit (no tensor library, no lower-layer code) checks a
-spec's directory too. A job with ``init_from.hf`` takes the fields its ``model:`` leaves out
+directions, the tensor names (Surge's <-> Hugging Face's: the table is in
+services/compute/hf_format.py's docstring), and the submit-time check of ``init_from.hf``
+(the directory, its config, and its safetensors headers: every tensor the model needs, of
+its shape): the half of services/compute/hf_format.py (which reads and writes the tensors)
+that needs no tensor library, so that control's submit (no torch, no lower-layer code)
+checks a spec's directory too. A job with ``init_from.hf`` takes the fields its ``model:`` leaves out
 from the directory's config (:func:`model_from_hf`, called by services/jobspec.py's
 ``parse_job_spec``, so that surgectl and control read a spec alike).
 """
@@ -10,13 +12,16 @@ from the directory's config (:func:`model_from_hf`, called by services/jobspec.p
 from __future__ import annotations
 
 import json
+import math
+import re
+import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
-from services.jobspec import JobSpec, JobSpecError, ModelSpec, RopeScaling, mlp_hidden_width
+from services.jobspec import JobSpec, JobSpecError, ModelSpec, RopeScaling, mlp_hidden_width, model_parameter_shapes
 
 CONFIG = "config.json"
 # The architectures read and written: transformers' class -> its model_type. Surge's model is
@@ -30,6 +35,56 @@ ARCHITECTURE = "LlamaForCausalLM"  # (the default; kept for callers that name it
 class HfFormatError(ValueError):
     """A directory, configuration or tensor that does not fit: one line naming the file and
     the field or tensor."""
+
+
+# ------------------------------------------------------------------ names
+
+_BLOCK = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn.q.weight": "self_attn.q_proj.weight",
+    "attn.k.weight": "self_attn.k_proj.weight",
+    "attn.v.weight": "self_attn.v_proj.weight",
+    "attn.q.bias": "self_attn.q_proj.bias",
+    "attn.k.bias": "self_attn.k_proj.bias",
+    "attn.v.bias": "self_attn.v_proj.bias",
+    "attn.proj.weight": "self_attn.o_proj.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "mlp.gate.weight": "mlp.gate_proj.weight",
+    "mlp.up.weight": "mlp.up_proj.weight",
+    "mlp.down.weight": "mlp.down_proj.weight",
+}
+_TOP = {
+    "tok_emb.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+_BLOCK_BACK = {hf: surge for surge, hf in _BLOCK.items()}
+_TOP_BACK = {hf: surge for surge, hf in _TOP.items()}
+_SURGE_BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
+_HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def hf_name(surge_name: str) -> str:
+    """The Hugging Face name of Surge parameter ``surge_name``. Raises KeyError if it has none."""
+    if surge_name in _TOP:
+        return _TOP[surge_name]
+    m = _SURGE_BLOCK.match(surge_name)
+    if m and m.group(2) in _BLOCK:
+        return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}"
+    raise KeyError(surge_name)
+
+
+def surge_name(hf: str) -> str:
+    """The Surge name of Hugging Face tensor ``hf``. Raises KeyError if it has none."""
+    if hf in _TOP_BACK:
+        return _TOP_BACK[hf]
+    m = _HF_BLOCK.match(hf)
+    if m and m.group(2) in _BLOCK_BACK:
+        return f"blocks.{m.group(1)}.{_BLOCK_BACK[m.group(2)]}"
+    raise KeyError(hf)
+
+
+# ------------------------------------------------------------------ config.json
 
 
 def hf_config(spec: JobSpec, dtype: str = "float32", eos_token_id: int | None = None) -> dict[str, Any]:
@@ -279,10 +334,7 @@ def model_from_hf(directory: str, written: object, source: str) -> object:
     written = written or {}
     try:
         path = str(Path(directory) / CONFIG)
-        merged = {k: v for k, v in model_fields(config, path).items() if v is not None}
-        if "mlp_ratio" in written or "ffn_hidden" in written:
-            merged.pop("ffn_hidden")
-        merged.update(written)
+        merged = {**_taken(model_fields(config, path), written), **written}
         try:
             model = ModelSpec.model_validate(merged)
         except ValidationError:
@@ -293,15 +345,155 @@ def model_from_hf(directory: str, written: object, source: str) -> object:
     return merged
 
 
+def _taken(fields: Mapping[str, Any], written: Mapping[str, Any]) -> dict[str, Any]:
+    """The config's model ``fields`` that ``written`` (the spec's ``model:``) leaves out: None
+    ones (MHA's n_kv_heads, no RoPE scaling) are the spec's defaults already; with
+    ``mlp_ratio`` written the MLP width is the ratio's."""
+    taken = {k: v for k, v in fields.items() if v is not None and k not in written}
+    if "mlp_ratio" in written:
+        taken.pop("ffn_hidden", None)
+    return taken
+
+
 def _close(a: Any, b: float) -> bool:
     return isinstance(a, (int, float)) and not isinstance(a, bool) and abs(a - b) <= 1e-12 * max(1.0, abs(b))
 
 
-def check_hf_directory(directory: str, model: ModelSpec) -> None:
+def unread_directory(directory: str, written: object) -> str:
+    """Why ``directory`` gave a spec's ``model:`` (``written``, as the file has it) none of
+    its shape ("" when it did, or when ``written`` states the shape itself: n_layers,
+    d_model, n_heads and vocab_size): then ModelSpec's defaults stand in for it, and a
+    refusal of one of them (``model.vocab_size: 256``) would name a value the user never
+    wrote, so :func:`services.jobspec.parse_job_spec` names the directory instead."""
+    if isinstance(written, dict) and {"n_layers", "d_model", "n_heads", "vocab_size"} <= written.keys():
+        return ""
+    try:
+        read_config(directory)
+    except HfFormatError as e:
+        return str(e)
+    return ""
+
+
+# ------------------------------------------------------------------ safetensors headers
+
+# The floating-point dtypes the loader converts from (safetensors' names -> bytes per element;
+# services/compute/hf_format.py read_hf_tensors casts to the model's dtype). Integer or
+# boolean tensors are quantized or other data, not weights Surge can load.
+FLOAT_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
+_MAX_HEADER = 100_000_000  # safetensors' own limit on the header (MAX_HEADER_SIZE)
+
+
+def safetensors_header(file: str | Path) -> dict[str, dict[str, Any]]:
+    """Tensor name -> ``{"dtype", "shape", "data_offsets"}`` of one ``.safetensors`` file,
+    read from its header alone (no tensor library, no data read): the format is an 8-byte
+    little-endian header length N, then N bytes of JSON, then the data, each tensor's
+    ``[begin, end)`` offsets relative to it (huggingface/safetensors, "Format"). Checked as
+    safetensors checks it: the header fits the file, each entry is well formed, and each
+    tensor's bytes lie inside the file (a truncated download is caught here, not on the
+    ranks). The ``__metadata__`` entry is left out.
+
+    Raises:
+        HfFormatError: unreadable or malformed (one line naming the file).
+    """
+    path = Path(file)
+
+    def refuse(text: str) -> NoReturn:
+        raise HfFormatError(f"init_from.hf: {path}: not a readable safetensors file: {text}")
+
+    try:
+        with path.open("rb") as f:
+            size = path.stat().st_size
+            head = f.read(8)
+            if len(head) < 8:
+                refuse(f"{size} bytes, shorter than the 8-byte header length")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or 8 + n > size:
+                refuse(f"header length {n} does not fit the file ({size} bytes)")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        refuse(e.strerror or str(e))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        refuse(f"header is not JSON: {' '.join(str(e).split())}")
+    if not isinstance(header, dict):
+        refuse("header is not a JSON object")
+    data = size - 8 - n
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        ints = isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2
+        if not ints or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape + offsets):
+            refuse(f"tensor {name}: expected dtype, shape and data_offsets, got {entry!r:.200}")
+        if not isinstance(entry.get("dtype"), str):
+            refuse(f"tensor {name}: dtype {entry.get('dtype')!r}")
+        if not offsets[0] <= offsets[1] <= data:
+            refuse(f"tensor {name}: bytes {offsets[0]}..{offsets[1]} lie beyond its {data} bytes of data (truncated?)")
+        width = FLOAT_DTYPES.get(entry["dtype"])  # (other dtypes are refused by the caller, by name)
+        if width is not None and offsets[1] - offsets[0] != math.prod(shape) * width:
+            refuse(f"tensor {name}: {offsets[1] - offsets[0]} bytes for {entry['dtype']} of shape {shape}")
+        tensors[name] = entry
+    return tensors
+
+
+def check_weights(directory: str | Path, model: ModelSpec) -> tuple[int, int]:
+    """That ``directory``'s ``*.safetensors`` files hold every tensor ``model`` needs, of
+    its shape and a floating-point dtype, by their headers alone (milliseconds for an 8B
+    model's shards): the names of :func:`hf_name`, the shapes of
+    services/jobspec.py ``model_parameter_shapes``; a tied model's ``lm_head.weight`` may
+    be absent (the embedding is the head), as read_hf_tensors reads it. A tensor in several
+    files is the first file's (sorted names), as there. Tensors the model does not use
+    (``rotary_emb.inv_freq``) are ignored.
+
+    Returns:
+        (files, tensors checked).
+
+    Raises:
+        HfFormatError: a file that is not safetensors, a tensor in no file, of another shape
+            or not floating point; one line naming the file (the directory for a missing
+            tensor), the Hugging Face tensor and the Surge parameter.
+    """
+    d = Path(directory)
+    files = sorted(d.glob("*.safetensors"))
+    where: dict[str, tuple[Path, dict[str, Any]]] = {}
+    for file in files:
+        for key, entry in safetensors_header(file).items():
+            where.setdefault(key, (file, entry))
+    checked = 0
+    for name, _, shape in model_parameter_shapes(model):
+        key = hf_name(name)
+        if key not in where and name == "lm_head.weight" and model.tie_embeddings:
+            continue  # tied: the embedding is the head (transformers' files leave it out)
+        if key not in where:
+            raise HfFormatError(
+                f"init_from.hf: {d}: tensor {key} (for {name}) is in none of its {len(files)} *.safetensors files"
+            )
+        file, entry = where[key]
+        if entry["shape"] != list(shape):
+            raise HfFormatError(
+                f"init_from.hf: {file}: tensor {key} has shape {entry['shape']}, this job's {name} needs {list(shape)}"
+            )
+        if entry["dtype"] not in FLOAT_DTYPES:
+            raise HfFormatError(
+                f"init_from.hf: {file}: tensor {key} (for {name}) is {entry['dtype']}: only floating-point "
+                f"weights are read ({', '.join(FLOAT_DTYPES)}; a quantized model is not)"
+            )
+        checked += 1
+    return len(files), checked
+
+
+# ------------------------------------------------------------------ at submit
+
+
+def check_hf_directory(directory: str, model: ModelSpec) -> tuple[int, int]:
     """``init_from.hf`` at submit: the directory holds config.json and safetensors weights,
-    and the config is ``model``'s architecture. Raises HfFormatError (one line)."""
+    the config is ``model``'s architecture, and the files' headers hold each of its tensors
+    of its shape (:func:`check_weights`, whose counts it returns). Raises HfFormatError
+    (one line)."""
     config = read_config(directory)
     check_config(config, model, str(Path(directory) / CONFIG))
+    return check_weights(directory, model)
 
 
 def check_spec_directory(spec: JobSpec, source: str) -> None:
@@ -312,3 +504,23 @@ def check_spec_directory(spec: JobSpec, source: str) -> None:
             check_hf_directory(spec.init_from.hf, spec.model)
         except HfFormatError as e:
             raise JobSpecError(f"{source}: {e}") from None
+
+
+def source_report(spec: JobSpec, written: object) -> list[str]:
+    """``submit --dry-run``'s lines on ``init_from.hf`` (none without it), for a spec whose
+    directory the submit's checks accepted: which ``model:`` fields came from its
+    config.json (``written``: the section as the file has it), and what of the weights was
+    checked."""
+    if spec.init_from is None or spec.init_from.hf is None:
+        return []
+    d = Path(spec.init_from.hf)
+    written = written if isinstance(written, dict) else {}
+    taken = _taken(model_fields(read_config(d), str(d / CONFIG)), written)
+    files, tensors = check_weights(d, spec.model)
+    shape = (
+        f"model: {', '.join(taken)} from {d / CONFIG} (the fields the spec's model: leaves out)"
+        if taken
+        else f"model: as the spec writes it, which {d / CONFIG} agrees with"
+    )
+    weights = f"weights: each of the model's {tensors} tensors in {d}'s {files} *.safetensors file(s), of its shape"
+    return [shape, weights + " (their headers read; the data is read by the ranks)"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import json
+import math
 import re
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -175,23 +176,32 @@ def model_parameters(spec: ModelSpec) -> Iterator[tuple[str, str, int]]:
     validated (control has no tensor library); tests/compute/test_freeze.py keeps it equal
     to the built model's names and sizes.
     """
+    for name, owner, shape in model_parameter_shapes(spec):
+        yield name, owner, math.prod(shape)
+
+
+def model_parameter_shapes(spec: ModelSpec) -> Iterator[tuple[str, str, tuple[int, ...]]]:
+    """``(name, owner, shape)`` of every parameter, as :func:`model_parameters` lists them:
+    ``nn.Linear`` weights ``(out_features, in_features)``, the embedding ``(vocab_size,
+    d_model)``, norm gains and biases 1-D (what a Hugging Face directory's tensors are
+    checked against at submit, services/hf_config.py)."""
     V, D, F = spec.vocab_size, spec.d_model, mlp_hidden_width(spec)
     KV = spec.kv_heads * spec.head_dim  # the k and v projections' width
-    yield "tok_emb.weight", "tok_emb.weight", V * D
-    mlp = (("gate", F * D),) if spec.mlp == "swiglu" else ()
+    yield "tok_emb.weight", "tok_emb.weight", (V, D)
+    mlp = (("gate", (F, D)),) if spec.mlp == "swiglu" else ()
     for i in range(spec.n_layers):
         b = f"blocks.{i}."
-        yield b + "attn_norm.weight", b + "attn_norm.weight", D
+        yield b + "attn_norm.weight", b + "attn_norm.weight", (D,)
         for proj, width in (("q", D), ("k", KV), ("v", KV)):  # (nn.Linear: weight, then bias)
-            yield b + f"attn.{proj}.weight", b + f"attn.{proj}.weight", width * D
+            yield b + f"attn.{proj}.weight", b + f"attn.{proj}.weight", (width, D)
             if spec.qkv_bias:
-                yield b + f"attn.{proj}.bias", b + f"attn.{proj}.bias", width
-        yield b + "attn.proj.weight", b + "attn.proj.weight", D * D
-        yield b + "mlp_norm.weight", b + "mlp_norm.weight", D
-        for lin, numel in (*mlp, ("up", F * D), ("down", D * F)):
-            yield b + f"mlp.{lin}.weight", b + f"mlp.{lin}.weight", numel
-    yield "norm.weight", "norm.weight", D
-    yield "lm_head.weight", "tok_emb.weight" if spec.tie_embeddings else "lm_head.weight", V * D
+                yield b + f"attn.{proj}.bias", b + f"attn.{proj}.bias", (width,)
+        yield b + "attn.proj.weight", b + "attn.proj.weight", (D, D)
+        yield b + "mlp_norm.weight", b + "mlp_norm.weight", (D,)
+        for lin, shape in (*mlp, ("up", (F, D)), ("down", (D, F))):
+            yield b + f"mlp.{lin}.weight", b + f"mlp.{lin}.weight", shape
+    yield "norm.weight", "norm.weight", (D,)
+    yield "lm_head.weight", "tok_emb.weight" if spec.tie_embeddings else "lm_head.weight", (V, D)
 
 
 def frozen_parameters(patterns: Sequence[str], named: Iterable[tuple[str, Hashable]]) -> set[Hashable]:
@@ -903,11 +913,20 @@ def parse_job_spec(text: str, source: str = "job.yaml") -> JobSpec:
         # services/hf_config.py builds on this module.)
         from services.hf_config import model_from_hf
 
-        model = model_from_hf(init["hf"], raw.get("model"), source)
+        written = raw.get("model")
+        model = model_from_hf(init["hf"], written, source)
         raw = raw if model is None else {**raw, "model": model}
     try:
         return JobSpec.model_validate(raw)
     except ValidationError as e:
+        if isinstance(init, dict) and isinstance(init.get("hf"), str) and init["hf"].startswith("/"):
+            from services.hf_config import unread_directory
+
+            # A directory that gave the model none of its shape is the problem to name, not
+            # a default it left in place (``model.vocab_size: 256``, which the user never wrote).
+            problem = unread_directory(init["hf"], written)
+            if problem:
+                raise JobSpecError(f"{source}: {problem}") from None
         raise _spec_error(e, source) from None
 
 

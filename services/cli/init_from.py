@@ -1,10 +1,11 @@
 """``init_from:`` checked at submit, before control is asked: what the spec's own validation
 cannot see (the files and the version it names).
 
-* ``hf``: the directory holds ``config.json`` and ``*.safetensors``, and the config describes
-  the spec's model (services/compute/hf_format.py ``check_hf_directory``; control checks it
-  too; the model fields a spec leaves out were filled in from it when it was parsed). Read
-  here, on the submitting machine: the path must be the same on the ranks' nodes.
+* ``hf``: the directory holds ``config.json`` and ``*.safetensors``, the config describes
+  the spec's model, and the files' headers hold each of its tensors of its shape
+  (services/hf_config.py ``check_hf_directory``, without torch; control checks it too; the
+  model fields a spec leaves out were filled in from it when it was parsed). Read here, on
+  the submitting machine: the path must be the same on the ranks' nodes.
 * ``checkpoint``: the store knows the version and its recorded verdict is ok; the model it
   was written with has this spec's tensors (names and shapes, from both specs: the first
   that differs is named); with ``weights+optimizer``, the source job kept optimizer state
@@ -26,6 +27,7 @@ from services.cli import clients
 from services.cli.errors import CliError
 from services.cli.tokenizer_check import hf_mismatch, trained_with_mismatch
 from services.contract import control_pb2, data_pb2, store_pb2
+from services.hf_config import HfFormatError, check_hf_directory
 from services.jobspec import JobSpec, frozen_parameters, model_parameters, read_spec_mapping, spec_from_json
 
 
@@ -37,8 +39,6 @@ def check_init_from(spec: JobSpec, source: str | Path, dataset: data_pb2.Dataset
     if init is None:
         return
     if init.hf is not None:
-        from services.compute.hf_format import HfFormatError, check_hf_directory
-
         try:
             check_hf_directory(init.hf, spec.model)
         except HfFormatError as e:

@@ -38,10 +38,14 @@ def submit_job(spec_path: Path, overrides: Sequence[str] = (), priority: int = 0
 
 def check_submission(spec: JobSpec, info: data_pb2.DatasetReady, source: str) -> None:
     """What surgectl checks of a valid spec before control sees it (a submit and a
-    ``--dry-run`` alike), against its dataset version ``info``. Raises CliError (exit 2)."""
+    ``--dry-run`` alike), against its dataset version ``info``. Raises CliError (exit 2).
+
+    ``init_from`` first: a model whose shape ``init_from.hf``'s config.json could not give is
+    ModelSpec's defaults, and the directory's problem (no config.json, no weights) is the
+    one to name, not the default vocabulary's size against the dataset's."""
+    check_init_from(spec, source, info)
     spec_tools.check_dataset(spec, info, source)
     check_held_out(spec, info, source)
-    check_init_from(spec, source, info)
 
 
 def dry_run_job(spec_path: Path, overrides: Sequence[str] = ()) -> str:

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 from services.cli import clients
 from services.cli.errors import CliError, from_rpc
 from services.contract import data_pb2
+from services.hf_config import HfFormatError, source_report
 from services.jobspec import JobSpec, JobSpecError, parse_job_spec, read_spec_mapping, spec_from_json, yaml_value
 from services.memory_estimate import estimate_gpu_memory, estimate_memory
 
@@ -154,9 +155,13 @@ def dry_run(path: Path, overrides: Sequence[str] = (), checks: Checks = None) ->
     Raises:
         CliError (exit 2): what a submit would refuse, one line naming the field.
     """
-    spec, _, source = load_spec(path, overrides)
+    spec, text, source = load_spec(path, overrides)
     info, where = resolve_dataset(spec, source)
     (checks or check_dataset)(spec, info, source)
+    try:
+        hf = source_report(spec, read_spec_mapping(text, source).get("model"))  # (the model's shape from init_from.hf)
+    except (HfFormatError, JobSpecError) as e:  # (the default checks do not read the directory)
+        raise CliError(f"{source}: {e}", code=2) from None
     d, p = spec.data, spec.parallel
     tokens = spec.steps * spec.tokens_per_step
     epochs = f", {tokens / info.train_tokens:.2f} epochs of the train split" if info.train_tokens else ""
@@ -169,6 +174,7 @@ def dry_run(path: Path, overrides: Sequence[str] = (), checks: Checks = None) ->
         f"{d.micro_batch_size} x grad_accum {d.grad_accum} x seq_len {d.seq_len}) = {tokens:,} tokens{epochs}",
         f"ranks: {spec.world_size} (dp {p.dp} x tp {p.tp} x pp {p.pp}, {p.data_parallel}), "
         f"precision {spec.precision.dtype}",
+        *hf,
         *(est := estimate_memory(spec)).lines(),
         *estimate_gpu_memory(spec, est).lines(),
         "effective spec (every default filled; this output is a job file `surgectl submit` takes):",

@@ -25,15 +25,15 @@ Names (``i``: the block)::
     norm.weight                    model.norm.weight
     lm_head.weight                 lm_head.weight (absent from the files when tied)
 
-The configuration half (config.json <-> ``model:``, the submit-time directory check) is
-services/hf_config.py, without torch, so that control checks it too; it is re-exported here.
+The configuration half (config.json <-> ``model:``, the name map above, the submit-time
+directory check: config and safetensors headers) is services/hf_config.py, without torch,
+so that control checks it too; it is re-exported here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -46,58 +46,16 @@ from services.hf_config import (  # noqa: F401 (the configuration half, re-expor
     check_config,
     check_hf_directory,
     check_spec_directory,
+    check_weights,
     hf_config,
+    hf_name,
     model_fields,
     read_config,
+    surge_name,
 )
 from services.jobspec import JobSpec
 
 WEIGHTS = "model.safetensors"
-
-_BLOCK = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn.q.weight": "self_attn.q_proj.weight",
-    "attn.k.weight": "self_attn.k_proj.weight",
-    "attn.v.weight": "self_attn.v_proj.weight",
-    "attn.q.bias": "self_attn.q_proj.bias",
-    "attn.k.bias": "self_attn.k_proj.bias",
-    "attn.v.bias": "self_attn.v_proj.bias",
-    "attn.proj.weight": "self_attn.o_proj.weight",
-    "mlp_norm.weight": "post_attention_layernorm.weight",
-    "mlp.gate.weight": "mlp.gate_proj.weight",
-    "mlp.up.weight": "mlp.up_proj.weight",
-    "mlp.down.weight": "mlp.down_proj.weight",
-}
-_TOP = {
-    "tok_emb.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "lm_head.weight": "lm_head.weight",
-}
-_BLOCK_BACK = {hf: surge for surge, hf in _BLOCK.items()}
-_TOP_BACK = {hf: surge for surge, hf in _TOP.items()}
-_SURGE_BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
-_HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-
-
-def hf_name(surge_name: str) -> str:
-    """The Hugging Face name of Surge parameter ``surge_name``. Raises KeyError if it has none."""
-    if surge_name in _TOP:
-        return _TOP[surge_name]
-    m = _SURGE_BLOCK.match(surge_name)
-    if m and m.group(2) in _BLOCK:
-        return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}"
-    raise KeyError(surge_name)
-
-
-def surge_name(hf: str) -> str:
-    """The Surge name of Hugging Face tensor ``hf``. Raises KeyError if it has none."""
-    if hf in _TOP_BACK:
-        return _TOP_BACK[hf]
-    m = _HF_BLOCK.match(hf)
-    if m and m.group(2) in _BLOCK_BACK:
-        return f"blocks.{m.group(1)}.{_BLOCK_BACK[m.group(2)]}"
-    raise KeyError(hf)
-
 
 # ------------------------------------------------------------------ tensors
 

@@ -257,3 +257,69 @@ def test_submit_dry_run_refuses_a_fine_tune_on_a_dataset_of_another_tokenizer(no
     assert_one_line(code, err, 2, f"{job}: init_from.checkpoint: src-1:1: trained on notes@v1", "notes@v2")
     code, out, err = run_cli(["submit", str(job), "--set", "data.dataset=notes@v3", "--dry-run"], monkeypatch, capsys)
     assert code == 0 and "valid; nothing submitted" in out, err
+
+
+# ------------------------------------------------------------------ init_from.hf at submit --dry-run
+
+
+def test_dry_run_checks_an_hf_directorys_weights_names_its_own_problem_first_and_says_where_the_shape_came_from(
+    surge_home, tmp_path, monkeypatch, capsys
+):
+    """The user trial of ``init_from: {hf: DIR}`` with no ``model:`` section, on a dataset of
+    280 tokens: a directory with a tensor missing or of another shape passed ``--dry-run`` as
+    valid (it failed on the ranks), and an empty directory or one with only config.json was
+    refused as ``model.vocab_size: 256 is smaller than the dataset's vocabulary`` (256: a
+    default the user never wrote). Each is now one line naming init_from.hf and what is
+    wrong; an accepted one's report says the shape came from DIR/config.json."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from services.data.prepare import prepare_dataset
+    from tests.cli.test_housekeeping import assert_one_line, run_cli
+    from tests.cli.test_train_settings import text_corpus
+
+    prepare_dataset(text_corpus(tmp_path / "src"), "notes", "v1", surge_home / "datasets", "bpe:280", 0.3, None)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    job = tmp_path / "ft.yaml"
+    job.write_text(f"name: ft\nsteps: 4\ndata: {{dataset: notes@v1, seq_len: 16}}\ninit_from: {{hf: {hf}}}\n")
+    dry = ["submit", str(job), "--dry-run"]
+    code, _, err = run_cli(dry, monkeypatch, capsys)
+    assert_one_line(code, err, 2, f"{job}: init_from.hf: {hf / 'config.json'}: missing")
+    source = spec_of(n_kv_heads=2, vocab_size=288, tie_embeddings=False)
+    hf_format.save_hf(hf, build_model(source.model, seed=0).state_dict(), source)
+    weights = load_file(hf / hf_format.WEIGHTS)
+    (hf / hf_format.WEIGHTS).unlink()
+    code, _, err = run_cli(dry, monkeypatch, capsys)
+    assert_one_line(code, err, 2, f"{job}: init_from.hf: {hf}: no *.safetensors file")
+    assert "vocab_size" not in err
+
+    up = "model.layers.1.mlp.up_proj.weight"
+    save_file({k: v for k, v in weights.items() if k != up}, hf / hf_format.WEIGHTS)
+    code, _, err = run_cli(dry, monkeypatch, capsys)
+    assert_one_line(
+        code, err, 2, f"{job}: init_from.hf: {hf}: tensor {up} (for blocks.1.mlp.up.weight) is in none of its 1"
+    )
+    save_file({**weights, up: weights[up][:, :16].contiguous()}, hf / hf_format.WEIGHTS)
+    code, _, err = run_cli(dry, monkeypatch, capsys)
+    assert_one_line(
+        code, err, 2, f"{job}: init_from.hf: {hf / hf_format.WEIGHTS}: tensor {up} has shape [88, 16], "
+        "this job's blocks.1.mlp.up.weight needs [88, 32]"
+    )  # fmt: skip
+
+    save_file(weights, hf / hf_format.WEIGHTS)
+    code, out, err = run_cli(dry, monkeypatch, capsys)
+    assert code == 0 and "valid; nothing submitted" in out, err
+    lines = out.splitlines()
+    assert (
+        f"# model: n_layers, d_model, n_heads, n_kv_heads, mlp, ffn_hidden, qkv_bias, tie_embeddings, vocab_size, "
+        f"rope_theta, norm_eps from {hf / 'config.json'} (the fields the spec's model: leaves out)"
+    ) in lines
+    assert (
+        f"# weights: each of the model's {len(weights)} tensors in {hf}'s 1 *.safetensors file(s), of its shape "
+        "(their headers read; the data is read by the ranks)"
+    ) in lines
+    code, out, err = run_cli([*dry, "--set", "model.n_layers=2"], monkeypatch, capsys)  # one field written
+    assert code == 0 and "# model: d_model, n_heads, n_kv_heads, mlp, ffn_hidden, " in out, err
+    shutil.rmtree(hf)

@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from services.compute import hf_format
 from services.compute.model import build_model
-from services.jobspec import JobSpec, JobSpecError, ModelSpec, model_parameters, parse_job_spec
+from services.hf_config import safetensors_header
+from services.jobspec import JobSpec, JobSpecError, ModelSpec, model_parameter_shapes, model_parameters, parse_job_spec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -340,3 +341,161 @@ def test_a_spec_that_restates_the_model_must_agree_with_config_json_naming_the_f
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(JobSpecError, match=r"^ft.yaml: init_from.hf: .*config.json: architectures \['Gemma"):
         parse_job_spec(head, "ft.yaml")
+
+
+# ---------------------------------------------------------------- the weights, by their headers, at submit
+
+
+def test_the_parameter_shapes_without_torch_are_the_built_models():
+    """services/jobspec.py model_parameter_shapes (what a directory's headers are checked
+    against, in control too) is the model services/compute/model.py builds."""
+    for model in (
+        ModelSpec(n_layers=2, d_model=48, n_heads=6, n_kv_heads=2, qkv_bias=True, vocab_size=64, ffn_hidden=40),
+        ModelSpec(n_layers=1, d_model=32, n_heads=4, tie_embeddings=False, vocab_size=96),
+        ModelSpec(n_layers=1, d_model=32, n_heads=4, mlp="gelu", vocab_size=64),
+    ):
+        built = list(build_model(model, seed=0).named_parameters(remove_duplicate=False))
+        assert [(n, s) for n, _, s in model_parameter_shapes(model)] == [(n, tuple(p.shape)) for n, p in built]
+
+
+def test_the_headers_read_without_torch_are_what_safetensors_reads(tmp_path):
+    from safetensors import safe_open
+
+    file = tmp_path / "a.safetensors"
+    tensors = {"x": torch.zeros(3, 5, dtype=torch.bfloat16), "y": torch.ones(7), "z": torch.zeros(0, 2)}
+    save_file(tensors, file, metadata={"format": "pt"})
+    header = safetensors_header(file)
+    with safe_open(str(file), framework="pt") as f:
+        theirs = {k: (f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()}  # noqa: SIM118
+    assert {k: (e["shape"], e["dtype"]) for k, e in header.items()} == theirs
+    assert theirs["x"] == ([3, 5], "BF16")
+    whole = file.read_bytes()
+    file.write_bytes(whole[:-8])  # a download cut short: y's last bytes missing
+    with pytest.raises(hf_format.HfFormatError) as e:
+        safetensors_header(file)
+    assert str(e.value).startswith(f"init_from.hf: {file}: not a readable safetensors file: tensor ")
+    assert "(truncated?)" in str(e.value) and "\n" not in str(e.value)
+    lying = json.dumps({"x": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}}).encode()
+    junks = {
+        b"abc": "shorter than the 8-byte header length",
+        b"\xff" * 16: "header length",
+        len(lying).to_bytes(8, "little") + lying + bytes(12): r"tensor x: 12 bytes for F32 of shape \[2, 2\]$",
+    }
+    for junk, words in junks.items():
+        file.write_bytes(junk)
+        with pytest.raises(hf_format.HfFormatError, match=f"^init_from.hf: .*a.safetensors: .*{words}"):
+            safetensors_header(file)
+
+
+def test_a_directory_missing_a_tensor_or_with_one_of_another_shape_is_refused_at_submit(tmp_path):
+    """The user trial's two directories (the tiny model minus one tensor, and one with a
+    tensor of another shape) passed the submit's check and failed on the ranks: now the
+    headers are read at submit, one line naming the file, the HF tensor and the Surge name."""
+    spec = exported(tmp_path, tie_embeddings=False)
+    full = load_file(tmp_path / hf_format.WEIGHTS)
+    assert hf_format.check_hf_directory(str(tmp_path), spec.model) == (1, len(full))
+
+    def refusal(tensors, files=None) -> str:
+        for f in tmp_path.glob("*.safetensors"):
+            f.unlink()
+        for name, part in (files or {hf_format.WEIGHTS: tensors}).items():
+            save_file(part, tmp_path / name)
+        with pytest.raises(hf_format.HfFormatError) as e:
+            hf_format.check_hf_directory(str(tmp_path), spec.model)
+        with pytest.raises(JobSpecError) as control:  # control's check: the same line, naming the job file
+            hf_format.check_spec_directory(small_spec(init_from={"hf": str(tmp_path)}, tie_embeddings=False), "j.yaml")
+        assert str(control.value) == f"j.yaml: {e.value}" and "\n" not in str(e.value)
+        return str(e.value)
+
+    up = "model.layers.1.mlp.up_proj.weight"
+    assert refusal({k: v for k, v in full.items() if k != up}) == (
+        f"init_from.hf: {tmp_path}: tensor {up} (for blocks.1.mlp.up.weight) is in none of its 1 *.safetensors files"
+    )
+    assert refusal({**full, up: torch.zeros(80, 32)}) == (
+        f"init_from.hf: {tmp_path / hf_format.WEIGHTS}: tensor {up} has shape [80, 32], "
+        "this job's blocks.1.mlp.up.weight needs [88, 32]"
+    )
+    assert refusal({k: v for k, v in full.items() if k != "lm_head.weight"}).endswith(
+        "tensor lm_head.weight (for lm_head.weight) is in none of its 1 *.safetensors files"
+    )  # untied: the head is a tensor of its own
+    assert refusal({**full, up: torch.zeros(88, 32, dtype=torch.int8)}).endswith(
+        f"tensor {up} (for blocks.1.mlp.up.weight) is I8: only floating-point weights are read "
+        "(F64, F32, F16, BF16, F8_E4M3, F8_E5M2; a quantized model is not)"
+    )
+    shards = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
+    for i, (name, t) in enumerate(full.items()):  # shards as transformers writes them, in bf16
+        if name != up:
+            shards[list(shards)[i % 2]][name] = t.to(torch.bfloat16)
+    shards[list(shards)[1]][up] = torch.zeros(88, 16)
+    assert refusal(None, shards).startswith(f"init_from.hf: {tmp_path / list(shards)[1]}: tensor {up} has shape")
+    shards[list(shards)[1]][up] = full[up]
+    for name, part in shards.items():
+        save_file(part, tmp_path / name)
+    assert hf_format.check_hf_directory(str(tmp_path), spec.model) == (2, len(full))
+
+
+def test_a_tied_models_directory_may_leave_the_head_out(tmp_path):
+    spec = exported(tmp_path)  # tied: save_hf leaves lm_head out, as transformers does
+    assert "lm_head.weight" not in load_file(tmp_path / hf_format.WEIGHTS)
+    assert hf_format.check_hf_directory(str(tmp_path), spec.model) == (1, len(list(model_parameters(spec.model))) - 1)
+
+
+def test_an_8b_models_four_shards_are_checked_in_milliseconds(tmp_path):
+    """Llama-3-8B's shapes in four shard files as large as the real ones (16 GB of bf16,
+    sparse: only the headers are written): the submit's check reads the headers alone."""
+    import time
+
+    spec = JobSpec.model_validate(
+        {
+            "name": "big",
+            "steps": 1,
+            "data": {"dataset": "corpus@v1", "seq_len": 8192},
+            "model": {"n_layers": 32, "d_model": 4096, "n_heads": 32, "n_kv_heads": 8, "ffn_hidden": 14336,
+                      "vocab_size": 128256, "tie_embeddings": False, "rope_theta": 5.0e5},
+        }
+    )  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(hf_format.hf_config(spec, dtype="bfloat16")))
+    params = list(model_parameter_shapes(spec.model))
+    for k in range(4):
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for name, _, shape in params[k::4]:
+            size = 2 * shape[0] * (shape[1] if len(shape) > 1 else 1)
+            header[hf_format.hf_name(name)] = {
+                "dtype": "BF16",
+                "shape": list(shape),
+                "data_offsets": [offset, size + offset],
+            }
+            offset += size
+        raw = json.dumps(header).encode()
+        with open(tmp_path / f"model-0000{k + 1}-of-00004.safetensors", "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw)
+            f.truncate(8 + len(raw) + offset)  # (a hole: no data written)
+    assert sum(f.stat().st_size for f in tmp_path.glob("*.safetensors")) > 16e9
+    start = time.perf_counter()
+    assert hf_format.check_hf_directory(str(tmp_path), spec.model) == (4, 291)
+    seconds = time.perf_counter() - start
+    assert seconds < 0.5, seconds  # (a few ms here; generous for a loaded CI machine)
+
+
+def test_a_directory_that_gives_the_model_nothing_is_named_before_the_defaults_it_left(tmp_path):
+    """No ``model:`` section and a directory with no config.json or no weights: the spec's
+    own refusals would name ModelSpec's defaults (a freeze pattern the 4-layer default has
+    no block for); the directory's problem is named instead."""
+    head = f"name: ft\nsteps: 2\ndata: {{dataset: corpus@v1, seq_len: 16}}\ninit_from: {{hf: {tmp_path}}}\n"
+    frozen = head + "model: {freeze: ['blocks.20.*']}\n"
+    with pytest.raises(JobSpecError) as e:
+        parse_job_spec(frozen, "ft.yaml")
+    assert (
+        str(e.value)
+        == f"ft.yaml: init_from.hf: {tmp_path / 'config.json'}: missing (a Hugging Face model directory has one)"
+    )
+    (tmp_path / "config.json").write_text(json.dumps(hf_format.hf_config(small_spec(n_layers=24))))
+    with pytest.raises(JobSpecError) as e:
+        parse_job_spec(frozen, "ft.yaml")
+    assert (
+        str(e.value) == f"ft.yaml: init_from.hf: {tmp_path}: no *.safetensors file (only safetensors weights are read)"
+    )
+    stated = head + "model: {n_layers: 2, d_model: 32, n_heads: 4, vocab_size: 64, freeze: ['blocks.20.*']}\n"
+    # The shape written: the spec's own refusal.
+    with pytest.raises(JobSpecError, match=r"^ft.yaml: model.freeze\[0\]: 'blocks.20.\*' matches no parameter"):
+        parse_job_spec(stated, "ft.yaml")

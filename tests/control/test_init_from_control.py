@@ -55,3 +55,31 @@ def test_a_spec_without_a_model_section_takes_the_hf_directorys_shape_in_control
     differing = r"^ft.yaml: init_from.hf: .*config.json: num_key_value_heads 2 differs from model.n_kv_heads 6$"
     with pytest.raises(JobSpecError, match=differing):
         plane.user(control_pb2.SubmitJobRequest(spec_yaml=text + "model: {n_kv_heads: 6}\n", spec_path="ft.yaml"))
+
+
+def test_a_directory_missing_a_tensor_or_with_one_of_another_shape_is_refused_by_control(plane, tmp_path):
+    """Control reads the safetensors headers too (no torch there): the user trial's two
+    directories, which were queued and given ranks before failing on them, are refused at
+    submit in one line naming the file, the tensor and the parameter; nothing is journaled."""
+    from safetensors.torch import load_file, save_file
+
+    plane.register("wa")
+    text = (
+        "name: x\nsteps: 4\ndata: {dataset: x@v1, seq_len: 16}\n"
+        f"model: {{n_layers: 2, d_model: 32, n_heads: 2, tie_embeddings: false}}\ninit_from: {{hf: {tmp_path}}}\n"
+    )
+    spec = parse_job_spec(text.split("init_from")[0])
+    hf_format.save_hf(tmp_path, build_model(spec.model, seed=0).state_dict(), spec)
+    weights = load_file(tmp_path / hf_format.WEIGHTS)
+    up = "model.layers.1.mlp.up_proj.weight"
+    cases = (
+        ({k: v for k, v in weights.items() if k != up}, f"{tmp_path}: tensor {up} (for blocks.1.mlp.up.weight) is in none"),
+        ({**weights, up: weights[up][:8]}, f"{tmp_path / hf_format.WEIGHTS}: tensor {up} has shape [8, 32]"),
+    )  # fmt: skip
+    for tensors, words in cases:
+        save_file(tensors, tmp_path / hf_format.WEIGHTS)
+        with pytest.raises(JobSpecError, match=f"^ft.yaml: init_from.hf: {re.escape(words)}"):
+            plane.user(control_pb2.SubmitJobRequest(spec_yaml=text, spec_path="ft.yaml"))
+    assert list(plane.user(control_pb2.JobQuery()).jobs) == []
+    save_file(weights, tmp_path / hf_format.WEIGHTS)
+    assert plane.user(control_pb2.SubmitJobRequest(spec_yaml=text, spec_path="ft.yaml")).job_id
