@@ -103,10 +103,6 @@ class Optimizer:
         for group in self._optim.param_groups:
             group["lr"] = msg.learning_rate
         self._optim.step()
-        # The gradients are spent: freed now rather than at the next window's first backward,
-        # so they are not held through a checkpoint's snapshot and the next forward (a rank
-        # sized to its memory: tests/parallel/test_memory_limited_fsdp2.py).
-        self._optim.zero_grad(set_to_none=True)
         self._updates += 1
         return engine_pb2.UpdateApplied(
             step=msg.step, learning_rate=msg.learning_rate, seconds=time.perf_counter() - t0

@@ -9,17 +9,20 @@ weights, gradients and AdamW moments (16 bytes a parameter) are 769 MiB.
 
 The limit, from what the cgroup was charged on this machine (2026-12-03, glibc's mmap
 threshold at 64 KiB, cgroup v1):
-    * the unsharded job (dp 1) needs 1020 MiB at its first step: the process (about
-      250 MiB with its start-up and activations) + 16 N;
-    * a rank of the FSDP2 job runs at 880 MiB and is OOM-killed at 820: the process + its
-      half of the weights and moments (6 N) + 6 N at a save (the snapshot's copy of them;
-      the gradients were freed by the optimizer's step, and a CPU rank keeps no staging
+    * the unsharded job (dp 1) needs 1020 MiB at its first step, the process (about
+      250 MiB with its start-up and activations) + 16 N, and 12 N more at its save (the
+      snapshot's copy of the weights and moments);
+    * a rank of the FSDP2 job runs at 965 MiB and is OOM-killed at 930: the process + its
+      half of the state (8 N) + 6 N at a save (the snapshot's copy of its shard of the
+      weights and moments, taken while its gradients are alive; a CPU rank keeps no staging
       buffers between saves: services/state/staging.py keep_buffers); its resume needs
       less (the load's template and the state);
-so LIMIT_MIB sits between the two, 70 MiB from either. Before the meta-device load every
-rank also built the whole model first (4 N), and a resume held a third copy of its shard
-of the weights and moments (16 N in all, as much as the unsharded job): the FSDP2 rank
-then did not fit under any limit the unsharded job fails.
+so LIMIT_MIB (1010) is below the whole model's state plus the process and 45 MiB above the
+FSDP2 rank's need, and the unsharded job, given the same schedule, is killed at its first
+step or at the latest at its save (28 N). Before the meta-device load every rank also
+built the whole model first (4 N), and a resume held a third copy of its shard of the
+weights and moments (16 N in all, as much as the unsharded job): the FSDP2 rank then did not
+fit under any limit the unsharded job fails.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from harness import MemoryLimit, parity_spec, run_config, tensor_digest
 from services.compute.model import build_model, count_parameters
 
 MODEL = {"n_layers": 16, "d_model": 512, "n_heads": 8}
-LIMIT_MIB = 950
+LIMIT_MIB = 1010
 FSDP2 = {"dp": 2, "data_parallel": "fsdp2", "model": MODEL, "final_state": False}
 
 pytestmark = pytest.mark.skipif(bool(MemoryLimit.unavailable()), reason=MemoryLimit.unavailable() or "-")
@@ -54,7 +57,7 @@ def runs(tmp_path_factory):
         memory_limit=limit,
     )
     unsharded = run_config(
-        {"steps": 1, "model": MODEL, "start_digests": True, "final_state": False},
+        {"steps": 2, "ckpt_every": 2, "model": MODEL, "start_digests": True, "final_state": False},
         out / "dp1",
         memory_limit=limit,
         expect_failure=True,
