@@ -261,8 +261,8 @@ def test_the_loops_stop_returns_once_the_store_has_every_record(tmp_path, monkey
     import time
 
     from services.contract.bus import Bus
-    from services.rank.store_client import StoreClient
     from services.rank import store_client
+    from services.rank.store_client import StoreClient
     from tests.redlines.test_state_ownership import store_service
 
     with store_service(tmp_path) as address:
