@@ -725,7 +725,12 @@ def stop(job: str, no_checkpoint: bool = NoCheckpointOpt) -> None:
     job = resolve_job(job)
     req = control_pb2.StopJobRequest(job_id=job, no_checkpoint=no_checkpoint)
     s = clients.call("control", lambda st: st.StopJob(req, timeout=10))
-    render.console.print(f"{job}: stop requested; now {render.state_text(s)}", markup=False, highlight=False)
+    # A running job stops at its next step boundary, after the checkpoint: say so, so that the
+    # state read back ("now RUNNING") is not taken for a stop that failed.
+    later = (
+        "" if s.state == control_pb2.TERMINATED else f" (it stops at its next step boundary; `surgectl status {job}`)"
+    )
+    render.console.print(f"{job}: stop requested; now {render.state_text(s)}{later}", markup=False, highlight=False)
 
 
 @app.command()

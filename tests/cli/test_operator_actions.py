@@ -148,6 +148,8 @@ def test_stop_checkpoints_its_step_and_resume_ends_bit_identical_to_an_uninterru
     stack.wait_step(job, 20)
     r = cli(stack.home, "stop", job)
     assert r.returncode == 0, r.stdout + r.stderr
+    # (the reply comes before the boundary: the line says the job is still running, and why)
+    assert f"{job}: stop requested; now RUNNING (it stops at its next step boundary" in r.stdout, r.stdout
     stopped = wait_state(stack, job, JobState.TERMINATED)
     assert stopped.outcome == JobOutcome.STOPPED and stopped.step < STEPS
     log = messages(stack, job)
