@@ -730,7 +730,9 @@ def stop(job: str, no_checkpoint: bool = NoCheckpointOpt) -> None:
     later = (
         "" if s.state == control_pb2.TERMINATED else f" (it stops at its next step boundary; `surgectl status {job}`)"
     )
-    render.console.print(f"{job}: stop requested; now {render.state_text(s)}{later}", markup=False, highlight=False)
+    render.console.print(
+        f"{job}: stop requested; now {render.state_text(s)}{later}", markup=False, highlight=False, soft_wrap=True
+    )
 
 
 @app.command()
