@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 GEN    := services/contract/gen
 PROTOS := $(wildcard proto/surge/v1/*.proto)
 
-.PHONY: setup tools proto contracts demo test test-compose lint format up down clean bench bench-faults bench-goodput
+.PHONY: setup tools proto contracts demo test test-compose lint format up down clean bench bench-faults bench-goodput bench-scale bench-control bench-rank-start
 
 setup: $(STAMP) $(GEN)/.stamp
 
@@ -44,9 +44,10 @@ demo: setup
 # Two test processes (pytest-xdist), each taking a whole file at a time so that a module's
 # one stack serves all its tests, keep both of CI's 2 cores busy (serial, TEST_WORKERS=0:
 # about 26 min in CI; two processes on clean clones under load: 23 min, 42 min). 0: serial.
+# The files go out longest first (tests/conftest.py LONGEST_FIRST), not by xdist's count.
 TEST_WORKERS ?= 2
 test: setup tools
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
 
 # Debian tools some tests use, installed where missing: promtool and prometheus (metrics
 # and config checks, a real scrape), docker-compose (`docker-compose config -q`). Tests that
@@ -96,6 +97,27 @@ bench-faults: setup
 
 bench-goodput: setup
 	$(BIN)/python bench/goodput.py $(GOODPUT_ARGS)
+
+# The scale test bed (issue 27 item 7): 64, 128 and 256 simulated ranks (services/rank/
+# simulated: torch-free processes speaking the real protocols, compute replaced by a sleep)
+# through a real stack on this machine, about 10 min; flags in SCALE_ARGS (e.g.
+# "--world-sizes 64 --steps 20"). Results in bench/results/scale.json, a table on stdout.
+bench-scale: setup
+	$(BIN)/python bench/scale.py $(SCALE_ARGS)
+
+# The control-plane bench (issue 28 item 7): simulated node agents (real gRPC clients, no
+# torch) against the real control: 1,024 nodes x 8 ranks at 1 step/s, 10,000 agents at 1 Hz,
+# a control SIGKILL + start with 3,000 connected (false deaths). Flags in CONTROL_ARGS (e.g.
+# "--nodes 128 --agents 1000 --restart-agents 1000"; BENCH_QUICK=1 for those sizes).
+# Results in bench/results/control.json, a table on stdout.
+bench-control: setup
+	$(BIN)/python bench/control_bench.py $(CONTROL_ARGS)
+
+# Rank start-up (bench/rank_start.py): ranks forked from the node agent's rank fork server
+# against new interpreters, N dp=2 jobs a mode (flags in RANK_START_ARGS, e.g. "--jobs 5");
+# about 3 min. Results in bench/results/rank_start.json.
+bench-rank-start: setup
+	$(BIN)/python -m bench.rank_start $(RANK_START_ARGS)
 
 # The import contracts (layers), ruff's linter, and ruff's formatter as a check: CI fails on
 # code `make format` would change.

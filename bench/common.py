@@ -96,18 +96,19 @@ class Stack:
         return Path(self.procs[service].log)
 
 
-def wait_spares_warm(count: int, timeout_s: float = 120.0) -> float:
-    """Block until ``count`` warm spare rank processes have finished their imports (their
-    ``spare_ready`` lines in the node agents' spares logs): a job submitted to agents that
+def wait_forkservers_warm(count: int, timeout_s: float = 120.0) -> float:
+    """Block until ``count`` rank fork servers have finished their imports (their
+    ``forkserver_ready`` lines in the node agents' fork server logs): a job submitted to agents that
     have been up a while, not to ones still starting. Returns the seconds waited.
     Raises TimeoutError."""
     t0 = time.time()
     while time.time() - t0 < timeout_s:
-        ready = sum(f.read_text().count('"spare_ready"') for f in (BENCH_HOME / "run" / "logs").glob("spares-*.log"))
+        logs = (BENCH_HOME / "run" / "logs").glob("forkserver-*.log")
+        ready = sum(f.read_text().count('"forkserver_ready"') for f in logs)
         if ready >= count:
             return time.time() - t0
         time.sleep(0.2)
-    raise TimeoutError(f"{count} warm spare rank processes not ready after {timeout_s:.0f} s")
+    raise TimeoutError(f"{count} rank fork servers not ready after {timeout_s:.0f} s")
 
 
 def submit(spec_path: Path):

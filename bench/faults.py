@@ -22,6 +22,11 @@ step). torchrun: the moment its agent has torn down the survivor (rank 0's proce
 it noticed and acted) and the first step line written after the restart. A trial that does
 not recover within ``--collective-timeout`` + 60 s is reported as ">= that bound".
 Results: ``bench/results/faults.json`` and a markdown table (median and max).
+
+Soaks kept out of the suite (25 minutes on CI's 2 cores), run by hand: the blame of a rank
+hung in its forward pass holding in every one of 10 runs (issue 12 part 5; the suite runs it
+once): ``SURGE_BLAME_RUNS=10 .venv/bin/python -m pytest -p no:xdist -k hung
+tests/faults/test_phase_blame.py``.
 """
 
 from __future__ import annotations

@@ -26,10 +26,10 @@ hits it every ``--interval`` seconds (default 120), rotating through ``--faults`
   was tried first: with torch 2.13 the re-rendezvous deadlocked (both agents timed out
   after 60 s waiting for each other's keys in the round's store) and torchrun gave up.
 
-Surge's job is submitted once the three node agents' warm spare rank processes
-(``SURGE_WORKER_SPARE_RANKS=1``) have finished their imports, as on a cluster whose agents
+Surge's job is submitted once the three node agents' rank fork servers
+(``SURGE_WORKER_RANK_FORKSERVER=eager``) have finished their imports, as on a cluster whose agents
 have been up a while (the wait after ``surgectl up`` is reported, not counted); its ranks
-then start from those spares. torchrun's workers start as fresh interpreters: that is
+are then forked from them. torchrun's workers start as fresh interpreters: that is
 how torchrun starts them.
 
 The last fault leaves at least one interval before the end. Surge runs the job with
@@ -192,7 +192,7 @@ def _argv(pid: int) -> list[str]:
     except OSError:
         return []
     argv = [a.decode(errors="replace") for a in raw.rstrip(b"\0").split(b"\0")] if raw else []
-    # A warm spare that became a rank shows the rank's command line as one string (setproctitle).
+    # A rank forked by the fork server shows its command line as one string (setproctitle).
     return argv[0].split(" ") if len(argv) == 1 else argv
 
 
@@ -339,15 +339,15 @@ def run_surge(args, plan: list[tuple[float, str]]) -> dict:
         fault_policy={"actions": {k: args.policy for k in SURGE_POLICY_CLASSES}, "max_restarts": 1000},
     )
     os.environ.pop("SURGE_WORKER_SLOTS", None)  # one slot per node agent (CPU default)
-    # Every node agent keeps a warm spare rank process (services/worker/warm_spares.py): the
-    # spare node's too, where a lost node's rank is replaced.
-    os.environ["SURGE_WORKER_SPARE_RANKS"] = "1"
+    # Every node agent starts its rank fork server at once (services/worker/rank_forkserver.py):
+    # the spare node's too, where a lost node's rank is replaced.
+    os.environ["SURGE_WORKER_RANK_FORKSERVER"] = "eager"
     faults: list[dict] = []
     returns: list[tuple[float, str]] = []  # (when, worker name): a lost agent comes back
     CLEANUP.stack_up = True
     with c.Stack(workers=3):
-        # Submitted to agents that have been up a while, as on a cluster: their spares warm.
-        spares_wait_s = c.wait_spares_warm(3)
+        # Submitted to agents that have been up a while, as on a cluster: their fork servers warm.
+        spares_wait_s = c.wait_forkservers_warm(3)
         job, t0 = c.submit(spec)
         CLEANUP.finders.append(lambda: list(surge_rank_pids(job).values()))
         print(f"  surge ({args.policy}): job {job}, {len(plan)} faults over {args.minutes:g} min", flush=True)
@@ -441,7 +441,7 @@ def run_surge(args, plan: list[tuple[float, str]]) -> dict:
     result = analyze(records, injected, t0, t_end)
     result["skipped_faults"] = [f for f in faults if f.get("skipped")]
     result["job"] = job
-    result["spares_warm_after_up_s"] = spares_wait_s
+    result["forkservers_warm_after_up_s"] = spares_wait_s
     result["fault_events"] = [{"t_s": e.unix_time - t0, "message": e.message} for e in fault_events]
     result["decisions"] = [{"t_s": e.unix_time - t0, "message": e.message} for e in evs if e.type == "decision"]
     return result

@@ -5,8 +5,9 @@
                  [--gpu-memory-gib G] [--dry-run]
 
 On every GPU of the machine (``--gpus``, >= 1; left out: how many nvidia-smi lists), one
-stack (``surgectl up --workers 1``: one node agent offering every GPU and keeping as many
-warm spare rank processes, ``backend: auto`` picks NCCL), jobs submitted as a user submits them (``surgectl submit``'s code path), each a
+stack (``surgectl up --workers 1``: one node agent offering every GPU, its ranks forked
+from its fork server, ``backend: auto`` picks NCCL), jobs submitted as a user submits them
+(``surgectl submit``'s code path), each a
 ~1 B-parameter Llama-shaped model (bench/jobs/llama1b.yaml) at bf16:
 
 * training, tokens/s and MFU, for each layout: DDP (dp = N), FSDP2 (dp = N), TP (tp = the
@@ -71,14 +72,14 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4":
 SPEC = c.REPO / "bench/jobs/llama1b.yaml"
 KILL_AT_STEP = 5  # the rebuild trial's SIGKILL: the restored job has trained a few steps
 RESTORE_STEPS = 3  # a restore with no rebuild after it (one GPU): steps on the loaded state
-SPARES_ENV = "SURGE_WORKER_SPARE_RANKS"  # services/worker/__main__.py: warm spares kept at all times
+FORKSERVER_ENV = "SURGE_WORKER_RANK_FORKSERVER"  # services/worker/__main__.py: eager = at the agent's start
 # The plan's estimates of wall time on an H100 / H200 (seconds), to keep to the budget.
 # GUESSES until a GPU run measures them (bench/results/gpu.json's wall_s per row: replace
 # them then). Their basis:
 # - STACK_S: `surgectl up` (control, data, store, one node agent; ~6 s on this project's CPU
-#   runs, docs/LOG.md session 14) plus the agent's warm spare rank processes finishing their
+#   runs, docs/LOG.md session 14) plus the agent's rank fork server finishing its
 #   imports (torch with CUDA and Triton: ~10 s, in parallel), waited for before the first submit.
-# - START_S: submit -> first step of an uncompiled job whose ranks start from warm spares (no
+# - START_S: submit -> first step of an uncompiled job whose ranks are forked from the fork server (no
 #   interpreter or import: 4.2 s on CPU, docs/LOG.md session 11): CUDA context ~2 s, the
 #   seeded init of 1.04 G float32 values drawn on the CPU (services/compute/model.py
 #   init_weights, ~5-8 s at 2 threads per rank), NCCL rendezvous and communicators ~3 s, the
@@ -497,14 +498,14 @@ def qualify(
     offering every GPU), within ``args.budget_s`` counted from before the stack starts; one
     row per configuration (its result, or why not).
 
-    The agent keeps ``n_gpus`` warm spare rank processes (SURGE_WORKER_SPARE_RANKS: their
-    imports done) and each job is submitted once they are ready, so no row pays for an
-    interpreter and torch's import (START_S's basis)."""
+    The agent starts its rank fork server at once (SURGE_WORKER_RANK_FORKSERVER=eager: its
+    imports done once) and the first job is submitted once it is ready, so no row pays for
+    an interpreter and torch's import (START_S's basis)."""
     t0 = time.time()
     rows: list[dict] = []
     saved_job = ""
-    os.environ[SPARES_ENV] = str(n_gpus)  # read by the node agent `surgectl up` starts
-    spares = _spares_ready() + n_gpus  # the logs are appended to: earlier runs' lines count
+    os.environ[FORKSERVER_ENV] = "eager"  # read by the node agent `surgectl up` starts
+    ready = _forkservers_ready() + 1  # the logs are appended to: earlier runs' lines count
     with c.Stack(workers=1):
         for i, cfg in enumerate(configs):
             left = args.budget_s - (time.time() - t0)
@@ -516,8 +517,8 @@ def qualify(
             if cfg.skip:
                 rows.append(row)
                 continue
-            try:  # every spare started so far (a launch's are refilled) has imported
-                c.wait_spares_warm(spares, timeout_s=60)
+            try:  # the fork server has imported (once: it lives as long as the agent)
+                c.wait_forkservers_warm(ready, timeout_s=60)
             except TimeoutError:
                 pass  # this row's ranks start partly cold: slower, still measured
             spec = job_spec(base, cfg, args, peak, threads, f"gpu{i}-{cfg.kind}", saved_job)
@@ -530,17 +531,16 @@ def qualify(
             except Exception as e:  # noqa: BLE001 - a failed row is reported, the next one runs
                 res = {"error": f"{type(e).__name__}: {e}"[:400]}
             rows.append({**row, **res, "wall_s": time.time() - t})
-            spares += min(cfg.ranks, n_gpus) + (1 if cfg.rebuild else 0)  # taken, then refilled
             if cfg.save and "save_stall_s" in res:
                 saved_job = res["job"]
             print(f"{cfg.name}: {_cell(rows[-1])}", flush=True)
     return rows
 
 
-def _spares_ready() -> int:
-    """``spare_ready`` lines in the agents' spares logs so far (c.wait_spares_warm counts them)."""
-    logs = (c.BENCH_HOME / "run" / "logs").glob("spares-*.log")
-    return sum(f.read_text(errors="replace").count('"spare_ready"') for f in logs)
+def _forkservers_ready() -> int:
+    """``forkserver_ready`` lines in the agents' logs so far (c.wait_forkservers_warm counts them)."""
+    logs = (c.BENCH_HOME / "run" / "logs").glob("forkserver-*.log")
+    return sum(f.read_text(errors="replace").count('"forkserver_ready"') for f in logs)
 
 
 def header(facts: dict, args: argparse.Namespace) -> str:
@@ -574,7 +574,7 @@ def print_plan(facts: dict, configs: list[Config], args: argparse.Namespace) -> 
     running total, the stack's start first) or why it is skipped; the estimated total."""
     print(f"plan: {header(facts, args)}")
     spent = STACK_S
-    rows = [("stack start (surgectl up, warm spares imported)", "-", "-", f"runs, ~{STACK_S:.0f} s", f"{spent:.0f} s")]
+    rows = [("stack start (surgectl up, fork server imported)", "-", "-", f"runs, ~{STACK_S:.0f} s", f"{spent:.0f} s")]
     for cfg in configs:
         if cfg.skip:
             what, at = f"skipped: {cfg.skip}", "-"

@@ -21,7 +21,12 @@ the tensors) from:
   peer A for each chunk (one gRPC hop with the bytes, loopback here, a network hop between
   nodes in a cluster; the agent keeps the chunk in its shared memory and the rank reads it
   there). A fresh node per round: an agent keeps what it fetched, so its second load is a
-  local one.
+  local one. The reader names every chunk of its load first (``prefetch``): the agent opens
+  bulk lanes to its peer and hands them to the rank, which receives the chunks itself (no
+  round trip per chunk, no gRPC copies); at the same time the reader reads the same list
+  from its back from the store's files, their pages dropped first (a cold store), and each
+  chunk comes from whichever end reaches it first (``services/state/chunk_race.py``): the
+  MB read from each source are printed per load.
 
 Each mode's first load is checked bit-identical to the saved tensors. Medians in seconds.
 The store is on this machine's local disk: against a remote store (the case the Gemini
@@ -56,6 +61,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU seconds so far (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -80,7 +91,8 @@ def agent_main(port: int, worker_id: str, peer: str) -> None:
     from services.contract import control_pb2, worker_pb2_grpc
     from services.worker.memory_copies import MemoryCopies, MemoryCopyServicer, shm_from_env
 
-    copies = MemoryCopies(worker_id, structlog.get_logger(), 8 << 30, shm_from_env(f"bench-{worker_id}"))
+    shm = shm_from_env(f"bench-{worker_id}")
+    copies = MemoryCopies(worker_id, structlog.get_logger(), 8 << 30, shm, lane_host="127.0.0.1")
     if peer:
         copies.set_peer("bench", control_pb2.MemoryPeer(worker_id="peer", address=peer))
     server = ServiceServer(worker_id, "127.0.0.1", port)
@@ -235,16 +247,20 @@ def main() -> None:
                 for i in range(args.rounds)
             ]
             times: dict[str, list[float]] = {m: [] for m in MODES}
+            served: dict[str, list[dict]] = {m: [] for m in MODES}  # MB per source, each load
+            cpu: dict[str, list[float]] = {m: [] for m in MODES}  # CPU seconds, every process of the bench
             exact: dict[str, bool] = {}
             for round_ in range(args.rounds):
                 clients["memory (peer via own agent)"] = peer_clients[round_]
                 for mode in MODES:
                     target = zeroed(state)
-                    if mode == "store (cold)":
-                        drop_cache(Path(tmp) / "store")
-                    t0 = time.perf_counter()
-                    clients[mode].load_checkpoint(store_pb2.LoadCheckpoint(version="bench:latest"), target)
+                    if mode in ("store (cold)", "memory (peer via own agent)"):
+                        drop_cache(Path(tmp) / "store")  # (a heal races the store's end: a cold one)
+                    t0, c0 = time.perf_counter(), time.process_time() + sum(cpu_seconds(p.pid) for p in procs)
+                    loaded = clients[mode].load_checkpoint(store_pb2.LoadCheckpoint(version="bench:latest"), target)
                     times[mode].append(time.perf_counter() - t0)
+                    cpu[mode].append(time.process_time() + sum(cpu_seconds(p.pid) for p in procs) - c0)
+                    served[mode].append({k: round(v / 1e6) for k, v in sorted(loaded.bytes_from.items())})
                     if mode not in exact:
                         exact[mode] = identical(state, target)
                     del target
@@ -266,12 +282,20 @@ def main() -> None:
         f"{save_s:.2f} s with the memory copy, {plain_save_s:.2f} s without; memory copy stored "
         f"{copy_s:.2f} s and replicated {replica_s:.2f} s after the save began"
     )
-    print(f"{'restore from':32} {'median s':>9}  {'x vs cold store':>15}  bit-identical  each")
+    cpu_per_gb = {m: statistics.median(v) / (state_bytes / 1e9) for m, v in cpu.items()}
+    print(
+        f"{'restore from':32} {'median s':>9}  {'MB/s':>6}  {'x vs cold store':>15}  {'CPU s/GB':>8}  "
+        "bit-identical  each"
+    )
     for m in MODES:
         print(
-            f"{m:32} {med[m]:9.3f}  {med['store (cold)'] / med[m]:15.2f}  {str(exact[m]):13}  "
-            + " ".join(f"{v:.3f}" for v in times[m])
+            f"{m:32} {med[m]:9.3f}  {state_bytes / med[m] / 1e6:6.0f}  {med['store (cold)'] / med[m]:15.2f}  "
+            f"{cpu_per_gb[m]:8.2f}  {str(exact[m]):13}  " + " ".join(f"{v:.3f}" for v in times[m])
         )
+    print("CPU s/GB: the CPU seconds of every process of the bench (the rank, the agents, the store) per GB restored")
+    print("MB read from each source, each load (a heal reads the peer from the front, the store from the back):")
+    for m in MODES:
+        print(f"  {m:30} " + "  ".join(str(s) for s in served[m]))
     if args.json:
         print(
             json.dumps(
@@ -285,8 +309,11 @@ def main() -> None:
                     "memory_copy_stored_s": copy_s,
                     "replicated_s": replica_s,
                     "median_s": med,
+                    "median_mb_per_s": {m: state_bytes / v / 1e6 for m, v in med.items()},
                     "bit_identical": exact,
                     "raw_s": times,
+                    "mb_from": served,
+                    "cpu_s_per_gb": cpu_per_gb,
                 }
             )
         )

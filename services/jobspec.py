@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from services.contract.failures import Refusal
+from services.jobspec_errors import spec_error_text
 
 
 class JobSpecError(ValueError, Refusal):
@@ -245,8 +246,22 @@ class FilterSpec(_Strict):
     banned_tokens: list[Annotated[int, Field(ge=0, le=U32_MAX)]] = []  # token ids (< model.vocab_size)
 
 
+DATASET_PATTERN = r"^[A-Za-z0-9_.-]+@[A-Za-z0-9_.-]+$"  # name@version
+
+
+class MixtureItem(_Strict):
+    """One dataset of ``data.mixture`` and its weight (the weights are normalised)."""
+
+    dataset: str = Field(..., pattern=DATASET_PATTERN)
+    weight: float = Field(..., gt=0, allow_inf_nan=False)
+
+
 class DataSpec(_Strict):
-    dataset: str = Field(..., pattern=r"^[A-Za-z0-9_.-]+@[A-Za-z0-9_.-]+$")  # name@version
+    """The training data: one ``dataset`` (name@version), or a weighted ``mixture`` of
+    several, blended row by row (services/data/blend.py), each with its own position."""
+
+    dataset: str | None = Field(None, pattern=DATASET_PATTERN)
+    mixture: list[MixtureItem] | None = None
     seq_len: int = Field(256, gt=0, le=U32_MAX)
     micro_batch_size: int = Field(8, gt=0, le=U32_MAX)  # rows per rank per micro-step
     grad_accum: int = Field(1, gt=0, le=U32_MAX)  # micro-steps per optimizer step
@@ -256,6 +271,16 @@ class DataSpec(_Strict):
     pad_id: int = Field(0, ge=0, le=U32_MAX)  # a token id (< model.vocab_size)
     prefetch: PrefetchSpec = PrefetchSpec()
     filter: FilterSpec = FilterSpec()
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataSpec:
+        if self.dataset is not None and self.mixture is not None:
+            raise ValueError("dataset and mixture both given: one or the other")
+        if self.dataset is None and self.mixture is None:
+            raise ValueError("dataset (name@version) or mixture (a list of {dataset, weight}) is required")
+        if self.mixture is not None and not self.mixture:
+            raise ValueError("mixture: empty; list at least one {dataset: NAME@VERSION, weight: W}")
+        return self
 
     @model_validator(mode="after")
     def _micro_batch_fits_a_message(self) -> DataSpec:
@@ -268,12 +293,27 @@ class DataSpec(_Strict):
         return self
 
     @property
+    def datasets(self) -> list[tuple[str, str, float]]:
+        """(name, version, weight) of each dataset read: the mixture's, or the one at weight 1."""
+        items = self.mixture if self.mixture is not None else [MixtureItem(dataset=self.dataset, weight=1.0)]
+        return [(*i.dataset.split("@", 1), i.weight) for i in items]
+
+    @property
     def name(self) -> str:
-        return self.dataset.split("@", 1)[0]
+        """The dataset's name (a mixture's first component's: its tokenizer and vocabulary
+        stand for the mixture's, whose components are checked against the model alike)."""
+        return self.datasets[0][0]
 
     @property
     def version(self) -> str:
-        return self.dataset.split("@", 1)[1]
+        return self.datasets[0][1]
+
+    @property
+    def label(self) -> str:
+        """``name@version``, or the mixture's ``name@version*weight`` joined by ``+``."""
+        if self.mixture is None:
+            return self.dataset
+        return "+".join(f"{i.dataset}*{i.weight:g}" for i in self.mixture)
 
 
 class ParallelSpec(_Strict):
@@ -467,6 +507,38 @@ class CheckpointSpec(_Strict):
     async_: bool = Field(True, alias="async")
 
 
+class SimulateSpec(_Strict):
+    """Simulated ranks for the scale test bed (issue 27 item 7; ``bench/scale.py``): the node
+    agent starts ``python -m services.rank.simulated`` instead of ``services.rank``, a
+    torch-free rank that speaks the same RankSession, data and store protocols (it opens its
+    real data stream and takes ``data.grad_accum`` micro-batches per step, and saves a real
+    shard of ``shard_bytes`` per rank through the store at every checkpoint), with the
+    model's compute replaced by a sleep of ``step_time_s`` seconds per step. Control sees an
+    ordinary job. Simulated ranks never resume from a checkpoint (a relaunch that names
+    one fails with config_error) and take data parallelism only (tp = pp = 1).
+    """
+
+    step_time_s: float = Field(0.1, ge=0, le=3600)
+    shard_bytes: int = Field(4096, gt=0, le=64 << 20)  # one chunk (the store's streamed-chunk bound)
+
+
+class IntegritySpec(_Strict):
+    """Checks that the training state is right, not only intact (issue 29 item 3).
+
+    ``replica_check_every_steps``: every N steps and at the last (after the update, before
+    that step's evaluation and save) the data-parallel replicas' parameters are digested and compared
+    (services/compute/replica_digest.py); a mismatch is the fault ``replica_divergence``,
+    naming the tensor and the odd replica; the store's ``latest`` names only versions a check
+    that agreed covers (services/store/checkpoint_manager/layout.py). 0: off. Default 100, the default
+    ``checkpoint.every_steps``: every default save is covered by a check at its own step,
+    and the check costs one read of the parameters and one all-gather of one float64 per
+    tensor per 100 steps (measured 0.7 % of step time at N = 10 on the test model: README.md,
+    "Silently wrong ranks").
+    """
+
+    replica_check_every_steps: int = Field(100, ge=0, le=U32_MAX)
+
+
 class EvalSpec(_Strict):
     every_steps: int = Field(100, ge=0)  # 0: only at the end
     batches: int = Field(8, gt=0, le=U32_MAX)  # micro-batches per rank per evaluation
@@ -492,7 +564,17 @@ class MetricsSpec(_Strict):
 
 # skip_step: the training loop skips the step's update on every rank and goes on (only for
 # the step faults of STEP_FAULT_CLASSES).
-FaultAction = Literal["ignore", "skip_step", "restart_ranks", "rollback", "exclude_node", "rebuild", "shrink", "stop"]
+# skip_save: a save a destination refused (SAVE_FAULT_CLASSES) is given up; the ranks train on
+# and the next checkpoint interval saves again (services/control/fault_decision.py).
+# pause: the job is PAUSED, its ranks gone and every checkpoint kept, for `surgectl resume` (only
+# for PAUSE_CLASSES: a data service down past data_outage_seconds, a dataset shard changed).
+FaultAction = Literal[
+    "ignore", "skip_step", "skip_save", "restart_ranks", "rollback", "exclude_node", "rebuild", "shrink", "replace",
+    "pause", "stop",
+]  # fmt: skip
+# pause: the ranks end and the job is PAUSED (not FAILED), every checkpoint kept, its message
+# the fault's one line and what to do; an operator's resume relaunches it from its newest
+# checkpoint (services/control/fault_decision.py).
 # rebuild (issue 16): the lost rank is replaced and the survivors keep their processes: they
 # rebuild the process group in place and the replacement takes its state from a live peer's
 # memory (services/control/fault_decision.py). It applies to the loss of a rank (these
@@ -501,7 +583,16 @@ FaultAction = Literal["ignore", "skip_step", "restart_ranks", "rollback", "exclu
 # lost, no spare), goes on at the largest data-parallel size the remaining ranks allow, on the
 # same global batches, and grows back when slots return.
 IN_PLACE_ACTIONS = ("rebuild", "shrink")
-REBUILD_CLASSES = ("rank_exit", "rank_silent", "rank_stalled", "worker_lost", "worker_departed", "comm_error")
+REBUILD_CLASSES = (
+    "rank_exit", "rank_silent", "rank_stalled", "worker_lost", "worker_departed", "comm_error", "slow_rank",
+)  # fmt: skip
+# A slow rank (issue 29 item 2: computing >= 1.5x the job's median per step, sustained; the
+# fault detector's slow_ranks.py) trains on at its pace unless the policy says otherwise:
+# ignore (report it: event, status, metric), replace (a rebuild in place that ends it and
+# starts its replacement on another node, its own left out of the job: the survivors keep
+# training and it heals from a live peer, one step replayed at most), or shrink (the same, and
+# without a free slot elsewhere the job goes on at a smaller data-parallel size).
+SLOW_RANK_ACTIONS = ("ignore", "replace", "shrink")
 # Step faults: found by the training loop in a step's all-rank values (every rank finds the same
 # one at the same step). The loop blocks at that step and L1-1 decides by the class's action
 # (services/control/fault_decision.py), every action valid: ignore applies the step as it is,
@@ -509,6 +600,19 @@ REBUILD_CLASSES = ("rank_exit", "rank_silent", "rank_stalled", "worker_lost", "w
 # restarted), rollback / restart_ranks / exclude_node relaunch the ranks from the newest
 # checkpoint (one before the step: it was not applied), stop fails the job.
 STEP_FAULT_CLASSES = ("non_finite_loss", "gradient_overflow", "overflow_storm", "loss_scale_at_minimum")
+# Save faults: a checkpoint save whose bytes a destination refused (a full disk, a quota, a
+# permission, a read-only filesystem, an I/O error; typed from the errno where the write
+# failed). The ranks have trained on; skip_save records it and they go on (the next interval
+# saves again, the versions before are intact), stop ends the job FAILED with them kept, a
+# relaunch resumes from the newest one.
+SAVE_FAULT_CLASSES = ("checkpoint_write_failed",)
+# A data service down (its address unreachable, the ranks' relays reconnecting) is no training
+# fault: the job waits for it up to fault_policy.data_outage_seconds, then the class's action
+# decides (pause by default: resumable once the service is up; stop: FAILED).
+DATA_OUTAGE = "data_outage"
+# ... and a dataset version whose bytes changed under the job (issue 29 item 7): a relaunch
+# would meet the same shard again, so the job waits for an operator.
+PAUSE_CLASSES = (DATA_OUTAGE, "data_corrupt")
 FAULT_GRADES = ("MINOR", "MEDIUM", "SEVERE", "FATAL")
 # The orchestrator's defaults, by fault class first, then by grade (a class not listed).
 # restart_ranks resumes from the newest checkpoint (from scratch if none); rollback from the
@@ -538,10 +642,38 @@ DEFAULT_CLASS_ACTIONS: dict[str, str] = {
     "loss_scale_at_minimum": "rollback",
     "overflow_storm": "rollback",
     "checkpoint_error": "rollback",
+    "checkpoint_write_failed": "skip_save",
+    # A shard of the job's dataset version no longer holds the bytes its manifest pinned (a
+    # file rewritten on disk under the running job, found at its next read or at resume: issue
+    # 29 item 7). A relaunch would read the same wrong bytes: the job pauses naming the version
+    # and the shard, for an operator to put the files back (or prepare a new version) and resume.
+    "data_corrupt": "pause",
     # A device of the node failed (an uncorrectable ECC error, a fatal Xid: the node agent's
     # NVML sampler): its ranks are relaunched without that node, which would fail them again.
     "device_error": "exclude_node",
+    # A rank's exit by its cause (the node agent's evidence: services/worker/exit_cause.py):
+    # killed by the OOM killer (its cgroup's oom_kill count rose), or MemoryError (the rank's
+    # exit code 75). Relaunched once with the same configuration (DEFAULT_CLASS_RESTARTS); a
+    # second one pauses the job with a hint (fault_decision.py MEMORY_CLASSES), never FAILED:
+    # the same model on the same devices runs out again until its configuration changes.
+    # Any other exit (an error code, a signal that was no OOM kill) is rank_exit.
+    "rank_oom": "restart_ranks",
+    "rank_memory_error": "restart_ranks",
+    # Data-parallel replicas found different (integrity.replica_check_every_steps): back to
+    # the newest version at or before the last check that agreed (services/control/fault_decision.py).
+    "replica_divergence": "rollback",
+    # A replaced incarnation of a rank (stopped past its timeout, replaced, continued) was
+    # refused by a fenced service (issue 29 item 4): its replacement runs and its node agent
+    # ends it; nothing to decide.
+    "rank_fenced": "ignore",
+    "slow_rank": "ignore",  # reported (event, status, metric), the job trains on
+    # The data service stayed unreachable for fault_policy.data_outage_seconds (the job waited,
+    # its ranks alive): PAUSED with every checkpoint kept, `surgectl resume` once it is up.
+    DATA_OUTAGE: "pause",
 }
+# Restart budgets by class where the default (``max_restarts``) does not fit; a job's
+# ``restarts`` entry wins. One relaunch with the same configuration for running out of memory.
+DEFAULT_CLASS_RESTARTS: dict[str, int] = {"rank_oom": 1, "rank_memory_error": 1}
 # Every fault class control can report (and a policy can name): the fault detector's rules
 # (services/control/fault_detector.py DEFAULT_RULES, FAILURE_CLASSES, ALIASES), the classes a
 # failure exception carries (``fault_class``), and the orchestrator's recovery-wait classes.
@@ -553,6 +685,8 @@ KNOWN_FAULT_CLASSES: frozenset[str] = frozenset(
         *STEP_FAULT_CLASSES,
         "rank_exit_clean",
         "rank_released",
+        "agent_silent",  # a node's report (no job): L1-1 holds the worker out of placement
+        "slow_rank_cleared",
         "rank_stalled_in_collective",
         "loop_failure",
         "internal_error",
@@ -575,6 +709,8 @@ KNOWN_FAULT_CLASSES: frozenset[str] = frozenset(
         "log_write_failed",
         "recovery_failed",
         "device_degraded",
+        "rank_log_flood",  # a warning: the rank's log is rotated at its bound (issue 29 item 8)
+        "memory_copy_skipped",  # a warning: the next save tries its memory copy again
     }
 )
 DEFAULT_GRADE_ACTIONS: dict[str, str] = {
@@ -591,8 +727,9 @@ class FaultPolicySpec(_Strict):
     ``actions`` maps a fault class (``rank_exit``, ``non_finite_loss``, ...) or a grade
     (``MINOR`` .. ``FATAL``) to an action; a class entry wins over a grade entry, and both
     over the defaults above. Every relaunch (restart_ranks, rollback, exclude_node) spends one
-    restart of the fault class's budget (``restarts[class]``, else ``max_restarts``); an
-    exhausted budget stops the job FAILED.
+    restart of the fault class's budget (``restarts[class]``, else DEFAULT_CLASS_RESTARTS,
+    else ``max_restarts``); an exhausted budget stops the job FAILED, except running out of
+    memory (``rank_oom``, ``rank_memory_error``: 1 by default), which pauses it with a hint.
     """
 
     actions: dict[str, FaultAction] = {}
@@ -617,6 +754,17 @@ class FaultPolicySpec(_Strict):
     # so (seconds): it reports the fault again and keeps waiting (it never decides itself);
     # the report reaches a restarted control, which decides then.
     verdict_seconds: float = Field(30.0, gt=0, le=7 * 86400)
+    # What a relaunch does when no committed checkpoint of the job verifies (none saved yet,
+    # or every one struck): start the ranks from step 0 (the default: the job's earlier
+    # behaviour), or stop the job FAILED, keeping whatever the store holds for an operator
+    # (services/control/fault_decision.py: ``no_checkpoint``).
+    no_checkpoint: Literal["restart_from_scratch", "stop"] = "restart_from_scratch"
+    # How long the job waits for a data service that cannot be reached (seconds): its ranks stay
+    # alive, their streams reconnecting with backoff, and continue at the batch where they
+    # stopped when it is back (`surgectl up` starts it, or `surgectl restart data`); past it the
+    # policy decides ``data_outage`` (default: pause). 5 minutes covers a restart by hand or by a
+    # container's restart policy; a data service gone for longer wants an operator.
+    data_outage_seconds: float = Field(300.0, gt=0, le=7 * 86400)
 
     @model_validator(mode="after")
     def _known_keys(self) -> FaultPolicySpec:
@@ -628,10 +776,18 @@ class FaultPolicySpec(_Strict):
                         f"{', '.join(sorted(KNOWN_FAULT_CLASSES))})"
                     )
         for key, action in self.actions.items():
+            if key == "slow_rank" and action not in SLOW_RANK_ACTIONS:
+                raise ValueError(f"actions.slow_rank: must be one of {', '.join(SLOW_RANK_ACTIONS)}, got {action}")
+            if action == "replace" and key != "slow_rank":
+                raise ValueError(f"actions.{key}: replace applies only to slow_rank (a lost rank: rebuild)")
             if action in IN_PLACE_ACTIONS and key not in REBUILD_CLASSES:  # (a grade holds other faults too)
                 raise ValueError(f"actions.{key}: {action} applies only to a lost rank ({', '.join(REBUILD_CLASSES)})")
             if action == "skip_step" and key not in STEP_FAULT_CLASSES:
                 raise ValueError(f"actions.{key}: skip_step applies only to {', '.join(STEP_FAULT_CLASSES)}")
+            if action == "skip_save" and key not in SAVE_FAULT_CLASSES:
+                raise ValueError(f"actions.{key}: skip_save applies only to {', '.join(SAVE_FAULT_CLASSES)}")
+            if action == "pause" and key not in PAUSE_CLASSES:
+                raise ValueError(f"actions.{key}: pause applies only to {', '.join(PAUSE_CLASSES)}")
         for key, n in self.restarts.items():
             if n < 0:
                 raise ValueError(f"restarts.{key} must be >= 0, got {n}")
@@ -645,20 +801,22 @@ class FaultPolicySpec(_Strict):
         return DEFAULT_GRADE_ACTIONS.get(grade, "stop")
 
     def step_action(self, fault_class: str) -> str:
-        """The action for a step fault of ``fault_class`` (one of STEP_FAULT_CLASSES): the
-        class's entry in ``actions``, else the default table. Grades do not apply: a step
-        fault is not graded (the loop reports it to L1-1 directly)."""
+        """The action for a step fault of ``fault_class`` (one of STEP_FAULT_CLASSES), or a
+        ``slow_rank``: the class's entry in ``actions``, else the default table. Grades do not
+        apply: a step fault is not graded (the loop reports it to L1-1 directly), a slow rank
+        fails nothing."""
         return self.actions.get(fault_class, DEFAULT_CLASS_ACTIONS[fault_class])
 
     @property
     def rebuilds(self) -> bool:
         """Whether some fault is rebuilt in place: the ranks then keep their processes when
         their group breaks, waiting for L1's decision (InitJob.rebuild_in_place)."""
-        return any(a in IN_PLACE_ACTIONS for a in self.actions.values())
+        return any(a in IN_PLACE_ACTIONS or a == "replace" for a in self.actions.values())
 
     def budget_for(self, fault_class: str) -> int:
-        """Relaunches allowed for ``fault_class`` in one job."""
-        return self.restarts.get(fault_class, self.max_restarts)
+        """Relaunches allowed for ``fault_class`` in one job: ``restarts[class]``, else the
+        class's default (DEFAULT_CLASS_RESTARTS), else ``max_restarts``."""
+        return self.restarts.get(fault_class, DEFAULT_CLASS_RESTARTS.get(fault_class, self.max_restarts))
 
 
 PHASE_SECONDS_MAX = 7 * 24 * 3600.0  # a week: longer is a typo, not a budget
@@ -686,8 +844,11 @@ class LivenessSpec(_Strict):
     ``heartbeat_timeout_seconds``: declared silent, unless its node agent states that its
     process runs (not stopped by a signal): then its beats are late, not gone (a loaded host,
     a slow relay), and it is declared silent after ``heartbeat_timeout_running_seconds``. A
-    process its agent states stopped (SIGSTOP, a debugger) is declared silent once it has
-    stayed stopped for a beat period, before its deadline. Each beat says the rank's phase (data
+    process its agent states stopped (SIGSTOP, ^Z, a debugger's stop) has
+    ``heartbeat_timeout_seconds`` counted from the stop: a stop explains a silence, it never
+    shortens it (a shorter stop is no fault); stopped for good, it is declared within the
+    timeout plus one beat period after its last beat. (A cgroup freeze is no stop ``waitid``
+    reports: the process stays stated running.) Each beat says the rank's phase (data
     wait, forward, backward, collective, optimizer, evaluation, checkpoint staging,
     compile). Beating but no progress (no new step, phase or unit of the phase) for the
     phase's budget: stalled. The budget of a training step's phases is
@@ -799,10 +960,12 @@ class JobSpec(_Strict):
     operators: OperatorsSpec = OperatorsSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     eval: EvalSpec = EvalSpec()
+    integrity: IntegritySpec = IntegritySpec()
     fault_policy: FaultPolicySpec = FaultPolicySpec()
     liveness: LivenessSpec = LivenessSpec()
     init_from: InitFromSpec | None = None
     metrics: MetricsSpec = MetricsSpec()
+    simulate: SimulateSpec | None = None  # the scale test bed's simulated ranks (SimulateSpec)
 
     @field_validator("precision", mode="before")
     @classmethod
@@ -868,8 +1031,17 @@ class JobSpec(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _simulated_ranks_are_data_parallel(self) -> JobSpec:
+        p = self.parallel
+        if self.simulate is not None and (p.tp > 1 or p.pp > 1):
+            raise ValueError(
+                f"simulate: simulated ranks take data parallelism only (tp {p.tp}, pp {p.pp}; need 1 and 1)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _rebuild_fits_plan(self) -> JobSpec:
-        asked = sorted((k, a) for k, a in self.fault_policy.actions.items() if a in IN_PLACE_ACTIONS)
+        asked = sorted((k, a) for k, a in self.fault_policy.actions.items() if a in (*IN_PLACE_ACTIONS, "replace"))
         why = rebuild_refusal(self, structural=True) if asked else ""
         if why:
             raise ValueError(f"fault_policy.actions.{asked[0][0]}: {asked[0][1]} {why}; use restart_ranks")
@@ -927,7 +1099,7 @@ def parse_job_spec(text: str, source: str = "job.yaml") -> JobSpec:
             problem = unread_directory(init["hf"], written)
             if problem:
                 raise JobSpecError(f"{source}: {problem}") from None
-        raise _spec_error(e, source) from None
+        raise JobSpecError(spec_error_text(e, source, JobSpec)) from None
 
 
 def read_spec_mapping(text: str, source: str = "job.yaml") -> dict:
@@ -953,36 +1125,6 @@ def yaml_value(text: str, source: str) -> object:
         where = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise JobSpecError(f"{source}:{where}: malformed YAML: {problem}") from None
-
-
-def _spec_error(e: ValidationError, source: str) -> JobSpecError:
-    """One pydantic failure of a whole spec as one line naming ``source`` and the field."""
-    errors = e.errors()
-    # An unknown key is most often a misspelt one: name it first, with the required
-    # fields it left missing (`stepz: unknown key; steps: Field required`), not only
-    # the missing field pydantic lists first.
-    unknown = [err for err in errors if err["type"] == "extra_forbidden"]
-    if unknown:
-        missing = [err for err in errors if err["type"] == "missing"]
-        return JobSpecError(f"{source}: " + "; ".join(_field_error(err) for err in unknown + missing))
-    err = errors[0]
-    if not err["loc"] and err["type"] == "value_error":  # a cross-section rule: its message names the fields
-        return JobSpecError(f"{source}: {err['msg'].removeprefix('Value error, ')}")
-    return JobSpecError(f"{source}: {_field_error(err)}")
-
-
-def _field_error(err: dict) -> str:
-    """One pydantic error as ``<dotted.path>: <message>[, got <input>]``."""
-    path = ".".join(str(p) for p in err["loc"]) or "(top level)"
-    msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
-    # A cross-field rule's input is the whole section: its message already says what is wrong.
-    # A section's rule whose message names a field under it (``actions.x: ...``): one dotted path.
-    # (``freeze[1]: ...`` and ``freeze: ...`` name the section's field the same way.)
-    if err["type"] == "value_error" and err["loc"] and re.match(r"[a-z_]+(\.[^\s:]+|\[\d+\])?: ", msg):
-        return f"{path}.{msg}"
-    quiet = ("extra_forbidden", "missing", "value_error")
-    got = "" if err["type"] in quiet else f", got {err.get('input')!r}"
-    return f"{path}: {msg}{got}"
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -1090,4 +1232,4 @@ def with_layout(spec: JobSpec, *, dp: int, micro_batch_size: int, grad_accum: in
     try:
         return JobSpec.model_validate_json(json.dumps(raw))
     except ValidationError as e:
-        raise _spec_error(e, source) from None
+        raise JobSpecError(spec_error_text(e, source, JobSpec)) from None

@@ -53,6 +53,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from services.common.sizes import human_bytes
 from services.engine.sharding_plan import plan
 from services.jobspec import JobSpec, frozen_parameters, mlp_hidden_width, model_parameters
 
@@ -99,6 +100,12 @@ class MemoryEstimate:
     def total(self) -> int:
         return sum(i.bytes for i in self.items)
 
+    @property
+    def checkpoint_bytes(self) -> int:
+        """This rank's part of a save (float32 parameters and AdamW moments): what its
+        in-memory checkpoint copy needs in the node agent's shared memory (/dev/shm)."""
+        return sum(i.bytes for i in self.items if i.name in ("parameters", "AdamW moments"))
+
     def lines(self) -> list[str]:
         """The estimate as text lines (what `submit --dry-run` prints)."""
         where = f"pipeline stage {self.stage} of {self.stages}, the largest; " if self.stages > 1 else ""
@@ -111,14 +118,6 @@ class MemoryEstimate:
         out += [f"  {i.name:<{width}}  {human_bytes(i.bytes):>10}  {i.note}" for i in self.items]
         out.append(f"  {'total':<{width}}  {human_bytes(self.total):>10}")
         return out
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _owner_stage(name: str, stage_of_layer: dict[int, int], last: int) -> int:

@@ -12,6 +12,18 @@ from tests.ports import free_port, free_ports  # noqa: F401 (the tests' ports, o
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Control's re-attach window after a restart (services/control/monitoring.py), in every stack
+# the tests start (they inherit this process's environment) and in-process: 8 s, not the
+# product's 15 s. Each test that restarts control under a job whose ranks are gone waits it
+# out before the loss is graded; the test specs' heartbeat deadlines (2 s) put the window's
+# own floor at 6 s, and a node agent reconnects within 2 s of control's return.
+os.environ.setdefault("SURGE_REATTACH_MIN_SECONDS", "8")
+# Sick-node quarantine off in the stacks the tests start: a module shares one stack across
+# tests that each kill ranks on the same two nodes, which would otherwise quarantine them
+# (3 faults from 2 incidents in 10 min) and leave the next test's job queued. The tests of
+# the quarantine itself set it (tests/faults/test_sick_node_live.py, tests/control/test_sick_nodes.py).
+os.environ.setdefault("SURGE_SICK_NODE_FAULTS", "0")
+
 
 def processes_with(marker: str) -> list[int]:
     """PIDs whose command line contains ``marker`` (read from /proc, no extra packages)."""
@@ -89,6 +101,74 @@ def down_and_reap(home: Path, cli) -> None:
     for name, s in services.items():
         if name.startswith("worker"):
             kill_all(processes_with(f"--session 127.0.0.1:{s['port']} "))
+
+
+# The files that take longest on CI (their tests together, real stacks and rank processes),
+# longest first. `make test` gives each of its two workers a whole file at a time, the next
+# in the order below as one frees up (--dist loadfile --no-loadscope-reorder): started
+# first, they end while the short files fill in, and the two workers finish together.
+# xdist's own order (most tests first) ran them last: a 100 s file taken by one worker as
+# the queue emptied left the other idle. A file missing here only runs later; keep the
+# list to files of about a minute or more (--durations in CI's log).
+LONGEST_FIRST = (
+    "tests/cli/test_operator_actions.py",
+    "tests/faults/test_control_restart.py",
+    "tests/integration/test_examples.py",
+    "tests/faults/test_rebuild_in_place.py",
+    "tests/faults/test_compound.py",
+    "tests/multihost/test_netns_bed.py",
+    "tests/faults/test_resize_in_place.py",
+    "tests/faults/test_recovery.py",
+    "tests/cli/test_restart.py",
+    "tests/checkpoint/test_exact_resume.py",
+    "tests/faults/test_save_write_refused.py",
+    "tests/faults/test_store_outage.py",
+    "tests/parallel/test_memory_limited_fsdp2.py",
+    "tests/integration/test_audit.py",
+    "tests/checkpoint/test_resume_no_shared_fs.py",
+    "tests/faults/test_phase_blame.py",
+    "tests/cli/test_housekeeping_stack.py",
+    # Few tests each but long (a real stack each): last in xdist's count order, they ran
+    # alone at the end of a run.
+    "tests/engine/test_rebuild_in_place.py",
+    "tests/cli/test_interrupted_operator_commands.py",
+    "tests/faults/test_data_changed_live.py",
+    "tests/faults/test_slow_rank.py",
+    "tests/scale/test_boundary_delay.py",
+    "tests/faults/test_data_outage.py",
+    "tests/faults/test_fencing.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Files in LONGEST_FIRST order, then the others by their number of tests, most first
+    (xdist's own order); each file's tests stay together and in their order."""
+    place = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    files = [item.nodeid.split("::", 1)[0] for item in items]
+    counts = {f: files.count(f) for f in set(files)}
+    order = {id(item): (place.get(f, len(place)), -counts[f]) for item, f in zip(items, files)}
+    items.sort(key=lambda item: order[id(item)])  # (stable: a file's tests keep their order)
+
+
+FILES_SHOWN = 30  # (the summary's length: where a suite's time goes, for LONGEST_FIRST above)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """The files that took longest, each the sum of its tests' setup, call and teardown (what
+    a worker spends on it: ``--dist loadfile`` hands out whole files), after the per-test
+    ``--durations``. Under xdist the controller sees every worker's reports."""
+    per_file: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                path = report.nodeid.split("::", 1)[0]
+                per_file[path] = per_file.get(path, 0.0) + report.duration
+    if not per_file:
+        return
+    terminalreporter.write_sep("=", f"slowest {min(FILES_SHOWN, len(per_file))} files")
+    for path, seconds in sorted(per_file.items(), key=lambda kv: -kv[1])[:FILES_SHOWN]:
+        terminalreporter.write_line(f"{seconds:8.2f}s {path}")
+    terminalreporter.write_line(f"{sum(per_file.values()):8.2f}s in all {len(per_file)} files (summed over workers)")
 
 
 @pytest.fixture

@@ -18,13 +18,27 @@ def test_the_demo_spec_is_valid_and_gives_the_reference_global_batch():
 @pytest.mark.parametrize(
     "text, expected",
     [
-        ("name: x\nsteps: 5\ndata: {dataset: a@v1, seq_lenn: 4}\n", "job.yaml: data.seq_lenn: unknown key"),
+        (
+            "name: x\nsteps: 5\ndata: {dataset: a@v1, seq_lenn: 4}\n",
+            "job.yaml: data.seq_lenn: unknown key (did you mean data.seq_len?)",
+        ),
+        (  # a misspelling two sections deep, in a mapping of sections
+            "name: x\nsteps: 5\ndata: {dataset: a@v1}\nfault_policy: {actoins: {}}\n",
+            "job.yaml: fault_policy.actoins: unknown key (did you mean fault_policy.actions?)",
+        ),
+        ("name: x\nsteps: 5\ndata: {dataset: a@v1}\nzzzqqq: 1\n", "job.yaml: zzzqqq: unknown key"),  # (none near)
         (
             "name: x\nsteps: 5\ndata: {dataset: a@v1, seq_len: -4}\n",
             "job.yaml: data.seq_len: Input should be greater than 0, got -4",
         ),
-        ("name: x\nstepz: 500\ndata: {dataset: a@v1}\n", "job.yaml: stepz: unknown key; steps: Field required"),
-        ("name: x\nsteps: 5\ndata: {dataset: a@v1, seq_len: 4}\nmodle: {}\n", "job.yaml: modle: unknown key"),
+        (
+            "name: x\nstepz: 500\ndata: {dataset: a@v1}\n",
+            "job.yaml: stepz: unknown key (did you mean steps?); steps: Field required",
+        ),
+        (
+            "name: x\nsteps: 5\ndata: {dataset: a@v1, seq_len: 4}\nmodle: {}\n",
+            "job.yaml: modle: unknown key (did you mean model?)",
+        ),
         ("name: x\nsteps: five\ndata: {dataset: a@v1}\n", "job.yaml: steps: Input should be a valid integer"),
         ("name: x\nsteps: 5\n", "job.yaml: data: Field required"),
         ("name: x\nsteps: 5\ndata: {dataset: nover}\n", "job.yaml: data.dataset: String should match pattern"),

@@ -278,5 +278,6 @@ def test_every_known_fault_class_and_grade_is_accepted_in_the_policy():
     from services.jobspec import FAULT_GRADES, KNOWN_FAULT_CLASSES
 
     keys = sorted(KNOWN_FAULT_CLASSES) + list(FAULT_GRADES)
-    raw = {**BASE, "fault_policy": {"actions": dict.fromkeys(keys, "stop"), "restarts": dict.fromkeys(keys, 1)}}
+    actions = {k: "ignore" if k == "slow_rank" else "stop" for k in keys}  # (slow_rank: ignore | replace | shrink)
+    raw = {**BASE, "fault_policy": {"actions": actions, "restarts": dict.fromkeys(keys, 1)}}
     parse_job_spec(yaml.safe_dump(raw), "ranges.yaml")

@@ -73,6 +73,14 @@ CASES = [
     ("worker", ["--port", "0", "--control", "127.0.0.1:1"], {"SURGE_WORKER_MEMORY_COPY_SHM": "maybe"}, "on or off"),
     ("data", [], {"SURGE_DATA_PORT": "x"}, "(the flag or SURGE_DATA_PORT), got 'x'"),
     ("control", ["--port", "0", "--data", "nohost", "--store", "a:1"], {}, "argument --data: expected HOST:PORT"),
+    ("control", ["--port", "0", "--data", "a:1", "--store", "a:1", "--sick-node-faults", "-1"], {}, "0: never"),
+    (
+        "control",
+        ["--port", "0", "--data", "a:1", "--store", "a:1"],
+        {"SURGE_SICK_NODE_FAULTS": "x"},
+        "--sick-node-faults",
+    ),
+    ("control", ["--port", "0", "--data", "a:1", "--store", "a:1", "--sick-node-window-seconds", "nan"], {}, "window"),
 ]
 
 

@@ -8,13 +8,14 @@ SURGE_STORE_ADDRESS: the compose / multi-node case) or else from the local stack
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TypeVar
 
 import grpc
 
-from services.cli import stack
+from services.cli import render, stack
 from services.cli.errors import CliError, from_rpc
 from services.common import paths
 from services.common.grpc_server import TlsConfigError, channel
@@ -27,6 +28,12 @@ _STUBS = {
 }
 
 T = TypeVar("T")
+
+# Failures of a call whose command may or may not have been carried out: the service was
+# unreachable or going away (UNAVAILABLE: control restarting), or its answer did not come
+# back in time (DEADLINE_EXCEEDED: a lost reply). Only a call that is safe to repeat (the
+# service answers a repeat as the first: a submit with its request id) is tried again.
+RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def address(service: str) -> str:
@@ -56,16 +63,49 @@ def new_stub(service: str, ch: grpc.Channel) -> object:
 
 
 def rpc_error(error: grpc.RpcError, service: str, addr: str) -> CliError:
-    """``from_rpc``, with the local stack's advice for an unreachable service. It never says
-    `down`/`up`: that would kill the ranks of running jobs; `restart` starts only the one."""
+    """``from_rpc``, with the local stack's advice for an unreachable service, named by the
+    state the stack is really in (which recorded processes are gone: ``unreachable_hint``).
+    It never says `down`: that would stop the ranks of running jobs."""
     mapped = from_rpc(error, service, addr)
     if mapped.unreachable and not os.environ.get(f"SURGE_{service.upper()}_ADDRESS"):
-        return CliError(
-            f"{service} unreachable at {addr} although the local stack is recorded as up; "
-            f"`surgectl restart {service}` starts it again on the same port"
-            + (" (running jobs keep running)" if service == "control" else "")
-        )
+        procs = stack.read_stack()
+        if procs:
+            return CliError(unreachable_hint(service, addr, list(procs), stack.down_services(procs)))
     return mapped
+
+
+def start_again_hint(service: str) -> str:
+    """The command that brings ``service`` of the local stack back, as the stack is now: its
+    process gone, `surgectl up` (which starts what stopped and leaves the rest running);
+    still there, `surgectl restart SERVICE`."""
+    procs = stack.read_stack()
+    if procs and service in stack.down_services(procs):
+        return f"`surgectl up` starts {service} again on its port, with whatever else stopped"
+    return f"`surgectl restart {service}` starts {service} again on its port"
+
+
+def unreachable_hint(service: str, addr: str, services: list[str], down: list[str]) -> str:
+    """What to do about ``service`` not answering at ``addr``, given the recorded stack's
+    ``services`` and those of them whose process is gone (``down``): its process still
+    runs (hung, or still starting): `surgectl restart SERVICE`; gone: `surgectl up`, which
+    starts again what is down and leaves the rest running (was: always `restart SERVICE`,
+    also after a kill of every service, which left the others down)."""
+    if service not in down:
+        keep = " (running jobs keep running)" if service == "control" else ""
+        return (
+            f"{service} unreachable at {addr} although its process runs; "
+            f"`surgectl restart {service}` starts it again on the same port{keep}"
+        )
+    if len(down) == 1:
+        return (
+            f"{service} at {addr} is down (its process is gone; the rest of the stack runs); "
+            "`surgectl up` starts it again on the same port"
+        )
+    gone = "every service of the local stack is down" if set(down) >= set(services) else f"{', '.join(down)} are down"
+    return (
+        f"{service} unreachable at {addr}: {gone} (their processes are gone); "
+        "`surgectl up` starts again what is down, on the same ports"
+    )
 
 
 @contextmanager
@@ -79,6 +119,32 @@ def stub(service: str) -> Iterator[object]:
             raise rpc_error(e, service, addr) from None
 
 
-def call(service: str, fn: Callable[[object], T]) -> T:
-    with stub(service) as s:
-        return fn(s)
+def call(
+    service: str,
+    fn: Callable[[object], T],
+    retry_delays: Sequence[float] = (),
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """``fn(stub)`` for ``service``; a gRPC failure becomes a one-line CliError.
+
+    ``retry_delays``: for a call that is safe to repeat only: after a failure in ``RETRIED``
+    it is made again, on a fresh channel, after each of these delays in turn (seconds; a
+    line on stderr says so), the last failure raised once they are spent. Default: none."""
+    addr = address(service)
+    delays = list(retry_delays)
+    while True:
+        with open_channel(addr) as ch:
+            try:
+                return fn(_STUBS[service](ch))
+            except grpc.RpcError as e:
+                if not delays or not (hasattr(e, "code") and e.code() in RETRIED):
+                    raise rpc_error(e, service, addr) from None
+                what = e.code().name
+        delay = delays.pop(0)
+        render.err_console.print(
+            f"{service} at {addr}: {what}; trying again in {delay:g} s (the call is safe to repeat)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        sleep(delay)

@@ -2,10 +2,13 @@
 
 Down: every running or paused job is asked to pause with a checkpoint as a drain
 (``PauseJobRequest.drain``; control journals it), and the stack stops only once each is
-PAUSED (or ended). A job still warming up is asked once it runs; a recovering one
+PAUSED (or ended). Asked again (a `down` cut short and run again), a drain answers the
+job's status: the second `down` waits for what the first started. A job still warming up is asked once it runs; a recovering one
 (FAULT_FROZEN: no rank trains) is left to control, which continues its recovery after `up`. Up: every job control reports
 ``drained`` is resumed from its drain checkpoint (``ResumeJob``), waiting for the node agents
-to register first (a resume that finds too few free slots is asked again, up to a limit).
+to register first (a resume that finds too few free slots waits in control's queue, first;
+an older control's refusal is asked again, up to a limit). A drained job whose ranks are
+still there (`down` cut short before it stopped the stack) simply continues.
 
 The CLI watches job states by asking control (GetJob) every fraction of a second: it is an
 operator tool waiting for a condition, not a module (the laws bind the modules).
@@ -93,7 +96,8 @@ def drain(stub, jobs: list[control_pb2.JobStatus], timeout_s: float, say: Callab
             )
             raise CliError(
                 f"not drained within {timeout_s:.0f} s: {left}; the stack keeps running "
-                "(`surgectl down --force` stops it anyway, losing their steps since their last checkpoint)"
+                "(`surgectl down` again waits for them, `surgectl up` lets them go on, `surgectl down --force` "
+                "stops it anyway, losing their steps since their last checkpoint)"
             )
         if pending:
             time.sleep(POLL_S)
@@ -103,6 +107,32 @@ def drain(stub, jobs: list[control_pb2.JobStatus], timeout_s: float, say: Callab
             "keeps running (`surgectl down` again once the store answers, or `--force` to lose them)"
         )
     return drained
+
+
+def park(stub, say: Callable[[str], None]) -> bool:
+    """`surgectl down --force`: control parks every running or paused job at once
+    (``PauseJobRequest.force``: no pause asked of its ranks, the next `up` resumes it from its
+    newest checkpoint, no fault recorded). Returns whether any job was live. A job control
+    does not park (no checkpoint yet, a resize in flight) is said in one line; the stack
+    stops all the same.
+
+    Raises:
+        grpc.RpcError: control could not list the jobs."""
+    jobs = live_jobs(stub)
+    for j in jobs:
+        try:
+            s = stub.PauseJob(control_pb2.PauseJobRequest(job_id=j.job_id, drain=True, force=True), timeout=10)
+        except grpc.RpcError as e:
+            say(f"{j.job_id}: not parked ({e.details()}); control decides about it after `up`")
+            continue
+        if s.drained:
+            say(
+                f"{j.job_id}: parked at step {s.step}; `surgectl up` resumes it from {s.checkpoint_version} "
+                f"(step {s.checkpoint_step}), the steps after it are lost"
+            )
+        else:
+            say(f"{j.job_id}: {JobState.Name(s.state)}, not parked: control continues it after `up`")
+    return bool(jobs)
 
 
 def resume_drained(timeout_s: float, say: Callable[[str], None]) -> tuple[list[str], list[str]]:
@@ -118,10 +148,7 @@ def resume_drained(timeout_s: float, say: Callable[[str], None]) -> tuple[list[s
                 try:
                     s = stub.ResumeJob(control_pb2.ResumeJobRequest(job_id=job_id), timeout=60)
                     resumed.append(job_id)
-                    say(
-                        f"resumed drained job {job_id} from checkpoint {s.checkpoint_version} (step {s.step}); "
-                        f"now {JobState.Name(s.state)}"
-                    )
+                    say(resumed_text(job_id, s))
                     break
                 except grpc.RpcError as e:
                     details = e.details() or str(e.code())
@@ -135,3 +162,16 @@ def resume_drained(timeout_s: float, say: Callable[[str], None]) -> tuple[list[s
                     failed.append(f"{job_id}: {details}")
                     break
     return resumed, failed
+
+
+def resumed_text(job_id: str, s: control_pb2.JobStatus) -> str:
+    """What `up` says of a drained job control answered the resume of with ``s``."""
+    if s.state == JobState.STANDBY:  # its ranks do not fit yet: it waits in the queue, first
+        return f"drained job {job_id} waits in the queue (#{s.queue_position}) to resume: {s.message}"
+    if s.state in (JobState.RUNNING, JobState.PAUSED) and not s.drained:
+        # `down` was cut short before it stopped the stack: its ranks were still there
+        return f"drained job {job_id} continues at step {s.step} (its ranks were still there); now {JobState.Name(s.state)}"
+    return (
+        f"resumed drained job {job_id} from checkpoint {s.checkpoint_version} (step {s.step}); "
+        f"now {JobState.Name(s.state)}"
+    )

@@ -165,7 +165,7 @@ def evaluate(version: str, dataset: str | None, batches: int | None, split: str 
         raise CliError(f"--split: expected 'val' or 'train', got {split!r}", code=2)
     ckpt = find_checkpoint(version)
     spec, d = ckpt.spec, ckpt.spec.data
-    ready = mount(dataset or d.dataset, verify=True)
+    ready = mount(dataset or f"{d.name}@{d.version}", verify=True)  # (a mixture: its first dataset)
     label = f"{ready.name}@{ready.version}"
     if ready.vocab_size > spec.model.vocab_size:
         raise CliError(
@@ -229,7 +229,7 @@ def generate(version: str, prompt: str, max_new_tokens: int, temperature: float,
     from services.jobspec import spec_to_json
 
     ckpt = find_checkpoint(version)
-    tokenizer = mount(ckpt.spec.data.dataset, verify=False).tokenizer
+    tokenizer = mount(f"{ckpt.spec.data.name}@{ckpt.spec.data.version}", verify=False).tokenizer
     try:
         return generate_text(
             ckpt.path, spec_to_json(ckpt.spec), prompt, max_new_tokens, temperature, top_k, seed, tokenizer

@@ -2,7 +2,7 @@
 files other tools read, without a running stack.
 
 The version is looked up in the store's catalog under ``$SURGE_HOME`` read-only
-(services/store/checkpoint_manager.py ``read_committed``: its recorded verdict and manifest),
+(services/store/checkpoint_manager/manager.py ``read_committed``: its recorded verdict and manifest),
 and its weights are read with every file checked against the manifest as it is read
 (services/compute/inference.py). Formats:
 
@@ -128,7 +128,7 @@ def _tokenizer(directory: Path, spec) -> tuple[list[str], int | None]:
     none to copy, and the end-of-text token's id (None without one)."""
     from services.common import paths
 
-    label = spec.data.dataset
+    label = spec.data.label
     manifest_path = paths.datasets_root() / spec.data.name / spec.data.version / "manifest.json"
     try:
         tokenizer = json.loads(manifest_path.read_text()).get("tokenizer", "bytes")

@@ -75,8 +75,7 @@ class Reconnect:
         if waited >= self._bound:
             raise CliError(
                 f"control at {self._addr} unreachable for {waited:.0f} s; stopped following {self._job}, "
-                f"which may still be running (`surgectl restart control` starts control again on its port, "
-                f"then follow again)"
+                f"which may still be running ({clients.start_again_hint('control')}, then follow again)"
             )
         self._sleep(min(self._delay, self._bound - waited))
         self._delay = min(2 * self._delay, MAX_DELAY_S)
@@ -195,7 +194,7 @@ def _rest_of_local_files(job_id: str, rank: int, printed: dict[int, int]) -> lis
     rest = []
     for r, f in files.items():
         try:
-            lines = [t for t in f.read_text(errors="replace").split("\n") if t.strip()]
+            lines = [t for t in observe.read_rank_log(f).split("\n") if t.strip()]
         except OSError:
             continue
         rest += [observe.parse(r, t) for t in lines[printed.get(r, 0) :]]

@@ -96,7 +96,7 @@ def _job_ended(job_id: str) -> bool:
 
 def _live_jobs_reading(dataset: str) -> list[str]:
     """The live (not TERMINATED) jobs whose spec reads ``dataset`` (control's journaled specs)."""
-    return [job_id for job_id, spec in _live_specs() if spec.data.dataset == dataset]
+    return [job_id for job_id, spec in _live_specs() if dataset in {f"{n}@{v}" for n, v, _ in spec.data.datasets}]
 
 
 def _jobs_starting_from(version: str) -> list[str]:

@@ -3,6 +3,7 @@ dataset), follow it to its end, and sample text from one of its checkpoints."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,19 +16,42 @@ from services.cli.init_from import check_init_from, pin_latest
 from services.contract import control_pb2, data_pb2
 from services.jobspec import JobSpec
 
+# A submit whose reply was lost (control restarting, a deadline) is sent again with its
+# request id, which control answers with the job the first one created: a few times, the
+# waits doubling, about 7 s in all (a control restart's journal restore fits in that).
+SUBMIT_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
+
 
 def submit_job(spec_path: Path, overrides: Sequence[str] = (), priority: int = 0) -> control_pb2.JobStatus:
     """Submit the spec of ``spec_path`` with ``overrides`` (``--set KEY=VALUE``) applied,
     after the checks of :func:`check_submission`; control validates it again. Ranks that do
     not fit now: control queues the job (STANDBY, ``queue_position``), FIFO within ``priority``."""
     spec, text, source = spec_tools.load_spec(spec_path, overrides)
-    ds = data_pb2.MountDataset(name=spec.data.name, version=spec.data.version, verify=True)
-    info = clients.call("data", lambda s: s.Mount(ds, timeout=120))
-    check_submission(spec, info, source)
+    infos = []
+    for name, version, _ in spec.data.datasets:  # (a mixture: every component, each verified)
+        ds = data_pb2.MountDataset(name=name, version=version, verify=True)
+        infos.append(clients.call("data", lambda s, ds=ds: s.Mount(ds, timeout=120)))
+    for info in infos[1:]:
+        if info.vocab_size > spec.model.vocab_size:
+            raise CliError(
+                f"{source}: data.mixture: dataset {info.name}@{info.version} has vocab_size {info.vocab_size} "
+                f"> model.vocab_size {spec.model.vocab_size}",
+                code=2,
+            )
+    check_submission(spec, infos[0], source)
     text = pin_latest(spec, text, source)  # init_from.checkpoint <job>:latest -> the version it is now
-    req = control_pb2.SubmitJobRequest(spec_yaml=text, spec_path=source, priority=priority)
+    return send_submit(text, source, priority)
+
+
+def send_submit(text: str, source: str, priority: int = 0) -> control_pb2.JobStatus:
+    """SubmitJob of the spec ``text`` under a new request id (one per invocation), sent again
+    with the same id after a failure that may have lost the reply (``SUBMIT_RETRY_DELAYS_S``):
+    one job however many times it reached control."""
+    req = control_pb2.SubmitJobRequest(
+        spec_yaml=text, spec_path=source, priority=priority, request_id=str(uuid.uuid4())
+    )
     try:
-        return clients.call("control", lambda s: s.SubmitJob(req, timeout=60))
+        return clients.call("control", lambda s: s.SubmitJob(req, timeout=60), retry_delays=SUBMIT_RETRY_DELAYS_S)
     except CliError as e:
         # A spec control refuses as FAILED_PRECONDITION at submit is the spec's fault: exit 2
         # like its other errors. (Ranks that do not fit are no refusal: the job is queued.)

@@ -3,11 +3,13 @@
 Both read files of the local stack (the machine running `surgectl up`):
 
 * rank logs: every node agent writes each rank's stdout/stderr (structlog JSON lines) to
-  ``<run dir>/logs/<job>.rank<R>.log`` (``$SURGE_HOME/run/logs`` for the local stack);
+  ``<run dir>/logs/<job>.rank<R>.log`` (``$SURGE_HOME/run/logs`` for the local stack),
+  rotated at a size: ``.log.1`` .. ``.log.N`` hold the older lines, read oldest first;
   `surgectl logs` gets them from control (``StreamLogs``), which has the node agents that
   ran the job's ranks tail those files. The file readers below remain for local tools.
 * step records: the store's metrics logger persists every raw ``StepCompleted`` /
-  ``EvalCompleted`` as one JSON line in ``<store root>/metrics/<job>.jsonl``
+  ``EvalCompleted`` as one JSON line in ``<store root>/metrics/<job>.jsonl`` (rotated at a
+  size, older records in ``.jsonl.N`` and a thinned history: read oldest first)
   (``$SURGE_STORE_ROOT`` or ``$SURGE_HOME/store``). When that file is not on this machine,
   `plot` falls back to control's event history (``WatchJob``), whose step events are
   sampled (about one per second), so the curve is coarser.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -26,8 +29,9 @@ from pathlib import Path
 from services.cli import render
 from services.cli.errors import CliError
 from services.common import paths
+from services.common.rotated_files import read_rotated
 
-_RANK_LOG = re.compile(r"^(?P<job>.+)\.rank(?P<rank>\d+)\.log$")
+_RANK_LOG = re.compile(r"^(?P<job>.+)\.rank(?P<rank>\d+)\.log(?:\.\d+)?$")  # (a rotated one: .log.N)
 FIRST = ("timestamp", "level", "service", "job", "rank", "step", "event", "logger")
 
 
@@ -41,7 +45,9 @@ def logs_dir() -> Path:
 
 
 def rank_logs(job: str, directory: Path | None = None) -> dict[int, Path]:
-    """rank -> log file of ``job`` under ``directory`` (default: the local stack's)."""
+    """rank -> log file of ``job`` under ``directory`` (default: the local stack's): the one
+    being written (``<job>.rank<R>.log``), also when only its rotated files are left; read
+    it with its rotated files by :func:`read_rank_log`."""
     directory = directory or logs_dir()
     if not directory.is_dir():
         return {}
@@ -50,8 +56,13 @@ def rank_logs(job: str, directory: Path | None = None) -> dict[int, Path]:
     for f in directory.iterdir():
         m = _RANK_LOG.match(f.name)
         if m and m["job"] == want:
-            found[int(m["rank"])] = f
+            found[int(m["rank"])] = directory / f"{want}.rank{m['rank']}.log"
     return dict(sorted(found.items()))
+
+
+def read_rank_log(path: Path) -> str:
+    """A rank's whole log text: its rotated files oldest first, then ``path``."""
+    return read_rotated(path)
 
 
 def local_job(ref: str) -> str | None:
@@ -112,7 +123,7 @@ def read_all(files: dict[int, Path]) -> list[LogLine]:
     lines: list[tuple[str, int, int, LogLine]] = []
     for rank, f in files.items():
         last = ""
-        for i, text in enumerate(f.read_text(errors="replace").splitlines()):
+        for i, text in enumerate(read_rank_log(f).splitlines()):
             if not text.strip():
                 continue
             line = parse(rank, text)
@@ -181,7 +192,7 @@ def follow(
     grown since; rank files that appear later (a relaunch) are picked up. The lines read in
     one poll (every rank's growth within ``poll_s`` seconds) come out merged by timestamp
     (:class:`TimeOrder`); a line read in a later poll never comes before them."""
-    offsets: dict[Path, int] = {}
+    offsets: dict[Path, tuple[int, int]] = {}  # file -> (inode, bytes read of it)
     partial: dict[Path, str] = {}
     order = TimeOrder()
     while True:
@@ -189,16 +200,10 @@ def follow(
         grew = False
         batch: list[LogLine] = []
         for rank, f in rank_logs(job, directory).items():
-            try:
-                with open(f, "rb") as fh:
-                    fh.seek(offsets.get(f, 0))
-                    chunk = fh.read()
-            except OSError:
-                continue
+            chunk = _grown(f, offsets)
             if not chunk:
                 continue
             grew = True
-            offsets[f] = offsets.get(f, 0) + len(chunk)
             text = partial.pop(f, "") + chunk.decode(errors="replace")
             *complete, rest = text.split("\n")
             if rest:
@@ -208,6 +213,28 @@ def follow(
         if done and not grew:
             return
         time.sleep(poll_s)
+
+
+def _grown(f: Path, offsets: dict[Path, tuple[int, int]]) -> bytes:
+    """What ``f`` gained since the last read; across a rotation (``f`` is a new file, the one
+    read so far became ``f.1``) the rest of the old file, then the new one from its start."""
+    ino, read = offsets.get(f, (0, 0))
+    out = b""
+    try:
+        if ino and os.stat(f).st_ino != ino:  # rotated since: finish the old file first
+            old = f.with_name(f.name + ".1")
+            with open(old, "rb") as fh:
+                if os.fstat(fh.fileno()).st_ino == ino:
+                    fh.seek(read)
+                    out = fh.read()
+            read = 0
+        with open(f, "rb") as fh:
+            fh.seek(read)
+            out += (chunk := fh.read())
+            offsets[f] = (os.fstat(fh.fileno()).st_ino, read + len(chunk))
+    except OSError:
+        return out
+    return out
 
 
 # ---------------------------------------------------------------------------------- plot
@@ -223,7 +250,7 @@ def history_from_jsonl(path: Path, rank: int | None = None) -> render.History:
     recorded twice (replayed after a rollback) keeps its last record."""
     steps: dict[int, dict[int, tuple[float, float]]] = {}
     evals: dict[int, dict[int, float]] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(read_rotated(path).splitlines(), 1):  # (its rotated files and history first)
         if not line.strip():
             continue
         try:

@@ -19,7 +19,8 @@ from rich.table import Table
 from rich.text import Text
 
 from services.cli import jsonout
-from services.contract import control_pb2
+from services.common.sizes import size_text
+from services.contract import control_pb2, store_pb2
 
 # Piped (not a terminal), rich would lay tables out for 80 columns and wrap or cut their
 # cells; a pipe gets each row on one line instead (unless COLUMNS says otherwise).
@@ -78,6 +79,8 @@ def state_text(s: control_pb2.JobStatus) -> str:
         text += f" ({OUTCOME.Name(s.outcome)})"
     elif s.state == STATE.PAUSED and s.drained:
         text += " (drained)"  # by `surgectl down`: the next `up` resumes it
+    elif s.state == STATE.RUNNING and s.drained:
+        text += " (draining)"  # `surgectl down`'s checkpoint and pause in flight
     elif s.state == STATE.STANDBY and s.queue_position:
         text += f" (queued #{s.queue_position})"  # control's job queue: `message` says what it waits for
     return text
@@ -124,6 +127,19 @@ def jobs_table(jobs) -> Table:
     return t
 
 
+def slow_ranks_table(jobs) -> Table:
+    """The ranks control names slow (``JobStatus.slow_ranks``: >= 1.5x their peers' median
+    compute per step, sustained), with the worker they run on and the finding."""
+    t = Table(title="slow ranks", caption="fault_policy actions.slow_rank: ignore (report only) | replace | shrink")
+    _id_column(t, "job")
+    for col in ("rank", "worker", "since step", "finding"):
+        t.add_column(col)
+    for j in jobs:
+        for r in j.slow_ranks:
+            t.add_row(j.job_id, str(r.rank), r.worker_id or "—", str(r.step), r.detail)
+    return t
+
+
 def cordons_table(cordoned) -> Table:
     """Workers taken out of placement for every job (``JobList.cordoned``), with the reason
     and how the cordon ends."""
@@ -131,13 +147,16 @@ def cordons_table(cordoned) -> Table:
 
     t = Table(
         title="unhealthy workers: no rank is placed on them",
-        caption="each until its node agent registers again (`surgectl restart WORKER`, or the node rebooted)",
+        caption="`surgectl uncordon WORKER` ends a cordon at once",
     )
-    for col in ("worker", "since", "reason"):
+    for col in ("worker", "since", "reason", "until"):
         t.add_column(col)
     for c in cordoned:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.unix_time)) if c.unix_time else "—"
-        t.add_row(c.worker_id, since, c.reason)
+        # A quarantine (a sick node) is the operator's to end; a device's cordon also ends
+        # when its node agent registers again.
+        until = "`surgectl uncordon`" if c.quarantine else "its node agent registers again (`surgectl restart WORKER`)"
+        t.add_row(c.worker_id, since, c.reason, until)
     return t
 
 
@@ -174,12 +193,6 @@ def checkpoint_kind(info) -> tuple[str, int]:
     return ("baseline" if info.baseline else "delta"), info.written_bytes
 
 
-def _mib(n: int) -> str:
-    """``n`` bytes in MiB: two decimals below 10 (a small delta is not "0.0"), else one."""
-    mib = n / 2**20
-    return f"{mib:.2f}" if mib < 10 else f"{mib:.1f}"
-
-
 def _parent_text(version: str, parent: str) -> str:
     """The parent's number when it is of the same job ("11" for "J:11"), else the whole name."""
     if not parent:
@@ -189,18 +202,30 @@ def _parent_text(version: str, parent: str) -> str:
     return n if pjob == job else parent
 
 
+def verdict_line(v) -> str:
+    """One CheckpointVerdict as a line: "J:3  ok  (1.5 MB)", or the version, its cause and the
+    store's reason (which names the file or chunk, e.g. "chunks/1/<sha>: sha256 mismatch")."""
+    if v.ok:
+        return f"{v.info.version}  ok  ({size_text(v.info.bytes)})"
+    cause = store_pb2.VerdictCause.Name(v.cause).removeprefix("VERDICT_").lower()
+    return f"{v.info.version}  {cause.upper()}  {v.reason}"
+
+
 def checkpoints_table(infos) -> Table:
     """One row a version: its parent (the number, of the same job), step, kind (baseline: its
     save wrote every chunk; delta: only the chunks that changed; full: a version of plain
-    files), its whole size and what its save wrote (MiB), and its manifest's hash (the first
-    12 hex digits; `-o json` has every field)."""
+    files), its whole size and what its save wrote (``size_text``: decimal units, as the job's
+    checkpoint events say them), its checkpoint format (``fmt``; `-o json` also has
+    ``surge_version``, the release that wrote it), and its manifest's hash (the first 12 hex
+    digits; `-o json` has every field in bytes)."""
     t = Table(title="checkpoints")
     _id_column(t, "version")
     t.add_column("parent")
     t.add_column("step", justify="right")
     t.add_column("kind")
-    t.add_column("MiB", justify="right")
-    t.add_column("written MiB", justify="right")
+    t.add_column("size", justify="right")
+    t.add_column("written", justify="right")
+    t.add_column("fmt", justify="right")
     t.add_column("sha256")
     for c in infos:
         kind, written = checkpoint_kind(c)
@@ -209,8 +234,9 @@ def checkpoints_table(infos) -> Table:
             _parent_text(c.version, c.parent),
             str(c.step),
             kind,
-            _mib(c.bytes),
-            _mib(written),
+            size_text(c.bytes),
+            size_text(written),
+            str(c.checkpoint_format or 1),
             c.manifest_sha256[:12],
         )
     return t
@@ -282,7 +308,8 @@ def follow(events, quiet_types: frozenset[str] = frozenset({"step"})) -> History
                 task = progress.add_task(s.job_id, total=s.total_steps or None, loss="—", tps="—")
             progress.update(task, completed=s.step, loss=fmt_loss(s.train_loss), tps=f"{s.tokens_per_second:,.0f}")
             if ev.type not in quiet_types:
-                progress.console.print(Text(f"{ev.type:>10} ", style="dim") + Text(ev.message), highlight=False)
+                said = ev.message.removeprefix(f"{ev.type} ")  # the label column names it once, not twice
+                progress.console.print(Text(f"{ev.type:>10} ", style="dim") + Text(said), highlight=False)
     return h
 
 
@@ -296,7 +323,7 @@ def summary_table(s: control_pb2.JobStatus, h: History, extra: dict[str, str] | 
         "final train loss": f"{fmt_loss(s.train_loss)} nats/token",
         "final held-out loss": f"{fmt_loss(s.eval_loss)} nats/token",
         # control's one definition, as `surgectl status` shows it (tokens / step seconds
-        # of the job's steps but the first; services/control/orchestrator.py _throughput)
+        # of the job's steps but the first; services/control/orchestrator/training.py _throughput)
         "tokens/s (steps after the first)": tokens_per_second(s),
         "tokens seen": f"{s.tokens_seen:,}",
         "training wall time": f"{s.elapsed_seconds:.1f} s",

@@ -24,10 +24,13 @@ from pydantic import BaseModel, ValidationError
 
 from services.cli import clients
 from services.cli.errors import CliError, from_rpc
+from services.common import free_space
 from services.contract import data_pb2
 from services.hf_config import HfFormatError, source_report
 from services.jobspec import JobSpec, JobSpecError, parse_job_spec, read_spec_mapping, spec_from_json, yaml_value
-from services.memory_estimate import estimate_gpu_memory, estimate_memory
+from services.memory_estimate import estimate_gpu_memory, estimate_memory, human_bytes
+
+SHM_ROOT = "/dev/shm"  # where node agents keep the in-memory checkpoint copies (services/worker/memory_copies.py)
 
 # A submit's checks of a valid spec against its dataset version (source: what to name).
 Checks = Callable[[JobSpec, data_pb2.DatasetReady, str], None] | None
@@ -177,9 +180,28 @@ def dry_run(path: Path, overrides: Sequence[str] = (), checks: Checks = None) ->
         *hf,
         *(est := estimate_memory(spec)).lines(),
         *estimate_gpu_memory(spec, est).lines(),
+        memory_copy_line(est.checkpoint_bytes),
         "effective spec (every default filled; this output is a job file `surgectl submit` takes):",
     ]
     return "".join(f"# {line}\n" for line in lines) + effective_yaml(spec)
+
+
+def memory_copy_line(needed: int, room: free_space.Room | None | object = None) -> str:
+    """The in-memory checkpoint copy of one rank (services/worker/memory_copies.py): its
+    expected size and the room in this machine's /dev/shm (statvfs, and the cgroup's memory
+    left), with a warning when it does not fit (the copy is skipped at each save, typed:
+    MemoryCopySkipped). A node holds its own ranks' copies and its peer node's."""
+    room = free_space.room(SHM_ROOT) if room is None else room
+    line = (
+        f"memory copy per rank (newest checkpoint, in the node agent's shared memory): {human_bytes(needed)} "
+        f"(float32 parameters and AdamW moments); a node holds its ranks' copies and one peer node's"
+    )
+    if not isinstance(room, free_space.Room):
+        return line + f"; {SHM_ROOT} cannot be read here (no copies: the store's files only)"
+    line += f"; here: {room.describe()}"
+    if room.bytes < needed:
+        line += " - too little for one copy: every save's copy would be skipped (MemoryCopySkipped)"
+    return line
 
 
 def resolve_dataset(spec: JobSpec, source: str) -> tuple[data_pb2.DatasetReady, str]:

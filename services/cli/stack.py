@@ -2,8 +2,10 @@
 
 The run directory (``$SURGE_HOME/run``) holds ``stack.json`` (pid, port, address, Prometheus
 ``/metrics`` port, log and command line of every service) and ``logs/``. ``restart`` stops
-one service and starts it again with its recorded command line (same ports). ``up`` waits until every service
-reports SERVING on the standard gRPC health service; if one fails to start, everything
+one service and starts it again with its recorded command line (same ports);
+``start_missing`` does so for every recorded service whose process is gone (`up` over a
+stack partly down). ``up`` waits until every service reports SERVING on the standard gRPC
+health service; if one fails to start, everything
 started is stopped again and the failing service's log tail is shown. A service that exits
 with ``EXIT_PORT_IN_USE`` (its composition root's typed answer to a taken address, read from
 the exit status) lost its port to another process: ``up`` starts it again on fresh ports,
@@ -127,6 +129,70 @@ def _env() -> dict:
 START_ATTEMPTS = 4
 
 
+class StackRunning(CliError):
+    """`up` found the stack recorded and running: ``procs`` as recorded, ``down`` the names of
+    those whose process is gone (``start_missing`` starts them again)."""
+
+    def __init__(self, procs: dict[str, ServiceProc], down: list[str]):
+        super().__init__("a stack is already running (see `surgectl status`; `surgectl down` stops it)")
+        self.procs, self.down = procs, down
+
+
+def down_services(procs: dict[str, ServiceProc] | None = None) -> list[str]:
+    """The services of the recorded stack whose process is gone, in stack order (none
+    recorded: [])."""
+    procs = read_stack() if procs is None else procs
+    return [name for name, p in (procs or {}).items() if not _running(p.pid)]
+
+
+# The order services start in: store and data, then control (it needs their addresses),
+# then the node agents (they register with control).
+_START_ORDER = ("store", "data", "control")
+
+
+def start_missing(procs: dict[str, ServiceProc], timeout_s: float = 60.0) -> list[str]:
+    """`surgectl up` over a stack that is partly running (a service killed, a `restart` or
+    a `down` cut short): start again every recorded service whose process is gone, with its
+    recorded command line (same ports), in start order, each waited for until SERVING;
+    ``stack.json`` gets the new pids. The running ones are left alone (their jobs' ranks go
+    on). Returns the names started.
+
+    Raises:
+        CliError: one did not come back (the log tail in the message; ``stack.json`` names
+            its new pid, so `down` stops it).
+    """
+    missing = sorted(
+        down_services(procs),
+        key=lambda n: (_START_ORDER.index(n) if n in _START_ORDER else len(_START_ORDER), n),
+    )
+    env, run = _env(), paths.run_dir()
+    for name in missing:
+        _start_again(procs, name, env, run, timeout_s)
+    return missing
+
+
+def _start_again(
+    procs: dict[str, ServiceProc], name: str, env: dict, run: Path, timeout_s: float, line: tuple | None = None
+) -> ServiceProc:
+    """Start recorded service ``name`` again with its command line ``line`` (service, args;
+    default: as recorded), same ports; record its pid before waiting for it; retry while
+    its old socket still holds the port."""
+    old = procs[name]
+    service, args = line or ((old.service, list(old.args)) if old.args else _command_line(old))
+    for attempt in range(START_ATTEMPTS):
+        procs[name] = _spawn(service, args, env, run, log_name=name)
+        _write(procs)  # before waiting: `down` must find the new process whatever happens next
+        try:
+            _wait_healthy(procs[name], timeout_s)
+            return procs[name]
+        except StartFailed as e:
+            # The old process's listening socket can outlive its pid by a moment.
+            if not e.port_taken or attempt == START_ATTEMPTS - 1:
+                raise
+            time.sleep(0.5 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def up(num_workers: int = 2, timeout_s: float = 60.0, exit_on_interrupt: bool = False) -> dict[str, ServiceProc]:
     """Start control, store, data and ``num_workers`` workers; wait for health.
 
@@ -138,12 +204,13 @@ def up(num_workers: int = 2, timeout_s: float = 60.0, exit_on_interrupt: bool = 
     fresh ports (up to ``START_ATTEMPTS`` times), never reported as a failure.
 
     Raises:
-        CliError: a stack is already running, or a service failed to start (its log tail
+        StackRunning: a stack is already running (some of it, maybe: ``start_missing``).
+        CliError: a service failed to start (its log tail
             is in the message); nothing is left running in that case.
     """
     existing = read_stack()
     if existing and any(pid_alive(s.pid) for s in existing.values()):
-        raise CliError("a stack is already running (see `surgectl status`; `surgectl down` stops it)")
+        raise StackRunning(existing, [name for name, s in existing.items() if not _running(s.pid)])
     fixed = {var for pair in FIXED_PORT_VARS.values() for var in pair if os.environ.get(var)}
     fixed_ports = _check_fixed_ports(fixed)  # a bad or shared value is refused before anything starts
     problem = logs.env_problem()  # every service would refuse it at start-up
@@ -261,6 +328,21 @@ def exit_on_interrupt(message: str) -> Iterator[None]:
             os._exit(130)
 
     old = signal.signal(signal.SIGINT, leave)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+@contextmanager
+def ignoring_interrupts() -> Iterator[None]:
+    """Ctrl-C inside the block is ignored (a bounded step that must not be cut in half, e.g.
+    `down` stopping the services: control gone but the node agents left would strand their
+    ranks). Outside the main thread: nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
@@ -403,21 +485,9 @@ def restart(name: str, grace_s: float = STOP_GRACE_SECONDS, timeout_s: float = 6
     if name not in procs:
         raise CliError(f"SERVICE: no service {name!r} in {stack_file()} (one of: {', '.join(procs)})", code=2)
     old = procs[name]
-    service, args = (old.service, list(old.args)) if old.args else _command_line(old)
+    line = (old.service, list(old.args)) if old.args else _command_line(old)  # (read while it runs)
     _stop(old, grace_s)
-    env, run = _env(), paths.run_dir()
-    for attempt in range(START_ATTEMPTS):
-        procs[name] = _spawn(service, args, env, run, log_name=name)
-        _write(procs)  # before waiting: `down` must find the new process whatever happens next
-        try:
-            _wait_healthy(procs[name], timeout_s)
-            return old, procs[name]
-        except StartFailed as e:
-            # The old process's listening socket can outlive its pid by a moment.
-            if not e.port_taken or attempt == START_ATTEMPTS - 1:
-                raise
-            time.sleep(0.5 * (attempt + 1))
-    raise AssertionError("unreachable")
+    return old, _start_again(procs, name, _env(), paths.run_dir(), timeout_s, line)
 
 
 def _command_line(proc: ServiceProc) -> tuple[str, list[str]]:

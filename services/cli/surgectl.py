@@ -15,6 +15,7 @@ from services.cli import clients, jsonout, render, stack
 from services.cli.errors import CliError
 from services.cli.jobs import dry_run_job, follow_job, resolve_job, submit_job
 from services.contract import Module, control_pb2, data_pb2, store_pb2
+from services.jobspec import STEP_FAULT_CLASSES
 
 try:  # typer >= 0.2x parses with its own copy of click; older releases with click itself
     from typer._click import exceptions as _click
@@ -105,7 +106,17 @@ def up(
 
     if bad := env_error():  # every service would refuse to start with it
         raise CliError(bad, code=2)
-    procs = stack.up(workers, exit_on_interrupt=True)  # Ctrl-C: what started is stopped, exit 130
+    try:
+        procs = stack.up(workers, exit_on_interrupt=True)  # Ctrl-C: what started is stopped, exit 130
+    except stack.StackRunning as running:
+        # Up again (idempotent): what is down is started again, the rest left running.
+        procs = running.procs
+        if running.down:
+            with stack.exit_on_interrupt("interrupted: `surgectl up` again starts what is still down"):
+                started = stack.start_missing(procs)
+            _say(f"started again what was down: {', '.join(started)} (the rest of the stack kept running)")
+        else:
+            _say("the stack is already up (`surgectl status` shows its jobs)")
     for p in procs.values():
         render.console.print(
             f"{p.name:>10}  pid {p.pid:<7} {p.address}  /metrics :{p.metrics_port:<6} log {p.log}", soft_wrap=True
@@ -117,7 +128,10 @@ def up(
     )
     from services.cli import drain
 
-    with stack.exit_on_interrupt("interrupted: the stack is up; drained jobs not resumed yet: `surgectl resume JOB`"):
+    with stack.exit_on_interrupt(
+        "interrupted: the stack is up; drained jobs may not be resumed yet: "
+        "`surgectl up` again (or `surgectl resume JOB`) resumes them"
+    ):
         _, failed = drain.resume_drained(resume_seconds, _say)
     for line in failed:
         render.err_console.print(
@@ -145,15 +159,53 @@ def down(
 ) -> None:
     """Stop the local stack and every rank process it started. Running jobs are drained
     first: each checkpoints and pauses at a step boundary (journaled by control), and the
-    next `surgectl up` resumes them; `--force` skips that.
+    next `surgectl up` resumes them; `--force` skips that (control parks them at once: the
+    next `up` resumes them from their newest checkpoint, no fault recorded).
+
+    Safe to interrupt: Ctrl-C while jobs drain leaves the stack running (a job asked to drain
+    still checkpoints and pauses): `surgectl down` again finishes, `surgectl up` (or
+    `surgectl resume JOB`) lets the jobs go on. Once the services are being stopped, Ctrl-C
+    is ignored (seconds: SIGTERM, then SIGKILL).
 
     Example: surgectl down
     """
     drained = False
-    if not force and stack.read_stack():
-        drained = _drain_running_jobs(drain_seconds)
-    stopped = stack.down(control_first=drained)
+    if stack.read_stack():
+        with stack.exit_on_interrupt(DOWN_INTERRUPTED):
+            drained = _park_jobs() if force else _drain_running_jobs(drain_seconds)
+    with stack.ignoring_interrupts():  # a stop cut in half would leave agents without their control
+        stopped = stack.down(control_first=drained or force)
     render.console.print(f"stopped {', '.join(stopped)}" if stopped else "no stack was running")
+
+
+DOWN_INTERRUPTED = (
+    "interrupted: the stack keeps running; a job asked to drain still checkpoints and pauses "
+    "(`surgectl down` again stops the stack once it has; `surgectl up` or `surgectl resume JOB` lets it go on)"
+)
+
+
+def _park_jobs() -> bool:
+    """`down --force`: control parks every running or paused job at once (``drain.park``).
+    True if any job was live (control then stops first: it never sees the ranks go)."""
+    import grpc
+
+    from services.cli import drain
+
+    try:
+        addr = clients.address("control")
+    except CliError:
+        return False
+    with clients.open_channel(addr) as ch:
+        try:
+            return drain.park(clients.new_stub("control", ch), _say)
+        except grpc.RpcError:
+            render.err_console.print(
+                f"control unreachable at {addr}: running jobs cannot be parked; stopping anyway",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+            return False
 
 
 def _drain_running_jobs(timeout_s: float) -> bool:
@@ -207,7 +259,8 @@ def restart(
 
     Example: surgectl restart control
     """
-    old, new = stack.restart(service, grace_seconds)
+    with stack.exit_on_interrupt(f"interrupted: {service} may be stopped; `surgectl up` starts again what is down"):
+        old, new = stack.restart(service, grace_seconds)
     render.console.print(
         f"restarted {new.name}: pid {old.pid} -> {new.pid}, serving at {new.address}",
         markup=False,
@@ -220,54 +273,118 @@ def restart(
 def dataset_prepare(
     name: str = typer.Option("stdlib", help="dataset name"),
     version: str = typer.Option("v1", help="version label (immutable once prepared)"),
-    source: Path | None = typer.Option(None, help="directory of text files (default: this Python's standard library)"),
+    source: str | None = typer.Option(
+        None,
+        help="a directory (recursively), one file, or s3://BUCKET/PREFIX; .jsonl/.ndjson (also .gz, .zst): "
+        "a document per line, .parquet: a document per row, any other file: one document "
+        "(default: this Python's standard library)",
+    ),
     tokenizer: str = typer.Option(
         "bytes",
         help="'bytes' (vocab 256), 'bpe:N' (train a byte-level BPE of N tokens on the train split) "
         "or a HF tokenizers JSON file",
     ),
-    val_fraction: float = typer.Option(0.02, min=0.0, max=0.5, help="share of files held out (by file)"),
+    val_fraction: float = typer.Option(
+        0.02, min=0.0, max=0.5, help="share of documents held out (by a hash of each document's id)"
+    ),
     include: str | None = typer.Option(
         None,
         "--include",
         "--glob",
-        help="glob of the --source files that are documents (default: every text file, hidden "
-        "files and directories skipped; for the standard library: '**/*.py')",
+        help="glob of the --source files that are read (default: every file, hidden files and "
+        "directories skipped, binary plain files skipped; for the standard library: '**/*.py')",
+    ),
+    text_field: str = typer.Option("text", help="the JSONL field / Parquet column holding each document's text"),
+    workers: int | None = typer.Option(
+        None, min=1, help="tokenizing processes (default: min(cores, 8)); the version is the same for any number"
+    ),
+    s3_endpoint: str = typer.Option(
+        "", envvar="AWS_ENDPOINT_URL", help="S3-compatible endpoint URL for an s3:// source (AWS_ENDPOINT_URL)"
+    ),
+    quiet: bool = typer.Option(
+        False, "--quiet", "-q", help="no progress bar (none either when stderr is not a terminal)"
     ),
 ) -> None:
-    """Tokenize a directory (one document per file) into an immutable, hashed dataset version.
-    A version without held-out files is written with a warning: jobs on it cannot evaluate.
+    """Tokenize a corpus into an immutable, hashed dataset version, streaming it through
+    worker processes. A version without held-out documents is written with a warning: jobs on
+    it cannot evaluate. Bad input (an unreadable file, a JSONL line without the text field)
+    is one line naming the file and line; nothing is written then.
 
-    Example: surgectl dataset prepare --name notes --version v1 --source ~/notes --include '**/*.md'
+    Example: surgectl dataset prepare --name web --version v1 --source s3://corpora/web/ --text-field content
     """
+    from services.cli.prepare_progress import prepare_progress
     from services.common import paths
     from services.data.errors import DataError
-    from services.data.prepare import default_stdlib_source, prepare_dataset
+    from services.data.prepare import default_stdlib_source, default_workers, prepare_dataset
 
-    src = source or default_stdlib_source()
-    if not Path(src).is_dir():
-        raise CliError(f"--source {src}: not a directory")
+    src = source or str(default_stdlib_source())
+    remote = "://" in src
+    if not remote and not Path(src).exists():
+        raise CliError(f"--source {src}: no such file or directory")
     try:
-        info = prepare_dataset(
-            Path(src),
-            name,
-            version,
-            paths.datasets_root(),
-            tokenizer=tokenizer,
-            val_fraction=val_fraction,
-            include_glob=include if include is not None or source is not None else "**/*.py",
-        )
+        with prepare_progress(render.err_console, quiet) as progress:
+            info = prepare_dataset(
+                src,
+                name,
+                version,
+                paths.datasets_root(),
+                tokenizer=tokenizer,
+                val_fraction=val_fraction,
+                include_glob=include if include is not None or source is not None else "**/*.py",
+                text_field=text_field,
+                workers=workers or default_workers(),
+                storage_options={"endpoint_url": s3_endpoint} if remote and s3_endpoint else None,
+                progress=progress,
+            )
     except DataError as e:
         raise CliError(" ".join(str(e).split())) from None
     except OSError as e:  # named by where it failed: the home written to, or the source read
         where = str(e.filename or "")
-        if where and Path(where).is_relative_to(Path(src).absolute()):
+        if where and not remote and Path(where).is_relative_to(Path(src).absolute()):
             raise CliError(f"--source: cannot read {where}: {e.strerror or e}") from None
         home = paths.datasets_root()
         raise CliError(f"SURGE_HOME: cannot write datasets under {home}: {e.strerror or e}", code=2) from None
     render.console.print(f"prepared {info}")  # (the info names the dataset and version first)
     for warning in info.warnings:
         render.err_console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
+
+
+@dataset_app.command("push")
+def dataset_push(
+    dataset: str = typer.Argument(..., help="'name@version' prepared here (see `surgectl dataset list`)"),
+    url: str = typer.Argument(..., help="s3://BUCKET or s3://BUCKET/PREFIX: the version goes to URL/name/version/"),
+    s3_endpoint: str = typer.Option(
+        "", envvar="AWS_ENDPOINT_URL", help="S3-compatible endpoint URL (AWS_ENDPOINT_URL)"
+    ),
+) -> None:
+    """Upload a prepared version to S3-compatible storage (its manifest last: a cut-short upload
+    is not a version). The same version already there is a no-op; another is refused.
+
+    Example: surgectl dataset push web@v1 s3://corpora/surge
+    """
+    from services.cli import dataset_transfer
+    from services.common import paths
+
+    _say(dataset_transfer.push(paths.datasets_root(), dataset, url, s3_endpoint))
+
+
+@dataset_app.command("pull")
+def dataset_pull(
+    dataset: str = typer.Argument(..., help="'name@version' to fetch"),
+    url: str = typer.Argument(..., help="s3://BUCKET or s3://BUCKET/PREFIX it was pushed to"),
+    s3_endpoint: str = typer.Option(
+        "", envvar="AWS_ENDPOINT_URL", help="S3-compatible endpoint URL (AWS_ENDPOINT_URL)"
+    ),
+) -> None:
+    """Download a pushed version into this machine's datasets, every file's SHA-256 checked
+    before it appears (nothing is left on a mismatch).
+
+    Example: surgectl dataset pull web@v1 s3://corpora/surge
+    """
+    from services.cli import dataset_transfer
+    from services.common import paths
+
+    _say(dataset_transfer.pull(paths.datasets_root(), dataset, url, s3_endpoint))
 
 
 @dataset_app.command("list")
@@ -289,7 +406,8 @@ def delete_job(job: str = typer.Argument(..., help="job id or name")) -> None:
     """
     from services.cli import housekeeping
 
-    _say(housekeeping.delete_job(job))
+    with stack.exit_on_interrupt(_again("delete job", job)):
+        _say(housekeeping.delete_job(job))
 
 
 @delete_app.command("checkpoint")
@@ -348,7 +466,8 @@ def submit(
             raise CliError("--follow: nothing is submitted with --dry-run, so there is nothing to follow", code=2)
         print(dry_run_job(spec, overrides or ()), end="", flush=True)
         return
-    status = submit_job(spec, overrides or (), priority)
+    with stack.exit_on_interrupt("interrupted: the job may have been submitted (`surgectl status` lists the jobs)"):
+        status = submit_job(spec, overrides or (), priority)
     render.console.print(f"submitted {status.job_id} ({render.state_text(status)})")
     if status.state == render.STATE.STANDBY and status.queue_position and status.message:
         # What it waits for, e.g. "queued: needs 64 ranks (parallel.dp=64), more than the 2
@@ -372,8 +491,9 @@ def submit(
 
 @app.command()
 def status(job: str | None = typer.Argument(None), output: str = OutputOpt) -> None:
-    """Show one job or all jobs (all jobs: then, in a table, the workers taken out of
-    placement after a device's fatal error, with the reason).
+    """Show one job or all jobs, then, in tables, the ranks named slow (>= 1.5x their peers'
+    compute per step, sustained) and (all jobs) the workers taken out of placement after a
+    device's fatal error, with the reason.
 
     Example: surgectl status demo-3f2a1c -o json
     """
@@ -385,8 +505,19 @@ def status(job: str | None = typer.Argument(None), output: str = OutputOpt) -> N
         listed = clients.call("control", lambda s: s.ListJobs(control_pb2.JobQuery(), timeout=10))
         jobs, cordoned = list(listed.jobs), list(listed.cordoned)
     _show(jobs, output, render.jobs_table)
+    if output == "table" and any(j.slow_ranks for j in jobs):  # (json: each job's slow_ranks)
+        render.console.print(render.slow_ranks_table(jobs))
     if cordoned and output == "table":  # (json stays the list of jobs it always was)
         render.console.print(render.cordons_table(cordoned))
+
+
+def _alias_of_status(ctx: typer.Context) -> None:
+    """A word other tools use for listing jobs: refused with the command that does it."""
+    raise CliError(f"no such command '{ctx.info_name}': `surgectl status` lists the jobs", code=2)
+
+
+for _word in ("jobs", "list", "ls", "ps"):  # kept out of --help: a hint, not a second way
+    app.command(_word, hidden=True)(_alias_of_status)
 
 
 @app.command("spec")
@@ -567,8 +698,12 @@ def pause(job: str, no_checkpoint: bool = NoCheckpointOpt) -> None:
     """
     job = resolve_job(job)
     req = control_pb2.PauseJobRequest(job_id=job, no_checkpoint=no_checkpoint)
-    s = clients.call("control", lambda st: st.PauseJob(req, timeout=10))
-    render.console.print(f"{job}: pause requested; now {render.state_text(s)}", markup=False, highlight=False)
+    with stack.exit_on_interrupt(_again("pause", job)):
+        s = clients.call("control", lambda st: st.PauseJob(req, timeout=10))
+    if s.state == control_pb2.PAUSED:  # (asked again: it was paused already)
+        _say(f"{job}: PAUSED at step {s.step}; `surgectl resume {job}` continues it")
+        return
+    _say(f"{job}: pause requested; now {render.state_text(s)} (it pauses at its next step boundary)")
 
 
 @app.command()
@@ -622,7 +757,12 @@ def resume(
         micro_batch_size=micro_batch_size or 0,
         grad_accum=grad_accum or 0,
     )
-    s = clients.call("control", lambda st: st.ResumeJob(req, timeout=90))
+    with stack.exit_on_interrupt(_again("resume", job)):
+        s = clients.call("control", lambda st: st.ResumeJob(req, timeout=90))
+    if s.state == control_pb2.STANDBY:  # its ranks do not fit now: it waits in the queue, as a submit does
+        why = s.message.removeprefix("queued: ")  # (control's status line, shown as it is)
+        _say(f"{job}: resume waits in the queue (#{s.queue_position}): {why}; `surgectl cancel {job}` takes it out")
+        return
     where = f" from checkpoint {s.checkpoint_version} (step {s.step})" if s.state == control_pb2.WARMING_UP else ""
     if where and req.dp + req.micro_batch_size + req.grad_accum:
         where += (
@@ -670,7 +810,8 @@ def scale(
         job_id=job, dp=dp, micro_batch_size=micro_batch_size or 0, grad_accum=grad_accum or 0
     )
     asked = time.time()
-    s = clients.call("control", lambda st: st.ScaleJob(req, timeout=30))
+    with stack.exit_on_interrupt(_again("scale", job)):
+        s = clients.call("control", lambda st: st.ScaleJob(req, timeout=30))
     if s.dp == dp and micro_batch_size in (None, s.micro_batch_size) and grad_accum in (None, s.grad_accum):
         render.console.print(
             f"{job}: already at dp {s.dp} x micro_batch_size {s.micro_batch_size} x grad_accum {s.grad_accum}; "
@@ -685,7 +826,10 @@ def scale(
     )
     if wait_seconds <= 0:
         return
-    done = _scale_outcome(job, asked, wait_seconds)
+    with stack.exit_on_interrupt(
+        f"interrupted: stopped waiting; the resize goes on in control (`surgectl events {job}`)"
+    ):
+        done = _scale_outcome(job, asked, wait_seconds)
     if done is None:
         raise CliError(f"{job}: the resize was not done within {wait_seconds:g} s (see `surgectl events {job}`)")
     render.console.print(f"{job}: {done.message}", markup=False, highlight=False, soft_wrap=True)
@@ -724,7 +868,11 @@ def stop(job: str, no_checkpoint: bool = NoCheckpointOpt) -> None:
     """
     job = resolve_job(job)
     req = control_pb2.StopJobRequest(job_id=job, no_checkpoint=no_checkpoint)
-    s = clients.call("control", lambda st: st.StopJob(req, timeout=10))
+    with stack.exit_on_interrupt(_again("stop", job)):
+        s, ended = _stop_job(req)
+    if ended:  # (asked again: it had stopped, or ended, before)
+        _say(f"{job}: already {render.state_text(s)}; nothing to stop")
+        return
     # A running job stops at its next step boundary, after the checkpoint: say so, so that the
     # state read back ("now RUNNING") is not taken for a stop that failed.
     later = (
@@ -744,21 +892,126 @@ def cancel(job: str) -> None:
     """
     job = resolve_job(job)
     req = control_pb2.StopJobRequest(job_id=job, queued_only=True)
-    s = clients.call("control", lambda st: st.StopJob(req, timeout=10))
+    with stack.exit_on_interrupt(_again("cancel", job)):
+        s, ended = _stop_job(req)
+    if ended:  # (asked again: it left the queue, or ended, before)
+        _say(f"{job}: already {render.state_text(s)}; nothing to take out of the queue")
+        return
     _say(f"{job}: taken out of the queue; now {render.state_text(s)}")
 
 
-@app.command()
-def checkpoints(job: str | None = typer.Argument(None), output: str = OutputOpt) -> None:
-    """List committed checkpoint versions (oldest first).
+def _stop_job(req: control_pb2.StopJobRequest) -> tuple[control_pb2.JobStatus, bool]:
+    """StopJob; (the job's status, whether it had ended already: control's typed refusal
+    REFUSED_ALREADY_ENDED, a stop or cancel run again, answered with its status)."""
+    import grpc
 
-    Example: surgectl checkpoints demo-3f2a1c
+    from services.cli.errors import refusal_of
+
+    addr = clients.address("control")
+    with clients.open_channel(addr) as ch:
+        st = clients.new_stub("control", ch)
+        try:
+            try:
+                return st.StopJob(req, timeout=10), False
+            except grpc.RpcError as e:
+                if refusal_of(e) != control_pb2.REFUSED_ALREADY_ENDED:
+                    raise
+            return st.GetJob(control_pb2.JobQuery(job_id=req.job_id), timeout=10), True
+        except grpc.RpcError as e:
+            raise clients.rpc_error(e, "control", addr) from None
+
+
+def _again(command: str, job: str, rest: str = "") -> str:
+    """What Ctrl-C during an operator command says: it may have reached control; run again, it is safe."""
+    return (
+        f"interrupted: the {command} may have reached control (`surgectl status {job}` shows where the job "
+        f"stands); `surgectl {command} {job}{rest}` again is safe"
+    )
+
+
+@app.command()
+def revoke(
+    job: str,
+    fault_class: str = typer.Argument(
+        ...,
+        help="the step fault class whose standing order to withdraw: one of " + ", ".join(STEP_FAULT_CLASSES),
+    ),
+) -> None:
+    """Withdraw a running job's standing order for a class of step faults (a verdict its ranks
+    hold in advance, e.g. the default skip_step for gradient_overflow): from a step boundary
+    every rank has yet to reach, each such fault is decided by the fault policy one at a
+    time. Ranks relaunched later get the policy's orders again.
+
+    Example: surgectl revoke demo-3f2a1c gradient_overflow
+    """
+    job = resolve_job(job)
+    req = control_pb2.RevokeOrderRequest(job_id=job, fault_class=fault_class)
+    with stack.exit_on_interrupt(_again("revoke", job, f" {fault_class}")):
+        s = clients.call("control", lambda st: st.RevokeOrder(req, timeout=10))
+    _say(f"{job}: standing order for {fault_class} withdrawn at its next step boundary; now {render.state_text(s)}")
+
+
+@app.command()
+def uncordon(worker: str = typer.Argument(..., help="the worker id, as `surgectl status` lists it")) -> None:
+    """End a worker's cordon: a sick node's quarantine (its rank faults piled up across jobs),
+    or a device's. New and relaunched ranks may be placed on it again. A worker with no
+    cordon is refused in one line.
+
+    Example: surgectl uncordon worker-2
+    """
+    req = control_pb2.UncordonWorkerRequest(worker_id=worker)
+    left = clients.call("control", lambda st: st.UncordonWorker(req, timeout=10)).cordoned
+    still = f"; still cordoned: {', '.join(c.worker_id for c in left)}" if left else ""
+    _say(f"{worker}: uncordoned; ranks may be placed on it again{still}")
+
+
+@app.command()
+def checkpoints(
+    job: str | None = typer.Argument(None),
+    output: str = OutputOpt,
+    verify: bool = typer.Option(
+        False,
+        "--verify",
+        help="re-hash every byte of the versions now (the store's scrub) and print one line per version; "
+        "exit 1 when one is not intact",
+    ),
+    timeout: float = typer.Option(3600.0, "--timeout", min=1.0, help="seconds the store may take to verify"),
+) -> None:
+    """List committed checkpoint versions (oldest first), or verify them (--verify).
+
+    Sizes are in decimal units (KB, MB, GB: powers of 1000), as the job's events say them.
+
+    Example: surgectl checkpoints demo-3f2a1c --verify
     """
     job = resolve_job(job) if job else None
+    if verify:
+        _verify_checkpoints(job or "", output, timeout)
+        return
     resp = clients.call("store", lambda s: s.List(store_pb2.CheckpointQuery(job_id=job or ""), timeout=10))
     if job and not resp.checkpoints:  # an unknown job is an error, a job without versions is not
         clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))
     _show(resp.checkpoints, output, render.checkpoints_table)
+
+
+def _verify_checkpoints(job: str, output: str, timeout: float) -> None:
+    """The store's scrub of ``job``'s versions (every job's if empty): each version re-hashed
+    against its manifest and its verdict recorded (a version newly found corrupt is published
+    like a background scrub's finding). One line per version; exit 1 when one is not ok."""
+    if output not in ("table", "json"):
+        raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
+    resp = clients.call("store", lambda s: s.Scrub(store_pb2.ScrubCheckpoints(job_id=job), timeout=timeout))
+    if output == "json":
+        render.print_json(resp)
+    else:
+        for v in resp.versions:
+            _say(render.verdict_line(v))
+        bad = sum(1 for v in resp.versions if not v.ok)
+        _say(
+            f"{len(resp.versions)} versions verified in {resp.seconds:.1f} s: "
+            + (f"{bad} not intact" if bad else "all intact")
+        )
+    if any(not v.ok for v in resp.versions):
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -43,7 +43,9 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common import fencing
 from services.common.identity import MODULE_METADATA, CallerPolicy, Refused
+from services.contract.failures import CAUSE_METADATA
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 GRPC_OPTIONS = [
@@ -58,7 +60,10 @@ AUTH_TOKEN_ENV = "SURGE_AUTH_TOKEN"
 
 # RPCs that change state: they need the bearer token when SURGE_AUTH_TOKEN is set.
 MUTATING_METHODS = frozenset(
-    [f"/surge.v1.ControlService/{m}" for m in ("SubmitJob", "PauseJob", "ResumeJob", "StopJob", "DeleteJob")]
+    [
+        f"/surge.v1.ControlService/{m}"
+        for m in ("SubmitJob", "PauseJob", "ResumeJob", "ScaleJob", "StopJob", "DeleteJob", "RevokeOrder")
+    ]
     + ["/surge.v1.StoreService/Delete", "/surge.v1.DataService/Delete"]
 )
 
@@ -168,10 +173,11 @@ def _claim(context) -> str | None:
 
 
 def _identify(method: str, context) -> tuple[grpc.StatusCode, str, tuple] | None:
-    """None when the caller's identity holds; else the refusal (code, details, trailers)."""
+    """None when the caller's identity holds; else the refusal (code, details, trailers).
+    A caller that names an older generation of its rank than the newest this process was
+    told of is refused too (FAILED_PRECONDITION, cause ``FAILURE_FENCED``: fencing.py)."""
     try:
         _policy().check(method, _claim(context), _certificate_names(context))
-        return None
     except Refused as e:
         from services.contract.audit import VIOLATION_METADATA, violation_event
         from services.contract.bus import BOUNDARY_VIOLATIONS, TRAFFIC, BoundaryViolation
@@ -183,6 +189,11 @@ def _identify(method: str, context) -> tuple[grpc.StatusCode, str, tuple] | None
         event = violation_event(error, f"{method} server")
         event.detail = str(e)
         return grpc.StatusCode.PERMISSION_DENIED, str(e), ((VIOLATION_METADATA, event.SerializeToString()),)
+    stale = fencing.check_call(context.invocation_metadata(), method.rsplit("/", 1)[-1])
+    if stale is not None:
+        _log.warning("call refused: stale generation", method=method, error=str(stale))
+        return grpc.StatusCode.FAILED_PRECONDITION, f"{method}: {stale}", ((CAUSE_METADATA, "FAILURE_FENCED"),)
+    return None
 
 
 def _module_label(module: int) -> str:
@@ -575,6 +586,9 @@ class _Headers(
 
     def _details(self, details):
         metadata = [*(details.metadata or ()), *self._headers]
+        generation = fencing.identity_header()  # (read per call: a rank learns it after its channels exist)
+        if generation is not None:
+            metadata.append(generation)
         return _CallDetails(
             details.method,
             details.timeout,
@@ -701,7 +715,7 @@ def channel(address: str, options: Sequence[tuple[str, Any]] = (), module: int |
         raw = grpc.secure_channel(address, credentials, options=opts)
     else:
         raw = grpc.insecure_channel(address, options=opts)
-    headers = []
+    headers = []  # (a rank's generation is added per call by _Headers: services/common/fencing.py)
     token = os.environ.get(AUTH_TOKEN_ENV)
     if token:
         headers.append(("authorization", f"Bearer {token}"))
@@ -709,6 +723,4 @@ def channel(address: str, options: Sequence[tuple[str, Any]] = (), module: int |
         from services.contract import Module
 
         headers.append((MODULE_METADATA, Module.Name(module)))
-    if not headers:
-        return raw
     return _Channel(raw, grpc.intercept_channel(raw, _Headers(headers)))

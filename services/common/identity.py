@@ -44,13 +44,17 @@ PLUMBING_CALLERS: dict[str, frozenset[int]] = {
     "/surge.v1.ControlService/WorkerSession": frozenset({M.EXT_HARDWARE}),  # a node agent
     "/surge.v1.ControlService/StreamLogs": frozenset({M.EXT_USER}),
     "/surge.v1.WorkerService/RankSession": frozenset({M.L2_TRAINING_LOOP}),  # a rank, for its modules
-    "/surge.v1.StoreService/Record": frozenset({M.L2_TRAINING_LOOP}),  # StepCompleted / EvalCompleted to L5-2
+    # StepCompleted / EvalCompleted to L5-2: a node agent, for its ranks' loops (worker/metric_stream.py)
+    "/surge.v1.StoreService/Record": frozenset({M.L2_TRAINING_LOOP}),
     "/surge.v1.AuditService/Audit": frozenset({M.EXT_USER}),
     # In-memory checkpoint copies (worker.proto MemoryCopyService; the data plane, exception
     # memory-copies-data-plane): a rank's L5 relay with its own agent, an agent with its peer.
     "/surge.v1.MemoryCopyService/PutChunks": frozenset({M.L5_CHECKPOINT_MANAGER, M.EXT_HARDWARE}),
     "/surge.v1.MemoryCopyService/HeldChunks": frozenset({M.L5_CHECKPOINT_MANAGER, M.EXT_HARDWARE}),
     "/surge.v1.MemoryCopyService/GetChunk": frozenset({M.L5_CHECKPOINT_MANAGER, M.EXT_HARDWARE}),
+    "/surge.v1.MemoryCopyService/GetChunks": frozenset({M.L5_CHECKPOINT_MANAGER, M.EXT_HARDWARE}),
+    # A heal's bulk lane (services/worker/bulk_lane.py): one agent asks its peer, never a rank.
+    "/surge.v1.MemoryCopyService/OpenBulkRead": frozenset({M.EXT_HARDWARE}),
     # Checkpoint bytes without a shared filesystem (store.proto, exception checkpoint-bytes-stream):
     # a rank's L5 relay streams its save's files to the store and reads a version's back.
     "/surge.v1.StoreService/PutCheckpointFiles": frozenset({M.L5_CHECKPOINT_MANAGER}),

@@ -16,12 +16,18 @@ Cost on the hot path: ``enter`` is three attribute stores (no lock, no allocatio
 float): a beat may read a phase with the previous phase's start time for a few
 microseconds, which a deadline measured in seconds cannot see. ``advance`` is one integer
 add. Values are ``worker_pb2.RankPhase`` numbers.
+
+It also sums the rank's compute time per phase (``compute_time.py``: forward, backward,
+optimizer, without the waits in collectives), read at each step's end for the beats:
+``enter`` hands the phase it leaves to that clock (one dictionary look-up and an add on
+CPU ranks; a CUDA event recorded on GPU ranks).
 """
 
 from __future__ import annotations
 
 import time
 
+from services.common.compute_time import CudaComputeClock, HostComputeClock
 from services.contract import worker_pb2
 
 RankPhase = worker_pb2.RankPhase
@@ -43,15 +49,33 @@ class PhaseMarker:
     entered (``time.monotonic()``), the units of it done and the units it will take (0:
     unknown)."""
 
-    __slots__ = ("phase", "progress", "since", "total")
+    __slots__ = ("_compute", "_counted", "phase", "progress", "since", "total")
 
     def __init__(self, phase: int = IDLE):
         self.phase, self.since, self.progress, self.total = phase, time.monotonic(), 0, 0
+        self._compute: HostComputeClock | CudaComputeClock = HostComputeClock()
+        self._counted = self.since  # the current phase's time is in the sums up to here
+
+    def time_on_cuda(self, cuda) -> None:
+        """Count compute time with CUDA events on the current stream (a GPU rank, once its
+        device is chosen; ``cuda``: the ``torch.cuda`` module)."""
+        self._compute = CudaComputeClock(cuda)
 
     def enter(self, phase: int, total: int = 0) -> None:
         """The main thread enters ``phase`` (of ``total`` units, when known)."""
-        self.progress, self.total, self.since = 0, total, time.monotonic()
+        now = time.monotonic()
+        self._compute.left(self.phase, self._counted, now)
+        self.progress, self.total, self.since, self._counted = 0, total, now, now
         self.phase = phase
+
+    def compute_seconds(self) -> tuple[float, float, float]:
+        """(forward, backward, optimizer) compute seconds so far, the current phase's up to
+        now included (read by the main thread at a step's end, while still in the optimizer
+        phase: its update belongs to the step it ends)."""
+        now = time.monotonic()
+        self._compute.left(self.phase, self._counted, now)
+        self._counted = now
+        return self._compute.totals()
 
     def advance(self, units: int = 1) -> None:
         """``units`` more of the current phase done (e.g. one evaluation batch)."""

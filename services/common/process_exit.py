@@ -6,6 +6,12 @@ import os
 import sys
 from typing import NoReturn
 
+# A rank that raised MemoryError exits with this code (services/rank/__main__.py): its node
+# agent knows the cause from the code alone (services/worker/exit_cause.py). 75 is unused by
+# Python, by the shell's conventions (126-128, 128+N) and by the rank's other codes (1 failed,
+# 2 bad arguments, 3 session lost).
+MEMORY_ERROR_EXIT_CODE = 75
+
 
 def exit_now(code: int) -> NoReturn:
     """Flush stdout/stderr and end the process with ``code``, skipping interpreter finalization.
@@ -24,6 +30,20 @@ def exit_now(code: int) -> NoReturn:
 
     Call it last, after every result is written and closed. Never returns.
     """
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # (a pipe whose reader, the node agent, is gone: exit anyway)
+            pass
     os._exit(code)
+
+
+def last_words(text: str) -> None:
+    """Write ``text`` to stderr if anyone still reads it: a rank's stderr is a pipe to its node
+    agent (services/worker/rank_logs.py), and once that agent is gone a write raises
+    BrokenPipeError, which must not stop the rank from leaving."""
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass

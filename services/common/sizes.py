@@ -16,3 +16,12 @@ def size_text(n: int | float) -> str:
         if n < 999.5 or unit == _UNITS[-1]:
             return f"{n:.1f} {unit}" if n < 9.95 else f"{n:.0f} {unit}"
     raise AssertionError("unreachable")
+
+
+def human_bytes(n: float) -> str:
+    """E.g. "512 B", "1.5 MiB": binary units, one decimal (memory and free space)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

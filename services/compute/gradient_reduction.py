@@ -47,7 +47,9 @@ unsharded locally), ``sync=True`` for the last one.
 
 ``ReduceGradients`` (after backward) is the step's one small collective: one float64
 all-reduce (SUM) over the whole world of ``[loss_sum, tokens, replicated_squares,
-sharded_squares, found_inf]``, each rank's share weighted so that each quantity is counted
+sharded_squares, found_inf, held boundary commands' slots x 4]`` (the last: the ranks'
+agreement on the step boundary of a pause, stop or revoke, services/common/boundary_commands.py;
+over the whole world, so tp and pp peers agree too), each rank's share weighted so that each quantity is counted
 once: tokens on the ranks at tp = pp = 0 (tp and pp peers read the same data), the loss on
 tp = 0 (only the last pipeline stage has one; the others send 0), the squares of plain
 (whole, replicated) gradients on dp = tp = 0, DTensor shards' squares as L2-4 counted them
@@ -71,6 +73,16 @@ all-reduce or reduce-scatter per such tensor, in both).
 
 With ``data_parallel="none"`` (dp == 1) nothing is wrapped and nothing is communicated here.
 
+Replica check (issue 29 item 3; ``ReduceGradients.check_replicas``, sent by the loop after the
+update at its check steps only): this rank's parameters are digested (one float64 sum per
+tensor, services/compute/replica_digest.py), the digests all-gathered over the dp group (a
+vector of one float64 per tensor per replica) and compared, the odd replica found by majority.
+Every rank of the group compares the same gathered matrix, so all find the same answer. Not
+folded into the step's SUM all-reduce: a sum says that the replicas differ, not which one
+does. Only where dp replicas of a parameter exist: ddp (tp and pp peers compare their own
+shards within their dp group); under FSDP2 each dp rank holds different shards (nothing to
+compare: ``replicas_checked`` false).
+
 Red lines kept (seed L3-5): produces no gradients and changes none beyond DDP/FSDP's
 averaging (the reduction itself), no weight update, never creates or rebuilds a process
 group (the mesh's groups are L2-2's).
@@ -92,7 +104,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_mod
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
+from services.common import boundary_commands
 from services.common import phase as ph
+from services.compute import replica_digest
 from services.compute.parallelize import (
     ACTIVATION_CHECKPOINTING,
     DDP,
@@ -140,6 +154,7 @@ class GradientReduction:
         self._sync = True  # this micro-step's backward is the step's last (ArmReduction.sync)
         self._replicated: list[nn.Parameter] = []  # tp > 1 (no FSDP2): parameters whose grads may come out Partial
         self._pending: set[int] = set()  # ids of those whose grad the last backward has accumulated
+        self._model: nn.Module | None = None  # the attached model (unwrapped): the replica check's parameters
 
     def parallel_plan(self, msg: engine_pb2.ParallelPlan, payload: Any = None) -> None:
         """通信域同步策略指令 (payload: the DeviceMesh). Once, then only the same plan again
@@ -208,6 +223,7 @@ class GradientReduction:
         if self._plan is None:
             raise RuntimeError("gradient reduction: a model was attached before the parallel plan")
         steps = layout_steps(self._plan)
+        self._model = model
         if self._attached:  # a rebuilt group (ddp or none only): the layout stays, the wrapper is new
             return self._wrap_ddp(model, sync=False) if DDP in steps and self._group is not None else model
         self._attached = True
@@ -258,14 +274,20 @@ class GradientReduction:
         world (module docstring). Communication errors propagate (the plan is not rebuilt)."""
         t0 = time.perf_counter()
         self._mark.enter(ph.COLLECTIVE)
+        if msg.check_replicas:
+            return self._check_replicas(t0)
         plan = self._plan
+        held = list(msg.held_commands)
         local = [msg.local_loss_sum, float(msg.local_tokens), msg.replicated_squares, msg.sharded_squares,
-                 float(msg.local_found_inf)]  # fmt: skip
+                 float(msg.local_found_inf), *boundary_commands.slots(held)]  # fmt: skip
+        world = 1
         if plan is not None and plan.world_size > 1:
+            world = plan.world_size
             # Each quantity counted once over the world (module docstring): zero the shares
-            # this rank's replicas also send.
+            # this rank's replicas also send; every rank's held boundary commands count.
             tp0, pp0 = plan.tp_rank == 0, plan.pp_rank == 0
             weights = [float(tp0), float(tp0 and pp0), float(tp0 and plan.dp_rank == 0), 1.0, 1.0]
+            weights += [1.0] * boundary_commands.WINDOW
             stats = torch.tensor(
                 [v * w for v, w in zip(local, weights)], dtype=torch.float64, device=self._stats_device
             )
@@ -283,11 +305,37 @@ class GradientReduction:
                 self._state = "comm_failed"
                 raise CommunicationFailed("the process group was aborted during the step's reduction")
             self._state = "done"
-        loss_sum, tokens, replicated, sharded, overflowed = local
+        loss_sum, tokens, replicated, sharded, overflowed, *held_counts = local
         return engine_pb2.GradientsReduced(
             global_loss_sum=loss_sum, global_tokens=round(tokens), seconds=time.perf_counter() - t0,
             found_inf=overflowed > 0 or not math.isfinite(overflowed), grad_squares=replicated + sharded,
+            commands_agreed=boundary_commands.agreed(held, held_counts, world),
         )  # fmt: skip
+
+    def _check_replicas(self, t0: float) -> engine_pb2.GradientsReduced:
+        """The replica check (module docstring): digest, all-gather over the dp group, vote.
+        Communication errors propagate, as the step's reduction's do."""
+        if self._group is None or self._fsdp is not None or self._model is None:
+            return engine_pb2.GradientsReduced(seconds=time.perf_counter() - t0)  # no dp replicas to compare
+        named = replica_digest.local_tensors(self._model)
+        mine = replica_digest.digest(t for _, t in named).to(self._stats_device)
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group))]
+        self._state = "reducing"
+        try:
+            dist.all_gather(gathered, mine, group=self._group)
+        except Exception:
+            self._state = "comm_failed"
+            raise
+        if communicator_broken():  # (as in reduce_gradients: a cut-short NCCL gather is no answer)
+            self._state = "comm_failed"
+            raise CommunicationFailed("the process group was aborted during the replica check")
+        self._state = "done"
+        found = replica_digest.odd_replicas(torch.stack(gathered).cpu(), [n for n, _ in named])
+        reply = engine_pb2.GradientsReduced(seconds=time.perf_counter() - t0, replicas_checked=True)
+        if found is not None:
+            reply.diverged_tensor, reply.diverged_tensors = found.tensor, found.num_tensors
+            reply.odd_dp_ranks.extend(found.odd_ranks)
+        return reply
 
     def _arm_partial_settle(self, model: nn.Module) -> None:
         """tp > 1 without FSDP2 (which reduces its gradients itself): a hook on every

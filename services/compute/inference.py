@@ -36,7 +36,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from services.compute.model import build_model, generate
+from services.compute.decode import generate
+from services.compute.model import build_model
 from services.jobspec import JobSpec, spec_from_json
 from services.state.chunk_store import (
     CHUNKED_METADATA_CLASSES,

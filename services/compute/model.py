@@ -134,6 +134,12 @@ class Attention(nn.Module):
         self.proj = nn.Linear(D, D, bias=False)
 
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kernel) -> torch.Tensor:
+        q_BHTK, k_BGTK, v_BGTK = self.heads(x_BTD, rope)
+        return self.merge(kernel(q_BHTK, k_BGTK, v_BGTK))
+
+    def heads(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """q [B, H, T, K] and k, v [B, G, T, K] of ``x_BTD``, q and k rotated by ``rope``
+        (the tables of x's positions; a KV cache's decoding passes later positions')."""
         B, T, _ = x_BTD.shape
         # The heads are counted from the projections' widths, not the spec: under tensor
         # parallelism q/k/v are column shards and this rank holds n_heads / tp query heads
@@ -145,8 +151,12 @@ class Attention(nn.Module):
         cos, sin = rope
         q_BHTK = apply_rotary(q_BHTK, cos.to(q_BHTK.dtype), sin.to(q_BHTK.dtype))
         k_BGTK = apply_rotary(k_BGTK, cos.to(k_BGTK.dtype), sin.to(k_BGTK.dtype))
-        y_BHTK = kernel(q_BHTK, k_BGTK, v_BGTK)
-        return self.proj(y_BHTK.transpose(1, 2).reshape(B, T, H * self.head_dim))
+        return q_BHTK, k_BGTK, v_BGTK
+
+    def merge(self, y_BHTK: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs back to [B, T, D], projected."""
+        B, H, T, K = y_BHTK.shape
+        return self.proj(y_BHTK.transpose(1, 2).reshape(B, T, H * K))
 
 
 class MLP(nn.Module):
@@ -218,10 +228,15 @@ class Transformer(nn.Module):
         if kernel is None:
             raise ValueError(f"attention: expected one of {ATTENTION_BACKENDS}, got {name!r}")
         x_BTD = self.tok_emb(idx_BT)
-        rope = self._rotary.tables(idx_BT.shape[1], x_BTD.device, torch.float32)
+        rope = self.rope(idx_BT.shape[1], x_BTD.device)
         for block in self.blocks:
             x_BTD = block(x_BTD, rope, kernel)
         return self.lm_head(self.norm(x_BTD))
+
+    def rope(self, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables (cos, sin) of positions 0..T-1, float32 (a KV cache's decoding
+        slices its new positions from them)."""
+        return self._rotary.tables(T, device, torch.float32)
 
     def init_weights(self, seed: int) -> None:
         """Deterministic initialisation from ``seed`` (:func:`init_weights`)."""
@@ -315,51 +330,3 @@ def build_model(
 def count_parameters(model: nn.Module) -> int:
     """Distinct parameters (a tied weight counts once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-@torch.no_grad()
-def generate(
-    model: nn.Module,
-    prompt_ids: torch.Tensor,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    generator: torch.Generator | None = None,
-    context_len: int = 0,
-) -> torch.Tensor:
-    """Continue ``prompt_ids`` (int64 [T] or [B, T]) by ``max_new_tokens`` tokens.
-
-    ``temperature == 0`` or ``top_k == 1`` is greedy decoding; otherwise tokens are drawn
-    from softmax(logits / temperature) restricted to the ``top_k`` most likely (0: all).
-    No KV cache: each new token re-runs the context, cropped to the last ``context_len``
-    tokens (0: no crop; pass the training seq_len so the model never sees positions it was
-    not trained on and the cost per token stays bounded).
-
-    Returns the prompt plus the new tokens, same rank as ``prompt_ids``.
-    Raises ValueError for an empty prompt or negative arguments.
-    """
-    if prompt_ids.numel() == 0:
-        raise ValueError("generate: the prompt must hold at least one token")
-    if max_new_tokens < 0 or temperature < 0 or top_k < 0:
-        raise ValueError("generate: max_new_tokens, temperature and top_k must be >= 0")
-    squeeze = prompt_ids.ndim == 1
-    idx_BT = prompt_ids.unsqueeze(0) if squeeze else prompt_ids
-    was_training = model.training
-    model.eval()
-    try:
-        for _ in range(max_new_tokens):
-            window_BT = idx_BT[:, -context_len:] if context_len > 0 else idx_BT
-            logits_BV = model(window_BT)[:, -1, :].float()
-            if temperature == 0 or top_k == 1:
-                next_B1 = logits_BV.argmax(dim=-1, keepdim=True)
-            else:
-                logits_BV = logits_BV / temperature
-                if top_k > 0:
-                    kth_B1 = torch.topk(logits_BV, min(top_k, logits_BV.shape[-1]), dim=-1).values[:, -1:]
-                    logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
-                probs_BV = torch.softmax(logits_BV, dim=-1)
-                next_B1 = torch.multinomial(probs_BV, 1, generator=generator)
-            idx_BT = torch.cat((idx_BT, next_B1), dim=1)
-    finally:
-        model.train(was_training)
-    return idx_BT[0] if squeeze else idx_BT

@@ -251,9 +251,10 @@ class Bus:
     def host(self, module: int, obj: object, *, not_handled: Mapping[type[Message], str] | None = None) -> None:
         """Subscribe ``obj`` as ``module``: every IMPLEMENTED route to ``module`` goes to the
         method the table names (``route_table.handler_name``: a command by its verb,
-        ``RunForward`` -> ``run_forward``; an event or data by ``on_`` + its name). A failure
-        event (``failure: true``) without its own method goes to ``on_failure`` if ``obj`` has
-        one. An event ``module`` may also get as the reply to something it sends the event's
+        ``RunForward`` -> ``run_forward``; an event or data by ``on_`` + its name). A route
+        whose option says ``module`` does not handle it (``not_handled``, with the reason) is
+        not subscribed. A failure event (``failure: true``) without its own method goes to
+        ``on_failure`` if ``obj`` has one. An event ``module`` may also get as the reply to something it sends the event's
         sender is subscribed only if ``obj`` defines its method. The generated Protocols in
         ``services/contract/handlers.py`` list what each module must define.
 
@@ -285,6 +286,13 @@ class Bus:
                 continue
             self.subscribe(module, message_class(h.route.message), method)
         mine = {h.route.message for h in handled}
+        mine |= {r.message for r in self._table.routes() if r.implemented and module in r.not_handled}
+        for route in self._table.routes():
+            if module in route.not_handled and callable(getattr(type(obj), handler_name(route), None)):
+                raise RouteError(
+                    f"{who} handles {route.message} with {handler_name(route)}, "
+                    "but its route says it does not (not_handled)"
+                )
         for name in sorted(set(skip) - mine):
             raise RouteError(f"{who} is hosted as not handling {name}, which is not an implemented route to it")
         for route in self._table.routes():

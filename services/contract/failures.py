@@ -21,6 +21,9 @@ arrives. This file turns what Python raises into what L1-3 reads:
 * ``failure_reported`` -- an exception attribute a module sets when it published its
   failure event for that error itself (with its own fields, e.g. SnapshotFailed's store
   cause): the bus does not publish a second one.
+* :class:`WriteRefused`, :func:`write_refused` -- a write a destination refused (a full disk,
+  a quota, a permission, a read-only filesystem, an I/O error), typed by the ``errno`` at the
+  place the write failed (``FAILURE_WRITE_REFUSED`` and a ``WriteError``), never by its text.
 * :class:`Unwind` -- control flow that crosses the bus on purpose (a cancelled stream): not
   a failure either.
 * :func:`collective`, :func:`set_collective_probe`, :func:`communicator_failed` -- a
@@ -38,6 +41,7 @@ What grades a cause (fault class, grade) is the fault detector's rule table, key
 from __future__ import annotations
 
 import errno
+import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -58,6 +62,10 @@ CAUSE_METADATA = "surge-failure-cause"
 # The trailing-metadata key of a refused operator command: the refusal's typed reason
 # (a ``surge.v1.RefusalReason`` name, control.proto), for a client that acts on it.
 REFUSAL_METADATA = "surge-refusal"
+# Trailing metadata of a call refused because a write was (FAILURE_WRITE_REFUSED): the
+# WriteError's name and the path refused, so the caller's report says both, typed.
+WRITE_ERROR_METADATA = "surge-write-error"
+WRITE_PATH_METADATA = "surge-write-path"
 _DETAIL_CHARS = 400
 
 
@@ -74,6 +82,124 @@ class Refusal(Exception):
 class Unwind(Exception):
     """Mixin: control flow that unwinds through a handler on purpose (a cancelled stream);
     the bus re-raises it unchanged. Not a failure: it is never published."""
+
+
+# errno of a refused write -> its WriteError (route.proto). Only where a write failed: EACCES or
+# EIO on a read says something else, so no errno is read as a refused write by cause_of.
+WRITE_ERRNOS: dict[int, int] = {
+    errno.ENOSPC: route_pb2.WRITE_NO_SPACE,
+    errno.EDQUOT: route_pb2.WRITE_QUOTA,
+    errno.EACCES: route_pb2.WRITE_PERMISSION,
+    errno.EPERM: route_pb2.WRITE_PERMISSION,
+    errno.EROFS: route_pb2.WRITE_READ_ONLY,
+    errno.EIO: route_pb2.WRITE_IO,
+}
+
+
+# WriteError -> the errno it stands for (a refusal typed in another process, carried here).
+_ERRNO_OF = {
+    route_pb2.WRITE_NO_SPACE: errno.ENOSPC,
+    route_pb2.WRITE_QUOTA: errno.EDQUOT,
+    route_pb2.WRITE_PERMISSION: errno.EACCES,
+    route_pb2.WRITE_READ_ONLY: errno.EROFS,
+    route_pb2.WRITE_IO: errno.EIO,
+}
+
+
+class WriteRefused(OSError):
+    """A destination refused a write: ``write_error`` (a ``WriteError``, from the errno) and
+    ``path`` (what was being written, "" if the error did not say). Cause
+    ``FAILURE_WRITE_REFUSED``: the bytes were not stored, nothing stored before is touched."""
+
+    failure_cause = C.FAILURE_WRITE_REFUSED
+
+    def __init__(self, errno_: int, strerror: str, path: str, write_error: int):
+        super().__init__(errno_, strerror, path or None)
+        self.write_error = write_error
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:  # (DCP gathers a rank's error to the others pickled)
+        return type(self), (self.errno, self.strerror, self.path, self.write_error)
+
+
+def write_refused(exc: BaseException) -> WriteRefused | None:
+    """``exc`` as a :class:`WriteRefused` if it is (or holds) an ``OSError`` whose errno a
+    refused write raises (``WRITE_ERRNOS``), else None. Call it where a write failed only.
+    Looks through ``__cause__`` / ``__context__`` and, for an error that gathers several
+    (torch.distributed.checkpoint's ``CheckpointException.failures``: rank -> (error,
+    traceback); read by duck typing, no torch import), each gathered error, lowest rank first."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, WriteRefused):
+            return e
+        if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:
+            path = e.filename if isinstance(e.filename, str) else ""
+            return WriteRefused(e.errno, e.strerror or "", path, WRITE_ERRNOS[e.errno])
+        kind = getattr(e, "write_error", 0)
+        if _own_cause(e) == C.FAILURE_WRITE_REFUSED and kind in _ERRNO_OF:
+            # Typed where the write failed, in another process (a store's refusal that a
+            # relay carried): its WriteError and path, the errno the kind stands for.
+            return WriteRefused(_ERRNO_OF[kind], os.strerror(_ERRNO_OF[kind]), str(getattr(e, "path", "")), kind)
+        gathered = getattr(e, "failures", None)
+        if isinstance(gathered, dict):
+            for _, failure in sorted(gathered.items(), key=lambda kv: kv[0] if isinstance(kv[0], int) else 1 << 30):
+                inner = failure[0] if isinstance(failure, tuple) and failure else failure
+                if isinstance(inner, BaseException):
+                    todo.append(inner)
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    return None
+
+
+@contextmanager
+def writing(path: Any = "") -> Iterator[None]:
+    """Around a write to ``path``: an ``OSError`` that a refused write raises
+    (``WRITE_ERRNOS``) leaves as :class:`WriteRefused` (naming ``path`` when the error named
+    none); any other error as it is."""
+    try:
+        yield
+    except WriteRefused:
+        raise
+    except OSError as e:
+        refused = write_refused(e)
+        if refused is None:
+            raise
+        if not refused.path and path:
+            refused.path = str(path)
+        raise refused from e
+
+
+def write_metadata(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata naming the refused write behind ``exc`` (its WriteError and path),
+    if ``exc`` is typed ``FAILURE_WRITE_REFUSED``; else none."""
+    if cause_of(exc) != C.FAILURE_WRITE_REFUSED:
+        return ()
+    refused = write_refused(exc)
+    if refused is None:
+        return ()
+    return (
+        (WRITE_ERROR_METADATA, route_pb2.WriteError.Name(refused.write_error)),
+        (WRITE_PATH_METADATA, refused.path),
+    )
+
+
+def write_refused_from_rpc(e: Any) -> tuple[int, str]:
+    """(WriteError, path) a refused call's trailing metadata names (``write_metadata``);
+    (WRITE_ERROR_UNSPECIFIED, "") if it names none."""
+    kind, path = route_pb2.WRITE_ERROR_UNSPECIFIED, ""
+    try:
+        for key, value in e.trailing_metadata() or ():
+            if key == WRITE_ERROR_METADATA and value in route_pb2.WriteError.keys():  # noqa: SIM118 - an enum wrapper
+                kind = route_pb2.WriteError.Value(value)
+            elif key == WRITE_PATH_METADATA:
+                path = str(value)
+    except Exception:  # noqa: BLE001, S110 - a local error without metadata: none named
+        pass
+    return kind, path
 
 
 class CommunicationFailed(RuntimeError):
@@ -277,8 +403,9 @@ def _grpc_cause(e: Any) -> int:
 
 
 def cause_metadata(exc: BaseException) -> tuple[tuple[str, str], ...]:
-    """Trailing metadata for a server aborting a call because of ``exc``: its cause, typed."""
-    return ((CAUSE_METADATA, C.Name(cause_of(exc))),)
+    """Trailing metadata for a server aborting a call because of ``exc``: its cause, typed
+    (and, for a refused write, which and where: ``write_metadata``)."""
+    return ((CAUSE_METADATA, C.Name(cause_of(exc))), *write_metadata(exc))
 
 
 # ---------------------------------------------------------------- the failure event

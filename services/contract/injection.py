@@ -3,7 +3,7 @@
 ``SURGE_FAULT_INJECT_HANDLER`` (read when this file is imported; :func:`configure` for tests) holds
 ``;``-separated rules::
 
-    handler:<MODULE>:<Message>[:after=N][:times=K][:cause=<FailureCause name>][:in=<main module>]
+    handler:<MODULE>:<Message>[:after=N][:times=K][:cause=<FailureCause name>][:delay=S][:in=<main module>]
 
 ``MODULE`` is a ``surge.v1.Module`` name (``L3_FORWARD_UNIT``), ``Message`` a routed message's
 short or full name (``RunForward``). The bus calls :func:`check` right before it runs that
@@ -11,6 +11,8 @@ module's handler of that message: the ``N+1``-th call (``after``, default 0) and
 after it (``times``, default 1) raise :class:`InjectedFault` in place of the handler, with
 the given typed cause (default ``FAILURE_INTERNAL``). What happens next is what happens to any
 exception escaping a handler: the module's failure event (services/contract/failures.py).
+``delay``: those calls are held ``S`` seconds (a float) and then run the handler, raising
+nothing: a module that is slow but alive (a store answering late on a loaded machine).
 ``in``: only in the process whose ``__main__`` module is that one or under it
 (``services.store``): a relay stands in for a module of another process on its own bus (the
 rank's store relay is L5-2 there too), and a rule for the module's own process must not fire
@@ -26,6 +28,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 from services.contract import route_pb2
@@ -46,6 +49,7 @@ class _Rule:
     after: int = 0
     times: int = 1
     cause: int = route_pb2.FAILURE_INTERNAL
+    delay: float = 0.0  # > 0: the call is held this long, then handled (no fault)
     calls: int = 0
 
 
@@ -64,7 +68,8 @@ def configure(spec: str) -> None:
         parts = text.split(":")
         if len(parts) < 3 or parts[0] != "handler":
             raise ValueError(
-                f"{ENV}: {text!r}: expected handler:<MODULE>:<Message>[:after=N][:times=K][:cause=NAME][:in=MAIN]"
+                f"{ENV}: {text!r}: expected handler:<MODULE>:<Message>[:after=N][:times=K][:cause=NAME][:delay=S]"
+                "[:in=MAIN]"
             )
         try:
             module = route_pb2.Module.Value(parts[1])
@@ -78,6 +83,8 @@ def configure(spec: str) -> None:
                 setattr(rule, key, int(value))
             elif key == "cause" and value in route_pb2.FailureCause.keys():  # noqa: SIM118 - an enum wrapper
                 rule.cause = route_pb2.FailureCause.Value(value)
+            elif key == "delay" and _seconds(value) is not None:
+                rule.delay = _seconds(value)
             elif key == "in" and value:
                 here = _main_is(value)
             else:
@@ -87,6 +94,15 @@ def configure(spec: str) -> None:
     with _lock:
         _rules.clear()
         _rules.update(rules)
+
+
+def _seconds(value: str) -> float | None:
+    """``value`` as a finite number of seconds >= 0, else None."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return seconds if 0 <= seconds < float("inf") else None
 
 
 def _main_is(name: str) -> bool:
@@ -100,7 +116,7 @@ def check(module: int, message: str) -> None:
     """The bus, before ``module``'s handler of ``message`` (full name) runs.
 
     Raises:
-        InjectedFault: a rule says this call fails.
+        InjectedFault: a rule says this call fails (a ``delay`` rule holds it instead).
     """
     if not _rules:
         return
@@ -110,7 +126,9 @@ def check(module: int, message: str) -> None:
             return
         rule.calls += 1
         fire = rule.after < rule.calls <= rule.after + rule.times
-    if fire:
+    if fire and rule.delay > 0:
+        time.sleep(rule.delay)  # slow, not failed: the handler runs next
+    elif fire:
         raise InjectedFault(module, message, rule.cause)
 
 

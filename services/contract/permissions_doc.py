@@ -28,6 +28,7 @@ import yaml
 from services.contract import route_pb2
 from services.contract.route_table import (
     PROTO_FILES,
+    ROUTE_REASON,
     SEED_MODULES,
     Route,
     RouteTable,
@@ -110,10 +111,27 @@ def render(
         "",
     ]
     if waiting:
-        out += ["| message | status | reason |", "| --- | --- | --- |"]
+        out += ["| message | status | reason | rests on |", "| --- | --- | --- | --- |"]
         out += [
-            f"| `{_short(r.message)}` | {_status(r)} | {_cell(r.reason) or '—'} |"
+            f"| `{_short(r.message)}` | {_status(r)} | {_cell(r.reason) or '—'} | {_tracked(r, ROUTE_REASON)} |"
             for r in sorted(waiting, key=lambda r: (r.status, r.message))
+        ]
+    else:
+        out.append("none")
+    unhandled = [(r, m) for r in routes if r.implemented for m in r.delivery if m in r.not_handled]
+    out += [
+        "",
+        "## Receivers that do not handle an implemented route",
+        "",
+        "The route names the module; Surge's implementation of it has no use for the message, and says why",
+        "(`not_handled` on the route; CI checks every other receiver has a handler or gets it as a reply).",
+        "",
+    ]
+    if unhandled:
+        out += ["| message | receiver | reason | rests on |", "| --- | --- | --- | --- |"]
+        out += [
+            f"| `{_short(r.message)}` | {label(m)} | {_cell(r.not_handled[m])} | {_tracked(r, m)} |"
+            for r, m in unhandled
         ]
     else:
         out.append("none")
@@ -266,6 +284,12 @@ def with_counts(readme: str, table: RouteTable | None = None) -> str:
             "README.md: no 'N routes implemented, M seed-only, K deferred (reasons in docs/permissions.md)'"
         )
     return _COUNTS.sub(counts_sentence(table), readme, count=1)
+
+
+def _tracked(r: Route, key: int) -> str:
+    """What a reason rests on (``tracked_by``), as code, or "—"."""
+    where = r.tracked_by.get(key, "")
+    return f"`{where}`" if where else "—"
 
 
 def _status(r: Route) -> str:

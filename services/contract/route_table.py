@@ -11,7 +11,8 @@ transcribes them and tests/contract/test_seed_routes.py holds this table to it.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, FileDescriptor
@@ -39,6 +40,10 @@ def module_name(module: int) -> str:
     return route_pb2.Module.Name(module)
 
 
+# The key of ``Route.tracked_by`` for what the route's own reason rests on.
+ROUTE_REASON = 0
+
+
 @dataclass(frozen=True)
 class Route:
     message: str  # full proto name, e.g. "surge.v1.RunForward"
@@ -52,6 +57,11 @@ class Route:
     status: int = route_pb2.ROUTE_STATUS_UNSPECIFIED  # IMPLEMENTED / SEED_ONLY / DEFERRED
     reason: str = ""  # why it is not IMPLEMENTED
     failure: bool = False  # this event is its sender's failure event
+    # Receiver -> why it does not handle this route (Route.not_handled): no root subscribes it.
+    not_handled: Mapping[int, str] = field(default_factory=dict, hash=False)
+    # What a reason rests on, "path" or "path::Name" (Route.tracked_by, NotHandled.tracked_by):
+    # ROUTE_REASON (0) for the route's own reason, else a receiver of ``not_handled``.
+    tracked_by: Mapping[int, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         # ``delivery`` always lists exactly ``receivers`` (a route built by hand may give
@@ -121,10 +131,11 @@ class Handled:
 
 
 def handled_by(table: RouteTable, module: int) -> list[Handled]:
-    """What ``module`` handles: every IMPLEMENTED route to it, by handler name."""
+    """What ``module`` handles: every IMPLEMENTED route to it, by handler name, except those
+    whose route says ``module`` does not handle it (``not_handled``, with the reason)."""
     out = []
     for route in table.routes():
-        if not route.implemented or module not in route.receivers:
+        if not route.implemented or module not in route.receivers or module in route.not_handled:
             continue
         if route.kind == route_pb2.COMMAND:
             required = True
@@ -156,6 +167,11 @@ def _route_of(desc: Descriptor) -> Route | None:
         status=r.status,
         reason=r.reason,
         failure=r.failure,
+        not_handled={n.receiver: n.reason for n in r.not_handled},
+        tracked_by={
+            **({ROUTE_REASON: r.tracked_by} if r.tracked_by else {}),
+            **{n.receiver: n.tracked_by for n in r.not_handled if n.tracked_by},
+        },
     )
 
 

@@ -6,7 +6,9 @@ Two checks, run by every composition root before it serves (and by the tests):
   protos carries exactly one of ``option (surge.v1.route)`` and ``option (surge.v1.plumbing)``
   (a plumbing message is an envelope or helper that never travels on the bus); the table
   routes exactly the routed messages; every route has senders, receivers, a kind and a
-  status (a route that is not IMPLEMENTED also has a reason), and names only modules that
+  status (a route that is not IMPLEMENTED also has a reason, a DEFERRED one also what the
+  reason rests on, ``tracked_by``), a receiver it says does not handle it (``not_handled``)
+  is one of its receivers and has a reason, and it names only modules that
   exist (proto3 enums are open: an unknown number parses fine, so
   it is checked here).
 * :func:`validate_wiring` -- one process's bus: every subscription is routed to the
@@ -30,7 +32,7 @@ from google.protobuf import descriptor_pool
 from google.protobuf.descriptor import FileDescriptor
 
 from services.contract import route_pb2
-from services.contract.route_table import PROTO_FILES, SEED_MODULES, RouteTable, default_table
+from services.contract.route_table import PROTO_FILES, ROUTE_REASON, SEED_MODULES, RouteTable, default_table
 
 EXIT_CONTRACT = 78  # EX_CONFIG: the process's configuration (here: the contract) is broken
 
@@ -96,9 +98,22 @@ def validate_table(table: RouteTable | None = None, files: Iterable[FileDescript
             raise ContractError(
                 f'{route.message} is {route_pb2.RouteStatus.Name(route.status)} without a reason; say why in reason: "..."'
             )
+        if route.status == route_pb2.DEFERRED and not route.tracked_by.get(ROUTE_REASON, "").strip():
+            raise ContractError(
+                f'{route.message} is DEFERRED without tracked_by; name the file or test its reason rests on: tracked_by: "path::Name"'
+            )
         for module in sorted(route.senders | route.receivers):
             if module not in KNOWN_MODULES:
                 raise ContractError(f"{route.message} names {_name(module)}, which is not a surge.v1.Module")
+        for module, why in sorted(route.not_handled.items()):
+            if module not in route.receivers:
+                raise ContractError(
+                    f"{route.message} says {_name(module)} does not handle it, but does not route it there"
+                )
+            if not why.strip():
+                raise ContractError(
+                    f'{route.message} says {_name(module)} does not handle it without a reason; say why in reason: "..."'
+                )
     for name, plumbing in sorted(messages.items()):
         if not plumbing and table.route(name) is None:
             raise ContractError(f"{name} has no route in the route table")

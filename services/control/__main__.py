@@ -16,8 +16,9 @@ fault detector as ``BoundaryViolationReported`` from EXT_CONTRACT (this process'
 layer), as are the violations node agents relay from their ranks.
 
 gRPC is served by ``grpc.aio`` (``AioServiceServer``): node agent sessions live on its
-asyncio loop and their messages are applied by one thread (``EventApplier``), so a session
-costs no thread; the operator RPCs run in a small thread pool.
+asyncio loop and their messages are applied by a small pool of threads (``EventApplier``:
+each job's in order on the job's own queue, jobs in parallel), so a session costs no thread;
+the operator RPCs run in a small thread pool.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from services.contract import (
     audit_pb2_grpc,
     control_pb2,
     control_pb2_grpc,
-    data_pb2,
     engine_pb2,
     store_pb2,
 )
@@ -57,6 +57,7 @@ from services.control.recovery_controller import RecoveryController
 from services.control.resource_allocator import ResourceAllocator
 from services.control.server import ControlServicer
 from services.control.session_hub import SessionHub
+from services.control.sick_nodes import SickNodePolicy
 from services.control.store_relay import StoreRelay
 from services.control.watch_hub import WatchHub
 
@@ -97,6 +98,7 @@ def build(
     store_address: str,
     host: str = "127.0.0.1",
     fault_rules: Mapping[str, int] | None = None,
+    sick_nodes: SickNodePolicy | None = None,
     persist_interval_s: float = 1.0,
     max_sessions: int = 8192,
 ) -> Control:
@@ -130,7 +132,7 @@ def build(
             commands=(engine_pb2.RebuildParallelGroup,),
         ),
     )
-    detector = FaultDetector(emit=bus.emitter(Module.L1_FAULT_DETECTOR), rules=fault_rules)
+    detector = FaultDetector(emit=bus.emitter(Module.L1_FAULT_DETECTOR), rules=fault_rules, sick_nodes=sick_nodes)
     recovery = RecoveryController(
         resources=bus.port(
             Module.L1_RECOVERY_CONTROLLER, Module.L1_RESOURCE_ALLOCATOR, commands=(control_pb2.RebuildCommunicator,)
@@ -162,24 +164,11 @@ def build(
     # (Bus.host), and an event reaches its receivers in the table's order (receivers of its
     # route option), whatever the order of these lines.
     bus.host(Module.L1_RESOURCE_ALLOCATOR, allocator)
-    bus.host(
-        Module.L1_RECOVERY_CONTROLLER,
-        recovery,
-        not_handled={
-            engine_pb2.ParallelReady: "L1-4 answers RebuildCommunicator at once and waits on no rank: a relaunched "
-            "rank's readiness reaches L1-1 (TrainingLoopStarted), which keeps the step's deadline",
-        },
-    )
+    # (What an L1 module does not handle its route says, with the reason: not_handled.)
+    bus.host(Module.L1_RECOVERY_CONTROLLER, recovery)
     # The detector before the orchestrator is built: restoring a live job re-arms its watch.
     # Every failure event routed to L1-3 goes to on_failure, graded by (event, cause).
-    bus.host(
-        Module.L1_FAULT_DETECTOR,
-        detector,
-        not_handled={
-            data_pb2.DataExhausted: "the end of a stream is the rank's (L2-1 over the data stream); no relay brings it "
-            "to control, and L1-3 grades the loop's own report of what followed",
-        },
-    )
+    bus.host(Module.L1_FAULT_DETECTOR, detector)
 
     orchestrator = Orchestrator(
         allocator=bus.port(
@@ -216,14 +205,7 @@ def build(
             commands=(store_pb2.VerifyCheckpoints, store_pb2.ScrubCheckpoints),
         ),
     )
-    bus.host(
-        Module.L1_ORCHESTRATOR,
-        orchestrator,
-        not_handled={
-            store_pb2.MetricsAck: "the store answers metrics to the rank that sent them; no relay brings an ack to control",
-            store_pb2.LogWriteFailed: "L1-1 decides on L5-2's failure from L1-3's graded FaultReport",
-        },
-    )
+    bus.host(Module.L1_ORCHESTRATOR, orchestrator)
     user = bus.port(
         Module.EXT_USER,
         Module.L1_ORCHESTRATOR,
@@ -235,6 +217,8 @@ def build(
             control_pb2.ScaleJobRequest,
             control_pb2.StopJobRequest,
             control_pb2.DeleteJobRequest,
+            control_pb2.RevokeOrderRequest,
+            control_pb2.UncordonWorkerRequest,
         ),
     )
     servicer = ControlServicer(user=user, watches=watches, sessions=sessions, max_sessions=max_sessions)
@@ -269,9 +253,35 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=int(env.get("SURGE_CONTROL_MAX_SESSIONS") or 8192),
         help="node agent sessions held at once; more are refused (env SURGE_CONTROL_MAX_SESSIONS)",
     )
+    # A sick node (services/control/sick_nodes.py): this many rank faults on one node from
+    # this many incidents within the window quarantine it until `surgectl uncordon`.
+    p.add_argument(
+        "--sick-node-faults",
+        type=int,
+        default=env.get("SURGE_SICK_NODE_FAULTS") or "3",
+        help="rank faults on one node that quarantine it; 0: never (env SURGE_SICK_NODE_FAULTS)",
+    )
+    p.add_argument(
+        "--sick-node-incidents",
+        type=int,
+        default=env.get("SURGE_SICK_NODE_INCIDENTS") or "2",
+        help="distinct incidents those faults must come from (env SURGE_SICK_NODE_INCIDENTS)",
+    )
+    p.add_argument(
+        "--sick-node-window-seconds",
+        type=float,
+        default=env.get("SURGE_SICK_NODE_WINDOW_SECONDS") or "600",
+        help="how far back faults count (env SURGE_SICK_NODE_WINDOW_SECONDS)",
+    )
     args = p.parse_args(argv)
     if args.max_sessions < 1:
         p.error(f"--max-sessions must be >= 1, got {args.max_sessions}")
+    if args.sick_node_faults < 0:
+        p.error(f"--sick-node-faults must be >= 0 (0: never), got {args.sick_node_faults}")
+    if args.sick_node_incidents < 1:
+        p.error(f"--sick-node-incidents must be >= 1, got {args.sick_node_incidents}")
+    if not 0 < args.sick_node_window_seconds <= 30 * 24 * 3600:
+        p.error(f"--sick-node-window-seconds must be in (0, 2592000], got {args.sick_node_window_seconds:g}")
     for name, flag, var in (
         ("port", "--port", "SURGE_CONTROL_PORT"),
         ("data", "--data", "SURGE_DATA_ADDRESS"),
@@ -305,7 +315,16 @@ def main(argv: list[str] | None = None) -> int:
     journal = faults.install(JobStore(args.db))  # (test-only injections, off by default)
     try:
         control = build(
-            journal, data_address=args.data, store_address=args.store, host=args.host, max_sessions=args.max_sessions
+            journal,
+            data_address=args.data,
+            store_address=args.store,
+            host=args.host,
+            max_sessions=args.max_sessions,
+            sick_nodes=SickNodePolicy(
+                window_seconds=args.sick_node_window_seconds,
+                faults=args.sick_node_faults,
+                incidents=args.sick_node_incidents,
+            ),
         )
     except (ContractError, RouteError) as e:
         server.stop(grace=0)

@@ -1,73 +1,143 @@
-"""The one thread that applies every node agent session's messages (``EventApplier``)."""
+"""Applying the node agent sessions' messages: each job's in order on the job's own queue,
+jobs in parallel on a small bounded pool of threads (``EventApplier``).
+
+Why: one thread applied every session's messages, so one job's slow apply (a journal
+commit, a recovery decision) delayed every other job's steps and every beat behind it
+(issue 28: step events p99 12.7 s at 3,000 agents). Now a message is queued on the queue of
+the job it is about (a rank's routed event, heartbeat or exit names its job); messages about
+no one job (the agent's own facts: memory pressure, a departing registration, its contract
+layer's refusals, log lines) and the sessions' opening and closing go on one ordered node
+queue, as do the calls posted with ``call`` (the store's answers). A queue is a deque, not a
+thread: a queue with messages is handed to the pool's next free thread, which applies a
+burst of it (``SessionHub.on_worker_events``: up to ``max_burst`` messages, the effect-less
+cursors in one commit) and hands the queue back if more came; so at most one thread applies
+a queue's messages at a time (the job's order), ``workers`` threads serve any number of jobs,
+and an idle job costs nothing.
+
+Order across queues: one agent's messages about two jobs are applied in stream order per job
+only; exactly-once survives it (services/control/worker_cursor.py). A session opens after,
+and closes after, every message of its worker already queued on any queue (its exit reports
+come before its close; a replacing session's resend never overtakes the old one's messages).
+
+Locks (control's order, outermost first; no thread takes them the other way round):
+
+1. a job's serial queue (not a lock: one pool thread at a time holds it);
+2. the orchestrator's decision lock (``Orchestrator._lock``: one job's transition and the
+   cluster-wide state it touches, short; services/control/orchestrator/core.py), then the
+   allocator's and the fault detector's own (taken inside a decision, never around one);
+3. leaf locks, held for bookkeeping only, with no call out under them: this applier's
+   ``_lock`` (its queues), ``SessionHub._lock``, ``JobStore._lock`` (one SQLite
+   transaction), a ``WorkerCursor``'s.
+
+Receipt is stamped on the server's loop, as a message is queued (``event``): a heartbeat
+carries it to the fault detector in ``RankHeartbeat.received_monotonic``, so its deadlines
+count from when control received the beat, never from when a pool thread got to it. Health
+and lag are metrics (services/control/metrics.py): ``surge_control_applier_lag_seconds``
+(each burst's oldest message's wait), ``surge_control_apply_seconds`` (a burst's apply),
+``surge_control_queue_depth``, ``surge_control_job_queues`` and
+``surge_control_oldest_unapplied_seconds``.
+
+Args (``EventApplier``):
+    hub: the sessions it applies to.
+    workers: the pool's threads (started with the first message: an in-process control
+        that serves no gRPC starts none).
+    max_burst: most messages of one queue applied before their cursors are journaled and
+        acked and the thread moves on to another queue.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 import time
+import weakref
+from collections import Counter, deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
 from services.contract import control_pb2
-from services.control.metrics import APPLIER_LAG
+from services.control.metrics import APPLIER_LAG, APPLY_SECONDS, JOB_QUEUES, OLDEST_UNAPPLIED, QUEUE_DEPTH
 from services.control.session_hub import AgentSession, SessionHub
 
 _log = structlog.get_logger("control.server")
 
+NODE = ""  # the key of the queue of messages about no one job
+
+
+@dataclass(eq=False)
+class _Queue:
+    key: str  # a job id, or NODE
+    # (session, event, received monotonic) | (None, callable, queued monotonic)
+    items: deque = field(default_factory=deque)
+    scheduled: bool = False  # waiting for a thread, or being applied by one
+
+
+def job_of(ev: control_pb2.WorkerEvent) -> str:
+    """The job a node agent's message is about (NODE: none)."""
+    kind = ev.WhichOneof("event")
+    if kind == "rank_event":
+        return ev.rank_event.job_id or ev.rank_event.heartbeat.job_id
+    if kind == "rank_exited":
+        return ev.rank_exited.job_id
+    return NODE
+
 
 class EventApplier:
-    """The one thread that applies every node agent session's messages, in the order the
-    server's loop read them (so each session's own order), and opens and closes sessions
-    in that same order (a session's exit reports come before its close).
+    """Applies the node agent sessions' messages, per job in order, jobs in parallel on a
+    bounded pool (see the module docstring for the queues, the order and the locks)."""
 
-    Messages are applied a burst at a time (``SessionHub.on_worker_events``: up to
-    ``max_burst`` queued back to back), so a burst's effect-less cursors cost one commit.
-    The thread starts with the first item (an in-process control that serves no gRPC
-    starts none).
+    def __init__(self, hub: SessionHub, workers: int = 4, max_burst: int = 1024):
+        self._hub, self._workers, self._max_burst = hub, max(1, workers), max_burst
+        self._lock = threading.Lock()  # the queues and counts below; nothing is called under it
+        self._work = threading.Condition(self._lock)  # a queue became ready, or stop
+        self._idle = threading.Condition(self._lock)  # nothing queued or being applied
+        self._queues: dict[str, _Queue] = {}  # a job's is dropped once empty
+        self._ready: deque[_Queue] = deque()  # queues waiting for a thread, in turn
+        self._busy = 0  # queues being applied
+        self._queued = 0  # messages and calls waiting in the queues
+        self._in_flight: Counter[str] = Counter()  # worker id -> its messages queued, not yet applied
+        self._after: dict[str, list[Callable[[], None]]] = {}  # worker id -> opens / closes waiting for them
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
+        _publish(self)
 
-    Receipt is stamped on the server's loop, as a message is queued (``event``): a
-    heartbeat carries it to the fault detector in ``RankHeartbeat.received_monotonic``, so
-    its deadlines count from when control received the beat, never from when this thread
-    got to it; ``surge_control_applier_lag_seconds`` is the wait of each burst's oldest
-    message between the two.
-
-    Args:
-        hub: the sessions it applies to.
-        max_burst: most messages applied before their cursors are journaled and acked.
-    """
-
-    def __init__(self, hub: SessionHub, max_burst: int = 1024):
-        self._hub, self._max_burst = hub, max_burst
-        # (session, event, received monotonic) | (None, callable) | None
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
+    # ------------------------------------------------------------ producers (any thread)
 
     def event(self, session: AgentSession, ev: control_pb2.WorkerEvent) -> None:
-        """Queue one message of ``session``'s stream, stamped with its receipt (a
-        heartbeat's ``received_monotonic``)."""
+        """Queue one message of ``session``'s stream on its job's queue, stamped with its
+        receipt (a heartbeat's ``received_monotonic``); a duplicate is dropped here
+        (``SessionHub.admit``: called in stream order)."""
         received = time.monotonic()
         if ev.HasField("rank_event") and ev.rank_event.HasField("heartbeat"):
             ev.rank_event.heartbeat.received_monotonic = received
-        self._put((session, ev, received))
+        elif ev.HasField("heartbeat"):  # the node agent's own beat (L1-2's placement reads its receipt)
+            ev.heartbeat.received_monotonic = received
+        if not self._hub.admit(session, ev):
+            return
+        with self._lock:
+            self._in_flight[session.worker_id] += 1
+            self._put(job_of(ev), (session, ev, received))
 
-    def call(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the applier thread, after everything queued before it."""
-        self._put((None, fn))
+    def call(self, fn: Callable[[], None], key: str = NODE) -> None:
+        """Run ``fn`` on a pool thread, after everything queued before it on the queue
+        ``key`` (default: the node queue)."""
+        with self._lock:
+            self._put(key, (None, fn, time.monotonic()))
 
     async def open(self, reg: control_pb2.WorkerRegistration, commands: Any) -> AgentSession:
-        """``SessionHub.open`` on the applier thread; awaited on the server's loop. If the
-        caller is cancelled meanwhile, the session is closed again."""
+        """``SessionHub.open`` on the node queue, once the worker's messages already queued
+        are applied; awaited on the server's loop. If the caller is cancelled meanwhile,
+        the session is closed again."""
         loop = asyncio.get_running_loop()
         opened: asyncio.Future = loop.create_future()
 
         def deliver(result: AgentSession | BaseException) -> None:
             if opened.cancelled():
                 if isinstance(result, AgentSession):
-                    self.call(lambda: self._hub.close(result, reason="session cancelled while opening"))
+                    self.close(result, reason="session cancelled while opening")
             elif isinstance(result, BaseException):
                 opened.set_exception(result)
             else:
@@ -80,62 +150,142 @@ class EventApplier:
                 result = e
             loop.call_soon_threadsafe(deliver, result)
 
-        self.call(do)
+        self._after_worker(reg.worker_id, do)
         return await opened
 
     def close(self, session: AgentSession, reason: str = "session closed") -> None:
-        """``SessionHub.close`` after the messages of ``session`` already queued."""
-        self.call(lambda: self._hub.close(session, reason))
+        """``SessionHub.close`` after every message of the worker already queued."""
+        self._after_worker(session.worker_id, lambda: self._hub.close(session, reason))
 
-    def stop(self) -> None:
-        """End the thread after what is queued (idempotent)."""
-        with self._start_lock:  # (not while a first event is starting the thread)
-            thread = self._thread
-        if thread is not None:
-            self._queue.put(None)
-            thread.join(timeout=10.0)
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the threads after what is queued (idempotent)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while (self._ready or self._busy) and time.monotonic() < deadline:
+                self._idle.wait(max(0.0, deadline - time.monotonic()))
+            self._stopping = True
+            self._work.notify_all()
+            threads = list(self._threads)
+        for t in threads:
+            t.join(timeout=max(0.1, deadline - time.monotonic()))
 
-    def _put(self, item: tuple) -> None:
-        if self._thread is None:
-            with self._start_lock:
-                if self._thread is None:
-                    thread = threading.Thread(target=self._run, name="event-applier", daemon=True)
-                    thread.start()
-                    self._thread = thread  # (published started: a stop on another thread joins it)
-        self._queue.put(item)
+    # ------------------------------------------------------------ health (the metrics read these)
+
+    def depth(self) -> tuple[int, int]:
+        """(messages waiting on job queues, on the node queue)."""
+        with self._lock:
+            node = self._queues.get(NODE)
+            on_node = len(node.items) if node is not None else 0
+            return self._queued - on_node, on_node
+
+    def job_queues(self) -> int:
+        """Job queues with messages waiting or being applied."""
+        with self._lock:
+            return sum(1 for q in self._queues.values() if q.key != NODE and q.scheduled)
+
+    def oldest_unapplied(self) -> float:
+        """Seconds the oldest message or call still waiting has waited (0: none waits)."""
+        with self._lock:
+            oldest = min((q.items[0][2] for q in self._queues.values() if q.items), default=None)
+        return 0.0 if oldest is None else max(0.0, time.monotonic() - oldest)
+
+    # ------------------------------------------------------------ private
+
+    def _after_worker(self, worker_id: str, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if self._in_flight[worker_id]:
+                self._after.setdefault(worker_id, []).append(fn)
+            else:
+                self._in_flight.pop(worker_id, None)
+                self._put(NODE, (None, fn, time.monotonic()))
+
+    def _put(self, key: str, item: tuple) -> None:
+        """Under ``_lock``: queue ``item`` on the queue ``key``; hand the queue to the pool
+        if no thread has it."""
+        if not self._threads:
+            for i in range(self._workers):
+                t = threading.Thread(target=self._run, name=f"event-applier-{i}", daemon=True)
+                t.start()
+                self._threads.append(t)
+        q = self._queues.get(key)
+        if q is None:
+            q = self._queues[key] = _Queue(key)
+        q.items.append(item)
+        self._queued += 1
+        if not q.scheduled:
+            q.scheduled = True
+            self._ready.append(q)
+            self._work.notify()
 
     def _run(self) -> None:
-        get, burst, oldest = self._queue.get, [], 0.0
         while True:
-            item = get()
-            while True:
-                if item is None:
-                    self._flush(burst, oldest)
-                    return
-                if item[0] is None:
-                    self._flush(burst, oldest)
-                    burst = []
-                    try:
-                        item[1]()
-                    except Exception:  # noqa: BLE001 - the thread must outlive one bad call
-                        _log.exception("session open/close failed")
+            with self._lock:
+                while not self._ready:
+                    if self._stopping:
+                        return
+                    self._work.wait()
+                q = self._ready.popleft()
+                burst = self._take(q)
+                self._busy += 1
+            done = self._apply(q.key, burst)
+            with self._lock:
+                self._busy -= 1
+                for worker_id in done:
+                    self._in_flight[worker_id] -= 1
+                    if self._in_flight[worker_id] <= 0:
+                        del self._in_flight[worker_id]
+                        for fn in self._after.pop(worker_id, ()):
+                            self._put(NODE, (None, fn, time.monotonic()))
+                if q.items:
+                    self._ready.append(q)  # (behind the others: a busy job does not starve them)
+                    self._work.notify()
                 else:
-                    if not burst:
-                        oldest = item[2]
-                    burst.append((item[0], item[1]))
-                if len(burst) >= self._max_burst or self._queue.empty():
-                    break
-                item = get()
-            if burst:
-                self._flush(burst, oldest)
-                burst = []
+                    q.scheduled = False
+                    if q.key != NODE:
+                        del self._queues[q.key]
+                if not self._ready and not self._busy:
+                    self._idle.notify_all()
 
-    def _flush(self, burst: list, received: float = 0.0) -> None:
-        if not burst:
-            return
-        if received:
-            APPLIER_LAG.observe(max(0.0, time.monotonic() - received))
+    def _take(self, q: _Queue) -> list[tuple]:
+        """Under ``_lock``: the next burst of ``q``: messages up to ``max_burst``, or one call."""
+        burst: list[tuple] = []
+        while q.items and len(burst) < self._max_burst:
+            if q.items[0][0] is None and burst:
+                break  # a call runs after the messages before it, alone
+            burst.append(q.items.popleft())
+            if burst[-1][0] is None:
+                break
+        self._queued -= len(burst)
+        return burst
+
+    def _apply(self, key: str, burst: list[tuple]) -> list[str]:
+        """Apply one burst; returns the worker id of each message applied (or dropped)."""
+        which = "node" if key == NODE else "job"
+        started = time.monotonic()
+        APPLIER_LAG.labels(which).observe(max(0.0, started - burst[0][2]))
+        if burst[0][0] is None:
+            try:
+                burst[0][1]()
+            except Exception:  # noqa: BLE001 - the pool must outlive one bad call
+                _log.exception("session open/close or posted call failed")
+            APPLY_SECONDS.labels(which).observe(time.monotonic() - started)
+            return []
         try:
-            self._hub.on_worker_events(burst)
+            self._hub.on_worker_events([(s, ev) for s, ev, _ in burst], admitted=True)
         except Exception:  # noqa: BLE001 - e.g. the journal's disk is full: the acks wait
-            _log.exception("worker event burst failed", size=len(burst))
+            _log.exception("worker event burst failed", size=len(burst), queue=which)
+        APPLY_SECONDS.labels(which).observe(time.monotonic() - started)
+        return [s.worker_id for s, _, _ in burst]
+
+
+def _publish(applier: EventApplier) -> None:
+    """The gauges read the newest applier (one per control process; tests make more)."""
+    ref = weakref.ref(applier)
+
+    def read(fn: Callable[[EventApplier], float]) -> Callable[[], float]:
+        return lambda: fn(a) if (a := ref()) is not None else 0.0
+
+    QUEUE_DEPTH.labels("job").set_function(read(lambda a: a.depth()[0]))
+    QUEUE_DEPTH.labels("node").set_function(read(lambda a: a.depth()[1]))
+    JOB_QUEUES.set_function(read(EventApplier.job_queues))
+    OLDEST_UNAPPLIED.set_function(read(EventApplier.oldest_unapplied))

@@ -10,8 +10,9 @@ error graded by ``device_fault_class``), ``BoundaryViolationReported``
 (from the contract layer of any process), and every module's failure event routed here
 (``TrainingLoopFailed``, ``ForwardFailed``, ``DatasetUnavailable``, ``SnapshotFailed``, ...:
 the routes flagged ``failure``; the bus builds one when a module's handler raises, relays
-carry them from the ranks, the data and the store services). Output: ``FaultReport`` (to
-L1-1), its only event.
+carry them from the ranks, the data and the store services). Outputs (to L1-1):
+``FaultReport``, and ``FaultBacklogAlert`` for a node whose rank faults pile up across jobs
+and incidents (a sick node, services/control/sick_nodes.py: L1-1 quarantines it).
 
 Failure events are graded by their type and typed cause (``Failure.cause``, taken from the
 exception's type by services/contract/failures.py) through ``FAILURE_CLASSES``: (event,
@@ -23,7 +24,13 @@ What it knows arrives as events; the one clock it keeps is a deadline per rank (
 law 4: a layer silent past its deadline is judged faulty by the layer above):
 
 * silence: a rank's heartbeat re-arms a one-shot timer of ``heartbeat_timeout_seconds``;
-  if it fires, the rank is ``rank_silent`` (e.g. SIGSTOP, a hung host);
+  if it fires, the rank is ``rank_silent`` (e.g. SIGSTOP, a hung host). What its node agent
+  states of its process changes the length, never below the job's timeout: running,
+  ``heartbeat_timeout_running_seconds`` (late beats, not a dead rank); stopped by a signal,
+  ``heartbeat_timeout_seconds`` counted from the stop (a stop explains a silence, it never
+  shortens it: a stop shorter than the timeout is no fault), so a rank stopped for good is
+  named within the timeout plus one beat period (the most by which its last beat can
+  precede the stop) after its last beat;
 * progress: while the rank says it is stepping, a heartbeat that shows progress (a new
   step, a new phase, or more of its phase done: ``RankHeartbeat.phase`` /
   ``phase_progress``) re-arms a timer of its phase's budget: a training step's phases
@@ -32,6 +39,11 @@ law 4: a layer silent past its deadline is judged faulty by the layer above):
   median evaluation-batch time x its batches; checkpoint staging and compile their own
   (``StartFaultMonitoring``). If it fires, the rank is ``rank_stalled`` (alive, beating, no
   progress), or ``rank_stalled_in_collective`` when its beats say it waits in a collective.
+
+* a node agent's own silence: each ``AgentHeartbeat`` re-arms a deadline of
+  ``AGENT_MISSED_BEATS`` of its beat periods (at least ``AGENT_SILENT_MIN_SECONDS``); if it
+  fires, the node is reported ``agent_silent`` (no job: L1-1 holds the worker out of placement,
+  so no replacement waits on a frozen agent), and its next beat reports that ``cleared``.
 
 Both count from when control received the beat (``RankHeartbeat.received_monotonic``,
 stamped by the session relay before the event applier's queue), not from when this handler
@@ -53,12 +65,14 @@ arrives meanwhile is reported first, as the incident's cause, and the held repor
 it. Which reports are consequences of the incident, and what to do, is the orchestrator's.
 A ``rank_stalled`` is a symptom too: the stalled rank may be waiting in a collective for a
 peer that stopped (SIGSTOP, a hung host), whose silence deadline fires at most
-``heartbeat_timeout_seconds`` after its last beat. A stall is held for 1.5 beat periods (at
-least ``attribution_seconds``), long enough to see whether a peer has gone quiet (no beat
-for 1.5 of its periods); if one has, it is held until that peer's silence deadline can have
-fired. A silence is always a cause, never a consequence (a rank's beats come from a side
-thread that a peer's death does not block), so it is reported first and the held stalls
-follow it. A rank whose own beats stopped is not reported stalled: its silence is.
+``heartbeat_timeout_seconds`` after its last beat, or after the stop its agent stated (of a
+rank that beat until it stopped, before a stall can find it quiet: so at most that long after
+the stall too). A stall is held for 1.5 beat periods (at least ``attribution_seconds``), long
+enough to see whether a peer has gone quiet (no beat for 1.5 of its periods); if one has, it
+is held until that peer's silence deadline can have fired. A silence is always a cause, never
+a consequence (a rank's beats come from a side thread that a peer's death does not block), so
+it is reported first and the held stalls follow it. A rank whose own beats stopped is not
+reported stalled: its silence is.
 
 After a control restart the orchestrator pushes ``StartFaultMonitoring`` again with the
 job's ``world_size``, a ``reattach_seconds`` and the worker each rank ran on: every rank gets
@@ -74,6 +88,14 @@ while its report was held, reads as lost too.)
 While agents re-attach, a rank's own exit after its symptom (the survivor of a collective
 exits on its ``comm_error``) follows that symptom, as it does without a restart: it is never
 taken for the cause that happened first.
+
+Slow ranks (issue 29 item 2): each beat carries the rank's compute seconds (forward,
+backward, optimizer, without its waits in collectives); ``slow_ranks.py`` compares each
+rank's compute per step with the median of its peers' and with its own earlier pace, and a
+rank >= 1.5x slower for a majority of its last intervals is reported ``slow_rank`` (MINOR:
+by default the policy ignores it; ``replace`` or ``shrink`` are L1-1's to choose), and
+``slow_rank_cleared`` once a majority of them are below that again (or its process ended).
+The ratio of every compared rank is the ``surge_rank_slowdown_ratio`` gauge.
 
 Aliases: a rank's ``checkpoint_integrity`` failure (a version that fails its SHA-256 check
 when loaded) is graded and reported as ``checkpoint_error``, the class the fault policy
@@ -97,19 +119,34 @@ from services.contract import (
     Module,
     audit_pb2,
     control_pb2,
+    data_pb2,
     engine_pb2,
     route_pb2,
+    store_pb2,
     worker_pb2,
 )
 from services.contract.bus import Emitter
 from services.contract.route_table import default_table
+from services.control import metrics
 from services.control.deadlines import Deadline, Deadlines
+from services.control.sick_nodes import NODE_FAULT_CLASSES, NodeFault, SickNode, SickNodePolicy, SickNodes
+from services.control.slow_ranks import Finding, SlowRanks
 
 FaultGrade = control_pb2.FaultGrade
 _log = structlog.get_logger("fault_detector")
 
 # Fault classes this detector names itself (TrainingLoopFailed brings its own class).
 RANK_EXIT = "rank_exit"  # a rank process ended with a non-zero code or a signal
+# A rank's exit by the cause its node agent tells from evidence (RankExited.cause): the OOM
+# killer (its cgroup's oom_kill count rose), or Python's MemoryError (its exit code 75).
+# Any other exit (an error code, a signal that was no OOM kill) is rank_exit; the cause (the
+# signal, its sender where known) is in the detail.
+RANK_OOM = "rank_oom"
+RANK_MEMORY_ERROR = "rank_memory_error"
+EXIT_CAUSE_CLASSES = {
+    control_pb2.EXIT_OOM_KILLED: RANK_OOM,
+    control_pb2.EXIT_MEMORY_ERROR: RANK_MEMORY_ERROR,
+}
 RANK_EXIT_CLEAN = "rank_exit_clean"  # exit code 0: normal after the loop finished, early otherwise
 RANK_RELEASED = "rank_released"  # ended after control released it: an exit control asked for
 RANK_SILENT = "rank_silent"  # no heartbeat within the deadline
@@ -117,12 +154,27 @@ RANK_STALLED = "rank_stalled"  # heartbeats, but no progress within its phase's 
 # heartbeats, waiting in a collective with no progress: a consequence of the peer it waits for
 RANK_STALLED_IN_COLLECTIVE = "rank_stalled_in_collective"
 WORKER_LOST = "worker_lost"  # the node agent's session closed under the rank
+AGENT_SILENT = "agent_silent"  # a node agent missed its own beats (AgentHeartbeat): a report of the node
+# A node agent silent for this many of its beat periods (at least AGENT_SILENT_MIN_SECONDS) is
+# reported agent_silent: a frozen or cut-off agent would hold a rank placed there until it woke.
+AGENT_MISSED_BEATS = 5
+AGENT_SILENT_MIN_SECONDS = 3.0
+SLOW_RANK = "slow_rank"  # computes >= 1.5x its peers' median per step, sustained (slow_ranks.py)
+SLOW_RANK_CLEARED = "slow_rank_cleared"  # a rank named slow is not any more (or ended)
+# Footprint (issue 29 item 8): a rank whose output outran the agent's bound (its log file is
+# rotated: nothing grows without bound), and an in-memory copy skipped for want of space.
+RANK_LOG_FLOOD = "rank_log_flood"
+MEMORY_COPY_SKIPPED = "memory_copy_skipped"
 LOOP_FAILURE = "loop_failure"  # default for a fault class not in the table
 INTERNAL_ERROR = "internal_error"  # a module's failure of no more specific cause
 BOUNDARY_VIOLATION = "boundary_violation"  # a send the route table refused (a module or wiring bug)
 COMM_ERROR = "comm_error"  # a collective failed: usually a peer's fault, see attribution
 PORT_IN_USE = "port_in_use"  # the rendezvous port was taken: a fresh port fixes it
 CHECKPOINT_ERROR = "checkpoint_error"  # a checkpoint could not be saved or loaded (or failed its check)
+# The data service cannot be reached: while a rank's relay reconnects (DataServiceUnreachable,
+# ``cleared`` once it is back) L1-1 waits for it; a relay whose reconnection is spent, or a data
+# module's failure typed unavailable, is the same class, decided by the policy (pause).
+DATA_OUTAGE = "data_outage"
 # Classes reported under the class the policy table uses (the detail keeps the original).
 ALIASES = {"checkpoint_integrity": CHECKPOINT_ERROR}
 # Reports that are usually another rank's doing (held for their cause).
@@ -148,10 +200,20 @@ FATAL_XIDS = frozenset({48, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120})
 DEFAULT_RULES: dict[str, int] = {
     RANK_EXIT: FaultGrade.SEVERE,
     RANK_EXIT_CLEAN: FaultGrade.MEDIUM,  # the orchestrator knows whether the rank had finished
+    RANK_OOM: FaultGrade.SEVERE,  # relaunched once as it was, then the job pauses (fault_policy)
+    RANK_MEMORY_ERROR: FaultGrade.SEVERE,
     RANK_RELEASED: FaultGrade.MINOR,
+    # Slower, not failing: the job trains on at the slow rank's pace (fault_policy
+    # actions.slow_rank: ignore by default, or replace / shrink).
+    SLOW_RANK: FaultGrade.MINOR,
+    SLOW_RANK_CLEARED: FaultGrade.MINOR,  # for the record (job status), never decided on
     WORKER_DEPARTED: FaultGrade.SEVERE,  # its ranks must run elsewhere (or on it once it is back)
     DEVICE_ERROR: FaultGrade.SEVERE,  # its ranks must run elsewhere (fault_policy default: exclude_node)
     DEVICE_DEGRADED: FaultGrade.MINOR,  # a warning: recorded, nothing done by default
+    # Warnings for the record (event, status): the job trains on; the log stays bounded and
+    # the next save tries its memory copy again.
+    RANK_LOG_FLOOD: FaultGrade.MINOR,
+    MEMORY_COPY_SKIPPED: FaultGrade.MINOR,
     RANK_SILENT: FaultGrade.SEVERE,
     RANK_STALLED: FaultGrade.SEVERE,
     RANK_STALLED_IN_COLLECTIVE: FaultGrade.SEVERE,
@@ -162,6 +224,7 @@ DEFAULT_RULES: dict[str, int] = {
     PORT_IN_USE: FaultGrade.MEDIUM,
     COMM_ERROR: FaultGrade.SEVERE,
     "data_unavailable": FaultGrade.FATAL,
+    DATA_OUTAGE: FaultGrade.SEVERE,  # a service that may be back: the job waits, then pauses
     "data_exhausted": FaultGrade.FATAL,
     "non_finite_loss": FaultGrade.FATAL,
     "overflow_storm": FaultGrade.FATAL,
@@ -174,6 +237,13 @@ DEFAULT_RULES: dict[str, int] = {
     "model_error": FaultGrade.FATAL,
     "config_error": FaultGrade.FATAL,
     "checkpoint_error": FaultGrade.SEVERE,
+    # Data-parallel replicas found different (the replica check, issue 29 item 3): a flipped
+    # bit or a bad device, not a bug; the policy rolls back to a version that agreed.
+    "replica_divergence": FaultGrade.SEVERE,
+    # A save whose bytes a destination refused (full, quota, permission, read-only, I/O
+    # error): the save is lost, the ranks train on, older versions are intact; the policy
+    # decides (default skip_save). MEDIUM: no step is lost, but every save may be.
+    "checkpoint_write_failed": FaultGrade.MEDIUM,
     "session_lost": FaultGrade.SEVERE,
     # Module failure events, by the class FAILURE_CLASSES gives them (typed cause, never text).
     INTERNAL_ERROR: FaultGrade.FATAL,  # a bug until shown otherwise: the same on a restart
@@ -188,6 +258,11 @@ DEFAULT_RULES: dict[str, int] = {
     "snapshot_failed": FaultGrade.MINOR,
     "log_write_failed": FaultGrade.MINOR,
     "recovery_failed": FaultGrade.MINOR,
+    # A replaced incarnation refused by a fenced service (FAILURE_FENCED): for the record.
+    "rank_fenced": FaultGrade.MINOR,
+    # A node agent missed its beats (a report of the node, no job): L1-1 holds the worker out of
+    # placement until it beats again; its ranks' own silence is judged per rank, as before.
+    AGENT_SILENT: FaultGrade.MINOR,
 }
 
 # A module's failure event -> fault class, by (event name, FailureCause); "" / ANY_CAUSE match
@@ -211,7 +286,11 @@ FAILURE_CLASSES: dict[tuple[str, int], str] = {
     (ANY_EVENT, FailureCause.FAILURE_UNSUPPORTED): "operator_unavailable",
     (ANY_EVENT, FailureCause.FAILURE_EXHAUSTED): "data_exhausted",
     (ANY_EVENT, FailureCause.FAILURE_INTERNAL): INTERNAL_ERROR,
+    (ANY_EVENT, FailureCause.FAILURE_WRITE_REFUSED): "io_error",
+    (ANY_EVENT, FailureCause.FAILURE_FENCED): "rank_fenced",
     ("SnapshotFailed", ANY_CAUSE): "snapshot_failed",
+    # A save's bytes refused by a destination (typed from the errno where the write failed).
+    ("SnapshotFailed", FailureCause.FAILURE_WRITE_REFUSED): "checkpoint_write_failed",
     # Bytes that fail their digest as a rank reads them (a load): the version is bad, not the
     # store; reported as checkpoint_error with this subclass (ALIASES), which strikes it.
     ("SnapshotFailed", FailureCause.FAILURE_DATA_CORRUPT): "checkpoint_integrity",
@@ -219,7 +298,7 @@ FAILURE_CLASSES: dict[tuple[str, int], str] = {
     ("RecoveryFailed", ANY_CAUSE): "recovery_failed",
     ("UpdateFailed", FailureCause.FAILURE_NON_FINITE): "non_finite_loss",
     **{(e, ANY_CAUSE): "data_unavailable" for e in _DATA_EVENTS},
-    **{(e, FailureCause.FAILURE_UNAVAILABLE): "data_unavailable" for e in _DATA_EVENTS},
+    **{(e, FailureCause.FAILURE_UNAVAILABLE): DATA_OUTAGE for e in _DATA_EVENTS},
     **{(e, FailureCause.FAILURE_IO): "data_io_error" for e in _DATA_EVENTS},
     **{(e, FailureCause.FAILURE_DATA_CORRUPT): "data_corrupt" for e in _DATA_EVENTS},
     **{(e, FailureCause.FAILURE_INVALID_INPUT): "config_error" for e in _DATA_EVENTS},
@@ -263,6 +342,9 @@ RankPhase = worker_pb2.RankPhase
 # Not working on a step (a rank says idle only while not stepping; before its first step
 # after StartTraining it is judged as a training step).
 _RESTING = frozenset({RankPhase.PHASE_IDLE})
+# The phases that wait for batches (a training step's data wait, an evaluation's): a rank whose
+# data relay reconnects (DataServiceUnreachable) has the job's data_outage_seconds on top there.
+_DATA_PHASES = frozenset({RankPhase.PHASE_DATA_WAIT, RankPhase.PHASE_EVALUATION})
 
 
 def phase_name(phase: int) -> str:
@@ -295,6 +377,9 @@ class _RankWatch:
     # Restored after a control restart and nothing of it arrived since (no beat, resent or
     # new): its node agent has not re-attached.
     unheard: bool = False
+    # Its data relay reconnects to an unreachable data service (DataServiceUnreachable, until
+    # the one with ``back``): a data wait has the job's data_outage_seconds on top of its budget.
+    data_outage: bool = False
 
     def cancel(self) -> None:
         for timer in (self.silence, self.stall):
@@ -313,6 +398,7 @@ class _Job:
     eval_batches: int = 0
     staging_s: float = DEFAULT_CHECKPOINT_STAGING_S
     compile_s: float = DEFAULT_COMPILE_S
+    data_outage_s: float = 0.0  # fault_policy.data_outage_seconds (StartFaultMonitoring)
     running_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_RUNNING_S
     ranks: dict[int, _RankWatch] = field(default_factory=dict)
     step_times: deque = field(default_factory=lambda: deque(maxlen=_STEP_TIMES_KEPT))
@@ -328,13 +414,21 @@ class _Job:
     back: set[str] = field(default_factory=set)  # workers heard from since the restart (any rank's event)
     restored_unix: float = 0.0  # a beat the rank sent before this is a resent one (stale)
     round_faults: int = 0  # faults of the current incident (本轮), cleared by ResetFaultLedger
+    round: int = 0  # which incident round of the job (ResetFaultLedger counts them): sick_nodes.py
+    slow: SlowRanks = field(default_factory=SlowRanks)  # compute per step compared (slow_ranks.py)
 
     def stall_deadline_s(self) -> float:
         median = statistics.median(self.step_times) if self.step_times else 0.0
         return max(self.stall_min_s, self.stall_step_factor * median)
 
-    def phase_deadline_s(self, phase: int, total: int = 0) -> float:
-        """The progress budget of a rank in ``phase`` (of ``total`` units, when known)."""
+    def phase_deadline_s(self, phase: int, total: int = 0, data_outage: bool = False) -> float:
+        """The progress budget of a rank in ``phase`` (of ``total`` units, when known);
+        ``data_outage``: its data relay reconnects to an unreachable data service (a phase
+        that waits for batches then has as long as L1-1 waits for the service on top)."""
+        budget = self._phase_budget_s(phase, total)
+        return budget + self.data_outage_s if data_outage and phase in _DATA_PHASES else budget
+
+    def _phase_budget_s(self, phase: int, total: int) -> float:
         if phase == RankPhase.PHASE_EVALUATION:
             # Scales with the batch count; before an evaluation was seen, a training step
             # (forward, backward and update) stands in for an evaluation batch (forward only).
@@ -360,7 +454,7 @@ class FaultDetector:
         ValueError: a rule names an unknown grade (the message names the class).
     """
 
-    def __init__(self, emit: Emitter, rules: Mapping[str, int] | None = None):
+    def __init__(self, emit: Emitter, rules: Mapping[str, int] | None = None, sick_nodes: SickNodePolicy | None = None):
         table = dict(DEFAULT_RULES)
         for fault_class, grade in (rules or {}).items():
             if grade not in FaultGrade.values() or grade == FaultGrade.GRADE_UNSPECIFIED:
@@ -382,6 +476,13 @@ class FaultDetector:
         # (job_id, rank) -> (worker_id, pid) -> (RankProcessState.State, detail, unix_time):
         # what the node agents last stated of each process of the rank, until its exit.
         self._processes: defaultdict[tuple[str, int], dict[tuple[str, int], tuple[int, str, float]]] = defaultdict(dict)
+        # Rank faults by node across jobs, for a node that keeps failing (FaultBacklogAlert).
+        self._sick = SickNodes(sick_nodes)
+        # worker id -> its node agent's silence deadline (re-armed by each AgentHeartbeat), and
+        # the workers reported agent_silent whose agent has not beaten since (with the receipt of
+        # their last beat, time.monotonic()).
+        self._agents: dict[str, tuple[object, Deadline]] = {}
+        self._silent_agents: dict[str, float] = {}
 
     def close(self) -> None:
         """Composition root, when control stops: no silence, stall or attribution deadline
@@ -409,6 +510,8 @@ class FaultDetector:
                 eval_batches=msg.eval_batches,
                 staging_s=msg.checkpoint_staging_seconds or DEFAULT_CHECKPOINT_STAGING_S,
                 compile_s=msg.compile_seconds or DEFAULT_COMPILE_S,
+                data_outage_s=msg.data_outage_seconds,
+                slow=SlowRanks(stage_size=msg.ranks_per_stage),
             )
             job.running_timeout_s = max(
                 msg.heartbeat_timeout_running_seconds or DEFAULT_HEARTBEAT_TIMEOUT_RUNNING_S, job.heartbeat_timeout_s
@@ -430,8 +533,66 @@ class FaultDetector:
             job = self._jobs.get(msg.job_id)
             if job is not None:
                 job.round_faults = 0
+                job.round += 1
 
     # ------------------------------------------------------------ liveness (node agent relay)
+
+    def on_agent_heartbeat(self, msg: control_pb2.AgentHeartbeat, payload: Any = None) -> None:
+        """A node agent is alive: re-arm its silence deadline (``AGENT_MISSED_BEATS`` of its
+        beat periods, at least ``AGENT_SILENT_MIN_SECONDS``, from the beat's receipt). If it
+        fires, the node is reported ``agent_silent`` (no job: L1-1 holds the worker out of
+        placement); the first beat after that reports it ``cleared``."""
+        mono = time.monotonic()
+        received = msg.received_monotonic or mono
+        wait = max(AGENT_MISSED_BEATS * (msg.interval_seconds or 1.0), AGENT_SILENT_MIN_SECONDS)
+        with self._lock:
+            armed = self._agents.get(msg.worker_id)
+            if armed is not None:
+                armed[1].cancel()
+            quiet_since = self._silent_agents.pop(msg.worker_id, None)
+            token = object()  # which arming fires (a re-armed one is stale)
+            args = (msg.worker_id, token, received, wait)
+            self._agents[msg.worker_id] = (
+                token,
+                self._deadlines.after(wait - (mono - received), self._agent_silence_passed, args),
+            )
+        if quiet_since is not None:
+            now = time.time()
+            self._emit(
+                control_pb2.FaultReport(
+                    grade=self._grade(AGENT_SILENT),
+                    fault_class=AGENT_SILENT,
+                    source=Module.EXT_HARDWARE,
+                    detail=f"the node agent of {msg.worker_id} beats again after {received - quiet_since:.1f} s",
+                    detected_unix=now,
+                    occurred_unix=now,
+                    worker_id=msg.worker_id,
+                    event=msg.DESCRIPTOR.name,
+                    cleared=True,
+                )
+            )
+
+    def _agent_silence_passed(self, worker_id: str, token: object, received: float, wait: float) -> None:
+        with self._lock:
+            armed = self._agents.get(worker_id)
+            if armed is None or armed[0] is not token:
+                return  # re-armed meanwhile
+            del self._agents[worker_id]
+            self._silent_agents[worker_id] = received
+        now = time.time()
+        self._emit(
+            control_pb2.FaultReport(
+                grade=self._grade(AGENT_SILENT),
+                fault_class=AGENT_SILENT,
+                source=Module.EXT_HARDWARE,
+                detail=f"the node agent of {worker_id} sent no AgentHeartbeat for {time.monotonic() - received:.1f} s "
+                f"(its deadline {wait:.1f} s)",
+                detected_unix=now,
+                occurred_unix=now - (time.monotonic() - received),
+                worker_id=worker_id,
+                event=control_pb2.AgentHeartbeat.DESCRIPTOR.name,
+            )
+        )
 
     def on_rank_heartbeat(self, msg: worker_pb2.RankHeartbeat, payload: Any = None) -> None:
         """A rank is alive (at step ``msg.step``, in ``msg.phase``): re-arm its silence
@@ -474,7 +635,8 @@ class FaultDetector:
             if watch.silence is not None:
                 watch.silence.cancel()
             # Longer while its node agent states its process running: late beats are not a
-            # dead rank (a stop the agent states brings it forward: on_rank_process_state).
+            # dead rank (a stop the agent states brings it back to the job's heartbeat
+            # timeout, counted from the stop: on_rank_process_state).
             wait = self._silence_timeout(msg.job_id, job, msg.rank, watch) - lag
             watch.silence_due = time.monotonic() + wait
             watch.silence = self._deadlines.after(wait, self._silence_passed, (msg.job_id, msg.rank, watch))
@@ -510,17 +672,38 @@ class FaultDetector:
                     watch.stall.cancel()
                 else:
                     watch.last_progress_unix = now  # stepping starts now: the clock starts now
-                budget = job.phase_deadline_s(msg.phase, msg.phase_total)
+                budget = job.phase_deadline_s(msg.phase, msg.phase_total, watch.data_outage)
                 watch.stall = self._deadlines.after(budget - lag, self._stall_passed, (msg.job_id, msg.rank, watch))
+            finding = None
+            if msg.stepping:  # (a paused or finished rank's beats repeat its last step)
+                compute = (msg.forward_compute_seconds, msg.backward_compute_seconds, msg.optimizer_compute_seconds)
+                finding = job.slow.observe(msg.rank, msg.step, compute, msg.unix_time or now)
+                ratio = job.slow.ratio(msg.rank)
+                if ratio is not None:
+                    metrics.RANK_SLOWDOWN.labels(msg.job_id, str(msg.rank)).set(ratio)
+        if finding is not None:  # (published outside the lock)
+            self._report_slow(msg.job_id, finding, job.slow.settings.window)
+
+    def _report_slow(self, job_id: str, finding: Finding, window: int) -> None:
+        """Report a slow-rank finding (``slow_rank``) or its end (``slow_rank_cleared``)."""
+        if finding.slow:
+            metrics.SLOW_RANK_FINDINGS.inc()
+        fault_class = SLOW_RANK if finding.slow else SLOW_RANK_CLEARED
+        # (the rank's process, as for a stall: its beats say how it computes)
+        self._report(job_id, fault_class, Module.EXT_HARDWARE, finding.rank, finding.text(window), step=finding.step)
 
     # ------------------------------------------------------------ fault events
 
     def on_rank_process_state(self, msg: control_pb2.RankProcessState, payload: Any = None) -> None:
         """A node agent states a rank process RUNNING (watched from now on, or continued) or
-        STOPPED by a signal. A stopped rank that beats no more is declared silent once it has
-        stayed stopped for a beat period (its silence deadline is brought forward to then);
-        one stated running gets ``heartbeat_timeout_running_seconds`` before it is declared
-        silent (see ``_silence_passed``)."""
+        STOPPED by a signal. A stop explains a silence, it never shortens it: a rank stated
+        stopped that beats no more is declared silent ``heartbeat_timeout_seconds`` after
+        control heard the stop, never later than the deadline it had (a running one), so a
+        stop and continue within the job's timeout (^Z and fg, a py-spy dump, a debugger's
+        attach) is no fault. (A cgroup freeze is no stop ``waitid`` reports: running.) A rank that beat until it was stopped stops at
+        most a beat period after its last beat: it is declared at most the timeout plus one
+        beat period after that beat (the slack). One stated running (continued) gets
+        ``heartbeat_timeout_running_seconds`` from its last beat (see ``_silence_passed``)."""
         with self._lock:
             self._processes[(msg.job_id, msg.rank)][(msg.worker_id, msg.pid)] = (msg.state, msg.detail, msg.unix_time)
             job = self._jobs.get(msg.job_id)
@@ -531,7 +714,10 @@ class FaultDetector:
                 return  # another process of the rank, elsewhere (a relaunch): not the one watched
             now = time.monotonic()
             if msg.state == control_pb2.RankProcessState.STOPPED:
-                wait = min(watch.silence_due - now, self._stop_hold(job, watch))  # brought forward
+                # Counted from the stop, not from the last beat (which may precede it by a beat
+                # period: a 2 s stop would look like 2 s + a period); capped by the deadline
+                # it had, so stops that come and go never keep a rank that beats no more alive.
+                wait = min(watch.silence_due - now, job.heartbeat_timeout_s)
             else:  # running (continued): its deadline counts from its last beat again
                 wait = job.running_timeout_s - (time.time() - watch.last_beat_unix)
             watch.silence.cancel()
@@ -548,6 +734,7 @@ class FaultDetector:
             watch = job.ranks.pop(msg.rank, None) if job is not None else None
             if watch is not None:
                 watch.cancel()
+            ended_slow = job.slow.forget(msg.rank) if job is not None else None
             if job is not None and not msg.worker_lost:
                 job.back.add(msg.worker_id)  # its node agent reaped it and is back
         if msg.worker_lost:
@@ -559,7 +746,7 @@ class FaultDetector:
             elif msg.departing:
                 fault_class = WORKER_DEPARTED
             else:
-                fault_class = RANK_EXIT if msg.exit_code != 0 else RANK_EXIT_CLEAN
+                fault_class = EXIT_CAUSE_CLASSES.get(msg.cause, RANK_EXIT if msg.exit_code != 0 else RANK_EXIT_CLEAN)
             how = f"signal {-msg.exit_code}" if msg.exit_code < 0 else f"exit code {msg.exit_code}"
             detail = f"rank {msg.rank} on worker {msg.worker_id} ended ({how})"
             if msg.detail:
@@ -574,7 +761,10 @@ class FaultDetector:
             occurred=msg.unix_time,
             worker_id=msg.worker_id,
             step=step,
+            exit_cause=msg.cause,
         )
+        if ended_slow is not None:  # (its replacement is judged afresh)
+            self._report_slow(msg.job_id, ended_slow, 0)
         # (after the report: held with the rest, and ordered with it)
         if self._reattached(msg.job_id, msg.rank):
             self._release_held(msg.job_id)
@@ -628,6 +818,43 @@ class FaultDetector:
                 event=msg.DESCRIPTOR.name,
             )
 
+    def on_rank_log_flood(self, msg: control_pb2.RankLogFlood, payload: Any = None) -> None:
+        """A node agent states a rank's output came faster than its bound (once per rank
+        process): ``rank_log_flood``, a warning naming the rank."""
+        detail = (
+            f"rank {msg.rank} on {msg.worker_id} logs {msg.bytes_per_second / 2**20:.1f} MiB/s over "
+            f"{msg.window_seconds:.0f} s (warning above {msg.threshold_bytes_per_second / 2**20:.1f} MiB/s); its log "
+            f"is rotated at {msg.max_file_bytes / 2**20:.0f} MiB with {msg.backups} older files kept"
+        )
+        self._report(
+            msg.job_id,
+            RANK_LOG_FLOOD,
+            Module.EXT_HARDWARE,
+            msg.rank,
+            detail,
+            occurred=msg.unix_time,
+            worker_id=msg.worker_id,
+            event=msg.DESCRIPTOR.name,
+        )
+
+    def on_memory_copy_skipped(self, msg: store_pb2.MemoryCopySkipped, payload: Any = None) -> None:
+        """A rank's L5 relay skipped the in-memory copy of a save (its target lacks the
+        space): ``memory_copy_skipped``, for the record; the save itself goes on."""
+        why = route_pb2.WriteError.Name(msg.write_error) if msg.write_error else "not written"
+        detail = (
+            f"rank {msg.rank}: memory copy of step {msg.step} skipped ({why}): needs {msg.needed_bytes / 2**20:.1f} "
+            f"MiB, {msg.free_bytes / 2**20:.1f} MiB free in {msg.path}; the next save tries again"
+        )
+        self._report(
+            msg.job_id,
+            MEMORY_COPY_SKIPPED,
+            Module.L5_CHECKPOINT_MANAGER,
+            msg.rank,
+            detail,
+            step=msg.step,
+            event=msg.DESCRIPTOR.name,
+        )
+
     def on_training_loop_failed(self, msg: engine_pb2.TrainingLoopFailed, payload: Any = None) -> None:
         """A rank's training loop stopped on an error. Its class is the one the rank named
         (a typed exception's ``fault_class``: non_finite_loss, port_in_use, ...), else the
@@ -676,6 +903,46 @@ class FaultDetector:
             return
         self._hold_or_report(msg.job_id, msg.rank, report)
 
+    def on_data_service_unreachable(self, msg: data_pb2.DataServiceUnreachable, payload: Any = None) -> None:
+        """A rank's data relay cannot reach the data service and reconnects (or, ``back``, it
+        answers again): reported as ``data_outage`` (``cleared`` when back) for L1-1, which
+        waits for the service up to the job's data_outage_seconds. Meanwhile the rank's data
+        wait is no stall: its budget has that wait on top (the relay gives up after it, and
+        L1-1 decides before that), re-armed from the rank's last progress."""
+        with self._lock:
+            job = self._jobs.get(msg.job_id)
+            if job is None:
+                return
+            watch = job.ranks.get(msg.rank)
+            if watch is not None and watch.data_outage != (not msg.back):
+                watch.data_outage = not msg.back
+                if watch.stall is not None and watch.phase in _DATA_PHASES:
+                    watch.stall.cancel()
+                    budget = job.phase_deadline_s(watch.phase, watch.phase_total, watch.data_outage)
+                    left = budget - max(0.0, time.time() - watch.last_progress_unix)
+                    watch.stall = self._deadlines.after(
+                        max(0.0, left), self._stall_passed, (msg.job_id, msg.rank, watch)
+                    )
+        where = f"{msg.split} stream" if msg.split else "mount"
+        if msg.back:
+            detail = f"data service at {msg.address} answers again after {msg.waited_seconds:.1f} s (rank {msg.rank}'s {where})"
+        else:
+            detail = (
+                f"data service at {msg.address} unreachable (rank {msg.rank}'s {where}, reconnecting): {msg.reason}"
+            )
+        report = self._graded(
+            msg.job_id,
+            DATA_OUTAGE,
+            Module.L4_DATASET_VERSIONS,
+            msg.rank,
+            detail,
+            event=msg.DESCRIPTOR.name,
+            cause=route_pb2.FailureCause.FAILURE_UNAVAILABLE,
+        )
+        if report is not None:
+            report.cleared = msg.back
+            self._emit(report)  # (never held: a wait, no symptom of another rank's fault)
+
     def on_failure(self, msg: Any, payload: Any = None) -> None:
         """A module's failure event (any route flagged ``failure`` that names L1-3, other than
         TrainingLoopFailed): graded by (event, cause) through FAILURE_CLASSES. Where: the
@@ -696,7 +963,9 @@ class FaultDetector:
         fault_class = declared if declared in self._rules else failure_class(event, failure.cause)
         module = failure.module or _sole_sender(msg)
         who = Module.Name(module) if module else event
-        if msg.HasField("failure"):
+        if msg.HasField("failure") and (failure.cause or failure.detail):
+            # (A part holding only where the event came from, stamped by the relay that carried
+            # it, says nothing: the event's own words below.)
             where = f" (rank {rank})" if failure.HasField("rank") else ""
             detail = f"{who}{where} failed handling {failure.operation or 'an event'}: {failure.detail}"
         else:
@@ -753,8 +1022,9 @@ class FaultDetector:
 
     def _silence_passed(self, job_id: str, rank: int, watch: _RankWatch) -> None:
         """The rank's silence deadline passed (``heartbeat_timeout_s`` after its last beat,
-        ``running_timeout_s`` while its node agent states its process running, a beat period
-        after the agent stated it stopped): it is declared silent, saying which."""
+        ``running_timeout_s`` while its node agent states its process running,
+        ``heartbeat_timeout_s`` after control heard the agent state it stopped): it is
+        declared silent, saying which."""
         with self._lock:
             job = self._jobs.get(job_id)
             if job is None or job.ranks.get(rank) is not watch:
@@ -840,14 +1110,19 @@ class FaultDetector:
             if (
                 watch.phase == RankPhase.PHASE_COLLECTIVE
                 and rank not in quiet
-                and any(r != rank and r not in quiet and self._working(w) for r, w in job.ranks.items())
+                and any(
+                    r != rank and (r not in quiet and self._working(w) or self._waits_for_data(w))
+                    for r, w in job.ranks.items()
+                )
             ):
-                # Waiting for a peer that still works (e.g. a longer evaluation on it): no
-                # fault (see the docstring).
+                # Waiting for a peer that still works (e.g. a longer evaluation on it), or that
+                # waits for the data service (L1-1 waits for it too; a late beat of that peer
+                # changes nothing: were it gone, its silence deadline reports it): no fault
+                # (see the docstring).
                 watch.waiting = True
                 return
             watch.stalled = True  # declared once; the next progress re-arms the deadline
-            deadline = job.phase_deadline_s(watch.phase, watch.phase_total)
+            deadline = job.phase_deadline_s(watch.phase, watch.phase_total, watch.data_outage)
             if rank in quiet:
                 return  # it stopped beating too: its silence deadline reports it (as silent)
             in_collective = watch.phase == RankPhase.PHASE_COLLECTIVE
@@ -956,6 +1231,12 @@ class FaultDetector:
             and w.phase != RankPhase.PHASE_COLLECTIVE
         )
 
+    @staticmethod
+    def _waits_for_data(w: _RankWatch) -> bool:
+        """Stepping, waiting for batches while its data relay reconnects to an unreachable
+        data service (DataServiceUnreachable), not declared stalled."""
+        return w.stepping and w.data_outage and not w.stalled and w.phase in _DATA_PHASES
+
     def _release_held(self, job_id: str) -> None:
         """The attribution window closed with no cause from another rank: the first held
         symptom is the cause after all, and the rest follow it. Unless a stall is held and
@@ -1020,19 +1301,13 @@ class FaultDetector:
 
     def _silence_timeout(self, job_id: str, job: _Job, rank: int, watch: _RankWatch) -> float:
         """How long the rank may stay without a beat: longer while its node agent states its
-        process runs, a beat period once the agent stated it stopped (lock held)."""
+        process runs, the job's heartbeat timeout otherwise (nothing stated, or stopped: a
+        beat from a process still stated stopped came before the agent's word that it
+        continued) (lock held)."""
         state, _ = self._process_state(job_id, rank, watch.worker_id)
         if state == control_pb2.RankProcessState.RUNNING:
             return job.running_timeout_s
-        if state == control_pb2.RankProcessState.STOPPED:
-            return self._stop_hold(job, watch)
         return job.heartbeat_timeout_s
-
-    @staticmethod
-    def _stop_hold(job: _Job, watch: _RankWatch) -> float:
-        """How long a rank stated stopped has to continue before it is declared silent: a
-        beat period (a stop and continue within it, ^Z and fg, is no fault)."""
-        return watch.interval_s or job.heartbeat_timeout_s / 2
 
     def _reattached(self, job_id: str, rank: int) -> bool:
         """The rank was heard from after a control restart; True when it was the last one
@@ -1095,8 +1370,10 @@ class FaultDetector:
         subclass: str = "",
         event: str = "",
         cause: int = 0,
+        exit_cause: int = 0,
     ) -> control_pb2.FaultReport | None:
         now = time.time()
+        sick = None
         with self._lock:
             job = self._jobs.get(job_id)
             if job is None:
@@ -1105,6 +1382,11 @@ class FaultDetector:
             job.round_faults += 1
             if not worker_id and rank in job.ranks:
                 worker_id = job.ranks[rank].worker_id
+            if worker_id and fault_class in NODE_FAULT_CLASSES:
+                kind = fault_class + (f"/{control_pb2.ExitCause.Name(exit_cause)}" if exit_cause else "")
+                sick = self._sick.record(NodeFault(worker_id, job_id, job.round, kind, now))
+        if sick is not None:
+            self._alert_sick(sick)
         return control_pb2.FaultReport(
             job_id=job_id,
             grade=self._grade(fault_class),
@@ -1120,6 +1402,21 @@ class FaultDetector:
             subclass=subclass,
             event=event,
             cause=cause,
+        )
+
+    def _alert_sick(self, sick: SickNode) -> None:
+        """A node's rank faults piled up across jobs and incidents (sick_nodes.py): L1-1 is
+        told (it quarantines the node), before the report that made it sick, so the cordon is
+        in force before that job decides where to relaunch. Outside the lock."""
+        _log.warning("sick node", worker_id=sick.worker_id, faults=sick.faults, incidents=sick.incidents)
+        self._emit(
+            control_pb2.FaultBacklogAlert(
+                worker_id=sick.worker_id,
+                reports=sick.faults,
+                incidents=sick.incidents,
+                window_seconds=sick.window_seconds,
+                detail=sick.detail,
+            )
         )
 
     def _hold(

@@ -31,10 +31,10 @@ def install(journal: JobStore, spec: str | None = None) -> JobStore:
     if kinds.get("journal_create"):
         create, refused = journal.create_job, kinds["journal_create"]
 
-        def create_job(status: control_pb2.JobStatus, spec_json: str) -> None:
+        def create_job(status: control_pb2.JobStatus, spec_json: str, *request: str) -> None:
             if status.name in refused:
                 raise OSError(f"journal write refused ({ENV}: {status.name}:journal_create)")
-            create(status, spec_json)
+            create(status, spec_json, *request)
 
         journal.create_job = create_job  # type: ignore[method-assign]
     if kinds.get("journal_record"):

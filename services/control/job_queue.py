@@ -1,7 +1,7 @@
 """The orchestrator's job queue (issue 15 part 3): a submitted job whose ranks do not fit
 waits here, FIFO within priority (higher first), until L1-1 starts it.
 
-Not a seed module: a data structure L1-1 (services/control/orchestrator.py) owns, like its
+Not a seed module: a data structure L1-1 (services/control/orchestrator/) owns, like its
 journal. It decides nothing and touches nothing: the orchestrator asks it which job is at
 the head and where a job stands; the allocator (L1-2) says whether the head's ranks fit.
 
@@ -26,6 +26,7 @@ bookkeeping (job_store's ``runtime``); a job without it is not queued.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.contract.failures import Refusal
@@ -45,12 +46,13 @@ class QueueEntry:
     job_id: str
     priority: int
     seq: int
+    first: bool = False  # a drained job's resume (`surgectl up`): ahead of every priority
 
-    def key(self) -> tuple[int, int]:
-        return (-self.priority, self.seq)
+    def key(self) -> tuple[bool, int, int]:
+        return (not self.first, -self.priority, self.seq)
 
     def to_json(self) -> dict:
-        return {"priority": self.priority, "seq": self.seq}
+        return {"priority": self.priority, "seq": self.seq, **({"first": True} if self.first else {})}
 
 
 def check_priority(priority: int) -> int:
@@ -67,33 +69,44 @@ def check_priority(priority: int) -> int:
 class JobQueue:
     """Queued jobs in start order. Not thread-safe: the orchestrator's lock guards it."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_change: Callable[[JobQueue], None] | None = None) -> None:
+        """``on_change``: called with the queue after each change of its order (the
+        orchestrator publishes the places its queries read)."""
+        self._on_change = on_change
         self._entries: dict[str, QueueEntry] = {}
         self._next_seq = 1
         self._beyond: set[str] = set()  # queued jobs needing more ranks than are registered
 
-    def add(self, job_id: str, priority: int) -> QueueEntry:
-        """Queue ``job_id`` behind every job of its priority or higher."""
-        entry = QueueEntry(job_id, check_priority(priority), self._next_seq)
+    def add(self, job_id: str, priority: int, first: bool = False) -> QueueEntry:
+        """Queue ``job_id`` behind every job of its priority or higher (``first``: ahead of
+        every job not queued ``first`` itself)."""
+        entry = QueueEntry(job_id, check_priority(priority), self._next_seq, first)
         self._next_seq += 1
         return self.put(entry)
 
     def restore(self, job_id: str, journaled: dict) -> QueueEntry:
         """Queue ``job_id`` again as journaled (``QueueEntry.to_json``), in its old place."""
-        return self.put(QueueEntry(job_id, int(journaled["priority"]), int(journaled["seq"])))
+        return self.put(
+            QueueEntry(job_id, int(journaled["priority"]), int(journaled["seq"]), bool(journaled.get("first", False)))
+        )
 
     def put(self, entry: QueueEntry) -> QueueEntry:
         """Queue ``entry`` (a new one, or one taken out to be tried, back in its place)."""
         assert entry.job_id not in self._entries, entry
         self._entries[entry.job_id] = entry
         self._next_seq = max(self._next_seq, entry.seq + 1)
+        if self._on_change is not None:
+            self._on_change(self)
         return entry
 
     def take(self, job_id: str) -> QueueEntry | None:
         """Take ``job_id`` out of the queue (its entry; None: it was not queued). Its mark
         (``mark_beyond_cluster``) goes with it."""
         self._beyond.discard(job_id)
-        return self._entries.pop(job_id, None)
+        entry = self._entries.pop(job_id, None)
+        if entry is not None and self._on_change is not None:
+            self._on_change(self)
+        return entry
 
     def mark_beyond_cluster(self, job_id: str, beyond: bool) -> None:
         """Whether the queued ``job_id`` needs more ranks than the registered workers have
@@ -125,13 +138,14 @@ class JobQueue:
 
     def leads(self, priority: int) -> bool:
         """Whether a job submitted now with ``priority`` would be the head (every queued job
-        has a lower priority)."""
-        return all(e.priority < priority for e in self._entries.values())
+        has a lower priority and none is queued ``first``)."""
+        return all(e.priority < priority and not e.first for e in self._entries.values())
 
     def blocks(self, priority: int) -> bool:
         """Whether a job submitted now with ``priority`` must wait behind a queued one: one of
-        its priority or higher that is not marked beyond the registered cluster."""
-        return any(e.priority >= priority and e.job_id not in self._beyond for e in self._entries.values())
+        its priority or higher (or queued ``first``) that is not marked beyond the registered
+        cluster."""
+        return any((e.priority >= priority or e.first) and e.job_id not in self._beyond for e in self._entries.values())
 
     def __contains__(self, job_id: object) -> bool:
         return job_id in self._entries

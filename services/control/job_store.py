@@ -8,9 +8,12 @@ own journal is how it keeps its private state, and nothing else reads this file.
 
 WAL mode: readers never block the writer, and a commit is one fsync of the log. The file
 is opened once per process; every call is serialised by one lock (calls come from gRPC
-threads and from the session event applier). Worker event cursors of events with no
+threads and from the session event applier's pool). Worker event cursors of events with no
 journaled effect may be written a burst at a time (``applying(defer=True)`` +
-``write_cursors``); a cursor with an effect is always in the effect's transaction.
+``write_cursors``); a cursor with an effect is always in the effect's transaction. A cursor
+is a watermark and the seqs journaled above it (services/control/worker_cursor.py: one
+agent's events are applied in order per job, not across its jobs), computed and marked
+under this file's lock, so two jobs' transactions never write a stale one.
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.contract import control_pb2
+from services.control.metrics import JOURNAL_COMMITS
+from services.control.worker_cursor import WorkerCursor, parse_ahead
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -35,7 +40,11 @@ CREATE TABLE IF NOT EXISTS jobs (
     spec_json    TEXT NOT NULL,
     created_unix REAL NOT NULL,
     updated_unix REAL NOT NULL,
-    status       BLOB NOT NULL          -- control_pb2.JobStatus, serialized
+    status       BLOB NOT NULL,         -- control_pb2.JobStatus, serialized
+    -- The SubmitJobRequest.request_id that created the job ('' none) and the sha256 of the
+    -- spec text it carried: a retried submit is answered with this job after a restart too.
+    request_id   TEXT NOT NULL DEFAULT '',
+    spec_sha256  TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS events (
     job_id    TEXT NOT NULL,
@@ -58,12 +67,14 @@ CREATE TABLE IF NOT EXISTS steps (
     applied_unix REAL NOT NULL          -- when control applied it
 );
 CREATE INDEX IF NOT EXISTS steps_job ON steps (job_id);
--- Per node agent: the incarnation and the last WorkerEvent.seq applied (the event stream's
--- resume point after a control restart).
+-- Per node agent: the incarnation, the WorkerEvent.seq up to which every event is applied
+-- (the event stream's resume point after a control restart) and the seqs applied above it
+-- (a JSON list, "" for none: dropped as duplicates when resent).
 CREATE TABLE IF NOT EXISTS worker_cursors (
     worker_id   TEXT PRIMARY KEY,
     incarnation TEXT NOT NULL,
-    seq         INTEGER NOT NULL
+    seq         INTEGER NOT NULL,
+    ahead       TEXT NOT NULL DEFAULT ''
 );
 -- Workers out of placement for every job (L1-1's cordon after a device's fatal error), until
 -- their node agent registers as another incarnation: commanded to L1-2 again at a restart.
@@ -74,8 +85,8 @@ CREATE TABLE IF NOT EXISTS cordons (
 """
 
 _UPSERT_CURSOR = (
-    "INSERT INTO worker_cursors VALUES (?,?,?) ON CONFLICT(worker_id) DO UPDATE "
-    "SET incarnation=excluded.incarnation, seq=excluded.seq"
+    "INSERT INTO worker_cursors (worker_id, incarnation, seq, ahead) VALUES (?,?,?,?) ON CONFLICT(worker_id) "
+    "DO UPDATE SET incarnation=excluded.incarnation, seq=excluded.seq, ahead=excluded.ahead"
 )
 
 
@@ -87,6 +98,8 @@ class StoredJob:
     spec_json: str
     last_seq: int  # highest event seq written for the job (0: none)
     runtime: dict = field(default_factory=dict)  # the orchestrator's bookkeeping (see save_status)
+    request_id: str = ""  # the submit's request id ("" none; see create_job)
+    spec_sha256: str = ""  # the sha256 of the spec text that request carried
 
 
 @dataclass
@@ -94,10 +107,14 @@ class _Applying:
     """The worker event being applied on this thread: its cursor is written with the first
     journal write it causes (same transaction), or alone when it causes none."""
 
-    worker_id: str
-    incarnation: str
+    cursor: WorkerCursor
     seq: int
+    earlier: Sequence[int] = ()  # seqs of its burst applied before it, not yet journaled
     written: bool = False
+
+    @property
+    def seqs(self) -> list[int]:
+        return [*self.earlier, self.seq]
 
 
 class JobStore:
@@ -121,14 +138,23 @@ class JobStore:
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
         if "runtime" not in columns:  # a journal written before the column existed
             self._db.execute("ALTER TABLE jobs ADD COLUMN runtime TEXT NOT NULL DEFAULT '{}'")
+        for column in ("request_id", "spec_sha256"):  # (a journal written before submits had request ids)
+            if column not in columns:
+                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {column} TEXT NOT NULL DEFAULT ''")
+        if "ahead" not in {row[1] for row in self._db.execute("PRAGMA table_info(worker_cursors)")}:
+            self._db.execute("ALTER TABLE worker_cursors ADD COLUMN ahead TEXT NOT NULL DEFAULT ''")
         self._applying = threading.local()
 
-    def create_job(self, status: control_pb2.JobStatus, spec_json: str) -> None:
-        """Insert a new job. Raises sqlite3.IntegrityError if the id already exists."""
+    def create_job(
+        self, status: control_pb2.JobStatus, spec_json: str, request_id: str = "", spec_sha256: str = ""
+    ) -> None:
+        """Insert a new job, with the request id of the submit that created it and the
+        sha256 of its spec text (in the same row: a job journaled is never without them).
+        Raises sqlite3.IntegrityError if the id already exists."""
         with self._lock:
             self._db.execute(
-                "INSERT INTO jobs (job_id, name, state, outcome, spec_json, created_unix, updated_unix, status) "
-                "VALUES (?,?,?,?,?,?,?,?)",
+                "INSERT INTO jobs (job_id, name, state, outcome, spec_json, created_unix, updated_unix, status, "
+                "request_id, spec_sha256) VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (
                     status.job_id,
                     status.name,
@@ -138,8 +164,11 @@ class JobStore:
                     status.created_unix,
                     status.updated_unix,
                     status.SerializeToString(),
+                    request_id,
+                    spec_sha256,
                 ),
             )
+            JOURNAL_COMMITS.inc()  # (autocommit: one transaction)
 
     def delete_job(self, job_id: str) -> None:
         """Remove a job and everything journaled about it (its start failed half-way: no
@@ -209,22 +238,38 @@ class JobStore:
     # ------------------------------------------------------------ worker event cursors
 
     def worker_cursor(self, worker_id: str) -> tuple[str, int]:
-        """(incarnation, last applied seq) of a node agent; ("", 0) if none was applied."""
+        """(incarnation, seq up to which every event is applied) of a node agent; ("", 0)
+        if none was applied."""
+        cursor = self.cursor(worker_id)
+        return cursor.incarnation, cursor.watermark
+
+    def cursor(self, worker_id: str) -> WorkerCursor:
+        """The node agent's journaled cursor (incarnation "" and nothing applied if none)."""
         with self._lock:
             row = self._db.execute(
-                "SELECT incarnation, seq FROM worker_cursors WHERE worker_id=?", (worker_id,)
+                "SELECT incarnation, seq, ahead FROM worker_cursors WHERE worker_id=?", (worker_id,)
             ).fetchone()
-        return (row[0], row[1]) if row else ("", 0)
+        return WorkerCursor(worker_id, row[0], row[1], parse_ahead(row[2])) if row else WorkerCursor(worker_id, "")
 
     @contextmanager
-    def applying(self, worker_id: str, incarnation: str, seq: int, defer: bool = False) -> Iterator[_Applying]:
+    def applying(
+        self,
+        worker_id: str,
+        incarnation: str,
+        seq: int,
+        defer: bool = False,
+        cursor: WorkerCursor | None = None,
+        earlier: Sequence[int] = (),
+    ) -> Iterator[_Applying]:
         """Apply worker event ``seq`` inside this block: the first journal write on this
-        thread also writes the worker's cursor, in the same transaction; if the block
-        wrote nothing (an event with no journaled effect), the cursor is written alone on
-        exit, or, with ``defer``, left to the caller (``written`` stays False: pass it to
-        :meth:`write_cursors` with the rest of a burst). An exception leaves the cursor
-        unwritten (the event is applied again if resent)."""
-        ctx = _Applying(worker_id, incarnation, seq)
+        thread also writes the worker's cursor (``cursor`` with ``seq`` and the ``earlier``
+        applied ones of its burst added; none: ``seq`` is the watermark), in the same
+        transaction; if the block wrote nothing (an event
+        with no journaled effect), the cursor is written alone on exit, or, with ``defer``,
+        left to the caller (``written`` stays False: pass it to :meth:`write_cursors` with
+        the rest of a burst). An exception leaves the cursor unwritten (the event is
+        applied again if resent)."""
+        ctx = _Applying(cursor or WorkerCursor(worker_id, incarnation, seq - 1), seq, earlier)
         self._applying.ctx = ctx
         try:
             yield ctx
@@ -234,20 +279,24 @@ class JobStore:
             with self._transaction(ctx):
                 pass
 
-    def write_cursors(self, cursors: list[tuple[str, str, int]]) -> None:
-        """Journal ``(worker_id, incarnation, seq)`` cursors of events with no journaled
-        effect, all in one transaction (a group commit: one fsync for a burst of them).
-        Only for seqs whose events are applied: a resend after a restart starts after them."""
+    def write_cursors(self, cursors: list[tuple[WorkerCursor, list[int]]]) -> None:
+        """Journal the seqs of events with no journaled effect, ``(cursor, seqs)`` per node
+        agent, all in one transaction (a group commit: one fsync for a burst of them), and
+        mark them in their cursors. Only for seqs whose events are applied: a resend after a
+        restart skips them."""
         if not cursors:
             return
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                self._db.executemany(_UPSERT_CURSOR, cursors)
+                self._db.executemany(_UPSERT_CURSOR, [cursor.row_with(seqs) for cursor, seqs in cursors])
                 self._db.execute("COMMIT")
+                JOURNAL_COMMITS.inc()
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+            for cursor, seqs in cursors:  # (under the lock: the next row is computed from these)
+                cursor.mark(seqs)
 
     # ------------------------------------------------------------ private
 
@@ -259,11 +308,14 @@ class JobStore:
             try:
                 yield
                 if ctx is not None and not ctx.written:
-                    self._db.execute(_UPSERT_CURSOR, (ctx.worker_id, ctx.incarnation, ctx.seq))
+                    self._db.execute(_UPSERT_CURSOR, ctx.cursor.row_with(ctx.seqs))
                 self._db.execute("COMMIT")
+                JOURNAL_COMMITS.inc()
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+            if ctx is not None and not ctx.written:
+                ctx.cursor.mark(ctx.seqs)  # (under the lock: the next row is computed from it)
         if ctx is not None:
             ctx.written = True
 
@@ -271,13 +323,13 @@ class JobStore:
         """Every job, oldest first, with the highest event seq written for it."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT j.status, j.spec_json, COALESCE(MAX(e.seq), 0), j.runtime FROM jobs j "
-                "LEFT JOIN events e ON e.job_id = j.job_id "
+                "SELECT j.status, j.spec_json, COALESCE(MAX(e.seq), 0), j.runtime, j.request_id, j.spec_sha256 "
+                "FROM jobs j LEFT JOIN events e ON e.job_id = j.job_id "
                 "GROUP BY j.job_id ORDER BY j.created_unix, j.job_id"
             ).fetchall()
         return [
-            StoredJob(control_pb2.JobStatus.FromString(blob), spec, seq, json.loads(runtime or "{}"))
-            for blob, spec, seq, runtime in rows
+            StoredJob(control_pb2.JobStatus.FromString(blob), spec, seq, json.loads(runtime or "{}"), request, digest)
+            for blob, spec, seq, runtime, request, digest in rows
         ]
 
     def events(self, job_id: str, from_seq: int = 0) -> list[control_pb2.JobEvent]:

@@ -21,15 +21,36 @@ reads another module. Names and labels:
   ``communication`` for a peer lost in the save); training goes on and the next interval retries;
 * ``surge_worker_events_total{outcome}``: sequenced node agent events received by control's
   session relay, ``applied`` or ``duplicate`` (a resent event already applied: dropped);
-* ``surge_control_applier_lag_seconds``: how long node agent messages waited between
-  control's gRPC handler receiving them and the event-applier thread applying them (one
-  observation per applied burst: its oldest message's wait). Liveness deadlines do not
-  include this wait: they count from the receipt (``RankHeartbeat.received_monotonic``).
+* ``surge_control_applier_lag_seconds{queue}``: how long node agent messages waited between
+  control's gRPC handler receiving them and a pool thread of the event applier applying them
+  (one observation per applied burst: its oldest message's wait), on a job's queue (``job``)
+  or the node queue (``node``: the agents' own facts, sessions opening and closing, the
+  store's answers; services/control/event_applier.py). Liveness deadlines do not include
+  this wait: they count from the receipt (``RankHeartbeat.received_monotonic``).
+* ``surge_control_apply_seconds{queue}``: how long applying one burst took (its decisions and
+  journal commits);
+* ``surge_control_queue_depth{queue}``: messages waiting to be applied, on the job queues
+  together or on the node queue; ``surge_control_job_queues``: job queues with messages
+  waiting or being applied; ``surge_control_oldest_unapplied_seconds``: how long the oldest
+  message still waiting has waited (0: none waits). Control's health: a growing depth or age
+  is control falling behind its node agents.
+* ``surge_control_messages_total{direction,kind}`` and ``surge_control_bytes_total{direction,kind}``:
+  the messages of the node agents' ``WorkerSession`` streams and their serialized bytes, ``in``
+  (WorkerEvent) and ``out`` (WorkerCommand); ``kind`` is the message a routed envelope carries
+  (``StepCompleted``), ``RankHeartbeat`` for a rank's beat, else the stream field (``register``,
+  ``rank_exited``, ``ack``, ``launch``, ...). Divided by the steps trained over the same window:
+  the control plane's cost per training step (bench/control_messages.py).
+* ``surge_rank_slowdown_ratio{job_id,rank}``: a rank's compute per step over the median of
+  its peers' (its own earlier pace without peers), the median of its last intervals; set by
+  L1-3's slow-rank detector as beats arrive (services/control/slow_ranks.py); 1: as its peers;
+* ``surge_slow_rank_findings_total``: ranks named slow (>= 1.5x, sustained) by that detector;
+* ``surge_control_journal_commits_total``: SQLite transactions control's journal committed
+  (services/control/job_store.py): its writes per second under load (bench/control_bench.py).
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from services.contract import control_pb2, route_pb2
 
@@ -62,17 +83,93 @@ CHECKPOINT_FAILURES = Counter(
     "Checkpoint operations that failed (a save the store could not take: training went on), by typed cause.",
     ["cause"],
 )
+RANK_SLOWDOWN = Gauge(
+    "surge_rank_slowdown_ratio",
+    "A rank's compute seconds per step over the median of its peer ranks' (its own earlier pace without peers).",
+    ["job_id", "rank"],
+)
+SLOW_RANK_FINDINGS = Counter(
+    "surge_slow_rank_findings_total", "Ranks named slow (>= 1.5x the job's median compute per step, sustained)."
+)
 APPLIER_LAG = Histogram(
     "surge_control_applier_lag_seconds",
     "Seconds node agent messages waited from control's gRPC handler receiving them to the event applier "
-    "applying them (per burst, its oldest message).",
+    "applying them (per burst, its oldest message), by queue (job, node).",
+    ["queue"],
     buckets=_LAG_BUCKETS,
+)
+APPLY_SECONDS = Histogram(
+    "surge_control_apply_seconds",
+    "Seconds the event applier took to apply one burst of a queue (job, node).",
+    ["queue"],
+    buckets=_LAG_BUCKETS,
+)
+# Read when scraped (set_function): the event applier registers what they read.
+QUEUE_DEPTH = Gauge(
+    "surge_control_queue_depth", "Node agent messages waiting to be applied, by queue (job, node).", ["queue"]
+)
+JOB_QUEUES = Gauge("surge_control_job_queues", "Job queues of the event applier with messages waiting or applied.")
+OLDEST_UNAPPLIED = Gauge(
+    "surge_control_oldest_unapplied_seconds", "Seconds the oldest node agent message still waiting has waited."
 )
 WORKER_EVENTS = Counter(
     "surge_worker_events_total",
     "Sequenced node agent events received by control, applied or dropped as duplicates.",
     ["outcome"],
 )
+
+
+MESSAGES = Counter(
+    "surge_control_messages_total",
+    "Node agent WorkerSession stream messages at control, by direction (in: WorkerEvent, out: WorkerCommand) and kind.",
+    ["direction", "kind"],
+)
+MESSAGE_BYTES = Counter(
+    "surge_control_bytes_total",
+    "Serialized bytes of the node agent WorkerSession stream messages at control, by direction and kind.",
+    ["direction", "kind"],
+)
+JOURNAL_COMMITS = Counter(
+    "surge_control_journal_commits_total", "SQLite transactions committed by control's journal (job_store)."
+)
+# (direction, kind) -> (messages child, bytes child): `labels()` takes the metric's lock and
+# builds a key per call; this runs once per message on the server's loop.
+_children: dict[tuple[str, str], tuple] = {}
+
+
+def _routed_kind(routed) -> str:
+    return routed.type.rsplit(".", 1)[-1]  # "surge.v1.StepCompleted" -> "StepCompleted"
+
+
+def event_kind(ev: control_pb2.WorkerEvent) -> str:
+    """What a node agent's stream message is, for the message counters."""
+    kind = ev.WhichOneof("event") or "empty"
+    if kind == "routed":
+        return _routed_kind(ev.routed)
+    if kind == "rank_event":
+        inner = ev.rank_event.WhichOneof("event") or "empty"
+        if inner == "routed":
+            return _routed_kind(ev.rank_event.routed)
+        return "RankHeartbeat" if inner == "heartbeat" else inner
+    return kind
+
+
+def command_kind(cmd: control_pb2.WorkerCommand) -> str:
+    """What a command down a node agent's stream is, for the message counters."""
+    kind = cmd.WhichOneof("command") or "empty"
+    return _routed_kind(cmd.routed) if kind == "routed" else kind
+
+
+def count_message(direction: str, kind: str, size: int) -> None:
+    """One message of ``size`` serialized bytes crossed a WorkerSession stream."""
+    pair = _children.get((direction, kind))
+    if pair is None:
+        pair = _children[(direction, kind)] = (
+            MESSAGES.labels(direction, kind),
+            MESSAGE_BYTES.labels(direction, kind),
+        )
+    pair[0].inc()
+    pair[1].inc(size)
 
 
 class ControlMetrics:

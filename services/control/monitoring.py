@@ -6,16 +6,29 @@ anyone (tests/redlines/test_event_driven.py), the detector does.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 from services.contract import control_pb2
 from services.jobspec import JobSpec
 
+
+def _env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment (read once, at start-up); the
+    default when unset, empty, not a number or not above 0."""
+    try:
+        value = float(os.environ.get(name) or default)
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
 # After a control restart, how long the restored job's ranks get to re-attach before each
 # one not heard from is declared silent (or lost with its worker, see the detector): the node agents' reconnect backoff (at most 2 s
 # between attempts) plus their first heartbeat, with room for a loaded machine; never less
-# than three heartbeat deadlines.
-REATTACH_MIN_SECONDS = 15.0
+# than three heartbeat deadlines. SURGE_REATTACH_MIN_SECONDS overrides the 15 s (the test
+# suite's stacks: 6 s, tests/conftest.py; a lost node there is then blamed 9 s sooner).
+REATTACH_MIN_SECONDS = _env_seconds("SURGE_REATTACH_MIN_SECONDS", 15.0)
 
 
 def start_monitoring(
@@ -38,6 +51,9 @@ def start_monitoring(
         eval_batches=spec.eval.batches,
         checkpoint_staging_seconds=live.phase_seconds.checkpoint_staging,
         compile_seconds=live.phase_seconds.compile,
+        # (pipeline stages run different layers: their compute per step is not compared)
+        ranks_per_stage=spec.parallel.dp * spec.parallel.tp if spec.parallel.pp > 1 else 0,
+        data_outage_seconds=spec.fault_policy.data_outage_seconds,
     )
     if restored:
         msg.world_size = spec.world_size

@@ -83,6 +83,11 @@ class ResourceAllocator:
         # stream), ended only by a registration of another node agent incarnation.
         self._cordons: dict[str, control_pb2.WorkerCordoned] = {}
         self._parallel = parallel
+        # job_id -> the last rank generation launched (RankAssignment.generation, fencing)
+        self._generations: dict[str, int] = {}
+        # worker id -> why it is held out of placement (CordonWorker{hold}: L1-1 decided on
+        # its node agent's agent_silent report), until L1-1 lifts it (the agent beats again).
+        self._holds: dict[str, str] = {}
 
     # ------------------------------------------------------------ hardware events
 
@@ -109,7 +114,8 @@ class ResourceAllocator:
         Cordon: a registration of another node agent incarnation than the one cordoned (the
         agent restarted, the node rebooted or was replaced) ends the worker's cordon,
         published as ``WorkerCordoned`` with ``cleared``; the same incarnation registering
-        again (a reconnect, or a control restart) keeps it."""
+        again (a reconnect, or a control restart) keeps it. Likewise a hold (agent_silent)
+        ends when another incarnation registers, or the agent whose stream closed comes back."""
         with self._lock:
             old = self._workers.get(msg.worker_id)
             if msg.departing:  # (before the zero-slot check: it keeps the record and its busy slots)
@@ -123,12 +129,18 @@ class ResourceAllocator:
                         del where[rank]
                 return
             cleared = self._end_cordon(msg)
+            if old is None or old.reg.incarnation != msg.incarnation:
+                # A hold is on the silent agent; one registering now (restarted, or back after
+                # its stream closed) is heard from, and the detector re-arms on its beats.
+                self._holds.pop(msg.worker_id, None)
             worker = _Worker(msg)
             if old is not None:
                 worker.busy = {job: [s for s in slots if s < msg.slots] for job, slots in old.busy.items()}
                 worker.under_pressure = old.under_pressure
                 worker.devices_under_pressure = old.devices_under_pressure
             for launch in msg.running:
+                known = max((a.generation for a in launch.ranks), default=0)
+                self._generations[launch.job_id] = max(self._generations.get(launch.job_id, 0), known)
                 have = len(worker.busy.get(launch.job_id, ()))
                 for _ in range(len(launch.ranks) - have):
                     free = worker.free_slots()
@@ -249,6 +261,7 @@ class ResourceAllocator:
             if msg.job_id in {j for w in self._workers.values() for j in w.busy}:
                 return self._insufficient(msg, 0, f"job {msg.job_id} already holds resources")
             departing = sorted(w.reg.worker_id for w in self._workers.values() if w.departing)
+            held = sorted(w for w in self._holds if w in self._workers and w not in excluded)
             cordoned = sorted(w for w in self._cordons if w in self._workers and w not in excluded)
             usable = [w for w in self._workers.values() if w.reg.worker_id not in excluded and self._placeable(w)]
             need = _rank_memory(spec)
@@ -265,6 +278,8 @@ class ResourceAllocator:
                     reason += f" ({', '.join(departing)} leaving)"
                 if cordoned:
                     reason += f" ({', '.join(cordoned)} unhealthy)"
+                if held:
+                    reason += f" ({'; '.join(self._holds[w] for w in held)})"
                 return self._insufficient(msg, free, reason)
             picks: list[tuple[_Worker, int]] = []
             for w in usable:
@@ -277,6 +292,7 @@ class ResourceAllocator:
                 return self._insufficient(msg, free, "backend nccl needs a CUDA device for every rank")
             master_addr = _reachable_host(picks[0][0].reg)
             master_port = self._free_port()
+            generation = self._next_generation(msg.job_id)
             self._allocations[msg.job_id] = msg
             self._placed[msg.job_id] = _Placement([(w.reg.worker_id, slot) for w, slot in picks], backend)
             launches: dict[str, control_pb2.LaunchRanks] = {}
@@ -296,6 +312,7 @@ class ResourceAllocator:
                         num_threads=spec.parallel.threads_per_rank,
                         worker_id=w.reg.worker_id,
                         rank_nodes=[pw.reg.worker_id for pw, _ in picks],  # topology for L2-2's TP placement
+                        generation=generation,
                     )
                 )
             for worker_id, launch in launches.items():
@@ -314,12 +331,17 @@ class ResourceAllocator:
             worker_ids=list(launches),
         )
 
-    def release_resources(self, msg: control_pb2.ReleaseResources, payload: Any = None) -> None:
+    def release_resources(
+        self, msg: control_pb2.ReleaseResources, payload: Any = None, *, below_generation: int = 0
+    ) -> None:
         """释放全局资源指令: every worker holding ranks of the job releases them (kill: at
         once; otherwise after ``RELEASE_GRACE_SECONDS``) and their slots are free again.
         A kill of a job that holds nothing here goes to every registered worker: its ranks
         may have been launched before control restarted, and a node agent ignores the
-        release of a job it does not run. A graceful release of such a job is a no-op."""
+        release of a job it does not run. A graceful release of such a job is a no-op.
+        ``below_generation`` (a relaunch's own call, :meth:`rebuild_communicator`): the fence
+        the agents keep for the killed ranks (an incarnation its kill did not reach is ended
+        when it speaks)."""
         with self._lock:
             self._allocations.pop(msg.job_id, None)
             self._placed.pop(msg.job_id, None)
@@ -329,7 +351,12 @@ class ResourceAllocator:
                 holders = list(self._workers)
         grace = 0.0 if msg.kill else RELEASE_GRACE_SECONDS
         for worker_id in holders:
-            self._hardware(control_pb2.ReleaseRanks(job_id=msg.job_id, kill=msg.kill, grace_seconds=grace), worker_id)
+            self._hardware(
+                control_pb2.ReleaseRanks(
+                    job_id=msg.job_id, kill=msg.kill, grace_seconds=grace, below_generation=below_generation
+                ),
+                worker_id,
+            )
 
     def rebuild_communicator(
         self, msg: control_pb2.RebuildCommunicator, payload: Any = None
@@ -357,7 +384,9 @@ class ResourceAllocator:
         again.adopt = False  # (an allocation adopted after a control restart is placed anew)
         again.init.resume_version = msg.resume_version
         again.exclude_worker_ids[:] = sorted(set(again.exclude_worker_ids) | set(msg.exclude_worker_ids))
-        self.release_resources(control_pb2.ReleaseResources(job_id=msg.job_id, kill=True))
+        with self._lock:  # (the relaunched ranks' generation will be larger still)
+            fence = self._next_generation(msg.job_id)
+        self.release_resources(control_pb2.ReleaseResources(job_id=msg.job_id, kill=True), below_generation=fence)
         placed = self.allocate_resources(again)
         if isinstance(placed, control_pb2.ResourcesInsufficient):
             with self._lock:
@@ -409,6 +438,8 @@ class ResourceAllocator:
             excluded = set(allocated.exclude_worker_ids) | set(msg.exclude_worker_ids)
             usable = [w for w in self._workers.values() if w.reg.worker_id not in excluded and self._placeable(w)]
             picks: list[tuple[_Worker, int]] = []
+            holds = [self._holds[w] for w in sorted(self._holds) if w in self._workers]
+            held = f" ({'; '.join(holds)})" if holds else ""  # (why a node is out: its agent is silent)
             for r in launched:
                 own = self._workers.get(placed.ranks[r][0]) if r < old_world else None
                 candidates = ([own] if own in usable else []) + [w for w in usable if w is not own]
@@ -418,13 +449,14 @@ class ResourceAllocator:
                 )
                 if spot is None:
                     what = f"a replacement of rank {r}" if r < old_world else f"new rank {r}"
-                    short = self._insufficient(allocated, len(picks), f"no free slot for {what}")
+                    short = self._insufficient(allocated, len(picks), f"no free slot for {what}{held}")
                     short.requested_ranks = len(launched)
                     break
                 picks.append(spot)
             else:
                 short = None
             launches: dict[str, control_pb2.LaunchRanks] = {}
+            generation = 0
             if short is not None:
                 for w, slot in freed:  # (the released ranks stay, as they were)
                     w.busy.setdefault(msg.job_id, []).append(slot)
@@ -448,6 +480,7 @@ class ResourceAllocator:
                     )
                     allocated.init.spec_json, allocated.world_size = spec_to_json(spec), world
                 placed.generation += 1
+                generation = self._next_generation(msg.job_id)  # the replacements' incarnation (fencing)
                 master_addr = _reachable_host(self._workers[placed.ranks[0][0]].reg)
                 master_port = self._free_port()
                 rank_nodes = [worker_id for worker_id, _ in placed.ranks]
@@ -461,7 +494,7 @@ class ResourceAllocator:
                         rank=r, world_size=len(placed.ranks), local_rank=slot, master_addr=master_addr,
                         master_port=master_port, backend=placed.backend, device=_device_name(w, slot),
                         memory_quota_bytes=_memory_quota(w, slot), num_threads=threads, worker_id=w.reg.worker_id,
-                        rank_nodes=rank_nodes,
+                        rank_nodes=rank_nodes, generation=generation,
                     ))  # fmt: skip
                 for worker_id, launch in launches.items():
                     peer = _memory_peer(usable, worker_id)
@@ -476,8 +509,13 @@ class ResourceAllocator:
         # The kills go first on each node agent's queue: a replacement of the same rank starts
         # only once the killed process is reaped (the node agent's rule), and a survivor blocked
         # in a collective with a hung rank is freed by that rank's death.
+        # With the replacements' generation: the agent keeps it, and ends a killed incarnation
+        # that shows up again (one its kill did not reach: a frozen agent's backlog).
         for worker_id, ranks in kills.items():
-            self._hardware(control_pb2.ReleaseRanks(job_id=msg.job_id, kill=True, ranks=ranks), worker_id)
+            self._hardware(
+                control_pb2.ReleaseRanks(job_id=msg.job_id, kill=True, ranks=ranks, below_generation=generation),
+                worker_id,
+            )
         if short is not None:
             return short
         for worker_id, launch in launches.items():
@@ -510,8 +548,19 @@ class ResourceAllocator:
 
         ``incarnation`` "" is the one registered now (none registered yet: the next to
         register is the one cordoned). Returns ``WorkerCordoned`` (``cleared`` when the
-        incarnation named is not the one registered now: that agent is gone already)."""
+        incarnation named is not the one registered now: that agent is gone already).
+
+        ``hold`` (L1-1 decided on the node agent's ``agent_silent``): the worker gets no new
+        rank until a CordonWorker with ``hold`` and ``lift`` (its agent beats again); a cordon
+        of the worker is not touched by either. A hold that ends publishes ``ResourcesReady``
+        with no job id, as a registration does, so a job queued meanwhile is placed."""
+        if msg.hold:
+            return self._hold(msg)
         with self._lock:
+            if msg.clear:  # the operator's uncordon (L1-1 checked that it had a cordon)
+                ended = self._cordons.pop(msg.worker_id, None) or control_pb2.WorkerCordoned(worker_id=msg.worker_id)
+                ended.cleared = True
+                return ended
             worker = self._workers.get(msg.worker_id)
             registered = worker.reg.incarnation if worker is not None else ""
             cordon = control_pb2.WorkerCordoned(
@@ -519,8 +568,9 @@ class ResourceAllocator:
                 incarnation=msg.incarnation or registered,
                 reason=msg.reason,
                 unix_time=msg.unix_time,
+                quarantine=msg.quarantine,
             )
-            if worker is not None and msg.incarnation and msg.incarnation != registered:
+            if worker is not None and msg.incarnation and msg.incarnation != registered and not msg.quarantine:
                 cordon.cleared = True  # (restored after a control restart; the node came back meanwhile)
                 return cordon
             self._cordons[msg.worker_id] = cordon
@@ -530,9 +580,28 @@ class ResourceAllocator:
 
     # ------------------------------------------------------------ private
 
+    def _hold(self, msg: control_pb2.CordonWorker) -> control_pb2.WorkerCordoned:
+        with self._lock:
+            if not msg.lift:
+                self._holds[msg.worker_id] = msg.reason or f"{msg.worker_id} held"
+                return control_pb2.WorkerCordoned(worker_id=msg.worker_id, reason=msg.reason, unix_time=msg.unix_time)
+            ended = self._holds.pop(msg.worker_id, None) is not None
+            free = sum(len(w.free_slots()) for w in self._workers.values() if self._placeable(w))
+        if ended:  # (outside the lock, like every send)
+            self._emit(control_pb2.ResourcesReady(free_ranks=free))
+        return control_pb2.WorkerCordoned(worker_id=msg.worker_id, reason=msg.reason, cleared=True)
+
     def _placeable(self, w: _Worker) -> bool:
-        """Under the lock: may new ranks be placed on ``w`` (not leaving, not cordoned)."""
-        return not w.departing and w.reg.worker_id not in self._cordons
+        """Under the lock: may new ranks be placed on ``w`` (not leaving, not cordoned, not held)."""
+        return not w.departing and w.reg.worker_id not in self._cordons and w.reg.worker_id not in self._holds
+
+    def _next_generation(self, job_id: str) -> int:
+        """Under the lock: the generation of the ranks launched now (RankAssignment.generation):
+        larger than every one handed out for the job here, and than a previous control's (the
+        wall clock in ms: a restarted control knows only the re-attached ranks' generations)."""
+        generation = max(self._generations.get(job_id, 0) + 1, time.time_ns() // 1_000_000)
+        self._generations[job_id] = generation
+        return generation
 
     def _end_cordon(self, reg: control_pb2.WorkerRegistration) -> control_pb2.WorkerCordoned | None:
         """Under the lock: a registration's effect on its worker's cordon. Another incarnation
@@ -544,8 +613,8 @@ class ResourceAllocator:
         if not cordon.incarnation:
             cordon.incarnation = reg.incarnation
             return None
-        if cordon.incarnation == reg.incarnation:
-            return None
+        if cordon.incarnation == reg.incarnation or cordon.quarantine:
+            return None  # (a quarantine ends only by the operator's uncordon)
         del self._cordons[reg.worker_id]
         cleared = control_pb2.WorkerCordoned()
         cleared.CopyFrom(cordon)

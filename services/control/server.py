@@ -11,8 +11,9 @@ the remote party the route table names, and holds only routing knowledge:
 * ``session_hub.py`` (``SessionHub``): one bidi session per node agent: its stream
   messages onto the bus as the modules it speaks for, commands down to it, exactly-once
   across a control restart, and the rank log plumbing behind ``StreamLogs``.
-* ``event_applier.py`` (``EventApplier``): the one thread that applies every session's
-  stream messages, in arrival order, a burst at a time (``SessionHub.on_worker_events``).
+* ``event_applier.py`` (``EventApplier``): applies the sessions' stream messages, each
+  job's in arrival order on the job's own queue, jobs in parallel on a bounded pool of
+  threads, a burst at a time (``SessionHub.on_worker_events``).
 * ``loop_queue.py`` (``LoopQueue``): ``WorkerSession`` is an asyncio handler (control
   serves on ``grpc.aio``, see ``AioServiceServer``): a node agent's session costs no
   thread; its commands reach it through an asyncio queue. Why: with a thread per session
@@ -40,6 +41,7 @@ from services.contract.bus import CommandPort, Reply
 from services.contract.failures import CAUSE_METADATA, REFUSAL_METADATA
 from services.control.event_applier import EventApplier
 from services.control.loop_queue import LoopQueue
+from services.control.metrics import command_kind, count_message, event_kind
 from services.control.orchestrator import EVENT_LOG, IllegalTransition, JobNotFound
 from services.control.session_hub import AgentSession, SessionHub
 from services.control.watch_hub import WatchHub
@@ -107,6 +109,14 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
         return self._command(context, request)
 
     def DeleteJob(self, request, context):
+        return self._command(context, request)
+
+    def RevokeOrder(self, request, context):
+        return self._command(context, request)
+
+    def UncordonWorker(self, request, context):
+        if not request.worker_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UncordonWorker: worker_id is required")
         return self._command(context, request)
 
     async def WatchJob(self, request, context) -> AsyncIterator[control_pb2.JobEvent]:
@@ -181,6 +191,7 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
             first = await requests.__anext__()
         except StopAsyncIteration:
             return
+        count_message("in", event_kind(first), first.ByteSize())
         if first.WhichOneof("event") != "register":
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "WorkerSession: the first WorkerEvent must be register"
@@ -210,7 +221,9 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
                 )
                 reader = asyncio.create_task(self._read_session(session, requests))
                 while (item := await commands.get()) is not None:
-                    yield self._sessions.command(session, item)
+                    cmd = self._sessions.command(session, item)
+                    count_message("out", command_kind(cmd), cmd.ByteSize())
+                    yield cmd
             finally:
                 if reader is not None:
                     reader.cancel()
@@ -223,6 +236,7 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
     async def _read_session(self, session: AgentSession, requests) -> None:
         try:
             async for ev in requests:
+                count_message("in", event_kind(ev), ev.ByteSize())
                 self.applier.event(session, ev)
         except Exception:  # noqa: BLE001 - the stream broke: same fact as closing it
             pass

@@ -14,18 +14,31 @@ The agent's own facts (RankExited, MemoryPressure, a departing registration) and
 keep their stream fields: the hub does bookkeeping on them (ranks per session, the time a
 beat was received). LaunchRanks and ReleaseRanks go to one named node (the bus payload).
 
+Fencing (issue 29 item 4, services/common/fencing.py): the hub learns the newest generation of
+each (job, rank) from the LaunchRanks it queues; a rank event stamped with an older one (a
+replaced incarnation that woke up, its agent's backlog after a freeze) is dropped before the
+bus, and that agent is told to end the process (``ReleaseRanks.below_generation``): the
+replacement L1-1 decided is already running, so this only carries that decision out.
+An agent back after its session broke re-attaches no rank that was replaced meanwhile (it is
+told to end it instead). The agent's own beat (``AgentHeartbeat``) goes to L1-3, which keeps
+the agent's deadline (a silent agent's node gets no rank: L1-1 holds it out of placement).
+
 The hub also carries operator log plumbing (``StreamLogs``): TailRankLogs / StopTailing
 down to the sessions that launched ranks of the job, RankLogLines up into a per-request
 queue (never on the bus).
 
 And it keeps each node agent's event stream exactly-once across a control restart: every
 ``WorkerEvent`` after ``register`` carries a per-agent-incarnation ``seq``; an event whose
-seq was already applied is dropped (counted as a duplicate); an applied one's seq is
-journaled in the same SQLite transaction as the event's effect, where it has one
-(``JobStore.applying``), or with the other effect-less events of its burst in one
-transaction (heartbeats, most steps: a group commit), and acknowledged down the stream
-(``WorkerCommand{ack}``, coalesced) once journaled. A registration lists the ranks the
-agent still runs (``running``): they are the session's again (re-attach).
+seq was already applied is dropped (counted as a duplicate: ``admit``, as the event applier
+queues it); an applied one's seq is journaled in the same SQLite transaction as the event's
+effect, where it has one (``JobStore.applying``), or with the other effect-less events of
+its burst in one transaction (heartbeats, most steps: a group commit), and acknowledged
+down the stream (``WorkerCommand{ack}``, coalesced) once journaled. The applier applies a
+job's events on the job's own queue, so one agent's events are journaled in seq order per
+job only: the session's ``WorkerCursor`` (services/control/worker_cursor.py) is the seq up
+to which all are journaled (the ack, the resend point) and those journaled above it. A
+registration lists the ranks the agent still runs (``running``): they are the session's
+again (re-attach).
 """
 
 from __future__ import annotations
@@ -34,17 +47,19 @@ import queue
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
+from services.common.fencing import FENCED_CALLS, GenerationFence, StaleGeneration
 from services.contract import Module, control_pb2, route_pb2, worker_pb2
 from services.contract.bus import Bus, Emitter
 from services.contract.relay import L1, L4, L5, RANK, Link, Routed, stamp_origin
 from services.control.loop_queue import put_all
 from services.control.metrics import WORKER_EVENTS
+from services.control.worker_cursor import WorkerCursor
 
 _log = structlog.get_logger("control.server")
 
@@ -65,9 +80,21 @@ class AgentSession:
     jobs: set[str] = field(default_factory=set)
     closed: bool = False
     incarnation: str = ""
-    applied: int = 0  # last WorkerEvent.seq applied for this incarnation
-    durable: int = 0  # last seq whose cursor is journaled (what an ack says)
+    applied: int = 0  # highest WorkerEvent.seq applied for this incarnation
+    dispatched: int = 0  # highest seq admitted to the applier's queues (``SessionHub.admit``)
+    cursor: WorkerCursor | None = None  # the journaled seqs (shared by the incarnation's sessions)
     ack_queued: bool = False  # an _ACK marker waits in `commands` (acks are coalesced)
+    # (job, rank, generation) of replaced incarnations whose events came up here: ended once
+    fenced: set[tuple[str, int, int]] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.cursor is None:
+            self.cursor = WorkerCursor(self.worker_id, self.incarnation)
+
+    @property
+    def durable(self) -> int:
+        """The seq up to which every event's cursor is journaled (what an ack says)."""
+        return self.cursor.watermark
 
 
 # Marker in a session's command queue: send the latest journaled seq down as an EventAck.
@@ -109,6 +136,8 @@ class SessionHub:
         self._sessions: dict[str, AgentSession] = {}
         self._tails: dict[str, LogTail] = {}  # request id -> open StreamLogs request
         self._shutting_down = False
+        # The newest incarnation (RankAssignment.generation) of each (job, rank) launched.
+        self._fence = GenerationFence()
 
     # ------------------------------------------------------------ session lifecycle
 
@@ -122,6 +151,7 @@ class SessionHub:
         session = AgentSession(reg.worker_id, incarnation=reg.incarnation)
         if commands is not None:
             session.commands = commands
+        stale = self._without_replaced(reg)
         running = [(launch.job_id, a.rank) for launch in reg.running for a in launch.ranks]
         session.ranks.update(running)
         session.jobs.update(launch.job_id for launch in reg.running)
@@ -132,12 +162,14 @@ class SessionHub:
                 for key in running:  # alive on the new session: not lost with the old one
                     old.ranks.pop(key, None)
                 if old.incarnation == reg.incarnation:
-                    session.applied = max(session.applied, old.applied)
-        if self._journal is not None and reg.incarnation:
-            incarnation, seq = self._journal.worker_cursor(reg.worker_id)
-            if incarnation == reg.incarnation:
-                session.applied = max(session.applied, seq)
-        session.durable = session.applied
+                    session.cursor = old.cursor  # (the applier opens it once old's events are applied)
+        if old is None or old.incarnation != reg.incarnation:
+            if self._journal is not None and reg.incarnation:
+                journaled = self._journal.cursor(reg.worker_id)
+                if journaled.incarnation == reg.incarnation:
+                    session.cursor = journaled
+        # The agent resends everything after the watermark; those journaled above it are dropped.
+        session.applied = session.dispatched = session.cursor.watermark
         _log.info(
             "worker registered",
             worker_id=reg.worker_id,
@@ -152,7 +184,33 @@ class SessionHub:
         self._hardware(reg)
         if old is not None:
             self.close(old, reason=f"replaced by a new session of {reg.worker_id}")
+        for release in stale:  # (after the registration: the agent executes them in order)
+            session.commands.put(control_pb2.WorkerCommand(release=release))
         return session
+
+    def _without_replaced(self, reg: control_pb2.WorkerRegistration) -> list[control_pb2.ReleaseRanks]:
+        """Take out of ``reg.running`` the ranks an agent still runs that were replaced while
+        its session was away (a partition, a frozen agent whose stream broke): they are not
+        re-attached, and the returned ReleaseRanks (kill, ``below_generation``) end them."""
+        releases = []
+        for launch in reg.running:
+            keep = []
+            for a in launch.ranks:
+                newest = self._fence.newest(launch.job_id, a.rank)
+                if a.generation and a.generation < newest:
+                    FENCED_CALLS.labels("control").inc()
+                    _log.warning("replaced rank not re-attached", worker_id=reg.worker_id, job_id=launch.job_id,
+                                 rank=a.rank, generation=a.generation, newest=newest)  # fmt: skip
+                    releases.append(control_pb2.ReleaseRanks(
+                        job_id=launch.job_id, kill=True, ranks=[a.rank], below_generation=newest))  # fmt: skip
+                else:
+                    keep.append(a)
+            del launch.ranks[:]
+            launch.ranks.extend(keep)
+        live = [launch for launch in reg.running if launch.ranks]
+        del reg.running[:]
+        reg.running.extend(live)
+        return releases
 
     def close(self, session: AgentSession, reason: str = "session closed") -> None:
         """The node agent is gone: withdraw its slots and report its live ranks lost.
@@ -201,68 +259,113 @@ class SessionHub:
         if ev.seq:
             self._queue_ack(session)
 
-    def on_worker_events(self, burst: list[tuple[AgentSession, control_pb2.WorkerEvent]]) -> None:
+    def admit(self, session: AgentSession, ev: control_pb2.WorkerEvent) -> bool:
+        """Whether ``ev`` is to be applied: False for a seq already admitted or journaled (a
+        duplicate: counted, and the ack sent again). Called in stream order, as the event
+        applier queues the message (its queues apply admitted events only)."""
+        if not ev.seq:
+            return True
+        if ev.seq <= session.dispatched or session.cursor.has(ev.seq):
+            session.dispatched = max(session.dispatched, ev.seq)
+            self._duplicate(session, ev.seq)
+            self._queue_ack(session)
+            return False
+        if ev.seq != session.dispatched + 1:
+            # The agent's outbox overflowed while control was away: those events are lost.
+            _log.warning(
+                "worker event sequence gap", worker_id=session.worker_id, seq=ev.seq, applied=session.dispatched
+            )
+        session.dispatched = ev.seq
+        return True
+
+    def on_worker_events(
+        self, burst: list[tuple[AgentSession, control_pb2.WorkerEvent]], admitted: bool = False
+    ) -> None:
         """``on_worker_event`` for a burst of messages of any sessions, applied in the
-        given order (each session's own order), with one difference: the cursors of the
-        sequenced events that journaled nothing (heartbeats, the steps of ranks other than
-        0) are journaled together at the end, in one transaction, and every session's ack
-        goes down after it. An event with an effect still has its cursor in its own
-        transaction. A message refused (ValueError, or a module's error) is logged and
-        skipped: one bad message must not end a node's session or the burst."""
-        deferred: dict[AgentSession, int] = {}
+        given order, with one difference: the cursors of the sequenced events that
+        journaled nothing (heartbeats, the steps of ranks other than 0) are journaled
+        together at the end, in one transaction, and every session's ack goes down after
+        it. An event with an effect still has its cursor in its own transaction. A message
+        refused (ValueError, or a module's error) is logged and skipped: one bad message
+        must not end a node's session or the burst. ``admitted``: duplicates were dropped
+        already (``admit``; the applier's queues apply one agent's events in seq order per
+        job only)."""
+        deferred: dict[AgentSession, list[int]] = {}
         acked: dict[AgentSession, None] = {}
         for session, ev in burst:
             try:
-                if self._accept(session, ev, defer=True):
-                    deferred[session] = ev.seq
+                if self._accept(session, ev, defer=True, admitted=admitted, earlier=deferred.get(session, ())):
+                    deferred.setdefault(session, []).append(ev.seq)
                     acked[session] = None
                     continue
             except Exception:
                 _log.exception("worker event refused", worker_id=session.worker_id)
+                if ev.seq:  # skipped for good: its seq must not hold the watermark back
+                    deferred.setdefault(session, []).append(ev.seq)
+                    acked[session] = None
                 continue
-            if ev.seq and session.durable == session.applied:
-                # Journaled (with its effect), with any earlier deferred cursor: ack it now,
-                # not after the rest of the burst (each such event was a commit already).
+            if ev.seq and not session.cursor.has(ev.seq) and session in deferred:
+                acked[session] = None
+            elif ev.seq:
+                # Journaled with its effect, with the burst's earlier effect-less cursors:
+                # ack it now, not after the rest of the burst (each was a commit already).
                 deferred.pop(session, None)
                 acked.pop(session, None)
                 self._queue_ack(session)
-            elif ev.seq:
-                acked[session] = None
         if deferred:
             if self._journal is not None:
-                self._journal.write_cursors([(s.worker_id, s.incarnation, seq) for s, seq in deferred.items()])
-            for s, seq in deferred.items():
-                s.durable = max(s.durable, seq)
+                self._journal.write_cursors([(s.cursor, seqs) for s, seqs in deferred.items()])
+            else:
+                for s, seqs in deferred.items():
+                    s.cursor.mark(seqs)
         self._queue_acks(acked)
 
-    def _accept(self, session: AgentSession, ev: control_pb2.WorkerEvent, defer: bool) -> bool:
+    def _accept(
+        self,
+        session: AgentSession,
+        ev: control_pb2.WorkerEvent,
+        defer: bool,
+        admitted: bool = False,
+        earlier: Sequence[int] = (),
+    ) -> bool:
         """Apply ``ev`` unless its seq was applied already. True: its cursor is not yet
-        journaled (only with ``defer``, for an event that journaled nothing)."""
+        journaled (only with ``defer``, for an event that journaled nothing). ``earlier``:
+        seqs of the session applied before it and not yet journaled (journaled with its
+        effect, if it has one)."""
         if not ev.seq:
             self._apply(session, ev)
             return False
-        if ev.seq <= session.applied:
-            self.duplicates += 1
-            WORKER_EVENTS.labels("duplicate").inc()
-            _log.info(
-                "duplicate worker event dropped", worker_id=session.worker_id, seq=ev.seq, applied=session.applied
-            )
-            return False
-        if ev.seq != session.applied + 1:
-            # The agent's outbox overflowed while control was away: those events are lost.
-            _log.warning("worker event sequence gap", worker_id=session.worker_id, seq=ev.seq, applied=session.applied)
+        if not admitted:
+            if ev.seq <= session.applied or session.cursor.has(ev.seq):
+                self._duplicate(session, ev.seq)
+                return False
+            if ev.seq != session.applied + 1:
+                # The agent's outbox overflowed while control was away: those events are lost.
+                _log.warning(
+                    "worker event sequence gap", worker_id=session.worker_id, seq=ev.seq, applied=session.applied
+                )
         written = True
         if self._journal is not None:
-            with self._journal.applying(session.worker_id, session.incarnation, ev.seq, defer=defer) as ctx:
+            with self._journal.applying(
+                session.worker_id, session.incarnation, ev.seq, defer=defer, cursor=session.cursor, earlier=earlier
+            ) as ctx:
                 self._apply(session, ev)
             written = ctx.written or not defer
         else:
             self._apply(session, ev)
-        session.applied = ev.seq
-        if written:
-            session.durable = ev.seq
+            if not defer:
+                session.cursor.mark((ev.seq,))
+            written = not defer
+        session.applied = max(session.applied, ev.seq)
+        if not admitted:  # (else the applier's admit keeps it, on the server's loop)
+            session.dispatched = max(session.dispatched, ev.seq)
         WORKER_EVENTS.labels("applied").inc()
         return not written
+
+    def _duplicate(self, session: AgentSession, seq: int) -> None:
+        self.duplicates += 1
+        WORKER_EVENTS.labels("duplicate").inc()
+        _log.info("duplicate worker event dropped", worker_id=session.worker_id, seq=seq, applied=session.durable)
 
     def _queue_acks(self, sessions: Iterable[AgentSession]) -> None:
         """``_queue_ack`` for many sessions, waking the server's loop once for all of them
@@ -322,6 +425,9 @@ class SessionHub:
                 tail = self._tails.get(ev.rank_log_lines.request_id)
             if tail is not None:  # else: the caller left; late lines are dropped
                 tail.answers.put((session, ev.rank_log_lines))
+        elif kind == "heartbeat":  # the agent itself is alive: L1-3 re-arms its deadline
+            ev.heartbeat.worker_id = session.worker_id  # (a node agent speaks only for its own node)
+            self._hardware(ev.heartbeat)
         elif kind == "register" and ev.register.departing:
             # The agent is leaving: no rank may be placed on it any more (its ranks' exits
             # follow, stated by the agent as departures).
@@ -337,6 +443,8 @@ class SessionHub:
     def launch_ranks(self, msg: control_pb2.LaunchRanks, payload: Any = None) -> None:
         """Queue LaunchRanks on the session of worker ``payload``."""
         ranks = [(msg.job_id, r.rank) for r in msg.ranks]
+        for r in msg.ranks:  # the newest incarnation of each: an older one's events are dropped from now on
+            self._fence.tell(msg.job_id, r.rank, r.generation)
         with self._lock:
             session = self._sessions.get(payload)
             if session is not None:
@@ -416,6 +524,8 @@ class SessionHub:
         kind = ev.WhichOneof("event")
         if kind in ("hello", "audit") or kind is None:
             return  # between a rank and its node agent only
+        if not self._admit(session, ev):
+            return
         if kind == "routed":
             # The envelope names the rank the node agent attached; the session names the node.
             self._link.deliver(
@@ -428,6 +538,31 @@ class SessionHub:
         beat = ev.heartbeat
         beat.job_id, beat.rank, beat.worker_id = beat.job_id or ev.job_id, ev.rank, session.worker_id
         self._hardware(beat)
+
+    def _admit(self, session: AgentSession, ev: worker_pb2.RankEvent) -> bool:
+        """Whether a rank's event comes from the newest incarnation of its (job, rank) that
+        control launched (``RankEvent.generation``, stamped by the agent). An older one's is
+        dropped (its beats would keep the replacement's deadline alive, its failures open an
+        incident of a rank already replaced) and its agent is told to end that process, once
+        per (job, rank, generation) and session: ``ReleaseRanks`` with ``below_generation``."""
+        try:
+            self._fence.admit(ev.job_id, ev.rank, ev.generation)
+            return True
+        except StaleGeneration as stale:
+            FENCED_CALLS.labels("control").inc()
+            key = (ev.job_id, ev.rank, ev.generation)
+            with self._lock:
+                first = key not in session.fenced
+                session.fenced.add(key)
+            if first:
+                _log.warning("stale rank event dropped", worker_id=session.worker_id, error=str(stale))
+                self.release_ranks(
+                    control_pb2.ReleaseRanks(
+                        job_id=ev.job_id, kill=True, ranks=[ev.rank], below_generation=stale.newest
+                    ),
+                    session.worker_id,
+                )
+            return False
 
     def _report_lost(self, worker_id: str, ranks: list[tuple[str, int]], reason: str) -> None:
         for job_id, rank in ranks:

@@ -17,7 +17,7 @@ the same file, so re-preparing identical content is still a no-op.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sized
 
 from services.data.errors import InvalidConfig
 
@@ -47,9 +47,10 @@ def bpe_vocab_size(spec: str) -> int | None:
     return n
 
 
-def train_bpe(texts: Sequence[str], vocab_size: int) -> str:
-    """A byte-level BPE tokenizer of at most ``vocab_size`` tokens trained on ``texts``; its
-    ``tokenizers`` JSON (``Tokenizer.from_str`` reads it back)."""
+def train_bpe(texts: Iterable[str], vocab_size: int) -> str:
+    """A byte-level BPE tokenizer of at most ``vocab_size`` tokens trained on ``texts`` (a
+    sequence, or an iterable streamed once: ``prepare`` streams a corpus); its ``tokenizers``
+    JSON (``Tokenizer.from_str`` reads it back)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -62,5 +63,5 @@ def train_bpe(texts: Sequence[str], vocab_size: int) -> str:
         special_tokens=[END_OF_TEXT],  # id 0
         show_progress=False,
     )
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts) if isinstance(texts, Sized) else None)
     return tok.to_str()

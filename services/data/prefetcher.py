@@ -1,148 +1,257 @@
-"""L4-2 multi-threaded prefetcher (多线程预加载器): disk reads into a bounded memory cache.
+"""L4-2 prefetcher (多线程预加载器): the data path's only reader of token files.
 
-Why it reads in storage order, before the shuffle
--------------------------------------------------
-The seed fixes the data path prefetch -> shuffle -> filter -> pack: the shuffler takes
-"raw sample cache ready" from the prefetcher and shuffles *globally* over the snapshot it
-holds (L4-3's private "待混洗样本缓冲区快照"). Nothing flows back: the route table has no
-message from the shuffler to the prefetcher, and the shuffler's red lines forbid it to
-steer the reads ("禁止干预 IO 读取速度、缓存水位、预加载线程调度"). So the prefetcher cannot
-read in the shuffled order (the torch DataLoader design, where the sampler drives the
-workers), and a global permutation needs every document of the split before the first one
-can be placed. The honest reconciliation: the prefetcher streams the whole split through
-its cache once per stream, in storage order, which is the fast order for a disk (one
-sequential ``pread`` per request); the shuffler keeps the snapshot for all epochs. Cost:
-one read of the split per stream (stdlib train: 62 MB, tens of ms from the page cache) and
-the split held in the shuffler's memory. A read-ahead in shuffled order, with memory bounded
-by the watermark, would need a message from the shuffler to the prefetcher: the route table
-has none, and it would sit uneasily with L4-3's red line on steering the reads.
+Why it no longer reads the split up front
+-----------------------------------------
+The data path used to read the whole split into memory for every stream, so that the
+shuffler could order it globally and the packer cut every row of the epoch, only for the
+rank to keep 1/dp of them: data-service memory grew with corpus size times world size. Now
+what flows down the path is references (``documents.py``): on ``ActivateSource`` the
+prefetcher opens the split's token file and hands on a :class:`~services.data.documents.Catalog`
+(the split's document bounds, which the version already holds, and a :class:`TokenReader`,
+its read handle). The shuffler orders documents, the filter judges them and the packer cuts
+and orders rows on those references (the sample index, ``sample_index.py``); tokens are read
+last, through the handle, and only those of the rows the stream's rank trains (and, once per
+filter rule set, a scan for banned tokens). The data position stays one global cursor.
 
-What the watermark and threads mean here: reads are requests of
-``max(1, watermark // threads)`` consecutive documents; at most ``threads`` requests are in
-flight, each on its own pool thread, so at most ``watermark`` documents (``threads`` if the
-watermark is smaller) are read ahead of what has been handed on to the shuffler. Both
-numbers come from L2-1 (``SetPrefetch``); the prefetcher never adapts them.
+Reads: ``os.pread`` on the file's descriptor (a version in object storage: positioned reads
+through the process's bounded block cache, ``block_cache.py``, the same typed
+``DataReadError`` when one fails), never a memory map of the token file (mapped
+pages count against the service's address space and resident memory: the service must run
+in bounded memory whatever the corpus). They run on the IO pool the composition root shares
+among all streams; ``SetPrefetch.threads`` bounds the reads in flight for one stream, and
+``SetPrefetch.watermark`` the reads one request queues at once (a batch's rows). Both come
+from L2-1; the prefetcher never adapts them.
+
+Pinned bytes (issue 29 item 7): a local split's token file was found to hash to the
+manifest's SHA-256 when L4-1 opened it (``manifest.verify_shard``). Every read first stats
+the file's path (about a microsecond; docs/LOG.md "shard digest check"): an identity other
+than the one checked (rewritten in place, or another file renamed over it) hashes the file
+again, and bytes other than the pinned ones fail the read with ``DatasetCorrupt``
+(FAILURE_DATA_CORRUPT: the fault class data_corrupt, which pauses the job by default),
+naming the version and the shard. A path gone (the version's directory removed) is no
+change of bytes: the open descriptor still reads the checked file, and the next mount names
+the missing directory.
 
 Commands it takes: ``set_prefetch`` (L2-1), ``activate_source`` (L4-1). It publishes
-``SamplesRead`` (payload :class:`Documents`, to the shuffler).
+``SamplesRead`` (payload :class:`~services.data.documents.Catalog`, to the shuffler).
 """
 
 from __future__ import annotations
 
 import os
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import numpy as np
 
 from services.contract import data_pb2
 from services.contract.bus import Emitter
 from services.contract.frozen import FrozenConfig
-from services.data.documents import Documents, TokenStore
+from services.data import manifest as mf
+from services.data.documents import Catalog, TokenStore
 from services.data.errors import ConfigAlreadyPushed, DataReadError, InvalidConfig
 
 
-class Prefetcher:
-    """Reads a split's documents through a thread pool and hands them on in storage order."""
+class TokenReader:
+    """Positioned reads of one split's token file for one stream (the payload's read handle).
 
-    def __init__(self, emit: Emitter):
+    ``read`` runs on the calling thread; ``read_many`` and ``chunks`` on the shared IO pool,
+    at most ``threads`` reads of this stream in flight.
+    """
+
+    def __init__(self, store: TokenStore, pool: Executor, threads: int, watermark: int):
+        self._store = store
+        self._pool = pool
+        self._slots = threading.BoundedSemaphore(threads)
+        self._threads = threads
+        self._watermark = watermark
+        # A remote version's token file is read through the block cache (no descriptor).
+        self._remote = store.remote
+        self._fd = os.open(store.tokens_path, os.O_RDONLY) if self._remote is None else -1
+        self._closed = False
+        # The token file's identity when its bytes last hashed to the manifest's (None: not
+        # pinned here, e.g. a remote version or a store built by hand in a test).
+        self._verified = store.verified if store.tokens_sha256 else None
+        self._verify_lock = threading.Lock()
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._store.dtype
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """Tokens ``[start, start + count)`` of the split (one ``pread``; for a remote
+        version, the blocks' reads through the cache, fetching those it misses).
+
+        Raises:
+            DataReadError: the file is shorter than its index says, or unreadable.
+            DatasetCorrupt: the file's bytes are no longer the ones its manifest pinned.
+        """
+        self._check_pinned()
+        return self._read(start, count)
+
+    def _check_pinned(self) -> None:
+        """Stat the token file; hash it again only if its identity changed (module docstring)."""
+        if self._verified is None:
+            return
+        try:
+            now = mf.identity(self._store.tokens_path)
+        except FileNotFoundError:
+            return  # removed: the descriptor still reads the checked bytes (module docstring)
+        if now == self._verified:
+            return
+        with self._verify_lock:  # (one hash for the reads that found it together)
+            if now != self._verified:
+                name = self._store.tokens_path.name
+                self._verified = mf.verify_shard(
+                    self._store.tokens_path, name, self._store.tokens_sha256, self._store.dataset
+                )
+
+    def _read(self, start: int, count: int) -> np.ndarray:
+        itemsize = self._store.dtype.itemsize
+        want = count * itemsize
+        try:
+            if self._remote is not None:
+                raw = self._remote.read(start * itemsize, want) if want else b""
+            else:
+                raw = os.pread(self._fd, want, start * itemsize) if want else b""
+        except DataReadError as e:  # the cache's, naming the object: the same typed failure
+            raise DataReadError(f"dataset {self._store.dataset}: {e}") from None
+        except OSError as e:
+            raise DataReadError(
+                f"dataset {self._store.dataset}: {self._store.tokens_path.name}: read failed at token {start} ({e})"
+            ) from None
+        if len(raw) != want:
+            raise DataReadError(
+                f"dataset {self._store.dataset}: {self._store.tokens_path.name}: short read at token {start} "
+                f"(expected {want} bytes, got {len(raw)})"
+            )
+        return np.frombuffer(raw, dtype=self._store.dtype)
+
+    def read_many(self, ranges: list[tuple[int, int]]) -> list[np.ndarray]:
+        """``read`` of every ``(start, count)``, in order, on the IO pool."""
+        if len(ranges) <= 1:
+            return [self.read(*r) for r in ranges]
+        self._check_pinned()  # (once for the batch's rows)
+        out: list[np.ndarray] = []
+        for lo in range(0, len(ranges), self._watermark):
+            futures = [self._submit(start, count) for start, count in ranges[lo : lo + self._watermark]]
+            out.extend(_results(futures))
+        return out
+
+    def chunks(self, chunk_tokens: int) -> Iterator[tuple[int, np.ndarray]]:
+        """The whole split in order, ``(first token, tokens)`` per chunk of at most
+        ``chunk_tokens``, ``threads`` chunks read ahead (bounded memory)."""
+        total = int(self._store.bounds_n1[-1])
+        starts = range(0, total, chunk_tokens)
+        pending: list[tuple[int, Future]] = []
+        try:
+            for start in starts:
+                self._check_pinned()
+                pending.append((start, self._submit(start, min(chunk_tokens, total - start))))
+                if len(pending) >= self._threads:
+                    first, f = pending.pop(0)
+                    yield first, f.result()
+            while pending:
+                first, f = pending.pop(0)
+                yield first, f.result()
+        finally:
+            _results([f for _, f in pending], wait_only=True)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._fd >= 0:
+                os.close(self._fd)
+
+    def _submit(self, start: int, count: int) -> Future:
+        self._slots.acquire()  # at most `threads` reads of this stream in flight
+
+        def run() -> np.ndarray:
+            try:
+                return self._read(start, count)
+            finally:
+                self._slots.release()
+
+        try:
+            return self._pool.submit(run)
+        except BaseException:
+            self._slots.release()
+            raise
+
+
+def _results(futures: list[Future], wait_only: bool = False) -> list[np.ndarray]:
+    # Every read finishes before its fd may close; the first error is raised after that.
+    error, out = None, []
+    for f in futures:
+        try:
+            out.append(f.result())
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the others ended
+            error = error or e
+    if error is not None and not wait_only:
+        raise error
+    return out
+
+
+class Prefetcher:
+    """Opens a split for one stream and hands its catalog on; reads on request."""
+
+    def __init__(self, emit: Emitter, io_pool: Executor | None = None):
         self._emit = emit
         # Pushed once per stream (seed L4-2 red line 4: parameters all come from above and
         # are never adjusted here); the composition root builds one prefetcher per stream.
         self._spec = FrozenConfig[data_pb2.SetPrefetch](
             "L4_PREFETCHER", "prefetch watermark and threads (SetPrefetch)", error=ConfigAlreadyPushed
         )
-        self._watermark = 0
-        self._threads = 0
-        self._pool: ThreadPoolExecutor | None = None
-        # "idle" | "prefetching" | "drained" (split handed on) | "io_error"
+        self._shared_pool = io_pool  # the composition root's, shared by all streams
+        self._own_pool: ThreadPoolExecutor | None = None
+        self._reader: TokenReader | None = None
+        # "idle" | "serving" (the split's catalog handed on; reads on request) | "closed"
         self._state = "idle"
 
     # ---- commands -------------------------------------------------------------------
 
     def set_prefetch(self, msg: data_pb2.SetPrefetch, payload: object = None) -> None:
-        """Fix the read-ahead: ``watermark`` documents, ``threads`` pool threads.
+        """Fix the reads: at most ``threads`` in flight for this stream, ``watermark`` queued
+        by one request.
 
         Raises:
             InvalidConfig: either is 0.
             ConfigAlreadyPushed: the prefetch was already set (pushed once per stream).
         """
         self._spec.require_unset()
-        for field in ("watermark", "threads"):
-            if getattr(msg, field) <= 0:
-                raise InvalidConfig(f"prefetch.{field}: must be > 0, got {getattr(msg, field)}")
+        for name in ("watermark", "threads"):
+            if getattr(msg, name) <= 0:
+                raise InvalidConfig(f"prefetch.{name}: must be > 0, got {getattr(msg, name)}")
         self._spec.set(msg)
-        self._watermark, self._threads = msg.watermark, msg.threads
-        self._pool = ThreadPoolExecutor(max_workers=msg.threads, thread_name_prefix="prefetch")
+        if self._shared_pool is None:  # a prefetcher on its own (tests): a pool of its own
+            self._own_pool = ThreadPoolExecutor(max_workers=msg.threads, thread_name_prefix="prefetch")
 
     def activate_source(self, msg: data_pb2.ActivateSource, store: TokenStore) -> None:
-        """Read every document of ``store`` and publish them in storage order as
-        ``SamplesRead`` batches; the last batch has ``last=True`` (also for an empty split).
-        Returns when all of it has been handed on.
+        """Open ``store``'s token file and publish its catalog as ``SamplesRead`` (count: the
+        split's documents). Reads nothing yet.
 
         Raises:
             InvalidConfig: no ``SetPrefetch`` came first.
-            DataReadError: the token file is shorter than its index says, or unreadable.
+            DataReadError: the token file cannot be opened.
         """
-        if self._pool is None:
+        if not self._spec.is_set:
             raise InvalidConfig("prefetch: activate_source before set_prefetch")
-        self._state = "prefetching"
-        n = store.num_documents
-        per_request = max(1, self._watermark // self._threads)
-        requests = [(lo, min(lo + per_request, n)) for lo in range(0, n, per_request)] or [(0, 0)]
-        fd = os.open(store.tokens_path, os.O_RDONLY)
-        in_flight: deque[Future] = deque()
-        submitted = 0
+        spec = self._spec.get()
+        pool = self._shared_pool or self._own_pool
         try:
-            while submitted < len(requests) and len(in_flight) < self._threads:
-                in_flight.append(self._pool.submit(_read, fd, store, *requests[submitted]))
-                submitted += 1
-            while in_flight:
-                tokens, bounds, index = in_flight.popleft().result()
-                last = submitted == len(requests) and not in_flight
-                docs = Documents(tokens, bounds, index, -1, last, store.split, store.tokenizer)
-                self._emit(data_pb2.SamplesRead(count=len(docs)), docs)
-                # Refill only after handing on: read-ahead <= threads * per_request <= watermark.
-                if submitted < len(requests):
-                    in_flight.append(self._pool.submit(_read, fd, store, *requests[submitted]))
-                    submitted += 1
-        except DataReadError:
-            self._state = "io_error"
-            raise
-        finally:
-            for f in in_flight:
-                f.cancel()
-            for f in in_flight:  # a read already running still uses fd: let it finish first
-                if not f.cancelled():
-                    f.exception()
-            os.close(fd)
-        self._state = "drained"
+            self._reader = TokenReader(store, pool, spec.threads, spec.watermark)
+        except OSError as e:
+            raise DataReadError(f"dataset {store.dataset}: {store.tokens_path.name}: cannot open ({e})") from None
+        self._state = "serving"
+        self._emit(data_pb2.SamplesRead(count=store.num_documents), Catalog(store, self._reader))
 
     # ---- lifecycle (composition root) -------------------------------------------------
 
     def close(self) -> None:
-        """Stop the pool (end of the stream). Reads in progress finish; none start."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _read(fd: int, store: TokenStore, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Documents [lo, hi) of the split with one positioned read (pool thread; the syscall
-    releases the GIL). -> (tokens [T], bounds int64 [n+1], storage index int64 [n])."""
-    b = store.bounds_n1
-    first, end = int(b[lo]), int(b[hi])
-    itemsize = store.dtype.itemsize
-    want = (end - first) * itemsize
-    try:
-        raw = os.pread(fd, want, first * itemsize) if want else b""
-    except OSError as e:
-        raise DataReadError(
-            f"dataset {store.dataset}: {store.tokens_path.name}: read failed at document {lo} ({e})"
-        ) from None
-    if len(raw) != want:
-        raise DataReadError(
-            f"dataset {store.dataset}: {store.tokens_path.name}: short read at document {lo} "
-            f"(expected {want} bytes, got {len(raw)})"
-        )
-    tokens = np.frombuffer(raw, dtype=store.dtype)
-    return tokens, (b[lo : hi + 1] - first).astype(np.int64), np.arange(lo, hi, dtype=np.int64)
+        """End of the stream: the file closes (reads in flight finished with their request)."""
+        self._state = "closed"
+        if self._reader is not None:
+            self._reader.close()
+        if self._own_pool is not None:
+            self._own_pool.shutdown(wait=False, cancel_futures=True)

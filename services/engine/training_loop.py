@@ -46,6 +46,27 @@ step no further (L1 relaunches the ranks or stops the job). ``StepCompleted`` sa
 what was done and the standing order followed (``fault``, ``action``, ``standing_order``;
 ``skipped`` / ``skip_reason`` as before; the loss stays what it was, NaN included).
 
+Boundary commands (PauseTraining, StopTraining, RevokeStandingOrder; issue 28): each carries
+the job's boundary command sequence number and is held until every rank holds it. The loop
+puts the numbers it holds into the step's one all-reduce (``ReduceGradients.held_commands``,
+over the whole world: tp and pp peers agree too) and L3-5 answers the highest number every
+rank holds (``GradientsReduced.commands_agreed``); the commands up to it take effect at this
+step's boundary, the same on every rank whatever the delay of a delivery
+(services/common/boundary_commands.py). ``StartTraining.command_seq`` starts the group's
+agreement (a command sent before the group formed is void), and StepCompleted says the agreed
+number (``commands_agreed``: how L1-1 learns the boundary).
+
+Replica check (issue 29 item 3; ``integrity.replica_check_every_steps``, N): at the boundary
+of every N-th step (and of the last), after the update and before that step's evaluation and save, the loop
+asks L3-5 to compare the data-parallel replicas' parameters (``ReduceGradients.check_replicas``:
+a digest per tensor, all-gathered over the dp group; services/compute/replica_digest.py).
+Every rank gets the same answer. A mismatch is the fault ``replica_divergence``
+(TrainingFault: reported to L1-3, decided by L1-1, which rolls back to the newest version at
+or before the last check that agreed); its detail names the tensor and the odd dp ranks. So a
+save at a check step is written only once its replicas agreed, and a diverged state is never
+saved at one. Rank 0's CommitCheckpoint says the step of the last check that agreed
+(``replica_agreed_step``): the store's ``latest`` names only versions a check covered.
+
 Exact resume (DESIGN.md "Faults"): the checkpoint is a snapshot (services/state/snapshot.py):
 an immutable copy of each owner's state at one step, the modules' (model, optimizer: their
 ``ExportState`` replies) and the loop's own (slot ``train``, :class:`LoopState`: step,
@@ -81,7 +102,10 @@ restarts when the model is attached again). It commands L2-2 ``RebuildParallelGr
 it blocks until then), takes ``ParallelReady`` (the dp coordinates), and sends L5-1's rank
 side ``HealState``: the ranks agree on the lowest rank at the highest completed step as the
 source, and every other rank restores the source's snapshot (model, optimizer, the loop's
-progress; it keeps its own RNG streams: the source's slot holds only its own rank's). It
+progress; it keeps its own RNG streams: the source's slot holds only its own rank's). A
+rank healed onto a step it did not complete (a peer finished the step in flight: a gloo
+all-reduce may return on some ranks and fail on others) reports that step as the source
+did (``StateHealed.last_step``): a step that trained is never missing from the records. It
 reopens the train stream at the healed position (a batch of the old stream still in the
 inbox, or on its way, is dropped by its stream token: data_client.py), reports
 ``TrainingLoopStarted`` (``rebuild_generation``, ``healed``, ``healed_from_rank``) and waits
@@ -113,6 +137,7 @@ a time, so a larger ``grad_accum`` never waits on it.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import queue
 import threading
@@ -125,13 +150,14 @@ import torch
 from google.protobuf.message import Message
 
 from services.common import phase as ph
+from services.common.boundary_commands import HeldCommands
 from services.contract import Module, data_pb2, engine_pb2, route_pb2, store_pb2
 from services.contract.bus import BoundaryViolation, CommandPort, Emitter
 from services.contract.failures import ModuleFailed, cause_of, failure_of
 from services.contract.frozen import FrozenConfig
 from services.engine import rng_streams
 from services.engine.lr_schedule import schedule_for
-from services.jobspec import InitFromSpec, JobSpec, JobSpecError, spec_from_json, spec_to_json, with_layout
+from services.jobspec import DATA_OUTAGE, InitFromSpec, JobSpec, JobSpecError, spec_from_json, spec_to_json, with_layout
 from services.state.snapshot import RANK_SLOTS, InconsistentSnapshot, Slot, Snapshot
 
 _DETAIL_CHARS = 400
@@ -144,6 +170,19 @@ class TrainingFault(RuntimeError):
     def __init__(self, fault_class: str, detail: str):
         super().__init__(detail)
         self.fault_class = fault_class
+
+
+def _data_fault_class(msg: data_pb2.DatasetUnavailable) -> str:
+    """The class the loop repeats L4-1's failure with: the data service unreachable (typed by
+    its cause) is ``data_outage``, decided as L1-3 grades the relay's own report of it (by
+    default a pause, never FAILED), whichever of the two reaches control first; a version whose
+    bytes changed (a shard that fails its digest, e.g. as a resumed stream opens it) is
+    ``data_corrupt``, which the policy pauses on too (issue 29 item 7); else a version that went
+    away, ``data_unavailable``."""
+    cause = msg.failure.cause
+    if cause == route_pb2.FAILURE_UNAVAILABLE:
+        return DATA_OUTAGE
+    return "data_corrupt" if cause == route_pb2.FAILURE_DATA_CORRUPT else "data_unavailable"
 
 
 class _Released(Exception):
@@ -191,9 +230,11 @@ class LoopState:
     manager's scaler state as it last reported it: ``loss_scale`` float64 (1 for
     fp32/bf16) and ``loss_scaler`` int64 [growth tracker, hysteresis left, dynamic (1: an
     fp16 scaler wrote it)], restored exactly and pushed back in InitPrecision;
-    ``data_position`` int64 [epoch, row]: where the job's one global data stream continues,
-    rows of that epoch's row order already dealt (the same on every rank, whatever the dp
-    size: services/data/batch_packer.py); ``data_order`` int64 (:data:`DATA_ORDER`: what
+    ``data_position`` int64 [epoch, row, *format]: where the job's one global data stream
+    continues, rows of that epoch's row order already dealt (the same on every rank, whatever
+    the dp size: services/data/batch_packer.py), then the UTF-8 bytes of the position's
+    sample-sequence format (``DataPosition.format``, services/data/sample_index.py; none in
+    checkpoints written before it was kept: the empty format, the same sequence); ``data_order`` int64 (:data:`DATA_ORDER`: what
     must not change for that position to mean the same samples, checked on resume; its last
     value is the position's format, :data:`DATA_FORMAT`: a checkpoint of another format, such
     as [epoch, document, offset] before rows were ordered, is refused); ``ranks``: the world
@@ -220,7 +261,9 @@ class LoopState:
                 [loop._scaler_state.growth_tracker, loop._scaler_state.hysteresis_left, int(loop._dynamic_scaling)],
                 dtype=torch.int64,
             ),
-            "data_position": torch.tensor([p.epoch, p.row], dtype=torch.int64),
+            # A fixed width (the format's bytes, 0-padded): every rank's state has the same
+            # shapes, so a rank healed from a peer's memory or a fresh rank's template fits it.
+            "data_position": torch.tensor([p.epoch, p.row, *_format_bytes(p.format)], dtype=torch.int64),
             "data_order": torch.tensor(data_order(loop._spec, loop._dp_size), dtype=torch.int64),
             "ranks": torch.tensor(loop._world, dtype=torch.int64),
             f"rank{loop._rank}": {"rng": rng_streams.capture()},
@@ -244,10 +287,22 @@ class LoopState:
         )
         loaded_format = data_format(tuple(int(v) for v in state["data_order"].tolist()))
         row = position[1] if loaded_format == DATA_FORMAT else 0
-        loop._position = data_pb2.DataPosition(epoch=position[0], row=row)
+        # (format 1's third value is its offset, not a sample-sequence format)
+        kind = bytes(position[2:]).rstrip(b"\0").decode("utf-8") if loaded_format == DATA_FORMAT else ""
+        loop._position = data_pb2.DataPosition(epoch=position[0], row=row, format=kind)
         loop._loaded_order = tuple(int(v) for v in state["data_order"].tolist())
         if loop._rank < int(state["ranks"]):  # else this rank is new at this size: seeded (seed, rank)
             rng_streams.restore(state[f"rank{loop._rank}"]["rng"])
+
+
+POSITION_FORMAT_BYTES = 16  # room for a sample-sequence format's name in data_position
+
+
+def _format_bytes(fmt: str) -> bytes:
+    raw = fmt.encode("utf-8")
+    if len(raw) > POSITION_FORMAT_BYTES:
+        raise ValueError(f"data position format {fmt!r}: longer than {POSITION_FORMAT_BYTES} bytes")
+    return raw.ljust(POSITION_FORMAT_BYTES, b"\0")
 
 
 class TrainingLoop:
@@ -277,14 +332,15 @@ class TrainingLoop:
         self._rng_at_step: dict[str, torch.Tensor] | None = None  # the streams at the start of the step in flight
         self._generation = 0  # the generation of the group this rank trains in (0: its launch's)
         self._lock = threading.Lock()
-        self._pause_at: int | None = None
-        self._stop_at: int | None = None
-        # Operator pause / stop: checkpoint the boundary step first (PauseTraining /
-        # StopTraining.checkpoint); the step whose state is durable (saved, loaded, or the
-        # initial state a fresh start recreates from the seed).
-        self._pause_checkpoint = self._stop_checkpoint = False
+        # Boundary commands (pause, stop, revoke) held until every rank holds them: they take
+        # effect at the boundary the step's all-reduce agrees on (services/common/boundary_commands.py).
+        self._commands = HeldCommands()
+        # The step whose state is durable (saved, loaded, or the initial state a fresh start
+        # recreates from the seed): an operator's pause or stop that checkpoints skips it.
         self._durable_step: int | None = None
+        self._agreed_step: int | None = None  # the step of the last replica check that agreed (this generation)
         self._data_fault: str | None = None
+        self._data_fault_class = "data_unavailable"
         self._failed = False
         # Private state (seed L2-1 s2): step/epoch counters, phase, the job as pushed.
         self._init: engine_pb2.InitJob | None = None
@@ -295,8 +351,11 @@ class TrainingLoop:
         self._rank, self._world = 0, 1
         self._dp_rank, self._dp_size = 0, 1  # the data-parallel coordinate: which data this rank reads
         self._step = 0
+        # The last StepCompleted this loop sent: a heal's source hands it to a rank one step behind.
+        self._last_report: engine_pb2.StepCompleted | None = None
         self._skipped = 0
         self._position = data_pb2.DataPosition()
+        self._components: Any = ()  # a mixture's ComponentPosition at _position
         self._loss_scale = 1.0
         # The precision manager's scaler state as it last reported it (checkpointed here,
         # pushed back in InitPrecision on resume); _resume_scaler: what a checkpoint held.
@@ -331,8 +390,9 @@ class TrainingLoop:
         self._control.put(msg)
 
     def pause_training(self, msg: engine_pb2.PauseTraining, payload: Any = None) -> None:
-        with self._lock:
-            self._pause_at, self._pause_checkpoint = msg.at_step, msg.checkpoint
+        """Held until the ranks agree on its boundary (module docstring, "Boundary commands").
+        Raises UnsequencedCommand (``seq`` 0)."""
+        self._commands.receive(msg)
 
     def resume_training(self, msg: engine_pb2.ResumeTraining, payload: Any = None) -> None:
         """Resume a paused loop; ``rebuild``: into a resize (module docstring), only while
@@ -345,9 +405,10 @@ class TrainingLoop:
         self._control.put(msg)
 
     def stop_training(self, msg: engine_pb2.StopTraining, payload: Any = None) -> None:
-        with self._lock:
-            self._stop_at, self._stop_checkpoint = msg.at_step, msg.checkpoint
-        self._control.put(msg)
+        """Held as a pause is; also wakes a loop not started yet or paused (it stops there).
+        Raises UnsequencedCommand (``seq`` 0)."""
+        if self._commands.receive(msg):
+            self._control.put(msg)
 
     def step_verdict(self, msg: engine_pb2.StepVerdict, payload: Any = None) -> None:
         """L1-1's verdict on a step fault: kept until the loop blocks on that fault (it may
@@ -358,9 +419,9 @@ class TrainingLoop:
                 self._verdict_ready.notify_all()
 
     def revoke_standing_order(self, msg: engine_pb2.RevokeStandingOrder, payload: Any = None) -> None:
-        """Follow standing order ``msg.order`` through step ``msg.after_step`` only."""
-        with self._lock:
-            self._revoked[msg.order] = msg.after_step
+        """Follow standing order ``msg.order`` through the step of its agreed boundary only
+        (held as a pause is). Raises UnsequencedCommand (``seq`` 0)."""
+        self._commands.receive(msg)
 
     # ------------------------------------------------------------------ events from below
 
@@ -375,6 +436,7 @@ class TrainingLoop:
 
     def on_dataset_unavailable(self, msg: data_pb2.DatasetUnavailable, payload: Any = None) -> None:
         self._data_fault = msg.reason or f"dataset {msg.name}@{msg.version} unavailable"
+        self._data_fault_class = _data_fault_class(msg)
         for q in self._batches.values():  # wake a loop blocked on any stream
             try:
                 q.put_nowait((msg, None))
@@ -476,12 +538,41 @@ class TrainingLoop:
         into a resize), or "" (the next step)."""
         spec = self._spec
         last = step == spec.steps
+        if _due(step, spec.integrity.replica_check_every_steps, last) and self._dp_size > 1:
+            self._check_replicas(step)  # before the save: a save at a check step is of agreeing replicas
         if _due(step, spec.eval.every_steps, last and spec.eval.at_end):
             self._evaluate(step)
         if _due(step, spec.checkpoint.every_steps, last and spec.checkpoint.at_end):
             self._save(step)
             self._durable_step = step
         return "" if last else self._stop_requested_at_boundary(step)
+
+    def _check_replicas(self, step: int) -> None:
+        """The replica check at the boundary of ``step`` (module docstring, "Replica check").
+
+        Raises:
+            TrainingFault: replica_divergence, naming the first differing tensor and the odd
+                dp ranks (every rank raises it alike: the answer is the group's).
+        """
+        # (L3-5 marks the rank "in a collective" while it waits for its peers)
+        found = self._p.reduction(engine_pb2.ReduceGradients(check_replicas=True)).message
+        if not found.replicas_checked or not found.diverged_tensor:
+            # (not checked: FSDP2 holds no dp replicas of a parameter, so none can differ)
+            self._agreed_step = step
+            return
+        odd = list(found.odd_dp_ranks)
+        who = f"dp rank{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} " + (
+            f"{'differ' if len(odd) > 1 else 'differs'} from the majority"
+            if len(odd) < self._dp_size
+            else "differ and no majority says which is right"
+        )
+        more = f" (and {found.diverged_tensors - 1} more tensors)" if found.diverged_tensors > 1 else ""
+        agreed = f"step {self._agreed_step}" if self._agreed_step is not None else "none since this generation started"
+        raise TrainingFault(
+            "replica_divergence",
+            f"data-parallel replicas differ after step {step} in {found.diverged_tensor}{more}: {who}; "
+            f"last agreeing check: {agreed}",
+        )
 
     def _rebuilds(self, exc: BaseException) -> bool:
         """Whether ``exc`` is a broken group this rank survives (module docstring): the job
@@ -511,6 +602,7 @@ class TrainingLoop:
             _log.warning("group_broke", step=self._step, in_step=in_step, reason=reason)
         if in_step and self._rng_at_step is not None:
             rng_streams.restore(self._rng_at_step)
+        completed = self._step
         healed: engine_pb2.StateHealed | None = None
         while healed is None:
             try:
@@ -524,6 +616,8 @@ class TrainingLoop:
                 if not self._rebuilds(e):  # (a peer lost again while healing: rebuilt again)
                     raise
                 reason = _one_line(e)
+        if healed.step > completed:
+            self._report_taken_over(healed, completed)
         self._open_stream("train", self._position, repeat=True, max_batches=0)
         self._emit(engine_pb2.TrainingLoopStarted(
             job_id=self._job_id, rank=self._rank, start_step=self._step, num_parameters=self._num_parameters,
@@ -543,6 +637,24 @@ class TrainingLoop:
         )
         self._phase = "standby"
         return self._await_start()
+
+    def _report_taken_over(self, healed: engine_pb2.StateHealed, completed: int) -> None:
+        """This rank healed onto a step it did not complete (a peer finished the step in flight
+        before the group broke: a gloo all-reduce can return on some ranks and fail on
+        others). That step trained, so it is reported here too, as the source reported it
+        (every field is global but the rank): else this rank's record of it, rank 0's the
+        job's journal and the store's, would be missing. A source with no report of it
+        (never seen: the source heals only at a step it completed) leaves it unreported, logged."""
+        report = healed.last_step
+        if report.step != healed.step:
+            _log.warning("taken_over_step_unreported", step=healed.step, completed=completed, source=healed.source_rank)
+            return
+        done = engine_pb2.StepCompleted()
+        done.CopyFrom(report)
+        done.rank = self._rank
+        self._last_report = done
+        self._emit(done)
+        _log.info("taken_over_step_reported", step=done.step, completed=completed, source=healed.source_rank)
 
     def _take_layout(self, layout: engine_pb2.DataParallelLayout) -> None:
         """The layout of the group just joined (L1's command) is the job's from now on
@@ -587,6 +699,8 @@ class TrainingLoop:
         """HealState with a template of this rank's state; restore what came unless this
         rank is the source. ``has_state`` false: a replacement, nothing to give."""
         ask = engine_pb2.HealState(job_id=self._job_id, step=self._step, has_state=has_state)
+        if has_state and self._last_report is not None and self._last_report.step == self._step:
+            ask.last_step.CopyFrom(self._last_report)  # for a peer one step behind (_report_taken_over)
         reply = self._p.store(ask, self._snapshot(self._step))
         healed = reply.message
         if healed.source_rank != self._rank or not has_state:
@@ -632,7 +746,9 @@ class TrainingLoop:
         reduced = p.reduction(engine_pb2.ReduceGradients(
             local_loss_sum=loss_sum, local_tokens=local_tokens, local_found_inf=check.found_inf,
             replicated_squares=check.replicated_squares, sharded_squares=check.sharded_squares,
+            held_commands=self._commands.window(),
         )).message  # fmt: skip
+        self._commands.agree(reduced.commands_agreed)  # (in force at this step's boundary: _stop_requested_at_boundary)
         mark.enter(ph.OPTIMIZER)
         self._warm = True
         adjusted = p.precision(engine_pb2.ScaleLoss(
@@ -648,6 +764,7 @@ class TrainingLoop:
         else:
             opt_s = p.optimizer(engine_pb2.ApplyUpdate(step=step, learning_rate=lr)).message.seconds
         self._position = batches[-1][0].next
+        self._components = batches[-1][0].components  # a mixture's: each dataset's own position
         step_s = time.perf_counter() - t0
         tokens = reduced.global_tokens
         self._emit(done := engine_pb2.StepCompleted(
@@ -657,14 +774,17 @@ class TrainingLoop:
             tokens_per_second=tokens / step_s, step_seconds=step_s, data_wait_seconds=data_wait,
             forward_seconds=fwd_s, backward_seconds=bwd_s, reduction_seconds=reduced.seconds,
             optimizer_seconds=opt_s, loss_scale=check.loss_scale, skipped=bool(skip_reason), skip_reason=skip_reason,
-            fault=fault, action=action, standing_order=order,
+            fault=fault, action=action, standing_order=order, commands_agreed=self._commands.agreed_seq,
             epoch=self._position.epoch, unix_time=time.time(), world_size=self._world,
             flops_per_token=self._flops_per_token,
             mfu=tokens / step_s * self._flops_per_token / (self._peak_flops * self._world),
         ))  # fmt: skip
+        self._last_report = done
         every = self._spec.metrics.log_every
         if every and _due(step, every, step == self._spec.steps):
             _log.info(step_line(done), once=True)  # the same on every rank: rank 0 writes it
+            if self._components:
+                _log.info(mixture_line(step, self._components), once=True)
 
     def _judge(
         self, step: int, reduced: engine_pb2.GradientsReduced, adjusted: engine_pb2.LossScaleAdjusted
@@ -803,9 +923,13 @@ class TrainingLoop:
             baseline_every=spec.checkpoint.baseline_every,
         ), self._snapshot(step))  # fmt: skip
         if self._rank == 0:
+            checked = spec.integrity.replica_check_every_steps > 0 and self._dp_size > 1
             self._p.store(store_pb2.CommitCheckpoint(
                 job_id=self._job_id, step=step, world_size=self._world, spec_json=self._spec_json,
                 keep_last=spec.checkpoint.keep_last, keep_every=spec.checkpoint.keep_every,
+                # Whether this version's replicas agreed: a check at its step (before the save), or
+                # a later commit of these ranks naming a later check (the store's catalog decides).
+                replica_checked=checked, replica_agreed_step=self._agreed_step or 0,
                 # Retention never deletes the version this generation of ranks resumed from.
                 keep_versions=[self._init.resume_version] if self._init.resume_version else [],
             ))  # fmt: skip
@@ -850,14 +974,15 @@ class TrainingLoop:
         self._warm = not spec.operators.compile  # the first step compiles forward and backward
         ops = spec.operators
         p.forward(engine_pb2.ConfigureForward(attention=spec.attention, adamw=ops.adamw, compile=ops.compile))
-        mounted = p.data(data_pb2.MountDataset(name=spec.data.name, version=spec.data.version, verify=False)).message
-        if isinstance(mounted, data_pb2.DatasetUnavailable):
-            raise TrainingFault("data_unavailable", mounted.reason)
-        if mounted.vocab_size > spec.model.vocab_size:
-            raise TrainingFault(
-                "config_error",
-                f"dataset {spec.data.dataset} has vocab_size {mounted.vocab_size} > model.vocab_size {spec.model.vocab_size}",
-            )
+        for name, version, _ in spec.data.datasets:  # (a mixture: every component)
+            mounted = p.data(data_pb2.MountDataset(name=name, version=version, verify=False)).message
+            if isinstance(mounted, data_pb2.DatasetUnavailable):
+                raise TrainingFault(_data_fault_class(mounted), mounted.reason)
+            if mounted.vocab_size > spec.model.vocab_size:
+                raise TrainingFault(
+                    "config_error",
+                    f"dataset {name}@{version} has vocab_size {mounted.vocab_size} > model.vocab_size {spec.model.vocab_size}",
+                )
         restored_from: dict[str, int] = {}
         healed: engine_pb2.StateHealed | None = None
         if self._init.heal_from_peer:  # a replacement of a lost rank: a live peer's state, not a load
@@ -920,6 +1045,7 @@ class TrainingLoop:
         while True:
             msg = self._control.get()
             if isinstance(msg, engine_pb2.StartTraining):
+                self._commands.start(msg.command_seq)  # (the group's agreement starts here)
                 self._phase = "stepping"
                 return True
             if isinstance(msg, engine_pb2.StopTraining):
@@ -927,40 +1053,46 @@ class TrainingLoop:
                 return False
 
     def _stop_requested_at_boundary(self, step: int) -> str:
-        """At the boundary after ``step``: stop (:data:`_STOP`), or pause until resumed (""),
-        resumed into a resize (:data:`_RESIZE`: ``ResumeTraining.rebuild``) or stopped.
-        An operator's stop or pause that asks for it checkpoints ``step`` first (every rank
-        is at the same boundary, so the save's collectives meet); a pause waits for that
-        commit before it reports paused (a stop's ``_finish`` waits for it)."""
+        """At the boundary after ``step``, the boundary commands in force here (agreed by
+        every rank in this step's reduction or before: the same on every rank): a revoke
+        withdraws its standing order after ``step``; then stop (:data:`_STOP`), or pause
+        until resumed (""), resumed into a resize (:data:`_RESIZE`: ``ResumeTraining.rebuild``)
+        or stopped. An operator's stop or pause that asks for it checkpoints ``step`` first
+        (every rank is at the same boundary, so the save's collectives meet); a pause waits
+        for that commit before it reports paused (a stop's ``_finish`` waits for it). A
+        paused rank stops on the stop it holds, agreed or not: every rank paused here."""
+        due = self._commands.due(step)
         with self._lock:
-            stop = self._stop_at is not None and step >= self._stop_at
-            pause = not stop and self._pause_at is not None and step >= self._pause_at
-            if pause:
-                self._pause_at = None
-            checkpoint = self._stop_checkpoint if stop else self._pause_checkpoint
-        if stop or not pause:
-            if stop and checkpoint:
+            for msg in due:
+                if isinstance(msg, engine_pb2.RevokeStandingOrder):
+                    self._revoked[msg.order] = step
+        stop = next((m for m in due if isinstance(m, engine_pb2.StopTraining)), None)
+        pause = next((m for m in due if isinstance(m, engine_pb2.PauseTraining)), None)
+        if stop is not None or pause is None:
+            if stop is not None and stop.checkpoint:
                 self._checkpoint_boundary(step)
-            return _STOP if stop else ""
-        if checkpoint:
+            return _STOP if stop is not None else ""
+        if pause.checkpoint:
             self._checkpoint_boundary(step)
             self._p.store(store_pb2.FlushCheckpoint(job_id=self._job_id))
         self._phase = "paused"
         self._emit(engine_pb2.TrainingLoopPaused(job_id=self._job_id, rank=self._rank, step=step))
-        while True:
+        while (stop := self._commands.take(engine_pb2.StopTraining, step)) is None:
             msg = self._control.get()
             if isinstance(msg, engine_pb2.ResumeTraining):
                 self._phase = "stepping"
                 return _RESIZE if msg.rebuild else ""
-            if isinstance(msg, engine_pb2.StopTraining) and msg.at_step <= step:  # 0: now
-                if msg.checkpoint:
-                    self._checkpoint_boundary(step)
-                return _STOP
+        if stop.checkpoint:
+            self._checkpoint_boundary(step)
+        return _STOP
 
     def _checkpoint_boundary(self, step: int) -> None:
         """Save ``step`` unless its state is durable already (saved at this step, loaded from
-        a checkpoint of it, or the initial state)."""
+        a checkpoint of it, or the initial state). Checked first where replicas are checked:
+        an operator's last version is one a check covers, so it can be ``latest``."""
         if self._durable_step != step:
+            if self._spec.integrity.replica_check_every_steps and self._dp_size > 1 and self._agreed_step != step:
+                self._check_replicas(step)
             self._save(step)
             self._durable_step = step
 
@@ -981,7 +1113,7 @@ class TrainingLoop:
             if batch is None or batch.stream is self._streams[split]:
                 break  # (else a batch of a stream since replaced: dropped)
         if self._data_fault is not None:
-            raise TrainingFault("data_unavailable", self._data_fault)
+            raise TrainingFault(self._data_fault_class, self._data_fault)
         if batch is None:
             if split == "train":
                 raise TrainingFault("data_exhausted", "the training stream ended although it repeats epochs")
@@ -991,8 +1123,18 @@ class TrainingLoop:
     def _open_stream(self, split: str, start: data_pb2.DataPosition, *, repeat: bool, max_batches: int) -> None:
         d = self._spec.data
         pack = d.pack == "pack"
+        start = data_pb2.DataPosition(epoch=start.epoch, row=start.row, format=start.format)
+        mixture = []
+        if d.mixture is not None:  # the blended sequence of services/data/mixture.py; positions in its format
+            start.format = MIXTURE_FORMAT
+            mixture = [
+                data_pb2.MixtureComponent(mount=data_pb2.MountDataset(name=n, version=v), weight=w)
+                for n, v, w in d.datasets
+            ]
+            _log.info("data mixture stream", split=split, start_row=start.row, datasets=d.label)
         self._streams[split] = self._p.data(data_pb2.OpenStream(
-            mount=data_pb2.MountDataset(name=d.name, version=d.version, verify=False),
+            mount=data_pb2.MountDataset(name=d.name, version=d.version, verify=False) if not mixture else None,
+            mixture=mixture,
             prefetch=data_pb2.SetPrefetch(watermark=d.prefetch.watermark, threads=d.prefetch.threads),
             shuffle=data_pb2.ShufflePlan(seed=d.shuffle_seed, epoch=start.epoch, enabled=d.shuffle and split == "train"),
             filter=data_pb2.FilterRules(
@@ -1095,6 +1237,7 @@ DATA_ORDER = (
     "data.pack",
     "global batch rows (data.micro_batch_size x data.grad_accum x parallel.dp)",
     "data position format",
+    "data.mixture",  # (after the format: a checkpoint without it read a single dataset, 0)
 )
 # The format of ``data_position`` (the last value of ``data_order``; a checkpoint whose
 # data_order has no such value is format 1).
@@ -1105,22 +1248,47 @@ DATA_FORMATS = {
 DATA_FORMAT = 2
 
 
+# A mixture's position format (services/data/blend.py FORMAT): [0, blended row].
+MIXTURE_FORMAT = "mix-v1"
+_FORMAT_AT = DATA_ORDER.index("data position format")
+
+
+def mixture_id(spec: JobSpec) -> int:
+    """0 for one dataset; for a mixture a 63-bit digest of its datasets and normalised
+    weights (what its blended rows mean)."""
+    d = spec.data
+    if d.mixture is None:
+        return 0
+    total = sum(w for *_, w in d.datasets)
+    text = ";".join(f"{n}@{v}={w / total!r}" for n, v, w in d.datasets)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
+
+
 def data_order(spec: JobSpec, dp_size: int) -> tuple[int, ...]:
     """The values of :data:`DATA_ORDER` for ``spec`` at ``dp_size`` (data.pack: 1 pack, 0 pad)."""
     d = spec.data
     rows = d.micro_batch_size * d.grad_accum * dp_size
-    return d.shuffle_seed, int(d.shuffle), d.seq_len, int(d.pack == "pack"), rows, DATA_FORMAT
+    return d.shuffle_seed, int(d.shuffle), d.seq_len, int(d.pack == "pack"), rows, DATA_FORMAT, mixture_id(spec)
 
 
 def data_format(loaded: tuple[int, ...] | None) -> int:
     """The data position format a checkpoint's ``data_order`` names (1 when it names none)."""
-    return loaded[len(DATA_ORDER) - 1] if loaded and len(loaded) >= len(DATA_ORDER) else 1
+    return loaded[_FORMAT_AT] if loaded and len(loaded) > _FORMAT_AT else 1
+
+
+def mixture_line(step: int, components) -> str:
+    """Where each dataset of a mixture stands after ``step``: rows taken, its own epoch/row."""
+    return f"step {step} data mixture: " + ", ".join(
+        f"{c.dataset} rows {c.rows} at {c.position.epoch}/{c.position.row}" for c in components
+    )
 
 
 def data_order_changes(loaded: tuple[int, ...] | None, now: tuple[int, ...]) -> str:
     """The empty string when a checkpoint's data order is this job's; else one line naming
     each field that changed, its value then and now."""
     loaded = tuple(loaded or ())[: len(now)]
+    if len(loaded) == _FORMAT_AT + 1:  # written before data.mixture: one dataset
+        loaded = (*loaded, 0)
     loaded = loaded + (None,) * (len(now) - len(loaded))
     return "; ".join(
         f"{name} {_shown(name, a)} (this job: {_shown(name, b)})"
@@ -1136,6 +1304,8 @@ def _shown(name: str, value: int | None) -> object:
         return bool(value)
     if name == "data.pack":
         return "pack" if value else "pad"
+    if name == "data.mixture":
+        return f"mixture {value:016x}" if value else "one dataset"
     return value
 
 

@@ -11,10 +11,11 @@ both sides (services/contract/relay.py); only set-up and plumbing have fields of
                        in either order, each exactly once (frozen afterwards)
     3. the rank builds its modules, joins the process group, loads the model, mounts the
        data and opens its stream, then sends {TrainingLoopStarted}
-    4. agent -> rank   {StartTraining}; the rank trains. At any time: {PauseTraining at_step},
-                       {ResumeTraining}, {StopTraining at_step} (pause/stop at the boundary
-                       after at_step; stop at_step=0: the next boundary; stop before start:
-                       finish at once), {StepVerdict}, ...: every command an L1 module may
+    4. agent -> rank   {StartTraining}; the rank trains. At any time: {PauseTraining seq},
+                       {ResumeTraining}, {StopTraining seq}, {RevokeStandingOrder seq} (at the
+                       step boundary every rank agrees on in its step's all-reduce:
+                       services/common/boundary_commands.py; a stop before start or while
+                       paused: at once), {StepVerdict}, ...: every command an L1 module may
                        send a module of the rank
     5. rank -> agent   {StepCompleted} per step, {EvalCompleted} per evaluation,
                        {SaveCompleted} per committed checkpoint (rank 0), {TrainingLoopPaused}
@@ -44,7 +45,8 @@ to handle (skip per the spec's policy, or a typed failure).
 
 Wiring: modules never construct each other. Each gets an Emitter for its events and a
 CommandPort for each module the route table lets it command; the relays of the other
-layers (this session for L1, :mod:`data_client` for L4, :mod:`store_client` for L5)
+layers (this session for L1, :mod:`data_client` for L4, :mod:`store_client` and
+:mod:`metrics_client` (through the node agent) for L5)
 subscribe on the same bus, so every message inside the rank is route-checked. A refused
 send (here, or in the data or store service on this rank's request) is reported up the
 session as ``BoundaryViolationReported``.
@@ -59,6 +61,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
@@ -66,11 +69,12 @@ import grpc
 import structlog
 import torch
 
+from services.common import fencing
 from services.common.cpu_list import CPU_AFFINITY_ENV, parse_cpu_list
 from services.common.grpc_server import channel
 from services.common.logs import configure
 from services.common.phase import COLLECTIVE, IDLE, PhaseMarker
-from services.common.process_exit import exit_now
+from services.common.process_exit import MEMORY_ERROR_EXIT_CODE, exit_now, last_words
 from services.compute.backward_unit import BackwardUnit
 from services.compute.forward_unit import ForwardUnit
 from services.compute.gradient_reduction import GradientReduction
@@ -91,13 +95,14 @@ from services.engine.parallel_strategy import ParallelStrategy
 from services.engine.training_loop import LoopPorts, TrainingLoop
 from services.jobspec import JobSpec, spec_from_json
 from services.rank.comm_settings import apply_nccl_environment, collective_timeout_s, side_timeout_s
+from services.rank.command_delay import CommandDelay
 from services.rank.faults import FaultInjector, StepGuard
 from services.state import staging
 from services.state.snapshot import RANK_SLOTS
 from services.state.state_manager import StateManager
 
 log = structlog.get_logger()
-EXIT_FAILED, EXIT_SESSION_LOST = 1, 3
+EXIT_FAILED, EXIT_SESSION_LOST = 1, 3  # (MemoryError: MEMORY_ERROR_EXIT_CODE)
 SETUP_TIMEOUT_S = 600.0
 RANK_MODULES = RANK  # the modules a rank process runs
 # Whose events go up the session (to control's L1 modules): the rank's own modules and the
@@ -130,6 +135,9 @@ class StoreRelay(Protocol):
     def commit_checkpoint(self, msg: store_pb2.CommitCheckpoint, payload: Any = None) -> Any: ...
     def flush_checkpoint(self, msg: store_pb2.FlushCheckpoint, payload: Any = None) -> Any: ...
     def load_checkpoint(self, msg: store_pb2.LoadCheckpoint, payload: Any) -> Any: ...
+
+
+class MetricsRelay(Protocol):
     def on_step_completed(self, msg: engine_pb2.StepCompleted, payload: Any = None) -> None: ...
     def log_collection_config(self, msg: store_pb2.LogCollectionConfig, payload: Any = None) -> None: ...
     def stop_log_collection(self, msg: store_pb2.StopLogCollection, payload: Any = None) -> None: ...
@@ -156,6 +164,7 @@ def compose(
     *,
     data: DataRelay,
     store: StoreRelay,
+    metrics: MetricsRelay,
     up: UpRelay,
     pg_timeout_s: float | None = None,
     started_at: float | None = None,
@@ -165,7 +174,7 @@ def compose(
     side_groups: tuple[str, ...] = (),
 ) -> RankModules:
     """Build the rank's L2/L3 modules on ``bus`` and subscribe them and the relays.
-    ``guard`` wraps the loop's ports to the forward and backward units and to the checkpoint
+    ``guard`` wraps the loop's ports to the forward and backward units, the optimizer and the checkpoint
     relay (test-only fault injection). ``phase``: the rank's phase marker, set by the loop and L3-5 at phase
     boundaries and read by the session's beats (services/common/phase.py). ``heals``: this
     rank replaces a lost one and takes its state from a live peer (InitJob.heal_from_peer):
@@ -201,6 +210,8 @@ def compose(
         # device: services/compute/parallelize.py), in place, so the parameter handles below
         # are the final (possibly sharded) ones.
         run = reduction.attach(model)
+        if guard is not None:
+            guard.attach(model)  # (test-only: corrupt_weights)
         if attached:
             # Handed over again: the group was rebuilt in place (ddp or none only). The
             # parameters are the same tensors, so L2-3 keeps its moments and L2-4 its list;
@@ -221,20 +232,22 @@ def compose(
     # L3-1 builds the model on the meta device, has L3-5 lay out its parameters there (TP,
     # activation checkpointing, FSDP2), materialises only this rank's shards, then hands over.
     shard_loader = ShardLoader(emitter(Module.L3_SHARD_LOADER), handover, lay_out=reduction.lay_out)
+    outage_s = spec.fault_policy.data_outage_seconds  # a peer may wait that long for the data service
     parallel = ParallelStrategy(
         emitter(Module.L2_PARALLEL_STRATEGY),
         port(Module.L2_PARALLEL_STRATEGY, Module.L3_SHARD_LOADER),
         port(Module.L2_PARALLEL_STRATEGY, Module.L3_GRADIENT_REDUCTION),
         model=spec.model,
         parallel=spec.parallel,
-        timeout_s=pg_timeout_s or collective_timeout_s(spec.liveness, spec.operators.compile),
+        timeout_s=pg_timeout_s or collective_timeout_s(spec.liveness, spec.operators.compile, outage_s),
         side_groups=side_groups,
-        side_timeout_s=max(pg_timeout_s or 0.0, side_timeout_s(spec.liveness, spec.operators.compile)),
+        side_timeout_s=max(pg_timeout_s or 0.0, side_timeout_s(spec.liveness, spec.operators.compile, outage_s)),
         visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),  # (named when a device it cannot see is refused)
     )
     L = Module.L2_TRAINING_LOOP
     backward_port, precision_port = port(L, Module.L3_BACKWARD_UNIT), port(L, Module.L2_MIXED_PRECISION)
     forward_port, store_port = port(L, Module.L3_FORWARD_UNIT), port(L, Module.L5_CHECKPOINT_MANAGER)
+    optimizer_port = port(L, Module.L2_OPTIMIZER)
     loop = TrainingLoop(
         emitter(L),
         LoopPorts(
@@ -242,7 +255,7 @@ def compose(
             forward=guard.forward(forward_port) if guard else forward_port,
             backward=guard.backward(backward_port) if guard else backward_port,
             reduction=port(L, Module.L3_GRADIENT_REDUCTION),
-            optimizer=port(L, Module.L2_OPTIMIZER),
+            optimizer=guard.optimizer(optimizer_port) if guard else optimizer_port,
             precision=precision_port,
             data=port(L, Module.L4_DATASET_VERSIONS),
             store=guard.store(store_port) if guard else store_port,
@@ -255,26 +268,15 @@ def compose(
         **marked,
     )
     # Each module handles the routes the table sends it, by handler name (Bus.host; the
-    # Protocols in services/contract/handlers.py list them).
+    # Protocols in services/contract/handlers.py list them), except those whose route says
+    # why it does not (not_handled).
     bus.host(L, loop)
     bus.host(Module.L2_PARALLEL_STRATEGY, parallel)
-    bus.host(
-        Module.L2_OPTIMIZER,
-        optimizer,
-        not_handled={
-            engine_pb2.GradientsReduced: "the loop commands the update (ApplyUpdate) once the reduction has replied",
-        },
-    )
+    bus.host(Module.L2_OPTIMIZER, optimizer)
     bus.host(Module.L2_MIXED_PRECISION, precision)
     bus.host(Module.L3_SHARD_LOADER, shard_loader)
     bus.host(Module.L3_OPERATOR_ADAPTER, adapter)
-    bus.host(
-        Module.L3_FORWARD_UNIT,
-        forward,
-        not_handled={
-            data_pb2.MicroBatch: "the micro-batch arrives as RunForward's payload, from the loop",
-        },
-    )
+    bus.host(Module.L3_FORWARD_UNIT, forward)
     bus.host(Module.L3_BACKWARD_UNIT, backward)
     bus.host(Module.L3_GRADIENT_REDUCTION, reduction)
     sub = bus.subscribe
@@ -289,10 +291,11 @@ def compose(
     sub(Module.L5_CHECKPOINT_MANAGER, store_pb2.FlushCheckpoint, store.flush_checkpoint)
     sub(Module.L5_CHECKPOINT_MANAGER, store_pb2.LoadCheckpoint, state.load_checkpoint)
     sub(Module.L5_CHECKPOINT_MANAGER, engine_pb2.HealState, state.heal_state)
-    sub(Module.L5_METRICS_LOGGER, engine_pb2.StepCompleted, store.on_step_completed)
-    sub(Module.L5_METRICS_LOGGER, engine_pb2.EvalCompleted, store.on_eval_completed)
-    sub(Module.L5_METRICS_LOGGER, store_pb2.LogCollectionConfig, store.log_collection_config)
-    sub(Module.L5_METRICS_LOGGER, store_pb2.StopLogCollection, store.stop_log_collection)
+    # L5-2's records go to the node agent, which sends them to the store (metrics_client.py).
+    sub(Module.L5_METRICS_LOGGER, engine_pb2.StepCompleted, metrics.on_step_completed)
+    sub(Module.L5_METRICS_LOGGER, engine_pb2.EvalCompleted, metrics.on_eval_completed)
+    sub(Module.L5_METRICS_LOGGER, store_pb2.LogCollectionConfig, metrics.log_collection_config)
+    sub(Module.L5_METRICS_LOGGER, store_pb2.StopLogCollection, metrics.stop_log_collection)
     # Every event routed from here to an L1 module goes up the session by its name.
     link = Link(bus, name="rank session", near=SESSION_NEAR, beyond=L1, send=up.send_up)
     link.stand_in()
@@ -337,9 +340,12 @@ class Session:
         self._call = worker_pb2_grpc.WorkerServiceStub(self._channel).RankSession(self._requests())
         self._terminal_sent = threading.Event()
         self._reader: threading.Thread | None = None
+        self._delay = CommandDelay.from_env(rank)  # test-only (SURGE_COMMAND_DELAY); none by default
+        self._metrics_acks: Callable[[store_pb2.MetricsAck], None] | None = None
         # What the heartbeat states, from the events and commands this relay carries.
         self._progress_lock = threading.Lock()
         self._step, self._step_seconds, self._stepping = 0, 0.0, False
+        self._compute = (0.0, 0.0, 0.0)  # forward, backward, optimizer compute seconds up to `_step`
         self._beat_interval = heartbeat_interval_s
         self._closing = threading.Event()
         self._send(hello=worker_pb2.RankHello(job_id=job_id, rank=rank, pid=os.getpid()))
@@ -372,9 +378,11 @@ class Session:
             raise SessionLost(f"rank session ended before init and assignment arrived: {_rpc_text(e)}") from None
         return got["init"], got["assignment"]
 
-    def relay_commands(self, link: Link) -> None:
+    def relay_commands(self, link: Link, metrics_acks: Callable[[store_pb2.MetricsAck], None] | None = None) -> None:
         """From now on, put the commands that come down on the rank's bus, through ``link``
-        (its route checks) (reader thread)."""
+        (its route checks), and the store's acks of the rank's metric records to
+        ``metrics_acks`` (reader thread)."""
+        self._metrics_acks = metrics_acks
         self._reader = threading.Thread(target=self._read, args=(link,), name="session", daemon=True)
         self._reader.start()
 
@@ -385,13 +393,20 @@ class Session:
             if isinstance(msg, engine_pb2.TrainingLoopStarted):
                 self._step = msg.start_step
             elif isinstance(msg, engine_pb2.StepCompleted):
+                # (the main thread, at the step's end: the sums hold exactly the steps up to it)
                 self._step, self._step_seconds = msg.step, msg.step_seconds
+                self._compute = self._phase.compute_seconds()
             elif isinstance(msg, (engine_pb2.TrainingLoopPaused, *_TERMINAL)):
                 self._stepping = False
         if isinstance(msg, _TERMINAL):
             self._send(audit=report_of(self.process))
             self._terminal_sent.set()
         self._send(routed=routed)
+
+    def send_metrics(self, record: store_pb2.MetricRecord) -> None:
+        """One of L2-1's records for L5-2, to the node agent, which sends it to the store
+        (``RankEvent{metrics}``; queued, never blocks)."""
+        self._send(metrics=record)
 
     def report_violation(self, event: audit_pb2.BoundaryViolationReported) -> None:
         """A refused send, on its way up to the fault detector (queued, never blocks)."""
@@ -456,6 +471,11 @@ class Session:
                         unix_time=time.time(),
                         interval_seconds=self._beat_interval,
                     )
+                    (
+                        beat.forward_compute_seconds,
+                        beat.backward_compute_seconds,
+                        beat.optimizer_compute_seconds,
+                    ) = self._compute
                     if self._stepping:  # not started, paused or ended: idle, whatever was marked last
                         beat.phase, beat.phase_seconds, beat.phase_progress, beat.phase_total = (
                             phase,
@@ -479,12 +499,17 @@ class Session:
                 if kind == "audit":
                     self._send(audit=report_of(self.process, request_id=cmd.audit.id))
                     continue
+                if kind == "metrics_ack":
+                    if self._metrics_acks is not None:
+                        self._metrics_acks(cmd.metrics_ack)
+                    continue
                 if kind != "routed":
                     log.warning("rank_session_command_ignored", kind=kind)
                     continue
                 if cmd.routed.type in _STEPPING:
                     with self._progress_lock:
                         self._stepping = True
+                self._delay.hold(cmd.routed.type)  # (test-only; in line: the commands behind it wait too)
                 try:
                     link.deliver(cmd.routed)
                 except Exception as e:  # noqa: BLE001 - keep relaying; the loop's state is its own
@@ -494,7 +519,7 @@ class Session:
         if not self._terminal_sent.is_set():
             # The agent is gone (or ended the session): nobody can command this rank any
             # more. Leave at once instead of holding the device.
-            sys.stderr.write("rank: session to the node agent ended; exiting\n")
+            last_words("rank: session to the node agent ended; exiting\n")
             exit_now(EXIT_SESSION_LOST)
 
 
@@ -566,16 +591,20 @@ def main(argv: list[str] | None = None) -> NoReturn:
     set_origin(args.job, args.rank)
     session = Session(args.session, args.job, args.rank, phase=phase)
     rank: RankModules | None = None
-    data = store = copies = None
+    data = store = copies = metrics = None
     code = 0
     try:
         init, assignment = session.receive_setup()
+        # Every call from here on names this incarnation: a replaced one is refused (fencing.py).
+        fencing.set_identity(args.job, args.rank, assignment.generation)
         pinned = pin_cpus(os.environ.get(CPU_AFFINITY_ENV))  # before torch starts its thread pools
         torch.set_num_threads(max(1, assignment.num_threads or len(pinned) or 1))
         spec = spec_from_json(init.spec_json)
         session.set_heartbeat_interval(spec.liveness.heartbeat_interval_seconds)
         if assignment.backend == "nccl":  # (read by ProcessGroupNCCL when L2-2 makes the group)
-            apply_nccl_environment(collective_timeout_s(spec.liveness, spec.operators.compile))
+            apply_nccl_environment(
+                collective_timeout_s(spec.liveness, spec.operators.compile, spec.fault_policy.data_outage_seconds)
+            )
         guard = StepGuard(lambda: session.step + 1, injector=FaultInjector.from_env(spec.name, args.job, args.rank))
         violations = ViolationReporter(
             session.process, log, deliver=session.report_violation, job_id=args.job, rank=args.rank, inline=True
@@ -585,6 +614,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         # Imported here so a rank that fails before this point does not pay for them.
         from services.rank.data_client import DataClient
         from services.rank.memory_client import MemoryCopyClient
+        from services.rank.metrics_client import MetricsClient
         from services.rank.store_client import RELAY_GROUPS, StoreClient
 
         # What the data service's modules send this side comes back by name, checked (it may
@@ -596,6 +626,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
             bus.emitter(Module.L4_BATCH_PACKER),
             on_error=violations.relay_rpc_error,
             back=from_data.deliver,
+            job_id=args.job,
+            rank=args.rank,
+            outage_s=spec.fault_policy.data_outage_seconds,  # (L1-1 waits that long for a service down)
         )
         # A failed store call: its violation report, and the failure events the store's
         # modules sent this side (by name, checked: it may speak only for L5 modules).
@@ -609,20 +642,26 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
         # The newest checkpoint's chunks are also kept in memory by this node's agent (and
         # its peer's): a recovery reads them there first (services/rank/memory_client.py).
-        copies = MemoryCopyClient(args.session, args.job, args.rank)
+        copies = MemoryCopyClient(
+            args.session, args.job, args.rank, report=bus.emitter(Module.L5_CHECKPOINT_MANAGER)
+        )  # (MemoryCopySkipped: a copy without room is skipped, typed)
         store = StoreClient(
             init.store_address,
             bus.emitter(Module.L5_CHECKPOINT_MANAGER),
             on_error=store_failed,
             copies=copies,
-            on_routed=from_store.deliver_each,  # L5-2's failure events, back with a metric ack
+            staging_budget_s=spec.liveness.phase_seconds.checkpoint_staging,  # bounds a wait for a busy store
         )
+        # L5-2's records go to this node's agent, which sends the node's records to the store
+        # on one stream; its failure events come back with their ack.
+        metrics = MetricsClient(session.send_metrics, on_routed=from_store.deliver_each)
         rank = compose(
             bus,
             spec,
             assignment.device or "cpu",
             data=data,
             store=store,
+            metrics=metrics,
             up=session,
             started_at=t_start,
             guard=guard,
@@ -631,6 +670,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
             side_groups=RELAY_GROUPS,
         )
         store.use_side_groups(rank.parallel.side_group)  # the relay's groups are made by L2-2, with the world
+        if (assignment.device or "cpu").startswith("cuda"):
+            # Kernels run after their launch: the GPU's own time per phase, from CUDA events on
+            # the compute stream (services/common/compute_time.py), once the device is set.
+            phase.time_on_cuda(torch.cuda)
         log.info(
             "rank_composed",
             world_size=assignment.world_size,
@@ -642,13 +685,15 @@ def main(argv: list[str] | None = None) -> NoReturn:
             store=init.store_address,
             resume=init.resume_version,
         )
-        session.relay_commands(rank.link)
+        session.relay_commands(rank.link, metrics_acks=metrics.acked)
         rank.orchestrator(init)
         rank.allocator(assignment)
         rank.loop.run()
         log.info("rank_finished")
     except BaseException as e:  # noqa: BLE001 - every failure is reported, then the exit code says it
-        code = EXIT_FAILED
+        # A MemoryError has its own code, so the node agent tells it from any other failure
+        # by the code alone (services/worker/exit_cause.py: typed, never read from text).
+        code = MEMORY_ERROR_EXIT_CODE if isinstance(e, MemoryError) else EXIT_FAILED
         log.error("rank_failed", error=f"{type(e).__name__}: {e}")
         if rank is not None:
             rank.loop.fail(e)
@@ -664,6 +709,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
             log.info("rank_waits_for_release")
             session.wait_released()
     finally:
+        if metrics is not None:
+            metrics.close(timeout=5.0)
         if store is not None:
             store.close(timeout=5.0)
         if copies is not None:

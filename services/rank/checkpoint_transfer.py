@@ -39,7 +39,7 @@ import grpc
 import structlog
 
 from services.contract import store_pb2
-from services.contract.failures import FailureCause, cause_of
+from services.contract.failures import FailureCause, cause_of, write_refused_from_rpc
 from services.state.chunk_store import ChunkWriter
 
 log = structlog.get_logger()
@@ -54,15 +54,29 @@ class TransferFailed(RuntimeError):
     """A stream to or from the store failed: ``failure_cause`` typed by what the store said
     (its ``surge-failure-cause``) or the status code, never by text (``code``: the status)."""
 
-    def __init__(self, message: str, failure_cause: int, code: grpc.StatusCode | None = None):
+    def __init__(
+        self,
+        message: str,
+        failure_cause: int,
+        code: grpc.StatusCode | None = None,
+        write_error: int = 0,
+        path: str = "",
+    ):
         super().__init__(message)
         self.failure_cause = failure_cause
         self.code = code
+        # The store's write was refused (failure_cause FAILURE_WRITE_REFUSED): which, and where.
+        self.write_error, self.path = write_error, path
+
+    def __reduce__(self) -> tuple[Any, ...]:  # (DCP gathers a rank's error to rank 0 pickled)
+        return type(self), (str(self), self.failure_cause, self.code, self.write_error, self.path)
 
 
 def _failed(what: str, e: grpc.RpcError) -> TransferFailed:
     details = " ".join((e.details() or "").split())
-    return TransferFailed(f"{what}: {e.code().name}: {details}", cause_of(e), e.code())
+    cause = cause_of(e)
+    kind, path = write_refused_from_rpc(e) if cause == FailureCause.FAILURE_WRITE_REFUSED else (0, "")
+    return TransferFailed(f"{what}: {e.code().name}: {details}", cause, e.code(), kind, path)
 
 
 def file_parts(name: str, kind: int, data: bytes | memoryview, sha256: str) -> Iterator[store_pb2.CheckpointFileData]:

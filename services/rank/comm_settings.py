@@ -18,7 +18,7 @@ from services.jobspec import LivenessSpec
 COLLECTIVE_TIMEOUT_FLOOR_S = 60.0
 
 
-def collective_timeout_s(liveness: LivenessSpec, compiles: bool = False) -> float:
+def collective_timeout_s(liveness: LivenessSpec, compiles: bool = False, data_outage_s: float = 0.0) -> float:
     """How long a collective of the job's process group may wait for a peer (seconds): the
     group's timeout, after which NCCL's watchdog aborts its communicator (gloo raises).
 
@@ -31,7 +31,11 @@ def collective_timeout_s(liveness: LivenessSpec, compiles: bool = False) -> floa
     that order does not come: twice the longest of those deadlines, at least
     :data:`COLLECTIVE_TIMEOUT_FLOOR_S` (60 s with the defaults, where a constant 300 s was).
     A job that compiles waits out ``phase_seconds.compile`` too: a replacement compiling its
-    first step keeps its healed peers in that step's first collective that long.
+    first step keeps its healed peers in that step's first collective that long. So does a
+    data service down (``data_outage_s``, fault_policy.data_outage_seconds): a rank whose
+    read-ahead ran out first waits for it, its peers in the step's collective, while L1-1 waits
+    (that plus the longest deadline above: 330 s for a job with the default 300 s; a job that
+    wants a shorter backstop sets ``collective_timeout_seconds`` or ``data_outage_seconds``).
     """
     if liveness.collective_timeout_seconds > 0:
         return liveness.collective_timeout_seconds
@@ -39,14 +43,16 @@ def collective_timeout_s(liveness: LivenessSpec, compiles: bool = False) -> floa
     timeout = max(COLLECTIVE_TIMEOUT_FLOOR_S, 2 * judged)
     if compiles:
         timeout = max(timeout, liveness.phase_seconds.compile)
+    if data_outage_s > 0:
+        timeout = max(timeout, data_outage_s + judged)
     return timeout
 
 
-def side_timeout_s(liveness: LivenessSpec, compiles: bool = False) -> float:
+def side_timeout_s(liveness: LivenessSpec, compiles: bool = False, data_outage_s: float = 0.0) -> float:
     """The timeout of the side groups (the store relay's gloo groups, ``side_groups``): a
     save's agreement and DCP write wait for the slowest peer's staging, whose budget is
     ``phase_seconds.checkpoint_staging``; never shorter than a collective's."""
-    return max(collective_timeout_s(liveness, compiles), liveness.phase_seconds.checkpoint_staging)
+    return max(collective_timeout_s(liveness, compiles, data_outage_s), liveness.phase_seconds.checkpoint_staging)
 
 
 def nccl_environment(timeout_s: float) -> dict[str, str]:

@@ -14,7 +14,7 @@ by its SHA-256 under the chunk directory::
 A chunk already present in ``chunk_dir`` is never written again, so a save writes only the
 chunks that changed since the versions that share the directory (an "epoch" of the store:
 a full baseline, then deltas; which directory is the store's decision, see
-``services/store/checkpoint_manager.py``). ``.metadata`` holds plain data only for each
+``services/store/checkpoint_manager/``). ``.metadata`` holds plain data only for each
 item (a dict of lists, strings and ints: ``chunks``, ``nbytes``, ``shape``, ``dtype``), so it
 is read back with an unpickler that allows DCP's own metadata classes and nothing else.
 
@@ -36,7 +36,11 @@ whose bytes hash to its name; a source that returns wrong bytes is counted
 (``mismatches[source]``), logged, and the next source is asked. The last source is the
 authority (the store's files): wrong bytes there, or no source having the chunk, raise
 :class:`ChunkIntegrityError` naming the chunk. The ``.metadata`` index is checked against
-the version's manifest (``digests``) before it is unpickled.
+the version's manifest (``digests``) before it is unpickled. A source that reads in bulk
+(``prefetch``: the peer's memory) is told every chunk of the load first, so they travel on
+one stream rather than one round trip each; the chunks it is asked for are read from both
+ends at once, it from the front and the last source from the back (``chunk_race.py``), so
+the load takes about the faster source's time.
 
 Writing (``ChunkWriter``): ``sink(sha, data)`` is called for every chunk of this rank's part
 (written or found present), on the thread that called ``write_data``, in item order; ``data``
@@ -81,6 +85,8 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from services.common.disk import syncfs
+from services.contract.failures import writing
+from services.state.chunk_race import TailRead
 
 log = structlog.get_logger()
 
@@ -338,11 +344,12 @@ class ChunkWriter(StorageWriter, BlockingAsyncStager):
                 return None
         except FileNotFoundError:
             pass
-        final.parent.mkdir(exist_ok=True)
         tmp = final.with_name(f".{sha}.{secrets.token_hex(4)}.tmp")
         try:
-            with open(tmp, "wb") as f:
-                f.write(piece)
+            with writing(final.parent):  # refused (full, read-only, ...): WriteRefused, by its errno
+                final.parent.mkdir(exist_ok=True)
+                with open(tmp, "wb") as f:
+                    f.write(piece)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -369,7 +376,7 @@ class ChunkWriter(StorageWriter, BlockingAsyncStager):
     def _durable(self, path: Path, data: bytes | memoryview) -> None:
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
         try:
-            with open(tmp, "wb") as f:
+            with writing(path), open(tmp, "wb") as f:  # refused: WriteRefused, typed by its errno
                 f.write(data)
                 if self.sync_files:
                     f.flush()
@@ -426,6 +433,8 @@ class ChunkReader(StorageReader):
         self.mismatches: collections.Counter[str] = collections.Counter()
         self._count_lock = threading.Lock()
         self._index: bytes | None = None  # the checked .metadata bytes
+        self._race: TailRead | None = None  # this load's two-ended read (None: none)
+        self._bulk: Any = None  # the bulk source the race's front reads
         self.load_id = secrets.token_hex(8)
 
     # -- StorageReader
@@ -464,6 +473,16 @@ class ChunkReader(StorageReader):
         by_item: dict[MetadataIndex, list[ReadItem]] = {}
         for req in plan.items:
             by_item.setdefault(req.storage_index, []).append(req)
+        self._prefetch(plan)
+        try:
+            self._read_items(by_item, planner)
+        finally:
+            self._end_bulk()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_items(self, by_item: Mapping[MetadataIndex, list[ReadItem]], planner: LoadPlanner) -> None:
         with ThreadPoolExecutor(max_workers=self.thread_count, thread_name_prefix="chunk-read") as pool:
             for index, reqs in by_item.items():
                 info = self.storage_data[index]
@@ -481,9 +500,6 @@ class ChunkReader(StorageReader):
                         )
                     target.copy_(tensor)
                     planner.commit_tensor(req, target)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     @property
     def checkpoint_id(self) -> str:
@@ -501,10 +517,35 @@ class ChunkReader(StorageReader):
         Raises:
             ChunkIntegrityError: the last source has it wrong, or no source has it.
         """
+        race = self._race
+        if race is not None and race.covers(sha):
+            return self._fetch_raced(race, sha, nbytes)
         data = self._early(sha, nbytes)
         if data is not None:
             return data
         return self._from_last(sha, nbytes, self.sources[-1].get(sha, nbytes))
+
+    def _fetch_raced(self, race: TailRead, sha: str, nbytes: int) -> bytes:
+        """Chunk ``sha`` of the two-ended read: the tail's (read from the last source, verified),
+        else the bulk source's once it brought it, else (it lacks it, its copy is wrong, or
+        the tail can read no more while it is still on its way) the last source's."""
+        last, bulk = self.sources[-1], self._bulk
+        if not race.claim(sha):
+            ok, data = race.take(sha)
+            if ok and data is not None:
+                bulk.discard(sha)  # (if the peer brings it too, it is not kept)
+                return data
+            early = bulk.get(sha, nbytes)  # the store lacks it or has it wrong: the peer's copy
+            if early is not None and self._accept(bulk, sha, nbytes, early):
+                return early
+            raise self._last_failure(sha, nbytes, data)
+        if race.wait_front(sha, bulk.resolved):
+            data = bulk.get(sha, nbytes)
+            if data is not None and self._accept(bulk, sha, nbytes, data):
+                return data
+        else:
+            bulk.discard(sha)  # read from the store now: the peer's copy on its way is not kept
+        return self._from_last(sha, nbytes, last.get(sha, nbytes))
 
     def _early(self, sha: str, nbytes: int) -> bytes | None:
         """Chunk ``sha`` from the first source before the last whose bytes hash to it."""
@@ -533,13 +574,18 @@ class ChunkReader(StorageReader):
 
     def _from_last(self, sha: str, nbytes: int, data: bytes | None) -> bytes:
         """The last (authoritative) source's ``data`` for chunk ``sha``, checked."""
+        if data is not None and self._accept(self.sources[-1], sha, nbytes, data):
+            return data
+        raise self._last_failure(sha, nbytes, data)
+
+    def _last_failure(self, sha: str, nbytes: int, data: bytes | None) -> ChunkIntegrityError:
+        """The error for chunk ``sha`` that the last source lacks (``data`` None) or holds
+        wrong (``data``, already refused)."""
         name = f"{self.chunk_label}/{sha}"
         source = self.sources[-1]
         if data is None:
-            raise ChunkIntegrityError(f"{self.what}: {name}: missing", name, missing=True)
-        if self._accept(source, sha, nbytes, data):
-            return data
-        raise ChunkIntegrityError(
+            return ChunkIntegrityError(f"{self.what}: {name}: missing", name, missing=True)
+        return ChunkIntegrityError(
             f"{self.what}: {name}: sha256 mismatch (source {source.name})"
             if len(data) == nbytes
             else f"{self.what}: {name}: size {len(data)} bytes, expected {nbytes} (source {source.name})",
@@ -551,12 +597,74 @@ class ChunkReader(StorageReader):
         ``get_many`` (a remote store: one streamed call) is asked once for every chunk the
         sources before it did not serve."""
         many = getattr(self.sources[-1], "get_many", None)
-        if many is None or len(shas) < 2:
+        if many is None or len(shas) < 2 or self._race is not None:  # (a two-ended read: chunk by chunk)
             return list(pool.map(self.fetch, shas, lens)) if len(shas) > 1 else [self.fetch(shas[0], lens[0])]
         early = list(pool.map(self._early, shas, lens)) if len(self.sources) > 1 else [None] * len(shas)
         need = [(s, n) for s, n, d in zip(shas, lens, early) if d is None]
         batch = many(need) if need else {}
         return [d if d is not None else self._from_last(s, n, batch.get(s)) for s, n, d in zip(shas, lens, early)]
+
+    def _prefetch(self, plan: LoadPlan) -> None:
+        """Name every chunk this load reads (sha -> bytes) to the sources before the last that
+        read in bulk (a ``prefetch`` method: the peer's memory, one streamed read instead of a
+        round trip per chunk), before the first is asked for. What they return is still
+        verified chunk by chunk as it is taken."""
+        bulk = [getattr(source, "prefetch", None) for source in self.sources[:-1]]
+        if not any(bulk):
+            return
+        wanted: dict[str, int] = {}
+        for req in plan.items:
+            info = self.storage_data[req.storage_index]
+            size, total = info["chunk_bytes"], info["nbytes"]
+            start, stop = _byte_range(info, req)
+            if stop <= start:
+                continue
+            for i in range(start // size, (stop - 1) // size + 1):
+                wanted.setdefault(info["chunks"][i], _piece_len(total, size, i))
+        for prefetch in bulk:
+            if prefetch is not None and wanted:
+                prefetch(wanted)
+        self._race = self._two_ended(wanted)
+
+    def _two_ended(self, wanted: Mapping[str, int]) -> TailRead | None:
+        """The two-ended read of the chunks the bulk source (``reads_in_bulk``) was asked for
+        that no local source before the last holds (``holds``: the own agent's memory), or
+        None: no bulk source (or more than one), one that cannot take part
+        (``resolved``/``has``/``listen``/``discard``), or a
+        local source that cannot say what it holds (its chunks are not read twice)."""
+        bulk = [s for s in self.sources[:-1] if getattr(s, "reads_in_bulk", False)]
+        if (
+            len(bulk) != 1
+            or not wanted
+            or not all(hasattr(bulk[0], a) for a in ("resolved", "has", "listen", "discard"))
+        ):
+            return None
+        peer = bulk[0]
+        local = [s for s in self.sources[:-1] if s is not peer]
+        order = []
+        for sha, n in wanted.items():
+            held = [s.holds(sha) if hasattr(s, "holds") else None for s in local]
+            if None in held:
+                return None
+            if not any(held):
+                order.append((sha, n))
+        if not order:
+            return None
+        self._bulk = peer
+        race = TailRead(order, self.sources[-1], self._accept, peer.has, threads=self.thread_count)
+        peer.listen(race.notify, race.tail_took)
+        return race
+
+    def _end_bulk(self) -> None:
+        """The load is over: stop the tail and the bulk reads (what they still bring is not needed)."""
+        race, self._race = self._race, None
+        if race is not None:
+            race.close()
+            log.info("chunk_race", tail_chunks=race.tail_chunks, front_from_store=race.stolen)
+        for source in self.sources[:-1]:
+            cancel = getattr(source, "cancel", None)
+            if cancel is not None:
+                cancel()
 
     # -- private
 
@@ -577,7 +685,7 @@ class ChunkReader(StorageReader):
                 raise ChunkIntegrityError(f"{self.what}: {rel}: sha256 mismatch", rel)
         return data
 
-    def _bytes_of(self, info: Mapping[str, Any], start: int, stop: int, pool: ThreadPoolExecutor) -> bytes:
+    def _bytes_of(self, info: Mapping[str, Any], start: int, stop: int, pool: ThreadPoolExecutor) -> bytes | bytearray:
         """Bytes [start, stop) of a stored item, fetching only the chunks that cover them."""
         size, total = info["chunk_bytes"], info["nbytes"]
         if stop <= start:
@@ -586,9 +694,17 @@ class ChunkReader(StorageReader):
         shas = info["chunks"][first : last + 1]
         lens = [_piece_len(total, size, first + k) for k in range(len(shas))]
         parts = self._fetch_all(shas, lens, pool)
-        joined = b"".join(parts)
-        base = first * size
-        return joined[start - base : stop - base]
+        if len(parts) == 1 and start == first * size and len(parts[0]) == stop - start:
+            return parts[0]
+        # One copy of each chunk's part into the item's buffer (a join, a slice and the
+        # tensor's own buffer were three; at a heal's GB/s each costs a tenth of a second a GB).
+        out = bytearray(stop - start)
+        pos = first * size
+        for part in parts:
+            lo, hi = max(start, pos), min(stop, pos + len(part))
+            out[lo - start : hi - start] = memoryview(part)[lo - pos : hi - pos]
+            pos += len(part)
+        return out
 
     def _tensor_of(self, info: Mapping[str, Any], req: ReadItem, pool: ThreadPoolExecutor) -> torch.Tensor:
         """The part of a stored tensor ``req`` asks for (``storage_offsets``, ``lengths``)."""
@@ -639,6 +755,19 @@ def iter_chunk_files(chunk_dir: str | os.PathLike) -> Iterator[Path]:
                     yield f
 
 
+def _byte_range(info: Mapping[str, Any], req: ReadItem) -> tuple[int, int]:
+    """Bytes [start, stop) of a stored item that ``req`` reads (``ChunkReader._tensor_of``'s
+    rule: a narrowing along dim 0 only is one contiguous range, anything else the whole)."""
+    shape = list(info["shape"])
+    if req.type == LoadItemType.BYTE_IO or not shape:
+        return 0, info["nbytes"]
+    offsets, lengths = list(req.storage_offsets), list(req.lengths)
+    if all(o == 0 and n == s for o, n, s in zip(offsets[1:], lengths[1:], shape[1:])):
+        row = math.prod(shape[1:]) * _element_size(_dtype(info["dtype"]))
+        return offsets[0] * row, (offsets[0] + lengths[0]) * row
+    return 0, info["nbytes"]
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -685,10 +814,11 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _from_bytes(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+def _from_bytes(data: bytes | bytearray, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     if not data:
         return torch.empty(shape, dtype=dtype)
-    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    # (a bytearray is the reader's own buffer, used once: no copy; bytes are read-only)
+    flat = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
     return flat.view(dtype).reshape(shape)
 
 

@@ -28,8 +28,10 @@ bytes):
         manifest of paths, shapes and dtypes, then one flat buffer per dtype), the others
         receive them into their template's tensors (a path only the source has, such as its
         own rank's RNG streams in the loop's slot, is added; the receiver's own stay) ->
-        reply ``StateHealed`` (source rank, step, bytes received, seconds) with the healed
-        Snapshot as payload, each slot at the source's step. The source's payload is its own
+        reply ``StateHealed`` (source rank, step, bytes received, seconds, and the source's
+        ``HealState.last_step``: its report of that step, sent with the manifest, so a rank
+        one step behind reports the step it takes over) with the healed Snapshot as payload,
+        each slot at the source's step. The source's payload is its own
         template: the loop restores nothing there. Communication outside L3-5, registered as
         ``heal-from-peer-broadcast`` (services/contract/exceptions.yaml).
 
@@ -142,11 +144,15 @@ class StateManager:
         if rank == source:
             for slot in into.values():
                 slot[SLOT_META].fill_(step)
-        received = _broadcast_tensors(into, source, device)
+        report = msg.last_step.SerializeToString() if rank == source and msg.last_step.step == step else b""
+        received, report = _broadcast_tensors(into, source, device, report)
         snapshot = Snapshot.loaded(into, template, f"{msg.job_id}@{step}:healed-from-rank{source}")
         seconds = time.perf_counter() - t0
         log.info("state_healed", step=step, source=source, received_bytes=received, seconds=round(seconds, 4))
-        return Reply(engine_pb2.StateHealed(source_rank=source, step=step, bytes=received, seconds=seconds), snapshot)
+        healed = engine_pb2.StateHealed(source_rank=source, step=step, bytes=received, seconds=seconds)
+        if report:
+            healed.last_step.ParseFromString(report)
+        return Reply(healed, snapshot)
 
     def _checked(self, payload: Any, what: str) -> Snapshot:
         if not isinstance(payload, Snapshot):
@@ -207,17 +213,19 @@ def _place(tree: dict[str, Any], path: tuple, tensor: torch.Tensor) -> None:
     node[path[-1]] = tensor
 
 
-def _broadcast_tensors(into: dict[str, Any], source: int, device: torch.device) -> int:
+def _broadcast_tensors(into: dict[str, Any], source: int, device: torch.device, report: bytes) -> tuple[int, bytes]:
     """Every tensor of the source's ``into`` into the others' (module docstring): the
-    source's manifest, then one flat buffer per dtype. Returns the bytes this rank received
-    (0 on the source). Every rank runs the same collectives, whatever it finds."""
+    source's manifest (with ``report``, its serialized step report, in the same message),
+    then one flat buffer per dtype. Returns the bytes this rank received (0 on the source)
+    and the source's report. Every rank runs the same collectives, whatever it finds."""
     mine = dict(_tensors(into))
     is_source = dist.get_rank() == source
-    manifest = [[(p, tuple(t.shape), t.dtype) for p, t in mine.items()] if is_source else None]
+    manifest = [([(p, tuple(t.shape), t.dtype) for p, t in mine.items()], report) if is_source else None]
     with collective():
         dist.broadcast_object_list(manifest, src=source)
+    entries_sent, report = manifest[0]
     by_dtype: dict[torch.dtype, list[tuple[tuple, tuple]]] = {}
-    for path, shape, dtype in manifest[0]:
+    for path, shape, dtype in entries_sent:
         by_dtype.setdefault(dtype, []).append((path, shape))
     received, misfits = 0, []
     for dtype, entries in by_dtype.items():
@@ -249,7 +257,7 @@ def _broadcast_tensors(into: dict[str, Any], source: int, device: torch.device) 
         raise InconsistentSnapshot(
             f"heal from rank {source}: {len(misfits)} tensors do not fit: {'; '.join(misfits[:3])}"
         )
-    return received
+    return received, report
 
 
 def _numel(shape: tuple) -> int:

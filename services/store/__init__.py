@@ -1,6 +1,6 @@
 """Service `store` (layer L5): the checkpoint manager (L5-1) and the metrics logger (L5-2).
 
-``checkpoint_manager.py`` and ``metrics_logger.py`` are the two seed modules; ``server.py``
+``checkpoint_manager/`` (a package) and ``metrics_logger.py`` are the two seed modules; ``server.py``
 is the gRPC relay that puts each request on the bus from the remote module that sent it;
 ``__main__.py`` is the composition root (``python -m services.store --port P --metrics-port M``).
 

@@ -24,7 +24,8 @@ Every S seconds (0, the default: never) the operator's scrub schedule sends L5-1
 checkpoint version is re-hashed and its verdict recorded; a version newly found corrupt is
 published (``StoreService.WatchCheckpoints``). The schedule's thread is this composition
 root's, not L5-1's (modules keep no thread or timer of their own). gRPC ``surge.v1.StoreService`` and
-``surge.v1.AuditService`` with health and reflection on P; Prometheus ``/metrics`` on M. A
+``surge.v1.AuditService`` with health and reflection on P (``grpc.aio``: a stream holds no
+thread, the save's control calls have the server's pool to themselves, see server.py); Prometheus ``/metrics`` on M. A
 port in use is a one-line error and exit status 1; SIGTERM or SIGINT stops it cleanly
 (status 0).
 
@@ -46,7 +47,7 @@ from pathlib import Path
 from prometheus_client import REGISTRY
 
 from services.common import logs, paths
-from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
+from services.common.grpc_server import AioServiceServer, PortInUse, serve_metrics
 from services.common.service_args import ServiceArgumentParser, env_option, listen_host, port, seconds
 from services.contract import Module, audit_pb2_grpc, engine_pb2, route_pb2, store_pb2, store_pb2_grpc
 from services.contract.audit import AuditServicer, ViolationReporter
@@ -54,12 +55,17 @@ from services.contract.bus import Bus, CommandPort, RouteError
 from services.contract.injection import env_error
 from services.contract.relay import L1, L5, RANK, Link
 from services.contract.validation import ContractError, refuse, validate_table, validate_wiring
+from services.store import metric_files
 from services.store.checkpoint_manager import CheckpointManager
 from services.store.chunk_roots import FsspecChunks
 from services.store.metrics_logger import MetricsLogger
 from services.store.server import StoreRelay
 
 CKPT, METRICS = Module.L5_CHECKPOINT_MANAGER, Module.L5_METRICS_LOGGER
+# Threads of the aio server's own pool: the plain handlers, i.e. the save's control calls
+# (BeginSave, CommitSave, Load, List, Delete) and the audit query. The streams run on its
+# loop and the relay's pools (services/store/server.py), so these are never taken by them.
+CONTROL_THREADS = 16
 
 
 def wire(
@@ -216,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         "--s3-endpoint", default=env("SURGE_STORE_S3_ENDPOINT", ""), help="S3 endpoint URL (SURGE_STORE_S3_ENDPOINT)"
     )
     args = p.parse_args(argv)
+    if problem := metric_files.env_problem():
+        p.error(problem)
     if bad := env_error():  # a malformed test-only injection: one line, not a service without it
         print(f"error: {bad}", file=sys.stderr)
         return 2
@@ -235,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     log = logs.configure("store", root=str(root))
 
     try:
-        server = ServiceServer("store", args.host, args.port)
+        server = AioServiceServer("store", args.host, args.port, executor_threads=CONTROL_THREADS)
         http = serve_metrics("store", args.host, args.metrics_port)
     except PortInUse as e:  # one line, as control, data and the node agent
         print(f"error: {e}", file=sys.stderr)
@@ -271,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("stopping")
     schedule.stop()
     server.stop(grace=2.0)
+    relay.close()
     if http is not None:
         http.shutdown()
     metrics.close()

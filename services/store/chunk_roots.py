@@ -1,6 +1,6 @@
 """Where L5-1 keeps a job's content-addressed chunks: the store's own disk, or an object store.
 
-Part of the checkpoint manager (L5-1): ``checkpoint_manager.py`` decides what a chunk is for
+Part of the checkpoint manager (L5-1): ``checkpoint_manager/`` decides what a chunk is for
 (which epoch, which version references it, when it is garbage); a chunk root only says where
 the bytes of ``<job>/chunks/<epoch>/<sha[:2]>/<sha>`` live and reads, sizes, hashes and
 removes them. Two kinds:
@@ -77,26 +77,42 @@ class LocalChunks:
         with open(self.epoch_dir(job, epoch) / sha[:2] / sha, "rb") as f:
             return f.read()
 
-    def remove_epoch(self, job: str, epoch: int) -> int:
+    def remove_epoch(self, job: str, epoch: int) -> tuple[int, int]:
+        """Remove the epoch's directory whole. Returns (files, bytes) removed."""
         root = self.epoch_dir(job, epoch)
-        n = sum(1 for p in root.rglob("*") if p.is_file()) if root.is_dir() else 0
+        found = [p.stat().st_size for p in root.rglob("*") if p.is_file()] if root.is_dir() else []
         shutil.rmtree(root, ignore_errors=True)
-        return n
+        return len(found), sum(found)
 
-    def remove_except(self, job: str, epoch: int, keep: set[str]) -> int:
-        """Remove every file of the epoch not named in ``keep`` (an unreferenced chunk, or a
-        killed writer's temp file); empty sub-directories go too. Returns files removed."""
-        removed = 0
+    def files(self, job: str, epoch: int) -> dict[str, int]:
+        """Every file of the epoch as ``<sha[:2]>/<name>`` -> bytes: its chunks and the temp
+        files of writes not finished (a killed writer's)."""
         root = self.epoch_dir(job, epoch)
         if not root.is_dir():
-            return 0
-        for sub in root.iterdir():
-            for f in sub.iterdir() if sub.is_dir() else ():
-                if f.name not in keep:
-                    f.unlink(missing_ok=True)
-                    removed += 1
-            if sub.is_dir() and not any(sub.iterdir()):
-                sub.rmdir()
+            return {}
+        return {
+            f"{sub.name}/{f.name}": f.stat().st_size
+            for sub in os.scandir(root)
+            if sub.is_dir()
+            for f in os.scandir(sub.path)
+        }
+
+    def remove(self, job: str, epoch: int, names: list[str]) -> int:
+        """Remove files of the epoch named as :meth:`files` names them; a sub-directory left
+        empty goes too. Returns files removed."""
+        root = self.epoch_dir(job, epoch)
+        removed = 0
+        for name in names:
+            try:
+                (root / name).unlink()
+            except FileNotFoundError:
+                continue
+            removed += 1
+        for sub in {name.split("/", 1)[0] for name in names}:
+            try:
+                (root / sub).rmdir()
+            except OSError:  # not empty (or gone)
+                pass
         return removed
 
     def tree_bytes(self, job: str) -> int:
@@ -177,17 +193,21 @@ class FsspecChunks:
     def read(self, job: str, epoch: int, sha: str) -> bytes:
         return self.fs.cat_file(self._path(job, epoch, sha))
 
-    def remove_epoch(self, job: str, epoch: int) -> int:
-        found = list(self.sizes(job, epoch))
+    def remove_epoch(self, job: str, epoch: int) -> tuple[int, int]:
+        found = self.sizes(job, epoch)
         if found:
             self.fs.rm([self._path(job, epoch, sha) for sha in found])
-        return len(found)
+        return len(found), sum(found.values())
 
-    def remove_except(self, job: str, epoch: int, keep: set[str]) -> int:
-        drop = [sha for sha in self.sizes(job, epoch) if sha not in keep]
-        if drop:
-            self.fs.rm([self._path(job, epoch, sha) for sha in drop])
-        return len(drop)
+    def files(self, job: str, epoch: int) -> dict[str, int]:
+        """Every chunk object of the epoch as ``<sha[:2]>/<sha>`` -> bytes (an object is whole
+        or absent: no temp files)."""
+        return {f"{sha[:2]}/{sha}": n for sha, n in self.sizes(job, epoch).items()}
+
+    def remove(self, job: str, epoch: int, names: list[str]) -> int:
+        if names:
+            self.fs.rm([self._path(job, epoch, n.rsplit("/", 1)[-1]) for n in names])
+        return len(names)
 
     def tree_bytes(self, job: str) -> int:
         self.fs.invalidate_cache()

@@ -12,6 +12,11 @@ their exact value (NaN and infinities as the strings ``"NaN"``, ``"Infinity"``);
 integers are numbers when a double holds them exactly, strings otherwise.
 ``json_format.ParseDict`` of a line without ``type`` gives back the original message.
 
+Bounded on disk (``metric_files.py``): a job's file is rotated at ``SURGE_STORE_METRICS_MAX_BYTES``
+(``.jsonl.1`` .. ``.jsonl.<backups>``) and the file rotated out is compacted (thinned to every
+k-th step, evaluations kept) into the job's history, ``.jsonl.<backups + 1>``, on the sink
+thread (``defer``); readers take the files oldest first (services/common/rotated_files.py).
+
 Each acknowledged record has been written and flushed to the OS (a batch of one: a rank's
 stream lasts the whole run, so records cannot wait for the stream to end). Not fsynced:
 metrics are observations, not the training state.
@@ -61,6 +66,7 @@ from google.protobuf.message import Message
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.contract import engine_pb2, store_pb2
+from services.store import metric_files
 from services.store.metric_sinks import Sinks
 
 PHASES = ("data_wait", "forward", "backward", "reduction", "optimizer")
@@ -114,15 +120,19 @@ class MetricsLogger:
         registry: CollectorRegistry | None = None,
         emit: Any = None,
         defer: Callable[..., Any] | None = None,
+        bound: metric_files.MetricFileBound | None = None,
     ):
         """``emit``: publishes this module's events (its failure event ``LogWriteFailed`` for
         a sink that failed); None: such a failure is only logged. ``defer(fn, *args)``: runs
         the sinks' work in order off the caller's thread (the service's sink thread); None:
-        at once, on the caller's thread."""
+        at once, on the caller's thread. ``bound``: the files' rotation and compaction
+        (default: ``metric_files.bound_from_env()``)."""
         self._dir = Path(root) / "metrics"
         self._dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._files: dict[str, IO[str]] = {}
+        self._sizes: dict[str, int] = {}  # job -> bytes in its file being written
+        self._bound = bound or metric_files.bound_from_env()
         self._recent: dict[str, _Recent] = {}
         self._series: dict[tuple[str, int], _Series] = {}
         self._metrics = _define(registry if registry is not None else CollectorRegistry())
@@ -241,13 +251,28 @@ class MetricsLogger:
                 for old in _tail_lines(path, RECENT_TAIL_BYTES):
                     recent.add(hashlib.blake2b(old, digest_size=16).digest())
                 f = self._files[job] = open(path, "a", encoding="utf-8")
+                self._sizes[job] = path.stat().st_size
             recent = self._recent[job]
             if key in recent:
                 return False
             f.write(line)
             f.flush()
             recent.add(key)
+            self._sizes[job] += len(line.encode())
+            if 0 < self._bound.max_bytes <= self._sizes[job]:
+                self._rotate(job)
             return True
+
+    def _rotate(self, job: str) -> None:
+        """(Lock held.) The job's file reached its bound: rotated (renames), a new one
+        opened; the file rotated out is compacted into the history on the sink thread."""
+        path = self._dir / f"{job}.jsonl"
+        self._files.pop(job).close()
+        pending = metric_files.rotate(path, self._bound)
+        self._files[job] = open(path, "a", encoding="utf-8")
+        self._sizes[job] = 0
+        if pending is not None:
+            self._defer(_compact, path, pending, self._bound)
 
     def _sink_failed(self, event: store_pb2.LogWriteFailed) -> None:
         """(On the sink thread.) Logged now, published with the job's next call here."""
@@ -292,6 +317,16 @@ class _Recent:
 
 def _now(fn: Callable[..., Any], *args: Any) -> None:
     fn(*args)
+
+
+def _compact(path: Path, pending: Path, bound: metric_files.MetricFileBound) -> None:
+    """(The sink thread.) A file rotated out, thinned into the job's history; never raises
+    (it stays pending on disk, named, for an operator)."""
+    try:
+        stride = metric_files.compact(path, pending, bound)
+        _log.info("metrics_compacted", path=str(metric_files.history_path(path, bound)), stride=stride)
+    except OSError as e:
+        _log.error("metrics_compaction_failed", path=str(pending), error=f"{type(e).__name__}: {e}")
 
 
 def _tail_lines(path: Path, limit: int) -> list[bytes]:

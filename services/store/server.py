@@ -21,11 +21,12 @@ store relay puts them on control's bus.
 
 ``WatchCheckpoints`` is a subscription: the relay stands in for the remote L1-1 as the
 receiver of L5-1's ``CheckpointCorrupt`` events and fans each one out to the open watch
-streams (each with a bounded queue; a watcher that falls 1000 events behind loses the oldest,
-counted in the log). ``Record`` answers each record with its own ``MetricsAck`` (``seq``
-echoed), so the rank can forget what the store has written; the failure events sent while
-taking it (``LogWriteFailed``: a sink failed, the record was written) ride in that ack's
-``routed``, the stream having no trailers until it ends.
+streams (each with a bounded queue; a watcher that falls 1000 events behind loses the
+oldest). ``Record`` takes a node agent's records in batches (``MetricBatch``) and answers
+each record with its own ``MetricsAck`` (``seq`` echoed, one ``MetricAcks`` per batch), so
+the rank can forget what the store has written; the failure events sent while taking it
+(``LogWriteFailed``: a sink failed, the record was written) ride in that ack's ``routed``,
+the stream having no trailers until it ends.
 
 The checkpoint data plane (``PutCheckpointFiles``, ``HeldCheckpointChunks``,
 ``GetCheckpointFiles``: a rank without the store's filesystem streams its save's files here
@@ -34,6 +35,17 @@ the relay hands each stream to L5-1's data-plane methods directly (``files``: th
 manager, which checks every name, size and digest and decides where the bytes live). Only a
 rank's L5 relay may open them (services/common/identity.py PLUMBING_CALLERS).
 
+Threads (issue 27): the relay serves on ``grpc.aio``. A long-lived stream (``Record``,
+``WatchCheckpoints``, the data plane's) is an asyncio handler and holds no thread while it
+waits; its blocking work (a metric write, a part of a file read or written, a verification's
+hashing) runs in one of two bounded pools of the relay's own: ``_records`` (metric writes,
+the watch's first answer) and ``_bulk`` (checkpoint bytes, Verify, Scrub). The save's control
+calls (BeginSave, CommitSave, Load, List, Delete) are plain handlers, run by the aio server's
+own pool, which nothing else uses: however many streams are open or transfers queued, they
+never wait behind them. Plain code in a pool thread ends its call through ``_ThreadContext``
+(``abort`` raises, the asyncio handler aborts on its loop), so the mapping of errors to
+statuses, trailers and typed causes below is one code for both kinds.
+
 Errors become one-line gRPC statuses: INVALID_ARGUMENT (bad job id, version form, empty
 record), NOT_FOUND (unknown version), FAILED_PRECONDITION (no open save, verification
 failed), PERMISSION_DENIED (route), INTERNAL (I/O failure, with the OS error).
@@ -41,10 +53,12 @@ failed), PERMISSION_DENIED (route), INTERNAL (I/O failure, with the OS error).
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
-import queue
+import functools
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -70,11 +84,18 @@ _DAMAGE_CAUSE = {store_pb2.VERDICT_CORRUPT: "CORRUPT", store_pb2.VERDICT_MISSING
 CKPT, METRICS = Module.L5_CHECKPOINT_MANAGER, Module.L5_METRICS_LOGGER
 
 WATCH_QUEUE = 1000
-_WATCH_POLL_S = 1.0  # how often an idle watch stream checks that its caller is still there
+# Threads of the relay's two pools (see StoreRelay): the data plane's byte streams and whole-
+# store verifications, and the metric writes of every Record stream. The save's control calls
+# run in the aio server's own pool (services/store/__main__.py CONTROL_THREADS), never these.
+BULK_THREADS = 16
+RECORD_THREADS = 4
 
 
 class StoreRelay(store_pb2_grpc.StoreServiceServicer):
-    """Args:
+    """Serve it on a ``grpc.aio`` server (``AioServiceServer``): the streams are asyncio
+    handlers, the save's control calls plain ones (the server's own pool runs them).
+
+    Args:
     ports: ``(sender, receiver) -> CommandPort`` for every remote sender the route table
         lets command L5-1 or L5-2 (built by the composition root).
     log: a structlog logger.
@@ -88,21 +109,33 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         log: Any,
         check: Callable[[int, str, int], None] | None = None,
         files: Any = None,
+        bulk_threads: int = BULK_THREADS,
+        record_threads: int = RECORD_THREADS,
     ):
         """``files``: L5-1's data plane (held_chunks, receive_files, send_files); None: the
-        data-plane RPCs answer UNIMPLEMENTED."""
+        data-plane RPCs answer UNIMPLEMENTED. ``bulk_threads``, ``record_threads``: the sizes
+        of the two pools the streams' blocking work runs in (bytes and verification; metric
+        writes): however many streams are open, that many threads work for them at once."""
         self._files = files
         self._ports = dict(ports)
         self._log = log
         self._check = check
+        self._bulk = ThreadPoolExecutor(max_workers=bulk_threads, thread_name_prefix="store-bulk")
+        self._records = ThreadPoolExecutor(max_workers=record_threads, thread_name_prefix="store-records")
         self._watch_lock = threading.Lock()
-        self._watchers: list[tuple[str, queue.Queue]] = []
+        # Open watch streams: (job id or "" for all, their loop, their queue).
+        self._watchers: list[tuple[str, asyncio.AbstractEventLoop, asyncio.Queue]] = []
+
+    def close(self) -> None:
+        """Stop the relay's pools (after the server stopped: no call is left to use them)."""
+        self._bulk.shutdown(wait=False, cancel_futures=True)
+        self._records.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ as the remote L1-1
 
     def on_checkpoint_corrupt(self, msg: store_pb2.CheckpointCorrupt, payload: Any = None) -> None:
         """L1_ORCHESTRATOR receiver (standing in for control): queue the event on every
-        watch stream of its job (or of every job)."""
+        watch stream of its job (or of every job). Any thread: each queue is fed on its loop."""
         self._log.warning(
             "checkpoint_corrupt",
             version=msg.version,
@@ -111,9 +144,9 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
             reason=msg.reason,
         )
         with self._watch_lock:
-            watchers = [q for job, q in self._watchers if not job or job == msg.job_id]
-        for q in watchers:
-            _put_dropping_oldest(q, msg)
+            watchers = [(loop, q) for job, loop, q in self._watchers if not job or job == msg.job_id]
+        for loop, q in watchers:
+            loop.call_soon_threadsafe(_put_dropping_oldest, q, msg)
 
     def BeginSave(self, request: store_pb2.SaveCheckpoint, context: grpc.ServicerContext) -> Message:
         return self._relay("BeginSave", CKPT, request, context)
@@ -139,14 +172,16 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
     def Delete(self, request: store_pb2.DeleteCheckpoint, context: grpc.ServicerContext) -> Message:
         return self._relay("Delete", CKPT, request, context)
 
-    def Verify(self, request: store_pb2.VerifyCheckpoints, context: grpc.ServicerContext) -> Message:
-        reply = self._relay("Verify", CKPT, request, context)
+    async def Verify(self, request: store_pb2.VerifyCheckpoints, context: grpc.aio.ServicerContext) -> Message:
+        """Re-hashes versions: in the bulk pool, not the control calls' threads."""
+        reply = await self._blocking(self._bulk, context, functools.partial(self._relay, "Verify", CKPT, request))
         bad = [v.info.version for v in reply.versions if not v.ok]
         self._log.info("checkpoints_verified", job=reply.job_id, versions=len(reply.versions), bad=bad)
         return reply
 
-    def Scrub(self, request: store_pb2.ScrubCheckpoints, context: grpc.ServicerContext) -> Message:
-        reply = self._relay("Scrub", CKPT, request, context)
+    async def Scrub(self, request: store_pb2.ScrubCheckpoints, context: grpc.aio.ServicerContext) -> Message:
+        """Re-hashes every version: in the bulk pool, not the control calls' threads."""
+        reply = await self._blocking(self._bulk, context, functools.partial(self._relay, "Scrub", CKPT, request))
         self._log.info(
             "checkpoints_scrubbed",
             job=reply.job_id,
@@ -156,61 +191,89 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         )
         return reply
 
-    def WatchCheckpoints(
-        self, request: store_pb2.WatchCheckpointsRequest, context: grpc.ServicerContext
-    ) -> Iterator[store_pb2.CheckpointCorrupt]:
+    async def WatchCheckpoints(
+        self, request: store_pb2.WatchCheckpointsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[store_pb2.CheckpointCorrupt]:
         """Every version recorded corrupt now (L5-1's answer to the subscription), then each
-        one found from here on, until the caller cancels."""
-        q: queue.Queue = queue.Queue(maxsize=WATCH_QUEUE)
-        entry = (request.job_id, q)
+        one found from here on, until the caller cancels (which cancels this coroutine: an
+        idle watch holds no thread)."""
+        q: asyncio.Queue = asyncio.Queue(maxsize=WATCH_QUEUE)
+        entry = (request.job_id, asyncio.get_running_loop(), q)
         with self._watch_lock:
             self._watchers.append(entry)  # before the snapshot: nothing found in between is missed
         try:
-            sender = self._sender("WatchCheckpoints", context)
-            now = self._send(sender, CKPT, request, context, payload_reply=True)
-            yield from now
-            while context.is_active():
-                try:
-                    yield q.get(timeout=_WATCH_POLL_S)
-                except queue.Empty:
-                    continue
+            sender = await self._here(context, functools.partial(self._sender, "WatchCheckpoints"))
+            now = await self._blocking(
+                self._records, context, functools.partial(self._send, sender, CKPT, request, payload_reply=True)
+            )
+            for found in now:
+                yield found
+            while True:
+                yield await q.get()
         finally:
             with self._watch_lock:
                 self._watchers.remove(entry)
 
-    def Record(
-        self, request_iterator: Iterator[store_pb2.MetricRecord], context: grpc.ServicerContext
-    ) -> Iterator[store_pb2.MetricsAck]:
-        sender = self._sender("Record", context)
-        for i, rec in enumerate(request_iterator):
-            which = rec.WhichOneof("record")
-            if which is None:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"metric record #{i}: empty (set step or eval)")
-            outbox = Outbox()  # this record's failure events for the rank (a sink that failed)
-            token = _CALL.set(outbox)
-            try:
-                ack = self._send_in_call(sender, METRICS, getattr(rec, which), context, False)
-            finally:
-                _CALL.reset(token)
-            yield store_pb2.MetricsAck(records=ack.records, seq=rec.seq, routed=outbox.drain())
+    async def Record(
+        self, request_iterator: AsyncIterator[store_pb2.MetricBatch], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[store_pb2.MetricAcks]:
+        """One MetricAcks per batch, an ack per record in order; the next batch is read once
+        this one is written (flow control: a stream that sends faster than L5-2 writes waits
+        in gRPC's window). A batch is one hop to the records pool, however many records."""
+        sender = await self._here(context, functools.partial(self._sender, "Record"))
+        i = 0
+        async for batch in request_iterator:
+            yield await self._blocking(self._records, context, functools.partial(self._batch, sender, i, batch))
+            i += len(batch.records)
+
+    def _batch(
+        self, sender: int, first: int, batch: store_pb2.MetricBatch, context: grpc.ServicerContext
+    ) -> store_pb2.MetricAcks:
+        return store_pb2.MetricAcks(
+            acks=[self._record(sender, first + k, rec, context) for k, rec in enumerate(batch.records)]
+        )
+
+    def _record(
+        self, sender: int, i: int, rec: store_pb2.MetricRecord, context: grpc.ServicerContext
+    ) -> store_pb2.MetricsAck:
+        which = rec.WhichOneof("record")
+        if which is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"metric record #{i}: empty (set step or eval)")
+        outbox = Outbox()  # this record's failure events for the rank (a sink that failed)
+        token = _CALL.set(outbox)
+        try:
+            ack = self._send_in_call(sender, METRICS, getattr(rec, which), context, False)
+        finally:
+            _CALL.reset(token)
+        return store_pb2.MetricsAck(records=ack.records, seq=rec.seq, routed=outbox.drain())
 
     # ------------------------------------------------------------------ checkpoint data plane
 
-    def PutCheckpointFiles(
-        self, request_iterator: Iterator[store_pb2.CheckpointUpload], context: grpc.ServicerContext
+    async def PutCheckpointFiles(
+        self, request_iterator: AsyncIterator[store_pb2.CheckpointUpload], context: grpc.aio.ServicerContext
     ) -> store_pb2.CheckpointFilesPut:
-        first = next(request_iterator, None)
+        """L5-1 reads the stream in a bulk thread, one part at a time as it writes them
+        (each part awaited on the server's loop: gRPC's flow control holds the sender)."""
+        loop = asyncio.get_running_loop()
+        parts = aiter(request_iterator)
+        first = await anext(parts, None)
         if first is None or first.WhichOneof("part") != "header":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PutCheckpointFiles: the stream must open with a header")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "PutCheckpointFiles: the stream must open with a header"
+            )
 
         def files() -> Iterator[store_pb2.CheckpointFileData]:
-            for part in request_iterator:
+            while (part := asyncio.run_coroutine_threadsafe(anext(parts, None), loop).result()) is not None:
                 if part.WhichOneof("part") != "file":
                     raise CheckpointTransferRefused("PutCheckpointFiles: a second header inside the stream")
                 yield part.file
 
-        reply = self._data_plane(
-            "PutCheckpointFiles", lambda: self._files.receive_files(first.header, files()), context
+        reply = await self._blocking(
+            self._bulk,
+            context,
+            functools.partial(
+                self._data_plane, "PutCheckpointFiles", lambda: self._files.receive_files(first.header, files())
+            ),
         )
         self._log.info(
             "checkpoint_files_received",
@@ -223,17 +286,33 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         )
         return reply
 
-    def HeldCheckpointChunks(
-        self, request: store_pb2.HeldCheckpointChunksQuery, context: grpc.ServicerContext
+    async def HeldCheckpointChunks(
+        self, request: store_pb2.HeldCheckpointChunksQuery, context: grpc.aio.ServicerContext
     ) -> store_pb2.HeldCheckpointChunksReply:
-        return self._data_plane("HeldCheckpointChunks", lambda: self._files.held_chunks(request), context)
+        return await self._blocking(
+            self._bulk,
+            context,
+            functools.partial(self._data_plane, "HeldCheckpointChunks", lambda: self._files.held_chunks(request)),
+        )
 
-    def GetCheckpointFiles(
-        self, request: store_pb2.CheckpointFilesQuery, context: grpc.ServicerContext
-    ) -> Iterator[store_pb2.CheckpointFileData]:
-        parts = self._data_plane("GetCheckpointFiles", lambda: self._files.send_files(request), context)
+    async def GetCheckpointFiles(
+        self, request: store_pb2.CheckpointFilesQuery, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[store_pb2.CheckpointFileData]:
+        """Each part read from disk in a bulk thread, sent from the loop (the next is read
+        once gRPC took this one)."""
+        parts = await self._blocking(
+            self._bulk,
+            context,
+            functools.partial(self._data_plane, "GetCheckpointFiles", lambda: self._files.send_files(request)),
+        )
+        while (
+            part := await self._blocking(self._bulk, context, functools.partial(self._next_part, parts))
+        ) is not None:
+            yield part
+
+    def _next_part(self, parts: Iterator[Any], context: grpc.ServicerContext) -> Any:
         try:
-            yield from parts
+            return next(parts, None)
         except Exception as e:  # noqa: BLE001 - mapped to a status (or raised again) by _abort
             self._abort("GetCheckpointFiles", e, context)
 
@@ -267,6 +346,26 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         raise e
 
     # ------------------------------------------------------------------ internals
+
+    async def _blocking(self, pool: ThreadPoolExecutor, context: grpc.aio.ServicerContext, fn: Callable) -> Any:
+        """``fn(call)`` in ``pool``, where ``call`` stands for ``context`` (the plain code
+        above aborts and sets trailers as a sync handler does); its abort ends the call here."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool, fn, _ThreadContext(context))
+        except _Aborted as a:
+            aborted = a
+        if aborted.trailers:
+            context.set_trailing_metadata(aborted.trailers)
+        await context.abort(aborted.code, aborted.details)
+
+    async def _here(self, context: grpc.aio.ServicerContext, fn: Callable) -> Any:
+        """``fn(call)`` on the loop (no I/O in it), its abort ending the call as ``_blocking``'s."""
+        try:
+            return fn(_ThreadContext(context))
+        except _Aborted as a:
+            if a.trailers:
+                context.set_trailing_metadata(a.trailers)
+            await context.abort(a.code, a.details)
 
     def _relay(self, rpc: str, receiver: int, request: Message, context: grpc.ServicerContext) -> Message:
         return self._send(self._sender(rpc, context), receiver, request, context)
@@ -358,13 +457,36 @@ def _trailers(context: grpc.ServicerContext, *metadata: tuple[str, Any]) -> None
         context.set_trailing_metadata((*metadata, *routed))
 
 
-def _put_dropping_oldest(q: queue.Queue, item: Any) -> None:
-    while True:
-        try:
-            q.put_nowait(item)
-            return
-        except queue.Full:
-            try:
-                q.get_nowait()
-            except queue.Empty:
-                pass
+class _Aborted(Exception):
+    """How plain code in a pool thread ends an asyncio call: the status, and the trailers
+    set before it."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailers: tuple):
+        super().__init__(details)
+        self.code, self.details, self.trailers = code, details, trailers
+
+
+class _ThreadContext:
+    """The part of a ``grpc.ServicerContext`` the relay's plain code uses, for an asyncio
+    call served from a pool thread: the caller's metadata; ``abort`` raises ``_Aborted``
+    (the asyncio handler then aborts the call on its loop)."""
+
+    def __init__(self, context: grpc.aio.ServicerContext):
+        self._context = context
+        self._trailers: tuple = ()
+
+    def invocation_metadata(self) -> Any:
+        return self._context.invocation_metadata()
+
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        self._trailers = tuple(metadata)
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Aborted(code, details, self._trailers)
+
+
+def _put_dropping_oldest(q: asyncio.Queue, item: Any) -> None:
+    """On ``q``'s loop: a watcher that falls WATCH_QUEUE events behind loses the oldest."""
+    if q.full():
+        q.get_nowait()
+    q.put_nowait(item)

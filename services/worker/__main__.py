@@ -16,8 +16,10 @@ anyway without NVML: services/worker/gpu_health.py), SURGE_WORKER_GPU_MEMORY_PRE
 SURGE_WORKER_METRICS_PORT (Prometheus ``/metrics``; default 0 = not served),
 SURGE_WORKER_MEMORY_COPY_BYTES (bound on the in-memory checkpoint copies, default a quarter
 of the host's memory; 0 = off), SURGE_WORKER_MEMORY_COPY_SHM (``off``: keep them in the
-agent's process instead of /dev/shm), SURGE_WORKER_SPARE_RANKS (warm spare rank processes kept
-while a job here rebuilds in place, default 1; 0 = none: services/worker/warm_spares.py). Port 0
+agent's process instead of /dev/shm), SURGE_WORKER_RANK_FORKSERVER (ranks forked from a process
+with their imports done: ``lazy``, the default, started at the first launch; ``eager``, at the
+agent's start, a spare node; ``off``, every rank a new interpreter:
+services/worker/rank_forkserver.py). Port 0
 takes a free port (the bound one is registered).
 
 Serves ``surge.v1.WorkerService`` (RankSession), ``surge.v1.MemoryCopyService`` (the
@@ -56,6 +58,7 @@ from services.contract.bus import Bus
 from services.contract.injection import env_error
 from services.contract.relay import pack
 from services.contract.validation import ContractError, refuse, validate_table
+from services.worker import rank_logs
 from services.worker.control_link import ControlSession, Outbox
 from services.worker.gpu_health import GpuHealthSampler
 from services.worker.hardware import (
@@ -72,9 +75,9 @@ from services.worker.memory_copies import MemoryCopies, MemoryCopyServicer, limi
 from services.worker.memory_copies import env_problem as memory_copies_env_problem
 from services.worker.memory_pressure import MemorySampler
 from services.worker.node_agent import DEFAULT_RANK_MODULE, RANK_MODULE_ENV, SHUTDOWN_GRACE_SECONDS, NodeAgent
+from services.worker.rank_forkserver import RankForkServer, become_subreaper
 from services.worker.rank_process import REPO_ROOT
 from services.worker.rank_session import RankSessionServicer
-from services.worker.warm_spares import WarmSpares
 
 SERVICE_NAME = "surge.v1.WorkerService"
 MEMORY_SERVICE_NAME = "surge.v1.MemoryCopyService"
@@ -138,10 +141,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--control (or SURGE_CONTROL_ADDRESS) is required")
     if args.slots is not None and args.slots < 1:
         p.error(f"--slots: must be >= 1, got {args.slots}")
-    spares_text = os.environ.get(SPARES_ENV, "")
-    if spares_text and not (spares_text.isdigit() and int(spares_text) <= 64):
-        p.error(f"{SPARES_ENV}: must be a whole number of spare rank processes from 0 to 64, got {spares_text!r}")
-    if problem := memory_copies_env_problem():
+    if os.environ.get(FORKSERVER_ENV, "lazy") not in FORKSERVER_MODES:
+        p.error(f"{FORKSERVER_ENV}: one of {', '.join(FORKSERVER_MODES)}, got {os.environ[FORKSERVER_ENV]!r}")
+    if problem := memory_copies_env_problem() or rank_logs.env_problem():
         p.error(problem)
     if not 0 < args.memory_pressure_fraction < 1:
         p.error(f"--memory-pressure-fraction: must be in (0, 1), got {args.memory_pressure_fraction}")
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     log = logs.configure("worker", worker_id=worker_id)
     advertise = args.advertise or (socket.gethostname() if args.host in WILDCARD_HOSTS else args.host)
     if not os.environ.get(GLOO_IFNAME) and (ifname := gloo_interface(advertise)):
-        os.environ[GLOO_IFNAME] = ifname  # every rank and warm spare starts with this environment
+        os.environ[GLOO_IFNAME] = ifname  # every rank and the fork server start with this environment
     cuda = detect_cuda_devices(os.environ.get(SYSFS_ENV) or DEFAULT_SYSFS)
     meminfo = os.environ.get(MEMINFO_ENV) or DEFAULT_MEMINFO
     registration = hardware_report(worker_id, f"{advertise}:{port}", args.slots or len(cuda) or 1, cuda, meminfo)
@@ -194,10 +196,18 @@ def main(argv: list[str] | None = None) -> int:
     # In-memory copies of the local ranks' newest checkpoint (0 bytes: off; the ranks then
     # find no MemoryCopyService here and read the store only).
     memory_limit = limit_from_env(registration.memory_bytes)
-    memory = MemoryCopies(worker_id, log, memory_limit, shm_from_env(worker_id)) if memory_limit > 0 else None
+    # A peer's heal reads them on a bulk lane beside this server (plaintext: none under TLS).
+    lane_host = None if server.tls else args.host
+    memory = (
+        MemoryCopies(worker_id, log, memory_limit, shm_from_env(worker_id), lane_host=lane_host)
+        if memory_limit > 0
+        else None
+    )
     rank_module = os.environ.get(RANK_MODULE_ENV) or DEFAULT_RANK_MODULE
     run_dir = args.run_dir or paths.run_dir()
-    spares = spares_from_env(worker_id, Path(run_dir), rank_module)
+    log_settings = rank_logs.settings_from_env()
+    pump = rank_logs.LogPump(log)
+    forkserver = forkserver_from_env(worker_id, Path(run_dir), rank_module, pump, log_settings)
     agent = NodeAgent(
         worker_id,
         session_address=f"{local_host(args.host)}:{port}",
@@ -208,11 +218,13 @@ def main(argv: list[str] | None = None) -> int:
         cwd=Path.cwd(),
         bus=Bus(on_violation=violations),
         memory=memory,
-        spares=spares,
+        forkserver=forkserver,
         devices=registration.devices,
+        log_settings=log_settings,
+        pump=pump,
     )
-    if spares is not None and spares.always:
-        spares.keep_warm()  # a spare node: ready before any rank is lost
+    if forkserver is not None and os.environ.get(FORKSERVER_ENV) == "eager":
+        forkserver.start()  # a spare node: its imports done before any rank is lost
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(RankSessionServicer(agent, log), server.server)
     if memory is not None:
         worker_pb2_grpc.add_MemoryCopyServiceServicer_to_server(MemoryCopyServicer(memory), server.server)
@@ -231,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         # ...and what it knows of their processes (stopped or running), after the registration:
         # a control that restarted has not heard it.
         agent.restate_processes()
+        agent.steps.new_session()  # (a restarted control hears each rank's step once)
         return reg
 
     session = ControlSession(args.control, current_registration, outbox, agent.execute, log)
@@ -295,22 +308,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-SPARES_ENV = "SURGE_WORKER_SPARE_RANKS"
+FORKSERVER_ENV = "SURGE_WORKER_RANK_FORKSERVER"
+FORKSERVER_MODES = ("lazy", "eager", "off")
 
 
-def spares_from_env(worker_id: str, run_dir: Path, rank_module: str) -> WarmSpares | None:
-    """The warm spare rank processes: unset, one while a job here rebuilds in place;
-    ``SURGE_WORKER_SPARE_RANKS=N``, N at all times (a spare node); 0, none. Only for the real
-    rank module (a test's stand-in rank module starts as it is). (Its value was checked with
-    the command line.)"""
-    text = os.environ.get(SPARES_ENV, "")
-    size = int(text) if text else 1
-    if size <= 0 or rank_module != DEFAULT_RANK_MODULE:
+def forkserver_from_env(
+    worker_id: str,
+    run_dir: Path,
+    rank_module: str,
+    pump: rank_logs.LogPump,
+    log_settings: rank_logs.LogSettings | None = None,
+) -> RankForkServer | None:
+    """The rank fork server (``SURGE_WORKER_RANK_FORKSERVER``: lazy | eager | off), for the
+    real rank module only (a test's stand-in rank module starts as it is), and only where
+    this process can adopt the ranks it forks (Linux ``PR_SET_CHILD_SUBREAPER``). (Its value
+    was checked with the command line.)"""
+    if os.environ.get(FORKSERVER_ENV, "lazy") == "off" or rank_module != DEFAULT_RANK_MODULE:
+        return None
+    if not become_subreaper():
         return None
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    log_path = run_dir / "logs" / f"spares-{worker_id}.log"
-    return WarmSpares(env, REPO_ROOT, log_path, size, always=bool(text))
+    log_path = run_dir / "logs" / f"forkserver-{worker_id}.log"
+    return RankForkServer(env, REPO_ROOT, log_path, pump, log_settings)
 
 
 if __name__ == "__main__":

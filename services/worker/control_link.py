@@ -53,6 +53,7 @@ class Outbox:
         self._acked = True  # the session's control acknowledges (else: sent = delivered)
         self.dropped = 0
         self.resent = 0  # events sent again after a reconnect (sent before, never acknowledged)
+        self._beat: control_pb2.WorkerEvent | None = None  # the agent's newest unsent beat (no seq)
 
     def put(self, event: control_pb2.WorkerEvent) -> None:
         """Give ``event`` the next seq and queue it; never blocks."""
@@ -66,14 +67,27 @@ class Outbox:
             self._items.append(event)
             self._cond.notify_all()
 
+    def beat(self, event: control_pb2.WorkerEvent) -> None:
+        """The agent's own heartbeat: sent ahead of the queue, without a seq (a fact of now,
+        never resent), replacing one not sent yet; never blocks."""
+        with self._cond:
+            self._beat = event
+            self._cond.notify_all()
+
     def get(self, cancelled: threading.Event) -> control_pb2.WorkerEvent | None:
         """Block until the session may send the next event (returned; it stays queued
-        until acknowledged) or ``cancelled`` is set and :meth:`interrupt` called (None)."""
+        until acknowledged; a beat goes first and is not kept) or ``cancelled`` is set and
+        :meth:`interrupt` called (None)."""
         with self._cond:
-            while (not self._open or self._next >= len(self._items)) and not cancelled.is_set():
+            while (
+                not self._open or (self._next >= len(self._items) and self._beat is None)
+            ) and not cancelled.is_set():
                 self._cond.wait()
             if cancelled.is_set():
                 return None
+            if self._beat is not None:
+                beat, self._beat = self._beat, None
+                return beat
             event = self._items[self._next]
             self._next += 1
             self._sent = max(self._sent, event.seq)
@@ -158,6 +172,7 @@ class ControlSession:
     """
 
     HEALTHY_SESSION_SECONDS = 10.0  # a session that lived this long resets the backoff
+    BEAT_SECONDS = 1.0  # the agent's own heartbeat (AgentHeartbeat): no rank is placed on a silent agent
 
     def __init__(
         self,
@@ -181,6 +196,7 @@ class ControlSession:
         self._call: Any = None
         self._ready: grpc.Future | None = None
         self._thread = threading.Thread(target=self._run, name="control-session", daemon=True)
+        self._beats = threading.Thread(target=self._beat, name="agent-heartbeat", daemon=True)
         self._channel = channel(  # TLS and the bearer token when SURGE_TLS_* / SURGE_AUTH_TOKEN are set
             address,
             options=[
@@ -193,6 +209,7 @@ class ControlSession:
 
     def start(self) -> None:
         self._thread.start()
+        self._beats.start()
 
     def close(self, drain_seconds: float = 1.0) -> None:
         """Give queued events ``drain_seconds`` to go up, then end the session for good."""
@@ -208,6 +225,15 @@ class ControlSession:
         self._channel.close()
 
     # ------------------------------------------------------------ private
+
+    def _beat(self) -> None:
+        """Every ``BEAT_SECONDS``, the agent's own beat (sent only while a session is open)."""
+        while not self._stop.wait(self.BEAT_SECONDS):
+            self._outbox.beat(
+                control_pb2.WorkerEvent(
+                    heartbeat=control_pb2.AgentHeartbeat(interval_seconds=self.BEAT_SECONDS, unix_time=time.time())
+                )
+            )
 
     def _run(self) -> None:
         attempts, last_log, delay = 0, -math.inf, 0.2

@@ -21,10 +21,17 @@ Where: one file per chunk in a shared-memory directory of this agent process
 directory of an agent process no longer alive is removed when the next agent starts), so a
 rank of this node reads a chunk from it without its bytes crossing gRPC (``GetChunk`` names
 the file; the files are written once and never changed). A chunk fetched from the peer for
-a local rank is kept there as well (the job's ``fetched`` set, once its SHA-256 matches), so
+a local rank is kept there as well (the job's ``fetched`` set; the reader checks it), so
 the rank reads it from this node's memory and a second load finds it here. Without a
 writable ``/dev/shm`` (or ``SURGE_WORKER_MEMORY_COPY_SHM=off``) the chunks are bytes in this
 process and travel in the reply.
+
+A heal's bulk read (``GetChunks`` from a local rank with ``lanes``) goes on bulk lanes where
+both agents open them (``services/common/bulk_lane.py``: with shared memory, not under TLS):
+this agent asks its peer for a lane per part of the list (``OpenBulkRead``: a one-time
+token), connects to it and hands the connected socket to the rank, which receives the raw
+chunks itself (sendfile from the peer's shared memory, recv_into the rank's buffers: no gRPC
+copies, no tmpfs write and read here). Such chunks are not kept by this agent.
 
 Held per (job, rank, replica): the newest set. Memory is bounded (``limit_bytes``,
 ``SURGE_WORKER_MEMORY_COPY_BYTES``, default a quarter of the host's memory; 0 turns the tier
@@ -57,6 +64,7 @@ from typing import Any
 import grpc
 from prometheus_client import Counter, Gauge
 
+from services.common import bulk_lane
 from services.common.grpc_server import channel
 from services.common.pids import pid_alive
 from services.contract import Module, control_pb2, worker_pb2, worker_pb2_grpc
@@ -68,6 +76,7 @@ FETCHED_RANK = 2**32 - 1  # the set of chunks an agent fetched from its peer for
 CORRUPT_ENV = "SURGE_MEMORY_COPY_CORRUPT"
 SHM_ENV = "SURGE_WORKER_MEMORY_COPY_SHM"  # "off": chunks as bytes in the agent's process
 PEER_RPC_TIMEOUT_S = 10.0  # one chunk from the peer (a chunk is a few MiB at most)
+PEER_STREAMS = 4  # parallel GetChunks streams of one bulk read from the peer
 REPLICATE_TIMEOUT_S = 600.0  # one replication stream
 MODULE_METADATA = "x-surge-module"
 
@@ -224,7 +233,9 @@ class MemoryCopies:
         limit_bytes: bound on held chunk bytes (0: keep nothing).
     """
 
-    def __init__(self, worker_id: str, log: Any, limit_bytes: int, shm_dir: Path | None = None):
+    def __init__(
+        self, worker_id: str, log: Any, limit_bytes: int, shm_dir: Path | None = None, lane_host: str | None = None
+    ):
         self._worker_id = worker_id
         self._log = log
         self._limit = limit_bytes
@@ -240,6 +251,18 @@ class MemoryCopies:
         self._closed = threading.Event()
         self._replicator = threading.Thread(target=self._replicate_loop, name="memory-replicator", daemon=True)
         self._replicator.start()
+        # Bulk lanes (services/common/bulk_lane.py), with shared memory (files to sendfile; the relay's socket)
+        # and a host to listen on (None: none, e.g. under TLS): the server a peer's heal reads
+        # this agent's chunks on, and the relay handing lanes to this node's ranks.
+        self._lane: bulk_lane.LaneServer | None = None
+        self._relay: bulk_lane.LaneRelay | None = None
+        if lane_host and shm_dir is not None:
+            self._lane = bulk_lane.LaneServer(lane_host, self._lane_lookup, log)
+            # An abstract Unix socket (Linux: a name, no file): a filesystem path is at most 107
+            # bytes (a deep SURGE_HOME had no relay, so no lanes, silently) and a restarted
+            # agent met its predecessor's file. The one-time key is what guards a handoff.
+            tag = hashlib.sha256(str(shm_dir).encode()).hexdigest()[:16]
+            self._relay = bulk_lane.LaneRelay(f"\0surge-lanes-{tag}-{os.getpid()}", log)
 
     # ------------------------------------------------------------ from the node agent
 
@@ -254,6 +277,10 @@ class MemoryCopies:
     def close(self) -> None:
         self._closed.set()
         self._outbox.put(None)
+        if self._lane is not None:
+            self._lane.close()
+        if self._relay is not None:
+            self._relay.close()
         with self._lock:
             stubs, self._stubs = list(self._stubs.values()), {}
             if self._chunks.dir is not None:
@@ -327,6 +354,24 @@ class MemoryCopies:
             if staged is not None:
                 shutil.rmtree(staged, ignore_errors=True)  # (an aborted or broken-off save's files)
 
+    def open_lane(self, job_id: str, shas: list[str]) -> worker_pb2.BulkLane:
+        """A one-time lane for the chunks of ``shas`` this agent holds (a peer's heal), or an
+        empty reply (no lane here: the asker uses GetChunks)."""
+        if self._lane is None:
+            return worker_pb2.BulkLane()
+        with self._lock:
+            held = [(sha, self._chunks.size(sha)) for sha in dict.fromkeys(shas) if sha in self._chunks]
+        token = self._lane.grant([sha for sha, _ in held])
+        return worker_pb2.BulkLane(
+            port=self._lane.port, token=token, sha256=[s for s, _ in held], nbytes=[n for _, n in held]
+        )
+
+    def _lane_lookup(self, sha: str) -> str | bytes | None:
+        with self._lock:
+            if sha not in self._chunks:
+                return None
+            return self._chunks.path(sha) or self._chunks.get(sha)
+
     def get(self, job_id: str, sha256: str, via_peer: bool, local_path: bool = False) -> worker_pb2.ChunkReply:
         """A chunk from this agent's memory, or (``via_peer``) its peer's. ``local_path``:
         the caller runs on this node: name the chunk's shared-memory file instead of
@@ -363,34 +408,186 @@ class MemoryCopies:
                 return worker_pb2.ChunkReply(found=True, path=path, holder=reply.holder)
         return reply
 
+    def get_many(
+        self, job_id: str, shas: list[str], via_peer: bool, local_path: bool = False, lanes: bool = False
+    ) -> Iterator[worker_pb2.ChunkReply]:
+        """Chunks ``shas`` as a stream of replies (each names its ``sha256``), each sent as
+        soon as it is at hand. Without ``via_peer``: from this agent's memory, in the query's
+        order. With ``via_peer`` (a local rank's peer source): the chunks this agent lacks,
+        fetched from its peer on up to ``PEER_STREAMS`` GetChunks streams at once and kept
+        here (``_keep_fetched``), in the order they arrive; a chunk this agent holds is
+        answered ``found`` false at once (it is the rank's memory source's to serve: the
+        bytes are not fetched twice, and a local copy the reader refused is read from the
+        store, not again from here). A chunk nobody holds: ``found`` false. ``local_path``
+        as :meth:`get`. ``lanes`` (a rank of this node that takes them): the peer's chunks on
+        bulk lanes this agent opens and hands to the rank (a ``lane`` reply per lane: the rank
+        receives them itself; this agent keeps no copy), where the peer opens lanes."""
+        todo = []
+        for sha in dict.fromkeys(shas):
+            if via_peer:
+                with self._lock:
+                    here = sha in self._chunks
+                if here:
+                    yield worker_pb2.ChunkReply(found=False, sha256=sha)
+                else:
+                    todo.append(sha)
+                continue
+            reply = self.get(job_id, sha, via_peer=False, local_path=local_path)
+            reply.sha256 = sha
+            yield reply
+        if not todo:
+            return
+        stub = self._peer_stub(job_id)
+        if stub is None:
+            for sha in todo:
+                yield worker_pb2.ChunkReply(found=False, sha256=sha)
+            return
+        yield from self._fetch_from_peer(stub, job_id, todo, local_path, lanes and local_path)
+
+    def _fetch_from_peer(
+        self,
+        stub: worker_pb2_grpc.MemoryCopyServiceStub,
+        job_id: str,
+        shas: list[str],
+        local_path: bool,
+        lanes: bool = False,
+    ) -> Iterator[worker_pb2.ChunkReply]:
+        """``shas`` from the peer's memory on parallel server streams (gRPC moves one stream's
+        messages on one thread: several keep a loopback or a network link full), passed on
+        as they arrive; a chunk the peer lacks, or a stream that fails, is a miss."""
+        streams = [shas[i::PEER_STREAMS] for i in range(min(PEER_STREAMS, len(shas)))]
+        arrived: queue.Queue = queue.Queue(maxsize=4 * PEER_STREAMS)  # bounded: a slow reader paces the peer
+
+        calls: list[Any] = []
+        gone = threading.Event()  # the reader's stream ended (done, or cancelled): stop pulling
+        lanes = lanes and self._relay is not None
+
+        def put(item: worker_pb2.ChunkReply | None) -> bool:
+            while not gone.is_set():
+                try:
+                    arrived.put(item, timeout=1.0)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def pull(part: list[str]) -> None:
+            left = set(part)
+            try:
+                if lanes and self._hand_lane(stub, job_id, part, left, put):
+                    return
+                call = stub.GetChunks(worker_pb2.ChunksQuery(job_id=job_id, sha256=part), timeout=REPLICATE_TIMEOUT_S)
+                calls.append(call)
+                for reply in call:
+                    left.discard(reply.sha256)
+                    if not put(self._passed_on(job_id, reply, local_path)):
+                        return
+            except grpc.RpcError as e:
+                if not gone.is_set():
+                    self._log.warning("memory_copy_peer_unreachable", job_id=job_id, code=e.code().name)
+            except OSError as e:  # no connection to the peer's lane
+                if not gone.is_set():
+                    self._log.warning("memory_copy_peer_unreachable", job_id=job_id, code=type(e).__name__)
+            finally:
+                for sha in left:
+                    if not put(worker_pb2.ChunkReply(found=False, sha256=sha)):
+                        break
+                put(None)
+
+        threads = [
+            threading.Thread(target=pull, args=(part,), name="memory-peer-read", daemon=True) for part in streams
+        ]
+        for t in threads:
+            t.start()
+        running = len(threads)
+        try:
+            while running:
+                reply = arrived.get()
+                if reply is None:
+                    running -= 1
+                    continue
+                yield reply
+        finally:  # (a reader that went away: its pulls must not wait on a full queue forever)
+            gone.set()
+            for call in list(calls):
+                call.cancel()
+
+    def _hand_lane(
+        self, stub: worker_pb2_grpc.MemoryCopyServiceStub, job_id: str, part: list[str], left: set[str], put: Any
+    ) -> bool:
+        """A bulk lane to the peer for ``part`` (services/common/bulk_lane.py), opened here and passed on to
+        the local rank (``lane`` reply: the relay hands the connected socket to it); ``left``
+        loses the chunks the lane carries. False when the peer opens no lane (an older agent,
+        or one under TLS): the caller uses GetChunks. Raises OSError (no connection) or
+        grpc.RpcError."""
+        assert self._relay is not None
+        try:
+            lane = stub.OpenBulkRead(worker_pb2.ChunksQuery(job_id=job_id, sha256=part), timeout=PEER_RPC_TIMEOUT_S)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return False
+            raise
+        with self._lock:
+            peer = self._peers.get(job_id)
+        if not lane.token or peer is None:
+            return False
+        key = self._relay.offer(bulk_lane.connect(peer.address, lane.port, lane.token))
+        left.difference_update(lane.sha256)
+        CHUNKS_SERVED.labels("peer").inc(sum(lane.nbytes))
+        handed = worker_pb2.BulkLane(token=key, sha256=lane.sha256, nbytes=lane.nbytes, handoff=self._relay.path)
+        put(worker_pb2.ChunkReply(found=True, holder=peer.worker_id, lane=handed))
+        return True
+
+    def _passed_on(self, job_id: str, reply: worker_pb2.ChunkReply, local_path: bool) -> worker_pb2.ChunkReply:
+        """A chunk from the peer as this agent passes it on: kept in its shared memory and
+        named by file for a local reader (``local_path``), else its bytes; the reader checks
+        it (a wrong copy is refused there)."""
+        if not reply.found:
+            return reply
+        CHUNKS_SERVED.labels("peer").inc(len(reply.data))
+        if local_path and self._chunks.dir is not None:
+            path = self._keep_fetched(job_id, reply.sha256, reply.data)
+            if path:
+                return worker_pb2.ChunkReply(found=True, path=path, holder=reply.holder, sha256=reply.sha256)
+        return reply
+
     # ------------------------------------------------------------ private
 
     def _keep_fetched(self, job_id: str, sha: str, data: bytes) -> str:
         """Keep a chunk fetched from the peer for a local rank in this agent's shared memory
-        (the job's ``fetched`` set, evicted like any other), once its bytes match its digest
-        (a wrong copy is passed on as it came, for the reader to refuse, and not kept).
+        (the job's ``fetched`` set, evicted like any other). Not hashed here: the reader
+        checks every chunk it reads (the one check on this path; hashing here as well cost a
+        third of a heal's CPU), so a wrong copy is refused there and read from the store.
         Returns its file, or "" when it is not kept."""
-        if hashlib.sha256(data).hexdigest() != sha:
-            return ""
         key = (job_id, FETCHED_RANK, True)
         with self._lock:
             if sha not in self._chunks:
-                while self._held + len(data) > self._limit:
-                    victims = sorted((s.stored_at, k) for k, s in self._sets.items() if k != key)
-                    if not victims:
-                        return ""
-                    self._drop(victims[0][1])
+                if not self._room_for_fetched(len(data), key):
+                    return ""
                 try:
                     self._chunks.put(sha, data)
                 except OSError:
                     return ""
                 self._held += len(data)
                 HELD_BYTES.set(self._held)
-            old = self._sets.get(key)
-            if old is None or sha not in old.digests:
-                self._refs[sha] = self._refs.get(sha, 0) + 1
-                self._sets[key] = _Set(0, (*(old.digests if old else ()), sha), time.monotonic())
+            self._add_fetched(key, sha)
             return self._chunks.path(sha)
+
+    def _room_for_fetched(self, n: int, key: tuple[str, int, bool]) -> bool:
+        """Evict other sets until ``n`` more bytes fit (lock held); False when they cannot."""
+        while self._held + n > self._limit:
+            victims = sorted((s.stored_at, k) for k, s in self._sets.items() if k != key)
+            if not victims:
+                return False
+            self._drop(victims[0][1])
+        return True
+
+    def _add_fetched(self, key: tuple[str, int, bool], sha: str) -> None:
+        """Name a held chunk in the job's ``fetched`` set (lock held)."""
+        old = self._sets.get(key)
+        if old is None or sha not in old.digests:
+            self._refs[sha] = self._refs.get(sha, 0) + 1
+            self._sets[key] = _Set(0, (*(old.digests if old else ()), sha), time.monotonic())
 
     def _reserve(self, sha: str, data: bytes, fresh: dict[str, bytes], header: Any) -> bool:
         """Hold a received chunk apart for its stream, within the bound (evicting the
@@ -602,6 +799,19 @@ class MemoryCopyServicer(worker_pb2_grpc.MemoryCopyServiceServicer):
     def GetChunk(self, request, context):  # noqa: N802
         local_rank = _caller(context) != Module.Name(Module.EXT_HARDWARE)
         return self._copies.get(request.job_id, request.sha256, request.via_peer and local_rank, request.local_path)
+
+    def GetChunks(self, request, context):  # noqa: N802
+        local_rank = _caller(context) != Module.Name(Module.EXT_HARDWARE)
+        return self._copies.get_many(
+            request.job_id,
+            list(request.sha256),
+            request.via_peer and local_rank,
+            request.local_path and local_rank,
+            request.lanes and local_rank,
+        )
+
+    def OpenBulkRead(self, request, context):  # noqa: N802
+        return self._copies.open_lane(request.job_id, list(request.sha256))  # (a peer agent only: identity.py)
 
 
 def _caller(context) -> str:

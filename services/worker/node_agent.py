@@ -10,7 +10,9 @@ Facts it reports up the ``ControlService.WorkerSession`` stream (``WorkerEvent``
   reconnect, with the same ``worker_id``).
 * ``rank_event``: every ``RankEvent`` a local rank sends on its ``RankSession``, in the
   order received, ``hello``, ``heartbeat`` and ``routed`` (any routed event by name) included (``audit`` stays
-  here: it answers the agent's own question, see :meth:`NodeAgent.audit`).
+  here: it answers the agent's own question, see :meth:`NodeAgent.audit`), but the
+  ``StepCompleted`` of ranks other than 0 after the first per control session
+  (``step_summaries.py``: rank 0's is the job's step summary, the others' progress is in their beats).
 * ``rank_exited``: a rank process ended (``exit_code`` < 0: killed by that signal), after
   the events that rank sent before it ended, with the time it was reaped and whether a
   ``release`` asked for it.
@@ -54,8 +56,13 @@ relays, and wires the parts below; ``__main__.py`` builds them):
 * ``rank_process.py``: a rank process's record, argv, environment and signals;
 * ``rank_session.py``: the ``RankSession`` servicer local ranks connect to;
 * ``log_tail.py``: the rank log tails behind ``tail_rank_logs``;
+* ``rank_logs.py``: each rank's log file, written here from its output pipe and rotated at a
+  size, and ``RankLogFlood`` for a rank that logs too fast;
 * ``memory_copies.py``: the in-memory copies of the local ranks' newest checkpoint, served
-  to them and replicated to the job's peer agent (``MemoryCopyService``).
+  to them and replicated to the job's peer agent (``MemoryCopyService``);
+* ``metric_stream.py``: the local ranks' metric records (``RankEvent{metrics}``, kept here,
+  not sent up) on one Record stream per node to the store, each store ack back to its rank
+  (``RankCommand{metrics_ack}``).
 
 Threads, and why each exists:
 
@@ -67,8 +74,12 @@ Threads, and why each exists:
 * per rank session, one gRPC handler thread streams commands down and one reader thread
   relays events up;
 * one timer per released rank, firing SIGKILL when the grace period ends;
+* one log pump thread (``rank_logs.py``) reading every rank's output pipe (a selector, no
+  thread per rank) into its rotated log file;
 * one tail thread per TailRankLogs request, reading the job's rank log files (a followed
   file is re-read after a short wait when empty: appends to a file notify nobody);
+* one metric stream thread per store address (``metric_stream.py``), which keeps the Record
+  stream open and reconnects it;
 * the memory sampler, which reads /proc/meminfo every few seconds: the kernel sends no
   event when memory runs low, so this is one of the two places the agent samples. It reads
   the OS, never another module;
@@ -88,28 +99,33 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from services.common.fencing import FENCE, FENCED_CALLS
 from services.contract import Module, audit_pb2, control_pb2, engine_pb2, worker_pb2
 from services.contract.audit import merge_reports
 from services.contract.bus import Bus
 from services.contract.relay import L1, RANK, Link, pack
 from services.worker.control_link import Emit
 from services.worker.device_binding import CPU_AFFINITY_ENV, bind_rank
+from services.worker.exit_cause import ExitEvidence, OomCounter, classify
 from services.worker.log_tail import LogTailer
 from services.worker.memory_copies import MemoryCopies
+from services.worker.metric_stream import MetricStreams
+from services.worker.rank_forkserver import RankForkServer
+from services.worker.rank_logs import LogPump, LogSettings, RankLog
 from services.worker.rank_process import (
     END_OF_COMMANDS,
     RankProcess,
-    describe_exit,
     describe_stop,
     rank_command_line,
     rank_environment,
+    rank_module_for,
     safe_file_name,
     signal_group,
     told_assignment,
     wait_reporting_stops,
 )
 from services.worker.rank_session import RankAlreadyAttached, RankNotLaunched
-from services.worker.warm_spares import REFILL_DELAY_SECONDS, WarmSpares
+from services.worker.step_summaries import StepSummaries
 
 RANK_MODULE_ENV = "SURGE_RANK_MODULE"
 DEFAULT_RANK_MODULE = "services.rank"
@@ -119,6 +135,12 @@ SHUTDOWN_GRACE_SECONDS = 2.0  # agent stopping: SIGTERM its ranks, SIGKILL after
 # the events it sent just before dying go up before its RankExited (the kernel closes the
 # socket at exit, so this normally takes a millisecond).
 STREAM_SETTLE_SECONDS = 0.5
+# How long a rank's hello waits for its own launch to be recorded: a forked rank connects
+# within milliseconds, before the spawn that forked it has returned (its fork server answers).
+SPAWN_SETTLE_SECONDS = 10.0
+# A rank ended: how long the pump may take to read the rest of its output (a helper that left
+# its process group and still holds the pipe is not waited for longer).
+LOG_DRAIN_SECONDS = 2.0
 SPAWN_FAILED_EXIT_CODE = 127  # shell convention for "could not execute"
 # How long an audit waits for the ranks' answers (a rank answers from its session reader,
 # which starts once its modules are built; until then its last known counts are shown).
@@ -136,7 +158,9 @@ class NodeAgent:
     Args:
         worker_id: this agent's id, stamped on every ``RankExited``.
         session_address: host:port where local ranks reach this agent's ``RankSession``.
-        run_dir: rank logs go to ``<run_dir>/logs/<job_id>.rank<R>.log`` (appended).
+        run_dir: rank logs go to ``<run_dir>/logs/<job_id>.rank<R>.log`` (appended; written by
+            this agent from each rank's output pipe and rotated at ``log_settings``' size:
+            ``rank_logs.py``).
         emit: sends one ``WorkerEvent`` up to control; must not block.
         log: a structlog logger.
         rank_module: Python module a rank process runs (``python -m``).
@@ -145,9 +169,13 @@ class NodeAgent:
             its own); its refusals are the agent's boundary violations.
         memory: the in-memory checkpoint copies of this node (``memory_copies.py``): told
             each job's peer node agent from its LaunchRanks. None: no such tier here.
-        spares: warm spare rank processes (``warm_spares.py``), kept while a job here
-            rebuilds in place (InitJob.rebuild_in_place); a launch takes one when it is
-            ready. None: every rank is a new interpreter.
+        forkserver: the rank fork server (``rank_forkserver.py``): a launch of the agent's rank
+            module is forked from it, its imports paid once. None, or a launch it cannot
+            serve: every rank is a new interpreter.
+        metrics: the node's metric streams to the store (``metric_stream.py``; default: its
+            own).
+        log_settings: the rank logs' rotation and flood bound (default: ``LogSettings()``).
+        pump: reads the ranks' (and the fork server's) output pipes (default: its own).
     """
 
     def __init__(
@@ -161,12 +189,16 @@ class NodeAgent:
         cwd: Path | None = None,
         bus: Bus | None = None,
         memory: MemoryCopies | None = None,
-        spares: WarmSpares | None = None,
+        forkserver: RankForkServer | None = None,
         devices: Sequence[control_pb2.Device] = (),
+        metrics: MetricStreams | None = None,
+        log_settings: LogSettings | None = None,
+        pump: LogPump | None = None,
     ):
         self._worker_id = worker_id
+        self._metrics = metrics or MetricStreams(log)
         self._devices = list(devices)  # as registered: where each rank is bound (device_binding.py)
-        self._spares = spares
+        self._forkserver = forkserver
         self._memory = memory
         self._session_address = session_address
         self._logs_dir = Path(run_dir) / "logs"
@@ -176,17 +208,24 @@ class NodeAgent:
         self._cwd = Path(cwd) if cwd is not None else Path.cwd()
         self._lock = threading.Lock()
         self._ranks: dict[tuple[str, int], RankProcess] = {}
+        # (job, rank) -> set once its launch is recorded in _ranks (its hello waits for that)
+        self._spawning: dict[tuple[str, int], threading.Event] = {}
         self._stopping = False
         # Route counts of every rank process this agent launched, by (job, rank, pid): the
         # last each one reported (a rank sends its final counts when it ends).
         self._audits: dict[tuple[str, int, int], audit_pb2.AuditReport] = {}
         self._audit_seq = 0
         self._audit_answered = threading.Condition(self._lock)
-        # job -> rank -> the byte spans [start, end] of the rank's log file that this agent's
-        # launches of it wrote (end None while running): agents sharing one run dir send
-        # only their own spans (services/worker/log_tail.py), each line once.
-        self._launched: dict[str, dict[int, list[list]]] = collections.defaultdict(dict)
+        # job -> rank -> the logs of this agent's launches of it, in order: their byte spans
+        # (inode, start, end) are what agents sharing one run dir send (services/worker/
+        # log_tail.py), each line once, across rotations.
+        self._log_settings = log_settings or LogSettings()
+        self._pump = pump or LogPump(log)
+        self._launched: dict[str, dict[int, list[RankLog]]] = collections.defaultdict(dict)
         self._tailer = LogTailer(self._logs_dir, emit, log, self._log_spans, self._rank_alive)
+        # Which ranks' StepCompleted go up: rank 0's, and each other rank's first per control
+        # session (step_summaries.py); the rest would cost control a message per rank per step.
+        self.steps = StepSummaries()
         # Control's side of this node: its commands to the agent (EXT_HARDWARE) run here, on
         # this bus; those to a job's ranks pass through, checked, to be run on the rank's bus.
         self._bus = bus or Bus()
@@ -225,15 +264,25 @@ class NodeAgent:
         """
         if self._memory is not None:
             self._memory.set_peer(msg.job_id, msg.memory_peer)
+        for assignment in msg.ranks:  # the newest incarnation: an older one's calls are refused here
+            FENCE.tell(msg.job_id, assignment.rank, assignment.generation)
         for assignment in msg.ranks:
             self._launch_one(msg.job_id, msg.init, assignment)
-        self._warm_spares(after=REFILL_DELAY_SECONDS)  # not while these ranks start (warm_spares.py)
 
     def release_ranks(self, msg: control_pb2.ReleaseRanks, payload: Any = None) -> None:
         """SIGTERM the job's live rank process groups (only ``ranks`` when it names some),
         SIGKILL them after ``grace_seconds`` (default 5 s), or SIGKILL at once with ``kill``. Does not block: each process's
-        waiter reaps it and reports ``RankExited``."""
+        waiter reaps it and reports ``RankExited``.
+
+        With ``below_generation`` (fencing): only processes launched as an older generation
+        end, and the agent keeps the fence for those ranks: an older incarnation that speaks
+        later (a stopped process continued) is ended then (:meth:`relay_event`), and its
+        calls to this agent's services are refused (services/common/fencing.py)."""
         grace = msg.grace_seconds if msg.grace_seconds > 0 else DEFAULT_GRACE_SECONDS
+        with self._lock:
+            fenced = set(msg.ranks) or {r.rank for r in self._ranks.values() if r.job_id == msg.job_id}
+        for rank in fenced if msg.below_generation else ():  # (no ranks named: every rank of the job here)
+            FENCE.tell(msg.job_id, rank, msg.below_generation)
         with self._lock:
             for key in [k for k, r in self._ranks.items() if k[0] == msg.job_id and r.exited.is_set()]:
                 del self._ranks[key]  # ended earlier: nothing left to release
@@ -241,12 +290,16 @@ class NodeAgent:
             targets = [
                 r
                 for r in self._ranks.values()
-                if r.job_id == msg.job_id and not r.dead and (not only or r.rank in only)
+                if r.job_id == msg.job_id
+                and not r.dead
+                and (not only or r.rank in only)
+                and (not msg.below_generation or r.assignment.generation < msg.below_generation)
             ]
             for r in targets:
                 r.released = True
                 r.grace_seconds = grace
-                signal_group(r.proc.pid, signal.SIGKILL if msg.kill else signal.SIGTERM)
+                r.agent_signal = signal.SIGKILL if msg.kill else signal.SIGTERM
+                signal_group(r.proc.pid, r.agent_signal)
                 if not msg.kill:
                     r.kill_timer = threading.Timer(grace, self._kill_if_alive, args=(r,))
                     r.kill_timer.daemon = True
@@ -254,8 +307,6 @@ class NodeAgent:
         self._log.info(
             "release", job_id=msg.job_id, ranks=[r.rank for r in targets], kill=msg.kill, grace_seconds=grace
         )
-        if not only:  # the job is gone from here: its spare with it, unless another job wants one
-            self._warm_spares(leaving=msg.job_id)
 
     def _relay_routed(self, job_id: str, routed: Any) -> None:
         """A routed command for the job's ranks: checked (control may send it, a rank module
@@ -267,7 +318,15 @@ class NodeAgent:
 
     def _to_ranks(self, job_id: str, cmd: worker_pb2.RankCommand, kind: str | None) -> None:
         with self._lock:
-            targets = [r for r in self._ranks.values() if r.job_id == job_id and not r.dead and r.session != "closed"]
+            targets = [
+                r
+                for r in self._ranks.values()
+                if r.job_id == job_id
+                and not r.dead
+                and r.session != "closed"
+                # (never a replaced incarnation: it would join the new group's rendezvous)
+                and r.assignment.generation >= FENCE.newest(job_id, r.rank)
+            ]
             for r in targets:
                 r.commands.put(cmd)
         if not targets:
@@ -291,8 +350,13 @@ class NodeAgent:
             RankNotLaunched: no live process of (job_id, rank) was launched here.
             RankAlreadyAttached: that process already had a session.
         """
+        key = (hello.job_id, hello.rank)
         with self._lock:
-            r = self._ranks.get((hello.job_id, hello.rank))
+            spawning = self._spawning.get(key)
+        if spawning is not None:  # a forked rank can say hello before its spawn has returned
+            spawning.wait(SPAWN_SETTLE_SECONDS)
+        with self._lock:
+            r = self._ranks.get(key)
             if r is None or r.dead:
                 raise RankNotLaunched(
                     f"worker {self._worker_id}: no live rank {hello.rank} of job {hello.job_id!r} here"
@@ -302,6 +366,7 @@ class NodeAgent:
                     f"worker {self._worker_id}: rank {hello.rank} of job {hello.job_id!r} already has a session"
                 )
             r.session = "open"
+        self._end_if_stale(r)  # (outside the lock: it takes it)
         if hello.pid and hello.pid != r.proc.pid:
             self._log.warning(
                 "hello pid differs from the launched pid",
@@ -315,9 +380,18 @@ class NodeAgent:
 
     def relay_event(self, r: RankProcess, event: worker_pb2.RankEvent) -> None:
         """Send a rank's event up unchanged, except that its envelope names the session's
-        rank (the identity the hello established), even if the rank left it empty. An
-        ``audit`` (the rank's route counts) is kept here, for :meth:`audit`."""
-        if event.WhichOneof("event") == "audit":
+        rank (the identity the hello established), even if the rank left it empty; of a rank
+        other than 0, only the first StepCompleted per control session (``StepSummaries``). An
+        ``audit`` (the rank's route counts) is kept here, for :meth:`audit`; a ``metrics``
+        record goes to the store on this node's stream, its ack back to the rank."""
+        if self._end_if_stale(r):
+            return  # a replaced incarnation: nothing it says goes anywhere
+        event.generation = r.assignment.generation  # control drops an older one's (session_hub.py)
+        kind = event.WhichOneof("event")
+        if kind == "metrics":
+            self._metrics.submit(r.init.store_address, event.metrics, lambda ack: self._ack_metrics(r, ack))
+            return
+        if kind == "audit":
             with self._audit_answered:
                 self._audits[(r.job_id, r.rank, r.proc.pid)] = event.audit
                 self._audit_answered.notify_all()
@@ -332,7 +406,40 @@ class NodeAgent:
                     said_rank=event.rank,
                 )
             event.job_id, event.rank = r.job_id, r.rank
+        if kind == "routed" and not self.steps.send_up(r.job_id, r.rank, event.routed):
+            return  # another rank's step: its beats carry its progress (step_summaries.py)
         self._emit(control_pb2.WorkerEvent(rank_event=event))
+
+    def _end_if_stale(self, r: RankProcess) -> bool:
+        """Whether ``r`` is an older incarnation of its (job, rank) than the newest control
+        told this agent of (LaunchRanks, ReleaseRanks.below_generation); such a process (one
+        stopped past its heartbeat timeout, replaced, then continued) is ended at once (SIGKILL
+        of its process group, as a release), once."""
+        newest = FENCE.newest(r.job_id, r.rank)
+        if not r.assignment.generation or r.assignment.generation >= newest:
+            return False
+        with self._lock:
+            first = not r.released and not r.dead
+            r.released = True
+            if first:
+                signal_group(r.proc.pid, signal.SIGKILL)
+        if first:
+            FENCED_CALLS.labels("node_agent").inc()
+            self._log.warning(
+                "replaced incarnation ended",
+                job_id=r.job_id,
+                rank=r.rank,
+                pid=r.proc.pid,
+                generation=r.assignment.generation,
+                newest=newest,
+            )
+        return True
+
+    def _ack_metrics(self, r: RankProcess, ack: Any) -> None:
+        with self._lock:
+            if r.dead or r.session == "closed":
+                return  # the rank is gone: nobody waits for it
+            r.commands.put(worker_pb2.RankCommand(metrics_ack=ack))
 
     def commands_for(self, r: RankProcess) -> Iterator[worker_pb2.RankCommand]:
         """The command stream of one rank session: init, assignment, then what control
@@ -397,12 +504,13 @@ class NodeAgent:
     def shutdown(self, grace_seconds: float = SHUTDOWN_GRACE_SECONDS) -> None:
         """Stop every rank (SIGTERM, SIGKILL after ``grace_seconds``) and wait until each is
         reaped; refuse launches from now on. Blocks at most ``grace_seconds`` + ~6 s."""
-        if self._spares is not None:
-            self._spares.close()
+        if self._forkserver is not None:
+            self._forkserver.close()
         with self._lock:
             self._stopping = True
             live = [r for r in self._ranks.values() if not r.dead]
             for r in live:
+                r.agent_signal = signal.SIGTERM
                 signal_group(r.proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_seconds
         for r in live:
@@ -412,6 +520,8 @@ class NodeAgent:
         for r in live:
             if not r.exited.wait(5.0):
                 self._log.error("rank did not end after SIGKILL", job_id=r.job_id, rank=r.rank, pid=r.proc.pid)
+        self._metrics.close(timeout=2.0)  # what the ranks handed on before they ended
+        self._pump.close()
 
     # ------------------------------------------------------------ private
 
@@ -441,86 +551,129 @@ class NodeAgent:
                 return
         log_path = self._logs_dir / f"{safe_file_name(job_id)}.rank{assignment.rank}.log"
         try:
-            span_start = log_path.stat().st_size  # the file is appended: this process's lines start here
-        except OSError:
-            span_start = 0
-        argv = rank_command_line(self._rank_module, self._session_address, job_id, assignment.rank)
+            rank_log = RankLog(
+                log_path, self._log_settings, lambda rate: self._log_flood(key, rank_log, rate), log=self._log
+            )
+        except OSError as e:  # (the logs directory cannot be written: the rank's output would be lost)
+            rank_log = None
+            self._log.error("rank log cannot be opened", job_id=job_id, rank=assignment.rank, error=str(e))
+        module = rank_module_for(init, self._rank_module)  # a `simulate:` job runs the simulated rank
+        argv = rank_command_line(module, self._session_address, job_id, assignment.rank)
         binding = bind_rank(assignment, self._devices)
         env = rank_environment(os.environ, binding)
+        # The OOM-kill counter of the cgroup the rank will share with this agent, read before
+        # it starts: a rise by its reap is the evidence of an OOM kill (exit_cause.py).
+        oom = OomCounter.of_process()
+        oom_at_launch = oom.read()
+        spawned = threading.Event()  # set once the rank is recorded: its hello may come first
+        with self._lock:
+            self._spawning[key] = spawned
         try:
-            # A warm spare becomes this rank when one is ready (its interpreter and imports
-            # are paid for); else a new process.
-            proc = (self._spares.take(argv[3:], env, log_path) if self._spares is not None else None) or self._spawn(
-                argv, log_path, env
-            )
+            if rank_log is None:
+                raise OSError(f"cannot open {log_path}")
+            proc = self._spawn(argv, rank_log, env, forked=module == self._rank_module)
         except OSError as e:
+            self._spawned(key, spawned)
+            if rank_log is not None:
+                rank_log.close()
             self._log.error("rank spawn failed", job_id=job_id, rank=assignment.rank, error=str(e))
-            self._emit(self._exited_event(job_id, assignment.rank, SPAWN_FAILED_EXIT_CODE, f"spawn failed: {e}"))
+            failed = self._exited_event(job_id, assignment.rank, SPAWN_FAILED_EXIT_CODE, f"spawn failed: {e}")
+            failed.rank_exited.cause = control_pb2.EXIT_ERROR
+            self._emit(failed)
             return
         r = RankProcess(
             job_id=job_id, rank=assignment.rank, init=init, assignment=assignment, proc=proc, log_path=log_path,
-            told=told_assignment(assignment, binding),
+            log=rank_log,
+            told=told_assignment(assignment, binding), oom=oom, oom_at_launch=oom_at_launch,
         )  # fmt: skip
         with self._lock:
             self._ranks[key] = r
-            self._launched[job_id].setdefault(assignment.rank, []).append([span_start, None])
+            self._launched[job_id].setdefault(assignment.rank, []).append(rank_log)
             if self._stopping:  # shutdown began while it was spawning and did not see it
+                r.agent_signal = signal.SIGKILL
                 signal_group(proc.pid, signal.SIGKILL)
+        self._spawned(key, spawned)
         threading.Thread(target=self._watch, args=(r,), name=f"wait-{job_id}-{r.rank}", daemon=True).start()
         self._log.info(
             "rank launched", job_id=job_id, rank=r.rank, pid=proc.pid, device=assignment.device,
             sees=binding.device, cpus=binding.env.get(CPU_AFFINITY_ENV, ""), log=str(log_path),
         )  # fmt: skip
 
-    def _warm_spares(self, leaving: str = "", after: float = 0.0) -> None:
-        """Keep a spare ready while a rank here belongs to a job that rebuilds in place (or
-        always, on a spare node); retire it otherwise. ``leaving``: a job being released.
-        ``after``: start missing spares that many seconds from now."""
-        if self._spares is None:
-            return
+    def _log_spans(self, job_id: str) -> dict[int, list[tuple[int, int, int | None]]]:
+        """rank -> the spans ``(inode, start, end)`` of its log files this agent's launches
+        of it wrote, in order."""
         with self._lock:
-            wanted = not self._stopping and (
-                self._spares.always
-                or any(r.init.rebuild_in_place for r in self._ranks.values() if r.job_id != leaving and not r.released)
-            )
-        if wanted:
-            self._spares.keep_warm(after=after)
-        else:
-            self._spares.retire()
-
-    def _log_spans(self, job_id: str) -> dict[int, list[tuple[int, int | None]]]:
-        """rank -> the spans of its log file this agent's launches of it wrote."""
-        with self._lock:
-            return {rank: [tuple(span) for span in spans] for rank, spans in self._launched.get(job_id, {}).items()}
+            logs = {rank: list(launches) for rank, launches in self._launched.get(job_id, {}).items()}
+        return {rank: [span for lg in launches for span in lg.spans()] for rank, launches in logs.items()}
 
     def _end_log_span(self, r: RankProcess) -> None:
-        """``r`` ended (its process group killed): its span of the log file ends here."""
-        try:
-            end = r.log_path.stat().st_size
-        except OSError:
-            end = None
+        """``r`` ended (its process group killed): its output is written once the pump has
+        read its pipe to the end; a helper that escaped the group and holds the pipe open is
+        not waited for past ``LOG_DRAIN_SECONDS``: the pump then writes what the pipe holds
+        and ends it. Its span of the log file ends there."""
+        if r.log is not None:
+            if not r.log.closed.wait(LOG_DRAIN_SECONDS):
+                self._pump.finish(r.log)  # what the pipe holds is written, then the end
+                r.log.closed.wait(LOG_DRAIN_SECONDS)
+            r.log.close()
+
+    def _log_flood(self, key: tuple[str, int], rank_log: RankLog, rate: float) -> None:
+        """(The pump's thread.) A rank's output came faster than the bound: stated once per
+        process (RankLogFlood, graded by L1-3); its file stays bounded by the rotation."""
         with self._lock:
-            spans = self._launched.get(r.job_id, {}).get(r.rank, [])
-            if spans and spans[-1][1] is None:
-                spans[-1][1] = end if end is not None else spans[-1][0]
+            r = self._ranks.get(key)
+            pid = r.proc.pid if r is not None and r.log is rank_log else 0
+        s = self._log_settings
+        self._log.warning(
+            "rank logs too fast", job_id=key[0], rank=key[1], pid=pid, bytes_per_second=round(rate),
+            threshold=s.flood_bytes_per_s, log=str(rank_log.path),
+        )  # fmt: skip
+        fact = control_pb2.RankLogFlood(
+            job_id=key[0], rank=key[1], worker_id=self._worker_id, pid=pid, bytes_per_second=rate,
+            threshold_bytes_per_second=s.flood_bytes_per_s, window_seconds=s.flood_window_s,
+            max_file_bytes=s.max_bytes, backups=s.backups, unix_time=time.time(),
+        )  # fmt: skip
+        self._emit(control_pb2.WorkerEvent(routed=pack(fact, Module.EXT_HARDWARE)))
 
     def _rank_alive(self, job_id: str, rank: int) -> bool:
         with self._lock:
             r = self._ranks.get((job_id, rank))
             return r is not None and not r.exited.is_set()
 
-    def _spawn(self, argv: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as out:  # the child keeps its own copy of the descriptor
-            return subprocess.Popen(
-                argv,
-                cwd=self._cwd,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # own process group: killed cleanly with its children
-            )
+    def _spawned(self, key: tuple[str, int], spawned: threading.Event) -> None:
+        with self._lock:
+            if self._spawning.get(key) is spawned:
+                del self._spawning[key]
+        spawned.set()
+
+    def _spawn(self, argv: list[str], rank_log: RankLog, env: dict[str, str], forked: bool) -> Any:
+        """The rank's process: forked by the fork server when it runs the agent's rank module
+        and a server is there (a ``ForkedRank``), else a new interpreter (a ``Popen``)."""
+        read, write = self._pump.pipe()  # its output: stdout and stderr, written by the pump
+        proc: Any = None
+        try:
+            if forked and self._forkserver is not None:
+                try:
+                    proc = self._forkserver.spawn(argv, env, write)
+                except OSError as e:  # (its next launch starts the server again)
+                    self._log.warning("rank fork server failed: a new interpreter instead", error=str(e))
+            if proc is None:
+                proc = subprocess.Popen(
+                    argv,
+                    cwd=self._cwd,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=write,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # own process group: killed cleanly with its children
+                )
+        except OSError:
+            os.close(read)
+            raise
+        finally:
+            os.close(write)  # the child keeps its own copy: the pipe ends when it (and its helpers) end
+        self._pump.attach(read, rank_log)
+        return proc
 
     def _watch(self, r: RankProcess) -> None:
         """Waiter thread of one rank: report it watched (RUNNING), every stop and continue by a
@@ -532,24 +685,32 @@ class NodeAgent:
             continued=lambda: self._emit_process_state(r, control_pb2.RankProcessState.RUNNING),
         )
         reaped = time.time()
+        oom_at_reap = r.oom.read()
         with self._lock:
             r.dead = True  # from now on no session can attach to it
             had_session = r.session == "open"
+            sent = r.agent_signal
         if had_session:
             r.stream_closed.wait(STREAM_SETTLE_SECONDS)
         signal_group(r.proc.pid, signal.SIGKILL)  # helpers the rank left behind die with it
         if r.kill_timer is not None:
             r.kill_timer.cancel()
         r.commands.put(END_OF_COMMANDS)  # a stream still held open by a stray helper ends now
-        detail = describe_exit(code) + (" after release" if r.released else "") + f"; log {r.log_path}"
-        self._log.info("rank exited", job_id=r.job_id, rank=r.rank, pid=r.proc.pid, exit_code=code, released=r.released)
-        self._emit(
-            self._exited_event(r.job_id, r.rank, code, detail, reaped=reaped, released=r.released, pid=r.proc.pid)
-        )
+        # The agent sent the signal that ended it only if that is the signal it died of.
+        sender = os.getpid() if code < 0 and -code == sent else 0
+        exit_cause = classify(ExitEvidence(code, r.oom_at_launch, oom_at_reap, sender))
+        detail = exit_cause.detail + (" after release" if r.released else "") + f"; log {r.log_path}"
+        self._log.info(
+            "rank exited", job_id=r.job_id, rank=r.rank, pid=r.proc.pid, exit_code=code, released=r.released,
+            cause=control_pb2.ExitCause.Name(exit_cause.cause),
+        )  # fmt: skip
+        event = self._exited_event(r.job_id, r.rank, code, detail, reaped=reaped, released=r.released, pid=r.proc.pid)
+        event.rank_exited.cause = exit_cause.cause
+        event.rank_exited.signal_sender_pid = sender
+        event.rank_exited.oom_counter_read = r.oom_at_launch is not None and oom_at_reap is not None
+        self._emit(event)
         self._end_log_span(r)  # before `exited`: a log tail that sees it gone finds the span's end
         r.exited.set()
-        # (Its spare stays: a replacement of this very rank may be on its way. The job's
-        # release, or the next launch, decides whether spares are still wanted.)
 
     def restate_processes(self) -> None:
         """State again what is known of every live rank process (RUNNING or STOPPED): for a
@@ -581,6 +742,7 @@ class NodeAgent:
     def _kill_if_alive(self, r: RankProcess) -> None:
         with self._lock:
             if not r.dead:
+                r.agent_signal = signal.SIGKILL
                 signal_group(r.proc.pid, signal.SIGKILL)
 
     def _exited_event(

@@ -4,11 +4,12 @@ and described when it ends.
 One process per ``RankAssignment``, in its own process group (so helpers it starts die
 with it), with its binding in its environment (the device it sees, its CPUs and threads:
 :mod:`services.worker.device_binding`) and its output appended to
-``<run_dir>/logs/<job>.rank<R>.log``.
+``<run_dir>/logs/<job>.rank<R>.log`` by the agent (a pipe read by ``rank_logs.LogPump``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -19,9 +20,11 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from services.contract import engine_pb2
 from services.worker.device_binding import RankBinding
+from services.worker.exit_cause import OomCounter
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,6 +41,7 @@ class RankProcess:
     assignment: engine_pb2.RankAssignment  # as L1-2 assigned it (the node's device: re-attach declares it)
     proc: subprocess.Popen
     log_path: Path
+    log: Any = None  # its RankLog (services/worker/rank_logs.py): its output, rotated; None: none opened
     commands: queue.Queue = field(default_factory=queue.Queue)  # RankCommand | END_OF_COMMANDS
     session: str = "none"  # "none" -> "open" -> "closed": one session per process
     dead: bool = False  # proc.wait() returned
@@ -50,6 +54,11 @@ class RankProcess:
     process_state: int = 0
     stop_signal: int = 0
     told: engine_pb2.RankAssignment | None = None  # as the rank is told it (its device as it sees it)
+    # Exit-cause evidence (services/worker/exit_cause.py): the cgroup OOM-kill counter the rank
+    # shares with the agent and its count at launch, and the last signal the agent sent it.
+    oom: OomCounter = field(default_factory=lambda: OomCounter(None))
+    oom_at_launch: int | None = None
+    agent_signal: int = 0
 
 
 def wait_reporting_stops(proc: subprocess.Popen, stopped: Callable[[int], None], continued: Callable[[], None]) -> int:
@@ -71,6 +80,20 @@ def wait_reporting_stops(proc: subprocess.Popen, stopped: Callable[[int], None],
         else:
             continued()
     return proc.wait()
+
+
+SIMULATED_RANK_MODULE = "services.rank.simulated"  # the scale test bed's torch-free rank (issue 27 item 7)
+
+
+def rank_module_for(init: engine_pb2.InitJob, default: str) -> str:
+    """The module a rank of this launch runs: the simulated rank for a job spec with a
+    ``simulate`` section (services/jobspec.py SimulateSpec), else the agent's ``default``.
+    The spec was validated by control at submit; here only that section's presence is read."""
+    try:
+        simulated = json.loads(init.spec_json or "{}").get("simulate") is not None
+    except (ValueError, AttributeError):
+        simulated = False  # (not a spec this agent can read: the rank itself refuses it, one line)
+    return SIMULATED_RANK_MODULE if simulated else default
 
 
 def rank_command_line(module: str, session_address: str, job_id: str, rank: int) -> list[str]:
@@ -101,16 +124,6 @@ def told_assignment(assignment: engine_pb2.RankAssignment, binding: RankBinding)
     told.CopyFrom(assignment)
     told.device = binding.device
     return told
-
-
-def describe_exit(code: int) -> str:
-    """'exited with code 1' / 'killed by SIGKILL' (Popen: negative code = signal)."""
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 def describe_stop(sig: int) -> str:

@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import structlog
 
 from services.contract import Module, engine_pb2, store_pb2, store_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.contract.relay import pack, unpack
 from services.jobspec import JobSpec, spec_to_json
+from services.worker.metric_stream import MetricStreams
 from tests.callers import any_caller_channel
 from tests.conftest import free_ports
 
@@ -124,11 +126,15 @@ class RankLink:
 
 class Agent(worker_pb2_grpc.WorkerServiceServicer):
     """The node agent's end of every rank's RankSession: routes each rank's events to its
-    (job, rank) link and sends the test's commands down."""
+    (job, rank) link and sends the test's commands down; the ranks' metric records go, as a
+    node agent sends them, on the real metric stream to the store at ``store_address``, each
+    ack back to its rank."""
 
-    def __init__(self):
+    def __init__(self, store_address: str):
         self._links: dict[tuple[str, int], RankLink] = {}
         self._lock = threading.Lock()
+        self._store_address = store_address
+        self.metrics = MetricStreams(structlog.get_logger("agent"))
 
     def link(self, job: str, rank: int) -> RankLink:
         with self._lock:
@@ -139,9 +145,15 @@ class Agent(worker_pb2_grpc.WorkerServiceServicer):
         link = self.link(first.job_id, first.rank)
         link.events.put(first)
 
+        def ack(ack: store_pb2.MetricsAck) -> None:
+            link.commands.put(worker_pb2.RankCommand(metrics_ack=ack))
+
         def read():
             try:
                 for ev in requests:
+                    if ev.WhichOneof("event") == "metrics":
+                        self.metrics.submit(self._store_address, ev.metrics, ack)
+                        continue
                     link.events.put(ev)
             except grpc.RpcError:
                 pass
@@ -178,7 +190,7 @@ class Cluster:
     def __init__(self, procs: Processes, data_address: str, store_address: str):
         self.procs = procs
         self.data_address, self.store_address = data_address, store_address
-        self.agent = Agent()
+        self.agent = Agent(store_address)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(self.agent, self._server)
         self.agent_address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
@@ -187,6 +199,7 @@ class Cluster:
 
     def close(self) -> None:
         self._server.stop(0)
+        self.agent.metrics.close(timeout=1.0)
 
     def run(
         self, job: str, spec: JobSpec, *, resume: str = "", kill_after_saved: int = 0, timeout: float = 240.0

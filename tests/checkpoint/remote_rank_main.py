@@ -79,7 +79,7 @@ class _Dies:
     def __init__(self, step: int, n: int):
         self.step, self.n = step, n
 
-    def begin(self, step: int):
+    def begin(self, step: int, expected_bytes: int = 0):
         left = [self.n]
 
         def sink(sha: str, data) -> None:

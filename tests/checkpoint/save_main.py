@@ -51,7 +51,7 @@ class _Dies:
     def __init__(self, n: int):
         self.n = n
 
-    def begin(self, step: int):
+    def begin(self, step: int, expected_bytes: int = 0):
         def sink(sha: str, data) -> None:
             self.n -= 1
             if self.n <= 0:

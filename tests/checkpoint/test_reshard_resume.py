@@ -124,3 +124,36 @@ def test_a_resume_that_changes_the_global_batch_is_refused_naming_it(cluster, st
     ((fault, detail),) = {(f.fault_class, f.detail) for f in out.failed}
     assert fault == "config_error"
     assert "global batch rows (data.micro_batch_size x data.grad_accum x parallel.dp) 4 (this job: 2)" in detail
+
+
+def mixture_spec(dp: int, micro_batch_size: int, grad_accum: int = 1) -> JobSpec:
+    """:func:`spec` on a 2:1 mixture of tiny@v1 and mixb@v1 (each its own epochs and position)."""
+    s = spec(dp, micro_batch_size, grad_accum).model_dump()
+    s["data"].pop("dataset")
+    s["data"]["mixture"] = [{"dataset": "tiny@v1", "weight": 2.0}, {"dataset": "mixb@v1", "weight": 1.0}]
+    return JobSpec.model_validate(s)
+
+
+def test_a_mixture_checkpoint_resumes_at_another_dp_on_the_same_global_batches(cluster):
+    src = cluster.home / "src_b"
+    src.mkdir()
+    for i in range(5):
+        (src / f"b{i}.py").write_text(f"class B{i}:\n    x = {i * 17}\n" * (i + 1))
+    prepare_dataset(src, "mixb", "v1", cluster.home / "datasets", val_fraction=0.2)
+    ref = cluster.run("mix_dp2", mixture_spec(2, 2))
+    assert ref.finished and not ref.failed, ref.failed
+    out = cluster.run("mix_dp1_accum2", mixture_spec(1, 2, grad_accum=2), resume=ref.saved[AT])
+    assert out.finished and not out.failed, out.failed
+    assert out.start_step == AT and sorted(out.losses) == list(range(AT + 1, STEPS + 1))
+    assert {s: ref.tokens[s] for s in out.tokens} == out.tokens
+    assert close(out.losses, {s: ref.losses[s] for s in out.losses}) <= RTOL
+    (theirs,) = [v for v in versions_of(cluster.store_address, "mix_dp2") if v.step == STEPS]
+    (ours,) = [v for v in versions_of(cluster.store_address, "mix_dp1_accum2") if v.step == STEPS]
+    a, b = full_state(theirs)["train"], full_state(ours)["train"]
+    assert (
+        a["data_position"].tolist() == b["data_position"].tolist() == [0, STEPS * 4, *b"mix-v1".ljust(16, b"\0")]
+    )  # the blended row, the format
+    # A plain job cannot resume the mixture's position (data.mixture is part of the data order).
+    plain = cluster.run("mix_to_plain", spec(2, 2), resume=ref.saved[AT])
+    ((fault, detail),) = {(f.fault_class, f.detail) for f in plain.failed}
+    assert fault == "config_error" and "data.mixture mixture " in detail and "(this job: one dataset)" in detail

@@ -18,6 +18,7 @@ from services.contract import data_pb2, engine_pb2
 from services.engine.rng_streams import capture, restore, seed
 from services.engine.training_loop import DATA_FORMAT, LoopState, data_format, data_order, data_order_changes
 from services.jobspec import parse_job_spec
+from tests.conftest import REPO
 
 
 def draws() -> tuple:
@@ -34,7 +35,13 @@ def draws() -> tuple:
 def loop_stub(rank: int = 1, world: int = 2, **kw) -> SimpleNamespace:
     spec = SimpleNamespace(
         data=SimpleNamespace(
-            shuffle_seed=kw.get("seed", 1234), shuffle=True, seq_len=64, pack="pack", micro_batch_size=4, grad_accum=2
+            shuffle_seed=kw.get("seed", 1234),
+            shuffle=True,
+            seq_len=64,
+            pack="pack",
+            micro_batch_size=4,
+            grad_accum=2,
+            mixture=None,
         )
     )
     scaler = kw.get("scaler")  # an fp16 scaler's LossScalerState, else fp32's placeholder
@@ -78,7 +85,7 @@ def test_every_rng_stream_and_the_data_position_come_back_from_a_checkpoint_load
     assert (fresh._step, fresh._skipped, fresh._consecutive_skips, fresh._resume_scaler) == (42, 3, 0, None)
     assert fresh._position == data_pb2.DataPosition(epoch=2, row=17)
     # seed, shuffle, seq_len, pack, global batch, the position's format
-    assert fresh._loaded_order == (1234, 1, 64, 1, 4 * 2 * 2, DATA_FORMAT) and DATA_FORMAT == 2
+    assert fresh._loaded_order == (1234, 1, 64, 1, 4 * 2 * 2, DATA_FORMAT, 0) and DATA_FORMAT == 2
 
 
 def test_a_checkpoint_of_the_position_format_before_rows_loads_and_names_its_format(tmp_path):
@@ -94,6 +101,24 @@ def test_a_checkpoint_of_the_position_format_before_rows_loads_and_names_its_for
     safe_load({"train": LoopState(fresh)}, str(tmp_path / "ckpt"), no_dist=True)
     assert fresh._step == 6 and data_format(fresh._loaded_order) == 1
     assert fresh._position == data_pb2.DataPosition(epoch=1)
+
+
+def test_the_data_positions_format_comes_back_and_a_checkpoint_written_without_it_loads_as_empty(tmp_path):
+    """DataPosition.format (the sample-sequence format, services/data/sample_index.py) is
+    kept after [epoch, row]; a checkpoint of [epoch, row] alone (before it was kept) loads as
+    the empty format, which the data service reads as the same sequence."""
+    position = data_pb2.DataPosition(epoch=3, row=40, format="rows-v1")
+    dcp.save({"train": LoopState(loop_stub(step=8, position=position))}, checkpoint_id=str(tmp_path / "new"))
+    fresh = loop_stub()
+    safe_load({"train": LoopState(fresh)}, str(tmp_path / "new"), no_dist=True)
+    assert fresh._position == position and fresh._position.format == "rows-v1"
+
+    before = LoopState(loop_stub(step=8, position=position)).state_dict()
+    before["data_position"] = before["data_position"][:2]  # as written before the format was kept
+    dcp.save({"train": before}, checkpoint_id=str(tmp_path / "old"))
+    fresh = loop_stub(position=data_pb2.DataPosition(format="stale"))
+    safe_load({"train": LoopState(fresh)}, str(tmp_path / "old"), no_dist=True)
+    assert fresh._position == data_pb2.DataPosition(epoch=3, row=40) and fresh._position.format == ""
 
 
 def test_the_rng_state_is_plain_tensors_and_seeding_is_per_rank_and_repeatable():
@@ -180,7 +205,9 @@ def test_checkpoint_async_is_on_by_default_and_spelled_async_in_a_job_file():
 
 def test_a_changed_data_order_is_named_field_by_field_in_one_line_and_the_dp_size_alone_may_change():
     spec = SimpleNamespace(
-        data=SimpleNamespace(shuffle_seed=5, shuffle=True, seq_len=64, pack="pack", micro_batch_size=4, grad_accum=1)
+        data=SimpleNamespace(
+            shuffle_seed=5, shuffle=True, seq_len=64, pack="pack", micro_batch_size=4, grad_accum=1, mixture=None
+        )
     )
     at_dp2 = data_order(spec, 2)
     spec.data.micro_batch_size, spec.data.grad_accum = 2, 2  # dp 2 x 4 -> dp 2 x 2 x accum 2: the same 8 rows
@@ -194,3 +221,26 @@ def test_a_changed_data_order_is_named_field_by_field_in_one_line_and_the_dp_siz
         "global batch rows (data.micro_batch_size x data.grad_accum x parallel.dp) 8 (this job: 16)"
     )
     assert "\n" not in changed
+
+
+def test_a_mixture_checkpoint_resumes_only_the_same_mixture_and_an_older_one_reads_as_one_dataset():
+    from services.jobspec import parse_job_spec
+
+    text = (REPO / "examples" / "jobs" / "demo.yaml").read_text()
+    plain = parse_job_spec(text)
+    mixed = parse_job_spec(
+        text.replace("dataset: stdlib@v1", "mixture: [{dataset: a@v1, weight: 3}, {dataset: b@v1, weight: 1}]")
+    )
+    same = parse_job_spec(
+        text.replace("dataset: stdlib@v1", "mixture: [{dataset: a@v1, weight: 6}, {dataset: b@v1, weight: 2}]")
+    )
+    other = parse_job_spec(
+        text.replace("dataset: stdlib@v1", "mixture: [{dataset: a@v1, weight: 1}, {dataset: b@v1, weight: 1}]")
+    )
+    assert data_order_changes(data_order(mixed, 2), data_order(same, 2)) == ""  # weights are normalised
+    assert data_order_changes(data_order(mixed, 2), data_order(other, 2)).startswith("data.mixture mixture ")
+    changed = data_order_changes(data_order(mixed, 2), data_order(plain, 2))
+    assert changed.startswith("data.mixture mixture ") and changed.endswith("(this job: one dataset)"), changed
+    # A checkpoint written before data.mixture (six values) read a single dataset.
+    assert data_order_changes(data_order(plain, 2)[:-1], data_order(plain, 2)) == ""
+    assert data_format(data_order(mixed, 2)) == DATA_FORMAT

@@ -205,3 +205,34 @@ def test_a_resume_waits_for_capacity_by_control_s_typed_refusal_not_its_words(co
 def grpc_stub(address: str):
     with grpc.insecure_channel(address) as ch:
         yield control_pb2_grpc.ControlServiceStub(ch)
+
+
+def test_a_forced_down_asks_control_to_park_each_live_job_and_says_what_became_of_each():
+    class Parking:
+        def __init__(self):
+            self.asked: list[tuple[str, bool, bool]] = []
+
+        def ListJobs(self, query, timeout=None):
+            jobs = [job("ckpt", JobState.RUNNING), job("fresh", JobState.RUNNING), job("done", JobState.TERMINATED)]
+            return control_pb2.JobList(jobs=jobs)
+
+        def PauseJob(self, req, timeout=None):
+            self.asked.append((req.job_id, req.drain, req.force))
+            if req.job_id == "ckpt":  # a checkpoint to resume from: parked
+                return control_pb2.JobStatus(
+                    job_id="ckpt",
+                    state=JobState.PAUSED,
+                    step=12,
+                    drained=True,
+                    checkpoint_version="ckpt:2",
+                    checkpoint_step=10,
+                )
+            return control_pb2.JobStatus(job_id=req.job_id, state=JobState.RUNNING)  # none yet: left as it is
+
+    control, said = Parking(), []
+    assert drain.park(control, said.append) is True
+    assert control.asked == [("ckpt", True, True), ("fresh", True, True)]  # the ended job is not asked
+    assert said == [
+        "ckpt: parked at step 12; `surgectl up` resumes it from ckpt:2 (step 10), the steps after it are lost",
+        "fresh: RUNNING, not parked: control continues it after `up`",
+    ]

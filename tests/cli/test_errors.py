@@ -59,6 +59,7 @@ def test_a_service_that_cannot_be_reached_is_unreachable(answering):
         (["resume", "j", "--dp", "0"], "--dp"),
         (["resume", "j", "--grad-accum", "abc"], "--grad-accum"),
         (["frobnicate"], "frobnicate"),
+        (["jobs"], "`surgectl status` lists the jobs"),  # another tool's word: the hint names ours
         (["submit"], "spec"),
     ],
 )

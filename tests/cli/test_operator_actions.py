@@ -10,6 +10,11 @@ stack (control on a fixed port, store, data, two node agents, DP=2 jobs as rank 
   refuses the record, injected) leaves no rank process and no job, and the next submit of
   the same size is placed.
 Every process of the stack and of its jobs is killed by PID at the end (running_stack).
+
+The interrupted jobs are held to PACE a step once they reached the step the test waits for
+(``SURGE_FAULT_INJECT`` ``slow_steps``), so that the stop, the drain or the kill finds them
+running however slow the machine; the test lifts the pace once their ranks are gone, and
+the resumed job runs its remaining steps at its own speed.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import pytest
 import torch
 
 from services.contract import control_pb2
+from services.rank.faults import lift_pace
 from tests.conftest import free_ports, kill_all, processes_with
 from tests.faults.test_recovery import cli, final_state, running_stack, spec
 from tests.test_jobspec_ranges import spec_with
@@ -29,16 +35,26 @@ from tests.test_jobspec_ranges import spec_with
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
-# About 20 ms a step here: long enough to stop or drain it midway (200 were all done before a
-# `surgectl stop` on a loaded host had started: seen in a full parallel run).
-STEPS = 400
+STEPS = 60
+# Paced from the step after the one each test waits for: at least 60 s more to its end,
+# until the test lifts it (200 free-running steps of about 20 ms were once all done before
+# a `surgectl stop` on a loaded host had started).
+PACE, STOP_AT, CRASH_AT = 2.0, 20, 25
+PACED = {"tstopres": STOP_AT + 1, "tdrain": STOP_AT + 1, "tcrash": CRASH_AT + 1}
 CONTROL_PORT = free_ports(1)[0]
 ENV = {
     "SURGE_CONTROL_PORT": str(CONTROL_PORT),
     "SURGE_CONTROL_FAULT_INJECT": "tjournal:journal_record",
-    "SURGE_FAULT_INJECT": "tfail:nan_loss@12",
-}  # (fires once per job and rank, across relaunches)
-JOBS = ("tref", "tstopres", "tfail", "tdrain", "trange", "tjournal", "tafter", "tcrash")
+    "SURGE_FAULT_INJECT": ",".join(
+        ["tfail:nan_loss@12"]  # (fires once per job and rank, across relaunches)
+        + [f"{job}:slow_steps@{at}:rank={r}:seconds={PACE:g}" for job, at in PACED.items() for r in (0, 1)]
+    ),
+}
+JOBS = ("tref", "tshort", "tstopres", "tfail", "tdrain", "trange", "tjournal", "tafter", "tcrash")
+# The failed job saves every 5 steps (a version committed before its NaN at step 12 whatever
+# the load): over STEPS that was 80 saves, 30 s of a CI run; resumed and compared over
+# FAILED_STEPS with a reference of as many steps, it shows the same.
+FAILED_STEPS = 40
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +67,14 @@ def stack(tmp_path_factory):
 def reference(stack):
     """The uninterrupted run every interrupted one is compared with (its final state)."""
     job = stack.submit(spec("tref", steps=STEPS, every=1000))
+    assert stack.events(job, timeout=300)[-1].status.outcome == JobOutcome.FINISHED
+    return final_state(stack.home, job)
+
+
+@pytest.fixture(scope="module")
+def short_reference(stack):
+    """An uninterrupted run of FAILED_STEPS steps (its final state)."""
+    job = stack.submit(spec("tshort", steps=FAILED_STEPS, every=1000))
     assert stack.events(job, timeout=300)[-1].status.outcome == JobOutcome.FINISHED
     return final_state(stack.home, job)
 
@@ -69,6 +93,11 @@ def wait_state(stack, job_id: str, state: int, timeout: float = 120) -> control_
         )
         time.sleep(0.1)
     return s
+
+
+def lift(stack, job_id: str) -> None:
+    """The job's ranks (and those of its resume) train at their own speed from now on."""
+    lift_pace(stack.home / "run" / "faults", job_id)
 
 
 def wait_no_ranks(job_id: str, timeout: float = 30) -> None:
@@ -145,7 +174,7 @@ def test_a_submit_that_fails_after_its_ranks_launched_leaves_no_rank_no_slot_and
 
 def test_stop_checkpoints_its_step_and_resume_ends_bit_identical_to_an_uninterrupted_run(stack, reference):
     job = stack.submit(spec("tstopres", steps=STEPS, every=1000))
-    stack.wait_step(job, 20)
+    stack.wait_step(job, STOP_AT)
     r = cli(stack.home, "stop", job)
     assert r.returncode == 0, r.stdout + r.stderr
     # (the reply comes before the boundary: the line says the job is still running, and why)
@@ -153,9 +182,13 @@ def test_stop_checkpoints_its_step_and_resume_ends_bit_identical_to_an_uninterru
     stopped = wait_state(stack, job, JobState.TERMINATED)
     assert stopped.outcome == JobOutcome.STOPPED and stopped.step < STEPS
     log = messages(stack, job)
-    assert any(m.startswith("stop requested: ranks checkpoint and stop after step") for m in log)
+    assert any(
+        m.startswith("stop requested: ranks checkpoint and stop at the first step boundary every rank") for m in log
+    )
+    assert f"stop: every rank agreed on after step {stopped.step}" in log, log  # the boundary, from the ranks
     assert any(m.startswith(f"checkpoint {job}:1 at step {stopped.step} ") for m in log), log
     wait_no_ranks(job)
+    lift(stack, job)
 
     r = cli(stack.home, "resume", job)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -172,10 +205,10 @@ def test_stop_checkpoints_its_step_and_resume_ends_bit_identical_to_an_uninterru
     assert r.returncode != 0 and "is TERMINATED (FINISHED)" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-def test_a_failed_job_resumes_from_its_newest_verified_checkpoint_and_ends_bit_identical(stack, reference):
+def test_a_failed_job_resumes_from_its_newest_verified_checkpoint_and_ends_bit_identical(stack, short_reference):
     # A NaN loss at step 12 under a policy that stops: FAILED. Its checkpoints (every 5 steps)
     # stay; resume continues from the one at step 10 (the injection fired once).
-    text = spec("tfail", steps=STEPS, every=5) + "fault_policy: {actions: {non_finite_loss: stop}}\n"
+    text = spec("tfail", steps=FAILED_STEPS, every=5) + "fault_policy: {actions: {non_finite_loss: stop}}\n"
     job = stack.submit(text)
     failed = stack.events(job)[-1].status
     assert (failed.state, failed.outcome) == (JobState.TERMINATED, JobOutcome.FAILED), failed.message
@@ -195,13 +228,13 @@ def test_a_failed_job_resumes_from_its_newest_verified_checkpoint_and_ends_bit_i
         -1
     ].message
     assert any(e.message.startswith("resume TERMINATED (FAILED) from checkpoint") for e in events)
-    same_state(reference, final_state(stack.home, job))
+    same_state(short_reference, final_state(stack.home, job))
 
 
 def test_down_drains_a_running_job_and_up_resumes_it_bit_identical(stack, reference):
     # The stack is stopped and started again (same control port).
     job = stack.submit(spec("tdrain", steps=STEPS, every=1000))
-    stack.wait_step(job, 20)
+    stack.wait_step(job, STOP_AT)
     services = json.loads((stack.home / "run" / "stack.json").read_text())["services"]
     r = cli(stack.home, "down", timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -210,6 +243,7 @@ def test_down_drains_a_running_job_and_up_resumes_it_bit_identical(stack, refere
     for name, s in services.items():
         assert not processes_with(f"--port {s['port']} "), f"{name} still runs after down"
     wait_no_ranks(job, timeout=15)
+    lift(stack, job)
 
     r = cli(stack.home, "up", "--workers", "2", env=ENV, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -233,14 +267,15 @@ def test_up_after_a_kill_9_of_every_service_continues_the_running_job_bit_identi
     # job (its ranks lose their node agents); `surgectl up` brings the stack back on the same
     # ports, control restores the job from its journal and continues it (from its newest
     # checkpoint, as its ranks are gone): it ends like an uninterrupted run.
-    job = stack.submit(spec("tcrash", steps=STEPS, every=25))
-    stack.wait_step(job, 60)
+    job = stack.submit(spec("tcrash", steps=STEPS, every=10))
+    stack.wait_step(job, CRASH_AT)
     services = json.loads((stack.home / "run" / "stack.json").read_text())["services"]
     kill_all([s["pid"] for s in services.values()])
     t0 = time.monotonic()
     while any(Path(f"/proc/{s['pid']}").exists() for s in services.values()):
         assert time.monotonic() - t0 < 10, "a SIGKILLed service is still there"
         time.sleep(0.05)
+    lift(stack, job)
     r = cli(stack.home, "up", "--workers", "2", env=ENV, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     events = stack.events(job, timeout=300)

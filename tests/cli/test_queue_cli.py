@@ -119,3 +119,26 @@ def test_status_lists_a_worker_cordoned_after_a_device_error_with_the_reason(tmp
         assert "device_error: device 3 of wa: uncorrectable ECC errors: 1 since the driver loaded" in row
         code, out, _ = run(monkeypatch, capsys, "status", "-o", "json")
         assert code == 0 and json.loads(out) == []  # (json: the jobs, as before)
+
+
+def test_status_shows_a_quarantined_worker_and_uncordon_releases_it_or_refuses_an_unknown_one_in_a_line(
+    tmp_path, monkeypatch, capsys
+):
+    from services.contract import Module
+
+    monkeypatch.setenv("SURGE_HOME", str(tmp_path))
+    with served_control(tmp_path / "control.db", monkeypatch) as (plane, stub):
+        plane.sessions.open(registration("wa"))
+        alert = control_pb2.FaultBacklogAlert(worker_id="wa", reports=3, incidents=2, detail="3 rank faults on wa")
+        plane.bus.publish(Module.L1_FAULT_DETECTOR, alert)  # (L1-3's alert: its rule is tested in tests/control)
+        monkeypatch.setenv("COLUMNS", "300")
+        code, out, _ = run(monkeypatch, capsys, "status")
+        (row,) = [line for line in out.splitlines() if "quarantined" in line]
+        assert code == 0 and "wa" in row and "quarantined: 3 rank faults on wa" in row and "`surgectl uncordon`" in row
+        code, out, err = run(monkeypatch, capsys, "uncordon", "wz")
+        assert (code, out) == (2, "")
+        assert err.strip() == "error: uncordon: worker 'wz' is not cordoned (cordoned: wa)"
+        code, out, _ = run(monkeypatch, capsys, "uncordon", "wa")
+        assert (code, out.strip()) == (0, "wa: uncordoned; ranks may be placed on it again")
+        code, out, _ = run(monkeypatch, capsys, "status")
+        assert code == 0 and "unhealthy workers" not in out

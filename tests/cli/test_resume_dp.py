@@ -22,21 +22,25 @@ import pytest
 
 from services.contract import control_pb2
 from services.jobspec import parse_job_spec
+from services.rank.faults import lift_pace
 from tests.faults.test_recovery import cli, running_stack, spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
-# The stop's boundary lies about a second of steps ahead of the step control saw last
-# (orchestrator.BOUNDARY_MARGIN_S; about 60 steps here): enough steps that the job is
-# stopped well before its end.
-STEPS = 160
+# The stop takes effect at the first step boundary its ranks agree on (a step or two after
+# they all hold it: services/common/boundary_commands.py): the job is held to PACE a step from
+# step 4 on (``SURGE_FAULT_INJECT`` ``slow_steps``) until it stopped, so that it stops well
+# before its end whatever the machine's speed; the resumed job runs at its own speed.
+STEPS, PACE = 30, 2.0
+PACED = ",".join(f"tdp:slow_steps@4:rank={r}:seconds={PACE:g}" for r in (0, 1))
 RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with running_stack(tmp_path_factory.mktemp("surge-resume-dp"), ("json",), ("tdpref", "tdp")) as s:
+    home = tmp_path_factory.mktemp("surge-resume-dp")
+    with running_stack(home, ("json",), ("tdpref", "tdp"), env={"SURGE_FAULT_INJECT": PACED}) as s:
         yield s
 
 
@@ -65,6 +69,7 @@ def test_a_stopped_dp2_job_resumes_at_dp1_with_the_same_global_batches_and_losse
     stopped = wait_state(stack, job, JobState.TERMINATED)
     at = stopped.step
     assert stopped.outcome == JobOutcome.STOPPED and at < STEPS, stopped.message
+    lift_pace(stack.home / "run" / "faults", job)
     assert (stopped.dp, stopped.micro_batch_size, stopped.grad_accum, stopped.world_size) == (2, 4, 1, 2)
 
     # Refused before anything is touched: one line, a bad-input exit, the job as it was.
@@ -74,9 +79,13 @@ def test_a_stopped_dp2_job_resumes_at_dp1_with_the_same_global_batches_and_losse
         "error: --dp 3: the global batch (data.micro_batch_size x data.grad_accum x parallel.dp)"
     )
     assert "4 x 1 x 3 = 12 rows, not the job's 8" in r.stderr
+    # More ranks than the workers have: it waits in the queue as a submit of that size does
+    # (was: refused); taken out of it, the job is as it was.
     r = cli(stack.home, "resume", job, "--dp", "4", "--micro-batch-size", "2")
-    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stdout + r.stderr
-    assert f"cannot resume {job} now: it needs 4 ranks (parallel.dp=4)" in r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith(f"{job}: resume waits in the queue (#1): needs 4 ranks (parallel.dp=4)"), r.stdout
+    r = cli(stack.home, "cancel", job)
+    assert r.returncode == 0, r.stdout + r.stderr
     s = stack.status(job)
     assert (s.state, s.outcome, s.dp, s.world_size, s.step) == (JobState.TERMINATED, JobOutcome.STOPPED, 2, 2, at)
 

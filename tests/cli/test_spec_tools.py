@@ -225,6 +225,9 @@ def test_dry_run_with_no_stack_validates_reads_the_catalog_estimates_and_submits
     assert report[gpu + 1].startswith("#   tensors ") and report[gpu + 2].startswith("#   CUDA context ")
     assert any(line.startswith("#   GPU total ") for line in report[gpu:])
     assert any(line.startswith("#   host total ") for line in report[gpu:])
+    # The in-memory checkpoint copy (issue 29 item 8): its size and the room in /dev/shm here.
+    (copy,) = [line for line in report if line.startswith("# memory copy per rank ")]
+    assert "(float32 parameters and AdamW moments)" in copy and ("free in /dev/shm" in copy or "cannot be read" in copy)
     # The output is a job file: the effective spec, every default filled, the overrides in.
     effective = parse_job_spec(out, "dry-run.yaml")
     assert effective == load_spec(job, ["steps=100", "optimizer.lr=1e-3"])[0]
@@ -379,3 +382,27 @@ def test_the_activation_estimate_matches_what_autograd_saves(variant):
     measured = sum(saved.values())
     print(f"{variant}: autograd saved {measured} bytes, estimated {estimate} ({estimate / measured - 1:+.2%})")
     assert abs(estimate / measured - 1) < 0.02
+
+
+def test_the_dry_runs_memory_copy_line_shows_its_size_and_the_room_and_warns_when_it_cannot_fit():
+    """Issue 29 item 8: a copy that does not fit the node's shared memory is skipped at every
+    save (MemoryCopySkipped); the dry run says so before anything runs."""
+    from services.cli.spec_tools import memory_copy_line
+    from services.common.free_space import Room
+    from services.memory_estimate import estimate_memory
+
+    spec = parse_job_spec(
+        "name: c\nsteps: 1\nmodel: {n_layers: 2, d_model: 64, n_heads: 4, vocab_size: 256}\n"
+        "data: {dataset: x@v1, seq_len: 16, micro_batch_size: 1}\n",
+        "job.yaml",
+    )
+    need = estimate_memory(spec).checkpoint_bytes
+    params = sum(i.bytes for i in estimate_memory(spec).items if i.name == "parameters")
+    assert need == 3 * params  # float32 weights and two AdamW moments, every parameter trainable
+    fits = memory_copy_line(need, Room("/dev/shm", free_bytes=10 * need, cgroup_bytes=None))
+    assert fits.startswith("memory copy per rank (newest checkpoint, in the node agent's shared memory): ")
+    assert fits.endswith("here: " + Room("/dev/shm", 10 * need).describe())
+    short = memory_copy_line(need, Room("/dev/shm", free_bytes=10 * need, cgroup_bytes=need // 2))
+    assert "(cgroup memory: " in short and short.endswith(
+        "too little for one copy: every save's copy would be skipped (MemoryCopySkipped)"
+    )

@@ -499,3 +499,19 @@ def test_a_directory_that_gives_the_model_nothing_is_named_before_the_defaults_i
     # The shape written: the spec's own refusal.
     with pytest.raises(JobSpecError, match=r"^ft.yaml: model.freeze\[0\]: 'blocks.20.\*' matches no parameter"):
         parse_job_spec(stated, "ft.yaml")
+
+
+def test_greedy_generation_with_the_kv_cache_is_transformers_on_the_export(tmp_path):
+    """`surgectl generate`'s decoding (services/compute/decode.py, with its KV cache) and
+    transformers' greedy generate on the exported directory give the same tokens."""
+    transformers = pytest.importorskip("transformers")
+    from services.compute.decode import generate
+
+    spec = small_spec(norm_eps=1e-6)
+    model = build_model(spec.model, seed=11).eval()
+    hf_format.save_hf(tmp_path, model.state_dict(), spec)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    prompt = torch.tensor([7, 3, 9, 1])
+    ours = generate(model, prompt, 12, temperature=0.0, context_len=spec.data.seq_len)  # (16 positions: all kept)
+    theirs = hf.generate(prompt[None], max_new_tokens=12, do_sample=False, pad_token_id=0)[0]
+    assert torch.equal(ours, theirs), (ours.tolist(), theirs.tolist())

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.compute.model import build_model, count_parameters, generate, mlp_hidden_width
+from services.compute.decode import generate
+from services.compute.model import build_model, count_parameters, mlp_hidden_width
 from services.jobspec import ModelSpec
 
 SMALL = {"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64}

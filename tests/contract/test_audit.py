@@ -11,6 +11,7 @@ import pytest
 import structlog
 
 from services.cli.audit import view
+from services.common import grpc_server
 from services.common.grpc_server import channel
 from services.contract import Module, audit_pb2, audit_pb2_grpc, control_pb2, engine_pb2, worker_pb2
 from services.contract.audit import (
@@ -283,13 +284,17 @@ def test_the_data_service_returns_a_refused_send_to_its_caller_as_permission_den
     def mount(msg, payload=None):  # as if L4-1's handling made a send the table refuses
         raise BoundaryViolation(Module.L4_DATASET_VERSIONS, "surge.v1.FilterRules", Module.L4_FILTER)
 
-    servicer = DataServicer(mount=mount, list_datasets=mount, new_stream=None, log=log)
-    server, address = _serve(data_pb2_grpc.add_DataServiceServicer_to_server, servicer)
+    work = futures.ThreadPoolExecutor(max_workers=2)
+    servicer = DataServicer(mount=mount, list_datasets=mount, new_stream=None, log=log, executor=work)
+    server = grpc_server.AioServiceServer("data", "127.0.0.1", 0)  # the data service serves on grpc.aio
+    data_pb2_grpc.add_DataServiceServicer_to_server(servicer, server.server)
+    server.start(["surge.v1.DataService"])
     try:
-        with channel(address) as ch, pytest.raises(grpc.RpcError) as e:
+        with channel(f"127.0.0.1:{server.port}", module=Module.EXT_USER) as ch, pytest.raises(grpc.RpcError) as e:
             data_pb2_grpc.DataServiceStub(ch).Mount(data_pb2.MountDataset(name="tiny", version="v1"), timeout=10)
     finally:
         server.stop(0)
+        work.shutdown()
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
     event = violation_from_rpc(e.value)
     assert (event.process, event.sender, event.message) == ("data", Module.L4_DATASET_VERSIONS, "surge.v1.FilterRules")

@@ -224,3 +224,100 @@ def test_a_grpc_error_reads_as_its_status_and_details_in_one_line_not_its_repr()
     assert "\n" in str(caught.value)  # the repr a user would have seen
     assert fl.one_line(caught.value) == "FAILED_PRECONDITION: dataset x@v1: no document passes the filter"
     assert fl.one_line(ValueError("a\nb")) == "ValueError: a"
+
+
+# ---------------------------------------------------------------- a refused write (issue 29 item 8)
+
+WRITE_ERRORS = [
+    (errno.ENOSPC, route_pb2.WRITE_NO_SPACE),
+    (errno.EDQUOT, route_pb2.WRITE_QUOTA),
+    (errno.EACCES, route_pb2.WRITE_PERMISSION),
+    (errno.EPERM, route_pb2.WRITE_PERMISSION),
+    (errno.EROFS, route_pb2.WRITE_READ_ONLY),
+    (errno.EIO, route_pb2.WRITE_IO),
+]
+
+
+@pytest.mark.parametrize(("code", "kind"), WRITE_ERRORS)
+def test_a_refused_write_is_typed_from_its_errno(code, kind):
+    refused = fl.write_refused(OSError(code, "whatever the libc says", "/store/job/.staging/x"))
+    assert refused is not None
+    assert (refused.write_error, refused.path, refused.errno) == (kind, "/store/job/.staging/x", code)
+    assert fl.cause_of(refused) == route_pb2.FAILURE_WRITE_REFUSED
+
+
+def test_an_errno_no_write_refusal_raises_is_none_whatever_its_text_says():
+    assert fl.write_refused(OSError(errno.ENOENT, "No space left on device", "/x")) is None
+    assert fl.write_refused(RuntimeError("[Errno 28] No space left on device")) is None
+    # Outside a write site an OSError keeps its plain I/O cause (EACCES on a read says something else).
+    assert fl.cause_of(OSError(errno.ENOSPC, "full")) == route_pb2.FAILURE_IO
+
+
+def test_a_refused_write_is_found_behind_a_wrapper_and_in_another_ranks_gathered_error():
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    try:
+        raise OSError(errno.EROFS, "Read-only file system", "/store/j/chunks/1/ab")
+    except OSError as e:
+        gathered = CheckpointException("write", {0: _wrap_exception(ValueError("other")), 1: _wrap_exception(e)})
+    refused = fl.write_refused(gathered)
+    assert refused is not None and refused.write_error == route_pb2.WRITE_READ_ONLY
+    try:
+        try:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+        except OSError as inner:
+            raise RuntimeError("write failed") from inner
+    except RuntimeError as outer:
+        assert fl.write_refused(outer).write_error == route_pb2.WRITE_QUOTA
+
+
+def test_a_refused_write_survives_the_pickling_dcp_gathers_it_with():
+    import pickle
+
+    refused = fl.write_refused(OSError(errno.ENOSPC, "No space left on device", "/s/x"))
+    back = pickle.loads(pickle.dumps(refused))
+    assert (type(back), back.errno, back.write_error, back.path) == (fl.WriteRefused, errno.ENOSPC, 1, "/s/x")
+
+
+def test_writing_names_the_path_and_leaves_other_errors_as_they_are(tmp_path):
+    with pytest.raises(fl.WriteRefused) as e, fl.writing(tmp_path / "manifest.json"):
+        raise OSError(errno.ENOSPC, "No space left on device")  # (a write() names no file)
+    assert (e.value.path, e.value.write_error) == (str(tmp_path / "manifest.json"), route_pb2.WRITE_NO_SPACE)
+    with pytest.raises(FileNotFoundError), fl.writing(tmp_path / "x"):
+        open(tmp_path / "missing" / "x", "rb")  # noqa: SIM115 - an error that is no refused write
+
+
+def test_a_servers_refused_write_reaches_the_caller_typed_with_which_and_where():
+    class Refused(grpc.RpcError):
+        def __init__(self, metadata):
+            self._metadata = metadata
+
+        def trailing_metadata(self):
+            return self._metadata
+
+        def code(self):
+            return grpc.StatusCode.INTERNAL
+
+    error = fl.WriteRefused(errno.EROFS, "Read-only file system", "/store/catalog.json", route_pb2.WRITE_READ_ONLY)
+    metadata = fl.cause_metadata(error)
+    assert dict(metadata) == {
+        fl.CAUSE_METADATA: "FAILURE_WRITE_REFUSED",
+        fl.WRITE_ERROR_METADATA: "WRITE_READ_ONLY",
+        fl.WRITE_PATH_METADATA: "/store/catalog.json",
+    }
+    assert fl.cause_of(Refused(metadata)) == route_pb2.FAILURE_WRITE_REFUSED
+    assert fl.write_refused_from_rpc(Refused(metadata)) == (route_pb2.WRITE_READ_ONLY, "/store/catalog.json")
+    assert fl.cause_metadata(OSError(errno.ENOSPC, "full")) == ((fl.CAUSE_METADATA, "FAILURE_IO"),)
+
+
+def test_a_refusal_typed_in_another_process_is_found_by_its_kind_not_its_text():
+    class Carried(RuntimeError):  # e.g. a relay's error for a stream the store refused
+        failure_cause = route_pb2.FAILURE_WRITE_REFUSED
+        write_error = route_pb2.WRITE_QUOTA
+        path = "/store/j/.staging/step-4/x"
+
+    refused = fl.write_refused(Carried("PutCheckpointFiles: INTERNAL: whatever"))
+    assert (refused.errno, refused.write_error, refused.path) == (errno.EDQUOT, route_pb2.WRITE_QUOTA, Carried.path)
+    untyped = Carried("the same text")
+    untyped.failure_cause = route_pb2.FAILURE_IO
+    assert fl.write_refused(untyped) is None

@@ -3,6 +3,7 @@ missing or an extra one; services/contract/handlers.py (the Protocols) is kept f
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 from services.contract import Module, data_pb2, engine_pb2
 from services.contract.bus import Bus, RouteError
 from services.contract.handlers_gen import REPO
-from services.contract.route_table import default_table, handler_name
+from services.contract.route_table import RouteTable, default_table, handler_name
 
 
 def test_the_committed_handler_protocols_are_what_make_contracts_generates():
@@ -89,3 +90,26 @@ def test_host_takes_a_stated_exception_and_refuses_a_stale_one():
         Bus().host(
             Module.L4_FILTER, NoSamples(), not_handled={data_pb2.SamplesShuffled: "a test", engine_pb2.RunForward: "no"}
         )
+
+
+def test_host_skips_a_receiver_its_route_marks_not_handled_and_refuses_one_that_handles_it():
+    # SamplesShuffled to L4-3 marked not_handled on the route (a planted table): not required
+    # and not subscribed; a module defining its handler anyway contradicts the route.
+    routes = {r.message: r for r in default_table().routes()}
+    marked = dataclasses.replace(
+        routes["surge.v1.SamplesShuffled"], not_handled={Module.L4_FILTER: "planted: arrives another way"}
+    )
+    table = RouteTable({**routes, marked.message: marked})
+
+    class NoSamples:
+        def filter_rules(self, msg, payload=None): ...
+
+    bus = Bus(table)
+    bus.host(Module.L4_FILTER, NoSamples())
+    assert bus.subscriptions() == [("surge.v1.FilterRules", Module.L4_FILTER)]
+    contradicts = (
+        r"^L4_FILTER \(Filter\) handles surge\.v1\.SamplesShuffled with on_samples_shuffled, "
+        r"but its route says it does not \(not_handled\)$"
+    )
+    with pytest.raises(RouteError, match=contradicts):
+        Bus(table).host(Module.L4_FILTER, Filter())

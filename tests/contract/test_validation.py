@@ -74,6 +74,18 @@ def test_a_route_naming_a_module_that_does_not_exist_is_refused():
             {"status": route_pb2.SEED_ONLY, "reason": "  "},
             r"is SEED_ONLY without a reason; say why in reason: \"\.\.\.\"",
         ),
+        (
+            {"status": route_pb2.DEFERRED, "reason": "not built"},
+            r"is DEFERRED without tracked_by; name the file or test its reason rests on: tracked_by: \"path::Name\"",
+        ),
+        (
+            {"not_handled": {Module.L1_ORCHESTRATOR: "planted"}},
+            r"says L1_ORCHESTRATOR does not handle it, but does not route it there",
+        ),
+        (
+            {"not_handled": {Module.L2_OPTIMIZER: " "}},
+            r"says L2_OPTIMIZER does not handle it without a reason; say why in reason: \"\.\.\.\"",
+        ),
     ],
 )
 def test_an_incomplete_route_is_refused(change, error):

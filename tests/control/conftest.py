@@ -90,8 +90,8 @@ class Plane:
             ev = worker_pb2.RankEvent(job_id=job_id, rank=rank, routed=pack(msg, sender))
         self.c.sessions.on_worker_event(session, control_pb2.WorkerEvent(rank_event=ev))
 
-    def rank_exited(self, session, job_id: str, rank: int, exit_code: int) -> None:
-        ev = control_pb2.RankExited(job_id=job_id, rank=rank, exit_code=exit_code)
+    def rank_exited(self, session, job_id: str, rank: int, exit_code: int, **kw) -> None:
+        ev = control_pb2.RankExited(job_id=job_id, rank=rank, exit_code=exit_code, **kw)
         self.c.sessions.on_worker_event(session, control_pb2.WorkerEvent(rank_exited=ev))
 
 

@@ -44,7 +44,10 @@ def test_a_burst_journals_its_effectless_cursors_in_one_write_and_acks_the_last_
     hub = plane.c.sessions
     writes: list[list] = []
     real_write = journal.write_cursors
-    journal.write_cursors = lambda cursors: (writes.append(list(cursors)), real_write(cursors))  # spy, real write
+    journal.write_cursors = lambda cursors: (  # spy, real write
+        writes.append([(c.worker_id, c.incarnation, list(seqs)) for c, seqs in cursors]),
+        real_write(cursors),
+    )
 
     # beat, step (journaled: rank 0's step row, with its cursor), beat, beat
     hub.on_worker_events(
@@ -55,7 +58,7 @@ def test_a_burst_journals_its_effectless_cursors_in_one_write_and_acks_the_last_
             (session, heartbeat_event(job_id, 0, 2, 4)),
         ]
     )
-    assert writes == [[("wa", "i1", 4)]]  # one group write, for the beats after the step
+    assert writes == [[("wa", "i1", [3, 4])]]  # one group write, for the beats after the step
     assert journal.worker_cursor("wa") == ("i1", 4)
     assert [s for s, _ in journal.steps(job_id)] == [1]
     assert acks(plane, session) == [4]  # coalesced
@@ -69,7 +72,7 @@ def test_a_burst_journals_its_effectless_cursors_in_one_write_and_acks_the_last_
         ]
     )
     assert [s for s, _ in journal.steps(job_id)] == [1, 2]
-    assert hub.duplicates == 2 and writes == [[("wa", "i1", 4)]]  # 5 was journaled with its step
+    assert hub.duplicates == 2 and writes == [[("wa", "i1", [3, 4])]]  # 5 was journaled with its step
     assert journal.worker_cursor("wa") == ("i1", 5) and acks(plane, session) == [5]
     journal.close()
 

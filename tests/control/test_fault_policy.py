@@ -23,7 +23,7 @@ from services.control.orchestrator import (
 from services.control.store_relay import StoreRelay
 from services.jobspec import FaultPolicySpec, JobSpecError, parse_job_spec
 
-from .conftest import Plane, drain, kinds, registration, spec_yaml, to_ranks
+from .conftest import Plane, drain, kinds, registration, spec_yaml, stop_plane, to_ranks
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 pytestmark = pytest.mark.timeout(30)
@@ -199,6 +199,54 @@ def test_an_exhausted_restart_budget_fails_the_job_with_the_reason(plane):
         decisions(plane, job_id)[-1]
         == "stop after rank_exit of rank 1 on wb: restart budget for rank_exit exhausted (1 of 1 used)"
     )
+
+
+def test_an_oom_kill_is_relaunched_once_then_pauses_the_job_with_a_hint_and_a_resume_relaunches_it(
+    plane, store, tmp_path
+):
+    job_id, w = running(plane, "wa", "wb")
+    store.verdicts = [(saved(plane, w["wa"], job_id, 1, step=4), 4, True)]
+    oom = {"cause": control_pb2.EXIT_OOM_KILLED, "oom_counter_read": True}
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9, **oom)
+    assert decisions(plane, job_id)[-1] == "restart_ranks after rank_oom of rank 1 on wb (restart 1 of 1 for rank_oom)"
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=-9, released=True)
+    restarted(plane, job_id, {0: w["wa"], 1: w["wb"]}, start_step=4)
+    assert plane.get(job_id).state == JobState.RUNNING
+    for s in w.values():
+        drain(s)
+
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9, **oom)  # again, with the same configuration
+    s = plane.get(job_id)
+    assert (s.state, s.outcome) == (JobState.PAUSED, JobOutcome.OUTCOME_UNSPECIFIED)  # never FAILED
+    hint = (
+        "paused: rank_oom again with the same configuration; lower data.micro_batch_size, or enable "
+        "parallel.activation_checkpointing or parallel.data_parallel: fsdp2"
+    )
+    assert s.message == hint
+    assert decisions(plane, job_id)[-1].startswith("pause after rank_oom of rank 1 on wb: out of memory again")
+    (release,) = [c for c in drain(w["wa"]) if c.WhichOneof("command") == "release"]
+    assert release.release.kill  # the survivor's slot is freed at once
+    # Its survivor's end is no new fault of the paused job.
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=-9, released=True)
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=1, cause=control_pb2.EXIT_ERROR)
+    assert plane.get(job_id).state == JobState.PAUSED and not decisions(plane, job_id)[-1].startswith("restart")
+
+    # A restarted control keeps it paused, with the hint.
+    stop_plane(plane.c)
+    plane = Plane(
+        build(JobStore(tmp_path / "control.db"), data_address="d:1", store_address="s:1", persist_interval_s=0.0)
+    )
+    try:
+        s = plane.get(job_id)
+        assert (s.state, s.message) == (JobState.PAUSED, hint)
+        w = {name: plane.register(name) for name in w}
+        # The operator (having changed what the hint says, or not) resumes it: relaunched from
+        # its newest checkpoint, with the budgets anew.
+        s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+        assert s.state == JobState.WARMING_UP
+        assert resumes(w["wa"]) == [f"{job_id}:1"]
+    finally:
+        stop_plane(plane.c)
 
 
 def test_a_worker_rejoining_does_not_reset_the_budget(plane):
@@ -482,13 +530,15 @@ def test_a_standing_order_the_orchestrator_withdraws_reaches_every_rank_with_one
     # own path, called as a handler of such a request would call it.
     job_id, w = running(plane, "wa", "wb")
     plane.rank_event(w["wa"], job_id, 0, step=engine_pb2.StepCompleted(step=5, loss=2.0, tokens=64))
-    at = plane.c.orchestrator._withdraw_standing_order(job_id, 1)
-    assert at > 5  # a boundary the ranks have yet to reach
+    seq = plane.c.orchestrator._withdraw_standing_order(job_id, 1)
+    assert seq == 1  # the job's first boundary command: no step named, the ranks agree on one
     for session in w.values():
-        assert [to_ranks(c) for c in drain(session)] == [
-            engine_pb2.RevokeStandingOrder(job_id=job_id, order=1, after_step=at)
-        ]
-    assert decisions(plane, job_id)[-1] == f"standing order 1 revoked after step {at}"
+        assert [to_ranks(c) for c in drain(session)] == [engine_pb2.RevokeStandingOrder(job_id=job_id, order=1, seq=1)]
+    assert decisions(plane, job_id)[-1] == (
+        "standing order 1 revoked at the first step boundary every rank agrees on (boundary command 1)"
+    )
+    plane.rank_event(w["wa"], job_id, 0, step=engine_pb2.StepCompleted(step=8, loss=2.0, tokens=64, commands_agreed=1))
+    assert "standing order 1 revoked after step 8" in [e.message for e in plane.events(job_id)[-2:]]  # where agreed
     plane.user(control_pb2.StopJobRequest(job_id=job_id, no_checkpoint=True))
     plane.rank_exited(w["wa"], job_id, 0, exit_code=0), plane.rank_exited(w["wb"], job_id, 1, exit_code=0)
     with pytest.raises(IllegalTransition, match="no ranks to revoke an order of"):
@@ -520,7 +570,7 @@ def test_a_restarted_control_answers_a_reminder_with_the_journaled_verdict_and_k
     plane.rank_event(w["wb"], job_id, 1, step_fault=engine_pb2.StepFaultReported(rank=1, reminder=1, **nan))
     assert [[to_ranks(c) for c in drain(s)] for s in w.values()] == [[verdict], [verdict]]  # (by job, to every rank)
     assert decisions(plane, job_id)[1:] == [
-        f"standing order 1 revoked after step {at}",
+        "standing order 1 revoked at the first step boundary every rank agrees on (boundary command 1)",
         "verdict on non_finite_loss at step 6 sent again: rank 1 still waits after 0 s",
     ]
     assert plane.c.orchestrator._withdraw_standing_order(job_id, 1) == at  # these ranks have it already
@@ -971,3 +1021,64 @@ def test_rebuild_is_for_lost_ranks_only_and_falls_back_when_it_cannot_be_done():
     assert decide(policy, JobView(restarts={}, ignored={}), loss).action == "rebuild"
     paused = decide(policy, JobView(restarts={}, ignored={}, no_rebuild="the job is PAUSED, not training"), loss)
     assert paused.action == "restart_ranks" and paused.text.endswith("the job is PAUSED, not training")
+
+
+def test_a_replica_divergence_rolls_back_to_the_last_agreeing_check_and_a_version_that_reproduces_it_is_struck(
+    plane, store
+):
+    """Issue 29 item 3: checks every 4 steps; found at step 12 -> back to a version at or
+    before step 8 (step 10's is never loaded); found again at the first check after the
+    recovery from step 8's version -> that version is suspect, struck, and the job goes back
+    to step 4's."""
+    job_id, w = running(plane, "wa", "wb", extra=QUICK + "\nintegrity: {replica_check_every_steps: 4}")
+    v1, v2, v3 = (saved(plane, w["wa"], job_id, n, step=s) for n, s in ((1, 4), (2, 8), (3, 10)))
+    store.verdicts = [(v1, 4, True), (v2, 8, True), (v3, 10, True)]
+    detail = "data-parallel replicas differ after step 12 in tok_emb.weight: dp rank 1 differs from the majority"
+    failed = engine_pb2.TrainingLoopFailed(step=12, fault_class="replica_divergence", detail=detail)
+    plane.rank_event(w["wa"], job_id, 0, failed=failed)
+    assert decisions(plane, job_id) == [
+        "rollback after replica_divergence of rank 0 (restart 1 of 3 for replica_divergence); back to a version "
+        "at or before step 8, the last replica check that agreed"
+    ]
+    events = [e.message for e in plane.events(job_id)]
+    assert f"checkpoint {v3} saved after the last replica check that agreed (step 8); never loaded" in events
+    assert resumes(w["wb"]) == [v2]
+    restarted(plane, job_id, {0: w["wa"], 1: w["wb"]}, start_step=8)
+    assert plane.get(job_id).state == JobState.RUNNING
+    # The first check after step 8's version (at 12) fails again: that version reproduces it.
+    plane.rank_event(w["wa"], job_id, 0, failed=failed)
+    assert decisions(plane, job_id)[1].endswith(f"; {v2} reproduced the divergence: suspect, never loaded again")
+    events = [e.message for e in plane.events(job_id)]
+    assert (
+        f"checkpoint {v2} reproduced the replica divergence it was loaded to recover from: suspect; never loaded again"
+        in events
+    )
+    assert resumes(w["wb"]) == [v1]
+
+
+def test_a_changed_dataset_shard_pauses_the_job_even_while_its_ranks_start_and_a_late_ready_is_ignored(plane):
+    # Issue 29 item 7: at a resume the ranks' streams open the shard before every rank is ready
+    # (WARMING_UP). The pause used to be refused there (WARMING_UP -> PAUSED not allowed), and
+    # the job went on to RUNNING.
+    w = {name: plane.register(name) for name in ("wa", "wb")}
+    job_id = plane.submit(dp=2, steps=20, extra=QUICK).job_id
+    assert plane.get(job_id).state == JobState.WARMING_UP
+    changed = (
+        "dataset tiny@v1: shard train.bin changed since it was prepared (sha256 9f3c0a1b2c3d…, manifest ab12cd34ef56…)"
+    )
+    plane.rank_event(
+        w["wa"], job_id, 0, failed=engine_pb2.TrainingLoopFailed(fault_class="data_corrupt", detail=changed)
+    )
+    s = plane.get(job_id)
+    assert (s.state, s.outcome) == (JobState.PAUSED, JobOutcome.OUTCOME_UNSPECIFIED)
+    assert s.message.startswith("paused: data_corrupt: ") and changed in s.message
+    assert s.message.endswith(
+        "put the version's files back as prepared (or prepare a new version), "
+        f"then `surgectl resume {job_id}` continues it from its newest checkpoint"
+    )
+    assert decisions(plane, job_id)[-1] == (
+        "pause after data_corrupt of rank 0: fault policy; put the version's files back as prepared "
+        "(or prepare a new version)"
+    )
+    plane.rank_event(w["wb"], job_id, 1, started=engine_pb2.TrainingLoopStarted(rank=1))
+    assert plane.get(job_id).state == JobState.PAUSED

@@ -34,6 +34,18 @@ def test_the_queue_orders_by_priority_then_submission_and_a_restore_keeps_the_or
         again.add("g", 1001)
 
 
+def test_a_drained_job_s_queued_resume_goes_ahead_of_every_priority_and_a_restore_keeps_it_there():
+    q = JobQueue()
+    q.add("high", 100)
+    q.add("drained", -5, first=True)  # `surgectl up`'s resume of a job drained by `down`
+    assert [e.job_id for e in q.ordered()] == ["drained", "high"]
+    assert q.blocks(1000) and not q.leads(1000)  # a submit of any priority waits behind it
+    again = JobQueue()
+    for e in q.ordered():
+        again.restore(e.job_id, e.to_json())
+    assert [(e.job_id, e.first) for e in again.ordered()] == [("drained", True), ("high", False)]
+
+
 def test_a_job_marked_beyond_the_registered_cluster_blocks_no_one_until_a_worker_registers():
     q = JobQueue()
     q.add("big", 0)

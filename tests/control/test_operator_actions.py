@@ -12,12 +12,11 @@ from services.control.__main__ import build
 from services.control.job_store import JobStore
 from services.control.orchestrator import (
     IllegalTransition,
-    InsufficientResources,
     Orchestrator,
 )
 from services.control.store_relay import StoreRelay
 
-from .conftest import Plane, drain, kinds, to_ranks
+from .conftest import Plane, drain, kinds, settle, to_ranks
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 pytestmark = pytest.mark.timeout(30)
@@ -76,8 +75,11 @@ def running_job(plane: Plane, steps: int = 20):
     return job_id, a, b
 
 
-def step(plane: Plane, session, job_id: str, n: int) -> None:
-    plane.rank_event(session, job_id, 0, step=engine_pb2.StepCompleted(step=n, loss=2.0, tokens=64))
+def step(plane: Plane, session, job_id: str, n: int, agreed: int = 0) -> None:
+    """Rank 0's step ``n``; ``agreed``: the boundary command number every rank held in it."""
+    plane.rank_event(
+        session, job_id, 0, step=engine_pb2.StepCompleted(step=n, loss=2.0, tokens=64, commands_agreed=agreed)
+    )
 
 
 def saved(plane: Plane, session, job_id: str, version: int, at: int) -> None:
@@ -105,8 +107,13 @@ def test_stop_and_pause_checkpoint_their_boundary_step_unless_told_not_to(plane)
     plane.user(control_pb2.PauseJobRequest(job_id=job_id))
     (cmd,) = drain(b)
     pause = to_ranks(cmd)
-    assert (type(pause), pause.at_step, pause.checkpoint) == (engine_pb2.PauseTraining, 6, True)
-    assert plane.events(job_id)[-1].message == "pause requested: ranks checkpoint step 6 and pause after step 6"
+    assert (type(pause), pause.seq, pause.at_step, pause.checkpoint) == (engine_pb2.PauseTraining, 1, 0, True)
+    assert plane.events(job_id)[-1].message == (
+        "pause requested: ranks checkpoint their step and pause "
+        "at the first step boundary every rank agrees on (boundary command 1)"
+    )
+    step(plane, a, job_id, 6, agreed=1)  # (the boundary: rank 0's report of the step every rank held it in)
+    assert "pause: every rank agreed on after step 6" in [e.message for e in plane.events(job_id)[-2:]]
     for rank, session in ((0, a), (1, b)):
         plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=6))
     assert plane.get(job_id).state == JobState.PAUSED and not plane.get(job_id).drained
@@ -115,8 +122,10 @@ def test_stop_and_pause_checkpoint_their_boundary_step_unless_told_not_to(plane)
     drain(a)
     resume, stop = drain(b)
     assert kinds([resume, stop]) == ["ResumeTraining", "StopTraining"]
-    assert (to_ranks(stop).at_step, to_ranks(stop).checkpoint) == (8, False)
-    assert plane.events(job_id)[-1].message == "stop requested: ranks stop (no checkpoint) after step 8"
+    assert (to_ranks(stop).seq, to_ranks(stop).at_step, to_ranks(stop).checkpoint) == (2, 0, False)
+    assert plane.events(job_id)[-1].message == (
+        "stop requested: ranks stop (no checkpoint) at the first step boundary every rank agrees on (boundary command 2)"
+    )
 
 
 def test_a_stopped_job_resumes_from_its_newest_verified_checkpoint_as_a_new_generation(plane, store):
@@ -210,18 +219,44 @@ def test_resume_refusals_are_one_line_and_change_nothing(plane, store):
         IllegalTransition, match=f"^cannot resume {job_id}: the store could not verify its checkpoints \\(unreachable"
     ):
         plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
-    store.down = False
-    other = plane.register("wc")
-    blocker = plane.submit(name="blocker", dp=1)  # takes one of the three slots... and wc takes the rest
-    plane.submit(name="blocker", dp=1)
-    with pytest.raises(
-        InsufficientResources, match=f"^cannot resume {job_id} now: it needs 2 ranks \\(parallel.dp=2\\) but 1 is free"
-    ):
-        plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
     s = plane.get(job_id)
     assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.STOPPED)
+
+
+def test_a_resume_that_does_not_fit_waits_in_the_queue_and_relaunches_from_its_checkpoint_once_it_fits(plane, store):
+    # Was: refused ("cannot resume J now: it needs 2 ranks ... but 1 is free"), the operator
+    # left to try again. Now it waits like a submit: STANDBY, queued with its reason.
+    job_id, a, b = stopped_job(plane, store, at=6)
+    c = plane.register("wc")
+    blocker = plane.submit(name="blocker", dp=1)  # takes one of the three slots... and wc takes the rest
+    plane.submit(name="blocker", dp=1)
+    s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+    assert (s.state, s.queue_position) == (JobState.STANDBY, 1)
+    assert s.message == (
+        "queued: needs 2 ranks (parallel.dp=2); 1 is free on 3 registered workers: waits for ranks to free up"
+    )
+    decision = [e.message for e in plane.events(job_id) if e.type == "decision"][-1]
+    assert decision.startswith(
+        f"resume TERMINATED (STOPPED) from checkpoint {job_id}:1 (step 6) by the operator: queued"
+    )
+    again = plane.user(control_pb2.ResumeJobRequest(job_id=job_id))  # asked again: it waits where it is
+    assert (again.state, again.queue_position) == (JobState.STANDBY, 1)
+    assert len(plane.events(job_id)) == len(plane.events(job_id)) and store.asked == 1
     plane.user(control_pb2.StopJobRequest(job_id=blocker.job_id))
-    del other
+    s = settle(lambda: plane.get(job_id).state, JobState.WARMING_UP)
+    launched = [cmd for session in (a, b, c) for cmd in drain(session) if cmd.WhichOneof("command") == "launch"]
+    assert {cmd.launch.init.resume_version for cmd in launched if cmd.launch.init.job_id == job_id} == {f"{job_id}:1"}
+    s = plane.get(job_id)
+    assert (s.step, s.queue_position, s.outcome) == (6, 0, JobOutcome.OUTCOME_UNSPECIFIED)
+
+
+def test_a_queued_resume_taken_out_of_the_queue_is_stopped_again_with_its_checkpoints(plane, store):
+    job_id, _a, _b = stopped_job(plane, store, at=6)
+    plane.submit(name="blocker", dp=1)
+    assert plane.user(control_pb2.ResumeJobRequest(job_id=job_id)).state == JobState.STANDBY
+    s = plane.user(control_pb2.StopJobRequest(job_id=job_id, queued_only=True))
+    assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.STOPPED)
+    assert s.message.startswith("STOPPED: its resume taken out of the queue (position 1)")
 
 
 @pytest.mark.skipif(
@@ -258,7 +293,8 @@ def test_a_drain_pauses_with_a_checkpoint_parks_the_job_across_a_control_restart
     plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True, no_checkpoint=True))  # a drain always saves
     (cmd,) = drain(a)
     pause = to_ranks(cmd)
-    assert (type(pause), pause.at_step, pause.checkpoint) == (engine_pb2.PauseTraining, 9, True)
+    assert (type(pause), pause.seq, pause.checkpoint) == (engine_pb2.PauseTraining, 1, True)
+    step(plane, a, job_id, 9, agreed=1)
     saved(plane, a, job_id, 1, 9)
     for rank, session in ((0, a), (1, b)):
         plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=9))
@@ -292,7 +328,7 @@ def test_a_drain_of_a_paused_job_parks_it_without_marking_it_drained_and_stop_en
     assert drain(a) == []  # nothing to tell its ranks
     s = plane.user(control_pb2.StopJobRequest(job_id=job_id))
     assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.STOPPED)
-    assert s.message.endswith("its ranks were stopped with the stack")
+    assert s.message.endswith("its paused ranks were killed (parked by `surgectl down`, which did not stop the stack)")
 
 
 def test_a_drain_during_a_pause_in_flight_turns_it_into_a_drain(plane, store):
@@ -325,6 +361,7 @@ def test_a_drain_whose_checkpoint_could_not_be_saved_is_not_parked_and_says_its_
     step(plane, a, job_id, 7)
     plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True))
     drain(a), drain(b)
+    step(plane, a, job_id, 9, agreed=1)  # every rank held the pause in step 9: its boundary
     failed = store_pb2.SnapshotFailed(
         job_id=job_id, operation="save", step=9, cause=store_pb2.TIMEOUT, reason="BeginSave: DEADLINE_EXCEEDED"
     )
@@ -339,3 +376,118 @@ def test_a_drain_whose_checkpoint_could_not_be_saved_is_not_parked_and_says_its_
     assert any("the pause after step 9 has no checkpoint of it; the newest is" in m for m in events)
     plane.user(control_pb2.ResumeJobRequest(job_id=job_id))  # a plain resume: its ranks are there
     assert plane.get(job_id).state == JobState.RUNNING
+
+
+def drained_job(plane: Plane, at: int = 9):
+    """A running job drained by `surgectl down` at step ``at`` (its checkpoint committed),
+    the stack not stopped after it (the `down` cut short): its paused ranks still run."""
+    job_id, a, b = running_job(plane)
+    step(plane, a, job_id, at - 2)
+    s = plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True))
+    assert (s.state, s.drained) == (JobState.RUNNING, True)  # drained from the request: `up` undoes it
+    step(plane, a, job_id, at, agreed=1)
+    saved(plane, a, job_id, 1, at)
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=at))
+    drain(a), drain(b)
+    return job_id, a, b
+
+
+def test_a_drained_job_whose_stack_was_not_stopped_resumes_in_place_and_a_second_drain_parks_it_again(plane, store):
+    # Was: the resume relaunched it, and the allocator refused (its own paused ranks held the
+    # slots): PAUSED with its resources held until another `down` + `up`.
+    job_id, a, b = drained_job(plane)
+    s = plane.get(job_id)
+    assert (s.state, s.drained) == (JobState.PAUSED, True)
+    with pytest.raises(IllegalTransition, match=f"^--from: job {job_id} is PAUSED with its ranks running"):
+        plane.user(control_pb2.ResumeJobRequest(job_id=job_id, from_version=f"{job_id}:1"))  # (a relaunch: not now)
+    s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+    assert (s.state, s.drained, s.step) == (JobState.RUNNING, False, 9)
+    assert kinds(drain(a)) == ["ResumeTraining"] and store.asked == 0  # its ranks continue: no relaunch
+    assert plane.events(job_id)[-1].message.endswith(
+        "the drain is undone (the stack was not stopped, its ranks were still there)"
+    )
+    # A `down` run again drains it again, and `up` after a down that completed relaunches it.
+    drain(b)
+    plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True))
+    step(plane, a, job_id, 11, agreed=2)
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=11))
+    assert (plane.get(job_id).state, plane.get(job_id).drained) == (JobState.PAUSED, True)
+
+
+def test_a_resume_while_a_drain_pauses_undoes_the_drain_and_the_ranks_continue_once_paused(plane, store):
+    # `surgectl down` cut short while its drain's pause is in flight, then `surgectl up`.
+    job_id, a, b = running_job(plane)
+    step(plane, a, job_id, 4)
+    plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True))
+    drain(a), drain(b)
+    s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+    assert (s.state, s.drained) == (JobState.RUNNING, False)
+    again = plane.user(control_pb2.ResumeJobRequest(job_id=job_id))  # asked twice: one decision
+    assert again.state == JobState.RUNNING
+    decisions = [e.message for e in plane.events(job_id) if e.message.startswith("resume requested while")]
+    assert len(decisions) == 1 and decisions[0].endswith("has paused; the drain is undone"), decisions
+    step(plane, a, job_id, 6, agreed=1)
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=6))
+    s = plane.get(job_id)
+    assert (s.state, s.drained) == (JobState.RUNNING, False)
+    assert kinds(drain(a)) == ["ResumeTraining"]
+    assert plane.events(job_id)[-1].message.endswith("resumed at step 6 (asked while the ranks paused)")
+
+
+def test_a_forced_down_parks_the_job_at_once_and_after_a_control_restart_resume_relaunches_it_with_no_fault(
+    tmp_path, store
+):
+    # Was: nothing told control; after `up` the restored job's ranks were declared lost and a
+    # restart was spent on worker_lost.
+    db = tmp_path / "control.db"
+    journal = JobStore(db)
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
+    job_id, a, b = running_job(plane)
+    no_checkpoint = plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True, force=True))
+    assert (no_checkpoint.state, no_checkpoint.drained) == (JobState.RUNNING, False)  # nothing to resume from
+    saved(plane, a, job_id, 1, 5)
+    step(plane, a, job_id, 8)
+    s = plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True, force=True))
+    assert (s.state, s.drained, s.step) == (JobState.PAUSED, True, 8)
+    assert s.message == (
+        f"forced down by the operator at step 8: its ranks are killed with the stack; its steps after checkpoint "
+        f"{job_id}:1 (step 5) are lost; `surgectl up` resumes it from checkpoint {job_id}:1 (step 5) "
+        "(no fault, no restart spent)"
+    )
+    assert drain(a) == [] and drain(b) == []  # its ranks are not asked anything
+    again = plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True, force=True))
+    assert again.state == JobState.PAUSED and len([e for e in plane.events(job_id) if "forced" in e.message]) == 1
+    journal.close()
+
+    journal = JobStore(db)  # control restarted by `up`: nothing to re-attach, nothing monitored
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
+    a, b = plane.register("wa"), plane.register("wb")
+    store.versions[job_id] = [(f"{job_id}:1", 5, True, "")]
+    s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+    assert (s.state, s.step) == (JobState.WARMING_UP, 5)
+    assert drain(a)[0].launch.init.resume_version == f"{job_id}:1"
+    assert not [e for e in plane.events(job_id) if e.type == "fault"]
+    journal.close()
+
+
+def test_a_queued_resume_survives_a_control_restart_and_relaunches_from_its_version_once_placed(tmp_path, store):
+    db = tmp_path / "control.db"
+    journal = JobStore(db)
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
+    job_id, _a, _b = stopped_job(plane, store, at=6)
+    plane.submit(name="blocker", dp=1)
+    assert plane.user(control_pb2.ResumeJobRequest(job_id=job_id)).state == JobState.STANDBY
+    journal.close()
+
+    journal = JobStore(db)  # restarted: the queued resume is where it was; no worker yet
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
+    s = plane.get(job_id)
+    assert (s.state, s.queue_position) == (JobState.STANDBY, 1)
+    sessions = [plane.register(w) for w in ("wa", "wb", "wc")]  # room for it (the blocker is not re-attached)
+    settle(lambda: plane.get(job_id).state, JobState.WARMING_UP)
+    launches = [c for session in sessions for c in drain(session) if c.WhichOneof("command") == "launch"]
+    assert {c.launch.init.resume_version for c in launches if c.launch.init.job_id == job_id} == {f"{job_id}:1"}
+    journal.close()

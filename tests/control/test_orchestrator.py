@@ -19,7 +19,7 @@ from services.control.orchestrator import (
 )
 from services.jobspec import JobSpecError, spec_from_json
 
-from .conftest import Plane, drain, kinds, settle, to_ranks
+from .conftest import Plane, drain, kinds, registration, settle, to_ranks
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 pytestmark = pytest.mark.timeout(30)
@@ -81,21 +81,29 @@ def test_step_events_from_rank_0_update_progress(plane):
     assert s.tokens_per_second == 1000.0 and s.checkpoint_version == f"{job_id}:1"
 
 
-def test_pause_names_latest_step_plus_two_and_pauses_when_all_ranks_paused(plane):
+def test_pause_names_no_step_learns_the_agreed_boundary_from_rank_0_and_pauses_when_all_ranks_paused(plane):
     job_id, a, b = start_job(plane)
     step(plane, a, job_id, 5)
     status = plane.user(control_pb2.PauseJobRequest(job_id=job_id))
     assert status.state == JobState.RUNNING  # until every rank has paused
     for session in (a, b):
         (cmd,) = drain(session)
-        assert kinds([cmd]) == ["PauseTraining"] and to_ranks(cmd).at_step == 7
-    with pytest.raises(IllegalTransition, match=f"job {job_id} is already pausing after step 7") as refused:
-        plane.user(control_pb2.PauseJobRequest(job_id=job_id))
+        assert kinds([cmd]) == ["PauseTraining"] and (to_ranks(cmd).seq, to_ranks(cmd).at_step) == (1, 0)
+    # Asked again (a `surgectl pause` repeated or cut short and run again): its status, nothing sent.
+    assert plane.user(control_pb2.PauseJobRequest(job_id=job_id)).state == JobState.RUNNING
+    assert drain(a) == [] and drain(b) == []
+    plane.rank_event(a, job_id, 0, step=engine_pb2.StepCompleted(step=6, loss=2.0, tokens=64))  # not held by all yet
+    plane.rank_event(a, job_id, 0, step=engine_pb2.StepCompleted(step=7, loss=2.0, tokens=64, commands_agreed=1))
+    assert "pause: every rank agreed on after step 7" in [e.message for e in plane.events(job_id)[-2:]]
+    assert plane.user(control_pb2.PauseJobRequest(job_id=job_id)).state == JobState.RUNNING
+    with pytest.raises(IllegalTransition, match=f"job {job_id} is already pausing \\(after step 7\\)") as refused:
+        plane.user(control_pb2.ScaleJobRequest(job_id=job_id, dp=1))
     assert refused.value.refusal == control_pb2.REFUSED_PAUSE_PENDING  # typed: what surgectl reads
     plane.rank_event(a, job_id, 0, paused=engine_pb2.TrainingLoopPaused(step=7))
     assert plane.get(job_id).state == JobState.RUNNING
     plane.rank_event(b, job_id, 1, paused=engine_pb2.TrainingLoopPaused(step=7))
     assert (plane.get(job_id).state, plane.get(job_id).step) == (JobState.PAUSED, 7)
+    assert plane.user(control_pb2.PauseJobRequest(job_id=job_id)).state == JobState.PAUSED  # (paused already)
     assert plane.user(control_pb2.ResumeJobRequest(job_id=job_id)).state == JobState.RUNNING
     assert kinds(drain(a)) == ["ResumeTraining"]
 
@@ -136,12 +144,12 @@ def test_all_ranks_finished_terminates_finished_and_releases_slots(plane):
         plane.user(control_pb2.StopJobRequest(job_id=job_id))
 
 
-def test_stop_of_a_running_job_stops_at_step_plus_two_and_ends_stopped(plane):
+def test_stop_of_a_running_job_stops_at_the_boundary_the_ranks_agree_on_and_ends_stopped(plane):
     job_id, a, b = start_job(plane)
     step(plane, a, job_id, 4)
     plane.user(control_pb2.StopJobRequest(job_id=job_id))
     (stop,) = drain(b)
-    assert kinds([stop]) == ["StopTraining"] and to_ranks(stop).at_step == 6
+    assert kinds([stop]) == ["StopTraining"] and (to_ranks(stop).seq, to_ranks(stop).at_step) == (1, 0)
     for rank, session in ((0, a), (1, b)):
         plane.rank_event(session, job_id, rank, finished=engine_pb2.TrainingLoopFinished(step=6, stopped=True))
     s = plane.get(job_id)
@@ -417,14 +425,81 @@ def test_memory_pressure_is_recorded_on_the_jobs_with_ranks_on_that_worker_and_n
     assert drain(a) == [] and drain(b) == [] and drain(c) == []  # no command to any node
 
 
-def test_a_pause_or_stop_names_a_boundary_a_second_of_steps_ahead_so_no_rank_has_passed_it(plane):
+def test_boundary_commands_are_numbered_without_a_gap_and_a_relaunched_group_starts_from_the_last(plane):
     job_id, a, b = start_job(plane, steps=100000)
-    t0 = 1_000_000.0
-    for step in range(1, 41):  # 100 steps/s: 10 ms a step
+    plane.user(control_pb2.PauseJobRequest(job_id=job_id, no_checkpoint=True))
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=3))
+    plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+    plane.user(control_pb2.PauseJobRequest(job_id=job_id, no_checkpoint=True))
+    assert [to_ranks(c).seq for c in drain(a) if kinds([c]) == ["PauseTraining"]] == [1, 2]
+    plane.rank_exited(b, job_id, 1, exit_code=-9)  # a relaunch: a new group
+    drain(a), drain(b)
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank))
+    assert plane.get(job_id).state == JobState.PAUSED  # (recovered paused: the pause was in flight)
+    plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+    (start,) = [to_ranks(c) for c in drain(a) if kinds([c]) == ["StartTraining"]]
+    assert start.command_seq == 2  # the new group's agreement starts after the pause in flight (void now)
+
+
+def test_a_boundary_command_in_flight_when_control_restarts_goes_again_once_with_its_number(tmp_path):
+    db = tmp_path / "control.db"
+    journal = JobStore(db)
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
+    job_id, a, b = start_job(plane)
+    step(plane, a, job_id, 4)
+    plane.c.orchestrator._withdraw_standing_order(job_id, 1)  # (3 boundary commands in flight; say
+    plane.user(control_pb2.PauseJobRequest(job_id=job_id))  # none left the sessions' queues before
+    plane.user(control_pb2.StopJobRequest(job_id=job_id))  # control died)
+    journal.close()
+
+    journal = JobStore(db)
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
+    w = {}
+    for rank, name in enumerate(("wa", "wb")):  # the node agents re-attach the ranks they still run
+        reg = registration(name)
+        reg.running.append(control_pb2.LaunchRanks(job_id=job_id, ranks=[engine_pb2.RankAssignment(rank=rank)]))
+        w[name] = plane.c.sessions.open(reg)
+    step(plane, w["wa"], job_id, 5)
+    assert [kinds(drain(s)) for s in w.values()] == [[], []]  # not every rank re-attached yet
+    plane.rank_event(w["wb"], job_id, 1, step=engine_pb2.StepCompleted(rank=1, step=5, loss=2.0))
+    for session in w.values():  # every one again, in order, with its number
+        revoke, pause, stop = [to_ranks(c) for c in drain(session)]
+        assert (type(revoke), revoke.order, revoke.seq) == (engine_pb2.RevokeStandingOrder, 1, 1)
+        assert (type(pause), pause.seq, pause.checkpoint) == (engine_pb2.PauseTraining, 2, True)
+        assert (type(stop), stop.seq, stop.checkpoint) == (engine_pb2.StopTraining, 3, True)
+    step(plane, w["wa"], job_id, 6)
+    plane.rank_event(w["wb"], job_id, 1, step=engine_pb2.StepCompleted(rank=1, step=6, loss=2.0))
+    assert [kinds(drain(s)) for s in w.values()] == [[], []]  # once
+    for rank, name in enumerate(("wa", "wb")):
         plane.rank_event(
-            a, job_id, 0, step=engine_pb2.StepCompleted(step=step, loss=1.0, tokens=64, unix_time=t0 + step * 0.01)
+            w[name], job_id, rank, finished=engine_pb2.TrainingLoopFinished(rank=rank, step=7, stopped=True)
         )
-    paused = plane.user(control_pb2.PauseJobRequest(job_id=job_id, no_checkpoint=True))
-    (pause,) = [to_ranks(c) for c in drain(a) if kinds([c]) == ["PauseTraining"]]
-    assert 40 + 90 <= pause.at_step <= 40 + 110  # ~1 s of steps ahead, not step + 2
-    assert paused.state == JobState.RUNNING
+    assert (plane.get(job_id).state, plane.get(job_id).outcome) == (JobState.TERMINATED, JobOutcome.STOPPED)
+    journal.close()
+
+
+@pytest.mark.parametrize("policy", ["restart_from_scratch", "stop"])
+def test_a_recovery_with_no_checkpoint_to_load_is_decided_by_the_no_checkpoint_policy(plane, policy):
+    """No checkpoint committed yet when a rank dies: the relaunch restarts the ranks from
+    step 0 (the default) or stops the job FAILED (``no_checkpoint: stop``), said either way."""
+    job_id, a, b = start_job(plane, extra=f"fault_policy: {{no_checkpoint: {policy}}}")
+    plane.rank_exited(b, job_id, 1, exit_code=-9)
+    decisions = [e.message for e in plane.events(job_id) if e.type in ("decision", "recovery")]
+    s = plane.get(job_id)
+    if policy == "stop":
+        assert decisions[-1] == (
+            "stop after rank_exit of rank 1: no checkpoint was committed yet (fault policy no_checkpoint: stop)"
+        )
+        assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.FAILED)
+        assert s.message.startswith("FAILED: no checkpoint was committed yet; not restarted from scratch")
+        assert not [c for c in drain(a) + drain(b) if c is not None and c.WhichOneof("command") == "launch"]
+    else:
+        assert (
+            "restart from scratch after rank_exit of rank 1: no checkpoint was committed yet "
+            "(fault policy no_checkpoint: restart_from_scratch)"
+        ) in decisions
+        assert s.state == JobState.FAULT_FROZEN
+        launched = [c.launch for c in drain(a) + drain(b) if c is not None and c.WhichOneof("command") == "launch"]
+        assert launched and all(not launch.init.resume_version for launch in launched)

@@ -210,27 +210,33 @@ def test_a_rank_that_waited_for_a_working_peer_is_reported_with_it_when_that_pee
 
 def test_the_event_applier_stamps_a_beats_receipt_and_observes_how_long_it_waited():
     # Issue 12 part 5: the stamp is taken when the message is queued (on control's asyncio
-    # side), not when the one applier thread gets to it.
+    # side), not when a thread of the applier's pool gets to it.
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY
+
     from services.contract import control_pb2
     from services.control.event_applier import EventApplier
-    from services.control.metrics import APPLIER_LAG
 
     applied, release = [], threading.Event()
 
     class Hub:
-        def on_worker_events(self, burst):
+        def admit(self, session, ev):
+            return True
+
+        def on_worker_events(self, burst, admitted=False):
             release.wait(5.0)  # the applier is busy (say, a slow journal write)
             applied.extend((ev, time.monotonic()) for _, ev in burst)
 
     def lag_count() -> float:
-        return next(s.value for m in APPLIER_LAG.collect() for s in m.samples if s.name.endswith("_count"))
+        return REGISTRY.get_sample_value("surge_control_applier_lag_seconds_count", {"queue": "job"}) or 0.0
 
     before = lag_count()
     applier = EventApplier(Hub())
     beat = worker_pb2.RankHeartbeat(job_id="j", rank=0, step=1, stepping=True)
     event = control_pb2.WorkerEvent(rank_event=worker_pb2.RankEvent(job_id="j", rank=0, heartbeat=beat), seq=1)
     queued = time.monotonic()
-    applier.event(object(), event)
+    applier.event(SimpleNamespace(worker_id="wa"), event)
     time.sleep(0.3)
     release.set()
     applier.stop()

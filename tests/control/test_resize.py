@@ -194,6 +194,9 @@ def test_scale_refusals_are_one_line_and_change_nothing(plane):
     for session in w.values():
         drain(session)
     plane.user(control_pb2.ScaleJobRequest(job_id=job_id, dp=1))
+    events = len(plane.events(job_id))
+    assert plane.user(control_pb2.ScaleJobRequest(job_id=job_id, dp=1)).state == JobState.RUNNING  # asked again
+    assert len(plane.events(job_id)) == events  # (the same resize: nothing new asked or recorded)
     with pytest.raises(IllegalTransition, match="is being resized to dp 1"):
         plane.user(control_pb2.ScaleJobRequest(job_id=job_id, dp=4))
     with pytest.raises(IllegalTransition, match="is being resized"):

@@ -11,7 +11,7 @@ import pytest
 from services.contract import control_pb2, engine_pb2, store_pb2
 from services.control.__main__ import build
 from services.control.job_store import JobStore
-from services.control.orchestrator import IllegalTransition, InsufficientResources
+from services.control.orchestrator import IllegalTransition
 from services.jobspec import JobSpecError, spec_from_json
 
 from .conftest import Plane, drain
@@ -95,11 +95,14 @@ def test_a_layout_that_changes_the_global_batch_or_does_not_fit_is_refused_with_
         "product stays 4"
     )
     assert store.asked == asked  # refused before the store was asked
-    # The global batch kept, but 4 ranks do not fit two one-slot workers: the allocator says so.
-    with pytest.raises(InsufficientResources) as refused:
-        plane.user(control_pb2.ResumeJobRequest(job_id=job_id, dp=4, micro_batch_size=1))
-    assert str(refused.value).startswith(f"cannot resume {job_id} now: it needs 4 ranks (parallel.dp=4) but 2 are free")
-    assert "\n" not in str(refused.value)
+    # The global batch kept, but 4 ranks do not fit two one-slot workers: it waits in the queue
+    # for workers to join, as a submit of that size does (was: refused); taken out of the
+    # queue, the job is as it was, its layout unchanged.
+    queued = plane.user(control_pb2.ResumeJobRequest(job_id=job_id, dp=4, micro_batch_size=1))
+    assert (queued.state, queued.queue_position) == (JobState.STANDBY, 1)
+    assert queued.message.endswith("more than the 2 registered: waits for workers to join"), queued.message
+    plane.user(control_pb2.StopJobRequest(job_id=job_id, queued_only=True))
+    events = len(plane.events(job_id))
     after = plane.get(job_id)
     assert (after.state, after.outcome, after.world_size, after.dp, after.micro_batch_size) == (
         before.state,

@@ -163,6 +163,21 @@ def test_the_outbox_keeps_events_until_acknowledged_and_resends_the_unacknowledg
     assert box.wait_empty(0.01) and box.resent == 1
 
 
+def test_the_agents_own_beat_goes_ahead_of_the_queue_without_a_seq_and_is_never_resent():
+    box = Outbox()
+    box.put(control_pb2.WorkerEvent(memory_pressure=control_pb2.MemoryPressure(available_bytes=1)))
+    for t in (1.0, 2.0):  # two beats while no session is open: only the newest is kept
+        box.beat(control_pb2.WorkerEvent(heartbeat=control_pb2.AgentHeartbeat(unix_time=t)))
+    never = threading.Event()
+    assert box.resume(0) == (1, 0)
+    beat = box.get(never)
+    assert (beat.WhichOneof("event"), beat.heartbeat.unix_time, beat.seq) == ("heartbeat", 2.0, 0)
+    assert box.get(never).seq == 1
+    box.pause()
+    assert box.resume(0) == (1, 1)  # the sequenced event is resent, the beat is not
+    assert box.get(never).seq == 1
+
+
 def test_a_full_outbox_drops_the_oldest_and_the_gap_shows_in_the_sequence():
     box = Outbox(max_events=2)
     for _ in range(3):

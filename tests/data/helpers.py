@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from services.contract import data_pb2, route_pb2
 from services.contract.failures import ModuleFailed
-from services.data.documents import Documents
+from services.data.documents import Catalog, EpochOrder, KeptDocuments, TokenStore
+from services.data.prefetcher import TokenReader
+from services.data.shuffler import epoch_order
 
 NUM_FILES = 40
 
@@ -74,19 +78,59 @@ def as_arrays(batch: data_pb2.MicroBatch) -> tuple[np.ndarray, np.ndarray]:
     return (np.frombuffer(batch.input_ids, "<i4").reshape(shape), np.frombuffer(batch.labels, "<i4").reshape(shape))
 
 
-def make_docs(
-    *docs: list[int] | np.ndarray,
-    epoch: int = 0,
-    last: bool = False,
-    first: int = 0,
-    tokenizer: str = "bytes",
-    dtype=np.uint16,
-) -> Documents:
-    """A Documents payload from literal token lists (index = first, first + 1, ...)."""
+def token_store(
+    directory: Path, *docs: list[int] | np.ndarray, tokenizer: str = "bytes", dtype=np.uint16
+) -> TokenStore:
+    """A split of literal documents written to ``directory/train.bin`` (no data root: the
+    sample index stays in memory)."""
     parts = [np.asarray(d, dtype=dtype) for d in docs]
-    return Documents.join(
-        parts, np.arange(first, first + len(parts), dtype=np.int64), epoch, last, "train", tokenizer, np.dtype(dtype)
-    )
+    bounds = np.zeros(len(parts) + 1, np.int64)
+    np.cumsum([len(p) for p in parts], out=bounds[1:])
+    path = directory / "train.bin"
+    directory.mkdir(parents=True, exist_ok=True)
+    (np.concatenate(parts) if parts else np.zeros(0, dtype)).astype(np.dtype(dtype).newbyteorder("<")).tofile(path)
+    return TokenStore("t@v1", "train", path, np.dtype(dtype).newbyteorder("<"), bounds, tokenizer)
+
+
+def catalog(directory: Path, *docs: list[int] | np.ndarray, threads: int = 2, **kw) -> Catalog:
+    """The prefetcher's payload for those documents: their bounds and a read handle."""
+    store = token_store(directory, *docs, **kw)
+    return Catalog(store, TokenReader(store, ThreadPoolExecutor(threads), threads, 8))
+
+
+def epoch_of(cat: Catalog, epoch: int = 0, seed: int = 0, enabled: bool = False) -> EpochOrder:
+    """The shuffler's payload for ``cat``'s epoch (storage order unless ``enabled``)."""
+    return EpochOrder(cat, epoch, seed, enabled, lambda: epoch_order(seed, epoch, len(cat), enabled))
+
+
+def kept_all(cat: Catalog, epoch: int = 0, rules: data_pb2.FilterRules | None = None) -> KeptDocuments:
+    """The filter's payload keeping every document of ``cat`` in storage order."""
+    return KeptDocuments(epoch_of(cat, epoch), np.ones(len(cat), bool), rules or data_pb2.FilterRules())
+
+
+def packer_on_bus(cfg: data_pb2.PackerConfig):
+    """L4-5 on a bus with L2-1's ports: -> (feed(kept), assemble(count), batches, exhausted)."""
+    from services.contract import Module
+    from services.contract.bus import Bus
+    from services.data.batch_packer import BatchPacker
+
+    bus = Bus()
+    packer = BatchPacker(bus.emitter(Module.L4_BATCH_PACKER))
+    bus.host(Module.L4_BATCH_PACKER, packer)
+    batches: list[data_pb2.MicroBatch] = []
+    exhausted: list[data_pb2.DataExhausted] = []
+    bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.MicroBatch, lambda m, p: batches.append(m))
+    bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.DataExhausted, lambda m, p: exhausted.append(m))
+    port = bus.port(Module.L2_TRAINING_LOOP, Module.L4_BATCH_PACKER)
+    port(cfg)
+
+    def feed(kept: KeptDocuments) -> None:
+        bus.publish(Module.L4_FILTER, data_pb2.SamplesFiltered(count=int(kept.keep_n.sum())), kept)
+
+    def assemble(count: int = 1_000_000) -> None:
+        port(data_pb2.AssembleBatches(count=count))
+
+    return feed, assemble, batches, exhausted, port
 
 
 @contextmanager

@@ -104,4 +104,23 @@ def test_a_failed_mount_is_also_an_event_to_the_training_loop(dataset, root):
     with pytest.raises(DatasetNotFound):
         mount(bus, version="v9")
     assert [(m.name, m.version) for m in seen] == [("tiny", "v9")]
-    assert seen[0].reason == "dataset tiny@v9 not found (have: tiny@v1)"
+    assert seen[0].reason == f"dataset tiny@v9 not found (have: tiny@v1): {root / 'tiny' / 'v9'} does not exist"
+
+
+def test_a_version_removed_under_a_job_is_a_typed_failure_naming_its_directory(dataset, root):
+    # Issue 29 item 8: the directory of a mounted version removed (an operator's rm -rf under a
+    # running job); its next stream mounts it again. The event L1-3 grades carries a typed
+    # failure part naming the path (it used to carry none: the relay stamped an empty one and
+    # the job failed with "failed handling an event: ").
+    bus, _ = build_registry(root)
+    mount(bus)
+    shutil.rmtree(dataset.path)
+    seen = []
+    bus.subscribe(Module.L1_FAULT_DETECTOR, data_pb2.DatasetUnavailable, lambda m, p: seen.append(m))
+    with pytest.raises(DatasetNotFound):
+        mount(bus)
+    assert len(seen) == 1, seen
+    failure = seen[0].failure
+    assert failure.cause == route_pb2.FAILURE_UNAVAILABLE
+    assert failure.module == VERSIONS and failure.operation == "surge.v1.MountDataset"
+    assert f"{dataset.path} does not exist" in failure.detail, failure.detail

@@ -27,6 +27,8 @@ def registry(root) -> DatasetVersions:
 
 def test_a_version_goes_with_its_directory_and_a_read_one_is_refused(dataset, root):
     shutil.copytree(dataset.path, root / "tiny" / "v2")
+    for version in ("v1", "v2"):  # their sample indices (sample_index.py), next to them
+        (root / ".index" / "tiny" / version / "k" / "epoch-0").mkdir(parents=True)
     versions = registry(root)
     with pytest.raises(DatasetInUse, match="tiny@v2 is in use: 1 stream of it open"):
         versions.delete_dataset(data_pb2.DeleteDataset(name="tiny", version="v2"), 1)
@@ -34,6 +36,7 @@ def test_a_version_goes_with_its_directory_and_a_read_one_is_refused(dataset, ro
     done = versions.delete_dataset(data_pb2.DeleteDataset(name="tiny", version="v2"), 0)
     assert (done.name, done.version) == ("tiny", "v2") and done.bytes_freed > 0
     assert not (root / "tiny" / "v2").exists() and (root / "tiny" / "v1").is_dir()
+    assert not (root / ".index" / "tiny" / "v2").exists() and (root / ".index" / "tiny" / "v1").is_dir()
     listed = versions.dataset_query(data_pb2.DatasetQuery()).datasets
     assert [(d.name, d.version) for d in listed] == [("tiny", "v1")]
     versions.delete_dataset(data_pb2.DeleteDataset(name="tiny", version="v1"), 0)

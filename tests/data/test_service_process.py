@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -20,6 +23,7 @@ from tests.callers import any_caller_channel
 from tests.ports import free_port
 
 from .helpers import as_arrays, open_stream
+from .reference_sequence import reference_batches
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[2]
@@ -118,6 +122,34 @@ def test_errors_are_grpc_statuses_with_one_line_messages(service, dataset, root)
     assert (code, details) == (grpc.StatusCode.INVALID_ARGUMENT, "packer.seq_len: must be > 0, got 0")
     code, details = code_and_details(lambda: list(stub.Stream(open_stream(min_tokens=10**6, repeat=True), timeout=30)))
     assert code == grpc.StatusCode.OUT_OF_RANGE and "no document left after filtering" in details
+
+
+def test_the_next_epoch_is_built_ahead_and_a_stream_crosses_onto_it(service, dataset, root):
+    """A repeating stream that opens epoch 0 has epoch 1's index built in the background (an
+    epoch boundary is no build); a stream crossing into it reads the sequence of the oracle
+    from the index built ahead (not rebuilt), and has epoch 2's built in turn."""
+    proc, stub = service
+    shape = dict(seq_len=64, micro_batch_size=2, repeat=True, seed=11)
+    assert len(list(stub.Stream(open_stream(max_batches=1, **shape), timeout=30))) == 1  # in epoch 0 only
+    (epoch0,) = (root / ".index" / "tiny" / "v1").glob("*/epoch-0")
+    _wait_for(epoch0.parent / "epoch-1" / "meta.json")
+    ahead = (epoch0.parent / "epoch-1" / "sample_idx.npy").stat().st_ino
+
+    rows = json.loads((epoch0 / "meta.json").read_text())["rows"]
+    crossing = open_stream(start=data_pb2.DataPosition(epoch=0, row=rows - 5), max_batches=6, **shape)
+    got = [(b.input_ids, b.labels, b.tokens, (b.next.epoch, b.next.row)) for b in stub.Stream(crossing, timeout=30)]
+    tokens = np.fromfile(dataset.path / "train.bin", dtype="<u2")
+    want = reference_batches(tokens, np.load(dataset.path / "train.idx.npy"), crossing, epochs=2)
+    assert got == want[:6] and {n[0] for *_, n in got} == {0, 1}
+    assert (epoch0.parent / "epoch-1" / "sample_idx.npy").stat().st_ino == ahead
+    _wait_for(epoch0.parent / "epoch-2" / "meta.json")
+
+
+def _wait_for(path: Path, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.is_file():
+        assert time.monotonic() < deadline, f"{path} not built within {timeout_s} s"
+        time.sleep(0.05)
 
 
 def test_a_port_in_use_is_a_one_line_error(root, tmp_path):

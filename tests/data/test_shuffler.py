@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from services.contract import Module, data_pb2
 from services.contract.bus import Bus
+from services.data.errors import InvalidConfig
 from services.data.shuffler import Shuffler, epoch_order
 
-from .helpers import make_docs
+from .helpers import catalog
 
 N = 50
 GOLDEN = [5, 6, 3, 9, 7, 4, 1, 10, 11, 2, 8, 0]  # epoch_order(1234, 0, 12)
@@ -27,18 +29,16 @@ def test_shuffle_disabled_keeps_storage_order():
     assert epoch_order(1234, 3, N, enabled=False).tolist() == list(range(N))
 
 
-def wired(chunk: int = 7) -> tuple[Bus, list]:
+def wired(tmp_path) -> tuple[Bus, list]:
     """A shuffler on a bus with the filter's inbox replaced by a recorder (a real subscriber)."""
     bus = Bus()
-    shuffler = Shuffler(bus.emitter(Module.L4_SHUFFLER), chunk_documents=chunk)
+    shuffler = Shuffler(bus.emitter(Module.L4_SHUFFLER))
     bus.subscribe(Module.L4_SHUFFLER, data_pb2.SamplesRead, shuffler.on_samples_read)
     bus.subscribe(Module.L4_SHUFFLER, data_pb2.ShufflePlan, shuffler.shuffle_plan)
     out = []
-    bus.subscribe(Module.L4_FILTER, data_pb2.SamplesShuffled, lambda m, docs: out.append(docs))
-    docs = [[i] * (i % 5 + 1) for i in range(N)]  # document i is made of the token i
-    for lo in range(0, N, 20):
-        batch = make_docs(*docs[lo : lo + 20], first=lo, epoch=-1, last=lo + 20 >= N)
-        bus.publish(Module.L4_PREFETCHER, data_pb2.SamplesRead(count=len(batch)), batch)
+    bus.subscribe(Module.L4_FILTER, data_pb2.SamplesShuffled, lambda m, order: out.append(order))
+    cat = catalog(tmp_path, *[[i] * (i % 5 + 1) for i in range(N)])  # document i is made of the token i
+    bus.publish(Module.L4_PREFETCHER, data_pb2.SamplesRead(count=N), cat)
     return bus, out
 
 
@@ -47,50 +47,43 @@ def plan(bus, epoch=0, start=None, seed=99):
     bus.port(Module.L2_TRAINING_LOOP, Module.L4_SHUFFLER)(msg)
 
 
-def emitted(out) -> list[tuple[int, list[int]]]:
-    """(order position, document tokens) in emission order."""
+def emitted(out) -> list[list[int]]:
+    """The documents' tokens in the orders handed on (read through the catalog's handle)."""
     res = []
-    for d in out:
-        for k in range(len(d)):
-            res.append((int(d.index_n[k]), d.tokens_T[d.bounds_n1[k] : d.bounds_n1[k + 1]].tolist()))
+    for o in out:
+        b = o.catalog.store.bounds_n1
+        res.extend(o.catalog.reader.read(int(b[i]), int(b[i + 1] - b[i])).tolist() for i in o.order())
     return res
 
 
-def test_one_plan_emits_the_epoch_order_in_chunks_with_contents_unchanged():
-    bus, out = wired()
+def test_one_plan_hands_on_the_epoch_order_with_contents_unchanged(tmp_path):
+    bus, out = wired(tmp_path)
+    assert out == []  # nothing without a plan
     plan(bus, epoch=2)
     order = epoch_order(99, 2, N)
-    got = emitted(out)
-    assert [pos for pos, _ in got] == list(range(N))
-    assert [toks for _, toks in got] == [[int(i)] * (int(i) % 5 + 1) for i in order]
-    assert [len(d) for d in out] == [7] * 7 + [1] and [d.last for d in out] == [False] * 7 + [True]
-    assert {d.epoch for d in out} == {2}
+    assert emitted(out) == [[int(i)] * (int(i) % 5 + 1) for i in order]
+    assert [(o.epoch, o.seed, o.enabled) for o in out] == [(2, 99, True)]
+    with pytest.raises(ValueError, match="read-only"):
+        out[0].order()[0] = 3
 
 
-def test_the_plan_names_no_rank_every_stream_reads_the_whole_global_order():
+def test_the_plan_names_no_rank_every_stream_reads_the_whole_global_order(tmp_path):
     """The order is global (the packer deals rows to ranks), so a data position means the
     same thing at any data-parallel size."""
     assert "rank" not in data_pb2.ShufflePlan.DESCRIPTOR.fields_by_name
     runs = []
-    for _ in range(2):
-        bus, out = wired()
+    for k in range(2):
+        bus, out = wired(tmp_path / str(k))
         plan(bus, epoch=1)
         runs.append(emitted(out))
-    assert runs[0] == runs[1] and [toks[0] for _, toks in runs[0]] == epoch_order(99, 1, N).tolist()
+    assert runs[0] == runs[1] and [toks[0] for toks in runs[0]] == epoch_order(99, 1, N).tolist()
 
 
-def test_a_start_position_skips_the_documents_already_used():
-    bus, out = wired()
-    plan(bus, epoch=1, start=45)
-    got = emitted(out)
-    assert [pos for pos, _ in got] == [45, 46, 47, 48, 49]
-    assert [toks[0] for _, toks in got] == epoch_order(99, 1, N)[45:].tolist()
-
-
-def test_past_the_end_an_empty_last_chunk_still_marks_the_epoch_end():
-    bus, out = wired()
-    plan(bus, start=N)
-    assert [(len(d), d.last) for d in out] == [(0, True)]
+def test_a_start_by_document_is_refused_a_stream_resumes_at_a_row(tmp_path):
+    bus, out = wired(tmp_path)
+    with pytest.raises(InvalidConfig, match=r"^shuffle\.start_document: 45: a stream resumes at a row"):
+        plan(bus, epoch=1, start=45)
+    assert out == []
 
 
 def test_the_order_is_pinned_so_a_resumed_run_on_another_numpy_sees_the_same_data():

@@ -25,7 +25,6 @@ from tests.conftest import REPO
 
 K8S = REPO / "deploy" / "k8s"
 K8S_S3 = REPO / "deploy" / "k8s-s3"  # the S3 variant: an overlay of K8S (not inside it: kustomize refuses a cycle)
-STORE_MAIN = REPO / "services" / "store" / "__main__.py"
 # The oldest and the newest Kubernetes whose schemas the pinned kubernetes-validate carries
 # that we claim: the manifests use nothing newer than 1.30's API.
 KUBERNETES_VERSIONS = ("1.30", "1.37")
@@ -33,7 +32,10 @@ OPTIONAL = {"servicemonitor.yaml"}  # a CRD's kind: not in the default kustomiza
 COMPONENTS = {"control": 50051, "store": 50052, "data": 50053, "worker": 50060}
 METRICS_PORT = 9100
 # Variables the manifests set that are not Surge's own (each read by a library Surge uses).
-FOREIGN_ENV = {"PROMETHEUS_DISABLE_CREATED_SERIES"}  # prometheus_client; deploy/Dockerfile sets it too
+FOREIGN_ENV = {
+    "PROMETHEUS_DISABLE_CREATED_SERIES",  # prometheus_client; deploy/Dockerfile sets it too
+    "AWS_ENDPOINT_URL",  # botocore's; the data service takes it as its --s3-endpoint default
+}
 
 
 def manifest_files() -> list[Path]:
@@ -571,17 +573,19 @@ def test_the_s3_overlay_patches_store_and_agents_with_the_stores_own_variables()
     env = env_of(store)
     assert env["SURGE_STORE_BACKEND"]["value"] == "s3" and env["SURGE_STORE_S3_URL"]["value"].startswith("s3://")
     assert "SURGE_STORE_S3_ENDPOINT" in env
-    # Every variable a patch sets is one the store's entry point reads (not merely some service).
-    parser = STORE_MAIN.read_text()
+    (data,) = [containers(w)[0] for w in workloads(docs) if component(w) == "data"]
+    assert env_of(data)["SURGE_DATA_REMOTE"]["value"].startswith("s3://")
+    # Every variable a patch sets is one its own service's entry point reads (not merely some service).
     for entry in kustomization["patches"]:
         for patch in load(K8S_S3 / entry["path"]):
             for c in patch["spec"]["template"]["spec"]["containers"]:
+                parser = (REPO / "services" / c["name"] / "__main__.py").read_text()
                 for e in c.get("env", []):
-                    assert f'"{e["name"]}"' in parser, e["name"]
-    # The credentials: one Secret, not optional, in the store's and the agents' pods, beside
-    # the surge-env every pod reads (envFrom is replaced whole by a patch).
+                    assert f'"{e["name"]}"' in parser, (c["name"], e["name"])
+    # The credentials: one Secret, not optional, in the store's, the data service's and the
+    # agents' pods, beside the surge-env every pod reads (envFrom is replaced whole by a patch).
     (worker,) = [containers(w)[0] for w in workloads(docs) if component(w) == "worker"]
-    for c in (store, worker):
+    for c in (store, data, worker):
         assert {"name": "surge-s3"} in [e["secretRef"] for e in c["envFrom"]], c["name"]
         assert {"name": "surge-env", "optional": True} in [e["secretRef"] for e in c["envFrom"]], c["name"]
     assert all_problems(docs) == []

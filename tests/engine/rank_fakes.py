@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from services.compute.inference import safe_load
-from services.contract import data_pb2, engine_pb2, store_pb2
+from services.contract import data_pb2, engine_pb2, route_pb2, store_pb2
 from services.contract.bus import Emitter, Reply
 from services.engine.training_loop import Batch
 
@@ -58,6 +58,10 @@ class FakeData:
             return data_pb2.DatasetUnavailable(
                 name=msg.name, version=msg.version, reason=f"dataset {msg.name}@{msg.version} not found"
             )
+        if msg.name == "changed":  # a shard whose bytes are no longer the manifest's (typed cause)
+            reason = f"dataset {msg.name}@{msg.version}: shard train.bin changed since it was prepared"
+            failure = route_pb2.Failure(cause=route_pb2.FAILURE_DATA_CORRUPT, detail=reason)
+            return data_pb2.DatasetUnavailable(name=msg.name, version=msg.version, reason=reason, failure=failure)
         return data_pb2.DatasetReady(name=msg.name, version=msg.version, vocab_size=256, tokenizer="bytes")
 
     def open_stream(self, msg: data_pb2.OpenStream, payload: Any = None) -> Reply:
@@ -262,7 +266,7 @@ class LocalRank:
         )
         self.store = FakeStore(bus.emitter(Module.L5_CHECKPOINT_MANAGER), ckpt_root)
         self.up = FakeUp()
-        self.modules = compose(bus, spec, "cpu", data=self.data, store=self.store, up=self.up)
+        self.modules = compose(bus, spec, "cpu", data=self.data, store=self.store, metrics=self.store, up=self.up)
         from services.control.fault_decision import standing_orders
 
         # The standing orders L1-1 would issue with this job (e.g. skip fp16 overflow steps).

@@ -12,6 +12,9 @@ under a gloo group of WORLD ranks (default 3), data parallel (DDP). ROLE:
                  script delivers as L1-2 would (RebuildParallelGroup, read from
                  DIR/rendezvous.json once the test writes it); start again once healed
     replacement  InitJob.heal_from_peer: join the group named by PORT, heal, train
+    laggard      a survivor whose step KILL_AFTER + 1 fails after its all-reduces (a typed
+                 communication failure from L2-4's ScaleLoss): its peers complete that step,
+                 it rolls back to KILL_AFTER and breaks the group; every rank rebuilds
 
 Every role but the victim saves under DIR/ROLE-RANK.pt: final weights, the loop's events
 that matter here, and whether the launch's process group object is gone (nothing holds it).
@@ -41,7 +44,8 @@ import services.rank.__main__ as rank_module  # noqa: E402
 from services.common.phase import COLLECTIVE, PhaseMarker  # noqa: E402
 from services.common.process_exit import exit_now  # noqa: E402
 from services.contract import engine_pb2  # noqa: E402
-from services.contract.failures import set_collective_probe  # noqa: E402
+from services.contract.failures import CommunicationFailed, set_collective_probe  # noqa: E402
+from services.engine.mixed_precision import MixedPrecision  # noqa: E402
 
 STEPS, KILL_AFTER = 8, 4
 WORLD = int(sys.argv[5]) if len(sys.argv) > 5 else 3
@@ -68,13 +72,15 @@ def main() -> None:
     # failure (gloo's error inside DDP's reducer is a plain RuntimeError).
     set_collective_probe(lambda: phase.phase == COLLECTIVE)
     rank_module.compose = functools.partial(rank_module.compose, phase=phase, heals=heals)
+    if role == "laggard":
+        fail_after_allreduce()  # (before the rank is composed: its bus holds the bound handler)
     local = LocalRank(spec(), out / "ckpt", rank=rank, world_size=WORLD, port=port)
     local.init.rebuild_in_place = True
     local.init.heal_from_peer = heals
     if role in ("victim", "stopped"):
         die_in_allreduce(local, signal.SIGKILL if role == "victim" else signal.SIGSTOP)
     first_world: list[weakref.ref] = []
-    if role == "survivor":
+    if role in ("survivor", "laggard"):
         threading.Thread(target=play_l1, args=(local, out, first_world), daemon=True).start()
     local.command(engine_pb2.StartTraining(job_id="job"))
     local.run()
@@ -115,6 +121,20 @@ def die_in_allreduce(local: LocalRank, sig: int = signal.SIGKILL) -> None:
     reduction_module.default_hooks.allreduce_hook = hook
 
 
+def fail_after_allreduce() -> None:
+    """Raise a communication failure from ScaleLoss of step KILL_AFTER + 1 (once): every
+    collective of that step has returned on every rank, and this rank applies no update."""
+    original = MixedPrecision.scale_loss
+
+    def scale_loss(self, msg, payload=None):
+        if msg.step == KILL_AFTER + 1 and not getattr(fail_after_allreduce, "done", False):
+            fail_after_allreduce.done = True
+            raise CommunicationFailed(f"laggard: step {msg.step} cut short after its all-reduces")
+        return original(self, msg, payload)
+
+    MixedPrecision.scale_loss = scale_loss
+
+
 def play_l1(local: LocalRank, out: Path, first_world: list) -> None:
     """What L1 does for a survivor: RebuildParallelGroup with the next rendezvous (L1-2),
     and StartTraining once the rank reported started again (L1-1)."""
@@ -127,7 +147,7 @@ def play_l1(local: LocalRank, out: Path, first_world: list) -> None:
     r = json.loads(rendezvous.read_text())
     local.modules.allocator(engine_pb2.RebuildParallelGroup(
         job_id="job", master_addr="127.0.0.1", master_port=r["port"], world_size=WORLD, generation=1,
-        reason=f"rank {r['lost']} lost", lost_ranks=[r["lost"]],
+        reason=f"rank {r['lost']} lost", lost_ranks=[r["lost"]] if r["lost"] >= 0 else [],
     ))  # fmt: skip
     while len(local.up.of(engine_pb2.TrainingLoopStarted)) < 2:
         time.sleep(0.05)

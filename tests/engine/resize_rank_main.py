@@ -91,7 +91,7 @@ def main() -> None:
     if role == "survivor":
         threading.Thread(target=play_l1, args=(local, out, rank, target, False), daemon=True).start()
     if role == "kept":
-        local.command(engine_pb2.PauseTraining(job_id="job", at_step=PAUSE_AT, checkpoint=False))
+        local.command(engine_pb2.PauseTraining(job_id="job", at_step=PAUSE_AT, checkpoint=False, seq=1))
         threading.Thread(target=play_l1, args=(local, out, rank, target, True), daemon=True).start()
     local.command(engine_pb2.StartTraining(job_id="job"))
     local.run()

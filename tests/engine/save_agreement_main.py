@@ -46,7 +46,7 @@ def main() -> None:
     bus.subscribe(Module.L1_ORCHESTRATOR, store_pb2.SnapshotFailed, lambda m, p=None: failed.append([m.step, m.cause]))
     port_ = bus.port(Module.L2_TRAINING_LOOP, Module.L5_CHECKPOINT_MANAGER)
     staged = {}
-    for step in (10, 20, 30):  # the fake store: 10 refused to rank 1; 10's commit slow; 20 then waits; 30 fine
+    for step in (10, 20, 30, 40):  # the fake store: 10 refused to rank 1; 20's and 30's commits slow (module doc)
         state = {"model": {"w": torch.full((16,), float(step + rank))}}
         reply = port_(store_pb2.SaveCheckpoint(job_id="j", step=step, rank=rank, write_async=True), state).message
         staged[step] = reply.staging_path

@@ -65,6 +65,14 @@ def test_the_collective_timeout_is_derived_from_the_jobs_liveness_settings(setti
     assert collective_timeout_s(LivenessSpec.model_validate(settings), compiles) == expected
 
 
+def test_a_peer_waits_in_a_collective_as_long_as_the_job_waits_for_its_data_service():
+    # A rank whose read-ahead ran out waits for the data service (fault_policy.data_outage_seconds)
+    # while its peers wait for it in the step's collective: their timeout covers it and L1's deadline.
+    assert collective_timeout_s(LivenessSpec(), data_outage_s=300.0) == 330.0  # 300 + max(15, 30)
+    assert collective_timeout_s(LivenessSpec(), data_outage_s=10.0) == 60.0  # the floor
+    assert collective_timeout_s(LivenessSpec.model_validate({"collective_timeout_seconds": 20}), False, 300.0) == 20.0
+
+
 def test_the_side_groups_wait_out_a_checkpoint_staging():
     assert side_timeout_s(LivenessSpec()) == 600.0  # phase_seconds.checkpoint_staging
     assert side_timeout_s(LivenessSpec.model_validate({"collective_timeout_seconds": 700})) == 700.0
@@ -82,16 +90,18 @@ def test_an_nccl_rank_is_set_to_abort_its_communicator_and_live():
 
 
 def test_the_timeout_reaches_the_process_group_from_the_jobs_spec(tmp_path):
-    # The rank's real composition root, on the spec InitJob carries: stall_min_seconds 40 ->
-    # every collective of the group may wait 80 s.
-    spec = tiny_spec(steps=1, liveness={"stall_min_seconds": 40})
+    # The rank's real composition root, on the spec InitJob carries: stall_min_seconds 40 and a
+    # data outage waited for 60 s -> every collective of the group may wait 100 s.
+    spec = tiny_spec(steps=1, liveness={"stall_min_seconds": 40}, fault_policy={"data_outage_seconds": 60})
     rank = LocalRank(spec, tmp_path)
     carried = spec_from_json(rank.init.spec_json)  # what InitJob carries to the rank
     assert collective_timeout_s(carried.liveness, carried.operators.compile) == 80.0
+    outage = carried.fault_policy.data_outage_seconds
+    assert collective_timeout_s(carried.liveness, carried.operators.compile, outage) == 100.0
     rank.bring_up()
     try:
         backend = dist.group.WORLD._get_backend(torch.device("cpu"))
-        assert backend.options._timeout == timedelta(seconds=80)
+        assert backend.options._timeout == timedelta(seconds=100)
     finally:
         rank.modules.parallel.shutdown()
 

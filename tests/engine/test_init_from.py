@@ -25,7 +25,7 @@ def one_thread():
 def started_only(spec, root, **kw) -> LocalRank:
     """A rank that loads, starts and stops before its first step: what it loaded is its state."""
     rank = LocalRank(spec, root, **kw)
-    rank.command(engine_pb2.StopTraining(job_id="job"))
+    rank.command(engine_pb2.StopTraining(job_id="job", seq=1))
     rank.run()
     assert rank.error is None, rank.error
     return rank

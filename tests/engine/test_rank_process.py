@@ -16,7 +16,16 @@ import numpy as np
 import pytest
 from rank_fakes import corpus_bytes, free_port, tiny_spec
 
-from services.contract import Module, audit_pb2, data_pb2, data_pb2_grpc, engine_pb2, worker_pb2, worker_pb2_grpc
+from services.contract import (
+    Module,
+    audit_pb2,
+    data_pb2,
+    data_pb2_grpc,
+    engine_pb2,
+    store_pb2,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from services.contract.audit import abort_with_violation
 from services.contract.bus import BoundaryViolation
 from services.contract.relay import pack, unpack
@@ -55,6 +64,9 @@ class FakeAgent(worker_pb2_grpc.WorkerServiceServicer):
                 for ev in requests:
                     if ev.WhichOneof("event") == "heartbeat":
                         self.heartbeats.append(ev.heartbeat)
+                        continue
+                    if ev.WhichOneof("event") == "metrics":  # as if the store wrote it at once
+                        self.commands.put(worker_pb2.RankCommand(metrics_ack=store_pb2.MetricsAck(seq=ev.metrics.seq)))
                         continue
                     if kind(ev) in UNFOLLOWED:
                         continue
@@ -136,7 +148,7 @@ def start_rank(address: str, procs: list, job: str = "job-1", env: dict | None =
 
 
 def push_setup(agent: FakeAgent, address: str, spec, device: str = "cpu") -> None:
-    unused = free_port()  # no store listens here: metrics are retried in the background
+    unused = free_port()  # no store listens here (metrics go to the fake agent, which acks them)
     agent.commands.put(
         worker_pb2.RankCommand(
             init=engine_pb2.InitJob(

@@ -159,6 +159,40 @@ def test_evaluations_and_checkpoints_go_on_after_the_rebuild(uninterrupted, tmp_
     assert got[0]["saved"] == [4, 8]  # rank 0 commits; the save at 8 ran on the rebuilt group
 
 
+@pytest.mark.timeout(300)
+def test_a_survivor_one_step_behind_heals_onto_its_peers_step_and_reports_that_step(tmp_path):
+    # Two ranks; rank 0's step 5 fails after its all-reduces returned (a gloo all-reduce can
+    # return on one rank and fail on another): rank 1 completed step 5, rank 0 rolled back to 4.
+    # The heal takes the highest step (rank 1's); rank 0 never ran step 5 to its end, yet the
+    # step trained, so rank 0 reports it as rank 1 did: rank 0 speaks for the job (control's
+    # journal, the store's per-step losses), and a step missing there failed CI's resize test.
+    world = 2
+    port = free_port()
+    procs = [_start("laggard" if r == 0 else "survivor", r, port, tmp_path, world) for r in range(world)]
+    try:
+        logs = [tmp_path / f"{'laggard' if r == 0 else 'survivor'}-{r}.log" for r in range(world)]
+        deadline = time.monotonic() + 150
+        while not all("group_broke" in p.read_text() for p in logs):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the group never broke"
+            time.sleep(0.05)
+        (tmp_path / "rendezvous.json").write_text(json.dumps({"port": free_port(), "lost": -1}))
+        outputs = _finish(procs, timeout=150)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0] * world, "\n".join(o[-3000:] for o in outputs)
+    lag, peer = (torch.load(tmp_path / f"{role}-{r}.pt") for r, role in enumerate(("laggard", "survivor")))
+    assert all(torch.equal(lag["state"][k], peer["state"][k]) for k in peer["state"])
+    assert peer["steps"] == lag["steps"] == list(range(1, STEPS + 1))  # step 5 once each: rank 0's taken over
+    assert lag["losses"] == peer["losses"]  # global losses, step 5's the peer's report
+    for g in (lag, peer):
+        (_, (restart, healed, source, generation, _)) = [m for m in g["started"]]
+        assert (restart, healed, source, generation) == (KILL_AFTER + 1, True, 1, 1)
+    assert "taken_over_step_reported" in outputs[0] and "taken_over_step_reported" not in outputs[1]
+
+
 def _stopped(pid: int) -> bool:
     """Whether the process is stopped by a signal (its /proc state 'T')."""
     with open(f"/proc/{pid}/stat") as f:

@@ -1,11 +1,12 @@
-"""The rank's relays of L4 and L5 (services/rank/data_client.py, store_client.py)
-against in-test gRPC servers."""
+"""The rank's relays of L4 and L5 (services/rank/data_client.py, store_client.py) and the
+node agent's metric stream (services/worker/metric_stream.py) against in-test gRPC servers."""
 
 from __future__ import annotations
 
 import gc
 import queue
 import shutil
+import threading
 import time
 import weakref
 from concurrent import futures
@@ -13,6 +14,7 @@ from concurrent import futures
 import grpc
 import numpy as np
 import pytest
+import structlog
 import torch
 import torch.distributed as dist
 from rank_fakes import free_port
@@ -20,7 +22,9 @@ from rank_fakes import free_port
 from services.contract import Module, data_pb2, data_pb2_grpc, engine_pb2, route_pb2, store_pb2, store_pb2_grpc
 from services.contract.bus import Bus
 from services.rank.data_client import DataClient
+from services.rank.metrics_client import MetricsClient
 from services.rank.store_client import CheckpointError, CheckpointIntegrityError, StoreClient
+from services.worker.metric_stream import MetricStream
 from tests.module_failed import raised_in_module
 
 pytestmark = pytest.mark.timeout(60)
@@ -92,20 +96,27 @@ class Store(store_pb2_grpc.StoreServiceServicer):
     def Record(self, request_iterator, context):
         self.streams += 1
         first = self.streams == 1
-        for i, rec in enumerate(request_iterator):
-            self.received.append((self.streams, rec.seq))
-            if first and self.break_first_stream_after:
-                if i >= self.break_first_stream_after:
-                    context.abort(grpc.StatusCode.UNAVAILABLE, "store restarting")
+        i = 0  # records of this stream so far
+        for batch in request_iterator:
+            acks = []
+            for rec in batch.records:
+                self.received.append((self.streams, rec.seq))
+                i += 1
+                if first and self.break_first_stream_after:
+                    if i > self.break_first_stream_after:
+                        if acks:
+                            yield store_pb2.MetricAcks(acks=acks)
+                        context.abort(grpc.StatusCode.UNAVAILABLE, "store restarting")
+                    self.records.append(rec)
+                    if i <= 2:  # written, but only the first two acknowledged before the break
+                        acks.append(store_pb2.MetricsAck(records=1, seq=rec.seq))
+                    continue
+                if any(r.seq == rec.seq for r in self.records):
+                    acks.append(store_pb2.MetricsAck(records=0, seq=rec.seq))  # the real store writes a resend once
+                    continue
                 self.records.append(rec)
-                if i < 2:
-                    yield store_pb2.MetricsAck(records=1, seq=rec.seq)
-                continue
-            if any(r.seq == rec.seq for r in self.records):
-                yield store_pb2.MetricsAck(records=0, seq=rec.seq)  # the real store writes a resend once
-                continue
-            self.records.append(rec)
-            yield store_pb2.MetricsAck(records=1, seq=rec.seq)
+                acks.append(store_pb2.MetricsAck(records=1, seq=rec.seq))
+            yield store_pb2.MetricAcks(acks=acks)
 
 
 @pytest.fixture
@@ -120,9 +131,10 @@ def server(tmp_path):
     s.stop(0)
 
 
-def data_relay(address: str):
+def data_relay(address: str, **job):
     bus, got = Bus(), queue.Queue()
-    client = DataClient(address, bus.emitter(Module.L4_DATASET_VERSIONS), bus.emitter(Module.L4_BATCH_PACKER))
+    client = DataClient(address, bus.emitter(Module.L4_DATASET_VERSIONS), bus.emitter(Module.L4_BATCH_PACKER), **job)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, data_pb2.DataServiceUnreachable, lambda m, p=None: got.put((m, p)))
     bus.subscribe(Module.L4_DATASET_VERSIONS, data_pb2.MountDataset, client.mount)
     bus.subscribe(Module.L4_DATASET_VERSIONS, data_pb2.OpenStream, client.open_stream)
     for kind in (data_pb2.MicroBatch, data_pb2.DataExhausted, data_pb2.DatasetUnavailable):
@@ -186,6 +198,113 @@ def test_mount_and_stream_errors_become_dataset_unavailable_with_one_line(server
     client.close()
 
 
+class Restarting(Data):
+    """A data service whose train streams break (UNAVAILABLE, as when it restarts) after
+    ``breaks_after`` batches (after the first break: ``then_after``), ``breaks`` times;
+    every stream's start is kept."""
+
+    def __init__(self, breaks_after: int, breaks: int, then_after: int | None = None):
+        self.breaks_after, self.breaks, self.starts = breaks_after, breaks, []
+        self.then_after = breaks_after if then_after is None else then_after
+
+    def Stream(self, request, context):
+        self.starts.append(request.start.row)
+        for i, mb in enumerate(super().Stream(request, context)):
+            if i == self.breaks_after and self.breaks > 0:
+                self.breaks, self.breaks_after = self.breaks - 1, self.then_after
+                context.abort(grpc.StatusCode.UNAVAILABLE, "data service restarting")
+            yield mb
+
+
+def serve_data(servicer) -> tuple[grpc.Server, str]:
+    s = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    data_pb2_grpc.add_DataServiceServicer_to_server(servicer, s)
+    port = s.add_insecure_port("127.0.0.1:0")
+    s.start()
+    return s, f"127.0.0.1:{port}"
+
+
+def test_a_stream_broken_by_a_restart_resumes_at_the_last_batch_handed_on_none_repeated_or_skipped():
+    data = Restarting(breaks_after=5, breaks=2)
+    server, address = serve_data(data)
+    client, port, got = data_relay(address)
+    try:
+        token = port(data_pb2.OpenStream(split="train")).payload
+        batches = [got.get(timeout=20) for _ in range(15)]
+    finally:
+        client.close()
+        server.stop(0)
+    # Rows 1..15 in order across two breaks: each reopened stream started at the last handed
+    # batch's `next`, and every batch is of the one stream the loop opened (same token).
+    assert [m.next.row for m, _ in batches] == list(range(1, 16))
+    assert all(isinstance(m, data_pb2.MicroBatch) and b.stream is token for m, b in batches)
+    assert data.starts == [0, 5, 10]
+
+
+def test_a_data_service_that_stays_away_is_reported_unavailable_once_the_backoff_budget_is_spent(monkeypatch):
+    from services.rank import data_client
+
+    monkeypatch.setattr(data_client, "RECONNECT_S", 1.0)
+    data = Restarting(breaks_after=2, breaks=1_000, then_after=0)  # two batches, then never one again
+    server, address = serve_data(data)
+    client, port, got = data_relay(address)
+    try:
+        port(data_pb2.OpenStream(split="train", mount=data_pb2.MountDataset(name="d", version="v1")))
+        t0 = time.monotonic()
+        while not isinstance((item := got.get(timeout=20))[0], data_pb2.DatasetUnavailable):
+            pass
+        waited = time.monotonic() - t0
+    finally:
+        client.close()
+        server.stop(0)
+    gone = item[0]
+    assert (gone.name, gone.failure.cause) == ("d", route_pb2.FAILURE_UNAVAILABLE)  # typed by the status code
+    assert gone.reason.startswith("data service unreachable at 127.0.0.1:")
+    assert len(data.starts) >= 3 and 1.0 <= waited < 10.0  # tried again, jittered, within its budget
+    assert set(data.starts[1:]) == {2}  # every retry at the same position: nothing was handed on since
+
+
+def test_a_jobs_relay_tells_l1_it_waits_for_the_data_service_and_when_it_is_back_where_it_continues():
+    data = Restarting(breaks_after=3, breaks=1)
+    server, address = serve_data(data)
+    client, port, got = data_relay(address, job_id="j", rank=1, outage_s=60.0)
+    try:
+        port(data_pb2.OpenStream(split="train"))
+        items = [got.get(timeout=20)[0] for _ in range(8)]
+    finally:
+        client.close()
+        server.stop(0)
+    told = [m for m in items if isinstance(m, data_pb2.DataServiceUnreachable)]
+    rows = [m.next.row for m in items if isinstance(m, data_pb2.MicroBatch)]
+    assert rows == [1, 2, 3, 4, 5, 6]  # nothing repeated or skipped across the break
+    waiting, back = told
+    assert (waiting.job_id, waiting.rank, waiting.split, waiting.back, waiting.address) == (
+        "j",
+        1,
+        "train",
+        False,
+        address,
+    )
+    assert waiting.reason.startswith("data service unreachable at 127.0.0.1:") and waiting.at.row == 3
+    assert (back.back, back.at.row) == (True, 3) and back.waited_seconds > 0
+    assert items.index(back) == 4  # told before the first batch of the reopened stream is handed on
+
+
+def test_a_jobs_mount_waits_for_an_unreachable_data_service_then_reports_it_typed_unavailable(monkeypatch):
+    from services.rank import data_client
+
+    monkeypatch.setattr(data_client, "RECONNECT_S", 0.5)  # the relay's margin over the job's wait
+    client, port, got = data_relay(f"127.0.0.1:{free_port()}", job_id="j", rank=0, outage_s=0.5)
+    t0 = time.monotonic()
+    reply = port(data_pb2.MountDataset(name="d", version="v1")).message
+    waited = time.monotonic() - t0
+    client.close()
+    assert 1.0 <= waited < 10.0  # tried again for the job's wait and the margin, not at once
+    assert reply.failure.cause == route_pb2.FAILURE_UNAVAILABLE
+    (told, _) = got.get(timeout=1)
+    assert (told.split, told.back, told.job_id) == ("", False, "j")  # (a mount: no split)
+
+
 IO = route_pb2.FAILURE_IO
 
 
@@ -201,26 +320,55 @@ def store_relay(address: str):
     return client, bus.port(Module.L2_TRAINING_LOOP, Module.L5_CHECKPOINT_MANAGER), up
 
 
+def metric_stream(address: str, **kw) -> tuple[MetricStream, list]:
+    acks: list[store_pb2.MetricsAck] = []
+    return MetricStream(address, structlog.get_logger(), **kw), acks
+
+
 def test_step_metrics_stream_to_the_store_and_are_flushed_on_close(server):
     address, store = server
-    client, _, _ = store_relay(address)
-    for step in range(1, 21):
-        client.on_step_completed(engine_pb2.StepCompleted(job_id="j", step=step, loss=1.0))
-    client.on_eval_completed(engine_pb2.EvalCompleted(job_id="j", step=20, loss=2.0))
-    client.close(timeout=10)
+    stream, acks = metric_stream(address)
+    for step in range(1, 21):  # two ranks' records on the node's one stream, each numbered by its rank
+        stream.submit(
+            store_pb2.MetricRecord(step=engine_pb2.StepCompleted(job_id="j", step=step), seq=step), acks.append
+        )
+    stream.submit(
+        store_pb2.MetricRecord(eval=engine_pb2.EvalCompleted(job_id="j", step=20, loss=2.0), seq=7), acks.append
+    )
+    stream.close(timeout=10)
     assert [r.step.step for r in store.records[:20]] == list(range(1, 21))
     assert store.records[20].eval.loss == 2.0
+    assert [r.seq for r in store.records] == list(range(1, 22))  # the stream's own order
+    assert [a.seq for a in acks] == [*range(1, 21), 7]  # each ack back with its rank's seq
+
+
+def test_a_ranks_metrics_client_waits_at_its_end_for_the_ack_of_every_record_it_handed_on():
+    sent: list[store_pb2.MetricRecord] = []
+    routed: list = []
+    client = MetricsClient(sent.append, on_routed=routed.extend)
+    client.on_step_completed(engine_pb2.StepCompleted(job_id="j", step=1))
+    client.log_collection_config(store_pb2.LogCollectionConfig(job_id="j"))
+    assert [r.seq for r in sent] == [1, 2] and client.held_records == 2
+    acker = threading.Timer(0.3, lambda: [client.acked(store_pb2.MetricsAck(seq=r.seq, records=1)) for r in sent[:]])
+    acker.start()
+    t0 = time.monotonic()
+    client.stop_log_collection(store_pb2.StopLogCollection(job_id="j"))  # its own ack (seq 3) comes too
+    assert 0.25 < time.monotonic() - t0 < 4.0 and client.held_records == 0
+    assert [r.WhichOneof("record") for r in sent] == ["step", "config", "stop"]
+    client.acked(store_pb2.MetricsAck(seq=3, routed=[route_pb2.Routed(type="surge.v1.LogWriteFailed")]))
+    assert [r.type for r in routed] == ["surge.v1.LogWriteFailed"]  # a sink's failure, for the rank's bus
 
 
 def test_metrics_never_block_the_step_when_the_store_is_down():
-    client, _, _ = store_relay(f"127.0.0.1:{free_port()}")
+    stream, acks = metric_stream(f"127.0.0.1:{free_port()}")
     t0 = time.perf_counter()
     for step in range(10_000):
-        client.on_step_completed(engine_pb2.StepCompleted(step=step))
+        stream.submit(store_pb2.MetricRecord(step=engine_pb2.StepCompleted(step=step)), acks.append)
     assert time.perf_counter() - t0 < 2.0
     t0 = time.perf_counter()
-    client.close(timeout=2)
+    stream.close(timeout=2)
     assert time.perf_counter() - t0 < 4.0
+    assert acks == []
 
 
 def test_a_checkpoint_is_written_to_the_staging_path_and_rank_0_commit_goes_up(server, tmp_path):
@@ -422,27 +570,25 @@ def test_a_background_commit_that_cannot_reach_the_store_is_reported_retried_at_
 def test_metric_records_not_acknowledged_are_resent_after_the_stream_breaks(server):
     address, store = server
     store.break_first_stream_after = 5
-    client, _, _ = store_relay(address)
+    stream, acks = metric_stream(address)
     for step in range(1, 11):
-        client.on_step_completed(engine_pb2.StepCompleted(job_id="j", step=step, loss=1.0))
-    client.close(timeout=15)
+        stream.submit(store_pb2.MetricRecord(step=engine_pb2.StepCompleted(job_id="j", step=step)), acks.append)
+    stream.close(timeout=15)
     # The first stream wrote 1..5 but acknowledged only 1 and 2: 3..10 came on the next one,
     # and the store wrote each record once.
-    assert [seq for stream, seq in store.received if stream == 1][:5] == [1, 2, 3, 4, 5]
-    assert [seq for stream, seq in store.received if stream == 2] == list(range(3, 11))
+    assert [seq for n, seq in store.received if n == 1][:5] == [1, 2, 3, 4, 5]
+    assert [seq for n, seq in store.received if n == 2] == list(range(3, 11))
     assert [r.step.step for r in store.records] == list(range(1, 11))
-    assert store.streams == 2 and client.held_records == 0
+    assert store.streams == 2 and stream.held_records == 0
 
 
 def test_the_metric_buffer_is_bounded_and_counts_what_it_drops():
-    from services.rank.store_client import StoreClient as SC
-
-    client = SC(f"127.0.0.1:{free_port()}", Bus().emitter(Module.L5_CHECKPOINT_MANAGER), metrics_buffer=100)
+    stream, acks = metric_stream(f"127.0.0.1:{free_port()}", buffer=100)
     for step in range(1, 251):
-        client.on_step_completed(engine_pb2.StepCompleted(job_id="j", step=step))
-    assert client.held_records == 100 and client._dropped == 150
-    assert [r.step.step for _, r in client._held][:1] == [151]  # the oldest went first
-    client.close(timeout=0.5)
+        stream.submit(store_pb2.MetricRecord(step=engine_pb2.StepCompleted(job_id="j", step=step)), acks.append)
+    assert stream.held_records == 100 and stream.dropped == 150
+    assert [r.step.step for _, r, _, _ in stream._held][:1] == [151]  # the oldest went first
+    stream.close(timeout=0.5)
 
 
 def _committed_version(tmp_path, job: str = "v"):

@@ -56,7 +56,7 @@ def test_a_stop_before_start_finishes_at_once_without_a_step(tmp_path):
     t = started(rank)
     assert not rank.up.finished.wait(1.0)  # started, and waiting for StartTraining
     assert rank.up.of(engine_pb2.TrainingLoopStarted) and rank.steps() == []
-    rank.command(engine_pb2.StopTraining(job_id="job"))
+    rank.command(engine_pb2.StopTraining(job_id="job", seq=1))
     t.join(30)
     assert rank.steps() == []
     (fin,) = rank.up.of(engine_pb2.TrainingLoopFinished)
@@ -65,14 +65,14 @@ def test_a_stop_before_start_finishes_at_once_without_a_step(tmp_path):
 
 def test_pause_at_a_step_holds_there_until_resume_and_stop_ends_at_its_boundary(tmp_path):
     rank = LocalRank(tiny_spec(steps=50), tmp_path)
-    rank.command(engine_pb2.PauseTraining(job_id="job", at_step=2))
+    rank.command(engine_pb2.PauseTraining(job_id="job", at_step=2, seq=1))
     rank.command(engine_pb2.StartTraining(job_id="job"))
     t = started(rank)
     (paused,) = wait_for(rank, t, engine_pb2.TrainingLoopPaused)
     assert paused.step == 2 and len(rank.steps()) == 2
     t.join(0.5)
     assert len(rank.steps()) == 2  # stays paused
-    rank.command(engine_pb2.StopTraining(job_id="job", at_step=5))  # later than now: keep paused
+    rank.command(engine_pb2.StopTraining(job_id="job", at_step=5, seq=2))  # later than now: keep paused
     t.join(0.3)
     assert len(rank.steps()) == 2 and not rank.up.of(engine_pb2.TrainingLoopFinished)
     rank.command(engine_pb2.ResumeTraining(job_id="job"))
@@ -85,7 +85,7 @@ def test_pause_at_a_step_holds_there_until_resume_and_stop_ends_at_its_boundary(
 def test_a_rebuild_resume_that_finds_the_loop_not_paused_is_dropped(tmp_path):
     # Left queued, it would leave the next pause into a resize nobody commanded (issue 16).
     rank = LocalRank(tiny_spec(steps=4), tmp_path)
-    rank.command(engine_pb2.PauseTraining(job_id="job", at_step=2))
+    rank.command(engine_pb2.PauseTraining(job_id="job", at_step=2, seq=1))
     rank.command(engine_pb2.ResumeTraining(job_id="job", rebuild=True))  # not paused yet: dropped
     rank.command(engine_pb2.StartTraining(job_id="job"))
     t = started(rank)
@@ -159,6 +159,15 @@ def test_an_unknown_dataset_is_reported_as_data_unavailable_with_the_reason(tmp_
     assert failed.fault_class == "data_unavailable"
     assert failed.detail == "dataset missing@v1 not found"
     assert not rank.up.of(engine_pb2.TrainingLoopStarted)
+
+
+def test_a_dataset_whose_bytes_changed_is_reported_as_data_corrupt_by_its_typed_cause(tmp_path):
+    # Issue 29 item 7: the class from the failure's cause (FAILURE_DATA_CORRUPT), not the text.
+    rank = LocalRank(tiny_spec(data={"dataset": "changed@v1"}), tmp_path)
+    rank.run()
+    (failed,) = rank.up.of(engine_pb2.TrainingLoopFailed)
+    assert failed.fault_class == "data_corrupt"
+    assert failed.detail == "dataset changed@v1: shard train.bin changed since it was prepared"
 
 
 # ------------------------------------------------------------------ step faults: the blocked state
@@ -264,7 +273,7 @@ def test_a_standing_order_needs_no_round_trip_is_echoed_and_a_revocation_takes_e
     del rank.init.standing_orders[:]
     rank.init.standing_orders.add(id=7, kind=engine_pb2.STEP_FAULT_NON_FINITE_LOSS, action=engine_pb2.STEP_SKIP)
     reports = answer_step_faults(rank, lambda r: engine_pb2.STEP_SKIP)
-    rank.command(engine_pb2.RevokeStandingOrder(job_id="job", order=7, after_step=2))
+    rank.command(engine_pb2.RevokeStandingOrder(job_id="job", order=7, after_step=2, seq=1))
     t = poisoned(rank)
     rank.command(engine_pb2.StartTraining(job_id="job"))
     t.join(30)

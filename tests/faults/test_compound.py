@@ -4,7 +4,10 @@ version is struck, that no progress is lost beyond the newest verified checkpoin
 no other job is disturbed.
 
 One stack (control, store, data, two workers of one slot each) serves the module; every
-process it started is killed by PID at the end.
+process it started is killed by PID at the end. A job that must still run when its fault
+comes is held to PACE a step from the step after the one its test waits for
+(``SURGE_FAULT_INJECT`` ``slow_steps``: PACED), whatever the machine's speed; the test lifts
+the pace once the fault is in, and the job runs the rest at its own speed.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from services.contract import control_pb2
+from services.rank.faults import lift_pace
 from tests.conftest import REPO, processes_with
 
 from .test_control_restart import process_argv_env, restart_control, restart_worker
@@ -26,6 +30,13 @@ from .test_recovery import JobOutcome, JobState, cli, of_type, running_stack
 from .test_recovery import spec as recovery_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+PACE = 2.0
+PACED = ",".join(
+    f"{job}:slow_steps@{at}:rank={r}:seconds={PACE:g}"
+    for job, at in (("cstore", 13), ("cflip", 13), ("cleave", 9))
+    for r in (0, 1)
+)
 
 
 def spec(name: str, steps: int) -> str:
@@ -46,9 +57,14 @@ def stack(tmp_path_factory):
         tmp_path_factory.mktemp("surge-compound"),
         ("json", "email"),
         ("cstore", "cother", "cctl", "cleave", "cflip"),
-        env={"SURGE_WORKER_MEMORY_COPY_BYTES": "0"},
+        env={"SURGE_WORKER_MEMORY_COPY_BYTES": "0", "SURGE_FAULT_INJECT": PACED},
     ) as s:
         yield s
+
+
+def lift(stack, job_id: str) -> None:
+    """The job's ranks (and those relaunched for it) train at their own speed from now on."""
+    lift_pace(stack.home / "run" / "faults", job_id)
 
 
 def services(home: Path) -> dict:
@@ -111,9 +127,9 @@ def test_the_store_stopped_during_a_recovery_loses_nothing_and_disturbs_no_other
     A waits FAULT_FROZEN for the store, strikes nothing, and resumes from its newest version
     once the store runs again; job B, training on the other worker all along, is never graded
     silent nor restarted (its saves fail and are reported; it trains on)."""
-    # A is killed soon after step 12 and then has only to finish: 120 steps leave it ample room
-    # before the kill, and after its recovery ~100 steps (a save every 5) instead of ~390.
-    a = stack.submit(spec("cstore", steps=120))
+    # A is killed soon after step 12 (paced from step 13 until then) and then has only to
+    # finish: ~30 steps after its recovery (a save every 5).
+    a = stack.submit(spec("cstore", steps=40))
     # B outlasts A's wait by any machine's speed: it is stopped once the store is back (a job
     # that ends while the store is away cannot hand the store its last metric records).
     b = stack.submit(spec("cother", steps=1_000_000))
@@ -125,13 +141,17 @@ def test_the_store_stopped_during_a_recovery_loses_nothing_and_disturbs_no_other
         before = committed_versions(events_so_far(stack, a))
         assert before, "job A committed no version before the fault"
         os.kill(rank_pid, signal.SIGKILL)
+        lift(stack, a)
         wait_for(lambda: stack.status(a).message.startswith("waiting for the store"), 60, "A waiting for the store")
         b_step = stack.status(b).step
-        time.sleep(12)  # past the store relay's 10 s deadline: the verification times out, is retried
+        # Past the store relay's 10 s deadline: the verification times out and is retried; B's
+        # save, blocked as long by the stopped store, is skipped and B trains on (both waited
+        # for by their status, not slept through: the deadlines are all they wait).
+        retried = ("waiting for the store (timeout", "asking the store again")
+        wait_for(lambda: stack.status(a).message.startswith(retried), 60, "A's store check to time out")
+        wait_for(lambda: stack.status(b).step > b_step, 60, "B to train on while A waits")
         status = stack.status(a)
-        assert status.state == JobState.FAULT_FROZEN, status.message
-        assert status.message.startswith(("waiting for the store (timeout", "asking the store again")), status.message
-        assert stack.status(b).step > b_step  # B trained on while A waited
+        assert status.state == JobState.FAULT_FROZEN, status.message  # (still waiting: the store is stopped)
     finally:
         os.kill(store_pid, signal.SIGCONT)
     resumed_at = stack.status(b).step
@@ -158,8 +178,9 @@ def test_the_store_stopped_during_a_recovery_loses_nothing_and_disturbs_no_other
 
 def test_control_killed_during_a_recovery_with_the_store_down_resumes_from_the_newest_version(stack):
     """The store SIGKILLed, then the job's rank, then control SIGKILLed while the recovery
-    waits for the store; control comes back, then the store 20 s after it died: the job
-    resumes from its newest committed version (never from scratch) and finishes."""
+    waits for the store; control comes back and its restored recovery waits for the store
+    again, then the store comes back: the job resumes from its newest committed version (never
+    from scratch) and finishes."""
     job = stack.submit(spec("cctl", steps=60))
     stack.wait_step(job, 12)
     svc = services(stack.home)
@@ -167,14 +188,14 @@ def test_control_killed_during_a_recovery_with_the_store_down_resumes_from_the_n
     control_argv, _ = process_argv_env(svc["control"]["pid"])
     before = committed_versions(events_so_far(stack, job))
     newest_step, newest = max(before)
-    killed_at = time.monotonic()
     os.kill(svc["store"]["pid"], signal.SIGKILL)
     os.kill(stack.rank_pids(job, 0)[0], signal.SIGKILL)
     wait_for(lambda: stack.status(job).message.startswith("waiting for the store"), 60, "waiting for the store")
     os.kill(svc["control"]["pid"], signal.SIGKILL)
     restart_control(stack.home, control_argv)
     wait_for(lambda: _answers(stack, job), 60, "control back")
-    time.sleep(max(0.0, 20 - (time.monotonic() - killed_at)))
+    # The restarted control's recovery finds the store still away (then it comes back).
+    wait_for(lambda: stack.status(job).message.startswith("waiting for the store"), 60, "waiting for the store again")
     with open(svc["store"]["log"], "ab") as log:
         store = subprocess.Popen(
             store_argv,
@@ -234,6 +255,7 @@ def _leave_and_come_back(stack) -> None:
     )
     argv, env = process_argv_env(svc[worker]["pid"])
     os.kill(svc[worker]["pid"], signal.SIGTERM)
+    lift(stack, job)
     wait_for(lambda: stack.status(job).message.startswith("waiting for capacity"), 60, "waiting for capacity")
     time.sleep(1.0)
     restart_worker(stack.home, worker, argv, env)
@@ -257,7 +279,7 @@ def test_flipped_bytes_in_the_newest_version_strike_only_it_and_the_job_resumes_
     killed: the relaunched ranks find it as they read it (a digest mismatch,
     checkpoint_integrity): only that version is struck, the policy rolls back to the one
     before; recovered, the job stays paused until the operator resumes it, then finishes."""
-    job = stack.submit(spec("cflip", steps=400))  # (the pause lands ~1 s of steps after it is asked)
+    job = stack.submit(spec("cflip", steps=40))  # (paced from step 13: the pause lands before its end)
     stack.wait_step(job, 12)
     stack.stub.PauseJob(control_pb2.PauseJobRequest(job_id=job))  # (no newer save while the bytes are flipped)
     wait_for(lambda: stack.status(job).state == JobState.PAUSED, 120, "paused")
@@ -268,6 +290,7 @@ def test_flipped_bytes_in_the_newest_version_strike_only_it_and_the_job_resumes_
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     os.kill(stack.rank_pids(job, 0)[0], signal.SIGKILL)
+    lift(stack, job)
     # Recovered, the job is paused as the operator left it (then resumed by the operator).
     wait_for(
         lambda: stack.status(job).message.endswith("paused, as before the fault (resume continues it)"),
@@ -288,10 +311,15 @@ def test_surgectl_restart_of_a_worker_under_a_dp2_job_costs_one_restart_and_the_
     """`surgectl restart worker-1` on the two-worker stack while a dp=2 job trains: the
     agent drains (departing: its rank is never relaunched onto it while it leaves), the job
     waits the second or two until it is back, then continues from its newest checkpoint."""
-    job = stack.submit(spec("cleave", steps=40).replace("parallel: {dp: 1}", "parallel: {dp: 2}"))
+    # Paced from step 9: it cannot finish in the seconds `surgectl restart` takes to start, stop
+    # the agent and start its successor, whatever the machine's speed.
+    steps = 40
+    job = stack.submit(spec("cleave", steps=steps).replace("parallel: {dp: 1}", "parallel: {dp: 2}"))
     stack.wait_step(job, 8)
     restarted = cli(stack.home, "restart", "worker-1", timeout=120)
     assert restarted.returncode == 0, restarted.stdout + restarted.stderr
+    assert stack.status(job).step < steps, "the job finished before the worker was restarted: the test proves nothing"
+    lift(stack, job)
     events = stack.events(job, timeout=300)
     assert events[-1].status.outcome == JobOutcome.FINISHED, events[-1].message
     assert_one_departure(events)

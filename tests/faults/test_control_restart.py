@@ -6,6 +6,10 @@ same SURGE_HOME, so the same SQLite journal). The ranks keep training meanwhile;
 agents reconnect, re-attach the ranks and resend the events control had not applied. The job
 must finish with every step applied exactly once (control's journal of applied steps:
 1..N, no gap, no repeat) and its final checkpoint committed.
+
+A job is held to PACE a step from the step after the one its test waits for (``SURGE_FAULT_INJECT``
+``slow_steps``), so that it cannot end before the test's kills however slow the machine (and
+still trains while control is down); the test lifts the pace once they are done.
 """
 
 from __future__ import annotations
@@ -23,18 +27,35 @@ import pytest
 
 from services.contract import control_pb2
 from services.control.orchestrator import REATTACH_MESSAGE, REATTACHED_MESSAGE
+from services.rank.faults import lift_pace
 from tests.conftest import REPO, processes_with
 from tests.faults.test_recovery import cli, finished, metric, of_type, running_stack, spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-STEPS, EVERY = 400, 100
+STEPS, EVERY = 60, 20
+# ``trestart`` is paced from the step after the restart's (8), ``trfault`` (the jobs whose
+# rank or node agent is lost: after step FAULT_AT, the checkpoint at step EVERY taken) from
+# the step after FAULT_AT: at least 60 s to their end, more than any kill and restart here
+# takes, until the test lifts it. They replay EVERY+1..STEPS after the recovery.
+PACE, RESTART_AT, FAULT_AT = 2.0, 8, 30
+PACED = ",".join(
+    f"{job}:slow_steps@{at + 1}:rank={r}:seconds={PACE:g}"
+    for job, at in (("trestart", RESTART_AT), ("trfault", FAULT_AT))
+    for r in (0, 1)
+)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with running_stack(tmp_path_factory.mktemp("surge-control-restart"), ("json", "email"), ("trestart",)) as s:
+    home = tmp_path_factory.mktemp("surge-control-restart")
+    with running_stack(home, ("json", "email"), ("trestart", "trfault"), env={"SURGE_FAULT_INJECT": PACED}) as s:
         yield s
+
+
+def lift(stack, job: str) -> None:
+    """The job's ranks (and those relaunched for it) train at their own speed from now on."""
+    lift_pace(stack.home / "run" / "faults", job)
 
 
 def restart_control(home: Path, argv: list[str]) -> subprocess.Popen:
@@ -92,7 +113,7 @@ def _unix(stamp: str) -> float:
 def test_a_job_survives_a_sigkill_of_control_with_every_step_applied_exactly_once(stack):
     home = stack.home
     job = stack.submit(spec("trestart", steps=STEPS, every=EVERY))
-    stack.wait_step(job, 8)
+    stack.wait_step(job, RESTART_AT)
     pid = json.loads((home / "run" / "stack.json").read_text())["services"]["control"]["pid"]
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
     argv = [a.decode() for a in argv]
@@ -114,6 +135,7 @@ def test_a_job_survives_a_sigkill_of_control_with_every_step_applied_exactly_onc
     assert (now.state, now.message) == (control_pb2.JobState.RUNNING, REATTACHED_MESSAGE)
     (listed,) = [j for j in stack.stub.ListJobs(control_pb2.JobQuery(), timeout=30).jobs if j.job_id == job]
     assert (listed.state, listed.message) == (control_pb2.JobState.RUNNING, REATTACHED_MESSAGE)
+    lift(stack, job)
     # The test's channel reconnects to the new process once it listens.
     query = control_pb2.JobQuery(job_id=job, follow=True)
     events = list(stack.stub.WatchJob(query, timeout=240, wait_for_ready=True))
@@ -163,14 +185,15 @@ def test_a_job_survives_a_sigkill_of_control_with_every_step_applied_exactly_onc
 
 def test_a_rank_that_dies_while_control_is_down_is_recovered_by_the_policy_after_the_restart(stack):
     home = stack.home
-    job = stack.submit(spec("trestart", steps=STEPS, every=EVERY))
-    stack.wait_step(job, 120)  # after the checkpoint at step 100
+    job = stack.submit(spec("trfault", steps=STEPS, every=EVERY))
+    stack.wait_step(job, FAULT_AT)  # after the checkpoint at step EVERY
     pid = json.loads((home / "run" / "stack.json").read_text())["services"]["control"]["pid"]
     argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")]
     os.kill(pid, signal.SIGKILL)
     time.sleep(0.5)
     (victim,) = processes_with(f"--job {job} --rank 1")
     os.kill(victim, signal.SIGKILL)  # its node agent reaps it and keeps the fact for control
+    lift(stack, job)
     time.sleep(1.0)
     proc = restart_control(home, argv)
     events = list(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job, follow=True), timeout=240, wait_for_ready=True))
@@ -182,13 +205,13 @@ def test_a_rank_that_dies_while_control_is_down_is_recovered_by_the_policy_after
     assert decisions[0].startswith("restart_ranks after rank_exit of rank 1")
     (relaunch,) = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
     assert f"resume from checkpoint {job}:1;" in relaunch
-    # Applied once each: 1..the last step before the fault, then the replay from step 101.
+    # Applied once each: 1..the last step before the fault, then the replay from step EVERY + 1.
     steps = [s for s, _, _ in applied_steps(home, job)]
     resumed = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])  # where the replay starts
-    assert steps[:resumed] == list(range(1, resumed + 1)) and steps[resumed:] == list(range(101, STEPS + 1))
+    assert steps[:resumed] == list(range(1, resumed + 1)) and steps[resumed:] == list(range(EVERY + 1, STEPS + 1))
     print(
         f"rank killed while control was down: recovered from {job}:1 after the restart; "
-        f"steps applied 1..{resumed} then 101..{STEPS}"
+        f"steps applied 1..{resumed} then {EVERY + 1}..{STEPS}"
     )
 
 
@@ -200,8 +223,8 @@ def journaled_messages(home: Path, job_id: str) -> list[str]:
 
 def test_a_recovery_interrupted_by_a_sigkill_of_control_is_resumed_after_the_restart(stack):
     home = stack.home
-    job = stack.submit(spec("trestart", steps=STEPS, every=EVERY))
-    stack.wait_step(job, 120)  # after the checkpoint at step 100
+    job = stack.submit(spec("trfault", steps=STEPS, every=EVERY))
+    stack.wait_step(job, FAULT_AT)  # after the checkpoint at step EVERY
     services = json.loads((home / "run" / "stack.json").read_text())["services"]
     pid, store_pid = services["control"]["pid"], services["store"]["pid"]
     argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")]
@@ -211,6 +234,7 @@ def test_a_recovery_interrupted_by_a_sigkill_of_control_is_resumed_after_the_res
     try:
         (victim,) = processes_with(f"--job {job} --rank 1")
         os.kill(victim, signal.SIGKILL)
+        lift(stack, job)
         t0 = time.monotonic()
         while not any(m.startswith("restart_ranks after rank_exit of rank 1") for m in journaled_messages(home, job)):
             assert time.monotonic() - t0 < 60, "no recovery decided"
@@ -243,7 +267,7 @@ def test_a_recovery_interrupted_by_a_sigkill_of_control_is_resumed_after_the_res
     steps = applied_steps(home, job)
     numbers = [s for s, _, _ in steps]
     resumed = next(i for i in range(1, len(numbers)) if numbers[i] <= numbers[i - 1])
-    assert numbers[:resumed] == list(range(1, resumed + 1)) and numbers[resumed:] == list(range(101, STEPS + 1))
+    assert numbers[:resumed] == list(range(1, resumed + 1)) and numbers[resumed:] == list(range(EVERY + 1, STEPS + 1))
     first_after = min(applied for _, _, applied in steps if applied >= restarted)
     recovered = [e for e in events if e.type == "state" and "recovered from rank_exit" in e.message]
     assert recovered
@@ -256,12 +280,20 @@ def test_a_recovery_interrupted_by_a_sigkill_of_control_is_resumed_after_the_res
 
 def test_ranks_relaunched_just_before_a_sigkill_of_control_are_adopted_not_relaunched_again(stack):
     home = stack.home
-    job = stack.submit(spec("trestart", steps=STEPS, every=EVERY))
-    stack.wait_step(job, 120)
+    job = stack.submit(spec("trfault", steps=STEPS, every=EVERY))
+    stack.wait_step(job, FAULT_AT)
+    # (under load step EVERY's save may still be committing at FAULT_AT: the recovery would
+    # then start from no version, not the one this test resumes from)
+    t0 = time.monotonic()
+    so_far = lambda: list(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job), timeout=30))  # noqa: E731
+    while not any(m.startswith("checkpoint ") and f" at step {EVERY} " in m for m in of_type(so_far(), "checkpoint")):
+        assert time.monotonic() - t0 < 60, "no checkpoint at step EVERY"
+        time.sleep(0.2)
     pid = json.loads((home / "run" / "stack.json").read_text())["services"]["control"]["pid"]
     argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")]
     (victim,) = processes_with(f"--job {job} --rank 1")
     os.kill(victim, signal.SIGKILL)
+    lift(stack, job)
     t0 = time.monotonic()
     while not any(m.startswith("ranks killed and relaunched") for m in journaled_messages(home, job)):
         assert time.monotonic() - t0 < 60, "no relaunch"
@@ -293,7 +325,7 @@ def test_ranks_relaunched_just_before_a_sigkill_of_control_are_adopted_not_relau
     assert len([d for d in decisions if "(restart " in d]) == 1
     numbers = [s for s, _, _ in applied_steps(home, job)]
     resumed = next(i for i in range(1, len(numbers)) if numbers[i] <= numbers[i - 1])
-    assert numbers[resumed:] == list(range(101, STEPS + 1))
+    assert numbers[resumed:] == list(range(EVERY + 1, STEPS + 1))
     first_after = min(applied for _, _, applied in applied_steps(home, job) if applied >= restarted)
     print(
         f"ranks relaunched just before the control SIGKILL: adopted after the restart, not relaunched again; "
@@ -313,6 +345,9 @@ def restart_worker(home: Path, name: str, argv: list[str], env: dict[str, str]) 
     module's later tests have two workers; the stack file names the new pid."""
     stack_json = home / "run" / "stack.json"
     services = json.loads(stack_json.read_text())
+    # The old agent gone first (a SIGTERMed one stops its ranks before it exits): its port is
+    # the new one's, which would exit EXIT_PORT_IN_USE while the old still holds it.
+    wait_gone([services["services"][name]["pid"]])
     log_path = Path(services["services"][name]["log"])
     start = log_path.stat().st_size
     with open(log_path, "ab") as log:
@@ -369,8 +404,8 @@ def test_a_node_agent_lost_around_a_control_restart_is_blamed_not_the_surviving_
     # (two ranks, one worker left) until the lost agent is back under its id; then the job
     # runs again from its newest checkpoint, one restart spent.
     home = stack.home
-    job = stack.submit(spec("trestart", steps=STEPS, every=EVERY))
-    stack.wait_step(job, 120)
+    job = stack.submit(spec("trfault", steps=STEPS, every=EVERY))
+    stack.wait_step(job, FAULT_AT)
     control_pid = json.loads((home / "run" / "stack.json").read_text())["services"]["control"]["pid"]
     argv = [a.decode() for a in Path(f"/proc/{control_pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")]
     worker, agent_pid = worker_of(home, job, 1)
@@ -394,6 +429,7 @@ def test_a_node_agent_lost_around_a_control_restart_is_blamed_not_the_surviving_
                 assert time.monotonic() - t0 < 60, f"{worker} did not re-attach"
                 time.sleep(0.02)
             os.kill(agent_pid, signal.SIGKILL)
+        lift(stack, job)
         watch = stack.stub.WatchJob(control_pb2.JobQuery(job_id=job, follow=True), timeout=240, wait_for_ready=True)
         for e in watch:  # until the recovery waits for the lost worker's slot
             events.append(e)

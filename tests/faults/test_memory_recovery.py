@@ -163,7 +163,10 @@ def test_a_killed_dp_2_rank_restores_from_its_nodes_memory_and_its_peers_through
     # c; peers a -> b -> c -> a; ranks 0 on a, 1 on b. DCP writes each replicated tensor on one
     # of the two ranks; after rank 1 is SIGKILLed both are relaunched where they were: rank 1
     # finds all it needs on b (its part, and rank 0's replica), rank 0 finds its part on a and
-    # rank 1's on a's peer b, through a's agent. Nothing from the store.
+    # rank 1's on a's peer b, through a's agent. Those are read from both ends at once (the
+    # peer's memory from the front, the store's files from the back: chunk_race.py), so the
+    # store may serve part of them (a small part on a local disk's page cache: whichever
+    # source gets there first); nothing of rank 0's own part, and nothing twice.
     job = stack.submit(SPEC.format(name="mdp", dp=2))
     stack.wait_step(job, 7)
     deadline = time.monotonic() + 60
@@ -181,11 +184,13 @@ def test_a_killed_dp_2_rank_restores_from_its_nodes_memory_and_its_peers_through
     (r0,) = records(logs / f"{job}.rank0.log", "checkpoint_loaded")
     (r1,) = records(logs / f"{job}.rank1.log", "checkpoint_loaded")
     assert r0["step"] == r1["step"] == 5
-    assert set(r0["chunks_from"]) == {"memory", "peer"} and not r0["mismatches"], r0
+    assert r0["chunks_from"].get("memory", 0) > 0 and not r0["mismatches"], r0
+    assert set(r0["chunks_from"]) - {"memory"} and set(r0["chunks_from"]) <= {"memory", "peer", "store"}, r0
     assert set(r1["chunks_from"]) == {"memory"} and not r1["mismatches"], r1
     # The recovery's event says so (the ranks' TrainingLoopStarted carry their bytes per source).
     recovered = recovered_event(events)
-    assert ", read from memory (own node) " in recovered and " + the peer's memory " in recovered, recovered
+    assert ", read from memory (own node) " in recovered, recovered
+    assert " + the peer's memory " in recovered or " + the store " in recovered, recovered
     print(f"dp 2: rank 0 {r0['bytes_from']}, rank 1 {r1['bytes_from']} (bytes)")
 
 

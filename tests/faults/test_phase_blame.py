@@ -3,8 +3,10 @@
 * A rank that hangs in its forward pass while its heartbeat thread goes on: every rank stops
   progressing at the same step, its peer waiting for it in DDP's gradient all-reduce. The
   hung rank is blamed (``rank_stalled``, in its forward phase, on its worker) and its peer
-  is reported ``rank_stalled_in_collective`` after it, as a consequence, in every run
-  (``SURGE_BLAME_RUNS``, default 3; the issue's check is 10: ``SURGE_BLAME_RUNS=10``).
+  is reported ``rank_stalled_in_collective`` after it, as a consequence. The suite runs it
+  once (each run is two rank launches, about 18 s on CI); the issue's check that the blame
+  holds in every run of 10 is a soak, not a suite test: ``SURGE_BLAME_RUNS=10`` (see
+  bench/faults.py).
 * An evaluation that takes more than 3x the stall deadline (one rank's evaluation batches
   slowed by ``slow_eval``; its peer waits for it in the evaluation's all-reduce) advances
   batch by batch: no fault, the job finishes.
@@ -31,7 +33,7 @@ from tests.faults.test_recovery import of_type, running_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
-RUNS = int(os.environ.get("SURGE_BLAME_RUNS", "3"))
+RUNS = int(os.environ.get("SURGE_BLAME_RUNS", "1"))  # (10: the soak, bench/faults.py)
 SLOW_BATCH_S, EVAL_BATCHES, STALL_S = 0.5, 8, 1.0
 SLOW_SAVE_S = 4.0
 INJECT = (

@@ -145,7 +145,7 @@ def running_stack(
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    jobs = ("tkill", "tstop", "tlate", "tstall", "exacta", "exactb", "tworker")
+    jobs = ("tkill", "tstop", "tpause", "tlate", "tstall", "exacta", "exactb", "tworker")
     with running_stack(
         tmp_path_factory.mktemp("surge-faults"), ("json", "email", "logging"), jobs, env={"SURGE_FAULT_INJECT": INJECT}
     ) as s:
@@ -179,7 +179,7 @@ def metric(text: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-def test_a_sigstopped_rank_is_declared_silent_a_beat_period_after_its_agent_states_it_stopped_and_recovered(stack):
+def test_a_sigstopped_rank_is_declared_silent_its_heartbeat_timeout_after_its_agent_states_it_stopped(stack):
     job = stack.submit(spec("tstop"))
     stack.wait_step(job, 8)
     (pid,) = stack.rank_pids(job, 1)
@@ -191,11 +191,13 @@ def test_a_sigstopped_rank_is_declared_silent_a_beat_period_after_its_agent_stat
         kill_all([pid])  # (recovery killed it already; a stopped process must not outlive the test)
     (fault,) = causes(events, "SEVERE rank_silent")
     assert fault.message.startswith("SEVERE rank_silent: rank 1 on worker ")
-    # Its node agent heard the stop from the kernel at once: declared once it stayed stopped
-    # for a beat period (0.5 s), not at its heartbeat deadline (2 s after its last beat).
+    # Its node agent heard the stop from the kernel at once, and said so; a stop explains a
+    # silence, it never shortens it (issue 29: a beat period, as before, took 2 s stops for
+    # dead ranks): declared the heartbeat timeout (2 s) after the stop, at most that plus a
+    # beat period (0.5 s) after its last beat; the rest is a loaded machine's margin.
     assert "its process is stopped by SIGSTOP (stated by its node agent)" in fault.message, fault.message
     latency = fault.unix_time - stopped
-    assert 0.4 <= latency <= 1.8, f"declared {latency:.2f} s after SIGSTOP (a beat period 0.5 s after the stop)"
+    assert 1.95 <= latency <= 3.5, f"declared {latency:.2f} s after SIGSTOP (the 2 s timeout after the stop)"
     assert of_type(events, "decision")[1].startswith("restart_ranks after rank_silent of rank 1")
     assert len(of_type(events, "decision")) == 2  # the allocation, and one decision for the incident
     resumed = [e for e in events if e.message.startswith("first step after the recovery from rank_silent")]
@@ -209,6 +211,81 @@ def test_a_sigstopped_rank_is_declared_silent_a_beat_period_after_its_agent_stat
 
 def parent_pid(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def freeze_for(pid: int, seconds: float) -> bool:
+    """Freeze process ``pid`` (all its threads) for ``seconds`` in a cgroup v2 group of our
+    own (``cgroup.freeze``), then put it back in its group and remove ours. False, having
+    done nothing, where there is no cgroup v2 this test may write (not root, none mounted)."""
+    mine = Path(f"/proc/{pid}/cgroup").read_text().split("0::", 1)
+    for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")):
+        if len(mine) == 2 and (root / "cgroup.procs").exists() and (root / "cgroup.subtree_control").exists():
+            break
+    else:
+        return False
+    home = root / mine[1].split("\n", 1)[0].strip("/")
+    group = root / f"surge-test-freeze-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "cgroup.procs").write_text(str(pid))
+    except OSError:  # not ours to write (not root, a delegated hierarchy)
+        with contextlib.suppress(OSError):
+            group.rmdir()
+        return False
+    try:
+        (group / "cgroup.freeze").write_text("1")
+        time.sleep(seconds)
+    finally:
+        (group / "cgroup.freeze").write_text("0")
+        for left in (group / "cgroup.procs").read_text().split():
+            (home / "cgroup.procs").write_text(left)
+        group.rmdir()
+    return True
+
+
+def test_a_rank_stopped_for_2_s_again_and_again_within_its_3_s_heartbeat_timeout_is_no_fault(stack):
+    """Issue 29: a stop explains a silence, it never shortens it. With the job's default
+    liveness (a beat a second, a 3 s heartbeat timeout), rank 1 is SIGSTOPped for 2 s and
+    continued, three times (a py-spy dump, a debugger's attach, ^Z and fg); each stop comes
+    anywhere in its beat period, so counted from its last beat it may be silent 3 s. Where
+    this test may make a cgroup v2 group (root), it is also frozen for 2 s (``cgroup.freeze``:
+    no stop that ``waitid`` reports, its agent keeps stating it running). No fault, no decision
+    but the allocation, and rank 1 keeps its process to the end."""
+    text = spec("tpause", steps=1_000_000).replace(
+        "heartbeat_interval_seconds: 0.5, heartbeat_timeout_seconds: 2.0", "heartbeat_interval_seconds: 1.0"
+    )
+    job = stack.submit(text)
+    stack.wait_step(job, 8)
+    (pid,) = stack.rank_pids(job, 1)
+
+    def send(sig: int) -> None:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:  # (recovered: ended by control, a new process relaunched)
+            so_far = list(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job), timeout=10))
+            stack.stub.StopJob(control_pb2.StopJobRequest(job_id=job, no_checkpoint=True))
+            pytest.fail(f"rank 1's process ended during the stops: {of_type(so_far, 'fault')}")
+
+    try:
+        for _ in range(3):
+            send(signal.SIGSTOP)
+            time.sleep(2.0)
+            send(signal.SIGCONT)
+            time.sleep(1.0)
+        frozen = freeze_for(pid, 2.0)
+        stepped = stack.status(job).step
+        stack.wait_step(job, stepped + 5)  # both ranks step on
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    stack.stub.StopJob(control_pb2.StopJobRequest(job_id=job, no_checkpoint=True))
+    events = stack.events(job)
+    assert events[-1].status.outcome == JobOutcome.STOPPED, events[-1].message
+    assert [e.message for e in events if e.type == "fault"] == []
+    decisions = [m for m in of_type(events, "decision") if not m.startswith("stop requested")]
+    assert len(decisions) == 1, decisions  # the allocation only
+    assert stack.rank_pids(job, 1) in ([pid], [])  # (it may have ended with the stop)
+    print(f"3 SIGSTOPs of 2 s{' and a 2 s cgroup freeze' if frozen else ''}: no fault")
 
 
 def test_a_node_agent_frozen_past_the_heartbeat_deadline_delays_beats_but_no_rank_is_declared_silent(stack):

@@ -6,6 +6,11 @@ global batch of 12 rows whatever its data-parallel size, so an uninterrupted run
 (``rzbase``) reads the same global batches in the same order: a resize that skipped or
 repeated a sample would show in the per-step losses from then on (RTOL below). Which rows each
 rank reads at every step is checked exactly at the rank level: tests/engine/test_resize_in_place.py.
+
+The resized jobs are paced (``SURGE_FAULT_INJECT`` ``slow_steps``: PACE more a step on every
+rank) until their last resize and far longer than any test: they cannot end before the test's
+actions, however slow or loaded the machine; each is stopped 20 steps after its last resize.
+The baseline is run after them, only as far as they went.
 """
 
 from __future__ import annotations
@@ -14,12 +19,14 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import pytest
 
 from services.contract import control_pb2
+from services.rank.faults import lift_pace
 from tests.faults.test_rebuild_in_place import so_far
-from tests.faults.test_recovery import cli, finished, of_type, running_stack
+from tests.faults.test_recovery import cli, of_type, running_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -41,7 +48,17 @@ eval: {{every_steps: 0, batches: 2, at_end: false}}
 liveness: {{heartbeat_interval_seconds: 0.5, heartbeat_timeout_seconds: 6.0, stall_min_seconds: 60}}
 fault_policy: {{actions: {{rank_exit: shrink, worker_lost: shrink, worker_departed: shrink}}}}
 """
-STEPS = 600  # (about 40 ms a step here: the node agent restarts, and the ranks resize, within it)
+# The schedule's length (every job here has it, the baseline too), never reached: a resized
+# job is paced to at least PACE s a step from the step after the one its test first waits
+# for, so that it lasts 500 s at the least, more than a test's whole timeout (420 s),
+# whatever the machine's speed; lifted after its last resize. Few steps run during the
+# actions, so the baseline has few to run.
+STEPS, PACE = 1000, 0.5
+PACED = ",".join(
+    f"{job}:slow_steps@{at}:rank={r}:seconds={PACE:g}"
+    for job, at in (("rzshrink", 6), ("rzscale", 5))
+    for r in range(3)
+)
 # Per-step losses of a resized run against the uninterrupted one: the same global batch
 # summed in another order (another dp, another micro-batch split) differs by float rounding,
 # which training then carries along: measured 1e-6 relative in the first 40 steps, up to
@@ -56,17 +73,30 @@ def stack(tmp_path_factory):
         tmp_path_factory.mktemp("surge-resize"),
         ("json", "email", "logging"),
         ("rzbase", "rzshrink", "rzscale"),
-        env={"SURGE_WORKER_SLOTS": "1"},  # one rank per node
+        env={"SURGE_WORKER_SLOTS": "1", "SURGE_FAULT_INJECT": PACED},  # one rank per node; every rank paced
         workers=3,
     ) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
-def baseline(stack) -> dict[int, float]:
-    job = stack.submit(JOB.format(name="rzbase", steps=STEPS, dp=2, mbs=6))
-    finished(stack.events(job))
-    return stack.losses(job)
+def baseline(stack) -> Callable[[int], dict[int, float]]:
+    """The uninterrupted run's per-step losses through a given step: ``rzbase`` (not paced)
+    trains that far and MARGIN steps more (for the next test) and is stopped; run again only
+    for a step beyond the last run's. Called after a test's job stopped: the slots are free."""
+    losses: dict[int, float] = {}
+
+    def through(step: int) -> dict[int, float]:
+        if max(losses, default=0) < step:
+            job = stack.submit(JOB.format(name="rzbase", steps=STEPS, dp=2, mbs=6))
+            stop_at(stack, job, step + MARGIN)
+            losses.update(stack.losses(job))
+        return losses
+
+    return through
+
+
+MARGIN = 40  # (the next test's job goes about as far)
 
 
 def same_losses(got: dict[int, float], want: dict[int, float], upto: int) -> list[str]:
@@ -81,7 +111,13 @@ def same_losses(got: dict[int, float], want: dict[int, float], upto: int) -> lis
 def stop_after(stack, job: str, steps: int) -> list:
     """Let the job train ``steps`` more steps at its size now, then stop it (no checkpoint):
     what follows would only repeat them. Its events, ended STOPPED."""
-    stack.wait_step(job, stack.status(job).step + steps)
+    return stop_at(stack, job, stack.status(job).step + steps)
+
+
+def stop_at(stack, job: str, step: int) -> list:
+    """Stop the job (no checkpoint) once it reached ``step``; its events, ended STOPPED, once
+    rank 0's step records reached the store up to the step it stopped at."""
+    stack.wait_step(job, step)
     stack.stub.StopJob(control_pb2.StopJobRequest(job_id=job, no_checkpoint=True))
     events = stack.events(job)
     assert events[-1].status.outcome == control_pb2.JobOutcome.STOPPED, events[-1].message
@@ -110,11 +146,11 @@ def test_a_lost_node_shrinks_the_job_and_its_return_grows_it_back_on_the_same_gl
 
     back = cli(stack.home, "restart", node)  # the node returns: the job grows back to dp 3
     assert back.returncode == 0, back.stdout + back.stderr
-    assert stack.status(job).step < STEPS - 10, "finished before the node returned: make the job longer"
     t0 = time.monotonic()
     while stack.status(job).dp != 3 or stack.status(job).state != JobState.RUNNING:
         assert time.monotonic() - t0 < 120, so_far(stack, job)
         time.sleep(0.1)
+    lift_pace(stack.home / "run" / "faults", job)
     events = stop_after(stack, job, 20)
     decisions = [m for m in of_type(events, "decision")[1:] if not m.startswith("stop requested")]
     assert decisions[0].startswith(f"shrink after worker_lost of rank 2 on {node}"), decisions
@@ -126,7 +162,8 @@ def test_a_lost_node_shrinks_the_job_and_its_return_grows_it_back_on_the_same_gl
     (grown,) = grown
     assert grown.startswith("grow back (slots returned) done: dp 2 -> 3"), grown
     last = events[-1].status.step
-    assert not same_losses(stack.losses(job), baseline, last), same_losses(stack.losses(job), baseline, last)
+    want = baseline(last)
+    assert not same_losses(stack.losses(job), want, last), same_losses(stack.losses(job), want, last)
     s = stack.status(job)
     assert (s.dp, s.micro_batch_size, s.grad_accum) == (3, 4, 1)
 
@@ -158,10 +195,12 @@ def test_surgectl_scale_grows_and_shrinks_a_running_job_on_the_same_global_batch
     down = cli(stack.home, "scale", job, "--dp", "1", timeout=180)
     assert down.returncode == 0, down.stdout + down.stderr + so_far(stack, job)
     assert stack.rank_pids(job, 0) == [rank0]
+    lift_pace(stack.home / "run" / "faults", job)
     events = stop_after(stack, job, 20)
     assert [m.split(" at step ")[0] for m in of_type(events, "scale")] == [
         "scale by the operator done: dp 2 -> 3",
         "scale by the operator done: dp 3 -> 1",
     ]
     last = events[-1].status.step
-    assert not same_losses(stack.losses(job), baseline, last), same_losses(stack.losses(job), baseline, last)
+    want = baseline(last)
+    assert not same_losses(stack.losses(job), want, last), same_losses(stack.losses(job), want, last)

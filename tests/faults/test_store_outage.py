@@ -1,11 +1,16 @@
-"""A store outage is not a training fault (issue 12, part 4), on the real stack.
+"""A store outage is not a training fault (issue 12, part 4), nor is a data-service restart
+(issue 27, item 5), on the real stack.
 
 One stack (control, store, data, two workers; ranks as real processes) serves the module;
 every process it started is killed by PID at the end. The store is stopped (SIGSTOP) or
 killed across checkpoint intervals while a 2-rank job trains, then brought back. Asserted:
 the job is never relaunched (the allocation is its only decision), training goes on, the
 failed saves are reported with their typed cause, a later save commits, and the store's
-metrics JSONL holds every step of every rank exactly once.
+metrics JSONL holds every step of every rank exactly once. The data service is killed and
+restarted (`surgectl restart data`) under a job: its ranks' streams reconnect and resume where their
+batches ended, and every rank's loss at every step is the undisturbed run's. That job is held to
+PACE a step from step 21 (``SURGE_FAULT_INJECT`` ``slow_steps``) until the data service is back,
+so that the restart lands mid-run whatever the machine's speed.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from services.contract import control_pb2
+from services.rank.faults import lift_pace
 from tests.faults.test_compound import events_so_far, wait_for
 from tests.faults.test_recovery import JobOutcome, cli, finished, metric, of_type, running_stack, spec
 
@@ -26,6 +32,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 # BeginSave's deadline in the ranks: a save against a stopped store gives up after this.
 RPC_TIMEOUT_S = 2.0
+PACE = 2.0
+PACED = ",".join(f"drestart:slow_steps@21:rank={r}:seconds={PACE:g}" for r in (0, 1))
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +41,8 @@ def stack(tmp_path_factory):
     with running_stack(
         tmp_path_factory.mktemp("surge-store-outage"),
         ("json", "email"),
-        ("sstop", "skill"),
-        env={"SURGE_STORE_RPC_TIMEOUT_S": str(RPC_TIMEOUT_S)},
+        ("sstop", "skill", "dcalm", "drestart"),
+        env={"SURGE_STORE_RPC_TIMEOUT_S": str(RPC_TIMEOUT_S), "SURGE_FAULT_INJECT": PACED},
     ) as s:
         yield s
 
@@ -111,3 +119,43 @@ def test_a_store_killed_and_restarted_under_a_job_costs_no_restart_and_no_metric
     last = events[-1].status.step
     wait_for(lambda: len(stack.step_records(job)) >= 2 * last, 30, "every step's record of both ranks")
     assert_every_step_once(stack, job, last)
+
+
+def test_a_data_service_restarted_under_a_job_repeats_and_skips_no_batch(stack):
+    steps = 60  # (paced from step 21 until the data service is back: at least 80 s to its end)
+    calm = stack.submit(spec("dcalm", steps=steps, every=100))  # the undisturbed reference
+    finished(stack.events(calm))
+    job = stack.submit(spec("drestart", steps=steps, every=100))
+    stack.wait_step(job, 20)
+    old = json.loads((stack.home / "run" / "stack.json").read_text())["services"]["data"]["pid"]
+    # Killed, so that its streams break at this step whatever the machine's speed (a graceful
+    # stop serves them for its grace first: the same UNAVAILABLE later), then started again
+    # on its port as the operator would.
+    os.kill(old, signal.SIGKILL)
+    killed_at = stack.status(job).step
+    back = cli(stack.home, "restart", "data", timeout=120)
+    assert back.returncode == 0, back.stdout + back.stderr
+    restarted_at = stack.status(job).step
+    assert killed_at < steps, "the job ended before the data service went away"
+    lift_pace(stack.home / "run" / "faults", job)
+    new = json.loads((stack.home / "run" / "stack.json").read_text())["services"]["data"]["pid"]
+    assert new != old
+    events = stack.events(job)
+    finished(events)  # not FAILED with data_unavailable
+    assert len(of_type(events, "decision")) == 1, of_type(events, "decision")  # the allocation only
+    assert [e for e in events if e.type == "fault"] == []
+    for rank in (0, 1):  # each rank's stream broke and was opened again (its log says where)
+        text = (stack.home / "run" / "logs" / f"{job}.rank{rank}.log").read_text()
+        assert "data_stream_reconnecting" in text, text[-2000:]
+    # Every rank's loss at every step is the undisturbed run's: each step trained the same
+    # batch (a repeated or skipped one would change it from there on).
+    wait_for(lambda: len(stack.step_records(job)) >= 2 * steps, 30, "every step's record of both ranks")
+    losses = {
+        name: {(r["rank"], r["step"]): r["loss"] for r in stack.step_records(j)}
+        for name, j in (("calm", calm), ("restarted", job))
+    }
+    assert (
+        sorted(losses["restarted"]) == sorted(losses["calm"]) == [(r, s) for r in (0, 1) for s in range(1, steps + 1)]
+    )
+    assert losses["restarted"] == pytest.approx(losses["calm"], rel=1e-6)
+    print(f"data service killed at step {killed_at} of {steps}, back at {restarted_at}: losses as undisturbed")

@@ -20,8 +20,8 @@ from services.contract.bus import BoundaryViolation
 _build_registry = data_main.build_registry
 
 
-def _planted(root, on_violation=None):
-    bus, versions = _build_registry(root, on_violation)
+def _planted(root, on_violation=None, remote=None):
+    bus, versions = _build_registry(root, on_violation, remote)
     try:
         bus.command(Module.L4_SHUFFLER, Module.L4_FILTER, data_pb2.FilterRules(min_tokens=1))
     except BoundaryViolation as e:

@@ -1,7 +1,9 @@
 """Every job spec under examples/jobs/ runs (the presets for 8-GPU nodes are dry-run instead:
 ``PRESETS``), and a newcomer's path from their own text to
 Hugging Face and back works (issue 15 part 8 and its acceptance), on one stack (control,
-data, store, two node agents), the jobs one after another.
+data, store, two node agents of two slots each: two 2-rank jobs at a time), the examples that
+start from nothing submitted together (control queues what does not fit), the fine-tunes
+after them.
 
 Each example is submitted as a user would (`surgectl submit examples/jobs/X.yaml --set ...
 --follow`), for a few steps: the file as it is, with only ``steps``, ``data.seq_len``,
@@ -9,10 +11,11 @@ Each example is submitted as a user would (`surgectl submit examples/jobs/X.yaml
 tokens per step its layout says and an evaluation at the end. Chained like the examples'
 headers: ``finetune_checkpoint`` starts from the FSDP2 example's last checkpoint; the BPE
 example's model (`dataset prepare --tokenizer bpe:4096` of a directory of text) is exported
-with `surgectl export --format hf`, loaded by ``transformers`` with Surge's logits (1e-5,
-fp32), and ``finetune_hf_frozen`` starts from that directory with half its blocks frozen,
-submitted while ``finetune_checkpoint`` holds the ranks: it waits in the queue, then runs;
-its loss is read back from its TensorBoard event files.
+with `surgectl export --format hf` (while the other examples train), loaded by
+``transformers`` with Surge's logits (1e-5, fp32), and ``finetune_hf_frozen`` starts from that
+directory with half its blocks frozen, submitted while ``finetune_checkpoint`` and
+``rebuild`` hold every slot: it waits in the queue, then runs; its loss is read back from its
+TensorBoard event files.
 
 Corpora: ``stdlib@v1`` (bytes) from two standard-library packages; the text: the docstrings
 of standard-library modules, one text file per module (``notes@v1`` BPE, ``notes-bytes@v1``
@@ -24,7 +27,9 @@ from __future__ import annotations
 import ast
 import json
 import math
+import os
 import re
+import subprocess
 import sysconfig
 import time
 from pathlib import Path
@@ -35,8 +40,9 @@ import torch
 from services.cli.spec_tools import load_spec
 from services.data.prepare import prepare_dataset
 from services.jobspec import load_job_spec
+from services.rank.faults import lift_pace
 from tests.conftest import REPO, processes_with
-from tests.integration.test_end_to_end import cli, running_stack
+from tests.integration.test_end_to_end import SURGECTL, cli, running_stack
 from tests.sink_readers import tensorboard_points
 
 EXAMPLES = REPO / "examples" / "jobs"
@@ -67,6 +73,10 @@ PRESETS = {
     "llama3_8b.yaml": lambda s: (s.model.d_model, s.model.kv_heads, s.model.tie_embeddings) == (4096, 8, False),
 }
 STEPS = 3
+# Submitted after the others, in this order: the fine-tunes need the fsdp2 and text_bpe jobs'
+# checkpoints, and rebuild fills the slots finetune_checkpoint leaves, so that
+# finetune_hf_frozen queues.
+LAST = ("rebuild.yaml", "finetune_checkpoint.yaml", "finetune_hf_frozen.yaml")
 # A few steps of rows of 64 tokens (fp16 on a CPU runs about 10x slower than fp32), no
 # checkpoint, one evaluation batch at the end.
 SHORT = (
@@ -117,8 +127,14 @@ def docstring_corpus(out: Path, first: int, n: int) -> Path:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     # One stack for the examples and the parallel layouts' end-to-end checks below (each had
-    # its own); tiny@v1 (and the examples' stdlib@v1) from json, email and logging.
-    yield from running_stack(tmp_path_factory, ("json", "email", "logging"))
+    # its own); tiny@v1 (and the examples' stdlib@v1) from json, email and logging. Two slots
+    # a worker: two of the examples' 2-rank jobs train at once (one after another they took
+    # 166 s of a CI run, most of it each job's start-up and end, not its three steps).
+    # rebuild's ranks are paced (slow_steps) until finetune_hf_frozen is seen queued behind it:
+    # forked ranks start in milliseconds, and an unpaced 3-step job could end before the next submit.
+    paced = ",".join(f"rebuild:slow_steps@1:rank={r}:seconds=20" for r in (0, 1))
+    env = {"SURGE_WORKER_SLOTS": "2", "SURGE_FAULT_INJECT": paced}
+    yield from running_stack(tmp_path_factory, ("json", "email", "logging"), env=env)
 
 
 def finished_steps(home: Path, name: str, job_id: str, spec) -> list[dict]:
@@ -149,55 +165,102 @@ def test_every_example_runs_and_own_text_goes_to_hugging_face_and_back(stack, tm
         )  # (corpus: json, email, logging)
 
     dry_run_presets(home, monkeypatch)
-    seconds, jobs = {}, {}
-    for name in SHOWN:
-        start = time.monotonic()
+    seconds, jobs, specs = {}, {}, {}
+    started: list[subprocess.Popen] = []  # every `submit --follow`: ended by PID if the test fails first
+
+    def submit(name: str, *, follow: bool) -> subprocess.Popen | None:
+        """`surgectl submit EXAMPLE --set ...` (``follow``: --follow, left running: its
+        process ends with the job); else waited for (submitted)."""
         overrides = [*SHORT, "checkpoint.at_end=true"] if name in ("fsdp2.yaml", "text_bpe.yaml") else list(SHORT)
         if name == "finetune_checkpoint.yaml":
             overrides.append("init_from.checkpoint=fsdp2:latest")  # by name: the newest fsdp2 run
-            # Ready before it is submitted, so that the next one is submitted while it runs.
-            hf = export_and_compare_logits(home, f"{jobs['text_bpe.yaml']}:latest", tmp_path, monkeypatch)
-            more = docstring_corpus(tmp_path / "more-notes", 120, 60)  # more text, the exported tokenizer
-            tok = str(hf / "tokenizer.json")
-            prepare_dataset(more, "notes", "v2", home / "datasets", tokenizer=tok, include_glob="**/*.txt")
         if name == "finetune_hf_frozen.yaml":
             overrides.append(f"init_from.hf={hf}")
-        spec, _, _ = load_spec(EXAMPLES / name, overrides)
+        specs[name] = load_spec(EXAMPLES / name, overrides)[0]
         argv = ["submit", str(EXAMPLES / name), *(f"--set={o}" for o in overrides)]
-        if name == "finetune_checkpoint.yaml":  # left running: the next one queues behind it
-            run = cli(home, *argv)
-        else:
-            run = cli(home, *argv, "--follow")
+        if follow:
+            started.append(proc := cli_process(home, *argv, "--follow"))
+            return proc
+        run = cli(home, *argv)
         assert run.returncode == 0, name + run.stdout[-3000:] + run.stderr
-        jobs[name] = job_id = run.stdout.split("submitted ", 1)[1].split()[0]
-        if name == "finetune_checkpoint.yaml":
-            seconds[name] = round(time.monotonic() - start, 1)
-            continue
-        steps = finished_steps(home, name, job_id, spec)
-        if name == "fp16.yaml":  # dynamic loss scaling, from the spec's init_scale
-            assert steps[0]["loss_scale"] == spec.precision.scaling.init_scale, steps[0]
-        if name == "text_bpe.yaml":  # BPE ids: a fresh model's loss is about ln(vocabulary), not ln(256)
-            assert steps[0]["loss"] > math.log(1024), steps[0]
-        if name == "finetune_hf_frozen.yaml":
-            # It waited in the queue behind finetune_checkpoint, which then finished too.
-            events = [json.loads(x) for x in cli(home, "events", job_id, "-o", "json").stdout.splitlines()]
-            assert any(e["type"] == "queue" and e["message"].startswith("queued at position 1") for e in events), events
-            ahead = jobs["finetune_checkpoint.yaml"]
-            finished_steps(
-                home, "finetune_checkpoint.yaml", ahead, load_spec(EXAMPLES / "finetune_checkpoint.yaml", SHORT)[0]
-            )
-            log = (home / "run" / "logs" / f"{job_id}.rank0.log").read_text()
-            frozen = [json.loads(x) for x in log.splitlines() if '"model.freeze applied"' in x]
-            assert frozen and frozen[0]["frozen_tensors"] == 2 * 9 + 1, log[-3000:]  # two blocks, the tied embedding
-            # The loss in TensorBoard: the JSONL's values, step for step.
-            assert tensorboard_points(home / "store" / "metrics" / job_id / "tensorboard", "train/loss", STEPS) == [
-                (int(r["step"]), r["loss"]) for r in steps
-            ]
+        jobs[name] = run.stdout.split("submitted ", 1)[1].split()[0]
+        return None
+
+    def finish(name: str, proc: subprocess.Popen) -> list[dict]:
+        """The `submit --follow` of ``name`` ended: its job FINISHED (exit 0), checked."""
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, name + out[-3000:] + err
+        jobs[name] = job_id = out.split("submitted ", 1)[1].split()[0]
         seconds[name] = round(time.monotonic() - start, 1)
+        return finished_steps(home, name, job_id, specs[name])
+
+    try:
+        # The examples that start from nothing, together: control runs two at a time, queues the rest.
+        start = time.monotonic()
+        order = sorted((n for n in SHOWN if n not in LAST), key=lambda n: n != "text_bpe.yaml")  # (its export next)
+        first = {name: submit(name, follow=True) for name in order}
+        steps = finish("text_bpe.yaml", first.pop("text_bpe.yaml"))
+        assert steps[0]["loss"] > math.log(1024), steps[0]  # BPE ids: a fresh model's loss is about ln(vocabulary)
+        # Ready for the fine-tunes while the other examples train.
+        hf = export_and_compare_logits(home, f"{jobs['text_bpe.yaml']}:latest", tmp_path, monkeypatch)
+        more = docstring_corpus(tmp_path / "more-notes", 120, 60)  # more text, the exported tokenizer
+        tok = str(hf / "tokenizer.json")
+        prepare_dataset(more, "notes", "v2", home / "datasets", tokenizer=tok, include_glob="**/*.txt")
+        for name, proc in first.items():
+            steps = finish(name, proc)
+            if name == "fp16.yaml":  # dynamic loss scaling, from the spec's init_scale
+                assert steps[0]["loss_scale"] == specs[name].precision.scaling.init_scale, steps[0]
+
+        # rebuild and finetune_checkpoint take the four slots, so finetune_hf_frozen queues behind them.
+        start = time.monotonic()
+        submit("rebuild.yaml", follow=False)
+        submit("finetune_checkpoint.yaml", follow=False)
+        frozen = submit("finetune_hf_frozen.yaml", follow=True)
+        deadline = time.monotonic() + 120
+        while not any(  # (status, as the operator reads it: the queued job and its place)
+            j["name"] == "finetune-hf" and int(j.get("queue_position", 0)) == 1
+            for j in json.loads(cli(home, "status", "-o", "json").stdout)
+        ):
+            assert time.monotonic() < deadline, "finetune_hf_frozen never queued behind rebuild"
+            time.sleep(0.5)
+        lift_pace(home / "run" / "faults", jobs["rebuild.yaml"])
+        steps = finish("finetune_hf_frozen.yaml", frozen)
+        job_id = jobs["finetune_hf_frozen.yaml"]
+        # It waited in the queue behind finetune_checkpoint and rebuild, which then finished too.
+        events = [json.loads(x) for x in cli(home, "events", job_id, "-o", "json").stdout.splitlines()]
+        assert any(e["type"] == "queue" and e["message"].startswith("queued at position 1") for e in events), events
+        for name in ("rebuild.yaml", "finetune_checkpoint.yaml"):
+            ended = cli(home, "events", jobs[name], "--follow")  # (until it ends, if it has not)
+            assert ended.returncode == 0, name + ended.stdout[-3000:] + ended.stderr
+            finished_steps(home, name, jobs[name], specs[name])
+        log = (home / "run" / "logs" / f"{job_id}.rank0.log").read_text()
+        frozen_lines = [json.loads(x) for x in log.splitlines() if '"model.freeze applied"' in x]
+        assert frozen_lines and frozen_lines[0]["frozen_tensors"] == 2 * 9 + 1, log[
+            -3000:
+        ]  # two blocks, the tied embedding
+        # The loss in TensorBoard: the JSONL's values, step for step.
+        assert tensorboard_points(home / "store" / "metrics" / job_id / "tensorboard", "train/loss", STEPS) == [
+            (int(r["step"]), r["loss"]) for r in steps
+        ]
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     status = {s["job_id"]: s for s in json.loads(cli(home, "status", "-o", "json").stdout)}
     for name, job_id in jobs.items():
         assert (status[job_id]["outcome"], int(status[job_id]["step"])) == ("FINISHED", STEPS), (name, status[job_id])
     print(f"examples: {seconds}, {time.monotonic() - t0:.1f} s with the datasets")
+
+
+def cli_process(home: Path, *args: str) -> subprocess.Popen:
+    """`surgectl ARGS` started, not waited for (text stdout and stderr piped), as ``cli`` runs it."""
+    env = {**os.environ, "SURGE_HOME": str(home), "COLUMNS": "200"}
+    for var in ("SURGE_CONTROL_ADDRESS", "SURGE_DATA_ADDRESS", "SURGE_STORE_ADDRESS"):
+        env.pop(var, None)
+    return subprocess.Popen(
+        [*SURGECTL, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def dry_run_presets(home: Path, monkeypatch) -> None:

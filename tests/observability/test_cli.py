@@ -18,7 +18,8 @@ from tests.observability.conftest import cli
 def _commands(group, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     out = [path]
     for name, sub in (getattr(group, "commands", None) or {}).items():
-        out += _commands(sub, (*path, name))
+        if not sub.hidden:  # hidden aliases (jobs, ls, ps) only print a hint to use `status`
+            out += _commands(sub, (*path, name))
     return out
 
 

@@ -201,6 +201,11 @@ def test_the_token_is_required_on_mutating_methods_only(serve):
         _code(address, lambda s: s.StopJob(control_pb2.StopJobRequest(job_id="j"), timeout=10))
         == grpc.StatusCode.UNAUTHENTICATED
     )
+    for call in (
+        lambda s: s.ScaleJob(control_pb2.ScaleJobRequest(job_id="j"), timeout=10),
+        lambda s: s.RevokeOrder(control_pb2.RevokeOrderRequest(job_id="j"), timeout=10),
+    ):
+        assert _code(address, call) == grpc.StatusCode.UNAUTHENTICATED
     assert _call(address, get).job_id == "j"  # reading needs no token
     with pytest.raises(grpc.RpcError) as e:
         _call(address, submit)

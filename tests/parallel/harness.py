@@ -134,7 +134,9 @@ class Rank:
         self.store = FakeStore(bus.emitter(Module.L5_CHECKPOINT_MANAGER), ckpt_root)
         self.up = FakeUp()
         # guard: a StepGuard with test-only injections on the backward port (as rank.py wires it).
-        self.modules = compose(bus, spec, "cpu", data=self.data, store=self.store, up=self.up, guard=guard)
+        self.modules = compose(
+            bus, spec, "cpu", data=self.data, store=self.store, metrics=self.store, up=self.up, guard=guard
+        )
         # The standing orders L1-1 issues with the job (services/control/fault_decision.py):
         # an fp16 overflow is skipped with no round trip, as under control.
         self.init = engine_pb2.InitJob(

@@ -142,11 +142,15 @@ def test_the_fault_detectors_grading_table_cannot_change_after_init():
         "start_fault_monitoring",
         "reset_fault_ledger",
         "on_rank_heartbeat",
+        "on_agent_heartbeat",
         "on_rank_exited",
         "on_rank_process_state",
         "on_hardware_error",
+        "on_rank_log_flood",  # footprint warnings (issue 29 item 8): facts, no rules
+        "on_memory_copy_skipped",
         "on_training_loop_failed",
         "on_failure",
+        "on_data_service_unreachable",
         "on_boundary_violation_reported",
         "close",
     }

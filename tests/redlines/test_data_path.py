@@ -1,7 +1,8 @@
 """The data path's red lines (L4-1..L4-5): each stage does its one thing to the documents
 and nothing else, and none of them hears or steers the compute path.
 
-prefetch: reads every document, in storage order, unchanged; shuffle: reorders only (see
+prefetch: hands on every document (by reference), and reads them unchanged; shuffle:
+reorders only (see
 test_executors_do_not_decide.py and tests/data/test_shuffler.py); filter: drops only;
 pack: groups and pads with the placeholder only, in order.
 """
@@ -16,49 +17,49 @@ import pytest
 from services.contract import Module, data_pb2
 from services.contract.bus import Bus
 from services.contract.route_table import default_table
-from services.data.batch_packer import IGNORE, BatchPacker
-from services.data.documents import Documents, TokenStore
+from services.data.batch_packer import IGNORE
+from services.data.documents import Catalog
 from services.data.prefetcher import Prefetcher
 from services.data.sample_filter import SampleFilter
+from tests.data.helpers import catalog, epoch_of, kept_all, packer_on_bus, token_store
 
 from .wiring import MODULES, called_names, imported_modules, layer, reachable, source_tree
 
 RNG = np.random.default_rng(20260101)
 
 
-def _random_docs(n: int, *, max_len: int = 40, first: int = 0, epoch: int = 0, last: bool = True) -> Documents:
-    parts = [RNG.integers(1, 250, size=int(k)).astype(np.uint16) for k in RNG.integers(0, max_len, size=n)]
-    return Documents.join(
-        parts, np.arange(first, first + n, dtype=np.int64), epoch, last, "train", "bytes", np.dtype(np.uint16)
-    )
+def _random_parts(n: int, *, max_len: int = 40) -> list[np.ndarray]:
+    return [RNG.integers(1, 250, size=int(k)).astype(np.uint16) for k in RNG.integers(0, max_len, size=n)]
 
 
-def _contents(docs: Documents) -> list[list[int]]:
-    return [docs.tokens_T[docs.bounds_n1[k] : docs.bounds_n1[k + 1]].tolist() for k in range(len(docs))]
+def _contents(cat: Catalog, ids) -> list[list[int]]:
+    """Documents ``ids`` (storage ids) of ``cat``, read through its read handle."""
+    b = cat.store.bounds_n1
+    return [cat.reader.read(int(b[i]), int(b[i + 1] - b[i])).tolist() for i in ids]
 
 
 # ---------------------------------------------------------------------- L4-2 prefetcher
 
 
 def test_the_prefetcher_hands_on_every_document_unchanged_in_storage_order(tmp_path):
-    docs = _random_docs(57)
-    path = tmp_path / "train.bin"
-    docs.tokens_T.astype("<u2").tofile(path)
-    store = TokenStore("t@v1", "train", path, np.dtype("<u2"), docs.bounds_n1.copy(), "bytes")
+    parts = _random_parts(57)
+    store = token_store(tmp_path, *parts)
     bus = Bus()
     prefetcher = Prefetcher(bus.emitter(Module.L4_PREFETCHER))
     bus.subscribe(Module.L4_PREFETCHER, data_pb2.SetPrefetch, prefetcher.set_prefetch)
     bus.subscribe(Module.L4_PREFETCHER, data_pb2.ActivateSource, prefetcher.activate_source)
-    got: list[Documents] = []
+    got: list[Catalog] = []
     bus.subscribe(Module.L4_SHUFFLER, data_pb2.SamplesRead, lambda m, d: got.append(d))
     bus.port(Module.L2_TRAINING_LOOP, Module.L4_PREFETCHER)(data_pb2.SetPrefetch(watermark=8, threads=3))
     bus.port(Module.L4_DATASET_VERSIONS, Module.L4_PREFETCHER)(
         data_pb2.ActivateSource(name="t", version="v1", split="train"), store
     )
+    (cat,) = got  # one catalog: the split's documents by reference
+    assert cat.store is store and len(cat) == 57
+    assert _contents(cat, range(57)) == [p.tolist() for p in parts]  # no drop, no edit, no reorder
+    ranges = [(int(store.bounds_n1[i]), len(parts[i])) for i in range(57)]
+    assert [a.tolist() for a in cat.reader.read_many(ranges)] == [p.tolist() for p in parts]
     prefetcher.close()
-    assert [c for d in got for c in _contents(d)] == _contents(docs)  # no drop, no edit, no reorder
-    assert np.concatenate([d.index_n for d in got]).tolist() == list(range(57))
-    assert [d.last for d in got] == [False] * (len(got) - 1) + [True]
 
 
 def test_the_prefetcher_hears_nothing_from_the_compute_path():
@@ -108,7 +109,7 @@ def test_the_data_modules_that_read_files_never_write_them(module):
 # ---------------------------------------------------------------------- L4-4 filter
 
 
-def test_the_filter_output_is_an_ordered_subset_of_its_input_unchanged():
+def test_the_filter_output_is_an_ordered_subset_of_its_input_unchanged(tmp_path):
     bus = Bus()
     sample_filter = SampleFilter(bus.emitter(Module.L4_FILTER))
     bus.subscribe(Module.L4_FILTER, data_pb2.FilterRules, sample_filter.filter_rules)
@@ -119,37 +120,36 @@ def test_the_filter_output_is_an_ordered_subset_of_its_input_unchanged():
     bus.port(Module.L2_TRAINING_LOOP, Module.L4_FILTER)(
         data_pb2.FilterRules(min_tokens=5, max_tokens=30, banned_tokens=[7])
     )
-    sent = [_random_docs(40, first=40 * i, last=i == 2) for i in range(3)]
-    for docs in sent:
-        bus.publish(Module.L4_SHUFFLER, data_pb2.SamplesShuffled(count=len(docs)), docs)
-    by_position = {int(d.index_n[k]): c for d in sent for k, c in enumerate(_contents(d))}
-    out = [(int(d.index_n[k]), c) for d in kept for k, c in enumerate(_contents(d))]
-    assert [p for p, _ in out] == sorted(p for p, _ in out)  # order kept
-    assert all(by_position[p] == c for p, c in out)  # content untouched, nothing invented
+    parts = _random_parts(120)
+    cat = catalog(tmp_path, *parts)
+    order = epoch_of(cat, seed=3, enabled=True)
+    bus.publish(Module.L4_SHUFFLER, data_pb2.SamplesShuffled(count=120), order)
+    (out,) = kept
+    assert out.order is order and out.catalog is cat  # the same references: nothing edited
+    doc_idx = out.doc_idx().tolist()
+    position = {d: k for k, d in enumerate(order.order().tolist())}
+    assert [position[d] for d in doc_idx] == sorted(position[d] for d in doc_idx)  # order kept
+    want = [i for i, p in enumerate(parts) if 5 <= len(p) <= 30 and 7 not in p.tolist()]
+    assert sorted(doc_idx) == want  # exactly those that break no rule
     r = reports[-1]
-    assert r.kept == len(out) and r.kept + r.dropped_too_short + r.dropped_too_long + r.dropped_banned == 120
+    assert r.kept == len(doc_idx) and r.kept + r.dropped_too_short + r.dropped_too_long + r.dropped_banned == 120
 
 
 # ---------------------------------------------------------------------- L4-5 packer
 
 
 @pytest.mark.parametrize("separator", [-1, 0])
-def test_the_batch_packer_keeps_every_token_in_order_and_pads_only_with_the_placeholder(separator):
-    bus = Bus()
-    packer = BatchPacker(bus.emitter(Module.L4_BATCH_PACKER))
-    bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.PackerConfig, packer.packer_config)
-    bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.SamplesFiltered, packer.on_samples_filtered)
-    batches = []
-    bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.MicroBatch, lambda m, p: batches.append(m))
-    bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.DataExhausted, lambda m, p: None)
+def test_the_batch_packer_keeps_every_token_in_order_and_pads_only_with_the_placeholder(tmp_path, separator):
     pad = 251
-    bus.port(Module.L2_TRAINING_LOOP, Module.L4_BATCH_PACKER)(
+    feed, assemble, batches, exhausted, _ = packer_on_bus(
         data_pb2.PackerConfig(seq_len=16, micro_batch_size=3, pad_id=pad, mode=data_pb2.PACK, separator_id=separator)
     )
-    docs = _random_docs(30, max_len=50)
-    bus.publish(Module.L4_FILTER, data_pb2.SamplesFiltered(count=len(docs)), docs)
+    parts = _random_parts(30, max_len=50)
+    feed(kept_all(catalog(tmp_path, *parts)))
+    assemble()
+    assert len(exhausted) == 1
     stream = np.concatenate(
-        [np.append(c, separator) if separator >= 0 else np.asarray(c, np.int64) for c in _contents(docs)]
+        [np.append(c, separator) if separator >= 0 else np.asarray(c, np.int64) for c in parts]
     ).astype(np.int64)
     ids = np.concatenate([np.frombuffer(b.input_ids, "<i4").reshape(-1, 16) for b in batches]).ravel()
     labels = np.concatenate([np.frombuffer(b.labels, "<i4").reshape(-1, 16) for b in batches]).ravel()

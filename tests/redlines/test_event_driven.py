@@ -30,7 +30,8 @@ WORKER_POOLS = {Module.L4_PREFETCHER: "ThreadPoolExecutor", Module.L5_CHECKPOINT
 DEADLINE_TIMERS: dict[int, str] = {
     Module.L1_FAULT_DETECTOR: (
         "per rank: silence (re-armed by each RankHeartbeat) and stall (re-armed by a heartbeat "
-        "showing a new step); per job: the attribution window a comm_error waits for its cause"
+        "showing a new step); per job: the attribution window a comm_error waits for its cause; "
+        "per node agent: silence (re-armed by each AgentHeartbeat)"
     ),
     Module.L1_ORCHESTRATOR: (
         "per recovery step it commanded (issue 12): the retry backoff of a step the store's or the "

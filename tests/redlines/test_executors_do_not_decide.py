@@ -23,9 +23,8 @@ from services.contract.bus import BoundaryViolation, Bus, CommandPort, Emitter, 
 from services.contract.frozen import ConfigFrozen
 from services.contract.route_table import default_table
 from services.control.recovery_controller import RecoveryController
-from services.data.batch_packer import BatchPacker
-from services.data.documents import Documents
 from services.data.shuffler import epoch_order
+from tests.data.helpers import catalog, kept_all, packer_on_bus
 
 from .wiring import (
     MODULES,
@@ -248,7 +247,11 @@ def test_the_precision_manager_reports_overflow_but_never_skips_or_edits_gradien
 
 
 def _order(out) -> list[int]:
-    return [int(d.tokens_T[d.bounds_n1[k]]) for d in out for k in range(len(d))]
+    """The documents' first tokens (document i is made of i) in the orders handed on, read
+    through the catalog's read handle."""
+    return [
+        int(o.catalog.reader.read(int(o.catalog.store.bounds_n1[i]), 1)[0]) for o in out for i in o.order().tolist()
+    ]
 
 
 def test_the_shuffler_emits_nothing_until_a_plan_comes_from_above():
@@ -301,21 +304,15 @@ def test_the_shuffler_has_no_entropy_source_of_its_own():
 # ---------------------------------------------------------------------- L4-5 batch packer
 
 
-def test_the_batch_packer_cannot_change_the_batch_size_or_sequence_length():
-    bus = Bus()
-    packer = BatchPacker(bus.emitter(Module.L4_BATCH_PACKER))
-    bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.PackerConfig, packer.packer_config)
-    bus.subscribe(Module.L4_BATCH_PACKER, data_pb2.SamplesFiltered, packer.on_samples_filtered)
-    batches = []
-    bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.MicroBatch, lambda m, p: batches.append(m))
-    bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.DataExhausted, lambda m, p: None)
-    port = bus.port(Module.L2_TRAINING_LOOP, Module.L4_BATCH_PACKER)
-    port(data_pb2.PackerConfig(seq_len=8, micro_batch_size=2, mode=data_pb2.PAD))
+def test_the_batch_packer_cannot_change_the_batch_size_or_sequence_length(tmp_path):
+    feed, assemble, batches, _, port = packer_on_bus(
+        data_pb2.PackerConfig(seq_len=8, micro_batch_size=2, mode=data_pb2.PAD)
+    )
     with pytest.raises(ConfigFrozen, match="L4_BATCH_PACKER: batching rules"):
         port(data_pb2.PackerConfig(seq_len=32, micro_batch_size=16, mode=data_pb2.PAD))
     parts = [np.arange(1, n + 1, dtype=np.uint16) for n in (3, 20, 9, 2, 40, 5)]
-    docs = Documents.join(parts, np.arange(6, dtype=np.int64), 0, True, "train", "bytes", np.dtype(np.uint16))
-    bus.publish(Module.L4_FILTER, data_pb2.SamplesFiltered(count=6), docs)
+    feed(kept_all(catalog(tmp_path, *parts)))
+    assemble()
     assert batches and {(b.batch_size, b.seq_len, len(b.input_ids) // 4) for b in batches} == {(2, 8, 16)}
 
 

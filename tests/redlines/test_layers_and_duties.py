@@ -130,7 +130,8 @@ COLLECTIVES = {
 GROUP_LIFECYCLE = {"init_process_group", "new_group", "destroy_process_group"}
 ALLOWED_COMMUNICATION = {
     # gradient aggregation is its job (DDP or FSDP2 over the dp axis; TP's layout too, issue 6)
-    Module.L3_GRADIENT_REDUCTION: {"all_reduce", "DistributedDataParallel", "fully_shard"},
+    # (all_gather: the replica check's digests over the dp group, issue 29 item 3)
+    Module.L3_GRADIENT_REDUCTION: {"all_reduce", "all_gather", "DistributedDataParallel", "fully_shard"},
     Module.L2_PARALLEL_STRATEGY: {
         "init_process_group",
         "new_group",  # the relays' side groups, made with the world

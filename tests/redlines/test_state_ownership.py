@@ -76,12 +76,12 @@ class _Relay:
 def store_service(root: Path) -> Iterator[str]:
     """The real store (L5-1, L5-2 and their gRPC relay, as services/store/__main__.py wires
     them) serving on a loopback port in this process; yields its address."""
-    from services.common.grpc_server import ServiceServer
+    from services.common.grpc_server import AioServiceServer
     from services.contract import store_pb2_grpc
     from services.store.__main__ import wire
 
     relay, metrics, _ = wire(root, _Log(), registry=CollectorRegistry())
-    server = ServiceServer("store", "127.0.0.1", 0)
+    server = AioServiceServer("store", "127.0.0.1", 0)
     store_pb2_grpc.add_StoreServiceServicer_to_server(relay, server.server)
     server.start(["surge.v1.StoreService"])
     try:
@@ -101,7 +101,7 @@ class RankWithStore:
         self.bus = RecordingBus()
         self.store = StoreClient(address, self.bus.emitter(Module.L5_CHECKPOINT_MANAGER))
         self.relay = relay = _Relay()
-        self.rank = compose(self.bus, rank_spec(), "cpu", data=relay, store=self.store, up=relay)
+        self.rank = compose(self.bus, rank_spec(), "cpu", data=relay, store=self.store, metrics=relay, up=relay)
         self.built = Built("services.rank.__main__.compose", [self.bus])
         self.manager = next(
             h.__self__ for _, _, h in self.bus.subscriptions if isinstance(getattr(h, "__self__", None), StateManager)

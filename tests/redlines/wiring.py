@@ -47,9 +47,10 @@ from services.store.metrics_logger import MetricsLogger
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Seed module id -> its class and its file (one file per module, named after its role).
+# Seed module id -> its class and its file (one file per module, named after its role), or its
+# package (a directory of that name) once it grew.
 MODULES: dict[int, tuple[type, str]] = {
-    Module.L1_ORCHESTRATOR: (Orchestrator, "services/control/orchestrator.py"),
+    Module.L1_ORCHESTRATOR: (Orchestrator, "services/control/orchestrator"),  # a package
     Module.L1_RESOURCE_ALLOCATOR: (ResourceAllocator, "services/control/resource_allocator.py"),
     Module.L1_FAULT_DETECTOR: (FaultDetector, "services/control/fault_detector.py"),
     Module.L1_RECOVERY_CONTROLLER: (RecoveryController, "services/control/recovery_controller.py"),
@@ -67,7 +68,7 @@ MODULES: dict[int, tuple[type, str]] = {
     Module.L4_SHUFFLER: (Shuffler, "services/data/shuffler.py"),
     Module.L4_FILTER: (SampleFilter, "services/data/sample_filter.py"),
     Module.L4_BATCH_PACKER: (BatchPacker, "services/data/batch_packer.py"),
-    Module.L5_CHECKPOINT_MANAGER: (CheckpointManager, "services/store/checkpoint_manager.py"),
+    Module.L5_CHECKPOINT_MANAGER: (CheckpointManager, "services/store/checkpoint_manager"),  # a package
     Module.L5_METRICS_LOGGER: (MetricsLogger, "services/store/metrics_logger.py"),
 }
 MODULE_OF_CLASS: dict[type, int] = {cls: module for module, (cls, _) in MODULES.items()}
@@ -190,7 +191,7 @@ def build_rank(tmp: Path, *, load_model: bool = True) -> Built:
 
     bus = RecordingBus()
     relay = _Relay()
-    compose(bus, rank_spec(), "cpu", data=relay, store=relay, up=relay)
+    compose(bus, rank_spec(), "cpu", data=relay, store=relay, metrics=relay, up=relay)
     built = Built("services.rank.__main__.compose", [bus])
     if load_model:
         plan = engine_pb2.ParallelPlan(rank=0, world_size=1, dp=1, data_parallel="none", device="cpu")
@@ -291,8 +292,18 @@ def emitter_sender(emitter: Emitter) -> int:
 # ---------------------------------------------------------------------- source scans
 
 
+def module_files(path: str) -> list[str]:
+    """A module's file, or every file of a module grown into a package (a directory)."""
+    if (REPO / path).is_dir():
+        return sorted(str(f.relative_to(REPO)) for f in (REPO / path).glob("*.py"))
+    return [path]
+
+
 def source_tree(module: int) -> ast.Module:
-    return ast.parse((REPO / MODULES[module][1]).read_text())
+    """The module's source as one tree (a package's files together: the checks read the
+    whole place)."""
+    trees = [ast.parse((REPO / f).read_text()) for f in module_files(MODULES[module][1])]
+    return ast.Module(body=[node for tree in trees for node in tree.body], type_ignores=[])
 
 
 def dotted(node: ast.AST) -> str:
@@ -362,26 +373,36 @@ def optimizer_with_model(grad: float = 0.5):
 
 
 def shuffler_on_bus(chunk: int = 4, n: int = 12, on_chunk=None):
-    """L4-3 fed ``n`` documents (document i is made of the token i) with the filter's inbox
-    recording the chunks (and calling ``on_chunk(chunks so far)`` after each)."""
+    """L4-3 given the catalog of ``n`` documents (document i is made of the token i), with the
+    filter's inbox recording the epoch orders it hands on (and calling ``on_chunk(orders so
+    far)`` after each). (``chunk``: kept for the callers; an order is handed on whole.)"""
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
     import numpy as np
 
     from services.contract import data_pb2
-    from services.data.documents import Documents
+    from services.data.documents import Catalog, EpochOrder, TokenStore
+    from services.data.prefetcher import TokenReader
 
     bus = Bus()
-    shuffler = Shuffler(bus.emitter(Module.L4_SHUFFLER), chunk_documents=chunk)
+    shuffler = Shuffler(bus.emitter(Module.L4_SHUFFLER))
     bus.subscribe(Module.L4_SHUFFLER, data_pb2.SamplesRead, shuffler.on_samples_read)
     bus.subscribe(Module.L4_SHUFFLER, data_pb2.ShufflePlan, shuffler.shuffle_plan)
-    out: list[Documents] = []
+    out: list[EpochOrder] = []
 
-    def filter_inbox(msg, docs):
-        out.append(docs)
+    def filter_inbox(msg, order):
+        out.append(order)
         if on_chunk is not None:
             on_chunk(out)
 
     bus.subscribe(Module.L4_FILTER, data_pb2.SamplesShuffled, filter_inbox)
     parts = [np.full(i % 3 + 1, i, np.uint16) for i in range(n)]
-    docs = Documents.join(parts, np.arange(n, dtype=np.int64), -1, True, "train", "bytes", np.dtype(np.uint16))
-    bus.publish(Module.L4_PREFETCHER, data_pb2.SamplesRead(count=n), docs)
+    path = Path(tempfile.mkdtemp()) / "train.bin"
+    np.concatenate(parts).astype("<u2").tofile(path)
+    bounds = np.concatenate([[0], np.cumsum([len(p) for p in parts])]).astype(np.int64)
+    store = TokenStore("t@v1", "train", path, np.dtype("<u2"), bounds, "bytes")
+    catalog = Catalog(store, TokenReader(store, ThreadPoolExecutor(1), 1, 8))
+    bus.publish(Module.L4_PREFETCHER, data_pb2.SamplesRead(count=n), catalog)
     return bus, out

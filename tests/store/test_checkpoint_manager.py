@@ -15,6 +15,9 @@ import pytest
 from services.contract import store_pb2
 from services.store import checkpoint_manager as cm
 from services.store.checkpoint_manager import CheckpointManager, CheckpointNotFound, CheckpointRejected
+from services.store.checkpoint_manager import commit as cm_commit
+from services.store.checkpoint_manager import manager as cm_manager
+from services.store.checkpoint_manager import verification as cm_verification
 
 from .conftest import commit, load, save, stage, versions
 
@@ -196,7 +199,7 @@ def test_the_dcp_index_is_read_without_unpickling_anything(manager, monkeypatch)
     monkeypatch.setattr(pickle, "loads", refuse)
     monkeypatch.setattr(pickle, "load", refuse)
     monkeypatch.setattr(pickle, "Unpickler", refuse)
-    extents = cm._dcp_storage_extents((path / ".metadata").read_bytes())
+    extents = cm_commit._dcp_storage_extents((path / ".metadata").read_bytes())
     assert extents == {p.name: p.stat().st_size for p in shards}
     assert commit(manager, "dcp", 12).files == 3
 
@@ -268,7 +271,7 @@ def test_commit_of_an_empty_staging_dir_is_refused_and_chain_unchanged(manager):
 def test_a_file_growing_after_hashing_fails_the_commit_and_leaves_the_chain_unchanged(manager, monkeypatch):
     save(manager, "demo", 1)
     staging = stage(manager, "demo", 2, {"__0_0.distcp": b"a" * 64})
-    real_hash = cm._hash_files
+    real_hash = cm_manager._hash_files
 
     def hash_then_straggler_writes(directory, what):
         hashed = real_hash(directory, what)
@@ -276,14 +279,14 @@ def test_a_file_growing_after_hashing_fails_the_commit_and_leaves_the_chain_unch
             f.write(b"late")
         return hashed
 
-    monkeypatch.setattr(cm, "_hash_files", hash_then_straggler_writes)
+    monkeypatch.setattr(cm_manager, "_hash_files", hash_then_straggler_writes)
     with pytest.raises(CheckpointRejected, match="step 2: __0_0.distcp: changed while committing"):
         commit(manager, "demo", 2)
     assert versions(manager) == ["demo:1"]
     assert load(manager, "demo:latest").version == "demo:1"
     assert staging.is_dir() and not (manager._dir / "demo" / "2").exists()
 
-    monkeypatch.setattr(cm, "_hash_files", real_hash)  # the straggler is done: commit again
+    monkeypatch.setattr(cm_manager, "_hash_files", real_hash)  # the straggler is done: commit again
     done = commit(manager, "demo", 2)
     assert (done.version, done.parent, done.bytes) == ("demo:2", "demo:1", 68)
 
@@ -296,11 +299,12 @@ def _run_and_crash(root: Path, crash_at: str) -> subprocess.CompletedProcess:
         from pathlib import Path
         from services.contract import store_pb2
         from services.store import checkpoint_manager as cm
+        from services.store.checkpoint_manager import commit
         m = cm.CheckpointManager(Path({str(root)!r}))
         path = m.save_checkpoint(store_pb2.SaveCheckpoint(job_id="demo", step=20, rank=0)).staging_path
         Path(path, "__0_0.distcp").write_bytes(b"step 20 shard")
         if {crash_at!r} == "rename":
-            cm._rename_into_place = lambda *a: os._exit(3)
+            commit._rename_into_place = lambda *a: os._exit(3)
         else:
             cm.CheckpointManager._write_catalog = lambda *a: os._exit(3)
         m.commit_checkpoint(store_pb2.CommitCheckpoint(job_id="demo", step=20, world_size=1))
@@ -399,7 +403,8 @@ def test_load_and_verify_rehash_nothing(manager, monkeypatch):
     def no_hashing(path):
         raise AssertionError(f"hashed {path}")
 
-    monkeypatch.setattr(cm, "_hash_one", no_hashing)
+    monkeypatch.setattr(cm_commit, "_hash_one", no_hashing)
+    monkeypatch.setattr(cm_verification, "_hash_one", no_hashing)
     assert load(manager, "a:1").version == "a:1"
     report = manager.verify_checkpoints(store_pb2.VerifyCheckpoints(job_id="a"))
     assert [(v.info.version, v.ok, v.cause) for v in report.versions] == [
@@ -513,6 +518,38 @@ def test_latest_is_the_newest_commit_of_any_job_and_job_latest_that_jobs_newest(
     assert load(manager, "latest").version == "b:1"
     info = load(manager, "a:latest")
     assert (info.version, info.step, info.parent, info.spec_json) == ("a:2", 20, "a:1", "{}")
+
+
+def test_latest_names_only_versions_a_replica_check_that_agreed_covers(manager):
+    """Issue 29 item 3: a version saved between replica checks is not `latest` until a
+    commit of the same ranks says a later check agreed; a version the ranks of another
+    attempt (resumed from one version, so agreeing whatever it held) speak for stays out."""
+
+    def checked(step: int, agreed: int, attempt: str = "") -> None:
+        stage(manager, "r", step, {"__0_0.distcp": b"x" * 100, ".metadata": b"meta"})
+        manager.commit_checkpoint(store_pb2.CommitCheckpoint(
+            job_id="r", step=step, world_size=2, spec_json="{}", attempt=attempt,
+            replica_checked=True, replica_agreed_step=agreed,
+        ))  # fmt: skip
+
+    checked(4, agreed=4)  # saved at a check that agreed: verified at once
+    checked(6, agreed=4)  # saved after it: not yet
+    assert load(manager, "r:latest").version == "r:1"
+    assert [
+        c.replica_verified for c in manager.checkpoint_query(store_pb2.CheckpointQuery(job_id="r")).checkpoints
+    ] == [
+        True,
+        False,
+    ]
+    checked(10, agreed=8)  # the check at 8 agreed: step 6's version was right; 10 not yet
+    assert load(manager, "r:latest").version == "r:2"
+    assert load(manager, "latest").version == "r:2"
+    checked(12, agreed=12, attempt="next")  # another attempt: says nothing of step 10's
+    assert load(manager, "r:latest").version == "r:4"
+    assert load(manager, "r:3").step == 10  # (named explicitly, it still loads)
+    assert not manager.checkpoint_query(store_pb2.CheckpointQuery(job_id="r")).checkpoints[2].replica_verified
+    save(manager, "plain", 1)  # a job without the check: every version is verified
+    assert load(manager, "plain:latest").replica_verified
 
 
 def test_a_jobs_name_means_its_newest_run_with_versions(manager):

@@ -11,9 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from services.contract import store_pb2
-from services.state.chunk_store import ChunkReader, ChunkWriter, DirectorySource, iter_chunk_files
+from services.state.chunk_store import (
+    ChunkReader,
+    ChunkWriter,
+    DirectorySource,
+    iter_chunk_files,
+)
 from services.store.checkpoint_manager import CheckpointIncomplete, CheckpointManager, CheckpointRejected
 
 from .conftest import load
@@ -67,6 +73,23 @@ def read(info: store_pb2.CheckpointInfo) -> dict:
     return out
 
 
+def manifest_of(path: str) -> dict:
+    return json.loads((Path(path) / "manifest.json").read_bytes())
+
+
+def added_by(manager: CheckpointManager, done: store_pb2.SaveCompleted) -> int:
+    """What a version added to its epoch: its index files and the chunks no earlier version
+    of the epoch references."""
+    mine = manifest_of(done.path)
+    earlier = set()
+    for info in manager.checkpoint_query(store_pb2.CheckpointQuery(job_id=done.job_id)).checkpoints:
+        m = manifest_of(info.path)
+        if info.version != done.version and m["epoch"] == mine["epoch"] and info.step < done.step:
+            earlier |= {c["sha"] for c in m["chunks"]}
+    new = sum(c["bytes"] for c in mine["chunks"] if c["sha"] not in earlier)
+    return new + sum(f["bytes"] for f in mine["files"])
+
+
 def assert_is_step(info: store_pb2.CheckpointInfo, step: int) -> None:
     got, want = read(info), state_at(step)
     assert got["train"]["step"] == step
@@ -79,12 +102,11 @@ def test_every_nth_version_is_a_baseline_in_a_new_epoch_and_the_deltas_write_wha
     for step in range(1, 8):
         staged, done = save(manager, "j", step, every=3)
         told.append((staged.epoch, staged.baseline, done.baseline))
-        if done.baseline:
-            assert done.written_bytes == done.bytes - sum(
-                f["bytes"] for f in json.loads((Path(done.path) / "manifest.json").read_bytes())["files"]
-            )
-        else:  # the frozen 64 KiB is not written again; the trained 4 KiB and the step are
-            assert done.written_bytes < done.bytes / 10, (step, done.written_bytes, done.bytes)
+        if done.baseline:  # every chunk and index file is new: it writes its whole size
+            assert done.written_bytes == done.bytes
+        else:  # the frozen 64 KiB is not written again; the trained 4 KiB, the step and the index are
+            assert done.written_bytes == added_by(manager, done), step
+            assert done.written_bytes < done.bytes / 5, (step, done.written_bytes, done.bytes)
     assert told == [(1, True, True), (1, False, False), (1, False, False), (2, True, True), (2, False, False)] + [
         (2, False, False),
         (3, True, True),
@@ -98,7 +120,7 @@ def test_every_nth_version_is_a_baseline_in_a_new_epoch_and_the_deltas_write_wha
         assert_is_step(load(manager, f"j:{n}"), n)  # baseline + deltas: every version bit-exact
 
 
-def test_a_commit_naming_a_chunk_that_is_not_there_or_not_its_bytes_is_refused(manager):
+def test_a_commit_checks_the_manifest_a_missing_chunk_or_one_of_another_size_is_refused(manager):
     save(manager, "j", 1)
     staged = begin(manager, "j", 2, 3)
     write(staged, state_at(2))
@@ -110,11 +132,46 @@ def test_a_commit_naming_a_chunk_that_is_not_there_or_not_its_bytes_is_refused(m
     chunk.unlink()
     with pytest.raises(CheckpointIncomplete, match=f"chunks/1/{new}: named by chunks.json, which is not there"):
         commit(manager, "j", 2)
-    chunk.write_bytes(bytes([data[0] ^ 1]) + data[1:])  # present, its size, not its bytes
-    with pytest.raises(CheckpointIncomplete, match=f"chunks/1/{new}: sha256 mismatch"):
+    chunk.write_bytes(data[:-1])  # torn: one byte short
+    with pytest.raises(
+        CheckpointIncomplete, match=f"chunks/1/{new}: {len(data) - 1} bytes, chunks.json says {len(data)}"
+    ):
         commit(manager, "j", 2)
     chunk.write_bytes(data)
     assert commit(manager, "j", 2).version == "j:2"
+
+
+def test_a_chunks_index_that_contradicts_itself_is_refused(manager):
+    staged = begin(manager, "j", 1, 3)
+    write(staged, state_at(1))
+    path = Path(staged.staging_path) / "chunks.json"
+    index = json.loads(path.read_bytes())
+    index["bytes"] += 1
+    path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointIncomplete, match=r"chunks.json: bytes \d+, its chunks sum to"):
+        commit(manager, "j", 1)
+    index["bytes"] -= 1
+    index["chunks"].append(dict(index["chunks"][0]))
+    path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointIncomplete, match="a chunk is listed twice"):
+        commit(manager, "j", 1)
+
+
+def test_a_chunk_changed_in_place_after_its_write_is_not_rehashed_at_commit_but_caught_by_reader_and_verify(manager):
+    """Commit by manifest: the bytes are the writer's (hashed as written, renamed into place
+    whole); bits flipped afterwards are found where every byte is read: the reader and the
+    store's re-hash (verify / scrub)."""
+    staged = begin(manager, "j", 1, 3)
+    write(staged, state_at(1))
+    sha = json.loads((Path(staged.staging_path) / "chunks.json").read_bytes())["chunks"][0]["sha"]
+    chunk = Path(staged.chunk_path) / sha[:2] / sha
+    data = chunk.read_bytes()
+    chunk.write_bytes(bytes([data[0] ^ 1]) + data[1:])  # its size, not its bytes
+    info = load(manager, commit(manager, "j", 1).version)
+    with pytest.raises(CheckpointException, match=f"chunks/{sha}: sha256 mismatch"):  # (DCP wraps the reader's)
+        read(info)
+    verdict = manager.verify_checkpoints(store_pb2.VerifyCheckpoints(job_id="j", rehash=True)).versions[0]
+    assert not verdict.ok and verdict.reason == f"checkpoint j:1: chunks/1/{sha}: sha256 mismatch"
 
 
 def test_retention_then_gc_keeps_every_chunk_a_kept_version_needs_and_removes_the_rest(manager, tmp_path):
@@ -158,3 +215,18 @@ def test_a_damaged_shared_chunk_strikes_every_version_using_it_and_the_next_save
     staged, done = save(manager, "j", 3, every=10)
     assert (staged.epoch, staged.baseline, done.baseline) == (2, True, True)  # never a delta on a damaged epoch
     assert_is_step(load(manager, "j:3"), 3)
+
+
+def test_what_a_save_wrote_is_counted_by_the_store_never_more_than_the_version(manager):
+    """Two ranks that both find a chunk absent both write it and each counts it: the ranks'
+    sum in chunks.json can exceed the version (a delta that "wrote" more than its total).
+    The store counts what the version added to its epoch instead."""
+    save(manager, "j", 1)
+    staged = begin(manager, "j", 2, 3)
+    write(staged, state_at(2))
+    path = Path(staged.staging_path) / "chunks.json"
+    index = json.loads(path.read_bytes())
+    index["written_bytes"] = 3 * index["bytes"]  # as the ranks' double counting would say it
+    path.write_text(json.dumps(index))
+    done = commit(manager, "j", 2)
+    assert done.written_bytes == added_by(manager, done) < done.bytes

@@ -56,6 +56,10 @@ def test_unknown_and_malformed_versions(manager):
     save(manager, "j", 1)
     with pytest.raises(CheckpointNotFound, match=r"checkpoint j:7 not found \(have: j:1\)"):
         delete(manager, "j:7")
+    with pytest.raises(
+        CheckpointNotFound, match=r"^checkpoint nosuch:1 not found \(job nosuch has no checkpoint versions\)$"
+    ):
+        delete(manager, "nosuch:1")
     with pytest.raises(ValueError, match="version: expected '<job>:<n>'"):
         delete(manager, "latest")
 

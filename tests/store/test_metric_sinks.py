@@ -220,14 +220,13 @@ def test_a_bad_job_id_is_refused(tmp_path):
 
 
 def test_a_sink_failure_reaches_the_rank_with_the_records_ack(tmp_path):
-    """Through the real store relay and the rank's store client: the LogWriteFailed rides in
-    the MetricsAck (the stream goes on) and lands on the rank's bus, for its session to
-    carry up to L1."""
+    """Through the real store relay, the node agent's metric stream and the rank's metrics
+    client: the LogWriteFailed rides in the MetricsAck (the stream goes on) and lands on the
+    rank's bus, for its session to carry up to L1."""
     import time
 
     from services.contract.bus import Bus
     from services.contract.relay import L5, RANK, Link
-    from services.rank.store_client import StoreClient
     from tests.redlines.test_state_ownership import store_service
 
     (tmp_path / "metrics" / JOB).mkdir(parents=True)
@@ -236,10 +235,8 @@ def test_a_sink_failure_reaches_the_rank_with_the_records_ack(tmp_path):
     heard: list = []
     bus.subscribe(Module.L1_FAULT_DETECTOR, store_pb2.LogWriteFailed, lambda msg, payload=None: heard.append(msg))
     with store_service(tmp_path) as address:
-        client = StoreClient(
-            address,
-            bus.emitter(Module.L5_CHECKPOINT_MANAGER),
-            on_routed=Link(bus, name="store service", near=RANK, beyond=L5).deliver_each,
+        client, stream = metrics_through_an_agent(
+            address, on_routed=Link(bus, name="store service", near=RANK, beyond=L5).deliver_each
         )
         try:
             client.log_collection_config(config(tensorboard=True))
@@ -249,6 +246,7 @@ def test_a_sink_failure_reaches_the_rank_with_the_records_ack(tmp_path):
                 time.sleep(0.02)
         finally:
             client.close()
+            stream.close()
     (event,) = heard
     assert event.failure.module == Module.L5_METRICS_LOGGER and event.failure.cause == route_pb2.FAILURE_IO
     assert event.reason.startswith("open: ") and event.path.endswith(f"{JOB}/tensorboard")
@@ -260,13 +258,11 @@ def test_the_loops_stop_returns_once_the_store_has_every_record(tmp_path, monkey
     acknowledged it, so every record before it; with no store, after METRICS_FLUSH_S."""
     import time
 
-    from services.contract.bus import Bus
-    from services.rank import store_client
-    from services.rank.store_client import StoreClient
+    from services.rank import metrics_client
     from tests.redlines.test_state_ownership import store_service
 
     with store_service(tmp_path) as address:
-        client = StoreClient(address, Bus().emitter(Module.L5_CHECKPOINT_MANAGER))
+        client, stream = metrics_through_an_agent(address)
         try:
             client.log_collection_config(config(tensorboard=True))
             for n in (1, 2, 3):
@@ -276,10 +272,11 @@ def test_the_loops_stop_returns_once_the_store_has_every_record(tmp_path, monkey
             assert [x["step"] for x in jsonl(tmp_path)] == [1, 2, 3]
         finally:
             client.close()
+            stream.close()
     assert tensorboard_scalars(tmp_path / "metrics" / JOB / "tensorboard")["train/loss"][-1][0] == 3
 
-    monkeypatch.setattr(store_client, "METRICS_FLUSH_S", 0.3)
-    gone = StoreClient("127.0.0.1:9", Bus().emitter(Module.L5_CHECKPOINT_MANAGER))  # nobody there
+    monkeypatch.setattr(metrics_client, "METRICS_FLUSH_S", 0.3)
+    gone, stream = metrics_through_an_agent("127.0.0.1:9")  # nobody there
     try:
         gone.on_step_completed(step(1))
         t0 = time.monotonic()
@@ -287,3 +284,17 @@ def test_the_loops_stop_returns_once_the_store_has_every_record(tmp_path, monkey
         assert 0.3 <= time.monotonic() - t0 < 3 and gone.held_records == 2
     finally:
         gone.close(timeout=0.1)
+        stream.close(timeout=0.1)
+
+
+def metrics_through_an_agent(address: str, on_routed=None):
+    """A rank's metrics client whose records go, as through its node agent, on the agent's
+    metric stream to the store at ``address`` (the session between them left out)."""
+    import structlog
+
+    from services.rank.metrics_client import MetricsClient
+    from services.worker.metric_stream import MetricStream
+
+    stream = MetricStream(address, structlog.get_logger())
+    client = MetricsClient(lambda record: stream.submit(record, client.acked), on_routed=on_routed)
+    return client, stream

@@ -10,7 +10,7 @@ import threading
 import structlog
 from prometheus_client import CollectorRegistry
 
-from services.common.grpc_server import ServiceServer
+from services.common.grpc_server import AioServiceServer
 from services.contract import Module, injection, route_pb2, store_pb2, store_pb2_grpc
 from services.contract.bus import Bus, Traffic
 from services.contract.relay import L1, L5, RANK, Link
@@ -21,7 +21,7 @@ from services.store.__main__ import wire
 
 def test_a_checkpoint_managers_failure_reaches_control_as_l5_1s_own_event_not_a_rebuilt_one(tmp_path):
     relay, metrics, _ = wire(tmp_path, structlog.get_logger("store"), registry=CollectorRegistry())
-    server = ServiceServer("store", "127.0.0.1", 0)
+    server = AioServiceServer("store", "127.0.0.1", 0)
     store_pb2_grpc.add_StoreServiceServicer_to_server(relay, server.server)
     server.start(["surge.v1.StoreService"])
     injection.configure("handler:L5_CHECKPOINT_MANAGER:VerifyCheckpoints:cause=FAILURE_IO")
@@ -51,7 +51,7 @@ def test_a_checkpoint_managers_failure_reaches_control_as_l5_1s_own_event_not_a_
 
 def test_a_begin_save_the_store_failed_reaches_the_rank_as_one_typed_snapshot_failed(tmp_path):
     relay, metrics, _ = wire(tmp_path, structlog.get_logger("store"), registry=CollectorRegistry())
-    server = ServiceServer("store", "127.0.0.1", 0)
+    server = AioServiceServer("store", "127.0.0.1", 0)
     store_pb2_grpc.add_StoreServiceServicer_to_server(relay, server.server)
     server.start(["surge.v1.StoreService"])
     # after=1: the first SaveCheckpoint L5-1 handles in this process is the rank relay's own

@@ -145,11 +145,13 @@ def test_save_commit_list_load_and_metrics_through_the_real_service(store):
                 step=engine_pb2.StepCompleted(job_id="it", rank=0, step=2, loss=4.25, tokens=64), seq=3
             ),
         ]
-        acks = list(stub.Record(iter(records), timeout=10))
-        assert [(a.records, a.seq) for a in acks] == [(0, 1), (1, 2), (1, 3)]
-        # A rank that reconnects resends what it holds: acknowledged again, written once.
-        again = list(stub.Record(iter(records), timeout=10))
-        assert [(a.records, a.seq) for a in again] == [(0, 1), (0, 2), (0, 3)]
+        # Two batches (a node agent sends what it holds unsent in one): an ack per record, in order.
+        batches = [store_pb2.MetricBatch(records=records[:1]), store_pb2.MetricBatch(records=records[1:])]
+        acks = [[(a.records, a.seq) for a in b.acks] for b in stub.Record(iter(batches), timeout=10)]
+        assert acks == [[(0, 1)], [(1, 2), (1, 3)]]
+        # A node agent that reconnects resends what it holds: acknowledged again, written once.
+        again = list(stub.Record(iter([store_pb2.MetricBatch(records=records)]), timeout=10))
+        assert [[(a.records, a.seq) for a in b.acks] for b in again] == [[(0, 1), (0, 2), (0, 3)]]
 
     body = urllib.request.urlopen(f"http://127.0.0.1:{store.metrics_port}/metrics", timeout=10).read().decode()
     samples = {

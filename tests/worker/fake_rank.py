@@ -6,6 +6,7 @@ Run by the agent as ``python -m tests.worker.fake_rank --session H:P --job J --r
 
 * ``train``: hello -> receives init, assignment -> TrainingLoopStarted -> waits for
   StartTraining -> StepCompleted(step 1), TrainingLoopFinished -> closes its stream, exit 0.
+* ``train3``: like ``train`` with three steps (StepCompleted 1, 2, 3).
 * ``sleep``: hello -> init, assignment -> TrainingLoopStarted -> sleeps (SIGTERM kills it).
 * ``stubborn``: like ``sleep`` but ignores SIGTERM.
 * ``family``: like ``sleep`` after starting a ``sleep`` grandchild (its pid is printed).
@@ -99,7 +100,7 @@ def main() -> int:
                 )
                 send(audit=report)
         return 0
-    if mode != "train":
+    if mode not in ("train", "train3"):
         time.sleep(300)
         return 0
 
@@ -111,10 +112,14 @@ def main() -> int:
             start = unpack(cmd.routed)  # a real rank puts it on its bus (services/contract/relay.py)
             print(f"start job={start.job_id} from={Module.Name(cmd.routed.sender)}", flush=True)
             break
-    send_up(
-        engine_pb2.StepCompleted(job_id=job, rank=rank, step=1, loss=5.5, tokens=64, world_size=assignment.world_size)
-    )
-    send_up(engine_pb2.TrainingLoopFinished(job_id=job, rank=rank, step=1))
+    steps = 3 if mode == "train3" else 1
+    for step in range(1, steps + 1):
+        send_up(
+            engine_pb2.StepCompleted(
+                job_id=job, rank=rank, step=step, loss=5.5, tokens=64, world_size=assignment.world_size
+            )
+        )
+    send_up(engine_pb2.TrainingLoopFinished(job_id=job, rank=rank, step=steps))
     outgoing.put(None)  # half-close: the agent then ends our command stream
     for _ in commands:
         pass

@@ -11,7 +11,7 @@ import torch
 
 from services.contract import engine_pb2
 from services.contract.bus import Reply
-from services.rank.faults import FaultInjector, Injection, StepGuard, parse_injections
+from services.rank.faults import FaultInjector, Injection, StepGuard, lift_pace, parse_injections
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -20,7 +20,8 @@ def test_injections_are_parsed_per_job_name_and_a_bad_entry_is_one_line():
     text = "a:nan_loss@7,b:hang@3:rank=1, a:hang@9:rank=2"
     assert parse_injections(text, "a") == [Injection("nan_loss", 7, 0), Injection("hang", 9, 2)]
     assert parse_injections(text, "c") == []
-    expected = r"expected <job name>:<nan_loss\|inf_grad\|hang\|hang_forward\|slow_eval\|slow_save\|slow_heal>@<step>"
+    kinds = r"nan_loss\|inf_grad\|hang\|hang_forward\|slow_eval\|slow_save\|slow_heal\|slow_steps\|corrupt_weights\|slow_compute"
+    expected = rf"expected <job name>:<{kinds}>@<step>"
     with pytest.raises(ValueError, match=r"^SURGE_FAULT_INJECT: 'a:explode@1': " + expected):
         parse_injections("a:explode@1", "a")
     assert parse_injections("a:slow_eval@4:rank=1:seconds=2.5", "a") == [Injection("slow_eval", 4, 1, 2.5)]
@@ -86,6 +87,33 @@ def test_slow_eval_slows_every_batch_of_the_evaluation_after_its_step_and_only_t
     assert time.monotonic() - t0 >= 0.2
 
 
+def test_slow_steps_slows_each_training_step_from_its_step_once_on_every_incarnation(tmp_path):
+    import time
+
+    def took(injector: FaultInjector, step: int, training: bool = True) -> float:
+        t0 = time.monotonic()
+        injector.before_forward(step, training)
+        return time.monotonic() - t0
+
+    for _ in range(2):  # a relaunched rank is paced as well: no marker
+        injector = FaultInjector([Injection("slow_steps", 3, 1, 0.2)], "j-1", 1, marker_dir=tmp_path)
+        assert took(injector, 2) < 0.1  # before its step
+        assert took(injector, 3) >= 0.2 and took(injector, 3) < 0.1  # once a step (its second micro-batch: not again)
+        assert took(injector, 4, training=False) < 0.1  # an evaluation batch
+        assert took(injector, 4) >= 0.2 and took(injector, 9) >= 0.2  # every later step
+    assert not list(tmp_path.iterdir())
+    assert took(FaultInjector([Injection("slow_steps", 3, 1, 0.2)], "j-1", 0, marker_dir=tmp_path), 5) < 0.1
+    # Lifted mid-wait: the step goes on within a poll; later steps and incarnations unpaced.
+    import threading
+
+    injector = FaultInjector([Injection("slow_steps", 1, 1, 30.0)], "j-1", 1, marker_dir=tmp_path)
+    threading.Timer(0.3, lift_pace, (tmp_path, "j-1")).start()
+    assert 0.3 <= took(injector, 1) < 2.0
+    assert took(injector, 2) < 0.1
+    assert took(FaultInjector([Injection("slow_steps", 1, 1, 30.0)], "j-1", 1, marker_dir=tmp_path), 3) < 0.1
+    assert took(FaultInjector([Injection("slow_steps", 1, 1, 0.2)], "j-2", 1, marker_dir=tmp_path), 3) >= 0.2
+
+
 def test_hang_forward_is_due_only_at_its_steps_training_forward(tmp_path):
     injector = FaultInjector([Injection("hang_forward", 8, 1)], "j-1", 1, marker_dir=tmp_path)
     injector.before_forward(7, True)
@@ -109,3 +137,33 @@ def test_slow_save_delays_only_the_save_of_its_step_once(tmp_path):
         t0 = time.monotonic()
         store(msg)
         assert (time.monotonic() - t0 >= 0.2) == slow, msg
+
+
+def test_slow_compute_multiplies_the_training_forward_and_backward_time_from_its_step_on(tmp_path):
+    import time
+
+    text = "j:slow_compute@3:rank=1:factor=3"
+    assert parse_injections(text, "j") == [Injection("slow_compute", 3, 1, factor=3.0)]
+    with pytest.raises(ValueError, match="factor"):
+        parse_injections("j:slow_compute@3:factor=0.5", "j")
+    step = [2]
+    guard = StepGuard(lambda: step[0], injector=FaultInjector(parse_injections(text, "j"), "j", 1, tmp_path))
+
+    def work(msg, payload=None):
+        time.sleep(0.02)
+        return Reply(engine_pb2.ForwardDone())
+
+    forward, backward = guard.forward(work), guard.backward(work)
+
+    def timed(call, msg) -> float:
+        t0 = time.perf_counter()
+        call(msg)
+        return time.perf_counter() - t0
+
+    train, bwd = engine_pb2.RunForward(training=True), engine_pb2.RunBackward(backward=True)
+    assert timed(forward, train) < 0.035 and timed(backward, bwd) < 0.035  # before its step: as it is
+    step[0] = 3
+    assert timed(forward, train) >= 0.06  # 3x its own time
+    assert timed(backward, bwd) >= 0.06  # 3x the previous backward's
+    assert timed(forward, engine_pb2.RunForward(training=False)) < 0.035  # an evaluation: not slowed
+    assert timed(guard.optimizer(work), engine_pb2.ApplyUpdate(step=3)) >= 0.06  # the update too

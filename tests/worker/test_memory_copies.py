@@ -28,8 +28,10 @@ JOB = "mem-0a1b2c"
 
 
 class Agent:
-    def __init__(self, worker_id: str, limit: int = 1 << 30, shm: Path | None = None):
-        self.copies = MemoryCopies(worker_id, structlog.get_logger(), limit, shm)
+    def __init__(self, worker_id: str, limit: int = 1 << 30, shm: Path | None = None, lane: bool = True):
+        self.copies = MemoryCopies(
+            worker_id, structlog.get_logger(), limit, shm, lane_host="127.0.0.1" if lane else None
+        )
         self.server = ServiceServer(worker_id, "127.0.0.1", 0)
         worker_pb2_grpc.add_MemoryCopyServiceServicer_to_server(MemoryCopyServicer(self.copies), self.server.server)
         self.server.start(["surge.v1.MemoryCopyService"])
@@ -163,6 +165,68 @@ def test_a_reader_gets_chunks_from_its_agent_then_the_peer_through_it_then_the_s
             cl.close()
 
 
+def test_a_bulk_read_through_the_peer_moves_every_chunk_on_streams_no_round_trip_per_chunk(
+    agents, tmp_path, monkeypatch
+):
+    """A heal's reader names every chunk of its load first (``prefetch``): C fetches them from
+    its peer B on parallel GetChunks streams while the reader takes them as they come; no
+    GetChunk call (a round trip per chunk) is made anywhere, and a chunk B lacks is a miss the
+    store fills."""
+    per_chunk = []
+    real = MemoryCopyServicer.GetChunk
+
+    def counted(self, request, context):
+        if request.via_peer:  # (the own agent's memory without shared memory is asked chunk by chunk)
+            per_chunk.append(request.sha256)
+        return real(self, request, context)
+
+    monkeypatch.setattr(MemoryCopyServicer, "GetChunk", counted)
+    a, b, c = agents("wa"), agents("wb"), agents("wc")
+    a.peer(b)
+    c.peer(b)
+    v = chunks(*(os.urandom(3000 + i) for i in range(11)))  # more chunks than parallel streams
+    extra = chunks(b"only in the store")
+    root = store_dir(tmp_path, {**v, **extra})
+    writer, elsewhere = MemoryCopyClient(a.address, JOB, 0), MemoryCopyClient(c.address, JOB, 0)
+    try:
+        save(writer, 5, v)
+        assert replicated(b, 0, set(v))
+        r = reader(tmp_path, elsewhere, root)
+        wanted = {sha: len(data) for sha, data in {**v, **extra}.items()}
+        for source in r.sources[:-1]:
+            if hasattr(source, "prefetch"):
+                source.prefetch(wanted)
+        for sha, data in {**v, **extra}.items():
+            assert r.fetch(sha, len(data)) == data
+        assert r.served["store"] == 1 and r.served["memory"] + r.served["peer"] == len(v) and not r.mismatches
+        assert per_chunk == []
+    finally:
+        writer.close()
+        elsewhere.close()
+
+
+def test_a_corrupt_peer_copy_read_in_bulk_is_refused_and_the_store_read(agents, tmp_path):
+    a = agents("wa")
+    b = agents("wb", corrupt=JOB.rpartition("-")[0])
+    c = agents("wc")
+    a.peer(b)
+    c.peer(b)
+    v = chunks(os.urandom(5000), os.urandom(7000))
+    root = store_dir(tmp_path, v)
+    writer, elsewhere = MemoryCopyClient(a.address, JOB, 0), MemoryCopyClient(c.address, JOB, 0)
+    try:
+        save(writer, 5, v)
+        assert replicated(b, 0, set(v))
+        r = reader(tmp_path, elsewhere, root)
+        r.sources[1].prefetch({sha: len(data) for sha, data in v.items()})
+        for sha, data in v.items():
+            assert r.fetch(sha, len(data)) == data
+        assert dict(r.mismatches) == {"peer": 2} and dict(r.served) == {"store": 2}
+    finally:
+        writer.close()
+        elsewhere.close()
+
+
 def test_a_corrupt_peer_copy_is_detected_counted_and_the_store_read(agents, tmp_path):
     a = agents("wa")
     b = agents("wb", corrupt=JOB.rpartition("-")[0])  # B flips a byte of every replica it stores
@@ -243,7 +307,7 @@ def test_a_full_shared_memory_keeps_what_fits_and_says_what_it_did_not(monkeypat
         assert (kept.chunks, kept.missing) == (2, 0)  # the rank wrote its files itself
         assert replicated(b, 0, set(small))
         assert b.copies._held == 100
-        assert [p.name for p in b.copies._chunks.dir.iterdir()] == list(small)
+        assert [p.name for p in b.copies._chunks.dir.iterdir() if p.name != "lanes.sock"] == list(small)
     finally:
         client.close()
         a.close()
@@ -264,3 +328,145 @@ def test_the_directories_of_dead_agents_are_removed_and_a_live_ones_kept(tmp_pat
     (dead / "ab" / "chunk").write_bytes(b"x" * 10)
     assert memory_copies.remove_dead_dirs(tmp_path) == [dead]
     assert not dead.exists() and live is not None and live.is_dir()
+
+
+def test_a_bulk_read_from_a_peer_that_hangs_gives_up_and_the_store_is_read(agents, tmp_path, monkeypatch):
+    import time
+
+    from services.rank import memory_client
+
+    a, b, c = agents("wa"), agents("wb"), agents("wc")
+    a.peer(b)
+    c.peer(b)
+    v = chunks(os.urandom(4000), os.urandom(5000))
+    root = store_dir(tmp_path, v)
+    writer, elsewhere = MemoryCopyClient(a.address, JOB, 0), MemoryCopyClient(c.address, JOB, 0)
+    try:
+        save(writer, 5, v)
+        assert replicated(b, 0, set(v))
+        monkeypatch.setattr(memory_client, "GET_TIMEOUT_S", 0.5)
+        real = b.copies.get_many
+
+        def hangs(*args, **kwargs):
+            time.sleep(4)  # the peer answers nothing for longer than the reader waits
+            yield from real(*args, **kwargs)
+
+        monkeypatch.setattr(b.copies, "get_many", hangs)
+        if b.copies._lane is not None:  # (its bulk lane: the peer sends nothing for as long)
+            real_lookup = b.copies._lane._lookup
+
+            def slow_lookup(sha):
+                time.sleep(4)
+                return real_lookup(sha)
+
+            monkeypatch.setattr(b.copies._lane, "_lookup", slow_lookup)
+        r = reader(tmp_path, elsewhere, root)
+        r.sources[1].prefetch({sha: len(data) for sha, data in v.items()})
+        t0 = time.monotonic()
+        for sha, data in v.items():
+            assert r.fetch(sha, len(data)) == data
+        assert time.monotonic() - t0 < 3 and dict(r.served) == {"store": 2}
+    finally:
+        writer.close()
+        elsewhere.close()
+
+
+def test_a_bulk_read_that_ends_early_stops_its_pulls_from_the_peer(agents):
+    import threading
+    import time
+
+    a, b, c = agents("wa"), agents("wb"), agents("wc")
+    a.peer(b)
+    c.peer(b)
+    v = chunks(*(os.urandom(3000) for _ in range(60)))  # more than the agent's queue of arrived chunks holds
+    writer = MemoryCopyClient(a.address, JOB, 0)
+    try:
+        save(writer, 5, v)
+        assert replicated(b, 0, set(v))
+        replies = c.copies.get_many(JOB, list(v), via_peer=True)
+        assert next(replies).found
+        replies.close()  # the reader went away (its stream cancelled) after one chunk
+        deadline = time.monotonic() + 5
+        while any(t.name == "memory-peer-read" for t in threading.enumerate()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [t.name for t in threading.enumerate() if t.name == "memory-peer-read"]
+    finally:
+        writer.close()
+
+
+def test_a_copy_without_room_is_skipped_before_writing_typed_and_the_next_save_tries_again(agents):
+    """Issue 29 item 8: the room in the agent's shared memory (statvfs, the cgroup's memory
+    left) is checked before a save's copy is written; too little skips that copy with a typed
+    event (the save to the store is not this client's), and the next save is copied."""
+    from services.common.free_space import Room
+    from services.contract import route_pb2, store_pb2
+
+    a = agents("wa")
+    room = [Room("/dev/shm", free_bytes=4000, cgroup_bytes=None)]
+    reports: list = []
+    client = MemoryCopyClient(a.address, JOB, 0, report=reports.append, room=lambda path: room[0])
+    try:
+        v = chunks(b"a" * 3000, b"b" * 3000)
+        sink = client.begin(5, expected_bytes=6000)
+        if a.copies._chunks.dir is None:  # (no shared memory: the agent's bound applies, not the room)
+            assert sink is not None and reports == []
+            return
+        assert sink is None  # skipped: nothing written, nothing held
+        assert a.copies.held(JOB, 0, False) == [] and list((a.copies._chunks.dir / "incoming").glob("*/*")) == []
+        (skipped,) = reports
+        assert isinstance(skipped, store_pb2.MemoryCopySkipped)
+        assert (skipped.job_id, skipped.rank, skipped.step, skipped.write_error) == (
+            JOB,
+            0,
+            5,
+            route_pb2.WRITE_NO_SPACE,
+        )
+        assert (skipped.needed_bytes, skipped.free_bytes) == (6000, 4000) and "incoming" in skipped.path
+        room[0] = Room("/dev/shm", free_bytes=1 << 30, cgroup_bytes=5000)  # the cgroup bounds it too
+        assert client.begin(10, expected_bytes=6000) is None and reports[-1].free_bytes == 5000
+        room[0] = Room("/dev/shm", free_bytes=1 << 30, cgroup_bytes=1 << 30)  # room again: copied
+        kept = save_expecting(client, 15, v, 6000)
+        assert (kept.chunks, kept.bytes) == (2, 6000) and len(reports) == 2
+    finally:
+        client.close()
+
+
+def save_expecting(client: MemoryCopyClient, step: int, parts: dict[str, bytes], expected: int):
+    sink = client.begin(step, expected_bytes=expected)
+    assert sink is not None
+    for sha, data in parts.items():
+        sink(sha, memoryview(data))
+    client.end(True)
+    return client.wait()
+
+
+def test_the_cgroup_memory_left_is_read_from_v2_or_v1(tmp_path):
+    from services.common.free_space import cgroup_headroom
+
+    proc = tmp_path / "cgroup"
+    v2 = tmp_path / "sys" / "job"
+    v2.mkdir(parents=True)
+    (v2 / "memory.max").write_text("1000000\n")
+    (v2 / "memory.current").write_text("250000\n")
+    proc.write_text("0::/job\n")
+    assert cgroup_headroom(tmp_path / "sys", proc) == 750000
+    (v2 / "memory.max").write_text("max\n")
+    assert cgroup_headroom(tmp_path / "sys", proc) is None
+    v1 = tmp_path / "sys" / "memory"  # a container's view: its own cgroup at the hierarchy's root
+    v1.mkdir()
+    (v1 / "memory.limit_in_bytes").write_text("2000000\n")
+    (v1 / "memory.usage_in_bytes").write_text("500000\n")
+    proc.write_text("4:memory:/outside/the/container\n0::/\n")
+    assert cgroup_headroom(tmp_path / "sys", proc) == 1500000
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # unbounded
+    assert cgroup_headroom(tmp_path / "sys", proc) is None
+
+
+def test_a_saves_payload_bytes_count_its_tensors():
+    import torch
+
+    from services.rank.checkpoint_io import payload_bytes
+
+    payload = {"model": {"w": torch.zeros(10, 10), "b": torch.zeros(10, dtype=torch.float16)}, "step": 3,
+               "optim": {"state": [{"exp_avg": torch.zeros(100)}], "lr": 0.1}}  # fmt: skip
+    assert payload_bytes(payload) == 400 + 20 + 400

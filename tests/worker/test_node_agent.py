@@ -38,6 +38,7 @@ from services.contract import (
 )
 from services.contract.bus import BoundaryViolation, Bus, Traffic
 from services.contract.relay import pack, unpack
+from services.worker.step_summaries import StepSummaries
 from tests.ports import free_port
 
 pytestmark = pytest.mark.timeout(90)
@@ -145,13 +146,14 @@ class Agent:
 
 class FakeControl(control_pb2_grpc.ControlServiceServicer):
     """WorkerSession only: acknowledges like control (``surge-registered`` header), records
-    registrations and events (RankProcessState facts apart, in ``process_states``), pushes
-    commands to the newest session."""
+    registrations and events (RankProcessState facts apart, in ``process_states``; the
+    agent's own beats in ``beats``), pushes commands to the newest session."""
 
     def __init__(self):
         self.registrations: queue.Queue = queue.Queue()
         self.events: queue.Queue = queue.Queue()
         self.process_states: queue.Queue = queue.Queue()
+        self.beats: queue.Queue = queue.Queue()
         self._sessions: list[queue.Queue] = []
         self._lock = threading.Lock()
 
@@ -166,6 +168,8 @@ class FakeControl(control_pb2_grpc.ControlServiceServicer):
                 for event in request_iterator:
                     if event.WhichOneof("event") == "register":
                         self.registrations.put(event.register)
+                    elif event.WhichOneof("event") == "heartbeat":
+                        self.beats.put(event.heartbeat)
                     elif event.WhichOneof("event") == "routed" and event.routed.type.endswith(".RankProcessState"):
                         self.process_states.put(unpack(event.routed))
                     else:
@@ -345,6 +349,42 @@ def test_registration_reports_the_nodes_hardware_address_and_slots(cluster):
     assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_every_step_of_rank_0_goes_up_and_of_another_rank_only_its_first_per_control_session(cluster):
+    """Coalesced step traffic (step_summaries.py): rank 0's StepCompleted is the job's step
+    summary; another rank's only says it was heard from, once per session with control."""
+    control = cluster.control()
+    cluster.agent(control.port)
+    control.servicer.registration()
+    launch(control.servicer, "j1", "train3", world_size=2)
+    started_ranks(cluster, control.servicer, 2)
+    start = pack(engine_pb2.StartTraining(job_id="j1"), Module.L1_ORCHESTRATOR, Module.L2_TRAINING_LOOP)
+    control.servicer.push(routed=start, job_id="j1")
+    steps: dict[int, list[int]] = {0: [], 1: []}
+    finished = set()
+    while finished != {0, 1}:
+        event = control.servicer.next_event()
+        if event.WhichOneof("event") != "rank_event" or event.rank_event.WhichOneof("event") != "routed":
+            continue
+        routed = event.rank_event.routed
+        if routed.type == "surge.v1.StepCompleted":
+            steps[event.rank_event.rank].append(unpack(routed).step)
+        elif routed.type == "surge.v1.TrainingLoopFinished":
+            finished.add(event.rank_event.rank)
+    assert steps == {0: [1, 2, 3], 1: [1]}
+
+
+def test_step_summaries_send_each_other_ranks_first_step_again_after_a_new_session():
+    summaries = StepSummaries()
+    step = pack(engine_pb2.StepCompleted(job_id="j", step=1), Module.L2_TRAINING_LOOP)
+    other = pack(engine_pb2.TrainingLoopFinished(job_id="j", step=1), Module.L2_TRAINING_LOOP)
+    assert [summaries.send_up("j", 0, step) for _ in range(3)] == [True] * 3  # rank 0: every one
+    assert [summaries.send_up("j", 2, step) for _ in range(3)] == [True, False, False]
+    assert summaries.send_up("j", 2, other) and summaries.send_up("k", 2, step)  # another event, job
+    assert summaries.kept == 2
+    summaries.new_session()  # a registration with control (it may have restarted)
+    assert [summaries.send_up("j", 2, step) for _ in range(2)] == [True, False]
+
+
 def test_worker_id_defaults_to_host_and_port_and_slots_to_one_without_gpu(cluster):
     control = cluster.control()
     agent = cluster.agent(control.port, worker_id=None)
@@ -452,6 +492,10 @@ def test_a_rank_killed_by_sigkill_is_reported_with_exit_code_minus_9_within_one_
     assert elapsed < 1.0, f"RankExited took {elapsed:.3f} s"
     assert "killed by SIGKILL" in exited.detail
     assert not exited.released and 0 <= exited.unix_time - killed < 0.5  # when it was reaped
+    # Typed from the evidence: a SIGKILL the agent did not send, with no OOM-kill count rise
+    # (where no counter is readable it says so, and an OOM kill could not be told apart).
+    assert (exited.cause, exited.signal_sender_pid) == (control_pb2.EXIT_KILLED, 0)
+    assert "sender unknown" in exited.detail
 
 
 def test_a_rank_stopped_and_continued_by_signals_is_stated_at_once_and_again_to_a_new_control(cluster):
@@ -514,6 +558,10 @@ def test_release_terminates_sleeping_ranks_and_kills_one_that_ignores_sigterm_af
     second = control.servicer.rank_exited(timeout=5)
     assert (first.rank, first.exit_code, first.released) == (0, -signal.SIGTERM, True)
     assert (second.rank, second.exit_code, second.released) == (1, -signal.SIGKILL, True)
+    # The agent sent both signals itself: each exit names it as the sender.
+    for exited in (first, second):
+        assert exited.cause == control_pb2.EXIT_KILLED and exited.signal_sender_pid not in (0, os.getpid())
+        assert "sent by its node agent" in exited.detail
     assert time.monotonic() - t0 >= 1.0  # the stubborn rank had its grace period
     assert not any(alive(p) for p in pids.values())
 

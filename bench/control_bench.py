@@ -1,0 +1,760 @@
+"""The control-plane bench (issue 28 item 7): simulated node agents against the real control.
+
+    .venv/bin/python bench/control_bench.py [--nodes 1024] [--ranks-per-node 8] [--agents 10000]
+        [--restart-agents 3000] [--seconds 30] [--procs N] [--agents-per-channel 100] [--all-steps]
+        [--only steps,heartbeats,restart]
+        [--out bench/results/control.json]                        # `make bench-control`
+    BENCH_QUICK=1: 128 x 8 ranks, 1,000 agents, 1,000 through the restart, 20 s windows
+
+Starts control, store and data (``surgectl up`` with no worker, a fresh SURGE_HOME under
+.surge/bench) and then simulated node agents: real gRPC clients speaking the node agent's
+side of ``ControlService.WorkerSession`` as services/worker/control_link.py does (register,
+every event sequenced and kept until acknowledged, re-register after a broken stream with
+the ranks still running and resend what control has not applied; each rank's process stated
+RUNNING at launch and to every new session, as node_agent.py does), no torch and no rank
+process. Many agents share one asyncio loop (a process per core, ``--procs``): a stream is
+a coroutine, never a thread. Each scenario runs on a fresh stack.
+
+* ``steps``: ``--nodes`` agents of ``--ranks-per-node`` ranks, one job over all of them at
+  1 step/s. Every rank beats once a second (each agent on its own phase within the second,
+  as independent hosts); at the step boundary (all ranks within ``--step-spread`` seconds:
+  they leave the same all-reduce) rank 0's StepCompleted goes up, and of the other ranks
+  only the first per session, as the node agent sends them (services/worker/step_summaries.py;
+  ``--all-steps``: every rank's, as before). Then one rank's process exits
+  (``RankExited``, exit code 1) and the bench waits for the orchestrator's ``fault`` and
+  ``decision`` job events on WatchJob.
+* ``heartbeats``: ``--agents`` agents of one rank each, one job over all of them, each rank
+  beating at 1 Hz (its step advancing), no StepCompleted.
+* ``restart``: ``--restart-agents`` agents as in ``heartbeats``; after the steady window
+  control is SIGKILLed and started again with the same command line (``stack.restart``), the
+  agents re-register on their own, and for ``--after-restart`` seconds (beyond control's
+  re-attach deadline, 15 s) every ``fault`` job event is a false death: every simulated
+  rank is healthy and beating.
+
+Measured per scenario, over the steady window (``--seconds``):
+- event -> decision: send -> acknowledgement of every sequenced event, by kind (control
+  acknowledges an event once applied and its effect, if any, journaled: rank 0's step is a
+  journal row, a beat re-arms the rank's deadlines); in ``steps`` also RankExited sent ->
+  the ``fault`` job event (graded, L1-3 -> L1-1) and -> the ``decision`` job event;
+- control's CPU in cores (utime + stime from /proc/<pid>/stat over the window), and the
+  simulated agents' (they share this machine's cores with control);
+- journal writes/s (``surge_control_journal_commits_total``: SQLite commits) and messages
+  and bytes per second in and out of control (``surge_control_messages_total`` /
+  ``surge_control_bytes_total``), read from control's /metrics;
+- ``restart``: seconds from the SIGKILL until every agent is registered again, and the
+  false deaths (fault events after the kill), with their messages.
+
+Results: bench/results/control.json and a markdown table on stdout. The figures are of this
+machine: on a machine shared with other work, the agents' own CPU competes with control's
+(both are reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import common as c  # noqa: E402
+
+FULL = {"nodes": 1024, "agents": 10_000, "restart_agents": 3000, "seconds": 30.0}
+QUICK_SIZES = {"nodes": 128, "agents": 1000, "restart_agents": 1000, "seconds": 20.0}
+REGISTERED_HEADER, LAST_SEQ_HEADER = "surge-registered", "surge-last-seq"  # services/control/server.py
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * len(v)))]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ------------------------------------------------------------------ simulated node agents
+
+
+class Shared:
+    """What the driver and the agent processes share (multiprocessing values)."""
+
+    def __init__(self, ctx):
+        self.registered = ctx.Value("i", 0)  # sessions acknowledged (a re-registration counts again)
+        self.measuring = ctx.Value("i", 0)  # 1: record send -> ack latencies
+        self.fault_rank = ctx.Value("i", -1)  # >= 0: that rank's process exits (RankExited) once
+        self.fault_sent = ctx.Value("d", 0.0)  # when its RankExited was queued
+        self.stop = ctx.Event()
+
+
+def agent_process(address: str, ids: list[int], cfg: dict, shared: Shared, out_q) -> None:
+    """One process of simulated node agents: one asyncio loop, many streams."""
+    asyncio.run(_agents(address, ids, cfg, shared, out_q))
+
+
+async def _agents(address: str, ids: list[int], cfg: dict, shared: Shared, out_q) -> None:
+    import grpc
+
+    # The node agent's channel settings (control_link.py): reconnect 200 ms doubling to 2 s.
+    options = [
+        ("grpc.use_local_subchannel_pool", 1),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+    ]
+    channels = [
+        grpc.aio.insecure_channel(address, options=options)
+        for _ in range(max(1, len(ids) // cfg["agents_per_channel"]))
+    ]
+    stats = {"latency": collections.defaultdict(list), "errors": [], "error_workers": set(), "sessions": 0, "resent": 0}
+    agents = [SimAgent(i, cfg, channels[k % len(channels)], shared, stats) for k, i in enumerate(ids)]
+    tasks = [asyncio.create_task(a.run()) for a in agents]
+    while not shared.stop.is_set():
+        await asyncio.sleep(0.2)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    out_q.put(
+        {
+            "latency": dict(stats["latency"]),
+            "errors": stats["errors"][:10],
+            "n_errors": len(stats["errors"]),
+            "error_workers": sorted(stats["error_workers"]),
+            "sessions": stats["sessions"],
+            "resent": stats["resent"],
+        }
+    )
+    for ch in channels:
+        await ch.close()
+
+
+class SimAgent:
+    """One simulated node agent: a WorkerSession stream with an outbox of sequenced events
+    kept until acknowledged, re-opened when it breaks (as control_link.ControlSession)."""
+
+    def __init__(self, index: int, cfg: dict, channel, shared: Shared, stats: dict):
+        from services.contract import control_pb2, control_pb2_grpc
+
+        self.i, self.cfg, self.shared, self.stats = index, cfg, shared, stats
+        self.worker_id = f"sim-{index}"
+        self.incarnation = f"sim-{index}-{os.getpid()}-{time.time_ns()}"
+        self.stub = control_pb2_grpc.ControlServiceStub(channel)
+        self.pb = control_pb2
+        self.seq = 0
+        self.outbox: collections.deque = collections.deque()  # (seq, event, sent time, kind)
+        self.queue: asyncio.Queue | None = None  # the open session's requests
+        self.launches: dict[str, object] = {}  # job -> LaunchRanks (declared in `running`)
+        self.job, self.ranks, self.stepping, self.step = "", set(), False, 0
+        self.heard: set[int] = set()  # ranks whose StepCompleted went up this session
+
+    # ---- the stream
+
+    async def run(self) -> None:
+        import grpc
+
+        ticker = asyncio.create_task(self._tick())
+        delay = 0.2
+        try:
+            while not self.shared.stop.is_set():
+                try:
+                    await self._session()
+                    delay = 0.2
+                except grpc.aio.AioRpcError as e:
+                    if e.code() != grpc.StatusCode.UNAVAILABLE:
+                        self.stats["errors"].append(f"{self.worker_id}: {e.code().name}: {e.details()}")
+                        self.stats["error_workers"].add(self.worker_id)
+                finally:
+                    self.queue = None
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
+        finally:
+            ticker.cancel()
+
+    async def _session(self) -> None:
+        from services.contract import Module
+
+        queue: asyncio.Queue = asyncio.Queue()
+        reg = self.pb.WorkerRegistration(
+            worker_id=self.worker_id,
+            host="127.0.0.1",
+            address=f"127.0.0.1:{1 + self.i}",
+            slots=self.cfg["ranks_per_node"],
+            cpu_count=self.cfg["ranks_per_node"],
+            memory_bytes=self.cfg["ranks_per_node"] << 33,
+            incarnation=self.incarnation,
+            running=list(self.launches.values()),
+        )
+        queue.put_nowait(self.pb.WorkerEvent(register=reg))
+
+        async def requests():
+            while (ev := await queue.get()) is not None:
+                yield ev
+
+        call = self.stub.WorkerSession(
+            requests(), metadata=(("x-surge-module", Module.Name(Module.EXT_HARDWARE)),), wait_for_ready=True
+        )
+        try:
+            header = dict(await call.initial_metadata())
+            if REGISTERED_HEADER not in header:
+                await call  # raises the call's status
+                return
+            applied = int(header.get(LAST_SEQ_HEADER, "0"))
+            while self.outbox and self.outbox[0][0] <= applied:
+                self.outbox.popleft()
+            for _seq, ev, _, _ in self.outbox:  # not applied by this control: again, in order
+                queue.put_nowait(ev)
+                self.stats["resent"] += 1
+            self.queue = queue
+            for r in sorted(self.ranks):  # as the agent's restate_processes: a new control has not heard it
+                self._process_running(r)
+            self.heard.clear()
+            self.stats["sessions"] += 1
+            with self.shared.registered.get_lock():
+                self.shared.registered.value += 1
+            async for cmd in call:
+                self._command(cmd)
+        finally:
+            self.queue = None
+            queue.put_nowait(None)
+            call.cancel()
+
+    def _emit(self, kind: str, **event) -> None:
+        self.seq += 1
+        ev = self.pb.WorkerEvent(seq=self.seq, **event)
+        self.outbox.append((self.seq, ev, time.time(), kind))
+        if self.queue is not None:
+            self.queue.put_nowait(ev)
+
+    def _command(self, cmd) -> None:
+        kind = cmd.WhichOneof("command")
+        if kind == "ack":
+            now, measuring = time.time(), self.shared.measuring.value
+            while self.outbox and self.outbox[0][0] <= cmd.ack.seq:
+                _, _, sent, what = self.outbox.popleft()
+                if measuring:
+                    self.stats["latency"][what].append(now - sent)
+        elif kind == "launch":
+            self._launch(cmd.launch)
+        elif kind == "release":
+            self._release(cmd.release)
+        elif kind == "routed" and cmd.routed.type == "surge.v1.StartTraining":  # to the job's ranks
+            self.stepping = True
+
+    def _launch(self, launch) -> None:
+        from services.contract import Module, engine_pb2, worker_pb2
+        from services.contract.relay import pack
+
+        old = self.launches.get(launch.job_id)
+        if old is not None:  # a relaunch of some ranks: declared with the others after a restart
+            merged = self.pb.LaunchRanks()
+            merged.CopyFrom(launch)
+            kept = {a.rank for a in launch.ranks}
+            merged.ranks.extend(a for a in old.ranks if a.rank not in kept)
+            launch = merged
+        self.launches[launch.job_id] = launch
+        self.job = launch.job_id
+        for a in launch.ranks:
+            if a.rank in self.ranks:
+                continue
+            self.ranks.add(a.rank)
+            self._process_running(a.rank)
+            started = engine_pb2.TrainingLoopStarted(
+                job_id=self.job, rank=a.rank, start_step=self.step, num_parameters=1, startup_seconds=0.1
+            )
+            self._emit(
+                "started",
+                rank_event=worker_pb2.RankEvent(
+                    job_id=self.job, rank=a.rank, routed=pack(started, Module.L2_TRAINING_LOOP)
+                ),
+            )
+
+    def _process_running(self, rank: int) -> None:
+        """The rank's process runs (``RankProcessState``, as the node agent states it when its
+        waiter starts and again to every new control session): a late beat is then late, not
+        gone (the fault detector's ``heartbeat_timeout_running_seconds``)."""
+        from services.contract import Module
+        from services.contract.relay import pack
+
+        fact = self.pb.RankProcessState(
+            job_id=self.job,
+            rank=rank,
+            worker_id=self.worker_id,
+            pid=100_000 + rank,
+            state=self.pb.RankProcessState.RUNNING,
+            unix_time=time.time(),
+            detail="running",
+        )
+        self._emit("process_state", routed=pack(fact, Module.EXT_HARDWARE))
+
+    def _release(self, release) -> None:
+        gone = set(release.ranks) or set(self.ranks)
+        launch = self.launches.get(release.job_id)
+        if launch is not None:
+            kept = [a for a in launch.ranks if a.rank not in gone]
+            del launch.ranks[:]
+            launch.ranks.extend(kept)
+        for r in sorted(gone & self.ranks):
+            self.ranks.discard(r)
+            exited = self.pb.RankExited(
+                job_id=release.job_id, rank=r, exit_code=-9, worker_id=self.worker_id, released=True
+            )
+            self._emit("exited", rank_exited=exited)
+        if not self.ranks:
+            self.stepping = False
+
+    # ---- the ranks' traffic
+
+    async def _tick(self) -> None:
+        """Once a second: each rank's heartbeat (at this node's phase within the second)
+        and, in ``steps``, its StepCompleted at the step boundary (within the spread)."""
+        from services.contract import Module, engine_pb2, worker_pb2
+        from services.contract.relay import pack
+
+        beat_phase = (self.i / self.cfg["nodes"]) % 1.0
+        step_phase = (self.i * 0.6180339887 % 1.0) * self.cfg["step_spread"]
+        steps = self.cfg["mode"] == "steps"
+        now = time.time()
+        next_beat = now - (now % 1.0) + beat_phase + 1.0
+        next_step = now - (now % 1.0) + step_phase + 1.0 if steps else float("inf")
+        while True:
+            # The next beat or step boundary, whichever comes first (absolute times: a wake-up
+            # a moment early never acts twice; one behind by seconds skips what it missed).
+            is_step = next_step < next_beat
+            await asyncio.sleep(max(0.0, (next_step if is_step else next_beat) - time.time()))
+            now = time.time()
+            if is_step:
+                next_step += 1.0 + max(0, int(now - next_step))
+            else:
+                next_beat += 1.0 + max(0, int(now - next_beat))
+            if not self.stepping or not self.ranks:
+                continue
+            fault = self.shared.fault_rank.value
+            if fault in self.ranks:
+                self.shared.fault_rank.value = -1
+                self.shared.fault_sent.value = time.time()
+                self.ranks.discard(fault)
+                exited = self.pb.RankExited(
+                    job_id=self.job, rank=fault, exit_code=1, worker_id=self.worker_id, detail="exit code 1"
+                )
+                self._emit("exited", rank_exited=exited)
+            t = time.time()
+            if is_step:
+                self.step += 1
+                for r in sorted(self.ranks):
+                    if not self.cfg["all_steps"] and r != 0 and r in self.heard:
+                        continue  # as the node agent's StepSummaries: rank 0's, others' first per session
+                    self.heard.add(r)
+                    step = engine_pb2.StepCompleted(
+                        job_id=self.job,
+                        rank=r,
+                        step=self.step,
+                        loss=2.0,
+                        tokens=4096,
+                        tokens_per_second=4096.0,
+                        step_seconds=1.0,
+                        unix_time=t,
+                        world_size=self.cfg["world"],
+                    )
+                    self._emit(
+                        "step_rank0" if r == 0 else "step",
+                        rank_event=worker_pb2.RankEvent(
+                            job_id=self.job, rank=r, routed=pack(step, Module.L2_TRAINING_LOOP)
+                        ),
+                    )
+                continue
+            if not steps:
+                self.step += 1  # a beat that shows progress (the rank trains)
+            for r in sorted(self.ranks):
+                beat = worker_pb2.RankHeartbeat(
+                    job_id=self.job,
+                    rank=r,
+                    step=self.step,
+                    stepping=True,
+                    step_seconds=1.0,
+                    unix_time=t,
+                    interval_seconds=1.0,
+                    phase=worker_pb2.PHASE_FORWARD,
+                )
+                self._emit("heartbeat", rank_event=worker_pb2.RankEvent(job_id=self.job, rank=r, heartbeat=beat))
+
+
+# ------------------------------------------------------------------ control's side
+
+
+def scrape(port: int) -> dict:
+    """Control's message, byte and journal counters from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {"messages": {}, "bytes": {}, "journal_commits": 0.0}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "surge_control_messages_total":
+                out["messages"][f"{s.labels['direction']}:{s.labels['kind']}"] = s.value
+            elif s.name == "surge_control_bytes_total":
+                out["bytes"][f"{s.labels['direction']}:{s.labels['kind']}"] = s.value
+            elif s.name == "surge_control_journal_commits_total":
+                out["journal_commits"] = s.value
+    return out
+
+
+def rates(before: dict, after: dict, seconds: float) -> dict:
+    """Per second between two scrapes: journal commits, messages and bytes in and out."""
+
+    def per_s(key: str, direction: str) -> float:
+        return sum(v - before[key].get(k, 0.0) for k, v in after[key].items() if k.startswith(direction)) / seconds
+
+    return {
+        "journal_writes_per_s": (after["journal_commits"] - before["journal_commits"]) / seconds,
+        "messages_in_per_s": per_s("messages", "in:"),
+        "messages_out_per_s": per_s("messages", "out:"),
+        "bytes_in_per_s": per_s("bytes", "in:"),
+        "bytes_out_per_s": per_s("bytes", "out:"),
+    }
+
+
+class Watch:
+    """Every JobEvent of a job (WatchJob, follow), re-subscribed when control comes back."""
+
+    def __init__(self, job: str):
+        self.job, self.events, self._stop = job, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from services.cli import clients
+        from services.contract import control_pb2
+
+        while not self._stop.is_set():
+            last = self.events[-1].seq if self.events else 0
+            try:
+                with clients.stub("control") as s:
+                    for ev in s.WatchJob(control_pb2.JobQuery(job_id=self.job, follow=True, from_seq=last + 1)):
+                        self.events.append(ev)
+            except Exception:  # noqa: BLE001 - control restarted (or the stack went down): again
+                self._stop.wait(0.5)
+
+    def first(self, kind: str, after: float, timeout_s: float):
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            found = [e for e in list(self.events) if e.type == kind and e.unix_time >= after]
+            if found:
+                return found[0]
+            time.sleep(0.05)
+        return None
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+# ------------------------------------------------------------------ one scenario
+
+
+def scenario(name: str, nodes: int, ranks_per_node: int, args) -> dict:
+    """Run one scenario on a fresh stack; returns its figures."""
+    from services.cli import stack as stack_mod
+
+    mode = "steps" if name == "steps" else "heartbeats"
+    world = nodes * ranks_per_node
+    cfg = {
+        "mode": mode,
+        "nodes": nodes,
+        "ranks_per_node": ranks_per_node,
+        "world": world,
+        "step_spread": args.step_spread,
+        "all_steps": args.all_steps,
+        "agents_per_channel": args.agents_per_channel,
+    }
+    out: dict = {"scenario": name, "nodes": nodes, "ranks_per_node": ranks_per_node, "ranks": world}
+    c.setup_env()
+    with c.Stack(workers=0) as stack:
+        control_pid, address = stack.pid("control"), stack.procs["control"].address
+        metrics_port = stack.procs["control"].metrics_port
+        ctx = mp.get_context("spawn")
+        shared, out_q = Shared(ctx), ctx.Queue()
+        nproc = max(1, min(args.procs, (nodes + 249) // 250))
+        procs = [
+            ctx.Process(
+                target=agent_process, args=(address, list(range(k, nodes, nproc)), cfg, shared, out_q), daemon=True
+            )
+            for k in range(nproc)
+        ]
+        t0 = time.time()
+        for p in procs:
+            p.start()
+        while shared.registered.value < nodes and time.time() - t0 < args.register_timeout:
+            time.sleep(0.2)
+        out["registered"], out["register_wall_s"] = shared.registered.value, round(time.time() - t0, 2)
+        watch, watches = None, []
+        try:
+            if shared.registered.value < nodes:
+                out["error"] = f"{shared.registered.value}/{nodes} agents registered in {args.register_timeout:.0f} s"
+                return out
+            # ``--jobs``: the steps scenario's ranks as that many equal jobs (whole nodes each).
+            jobs = max(1, args.jobs) if name == "steps" else 1
+            out["jobs"] = jobs
+            t_submit = time.time()
+            for k in range(jobs):
+                spec = c.write_spec(
+                    c.REPO / "bench/jobs/throughput.yaml",
+                    f"control-{name}-{world}" + (f"-{k}" if jobs > 1 else ""),
+                    steps=1_000_000,
+                    parallel={"dp": world // jobs, "backend": "auto", "threads_per_rank": 1},
+                    checkpoint={"every_steps": 0, "at_end": False},
+                    eval={"every_steps": 0, "at_end": False},
+                    liveness={"heartbeat_interval_seconds": 1.0, "heartbeat_timeout_seconds": 3.0},
+                )
+                job, _ = c.submit(spec)
+                watches.append(Watch(job))
+            watch = watches[0]
+            while time.time() - t_submit < args.register_timeout and not all(
+                any("training started" in e.message for e in list(w.events)) for w in watches
+            ):
+                time.sleep(0.2)
+            out["submit_to_running_s"] = round(time.time() - t_submit, 2)
+            time.sleep(3.0)  # past the start's burst
+            before, cpu0, t1 = scrape(metrics_port), cpu_seconds(control_pid), time.time()
+            sim0 = sum(cpu_seconds(p.pid) for p in procs)
+            shared.measuring.value = 1
+            time.sleep(args.seconds)
+            shared.measuring.value = 0
+            wall = time.time() - t1
+            out["control_cores"] = round((cpu_seconds(control_pid) - cpu0) / wall, 3)
+            out["agents_cores"] = round((sum(cpu_seconds(p.pid) for p in procs) - sim0) / wall, 3)
+            out["control_threads"] = len(os.listdir(f"/proc/{control_pid}/task"))
+            # The machine's 1-minute load at the window's end: above its core count, control
+            # waited for a core (its figures are then the machine's, not control's).
+            out["loadavg_1m"] = round(os.getloadavg()[0], 1)
+            out.update({k: round(v, 1) for k, v in rates(before, scrape(metrics_port), wall).items()})
+            out["faults_in_window"] = [e.message for w in watches for e in list(w.events) if e.type == "fault"][:5]
+            if name == "steps" and jobs == 1:  # (with more, the rank that exits may be any job's)
+                _inject_fault(out, shared, watch, world)
+            elif name == "restart":
+                _restart(out, shared, watch, stack_mod, stack, nodes, args)
+        finally:
+            shared.stop.set()
+            results = []
+            for _ in procs:
+                try:
+                    results.append(out_q.get(timeout=60))
+                except Exception:  # noqa: BLE001 - a process that hung: its figures are missing
+                    pass
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+            for w in watches:
+                w.close()
+    lat: dict[str, list[float]] = collections.defaultdict(list)
+    for r in results:
+        for k, v in r["latency"].items():
+            lat[k].extend(v)
+    out["ack_ms"] = {
+        k: {"p50": round(1e3 * pct(v, 0.5), 1), "p99": round(1e3 * pct(v, 0.99), 1), "n": len(v)}
+        for k, v in sorted(lat.items())
+    }
+    out["client_errors"] = sum(r["n_errors"] for r in results)
+    out["client_error_samples"] = [e for r in results for e in r["errors"]][:5]
+    # The agents whose stream broke with an error other than UNAVAILABLE (a fault event naming
+    # one of them may be the simulated agent's, not control's).
+    out["client_error_workers"] = sorted(w for r in results for w in r["error_workers"])
+    out["events_resent"] = sum(r["resent"] for r in results)
+    return out
+
+
+def _inject_fault(out: dict, shared: Shared, watch: Watch, world: int) -> None:
+    """One rank's process exits; when do the fault report and the decision reach the job's log?"""
+    t = time.time()
+    shared.fault_rank.value = world // 2 + 1
+    while shared.fault_sent.value == 0.0 and time.time() - t < 5:
+        time.sleep(0.01)
+    sent = shared.fault_sent.value
+    if not sent:
+        out["fault_error"] = "the rank's RankExited was never sent"
+        return
+    fault, decision = watch.first("fault", sent, 30), watch.first("decision", sent, 30)
+    out["fault_to_fault_event_ms"] = round(1e3 * (fault.unix_time - sent), 1) if fault else None
+    out["fault_to_decision_event_ms"] = round(1e3 * (decision.unix_time - sent), 1) if decision else None
+    out["decision"] = decision.message if decision else None
+
+
+def _restart(out: dict, shared: Shared, watch: Watch, stack_mod, stack: c.Stack, nodes: int, args) -> None:
+    """SIGKILL control with every agent connected, start it again, count false deaths."""
+    before = shared.registered.value
+    pid = stack.pid("control")
+    t_kill = time.time()
+    os.kill(pid, signal.SIGKILL)
+    try:
+        stack_mod.restart("control", grace_s=0.0)
+    except Exception as e:  # noqa: BLE001 - its health wait broke (seen: a reset under load): wait here
+        out["restart_wait_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        if not _serving(stack_mod, args.register_timeout):
+            out["error"] = f"control did not come back after the SIGKILL ({out['restart_wait_error']})"
+            return
+    stack.procs["control"] = stack_mod.read_stack()["control"]
+    out["control_restart_s"] = round(time.time() - t_kill, 2)
+    while shared.registered.value < before + nodes and time.time() - t_kill < args.register_timeout:
+        time.sleep(0.1)
+    back = shared.registered.value - before
+    out["reregistered"] = back
+    out["kill_to_all_reregistered_s"] = round(time.time() - t_kill, 2) if back >= nodes else None
+    time.sleep(max(0.0, args.after_restart - (time.time() - t_kill)))
+    faults = [e for e in list(watch.events) if e.type == "fault" and e.unix_time >= t_kill]
+    out["false_deaths"] = len(faults)
+    out["false_death_samples"] = [e.message for e in faults[:5]]
+    # What the watch saw after the kill (it re-subscribed: the count above is of a live log).
+    out["job_events_after_restart"] = [f"{e.type}: {e.message}" for e in watch.events if e.unix_time >= t_kill][:5]
+    out["watched_after_restart_s"] = round(time.time() - t_kill, 1)
+
+
+def _serving(stack_mod, timeout_s: float) -> bool:
+    """Whether the control recorded in stack.json reports SERVING within ``timeout_s``."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        proc = stack_mod.read_stack()["control"]
+        try:
+            with grpc.insecure_channel(proc.address) as ch:
+                reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return True
+        except grpc.RpcError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
+# ------------------------------------------------------------------ driver
+
+
+def table(results: list[dict]) -> str:
+    rows = []
+    for r in results:
+        ack = r.get("ack_ms", {})
+
+        def lat(kind: str, ack: dict = ack) -> str:
+            a = ack.get(kind)
+            return f"{a['p50']:.0f} / {a['p99']:.0f}" if a else "-"
+
+        extra = ""
+        if r["scenario"] == "steps":
+            extra = f"fault->decision {r.get('fault_to_decision_event_ms')} ms"
+        elif r["scenario"] == "restart":
+            extra = f"false deaths {r.get('false_deaths')}, all back in {r.get('kill_to_all_reregistered_s')} s"
+        rows.append(
+            (
+                r["scenario"],
+                f"{r['nodes']} x {r['ranks_per_node']}",
+                f"{r['registered']}",
+                lat("step_rank0"),
+                lat("step"),
+                lat("heartbeat"),
+                f"{r.get('control_cores', float('nan')):.2f}",
+                f"{r.get('agents_cores', float('nan')):.2f}",
+                f"{r.get('journal_writes_per_s', float('nan')):.0f}",
+                f"{r.get('messages_in_per_s', float('nan')):.0f}",
+                f"{r.get('loadavg_1m', float('nan')):.1f}",
+                r.get("error") or extra,
+            )
+        )
+    header = (
+        "scenario",
+        "agents x ranks",
+        "registered",
+        "rank-0 step ack p50/p99 ms",
+        "step ack ms",
+        "heartbeat ack ms",
+        "control cores",
+        "agents cores",
+        "journal writes/s",
+        "msgs in/s",
+        "load avg 1 min",
+        "",
+    )
+    return c.table(rows, header)
+
+
+def main() -> None:
+    sizes = QUICK_SIZES if c.QUICK else FULL
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nodes", type=int, default=sizes["nodes"], help="steps: node agents")
+    ap.add_argument("--ranks-per-node", type=int, default=8, help="steps: ranks per node agent")
+    ap.add_argument("--agents", type=int, default=sizes["agents"], help="heartbeats: node agents of one rank")
+    ap.add_argument("--restart-agents", type=int, default=sizes["restart_agents"], help="restart: node agents")
+    ap.add_argument("--seconds", type=float, default=sizes["seconds"], help="steady window per scenario")
+    ap.add_argument("--jobs", type=int, default=1, help="steps: the ranks as this many equal jobs (whole nodes)")
+    ap.add_argument("--after-restart", type=float, default=30.0, help="restart: seconds watched after the kill")
+    ap.add_argument("--step-spread", type=float, default=0.05, help="steps: seconds over which ranks end a step")
+    ap.add_argument(
+        "--all-steps",
+        action="store_true",
+        help="steps: every rank's StepCompleted goes up (the node agent before coalescing); default: rank 0's, "
+        "and each other rank's first per session (services/worker/step_summaries.py)",
+    )
+    ap.add_argument(
+        "--agents-per-channel",
+        type=int,
+        default=100,
+        help="agent streams per HTTP/2 connection (a real node agent has its own: 1)",
+    )
+    ap.add_argument("--procs", type=int, default=os.cpu_count() or 2, help="agent processes (one asyncio loop each)")
+    ap.add_argument("--register-timeout", type=float, default=120.0)
+    ap.add_argument("--only", default="steps,heartbeats,restart", help="comma-separated scenarios")
+    ap.add_argument("--out", default=str(c.RESULTS / "control.json"))
+    args = ap.parse_args()
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    bad = [s for s in only if s not in ("steps", "heartbeats", "restart")]
+    if bad:
+        sys.exit(f"--only: unknown scenario {bad[0]!r} (steps, heartbeats, restart)")
+    for flag in ("nodes", "ranks_per_node", "agents", "restart_agents", "procs", "agents_per_channel"):
+        if getattr(args, flag) < 1:
+            sys.exit(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
+    if args.seconds <= 0:
+        sys.exit(f"--seconds: must be > 0, got {args.seconds}")
+    sizes = {
+        "steps": (args.nodes, args.ranks_per_node),
+        "heartbeats": (args.agents, 1),
+        "restart": (args.restart_agents, 1),
+    }
+    results = []
+    for name in only:
+        print(f"[control bench] {name}: {sizes[name][0]} agents x {sizes[name][1]} ranks", flush=True)
+        try:
+            results.append(scenario(name, *sizes[name], args))
+        except Exception as e:  # noqa: BLE001 - one scenario's failure is its figure; the others run
+            nodes, per_node = sizes[name]
+            results.append(
+                {"scenario": name, "nodes": nodes, "ranks_per_node": per_node, "registered": 0, "error": repr(e)[:300]}
+            )
+        print(json.dumps(results[-1], default=str), flush=True)
+    doc = {
+        "machine": c.machine(),
+        "full_sizes": all(
+            sizes[n][0] >= {"steps": FULL["nodes"], "heartbeats": FULL["agents"], "restart": FULL["restart_agents"]}[n]
+            for n in only
+        ),
+        "args": vars(args),
+        "results": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1, default=str))
+    print(table(results))
+    print(f"results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

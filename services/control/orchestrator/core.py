@@ -1,0 +1,403 @@
+"""The orchestrator (L1-1) composed: its ports, its decision lock, the jobs, and the bookkeeping
+every concern shares (recording an event, a transition, a boundary command, the journal write).
+
+Each concern is a mixin in its own file (queue, operator commands, operator resume, resize,
+rank events, fault intake, recovery, restore after a restart); ``Orchestrator`` joins them.
+The package docstring (``__init__.py``) describes the module as a whole.
+
+Locks, outermost first (services/control/event_applier.py gives control's whole order):
+
+1. ``_lock``, the decision lock: a decision reads and changes the jobs, the queue, the
+   cordons and commands the other modules; re-entrant (a command this module sends may come
+   back as an event on the same thread). Held for the decision only: the operator's queries
+   never take it (they read ``JobViews``, published under it after each change), and a rank
+   0 step's journal writes run after it (``_write_later``);
+2. a job's journal lock (``_journal_lock``): the job's journal writes and JobEvents, in the
+   order decided. Taken under the decision lock, or alone by the writer a decision handed
+   its writes to (it took the lock before it let the decision lock go, so no later
+   decision's write of the job overtakes it); nothing is taken under it but leaf locks
+   (the journal's, the watch hub's).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from typing import Any
+
+import structlog
+
+from services.contract import Module, control_pb2, engine_pb2
+from services.contract.bus import CommandPort, Emitter, Reply
+from services.control.deadlines import Deadline, Deadlines
+from services.control.job_queue import JobQueue
+from services.control.job_store import JobStore
+from services.control.metrics import ControlMetrics
+from services.control.orchestrator.faults import FaultIntake
+from services.control.orchestrator.job import (
+    _ALLOWED,
+    EVENT_LOG,
+    ORCH,
+    REATTACH_MESSAGE,
+    REATTACHED_MESSAGE,
+    JobOutcome,
+    JobState,
+    _Job,
+    _numbered,
+    _runtime,
+    _where,
+)
+from services.control.orchestrator.journal import JournalRestore
+from services.control.orchestrator.operator import OperatorCommands
+from services.control.orchestrator.queue import JobQueueing
+from services.control.orchestrator.recovery import Recovery
+from services.control.orchestrator.refusals import IllegalTransition, JobNotFound
+from services.control.orchestrator.resize import Resizing
+from services.control.orchestrator.resume import OperatorResume, _Answer
+from services.control.orchestrator.training import RankEvents
+from services.control.orchestrator.views import DecisionLock, JobViews
+from services.control.reattach import Reattaching
+from services.jobspec import (
+    spec_to_json,
+)
+
+_log = structlog.get_logger("orchestrator")
+
+
+class Orchestrator(
+    JobQueueing, OperatorCommands, OperatorResume, Resizing, RankEvents, FaultIntake, Recovery, JournalRestore
+):
+    """Owns every job's state machine. Thread-safe: one short lock orders all decisions
+    (see the module docstring for the locks).
+
+    Args:
+        allocator: command port to L1-2 (AllocateResources, ReleaseResources).
+        faults: command port to L1-3 (StartFaultMonitoring, ResetFaultLedger).
+        recovery: command port to L1-4 (StartRecovery).
+        loop: command port to the job's L2-1 loops through the session relay, which
+            knows the node agents that launched the job's ranks.
+        emit: publishes JobEvent to the operator side.
+        journal: where jobs and their event logs persist; jobs found there are restored.
+        data_address, store_address: pushed to the ranks in InitJob (host:port).
+        persist_interval_s: step progress is journaled at most this often (seconds);
+            state changes are always journaled at once.
+        metrics: where fault counts, detection latency and recovery time are observed.
+        checkpoints: command port to L5-1 (VerifyCheckpoints): which versions of a job are
+            intact, asked before naming the version a recovery loads. None: the versions
+            reported by SaveCompleted are trusted (the recovery controller still verifies
+            the one named).
+    """
+
+    def __init__(
+        self,
+        *,
+        allocator: CommandPort,
+        faults: CommandPort,
+        recovery: CommandPort,
+        loop: CommandPort,
+        emit: Emitter,
+        journal: JobStore,
+        data_address: str,
+        store_address: str,
+        persist_interval_s: float = 1.0,
+        metrics: ControlMetrics | None = None,
+        checkpoints: CommandPort | None = None,
+    ):
+        self._allocator, self._faults, self._loop, self._emit = allocator, faults, loop, emit
+        self._checkpoints = checkpoints
+        self._recovery = recovery
+        self._metrics = metrics or ControlMetrics()
+        self._journal = journal
+        self._data_address, self._store_address = data_address, store_address
+        self._persist_interval_s = persist_interval_s
+        # Re-entrant: a command this module sends may come back as an event on this thread.
+        # Once a decision is over, the jobs it changed are published (``_publish_changed``).
+        self._lock = DecisionLock(self._publish_changed)
+        self._changed: set[str] = set()  # jobs whose view is to be published as the decision ends
+        self._places_changed = False  # the queue's order changed in this decision
+        self._jobs: dict[str, _Job] = {}
+        self._reattaching = Reattaching()  # restored live jobs: ranks not heard from since
+        # Restored live jobs -> their last boundary command number when control restarted:
+        # those up to it still in flight go again once the ranks re-attach (_send_again).
+        self._sent_before_restart: dict[str, int] = {}
+        self._answers: dict[str, _Answer] = {}  # job -> an operator resume waiting for the store's verdicts
+        # The recovery steps' retries and deadlines: callbacks take the lock like any event.
+        self._deadlines = Deadlines("orchestrator", workers=1)
+        self._views = JobViews()  # what the operator's queries read
+        self._queue = JobQueue(on_change=self._queue_changed)
+        self._start_armed: Deadline | None = None  # the queue's head is about to be tried
+        self._cordoned: dict[str, control_pb2.WorkerCordoned] = {}  # worker id -> its cordon in force
+        self._journal_locks: dict[str, threading.RLock] = {}  # job id -> its journal writes' order
+        self._restore()
+        with self._lock:
+            for job in self._jobs.values():
+                self._publish(job)
+            self._views.publish_cordons(list(self._cordoned.values()))
+
+    def close(self) -> None:
+        """No retry or step deadline fires any more (control is stopping: a restarted
+        control resumes the journaled recoveries)."""
+        self._deadlines.close()
+
+    def job_query(
+        self, msg: control_pb2.JobQuery, payload: Any = None
+    ) -> control_pb2.JobStatus | control_pb2.JobList | Reply:
+        """An empty job id lists every job (JobList). Otherwise the job's JobStatus (with
+        ``spec_json``, its effective spec, when ``with_spec``); with payload ``EVENT_LOG``
+        the reply payload is its events with seq >= from_seq. Answered from the published
+        views and the journal, never under the decision lock (a long history is read and
+        deserialised while decisions go on).
+
+        Raises:
+            JobNotFound: unknown job id.
+        """
+        if not msg.job_id:
+            jobs, cordoned = self._views.listing()
+            return control_pb2.JobList(jobs=jobs, cordoned=cordoned)
+        status = self._views.status(msg.job_id)
+        if status is None:
+            raise JobNotFound(f"job {msg.job_id} not found")
+        if payload == EVENT_LOG:
+            return Reply(status, tuple(self._journal.events(msg.job_id, msg.from_seq)))
+        job = self._jobs.get(msg.job_id)
+        if msg.with_spec and job is not None:  # the effective spec, as journaled (a resume --dp replaced it there too)
+            status.spec_json = spec_to_json(job.spec)  # (a spec is replaced whole, never changed in place)
+        return status
+
+    def _heard_from(self, job_id: str, rank: int) -> None:
+        """A loop event of ``rank`` after a control restart: once every rank's came, the
+        status stops saying control waits for them (unless something replaced it since)."""
+        job = self._jobs.get(job_id)
+        if job is None or not self._reattaching.heard(job_id, rank):
+            return
+        self._send_again(job)
+        if job.status.message == REATTACH_MESSAGE:
+            self._record(
+                job,
+                ORCH,
+                "state",
+                f"{JobState.Name(job.status.state)}: {REATTACHED_MESSAGE}",
+                status_message=REATTACHED_MESSAGE,
+            )
+
+    def _new_id(self, name: str) -> str:
+        while True:
+            job_id = f"{name}-{secrets.token_hex(3)}"
+            if job_id not in self._jobs:
+                return job_id
+
+    def _get(self, job_id: str) -> _Job:
+        if not job_id:
+            raise ValueError("job_id is required")
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise JobNotFound(f"job {job_id} not found")
+        return job
+
+    def _live(self, job_id: str, states: tuple[int, ...], msg: Any) -> _Job | None:
+        job = self._jobs.get(job_id)
+        if job is None or job.status.state not in states:
+            _log.info(
+                "event ignored",
+                job_id=job_id,
+                message=type(msg).__name__,
+                state=JobState.Name(job.status.state) if job else "unknown job",
+            )
+            return None
+        return job
+
+    def _require(self, job: _Job, state: int) -> None:
+        if job.status.state != state:
+            raise IllegalTransition(
+                f"job {job.status.job_id} is {JobState.Name(job.status.state)}, not {JobState.Name(state)}"
+            )
+
+    def _in_flight(self, job: _Job, what: str, cmd: Any) -> Any:
+        """Under the lock: ``what`` (pause, scale, stop) is in flight as ``cmd``, numbered
+        (``_numbered``); returns it, to be sent once journaled. Its boundary is not named
+        here: the ranks agree on it in their step's all-reduce (services/common/
+        boundary_commands.py; a guessed step, once ``step + max(2, ceil(1 s / step time))``,
+        left a rank that got the command late at another boundary, and the stop's checkpoint
+        collectives hung), and report it."""
+        cmd = _numbered(job, cmd)
+        job.pending, job.pending_at, job.pending_seq = what, 0, cmd.seq
+        return cmd
+
+    def _start_group(self, job: _Job) -> None:
+        """Under the lock: StartTraining to the job's ranks, with its last boundary command
+        number, where the group's agreement starts (any command sent before is void for it)."""
+        job.in_flight.clear()
+        self._loop(engine_pb2.StartTraining(job_id=job.status.job_id, command_seq=job.commands))
+
+    def _send_again(self, job: _Job) -> None:
+        """Under the lock, every rank of a job restored after a control restart re-attached:
+        the boundary commands in flight go again, in their order, with their numbers (one
+        queued when control died may never have left; a rank that has one drops the copy),
+        so each takes effect once. (Those this control sent went on their way.)"""
+        before = self._sent_before_restart.pop(job.status.job_id, 0)
+        again = [seq for seq in sorted(job.in_flight) if seq <= before]
+        for seq in again:
+            self._loop(job.in_flight[seq])
+        if again:
+            _log.info("boundary commands sent again", job_id=job.status.job_id, seqs=again)
+
+    def _agreed(self, job: _Job, msg: engine_pb2.StepCompleted) -> None:
+        """Under the lock, rank 0's step: the boundary commands every rank agreed on in it
+        take effect at its boundary: the pause / stop in flight has its step, a revoke in
+        flight is recorded with it."""
+        if not msg.commands_agreed:
+            return
+        for seq in [seq for seq in job.in_flight if seq <= msg.commands_agreed]:
+            del job.in_flight[seq]  # (every rank holds it: nothing to send again)
+        if job.pending and job.pending_seq and job.pending_seq <= msg.commands_agreed and not job.pending_at:
+            job.pending_at = msg.step
+            self._record(job, Module.L2_TRAINING_LOOP, "rank", f"{job.pending}: every rank agreed on {_where(job)}")
+        for order, (seq, step) in sorted(job.revoked.items()):
+            if not step and seq <= msg.commands_agreed:
+                job.revoked[order] = (seq, msg.step)
+                self._record(
+                    job, Module.L2_TRAINING_LOOP, "rank", f"standing order {order} revoked after step {msg.step}"
+                )
+
+    def _require_idle(self, job: _Job) -> None:
+        if job.pending in ("pause", "stop"):
+            doing = {"pause": "pausing", "stop": "stopping"}[job.pending]
+            reason = {"pause": control_pb2.REFUSED_PAUSE_PENDING, "stop": control_pb2.REFUSED_STOP_PENDING}[job.pending]
+            raise IllegalTransition(f"job {job.status.job_id} is already {doing} ({_where(job)})", reason)
+        if job.scale is not None:
+            raise IllegalTransition(
+                f"job {job.status.job_id} is being resized to dp {job.scale.spec.parallel.dp} ({job.scale.why}); "
+                "try again once its events say it is done"
+            )
+
+    def _terminate(self, job: _Job, outcome: int, message: str, *, kill: bool) -> None:
+        self._cancel_timer(job.incident)
+        self._end_data_wait(job)
+        job.status.outcome = outcome
+        job.pending = ""
+        job.incident = job.recovered = None
+        # An ended job is nobody's to resume by itself: a drain or a resume in flight ends with it.
+        job.draining = job.parked = job.parked_live = job.resume_after_pause = job.status.drained = False
+        # Journal the terminal state first: a failing release must never lose it.
+        self._transition(job, JobState.TERMINATED, ORCH, f"{JobOutcome.Name(outcome)}: {message}")
+        self._allocator(control_pb2.ReleaseResources(job_id=job.status.job_id, kill=kill))
+        self._start_soon()
+
+    def _transition(self, job: _Job, new: int, source: int, message: str) -> None:
+        old = job.status.state
+        if new not in _ALLOWED[old]:
+            raise IllegalTransition(
+                f"job {job.status.job_id}: {JobState.Name(old)} -> {JobState.Name(new)} is not allowed"
+            )
+        if new == JobState.TERMINATED:
+            self._release_held(job, None)  # (the job's last records: nothing comes after its end)
+        job.status.state = new
+        self._record(
+            job, source, "state", f"{JobState.Name(old)} -> {JobState.Name(new)}: {message}", status_message=message
+        )
+
+    def _snapshot(self, job: _Job) -> control_pb2.JobStatus:
+        """Under the lock: a copy of the job's status, for a reply; published as its view too
+        (a command's reply and a later query say the same)."""
+        self._publish(job)
+        return self._copy(job)
+
+    def _copy(self, job: _Job) -> control_pb2.JobStatus:
+        copy = control_pb2.JobStatus()
+        copy.CopyFrom(job.status)
+        copy.checkpoint_step = next((st for st, v in job.versions if v == copy.checkpoint_version), 0)
+        copy.queue_position = self._queue.position(copy.job_id)
+        if job.running_since and copy.state != JobState.TERMINATED:
+            copy.elapsed_seconds = time.time() - job.running_since
+        return copy
+
+    def _keep(self, job: _Job) -> None:
+        """Journal the job's bookkeeping (``_runtime``) without an event, with the cursor of
+        the worker event being applied. Why: an event that changes only the bookkeeping (one
+        rank of several finished or paused) was otherwise journaled as applied with no trace,
+        and a control restarted before the last rank's event forgot it: it then took the
+        finished rank's clean exit for a lost rank and relaunched a finished job (seen in
+        tests/cli/test_restart.py)."""
+        self._publish(job)
+        with self._journal_lock(job.status.job_id):
+            self._journal.save_status(job.status, None, _runtime(job))
+
+    def _publish(self, job: _Job) -> None:
+        """Under the lock: the job's status is what the operator's queries see once this
+        decision is over."""
+        self._changed.add(job.status.job_id)
+
+    def _queue_changed(self, queue: JobQueue) -> None:
+        self._places_changed = True
+
+    def _publish_changed(self) -> None:
+        """The decision is over (the lock's outermost holder lets it go): its changes are
+        the queries' views."""
+        for job_id in self._changed:
+            job = self._jobs.get(job_id)
+            if job is not None:
+                self._views.publish(self._copy(job), job.running_since)
+            else:
+                self._views.forget(job_id)
+        self._changed.clear()
+        if self._places_changed:
+            self._places_changed = False
+            self._views.publish_places(self._queue)
+
+    def _journal_lock(self, job_id: str) -> threading.RLock:
+        lock = self._journal_locks.get(job_id)
+        if lock is None:
+            lock = self._journal_locks.setdefault(job_id, threading.RLock())
+        return lock
+
+    def _write_later(self, job: _Job) -> threading.RLock:
+        """Under the lock: the job's journal lock, taken (so no later decision's write of the
+        job overtakes the caller's, made after it lets the decision lock go); the caller
+        makes them (``_write``) and releases it."""
+        lock = self._journal_lock(job.status.job_id)
+        lock.acquire()
+        return lock
+
+    def _record(
+        self,
+        job: _Job,
+        source: int,
+        kind: str,
+        message: str,
+        *,
+        status_message: str | None = None,
+        spec_json: str | None = None,
+        later: list | None = None,
+    ) -> None:
+        """Append one event to the job's log: journal status + event atomically (with the
+        job's new spec, ``spec_json``, when it changed), publish. ``later``: the write is
+        appended there instead, for the caller to make after the decision lock
+        (``_write_later``)."""
+        now = time.time()
+        s = job.status
+        s.updated_unix = now
+        if job.running_since:  # frozen at TERMINATED: no event follows that one
+            s.elapsed_seconds = now - job.running_since
+        if status_message is not None:
+            s.message = status_message
+        s.queue_position = self._queue.position(s.job_id)
+        job.seq += 1
+        event = control_pb2.JobEvent(
+            job_id=s.job_id, seq=job.seq, unix_time=now, source=source, type=kind, message=message, status=s
+        )
+        job.last_persist = time.monotonic()
+        self._publish(job)
+        write = (event, _runtime(job), spec_json)
+        if later is not None:
+            later.append(write)
+        else:
+            self._write(*write)
+
+    def _write(self, event: control_pb2.JobEvent, runtime: dict, spec_json: str | None = None) -> None:
+        """Journal one event of ``_record`` (its status a copy made under the lock) and
+        publish it, under its job's journal lock."""
+        with self._journal_lock(event.job_id):
+            self._journal.save_status(event.status, event, runtime, spec_json=spec_json)
+            _log.info("job event", job_id=event.job_id, seq=event.seq, type=event.type, message=event.message)
+            self._emit(event)

@@ -1,0 +1,486 @@
+"""Fault intake: graded ``FaultReport`` (L1-3), failed saves and verifications (L5-1), worker
+health and resource pressure (L1-2), each recorded and handed to a decision or to triage."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import structlog
+
+from services.contract import Module, control_pb2, route_pb2, store_pb2
+from services.control import fault_decision as fd
+from services.control.orchestrator.job import (
+    ORCH,
+    VERIFYING,
+    WAITING_STORE,
+    FaultGrade,
+    JobState,
+    StoreFailureCause,
+    _HeldFailure,
+    _Incident,
+    _Job,
+)
+from services.control.orchestrator.refusals import WorkerNotCordoned
+from services.control.orchestrator.texts import _broken_text, _failed_text, _failure_name, _gib, _newest
+from services.control.orchestrator.triage import (
+    _EXITS,
+    _HANDLED_ON_RECEIPT,
+    CONSEQUENCE,
+    JOB_ENDED,
+    LATE,
+    NORMAL_END,
+    RELEASED,
+    RESUMED,
+    _consequence,
+    triage,
+)
+from services.jobspec import (
+    IN_PLACE_ACTIONS,
+    JobSpec,
+)
+
+_log = structlog.get_logger("orchestrator")
+
+
+# L1-3's slow-rank findings (services/control/fault_detector.py SLOW_RANK, SLOW_RANK_CLEARED).
+SLOW_RANK, SLOW_RANK_CLEARED = "slow_rank", "slow_rank_cleared"
+
+
+# L1-3's report of a rank's data relay reconnecting to an unreachable data service (or, with
+# ``cleared``, of it answering again): a wait (``_data_outage``), not a fault to decide.
+DATA_SERVICE_UNREACHABLE = "DataServiceUnreachable"
+
+
+# Beyond L1-3's hold of a comm_error, the time for its cause's decision to open an incident.
+DECISION_MARGIN_SECONDS = 1.0
+
+
+# A record held longer than this tells the operator nothing more (a heartbeat timeout of hours).
+MAX_ATTRIBUTION_SECONDS = 60.0
+
+
+def _attribution_window(spec: JobSpec) -> float:
+    """How long a failed collective waits for its cause: as long as L1-3 holds a comm_error
+    while a peer may be going quiet (its heartbeat timeout), plus the decision's margin."""
+    live = spec.liveness
+    window = max(live.attribution_seconds, live.heartbeat_timeout_seconds + 0.5) + DECISION_MARGIN_SECONDS
+    return min(window, MAX_ATTRIBUTION_SECONDS)
+
+
+def _old_world_save(incident: _Incident | None, msg: store_pb2.SnapshotFailed) -> _Incident | None:
+    """``incident``, if ``msg`` is a save its survivors began before it (a step no later than
+    the job's when it was decided): dropped with the group it rebuilt, reported by the relay
+    at the next save, long after the recovery."""
+    if incident is None or incident.action not in IN_PLACE_ACTIONS:
+        return None
+    return incident if msg.operation == "save" and 0 < msg.step <= incident.at_step else None
+
+
+class FaultIntake:
+    """Fault intake (a part of ``Orchestrator``, see core.py)."""
+
+    # ------------------------------------------------------------ fault reports (L1-3)
+
+    def on_fault_report(self, msg: control_pb2.FaultReport, payload: Any = None) -> None:
+        """Decide on a graded fault, once per incident, by the job's fault policy.
+
+        What the report is to the job is ``triage``'s (a pure function, triage.py); this
+        records it and does what follows. A report from a rank of a generation being
+        recovered from is a consequence of the incident: recorded, not decided on. An exit
+        control asked for (``rank_released``) or the clean exit of a rank that had finished
+        needs no decision. A clean exit of a rank that never finished is a lost rank (decided
+        as ``rank_exit``).
+        """
+        if not msg.job_id:
+            self._on_worker_fault(msg)
+            return
+        received = time.time()
+        with self._lock:
+            job = self._jobs.get(msg.job_id)
+            if job is None:
+                return
+            if msg.fault_class in (SLOW_RANK, SLOW_RANK_CLEARED) and self._slow_rank(job, msg):
+                return
+            if msg.event == DATA_SERVICE_UNREACHABLE:
+                if (since := self._data_outage(job, msg)) is not None:
+                    # A new wait (the first rank's report of it): the policy's deadline for it.
+                    if job.data_timer is not None:
+                        job.data_timer.cancel()
+                    limit = fd.wait_seconds(job.spec.fault_policy, fd.DATA_OUTAGE)
+                    job.data_timer = self._deadlines.after(limit, self._data_outage_due, (msg.job_id, since))
+                return
+            kind = triage(msg, job)
+            if kind == JOB_ENDED:
+                return  # e.g. ranks exiting after the job ended: expected, nothing to decide
+            self._metrics.fault_reported(msg, received)
+            if self._handled_on_receipt(job, msg):
+                return
+            text = f"{FaultGrade.Name(msg.grade)} {msg.fault_class}: {msg.detail}"
+            ended = msg.fault_class in _EXITS
+            incident = job.incident
+            if kind == RESUMED:
+                self._on_resumed_fault(job, incident, msg, text)
+                return
+            if kind == LATE:
+                late = job.last_incident
+                self._record(
+                    job,
+                    Module.L1_FAULT_DETECTOR,
+                    "fault",
+                    _consequence(msg, f"rank {late.cause.rank}'s {late.fault_class}, reported after the recovery"),
+                )
+                return
+            if kind == CONSEQUENCE:
+                if ended and incident.dying[msg.rank] > 0:
+                    incident.dying[msg.rank] -= 1
+                cause = incident.cause
+                self._record(
+                    job,
+                    Module.L1_FAULT_DETECTOR,
+                    "fault",
+                    _consequence(msg, f"rank {cause.rank}'s {cause.fault_class}"),
+                )
+                return
+            if ended:
+                job.exited.add(msg.rank)
+            if kind == NORMAL_END:
+                self._keep(job)
+                return  # its loop reported finished first: the normal end of that rank, no fault
+            self._record(job, Module.L1_FAULT_DETECTOR, "fault", text)
+            if kind == RELEASED:
+                return
+            self._decide(job, msg)
+
+    def _slow_rank(self, job: _Job, msg: control_pb2.FaultReport) -> bool:
+        """Keep the job's slow ranks (``JobStatus.slow_ranks``, shown by ``surgectl status``)
+        as L1-3 names and clears them; True when nothing follows (a clearing: recorded, never
+        decided on; any report of an ended job). A rank named slow goes on to the decision
+        (fault_policy ``actions.slow_rank``: ignore by default)."""
+        if job.status.state == JobState.TERMINATED:
+            return True
+        kept = [r for r in job.status.slow_ranks if r.rank != msg.rank]
+        del job.status.slow_ranks[:]
+        job.status.slow_ranks.extend(kept)
+        if msg.fault_class == SLOW_RANK_CLEARED:
+            self._record(job, Module.L1_FAULT_DETECTOR, "fault", f"{msg.fault_class}: {msg.detail}")
+            return True
+        job.status.slow_ranks.add(
+            rank=msg.rank, worker_id=msg.worker_id, step=msg.step, detail=msg.detail, unix_time=msg.detected_unix
+        )
+        return False
+
+    # ------------------------------------------------------------ fault decisions
+
+    def _data_outage(self, job: _Job, msg: control_pb2.FaultReport) -> float | None:
+        """A rank's data relay cannot reach the data service and reconnects (``cleared``: it
+        answers again). A data service down is no training fault: the ranks stay alive and
+        continue at the batch where they stopped when it is back, so the job waits, its status
+        saying for what and what brings it back, up to ``fault_policy.data_outage_seconds``
+        from the first rank's report; past it (``_data_outage_due``) the policy decides
+        ``data_outage`` (pause by default). The wait ends when every waiting rank's relay
+        is through again. Returns when a new wait began (time.monotonic()), for the caller to
+        arm its deadline; else None. Under the lock; nothing here blocks (a record)."""
+        if job.status.state == JobState.TERMINATED or (job.status.state == JobState.PAUSED and job.parked):
+            return None
+        now = time.monotonic()
+        if msg.cleared:
+            if msg.rank not in job.data_waiting:
+                return None
+            job.data_waiting.discard(msg.rank)
+            if job.data_waiting:
+                return None
+            self._end_data_wait(job)
+            text = (
+                f"data service back after {now - job.data_since:.1f} s of waiting; training continues at step "
+                f"{job.status.step + 1}, at the batch where it stopped"
+            )
+            self._record(job, Module.L1_FAULT_DETECTOR, "data", text, status_message=text)
+            return None
+        first = not job.data_waiting
+        job.data_waiting.add(msg.rank)
+        if not first:
+            return None
+        job.data_since = now
+        limit = fd.wait_seconds(job.spec.fault_policy, fd.DATA_OUTAGE)
+        text = (
+            f"waiting for the data service: {msg.detail}; `surgectl up` starts what is down (or `surgectl restart "
+            f"data`), and the job continues at the batch where it stopped; the fault policy decides after "
+            f"{limit:g} s (fault_policy.data_outage_seconds)"
+        )
+        self._record(job, Module.L1_FAULT_DETECTOR, "data", text, status_message=text)
+        return now
+
+    def _data_outage_due(self, job_id: str, since: float) -> None:
+        """The wait for the data service begun at ``since`` lasted the policy's
+        ``data_outage_seconds``: ``data_outage`` decided like any fault (pause by default:
+        PAUSED, ranks gone, every checkpoint kept, with the hint)."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None or not job.data_waiting or job.data_since != since:
+                return
+            if job.status.state == JobState.TERMINATED or (job.status.state == JobState.PAUSED and job.parked):
+                return
+            job.data_timer = None
+            limit = fd.wait_seconds(job.spec.fault_policy, fd.DATA_OUTAGE)
+            waiting = sorted(job.data_waiting)
+            report = control_pb2.FaultReport(
+                job_id=job_id,
+                grade=FaultGrade.SEVERE,
+                fault_class=fd.DATA_OUTAGE,
+                source=Module.L4_DATASET_VERSIONS,
+                rank=waiting[0],
+                detected_unix=time.time(),
+                occurred_unix=time.time() - (time.monotonic() - since),
+                step=job.status.step,
+                detail=(
+                    f"the data service stayed unreachable for {limit:g} s (fault_policy.data_outage_seconds; "
+                    f"rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} waiting)"
+                ),
+            )
+            self._record(job, ORCH, "fault", f"SEVERE {fd.DATA_OUTAGE}: {report.detail}")
+            self._end_data_wait(job)
+            self._decide(job, report)
+
+    @staticmethod
+    def _end_data_wait(job: _Job) -> None:
+        """The wait for the data service is over (back, decided, or the ranks replaced)."""
+        job.data_waiting.clear()
+        if job.data_timer is not None:
+            job.data_timer.cancel()
+            job.data_timer = None
+
+    def _handled_on_receipt(self, job: _Job, msg: control_pb2.FaultReport) -> bool:
+        """L1-3's grade of a failure event this module handled itself when it arrived
+        (``_HANDLED_ON_RECEIPT``), which the job's policy ignores (the default: MINOR): the
+        decision is counted, nothing is recorded. Why: the event's own record ("checkpoint save
+        of ... failed (timeout: ...); training continues") already tells the operator what
+        happened and what follows; a "fault" record and an "ignore ... N ignored so far"
+        decision next to it read as a second fault, and a store outage is none (no restart,
+        no step lost). A policy that does not ignore the class is decided as any fault."""
+        if msg.event not in _HANDLED_ON_RECEIPT:
+            return False
+        if fd.action_of(job.spec.fault_policy, msg) != "ignore":
+            return False
+        self._metrics.decided(fd.fault_class_of(msg), "ignore")
+        return True
+
+    def on_checkpoint_corrupt(self, msg: store_pb2.CheckpointCorrupt, payload: Any = None) -> None:
+        """The store's scrub found a committed version's bytes wrong: it is never named for
+        a load again (verified at commit, re-verified in the background, never on the
+        recovery's path)."""
+        with self._lock:
+            job = self._jobs.get(msg.job_id)
+            if job is None or msg.version in job.unusable:
+                return
+            job.unusable.add(msg.version)
+            self._record(
+                job,
+                Module.L5_CHECKPOINT_MANAGER,
+                "checkpoint",
+                f"checkpoint {msg.version} at step {msg.step} found {StoreFailureCause.Name(msg.cause).lower()} by the "
+                f"store's scrub ({msg.reason}); never loaded",
+            )
+
+    def on_snapshot_failed(self, msg: store_pb2.SnapshotFailed, payload: Any = None) -> None:
+        """A store operation failed, with its typed cause. ``verify``: the recovery's
+        verification step could not be done (the store unreachable or slow): the job waits
+        and the step is retried. ``save``: a checkpoint could not be written; training goes on
+        and the next interval tries again (no decision: a store outage is not a training
+        fault)."""
+        if self._resume_answered(msg):
+            return
+        with self._lock:
+            job = self._jobs.get(msg.job_id)
+            if job is None or job.status.state == JobState.TERMINATED:
+                return
+            if msg.operation == "verify":
+                incident = job.incident
+                if incident is not None and incident.phase in (VERIFYING, WAITING_STORE):
+                    self._verification_failed(job, incident, msg)
+                return
+            self._save_failed(job, msg)
+
+    def _save_failed(self, job: _Job, msg: store_pb2.SnapshotFailed) -> None:
+        """A save the store could not take (training went on), or a rank's load that failed
+        (its loop reports the failure itself, decided as a fault). A load that found the
+        version's bytes wrong has the store re-hash the job's versions (``ScrubCheckpoints``),
+        so that its catalog, and so ``latest``, knows it too."""
+        cause = StoreFailureCause.Name(msg.cause).lower() if msg.cause else _failure_name(msg)
+        self._metrics.checkpoint_failed(cause)
+        what = f"checkpoint {msg.operation}" + (f" of {msg.version}" if msg.version else "")
+        if msg.operation == "save" and job.pending and msg.step == job.pending_at:
+            # The boundary checkpoint of a pause, stop or drain: nothing continues after it.
+            job.boundary_failed = True
+            self._record(
+                job,
+                Module.L5_CHECKPOINT_MANAGER,
+                "checkpoint",
+                f"{what} failed ({cause}: {msg.reason}): the {job.pending} after step {msg.step} has no "
+                f"checkpoint of it; the newest is {_newest(job) or 'none'}",
+            )
+            return
+        if not msg.cause and msg.failure.cause == route_pb2.FailureCause.FAILURE_COMMUNICATION:
+            self._broken_by_peer(job, msg, what)
+            return
+        self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", _failed_text(what, cause, msg))
+        corrupt = msg.cause in (StoreFailureCause.CORRUPT, StoreFailureCause.MISSING_FILE)
+        if msg.operation == "load" and corrupt:
+            # The rank read the version's bytes and they fail their digest (or a file is gone):
+            # a finding about the bytes, so the version is struck at once (L1-3's report of it,
+            # checkpoint_error, is then decided by the policy and relaunches from an older one).
+            if msg.version and msg.version not in job.unusable:
+                job.unusable.add(msg.version)
+                self._record(
+                    job,
+                    ORCH,
+                    "checkpoint",
+                    f"checkpoint {msg.version} fails its digest check on load; never loaded again",
+                )
+            if self._checkpoints is not None:
+                self._checkpoints(store_pb2.ScrubCheckpoints(job_id=job.status.job_id))  # answered as events
+
+    def _broken_by_peer(self, job: _Job, msg: store_pb2.SnapshotFailed, what: str) -> None:
+        """A save or load whose own collectives failed: almost always a peer lost during it
+        (its rank killed, its node gone), whose fault L1-3 reports on its own path, often a
+        moment after this (a node agent's session closing, a silence). Recorded as that
+        incident's consequence, never as a failure of its own: the save is lost with the
+        generation, and the recovery, not the store, is what the operator needs to read
+        about. With no incident open yet, the record waits as long as L1-3 holds a comm_error
+        for its cause (``_attribution_window``); an incident opened by then is the cause, else
+        the failure is recorded as it is (a save's next interval tries again either way)."""
+        incident = job.incident or _old_world_save(job.last_incident, msg)
+        if incident is not None:
+            self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", _broken_text(what, msg, incident))
+            return
+        held = _HeldFailure(msg, what)
+        held.timer = self._deadlines.after(
+            _attribution_window(job.spec), self._broken_by_peer_due, (job.status.job_id, held)
+        )
+        job.held.append(held)
+
+    def _broken_by_peer_due(self, job_id: str, held: _HeldFailure) -> None:
+        """A held failure's window passed with no incident opened: recorded as it is."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is not None and any(h is held for h in job.held):  # (not yet released by an incident or the end)
+                job.held = [h for h in job.held if h is not held]
+                self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", _broken_text(held.what, held.msg, None))
+
+    def _release_held(self, job: _Job, incident: _Incident | None) -> None:
+        """Record the failures held for their cause (``_broken_by_peer``), oldest first: as
+        ``incident``'s consequences (it opened), or as they are (a window passed, the job
+        ends)."""
+        held, job.held = job.held, []
+        for h in held:
+            if h.timer is not None:
+                h.timer.cancel()
+            self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", _broken_text(h.what, h.msg, incident))
+
+    def on_checkpoint_scrubbed(self, msg: store_pb2.CheckpointScrubbed, payload: Any = None) -> None:
+        """The store re-hashed a job's versions: those it found corrupt for the first time
+        are struck, as when its scrub publishes them."""
+        for corrupt in msg.newly_corrupt:
+            self.on_checkpoint_corrupt(corrupt)
+
+    # ------------------------------------------------------------ resource events (L1-2)
+
+    def on_resource_pressure(self, msg: control_pb2.ResourcePressure, payload: Any = None) -> None:
+        """Append a "resource" event to the log of every live job named, e.g. ``memory
+        pressure on wa: 1.2 GiB of 24.0 GiB available`` (GiB = 2**30 bytes)."""
+        # Recorded only: what to do about pressure (pause, shrink, checkpoint and move)
+        # is the fault policy's to decide, in a later issue; this method takes no action.
+        what = "memory pressure" if msg.under_pressure else "memory pressure relieved"
+        where = f"{msg.worker_id} {msg.device}" if msg.device else msg.worker_id  # (a device's, or the host's)
+        text = f"{what} on {where}: {_gib(msg.available_bytes)} of {_gib(msg.total_bytes)} available"
+        with self._lock:
+            for job_id in msg.job_ids:
+                job = self._jobs.get(job_id)
+                if job is not None and job.status.state != JobState.TERMINATED:
+                    self._record(job, Module.L1_RESOURCE_ALLOCATOR, "resource", text)
+
+    # ------------------------------------------------------------ worker health (L1-3, L1-2)
+
+    def _on_worker_fault(self, msg: control_pb2.FaultReport) -> None:
+        """A fault of a worker itself (a report with no job: a device's error, reported once
+        for its node whether or not a job runs there). A class that cordons
+        (``fd.CORDON_CLASSES``) takes the worker out of placement for every job, new or
+        relaunched, until its node agent registers again as another incarnation (L1-2 ends
+        it then). The jobs with ranks there decide on their own reports, by their policies.
+        A class that holds (``fd.HOLD_CLASSES``: a node agent silent past its beats) takes it
+        out of placement until the report that it ``cleared`` (the agent beats again): a
+        replacement is never placed on a frozen or cut-off agent's node."""
+        if msg.fault_class in fd.HOLD_CLASSES:
+            self._allocator(
+                control_pb2.CordonWorker(
+                    worker_id=msg.worker_id, reason=msg.detail, unix_time=time.time(), hold=True, lift=msg.cleared
+                )
+            )
+            _log.warning("worker placement held" if not msg.cleared else "worker placement hold ended",
+                         worker_id=msg.worker_id, reason=msg.detail)  # fmt: skip
+            return
+        if msg.fault_class not in fd.CORDON_CLASSES:
+            return
+        with self._lock:
+            if msg.worker_id in self._cordoned:
+                return  # (a second device of the node, or the same error again)
+        reason = f"{msg.fault_class}: {msg.detail}"
+        cordon = self._allocator(
+            control_pb2.CordonWorker(worker_id=msg.worker_id, reason=reason, unix_time=time.time())
+        )
+        _log.warning("worker cordoned", worker_id=msg.worker_id, reason=reason)
+        self.on_worker_cordoned(cordon.message)
+
+    def on_fault_backlog_alert(self, msg: control_pb2.FaultBacklogAlert, payload: Any = None) -> None:
+        """A sick node (L1-3: its rank faults piled up across jobs and incidents): quarantined,
+        out of placement for every new or relaunched rank until the operator's `surgectl
+        uncordon` (a restarted node agent does not end it). Its running ranks are not touched:
+        each job decides on its own faults. Journaled with the other cordons."""
+        with self._lock:
+            if msg.worker_id in self._cordoned:
+                return  # (cordoned already: a device's error, or quarantined)
+        reason = f"quarantined: {msg.detail}"
+        cordon = self._allocator(
+            control_pb2.CordonWorker(worker_id=msg.worker_id, reason=reason, unix_time=time.time(), quarantine=True)
+        )
+        _log.warning("worker quarantined", worker_id=msg.worker_id, reason=reason)
+        self.on_worker_cordoned(cordon.message)
+
+    def uncordon_worker_request(
+        self, msg: control_pb2.UncordonWorkerRequest, payload: Any = None
+    ) -> control_pb2.JobList:
+        """`surgectl uncordon NODE`: the worker's cordon (a quarantine, a device's) ends; new
+        and relaunched ranks may be placed there again. Returns the cordons still in force
+        (``JobList.cordoned``, no jobs).
+
+        Raises:
+            WorkerNotCordoned: the worker has no cordon (one line naming it and those that have).
+        """
+        with self._lock:
+            known = sorted(self._cordoned)
+        if msg.worker_id not in known:
+            held = f"cordoned: {', '.join(known)}" if known else "no worker is cordoned"
+            raise WorkerNotCordoned(f"uncordon: worker {msg.worker_id!r} is not cordoned ({held})")
+        ended = self._allocator(control_pb2.CordonWorker(worker_id=msg.worker_id, clear=True)).message
+        _log.info("worker uncordoned by the operator", worker_id=msg.worker_id)
+        self.on_worker_cordoned(ended)
+        with self._lock:
+            self._start_soon()  # (a job waiting for slots may fit now)
+            return control_pb2.JobList(cordoned=list(self._cordoned.values()))
+
+    def on_worker_cordoned(self, msg: control_pb2.WorkerCordoned, payload: Any = None) -> None:
+        """A cordon in force (L1-2's reply to CordonWorker) or ended (``cleared``: the
+        worker's node agent registered as another incarnation): journaled, so a restarted
+        control commands it again, and listed with the jobs (``JobList.cordoned``)."""
+        with self._lock:
+            if msg.cleared:
+                ended = self._cordoned.pop(msg.worker_id, None)
+            else:
+                self._cordoned[msg.worker_id] = msg
+            self._views.publish_cordons(list(self._cordoned.values()))
+        if not msg.cleared:
+            self._journal.save_cordon(msg)
+            return
+        if ended is not None:
+            _log.info("worker cordon ended: its node agent registered again", worker_id=msg.worker_id)
+        self._journal.delete_cordon(msg.worker_id)  # (also one restored for an agent gone meanwhile)

@@ -1,0 +1,413 @@
+"""A job's record (``_Job``), its recovery (``_Incident``) and resize (``_Scale``) records, the
+state machine's legal transitions, and the job's journal form (``_runtime`` / ``_load_runtime``)."""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.contract import Module, control_pb2, engine_pb2, store_pb2
+from services.control import fault_decision as fd
+from services.control.deadlines import Deadline
+from services.control.job_queue import QueueEntry
+from services.jobspec import (
+    JobSpec,
+    spec_from_json,
+    spec_to_json,
+)
+
+JobState = control_pb2.JobState
+
+
+JobOutcome = control_pb2.JobOutcome
+
+
+FaultGrade = control_pb2.FaultGrade
+
+
+ORCH = Module.L1_ORCHESTRATOR
+
+
+# JobQuery payload asking for the job's event log (as a reply payload: tuple of JobEvent).
+EVENT_LOG = "event_log"
+
+
+RESTART_MESSAGE = "control restarted; ranks not re-attached"
+
+
+# A job that was mid-recovery when control restarted resumes that recovery.
+RESUME_MESSAGE = "control restarted mid-recovery; resuming it"
+
+
+# A job live when control restarted keeps its state: its node agents re-attach its ranks.
+REATTACH_MESSAGE = "control restarted; waiting for the ranks to re-attach"
+
+
+# ... and once an event of every rank arrived after the restart (replaces REATTACH_MESSAGE).
+REATTACHED_MESSAGE = "control restarted; every rank re-attached"
+
+
+_ALLOWED: dict[int, frozenset[int]] = {
+    JobState.STANDBY: frozenset({JobState.WARMING_UP, JobState.FAULT_FROZEN, JobState.TERMINATED}),
+    # WARMING_UP -> PAUSED: its start waited past fault_policy.data_outage_seconds for the data
+    # service, or the policy paused on a fault of a rank still starting (a dataset shard changed,
+    # found as the resumed ranks' streams open it; out of memory in the first step).
+    JobState.WARMING_UP: frozenset({JobState.RUNNING, JobState.PAUSED, JobState.FAULT_FROZEN, JobState.TERMINATED}),
+    JobState.RUNNING: frozenset({JobState.PAUSED, JobState.FAULT_FROZEN, JobState.TERMINATED}),
+    JobState.PAUSED: frozenset({JobState.RUNNING, JobState.FAULT_FROZEN, JobState.TERMINATED}),
+    JobState.FAULT_FROZEN: frozenset(
+        {JobState.RUNNING, JobState.PAUSED, JobState.TERMINATED}
+    ),  # PAUSED: recovered, paused before
+    JobState.TERMINATED: frozenset(),
+}
+
+
+# The steps of a recovery (``_Incident.phase``), in order. Each is a command out and the
+# event that answers it; the wait states retry their step with backoff until the fault
+# policy's deadline for them, after which the policy decides.
+VERIFYING = "verifying"  # VerifyCheckpoints sent; CheckpointVerification / SnapshotFailed answers
+
+
+WAITING_STORE = "waiting_store"  # the store could not be asked (unreachable, timeout): retry
+
+
+PLACING = "placing"  # StartRecovery sent (answered at once by L1-4)
+
+
+WAITING_CAPACITY = "waiting_capacity"  # not enough free slots: retry as workers come
+
+
+RESTORING = "restoring"  # ranks relaunched; waiting for every one to report ready
+
+
+# Backoff of a retried step: doubles from the first, capped (seconds).
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 4.0
+
+
+# Classes the orchestrator names itself when a recovery step gives up (fault policy keys,
+# services/control/fault_decision.py: ``wait_seconds`` says how long each step waits).
+STORE_UNREACHABLE, NO_CAPACITY, RECOVERY_TIMEOUT = fd.STORE_UNREACHABLE, fd.NO_CAPACITY, fd.RECOVERY_TIMEOUT
+
+
+StoreFailureCause = store_pb2.StoreFailureCause
+
+
+RecoveryFailureCause = control_pb2.RecoveryFailureCause
+
+
+@dataclass
+class _Incident:
+    """A fault being recovered from: its cause, and the ranks of failed generations whose
+    exit has not been seen yet (rank -> exits still to come)."""
+
+    cause: control_pb2.FaultReport
+    fault_class: str
+    action: str
+    decided: float  # time.monotonic() of the decision
+    dying: Counter[int] = field(default_factory=Counter)
+    version: str = ""
+    bound: int | None = None  # rollback: no version after this step
+    exclude: list[str] = field(default_factory=list)  # exclude_node: the worker(s) left out
+    relaunched: bool = False  # RecoveryCompleted applied (journaled with its event)
+    # Restored from the journal after a control restart: whether the relaunch reached the
+    # node agents is unknown until a relaunched rank reports ready (``relaunched`` or not:
+    # a journaled relaunch was only queued to the sessions when control died).
+    resumed: bool = False
+    # When that relaunch was commanded again (unix time): reports graded before it are
+    # about the ranks it replaced, already accounted for.
+    repeated_unix: float = 0.0
+    phase: str = VERIFYING  # the recovery step in flight (journaled)
+    waiting_for: str = ""  # the wait state the step is in (kept across its retries)
+    waiting_since: float = 0.0  # time.monotonic() that wait began
+    asked_since: float = 0.0  # time.monotonic() the store was first asked (a wait counts from it)
+    retries: int = 0  # retries of the current step
+    timer: Deadline | None = None  # the current step's retry or deadline (not journaled)
+    paused: bool = False  # the job was paused (or pausing) when the fault came
+    # Bytes the relaunched ranks read per source ("memory", "peer", "store": their
+    # TrainingLoopStarted.restored_bytes_from, summed; not journaled).
+    restored_from: Counter[str] = field(default_factory=Counter)
+    # rebuild (issue 16): the ranks replaced (the others survive and rebuild their group in
+    # place), and the rank each ready rank's state came from (TrainingLoopStarted; not journaled).
+    lost: list[int] = field(default_factory=list)
+    healed_from: dict[int, int] = field(default_factory=dict)
+    recovered_unix: float = 0.0  # when every rank was ready again (not journaled)
+    at_step: int = 0  # the job's last completed step when it was decided (not journaled)
+    # shrink (issue 16): the job at the smaller data-parallel size its ranks go on at, once no
+    # slot was free for a replacement (journaled as the layout's three numbers).
+    shrunk: JobSpec | None = None
+
+
+@dataclass
+class _HeldFailure:
+    """A save or load broken in its collectives, waiting for the fault that caused it
+    (``Orchestrator._broken_by_peer``; not journaled: a control restarted meanwhile loses
+    the record, not a decision)."""
+
+    msg: store_pb2.SnapshotFailed
+    what: str
+    timer: Deadline | None = None
+
+
+@dataclass
+class _Scale:
+    """A resize of a running job in flight (issue 16: `surgectl scale`, or growing back after
+    a shrink): its ranks pause at a common step boundary, then the kept ones rebuild their
+    group at the new size with the new ranks, which heal from a live peer."""
+
+    spec: JobSpec  # the job at the new layout
+    why: str  # "scale by the operator", "grow back": said in the events
+    phase: str = "pausing"  # pausing (PauseTraining sent) | rebuilding (RebuildCommunicator done)
+    old_dp: int = 0
+    since: float = 0.0  # time.monotonic() it was asked
+    healed_from: dict[int, int] = field(default_factory=dict)  # rank -> source (TrainingLoopStarted)
+
+
+@dataclass
+class _Job:
+    status: control_pb2.JobStatus
+    spec: JobSpec
+    seq: int = 0  # last event seq written
+    # The submit that created it (journaled in the job's row, never changed): its request id
+    # ("" none) and its spec text's sha256. A submit retried with that id gets this job.
+    request_id: str = ""
+    spec_sha256: str = ""
+    started: set[int] = field(default_factory=set)  # ranks that reported started
+    paused: set[int] = field(default_factory=set)
+    finished: dict[int, bool] = field(default_factory=dict)  # rank -> stopped
+    pending: str = ""  # "pause" | "stop" | "scale" while in flight
+    # The boundary of the pause / stop in flight: 0 until the ranks report the step they
+    # agreed on (StepCompleted.commands_agreed covers ``pending_seq``, or their pause / end).
+    pending_at: int = 0
+    pending_seq: int = 0  # its boundary command sequence number (journaled)
+    # The job's last boundary command sequence number (PauseTraining / StopTraining /
+    # RevokeStandingOrder .seq: 1, 2, ... without a gap; journaled before the command goes),
+    # and the commands sent that the ranks have not yet been seen to agree on (seq -> the
+    # command; journaled: a restarted control sends them again, ``_send_again``).
+    commands: int = 0
+    in_flight: dict[int, Any] = field(default_factory=dict)
+    running_since: float = 0.0  # unix time RUNNING was first entered
+    last_persist: float = 0.0
+    exited: set[int] = field(default_factory=set)  # ranks of this generation seen ended
+    incident: _Incident | None = None  # the recovery in progress
+    recovered: _Incident | None = None  # recovered, awaiting its first step
+    # The last incident once recovered: a symptom of it that reaches control late (the fault
+    # detector holds a comm_error to attribute it; a rank of the relaunched generation reported
+    # its failed collective as it was killed) is no new fault.
+    last_incident: _Incident | None = None
+    held: list[_HeldFailure] = field(default_factory=list)  # failures waiting for their cause
+    restarts: Counter[str] = field(default_factory=Counter)  # fault class -> relaunches spent
+    ignored: Counter[str] = field(default_factory=Counter)  # fault class -> faults ignored
+    versions: list[tuple[int, str]] = field(default_factory=list)  # (step, version) committed
+    unusable: set[str] = field(default_factory=set)  # versions that failed verification
+    excluded: set[str] = field(default_factory=set)  # workers left out by exclude_node decisions
+    placement: dict[int, str] = field(default_factory=dict)  # rank -> worker it reported ready on
+    start_held: bool = False  # recovered while paused: the ready ranks wait for StartTraining
+    boundary_failed: bool = False  # the checkpoint of the pause/stop boundary in flight could not be saved
+    # Versions committed after the one an operator resume went back to: another branch of
+    # the job's history, never chosen by a recovery or a plain resume (only by name).
+    abandoned: set[str] = field(default_factory=set)
+    step_seconds: float = 0.0  # rank 0's recent step time (from its StepCompleted times; not journaled)
+    last_step_unix: tuple[int, float] = (0, 0.0)  # (step, unix_time) of the last one applied
+    # JobStatus.tokens_per_second, the one definition `surgectl status` and the end-of-run
+    # summary both show: tokens / step seconds summed over the steps applied since this
+    # control took the job, its first step (compilation, warm-up) left out; not journaled.
+    throughput: tuple[int, float] = (0, 0.0)
+    throughput_warm: bool = False  # the first step was seen (and left out)
+    # Operator actions (issue 12 part 7). ``draining``: the pause in flight is a drain
+    # (`surgectl down`); ``parked``: PAUSED and its ranks are gone (drained, or stopped with
+    # the stack): not waited for after a control restart, and a resume relaunches them from
+    # a checkpoint; ``resuming``: an operator resume is asking the store (not journaled).
+    draining: bool = False
+    parked: bool = False
+    resuming: bool = False
+    # Parked by a drain in this control's lifetime: its paused ranks still run until the stack
+    # stops (a `surgectl down` interrupted before it did); a resume then continues them in
+    # place. Not journaled: a restarted control's parked jobs have no ranks.
+    parked_live: bool = False
+    # A resume asked while the ranks pause (an interrupted `down`'s drain, a pause just sent):
+    # they continue once every rank has paused (journaled).
+    resume_after_pause: bool = False
+    # A resume that did not fit, waiting in the queue: {"version", "step", "spec" (a new
+    # layout's spec JSON, "" for the job's own)} it relaunches from once placed (journaled).
+    relaunch: dict | None = None
+    # (step, StepFaultKind) -> the verdict (apply or skip) sent to the job's ranks blocked on
+    # that step fault: one decision per fault whichever rank reports it first; sent again to a
+    # rank that asks again (its reminder: the verdict may have been lost). Journaled with the
+    # decision, so a restarted control answers a reminder with it instead of deciding again
+    # (an ignore counted twice). Only the current step's are kept: every rank reporting a fault
+    # at step s passed L3-5's all-reduce of s, so none still waits on an earlier verdict.
+    verdicts: dict[tuple[int, int], engine_pb2.StepVerdict] = field(default_factory=dict)
+    # StandingOrder.id -> (its RevokeStandingOrder's sequence number, the step after which this
+    # generation's ranks no longer follow it: 0 until they report the boundary they agreed
+    # on); a relaunched generation gets the policy's orders again.
+    revoked: dict[int, tuple[int, int]] = field(default_factory=dict)
+    queued: QueueEntry | None = None  # its place while it waits in the queue (journaled)
+    scale: _Scale | None = None  # a resize in flight (journaled)
+    # The layout (dp, micro_batch_size, grad_accum) a job shrunk by a fault grows back to as
+    # slots return (empty: none; journaled). An operator's scale sets the size: it is forgotten.
+    grow_to: tuple[int, ...] = ()
+    # The largest micro-batch its ranks ran with (journaled): a resize picks none larger, and
+    # scaling back returns to it (was: each resize could only shrink it: 6 -> 4 -> 3 -> 2).
+    micro_batch_cap_seen: int = 0
+    # A data service its ranks cannot reach (faults.py ``_data_outage``): the ranks whose
+    # relays reconnect, since when (time.monotonic()), and the policy's deadline for the wait.
+    # Not journaled: after a control restart a relay still reconnecting is bounded by its own
+    # budget (data_outage_seconds and a margin), whose report is decided as data_outage.
+    data_waiting: set[int] = field(default_factory=set)
+    data_since: float = 0.0
+    data_timer: Deadline | None = None
+
+    @property
+    def micro_batch_cap(self) -> int:
+        return max(self.micro_batch_cap_seen, self.spec.data.micro_batch_size)
+
+
+def _numbered(job: _Job, cmd: Any) -> Any:
+    """``cmd`` (a boundary command) for the job's ranks with the job's next number, kept in
+    flight until the ranks are seen to agree on it."""
+    job.commands += 1
+    cmd.job_id, cmd.seq = job.status.job_id, job.commands
+    job.in_flight[cmd.seq] = cmd
+    return cmd
+
+
+def _where(job: _Job) -> str:
+    """Where the pause / stop in flight takes effect, as the events say it."""
+    if job.pending_at:
+        return f"after step {job.pending_at}"
+    return f"at the first step boundary every rank agrees on (boundary command {job.pending_seq})"
+
+
+def _runtime(job: _Job) -> dict:
+    """The bookkeeping a restarted control needs to continue the job (journaled with every
+    event): who started / paused / finished, a pause or stop in flight, restart budgets
+    spent, checkpoint versions, the workers excluded, the recovery in flight (its cause,
+    the version it loads, whether its relaunch was commanded and completed), the verdicts the
+    ranks may ask for again and the standing orders withdrawn from them."""
+    return {
+        "started": sorted(job.started),
+        "paused": sorted(job.paused),
+        "finished": {str(r): stopped for r, stopped in job.finished.items()},
+        "pending": job.pending,
+        "pending_at": job.pending_at,
+        "pending_seq": job.pending_seq,
+        "commands": job.commands,
+        "in_flight": [
+            [type(m).__name__, base64.b64encode(m.SerializeToString()).decode()] for m in job.in_flight.values()
+        ],
+        "running_since": job.running_since,
+        "exited": sorted(job.exited),
+        "restarts": dict(job.restarts),
+        "ignored": dict(job.ignored),
+        "versions": [list(v) for v in job.versions],
+        "unusable": sorted(job.unusable),
+        "excluded": sorted(job.excluded),
+        "placement": {str(r): w for r, w in job.placement.items()},
+        "start_held": job.start_held,
+        "abandoned": sorted(job.abandoned),
+        "incident": _incident_to_json(job.incident) if job.incident is not None else None,
+        "draining": job.draining,
+        "parked": job.parked,
+        "resume_after_pause": job.resume_after_pause,
+        "relaunch": job.relaunch,
+        "verdicts": [base64.b64encode(v.SerializeToString()).decode() for v in job.verdicts.values()],
+        "revoked": {str(order): list(revoked) for order, revoked in job.revoked.items()},
+        "queued": job.queued.to_json() if job.queued is not None else None,
+        "grow_to": list(job.grow_to),
+        "micro_batch_cap": job.micro_batch_cap_seen,
+        "scale": _scale_to_json(job.scale) if job.scale is not None else None,
+    }
+
+
+def _incident_to_json(i: _Incident) -> dict:
+    return {
+        "cause": base64.b64encode(i.cause.SerializeToString()).decode(),
+        "fault_class": i.fault_class,
+        "action": i.action,
+        "dying": {str(r): n for r, n in i.dying.items() if n > 0},
+        "version": i.version,
+        "bound": i.bound,
+        "exclude": list(i.exclude),
+        "lost": list(i.lost),
+        "shrunk": spec_to_json(i.shrunk) if i.shrunk is not None else "",
+        "relaunched": i.relaunched,
+        "phase": i.phase,
+        "paused": i.paused,
+    }
+
+
+def _incident_from_json(d: dict) -> _Incident:
+    """The recovery in flight as journaled, ``resumed``: until a relaunched rank reports
+    ready, nothing says its relaunch reached the node agents. Even one journaled as done
+    (``relaunched``) was only queued to the sessions: control killed right after may never
+    have sent it (seen in CI: the old ranks still ran and the new never came).
+    Its clock (``decided``) starts again now: the time before the restart is not measured."""
+    relaunched = bool(d.get("relaunched", False))
+    return _Incident(
+        cause=control_pb2.FaultReport.FromString(base64.b64decode(d["cause"])),
+        fault_class=d["fault_class"],
+        # A rebuild caught by a control restart stays one: if its ranks report ready, it
+        # completed; if it must be commanded again, the allocator no longer knows the
+        # placement and the orchestrator falls back to relaunching every rank (_place).
+        action=d["action"],
+        lost=[int(r) for r in d.get("lost", ())],
+        shrunk=spec_from_json(d["shrunk"]) if d.get("shrunk") else None,
+        decided=time.monotonic(),
+        dying=Counter({int(r): int(n) for r, n in d.get("dying", {}).items()}),
+        version=d.get("version", ""),
+        bound=d.get("bound"),
+        exclude=list(d.get("exclude", ())),
+        relaunched=relaunched,
+        resumed=True,
+        phase=d.get("phase", RESTORING if relaunched else PLACING),
+        paused=bool(d.get("paused", False)),
+    )
+
+
+def _load_runtime(job: _Job, rt: dict) -> None:
+    job.started, job.paused = set(rt.get("started", ())), set(rt.get("paused", ()))
+    job.finished = {int(r): bool(v) for r, v in rt.get("finished", {}).items()}
+    job.pending, job.pending_at = rt.get("pending", ""), int(rt.get("pending_at", 0))
+    job.pending_seq, job.commands = int(rt.get("pending_seq", 0)), int(rt.get("commands", 0))
+    sent = (getattr(engine_pb2, kind).FromString(base64.b64decode(b)) for kind, b in rt.get("in_flight", ()))
+    job.in_flight = {m.seq: m for m in sent}
+    job.running_since = float(rt.get("running_since", 0.0))
+    job.exited = set(rt.get("exited", ()))
+    job.restarts, job.ignored = Counter(rt.get("restarts", {})), Counter(rt.get("ignored", {}))
+    job.versions = [(int(step), str(v)) for step, v in rt.get("versions", ())]
+    job.unusable = set(rt.get("unusable", ()))
+    job.excluded = set(rt.get("excluded", ()))
+    job.placement = {int(r): str(w) for r, w in rt.get("placement", {}).items()}
+    job.start_held = bool(rt.get("start_held", False))
+    job.abandoned = set(rt.get("abandoned", ()))
+    job.draining, job.parked = bool(rt.get("draining", False)), bool(rt.get("parked", False))
+    job.resume_after_pause = bool(rt.get("resume_after_pause", False))
+    job.relaunch = rt.get("relaunch") or None
+    verdicts = (engine_pb2.StepVerdict.FromString(base64.b64decode(v)) for v in rt.get("verdicts", ()))
+    job.verdicts = {(v.step, v.kind): v for v in verdicts}
+    # (a journal of an older control: the step it named, no number)
+    job.revoked = {
+        int(order): tuple(int(v) for v in r) if isinstance(r, list) else (0, int(r))
+        for order, r in rt.get("revoked", {}).items()
+    }
+    if rt.get("incident"):
+        job.incident = _incident_from_json(rt["incident"])
+    job.grow_to = tuple(int(n) for n in rt.get("grow_to", ()))
+    job.micro_batch_cap_seen = int(rt.get("micro_batch_cap", 0))
+    if rt.get("scale"):
+        d = rt["scale"]
+        job.scale = _Scale(
+            spec_from_json(d["spec"]), d["why"], phase=d["phase"], old_dp=int(d["old_dp"]), since=time.monotonic()
+        )
+
+
+def _scale_to_json(scale: _Scale) -> dict:
+    return {"spec": spec_to_json(scale.spec), "why": scale.why, "phase": scale.phase, "old_dp": scale.old_dp}
+
+
+def _rebuilding(scale: _Scale | None) -> bool:
+    """Whether a resize's ranks are rebuilding their group (they report ready next)."""
+    return scale is not None and scale.phase == "rebuilding"

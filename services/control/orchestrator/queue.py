@@ -1,0 +1,294 @@
+"""Admission and placement: a submitted job starts, or waits STANDBY in the queue until its
+ranks fit (services/control/job_queue.py holds the order)."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import structlog
+
+from services.contract import control_pb2, engine_pb2
+from services.control import fault_decision as fd
+from services.control.job_queue import QueueEntry, check_priority
+from services.control.monitoring import start_monitoring
+from services.control.orchestrator.job import ORCH, JobOutcome, JobState, _Job
+from services.control.orchestrator.layout import _set_layout
+from services.control.orchestrator.refusals import IllegalTransition, JobDoesNotFit
+from services.control.orchestrator.request_ids import spec_sha256, submitted_before
+from services.control.orchestrator.texts import _beyond_cluster, _waits_for
+from services.hf_config import check_spec_directory
+from services.jobspec import (
+    parse_job_spec,
+    spec_to_json,
+)
+
+_log = structlog.get_logger("orchestrator")
+
+
+class JobQueueing:
+    """Admission and placement (a part of ``Orchestrator``, see core.py)."""
+
+    # ------------------------------------------------------------ operator commands
+
+    def submit_job_request(self, msg: control_pb2.SubmitJobRequest, payload: Any = None) -> control_pb2.JobStatus:
+        """Validate the spec, journal the job, and start it (allocate its ranks: WARMING_UP),
+        or queue it (STANDBY, see "The queue" above): when its ranks do not fit now, when a
+        job of its priority or higher waits ahead of it (one that does not just wait for
+        workers to join), or while the queue is held.
+
+        Atomic: a start that fails at any point after the allocation (an event that cannot
+        be journaled) takes the ranks back (killed, their slots free again) and removes
+        whatever was journaled of the job, then raises. The job is journaled (STANDBY)
+        before its ranks launch: a control killed in between finds it at its restart
+        (FAULT_FROZEN, "ranks not re-attached"; a stop releases what was launched), never
+        ranks of a job it does not know holding slots.
+
+        Admission by memory: a job whose estimated memory per rank fits too few of the
+        registered workers' slots (L1-2's refusal says so) is refused here, or, tried from
+        the queue, ends FAILED saying why; where no worker is registered yet it is queued.
+
+        Idempotent by ``request_id`` (request_ids.py): a request id a journaled job was
+        created with is answered with that job's status now, whatever its state; nothing
+        else happens. Checked before the spec is read (a retry is answered even if an
+        ``init_from.hf`` directory went away meanwhile) and again under the lock that
+        creates the job (two calls of one request id racing: one job).
+
+        Raises:
+            JobSpecError: the spec is invalid (one line naming file and field).
+            RequestIdReused (a ValueError): ``request_id`` created a job of another spec text
+                (one line naming both); nothing is persisted.
+            JobDoesNotFit (a ValueError): its memory per rank fits no registered slot (one line
+                naming the estimate and the largest slot); nothing is persisted.
+            PriorityOutOfRange (a ValueError): ``priority`` out of range (one line); nothing is persisted.
+        """
+        with self._lock:
+            if (earlier := submitted_before(self._jobs.values(), msg)) is not None:
+                return self._snapshot(earlier)
+        spec = parse_job_spec(msg.spec_yaml, msg.spec_path or "job.yaml")
+        check_spec_directory(spec, msg.spec_path or "job.yaml")  # init_from.hf (file reads: outside the lock)
+        spec_json = spec_to_json(spec)
+        priority = check_priority(msg.priority)
+        with self._lock:
+            if (earlier := submitted_before(self._jobs.values(), msg)) is not None:
+                return self._snapshot(earlier)
+            job_id = self._new_id(spec.name)
+            now = time.time()
+            # Built before anything is allocated: a value that does not fit fails here.
+            status = control_pb2.JobStatus(
+                job_id=job_id,
+                name=spec.name,
+                state=JobState.STANDBY,
+                total_steps=spec.steps,
+                eval_loss=math.nan,
+                created_unix=now,
+                updated_unix=now,
+                world_size=spec.world_size,
+                priority=priority,
+            )
+            _set_layout(status, spec)
+            digest = spec_sha256(msg.spec_yaml) if msg.request_id else ""
+            job = _Job(status=status, spec=spec, request_id=msg.request_id, spec_sha256=digest)
+            self._journal.create_job(status, spec_json, msg.request_id, digest)  # (fails: nothing allocated yet)
+            self._jobs[job_id] = job
+            held = "waits for the jobs queued ahead of it" if self._queue.blocks(priority) else ""
+            held = held or self._queue_held()
+            reply = None if held else self._launch(job)
+            if reply is not None and reply.rank_memory_bytes:  # it cannot start on these workers
+                self._jobs.pop(job_id, None)
+                self._changed.add(job_id)  # (forgotten as the decision ends)
+                self._journal.delete_job(job_id)
+                raise JobDoesNotFit(f"{msg.spec_path or 'job.yaml'}: {reply.reason}")
+            if held or reply is not None:
+                try:
+                    entry = self._queue.add(job_id, priority)
+                    self._queue.mark_beyond_cluster(job_id, reply is not None and _beyond_cluster(reply))
+                    self._enqueue(job, entry, held or _waits_for(job, reply))
+                except BaseException:
+                    self._queue.take(job_id)
+                    self._jobs.pop(job_id, None)
+                    self._changed.add(job_id)  # (forgotten as the decision ends)
+                    self._journal.delete_job(job_id)
+                    raise
+            return self._snapshot(job)
+
+    def _launch(self, job: _Job, note: str = "") -> control_pb2.ResourcesInsufficient | None:
+        """Under the lock: allocate the ranks of a journaled STANDBY job and journal it
+        WARMING_UP. Returns the allocator's refusal when they do not fit (nothing reserved,
+        nothing journaled). A failure after the allocation takes the ranks back and forgets
+        the job (``_abandon_start``), then raises."""
+        job_id, spec = job.status.job_id, job.spec
+        init = engine_pb2.InitJob(
+            job_id=job_id,
+            spec_json=spec_to_json(spec),
+            data_address=self._data_address,
+            store_address=self._store_address,
+            standing_orders=fd.standing_orders(spec.fault_policy),
+            rebuild_in_place=spec.fault_policy.rebuilds,
+        )
+        # Monitoring starts before the ranks launch, so a rank that dies at once is still
+        # reported; a job whose allocation fails simply never produces faults.
+        self._faults(start_monitoring(job_id, spec))
+        try:
+            reply = self._allocator(
+                control_pb2.AllocateResources(
+                    job_id=job_id, world_size=spec.world_size, backend=spec.parallel.backend, init=init
+                )
+            ).message
+            if isinstance(reply, control_pb2.ResourcesInsufficient):
+                return reply  # nothing was reserved
+            assert isinstance(reply, control_pb2.ResourcesReady), reply
+            self._record(
+                job,
+                ORCH,
+                "decision",
+                f"{reply.world_size} ranks allocated on {', '.join(reply.worker_ids)}; "
+                f"rendezvous {reply.master_addr}:{reply.master_port}",
+            )
+            self._transition(job, JobState.WARMING_UP, ORCH, f"{note}ranks launching")
+        except BaseException as e:
+            self._abandon_start(job_id, e)
+            raise
+        return None
+
+    def _abandon_start(self, job_id: str, cause: BaseException) -> None:
+        """A job whose start failed half-way must not run untracked nor hold slots: its ranks
+        are killed and released, and no record of it stays (the journal's and ours)."""
+        _log.warning("job start failed; taking its ranks back", job_id=job_id, error=str(cause))
+        self._jobs.pop(job_id, None)
+        self._changed.add(job_id)  # (forgotten as the decision ends)
+        try:
+            self._allocator(control_pb2.ReleaseResources(job_id=job_id, kill=True))
+        finally:
+            self._journal.delete_job(job_id)
+
+    # ------------------------------------------------------------ the queue
+
+    def on_resources_ready(self, msg: control_pb2.ResourcesReady, payload: Any = None) -> None:
+        """L1-2 published that a worker registered with slots (no job id; ``free_ranks`` free
+        now): the queue's head may fit. (A reply to AllocateResources comes back to its
+        command, not here.)"""
+        if msg.job_id or not msg.free_ranks:
+            return
+        with self._lock:
+            self._queue.clear_beyond_cluster()  # a job waiting for workers may fit now: it blocks until tried
+            self._start_soon()
+            for job in self._jobs.values():
+                if job.grow_to and job.status.state == JobState.RUNNING:
+                    self._grow_soon(job.status.job_id, msg.free_ranks)
+
+    def _enqueue(self, job: _Job, entry: QueueEntry, why: str) -> None:
+        """Under the lock: ``job`` (STANDBY, journaled) waits in the queue at ``entry``."""
+        job.queued = entry
+        where = f"position {self._queue.position(entry.job_id)} of {len(self._queue)}, priority {entry.priority}"
+        self._record(job, ORCH, "queue", f"queued at {where}: {why}", status_message=f"queued: {why}")
+
+    def _queue_held(self, but: _Job | None = None) -> str:
+        """Why no queued job may start now ("": none may). Live jobs come first: one that
+        recovers and whose ranks are not relaunched yet, or one drained by `surgectl down`
+        that the next `up` resumes, needs the ranks a queued job would take. ``but``: a job
+        whose own resume is asked (it holds back no one but itself)."""
+        for j in self._jobs.values():
+            if j is but:
+                continue
+            if j.incident is not None and not j.incident.relaunched and j.status.state == JobState.FAULT_FROZEN:
+                return f"waits while job {j.status.job_id} recovers (live jobs first)"
+            if j.parked and j.status.drained:
+                return (
+                    f"waits for drained job {j.status.job_id} to be resumed (`surgectl up` resumes it, "
+                    "`surgectl stop` ends it; live jobs first)"
+                )
+        return ""
+
+    def _start_soon(self) -> None:
+        """Under the lock: ranks may have freed up, so the queue's head is tried, on the
+        deadline pool's thread (no delay; never on the caller's, which may be the thread that
+        applies the node agents' events), once however many ask before it runs."""
+        if len(self._queue) and self._start_armed is None:
+            self._start_armed = self._deadlines.after(0.0, self._start_queued)
+
+    def _start_queued(self) -> None:
+        """Start queued jobs in queue order while their ranks fit and nothing holds the queue;
+        the first that does not fit stays where it is, its status saying what it waits for,
+        and the rest wait behind it -- unless it needs more ranks than the registered
+        workers have slots: it waits for workers to join, holding back none of the jobs
+        behind it, which are tried next."""
+        with self._lock:
+            self._start_armed = None
+            for entry in self._queue.ordered():
+                if entry.job_id not in self._queue:  # (taken out meanwhile)
+                    continue
+                job = self._jobs[entry.job_id]
+                held = self._queue_held()
+                if held:
+                    self._waiting(job, held)
+                    return
+                self._queue.take(entry.job_id)
+                job.queued = None
+                # Journaled out of the queue before its ranks launch: a control killed in
+                # between finds it STANDBY and not queued (FAULT_FROZEN, see _restore), never
+                # queued again while its ranks run.
+                try:
+                    self._keep(job)
+                except Exception as e:  # noqa: BLE001 - still queued (journal and here); tried again later
+                    job.queued = self._queue.put(entry)
+                    _log.error("a queued job could not be taken out of the queue", job_id=entry.job_id, error=str(e))
+                    return
+                waited = time.time() - job.status.created_unix
+                try:
+                    if job.relaunch is not None:  # an operator resume that waited: it loads its checkpoint
+                        reply = self._start_relaunch(job)
+                    else:
+                        reply = self._launch(job, note=f"left the queue after {waited:.0f} s; ")
+                except Exception as e:  # noqa: BLE001 - _launch forgot the job; the rest stay queued
+                    _log.error("a queued job could not be started", job_id=entry.job_id, error=str(e))
+                    if job.relaunch is not None and entry.job_id in self._jobs:  # (kept: queued again, in its place)
+                        job.queued = self._queue.put(entry)
+                    return
+                if reply is not None and reply.rank_memory_bytes:  # it cannot start on these workers
+                    job.status.outcome = JobOutcome.FAILED
+                    job.relaunch = None
+                    self._transition(job, JobState.TERMINATED, ORCH, f"FAILED: refused: {reply.reason}")
+                    continue
+                if reply is not None:
+                    job.queued = self._queue.put(entry)  # its place kept
+                    beyond = _beyond_cluster(reply)
+                    self._queue.mark_beyond_cluster(entry.job_id, beyond)
+                    self._waiting(job, _waits_for(job, reply, self._relaunch_spec(job)))
+                    if not beyond:
+                        return
+
+    def _waiting(self, job: _Job, why: str) -> None:
+        """Under the lock: the queued ``job`` still waits, for ``why``: an event when the
+        reason changed (none at every retry), its place journaled either way."""
+        message = f"queued: {why}"
+        if job.status.message == message:
+            self._keep(job)
+            return
+        where = f"position {self._queue.position(job.status.job_id)} of {len(self._queue)}"
+        self._record(job, ORCH, "queue", f"still queued at {where}: {why}", status_message=message)
+
+    def _cancel(self, job: _Job) -> control_pb2.JobStatus:
+        """Under the lock: take a queued job out of the queue (TERMINATED, STOPPED; it never
+        ran). Raises IllegalTransition when it is not queued (nothing changes)."""
+        job_id = job.status.job_id
+        if job.queued is None:
+            state = JobState.Name(job.status.state)
+            if job.status.state == JobState.TERMINATED:  # nothing to take out, nothing to stop
+                raise IllegalTransition(
+                    f"job {job_id} is {state} ({JobOutcome.Name(job.status.outcome)}), not queued",
+                    control_pb2.REFUSED_ALREADY_ENDED,
+                )
+            raise IllegalTransition(f"job {job_id} is {state}, not queued: `surgectl stop {job_id}` stops it")
+        where = self._queue.position(job_id)
+        self._queue.take(job_id)
+        job.queued = None
+        job.status.outcome = JobOutcome.STOPPED
+        resumed = job.relaunch is not None  # (a resume that waited: its checkpoints stay, resume it again later)
+        job.relaunch = None
+        job.status.drained = False
+        what = "its resume taken out of the queue" if resumed else "taken out of the queue"
+        self._transition(job, JobState.TERMINATED, ORCH, f"STOPPED: {what} (position {where}) by the operator")
+        self._start_soon()  # the jobs behind it move up
+        return self._snapshot(job)

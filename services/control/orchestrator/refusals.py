@@ -1,0 +1,52 @@
+"""The refusals L1-1 answers an operator command with (typed, mapped to gRPC codes by the server)."""
+
+from __future__ import annotations
+
+from services.contract import control_pb2
+from services.contract.failures import Refusal
+
+
+class JobNotFound(LookupError, Refusal):
+    """No job has this id (gRPC NOT_FOUND)."""
+
+
+class JobDoesNotFit(ValueError, Refusal):
+    """The job's estimated memory per rank fits no registered slot (gRPC INVALID_ARGUMENT):
+    one line naming the estimate and the largest device; nothing is persisted."""
+
+
+class NoStandingOrder(ValueError, Refusal):
+    """`surgectl revoke` named a fault class the job holds no standing order for (gRPC
+    INVALID_ARGUMENT): the operator's typo is refused, never a failure of L1-1 (a failure
+    would be graded and decided on: the job ended over a wrong word)."""
+
+
+class WorkerNotCordoned(ValueError, Refusal):
+    """`surgectl uncordon` named a worker with no cordon (gRPC INVALID_ARGUMENT): one line
+    naming it and those cordoned; a typo, never a failure of L1-1."""
+
+
+class RequestIdReused(ValueError, Refusal):
+    """A submit's request id is the one an earlier submit of another spec text created a job
+    with (gRPC INVALID_ARGUMENT): one line naming the request id and that job; nothing is
+    persisted. Answering with that job would hand the operator a job of a spec they did not
+    send; creating a second would break the id's promise (one job per request id)."""
+
+
+class IllegalTransition(RuntimeError, Refusal):
+    """The command does not apply to the job's current state (gRPC FAILED_PRECONDITION).
+    ``refusal``: why, typed, where a client acts on it (``control_pb2.RefusalReason``; the
+    server sends it in the call's trailing metadata)."""
+
+    refusal = control_pb2.REFUSAL_UNSPECIFIED
+
+    def __init__(self, message: str, refusal: int | None = None):
+        super().__init__(message)
+        if refusal is not None:
+            self.refusal = refusal
+
+
+class InsufficientResources(IllegalTransition):
+    """The allocator cannot place the job's ranks; nothing was persisted."""
+
+    refusal = control_pb2.REFUSED_NO_CAPACITY

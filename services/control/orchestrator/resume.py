@@ -1,0 +1,329 @@
+"""Operator resume from a checkpoint: a STOPPED, FAILED or parked job's ranks relaunched (a new
+generation) from the newest version the store verifies, or the one named."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import structlog
+
+from services.contract import control_pb2, engine_pb2, store_pb2
+from services.control import fault_decision as fd
+from services.control.monitoring import start_monitoring
+from services.control.orchestrator.job import ORCH, JobOutcome, JobState, _Job, _load_runtime, _runtime
+from services.control.orchestrator.layout import _layout_change, _set_layout
+from services.control.orchestrator.refusals import IllegalTransition, InsufficientResources
+from services.control.orchestrator.texts import _beyond_cluster, _newest, _version_number, _waits_for
+from services.jobspec import (
+    JobSpec,
+    spec_from_json,
+    spec_to_json,
+)
+
+_log = structlog.get_logger("orchestrator")
+
+
+def _known(job: _Job, candidates: list[tuple]) -> set[str]:
+    """Every version of the job control or the store knows of."""
+    return {v for _, v in job.versions} | {c[1] for c in candidates}
+
+
+class _Answer:
+    """The store's answer to an operator resume's VerifyCheckpoints, delivered by the
+    applier thread to the operator's thread that waits for it."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.reply: store_pb2.CheckpointVerification | store_pb2.SnapshotFailed | None = None
+
+
+# How long an operator resume waits for the store's verdicts (seconds).
+RESUME_VERIFY_WAIT_S = 30.0
+
+
+class OperatorResume:
+    """Operator resume from a checkpoint (a part of ``Orchestrator``, see core.py)."""
+
+    # ------------------------------------------------------------ operator resume from a checkpoint
+
+    def _relaunchable(self, job: _Job) -> bool:
+        """Whether an operator resume relaunches ``job`` from a checkpoint: STOPPED or FAILED,
+        or PAUSED with its ranks gone (parked, and not by a drain whose stack still runs)."""
+        s = job.status
+        ended = s.state == JobState.TERMINATED and s.outcome in (JobOutcome.STOPPED, JobOutcome.FAILED)
+        return ended or (s.state == JobState.PAUSED and job.parked and not job.parked_live)
+
+    def _ask_versions(self, job_id: str) -> list[store_pb2.CheckpointVerdict] | None:
+        """The store's verdict on every committed version of the job (VerifyCheckpoints; the
+        answer comes back as an event, on the applier thread, or in the call in-process).
+        None without a checkpoint port (the versions reported by SaveCompleted are used).
+
+        Raises:
+            IllegalTransition: the store could not be asked, or did not answer in time."""
+        if self._checkpoints is None:
+            return None
+        answer = self._answers[job_id] = _Answer()
+        try:
+            try:
+                reply = self._checkpoints(store_pb2.VerifyCheckpoints(job_id=job_id)).message
+            except Exception as e:  # noqa: BLE001 - a relay that cannot even send
+                reply = store_pb2.SnapshotFailed(
+                    job_id=job_id,
+                    operation="verify",
+                    cause=store_pb2.UNREACHABLE,
+                    reason=f"not sent: {type(e).__name__}: {e}",
+                )
+            if not isinstance(reply, (store_pb2.CheckpointVerification, store_pb2.SnapshotFailed)):
+                if not answer.event.wait(RESUME_VERIFY_WAIT_S):
+                    raise IllegalTransition(
+                        f"cannot resume {job_id}: the store did not say within "
+                        f"{RESUME_VERIFY_WAIT_S:.0f} s which checkpoints verify; try again"
+                    )
+                reply = answer.reply
+        finally:
+            self._answers.pop(job_id, None)
+        if isinstance(reply, store_pb2.SnapshotFailed):
+            cause = store_pb2.StoreFailureCause.Name(reply.cause).lower() if reply.cause else "failed"
+            raise IllegalTransition(
+                f"cannot resume {job_id}: the store could not verify its checkpoints "
+                f"({cause}: {reply.reason}); try again"
+            )
+        return list(reply.versions)
+
+    def _resume_answered(self, msg: store_pb2.CheckpointVerification | store_pb2.SnapshotFailed) -> bool:
+        """Hand the store's answer to an operator resume waiting for it (True), if any."""
+        answer = self._answers.get(msg.job_id)
+        if answer is None or answer.event.is_set():
+            return False
+        if isinstance(msg, store_pb2.SnapshotFailed) and msg.operation != "verify":
+            return False
+        answer.reply = msg
+        answer.event.set()
+        return True
+
+    def _relaunch(
+        self, job: _Job, from_version: str, verdicts: list | None, spec: JobSpec | None = None
+    ) -> control_pb2.JobStatus:
+        """Under the lock: pick the version, allocate the job's ranks again to load it, and
+        start the new generation (WARMING_UP). ``spec``: the job's spec at a new
+        data-parallel layout (validated by ``_new_layout``), None: its own. Where its ranks do
+        not fit now, or queued jobs come first, it waits in the queue as a submitted job does
+        (STANDBY, its status saying what it waits for; ``_queue_resume``). Nothing changes
+        when it is refused."""
+        job_id = job.status.job_id
+        if not self._relaunchable(job):
+            raise IllegalTransition(
+                f"job {job_id} changed while its checkpoints were verified "
+                f"(now {JobState.Name(job.status.state)}); not resumed"
+            )
+        step, version, candidates = self._resume_version(job, from_version, verdicts)
+        # A drained job comes first (`surgectl up` resumes it); any other waits behind the
+        # queued jobs of its priority or higher, as a submit does.
+        held = "" if job.status.drained else self._resume_held(job)
+        reply = None if held else self._place_resume(job, step, version, spec, candidates)
+        if reply is not None and reply.rank_memory_bytes:  # its ranks fit on no registered worker
+            raise InsufficientResources(f"cannot resume {job_id}: {reply.reason}")
+        if held or reply is not None:
+            beyond = reply is not None and _beyond_cluster(reply)
+            self._queue_resume(job, step, version, spec, held or _waits_for(job, reply, spec), beyond)
+        return self._snapshot(job)
+
+    def _resume_held(self, job: _Job) -> str:
+        """Why an operator resume of ``job`` waits in the queue before it is even tried ("":
+        it is tried now)."""
+        if self._queue.blocks(job.status.priority):
+            return "waits for the jobs queued ahead of it"
+        return self._queue_held(but=job)
+
+    def _resume_version(self, job: _Job, from_version: str, verdicts: list | None) -> tuple[int, str, list[tuple]]:
+        """Under the lock: (step, version) an operator resume loads, and every candidate.
+
+        Raises:
+            IllegalTransition: no checkpoint, none that verifies, or ``from_version`` not one
+                of the job's or failing verification."""
+        job_id = job.status.job_id
+        if verdicts is None:
+            candidates = [(step, v, v not in job.unusable, "") for step, v in job.versions]
+        else:
+            candidates = [
+                (d.info.step, d.info.version, d.ok and d.info.version not in job.unusable, d.reason) for d in verdicts
+            ]
+        if not candidates:
+            raise IllegalTransition(f"job {job_id} has no checkpoint to resume from; submit again")
+        if from_version:
+            named = [c for c in candidates if c[1] == from_version]
+            if not named:
+                raise IllegalTransition(
+                    f"--from {from_version}: not a committed checkpoint of {job_id} "
+                    f"(its versions: {', '.join(c[1] for c in candidates)})"
+                )
+            chosen = named[0]
+            if not chosen[2]:
+                raise IllegalTransition(
+                    f"--from {from_version}: fails verification ({chosen[3] or 'struck'}); never loaded"
+                )
+        else:
+            usable = [c for c in candidates if c[2] and c[1] not in job.abandoned]
+            if not usable:
+                why = "; ".join(f"{v}: {reason or 'struck'}" for _, v, _, reason in candidates)
+                raise IllegalTransition(f"job {job_id}: no checkpoint verifies ({why}); submit again")
+            chosen = max(usable, key=lambda c: (c[0], _version_number(c[1])))
+        return chosen[0], chosen[1], candidates
+
+    def _queue_resume(
+        self, job: _Job, step: int, version: str, spec: JobSpec | None, why: str, beyond: bool = False
+    ) -> None:
+        """Under the lock: an operator resume that cannot be placed now waits in the queue
+        (STANDBY), at the job's priority (a drained job first), to relaunch from ``version``
+        once its ranks fit (``_start_queued``). Journaled: a restarted control keeps it."""
+        job_id = job.status.job_id
+        was = JobState.Name(job.status.state) + (
+            f" ({JobOutcome.Name(job.status.outcome)})" if job.status.outcome else ""
+        )
+        entry = self._queue.add(job_id, job.status.priority, first=job.status.drained)
+        self._queue.mark_beyond_cluster(job_id, beyond)
+        try:
+            job.relaunch = {"version": version, "step": step, "spec": spec_to_json(spec) if spec is not None else ""}
+            job.parked = job.parked_live = job.draining = job.resume_after_pause = False
+            job.status.outcome = JobOutcome.OUTCOME_UNSPECIFIED
+            job.queued = entry
+            where = f"position {self._queue.position(job_id)} of {len(self._queue)}, priority {entry.priority}"
+            self._record(
+                job,
+                ORCH,
+                "decision",
+                f"resume {was} from checkpoint {version} (step {step}) by the operator: queued at {where}: {why}",
+            )
+            self._reopen(job, f"queued: {why}", JobState.STANDBY)
+        except BaseException:
+            self._queue.take(job_id)
+            job.queued = job.relaunch = None
+            raise
+        self._start_soon()  # (a drained job first: what it held back may be tried behind it)
+
+    def _start_relaunch(self, job: _Job) -> control_pb2.ResourcesInsufficient | None:
+        """Under the lock, ``_start_queued``: place a queued operator resume (``job.relaunch``).
+        Returns the allocator's refusal when its ranks do not fit yet (nothing changed)."""
+        r = job.relaunch
+        return self._place_resume(job, int(r["step"]), str(r["version"]), self._relaunch_spec(job), [])
+
+    def _relaunch_spec(self, job: _Job) -> JobSpec | None:
+        """The new layout a queued operator resume starts at (None: the job's own, or none queued)."""
+        return spec_from_json(job.relaunch["spec"]) if job.relaunch and job.relaunch.get("spec") else None
+
+    def _place_resume(
+        self, job: _Job, step: int, version: str, spec: JobSpec | None, candidates: list[tuple]
+    ) -> control_pb2.ResourcesInsufficient | None:
+        """Under the lock: allocate the job's ranks to load ``version`` (``step``) and start the
+        new generation (WARMING_UP). Returns the allocator's refusal when they do not fit
+        (nothing reserved, nothing changed); a failure after the allocation takes the ranks
+        back and puts the job back as it was, then raises."""
+        job_id = job.status.job_id
+        new = spec or job.spec
+        spec_json = spec_to_json(new)
+        init = engine_pb2.InitJob(
+            job_id=job_id,
+            spec_json=spec_json,
+            resume_version=version,
+            data_address=self._data_address,
+            store_address=self._store_address,
+            standing_orders=fd.standing_orders(new.fault_policy),
+            rebuild_in_place=new.fault_policy.rebuilds,
+        )
+        reply = self._allocator(
+            control_pb2.AllocateResources(
+                job_id=job_id, world_size=new.world_size, backend=new.parallel.backend, init=init
+            )
+        ).message
+        if isinstance(reply, control_pb2.ResourcesInsufficient):
+            return reply
+        assert isinstance(reply, control_pb2.ResourcesReady), reply
+        before, before_runtime, before_spec = control_pb2.JobStatus(), _runtime(job), job.spec
+        before.CopyFrom(job.status)
+        was = JobState.Name(job.status.state) + (
+            f" ({JobOutcome.Name(job.status.outcome)})" if job.status.outcome else ""
+        )
+        try:
+            # A new generation: nothing of the old one's ranks, pause, stop or recovery is kept;
+            # the restart budgets start again (the operator decided to go on). Except which
+            # old ranks finished: the clean exit of one reported after this is no fault
+            # (each entry goes when the rank's new process reports ready).
+            job.started, job.paused, job.exited, job.placement = set(), set(), set(), {}
+            job.pending, job.pending_at, job.incident, job.recovered = "", 0, None, None
+            job.restarts, job.ignored, job.excluded = Counter(), Counter(), set()
+            job.verdicts, job.revoked = {}, {}
+            job.parked = job.parked_live = job.draining = job.resume_after_pause = False
+            job.relaunch = None
+            # Going back to an older version starts a new branch: what was committed after it
+            # is never a recovery's choice (the fresh-user trial saw a fault right after
+            # `resume --from J:17` relaunch from J:20, the branch the operator left).
+            job.abandoned = (
+                job.abandoned | {v for v in _known(job, candidates) if _version_number(v) > _version_number(version)}
+            ) - {version}
+            job.versions = [(st, v) for st, v in job.versions if v not in job.abandoned]
+            s = job.status
+            s.outcome, s.drained, s.step, s.checkpoint_version = JobOutcome.OUTCOME_UNSPECIFIED, False, step, version
+            layout = "" if spec is None else f" at a new layout: {_layout_change(job.spec, spec)}"
+            job.spec, s.world_size = new, new.world_size
+            _set_layout(s, new)
+            self._faults(start_monitoring(job_id, job.spec))
+            self._faults(control_pb2.ResetFaultLedger(job_id=job_id))
+            self._record(
+                job,
+                ORCH,
+                "decision",
+                f"resume {was} from checkpoint {version} (step {step}) by the operator{layout}: "
+                f"{reply.world_size} ranks allocated on {', '.join(reply.worker_ids)}; "
+                f"rendezvous {reply.master_addr}:{reply.master_port}; restart budgets reset",
+                spec_json=spec_json if spec is not None else None,  # (the new spec, with the decision)
+            )
+            self._reopen(job, f"ranks launching to resume from checkpoint {version} at step {step}")
+        except BaseException:
+            self._allocator(control_pb2.ReleaseResources(job_id=job_id, kill=True))
+            job.status.CopyFrom(before)
+            _load_runtime(job, before_runtime)
+            if job.spec is not before_spec:
+                job.spec = before_spec
+                try:  # (the decision may have been journaled with the new spec before the failure)
+                    self._journal.save_status(job.status, None, before_runtime, spec_json=spec_to_json(before_spec))
+                except Exception as e:  # noqa: BLE001 - the failure being raised is the one to report
+                    _log.error("the job's spec could not be put back in the journal", job_id=job_id, error=str(e))
+            raise
+        self._start_soon()  # (the queue was held while it was drained)
+        return None
+
+    def _reopen(self, job: _Job, message: str, new: int = JobState.WARMING_UP) -> None:
+        """TERMINATED or PAUSED (ranks gone) -> WARMING_UP (or STANDBY: queued to be placed),
+        and a queued resume's STANDBY -> WARMING_UP: the one way out of TERMINATED, taken only
+        by an operator resume (``_relaunch``)."""
+        old = job.status.state
+        assert old in (JobState.TERMINATED, JobState.PAUSED, JobState.STANDBY), JobState.Name(old)
+        job.status.state = new
+        self._record(
+            job, ORCH, "state", f"{JobState.Name(old)} -> {JobState.Name(new)}: {message}", status_message=message
+        )
+
+    def _restore_parked(self, job: _Job) -> bool:
+        """After a control restart: a PAUSED job whose ranks were stopped with the stack
+        (drained or parked by `surgectl down`) has nothing to re-attach; it waits for a
+        resume (`surgectl up` sends one for a drained job). True when ``job`` is one."""
+        if job.status.state != JobState.PAUSED or not job.parked:
+            return False
+        job.draining = False
+        if job.status.message.startswith(fd.PAUSED_BY_POLICY):  # (its fault policy's pause: the hint stays)
+            text = job.status.message
+            self._record(job, ORCH, "state", f"PAUSED (control restarted): {text}", status_message=text)
+            return True
+        if job.status.drained:
+            text = (
+                f"drained by `surgectl down` at step {job.status.step}; `surgectl up` (or `surgectl resume "
+                f"{job.status.job_id}`) continues it from {_newest(job)}"
+            )
+        else:
+            text = (
+                f"paused; its ranks stopped with the stack: `surgectl resume {job.status.job_id}` relaunches "
+                f"them from {_newest(job)}"
+            )
+        self._record(job, ORCH, "state", f"PAUSED: {text}", status_message=text)
+        return True

@@ -1,0 +1,147 @@
+"""The sentences L1-1 writes into a job's events and status (pure functions)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from services.common.sizes import size_text
+from services.contract import control_pb2, route_pb2, store_pb2
+from services.control.orchestrator.job import _Incident, _Job
+from services.control.orchestrator.triage import _clipped
+from services.jobspec import (
+    IN_PLACE_ACTIONS,
+    JobSpec,
+)
+
+
+def _failed_text(what: str, cause: str, msg: store_pb2.SnapshotFailed) -> str:
+    """E.g. "checkpoint save failed (timeout: ...); training continues, the next interval
+    tries again". A refused write names which (its WriteError) and leaves what follows to
+    the fault policy's decision (class checkpoint_write_failed), recorded next."""
+    if msg.cause == store_pb2.StoreFailureCause.WRITE_REFUSED:
+        return f"{what} failed ({cause}, {_write_error_name(msg)}: {msg.reason}); older versions are intact"
+    text = f"{what} failed ({cause}: {msg.reason})"
+    return text + ("; training continues, the next interval tries again" if msg.operation == "save" else "")
+
+
+def _write_error_name(msg: store_pb2.SnapshotFailed) -> str:
+    """E.g. "no_space" for WRITE_NO_SPACE; "unknown" when the writer could not say."""
+    kind = msg.write_error
+    return route_pb2.WriteError.Name(kind).removeprefix("WRITE_").lower() if kind else "unknown"
+
+
+def _broken_text(what: str, msg: store_pb2.SnapshotFailed, incident: _Incident | None) -> str:
+    """The record of a save or load whose collectives failed, e.g. "checkpoint save of j:7
+    failed, expected: CommunicationFailed: ... (consequence of rank 1's rank_exit)" (what
+    follows is the recovery's, in its own records)."""
+    if incident is None:
+        return _failed_text(what, "communication", msg)
+    of = f"rank {incident.cause.rank}'s {incident.fault_class}"
+    return f"{what} failed, expected: {_clipped(msg.reason)} (consequence of {of})"
+
+
+def _failure_name(msg: store_pb2.SnapshotFailed) -> str:
+    """A failure with no store cause, by its typed failure cause ("communication": a peer lost
+    in the save's collectives); "unknown" only when it has none."""
+    cause = msg.failure.cause if msg.HasField("failure") else 0
+    return route_pb2.FailureCause.Name(cause).removeprefix("FAILURE_").lower() if cause else "unknown"
+
+
+def _overdue(job: _Job, incident: _Incident, missing: list[int]) -> str:
+    policy = job.spec.fault_policy
+    if incident.action in IN_PLACE_ACTIONS:
+        return (
+            f"ranks {missing} not ready {policy.rebuild_seconds:g} s (fault_policy.rebuild_seconds) after the "
+            f"rebuild in place for rank {incident.cause.rank}'s {incident.fault_class} was commanded"
+        )
+    return f"ranks {missing} not ready {policy.restore_seconds:g} s (fault_policy.restore_seconds) after the relaunch"
+
+
+def _healed_text(incident: _Incident, world_size: int) -> str:
+    """What a rebuild in place did, e.g. "group of 2 rebuilt in place: rank 1 healed from
+    rank 0's memory, 1 rank kept its process"."""
+    # (The survivors restore the source's state too: only the replacements are news.)
+    healed = sorted((r, src) for r, src in incident.healed_from.items() if r in incident.lost and r != src)
+    kept = len([r for r in range(world_size) if r not in incident.lost])
+    text = f"group of {world_size} rebuilt in place: "
+    if healed:
+        text += ", ".join(f"rank {r} healed from rank {src}'s memory" for r, src in healed) + ", "
+    return text + _kept_text(kept)
+
+
+def _kept_text(kept: int) -> str:
+    """E.g. "1 rank kept its process", "2 ranks kept their processes"."""
+    return f"{kept} rank{'' if kept == 1 else 's'} kept {'its process' if kept == 1 else 'their processes'}"
+
+
+def _version_number(version: str) -> int:
+    """The commit number of ``<job>:<n>`` (0 if it has none)."""
+    tail = version.rsplit(":", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
+def checkpoint_text(msg: store_pb2.SaveCompleted) -> str:
+    """The event of a committed version: its size, and what its save wrote (a baseline: every
+    chunk; a delta: the chunks that changed). Parsers rely on "checkpoint V at step N (" and
+    " bytes, " (tests/faults)."""
+    total = size_text(msg.bytes)
+    if msg.baseline:
+        wrote = f"{total}, baseline"
+    elif msg.written_bytes:
+        wrote = f"{total} total, {size_text(msg.written_bytes)} written, delta"
+    else:  # a version of plain files (or a delta that wrote nothing: SaveCompleted cannot tell)
+        wrote = total
+    return f"checkpoint {msg.version} at step {msg.step} ({wrote}; {msg.bytes} bytes, {msg.files} files)"
+
+
+# How a recovery's event names where its ranks' chunks came from.
+_SOURCE_TEXT = {"memory": "memory (own node)", "peer": "the peer's memory", "store": "the store"}
+
+
+def restored_from_text(bytes_from: dict[str, int] | Counter[str]) -> str:
+    """Where the ranks of a recovery read their checkpoint's chunks, from the bytes per
+    source they reported: "read from memory (own node)" (one source), or with the bytes of
+    each when mixed ("read from memory (own node) 1.2 MB + the peer's memory 300 KB");
+    "" when nothing was reported (a version of plain files, or ranks of an older release)."""
+    order = list(_SOURCE_TEXT) + sorted(set(bytes_from) - set(_SOURCE_TEXT))
+    used = [(name, bytes_from[name]) for name in order if bytes_from.get(name)]
+    if not used:
+        return ""
+    if len(used) == 1:
+        return f"read from {_SOURCE_TEXT.get(used[0][0], used[0][0])}"
+    return "read from " + " + ".join(f"{_SOURCE_TEXT.get(n, n)} {size_text(b)}" for n, b in used)
+
+
+def _newest(job: _Job) -> str:
+    """The job's newest committed version not known unusable, as text."""
+    usable = [(step, v) for step, v in job.versions if v not in job.unusable]
+    if not usable:
+        return "(no checkpoint yet)"
+    step, version = max(usable, key=lambda sv: (sv[0], _version_number(sv[1])))
+    return f"checkpoint {version} (step {step})"
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.1f} GiB"
+
+
+def _beyond_cluster(reply: control_pb2.ResourcesInsufficient) -> bool:
+    """Whether the allocator refused because the job needs more ranks than every registered
+    worker's slots together (it can start only once more workers join)."""
+    return reply.registered_ranks < reply.requested_ranks
+
+
+def _waits_for(job: _Job, reply: control_pb2.ResourcesInsufficient, spec: JobSpec | None = None) -> str:
+    """What a queued job waits for, from the allocator's refusal to place it (``spec``: the
+    layout it waits to start at, when not the job's own: a queued `resume --dp`)."""
+    n = reply.requested_ranks or job.status.world_size
+    needs = f"needs {n} rank{'' if n == 1 else 's'} ({_degrees(spec or job.spec)})"
+    if _beyond_cluster(reply):
+        return f"{needs}, more than the {reply.registered_ranks} registered: waits for workers to join"
+    return f"{needs}; {reply.reason}: waits for ranks to free up"
+
+
+def _degrees(spec: JobSpec) -> str:
+    """The parallel degrees a job's rank count comes from, as its spec names them."""
+    p = spec.parallel
+    return f"parallel.dp={p.dp}" + (f" x tp={p.tp} x pp={p.pp}" if p.tp * p.pp > 1 else "")

@@ -1,0 +1,353 @@
+"""Rank events (L2-1 and L5-1 via the relay): a loop started, a step, an eval, a save, a pause,
+the end, a failure, a step fault waiting for its verdict."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from services.contract import Module, control_pb2, engine_pb2, store_pb2
+from services.control import fault_decision as fd
+from services.control.orchestrator.job import ORCH, JobOutcome, JobState, _Job, _rebuilding
+from services.control.orchestrator.recovery import _step_verdict
+from services.control.orchestrator.texts import _newest, checkpoint_text
+from services.jobspec import (
+    IN_PLACE_ACTIONS,
+)
+
+
+class RankEvents:
+    """Rank events (L2-1 and L5-1 via the relay) (a part of ``Orchestrator``, see core.py)."""
+
+    # ------------------------------------------------------------ rank events (L2-1, L5-1)
+
+    def on_training_loop_started(self, msg: engine_pb2.TrainingLoopStarted, payload: Any = None) -> None:
+        """A rank is initialised (restored, after a recovery) and waits for StartTraining;
+        when all have, start them all."""
+        with self._lock:
+            self._heard_from(msg.job_id, msg.rank)
+            scaling = msg.job_id in self._jobs and _rebuilding(self._jobs[msg.job_id].scale)
+            states = (JobState.WARMING_UP, JobState.FAULT_FROZEN) + ((JobState.RUNNING,) if scaling else ())
+            job = self._live(msg.job_id, states, msg)
+            if job is None:
+                return
+            if job.status.state == JobState.FAULT_FROZEN and job.incident is None:
+                return  # frozen by a control restart: these ranks are not known here
+            if job.incident is not None and job.incident.resumed:
+                # Only a relaunched rank reports ready during a recovery (the failed
+                # generation's ready reports were applied before the fault): the relaunch
+                # reached the node agents before control went down; it is not repeated.
+                job.incident.relaunched, job.incident.resumed = True, False
+                self._record(
+                    job,
+                    ORCH,
+                    "recovery",
+                    f"the relaunch commanded before the restart happened: rank {msg.rank} of the "
+                    "relaunched ranks is ready; not relaunched again",
+                )
+            job.started.add(msg.rank)
+            job.finished.pop(msg.rank, None)  # (an old generation's, kept by an operator resume)
+            if job.incident is not None:
+                job.incident.restored_from.update(dict(msg.restored_bytes_from))
+                if msg.healed:
+                    job.incident.healed_from[msg.rank] = msg.healed_from_rank
+            elif scaling and msg.healed:
+                job.scale.healed_from[msg.rank] = msg.healed_from_rank
+            if msg.worker_id:  # journaled: a restarted control knows where each rank ran
+                job.placement[msg.rank] = msg.worker_id
+            incident = job.incident
+            if incident is not None and incident.action in IN_PLACE_ACTIONS and msg.rank not in incident.lost:
+                # A survivor: its process never restarted; its seconds are the rebuild's (a trial read start-up).
+                how = f"kept its process, rejoined in {msg.startup_seconds:.1f} s"
+            else:
+                how = f"{msg.startup_seconds:.1f} s start-up"
+            self._record(
+                job,
+                Module.L2_TRAINING_LOOP,
+                "rank",
+                f"rank {msg.rank} ready at step {msg.start_step} ({msg.num_parameters} parameters, {how})",
+            )
+            if len(job.started) < job.status.world_size or job.pending == "stop":
+                return
+            job.status.step = msg.start_step
+            if scaling:
+                self._scaled(job, msg)
+                return
+            held = incident is not None and incident.paused  # the operator's pause outlives the fault
+            if not held:
+                self._start_group(job)
+            if incident is None:
+                job.running_since = time.time()
+                self._transition(
+                    job, JobState.RUNNING, ORCH, f"all {job.status.world_size} ranks ready; training started"
+                )
+                return
+            self._recovered(job, incident, msg.start_step, held=held)
+
+    def on_step_completed(self, msg: engine_pb2.StepCompleted, payload: Any = None) -> None:
+        """Rank 0's step summary (global loss, all-rank tokens) updates the status; it is
+        journaled at most every ``persist_interval_s``. A new step that arrives after a fault
+        that is being rebuilt in place counts too: the survivors keep it (the job goes on
+        from the highest step every rank completed), so its tokens and its journal record
+        would otherwise be missing (the trial's "tokens seen" was one step short).
+
+        The decision lock is held for the status only: the step's journal writes (its step
+        row, the status at most every ``persist_interval_s``) are made after it, under the
+        job's journal lock (``_write_later``), so one job's commit never holds up another
+        job's decisions."""
+        if msg.rank != 0:
+            if self._reattaching.waits_for(msg.job_id):  # (else nothing to decide: no lock)
+                with self._lock:
+                    self._heard_from(msg.job_id, msg.rank)
+            return  # every rank reports the same global numbers; rank 0 speaks for them
+        later: list = []
+        journal_lock = None
+        try:
+            with self._lock:
+                journal_lock = self._step(msg, later)
+            if journal_lock is not None:
+                # Every applied step, in order (the journal of progress a restart resumes
+                # from; an event applied twice would show here as a repeated step).
+                self._journal.record_step(msg.job_id, msg.step, msg.loss, msg.tokens, msg.unix_time or time.time())
+                for write in later:
+                    self._write(*write)
+        finally:
+            if journal_lock is not None:
+                journal_lock.release()
+
+    def _step(self, msg: engine_pb2.StepCompleted, later: list) -> Any:
+        """Under the lock: rank 0's step applied to the job's status; returns the job's
+        journal lock, taken (None: the step is not the job's), its writes in ``later``."""
+        self._heard_from(msg.job_id, msg.rank)
+        job = self._jobs.get(msg.job_id)
+        kept = (
+            job is not None
+            and job.status.state == JobState.FAULT_FROZEN
+            and job.incident is not None
+            and job.incident.action in IN_PLACE_ACTIONS
+            and msg.step > job.status.step
+        )
+        if not kept:
+            job = self._live(msg.job_id, (JobState.RUNNING, JobState.PAUSED), msg)
+        if job is None:
+            return None
+        s = job.status
+        last_step, last_unix = job.last_step_unix
+        if msg.unix_time and last_unix and msg.step > last_step:
+            rate = (msg.unix_time - last_unix) / (msg.step - last_step)
+            job.step_seconds = rate if not job.step_seconds else 0.8 * job.step_seconds + 0.2 * rate
+        job.last_step_unix = (msg.step, msg.unix_time)
+        s.step, s.tokens_per_second = msg.step, self._throughput(job, msg)
+        self._agreed(job, msg)
+        if not msg.skipped:
+            s.train_loss = msg.loss
+        s.tokens_seen += msg.tokens
+        if msg.skipped:
+            reason = getattr(msg, "skip_reason", "") or "overflow"  # (field 22: "overflow" | "non_finite_loss")
+            self._metrics.step_skipped(reason)
+            self._record(
+                job,
+                Module.L2_TRAINING_LOOP,
+                "skip",
+                f"step {msg.step} skipped ({reason}): no update applied; loss {msg.loss}",
+                later=later,
+            )
+        if job.recovered is not None:
+            incident, job.recovered = job.recovered, None
+            seconds = time.monotonic() - incident.decided
+            self._metrics.recovered(incident.fault_class, seconds)
+            self._record(
+                job,
+                ORCH,
+                "recovery",
+                f"first step after the recovery from {incident.fault_class} of rank {incident.cause.rank}: "
+                f"step {msg.step}, {seconds:.1f} s after the decision "
+                f"({time.time() - incident.cause.occurred_unix:.1f} s after the fault)",
+                later=later,
+            )
+        if time.monotonic() - job.last_persist >= self._persist_interval_s:
+            self._record(
+                job,
+                Module.L2_TRAINING_LOOP,
+                "step",
+                f"step {msg.step}/{s.total_steps} loss {msg.loss:.4f} {s.tokens_per_second:.0f} tok/s",
+                later=later,
+            )
+        else:
+            self._publish(job)  # (a step not journaled yet: the queries see its progress)
+        return self._write_later(job)
+
+    @staticmethod
+    def _throughput(job: _Job, msg: engine_pb2.StepCompleted) -> float:
+        """The job's tokens/s after ``msg``: tokens over step seconds of its steps but the
+        first this control saw (``_Job.throughput``); that step's own rate until there is
+        another (or when the steps carry no step time). Under the lock."""
+        if msg.step_seconds > 0:
+            if job.throughput_warm:
+                tokens, seconds = job.throughput
+                job.throughput = (tokens + msg.tokens, seconds + msg.step_seconds)
+            job.throughput_warm = True
+        tokens, seconds = job.throughput
+        return tokens / seconds if seconds > 0 else msg.tokens_per_second
+
+    def on_eval_completed(self, msg: engine_pb2.EvalCompleted, payload: Any = None) -> None:
+        if msg.rank != 0:
+            return
+        with self._lock:
+            job = self._live(msg.job_id, (JobState.RUNNING, JobState.PAUSED), msg)
+            if job is None:
+                return
+            job.status.eval_loss = msg.loss
+            self._record(job, Module.L2_TRAINING_LOOP, "eval", f"step {msg.step} eval loss {msg.loss:.4f}")
+
+    def on_save_completed(self, msg: store_pb2.SaveCompleted, payload: Any = None) -> None:
+        with self._lock:
+            # FAULT_FROZEN too: a commit that completed while its ranks were being killed is a
+            # verified version all the same.
+            job = self._live(
+                msg.job_id, (JobState.RUNNING, JobState.PAUSED, JobState.WARMING_UP, JobState.FAULT_FROZEN), msg
+            )
+            if job is None or any(v == msg.version for _, v in job.versions):
+                return  # every rank relays the same commit; record it once
+            job.status.checkpoint_version = msg.version
+            job.versions.append((msg.step, msg.version))
+            self._record(
+                job,
+                Module.L5_CHECKPOINT_MANAGER,
+                "checkpoint",
+                checkpoint_text(msg),
+            )
+            incident = job.incident
+            if incident is not None and incident.fault_class == fd.REPLICA_DIVERGENCE and incident.bound is not None:
+                # A commit of the diverged ranks that completed as they were being killed.
+                self._never_load_diverged(job, incident.bound, [(msg.step, msg.version)])
+
+    def on_training_loop_paused(self, msg: engine_pb2.TrainingLoopPaused, payload: Any = None) -> None:
+        with self._lock:
+            self._heard_from(msg.job_id, msg.rank)
+            job = self._live(msg.job_id, (JobState.RUNNING,), msg)
+            if job is None or job.pending not in ("pause", "scale"):
+                return
+            job.pending_at = job.pending_at or msg.step  # (the boundary the ranks agreed on)
+            job.paused.add(msg.rank)
+            if job.pending == "scale":
+                if len(job.paused) < job.status.world_size:
+                    self._keep(job)
+                else:
+                    self._resize(job, msg.step)
+                return
+            if len(job.paused) < job.status.world_size:
+                self._keep(job)
+            else:
+                job.pending = ""
+                job.status.step = msg.step
+                text = f"all ranks paused after step {msg.step}"
+                if job.draining and job.boundary_failed:
+                    # Not parked: stopping its ranks now would lose the steps since the newest
+                    # checkpoint (`surgectl down` sees it and keeps the stack running).
+                    job.draining = job.status.drained = False
+                    text += (
+                        f"; not drained: its checkpoint of step {msg.step} could not be saved, the ranks stay "
+                        f"paused (resume, or `surgectl down` again once the store answers)"
+                    )
+                if job.draining:  # its ranks go away with the stack: the next `up` resumes it
+                    job.draining, job.parked, job.parked_live, job.status.drained = False, True, True, True
+                    text += f"; drained: `surgectl up` resumes it from {_newest(job)}"
+                self._transition(job, JobState.PAUSED, Module.L2_TRAINING_LOOP, text)
+                if job.resume_after_pause:  # (resumed while it paused: it continues now)
+                    job.resume_after_pause = False
+                    self._loop(engine_pb2.ResumeTraining(job_id=job.status.job_id))
+                    self._transition(
+                        job, JobState.RUNNING, ORCH, f"resumed at step {msg.step} (asked while the ranks paused)"
+                    )
+
+    def on_training_loop_finished(self, msg: engine_pb2.TrainingLoopFinished, payload: Any = None) -> None:
+        """When every rank has finished: TERMINATED (FINISHED, or STOPPED if stopped early)."""
+        with self._lock:
+            self._heard_from(msg.job_id, msg.rank)
+            job = self._live(msg.job_id, (JobState.WARMING_UP, JobState.RUNNING, JobState.PAUSED), msg)
+            if job is None:
+                return
+            job.finished[msg.rank] = msg.stopped
+            job.status.step = max(job.status.step, msg.step)
+            # (Ranks beyond the world size are an older generation's, kept by an operator
+            # resume at a smaller dp so that their late clean exits are no faults.)
+            ours = {r: stopped for r, stopped in job.finished.items() if r < job.status.world_size}
+            if len(ours) < job.status.world_size:
+                self._keep(job)
+                return
+            stopped = any(ours.values()) or job.pending == "stop"
+            outcome = JobOutcome.STOPPED if stopped else JobOutcome.FINISHED
+            how = "stopped" if stopped else "finished"
+            # Stopped: say where a resume continues (the stop's checkpoint, or an older one
+            # when that save was skipped or not asked for).
+            then = f"; `surgectl resume` continues from {_newest(job)}" if stopped else ""
+            self._terminate(job, outcome, f"all ranks {how} at step {job.status.step}{then}", kill=False)
+
+    def on_training_loop_failed(self, msg: engine_pb2.TrainingLoopFailed, payload: Any = None) -> None:
+        """Recorded only: the decision waits for the fault detector's grade."""
+        with self._lock:
+            job = self._live(msg.job_id, (JobState.WARMING_UP, JobState.RUNNING, JobState.PAUSED), msg)
+            if job is not None:
+                self._record(
+                    job,
+                    Module.L2_TRAINING_LOOP,
+                    "rank",
+                    f"rank {msg.rank} failed at step {msg.step}: {msg.fault_class}: {msg.detail}",
+                )
+
+    def on_step_fault_reported(self, msg: engine_pb2.StepFaultReported, payload: Any = None) -> None:
+        """A rank's loop is blocked on a step fault (every rank finds the same one at the
+        same step): decide once per (step, kind) by the policy (services/control/
+        fault_decision.py) and send the verdict to every rank of the job. A report of a rank
+        the recovery in flight replaces is a consequence: that rank is being released."""
+        fault_class = fd.STEP_FAULT_CLASS.get(msg.kind, "")
+        received = time.time()
+        with self._lock:
+            self._heard_from(msg.job_id, msg.rank)
+            job = self._jobs.get(msg.job_id)
+            if job is None or job.status.state == JobState.TERMINATED or not fault_class:
+                return  # (its ranks are being released)
+            key = (msg.step, msg.kind)
+            for earlier in [k for k in job.verdicts if k[0] < msg.step]:
+                del job.verdicts[earlier]  # (every rank passed that step: see _Job.verdicts)
+            sent = job.verdicts.get(key)
+            if sent is not None:
+                if msg.reminder:
+                    self._record(
+                        job,
+                        ORCH,
+                        "decision",
+                        f"verdict on {fault_class} at step {msg.step} sent again: "
+                        f"rank {msg.rank} still waits after {msg.waited_seconds:.0f} s",
+                    )
+                    self._loop(sent)
+                return
+            text = f"rank {msg.rank} blocked at step {msg.step}: {msg.detail}"
+            incident = job.incident
+            if incident is not None and incident.dying[msg.rank] > 0:
+                self._record(
+                    job,
+                    Module.L2_TRAINING_LOOP,
+                    "fault",
+                    f"{fault_class}: {text} (consequence of rank {incident.cause.rank}'s {incident.fault_class})",
+                )
+                return
+            # Ungraded (GRADE_UNSPECIFIED): decided by its class alone (fault_decision.decide).
+            report = control_pb2.FaultReport(
+                job_id=msg.job_id,
+                fault_class=fault_class,
+                source=Module.L2_TRAINING_LOOP,
+                rank=msg.rank,
+                detail=text,
+                detected_unix=received,
+                occurred_unix=received,
+                step=msg.step,
+                worker_id=job.placement.get(msg.rank, ""),
+            )
+            self._metrics.fault_reported(report, received)
+            self._record(job, Module.L2_TRAINING_LOOP, "fault", f"{fault_class}: {text}")
+            decision = self._decide(job, report, step_fault=msg)
+            # (kept in job.verdicts only if the ranks go on: a relaunched generation that meets
+            # the step again is asked anew)
+            self._loop(job.verdicts.get(key) or _step_verdict(msg, decision))

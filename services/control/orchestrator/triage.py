@@ -1,0 +1,155 @@
+"""What a fault report is to a job, before any policy is read: pure functions of the report and
+the job's record (no I/O, no clock, no lock, nothing written), table-tested without a bus
+(tests/control/test_triage.py).
+
+:func:`triage` sorts a graded ``FaultReport`` of a job into one of:
+
+- ``NEW_INCIDENT``: a fault of its own; the fault policy decides (``fault_decision.decide``);
+- ``CONSEQUENCE``: of the incident being recovered from (a rank of the failed generation that
+  the recovery kills, a rebuild's survivor whose collective broke under it): recorded only;
+- ``LATE``: a failed collective the last incident caused, reported after it recovered: recorded;
+- ``RELEASED``: an exit control asked for (``rank_released``): recorded, nothing to decide;
+- ``NORMAL_END``: the clean exit of a rank whose loop reported finished: no fault;
+- ``RESUMED``: a report during a recovery restored from the journal, which says its relaunch
+  is not all there (``Orchestrator._on_resumed_fault``: relaunched again, no restart spent);
+- ``JOB_ENDED``: the job is TERMINATED, or PAUSED and parked (ranks exiting after the end, or
+  after their job was paused with its ranks gone): nothing at all.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from services.contract import control_pb2
+from services.control.orchestrator.job import JobState, _Incident, _Job
+from services.jobspec import (
+    IN_PLACE_ACTIONS,
+    rebuild_refusal,
+)
+
+# Fault classes that state a rank process ended (FaultReport.fault_class, see the detector).
+_EXITS = frozenset(
+    {"rank_exit", "rank_exit_clean", "rank_oom", "rank_memory_error", "rank_released", "worker_lost", "worker_departed"}
+)
+
+
+# Failure events routed to L1-1 as well as to L1-3 that L1-1 handles and records itself as
+# they arrive (FaultReport.event): SnapshotFailed, a skipped save ("training continues"), a
+# failed load or verification. L1-3's grade of one is decided like any report, but an ignore
+# leaves no second record: see Orchestrator._handled_on_receipt.
+_HANDLED_ON_RECEIPT = frozenset({"SnapshotFailed"})
+
+
+def _no_rebuild(job: _Job, report: control_pb2.FaultReport) -> str:
+    """Why the job's ranks cannot rebuild their group in place now for ``report`` ("": they
+    can). During a rebuild another lost rank is rebuilt again as long as a rank that held
+    the state before the first loss survives (a replacement that dies while it starts, or a
+    second survivor lost, costs nothing of the training); only when none is left, or during
+    another kind of recovery, is every rank relaunched from the checkpoint."""
+    i = job.incident
+    if i is not None and i.action in IN_PLACE_ACTIONS:
+        holders = set(range(job.status.world_size)) - set(i.lost) - set(_lost_ranks(job, report))
+        if holders:
+            return ""
+        return f"no rank that held the state survives (rebuild after {i.fault_class} of rank {i.cause.rank})"
+    if i is not None:
+        return f"a recovery is in flight ({i.action} after {i.fault_class} of rank {i.cause.rank})"
+    if job.status.state != JobState.RUNNING:
+        return f"the job is {JobState.Name(job.status.state)}, not training"
+    if job.pending:
+        return f"a {job.pending} is in flight"
+    return rebuild_refusal(job.spec)
+
+
+def _lost_ranks(job: _Job, report: control_pb2.FaultReport) -> list[int]:
+    """The ranks a rebuild replaces: the rank the fault names, and for a lost node agent
+    every rank it ran. A failed collective alone (comm_error) loses no rank: every rank
+    survives and the group is rebuilt with the same processes."""
+    if report.fault_class == "comm_error":
+        return []
+    lost = {report.rank}
+    if report.fault_class in ("worker_lost", "worker_departed") and report.worker_id:
+        lost |= {r for r, w in job.placement.items() if w == report.worker_id}
+    return sorted(lost)
+
+
+# What a survivor of a rebuild reports as its group breaks under it: consequences of the
+# incident, not faults of their own.
+_SURVIVOR_SYMPTOMS = frozenset({"comm_error", "rank_stalled_in_collective"})
+
+
+CONSEQUENCE_DETAIL_CHARS = 160
+
+
+def _consequence(report: control_pb2.FaultReport, of: str) -> str:
+    """The event line of a report recorded as a consequence of an incident, not decided on:
+    without L1-3's grade (SEVERE after every rebuild read as a new failure) and with the
+    first ``CONSEQUENCE_DETAIL_CHARS`` of its detail (a broken collective's text runs to
+    hundreds of characters and repeats in the report of every module it went through)."""
+    return f"{report.fault_class}, expected: {_clipped(report.detail)} (consequence of {of})"
+
+
+def _clipped(detail: str) -> str:
+    """``detail`` on one line, its first ``CONSEQUENCE_DETAIL_CHARS``."""
+    detail = " ".join(detail.split())
+    if len(detail) > CONSEQUENCE_DETAIL_CHARS:
+        detail = detail[: CONSEQUENCE_DETAIL_CHARS - 1].rstrip() + "…"
+    return detail
+
+
+def _survivor_symptom(incident: _Incident, report: control_pb2.FaultReport) -> bool:
+    return (
+        incident.action in IN_PLACE_ACTIONS
+        and report.rank not in incident.lost
+        and report.fault_class in _SURVIVOR_SYMPTOMS
+    )
+
+
+def _late_symptom(incident: _Incident, report: control_pb2.FaultReport) -> bool:
+    """Whether ``report``, arriving after ``incident`` recovered, is a failed collective it
+    caused before that: a rebuild's survivor's, or any rank's of a relaunched generation
+    (every rank was replaced: seen when a rank died during a resize's pause, the survivors'
+    comm_error came after the relaunch and was decided as a second fault)."""
+    if report.fault_class not in _SURVIVOR_SYMPTOMS or not 0 < report.occurred_unix <= incident.recovered_unix:
+        return False
+    return incident.action not in IN_PLACE_ACTIONS or report.rank not in incident.lost
+
+
+Triage = Literal["new_incident", "consequence", "late", "released", "normal_end", "resumed", "job_ended"]
+NEW_INCIDENT: Triage = "new_incident"
+CONSEQUENCE: Triage = "consequence"
+LATE: Triage = "late"
+RELEASED: Triage = "released"
+NORMAL_END: Triage = "normal_end"
+RESUMED: Triage = "resumed"
+JOB_ENDED: Triage = "job_ended"
+
+
+def triage(report: control_pb2.FaultReport, job: _Job) -> Triage:
+    """What ``report`` is to ``job`` (read only: nothing of either is changed). The order is
+    the order of precedence: a consequence of the incident in flight is never a new fault,
+    whatever its class."""
+    if job.status.state == JobState.TERMINATED or (job.status.state == JobState.PAUSED and job.parked):
+        return JOB_ENDED  # (parked: its ranks are gone, drained or paused by the policy)
+    ended = report.fault_class in _EXITS
+    incident = job.incident
+    if incident is not None and (
+        incident.resumed
+        or (incident.repeated_unix and report.detected_unix and report.detected_unix <= incident.repeated_unix)
+    ):
+        # A recovery restored from the journal (or its relaunch commanded again): the exit of
+        # a rank it kills, or a report graded before the relaunch went again (about the ranks
+        # it replaced), is a consequence; anything else says the relaunch is not all there.
+        if incident.repeated_unix or (ended and incident.dying[report.rank] > 0):
+            return CONSEQUENCE
+        return RESUMED
+    late = job.last_incident if incident is None else None  # (a symptom from before it recovered)
+    if late is not None and _late_symptom(late, report):
+        return LATE
+    if incident is not None and (incident.dying[report.rank] > 0 or _survivor_symptom(incident, report)):
+        return CONSEQUENCE
+    if report.fault_class == "rank_exit_clean" and report.rank in job.finished:
+        return NORMAL_END  # its loop reported finished first: the normal end of that rank
+    if report.fault_class == "rank_released":
+        return RELEASED
+    return NEW_INCIDENT

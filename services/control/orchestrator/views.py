@@ -1,0 +1,106 @@
+"""What the operator's queries read (``JobViews``): each job's status as published after the
+decision that changed it, never the live state under the decision lock; and the decision
+lock itself (``DecisionLock``), which publishes what a decision changed as it ends.
+
+Why: ``surgectl status`` / ``list`` / ``events`` took the orchestrator's one lock, so a list of
+every job (a copy of each) or a long event history waited for, and held up, the decisions of
+every job. A view is a fresh ``JobStatus`` copy made under the decision lock (``publish``)
+and never changed after; a query copies the one it answers with under this file's own leaf
+lock (a dict lookup) and fills in what moves with the clock (elapsed seconds) outside it.
+Views are published when the outermost holder lets the decision lock go, never half-way
+through a decision (a queued job taken out to be tried and put back showed no place to a
+query in between); with the queue's places when its order changed (``JobQueue``'s
+``on_change``), so a queued job's place is right although only the job that moved changed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from services.contract import control_pb2
+from services.control.job_queue import JobQueue
+
+JobState = control_pb2.JobState
+
+
+class DecisionLock:
+    """The orchestrator's decision lock: re-entrant (a command it sends may come back as an
+    event on the same thread); ``on_release`` runs, still under it, when the outermost
+    holder is about to let it go (the decision is over: its changes are published)."""
+
+    def __init__(self, on_release: Callable[[], None]):
+        self._lock = threading.RLock()
+        self._depth = 0  # (changed by the holder only)
+        self._on_release = on_release
+
+    def __enter__(self) -> DecisionLock:
+        self._lock.acquire()
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._depth == 1:
+                self._on_release()
+        finally:
+            self._depth -= 1
+            self._lock.release()
+
+
+class JobViews:
+    """Published job statuses, queue places and cordons. Thread-safe; ``publish`` is called
+    under the decision lock (so views are published in decision order), the readers from
+    any thread without it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # leaf: the three fields below are replaced under it
+        self._jobs: dict[str, tuple[control_pb2.JobStatus, float]] = {}  # id -> (status, running since)
+        self._positions: dict[str, int] = {}  # queued job id -> its place (1: the head)
+        self._cordons: tuple[control_pb2.WorkerCordoned, ...] = ()
+
+    def publish(self, status: control_pb2.JobStatus, running_since: float) -> None:
+        """``status`` (a copy nobody changes any more) is the job's view. Under the decision
+        lock."""
+        with self._lock:
+            self._jobs[status.job_id] = (status, running_since)
+
+    def publish_places(self, queue: JobQueue) -> None:
+        """The queue's order changed: every queued job's place. Under the decision lock."""
+        positions = {entry.job_id: place for place, entry in enumerate(queue.ordered(), start=1)}
+        with self._lock:
+            self._positions = positions
+
+    def forget(self, job_id: str) -> None:
+        """The job is deleted (or its submit undone)."""
+        with self._lock:
+            self._jobs.pop(job_id, None)
+
+    def publish_cordons(self, cordons: list[control_pb2.WorkerCordoned]) -> None:
+        with self._lock:
+            self._cordons = tuple(cordons)
+
+    def status(self, job_id: str) -> control_pb2.JobStatus | None:
+        """A copy of the job's view (None: no such job), its queue place and elapsed time
+        as of now."""
+        with self._lock:
+            view = self._jobs.get(job_id)
+            place = self._positions.get(job_id, 0)
+        return None if view is None else _answer(*view, place)
+
+    def listing(self) -> tuple[list[control_pb2.JobStatus], list[control_pb2.WorkerCordoned]]:
+        """Every job's view (copies, in the order the jobs were first published) and the
+        cordons in force."""
+        with self._lock:
+            views, positions, cordons = list(self._jobs.values()), self._positions, self._cordons
+        return [_answer(status, since, positions.get(status.job_id, 0)) for status, since in views], list(cordons)
+
+
+def _answer(status: control_pb2.JobStatus, running_since: float, place: int) -> control_pb2.JobStatus:
+    copy = control_pb2.JobStatus()
+    copy.CopyFrom(status)
+    copy.queue_position = place
+    if running_since and copy.state != JobState.TERMINATED:
+        copy.elapsed_seconds = time.time() - running_since
+    return copy

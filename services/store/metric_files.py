@@ -1,0 +1,143 @@
+"""A job's raw metric records on disk with a size bound (issue 29 item 8): the metrics
+logger's ``<root>/metrics/<job>.jsonl`` is rotated at ``max_bytes`` the way
+``logging.handlers.RotatingFileHandler`` rotates (``.jsonl.1`` the newest full file, up to
+``.jsonl.<backups>``), and the file rotated out of the backups is not deleted but compacted
+into the job's history, ``.jsonl.<backups + 1>`` (the oldest name, so every reader that takes
+the files oldest first, `surgectl plot` included, reads it first).
+
+Compaction thins, it never averages: the history keeps the step records of the first step
+and of every step divisible by a stride (every rank's) and every evaluation record, the stride doubling until
+the history fits ``max_bytes``. A month-long job keeps its whole curve, at a resolution that halves as it
+grows, and its newest ``backups`` files in full. On disk per job: at most
+``(backups + 2) x max_bytes`` (plus a file being compacted; unless its evaluation records
+alone outgrow ``max_bytes``, which are never thinned).
+
+Settings (store environment, README "Environment"): ``SURGE_STORE_METRICS_MAX_BYTES``
+(default 128 MiB; 0: never rotated), ``SURGE_STORE_METRICS_BACKUPS`` (default 3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+MAX_BYTES_ENV = "SURGE_STORE_METRICS_MAX_BYTES"
+BACKUPS_ENV = "SURGE_STORE_METRICS_BACKUPS"
+DEFAULT_MAX_BYTES = 128 << 20  # ~200k step records of 600 bytes: 25k steps of an 8-rank job a file
+DEFAULT_BACKUPS = 3
+PENDING = ".pending-"  # a file rotated out, waiting for its compaction (no reader takes it)
+
+
+@dataclass(frozen=True)
+class MetricFileBound:
+    """Raises ValueError (naming the variable) for a negative value."""
+
+    max_bytes: int = DEFAULT_MAX_BYTES
+    backups: int = DEFAULT_BACKUPS
+
+    def __post_init__(self) -> None:
+        for name, value in ((MAX_BYTES_ENV, self.max_bytes), (BACKUPS_ENV, self.backups)):
+            if value < 0:
+                raise ValueError(f"{name}: must be >= 0, got {value}")
+
+
+def env_problem(env: Mapping[str, str] | None = None) -> str | None:
+    """What is wrong with this module's environment variables (one line), or None."""
+    env = os.environ if env is None else env
+    for name in (MAX_BYTES_ENV, BACKUPS_ENV):
+        text = env.get(name, "").strip()
+        if text and not text.isdigit():
+            return f"{name}: expected a whole number >= 0, got {text!r}"
+    return None
+
+
+def bound_from_env(env: Mapping[str, str] | None = None) -> MetricFileBound:
+    """The store's :class:`MetricFileBound` (checked by :func:`env_problem` first)."""
+    env = os.environ if env is None else env
+    max_bytes, backups = env.get(MAX_BYTES_ENV, "").strip(), env.get(BACKUPS_ENV, "").strip()
+    return MetricFileBound(
+        int(max_bytes) if max_bytes else DEFAULT_MAX_BYTES, int(backups) if backups else DEFAULT_BACKUPS
+    )
+
+
+def history_path(path: Path, bound: MetricFileBound) -> Path:
+    return path.with_name(f"{path.name}.{bound.backups + 1}")
+
+
+def rotate(path: Path, bound: MetricFileBound) -> Path | None:
+    """Rotate ``path`` (closed by the caller; it is written anew after): ``.jsonl.i`` becomes
+    ``.jsonl.i+1``, ``path`` becomes ``.jsonl.1``. The file rotated out of the backups is
+    renamed to a pending name and returned, for :func:`compact` (None: none yet). Renames
+    only: fast enough under the writer's lock."""
+    pending = None
+    oldest = path.with_name(f"{path.name}.{bound.backups}") if bound.backups else path
+    if oldest.exists():
+        pending = path.with_name(f"{path.name}{PENDING}{time.time_ns()}")
+        os.rename(oldest, pending)
+    for i in range(bound.backups - 1, 0, -1):
+        src = path.with_name(f"{path.name}.{i}")
+        if src.exists():
+            os.rename(src, path.with_name(f"{path.name}.{i + 1}"))
+    if bound.backups and path.exists():
+        os.rename(path, path.with_name(f"{path.name}.1"))
+    return pending
+
+
+def compact(path: Path, pending: Path, bound: MetricFileBound) -> int:
+    """Merge ``pending`` (a file :func:`rotate` returned) into ``path``'s history, thinned to
+    fit ``bound.max_bytes``; the history is replaced atomically, then ``pending`` removed.
+    Returns the stride kept (1: every record). Two passes over the files, holding only the
+    bytes per step in memory (not the records): the history and a pending file are
+    ``max_bytes`` each."""
+    history = history_path(path, bound)
+    sources = [f for f in (history, pending) if f.exists()]
+    per_step: dict[int, int] = {}  # step -> bytes of its step records
+    always = 0  # bytes kept whatever the stride (evaluations, lines that are no step record)
+    for line in _lines(sources):
+        step = _step(line)
+        if step is None:
+            always += len(line)
+        else:
+            per_step[step] = per_step.get(step, 0) + len(line)
+    first = min(per_step, default=None)  # (the curve's start: kept)
+    stride = 1
+
+    def size(k: int) -> int:
+        return always + sum(n for step, n in per_step.items() if step % k == 0 or step == first)
+
+    while size(stride) > bound.max_bytes > 0 and stride < 1 << 40:
+        stride *= 2
+    tmp = history.with_name(history.name + ".tmp")
+    with open(tmp, "wb") as out:
+        for line in _lines(sources):
+            step = _step(line)
+            if step is None or step % stride == 0 or step == first:
+                out.write(line)
+    os.replace(tmp, history)
+    pending.unlink(missing_ok=True)
+    return stride
+
+
+def _lines(files: list[Path]):
+    """The complete lines (bytes, with their newline) of ``files`` in order."""
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                for line in fh:
+                    if line.endswith(b"\n"):
+                        yield line
+        except FileNotFoundError:
+            continue
+
+
+def _step(line: bytes) -> int | None:
+    """The step of a step record (None: an evaluation, or a line that is no record: kept)."""
+    try:
+        record = json.loads(line)
+        return int(record["step"]) if record.get("type") == "step" else None
+    except (ValueError, TypeError, AttributeError, KeyError):
+        return None

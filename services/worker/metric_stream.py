@@ -1,0 +1,203 @@
+"""The node's metric records to the store: one ``StoreService.Record`` stream per node.
+
+Every local rank hands its L5-2 records (StepCompleted, EvalCompleted, LogCollectionConfig,
+StopLogCollection, each a ``MetricRecord`` numbered by the rank) to this agent over its
+``RankSession`` (``RankEvent{metrics}``, ``services/rank/metrics_client.py``). The agent
+sends the records of all its ranks on one long-lived bidirectional ``Record`` stream per
+store address, numbered again in the stream's own order, as ``L2_TRAINING_LOOP`` (it speaks
+for its ranks' loops: the route is theirs, StepCompleted L2-1 -> L5-2; under mutual TLS a
+``surge-worker`` certificate may claim it). The store's ``MetricsAck`` of each goes back to
+the rank it came from with the rank's own ``seq`` (``RankCommand{metrics_ack}``), its
+``routed`` failure events with it.
+
+Why: a rank per stream made the store hold one stream per rank for the job's whole life (at
+about 31 ranks the store's threads were all taken, issue 27); now it holds one per node. And
+every record held and not yet sent goes in one ``MetricBatch`` (at most ``BATCH_RECORDS``):
+a node's ranks finishing a step together cost the store one message and one thread hop, not
+one per rank; while the store writes a batch, the next one gathers.
+
+A record is held until the store's ack for it arrives; when the stream breaks (store
+restarted, stopped, unreachable) the thread reconnects with backoff and resends every record
+not yet acknowledged, in order (the store writes a resent record once: it recognises it by
+content). The held records are bounded (``METRICS_BUFFER``): past it the oldest is dropped,
+counted and logged (its rank's next ack covers it: the rank waits for no dropped record).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from services.common.grpc_server import channel
+from services.contract import Module, store_pb2, store_pb2_grpc
+from services.contract.relay import routed_from_rpc
+
+METRICS_BUFFER = 100_000  # metric records of this node's ranks held until the store acknowledged them
+BATCH_RECORDS = 1024  # records in one MetricBatch at most (a resend after a reconnect goes in several)
+RECONNECT_OPTIONS = (  # a store that comes back is found within 2 s (gRPC's default grows to 120 s)
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+Ack = Callable[[store_pb2.MetricsAck], None]
+
+
+class MetricStream:
+    """One Record stream to the store at ``address``, for every rank of this node.
+
+    Args:
+        address: the store's host:port.
+        log: a structlog logger.
+        buffer: records held at most (the oldest dropped past it, counted).
+    """
+
+    def __init__(self, address: str, log: Any, buffer: int = METRICS_BUFFER):
+        self._address, self._log, self._max = address, log, buffer
+        self._channel = channel(address, options=RECONNECT_OPTIONS, module=Module.L2_TRAINING_LOOP)
+        self._stub = store_pb2_grpc.StoreServiceStub(self._channel)
+        # Held until acknowledged: (this stream's seq, the record numbered so, the rank's seq, its ack), oldest first.
+        self._held: collections.deque[tuple[int, store_pb2.MetricRecord, int, Ack]] = collections.deque()
+        self._cond = threading.Condition()
+        self._seq = 0
+        self.dropped = 0
+        self._closing = threading.Event()
+        self._sender = threading.Thread(target=self._run, name=f"metrics-{address}", daemon=True)
+        self._sender.start()
+
+    def submit(self, record: store_pb2.MetricRecord, ack: Ack) -> None:
+        """Hold ``record`` (its ``seq`` the rank's) for sending; ``ack`` gets the store's
+        MetricsAck of it, with the rank's seq. Never blocks."""
+        with self._cond:
+            own = record.seq
+            self._seq += 1
+            record.seq = self._seq
+            self._held.append((self._seq, record, own, ack))
+            if len(self._held) > self._max:
+                self._held.popleft()
+                self.dropped += 1
+                if self.dropped == 1 or self.dropped % 1000 == 0:
+                    self._log.warning("metrics_buffer_full", store=self._address, held=self._max, dropped=self.dropped)
+            self._cond.notify_all()
+
+    @property
+    def held_records(self) -> int:
+        """Records not yet acknowledged by the store."""
+        with self._cond:
+            return len(self._held)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is held (waiting up to ``timeout`` seconds for the store's acks), then
+        end the stream and close the channel."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._held or not self._sender.is_alive(), timeout)
+            left = len(self._held)
+        self._closing.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._sender.join(1.0)
+        if self.dropped or left:
+            self._log.warning(
+                "metrics_dropped", records=self.dropped + left, over_bound=self.dropped, unacknowledged_at_exit=left
+            )
+        self._channel.close()
+
+    # ------------------------------------------------------------------ private
+
+    def _acked(self, ack: store_pb2.MetricsAck) -> None:
+        """The store's ack of this stream's record ``ack.seq``: forget it (and anything
+        older: acks come in order), hand the ack to its rank with the rank's seq."""
+        done = None
+        with self._cond:
+            while self._held and self._held[0][0] <= ack.seq:
+                seq, _, own, to = self._held.popleft()
+                if seq == ack.seq:
+                    done = (own, to)
+            self._cond.notify_all()
+        if done is not None:
+            own, to = done
+            to(store_pb2.MetricsAck(records=ack.records, seq=own, routed=ack.routed))
+
+    def _hand_back_routed(self, routed: list) -> None:
+        """The failure events a broken stream brought back (a sink of L5-2 failed on the
+        first unacknowledged record: LogWriteFailed in its trailers) go to that record's rank,
+        in an ack that acknowledges nothing (seq 0); the record stays held and is resent."""
+        if not routed:
+            return
+        with self._cond:
+            head = self._held[0] if self._held else None
+        if head is not None:
+            head[3](store_pb2.MetricsAck(seq=0, routed=routed))
+
+    def _batches(self, stream_done: threading.Event):
+        """One stream's requests: every held record not sent on this stream yet, in batches
+        (all of them at first: a new stream resends what was not acknowledged), then new ones."""
+        sent = 0
+        while True:
+            with self._cond:
+                while True:
+                    if stream_done.is_set() or self._closing.is_set():
+                        return
+                    if self._held and self._held[-1][0] > sent:  # held seqs are contiguous
+                        start = max(0, sent - self._held[0][0] + 1)
+                        stop = min(len(self._held), start + BATCH_RECORDS)
+                        batch = [held[1] for held in itertools.islice(self._held, start, stop)]
+                        break
+                    self._cond.wait(0.5)
+            sent = batch[-1].seq
+            yield store_pb2.MetricBatch(records=batch)
+
+    def _run(self) -> None:
+        backoff = 0.5
+        while not self._closing.is_set():
+            done = threading.Event()
+            call = self._stub.Record(self._batches(done))
+            try:
+                for acks in call:
+                    for ack in acks.acks:
+                        self._acked(ack)
+                    backoff = 0.5
+                if self._closing.is_set():
+                    return
+            except grpc.RpcError as e:
+                if self._closing.is_set():
+                    return
+                self._log.warning(
+                    "metrics_stream_failed", store=self._address, code=e.code().name, held=self.held_records
+                )
+                self._hand_back_routed(routed_from_rpc(e))
+            finally:
+                done.set()
+                call.cancel()
+                with self._cond:
+                    self._cond.notify_all()
+            if self._closing.wait(backoff):
+                return
+            backoff = min(backoff * 2, 5.0)
+
+
+class MetricStreams:
+    """The agent's metric streams, one per store address, opened at a rank's first record."""
+
+    def __init__(self, log: Any, buffer: int = METRICS_BUFFER):
+        self._log, self._buffer = log, buffer
+        self._lock = threading.Lock()
+        self._streams: dict[str, MetricStream] = {}
+
+    def submit(self, address: str, record: store_pb2.MetricRecord, ack: Ack) -> None:
+        """``record`` of a rank whose store is at ``address``; ``ack`` gets its MetricsAck."""
+        with self._lock:
+            stream = self._streams.get(address)
+            if stream is None:
+                stream = self._streams[address] = MetricStream(address, self._log, self._buffer)
+        stream.submit(record, ack)
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.close(timeout)

@@ -1,0 +1,110 @@
+"""L1-1's triage as a table (services/control/orchestrator/triage.py): what a graded fault
+report is to its job, before any policy is read. No bus, no process: a job record and a
+report in, one kind out, nothing of either changed."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+
+from services.contract import control_pb2
+from services.control.orchestrator.job import _Incident, _Job
+from services.control.orchestrator.triage import (
+    CONSEQUENCE,
+    JOB_ENDED,
+    LATE,
+    NEW_INCIDENT,
+    NORMAL_END,
+    RELEASED,
+    RESUMED,
+    triage,
+)
+from services.jobspec import parse_job_spec
+
+from .conftest import spec_yaml
+
+JobState = control_pb2.JobState
+SPEC = parse_job_spec(spec_yaml(dp=4))
+
+
+def report(fault_class: str, rank: int, *, detected: float = 0.0, occurred: float = 0.0) -> control_pb2.FaultReport:
+    return control_pb2.FaultReport(
+        job_id="j",
+        grade=control_pb2.SEVERE,
+        fault_class=fault_class,
+        rank=rank,
+        detected_unix=detected,
+        occurred_unix=occurred,
+    )
+
+
+def incident(action: str = "restart_ranks", *, dying: dict[int, int] | None = None, **kw) -> _Incident:
+    return _Incident(
+        cause=report("rank_exit", 1),
+        fault_class="rank_exit",
+        action=action,
+        decided=0.0,
+        dying=Counter(dying or {}),
+        **kw,
+    )
+
+
+def job(state: int = JobState.RUNNING, **kw) -> _Job:
+    return _Job(status=control_pb2.JobStatus(job_id="j", state=state, world_size=4), spec=SPEC, **kw)
+
+
+def recovered(action: str = "restart_ranks", **kw) -> _Job:
+    """A job whose last incident recovered at unix time 100."""
+    return job(last_incident=incident(action, recovered_unix=100.0, **kw))
+
+
+def relaunched_again() -> _Job:
+    """A job whose restored recovery's relaunch was commanded again at unix time 100."""
+    return job(incident=incident(repeated_unix=100.0))
+
+
+# (name, job, report, the kind triage gives)
+CASES = [
+    ("a lost rank of a running job", job(), report("rank_exit", 1), NEW_INCIDENT),
+    ("a silent rank", job(), report("rank_silent", 2), NEW_INCIDENT),
+    ("anything once the job ended", job(JobState.TERMINATED), report("rank_exit", 1), JOB_ENDED),
+    ("an exit control asked for", job(), report("rank_released", 0), RELEASED),
+    ("the clean exit of a finished rank", job(finished={0: False}), report("rank_exit_clean", 0), NORMAL_END),
+    ("the clean exit of a rank that never finished", job(finished={1: False}), report("rank_exit_clean", 0), NEW_INCIDENT),
+    # A recovery in flight: the failed generation's ranks it kills are its consequences.
+    ("a dying rank's exit", job(incident=incident(dying={2: 1})), report("rank_exit", 2), CONSEQUENCE),
+    ("a dying rank's release", job(incident=incident(dying={2: 1})), report("rank_released", 2), CONSEQUENCE),
+    ("a dying rank's broken collective", job(incident=incident(dying={0: 1})), report("comm_error", 0), CONSEQUENCE),
+    ("a rank not dying fails during a recovery", job(incident=incident(dying={2: 1})), report("rank_exit", 3), NEW_INCIDENT),
+    ("a restart's survivor is no survivor", job(incident=incident(dying={})), report("comm_error", 0), NEW_INCIDENT),
+    # A rebuild in place: the survivors' collectives break under them.
+    ("a rebuild's survivor's comm_error", job(incident=incident("rebuild", lost=[1])), report("comm_error", 0), CONSEQUENCE),
+    ("a rebuild's survivor's stall", job(incident=incident("shrink", lost=[1])), report("rank_stalled_in_collective", 3), CONSEQUENCE),
+    ("the rebuilt rank's own comm_error", job(incident=incident("rebuild", lost=[1])), report("comm_error", 1), NEW_INCIDENT),
+    ("a survivor that dies", job(incident=incident("rebuild", lost=[1])), report("rank_exit", 0), NEW_INCIDENT),
+    # After the recovery: a symptom that happened before it recovered is late, not new.
+    ("a comm_error from before the recovery", recovered(), report("comm_error", 0, occurred=90.0), LATE),
+    ("a comm_error after the recovery", recovered(), report("comm_error", 0, occurred=110.0), NEW_INCIDENT),
+    ("a comm_error with no time", recovered(), report("comm_error", 0), NEW_INCIDENT),
+    ("a rank exit is never late", recovered(), report("rank_exit", 0, occurred=90.0), NEW_INCIDENT),
+    ("the rebuilt rank's comm_error after", recovered("rebuild", lost=[1]), report("comm_error", 1, occurred=90.0), NEW_INCIDENT),
+    ("a rebuild's survivor, late", recovered("rebuild", lost=[1]), report("comm_error", 0, occurred=90.0), LATE),
+    # A recovery restored from the journal after a control restart.
+    ("resumed: a killed rank's exit", job(incident=incident(dying={1: 1}, resumed=True)), report("rank_exit", 1), CONSEQUENCE),
+    ("resumed: a relaunched rank is silent", job(incident=incident(resumed=True)), report("rank_silent", 1), RESUMED),
+    ("resumed: a release of a rank not dying", job(incident=incident(resumed=True)), report("rank_released", 3), RESUMED),
+    ("relaunched again: a report graded before", relaunched_again(), report("rank_silent", 1, detected=90.0), CONSEQUENCE),
+    ("relaunched again: a report graded after", relaunched_again(), report("rank_silent", 1, detected=110.0), NEW_INCIDENT),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("j", "r", "kind"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_triage(j: _Job, r: control_pb2.FaultReport, kind: str):
+    before = copy.deepcopy(j)
+    assert triage(r, j) == kind
+    # Read only: no rank counted as exited, no dying entry made by a lookup.
+    assert j == before
+    if j.incident is not None:
+        assert dict(j.incident.dying) == dict(before.incident.dying)

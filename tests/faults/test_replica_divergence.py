@@ -1,0 +1,75 @@
+"""Silently wrong ranks on the real stack (issue 29 item 3): one rank's weights corrupted
+(the test-only ``corrupt_weights`` injection: one element's top mantissa bit flipped after an
+update) in a dp 2 job whose replicas are checked every 4 steps and saved every 2. The check
+after the corruption finds the replicas different (replica_divergence, at dp 2 both suspect);
+L1-1 rolls the job back to the version saved at the last check that agreed, the version saved
+between (its replicas already differed) is never loaded, and the job finishes.
+
+One stack (control, store, data, two workers of one slot each); every process it started is
+killed by PID at the end.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.grpc_server import channel
+from services.contract import Module, store_pb2, store_pb2_grpc
+
+from .test_compound import committed_versions, services
+from .test_recovery import JobOutcome, of_type, running_stack
+from .test_recovery import spec as recovery_spec
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+# Corrupted after step 5's update: the save at step 6 holds diverged replicas, the check at
+# step 8 (before that step's save) finds them; the last check that agreed was at step 4.
+INJECT = "rdiv:corrupt_weights@5:rank=1"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    with running_stack(
+        tmp_path_factory.mktemp("surge-replicas"), ("json", "email"), ("rdiv",), env={"SURGE_FAULT_INJECT": INJECT}
+    ) as s:
+        yield s
+
+
+def test_a_corrupted_replica_is_found_at_the_next_check_and_the_job_rolls_back_to_the_last_agreeing_version(stack):
+    # Synchronous saves: step 6's version is committed before the check at step 8 runs.
+    text = recovery_spec("rdiv", steps=16, every=2).replace("keep_last: 0}", "keep_last: 0, async: false}")
+    assert "async: false" in text
+    job = stack.submit(text + "integrity: {replica_check_every_steps: 4}\n")
+    events = stack.events(job, timeout=240)
+    assert events[-1].status.outcome == JobOutcome.FINISHED, events[-1].message
+    faults = [m for m in of_type(events, "fault") if "replica_divergence" in m and "(consequence of" not in m]
+    assert len(faults) == 1, faults
+    # Found at the first check after the corruption (step 8), naming the tensor; at dp 2
+    # nothing says which replica is right.
+    assert "replicas differ after step 8 in tok_emb.weight: dp ranks 0, 1 differ and no majority" in faults[0]
+    assert "last agreeing check: step 4" in faults[0]
+    (decision,) = [m for m in of_type(events, "decision") if m.startswith("rollback after replica_divergence")]
+    assert "back to a version at or before step 4, the last replica check that agreed" in decision
+    decided = next(i for i, e in enumerate(events) if e.type == "decision" and e.message.startswith("rollback"))
+    before = dict(committed_versions(events[:decided]))
+    # Saved at steps 2, 4, 6 before the fault; nothing at step 8: the check runs before that
+    # step's save, so a diverged state is never saved at a check step.
+    assert sorted(before) == [2, 4, 6], before
+    # The version of step 6 (saved between the agreeing check and the one that found the
+    # divergence) is never loaded; the rollback resumes from step 4's.
+    (never,) = [m for m in of_type(events, "checkpoint") if "after the last replica check that agreed" in m]
+    assert before[6] in never and before[4] not in never and before[2] not in never
+    relaunches = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
+    assert len(relaunches) == 1 and f"to resume from checkpoint {before[4]};" in relaunches[0], relaunches
+    # The store's catalog knows it too: step 6's version was never covered by an agreeing
+    # check (never `latest`); step 4's was, and so is the run's last (checked at the end).
+    ch = channel(f"127.0.0.1:{services(stack.home)['store']['port']}", module=Module.EXT_USER)
+    try:
+        stub = store_pb2_grpc.StoreServiceStub(ch)
+        listed = stub.List(store_pb2.CheckpointQuery(job_id=job), timeout=30).checkpoints
+        latest = stub.Load(store_pb2.LoadCheckpoint(version=f"{job}:latest"), timeout=30).info
+    finally:
+        ch.close()
+    verified = {c.version: c.replica_verified for c in listed}
+    assert (verified[before[6]], verified[before[4]]) == (False, True), verified
+    assert latest.step == 16 and latest.replica_verified

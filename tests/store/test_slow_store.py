@@ -1,0 +1,138 @@
+"""A slow store is not an outage (issue 27): the real ``python -m services.store`` process,
+its checkpoint handlers held by a handler injection (``delay=``: slow, alive), and both rank
+relays of a save (the simulated rank's ShardSaver, the real rank's StoreClient) with a 1 s
+probe window (``SURGE_STORE_RPC_TIMEOUT_S``). A BeginSave and a previous commit held past
+that window are waited for and every save commits, none reported failed; the same store
+SIGSTOPped is reported (SnapshotFailed, cause TIMEOUT) within 1.5 windows of the save's start
+(the first probe half a window in, unanswered for a window)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import structlog
+
+from services.contract import Module, store_pb2
+from services.rank import store_liveness
+from tests.conftest import free_ports
+from tests.store.test_store_service import Store, spawn
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+WINDOW_S = 1.0  # the probe window the relays get here (SURGE_STORE_RPC_TIMEOUT_S)
+HELD_S = 2.5  # how long the store holds the first BeginSave and the first CommitSave
+SLOW = (
+    f"handler:L5_CHECKPOINT_MANAGER:SaveCheckpoint:delay={HELD_S}:in=services.store;"
+    f"handler:L5_CHECKPOINT_MANAGER:CommitCheckpoint:delay={HELD_S}:in=services.store"
+)
+
+
+@pytest.fixture
+def slow_store(tmp_path, monkeypatch) -> Iterator[Store]:
+    """The real store with its first BeginSave and first CommitSave held ``HELD_S`` each."""
+    monkeypatch.setenv("SURGE_FAULT_INJECT_HANDLER", SLOW)
+    monkeypatch.setattr(store_liveness, "STORE_SILENT_S", WINDOW_S)
+    port, metrics_port = free_ports(2)
+    with open(tmp_path / "store.log", "wb") as out:
+        proc = spawn(tmp_path, port, metrics_port, out)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            grpc.channel_ready_future(ch).result(timeout=60)
+        yield Store(proc, port, metrics_port, tmp_path / "store")
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def stopped_save(store: Store, save) -> float:
+    """Seconds ``save()`` took with the store SIGSTOPped (continued after)."""
+    os.kill(store.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        save()
+        return time.monotonic() - t0
+    finally:
+        os.kill(store.proc.pid, signal.SIGCONT)
+
+
+def test_the_simulated_ranks_saves_wait_for_a_slow_store_and_a_stopped_one_is_reported_in_one_window(slow_store):
+    from services.rank.simulated.collective import Collective
+    from services.rank.simulated.shard_save import ShardSaver
+
+    sent: list = []
+    saver = ShardSaver(
+        f"127.0.0.1:{slow_store.port}", "slowsim", 0, 1, Collective(0, 1, ("127.0.0.1", 0), 5.0), 4096,
+        {"keep_last": 0}, "{}", lambda msg, sender: sent.append(msg), structlog.get_logger(),
+    )  # fmt: skip
+    try:
+        t0 = time.monotonic()
+        saver.save(1)  # its BeginSave held past the window: waited for
+        begin_s = time.monotonic() - t0
+        saver.save(2)  # step 1's commit held past the window: waited for
+        saver.flush()
+        assert [(s["step"], s["committed"]) for s in saver.saves] == [(1, True), (2, True)], saver.saves
+        assert begin_s >= HELD_S
+        assert [m for m in sent if isinstance(m, store_pb2.SnapshotFailed)] == []
+        waited = stopped_save(slow_store, lambda: saver.save(3))
+    finally:
+        saver.close()
+    failed = [(m.step, m.cause) for m in sent if isinstance(m, store_pb2.SnapshotFailed)]
+    assert failed == [(3, store_pb2.TIMEOUT)]
+    assert 1.5 * WINDOW_S <= waited < 1.5 * WINDOW_S + 2.0, waited  # found 1.5 windows after the save began
+    assert saver.saves[-1] == {"step": 3, "committed": False, "cause": "TIMEOUT"}
+
+
+def test_the_real_ranks_relay_waits_for_a_slow_store_and_reports_a_stopped_one_in_one_window(slow_store):
+    import torch
+
+    from services.contract.bus import Bus
+    from services.rank.store_client import StoreClient
+
+    bus, up = Bus(), []
+    client = StoreClient(f"127.0.0.1:{slow_store.port}", bus.emitter(Module.L5_CHECKPOINT_MANAGER))
+    for kind, handler in (
+        (store_pb2.SaveCheckpoint, client.save_checkpoint),
+        (store_pb2.CommitCheckpoint, client.commit_checkpoint),
+        (store_pb2.FlushCheckpoint, client.flush_checkpoint),
+    ):
+        bus.subscribe(Module.L5_CHECKPOINT_MANAGER, kind, handler)
+    for kind in (store_pb2.SaveCompleted, store_pb2.SnapshotFailed):
+        bus.subscribe(Module.L1_ORCHESTRATOR, kind, lambda m, p=None: up.append(m))
+    port = bus.port(Module.L2_TRAINING_LOOP, Module.L5_CHECKPOINT_MANAGER)
+
+    def save(step: int) -> store_pb2.SaveStaged:
+        state = {"model": {"w": torch.full((8,), float(step))}}
+        staged = port(store_pb2.SaveCheckpoint(job_id="slowreal", step=step, rank=0, write_async=True), state)
+        port(store_pb2.CommitCheckpoint(job_id="slowreal", step=step, world_size=1))
+        return staged.message
+
+    try:
+        t0 = time.monotonic()
+        first = save(1)  # its BeginSave held past the window: waited for
+        begin_s = time.monotonic() - t0
+        second = save(2)  # step 1's commit held past the window: waited for
+        port(store_pb2.FlushCheckpoint(job_id="slowreal"))
+        assert first.staging_path and second.staging_path and begin_s >= HELD_S
+        assert [(type(m).__name__, m.step) for m in up] == [("SaveCompleted", 1), ("SaveCompleted", 2)], up
+        waited = stopped_save(slow_store, lambda: save(3))
+        # (SnapshotFailed comes from the relay's writer thread: under load a moment after
+        # the save's call returned)
+        deadline = time.monotonic() + 10.0
+        while not any(isinstance(m, store_pb2.SnapshotFailed) for m in up) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        client.close()
+    failed = [m for m in up if isinstance(m, store_pb2.SnapshotFailed)]
+    assert [(m.step, m.cause) for m in failed] == [(3, store_pb2.TIMEOUT)]
+    assert failed[0].failure.cause == store_liveness.route_pb2.FAILURE_TIMEOUT
+    assert 1.5 * WINDOW_S <= waited < 1.5 * WINDOW_S + 2.0, waited
