@@ -30,7 +30,7 @@ skipped and DDP / FSDP2 run one rank (no gradient exchange); a layout whose esti
 per rank (services/memory_estimate.py, what ``submit --dry-run`` prints) exceeds the GPU's;
 a layout the model cannot take (the job spec validation's reason); and whatever would
 overrun ``--budget-s`` (8 minutes, the stack's start included) by the plan's estimate of
-its time (``STACK_S`` ...: guesses until a GPU run, their basis beside them), marked
+its time (``STACK_S`` ...: one H200 run measured most, the rest guesses; their basis beside them), marked
 "skipped: budget" in the plan already. The compile-off runs and the save / restore /
 rebuild go first, then the compiled ones.
 
@@ -73,32 +73,29 @@ SPEC = c.REPO / "bench/jobs/llama1b.yaml"
 KILL_AT_STEP = 5  # the rebuild trial's SIGKILL: the restored job has trained a few steps
 RESTORE_STEPS = 3  # a restore with no rebuild after it (one GPU): steps on the loaded state
 FORKSERVER_ENV = "SURGE_WORKER_RANK_FORKSERVER"  # services/worker/__main__.py: eager = at the agent's start
-# The plan's estimates of wall time on an H100 / H200 (seconds), to keep to the budget.
-# GUESSES until a GPU run measures them (bench/results/gpu.json's wall_s per row: replace
-# them then). Their basis:
-# - STACK_S: `surgectl up` (control, data, store, one node agent; ~6 s on this project's CPU
-#   runs, docs/LOG.md session 14) plus the agent's rank fork server finishing its
-#   imports (torch with CUDA and Triton: ~10 s, in parallel), waited for before the first submit.
-# - START_S: submit -> first step of an uncompiled job whose ranks are forked from the fork server (no
-#   interpreter or import: 4.2 s on CPU, docs/LOG.md session 11): CUDA context ~2 s, the
-#   seeded init of 1.04 G float32 values drawn on the CPU (services/compute/model.py
-#   init_weights, ~5-8 s at 2 threads per rank), NCCL rendezvous and communicators ~3 s, the
-#   first batch and the first step's cuBLAS / allocator warm-up ~3 s.
-# - COMPILE_S: the first compiled step's extra time (counted apart from the timed steps):
-#   Dynamo + Inductor + Triton for forward and backward of the 16-block model, for per-rank
-#   shapes not compiled before in this run. COMPILE_CACHED_S: the same per-rank shapes (the
-#   same tp) compiled by an earlier row: Inductor's on-disk caches (FX graph, Triton kernels;
-#   TORCHINDUCTOR_CACHE_DIR, shared by every rank process of the run) answer most of it;
-#   Dynamo still traces.
-# - SAVE_S / LOAD_S: weights + AdamW state of 1.04 G parameters (~12.5 GB in float32) copied
-#   off the GPU, written and hashed by the store / asked for, read and verified: ~2 GB/s.
-# - REBUILD_S: kill -> survivors and the replacement training again (goal <= 5 s; 1.9-4.3 s
-#   on CPU, docs/LOG.md), with the replacement's CUDA init, NCCL re-init and a weight copy
-#   from a live peer on top.
+# The plan's estimates of wall time (seconds), to keep to the budget. Measured on one H200
+# (2026-12-04, bench/results/gpu.json, torch 2.11 + CUDA 13, 16 CPUs) where a row says so;
+# the rest are guesses until a multi-GPU run measures them:
+# - STACK_S: `surgectl up` (control, data, store, one node agent) and the agent's rank fork
+#   server's imports (torch with CUDA): the run's total less its rows, 24 s measured.
+# - START_S: submit -> first step of an uncompiled job, its ranks forked from the fork server:
+#   CUDA context, the seeded init of 1.04 G float32 values, NCCL, the first batch and the
+#   first step's warm-up: 15-16 s measured (one rank).
+# - COMPILE_S: the first compiled step's extra time, counted apart from the timed steps.
+#   Each block compiled in place (services/compute/operator_adapter.compile_regions): first
+#   step 28 s, 12 s over uncompiled (the whole model compiled: 150 s). COMPILE_CACHED_S: the
+#   same per-rank shapes compiled by an earlier row, Inductor's on-disk caches
+#   (TORCHINDUCTOR_CACHE_DIR, shared by the run's rank processes) answering: first step 19 s.
+# - SAVE_S / LOAD_S: weights + AdamW state of 1.04 G parameters (12.5 GB in float32) copied
+#   off the GPU, written and hashed / asked for, read and verified: 16.7 s stall and 0.3 s
+#   commit, 25.4 s load measured (0.75 and 0.5 GB/s, one rank writing and reading alone).
+# - REBUILD_S: kill -> survivors and the replacement training again (1.9-4.3 s on CPU,
+#   docs/LOG.md), with the replacement's CUDA init, NCCL re-init and a weight copy from a
+#   live peer on top (a guess: it needs 2 GPUs).
 # - ASSUMED_MFU: a step's speed (each row's step time = its tokens x FLOPs/token / peak /
-#   MFU); steps are a small part of the total (13 steps of ~0.3 s at 1 G parameters).
-STACK_S, START_S, COMPILE_S, COMPILE_CACHED_S = 20.0, 20.0, 45.0, 25.0
-SAVE_S, LOAD_S, REBUILD_S, ASSUMED_MFU = 20.0, 20.0, 30.0, 0.35
+#   MFU): 45 % measured uncompiled, 55 % compiled.
+STACK_S, START_S, COMPILE_S, COMPILE_CACHED_S = 24.0, 16.0, 12.0, 3.0
+SAVE_S, LOAD_S, REBUILD_S, ASSUMED_MFU = 17.0, 26.0, 30.0, 0.45
 NO_SHARED_GPU = "NCCL cannot run two ranks on one GPU"
 
 
@@ -585,7 +582,7 @@ def print_plan(facts: dict, configs: list[Config], args: argparse.Namespace) -> 
     print(c.table(rows, ("configuration", "ranks", "memory/rank (est.)", "plan", "running total (est.)")))
     print(
         f"estimated total {spent:.0f} s, budget {args.budget_s:.0f} s "
-        "(the estimates are guesses until a GPU run measures them: bench/gpu.py STACK_S ...)"
+        "(the estimates: one H200 run and guesses, bench/gpu.py STACK_S ...)"
     )
     valid = sum(1 for cfg in configs if cfg.checks)
     print(f"validated: {valid} of {len(configs)} job specs (job spec validation and memory estimate), no GPU used")

@@ -18,10 +18,10 @@ applies the steps it returns, one after the other, and nothing else lays the mod
 
 torch.compile is the step not applied here: L3-2 (the operator adapter) compiles the module
 this layout produces, lazily at its first forward, because the job's kernel choice
-(``operators.compile``) reaches L3 in ConfigureForward, after the model was loaded. So
-Surge compiles after FSDP2/DDP, around the whole laid-out model (for DDP the path torch
-supports, its DDPOptimizer splitting the graph at bucket boundaries), where torchtitan
-compiles each block before FSDP.
+(``operators.compile``) reaches L3 in ConfigureForward, after the model was loaded. It
+compiles each block in place, as torchtitan does (operator_adapter.compile_regions); the
+compile being lazy, that it is asked for after FSDP2/DDP rather than before changes nothing:
+the blocks' FSDP2 hooks are in place either way when Dynamo first traces.
 
 A pipeline stage (pp > 1) is cut from the model before any of this (L3-1 keeps its stage
 only), and a stage iterates its blocks like the model, so every step applies to it as is.

@@ -153,13 +153,13 @@ def test_gpu_plan_runs_every_row_the_hardware_allows_within_the_default_budget(n
 
 
 def test_gpu_plan_marks_rows_past_the_budget_skipped_in_the_plan_table(capsys):
-    facts, configs = _plan("--gpus", "8", "--budget-s", "250")
+    facts, configs = _plan("--gpus", "8", "--budget-s", "200")
     facts["gpu"] = "(dry run)"
     over = [cfg for cfg in configs if cfg.skip]
     assert over and all(cfg.skip.startswith("budget (estimated") for cfg in over)
-    assert _planned_total(configs) <= 250.0
+    assert _planned_total(configs) <= 200.0
     assert [cfg.name for cfg in over] == [cfg.name for cfg in configs if cfg.compile]  # they go last
-    gpu.print_plan(facts, configs, gpu.parse(["--dry-run", "--budget-s", "250"]))
+    gpu.print_plan(facts, configs, gpu.parse(["--dry-run", "--budget-s", "200"]))
     table = capsys.readouterr().out
     for cfg in over:
         (line,) = [x for x in table.splitlines() if x.startswith(f"| {cfg.name} |")]
