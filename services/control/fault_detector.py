@@ -69,10 +69,15 @@ peer that stopped (SIGSTOP, a hung host), whose silence deadline fires at most
 rank that beat until it stopped, before a stall can find it quiet: so at most that long after
 the stall too). A stall is held for 1.5 beat periods (at least ``attribution_seconds``), long
 enough to see whether a peer has gone quiet (no beat for 1.5 of its periods); if one has, it
-is held until that peer's silence deadline can have fired. A silence is always a cause, never
-a consequence (a rank's beats come from a side thread that a peer's death does not block), so
-it is reported first and the held stalls follow it. A rank whose own beats stopped is not
-reported stalled: its silence is.
+is held until that peer's silence deadline can have fired. This holds for a stall in a
+collective as for one outside it, and for a rank that goes quiet while the stall is held, the
+stalled rank itself included: a rank's last state ("in a collective") says nothing once its
+reports stop (its host hung; its newer beats died with its node agent), so a stall judged
+from it waits for its silence verdict. A silence is always a cause, never a consequence (a
+rank's beats come from a side thread that a peer's death does not block), so it is reported
+first and the held stalls follow it. A rank whose own beats stopped is not reported stalled:
+its silence is (its own held stalls are dropped); if it beats again without progress (a
+pause, not a death), its stall deadline is re-armed from that beat.
 
 After a control restart the orchestrator pushes ``StartFaultMonitoring`` again with the
 job's ``world_size``, a ``reattach_seconds`` and the worker each rank ran on: every rank gets
@@ -374,6 +379,9 @@ class _RankWatch:
     silence_due: float = 0.0  # time.monotonic() when `silence` fires
     stall: Deadline | None = None
     stalled: bool = False  # declared stalled at ``step``; the next progress re-arms the deadline
+    # Its stall deadline passed while it was quiet: its silence deadline decides; a beat without
+    # progress re-arms the stall deadline (still counted from its last progress in the report).
+    deferred: bool = False
     # Restored after a control restart and nothing of it arrived since (no beat, resent or
     # new): its node agent has not re-attached.
     unheard: bool = False
@@ -405,7 +413,9 @@ class _Job:
     eval_batch_times: deque = field(default_factory=lambda: deque(maxlen=_STEP_TIMES_KEPT))
     held: list[control_pb2.FaultReport] = field(default_factory=list)  # symptoms awaiting their cause
     held_timer: Deadline | None = None
-    held_extended: bool = False  # the window was extended once for a quiet peer
+    # The quiet ranks whose silence deadline the held stalls wait for: rank -> its last beat's
+    # receipt then (waited for again only while no beat came since: see _release_held).
+    held_waited: dict[int, float] = field(default_factory=dict)
     # Restored after a control restart: ranks not heard from since (no beat, no exit). Their
     # node agents resend what happened meanwhile, one agent after another, so a symptom
     # waits for all of them (at most reattach_s) before it may be taken for a cause.
@@ -662,16 +672,17 @@ class FaultDetector:
             watch.phase, watch.phase_progress, watch.phase_total = msg.phase, msg.phase_progress, msg.phase_total
             if moved:
                 watch.last_progress_unix = now
-                watch.stalled = watch.waiting = False
+                watch.stalled = watch.waiting = watch.deferred = False
             if not msg.stepping or msg.phase == RankPhase.PHASE_FAULT_WAIT:  # (waiting for L1-1's verdict)
                 if watch.stall is not None:
                     watch.stall.cancel()
-                watch.stall = None
+                watch.stall, watch.deferred = None, False
             elif moved or (watch.stall is None and not watch.stalled and not watch.waiting):
                 if watch.stall is not None:
                     watch.stall.cancel()
-                else:
+                elif not watch.deferred:
                     watch.last_progress_unix = now  # stepping starts now: the clock starts now
+                watch.deferred = False
                 budget = job.phase_deadline_s(msg.phase, msg.phase_total, watch.data_outage)
                 watch.stall = self._deadlines.after(budget - lag, self._stall_passed, (msg.job_id, msg.rank, watch))
             finding = None
@@ -1045,6 +1056,9 @@ class FaultDetector:
             ]
             for _, w in waiting:
                 w.waiting, w.stalled = False, True
+            # Its own stalls held meanwhile (judged from the last state it stated, e.g. "in a
+            # collective", before its reports stopped): its silence is the verdict, not them.
+            job.held = [r for r in job.held if not (r.rank == rank and r.fault_class in _STALLS)]
             window = max(job.attribution_s, 0.1)
         now = time.time()
         silent_for = now - watch.last_beat_unix
@@ -1121,10 +1135,13 @@ class FaultDetector:
                 # (see the docstring).
                 watch.waiting = True
                 return
+            if rank in quiet:
+                # It stopped beating too: its silence deadline reports it (as silent). Should it
+                # beat again without progress (a pause, not a death), that beat re-arms this one.
+                watch.deferred = True
+                return
             watch.stalled = True  # declared once; the next progress re-arms the deadline
             deadline = job.phase_deadline_s(watch.phase, watch.phase_total, watch.data_outage)
-            if rank in quiet:
-                return  # it stopped beating too: its silence deadline reports it (as silent)
             in_collective = watch.phase == RankPhase.PHASE_COLLECTIVE
             for r, w in sorted(job.ranks.items()):
                 # Outside a collective: its peers waiting in one since (at least 1.5 of their
@@ -1185,7 +1202,7 @@ class FaultDetector:
                 job_id,
                 report,
                 window=max(job.attribution_s, job.heartbeat_timeout_s + 0.5),
-                extended=True,
+                waited=quiet,
                 followers=followers,
             )
         else:
@@ -1239,27 +1256,33 @@ class FaultDetector:
 
     def _release_held(self, job_id: str) -> None:
         """The attribution window closed with no cause from another rank: the first held
-        symptom is the cause after all, and the rest follow it. Unless a stall is held and
-        some rank has gone quiet meanwhile: then the window is extended (once) until that
-        rank's silence deadline can have fired."""
+        symptom is the cause after all, and the rest follow it. Unless a stall (of either
+        kind: outside or in a collective) is held and some rank has gone quiet: the stalled
+        rank itself (its last state, e.g. "in a collective", is then stale: its silence is the
+        verdict) or the peer it waits for. Then the window is extended until that rank's
+        silence deadline can have fired, and again while it has not (its agent stated a stop
+        or a run since) as long as it sent no beat: a rank that beats again, and goes quiet
+        once more, is not waited for twice (a slow beater does not hold a stall forever)."""
         with self._lock:
             job = self._jobs.get(job_id)
             if job is None:
                 return
-            if (
-                not job.held_extended
-                and any(r.fault_class == RANK_STALLED for r in job.held)
-                and self._quiet(job, time.time())
-            ):
-                job.held_extended = True
-                # Until the quiet ranks' silence deadlines can have fired (longer for one whose
-                # process its node agent states running).
-                wait = max(self._silence_timeout(job_id, job, r, job.ranks[r]) for r in self._quiet(job, time.time()))
-                job.held_timer = self._deadlines.after(wait + 0.5, self._release_held, (job_id,))
-                return
+            if any(r.fault_class in _STALLS for r in job.held):
+                pending = [
+                    (r, w)
+                    for r in self._quiet(job, time.time())
+                    if (w := job.ranks[r]).silence is not None
+                    and job.held_waited.get(r, w.last_beat_unix) == w.last_beat_unix
+                ]
+                if pending:
+                    job.held_waited.update((r, w.last_beat_unix) for r, w in pending)
+                    wait = max(w.silence_due for _, w in pending) - time.monotonic()
+                    job.held_timer = self._deadlines.after(max(0.0, wait) + 0.5, self._release_held, (job_id,))
+                    return
             if job.held_timer is not None:
                 job.held_timer.cancel()  # (released early: every rank re-attached)
-            held, job.held, job.held_timer, job.held_extended = job.held, [], None, False
+            held, job.held, job.held_timer = job.held, [], None
+            job.held_waited = {}
             restored = job.reattach_s > 0
         causes = self._causes(held)
         if restored and causes:
@@ -1424,16 +1447,17 @@ class FaultDetector:
         job_id: str,
         report: control_pb2.FaultReport,
         window: float,
-        extended: bool = False,
+        waited: list[int] = (),
         followers: list[control_pb2.FaultReport] = (),
     ) -> None:
         """Hold a symptom until its cause arrives or ``window`` seconds pass. The window
-        opens with the first symptom held and does not move (``extended``: it already
-        covers a quiet peer's silence deadline). ``followers`` are held with it, after it."""
+        opens with the first symptom held and does not move (``waited``: the quiet ranks
+        whose silence deadline it covers, see _release_held). ``followers`` are held with
+        it, after it."""
         with self._lock:
             job = self._jobs[job_id]
             if not job.held:
-                job.held_extended = extended
+                job.held_waited = {r: job.ranks[r].last_beat_unix for r in waited if r in job.ranks}
                 if job.held_timer is not None:
                     job.held_timer.cancel()
                 job.held_timer = self._deadlines.after(window, self._release_held, (job_id,))
@@ -1469,7 +1493,7 @@ class FaultDetector:
         Published outside the lock: the orchestrator may command this module back."""
         with self._lock:
             job = self._jobs[job_id]
-            held, job.held = job.held, []
+            held, job.held, job.held_waited = job.held, [], {}
             if job.held_timer is not None:
                 job.held_timer.cancel()
                 job.held_timer = None

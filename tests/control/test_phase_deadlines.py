@@ -325,3 +325,70 @@ def test_a_rank_blocked_on_a_step_fault_waiting_for_l1s_verdict_has_no_progress_
         state[1] = (3, RankPhase.PHASE_OPTIMIZER)  # the verdict came; then no progress: stalled
         (r,) = reports.wait(1, timeout=3.0)
     assert r.fault_class == "rank_stalled" and r.phase == RankPhase.PHASE_OPTIMIZER
+
+
+# Stall blame on a hung host (tests/faults/test_stall_blame.py, CI under load): rank 1's host
+# hangs (rank and node agent SIGSTOPped) while rank 0 waits for it in the all-reduce. Rank 1's
+# last beats that reached control said it waited in a collective (stale: it had gone on since,
+# but those beats died with its agent). Whichever stall deadline fires first, while rank 1 still
+# looks alive (its last beat under 1.5 periods old), rank 1 goes quiet during the hold: the
+# verdict waits for its silence, which names the incident; rank 0's stall follows it, and rank
+# 1's own stall (extrapolated from a rank whose reports stopped) is not reported at all.
+HUNG_HOST_CASES = {
+    # (seconds from the start, rank, its phase): rank 0 is beaten by a thread from its first entry
+    # on. Rank 1's deadline fires first (0.8 s, its last beat 0.4 s old): the CI failure, "rank 1
+    # waits in a collective: no step progress for 1.0 s".
+    "the hung rank's own deadline first": [
+        (0.0, 1, RankPhase.PHASE_COLLECTIVE),
+        (0.3, 0, RankPhase.PHASE_COLLECTIVE),
+        (0.4, 1, RankPhase.PHASE_COLLECTIVE),
+    ],
+    # Rank 0's fires first (0.8 s, rank 1's last beat 0.4 s old); rank 1 is quiet (and its own
+    # deadline passes) before rank 0's stall is released.
+    "its waiting peer's deadline first": [
+        (0.0, 0, RankPhase.PHASE_COLLECTIVE),
+        (0.4, 1, RankPhase.PHASE_COLLECTIVE),
+    ],
+}
+
+
+@pytest.mark.parametrize("timeline", HUNG_HOST_CASES.values(), ids=list(HUNG_HOST_CASES))
+def test_a_stall_of_a_rank_that_then_goes_quiet_waits_for_its_silence_and_its_peer_follows(timeline):
+    bus, reports = wired(
+        heartbeat_timeout_seconds=2.0, stall_min_seconds=0.8, stall_step_factor=0.01, attribution_seconds=0.1
+    )
+    state = {}
+    t0 = time.monotonic()
+    with Beating(bus, state, interval=0.4):
+        for at, rank, phase in timeline:
+            time.sleep(max(0.0, t0 + at - time.monotonic()))
+            step = 20 if rank == 0 else 18  # (rank 1's beats of steps 19 and 20 died with its agent)
+            beat(bus, rank, step, phase, interval=0.4)
+            if rank == 0:
+                state[0] = (step, phase)
+        quiet_from = time.monotonic() - t0
+        first = reports.wait(1, timeout=6.0)[0]
+        time.sleep(0.5)  # (its followers)
+    got = [(r.fault_class, r.rank) for r in reports]
+    assert (first.fault_class, first.rank) == ("rank_silent", 1), [(r.fault_class, r.rank, r.detail) for r in reports]
+    assert quiet_from < 0.6, quiet_from  # (the timeline held: rank 1 quiet at 1.0 s)
+    assert ("rank_stalled_in_collective", 0) in got[1:], got
+    assert [g for g in got if g[1] == 1] == [("rank_silent", 1)], got
+
+
+def test_a_rank_quiet_when_its_stall_deadline_passed_that_beats_again_without_progress_is_stalled():
+    # A pause of the beats (a loaded host) over the stall deadline: the silence deadline was
+    # to decide, but the rank beats again, still stuck in its forward: it is stalled.
+    bus, reports = wired(heartbeat_timeout_seconds=5.0, stall_min_seconds=0.6, stall_step_factor=0.01)
+    t0 = time.monotonic()
+    beat(bus, 1, 3, RankPhase.PHASE_FORWARD, interval=0.2)
+    time.sleep(0.2)
+    beat(bus, 1, 3, RankPhase.PHASE_FORWARD, interval=0.2)
+    time.sleep(0.8)  # quiet (0.3 s after that beat) when its deadline passes (0.6 s)
+    with Beating(bus, {1: (3, RankPhase.PHASE_FORWARD)}, interval=0.2):
+        beat(bus, 1, 3, RankPhase.PHASE_FORWARD, interval=0.2)
+        (r,) = reports.wait(1, timeout=3.0)
+    assert (r.fault_class, r.rank) == ("rank_stalled", 1), r.detail
+    assert time.monotonic() - t0 < 3.5
+    stalled_for = float(r.detail.split("no step progress for ")[1].split(" s")[0])
+    assert stalled_for >= 1.4, r.detail  # since its last progress, not since it beat again
