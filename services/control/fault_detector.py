@@ -545,17 +545,43 @@ class FaultDetector:
         mono = time.monotonic()
         received = msg.received_monotonic or mono
         wait = max(AGENT_MISSED_BEATS * (msg.interval_seconds or 1.0), AGENT_SILENT_MIN_SECONDS)
-        with self._lock:
-            armed = self._agents.get(msg.worker_id)
+        self._heard_from(msg.worker_id, received, wait, "beats again")
+
+    def on_worker_registration(self, msg: control_pb2.WorkerRegistration, payload: Any = None) -> None:
+        """A node agent's registration or withdrawal (heard here before L1-2 offers or
+        withdraws its slots): either ends the agent silence deadline of the worker id. A
+        deadline armed by the last beat of the agent whose session this one replaced (killed,
+        restarted, back after its stream broke) is not this agent's: it fired, in CI, after a
+        restarted agent registered and before its first beat (a period after its start), and
+        held the node a grow-back had just been decided on. The agent registering is heard
+        from (a report of it silent is ``cleared``); its own beats arm its deadline (an agent
+        that never beats is never held, as before any beat). A withdrawal (zero slots: the
+        agent's stream closed) takes the node out of placement itself: a gone agent is no
+        silent one. A departing agent still beats until its stream closes."""
+        if msg.departing:
+            return
+        if msg.slots == 0:
+            with self._lock:
+                armed = self._agents.pop(msg.worker_id, None)
             if armed is not None:
                 armed[1].cancel()
-            quiet_since = self._silent_agents.pop(msg.worker_id, None)
-            token = object()  # which arming fires (a re-armed one is stale)
-            args = (msg.worker_id, token, received, wait)
-            self._agents[msg.worker_id] = (
-                token,
-                self._deadlines.after(wait - (mono - received), self._agent_silence_passed, args),
-            )
+            return
+        self._heard_from(msg.worker_id, time.monotonic(), None, "registered again")
+
+    def _heard_from(self, worker_id: str, received: float, wait: float | None, how: str) -> None:
+        """``worker_id``'s node agent spoke at ``received`` (time.monotonic()): its deadline
+        is ``wait`` s from then (None: none until its next beat), replacing the one it had;
+        if it had been reported silent, that is reported ``cleared``."""
+        with self._lock:  # (held while arming: the deadline's callback checks its token under it)
+            old = self._agents.pop(worker_id, None)
+            if old is not None:
+                old[1].cancel()
+            if wait is not None:
+                token = object()  # which arming fires (a re-armed one is stale)
+                args = (worker_id, token, received, wait)
+                after = wait - (time.monotonic() - received)
+                self._agents[worker_id] = (token, self._deadlines.after(after, self._agent_silence_passed, args))
+            quiet_since = self._silent_agents.pop(worker_id, None)
         if quiet_since is not None:
             now = time.time()
             self._emit(
@@ -563,11 +589,11 @@ class FaultDetector:
                     grade=self._grade(AGENT_SILENT),
                     fault_class=AGENT_SILENT,
                     source=Module.EXT_HARDWARE,
-                    detail=f"the node agent of {msg.worker_id} beats again after {received - quiet_since:.1f} s",
+                    detail=f"the node agent of {worker_id} {how} after {received - quiet_since:.1f} s",
                     detected_unix=now,
                     occurred_unix=now,
-                    worker_id=msg.worker_id,
-                    event=msg.DESCRIPTOR.name,
+                    worker_id=worker_id,
+                    event=control_pb2.AgentHeartbeat.DESCRIPTOR.name,
                     cleared=True,
                 )
             )
