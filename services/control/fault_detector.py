@@ -5,6 +5,7 @@ never decides whether to stop or recover, never retries, never touches another m
 Its grading table is pushed once at construction (the seed's 故障分级规则台账) and frozen.
 
 Inputs: ``StartFaultMonitoring`` and ``ResetFaultLedger`` (from L1-1), ``RankHeartbeat``,
+``AgentHeartbeat``, ``WorkerRegistration``,
 ``RankExited`` and ``HardwareError`` (from the node agent, via the session relay: a device's
 error graded by ``device_fault_class``), ``BoundaryViolationReported``
 (from the contract layer of any process), and every module's failure event routed here
@@ -44,6 +45,9 @@ law 4: a layer silent past its deadline is judged faulty by the layer above):
   ``AGENT_MISSED_BEATS`` of its beat periods (at least ``AGENT_SILENT_MIN_SECONDS``); if it
   fires, the node is reported ``agent_silent`` (no job: L1-1 holds the worker out of placement,
   so no replacement waits on a frozen agent), and its next beat reports that ``cleared``.
+  The deadline is that agent session's: the worker's ``WorkerRegistration`` (heard here
+  before L1-2) ends it, a withdrawal (its stream closed) as a new registration (a restarted
+  agent is heard from before its first beat; a silent report is ``cleared``).
 
 Both count from when control received the beat (``RankHeartbeat.received_monotonic``,
 stamped by the session relay before the event applier's queue), not from when this handler
@@ -545,7 +549,19 @@ class FaultDetector:
         mono = time.monotonic()
         received = msg.received_monotonic or mono
         wait = max(AGENT_MISSED_BEATS * (msg.interval_seconds or 1.0), AGENT_SILENT_MIN_SECONDS)
-        self._heard_from(msg.worker_id, received, wait, "beats again")
+        with self._lock:
+            armed = self._agents.get(msg.worker_id)
+            if armed is not None:
+                armed[1].cancel()
+            quiet_since = self._silent_agents.pop(msg.worker_id, None)
+            token = object()  # which arming fires (a re-armed one is stale)
+            args = (msg.worker_id, token, received, wait)
+            self._agents[msg.worker_id] = (
+                token,
+                self._deadlines.after(wait - (mono - received), self._agent_silence_passed, args),
+            )
+        if quiet_since is not None:
+            self._agent_heard_again(msg.worker_id, f"beats again after {received - quiet_since:.1f} s")
 
     def on_worker_registration(self, msg: control_pb2.WorkerRegistration, payload: Any = None) -> None:
         """A node agent's registration or withdrawal (heard here before L1-2 offers or
@@ -560,43 +576,31 @@ class FaultDetector:
         silent one. A departing agent still beats until its stream closes."""
         if msg.departing:
             return
-        if msg.slots == 0:
-            with self._lock:
-                armed = self._agents.pop(msg.worker_id, None)
+        mono = time.monotonic()
+        with self._lock:
+            armed = self._agents.pop(msg.worker_id, None)
             if armed is not None:
                 armed[1].cancel()
-            return
-        self._heard_from(msg.worker_id, time.monotonic(), None, "registered again")
-
-    def _heard_from(self, worker_id: str, received: float, wait: float | None, how: str) -> None:
-        """``worker_id``'s node agent spoke at ``received`` (time.monotonic()): its deadline
-        is ``wait`` s from then (None: none until its next beat), replacing the one it had;
-        if it had been reported silent, that is reported ``cleared``."""
-        with self._lock:  # (held while arming: the deadline's callback checks its token under it)
-            old = self._agents.pop(worker_id, None)
-            if old is not None:
-                old[1].cancel()
-            if wait is not None:
-                token = object()  # which arming fires (a re-armed one is stale)
-                args = (worker_id, token, received, wait)
-                after = wait - (time.monotonic() - received)
-                self._agents[worker_id] = (token, self._deadlines.after(after, self._agent_silence_passed, args))
-            quiet_since = self._silent_agents.pop(worker_id, None)
+            quiet_since = self._silent_agents.pop(msg.worker_id, None) if msg.slots > 0 else None
         if quiet_since is not None:
-            now = time.time()
-            self._emit(
-                control_pb2.FaultReport(
-                    grade=self._grade(AGENT_SILENT),
-                    fault_class=AGENT_SILENT,
-                    source=Module.EXT_HARDWARE,
-                    detail=f"the node agent of {worker_id} {how} after {received - quiet_since:.1f} s",
-                    detected_unix=now,
-                    occurred_unix=now,
-                    worker_id=worker_id,
-                    event=control_pb2.AgentHeartbeat.DESCRIPTOR.name,
-                    cleared=True,
-                )
+            self._agent_heard_again(msg.worker_id, f"registered again after {mono - quiet_since:.1f} s")
+
+    def _agent_heard_again(self, worker_id: str, how: str) -> None:
+        """A node agent reported silent spoke: its report ``cleared`` (L1-1 lifts its hold)."""
+        now = time.time()
+        self._emit(
+            control_pb2.FaultReport(
+                grade=self._grade(AGENT_SILENT),
+                fault_class=AGENT_SILENT,
+                source=Module.EXT_HARDWARE,
+                detail=f"the node agent of {worker_id} {how}",
+                detected_unix=now,
+                occurred_unix=now,
+                worker_id=worker_id,
+                event=control_pb2.AgentHeartbeat.DESCRIPTOR.name,
+                cleared=True,
             )
+        )
 
     def _agent_silence_passed(self, worker_id: str, token: object, received: float, wait: float) -> None:
         with self._lock:
