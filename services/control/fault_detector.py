@@ -5,6 +5,7 @@ never decides whether to stop or recover, never retries, never touches another m
 Its grading table is pushed once at construction (the seed's 故障分级规则台账) and frozen.
 
 Inputs: ``StartFaultMonitoring`` and ``ResetFaultLedger`` (from L1-1), ``RankHeartbeat``,
+``AgentHeartbeat``, ``WorkerRegistration``,
 ``RankExited`` and ``HardwareError`` (from the node agent, via the session relay: a device's
 error graded by ``device_fault_class``), ``BoundaryViolationReported``
 (from the contract layer of any process), and every module's failure event routed here
@@ -44,6 +45,9 @@ law 4: a layer silent past its deadline is judged faulty by the layer above):
   ``AGENT_MISSED_BEATS`` of its beat periods (at least ``AGENT_SILENT_MIN_SECONDS``); if it
   fires, the node is reported ``agent_silent`` (no job: L1-1 holds the worker out of placement,
   so no replacement waits on a frozen agent), and its next beat reports that ``cleared``.
+  The deadline is that agent session's: the worker's ``WorkerRegistration`` (heard here
+  before L1-2) ends it, a withdrawal (its stream closed) as a new registration (a restarted
+  agent is heard from before its first beat; a silent report is ``cleared``).
 
 Both count from when control received the beat (``RankHeartbeat.received_monotonic``,
 stamped by the session relay before the event applier's queue), not from when this handler
@@ -567,20 +571,46 @@ class FaultDetector:
                 self._deadlines.after(wait - (mono - received), self._agent_silence_passed, args),
             )
         if quiet_since is not None:
-            now = time.time()
-            self._emit(
-                control_pb2.FaultReport(
-                    grade=self._grade(AGENT_SILENT),
-                    fault_class=AGENT_SILENT,
-                    source=Module.EXT_HARDWARE,
-                    detail=f"the node agent of {msg.worker_id} beats again after {received - quiet_since:.1f} s",
-                    detected_unix=now,
-                    occurred_unix=now,
-                    worker_id=msg.worker_id,
-                    event=msg.DESCRIPTOR.name,
-                    cleared=True,
-                )
+            self._agent_heard_again(msg.worker_id, f"beats again after {received - quiet_since:.1f} s")
+
+    def on_worker_registration(self, msg: control_pb2.WorkerRegistration, payload: Any = None) -> None:
+        """A node agent's registration or withdrawal (heard here before L1-2 offers or
+        withdraws its slots): either ends the agent silence deadline of the worker id. A
+        deadline armed by the last beat of the agent whose session this one replaced (killed,
+        restarted, back after its stream broke) is not this agent's: it fired, in CI, after a
+        restarted agent registered and before its first beat (a period after its start), and
+        held the node a grow-back had just been decided on. The agent registering is heard
+        from (a report of it silent is ``cleared``); its own beats arm its deadline (an agent
+        that never beats is never held, as before any beat). A withdrawal (zero slots: the
+        agent's stream closed) takes the node out of placement itself: a gone agent is no
+        silent one. A departing agent still beats until its stream closes."""
+        if msg.departing:
+            return
+        mono = time.monotonic()
+        with self._lock:
+            armed = self._agents.pop(msg.worker_id, None)
+            if armed is not None:
+                armed[1].cancel()
+            quiet_since = self._silent_agents.pop(msg.worker_id, None) if msg.slots > 0 else None
+        if quiet_since is not None:
+            self._agent_heard_again(msg.worker_id, f"registered again after {mono - quiet_since:.1f} s")
+
+    def _agent_heard_again(self, worker_id: str, how: str) -> None:
+        """A node agent reported silent spoke: its report ``cleared`` (L1-1 lifts its hold)."""
+        now = time.time()
+        self._emit(
+            control_pb2.FaultReport(
+                grade=self._grade(AGENT_SILENT),
+                fault_class=AGENT_SILENT,
+                source=Module.EXT_HARDWARE,
+                detail=f"the node agent of {worker_id} {how}",
+                detected_unix=now,
+                occurred_unix=now,
+                worker_id=worker_id,
+                event=control_pb2.AgentHeartbeat.DESCRIPTOR.name,
+                cleared=True,
             )
+        )
 
     def _agent_silence_passed(self, worker_id: str, token: object, received: float, wait: float) -> None:
         with self._lock:

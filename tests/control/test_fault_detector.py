@@ -11,7 +11,7 @@ import pytest
 
 from services.contract import Module, control_pb2, engine_pb2, route_pb2, store_pb2, worker_pb2
 from services.contract.bus import Bus
-from services.control.fault_detector import DEFAULT_RULES, FaultDetector
+from services.control.fault_detector import AGENT_MISSED_BEATS, DEFAULT_RULES, FaultDetector
 
 FaultGrade = control_pb2.FaultGrade
 pytestmark = pytest.mark.timeout(30)
@@ -807,3 +807,35 @@ def test_a_rank_computing_2x_its_peers_per_step_is_reported_slow_then_cleared_wh
     exited(bus, 0, rank=1)
     cleared = [r for r in reports.wait(3) if r.fault_class == "slow_rank_cleared"]
     assert [r.rank for r in cleared] == [1]
+
+
+@pytest.mark.parametrize("then", ["withdrawn", "registered"])
+def test_an_agent_deadline_ends_with_its_session_and_at_the_next_registration(then):
+    # The deadline a node agent's last beat armed is that agent's: once its stream closed
+    # (withdrawn: zero slots) or another session registered under the id (a restarted agent,
+    # not beating yet), it never fires. Else a killed agent's deadline held its successor's
+    # node (CI, tests/faults/test_resize_in_place.py).
+    bus = Bus()
+    detector = FaultDetector(emit=bus.emitter(Module.L1_FAULT_DETECTOR))
+    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.AgentHeartbeat, detector.on_agent_heartbeat)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.WorkerRegistration, detector.on_worker_registration)
+    reports = Reports()
+    bus.subscribe(Module.L1_ORCHESTRATOR, control_pb2.FaultReport, reports.add)
+    beat = control_pb2.AgentHeartbeat(
+        worker_id="wb", interval_seconds=1.0, received_monotonic=time.monotonic() - (AGENT_MISSED_BEATS - 0.3)
+    )
+    bus.publish(Module.EXT_HARDWARE, beat)  # its deadline: 0.3 s from now
+    slots = 0 if then == "withdrawn" else 1
+    bus.publish(Module.EXT_HARDWARE, control_pb2.WorkerRegistration(worker_id="wb", slots=slots, incarnation="wb-2"))
+    time.sleep(0.8)
+    assert list(reports) == []
+    # The agent's own beats arm its deadline again, and it is held as ever when they stop.
+    beat.received_monotonic = time.monotonic() - (AGENT_MISSED_BEATS - 0.2)
+    bus.publish(Module.EXT_HARDWARE, beat)
+    (silent,) = reports.wait(1)
+    assert (silent.fault_class, silent.worker_id, silent.cleared) == ("agent_silent", "wb", False)
+    # A registration after that is the agent heard from: the report is cleared.
+    bus.publish(Module.EXT_HARDWARE, control_pb2.WorkerRegistration(worker_id="wb", slots=1, incarnation="wb-3"))
+    cleared = reports.wait(2)[1]
+    assert (cleared.fault_class, cleared.cleared) == ("agent_silent", True), cleared
+    assert cleared.detail.startswith("the node agent of wb registered again after "), cleared.detail

@@ -123,3 +123,20 @@ def test_a_held_node_whose_agent_restarts_is_placeable_at_its_registration_befor
     plane.c.sessions.open(reg)
     # Its registration is its sign of life: a grow-back tried at once finds the slot.
     assert isinstance(allocate(plane, "j-h", dp=2), control_pb2.ResourcesReady)
+
+
+def test_a_restarted_agent_is_not_held_by_the_silence_deadline_of_the_agent_it_replaced(plane):
+    # Seen in CI (tests/faults/test_resize_in_place.py, a loaded host): worker-1's agent was
+    # killed, `surgectl restart` brought it back within its old deadline, a grow-back was
+    # decided on its registration; then the killed agent's deadline, armed by its last beat,
+    # fired and held the new agent's node before that agent's first beat (1 s after its
+    # start): the placement found no free slot. Its registration is its sign of life.
+    a, b = plane.register("wa"), plane.register("wb")
+    beat(plane, a)
+    beat(plane, b, seconds_ago=AGENT_MISSED_BEATS - 0.5)  # wb's last beat: its deadline fires in 0.5 s
+    plane.c.sessions.close(b, "the agent was killed")  # its stream closed: withdrawn
+    reg = registration("wb")
+    reg.incarnation = "wb-2"  # the restarted agent, registered, not yet beating
+    plane.c.sessions.open(reg)
+    time.sleep(1.0)  # past the killed agent's deadline
+    assert isinstance(allocate(plane, "j-g", dp=2), control_pb2.ResourcesReady)

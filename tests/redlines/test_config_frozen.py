@@ -143,6 +143,7 @@ def test_the_fault_detectors_grading_table_cannot_change_after_init():
         "reset_fault_ledger",
         "on_rank_heartbeat",
         "on_agent_heartbeat",
+        "on_worker_registration",  # a registration or withdrawal ends the agent deadline: no rules
         "on_rank_exited",
         "on_rank_process_state",
         "on_hardware_error",

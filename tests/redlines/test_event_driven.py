@@ -31,7 +31,7 @@ DEADLINE_TIMERS: dict[int, str] = {
     Module.L1_FAULT_DETECTOR: (
         "per rank: silence (re-armed by each RankHeartbeat) and stall (re-armed by a heartbeat "
         "showing a new step); per job: the attribution window a comm_error waits for its cause; "
-        "per node agent: silence (re-armed by each AgentHeartbeat)"
+        "per node agent: silence (re-armed by each AgentHeartbeat, ended by a WorkerRegistration of the id)"
     ),
     Module.L1_ORCHESTRATOR: (
         "per recovery step it commanded (issue 12): the retry backoff of a step the store's or the "
