@@ -31,7 +31,7 @@ def test_a_shard_rewritten_under_a_running_job_pauses_it_naming_the_version_and_
         job = s.submit(
             spec("dchanged", steps=1_000_000, every=100).replace("micro_batch_size: 4", "micro_batch_size: 64")
         )
-        wait_for(lambda: committed_versions(events_so_far(s, job)), 60, "a checkpoint to resume from")
+        wait_for(lambda: committed_versions(events_so_far(s, job)), 180, "a checkpoint to resume from")
         [shard] = [p for p in tmp_path.rglob("tiny/v1/train.bin")]
         flip(shard)
         changed = time.monotonic()

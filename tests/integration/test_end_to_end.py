@@ -192,12 +192,17 @@ def test_dp_larger_than_the_registered_ranks_waits_in_the_queue_saying_so_until_
 def test_a_job_submitted_while_another_holds_the_ranks_is_queued_and_runs_once_they_free_up(stack, tmp_path):
     small = JOB.replace("d_model: 64", "d_model: 32")
     first, second = tmp_path / "qa.yaml", tmp_path / "qb.yaml"
-    first.write_text(small.replace("name: e2e", "name: qa").replace("steps: 24", "steps: 30"))
+    # a trains until it is stopped: a job that ends by itself can end before b's submit
+    # (a loaded machine takes seconds to start a CLI), and b then finds the ranks free.
+    first.write_text(small.replace("name: e2e", "name: qa").replace("steps: 24", "steps: 1000000"))
     second.write_text(small.replace("name: e2e", "name: qb").replace("steps: 24", "steps: 3"))
     a = submitted(cli(stack, "submit", str(first)))
-    run = cli(stack, "submit", str(second), "--follow")  # queued behind a (its ranks take seconds to start)
-    b = submitted(run)
-    assert "(STANDBY (queued #1))" in run.stdout.splitlines()[0], run.stdout[:500]
+    queued = cli(stack, "submit", str(second))
+    b = submitted(queued)
+    assert "(STANDBY (queued #1))" in queued.stdout.splitlines()[0], queued.stdout[:500]
+    assert cli(stack, "stop", a).returncode == 0  # a's ranks free up at its next step boundary
+    run = cli(stack, "events", b, "--follow")  # until b ends
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr
 
     def log(job: str) -> list[dict]:
         r = cli(stack, "events", job, "-o", "json")
@@ -205,7 +210,7 @@ def test_a_job_submitted_while_another_holds_the_ranks_is_queued_and_runs_once_t
         return [json.loads(line) for line in r.stdout.splitlines()]
 
     ended = [e for e in log(a) if e["type"] == "state" and "-> TERMINATED" in e["message"]]
-    assert len(ended) == 1 and ended[0]["status"]["outcome"] == "FINISHED", log(a)[-3:]
+    assert len(ended) == 1 and ended[0]["status"]["outcome"] == "STOPPED", log(a)[-3:]
     events = log(b)
     assert events[0]["type"] == "queue" and events[0]["message"].startswith("queued at position 1 of 1, priority 0")
     (left,) = [e for e in events if e["type"] == "state" and "STANDBY -> WARMING_UP: left the queue" in e["message"]]

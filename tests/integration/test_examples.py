@@ -130,9 +130,10 @@ def stack(tmp_path_factory):
     # its own); tiny@v1 (and the examples' stdlib@v1) from json, email and logging. Two slots
     # a worker: two of the examples' 2-rank jobs train at once (one after another they took
     # 166 s of a CI run, most of it each job's start-up and end, not its three steps).
-    # rebuild's ranks are paced (slow_steps) until finetune_hf_frozen is seen queued behind it:
-    # forked ranks start in milliseconds, and an unpaced 3-step job could end before the next submit.
-    paced = ",".join(f"rebuild:slow_steps@1:rank={r}:seconds=20" for r in (0, 1))
+    # rebuild's and finetune_checkpoint's ranks are paced (slow_steps) until finetune_hf_frozen
+    # is seen queued behind them: forked ranks start in milliseconds, and an unpaced 3-step job
+    # could end before the next submit (a loaded machine takes seconds to start a CLI).
+    paced = ",".join(f"{job}:slow_steps@1:rank={r}:seconds=20" for job in ("rebuild", "finetune-ckpt") for r in (0, 1))
     env = {"SURGE_WORKER_SLOTS": "2", "SURGE_FAULT_INJECT": paced}
     yield from running_stack(tmp_path_factory, ("json", "email", "logging"), env=env)
 
@@ -223,7 +224,8 @@ def test_every_example_runs_and_own_text_goes_to_hugging_face_and_back(stack, tm
         ):
             assert time.monotonic() < deadline, "finetune_hf_frozen never queued behind rebuild"
             time.sleep(0.5)
-        lift_pace(home / "run" / "faults", jobs["rebuild.yaml"])
+        for name in ("rebuild.yaml", "finetune_checkpoint.yaml"):
+            lift_pace(home / "run" / "faults", jobs[name])
         steps = finish("finetune_hf_frozen.yaml", frozen)
         job_id = jobs["finetune_hf_frozen.yaml"]
         # It waited in the queue behind finetune_checkpoint and rebuild, which then finished too.
