@@ -15,8 +15,9 @@ from its fork server, ``backend: auto`` picks NCCL), jobs submitted as a user su
   TP (dp = N / 2, tp = 2), each with ``operators.compile`` off and on (the compile counted
   apart: it falls in the warm-up steps);
 * a save and a restore: the first DDP job saves at its end, after its timed steps
-  (synchronously: the loop's stall and rank 0's commit, from the rank logs'
-  ``checkpoint_staged`` / ``checkpoint_committed``), then a job ``init_from`` that version
+  (asynchronously, as jobs save by default: the loop's stall, the copy off the GPU; the
+  write and commit behind it, from the rank logs' ``checkpoint_staged`` /
+  ``checkpoint_committed``; synchronous, 16.7 s stall on an H200), then a job ``init_from`` that version
   (weights + optimizer) loads it (the slowest rank's ``checkpoint_loaded``: ask the store,
   read and verify every byte);
 * in that same job (one start-up for both), a SIGKILL of rank 1 at step ``KILL_AT_STEP``,
@@ -59,6 +60,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import yaml
@@ -311,8 +313,10 @@ def job_spec(
     spec["steps"] = args.steps
     spec["parallel"].update(cfg.parallel, backend="auto", peak_tflops_per_device=peak, threads_per_rank=threads)
     spec.setdefault("operators", {})["compile"] = cfg.compile
-    if cfg.save:  # the save at the end, synchronous: the loop's whole stall
-        spec["checkpoint"] = {"every_steps": 0, "keep_last": 1, "at_end": True, "async": False}
+    if (
+        cfg.save
+    ):  # the save at the end, asynchronous as a job saves by default: the loop's stall is the copy off the GPU
+        spec["checkpoint"] = {"every_steps": 0, "keep_last": 1, "at_end": True, "async": True}
     if cfg.kind == "restore":
         spec.update(steps=RESTORE_STEPS, checkpoint={"every_steps": 0, "at_end": False})
         spec["init_from"] = {"checkpoint": f"{saved_job}:latest", "load": "weights+optimizer"}
@@ -357,8 +361,12 @@ def run_train(cfg: Config, spec_path: Path, args: argparse.Namespace, facts: dic
         committed = _log_values(logs, job, "checkpoint_committed", "commit_s")
         if not staged or not committed:
             return {**out, "error": f"no save in the rank logs ({status.message})"}
-        out["save_stall_s"] = max(staged)  # the slowest rank's loop stall: snapshot copy + the write
+        out["save_stall_s"] = max(staged)  # the slowest rank's loop stall: the snapshot's copy off the GPU
         out["commit_s"] = max(committed)  # rank 0: the store hashes and commits the version
+        # The write behind the loop: the first rank staged -> the version committed.
+        out["save_written_s"] = max(_log_times(logs, job, "checkpoint_committed")) - min(
+            _log_times(logs, job, "checkpoint_staged")
+        )
     return out
 
 
@@ -433,6 +441,20 @@ def _log_values(logs: Path, job: str, event: str, key: str) -> list[float]:
                 try:
                     out.append(float(json.loads(line).get(key, 0.0)))
                 except (ValueError, TypeError):
+                    continue
+    return out
+
+
+def _log_times(logs: Path, job: str, event: str) -> list[float]:
+    """Unix times of every ``event`` line in ``job``'s rank logs (their ISO ``timestamp``)."""
+    out = []
+    for path in logs.glob(f"{job}.rank*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            if f'"{event}"' in line:
+                try:
+                    stamp = json.loads(line)["timestamp"].replace("Z", "+00:00")
+                    out.append(datetime.fromisoformat(stamp).timestamp())
+                except (ValueError, TypeError, KeyError):
                     continue
     return out
 
@@ -557,7 +579,10 @@ def _cell(r: dict) -> str:
     if "tokens_per_s" in r:
         cell = f"{r['tokens_per_s']:,.0f} tokens/s, MFU {100 * r['mfu']:.1f} %, first step {r['first_step_s']:.0f} s"
         if "save_stall_s" in r:
-            cell += f"; save: loop stalled {r['save_stall_s']:.1f} s, commit {r['commit_s']:.1f} s"
+            cell += (
+                f"; async save: loop stalled {r['save_stall_s']:.1f} s, written and committed"
+                f" {r.get('save_written_s', 0.0):.1f} s later (commit {r['commit_s']:.1f} s)"
+            )
         return cell
     if "kill_to_training_s" in r:
         return f"kill -> training again {r['kill_to_training_s']:.1f} s (detected {r['detect_s'] or 0:.1f} s)"
