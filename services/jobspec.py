@@ -675,7 +675,7 @@ DEFAULT_CLASS_ACTIONS: dict[str, str] = {
 # ``restarts`` entry wins. One relaunch with the same configuration for running out of memory.
 DEFAULT_CLASS_RESTARTS: dict[str, int] = {"rank_oom": 1, "rank_memory_error": 1}
 # Every fault class control can report (and a policy can name): the fault detector's rules
-# (services/control/fault_detector.py DEFAULT_RULES, FAILURE_CLASSES, ALIASES), the classes a
+# (services/control/fault_detector/rules.py DEFAULT_RULES, FAILURE_CLASSES, ALIASES), the classes a
 # failure exception carries (``fault_class``), and the orchestrator's recovery-wait classes.
 # jobspec is below control (import-linter), so the list lives here;
 # tests/test_fault_classes_known.py fails when control can report a class it lacks.

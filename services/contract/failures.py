@@ -35,7 +35,7 @@ arrives. This file turns what Python raises into what L1-3 reads:
   is taken as its consequence (the communicator is broken).
 
 What grades a cause (fault class, grade) is the fault detector's rule table, keyed by
-(failure event, cause): ``services/control/fault_detector.py``.
+(failure event, cause): ``services/control/fault_detector/rules.py``.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-# Fault classes that can be a node's (services/control/fault_detector.py names them).
+# Fault classes that can be a node's (services/control/fault_detector/rules.py names them).
 NODE_FAULT_CLASSES = frozenset(
     {"rank_exit", "rank_oom", "rank_memory_error", "rank_silent", "rank_stalled", "worker_lost"}
 )

@@ -43,7 +43,7 @@ from services.jobspec import (
 _log = structlog.get_logger("orchestrator")
 
 
-# L1-3's slow-rank findings (services/control/fault_detector.py SLOW_RANK, SLOW_RANK_CLEARED).
+# L1-3's slow-rank findings (services/control/fault_detector/rules.py SLOW_RANK, SLOW_RANK_CLEARED).
 SLOW_RANK, SLOW_RANK_CLEARED = "slow_rank", "slow_rank_cleared"
 
 

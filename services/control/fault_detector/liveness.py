@@ -1,0 +1,362 @@
+"""Liveness: each rank's silence deadline (re-armed by its heartbeats, lengthened or counted
+from a stop by what its node agent states of its process, re-attached after a control
+restart) and each node agent's own (``agent_silent``); a heartbeat also re-arms the rank's
+progress deadline (stalls.py) and feeds the slow-rank comparison (slow_ranks.py)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import structlog
+
+from services.contract import Module, control_pb2, worker_pb2
+from services.control import metrics
+from services.control.fault_detector.rules import (
+    _STALLS,
+    AGENT_MISSED_BEATS,
+    AGENT_SILENT,
+    AGENT_SILENT_MIN_SECONDS,
+    RANK_SILENT,
+    SLOW_RANK,
+    SLOW_RANK_CLEARED,
+    WORKER_LOST,
+)
+from services.control.fault_detector.watch import RankPhase, _Job, _RankWatch
+from services.control.slow_ranks import Finding
+
+_log = structlog.get_logger("fault_detector")
+
+
+class Liveness:
+    """Rank and node agent liveness (a part of ``FaultDetector``, see detector.py)."""
+
+    def on_agent_heartbeat(self, msg: control_pb2.AgentHeartbeat, payload: Any = None) -> None:
+        """A node agent is alive: re-arm its silence deadline (``AGENT_MISSED_BEATS`` of its
+        beat periods, at least ``AGENT_SILENT_MIN_SECONDS``, from the beat's receipt). If it
+        fires, the node is reported ``agent_silent`` (no job: L1-1 holds the worker out of
+        placement); the first beat after that reports it ``cleared``."""
+        mono = time.monotonic()
+        received = msg.received_monotonic or mono
+        wait = max(AGENT_MISSED_BEATS * (msg.interval_seconds or 1.0), AGENT_SILENT_MIN_SECONDS)
+        with self._lock:
+            armed = self._agents.get(msg.worker_id)
+            if armed is not None:
+                armed[1].cancel()
+            quiet_since = self._silent_agents.pop(msg.worker_id, None)
+            token = object()  # which arming fires (a re-armed one is stale)
+            args = (msg.worker_id, token, received, wait)
+            self._agents[msg.worker_id] = (
+                token,
+                self._deadlines.after(wait - (mono - received), self._agent_silence_passed, args),
+            )
+        if quiet_since is not None:
+            self._agent_heard_again(msg.worker_id, f"beats again after {received - quiet_since:.1f} s")
+
+    def on_worker_registration(self, msg: control_pb2.WorkerRegistration, payload: Any = None) -> None:
+        """A node agent's registration or withdrawal (heard here before L1-2 offers or
+        withdraws its slots): either ends the agent silence deadline of the worker id. A
+        deadline armed by the last beat of the agent whose session this one replaced (killed,
+        restarted, back after its stream broke) is not this agent's: it fired, in CI, after a
+        restarted agent registered and before its first beat (a period after its start), and
+        held the node a grow-back had just been decided on. The agent registering is heard
+        from (a report of it silent is ``cleared``); its own beats arm its deadline (an agent
+        that never beats is never held, as before any beat). A withdrawal (zero slots: the
+        agent's stream closed) takes the node out of placement itself: a gone agent is no
+        silent one. A departing agent still beats until its stream closes."""
+        if msg.departing:
+            return
+        mono = time.monotonic()
+        with self._lock:
+            armed = self._agents.pop(msg.worker_id, None)
+            if armed is not None:
+                armed[1].cancel()
+            quiet_since = self._silent_agents.pop(msg.worker_id, None) if msg.slots > 0 else None
+        if quiet_since is not None:
+            self._agent_heard_again(msg.worker_id, f"registered again after {mono - quiet_since:.1f} s")
+
+    def _agent_heard_again(self, worker_id: str, how: str) -> None:
+        """A node agent reported silent spoke: its report ``cleared`` (L1-1 lifts its hold)."""
+        now = time.time()
+        self._emit(
+            control_pb2.FaultReport(
+                grade=self._grade(AGENT_SILENT),
+                fault_class=AGENT_SILENT,
+                source=Module.EXT_HARDWARE,
+                detail=f"the node agent of {worker_id} {how}",
+                detected_unix=now,
+                occurred_unix=now,
+                worker_id=worker_id,
+                event=control_pb2.AgentHeartbeat.DESCRIPTOR.name,
+                cleared=True,
+            )
+        )
+
+    def _agent_silence_passed(self, worker_id: str, token: object, received: float, wait: float) -> None:
+        with self._lock:
+            armed = self._agents.get(worker_id)
+            if armed is None or armed[0] is not token:
+                return  # re-armed meanwhile
+            del self._agents[worker_id]
+            self._silent_agents[worker_id] = received
+        now = time.time()
+        self._emit(
+            control_pb2.FaultReport(
+                grade=self._grade(AGENT_SILENT),
+                fault_class=AGENT_SILENT,
+                source=Module.EXT_HARDWARE,
+                detail=f"the node agent of {worker_id} sent no AgentHeartbeat for {time.monotonic() - received:.1f} s "
+                f"(its deadline {wait:.1f} s)",
+                detected_unix=now,
+                occurred_unix=now - (time.monotonic() - received),
+                worker_id=worker_id,
+                event=control_pb2.AgentHeartbeat.DESCRIPTOR.name,
+            )
+        )
+
+    def on_rank_heartbeat(self, msg: worker_pb2.RankHeartbeat, payload: Any = None) -> None:
+        """A rank is alive (at step ``msg.step``, in ``msg.phase``): re-arm its silence
+        deadline, and its progress deadline when it moved on (a new step, a new phase, or
+        more of its phase done) or just started stepping.
+
+        Deadlines count from when control received the beat (``received_monotonic``, stamped
+        by the session relay before the event applier's queue), not from now: a beat that
+        waited in that queue does not extend the rank's life."""
+        mono = time.monotonic()
+        lag = max(0.0, mono - msg.received_monotonic) if msg.received_monotonic else 0.0
+        now = time.time() - lag  # the receipt, on the wall clock the reports use
+        # Re-attached: a beat the rank sent after the restart (a resent older one says
+        # nothing about what its agent has still to resend).
+        with self._lock:
+            job = self._jobs.get(msg.job_id)
+            fresh = job is not None and (not msg.unix_time or msg.unix_time >= job.restored_unix)
+        if fresh and self._reattached(msg.job_id, msg.rank):
+            self._release_held(msg.job_id)
+        with self._lock:
+            job = self._jobs.get(msg.job_id)
+            if job is None:
+                return
+            watch = job.ranks.get(msg.rank)
+            if watch is None:
+                watch = job.ranks[msg.rank] = _RankWatch()
+                _log.info(
+                    "watching rank",
+                    job_id=msg.job_id,
+                    rank=msg.rank,
+                    worker_id=msg.worker_id,
+                    heartbeat_timeout_s=job.heartbeat_timeout_s,
+                    stepping=msg.stepping,
+                    step=msg.step,
+                )
+            watch.worker_id = msg.worker_id or watch.worker_id
+            watch.last_beat_unix, watch.unheard = now, False
+            job.back.add(watch.worker_id)
+            watch.interval_s = msg.interval_seconds or watch.interval_s
+            if watch.silence is not None:
+                watch.silence.cancel()
+            # Longer while its node agent states its process running: late beats are not a
+            # dead rank (a stop the agent states brings it back to the job's heartbeat
+            # timeout, counted from the stop: on_rank_process_state).
+            wait = self._silence_timeout(msg.job_id, job, msg.rank, watch) - lag
+            watch.silence_due = time.monotonic() + wait
+            watch.silence = self._deadlines.after(wait, self._silence_passed, (msg.job_id, msg.rank, watch))
+            progressed = msg.step != watch.step
+            # Progress within a step or a long phase: a new phase, or more of it done.
+            moved = progressed or msg.phase != watch.phase or msg.phase_progress != watch.phase_progress
+            if moved and any(r.rank == msg.rank and r.fault_class in _STALLS for r in job.held):
+                # A stall held for attribution that moved on was transient: not reported.
+                job.held = [r for r in job.held if not (r.rank == msg.rank and r.fault_class in _STALLS)]
+                if not job.held and job.held_timer is not None:
+                    job.held_timer.cancel()
+                    job.held_timer = None
+            if progressed and watch.step >= 0 and msg.step_seconds > 0:
+                job.step_times.append(msg.step_seconds)
+            if (
+                moved
+                and msg.phase == RankPhase.PHASE_EVALUATION
+                and msg.phase_progress > 0
+                and msg.phase_progress != watch.phase_progress
+            ):
+                job.eval_batch_times.append(msg.phase_seconds / msg.phase_progress)
+            watch.step, watch.stepping = msg.step, msg.stepping
+            watch.phase, watch.phase_progress, watch.phase_total = msg.phase, msg.phase_progress, msg.phase_total
+            if moved:
+                watch.last_progress_unix = now
+                watch.stalled = watch.waiting = watch.deferred = False
+            if not msg.stepping or msg.phase == RankPhase.PHASE_FAULT_WAIT:  # (waiting for L1-1's verdict)
+                if watch.stall is not None:
+                    watch.stall.cancel()
+                watch.stall, watch.deferred = None, False
+            elif moved or (watch.stall is None and not watch.stalled and not watch.waiting):
+                if watch.stall is not None:
+                    watch.stall.cancel()
+                elif not watch.deferred:
+                    watch.last_progress_unix = now  # stepping starts now: the clock starts now
+                watch.deferred = False
+                budget = job.phase_deadline_s(msg.phase, msg.phase_total, watch.data_outage)
+                watch.stall = self._deadlines.after(budget - lag, self._stall_passed, (msg.job_id, msg.rank, watch))
+            finding = None
+            if msg.stepping:  # (a paused or finished rank's beats repeat its last step)
+                compute = (msg.forward_compute_seconds, msg.backward_compute_seconds, msg.optimizer_compute_seconds)
+                finding = job.slow.observe(msg.rank, msg.step, compute, msg.unix_time or now)
+                ratio = job.slow.ratio(msg.rank)
+                if ratio is not None:
+                    metrics.RANK_SLOWDOWN.labels(msg.job_id, str(msg.rank)).set(ratio)
+        if finding is not None:  # (published outside the lock)
+            self._report_slow(msg.job_id, finding, job.slow.settings.window)
+
+    def _report_slow(self, job_id: str, finding: Finding, window: int) -> None:
+        """Report a slow-rank finding (``slow_rank``) or its end (``slow_rank_cleared``)."""
+        if finding.slow:
+            metrics.SLOW_RANK_FINDINGS.inc()
+        fault_class = SLOW_RANK if finding.slow else SLOW_RANK_CLEARED
+        # (the rank's process, as for a stall: its beats say how it computes)
+        self._report(job_id, fault_class, Module.EXT_HARDWARE, finding.rank, finding.text(window), step=finding.step)
+
+    def on_rank_process_state(self, msg: control_pb2.RankProcessState, payload: Any = None) -> None:
+        """A node agent states a rank process RUNNING (watched from now on, or continued) or
+        STOPPED by a signal. A stop explains a silence, it never shortens it: a rank stated
+        stopped that beats no more is declared silent ``heartbeat_timeout_seconds`` after
+        control heard the stop, never later than the deadline it had (a running one), so a
+        stop and continue within the job's timeout (^Z and fg, a py-spy dump, a debugger's
+        attach) is no fault. (A cgroup freeze is no stop ``waitid`` reports: running.) A rank that beat until it was stopped stops at
+        most a beat period after its last beat: it is declared at most the timeout plus one
+        beat period after that beat (the slack). One stated running (continued) gets
+        ``heartbeat_timeout_running_seconds`` from its last beat (see ``_silence_passed``)."""
+        with self._lock:
+            self._processes[(msg.job_id, msg.rank)][(msg.worker_id, msg.pid)] = (msg.state, msg.detail, msg.unix_time)
+            job = self._jobs.get(msg.job_id)
+            watch = job.ranks.get(msg.rank) if job is not None else None
+            if watch is None or watch.silence is None or watch.unheard:
+                return  # not beating yet, declared already, or on its re-attach deadline
+            if watch.worker_id and watch.worker_id != msg.worker_id:
+                return  # another process of the rank, elsewhere (a relaunch): not the one watched
+            now = time.monotonic()
+            if msg.state == control_pb2.RankProcessState.STOPPED:
+                # Counted from the stop, not from the last beat (which may precede it by a beat
+                # period: a 2 s stop would look like 2 s + a period); capped by the deadline
+                # it had, so stops that come and go never keep a rank that beats no more alive.
+                wait = min(watch.silence_due - now, job.heartbeat_timeout_s)
+            else:  # running (continued): its deadline counts from its last beat again
+                wait = job.running_timeout_s - (time.time() - watch.last_beat_unix)
+            watch.silence.cancel()
+            watch.silence_due = now + wait
+            watch.silence = self._deadlines.after(wait, self._silence_passed, (msg.job_id, msg.rank, watch))
+
+    # ------------------------------------------------------------ deadlines (timer threads)
+
+    def _silence_passed(self, job_id: str, rank: int, watch: _RankWatch) -> None:
+        """The rank's silence deadline passed (``heartbeat_timeout_s`` after its last beat,
+        ``running_timeout_s`` while its node agent states its process running,
+        ``heartbeat_timeout_s`` after control heard the agent state it stopped): it is
+        declared silent, saying which."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None or job.ranks.get(rank) is not watch:
+                return  # the rank exited (or a new process of it beats) meanwhile
+            state, stopped_how = self._process_state(job_id, rank, watch.worker_id)
+            del job.ranks[rank]  # declared once; a new heartbeat starts a new watch
+            watch.cancel()
+            timeout = job.heartbeat_timeout_s
+            # Nothing of it since the restart, nor of another rank of the worker it ran on (as
+            # journaled): that worker is gone. Where it ran is unknown: only silent.
+            lost = (
+                watch.unheard and rank in job.reattaching and bool(watch.worker_id) and watch.worker_id not in job.back
+            )
+            # Peers that waited in a collective, without a deadline, while it still looked
+            # alive and working: they waited for it. Its consequences, reported after it.
+            waiting = [
+                (r, w) for r, w in sorted(job.ranks.items()) if w.waiting and w.phase == RankPhase.PHASE_COLLECTIVE
+            ]
+            for _, w in waiting:
+                w.waiting, w.stalled = False, True
+            # Its own stalls held meanwhile (judged from the last state it stated, e.g. "in a
+            # collective", before its reports stopped): its silence is the verdict, not them.
+            job.held = [r for r in job.held if not (r.rank == rank and r.fault_class in _STALLS)]
+            window = max(job.attribution_s, 0.1)
+        now = time.time()
+        silent_for = now - watch.last_beat_unix
+        if lost:
+            fault_class = WORKER_LOST
+            detail = (
+                f"rank {rank} lost with worker {watch.worker_id}: no node agent re-attached it "
+                f"within {silent_for:.1f} s of the control restart"
+            )
+        elif state == control_pb2.RankProcessState.STOPPED:
+            fault_class = RANK_SILENT
+            detail = (
+                f"rank {rank} on worker {watch.worker_id} sent no heartbeat for {silent_for:.1f} s: its process "
+                f"is {stopped_how or 'stopped'} (stated by its node agent) after step {max(watch.step, 0)}"
+            )
+        elif state == control_pb2.RankProcessState.RUNNING:
+            fault_class = RANK_SILENT
+            detail = (
+                f"rank {rank} on worker {watch.worker_id} sent no heartbeat for {silent_for:.1f} s "
+                f"(deadline {job.running_timeout_s:g} s for a process its node agent states running) "
+                f"after step {max(watch.step, 0)}"
+            )
+        else:
+            fault_class = RANK_SILENT
+            detail = (
+                f"rank {rank} on worker {watch.worker_id} sent no heartbeat for {silent_for:.1f} s "
+                f"(deadline {timeout:g} s) after step {max(watch.step, 0)}"
+            )
+        self._report(
+            job_id,
+            fault_class,
+            Module.EXT_HARDWARE,
+            rank,
+            detail,
+            occurred=watch.last_beat_unix,
+            worker_id=watch.worker_id,
+            step=max(watch.step, 0),
+            phase=watch.phase,
+        )
+        followers = self._waiting_reports(job_id, waiting, rank, "silent", now)
+        if followers:
+            self._hold(job_id, followers[0], window=window, followers=followers[1:])
+        if self._reattached(job_id, rank):
+            self._release_held(job_id)
+
+    # ------------------------------------------------------------ process states, re-attach
+
+    def _process_state(self, job_id: str, rank: int, worker_id: str) -> tuple[int, str]:
+        """What the node agent of ``worker_id`` last stated of the rank's process there:
+        (RankProcessState.State, its detail); (STATE_UNSPECIFIED, "") where it stated nothing
+        (a rank not launched by a node agent, a worker unknown). Of two processes of the rank
+        there (one released, not yet reaped), the newest: the one that beats. Lock held."""
+        states = [v for (w, _), v in self._processes.get((job_id, rank), {}).items() if w == worker_id]
+        if not worker_id or not states:
+            return control_pb2.RankProcessState.STATE_UNSPECIFIED, ""
+        state, detail, _ = states[-1]  # (keys keep the order in which each process was first stated)
+        return state, detail
+
+    def _forget_process(self, job_id: str, rank: int, worker_id: str, pid: int) -> None:
+        """The process ended (pid 0: every process of the rank on that worker). Lock held."""
+        known = self._processes.get((job_id, rank))
+        if known is None:
+            return
+        for key in [k for k in known if k[0] == worker_id and (not pid or k[1] == pid)]:
+            del known[key]
+        if not known:
+            del self._processes[(job_id, rank)]
+
+    def _silence_timeout(self, job_id: str, job: _Job, rank: int, watch: _RankWatch) -> float:
+        """How long the rank may stay without a beat: longer while its node agent states its
+        process runs, the job's heartbeat timeout otherwise (nothing stated, or stopped: a
+        beat from a process still stated stopped came before the agent's word that it
+        continued) (lock held)."""
+        state, _ = self._process_state(job_id, rank, watch.worker_id)
+        if state == control_pb2.RankProcessState.RUNNING:
+            return job.running_timeout_s
+        return job.heartbeat_timeout_s
+
+    def _reattached(self, job_id: str, rank: int) -> bool:
+        """The rank was heard from after a control restart; True when it was the last one
+        the job waited for and symptoms are held (they may go now)."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None or rank not in job.reattaching:
+                return False
+            job.reattaching.discard(rank)
+            return not job.reattaching and bool(job.held)
