@@ -7,7 +7,7 @@ caching allocator at that share of the device with
 ``torch.OutOfMemoryError`` in this rank (a typed out_of_memory failure) instead of taking
 memory another process on the device holds. On CPU nothing is capped here: the host's
 memory is the node agent's to watch (memory_pressure.py), and admission already refused a
-job whose estimate does not fit (services/control/resource_allocator.py).
+job whose estimate does not fit (services/control/resource_allocator/allocator.py).
 """
 
 from __future__ import annotations

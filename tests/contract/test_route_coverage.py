@@ -130,14 +130,19 @@ def handlers_in_roots(roots: list[wiring.Built]) -> dict[tuple[str, int], list]:
 
 
 def _constructs(handler, short: str) -> bool:
-    """Whether the file that defines ``handler`` (its class's, for a bound method) builds a
-    message named ``short`` (a call ``short(...)`` / ``x_pb2.short(...)``)."""
+    """Whether the file that defines ``handler`` (its class's, for a bound method: the files
+    of the class and of its bases, a module grown into a package of mixins) builds a message
+    named ``short`` (a call ``short(...)`` / ``x_pb2.short(...)``)."""
     owner = getattr(handler, "__self__", None)
-    try:
-        path = inspect.getsourcefile(type(owner) if owner is not None else handler)
-    except TypeError:
-        return False
-    return short in _calls_in(Path(path)) if path else False
+    paths = []
+    for where in type(owner).__mro__ if owner is not None else (handler,):
+        try:
+            path = inspect.getsourcefile(where)
+        except TypeError:
+            continue
+        if path:
+            paths.append(path)
+    return any(short in _calls_in(Path(path)) for path in paths)
 
 
 @functools.cache

@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[2]
 # package (a directory of that name) once it grew.
 MODULES: dict[int, tuple[type, str]] = {
     Module.L1_ORCHESTRATOR: (Orchestrator, "services/control/orchestrator"),  # a package
-    Module.L1_RESOURCE_ALLOCATOR: (ResourceAllocator, "services/control/resource_allocator.py"),
+    Module.L1_RESOURCE_ALLOCATOR: (ResourceAllocator, "services/control/resource_allocator"),  # a package
     Module.L1_FAULT_DETECTOR: (FaultDetector, "services/control/fault_detector"),  # a package
     Module.L1_RECOVERY_CONTROLLER: (RecoveryController, "services/control/recovery_controller.py"),
     Module.L2_TRAINING_LOOP: (TrainingLoop, "services/engine/training_loop.py"),

@@ -1,0 +1,276 @@
+"""The resource allocator (L1-2) composed: its state, the commands from L1-1 (allocate and
+release a job's ranks) and placement: ranks laid out by slot and by memory.
+
+Each other concern is a mixin in its own file (registry, cordons, rebuild);
+``ResourceAllocator`` joins them. The package docstring (``__init__.py``) describes the module
+as a whole."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+from services.contract import control_pb2, engine_pb2
+from services.contract.bus import CommandPort, Emitter
+from services.control.resource_allocator.cordons import Cordons
+from services.control.resource_allocator.rebuild import Rebuild
+from services.control.resource_allocator.registry import Registry
+from services.control.resource_allocator.slots import (
+    _device_kind,
+    _device_name,
+    _memory_peer,
+    _memory_quota,
+    _Placement,
+    _rank_memory,
+    _reachable_host,
+    _Worker,
+)
+from services.jobspec import spec_from_json
+from services.memory_estimate import human_bytes
+
+# How long a node agent gives a released rank to exit before killing it (seconds).
+RELEASE_GRACE_SECONDS = 10.0
+
+
+class ResourceAllocator(Registry, Cordons, Rebuild):
+    """Registry of node agents and their slots; lays out ranks for a job.
+
+    Args:
+        hardware: command port to the node agents (EXT_HARDWARE); each command's payload
+            is the worker id it is addressed to.
+        emit: publishes this module's events (ResourcePressure).
+        control_host: the address this host's free ports are found on (master_port).
+        parallel: command port to L2-2 of the job's ranks (RebuildParallelGroup; None: no
+            rebuild in place, e.g. in tests of placement alone).
+    """
+
+    def __init__(
+        self,
+        hardware: CommandPort,
+        emit: Emitter,
+        control_host: str = "127.0.0.1",
+        parallel: CommandPort | None = None,
+    ):
+        self._hardware = hardware
+        self._emit = emit
+        self._control_host = control_host
+        self._lock = threading.Lock()
+        # Insertion order is registration order: ranks fill workers in that order.
+        self._workers: dict[str, _Worker] = {}
+        # job_id -> the allocation as commanded (job config, world size, exclusions): what
+        # a communicator rebuild launches again.
+        self._allocations: dict[str, control_pb2.AllocateResources] = {}
+        # job_id -> where each rank runs, index = rank (worker id, slot), the backend chosen
+        # and the generation of its rendezvous: what a rebuild in place keeps and changes.
+        self._placed: dict[str, _Placement] = {}
+        # job -> rank -> (worker id, slot) its node agent re-attached after a control restart
+        self._reattached: dict[str, dict[int, tuple[str, int]]] = {}
+        # worker id -> its cordon (CordonWorker): kept while the worker is withdrawn (a broken
+        # stream), ended only by a registration of another node agent incarnation.
+        self._cordons: dict[str, control_pb2.WorkerCordoned] = {}
+        self._parallel = parallel
+        # job_id -> the last rank generation launched (RankAssignment.generation, fencing)
+        self._generations: dict[str, int] = {}
+        # worker id -> why it is held out of placement (CordonWorker{hold}: L1-1 decided on
+        # its node agent's agent_silent report), until L1-1 lifts it (the agent beats again).
+        self._holds: dict[str, str] = {}
+
+    # ------------------------------------------------------------ commands (L1-1)
+
+    def allocate_resources(
+        self, msg: control_pb2.AllocateResources, payload: Any = None
+    ) -> control_pb2.ResourcesReady | control_pb2.ResourcesInsufficient:
+        """全局资源初始化指令: lay out ``world_size`` ranks and launch them.
+
+        Ranks fill workers in registration order (skipping ``exclude_worker_ids``), lowest
+        free slot first. Rank 0's host is the rendezvous (master_addr), on a fresh port.
+        Each rank's memory quota is its device's memory (CUDA) or the host memory divided
+        by the worker's slots (CPU), in bytes. Each launch names the node's peer for the
+        in-memory checkpoint copies (``memory_peer``): the next placeable worker after it in
+        registration order, wrapping around (a ring: every node's copies live on one other
+        node, and a node's peer is the same for every job).
+
+        Admission by memory: a rank goes only to a slot whose quota holds the job's
+        estimated memory per rank (services/memory_estimate.py, what `submit --dry-run`
+        prints). When fewer registered slots (free or taken) hold it than the job has ranks,
+        and some slot is too small for it, the refusal says so (``rank_memory_bytes``, and the largest slot registered): the job
+        cannot start on these workers.
+
+        Returns ResourcesInsufficient (nothing reserved) when fewer slots are free than
+        ranks are needed, or when backend ``nccl`` is asked for on CPU-only slots.
+
+        ``adopt`` (a control restart): only record the allocation, launch nothing; the
+        workers it excludes (earlier exclude_node decisions, journaled by L1-1) stay excluded.
+        """
+        if msg.adopt:
+            with self._lock:
+                known = self._allocations.setdefault(msg.job_id, msg)  # a re-attached launch may have set it
+                if known is not msg:
+                    # The journal's job is the one to go on with (a launch re-attached first
+                    # names the size and spec it was launched at, before any resize).
+                    excluded = sorted(set(known.exclude_worker_ids) | set(msg.exclude_worker_ids))
+                    known.CopyFrom(msg)
+                    known.exclude_worker_ids[:] = excluded
+            return control_pb2.ResourcesReady(job_id=msg.job_id, world_size=msg.world_size)
+        spec = spec_from_json(msg.init.spec_json)
+        excluded = set(msg.exclude_worker_ids)
+        with self._lock:
+            if msg.job_id in {j for w in self._workers.values() for j in w.busy}:
+                return self._insufficient(msg, 0, f"job {msg.job_id} already holds resources")
+            departing = sorted(w.reg.worker_id for w in self._workers.values() if w.departing)
+            held = sorted(w for w in self._holds if w in self._workers and w not in excluded)
+            cordoned = sorted(w for w in self._cordons if w in self._workers and w not in excluded)
+            usable = [w for w in self._workers.values() if w.reg.worker_id not in excluded and self._placeable(w)]
+            need = _rank_memory(spec)
+            slots = [(w, s) for w in usable for s in range(w.reg.slots)]
+            fit = sum(_memory_quota(w, s) >= need for w, s in slots)
+            if fit < msg.world_size and fit < len(slots):  # (too few slots at all: wait for workers)
+                return self._does_not_fit(msg, usable, need)
+            free = sum(1 for w in usable for s in w.free_slots() if _memory_quota(w, s) >= need)
+            if free < msg.world_size:
+                reason = f"{free} {'is' if free == 1 else 'are'} free on {len(usable)} registered worker{'' if len(usable) == 1 else 's'}"
+                if excluded:
+                    reason += f" (excluding {', '.join(sorted(excluded))})"
+                if departing:
+                    reason += f" ({', '.join(departing)} leaving)"
+                if cordoned:
+                    reason += f" ({', '.join(cordoned)} unhealthy)"
+                if held:
+                    reason += f" ({'; '.join(self._holds[w] for w in held)})"
+                return self._insufficient(msg, free, reason)
+            picks: list[tuple[_Worker, int]] = []
+            for w in usable:
+                for slot in w.free_slots():
+                    if len(picks) < msg.world_size and _memory_quota(w, slot) >= need:
+                        picks.append((w, slot))
+            kinds = {_device_kind(w, s) for w, s in picks}
+            backend = msg.backend if msg.backend in ("gloo", "nccl") else ("nccl" if kinds == {"cuda"} else "gloo")
+            if backend == "nccl" and kinds != {"cuda"}:
+                return self._insufficient(msg, free, "backend nccl needs a CUDA device for every rank")
+            master_addr = _reachable_host(picks[0][0].reg)
+            master_port = self._free_port()
+            generation = self._next_generation(msg.job_id)
+            self._allocations[msg.job_id] = msg
+            self._placed[msg.job_id] = _Placement([(w.reg.worker_id, slot) for w, slot in picks], backend)
+            launches: dict[str, control_pb2.LaunchRanks] = {}
+            for rank, (w, slot) in enumerate(picks):
+                w.busy.setdefault(msg.job_id, []).append(slot)
+                launch = launches.setdefault(w.reg.worker_id, control_pb2.LaunchRanks(job_id=msg.job_id, init=msg.init))
+                launch.ranks.append(
+                    engine_pb2.RankAssignment(
+                        rank=rank,
+                        world_size=msg.world_size,
+                        local_rank=len(launch.ranks),
+                        master_addr=master_addr,
+                        master_port=master_port,
+                        backend=backend,
+                        device=_device_name(w, slot),
+                        memory_quota_bytes=_memory_quota(w, slot),
+                        num_threads=spec.parallel.threads_per_rank,
+                        worker_id=w.reg.worker_id,
+                        rank_nodes=[pw.reg.worker_id for pw, _ in picks],  # topology for L2-2's TP placement
+                        generation=generation,
+                    )
+                )
+            for worker_id, launch in launches.items():
+                peer = _memory_peer(usable, worker_id)
+                if peer is not None:
+                    launch.memory_peer.CopyFrom(peer)
+        # Commands leave outside the lock: the relay only queues them, but keep the
+        # allocator's lock short and never held across another module's code.
+        for worker_id, launch in launches.items():
+            self._hardware(launch, worker_id)
+        return control_pb2.ResourcesReady(
+            job_id=msg.job_id,
+            world_size=msg.world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            worker_ids=list(launches),
+        )
+
+    def release_resources(
+        self, msg: control_pb2.ReleaseResources, payload: Any = None, *, below_generation: int = 0
+    ) -> None:
+        """释放全局资源指令: every worker holding ranks of the job releases them (kill: at
+        once; otherwise after ``RELEASE_GRACE_SECONDS``) and their slots are free again.
+        A kill of a job that holds nothing here goes to every registered worker: its ranks
+        may have been launched before control restarted, and a node agent ignores the
+        release of a job it does not run. A graceful release of such a job is a no-op.
+        ``below_generation`` (a relaunch's own call, :meth:`rebuild_communicator`): the fence
+        the agents keep for the killed ranks (an incarnation its kill did not reach is ended
+        when it speaks)."""
+        with self._lock:
+            self._allocations.pop(msg.job_id, None)
+            self._placed.pop(msg.job_id, None)
+            self._reattached.pop(msg.job_id, None)
+            holders = [w.reg.worker_id for w in self._workers.values() if w.busy.pop(msg.job_id, None) is not None]
+            if not holders and msg.kill:
+                holders = list(self._workers)
+        grace = 0.0 if msg.kill else RELEASE_GRACE_SECONDS
+        for worker_id in holders:
+            self._hardware(
+                control_pb2.ReleaseRanks(
+                    job_id=msg.job_id, kill=msg.kill, grace_seconds=grace, below_generation=below_generation
+                ),
+                worker_id,
+            )
+
+    # ------------------------------------------------------------ private
+
+    def _next_generation(self, job_id: str) -> int:
+        """Under the lock: the generation of the ranks launched now (RankAssignment.generation):
+        larger than every one handed out for the job here, and than a previous control's (the
+        wall clock in ms: a restarted control knows only the re-attached ranks' generations)."""
+        generation = max(self._generations.get(job_id, 0) + 1, time.time_ns() // 1_000_000)
+        self._generations[job_id] = generation
+        return generation
+
+    def _insufficient(
+        self, msg: control_pb2.AllocateResources, available: int, reason: str
+    ) -> control_pb2.ResourcesInsufficient:
+        registered = sum(
+            w.reg.slots
+            for w in self._workers.values()
+            if self._placeable(w) and w.reg.worker_id not in msg.exclude_worker_ids
+        )
+        return control_pb2.ResourcesInsufficient(
+            job_id=msg.job_id,
+            requested_ranks=msg.world_size,
+            available_ranks=available,
+            reason=reason,
+            registered_ranks=registered,
+        )
+
+    def _does_not_fit(
+        self, msg: control_pb2.AllocateResources, usable: list[_Worker], need: int
+    ) -> control_pb2.ResourcesInsufficient:
+        """Under the lock: the refusal of a job whose memory per rank fits too few registered
+        slots, naming the estimate and the largest slot."""
+        size, w, slot = max(
+            ((_memory_quota(w, s), w, s) for w in usable for s in range(w.reg.slots)), key=lambda t: t[0]
+        )
+        largest = f"{_device_name(w, slot)} of {w.reg.worker_id}"
+        if _device_kind(w, slot) == "cuda":
+            largest += f" ({[d for d in w.reg.devices if d.kind == 'cuda'][slot].name})"
+        else:
+            share = f"1 of {w.reg.slots} slots" if w.reg.slots > 1 else "1 slot"
+            largest += f" (host memory {human_bytes(w.reg.memory_bytes)}, {share})"
+        reply = self._insufficient(
+            msg,
+            0,
+            f"memory per rank {human_bytes(need)} (estimated) fits no registered slot for {msg.world_size} "
+            f"rank{'' if msg.world_size == 1 else 's'}: the largest is {human_bytes(size)}, {largest}",
+        )
+        reply.rank_memory_bytes, reply.largest_memory_bytes, reply.largest = need, size, largest
+        return reply
+
+    def _free_port(self) -> int:
+        # A fresh port per launch, found by binding port 0 here, on the control host. This
+        # assumes rank 0 runs on this host (single-machine deployments) or that the port is
+        # free there too; a node agent that finds it taken reports a rank failure. A
+        # multi-host deployment should ask rank 0's node agent instead.
+        with socket.socket() as s:
+            s.bind((self._control_host, 0))
+            return s.getsockname()[1]

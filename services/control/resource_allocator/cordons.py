@@ -1,0 +1,94 @@
+"""Who may get new ranks: a worker's cordon (a fatal device fault; a quarantine, ended only by
+the operator), its hold (its node agent is silent), its departure."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.contract import control_pb2
+from services.control.resource_allocator.slots import _Worker
+
+
+class Cordons:
+    """Cordons, quarantine and holds (a part of ``ResourceAllocator``, see allocator.py)."""
+
+    def cordon_worker(self, msg: control_pb2.CordonWorker, payload: Any = None) -> control_pb2.WorkerCordoned:
+        """Take worker ``msg.worker_id`` out of placement for every job (L1-1 decided: a
+        device of it failed fatally), until a registration of another node agent incarnation
+        ends the cordon (see :meth:`on_worker_registration`). Its running ranks are not
+        touched: each job with a rank there decides by its own fault policy (exclude_node).
+
+        The unit is the worker, not the failed device's slot: the issue's rule ("an
+        uncorrectable ECC error excludes the node"), and the same unit the job's own
+        exclude_node decision takes. A device after an uncorrectable ECC error or a fatal Xid
+        needs a GPU reset, which on NVSwitch (HGX) boards resets every GPU of the node, and
+        several fatal Xids (74 NVLink, 79 off the bus, 95 uncontained) are the node's
+        interconnect, not one device; ranks placed beside it meanwhile would be stopped by
+        that reset.
+
+        ``incarnation`` "" is the one registered now (none registered yet: the next to
+        register is the one cordoned). Returns ``WorkerCordoned`` (``cleared`` when the
+        incarnation named is not the one registered now: that agent is gone already).
+
+        ``hold`` (L1-1 decided on the node agent's ``agent_silent``): the worker gets no new
+        rank until a CordonWorker with ``hold`` and ``lift`` (its agent beats again); a cordon
+        of the worker is not touched by either. A hold that ends publishes ``ResourcesReady``
+        with no job id, as a registration does, so a job queued meanwhile is placed."""
+        if msg.hold:
+            return self._hold(msg)
+        with self._lock:
+            if msg.clear:  # the operator's uncordon (L1-1 checked that it had a cordon)
+                ended = self._cordons.pop(msg.worker_id, None) or control_pb2.WorkerCordoned(worker_id=msg.worker_id)
+                ended.cleared = True
+                return ended
+            worker = self._workers.get(msg.worker_id)
+            registered = worker.reg.incarnation if worker is not None else ""
+            cordon = control_pb2.WorkerCordoned(
+                worker_id=msg.worker_id,
+                incarnation=msg.incarnation or registered,
+                reason=msg.reason,
+                unix_time=msg.unix_time,
+                quarantine=msg.quarantine,
+            )
+            if worker is not None and msg.incarnation and msg.incarnation != registered and not msg.quarantine:
+                cordon.cleared = True  # (restored after a control restart; the node came back meanwhile)
+                return cordon
+            self._cordons[msg.worker_id] = cordon
+            reply = control_pb2.WorkerCordoned()
+            reply.CopyFrom(cordon)
+        return reply
+
+    # ------------------------------------------------------------ private
+
+    def _hold(self, msg: control_pb2.CordonWorker) -> control_pb2.WorkerCordoned:
+        with self._lock:
+            if not msg.lift:
+                self._holds[msg.worker_id] = msg.reason or f"{msg.worker_id} held"
+                return control_pb2.WorkerCordoned(worker_id=msg.worker_id, reason=msg.reason, unix_time=msg.unix_time)
+            ended = self._holds.pop(msg.worker_id, None) is not None
+            free = sum(len(w.free_slots()) for w in self._workers.values() if self._placeable(w))
+        if ended:  # (outside the lock, like every send)
+            self._emit(control_pb2.ResourcesReady(free_ranks=free))
+        return control_pb2.WorkerCordoned(worker_id=msg.worker_id, reason=msg.reason, cleared=True)
+
+    def _placeable(self, w: _Worker) -> bool:
+        """Under the lock: may new ranks be placed on ``w`` (not leaving, not cordoned, not held)."""
+        return not w.departing and w.reg.worker_id not in self._cordons and w.reg.worker_id not in self._holds
+
+    def _end_cordon(self, reg: control_pb2.WorkerRegistration) -> control_pb2.WorkerCordoned | None:
+        """Under the lock: a registration's effect on its worker's cordon. Another incarnation
+        ends it (returned, ``cleared``); the first registration after a cordon of no known
+        incarnation becomes the one cordoned."""
+        cordon = self._cordons.get(reg.worker_id)
+        if cordon is None:
+            return None
+        if not cordon.incarnation:
+            cordon.incarnation = reg.incarnation
+            return None
+        if cordon.incarnation == reg.incarnation or cordon.quarantine:
+            return None  # (a quarantine ends only by the operator's uncordon)
+        del self._cordons[reg.worker_id]
+        cleared = control_pb2.WorkerCordoned()
+        cleared.CopyFrom(cordon)
+        cleared.incarnation, cleared.cleared = reg.incarnation, True
+        return cleared

@@ -1,0 +1,196 @@
+"""The communicator rebuilt (RebuildCommunicator, L1-4 executing a recovery L1-1 commanded):
+every rank relaunched, or in place (the survivors keep their processes, the lost ranks are
+replaced, the group resized by a new layout)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.contract import control_pb2, engine_pb2
+from services.control.resource_allocator.slots import (
+    _device_name,
+    _memory_peer,
+    _memory_quota,
+    _reachable_host,
+    _Worker,
+)
+from services.jobspec import spec_from_json, spec_to_json, with_layout
+
+
+class Rebuild:
+    """The rebuild of a job's process group (a part of ``ResourceAllocator``, see
+    allocator.py)."""
+
+    def rebuild_communicator(
+        self, msg: control_pb2.RebuildCommunicator, payload: Any = None
+    ) -> control_pb2.ResourcesReady | control_pb2.ResourcesInsufficient:
+        """重建通信域指令: the job's process group is rebuilt from scratch. Its ranks are
+        killed at once (a rank blocked in a collective cannot be asked to leave it), then
+        laid out again exactly as :meth:`allocate_resources` does, on a fresh rendezvous
+        port, with the same job config except the checkpoint version to load first
+        (``resume_version``). Workers excluded now or in an earlier rebuild of the job get
+        no rank. Each node agent starts a rank only after the killed process of the same
+        rank has been reaped.
+
+        Returns ResourcesInsufficient when the job holds no allocation here, or when its
+        ranks no longer fit (its old ranks are killed either way). In the latter case the
+        allocation is kept: the same command places the ranks once capacity returns.
+        """
+        if msg.in_place:
+            return self._rebuild_in_place(msg)
+        with self._lock:
+            allocated = self._allocations.get(msg.job_id)
+        if allocated is None:
+            return control_pb2.ResourcesInsufficient(job_id=msg.job_id, reason=f"job {msg.job_id} holds no allocation")
+        again = control_pb2.AllocateResources()
+        again.CopyFrom(allocated)
+        again.adopt = False  # (an allocation adopted after a control restart is placed anew)
+        again.init.resume_version = msg.resume_version
+        again.exclude_worker_ids[:] = sorted(set(again.exclude_worker_ids) | set(msg.exclude_worker_ids))
+        with self._lock:  # (the relaunched ranks' generation will be larger still)
+            fence = self._next_generation(msg.job_id)
+        self.release_resources(control_pb2.ReleaseResources(job_id=msg.job_id, kill=True), below_generation=fence)
+        placed = self.allocate_resources(again)
+        if isinstance(placed, control_pb2.ResourcesInsufficient):
+            with self._lock:
+                self._allocations.setdefault(msg.job_id, again)
+        return placed
+
+    def _rebuild_in_place(
+        self, msg: control_pb2.RebuildCommunicator
+    ) -> control_pb2.ResourcesReady | control_pb2.ResourcesInsufficient:
+        """The survivors keep their processes (issue 16): kill only ``lost_ranks``, place one
+        replacement per lost rank (same rank, same world size; its own worker first once the
+        killed process is reaped, else the first free slot of another usable worker), started
+        to heal from a live peer (InitJob.heal_from_peer), and send every live rank of the job
+        the fresh rendezvous (RebuildParallelGroup, the next generation). Rank 0's host is the
+        rendezvous, as at launch.
+
+        With ``layout`` (a resize: shrink, scale, growing back) the group gets ``layout.dp``
+        ranks: the surviving ranks at or above it are released, the lost ranks below it
+        replaced, and the ranks from the old size up to it launched (healing like a
+        replacement); the allocation's spec and world size become the new layout's.
+
+        Returns ResourcesInsufficient, having killed the lost ranks (and nothing else), when a
+        rank to launch does not fit or the job's placement is not known here (an allocation
+        adopted after a control restart): the orchestrator then falls back to relaunching
+        every rank, shrinks, or (a scale) lets the ranks go on at their size."""
+        with self._lock:
+            allocated, placed = self._allocations.get(msg.job_id), self._placed.get(msg.job_id)
+            if placed is None and allocated is not None:
+                placed = self._placement_from_reattach(allocated)
+            if allocated is None or placed is None:
+                why = "holds no allocation" if allocated is None else "has no known placement (control restarted)"
+                return control_pb2.ResourcesInsufficient(job_id=msg.job_id, reason=f"job {msg.job_id} {why}")
+            old_world = len(placed.ranks)
+            world = msg.layout.dp if msg.HasField("layout") else old_world
+            lost = sorted({r for r in msg.lost_ranks if r < old_world})
+            released = [r for r in range(world, old_world) if r not in lost]  # survivors above the new size
+            launched = [r for r in lost if r < world] + list(range(old_world, world))
+            kills: dict[str, list[int]] = {}
+            freed: list[tuple[_Worker, int]] = []  # slots of released ranks: given back if the rest does not fit
+            for r in lost + released:
+                worker_id, slot = placed.ranks[r]
+                if r in lost:
+                    kills.setdefault(worker_id, []).append(r)
+                w = self._workers.get(worker_id)
+                if w is not None and msg.job_id in w.busy:
+                    w.busy[msg.job_id] = [s for s in w.busy[msg.job_id] if s != slot]
+                    if r in released:
+                        freed.append((w, slot))
+            excluded = set(allocated.exclude_worker_ids) | set(msg.exclude_worker_ids)
+            usable = [w for w in self._workers.values() if w.reg.worker_id not in excluded and self._placeable(w)]
+            picks: list[tuple[_Worker, int]] = []
+            holds = [self._holds[w] for w in sorted(self._holds) if w in self._workers]
+            held = f" ({'; '.join(holds)})" if holds else ""  # (why a node is out: its agent is silent)
+            for r in launched:
+                own = self._workers.get(placed.ranks[r][0]) if r < old_world else None
+                candidates = ([own] if own in usable else []) + [w for w in usable if w is not own]
+                taken = {(w.reg.worker_id, s) for w, s in picks}
+                spot = next(
+                    ((w, s) for w in candidates for s in w.free_slots() if (w.reg.worker_id, s) not in taken), None
+                )
+                if spot is None:
+                    what = f"a replacement of rank {r}" if r < old_world else f"new rank {r}"
+                    short = self._insufficient(allocated, len(picks), f"no free slot for {what}{held}")
+                    short.requested_ranks = len(launched)
+                    break
+                picks.append(spot)
+            else:
+                short = None
+            launches: dict[str, control_pb2.LaunchRanks] = {}
+            generation = 0
+            if short is not None:
+                for w, slot in freed:  # (the released ranks stay, as they were)
+                    w.busy.setdefault(msg.job_id, []).append(slot)
+            else:
+                for r in released:
+                    worker_id, _ = placed.ranks[r]
+                    kills.setdefault(worker_id, []).append(r)
+                del placed.ranks[world:]
+                placed.ranks.extend([("", 0)] * (world - len(placed.ranks)))
+                for r, (w, slot) in zip(launched, picks, strict=True):
+                    w.busy.setdefault(msg.job_id, []).append(slot)
+                    placed.ranks[r] = (w.reg.worker_id, slot)
+                if msg.HasField("layout"):  # (also a new micro-batch split at the same size)
+                    layout = msg.layout
+                    spec = with_layout(
+                        spec_from_json(allocated.init.spec_json),
+                        dp=layout.dp,
+                        micro_batch_size=layout.micro_batch_size,
+                        grad_accum=layout.grad_accum,
+                        source="RebuildCommunicator.layout",
+                    )
+                    allocated.init.spec_json, allocated.world_size = spec_to_json(spec), world
+                placed.generation += 1
+                generation = self._next_generation(msg.job_id)  # the replacements' incarnation (fencing)
+                master_addr = _reachable_host(self._workers[placed.ranks[0][0]].reg)
+                master_port = self._free_port()
+                rank_nodes = [worker_id for worker_id, _ in placed.ranks]
+                init = engine_pb2.InitJob()
+                init.CopyFrom(allocated.init)
+                init.resume_version, init.heal_from_peer = "", True
+                threads = spec_from_json(init.spec_json).parallel.threads_per_rank
+                for r, (w, slot) in zip(launched, picks, strict=True):
+                    launch = launches.setdefault(w.reg.worker_id, control_pb2.LaunchRanks(job_id=msg.job_id, init=init))
+                    launch.ranks.append(engine_pb2.RankAssignment(
+                        rank=r, world_size=len(placed.ranks), local_rank=slot, master_addr=master_addr,
+                        master_port=master_port, backend=placed.backend, device=_device_name(w, slot),
+                        memory_quota_bytes=_memory_quota(w, slot), num_threads=threads, worker_id=w.reg.worker_id,
+                        rank_nodes=rank_nodes, generation=generation,
+                    ))  # fmt: skip
+                for worker_id, launch in launches.items():
+                    peer = _memory_peer(usable, worker_id)
+                    if peer is not None:
+                        launch.memory_peer.CopyFrom(peer)
+                rebuild = engine_pb2.RebuildParallelGroup(
+                    job_id=msg.job_id, master_addr=master_addr, master_port=master_port, reason=msg.reason,
+                    world_size=len(placed.ranks), generation=placed.generation, rank_nodes=rank_nodes,
+                    layout=msg.layout if msg.HasField("layout") else None,
+                    lost_ranks=lost,  # the survivors abort their broken communicator at once
+                )  # fmt: skip
+        # The kills go first on each node agent's queue: a replacement of the same rank starts
+        # only once the killed process is reaped (the node agent's rule), and a survivor blocked
+        # in a collective with a hung rank is freed by that rank's death.
+        # With the replacements' generation: the agent keeps it, and ends a killed incarnation
+        # that shows up again (one its kill did not reach: a frozen agent's backlog).
+        for worker_id, ranks in kills.items():
+            self._hardware(
+                control_pb2.ReleaseRanks(job_id=msg.job_id, kill=True, ranks=ranks, below_generation=generation),
+                worker_id,
+            )
+        if short is not None:
+            return short
+        for worker_id, launch in launches.items():
+            self._hardware(launch, worker_id)
+        if self._parallel is not None:
+            self._parallel(rebuild)
+        return control_pb2.ResourcesReady(
+            job_id=msg.job_id,
+            world_size=rebuild.world_size,
+            master_addr=rebuild.master_addr,
+            master_port=rebuild.master_port,
+            worker_ids=list(launches),
+            generation=rebuild.generation,
+            replaced_ranks=launched,
+        )

@@ -1,0 +1,78 @@
+"""What the allocator keeps of a worker and of a job's placement, and what each slot offers:
+its device, its memory quota, the host of the rendezvous, the node's memory peer, and the
+memory a job's rank needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.contract import control_pb2
+from services.jobspec import JobSpec
+from services.memory_estimate import estimate_memory
+
+
+@dataclass
+class _Worker:
+    reg: control_pb2.WorkerRegistration
+    busy: dict[str, list[int]] = field(default_factory=dict)  # job_id -> slot indices
+    under_pressure: bool = False  # the seed's 资源紧张 state, per worker (host memory)
+    devices_under_pressure: set[int] = field(default_factory=set)  # ... per device (NVML index)
+    departing: bool = False  # the node agent said it is leaving: nothing new is placed here
+
+    def free_slots(self) -> list[int]:
+        taken = {s for slots in self.busy.values() for s in slots}
+        return [s for s in range(self.reg.slots) if s not in taken]
+
+
+@dataclass
+class _Placement:
+    """Where a job's ranks run (index = rank: worker id, slot), the backend chosen at launch,
+    and the generation of the rendezvous its survivors last got (a rebuild in place)."""
+
+    ranks: list[tuple[str, int]]
+    backend: str
+    generation: int = 0
+
+
+def _reachable_host(reg: control_pb2.WorkerRegistration) -> str:
+    """The host other nodes reach this node agent at: its advertised address's (rank 0's
+    host is the rendezvous). Not ``reg.host``, the machine's own name, which another node
+    may not resolve, or resolve to itself (hosts sharing one name: containers, namespaces)."""
+    host = reg.address.rsplit(":", 1)[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host  # "[v6]:port"
+
+
+def _device_kind(w: _Worker, slot: int) -> str:
+    devices = [d for d in w.reg.devices if d.kind == "cuda"]
+    return "cuda" if slot < len(devices) else "cpu"
+
+
+def _device_name(w: _Worker, slot: int) -> str:
+    devices = [d for d in w.reg.devices if d.kind == "cuda"]
+    return f"cuda:{devices[slot].index}" if slot < len(devices) else "cpu"
+
+
+def _memory_quota(w: _Worker, slot: int) -> int:
+    devices = [d for d in w.reg.devices if d.kind == "cuda"]
+    if slot < len(devices):
+        return devices[slot].memory_bytes
+    return w.reg.memory_bytes // max(w.reg.slots, 1)
+
+
+def _rank_memory(spec: JobSpec) -> int:
+    """The job's estimated memory per rank in bytes (services/memory_estimate.py); 0 where the
+    estimate cannot be made (a layout the planner refuses: the rank refuses it in one line)."""
+    try:
+        return estimate_memory(spec).total
+    except ValueError:
+        return 0
+
+
+def _memory_peer(usable: list[_Worker], worker_id: str) -> control_pb2.MemoryPeer | None:
+    """The worker after ``worker_id`` among ``usable`` (registration order, wrapping); None
+    when it is the only one."""
+    ids = [w.reg.worker_id for w in usable]
+    if worker_id not in ids or len(ids) < 2:
+        return None
+    nxt = usable[(ids.index(worker_id) + 1) % len(ids)].reg
+    return control_pb2.MemoryPeer(worker_id=nxt.worker_id, address=nxt.address)
