@@ -37,7 +37,7 @@ rebuild go first, then the compiled ones.
 
 Tokens/s: rank 0's steps after ``--warmup``, wall time (c.steady_tokens_per_s). MFU =
 tokens/s x FLOPs per token / (peak x ranks), FLOPs per token = 6 N + 12 L d T
-(services/engine/training_loop.py: model_flops_per_token; the PaLM appendix B count that
+(services/engine/training_loop/summary.py: model_flops_per_token; the PaLM appendix B count that
 nanoGPT and torchtitan use), peak = ``--peak-tflops`` or the dense bf16 peak of the GPU
 nvidia-smi names (``PEAK_TFLOPS``: H100 / H200 989, A100 312; vendor data sheets).
 

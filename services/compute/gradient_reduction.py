@@ -57,7 +57,7 @@ tp = 0 (only the last pipeline stage has one; the others send 0), the squares of
 the token count, the loss statistics, the overflow verdict and the gradient norm's pieces
 meet once per step instead of in three to five collectives on three groups, and the loop
 learns the token count after backward (it back-propagates with a known normaliser and has
-L2-4 correct the gradients: training_loop.py, "Loss normalisation"). Sums of integers and
+L2-4 correct the gradients: training_loop/__init__.py, "Loss normalisation"). Sums of integers and
 of 0/1 flags are exact in float64 below 2**53. ``seconds`` is that collective's time,
 including waiting for the slowest rank. The gradient reduction itself is overlapped with,
 and counted in, the backward time.

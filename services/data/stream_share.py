@@ -2,7 +2,7 @@
 
 The tensor- and pipeline-parallel peers of one data-parallel replica open the same stream:
 the loop builds its ``OpenStream`` from the job spec, the replica's dp rank and size and the
-data position (``services/engine/training_loop.py``, ``_open_stream``), none of which differs
+data position (``services/engine/training_loop/data_stream.py``, ``_open_stream``), none of which differs
 between peers. The batches a stream yields are a pure function of its request and of the
 (immutable) dataset version, so identical requests yield identical sequences, and one
 pipeline (one :class:`~services.data.server.StreamRelay`: one bus, five L4 modules, one

@@ -24,7 +24,7 @@ reduction unit (L3-5) all-reduce the flag and the norm's pieces (services/engine
 with the loss statistics, in the step's one small all-reduce, and hands the reduced values
 to ``ScaleLoss``, so every rank's scaler makes the same move and reports the same norm.
 The unscale waits for that second command too: the loop back-propagates with a normaliser
-known before the step (services/engine/training_loop.py, "Loss normalisation") and corrects
+known before the step (services/engine/training_loop/__init__.py, "Loss normalisation") and corrects
 it by the global token count only after the reduction; unscale and correction are one
 multiply (``grad_scale / loss_scale``), one pass over the gradients.
 

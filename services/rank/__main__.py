@@ -27,7 +27,7 @@ both sides (services/contract/relay.py); only set-up and plumbing have fields of
                        after {TrainingLoopFailed} it first waits for L1 to release it (the agent's
                        signal, or the session's end: exit 1), unless its communicator is
                        broken (it leaves at once, exit 1). A step fault is no failure:
-                       the loop blocks for L1-1's verdict (training_loop.py).
+                       the loop blocks for L1-1's verdict (training_loop/step_faults.py).
     At any time after 3: agent -> rank RankCommand{audit: id}, answered rank -> agent
     RankEvent{audit} with the same id (the route counts of this process's bus); rank -> agent
     {BoundaryViolationReported} (as EXT_CONTRACT) for a send refused by its bus or by a

@@ -69,7 +69,7 @@ every rank and waited for a release nobody sent.
 Checkpoint layout (DCP keys, flattened with dots): ``model.<param FQN>`` (e.g.
 ``model.blocks.0.attn.q.weight``), ``optim.state.<param FQN>.{exp_avg,exp_avg_sq,step}``,
 ``optim.param_groups``, ``train.*`` (step, data position, RNG streams, loss scale: see
-``services/engine/training_loop.py`` ``LoopState``).
+``services/engine/training_loop/state.py`` ``LoopState``).
 
 Every failed call is shown to ``on_error`` first (the rank reports a boundary violation the
 store returned).

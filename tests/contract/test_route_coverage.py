@@ -437,7 +437,7 @@ def test_a_reason_tracked_by_a_missing_file_or_name_is_found():
 
 
 def test_a_producer_only_an_unreached_function_builds_is_found():
-    sites = {"RunForward": [(REPO / "services/engine/training_loop.py", "_orphan")]}
+    sites = {"RunForward": [(REPO / "services/engine/training_loop/step.py", "_orphan")]}
     table = default_table()
     assert unreachable_producers(table, sites, {}, set()) == ["RunForward (built only in _orphan)"]
     assert unreachable_producers(table, sites, {"_orphan": 1}, set()) == []

@@ -135,7 +135,7 @@ def test_survivors_rebuild_and_a_replacement_heals_to_the_uninterrupted_paramete
 def test_a_survivor_not_next_to_the_lost_rank_is_freed_by_its_peers_teardown(tmp_path):
     # Four ranks, rank 1 lost: ranks 0 and 2 (its ring neighbours) raise at once; rank 3 stays
     # blocked in the all-reduce until they destroy the broken group, which closes its sockets
-    # only once nothing holds it (training_loop.py, parallel_strategy.py). Had anything held it,
+    # only once nothing holds it (training_loop/, parallel_strategy.py). Had anything held it,
     # rank 3 would wait out the group timeout (300 s) and the test its own.
     world, lost = 4, 1
     outputs, got = _replace_lost_rank(tmp_path, lost, world)

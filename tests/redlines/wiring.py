@@ -54,7 +54,7 @@ MODULES: dict[int, tuple[type, str]] = {
     Module.L1_RESOURCE_ALLOCATOR: (ResourceAllocator, "services/control/resource_allocator"),  # a package
     Module.L1_FAULT_DETECTOR: (FaultDetector, "services/control/fault_detector"),  # a package
     Module.L1_RECOVERY_CONTROLLER: (RecoveryController, "services/control/recovery_controller.py"),
-    Module.L2_TRAINING_LOOP: (TrainingLoop, "services/engine/training_loop.py"),
+    Module.L2_TRAINING_LOOP: (TrainingLoop, "services/engine/training_loop"),  # a package
     Module.L2_PARALLEL_STRATEGY: (ParallelStrategy, "services/engine/parallel_strategy.py"),
     Module.L2_OPTIMIZER: (Optimizer, "services/engine/optimizer.py"),
     Module.L2_MIXED_PRECISION: (MixedPrecision, "services/engine/mixed_precision.py"),

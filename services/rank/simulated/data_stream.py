@@ -1,7 +1,7 @@
 """The simulated rank's train stream: ``DataService.Mount`` then ``DataService.Stream``.
 
-What the real rank's loop asks (services/engine/training_loop.py ``_initialise`` and
-``_open_stream``: the same MountDataset and OpenStream, built from the job spec's ``data:``
+What the real rank's loop asks (services/engine/training_loop/startup.py ``_initialise`` and
+data_stream.py ``_open_stream``: the same MountDataset and OpenStream, built from the job spec's ``data:``
 section and the rank's data-parallel coordinates), read the way its relay reads it
 (services/rank/data_client.py, which imports torch for the decoding): a background thread
 takes the micro-batches off the stream into a bounded queue (the loop's read-ahead, so a

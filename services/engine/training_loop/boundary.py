@@ -1,0 +1,102 @@
+"""The work at a step boundary (package docstring, "Boundary commands", "Replica check"): the
+replica check, evaluation and checkpoint when due, then the boundary commands the ranks agreed
+on (revoke, stop, pause, a resize). A part of ``TrainingLoop`` (loop.py)."""
+
+from __future__ import annotations
+
+from services.contract import engine_pb2, store_pb2
+from services.engine.training_loop.faults import TrainingFault
+from services.engine.training_loop.summary import _due
+
+# What follows a step boundary besides the next step (TrainingLoop._boundary).
+_STOP, _RESIZE = "stop", "resize"
+
+
+class Boundary:
+    """The work at a step boundary and the boundary commands (a part of ``TrainingLoop``, see loop.py)."""
+
+    def _boundary(self, step: int) -> str:
+        """The work due at the boundary after ``step``: evaluation, checkpoint, then an
+        operator's stop or pause. What follows: :data:`_STOP`, :data:`_RESIZE` (a pause left
+        into a resize), or "" (the next step)."""
+        spec = self._spec
+        last = step == spec.steps
+        if _due(step, spec.integrity.replica_check_every_steps, last) and self._dp_size > 1:
+            self._check_replicas(step)  # before the save: a save at a check step is of agreeing replicas
+        if _due(step, spec.eval.every_steps, last and spec.eval.at_end):
+            self._evaluate(step)
+        if _due(step, spec.checkpoint.every_steps, last and spec.checkpoint.at_end):
+            self._save(step)
+            self._durable_step = step
+        return "" if last else self._stop_requested_at_boundary(step)
+
+    def _check_replicas(self, step: int) -> None:
+        """The replica check at the boundary of ``step`` (module docstring, "Replica check").
+
+        Raises:
+            TrainingFault: replica_divergence, naming the first differing tensor and the odd
+                dp ranks (every rank raises it alike: the answer is the group's).
+        """
+        # (L3-5 marks the rank "in a collective" while it waits for its peers)
+        found = self._p.reduction(engine_pb2.ReduceGradients(check_replicas=True)).message
+        if not found.replicas_checked or not found.diverged_tensor:
+            # (not checked: FSDP2 holds no dp replicas of a parameter, so none can differ)
+            self._agreed_step = step
+            return
+        odd = list(found.odd_dp_ranks)
+        who = f"dp rank{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} " + (
+            f"{'differ' if len(odd) > 1 else 'differs'} from the majority"
+            if len(odd) < self._dp_size
+            else "differ and no majority says which is right"
+        )
+        more = f" (and {found.diverged_tensors - 1} more tensors)" if found.diverged_tensors > 1 else ""
+        agreed = f"step {self._agreed_step}" if self._agreed_step is not None else "none since this generation started"
+        raise TrainingFault(
+            "replica_divergence",
+            f"data-parallel replicas differ after step {step} in {found.diverged_tensor}{more}: {who}; "
+            f"last agreeing check: {agreed}",
+        )
+
+    def _stop_requested_at_boundary(self, step: int) -> str:
+        """At the boundary after ``step``, the boundary commands in force here (agreed by
+        every rank in this step's reduction or before: the same on every rank): a revoke
+        withdraws its standing order after ``step``; then stop (:data:`_STOP`), or pause
+        until resumed (""), resumed into a resize (:data:`_RESIZE`: ``ResumeTraining.rebuild``)
+        or stopped. An operator's stop or pause that asks for it checkpoints ``step`` first
+        (every rank is at the same boundary, so the save's collectives meet); a pause waits
+        for that commit before it reports paused (a stop's ``_finish`` waits for it). A
+        paused rank stops on the stop it holds, agreed or not: every rank paused here."""
+        due = self._commands.due(step)
+        with self._lock:
+            for msg in due:
+                if isinstance(msg, engine_pb2.RevokeStandingOrder):
+                    self._revoked[msg.order] = step
+        stop = next((m for m in due if isinstance(m, engine_pb2.StopTraining)), None)
+        pause = next((m for m in due if isinstance(m, engine_pb2.PauseTraining)), None)
+        if stop is not None or pause is None:
+            if stop is not None and stop.checkpoint:
+                self._checkpoint_boundary(step)
+            return _STOP if stop is not None else ""
+        if pause.checkpoint:
+            self._checkpoint_boundary(step)
+            self._p.store(store_pb2.FlushCheckpoint(job_id=self._job_id))
+        self._phase = "paused"
+        self._emit(engine_pb2.TrainingLoopPaused(job_id=self._job_id, rank=self._rank, step=step))
+        while (stop := self._commands.take(engine_pb2.StopTraining, step)) is None:
+            msg = self._control.get()
+            if isinstance(msg, engine_pb2.ResumeTraining):
+                self._phase = "stepping"
+                return _RESIZE if msg.rebuild else ""
+        if stop.checkpoint:
+            self._checkpoint_boundary(step)
+        return _STOP
+
+    def _checkpoint_boundary(self, step: int) -> None:
+        """Save ``step`` unless its state is durable already (saved at this step, loaded from
+        a checkpoint of it, or the initial state). Checked first where replicas are checked:
+        an operator's last version is one a check covers, so it can be ``latest``."""
+        if self._durable_step != step:
+            if self._spec.integrity.replica_check_every_steps and self._dp_size > 1 and self._agreed_step != step:
+                self._check_replicas(step)
+            self._save(step)
+            self._durable_step = step
