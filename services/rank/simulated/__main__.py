@@ -52,7 +52,7 @@ from services.common.logs import configure
 from services.common.process_exit import exit_now
 from services.contract import Module, engine_pb2, route_pb2, store_pb2
 from services.rank.metrics_client import MetricsClient
-from services.rank.simulated.collective import Collective, CollectiveBroken
+from services.rank.simulated.collective import Collective
 from services.rank.simulated.data_stream import TrainStream
 from services.rank.simulated.session import SessionLost, SimSession
 from services.rank.simulated.shard_save import ShardSaver
@@ -303,8 +303,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
                                       exception=type(e).__qualname__, module=Module.L2_TRAINING_LOOP,
                                       job_id=args.job, rank=args.rank),
         ))  # fmt: skip
-        if not isinstance(e, (SessionLost, CollectiveBroken, KeyboardInterrupt, SystemExit)):
-            session.wait_released()  # L1 decides what becomes of this rank, as for a real one
+        if not isinstance(e, (SessionLost, KeyboardInterrupt, SystemExit)):
+            # L1 decides what becomes of this rank, as for a real one; a broken collective too:
+            # a survivor that exited at once raced its release and its exit read as a cause.
+            session.wait_released()
     finally:
         if rank is not None:
             rank.close()
