@@ -59,6 +59,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -432,31 +433,29 @@ def run_restore(cfg: Config, spec_path: Path) -> dict:
     return {**out, "restore_s": max(a + b for a, b in zip(asked, read))}
 
 
-def _log_values(logs: Path, job: str, event: str, key: str) -> list[float]:
-    """``key`` of every ``event`` line in ``job``'s rank logs."""
-    out = []
+def _log_records(logs: Path, job: str, event: str) -> Iterator[dict]:
+    """Every ``event`` line of ``job``'s rank logs, parsed (lines that are not JSON skipped)."""
     for path in logs.glob(f"{job}.rank*.log"):  # the node agent names them <job>.rank<r>.log
         for line in path.read_text(errors="replace").splitlines():
             if f'"{event}"' in line:
                 try:
-                    out.append(float(json.loads(line).get(key, 0.0)))
-                except (ValueError, TypeError):
+                    yield json.loads(line)
+                except ValueError:
                     continue
-    return out
+
+
+def _log_values(logs: Path, job: str, event: str, key: str) -> list[float]:
+    """``key`` of every ``event`` line in ``job``'s rank logs."""
+    return [float(r.get(key, 0.0)) for r in _log_records(logs, job, event)]
 
 
 def _log_times(logs: Path, job: str, event: str) -> list[float]:
     """Unix times of every ``event`` line in ``job``'s rank logs (their ISO ``timestamp``)."""
-    out = []
-    for path in logs.glob(f"{job}.rank*.log"):
-        for line in path.read_text(errors="replace").splitlines():
-            if f'"{event}"' in line:
-                try:
-                    stamp = json.loads(line)["timestamp"].replace("Z", "+00:00")
-                    out.append(datetime.fromisoformat(stamp).timestamp())
-                except (ValueError, TypeError, KeyError):
-                    continue
-    return out
+    return [
+        datetime.fromisoformat(r["timestamp"].replace("Z", "+00:00")).timestamp()
+        for r in _log_records(logs, job, event)
+        if "timestamp" in r
+    ]
 
 
 # ------------------------------------------------------------------ the command
