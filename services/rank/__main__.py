@@ -70,6 +70,7 @@ import structlog
 import torch
 
 from services.common import fencing
+from services.common.beat_grid import phase_from, seconds_to_next_beat
 from services.common.cpu_list import CPU_AFFINITY_ENV, parse_cpu_list
 from services.common.grpc_server import channel
 from services.common.logs import configure
@@ -347,6 +348,7 @@ class Session:
         self._step, self._step_seconds, self._stepping = 0, 0.0, False
         self._compute = (0.0, 0.0, 0.0)  # forward, backward, optimizer compute seconds up to `_step`
         self._beat_interval = heartbeat_interval_s
+        self._beat_phase = phase_from()  # the node's place on the beat grid (its agent's)
         self._closing = threading.Event()
         self._send(hello=worker_pb2.RankHello(job_id=job_id, rank=rank, pid=os.getpid()))
         threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
@@ -486,7 +488,8 @@ class Session:
                     else:
                         beat.phase = IDLE
                 self._send(heartbeat=beat)
-                if self._closing.wait(self._beat_interval):
+                # On the node's grid: its ranks' beats reach the agent together (beat_grid.py).
+                if self._closing.wait(seconds_to_next_beat(time.time(), self._beat_interval, self._beat_phase)):
                     return
         except BaseException as e:  # a rank that cannot beat is declared silent: say why in its log
             log.error("heartbeat_stopped", error=f"{type(e).__name__}: {e}")
