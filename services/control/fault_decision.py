@@ -320,6 +320,23 @@ def decide(policy: FaultPolicySpec, job: JobView, report: control_pb2.FaultRepor
     )
 
 
+# The decisions a freeze holds (``fault_policy.freeze_seconds``, issue 29 item 9): those that
+# relaunch every rank, i.e. end the processes an operator would want to inspect. A rebuild in
+# place keeps the survivors' processes (the lost rank is gone already), and a stop, a pause
+# or an ignore is not held (see :func:`freeze_for`).
+FREEZE_ACTIONS = frozenset({"restart_ranks", "rollback", "exclude_node"})
+
+
+def freeze_for(policy: FaultPolicySpec, decision: Decision, *, recovering: bool) -> float:
+    """How long L1-1 holds the job's ranks alive and idle (FreezeTraining) before it carries
+    out ``decision`` (seconds; 0: at once). ``recovering``: a recovery was already in flight
+    when the fault came (its ranks are being replaced: nothing of the failed generation is
+    left to inspect, and a second hold would only delay it)."""
+    if recovering or decision.action not in FREEZE_ACTIONS:
+        return 0.0
+    return policy.freezes(decision.fault_class)
+
+
 def no_checkpoint(policy: FaultPolicySpec, fault_class: str, rank: int, versions: int) -> Decision:
     """The decision when the relaunch of an incident (``fault_class`` of ``rank``) finds no
     committed version that verifies; ``versions``: how many the job committed (0: none yet,

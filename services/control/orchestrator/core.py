@@ -35,6 +35,7 @@ from services.control.job_queue import JobQueue
 from services.control.job_store import JobStore
 from services.control.metrics import ControlMetrics
 from services.control.orchestrator.faults import FaultIntake
+from services.control.orchestrator.freeze import Freezing
 from services.control.orchestrator.job import (
     _ALLOWED,
     EVENT_LOG,
@@ -66,7 +67,15 @@ _log = structlog.get_logger("orchestrator")
 
 
 class Orchestrator(
-    JobQueueing, OperatorCommands, OperatorResume, Resizing, RankEvents, FaultIntake, Recovery, JournalRestore
+    JobQueueing,
+    OperatorCommands,
+    OperatorResume,
+    Resizing,
+    RankEvents,
+    FaultIntake,
+    Recovery,
+    Freezing,
+    JournalRestore,
 ):
     """Owns every job's state machine. Thread-safe: one short lock orders all decisions
     (see the module docstring for the locks).

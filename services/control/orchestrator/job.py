@@ -83,6 +83,11 @@ WAITING_CAPACITY = "waiting_capacity"  # not enough free slots: retry as workers
 RESTORING = "restoring"  # ranks relaunched; waiting for every one to report ready
 
 
+# Before the first step: the ranks are held alive and idle for inspection (FreezeTraining,
+# fault_policy.freeze_seconds) until the hold runs out or the operator thaws the job.
+FROZEN = "frozen"
+
+
 # Backoff of a retried step: doubles from the first, capped (seconds).
 RETRY_FIRST_S, RETRY_MAX_S = 0.5, 4.0
 
@@ -138,6 +143,10 @@ class _Incident:
     # shrink (issue 16): the job at the smaller data-parallel size its ranks go on at, once no
     # slot was free for a replacement (journaled as the layout's three numbers).
     shrunk: JobSpec | None = None
+    # Held for inspection (phase FROZEN): until when (unix time; journaled, a restarted control
+    # keeps the hold), and the verdict the ranks blocked on a step fault get when it ends.
+    frozen_until: float = 0.0
+    verdict: engine_pb2.StepVerdict | None = None
 
 
 @dataclass
@@ -336,6 +345,8 @@ def _incident_to_json(i: _Incident) -> dict:
         "relaunched": i.relaunched,
         "phase": i.phase,
         "paused": i.paused,
+        "frozen_until": i.frozen_until,
+        "verdict": base64.b64encode(i.verdict.SerializeToString()).decode() if i.verdict is not None else "",
     }
 
 
@@ -346,6 +357,8 @@ def _incident_from_json(d: dict) -> _Incident:
     have sent it (seen in CI: the old ranks still ran and the new never came).
     Its clock (``decided``) starts again now: the time before the restart is not measured."""
     relaunched = bool(d.get("relaunched", False))
+    phase = d.get("phase", RESTORING if relaunched else PLACING)
+    verdict = engine_pb2.StepVerdict.FromString(base64.b64decode(d["verdict"])) if d.get("verdict") else None
     return _Incident(
         cause=control_pb2.FaultReport.FromString(base64.b64decode(d["cause"])),
         fault_class=d["fault_class"],
@@ -361,9 +374,12 @@ def _incident_from_json(d: dict) -> _Incident:
         bound=d.get("bound"),
         exclude=list(d.get("exclude", ())),
         relaunched=relaunched,
-        resumed=True,
-        phase=d.get("phase", RESTORING if relaunched else PLACING),
+        # (held for inspection: nothing was relaunched, the failed generation's ranks re-attach)
+        resumed=phase != FROZEN,
+        phase=phase,
         paused=bool(d.get("paused", False)),
+        frozen_until=float(d.get("frozen_until", 0.0)),
+        verdict=verdict,
     )
 
 

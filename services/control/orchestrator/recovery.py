@@ -148,6 +148,10 @@ class Recovery:
             job.scale = None
         job.start_held = False
         job.excluded.update(exclude)  # journaled with the decision: a restarted control keeps it
+        hold = fd.freeze_for(job.spec.fault_policy, decision, recovering=previous is not None)
+        if hold:  # inspect before acting (freeze.py): the recovery starts when the hold ends
+            self._freeze(job, incident, hold)
+            return decision
         if job.status.state != JobState.FAULT_FROZEN:
             self._transition(job, JobState.FAULT_FROZEN, ORCH, f"recovering from {fault_class} of rank {msg.rank}")
         self._recover(job, incident)

@@ -8,7 +8,7 @@ from typing import Any
 
 from services.contract import Module, control_pb2, engine_pb2, store_pb2
 from services.control import fault_decision as fd
-from services.control.orchestrator.job import ORCH, JobOutcome, JobState, _Job, _rebuilding
+from services.control.orchestrator.job import FROZEN, ORCH, JobOutcome, JobState, _Job, _rebuilding
 from services.control.orchestrator.recovery import _step_verdict
 from services.control.orchestrator.texts import _newest, checkpoint_text
 from services.jobspec import (
@@ -326,6 +326,8 @@ class RankEvents:
             text = f"rank {msg.rank} blocked at step {msg.step}: {msg.detail}"
             incident = job.incident
             if incident is not None and incident.dying[msg.rank] > 0:
+                if msg.reminder and incident.phase == FROZEN:
+                    return  # (held for inspection: its verdict goes when the hold ends)
                 self._record(
                     job,
                     Module.L2_TRAINING_LOOP,
@@ -350,4 +352,9 @@ class RankEvents:
             decision = self._decide(job, report, step_fault=msg)
             # (kept in job.verdicts only if the ranks go on: a relaunched generation that meets
             # the step again is asked anew)
-            self._loop(job.verdicts.get(key) or _step_verdict(msg, decision))
+            verdict = job.verdicts.get(key) or _step_verdict(msg, decision)
+            if job.incident is not None and job.incident.phase == FROZEN and job.incident.cause is report:
+                job.incident.verdict = verdict  # the ranks stay blocked for inspection (freeze.py)
+                self._keep(job)
+                return
+            self._loop(verdict)

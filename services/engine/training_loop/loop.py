@@ -109,8 +109,13 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
         self._peak_flops = 1.0
         self._lr_at = None
         # standby | stepping | waiting_data | evaluating | saving | paused | blocked | rebuilding | released
-        # | done | failed
+        # | frozen | done | failed
         self._phase = "standby"
+        # L1-1's FreezeTraining (issue 29 item 9): held for inspection before its decision on a
+        # fault runs; the loop steps no further (``_hold``). Nothing thaws a rank: the decided
+        # action (a relaunch, a stop) ends its process.
+        self._frozen: engine_pb2.FreezeTraining | None = None
+        self._thawed = threading.Event()
 
     # ------------------------------------------------------------------ L1 commands
 
@@ -149,6 +154,17 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
             if msg.step > self._step:  # (a late copy of a verdict already followed: dropped)
                 self._verdicts[msg.step, msg.kind] = msg
                 self._verdict_ready.notify_all()
+
+    def freeze_training(self, msg: engine_pb2.FreezeTraining, payload: Any = None) -> None:
+        """Hold this rank alive and idle for inspection (py-spy, logs) until L1-1's decision on
+        a fault runs (``fault_policy.freeze_seconds``): its beats say PHASE_FROZEN from now on
+        (no progress deadline); a loop blocked on a step fault keeps waiting for its verdict, a
+        failed rank for its release, one still stepping stops at its next step boundary."""
+        self._mark.freeze()
+        self._frozen = msg
+        _log.warning(
+            "frozen_for_inspection", reason=msg.reason, until_unix=msg.until_unix, step=self._step, phase=self._phase
+        )
 
     def revoke_standing_order(self, msg: engine_pb2.RevokeStandingOrder, payload: Any = None) -> None:
         """Follow standing order ``msg.order`` through the step of its agreed boundary only
@@ -242,6 +258,8 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
         while self._step < spec.steps or boundary is not None:
             try:
                 if boundary is None:
+                    if self._frozen is not None:
+                        self._hold()
                     step = self._step + 1
                     self._run_step(step)
                     self._step = boundary = step
@@ -263,6 +281,14 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
             # elsewhere a cut-short boundary is not (every rank decides alike: from the step).
             boundary = self._step if self._step == spec.steps else None
         self._finish(stopped=False)
+
+    def _hold(self) -> None:
+        """Frozen by L1-1 (:meth:`freeze_training`): step no further. Blocks until the process
+        ends: the action L1-1 decided (relaunch, stop) kills it."""
+        self._phase = "frozen"
+        self._mark.enter(ph.FROZEN)
+        _log.warning("held_at_step_boundary", step=self._step)
+        self._thawed.wait()
 
     def _finish(self, stopped: bool) -> None:
         # Background saves are done (written, committed) before anyone hears of the end.
