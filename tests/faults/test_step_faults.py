@@ -28,7 +28,7 @@ INJECT = (
     "sfroll:nan_loss@7:rank=1,sfskip:inf_grad@3,sfskip:nan_loss@5:rank=1,sfignore:nan_loss@4,"
     "sfstop:nan_loss@4,sfrestart:nan_loss@6,sfexclude:nan_loss@6,sfhold:nan_loss@5:rank=1,sfthaw:nan_loss@5:rank=1"
 )
-JOBS = ("sfroll", "sfskip", "sfignore", "sfstop", "sfrestart", "sfexclude", "sfhold", "sfthaw")
+JOBS = ("sfroll", "sfskip", "sfignore", "sfstop", "sfrestart", "sfexclude", "sfhold", "sfthaw", "sfref", "sfreload")
 
 JOB = """\
 name: {name}
@@ -235,4 +235,40 @@ def test_an_operator_thaw_runs_the_held_relaunch_at_once(stack):
     assert any(m.startswith("thawed by the operator: restart_ranks") for m in of_type(events, "decision"))
     assert all(not alive(p) for p in pids)  # the relaunch replaced them
     assert_relaunched_from(stack, job_id, resumed_at=3, faulty=5, last=8)
+    finished(events)
+
+
+def test_a_rollback_in_place_keeps_the_processes_and_replays_the_uninterrupted_runs_losses(stack):
+    # Issue 29 item 9: `surgectl rollback JOB --version V` on a running dp 2 job: the ranks pause,
+    # load V (step 6) into their live processes and train on from step 6; the same PIDs, and
+    # every step's loss equal to an uninterrupted run's (bit-exact resume).
+    ref = stack.submit(job("sfref", "restart_ranks", steps=60, dp=2))
+    finished(stack.events(ref))
+    job_id = stack.submit(job("sfreload", "restart_ranks", steps=60, dp=2))
+    t0 = time.monotonic()
+    while not any(
+        " at step 6 " in m for m in of_type(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job_id)), "checkpoint")
+    ):
+        assert time.monotonic() - t0 < 60, "the checkpoint of step 6 was never committed"
+        time.sleep(0.05)
+    pids = [stack.rank_pids(job_id, r) for r in (0, 1)]
+    assert all(len(p) == 1 for p in pids), pids
+    back = cli(stack.home, "rollback", job_id, "--version", f"{job_id}:2")
+    assert back.returncode == 0, back.stdout + back.stderr
+    t0 = time.monotonic()
+    while not (s := stack.status(job_id)).message.startswith("rolled back in place"):
+        assert time.monotonic() - t0 < 60 and s.state != JobState.TERMINATED, s.message
+        time.sleep(0.02)
+    assert s.message == f"rolled back in place to checkpoint {job_id}:2 at step 6", s.message
+    assert [stack.rank_pids(job_id, r) for r in (0, 1)] == pids and alive([p[0] for p in pids])
+    events = stack.events(job_id)
+    (done,) = [m for m in of_type(events, "recovery") if m.startswith("rollback in place done")]
+    assert f"all 2 ranks loaded checkpoint {job_id}:2 in their live processes (none relaunched)" in done, done
+    assert not [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
+    steps = [r["step"] for r in rank0_steps(stack, job_id)]
+    cut = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    assert steps[cut] == 7 and steps[cut:] == list(range(7, 61)), steps  # trained again from step 7
+    la, lb = stack.losses(ref), stack.losses(job_id)
+    assert sorted(la) == sorted(lb) == list(range(1, 61))
+    assert [s for s in la if la[s] != lb[s]] == [], "per-step losses after the rollback differ"
     finished(events)

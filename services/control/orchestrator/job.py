@@ -175,6 +175,18 @@ class _Scale:
 
 
 @dataclass
+class _Reload:
+    """A rollback in place in flight (issue 29 item 9, `surgectl rollback`): the ranks pause at
+    a common boundary (``pausing``), then load ``version`` into their live processes
+    (``loading``: ResumeTraining.reload_version) and report ready at its ``step``."""
+
+    version: str
+    step: int
+    phase: str = "pausing"  # pausing | loading
+    since: float = 0.0  # time.monotonic() it was asked (not journaled)
+
+
+@dataclass
 class _Job:
     status: control_pb2.JobStatus
     spec: JobSpec
@@ -255,6 +267,7 @@ class _Job:
     revoked: dict[int, tuple[int, int]] = field(default_factory=dict)
     queued: QueueEntry | None = None  # its place while it waits in the queue (journaled)
     scale: _Scale | None = None  # a resize in flight (journaled)
+    reload: _Reload | None = None  # a rollback in place in flight (journaled)
     # The layout (dp, micro_batch_size, grad_accum) a job shrunk by a fault grows back to as
     # slots return (empty: none; journaled). An operator's scale sets the size: it is forgotten.
     grow_to: tuple[int, ...] = ()
@@ -328,6 +341,7 @@ def _runtime(job: _Job) -> dict:
         "grow_to": list(job.grow_to),
         "micro_batch_cap": job.micro_batch_cap_seen,
         "scale": _scale_to_json(job.scale) if job.scale is not None else None,
+        "reload": [job.reload.version, job.reload.step, job.reload.phase] if job.reload is not None else None,
     }
 
 
@@ -413,6 +427,9 @@ def _load_runtime(job: _Job, rt: dict) -> None:
         job.incident = _incident_from_json(rt["incident"])
     job.grow_to = tuple(int(n) for n in rt.get("grow_to", ()))
     job.micro_batch_cap_seen = int(rt.get("micro_batch_cap", 0))
+    if rt.get("reload"):
+        version, step, phase = rt["reload"]
+        job.reload = _Reload(str(version), int(step), phase=str(phase), since=time.monotonic())
     if rt.get("scale"):
         d = rt["scale"]
         job.scale = _Scale(

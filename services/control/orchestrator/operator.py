@@ -133,6 +133,8 @@ class OperatorCommands:
 
         A job held for inspection (FAULT_FROZEN before its decided relaunch, freeze.py) is
         thawed: the relaunch runs now. ``thaw_only`` (`surgectl thaw`): only that.
+        ``rollback_in_place`` (`surgectl rollback`): a RUNNING job's live ranks load
+        ``from_version`` (rollback.py).
 
         Raises:
             JobNotFound; IllegalTransition (one line): ``thaw_only`` and the job is not held;
@@ -148,6 +150,8 @@ class OperatorCommands:
             job_id = job.status.job_id
             if self._thaw_request(job):  # (held for inspection: the decided action runs now; freeze.py)
                 return self._snapshot(job)
+            if msg.rollback_in_place:  # `surgectl rollback` (rollback.py)
+                return self._rollback_in_place(job, msg)
             if msg.thaw_only:
                 raise IllegalTransition(
                     f"job {job_id} is {JobState.Name(job.status.state)}, not held for inspection "

@@ -141,6 +141,12 @@ class Recovery:
         job.pending = ""  # a pause in flight ends here: the incident keeps it (``paused``)
         # A drain ends here too: the recovered job is not `up`'s to resume (its ranks are new).
         job.draining = job.parked = job.parked_live = job.resume_after_pause = job.status.drained = False
+        if job.reload is not None:  # (the ranks it loads into are being replaced)
+            self._record(
+                job, ORCH, "recovery",
+                f"rollback in place to {job.reload.version} given up: {decision.text}; the relaunch replaces it",
+            )  # fmt: skip
+            job.reload = None
         if job.scale is not None:  # (its new layout stays if it was already commanded)
             self._record(
                 job, ORCH, "scale", f"{job.scale.why} to dp {job.scale.spec.parallel.dp} given up: {decision.text}"

@@ -27,7 +27,11 @@ class RankEvents:
         with self._lock:
             self._heard_from(msg.job_id, msg.rank)
             scaling = msg.job_id in self._jobs and _rebuilding(self._jobs[msg.job_id].scale)
-            states = (JobState.WARMING_UP, JobState.FAULT_FROZEN) + ((JobState.RUNNING,) if scaling else ())
+            known = self._jobs.get(msg.job_id)
+            reloading = known is not None and known.reload is not None and known.reload.phase == "loading"
+            states = (JobState.WARMING_UP, JobState.FAULT_FROZEN) + (
+                (JobState.RUNNING,) if scaling or reloading else ()
+            )
             job = self._live(msg.job_id, states, msg)
             if job is None:
                 return
@@ -72,6 +76,9 @@ class RankEvents:
             job.status.step = msg.start_step
             if scaling:
                 self._scaled(job, msg)
+                return
+            if reloading:
+                self._reloaded(job, msg)
                 return
             held = incident is not None and incident.paused  # the operator's pause outlives the fault
             if not held:
@@ -226,10 +233,16 @@ class RankEvents:
         with self._lock:
             self._heard_from(msg.job_id, msg.rank)
             job = self._live(msg.job_id, (JobState.RUNNING,), msg)
-            if job is None or job.pending not in ("pause", "scale"):
+            if job is None or job.pending not in ("pause", "scale", "reload"):
                 return
             job.pending_at = job.pending_at or msg.step  # (the boundary the ranks agreed on)
             job.paused.add(msg.rank)
+            if job.pending == "reload":  # a rollback in place (rollback.py)
+                if len(job.paused) < job.status.world_size:
+                    self._keep(job)
+                else:
+                    self._reload_paused(job, msg.step)
+                return
             if job.pending == "scale":
                 if len(job.paused) < job.status.world_size:
                     self._keep(job)

@@ -22,7 +22,7 @@ from services.contract import Module, data_pb2, engine_pb2, route_pb2, store_pb2
 from services.contract.bus import Emitter
 from services.contract.failures import failure_of
 from services.contract.frozen import FrozenConfig
-from services.engine.training_loop.boundary import _RESIZE, _STOP, Boundary
+from services.engine.training_loop.boundary import _RELOAD, _RESIZE, _STOP, Boundary
 from services.engine.training_loop.checkpoints import Checkpoints
 from services.engine.training_loop.data_stream import DataStream
 from services.engine.training_loop.evaluation import Evaluation
@@ -116,6 +116,7 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
         # action (a relaunch, a stop) ends its process.
         self._frozen: engine_pb2.FreezeTraining | None = None
         self._thawed = threading.Event()
+        self._reload_version = ""  # the version a rollback in place loads (ResumeTraining.reload_version)
 
     # ------------------------------------------------------------------ L1 commands
 
@@ -132,12 +133,16 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
         self._commands.receive(msg)
 
     def resume_training(self, msg: engine_pb2.ResumeTraining, payload: Any = None) -> None:
-        """Resume a paused loop; ``rebuild``: into a resize (module docstring), only while
-        paused (else dropped: a rebuild left queued would start one at the next pause)."""
+        """Resume a paused loop; ``rebuild``: into a resize (module docstring), ``reload_version``:
+        into a rollback in place (``_reload``), each only while paused (else dropped: one left
+        queued would start at the next pause)."""
         # (The phase is set before TrainingLoopPaused goes out; a loop wired without L2-2 has
         # no group to rebuild.)
         if msg.rebuild and (self._phase != "paused" or self._p.parallel is None):
             _log.warning("rebuild_resume_ignored", phase=self._phase, step=self._step)
+            return
+        if msg.reload_version and self._phase != "paused":  # (only from the pause L1 asked for it)
+            _log.warning("reload_resume_ignored", phase=self._phase, step=self._step, version=msg.reload_version)
             return
         self._control.put(msg)
 
@@ -267,6 +272,10 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
                 if after == _STOP:
                     return self._finish(stopped=True)
                 boundary = None
+                if after == _RELOAD:  # a rollback in place: from the version's step on
+                    if not self._reload(self._reload_version):
+                        return  # stopped while waiting to start again (finished)
+                    continue
                 if after != _RESIZE:
                     continue
                 reason, in_step, resize = "resize (ResumeTraining.rebuild)", False, True
