@@ -78,6 +78,11 @@ class PhaseMarker:
         self._frozen = True
         self.phase, self.since, self.progress, self.total = FROZEN, time.monotonic(), 0, 0
 
+    def thaw(self) -> None:
+        """The hold is over (the rank goes on in place: a rollback loaded into it): phases
+        read as entered again."""
+        self._frozen = False
+
     def compute_seconds(self) -> tuple[float, float, float]:
         """(forward, backward, optimizer) compute seconds so far, the current phase's up to
         now included (read by the main thread at a step's end, while still in the optimizer
@@ -109,6 +114,9 @@ class NoPhase:
         pass
 
     def freeze(self) -> None:
+        pass
+
+    def thaw(self) -> None:
         pass
 
 

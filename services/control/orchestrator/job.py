@@ -147,6 +147,9 @@ class _Incident:
     # keeps the hold), and the verdict the ranks blocked on a step fault get when it ends.
     frozen_until: float = 0.0
     verdict: engine_pb2.StepVerdict | None = None
+    # A rollback done in place (issue 29 item 9, ``Decision.in_place``): the live ranks load the
+    # version (ResumeTraining.reload_version) instead of a relaunch (journaled).
+    reload: bool = False
 
 
 @dataclass
@@ -360,6 +363,7 @@ def _incident_to_json(i: _Incident) -> dict:
         "phase": i.phase,
         "paused": i.paused,
         "frozen_until": i.frozen_until,
+        "reload": i.reload,
         "verdict": base64.b64encode(i.verdict.SerializeToString()).decode() if i.verdict is not None else "",
     }
 
@@ -393,6 +397,7 @@ def _incident_from_json(d: dict) -> _Incident:
         phase=phase,
         paused=bool(d.get("paused", False)),
         frozen_until=float(d.get("frozen_until", 0.0)),
+        reload=bool(d.get("reload", False)),
         verdict=verdict,
     )
 

@@ -92,6 +92,9 @@ class Checkpoints:
         fails and L1 decides, as for a failed relaunch's load."""
         t0 = time.perf_counter()
         self._phase = "loading"
+        if self._frozen is not None:  # (held for inspection before this rollback: the hold is over)
+            self._frozen = None
+            self._mark.thaw()
         self._mark.enter(ph.CHECKPOINT_STAGING)
         before = self._step
         loaded = self._p.store(store_pb2.LoadCheckpoint(version=version), self._snapshot(self._step))

@@ -109,7 +109,7 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
         self._peak_flops = 1.0
         self._lr_at = None
         # standby | stepping | waiting_data | evaluating | saving | paused | blocked | rebuilding | released
-        # | frozen | done | failed
+        # | frozen | fault_wait | loading | done | failed
         self._phase = "standby"
         # L1-1's FreezeTraining (issue 29 item 9): held for inspection before its decision on a
         # fault runs; the loop steps no further (``_hold``). Nothing thaws a rank: the decided
@@ -141,7 +141,7 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
         if msg.rebuild and (self._phase != "paused" or self._p.parallel is None):
             _log.warning("rebuild_resume_ignored", phase=self._phase, step=self._step)
             return
-        if msg.reload_version and self._phase != "paused":  # (only from the pause L1 asked for it)
+        if msg.reload_version and self._phase not in ("paused", "fault_wait"):  # (only where L1 stopped it)
             _log.warning("reload_resume_ignored", phase=self._phase, step=self._step, version=msg.reload_version)
             return
         self._control.put(msg)
@@ -280,6 +280,11 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
                     continue
                 reason, in_step, resize = "resize (ResumeTraining.rebuild)", False, True
             except Exception as e:
+                if self._waits_in_loop(e):  # (every rank alike: L1-1 may roll back in place)
+                    if not self._await_decision(e):
+                        return  # stopped while waiting (finished)
+                    boundary = None
+                    continue
                 if not self._rebuilds(e):
                     raise
                 reason, in_step, resize = _one_line(e), boundary is None, False
