@@ -42,10 +42,14 @@ class Recovery:
         for the decision: a rollback in place (``ResumeTraining.reload_version``: the version
         loaded, :meth:`_reload`; True once started again) or a stop (False: finished). A
         relaunch or a stop of the job kills the process where it waits."""
+        # Out of the check's collective first: a failure classified while the rank's phase says
+        # it waits in one is a broken communicator (services/contract/failures.cause_of), and
+        # the group is not broken: every rank answered the check.
+        self._phase = "fault_wait"
+        self._mark.enter(ph.FAULT_WAIT)
         self.fail(exc)
         self._failed = False  # (a later failure of this rank is reported too)
         self._phase = "fault_wait"
-        self._mark.enter(ph.FAULT_WAIT)
         _log.warning("waiting_for_l1_decision", step=self._step, fault_class=exc.fault_class)
         while True:
             msg = self._control.get()
