@@ -161,3 +161,18 @@ def test_a_control_restarted_during_the_hold_keeps_it_and_then_runs_the_relaunch
     finally:
         ctl.user(control_pb2.StopJobRequest(job_id=job_id))
         stop_plane(ctl.c)
+
+
+def test_a_held_replica_divergence_is_rolled_back_in_place_once_thawed(plane, store):  # noqa: F811
+    extra = QUICK + "\nintegrity: {replica_check_every_steps: 4}\nfault_policy: {freeze_seconds: 30}"
+    job_id, w = running(plane, "wa", "wb", extra=extra)
+    v1 = saved(plane, w["wa"], job_id, 1, step=4)
+    store.verdicts = [(v1, 4, True)]
+    detail = "data-parallel replicas differ after step 8 in tok_emb.weight: dp ranks 0, 1 differ"
+    failed = engine_pb2.TrainingLoopFailed(step=8, fault_class="replica_divergence", detail=detail)
+    plane.rank_event(w["wa"], job_id, 0, failed=failed)
+    assert decisions(plane, job_id)[0].endswith("; in place: the live ranks load it, none is relaunched")
+    assert kinds(drain(w["wa"])) == ["FreezeTraining"]
+    plane.user(control_pb2.ResumeJobRequest(job_id=job_id, thaw_only=True))
+    (reload,) = [to_ranks(c) for c in drain(w["wa"])]
+    assert reload.reload_version == v1
