@@ -73,6 +73,8 @@ def _no_reload(job: _Job) -> str:
         return f"rank(s) {', '.join(map(str, sorted(job.exited)))} exited"
     if job.pending:
         return f"a {job.pending} is in flight"
+    if job.spec.precision.dtype == "fp16":  # (InitPrecision is pushed once: L2-4's scaler keeps its state)
+        return "the job trains in fp16, whose loss scaler's state cannot be given to live ranks again"
     return ""
 
 
