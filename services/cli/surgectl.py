@@ -831,6 +831,42 @@ def resume(
 
 
 @app.command()
+def thaw(job: str) -> None:
+    """End a job's hold for inspection now (fault_policy.freeze_seconds): the recovery its
+    fault policy decided (a relaunch) runs at once instead of when the hold runs out. A job
+    not held is refused, nothing changed. (`surgectl stop JOB` ends a held job instead.)
+
+    Example: surgectl thaw demo-3f2a1c
+    """
+    job = resolve_job(job)
+    req = control_pb2.ResumeJobRequest(job_id=job, thaw_only=True)
+    s = clients.call("control", lambda st: st.ResumeJob(req, timeout=90))
+    render.console.print(f"{job}: thawed; now {render.state_text(s)}", markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command()
+def rollback(
+    job: str,
+    version: str | None = typer.Option(
+        None, "--version", help="the committed version to go back to, JOB:N (default: the newest not known bad)"
+    ),
+) -> None:
+    """Roll a RUNNING job back to a committed checkpoint in place: its ranks pause at a step
+    boundary they agree on (no checkpoint), load the version into their live processes (none
+    is relaunched) and train on from its step, bit-exactly as a relaunch from it would. The
+    versions committed after it are kept, as another branch (`surgectl resume --from` names one).
+
+    Example: surgectl rollback demo-3f2a1c --version demo-3f2a1c:4
+    """
+    job = resolve_job(job)
+    req = control_pb2.ResumeJobRequest(job_id=job, from_version=version or "", rollback_in_place=True)
+    s = clients.call("control", lambda st: st.ResumeJob(req, timeout=90))
+    render.console.print(
+        f"{job}: rolling back in place; now {render.state_text(s)}", markup=False, highlight=False, soft_wrap=True
+    )
+
+
+@app.command()
 def scale(
     job: str,
     dp: int = typer.Option(..., "--dp", min=1, max=2**32 - 1, help="the new data-parallel size"),

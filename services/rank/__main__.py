@@ -526,15 +526,18 @@ class Session:
             exit_now(EXIT_SESSION_LOST)
 
 
-def _waits_for_release(e: BaseException) -> bool:
+def _waits_for_release(e: BaseException, hold_on_fault: bool = False) -> bool:
     """Whether a rank that failed with ``e`` waits for L1 to release it: every failure but a
     broken communicator (a collective or point-to-point call failed: the process cannot take
-    part in the group again, so it leaves), a lost session (nobody is left to release it) and
-    an interrupt."""
+    part in the group again, so it leaves, unless the job's policy holds its ranks for
+    inspection on a fault: ``InitJob.hold_on_fault``), a lost session (nobody is left to
+    release it) and an interrupt."""
     from services.contract import failures
 
     if isinstance(e, (SessionLost, KeyboardInterrupt, SystemExit)):
         return False
+    if hold_on_fault:
+        return True
     return failures.cause_of(e) != failures.C.FAILURE_COMMUNICATION and not failures.communicator_broken()
 
 
@@ -596,8 +599,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
     rank: RankModules | None = None
     data = store = copies = metrics = None
     code = 0
+    hold_on_fault = False  # InitJob.hold_on_fault: L1-1 holds a failed rank for inspection
     try:
         init, assignment = session.receive_setup()
+        hold_on_fault = init.hold_on_fault
         # Every call from here on names this incarnation: a replaced one is refused (fencing.py).
         fencing.set_identity(args.job, args.rank, assignment.generation)
         pinned = pin_cpus(os.environ.get(CPU_AFFINITY_ENV))  # before torch starts its thread pools
@@ -704,7 +709,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
             from services.engine.training_loop import classify_fault
 
             session.send_failed(*classify_fault(e))
-        if _waits_for_release(e):
+        if _waits_for_release(e, hold_on_fault):
             # L1 decides what becomes of this rank (seed L2-1: no recovery of its own): it
             # stays, beating and idle, until control releases it (the node agent's signal)
             # or its node agent goes away. Its peers are not left waiting for a dead process
