@@ -164,7 +164,9 @@ def test_a_rank_waiting_in_a_collective_for_a_peer_that_still_advances_is_no_fau
     # the evaluation's all-reduce far longer than the step budget.
     bus, reports = wired(heartbeat_timeout_seconds=5.0, stall_min_seconds=0.5, stall_step_factor=0.01)
     state = {0: (3, RankPhase.PHASE_COLLECTIVE), 1: (3, RankPhase.PHASE_EVALUATION, 0, 50)}
-    with Beating(bus, state):
+    # (beats every 0.3 s: a peer counts as working while it beats within 1.5 periods, and a
+    # loaded machine delays a 0.1 s beat thread by more than its 0.05 s of slack)
+    with Beating(bus, state, interval=0.3):
         for batch in range(1, 12):
             time.sleep(0.2)
             state[1] = (3, RankPhase.PHASE_EVALUATION, batch, 50)
