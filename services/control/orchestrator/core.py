@@ -28,10 +28,10 @@ from typing import Any
 
 import structlog
 
+from services.common.deadlines import Deadline, Deadlines
 from services.contract import Module, control_pb2, engine_pb2
 from services.contract.bus import CommandPort, Emitter, Reply
 from services.control.cluster_metrics import watch_jobs
-from services.control.deadlines import Deadline, Deadlines
 from services.control.job_queue import JobQueue
 from services.control.job_store import JobStore
 from services.control.metrics import ControlMetrics
