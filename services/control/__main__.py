@@ -1,11 +1,12 @@
 """Composition root of `control` (L1): the only place its modules are built and wired.
 
     python -m services.control --port P [--host 127.0.0.1] [--db PATH] --data ADDR --store ADDR
-        [--metrics-port M] [--max-sessions N]
+        [--metrics-port M] [--max-sessions N] [--webhook URL]
 
 Environment: SURGE_CONTROL_PORT, SURGE_CONTROL_DB (default ``$SURGE_HOME/control.db``),
 SURGE_DATA_ADDRESS, SURGE_STORE_ADDRESS, SURGE_CONTROL_METRICS_PORT (Prometheus
-``/metrics``; default 0 = not served). Also serves ``surge.v1.AuditService``. A port already
+``/metrics``; default 0 = not served), SURGE_CONTROL_WEBHOOK (job-end webhook for jobs whose
+spec names none: services/control/webhooks.py). Also serves ``surge.v1.AuditService``. A port already
 in use is one line on stderr and exit status 2; SIGTERM / SIGINT stop it cleanly (sessions
 end, the journal closes).
 

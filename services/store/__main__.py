@@ -1,10 +1,12 @@
 """Composition root of the `store` service: the only place its modules are built and wired.
 
     python -m services.store --port P --metrics-port M [--host 127.0.0.1] [--root DIR]
-                             [--scrub-interval-seconds S]
+                             [--scrub-interval-seconds S] [--series-linger-seconds L]
 
 (env ``SURGE_STORE_PORT``, ``SURGE_STORE_METRICS_PORT``, ``SURGE_STORE_ROOT``,
-``SURGE_STORE_SCRUB_INTERVAL_S``; the root defaults to ``services.common.paths.store_root()``).
+``SURGE_STORE_SCRUB_INTERVAL_S``, ``SURGE_STORE_SERIES_LINGER_SECONDS``: an ended rank's
+Prometheus series are removed L seconds after its loop ended, by this root's timer;
+the root defaults to ``services.common.paths.store_root()``).
 
 Where checkpoint bytes live and how ranks move them (SaveStaged.transfer tells every rank):
 
