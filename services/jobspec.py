@@ -562,6 +562,21 @@ class MetricsSpec(_Strict):
     log_every: int = Field(10, ge=0, le=U32_MAX)
 
 
+WEBHOOK_URL_MAX = 2048  # characters
+WEBHOOK_PATTERN = r"^https?://[^\s/?#]+[^\s]*$"
+
+
+class NotifySpec(_Strict):
+    """Who hears of the job's end: control POSTs a small JSON (job id, name, outcome, step,
+    message) to ``webhook`` when the job ends with an outcome in ``outcomes``, from its one sender
+    thread, with a timeout; a failed POST is logged and counted
+    (``surge_webhook_failures_total``), never retried and never changes the job. None: the
+    stack's webhook (control's ``--webhook`` / SURGE_CONTROL_WEBHOOK), if any."""
+
+    webhook: str | None = Field(None, pattern=WEBHOOK_PATTERN, max_length=WEBHOOK_URL_MAX)
+    outcomes: list[Literal["FINISHED", "FAILED", "STOPPED"]] = Field(["FINISHED", "FAILED"], min_length=1, max_length=3)
+
+
 # skip_step: the training loop skips the step's update on every rank and goes on (only for
 # the step faults of STEP_FAULT_CLASSES).
 # skip_save: a save a destination refused (SAVE_FAULT_CLASSES) is given up; the ranks train on
@@ -984,6 +999,7 @@ class JobSpec(_Strict):
     liveness: LivenessSpec = LivenessSpec()
     init_from: InitFromSpec | None = None
     metrics: MetricsSpec = MetricsSpec()
+    notify: NotifySpec = NotifySpec()
     simulate: SimulateSpec | None = None  # the scale test bed's simulated ranks (SimulateSpec)
 
     @field_validator("precision", mode="before")

@@ -1,11 +1,12 @@
 """Composition root of `control` (L1): the only place its modules are built and wired.
 
     python -m services.control --port P [--host 127.0.0.1] [--db PATH] --data ADDR --store ADDR
-        [--metrics-port M] [--max-sessions N]
+        [--metrics-port M] [--max-sessions N] [--webhook URL]
 
 Environment: SURGE_CONTROL_PORT, SURGE_CONTROL_DB (default ``$SURGE_HOME/control.db``),
 SURGE_DATA_ADDRESS, SURGE_STORE_ADDRESS, SURGE_CONTROL_METRICS_PORT (Prometheus
-``/metrics``; default 0 = not served). Also serves ``surge.v1.AuditService``. A port already
+``/metrics``; default 0 = not served), SURGE_CONTROL_WEBHOOK (job-end webhook for jobs whose
+spec names none: services/control/webhooks.py). Also serves ``surge.v1.AuditService``. A port already
 in use is one line on stderr and exit status 2; SIGTERM / SIGINT stop it cleanly (sessions
 end, the journal closes).
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import threading
@@ -60,6 +62,8 @@ from services.control.session_hub import SessionHub
 from services.control.sick_nodes import SickNodePolicy
 from services.control.store_relay import StoreRelay
 from services.control.watch_hub import WatchHub
+from services.control.webhooks import WebhookSender
+from services.jobspec import WEBHOOK_PATTERN
 
 # What this process hosts on its bus: the four L1 modules, and the relays standing in for
 # the operator, the node agents, the ranks' modules (the session hub, for every command an
@@ -89,6 +93,7 @@ class Control:
     detector: FaultDetector
     orchestrator: Orchestrator
     store: StoreRelay
+    webhooks: WebhookSender
 
 
 def build(
@@ -101,6 +106,7 @@ def build(
     sick_nodes: SickNodePolicy | None = None,
     persist_interval_s: float = 1.0,
     max_sessions: int = 8192,
+    webhook: str = "",
 ) -> Control:
     """Build and wire the four L1 modules and the relays on one bus.
 
@@ -142,6 +148,8 @@ def build(
     # that sent them (rank modules, their L4/L5 relays, EXT_CONTRACT), checked by the hub's link.
     sessions = SessionHub(bus, hardware=bus.emitter(Module.EXT_HARDWARE), journal=journal)
     watches = WatchHub()
+    # Job-end webhooks (services/control/webhooks.py): queued here, POSTed on its own thread.
+    webhooks = WebhookSender(webhook, spec_json=journal.spec_json)
     # What the store's modules send control's side comes back with a failed call, by name,
     # checked (the store may speak only for L5 modules).
     from_store = Link(bus, name="store service", near=L1, beyond=L5)
@@ -153,7 +161,7 @@ def build(
     )
 
     # Relays first, so that restoring jobs (inside Orchestrator()) publishes to a wired bus.
-    bus.subscribe(Module.EXT_USER, control_pb2.JobEvent, watches.on_job_event)
+    bus.subscribe(Module.EXT_USER, control_pb2.JobEvent, _both(watches.on_job_event, webhooks.on_job_event))
     bus.subscribe(Module.EXT_HARDWARE, control_pb2.LaunchRanks, sessions.launch_ranks)
     bus.subscribe(Module.EXT_HARDWARE, control_pb2.ReleaseRanks, sessions.release_ranks)
     sessions.stand_in()  # every command from an L1 module to a rank module, by its name
@@ -234,7 +242,18 @@ def build(
         detector=detector,
         orchestrator=orchestrator,
         store=store,
+        webhooks=webhooks,
     )
+
+
+def _both(first, second):
+    """One EXT_USER subscription feeding the watch streams, then the webhooks."""
+
+    def handler(msg, payload=None) -> None:
+        first(msg, payload)
+        second(msg, payload)
+
+    return handler
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -274,7 +293,16 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=env.get("SURGE_SICK_NODE_WINDOW_SECONDS") or "600",
         help="how far back faults count (env SURGE_SICK_NODE_WINDOW_SECONDS)",
     )
+    # Job-end webhooks (services/control/webhooks.py) for jobs whose spec names none.
+    p.add_argument(
+        "--webhook",
+        default=env.get("SURGE_CONTROL_WEBHOOK") or "",
+        help="http(s) URL POSTed a JSON when a job ends FINISHED or FAILED, unless its spec's "
+        "notify.webhook names another (env SURGE_CONTROL_WEBHOOK)",
+    )
     args = p.parse_args(argv)
+    if args.webhook and not re.match(WEBHOOK_PATTERN, args.webhook):
+        p.error(f"--webhook (or SURGE_CONTROL_WEBHOOK): expected an http:// or https:// URL, got {args.webhook!r}")
     if args.max_sessions < 1:
         p.error(f"--max-sessions must be >= 1, got {args.max_sessions}")
     if args.sick_node_faults < 0:
@@ -321,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             store_address=args.store,
             host=args.host,
             max_sessions=args.max_sessions,
+            webhook=args.webhook,
             sick_nodes=SickNodePolicy(
                 window_seconds=args.sick_node_window_seconds,
                 faults=args.sick_node_faults,
@@ -352,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     control.detector.close()  # first: with the sessions ended, no beat arrives; that is no silence
     control.orchestrator.close()  # no recovery retry either: the restarted control resumes them
     control.store.close()
+    control.webhooks.close(timeout_s=2.0)  # the notices of jobs that just ended, if they can go
     control.sessions.shutdown()  # before the server stops, so no session end reads as a lost node
     server.stop(grace=2.0)
     control.servicer.applier.stop()  # after the server: no message arrives any more

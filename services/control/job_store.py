@@ -170,6 +170,12 @@ class JobStore:
             )
             JOURNAL_COMMITS.inc()  # (autocommit: one transaction)
 
+    def spec_json(self, job_id: str) -> str | None:
+        """The job's effective spec as journaled (None: no such job)."""
+        with self._lock:
+            row = self._db.execute("SELECT spec_json FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        return row[0] if row else None
+
     def delete_job(self, job_id: str) -> None:
         """Remove a job and everything journaled about it (its start failed half-way: no
         record of it may remain)."""

@@ -16,6 +16,14 @@ backoff (``attempts``); after the last it raises :class:`DataReadError` (FAILURE
 same typed path as a failed local read. Memory stays at most one block per read in flight.
 
 One cache per process (the composition root's), shared by every stream.
+
+Prometheus (the data service's /metrics): ``surge_data_cache_hits_total`` (block reads the
+cache held, a read that waited for another's fetch included) and
+``surge_data_cache_misses_total`` (blocks fetched: their hit ratio is
+``hits / (hits + misses)`` over a window), ``surge_data_cache_fetched_bytes_total``,
+``surge_data_cache_evictions_total``, and the gauges ``surge_data_cache_bytes`` (held plus
+reserved for fetches in flight) and ``surge_data_cache_capacity_bytes`` (0: no cache, a
+data service without ``--remote``).
 """
 
 from __future__ import annotations
@@ -23,9 +31,12 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+
+from prometheus_client import Counter, Gauge
 
 from services.data.errors import DataReadError, InvalidConfig
 
@@ -33,6 +44,14 @@ CACHE_DIR = ".cache/blocks"  # under the data root
 BLOCK_BYTES = 8 << 20
 CAPACITY_BYTES = 2 << 30
 _TMP = ".part"
+
+HITS = Counter("surge_data_cache_hits_total", "Block reads the data service's block cache held.")
+MISSES = Counter("surge_data_cache_misses_total", "Blocks the data service's block cache fetched (misses).")
+FETCHED_BYTES = Counter("surge_data_cache_fetched_bytes_total", "Bytes the block cache fetched from object storage.")
+EVICTIONS = Counter("surge_data_cache_evictions_total", "Blocks the block cache evicted to make room.")
+# Read when scraped (set_function) from the newest cache (one per process; tests build more).
+HELD_BYTES = Gauge("surge_data_cache_bytes", "Bytes the block cache holds (and has reserved for fetches in flight).")
+CAPACITY_BYTES_GAUGE = Gauge("surge_data_cache_capacity_bytes", "The block cache's bound in bytes (0: no cache).")
 
 
 @dataclass(frozen=True)
@@ -90,6 +109,9 @@ class BlockCache:
         self._used = 0  # bytes of the blocks held plus the room reserved for fetches
         self.fetches = 0  # ranged GETs that succeeded (for tests and the bench)
         self._recover()
+        ref = weakref.ref(self)
+        HELD_BYTES.set_function(lambda: float(c.used_bytes()) if (c := ref()) is not None else 0.0)
+        CAPACITY_BYTES_GAUGE.set_function(lambda: float(c.capacity_bytes) if (c := ref()) is not None else 0.0)
 
     def read(self, file: RemoteFile, offset: int, length: int) -> bytes:
         """Bytes ``[offset, offset + length)`` of ``file``, block by block (a range may span
@@ -140,6 +162,7 @@ class BlockCache:
                 if name in self._blocks:
                     self._blocks.move_to_end(name)
                     self._pins[name] = self._pins.get(name, 0) + 1
+                    HITS.inc()
                     return name
                 waiting = self._fetching.get(name)
                 if waiting is None:  # this thread fetches it; the others wait on the event
@@ -160,6 +183,8 @@ class BlockCache:
                     self._cond.notify_all()
                 waiting.set()
                 raise
+            MISSES.inc()
+            FETCHED_BYTES.inc(want)
             with self._cond:
                 self._blocks[name] = want
                 self._pins[name] = self._pins.get(name, 0) + 1
@@ -187,6 +212,7 @@ class BlockCache:
                 continue
             self._used -= self._blocks.pop(victim)
             (self._dir / victim).unlink(missing_ok=True)
+            EVICTIONS.inc()
         self._used += size
 
     def _fetch(self, file: RemoteFile, start: int, want: int, name: str) -> None:

@@ -49,6 +49,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Executor
 
 import grpc
+from prometheus_client import Counter
 
 from services.contract import data_pb2, data_pb2_grpc
 from services.contract.audit import VIOLATION_METADATA, violation_event
@@ -69,6 +70,13 @@ from services.data.errors import (
 from services.data.mixture import MixtureStream
 from services.data.mixture import format_refused as mixture_format_refused
 from services.data.stream_share import JOIN_GRACE_S, KEEP_HEAD, PipelineRegistry
+
+# The data service's throughput (its /metrics), by dataset name (a mixture: its components'
+# names joined by "+"): micro-batches and their non-padding tokens sent to ranks.
+BATCHES = Counter("surge_data_batches_total", "Micro-batches the data service sent to ranks, by dataset.", ["dataset"])
+TOKENS = Counter(
+    "surge_data_tokens_total", "Non-padding tokens of the micro-batches sent to ranks, by dataset.", ["dataset"]
+)
 
 STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (DatasetNotFound, grpc.StatusCode.NOT_FOUND),
@@ -407,12 +415,17 @@ class DataServicer(data_pb2_grpc.DataServiceServicer):
         )
         sent = [0, 0]
         error: Exception | None = None
+        # (resolved once per stream: labels() takes the metric's lock and hashes per call)
+        dataset = request.mount.name or "+".join(sorted({c.mount.name for c in request.mixture})) or "unknown"
+        batches_served, tokens_served = BATCHES.labels(dataset), TOKENS.labels(dataset)
         try:
             async with contextlib.aclosing(pipeline.consume()) as batches:
                 async for batch in batches:
                     yield batch
                     sent[0] += 1
                     sent[1] += batch.tokens
+                    batches_served.inc()
+                    tokens_served.inc(batch.tokens)
         except Exception as e:  # noqa: BLE001 - ends the RPC with its status below
             error = e
         finally:

@@ -1,10 +1,12 @@
 """Composition root of the `store` service: the only place its modules are built and wired.
 
     python -m services.store --port P --metrics-port M [--host 127.0.0.1] [--root DIR]
-                             [--scrub-interval-seconds S]
+                             [--scrub-interval-seconds S] [--series-linger-seconds L]
 
 (env ``SURGE_STORE_PORT``, ``SURGE_STORE_METRICS_PORT``, ``SURGE_STORE_ROOT``,
-``SURGE_STORE_SCRUB_INTERVAL_S``; the root defaults to ``services.common.paths.store_root()``).
+``SURGE_STORE_SCRUB_INTERVAL_S``, ``SURGE_STORE_SERIES_LINGER_SECONDS``: an ended rank's
+Prometheus series are removed L seconds after its loop ended, by this root's timer;
+the root defaults to ``services.common.paths.store_root()``).
 
 Where checkpoint bytes live and how ranks move them (SaveStaged.transfer tells every rank):
 
@@ -47,6 +49,7 @@ from pathlib import Path
 from prometheus_client import REGISTRY
 
 from services.common import logs, paths
+from services.common.deadlines import Deadlines
 from services.common.grpc_server import AioServiceServer, PortInUse, serve_metrics
 from services.common.service_args import ServiceArgumentParser, env_option, listen_host, port, seconds
 from services.contract import Module, audit_pb2_grpc, engine_pb2, route_pb2, store_pb2, store_pb2_grpc
@@ -58,7 +61,7 @@ from services.contract.validation import ContractError, refuse, validate_table, 
 from services.store import metric_files
 from services.store.checkpoint_manager import CheckpointManager
 from services.store.chunk_roots import FsspecChunks
-from services.store.metrics_logger import MetricsLogger
+from services.store.metrics_logger import SERIES_LINGER_S, MetricsLogger
 from services.store.server import StoreRelay
 
 CKPT, METRICS = Module.L5_CHECKPOINT_MANAGER, Module.L5_METRICS_LOGGER
@@ -76,16 +79,22 @@ def wire(
     defer=None,
     transfer: int = store_pb2.TRANSFER_PATH,
     chunks: FsspecChunks | None = None,
+    later=None,
+    linger_s: float = SERIES_LINGER_S,
 ) -> tuple[StoreRelay, MetricsLogger, ScrubSchedule]:
     """Build L5-1, L5-2 and the relay on one bus. Returns the relay, the logger (to close)
     and the operator's scrub schedule (to start and stop). ``defer``: where L5-2's sinks
     work (``main`` gives its sink thread; None: on the record's own thread). ``transfer``,
-    ``chunks``: where checkpoint bytes live (:func:`checkpoint_storage`)."""
+    ``chunks``: where checkpoint bytes live (:func:`checkpoint_storage`). ``later``, ``linger_s``:
+    the timer that removes an ended rank's series from L5-2's Prometheus series, and after how
+    long (None: at once)."""
     # No channel up from here: refusals are logged and counted, then returned to the caller.
     bus = Bus(on_violation=ViolationReporter("store", log))
     validate_table(bus.table)
     manager = CheckpointManager(root, registry=registry, emit=bus.emitter(CKPT), transfer=transfer, chunks=chunks)
-    metrics = MetricsLogger(root, registry=registry, emit=bus.emitter(METRICS), defer=defer)
+    metrics = MetricsLogger(
+        root, registry=registry, emit=bus.emitter(METRICS), defer=defer, later=later, linger_s=linger_s
+    )
     bus.host(
         CKPT,
         manager,
@@ -211,6 +220,13 @@ def main(argv: list[str] | None = None) -> int:
         default=env("SURGE_STORE_SCRUB_INTERVAL_S", "0"),
         help="re-hash every committed checkpoint version this often (0: never; env SURGE_STORE_SCRUB_INTERVAL_S)",
     )
+    p.add_argument(
+        "--series-linger-seconds",
+        type=seconds("SURGE_STORE_SERIES_LINGER_SECONDS"),
+        default=env("SURGE_STORE_SERIES_LINGER_SECONDS", str(SERIES_LINGER_S)),
+        help="a rank's Prometheus series are removed this long after its training loop ended "
+        "(env SURGE_STORE_SERIES_LINGER_SECONDS)",
+    )
     p.add_argument("--backend", default=env("SURGE_STORE_BACKEND", "local"), help="local | s3 (SURGE_STORE_BACKEND)")
     p.add_argument(
         "--transfer",
@@ -252,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     # L5-2's sinks (TensorBoard, W&B) write on this root's one thread, in order: a record is
     # acknowledged once it is in the JSONL file, whatever a sink costs (a W&B run opens in seconds).
     sinks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metric-sinks")
+    # The timer that removes an ended rank's series (one heap and one thread, not one per job).
+    series_timer = Deadlines("store-series", workers=1)
     try:
         relay, metrics, schedule = wire(
             root,
@@ -260,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             defer=sinks.submit,
             transfer=transfer,
             chunks=chunks,
+            later=series_timer.after,
+            linger_s=args.series_linger_seconds,
         )
     except (ContractError, RouteError) as e:
         if http is not None:
@@ -282,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     relay.close()
     if http is not None:
         http.shutdown()
+    series_timer.close()
     metrics.close()
     sinks.shutdown(wait=True)  # the sinks closed: event files flushed, W&B runs finished
     return 0

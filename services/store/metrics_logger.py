@@ -38,6 +38,15 @@ Prometheus (names per the Prometheus conventions: base units, ``_total`` for cou
 ``surge_train_tokens_total`` (each rank reports the all-rank count, as sent),
 ``surge_skipped_steps_total``, ``surge_eval_runs_total`` (counters).
 
+A rank's series end with it: its loop's last message on its metric stream is
+``StopLogCollection`` (the loop finished or was stopped; services/engine/training_loop), and
+``linger_s`` seconds later (``SURGE_STORE_SERIES_LINGER_SECONDS``, default 300: every scraper
+has read the last values by then) the rank's label sets are removed from every series above,
+so a finished job's series do not stay on /metrics until the store restarts. A record of the
+job and rank before then (a stopped job resumed) keeps them. The timer is the composition
+root's (``later``); this module keeps none. A rank that died without ending its loop sends no
+``StopLogCollection``: its series stay (the store hears of no job end but that one).
+
 Sinks (``metric_sinks.py``): a job's ``LogCollectionConfig`` (its spec's ``metrics:``, pushed by
 its ranks) turns on TensorBoard event files and an offline W&B run; every record written
 here (rank 0's) goes there too, unchanged. Their work (opening a W&B run takes seconds) is
@@ -75,6 +84,7 @@ PHASES = ("data_wait", "forward", "backward", "reduction", "optimizer")
 # (gRPC's flow-control window), far fewer than this.
 RECENT_LINES = 1 << 16
 RECENT_TAIL_BYTES = 16 << 20  # read back from a job's file after a restart
+SERIES_LINGER_S = 300.0  # a rank's series stay this long after its loop ended (scrapers read the last values)
 _log = structlog.get_logger("metrics_logger")
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # it names a file
 
@@ -121,12 +131,16 @@ class MetricsLogger:
         emit: Any = None,
         defer: Callable[..., Any] | None = None,
         bound: metric_files.MetricFileBound | None = None,
+        later: Callable[[float, Callable[..., Any], tuple], Any] | None = None,
+        linger_s: float = SERIES_LINGER_S,
     ):
         """``emit``: publishes this module's events (its failure event ``LogWriteFailed`` for
         a sink that failed); None: such a failure is only logged. ``defer(fn, *args)``: runs
         the sinks' work in order off the caller's thread (the service's sink thread); None:
         at once, on the caller's thread. ``bound``: the files' rotation and compaction
-        (default: ``metric_files.bound_from_env()``)."""
+        (default: ``metric_files.bound_from_env()``). ``later(seconds, fn, args)``: calls
+        ``fn(*args)`` once, ``seconds`` from now, on another thread (the root's timer): when a
+        rank's series are removed after its loop ended; None: at once."""
         self._dir = Path(root) / "metrics"
         self._dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
@@ -135,6 +149,9 @@ class MetricsLogger:
         self._bound = bound or metric_files.bound_from_env()
         self._recent: dict[str, _Recent] = {}
         self._series: dict[tuple[str, int], _Series] = {}
+        # (job, rank) -> the token of its removal in waiting (its loop ended); a record since: gone
+        self._ending: dict[tuple[str, int], object] = {}
+        self._later, self._linger_s = later, linger_s
         self._metrics = _define(registry if registry is not None else CollectorRegistry())
         self._emit = emit
         self._defer = defer or _now
@@ -157,8 +174,14 @@ class MetricsLogger:
         return store_pb2.MetricsAck(records=0)
 
     def stop_log_collection(self, msg: store_pb2.StopLogCollection, payload: Any = None) -> store_pb2.MetricsAck:
-        """A rank's training ended: the job's sinks are closed (rank 0's say; ``records`` 0)."""
+        """A rank's training ended: the job's sinks are closed (rank 0's say; ``records`` 0)
+        and the rank's Prometheus series are removed after the linger."""
         self._defer(self._sinks.stop, msg)
+        token = self._ending[(msg.job_id, msg.rank)] = object()
+        if self._later is None:
+            self._remove_series(msg.job_id, msg.rank, token)
+        else:
+            self._later(self._linger_s, self._remove_series, (msg.job_id, msg.rank, token))
         self._publish_failures(msg.job_id)
         return store_pb2.MetricsAck(records=0)
 
@@ -289,7 +312,25 @@ class MetricsLogger:
             if self._emit is not None:
                 self._emit(event)
 
+    def _remove_series(self, job: str, rank: int, token: object) -> None:
+        """The rank's loop ended ``linger_s`` ago and no record came since: its label sets
+        go from every series (the JSONL file keeps every value)."""
+        with self._lock:
+            if self._ending.get((job, rank)) is not token:
+                return  # a record came since (a resume), or a later end has its own removal
+            del self._ending[(job, rank)]
+            self._series.pop((job, rank), None)
+        for key, metric in self._metrics.items():
+            for labels in [(job, str(rank), p) for p in PHASES] if key == "phase" else [(job, str(rank))]:
+                try:
+                    metric.remove(*labels)
+                except KeyError:  # never set (an eval series of a job without evaluations)
+                    pass
+        _log.info("metric_series_removed", job=job, rank=rank)
+
     def _series_of(self, job: str, rank: int) -> _Series:
+        if self._ending:  # (read without the lock: a record after its rank's end keeps its series)
+            self._ending.pop((job, rank), None)
         s = self._series.get((job, rank))
         if s is None:  # a benign race: two threads may build the same children; labels() is idempotent
             s = self._series[(job, rank)] = _Series(self._metrics, job, str(rank))

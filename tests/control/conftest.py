@@ -144,6 +144,7 @@ def stop_plane(control: Control) -> None:
     control.store.close()
     control.sessions.shutdown()
     control.servicer.applier.stop()
+    control.webhooks.close(timeout_s=5.0)
     control.journal.close()
 
 

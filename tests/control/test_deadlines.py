@@ -1,4 +1,4 @@
-"""services/control/deadlines.py: Timer semantics on one heap."""
+"""services/common/deadlines.py: Timer semantics on one heap."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from services.control.deadlines import Deadlines
+from services.common.deadlines import Deadlines
 
 
 @pytest.mark.timeout(20)

@@ -192,7 +192,8 @@ def obs_stack(tmp_path_factory) -> ObsStack:
     )
     assert prep.returncode == 0, prep.stderr
     prom_proc = None
-    up = cli(home, "up", "--workers", "2", timeout=120)
+    # The finished job's series stay for the whole package (the tests read them after it ended).
+    up = cli(home, "up", "--workers", "2", env={"SURGE_STORE_SERIES_LINGER_SECONDS": "3600"}, timeout=120)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         services = json.loads((home / "run" / "stack.json").read_text())["services"]

@@ -24,7 +24,7 @@ from .wiring import MODULES, source_tree
 
 WORKER_POOLS = {Module.L4_PREFETCHER: "ThreadPoolExecutor", Module.L5_CHECKPOINT_MANAGER: "ThreadPoolExecutor"}
 # Liveness deadlines, where a module keeps one: module -> why. A deadline is a one-shot
-# timer (``self._deadlines.after``: services/control/deadlines.py) armed and re-armed
+# timer (``self._deadlines.after``: services/common/deadlines.py) armed and re-armed
 # (cancel + arm) only inside the handler of the event that proves progress, so silence past
 # it is the fault and nothing is polled.
 DEADLINE_TIMERS: dict[int, str] = {
@@ -96,7 +96,7 @@ def test_no_module_keeps_a_thread_or_timer_of_its_own(module):
     }
     expected = {WORKER_POOLS[module]} if module in WORKER_POOLS else set()
     if module in DEADLINE_TIMERS:
-        expected.add("Deadlines")  # services/control/deadlines.py: one heap, not a thread per deadline
+        expected.add("Deadlines")  # services/common/deadlines.py: one heap, not a thread per deadline
     assert started == expected
     assert not {"sched", "asyncio", "signal"} & {
         a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names

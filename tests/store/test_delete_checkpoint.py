@@ -86,3 +86,22 @@ def test_delete_through_the_real_service(store):  # noqa: F811 - the fixture
         assert stub.Delete(store_pb2.DeleteCheckpoint(version="it:1"), timeout=10).version == "it:1"
         listed = stub.List(store_pb2.CheckpointQuery(job_id="it"), timeout=10).checkpoints
         assert [c.version for c in listed] == ["it:2"]
+
+
+def test_a_job_s_checkpoint_series_go_with_its_last_version(tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    manager = CheckpointManager(tmp_path, registry=registry)
+    for job, step in (("j", 1), ("j", 2), ("k", 1)):
+        save(manager, job, step)
+
+    def series(job: str) -> set[str]:
+        return {s.name for f in registry.collect() for s in f.samples if s.labels.get("job") == job}
+
+    assert {"surge_checkpoint_bytes", "surge_checkpoint_commits_total"} <= series("j")
+    delete(manager, "j:1")
+    assert "surge_checkpoint_bytes" in series("j")  # a version left: its series stay
+    delete(manager, "j:2", job_ended=True)
+    assert series("j") == set()
+    assert {"surge_checkpoint_bytes", "surge_checkpoint_commits_total"} <= series("k")

@@ -175,3 +175,44 @@ def test_the_tail_read_back_after_a_restart_skips_a_partial_first_line(tmp_path,
     assert second.on_step_completed(recs[-1]).records == 0
     assert second.on_step_completed(recs[0]).records == 1  # beyond the tail read back: written again
     second.close()
+
+
+def _job_series(registry: CollectorRegistry, job: str) -> set[tuple[str, str]]:
+    """(sample name, rank) of every sample labelled ``job``."""
+    return {
+        (s.name, s.labels["rank"])
+        for family in registry.collect()
+        for s in family.samples
+        if s.labels.get("job") == job
+    }
+
+
+def test_a_rank_s_series_are_removed_a_linger_after_its_loop_ended_unless_a_record_came_since(tmp_path, registry):
+    from services.contract import store_pb2
+
+    timers: list[tuple[float, object, tuple]] = []
+    logger = MetricsLogger(
+        tmp_path, registry=registry, later=lambda s, fn, args: timers.append((s, fn, args)), linger_s=30
+    )
+    try:
+        for rank in (0, 1):
+            logger.on_step_completed(step(job_id="done", rank=rank))
+        logger.on_eval_completed(engine_pb2.EvalCompleted(job_id="done", rank=0, step=1, loss=2.0, seconds=0.5))
+        logger.on_step_completed(step(job_id="other"))
+        assert {r for _, r in _job_series(registry, "done")} == {"0", "1"}
+        for rank in (0, 1):
+            logger.stop_log_collection(store_pb2.StopLogCollection(job_id="done", rank=rank))
+        assert [s for s, _, _ in timers] == [30, 30]  # nothing removed before the linger
+        assert {r for _, r in _job_series(registry, "done")} == {"0", "1"}
+
+        logger.on_step_completed(step(job_id="done", rank=1, step=2))  # rank 1 resumed before its removal
+        for _, fn, args in timers:
+            fn(*args)  # the linger is over
+        assert {r for _, r in _job_series(registry, "done")} == {"1"}  # rank 0's gone, evaluations included
+        assert registry.get_sample_value("surge_train_loss", {"job": "other", "rank": "0"}) == 3.0
+
+        logger.on_step_completed(step(job_id="done", rank=0, step=3))  # a record after the removal: back
+        assert registry.get_sample_value("surge_train_step", {"job": "done", "rank": "0"}) == 3
+    finally:
+        logger.close()
+    assert len(lines(tmp_path, "done")) == 5  # the JSONL file keeps every record

@@ -17,6 +17,7 @@ from typing import Any
 
 import structlog
 
+from services.common.deadlines import Deadline, Deadlines
 from services.contract import (
     Module,
     audit_pb2,
@@ -27,7 +28,6 @@ from services.contract import (
     store_pb2,
 )
 from services.contract.bus import Emitter
-from services.control.deadlines import Deadline, Deadlines
 from services.control.fault_detector.attribution import Attribution
 from services.control.fault_detector.grading import Grading
 from services.control.fault_detector.liveness import Liveness

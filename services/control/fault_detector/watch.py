@@ -8,8 +8,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from services.common.deadlines import Deadline
 from services.contract import control_pb2, worker_pb2
-from services.control.deadlines import Deadline
 from services.control.slow_ranks import SlowRanks
 
 # Deadlines when StartFaultMonitoring leaves one at 0 (seconds; job spec `liveness`).

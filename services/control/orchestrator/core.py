@@ -28,9 +28,10 @@ from typing import Any
 
 import structlog
 
+from services.common.deadlines import Deadline, Deadlines
 from services.contract import Module, control_pb2, engine_pb2
 from services.contract.bus import CommandPort, Emitter, Reply
-from services.control.deadlines import Deadline, Deadlines
+from services.control.cluster_metrics import watch_jobs
 from services.control.job_queue import JobQueue
 from services.control.job_store import JobStore
 from services.control.metrics import ControlMetrics
@@ -136,6 +137,7 @@ class Orchestrator(
         # The recovery steps' retries and deadlines: callbacks take the lock like any event.
         self._deadlines = Deadlines("orchestrator", workers=1)
         self._views = JobViews()  # what the operator's queries read
+        watch_jobs(self._views.census)  # and control's cluster gauges, when scraped
         self._queue = JobQueue(on_change=self._queue_changed)
         self._start_armed: Deadline | None = None  # the queue's head is about to be tried
         self._cordoned: dict[str, control_pb2.WorkerCordoned] = {}  # worker id -> its cordon in force

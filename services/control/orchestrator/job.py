@@ -9,9 +9,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.deadlines import Deadline
 from services.contract import Module, control_pb2, engine_pb2, store_pb2
 from services.control import fault_decision as fd
-from services.control.deadlines import Deadline
 from services.control.job_queue import QueueEntry
 from services.jobspec import (
     JobSpec,

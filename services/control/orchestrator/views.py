@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 
 from services.contract import control_pb2
+from services.control.cluster_metrics import JobCensus
 from services.control.job_queue import JobQueue
 
 JobState = control_pb2.JobState
@@ -59,6 +60,10 @@ class JobViews:
         self._jobs: dict[str, tuple[control_pb2.JobStatus, float]] = {}  # id -> (status, running since)
         self._positions: dict[str, int] = {}  # queued job id -> its place (1: the head)
         self._cordons: tuple[control_pb2.WorkerCordoned, ...] = ()
+        # queued job id -> when it entered the queue (unix seconds): for the queue-wait gauge.
+        # Jobs queued when control (re)started count from their last journaled change.
+        self._queued_since: dict[str, float] = {}
+        self._restoring = True  # the first places published are the restored queue's
 
     def publish(self, status: control_pb2.JobStatus, running_since: float) -> None:
         """``status`` (a copy nobody changes any more) is the job's view. Under the decision
@@ -69,13 +74,31 @@ class JobViews:
     def publish_places(self, queue: JobQueue) -> None:
         """The queue's order changed: every queued job's place. Under the decision lock."""
         positions = {entry.job_id: place for place, entry in enumerate(queue.ordered(), start=1)}
+        now = time.time()
         with self._lock:
+            since = self._queued_since
+            if self._restoring:  # control (re)started: the jobs it restored were queued at their last change
+                since = {j: min(now, v[0].updated_unix or now) for j in positions if (v := self._jobs.get(j))}
+                self._restoring = False
             self._positions = positions
+            self._queued_since = {job_id: since.get(job_id, now) for job_id in positions}
 
     def forget(self, job_id: str) -> None:
         """The job is deleted (or its submit undone)."""
         with self._lock:
             self._jobs.pop(job_id, None)
+
+    def census(self) -> JobCensus:
+        """Jobs by state, the queue's length and its oldest entry's queue time (unix
+        seconds; 0: empty), as published: what control's cluster gauges read when scraped
+        (services/control/cluster_metrics.py)."""
+        with self._lock:
+            states = [status.state for status, _ in self._jobs.values()]
+            queued, oldest = len(self._positions), min(self._queued_since.values(), default=0.0)
+        by_state: dict[int, int] = {}
+        for state in states:
+            by_state[state] = by_state.get(state, 0) + 1
+        return JobCensus(by_state, queued, oldest)
 
     def publish_cordons(self, cordons: list[control_pb2.WorkerCordoned]) -> None:
         with self._lock:

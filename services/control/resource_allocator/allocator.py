@@ -14,6 +14,7 @@ from typing import Any
 
 from services.contract import control_pb2, engine_pb2
 from services.contract.bus import CommandPort, Emitter
+from services.control.cluster_metrics import SlotCensus, watch_slots
 from services.control.resource_allocator.cordons import Cordons
 from services.control.resource_allocator.rebuild import Rebuild
 from services.control.resource_allocator.registry import Registry
@@ -76,6 +77,7 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
         # worker id -> why it is held out of placement (CordonWorker{hold}: L1-1 decided on
         # its node agent's agent_silent report), until L1-1 lifts it (the agent beats again).
         self._holds: dict[str, str] = {}
+        watch_slots(self._slot_census)  # control's cluster gauges read it when scraped
 
     # ------------------------------------------------------------ commands (L1-1)
 
@@ -218,6 +220,16 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
             )
 
     # ------------------------------------------------------------ private
+
+    def _slot_census(self) -> list[SlotCensus]:
+        """Each registered worker's slots, used and free (``surge_slots``): a copy of a few
+        integers under this module's short lock, taken by a scrape, never by a decision."""
+        with self._lock:
+            return [
+                SlotCensus(w.reg.worker_id, w.reg.slots - len(free), len(free))
+                for w in self._workers.values()
+                for free in (w.free_slots(),)
+            ]
 
     def _next_generation(self, job_id: str) -> int:
         """Under the lock: the generation of the ranks launched now (RankAssignment.generation):

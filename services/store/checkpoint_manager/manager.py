@@ -372,12 +372,26 @@ class CheckpointManager(Staging, Chunks, Commit, Verification, DataPlane):
             self._chain = kept
             self._chunk_sets.pop(msg.version, None)
             plan = self._plan_sweep(job)
+            last = not any(e["job_id"] == job for e in kept)
         path = self._dir / entry["path"]
         freed = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
         shutil.rmtree(path, ignore_errors=True)
         if plan is not None:
             freed += self._sweep(plan)[1]
+        if last:  # the job's last version is gone: so are its series (they described its versions)
+            self._forget_series(job)
         return store_pb2.CheckpointDeleted(version=msg.version, bytes_freed=freed)
+
+    def _forget_series(self, job: str) -> None:
+        """Remove ``job``'s label sets from this module's per-job Prometheus series."""
+        removals = [(m, (job,)) for m in (self._commits, self._commit_seconds, self._bytes, self._written, self._swept)]
+        removals += [(self._rejected, (job, op)) for op in ("commit", "retention", "load", "verify")]
+        removals += [(self._found_corrupt, (job, cause)) for cause in _VERDICT_OF.values()]
+        for metric, labels in removals:
+            try:
+                metric.remove(*labels)
+            except KeyError:  # never set
+                pass
 
     def checkpoint_query(self, msg: store_pb2.CheckpointQuery, payload: Any = None) -> store_pb2.CheckpointList:
         """The committed versions of ``msg.job_id`` (every job if empty), oldest first."""

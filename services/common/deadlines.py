@@ -1,4 +1,5 @@
-"""One-shot deadlines for the fault detector, without a thread per deadline.
+"""One-shot deadlines without a thread per deadline (control's fault detector and orchestrator,
+the store's metric series lingering after a job's end).
 
 ``threading.Timer`` starts a thread per deadline; re-armed on every heartbeat, that is one
 new thread per rank per beat (1,000 ranks at 1 Hz: 1,000 thread starts a second, measured

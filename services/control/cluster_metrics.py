@@ -1,0 +1,101 @@
+"""Gauges of the cluster's state on control's /metrics, computed when scraped.
+
+* ``surge_jobs{state}``: jobs by ``JobState`` (every state, zeros included);
+* ``surge_queue_length``: jobs waiting in control's queue;
+* ``surge_queue_wait_seconds``: how long the oldest queued job has waited (0: none queued);
+* ``surge_slots{worker_id,kind}``: a registered worker's rank slots, ``used`` or ``free``.
+
+Why a collector: these are facts of the orchestrator's and the allocator's state, and
+setting gauges as decisions go would put metric work on the event path. The scrape reads
+what is already published instead: the orchestrator's ``JobViews`` (the statuses and queue
+places published after each decision, under that file's leaf lock, never the decision
+lock) and the allocator's slot census (a copy of a few integers under its own short lock).
+Each registers its reader here as it is built (``watch_jobs`` / ``watch_slots``), weakly:
+the newest one is read (one per control process; tests build more).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+from prometheus_client import REGISTRY
+from prometheus_client.core import GaugeMetricFamily
+
+from services.contract import control_pb2
+
+
+class JobCensus(NamedTuple):
+    """What ``JobViews.census`` answers: jobs by state, the queue's length and the wall
+    time (unix seconds) its oldest entry was queued at (0: the queue is empty)."""
+
+    by_state: dict[int, int]
+    queued: int
+    oldest_queued_unix: float
+
+
+class SlotCensus(NamedTuple):
+    worker_id: str
+    used: int
+    free: int
+
+
+_readers: dict[str, Callable[[], Callable[[], object] | None]] = {}
+
+
+def _weak(fn: Callable[[], object]) -> Callable[[], Callable[[], object] | None]:
+    return weakref.WeakMethod(fn) if hasattr(fn, "__self__") else (lambda: fn)  # type: ignore[arg-type, return-value]
+
+
+def watch_jobs(census: Callable[[], JobCensus]) -> None:
+    """The gauges of jobs and the queue read ``census()`` (a bound method, held weakly)."""
+    _readers["jobs"] = _weak(census)
+
+
+def watch_slots(census: Callable[[], list[SlotCensus]]) -> None:
+    """``surge_slots`` reads ``census()`` (a bound method, held weakly)."""
+    _readers["slots"] = _weak(census)
+
+
+def _read(name: str):
+    ref = _readers.get(name)
+    fn = ref() if ref is not None else None
+    return fn() if fn is not None else None
+
+
+class ClusterCollector:
+    """The custom collector (registered once on the process's default registry)."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        jobs = GaugeMetricFamily("surge_jobs", "Jobs known to control, by state.", labels=["state"])
+        length = GaugeMetricFamily("surge_queue_length", "Jobs waiting in control's queue.")
+        wait = GaugeMetricFamily(
+            "surge_queue_wait_seconds", "Seconds the oldest job in control's queue has waited (0: none queued)."
+        )
+        census: JobCensus | None = _read("jobs")
+        if census is not None:
+            for name, number in control_pb2.JobState.items():
+                if number != control_pb2.JOB_STATE_UNSPECIFIED:
+                    jobs.add_metric([name], census.by_state.get(number, 0))
+            length.add_metric([], census.queued)
+            oldest = census.oldest_queued_unix
+            wait.add_metric([], max(0.0, time.time() - oldest) if oldest else 0.0)
+        slots = GaugeMetricFamily(
+            "surge_slots", "Rank slots of each registered worker, used or free.", labels=["worker_id", "kind"]
+        )
+        for s in _read("slots") or ():
+            slots.add_metric([s.worker_id, "used"], s.used)
+            slots.add_metric([s.worker_id, "free"], s.free)
+        yield from (jobs, length, wait, slots)
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        # Names only (so the registry checks duplicates without collecting).
+        yield GaugeMetricFamily("surge_jobs", "", labels=["state"])
+        yield GaugeMetricFamily("surge_queue_length", "")
+        yield GaugeMetricFamily("surge_queue_wait_seconds", "")
+        yield GaugeMetricFamily("surge_slots", "", labels=["worker_id", "kind"])
+
+
+REGISTRY.register(ClusterCollector())
