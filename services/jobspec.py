@@ -667,6 +667,11 @@ DEFAULT_CLASS_ACTIONS: dict[str, str] = {
     # ends it; nothing to decide.
     "rank_fenced": "ignore",
     "slow_rank": "ignore",  # reported (event, status, metric), the job trains on
+    # A collective stalled (or failed) while its ranks still beat and a data-plane link between
+    # their nodes was down (both node agents hear nothing of each other, while both reach
+    # control): recovered like a lost node, without one of the link's two nodes (the one with
+    # more links down; a tie leaves out the one not hosting rank 0: fault_decision.link_endpoint).
+    "link_down": "exclude_node",
     # The data service stayed unreachable for fault_policy.data_outage_seconds (the job waited,
     # its ranks alive): PAUSED with every checkpoint kept, `surgectl resume` once it is up.
     DATA_OUTAGE: "pause",
@@ -711,6 +716,7 @@ KNOWN_FAULT_CLASSES: frozenset[str] = frozenset(
         "device_degraded",
         "rank_log_flood",  # a warning: the rank's log is rotated at its bound (issue 29 item 8)
         "memory_copy_skipped",  # a warning: the next save tries its memory copy again
+        "link_degraded",  # a warning: a data-plane link loses probes (one way or both)
     }
 )
 DEFAULT_GRADE_ACTIONS: dict[str, str] = {
@@ -869,6 +875,14 @@ class LivenessSpec(_Strict):
     attribution_seconds: float = Field(1.0, ge=0)
     collective_timeout_seconds: float = Field(0.0, ge=0, le=PHASE_SECONDS_MAX)
     phase_seconds: PhaseSecondsSpec = PhaseSecondsSpec()
+    # Data-plane links between the job's nodes (issue 29 item 5): each node agent probes its
+    # peers (ring neighbours, rank 0's node) every ``link_probe_seconds`` with a UDP echo; a
+    # link both ends hear nothing on for ``link_down_probes`` probes is down (a collective of
+    # ranks that still beat stalling across it is ``link_down``), one that loses
+    # ``link_degraded_loss`` of its probes or more (either way) is degraded (``link_degraded``).
+    link_probe_seconds: float = Field(1.0, ge=0.05, le=60.0)  # (0.05 s: 20 packets a second per peer at most)
+    link_down_probes: int = Field(3, ge=2, le=100)
+    link_degraded_loss: float = Field(0.2, gt=0, lt=1)
 
     @model_validator(mode="after")
     def _timeout_covers_beats(self) -> LivenessSpec:

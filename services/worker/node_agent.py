@@ -60,6 +60,8 @@ relays, and wires the parts below; ``__main__.py`` builds them):
   size, and ``RankLogFlood`` for a rank that logs too fast;
 * ``memory_copies.py``: the in-memory copies of the local ranks' newest checkpoint, served
   to them and replicated to the job's peer agent (``MemoryCopyService``);
+* ``link_probe.py``: the UDP probes of the data-plane links to the node agents this node
+  shares a job with, behind ``routed`` ``LinkStateChanged`` (one thread);
 * ``metric_stream.py``: the local ranks' metric records (``RankEvent{metrics}``, kept here,
   not sent up) on one Record stream per node to the store, each store ack back to its rank
   (``RankCommand{metrics_ack}``).
@@ -107,6 +109,7 @@ from services.contract.relay import L1, RANK, Link, pack
 from services.worker.control_link import Emit
 from services.worker.device_binding import CPU_AFFINITY_ENV, bind_rank
 from services.worker.exit_cause import ExitEvidence, OomCounter, classify
+from services.worker.link_probe import LinkProber
 from services.worker.log_tail import LogTailer
 from services.worker.memory_copies import MemoryCopies
 from services.worker.metric_stream import MetricStreams
@@ -176,6 +179,8 @@ class NodeAgent:
             own).
         log_settings: the rank logs' rotation and flood bound (default: ``LogSettings()``).
         pump: reads the ranks' (and the fork server's) output pipes (default: its own).
+        links: the data-plane link probes (``link_probe.py``): told each job's peers from its
+            LaunchRanks, and to forget them when the job is released here. None: no probes.
     """
 
     def __init__(
@@ -194,12 +199,14 @@ class NodeAgent:
         metrics: MetricStreams | None = None,
         log_settings: LogSettings | None = None,
         pump: LogPump | None = None,
+        links: LinkProber | None = None,
     ):
         self._worker_id = worker_id
         self._metrics = metrics or MetricStreams(log)
         self._devices = list(devices)  # as registered: where each rank is bound (device_binding.py)
         self._forkserver = forkserver
         self._memory = memory
+        self._links = links
         self._session_address = session_address
         self._logs_dir = Path(run_dir) / "logs"
         self._emit = emit
@@ -264,6 +271,8 @@ class NodeAgent:
         """
         if self._memory is not None:
             self._memory.set_peer(msg.job_id, msg.memory_peer)
+        if self._links is not None:
+            self._links.set_peers(msg.job_id, msg.link_probe)
         for assignment in msg.ranks:  # the newest incarnation: an older one's calls are refused here
             FENCE.tell(msg.job_id, assignment.rank, assignment.generation)
         for assignment in msg.ranks:
@@ -304,6 +313,8 @@ class NodeAgent:
                     r.kill_timer = threading.Timer(grace, self._kill_if_alive, args=(r,))
                     r.kill_timer.daemon = True
                     r.kill_timer.start()
+        if self._links is not None and not msg.ranks:
+            self._links.forget(msg.job_id)  # (the job left this node: its links are not probed)
         self._log.info(
             "release", job_id=msg.job_id, ranks=[r.rank for r in targets], kill=msg.kill, grace_seconds=grace
         )

@@ -55,6 +55,17 @@ class Stalls:
                 # beat again without progress (a pause, not a death), that beat re-arms this one.
                 watch.deferred = True
                 return
+            link = None
+            if watch.phase == RankPhase.PHASE_COLLECTIVE:
+                # Waiting across a link both ends say is cut, its ranks all beating: the link's
+                # fault, not a rank's (links.py); a cause, published at once (outside the lock).
+                link = self._link_down_report(job_id, job, rank, quiet, "waits in a collective with no progress")
+        if link is not None:
+            self._publish_cause(job_id, link)
+            return
+        with self._lock:
+            if job.ranks.get(rank) is not watch or watch.stall is not None or watch.stalled:
+                return  # (it progressed, or ended, meanwhile)
             watch.stalled = True  # declared once; the next progress re-arms the deadline
             deadline = job.phase_deadline_s(watch.phase, watch.phase_total, watch.data_outage)
             in_collective = watch.phase == RankPhase.PHASE_COLLECTIVE
