@@ -507,6 +507,8 @@ def status(job: str | None = typer.Argument(None), output: str = OutputOpt) -> N
     _show(jobs, output, render.jobs_table)
     if output == "table" and any(j.slow_ranks for j in jobs):  # (json: each job's slow_ranks)
         render.console.print(render.slow_ranks_table(jobs))
+    if output == "table" and any(j.links for j in jobs):  # (json: each job's links)
+        render.console.print(render.links_table(jobs))
     if cordoned and output == "table":  # (json stays the list of jobs it always was)
         render.console.print(render.cordons_table(cordoned))
 

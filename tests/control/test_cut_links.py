@@ -13,13 +13,16 @@ import pytest
 
 from services.contract import Module, control_pb2, engine_pb2, worker_pb2
 from services.contract.bus import Bus
-from services.contract.relay import unpack
+from services.contract.relay import pack, unpack
 from services.control import fault_decision as fd
 from services.control.fault_detector import DEFAULT_RULES, FaultDetector
 from services.control.fault_detector.links import combine
 from services.control.resource_allocator.slots import _link_probe, _Worker
 from services.jobspec import DEFAULT_CLASS_ACTIONS, FaultPolicySpec, LivenessSpec
 from services.worker.link_probe import LinkProber
+
+from .conftest import drain
+from .test_fault_policy import decisions, running
 
 FaultGrade = control_pb2.FaultGrade
 Link = control_pb2.LinkStateChanged
@@ -195,7 +198,12 @@ def test_a_degraded_link_is_a_warning_for_each_job_across_it_once_per_change():
     link(bus, "w1", "w2", UP, rt=0.0, inbound=0.0)
     link(bus, "w2", "w1", FORGET)  # no longer probed: its view is forgotten, the link is up
     link(bus, "w1", "w2", DEGRADED, rt=0.5, inbound=0.1)
-    assert [r.fault_class for r in reports.wait(2)] == ["link_degraded", "link_degraded"]
+    # (up at one end, down at the other: undecided; the other's view forgotten: up, cleared)
+    assert [(r.fault_class, r.cleared) for r in reports.wait(3)] == [
+        ("link_degraded", False),
+        ("link_degraded", True),
+        ("link_degraded", False),
+    ]
 
 
 def test_a_node_agent_registering_again_forgets_its_views():
@@ -331,3 +339,50 @@ def test_two_probes_on_loopback_see_a_link_up_then_down_when_the_peer_goes_silen
         facts.wait_for(lambda f: f.state == FORGET)
     finally:
         a.stop()
+
+
+# ---------------------------------------------------------------- through the control plane
+
+
+def _fact(plane, session, me: str, peer: str, state: int, loss: float) -> None:
+    fact = Link(worker_id=me, peer_worker_id=peer, state=state, round_trip_loss=loss, inbound_loss=loss)
+    plane.c.sessions.on_worker_event(session, control_pb2.WorkerEvent(routed=pack(fact, Module.EXT_HARDWARE)))
+
+
+def _beats(plane, w: dict, job_id: str) -> None:
+    for rank, worker in ((0, "wa"), (1, "wb")):
+        beat = worker_pb2.RankHeartbeat(
+            job_id=job_id, rank=rank, step=6, stepping=True, worker_id=worker, phase=worker_pb2.PHASE_COLLECTIVE
+        )
+        plane.rank_event(w[worker], job_id, rank, heartbeat=beat)
+
+
+def test_through_the_control_plane_a_degraded_link_is_listed_until_cleared_and_a_cut_one_relaunches_without_wb(
+    plane,
+):
+    job_id, w = running(plane, "wa", "wb", "wc", extra="liveness: {attribution_seconds: 0}")
+    _beats(plane, w, job_id)
+    _fact(plane, w["wa"], "wa", "wb", DEGRADED, 0.5)
+    s = plane.get(job_id)
+    assert [(f.fault_class, list(f.worker_ids)) for f in s.links] == [("link_degraded", ["wa", "wb"])]
+    assert decisions(plane, job_id)[-1].startswith("ignore link_degraded of rank 0 on wa")
+    _fact(plane, w["wa"], "wa", "wb", UP, 0.0)
+    assert list(plane.get(job_id).links) == []
+    faults = [e.message for e in plane.events(job_id) if e.type == "fault"]
+    assert faults[-1] == "link_degraded cleared: link wa <-> wb up again"
+
+    _fact(plane, w["wa"], "wa", "wb", DOWN, 1.0)
+    _fact(plane, w["wb"], "wb", "wa", DOWN, 1.0)
+    for session in w.values():
+        drain(session)
+    _beats(plane, w, job_id)
+    failed = engine_pb2.TrainingLoopFailed(job_id=job_id, rank=1, step=6, fault_class="comm_error", detail="timed out")
+    plane.rank_event(w["wb"], job_id, 1, failed=failed)
+    s = plane.get(job_id)
+    assert [(f.fault_class, list(f.worker_ids)) for f in s.links] == [("link_down", ["wa", "wb"])]
+    assert decisions(plane, job_id)[-1] == (
+        "exclude_node after link_down of rank 1 on wb (restart 1 of 3 for link_down); excluding wb "
+        "(link to wa cut; a tie, wb does not host rank 0)"
+    )
+    for session in w.values():
+        drain(session)

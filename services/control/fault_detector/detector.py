@@ -114,6 +114,7 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
         self._link_views: dict[tuple[str, str], Any] = {}
         self._link_states: dict[tuple[str, str], int] = {}
         self._link_reported: dict[tuple[str, tuple[str, str]], int] = {}
+        self._link_told: dict[tuple[str, str], dict[str, str]] = {}
 
     def close(self) -> None:
         """Composition root, when control stops: no silence, stall or attribution deadline

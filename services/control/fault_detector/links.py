@@ -11,7 +11,9 @@ down, or no longer probed). A link has two views, one per end; combined:
   view arrives (a two-way cut reaches both ends within a probe period): the state is kept.
 
 A degraded link is reported for every monitored job with ranks on both nodes as
-``link_degraded`` (MINOR: a warning; never held), once per change. A down link is no report
+``link_degraded`` (MINOR: a warning; never held), once per change; once the link is up
+again, each job told of it (degraded or down) gets that report ``cleared`` (its status lists
+the link no more). A down link is no report
 of its own: it grades the collective that stalls across it. A rank stalled in a collective
 (its stall deadline, stalls.py) or whose collective failed (``comm_error``, attribution.py),
 while a down link joins two nodes of its job whose ranks all still beat, is ``link_down``
@@ -67,8 +69,9 @@ def _pair(a: str, b: str) -> Pair:
 class Links:
     """Link views and their grading (a part of ``FaultDetector``, see detector.py). Its state,
     made in ``FaultDetector.__init__``: ``_link_views`` ((reporter, peer) -> _View),
-    ``_link_states`` (pair -> combined state, absent: up) and ``_link_reported`` ((job,
-    pair) -> the incident round a link_down was reported in)."""
+    ``_link_states`` (pair -> combined state, absent: up), ``_link_reported`` ((job, pair)
+    -> the incident round a link_down was reported in) and ``_link_told`` (pair -> job ->
+    the class it was told of, until the link is up again: then that report ``cleared``)."""
 
     def on_link_state_changed(self, msg: control_pb2.LinkStateChanged, payload: Any = None) -> None:
         """A node agent states its view of the link to ``peer_worker_id``: the link's combined
@@ -92,25 +95,51 @@ class Links:
                 self._link_states[pair] = now
             jobs = sorted(j for j, job in self._jobs.items() if set(pair) <= self._nodes(job))
             ends = self._link_ends(pair)
+            told = self._link_told.pop(pair, {}) if now == _UP else {}
         _log.warning(
             "link state", link=list(pair), state=LinkState.Name(now), was=LinkState.Name(before), jobs=jobs,
             reporter=msg.worker_id,
         )  # fmt: skip
+        if now == _UP:
+            # Up again: each job told of it hears that it ended (its status lists it no more).
+            for job_id, fault_class in sorted(told.items()):
+                detail = f"link {pair[0]} <-> {pair[1]} up again"
+                self._emit_link(job_id, fault_class, pair, detail, ends, msg, cleared=True)
+            return
         if now != _DEGRADED:
-            return  # (down grades the collective that stalls across it; up: nothing to report)
+            return  # (down grades the collective that stalls across it)
         for job_id in jobs:
-            report = self._graded(
-                job_id,
-                LINK_DEGRADED,
-                Module.EXT_HARDWARE,
-                self._lowest_rank(job_id, pair[0]),
-                f"link {pair[0]} <-> {pair[1]} degraded: {_losses(ends)}",
-                worker_id=pair[0],
-                event=msg.DESCRIPTOR.name,
-            )
-            if report is not None:
-                report.link_ends.extend(ends)
-                self._emit(report)  # (never held: a warning, no symptom of another rank's fault)
+            detail = f"link {pair[0]} <-> {pair[1]} degraded: {_losses(ends)}"
+            self._emit_link(job_id, LINK_DEGRADED, pair, detail, ends, msg)
+
+    def _emit_link(
+        self,
+        job_id: str,
+        fault_class: str,
+        pair: Pair,
+        detail: str,
+        ends: list[control_pb2.LinkEnd],
+        msg: control_pb2.LinkStateChanged,
+        cleared: bool = False,
+    ) -> None:
+        """A link report for one job, published at once (never held: a warning, or its end)."""
+        report = self._graded(
+            job_id,
+            fault_class,
+            Module.EXT_HARDWARE,
+            self._lowest_rank(job_id, pair[0]),
+            detail,
+            worker_id=pair[0],
+            event=msg.DESCRIPTOR.name,
+        )
+        if report is None:
+            return
+        report.link_ends.extend(ends)
+        report.cleared = cleared
+        if not cleared:
+            with self._lock:
+                self._link_told.setdefault(pair, {})[job_id] = fault_class
+        self._emit(report)
 
     def _forget_link_views(self, worker_id: str) -> None:
         """Under the lock: a node agent registered anew: its views are restated after its
@@ -168,6 +197,7 @@ class Links:
         )
         if report is not None:
             report.link_ends.extend(ends)
+            self._link_told.setdefault(pair, {})[job_id] = LINK_DOWN
         return report
 
     def _combined(self, pair: Pair) -> int | None:
