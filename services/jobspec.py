@@ -875,14 +875,6 @@ class LivenessSpec(_Strict):
     attribution_seconds: float = Field(1.0, ge=0)
     collective_timeout_seconds: float = Field(0.0, ge=0, le=PHASE_SECONDS_MAX)
     phase_seconds: PhaseSecondsSpec = PhaseSecondsSpec()
-    # Data-plane links between the job's nodes (issue 29 item 5): each node agent probes its
-    # peers (ring neighbours, rank 0's node) every ``link_probe_seconds`` with a UDP echo; a
-    # link both ends hear nothing on for ``link_down_probes`` probes is down (a collective of
-    # ranks that still beat stalling across it is ``link_down``), one that loses
-    # ``link_degraded_loss`` of its probes or more (either way) is degraded (``link_degraded``).
-    link_probe_seconds: float = Field(1.0, ge=0.05, le=60.0)  # (0.05 s: 20 packets a second per peer at most)
-    link_down_probes: int = Field(3, ge=2, le=100)
-    link_degraded_loss: float = Field(0.2, gt=0, lt=1)
 
     @model_validator(mode="after")
     def _timeout_covers_beats(self) -> LivenessSpec:
@@ -962,6 +954,22 @@ def rebuild_refusal(spec: JobSpec, *, structural: bool = False) -> str:
     return ""
 
 
+class LinksSpec(_Strict):
+    """The data-plane links between the job's nodes (issue 29 item 5, "cut links").
+
+    Each node agent probes its peers among the job's nodes (its ring neighbours and rank 0's
+    node) every ``probe_seconds`` with a UDP echo (services/worker/link_probe.py). A link both
+    ends hear nothing on for ``down_probes`` probes is down: a collective of ranks that still
+    beat stalling (or failing) across it is ``link_down``. One that loses ``degraded_loss`` of
+    its probes or more, either way, is degraded (``link_degraded``, a warning). A cut is seen
+    ``down_probes`` x ``probe_seconds`` after it, plus one period at most.
+    """
+
+    probe_seconds: float = Field(1.0, ge=0.05, le=60.0)  # (0.05 s: 20 packets a second per peer at most)
+    down_probes: int = Field(3, ge=2, le=100)
+    degraded_loss: float = Field(0.2, gt=0, lt=1)
+
+
 class JobSpec(_Strict):
     name: str = Field(..., pattern=r"^[a-z0-9][a-z0-9-]{0,39}$")
     steps: int = Field(..., gt=0)
@@ -977,6 +985,7 @@ class JobSpec(_Strict):
     integrity: IntegritySpec = IntegritySpec()
     fault_policy: FaultPolicySpec = FaultPolicySpec()
     liveness: LivenessSpec = LivenessSpec()
+    links: LinksSpec = LinksSpec()
     init_from: InitFromSpec | None = None
     metrics: MetricsSpec = MetricsSpec()
     simulate: SimulateSpec | None = None  # the scale test bed's simulated ranks (SimulateSpec)

@@ -26,7 +26,7 @@ once; a peer no longer probed is stated ``STATE_UNSPECIFIED`` (forget my view) i
 state was not up. The agent states facts; what a link's state means for a job is L1-3's.
 
 Detection: a cut both ways is stated down ``down_probes`` intervals after it, plus at most
-one interval (3 s with the defaults, liveness.link_probe_seconds 1, link_down_probes 3).
+one interval (3 s with the defaults: jobspec links.probe_seconds 1, links.down_probes 3).
 """
 
 from __future__ import annotations

@@ -85,6 +85,9 @@ Threads, and why each exists:
 * the memory sampler, which reads /proc/meminfo every few seconds: the kernel sends no
   event when memory runs low, so this is one of the two places the agent samples. It reads
   the OS, never another module;
+* the link prober (``link_probe.py``), one for the node: it pings the job's peer agents every
+  probe period and answers theirs; a cut link tells nobody (no packet arrives to say so), so
+  probing is the only way to see one;
 * the GPU health sampler (and, where the driver offers an event set, its Xid event waiter):
   NVML likewise tells nobody when a device's memory fills or an ECC error is counted.
 """

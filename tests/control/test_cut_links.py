@@ -18,7 +18,7 @@ from services.control import fault_decision as fd
 from services.control.fault_detector import DEFAULT_RULES, FaultDetector
 from services.control.fault_detector.links import combine
 from services.control.resource_allocator.slots import _link_probe, _Worker
-from services.jobspec import DEFAULT_CLASS_ACTIONS, FaultPolicySpec, LivenessSpec
+from services.jobspec import DEFAULT_CLASS_ACTIONS, FaultPolicySpec, LinksSpec
 from services.worker.link_probe import LinkProber
 
 from .conftest import drain
@@ -263,7 +263,7 @@ def _workers(n: int) -> dict[str, _Worker]:
 def test_each_node_probes_its_ring_neighbours_and_rank_0s_node_which_probes_all():
     workers = _workers(8)
     rank_nodes = [f"w{i}" for i in range(8)]
-    live = LivenessSpec(link_probe_seconds=0.5)
+    live = LinksSpec(probe_seconds=0.5)
     peers = {w: [p.worker_id for p in _link_probe(live, rank_nodes, workers, w).peers] for w in rank_nodes}
     assert peers["w0"] == [f"w{i}" for i in range(1, 8)]
     assert peers["w4"] == ["w0", "w3", "w5"]
@@ -275,12 +275,12 @@ def test_each_node_probes_its_ring_neighbours_and_rank_0s_node_which_probes_all(
 
 
 def test_link_probe_settings_are_range_checked():
-    with pytest.raises(ValueError, match="link_probe_seconds"):
-        LivenessSpec(link_probe_seconds=0)
-    with pytest.raises(ValueError, match="link_degraded_loss"):
-        LivenessSpec(link_degraded_loss=1.0)
-    with pytest.raises(ValueError, match="link_down_probes"):
-        LivenessSpec(link_down_probes=1)
+    with pytest.raises(ValueError, match="probe_seconds"):
+        LinksSpec(probe_seconds=0)
+    with pytest.raises(ValueError, match="degraded_loss"):
+        LinksSpec(degraded_loss=1.0)
+    with pytest.raises(ValueError, match="down_probes"):
+        LinksSpec(down_probes=1)
 
 
 # ---------------------------------------------------------------- the node agent's probe

@@ -46,8 +46,8 @@ parallel: {{dp: 2}}
 optimizer: {{lr: 3.0e-3, warmup_steps: 4}}
 checkpoint: {{every_steps: 20, keep_last: 2}}
 eval: {{every_steps: 0, batches: 2, at_end: false}}
-liveness: {{heartbeat_interval_seconds: 0.5, heartbeat_timeout_seconds: 6.0, stall_min_seconds: {stall},
-            link_probe_seconds: 0.5, link_down_probes: 3}}
+liveness: {{heartbeat_interval_seconds: 0.5, heartbeat_timeout_seconds: 6.0, stall_min_seconds: {stall}}}
+links: {{probe_seconds: 0.5, down_probes: 3}}
 fault_policy: {{max_restarts: 5}}
 """
 

@@ -180,7 +180,7 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
                 peer = _memory_peer(usable, worker_id)
                 if peer is not None:
                     launch.memory_peer.CopyFrom(peer)
-                probe = _link_probe(spec.liveness, rank_nodes, self._workers, worker_id)
+                probe = _link_probe(spec.links, rank_nodes, self._workers, worker_id)
                 if probe is not None:
                     launch.link_probe.CopyFrom(probe)
         # Commands leave outside the lock: the relay only queues them, but keep the

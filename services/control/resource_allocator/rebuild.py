@@ -160,13 +160,13 @@ class Rebuild:
                         memory_quota_bytes=_memory_quota(w, slot), num_threads=threads, worker_id=w.reg.worker_id,
                         rank_nodes=rank_nodes, generation=generation,
                     ))  # fmt: skip
-                liveness = spec_from_json(init.spec_json).liveness
+                links = spec_from_json(init.spec_json).links
                 for worker_id, launch in launches.items():
                     peer = _memory_peer(usable, worker_id)
                     if peer is not None:
                         launch.memory_peer.CopyFrom(peer)
                     # (the survivors' agents keep the peers of their own launch)
-                    probe = _link_probe(liveness, rank_nodes, self._workers, worker_id)
+                    probe = _link_probe(links, rank_nodes, self._workers, worker_id)
                     if probe is not None:
                         launch.link_probe.CopyFrom(probe)
                 rebuild = engine_pb2.RebuildParallelGroup(

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.contract import control_pb2
-from services.jobspec import JobSpec, LivenessSpec
+from services.jobspec import JobSpec, LinksSpec
 from services.memory_estimate import estimate_memory
 
 
@@ -79,7 +79,7 @@ def _memory_peer(usable: list[_Worker], worker_id: str) -> control_pb2.MemoryPee
 
 
 def _link_probe(
-    liveness: LivenessSpec, rank_nodes: list[str], workers: dict[str, _Worker], worker_id: str
+    links: LinksSpec, rank_nodes: list[str], workers: dict[str, _Worker], worker_id: str
 ) -> control_pb2.LinkProbe | None:
     """The node agents ``worker_id`` probes for a job whose ranks run on ``rank_nodes`` (index:
     rank): its neighbours in the ring of the job's nodes (in the order of their first rank)
@@ -92,9 +92,9 @@ def _link_probe(
     peers = set(nodes) if i == 0 else {nodes[(i - 1) % n], nodes[(i + 1) % n], nodes[0]}
     peers.discard(worker_id)
     probe = control_pb2.LinkProbe(
-        interval_seconds=liveness.link_probe_seconds,
-        degraded_loss=liveness.link_degraded_loss,
-        down_probes=liveness.link_down_probes,
+        interval_seconds=links.probe_seconds,
+        degraded_loss=links.degraded_loss,
+        down_probes=links.down_probes,
     )
     for peer in sorted(peers, key=nodes.index):
         if peer in workers:
