@@ -96,6 +96,7 @@ class Links:
             jobs = sorted(j for j, job in self._jobs.items() if set(pair) <= self._nodes(job))
             ends = self._link_ends(pair)
             told = self._link_told.pop(pair, {}) if now == _UP else {}
+            probed = any(k in self._link_views for k in (pair, pair[::-1]))
         _log.warning(
             "link state", link=list(pair), state=LinkState.Name(now), was=LinkState.Name(before), jobs=jobs,
             reporter=msg.worker_id,
@@ -103,7 +104,8 @@ class Links:
         if now == _UP:
             # Up again: each job told of it hears that it ended (its status lists it no more).
             for job_id, fault_class in sorted(told.items()):
-                detail = f"link {pair[0]} <-> {pair[1]} up again"
+                # (or neither end probes it any more: the job left one of its nodes)
+                detail = f"link {pair[0]} <-> {pair[1]} " + ("up again" if probed else "no longer probed by either end")
                 self._emit_link(job_id, fault_class, pair, detail, ends, msg, cleared=True)
             return
         if now != _DEGRADED:
