@@ -11,11 +11,12 @@ never per rank or per peer). Every ``interval`` it sends each peer a ping (``SGL
 <worker_id>``); a peer answers every ping it gets with a pong (``SGLP1 A <seq> <worker_id>``)
 to the address it came from. Over the last ``WINDOW_PROBES`` probes it measures, per peer:
 
-* ``round_trip_loss``: of its pings old enough to be answered (one interval), the fraction
-  with no pong (a loss either way);
-* ``inbound_loss``: of the peer's pings expected here (one per interval since its first one;
-  none before: a peer that does not probe this node is no loss), the fraction that never
-  came (a loss on the way here only).
+* ``round_trip_loss``: of its pings old enough to be answered (two intervals, at least
+  0.2 s), the fraction with no pong (a loss either way);
+* ``inbound_loss``: of the peer's last pings (by its sequence numbers, since its first one
+  heard: a peer that does not probe this node is no loss; those it should have sent since
+  the newest heard, by the clock, count too), the fraction that never came (a loss on the
+  way here only).
 
 State: **down** when none of its last ``down_probes`` pings was answered and no ping of the
 peer came for as long (nothing either way; the other end's view decides a one-way cut: L1-3
@@ -26,7 +27,7 @@ once; a peer no longer probed is stated ``STATE_UNSPECIFIED`` (forget my view) i
 state was not up. The agent states facts; what a link's state means for a job is L1-3's.
 
 Detection: a cut both ways is stated down ``down_probes`` intervals after it, plus at most
-one interval (3 s with the defaults: jobspec links.probe_seconds 1, links.down_probes 3).
+two intervals (3 s with the defaults: jobspec links.probe_seconds 1, links.down_probes 3).
 """
 
 from __future__ import annotations
@@ -56,10 +57,16 @@ class _Peer:
     since: float  # monotonic: probing began
     sent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4 * WINDOW_PROBES))
     answered: set[int] = field(default_factory=set)
-    heard: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4 * WINDOW_PROBES))
-    first_heard: float = 0.0
+    heard: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4 * WINDOW_PROBES))  # (seq, t)
+    first_seq: int = 0  # the peer's first ping heard (0: none yet)
     state: int = LinkState.UP
     stated: bool = False  # a state other than up was stated to control
+
+
+def _mature(interval: float) -> float:
+    """How old a ping must be before its missing pong counts as lost (seconds): two periods,
+    at least 0.2 s (a loaded host answers late, not never)."""
+    return max(2 * interval, 0.2)
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -203,8 +210,11 @@ class LinkProber:
                 with self._lock:
                     p = self._peers.get(peer)
                     if p is not None:
-                        p.heard.append(now)
-                        p.first_heard = p.first_heard or now
+                        if p.heard and seq < p.heard[-1][0] - WINDOW_PROBES:
+                            p.heard.clear()  # (a restarted peer counts from 1 again)
+                            p.first_seq = 0
+                        p.heard.append((seq, now))
+                        p.first_seq = p.first_seq or seq
             elif kind == b"A":
                 with self._lock:
                     p = self._peers.get(peer)
@@ -216,23 +226,27 @@ class LinkProber:
     def _losses(self, p: _Peer, now: float, interval: float | None = None) -> tuple[float, float, float]:
         """(round_trip_loss, inbound_loss, interval) of ``p`` over the window."""
         interval = interval or self._interval()
-        matured = [s for s, t in p.sent if now - t >= interval][-WINDOW_PROBES:]
+        matured = [s for s, t in p.sent if now - t >= _mature(interval)][-WINDOW_PROBES:]
         rt = sum(1 for s in matured if s not in p.answered) / len(matured) if matured else 0.0
-        # Counted from the peer's first ping: a peer that does not probe this node (its launch
-        # named other peers, or is still on its way) is no inbound loss.
-        window = WINDOW_PROBES * interval
-        start = p.first_heard or now
-        expected = min(WINDOW_PROBES, int(max(0.0, now - max(start, now - window)) / interval))
-        got = sum(1 for t in p.heard if now - t <= window)
-        inbound = max(0.0, 1.0 - got / expected) if expected > 0 else 0.0
+        # By the peer's sequence numbers (one per its tick, whatever its timing): of its last
+        # WINDOW_PROBES pings, since its first one heard here (a peer that does not probe this
+        # node is no inbound loss), the fraction missing; the pings it should have sent since
+        # the newest heard (by the clock, one period of grace) count as missing too.
+        if not p.heard:
+            return rt, 0.0, interval
+        newest, heard_at = max(p.heard)
+        top = newest + max(0, int((now - heard_at) / interval) - 1)
+        low = max(p.first_seq, top - WINDOW_PROBES + 1)
+        got = len({s for s, _ in p.heard if s >= low})
+        inbound = min(1.0, max(0.0, 1.0 - got / (top - low + 1)))
         return rt, inbound, interval
 
     def _judge(
         self, p: _Peer, now: float, interval: float, rt: float, inbound: float, degraded_loss: float, down_probes: int
     ) -> int:
-        matured = [s for s, t in p.sent if now - t >= interval]
+        matured = [s for s, t in p.sent if now - t >= _mature(interval)]
         last = matured[-down_probes:]
-        heard_last = p.heard[-1] if p.heard else p.since
+        heard_last = p.heard[-1][1] if p.heard else p.since
         if (
             len(last) >= down_probes
             and not any(s in p.answered for s in last)

@@ -102,7 +102,7 @@ def beat(bus: Bus, rank: int, worker: str, phase: int = worker_pb2.PHASE_COLLECT
         Module.EXT_HARDWARE,
         worker_pb2.RankHeartbeat(
             job_id="j", rank=rank, step=step, stepping=True, step_seconds=0.01, worker_id=worker,
-            interval_seconds=0.05, phase=phase,
+            interval_seconds=0.2, phase=phase,  # (beats every 0.05 s: quiet only after 0.3 s, even under load)
         ),
     )  # fmt: skip
 
@@ -386,3 +386,32 @@ def test_through_the_control_plane_a_degraded_link_is_listed_until_cleared_and_a
     )
     for session in w.values():
         drain(session)
+
+
+def test_a_peer_whose_pings_arrive_but_which_answers_none_is_a_degraded_link_not_a_down_one():
+    # One way cut (a -> b lost): a hears b's pings, none of its own come back.
+    facts = _Facts()
+    pa = _free_udp_port()
+    b = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    b.bind(("127.0.0.1", 0))
+    a = LinkProber("a", "127.0.0.1", pa, facts.put, _Log())
+    probe = control_pb2.LinkProbe(interval_seconds=0.05, degraded_loss=0.2, down_probes=3)
+    probe.peers.add(worker_id="b", address=f"127.0.0.1:{b.getsockname()[1]}")
+    a.set_peers("j", probe)
+    stop = threading.Event()
+
+    def b_pings():
+        seq = 0
+        while not stop.wait(0.05):
+            seq += 1
+            b.sendto(b"SGLP1 P %d b" % seq, ("127.0.0.1", pa))
+
+    t = threading.Thread(target=b_pings, daemon=True)
+    a.start(), t.start()
+    try:
+        degraded = facts.wait_for(lambda f: f.state == DEGRADED)
+        assert degraded.round_trip_loss >= 0.5 and degraded.inbound_loss <= 0.2, degraded
+        time.sleep(0.5)
+        assert [f.state for f in facts] == [DEGRADED], list(facts)
+    finally:
+        stop.set(), t.join(), a.stop(), b.close()
