@@ -22,7 +22,9 @@ State: **down** when none of its last ``down_probes`` pings was answered and no 
 peer came for as long (nothing either way; the other end's view decides a one-way cut: L1-3
 combines both, services/control/fault_detector/links.py); **degraded** when either loss is
 at least ``degraded_loss`` over a window at least half full (left again below half that:
-hysteresis, so a loss near the threshold does not flap); else **up**. Each change is stated
+hysteresis, so a loss near the threshold does not flap; not while an up link has been
+silent both ways for its last two probes: that is a cut on its way to down, stated once);
+else **up**. Each change is stated
 once; a peer no longer probed is stated ``STATE_UNSPECIFIED`` (forget my view) if its last
 state was not up. The agent states facts; what a link's state means for a job is L1-3's.
 
@@ -255,6 +257,8 @@ class LinkProber:
             return LinkState.DOWN
         if len(matured[-WINDOW_PROBES:]) < WINDOW_PROBES // 2:
             return p.state if p.state != LinkState.DOWN else LinkState.UP
+        if p.state == LinkState.UP and not any(s in p.answered for s in last[-2:]) and now - heard_last > 2 * interval:
+            return p.state  # silent both ways so far: a cut on its way to down, no degraded first
         worst = max(rt, inbound)
         if worst >= degraded_loss or (p.state == LinkState.DEGRADED and worst >= degraded_loss / 2):
             return LinkState.DEGRADED

@@ -16,11 +16,13 @@ iproute2 with tc: skipped elsewhere unless SURGE_REQUIRE_NETNS=1.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import threading
 import time
+from datetime import datetime
 
 import pytest
 
@@ -144,6 +146,18 @@ def _stop(cluster: Cluster, job: str) -> list[control_pb2.JobEvent]:
     return done
 
 
+def _link_state_at(cluster: Cluster, state: str, since: float) -> float:
+    """When control's L1-3 logged a link's combined state ``state`` after ``since`` (unix)."""
+    for line in (cluster.root / "head.log").read_text().splitlines():
+        if '"link state"' not in line or f'"state": "{state}"' not in line:
+            continue
+        record = json.loads(line)
+        at = datetime.fromisoformat(record["timestamp"].replace("Z", "+00:00")).timestamp()
+        if at >= since:
+            return at
+    return float("nan")
+
+
 def _worker(host: str) -> str:
     return f"gpu-{host.split('-')[1]}"
 
@@ -188,6 +202,7 @@ def test_a_link_cut_both_ways_while_both_ends_beat_is_link_down_and_the_job_reco
     try:
         fault = _wait_event(bed, job, lambda e: e.type == "fault" and "link_down" in e.message, 60)
         print(f"link_down {fault.unix_time - t_cut:.1f} s after the cut: {fault.message}")
+        print(f"link stated down by L1-3 {_link_state_at(bed, 'DOWN', t_cut) - t_cut:.1f} s after the cut")
         assert fault.message.startswith("SEVERE link_down"), fault.message
         assert _worker(h0) in fault.message and _worker(h1) in fault.message, fault.message
         decision = _wait_event(bed, job, lambda e: e.type == "decision" and "link_down" in e.message, 30)
