@@ -177,6 +177,7 @@ class LinkProber:
             degraded_loss = min((j.degraded_loss for j in self._jobs.values() if j.degraded_loss > 0), default=0.2)
             down_probes = min((j.down_probes for j in self._jobs.values() if j.down_probes > 0), default=3)
             for p in self._peers.values():
+                p.answered &= {s for s, _ in p.sent}  # (bounded: only the pings still kept)
                 rt, inbound, _ = self._losses(p, now, interval)
                 state = self._judge(p, now, interval, rt, inbound, degraded_loss, down_probes)
                 if state != p.state:
