@@ -682,6 +682,11 @@ DEFAULT_CLASS_ACTIONS: dict[str, str] = {
     # ends it; nothing to decide.
     "rank_fenced": "ignore",
     "slow_rank": "ignore",  # reported (event, status, metric), the job trains on
+    # A collective stalled (or failed) while its ranks still beat and a data-plane link between
+    # their nodes was down (both node agents hear nothing of each other, while both reach
+    # control): recovered like a lost node, without one of the link's two nodes (the one with
+    # more links down; a tie leaves out the one not hosting rank 0: fault_decision.link_endpoint).
+    "link_down": "exclude_node",
     # The data service stayed unreachable for fault_policy.data_outage_seconds (the job waited,
     # its ranks alive): PAUSED with every checkpoint kept, `surgectl resume` once it is up.
     DATA_OUTAGE: "pause",
@@ -726,6 +731,7 @@ KNOWN_FAULT_CLASSES: frozenset[str] = frozenset(
         "device_degraded",
         "rank_log_flood",  # a warning: the rank's log is rotated at its bound (issue 29 item 8)
         "memory_copy_skipped",  # a warning: the next save tries its memory copy again
+        "link_degraded",  # a warning: a data-plane link loses probes (one way or both)
     }
 )
 DEFAULT_GRADE_ACTIONS: dict[str, str] = {
@@ -982,6 +988,22 @@ def rebuild_refusal(spec: JobSpec, *, structural: bool = False) -> str:
     return ""
 
 
+class LinksSpec(_Strict):
+    """The data-plane links between the job's nodes (issue 29 item 5, "cut links").
+
+    Each node agent probes its peers among the job's nodes (its ring neighbours and rank 0's
+    node) every ``probe_seconds`` with a UDP echo (services/worker/link_probe.py). A link both
+    ends hear nothing on for ``down_probes`` probes is down: a collective of ranks that still
+    beat stalling (or failing) across it is ``link_down``. One that loses ``degraded_loss`` of
+    its probes or more, either way, is degraded (``link_degraded``, a warning). A cut is seen
+    ``down_probes`` x ``probe_seconds`` after it, plus one period at most.
+    """
+
+    probe_seconds: float = Field(1.0, ge=0.05, le=60.0)  # (0.05 s: 20 packets a second per peer at most)
+    down_probes: int = Field(3, ge=2, le=100)
+    degraded_loss: float = Field(0.2, gt=0, lt=1)
+
+
 class JobSpec(_Strict):
     name: str = Field(..., pattern=r"^[a-z0-9][a-z0-9-]{0,39}$")
     steps: int = Field(..., gt=0)
@@ -997,6 +1019,7 @@ class JobSpec(_Strict):
     integrity: IntegritySpec = IntegritySpec()
     fault_policy: FaultPolicySpec = FaultPolicySpec()
     liveness: LivenessSpec = LivenessSpec()
+    links: LinksSpec = LinksSpec()
     init_from: InitFromSpec | None = None
     metrics: MetricsSpec = MetricsSpec()
     notify: NotifySpec = NotifySpec()

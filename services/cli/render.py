@@ -140,6 +140,19 @@ def slow_ranks_table(jobs) -> Table:
     return t
 
 
+def links_table(jobs) -> Table:
+    """The data-plane links control names faulty (``JobStatus.links``: degraded, or cut while
+    the job ran across it), with their nodes and each end's measured loss."""
+    t = Table(title="faulty links", caption="fault_policy actions.link_down: exclude_node; link_degraded: ignore")
+    _id_column(t, "job")
+    for col in ("link", "fault", "finding"):
+        t.add_column(col)
+    for j in jobs:
+        for f in j.links:
+            t.add_row(j.job_id, " <-> ".join(f.worker_ids), f.fault_class, f.detail)
+    return t
+
+
 def cordons_table(cordoned) -> Table:
     """Workers taken out of placement for every job (``JobList.cordoned``), with the reason
     and how the cordon ends."""

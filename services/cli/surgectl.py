@@ -549,6 +549,8 @@ def _status_tables(jobs: list, cordoned: list):
     parts = [render.jobs_table(jobs)]
     if any(j.slow_ranks for j in jobs):
         parts.append(render.slow_ranks_table(jobs))
+    if any(j.links for j in jobs):
+        parts.append(render.links_table(jobs))
     if cordoned:
         parts.append(render.cordons_table(cordoned))
     return Group(*parts)

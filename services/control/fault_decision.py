@@ -131,6 +131,7 @@ class JobView:
     # item 9: every rank waits in its loop, the group intact): "" it can, else why not (a rank
     # gone, a recovery in flight); None: not known (the rollback relaunches, as before).
     no_reload: str | None = None
+    rank0_worker_id: str = ""  # where rank 0 runs ("": unknown): a cut link's tie (link_endpoint)
 
 
 @dataclass(frozen=True)
@@ -298,10 +299,13 @@ def decide(policy: FaultPolicySpec, job: JobView, report: control_pb2.FaultRepor
         strike = strike or replica_suspect(job, replica_bound(report.step, job.replica_check_every_steps))
     # A slow rank is replaced off its node (a replacement there would be as slow).
     leave_out = action == "exclude_node" or (fault_class == "slow_rank" and asked in (REPLACE, "shrink"))
-    exclude = (report.worker_id,) if leave_out and report.worker_id else ()
+    left_out = link_endpoint(report, job.rank0_worker_id) if fault_class == LINK_DOWN else report.worker_id
+    exclude = (left_out,) if leave_out and left_out else ()
     text = f"{asked if asked == REPLACE else action} after {who} (restart {spent + 1} of {budget} for {fault_class})"
     if exclude:
-        text += f"; excluding {report.worker_id}"
+        text += f"; excluding {left_out}"
+        if fault_class == LINK_DOWN:
+            text += " (" + _link_text(report, left_out) + ")"
     if action == "rebuild":
         text += f"; survivors keep training, rank {report.rank} is replaced and heals from a live peer"
     if action == "shrink":
@@ -349,6 +353,29 @@ def freeze_for(policy: FaultPolicySpec, decision: Decision, *, recovering: bool)
     if recovering or decision.action not in FREEZE_ACTIONS:
         return 0.0
     return policy.freezes(decision.fault_class)
+
+
+LINK_DOWN = "link_down"
+
+
+def link_endpoint(report: control_pb2.FaultReport, rank0_worker_id: str = "") -> str:
+    """Which node of a cut link (``report.link_ends``) a relaunch leaves out: the one with
+    more links down (the likelier broken one: its cable, its NIC, its switch port), on a tie
+    the one not hosting rank 0 (the rendezvous and the job's step summaries stay where they
+    are), then the larger worker id (a fixed order). "" when the report names no link."""
+    ends = list(report.link_ends)
+    if not ends:
+        return ""
+    best = max(ends, key=lambda e: (e.links_down, e.worker_id != rank0_worker_id, e.worker_id))
+    return best.worker_id
+
+
+def _link_text(report: control_pb2.FaultReport, left_out: str) -> str:
+    ends = {e.worker_id: e.links_down for e in report.link_ends}
+    kept = [w for w in ends if w != left_out]
+    if kept and ends[left_out] > ends[kept[0]]:
+        return f"link to {kept[0]} cut; {left_out} has {ends[left_out]} links down, {kept[0]} {ends[kept[0]]}"
+    return f"link to {kept[0] if kept else '?'} cut; a tie, {left_out} does not host rank 0"
 
 
 def no_checkpoint(policy: FaultPolicySpec, fault_class: str, rank: int, versions: int) -> Decision:

@@ -71,6 +71,7 @@ from services.worker.hardware import (
     gloo_interface,
     hardware_report,
 )
+from services.worker.link_probe import LinkProber
 from services.worker.memory_copies import MemoryCopies, MemoryCopyServicer, limit_from_env, shm_from_env
 from services.worker.memory_copies import env_problem as memory_copies_env_problem
 from services.worker.memory_pressure import MemorySampler
@@ -208,6 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     log_settings = rank_logs.settings_from_env()
     pump = rank_logs.LogPump(log)
     forkserver = forkserver_from_env(worker_id, Path(run_dir), rank_module, pump, log_settings)
+    # Data-plane link probes (UDP on this agent's own address and port number): off, said in
+    # one line, where the port cannot be bound for UDP.
+    try:
+        links = LinkProber(worker_id, args.host, port, outbox.put, log)
+    except OSError as e:
+        log.warning("link probes off: UDP port unavailable", port=port, error=str(e))
+        links = None
     agent = NodeAgent(
         worker_id,
         session_address=f"{local_host(args.host)}:{port}",
@@ -222,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         devices=registration.devices,
         log_settings=log_settings,
         pump=pump,
+        links=links,
     )
     if forkserver is not None and os.environ.get(FORKSERVER_ENV) == "eager":
         forkserver.start()  # a spare node: its imports done before any rank is lost
@@ -243,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         # ...and what it knows of their processes (stopped or running), after the registration:
         # a control that restarted has not heard it.
         agent.restate_processes()
+        if links is not None:
+            links.restate()  # (control forgot this agent's link views when it registered)
         agent.steps.new_session()  # (a restarted control hears each rank's step once)
         return reg
 
@@ -268,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda signum, frame: stop.set())
     server.start([SERVICE_NAME, AuditServicer.SERVICE_NAME] + ([MEMORY_SERVICE_NAME] if memory is not None else []))
     session.start()
+    if links is not None:
+        links.start()
     if sampler is not None:
         sampler.start()
     if gpus is not None and not gpus.start():  # (no NVML: off, said in one line)
@@ -288,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         sampler.stop()
     if gpus is not None:
         gpus.stop()
+    if links is not None:
+        links.stop()
     # Say it first: control places no rank here any more, and the exits that follow are
     # this agent's departure (one incident), not crashes.
     outbox.put(

@@ -64,6 +64,8 @@ relays, and wires the parts below; ``__main__.py`` builds them):
   and beat period: the ranks beat on this node's grid, services/common/beat_grid.py), and
   every other message after the beats it follows (one thread: the batch window's clock);
 * ``step_summaries.py``: which of the local ranks' ``StepCompleted`` go up (rank 0's);
+* ``link_probe.py``: the UDP probes of the data-plane links to the node agents this node
+  shares a job with, behind ``routed`` ``LinkStateChanged`` (one thread);
 * ``metric_stream.py``: the local ranks' metric records (``RankEvent{metrics}``, kept here,
   not sent up) on one Record stream per node to the store, each store ack back to its rank
   (``RankCommand{metrics_ack}``).
@@ -89,6 +91,9 @@ Threads, and why each exists:
 * the memory sampler, which reads /proc/meminfo every few seconds: the kernel sends no
   event when memory runs low, so this is one of the two places the agent samples. It reads
   the OS, never another module;
+* the link prober (``link_probe.py``), one for the node: it pings the job's peer agents every
+  probe period and answers theirs; a cut link tells nobody (no packet arrives to say so), so
+  probing is the only way to see one;
 * the GPU health sampler (and, where the driver offers an event set, its Xid event waiter):
   NVML likewise tells nobody when a device's memory fills or an ECC error is counted.
 """
@@ -114,6 +119,7 @@ from services.contract.relay import L1, RANK, Link, pack
 from services.worker.control_link import Emit
 from services.worker.device_binding import CPU_AFFINITY_ENV, bind_rank
 from services.worker.exit_cause import ExitEvidence, OomCounter, classify
+from services.worker.link_probe import LinkProber
 from services.worker.log_tail import LogTailer
 from services.worker.memory_copies import MemoryCopies
 from services.worker.metric_stream import MetricStreams
@@ -184,6 +190,8 @@ class NodeAgent:
             own).
         log_settings: the rank logs' rotation and flood bound (default: ``LogSettings()``).
         pump: reads the ranks' (and the fork server's) output pipes (default: its own).
+        links: the data-plane link probes (``link_probe.py``): told each job's peers from its
+            LaunchRanks, and to forget them when the job is released here. None: no probes.
     """
 
     def __init__(
@@ -202,12 +210,14 @@ class NodeAgent:
         metrics: MetricStreams | None = None,
         log_settings: LogSettings | None = None,
         pump: LogPump | None = None,
+        links: LinkProber | None = None,
     ):
         self._worker_id = worker_id
         self._metrics = metrics or MetricStreams(log)
         self._devices = list(devices)  # as registered: where each rank is bound (device_binding.py)
         self._forkserver = forkserver
         self._memory = memory
+        self._links = links
         self._session_address = session_address
         self._logs_dir = Path(run_dir) / "logs"
         # Every message up goes through the beats' keeper: its ranks' beats leave a job's at a
@@ -275,6 +285,8 @@ class NodeAgent:
         """
         if self._memory is not None:
             self._memory.set_peer(msg.job_id, msg.memory_peer)
+        if self._links is not None:
+            self._links.set_peers(msg.job_id, msg.link_probe)
         for assignment in msg.ranks:  # the newest incarnation: an older one's calls are refused here
             FENCE.tell(msg.job_id, assignment.rank, assignment.generation)
         for assignment in msg.ranks:
@@ -315,6 +327,8 @@ class NodeAgent:
                     r.kill_timer = threading.Timer(grace, self._kill_if_alive, args=(r,))
                     r.kill_timer.daemon = True
                     r.kill_timer.start()
+        if self._links is not None and not msg.ranks:
+            self._links.forget(msg.job_id)  # (the job left this node: its links are not probed)
         self._log.info(
             "release", job_id=msg.job_id, ranks=[r.rank for r in targets], kill=msg.kill, grace_seconds=grace
         )

@@ -59,6 +59,9 @@ class Cluster:
             "PYTHONUNBUFFERED": "1",
             "SURGE_LOG_FORMAT": "json",
             "HOME": os.environ.get("HOME", "/root"),
+            # The code under test, where it is not the installed one (a worktree beside an
+            # editable install): every host runs what the test imports.
+            **({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}),
         }
 
     def start(self) -> None:

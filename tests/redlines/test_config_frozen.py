@@ -152,6 +152,7 @@ def test_the_fault_detectors_grading_table_cannot_change_after_init():
         "on_training_loop_failed",
         "on_failure",
         "on_data_service_unreachable",
+        "on_link_state_changed",  # a node agent's view of a data-plane link (issue 29 item 5): a fact
         "on_boundary_violation_reported",
         "close",
     }

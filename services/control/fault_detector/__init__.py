@@ -106,6 +106,13 @@ by default the policy ignores it; ``replace`` or ``shrink`` are L1-1's to choose
 ``slow_rank_cleared`` once a majority of them are below that again (or its process ended).
 The ratio of every compared rank is the ``surge_rank_slowdown_ratio`` gauge.
 
+Cut links (issue 29 item 5, links.py): the node agents probe the data-plane links between
+a job's nodes and state each change (``LinkStateChanged``). A link both ends say is down,
+while the ranks of both nodes still beat, grades a rank's collective stall or communication
+error as ``link_down`` (SEVERE, naming both nodes in ``link_ends``; L1-1 relaunches without
+one of them, like a lost node), not as a stall of whichever rank's deadline fired first; a
+link losing probes one way or heavily is ``link_degraded`` (MINOR, a warning).
+
 Aliases: a rank's ``checkpoint_integrity`` failure (a version that fails its SHA-256 check
 when loaded) is graded and reported as ``checkpoint_error``, the class the fault policy
 table names.
@@ -113,7 +120,7 @@ table names.
 Layout (one concern a file): detector.py, ``FaultDetector`` itself (its state, the commands
 from L1-1, the fault events it grades) joining the mixins liveness.py (each rank's silence
 deadline and each node agent's), stalls.py (progress deadlines, blame by phase),
-attribution.py (held symptoms and their causes) and grading.py (grade, report, sick-node
+attribution.py (held symptoms and their causes), links.py (link views, link_down / link_degraded) and grading.py (grade, report, sick-node
 alert); and plain records and tables: rules.py (the fault classes, ``DEFAULT_RULES``,
 ``FAILURE_CLASSES``), watch.py (``_RankWatch``, ``_Job``, the deadlines' defaults).
 """
@@ -137,6 +144,8 @@ from services.control.fault_detector.rules import (
     FAILURE_CLASSES,
     FATAL_XIDS,
     INTERNAL_ERROR,
+    LINK_DEGRADED,
+    LINK_DOWN,
     LOOP_FAILURE,
     MEMORY_COPY_SKIPPED,
     PORT_IN_USE,
@@ -199,6 +208,8 @@ __all__ = [
     "FaultDetector",
     "FaultGrade",
     "INTERNAL_ERROR",
+    "LINK_DEGRADED",
+    "LINK_DOWN",
     "LOOP_FAILURE",
     "MEMORY_COPY_SKIPPED",
     "PORT_IN_USE",

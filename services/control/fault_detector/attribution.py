@@ -20,6 +20,13 @@ class Attribution:
             if rank in job.ranks:
                 job.ranks[rank].unheard = False  # its agent is back (resending)
                 job.back.add(job.ranks[rank].worker_id)
+            if report.fault_class == COMM_ERROR and not job.reattaching:
+                # A collective failed across a link both ends say is cut, its ranks all
+                # beating: the link's fault (links.py), published at once as the cause.
+                quiet = self._quiet(job, time.time())
+                link = self._link_down_report(job_id, job, rank, quiet, f"failed its collective ({report.detail})")
+                if link is not None:
+                    report = link
             if report.fault_class == COMM_ERROR and (job.attribution_s > 0 or job.reattaching):
                 window = max(job.attribution_s, job.reattach_s if job.reattaching else 0.0)
                 self._hold(job_id, report, window=window)

@@ -30,6 +30,7 @@ from services.contract import (
 from services.contract.bus import Emitter
 from services.control.fault_detector.attribution import Attribution
 from services.control.fault_detector.grading import Grading
+from services.control.fault_detector.links import Links
 from services.control.fault_detector.liveness import Liveness
 from services.control.fault_detector.rules import (
     ALIASES,
@@ -68,7 +69,7 @@ from services.control.slow_ranks import SlowRanks
 _log = structlog.get_logger("fault_detector")
 
 
-class FaultDetector(Liveness, Stalls, Attribution, Grading):
+class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
     """Grades fault events by a frozen rule table and publishes ``FaultReport``.
 
     Args:
@@ -108,6 +109,12 @@ class FaultDetector(Liveness, Stalls, Attribution, Grading):
         # their last beat, time.monotonic()).
         self._agents: dict[str, tuple[object, Deadline]] = {}
         self._silent_agents: dict[str, float] = {}
+        # Data-plane links (links.py): each end's last view, each link's combined state (absent:
+        # up), and the links a link_down was reported for, by job, in which incident round.
+        self._link_views: dict[tuple[str, str], Any] = {}
+        self._link_states: dict[tuple[str, str], int] = {}
+        self._link_reported: dict[tuple[str, tuple[str, str]], int] = {}
+        self._link_told: dict[tuple[str, str], dict[str, str]] = {}
 
     def close(self) -> None:
         """Composition root, when control stops: no silence, stall or attribution deadline

@@ -72,6 +72,7 @@ class Liveness:
             if armed is not None:
                 armed[1].cancel()
             quiet_since = self._silent_agents.pop(msg.worker_id, None) if msg.slots > 0 else None
+            self._forget_link_views(msg.worker_id)  # (its agent restates them after registering)
         if quiet_since is not None:
             self._agent_heard_again(msg.worker_id, f"registered again after {mono - quiet_since:.1f} s")
 

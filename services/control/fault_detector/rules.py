@@ -41,6 +41,11 @@ SLOW_RANK_CLEARED = "slow_rank_cleared"  # a rank named slow is not any more (or
 # rotated: nothing grows without bound), and an in-memory copy skipped for want of space.
 RANK_LOG_FLOOD = "rank_log_flood"
 MEMORY_COPY_SKIPPED = "memory_copy_skipped"
+# Data-plane links (issue 29 item 5, links.py): a collective that stalled (or failed) while its
+# ranks still beat and a link between their nodes was down (both ends' node agents hear nothing
+# of each other), and a link that loses probes (one way, or heavily both ways).
+LINK_DOWN = "link_down"
+LINK_DEGRADED = "link_degraded"
 LOOP_FAILURE = "loop_failure"  # default for a fault class not in the table
 INTERNAL_ERROR = "internal_error"  # a module's failure of no more specific cause
 BOUNDARY_VIOLATION = "boundary_violation"  # a send the route table refused (a module or wiring bug)
@@ -94,6 +99,10 @@ DEFAULT_RULES: dict[str, int] = {
     RANK_STALLED: FaultGrade.SEVERE,
     RANK_STALLED_IN_COLLECTIVE: FaultGrade.SEVERE,
     WORKER_LOST: FaultGrade.SEVERE,
+    # A cut link: its ranks cannot meet again across it; relaunched without one of its nodes
+    # (fault_policy default exclude_node). A degraded one is a warning: the job trains on.
+    LINK_DOWN: FaultGrade.SEVERE,
+    LINK_DEGRADED: FaultGrade.MINOR,
     LOOP_FAILURE: FaultGrade.FATAL,
     # Deterministic: the same code refuses the same send after any restart.
     BOUNDARY_VIOLATION: FaultGrade.FATAL,

@@ -55,22 +55,31 @@ class Stalls:
                 # beat again without progress (a pause, not a death), that beat re-arms this one.
                 watch.deferred = True
                 return
-            watch.stalled = True  # declared once; the next progress re-arms the deadline
-            deadline = job.phase_deadline_s(watch.phase, watch.phase_total, watch.data_outage)
-            in_collective = watch.phase == RankPhase.PHASE_COLLECTIVE
-            for r, w in sorted(job.ranks.items()):
-                # Outside a collective: its peers waiting in one since (at least 1.5 of their
-                # beats without progress) wait for it. In one: the peers that waited without
-                # a deadline for a peer that worked then. Consequences, reported after it.
-                if r == rank or r in quiet or w.phase != RankPhase.PHASE_COLLECTIVE or not w.stepping or w.stalled:
-                    continue
-                if w.waiting or (
-                    not in_collective and now - w.last_progress_unix > QUIET_BEATS * (w.interval_s or 1.0)
-                ):
-                    if w.stall is not None:
-                        w.stall.cancel()
-                    w.stall, w.stalled, w.waiting = None, True, False
-                    consequences.append((r, w))
+            link = None
+            if watch.phase == RankPhase.PHASE_COLLECTIVE:
+                # Waiting across a link both ends say is cut, its ranks all beating: the link's
+                # fault, not a rank's (links.py); a cause, published at once (outside the lock).
+                link = self._link_down_report(job_id, job, rank, quiet, "waits in a collective with no progress")
+            if link is None:
+                watch.stalled = True  # declared once; the next progress re-arms the deadline
+                deadline = job.phase_deadline_s(watch.phase, watch.phase_total, watch.data_outage)
+                in_collective = watch.phase == RankPhase.PHASE_COLLECTIVE
+                for r, w in sorted(job.ranks.items()):
+                    # Outside a collective: its peers waiting in one since (at least 1.5 of their
+                    # beats without progress) wait for it. In one: the peers that waited without
+                    # a deadline for a peer that worked then. Consequences, reported after it.
+                    if r == rank or r in quiet or w.phase != RankPhase.PHASE_COLLECTIVE or not w.stepping or w.stalled:
+                        continue
+                    if w.waiting or (
+                        not in_collective and now - w.last_progress_unix > QUIET_BEATS * (w.interval_s or 1.0)
+                    ):
+                        if w.stall is not None:
+                            w.stall.cancel()
+                        w.stall, w.stalled, w.waiting = None, True, False
+                        consequences.append((r, w))
+        if link is not None:
+            self._publish_cause(job_id, link)
+            return
         stalled_for = now - watch.last_progress_unix
         where = phase_name(watch.phase)
         fault_class = RANK_STALLED_IN_COLLECTIVE if in_collective else RANK_STALLED

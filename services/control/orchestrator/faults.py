@@ -47,6 +47,11 @@ _log = structlog.get_logger("orchestrator")
 SLOW_RANK, SLOW_RANK_CLEARED = "slow_rank", "slow_rank_cleared"
 
 
+# L1-3's data-plane link findings (services/control/fault_detector/rules.py LINK_DOWN,
+# LINK_DEGRADED): kept in the job's status until the report that ``cleared`` them.
+LINK_CLASSES = ("link_down", "link_degraded")
+
+
 # L1-3's report of a rank's data relay reconnecting to an unreachable data service (or, with
 # ``cleared``, of it answering again): a wait (``_data_outage``), not a fault to decide.
 DATA_SERVICE_UNREACHABLE = "DataServiceUnreachable"
@@ -101,6 +106,8 @@ class FaultIntake:
             if job is None:
                 return
             if msg.fault_class in (SLOW_RANK, SLOW_RANK_CLEARED) and self._slow_rank(job, msg):
+                return
+            if msg.fault_class in LINK_CLASSES and self._link_fault(job, msg):
                 return
             if msg.event == DATA_SERVICE_UNREACHABLE:
                 if (since := self._data_outage(job, msg)) is not None:
@@ -167,6 +174,25 @@ class FaultIntake:
             return True
         job.status.slow_ranks.add(
             rank=msg.rank, worker_id=msg.worker_id, step=msg.step, detail=msg.detail, unix_time=msg.detected_unix
+        )
+        return False
+
+    def _link_fault(self, job: _Job, msg: control_pb2.FaultReport) -> bool:
+        """Keep the job's faulty links (``JobStatus.links``, shown by ``surgectl status``) as
+        L1-3 names them and clears them; True when nothing follows (a clearing: recorded,
+        never decided on; any report of an ended job). A link named goes on to the decision
+        (link_degraded: ignore by default; link_down: exclude_node)."""
+        if job.status.state == JobState.TERMINATED:
+            return True
+        ends = {e.worker_id for e in msg.link_ends}
+        kept = [f for f in job.status.links if set(f.worker_ids) != ends]
+        del job.status.links[:]
+        job.status.links.extend(kept)
+        if msg.cleared:
+            self._record(job, Module.L1_FAULT_DETECTOR, "fault", f"{msg.fault_class} cleared: {msg.detail}")
+            return True
+        job.status.links.add(
+            fault_class=msg.fault_class, worker_ids=sorted(ends), detail=msg.detail, unix_time=msg.detected_unix
         )
         return False
 

@@ -80,6 +80,7 @@ class JournalRestore:
                 # still slow is named again within its window, one that recovered meanwhile
                 # would otherwise stay listed for good.
                 del job.status.slow_ranks[:]
+                del job.status.links[:]  # (likewise: a link still faulty is stated again)
                 self._faults(start_monitoring(job.status.job_id, job.spec, restored=True, placement=job.placement))
                 # The allocator learns the job again (what a recovery relaunches), with the
                 # workers it must not use; its slots are taken as the node agents re-attach

@@ -75,6 +75,7 @@ class Recovery:
             recovered_step=dict((v, s) for s, v in job.versions).get(last.version, 0) if last is not None else 0,
             job_id=job.status.job_id,
             no_reload=_no_reload(job) if fd.fault_class_of(msg) == fd.REPLICA_DIVERGENCE else None,
+            rank0_worker_id=job.placement.get(0, ""),
         ), msg)  # fmt: skip
         fault_class, action = decision.fault_class, decision.action
         self._metrics.decided(fault_class, decision.counted)

@@ -21,6 +21,7 @@ from services.control.resource_allocator.registry import Registry
 from services.control.resource_allocator.slots import (
     _device_kind,
     _device_name,
+    _link_probe,
     _memory_peer,
     _memory_quota,
     _Placement,
@@ -176,10 +177,14 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
                         generation=generation,
                     )
                 )
+            rank_nodes = [w.reg.worker_id for w, _ in picks]
             for worker_id, launch in launches.items():
                 peer = _memory_peer(usable, worker_id)
                 if peer is not None:
                     launch.memory_peer.CopyFrom(peer)
+                probe = _link_probe(spec.links, rank_nodes, self._workers, worker_id)
+                if probe is not None:
+                    launch.link_probe.CopyFrom(probe)
         # Commands leave outside the lock: the relay only queues them, but keep the
         # allocator's lock short and never held across another module's code.
         for worker_id, launch in launches.items():

@@ -9,6 +9,7 @@ from typing import Any
 from services.contract import control_pb2, engine_pb2
 from services.control.resource_allocator.slots import (
     _device_name,
+    _link_probe,
     _memory_peer,
     _memory_quota,
     _reachable_host,
@@ -159,10 +160,15 @@ class Rebuild:
                         memory_quota_bytes=_memory_quota(w, slot), num_threads=threads, worker_id=w.reg.worker_id,
                         rank_nodes=rank_nodes, generation=generation,
                     ))  # fmt: skip
+                links = spec_from_json(init.spec_json).links
                 for worker_id, launch in launches.items():
                     peer = _memory_peer(usable, worker_id)
                     if peer is not None:
                         launch.memory_peer.CopyFrom(peer)
+                    # (the survivors' agents keep the peers of their own launch)
+                    probe = _link_probe(links, rank_nodes, self._workers, worker_id)
+                    if probe is not None:
+                        launch.link_probe.CopyFrom(probe)
                 rebuild = engine_pb2.RebuildParallelGroup(
                     job_id=msg.job_id, master_addr=master_addr, master_port=master_port, reason=msg.reason,
                     world_size=len(placed.ranks), generation=placed.generation, rank_nodes=rank_nodes,

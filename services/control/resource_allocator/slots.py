@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.contract import control_pb2
-from services.jobspec import JobSpec
+from services.jobspec import JobSpec, LinksSpec
 from services.memory_estimate import estimate_memory
 
 
@@ -76,3 +76,27 @@ def _memory_peer(usable: list[_Worker], worker_id: str) -> control_pb2.MemoryPee
         return None
     nxt = usable[(ids.index(worker_id) + 1) % len(ids)].reg
     return control_pb2.MemoryPeer(worker_id=nxt.worker_id, address=nxt.address)
+
+
+def _link_probe(
+    links: LinksSpec, rank_nodes: list[str], workers: dict[str, _Worker], worker_id: str
+) -> control_pb2.LinkProbe | None:
+    """The node agents ``worker_id`` probes for a job whose ranks run on ``rank_nodes`` (index:
+    rank): its neighbours in the ring of the job's nodes (in the order of their first rank)
+    and rank 0's node; rank 0's node probes every other (so both ends of each link probe it).
+    At most 3 peers a node but rank 0's: bounded, not a mesh. None: the job has one node."""
+    nodes = list(dict.fromkeys(w for w in rank_nodes if w))
+    if len(nodes) < 2 or worker_id not in nodes:
+        return None
+    i, n = nodes.index(worker_id), len(nodes)
+    peers = set(nodes) if i == 0 else {nodes[(i - 1) % n], nodes[(i + 1) % n], nodes[0]}
+    peers.discard(worker_id)
+    probe = control_pb2.LinkProbe(
+        interval_seconds=links.probe_seconds,
+        degraded_loss=links.degraded_loss,
+        down_probes=links.down_probes,
+    )
+    for peer in sorted(peers, key=nodes.index):
+        if peer in workers:
+            probe.peers.add(worker_id=peer, address=workers[peer].reg.address)
+    return probe if probe.peers else None

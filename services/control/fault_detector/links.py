@@ -1,0 +1,241 @@
+"""Data-plane links between nodes (issue 29 item 5, "cut links").
+
+Each node agent probes the agents of the nodes it shares a job with (services/worker/
+link_probe.py) and states a peer's link when it changes (``LinkStateChanged``: up, degraded,
+down, or no longer probed). A link has two views, one per end; combined:
+
+* both ends say down: the link is **down** (cut both ways: nothing of either reaches the other);
+* one end says down and the other degraded: a one-way cut (one end still hears the other's
+  probes): **degraded**; any degraded view: **degraded**;
+* one end says down and the other has said nothing (up): undecided until the other end's
+  view arrives (a two-way cut reaches both ends within a probe period): the state is kept.
+
+A degraded link is reported for every monitored job with ranks on both nodes as
+``link_degraded`` (MINOR: a warning; never held), once per change; once the link is up
+again, each job told of it (degraded or down) gets that report ``cleared`` (its status lists
+the link no more). A down link is no report
+of its own: it grades the collective that stalls across it. A rank stalled in a collective
+(its stall deadline, stalls.py) or whose collective failed (``comm_error``, attribution.py),
+while a down link joins two nodes of its job whose ranks all still beat, is ``link_down``
+(SEVERE) naming both nodes (``FaultReport.link_ends``, each with how many of its links are
+down): a cause, published at once, and the job's other ranks waiting in a collective are
+declared stalled with it (they wait for the same link). Once per link per incident round.
+Which node a relaunch leaves out is L1-1's (services/control/fault_decision.link_endpoint).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from services.contract import Module, control_pb2
+from services.control.fault_detector.rules import LINK_DEGRADED, LINK_DOWN
+from services.control.fault_detector.watch import RankPhase, _Job
+
+_log = structlog.get_logger("fault_detector")
+
+LinkState = control_pb2.LinkStateChanged.State
+_UP, _DEGRADED, _DOWN = LinkState.UP, LinkState.DEGRADED, LinkState.DOWN
+Pair = tuple[str, str]  # a link's two worker ids, sorted
+
+
+@dataclass(frozen=True)
+class _View:
+    """One end's last statement of a link."""
+
+    state: int
+    round_trip_loss: float
+    inbound_loss: float
+    window_s: float
+
+
+def combine(a: int, b: int) -> int | None:
+    """The link's state from its two ends' views (``UP`` for an end that said nothing);
+    None: undecided (one end down, the other up: see the module docstring)."""
+    if a == _DOWN and b == _DOWN:
+        return _DOWN
+    if _DOWN in (a, b) and _UP in (a, b):
+        return None
+    return _DEGRADED if _DEGRADED in (a, b) or _DOWN in (a, b) else _UP
+
+
+def _pair(a: str, b: str) -> Pair:
+    return (a, b) if a <= b else (b, a)
+
+
+class Links:
+    """Link views and their grading (a part of ``FaultDetector``, see detector.py). Its state,
+    made in ``FaultDetector.__init__``: ``_link_views`` ((reporter, peer) -> _View),
+    ``_link_states`` (pair -> combined state, absent: up), ``_link_reported`` ((job, pair)
+    -> the incident round a link_down was reported in) and ``_link_told`` (pair -> job ->
+    the class it was told of, until the link is up again: then that report ``cleared``)."""
+
+    def on_link_state_changed(self, msg: control_pb2.LinkStateChanged, payload: Any = None) -> None:
+        """A node agent states its view of the link to ``peer_worker_id``: the link's combined
+        state is updated, and a change to degraded is reported to every job across it."""
+        if not msg.worker_id or not msg.peer_worker_id or msg.worker_id == msg.peer_worker_id:
+            return
+        pair = _pair(msg.worker_id, msg.peer_worker_id)
+        with self._lock:
+            key = (msg.worker_id, msg.peer_worker_id)
+            if msg.state == LinkState.STATE_UNSPECIFIED:
+                self._link_views.pop(key, None)
+            else:
+                self._link_views[key] = _View(msg.state, msg.round_trip_loss, msg.inbound_loss, msg.window_seconds)
+            before = self._link_states.get(pair, _UP)
+            now = self._combined(pair)
+            if now is None or now == before:
+                return
+            if now == _UP:
+                self._link_states.pop(pair, None)
+            else:
+                self._link_states[pair] = now
+            jobs = sorted(j for j, job in self._jobs.items() if set(pair) <= self._nodes(job))
+            ends = self._link_ends(pair)
+            told = self._link_told.pop(pair, {}) if now == _UP else {}
+            probed = any(k in self._link_views for k in (pair, pair[::-1]))
+        _log.warning(
+            "link state", link=list(pair), state=LinkState.Name(now), was=LinkState.Name(before), jobs=jobs,
+            reporter=msg.worker_id,
+        )  # fmt: skip
+        if now == _UP:
+            # Up again: each job told of it hears that it ended (its status lists it no more).
+            for job_id, fault_class in sorted(told.items()):
+                # (or neither end probes it any more: the job left one of its nodes)
+                detail = f"link {pair[0]} <-> {pair[1]} " + ("up again" if probed else "no longer probed by either end")
+                self._emit_link(job_id, fault_class, pair, detail, ends, msg, cleared=True)
+            return
+        if now != _DEGRADED:
+            return  # (down grades the collective that stalls across it)
+        for job_id in jobs:
+            detail = f"link {pair[0]} <-> {pair[1]} degraded: {_losses(ends)}"
+            self._emit_link(job_id, LINK_DEGRADED, pair, detail, ends, msg)
+
+    def _emit_link(
+        self,
+        job_id: str,
+        fault_class: str,
+        pair: Pair,
+        detail: str,
+        ends: list[control_pb2.LinkEnd],
+        msg: control_pb2.LinkStateChanged,
+        cleared: bool = False,
+    ) -> None:
+        """A link report for one job, published at once (never held: a warning, or its end)."""
+        report = self._graded(
+            job_id,
+            fault_class,
+            Module.EXT_HARDWARE,
+            self._lowest_rank(job_id, pair[0]),
+            detail,
+            worker_id=pair[0],
+            event=msg.DESCRIPTOR.name,
+        )
+        if report is None:
+            return
+        report.link_ends.extend(ends)
+        report.cleared = cleared
+        if not cleared:
+            with self._lock:
+                self._link_told.setdefault(pair, {})[job_id] = fault_class
+        self._emit(report)
+
+    def _forget_link_views(self, worker_id: str) -> None:
+        """Under the lock: a node agent registered anew: its views are restated after its
+        registration (a new incarnation starts with none)."""
+        for key in [k for k in self._link_views if k[0] == worker_id]:
+            del self._link_views[key]
+        for pair in [p for p in self._link_states if worker_id in p]:
+            now = self._combined(pair)
+            if now in (None, _UP):
+                self._link_states.pop(pair, None)
+            else:
+                self._link_states[pair] = now
+
+    def _link_down_report(
+        self, job_id: str, job: _Job, rank: int, quiet: list[int], why: str
+    ) -> control_pb2.FaultReport | None:
+        """Under the lock: the ``link_down`` report of ``rank``'s collective (``why``: what it
+        did), when a down link joins two nodes of the job whose ranks all still beat (none in
+        ``quiet``), and none was reported for that link this round; else None. The job's
+        other ranks waiting in a collective are declared stalled with it."""
+        beating: set[str] = set()
+        silent: set[str] = set()
+        for r, w in job.ranks.items():
+            (silent if r in quiet else beating).add(w.worker_id)
+        down = [
+            p
+            for p, state in sorted(self._link_states.items())
+            if state == _DOWN
+            and set(p) <= beating
+            and not set(p) & silent
+            and self._link_reported.get((job_id, p)) != job.round
+        ]
+        if not down:
+            return None
+        pair = down[0]
+        self._link_reported[(job_id, pair)] = job.round
+        for w in job.ranks.values():
+            if w.phase == RankPhase.PHASE_COLLECTIVE and w.stepping and not w.stalled:
+                if w.stall is not None:
+                    w.stall.cancel()
+                w.stall, w.stalled, w.waiting = None, True, False
+        watch = job.ranks.get(rank)
+        ends = self._link_ends(pair)
+        report = self._graded(
+            job_id,
+            LINK_DOWN,
+            Module.EXT_HARDWARE,
+            rank,
+            f"link {pair[0]} <-> {pair[1]} is down (both ends hear nothing of each other; every rank still "
+            f"beats): rank {rank} on {watch.worker_id if watch else '?'} {why}; {_losses(ends)}",
+            occurred=watch.last_progress_unix if watch is not None else time.time(),
+            worker_id=watch.worker_id if watch is not None else pair[0],
+            step=max(watch.step, 0) if watch is not None else 0,
+            phase=watch.phase if watch is not None else 0,
+        )
+        if report is not None:
+            report.link_ends.extend(ends)
+            self._link_told.setdefault(pair, {})[job_id] = LINK_DOWN
+        return report
+
+    def _combined(self, pair: Pair) -> int | None:
+        a, b = pair
+        up = _View(_UP, 0.0, 0.0, 0.0)
+        return combine(self._link_views.get((a, b), up).state, self._link_views.get((b, a), up).state)
+
+    def _link_ends(self, pair: Pair) -> list[control_pb2.LinkEnd]:
+        """Under the lock: both ends of ``pair``, each with its links down and its view."""
+        ends = []
+        for me, other in (pair, pair[::-1]):
+            view = self._link_views.get((me, other))
+            ends.append(
+                control_pb2.LinkEnd(
+                    worker_id=me,
+                    links_down=sum(1 for p, s in self._link_states.items() if s == _DOWN and me in p),
+                    round_trip_loss=view.round_trip_loss if view else 0.0,
+                    inbound_loss=view.inbound_loss if view else 0.0,
+                )
+            )
+        return ends
+
+    @staticmethod
+    def _nodes(job: _Job) -> set[str]:
+        return {w.worker_id for w in job.ranks.values() if w.worker_id}
+
+    def _lowest_rank(self, job_id: str, worker_id: str) -> int:
+        with self._lock:
+            job = self._jobs.get(job_id)
+            ranks = [r for r, w in job.ranks.items() if w.worker_id == worker_id] if job is not None else []
+        return min(ranks, default=0)
+
+
+def _losses(ends: list[control_pb2.LinkEnd]) -> str:
+    """'gpu-1 -> gpu-2 lost 40% of round trips, heard 100% ...' for a report's detail."""
+    return "; ".join(
+        f"{e.worker_id}: {e.round_trip_loss:.0%} of its probes unanswered, {e.inbound_loss:.0%} of the peer's missing"
+        for e in ends
+    )
