@@ -271,7 +271,7 @@ class EventApplier:
             APPLY_SECONDS.labels(which).observe(time.monotonic() - started)
             return []
         try:
-            self._hub.on_worker_events([(s, ev) for s, ev, _ in burst], admitted=True)
+            self._hub.on_worker_events([(s, ev) for s, ev, _ in burst], admitted=True, wait=False)
         except Exception:  # noqa: BLE001 - e.g. the journal's disk is full: the acks wait
             _log.exception("worker event burst failed", size=len(burst), queue=which)
         APPLY_SECONDS.labels(which).observe(time.monotonic() - started)
