@@ -16,8 +16,9 @@ worker cursor's row is computed from the cursors of the writes before it. A curs
 ``on_commit`` runs (in queue order, on this thread: JobEvents are emitted in their journal
 order) and its future is resolved. A group that fails (one write's constraint, a full disk)
 is rolled back and its writes are committed one by one, so only the failing write's future
-fails (its cursor is not marked: its event is never acknowledged, and is resent after a
-restart).
+fails; the worker event cursors it carried are then journaled alone (the event is skipped
+for good, as a refused event is), or, if the disk refuses that too, stay unwritten (never
+acknowledged: resent after a restart).
 
 Locks: the journal's connection lock (``JobStore._lock``) is held for each transaction only;
 ``on_commit`` and the futures' callbacks run with no lock held and must take leaf locks only
@@ -145,6 +146,8 @@ class GroupCommitWriter:
                         except Exception as e:  # noqa: BLE001 - handed to the write's future
                             failed[w] = e
                             _log.error("journal write failed", error=str(e))
+                            if w.statements is not None and w.cursors:
+                                self._skip(w)
         for w in group:
             error = failed.get(w)
             if error is not None:
@@ -156,6 +159,16 @@ class GroupCommitWriter:
                 except Exception:  # noqa: BLE001 - the writer must outlive one bad callback
                     _log.exception("journal on_commit failed")
             w.future.set_result(None)
+
+    def _skip(self, w: _Write) -> None:
+        """A write that failed alone: its cursors are journaled without it, as a refused
+        event's are (``SessionHub.on_worker_events``: skipped for good, its seq must not hold
+        the agent's watermark back); if even that fails, they stay unwritten (resent after a
+        restart)."""
+        try:
+            self._transaction([_Write(None, w.cursors)])
+        except Exception as e:  # noqa: BLE001 - the disk refuses everything: the acks wait
+            _log.error("journal cursor write failed", error=str(e))
 
     def _transaction(self, writes: list[_Write]) -> None:
         """Under the connection's lock: the writes and their cursors' rows (one per cursor,

@@ -361,7 +361,8 @@ class SessionHub:
         if durable is None or durable.done():
             self._queue_ack(session)
         else:
-            durable.add_done_callback(lambda done: None if done.exception() else self._queue_ack(session))
+            # (also after a failed write: an ack says only what is journaled, ``durable``)
+            durable.add_done_callback(lambda done: self._queue_ack(session))
 
     def _accept(
         self,

@@ -102,3 +102,20 @@ def test_an_applied_steps_ack_waits_for_its_commit_and_the_applier_does_not(tmp_
     assert [s for s, _ in journal.steps(a)] == [1] and [s for s, _ in journal.steps(b)] == [1]
     applier.stop()
     stop_plane(plane.c)
+
+
+def test_a_failed_writes_cursor_is_journaled_without_it(tmp_path):
+    """A step write that fails (its event's seq is journaled already) is rolled back whole,
+    and the worker event's cursor it carried is journaled alone: the event is skipped for
+    good, as a refused one is, and does not hold the agent's watermark back."""
+    journal = JobStore(tmp_path / "control.db")
+    journal.create_job(job("a"), "{}")
+    event = control_pb2.JobEvent(job_id="a", seq=1, status=job("a"))
+    journal.save_status(job("a"), event)
+    with journal.applying("wa", "i1", 1) as ctx:
+        failing = journal.record_step("a", 1, 1.0, 64, 0.0, [(job("a"), event, None, None)], wait=False)
+    with pytest.raises(sqlite3.IntegrityError):
+        failing.result(10)
+    assert ctx.durable is failing and journal.steps("a") == []
+    assert journal.worker_cursor("wa") == ("i1", 1)
+    journal.close()
