@@ -255,7 +255,7 @@ class SessionHub:
     def on_worker_event(self, session: AgentSession, ev: control_pb2.WorkerEvent) -> None:
         """Relay one message of a node agent's stream onto the bus as the module it
         speaks for; a sequenced one (``seq`` > 0) at most once, then acknowledged (once its
-        cursor is journaled: returns after that).
+        cursor is journaled). Returns once every journal write it queued is committed.
 
         Raises:
             ValueError: a second registration, or an empty message.
@@ -266,6 +266,8 @@ class SessionHub:
             self._ack_when(session, durable)
         if durable is not None:
             durable.result()
+        if self._journal is not None:
+            self._journal.flush()  # (and the writes the event queued without a cursor: a step's)
 
     def admit(self, session: AgentSession, ev: control_pb2.WorkerEvent) -> bool:
         """Whether ``ev`` is to be applied: False for a seq already admitted or journaled (a
@@ -354,6 +356,8 @@ class SessionHub:
         if wait:
             for write in writes:
                 write.result()
+            if self._journal is not None:
+                self._journal.flush()  # (and the writes queued without a cursor: a step's)
 
     def _ack_when(self, session: AgentSession, durable: Future | None) -> None:
         """Queue the session's ack once ``durable`` (the write carrying an event's cursor) is
