@@ -36,12 +36,12 @@ its burst in one write (heartbeats, most steps), and acknowledged down the strea
 (``WorkerCommand{ack}``, coalesced) once that write is committed: the journal's writer
 commits every queued write in one transaction (services/control/journal_writer.py: a group
 commit) and the ack is queued from its commit (the write's future), so the applier's thread
-never waits for a disk and no ack covers a seq a control killed now would lose. The applier applies a
-job's events on the job's own queue, so one agent's events are journaled in seq order per
-job only: the session's ``WorkerCursor`` (services/control/worker_cursor.py) is the seq up
-to which all are journaled (the ack, the resend point) and those journaled above it. A
-registration lists the ranks the agent still runs (``running``): they are the session's
-again (re-attach).
+never waits for a disk and no ack covers a seq a control killed now would lose. The
+applier applies a job's events on the job's own queue, so one agent's events are journaled
+in seq order per job only: the session's ``WorkerCursor`` (services/control/worker_cursor.py)
+is the seq up to which all are journaled (the ack, the resend point) and those journaled
+above it. A registration lists the ranks the agent still runs (``running``): they are the
+session's again (re-attach).
 """
 
 from __future__ import annotations
