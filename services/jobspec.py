@@ -765,9 +765,21 @@ class FaultPolicySpec(_Strict):
     # policy decides ``data_outage`` (default: pause). 5 minutes covers a restart by hand or by a
     # container's restart policy; a data service gone for longer wants an operator.
     data_outage_seconds: float = Field(300.0, gt=0, le=7 * 86400)
+    # Inspect before acting (issue 29 item 9): a fault whose decision relaunches the ranks holds
+    # them alive and idle (FreezeTraining) this long before the decided action runs, so an
+    # operator can look at them (py-spy, logs); `surgectl thaw JOB` runs it at once, `surgectl
+    # stop JOB` ends the job. 0 (the default): the decision runs at once. ``freeze_classes``:
+    # the fault classes it applies to (empty: every class).
+    freeze_seconds: float = Field(0.0, ge=0, le=7 * 86400)
+    freeze_classes: list[str] = []
 
     @model_validator(mode="after")
     def _known_keys(self) -> FaultPolicySpec:
+        for key in self.freeze_classes:
+            if key not in KNOWN_FAULT_CLASSES:
+                raise ValueError(
+                    f"freeze_classes: {key}: unknown fault class (known: {', '.join(sorted(KNOWN_FAULT_CLASSES))})"
+                )
         for table, name in ((self.actions, "actions"), (self.restarts, "restarts")):
             for key in table:
                 if key not in FAULT_GRADES and key not in KNOWN_FAULT_CLASSES:
@@ -812,6 +824,13 @@ class FaultPolicySpec(_Strict):
         """Whether some fault is rebuilt in place: the ranks then keep their processes when
         their group breaks, waiting for L1's decision (InitJob.rebuild_in_place)."""
         return any(a in IN_PLACE_ACTIONS or a == "replace" for a in self.actions.values())
+
+    def freezes(self, fault_class: str) -> float:
+        """How long a fault of ``fault_class`` holds the ranks before its decided relaunch
+        runs (seconds; 0: not held)."""
+        if not self.freeze_classes or fault_class in self.freeze_classes:
+            return self.freeze_seconds
+        return 0.0
 
     def budget_for(self, fault_class: str) -> int:
         """Relaunches allowed for ``fault_class`` in one job: ``restarts[class]``, else the

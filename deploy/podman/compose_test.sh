@@ -143,7 +143,13 @@ readme 0 2>&1 | grep -v -e 'unable to get systemd connection' -e 'failed to conn
 up_rc=${PIPESTATUS[0]}
 set -e
 [ "$up_rc" = 0 ] || die "up -d failed (exit $up_rc)"
-podman ps -q --filter "label=io.podman.compose.project=$COMPOSE_PROJECT_NAME" | grep -q . || die "up -d started nothing"
+# `up -d` returns while podman is still creating the containers: wait for the first (was: checked
+# at once, and a fresh machine's first run said "started nothing" with all six starting).
+started_by=$(($(date +%s) + 60))
+until podman ps -aq --filter "label=io.podman.compose.project=$COMPOSE_PROJECT_NAME" | grep -q .; do
+  [ "$(date +%s)" -lt "$started_by" ] || die "up -d started nothing within 60 s"
+  sleep 1
+done
 
 say "waiting for every service's health check"
 services=(store data control worker-0 worker-1 prometheus)

@@ -85,9 +85,10 @@ def _lost(e: grpc.RpcError) -> bool:
     return hasattr(e, "code") and e.code() in _LOST
 
 
-def job_events(job_id: str, reconnect_s: float) -> Iterator[control_pb2.JobEvent]:
-    """Every event of ``job_id`` from the first, once each and in seq order, until the job
-    terminates, across control restarts shorter than ``reconnect_s`` seconds.
+def job_events(job_id: str, reconnect_s: float, from_seq: int = 0) -> Iterator[control_pb2.JobEvent]:
+    """Every event of ``job_id`` from seq ``from_seq`` (0: the first), once each and in seq
+    order, until the job terminates, across control restarts shorter than ``reconnect_s``
+    seconds.
 
     Raises:
         CliError: unknown job, control unreachable at the start, or an outage longer than
@@ -95,7 +96,7 @@ def job_events(job_id: str, reconnect_s: float) -> Iterator[control_pb2.JobEvent
     """
     addr = clients.address("control")
     retry = Reconnect(job_id, addr, reconnect_s)
-    next_seq = 0
+    next_seq = from_seq
     while True:
         try:
             with clients.open_channel(addr) as ch:

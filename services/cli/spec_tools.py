@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import json
+import os
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -59,16 +60,32 @@ def load_spec(path: Path, overrides: Sequence[str] = ()) -> tuple[JobSpec, str, 
         raise CliError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})", code=2) from None
     source = str(path)
     try:
-        if not overrides:
-            return parse_job_spec(text, source), text, source
         raw = read_spec_mapping(text, source)
         for item in overrides:
             apply_override(raw, item)
+        if not overrides and not _made_absolute(raw):
+            return parse_job_spec(text, source), text, source  # (the file's own text, comments kept)
+        _made_absolute(raw)
         text = yaml.safe_dump(raw, sort_keys=False, allow_unicode=True)
-        source = f"{path} with --set {', '.join(overrides)}"
+        if overrides:
+            source = f"{path} with --set {', '.join(overrides)}"
         return parse_job_spec(text, source), text, source
     except JobSpecError as e:
         raise CliError(str(e), code=2) from None
+
+
+def _made_absolute(raw: dict) -> bool:
+    """Make a relative (or ``~``) ``init_from.hf`` absolute against the current directory,
+    in place; whether it changed. Why: the ranks read it on their nodes, from directories of
+    their own, so control takes absolute paths only; a path as the user typed it
+    (``surgectl export ... --out exports/notes-hf``, then ``init_from: {hf: exports/notes-hf}``)
+    means the one they see here."""
+    init = raw.get("init_from")
+    hf = init.get("hf") if isinstance(init, dict) else None
+    if not isinstance(hf, str) or not hf or os.path.isabs(hf):
+        return False
+    init["hf"] = os.path.abspath(os.path.expanduser(hf))
+    return True
 
 
 def apply_override(raw: dict, item: str) -> None:

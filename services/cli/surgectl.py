@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import typer
 
 from services.cli import clients, jsonout, render, stack
 from services.cli.errors import CliError
+from services.cli.event_types import EVENT_TYPES, event_types
 from services.cli.jobs import dry_run_job, follow_job, resolve_job, submit_job
 from services.contract import Module, control_pb2, data_pb2, store_pb2
 from services.jobspec import STEP_FAULT_CLASSES
@@ -490,25 +492,66 @@ def submit(
 
 
 @app.command()
-def status(job: str | None = typer.Argument(None), output: str = OutputOpt) -> None:
+def status(
+    job: str | None = typer.Argument(None),
+    output: str = OutputOpt,
+    watch: bool = typer.Option(False, "--watch", "-w", help="redraw every --interval seconds until Ctrl-C"),
+    interval: float = typer.Option(2.0, "--interval", min=0.2, max=3600.0, help="--watch: seconds between redraws"),
+) -> None:
     """Show one job or all jobs, then, in tables, the ranks named slow (>= 1.5x their peers'
     compute per step, sustained) and (all jobs) the workers taken out of placement after a
-    device's fatal error, with the reason.
+    device's fatal error, with the reason. --watch redraws them every --interval seconds
+    (a table only) until Ctrl-C.
 
-    Example: surgectl status demo-3f2a1c -o json
+    Example: surgectl status demo-3f2a1c -o json; surgectl status --watch
     """
-    cordoned = []
+    if output not in ("table", "json"):
+        raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
+    if watch and output != "table":
+        raise CliError("--watch: redraws a table; -o json prints once (run it again, or poll)", code=2)
     if job:
         job = resolve_job(job)
-        jobs = [clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))]
-    else:
-        listed = clients.call("control", lambda s: s.ListJobs(control_pb2.JobQuery(), timeout=10))
-        jobs, cordoned = list(listed.jobs), list(listed.cordoned)
-    _show(jobs, output, render.jobs_table)
-    if output == "table" and any(j.slow_ranks for j in jobs):  # (json: each job's slow_ranks)
-        render.console.print(render.slow_ranks_table(jobs))
-    if cordoned and output == "table":  # (json stays the list of jobs it always was)
-        render.console.print(render.cordons_table(cordoned))
+    if not watch:
+        jobs, cordoned = _status_of(job)
+        if output == "json":
+            render.print_json(jobs)  # (json stays the list of jobs it always was)
+            return
+        render.console.print(_status_tables(jobs, cordoned))
+        return
+    from rich.live import Live
+
+    try:
+        if not render.console.is_terminal:  # piped: one view after another, each under its time
+            while True:
+                render.console.print(f"-- {time.strftime('%H:%M:%S')}", markup=False, highlight=False)
+                render.console.print(_status_tables(*_status_of(job)))
+                time.sleep(interval)
+        with Live(_status_tables(*_status_of(job)), console=render.console, auto_refresh=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(_status_tables(*_status_of(job)), refresh=True)
+    except KeyboardInterrupt:
+        return  # (the operator's way out of a watch: exit 0)
+
+
+def _status_of(job: str | None) -> tuple[list, list]:
+    """(the jobs, the cordoned workers): one job's status (no cordons), or every job's."""
+    if job:
+        return [clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))], []
+    listed = clients.call("control", lambda s: s.ListJobs(control_pb2.JobQuery(), timeout=10))
+    return list(listed.jobs), list(listed.cordoned)
+
+
+def _status_tables(jobs: list, cordoned: list):
+    """The status view: the jobs, then the slow ranks and the cordoned workers when any."""
+    from rich.console import Group
+
+    parts = [render.jobs_table(jobs)]
+    if any(j.slow_ranks for j in jobs):
+        parts.append(render.slow_ranks_table(jobs))
+    if cordoned:
+        parts.append(render.cordons_table(cordoned))
+    return Group(*parts)
 
 
 def _alias_of_status(ctx: typer.Context) -> None:
@@ -547,38 +590,51 @@ ReconnectOpt = typer.Option(
 )
 
 
+_TYPES_HELP = f"only events of this type (repeatable or comma-separated: {', '.join(EVENT_TYPES)})"
+
+
 @app.command()
 def events(
     job: str,
     follow: bool = typer.Option(False, "--follow", "-f", help="keep streaming until the job ends"),
     output: str = OutputOpt,
     reconnect_seconds: float = ReconnectOpt,
+    types: list[str] = typer.Option([], "--type", "-t", help=_TYPES_HELP),
+    tail: int = typer.Option(0, "--tail", "-n", min=0, max=1_000_000, help="only the last N events (0: all)"),
 ) -> None:
     """Print a job's event log (decisions, state changes, faults, checkpoints); -o json
-    prints JSON Lines. --follow rides through a control restart: it reconnects and goes on
-    from the last event printed (each event once).
+    prints JSON Lines. --type keeps the events of those types, --tail the last N of them
+    (with --follow: the last N, then each new one). --follow rides through a control restart:
+    it reconnects and goes on from the last event printed (each event once).
 
-    Example: surgectl events demo-3f2a1c --follow
+    Example: surgectl events demo-3f2a1c --type fault,decision --tail 20 --follow
     """
     from services.cli import follow as following
 
     if output not in ("table", "json"):
         raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
+    wanted = event_types(types)
     job = resolve_job(job)
 
     def show(ev) -> None:
+        if wanted and ev.type not in wanted:
+            return
         if output == "json":
             print(jsonout.dumps_line(ev), flush=True)  # JSON Lines: one event per line
         else:
             src = Module.Name(ev.source) if ev.source else "-"
             render.console.print(f"{ev.seq:>5} {ev.type:>10} {src:<22} {ev.message}", markup=False, highlight=False)
 
-    if follow:
-        for ev in following.job_events(job, reconnect_seconds):
+    next_seq = 0
+    if tail or not follow:  # the history (its last N of the types asked), then what follows
+        with clients.stub("control") as s:
+            history = list(s.WatchJob(control_pb2.JobQuery(job_id=job, follow=False)))
+        kept = [ev for ev in history if not wanted or ev.type in wanted]
+        for ev in kept[-tail:] if tail else kept:
             show(ev)
-        return
-    with clients.stub("control") as s:
-        for ev in s.WatchJob(control_pb2.JobQuery(job_id=job, follow=False)):
+        next_seq = history[-1].seq + 1 if history else 0
+    if follow:
+        for ev in following.job_events(job, reconnect_seconds, from_seq=next_seq):
             show(ev)
 
 
@@ -771,6 +827,42 @@ def resume(
         )
     render.console.print(
         f"{job}: resumed{where}; now {render.state_text(s)}", markup=False, highlight=False, soft_wrap=True
+    )
+
+
+@app.command()
+def thaw(job: str) -> None:
+    """End a job's hold for inspection now (fault_policy.freeze_seconds): the recovery its
+    fault policy decided (a relaunch) runs at once instead of when the hold runs out. A job
+    not held is refused, nothing changed. (`surgectl stop JOB` ends a held job instead.)
+
+    Example: surgectl thaw demo-3f2a1c
+    """
+    job = resolve_job(job)
+    req = control_pb2.ResumeJobRequest(job_id=job, thaw_only=True)
+    s = clients.call("control", lambda st: st.ResumeJob(req, timeout=90))
+    render.console.print(f"{job}: thawed; now {render.state_text(s)}", markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command()
+def rollback(
+    job: str,
+    version: str | None = typer.Option(
+        None, "--version", help="the committed version to go back to, JOB:N (default: the newest not known bad)"
+    ),
+) -> None:
+    """Roll a RUNNING job back to a committed checkpoint in place: its ranks pause at a step
+    boundary they agree on (no checkpoint), load the version into their live processes (none
+    is relaunched) and train on from its step, bit-exactly as a relaunch from it would. The
+    versions committed after it are kept, as another branch (`surgectl resume --from` names one).
+
+    Example: surgectl rollback demo-3f2a1c --version demo-3f2a1c:4
+    """
+    job = resolve_job(job)
+    req = control_pb2.ResumeJobRequest(job_id=job, from_version=version or "", rollback_in_place=True)
+    s = clients.call("control", lambda st: st.ResumeJob(req, timeout=90))
+    render.console.print(
+        f"{job}: rolling back in place; now {render.state_text(s)}", markup=False, highlight=False, soft_wrap=True
     )
 
 

@@ -42,6 +42,7 @@ EVALUATION = RankPhase.PHASE_EVALUATION
 CHECKPOINT_STAGING = RankPhase.PHASE_CHECKPOINT_STAGING
 COMPILE = RankPhase.PHASE_COMPILE
 FAULT_WAIT = RankPhase.PHASE_FAULT_WAIT
+FROZEN = RankPhase.PHASE_FROZEN
 
 
 class PhaseMarker:
@@ -49,12 +50,13 @@ class PhaseMarker:
     entered (``time.monotonic()``), the units of it done and the units it will take (0:
     unknown)."""
 
-    __slots__ = ("_compute", "_counted", "phase", "progress", "since", "total")
+    __slots__ = ("_compute", "_counted", "_frozen", "phase", "progress", "since", "total")
 
     def __init__(self, phase: int = IDLE):
         self.phase, self.since, self.progress, self.total = phase, time.monotonic(), 0, 0
         self._compute: HostComputeClock | CudaComputeClock = HostComputeClock()
         self._counted = self.since  # the current phase's time is in the sums up to here
+        self._frozen = False  # held for inspection (``freeze``): every phase reads FROZEN from then on
 
     def time_on_cuda(self, cuda) -> None:
         """Count compute time with CUDA events on the current stream (a GPU rank, once its
@@ -66,7 +68,20 @@ class PhaseMarker:
         now = time.monotonic()
         self._compute.left(self.phase, self._counted, now)
         self.progress, self.total, self.since, self._counted = 0, total, now, now
-        self.phase = phase
+        self.phase = FROZEN if self._frozen else phase
+
+    def freeze(self) -> None:
+        """L1-1 holds the rank for inspection (FreezeTraining, from any thread): its beats say
+        FROZEN from now on, whatever its main thread does until the hold ends the process (a
+        step finishing, a collective that breaks), so no progress deadline is kept on it.
+        Only attribute stores: the compute clock is left to the main thread."""
+        self._frozen = True
+        self.phase, self.since, self.progress, self.total = FROZEN, time.monotonic(), 0, 0
+
+    def thaw(self) -> None:
+        """The hold is over (the rank goes on in place: a rollback loaded into it): phases
+        read as entered again."""
+        self._frozen = False
 
     def compute_seconds(self) -> tuple[float, float, float]:
         """(forward, backward, optimizer) compute seconds so far, the current phase's up to
@@ -96,6 +111,12 @@ class NoPhase:
         pass
 
     def advance(self, units: int = 1) -> None:
+        pass
+
+    def freeze(self) -> None:
+        pass
+
+    def thaw(self) -> None:
         pass
 
 

@@ -192,6 +192,7 @@ def build(
                 engine_pb2.StopTraining,
                 engine_pb2.StepVerdict,
                 engine_pb2.RevokeStandingOrder,
+                engine_pb2.FreezeTraining,
             ),
         ),
         emit=bus.emitter(Module.L1_ORCHESTRATOR),

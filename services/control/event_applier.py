@@ -93,6 +93,8 @@ def job_of(ev: control_pb2.WorkerEvent) -> str:
         return ev.rank_event.job_id or ev.rank_event.heartbeat.job_id
     if kind == "rank_exited":
         return ev.rank_exited.job_id
+    if kind == "rank_beats":
+        return ev.rank_beats.job_id
     return NODE
 
 
@@ -124,6 +126,9 @@ class EventApplier:
         received = time.monotonic()
         if ev.HasField("rank_event") and ev.rank_event.HasField("heartbeat"):
             ev.rank_event.heartbeat.received_monotonic = received
+        elif ev.HasField("rank_beats"):  # a node's beats of one job, sent together
+            for beat in ev.rank_beats.beats:
+                beat.heartbeat.received_monotonic = received
         elif ev.HasField("heartbeat"):  # the node agent's own beat (L1-2's placement reads its receipt)
             ev.heartbeat.received_monotonic = received
         if not self._hub.admit(session, ev):

@@ -32,7 +32,10 @@ that the check at the last multiple of N before s agreed and nothing since was r
 rollback is bound to the newest version at or before it (:func:`replica_bound`). The same fault again before any
 check agreed after the version the last recovery loaded (the first check after it failed)
 says that version reproduces it: it is struck, and the rollback goes to an older one; each
-relaunch spends a restart, so this never loops.
+relaunch spends a restart, so this never loops. With every rank alive and waiting in its
+loop (the divergence fails none of them: they wait for the decision, issue 29 item 9) the
+rollback is done in place: the live ranks load the version (``Decision.in_place``,
+``JobView.no_reload``); otherwise every rank is relaunched to load it.
 
 A slow rank (``slow_rank``, issue 29 item 2) is ignored by default (reported only);
 ``replace`` is a ``rebuild`` that leaves the slow rank's node out of the job (its
@@ -124,6 +127,10 @@ class JobView:
     recovered_version: str = ""
     recovered_step: int = 0
     job_id: str = ""  # named in a pause's hint (`surgectl resume JOB`)
+    # Whether a replica_divergence's rollback can load the version into the live ranks (issue 29
+    # item 9: every rank waits in its loop, the group intact): "" it can, else why not (a rank
+    # gone, a recovery in flight); None: not known (the rollback relaunches, as before).
+    no_reload: str | None = None
 
 
 @dataclass(frozen=True)
@@ -154,6 +161,7 @@ class Decision:
     bound: int | None = None
     exclude: tuple[str, ...] = ()
     strike: str = ""
+    in_place: bool = False  # rollback: the live ranks load the version (ResumeTraining.reload_version)
 
 
 def fault_class_of(report: control_pb2.FaultReport) -> str:
@@ -305,6 +313,11 @@ def decide(policy: FaultPolicySpec, job: JobView, report: control_pb2.FaultRepor
         text += f"; back to a version at or before step {bound}, the last replica check that agreed"
     if strike and fault_class == REPLICA_DIVERGENCE:
         text += f"; {strike} reproduced the divergence: suspect, never loaded again"
+    in_place = action == "rollback" and fault_class == REPLICA_DIVERGENCE and job.no_reload == ""
+    if in_place:
+        text += "; in place: the live ranks load it, none is relaunched"
+    elif action == "rollback" and fault_class == REPLICA_DIVERGENCE and job.no_reload:
+        text += f"; every rank relaunched, not loaded in place: {job.no_reload}"
     text += fallback
     return Decision(
         fault_class,
@@ -317,7 +330,25 @@ def decide(policy: FaultPolicySpec, job: JobView, report: control_pb2.FaultRepor
         bound=bound,
         exclude=exclude,
         strike=strike,
+        in_place=in_place,
     )
+
+
+# The decisions a freeze holds (``fault_policy.freeze_seconds``, issue 29 item 9): those that
+# relaunch every rank, i.e. end the processes an operator would want to inspect. A rebuild in
+# place keeps the survivors' processes (the lost rank is gone already), and a stop, a pause
+# or an ignore is not held (see :func:`freeze_for`).
+FREEZE_ACTIONS = frozenset({"restart_ranks", "rollback", "exclude_node"})
+
+
+def freeze_for(policy: FaultPolicySpec, decision: Decision, *, recovering: bool) -> float:
+    """How long L1-1 holds the job's ranks alive and idle (FreezeTraining) before it carries
+    out ``decision`` (seconds; 0: at once). ``recovering``: a recovery was already in flight
+    when the fault came (its ranks are being replaced: nothing of the failed generation is
+    left to inspect, and a second hold would only delay it)."""
+    if recovering or decision.action not in FREEZE_ACTIONS:
+        return 0.0
+    return policy.freezes(decision.fault_class)
 
 
 def no_checkpoint(policy: FaultPolicySpec, fault_class: str, rank: int, versions: int) -> Decision:

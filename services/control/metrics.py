@@ -158,7 +158,7 @@ def event_kind(ev: control_pb2.WorkerEvent) -> str:
         if inner == "routed":
             return _routed_kind(ev.rank_event.routed)
         return "RankHeartbeat" if inner == "heartbeat" else inner
-    return kind
+    return "RankBeats" if kind == "rank_beats" else kind
 
 
 def command_kind(cmd: control_pb2.WorkerCommand) -> str:

@@ -462,6 +462,10 @@ class SessionHub:
             self._hardware(exited)
         elif kind == "rank_event":
             self._relay_rank_event(session, ev.rank_event)
+        elif kind == "rank_beats":  # a node's beats of one job, each applied as if alone
+            for beat in ev.rank_beats.beats:
+                if beat.HasField("heartbeat"):
+                    self._relay_rank_event(session, beat)
         elif kind == "routed":  # the node agent's own (its contract layer's refusals, ...), by name
             self._link.deliver(ev.routed, stamp=lambda msg: stamp_origin(msg, worker_id=session.worker_id))
         elif kind == "memory_pressure":

@@ -70,6 +70,7 @@ import structlog
 import torch
 
 from services.common import fencing
+from services.common.beat_grid import phase_from, seconds_to_next_beat
 from services.common.cpu_list import CPU_AFFINITY_ENV, parse_cpu_list
 from services.common.grpc_server import channel
 from services.common.logs import configure
@@ -347,6 +348,7 @@ class Session:
         self._step, self._step_seconds, self._stepping = 0, 0.0, False
         self._compute = (0.0, 0.0, 0.0)  # forward, backward, optimizer compute seconds up to `_step`
         self._beat_interval = heartbeat_interval_s
+        self._beat_phase = phase_from()  # the node's place on the beat grid (its agent's)
         self._closing = threading.Event()
         self._send(hello=worker_pb2.RankHello(job_id=job_id, rank=rank, pid=os.getpid()))
         threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
@@ -486,7 +488,8 @@ class Session:
                     else:
                         beat.phase = IDLE
                 self._send(heartbeat=beat)
-                if self._closing.wait(self._beat_interval):
+                # On the node's grid: its ranks' beats reach the agent together (beat_grid.py).
+                if self._closing.wait(seconds_to_next_beat(time.time(), self._beat_interval, self._beat_phase)):
                     return
         except BaseException as e:  # a rank that cannot beat is declared silent: say why in its log
             log.error("heartbeat_stopped", error=f"{type(e).__name__}: {e}")
@@ -523,15 +526,18 @@ class Session:
             exit_now(EXIT_SESSION_LOST)
 
 
-def _waits_for_release(e: BaseException) -> bool:
+def _waits_for_release(e: BaseException, hold_on_fault: bool = False) -> bool:
     """Whether a rank that failed with ``e`` waits for L1 to release it: every failure but a
     broken communicator (a collective or point-to-point call failed: the process cannot take
-    part in the group again, so it leaves), a lost session (nobody is left to release it) and
-    an interrupt."""
+    part in the group again, so it leaves, unless the job's policy holds its ranks for
+    inspection on a fault: ``InitJob.hold_on_fault``), a lost session (nobody is left to
+    release it) and an interrupt."""
     from services.contract import failures
 
     if isinstance(e, (SessionLost, KeyboardInterrupt, SystemExit)):
         return False
+    if hold_on_fault:
+        return True
     return failures.cause_of(e) != failures.C.FAILURE_COMMUNICATION and not failures.communicator_broken()
 
 
@@ -593,8 +599,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
     rank: RankModules | None = None
     data = store = copies = metrics = None
     code = 0
+    hold_on_fault = False  # InitJob.hold_on_fault: L1-1 holds a failed rank for inspection
     try:
         init, assignment = session.receive_setup()
+        hold_on_fault = init.hold_on_fault
         # Every call from here on names this incarnation: a replaced one is refused (fencing.py).
         fencing.set_identity(args.job, args.rank, assignment.generation)
         pinned = pin_cpus(os.environ.get(CPU_AFFINITY_ENV))  # before torch starts its thread pools
@@ -701,7 +709,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
             from services.engine.training_loop import classify_fault
 
             session.send_failed(*classify_fault(e))
-        if _waits_for_release(e):
+        if _waits_for_release(e, hold_on_fault):
             # L1 decides what becomes of this rank (seed L2-1: no recovery of its own): it
             # stays, beating and idle, until control releases it (the node agent's signal)
             # or its node agent goes away. Its peers are not left waiting for a dead process

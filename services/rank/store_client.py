@@ -385,6 +385,10 @@ class StoreClient(SaveAgreement, BackgroundCommit, ChunkIO):
         """
         if msg.hf_directory:
             return self._load_hf(msg, payload)
+        # A load into live ranks (a rollback in place, issue 29 item 9; every rank loads) starts
+        # a new attempt at the next save: what the loaded state's checks agree on says nothing of
+        # the versions these ranks saved before it (the store's layout._replica_verified).
+        self._attempt = ""
         t0 = time.perf_counter()
         try:
             loaded = self._rpc("Load", self._stub.Load, msg, LOAD_TIMEOUT_S)

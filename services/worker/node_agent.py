@@ -60,6 +60,10 @@ relays, and wires the parts below; ``__main__.py`` builds them):
   size, and ``RankLogFlood`` for a rank that logs too fast;
 * ``memory_copies.py``: the in-memory copies of the local ranks' newest checkpoint, served
   to them and replicated to the job's peer agent (``MemoryCopyService``);
+* ``rank_beats.py``: the local ranks' beats, sent up a job's at a time (one message per job
+  and beat period: the ranks beat on this node's grid, services/common/beat_grid.py), and
+  every other message after the beats it follows (one thread: the batch window's clock);
+* ``step_summaries.py``: which of the local ranks' ``StepCompleted`` go up (rank 0's);
 * ``metric_stream.py``: the local ranks' metric records (``RankEvent{metrics}``, kept here,
   not sent up) on one Record stream per node to the store, each store ack back to its rank
   (``RankCommand{metrics_ack}``).
@@ -78,6 +82,8 @@ Threads, and why each exists:
   thread per rank) into its rotated log file;
 * one tail thread per TailRankLogs request, reading the job's rank log files (a followed
   file is re-read after a short wait when empty: appends to a file notify nobody);
+* one clock thread (``rank_beats.py``) that sends a job's kept beats when their window ends
+  (a rank late or gone holds the others' no longer than that);
 * one metric stream thread per store address (``metric_stream.py``), which keeps the Record
   stream open and reconnects it;
 * the memory sampler, which reads /proc/meminfo every few seconds: the kernel sends no
@@ -99,6 +105,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from services.common.beat_grid import PHASE_ENV, node_phase
 from services.common.fencing import FENCE, FENCED_CALLS
 from services.contract import Module, audit_pb2, control_pb2, engine_pb2, worker_pb2
 from services.contract.audit import merge_reports
@@ -110,6 +117,7 @@ from services.worker.exit_cause import ExitEvidence, OomCounter, classify
 from services.worker.log_tail import LogTailer
 from services.worker.memory_copies import MemoryCopies
 from services.worker.metric_stream import MetricStreams
+from services.worker.rank_beats import RankBeats
 from services.worker.rank_forkserver import RankForkServer
 from services.worker.rank_logs import LogPump, LogSettings, RankLog
 from services.worker.rank_process import (
@@ -202,7 +210,10 @@ class NodeAgent:
         self._memory = memory
         self._session_address = session_address
         self._logs_dir = Path(run_dir) / "logs"
-        self._emit = emit
+        # Every message up goes through the beats' keeper: its ranks' beats leave a job's at a
+        # time, and nothing overtakes a beat it follows (rank_beats.py).
+        self.beats = RankBeats(emit)
+        self._emit = self.beats.emit
         self._log = log
         self._rank_module = rank_module
         self._cwd = Path(cwd) if cwd is not None else Path.cwd()
@@ -408,7 +419,15 @@ class NodeAgent:
             event.job_id, event.rank = r.job_id, r.rank
         if kind == "routed" and not self.steps.send_up(r.job_id, r.rank, event.routed):
             return  # another rank's step: its beats carry its progress (step_summaries.py)
+        if kind == "heartbeat":
+            self.beats.beat(event, self._live_ranks_of(r.job_id))
+            return
         self._emit(control_pb2.WorkerEvent(rank_event=event))
+
+    def _live_ranks_of(self, job_id: str) -> int:
+        """How many ranks of ``job_id`` run on this node (the beats a period brings)."""
+        with self._lock:
+            return sum(1 for r in self._ranks.values() if r.job_id == job_id and not r.dead)
 
     def _end_if_stale(self, r: RankProcess) -> bool:
         """Whether ``r`` is an older incarnation of its (job, rank) than the newest control
@@ -561,6 +580,7 @@ class NodeAgent:
         argv = rank_command_line(module, self._session_address, job_id, assignment.rank)
         binding = bind_rank(assignment, self._devices)
         env = rank_environment(os.environ, binding)
+        env[PHASE_ENV] = f"{node_phase(self._worker_id):.6f}"  # this node's place on the beat grid
         # The OOM-kill counter of the cgroup the rank will share with this agent, read before
         # it starts: a rise by its reap is the evidence of an OOM kill (exit_cause.py).
         oom = OomCounter.of_process()

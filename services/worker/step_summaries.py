@@ -6,7 +6,7 @@ boundary commands every rank agreed on): control applies every one. Another rank
 control nothing but that the rank was heard from (``Orchestrator.on_step_completed``: after
 a control restart, the job's status waits until every rank is heard again); that rank's
 progress and liveness reach control's fault detector in its ``RankHeartbeat`` (``step``,
-``phase``) every beat interval, sent up as before. So the agent sends every rank-0 summary
+``phase``) every beat interval (sent a job's at a time: rank_beats.py). So the agent sends every rank-0 summary
 and, of each other rank, the first after each registration with control (a restarted control
 hears every rank once), and keeps the rest: per step, one StepCompleted per job reaches
 control instead of one per rank (measured: bench/control_messages.py).

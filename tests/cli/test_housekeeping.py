@@ -180,7 +180,8 @@ def test_dataset_prepare_into_an_unwritable_home_is_one_line_naming_surge_home(t
         (["dataset", "prepare", "--source", "/nonexistent-dir", "--name", "x"], 1, ["/nonexistent-dir"]),
         (["submit", "/nonexistent.yaml"], 2, ["/nonexistent.yaml"]),
         (["restart", "control"], 1, ["no local stack"]),
-        (["status", "-o", "yaml"], 1, ["address unknown"]),
+        (["status", "-o", "yaml"], 2, ["--output", "table"]),  # (the option is checked before any call)
+        (["status"], 1, ["address unknown"]),
         (["delete", "job", "nojob"], 1, ["control address unknown"]),
         (["delete", "checkpoint", "no-colon"], 2, ["VERSION", "'<job>:<n>'"]),
         (["delete", "checkpoint", "j:latest"], 2, ["VERSION"]),

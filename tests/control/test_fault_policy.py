@@ -1030,7 +1030,8 @@ def test_a_replica_divergence_rolls_back_to_the_last_agreeing_check_and_a_versio
     """Issue 29 item 3: checks every 4 steps; found at step 12 -> back to a version at or
     before step 8 (step 10's is never loaded); found again at the first check after the
     recovery from step 8's version -> that version is suspect, struck, and the job goes back
-    to step 4's."""
+    to step 4's. Every rank waits in its loop (none failed): each rollback is done in place,
+    the live ranks load the version (issue 29 item 9)."""
     job_id, w = running(plane, "wa", "wb", extra=QUICK + "\nintegrity: {replica_check_every_steps: 4}")
     v1, v2, v3 = (saved(plane, w["wa"], job_id, n, step=s) for n, s in ((1, 4), (2, 8), (3, 10)))
     store.verdicts = [(v1, 4, True), (v2, 8, True), (v3, 10, True)]
@@ -1039,22 +1040,57 @@ def test_a_replica_divergence_rolls_back_to_the_last_agreeing_check_and_a_versio
     plane.rank_event(w["wa"], job_id, 0, failed=failed)
     assert decisions(plane, job_id) == [
         "rollback after replica_divergence of rank 0 (restart 1 of 3 for replica_divergence); back to a version "
-        "at or before step 8, the last replica check that agreed"
+        "at or before step 8, the last replica check that agreed; in place: the live ranks load it, none is "
+        "relaunched"
     ]
     events = [e.message for e in plane.events(job_id)]
     assert f"checkpoint {v3} saved after the last replica check that agreed (step 8); never loaded" in events
-    assert resumes(w["wb"]) == [v2]
+    assert reloads(w["wb"]) == [v2]  # (no kill, no launch)
+    assert f"loading checkpoint {v2} into the 2 live ranks (none relaunched)" in events
     restarted(plane, job_id, {0: w["wa"], 1: w["wb"]}, start_step=8)
-    assert plane.get(job_id).state == JobState.RUNNING
+    s = plane.get(job_id)
+    assert s.state == JobState.RUNNING
+    assert s.message.startswith(
+        f"recovered from replica_divergence of rank 0: all 2 ranks loaded checkpoint {v2} in place (none relaunched) "
+        "at step 8"
+    ), s.message
     # The first check after step 8's version (at 12) fails again: that version reproduces it.
     plane.rank_event(w["wa"], job_id, 0, failed=failed)
-    assert decisions(plane, job_id)[1].endswith(f"; {v2} reproduced the divergence: suspect, never loaded again")
+    assert decisions(plane, job_id)[1].endswith(
+        f"; {v2} reproduced the divergence: suspect, never loaded again; in place: the live ranks load it, none is "
+        "relaunched"
+    )
     events = [e.message for e in plane.events(job_id)]
     assert (
         f"checkpoint {v2} reproduced the replica divergence it was loaded to recover from: suspect; never loaded again"
         in events
     )
-    assert resumes(w["wb"]) == [v1]
+    assert reloads(w["wb"]) == [v1]
+
+
+def test_a_replica_divergence_with_a_rank_gone_relaunches_every_rank_and_says_why(plane, store):
+    job_id, w = running(plane, "wa", "wb", extra=QUICK + "\nintegrity: {replica_check_every_steps: 4}")
+    v1 = saved(plane, w["wa"], job_id, 1, step=4)
+    store.verdicts = [(v1, 4, True)]
+    plane.c.orchestrator._jobs[job_id].exited.add(1)  # (rank 1's exit, seen before the divergence's report)
+    detail = "data-parallel replicas differ after step 8 in tok_emb.weight: dp ranks 0, 1 differ"
+    plane.rank_event(
+        w["wa"],
+        job_id,
+        0,
+        failed=engine_pb2.TrainingLoopFailed(step=8, fault_class="replica_divergence", detail=detail),
+    )
+    assert decisions(plane, job_id)[0].endswith("; every rank relaunched, not loaded in place: rank(s) 1 exited")
+    assert resumes(w["wa"]) == [v1]
+
+
+def reloads(session) -> list[str]:
+    """The versions the live ranks on ``session`` were told to load in place, in order."""
+    return [
+        m.reload_version
+        for m in (to_ranks(c) for c in drain(session) if c.WhichOneof("command") == "routed")
+        if isinstance(m, engine_pb2.ResumeTraining) and m.reload_version
+    ]
 
 
 def test_a_changed_dataset_shard_pauses_the_job_even_while_its_ranks_start_and_a_late_ready_is_ignored(plane):

@@ -327,6 +327,16 @@ def test_a_rank_blocked_on_a_step_fault_waiting_for_l1s_verdict_has_no_progress_
     assert r.fault_class == "rank_stalled" and r.phase == RankPhase.PHASE_OPTIMIZER
 
 
+def test_a_rank_held_for_inspection_has_no_progress_deadline_whatever_it_waits_in():
+    # Issue 29 item 9: FreezeTraining; the rank's beats say PHASE_FROZEN (over a broken
+    # collective too: services/common/phase.PhaseMarker.freeze) while L1-1 holds its decision.
+    bus, reports = wired(heartbeat_timeout_seconds=5.0, stall_min_seconds=0.3, stall_step_factor=0.01)
+    state = {0: (3, RankPhase.PHASE_FROZEN), 1: (3, RankPhase.PHASE_FROZEN)}
+    with Beating(bus, state):
+        time.sleep(1.0)  # 3x the step budget, alive and held
+    assert reports == []
+
+
 # Stall blame on a hung host (tests/faults/test_stall_blame.py, CI under load): rank 1's host
 # hangs (rank and node agent SIGSTOPped) while rank 0 waits for it in the all-reduce. Rank 1's
 # last beats that reached control said it waited in a collective (stale: it had gone on since,

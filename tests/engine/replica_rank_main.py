@@ -10,6 +10,7 @@ the loop's failure, its completed steps, the time of each replica check (L3-5's
 
 import functools
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +48,15 @@ def main() -> None:
     rank_module.compose = functools.partial(rank_module.compose, guard=guard)
     local = LocalRank(spec, out / "ckpt", rank=rank, world_size=world, port=port)
     local.command(engine_pb2.StartTraining(job_id="job"))
+
+    def stop_after_failure() -> None:
+        # L1's decision, as the test's stand-in for it: a rank that found a replica divergence
+        # waits in its loop for it (a rollback in place or a stop; issue 29 item 9): stopped.
+        local.up.finished.wait()
+        if local.up.of(engine_pb2.TrainingLoopFailed):
+            local.command(engine_pb2.StopTraining(job_id="job", seq=1, checkpoint=False))
+
+    threading.Thread(target=stop_after_failure, daemon=True).start()
     local.run()
     failed = local.up.of(engine_pb2.TrainingLoopFailed)
     torch.save(

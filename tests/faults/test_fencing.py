@@ -24,6 +24,7 @@ import pytest
 
 from services.common.grpc_server import channel
 from services.contract import Module, control_pb2, store_pb2, store_pb2_grpc
+from services.rank.faults import lift_pace
 from tests.conftest import kill_all
 from tests.faults.test_recovery import causes, finished, metric, of_type, parent_pid, running_stack
 
@@ -49,7 +50,9 @@ liveness: {{heartbeat_interval_seconds: 0.5, heartbeat_timeout_seconds: 4.0,
 REBUILD = "fault_policy: {actions: {rank_exit: rebuild, rank_silent: rebuild, worker_lost: rebuild}}\n"
 # Rank 1 of "fagent" hangs before step 12's backward (alive, its peer waiting in the all-reduce):
 # the job cannot finish while its node agent is frozen, and the process stays for the agent to end.
-INJECT = "fagent:hang@12:rank=1"
+# Rank 1 of "fstop" waits before step 7 until the test lifts the pace: its SIGSTOP lands before
+# the step-10 save whatever the machine's load (a stop during that save drops it with its group).
+INJECT = "fagent:hang@12:rank=1,fstop:slow_steps@7:rank=1:seconds=120"
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +140,7 @@ def test_a_rank_stopped_past_its_timeout_is_replaced_and_ended_by_its_agent_when
     (survivor,) = stack.rank_pids(job, 0)
     stopped = time.time()
     os.kill(victim, signal.SIGSTOP)
+    lift_pace(stack.home / "run" / "faults", job)  # (its replacement trains at its own speed)
     death = DeathWatch(victim)
     try:
         stack.wait_step(job, 12)  # replaced: the job trains on without it

@@ -2,8 +2,9 @@
 (the test-only ``corrupt_weights`` injection: one element's top mantissa bit flipped after an
 update) in a dp 2 job whose replicas are checked every 4 steps and saved every 2. The check
 after the corruption finds the replicas different (replica_divergence, at dp 2 both suspect);
-L1-1 rolls the job back to the version saved at the last check that agreed, the version saved
-between (its replicas already differed) is never loaded, and the job finishes.
+L1-1 rolls the job back to the version saved at the last check that agreed, in place (every
+rank waits in its loop: the live ranks load it, issue 29 item 9), the version saved between
+(its replicas already differed) is never loaded, and the job finishes.
 
 One stack (control, store, data, two workers of one slot each); every process it started is
 killed by PID at the end.
@@ -59,8 +60,16 @@ def test_a_corrupted_replica_is_found_at_the_next_check_and_the_job_rolls_back_t
     # divergence) is never loaded; the rollback resumes from step 4's.
     (never,) = [m for m in of_type(events, "checkpoint") if "after the last replica check that agreed" in m]
     assert before[6] in never and before[4] not in never and before[2] not in never
-    relaunches = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
-    assert len(relaunches) == 1 and f"to resume from checkpoint {before[4]};" in relaunches[0], relaunches
+    # Every rank waited in its loop (the divergence fails none): the rollback is done in place,
+    # the live ranks load step 4's version (issue 29 item 9); no process is relaunched.
+    assert decided and "; in place: the live ranks load it, none is relaunched" in events[decided].message
+    assert not [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
+    assert f"loading checkpoint {before[4]} into the 2 live ranks (none relaunched)" in of_type(events, "recovery")
+    assert any(
+        m.startswith("FAULT_FROZEN -> RUNNING: recovered from replica_divergence")
+        and f"all 2 ranks loaded checkpoint {before[4]} in place (none relaunched) at step 4" in m
+        for m in of_type(events, "state")
+    ), of_type(events, "state")
     # The store's catalog knows it too: step 6's version was never covered by an agreeing
     # check (never `latest`); step 4's was, and so is the run's last (checked at the end).
     ch = channel(f"127.0.0.1:{services(stack.home)['store']['port']}", module=Module.EXT_USER)

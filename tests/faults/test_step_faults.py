@@ -12,22 +12,23 @@ tiny model, a few steps per job.
 from __future__ import annotations
 
 import math
+import os
 import re
 import time
 
 import pytest
 
 from services.contract import control_pb2
-from tests.faults.test_recovery import finished, metric, of_type, running_stack
+from tests.faults.test_recovery import cli, finished, metric, of_type, running_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 INJECT = (
     "sfroll:nan_loss@7:rank=1,sfskip:inf_grad@3,sfskip:nan_loss@5:rank=1,sfignore:nan_loss@4,"
-    "sfstop:nan_loss@4,sfrestart:nan_loss@6,sfexclude:nan_loss@6"
+    "sfstop:nan_loss@4,sfrestart:nan_loss@6,sfexclude:nan_loss@6,sfhold:nan_loss@5:rank=1,sfthaw:nan_loss@5:rank=1"
 )
-JOBS = ("sfroll", "sfskip", "sfignore", "sfstop", "sfrestart", "sfexclude")
+JOBS = ("sfroll", "sfskip", "sfignore", "sfstop", "sfrestart", "sfexclude", "sfhold", "sfthaw", "sfref", "sfreload")
 
 JOB = """\
 name: {name}
@@ -39,12 +40,14 @@ parallel: {{dp: {dp}}}
 optimizer: {{lr: 3.0e-3, warmup_steps: 2}}
 checkpoint: {{every_steps: {every}, keep_last: 0, async: false}}
 eval: {{every_steps: 0, at_end: false}}
-fault_policy: {{actions: {{non_finite_loss: {action}}}}}
+fault_policy: {{actions: {{non_finite_loss: {action}}}{policy}}}
 {extra}"""
 
 
-def job(name: str, action: str, *, steps: int = 8, dp: int = 1, every: int = 3, extra: str = "") -> str:
-    return JOB.format(name=name, steps=steps, dp=dp, every=every, action=action, extra=extra)
+def job(
+    name: str, action: str, *, steps: int = 8, dp: int = 1, every: int = 3, extra: str = "", policy: str = ""
+) -> str:
+    return JOB.format(name=name, steps=steps, dp=dp, every=every, action=action, extra=extra, policy=policy)
 
 
 @pytest.fixture(scope="module")
@@ -175,4 +178,97 @@ def test_exclude_node_relaunches_the_rank_on_another_worker(stack):
     (placed,) = re.match(r"ranks killed and relaunched on (worker-\d+) \(", relaunch).groups()
     assert placed != worker and f"resume from checkpoint {job_id}:1;" in relaunch
     assert_relaunched_from(stack, job_id, resumed_at=3, faulty=6, last=8)
+    finished(events)
+
+
+def held(stack, job_id: str, timeout: float = 60) -> control_pb2.JobStatus:
+    """The test's own clock: until the job is held for inspection."""
+    t0 = time.monotonic()
+    while not (s := stack.status(job_id)).message.startswith("held for inspection"):
+        assert time.monotonic() - t0 < timeout and s.state != JobState.TERMINATED, s.message
+        time.sleep(0.05)
+    return s
+
+
+def alive(pids: list[int]) -> bool:
+    try:
+        for pid in pids:
+            os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_freeze_holds_both_ranks_alive_until_its_bound_then_the_decided_relaunch_runs(stack):
+    # Issue 29 item 9: a NaN loss at step 5 with freeze_seconds 4: the decided restart_ranks
+    # waits while both ranks stay blocked at the step, alive (same PIDs), never declared stalled.
+    job_id = stack.submit(job("sfhold", "restart_ranks", dp=2, policy=", freeze_seconds: 4"))
+    s = held(stack, job_id)
+    t_held = time.monotonic()
+    assert s.state == JobState.FAULT_FROZEN and "then restart_ranks runs" in s.message, s.message
+    pids = [stack.rank_pids(job_id, r) for r in (0, 1)]
+    assert all(len(p) == 1 for p in pids), pids
+    time.sleep(2.0)
+    assert [stack.rank_pids(job_id, r) for r in (0, 1)] == pids and alive([p[0] for p in pids])
+    assert stack.status(job_id).state == JobState.FAULT_FROZEN
+    events = stack.events(job_id)
+    ran_out = [m for m in of_type(events, "decision") if m.startswith("the hold for inspection ran out")]
+    assert len(ran_out) == 1 and time.monotonic() - t_held >= 2.0, of_type(events, "decision")
+    thawed_at = next(e.unix_time for e in events if e.message.startswith("the hold for inspection ran out"))
+    held_at = next(e.unix_time for e in events if "held for inspection after" in e.message)
+    assert 3.9 <= thawed_at - held_at < 10, thawed_at - held_at
+    assert not [m for m in of_type(events, "fault") if "stalled" in m or "silent" in m]
+    (relaunch,) = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
+    assert f"resume from checkpoint {job_id}:1;" in relaunch  # step 3
+    assert_relaunched_from(stack, job_id, resumed_at=3, faulty=5, last=8)
+    finished(events)
+
+
+def test_an_operator_thaw_runs_the_held_relaunch_at_once(stack):
+    job_id = stack.submit(job("sfthaw", "restart_ranks", dp=2, policy=", freeze_seconds: 600"))
+    held(stack, job_id)
+    pids = [stack.rank_pids(job_id, r) for r in (0, 1)]
+    thaw = cli(stack.home, "thaw", job_id)
+    assert thaw.returncode == 0, thaw.stdout + thaw.stderr
+    assert f"{job_id}: thawed; now" in thaw.stdout
+    events = stack.events(job_id, timeout=90)
+    assert any(m.startswith("thawed by the operator: restart_ranks") for m in of_type(events, "decision"))
+    assert all(not alive(p) for p in pids)  # the relaunch replaced them
+    assert_relaunched_from(stack, job_id, resumed_at=3, faulty=5, last=8)
+    finished(events)
+
+
+def test_a_rollback_in_place_keeps_the_processes_and_replays_the_uninterrupted_runs_losses(stack):
+    # Issue 29 item 9: `surgectl rollback JOB --version V` on a running dp 2 job: the ranks pause,
+    # load V (step 6) into their live processes and train on from step 6; the same PIDs, and
+    # every step's loss equal to an uninterrupted run's (bit-exact resume).
+    ref = stack.submit(job("sfref", "restart_ranks", steps=60, dp=2))
+    finished(stack.events(ref))
+    job_id = stack.submit(job("sfreload", "restart_ranks", steps=60, dp=2))
+    t0 = time.monotonic()
+    while not any(
+        " at step 6 " in m for m in of_type(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job_id)), "checkpoint")
+    ):
+        assert time.monotonic() - t0 < 60, "the checkpoint of step 6 was never committed"
+        time.sleep(0.05)
+    pids = [stack.rank_pids(job_id, r) for r in (0, 1)]
+    assert all(len(p) == 1 for p in pids), pids
+    back = cli(stack.home, "rollback", job_id, "--version", f"{job_id}:2")
+    assert back.returncode == 0, back.stdout + back.stderr
+    t0 = time.monotonic()
+    while not (s := stack.status(job_id)).message.startswith("rolled back in place"):
+        assert time.monotonic() - t0 < 60 and s.state != JobState.TERMINATED, s.message
+        time.sleep(0.02)
+    assert s.message == f"rolled back in place to checkpoint {job_id}:2 at step 6", s.message
+    assert [stack.rank_pids(job_id, r) for r in (0, 1)] == pids and alive([p[0] for p in pids])
+    events = stack.events(job_id)
+    (done,) = [m for m in of_type(events, "recovery") if m.startswith("rollback in place done")]
+    assert f"all 2 ranks loaded checkpoint {job_id}:2 in their live processes (none relaunched)" in done, done
+    assert not [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
+    steps = [r["step"] for r in rank0_steps(stack, job_id)]
+    cut = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    assert steps[cut] == 7 and steps[cut:] == list(range(7, 61)), steps  # trained again from step 7
+    la, lb = stack.losses(ref), stack.losses(job_id)
+    assert sorted(la) == sorted(lb) == list(range(1, 61))
+    assert [s for s in la if la[s] != lb[s]] == [], "per-step losses after the rollback differ"
     finished(events)

@@ -4,15 +4,18 @@ line with a non-zero exit; the mutating commands need the stack's bearer token."
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import typer
 from typer.testing import CliRunner
 
 from services.cli.surgectl import app
-from tests.observability.conftest import cli
+from tests.observability.conftest import ADDRESS_VARS, REPO, SECURITY_VARS, SURGECTL, cli
 
 
 def _commands(group, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
@@ -99,3 +102,48 @@ def test_mutating_commands_need_the_token_and_reading_ones_do_not(obs_stack):
 
     accepted = cli(obs_stack.home, "stop", job)  # the job has ended: whatever control says, not a refusal
     assert "SURGE_AUTH_TOKEN" not in accepted.stderr, accepted.stderr
+
+
+@pytest.mark.integration
+def test_events_filtered_by_type_and_tailed_and_a_bad_type_refused(obs_stack):
+    job = obs_stack.job_id
+    every = cli(obs_stack.home, "events", job, "-o", "json")
+    assert every.returncode == 0, every.stderr
+    events = [json.loads(line) for line in every.stdout.splitlines()]
+    states = [e for e in events if e["type"] == "state"]
+    assert len(states) >= 3 and len(events) > len(states)
+
+    last = cli(obs_stack.home, "events", job, "--type", "state", "--tail", "2", "-o", "json")
+    assert last.returncode == 0, last.stderr
+    assert [json.loads(line)["seq"] for line in last.stdout.splitlines()] == [e["seq"] for e in states[-2:]]
+    # Two types, comma-separated; followed: the history's tail, then (the job has ended) nothing more.
+    both = cli(obs_stack.home, "events", job, "-t", "state,checkpoint", "-n", "1", "--follow", "-o", "json")
+    assert both.returncode == 0, both.stderr
+    (only,) = [json.loads(line) for line in both.stdout.splitlines()]
+    assert only["seq"] == max(e["seq"] for e in events if e["type"] in ("state", "checkpoint"))
+
+    bad = cli(obs_stack.home, "events", job, "--type", "faults")
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --type: unknown event type faults"), bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.integration
+def test_status_watch_redraws_until_interrupted(obs_stack):
+    env = {k: v for k, v in os.environ.items() if k not in (*ADDRESS_VARS, *SECURITY_VARS)}
+    env.update(SURGE_HOME=str(obs_stack.home), COLUMNS="200")
+    proc = subprocess.Popen(
+        [*SURGECTL, "status", "--watch", "--interval", "0.3"], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+    )
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while sum(line.startswith("-- ") for line in lines) < 3:  # a third view: the loop is running
+            assert time.monotonic() < deadline and proc.poll() is None, lines
+            lines.append(proc.stdout.readline())
+        proc.send_signal(signal.SIGINT)  # the operator's Ctrl-C
+        rest, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, rest
+    assert "".join(lines).count(obs_stack.job_id) >= 2, lines  # one view after another, each with the job

@@ -183,7 +183,8 @@ class Liveness:
             if moved:
                 watch.last_progress_unix = now
                 watch.stalled = watch.waiting = watch.deferred = False
-            if not msg.stepping or msg.phase == RankPhase.PHASE_FAULT_WAIT:  # (waiting for L1-1's verdict)
+            # (waiting for L1-1's verdict, or held by it for inspection: FreezeTraining)
+            if not msg.stepping or msg.phase in (RankPhase.PHASE_FAULT_WAIT, RankPhase.PHASE_FROZEN):
                 if watch.stall is not None:
                     watch.stall.cancel()
                 watch.stall, watch.deferred = None, False

@@ -51,7 +51,10 @@ store unreachable or slow: wait and ask again, up to ``store_wait_seconds``), pl
 (the recovery controller has the allocator kill and relaunch the ranks to load the version
 named here; no free slots: wait for capacity, up to ``capacity_wait_seconds``), restore
 (every relaunched rank ready within ``restore_seconds``). A wait that runs out is decided by
-the policy (``store_unreachable``, ``no_capacity``, ``recovery_timeout``). While it recovers, reports from ranks
+the policy (``store_unreachable``, ``no_capacity``, ``recovery_timeout``). With
+``fault_policy.freeze_seconds`` a relaunch waits that long first, the ranks held alive and
+idle for inspection (freeze.py); a replica divergence with every rank alive is rolled back in
+place (the live ranks load the version, ``ResumeTraining.reload_version``). While it recovers, reports from ranks
 of the failed generation (a survivor's collective error, its exit, the kills) are recorded
 as consequences of the incident, not decided on again: the incident is named after the
 rank that failed first. Every decision is a "decision" event with its reason.
@@ -99,6 +102,9 @@ order; the operator's queries never take it):
 - training.py: the rank events (started, step, eval, save, paused, finished, failed, step fault);
 - faults.py: fault intake (FaultReport, failed saves, worker health, resource pressure);
 - recovery.py: the decision on a new incident and the recovery sequence;
+- freeze.py: a decided relaunch held while the ranks stay alive for inspection
+  (``fault_policy.freeze_seconds``, FreezeTraining; issue 29 item 9);
+- rollback.py: `surgectl rollback`, the live ranks loading a version in place;
 - journal.py: restore after a control restart.
 
 and plain records and functions: job.py (``_Job``, ``_Incident``, ``_Scale``, the legal

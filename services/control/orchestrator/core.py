@@ -44,6 +44,7 @@ from services.control.job_queue import JobQueue
 from services.control.job_store import JobStore
 from services.control.metrics import ControlMetrics
 from services.control.orchestrator.faults import FaultIntake
+from services.control.orchestrator.freeze import Freezing
 from services.control.orchestrator.job import (
     _ALLOWED,
     EVENT_LOG,
@@ -64,6 +65,7 @@ from services.control.orchestrator.recovery import Recovery
 from services.control.orchestrator.refusals import IllegalTransition, JobNotFound
 from services.control.orchestrator.resize import Resizing
 from services.control.orchestrator.resume import OperatorResume, _Answer
+from services.control.orchestrator.rollback import RollingBack
 from services.control.orchestrator.training import RankEvents
 from services.control.orchestrator.views import DecisionLock, JobViews
 from services.control.reattach import Reattaching
@@ -75,7 +77,16 @@ _log = structlog.get_logger("orchestrator")
 
 
 class Orchestrator(
-    JobQueueing, OperatorCommands, OperatorResume, Resizing, RankEvents, FaultIntake, Recovery, JournalRestore
+    JobQueueing,
+    OperatorCommands,
+    OperatorResume,
+    Resizing,
+    RankEvents,
+    FaultIntake,
+    Recovery,
+    Freezing,
+    RollingBack,
+    JournalRestore,
 ):
     """Owns every job's state machine. Thread-safe: one short lock orders all decisions
     (see the module docstring for the locks).
@@ -274,6 +285,11 @@ class Orchestrator(
             doing = {"pause": "pausing", "stop": "stopping"}[job.pending]
             reason = {"pause": control_pb2.REFUSED_PAUSE_PENDING, "stop": control_pb2.REFUSED_STOP_PENDING}[job.pending]
             raise IllegalTransition(f"job {job.status.job_id} is already {doing} ({_where(job)})", reason)
+        if job.reload is not None:
+            raise IllegalTransition(
+                f"job {job.status.job_id} is being rolled back in place to {job.reload.version}; "
+                "try again once its events say it is done"
+            )
         if job.scale is not None:
             raise IllegalTransition(
                 f"job {job.status.job_id} is being resized to dp {job.scale.spec.parallel.dp} ({job.scale.why}); "
@@ -285,7 +301,7 @@ class Orchestrator(
         self._end_data_wait(job)
         job.status.outcome = outcome
         job.pending = ""
-        job.incident = job.recovered = None
+        job.incident = job.recovered = job.reload = None
         # An ended job is nobody's to resume by itself: a drain or a resume in flight ends with it.
         job.draining = job.parked = job.parked_live = job.resume_after_pause = job.status.drained = False
         # Journal the terminal state first: a failing release must never lose it.

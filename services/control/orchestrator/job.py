@@ -83,6 +83,11 @@ WAITING_CAPACITY = "waiting_capacity"  # not enough free slots: retry as workers
 RESTORING = "restoring"  # ranks relaunched; waiting for every one to report ready
 
 
+# Before the first step: the ranks are held alive and idle for inspection (FreezeTraining,
+# fault_policy.freeze_seconds) until the hold runs out or the operator thaws the job.
+FROZEN = "frozen"
+
+
 # Backoff of a retried step: doubles from the first, capped (seconds).
 RETRY_FIRST_S, RETRY_MAX_S = 0.5, 4.0
 
@@ -138,6 +143,13 @@ class _Incident:
     # shrink (issue 16): the job at the smaller data-parallel size its ranks go on at, once no
     # slot was free for a replacement (journaled as the layout's three numbers).
     shrunk: JobSpec | None = None
+    # Held for inspection (phase FROZEN): until when (unix time; journaled, a restarted control
+    # keeps the hold), and the verdict the ranks blocked on a step fault get when it ends.
+    frozen_until: float = 0.0
+    verdict: engine_pb2.StepVerdict | None = None
+    # A rollback done in place (issue 29 item 9, ``Decision.in_place``): the live ranks load the
+    # version (ResumeTraining.reload_version) instead of a relaunch (journaled).
+    reload: bool = False
 
 
 @dataclass
@@ -163,6 +175,18 @@ class _Scale:
     old_dp: int = 0
     since: float = 0.0  # time.monotonic() it was asked
     healed_from: dict[int, int] = field(default_factory=dict)  # rank -> source (TrainingLoopStarted)
+
+
+@dataclass
+class _Reload:
+    """A rollback in place in flight (issue 29 item 9, `surgectl rollback`): the ranks pause at
+    a common boundary (``pausing``), then load ``version`` into their live processes
+    (``loading``: ResumeTraining.reload_version) and report ready at its ``step``."""
+
+    version: str
+    step: int
+    phase: str = "pausing"  # pausing | loading
+    since: float = 0.0  # time.monotonic() it was asked (not journaled)
 
 
 @dataclass
@@ -246,6 +270,7 @@ class _Job:
     revoked: dict[int, tuple[int, int]] = field(default_factory=dict)
     queued: QueueEntry | None = None  # its place while it waits in the queue (journaled)
     scale: _Scale | None = None  # a resize in flight (journaled)
+    reload: _Reload | None = None  # a rollback in place in flight (journaled)
     # The layout (dp, micro_batch_size, grad_accum) a job shrunk by a fault grows back to as
     # slots return (empty: none; journaled). An operator's scale sets the size: it is forgotten.
     grow_to: tuple[int, ...] = ()
@@ -319,6 +344,7 @@ def _runtime(job: _Job) -> dict:
         "grow_to": list(job.grow_to),
         "micro_batch_cap": job.micro_batch_cap_seen,
         "scale": _scale_to_json(job.scale) if job.scale is not None else None,
+        "reload": [job.reload.version, job.reload.step, job.reload.phase] if job.reload is not None else None,
     }
 
 
@@ -336,6 +362,9 @@ def _incident_to_json(i: _Incident) -> dict:
         "relaunched": i.relaunched,
         "phase": i.phase,
         "paused": i.paused,
+        "frozen_until": i.frozen_until,
+        "reload": i.reload,
+        "verdict": base64.b64encode(i.verdict.SerializeToString()).decode() if i.verdict is not None else "",
     }
 
 
@@ -346,6 +375,8 @@ def _incident_from_json(d: dict) -> _Incident:
     have sent it (seen in CI: the old ranks still ran and the new never came).
     Its clock (``decided``) starts again now: the time before the restart is not measured."""
     relaunched = bool(d.get("relaunched", False))
+    phase = d.get("phase", RESTORING if relaunched else PLACING)
+    verdict = engine_pb2.StepVerdict.FromString(base64.b64decode(d["verdict"])) if d.get("verdict") else None
     return _Incident(
         cause=control_pb2.FaultReport.FromString(base64.b64decode(d["cause"])),
         fault_class=d["fault_class"],
@@ -361,9 +392,13 @@ def _incident_from_json(d: dict) -> _Incident:
         bound=d.get("bound"),
         exclude=list(d.get("exclude", ())),
         relaunched=relaunched,
-        resumed=True,
-        phase=d.get("phase", RESTORING if relaunched else PLACING),
+        # (held for inspection: nothing was relaunched, the failed generation's ranks re-attach)
+        resumed=phase != FROZEN,
+        phase=phase,
         paused=bool(d.get("paused", False)),
+        frozen_until=float(d.get("frozen_until", 0.0)),
+        reload=bool(d.get("reload", False)),
+        verdict=verdict,
     )
 
 
@@ -397,6 +432,9 @@ def _load_runtime(job: _Job, rt: dict) -> None:
         job.incident = _incident_from_json(rt["incident"])
     job.grow_to = tuple(int(n) for n in rt.get("grow_to", ()))
     job.micro_batch_cap_seen = int(rt.get("micro_batch_cap", 0))
+    if rt.get("reload"):
+        version, step, phase = rt["reload"]
+        job.reload = _Reload(str(version), int(step), phase=str(phase), since=time.monotonic())
     if rt.get("scale"):
         d = rt["scale"]
         job.scale = _Scale(

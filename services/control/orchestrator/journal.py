@@ -96,6 +96,7 @@ class JournalRestore:
                             store_address=self._store_address,
                             standing_orders=fd.standing_orders(job.spec.fault_policy),
                             rebuild_in_place=job.spec.fault_policy.rebuilds,
+                            hold_on_fault=job.spec.fault_policy.freeze_seconds > 0,
                         ),
                         exclude_worker_ids=sorted(job.excluded),
                         adopt=True,
@@ -111,6 +112,8 @@ class JournalRestore:
                         f"{JobState.Name(state)}: {REATTACH_MESSAGE}",
                         status_message=REATTACH_MESSAGE,
                     )
+                    continue
+                if self._restore_freeze(job):  # (held for inspection: the hold goes on)
                     continue
                 incident = job.incident
                 what = f"{incident.action} after {incident.fault_class} of rank {incident.cause.rank}"

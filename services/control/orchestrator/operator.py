@@ -9,7 +9,7 @@ import structlog
 
 from services.contract import control_pb2, engine_pb2
 from services.control import fault_decision as fd
-from services.control.orchestrator.job import ORCH, JobOutcome, JobState, _Job, _numbered, _where
+from services.control.orchestrator.job import FROZEN, ORCH, JobOutcome, JobState, _Job, _numbered, _where
 from services.control.orchestrator.layout import _layout_flags, _new_layout
 from services.control.orchestrator.refusals import IllegalTransition, NoStandingOrder
 from services.control.orchestrator.texts import _newest
@@ -131,8 +131,14 @@ class OperatorCommands:
         resharded (the data position is global: the same global batches follow). Only for a
         relaunch: a PAUSED job whose ranks run is refused ("stop it first").
 
+        A job held for inspection (FAULT_FROZEN before its decided relaunch, freeze.py) is
+        thawed: the relaunch runs now. ``thaw_only`` (`surgectl thaw`): only that.
+        ``rollback_in_place`` (`surgectl rollback`): a RUNNING job's live ranks load
+        ``from_version`` (rollback.py).
+
         Raises:
-            JobNotFound; IllegalTransition (one line): the job is live, FINISHED, already
+            JobNotFound; IllegalTransition (one line): ``thaw_only`` and the job is not held;
+            the job is live, FINISHED, already
             resuming, has no checkpoint ("no checkpoint to resume from; submit again"), none
             that verifies, an unknown ``from_version``, or the store could not be asked;
             JobSpecError (one line naming the field): the new layout changes the global
@@ -142,6 +148,15 @@ class OperatorCommands:
         with self._lock:
             job = self._get(msg.job_id)
             job_id = job.status.job_id
+            if self._thaw_request(job):  # (held for inspection: the decided action runs now; freeze.py)
+                return self._snapshot(job)
+            if msg.rollback_in_place:  # `surgectl rollback` (rollback.py)
+                return self._rollback_in_place(job, msg)
+            if msg.thaw_only:
+                raise IllegalTransition(
+                    f"job {job_id} is {JobState.Name(job.status.state)}, not held for inspection "
+                    "(fault_policy.freeze_seconds); nothing to thaw"
+                )
             if job.queued is not None:  # (a resume that did not fit, asked again: it waits where it is)
                 return self._snapshot(job)
             if job.status.state == JobState.RUNNING and job.pending == "pause" and not _new_layout(job.spec, msg):
@@ -264,7 +279,9 @@ class OperatorCommands:
                 state == JobState.PAUSED and job.parked
             ):
                 why = (
-                    "its ranks were being recovered"
+                    "its ranks were held for inspection (killed; the decided recovery did not run)"
+                    if job.incident and job.incident.phase == FROZEN
+                    else "its ranks were being recovered"
                     if job.incident
                     else "its paused ranks were killed (parked by `surgectl down`, which did not stop the stack)"
                     if job.parked_live

@@ -126,6 +126,7 @@ class JobQueueing:
             store_address=self._store_address,
             standing_orders=fd.standing_orders(spec.fault_policy),
             rebuild_in_place=spec.fault_policy.rebuilds,
+            hold_on_fault=spec.fault_policy.freeze_seconds > 0,
         )
         # Monitoring starts before the ranks launch, so a rank that dies at once is still
         # reported; a job whose allocation fails simply never produces faults.

@@ -33,7 +33,7 @@ from services.control.orchestrator.job import (
 )
 from services.control.orchestrator.layout import _layout_change, _layout_msg, _layout_of, _shrink_to
 from services.control.orchestrator.texts import _healed_text, _overdue, restored_from_text
-from services.control.orchestrator.triage import _lost_ranks, _no_rebuild
+from services.control.orchestrator.triage import _lost_ranks, _no_rebuild, _no_reload
 from services.jobspec import (
     IN_PLACE_ACTIONS,
     spec_to_json,
@@ -74,6 +74,7 @@ class Recovery:
             recovered_version=last.version if last is not None else "",
             recovered_step=dict((v, s) for s, v in job.versions).get(last.version, 0) if last is not None else 0,
             job_id=job.status.job_id,
+            no_reload=_no_reload(job) if fd.fault_class_of(msg) == fd.REPLICA_DIVERGENCE else None,
         ), msg)  # fmt: skip
         fault_class, action = decision.fault_class, decision.action
         self._metrics.decided(fault_class, decision.counted)
@@ -117,6 +118,7 @@ class Recovery:
             paused=job.status.state == JobState.PAUSED
             or job.pending == "pause"
             or (previous is not None and previous.paused),
+            reload=decision.in_place,
         )
         if action in IN_PLACE_ACTIONS:
             # Only the lost ranks end (the recovery kills them if they still run); the others
@@ -141,6 +143,12 @@ class Recovery:
         job.pending = ""  # a pause in flight ends here: the incident keeps it (``paused``)
         # A drain ends here too: the recovered job is not `up`'s to resume (its ranks are new).
         job.draining = job.parked = job.parked_live = job.resume_after_pause = job.status.drained = False
+        if job.reload is not None:  # (the ranks it loads into are being replaced)
+            self._record(
+                job, ORCH, "recovery",
+                f"rollback in place to {job.reload.version} given up: {decision.text}; the relaunch replaces it",
+            )  # fmt: skip
+            job.reload = None
         if job.scale is not None:  # (its new layout stays if it was already commanded)
             self._record(
                 job, ORCH, "scale", f"{job.scale.why} to dp {job.scale.spec.parallel.dp} given up: {decision.text}"
@@ -148,6 +156,10 @@ class Recovery:
             job.scale = None
         job.start_held = False
         job.excluded.update(exclude)  # journaled with the decision: a restarted control keeps it
+        hold = fd.freeze_for(job.spec.fault_policy, decision, recovering=previous is not None)
+        if hold:  # inspect before acting (freeze.py): the recovery starts when the hold ends
+            self._freeze(job, incident, hold)
+            return decision
         if job.status.state != JobState.FAULT_FROZEN:
             self._transition(job, JobState.FAULT_FROZEN, ORCH, f"recovering from {fault_class} of rank {msg.rank}")
         self._recover(job, incident)
@@ -331,6 +343,12 @@ class Recovery:
             if decision.action == "stop":
                 self._terminate(job, decision.outcome, decision.final, kill=True)
                 return
+        if incident.reload and not version:  # (from scratch: the relaunch path)
+            incident.reload = False
+            self._record(job, ORCH, "recovery", "no version to load in place: every rank is relaunched")
+        if incident.reload:
+            self._reload_live(job, incident, version)
+            return
         incident.version = version
         incident.phase = PLACING
         source = f"checkpoint {version}" if version else "scratch"
@@ -411,6 +429,21 @@ class Recovery:
             return
         self._terminate(job, JobOutcome.FAILED, f"recovery failed: {reply.reason}", kill=True)
 
+    def _reload_live(self, job: _Job, incident: _Incident, version: str) -> None:
+        """Under the lock: a rollback done in place (``incident.reload``): every rank waits in
+        its loop; each loads ``version`` into its live process (ResumeTraining.reload_version)
+        and reports ready at its step, within ``restore_seconds`` (else ``recovery_timeout``,
+        decided as any fault: a relaunch)."""
+        incident.version, incident.phase, incident.relaunched = version, RESTORING, True
+        job.started = set()
+        self._record(
+            job, ORCH, "recovery",
+            f"loading checkpoint {version} into the {job.status.world_size} live ranks (none relaunched)",
+        )  # fmt: skip
+        self._loop(engine_pb2.ResumeTraining(job_id=job.status.job_id, reload_version=version))
+        limit = fd.wait_seconds(job.spec.fault_policy, RECOVERY_TIMEOUT)
+        self._arm(incident, limit, self._restore_overdue, job.status.job_id)
+
     def _pause_after_fault(self, job: _Job, message: str) -> None:
         """The policy paused the job on a fault (out of memory again with the same
         configuration, fault_decision.MEMORY_CLASSES; a data service down past
@@ -447,6 +480,10 @@ class Recovery:
         restored = f"all {job.status.world_size} ranks restored from {source}"
         if incident.action in IN_PLACE_ACTIONS:
             restored = _healed_text(incident, job.status.world_size)
+        elif incident.reload:
+            restored = (
+                f"all {job.status.world_size} ranks loaded checkpoint {incident.version} in place (none relaunched)"
+            )
         if held:
             job.recovered, job.start_held = None, True
             self._transition(

@@ -230,6 +230,7 @@ class OperatorResume:
             store_address=self._store_address,
             standing_orders=fd.standing_orders(new.fault_policy),
             rebuild_in_place=new.fault_policy.rebuilds,
+            hold_on_fault=new.fault_policy.freeze_seconds > 0,
         )
         reply = self._allocator(
             control_pb2.AllocateResources(

@@ -8,7 +8,7 @@ from typing import Any
 
 from services.contract import Module, control_pb2, engine_pb2, store_pb2
 from services.control import fault_decision as fd
-from services.control.orchestrator.job import ORCH, JobOutcome, JobState, _Job, _rebuilding
+from services.control.orchestrator.job import FROZEN, ORCH, JobOutcome, JobState, _Job, _rebuilding
 from services.control.orchestrator.recovery import _step_verdict
 from services.control.orchestrator.texts import _newest, checkpoint_text
 from services.jobspec import (
@@ -27,7 +27,11 @@ class RankEvents:
         with self._lock:
             self._heard_from(msg.job_id, msg.rank)
             scaling = msg.job_id in self._jobs and _rebuilding(self._jobs[msg.job_id].scale)
-            states = (JobState.WARMING_UP, JobState.FAULT_FROZEN) + ((JobState.RUNNING,) if scaling else ())
+            known = self._jobs.get(msg.job_id)
+            reloading = known is not None and known.reload is not None and known.reload.phase == "loading"
+            states = (JobState.WARMING_UP, JobState.FAULT_FROZEN) + (
+                (JobState.RUNNING,) if scaling or reloading else ()
+            )
             job = self._live(msg.job_id, states, msg)
             if job is None:
                 return
@@ -72,6 +76,9 @@ class RankEvents:
             job.status.step = msg.start_step
             if scaling:
                 self._scaled(job, msg)
+                return
+            if reloading:
+                self._reloaded(job, msg)
                 return
             held = incident is not None and incident.paused  # the operator's pause outlives the fault
             if not held:
@@ -235,10 +242,16 @@ class RankEvents:
         with self._lock:
             self._heard_from(msg.job_id, msg.rank)
             job = self._live(msg.job_id, (JobState.RUNNING,), msg)
-            if job is None or job.pending not in ("pause", "scale"):
+            if job is None or job.pending not in ("pause", "scale", "reload"):
                 return
             job.pending_at = job.pending_at or msg.step  # (the boundary the ranks agreed on)
             job.paused.add(msg.rank)
+            if job.pending == "reload":  # a rollback in place (rollback.py)
+                if len(job.paused) < job.status.world_size:
+                    self._keep(job)
+                else:
+                    self._reload_paused(job, msg.step)
+                return
             if job.pending == "scale":
                 if len(job.paused) < job.status.world_size:
                     self._keep(job)
@@ -335,6 +348,8 @@ class RankEvents:
             text = f"rank {msg.rank} blocked at step {msg.step}: {msg.detail}"
             incident = job.incident
             if incident is not None and incident.dying[msg.rank] > 0:
+                if msg.reminder and incident.phase == FROZEN:
+                    return  # (held for inspection: its verdict goes when the hold ends)
                 self._record(
                     job,
                     Module.L2_TRAINING_LOOP,
@@ -359,4 +374,9 @@ class RankEvents:
             decision = self._decide(job, report, step_fault=msg)
             # (kept in job.verdicts only if the ranks go on: a relaunched generation that meets
             # the step again is asked anew)
-            self._loop(job.verdicts.get(key) or _step_verdict(msg, decision))
+            verdict = job.verdicts.get(key) or _step_verdict(msg, decision)
+            if job.incident is not None and job.incident.phase == FROZEN and job.incident.cause is report:
+                job.incident.verdict = verdict  # the ranks stay blocked for inspection (freeze.py)
+                self._keep(job)
+                return
+            self._loop(verdict)

@@ -61,6 +61,23 @@ def _no_rebuild(job: _Job, report: control_pb2.FaultReport) -> str:
     return rebuild_refusal(job.spec)
 
 
+def _no_reload(job: _Job) -> str:
+    """Why a rollback cannot load its version into the job's live ranks now ("": it can:
+    every rank of the running job waits in its loop, none gone, nothing else in flight)."""
+    i = job.incident
+    if i is not None:
+        return f"a recovery is in flight ({i.action} after {i.fault_class} of rank {i.cause.rank})"
+    if job.status.state != JobState.RUNNING:
+        return f"the job is {JobState.Name(job.status.state)}, not training"
+    if job.exited:
+        return f"rank(s) {', '.join(map(str, sorted(job.exited)))} exited"
+    if job.pending:
+        return f"a {job.pending} is in flight"
+    if job.spec.precision.dtype == "fp16":  # (InitPrecision is pushed once: L2-4's scaler keeps its state)
+        return "the job trains in fp16, whose loss scaler's state cannot be given to live ranks again"
+    return ""
+
+
 def _lost_ranks(job: _Job, report: control_pb2.FaultReport) -> list[int]:
     """The ranks a rebuild replaces: the rank the fault names, and for a lost node agent
     every rank it ran. A failed collective alone (comm_error) loses no rank: every rank

@@ -8,7 +8,7 @@ reported (``TrainingLoopFailed``) and the rank waits for L1 to release it.
 
 Receives
     from L1 (through the rank's session relay): InitJob, StartTraining, PauseTraining,
-        ResumeTraining, StopTraining, StepVerdict, RevokeStandingOrder;
+        ResumeTraining, StopTraining, StepVerdict, RevokeStandingOrder, FreezeTraining;
     from L2-2: ParallelReady; from L4 (through the data relay): MicroBatch (payload
         :class:`Batch`), DataExhausted, DatasetUnavailable.
 Commands
@@ -86,6 +86,15 @@ its own fields from its slot.
 Saves are asynchronous by default (``checkpoint.async``): the loop blocks for the copy of
 the state to host memory only; before it reports its end it waits for the write and
 commit (``FlushCheckpoint``), because a finished rank may be released at once.
+
+Inspect before acting, rollback in place (issue 29 item 9): L1-1's FreezeTraining holds the
+rank where it is (a step fault's wait, a failed rank's wait for its release, or its next step
+boundary), its beats saying PHASE_FROZEN, until L1-1's decided action ends it. A replica
+divergence fails no rank: every rank waits in the loop (phase FAULT_WAIT) for L1-1's decision.
+``ResumeTraining.reload_version`` (from that wait, or from a pause L1-1 asked for: `surgectl
+rollback`) loads a committed version into the live process (``_reload``: the load a relaunched
+rank does at start-up, every slot restored, the stream reopened at the loaded position) and
+waits for StartTraining; the steps after it replay bit for bit (see "Exact resume").
 
 Survivors keep training (issue 16; ``InitJob.rebuild_in_place``, the job's fault policy
 ``rebuild``): a communication failure (typed cause FAILURE_COMMUNICATION) raised in a step,

@@ -8,8 +8,9 @@ from services.contract import engine_pb2, store_pb2
 from services.engine.training_loop.faults import TrainingFault
 from services.engine.training_loop.summary import _due
 
-# What follows a step boundary besides the next step (TrainingLoop._boundary).
-_STOP, _RESIZE = "stop", "resize"
+# What follows a step boundary besides the next step (TrainingLoop._boundary): the end, a resize,
+# a rollback in place (the version to load is ``TrainingLoop._reload_version``).
+_STOP, _RESIZE, _RELOAD = "stop", "resize", "reload"
 
 
 class Boundary:
@@ -62,7 +63,8 @@ class Boundary:
         every rank in this step's reduction or before: the same on every rank): a revoke
         withdraws its standing order after ``step``; then stop (:data:`_STOP`), or pause
         until resumed (""), resumed into a resize (:data:`_RESIZE`: ``ResumeTraining.rebuild``)
-        or stopped. An operator's stop or pause that asks for it checkpoints ``step`` first
+        or a rollback in place (:data:`_RELOAD`: ``ResumeTraining.reload_version``), or
+        stopped. An operator's stop or pause that asks for it checkpoints ``step`` first
         (every rank is at the same boundary, so the save's collectives meet); a pause waits
         for that commit before it reports paused (a stop's ``_finish`` waits for it). A
         paused rank stops on the stop it holds, agreed or not: every rank paused here."""
@@ -86,6 +88,9 @@ class Boundary:
             msg = self._control.get()
             if isinstance(msg, engine_pb2.ResumeTraining):
                 self._phase = "stepping"
+                if msg.reload_version:
+                    self._reload_version = msg.reload_version
+                    return _RELOAD
                 return _RESIZE if msg.rebuild else ""
         if stop.checkpoint:
             self._checkpoint_boundary(step)

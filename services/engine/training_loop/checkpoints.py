@@ -4,6 +4,8 @@ weights (``init_from``). A part of ``TrainingLoop`` (loop.py)."""
 
 from __future__ import annotations
 
+import time
+
 import structlog
 
 from services.common import phase as ph
@@ -73,6 +75,47 @@ class Checkpoints:
         own = snapshot.slots["train"]
         own.check_restore("train", Module.L2_TRAINING_LOOP, snapshot.step, snapshot.version, own.digest)
         LoopState(self).load_state_dict(own.state_dict())
+
+    def _reload(self, version: str) -> bool:
+        """A rollback in place (``ResumeTraining.reload_version``, issue 29 item 9), from the
+        pause every rank agreed on: load the committed ``version`` into this live process as a
+        relaunched rank's start-up would (a template of the current state handed to L5-1's
+        rank side, every slot restored: model and optimizer by RestoreState, the loop's step,
+        data position, RNG streams and loss scale here), reopen the train stream at the loaded
+        position (a batch of the old stream still on its way is dropped by its token), report
+        TrainingLoopStarted at the version's step and wait for StartTraining. The process,
+        its group and its parallel plan stay; the steps after the version are trained again,
+        bit-exactly as after a relaunch from it. Returns False when a StopTraining came instead.
+
+        Raises: the load's errors (CheckpointError: unreadable, corrupt; InconsistentSnapshot),
+        TrainingFault (config_error: a data position that would not resume exactly): the rank
+        fails and L1 decides, as for a failed relaunch's load."""
+        t0 = time.perf_counter()
+        self._phase = "loading"
+        if self._frozen is not None:  # (held for inspection before this rollback: the hold is over)
+            self._frozen = None
+            self._mark.thaw()
+        self._mark.enter(ph.CHECKPOINT_STAGING)
+        before = self._step
+        loaded = self._p.store(store_pb2.LoadCheckpoint(version=version), self._snapshot(self._step))
+        self._restore(loaded.payload)
+        self._check_position(version)
+        self._durable_step, self._agreed_step, self._last_report = self._step, None, None
+        self._consecutive_skips = 0
+        with self._lock:
+            self._verdicts.clear()
+        self._open_stream("train", self._position, repeat=True, max_batches=0)
+        self._emit(engine_pb2.TrainingLoopStarted(
+            job_id=self._job_id, rank=self._rank, start_step=self._step, num_parameters=self._num_parameters,
+            startup_seconds=time.perf_counter() - t0,
+            restored_bytes_from=dict(getattr(loaded.message, "bytes_from", {})),
+        ))  # fmt: skip
+        _log.info(
+            "reloaded_in_place", version=version, step=self._step, paused_at=before, seconds=time.perf_counter() - t0
+        )
+        self._phase = "standby"
+        self._mark.enter(ph.IDLE)
+        return self._await_start()
 
     def _start_from(self, init_from: InitFromSpec) -> None:
         """``init_from``: the model's weights (and with ``weights+optimizer`` the optimizer's

@@ -22,7 +22,7 @@ from services.contract import Module, data_pb2, engine_pb2, route_pb2, store_pb2
 from services.contract.bus import Emitter
 from services.contract.failures import failure_of
 from services.contract.frozen import FrozenConfig
-from services.engine.training_loop.boundary import _RESIZE, _STOP, Boundary
+from services.engine.training_loop.boundary import _RELOAD, _RESIZE, _STOP, Boundary
 from services.engine.training_loop.checkpoints import Checkpoints
 from services.engine.training_loop.data_stream import DataStream
 from services.engine.training_loop.evaluation import Evaluation
@@ -109,8 +109,14 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
         self._peak_flops = 1.0
         self._lr_at = None
         # standby | stepping | waiting_data | evaluating | saving | paused | blocked | rebuilding | released
-        # | done | failed
+        # | frozen | fault_wait | loading | done | failed
         self._phase = "standby"
+        # L1-1's FreezeTraining (issue 29 item 9): held for inspection before its decision on a
+        # fault runs; the loop steps no further (``_hold``). Nothing thaws a rank: the decided
+        # action (a relaunch, a stop) ends its process.
+        self._frozen: engine_pb2.FreezeTraining | None = None
+        self._thawed = threading.Event()
+        self._reload_version = ""  # the version a rollback in place loads (ResumeTraining.reload_version)
 
     # ------------------------------------------------------------------ L1 commands
 
@@ -127,12 +133,16 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
         self._commands.receive(msg)
 
     def resume_training(self, msg: engine_pb2.ResumeTraining, payload: Any = None) -> None:
-        """Resume a paused loop; ``rebuild``: into a resize (module docstring), only while
-        paused (else dropped: a rebuild left queued would start one at the next pause)."""
+        """Resume a paused loop; ``rebuild``: into a resize (module docstring), ``reload_version``:
+        into a rollback in place (``_reload``), each only while paused (else dropped: one left
+        queued would start at the next pause)."""
         # (The phase is set before TrainingLoopPaused goes out; a loop wired without L2-2 has
         # no group to rebuild.)
         if msg.rebuild and (self._phase != "paused" or self._p.parallel is None):
             _log.warning("rebuild_resume_ignored", phase=self._phase, step=self._step)
+            return
+        if msg.reload_version and self._phase not in ("paused", "fault_wait"):  # (only where L1 stopped it)
+            _log.warning("reload_resume_ignored", phase=self._phase, step=self._step, version=msg.reload_version)
             return
         self._control.put(msg)
 
@@ -149,6 +159,17 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
             if msg.step > self._step:  # (a late copy of a verdict already followed: dropped)
                 self._verdicts[msg.step, msg.kind] = msg
                 self._verdict_ready.notify_all()
+
+    def freeze_training(self, msg: engine_pb2.FreezeTraining, payload: Any = None) -> None:
+        """Hold this rank alive and idle for inspection (py-spy, logs) until L1-1's decision on
+        a fault runs (``fault_policy.freeze_seconds``): its beats say PHASE_FROZEN from now on
+        (no progress deadline); a loop blocked on a step fault keeps waiting for its verdict, a
+        failed rank for its release, one still stepping stops at its next step boundary."""
+        self._mark.freeze()
+        self._frozen = msg
+        _log.warning(
+            "frozen_for_inspection", reason=msg.reason, until_unix=msg.until_unix, step=self._step, phase=self._phase
+        )
 
     def revoke_standing_order(self, msg: engine_pb2.RevokeStandingOrder, payload: Any = None) -> None:
         """Follow standing order ``msg.order`` through the step of its agreed boundary only
@@ -242,6 +263,8 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
         while self._step < spec.steps or boundary is not None:
             try:
                 if boundary is None:
+                    if self._frozen is not None:
+                        self._hold()
                     step = self._step + 1
                     self._run_step(step)
                     self._step = boundary = step
@@ -249,10 +272,19 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
                 if after == _STOP:
                     return self._finish(stopped=True)
                 boundary = None
+                if after == _RELOAD:  # a rollback in place: from the version's step on
+                    if not self._reload(self._reload_version):
+                        return  # stopped while waiting to start again (finished)
+                    continue
                 if after != _RESIZE:
                     continue
                 reason, in_step, resize = "resize (ResumeTraining.rebuild)", False, True
             except Exception as e:
+                if self._waits_in_loop(e):  # (every rank alike: L1-1 may roll back in place)
+                    if not self._await_decision(e):
+                        return  # stopped while waiting (finished)
+                    boundary = None
+                    continue
                 if not self._rebuilds(e):
                     raise
                 reason, in_step, resize = _one_line(e), boundary is None, False
@@ -263,6 +295,14 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
             # elsewhere a cut-short boundary is not (every rank decides alike: from the step).
             boundary = self._step if self._step == spec.steps else None
         self._finish(stopped=False)
+
+    def _hold(self) -> None:
+        """Frozen by L1-1 (:meth:`freeze_training`): step no further. Blocks until the process
+        ends: the action L1-1 decided (relaunch, stop) kills it."""
+        self._phase = "frozen"
+        self._mark.enter(ph.FROZEN)
+        _log.warning("held_at_step_boundary", step=self._step)
+        self._thawed.wait()
 
     def _finish(self, stopped: bool) -> None:
         # Background saves are done (written, committed) before anyone hears of the end.

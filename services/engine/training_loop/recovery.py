@@ -28,6 +28,37 @@ class Recovery:
             return False
         return cause_of(exc) == route_pb2.FAILURE_COMMUNICATION
 
+    @staticmethod
+    def _waits_in_loop(exc: BaseException) -> bool:
+        """Whether ``exc`` leaves the rank waiting in its loop for L1-1's decision instead of
+        failing: a replica divergence (issue 29 items 3 and 9). Every rank finds it alike at
+        the same boundary (the check's answer is the group's), so the group and every process
+        are intact, and L1-1 can roll the job back in place (:meth:`_await_decision`)."""
+        return isinstance(exc, TrainingFault) and exc.fault_class == "replica_divergence"
+
+    def _await_decision(self, exc: TrainingFault) -> bool:
+        """Report ``exc`` as this rank's failure (TrainingLoopFailed: L1-3 grades it, L1-1
+        decides) and wait here, alive with the group, phase FAULT_WAIT (no progress deadline),
+        for the decision: a rollback in place (``ResumeTraining.reload_version``: the version
+        loaded, :meth:`_reload`; True once started again) or a stop (False: finished). A
+        relaunch or a stop of the job kills the process where it waits."""
+        # Out of the check's collective first: a failure classified while the rank's phase says
+        # it waits in one is a broken communicator (services/contract/failures.cause_of), and
+        # the group is not broken: every rank answered the check.
+        self._phase = "fault_wait"
+        self._mark.enter(ph.FAULT_WAIT)
+        self.fail(exc)
+        self._failed = False  # (a later failure of this rank is reported too)
+        self._phase = "fault_wait"
+        _log.warning("waiting_for_l1_decision", step=self._step, fault_class=exc.fault_class)
+        while True:
+            msg = self._control.get()
+            if isinstance(msg, engine_pb2.ResumeTraining) and msg.reload_version:
+                return self._reload(msg.reload_version)
+            if isinstance(msg, engine_pb2.StopTraining):
+                self._finish(stopped=True)
+                return False
+
     def _recover(self, reason: str, in_step: bool, *, resize: bool = False) -> bool:
         """Roll back to the last completed step, have the group rebuilt (at a new layout when
         L1-2's rendezvous names one), heal, reopen the data and wait to start again (module

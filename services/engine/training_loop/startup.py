@@ -81,19 +81,7 @@ class Startup:
             loaded = p.store(store_pb2.LoadCheckpoint(version=self._init.resume_version), template)
             self._restore(loaded.payload)
             restored_from = dict(getattr(loaded.message, "bytes_from", {}))  # (chunks read per source)
-            loaded_format = data_format(self._loaded_order)
-            if loaded_format != DATA_FORMAT:
-                raise TrainingFault("config_error", (
-                    f"checkpoint {self._init.resume_version} holds a data position of format {loaded_format} "
-                    f"({DATA_FORMATS.get(loaded_format, 'unknown')}); this build resumes format {DATA_FORMAT} "
-                    f"({DATA_FORMATS[DATA_FORMAT]}): start the job afresh or resume with the build that wrote it"
-                ))  # fmt: skip
-            changed = data_order_changes(self._loaded_order, data_order(spec, self._dp_size))
-            if changed:  # (the dp size alone may change: the position is global)
-                raise TrainingFault("config_error", (
-                    f"checkpoint {self._init.resume_version} was written with {changed}: its data position "
-                    "would not resume exactly"
-                ))  # fmt: skip
+            self._check_position(self._init.resume_version)
         elif spec.init_from is not None:  # a new job from existing weights (a resume loads its own instead)
             self._start_from(spec.init_from)
         self._init_precision()  # after the load: a checkpoint's scaler state goes with it
@@ -110,6 +98,25 @@ class Startup:
             restored_bytes_from=restored_from, healed=healed is not None,
             healed_from_rank=healed.source_rank if healed is not None else 0,
         ))  # fmt: skip
+
+    def _check_position(self, version: str) -> None:
+        """The data position just loaded from ``version`` resumes exactly with this build and
+        this job's data order.
+
+        Raises:
+            TrainingFault: config_error, naming the version and what differs."""
+        loaded_format = data_format(self._loaded_order)
+        if loaded_format != DATA_FORMAT:
+            raise TrainingFault("config_error", (
+                f"checkpoint {version} holds a data position of format {loaded_format} "
+                f"({DATA_FORMATS.get(loaded_format, 'unknown')}); this build resumes format {DATA_FORMAT} "
+                f"({DATA_FORMATS[DATA_FORMAT]}): start the job afresh or resume with the build that wrote it"
+            ))  # fmt: skip
+        changed = data_order_changes(self._loaded_order, data_order(self._spec, self._dp_size))
+        if changed:  # (the dp size alone may change: the position is global)
+            raise TrainingFault("config_error", (
+                f"checkpoint {version} was written with {changed}: its data position would not resume exactly"
+            ))  # fmt: skip
 
     def _init_precision(self) -> None:
         """InitPrecision with the spec's policy and, on resume, the checkpoint's scaler

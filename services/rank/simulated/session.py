@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from services.common.beat_grid import phase_from, seconds_to_next_beat
 from services.common.grpc_server import channel
 from services.common.phase import IDLE
 from services.common.process_exit import exit_now, last_words
@@ -52,6 +53,7 @@ class SimSession:
         self._step, self._step_seconds, self._stepping = 0, 0.0, False
         self._phase, self._phase_since = IDLE, time.monotonic()
         self._interval = 1.0
+        self._beat_phase = phase_from()  # the node's place on the beat grid (its agent's)
         self._closing = threading.Event()
         self._terminal_sent = threading.Event()
         self._ended = threading.Event()  # the agent ended the call
@@ -147,7 +149,8 @@ class SimSession:
                     phase_seconds=time.monotonic() - self._phase_since if self._stepping else 0.0,
                 )
             self._send(heartbeat=beat)
-            if self._closing.wait(self._interval):
+            # On the node's grid: its ranks' beats reach the agent together (beat_grid.py).
+            if self._closing.wait(seconds_to_next_beat(time.time(), self._interval, self._beat_phase)):
                 return
 
     def _read(self) -> None:

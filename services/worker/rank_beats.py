@@ -1,0 +1,128 @@
+"""A node agent's ranks' beats, sent up to control as one message per job per beat period
+(issue 28 item 3: coalesced step traffic).
+
+Its ranks beat on the node's grid (services/common/beat_grid.py), so each period their beats
+reach the agent within a few milliseconds of each other. ``RankBeats`` keeps each job's
+beats and sends them as one ``WorkerEvent.rank_beats`` when every live rank of the job on
+this node has beaten, or ``window_s`` after the first of them (a rank late or gone holds the
+others no longer than that). Control applies each beat as if it had come alone.
+
+Order: every other message the agent sends goes through :meth:`emit`, which first sends the
+beats kept of the job it is about (of every job, for a message about none). So a beat never
+overtakes a later event of its rank: an exit's report, a failure, a step summary reach control
+after the beats that preceded them, as they did one by one (a beat applied after its rank's
+exit would arm a silence deadline for a rank already gone).
+
+One thread per agent (the window's clock), not per rank; nothing is sent under a rank's
+thread but its own batch's completion.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from services.contract import control_pb2, worker_pb2
+
+WINDOW_S = 0.05  # how long the first beat of a period waits for the rest of its job's
+
+
+@dataclass
+class _Pending:
+    first: float  # monotonic time of the first beat kept
+    beats: dict[int, worker_pb2.RankEvent] = field(default_factory=dict)  # rank -> its newest beat
+
+
+def job_of(ev: control_pb2.WorkerEvent) -> str:
+    """The job a message of the agent is about ("": none, or several)."""
+    kind = ev.WhichOneof("event")
+    if kind == "rank_event":
+        return ev.rank_event.job_id
+    if kind == "rank_exited":
+        return ev.rank_exited.job_id
+    return ""
+
+
+class RankBeats:
+    """The agent's outgoing messages: its ranks' beats kept and sent a job's at a time, and
+    every other message after the beats it must follow.
+
+    Args:
+        emit: sends one WorkerEvent up (the agent's session with control).
+        window_s: the most a beat waits for the rest of its job's.
+    """
+
+    def __init__(self, emit: Callable[[control_pb2.WorkerEvent], None], window_s: float = WINDOW_S):
+        self._send, self._window = emit, window_s
+        self._lock = threading.Condition()  # the pending beats; sends are made under it (their order)
+        self._pending: dict[str, _Pending] = {}
+        self._closed = False
+        self._clock: threading.Thread | None = None
+        self.sent = 0  # RankBeats messages sent (each carries one or more beats)
+
+    def beat(self, event: worker_pb2.RankEvent, ranks_here: int) -> None:
+        """Keep rank ``event.rank``'s beat (a heartbeat RankEvent, its envelope set); sent
+        at once with the others of its job once ``ranks_here`` (the job's live ranks on this
+        node) have beaten, else by the window's clock."""
+        with self._lock:
+            if self._closed:
+                return
+            pending = self._pending.get(event.job_id)
+            if pending is None:
+                pending = self._pending[event.job_id] = _Pending(time.monotonic())
+                self._start_clock()
+                self._lock.notify()
+            pending.beats[event.rank] = event  # (a second beat of one rank in a window: the newer)
+            if len(pending.beats) >= ranks_here:
+                self._flush(event.job_id)
+
+    def emit(self, ev: control_pb2.WorkerEvent) -> None:
+        """Send ``ev`` up after the beats it must follow (of its job; of every job if it is
+        about none)."""
+        job = job_of(ev)
+        with self._lock:
+            for kept in [job] if job else list(self._pending):
+                self._flush(kept)
+            self._send(ev)
+
+    def close(self) -> None:
+        """Send what is kept and stop the clock."""
+        with self._lock:
+            for job in list(self._pending):
+                self._flush(job)
+            self._closed = True
+            self._lock.notify_all()
+
+    # ------------------------------------------------------------ private
+
+    def _flush(self, job: str) -> None:
+        """Under the lock: send the job's kept beats as one message (none kept: nothing)."""
+        pending = self._pending.pop(job, None)
+        if pending is None or not pending.beats:
+            return
+        beats = control_pb2.RankBeats(job_id=job)
+        beats.beats.extend(pending.beats[r] for r in sorted(pending.beats))
+        self.sent += 1
+        self._send(control_pb2.WorkerEvent(rank_beats=beats))
+
+    def _start_clock(self) -> None:
+        if self._clock is None:
+            self._clock = threading.Thread(target=self._run, name="rank-beats", daemon=True)
+            self._clock.start()
+
+    def _run(self) -> None:
+        """Sends each job's beats ``window_s`` after its first, if nothing sent them before."""
+        with self._lock:
+            while not self._closed:
+                if not self._pending:
+                    self._lock.wait()
+                    continue
+                now = time.monotonic()
+                due = [job for job, p in self._pending.items() if now - p.first >= self._window]
+                for job in due:
+                    self._flush(job)
+                if self._pending:
+                    soonest = min(p.first for p in self._pending.values())
+                    self._lock.wait(max(0.0, soonest + self._window - time.monotonic()))

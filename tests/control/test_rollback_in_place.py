@@ -1,0 +1,92 @@
+"""A rollback in place by the operator (issue 29 item 9, `surgectl rollback`): the live ranks
+pause at an agreed boundary, load the version (ResumeTraining.reload_version), report ready at
+its step and start again; nothing is relaunched. Refusals change nothing; a fault on the way
+falls back to the policy's relaunch. Driven in-process through the real bus (fixtures of
+test_fault_policy.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.contract import control_pb2, engine_pb2
+
+from .conftest import drain, kinds, to_ranks
+from .test_fault_policy import QUICK, decisions, plane, restarted, running, saved, store  # noqa: F401 - fixtures
+
+JobState = control_pb2.JobState
+pytestmark = pytest.mark.timeout(30)
+
+
+def rollback(plane, job_id: str, version: str = "") -> control_pb2.JobStatus:  # noqa: F811
+    return plane.user(control_pb2.ResumeJobRequest(job_id=job_id, from_version=version, rollback_in_place=True))
+
+
+def paused(plane, w: dict, job_id: str, step: int) -> None:  # noqa: F811
+    for rank, name in enumerate(w):
+        plane.rank_event(w[name], job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=step))
+
+
+def routed(session) -> list:
+    return [to_ranks(c) for c in drain(session) if c.WhichOneof("command") == "routed"]
+
+
+def test_the_live_ranks_pause_load_the_version_and_go_on_from_its_step(plane, store):  # noqa: F811
+    job_id, w = running(plane, "wa", "wb")
+    v1, v2 = saved(plane, w["wa"], job_id, 1, step=4), saved(plane, w["wa"], job_id, 2, step=8)
+    rollback(plane, job_id, v1)
+    assert decisions(plane, job_id)[0].startswith(f"rollback in place to checkpoint {v1} (step 4) by the operator")
+    (pause,) = routed(w["wb"])
+    assert isinstance(pause, engine_pb2.PauseTraining) and not pause.checkpoint
+    paused(plane, w, job_id, step=10)
+    (reload,) = routed(w["wb"])
+    assert reload.reload_version == v1 and not reload.rebuild
+    assert [type(m).__name__ for m in routed(w["wa"])] == ["PauseTraining", "ResumeTraining"]
+    restarted(plane, job_id, {0: w["wa"], 1: w["wb"]}, start_step=4)
+    s = plane.get(job_id)
+    assert (s.state, s.step, s.message) == (
+        JobState.RUNNING,
+        4,
+        f"rolled back in place to checkpoint {v1} at step 4",
+    )
+    assert kinds(drain(w["wa"])) == ["StartTraining"]  # (no release, no launch: the same processes)
+    done = [e.message for e in plane.events(job_id) if e.message.startswith("rollback in place done")]
+    assert done and done[0].endswith(f"; {v2} kept, never chosen by a recovery or a plain resume")
+    assert v2 in plane.c.orchestrator._jobs[job_id].abandoned
+
+
+@pytest.mark.parametrize(
+    ("setup", "refused"),
+    [
+        ("unknown", "--version {job}:9: not a usable committed checkpoint of job {job} (usable: {job}:1)"),
+        ("none", "rollback: job {job} has no committed checkpoint to go back to"),
+        ("fp16", "rollback: job {job} trains in fp16"),
+        ("paused", "job {job} is PAUSED, not RUNNING"),
+    ],
+)
+def test_a_rollback_that_cannot_be_done_is_one_line_and_changes_nothing(plane, store, setup, refused):  # noqa: F811
+    extra = QUICK + ("\nprecision: {dtype: fp16}" if setup == "fp16" else "")
+    job_id, w = running(plane, "wa", "wb", extra=extra)
+    if setup != "none":
+        saved(plane, w["wa"], job_id, 1, step=4)
+    if setup == "paused":
+        plane.user(control_pb2.PauseJobRequest(job_id=job_id, no_checkpoint=True))
+        paused(plane, w, job_id, step=6)
+        drain(w["wa"]), drain(w["wb"])
+    before = len(plane.events(job_id))
+    with pytest.raises(Exception, match=refused.format(job=job_id).replace("(", r"\(").replace(")", r"\)")):
+        rollback(plane, job_id, f"{job_id}:9" if setup == "unknown" else "")
+    assert len(plane.events(job_id)) == before and routed(w["wa"]) == []
+
+
+def test_a_rank_lost_while_they_pause_gives_the_rollback_up_for_the_policys_relaunch(plane, store):  # noqa: F811
+    job_id, w = running(plane, "wa", "wb")
+    v1 = saved(plane, w["wa"], job_id, 1, step=4)
+    store.verdicts = [(v1, 4, True)]
+    rollback(plane, job_id)
+    drain(w["wa"]), drain(w["wb"])
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    events = [e.message for e in plane.events(job_id)]
+    assert any(m.startswith(f"rollback in place to {v1} given up: restart_ranks after rank_exit") for m in events)
+    assert plane.get(job_id).state == JobState.FAULT_FROZEN
+    assert plane.c.orchestrator._jobs[job_id].reload is None
+    assert "launch" in kinds(drain(w["wa"]))

@@ -1,0 +1,169 @@
+"""A node agent's ranks' beats go up as one message per job per period (issue 28 item 3):
+the beat grid (services/common/beat_grid.py), the keeper (services/worker/rank_beats.py), and
+control applying a RankBeats message beat by beat (fenced, stamped, on its job's queue)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from services.common.beat_grid import node_phase, phase_from, seconds_to_next_beat
+from services.contract import control_pb2, engine_pb2, worker_pb2
+from services.control.event_applier import EventApplier, job_of
+from services.control.metrics import event_kind
+from services.worker.rank_beats import RankBeats
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def beat(job: str, rank: int, step: int = 1) -> worker_pb2.RankEvent:
+    hb = worker_pb2.RankHeartbeat(job_id=job, rank=rank, step=step, stepping=True)
+    return worker_pb2.RankEvent(job_id=job, rank=rank, heartbeat=hb, generation=1)
+
+
+def kinds(sent: list[control_pb2.WorkerEvent]) -> list:
+    out = []
+    for ev in sent:
+        if ev.HasField("rank_beats"):
+            out.append((ev.rank_beats.job_id, [b.rank for b in ev.rank_beats.beats]))
+        else:
+            out.append(ev.WhichOneof("event"))
+    return out
+
+
+# ------------------------------------------------------------------ the grid
+
+
+@pytest.mark.parametrize(
+    ("now", "interval", "phase", "wait"),
+    [
+        (10.2, 1.0, 0.0, 0.8),
+        (10.2, 1.0, 0.5, 0.3),
+        (10.5, 1.0, 0.5, 1.0),  # due exactly now: it was just sent, the next is a period away
+        (10.7, 1.0, 0.5, 0.8),
+        (10.0, 0.5, 0.2, 0.1),
+        (3.0, 0.0, 0.3, 0.0),  # no period: no wait (the caller's own loop decides)
+    ],
+)
+def test_the_next_beat_is_the_next_grid_point_never_more_than_a_period_away(now, interval, phase, wait):
+    assert seconds_to_next_beat(now, interval, phase) == pytest.approx(wait)
+
+
+def test_ranks_of_one_node_share_a_grid_point_and_nodes_spread_over_the_period():
+    phases = [node_phase(f"worker-{i}") for i in range(64)]
+    assert phases[3] == node_phase("worker-3") and all(0.0 <= p < 1.0 for p in phases)  # stable
+    assert len({round(p, 3) for p in phases}) > 56  # spread, not one instant for every node
+    # Two ranks of a node (phase 0.9) that beat 0.58 s apart next beat at the same instant.
+    t0 = 1000.0
+    first, second = t0 + 0.13, t0 + 0.71
+    assert first + seconds_to_next_beat(first, 1.0, 0.9) == pytest.approx(t0 + 0.9)
+    assert second + seconds_to_next_beat(second, 1.0, 0.9) == pytest.approx(t0 + 0.9)
+
+
+@pytest.mark.parametrize(("value", "phase"), [("0.25", 0.25), ("", 0.0), ("x", 0.0), ("1.0", 0.0), ("-0.1", 0.0)])
+def test_a_phase_from_the_environment_is_a_fraction_or_none(value, phase):
+    assert phase_from({"SURGE_BEAT_PHASE": value} if value else {}) == phase
+
+
+# ------------------------------------------------------------------ the keeper
+
+
+def test_a_jobs_beats_go_up_in_one_message_once_every_rank_of_it_here_has_beaten():
+    sent: list = []
+    keeper = RankBeats(sent.append, window_s=5.0)
+    keeper.beat(beat("a", 0), ranks_here=3)
+    keeper.beat(beat("b", 4), ranks_here=1)  # another job: its own message, at once
+    keeper.beat(beat("a", 2), ranks_here=3)
+    keeper.beat(beat("a", 2, step=2), ranks_here=3)  # twice in a window: the newer kept
+    assert kinds(sent) == [("b", [4])]
+    keeper.beat(beat("a", 1), ranks_here=3)
+    assert kinds(sent) == [("b", [4]), ("a", [0, 1, 2])]
+    assert [b.heartbeat.step for b in sent[1].rank_beats.beats] == [1, 1, 2]
+    assert keeper.sent == 2
+    keeper.close()
+
+
+def test_a_late_or_missing_rank_holds_the_others_no_longer_than_the_window():
+    sent: list = []
+    arrived = threading.Event()
+    keeper = RankBeats(lambda ev: (sent.append((time.monotonic(), ev)), arrived.set()), window_s=0.1)
+    t0 = time.monotonic()
+    keeper.beat(beat("a", 0), ranks_here=2)  # rank 1 is gone (or late)
+    assert arrived.wait(2.0)
+    ((at, ev),) = sent
+    assert 0.09 <= at - t0 < 1.0 and [b.rank for b in ev.rank_beats.beats] == [0]
+    keeper.close()
+
+
+def test_no_message_about_a_job_overtakes_the_beats_kept_of_it():
+    sent: list = []
+    keeper = RankBeats(sent.append, window_s=5.0)
+    keeper.beat(beat("a", 1), ranks_here=2)
+    keeper.beat(beat("b", 0), ranks_here=2)
+    # Rank 1 of job a exits: its last beat goes up first, job b's stay kept.
+    keeper.emit(control_pb2.WorkerEvent(rank_exited=control_pb2.RankExited(job_id="a", rank=1)))
+    assert kinds(sent) == [("a", [1]), "rank_exited"]
+    # A message about no one job (memory pressure) follows every beat kept.
+    keeper.emit(control_pb2.WorkerEvent(memory_pressure=control_pb2.MemoryPressure(worker_id="w")))
+    assert kinds(sent) == [("a", [1]), "rank_exited", ("b", [0]), "memory_pressure"]
+    keeper.close()
+    keeper.beat(beat("a", 0), ranks_here=1)  # closed: nothing more goes up
+    assert len(sent) == 4
+
+
+# ------------------------------------------------------------------ control's side
+
+
+def test_control_stamps_each_beat_of_a_batch_and_queues_it_on_its_jobs_queue():
+    applied: list = []
+
+    class Hub:
+        def admit(self, session, ev):
+            return True
+
+        def on_worker_events(self, burst, admitted=False):
+            applied.extend(ev for _, ev in burst)
+
+    batch = control_pb2.RankBeats(job_id="j")
+    batch.beats.extend([beat("j", 0), beat("j", 1)])
+    ev = control_pb2.WorkerEvent(rank_beats=batch, seq=1)
+    assert job_of(ev) == "j" and event_kind(ev) == "RankBeats"
+    applier = EventApplier(Hub())
+    queued = time.monotonic()
+    applier.event(SimpleNamespace(worker_id="wa"), ev)
+    applier.stop()
+    (got,) = applied
+    stamps = [b.heartbeat.received_monotonic for b in got.rank_beats.beats]
+    assert len(stamps) == 2 and all(queued <= s < queued + 1.0 for s in stamps)
+
+
+def test_the_hub_relays_each_beat_of_a_batch_to_the_fault_detector_and_fences_an_older_incarnations(tmp_path):
+    from tests.control.test_worker_events import open_plane, running_job
+
+    plane, journal = open_plane(tmp_path / "control.db")
+    job_id, session, launch = running_job(plane)
+    hub = plane.c.sessions
+    relayed: list = []
+    real = hub._hardware
+    hub._hardware = lambda msg: (relayed.append(msg) if isinstance(msg, worker_pb2.RankHeartbeat) else None, real(msg))
+    newest = launch.ranks[0].generation
+    batch = control_pb2.RankBeats(job_id=job_id)
+    batch.beats.extend([beat(job_id, 0, step=3), beat(job_id, 0, step=4)])
+    batch.beats[0].generation, batch.beats[1].generation = newest, newest
+    hub.on_worker_events([(session, control_pb2.WorkerEvent(rank_beats=batch, seq=2))])
+    assert [(b.job_id, b.rank, b.step, b.worker_id) for b in relayed] == [(job_id, 0, 3, "wa"), (job_id, 0, 4, "wa")]
+    # Rank 0 is relaunched (a newer generation): a beat of the old incarnation in a batch is
+    # dropped, the new one's beside it applied.
+    hub.launch_ranks(
+        control_pb2.LaunchRanks(job_id=job_id, ranks=[engine_pb2.RankAssignment(rank=0, generation=newest + 1)]), "wa"
+    )
+    relayed.clear()
+    mixed = control_pb2.RankBeats(job_id=job_id)
+    mixed.beats.extend([beat(job_id, 0, step=5), beat(job_id, 0, step=6)])
+    mixed.beats[0].generation, mixed.beats[1].generation = newest, newest + 1
+    hub.on_worker_events([(session, control_pb2.WorkerEvent(rank_beats=mixed, seq=3))])
+    assert [b.step for b in relayed] == [6]
+    journal.close()
