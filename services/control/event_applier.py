@@ -10,7 +10,7 @@ layer's refusals, log lines) and the sessions' opening and closing go on one ord
 queue, as do the calls posted with ``call`` (the store's answers). A queue is a deque, not a
 thread: a queue with messages is handed to the pool's next free thread, which applies a
 burst of it (``SessionHub.on_worker_events``: up to ``max_burst`` messages, the effect-less
-cursors in one commit) and hands the queue back if more came; so at most one thread applies
+cursors in one journal write) and hands the queue back if more came; so at most one thread applies
 a queue's messages at a time (the job's order), ``workers`` threads serve any number of jobs,
 and an idle job costs nothing.
 
@@ -23,11 +23,22 @@ Locks (control's order, outermost first; no thread takes them the other way roun
 
 1. a job's serial queue (not a lock: one pool thread at a time holds it);
 2. the orchestrator's decision lock (``Orchestrator._lock``: one job's transition and the
-   cluster-wide state it touches, short; services/control/orchestrator/core.py), then the
-   allocator's and the fault detector's own (taken inside a decision, never around one);
+   cluster-wide state it touches, short; services/control/orchestrator/core.py), then a
+   job's journal lock (the order its journal writes are queued in), then the allocator's
+   and the fault detector's own (taken inside a decision, never around one): one lock per
+   job's state there, then its small cluster-wide lock for the agents and nodes (a leaf;
+   services/control/fault_detector/detector.py), so two jobs' beats never wait for each
+   other;
 3. leaf locks, held for bookkeeping only, with no call out under them: this applier's
-   ``_lock`` (its queues), ``SessionHub._lock``, ``JobStore._lock`` (one SQLite
-   transaction), a ``WorkerCursor``'s.
+   ``_lock`` (its queues), ``SessionHub._lock``, the journal writer's queue, a
+   ``WorkerCursor``'s.
+
+The journal's writer thread (services/control/journal_writer.py) takes ``JobStore._lock``
+around each group's SQLite transaction, and runs what follows a commit (a JobEvent's
+emission, an ack) with leaf locks only, so a decision waiting on a write's commit (its
+future) under the decision lock never waits on a lock of its own. A burst's journal writes
+are queued, not waited for (``SessionHub.on_worker_events(wait=False)``): a pool thread never
+waits for a disk; the burst's acks are queued from the commits.
 
 Receipt is stamped on the server's loop, as a message is queued (``event``): a heartbeat
 carries it to the fault detector in ``RankHeartbeat.received_monotonic``, so its deadlines
@@ -276,7 +287,7 @@ class EventApplier:
             APPLY_SECONDS.labels(which).observe(time.monotonic() - started)
             return []
         try:
-            self._hub.on_worker_events([(s, ev) for s, ev, _ in burst], admitted=True)
+            self._hub.on_worker_events([(s, ev) for s, ev, _ in burst], admitted=True, wait=False)
         except Exception:  # noqa: BLE001 - e.g. the journal's disk is full: the acks wait
             _log.exception("worker event burst failed", size=len(burst), queue=which)
         APPLY_SECONDS.labels(which).observe(time.monotonic() - started)

@@ -13,6 +13,7 @@ tests/cli/test_operator_actions.py).
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from services.contract import control_pb2
 from services.control.job_store import JobStore
@@ -40,10 +41,10 @@ def install(journal: JobStore, spec: str | None = None) -> JobStore:
     if kinds.get("journal_record"):
         save, refused_events = journal.save_status, kinds["journal_record"]
 
-        def save_status(status: control_pb2.JobStatus, event=None, runtime=None, spec_json=None) -> None:
+        def save_status(status: control_pb2.JobStatus, event=None, runtime=None, spec_json=None, **how: Any) -> Any:
             if event is not None and status.name in refused_events:
                 raise OSError(f"journal write refused ({ENV}: {status.name}:journal_record)")
-            save(status, event, runtime, spec_json=spec_json)
+            return save(status, event, runtime, spec_json=spec_json, **how)
 
         journal.save_status = save_status  # type: ignore[method-assign]
     return journal

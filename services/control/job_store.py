@@ -7,13 +7,17 @@ orchestrator's red line against disk I/O is about training data, samples and ten
 own journal is how it keeps its private state, and nothing else reads this file.
 
 WAL mode: readers never block the writer, and a commit is one fsync of the log. The file
-is opened once per process; every call is serialised by one lock (calls come from gRPC
-threads and from the session event applier's pool). Worker event cursors of events with no
-journaled effect may be written a burst at a time (``applying(defer=True)`` +
-``write_cursors``); a cursor with an effect is always in the effect's transaction. A cursor
-is a watermark and the seqs journaled above it (services/control/worker_cursor.py: one
-agent's events are applied in order per job, not across its jobs), computed and marked
-under this file's lock, so two jobs' transactions never write a stale one.
+is opened once per process. Every write goes through one group-commit writer
+(services/control/journal_writer.py): queued, committed with whatever else is queued in one
+transaction, in queue order; a write returns its future and, by default, waits on it
+(``wait=False``: the caller goes on; ``on_commit`` runs once it is durable). Reads first wait
+for the writes queued before them (``flush``): a read sees every write made before it.
+Worker event cursors of events with no journaled effect may be written a burst at a time
+(``applying(defer=True)`` + ``write_cursors``); a cursor with an effect is always in the
+effect's transaction. A cursor is a watermark and the seqs journaled above it
+(services/control/worker_cursor.py: one agent's events are applied in order per job, not
+across its jobs), its row computed and marked on the writer's thread in commit order, so two
+jobs' writes never journal a stale one.
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.contract import control_pb2
-from services.control.metrics import JOURNAL_COMMITS
+from services.control.journal_writer import GroupCommitWriter, Statements
 from services.control.worker_cursor import WorkerCursor, parse_ahead
 
 _SCHEMA = """
@@ -84,10 +89,8 @@ CREATE TABLE IF NOT EXISTS cordons (
 );
 """
 
-_UPSERT_CURSOR = (
-    "INSERT INTO worker_cursors (worker_id, incarnation, seq, ahead) VALUES (?,?,?,?) ON CONFLICT(worker_id) "
-    "DO UPDATE SET incarnation=excluded.incarnation, seq=excluded.seq, ahead=excluded.ahead"
-)
+# One save_status: (status, event or None, runtime or None, spec_json or None).
+Save = tuple[control_pb2.JobStatus, "control_pb2.JobEvent | None", "dict | None", "str | None"]
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,8 @@ class _Applying:
     cursor: WorkerCursor
     seq: int
     earlier: Sequence[int] = ()  # seqs of its burst applied before it, not yet journaled
-    written: bool = False
+    written: bool = False  # a write carrying the cursor is queued (or committed)
+    durable: Future | None = None  # that write's future
 
     @property
     def seqs(self) -> list[int]:
@@ -144,6 +148,7 @@ class JobStore:
         if "ahead" not in {row[1] for row in self._db.execute("PRAGMA table_info(worker_cursors)")}:
             self._db.execute("ALTER TABLE worker_cursors ADD COLUMN ahead TEXT NOT NULL DEFAULT ''")
         self._applying = threading.local()
+        self._writer = GroupCommitWriter(self._db, self._lock)
 
     def create_job(
         self, status: control_pb2.JobStatus, spec_json: str, request_id: str = "", spec_sha256: str = ""
@@ -151,24 +156,26 @@ class JobStore:
         """Insert a new job, with the request id of the submit that created it and the
         sha256 of its spec text (in the same row: a job journaled is never without them).
         Raises sqlite3.IntegrityError if the id already exists."""
-        with self._lock:
-            self._db.execute(
+        row = (
+            status.job_id,
+            status.name,
+            status.state,
+            status.outcome,
+            spec_json,
+            status.created_unix,
+            status.updated_unix,
+            status.SerializeToString(),
+            request_id,
+            spec_sha256,
+        )
+        self._write(
+            lambda db: db.execute(
                 "INSERT INTO jobs (job_id, name, state, outcome, spec_json, created_unix, updated_unix, status, "
                 "request_id, spec_sha256) VALUES (?,?,?,?,?,?,?,?,?,?)",
-                (
-                    status.job_id,
-                    status.name,
-                    status.state,
-                    status.outcome,
-                    spec_json,
-                    status.created_unix,
-                    status.updated_unix,
-                    status.SerializeToString(),
-                    request_id,
-                    spec_sha256,
-                ),
-            )
-            JOURNAL_COMMITS.inc()  # (autocommit: one transaction)
+                row,
+            ),
+            with_cursor=False,
+        )
 
     def spec_json(self, job_id: str) -> str | None:
         """The job's effective spec as journaled (None: no such job)."""
@@ -179,9 +186,12 @@ class JobStore:
     def delete_job(self, job_id: str) -> None:
         """Remove a job and everything journaled about it (its start failed half-way: no
         record of it may remain)."""
-        with self._transaction():
+
+        def delete(db: sqlite3.Connection) -> None:
             for table in ("jobs", "events", "steps"):
-                self._db.execute(f"DELETE FROM {table} WHERE job_id=?", (job_id,))
+                db.execute(f"DELETE FROM {table} WHERE job_id=?", (job_id,))
+
+        self._write(delete)
 
     def save_status(
         self,
@@ -189,33 +199,46 @@ class JobStore:
         event: control_pb2.JobEvent | None = None,
         runtime: dict | None = None,
         spec_json: str | None = None,
-    ) -> None:
+        *,
+        on_commit: Callable[[], None] | None = None,
+        wait: bool = True,
+    ) -> Future:
         """Overwrite the job's status (and its ``runtime`` bookkeeping, a JSON-able dict,
         when given; its frozen spec, when given: an operator resume at a new data-parallel
         layout replaces it) and optionally append one event, in one transaction; with the
-        cursor of the worker event being applied on this thread, if any (:meth:`applying`)."""
-        with self._transaction():
-            self._db.execute(
-                "UPDATE jobs SET state=?, outcome=?, updated_unix=?, status=? WHERE job_id=?",
-                (status.state, status.outcome, status.updated_unix, status.SerializeToString(), status.job_id),
-            )
-            if runtime is not None:
-                self._db.execute("UPDATE jobs SET runtime=? WHERE job_id=?", (json.dumps(runtime), status.job_id))
-            if spec_json is not None:
-                self._db.execute("UPDATE jobs SET spec_json=? WHERE job_id=?", (spec_json, status.job_id))
-            if event is not None:
-                self._insert_event(event)
+        cursor of the worker event being applied on this thread, if any (:meth:`applying`).
+        The arguments are serialised now (the caller may change them once this returns);
+        ``on_commit``/``wait``: see the module docstring. Returns the write's future."""
+        return self._write(_save_statements([(status, event, runtime, spec_json)]), on_commit=on_commit, wait=wait)
 
-    def record_step(self, job_id: str, step: int, loss: float, tokens: int, unix_time: float) -> None:
-        """Append one applied training step (with the applying worker event's cursor)."""
-        with self._transaction():
-            self._db.execute(
-                "INSERT INTO steps VALUES (?,?,?,?,?,?)", (job_id, step, loss, tokens, unix_time, time.time())
-            )
+    def record_step(
+        self,
+        job_id: str,
+        step: int,
+        loss: float,
+        tokens: int,
+        unix_time: float,
+        saves: Sequence[Save] = (),
+        *,
+        on_commit: Callable[[], None] | None = None,
+        wait: bool = True,
+    ) -> Future:
+        """Append one applied training step (with the applying worker event's cursor) and
+        make the ``saves`` (:meth:`save_status`'s arguments, in order), in one transaction.
+        Returns the write's future."""
+        row = (job_id, step, loss, tokens, unix_time, time.time())
+        then = _save_statements(saves)
+
+        def statements(db: sqlite3.Connection) -> None:
+            db.execute("INSERT INTO steps VALUES (?,?,?,?,?,?)", row)
+            then(db)
+
+        return self._write(statements, on_commit=on_commit, wait=wait)
 
     def steps(self, job_id: str) -> list[tuple[int, float | None]]:
         """(step, loss) of every step applied for the job, in order of application (loss
         None: it was not finite)."""
+        self._writer.flush()
         with self._lock:
             return self._db.execute("SELECT step, loss FROM steps WHERE job_id=? ORDER BY rowid", (job_id,)).fetchall()
 
@@ -224,19 +247,20 @@ class JobStore:
     def save_cordon(self, cordon: control_pb2.WorkerCordoned) -> None:
         """Journal a worker's cordon (replacing an earlier one of the worker), with the
         cursor of the worker event being applied on this thread, if any."""
-        with self._transaction():
-            self._db.execute(
-                "INSERT INTO cordons VALUES (?,?) ON CONFLICT(worker_id) DO UPDATE SET cordon=excluded.cordon",
-                (cordon.worker_id, cordon.SerializeToString()),
+        row = (cordon.worker_id, cordon.SerializeToString())
+        self._write(
+            lambda db: db.execute(
+                "INSERT INTO cordons VALUES (?,?) ON CONFLICT(worker_id) DO UPDATE SET cordon=excluded.cordon", row
             )
+        )
 
     def delete_cordon(self, worker_id: str) -> None:
         """The worker's cordon ended (with the applying worker event's cursor, if any)."""
-        with self._transaction():
-            self._db.execute("DELETE FROM cordons WHERE worker_id=?", (worker_id,))
+        self._write(lambda db: db.execute("DELETE FROM cordons WHERE worker_id=?", (worker_id,)))
 
     def load_cordons(self) -> list[control_pb2.WorkerCordoned]:
         """Every cordon in force, by worker id."""
+        self._writer.flush()
         with self._lock:
             rows = self._db.execute("SELECT cordon FROM cordons ORDER BY worker_id").fetchall()
         return [control_pb2.WorkerCordoned.FromString(row[0]) for row in rows]
@@ -251,6 +275,7 @@ class JobStore:
 
     def cursor(self, worker_id: str) -> WorkerCursor:
         """The node agent's journaled cursor (incarnation "" and nothing applied if none)."""
+        self._writer.flush()
         with self._lock:
             row = self._db.execute(
                 "SELECT incarnation, seq, ahead FROM worker_cursors WHERE worker_id=?", (worker_id,)
@@ -282,51 +307,54 @@ class JobStore:
         finally:
             self._applying.ctx = None
         if not ctx.written and not defer:
-            with self._transaction(ctx):
-                pass
+            self._write(None, ctx)
 
-    def write_cursors(self, cursors: list[tuple[WorkerCursor, list[int]]]) -> None:
-        """Journal the seqs of events with no journaled effect, ``(cursor, seqs)`` per node
-        agent, all in one transaction (a group commit: one fsync for a burst of them), and
-        mark them in their cursors. Only for seqs whose events are applied: a resend after a
-        restart skips them."""
-        if not cursors:
-            return
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.executemany(_UPSERT_CURSOR, [cursor.row_with(seqs) for cursor, seqs in cursors])
-                self._db.execute("COMMIT")
-                JOURNAL_COMMITS.inc()
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            for cursor, seqs in cursors:  # (under the lock: the next row is computed from these)
-                cursor.mark(seqs)
+    def write_cursors(
+        self, cursors: list[tuple[WorkerCursor, list[int]]], on_commit: Callable[[], None] | None = None
+    ) -> Future:
+        """Queue the seqs of events with no journaled effect, ``(cursor, seqs)`` per node
+        agent, as one write (committed with whatever else is queued: one fsync for them
+        all); they are marked in their cursors once committed, then ``on_commit`` runs. Does
+        not wait: returns the write's future. Only for seqs whose events are applied: a
+        resend after a restart skips them."""
+        return self._writer.submit(None, [(cursor, list(seqs)) for cursor, seqs in cursors], on_commit)
+
+    def flush(self) -> None:
+        """Wait until every write queued before this call is committed (or failed)."""
+        self._writer.flush()
 
     # ------------------------------------------------------------ private
 
-    @contextmanager
-    def _transaction(self, ctx: _Applying | None = None) -> Iterator[None]:
-        ctx = ctx or getattr(self._applying, "ctx", None)
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+    def _write(
+        self,
+        statements: Statements | None,
+        ctx: _Applying | None = None,
+        *,
+        with_cursor: bool = True,
+        on_commit: Callable[[], None] | None = None,
+        wait: bool = True,
+    ) -> Future:
+        """Queue ``statements`` with the cursor of the worker event being applied on this
+        thread, if its cursor is not written yet; wait for the commit unless ``wait`` is
+        False. A failed write raises its error (sqlite3.Error) when waited for, and leaves
+        the cursor unwritten."""
+        ctx = ctx or (getattr(self._applying, "ctx", None) if with_cursor else None)
+        carries = ctx is not None and not ctx.written
+        future = self._writer.submit(statements, [(ctx.cursor, ctx.seqs)] if carries else (), on_commit)
+        if carries:
+            ctx.written, ctx.durable = True, future
+        if wait:
             try:
-                yield
-                if ctx is not None and not ctx.written:
-                    self._db.execute(_UPSERT_CURSOR, ctx.cursor.row_with(ctx.seqs))
-                self._db.execute("COMMIT")
-                JOURNAL_COMMITS.inc()
+                future.result()
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if carries:
+                    ctx.written, ctx.durable = False, None
                 raise
-            if ctx is not None and not ctx.written:
-                ctx.cursor.mark(ctx.seqs)  # (under the lock: the next row is computed from it)
-        if ctx is not None:
-            ctx.written = True
+        return future
 
     def load_jobs(self) -> list[StoredJob]:
         """Every job, oldest first, with the highest event seq written for it."""
+        self._writer.flush()
         with self._lock:
             rows = self._db.execute(
                 "SELECT j.status, j.spec_json, COALESCE(MAX(e.seq), 0), j.runtime, j.request_id, j.spec_sha256 "
@@ -340,6 +368,7 @@ class JobStore:
 
     def events(self, job_id: str, from_seq: int = 0) -> list[control_pb2.JobEvent]:
         """The job's events with seq >= ``from_seq``, in seq order."""
+        self._writer.flush()
         with self._lock:
             rows = self._db.execute(
                 "SELECT seq, unix_time, source, type, message, status FROM events "
@@ -360,11 +389,32 @@ class JobStore:
         ]
 
     def close(self) -> None:
+        """Commit what is queued, end the writer, close the file."""
+        self._writer.close()
         with self._lock:
             self._db.close()
 
-    def _insert_event(self, e: control_pb2.JobEvent) -> None:
-        self._db.execute(
-            "INSERT INTO events VALUES (?,?,?,?,?,?,?)",
-            (e.job_id, e.seq, e.unix_time, e.source, e.type, e.message, e.status.SerializeToString()),
-        )
+
+def _save_statements(saves: Sequence[Save]) -> Statements:
+    """The statements of ``save_status`` calls, their arguments serialised now."""
+    rows = []
+    for status, e, runtime, spec_json in saves:
+        status_row = (status.state, status.outcome, status.updated_unix, status.SerializeToString(), status.job_id)
+        runtime_row = None if runtime is None else (json.dumps(runtime), status.job_id)
+        spec_row = None if spec_json is None else (spec_json, status.job_id)
+        event_row = None
+        if e is not None:
+            event_row = (e.job_id, e.seq, e.unix_time, e.source, e.type, e.message, e.status.SerializeToString())
+        rows.append((status_row, runtime_row, spec_row, event_row))
+
+    def statements(db: sqlite3.Connection) -> None:
+        for status_row, runtime_row, spec_row, event_row in rows:
+            db.execute("UPDATE jobs SET state=?, outcome=?, updated_unix=?, status=? WHERE job_id=?", status_row)
+            if runtime_row is not None:
+                db.execute("UPDATE jobs SET runtime=? WHERE job_id=?", runtime_row)
+            if spec_row is not None:
+                db.execute("UPDATE jobs SET spec_json=? WHERE job_id=?", spec_row)
+            if event_row is not None:
+                db.execute("INSERT INTO events VALUES (?,?,?,?,?,?,?)", event_row)
+
+    return statements

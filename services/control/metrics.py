@@ -45,7 +45,9 @@ reads another module. Names and labels:
   L1-3's slow-rank detector as beats arrive (services/control/slow_ranks.py); 1: as its peers;
 * ``surge_slow_rank_findings_total``: ranks named slow (>= 1.5x, sustained) by that detector;
 * ``surge_control_journal_commits_total``: SQLite transactions control's journal committed
-  (services/control/job_store.py): its writes per second under load (bench/control_bench.py).
+  (services/control/job_store.py): its writes per second under load (bench/control_bench.py);
+* ``surge_control_journal_group_writes``: writes committed together in one of those
+  transactions (the group commit, services/control/journal_writer.py).
 """
 
 from __future__ import annotations
@@ -131,6 +133,11 @@ MESSAGE_BYTES = Counter(
 )
 JOURNAL_COMMITS = Counter(
     "surge_control_journal_commits_total", "SQLite transactions committed by control's journal (job_store)."
+)
+JOURNAL_GROUP_WRITES = Histogram(
+    "surge_control_journal_group_writes",
+    "Journal writes committed together in one SQLite transaction (services/control/journal_writer.py).",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024),
 )
 # (direction, kind) -> (messages child, bytes child): `labels()` takes the metric's lock and
 # builds a key per call; this runs once per message on the server's loop.

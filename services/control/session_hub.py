@@ -32,13 +32,16 @@ And it keeps each node agent's event stream exactly-once across a control restar
 seq was already applied is dropped (counted as a duplicate: ``admit``, as the event applier
 queues it); an applied one's seq is journaled in the same SQLite transaction as the event's
 effect, where it has one (``JobStore.applying``), or with the other effect-less events of
-its burst in one transaction (heartbeats, most steps: a group commit), and acknowledged
-down the stream (``WorkerCommand{ack}``, coalesced) once journaled. The applier applies a
-job's events on the job's own queue, so one agent's events are journaled in seq order per
-job only: the session's ``WorkerCursor`` (services/control/worker_cursor.py) is the seq up
-to which all are journaled (the ack, the resend point) and those journaled above it. A
-registration lists the ranks the agent still runs (``running``): they are the session's
-again (re-attach).
+its burst in one write (heartbeats, most steps), and acknowledged down the stream
+(``WorkerCommand{ack}``, coalesced) once that write is committed: the journal's writer
+commits every queued write in one transaction (services/control/journal_writer.py: a group
+commit) and the ack is queued from its commit (the write's future), so the applier's thread
+never waits for a disk and no ack covers a seq a control killed now would lose. The
+applier applies a job's events on the job's own queue, so one agent's events are journaled
+in seq order per job only: the session's ``WorkerCursor`` (services/control/worker_cursor.py)
+is the seq up to which all are journaled (the ack, the resend point) and those journaled
+above it. A registration lists the ranks the agent still runs (``running``): they are the
+session's again (re-attach).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import threading
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,14 +254,20 @@ class SessionHub:
 
     def on_worker_event(self, session: AgentSession, ev: control_pb2.WorkerEvent) -> None:
         """Relay one message of a node agent's stream onto the bus as the module it
-        speaks for; a sequenced one (``seq`` > 0) at most once, then acknowledged.
+        speaks for; a sequenced one (``seq`` > 0) at most once, then acknowledged (once its
+        cursor is journaled). Returns once every journal write it queued is committed.
 
         Raises:
             ValueError: a second registration, or an empty message.
+            sqlite3.Error: the journal did not take the event's write.
         """
-        self._accept(session, ev, defer=False)
+        _, durable = self._accept(session, ev, defer=False)
         if ev.seq:
-            self._queue_ack(session)
+            self._ack_when(session, durable)
+        if durable is not None:
+            durable.result()
+        if self._journal is not None:
+            self._journal.flush()  # (and the writes the event queued without a cursor: a step's)
 
     def admit(self, session: AgentSession, ev: control_pb2.WorkerEvent) -> bool:
         """Whether ``ev`` is to be applied: False for a seq already admitted or journaled (a
@@ -279,22 +289,32 @@ class SessionHub:
         return True
 
     def on_worker_events(
-        self, burst: list[tuple[AgentSession, control_pb2.WorkerEvent]], admitted: bool = False
+        self, burst: list[tuple[AgentSession, control_pb2.WorkerEvent]], admitted: bool = False, wait: bool = True
     ) -> None:
         """``on_worker_event`` for a burst of messages of any sessions, applied in the
         given order, with one difference: the cursors of the sequenced events that
         journaled nothing (heartbeats, the steps of ranks other than 0) are journaled
-        together at the end, in one transaction, and every session's ack goes down after
-        it. An event with an effect still has its cursor in its own transaction. A message
-        refused (ValueError, or a module's error) is logged and skipped: one bad message
-        must not end a node's session or the burst. ``admitted``: duplicates were dropped
-        already (``admit``; the applier's queues apply one agent's events in seq order per
-        job only)."""
+        together at the end, in one write, and every session's ack goes down once it is
+        committed. An event with an effect has its cursor in its effect's write, and its
+        ack goes down once that is committed. A message refused (ValueError, or a module's
+        error) is logged and skipped: one bad message must not end a node's session or the
+        burst. ``admitted``: duplicates were dropped already (``admit``; the applier's
+        queues apply one agent's events in seq order per job only). ``wait``: return once
+        the burst's writes are committed (raising the first one's error); the applier does
+        not wait (the acks follow the commits).
+
+        Raises:
+            sqlite3.Error: with ``wait``, the journal did not take a write of the burst.
+        """
         deferred: dict[AgentSession, list[int]] = {}
         acked: dict[AgentSession, None] = {}
+        writes: list[Future] = []
         for session, ev in burst:
             try:
-                if self._accept(session, ev, defer=True, admitted=admitted, earlier=deferred.get(session, ())):
+                later, durable = self._accept(
+                    session, ev, defer=True, admitted=admitted, earlier=deferred.get(session, ())
+                )
+                if later:
                     deferred.setdefault(session, []).append(ev.seq)
                     acked[session] = None
                     continue
@@ -304,21 +324,49 @@ class SessionHub:
                     deferred.setdefault(session, []).append(ev.seq)
                     acked[session] = None
                 continue
-            if ev.seq and not session.cursor.has(ev.seq) and session in deferred:
-                acked[session] = None
-            elif ev.seq:
+            if not ev.seq:
+                continue
+            if durable is not None:
                 # Journaled with its effect, with the burst's earlier effect-less cursors:
-                # ack it now, not after the rest of the burst (each was a commit already).
+                # acked once that write is committed, not after the rest of the burst.
+                deferred.pop(session, None)
+                acked.pop(session, None)
+                writes.append(durable)
+                self._ack_when(session, durable)
+            elif session in deferred and not session.cursor.has(ev.seq):
+                acked[session] = None  # (a duplicate of a seq of this burst not yet journaled)
+            else:
                 deferred.pop(session, None)
                 acked.pop(session, None)
                 self._queue_ack(session)
         if deferred:
             if self._journal is not None:
-                self._journal.write_cursors([(s.cursor, seqs) for s, seqs in deferred.items()])
+                sessions = list(acked)
+                writes.append(
+                    self._journal.write_cursors(
+                        [(s.cursor, seqs) for s, seqs in deferred.items()],
+                        on_commit=lambda: self._queue_acks(sessions),
+                    )
+                )
+                acked = {}
             else:
                 for s, seqs in deferred.items():
                     s.cursor.mark(seqs)
         self._queue_acks(acked)
+        if wait:
+            for write in writes:
+                write.result()
+            if self._journal is not None:
+                self._journal.flush()  # (and the writes queued without a cursor: a step's)
+
+    def _ack_when(self, session: AgentSession, durable: Future | None) -> None:
+        """Queue the session's ack once ``durable`` (the write carrying an event's cursor) is
+        committed; at once if there is none (nothing journaled, or journaled already)."""
+        if durable is None or durable.done():
+            self._queue_ack(session)
+        else:
+            # (also after a failed write: an ack says only what is journaled, ``durable``)
+            durable.add_done_callback(lambda done: self._queue_ack(session))
 
     def _accept(
         self,
@@ -327,30 +375,31 @@ class SessionHub:
         defer: bool,
         admitted: bool = False,
         earlier: Sequence[int] = (),
-    ) -> bool:
-        """Apply ``ev`` unless its seq was applied already. True: its cursor is not yet
-        journaled (only with ``defer``, for an event that journaled nothing). ``earlier``:
-        seqs of the session applied before it and not yet journaled (journaled with its
-        effect, if it has one)."""
+    ) -> tuple[bool, Future | None]:
+        """Apply ``ev`` unless its seq was applied already. Returns (later, durable): later
+        True: its cursor is not yet journaled (only with ``defer``, for an event that
+        journaled nothing); durable: the future of the journal write that carries its
+        cursor (None: none, or none needed). ``earlier``: seqs of the session applied
+        before it and not yet journaled (journaled with its effect, if it has one)."""
         if not ev.seq:
             self._apply(session, ev)
-            return False
+            return False, None
         if not admitted:
             if ev.seq <= session.applied or session.cursor.has(ev.seq):
                 self._duplicate(session, ev.seq)
-                return False
+                return False, None
             if ev.seq != session.applied + 1:
                 # The agent's outbox overflowed while control was away: those events are lost.
                 _log.warning(
                     "worker event sequence gap", worker_id=session.worker_id, seq=ev.seq, applied=session.applied
                 )
-        written = True
+        written, durable = True, None
         if self._journal is not None:
             with self._journal.applying(
                 session.worker_id, session.incarnation, ev.seq, defer=defer, cursor=session.cursor, earlier=earlier
             ) as ctx:
                 self._apply(session, ev)
-            written = ctx.written or not defer
+            written, durable = ctx.written or not defer, ctx.durable
         else:
             self._apply(session, ev)
             if not defer:
@@ -360,7 +409,7 @@ class SessionHub:
         if not admitted:  # (else the applier's admit keeps it, on the server's loop)
             session.dispatched = max(session.dispatched, ev.seq)
         WORKER_EVENTS.labels("applied").inc()
-        return not written
+        return not written, durable
 
     def _duplicate(self, session: AgentSession, seq: int) -> None:
         self.duplicates += 1

@@ -11,6 +11,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import grpc
@@ -44,10 +45,10 @@ def test_a_burst_journals_its_effectless_cursors_in_one_write_and_acks_the_last_
     hub = plane.c.sessions
     writes: list[list] = []
     real_write = journal.write_cursors
-    journal.write_cursors = lambda cursors: (  # spy, real write
+    journal.write_cursors = lambda cursors, **how: (  # spy, real write (its future)
         writes.append([(c.worker_id, c.incarnation, list(seqs)) for c, seqs in cursors]),
-        real_write(cursors),
-    )
+        real_write(cursors, **how),
+    )[1]
 
     # beat, step (journaled: rank 0's step row, with its cursor), beat, beat
     hub.on_worker_events(
@@ -81,8 +82,10 @@ def test_no_ack_covers_a_seq_whose_cursor_the_journal_did_not_take(tmp_path):
     plane, journal = open_plane(tmp_path / "control.db")
     job_id, session, _ = running_job(plane)
 
-    def disk_full(cursors):
-        raise sqlite3.OperationalError("database or disk is full")
+    def disk_full(cursors, **how):  # the write's future fails (its on_commit never runs)
+        failed: Future = Future()
+        failed.set_exception(sqlite3.OperationalError("database or disk is full"))
+        return failed
 
     journal.write_cursors = disk_full
     with pytest.raises(sqlite3.OperationalError):

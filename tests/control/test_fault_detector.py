@@ -839,3 +839,34 @@ def test_an_agent_deadline_ends_with_its_session_and_at_the_next_registration(th
     cleared = reports.wait(2)[1]
     assert (cleared.fault_class, cleared.cleared) == ("agent_silent", True), cleared
     assert cleared.detail.startswith("the node agent of wb registered again after "), cleared.detail
+
+
+def test_a_jobs_beat_is_applied_while_another_jobs_state_is_held():
+    """Sharded per job (issue 28 item 2): while a thread holds job a's state (a long handler
+    or deadline of a), a beat of job b is applied at once; a's own beat waits for it."""
+    detector = FaultDetector(emit=lambda msg, payload=None: None)
+    for job_id in ("a", "b"):
+        detector.start_fault_monitoring(control_pb2.StartFaultMonitoring(job_id=job_id))
+    held, release = threading.Event(), threading.Event()
+
+    def hold_a() -> None:
+        with detector._job_lock("a"):
+            held.set()
+            release.wait(10)
+
+    def beat_of(job_id: str) -> threading.Event:
+        done = threading.Event()
+        msg = worker_pb2.RankHeartbeat(job_id=job_id, rank=0, step=1, stepping=True, worker_id="w")
+        threading.Thread(target=lambda: (detector.on_rank_heartbeat(msg), done.set()), daemon=True).start()
+        return done
+
+    threading.Thread(target=hold_a, daemon=True).start()
+    assert held.wait(5)
+    try:
+        assert beat_of("b").wait(5)
+        a_done = beat_of("a")
+        assert not a_done.wait(0.3)
+    finally:
+        release.set()
+    assert a_done.wait(5)
+    detector.close()

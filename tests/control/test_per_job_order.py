@@ -65,11 +65,11 @@ def test_a_job_blocked_in_its_apply_does_not_delay_another_jobs_step(tmp_path):
     release, entered = threading.Event(), threading.Event()
     record_step = journal.record_step
 
-    def slow_for_a(job_id, *args):
+    def slow_for_a(job_id, *args, **how):
         if job_id == a:
             entered.set()
             assert release.wait(30)
-        return record_step(job_id, *args)
+        return record_step(job_id, *args, **how)
 
     journal.record_step = slow_for_a
     try:

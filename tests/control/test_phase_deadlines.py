@@ -226,7 +226,7 @@ def test_the_event_applier_stamps_a_beats_receipt_and_observes_how_long_it_waite
         def admit(self, session, ev):
             return True
 
-        def on_worker_events(self, burst, admitted=False):
+        def on_worker_events(self, burst, admitted=False, wait=True):
             release.wait(5.0)  # the applier is busy (say, a slow journal write)
             applied.extend((ev, time.monotonic()) for _, ev in burst)
 

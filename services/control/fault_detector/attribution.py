@@ -15,7 +15,7 @@ class Attribution:
     """Held symptoms and their causes (a part of ``FaultDetector``, see detector.py)."""
 
     def _hold_or_report(self, job_id: str, rank: int, report: control_pb2.FaultReport) -> None:
-        with self._lock:
+        with self._job_lock(job_id):
             job = self._jobs[job_id]
             if rank in job.ranks:
                 job.ranks[rank].unheard = False  # its agent is back (resending)
@@ -42,7 +42,7 @@ class Attribution:
         silence deadline can have fired, and again while it has not (its agent stated a stop
         or a run since) as long as it sent no beat: a rank that beats again, and goes quiet
         once more, is not waited for twice (a slow beater does not hold a stall forever)."""
-        with self._lock:
+        with self._job_lock(job_id):
             job = self._jobs.get(job_id)
             if job is None:
                 return
@@ -108,7 +108,7 @@ class Attribution:
         opens with the first symptom held and does not move (``waited``: the quiet ranks
         whose silence deadline it covers, see _release_held). ``followers`` are held with
         it, after it."""
-        with self._lock:
+        with self._job_lock(job_id):
             job = self._jobs[job_id]
             if not job.held:
                 job.held_waited = {r: job.ranks[r].last_beat_unix for r in waited if r in job.ranks}
@@ -122,7 +122,7 @@ class Attribution:
         """Publish a graded report as a cause, unless its rank has a symptom held: then it
         follows that symptom (e.g. the held rank's own exit)."""
         rank = report.rank
-        with self._lock:
+        with self._job_lock(job_id):
             job = self._jobs[job_id]
             if job.reattaching:
                 # Restored after a control restart: the node agents resend what happened
@@ -139,7 +139,7 @@ class Attribution:
     def _publish_cause(self, job_id: str, report: control_pb2.FaultReport) -> None:
         """Publish ``report``, then whatever symptoms were waiting for a cause: it is theirs.
         Published outside the lock: the orchestrator may command this module back."""
-        with self._lock:
+        with self._job_lock(job_id):
             job = self._jobs[job_id]
             held, job.held, job.held_waited = job.held, [], {}
             if job.held_timer is not None:

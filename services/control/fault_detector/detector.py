@@ -90,8 +90,14 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
         # itself is read-only, so nobody may change the grading at run time.
         self._rules: Mapping[str, int] = MappingProxyType(table)
         self._emit = emit
-        # Re-entrant: a report is published outside it, but timers and handlers share it.
-        self._lock = threading.RLock()
+        # Sharded by job (issue 28 item 2: two jobs' beats never wait for each other): each
+        # job's state (its entries in ``_jobs``, ``_processes``, ``_failures``, ``_counts``) is
+        # read and written under that job's own lock (``_job_lock``: re-entrant, a report is
+        # published outside it, but its timers and handlers share it); the cluster-wide agent
+        # and node state (``_agents``, ``_silent_agents``, ``_sick``) under ``_cluster``, a
+        # leaf: taken inside a job's lock, never around one. No lock is held across jobs.
+        self._job_locks: dict[str, threading.RLock] = {}
+        self._cluster = threading.Lock()
         self._jobs: dict[str, _Job] = {}
         # Every silence, stall and attribution deadline on one heap (not a thread each).
         self._deadlines = Deadlines("fault-detector", workers=16)
@@ -99,9 +105,9 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
         # (job_id, rank) -> (module, operation, cause) of module failures reported: a loop
         # failure that repeats one (it commanded the failed module) is not reported twice.
         self._failures: defaultdict[tuple[str, int], deque] = defaultdict(lambda: deque(maxlen=16))
-        # (job_id, rank) -> (worker_id, pid) -> (RankProcessState.State, detail, unix_time):
+        # job_id -> rank -> (worker_id, pid) -> (RankProcessState.State, detail, unix_time):
         # what the node agents last stated of each process of the rank, until its exit.
-        self._processes: defaultdict[tuple[str, int], dict[tuple[str, int], tuple[int, str, float]]] = defaultdict(dict)
+        self._processes: dict[str, dict[int, dict[tuple[str, int], tuple[int, str, float]]]] = {}
         # Rank faults by node across jobs, for a node that keeps failing (FaultBacklogAlert).
         self._sick = SickNodes(sick_nodes)
         # worker id -> its node agent's silence deadline (re-armed by each AgentHeartbeat), and
@@ -115,6 +121,14 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
         self._link_states: dict[tuple[str, str], int] = {}
         self._link_reported: dict[tuple[str, tuple[str, str]], int] = {}
         self._link_told: dict[tuple[str, str], dict[str, str]] = {}
+
+    def _job_lock(self, job_id: str) -> threading.RLock:
+        """The lock of ``job_id``'s state (made on first use: a job's process states may
+        come before its monitoring starts)."""
+        lock = self._job_locks.get(job_id)
+        if lock is None:
+            lock = self._job_locks.setdefault(job_id, threading.RLock())  # (atomic: one lock per job)
+        return lock
 
     def close(self) -> None:
         """Composition root, when control stops: no silence, stall or attribution deadline
@@ -130,7 +144,7 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
         """开启全域故障监听指令: report faults of ``msg.job_id`` from now on, with its deadlines.
         With ``world_size`` and ``reattach_seconds`` (control restarted): each of the ranks
         gets a silence deadline of ``reattach_seconds`` from now, re-armed by its heartbeats."""
-        with self._lock:
+        with self._job_lock(msg.job_id):
             if msg.job_id in self._jobs:
                 return  # once per job: the deadlines were pushed with the first command
             job = self._jobs[msg.job_id] = _Job(
@@ -161,7 +175,7 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
 
     def reset_fault_ledger(self, msg: control_pb2.ResetFaultLedger, payload: Any = None) -> None:
         """重置故障台账指令: the job's incident is over (recovered); the next fault opens a new one."""
-        with self._lock:
+        with self._job_lock(msg.job_id):
             job = self._jobs.get(msg.job_id)
             if job is not None:
                 job.round_faults = 0
@@ -173,7 +187,7 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
         """A rank process ended: its deadlines end with it. Every exit of a monitored job is
         graded: a code-0 exit is normal once the loop finished, but only the orchestrator
         knows that; an exit after a release is one control asked for."""
-        with self._lock:
+        with self._job_lock(msg.job_id):
             self._forget_process(msg.job_id, msg.rank, msg.worker_id, msg.pid)
             job = self._jobs.get(msg.job_id)
             watch = job.ranks.pop(msg.rank, None) if job is not None else None
@@ -226,14 +240,15 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
         ``device_error`` cordons it), and a device can fail on an idle node."""
         fault_class = device_fault_class(msg)
         where: dict[str, int] = {}
-        with self._lock:
-            for job_id, job in self._jobs.items():
+        for job_id in list(self._jobs):  # (each job under its own lock, one at a time)
+            with self._job_lock(job_id):
+                job = self._jobs[job_id]
                 for rank, watch in job.ranks.items():
                     if watch.worker_id == msg.worker_id:
                         where[job_id] = min(rank, where.get(job_id, rank))
-            for (job_id, rank), processes in self._processes.items():
-                if job_id in self._jobs and any(w == msg.worker_id for w, _ in processes):
-                    where[job_id] = min(rank, where.get(job_id, rank))
+                for rank, processes in self._processes.get(job_id, {}).items():
+                    if any(w == msg.worker_id for w, _ in processes):
+                        where[job_id] = min(rank, where.get(job_id, rank))
         detail = (
             f"device {msg.device} of {msg.worker_id}: {msg.detail or engine_pb2.HardwareError.Error.Name(msg.error)}"
         )
@@ -354,7 +369,7 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
         waits for the service up to the job's data_outage_seconds. Meanwhile the rank's data
         wait is no stall: its budget has that wait on top (the relay gives up after it, and
         L1-1 decides before that), re-armed from the rank's last progress."""
-        with self._lock:
+        with self._job_lock(msg.job_id):
             job = self._jobs.get(msg.job_id)
             if job is None:
                 return
@@ -433,12 +448,12 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
                 detail=failure.detail,
             )
             return
-        with self._lock:
+        with self._job_lock(job_id):
             self._failures[(job_id, rank)].append((failure.module, failure.operation, failure.cause))
         self._hold_or_report(job_id, rank, report)
 
     def _seen_failure(self, job_id: str, rank: int, failure: route_pb2.Failure) -> bool:
-        with self._lock:
+        with self._job_lock(job_id):
             return (failure.module, failure.operation, failure.cause) in self._failures.get((job_id, rank), ())
 
     def on_boundary_violation_reported(self, msg: audit_pb2.BoundaryViolationReported, payload: Any = None) -> None:

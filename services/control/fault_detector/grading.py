@@ -41,7 +41,7 @@ class Grading:
     ) -> control_pb2.FaultReport | None:
         now = time.time()
         sick = None
-        with self._lock:
+        with self._job_lock(job_id):
             job = self._jobs.get(job_id)
             if job is None:
                 return None  # not a job this control started (e.g. ranks from a previous run)
@@ -51,7 +51,8 @@ class Grading:
                 worker_id = job.ranks[rank].worker_id
             if worker_id and fault_class in NODE_FAULT_CLASSES:
                 kind = fault_class + (f"/{control_pb2.ExitCause.Name(exit_cause)}" if exit_cause else "")
-                sick = self._sick.record(NodeFault(worker_id, job_id, job.round, kind, now))
+                with self._cluster:  # (across jobs: the node's faults)
+                    sick = self._sick.record(NodeFault(worker_id, job_id, job.round, kind, now))
         if sick is not None:
             self._alert_sick(sick)
         return control_pb2.FaultReport(

@@ -79,7 +79,8 @@ class Links:
         if not msg.worker_id or not msg.peer_worker_id or msg.worker_id == msg.peer_worker_id:
             return
         pair = _pair(msg.worker_id, msg.peer_worker_id)
-        with self._lock:
+        across = self._jobs_across(pair)  # (each job's nodes under its own lock, before _cluster)
+        with self._cluster:
             key = (msg.worker_id, msg.peer_worker_id)
             if msg.state == LinkState.STATE_UNSPECIFIED:
                 self._link_views.pop(key, None)
@@ -93,7 +94,7 @@ class Links:
                 self._link_states.pop(pair, None)
             else:
                 self._link_states[pair] = now
-            jobs = sorted(j for j, job in self._jobs.items() if set(pair) <= self._nodes(job))
+            jobs = across
             ends = self._link_ends(pair)
             told = self._link_told.pop(pair, {}) if now == _UP else {}
             probed = any(k in self._link_views for k in (pair, pair[::-1]))
@@ -139,12 +140,12 @@ class Links:
         report.link_ends.extend(ends)
         report.cleared = cleared
         if not cleared:
-            with self._lock:
+            with self._cluster:
                 self._link_told.setdefault(pair, {})[job_id] = fault_class
         self._emit(report)
 
     def _forget_link_views(self, worker_id: str) -> None:
-        """Under the lock: a node agent registered anew: its views are restated after its
+        """Under ``_cluster``: a node agent registered anew: its views are restated after its
         registration (a new incarnation starts with none)."""
         for key in [k for k in self._link_views if k[0] == worker_id]:
             del self._link_views[key]
@@ -158,33 +159,35 @@ class Links:
     def _link_down_report(
         self, job_id: str, job: _Job, rank: int, quiet: list[int], why: str
     ) -> control_pb2.FaultReport | None:
-        """Under the lock: the ``link_down`` report of ``rank``'s collective (``why``: what it
-        did), when a down link joins two nodes of the job whose ranks all still beat (none in
-        ``quiet``), and none was reported for that link this round; else None. The job's
-        other ranks waiting in a collective are declared stalled with it."""
+        """Under the job's lock: the ``link_down`` report of ``rank``'s collective (``why``:
+        what it did), when a down link joins two nodes of the job whose ranks all still beat
+        (none in ``quiet``), and none was reported for that link this round; else None. The
+        job's other ranks waiting in a collective are declared stalled with it. The link state
+        is read under ``_cluster`` (a leaf), released before the grading (which takes it too)."""
         beating: set[str] = set()
         silent: set[str] = set()
         for r, w in job.ranks.items():
             (silent if r in quiet else beating).add(w.worker_id)
-        down = [
-            p
-            for p, state in sorted(self._link_states.items())
-            if state == _DOWN
-            and set(p) <= beating
-            and not set(p) & silent
-            and self._link_reported.get((job_id, p)) != job.round
-        ]
-        if not down:
-            return None
-        pair = down[0]
-        self._link_reported[(job_id, pair)] = job.round
+        with self._cluster:
+            down = [
+                p
+                for p, state in sorted(self._link_states.items())
+                if state == _DOWN
+                and set(p) <= beating
+                and not set(p) & silent
+                and self._link_reported.get((job_id, p)) != job.round
+            ]
+            if not down:
+                return None
+            pair = down[0]
+            self._link_reported[(job_id, pair)] = job.round
+            ends = self._link_ends(pair)
         for w in job.ranks.values():
             if w.phase == RankPhase.PHASE_COLLECTIVE and w.stepping and not w.stalled:
                 if w.stall is not None:
                     w.stall.cancel()
                 w.stall, w.stalled, w.waiting = None, True, False
         watch = job.ranks.get(rank)
-        ends = self._link_ends(pair)
         report = self._graded(
             job_id,
             LINK_DOWN,
@@ -199,7 +202,8 @@ class Links:
         )
         if report is not None:
             report.link_ends.extend(ends)
-            self._link_told.setdefault(pair, {})[job_id] = LINK_DOWN
+            with self._cluster:
+                self._link_told.setdefault(pair, {})[job_id] = LINK_DOWN
         return report
 
     def _combined(self, pair: Pair) -> int | None:
@@ -208,7 +212,7 @@ class Links:
         return combine(self._link_views.get((a, b), up).state, self._link_views.get((b, a), up).state)
 
     def _link_ends(self, pair: Pair) -> list[control_pb2.LinkEnd]:
-        """Under the lock: both ends of ``pair``, each with its links down and its view."""
+        """Under ``_cluster``: both ends of ``pair``, each with its links down and its view."""
         ends = []
         for me, other in (pair, pair[::-1]):
             view = self._link_views.get((me, other))
@@ -227,10 +231,20 @@ class Links:
         return {w.worker_id for w in job.ranks.values() if w.worker_id}
 
     def _lowest_rank(self, job_id: str, worker_id: str) -> int:
-        with self._lock:
+        with self._job_lock(job_id):
             job = self._jobs.get(job_id)
             ranks = [r for r, w in job.ranks.items() if w.worker_id == worker_id] if job is not None else []
         return min(ranks, default=0)
+
+    def _jobs_across(self, pair: Pair) -> list[str]:
+        """The jobs with ranks on both nodes of ``pair``, each read under its own lock (no
+        lock held across jobs; none held when called)."""
+        across = []
+        for job_id, job in list(self._jobs.items()):  # (a copy: jobs start and end meanwhile)
+            with self._job_lock(job_id):
+                if set(pair) <= self._nodes(job):
+                    across.append(job_id)
+        return sorted(across)
 
 
 def _losses(ends: list[control_pb2.LinkEnd]) -> str:

@@ -39,7 +39,7 @@ class Liveness:
         mono = time.monotonic()
         received = msg.received_monotonic or mono
         wait = max(AGENT_MISSED_BEATS * (msg.interval_seconds or 1.0), AGENT_SILENT_MIN_SECONDS)
-        with self._lock:
+        with self._cluster:
             armed = self._agents.get(msg.worker_id)
             if armed is not None:
                 armed[1].cancel()
@@ -67,7 +67,7 @@ class Liveness:
         if msg.departing:
             return
         mono = time.monotonic()
-        with self._lock:
+        with self._cluster:
             armed = self._agents.pop(msg.worker_id, None)
             if armed is not None:
                 armed[1].cancel()
@@ -94,7 +94,7 @@ class Liveness:
         )
 
     def _agent_silence_passed(self, worker_id: str, token: object, received: float, wait: float) -> None:
-        with self._lock:
+        with self._cluster:
             armed = self._agents.get(worker_id)
             if armed is None or armed[0] is not token:
                 return  # re-armed meanwhile
@@ -128,12 +128,12 @@ class Liveness:
         now = time.time() - lag  # the receipt, on the wall clock the reports use
         # Re-attached: a beat the rank sent after the restart (a resent older one says
         # nothing about what its agent has still to resend).
-        with self._lock:
+        with self._job_lock(msg.job_id):
             job = self._jobs.get(msg.job_id)
             fresh = job is not None and (not msg.unix_time or msg.unix_time >= job.restored_unix)
         if fresh and self._reattached(msg.job_id, msg.rank):
             self._release_held(msg.job_id)
-        with self._lock:
+        with self._job_lock(msg.job_id):
             job = self._jobs.get(msg.job_id)
             if job is None:
                 return
@@ -225,8 +225,9 @@ class Liveness:
         most a beat period after its last beat: it is declared at most the timeout plus one
         beat period after that beat (the slack). One stated running (continued) gets
         ``heartbeat_timeout_running_seconds`` from its last beat (see ``_silence_passed``)."""
-        with self._lock:
-            self._processes[(msg.job_id, msg.rank)][(msg.worker_id, msg.pid)] = (msg.state, msg.detail, msg.unix_time)
+        with self._job_lock(msg.job_id):
+            ranks = self._processes.setdefault(msg.job_id, {})
+            ranks.setdefault(msg.rank, {})[(msg.worker_id, msg.pid)] = (msg.state, msg.detail, msg.unix_time)
             job = self._jobs.get(msg.job_id)
             watch = job.ranks.get(msg.rank) if job is not None else None
             if watch is None or watch.silence is None or watch.unheard:
@@ -252,7 +253,7 @@ class Liveness:
         ``running_timeout_s`` while its node agent states its process running,
         ``heartbeat_timeout_s`` after control heard the agent state it stopped): it is
         declared silent, saying which."""
-        with self._lock:
+        with self._job_lock(job_id):
             job = self._jobs.get(job_id)
             if job is None or job.ranks.get(rank) is not watch:
                 return  # the rank exited (or a new process of it beats) meanwhile
@@ -326,28 +327,31 @@ class Liveness:
         """What the node agent of ``worker_id`` last stated of the rank's process there:
         (RankProcessState.State, its detail); (STATE_UNSPECIFIED, "") where it stated nothing
         (a rank not launched by a node agent, a worker unknown). Of two processes of the rank
-        there (one released, not yet reaped), the newest: the one that beats. Lock held."""
-        states = [v for (w, _), v in self._processes.get((job_id, rank), {}).items() if w == worker_id]
+        there (one released, not yet reaped), the newest: the one that beats. The job's lock held."""
+        states = [v for (w, _), v in self._processes.get(job_id, {}).get(rank, {}).items() if w == worker_id]
         if not worker_id or not states:
             return control_pb2.RankProcessState.STATE_UNSPECIFIED, ""
         state, detail, _ = states[-1]  # (keys keep the order in which each process was first stated)
         return state, detail
 
     def _forget_process(self, job_id: str, rank: int, worker_id: str, pid: int) -> None:
-        """The process ended (pid 0: every process of the rank on that worker). Lock held."""
-        known = self._processes.get((job_id, rank))
+        """The process ended (pid 0: every process of the rank on that worker). The job's lock held."""
+        ranks = self._processes.get(job_id, {})
+        known = ranks.get(rank)
         if known is None:
             return
         for key in [k for k in known if k[0] == worker_id and (not pid or k[1] == pid)]:
             del known[key]
         if not known:
-            del self._processes[(job_id, rank)]
+            del ranks[rank]
+        if not ranks:
+            del self._processes[job_id]
 
     def _silence_timeout(self, job_id: str, job: _Job, rank: int, watch: _RankWatch) -> float:
         """How long the rank may stay without a beat: longer while its node agent states its
         process runs, the job's heartbeat timeout otherwise (nothing stated, or stopped: a
         beat from a process still stated stopped came before the agent's word that it
-        continued) (lock held)."""
+        continued) (the job's lock held)."""
         state, _ = self._process_state(job_id, rank, watch.worker_id)
         if state == control_pb2.RankProcessState.RUNNING:
             return job.running_timeout_s
@@ -356,7 +360,7 @@ class Liveness:
     def _reattached(self, job_id: str, rank: int) -> bool:
         """The rank was heard from after a control restart; True when it was the last one
         the job waited for and symptoms are held (they may go now)."""
-        with self._lock:
+        with self._job_lock(job_id):
             job = self._jobs.get(job_id)
             if job is None or rank not in job.reattaching:
                 return False

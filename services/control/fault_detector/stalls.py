@@ -30,7 +30,7 @@ class Stalls:
         in a collective that way."""
         now = time.time()
         consequences: list[tuple[int, _RankWatch]] = []
-        with self._lock:
+        with self._job_lock(job_id):
             job = self._jobs.get(job_id)
             if job is None or job.ranks.get(rank) is not watch or watch.stall is None:
                 return

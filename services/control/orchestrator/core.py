@@ -11,12 +11,20 @@ Locks, outermost first (services/control/event_applier.py gives control's whole 
    cordons and commands the other modules; re-entrant (a command this module sends may come
    back as an event on the same thread). Held for the decision only: the operator's queries
    never take it (they read ``JobViews``, published under it after each change), and a rank
-   0 step's journal writes run after it (``_write_later``);
-2. a job's journal lock (``_journal_lock``): the job's journal writes and JobEvents, in the
-   order decided. Taken under the decision lock, or alone by the writer a decision handed
-   its writes to (it took the lock before it let the decision lock go, so no later
-   decision's write of the job overtakes it); nothing is taken under it but leaf locks
-   (the journal's, the watch hub's).
+   0 step's journal write is queued after it (``_write_later``) and not waited for;
+2. a job's journal lock (``_journal_lock``): the order in which the job's journal writes are
+   queued on the journal's group-commit writer (services/control/journal_writer.py: one
+   FIFO, committed in groups, in order), so in the order decided. Taken under the decision
+   lock, or alone by the thread a decision handed its writes to (it took the lock before it
+   let the decision lock go, so no later decision's write of the job is queued before it);
+   nothing is taken under it but leaf locks (the writer's queue; waiting on a write's commit
+   under it is allowed: the writer takes no lock of this module).
+
+A job's JobEvents are emitted by the writer, once their write is committed, in journal
+order (``_emitted``): a watcher never sees an event the journal could lose. A decision other
+than a rank 0 step still waits for its write's commit under the decision lock (its commands
+to the ranks are sent after their record is journaled, as ``_send_again`` after a restart
+assumes); the commit is a group commit shared with every other job's queued writes.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -371,8 +380,8 @@ class Orchestrator(
 
     def _write_later(self, job: _Job) -> threading.RLock:
         """Under the lock: the job's journal lock, taken (so no later decision's write of the
-        job overtakes the caller's, made after it lets the decision lock go); the caller
-        makes them (``_write``) and releases it."""
+        job is queued before the caller's, queued after it lets the decision lock go); the
+        caller queues them and releases it."""
         lock = self._journal_lock(job.status.job_id)
         lock.acquire()
         return lock
@@ -413,9 +422,18 @@ class Orchestrator(
             self._write(*write)
 
     def _write(self, event: control_pb2.JobEvent, runtime: dict, spec_json: str | None = None) -> None:
-        """Journal one event of ``_record`` (its status a copy made under the lock) and
-        publish it, under its job's journal lock."""
+        """Journal one event of ``_record`` (its status a copy made under the lock), under its
+        job's journal lock, and wait for the commit; the event is emitted once committed."""
         with self._journal_lock(event.job_id):
-            self._journal.save_status(event.status, event, runtime, spec_json=spec_json)
-            _log.info("job event", job_id=event.job_id, seq=event.seq, type=event.type, message=event.message)
-            self._emit(event)
+            self._journal.save_status(event.status, event, runtime, spec_json=spec_json, on_commit=self._emitted(event))
+
+    def _emitted(self, *events: control_pb2.JobEvent) -> Callable[[], None]:
+        """What the journal's writer does once ``events`` are committed: log and emit them
+        (on the writer's thread, in journal order; the emitter takes leaf locks only)."""
+
+        def emit() -> None:
+            for event in events:
+                _log.info("job event", job_id=event.job_id, seq=event.seq, type=event.type, message=event.message)
+                self._emit(event)
+
+        return emit

@@ -99,9 +99,11 @@ class RankEvents:
         would otherwise be missing (the trial's "tokens seen" was one step short).
 
         The decision lock is held for the status only: the step's journal writes (its step
-        row, the status at most every ``persist_interval_s``) are made after it, under the
-        job's journal lock (``_write_later``), so one job's commit never holds up another
-        job's decisions."""
+        row, the status at most every ``persist_interval_s``) are queued after it, under the
+        job's journal lock (``_write_later``), as one write with the applying event's cursor,
+        and not waited for: the journal's writer commits them with every other job's (a
+        group commit), then emits their JobEvents, and the event's ack goes down once it is
+        durable (services/control/session_hub.py)."""
         if msg.rank != 0:
             if self._reattaching.waits_for(msg.job_id):  # (else nothing to decide: no lock)
                 with self._lock:
@@ -115,9 +117,16 @@ class RankEvents:
             if journal_lock is not None:
                 # Every applied step, in order (the journal of progress a restart resumes
                 # from; an event applied twice would show here as a repeated step).
-                self._journal.record_step(msg.job_id, msg.step, msg.loss, msg.tokens, msg.unix_time or time.time())
-                for write in later:
-                    self._write(*write)
+                self._journal.record_step(
+                    msg.job_id,
+                    msg.step,
+                    msg.loss,
+                    msg.tokens,
+                    msg.unix_time or time.time(),
+                    [(event.status, event, runtime, spec_json) for event, runtime, spec_json in later],
+                    on_commit=self._emitted(*(event for event, _, _ in later)) if later else None,
+                    wait=False,
+                )
         finally:
             if journal_lock is not None:
                 journal_lock.release()
