@@ -124,7 +124,7 @@ def test_control_stamps_each_beat_of_a_batch_and_queues_it_on_its_jobs_queue():
         def admit(self, session, ev):
             return True
 
-        def on_worker_events(self, burst, admitted=False):
+        def on_worker_events(self, burst, admitted=False, wait=True):
             applied.extend(ev for _, ev in burst)
 
     batch = control_pb2.RankBeats(job_id="j")
