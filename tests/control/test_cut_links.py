@@ -85,6 +85,7 @@ def wired(**deadlines) -> tuple[Bus, Reports]:
         (control_pb2.ResetFaultLedger, detector.reset_fault_ledger),
         (worker_pb2.RankHeartbeat, detector.on_rank_heartbeat),
         (control_pb2.LinkStateChanged, detector.on_link_state_changed),
+        (control_pb2.AgentHeartbeat, detector.on_agent_heartbeat),
         (control_pb2.WorkerRegistration, detector.on_worker_registration),
         (engine_pb2.TrainingLoopFailed, detector.on_training_loop_failed),
     ):
@@ -204,6 +205,61 @@ def test_a_degraded_link_is_a_warning_for_each_job_across_it_once_per_change():
         ("link_degraded", True),
         ("link_degraded", False),
     ]
+
+
+def _agent_beats(bus: Bus, workers: dict[str, threading.Event]) -> callable:
+    """Each worker's node agent beats every 0.1 s while its event is set (cleared: paused)."""
+    stop = threading.Event()
+
+    def run():
+        while not stop.wait(0.1):
+            for worker, live in workers.items():
+                if live.is_set():
+                    beat = control_pb2.AgentHeartbeat(
+                        worker_id=worker, interval_seconds=0.1, received_monotonic=time.monotonic()
+                    )
+                    bus.publish(Module.EXT_HARDWARE, beat)
+
+    threading.Thread(target=run, daemon=True).start()
+    return stop.set
+
+
+def test_a_lossy_link_while_an_end_s_node_agent_is_paused_is_that_pause_not_a_degraded_link():
+    # The probes live in the agents: w2's agent paused (a SIGSTOP, a debugger) stops answering
+    # w1's probes, and its beats to control stop too. Held, then dropped; a loss that outlasts
+    # the pause is reported once the agents beat on. (Other reports, e.g. the ranks' silence
+    # here, are not this test's.)
+    bus, reports = wired(heartbeat_timeout_seconds=60.0)
+    beat(bus, 0, "w1", phase=worker_pb2.PHASE_FORWARD)
+    beat(bus, 1, "w2", phase=worker_pb2.PHASE_FORWARD)
+
+    def degraded() -> list:
+        return [r for r in list(reports) if r.fault_class == "link_degraded"]
+
+    agents = {"w1": threading.Event(), "w2": threading.Event()}
+    for live in agents.values():
+        live.set()
+    stop = _agent_beats(bus, agents)
+    try:
+        time.sleep(0.3)
+        agents["w2"].clear()  # paused
+        time.sleep(0.3)
+        lossy = Link(worker_id="w1", peer_worker_id="w2", state=DEGRADED, round_trip_loss=0.4, inbound_loss=0.4)
+        lossy.window_seconds = 1.0  # (the probes' window: the hold)
+        bus.publish(Module.EXT_HARDWARE, lossy)
+        time.sleep(1.3)  # past the hold: w2's agent is quiet, nothing reported
+        assert degraded() == []
+        agents["w2"].set()  # back; the link stays lossy (it was the pause, or it is real)
+        time.sleep(0.5)  # held again: w2's quiet spell ended within the probes' window
+        assert degraded() == []
+        deadline = time.monotonic() + 8.0
+        while not degraded():  # it outlasted the pause: the link's
+            assert time.monotonic() < deadline, "a loss that outlasted the pause was never reported"
+            time.sleep(0.05)
+    finally:
+        stop()
+    (report,) = degraded()
+    assert not report.cleared
 
 
 def test_a_node_agent_registering_again_forgets_its_views():

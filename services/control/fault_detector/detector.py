@@ -121,6 +121,11 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
         self._link_states: dict[tuple[str, str], int] = {}
         self._link_reported: dict[tuple[str, tuple[str, str]], int] = {}
         self._link_told: dict[tuple[str, str], dict[str, str]] = {}
+        # worker id -> (receipt of its agent's last beat, its period, when its last quiet spell
+        # ended): a link that looks lossy while an end's agent was paused is that agent's pause
+        # (its probes stopped with it), not the link's (links.py: the hold of a degraded link).
+        self._agent_beats: dict[str, tuple[float, float, float]] = {}
+        self._link_holds: dict[tuple[str, str], object] = {}  # pair -> the hold armed for it
 
     def _job_lock(self, job_id: str) -> threading.RLock:
         """The lock of ``job_id``'s state (made on first use: a job's process states may

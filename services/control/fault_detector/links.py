@@ -32,7 +32,7 @@ from typing import Any
 import structlog
 
 from services.contract import Module, control_pb2
-from services.control.fault_detector.rules import LINK_DEGRADED, LINK_DOWN
+from services.control.fault_detector.rules import LINK_DEGRADED, LINK_DOWN, QUIET_PERIODS
 from services.control.fault_detector.watch import RankPhase, _Job
 
 _log = structlog.get_logger("fault_detector")
@@ -111,9 +111,62 @@ class Links:
             return
         if now != _DEGRADED:
             return  # (down grades the collective that stalls across it)
-        for job_id in jobs:
-            detail = f"link {pair[0]} <-> {pair[1]} degraded: {_losses(ends)}"
+        self._hold_degraded(pair, msg)
+
+    def _hold_degraded(self, pair: Pair, msg: control_pb2.LinkStateChanged) -> None:
+        """A link just turned degraded: reported after a hold, if it still is and neither end's
+        node agent was quiet meanwhile. Why: the probes live in the agents, so an agent paused
+        (SIGSTOP, a debugger, a starved host) stops answering its peer's probes, and its peer
+        sees loss on a link that is fine; its beats to control stop too, which tells the two
+        apart. The hold is the longer of the probes' window and two of the agents' beat periods
+        (an agent never heard adds nothing), so that a pause that began before the loss
+        showed has shown in the beats as well."""
+        hold = max(msg.window_seconds, 2 * max(self._agent_period(w) for w in pair))
+        token = object()
+        with self._cluster:
+            self._link_holds[pair] = token
+        if hold <= 0:  # (neither end's agent heard, no window: nothing to wait for)
+            self._degraded_due(pair, token, msg, hold)
+            return
+        self._deadlines.after(hold, self._degraded_due, (pair, token, msg, hold))
+
+    def _degraded_due(self, pair: Pair, token: object, msg: control_pb2.LinkStateChanged, hold: float) -> None:
+        """A degraded link's hold ran out (a deadline callback): each job across it is told,
+        unless it is no longer degraded, or an end's agent is quiet or was within the probes'
+        window and the hold (then held again: a real loss outlasts the pause by a window)."""
+        now = time.monotonic()
+        with self._cluster:
+            if self._link_holds.get(pair) is not token:
+                return  # (a newer change of the link armed its own)
+            if self._link_states.get(pair) != _DEGRADED:
+                self._link_holds.pop(pair, None)
+                return
+            paused = [w for w in pair if self._agent_paused(w, now, now - msg.window_seconds - hold)]
+            if not paused:
+                self._link_holds.pop(pair, None)
+                ends = self._link_ends(pair)
+        if paused:
+            _log.info("link loss held: an end's node agent was quiet", link=list(pair), quiet=paused)
+            self._hold_degraded(pair, msg)
+            return
+        detail = f"link {pair[0]} <-> {pair[1]} degraded: {_losses(ends)}"
+        for job_id in self._jobs_across(pair):
             self._emit_link(job_id, LINK_DEGRADED, pair, detail, ends, msg)
+
+    def _agent_period(self, worker_id: str) -> float:
+        """The beat period of ``worker_id``'s agent (0: never heard, nothing to wait for)."""
+        with self._cluster:
+            beat = self._agent_beats.get(worker_id)
+        return beat[1] if beat is not None else 0.0
+
+    def _agent_paused(self, worker_id: str, now: float, after: float) -> bool:
+        """Under ``_cluster``: whether ``worker_id``'s agent is quiet now, or came back from a
+        quiet spell after ``after`` (time.monotonic()). An agent never heard: not paused."""
+        beat = self._agent_beats.get(worker_id)
+        if beat is None:
+            return False
+        last, period, quiet_ended = beat
+        return now - last > QUIET_PERIODS * period or quiet_ended > after
 
     def _emit_link(
         self,

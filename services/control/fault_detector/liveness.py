@@ -17,6 +17,7 @@ from services.control.fault_detector.rules import (
     AGENT_MISSED_BEATS,
     AGENT_SILENT,
     AGENT_SILENT_MIN_SECONDS,
+    QUIET_PERIODS,
     RANK_SILENT,
     SLOW_RANK,
     SLOW_RANK_CLEARED,
@@ -44,6 +45,11 @@ class Liveness:
             if armed is not None:
                 armed[1].cancel()
             quiet_since = self._silent_agents.pop(msg.worker_id, None)
+            period = msg.interval_seconds or 1.0
+            last, _, quiet_ended = self._agent_beats.get(msg.worker_id, (received, period, 0.0))
+            if received - last > QUIET_PERIODS * period:  # (it was quiet: paused, stopped, starved)
+                quiet_ended = received
+            self._agent_beats[msg.worker_id] = (max(last, received), period, quiet_ended)
             token = object()  # which arming fires (a re-armed one is stale)
             args = (msg.worker_id, token, received, wait)
             self._agents[msg.worker_id] = (

@@ -34,6 +34,8 @@ AGENT_SILENT = "agent_silent"  # a node agent missed its own beats (AgentHeartbe
 # A node agent silent for this many of its beat periods (at least AGENT_SILENT_MIN_SECONDS) is
 # reported agent_silent: a frozen or cut-off agent would hold a rank placed there until it woke.
 AGENT_MISSED_BEATS = 5
+# A node agent is quiet once it has not beaten for this many of its periods (links.py).
+QUIET_PERIODS = 1.5
 AGENT_SILENT_MIN_SECONDS = 3.0
 SLOW_RANK = "slow_rank"  # computes >= 1.5x its peers' median per step, sustained (slow_ranks.py)
 SLOW_RANK_CLEARED = "slow_rank_cleared"  # a rank named slow is not any more (or ended)
