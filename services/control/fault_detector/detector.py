@@ -126,6 +126,9 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
         # (its probes stopped with it), not the link's (links.py: the hold of a degraded link).
         self._agent_beats: dict[str, tuple[float, float, float]] = {}
         self._link_holds: dict[tuple[str, str], object] = {}  # pair -> the hold armed for it
+        # pair -> the LinkStateChanged of a degraded link whose hold ended with an end's agent
+        # quiet: held again when that agent beats again (``_agent_back``).
+        self._link_waiting: dict[tuple[str, str], Any] = {}
 
     def _job_lock(self, job_id: str) -> threading.RLock:
         """The lock of ``job_id``'s state (made on first use: a job's process states may

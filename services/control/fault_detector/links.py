@@ -118,10 +118,10 @@ class Links:
         node agent was quiet meanwhile. Why: the probes live in the agents, so an agent paused
         (SIGSTOP, a debugger, a starved host) stops answering its peer's probes, and its peer
         sees loss on a link that is fine; its beats to control stop too, which tells the two
-        apart. The hold is the longer of the probes' window and two of the agents' beat periods
-        (an agent never heard adds nothing), so that a pause that began before the loss
-        showed has shown in the beats as well."""
-        hold = max(msg.window_seconds, 2 * max(self._agent_period(w) for w in pair))
+        apart. The hold is the probes' window and two of the agents' beat periods (an agent never
+        heard adds nothing): a pause that began before the loss showed has shown in the beats
+        as well, and the loss measured at its end is over a window after any pause before."""
+        hold = msg.window_seconds + 2 * max(self._agent_period(w) for w in pair)
         token = object()
         with self._cluster:
             self._link_holds[pair] = token
@@ -133,7 +133,8 @@ class Links:
     def _degraded_due(self, pair: Pair, token: object, msg: control_pb2.LinkStateChanged, hold: float) -> None:
         """A degraded link's hold ran out (a deadline callback): each job across it is told,
         unless it is no longer degraded, or an end's agent is quiet or was within the probes'
-        window and the hold (then held again: a real loss outlasts the pause by a window)."""
+        window: then it waits for that agent's next beat to be held again (a real
+        loss outlasts the pause by a window; an agent that never beats again leaves it unsaid)."""
         now = time.monotonic()
         with self._cluster:
             if self._link_holds.get(pair) is not token:
@@ -141,17 +142,28 @@ class Links:
             if self._link_states.get(pair) != _DEGRADED:
                 self._link_holds.pop(pair, None)
                 return
-            paused = [w for w in pair if self._agent_paused(w, now, now - msg.window_seconds - hold)]
+            paused = [w for w in pair if self._agent_paused(w, now, now - msg.window_seconds)]
             if not paused:
                 self._link_holds.pop(pair, None)
                 ends = self._link_ends(pair)
-        if paused:
+        if paused:  # (held again when the quiet agent beats again: on_agent_heartbeat, no polling)
             _log.info("link loss held: an end's node agent was quiet", link=list(pair), quiet=paused)
-            self._hold_degraded(pair, msg)
+            with self._cluster:
+                self._link_waiting[pair] = msg
             return
         detail = f"link {pair[0]} <-> {pair[1]} degraded: {_losses(ends)}"
         for job_id in self._jobs_across(pair):
             self._emit_link(job_id, LINK_DEGRADED, pair, detail, ends, msg)
+
+    def _agent_back(self, worker_id: str) -> None:
+        """``worker_id``'s agent beat again after a quiet spell: the degraded links that waited
+        for it are held again (from its beat, an event: nothing polls)."""
+        with self._cluster:
+            waiting = [(p, m) for p, m in self._link_waiting.items() if worker_id in p]
+            for p, _ in waiting:
+                del self._link_waiting[p]
+        for pair, msg in waiting:
+            self._hold_degraded(pair, msg)
 
     def _agent_period(self, worker_id: str) -> float:
         """The beat period of ``worker_id``'s agent (0: never heard, nothing to wait for)."""

@@ -47,7 +47,8 @@ class Liveness:
             quiet_since = self._silent_agents.pop(msg.worker_id, None)
             period = msg.interval_seconds or 1.0
             last, _, quiet_ended = self._agent_beats.get(msg.worker_id, (received, period, 0.0))
-            if received - last > QUIET_PERIODS * period:  # (it was quiet: paused, stopped, starved)
+            back = received - last > QUIET_PERIODS * period  # (it was quiet: paused, stopped, starved)
+            if back:
                 quiet_ended = received
             self._agent_beats[msg.worker_id] = (max(last, received), period, quiet_ended)
             token = object()  # which arming fires (a re-armed one is stale)
@@ -58,6 +59,8 @@ class Liveness:
             )
         if quiet_since is not None:
             self._agent_heard_again(msg.worker_id, f"beats again after {received - quiet_since:.1f} s")
+        if back:
+            self._agent_back(msg.worker_id)  # (a degraded link held while it was quiet: held again)
 
     def on_worker_registration(self, msg: control_pb2.WorkerRegistration, payload: Any = None) -> None:
         """A node agent's registration or withdrawal (heard here before L1-2 offers or
