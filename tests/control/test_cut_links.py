@@ -22,6 +22,7 @@ from services.jobspec import DEFAULT_CLASS_ACTIONS, FaultPolicySpec, LinksSpec
 from services.worker.link_probe import LinkProber
 
 from .conftest import drain
+from .test_fault_detector import Reports
 from .test_fault_policy import decisions, running
 
 FaultGrade = control_pb2.FaultGrade
@@ -59,22 +60,6 @@ def test_link_classes_are_graded_and_decided_by_default():
 
 
 # ---------------------------------------------------------------- L1-3
-
-
-class Reports(list):
-    def __init__(self):
-        super().__init__()
-        self._cond = threading.Condition()
-
-    def add(self, msg, payload=None) -> None:
-        with self._cond:
-            self.append(msg)
-            self._cond.notify_all()
-
-    def wait(self, n: int, timeout: float = 5.0) -> list[control_pb2.FaultReport]:
-        with self._cond:
-            assert self._cond.wait_for(lambda: len(self) >= n, timeout), f"{len(self)} reports, expected {n}: {self}"
-            return list(self)
 
 
 def wired(**deadlines) -> tuple[Bus, Reports]:
