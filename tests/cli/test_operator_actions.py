@@ -183,7 +183,7 @@ def test_stop_checkpoints_its_step_and_resume_ends_bit_identical_to_an_uninterru
     assert stopped.outcome == JobOutcome.STOPPED and stopped.step < STEPS
     log = messages(stack, job)
     assert any(
-        m.startswith("stop requested: ranks checkpoint and stop at the first step boundary every rank") for m in log
+        m.startswith("stop requested: ranks checkpoint and stop at the next step boundary every rank") for m in log
     )
     assert f"stop: every rank agreed on after step {stopped.step}" in log, log  # the boundary, from the ranks
     assert any(m.startswith(f"checkpoint {job}:1 at step {stopped.step} ") for m in log), log

@@ -535,7 +535,7 @@ def test_a_standing_order_the_orchestrator_withdraws_reaches_every_rank_with_one
     for session in w.values():
         assert [to_ranks(c) for c in drain(session)] == [engine_pb2.RevokeStandingOrder(job_id=job_id, order=1, seq=1)]
     assert decisions(plane, job_id)[-1] == (
-        "standing order 1 revoked at the first step boundary every rank agrees on (boundary command 1)"
+        "standing order 1 revoked at the next step boundary every rank agrees on (command #1 to the ranks)"
     )
     plane.rank_event(w["wa"], job_id, 0, step=engine_pb2.StepCompleted(step=8, loss=2.0, tokens=64, commands_agreed=1))
     assert "standing order 1 revoked after step 8" in [e.message for e in plane.events(job_id)[-2:]]  # where agreed
@@ -570,7 +570,7 @@ def test_a_restarted_control_answers_a_reminder_with_the_journaled_verdict_and_k
     plane.rank_event(w["wb"], job_id, 1, step_fault=engine_pb2.StepFaultReported(rank=1, reminder=1, **nan))
     assert [[to_ranks(c) for c in drain(s)] for s in w.values()] == [[verdict], [verdict]]  # (by job, to every rank)
     assert decisions(plane, job_id)[1:] == [
-        "standing order 1 revoked at the first step boundary every rank agrees on (boundary command 1)",
+        "standing order 1 revoked at the next step boundary every rank agrees on (command #1 to the ranks)",
         "verdict on non_finite_loss at step 6 sent again: rank 1 still waits after 0 s",
     ]
     assert plane.c.orchestrator._withdraw_standing_order(job_id, 1) == at  # these ranks have it already
@@ -825,6 +825,11 @@ def test_a_checkpoint_event_says_what_its_save_wrote():
     delta = store_pb2.SaveCompleted(version="J:2", step=80, bytes=1_466_208, files=88, written_bytes=120_000)
     text = checkpoint_text(delta)
     assert text == "checkpoint J:2 at step 80 (1.5 MB total, 120 KB written, delta; 1466208 bytes, 88 files)"
+    full = store_pb2.SaveCompleted(version="J:4", step=99, bytes=10_000_000, files=9, written_bytes=10_000_000)
+    assert (
+        checkpoint_text(full)
+        == "checkpoint J:4 at step 99 (10 MB, delta: every chunk changed; 10000000 bytes, 9 files)"
+    )
     # What the fault tests parse (tests/faults/test_compound.py, test_store_outage.py).
     version, rest = text[len("checkpoint ") :].split(" at step ", 1)
     assert (version, int(rest.split(" ", 1)[0]), " bytes, " in text) == ("J:2", 80, True)

@@ -110,7 +110,7 @@ def test_stop_and_pause_checkpoint_their_boundary_step_unless_told_not_to(plane)
     assert (type(pause), pause.seq, pause.at_step, pause.checkpoint) == (engine_pb2.PauseTraining, 1, 0, True)
     assert plane.events(job_id)[-1].message == (
         "pause requested: ranks checkpoint their step and pause "
-        "at the first step boundary every rank agrees on (boundary command 1)"
+        "at the next step boundary every rank agrees on (command #1 to the ranks)"
     )
     step(plane, a, job_id, 6, agreed=1)  # (the boundary: rank 0's report of the step every rank held it in)
     assert "pause: every rank agreed on after step 6" in [e.message for e in plane.events(job_id)[-2:]]
@@ -124,7 +124,7 @@ def test_stop_and_pause_checkpoint_their_boundary_step_unless_told_not_to(plane)
     assert kinds([resume, stop]) == ["ResumeTraining", "StopTraining"]
     assert (to_ranks(stop).seq, to_ranks(stop).at_step, to_ranks(stop).checkpoint) == (2, 0, False)
     assert plane.events(job_id)[-1].message == (
-        "stop requested: ranks stop (no checkpoint) at the first step boundary every rank agrees on (boundary command 2)"
+        "stop requested: ranks stop (no checkpoint) at the next step boundary every rank agrees on (command #2 to the ranks)"
     )
 
 

@@ -303,7 +303,7 @@ def _where(job: _Job) -> str:
     """Where the pause / stop in flight takes effect, as the events say it."""
     if job.pending_at:
         return f"after step {job.pending_at}"
-    return f"at the first step boundary every rank agrees on (boundary command {job.pending_seq})"
+    return f"at the next step boundary every rank agrees on (command #{job.pending_seq} to the ranks)"
 
 
 def _runtime(job: _Job) -> dict:

@@ -361,8 +361,8 @@ class OperatorCommands:
                 job,
                 ORCH,
                 "decision",
-                f"standing order {order} revoked at the first step boundary every rank agrees on "
-                f"(boundary command {cmd.seq})",
+                f"standing order {order} revoked at the next step boundary every rank agrees on "
+                f"(command #{cmd.seq} to the ranks)",
             )
             self._loop(cmd)
             return cmd.seq

@@ -87,6 +87,8 @@ def checkpoint_text(msg: store_pb2.SaveCompleted) -> str:
     total = size_text(msg.bytes)
     if msg.baseline:
         wrote = f"{total}, baseline"
+    elif msg.written_bytes >= msg.bytes > 0:  # a delta in which every chunk changed (all weights moved)
+        wrote = f"{total}, delta: every chunk changed"
     elif msg.written_bytes:
         wrote = f"{total} total, {size_text(msg.written_bytes)} written, delta"
     else:  # a version of plain files (or a delta that wrote nothing: SaveCompleted cannot tell)
