@@ -12,7 +12,7 @@ import sys
 import grpc
 import pytest
 
-from services.cli import surgectl
+from services.cli import cmd_jobs, surgectl
 from services.contract import control_pb2, control_pb2_grpc
 from tests.control.conftest import registration, served_control, spec_yaml
 
@@ -89,7 +89,7 @@ def test_submit_says_when_a_job_waits_for_workers_to_join(control, tmp_path, mon
         req = control_pb2.SubmitJobRequest(spec_yaml=spec.read_text(), spec_path=str(spec), priority=priority)
         return stub.SubmitJob(req, timeout=10)
 
-    monkeypatch.setattr(surgectl, "submit_job", submit_job)
+    monkeypatch.setattr(cmd_jobs, "submit_job", submit_job)
     spec = tmp_path / "big.yaml"
     spec.write_text(spec_yaml(name="big", dp=2))
     code, out, err = run(monkeypatch, capsys, "submit", str(spec))

@@ -1,0 +1,167 @@
+"""surgectl checkpoints, audit, generate, eval, export and demo: what a job saved, and using it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from services.cli import clients, render
+from services.cli.app import OutputOpt, _say, _show, app
+from services.cli.errors import CliError
+from services.cli.jobs import resolve_job
+from services.contract import control_pb2, store_pb2
+
+
+@app.command()
+def checkpoints(
+    job: str | None = typer.Argument(None),
+    output: str = OutputOpt,
+    verify: bool = typer.Option(
+        False,
+        "--verify",
+        help="re-hash every byte of the versions now (the store's scrub) and print one line per version; "
+        "exit 1 when one is not intact",
+    ),
+    timeout: float = typer.Option(3600.0, "--timeout", min=1.0, help="seconds the store may take to verify"),
+) -> None:
+    """List committed checkpoint versions (oldest first), or verify them (--verify).
+
+    Sizes are in decimal units (KB, MB, GB: powers of 1000), as the job's events say them.
+
+    Example: surgectl checkpoints demo-3f2a1c --verify
+    """
+    job = resolve_job(job) if job else None
+    if verify:
+        _verify_checkpoints(job or "", output, timeout)
+        return
+    resp = clients.call("store", lambda s: s.List(store_pb2.CheckpointQuery(job_id=job or ""), timeout=10))
+    if job and not resp.checkpoints:  # an unknown job is an error, a job without versions is not
+        clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))
+    _show(resp.checkpoints, output, render.checkpoints_table)
+
+
+def _verify_checkpoints(job: str, output: str, timeout: float) -> None:
+    """The store's scrub of ``job``'s versions (every job's if empty): each version re-hashed
+    against its manifest and its verdict recorded (a version newly found corrupt is published
+    like a background scrub's finding). One line per version; exit 1 when one is not ok."""
+    if output not in ("table", "json"):
+        raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
+    resp = clients.call("store", lambda s: s.Scrub(store_pb2.ScrubCheckpoints(job_id=job), timeout=timeout))
+    if output == "json":
+        render.print_json(resp)
+    else:
+        for v in resp.versions:
+            _say(render.verdict_line(v))
+        bad = sum(1 for v in resp.versions if not v.ok)
+        _say(
+            f"{len(resp.versions)} versions verified in {resp.seconds:.1f} s: "
+            + (f"{bad} not intact" if bad else "all intact")
+        )
+    if any(not v.ok for v in resp.versions):
+        raise typer.Exit(1)
+
+
+@app.command()
+def audit(
+    output: str = OutputOpt,
+    unused: bool = typer.Option(True, "--unused/--no-unused", help="also list the table's routes nothing used yet"),
+) -> None:
+    """Show the live permission matrix: messages sent per route, violations, unused routes.
+
+    Asks every service of the running stack (each worker answers for its ranks too).
+    Example: surgectl audit -o json
+    """
+    from services.cli import audit as audit_view
+
+    reports, notes = audit_view.collect(audit_view.targets())
+    v = audit_view.view(reports, notes)
+    if output == "json":
+        render.console.print_json(json.dumps(v.as_dict()))
+        return
+    if output != "table":
+        raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
+    render.console.print(render.audit_table(v, unused))
+    for note in v.notes:
+        render.console.print(f"[yellow]note:[/yellow] {note}")
+    total = sum(r.count for r in v.violations)
+    summary = f"{len(v.used)} routes used, {len(v.unused)} unused"
+    render.console.print(
+        f"{summary}, [bold red]{total} violations[/bold red]" if total else f"{summary}, no violations"
+    )
+
+
+@app.command()
+def generate(
+    checkpoint: str = typer.Option("latest", help="version '<job>:<n>', '<job>:latest' or 'latest'"),
+    prompt: str = typer.Option("def ", help="text to continue"),
+    max_new_tokens: int = typer.Option(200, min=1, max=4096),
+    temperature: float = typer.Option(0.8, min=0.0),
+    top_k: int = typer.Option(40, min=0),
+    seed: int = typer.Option(0),
+) -> None:
+    """Sample text from a committed checkpoint, in this process: no running stack needed
+    (the version and its dataset's tokenizer are read under SURGE_HOME, every file checked).
+
+    Example: surgectl generate --checkpoint latest --prompt 'def '
+    """
+    from services.cli import evaluation
+
+    text = evaluation.generate(checkpoint, prompt, max_new_tokens, temperature, top_k, seed)
+    render.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command("eval")
+def eval_checkpoint(
+    version: str = typer.Argument(..., help="checkpoint version: '<job>:<n>', '<job>:latest' or 'latest'"),
+    dataset: str | None = typer.Option(None, help="name@version (default: the dataset the job trained on)"),
+    batches: int | None = typer.Option(
+        None, min=1, max=1_000_000, help="micro-batches (default: the job's eval.batches x its dp ranks)"
+    ),
+    split: str = typer.Option("val", help="val (held out) or train"),
+    output: str = OutputOpt,
+) -> None:
+    """Loss of a committed checkpoint on a dataset's held-out split, in this process: no
+    running stack needed (the version and the dataset are read under SURGE_HOME, verified).
+
+    Example: surgectl eval demo-3f2a1c:2 --dataset stdlib@v1 --batches 16
+    """
+    from services.cli import evaluation
+
+    if output not in ("table", "json"):
+        raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
+    result = evaluation.evaluate(version, dataset, batches, split)
+    if output == "json":
+        import dataclasses
+
+        print(json.dumps(dataclasses.asdict(result)))
+    else:
+        render.console.print(str(result), markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command()
+def export(
+    version: str = typer.Argument(..., help="checkpoint version '<job>:<n>', '<job>:latest' or 'latest'"),
+    fmt: str = typer.Option("hf", "--format", help="hf (safetensors + config.json) | torch (a state_dict)"),
+    out: Path = typer.Option(..., "--out", help="directory to write (absent or empty)"),
+    force: bool = typer.Option(False, "--force", help="replace a non-empty --out"),
+) -> None:
+    """Write a committed checkpoint's model for other tools (no running stack needed).
+
+    Example: surgectl export demo-1:latest --format hf --out ./demo-hf
+    """
+    from services.cli.export import export_version
+
+    render.console.print(export_version(version, fmt, out, force), markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command()
+def demo(spec: Path = typer.Argument(Path("examples/jobs/demo.yaml"))) -> None:
+    """The main job: prepare data, start the stack, train, summarise, plot, sample, stop.
+
+    Example: surgectl demo examples/jobs/demo.yaml
+    """
+    from services.cli.demo import run_demo
+
+    run_demo(spec)

@@ -1,0 +1,326 @@
+"""surgectl submit, status, spec, events, logs and plot: a job and what it reports."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+
+from services.cli import clients, jsonout, render, stack
+from services.cli.app import OutputOpt, _exit_for, app
+from services.cli.errors import CliError
+from services.cli.event_types import EVENT_TYPES, event_types
+from services.cli.jobs import dry_run_job, follow_job, resolve_job, submit_job
+from services.contract import Module, control_pb2
+
+
+@app.command()
+def submit(
+    spec: Path = typer.Argument(..., help="job spec YAML"),
+    follow: bool = typer.Option(False, "--follow", "-f", help="show live progress until the job ends"),
+    overrides: list[str] | None = typer.Option(
+        None,
+        "--set",
+        metavar="KEY=VALUE",
+        help="override a field of the file: a dotted path and a YAML value (repeatable), "
+        "validated like the file, e.g. --set optimizer.lr=1e-3 --set steps=2000",
+    ),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="validate, resolve the dataset, estimate memory per rank and print the effective spec; submit nothing",
+    ),
+    priority: int = typer.Option(
+        0,
+        "--priority",
+        min=-1000,
+        max=1000,
+        help="queue priority, higher first (-1000..1000): a job whose ranks do not fit now waits, FIFO within priority",
+    ),
+) -> None:
+    """Validate a job spec, check its dataset, submit it.
+
+    Example: surgectl submit examples/jobs/demo.yaml --set optimizer.lr=1e-3 --dry-run
+    """
+    if dry_run:
+        if follow:
+            raise CliError("--follow: nothing is submitted with --dry-run, so there is nothing to follow", code=2)
+        print(dry_run_job(spec, overrides or ()), end="", flush=True)
+        return
+    with stack.exit_on_interrupt("interrupted: the job may have been submitted (`surgectl status` lists the jobs)"):
+        status = submit_job(spec, overrides or (), priority)
+    render.console.print(f"submitted {status.job_id} ({render.state_text(status)})")
+    if status.state == render.STATE.STANDBY and status.queue_position and status.message:
+        # What it waits for, e.g. "queued: needs 64 ranks (parallel.dp=64), more than the 2
+        # registered: waits for workers to join" (it holds back none of the jobs behind it).
+        render.console.print(status.message, markup=False, highlight=False, soft_wrap=True)
+    if follow:
+        try:
+            h = follow_job(status.job_id)
+        except KeyboardInterrupt:
+            render.err_console.print(
+                f"stopped following; {status.job_id} keeps running "
+                f"(`surgectl events {status.job_id} --follow` to watch, `surgectl stop {status.job_id}` to stop)",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+            raise typer.Exit(130) from None
+        render.console.print(render.summary_table(h.last, h))
+        _exit_for(h.last)
+
+
+@app.command()
+def status(
+    job: str | None = typer.Argument(None),
+    output: str = OutputOpt,
+    watch: bool = typer.Option(False, "--watch", "-w", help="redraw every --interval seconds until Ctrl-C"),
+    interval: float = typer.Option(2.0, "--interval", min=0.2, max=3600.0, help="--watch: seconds between redraws"),
+) -> None:
+    """Show one job or all jobs, then, in tables, the ranks named slow (>= 1.5x their peers'
+    compute per step, sustained) and (all jobs) the workers taken out of placement after a
+    device's fatal error, with the reason. --watch redraws them every --interval seconds
+    (a table only) until Ctrl-C.
+
+    Example: surgectl status demo-3f2a1c -o json; surgectl status --watch
+    """
+    if output not in ("table", "json"):
+        raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
+    if watch and output != "table":
+        raise CliError("--watch: redraws a table; -o json prints once (run it again, or poll)", code=2)
+    if job:
+        job = resolve_job(job)
+    if not watch:
+        jobs, cordoned = _status_of(job)
+        if output == "json":
+            render.print_json(jobs)  # (json stays the list of jobs it always was)
+            return
+        render.console.print(_status_tables(jobs, cordoned))
+        return
+    from rich.live import Live
+
+    try:
+        if not render.console.is_terminal:  # piped: one view after another, each under its time
+            while True:
+                render.console.print(f"-- {time.strftime('%H:%M:%S')}", markup=False, highlight=False)
+                render.console.print(_status_tables(*_status_of(job)))
+                time.sleep(interval)
+        with Live(_status_tables(*_status_of(job)), console=render.console, auto_refresh=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(_status_tables(*_status_of(job)), refresh=True)
+    except KeyboardInterrupt:
+        return  # (the operator's way out of a watch: exit 0)
+
+
+def _status_of(job: str | None) -> tuple[list, list]:
+    """(the jobs, the cordoned workers): one job's status (no cordons), or every job's."""
+    if job:
+        return [clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))], []
+    listed = clients.call("control", lambda s: s.ListJobs(control_pb2.JobQuery(), timeout=10))
+    return list(listed.jobs), list(listed.cordoned)
+
+
+def _status_tables(jobs: list, cordoned: list):
+    """The status view: the jobs, then the slow ranks and the cordoned workers when any."""
+    from rich.console import Group
+
+    parts = [render.jobs_table(jobs)]
+    if any(j.slow_ranks for j in jobs):
+        parts.append(render.slow_ranks_table(jobs))
+    if any(j.links for j in jobs):
+        parts.append(render.links_table(jobs))
+    if cordoned:
+        parts.append(render.cordons_table(cordoned))
+    return Group(*parts)
+
+
+def _alias_of_status(ctx: typer.Context) -> None:
+    """A word other tools use for listing jobs: refused with the command that does it."""
+    raise CliError(f"no such command '{ctx.info_name}': `surgectl status` lists the jobs", code=2)
+
+
+for _word in ("jobs", "list", "ls", "ps"):  # kept out of --help: a hint, not a second way
+    app.command(_word, hidden=True)(_alias_of_status)
+
+
+@app.command("spec")
+def job_spec(job: str, output: str = typer.Option("yaml", "--output", "-o", help="yaml | json")) -> None:
+    """Print a submitted job's effective spec: every default filled, --set overrides and a
+    resume's new layout applied, as control journaled it. It is a job file: `surgectl
+    submit` of it runs the same job again.
+
+    Example: surgectl spec demo-3f2a1c > again.yaml
+    """
+    from services.cli.spec_tools import show_spec
+
+    if output not in ("yaml", "json"):
+        raise CliError(f"--output: expected 'yaml' or 'json', got {output!r}", code=2)
+    job = resolve_job(job)
+    s = clients.call("control", lambda st: st.GetJob(control_pb2.JobQuery(job_id=job, with_spec=True), timeout=10))
+    if not s.spec_json:
+        raise CliError(f"control did not send the spec of {job} (a control older than this surgectl?)")
+    print(show_spec(s.spec_json, output), end="", flush=True)
+
+
+ReconnectOpt = typer.Option(
+    60.0,
+    "--reconnect-seconds",
+    min=0.0,
+    help="with --follow: how long to keep reconnecting when control is unreachable (a control restart)",
+)
+
+
+_TYPES_HELP = f"only events of this type (repeatable or comma-separated: {', '.join(EVENT_TYPES)})"
+
+
+@app.command()
+def events(
+    job: str,
+    follow: bool = typer.Option(False, "--follow", "-f", help="keep streaming until the job ends"),
+    output: str = OutputOpt,
+    reconnect_seconds: float = ReconnectOpt,
+    types: list[str] = typer.Option([], "--type", "-t", help=_TYPES_HELP),
+    tail: int = typer.Option(0, "--tail", "-n", min=0, max=1_000_000, help="only the last N events (0: all)"),
+) -> None:
+    """Print a job's event log (decisions, state changes, faults, checkpoints); -o json
+    prints JSON Lines. --type keeps the events of those types, --tail the last N of them
+    (with --follow: the last N, then each new one). --follow rides through a control restart:
+    it reconnects and goes on from the last event printed (each event once).
+
+    Example: surgectl events demo-3f2a1c --type fault,decision --tail 20 --follow
+    """
+    from services.cli import follow as following
+
+    if output not in ("table", "json"):
+        raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
+    wanted = event_types(types)
+    job = resolve_job(job)
+
+    def show(ev) -> None:
+        if wanted and ev.type not in wanted:
+            return
+        if output == "json":
+            print(jsonout.dumps_line(ev), flush=True)  # JSON Lines: one event per line
+        else:
+            src = Module.Name(ev.source) if ev.source else "-"
+            render.console.print(f"{ev.seq:>5} {ev.type:>10} {src:<22} {ev.message}", markup=False, highlight=False)
+
+    next_seq = 0
+    if tail or not follow:  # the history (its last N of the types asked), then what follows
+        with clients.stub("control") as s:
+            history = list(s.WatchJob(control_pb2.JobQuery(job_id=job, follow=False)))
+        kept = [ev for ev in history if not wanted or ev.type in wanted]
+        for ev in kept[-tail:] if tail else kept:
+            show(ev)
+        next_seq = history[-1].seq + 1 if history else 0
+    if follow:
+        for ev in following.job_events(job, reconnect_seconds, from_seq=next_seq):
+            show(ev)
+
+
+@app.command()
+def logs(
+    job: str,
+    follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines until the job ends"),
+    rank: int | None = typer.Option(None, min=0, help="only this rank"),
+    output: str = typer.Option("table", "--output", "-o", help="table (readable) | json (the lines as written)"),
+    reconnect_seconds: float = ReconnectOpt,
+) -> None:
+    """Print a job's rank logs, all ranks merged by time; --follow streams until the job ends
+    (merged by time within each half second) and rides through a control restart (no line
+    twice).
+
+    Control streams the lines (StreamLogs) from the node agents that ran the job's ranks,
+    so it works from any machine that reaches control; on the machine of a local stack the
+    rank log files are read directly (every `surgectl up` session's lines, each once).
+
+    Example: surgectl logs demo-3f2a1c --follow
+    """
+    from services.cli import observe
+
+    if output not in ("table", "json"):
+        raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
+    try:
+        job = resolve_job(job)
+    except CliError:
+        # The stack is down (or control does not know the job): the local rank log files
+        # still hold every session's lines (`up` keeps them), found by the id or the name.
+        local = None if follow else observe.local_job(job)
+        if local is None:
+            raise
+        job = local
+
+    def show(line) -> None:
+        print(line.text if output == "json" else line.human(), flush=True)
+
+    if follow:  # as they come, until the job's ranks have exited
+        from services.cli import follow as following
+
+        for line in following.job_logs(job, -1 if rank is None else rank, reconnect_seconds):
+            show(line)
+        return
+    merged = observe.local_rank_logs(job, -1 if rank is None else rank)  # the local stack: every session's lines
+    if merged is None:
+        query = control_pb2.LogQuery(job_id=job, follow=False, rank=-1 if rank is None else rank)
+        with clients.stub("control") as s:
+            merged = observe.merge(observe.parse(m.rank, m.line) for m in s.StreamLogs(query))
+    for line in merged:
+        show(line)
+    if not merged:
+        if rank is not None:
+            raise CliError(f"no log of rank {rank} of {job} (control found no such rank log on the job's workers)")
+        raise CliError(f"no rank logs of {job} (control found none on the workers that ran its ranks)")
+
+
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")  # what matplotlib writes by the name's suffix (no other backend here)
+
+
+@app.command()
+def plot(
+    job: str,
+    out: Path | None = typer.Option(None, "--out", help="PNG to write (default: $SURGE_HOME/<job>-loss.png)"),
+    rank: int | None = typer.Option(None, min=0, help="whose loss (default: the lowest rank recorded)"),
+    metrics: Path | None = typer.Option(None, help="a metrics JSONL file (default: the local store's <job>.jsonl)"),
+) -> None:
+    """Write a PNG of a job's loss (train and held-out) and tokens/s against step.
+
+    Every step from the store's raw records ($SURGE_HOME/store/metrics/<job>.jsonl) when
+    they are on this machine, else control's event history (steps sampled about once a second).
+
+    Example: surgectl plot demo-3f2a1c --out demo.png
+    """
+    from services.cli import observe
+    from services.common import paths
+
+    if metrics is None and not observe.metrics_file(job).is_file():
+        job = resolve_job(job)  # a name, or a job whose records are not on this machine
+    source = metrics or observe.metrics_file(job)
+    if metrics is not None and not metrics.is_file():
+        raise CliError(f"--metrics {metrics}: no such file")
+    if source.is_file():
+        h = observe.history_from_jsonl(source, rank)
+        where = str(source)
+    else:
+        if rank is not None:
+            raise CliError(f"--rank needs the raw step records ({source} is not on this machine)")
+        with clients.stub("control") as s:
+            h = observe.history_from_events(s.WatchJob(control_pb2.JobQuery(job_id=job, follow=False), timeout=30))
+        where = "control's event history (sampled steps)"
+    if not h.steps:
+        raise CliError(f"job {job} has no step records yet; plot it once it has trained a step")
+    default_name = f"{observe.safe_name(job)}-loss.png"
+    target = out or paths.surge_home() / default_name
+    if out is not None and out.is_dir():
+        target = out / default_name  # a directory: the default name in it
+    elif out is not None and out.suffix.lower() not in PLOT_SUFFIXES:
+        raise CliError(f"--out: {out}: the file name must end in {', '.join(PLOT_SUFFIXES)}", code=2)
+    try:
+        png = render.plot(h, target, f"{job}: loss and throughput")
+    except OSError as e:
+        field = "--out" if out is not None else "SURGE_HOME"
+        raise CliError(f"{field}: cannot write {target}: {e.strerror or e}", code=2) from None
+    render.console.print(
+        f"wrote {png} ({len(h.steps)} steps from {where})", markup=False, highlight=False, soft_wrap=True
+    )

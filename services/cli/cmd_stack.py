@@ -1,0 +1,187 @@
+"""surgectl up, down and restart: the local stack's processes."""
+
+from __future__ import annotations
+
+import typer
+
+from services.cli import clients, render, stack
+from services.cli.app import _say, app
+from services.cli.errors import CliError
+
+
+@app.command()
+def up(
+    workers: int = typer.Option(2, min=1, help="node agents to start"),
+    resume_seconds: float = typer.Option(
+        60.0,
+        "--resume-seconds",
+        min=0.0,
+        help="how long a drained job waits for its ranks to fit before up gives up on it",
+    ),
+) -> None:
+    """Start the local stack (control, store, data, workers) and wait until healthy; jobs
+    drained by `surgectl down` are resumed from their drain checkpoint.
+
+    Example: surgectl up --workers 2
+    """
+    from services.contract.injection import env_error
+
+    if bad := env_error():  # every service would refuse to start with it
+        raise CliError(bad, code=2)
+    try:
+        procs = stack.up(workers, exit_on_interrupt=True)  # Ctrl-C: what started is stopped, exit 130
+    except stack.StackRunning as running:
+        # Up again (idempotent): what is down is started again, the rest left running.
+        procs = running.procs
+        if running.down:
+            with stack.exit_on_interrupt("interrupted: `surgectl up` again starts what is still down"):
+                started = stack.start_missing(procs)
+            _say(f"started again what was down: {', '.join(started)} (the rest of the stack kept running)")
+        else:
+            _say("the stack is already up (`surgectl status` shows its jobs)")
+    for p in procs.values():
+        render.console.print(
+            f"{p.name:>10}  pid {p.pid:<7} {p.address}  /metrics :{p.metrics_port:<6} log {p.log}", soft_wrap=True
+        )
+    render.console.print(
+        f"stack is up; metrics: http://127.0.0.1:{procs['store'].metrics_port}/metrics "
+        "(every service serves its own, see above); `surgectl audit` shows the routes used",
+        soft_wrap=True,
+    )
+    from services.cli import drain
+
+    with stack.exit_on_interrupt(
+        "interrupted: the stack is up; drained jobs may not be resumed yet: "
+        "`surgectl up` again (or `surgectl resume JOB`) resumes them"
+    ):
+        _, failed = drain.resume_drained(resume_seconds, _say)
+    for line in failed:
+        render.err_console.print(
+            f"warning: drained job not resumed: {line} (`surgectl resume JOB` when it fits)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
+@app.command()
+def down(
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="stop at once: running jobs are not drained (they lose their steps since their last checkpoint)",
+    ),
+    drain_seconds: float = typer.Option(
+        300.0, "--drain-seconds", min=0.0, help="how long to wait for running jobs to checkpoint and pause"
+    ),
+) -> None:
+    """Stop the local stack and every rank process it started. Running jobs are drained
+    first: each checkpoints and pauses at a step boundary (journaled by control), and the
+    next `surgectl up` resumes them; `--force` skips that (control parks them at once: the
+    next `up` resumes them from their newest checkpoint, no fault recorded).
+
+    Safe to interrupt: Ctrl-C while jobs drain leaves the stack running (a job asked to drain
+    still checkpoints and pauses): `surgectl down` again finishes, `surgectl up` (or
+    `surgectl resume JOB`) lets the jobs go on. Once the services are being stopped, Ctrl-C
+    is ignored (seconds: SIGTERM, then SIGKILL).
+
+    Example: surgectl down
+    """
+    drained = False
+    if stack.read_stack():
+        with stack.exit_on_interrupt(DOWN_INTERRUPTED):
+            drained = _park_jobs() if force else _drain_running_jobs(drain_seconds)
+    with stack.ignoring_interrupts():  # a stop cut in half would leave agents without their control
+        stopped = stack.down(control_first=drained or force)
+    render.console.print(f"stopped {', '.join(stopped)}" if stopped else "no stack was running")
+
+
+DOWN_INTERRUPTED = (
+    "interrupted: the stack keeps running; a job asked to drain still checkpoints and pauses "
+    "(`surgectl down` again stops the stack once it has; `surgectl up` or `surgectl resume JOB` lets it go on)"
+)
+
+
+def _park_jobs() -> bool:
+    """`down --force`: control parks every running or paused job at once (``drain.park``).
+    True if any job was live (control then stops first: it never sees the ranks go)."""
+    import grpc
+
+    from services.cli import drain
+
+    try:
+        addr = clients.address("control")
+    except CliError:
+        return False
+    with clients.open_channel(addr) as ch:
+        try:
+            return drain.park(clients.new_stub("control", ch), _say)
+        except grpc.RpcError:
+            render.err_console.print(
+                f"control unreachable at {addr}: running jobs cannot be parked; stopping anyway",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+            return False
+
+
+def _drain_running_jobs(timeout_s: float) -> bool:
+    """Drain the live jobs of the local stack's control (if it answers). True if any was."""
+    import grpc
+
+    from services.cli import drain
+
+    try:
+        addr = clients.address("control")
+    except CliError:
+        return False
+    with clients.open_channel(addr) as ch:
+        stub = clients.new_stub("control", ch)
+        try:
+            jobs = drain.live_jobs(stub)
+        except grpc.RpcError:
+            render.err_console.print(
+                f"control unreachable at {addr}: running jobs cannot be drained; stopping anyway",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+            return False
+        if not jobs:
+            return False
+        names = ", ".join(f"{j.job_id} ({render.state_text(j)})" for j in jobs)
+        _say(
+            f"{len(jobs)} job{'s' if len(jobs) > 1 else ''} running: {names}; draining "
+            "(checkpoint, then PAUSED; `surgectl up` resumes them; `surgectl down --force` skips this)"
+        )
+        try:
+            drain.drain(stub, jobs, timeout_s, _say)
+        except grpc.RpcError as e:
+            raise clients.rpc_error(e, "control", addr) from None
+    return True
+
+
+@app.command()
+def restart(
+    service: str = typer.Argument(
+        ..., help="control, data, store, or a worker as named by `surgectl up` (worker-0, ...)"
+    ),
+    grace_seconds: float = typer.Option(
+        stack.STOP_GRACE_SECONDS, "--grace-seconds", min=0.0, help="wait this long after SIGTERM before SIGKILL"
+    ),
+) -> None:
+    """Restart one service of the local stack on the same port, with the same arguments;
+    the others keep running. Restarting control leaves running jobs running (the node
+    agents re-attach their ranks); restarting a worker stops its ranks.
+
+    Example: surgectl restart control
+    """
+    with stack.exit_on_interrupt(f"interrupted: {service} may be stopped; `surgectl up` starts again what is down"):
+        old, new = stack.restart(service, grace_seconds)
+    render.console.print(
+        f"restarted {new.name}: pid {old.pid} -> {new.pid}, serving at {new.address}",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
