@@ -1,7 +1,7 @@
 """surgectl's Typer application and what its command modules share (options, output helpers).
 
-The commands live in one module per concern (cmd_stack, cmd_data, cmd_jobs, cmd_control,
-cmd_checkpoints); services/cli/surgectl.py imports them in the order `--help` lists them and
+The commands live in one module per concern (cmd_stack, cmd_data, cmd_jobs, cmd_experiments,
+cmd_control, cmd_checkpoints); services/cli/surgectl.py imports them in the order `--help` lists them and
 runs the app.
 """
 

@@ -147,3 +147,41 @@ def test_status_watch_redraws_until_interrupted(obs_stack):
             proc.kill()
     assert proc.returncode == 0, rest
     assert "".join(lines).count(obs_stack.job_id) >= 2, lines  # one view after another, each with the job
+
+
+@pytest.mark.integration
+def test_a_sweep_submits_its_grid_through_the_queue_ranks_it_and_compare_shows_the_difference(obs_stack, tmp_path):
+    spec = obs_stack.home / "obs.yaml"
+    r = cli(
+        obs_stack.home,
+        "sweep",
+        str(spec),
+        "--grid",
+        "optimizer.lr=1e-5,3e-3",
+        "--set",
+        "steps=6",
+        "--metric",
+        "train_loss",
+        "--poll-seconds",
+        "0.5",
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr
+    ids = [line.split()[1].rstrip(":") for line in r.stdout.splitlines() if line.startswith("submitted ")]
+    assert len(ids) == 2, r.stdout
+    # lr 3e-3 learns in 6 steps, 1e-5 barely moves: the ranking's first row is the 3e-3 trial.
+    first = next(line for line in r.stdout.splitlines() if line.strip().startswith("│ 1 "))
+    assert ids[1] in first and "optimizer.lr=3e-3" in first, r.stdout
+    record = json.loads(next((obs_stack.home / "sweeps").glob("*.json")).read_text())
+    assert [t["job_id"] for t in record["trials"]] == ids
+
+    out = tmp_path / "both.png"
+    c = cli(obs_stack.home, "compare", *ids, obs_stack.job_id, "--out", str(out), "-o", "json")
+    assert c.returncode == 0, c.stderr
+    shown = json.loads(c.stdout)
+    assert shown["spec_differences"]["optimizer.lr"] == {ids[0]: "1e-05", ids[1]: "0.003", obs_stack.job_id: "0.003"}
+    assert shown["spec_differences"]["steps"][obs_stack.job_id] == "10"
+    by_id = {j["job_id"]: j for j in shown["jobs"]}
+    assert by_id[ids[0]]["steps"] == 6 and by_id[ids[1]]["final_train"] < by_id[ids[0]]["final_train"]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    one = cli(obs_stack.home, "compare", ids[0])
+    assert one.returncode == 2 and "at least two jobs" in one.stderr and len(one.stderr.strip().splitlines()) == 1

@@ -1,0 +1,247 @@
+"""surgectl compare and sweep: runs side by side, and families of runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import typer
+from rich.table import Table
+
+from services.cli import clients, compare, observe, render, sweep
+from services.cli.app import OutputOpt, _say, app
+from services.cli.errors import CliError
+from services.cli.jobs import resolve_job, submit_job
+from services.contract import control_pb2
+
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+@app.command("compare")
+def compare_jobs(
+    jobs: list[str] = typer.Argument(..., help="two or more job ids or names"),
+    out: Path | None = typer.Option(None, "--out", help="also write the curves overlaid (.png, .svg or .pdf)"),
+    output: str = OutputOpt,
+) -> None:
+    """Compare jobs: the spec keys they set differently, their final and best losses and
+    tokens/s, and (with --out) their curves overlaid in one plot.
+
+    Example: surgectl compare demo-3f2a1c demo-9b1e07 --out compare.png
+    """
+    if output not in ("table", "json"):
+        raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
+    if len(jobs) < 2:
+        raise CliError("JOBS: compare needs at least two jobs", code=2)
+    if out is not None and out.suffix.lower() not in PLOT_SUFFIXES:
+        raise CliError(f"--out: {out}: the file name must end in {', '.join(PLOT_SUFFIXES)}", code=2)
+    with clients.stub("control") as s:
+        ids = [resolve_job(ref, s) for ref in jobs]
+        if twice := sorted({j for j in ids if ids.count(j) > 1}):
+            raise CliError(f"JOBS: {', '.join(twice)} named more than once", code=2)
+        runs = [
+            compare.Run(
+                status=(st := s.GetJob(control_pb2.JobQuery(job_id=j, with_spec=True), timeout=10)),
+                spec=compare.spec_mapping(st.spec_json),
+                history=_history(s, j),
+            )
+            for j in ids
+        ]
+    if output == "json":
+        print(json.dumps(compare.as_json(runs), indent=2))
+    else:
+        render.console.print(_metrics_table(runs))
+        diffs = compare.spec_differences(runs)
+        render.console.print(_diff_table(runs, diffs) if diffs else "the specs set the same values (but the name)")
+    if out is not None:
+        try:
+            compare.overlay_plot(runs, out, " vs ".join(r.label for r in runs))
+        except OSError as e:
+            raise CliError(f"--out: cannot write {out}: {e.strerror or e}", code=2) from None
+        if output == "json":  # (stdout is the JSON document alone)
+            render.err_console.print(f"wrote {out}", markup=False, highlight=False, soft_wrap=True)
+        else:
+            _say(f"wrote {out}")
+
+
+def _history(stub, job_id: str) -> render.History:
+    """Every step from the store's records when they are on this machine, else control's
+    (sampled) event history; an empty history for a job that has not stepped yet."""
+    f = observe.metrics_file(job_id)
+    if f.is_file():
+        try:
+            return observe.history_from_jsonl(f)
+        except CliError:  # (no step records yet: nothing to compare but the spec)
+            return render.History()
+    return observe.history_from_events(stub.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=False), timeout=30))
+
+
+def _num(x: float, fmt: str = "{:.4f}") -> str:
+    return "-" if math.isnan(x) else fmt.format(x)
+
+
+def _metrics_table(runs: list[compare.Run]) -> Table:
+    t = Table(title="jobs")
+    for col in (
+        "job",
+        "state",
+        "steps",
+        "final train",
+        "best train (step)",
+        "final held-out",
+        "best held-out (step)",
+        "tokens/s",
+    ):
+        t.add_column(col, overflow="fold")
+    for r in runs:
+        m = compare.summarize(r.history)
+        t.add_row(
+            r.status.job_id,
+            render.state_text(r.status),
+            str(m.steps),
+            _num(m.final_train),
+            f"{_num(m.best_train)} ({m.best_train_step})" if not math.isnan(m.best_train) else "-",
+            _num(m.final_eval),
+            f"{_num(m.best_eval)} ({m.best_eval_step})" if not math.isnan(m.best_eval) else "-",
+            _num(m.tokens_per_second, "{:,.0f}"),
+        )
+    return t
+
+
+def _diff_table(runs: list[compare.Run], diffs: list[tuple[str, list[str]]]) -> Table:
+    t = Table(title="spec differences")
+    t.add_column("key", overflow="fold")
+    for r in runs:
+        t.add_column(r.status.job_id, overflow="fold")
+    for key, values in diffs:
+        t.add_row(key, *values)
+    return t
+
+
+@app.command("sweep")
+def sweep_jobs(
+    spec: Path = typer.Argument(..., help="the base job spec"),
+    grid: list[str] = typer.Option([], "--grid", help="KEY=V1,V2,...: one trial per value (repeatable: the product)"),
+    draw: list[str] = typer.Option([], "--random", help="KEY=LOW:HIGH[:log]: drawn per trial (repeatable)"),
+    count: int = typer.Option(4, "--trials", min=1, max=1000, help="with --random: draws per grid combination"),
+    seed: int = typer.Option(0, "--seed", help="with --random: the draws' seed"),
+    overrides: list[str] = typer.Option([], "--set", help="KEY=VALUE applied to every trial"),
+    metric: str = typer.Option(
+        "eval_loss", "--metric", help=f"what ranks the trials (lower is better): {' | '.join(sweep.METRICS)}"
+    ),
+    wait: bool = typer.Option(
+        True, "--wait/--no-wait", help="wait for every trial and rank them (else submit and return)"
+    ),
+    early_stop: bool = typer.Option(False, "--early-stop", help="stop the worst trials at rungs (ASHA; needs --wait)"),
+    min_steps: int = typer.Option(10, "--min-steps", min=1, help="with --early-stop: the first rung's step"),
+    eta: int = typer.Option(3, "--eta", min=2, help="with --early-stop: keep the best 1/eta at each rung"),
+    poll: float = typer.Option(2.0, "--poll-seconds", min=0.1, max=60.0, help="how often to read the trials' status"),
+) -> None:
+    """Submit a family of jobs from one spec through the queue, one per setting of the swept
+    keys, and rank them by a metric; with --early-stop the worst are stopped at rungs.
+
+    Example: surgectl sweep examples/jobs/demo.yaml --grid optimizer.lr=1e-3,3e-3 --random optimizer.weight_decay=0.01:0.1:log --trials 2
+    """
+    from services.cli import spec_tools
+
+    if metric not in sweep.METRICS:
+        raise CliError(f"--metric: expected one of {', '.join(sweep.METRICS)}, got {metric!r}", code=2)
+    if early_stop and not wait:
+        raise CliError("--early-stop: needs --wait (the sweep stops trials while it waits)", code=2)
+    axes = [*map(sweep.parse_grid, grid), *map(sweep.parse_random, draw)]
+    settings = sweep.trials(axes, count, seed)
+    base, _, _ = spec_tools.load_spec(spec, overrides)  # the base spec as given: bad -> one line, nothing submitted
+    sweep_id = uuid.uuid4().hex[:6]
+    names = [f"{base.name}-{sweep_id}-{i}" for i in range(len(settings))]
+    for name, t in zip(names, settings):  # every trial's spec checked before the first is submitted
+        spec_tools.load_spec(spec, [*overrides, *(f"{k}={v}" for k, v in t.items()), f"name={name}"])
+    ladder = sweep.rungs(min_steps, eta, base.steps) if early_stop else []
+    record = {"sweep": sweep_id, "spec": str(spec), "set": overrides, "metric": metric, "trials": []}
+    for name, t in zip(names, settings):
+        st = submit_job(spec, [*overrides, *(f"{k}={v}" for k, v in t.items()), f"name={name}"])
+        record["trials"].append({"job_id": st.job_id, "name": name, "settings": t})
+        _say(f"submitted {st.job_id}: {', '.join(f'{k}={v}' for k, v in t.items())}")
+    where = _write_record(record)
+    _say(f"sweep {sweep_id}: {len(settings)} trials (record: {where})")
+    if not wait:
+        return
+    try:
+        results, stopped, failed = _wait(record, metric, sweep.Halving(ladder, eta), poll)
+    except KeyboardInterrupt:
+        ids = " ".join(t["job_id"] for t in record["trials"])
+        raise CliError(
+            f"interrupted: the trials keep running as jobs (`surgectl compare {ids}` ranks them later; "
+            f"`surgectl stop JOB` ends one)",
+            code=130,
+        ) from None
+    render.console.print(_ranking_table(record, results, stopped, failed, metric))
+    _say(f"compare them: surgectl compare {' '.join(sweep.ranked(results)[:3])}")
+
+
+def _write_record(record: dict) -> Path:
+    from services.common import paths
+
+    where = paths.surge_home() / "sweeps" / f"{record['sweep']}.json"
+    where.parent.mkdir(parents=True, exist_ok=True)
+    where.write_text(json.dumps(record, indent=2))
+    return where
+
+
+def _wait(
+    record: dict, metric: str, halving: sweep.Halving, poll: float
+) -> tuple[dict[str, float], set[str], set[str]]:
+    """Read the trials' status every ``poll`` seconds until all have ended; at each rung a
+    trial reached, stop it when ASHA says so. Returns each job's final metric, the jobs
+    stopped early and the jobs that failed."""
+    jobs = [t["job_id"] for t in record["trials"]]
+    results: dict[str, float] = {}
+    stopped: set[str] = set()
+    failed: set[str] = set()
+    with clients.stub("control") as s:
+        while len(results) < len(jobs):
+            for j in jobs:
+                if j in results:
+                    continue
+                st = s.GetJob(control_pb2.JobQuery(job_id=j), timeout=10)
+                value = _metric(st, metric)
+                if st.state == control_pb2.TERMINATED:
+                    results[j] = value
+                    if st.outcome == control_pb2.FAILED:
+                        failed.add(j)
+                elif (
+                    halving.rungs
+                    and j not in stopped
+                    and not math.isnan(value)  # (no evaluation yet: judged at the rung once it has one)
+                    and not halving.reached(j, st.step, value)
+                ):
+                    stopped.add(j)
+                    try:
+                        s.StopJob(control_pb2.StopJobRequest(job_id=j), timeout=30)
+                    except grpc.RpcError as e:  # (it ended meanwhile: its end is read next round)
+                        _say(f"could not stop {j}: {e.details()}")
+                        continue
+                    _say(
+                        f"stopping {j} at step {st.step}: {metric} {_num(value)} not in the best 1/{halving.eta} at its rung"
+                    )
+            if len(results) < len(jobs):
+                time.sleep(poll)
+    return results, stopped, failed
+
+
+def _metric(st: control_pb2.JobStatus, metric: str) -> float:
+    value = st.eval_loss if metric == "eval_loss" else st.train_loss
+    return value if value and math.isfinite(value) else math.nan
+
+
+def _ranking_table(record: dict, results: dict[str, float], stopped: set[str], failed: set[str], metric: str) -> Table:
+    t = Table(title=f"sweep {record['sweep']} by {metric} (lower is better)")
+    for col in ("#", "job", metric, "settings", "note"):
+        t.add_column(col, overflow="fold")
+    settings = {tr["job_id"]: tr["settings"] for tr in record["trials"]}
+    for i, j in enumerate(sweep.ranked(results), 1):
+        note = "failed" if j in failed else "stopped early" if j in stopped else ""
+        t.add_row(str(i), j, _num(results[j]), ", ".join(f"{k}={v}" for k, v in settings[j].items()), note)
+    return t
