@@ -19,6 +19,7 @@ from services.cli.jobs import resolve_job, submit_job
 from services.contract import control_pb2
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+TAG_VALUE_CHARS = 256  # a tag value's limit at control (orchestrator/annotations.py)
 
 
 @app.command("compare")
@@ -67,6 +68,46 @@ def compare_jobs(
             _say(f"wrote {out}")
 
 
+@app.command("tag")
+def tag_job(
+    job: str = typer.Argument(..., help="job id or name"),
+    tags: list[str] = typer.Argument(None, help="KEY=VALUE tags to set"),
+    remove: list[str] = typer.Option([], "--remove", help="a tag KEY to remove (repeatable)"),
+) -> None:
+    """Set or remove a job's tags (in any state; kept across a control restart; shown by
+    `status -o json` and `compare`).
+
+    Example: surgectl tag demo-3f2a1c arm=baseline lr=3e-3
+    """
+    pairs = {}
+    for item in tags or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise CliError(f"TAGS: {item!r}: expected KEY=VALUE", code=2)
+        pairs[key] = value
+    if not pairs and not remove:
+        raise CliError("TAGS: give KEY=VALUE tags to set or --remove KEY", code=2)
+    _annotate(control_pb2.AnnotateJobRequest(job_id=resolve_job(job), set_tags=pairs, remove_tags=remove))
+
+
+@app.command("note")
+def note_job(
+    job: str = typer.Argument(..., help="job id or name"),
+    text: str = typer.Argument(..., help="one line; recorded as an event of type 'note'"),
+) -> None:
+    """Add a note to a job's event log (in any state; `surgectl events JOB --type note`).
+
+    Example: surgectl note demo-3f2a1c "loss spike at 400: bad shard?"
+    """
+    _annotate(control_pb2.AnnotateJobRequest(job_id=resolve_job(job), note=text))
+
+
+def _annotate(req: control_pb2.AnnotateJobRequest) -> None:
+    st = clients.call("control", lambda s: s.AnnotateJob(req, timeout=10))
+    said = ", ".join(f"{k}={v}" for k, v in sorted(st.tags.items())) or "none"
+    _say(f"{st.job_id}: tags {said}" + ("; note added" if req.note.strip() else ""))
+
+
 def _history(stub, job_id: str) -> render.History:
     """Every step from the store's records when they are on this machine, else control's
     (sampled) event history; an empty history for a job that has not stepped yet."""
@@ -100,6 +141,7 @@ def _metrics_table(runs: list[compare.Run]) -> Table:
         m = compare.summarize(r.history)
         t.add_row(
             r.status.job_id,
+            " ".join(f"{k}={v}" for k, v in sorted(r.status.tags.items())),
             render.state_text(r.status),
             str(m.steps),
             _num(m.final_train),
@@ -163,6 +205,13 @@ def sweep_jobs(
     for name, t in zip(names, settings):
         st = submit_job(spec, [*overrides, *(f"{k}={v}" for k, v in t.items()), f"name={name}"])
         record["trials"].append({"job_id": st.job_id, "name": name, "settings": t})
+        tags = {"sweep": sweep_id, **{k: v[:TAG_VALUE_CHARS] for k, v in t.items()}}
+        clients.call(
+            "control",
+            lambda s, j=st.job_id, tags=tags: s.AnnotateJob(
+                control_pb2.AnnotateJobRequest(job_id=j, set_tags=tags), timeout=10
+            ),
+        )
         _say(f"submitted {st.job_id}: {', '.join(f'{k}={v}' for k, v in t.items())}")
     where = _write_record(record)
     _say(f"sweep {sweep_id}: {len(settings)} trials (record: {where})")

@@ -118,6 +118,7 @@ def as_json(runs: list[Run]) -> dict:
                 "job_id": r.status.job_id,
                 "name": r.status.name,
                 "state": render.state_text(r.status),
+                "tags": dict(r.status.tags),
                 **{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in s.__dict__.items()},
             }
         )

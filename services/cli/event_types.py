@@ -25,6 +25,8 @@ EVENT_TYPES = (
     "decision",  # the fault policy's decision on an incident
     "recovery",  # a recovery's progress
     "scale",  # a resize
+    "tags",  # the operator's tags set or removed (surgectl tag)
+    "note",  # the operator's note (surgectl note)
 )
 
 

@@ -227,6 +227,7 @@ def build(
             control_pb2.StopJobRequest,
             control_pb2.DeleteJobRequest,
             control_pb2.RevokeOrderRequest,
+            control_pb2.AnnotateJobRequest,
             control_pb2.UncordonWorkerRequest,
         ),
     )

@@ -114,6 +114,9 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
     def RevokeOrder(self, request, context):
         return self._command(context, request)
 
+    def AnnotateJob(self, request, context):
+        return self._command(context, request)
+
     def UncordonWorker(self, request, context):
         if not request.worker_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UncordonWorker: worker_id is required")

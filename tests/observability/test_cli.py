@@ -183,5 +183,15 @@ def test_a_sweep_submits_its_grid_through_the_queue_ranks_it_and_compare_shows_t
     by_id = {j["job_id"]: j for j in shown["jobs"]}
     assert by_id[ids[0]]["steps"] == 6 and by_id[ids[1]]["final_train"] < by_id[ids[0]]["final_train"]
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert by_id[ids[1]]["tags"] == {"sweep": record["sweep"], "optimizer.lr": "3e-3"}
+
+    tagged = cli(obs_stack.home, "tag", ids[0], "verdict=too-slow", "--remove", "optimizer.lr")
+    noted = cli(obs_stack.home, "note", ids[0], "lr 1e-5 barely moves")
+    assert tagged.returncode == 0 and noted.returncode == 0, tagged.stderr + noted.stderr
+    assert f"{ids[0]}: tags sweep={record['sweep']}, verdict=too-slow" in tagged.stdout
+    ev = cli(obs_stack.home, "events", ids[0], "--type", "note")
+    assert ev.returncode == 0 and "lr 1e-5 barely moves" in ev.stdout, ev.stdout + ev.stderr
+    bad = cli(obs_stack.home, "tag", ids[0], "bad key=1")
+    assert bad.returncode == 2 and "tag 'bad key'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     one = cli(obs_stack.home, "compare", ids[0])
     assert one.returncode == 2 and "at least two jobs" in one.stderr and len(one.stderr.strip().splitlines()) == 1

@@ -105,6 +105,7 @@ order; the operator's queries never take it):
 - freeze.py: a decided relaunch held while the ranks stay alive for inspection
   (``fault_policy.freeze_seconds``, FreezeTraining; issue 29 item 9);
 - rollback.py: `surgectl rollback`, the live ranks loading a version in place;
+- annotations.py: the operator's tags and notes on a job (`surgectl tag`, `note`);
 - journal.py: restore after a control restart.
 
 and plain records and functions: job.py (``_Job``, ``_Incident``, ``_Scale``, the legal

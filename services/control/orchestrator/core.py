@@ -44,6 +44,7 @@ from services.control.cluster_metrics import watch_jobs
 from services.control.job_queue import JobQueue
 from services.control.job_store import JobStore
 from services.control.metrics import ControlMetrics
+from services.control.orchestrator.annotations import Annotating
 from services.control.orchestrator.faults import FaultIntake
 from services.control.orchestrator.freeze import Freezing
 from services.control.orchestrator.job import (
@@ -87,6 +88,7 @@ class Orchestrator(
     Recovery,
     Freezing,
     RollingBack,
+    Annotating,
     JournalRestore,
 ):
     """Owns every job's state machine. Thread-safe: one short lock orders all decisions

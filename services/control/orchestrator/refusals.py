@@ -26,6 +26,11 @@ class WorkerNotCordoned(ValueError, Refusal):
     naming it and those cordoned; a typo, never a failure of L1-1."""
 
 
+class BadAnnotation(ValueError, Refusal):
+    """`surgectl tag` / `note` with a malformed key, value or note, or a tag to remove the job
+    does not have (gRPC INVALID_ARGUMENT): one line naming it; nothing changed."""
+
+
 class RequestIdReused(ValueError, Refusal):
     """A submit's request id is the one an earlier submit of another spec text created a job
     with (gRPC INVALID_ARGUMENT): one line naming the request id and that job; nothing is
