@@ -39,7 +39,7 @@ Tokens/s: rank 0's steps after ``--warmup``, wall time (c.steady_tokens_per_s). 
 tokens/s x FLOPs per token / (peak x ranks), FLOPs per token = 6 N + 12 L d T
 (services/engine/training_loop/summary.py: model_flops_per_token; the PaLM appendix B count that
 nanoGPT and torchtitan use), peak = ``--peak-tflops`` or the dense bf16 peak of the GPU
-nvidia-smi names (``PEAK_TFLOPS``: H100 / H200 989, A100 312; vendor data sheets).
+nvidia-smi names (services/common/device_peaks.py ``PEAK_TFLOPS``: H100 / H200 989, A100 312; vendor data sheets).
 
 ``--kv-heads``: grouped-query attention's KV heads (default: the spec's, 8 as Llama 3;
 ``--kv-heads 32`` is full multi-head attention). ``--dry-run`` (CI: tests/bench/test_bench_tools.py): no GPU; builds
@@ -69,9 +69,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common as c  # noqa: E402
+from services.common.device_peaks import table_peak  # noqa: E402 (the ranks' own table)
 
-# Dense bf16 tensor-core peak, TFLOP/s (NVIDIA data sheets; SXM parts).
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0, "V100": 125.0}
 SPEC = c.REPO / "bench/jobs/llama1b.yaml"
 KILL_AT_STEP = 5  # the rebuild trial's SIGKILL: the restored job has trained a few steps
 RESTORE_STEPS = 3  # a restore with no rebuild after it (one GPU): steps on the loaded state
@@ -125,10 +124,9 @@ class Config:
 def peak_for(gpu_name: str) -> float:
     """Dense bf16 peak (TFLOP/s) of a GPU by the name nvidia-smi reports.
 
-    Raises: UsageError for a GPU not in ``PEAK_TFLOPS`` (pass --peak-tflops)."""
-    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
-        if key in gpu_name.upper():
-            return PEAK_TFLOPS[key]
+    Raises: UsageError for a GPU not in device_peaks.PEAK_TFLOPS (pass --peak-tflops)."""
+    if (peak := table_peak(gpu_name)) is not None:
+        return peak
     raise UsageError(f"--peak-tflops: unknown GPU {gpu_name!r}; pass its dense bf16 peak in TFLOP/s")
 
 

@@ -334,9 +334,9 @@ class ParallelSpec(_Strict):
     microbatches: int = Field(0, ge=0, le=U32_MAX)
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, else gloo
     threads_per_rank: int = Field(1, gt=0, le=1024)
-    # Peak dense throughput of one device, only for the MFU estimate (e.g. 989 for an H100
-    # in bf16, the 2-core CPU here reaches about 0.1).
-    peak_tflops_per_device: float = Field(0.1, gt=0, le=1e6)
+    # Peak dense throughput of one device, only for the MFU estimate. 0: a known GPU's data
+    # sheet bf16 figure, else measured at the rank's start (services/common/device_peaks.py).
+    peak_tflops_per_device: float = Field(0.0, ge=0, le=1e6)
 
 
 def mlp_hidden_width(spec: ModelSpec) -> int:

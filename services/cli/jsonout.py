@@ -15,7 +15,10 @@ def to_plain(msg: Message) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for field in msg.DESCRIPTOR.fields:
         value = getattr(msg, field.name)
-        if field.is_repeated:  # protobuf 7: FieldDescriptor.label is gone
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            entry = field.message_type.fields_by_name["value"]  # a map: an object (keys are str or int)
+            out[field.name] = {k: _scalar(entry, v) for k, v in value.items()}
+        elif field.is_repeated:  # protobuf 7: FieldDescriptor.label is gone
             out[field.name] = [_scalar(field, v) for v in value]
         elif field.type == FieldDescriptor.TYPE_MESSAGE:
             out[field.name] = to_plain(value) if msg.HasField(field.name) else None

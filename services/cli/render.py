@@ -326,6 +326,11 @@ def follow(events, quiet_types: frozenset[str] = frozenset({"step"})) -> History
     return h
 
 
+def mfu_text(s: control_pb2.JobStatus) -> str:
+    """``12.3 % of 989 TFLOP/s per device (data sheet: NVIDIA H200 bf16)``: MFU with what it divides by."""
+    return f"{100 * s.mfu:.1f} % of {s.peak_tflops:.3g} TFLOP/s per device ({s.peak_source})"
+
+
 def summary_table(s: control_pb2.JobStatus, h: History, extra: dict[str, str] | None = None) -> Table:
     t = Table(title=f"summary of {s.job_id}", show_header=False)
     t.add_column("what")
@@ -339,6 +344,7 @@ def summary_table(s: control_pb2.JobStatus, h: History, extra: dict[str, str] | 
         # of the job's steps but the first; services/control/orchestrator/training.py _throughput)
         "tokens/s (steps after the first)": tokens_per_second(s),
         "tokens seen": f"{s.tokens_seen:,}",
+        **({"MFU (last step)": mfu_text(s)} if s.peak_tflops else {}),
         "training wall time": f"{s.elapsed_seconds:.1f} s",
         "checkpoint": s.checkpoint_version or "—",
         **(extra or {}),

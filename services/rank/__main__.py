@@ -72,6 +72,7 @@ import torch
 from services.common import fencing
 from services.common.beat_grid import phase_from, seconds_to_next_beat
 from services.common.cpu_list import CPU_AFFINITY_ENV, parse_cpu_list
+from services.common.device_peaks import device_peak
 from services.common.grpc_server import channel
 from services.common.logs import configure
 from services.common.phase import COLLECTIVE, IDLE, PhaseMarker
@@ -266,6 +267,9 @@ def compose(
         # Fixed at the launch's layout: a resize's larger grad_accum is taken one batch at a time.
         read_ahead=2 * spec.data.grad_accum + 2,
         started_at=started_at,
+        peak=device_peak(
+            spec.parallel.peak_tflops_per_device, device, spec.precision.dtype, spec.parallel.threads_per_rank
+        ),
         **marked,
     )
     # Each module handles the routes the table sends it, by handler name (Bus.host; the

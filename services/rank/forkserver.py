@@ -129,7 +129,10 @@ def main(argv: list[str] | None = None) -> None:
 
     module = importlib.import_module(args.module)
     if args.module == "services.rank.__main__":
+        from services.common.device_peaks import measured_tflops
         from services.rank import data_client, memory_client, store_client  # noqa: F401
+
+        measured_tflops("cpu", "float32")  # a CPU rank's MFU peak, measured once for every rank forked here
     sock = socket.socket(fileno=args.fd)
     # In the agent's fork server log: when it is ready, and what its imports cost.
     ready = {

@@ -37,7 +37,7 @@ def test_tags_and_notes_are_kept_in_any_state_and_across_a_control_restart(plane
     assert dict(ended.tags) == {"lr": "3e-3", "verdict": "diverged"} and ended.state == control_pb2.TERMINATED
     events = [(e.type, e.message) for e in _events(plane, job_id) if e.type in ("tags", "note")]
     assert events == [
-        ("tags", "tags: lr=3e-3, arm=baseline"),
+        ("tags", "tags: arm=baseline, lr=3e-3"),
         ("note", "first try"),
         ("tags", "tags: verdict=diverged, -arm"),
         ("note", "lr too high"),
@@ -71,3 +71,15 @@ def test_a_malformed_annotation_is_refused_and_changes_nothing(plane, kw, words)
         _annotate(plane, job_id, **kw)
     assert words in str(e.value)
     assert dict(plane.get(job_id).tags) == {"keep": "1"} and len(_events(plane, job_id)) == before
+
+
+def test_the_status_carries_rank_0s_peak_and_last_mfu(plane):
+    a = plane.register("wa")
+    job_id = plane.submit(dp=1, steps=5).job_id
+    drain(a)
+    plane.rank_event(
+        a, job_id, 0, started=engine_pb2.TrainingLoopStarted(rank=0, peak_tflops=0.05, peak_source="measured: cpu")
+    )
+    plane.rank_event(a, job_id, 0, step=engine_pb2.StepCompleted(rank=0, step=1, loss=2.0, tokens=64, mfu=0.31))
+    s = plane.get(job_id)
+    assert (s.peak_tflops, s.peak_source, round(s.mfu, 2)) == (0.05, "measured: cpu", 0.31)

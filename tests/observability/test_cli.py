@@ -193,5 +193,8 @@ def test_a_sweep_submits_its_grid_through_the_queue_ranks_it_and_compare_shows_t
     assert ev.returncode == 0 and "lr 1e-5 barely moves" in ev.stdout, ev.stdout + ev.stderr
     bad = cli(obs_stack.home, "tag", ids[0], "bad key=1")
     assert bad.returncode == 2 and "tag 'bad key'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    # MFU's peak on a CPU rank is measured and said (services/common/device_peaks.py).
+    assert obs_stack.status["peak_tflops"] > 0 and obs_stack.status["peak_source"].startswith("measured: cpu")
+    assert 0 < obs_stack.status["mfu"] < 1.5, obs_stack.status
     one = cli(obs_stack.home, "compare", ids[0])
     assert one.returncode == 2 and "at least two jobs" in one.stderr and len(one.stderr.strip().splitlines()) == 1

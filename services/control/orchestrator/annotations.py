@@ -61,7 +61,9 @@ class Annotating:
             if changed:
                 job.status.tags.clear()
                 job.status.tags.update(after)
-                said = ", ".join([*(f"{k}={v}" for k, v in msg.set_tags.items()), *(f"-{k}" for k in msg.remove_tags)])
+                said = ", ".join(
+                    [*(f"{k}={v}" for k, v in sorted(msg.set_tags.items())), *(f"-{k}" for k in msg.remove_tags)]
+                )
                 self._record(job, ORCH, "tags", f"tags: {said}")
             if note := msg.note.strip():
                 self._record(job, ORCH, "note", note)

@@ -59,6 +59,8 @@ class RankEvents:
                 job.scale.healed_from[msg.rank] = msg.healed_from_rank
             if msg.worker_id:  # journaled: a restarted control knows where each rank ran
                 job.placement[msg.rank] = msg.worker_id
+            if msg.rank == 0 and msg.peak_tflops:  # what the job's MFU divides by (rank 0's device)
+                job.status.peak_tflops, job.status.peak_source = msg.peak_tflops, msg.peak_source
             incident = job.incident
             if incident is not None and incident.action in IN_PLACE_ACTIONS and msg.rank not in incident.lost:
                 # A survivor: its process never restarted; its seconds are the rebuild's (a trial read start-up).
@@ -156,7 +158,7 @@ class RankEvents:
         s.step, s.tokens_per_second = msg.step, self._throughput(job, msg)
         self._agreed(job, msg)
         if not msg.skipped:
-            s.train_loss = msg.loss
+            s.train_loss, s.mfu = msg.loss, msg.mfu
         s.tokens_seen += msg.tokens
         if msg.skipped:
             reason = getattr(msg, "skip_reason", "") or "overflow"  # (field 22: "overflow" | "non_finite_loss")

@@ -109,6 +109,7 @@ class Checkpoints:
             job_id=self._job_id, rank=self._rank, start_step=self._step, num_parameters=self._num_parameters,
             startup_seconds=time.perf_counter() - t0,
             restored_bytes_from=dict(getattr(loaded.message, "bytes_from", {})),
+            peak_tflops=self._peak.tflops, peak_source=self._peak.source,
         ))  # fmt: skip
         _log.info(
             "reloaded_in_place", version=version, step=self._step, paused_at=before, seconds=time.perf_counter() - t0

@@ -18,6 +18,7 @@ from google.protobuf.message import Message
 
 from services.common import phase as ph
 from services.common.boundary_commands import HeldCommands
+from services.common.device_peaks import UNKNOWN_PEAK, Peak
 from services.contract import Module, data_pb2, engine_pb2, route_pb2, store_pb2
 from services.contract.bus import Emitter
 from services.contract.failures import failure_of
@@ -49,10 +50,13 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
         read_ahead: int = 4,
         started_at: float | None = None,
         phase: ph.PhaseMarker | ph.NoPhase = ph.NO_PHASE,
+        peak: Peak = UNKNOWN_PEAK,
     ):
         """``read_ahead``: decoded micro-batches held per stream; ``started_at``: the
         process's ``time.perf_counter()`` at start, for ``startup_seconds``; ``phase``: the
-        rank's phase marker, set at this loop's phase boundaries (services/common/phase.py)."""
+        rank's phase marker, set at this loop's phase boundaries (services/common/phase.py);
+        ``peak``: the device's peak MFU is measured against (the composition root's: the loop
+        never touches a device)."""
         self._emit = emit
         self._mark = phase
         self._warm = True  # False until the first step ran with operators.compile (it compiles)
@@ -106,7 +110,8 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
         self._snapshots = 0  # snapshots taken by this loop (part of each one's version)
         self._num_parameters = 0
         self._flops_per_token = 0.0
-        self._peak_flops = 1.0
+        self._peak = peak
+        self._peak_flops = peak.tflops * 1e12
         self._lr_at = None
         # standby | stepping | waiting_data | evaluating | saving | paused | blocked | rebuilding | released
         # | frozen | fault_wait | loading | done | failed

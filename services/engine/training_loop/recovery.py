@@ -101,6 +101,7 @@ class Recovery:
             job_id=self._job_id, rank=self._rank, start_step=self._step, num_parameters=self._num_parameters,
             startup_seconds=time.perf_counter() - t0, rebuild_generation=self._generation,
             healed=True, healed_from_rank=healed.source_rank,
+            peak_tflops=self._peak.tflops, peak_source=self._peak.source,
         ))  # fmt: skip
         _log.info(
             "group_rebuilt_and_healed",

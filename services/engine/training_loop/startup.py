@@ -57,7 +57,6 @@ class Startup:
         loaded = p.shard_loader(engine_pb2.LoadModel(model_json=spec.model.model_dump_json(), seed=spec.seed)).message
         self._num_parameters = loaded.num_parameters
         self._flops_per_token = model_flops_per_token(spec, self._num_parameters)
-        self._peak_flops = spec.parallel.peak_tflops_per_device * 1e12
         self._warm = not spec.operators.compile  # the first step compiles forward and backward
         ops = spec.operators
         p.forward(engine_pb2.ConfigureForward(attention=spec.attention, adamw=ops.adamw, compile=ops.compile))
@@ -97,6 +96,7 @@ class Startup:
             num_parameters=self._num_parameters, startup_seconds=time.perf_counter() - self._t_created,
             restored_bytes_from=restored_from, healed=healed is not None,
             healed_from_rank=healed.source_rank if healed is not None else 0,
+            peak_tflops=self._peak.tflops, peak_source=self._peak.source,
         ))  # fmt: skip
 
     def _check_position(self, version: str) -> None:
