@@ -62,7 +62,16 @@ AUTH_TOKEN_ENV = "SURGE_AUTH_TOKEN"
 MUTATING_METHODS = frozenset(
     [
         f"/surge.v1.ControlService/{m}"
-        for m in ("SubmitJob", "PauseJob", "ResumeJob", "ScaleJob", "StopJob", "DeleteJob", "RevokeOrder", "AnnotateJob")
+        for m in (
+            "SubmitJob",
+            "PauseJob",
+            "ResumeJob",
+            "ScaleJob",
+            "StopJob",
+            "DeleteJob",
+            "RevokeOrder",
+            "AnnotateJob",
+        )
     ]
     + ["/surge.v1.StoreService/Delete", "/surge.v1.DataService/Delete"]
 )
