@@ -296,8 +296,25 @@ def test_a_link_down_at_both_ends_for_the_heartbeat_timeout_is_link_down_before_
     assert took >= 0.6
     assert (report.fault_class, report.grade, report.rank) == ("link_down", FaultGrade.SEVERE, 0)
     assert [(e.worker_id, e.links_down) for e in report.link_ends] == [("w1", 1), ("w2", 1)]
-    assert "link w1 <-> w2 is down" in report.detail and "for 0.6 s" in report.detail
+    assert "link w1 <-> w2 is down" in report.detail and "(the job's heartbeat timeout: 0.6 s)" in report.detail
     assert [r.fault_class for r in reports] == ["link_down"]
+
+
+def test_the_window_counts_the_silence_the_ends_had_already_seen_when_they_said_down():
+    # Each end says down after hearing nothing for a while (down_probes periods): that part of
+    # the heartbeat timeout (2 s) has passed already; the later end's silence counts.
+    bus, reports = wired(heartbeat_timeout_seconds=2.0, stall_min_seconds=30)
+    stop = beating(bus, {0: "w1", 1: "w2"})
+    try:
+        t0 = time.monotonic()
+        bus.publish(Module.EXT_HARDWARE, Link(worker_id="w1", peer_worker_id="w2", state=DOWN, silent_seconds=1.8))
+        bus.publish(Module.EXT_HARDWARE, Link(worker_id="w2", peer_worker_id="w1", state=DOWN, silent_seconds=1.5))
+        (report,) = reports.wait(1)
+        took = time.monotonic() - t0
+    finally:
+        stop()
+    assert report.fault_class == "link_down"
+    assert 0.4 <= took < 1.5, took  # (2 s less the 1.5 s the later end had seen; not 2 s more)
 
 
 def test_one_ends_view_alone_or_a_link_back_within_the_window_is_no_link_down():

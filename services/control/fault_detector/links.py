@@ -52,6 +52,7 @@ class _View:
     round_trip_loss: float
     inbound_loss: float
     window_s: float
+    silent_since: float = 0.0  # time.monotonic() here: since when this end has heard nothing of the peer
 
 
 def combine(a: int, b: int) -> int | None:
@@ -87,7 +88,10 @@ class Links:
             if msg.state == LinkState.STATE_UNSPECIFIED:
                 self._link_views.pop(key, None)
             else:
-                self._link_views[key] = _View(msg.state, msg.round_trip_loss, msg.inbound_loss, msg.window_seconds)
+                silent_since = time.monotonic() - max(msg.silent_seconds, 0.0)
+                self._link_views[key] = _View(
+                    msg.state, msg.round_trip_loss, msg.inbound_loss, msg.window_seconds, silent_since
+                )
             before = self._link_states.get(pair, _UP)
             now = self._combined(pair)
             if now is None or now == before:
@@ -125,26 +129,33 @@ class Links:
 
     def _hold_down(self, pair: Pair, msg: control_pb2.LinkStateChanged) -> None:
         """Both ends just said the link is down: each job with ranks on both nodes is told
-        ``link_down`` once it stayed so for that job's heartbeat timeout (its liveness setting:
-        as long as a rank's own silence may last before it is a fault), if both ends' node agents
-        and all of the job's ranks beat meanwhile. Why not at once: a brief outage (a switch
+        ``link_down`` once it has been silent for that job's heartbeat timeout (its liveness
+        setting: as long as a rank's own silence may last before it is a fault), if both ends'
+        node agents and all of the job's ranks beat meanwhile. The silence counts from the later
+        of the two ends' last ping heard (``silent_seconds``: the agents needed ``down_probes``
+        periods of it to say down) and of either agent's return from a quiet spell (a silence
+        that overlapped an agent's pause proves nothing about the link). Why not at once: a brief outage (a switch
         reboot, a route flap) or an agent that was paused and just woke (its peer heard nothing,
         and it heard nothing while paused) shows both ends down for a moment; a cut that lasts a
         heartbeat timeout while everything else beats is the link's. Why not wait for the
         collective: its stall deadline (``stall_min_seconds``) is longer, and a collective that
         errors first is graded at once anyway (``_link_down_report``)."""
         token = object()
+        now = time.monotonic()
         with self._cluster:
             self._link_holds[pair] = token
+            views = [self._link_views.get(k) for k in (pair, pair[::-1])]
+            returns = [self._agent_beats[w][2] for w in pair if w in self._agent_beats]
+            since = min(now, max([v.silent_since for v in views if v is not None] + returns))
         for job_id in self._jobs_across(pair):
             with self._job_lock(job_id):
                 job = self._jobs.get(job_id)
                 window = job.heartbeat_timeout_s if job is not None else 0.0
             if window > 0:
-                self._deadlines.after(window, self._down_due, (job_id, pair, token, msg, window))
+                self._deadlines.after(max(0.0, since + window - now), self._down_due, (job_id, pair, token, msg, since))
 
     def _down_due(
-        self, job_id: str, pair: Pair, token: object, msg: control_pb2.LinkStateChanged, window: float
+        self, job_id: str, pair: Pair, token: object, msg: control_pb2.LinkStateChanged, since: float
     ) -> None:
         """A down link's hold for ``job_id`` ran out (a deadline callback): ``link_down``, unless
         an end sees the link again (a link back within the window is nothing), an end's agent
@@ -154,7 +165,7 @@ class Links:
         with self._cluster:
             if self._link_holds.get(pair) is not token or self._combined(pair) != _DOWN:
                 return  # (a newer change of the link armed its own, or an end hears the other again)
-            paused = [w for w in pair if self._agent_paused(w, now, now - window)]
+            paused = [w for w in pair if self._agent_paused(w, now, since)]
             if paused:
                 self._link_waiting[pair] = msg
         if paused:
@@ -162,12 +173,12 @@ class Links:
             return
         with self._job_lock(job_id):
             job = self._jobs.get(job_id)
-            report = self._link_state_report(job_id, job, pair, window) if job is not None else None
+            report = self._link_state_report(job_id, job, pair, now - since) if job is not None else None
         if report is not None:
             self._publish_cause(job_id, report)
 
-    def _link_state_report(self, job_id: str, job: _Job, pair: Pair, window: float) -> control_pb2.FaultReport | None:
-        """Under the job's lock: the ``link_down`` of a link down for ``window`` by its state
+    def _link_state_report(self, job_id: str, job: _Job, pair: Pair, silent: float) -> control_pb2.FaultReport | None:
+        """Under the job's lock: the ``link_down`` of a link silent for ``silent`` s by its state
         alone, when the job still has ranks on both ends, all of them beat (a quiet one: its
         silence deadline decides; after a control restart, ranks not heard since may be
         quiet), and none was reported for the link this round; else None."""
@@ -191,9 +202,10 @@ class Links:
             LINK_DOWN,
             Module.EXT_HARDWARE,
             rank,
-            f"link {pair[0]} <-> {pair[1]} is down: both ends heard nothing of each other for {window:.1f} s (the "
-            f"job's heartbeat timeout) while both node agents and all {len(job.ranks)} ranks beat; {_losses(ends)}",
-            occurred=time.time() - window,
+            f"link {pair[0]} <-> {pair[1]} is down: both ends heard nothing of each other for {silent:.1f} s (the "
+            f"job's heartbeat timeout: {job.heartbeat_timeout_s:g} s) while both node agents and all {len(job.ranks)} "
+            f"ranks beat; {_losses(ends)}",
+            occurred=time.time() - silent,
             worker_id=watch.worker_id,
             step=max(watch.step, 0),
             phase=watch.phase,
