@@ -193,8 +193,10 @@ def test_a_degraded_link_is_a_warning_for_each_job_across_it_once_per_change():
     ]
 
 
-def _agent_beats(bus: Bus, workers: dict[str, threading.Event]) -> callable:
-    """Each worker's node agent beats every 0.1 s while its event is set (cleared: paused)."""
+def _agent_beats(bus: Bus, workers: dict[str, threading.Event], period: float = 0.1) -> callable:
+    """Each worker's node agent beats every 0.1 s while its event is set (cleared: paused),
+    stating ``period`` (quiet to L1-3 after 1.5 of them: more than 0.1 s spares a loaded host's
+    late beats)."""
     stop = threading.Event()
 
     def run():
@@ -202,7 +204,7 @@ def _agent_beats(bus: Bus, workers: dict[str, threading.Event]) -> callable:
             for worker, live in workers.items():
                 if live.is_set():
                     beat = control_pb2.AgentHeartbeat(
-                        worker_id=worker, interval_seconds=0.1, received_monotonic=time.monotonic()
+                        worker_id=worker, interval_seconds=period, received_monotonic=time.monotonic()
                     )
                     bus.publish(Module.EXT_HARDWARE, beat)
 
@@ -282,7 +284,7 @@ def test_a_link_down_at_both_ends_for_the_heartbeat_timeout_is_link_down_before_
     agents = {"w1": threading.Event(), "w2": threading.Event()}
     for live in agents.values():
         live.set()
-    stop_agents, stop = _agent_beats(bus, agents), beating(bus, {0: "w1", 1: "w2"})
+    stop_agents, stop = _agent_beats(bus, agents, period=0.4), beating(bus, {0: "w1", 1: "w2"})
     try:
         time.sleep(0.2)
         t0 = _down_both_ways(bus)
@@ -341,17 +343,17 @@ def test_a_link_down_while_an_end_s_node_agent_is_paused_waits_for_that_agent_to
     # A paused agent neither answers its peer's probes nor hears them: on waking, both ends may
     # say down for a moment. Its beats to control stopped too: held until it beats again, then
     # a full window more (a real cut outlasts the pause).
-    bus, reports = wired(heartbeat_timeout_seconds=0.6, stall_min_seconds=30)
+    bus, reports = wired(heartbeat_timeout_seconds=1.0, stall_min_seconds=30)
     agents = {"w1": threading.Event(), "w2": threading.Event()}
     for live in agents.values():
         live.set()
-    stop_agents, stop = _agent_beats(bus, agents), beating(bus, {0: "w1", 1: "w2"})
+    stop_agents, stop = _agent_beats(bus, agents, period=0.4), beating(bus, {0: "w1", 1: "w2"})
     try:
-        time.sleep(0.3)
-        agents["w2"].clear()  # paused
+        time.sleep(0.5)
+        agents["w2"].clear()  # paused (quiet to L1-3 after 0.6 s)
         time.sleep(0.3)
         _down_both_ways(bus)
-        time.sleep(1.2)  # past the window: w2's agent is quiet, nothing reported
+        time.sleep(1.5)  # past the window: w2's agent is quiet, nothing reported
         assert _link_downs(reports) == []
         agents["w2"].set()
         back = time.monotonic()
@@ -362,7 +364,7 @@ def test_a_link_down_while_an_end_s_node_agent_is_paused_waits_for_that_agent_to
         took = time.monotonic() - back
     finally:
         stop(), stop_agents()
-    assert took >= 0.6
+    assert took >= 1.0  # (a full window counted from its return)
     (report,) = _link_downs(reports)
 
 
