@@ -134,12 +134,12 @@ class Links:
         node agents and all of the job's ranks beat meanwhile. The silence counts from the later
         of the two ends' last ping heard (``silent_seconds``: the agents needed ``down_probes``
         periods of it to say down) and of either agent's return from a quiet spell (a silence
-        that overlapped an agent's pause proves nothing about the link). Why not at once: a brief outage (a switch
-        reboot, a route flap) or an agent that was paused and just woke (its peer heard nothing,
-        and it heard nothing while paused) shows both ends down for a moment; a cut that lasts a
-        heartbeat timeout while everything else beats is the link's. Why not wait for the
-        collective: its stall deadline (``stall_min_seconds``) is longer, and a collective that
-        errors first is graded at once anyway (``_link_down_report``)."""
+        that overlapped an agent's pause proves nothing about the link). Why not at once: a
+        brief outage (a switch reboot, a route flap) or an agent that was paused and just woke
+        (its peer heard nothing, and it heard nothing while paused) shows both ends down for a
+        moment; a cut that lasts a heartbeat timeout while everything else beats is the link's.
+        Why not wait for the collective: its stall deadline (``stall_min_seconds``) is longer,
+        and a collective that errors first is graded at once anyway (``_link_down_report``)."""
         token = object()
         now = time.monotonic()
         with self._cluster:
