@@ -993,8 +993,10 @@ class LinksSpec(_Strict):
 
     Each node agent probes its peers among the job's nodes (its ring neighbours and rank 0's
     node) every ``probe_seconds`` with a UDP echo (services/worker/link_probe.py). A link both
-    ends hear nothing on for ``down_probes`` probes is down: a collective of ranks that still
-    beat stalling (or failing) across it is ``link_down``. One that loses ``degraded_loss`` of
+    ends hear nothing on for ``down_probes`` probes is down: ``link_down`` once it stayed down
+    for the job's ``liveness.heartbeat_timeout_seconds`` while both node agents and every rank
+    beat, or earlier when a collective of ranks that still beat stalls (or fails) across it.
+    One that loses ``degraded_loss`` of
     its probes or more, either way, is degraded (``link_degraded``, a warning). A cut is seen
     ``down_probes`` x ``probe_seconds`` after it, plus one period at most.
     """

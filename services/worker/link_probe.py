@@ -275,6 +275,8 @@ class LinkProber:
             inbound_loss=inbound,
             window_seconds=WINDOW_PROBES * interval,
             unix_time=time.time(),
+            # (the peer's last ping heard, or since probing began: how long the link is silent)
+            silent_seconds=max(0.0, time.monotonic() - (p.heard[-1][1] if p.heard else p.since)),
         )
 
     def _sync(self) -> list[_Peer]:

@@ -281,9 +281,10 @@ class NodeAgent:
         launch waits for it to end (its grace period at most); otherwise the launch of
         that rank is refused and logged. A process that cannot be spawned is reported as
         ``RankExited`` with exit code 127. The job's peer for the in-memory checkpoint
-        copies (``memory_peer``) is noted first.
+        copies (``memory_peer``) is noted first. A launch with no ranks only restates the job's
+        link probe peers (a rebuild in place changed its layout: the memory peer stays).
         """
-        if self._memory is not None:
+        if self._memory is not None and msg.ranks:
             self._memory.set_peer(msg.job_id, msg.memory_peer)
         if self._links is not None:
             self._links.set_peers(msg.job_id, msg.link_probe)

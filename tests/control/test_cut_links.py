@@ -24,6 +24,7 @@ from services.worker.link_probe import LinkProber
 from .conftest import drain
 from .test_fault_detector import Reports
 from .test_fault_policy import decisions, running
+from .test_resource_allocator import allocate
 
 FaultGrade = control_pb2.FaultGrade
 Link = control_pb2.LinkStateChanged
@@ -192,8 +193,10 @@ def test_a_degraded_link_is_a_warning_for_each_job_across_it_once_per_change():
     ]
 
 
-def _agent_beats(bus: Bus, workers: dict[str, threading.Event]) -> callable:
-    """Each worker's node agent beats every 0.1 s while its event is set (cleared: paused)."""
+def _agent_beats(bus: Bus, workers: dict[str, threading.Event], period: float = 0.1) -> callable:
+    """Each worker's node agent beats every 0.1 s while its event is set (cleared: paused),
+    stating ``period`` (quiet to L1-3 after 1.5 of them: more than 0.1 s spares a loaded host's
+    late beats)."""
     stop = threading.Event()
 
     def run():
@@ -201,7 +204,7 @@ def _agent_beats(bus: Bus, workers: dict[str, threading.Event]) -> callable:
             for worker, live in workers.items():
                 if live.is_set():
                     beat = control_pb2.AgentHeartbeat(
-                        worker_id=worker, interval_seconds=0.1, received_monotonic=time.monotonic()
+                        worker_id=worker, interval_seconds=period, received_monotonic=time.monotonic()
                     )
                     bus.publish(Module.EXT_HARDWARE, beat)
 
@@ -261,6 +264,123 @@ def test_a_node_agent_registering_again_forgets_its_views():
     assert first.fault_class == "rank_stalled_in_collective"
 
 
+# ---------------------------------------------------------------- link_down from the link state alone
+
+
+def _down_both_ways(bus: Bus) -> float:
+    link(bus, "w1", "w2", DOWN)
+    link(bus, "w2", "w1", DOWN)
+    return time.monotonic()
+
+
+def _link_downs(reports) -> list:
+    return [r for r in list(reports) if r.fault_class == "link_down"]
+
+
+def test_a_link_down_at_both_ends_for_the_heartbeat_timeout_is_link_down_before_any_collective_stalls():
+    # No stall deadline can fire here (30 s): the link's state alone grades it, after the
+    # job's heartbeat timeout (0.6 s), naming both nodes.
+    bus, reports = wired(heartbeat_timeout_seconds=0.6, stall_min_seconds=30)
+    agents = {"w1": threading.Event(), "w2": threading.Event()}
+    for live in agents.values():
+        live.set()
+    stop_agents, stop = _agent_beats(bus, agents, period=0.4), beating(bus, {0: "w1", 1: "w2"})
+    try:
+        time.sleep(0.2)
+        t0 = _down_both_ways(bus)
+        time.sleep(0.3)
+        assert list(reports) == []  # (within the window: nothing yet)
+        (report,) = reports.wait(1)
+        took = time.monotonic() - t0
+        time.sleep(0.8)  # (once per link per round: the window's end reports no second one)
+    finally:
+        stop(), stop_agents()
+    assert took >= 0.6
+    assert (report.fault_class, report.grade, report.rank) == ("link_down", FaultGrade.SEVERE, 0)
+    assert [(e.worker_id, e.links_down) for e in report.link_ends] == [("w1", 1), ("w2", 1)]
+    assert "link w1 <-> w2 is down" in report.detail and "(the job's heartbeat timeout: 0.6 s)" in report.detail
+    assert [r.fault_class for r in reports] == ["link_down"]
+
+
+def test_the_window_counts_the_silence_the_ends_had_already_seen_when_they_said_down():
+    # Each end says down after hearing nothing for a while (down_probes periods): that part of
+    # the heartbeat timeout (2 s) has passed already; the later end's silence counts.
+    bus, reports = wired(heartbeat_timeout_seconds=2.0, stall_min_seconds=30)
+    stop = beating(bus, {0: "w1", 1: "w2"})
+    try:
+        t0 = time.monotonic()
+        bus.publish(Module.EXT_HARDWARE, Link(worker_id="w1", peer_worker_id="w2", state=DOWN, silent_seconds=1.8))
+        bus.publish(Module.EXT_HARDWARE, Link(worker_id="w2", peer_worker_id="w1", state=DOWN, silent_seconds=1.5))
+        (report,) = reports.wait(1)
+        took = time.monotonic() - t0
+    finally:
+        stop()
+    assert report.fault_class == "link_down"
+    assert 0.4 <= took < 1.5, took  # (2 s less the 1.5 s the later end had seen; not 2 s more)
+
+
+def test_one_ends_view_alone_or_a_link_back_within_the_window_is_no_link_down():
+    bus, reports = wired(heartbeat_timeout_seconds=0.6, stall_min_seconds=30)
+    stop = beating(bus, {0: "w1", 1: "w2"})
+    try:
+        link(bus, "w1", "w2", DOWN)  # one end's view: undecided, nothing armed
+        time.sleep(1.0)
+        assert reports == []
+        link(bus, "w2", "w1", DOWN)  # now both ...
+        time.sleep(0.2)
+        link(bus, "w2", "w1", UP)  # ... and back within the window at one end
+        link(bus, "w1", "w2", UP)
+        time.sleep(1.0)
+        assert reports == []
+        t0 = _down_both_ways(bus)  # cut again: a fresh window from the second cut
+        (report,) = reports.wait(1)
+    finally:
+        stop()
+    assert report.fault_class == "link_down" and time.monotonic() - t0 >= 0.6
+
+
+def test_a_link_down_while_an_end_s_node_agent_is_paused_waits_for_that_agent_to_beat_again():
+    # A paused agent neither answers its peer's probes nor hears them: on waking, both ends may
+    # say down for a moment. Its beats to control stopped too: held until it beats again, then
+    # a full window more (a real cut outlasts the pause).
+    bus, reports = wired(heartbeat_timeout_seconds=1.0, stall_min_seconds=30)
+    agents = {"w1": threading.Event(), "w2": threading.Event()}
+    for live in agents.values():
+        live.set()
+    stop_agents, stop = _agent_beats(bus, agents, period=0.4), beating(bus, {0: "w1", 1: "w2"})
+    try:
+        time.sleep(0.5)
+        agents["w2"].clear()  # paused (quiet to L1-3 after 0.6 s)
+        time.sleep(0.3)
+        _down_both_ways(bus)
+        time.sleep(1.5)  # past the window: w2's agent is quiet, nothing reported
+        assert _link_downs(reports) == []
+        agents["w2"].set()
+        back = time.monotonic()
+        deadline = back + 8.0
+        while not _link_downs(reports):  # still down after the pause: the link's
+            assert time.monotonic() < deadline, "a cut that outlasted the pause was never reported"
+            time.sleep(0.05)
+        took = time.monotonic() - back
+    finally:
+        stop(), stop_agents()
+    assert took >= 1.0  # (a full window counted from its return)
+    (report,) = _link_downs(reports)
+
+
+def test_a_link_down_while_a_rank_of_the_job_is_quiet_is_not_graded_from_the_link():
+    bus, reports = wired(heartbeat_timeout_seconds=0.6, stall_min_seconds=30)
+    stop = beating(bus, {0: "w1"})  # rank 1 beat once, then fell quiet: its silence is the fault
+    beat(bus, 1, "w2")
+    try:
+        _down_both_ways(bus)
+        time.sleep(1.5)
+    finally:
+        stop()
+    assert _link_downs(reports) == []
+    assert "rank_silent" in {r.fault_class for r in reports}
+
+
 # ---------------------------------------------------------------- L1-1
 
 
@@ -313,6 +433,82 @@ def test_each_node_probes_its_ring_neighbours_and_rank_0s_node_which_probes_all(
     probe = _link_probe(live, rank_nodes, workers, "w4")
     assert (probe.interval_seconds, probe.down_probes, probe.peers[0].address) == (0.5, 3, "10.0.0.0:7000")
     assert _link_probe(live, ["w1", "w1"], workers, "w1") is None  # one node: no link
+
+
+def _probe_updates(cmds) -> list[list[str]]:
+    """The peers of each launch with no ranks (a rebuild's new probe peers for a survivor)."""
+    return [
+        [p.worker_id for p in c.launch.link_probe.peers]
+        for c in cmds
+        if c.WhichOneof("command") == "launch" and not c.launch.ranks
+    ]
+
+
+def _rebuild_in_place(plane, job_id: str, **kw):
+    msg = control_pb2.RebuildCommunicator(job_id=job_id, reason="test", in_place=True, **kw)
+    return plane.c.bus.command(Module.L1_RECOVERY_CONTROLLER, Module.L1_RESOURCE_ALLOCATOR, msg).message
+
+
+def test_a_rebuild_in_place_tells_the_survivors_agents_their_new_probe_peers(plane):
+    a, b, c = plane.register("wa"), plane.register("wb"), plane.register("wc")
+    assert list(allocate(plane, "j-l", dp=2).worker_ids) == ["wa", "wb"]
+    (la,), (lb,) = drain(a), drain(b)
+    assert [p.worker_id for p in la.launch.link_probe.peers] == ["wb"]
+    assert [p.worker_id for p in lb.launch.link_probe.peers] == ["wa"]
+    drain(c)
+
+    # Rank 1 replaced on its own node: the same layout, no peer changes, nothing more sent.
+    assert isinstance(_rebuild_in_place(plane, "j-l", lost_ranks=[1]), control_pb2.ResourcesReady)
+    assert _probe_updates(drain(a)) == [] and _probe_updates(drain(b)) == []
+
+    # wb left out (a cut link's end): rank 1 to wc. The survivor wa probes wc instead of wb, and
+    # wb's agent (rank 1 killed, no rank of the job left there) probes none of the job's links.
+    ready = _rebuild_in_place(plane, "j-l", lost_ranks=[1], exclude_worker_ids=["wb"])
+    assert list(ready.worker_ids) == ["wc"]
+    (launch,) = [cmd.launch for cmd in drain(c) if cmd.WhichOneof("command") == "launch"]
+    assert [p.worker_id for p in launch.link_probe.peers] == ["wa"]
+    assert _probe_updates(drain(a)) == [["wc"]]
+    (gone,) = [cmd.launch for cmd in drain(b) if cmd.WhichOneof("command") == "launch"]
+    assert (gone.job_id, list(gone.ranks), gone.HasField("link_probe")) == ("j-l", [], False)
+
+
+def test_a_shrink_in_place_drops_the_released_node_from_the_survivors_probe_peers(plane):
+    sessions = {w: plane.register(w) for w in ("wa", "wb", "wc")}
+    assert list(allocate(plane, "j-s", dp=3).worker_ids) == ["wa", "wb", "wc"]
+    assert [[p.worker_id for p in c.launch.link_probe.peers] for c in drain(sessions["wa"])] == [["wb", "wc"]]
+    drain(sessions["wb"]), drain(sessions["wc"])
+    layout = engine_pb2.DataParallelLayout(dp=2, micro_batch_size=2, grad_accum=1)
+    assert isinstance(_rebuild_in_place(plane, "j-s", layout=layout), control_pb2.ResourcesReady)
+    assert _probe_updates(drain(sessions["wa"])) == [["wb"]]
+    assert _probe_updates(drain(sessions["wb"])) == [["wa"]]
+    assert _probe_updates(drain(sessions["wc"])) == [[]]  # (its rank 2 released: none of the job's links)
+
+
+def test_a_launch_with_no_ranks_restates_the_agents_probe_peers_and_keeps_its_memory_peer(tmp_path):
+    import structlog
+
+    from services.worker.node_agent import NodeAgent
+
+    class Told(dict):
+        def set_peers(self, job_id, probe):
+            self[job_id] = [p.worker_id for p in probe.peers]
+
+        def set_peer(self, job_id, peer):
+            self[job_id] = peer.worker_id
+
+        def forget(self, job_id):
+            self.pop(job_id, None)
+
+    links, memory = Told(), Told()
+    agent = NodeAgent("wa", "127.0.0.1:1", tmp_path, emit=lambda ev: None, log=structlog.get_logger(), links=links)
+    agent._memory = memory  # (the copies' tier stands in: only its peer is read here)
+    memory["j"] = "wb"  # (as the job's launch with ranks here set it)
+    update = control_pb2.LaunchRanks(job_id="j")
+    update.link_probe.peers.add(worker_id="wc", address="10.0.0.3:1")
+    agent.launch_ranks(update)
+    assert (links, memory) == ({"j": ["wc"]}, {"j": "wb"})
+    agent.launch_ranks(control_pb2.LaunchRanks(job_id="j"))  # none of the job's links here any more
+    assert (links, memory) == ({"j": []}, {"j": "wb"})
 
 
 def test_link_probe_settings_are_range_checked():

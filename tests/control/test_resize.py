@@ -132,7 +132,8 @@ def test_surgectl_scale_grows_and_shrinks_a_running_job_without_touching_the_ran
         (assignment,) = on[0][1].ranks
         assert (assignment.rank, assignment.world_size) == (rank, 4)
     for session in (w["wa"], w["wb"]):  # the ranks that stay: a rendezvous and a resume, no kill
-        assert [k for k, _ in commands(session)] == ["routed", "routed"]
+        on = commands(session)  # (their agents: the new layout's link probe peers, a launch of no rank)
+        assert [k for k, _ in on] == ["launch", "routed", "routed"] and not on[0][1].ranks
     ready(plane, job_id, dict(enumerate(w.values())), step=pause.at_step, generation=1)
     s = plane.get(job_id)
     assert (s.state, s.dp, s.micro_batch_size, s.grad_accum) == (JobState.RUNNING, 4, 1, 1)

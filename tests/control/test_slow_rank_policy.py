@@ -58,7 +58,8 @@ def test_replace_relaunches_the_slow_rank_off_its_node_and_the_survivor_keeps_it
         "training, rank 1 is replaced and heals from a live peer"
     ]
     on_a, on_b, on_c = commands(w["wa"]), commands(w["wb"]), commands(w["wc"])
-    assert [k for k, _ in on_a] == ["routed"] and on_a[0][1] == "RebuildParallelGroup"  # the survivor stays
+    assert [k for k, _ in on_a] == ["launch", "routed"] and on_a[1][1] == "RebuildParallelGroup"  # the survivor stays
+    assert not on_a[0][1].ranks and [p.worker_id for p in on_a[0][1].link_probe.peers] == ["wc"]  # (its new peer)
     assert on_b[0][0] == "release" and list(on_b[0][1].ranks) == [1] and on_b[0][1].kill
     launch = [m for k, m in on_c if k == "launch"]
     assert [r.rank for r in launch[0].ranks] == [1] and launch[0].init.heal_from_peer  # on another node
@@ -79,4 +80,4 @@ def test_shrink_without_a_free_slot_off_the_slow_ranks_node_goes_on_at_a_smaller
     assert (s.world_size, s.dp) == (2, 2)
     on_c = commands(w["wc"])
     assert on_c[0][0] == "release" and list(on_c[0][1].ranks) == [2] and on_c[0][1].kill
-    assert not any(k == "launch" for k, _ in on_c)
+    assert not any(k == "launch" and m.ranks for k, m in on_c)  # (a launch of no rank: it probes no link of the job)

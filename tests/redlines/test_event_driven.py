@@ -110,10 +110,11 @@ def test_a_liveness_deadline_is_armed_only_by_the_event_it_waits_for(module):
     tree = source_tree(module)
     for fn in (f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)):
         arms = [c for c in ast.walk(fn) if isinstance(c, ast.Call) and ast.unparse(c.func).endswith("_deadlines.after")]
-        if arms and fn.name in ("_hold", "_release_held", "_broken_by_peer", "_hold_degraded"):
+        if arms and fn.name in ("_hold", "_release_held", "_broken_by_peer", "_hold_degraded", "_hold_down"):
             # Not a liveness deadline: an attribution window holds a symptom (the fault
             # detector's: a stall, or a lossy link whose cause may be an end's paused node
-            # agent; the orchestrator's: a save broken in its collectives) for a fixed time so
+            # agent, or a link both ends say is down, held for the job's heartbeat timeout; the
+            # orchestrator's: a save broken in its collectives) for a fixed time so
             # that its cause (a peer's silence or exit, an agent's) can arrive first; it is
             # opened by the symptom's own report, or by that cause's end (a quiet agent that
             # beats again), never by the window's own expiry (the detector's stall extended once).

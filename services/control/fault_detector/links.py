@@ -13,8 +13,10 @@ down, or no longer probed). A link has two views, one per end; combined:
 A degraded link is reported for every monitored job with ranks on both nodes as
 ``link_degraded`` (MINOR: a warning; never held), once per change; once the link is up
 again, each job told of it (degraded or down) gets that report ``cleared`` (its status lists
-the link no more). A down link is no report
-of its own: it grades the collective that stalls across it. A rank stalled in a collective
+the link no more). A link both ends say is down for a job's heartbeat timeout, while both
+ends' node agents and all of the job's ranks beat, is ``link_down`` for that job from the link
+state alone (``_hold_down``: armed by the second end's statement, never polled). Before that, a
+down link grades the collective that stalls or fails across it: a rank stalled in a collective
 (its stall deadline, stalls.py) or whose collective failed (``comm_error``, attribution.py),
 while a down link joins two nodes of its job whose ranks all still beat, is ``link_down``
 (SEVERE) naming both nodes (``FaultReport.link_ends``, each with how many of its links are
@@ -50,6 +52,7 @@ class _View:
     round_trip_loss: float
     inbound_loss: float
     window_s: float
+    silent_since: float = 0.0  # time.monotonic() here: since when this end has heard nothing of the peer
 
 
 def combine(a: int, b: int) -> int | None:
@@ -85,7 +88,10 @@ class Links:
             if msg.state == LinkState.STATE_UNSPECIFIED:
                 self._link_views.pop(key, None)
             else:
-                self._link_views[key] = _View(msg.state, msg.round_trip_loss, msg.inbound_loss, msg.window_seconds)
+                silent_since = time.monotonic() - max(msg.silent_seconds, 0.0)
+                self._link_views[key] = _View(
+                    msg.state, msg.round_trip_loss, msg.inbound_loss, msg.window_seconds, silent_since
+                )
             before = self._link_states.get(pair, _UP)
             now = self._combined(pair)
             if now is None or now == before:
@@ -109,9 +115,116 @@ class Links:
                 detail = f"link {pair[0]} <-> {pair[1]} " + ("up again" if probed else "no longer probed by either end")
                 self._emit_link(job_id, fault_class, pair, detail, ends, msg, cleared=True)
             return
-        if now != _DEGRADED:
-            return  # (down grades the collective that stalls across it)
-        self._hold_degraded(pair, msg)
+        self._hold_link(pair, msg)
+
+    def _hold_link(self, pair: Pair, msg: control_pb2.LinkStateChanged) -> None:
+        """A link just turned degraded or down (or an end's quiet agent beat again while it was):
+        held as its state says (a newer change arms a newer hold; the older one finds it stale)."""
+        with self._cluster:
+            state = self._link_states.get(pair, _UP)
+        if state == _DEGRADED:
+            self._hold_degraded(pair, msg)
+        elif state == _DOWN:
+            self._hold_down(pair, msg)
+
+    def _hold_down(self, pair: Pair, msg: control_pb2.LinkStateChanged) -> None:
+        """Both ends just said the link is down: each job with ranks on both nodes is told
+        ``link_down`` once it has been silent for that job's heartbeat timeout (its liveness
+        setting: as long as a rank's own silence may last before it is a fault), if both ends'
+        node agents and all of the job's ranks beat meanwhile. The silence counts from the later
+        of the two ends' last ping heard (``silent_seconds``: the agents needed ``down_probes``
+        periods of it to say down) and of either agent's return from a quiet spell (a silence
+        that overlapped an agent's pause proves nothing about the link). Why not at once: a
+        brief outage (a switch reboot, a route flap) or an agent that was paused and just woke
+        (its peer heard nothing, and it heard nothing while paused) shows both ends down for a
+        moment; a cut that lasts a heartbeat timeout while everything else beats is the link's.
+        Why not wait for the collective: its stall deadline (``stall_min_seconds``) is longer,
+        and a collective that errors first is graded at once anyway (``_link_down_report``)."""
+        token = object()
+        now = time.monotonic()
+        with self._cluster:
+            self._link_holds[pair] = token
+            views = [self._link_views.get(k) for k in (pair, pair[::-1])]
+            returns = [self._agent_beats[w][2] for w in pair if w in self._agent_beats]
+            since = min(now, max([v.silent_since for v in views if v is not None] + returns))
+        for job_id in self._jobs_across(pair):
+            with self._job_lock(job_id):
+                job = self._jobs.get(job_id)
+                window = job.heartbeat_timeout_s if job is not None else 0.0
+            if window > 0:
+                self._deadlines.after(max(0.0, since + window - now), self._down_due, (job_id, pair, token, msg, since))
+
+    def _down_due(
+        self, job_id: str, pair: Pair, token: object, msg: control_pb2.LinkStateChanged, since: float
+    ) -> None:
+        """A down link's hold for ``job_id`` ran out (a deadline callback): ``link_down``, unless
+        an end sees the link again (a link back within the window is nothing), an end's agent
+        is or was quiet within the window (its pause, not the link's: held again when it beats,
+        ``_agent_back``), or a rank of the job is quiet (its own silence deadline decides)."""
+        now = time.monotonic()
+        with self._cluster:
+            if self._link_holds.get(pair) is not token or self._combined(pair) != _DOWN:
+                return  # (a newer change of the link armed its own, or an end hears the other again)
+            paused = [w for w in pair if self._agent_paused(w, now, since)]
+            if paused:
+                self._link_waiting[pair] = msg
+        if paused:
+            _log.info("link down held: an end's node agent was quiet", link=list(pair), quiet=paused, job_id=job_id)
+            return
+        with self._job_lock(job_id):
+            job = self._jobs.get(job_id)
+            report = self._link_state_report(job_id, job, pair, now - since) if job is not None else None
+        if report is not None:
+            self._publish_cause(job_id, report)
+
+    def _link_state_report(self, job_id: str, job: _Job, pair: Pair, silent: float) -> control_pb2.FaultReport | None:
+        """Under the job's lock: the ``link_down`` of a link silent for ``silent`` s by its state
+        alone, when the job still has ranks on both ends, all of them beat (a quiet one: its
+        silence deadline decides; after a control restart, ranks not heard since may be
+        quiet), and none was reported for the link this round; else None."""
+        on_ends = sorted(r for r, w in job.ranks.items() if w.worker_id in pair)
+        if not set(pair) <= self._nodes(job) or job.reattaching:
+            return None
+        quiet = self._quiet(job, time.time())
+        if quiet:
+            _log.info("link down not graded: ranks are quiet", job_id=job_id, link=list(pair), quiet=quiet)
+            return None
+        with self._cluster:
+            if self._link_reported.get((job_id, pair)) == job.round:
+                return None
+            self._link_reported[(job_id, pair)] = job.round
+            ends = self._link_ends(pair)
+        self._stalled_with_link(job)
+        rank = on_ends[0]
+        watch = job.ranks[rank]
+        report = self._graded(
+            job_id,
+            LINK_DOWN,
+            Module.EXT_HARDWARE,
+            rank,
+            f"link {pair[0]} <-> {pair[1]} is down: both ends heard nothing of each other for {silent:.1f} s (the "
+            f"job's heartbeat timeout: {job.heartbeat_timeout_s:g} s) while both node agents and all {len(job.ranks)} "
+            f"ranks beat; {_losses(ends)}",
+            occurred=time.time() - silent,
+            worker_id=watch.worker_id,
+            step=max(watch.step, 0),
+            phase=watch.phase,
+        )
+        if report is not None:
+            report.link_ends.extend(ends)
+            with self._cluster:
+                self._link_told.setdefault(pair, {})[job_id] = LINK_DOWN
+        return report
+
+    @staticmethod
+    def _stalled_with_link(job: _Job) -> None:
+        """Under the job's lock: its ranks waiting in a collective are declared stalled with the
+        link (they wait for it: their own stall deadlines would blame them next)."""
+        for w in job.ranks.values():
+            if w.phase == RankPhase.PHASE_COLLECTIVE and w.stepping and not w.stalled:
+                if w.stall is not None:
+                    w.stall.cancel()
+                w.stall, w.stalled, w.waiting = None, True, False
 
     def _hold_degraded(self, pair: Pair, msg: control_pb2.LinkStateChanged) -> None:
         """A link just turned degraded: reported after a hold, if it still is and neither end's
@@ -156,14 +269,14 @@ class Links:
             self._emit_link(job_id, LINK_DEGRADED, pair, detail, ends, msg)
 
     def _agent_back(self, worker_id: str) -> None:
-        """``worker_id``'s agent beat again after a quiet spell: the degraded links that waited
-        for it are held again (from its beat, an event: nothing polls)."""
+        """``worker_id``'s agent beat again after a quiet spell: the degraded or down links that
+        waited for it are held again (from its beat, an event: nothing polls)."""
         with self._cluster:
             waiting = [(p, m) for p, m in self._link_waiting.items() if worker_id in p]
             for p, _ in waiting:
                 del self._link_waiting[p]
         for pair, msg in waiting:
-            self._hold_degraded(pair, msg)
+            self._hold_link(pair, msg)
 
     def _agent_period(self, worker_id: str) -> float:
         """The beat period of ``worker_id``'s agent (0: never heard, nothing to wait for)."""
@@ -247,11 +360,7 @@ class Links:
             pair = down[0]
             self._link_reported[(job_id, pair)] = job.round
             ends = self._link_ends(pair)
-        for w in job.ranks.values():
-            if w.phase == RankPhase.PHASE_COLLECTIVE and w.stepping and not w.stalled:
-                if w.stall is not None:
-                    w.stall.cancel()
-                w.stall, w.stalled, w.waiting = None, True, False
+        self._stalled_with_link(job)
         watch = job.ranks.get(rank)
         report = self._graded(
             job_id,

@@ -15,7 +15,7 @@ from services.control.resource_allocator.slots import (
     _reachable_host,
     _Worker,
 )
-from services.jobspec import spec_from_json, spec_to_json, with_layout
+from services.jobspec import LinksSpec, spec_from_json, spec_to_json, with_layout
 
 
 class Rebuild:
@@ -84,6 +84,7 @@ class Rebuild:
                 why = "holds no allocation" if allocated is None else "has no known placement (control restarted)"
                 return control_pb2.ResourcesInsufficient(job_id=msg.job_id, reason=f"job {msg.job_id} {why}")
             old_world = len(placed.ranks)
+            old_nodes = [worker_id for worker_id, _ in placed.ranks]  # (the survivors' probe peers: below)
             world = msg.layout.dp if msg.HasField("layout") else old_world
             lost = sorted({r for r in msg.lost_ranks if r < old_world})
             released = [r for r in range(world, old_world) if r not in lost]  # survivors above the new size
@@ -120,6 +121,7 @@ class Rebuild:
             else:
                 short = None
             launches: dict[str, control_pb2.LaunchRanks] = {}
+            peers: dict[str, control_pb2.LaunchRanks] = {}  # (survivors' new probe peers)
             generation = 0
             if short is not None:
                 for w, slot in freed:  # (the released ranks stay, as they were)
@@ -165,10 +167,10 @@ class Rebuild:
                     peer = _memory_peer(usable, worker_id)
                     if peer is not None:
                         launch.memory_peer.CopyFrom(peer)
-                    # (the survivors' agents keep the peers of their own launch)
                     probe = _link_probe(links, rank_nodes, self._workers, worker_id)
                     if probe is not None:
                         launch.link_probe.CopyFrom(probe)
+                peers = _new_probe_peers(links, old_nodes, rank_nodes, self._workers, msg.job_id, set(launches))
                 rebuild = engine_pb2.RebuildParallelGroup(
                     job_id=msg.job_id, master_addr=master_addr, master_port=master_port, reason=msg.reason,
                     world_size=len(placed.ranks), generation=placed.generation, rank_nodes=rank_nodes,
@@ -189,6 +191,8 @@ class Rebuild:
             return short
         for worker_id, launch in launches.items():
             self._hardware(launch, worker_id)
+        for worker_id, launch in peers.items():
+            self._hardware(launch, worker_id)
         if self._parallel is not None:
             self._parallel(rebuild)
         return control_pb2.ResourcesReady(
@@ -200,3 +204,30 @@ class Rebuild:
             generation=rebuild.generation,
             replaced_ranks=launched,
         )
+
+
+def _new_probe_peers(
+    links: LinksSpec,
+    old_nodes: list[str],
+    rank_nodes: list[str],
+    workers: dict[str, _Worker],
+    job_id: str,
+    launching: set[str],
+) -> dict[str, control_pb2.LaunchRanks]:
+    """A ``LaunchRanks`` with no ranks for each node of the job before or after a rebuild in
+    place whose probe peers changed and that gets no launch (``launching`` carry their own):
+    its agent probes the new layout's links (an empty ``link_probe``: none of this job any
+    more, e.g. a node the rebuild left without ranks, whose agent only had some ranks killed).
+    Why: a survivor kept probing the excluded node and never the replacement's, so a cut link
+    to the replacement went unseen and a cut to the excluded node was stated for a job not on it."""
+    peers: dict[str, control_pb2.LaunchRanks] = {}
+    for worker_id in dict.fromkeys(w for w in old_nodes + rank_nodes if w and w not in launching):
+        if worker_id not in workers:
+            continue  # (its agent is gone: nothing to tell)
+        before = _link_probe(links, old_nodes, workers, worker_id)
+        after = _link_probe(links, rank_nodes, workers, worker_id)
+        if before != after:
+            update = peers[worker_id] = control_pb2.LaunchRanks(job_id=job_id)
+            if after is not None:
+                update.link_probe.CopyFrom(after)
+    return peers
