@@ -386,8 +386,11 @@ def test_follows_their_callers_left_hold_nothing_operator_calls_answer_and_sigte
 def test_restart_keeps_jobs_and_the_running_one_waits_for_its_ranks(start_control, agents):
     control = start_control()
     agents(control.address, "hold", finish=False)
+    # The long job is placed on "hold" before "done" exists: two agents started together may
+    # register in either order under load, and the short job on "hold" would never finish.
+    running = submit(control, name="long", dp=1, steps=100).job_id  # (queued until "hold" registers)
+    running_watch(control, running).cancel()
     agents(control.address, "done")
-    running = submit(control, name="long", dp=1, steps=100).job_id  # first free slot: "hold"
     finished = submit(control, name="short", dp=1, steps=3).job_id
     assert follow(control, finished)[-1].status.outcome == JobOutcome.FINISHED
     with pytest.raises(grpc.RpcError) as e:
