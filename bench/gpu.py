@@ -188,7 +188,7 @@ def layouts(n_gpus: int, spec) -> list[tuple[str, dict, str]]:
         ("FSDP2 dp=1 (one rank)" if one else f"FSDP2 dp={n_gpus}", {"dp": n_gpus, "data_parallel": "fsdp2"}, ""),
     ]
     tp, tp_skip = tp_degree(n_gpus, spec)
-    # DDP cannot take TP shards (services/jobspec.py check_parallel): a TP degree below the
+    # DDP cannot take TP shards (services/jobspec/parallel.py check_parallel): a TP degree below the
     # GPU count leaves GPUs idle in this row (the FSDP2 x TP row uses them all).
     name = f"TP tp={tp}" + (f" ({tp} of {n_gpus} GPUs)" if tp and tp < n_gpus else "") if tp else "TP"
     out.append((name, {"dp": 1, "tp": max(tp, 2), "data_parallel": "ddp"}, tp_skip))

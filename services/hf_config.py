@@ -5,7 +5,7 @@ services/compute/hf_format.py's docstring), and the submit-time check of ``init_
 its shape): the half of services/compute/hf_format.py (which reads and writes the tensors)
 that needs no tensor library, so that control's submit (no torch, no lower-layer code)
 checks a spec's directory too. A job with ``init_from.hf`` takes the fields its ``model:`` leaves out
-from the directory's config (:func:`model_from_hf`, called by services/jobspec.py's
+from the directory's config (:func:`model_from_hf`, called by services/jobspec/__init__.py's
 ``parse_job_spec``, so that surgectl and control read a spec alike).
 """
 
@@ -178,7 +178,7 @@ def read_config(directory: str | Path) -> dict[str, Any]:
 
 
 def model_fields(config: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """The ``model:`` fields (services/jobspec.py ModelSpec) of the architecture
+    """The ``model:`` fields (services/jobspec/model.py ModelSpec) of the architecture
     ``config`` (a Hugging Face ``config.json``: Llama or Qwen2) describes: n_layers, d_model,
     n_heads, n_kv_heads (None when it equals n_heads), mlp (swiglu), ffn_hidden, qkv_bias,
     tie_embeddings, vocab_size, rope_theta, rope_scaling, norm_eps. RoPE is read in both
@@ -441,7 +441,7 @@ def check_weights(directory: str | Path, model: ModelSpec) -> tuple[int, int]:
     """That ``directory``'s ``*.safetensors`` files hold every tensor ``model`` needs, of
     its shape and a floating-point dtype, by their headers alone (milliseconds for an 8B
     model's shards): the names of :func:`hf_name`, the shapes of
-    services/jobspec.py ``model_parameter_shapes``; a tied model's ``lm_head.weight`` may
+    services/jobspec/model.py ``model_parameter_shapes``; a tied model's ``lm_head.weight`` may
     be absent (the embedding is the head), as read_hf_tensors reads it. A tensor in several
     files is the first file's (sorted names), as there. Tensors the model does not use
     (``rotary_emb.inv_freq``) are ignored.

@@ -1,4 +1,4 @@
-"""A job spec's validation failure as one line for people (services/jobspec.py).
+"""A job spec's validation failure as one line for people (services/jobspec/).
 
 An unknown key is most often a misspelt one: it is named first, with the nearest key its
 section does have (``optimiser: unknown key (did you mean optimizer?)``), and the required

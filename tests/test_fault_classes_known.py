@@ -1,4 +1,4 @@
-"""The job spec's list of fault classes (services/jobspec.py KNOWN_FAULT_CLASSES) holds every
+"""The job spec's list of fault classes (services/jobspec/fault_policy.py KNOWN_FAULT_CLASSES) holds every
 class control can report: a policy entry for a class missing there would be refused as a typo."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the effective spec; submit nothing) and ``surgectl spec JOB`` (a submitted job's
 spec, as control journaled it).
 
 The overrides know nothing of particular fields: a path is checked against the job spec's
-pydantic model (services/jobspec.py), so a section added to it is overridable at once.
+pydantic model (services/jobspec/), so a section added to it is overridable at once.
 """
 
 from __future__ import annotations

@@ -167,7 +167,7 @@ class ShardLoader:
 def _freeze(model: nn.Module, patterns: list[str]) -> None:
     """``requires_grad = False`` on every parameter whose name matches one of ``patterns``
     (fnmatch; a tied parameter by any of its names): the fine-tune's frozen part. The
-    rule is the spec's (services/jobspec.py ``frozen_parameters``), applied to the built
+    rule is the spec's (services/jobspec/model.py ``frozen_parameters``), applied to the built
     model's own names.
 
     Raises:

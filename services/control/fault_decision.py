@@ -6,7 +6,7 @@ calls :func:`decide`, then journals the decision, counts it, and commands what i
 clock, a lock or a port, so the whole policy is table-tested without a bus
 (``tests/control/test_fault_decision.py``), in the manner of torchft's ``quorum_compute``.
 
-The policy (``fault_policy``, services/jobspec.py): an action per fault class, else per
+The policy (``fault_policy``, services/jobspec/fault_policy.py): an action per fault class, else per
 grade, else the defaults; step faults by their class only (the loop reports them to L1-1
 directly, ungraded). Every relaunch spends one restart of the class's budget; a spent budget
 stops the job FAILED (running out of memory pauses it instead: ``MEMORY_CLASSES``); an

@@ -1,7 +1,7 @@
 """Webhooks on a job's end: control POSTs a small JSON when a job ends FINISHED or FAILED
 (or STOPPED, where its spec's ``notify.outcomes`` asks).
 
-Where the URL comes from: the job spec's ``notify.webhook`` (services/jobspec.py
+Where the URL comes from: the job spec's ``notify.webhook`` (services/jobspec/training.py
 ``NotifySpec``), else the stack's (control's ``--webhook`` / SURGE_CONTROL_WEBHOOK); none: no POST.
 
 Off the event path: the ``WebhookSender`` stands in for the operator (EXT_USER) as a

@@ -87,7 +87,7 @@ SIMULATED_RANK_MODULE = "services.rank.simulated"  # the scale test bed's torch-
 
 def rank_module_for(init: engine_pb2.InitJob, default: str) -> str:
     """The module a rank of this launch runs: the simulated rank for a job spec with a
-    ``simulate`` section (services/jobspec.py SimulateSpec), else the agent's ``default``.
+    ``simulate`` section (services/jobspec/training.py SimulateSpec), else the agent's ``default``.
     The spec was validated by control at submit; here only that section's presence is read."""
     try:
         simulated = json.loads(init.spec_json or "{}").get("simulate") is not None

@@ -347,7 +347,7 @@ def test_a_spec_that_restates_the_model_must_agree_with_config_json_naming_the_f
 
 
 def test_the_parameter_shapes_without_torch_are_the_built_models():
-    """services/jobspec.py model_parameter_shapes (what a directory's headers are checked
+    """services/jobspec/model.py model_parameter_shapes (what a directory's headers are checked
     against, in control too) is the model services/compute/model.py builds."""
     for model in (
         ModelSpec(n_layers=2, d_model=48, n_heads=6, n_kv_heads=2, qkv_bias=True, vocab_size=64, ffn_hidden=40),

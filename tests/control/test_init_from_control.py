@@ -39,7 +39,7 @@ def test_an_hf_directory_that_is_not_the_specs_model_is_refused_before_anything_
 
 
 def test_a_spec_without_a_model_section_takes_the_hf_directorys_shape_in_control_too(plane, tmp_path):
-    """surgectl and control parse a job file alike (services/jobspec.py parse_job_spec):
+    """surgectl and control parse a job file alike (services/jobspec/__init__.py parse_job_spec):
     with ``init_from.hf`` and no ``model:`` section, the job control journals has the
     directory's model (grouped-query heads, MLP width) and its own ``freeze``."""
     plane.register("wa")

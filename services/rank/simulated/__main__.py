@@ -3,7 +3,7 @@
     python -m services.rank.simulated --session HOST:PORT --job JOB_ID --rank R
 
 Started by the node agent instead of ``python -m services.rank`` for a job whose spec has a
-``simulate:`` section (services/jobspec.py ``SimulateSpec``; services/worker/rank_process.py
+``simulate:`` section (services/jobspec/training.py ``SimulateSpec``; services/worker/rank_process.py
 ``rank_module_for``). It speaks the real rank's protocols with the model's compute replaced
 by a sleep, so control, data and store see what they see from real ranks:
 
