@@ -128,31 +128,13 @@ def as_json(runs: list[Run]) -> dict:
 def overlay_plot(runs: list[Run], out: Path, title: str) -> Path:
     """Every run's train loss (a line) and held-out loss (points) on one axis, and its
     tokens/s on a second, one colour per run (PNG, SVG or PDF by ``out``'s suffix)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    plt, fig, ax1, ax2 = render.loss_and_rate_axes()
     for i, r in enumerate(runs):
         colour = f"C{i % 10}"
         ax1.plot(r.history.steps, r.history.loss, lw=1, color=colour, label=f"{r.label} train")
         if r.history.eval_steps:
             ax1.plot(r.history.eval_steps, r.history.eval_loss, "o--", color=colour, label=f"{r.label} held-out")
         ax2.plot(r.history.steps, r.history.tokens_per_second, lw=1, color=colour, label=r.label)
-    ax1.set_xlabel("step")
-    ax1.set_ylabel("loss (nats/token)")
     ax1.legend(fontsize="small")
-    ax1.grid(alpha=0.3)
-    ax2.set_xlabel("step")
-    ax2.set_ylabel("tokens/s")
     ax2.legend(fontsize="small")
-    ax2.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=100)
-    finally:
-        plt.close(fig)
-    return out
+    return render.save_figure(plt, fig, out, title)

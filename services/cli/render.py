@@ -354,25 +354,23 @@ def summary_table(s: control_pb2.JobStatus, h: History, extra: dict[str, str] | 
     return t
 
 
-def plot(h: History, out: Path, title: str) -> Path:
-    """Write loss (train and held-out) and tokens/s against step to ``out`` (PNG)."""
+def loss_and_rate_axes():
+    """A figure of two axes, loss (nats/token) and tokens/s against step: (plt, fig, ax1, ax2)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.plot(h.steps, h.loss, label="train", lw=1)
-    if h.eval_steps:
-        ax1.plot(h.eval_steps, h.eval_loss, "o-", label="held-out")
-    ax1.set_xlabel("step")
-    ax1.set_ylabel("loss (nats/token)")
-    ax1.legend()
-    ax1.grid(alpha=0.3)
-    ax2.plot(h.steps, h.tokens_per_second, lw=1, color="tab:green")
-    ax2.set_xlabel("step")
-    ax2.set_ylabel("tokens/s")
-    ax2.grid(alpha=0.3)
+    for ax, label in ((ax1, "loss (nats/token)"), (ax2, "tokens/s")):
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    return plt, fig, ax1, ax2
+
+
+def save_figure(plt, fig, out: Path, title: str) -> Path:
+    """Title, lay out and write ``fig`` to ``out`` (PNG, SVG or PDF by its suffix); closed either way."""
     fig.suptitle(title)
     fig.tight_layout()
     try:
@@ -381,3 +379,14 @@ def plot(h: History, out: Path, title: str) -> Path:
     finally:
         plt.close(fig)
     return out
+
+
+def plot(h: History, out: Path, title: str) -> Path:
+    """Write loss (train and held-out) and tokens/s against step to ``out`` (PNG)."""
+    plt, fig, ax1, ax2 = loss_and_rate_axes()
+    ax1.plot(h.steps, h.loss, label="train", lw=1)
+    if h.eval_steps:
+        ax1.plot(h.eval_steps, h.eval_loss, "o-", label="held-out")
+    ax1.legend()
+    ax2.plot(h.steps, h.tokens_per_second, lw=1, color="tab:green")
+    return save_figure(plt, fig, out, title)
