@@ -1,6 +1,6 @@
-"""Rank processes of the engine's multi-process tests, forked from one process that has
-imported torch and the rank's modules (multiprocessing's fork server), not each a new
-interpreter.
+"""Rank processes of the multi-process tests (tests/engine's ``*_rank_main.py``,
+tests/parallel/harness.py), forked from one process that has imported torch and the rank's
+modules (multiprocessing's fork server), not each a new interpreter.
 
 Why: a test rank (``python rebuild_rank_main.py ...``) spent about 4.4 CPU-s importing torch,
 torch.distributed and the rank's modules before its first step, most of a rank's CPU in these
@@ -13,8 +13,9 @@ modules). The fork server never runs a torch op, so no thread pool is forked.
 :class:`RankProcess` has the part of ``subprocess.Popen`` the tests use (``pid``, ``poll``,
 ``wait`` raising ``subprocess.TimeoutExpired``, ``kill``, ``returncode``: ``-N`` for a signal,
 as Popen says it) and ``log``, the file its stdout and stderr go to (line-buffered: tests read
-it while the rank runs). Only the test process calls these; :func:`stop_fork_server` ends the
-server at the end of a module (its pid: multiprocessing's own stop).
+it while the rank runs). Only the test process calls these. One server per pytest process,
+started by its first rank; :func:`stop_fork_server` ends it by its pid (tests/conftest.py, at
+the session's end).
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ import sys
 from pathlib import Path
 from typing import IO
 
-# What a rank imports before its first step; paid once, in the fork server.
-PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "services.rank.__main__", "rank_fakes"]
+# What a rank imports before its first step; paid once, in the fork server. (Python 3.11's
+# server imports these on its own sys.path, the test process's working directory first: the
+# tests' helpers under tests/engine are not on it, and are imported by each rank.)
+PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "services.rank.__main__"]
 
 
 class RankProcess:
@@ -87,6 +90,6 @@ def stop_fork_server() -> None:
     rank's modules: seconds on a loaded host), then multiprocessing's own stop reaps it and
     forgets it, so that a later module starts a fresh one."""
     server = multiprocessing.forkserver._forkserver
-    if server._forkserver_pid is not None:
+    if server._forkserver_pid is not None:  # (None: no rank was forked in this process)
         os.kill(server._forkserver_pid, signal.SIGKILL)
     server._stop()

@@ -4,7 +4,7 @@ replacement that heals from a live peer, and end with the parameters of a run no
 interrupted (bit for bit: the step in flight is replayed on the same batches and state).
 
 Real gloo processes wired by the real rank composition root (tests/engine/rebuild_rank_main.py),
-forked with torch and the rank's modules imported (tests/engine/rank_forks.py).
+forked with torch and the rank's modules imported (tests/rank_forks.py).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import pytest
 import torch
 from rank_fakes import finish_processes as _finish
 from rank_fakes import free_port
-from rank_forks import RankProcess, stop_fork_server
 
 from services.contract import Module
+from tests.rank_forks import RankProcess
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -29,7 +29,7 @@ WORLD, KILL_AFTER, STEPS = 3, 4, 8
 
 
 def _start(role: str, rank: int, port: int, out: Path, world: int = WORLD, **env: str) -> RankProcess:
-    """A rank process, forked with torch and the rank's modules imported (rank_forks.py); its
+    """A rank process, forked with torch and the rank's modules imported (tests/rank_forks.py); its
     output goes to a file."""
     argv = [role, str(rank), str(port), str(out), str(world)]
     return RankProcess(MAIN, argv, out / f"{role}-{rank}.log", REPO, env)
@@ -62,12 +62,6 @@ def _replace_lost_rank(
     assert [p.returncode for p in ranks] == [0] * world, "\n".join(o[-3000:] for o in outputs)
     got = [torch.load(tmp_path / f"{'replacement' if r == lost else 'survivor'}-{r}.pt") for r in range(world)]
     return outputs, got
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _fork_server():
-    yield
-    stop_fork_server()
 
 
 @pytest.fixture(scope="module")
