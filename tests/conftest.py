@@ -238,3 +238,14 @@ def _stop_control_planes(monkeypatch):
 
     for control in built:
         stop_plane(control)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _rank_fork_server():
+    """The fork server test ranks are forked from (tests/rank_forks.py), started by the first
+    rank a test starts in this process and shared by the later ones, ended by its pid when
+    the session ends."""
+    yield
+    from tests.rank_forks import stop_fork_server
+
+    stop_fork_server()

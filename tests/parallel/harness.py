@@ -417,6 +417,7 @@ def run_config(
     ``expect_failure``: when any rank succeeds; the results then hold each rank's error)."""
     sys.path.insert(0, str(REPO))
     from tests.conftest import free_ports
+    from tests.rank_forks import RankProcess
 
     world = config.get("dp", 1) * config.get("tp", 1) * config.get("pp", 1)
     out.mkdir(parents=True, exist_ok=True)
@@ -433,21 +434,34 @@ def run_config(
     argv = [[sys.executable, str(HERE / "harness.py"), json.dumps(config), str(r), str(world), str(port), str(out)]
             for r in range(world)]  # fmt: skip
     try:
-        procs = [
-            subprocess.Popen(limit.command(r, argv[r]) if limit else argv[r],
-                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for r in range(world)
-        ]  # fmt: skip
+        if limit is not None:  # each rank a new interpreter inside its own memory cgroup
+            procs = [
+                subprocess.Popen(limit.command(r, argv[r]), cwd=REPO, env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for r in range(world)
+            ]  # fmt: skip
+        else:  # forked with torch and the rank's modules imported (tests/rank_forks.py)
+            extra = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+            procs = [
+                RankProcess(HERE / "harness.py", a[2:], out / f"rank{r}.log", REPO, extra) for r, a in enumerate(argv)
+            ]
         outputs = []
         deadline = time.monotonic() + timeout
         try:
             for p in procs:
-                outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+                if limit is not None:
+                    outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+                else:  # (its output is in its log, read below)
+                    p.wait(timeout=max(1.0, deadline - time.monotonic()))
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+            if limit is None:
+                for p in procs:
+                    p.log.close()
+                outputs = [Path(p.log.name).read_text() for p in procs]
         codes = [p.returncode for p in procs]
         if expect_failure:
             assert all(codes), f"config {config}: exit codes {codes}, expected every rank to fail"
