@@ -257,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         agent.steps.new_session()  # (a restarted control hears each rank's step once)
         return reg
 
-    session = ControlSession(args.control, current_registration, outbox, agent.execute, log)
+    # The agent's own beat rides with its ranks' beats (one message per node and period).
+    session = ControlSession(args.control, current_registration, outbox, agent.execute, log, beats=agent.beats)
     sampler = None
     if args.memory_check_seconds > 0:
         sampler = MemorySampler(

@@ -13,8 +13,15 @@ overtakes a later event of its rank: an exit's report, a failure, a step summary
 after the beats that preceded them, as they did one by one (a beat applied after its rank's
 exit would arm a silence deadline for a rank already gone).
 
-One thread per agent (the window's clock), not per rank; nothing is sent under a rank's
-thread but its own batch's completion.
+The agent's own beat (``AgentHeartbeat``, every ``ControlSession.BEAT_SECONDS``) rides with
+them (:meth:`keep_agent_beat`): a flush within a quarter of a period of the agent's beat
+falling due carries it in ``RankBeats.agent``, so a node sends one message per period, not
+two. If no flush comes by ``grace`` after it fell due (an idle node, ranks late or on a longer
+period) it goes alone, as ``WorkerEvent.heartbeat``, as before: two beats of the agent are
+never more than ``period + grace`` apart (control's deadline is several periods).
+
+One thread per agent (the window's and the agent beat's clock), not per rank; nothing is sent
+under a rank's thread but its own batch's completion.
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ from dataclasses import dataclass, field
 from services.contract import control_pb2, worker_pb2
 
 WINDOW_S = 0.05  # how long the first beat of a period waits for the rest of its job's
+# A flush this early (a fraction of the agent's period) before its beat falls due carries it:
+# the grid's jitter, not half a period (ranks on half the agent's period would carry it twice).
+RIDE_EARLY = 0.25
+GRACE = 0.25  # how long (a fraction of the period) a due agent beat waits for a flush to ride
 
 
 @dataclass
@@ -61,6 +72,24 @@ class RankBeats:
         self._closed = False
         self._clock: threading.Thread | None = None
         self.sent = 0  # RankBeats messages sent (each carries one or more beats)
+        # The agent's own beat (keep_agent_beat): its period, where an unaccompanied one goes,
+        # and when (monotonic) the next is due; period 0: the session sends it (not kept here).
+        self._agent_period = 0.0
+        self._agent_alone: Callable[[control_pb2.WorkerEvent], None] | None = None
+        self._agent_due = 0.0
+        self.agent_riding = 0  # agent beats sent inside a RankBeats
+        self.agent_alone = 0  # agent beats sent on their own
+
+    def keep_agent_beat(self, period: float, alone: Callable[[control_pb2.WorkerEvent], None]) -> None:
+        """From now on the agent's own beat, every ``period`` seconds, goes with the next
+        flush of its ranks' beats when one is due (``RankBeats.agent``), else alone through
+        ``alone`` (the outbox's unsequenced beat slot) ``GRACE`` of a period after it fell
+        due. The first is due at once."""
+        with self._lock:
+            self._agent_period, self._agent_alone = period, alone
+            self._agent_due = time.monotonic()
+            self._start_clock()
+            self._lock.notify()
 
     def beat(self, event: worker_pb2.RankEvent, ranks_here: int) -> None:
         """Keep rank ``event.rank``'s beat (a heartbeat RankEvent, its envelope set); sent
@@ -104,8 +133,17 @@ class RankBeats:
             return
         beats = control_pb2.RankBeats(job_id=job)
         beats.beats.extend(pending.beats[r] for r in sorted(pending.beats))
+        now = time.monotonic()
+        if self._agent_period and now >= self._agent_due - RIDE_EARLY * self._agent_period:
+            beats.agent.CopyFrom(self._agent_beat(now))
+            self.agent_riding += 1
         self.sent += 1
         self._send(control_pb2.WorkerEvent(rank_beats=beats))
+
+    def _agent_beat(self, now: float) -> control_pb2.AgentHeartbeat:
+        """Under the lock: the agent's beat, sent now; the next falls due a period on."""
+        self._agent_due = now + self._agent_period
+        return control_pb2.AgentHeartbeat(interval_seconds=self._agent_period, unix_time=time.time())
 
     def _start_clock(self) -> None:
         if self._clock is None:
@@ -113,16 +151,24 @@ class RankBeats:
             self._clock.start()
 
     def _run(self) -> None:
-        """Sends each job's beats ``window_s`` after its first, if nothing sent them before."""
+        """Sends each job's beats ``window_s`` after its first, if nothing sent them before,
+        and the agent's own beat alone ``GRACE`` of a period after it fell due, if no flush
+        carried it."""
         with self._lock:
             while not self._closed:
-                if not self._pending:
-                    self._lock.wait()
-                    continue
                 now = time.monotonic()
                 due = [job for job, p in self._pending.items() if now - p.first >= self._window]
                 for job in due:
                     self._flush(job)
-                if self._pending:
-                    soonest = min(p.first for p in self._pending.values())
-                    self._lock.wait(max(0.0, soonest + self._window - time.monotonic()))
+                wake = [p.first + self._window for p in self._pending.values()]
+                if self._agent_period:
+                    alone_at = self._agent_due + GRACE * self._agent_period
+                    if now >= alone_at and self._agent_alone is not None:
+                        self.agent_alone += 1
+                        self._agent_alone(control_pb2.WorkerEvent(heartbeat=self._agent_beat(now)))
+                        alone_at = self._agent_due + GRACE * self._agent_period
+                    wake.append(alone_at)
+                if wake:
+                    self._lock.wait(max(0.0, min(wake) - time.monotonic()))
+                else:
+                    self._lock.wait()

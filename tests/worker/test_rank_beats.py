@@ -1,6 +1,8 @@
 """A node agent's ranks' beats go up as one message per job per period (issue 28 item 3):
 the beat grid (services/common/beat_grid.py), the keeper (services/worker/rank_beats.py), and
-control applying a RankBeats message beat by beat (fenced, stamped, on its job's queue)."""
+control applying a RankBeats message beat by beat (fenced, stamped, on its job's queue). The
+agent's own beat rides with them when due (one message per node and period), alone when
+none is due; control applies a riding one as it applies one sent alone."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import pytest
 
 from services.common.beat_grid import node_phase, phase_from, seconds_to_next_beat
 from services.contract import control_pb2, engine_pb2, worker_pb2
-from services.control.event_applier import EventApplier, job_of
+from services.control.event_applier import NODE, EventApplier, job_of, split_agent_beat
 from services.control.metrics import event_kind
+from services.worker import rank_beats
 from services.worker.rank_beats import RankBeats
 
 pytestmark = pytest.mark.timeout(30)
@@ -114,6 +117,57 @@ def test_no_message_about_a_job_overtakes_the_beats_kept_of_it():
     assert len(sent) == 4
 
 
+# ------------------------------------------------------------------ the agent's own beat
+
+
+def test_the_agents_beat_rides_with_a_flush_when_due_and_only_then():
+    sent: list = []
+    alone: list = []
+    keeper = RankBeats(sent.append, window_s=5.0)
+    keeper.keep_agent_beat(10.0, alone.append)  # due at once; a long period: no second one here
+    keeper.beat(beat("a", 0), ranks_here=1)
+    keeper.beat(beat("b", 0), ranks_here=1)  # the next flush: the agent's beat is a period away
+    keeper.beat(beat("a", 0, step=2), ranks_here=1)
+    riding = [ev.rank_beats.HasField("agent") for ev in sent]
+    assert riding == [True, False, False] and alone == []
+    agent = sent[0].rank_beats.agent
+    assert agent.interval_seconds == 10.0 and abs(agent.unix_time - time.time()) < 5.0
+    assert (keeper.sent, keeper.agent_riding, keeper.agent_alone) == (3, 1, 0)
+    keeper.close()
+
+
+def test_a_flush_a_little_early_carries_the_agents_beat_one_half_a_period_early_does_not(monkeypatch):
+    sent: list = []
+    clock = [1000.0]
+    monkeypatch.setattr(rank_beats.time, "monotonic", lambda: clock[0])
+    keeper = RankBeats(sent.append, window_s=5.0)
+    keeper.keep_agent_beat(1.0, lambda ev: None)
+    keeper.beat(beat("a", 0), ranks_here=1)  # carries it: the next is due at 1001.0
+    clock[0] = 1000.5  # ranks on half the agent's period: not this flush
+    keeper.beat(beat("a", 0), ranks_here=1)
+    clock[0] = 1000.97  # the grid's jitter: this one
+    keeper.beat(beat("a", 0), ranks_here=1)
+    assert [ev.rank_beats.HasField("agent") for ev in sent] == [True, False, True]
+    keeper.close()
+
+
+def test_an_idle_nodes_agent_beats_alone_every_period_and_a_late_flush_does_not_stop_it():
+    sent: list = []
+    alone: list = []
+    two = threading.Event()
+    keeper = RankBeats(sent.append, window_s=5.0)
+    t0 = time.monotonic()
+    keeper.keep_agent_beat(0.2, lambda ev: (alone.append((time.monotonic(), ev)), len(alone) >= 2 and two.set()))
+    assert two.wait(5.0)
+    # No rank beats here: the first goes GRACE of a period after it fell due (at once), the
+    # next a period after that; each a WorkerEvent.heartbeat, as the session sent it before.
+    (t1, first), (t2, second) = alone[:2]
+    assert first.WhichOneof("event") == "heartbeat" and first.heartbeat.interval_seconds == 0.2
+    assert t1 - t0 >= rank_beats.GRACE * 0.2 - 0.01 and t2 - t1 >= 0.2 - 0.01
+    assert sent == []
+    keeper.close()
+
+
 # ------------------------------------------------------------------ control's side
 
 
@@ -166,4 +220,60 @@ def test_the_hub_relays_each_beat_of_a_batch_to_the_fault_detector_and_fences_an
     mixed.beats[0].generation, mixed.beats[1].generation = newest, newest + 1
     hub.on_worker_events([(session, control_pb2.WorkerEvent(rank_beats=mixed, seq=3))])
     assert [b.step for b in relayed] == [6]
+    journal.close()
+
+
+def test_control_applies_a_riding_agent_beat_as_one_sent_alone_on_the_node_queue():
+    applied: list = []
+
+    class Hub:
+        def admit(self, session, ev):
+            return True
+
+        def on_worker_events(self, burst, admitted=False, wait=True):
+            applied.extend(ev for _, ev in burst)
+
+    batch = control_pb2.RankBeats(job_id="j", agent=control_pb2.AgentHeartbeat(interval_seconds=1.0))
+    batch.beats.extend([beat("j", 0)])
+    ev = control_pb2.WorkerEvent(rank_beats=batch, seq=7)
+    copy = control_pb2.WorkerEvent()
+    copy.CopyFrom(ev)
+    alone = split_agent_beat(copy)
+    assert alone.WhichOneof("event") == "heartbeat" and alone.seq == 0 and not copy.rank_beats.HasField("agent")
+    assert job_of(alone) == NODE and split_agent_beat(copy) is None  # taken out: not applied twice
+    applier = EventApplier(Hub())
+    queued = time.monotonic()
+    applier.event(SimpleNamespace(worker_id="wa"), ev)
+    applier.stop()
+    by_kind = {e.WhichOneof("event"): e for e in applied}
+    assert set(by_kind) == {"heartbeat", "rank_beats"} and len(applied) == 2
+    agent, beats = by_kind["heartbeat"], by_kind["rank_beats"]
+    assert agent.seq == 0 and beats.seq == 7 and not beats.rank_beats.HasField("agent")
+    stamp = agent.heartbeat.received_monotonic
+    assert queued <= stamp < queued + 1.0 and stamp == beats.rank_beats.beats[0].heartbeat.received_monotonic
+
+
+@pytest.mark.parametrize("through", ["applier", "hub"])
+def test_a_riding_agent_beat_re_arms_the_fault_detectors_agent_deadline(tmp_path, through):
+    from tests.control.test_worker_events import open_plane, running_job
+
+    plane, journal = open_plane(tmp_path / "control.db")
+    job_id, session, launch = running_job(plane)
+    hub, detector = plane.c.sessions, plane.c.detector
+    batch = control_pb2.RankBeats(job_id=job_id, agent=control_pb2.AgentHeartbeat(interval_seconds=1.0))
+    batch.beats.append(beat(job_id, 0, step=3))
+    batch.beats[0].generation = launch.ranks[0].generation
+    ev = control_pb2.WorkerEvent(rank_beats=batch, seq=2)
+    before = time.monotonic()
+    if through == "applier":
+        applier = EventApplier(hub)
+        applier.event(session, ev)
+        applier.stop()
+    else:  # a caller that does not split it off (in-process control)
+        ev.rank_beats.agent.received_monotonic = before
+        hub.on_worker_events([(session, ev)])
+    deadline = detector._agents.get("wa")
+    last = detector._agent_beats.get("wa")
+    assert deadline is not None and last is not None  # armed by the riding beat
+    assert last[0] >= before - 1e-6 and last[1] == 1.0  # from its receipt, with its period
     journal.close()
