@@ -41,7 +41,7 @@ import threading
 import uuid
 from pathlib import Path
 
-from services.common import logs, paths
+from services.common import logs, paths, thread_names
 from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
 from services.common.service_args import (
     ServiceArgumentParser,
@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad := env_error():  # a malformed test-only injection: one line, not a service without it
         print(f"error: {bad}", file=sys.stderr)
         return 2
+    thread_names.install()  # its threads seen by name from outside (bench/stack_cost.py)
     try:
         validate_table()  # the node agent relays the table's messages (it is EXT_HARDWARE)
     except ContractError as e:

@@ -14,11 +14,14 @@ after the beats that preceded them, as they did one by one (a beat applied after
 exit would arm a silence deadline for a rank already gone).
 
 The agent's own beat (``AgentHeartbeat``, every ``ControlSession.BEAT_SECONDS``) rides with
-them (:meth:`keep_agent_beat`): a flush within a quarter of a period of the agent's beat
-falling due carries it in ``RankBeats.agent``, so a node sends one message per period, not
-two. If no flush comes by ``grace`` after it fell due (an idle node, ranks late or on a longer
-period) it goes alone, as ``WorkerEvent.heartbeat``, as before: two beats of the agent are
-never more than ``period + grace`` apart (control's deadline is several periods).
+them (:meth:`keep_agent_beat`): a flush at least half a period after the agent's last beat
+carries it in ``RankBeats.agent``, so a node whose ranks beat on the agent's period sends one
+message per period, not two. If no flush carries it by ``1 + GRACE`` periods after the last
+(an idle node, ranks late or on a longer period) it goes alone, as ``WorkerEvent.heartbeat``,
+as before. Two beats of the agent are at least half a period and at most one and a half
+apart (control's deadline is five periods, at least 3 s). Phase-locking needs no clock of
+the grid's: a beat that went alone at a moment of its own is followed by the first flush
+half a period on, and from then on each flush carries one.
 
 One thread per agent (the window's and the agent beat's clock), not per rank; nothing is sent
 under a rank's thread but its own batch's completion.
@@ -34,10 +37,12 @@ from dataclasses import dataclass, field
 from services.contract import control_pb2, worker_pb2
 
 WINDOW_S = 0.05  # how long the first beat of a period waits for the rest of its job's
-# A flush this early (a fraction of the agent's period) before its beat falls due carries it:
-# the grid's jitter, not half a period (ranks on half the agent's period would carry it twice).
-RIDE_EARLY = 0.25
-GRACE = 0.25  # how long (a fraction of the period) a due agent beat waits for a flush to ride
+# A flush this long (a fraction of the agent's period) after the agent's last beat carries
+# the next: the grid's jitter tolerated, and ranks on half the period carry it every other flush.
+RIDE_AFTER = 0.5
+# How long past its period (a fraction of it) the agent's beat waits for a flush to ride; half
+# a period, so a beat sent alone out of phase with its ranks' flushes is followed by a riding one.
+GRACE = 0.5
 
 
 @dataclass
@@ -73,21 +78,22 @@ class RankBeats:
         self._clock: threading.Thread | None = None
         self.sent = 0  # RankBeats messages sent (each carries one or more beats)
         # The agent's own beat (keep_agent_beat): its period, where an unaccompanied one goes,
-        # and when (monotonic) the next is due; period 0: the session sends it (not kept here).
+        # and when (monotonic) the last went; period 0: the session sends it (not kept here).
         self._agent_period = 0.0
         self._agent_alone: Callable[[control_pb2.WorkerEvent], None] | None = None
-        self._agent_due = 0.0
+        self._agent_last = 0.0
         self.agent_riding = 0  # agent beats sent inside a RankBeats
         self.agent_alone = 0  # agent beats sent on their own
 
     def keep_agent_beat(self, period: float, alone: Callable[[control_pb2.WorkerEvent], None]) -> None:
-        """From now on the agent's own beat, every ``period`` seconds, goes with the next
-        flush of its ranks' beats when one is due (``RankBeats.agent``), else alone through
-        ``alone`` (the outbox's unsequenced beat slot) ``GRACE`` of a period after it fell
-        due. The first is due at once."""
+        """From now on the agent's own beat, every ``period`` seconds, goes with a flush of
+        its ranks' beats (``RankBeats.agent``) at least ``RIDE_AFTER`` of a period after the
+        last, else alone through ``alone`` (the outbox's unsequenced beat slot) ``1 + GRACE``
+        periods after the last. The first rides with the first flush, or goes alone ``GRACE``
+        of a period from now."""
         with self._lock:
             self._agent_period, self._agent_alone = period, alone
-            self._agent_due = time.monotonic()
+            self._agent_last = time.monotonic() - period
             self._start_clock()
             self._lock.notify()
 
@@ -134,15 +140,15 @@ class RankBeats:
         beats = control_pb2.RankBeats(job_id=job)
         beats.beats.extend(pending.beats[r] for r in sorted(pending.beats))
         now = time.monotonic()
-        if self._agent_period and now >= self._agent_due - RIDE_EARLY * self._agent_period:
+        if self._agent_period and now - self._agent_last >= RIDE_AFTER * self._agent_period:
             beats.agent.CopyFrom(self._agent_beat(now))
             self.agent_riding += 1
         self.sent += 1
         self._send(control_pb2.WorkerEvent(rank_beats=beats))
 
     def _agent_beat(self, now: float) -> control_pb2.AgentHeartbeat:
-        """Under the lock: the agent's beat, sent now; the next falls due a period on."""
-        self._agent_due = now + self._agent_period
+        """Under the lock: the agent's beat, sent now."""
+        self._agent_last = now
         return control_pb2.AgentHeartbeat(interval_seconds=self._agent_period, unix_time=time.time())
 
     def _start_clock(self) -> None:
@@ -152,8 +158,8 @@ class RankBeats:
 
     def _run(self) -> None:
         """Sends each job's beats ``window_s`` after its first, if nothing sent them before,
-        and the agent's own beat alone ``GRACE`` of a period after it fell due, if no flush
-        carried it."""
+        and the agent's own beat alone ``1 + GRACE`` periods after its last, if no flush
+        carried one since."""
         with self._lock:
             while not self._closed:
                 now = time.monotonic()
@@ -162,11 +168,11 @@ class RankBeats:
                     self._flush(job)
                 wake = [p.first + self._window for p in self._pending.values()]
                 if self._agent_period:
-                    alone_at = self._agent_due + GRACE * self._agent_period
+                    alone_at = self._agent_last + (1 + GRACE) * self._agent_period
                     if now >= alone_at and self._agent_alone is not None:
                         self.agent_alone += 1
                         self._agent_alone(control_pb2.WorkerEvent(heartbeat=self._agent_beat(now)))
-                        alone_at = self._agent_due + GRACE * self._agent_period
+                        alone_at = now + (1 + GRACE) * self._agent_period
                     wake.append(alone_at)
                 if wake:
                     self._lock.wait(max(0.0, min(wake) - time.monotonic()))

@@ -120,6 +120,24 @@ def test_no_message_about_a_job_overtakes_the_beats_kept_of_it():
 # ------------------------------------------------------------------ the agent's own beat
 
 
+def test_a_beat_sent_alone_out_of_phase_is_followed_by_riding_ones(monkeypatch):
+    sent: list = []
+    alone: list = []
+    clock = [1000.0]
+    monkeypatch.setattr(rank_beats.time, "monotonic", lambda: clock[0])
+    keeper = RankBeats(sent.append, window_s=5.0)
+    keeper.keep_agent_beat(1.0, alone.append)
+    with keeper._lock:  # (as the clock thread does when no flush came: alone, at 1000.3)
+        clock[0] = 1000.3
+        keeper._agent_beat(clock[0])
+    for t in (1000.6, 1001.6, 1002.6, 1003.6):  # the ranks' flushes, on their own grid
+        clock[0] = t
+        keeper.beat(beat("a", 0), ranks_here=1)
+    # 1000.6 is too soon after 1000.3; 1001.6 carries it (before 1000.3 + 1.5), and so on.
+    assert [ev.rank_beats.HasField("agent") for ev in sent] == [False, True, True, True]
+    keeper.close()
+
+
 def test_the_agents_beat_rides_with_a_flush_when_due_and_only_then():
     sent: list = []
     alone: list = []
@@ -136,16 +154,16 @@ def test_the_agents_beat_rides_with_a_flush_when_due_and_only_then():
     keeper.close()
 
 
-def test_a_flush_a_little_early_carries_the_agents_beat_one_half_a_period_early_does_not(monkeypatch):
+def test_a_flush_half_a_period_after_the_agents_last_beat_carries_the_next_an_earlier_one_does_not(monkeypatch):
     sent: list = []
     clock = [1000.0]
     monkeypatch.setattr(rank_beats.time, "monotonic", lambda: clock[0])
     keeper = RankBeats(sent.append, window_s=5.0)
     keeper.keep_agent_beat(1.0, lambda ev: None)
-    keeper.beat(beat("a", 0), ranks_here=1)  # carries it: the next is due at 1001.0
-    clock[0] = 1000.5  # ranks on half the agent's period: not this flush
+    keeper.beat(beat("a", 0), ranks_here=1)  # carries it
+    clock[0] = 1000.4  # ranks on a shorter period than the agent's: not this flush
     keeper.beat(beat("a", 0), ranks_here=1)
-    clock[0] = 1000.97  # the grid's jitter: this one
+    clock[0] = 1000.97  # the grid's jitter, a little early: this one
     keeper.beat(beat("a", 0), ranks_here=1)
     assert [ev.rank_beats.HasField("agent") for ev in sent] == [True, False, True]
     keeper.close()
@@ -159,11 +177,11 @@ def test_an_idle_nodes_agent_beats_alone_every_period_and_a_late_flush_does_not_
     t0 = time.monotonic()
     keeper.keep_agent_beat(0.2, lambda ev: (alone.append((time.monotonic(), ev)), len(alone) >= 2 and two.set()))
     assert two.wait(5.0)
-    # No rank beats here: the first goes GRACE of a period after it fell due (at once), the
-    # next a period after that; each a WorkerEvent.heartbeat, as the session sent it before.
+    # No rank beats here: the first goes GRACE of a period from the start, the next 1 + GRACE
+    # periods after it; each a WorkerEvent.heartbeat, as the session sent it before.
     (t1, first), (t2, second) = alone[:2]
     assert first.WhichOneof("event") == "heartbeat" and first.heartbeat.interval_seconds == 0.2
-    assert t1 - t0 >= rank_beats.GRACE * 0.2 - 0.01 and t2 - t1 >= 0.2 - 0.01
+    assert t1 - t0 >= rank_beats.GRACE * 0.2 - 0.01 and t2 - t1 >= (1 + rank_beats.GRACE) * 0.2 - 0.01
     assert sent == []
     keeper.close()
 
