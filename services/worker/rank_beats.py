@@ -16,12 +16,13 @@ exit would arm a silence deadline for a rank already gone).
 The agent's own beat (``AgentHeartbeat``, every ``ControlSession.BEAT_SECONDS``) rides with
 them (:meth:`keep_agent_beat`): a flush at least half a period after the agent's last beat
 carries it in ``RankBeats.agent``, so a node whose ranks beat on the agent's period sends one
-message per period, not two. If no flush carries it by ``1 + GRACE`` periods after the last
-(an idle node, ranks late or on a longer period) it goes alone, as ``WorkerEvent.heartbeat``,
-as before. Two beats of the agent are at least half a period and at most one and a half
-apart (control's deadline is five periods, at least 3 s). Phase-locking needs no clock of
-the grid's: a beat that went alone at a moment of its own is followed by the first flush
-half a period on, and from then on each flush carries one.
+message per period, not two. Otherwise it goes alone, as ``WorkerEvent.heartbeat``, as
+before: a period after the last on an idle node (no flush within the period before it), else
+``1 + GRACE`` periods after it (ranks late or on a longer period). Two beats of the agent are
+at least half a period and at most one and a half apart (control's deadline is five
+periods, at least 3 s). Phase-locking needs no clock of the grid's: a beat that went alone at
+a moment of its own is followed by the first flush half a period on, and from then on each
+flush carries one.
 
 One thread per agent (the window's and the agent beat's clock), not per rank; nothing is sent
 under a rank's thread but its own batch's completion.
@@ -82,15 +83,16 @@ class RankBeats:
         self._agent_period = 0.0
         self._agent_alone: Callable[[control_pb2.WorkerEvent], None] | None = None
         self._agent_last = 0.0
+        self._flushed = -float("inf")  # when (monotonic) the last RankBeats went
         self.agent_riding = 0  # agent beats sent inside a RankBeats
         self.agent_alone = 0  # agent beats sent on their own
 
     def keep_agent_beat(self, period: float, alone: Callable[[control_pb2.WorkerEvent], None]) -> None:
         """From now on the agent's own beat, every ``period`` seconds, goes with a flush of
         its ranks' beats (``RankBeats.agent``) at least ``RIDE_AFTER`` of a period after the
-        last, else alone through ``alone`` (the outbox's unsequenced beat slot) ``1 + GRACE``
-        periods after the last. The first rides with the first flush, or goes alone ``GRACE``
-        of a period from now."""
+        last, else alone through ``alone`` (the outbox's unsequenced beat slot) a period after
+        the last (``1 + GRACE`` where ranks beat here). The first rides with the first flush,
+        or goes alone at once."""
         with self._lock:
             self._agent_period, self._agent_alone = period, alone
             self._agent_last = time.monotonic() - period
@@ -139,12 +141,19 @@ class RankBeats:
             return
         beats = control_pb2.RankBeats(job_id=job)
         beats.beats.extend(pending.beats[r] for r in sorted(pending.beats))
-        now = time.monotonic()
+        now = self._flushed = time.monotonic()
         if self._agent_period and now - self._agent_last >= RIDE_AFTER * self._agent_period:
             beats.agent.CopyFrom(self._agent_beat(now))
             self.agent_riding += 1
         self.sent += 1
         self._send(control_pb2.WorkerEvent(rank_beats=beats))
+
+    def _alone_at(self) -> float:
+        """Under the lock: when the agent's beat goes alone if no flush carries it: a period
+        after the last on an idle node, ``1 + GRACE`` where its ranks' beats flow (a flush
+        within the period before the last, or since)."""
+        flowing = self._flushed >= self._agent_last - self._agent_period
+        return self._agent_last + (1 + (GRACE if flowing else 0.0)) * self._agent_period
 
     def _agent_beat(self, now: float) -> control_pb2.AgentHeartbeat:
         """Under the lock: the agent's beat, sent now."""
@@ -158,8 +167,7 @@ class RankBeats:
 
     def _run(self) -> None:
         """Sends each job's beats ``window_s`` after its first, if nothing sent them before,
-        and the agent's own beat alone ``1 + GRACE`` periods after its last, if no flush
-        carried one since."""
+        and the agent's own beat alone when no flush carried it (``_alone_at``)."""
         with self._lock:
             while not self._closed:
                 now = time.monotonic()
@@ -168,12 +176,10 @@ class RankBeats:
                     self._flush(job)
                 wake = [p.first + self._window for p in self._pending.values()]
                 if self._agent_period:
-                    alone_at = self._agent_last + (1 + GRACE) * self._agent_period
-                    if now >= alone_at and self._agent_alone is not None:
+                    if now >= self._alone_at() and self._agent_alone is not None:
                         self.agent_alone += 1
                         self._agent_alone(control_pb2.WorkerEvent(heartbeat=self._agent_beat(now)))
-                        alone_at = now + (1 + GRACE) * self._agent_period
-                    wake.append(alone_at)
+                    wake.append(self._alone_at())
                 if wake:
                     self._lock.wait(max(0.0, min(wake) - time.monotonic()))
                 else:
