@@ -18,6 +18,7 @@ from services.control.event_applier import NODE, EventApplier, job_of, split_age
 from services.control.metrics import event_kind
 from services.worker import rank_beats
 from services.worker.rank_beats import RankBeats
+from tests.worker.test_node_agent import cluster  # noqa: F401 - control servers and real agents (fixture)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -310,3 +311,34 @@ def test_a_riding_agent_beat_re_arms_the_fault_detectors_agent_deadline(tmp_path
     assert deadline is not None and last is not None  # armed by the riding beat
     assert last[0] >= before - 1e-6 and last[1] == 1.0  # from its receipt, with its period
     journal.close()
+
+
+# ------------------------------------------------------------------ a real node agent
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(90)
+def test_a_real_agents_own_beat_rides_with_its_ranks_beats(cluster):  # noqa: F811
+    from tests.worker.test_node_agent import launch, started_ranks
+
+    control = cluster.control()
+    cluster.agent(control.port, "--slots", "2")
+    control.servicer.registration()
+    launch(control.servicer, "bj", "beat", world_size=2)
+    started_ranks(cluster, control.servicer, 2)
+    # Two ranks beat every second on the node's grid; the agent's beat, on the same period,
+    # rides with their flush once it has locked on (a lone beat or two before that).
+    riding, alone, deadline = 0, 0, time.monotonic() + 30
+    while riding < 4:
+        assert time.monotonic() < deadline, (riding, alone)
+        ev = control.servicer.next_event(timeout=10)
+        if ev.WhichOneof("event") != "rank_beats":
+            continue
+        assert ev.rank_beats.job_id == "bj" and ev.seq > 0  # (sequenced: after the events it follows)
+        if ev.rank_beats.HasField("agent"):
+            riding += 1
+            assert ev.rank_beats.agent.interval_seconds == 1.0 and ev.rank_beats.agent.unix_time > 0
+        while not control.servicer.beats.empty():
+            control.servicer.beats.get()
+            alone += 1
+    assert riding >= 4 and alone <= riding  # (a loaded machine may make a flush late: that beat goes alone)
