@@ -143,10 +143,11 @@ def test_the_agents_beat_rides_with_a_flush_when_due_and_only_then():
     sent: list = []
     alone: list = []
     keeper = RankBeats(sent.append, window_s=5.0)
-    keeper.keep_agent_beat(10.0, alone.append)  # due at once; a long period: no second one here
-    keeper.beat(beat("a", 0), ranks_here=1)
-    keeper.beat(beat("b", 0), ranks_here=1)  # the next flush: the agent's beat is a period away
-    keeper.beat(beat("a", 0, step=2), ranks_here=1)
+    with keeper._lock:  # (the keeper's clock would send the first alone if it ran before the first flush)
+        keeper.keep_agent_beat(10.0, alone.append)  # due at once; a long period: no second one here
+        keeper.beat(beat("a", 0), ranks_here=1)
+        keeper.beat(beat("b", 0), ranks_here=1)  # the next flush: the agent's beat is a period away
+        keeper.beat(beat("a", 0, step=2), ranks_here=1)
     riding = [ev.rank_beats.HasField("agent") for ev in sent]
     assert riding == [True, False, False] and alone == []
     agent = sent[0].rank_beats.agent
@@ -160,8 +161,9 @@ def test_a_flush_half_a_period_after_the_agents_last_beat_carries_the_next_an_ea
     clock = [1000.0]
     monkeypatch.setattr(rank_beats.time, "monotonic", lambda: clock[0])
     keeper = RankBeats(sent.append, window_s=5.0)
-    keeper.keep_agent_beat(1.0, lambda ev: None)
-    keeper.beat(beat("a", 0), ranks_here=1)  # carries it
+    with keeper._lock:  # (as above: the first flush before the clock's first look)
+        keeper.keep_agent_beat(1.0, lambda ev: None)
+        keeper.beat(beat("a", 0), ranks_here=1)  # carries it
     clock[0] = 1000.4  # ranks on a shorter period than the agent's: not this flush
     keeper.beat(beat("a", 0), ranks_here=1)
     clock[0] = 1000.97  # the grid's jitter, a little early: this one
@@ -319,21 +321,22 @@ def test_a_riding_agent_beat_re_arms_the_fault_detectors_agent_deadline(tmp_path
 @pytest.mark.integration
 @pytest.mark.timeout(90)
 def test_a_real_agents_own_beat_rides_with_its_ranks_beats(cluster):  # noqa: F811
-    from tests.worker.test_node_agent import launch, started_ranks
+    from tests.worker.test_node_agent import launch
 
     control = cluster.control()
     cluster.agent(control.port, "--slots", "2")
     control.servicer.registration()
     launch(control.servicer, "bj", "beat", world_size=2)
-    started_ranks(cluster, control.servicer, 2)
     # Two ranks beat every second on the node's grid; the agent's beat, on the same period,
     # rides with their flush once it has locked on (a lone beat or two before that).
     riding, alone, deadline = 0, 0, time.monotonic() + 30
     while riding < 4:
         assert time.monotonic() < deadline, (riding, alone)
         ev = control.servicer.next_event(timeout=10)
+        if ev.WhichOneof("event") == "rank_event" and ev.rank_event.HasField("hello"):
+            cluster.track(ev.rank_event.hello.pid)  # (ended by PID after the test)
         if ev.WhichOneof("event") != "rank_beats":
-            continue
+            continue  # (a hello, a TrainingLoopStarted: one rank may beat before the other started)
         assert ev.rank_beats.job_id == "bj" and ev.seq > 0  # (sequenced: after the events it follows)
         if ev.rank_beats.HasField("agent"):
             riding += 1
