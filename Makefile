@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 GEN    := services/contract/gen
 PROTOS := $(wildcard proto/surge/v1/*.proto)
 
-.PHONY: setup tools proto contracts demo test test-compose lint format up down clean bench bench-faults bench-goodput bench-scale bench-control bench-rank-start
+.PHONY: setup tools proto contracts demo test test-compose lint format up down clean bench bench-faults bench-goodput bench-scale bench-control bench-rank-start bench-stack-cost
 
 setup: $(STAMP) $(GEN)/.stamp
 
@@ -112,6 +112,13 @@ bench-scale: setup
 # Results in bench/results/control.json, a table on stdout.
 bench-control: setup
 	$(BIN)/python bench/control_bench.py $(CONTROL_ARGS)
+
+# The stack's own CPU per training step (bench/stack_cost.py, issue 28 item 3; goal <= 1 % of a
+# step): the demo model at dp 2 on a real stack, every non-rank process and the ranks' side
+# threads read from /proc over a window of steps; flags in STACK_COST_ARGS (e.g. "--window 100").
+# About 3 min. Results in bench/results/stack_cost.json, a table on stdout.
+bench-stack-cost: setup
+	$(BIN)/python bench/stack_cost.py $(STACK_COST_ARGS)
 
 # Rank start-up (bench/rank_start.py): ranks forked from the node agent's rank fork server
 # against new interpreters, N dp=2 jobs a mode (flags in RANK_START_ARGS, e.g. "--jobs 5");

@@ -98,6 +98,18 @@ def job_of(ev: control_pb2.WorkerEvent) -> str:
     return NODE
 
 
+def split_agent_beat(ev: control_pb2.WorkerEvent) -> control_pb2.WorkerEvent | None:
+    """The node agent's own beat that rode in a ``RankBeats`` (taken out of it), as the
+    ``WorkerEvent.heartbeat`` it stands for; None if it carries none. So control applies it
+    exactly as one sent alone: on the node queue, not behind the job's, and unsequenced (it
+    is a fact of now; the RankBeats keeps its seq, its ack and its resend)."""
+    if not ev.rank_beats.HasField("agent"):
+        return None
+    alone = control_pb2.WorkerEvent(heartbeat=ev.rank_beats.agent)
+    ev.rank_beats.ClearField("agent")
+    return alone
+
+
 class EventApplier:
     """Applies the node agent sessions' messages, per job in order, jobs in parallel on a
     bounded pool (see the module docstring for the queues, the order and the locks)."""
@@ -124,13 +136,20 @@ class EventApplier:
         receipt (a heartbeat's ``received_monotonic``); a duplicate is dropped here
         (``SessionHub.admit``: called in stream order)."""
         received = time.monotonic()
+        agent = None
         if ev.HasField("rank_event") and ev.rank_event.HasField("heartbeat"):
             ev.rank_event.heartbeat.received_monotonic = received
         elif ev.HasField("rank_beats"):  # a node's beats of one job, sent together
             for beat in ev.rank_beats.beats:
                 beat.heartbeat.received_monotonic = received
+            agent = split_agent_beat(ev)
         elif ev.HasField("heartbeat"):  # the node agent's own beat (L1-2's placement reads its receipt)
             ev.heartbeat.received_monotonic = received
+        if agent is not None:  # as if it had come alone, just before: on the node queue, unsequenced
+            agent.heartbeat.received_monotonic = received
+            with self._lock:
+                self._in_flight[session.worker_id] += 1
+                self._put(NODE, (session, agent, received))
         if not self._hub.admit(session, ev):
             return
         with self._lock:

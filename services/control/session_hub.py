@@ -57,12 +57,13 @@ from typing import Any
 
 import structlog
 
-from services.common.fencing import FENCED_CALLS, GenerationFence, StaleGeneration
+from services.common.fencing import GenerationFence
 from services.contract import Module, control_pb2, route_pb2, worker_pb2
 from services.contract.bus import Bus, Emitter
 from services.contract.relay import L1, L4, L5, RANK, Link, Routed, stamp_origin
 from services.control.loop_queue import put_all
 from services.control.metrics import WORKER_EVENTS
+from services.control.session_fence import admit_generation, without_replaced
 from services.control.worker_cursor import WorkerCursor
 
 _log = structlog.get_logger("control.server")
@@ -155,7 +156,7 @@ class SessionHub:
         session = AgentSession(reg.worker_id, incarnation=reg.incarnation)
         if commands is not None:
             session.commands = commands
-        stale = self._without_replaced(reg)
+        stale = without_replaced(self._fence, reg)
         running = [(launch.job_id, a.rank) for launch in reg.running for a in launch.ranks]
         session.ranks.update(running)
         session.jobs.update(launch.job_id for launch in reg.running)
@@ -191,30 +192,6 @@ class SessionHub:
         for release in stale:  # (after the registration: the agent executes them in order)
             session.commands.put(control_pb2.WorkerCommand(release=release))
         return session
-
-    def _without_replaced(self, reg: control_pb2.WorkerRegistration) -> list[control_pb2.ReleaseRanks]:
-        """Take out of ``reg.running`` the ranks an agent still runs that were replaced while
-        its session was away (a partition, a frozen agent whose stream broke): they are not
-        re-attached, and the returned ReleaseRanks (kill, ``below_generation``) end them."""
-        releases = []
-        for launch in reg.running:
-            keep = []
-            for a in launch.ranks:
-                newest = self._fence.newest(launch.job_id, a.rank)
-                if a.generation and a.generation < newest:
-                    FENCED_CALLS.labels("control").inc()
-                    _log.warning("replaced rank not re-attached", worker_id=reg.worker_id, job_id=launch.job_id,
-                                 rank=a.rank, generation=a.generation, newest=newest)  # fmt: skip
-                    releases.append(control_pb2.ReleaseRanks(
-                        job_id=launch.job_id, kill=True, ranks=[a.rank], below_generation=newest))  # fmt: skip
-                else:
-                    keep.append(a)
-            del launch.ranks[:]
-            launch.ranks.extend(keep)
-        live = [launch for launch in reg.running if launch.ranks]
-        del reg.running[:]
-        reg.running.extend(live)
-        return releases
 
     def close(self, session: AgentSession, reason: str = "session closed") -> None:
         """The node agent is gone: withdraw its slots and report its live ranks lost.
@@ -466,6 +443,8 @@ class SessionHub:
             for beat in ev.rank_beats.beats:
                 if beat.HasField("heartbeat"):
                     self._relay_rank_event(session, beat)
+            if ev.rank_beats.HasField("agent"):  # (unless the applier split it off on receipt)
+                self._agent_beat(session, ev.rank_beats.agent)
         elif kind == "routed":  # the node agent's own (its contract layer's refusals, ...), by name
             self._link.deliver(ev.routed, stamp=lambda msg: stamp_origin(msg, worker_id=session.worker_id))
         elif kind == "memory_pressure":
@@ -478,9 +457,8 @@ class SessionHub:
                 tail = self._tails.get(ev.rank_log_lines.request_id)
             if tail is not None:  # else: the caller left; late lines are dropped
                 tail.answers.put((session, ev.rank_log_lines))
-        elif kind == "heartbeat":  # the agent itself is alive: L1-3 re-arms its deadline
-            ev.heartbeat.worker_id = session.worker_id  # (a node agent speaks only for its own node)
-            self._hardware(ev.heartbeat)
+        elif kind == "heartbeat":
+            self._agent_beat(session, ev.heartbeat)
         elif kind == "register" and ev.register.departing:
             # The agent is leaving: no rank may be placed on it any more (its ranks' exits
             # follow, stated by the agent as departures).
@@ -577,7 +555,7 @@ class SessionHub:
         kind = ev.WhichOneof("event")
         if kind in ("hello", "audit") or kind is None:
             return  # between a rank and its node agent only
-        if not self._admit(session, ev):
+        if not admit_generation(self._fence, session, ev, self._lock, self.release_ranks):
             return
         if kind == "routed":
             # The envelope names the rank the node agent attached; the session names the node.
@@ -592,30 +570,10 @@ class SessionHub:
         beat.job_id, beat.rank, beat.worker_id = beat.job_id or ev.job_id, ev.rank, session.worker_id
         self._hardware(beat)
 
-    def _admit(self, session: AgentSession, ev: worker_pb2.RankEvent) -> bool:
-        """Whether a rank's event comes from the newest incarnation of its (job, rank) that
-        control launched (``RankEvent.generation``, stamped by the agent). An older one's is
-        dropped (its beats would keep the replacement's deadline alive, its failures open an
-        incident of a rank already replaced) and its agent is told to end that process, once
-        per (job, rank, generation) and session: ``ReleaseRanks`` with ``below_generation``."""
-        try:
-            self._fence.admit(ev.job_id, ev.rank, ev.generation)
-            return True
-        except StaleGeneration as stale:
-            FENCED_CALLS.labels("control").inc()
-            key = (ev.job_id, ev.rank, ev.generation)
-            with self._lock:
-                first = key not in session.fenced
-                session.fenced.add(key)
-            if first:
-                _log.warning("stale rank event dropped", worker_id=session.worker_id, error=str(stale))
-                self.release_ranks(
-                    control_pb2.ReleaseRanks(
-                        job_id=ev.job_id, kill=True, ranks=[ev.rank], below_generation=stale.newest
-                    ),
-                    session.worker_id,
-                )
-            return False
+    def _agent_beat(self, session: AgentSession, beat: control_pb2.AgentHeartbeat) -> None:
+        """The agent itself is alive (alone, or riding its ranks' RankBeats): L1-3 re-arms its deadline."""
+        beat.worker_id = session.worker_id  # (a node agent speaks only for its own node)
+        self._hardware(beat)
 
     def _report_lost(self, worker_id: str, ranks: list[tuple[str, int]], reason: str) -> None:
         for job_id, rank in ranks:

@@ -41,7 +41,7 @@ import threading
 import uuid
 from pathlib import Path
 
-from services.common import logs, paths
+from services.common import logs, paths, thread_names
 from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
 from services.common.service_args import (
     ServiceArgumentParser,
@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad := env_error():  # a malformed test-only injection: one line, not a service without it
         print(f"error: {bad}", file=sys.stderr)
         return 2
+    thread_names.install()  # its threads seen by name from outside (bench/stack_cost.py)
     try:
         validate_table()  # the node agent relays the table's messages (it is EXT_HARDWARE)
     except ContractError as e:
@@ -257,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         agent.steps.new_session()  # (a restarted control hears each rank's step once)
         return reg
 
-    session = ControlSession(args.control, current_registration, outbox, agent.execute, log)
+    # The agent's own beat rides with its ranks' beats (one message per node and period).
+    session = ControlSession(args.control, current_registration, outbox, agent.execute, log, beats=agent.beats)
     sampler = None
     if args.memory_check_seconds > 0:
         sampler = MemorySampler(

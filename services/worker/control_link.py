@@ -169,6 +169,9 @@ class ControlSession:
         outbox: events to send up.
         execute: runs one ``WorkerCommand`` (called on this session's thread, in order).
         log: a structlog logger.
+        beats: the agent's ranks' beats keeper (services/worker/rank_beats.py): the agent's own
+            beat rides with its ranks' (one message per node and period) and goes alone only
+            when none is due. None: a thread of this session sends it alone every period.
     """
 
     HEALTHY_SESSION_SECONDS = 10.0  # a session that lived this long resets the backoff
@@ -183,6 +186,7 @@ class ControlSession:
         log: Any,
         max_backoff_seconds: float = 2.0,
         log_every_seconds: float = 5.0,
+        beats: Any = None,
     ):
         self._address = address
         self._registration = registration
@@ -191,6 +195,7 @@ class ControlSession:
         self._log = log
         self._max_backoff = max_backoff_seconds
         self._log_every = log_every_seconds
+        self._keeper = beats
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._call: Any = None
@@ -209,7 +214,10 @@ class ControlSession:
 
     def start(self) -> None:
         self._thread.start()
-        self._beats.start()
+        if self._keeper is not None:
+            self._keeper.keep_agent_beat(self.BEAT_SECONDS, self._outbox.beat)
+        else:
+            self._beats.start()
 
     def close(self, drain_seconds: float = 1.0) -> None:
         """Give queued events ``drain_seconds`` to go up, then end the session for good."""

@@ -61,8 +61,9 @@ relays, and wires the parts below; ``__main__.py`` builds them):
 * ``memory_copies.py``: the in-memory copies of the local ranks' newest checkpoint, served
   to them and replicated to the job's peer agent (``MemoryCopyService``);
 * ``rank_beats.py``: the local ranks' beats, sent up a job's at a time (one message per job
-  and beat period: the ranks beat on this node's grid, services/common/beat_grid.py), and
-  every other message after the beats it follows (one thread: the batch window's clock);
+  and beat period: the ranks beat on this node's grid, services/common/beat_grid.py), with
+  the agent's own beat riding in one of them (alone only when none carries it), and every
+  other message after the beats it follows (one thread: the batch window's clock);
 * ``step_summaries.py``: which of the local ranks' ``StepCompleted`` go up (rank 0's);
 * ``link_probe.py``: the UDP probes of the data-plane links to the node agents this node
   shares a job with, behind ``routed`` ``LinkStateChanged`` (one thread);
@@ -85,7 +86,8 @@ Threads, and why each exists:
 * one tail thread per TailRankLogs request, reading the job's rank log files (a followed
   file is re-read after a short wait when empty: appends to a file notify nobody);
 * one clock thread (``rank_beats.py``) that sends a job's kept beats when their window ends
-  (a rank late or gone holds the others' no longer than that);
+  (a rank late or gone holds the others' no longer than that), and the agent's own beat
+  alone when no flush carried it (the control session's beat thread is not started);
 * one metric stream thread per store address (``metric_stream.py``), which keeps the Record
   stream open and reconnects it;
 * the memory sampler, which reads /proc/meminfo every few seconds: the kernel sends no

@@ -13,8 +13,19 @@ overtakes a later event of its rank: an exit's report, a failure, a step summary
 after the beats that preceded them, as they did one by one (a beat applied after its rank's
 exit would arm a silence deadline for a rank already gone).
 
-One thread per agent (the window's clock), not per rank; nothing is sent under a rank's
-thread but its own batch's completion.
+The agent's own beat (``AgentHeartbeat``, every ``ControlSession.BEAT_SECONDS``) rides with
+them (:meth:`keep_agent_beat`): a flush at least half a period after the agent's last beat
+carries it in ``RankBeats.agent``, so a node whose ranks beat on the agent's period sends one
+message per period, not two. Otherwise it goes alone, as ``WorkerEvent.heartbeat``, as
+before: a period after the last on an idle node (no flush within the period before it), else
+``1 + GRACE`` periods after it (ranks late or on a longer period). Two beats of the agent are
+at least half a period and at most one and a half apart (control's deadline is five
+periods, at least 3 s). Phase-locking needs no clock of the grid's: a beat that went alone at
+a moment of its own is followed by the first flush half a period on, and from then on each
+flush carries one.
+
+One thread per agent (the window's and the agent beat's clock), not per rank; nothing is sent
+under a rank's thread but its own batch's completion.
 """
 
 from __future__ import annotations
@@ -27,6 +38,12 @@ from dataclasses import dataclass, field
 from services.contract import control_pb2, worker_pb2
 
 WINDOW_S = 0.05  # how long the first beat of a period waits for the rest of its job's
+# A flush this long (a fraction of the agent's period) after the agent's last beat carries
+# the next: the grid's jitter tolerated, and ranks on half the period carry it every other flush.
+RIDE_AFTER = 0.5
+# How long past its period (a fraction of it) the agent's beat waits for a flush to ride; half
+# a period, so a beat sent alone out of phase with its ranks' flushes is followed by a riding one.
+GRACE = 0.5
 
 
 @dataclass
@@ -61,6 +78,26 @@ class RankBeats:
         self._closed = False
         self._clock: threading.Thread | None = None
         self.sent = 0  # RankBeats messages sent (each carries one or more beats)
+        # The agent's own beat (keep_agent_beat): its period, where an unaccompanied one goes,
+        # and when (monotonic) the last went; period 0: the session sends it (not kept here).
+        self._agent_period = 0.0
+        self._agent_alone: Callable[[control_pb2.WorkerEvent], None] | None = None
+        self._agent_last = 0.0
+        self._flushed = -float("inf")  # when (monotonic) the last RankBeats went
+        self.agent_riding = 0  # agent beats sent inside a RankBeats
+        self.agent_alone = 0  # agent beats sent on their own
+
+    def keep_agent_beat(self, period: float, alone: Callable[[control_pb2.WorkerEvent], None]) -> None:
+        """From now on the agent's own beat, every ``period`` seconds, goes with a flush of
+        its ranks' beats (``RankBeats.agent``) at least ``RIDE_AFTER`` of a period after the
+        last, else alone through ``alone`` (the outbox's unsequenced beat slot) a period after
+        the last (``1 + GRACE`` where ranks beat here). The first rides with the first flush,
+        or goes alone at once."""
+        with self._lock:
+            self._agent_period, self._agent_alone = period, alone
+            self._agent_last = time.monotonic() - period
+            self._start_clock()
+            self._lock.notify()
 
     def beat(self, event: worker_pb2.RankEvent, ranks_here: int) -> None:
         """Keep rank ``event.rank``'s beat (a heartbeat RankEvent, its envelope set); sent
@@ -104,8 +141,24 @@ class RankBeats:
             return
         beats = control_pb2.RankBeats(job_id=job)
         beats.beats.extend(pending.beats[r] for r in sorted(pending.beats))
+        now = self._flushed = time.monotonic()
+        if self._agent_period and now - self._agent_last >= RIDE_AFTER * self._agent_period:
+            beats.agent.CopyFrom(self._agent_beat(now))
+            self.agent_riding += 1
         self.sent += 1
         self._send(control_pb2.WorkerEvent(rank_beats=beats))
+
+    def _alone_at(self) -> float:
+        """Under the lock: when the agent's beat goes alone if no flush carries it: a period
+        after the last on an idle node, ``1 + GRACE`` where its ranks' beats flow (a flush
+        within the period before the last, or since)."""
+        flowing = self._flushed >= self._agent_last - self._agent_period
+        return self._agent_last + (1 + (GRACE if flowing else 0.0)) * self._agent_period
+
+    def _agent_beat(self, now: float) -> control_pb2.AgentHeartbeat:
+        """Under the lock: the agent's beat, sent now."""
+        self._agent_last = now
+        return control_pb2.AgentHeartbeat(interval_seconds=self._agent_period, unix_time=time.time())
 
     def _start_clock(self) -> None:
         if self._clock is None:
@@ -113,16 +166,21 @@ class RankBeats:
             self._clock.start()
 
     def _run(self) -> None:
-        """Sends each job's beats ``window_s`` after its first, if nothing sent them before."""
+        """Sends each job's beats ``window_s`` after its first, if nothing sent them before,
+        and the agent's own beat alone when no flush carried it (``_alone_at``)."""
         with self._lock:
             while not self._closed:
-                if not self._pending:
-                    self._lock.wait()
-                    continue
                 now = time.monotonic()
                 due = [job for job, p in self._pending.items() if now - p.first >= self._window]
                 for job in due:
                     self._flush(job)
-                if self._pending:
-                    soonest = min(p.first for p in self._pending.values())
-                    self._lock.wait(max(0.0, soonest + self._window - time.monotonic()))
+                wake = [p.first + self._window for p in self._pending.values()]
+                if self._agent_period:
+                    if now >= self._alone_at() and self._agent_alone is not None:
+                        self.agent_alone += 1
+                        self._agent_alone(control_pb2.WorkerEvent(heartbeat=self._agent_beat(now)))
+                    wake.append(self._alone_at())
+                if wake:
+                    self._lock.wait(max(0.0, min(wake) - time.monotonic()))
+                else:
+                    self._lock.wait()

@@ -50,6 +50,30 @@ def become_subreaper() -> bool:
         return False
 
 
+def _children() -> list[str] | None:
+    """This process's children, from ``/proc/self/task/*/children`` (each thread's: a child
+    is listed under the thread that forked it, or adopted it): a few small files, where
+    scanning every process of the machine (thousands on a busy node) cost the agent more CPU
+    than anything else it does between beats (bench/stack_cost.py). The file is read
+    racily (a child forked or reaped meanwhile may be missed): an orphan is reaped only once
+    seen at two scans anyway. None where the kernel has no such file (CONFIG_PROC_CHILDREN):
+    the caller then scans ``/proc``."""
+    out: list[str] = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    found = False
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                out.extend(f.read().split())
+            found = True
+        except OSError:
+            continue  # a thread that ended, or no such file
+    return out if found else None
+
+
 class ForkedRank:
     """A rank forked by the server: the part of ``subprocess.Popen`` the agent uses (it is this
     process's child, adopted, so waiting and signalling work as for one it started)."""
@@ -247,7 +271,8 @@ class RankForkServer:
         pid. Returns the pids reaped."""
         me = os.getpid()
         zombies = set()
-        for entry in os.listdir("/proc"):
+        children = _children()
+        for entry in os.listdir("/proc") if children is None else children:
             if not entry.isdigit():
                 continue
             try:

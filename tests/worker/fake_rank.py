@@ -10,6 +10,8 @@ Run by the agent as ``python -m tests.worker.fake_rank --session H:P --job J --r
 * ``sleep``: hello -> init, assignment -> TrainingLoopStarted -> sleeps (SIGTERM kills it).
 * ``stubborn``: like ``sleep`` but ignores SIGTERM.
 * ``family``: like ``sleep`` after starting a ``sleep`` grandchild (its pid is printed).
+* ``beat``: like ``sleep`` (300 s), but beats (RankHeartbeat) every second on its node's beat
+  grid, as a real rank does (services/common/beat_grid.py).
 * ``audited``: like ``sleep``, but answers every ``audit`` question with one route count:
   L2_TRAINING_LOOP -> RunForward -> L3_FORWARD_UNIT, ``5 + rank`` messages.
 
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import time
 
+from services.common.beat_grid import phase_from, seconds_to_next_beat
 from services.common.grpc_server import channel as grpc_channel
 from services.contract import Module, audit_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
 from services.contract.relay import pack, unpack
@@ -99,6 +102,12 @@ def main() -> int:
                     count=5 + rank,
                 )
                 send(audit=report)
+        return 0
+    if mode == "beat":
+        phase, ends = phase_from(), time.monotonic() + 300  # (as long as `sleep` lives: a test's leftover ends)
+        while time.monotonic() < ends:
+            time.sleep(seconds_to_next_beat(time.time(), 1.0, phase))
+            send(heartbeat=worker_pb2.RankHeartbeat(job_id=job, rank=rank, step=0, stepping=False))
         return 0
     if mode not in ("train", "train3"):
         time.sleep(300)
