@@ -108,8 +108,10 @@ order; the operator's queries never take it):
 - journal.py: restore after a control restart.
 
 and plain records and functions: job.py (``_Job``, ``_Incident``, ``_Scale``, the legal
-transitions, the journal form), triage.py (what a fault report is to its job: a pure
-function), request_ids.py (a submit retried by request id gets its first job), refusals.py,
+transitions, the journal form), activity.py (a job's one activity in flight: a recovery,
+a resize, a rollback in place or an operator resume, and ``admit``, the one rule for what a
+second one gets: started, folded in, refused or superseding it), triage.py (what a fault
+report is to its job: a pure function), request_ids.py (a submit retried by request id gets its first job), refusals.py,
 layout.py, texts.py. Every decision on a fault reads the policy through
 services/control/fault_decision.py.
 """

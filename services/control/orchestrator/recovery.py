@@ -11,6 +11,7 @@ import structlog
 
 from services.contract import Module, control_pb2, engine_pb2, store_pb2
 from services.control import fault_decision as fd
+from services.control.orchestrator.activity import begin, end
 from services.control.orchestrator.job import (
     NO_CAPACITY,
     ORCH,
@@ -30,6 +31,8 @@ from services.control.orchestrator.job import (
     StoreFailureCause,
     _Incident,
     _Job,
+    _Reload,
+    _Scale,
 )
 from services.control.orchestrator.layout import _layout_change, _layout_msg, _layout_of, _shrink_to
 from services.control.orchestrator.texts import _healed_text, _overdue, restored_from_text
@@ -135,7 +138,10 @@ class Recovery:
         if previous is not None:
             incident.dying.update(previous.dying)
             self._cancel_timer(previous)
-        job.incident, job.recovered, job.exited = incident, None, set()
+        # (admit: a recovery supersedes whatever was in flight; said below for a resize or
+        # a rollback, folded above for an earlier recovery)
+        superseded = begin(job, incident)
+        job.recovered, job.exited = None, set()
         self._end_data_wait(job)  # (its ranks are replaced: a new generation says what it waits for)
         self._release_held(job, incident)  # (a save that broke a moment before this fault came)
         job.started, job.paused, job.finished, job.placement = set(), set(), {}, {}  # (a new generation)
@@ -144,17 +150,15 @@ class Recovery:
         job.pending = ""  # a pause in flight ends here: the incident keeps it (``paused``)
         # A drain ends here too: the recovered job is not `up`'s to resume (its ranks are new).
         job.draining = job.parked = job.parked_live = job.resume_after_pause = job.status.drained = False
-        if job.reload is not None:  # (the ranks it loads into are being replaced)
+        if isinstance(superseded, _Reload):  # (the ranks it loads into are being replaced)
             self._record(
                 job, ORCH, "recovery",
-                f"rollback in place to {job.reload.version} given up: {decision.text}; the relaunch replaces it",
+                f"rollback in place to {superseded.version} given up: {decision.text}; the relaunch replaces it",
             )  # fmt: skip
-            job.reload = None
-        if job.scale is not None:  # (its new layout stays if it was already commanded)
+        if isinstance(superseded, _Scale):  # (its new layout stays if it was already commanded)
             self._record(
-                job, ORCH, "scale", f"{job.scale.why} to dp {job.scale.spec.parallel.dp} given up: {decision.text}"
+                job, ORCH, "scale", f"{superseded.why} to dp {superseded.spec.parallel.dp} given up: {decision.text}"
             )
-            job.scale = None
         job.start_held = False
         job.excluded.update(exclude)  # journaled with the decision: a restarted control keeps it
         hold = fd.freeze_for(job.spec.fault_policy, decision, recovering=previous is not None)
@@ -453,7 +457,8 @@ class Recovery:
         resumes it, which relaunches it from its newest checkpoint (with the budgets anew)."""
         self._cancel_timer(job.incident)
         self._end_data_wait(job)
-        job.incident = job.recovered = None
+        end(job, _Incident)
+        job.recovered = None
         job.pending = ""
         job.parked, job.parked_live, job.resume_after_pause = True, False, False
         if job.status.state == JobState.PAUSED:  # (paused by the operator, its ranks alive: now gone)
@@ -470,7 +475,8 @@ class Recovery:
         # Recovered. The failed generation's last events came before these ranks' own on
         # every worker that runs one, so the incident is over here.
         self._cancel_timer(incident)
-        job.incident, job.recovered = None, incident
+        end(job, incident)
+        job.recovered = incident
         incident.recovered_unix = time.time()
         job.last_incident = incident
         job.running_since = job.running_since or time.time()  # (a fault while warming up)

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from services.contract import Module, control_pb2, engine_pb2
+from services.control.orchestrator.activity import FOLD, ScaleAsk, begin, end
 from services.control.orchestrator.job import ORCH, JobState, _Job, _Scale, _where
 from services.control.orchestrator.layout import _layout_change, _layout_msg, _layout_of, _set_layout
 from services.control.orchestrator.texts import _kept_text
@@ -49,15 +50,8 @@ class Resizing:
             if why:
                 raise JobSpecError(f"{flags}: scaling in place {why}; `surgectl stop` then `surgectl resume --dp`")
             self._require(job, JobState.RUNNING)
-            target = job.scale.spec if job.scale is not None else None
-            if (
-                target is not None
-                and msg.dp == target.parallel.dp
-                and msg.micro_batch_size in (0, target.data.micro_batch_size)
-                and msg.grad_accum in (0, target.data.grad_accum)
-            ):
+            if self._require_idle(job, ScaleAsk(msg.dp, msg.micro_batch_size, msg.grad_accum)).verdict == FOLD:
                 return self._snapshot(job)  # (asked again, e.g. a `surgectl scale` cut short: this resize is in flight)
-            self._require_idle(job)
             if msg.dp == job.spec.parallel.dp and not (msg.micro_batch_size or msg.grad_accum):
                 return self._snapshot(job)  # (already at that size: nothing to do; `surgectl scale` says so)
             spec = at_data_parallel_size(
@@ -78,7 +72,7 @@ class Resizing:
         """Under the lock: pause every rank after a common boundary (no checkpoint: nothing
         is lost, no rank restarts) for a resize to ``spec``'s layout (``_resize`` goes on
         once all have paused)."""
-        job.scale = _Scale(spec, why, old_dp=job.spec.parallel.dp, since=time.monotonic())
+        begin(job, _Scale(spec, why, old_dp=job.spec.parallel.dp, since=time.monotonic()))
         cmd = self._in_flight(job, "scale", engine_pb2.PauseTraining(checkpoint=False))
         job.paused.clear()
         self._record(
@@ -107,7 +101,7 @@ class Resizing:
             )
         ).message
         if isinstance(reply, control_pb2.RecoveryFailed):
-            job.scale = None
+            end(job, scale)
             self._loop(engine_pb2.ResumeTraining(job_id=job_id))
             self._record(
                 job,
@@ -133,7 +127,8 @@ class Resizing:
 
     def _scaled(self, job: _Job, msg: engine_pb2.TrainingLoopStarted) -> None:
         """Under the lock: every rank of the resized group is ready: start them."""
-        scale, job.scale = job.scale, None
+        scale = job.scale
+        end(job, scale)
         if job.grow_to and job.spec.parallel.dp >= job.grow_to[0]:
             job.grow_to = ()  # (grown back the whole way)
         self._start_group(job)

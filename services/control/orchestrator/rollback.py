@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 
 from services.contract import Module, control_pb2, engine_pb2
+from services.control.orchestrator.activity import FOLD, ReloadAsk, admit, begin, end
 from services.control.orchestrator.job import ORCH, JobState, _Job, _Reload, _where
 from services.control.orchestrator.refusals import IllegalTransition
 
@@ -35,12 +36,11 @@ class RollingBack:
             recovery is in flight, it has no such version, or it runs in fp16 (its loss
             scaler's state cannot be given to live ranks again: stop, then resume --from)."""
         job_id = job.status.job_id
-        if job.reload is not None and msg.from_version in ("", job.reload.version):
+        ask = ReloadAsk(msg.from_version)
+        if admit(job_id, job.activity, ask).verdict == FOLD:
             return self._snapshot(job)
         self._require(job, JobState.RUNNING)
-        self._require_idle(job)
-        if job.incident is not None:
-            raise IllegalTransition(f"job {job_id} is recovering from {job.incident.fault_class}; try again after it")
+        self._require_idle(job, ask)
         if job.spec.precision.dtype == "fp16":
             raise IllegalTransition(
                 f"rollback: job {job_id} trains in fp16, whose loss scaler's state cannot be given to live ranks "
@@ -55,7 +55,7 @@ class RollingBack:
             raise IllegalTransition(
                 f"--version {version}: not a usable committed checkpoint of job {job_id} (usable: {known or 'none'})"
             )
-        job.reload = _Reload(version, steps[version], since=time.monotonic())
+        begin(job, _Reload(version, steps[version], since=time.monotonic()))
         cmd = self._in_flight(job, "reload", engine_pb2.PauseTraining(checkpoint=False))
         job.paused.clear()
         self._record(
@@ -82,7 +82,8 @@ class RollingBack:
     def _reloaded(self, job: _Job, msg: engine_pb2.TrainingLoopStarted) -> None:
         """Under the lock: every rank loaded the version and is ready at its step: start them.
         The versions committed after it are another branch from now on."""
-        reload, job.reload = job.reload, None
+        reload = job.reload
+        end(job, reload)
         later = sorted(v for s, v in job.versions if s > reload.step and v not in job.abandoned)
         job.abandoned.update(later)
         self._start_group(job)
