@@ -64,6 +64,7 @@ from services.control.orchestrator.journal import JournalRestore
 from services.control.orchestrator.operator import OperatorCommands
 from services.control.orchestrator.queue import JobQueueing
 from services.control.orchestrator.recovery import Recovery
+from services.control.orchestrator.recovery_waits import RecoveryWaits
 from services.control.orchestrator.refusals import IllegalTransition, JobNotFound
 from services.control.orchestrator.resize import Resizing
 from services.control.orchestrator.resume import OperatorResume, _Answer
@@ -86,6 +87,7 @@ class Orchestrator(
     RankEvents,
     FaultIntake,
     Recovery,
+    RecoveryWaits,
     Freezing,
     RollingBack,
     JournalRestore,
