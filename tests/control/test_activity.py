@@ -12,10 +12,12 @@ from services.control.orchestrator.activity import (
     REFUSE,
     START,
     SUPERSEDE,
+    ForceDownAsk,
     PauseAsk,
     ReloadAsk,
     ResumeAsk,
     ScaleAsk,
+    StopAsk,
     admit,
     begin,
     end,
@@ -76,6 +78,13 @@ CASES = [
     # A recovery keeps an operator's pause (``_Incident.paused``): no refusal.
     ("a pause during a recovery", incident(), PauseAsk(), START, ""),
     ("a pause while a resume asks the store", _Resume(), PauseAsk(), START, ""),
+    # A stop or a forced down: only a resize refuses it (it says what to do after it).
+    ("a stop during a resize", scale(), StopAsk(), REFUSE, "; stop it once its events say the resize is done"),
+    ("a forced down during a resize", scale(), ForceDownAsk(), REFUSE, "`surgectl down --force` again once"),
+    ("a stop during a rollback", reload(), StopAsk(), START, ""),
+    ("a stop during a recovery", incident(), StopAsk(), START, ""),
+    ("a forced down during a recovery", incident(), ForceDownAsk(), START, ""),
+    ("a forced down while a resume asks the store", _Resume(), ForceDownAsk(), START, ""),
 ]
 
 

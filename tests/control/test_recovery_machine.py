@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import pytest
 
+from services.contract import Module
 from services.control.orchestrator import recovery_machine as rm
+from services.control.orchestrator.effects import Record, Status
 from services.control.orchestrator.job import (
     NO_CAPACITY,
+    ORCH,
     PLACING,
     RESTORING,
     STORE_UNREACHABLE,
@@ -16,6 +19,12 @@ from services.control.orchestrator.job import (
     WAITING_CAPACITY,
     WAITING_STORE,
 )
+
+
+def first(message: str) -> Record:
+    """A wait's first message: an event in the job's log and its status."""
+    return Record(ORCH, "recovery", message, status_message=message)
+
 
 STORE = (WAITING_STORE, STORE_UNREACHABLE, 8.0, "waiting for the store")
 CAPACITY = (WAITING_CAPACITY, NO_CAPACITY, 60.0, "waiting for capacity")
@@ -29,7 +38,7 @@ BLOCKED = [
         103.0,
         rm.Waits(WAITING_STORE, WAITING_STORE, waiting_since=100.0, asked_since=100.0, retries=1),
         [
-            rm.Say("waiting for the store; retry 1 in 0.5 s, the fault policy decides after 8 s", event=True),
+            first("waiting for the store; retry 1 in 0.5 s, the fault policy decides after 8 s"),
             rm.Retry(0.5, WAITING_STORE),
         ],
     ),
@@ -40,7 +49,7 @@ BLOCKED = [
         104.0,
         rm.Waits(WAITING_STORE, WAITING_STORE, waiting_since=100.0, asked_since=100.0, retries=3),
         [
-            rm.Say("waiting for the store; retry 3 in 2.0 s, the fault policy decides after 8 s", event=False),
+            Status("waiting for the store; retry 3 in 2.0 s, the fault policy decides after 8 s"),
             rm.Retry(2.0, WAITING_STORE),
         ],
     ),
@@ -51,7 +60,7 @@ BLOCKED = [
         107.5,
         rm.Waits(WAITING_STORE, WAITING_STORE, waiting_since=100.0, retries=6),
         [
-            rm.Say("waiting for the store; retry 6 in 0.5 s, the fault policy decides after 8 s", event=False),
+            Status("waiting for the store; retry 6 in 0.5 s, the fault policy decides after 8 s"),
             rm.Retry(0.5, WAITING_STORE),
         ],
     ),
@@ -70,7 +79,7 @@ BLOCKED = [
         130.0,
         rm.Waits(WAITING_CAPACITY, WAITING_CAPACITY, waiting_since=130.0, asked_since=100.0, retries=1),
         [
-            rm.Say("waiting for capacity; retry 1 in 0.5 s, the fault policy decides after 60 s", event=True),
+            first("waiting for capacity; retry 1 in 0.5 s, the fault policy decides after 60 s"),
             rm.Retry(0.5, WAITING_CAPACITY),
         ],
     ),
@@ -81,7 +90,7 @@ BLOCKED = [
         120.0,
         rm.Waits(WAITING_CAPACITY, WAITING_CAPACITY, waiting_since=100.0, retries=10),
         [
-            rm.Say("waiting for capacity; retry 10 in 4.0 s, the fault policy decides after 60 s", event=False),
+            Status("waiting for capacity; retry 10 in 4.0 s, the fault policy decides after 60 s"),
             rm.Retry(4.0, WAITING_CAPACITY),
         ],
     ),
@@ -104,7 +113,13 @@ def test_answered_ends_only_a_wait_for_the_store() -> None:
     waiting = rm.Waits(WAITING_STORE, WAITING_STORE, waiting_since=100.0, retries=3)
     assert rm.answered(waiting, 112.5) == (
         rm.Waits(WAITING_STORE, "", waiting_since=100.0, retries=3),
-        [rm.WaitEnded(WAITING_STORE, 12.5)],
+        [
+            Record(
+                Module.L5_CHECKPOINT_MANAGER,
+                "recovery",
+                "the store answered after 12.5 s of waiting; the recovery goes on",
+            )
+        ],
     )
     first_time = rm.Waits(VERIFYING)
     assert rm.answered(first_time, 112.5) == (first_time, [])  # (nothing was waited for: nothing said)
@@ -114,7 +129,7 @@ def test_placed_restores_and_ends_a_wait_for_capacity() -> None:
     waiting = rm.Waits(WAITING_CAPACITY, WAITING_CAPACITY, waiting_since=100.0, retries=7)
     assert rm.placed(waiting, 130.0) == (
         rm.Waits(RESTORING, "", waiting_since=100.0, retries=0),
-        [rm.WaitEnded(WAITING_CAPACITY, 30.0)],
+        [Record(Module.L1_RESOURCE_ALLOCATOR, "recovery", "capacity came back after 30.0 s of waiting")],
     )
     assert rm.placed(rm.Waits(PLACING), 130.0) == (rm.Waits(RESTORING), [])
 
@@ -131,4 +146,4 @@ def test_a_wait_entered_again_after_it_ended_counts_afresh() -> None:
     state, _ = rm.placed(rm.Waits(WAITING_CAPACITY, WAITING_CAPACITY, waiting_since=100.0, retries=7), 130.0)
     state, effects = rm.blocked(state, *CAPACITY, 200.0)
     assert (state.waiting_since, state.retries) == (200.0, 1)
-    assert effects[0].event and effects[1] == rm.Retry(0.5, WAITING_CAPACITY)
+    assert isinstance(effects[0], Record) and effects[1] == rm.Retry(0.5, WAITING_CAPACITY)

@@ -7,7 +7,7 @@ by ``admit``, and nowhere else: it is started, folded into the one in flight (th
 again: answered with the job's status), refused with a one-line reason, or it supersedes
 the one in flight (a fault: the recovery replaces whatever ran, which the caller says in the
 job's events). ``admit`` is pure (table-tested in tests/control/test_activity.py);
-``begin`` / ``end`` are the only writers of the slot.
+``begin`` / ``moved`` / ``end`` are the only writers of the slot.
 """
 
 from __future__ import annotations
@@ -46,7 +46,25 @@ class PauseAsk:
     ``_Incident.paused``), but its boundary would race a resize's or a rollback's pause."""
 
 
-Ask = _Incident | ScaleAsk | ReloadAsk | ResumeAsk | PauseAsk
+@dataclass(frozen=True)
+class StopAsk:
+    """An operator's stop at a step boundary: no activity of its own; only a resize refuses
+    it (its ranks pause for the resize: the stop's boundary would never come)."""
+
+
+@dataclass(frozen=True)
+class ForceDownAsk:
+    """`surgectl down --force`: the job parked at once, its ranks killed with the stack; only
+    a resize refuses it (its layout is half changed until its ranks report ready)."""
+
+
+Ask = _Incident | ScaleAsk | ReloadAsk | ResumeAsk | PauseAsk | StopAsk | ForceDownAsk
+
+# What a refused ask is told to do once the resize in flight is done.
+_AFTER_RESIZE = {
+    StopAsk: "stop it once its events say the resize is done (seconds)",
+    ForceDownAsk: "`surgectl down --force` again once its events say the resize is done (seconds)",
+}
 
 
 START, FOLD, REFUSE, SUPERSEDE = "start", "fold", "refuse", "supersede"
@@ -62,16 +80,16 @@ class Admission:
     previous: Activity | None = None
 
 
-def _busy(job_id: str, current: Activity) -> str:
-    """The one-line refusal naming what is in flight (the texts the tests and the CLI know)."""
+def _busy(job_id: str, current: Activity, ask: Ask) -> str:
+    """The one-line refusal naming what is in flight and what to do (the texts the tests and
+    the CLI know)."""
     if isinstance(current, _Reload):
         return (
             f"job {job_id} is being rolled back in place to {current.version}; try again once its events say it is done"
         )
     if isinstance(current, _Scale):
-        return (
-            f"job {job_id} is being resized to dp {current.spec.parallel.dp} ({current.why}); "
-            "try again once its events say it is done"
+        return f"job {job_id} is being resized to dp {current.spec.parallel.dp} ({current.why}); " + _AFTER_RESIZE.get(
+            type(ask), "try again once its events say it is done"
         )
     if isinstance(current, _Incident):
         return f"job {job_id} is recovering from {current.fault_class}; try again after it"
@@ -96,7 +114,9 @@ def admit(job_id: str, current: Activity | None, ask: Ask) -> Admission:
     - The same resize or rollback asked again (a `surgectl scale` cut short and run again)
       is folded into the one in flight.
     - Anything else while one is in flight is refused, naming it; a pause is only refused by
-      a resize or a rollback (whose own pause it would race); a recovery keeps it.
+      a resize or a rollback (whose own pause it would race); a recovery keeps it. A stop
+      and a forced down are only refused by a resize (a rollback's pause becomes the stop's;
+      a recovery is ended by a stop, continued after a forced down's `up`).
     """
     if isinstance(ask, _Incident):
         return Admission(SUPERSEDE if current is not None else START, previous=current)
@@ -108,7 +128,9 @@ def admit(job_id: str, current: Activity | None, ask: Ask) -> Admission:
         return Admission(FOLD)
     if isinstance(ask, PauseAsk) and isinstance(current, _Incident | _Resume):
         return Admission(START)
-    return Admission(REFUSE, _busy(job_id, current))
+    if isinstance(ask, StopAsk | ForceDownAsk) and not isinstance(current, _Scale):
+        return Admission(START)
+    return Admission(REFUSE, _busy(job_id, current, ask))
 
 
 def begin(job: _Job, activity: Activity) -> Activity | None:
@@ -116,6 +138,13 @@ def begin(job: _Job, activity: Activity) -> Activity | None:
     supersedes, if any."""
     previous, job.activity = job.activity, activity
     return previous
+
+
+def moved(job: _Job, before: Activity, after: Activity) -> None:
+    """The activity in flight went from ``before`` to ``after`` (a machine's transition
+    returns a new state); nothing if ``before`` is no longer the job's (superseded)."""
+    if job.activity is before:
+        job.activity = after
 
 
 def end(job: _Job, activity: Activity | type | None = None) -> None:

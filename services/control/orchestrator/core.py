@@ -45,6 +45,7 @@ from services.control.job_queue import JobQueue
 from services.control.job_store import JobStore
 from services.control.metrics import ControlMetrics
 from services.control.orchestrator.activity import REFUSE, Admission, Ask, admit, end
+from services.control.orchestrator.effects import Effects
 from services.control.orchestrator.faults import FaultIntake
 from services.control.orchestrator.freeze import Freezing
 from services.control.orchestrator.job import (
@@ -80,6 +81,7 @@ _log = structlog.get_logger("orchestrator")
 
 
 class Orchestrator(
+    Effects,
     JobQueueing,
     OperatorCommands,
     OperatorResume,

@@ -10,7 +10,7 @@ import structlog
 
 from services.contract import control_pb2, engine_pb2
 from services.control import fault_decision as fd
-from services.control.orchestrator.activity import REFUSE, PauseAsk, ResumeAsk, admit, begin, end
+from services.control.orchestrator.activity import REFUSE, ForceDownAsk, PauseAsk, ResumeAsk, StopAsk, admit, begin, end
 from services.control.orchestrator.job import FROZEN, ORCH, JobOutcome, JobState, _Job, _numbered, _Resume, _where
 from services.control.orchestrator.layout import _layout_flags, _new_layout
 from services.control.orchestrator.refusals import IllegalTransition, NoStandingOrder
@@ -98,11 +98,9 @@ class OperatorCommands:
             return self._snapshot(job)
         if not [v for _, v in job.versions if v not in job.unusable]:
             return self._snapshot(job)
-        if job.scale is not None:
-            raise IllegalTransition(
-                f"job {job.status.job_id} is being resized to dp {job.scale.spec.parallel.dp} ({job.scale.why}); "
-                "`surgectl down --force` again once its events say the resize is done (seconds)"
-            )
+        admission = admit(job.status.job_id, job.activity, ForceDownAsk())
+        if admission.verdict == REFUSE:
+            raise IllegalTransition(admission.reason)
         lost = f"; its steps after {_newest(job)} are lost"
         job.pending, job.pending_at, job.pending_seq = "", 0, 0
         job.in_flight.clear()  # (its ranks are killed: nothing is sent again)
@@ -301,11 +299,9 @@ class OperatorCommands:
                 return self._snapshot(job)
             if job.pending == "stop":
                 return self._snapshot(job)
-            if job.scale is not None:  # (its ranks pause for it: a stop's boundary would never come)
-                raise IllegalTransition(
-                    f"job {job.status.job_id} is being resized to dp {job.scale.spec.parallel.dp} ({job.scale.why}); "
-                    "stop it once its events say the resize is done (seconds)"
-                )
+            admission = admit(job.status.job_id, job.activity, StopAsk())
+            if admission.verdict == REFUSE:
+                raise IllegalTransition(admission.reason)
             checkpoint = not msg.no_checkpoint
             cmd = self._in_flight(job, "stop", engine_pb2.StopTraining(checkpoint=checkpoint))
             job.boundary_failed = job.resume_after_pause = False

@@ -16,8 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from services.contract import Module
+from services.control.orchestrator.effects import Record, Status
 from services.control.orchestrator.job import (
     NO_CAPACITY,
+    ORCH,
     RESTORING,
     RETRY_FIRST_S,
     RETRY_MAX_S,
@@ -39,15 +42,6 @@ class Waits:
 
 
 @dataclass(frozen=True)
-class Say:
-    """The job's status says ``message``; ``event``: the job's event log too (the first of
-    a wait's messages; the later retries only in the status: no flood)."""
-
-    message: str
-    event: bool
-
-
-@dataclass(frozen=True)
 class Retry:
     """Command the step of ``phase`` again after ``delay`` seconds (a timer)."""
 
@@ -63,16 +57,8 @@ class GiveUp:
     why: str
 
 
-@dataclass(frozen=True)
-class WaitEnded:
-    """Journal that the wait ``waiting_for`` ended after ``waited`` seconds: what it waited
-    for came (the store answered, capacity came back)."""
-
-    waiting_for: str
-    waited: float
-
-
-Effect = Say | Retry | GiveUp | WaitEnded
+# (Record, Status: effects.py's; Retry, GiveUp: the incident's own, recovery_waits.py's ``_apply``)
+Effect = Record | Status | Retry | GiveUp
 
 
 def waits_of(incident: Any) -> Waits:
@@ -105,20 +91,26 @@ def blocked(
     retries = state.retries + 1
     delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (retries - 1), max(0.0, limit_s - waited))
     message = f"{what}; retry {retries} in {delay:.1f} s, the fault policy decides after {limit_s:.0f} s"
-    return replace(state, retries=retries), [Say(message, event=retries == 1), Retry(delay, phase)]
+    # (the status says it at every retry; the event log only at the first: no flood)
+    said = Record(ORCH, "recovery", message, status_message=message) if retries == 1 else Status(message)
+    return replace(state, retries=retries), [said, Retry(delay, phase)]
 
 
 def answered(state: Waits, now: float) -> tuple[Waits, list[Effect]]:
     """The store's verdicts came: a wait for the store ends (said); the recovery goes on."""
     if state.waiting_for != WAITING_STORE:
         return state, []
-    return replace(state, waiting_for=""), [WaitEnded(WAITING_STORE, now - state.waiting_since)]
+    waited = now - state.waiting_since
+    said = f"the store answered after {waited:.1f} s of waiting; the recovery goes on"
+    return replace(state, waiting_for=""), [Record(Module.L5_CHECKPOINT_MANAGER, "recovery", said)]
 
 
 def placed(state: Waits, now: float) -> tuple[Waits, list[Effect]]:
     """The ranks were placed and relaunched: the recovery waits for them to report ready;
     a wait for capacity ends (said)."""
-    ended = [WaitEnded(WAITING_CAPACITY, now - state.waiting_since)] if state.waiting_for == WAITING_CAPACITY else []
+    waited = now - state.waiting_since
+    said = Record(Module.L1_RESOURCE_ALLOCATOR, "recovery", f"capacity came back after {waited:.1f} s of waiting")
+    ended = [said] if state.waiting_for == WAITING_CAPACITY else []
     return replace(state, phase=RESTORING, retries=0, waiting_for=""), ended
 
 

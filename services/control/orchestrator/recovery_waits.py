@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from services.contract import Module
 from services.control import fault_decision as fd
 from services.control.orchestrator import recovery_machine as rm
 from services.control.orchestrator.job import ORCH, WAITING_STORE, _Incident, _Job
@@ -38,8 +37,9 @@ class RecoveryWaits:
         self._apply(job, incident, *rm.blocked(state, phase, fault_class, limit_s, what, time.monotonic()))
 
     def _apply(self, job: _Job, incident: _Incident, state: rm.Waits, effects: list[rm.Effect]) -> None:
-        """Under the lock: the one place a transition of the recovery's waits takes effect:
-        ``state`` becomes the incident's, then each effect is performed in order."""
+        """Under the lock: a transition of the recovery's waits takes effect: ``state``
+        becomes the incident's, then each effect is performed in order (the incident's
+        timer and the policy's decision here, the rest by ``_apply_effects``)."""
         incident.phase, incident.waiting_for = state.phase, state.waiting_for
         incident.waiting_since, incident.asked_since, incident.retries = (
             state.waiting_since,
@@ -47,25 +47,12 @@ class RecoveryWaits:
             state.retries,
         )
         for effect in effects:
-            if isinstance(effect, rm.Say) and effect.event:
-                self._record(job, ORCH, "recovery", effect.message, status_message=effect.message)
-            elif isinstance(effect, rm.Say):  # (the status says it at every retry: no flood of events)
-                job.status.message, job.status.updated_unix = effect.message, time.time()
-                self._keep(job)
-            elif isinstance(effect, rm.Retry):
+            if isinstance(effect, rm.Retry):
                 self._arm(incident, effect.delay, self._retry, job.status.job_id, effect.phase)
             elif isinstance(effect, rm.GiveUp):
                 self._give_up(job, incident, effect.fault_class, effect.why)
-            elif effect.waiting_for == WAITING_STORE:
-                self._record(
-                    job, Module.L5_CHECKPOINT_MANAGER, "recovery",
-                    f"the store answered after {effect.waited:.1f} s of waiting; the recovery goes on",
-                )  # fmt: skip
-            else:
-                self._record(
-                    job, Module.L1_RESOURCE_ALLOCATOR, "recovery",
-                    f"capacity came back after {effect.waited:.1f} s of waiting",
-                )  # fmt: skip
+            else:  # (a record or a status: effects.py's)
+                self._apply_effects(job, [effect])
 
     def _give_up(self, job: _Job, incident: _Incident, fault_class: str, why: str) -> None:
         """A recovery step waited as long as the policy allows: its class decides. ``stop``

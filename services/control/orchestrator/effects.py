@@ -1,0 +1,86 @@
+"""What the orchestrator's small machines return (issue 28 item 2), and the one function that
+performs it (``Effects._apply_effects``).
+
+A machine (resize_machine.py, recovery_machine.py) is a set of pure transitions
+(state, event) -> (new state, [effects]): it reads no clock, sends nothing and journals
+nothing. The effects say what is to be done, in order: a journal record, a command to the
+job's ranks or to L1-3, the group started, the job's layout taken. Applying them in the
+order given keeps the rule the restart relies on: a command a record announces comes after
+that record (``_send_again`` sends again what was journaled in flight).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from services.contract import control_pb2
+from services.control.orchestrator.job import _Job
+from services.jobspec import JobSpec
+
+
+@dataclass(frozen=True)
+class Record:
+    """One event in the job's log (``_record``), journaled with the job's bookkeeping."""
+
+    source: int
+    kind: str
+    message: str
+    status_message: str | None = None
+
+
+@dataclass(frozen=True)
+class Status:
+    """The job's status says ``message``, with no event (a wait's later retries: no flood)."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class ToRanks:
+    """A command to the job's ranks (L2-1, through their node agents)."""
+
+    cmd: Any
+
+
+@dataclass(frozen=True)
+class ResetFaults:
+    """L1-3 forgets the job's fault ledger (a new group runs)."""
+
+
+@dataclass(frozen=True)
+class StartGroup:
+    """StartTraining to the job's ranks, with its last boundary command number."""
+
+
+@dataclass(frozen=True)
+class TakeLayout:
+    """``spec`` (a new data-parallel layout) is the job's; no rank of the new group is ready yet."""
+
+    spec: JobSpec
+
+
+Effect = Record | Status | ToRanks | ResetFaults | StartGroup | TakeLayout
+
+
+class Effects:
+    """Performing a machine's effects (a part of ``Orchestrator``, see core.py)."""
+
+    def _apply_effects(self, job: _Job, effects: list[Effect]) -> None:
+        """Under the lock: perform ``effects`` in order (the one place they take effect)."""
+        for effect in effects:
+            if isinstance(effect, Record):
+                self._record(job, effect.source, effect.kind, effect.message, status_message=effect.status_message)
+            elif isinstance(effect, Status):
+                job.status.message, job.status.updated_unix = effect.message, time.time()
+                self._keep(job)
+            elif isinstance(effect, ToRanks):
+                self._loop(effect.cmd)
+            elif isinstance(effect, ResetFaults):
+                self._faults(control_pb2.ResetFaultLedger(job_id=job.status.job_id))
+            elif isinstance(effect, StartGroup):
+                self._start_group(job)
+            else:
+                job.started = set()
+                self._take_layout(job, effect.spec)
