@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from services.contract import Module, engine_pb2
 from services.control.orchestrator import resize_machine as rzm
-from services.control.orchestrator.effects import Record, ResetFaults, StartGroup, TakeLayout, ToRanks
+from services.control.orchestrator.effects import NoneReady, Record, ResetFaults, StartGroup, TakeLayout, ToRanks
 from services.control.orchestrator.job import ORCH, _Scale
 from services.jobspec import at_data_parallel_size, parse_job_spec
 
@@ -59,7 +59,7 @@ def test_a_commanded_rebuild_takes_the_layout_then_resumes_into_it() -> None:
     s = scale(phase=rzm.REBUILDING)
     state, effects = rzm.rebuild_commanded(s, "j")
     assert state is s
-    assert effects == [TakeLayout(TO_DP4), ToRanks(engine_pb2.ResumeTraining(job_id="j", rebuild=True))]
+    assert effects == [NoneReady(), TakeLayout(TO_DP4), ToRanks(engine_pb2.ResumeTraining(job_id="j", rebuild=True))]
 
 
 def test_all_ready_starts_the_group_and_names_the_healed_ranks() -> None:

@@ -55,13 +55,26 @@ class StartGroup:
 
 
 @dataclass(frozen=True)
+class NoneReady:
+    """The job's ranks are to report ready again (a rebuilt group, a version loaded in place)."""
+
+
+@dataclass(frozen=True)
 class TakeLayout:
-    """``spec`` (a new data-parallel layout) is the job's; no rank of the new group is ready yet."""
+    """``spec`` (a new data-parallel layout) is the job's, its ranks above the new size released."""
 
     spec: JobSpec
 
 
-Effect = Record | Status | ToRanks | ResetFaults | StartGroup | TakeLayout
+@dataclass(frozen=True)
+class Abandon:
+    """``versions`` are another branch of the job's history from now on: never chosen by a
+    recovery or a plain resume (only by name)."""
+
+    versions: tuple[str, ...]
+
+
+Effect = Record | Status | ToRanks | ResetFaults | StartGroup | NoneReady | TakeLayout | Abandon
 
 
 class Effects:
@@ -81,6 +94,9 @@ class Effects:
                 self._faults(control_pb2.ResetFaultLedger(job_id=job.status.job_id))
             elif isinstance(effect, StartGroup):
                 self._start_group(job)
-            else:
+            elif isinstance(effect, NoneReady):
                 job.started = set()
+            elif isinstance(effect, TakeLayout):
                 self._take_layout(job, effect.spec)
+            else:
+                job.abandoned.update(effect.versions)

@@ -15,7 +15,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 from services.contract import Module, control_pb2, engine_pb2
-from services.control.orchestrator.effects import Effect, Record, ResetFaults, StartGroup, TakeLayout, ToRanks
+from services.control.orchestrator.effects import (
+    Effect,
+    NoneReady,
+    Record,
+    ResetFaults,
+    StartGroup,
+    TakeLayout,
+    ToRanks,
+)
 from services.control.orchestrator.job import ORCH, _Scale
 from services.control.orchestrator.layout import _layout_change, _layout_msg
 from services.control.orchestrator.texts import _kept_text
@@ -61,7 +69,8 @@ def rebuild_refused(scale: _Scale, job_id: str, reason: str, step: int) -> tuple
 def rebuild_commanded(scale: _Scale, job_id: str) -> tuple[_Scale, list[Effect]]:
     """L1-4 placed it: the layout is the job's, the paused ranks leave their pause into the
     rebuild (the relaunch's record is the caller's: it names the reply's workers)."""
-    return scale, [TakeLayout(scale.spec), ToRanks(engine_pb2.ResumeTraining(job_id=job_id, rebuild=True))]
+    resume = ToRanks(engine_pb2.ResumeTraining(job_id=job_id, rebuild=True))
+    return scale, [NoneReady(), TakeLayout(scale.spec), resume]
 
 
 def all_ready(scale: _Scale, start_step: int, now: float) -> tuple[None, list[Effect]]:
