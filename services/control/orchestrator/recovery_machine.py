@@ -13,11 +13,11 @@ test_recovery_machine.py) gives every transition without a bus, a timer or a loc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from services.contract import Module
-from services.control.orchestrator.effects import Record, Status
+from services.control.orchestrator.effects import Record, Status, changed
 from services.control.orchestrator.job import (
     NO_CAPACITY,
     ORCH,
@@ -69,7 +69,7 @@ def waits_of(incident: Any) -> Waits:
 def asked(state: Waits, now: float) -> Waits:
     """The recovery asks the store to verify the versions: a new step, no wait yet; the
     store's wait counts from now."""
-    return replace(state, phase=VERIFYING, retries=0, waiting_for="", asked_since=now)
+    return changed(state, phase=VERIFYING, retries=0, waiting_for="", asked_since=now)
 
 
 def blocked(
@@ -79,12 +79,12 @@ def blocked(
     in it one more retry (backoff doubling from RETRY_FIRST_S, capped at RETRY_MAX_S and at
     what is left of ``limit_s``); past ``limit_s`` of waiting, give up to the policy's
     ``fault_class``."""
-    state = replace(state, phase=phase)
+    state = changed(state, phase=phase)
     if state.waiting_for != phase:
         # The store's wait counts from the first question (its first timeout took a deadline
         # already: the fresh-user trial saw an 8 s budget give up after 22 s).
         since = state.asked_since if phase == WAITING_STORE and state.asked_since else now
-        state = replace(state, waiting_for=phase, waiting_since=since, retries=0)
+        state = changed(state, waiting_for=phase, waiting_since=since, retries=0)
     waited = now - state.waiting_since
     if waited >= limit_s:
         return state, [GiveUp(fault_class, f"{what}: gave up after {waited:.0f} s")]
@@ -93,7 +93,7 @@ def blocked(
     message = f"{what}; retry {retries} in {delay:.1f} s, the fault policy decides after {limit_s:.0f} s"
     # (the status says it at every retry; the event log only at the first: no flood)
     said = Record(ORCH, "recovery", message, status_message=message) if retries == 1 else Status(message)
-    return replace(state, retries=retries), [said, Retry(delay, phase)]
+    return changed(state, retries=retries), [said, Retry(delay, phase)]
 
 
 def answered(state: Waits, now: float) -> tuple[Waits, list[Effect]]:
@@ -102,7 +102,7 @@ def answered(state: Waits, now: float) -> tuple[Waits, list[Effect]]:
         return state, []
     waited = now - state.waiting_since
     said = f"the store answered after {waited:.1f} s of waiting; the recovery goes on"
-    return replace(state, waiting_for=""), [Record(Module.L5_CHECKPOINT_MANAGER, "recovery", said)]
+    return changed(state, waiting_for=""), [Record(Module.L5_CHECKPOINT_MANAGER, "recovery", said)]
 
 
 def placed(state: Waits, now: float) -> tuple[Waits, list[Effect]]:
@@ -111,11 +111,11 @@ def placed(state: Waits, now: float) -> tuple[Waits, list[Effect]]:
     waited = now - state.waiting_since
     said = Record(Module.L1_RESOURCE_ALLOCATOR, "recovery", f"capacity came back after {waited:.1f} s of waiting")
     ended = [said] if state.waiting_for == WAITING_CAPACITY else []
-    return replace(state, phase=RESTORING, retries=0, waiting_for=""), ended
+    return changed(state, phase=RESTORING, retries=0, waiting_for=""), ended
 
 
 def gave_up(state: Waits, fault_class: str) -> Waits:
     """The policy decided to go on after a wait of ``fault_class``: waiting for capacity
     starts a new period (nothing else can place the ranks); waiting for the store does not
     (the recovery goes on without its verdicts)."""
-    return replace(state, waiting_for="") if fault_class == NO_CAPACITY else state
+    return changed(state, waiting_for="") if fault_class == NO_CAPACITY else state

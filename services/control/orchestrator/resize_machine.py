@@ -12,8 +12,6 @@ test (tests/control/test_resize_machine.py) runs it without a bus.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from services.contract import Module, control_pb2, engine_pb2
 from services.control.orchestrator.effects import (
     Effect,
@@ -23,6 +21,7 @@ from services.control.orchestrator.effects import (
     StartGroup,
     TakeLayout,
     ToRanks,
+    changed,
 )
 from services.control.orchestrator.job import ORCH, _Scale
 from services.control.orchestrator.layout import _layout_change, _layout_msg
@@ -39,7 +38,7 @@ def started(scale: _Scale, old: JobSpec, pause: engine_pb2.PauseTraining, where:
         f"{scale.why}: {_layout_change(old, scale.spec)}; ranks pause {where}, then rebuild their group at the new "
         "size (the ranks that stay keep their processes, new ranks heal from a live peer)"
     )
-    return replace(scale, phase=PAUSING), [Record(ORCH, "decision", text), ToRanks(pause)]
+    return changed(scale, phase=PAUSING), [Record(ORCH, "decision", text), ToRanks(pause)]
 
 
 def all_paused(scale: _Scale, job_id: str) -> tuple[_Scale, control_pb2.StartRecovery]:
@@ -51,7 +50,7 @@ def all_paused(scale: _Scale, job_id: str) -> tuple[_Scale, control_pb2.StartRec
         in_place=True,
         layout=_layout_msg(scale.spec),
     )
-    return replace(scale, phase=REBUILDING), ask
+    return changed(scale, phase=REBUILDING), ask
 
 
 def rebuild_refused(scale: _Scale, job_id: str, reason: str, step: int) -> tuple[None, list[Effect]]:

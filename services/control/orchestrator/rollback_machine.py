@@ -11,10 +11,17 @@ No clock is read and no port is called (tests/control/test_rollback_machine.py).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from services.contract import Module, engine_pb2
-from services.control.orchestrator.effects import Abandon, Effect, NoneReady, Record, ResetFaults, StartGroup, ToRanks
+from services.control.orchestrator.effects import (
+    Abandon,
+    Effect,
+    NoneReady,
+    Record,
+    ResetFaults,
+    StartGroup,
+    ToRanks,
+    changed,
+)
 from services.control.orchestrator.job import ORCH, _Reload
 
 PAUSING, LOADING = "pausing", "loading"
@@ -27,7 +34,7 @@ def started(reload: _Reload, pause: engine_pb2.PauseTraining, where: str) -> tup
         f"rollback in place to checkpoint {reload.version} (step {reload.step}) by the operator: ranks pause "
         f"{where} (no checkpoint), then load it into their live processes and train on from its step"
     )
-    return replace(reload, phase=PAUSING), [Record(ORCH, "decision", text), ToRanks(pause)]
+    return changed(reload, phase=PAUSING), [Record(ORCH, "decision", text), ToRanks(pause)]
 
 
 def all_paused(reload: _Reload, job_id: str, step: int) -> tuple[_Reload, list[Effect]]:
@@ -38,7 +45,7 @@ def all_paused(reload: _Reload, job_id: str, step: int) -> tuple[_Reload, list[E
         "into their live processes"
     )
     load = ToRanks(engine_pb2.ResumeTraining(job_id=job_id, reload_version=reload.version))
-    return replace(reload, phase=LOADING), [NoneReady(), Record(ORCH, "recovery", text), load]
+    return changed(reload, phase=LOADING), [NoneReady(), Record(ORCH, "recovery", text), load]
 
 
 def all_ready(
