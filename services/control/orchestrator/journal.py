@@ -70,6 +70,11 @@ class JournalRestore:
             state = job.status.state
             if state != JobState.FAULT_FROZEN:
                 end(job, _Incident)  # (journaled only while frozen)
+            if state == JobState.TERMINATED:
+                # (an older control left a resize in the journal of a job a fault ended
+                # during it: nothing is in flight for an ended job, and a resume must not
+                # be refused for it)
+                end(job)
             if state == JobState.STANDBY and stored.runtime.get("queued"):  # waits in the queue, in its place
                 job.queued = self._queue.restore(job.status.job_id, stored.runtime["queued"])
                 continue

@@ -440,7 +440,7 @@ class Recovery:
         resumes it, which relaunches it from its newest checkpoint (with the budgets anew)."""
         self._cancel_timer(job.incident)
         self._end_data_wait(job)
-        end(job, _Incident)
+        end(job)  # (its ranks are killed: a recovery, a resize or a rollback in flight ends here)
         job.recovered = None
         job.pending = ""
         job.parked, job.parked_live, job.resume_after_pause = True, False, False
