@@ -1124,3 +1124,28 @@ def test_a_changed_dataset_shard_pauses_the_job_even_while_its_ranks_start_and_a
     )
     plane.rank_event(w["wb"], job_id, 1, started=engine_pb2.TrainingLoopStarted(rank=1))
     assert plane.get(job_id).state == JobState.PAUSED
+
+
+def test_a_policy_pause_during_a_resize_ends_the_resize_and_a_resume_relaunches_the_job(plane, store):
+    """Out of memory again while the ranks pause for a resize: the policy pauses the job (its
+    ranks killed), and the resize ends with them; the operator's resume relaunches the job
+    (was: the resize stayed the job's activity and refused the resume, "being resized")."""
+    job_id, w = running(plane, "wa", "wb", dp=2, extra="")
+    store.verdicts = [(saved(plane, w["wa"], job_id, 1, step=4), 4, True)]
+    oom = {"cause": control_pb2.EXIT_OOM_KILLED, "oom_counter_read": True}
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9, **oom)
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=-9, released=True)
+    restarted(plane, job_id, {0: w["wa"], 1: w["wb"]}, start_step=4)
+    assert plane.get(job_id).state == JobState.RUNNING
+    for session in w.values():
+        drain(session)
+    plane.user(control_pb2.ScaleJobRequest(job_id=job_id, dp=1))
+    assert [c for c in drain(w["wa"]) if c.WhichOneof("command") == "routed" and "PauseTraining" in c.routed.type]
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9, **oom)  # again, with the same configuration
+    s = plane.get(job_id)
+    assert (s.state, s.dp) == (JobState.PAUSED, 2)
+    assert decisions(plane, job_id)[-1].startswith("pause after rank_oom of rank 1 on wb")
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=-9, released=True)
+    s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+    assert s.state == JobState.WARMING_UP, s.message
+    assert decisions(plane, job_id)[-1].startswith(f"resume PAUSED from checkpoint {job_id}:1 (step 4)")

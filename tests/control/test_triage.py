@@ -62,7 +62,7 @@ def recovered(action: str = "restart_ranks", **kw) -> _Job:
 
 def relaunched_again() -> _Job:
     """A job whose restored recovery's relaunch was commanded again at unix time 100."""
-    return job(incident=incident(repeated_unix=100.0))
+    return job(activity=incident(repeated_unix=100.0))
 
 
 # (name, job, report, the kind triage gives)
@@ -74,16 +74,16 @@ CASES = [
     ("the clean exit of a finished rank", job(finished={0: False}), report("rank_exit_clean", 0), NORMAL_END),
     ("the clean exit of a rank that never finished", job(finished={1: False}), report("rank_exit_clean", 0), NEW_INCIDENT),
     # A recovery in flight: the failed generation's ranks it kills are its consequences.
-    ("a dying rank's exit", job(incident=incident(dying={2: 1})), report("rank_exit", 2), CONSEQUENCE),
-    ("a dying rank's release", job(incident=incident(dying={2: 1})), report("rank_released", 2), CONSEQUENCE),
-    ("a dying rank's broken collective", job(incident=incident(dying={0: 1})), report("comm_error", 0), CONSEQUENCE),
-    ("a rank not dying fails during a recovery", job(incident=incident(dying={2: 1})), report("rank_exit", 3), NEW_INCIDENT),
-    ("a restart's survivor is no survivor", job(incident=incident(dying={})), report("comm_error", 0), NEW_INCIDENT),
+    ("a dying rank's exit", job(activity=incident(dying={2: 1})), report("rank_exit", 2), CONSEQUENCE),
+    ("a dying rank's release", job(activity=incident(dying={2: 1})), report("rank_released", 2), CONSEQUENCE),
+    ("a dying rank's broken collective", job(activity=incident(dying={0: 1})), report("comm_error", 0), CONSEQUENCE),
+    ("a rank not dying fails during a recovery", job(activity=incident(dying={2: 1})), report("rank_exit", 3), NEW_INCIDENT),
+    ("a restart's survivor is no survivor", job(activity=incident(dying={})), report("comm_error", 0), NEW_INCIDENT),
     # A rebuild in place: the survivors' collectives break under them.
-    ("a rebuild's survivor's comm_error", job(incident=incident("rebuild", lost=[1])), report("comm_error", 0), CONSEQUENCE),
-    ("a rebuild's survivor's stall", job(incident=incident("shrink", lost=[1])), report("rank_stalled_in_collective", 3), CONSEQUENCE),
-    ("the rebuilt rank's own comm_error", job(incident=incident("rebuild", lost=[1])), report("comm_error", 1), NEW_INCIDENT),
-    ("a survivor that dies", job(incident=incident("rebuild", lost=[1])), report("rank_exit", 0), NEW_INCIDENT),
+    ("a rebuild's survivor's comm_error", job(activity=incident("rebuild", lost=[1])), report("comm_error", 0), CONSEQUENCE),
+    ("a rebuild's survivor's stall", job(activity=incident("shrink", lost=[1])), report("rank_stalled_in_collective", 3), CONSEQUENCE),
+    ("the rebuilt rank's own comm_error", job(activity=incident("rebuild", lost=[1])), report("comm_error", 1), NEW_INCIDENT),
+    ("a survivor that dies", job(activity=incident("rebuild", lost=[1])), report("rank_exit", 0), NEW_INCIDENT),
     # After the recovery: a symptom that happened before it recovered is late, not new.
     ("a comm_error from before the recovery", recovered(), report("comm_error", 0, occurred=90.0), LATE),
     ("a comm_error after the recovery", recovered(), report("comm_error", 0, occurred=110.0), NEW_INCIDENT),
@@ -92,9 +92,9 @@ CASES = [
     ("the rebuilt rank's comm_error after", recovered("rebuild", lost=[1]), report("comm_error", 1, occurred=90.0), NEW_INCIDENT),
     ("a rebuild's survivor, late", recovered("rebuild", lost=[1]), report("comm_error", 0, occurred=90.0), LATE),
     # A recovery restored from the journal after a control restart.
-    ("resumed: a killed rank's exit", job(incident=incident(dying={1: 1}, resumed=True)), report("rank_exit", 1), CONSEQUENCE),
-    ("resumed: a relaunched rank is silent", job(incident=incident(resumed=True)), report("rank_silent", 1), RESUMED),
-    ("resumed: a release of a rank not dying", job(incident=incident(resumed=True)), report("rank_released", 3), RESUMED),
+    ("resumed: a killed rank's exit", job(activity=incident(dying={1: 1}, resumed=True)), report("rank_exit", 1), CONSEQUENCE),
+    ("resumed: a relaunched rank is silent", job(activity=incident(resumed=True)), report("rank_silent", 1), RESUMED),
+    ("resumed: a release of a rank not dying", job(activity=incident(resumed=True)), report("rank_released", 3), RESUMED),
     ("relaunched again: a report graded before", relaunched_again(), report("rank_silent", 1, detected=90.0), CONSEQUENCE),
     ("relaunched again: a report graded after", relaunched_again(), report("rank_silent", 1, detected=110.0), NEW_INCIDENT),
 ]  # fmt: skip

@@ -102,6 +102,7 @@ order; the operator's queries never take it):
 - training.py: the rank events (started, step, eval, save, paused, finished, failed, step fault);
 - faults.py: fault intake (FaultReport, failed saves, worker health, resource pressure);
 - recovery.py: the decision on a new incident and the recovery sequence;
+- recovery_waits.py: a recovery step's waits, retries and timers (the waits' machine applied);
 - freeze.py: a decided relaunch held while the ranks stay alive for inspection
   (``fault_policy.freeze_seconds``, FreezeTraining; issue 29 item 9);
 - rollback.py: `surgectl rollback`, the live ranks loading a version in place;
@@ -109,9 +110,14 @@ order; the operator's queries never take it):
 - journal.py: restore after a control restart.
 
 and plain records and functions: job.py (``_Job``, ``_Incident``, ``_Scale``, the legal
-transitions, the journal form), triage.py (what a fault report is to its job: a pure
-function), request_ids.py (a submit retried by request id gets its first job), refusals.py,
-layout.py, texts.py. Every decision on a fault reads the policy through
+transitions, the journal form), activity.py (a job's one activity in flight: a recovery,
+a resize, a rollback in place or an operator resume, and ``admit``, the one rule for what a
+second one gets: started, folded in, refused or superseding it), triage.py (what a fault
+report is to its job: a pure function), the machines: recovery_machine.py (a recovery's
+waits), resize_machine.py, rollback_machine.py, each pure transitions (state, event) ->
+(new state, [effects]) whose effects (effects.py: records, commands, the group started)
+one function performs (``_apply_effects``), request_ids.py (a submit retried by request id
+gets its first job), refusals.py, layout.py, texts.py. Every decision on a fault reads the policy through
 services/control/fault_decision.py.
 """
 

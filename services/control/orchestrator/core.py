@@ -44,7 +44,9 @@ from services.control.cluster_metrics import watch_jobs
 from services.control.job_queue import JobQueue
 from services.control.job_store import JobStore
 from services.control.metrics import ControlMetrics
+from services.control.orchestrator.activity import REFUSE, Admission, Ask, admit, end
 from services.control.orchestrator.annotations import Annotating
+from services.control.orchestrator.effects import Effects
 from services.control.orchestrator.faults import FaultIntake
 from services.control.orchestrator.freeze import Freezing
 from services.control.orchestrator.job import (
@@ -64,6 +66,7 @@ from services.control.orchestrator.journal import JournalRestore
 from services.control.orchestrator.operator import OperatorCommands
 from services.control.orchestrator.queue import JobQueueing
 from services.control.orchestrator.recovery import Recovery
+from services.control.orchestrator.recovery_waits import RecoveryWaits
 from services.control.orchestrator.refusals import IllegalTransition, JobNotFound
 from services.control.orchestrator.resize import Resizing
 from services.control.orchestrator.resume import OperatorResume, _Answer
@@ -79,6 +82,7 @@ _log = structlog.get_logger("orchestrator")
 
 
 class Orchestrator(
+    Effects,
     JobQueueing,
     OperatorCommands,
     OperatorResume,
@@ -86,6 +90,7 @@ class Orchestrator(
     RankEvents,
     FaultIntake,
     Recovery,
+    RecoveryWaits,
     Freezing,
     RollingBack,
     Annotating,
@@ -284,28 +289,25 @@ class Orchestrator(
                     job, Module.L2_TRAINING_LOOP, "rank", f"standing order {order} revoked after step {msg.step}"
                 )
 
-    def _require_idle(self, job: _Job) -> None:
+    def _require_idle(self, job: _Job, ask: Ask) -> Admission:
+        """Refuse ``ask`` while a pause or stop is in flight, or where ``activity.admit``
+        refuses it beside the job's activity in flight; else its admission (START or FOLD)."""
         if job.pending in ("pause", "stop"):
             doing = {"pause": "pausing", "stop": "stopping"}[job.pending]
             reason = {"pause": control_pb2.REFUSED_PAUSE_PENDING, "stop": control_pb2.REFUSED_STOP_PENDING}[job.pending]
             raise IllegalTransition(f"job {job.status.job_id} is already {doing} ({_where(job)})", reason)
-        if job.reload is not None:
-            raise IllegalTransition(
-                f"job {job.status.job_id} is being rolled back in place to {job.reload.version}; "
-                "try again once its events say it is done"
-            )
-        if job.scale is not None:
-            raise IllegalTransition(
-                f"job {job.status.job_id} is being resized to dp {job.scale.spec.parallel.dp} ({job.scale.why}); "
-                "try again once its events say it is done"
-            )
+        admission = admit(job.status.job_id, job.activity, ask)
+        if admission.verdict == REFUSE:
+            raise IllegalTransition(admission.reason)
+        return admission
 
     def _terminate(self, job: _Job, outcome: int, message: str, *, kill: bool) -> None:
         self._cancel_timer(job.incident)
         self._end_data_wait(job)
         job.status.outcome = outcome
         job.pending = ""
-        job.incident = job.recovered = job.reload = None
+        end(job)  # (whatever was in flight ends with the job)
+        job.recovered = None
         # An ended job is nobody's to resume by itself: a drain or a resume in flight ends with it.
         job.draining = job.parked = job.parked_live = job.resume_after_pause = job.status.drained = False
         # Journal the terminal state first: a failing release must never lose it.

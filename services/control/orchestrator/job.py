@@ -1,5 +1,7 @@
-"""A job's record (``_Job``), its recovery (``_Incident``) and resize (``_Scale``) records, the
-state machine's legal transitions, and the job's journal form (``_runtime`` / ``_load_runtime``)."""
+"""A job's record (``_Job``), the records of its one activity in flight (``_Incident``: a
+recovery, ``_Scale``: a resize, ``_Reload``: a rollback in place, ``_Resume``: an operator
+resume; admitted by activity.py), the state machine's legal transitions, and the job's
+journal form (``_runtime`` / ``_load_runtime``)."""
 
 from __future__ import annotations
 
@@ -190,6 +192,14 @@ class _Reload:
 
 
 @dataclass
+class _Resume:
+    """An operator resume asking the store for the job's versions (outside the lock; not
+    journaled: nothing has changed until its answer is applied)."""
+
+    since: float = 0.0  # time.monotonic() it was asked
+
+
+@dataclass
 class _Job:
     status: control_pb2.JobStatus
     spec: JobSpec
@@ -215,7 +225,10 @@ class _Job:
     running_since: float = 0.0  # unix time RUNNING was first entered
     last_persist: float = 0.0
     exited: set[int] = field(default_factory=set)  # ranks of this generation seen ended
-    incident: _Incident | None = None  # the recovery in progress
+    # The one activity in flight (issue 28 item 1): a recovery, a resize, a rollback in place
+    # or an operator resume asking the store; what a second one gets is ``activity.admit``'s
+    # to say. Journaled as its kind (``_runtime``), except a resume (it asks, nothing changed).
+    activity: _Incident | _Scale | _Reload | _Resume | None = None
     recovered: _Incident | None = None  # recovered, awaiting its first step
     # The last incident once recovered: a symptom of it that reaches control late (the fault
     # detector holds a comm_error to attribute it; a rank of the relaunched generation reported
@@ -243,10 +256,9 @@ class _Job:
     # Operator actions (issue 12 part 7). ``draining``: the pause in flight is a drain
     # (`surgectl down`); ``parked``: PAUSED and its ranks are gone (drained, or stopped with
     # the stack): not waited for after a control restart, and a resume relaunches them from
-    # a checkpoint; ``resuming``: an operator resume is asking the store (not journaled).
+    # a checkpoint (an operator resume asking the store is the job's activity, ``_Resume``).
     draining: bool = False
     parked: bool = False
-    resuming: bool = False
     # Parked by a drain in this control's lifetime: its paused ranks still run until the stack
     # stops (a `surgectl down` interrupted before it did); a resume then continues them in
     # place. Not journaled: a restarted control's parked jobs have no ranks.
@@ -269,8 +281,6 @@ class _Job:
     # on); a relaunched generation gets the policy's orders again.
     revoked: dict[int, tuple[int, int]] = field(default_factory=dict)
     queued: QueueEntry | None = None  # its place while it waits in the queue (journaled)
-    scale: _Scale | None = None  # a resize in flight (journaled)
-    reload: _Reload | None = None  # a rollback in place in flight (journaled)
     # The layout (dp, micro_batch_size, grad_accum) a job shrunk by a fault grows back to as
     # slots return (empty: none; journaled). An operator's scale sets the size: it is forgotten.
     grow_to: tuple[int, ...] = ()
@@ -284,6 +294,28 @@ class _Job:
     data_waiting: set[int] = field(default_factory=set)
     data_since: float = 0.0
     data_timer: Deadline | None = None
+
+    # The activity in flight by kind (None when it is another kind or none): read-only, the
+    # slot is set and cleared through ``activity.begin`` / ``activity.end``.
+    @property
+    def incident(self) -> _Incident | None:
+        """The recovery in progress."""
+        return self.activity if isinstance(self.activity, _Incident) else None
+
+    @property
+    def scale(self) -> _Scale | None:
+        """The resize in flight."""
+        return self.activity if isinstance(self.activity, _Scale) else None
+
+    @property
+    def reload(self) -> _Reload | None:
+        """The rollback in place in flight."""
+        return self.activity if isinstance(self.activity, _Reload) else None
+
+    @property
+    def resuming(self) -> bool:
+        """An operator resume is asking the store."""
+        return isinstance(self.activity, _Resume)
 
     @property
     def micro_batch_cap(self) -> int:
@@ -428,16 +460,18 @@ def _load_runtime(job: _Job, rt: dict) -> None:
         int(order): tuple(int(v) for v in r) if isinstance(r, list) else (0, int(r))
         for order, r in rt.get("revoked", {}).items()
     }
+    # (one activity is journaled at a time; a journal of an older control holding two keeps
+    # the recovery, which gave the others up)
     if rt.get("incident"):
-        job.incident = _incident_from_json(rt["incident"])
+        job.activity = _incident_from_json(rt["incident"])
     job.grow_to = tuple(int(n) for n in rt.get("grow_to", ()))
     job.micro_batch_cap_seen = int(rt.get("micro_batch_cap", 0))
-    if rt.get("reload"):
+    if rt.get("reload") and job.activity is None:
         version, step, phase = rt["reload"]
-        job.reload = _Reload(str(version), int(step), phase=str(phase), since=time.monotonic())
-    if rt.get("scale"):
+        job.activity = _Reload(str(version), int(step), phase=str(phase), since=time.monotonic())
+    if rt.get("scale") and job.activity is None:
         d = rt["scale"]
-        job.scale = _Scale(
+        job.activity = _Scale(
             spec_from_json(d["spec"]), d["why"], phase=d["phase"], old_dp=int(d["old_dp"]), since=time.monotonic()
         )
 

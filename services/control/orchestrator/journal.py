@@ -6,12 +6,14 @@ from __future__ import annotations
 from services.contract import control_pb2, engine_pb2
 from services.control import fault_decision as fd
 from services.control.monitoring import start_monitoring
+from services.control.orchestrator.activity import end
 from services.control.orchestrator.job import (
     ORCH,
     REATTACH_MESSAGE,
     RESTART_MESSAGE,
     RESUME_MESSAGE,
     JobState,
+    _Incident,
     _Job,
     _load_runtime,
 )
@@ -67,7 +69,12 @@ class JournalRestore:
             self._jobs[stored.status.job_id] = job
             state = job.status.state
             if state != JobState.FAULT_FROZEN:
-                job.incident = None  # (journaled only while frozen)
+                end(job, _Incident)  # (journaled only while frozen)
+            if state == JobState.TERMINATED:
+                # (an older control left a resize in the journal of a job a fault ended
+                # during it: nothing is in flight for an ended job, and a resume must not
+                # be refused for it)
+                end(job)
             if state == JobState.STANDBY and stored.runtime.get("queued"):  # waits in the queue, in its place
                 job.queued = self._queue.restore(job.status.job_id, stored.runtime["queued"])
                 continue

@@ -3,13 +3,15 @@ order. Each is a refusal or a command at an agreed step boundary."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import structlog
 
 from services.contract import control_pb2, engine_pb2
 from services.control import fault_decision as fd
-from services.control.orchestrator.job import FROZEN, ORCH, JobOutcome, JobState, _Job, _numbered, _where
+from services.control.orchestrator.activity import REFUSE, ForceDownAsk, PauseAsk, ResumeAsk, StopAsk, admit, begin, end
+from services.control.orchestrator.job import FROZEN, ORCH, JobOutcome, JobState, _Job, _numbered, _Resume, _where
 from services.control.orchestrator.layout import _layout_flags, _new_layout
 from services.control.orchestrator.refusals import IllegalTransition, NoStandingOrder
 from services.control.orchestrator.texts import _newest
@@ -69,7 +71,7 @@ class OperatorCommands:
                 job.resume_after_pause = False
                 return self._snapshot(job)
             self._require(job, JobState.RUNNING)
-            self._require_idle(job)
+            self._require_idle(job, PauseAsk())
             checkpoint = msg.drain or not msg.no_checkpoint
             cmd = self._in_flight(job, "pause", engine_pb2.PauseTraining(checkpoint=checkpoint))
             job.boundary_failed = job.resume_after_pause = False
@@ -96,11 +98,9 @@ class OperatorCommands:
             return self._snapshot(job)
         if not [v for _, v in job.versions if v not in job.unusable]:
             return self._snapshot(job)
-        if job.scale is not None:
-            raise IllegalTransition(
-                f"job {job.status.job_id} is being resized to dp {job.scale.spec.parallel.dp} ({job.scale.why}); "
-                "`surgectl down --force` again once its events say the resize is done (seconds)"
-            )
+        admission = admit(job.status.job_id, job.activity, ForceDownAsk())
+        if admission.verdict == REFUSE:
+            raise IllegalTransition(admission.reason)
         lost = f"; its steps after {_newest(job)} are lost"
         job.pending, job.pending_at, job.pending_seq = "", 0, 0
         job.in_flight.clear()  # (its ranks are killed: nothing is sent again)
@@ -196,17 +196,19 @@ class OperatorCommands:
                 if undone:
                     self._start_soon()  # (the queue no longer waits for it)
                 return self._snapshot(job)
-            if job.resuming:
-                raise IllegalTransition(f"job {job_id} is already being resumed")
+            admission = admit(job_id, job.activity, ResumeAsk())
+            if admission.verdict == REFUSE:
+                raise IllegalTransition(admission.reason)
             spec = _new_layout(job.spec, msg)  # (refused: nothing asked, nothing changed)
-            job.resuming = True
+            resume = _Resume(since=time.monotonic())
+            begin(job, resume)
         try:
             verdicts = self._ask_versions(job_id)  # outside the lock: the store answers on the applier thread
             with self._lock:
                 return self._relaunch(job, msg.from_version, verdicts, spec)
         finally:
             with self._lock:
-                job.resuming = False
+                end(job, resume)  # (not a recovery that superseded it meanwhile)
 
     def _resume_after_pause(self, job: _Job) -> control_pb2.JobStatus:
         """Under the lock: a resume while the job's ranks pause (a pause just asked, or the
@@ -297,11 +299,9 @@ class OperatorCommands:
                 return self._snapshot(job)
             if job.pending == "stop":
                 return self._snapshot(job)
-            if job.scale is not None:  # (its ranks pause for it: a stop's boundary would never come)
-                raise IllegalTransition(
-                    f"job {job.status.job_id} is being resized to dp {job.scale.spec.parallel.dp} ({job.scale.why}); "
-                    "stop it once its events say the resize is done (seconds)"
-                )
+            admission = admit(job.status.job_id, job.activity, StopAsk())
+            if admission.verdict == REFUSE:
+                raise IllegalTransition(admission.reason)
             checkpoint = not msg.no_checkpoint
             cmd = self._in_flight(job, "stop", engine_pb2.StopTraining(checkpoint=checkpoint))
             job.boundary_failed = job.resume_after_pause = False

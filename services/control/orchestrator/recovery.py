@@ -11,14 +11,14 @@ import structlog
 
 from services.contract import Module, control_pb2, engine_pb2, store_pb2
 from services.control import fault_decision as fd
+from services.control.orchestrator import recovery_machine as rm
+from services.control.orchestrator.activity import begin, end
 from services.control.orchestrator.job import (
     NO_CAPACITY,
     ORCH,
     PLACING,
     RECOVERY_TIMEOUT,
     RESTORING,
-    RETRY_FIRST_S,
-    RETRY_MAX_S,
     STORE_UNREACHABLE,
     VERIFYING,
     WAITING_CAPACITY,
@@ -30,6 +30,8 @@ from services.control.orchestrator.job import (
     StoreFailureCause,
     _Incident,
     _Job,
+    _Reload,
+    _Scale,
 )
 from services.control.orchestrator.layout import _layout_change, _layout_msg, _layout_of, _shrink_to
 from services.control.orchestrator.texts import _healed_text, _overdue, restored_from_text
@@ -135,7 +137,10 @@ class Recovery:
         if previous is not None:
             incident.dying.update(previous.dying)
             self._cancel_timer(previous)
-        job.incident, job.recovered, job.exited = incident, None, set()
+        # (admit: a recovery supersedes whatever was in flight; said below for a resize or
+        # a rollback, folded above for an earlier recovery)
+        superseded = begin(job, incident)
+        job.recovered, job.exited = None, set()
         self._end_data_wait(job)  # (its ranks are replaced: a new generation says what it waits for)
         self._release_held(job, incident)  # (a save that broke a moment before this fault came)
         job.started, job.paused, job.finished, job.placement = set(), set(), {}, {}  # (a new generation)
@@ -144,17 +149,15 @@ class Recovery:
         job.pending = ""  # a pause in flight ends here: the incident keeps it (``paused``)
         # A drain ends here too: the recovered job is not `up`'s to resume (its ranks are new).
         job.draining = job.parked = job.parked_live = job.resume_after_pause = job.status.drained = False
-        if job.reload is not None:  # (the ranks it loads into are being replaced)
+        if isinstance(superseded, _Reload):  # (the ranks it loads into are being replaced)
             self._record(
                 job, ORCH, "recovery",
-                f"rollback in place to {job.reload.version} given up: {decision.text}; the relaunch replaces it",
+                f"rollback in place to {superseded.version} given up: {decision.text}; the relaunch replaces it",
             )  # fmt: skip
-            job.reload = None
-        if job.scale is not None:  # (its new layout stays if it was already commanded)
+        if isinstance(superseded, _Scale):  # (its new layout stays if it was already commanded)
             self._record(
-                job, ORCH, "scale", f"{job.scale.why} to dp {job.scale.spec.parallel.dp} given up: {decision.text}"
+                job, ORCH, "scale", f"{superseded.why} to dp {superseded.spec.parallel.dp} given up: {decision.text}"
             )
-            job.scale = None
         job.start_held = False
         job.excluded.update(exclude)  # journaled with the decision: a restarted control keeps it
         hold = fd.freeze_for(job.spec.fault_policy, decision, recovering=previous is not None)
@@ -219,8 +222,7 @@ class Recovery:
         or ``on_snapshot_failed``); nothing here waits for it. Without a checkpoint port
         (tests), the versions reported by SaveCompleted are trusted."""
         self._cancel_timer(incident)
-        incident.phase, incident.retries, incident.waiting_for = VERIFYING, 0, ""
-        incident.asked_since = time.monotonic()
+        self._apply(job, incident, rm.asked(rm.waits_of(incident), time.monotonic()), [])
         if self._checkpoints is None or incident.action in IN_PLACE_ACTIONS:  # (a rebuild loads no version)
             self._place(job, incident)
             return
@@ -291,15 +293,7 @@ class Recovery:
             # (a commit of the failed ranks whose report never arrived, or came after the decision)
             listed = [(v.info.step, v.info.version) for v in msg.versions if v.info.version not in job.abandoned]
             self._never_load_diverged(job, incident.bound, listed)
-        if incident.waiting_for == WAITING_STORE:
-            incident.waiting_for = ""
-            self._record(
-                job,
-                Module.L5_CHECKPOINT_MANAGER,
-                "recovery",
-                f"the store answered after {time.monotonic() - incident.waiting_since:.1f} s of waiting; "
-                "the recovery goes on",
-            )
+        self._apply(job, incident, *rm.answered(rm.waits_of(incident), time.monotonic()))
         self._place(job, incident)
 
     def _verification_failed(self, job: _Job, incident: _Incident, msg: store_pb2.SnapshotFailed) -> None:
@@ -371,15 +365,8 @@ class Recovery:
             if incident.shrunk is not None and incident.shrunk.world_size != old_world:
                 job.grow_to = job.grow_to or _layout_of(job.spec)  # (a second shrink grows back to the first's)
                 self._take_layout(job, incident.shrunk)
-            incident.relaunched, incident.phase, incident.retries = True, RESTORING, 0  # journaled with the event
-            if incident.waiting_for == WAITING_CAPACITY:
-                self._record(
-                    job,
-                    Module.L1_RESOURCE_ALLOCATOR,
-                    "recovery",
-                    f"capacity came back after {time.monotonic() - incident.waiting_since:.1f} s of waiting",
-                )
-            incident.waiting_for = ""
+            incident.relaunched = True  # (journaled with the event, as its phase)
+            self._apply(job, incident, *rm.placed(rm.waits_of(incident), time.monotonic()))
             self._record_relaunch(job, reply, source, old_world=old_world, lost=incident.lost)
             self._start_soon()  # (the queue was held for it)
             limit = fd.wait_seconds(job.spec.fault_policy, RECOVERY_TIMEOUT, in_place=in_place)
@@ -453,7 +440,8 @@ class Recovery:
         resumes it, which relaunches it from its newest checkpoint (with the budgets anew)."""
         self._cancel_timer(job.incident)
         self._end_data_wait(job)
-        job.incident = job.recovered = None
+        end(job)  # (its ranks are killed: a recovery, a resize or a rollback in flight ends here)
+        job.recovered = None
         job.pending = ""
         job.parked, job.parked_live, job.resume_after_pause = True, False, False
         if job.status.state == JobState.PAUSED:  # (paused by the operator, its ranks alive: now gone)
@@ -470,7 +458,8 @@ class Recovery:
         # Recovered. The failed generation's last events came before these ranks' own on
         # every worker that runs one, so the incident is over here.
         self._cancel_timer(incident)
-        job.incident, job.recovered = None, incident
+        end(job, incident)
+        job.recovered = incident
         incident.recovered_unix = time.time()
         job.last_incident = incident
         job.running_since = job.running_since or time.time()  # (a fault while warming up)
@@ -505,20 +494,6 @@ class Recovery:
             f"{time.monotonic() - incident.decided:.1f} s after the decision; training resumed",
         )
 
-    def _retry(self, job_id: str, incident: _Incident, phase: str) -> None:
-        """A wait's backoff ran out: the step it waits in is commanded again."""
-        with self._lock:
-            job = self._current(job_id, incident, phase)
-            if job is None:
-                return
-            if phase == WAITING_STORE:  # (its answer may take the RPC's whole deadline)
-                job.status.message = f"asking the store again (retry {incident.retries}) to verify the checkpoints"
-                job.status.updated_unix = time.time()
-                self._publish(job)
-                self._ask_verification(job, incident)
-            else:
-                self._place(job, incident)
-
     def _restore_overdue(self, job_id: str, incident: _Incident) -> None:
         """The relaunched ranks did not all report ready within ``restore_seconds`` (a rebuild
         in place: ``rebuild_seconds``, survivors included): a fault of the recovery itself
@@ -542,66 +517,6 @@ class Recovery:
             )
             self._record(job, Module.L1_RECOVERY_CONTROLLER, "fault", f"SEVERE {RECOVERY_TIMEOUT}: {report.detail}")
             self._decide(job, report)
-
-    def _wait(self, job: _Job, incident: _Incident, phase: str, fault_class: str, limit_s: float, what: str) -> None:
-        """Enter (or stay in) a wait state: say what the job waits for in its status, retry
-        the step with backoff; past ``limit_s`` of waiting the policy decides ``fault_class``."""
-        now = time.monotonic()
-        incident.phase = phase
-        if incident.waiting_for != phase:
-            # The store's wait counts from the first question (its first timeout took a
-            # deadline already: the fresh-user trial saw an 8 s budget give up after 22 s).
-            since = incident.asked_since if phase == WAITING_STORE and incident.asked_since else now
-            incident.waiting_for, incident.waiting_since, incident.retries = phase, since, 0
-        waited = now - incident.waiting_since
-        if waited >= limit_s:
-            self._give_up(job, incident, fault_class, f"{what}: gave up after {waited:.0f} s")
-            return
-        incident.retries += 1
-        delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (incident.retries - 1), max(0.0, limit_s - waited))
-        message = f"{what}; retry {incident.retries} in {delay:.1f} s, the fault policy decides after {limit_s:.0f} s"
-        if incident.retries == 1:
-            self._record(job, ORCH, "recovery", message, status_message=message)
-        else:  # the status says it at every retry; the event log only at the first (no flood)
-            job.status.message, job.status.updated_unix = message, time.time()
-            self._keep(job)
-        self._arm(incident, delay, self._retry, job.status.job_id, phase)
-
-    def _give_up(self, job: _Job, incident: _Incident, fault_class: str, why: str) -> None:
-        """A recovery step waited as long as the policy allows: its class decides. ``stop``
-        ends the job FAILED with every version kept (``surgectl resume`` continues it
-        later). Any other action goes on: without the store's verdicts (``store_unreachable``:
-        the newest version reported is named; the ranks check its digests as they load it),
-        or waiting another period for capacity (``no_capacity``: nothing else can place the
-        ranks)."""
-        decision = fd.give_up(job.spec.fault_policy, fault_class, why)
-        self._metrics.decided(fault_class, decision.counted)
-        self._record(job, ORCH, "decision", decision.text)
-        if decision.action == "stop":
-            self._terminate(job, decision.outcome, decision.final, kill=True)
-            return
-        if fault_class == NO_CAPACITY:
-            incident.waiting_for = ""  # a new period of waiting
-        self._place(job, incident)
-
-    def _current(self, job_id: str, incident: _Incident, phase: str) -> _Job | None:
-        """The job if ``incident`` is still its recovery in ``phase`` (a timer may fire after
-        the incident ended or moved on)."""
-        job = self._jobs.get(job_id)
-        if job is None or job.incident is not incident or incident.phase != phase:
-            return None
-        incident.timer = None
-        return job
-
-    def _arm(self, incident: _Incident, seconds: float, fn: Any, job_id: str, *args: Any) -> None:
-        self._cancel_timer(incident)
-        incident.timer = self._deadlines.after(seconds, fn, (job_id, incident, *args))
-
-    @staticmethod
-    def _cancel_timer(incident: _Incident | None) -> None:
-        if incident is not None and incident.timer is not None:
-            incident.timer.cancel()
-            incident.timer = None
 
     def _record_relaunch(
         self, job: _Job, reply: control_pb2.RecoveryCompleted, source: str, *, old_world: int = 0, lost: list[int] = ()

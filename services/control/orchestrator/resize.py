@@ -6,10 +6,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from services.contract import Module, control_pb2, engine_pb2
-from services.control.orchestrator.job import ORCH, JobState, _Job, _Scale, _where
-from services.control.orchestrator.layout import _layout_change, _layout_msg, _layout_of, _set_layout
-from services.control.orchestrator.texts import _kept_text
+from services.contract import control_pb2, engine_pb2
+from services.control.orchestrator import resize_machine as rzm
+from services.control.orchestrator.activity import FOLD, ScaleAsk, begin, end, moved
+from services.control.orchestrator.job import JobState, _Job, _Scale, _where
+from services.control.orchestrator.layout import _layout_of, _set_layout
 from services.jobspec import (
     JobSpec,
     JobSpecError,
@@ -49,15 +50,8 @@ class Resizing:
             if why:
                 raise JobSpecError(f"{flags}: scaling in place {why}; `surgectl stop` then `surgectl resume --dp`")
             self._require(job, JobState.RUNNING)
-            target = job.scale.spec if job.scale is not None else None
-            if (
-                target is not None
-                and msg.dp == target.parallel.dp
-                and msg.micro_batch_size in (0, target.data.micro_batch_size)
-                and msg.grad_accum in (0, target.data.grad_accum)
-            ):
+            if self._require_idle(job, ScaleAsk(msg.dp, msg.micro_batch_size, msg.grad_accum)).verdict == FOLD:
                 return self._snapshot(job)  # (asked again, e.g. a `surgectl scale` cut short: this resize is in flight)
-            self._require_idle(job)
             if msg.dp == job.spec.parallel.dp and not (msg.micro_batch_size or msg.grad_accum):
                 return self._snapshot(job)  # (already at that size: nothing to do; `surgectl scale` says so)
             spec = at_data_parallel_size(
@@ -77,49 +71,33 @@ class Resizing:
     def _start_scale(self, job: _Job, spec: JobSpec, why: str) -> None:
         """Under the lock: pause every rank after a common boundary (no checkpoint: nothing
         is lost, no rank restarts) for a resize to ``spec``'s layout (``_resize`` goes on
-        once all have paused)."""
-        job.scale = _Scale(spec, why, old_dp=job.spec.parallel.dp, since=time.monotonic())
-        cmd = self._in_flight(job, "scale", engine_pb2.PauseTraining(checkpoint=False))
+        once all have paused; resize_machine.py's ``started``)."""
+        scale = _Scale(spec, why, old_dp=job.spec.parallel.dp, since=time.monotonic())
+        begin(job, scale)
+        pause = self._in_flight(job, "scale", engine_pb2.PauseTraining(checkpoint=False))
         job.paused.clear()
-        self._record(
-            job,
-            ORCH,
-            "decision",
-            f"{why}: {_layout_change(job.spec, spec)}; ranks pause {_where(job)}, then rebuild "
-            "their group at the new size (the ranks that stay keep their processes, new ranks heal from a live peer)",
-        )
-        self._loop(cmd)
+        after, effects = rzm.started(scale, job.spec, pause, _where(job))
+        moved(job, scale, after)
+        self._apply_effects(job, effects)
 
     def _resize(self, job: _Job, step: int) -> None:
         """Under the lock, every rank paused after ``step`` for the scale in flight: command
         the rebuild at the new layout (L1-4, then L1-2), then have the paused ranks leave
         their pause into it (ResumeTraining.rebuild). Where it cannot be placed, they go on
-        at the old size."""
-        scale, job_id = job.scale, job.status.job_id
-        job.pending, scale.phase, job.status.step = "", "rebuilding", step
+        at the old size (resize_machine.py: ``all_paused``, then L1-4's answer)."""
+        job_id = job.status.job_id
+        scale, ask = rzm.all_paused(job.scale, job_id)
+        moved(job, job.scale, scale)
+        job.pending, job.status.step = "", step
         old_world = job.status.world_size
-        reply = self._recovery(
-            control_pb2.StartRecovery(
-                job_id=job_id,
-                reason=f"{scale.why}: dp {scale.old_dp} -> {scale.spec.parallel.dp}",
-                in_place=True,
-                layout=_layout_msg(scale.spec),
-            )
-        ).message
+        reply = self._recovery(ask).message
         if isinstance(reply, control_pb2.RecoveryFailed):
-            job.scale = None
-            self._loop(engine_pb2.ResumeTraining(job_id=job_id))
-            self._record(
-                job,
-                Module.L1_RECOVERY_CONTROLLER,
-                "scale",
-                f"{scale.why} to dp {scale.spec.parallel.dp} not done: {reply.reason}; "
-                f"the ranks go on at dp {scale.old_dp} from step {step}",
-            )
+            _, effects = rzm.rebuild_refused(scale, job_id, reply.reason, step)
+            end(job, scale)
+            self._apply_effects(job, effects)
             return
-        job.started = set()
-        self._take_layout(job, scale.spec)
-        self._loop(engine_pb2.ResumeTraining(job_id=job_id, rebuild=True))
+        _, effects = rzm.rebuild_commanded(scale, job_id)
+        self._apply_effects(job, effects)
         self._record_relaunch(job, reply, "a live peer's memory", old_world=old_world)
 
     def _take_layout(self, job: _Job, spec: JobSpec) -> None:
@@ -132,25 +110,14 @@ class Resizing:
         job.placement = {r: w for r, w in job.placement.items() if r < spec.world_size}
 
     def _scaled(self, job: _Job, msg: engine_pb2.TrainingLoopStarted) -> None:
-        """Under the lock: every rank of the resized group is ready: start them."""
-        scale, job.scale = job.scale, None
+        """Under the lock: every rank of the resized group is ready: start them
+        (resize_machine.py's ``all_ready``)."""
+        scale = job.scale
+        _, effects = rzm.all_ready(scale, msg.start_step, time.monotonic())
+        end(job, scale)
         if job.grow_to and job.spec.parallel.dp >= job.grow_to[0]:
             job.grow_to = ()  # (grown back the whole way)
-        self._start_group(job)
-        self._faults(control_pb2.ResetFaultLedger(job_id=msg.job_id))
-        healed = sorted((r, src) for r, src in scale.healed_from.items() if r >= scale.old_dp)  # (the new ranks)
-        how = ", ".join(f"rank {r} healed from rank {src}'s memory" for r, src in healed)
-        kept = min(scale.old_dp, scale.spec.parallel.dp)
-        self._record(
-            job,
-            ORCH,
-            "scale",
-            status_message=f"{scale.why} done at step {msg.start_step}: dp {scale.old_dp} -> {scale.spec.parallel.dp}",
-            message=f"{scale.why} done: dp {scale.old_dp} -> {scale.spec.parallel.dp} at step {msg.start_step}"
-            + (f" ({how})" if how else "")
-            + f"; {_kept_text(kept)}; "
-            f"{time.monotonic() - scale.since:.1f} s after it was asked; training resumed",
-        )
+        self._apply_effects(job, effects)
 
     def _grow_soon(self, job_id: str, free: int) -> None:
         """Under the lock: try growing the job back on the deadline pool's thread (no delay;

@@ -11,7 +11,8 @@ import structlog
 from services.contract import control_pb2, engine_pb2, store_pb2
 from services.control import fault_decision as fd
 from services.control.monitoring import start_monitoring
-from services.control.orchestrator.job import ORCH, JobOutcome, JobState, _Job, _load_runtime, _runtime
+from services.control.orchestrator.activity import end
+from services.control.orchestrator.job import ORCH, JobOutcome, JobState, _Incident, _Job, _load_runtime, _runtime
 from services.control.orchestrator.layout import _layout_change, _set_layout
 from services.control.orchestrator.refusals import IllegalTransition, InsufficientResources
 from services.control.orchestrator.texts import _beyond_cluster, _newest, _version_number, _waits_for
@@ -251,7 +252,8 @@ class OperatorResume:
             # old ranks finished: the clean exit of one reported after this is no fault
             # (each entry goes when the rank's new process reports ready).
             job.started, job.paused, job.exited, job.placement = set(), set(), set(), {}
-            job.pending, job.pending_at, job.incident, job.recovered = "", 0, None, None
+            job.pending, job.pending_at, job.recovered = "", 0, None
+            end(job, _Incident)  # (this resume's own activity ends when its answer is given)
             job.restarts, job.ignored, job.excluded = Counter(), Counter(), set()
             job.verdicts, job.revoked = {}, {}
             job.parked = job.parked_live = job.draining = job.resume_after_pause = False

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import time
 
-from services.contract import Module, control_pb2, engine_pb2
-from services.control.orchestrator.job import ORCH, JobState, _Job, _Reload, _where
+from services.contract import control_pb2, engine_pb2
+from services.control.orchestrator import rollback_machine as rbm
+from services.control.orchestrator.activity import FOLD, ReloadAsk, admit, begin, end, moved
+from services.control.orchestrator.job import JobState, _Job, _Reload, _where
 from services.control.orchestrator.refusals import IllegalTransition
 
 
@@ -35,12 +37,11 @@ class RollingBack:
             recovery is in flight, it has no such version, or it runs in fp16 (its loss
             scaler's state cannot be given to live ranks again: stop, then resume --from)."""
         job_id = job.status.job_id
-        if job.reload is not None and msg.from_version in ("", job.reload.version):
+        ask = ReloadAsk(msg.from_version)
+        if admit(job_id, job.activity, ask).verdict == FOLD:
             return self._snapshot(job)
         self._require(job, JobState.RUNNING)
-        self._require_idle(job)
-        if job.incident is not None:
-            raise IllegalTransition(f"job {job_id} is recovering from {job.incident.fault_class}; try again after it")
+        self._require_idle(job, ask)
         if job.spec.precision.dtype == "fp16":
             raise IllegalTransition(
                 f"rollback: job {job_id} trains in fp16, whose loss scaler's state cannot be given to live ranks "
@@ -55,43 +56,29 @@ class RollingBack:
             raise IllegalTransition(
                 f"--version {version}: not a usable committed checkpoint of job {job_id} (usable: {known or 'none'})"
             )
-        job.reload = _Reload(version, steps[version], since=time.monotonic())
-        cmd = self._in_flight(job, "reload", engine_pb2.PauseTraining(checkpoint=False))
+        reload = _Reload(version, steps[version], since=time.monotonic())
+        begin(job, reload)
+        pause = self._in_flight(job, "reload", engine_pb2.PauseTraining(checkpoint=False))
         job.paused.clear()
-        self._record(
-            job, ORCH, "decision",
-            f"rollback in place to checkpoint {version} (step {steps[version]}) by the operator: ranks pause "
-            f"{_where(job)} (no checkpoint), then load it into their live processes and train on from its step",
-        )  # fmt: skip
-        self._loop(cmd)
+        after, effects = rbm.started(reload, pause, _where(job))
+        moved(job, reload, after)
+        self._apply_effects(job, effects)
         return self._snapshot(job)
 
     def _reload_paused(self, job: _Job, step: int) -> None:
         """Under the lock, every rank paused after ``step`` for the rollback in flight: they
-        load its version (ResumeTraining.reload_version)."""
-        reload = job.reload
-        job.pending, reload.phase, job.status.step = "", "loading", step
-        job.started = set()
-        self._record(
-            job, ORCH, "recovery",
-            f"all ranks paused after step {step}; loading checkpoint {reload.version} (step {reload.step}) "
-            "into their live processes",
-        )  # fmt: skip
-        self._loop(engine_pb2.ResumeTraining(job_id=job.status.job_id, reload_version=reload.version))
+        load its version (ResumeTraining.reload_version; rollback_machine.py's ``all_paused``)."""
+        job.pending, job.status.step = "", step
+        reload, effects = rbm.all_paused(job.reload, job.status.job_id, step)
+        moved(job, job.reload, reload)
+        self._apply_effects(job, effects)
 
     def _reloaded(self, job: _Job, msg: engine_pb2.TrainingLoopStarted) -> None:
         """Under the lock: every rank loaded the version and is ready at its step: start them.
-        The versions committed after it are another branch from now on."""
-        reload, job.reload = job.reload, None
-        later = sorted(v for s, v in job.versions if s > reload.step and v not in job.abandoned)
-        job.abandoned.update(later)
-        self._start_group(job)
-        self._faults(control_pb2.ResetFaultLedger(job_id=msg.job_id))
-        then = f"; {', '.join(later)} kept, never chosen by a recovery or a plain resume" if later else ""
-        self._record(
-            job, Module.L2_TRAINING_LOOP, "recovery",
-            f"rollback in place done: all {job.status.world_size} ranks loaded checkpoint {reload.version} in "
-            f"their live processes (none relaunched) and go on from step {msg.start_step}, "
-            f"{time.monotonic() - reload.since:.1f} s after it was asked{then}",
-            status_message=f"rolled back in place to checkpoint {reload.version} at step {msg.start_step}",
-        )  # fmt: skip
+        The versions committed after it are another branch from now on (``all_ready``)."""
+        reload = job.reload
+        _, effects = rbm.all_ready(
+            reload, job.versions, job.abandoned, job.status.world_size, msg.start_step, time.monotonic()
+        )
+        end(job, reload)
+        self._apply_effects(job, effects)
