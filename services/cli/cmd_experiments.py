@@ -15,10 +15,11 @@ from rich.table import Table
 from services.cli import clients, compare, observe, render, sweep
 from services.cli.app import OutputOpt, _say, app
 from services.cli.errors import CliError
-from services.cli.jobs import resolve_job, submit_job
+from services.cli.jobs import checked_submission, resolve_job, send_submit
 from services.contract import control_pb2
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+RECONNECT_SECONDS = 120.0  # a sweep's wait outlasts a control restart (its journal restore)
 TAG_VALUE_CHARS = 256  # a tag value's limit at control (orchestrator/annotations.py)
 
 
@@ -56,7 +57,9 @@ def compare_jobs(
     else:
         render.console.print(_metrics_table(runs))
         diffs = compare.spec_differences(runs)
-        render.console.print(_diff_table(runs, diffs) if diffs else "the specs set the same values (but the name)")
+        render.console.print(
+            _diff_table(runs, diffs) if diffs else "the specs set the same values (apart from their names)"
+        )
     if out is not None:
         try:
             compare.overlay_plot(runs, out, " vs ".join(r.label for r in runs))
@@ -87,6 +90,8 @@ def tag_job(
         pairs[key] = value
     if not pairs and not remove:
         raise CliError("TAGS: give KEY=VALUE tags to set or --remove KEY", code=2)
+    if both := sorted(set(pairs) & set(remove)):
+        raise CliError(f"TAGS: {', '.join(both)} both set and removed", code=2)
     _annotate(control_pb2.AnnotateJobRequest(job_id=resolve_job(job), set_tags=pairs, remove_tags=remove))
 
 
@@ -99,6 +104,8 @@ def note_job(
 
     Example: surgectl note demo-3f2a1c "loss spike at 400: bad shard?"
     """
+    if not text.strip():
+        raise CliError("TEXT: the note is empty", code=2)
     _annotate(control_pb2.AnnotateJobRequest(job_id=resolve_job(job), note=text))
 
 
@@ -128,6 +135,7 @@ def _metrics_table(runs: list[compare.Run]) -> Table:
     t = Table(title="jobs")
     for col in (
         "job",
+        "tags",
         "state",
         "steps",
         "final train",
@@ -194,27 +202,48 @@ def sweep_jobs(
     if early_stop and not wait:
         raise CliError("--early-stop: needs --wait (the sweep stops trials while it waits)", code=2)
     axes = [*map(sweep.parse_grid, grid), *map(sweep.parse_random, draw)]
+    set_keys = {item.partition("=")[0].strip() for item in overrides}
+    if both := sorted(set_keys & {a.key for a in axes}):
+        raise CliError(f"sweep: {', '.join(both)} both --set and swept (one value or many, not both)", code=2)
+    if "name" in {a.key for a in axes}:
+        raise CliError("sweep: name is not swept (the sweep names its trials <name>-<sweep>-<i>)", code=2)
     settings = sweep.trials(axes, count, seed)
     base, _, _ = spec_tools.load_spec(spec, overrides)  # the base spec as given: bad -> one line, nothing submitted
+    if metric == "eval_loss" and not (base.eval.every_steps or base.eval.at_end):
+        raise CliError(
+            f"--metric eval_loss: {spec} never evaluates (eval.every_steps 0, eval.at_end false); "
+            "use --metric train_loss or set eval.every_steps",
+            code=2,
+        )
     sweep_id = uuid.uuid4().hex[:6]
     names = [f"{base.name}-{sweep_id}-{i}" for i in range(len(settings))]
-    for name, t in zip(names, settings):  # every trial's spec checked before the first is submitted
-        spec_tools.load_spec(spec, [*overrides, *(f"{k}={v}" for k, v in t.items()), f"name={name}"])
+    # Every trial passes a submit's checks (its datasets mounted and verified, its init_from
+    # found) before the first is sent: a bad trial leaves no trial behind.
+    checked = [checked_submission(spec, _trial_overrides(overrides, t, name)) for name, t in zip(names, settings)]
     ladder = sweep.rungs(min_steps, eta, base.steps) if early_stop else []
     record = {"sweep": sweep_id, "spec": str(spec), "set": overrides, "metric": metric, "trials": []}
-    for name, t in zip(names, settings):
-        st = submit_job(spec, [*overrides, *(f"{k}={v}" for k, v in t.items()), f"name={name}"])
-        record["trials"].append({"job_id": st.job_id, "name": name, "settings": t})
-        tags = {"sweep": sweep_id, **{k: v[:TAG_VALUE_CHARS] for k, v in t.items()}}
-        clients.call(
-            "control",
-            lambda s, j=st.job_id, tags=tags: s.AnnotateJob(
-                control_pb2.AnnotateJobRequest(job_id=j, set_tags=tags), timeout=10
-            ),
-        )
-        _say(f"submitted {st.job_id}: {', '.join(f'{k}={v}' for k, v in t.items())}")
+    try:
+        for name, t, (text, source) in zip(names, settings, checked):
+            st = send_submit(text, source)
+            record["trials"].append({"job_id": st.job_id, "name": name, "settings": t})
+            _write_record(record)  # (kept as it grows: an interruption leaves the record of what was sent)
+            tags = {"sweep": sweep_id, **{k: v[:TAG_VALUE_CHARS] for k, v in t.items()}}
+            clients.call(
+                "control",
+                lambda s, j=st.job_id, tags=tags: s.AnnotateJob(
+                    control_pb2.AnnotateJobRequest(job_id=j, set_tags=tags), timeout=10
+                ),
+            )
+            _say(f"submitted {st.job_id}: {', '.join(f'{k}={v}' for k, v in t.items())}")
+    except KeyboardInterrupt:
+        sent = len(record["trials"])
+        raise CliError(
+            f"interrupted after submitting {sent} of {len(settings)} trials: those keep running as jobs "
+            f"(record: {_write_record(record)}); a sweep run again submits all of its trials anew",
+            code=130,
+        ) from None
     where = _write_record(record)
-    _say(f"sweep {sweep_id}: {len(settings)} trials (record: {where})")
+    _say(f"sweep {sweep_id}: {len(settings)} trial{'s' * (len(settings) != 1)} (record: {where})")
     if not wait:
         return
     try:
@@ -228,6 +257,10 @@ def sweep_jobs(
         ) from None
     render.console.print(_ranking_table(record, results, stopped, failed, metric))
     _say(f"compare them: surgectl compare {' '.join(sweep.ranked(results)[:3])}")
+
+
+def _trial_overrides(overrides: list[str], settings: dict[str, str], name: str) -> list[str]:
+    return [*overrides, *(f"{k}={v}" for k, v in settings.items()), f"name={name}"]
 
 
 def _write_record(record: dict) -> Path:
@@ -249,12 +282,30 @@ def _wait(
     results: dict[str, float] = {}
     stopped: set[str] = set()
     failed: set[str] = set()
+    unreachable_since: float | None = None
     with clients.stub("control") as s:
         while len(results) < len(jobs):
-            for j in jobs:
-                if j in results:
-                    continue
-                st = s.GetJob(control_pb2.JobQuery(job_id=j), timeout=10)
+            try:
+                statuses = {j: s.GetJob(control_pb2.JobQuery(job_id=j), timeout=10) for j in jobs if j not in results}
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                now = time.monotonic()
+                if unreachable_since is None:
+                    unreachable_since = now
+                    _say(
+                        f"control unreachable; trying again for up to {RECONNECT_SECONDS:.0f} s (the trials keep running)"
+                    )
+                elif now - unreachable_since > RECONNECT_SECONDS:
+                    ids = " ".join(jobs)
+                    raise CliError(
+                        f"control unreachable for {RECONNECT_SECONDS:.0f} s: the sweep stops waiting; its trials keep "
+                        f"running as jobs (`surgectl compare {ids}` ranks them once control is back)"
+                    ) from None
+                time.sleep(poll)
+                continue
+            unreachable_since = None
+            for j, st in statuses.items():
                 value = _metric(st, metric)
                 if st.state == control_pb2.TERMINATED:
                     results[j] = value
@@ -266,18 +317,29 @@ def _wait(
                     and not math.isnan(value)  # (no evaluation yet: judged at the rung once it has one)
                     and not halving.reached(j, st.step, value)
                 ):
-                    stopped.add(j)
-                    try:
-                        s.StopJob(control_pb2.StopJobRequest(job_id=j), timeout=30)
-                    except grpc.RpcError as e:  # (it ended meanwhile: its end is read next round)
-                        _say(f"could not stop {j}: {e.details()}")
+                    if not _stop(s, j):
                         continue
+                    stopped.add(j)
                     _say(
                         f"stopping {j} at step {st.step}: {metric} {_num(value)} not in the best 1/{halving.eta} at its rung"
                     )
+            for j in sorted(halving.outranked(set(statuses) - set(results) - stopped)):
+                # (judged again as later trials reach its rung: ASHA keeps the first ones to arrive)
+                if _stop(s, j):
+                    stopped.add(j)
+                    _say(f"stopping {j}: no longer in the best 1/{halving.eta} of the trials at its rung")
             if len(results) < len(jobs):
                 time.sleep(poll)
     return results, stopped, failed
+
+
+def _stop(stub, job_id: str) -> bool:
+    try:
+        stub.StopJob(control_pb2.StopJobRequest(job_id=job_id), timeout=30)
+    except grpc.RpcError as e:  # (it ended meanwhile: its end is read next round)
+        _say(f"could not stop {job_id}: {e.details()}")
+        return False
+    return True
 
 
 def _metric(st: control_pb2.JobStatus, metric: str) -> float:

@@ -119,9 +119,18 @@ def as_json(runs: list[Run]) -> dict:
                 "name": r.status.name,
                 "state": render.state_text(r.status),
                 "tags": dict(r.status.tags),
-                **{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in s.__dict__.items()},
+                **_plain(s),
             }
         )
+    return out
+
+
+def _plain(s: Summary) -> dict:
+    """A summary for JSON: NaN is null, and so is the step of a best that does not exist."""
+    out = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in s.__dict__.items()}
+    for best, step in (("best_train", "best_train_step"), ("best_eval", "best_eval_step")):
+        if out[best] is None:
+            out[step] = None
     return out
 
 

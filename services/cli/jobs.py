@@ -26,6 +26,13 @@ def submit_job(spec_path: Path, overrides: Sequence[str] = (), priority: int = 0
     """Submit the spec of ``spec_path`` with ``overrides`` (``--set KEY=VALUE``) applied,
     after the checks of :func:`check_submission`; control validates it again. Ranks that do
     not fit now: control queues the job (STANDBY, ``queue_position``), FIFO within ``priority``."""
+    return send_submit(*checked_submission(spec_path, overrides), priority)
+
+
+def checked_submission(spec_path: Path, overrides: Sequence[str] = ()) -> tuple[str, str]:
+    """What :func:`submit_job` sends, every check of a submit passed (the datasets mounted and
+    verified, :func:`check_submission`, ``init_from``'s ``latest`` pinned): (spec text,
+    source). Raises CliError (exit 2) as a submit would, before anything is sent."""
     spec, text, source = spec_tools.load_spec(spec_path, overrides)
     infos = []
     for name, version, _ in spec.data.datasets:  # (a mixture: every component, each verified)
@@ -39,8 +46,7 @@ def submit_job(spec_path: Path, overrides: Sequence[str] = (), priority: int = 0
                 code=2,
             )
     check_submission(spec, infos[0], source)
-    text = pin_latest(spec, text, source)  # init_from.checkpoint <job>:latest -> the version it is now
-    return send_submit(text, source, priority)
+    return pin_latest(spec, text, source), source  # init_from.checkpoint <job>:latest -> the version it is now
 
 
 def send_submit(text: str, source: str, priority: int = 0) -> control_pb2.JobStatus:

@@ -49,6 +49,8 @@ def parse_grid(item: str) -> Axis:
     parts = tuple(v.strip() for v in values.split(","))
     if not all(parts):
         raise CliError(f"--grid {item}: an empty value in the list", code=2)
+    if twice := sorted({v for v in parts if parts.count(v) > 1}):
+        raise CliError(f"--grid {item}: {', '.join(twice)} given twice (two identical trials)", code=2)
     return Axis(key=key, values=parts)
 
 
@@ -155,6 +157,24 @@ class Halving:
                 ranked = sorted(at, key=lambda j: _rank_key(at[j]))
                 keep = keep and job in ranked[: max(1, len(ranked) // self.eta)]
         return keep
+
+    def outranked(self, running: set[str]) -> set[str]:
+        """The ``running`` trials no longer in the best ``1/eta`` at the highest rung each has
+        reached, now that more trials reached it (ASHA judges a trial once, on arrival: the
+        first ones to arrive always go on; judged again, a trial that was early but worse
+        stops too)."""
+        out = set()
+        for job in running:
+            reached = [r for r in self.rungs if job in self.seen.get(r, {})]
+            if not reached:
+                continue
+            at = self.seen[reached[-1]]
+            if (
+                len(at) >= self.eta
+                and job not in sorted(at, key=lambda j: _rank_key(at[j]))[: max(1, len(at) // self.eta)]
+            ):
+                out.add(job)
+        return out
 
 
 def _rank_key(x: float) -> tuple[int, float]:

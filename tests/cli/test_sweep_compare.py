@@ -101,7 +101,7 @@ def test_the_overlaid_plot_is_written(tmp_path):
 
 
 class _FakeControl:
-    """Three trials stepping 10 per read; c is the worst at rung 10 and is stopped there."""
+    """Three trials stepping 10 per read; at rung 10 only a (the best third) goes on."""
 
     def __init__(self) -> None:
         self.step = dict.fromkeys("abc", 0)
@@ -132,8 +132,10 @@ def test_the_wait_loop_stops_the_trial_asha_names_and_ranks_every_trial(monkeypa
     monkeypatch.setattr(cmd_experiments.time, "sleep", lambda s: None)
     record = {"sweep": "s", "trials": [{"job_id": j, "name": j, "settings": {}} for j in "abc"]}
     results, stopped, failed = cmd_experiments._wait(record, "train_loss", sweep.Halving([10, 20], eta=3), 0.1)
-    assert stopped == {"c"} and fake.stopped == ["c"] and failed == set()
-    assert sweep.ranked(results) == ["a", "b", "c"] and fake.step["c"] == 10
+    # c arrives third and worst: stopped on arrival; b, second, went on until c's arrival made
+    # three at the rung, of which only the best third (a) goes on: b is stopped in that round.
+    assert stopped == {"b", "c"} and fake.stopped == ["c", "b"] and failed == set()
+    assert sweep.ranked(results) == ["a", "b", "c"] and fake.step["c"] == 10 and fake.step["b"] == 10
 
 
 class _Ctx(types.SimpleNamespace):
@@ -145,3 +147,79 @@ class _Ctx(types.SimpleNamespace):
 
     def __exit__(self, *exc) -> None:
         return None
+
+
+def test_a_trial_judged_again_when_later_trials_reach_its_rung():
+    h = sweep.Halving(rungs=[10, 20], eta=2)
+    assert h.reached("worst", 10, 5.0)  # first at rung 10: too few to judge, goes on
+    assert not h.reached("b", 10, 6.0)  # second, worse: stopped on arrival
+    assert h.reached("c", 10, 3.0)  # third, best
+    assert h.outranked({"worst", "c"}) == {"worst"}  # 5.0 is no longer in the best half of three
+    assert h.outranked({"c"}) == set() and h.outranked({"never-reached"}) == set()
+
+
+def test_sweep_and_tag_refusals_before_anything_is_sent(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from services.cli.surgectl import app
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text(
+        "name: s\nsteps: 20\nmodel: {n_layers: 1, d_model: 32, n_heads: 2, vocab_size: 256}\n"
+        "data: {dataset: tiny@v1, seq_len: 32, micro_batch_size: 2}\neval: {every_steps: 0, at_end: false}\n"
+    )
+    sent = []
+    monkeypatch.setattr(cmd_experiments, "send_submit", lambda *a: sent.append(a))
+    monkeypatch.setattr(cmd_experiments, "resolve_job", lambda ref: ref)
+    runner = CliRunner()
+    cases = [
+        (["sweep", str(spec), "--grid", "optimizer.lr=1e-3,1e-3"], "1e-3 given twice"),
+        (["sweep", str(spec), "--grid", "optimizer.lr=1e-3", "--set", "optimizer.lr=2e-3"], "both --set and swept"),
+        (["sweep", str(spec), "--grid", "name=a,b"], "name is not swept"),
+        (["sweep", str(spec), "--grid", "optimizer.lr=1e-3,2e-3"], "never evaluates"),
+        (["tag", "j", "a=1", "--remove", "a"], "TAGS: a both set and removed"),
+        (["note", "j", "  "], "TEXT: the note is empty"),
+    ]
+    for argv, words in cases:
+        r = runner.invoke(app, argv, env={"COLUMNS": "200"})
+        assert isinstance(r.exception, CliError) and r.exception.code == 2, (argv, r.output, r.exception)
+        assert words in str(r.exception), (argv, r.exception)
+    assert sent == []
+
+
+def test_a_sweep_whose_later_trial_fails_a_submit_check_sends_no_trial(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from services.cli.surgectl import app
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text(
+        "name: s\nsteps: 20\nmodel: {n_layers: 1, d_model: 32, n_heads: 2, vocab_size: 256}\n"
+        "data: {dataset: tiny@v1, seq_len: 32, micro_batch_size: 2}\n"
+    )
+    sent, checked = [], []
+
+    def check(path, overrides):
+        checked.append(overrides)
+        if any(o == "data.dataset=nosuch@v1" for o in overrides):
+            raise CliError("dataset nosuch@v1 not found", code=2)
+        return "spec text", str(path)
+
+    monkeypatch.setattr(cmd_experiments, "checked_submission", check)
+    monkeypatch.setattr(cmd_experiments, "send_submit", lambda *a: sent.append(a))
+    r = CliRunner().invoke(app, ["sweep", str(spec), "--grid", "data.dataset=tiny@v1,nosuch@v1"])
+    assert isinstance(r.exception, CliError) and "nosuch@v1 not found" in str(r.exception)
+    assert len(checked) == 2 and sent == []
+
+
+def test_the_compare_table_has_a_header_for_every_cell_and_json_has_no_step_for_a_missing_best():
+    h = render.History(steps=[1], loss=[math.nan], tokens_per_second=[1.0])
+    status = control_pb2.JobStatus(job_id="a")
+    status.tags["arm"] = "x"
+    runs = [compare.Run(status, {}, h), compare.Run(control_pb2.JobStatus(job_id="b"), {}, h)]
+    t = cmd_experiments._metrics_table(runs)
+    assert [c.header for c in t.columns][:3] == ["job", "tags", "state"]
+    assert all(len(c._cells) == 2 for c in t.columns)  # (every column has a cell per run: no shift)
+    assert t.columns[1]._cells[0] == "arm=x"
+    shown = compare.as_json(runs)["jobs"][0]
+    assert shown["best_train"] is None and shown["best_train_step"] is None and shown["tags"] == {"arm": "x"}
