@@ -146,7 +146,7 @@ def _metrics_table(runs: list[compare.Run]) -> Table:
     ):
         t.add_column(col, overflow="fold")
     for r in runs:
-        m = compare.summarize(r.history)
+        m = compare.summarize(r.history, r.status.tokens_per_second)
         t.add_row(
             r.status.job_id,
             " ".join(f"{k}={v}" for k, v in sorted(r.status.tags.items())),

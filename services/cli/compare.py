@@ -85,9 +85,10 @@ class Summary:
     tokens_per_second: float
 
 
-def summarize(h: render.History) -> Summary:
-    """Final and best (lowest) train and held-out loss, with the step of the best; the median
-    tokens/s of the steps after the first (the first includes start-up)."""
+def summarize(h: render.History, status_rate: float = 0.0) -> Summary:
+    """Final and best (lowest) train and held-out loss, with the step of the best; tokens/s as
+    `status` says it (``status_rate``: control's one definition, tokens over the step seconds
+    of every step but the first), else the median of the steps after the first."""
     train = [(loss, step) for step, loss in zip(h.steps, h.loss) if not math.isnan(loss)]
     held = [(loss, step) for step, loss in zip(h.eval_steps, h.eval_loss) if not math.isnan(loss)]
     rates = sorted(t for t in h.tokens_per_second[1:] if t > 0 and not math.isnan(t))
@@ -101,7 +102,7 @@ def summarize(h: render.History) -> Summary:
         final_eval=held[-1][0] if held else math.nan,
         best_eval=best_e[0],
         best_eval_step=best_e[1],
-        tokens_per_second=rates[len(rates) // 2] if rates else math.nan,
+        tokens_per_second=status_rate or (rates[len(rates) // 2] if rates else math.nan),
     )
 
 
@@ -112,7 +113,7 @@ def as_json(runs: list[Run]) -> dict:
         "spec_differences": {k: dict(zip((r.status.job_id for r in runs), v)) for k, v in spec_differences(runs)},
     }
     for r in runs:
-        s = summarize(r.history)
+        s = summarize(r.history, r.status.tokens_per_second)
         out["jobs"].append(
             {
                 "job_id": r.status.job_id,

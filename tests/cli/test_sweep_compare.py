@@ -89,6 +89,7 @@ def test_a_summary_takes_final_and_best_losses_and_the_median_rate_after_the_fir
     s = compare.summarize(h)
     assert (s.steps, s.final_train, s.best_train, s.best_train_step) == (4, 4.0, 3.0, 2)
     assert (s.final_eval, s.best_eval, s.best_eval_step, s.tokens_per_second) == (3.2, 3.2, 4, 200.0)
+    assert compare.summarize(h, status_rate=150.0).tokens_per_second == 150.0  # control's figure when it has one
     empty = compare.summarize(render.History())
     assert empty.steps == 0 and math.isnan(empty.final_train) and math.isnan(empty.tokens_per_second)
 
