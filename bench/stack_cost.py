@@ -152,6 +152,9 @@ def measure(warmup: int, window: int, timeout_s: float) -> dict:
     from services.contract import control_pb2
 
     c.setup_env()
+    # The agents' rank fork servers start with them and are waited for below (as on a cluster
+    # whose agents have been up a while; lazy, the default, would start them with the job).
+    os.environ["SURGE_WORKER_RANK_FORKSERVER"] = "eager"
     with c.Stack(workers=2) as stack:
         c.wait_forkservers_warm(2)
         roots = [p.pid for p in stack.procs.values()]
