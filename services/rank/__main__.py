@@ -55,6 +55,7 @@ session as ``BoundaryViolationReported``.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import queue
 import signal
@@ -267,8 +268,12 @@ def compose(
         # Fixed at the launch's layout: a resize's larger grad_accum is taken one batch at a time.
         read_ahead=2 * spec.data.grad_accum + 2,
         started_at=started_at,
-        peak=device_peak(
-            spec.parallel.peak_tflops_per_device, device, spec.precision.dtype, spec.parallel.threads_per_rank
+        peak=functools.partial(
+            device_peak,
+            spec.parallel.peak_tflops_per_device,
+            device,
+            spec.precision.dtype,
+            spec.parallel.threads_per_rank,
         ),
         **marked,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -50,12 +51,13 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
         read_ahead: int = 4,
         started_at: float | None = None,
         phase: ph.PhaseMarker | ph.NoPhase = ph.NO_PHASE,
-        peak: Peak = UNKNOWN_PEAK,
+        peak: Callable[[], Peak] = lambda: UNKNOWN_PEAK,
     ):
         """``read_ahead``: decoded micro-batches held per stream; ``started_at``: the
         process's ``time.perf_counter()`` at start, for ``startup_seconds``; ``phase``: the
         rank's phase marker, set at this loop's phase boundaries (services/common/phase.py);
-        ``peak``: the device's peak MFU is measured against (the composition root's: the loop
+        ``peak``: gives the device's peak MFU is measured against, asked once the job's
+        layout placed the rank on its device (the composition root's: the loop
         never touches a device)."""
         self._emit = emit
         self._mark = phase
@@ -110,8 +112,9 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
         self._snapshots = 0  # snapshots taken by this loop (part of each one's version)
         self._num_parameters = 0
         self._flops_per_token = 0.0
-        self._peak = peak
-        self._peak_flops = peak.tflops * 1e12
+        self._peak_of = peak
+        self._peak = UNKNOWN_PEAK
+        self._peak_flops = UNKNOWN_PEAK.tflops * 1e12
         self._lr_at = None
         # standby | stepping | waiting_data | evaluating | saving | paused | blocked | rebuilding | released
         # | frozen | fault_wait | loading | done | failed

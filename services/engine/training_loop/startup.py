@@ -57,6 +57,8 @@ class Startup:
         loaded = p.shard_loader(engine_pb2.LoadModel(model_json=spec.model.model_dump_json(), seed=spec.seed)).message
         self._num_parameters = loaded.num_parameters
         self._flops_per_token = model_flops_per_token(spec, self._num_parameters)
+        self._peak = self._peak_of()  # (after L2-2 took the device: one it cannot see was refused, typed)
+        self._peak_flops = self._peak.tflops * 1e12
         self._warm = not spec.operators.compile  # the first step compiles forward and backward
         ops = spec.operators
         p.forward(engine_pb2.ConfigureForward(attention=spec.attention, adamw=ops.adamw, compile=ops.compile))
