@@ -18,7 +18,6 @@ from services.cli.errors import CliError
 from services.cli.jobs import checked_submission, resolve_job, send_submit
 from services.contract import control_pb2
 
-PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 RECONNECT_SECONDS = 120.0  # a sweep's wait outlasts a control restart (its journal restore)
 TAG_VALUE_CHARS = 256  # a tag value's limit at control (orchestrator/annotations.py)
 
@@ -38,8 +37,8 @@ def compare_jobs(
         raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
     if len(jobs) < 2:
         raise CliError("JOBS: compare needs at least two jobs", code=2)
-    if out is not None and out.suffix.lower() not in PLOT_SUFFIXES:
-        raise CliError(f"--out: {out}: the file name must end in {', '.join(PLOT_SUFFIXES)}", code=2)
+    if out is not None and out.suffix.lower() not in render.PLOT_SUFFIXES:
+        raise CliError(f"--out: {out}: the file name must end in {', '.join(render.PLOT_SUFFIXES)}", code=2)
     with clients.stub("control") as s:
         ids = [resolve_job(ref, s) for ref in jobs]
         if twice := sorted({j for j in ids if ids.count(j) > 1}):

@@ -274,9 +274,6 @@ def logs(
         raise CliError(f"no rank logs of {job} (control found none on the workers that ran its ranks)")
 
 
-PLOT_SUFFIXES = (".png", ".svg", ".pdf")  # what matplotlib writes by the name's suffix (no other backend here)
-
-
 @app.command()
 def plot(
     job: str,
@@ -314,8 +311,8 @@ def plot(
     target = out or paths.surge_home() / default_name
     if out is not None and out.is_dir():
         target = out / default_name  # a directory: the default name in it
-    elif out is not None and out.suffix.lower() not in PLOT_SUFFIXES:
-        raise CliError(f"--out: {out}: the file name must end in {', '.join(PLOT_SUFFIXES)}", code=2)
+    elif out is not None and out.suffix.lower() not in render.PLOT_SUFFIXES:
+        raise CliError(f"--out: {out}: the file name must end in {', '.join(render.PLOT_SUFFIXES)}", code=2)
     try:
         png = render.plot(h, target, f"{job}: loss and throughput")
     except OSError as e:

@@ -354,6 +354,9 @@ def summary_table(s: control_pb2.JobStatus, h: History, extra: dict[str, str] | 
     return t
 
 
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")  # what matplotlib writes by the name's suffix (no other backend here)
+
+
 def loss_and_rate_axes():
     """A figure of two axes, loss (nats/token) and tokens/s against step: (plt, fig, ax1, ax2)."""
     import matplotlib
