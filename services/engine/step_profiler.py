@@ -40,7 +40,7 @@ class StepProfiler:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             # (before the profiler: the snapshot covers the same steps as the trace)
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
-        # (no profile_memory: it doubles the trace and its cost; the CUDA snapshot says where memory went)
+        # (no profile_memory: it records every allocation of every operator; the CUDA snapshot says where device memory went)
         self._prof = torch.profiler.profile(activities=activities, record_shapes=True)
         self._prof.start()
         self._t0 = time.perf_counter()
