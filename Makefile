@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 GEN    := services/contract/gen
 PROTOS := $(wildcard proto/surge/v1/*.proto)
 
-.PHONY: setup tools proto contracts demo test test-compose lint format up down clean bench bench-faults bench-goodput bench-scale bench-control bench-rank-start bench-stack-cost
+.PHONY: setup tools proto contracts demo test test-compose lint format up down clean bench bench-faults bench-goodput bench-scale bench-control bench-rank-start bench-stack-cost bench-profile
 
 setup: $(STAMP) $(GEN)/.stamp
 
@@ -119,6 +119,11 @@ bench-control: setup
 # About 3 min. Results in bench/results/stack_cost.json, a table on stdout.
 bench-stack-cost: setup
 	$(BIN)/python bench/stack_cost.py $(STACK_COST_ARGS)
+
+# What `surgectl profile` costs a running job (bench/profile_overhead.py): the profiled steps'
+# time against the steps before, the export at the boundary after, each rank's trace size.
+bench-profile: setup
+	$(BIN)/python bench/profile_overhead.py $(PROFILE_ARGS)
 
 # Rank start-up (bench/rank_start.py): ranks forked from the node agent's rank fork server
 # against new interpreters, N dp=2 jobs a mode (flags in RANK_START_ARGS, e.g. "--jobs 5");

@@ -27,6 +27,7 @@ EVENT_TYPES = (
     "scale",  # a resize
     "tags",  # the operator's tags set or removed (surgectl tag)
     "note",  # the operator's note (surgectl note)
+    "profile",  # a profile asked (surgectl profile), and each rank's files
 )
 
 

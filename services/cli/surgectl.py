@@ -21,7 +21,15 @@ except ImportError:  # pragma: no cover - depends on the installed typer
 
 # Each command module registers its commands on ``app`` when imported; `--help` lists them in
 # this order (typer keeps the order of registration).
-for _module in ("cmd_stack", "cmd_data", "cmd_jobs", "cmd_experiments", "cmd_control", "cmd_checkpoints"):
+for _module in (
+    "cmd_stack",
+    "cmd_data",
+    "cmd_jobs",
+    "cmd_experiments",
+    "cmd_profile",
+    "cmd_control",
+    "cmd_checkpoints",
+):
     importlib.import_module(f"services.cli.{_module}")
 
 

@@ -60,6 +60,8 @@ PLUMBING_CALLERS: dict[str, frozenset[int]] = {
     "/surge.v1.StoreService/PutCheckpointFiles": frozenset({M.L5_CHECKPOINT_MANAGER}),
     "/surge.v1.StoreService/HeldCheckpointChunks": frozenset({M.L5_CHECKPOINT_MANAGER}),
     "/surge.v1.StoreService/GetCheckpointFiles": frozenset({M.L5_CHECKPOINT_MANAGER}),
+    # A rank's profile files (surgectl profile): its loop's StoreProfile heads the stream.
+    "/surge.v1.StoreService/PutProfile": frozenset({M.L2_TRAINING_LOOP}),
 }
 
 

@@ -201,6 +201,7 @@ def build(
                 engine_pb2.StepVerdict,
                 engine_pb2.RevokeStandingOrder,
                 engine_pb2.FreezeTraining,
+                engine_pb2.ProfileSteps,
             ),
         ),
         emit=bus.emitter(Module.L1_ORCHESTRATOR),
@@ -228,6 +229,7 @@ def build(
             control_pb2.DeleteJobRequest,
             control_pb2.RevokeOrderRequest,
             control_pb2.AnnotateJobRequest,
+            control_pb2.ProfileJobRequest,
             control_pb2.UncordonWorkerRequest,
         ),
     )

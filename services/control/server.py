@@ -117,6 +117,9 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
     def AnnotateJob(self, request, context):
         return self._command(context, request)
 
+    def ProfileJob(self, request, context):
+        return self._command(context, request)
+
     def UncordonWorker(self, request, context):
         if not request.worker_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UncordonWorker: worker_id is required")

@@ -95,6 +95,7 @@ from services.contract.validation import validate_table, validate_wiring
 from services.engine.mixed_precision import MixedPrecision
 from services.engine.optimizer import Optimizer
 from services.engine.parallel_strategy import ParallelStrategy
+from services.engine.step_profiler import StepProfiler
 from services.engine.training_loop import LoopPorts, TrainingLoop
 from services.jobspec import JobSpec, spec_from_json
 from services.rank.comm_settings import apply_nccl_environment, collective_timeout_s, side_timeout_s
@@ -138,6 +139,7 @@ class StoreRelay(Protocol):
     def commit_checkpoint(self, msg: store_pb2.CommitCheckpoint, payload: Any = None) -> Any: ...
     def flush_checkpoint(self, msg: store_pb2.FlushCheckpoint, payload: Any = None) -> Any: ...
     def load_checkpoint(self, msg: store_pb2.LoadCheckpoint, payload: Any) -> Any: ...
+    def store_profile(self, msg: store_pb2.StoreProfile, payload: Any) -> Any: ...
 
 
 class MetricsRelay(Protocol):
@@ -275,6 +277,7 @@ def compose(
             spec.precision.dtype,
             spec.parallel.threads_per_rank,
         ),
+        profiler=functools.partial(StepProfiler, device=device),
         **marked,
     )
     # Each module handles the routes the table sends it, by handler name (Bus.host; the
@@ -306,6 +309,8 @@ def compose(
     sub(Module.L5_METRICS_LOGGER, engine_pb2.EvalCompleted, metrics.on_eval_completed)
     sub(Module.L5_METRICS_LOGGER, store_pb2.LogCollectionConfig, metrics.log_collection_config)
     sub(Module.L5_METRICS_LOGGER, store_pb2.StopLogCollection, metrics.stop_log_collection)
+    # A profile's files go to the store directly, on the store relay's channel (profile_upload.py).
+    sub(Module.L5_METRICS_LOGGER, store_pb2.StoreProfile, store.store_profile)
     # Every event routed from here to an L1 module goes up the session by its name.
     link = Link(bus, name="rank session", near=SESSION_NEAR, beyond=L1, send=up.send_up)
     link.stand_in()

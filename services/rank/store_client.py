@@ -123,6 +123,7 @@ from services.rank.checkpoint_errors import (
 )
 from services.rank.checkpoint_io import ChunkIO, _manifest_digests, _RemoteIndex, payload_bytes
 from services.rank.checkpoint_transfer import TransferFailed
+from services.rank.profile_upload import ProfileUpload
 from services.rank.save_agreement import RELAY_GROUPS, SaveAgreement  # noqa: F401 - RELAY_GROUPS re-exported
 from services.rank.store_liveness import STAGING_BUDGET_S, StoreLiveness, wait_bound_s
 from services.state.chunk_store import ChunkIntegrityError
@@ -130,7 +131,7 @@ from services.state.chunk_store import ChunkIntegrityError
 log = structlog.get_logger()
 
 
-class StoreClient(SaveAgreement, BackgroundCommit, ChunkIO):
+class StoreClient(SaveAgreement, BackgroundCommit, ChunkIO, ProfileUpload):
     """Relay for L5_CHECKPOINT_MANAGER inside a rank process."""
 
     def __init__(

@@ -62,6 +62,7 @@ from services.store import metric_files
 from services.store.checkpoint_manager import CheckpointManager
 from services.store.chunk_roots import FsspecChunks
 from services.store.metrics_logger import SERIES_LINGER_S, MetricsLogger
+from services.store.profile_files import ProfileFiles
 from services.store.server import StoreRelay
 
 CKPT, METRICS = Module.L5_CHECKPOINT_MANAGER, Module.L5_METRICS_LOGGER
@@ -92,8 +93,15 @@ def wire(
     bus = Bus(on_violation=ViolationReporter("store", log))
     validate_table(bus.table)
     manager = CheckpointManager(root, registry=registry, emit=bus.emitter(CKPT), transfer=transfer, chunks=chunks)
+    profiles = ProfileFiles(root)  # L5-2's profiles: the relay stages an upload, the logger keeps it
     metrics = MetricsLogger(
-        root, registry=registry, emit=bus.emitter(METRICS), defer=defer, later=later, linger_s=linger_s
+        root,
+        registry=registry,
+        emit=bus.emitter(METRICS),
+        defer=defer,
+        later=later,
+        linger_s=linger_s,
+        profiles=profiles,
     )
     bus.host(
         CKPT,
@@ -121,6 +129,7 @@ def wire(
             engine_pb2.EvalCompleted,
             store_pb2.LogCollectionConfig,
             store_pb2.StopLogCollection,
+            store_pb2.StoreProfile,
         ),
     }
     ports: dict[tuple[int, int], CommandPort] = {}
@@ -129,7 +138,8 @@ def wire(
         for sender in sorted(senders):
             sent = tuple(t for t in types if bus.table.allows(sender, t, receiver))
             ports[(sender, receiver)] = bus.port(sender, receiver, commands=sent)
-    relay = StoreRelay(ports, log, check=bus.check, files=manager)  # the data plane: L5-1's own methods
+    # The data planes: L5-1's own methods; L5-2's profile staging.
+    relay = StoreRelay(ports, log, check=bus.check, files=manager, profiles=profiles)
     # The relay stands in for control's L1-1 as the receiver of CheckpointCorrupt.
     bus.subscribe(Module.L1_ORCHESTRATOR, store_pb2.CheckpointCorrupt, relay.on_checkpoint_corrupt)
     # A failure event of L5-1 / L5-2 routed to the caller's side (L1, a rank's L2-1) goes back

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ MAX_BYTES_ENV = "SURGE_STORE_METRICS_MAX_BYTES"
 BACKUPS_ENV = "SURGE_STORE_METRICS_BACKUPS"
 DEFAULT_MAX_BYTES = 128 << 20  # ~200k step records of 600 bytes: 25k steps of an 8-rank job a file
 DEFAULT_BACKUPS = 3
+JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a job's id names its files: nothing else
 PENDING = ".pending-"  # a file rotated out, waiting for its compaction (no reader takes it)
 
 

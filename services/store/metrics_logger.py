@@ -62,10 +62,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -77,6 +76,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from services.contract import engine_pb2, store_pb2
 from services.store import metric_files
 from services.store.metric_sinks import Sinks
+from services.store.profile_files import ProfileFiles
 
 PHASES = ("data_wait", "forward", "backward", "reduction", "optimizer")
 # Per job: lines remembered to recognise a resent record. Only records that were sent but
@@ -86,7 +86,7 @@ RECENT_LINES = 1 << 16
 RECENT_TAIL_BYTES = 16 << 20  # read back from a job's file after a restart
 SERIES_LINGER_S = 300.0  # a rank's series stay this long after its loop ended (scrapers read the last values)
 _log = structlog.get_logger("metrics_logger")
-_JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # it names a file
+_JOB_ID = metric_files.JOB_ID
 
 
 class _Series:
@@ -133,6 +133,7 @@ class MetricsLogger:
         bound: metric_files.MetricFileBound | None = None,
         later: Callable[[float, Callable[..., Any], tuple], Any] | None = None,
         linger_s: float = SERIES_LINGER_S,
+        profiles: ProfileFiles | None = None,
     ):
         """``emit``: publishes this module's events (its failure event ``LogWriteFailed`` for
         a sink that failed); None: such a failure is only logged. ``defer(fn, *args)``: runs
@@ -140,7 +141,8 @@ class MetricsLogger:
         at once, on the caller's thread. ``bound``: the files' rotation and compaction
         (default: ``metric_files.bound_from_env()``). ``later(seconds, fn, args)``: calls
         ``fn(*args)`` once, ``seconds`` from now, on another thread (the root's timer): when a
-        rank's series are removed after its loop ended; None: at once."""
+        rank's series are removed after its loop ended; None: at once. ``profiles``: where
+        the ranks' profiles are kept (default: under ``root``, profile_files.py)."""
         self._dir = Path(root) / "metrics"
         self._dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
@@ -157,6 +159,7 @@ class MetricsLogger:
         self._defer = defer or _now
         self._failed: dict[str, list[store_pb2.LogWriteFailed]] = {}  # job -> not yet published
         self._sinks = Sinks(self._dir, on_failure=self._sink_failed)
+        self._profiles = profiles or ProfileFiles(root)
 
     # ------------------------------------------------------------------ commands
 
@@ -184,6 +187,12 @@ class MetricsLogger:
             self._later(self._linger_s, self._remove_series, (msg.job_id, msg.rank, token))
         self._publish_failures(msg.job_id)
         return store_pb2.MetricsAck(records=0)
+
+    def store_profile(self, msg: store_pb2.StoreProfile, payload: Mapping[str, str]) -> store_pb2.ProfileStored:
+        """A rank's profile, staged by the relay (``payload``: {file name: staged path}), kept
+        beside the job's metrics (profile_files.py). Raises ProfileRefused (a ValueError)."""
+        files, size = self._profiles.keep(msg, payload)
+        return store_pb2.ProfileStored(files=files, bytes=size)
 
     def on_step_completed(self, msg: engine_pb2.StepCompleted, payload: Any = None) -> store_pb2.MetricsAck:
         """A rank's raw step metrics: persist the line, then set the Prometheus series.

@@ -109,14 +109,18 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         log: Any,
         check: Callable[[int, str, int], None] | None = None,
         files: Any = None,
+        profiles: Any = None,
         bulk_threads: int = BULK_THREADS,
         record_threads: int = RECORD_THREADS,
     ):
         """``files``: L5-1's data plane (held_chunks, receive_files, send_files); None: the
         data-plane RPCs answer UNIMPLEMENTED. ``bulk_threads``, ``record_threads``: the sizes
         of the two pools the streams' blocking work runs in (bytes and verification; metric
-        writes): however many streams are open, that many threads work for them at once."""
+        writes): however many streams are open, that many threads work for them at once.
+        ``profiles``: where a PutProfile stream is staged (``ProfileFiles.receive``) before L5-2
+        keeps it; None: PutProfile answers UNIMPLEMENTED."""
         self._files = files
+        self._profiles = profiles
         self._ports = dict(ports)
         self._log = log
         self._check = check
@@ -316,6 +320,40 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         except Exception as e:  # noqa: BLE001 - mapped to a status (or raised again) by _abort
             self._abort("GetCheckpointFiles", e, context)
 
+    async def PutProfile(
+        self, request_iterator: AsyncIterator[store_pb2.ProfileUpload], context: grpc.aio.ServicerContext
+    ) -> store_pb2.ProfileStored:
+        """A rank's profile files: staged in a bulk thread as they arrive, then its StoreProfile
+        (the stream's header) goes to L5-2 as a routed command with the staged files, so the
+        route table decides who may send one, as for every other command."""
+        if self._profiles is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "PutProfile: this store keeps no profiles")
+        loop = asyncio.get_running_loop()
+        parts = aiter(request_iterator)
+        first = await anext(parts, None)
+        if first is None or not first.HasField("header"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PutProfile: the stream must open with a header")
+
+        def rest() -> Iterator[store_pb2.ProfileUpload]:
+            while (part := asyncio.run_coroutine_threadsafe(anext(parts, None), loop).result()) is not None:
+                yield part
+
+        def store(call: grpc.ServicerContext) -> store_pb2.ProfileStored:
+            try:
+                staged = self._profiles.receive(first.header, rest())
+            except ValueError as e:
+                call.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            try:
+                return self._send(self._sender("PutProfile", call), METRICS, first.header, call, payload=staged)
+            finally:
+                self._profiles.discard(staged)  # (what L5-2 did not keep: a refusal leaves nothing behind)
+
+        stored = await self._blocking(self._bulk, context, store)
+        self._log.info(
+            "profile_stored", job=first.header.job_id, rank=first.header.rank, seq=first.header.seq, bytes=stored.bytes
+        )
+        return stored
+
     def _data_plane(self, rpc: str, fn: Callable[[], Any], context: grpc.ServicerContext) -> Any:
         """``fn()`` (a data-plane call of L5-1), its errors mapped to statuses as a routed
         call's are (the cause typed in the trailing metadata)."""
@@ -389,17 +427,30 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
             outbox.put(routed)
 
     def _send(
-        self, sender: int, receiver: int, msg: Message, context: grpc.ServicerContext, payload_reply: bool = False
+        self,
+        sender: int,
+        receiver: int,
+        msg: Message,
+        context: grpc.ServicerContext,
+        payload_reply: bool = False,
+        payload: Any = None,
     ) -> Any:
-        """The receiver's reply message (its payload instead, with ``payload_reply``)."""
+        """The receiver's reply message (its payload instead, with ``payload_reply``);
+        ``payload``: the command's payload on the bus (a profile's staged files)."""
         token = _CALL.set(Outbox())
         try:
-            return self._send_in_call(sender, receiver, msg, context, payload_reply)
+            return self._send_in_call(sender, receiver, msg, context, payload_reply, payload)
         finally:
             _CALL.reset(token)
 
     def _send_in_call(
-        self, sender: int, receiver: int, msg: Message, context: grpc.ServicerContext, payload_reply: bool
+        self,
+        sender: int,
+        receiver: int,
+        msg: Message,
+        context: grpc.ServicerContext,
+        payload_reply: bool,
+        payload: Any = None,
     ) -> Any:
         name = msg.DESCRIPTOR.name
         port = self._ports.get((sender, receiver))
@@ -412,7 +463,7 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
                     f"{Module.Name(sender)} may not command {Module.Name(receiver)} ({name})",
                 )
             try:
-                answer = port(msg)
+                answer = port(msg, payload)
             except ModuleFailed as failed:  # its failure event is published: map the error to a status
                 raise failed.error from None
             reply = answer.payload if payload_reply else answer.message

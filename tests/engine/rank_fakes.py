@@ -4,6 +4,7 @@ the real rank wiring (``services.rank.__main__.compose``) runs without any servi
 from __future__ import annotations
 
 import contextlib
+import shutil
 import subprocess
 import sysconfig
 import threading
@@ -143,6 +144,7 @@ class FakeStore:
         self.configs: list[store_pb2.LogCollectionConfig] = []
         self.committed: list[store_pb2.SaveCompleted] = []
         self.flushed = 0
+        self.profiles: list[store_pb2.StoreProfile] = []
 
     def on_step_completed(self, msg, payload=None):
         self.metrics.append(msg)
@@ -155,6 +157,18 @@ class FakeStore:
 
     def stop_log_collection(self, msg, payload=None):
         self.configs.append(msg)
+
+    def store_profile(self, msg: store_pb2.StoreProfile, payload):
+        """Keeps a profile's files as the store does (``profiles/cmd<seq>/``, under this root)."""
+        out = self._root / "profiles" / f"cmd{msg.seq}"
+        out.mkdir(parents=True, exist_ok=True)
+        stored = store_pb2.ProfileStored()
+        for name, path in payload.items():
+            shutil.copyfile(path, out / name)
+            stored.files.append(str(out / name))
+            stored.bytes += (out / name).stat().st_size
+        self.profiles.append(msg)
+        return stored
 
     def save_checkpoint(self, msg: store_pb2.SaveCheckpoint, payload):
         path = self._root / f"step{msg.step}"

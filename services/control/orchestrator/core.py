@@ -64,6 +64,7 @@ from services.control.orchestrator.job import (
 )
 from services.control.orchestrator.journal import JournalRestore
 from services.control.orchestrator.operator import OperatorCommands
+from services.control.orchestrator.profiles import Profiling
 from services.control.orchestrator.queue import JobQueueing
 from services.control.orchestrator.recovery import Recovery
 from services.control.orchestrator.recovery_waits import RecoveryWaits
@@ -94,6 +95,7 @@ class Orchestrator(
     Freezing,
     RollingBack,
     Annotating,
+    Profiling,
     JournalRestore,
 ):
     """Owns every job's state machine. Thread-safe: one short lock orders all decisions

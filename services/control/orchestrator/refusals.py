@@ -55,3 +55,8 @@ class InsufficientResources(IllegalTransition):
     """The allocator cannot place the job's ranks; nothing was persisted."""
 
     refusal = control_pb2.REFUSED_NO_CAPACITY
+
+
+class BadProfileRequest(ValueError, Refusal):
+    """`surgectl profile` with a step count out of range (gRPC INVALID_ARGUMENT): one line
+    naming the field; nothing sent."""

@@ -22,6 +22,7 @@ class Boundary:
         into a resize), or "" (the next step)."""
         spec = self._spec
         last = step == spec.steps
+        self._profile_boundary(step)  # (a profile ends before the boundary's own work: its trace is of steps)
         if _due(step, spec.integrity.replica_check_every_steps, last) and self._dp_size > 1:
             self._check_replicas(step)  # before the save: a save at a check step is of agreeing replicas
         if _due(step, spec.eval.every_steps, last and spec.eval.at_end):
@@ -73,6 +74,9 @@ class Boundary:
             for msg in due:
                 if isinstance(msg, engine_pb2.RevokeStandingOrder):
                     self._revoked[msg.order] = step
+        for msg in due:
+            if isinstance(msg, engine_pb2.ProfileSteps):
+                self._begin_profile(msg, step)
         stop = next((m for m in due if isinstance(m, engine_pb2.StopTraining)), None)
         pause = next((m for m in due if isinstance(m, engine_pb2.PauseTraining)), None)
         if stop is not None or pause is None:

@@ -24,12 +24,14 @@ from services.contract import Module, data_pb2, engine_pb2, route_pb2, store_pb2
 from services.contract.bus import Emitter
 from services.contract.failures import failure_of
 from services.contract.frozen import FrozenConfig
+from services.engine.step_profiler import StepProfiler
 from services.engine.training_loop.boundary import _RELOAD, _RESIZE, _STOP, Boundary
 from services.engine.training_loop.checkpoints import Checkpoints
 from services.engine.training_loop.data_stream import DataStream
 from services.engine.training_loop.evaluation import Evaluation
 from services.engine.training_loop.faults import _data_fault_class, _one_line, _Released, classify_fault
 from services.engine.training_loop.ports import Batch, LoopPorts
+from services.engine.training_loop.profiling import Profiling
 from services.engine.training_loop.recovery import Recovery
 from services.engine.training_loop.startup import Startup
 from services.engine.training_loop.step import Step
@@ -39,7 +41,7 @@ from services.jobspec import JobSpec
 _log = structlog.get_logger("training_loop")
 
 
-class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery, Startup, DataStream):
+class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery, Startup, DataStream, Profiling):
     """L2-1. Handlers run on whatever thread delivers the message; ``run`` owns the rank's
     main thread and blocks on its inboxes (no polling)."""
 
@@ -52,13 +54,15 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
         started_at: float | None = None,
         phase: ph.PhaseMarker | ph.NoPhase = ph.NO_PHASE,
         peak: Callable[[], Peak] = lambda: UNKNOWN_PEAK,
+        profiler: Callable[[int], Any] = lambda rank: StepProfiler(rank, "cpu"),
     ):
         """``read_ahead``: decoded micro-batches held per stream; ``started_at``: the
         process's ``time.perf_counter()`` at start, for ``startup_seconds``; ``phase``: the
         rank's phase marker, set at this loop's phase boundaries (services/common/phase.py);
         ``peak``: gives the device's peak MFU is measured against, asked once the job's
         layout placed the rank on its device (the composition root's: the loop
-        never touches a device)."""
+        never touches a device); ``profiler``: a new profile of the given rank (a
+        ``StepProfiler`` on the rank's device: the composition root knows it)."""
         self._emit = emit
         self._mark = phase
         self._warm = True  # False until the first step ran with operators.compile (it compiles)
@@ -113,6 +117,7 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
         self._num_parameters = 0
         self._flops_per_token = 0.0
         self._peak_of = peak
+        self._profiler_of = profiler
         self._peak = UNKNOWN_PEAK
         self._peak_flops = UNKNOWN_PEAK.tflops * 1e12
         self._lr_at = None
@@ -248,6 +253,9 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
         if self._failed:
             return
         self._failed, self._phase = True, "failed"
+        if self._profile is not None:  # (its files are of no use now)
+            self._profile.profiler.discard()
+            self._profile = None
         fault_class, detail = classify_fault(exc)
         # Typed: the cause from the exception's type; a module the loop commanded that failed
         # (ModuleFailed) stays the failing module, so L1-3 reports it once.
@@ -313,6 +321,7 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
         self._thawed.wait()
 
     def _finish(self, stopped: bool) -> None:
+        self._profile_boundary(self._step, ending=True)  # (a profile the run outlasted ends with it)
         # Background saves are done (written, committed) before anyone hears of the end.
         self._p.store(store_pb2.FlushCheckpoint(job_id=self._job_id))
         if self._p.metrics is not None:  # after the last record: L5-2 closes the job's sinks

@@ -192,6 +192,12 @@ class SimulatedRank:
         due = self._commands.due(step)
         self._stop = next((m for m in due if isinstance(m, engine_pb2.StopTraining)), None)
         self._pause_cmd = next((m for m in due if isinstance(m, engine_pb2.PauseTraining)), None)
+        for m in due:
+            if isinstance(m, engine_pb2.ProfileSteps):  # (held for its number: the numbers have no gap)
+                s.send_up(engine_pb2.ProfileRecorded(
+                    job_id=self._job, rank=self._rank, seq=m.seq, first_step=step + 1, last_step=step,
+                    error="a simulated rank has no compute to profile",
+                ))  # fmt: skip
         step_s = time.perf_counter() - t0
         done = engine_pb2.StepCompleted(
             job_id=self._job, rank=self._rank, step=step, loss=0.0, tokens=round(agreed[0]),
@@ -222,7 +228,15 @@ class SimulatedRank:
             self._command(msg)
 
     def _command(self, msg: Any) -> None:
-        if isinstance(msg, (engine_pb2.StopTraining, engine_pb2.PauseTraining, engine_pb2.RevokeStandingOrder)):
+        if isinstance(
+            msg,
+            (
+                engine_pb2.StopTraining,
+                engine_pb2.PauseTraining,
+                engine_pb2.RevokeStandingOrder,
+                engine_pb2.ProfileSteps,
+            ),
+        ):
             self._commands.receive(msg)  # (a revoke: simulated ranks have no standing orders)
         else:
             self._log.info("sim_command_ignored", type=msg.DESCRIPTOR.full_name)

@@ -1,0 +1,103 @@
+"""surgectl profile: a torch.profiler trace of a running job's next steps, from every rank."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import typer
+from rich.table import Table
+
+from services.cli import clients, jsonout, render
+from services.cli.app import OutputOpt, _say, app
+from services.cli.errors import CliError
+from services.cli.jobs import resolve_job
+from services.common import paths
+from services.contract import control_pb2
+
+PROFILE_MAX_STEPS = 100  # control's bound (services/control/orchestrator/profiles.py)
+POLL_SECONDS = 1.0
+
+
+@app.command("profile")
+def profile_job(
+    job: str = typer.Argument(..., help="job id or name (running)"),
+    steps: int = typer.Option(3, "--steps", min=1, max=PROFILE_MAX_STEPS, help="how many steps to profile"),
+    wait_seconds: float = typer.Option(
+        600.0, "--wait-seconds", min=0.0, help="how long to wait for every rank's files (0: do not wait)"
+    ),
+    output: str = OutputOpt,
+) -> None:
+    """Record a torch.profiler trace of a running job's next steps on every rank (and a CUDA
+    memory snapshot on a GPU), from the step boundary the ranks agree on. The files are kept
+    beside the job's metrics: <store>/metrics/JOB/profiles/cmd<N>/. Open a trace
+    (.trace.json.gz) in https://ui.perfetto.dev or chrome://tracing, a memory snapshot in
+    https://pytorch.org/memory_viz. The job trains on meanwhile; a profile that fails is
+    reported, never a fault.
+
+    Example: surgectl profile demo-3f2a1c --steps 5
+    """
+    if output not in ("table", "json"):
+        raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
+    job_id = resolve_job(job)
+    st = clients.call(
+        "control", lambda s: s.ProfileJob(control_pb2.ProfileJobRequest(job_id=job_id, steps=steps), timeout=10)
+    )
+    asked = st.profiles[-1]
+    if output == "table":
+        _say(
+            f"{job_id}: profile #{asked.seq} of the next {steps} step{'s' if steps > 1 else ''} asked of "
+            f"{asked.ranks} rank{'s' if asked.ranks > 1 else ''}"
+            + (
+                f"; waiting up to {wait_seconds:g} s for their files (Ctrl-C stops waiting, not the profile)"
+                if wait_seconds
+                else ""
+            )
+        )
+    info = _wait(job_id, asked.seq, wait_seconds) if wait_seconds else asked
+    if output == "json":
+        print(json.dumps(jsonout.to_plain(info), indent=2))
+    else:
+        render.console.print(_table(info))
+        if any(not r.error for r in info.recorded):
+            _say("open a .trace.json.gz in https://ui.perfetto.dev (or chrome://tracing)")
+    missing = info.ranks - len(info.recorded)
+    failed = [r for r in info.recorded if r.error]
+    if wait_seconds and missing:
+        raise CliError(
+            f"profile #{info.seq}: {missing} of {info.ranks} ranks reported nothing within {wait_seconds:g} s "
+            f"(`surgectl events {job_id} --type profile` shows them as they come)"
+        )
+    if failed:
+        raise CliError(
+            f"profile #{info.seq}: {len(failed)} of {info.ranks} ranks recorded no profile: {failed[0].error}"
+        )
+
+
+def _wait(job_id: str, seq: int, wait_seconds: float) -> control_pb2.ProfileInfo:
+    """The profile ``seq`` once every rank reported, the job ended, or ``wait_seconds`` passed."""
+    deadline = time.monotonic() + wait_seconds
+    with clients.stub("control") as s:
+        while True:
+            st = s.GetJob(control_pb2.JobQuery(job_id=job_id), timeout=10)
+            info = next((p for p in st.profiles if p.seq == seq), None)
+            if info is None:  # (older than the newest the status keeps: someone asked for many since)
+                raise CliError(
+                    f"profile #{seq}: job {job_id}'s status no longer names it; see its events --type profile"
+                )
+            ended = st.state == control_pb2.TERMINATED
+            if len(info.recorded) >= info.ranks or ended or time.monotonic() >= deadline:
+                return info
+            time.sleep(POLL_SECONDS)
+
+
+def _table(info: control_pb2.ProfileInfo) -> Table:
+    t = Table(title=f"profile #{info.seq}")
+    for col in ("rank", "steps", "MB", "seconds", "files (under the store's root) or why not"):
+        t.add_column(col)
+    root = paths.store_root()
+    for r in sorted(info.recorded, key=lambda r: r.rank):
+        steps = f"{r.first_step}-{r.last_step}" if r.last_step >= r.first_step else "-"
+        where = r.error or "\n".join(str(root / f) for f in r.files)
+        t.add_row(str(r.rank), steps, f"{r.bytes / 1e6:.1f}", f"{r.seconds:.2f}", where)
+    return t
