@@ -71,6 +71,7 @@ MUTATING_METHODS = frozenset(
             "DeleteJob",
             "RevokeOrder",
             "AnnotateJob",
+            "DrainWorker",
         )
     ]
     + ["/surge.v1.StoreService/Delete", "/surge.v1.DataService/Delete"]

@@ -229,6 +229,7 @@ def build(
             control_pb2.RevokeOrderRequest,
             control_pb2.AnnotateJobRequest,
             control_pb2.UncordonWorkerRequest,
+            control_pb2.DrainWorkerRequest,
         ),
     )
     servicer = ControlServicer(user=user, watches=watches, sessions=sessions, max_sessions=max_sessions)
