@@ -75,8 +75,9 @@ def test_a_departing_node_agent_s_job_checkpoints_at_a_boundary_and_moves_to_the
     job_id, a, b, c = running_on_three(plane)
     step(plane, a, job_id, 14)
     departing(plane, a, "wa", 30.0)
-    assert "node wa departs in 30 s (its node agent got SIGTERM): checkpoint at the next step boundary" in (
-        messages(plane, job_id)[-1]
+    assert (
+        "node wa departs in 30 s (its node agent got SIGTERM): checkpoint at the next step boundary"
+        in (messages(plane, job_id)[-1])
     )
     pause_then_paused(plane, job_id, a, b, 16, 1)
     launched = {w: drain(s) for w, s in (("wa", a), ("wb", b), ("wc", c))}
@@ -122,7 +123,7 @@ def test_a_deadline_too_short_for_a_save_moves_now_from_the_newest_checkpoint_wi
     departing(plane, a, "wa", 3.0)
     text = messages(plane, job_id)
     warning = next(m for m in text if m.startswith("WARNING: node wa departs in 3 s"))
-    assert f"too short for a save (" in warning and f"move now from checkpoint {job_id}:1 (step 10" in warning
+    assert "too short for a save (" in warning and f"move now from checkpoint {job_id}:1 (step 10" in warning
     assert "3 steps lost" in warning
     launches = [cmd.launch for s in (b, c) for cmd in drain(s) if cmd.WhichOneof("command") == "launch"]
     assert sorted(la.init.resume_version for la in launches) == [f"{job_id}:1"] * 2
