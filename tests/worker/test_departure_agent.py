@@ -12,7 +12,10 @@ import pytest
 from services.contract import control_pb2
 from services.contract.relay import unpack
 from services.worker.departure import CONTROL_AWAY, CONTROL_AWAY_SECONDS, DEADLINE, RELEASED, wait_for_release
-from tests.worker.test_node_agent import alive, cluster, gone_within, launch, started_ranks  # noqa: F401 (a fixture)
+from tests.worker import test_node_agent
+from tests.worker.test_node_agent import alive, gone_within, launch, started_ranks
+
+cluster = test_node_agent.cluster  # (the node agent tests' fixture: a fake control, agents ended by PID)
 
 pytestmark = pytest.mark.timeout(90)
 
