@@ -158,3 +158,17 @@ def test_drain_of_an_unknown_worker_is_refused_over_grpc(tmp_path, monkeypatch):
         with pytest.raises(grpc.RpcError) as e:
             stub.DrainWorker(control_pb2.DrainWorkerRequest(worker_id="wa", deadline_seconds=0), timeout=10)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_fault_during_the_move_is_a_recovery_that_supersedes_it_and_a_second_notice_is_folded(plane):
+    job_id, a, b, c = running_on_three(plane)
+    step(plane, a, job_id, 6)
+    departing(plane, a, "wa", 30.0)
+    departing(plane, a, "wa", 30.0)  # (said again: folded into the move under way)
+    assert messages(plane, job_id)[-1].endswith("folded into the move off wa under way")
+    plane.rank_exited(b, job_id, 1, -9)  # rank 1 killed before the boundary
+    s = plane.get(job_id)
+    assert s.state == JobState.FAULT_FROZEN
+    assert not [m for m in messages(plane, job_id) if "moving to" in m]
+    # The relaunch (from scratch: no checkpoint yet) never places a rank on the leaving node.
+    assert not [cmd for cmd in drain(a) if cmd.WhichOneof("command") == "launch"]
