@@ -15,7 +15,7 @@ from services.contract import Module, control_pb2, engine_pb2, store_pb2
 from services.contract.relay import pack
 from services.control.orchestrator.refusals import BadDeparture
 
-from .conftest import Plane, drain, kinds, served_control, to_ranks
+from .conftest import Plane, drain, kinds, served_control, settle, to_ranks
 
 JobState = control_pb2.JobState
 pytestmark = pytest.mark.timeout(30)
@@ -172,3 +172,31 @@ def test_a_fault_during_the_move_is_a_recovery_that_supersedes_it_and_a_second_n
     assert not [m for m in messages(plane, job_id) if "moving to" in m]
     # The relaunch (from scratch: no checkpoint yet) never places a rank on the leaving node.
     assert not [cmd for cmd in drain(a) if cmd.WhichOneof("command") == "launch"]
+
+
+def test_with_no_free_slot_the_job_waits_first_in_the_queue_and_continues_from_its_checkpoint(plane):
+    a, b = plane.register("wa"), plane.register("wb")
+    job_id = plane.submit(dp=2, steps=50).job_id
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank))
+    drain(a), drain(b)
+    step(plane, a, job_id, 20)
+    departing(plane, a, "wa", 30.0)
+    pause_then_paused(plane, job_id, a, b, 22, 1)
+    s = plane.get(job_id)
+    assert s.state == JobState.STANDBY and s.queue_position == 1
+    assert messages(plane, job_id)[-1] == (
+        f"node wa departs: checkpoint at step 22 ({job_id}:1), no free slot off it now: first in the queue to "
+        "continue from it"
+    )
+    for rank, session in ((0, a), (1, b)):  # the released ranks end (the agent leaves once its rank did)
+        plane.rank_exited(session, job_id, rank, -9, released=True)
+    back = plane.register("wa")  # (the node agent restarted in place: placeable again)
+    settle(lambda: plane.get(job_id).state, JobState.WARMING_UP)
+    launches = [c.launch for s in (back, b) for c in drain(s) if c.WhichOneof("command") == "launch"]
+    assert sorted(la.init.resume_version for la in launches) == [f"{job_id}:1"] * 2
+    placed = [m for m in messages(plane, job_id) if m.startswith("resume STANDBY from checkpoint")]
+    assert len(placed) == 1 and f"{job_id}:1 (step 22) (node wa departs" in placed[0]
+    assert placed[0].endswith("restart budgets kept")
+    decided = [e.message for e in plane.events(job_id) if e.type == "decision" and " after " in e.message]
+    assert decided == []  # (the released ranks' exits are recorded, nothing is decided on them)

@@ -194,4 +194,16 @@ class Departures:
             self._record(job, ORCH, DEPARTURE, f"{head} ({version}), moving to {', '.join(new)}")
             return
         job.status.drained = True  # (first in the queue: it held its slots until now)
-        self._queue_resume(job, step, version, None, _waits_for(job, reply), _beyond_cluster(reply))
+        self._queue_resume(
+            job,
+            step,
+            version,
+            None,
+            _waits_for(job, reply),
+            _beyond_cluster(reply),
+            by=f"({head}, moving off it)",
+            keep_budgets=True,
+        )
+        self._record(
+            job, ORCH, DEPARTURE, f"{head} ({version}), no free slot off it now: first in the queue to continue from it"
+        )

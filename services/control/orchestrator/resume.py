@@ -173,7 +173,15 @@ class OperatorResume:
         return chosen[0], chosen[1], candidates
 
     def _queue_resume(
-        self, job: _Job, step: int, version: str, spec: JobSpec | None, why: str, beyond: bool = False
+        self,
+        job: _Job,
+        step: int,
+        version: str,
+        spec: JobSpec | None,
+        why: str,
+        beyond: bool = False,
+        by: str = "by the operator",
+        keep_budgets: bool = False,
     ) -> None:
         """Under the lock: an operator resume that cannot be placed now waits in the queue
         (STANDBY), at the job's priority (a drained job first), to relaunch from ``version``
@@ -186,6 +194,8 @@ class OperatorResume:
         self._queue.mark_beyond_cluster(job_id, beyond)
         try:
             job.relaunch = {"version": version, "step": step, "spec": spec_to_json(spec) if spec is not None else ""}
+            if keep_budgets:  # (a departure's move, placed later: said and done as decided now)
+                job.relaunch.update(by=by, keep_budgets=True)
             job.parked = job.parked_live = job.draining = job.resume_after_pause = False
             job.status.outcome = JobOutcome.OUTCOME_UNSPECIFIED
             job.queued = entry
@@ -194,7 +204,7 @@ class OperatorResume:
                 job,
                 ORCH,
                 "decision",
-                f"resume {was} from checkpoint {version} (step {step}) by the operator: queued at {where}: {why}",
+                f"resume {was} from checkpoint {version} (step {step}) {by}: queued at {where}: {why}",
             )
             self._reopen(job, f"queued: {why}", JobState.STANDBY)
         except BaseException:
@@ -207,7 +217,8 @@ class OperatorResume:
         """Under the lock, ``_start_queued``: place a queued operator resume (``job.relaunch``).
         Returns the allocator's refusal when its ranks do not fit yet (nothing changed)."""
         r = job.relaunch
-        return self._place_resume(job, int(r["step"]), str(r["version"]), self._relaunch_spec(job), [])
+        by, keep = str(r.get("by", "by the operator")), bool(r.get("keep_budgets", False))
+        return self._place_resume(job, int(r["step"]), str(r["version"]), self._relaunch_spec(job), [], by, keep)
 
     def _relaunch_spec(self, job: _Job) -> JobSpec | None:
         """The new layout a queued operator resume starts at (None: the job's own, or none queued)."""
