@@ -85,6 +85,8 @@ class Departures:
 
     def _depart_job(self, job: _Job, worker_id: str, deadline_s: float, source: str) -> None:
         """Under the lock: one job's answer to its node's departure (module docstring)."""
+        if job.parked:  # (drained or parked by `surgectl down`: its ranks stop with the stack)
+            return
         head = f"node {worker_id} departs in {max(deadline_s, 0.0):.0f} s ({source})"
         if job.departure:  # (moving already: the relaunch after its checkpoint places the ranks off both)
             self._record(job, ORCH, DEPARTURE, f"{head}: folded into the move off {job.departure} under way")
