@@ -1,4 +1,4 @@
-"""surgectl pause, resume, thaw, rollback, scale, stop, cancel, revoke and uncordon: operator commands."""
+"""surgectl pause, resume, thaw, rollback, scale, stop, cancel, revoke, uncordon and drain: operator commands."""
 
 from __future__ import annotations
 
@@ -315,3 +315,28 @@ def uncordon(worker: str = typer.Argument(..., help="the worker id, as `surgectl
     left = clients.call("control", lambda st: st.UncordonWorker(req, timeout=10)).cordoned
     still = f"; still cordoned: {', '.join(c.worker_id for c in left)}" if left else ""
     _say(f"{worker}: uncordoned; ranks may be placed on it again{still}")
+
+
+@app.command(name="drain")
+def drain_node(
+    worker: str = typer.Argument(..., help="the worker id, as `surgectl status` lists it"),
+    deadline: float = typer.Option(..., "--deadline", help="seconds until the node leaves (> 0)"),
+) -> None:
+    """Move every job off a node that leaves within DEADLINE seconds: nothing new is placed
+    on it, and each job with ranks there checkpoints at a step boundary every rank agrees on,
+    then continues on other slots from that checkpoint (no step lost, no fault). A deadline
+    too short for the job's last measured save moves it at once from its newest checkpoint,
+    with a warning in its events. `surgectl uncordon` makes the node placeable again.
+
+    Example: surgectl drain worker-2 --deadline 120
+    """
+    if not deadline > 0:
+        raise CliError(f"--deadline must be more than 0 seconds, got {deadline:g}", code=2)
+    req = control_pb2.DrainWorkerRequest(worker_id=worker, deadline_seconds=deadline)
+    moved = clients.call("control", lambda st: st.DrainWorker(req, timeout=10)).jobs
+    jobs = (
+        f"; moving {', '.join(j.job_id for j in moved)} (`surgectl events JOB --type departure`)"
+        if moved
+        else "; no job's ranks on it"
+    )
+    _say(f"{worker}: draining, leaves within {deadline:g} s; nothing new is placed on it{jobs}")

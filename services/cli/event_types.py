@@ -25,6 +25,7 @@ EVENT_TYPES = (
     "decision",  # the fault policy's decision on an incident
     "recovery",  # a recovery's progress
     "scale",  # a resize
+    "departure",  # a node leaving with notice: its checkpoint and move, or why not (a warning)
     "tags",  # the operator's tags set or removed (surgectl tag)
     "note",  # the operator's note (surgectl note)
     "profile",  # a profile asked (surgectl profile), and each rank's files

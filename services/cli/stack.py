@@ -32,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.cli.errors import CliError
 from services.common import logs, paths
+from services.common.departure import departure_seconds_from_env
 from services.common.grpc_server import EXIT_PORT_IN_USE, channel
 from services.common.pids import pid_alive
 from services.worker.memory_copies import remove_dead_dirs
@@ -473,7 +474,8 @@ def restart(name: str, grace_s: float = STOP_GRACE_SECONDS, timeout_s: float = 6
     """Stop service ``name`` of the running stack (SIGTERM to its process group, SIGKILL
     after ``grace_s`` seconds), start it again with the same command line (same ports),
     wait until it reports SERVING, and record its new pid in ``stack.json`` (so `down`
-    stops it). The other services keep running; a restarted worker's ranks stop with it.
+    stops it). The other services keep running; a restarted worker's ranks stop with it (its
+    SIGTERM is a departure with notice: the grace gets the agent's departure deadline on top).
 
     Returns (old, new). Raises:
         CliError: no stack, no service ``name`` in it, its command line unknown, or it did
@@ -486,6 +488,8 @@ def restart(name: str, grace_s: float = STOP_GRACE_SECONDS, timeout_s: float = 6
         raise CliError(f"SERVICE: no service {name!r} in {stack_file()} (one of: {', '.join(procs)})", code=2)
     old = procs[name]
     line = (old.service, list(old.args)) if old.args else _command_line(old)  # (read while it runs)
+    if old.service == "worker":  # (a departure with notice: control moves its ranks away first)
+        grace_s += departure_seconds_from_env()
     _stop(old, grace_s)
     return old, _start_again(procs, name, _env(), paths.run_dir(), timeout_s, line)
 

@@ -72,6 +72,7 @@ MUTATING_METHODS = frozenset(
             "RevokeOrder",
             "AnnotateJob",
             "ProfileJob",
+            "DrainWorker",
         )
     ]
     + ["/surge.v1.StoreService/Delete", "/surge.v1.DataService/Delete"]

@@ -231,6 +231,7 @@ def build(
             control_pb2.AnnotateJobRequest,
             control_pb2.ProfileJobRequest,
             control_pb2.UncordonWorkerRequest,
+            control_pb2.DrainWorkerRequest,
         ),
     )
     servicer = ControlServicer(user=user, watches=watches, sessions=sessions, max_sessions=max_sessions)

@@ -125,6 +125,18 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UncordonWorker: worker_id is required")
         return self._command(context, request)
 
+    def DrainWorker(self, request, context):
+        # An unknown node is the operator's typo: refused here, where the node agents' sessions
+        # are known, before anything is cordoned.
+        known = self._sessions.worker_ids()
+        if request.worker_id not in known:
+            listed = ", ".join(known) if known else "none"
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"drain: worker {request.worker_id!r} is not registered (registered: {listed})",
+            )
+        return self._command(context, request)
+
     async def WatchJob(self, request, context) -> AsyncIterator[control_pb2.JobEvent]:
         """History from ``from_seq``, then (with ``follow``) live events until TERMINATED.
         Subscribing before reading the history and skipping seen seqs closes the gap

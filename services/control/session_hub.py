@@ -221,6 +221,11 @@ class SessionHub:
         """``shutdown`` was called: a session ending now is control going, not its node."""
         return self._shutting_down
 
+    def worker_ids(self) -> list[str]:
+        """The node agents with a session open now (`surgectl drain` names one of them)."""
+        with self._lock:
+            return sorted(self._sessions)
+
     def shutdown(self) -> None:
         """End every session without reporting anything (control is stopping)."""
         with self._lock:

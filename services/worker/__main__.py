@@ -25,9 +25,12 @@ takes a free port (the bound one is registered).
 Serves ``surge.v1.WorkerService`` (RankSession), ``surge.v1.MemoryCopyService`` (the
 in-memory checkpoint copies, ``memory_copies.py``), ``surge.v1.AuditService`` (the route
 counts of this node's rank processes, asked over their sessions) plus health and
-reflection. Rank processes serve no port of their own. SIGTERM or
-SIGINT: kill the rank process groups, close the session, stop the server, exit 0. A port
-in use: one line on stderr, exit 2.
+reflection. Rank processes serve no port of their own. SIGTERM or SIGUSR1 (Slurm's
+`--signal=USR1@N`): a departure with notice (departure.py): control is told the deadline
+(``--departure-seconds``, SURGE_WORKER_DEPARTURE_SECONDS, default 30) and the ranks run until
+control released them (moved away after a checkpoint) or the deadline passed; then, as for
+SIGINT at once: kill the rank process groups, close the session, stop the server, exit 0. A
+port in use: one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -38,10 +41,12 @@ import signal
 import socket
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
 from services.common import logs, paths, thread_names
+from services.common.departure import DEFAULT_DEPARTURE_SECONDS, DEPARTURE_ENV
 from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
 from services.common.service_args import (
     ServiceArgumentParser,
@@ -60,6 +65,7 @@ from services.contract.relay import pack
 from services.contract.validation import ContractError, refuse, validate_table
 from services.worker import rank_logs
 from services.worker.control_link import ControlSession, Outbox
+from services.worker.departure import NOTICE_SIGNALS, announcement, wait_for_release
 from services.worker.gpu_health import GpuHealthSampler
 from services.worker.hardware import (
     DEFAULT_MEMINFO,
@@ -135,7 +141,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(env SURGE_WORKER_GPU_MEMORY_PRESSURE_FRACTION)",
     )
     env_option(p, "--metrics-port", "SURGE_WORKER_METRICS_PORT", port, "0", "Prometheus /metrics port (0: off)")
+    p.add_argument(
+        "--departure-seconds",
+        type=seconds(DEPARTURE_ENV),
+        default=env.get(DEPARTURE_ENV) or DEFAULT_DEPARTURE_SECONDS,
+        help="on SIGTERM or SIGUSR1, keep the ranks this long while control moves them away after a "
+        f"checkpoint (env {DEPARTURE_ENV}; default {DEFAULT_DEPARTURE_SECONDS:g}; 0: stop them at once)",
+    )
     args = p.parse_args(argv)
+    args.departure_seconds = float(args.departure_seconds)
     if args.port is None:
         p.error("--port (or SURGE_WORKER_PORT) is required")
     if not args.control:
@@ -277,8 +291,15 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
+    signalled: list[tuple[int, float]] = []  # (signal, unix time): the first one decides
+
+    def on_signal(signum, frame) -> None:
+        if not signalled:
+            signalled.append((signum, time.time()))
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, *NOTICE_SIGNALS):
+        signal.signal(sig, on_signal)
     server.start([SERVICE_NAME, AuditServicer.SERVICE_NAME] + ([MEMORY_SERVICE_NAME] if memory is not None else []))
     session.start()
     if links is not None:
@@ -299,12 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     stop.wait()
 
     log.info("worker stopping")
-    if sampler is not None:
-        sampler.stop()
-    if gpus is not None:
-        gpus.stop()
-    if links is not None:
-        links.stop()
+    signum, signalled_unix = signalled[0] if signalled else (signal.SIGTERM, time.time())
     # Say it first: control places no rank here any more, and the exits that follow are
     # this agent's departure (one incident), not crashes.
     outbox.put(
@@ -314,6 +330,25 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     )
+    if signum in NOTICE_SIGNALS and args.departure_seconds > 0 and agent.has_ranks():
+        # A departure with notice: control checkpoints the jobs here and moves their ranks away
+        # (it releases them here); the samplers and probes keep watching them meanwhile.
+        outbox.put(announcement(registration.incarnation, args.departure_seconds, signalled_unix, signum))
+        log.info(
+            "departing: ranks kept until released",
+            signal=signal.Signals(signum).name,
+            deadline_s=args.departure_seconds,
+        )
+        why = wait_for_release(
+            agent.has_ranks, session.connected, args.departure_seconds - (time.time() - signalled_unix)
+        )
+        log.info("departing: stopping", why=why)
+    if sampler is not None:
+        sampler.stop()
+    if gpus is not None:
+        gpus.stop()
+    if links is not None:
+        links.stop()
     agent.shutdown(SHUTDOWN_GRACE_SECONDS)  # first: no rank may outlive the agent
     if memory is not None:
         memory.close()

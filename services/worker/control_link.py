@@ -197,6 +197,7 @@ class ControlSession:
         self._log_every = log_every_seconds
         self._keeper = beats
         self._stop = threading.Event()
+        self._open = threading.Event()  # a session is open now (registered)
         self._lock = threading.Lock()
         self._call: Any = None
         self._ready: grpc.Future | None = None
@@ -218,6 +219,10 @@ class ControlSession:
             self._keeper.keep_agent_beat(self.BEAT_SECONDS, self._outbox.beat)
         else:
             self._beats.start()
+
+    def connected(self) -> bool:
+        """A session with control is open now (a departing agent waits for control only then)."""
+        return self._open.is_set()
 
     def close(self, drain_seconds: float = 1.0) -> None:
         """Give queued events ``drain_seconds`` to go up, then end the session for good."""
@@ -294,6 +299,7 @@ class ControlSession:
             header = dict(self._call.initial_metadata() or ())
             applied = int(header[LAST_SEQ_HEADER]) if header.get(LAST_SEQ_HEADER, "").isdigit() else None
             pending, resent = self._outbox.resume(applied)
+            self._open.set()
             if REGISTERED_HEADER in header:
                 self._log.info(
                     "registered with control",
@@ -317,6 +323,7 @@ class ControlSession:
             code = e.code() if hasattr(e, "code") else None
             return f"{getattr(code, 'name', 'error')}: {e.details() if hasattr(e, 'details') else e}"
         finally:
+            self._open.clear()
             ended.set()
             self._outbox.pause()
             with self._lock:

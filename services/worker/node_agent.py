@@ -492,6 +492,11 @@ class NodeAgent:
         r.commands.put(END_OF_COMMANDS)
         r.stream_closed.set()
 
+    def has_ranks(self) -> bool:
+        """A rank process still lives here (released or not): a departing agent waits for none."""
+        with self._lock:
+            return any(not r.dead for r in self._ranks.values())
+
     def running(self) -> list[control_pb2.LaunchRanks]:
         """The rank processes alive here and not released, one LaunchRanks per job (its
         job config and assignments as launched): declared in every registration, so a

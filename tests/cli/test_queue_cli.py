@@ -142,3 +142,22 @@ def test_status_shows_a_quarantined_worker_and_uncordon_releases_it_or_refuses_a
         assert (code, out.strip()) == (0, "wa: uncordoned; ranks may be placed on it again")
         code, out, _ = run(monkeypatch, capsys, "status")
         assert code == 0 and "unhealthy workers" not in out
+
+
+def test_drain_cordons_a_node_in_a_line_and_refuses_an_unknown_node_or_a_bad_deadline(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SURGE_HOME", str(tmp_path))
+    with served_control(tmp_path / "control.db", monkeypatch) as (plane, stub):
+        plane.sessions.open(registration("wa"))
+        code, out, err = run(monkeypatch, capsys, "drain", "wz", "--deadline", "60")
+        assert (code, out, err.strip()) == (2, "", "error: drain: worker 'wz' is not registered (registered: wa)")
+        for bad in ("0", "-3"):
+            code, out, err = run(monkeypatch, capsys, "drain", "wa", "--deadline", bad)
+            assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "--deadline" in err, err
+        code, out, _ = run(monkeypatch, capsys, "drain", "wa", "--deadline", "60")
+        assert (code, out.strip()) == (
+            0,
+            "wa: draining, leaves within 60 s; nothing new is placed on it; no job's ranks on it",
+        )
+        monkeypatch.setenv("COLUMNS", "300")
+        code, out, _ = run(monkeypatch, capsys, "status")
+        assert code == 0 and "draining: leaves within 60 s (`surgectl drain`)" in out

@@ -578,7 +578,8 @@ def test_release_terminates_sleeping_ranks_and_kills_one_that_ignores_sigterm_af
 
 def test_sigterm_of_the_agent_kills_every_rank_and_its_children_then_exits_zero(cluster):
     control = cluster.control()
-    agent = cluster.agent(control.port)
+    # Without notice (0 s): a departure with a deadline is tests/worker/test_departure_agent.py's.
+    agent = cluster.agent(control.port, env={"SURGE_WORKER_DEPARTURE_SECONDS": "0"})
     control.servicer.registration()
     launch(control.servicer, "fam", "family", world_size=2)
     pids = list(started_ranks(cluster, control.servicer, 2).values())

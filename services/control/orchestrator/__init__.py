@@ -81,6 +81,8 @@ relay), FaultReport (L1-3; one with no job is a worker's own fault: a device_err
 worker), ResourcePressure (L1-2, observed and recorded), ResourcesReady
 without a job (L1-2: a worker registered; the queue's head is tried), WorkerCordoned (L1-2: a
 cordon in force or ended; journaled, listed with the jobs),
+WorkerDeparting (a node agent's SIGTERM or SIGUSR1, with its deadline), DrainWorkerRequest
+(`surgectl drain`),
 CheckpointVerification / SnapshotFailed / CheckpointCorrupt (L5-1 via the store relay: the
 verification's answer, a failed save or verification with its typed cause, a scrub finding).
 Outputs: AllocateResources / ReleaseResources / CordonWorker (L1-2), StartFaultMonitoring / ResetFaultLedger
@@ -107,6 +109,8 @@ order; the operator's queries never take it):
   (``fault_policy.freeze_seconds``, FreezeTraining; issue 29 item 9);
 - rollback.py: `surgectl rollback`, the live ranks loading a version in place;
 - annotations.py: the operator's tags and notes on a job (`surgectl tag`, `note`);
+- departure.py: a node leaving with notice (a node agent's WorkerDeparting, `surgectl drain`):
+  each job there checkpoints at an agreed boundary and its ranks move off the node (issue 30 item 5);
 - journal.py: restore after a control restart.
 
 and plain records and functions: job.py (``_Job``, ``_Incident``, ``_Scale``, the legal
@@ -117,7 +121,8 @@ report is to its job: a pure function), the machines: recovery_machine.py (a rec
 waits), resize_machine.py, rollback_machine.py, each pure transitions (state, event) ->
 (new state, [effects]) whose effects (effects.py: records, commands, the group started)
 one function performs (``_apply_effects``), request_ids.py (a submit retried by request id
-gets its first job), refusals.py, layout.py, texts.py. Every decision on a fault reads the policy through
+gets its first job), departure_plan.py (a departure's deadline against the job's last save),
+refusals.py, layout.py, texts.py. Every decision on a fault reads the policy through
 services/control/fault_decision.py.
 """
 

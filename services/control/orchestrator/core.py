@@ -46,6 +46,7 @@ from services.control.job_store import JobStore
 from services.control.metrics import ControlMetrics
 from services.control.orchestrator.activity import REFUSE, Admission, Ask, admit, end
 from services.control.orchestrator.annotations import Annotating
+from services.control.orchestrator.departure import Departures
 from services.control.orchestrator.effects import Effects
 from services.control.orchestrator.faults import FaultIntake
 from services.control.orchestrator.freeze import Freezing
@@ -96,6 +97,7 @@ class Orchestrator(
     RollingBack,
     Annotating,
     Profiling,
+    Departures,
     JournalRestore,
 ):
     """Owns every job's state machine. Thread-safe: one short lock orders all decisions
@@ -312,6 +314,7 @@ class Orchestrator(
         job.recovered = None
         # An ended job is nobody's to resume by itself: a drain or a resume in flight ends with it.
         job.draining = job.parked = job.parked_live = job.resume_after_pause = job.status.drained = False
+        job.departure = ""
         # Journal the terminal state first: a failing release must never lose it.
         self._transition(job, JobState.TERMINATED, ORCH, f"{JobOutcome.Name(outcome)}: {message}")
         self._allocator(control_pb2.ReleaseResources(job_id=job.status.job_id, kill=kill))

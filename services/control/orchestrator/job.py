@@ -258,6 +258,14 @@ class _Job:
     # the stack): not waited for after a control restart, and a resume relaunches them from
     # a checkpoint (an operator resume asking the store is the job's activity, ``_Resume``).
     draining: bool = False
+    # A node of the job's leaves with notice (departure.py): the worker id whose departure the
+    # pause in flight checkpoints for; once every rank paused the ranks are relaunched without
+    # it. Not journaled: a restarted control's agents say their departure again.
+    departure: str = ""
+    # The job's last measured save (seconds from its step's report to the commit; 0: none yet):
+    # what a departure's deadline is weighed against (not journaled).
+    save_seconds: float = 0.0
+    placed_on: list[str] = field(default_factory=list)  # the workers its last relaunch was allocated on
     parked: bool = False
     # Parked by a drain in this control's lifetime: its paused ranks still run until the stack
     # stops (a `surgectl down` interrupted before it did); a resume then continues them in

@@ -149,6 +149,7 @@ class Recovery:
         job.pending = ""  # a pause in flight ends here: the incident keeps it (``paused``)
         # A drain ends here too: the recovered job is not `up`'s to resume (its ranks are new).
         job.draining = job.parked = job.parked_live = job.resume_after_pause = job.status.drained = False
+        job.departure = ""  # (a recovery supersedes a departure's move: its relaunch places the ranks)
         if isinstance(superseded, _Reload):  # (the ranks it loads into are being replaced)
             self._record(
                 job, ORCH, "recovery",
@@ -442,7 +443,7 @@ class Recovery:
         self._end_data_wait(job)
         end(job)  # (its ranks are killed: a recovery, a resize or a rollback in flight ends here)
         job.recovered = None
-        job.pending = ""
+        job.pending, job.departure = "", ""
         job.parked, job.parked_live, job.resume_after_pause = True, False, False
         if job.status.state == JobState.PAUSED:  # (paused by the operator, its ranks alive: now gone)
             self._record(job, ORCH, "state", f"PAUSED: {message}", status_message=message)

@@ -26,6 +26,11 @@ class WorkerNotCordoned(ValueError, Refusal):
     naming it and those cordoned; a typo, never a failure of L1-1."""
 
 
+class BadDeparture(ValueError, Refusal):
+    """`surgectl drain` with no worker or a deadline that is not > 0 seconds (gRPC
+    INVALID_ARGUMENT): one line naming it; nothing changed."""
+
+
 class BadAnnotation(ValueError, Refusal):
     """`surgectl tag` / `note` with a malformed key, value or note, or a tag to remove the job
     does not have (gRPC INVALID_ARGUMENT): one line naming it; nothing changed."""

@@ -173,7 +173,15 @@ class OperatorResume:
         return chosen[0], chosen[1], candidates
 
     def _queue_resume(
-        self, job: _Job, step: int, version: str, spec: JobSpec | None, why: str, beyond: bool = False
+        self,
+        job: _Job,
+        step: int,
+        version: str,
+        spec: JobSpec | None,
+        why: str,
+        beyond: bool = False,
+        by: str = "by the operator",
+        keep_budgets: bool = False,
     ) -> None:
         """Under the lock: an operator resume that cannot be placed now waits in the queue
         (STANDBY), at the job's priority (a drained job first), to relaunch from ``version``
@@ -186,6 +194,8 @@ class OperatorResume:
         self._queue.mark_beyond_cluster(job_id, beyond)
         try:
             job.relaunch = {"version": version, "step": step, "spec": spec_to_json(spec) if spec is not None else ""}
+            if keep_budgets:  # (a departure's move, placed later: said and done as decided now)
+                job.relaunch.update(by=by, keep_budgets=True)
             job.parked = job.parked_live = job.draining = job.resume_after_pause = False
             job.status.outcome = JobOutcome.OUTCOME_UNSPECIFIED
             job.queued = entry
@@ -194,7 +204,7 @@ class OperatorResume:
                 job,
                 ORCH,
                 "decision",
-                f"resume {was} from checkpoint {version} (step {step}) by the operator: queued at {where}: {why}",
+                f"resume {was} from checkpoint {version} (step {step}) {by}: queued at {where}: {why}",
             )
             self._reopen(job, f"queued: {why}", JobState.STANDBY)
         except BaseException:
@@ -207,19 +217,29 @@ class OperatorResume:
         """Under the lock, ``_start_queued``: place a queued operator resume (``job.relaunch``).
         Returns the allocator's refusal when its ranks do not fit yet (nothing changed)."""
         r = job.relaunch
-        return self._place_resume(job, int(r["step"]), str(r["version"]), self._relaunch_spec(job), [])
+        by, keep = str(r.get("by", "by the operator")), bool(r.get("keep_budgets", False))
+        return self._place_resume(job, int(r["step"]), str(r["version"]), self._relaunch_spec(job), [], by, keep)
 
     def _relaunch_spec(self, job: _Job) -> JobSpec | None:
         """The new layout a queued operator resume starts at (None: the job's own, or none queued)."""
         return spec_from_json(job.relaunch["spec"]) if job.relaunch and job.relaunch.get("spec") else None
 
     def _place_resume(
-        self, job: _Job, step: int, version: str, spec: JobSpec | None, candidates: list[tuple]
+        self,
+        job: _Job,
+        step: int,
+        version: str,
+        spec: JobSpec | None,
+        candidates: list[tuple],
+        by: str = "by the operator",
+        keep_budgets: bool = False,
     ) -> control_pb2.ResourcesInsufficient | None:
         """Under the lock: allocate the job's ranks to load ``version`` (``step``) and start the
         new generation (WARMING_UP). Returns the allocator's refusal when they do not fit
         (nothing reserved, nothing changed); a failure after the allocation takes the ranks
-        back and puts the job back as it was, then raises."""
+        back and puts the job back as it was, then raises. ``by``: who decided it, for the
+        event; ``keep_budgets``: a move off a departing node (departure.py), not the operator's
+        fresh start: the restart budgets spent stay spent."""
         job_id = job.status.job_id
         new = spec or job.spec
         spec_json = spec_to_json(new)
@@ -254,10 +274,11 @@ class OperatorResume:
             job.started, job.paused, job.exited, job.placement = set(), set(), set(), {}
             job.pending, job.pending_at, job.recovered = "", 0, None
             end(job, _Incident)  # (this resume's own activity ends when its answer is given)
-            job.restarts, job.ignored, job.excluded = Counter(), Counter(), set()
+            if not keep_budgets:
+                job.restarts, job.ignored, job.excluded = Counter(), Counter(), set()
             job.verdicts, job.revoked = {}, {}
             job.parked = job.parked_live = job.draining = job.resume_after_pause = False
-            job.relaunch = None
+            job.relaunch, job.departure, job.placed_on = None, "", list(reply.worker_ids)
             # Going back to an older version starts a new branch: what was committed after it
             # is never a recovery's choice (the fresh-user trial saw a fault right after
             # `resume --from J:17` relaunch from J:20, the branch the operator left).
@@ -276,9 +297,10 @@ class OperatorResume:
                 job,
                 ORCH,
                 "decision",
-                f"resume {was} from checkpoint {version} (step {step}) by the operator{layout}: "
+                f"resume {was} from checkpoint {version} (step {step}) {by}{layout}: "
                 f"{reply.world_size} ranks allocated on {', '.join(reply.worker_ids)}; "
-                f"rendezvous {reply.master_addr}:{reply.master_port}; restart budgets reset",
+                f"rendezvous {reply.master_addr}:{reply.master_port}; "
+                + ("restart budgets kept" if keep_budgets else "restart budgets reset"),
                 spec_json=spec_json if spec is not None else None,  # (the new spec, with the decision)
             )
             self._reopen(job, f"ranks launching to resume from checkpoint {version} at step {step}")

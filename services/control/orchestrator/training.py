@@ -8,6 +8,7 @@ from typing import Any
 
 from services.contract import Module, control_pb2, engine_pb2, store_pb2
 from services.control import fault_decision as fd
+from services.control.orchestrator.departure_plan import save_seconds
 from services.control.orchestrator.job import FROZEN, ORCH, JobOutcome, JobState, _Job, _rebuilding
 from services.control.orchestrator.recovery import _step_verdict
 from services.control.orchestrator.texts import _newest, checkpoint_text
@@ -229,6 +230,7 @@ class RankEvents:
                 return  # every rank relays the same commit; record it once
             job.status.checkpoint_version = msg.version
             job.versions.append((msg.step, msg.version))
+            job.save_seconds = save_seconds(job.last_step_unix, msg, time.time()) or job.save_seconds
             self._record(
                 job,
                 Module.L5_CHECKPOINT_MANAGER,
@@ -262,6 +264,8 @@ class RankEvents:
                 return
             if len(job.paused) < job.status.world_size:
                 self._keep(job)
+            elif job.departure:  # a node leaves: its checkpoint is committed, the ranks move (departure.py)
+                self._departure_paused(job, msg.step)
             else:
                 job.pending = ""
                 job.status.step = msg.step
