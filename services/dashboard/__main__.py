@@ -19,6 +19,7 @@ from pathlib import Path
 from services.common import logs, paths
 from services.common.grpc_server import AUTH_TOKEN_ENV, EXIT_PORT_IN_USE, TlsConfigError
 from services.common.service_args import ServiceArgumentParser, env_option, listen_host, port
+from services.dashboard import charts
 from services.dashboard.access import Access, tls_context
 from services.dashboard.server import Dashboard, Server, make_handler
 from services.dashboard.sources import Sources
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     if context is not None:
         # The handshake on the request's thread, not in accept(): a slow client holds only its own.
         server.socket = context.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
+    charts.warm_up()  # (before /healthz answers: the first page is drawn as fast as the next)
     scheme = "https" if context is not None else "http"
     log.info("dashboard serving", url=f"{scheme}://{args.host}:{server.server_address[1]}/", control=args.control)
 
