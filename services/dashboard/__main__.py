@@ -61,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return EXIT_PORT_IN_USE if e.errno == errno.EADDRINUSE else 2
     if context is not None:
-        # The handshake on the request's thread, not in accept(): a slow client holds only its own.
-        server.socket = context.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
+        server.secure(context)
     charts.warm_up()  # (before /healthz answers: the first page is drawn as fast as the next)
     scheme = "https" if context is not None else "http"
     log.info("dashboard serving", url=f"{scheme}://{args.host}:{server.server_address[1]}/", control=args.control)

@@ -13,6 +13,7 @@ docs/LOG.md report as page times.
 from __future__ import annotations
 
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from http import HTTPStatus
@@ -182,3 +183,8 @@ def make_handler(dashboard: Dashboard, access: Access, client_certificates: bool
 class Server(ThreadingHTTPServer):
     daemon_threads = True  # (a page being drawn never holds up the service's exit)
     allow_reuse_address = True
+
+    def secure(self, context: ssl.SSLContext) -> None:
+        """Serve over TLS with ``context`` (``access.tls_context``). The handshake happens on
+        the request's thread, not in accept(): a slow client holds up only itself."""
+        self.socket = context.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
