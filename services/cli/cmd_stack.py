@@ -45,7 +45,8 @@ def up(
         )
     render.console.print(
         f"stack is up; metrics: http://127.0.0.1:{procs['store'].metrics_port}/metrics "
-        "(every service serves its own, see above); `surgectl audit` shows the routes used",
+        "(every service serves its own, see above); `surgectl audit` shows the routes used; "
+        "`surgectl dashboard` prints the web dashboard's URL",
         soft_wrap=True,
     )
     from services.cli import drain
