@@ -51,16 +51,19 @@ test: setup tools
 
 # Debian tools some tests use, installed where missing: promtool and prometheus (metrics
 # and config checks, a real scrape), docker-compose (`docker-compose config -q`). Tests that
-# need one skip, saying why, when it could not be installed.
+# need one skip, saying why, when it could not be installed. chromium and chromium-driver:
+# the dashboard's browser test (tests/dashboard/browser.py), which fails without them
+# (SURGE_SKIP_BROWSER=1 opts a machine out).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 tools:
 	@missing=""; \
 	{ command -v promtool && command -v prometheus; } >/dev/null || missing="$$missing prometheus"; \
 	command -v docker-compose >/dev/null || missing="$$missing docker-compose"; \
+	{ command -v chromium && command -v chromedriver; } >/dev/null || missing="$$missing chromium chromium-driver"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing$$missing (apt-get)"; \
 	  { $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $$missing; } >/dev/null \
-	    || echo "warning: could not install$$missing; the tests that need it will skip"; \
+	    || echo "warning: could not install$$missing; the tests that need it will skip (the browser test fails)"; \
 	fi
 
 # docker-compose.yml for real, not part of `make test` (about 12 min the first time, 6 of

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from services.cli import clients, render, stack
+from services.cli import clients, dashboard, render, stack
 from services.cli.app import _say, app
 from services.cli.errors import CliError
 
@@ -45,7 +45,8 @@ def up(
         )
     render.console.print(
         f"stack is up; metrics: http://127.0.0.1:{procs['store'].metrics_port}/metrics "
-        "(every service serves its own, see above); `surgectl audit` shows the routes used",
+        "(every service serves its own, see above); `surgectl audit` shows the routes used; "
+        "`surgectl dashboard` prints the web dashboard's URL",
         soft_wrap=True,
     )
     from services.cli import drain
@@ -93,7 +94,34 @@ def down(
             drained = _park_jobs() if force else _drain_running_jobs(drain_seconds)
     with stack.ignoring_interrupts():  # a stop cut in half would leave agents without their control
         stopped = stack.down(control_first=drained or force)
+        if dashboard.stop():  # (it reads the stack: nothing to show once the stack is gone)
+            stopped.append("dashboard")
     render.console.print(f"stopped {', '.join(stopped)}" if stopped else "no stack was running")
+
+
+@app.command("dashboard")
+def dashboard_url(
+    stop: bool = typer.Option(False, "--stop", help="stop the dashboard (the stack keeps running)"),
+) -> None:
+    """Print the URL of the local stack's web dashboard, starting it when it is not running:
+    read-only pages of the cluster, the queue, each job (curves, events, checkpoints, logs)
+    and jobs compared. The URL holds the token (SURGE_AUTH_TOKEN, else one made for this
+    stack); the first page opened sets it as a cookie. `surgectl down` stops it too.
+
+    Example: surgectl dashboard
+    """
+    from urllib.parse import quote
+
+    if stop:
+        _say("dashboard stopped" if dashboard.stop() else "no dashboard was running")
+        return
+    proc = dashboard.start()
+    render.console.print(
+        f"dashboard: {proc.base_url}/?token={quote(dashboard.token(), safe='')}  (pid {proc.pid}, log {proc.log})",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 DOWN_INTERRUPTED = (

@@ -32,7 +32,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 SURGECTL = [sys.executable, "-m", "services.cli.surgectl"]
-INJECT = "tkill:hang@12:rank=1,tstall:hang@12:rank=1"
+INJECT = "tkill:hang@12:rank=1,tstall:hang@12:rank=1" + "".join(
+    f",tdash:slow_steps@1:rank={r}:seconds=0.3"
+    for r in (0, 1)  # (the dashboard's job: running across page loads)
+)
 
 JOB = """\
 name: {name}
@@ -145,7 +148,7 @@ def running_stack(
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    jobs = ("tkill", "tstop", "tpause", "tlate", "tstall", "exacta", "exactb", "tworker")
+    jobs = ("tkill", "tstop", "tpause", "tlate", "tstall", "exacta", "exactb", "tdash", "tworker")
     with running_stack(
         tmp_path_factory.mktemp("surge-faults"), ("json", "email", "logging"), jobs, env={"SURGE_FAULT_INJECT": INJECT}
     ) as s:
@@ -423,6 +426,63 @@ def test_a_run_killed_after_a_checkpoint_and_recovered_ends_bit_identical_to_an_
     assert [k for k in model if not torch.equal(sa[k], sb[k])] == [], "final parameters differ"
     optim = sorted(k for k in sa if k.startswith("optim."))
     assert [k for k in optim if k in sb and not torch.equal(sa[k], sb[k])] == [], "final optimizer state differs"
+
+
+def test_the_dashboard_in_a_real_browser_shows_a_running_jobs_curve_grow_and_its_fault(stack):
+    # The dashboard (`surgectl dashboard`) over this module's stack, in headless chromium: the
+    # pages load with the URL's token (refused without), a running job's loss curve has more
+    # steps at the second load than at the first, and a SIGKILLed rank's fault shows in its
+    # events under the type filter. Its job is paced (0.3 s a step) so that it runs throughout.
+    from selenium.webdriver.common.by import By
+
+    from tests.dashboard.browser import chromium, load
+
+    job = stack.submit(spec("tdash", steps=400, every=1000))
+    try:
+        out = cli(stack.home, "dashboard")
+        assert out.returncode == 0, out.stdout + out.stderr
+        url = out.stdout.split("dashboard: ", 1)[1].split()[0]
+        base = url.split("/?", 1)[0]
+        times: dict[str, float] = {}
+
+        def points() -> int:
+            return int(browser.find_element(By.ID, "chart-loss").get_attribute("data-points"))
+
+        with chromium() as browser:
+            browser.get(f"{base}/job/{job}")
+            assert browser.title.startswith("401") and job not in browser.page_source
+            times["jobs"] = load(browser, url)  # the token traded for a cookie
+            assert browser.find_element(By.CSS_SELECTOR, f'tr[data-job="{job}"]')
+            stack.wait_step(job, 3)
+            times["job"] = load(browser, f"{base}/job/{job}")
+            first = points()
+            stack.wait_step(job, stack.status(job).step + 3)
+            times["job, again"] = load(browser, f"{base}/job/{job}")
+            assert points() > first >= 1, f"the loss curve did not grow: {first} then {points()} points"
+            times["queue"] = load(browser, f"{base}/queue")
+            assert browser.find_element(By.ID, "placed").text.count(job) == 1
+            times["cluster"] = load(browser, f"{base}/cluster")
+            workers = {e.get_attribute("data-worker") for e in browser.find_elements(By.CSS_SELECTOR, "tr.worker")}
+            assert workers >= {"worker-0", "worker-1"}, workers
+            times["logs"] = load(browser, f"{base}/job/{job}/logs")
+            assert browser.find_element(By.ID, "logs").text.strip()
+            times["compare (pick)"] = load(browser, f"{base}/compare")
+            (victim,) = stack.rank_pids(job, 1)
+            os.kill(victim, signal.SIGKILL)
+            deadline = time.monotonic() + 60  # (control's log first: each page load draws four charts)
+            while not causes(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job), timeout=30), "SEVERE rank_exit"):
+                assert time.monotonic() < deadline, "control recorded no rank_exit fault within 60 s"
+                time.sleep(0.2)
+            times["job, fault events"] = load(browser, f"{base}/job/{job}?type=fault")
+            shown = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "tr.ev-fault")]
+            assert any("rank_exit: rank 1" in t for t in shown), shown
+            assert not browser.find_elements(By.CSS_SELECTOR, "tr.ev-state")  # (the filter: faults only)
+        print("dashboard page loads in chromium (ms): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
+    finally:
+        stack.stub.StopJob(control_pb2.StopJobRequest(job_id=job, no_checkpoint=True), timeout=30)
+        t0 = time.monotonic()
+        while stack.status(job).state != JobState.TERMINATED and time.monotonic() - t0 < 60:
+            time.sleep(0.2)
 
 
 def test_a_dead_node_agent_is_graded_within_a_second_and_its_rank_moves_to_the_other_worker(stack):

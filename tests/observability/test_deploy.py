@@ -24,7 +24,7 @@ def compose() -> dict:
 
 def test_docker_compose_config_is_valid():
     binary = require_tool("docker-compose", "docker-compose")
-    for args in ([], ["--profile", "grafana", "--profile", "cli"]):
+    for args in ([], ["--profile", "grafana", "--profile", "cli", "--profile", "dashboard"]):
         r = subprocess.run(
             [binary, "-f", str(COMPOSE), *args, "config", "-q"], cwd=REPO, capture_output=True, text=True, timeout=120
         )
@@ -66,6 +66,17 @@ def test_compose_flags_are_accepted_by_each_service():
         assert r.returncode == 0, r.stderr
         for flag in (a for a in cmd[3:] if a.startswith("--")):
             assert flag in r.stdout, f"{name}: {module} has no {flag}"
+
+
+def test_the_compose_dashboard_reads_control_and_the_store_with_flags_its_parser_knows():
+    cmd = compose()["services"]["dashboard"]["command"]
+    assert cmd[:3] == ["python", "-m", "services.dashboard"]
+    assert cmd[cmd.index("--control") + 1] == "control:50051" and cmd[cmd.index("--store") + 1] == "store:50052"
+    r = subprocess.run(
+        [sys.executable, "-m", "services.dashboard", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    assert [f for f in cmd[3:] if f.startswith("--") and f not in r.stdout] == []
 
 
 def test_deploy_prometheus_config_passes_promtool_and_scrapes_every_compose_service():

@@ -1,0 +1,183 @@
+"""The local stack's dashboard process (`surgectl dashboard`): started on demand beside the
+stack, recorded in ``$SURGE_HOME/run/dashboard.json``, stopped by `surgectl down`.
+
+It is started on demand, not by every `up`: most stacks (the tests' among them) are never
+looked at in a browser. The token it asks for is SURGE_AUTH_TOKEN when the stack has one,
+else one made for this stack (``run/dashboard.token``, mode 0600): the URL printed holds it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from services.cli import stack
+from services.cli.errors import CliError
+from services.common import paths
+from services.common.grpc_server import AUTH_TOKEN_ENV, EXIT_PORT_IN_USE, TLS_CERT_ENV
+from services.common.pids import pid_alive
+
+START_SECONDS = 30.0
+START_ATTEMPTS = 3  # a port taken between choosing it and binding it: another, up to this many times
+
+
+@dataclass
+class DashboardProc:
+    pid: int
+    port: int
+    log: str
+
+    @property
+    def base_url(self) -> str:
+        scheme = "https" if os.environ.get(TLS_CERT_ENV) else "http"
+        return f"{scheme}://{stack.HOST}:{self.port}"
+
+
+def record_file() -> Path:
+    return paths.run_dir() / "dashboard.json"
+
+
+def token_file() -> Path:
+    return paths.run_dir() / "dashboard.token"
+
+
+def token() -> str:
+    """SURGE_AUTH_TOKEN, else this stack's own (made once, readable by its owner only)."""
+    if os.environ.get(AUTH_TOKEN_ENV):
+        return os.environ[AUTH_TOKEN_ENV]
+    f = token_file()
+    if not f.exists():
+        f.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_urlsafe(24) + "\n")
+    return f.read_text().strip()
+
+
+def running() -> DashboardProc | None:
+    f = record_file()
+    if not f.exists():
+        return None
+    proc = DashboardProc(**json.loads(f.read_text()))
+    return proc if pid_alive(proc.pid) else None
+
+
+def start() -> DashboardProc:
+    """The running dashboard of this stack, or a new one started and answering.
+
+    Raises:
+        CliError: no stack is running, or the dashboard did not start (its log's last line)."""
+    if proc := running():
+        return proc
+    procs = stack.read_stack()
+    if not procs or "control" not in procs or "store" not in procs:
+        raise CliError("no local stack is running (`surgectl up` starts one; the dashboard reads it)")
+    token()  # (made before the process reads it)
+    control = procs["control"]
+    for attempt in range(START_ATTEMPTS):
+        proc = _spawn(procs, stack.free_port())
+        record_file().write_text(json.dumps(asdict(proc)))
+        status = _wait_answering(proc)
+        if status is None:
+            return proc
+        if status != EXIT_PORT_IN_USE or attempt == START_ATTEMPTS - 1:
+            record_file().unlink(missing_ok=True)
+            raise CliError(f"the dashboard did not start (control at {control.address}): {_last_line(proc.log)}")
+    raise AssertionError("unreachable")
+
+
+def stop(timeout_s: float = 5.0) -> bool:
+    """SIGTERM the recorded dashboard (SIGKILL after ``timeout_s``); whether one ran."""
+    proc = running()
+    record_file().unlink(missing_ok=True)
+    if proc is None:
+        return False
+    os.kill(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while pid_alive(proc.pid) and not _reaped(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if pid_alive(proc.pid) and not _reaped(proc.pid):
+        os.kill(proc.pid, signal.SIGKILL)
+    return True
+
+
+def _spawn(procs: dict, port: int) -> DashboardProc:
+    log = paths.run_dir() / "logs" / "dashboard.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    control, store = procs["control"], procs["store"]
+    args = [
+        "--host", stack.HOST, "--port", str(port), "--control", control.address, "--store", store.address,
+        "--token-file", str(token_file()),
+    ]  # fmt: skip
+    if control.metrics_port:
+        args += ["--control-metrics", f"http://{stack.HOST}:{control.metrics_port}/metrics"]
+    env = {**os.environ, "SURGE_HOME": str(paths.surge_home()), "PYTHONUNBUFFERED": "1"}
+    with open(log, "ab") as out:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "services.dashboard", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,  # (not stopped by a Ctrl-C of the surgectl that started it)
+        )
+    _CHILDREN[p.pid] = p
+    return DashboardProc(pid=p.pid, port=port, log=str(log))
+
+
+_CHILDREN: dict[int, subprocess.Popen] = {}
+
+
+def _reaped(pid: int) -> bool:
+    p = _CHILDREN.get(pid)
+    return p is not None and p.poll() is not None
+
+
+def _wait_answering(proc: DashboardProc) -> int | None:
+    """None once /healthz answers; the exit status if the process ended first."""
+    ctx = _client_context() if proc.base_url.startswith("https") else None
+    deadline = time.monotonic() + START_SECONDS
+    while time.monotonic() < deadline:
+        p = _CHILDREN[proc.pid]
+        if p.poll() is not None:
+            return p.returncode
+        try:
+            with urllib.request.urlopen(f"{proc.base_url}/healthz", timeout=2, context=ctx) as r:
+                if r.status == 200:
+                    return None
+        except OSError:
+            time.sleep(0.1)
+    raise CliError(f"the dashboard did not answer within {START_SECONDS:.0f} s; log: {proc.log}")
+
+
+def _client_context():
+    """TLS as this CLI speaks it to the services: the stack's CA when set (else the loopback
+    dashboard it just started is trusted as is), its certificate for mutual TLS."""
+    import ssl
+
+    from services.common.grpc_server import TLS_CA_ENV, TLS_KEY_ENV
+
+    ca = os.environ.get(TLS_CA_ENV)
+    ctx = ssl.create_default_context(cafile=ca) if ca else ssl.create_default_context()
+    ctx.check_hostname = False  # (127.0.0.1: the certificate names the service, not the address)
+    if not ca:
+        ctx.verify_mode = ssl.CERT_NONE
+    if os.environ.get(TLS_CERT_ENV) and os.environ.get(TLS_KEY_ENV):
+        ctx.load_cert_chain(os.environ[TLS_CERT_ENV], os.environ[TLS_KEY_ENV])
+    return ctx
+
+
+def _last_line(log: str) -> str:
+    try:
+        lines = [line for line in Path(log).read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return f"(no log at {log})"
+    return lines[-1] if lines else f"(its log {log} is empty)"

@@ -1,0 +1,97 @@
+"""Who may read the dashboard: the holder of the token, over mutual TLS where the stack uses it.
+
+The same gate as control's user port (services/common/grpc_server.py), made stricter for
+pages that show every job to whoever opens them:
+
+* a token is always required (SURGE_AUTH_TOKEN when the stack sets one, else the one
+  `surgectl dashboard` made for this stack): as ``Authorization: Bearer <token>``, or once
+  as ``?token=<token>`` in the URL, which answers with a cookie (HttpOnly, SameSite=Strict)
+  and a redirect to the same page without it;
+* with SURGE_TLS_CERT/KEY the pages are served over TLS; with SURGE_TLS_CA as well, a client
+  certificate signed by that CA is required and its identity (CN or DNS SAN) must be a role
+  that may speak as the operator (``ROLE_MODULES``: surge-user), as on the gRPC ports.
+
+Tokens are compared in constant time (``hmac.compare_digest``).
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import ssl
+from http.cookies import SimpleCookie
+
+from services.common.grpc_server import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TlsConfigError
+from services.common.identity import ROLE_MODULES
+from services.contract import Module
+
+COOKIE = "surge_dashboard"
+OPERATOR_ROLES = frozenset(r for r, modules in ROLE_MODULES.items() if Module.EXT_USER in modules)
+
+
+class Access:
+    """The token check (``token``: non-empty) and, under mutual TLS, the certificate check."""
+
+    def __init__(self, token: str):
+        if not token:
+            raise ValueError("the dashboard needs a token: it shows every job to whoever holds one")
+        self._token = token.encode()
+
+    def _same(self, offered: str | None) -> bool:
+        return bool(offered) and hmac.compare_digest(offered.encode(), self._token)
+
+    def by_header_or_cookie(self, authorization: str | None, cookie: str | None) -> bool:
+        """Whether the request carries the token (Bearer header, or the cookie set earlier)."""
+        if authorization and authorization.startswith("Bearer ") and self._same(authorization[len("Bearer ") :]):
+            return True
+        if cookie:
+            jar = SimpleCookie()
+            try:
+                jar.load(cookie)
+            except Exception:  # (a malformed Cookie header: as if none; http.cookies raises its own CookieError)
+                return False
+            if COOKIE in jar and self._same(jar[COOKIE].value):
+                return True
+        return False
+
+    def by_query(self, token: str | None) -> bool:
+        return self._same(token)
+
+    def cookie_header(self) -> str:
+        return f"{COOKIE}={self._token.decode()}; HttpOnly; SameSite=Strict; Path=/"
+
+
+def certificate_names(peer: dict | None) -> set[str]:
+    """The CN and DNS SANs of a peer certificate (``SSLSocket.getpeercert()``)."""
+    if not peer:
+        return set()
+    names = {value for rdn in peer.get("subject", ()) for key, value in rdn if key == "commonName"}
+    names |= {value for kind, value in peer.get("subjectAltName", ()) if kind == "DNS"}
+    return names
+
+
+def operator_certificate(peer: dict | None) -> bool:
+    """Whether a client certificate names a role that may speak as the operator."""
+    return bool(certificate_names(peer) & OPERATOR_ROLES)
+
+
+def tls_context() -> tuple[ssl.SSLContext | None, bool]:
+    """(the server's TLS context from SURGE_TLS_*, or None: plaintext; whether a client
+    certificate is required: SURGE_TLS_CA is set).
+
+    Raises:
+        TlsConfigError: only one of certificate and key is set."""
+    cert, key, ca = (os.environ.get(v) for v in (TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV))
+    if not cert and not key:
+        return None, False
+    if not cert or not key:
+        raise TlsConfigError(f"TLS needs both {TLS_CERT_ENV} and {TLS_KEY_ENV}")
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(cert, key)
+        if ca:
+            ctx.load_verify_locations(ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+    except OSError as e:
+        raise TlsConfigError(f"TLS files: cannot read: {e.strerror or e}") from None
+    return ctx, bool(ca)

@@ -1,0 +1,113 @@
+"""A job's curves: train loss, learning rate, gradient norm, tokens/s and held-out loss per step.
+
+Read from the store's raw step records (``<store root>/metrics/<job>.jsonl``: every step of
+every rank, as `surgectl plot` reads them) when that file is on this machine, else from
+control's event history (``WatchJob``), whose step events are sampled (about one a second)
+and carry no learning rate or gradient norm: those curves are then empty and the page says
+why (``Series.source``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.rotated_files import read_rotated
+from services.contract import control_pb2
+
+STORE_RECORDS = "the store's step records"
+SAMPLED_EVENTS = "control's event history (steps sampled about once a second; no learning rate or gradient norm)"
+
+
+@dataclass
+class Series:
+    """One rank's curves, each a list aligned with ``steps`` (NaN where a record lacks it)."""
+
+    source: str
+    rank: int = 0
+    steps: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    learning_rate: list[float] = field(default_factory=list)
+    grad_norm: list[float] = field(default_factory=list)
+    tokens_per_second: list[float] = field(default_factory=list)
+    eval_steps: list[int] = field(default_factory=list)
+    eval_loss: list[float] = field(default_factory=list)
+
+    def has(self, curve: str) -> bool:
+        """Whether ``curve`` (an attribute name) has a point that is a number."""
+        return any(not math.isnan(v) for v in getattr(self, curve))
+
+
+def from_records(path: Path, rank: int | None = None) -> Series | None:
+    """The curves of ``rank`` (default: the lowest rank recorded) from a metrics file and its
+    rotated files; None when the file is absent or holds no step record. A step recorded twice
+    (replayed after a rollback) keeps its last record. A line that is not JSON (a write cut
+    short by a crash) is passed over: the page shows the rest."""
+    try:
+        text = read_rotated(path)
+    except OSError:
+        return None
+    steps: dict[int, dict[int, tuple[float, float, float, float]]] = {}
+    evals: dict[int, dict[int, float]] = {}
+    for line in text.splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(r, dict) or "step" not in r:
+            continue
+        rk, step = int(r.get("rank", 0)), int(r["step"])
+        if r.get("type") == "step":
+            steps.setdefault(rk, {})[step] = (
+                _num(r.get("loss")),
+                _num(r.get("learning_rate")),
+                _num(r.get("grad_norm")),
+                _num(r.get("tokens_per_second")),
+            )
+        elif r.get("type") == "eval":
+            evals.setdefault(rk, {})[step] = _num(r.get("loss"))
+    if not steps:
+        return None
+    rank = min(steps) if rank is None or rank not in steps else rank
+    s = Series(source=STORE_RECORDS, rank=rank)
+    for step, (loss, lr, norm, tps) in sorted(steps[rank].items()):
+        s.steps.append(step)
+        s.loss.append(loss)
+        s.learning_rate.append(lr)
+        s.grad_norm.append(norm)
+        s.tokens_per_second.append(tps)
+    for step, loss in sorted(evals.get(rank, {}).items()):
+        if not math.isnan(loss):
+            s.eval_steps.append(step)
+            s.eval_loss.append(loss)
+    return s
+
+
+def from_events(events: Iterable[control_pb2.JobEvent]) -> Series:
+    """The curves from control's event log: each step event's status after it (a new step
+    only: a replayed step keeps its first point here), each evaluation's held-out loss."""
+    s = Series(source=SAMPLED_EVENTS)
+    for ev in events:
+        st = ev.status
+        if ev.type == "step" and st.step and (not s.steps or st.step > s.steps[-1]):
+            s.steps.append(st.step)
+            s.loss.append(st.train_loss)
+            s.learning_rate.append(math.nan)
+            s.grad_norm.append(math.nan)
+            s.tokens_per_second.append(st.tokens_per_second)
+        elif ev.type == "eval" and not math.isnan(st.eval_loss):
+            s.eval_steps.append(st.step)
+            s.eval_loss.append(st.eval_loss)
+    return s
+
+
+def _num(v) -> float:
+    if isinstance(v, str):  # the metrics logger writes NaN / Infinity as strings
+        try:
+            return float(v)
+        except ValueError:
+            return math.nan
+    return float(v) if isinstance(v, (int, float)) else math.nan

@@ -1,0 +1,190 @@
+"""The dashboard's HTTP side: routes, the access check, answers. Read-only: GET and HEAD only.
+
+Routes: ``/`` jobs, ``/queue``, ``/cluster``, ``/job/<id>`` (``?type=fault&type=...``: only
+those events), ``/job/<id>/logs`` (follows a live job), ``/compare?job=A&job=B...``, and
+``/healthz`` (no data: what `surgectl dashboard` waits for). Every other method is refused
+(405): the dashboard changes nothing.
+
+A page is drawn on its request's own thread (``ThreadingHTTPServer``); each answer carries
+``Server-Timing: page;dur=<ms>`` (the time to read and draw it), which the tests and
+docs/LOG.md report as page times.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import time
+from collections.abc import Callable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, unquote, urlencode, urlsplit
+
+import grpc
+
+from services.cli.event_types import EVENT_TYPES
+from services.dashboard import pages
+from services.dashboard.access import Access, operator_certificate
+from services.dashboard.sources import Sources
+
+log = logging.getLogger("surge.dashboard")
+
+
+class Dashboard:
+    """The pages, each a function of the request's query reading from ``sources``."""
+
+    def __init__(self, sources: Sources):
+        self._src = sources
+
+    def jobs(self) -> str:
+        return pages.jobs_page(self._src.jobs().jobs)
+
+    def queue(self) -> str:
+        return pages.queue_page(self._src.jobs().jobs)
+
+    def cluster(self) -> str:
+        listed = self._src.jobs()
+        return pages.cluster_page(self._src.slots(), listed.jobs, listed.cordoned)
+
+    def job(self, job_id: str, query: dict[str, list[str]]) -> str:
+        types = frozenset(t for v in query.get("type", ()) for t in v.split(",") if t in EVENT_TYPES)
+        status = self._src.job(job_id)
+        events = self._src.events(job_id)
+        return pages.job_page(
+            status,
+            events,
+            types,
+            self._src.series(job_id, events),
+            self._src.checkpoints(job_id),
+            self._src.logs(job_id),
+        )
+
+    def logs(self, job_id: str) -> str:
+        return pages.logs_page(self._src.job(job_id), self._src.logs(job_id))
+
+    def compare(self, query: dict[str, list[str]]) -> str:
+        wanted = list(dict.fromkeys(j for v in query.get("job", ()) for j in v.split(",") if j))
+        runs = []
+        for job_id in wanted:
+            status = self._src.job(job_id)
+            runs.append(pages.Run(status, self._src.series(job_id, self._src.events(job_id))))
+        return pages.compare_page(runs, [] if len(runs) >= 2 else self._src.jobs().jobs)
+
+
+def make_handler(dashboard: Dashboard, access: Access, client_certificates: bool) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "SurgeDashboard"
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args) -> None:  # (http.server's access log, into ours)
+            log.info("%s %s", self.address_string(), format % args)
+
+        def do_HEAD(self) -> None:
+            self._answer(head=True)
+
+        def do_GET(self) -> None:
+            self._answer(head=False)
+
+        def _refuse_method(self) -> None:
+            self._send(HTTPStatus.METHOD_NOT_ALLOWED, pages.error_page(405, "the dashboard is read-only"), head=False)
+
+        do_POST = do_PUT = do_DELETE = do_PATCH = _refuse_method
+
+        def _answer(self, head: bool) -> None:
+            t0 = time.perf_counter()
+            url = urlsplit(self.path)
+            query = parse_qs(url.query)
+            if url.path == "/healthz":
+                return self._send(HTTPStatus.OK, "ok", head, content_type="text/plain")
+            if client_certificates and not operator_certificate(self.connection.getpeercert()):
+                return self._send(
+                    HTTPStatus.FORBIDDEN,
+                    pages.error_page(403, "the client certificate is not an operator's (surge-user)"),
+                    head,
+                )
+            if not access.by_header_or_cookie(self.headers.get("Authorization"), self.headers.get("Cookie")):
+                if access.by_query(query.get("token", [None])[0]):
+                    rest = urlencode([(k, v) for k, vs in query.items() if k != "token" for v in vs], doseq=True)
+                    return self._redirect(url.path + (f"?{rest}" if rest else ""), access.cookie_header())
+                return self._send(
+                    HTTPStatus.UNAUTHORIZED,
+                    pages.error_page(
+                        401, "not authorized: open the URL `surgectl dashboard` prints (it holds the token)"
+                    ),
+                    head,
+                    extra={"WWW-Authenticate": 'Bearer realm="surge"'},
+                )
+            route = self._route(url.path, query)
+            if route is None:
+                return self._send(HTTPStatus.NOT_FOUND, pages.error_page(404, f"no page {url.path}"), head)
+            try:
+                page = route()
+            except grpc.RpcError as e:
+                code = e.code() if hasattr(e, "code") else None
+                status = HTTPStatus.NOT_FOUND if code == grpc.StatusCode.NOT_FOUND else HTTPStatus.BAD_GATEWAY
+                what = e.details() if hasattr(e, "details") else str(e)
+                return self._send(status, pages.error_page(int(status), f"{getattr(code, 'name', code)}: {what}"), head)
+            ms = (time.perf_counter() - t0) * 1000
+            self._send(HTTPStatus.OK, page, head, extra={"Server-Timing": f"page;dur={ms:.1f}"})
+
+        def _route(self, path: str, query: dict[str, list[str]]) -> Callable[[], str] | None:
+            if path == "/":
+                return dashboard.jobs
+            if path == "/queue":
+                return dashboard.queue
+            if path == "/cluster":
+                return dashboard.cluster
+            if path == "/compare":
+                return lambda: dashboard.compare(query)
+            if path.startswith("/job/"):
+                rest = path[len("/job/") :]
+                if rest.endswith("/logs"):
+                    job = unquote(rest[: -len("/logs")])
+                    return (lambda: dashboard.logs(job)) if job else None
+                job = unquote(rest)
+                return (lambda: dashboard.job(job, query)) if job and "/" not in job else None
+            return None
+
+        def _redirect(self, location: str, cookie: str) -> None:
+            self.send_response(HTTPStatus.SEE_OTHER)
+            self.send_header("Location", location)
+            self.send_header("Set-Cookie", cookie)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def _send(
+            self,
+            status: HTTPStatus,
+            text: str,
+            head: bool,
+            content_type: str = "text/html; charset=utf-8",
+            extra: dict[str, str] | None = None,
+        ) -> None:
+            body = text.encode()
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")  # (a job's page is a snapshot of now)
+            self.send_header("X-Content-Type-Options", "nosniff")
+            # Pages hold no script but the logs page's one line: nothing else may run or load.
+            self.send_header(
+                "Content-Security-Policy",
+                "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'; form-action 'self'",
+            )
+            for k, v in (extra or {}).items():
+                self.send_header(k, v)
+            self.end_headers()
+            if not head:
+                self.wfile.write(body)
+
+    return Handler
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True  # (a page being drawn never holds up the service's exit)
+    allow_reuse_address = True
+
+    def secure(self, context: ssl.SSLContext) -> None:
+        """Serve over TLS with ``context`` (``access.tls_context``). The handshake happens on
+        the request's thread, not in accept(): a slow client holds up only itself."""
+        self.socket = context.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)

@@ -1,0 +1,106 @@
+"""What the dashboard reads, and from where: the same calls `surgectl` makes.
+
+* control (as ``EXT_USER``, the operator's module): ListJobs (jobs, cordoned workers),
+  GetJob with its spec, WatchJob's history (not followed: a page is a snapshot), StreamLogs
+  (not followed);
+* control's /metrics: the allocator's slot census, ``surge_slots{worker_id,kind}``;
+* the store: List (a job's checkpoints);
+* a job's step records: the store's metrics file when it is on this machine (``series``),
+  else control's step events.
+
+Every call has a deadline: a page waits for a slow service at most that long and says what
+it could not read, never hangs. Channels are opened once and kept (gRPC reconnects them).
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from pathlib import Path
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.cli.observe import LogLine, merge, parse
+from services.common.grpc_server import channel
+from services.contract import Module, control_pb2, control_pb2_grpc, store_pb2, store_pb2_grpc
+from services.dashboard import series
+from services.dashboard.pages import Slots
+
+CALL_SECONDS = 10.0  # a read's deadline: control answers these from published snapshots
+
+
+class Sources:
+    """Read-only calls to control and the store. ``metrics_url``: control's /metrics ("" none:
+    the cluster page then says the slots are unknown); ``records_dir``: where the store's
+    metrics files are, when on this machine (None: control's events only)."""
+
+    def __init__(self, control: str, store: str, metrics_url: str = "", records_dir: Path | None = None):
+        self._control_channel = channel(control, module=Module.EXT_USER)
+        self._store_channel = channel(store, module=Module.EXT_USER)
+        self._control = control_pb2_grpc.ControlServiceStub(self._control_channel)
+        self._store = store_pb2_grpc.StoreServiceStub(self._store_channel)
+        self._metrics_url = metrics_url
+        self._records_dir = records_dir
+
+    def close(self) -> None:
+        self._control_channel.close()
+        self._store_channel.close()
+
+    def jobs(self) -> control_pb2.JobList:
+        return self._control.ListJobs(control_pb2.JobQuery(), timeout=CALL_SECONDS)
+
+    def job(self, job_id: str) -> control_pb2.JobStatus:
+        """Raises grpc.RpcError (NOT_FOUND: no such job)."""
+        return self._control.GetJob(control_pb2.JobQuery(job_id=job_id, with_spec=True), timeout=CALL_SECONDS)
+
+    def events(self, job_id: str) -> list[control_pb2.JobEvent]:
+        return list(self._control.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=False), timeout=CALL_SECONDS))
+
+    def series(self, job_id: str, events: list[control_pb2.JobEvent]) -> series.Series:
+        """Every step from the store's records when they are here, else the sampled events."""
+        if self._records_dir is not None:
+            found = series.from_records(self._records_dir / f"{job_id}.jsonl")
+            if found is not None:
+                return found
+        return series.from_events(events)
+
+    def checkpoints(self, job_id: str) -> list[store_pb2.CheckpointInfo] | None:
+        """The job's versions; None when the store does not answer (the page says so)."""
+        try:
+            return list(self._store.List(store_pb2.CheckpointQuery(job_id=job_id), timeout=CALL_SECONDS).checkpoints)
+        except grpc.RpcError:
+            return None
+
+    def logs(self, job_id: str) -> list[LogLine] | None:
+        """Every rank's lines merged by time (control has the job's node agents read them);
+        None when control cannot stream them."""
+        try:
+            stream = self._control.StreamLogs(
+                control_pb2.LogQuery(job_id=job_id, follow=False, rank=-1), timeout=CALL_SECONDS
+            )
+            return merge(parse(m.rank, m.line) for m in stream)
+        except grpc.RpcError:
+            return None
+
+    def slots(self) -> list[Slots] | None:
+        """Each registered worker's slots from control's census; None when not readable."""
+        if not self._metrics_url:
+            return None
+        try:
+            with urllib.request.urlopen(self._metrics_url, timeout=CALL_SECONDS) as r:
+                text = r.read().decode()
+        except OSError:
+            return None
+        return slots_of(text)
+
+
+def slots_of(exposition: str) -> list[Slots]:
+    """The ``surge_slots`` samples of a Prometheus text exposition, one entry per worker."""
+    found: dict[str, dict[str, int]] = {}
+    for family in text_string_to_metric_families(exposition):
+        if family.name != "surge_slots":
+            continue
+        for sample in family.samples:
+            worker, kind = sample.labels.get("worker_id", ""), sample.labels.get("kind", "")
+            found.setdefault(worker, {})[kind] = int(sample.value)
+    return [Slots(w, k.get("used", 0), k.get("free", 0)) for w, k in sorted(found.items())]

@@ -1,0 +1,134 @@
+"""The dashboard's HTTP side in-process, over a real socket, with canned sources: the token
+gate (header, cookie, the URL's token once), read-only methods, a missing job, the TLS peer
+check's names."""
+
+from __future__ import annotations
+
+import threading
+import urllib.error
+import urllib.request
+from http.client import HTTPConnection
+
+import grpc
+import pytest
+
+from services.contract import control_pb2
+from services.dashboard import series
+from services.dashboard.access import Access, certificate_names, operator_certificate
+from services.dashboard.server import Dashboard, Server, make_handler
+
+TOKEN = "s3cret-token"
+
+
+class NotFound(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.NOT_FOUND
+
+    def details(self):
+        return "no job nope"
+
+
+class Canned:
+    """Stands in for ``Sources``: one RUNNING job."""
+
+    def jobs(self):
+        return control_pb2.JobList(jobs=[control_pb2.JobStatus(job_id="demo-1", state=control_pb2.RUNNING)])
+
+    def job(self, job_id):
+        if job_id != "demo-1":
+            raise NotFound()
+        return self.jobs().jobs[0]
+
+    def events(self, job_id):
+        return []
+
+    def series(self, job_id, events):
+        return series.from_events(events)
+
+    def checkpoints(self, job_id):
+        return []
+
+    def logs(self, job_id):
+        return []
+
+    def slots(self):
+        return []
+
+
+@pytest.fixture(scope="module")
+def base():
+    server = Server(("127.0.0.1", 0), make_handler(Dashboard(Canned()), Access(TOKEN), client_certificates=False))
+    t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+    t.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    t.join(timeout=10)
+
+
+def get(base: str, path: str, method: str = "GET", headers: dict | None = None):
+    conn = HTTPConnection(base, timeout=10)
+    conn.request(method, path, headers=headers or {})
+    r = conn.getresponse()
+    body = r.read().decode()
+    conn.close()
+    return r, body
+
+
+def test_a_page_without_the_token_is_refused_and_health_says_nothing_but_ok(base):
+    r, body = get(base, "/")
+    assert r.status == 401 and "demo-1" not in body and r.getheader("WWW-Authenticate")
+    r, _ = get(base, "/", headers={"Authorization": "Bearer wrong"})
+    assert r.status == 401
+    r, body = get(base, "/healthz")
+    assert (r.status, body) == (200, "ok")
+
+
+def test_the_bearer_token_opens_every_page_with_its_time(base):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for path in ("/", "/queue", "/cluster", "/job/demo-1", "/job/demo-1/logs", "/compare"):
+        r, body = get(base, path, headers=auth)
+        assert r.status == 200, (path, body)
+        assert r.getheader("Server-Timing", "").startswith("page;dur=")
+    assert "demo-1" in get(base, "/", headers=auth)[1]
+
+
+def test_the_urls_token_is_traded_for_a_cookie_and_a_redirect_without_it(base):
+    r, _ = get(base, f"/job/demo-1?type=fault&token={TOKEN}")
+    assert r.status == 303 and r.getheader("Location") == "/job/demo-1?type=fault"
+    cookie = r.getheader("Set-Cookie")
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
+    r, body = get(base, "/job/demo-1?type=fault", headers={"Cookie": cookie.split(";")[0]})
+    assert r.status == 200 and "job demo-1" in body
+    r, _ = get(base, "/?token=wrong")
+    assert r.status == 401
+
+
+def test_the_dashboard_is_read_only_and_a_missing_job_is_404(base):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for method in ("POST", "PUT", "DELETE", "PATCH"):
+        assert get(base, "/job/demo-1", method=method, headers=auth)[0].status == 405
+    r, body = get(base, "/job/nope", headers=auth)
+    assert r.status == 404 and "no job nope" in body
+    assert get(base, "/nothing-here", headers=auth)[0].status == 404
+
+
+def test_only_a_certificate_naming_the_operators_role_passes_under_mutual_tls():
+    user = {"subject": ((("commonName", "someone"),),), "subjectAltName": (("DNS", "surge-user"),)}
+    worker = {"subject": ((("commonName", "surge-worker"),),)}
+    assert certificate_names(user) == {"someone", "surge-user"}
+    assert operator_certificate(user) and not operator_certificate(worker) and not operator_certificate(None)
+
+
+def test_a_dashboard_without_a_token_cannot_be_built():
+    with pytest.raises(ValueError):
+        Access("")
+
+
+def test_urllib_gets_the_page_with_the_header(base):
+    req = urllib.request.Request(f"http://{base}/cluster", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200 and "No worker is registered." in r.read().decode()
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"http://{base}/cluster", timeout=10)
+    assert refused.value.code == 401
