@@ -6,6 +6,7 @@ Every error a user can cause is one line on stderr and a non-zero exit.
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 
 import typer
@@ -31,6 +32,11 @@ for _module in (
     "cmd_checkpoints",
 ):
     importlib.import_module(f"services.cli.{_module}")
+# `--help`'s list shows each command's first paragraph: as one line, which the table wraps at its
+# width (typer keeps the docstring's own line breaks in it and wraps each of those lines again).
+for _info in app.registered_commands:
+    if _info.short_help is None and _info.callback is not None and _info.callback.__doc__:
+        _info.short_help = " ".join(inspect.cleandoc(_info.callback.__doc__).split("\n\n")[0].split())
 
 
 def main() -> None:
