@@ -45,7 +45,7 @@ PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "services.rank.__m
 class RankProcess:
     """One rank: ``script`` run as ``__main__`` with ``argv`` (or, ``script`` None, the
     ``main(argv)`` of ``module``), in ``cwd``, with ``env`` added to the environment, stdout and
-    stderr to ``log_path``."""
+    stderr to ``log_path`` (stderr to ``err_path`` instead where one is given: ``err``)."""
 
     def __init__(
         self,
@@ -55,13 +55,16 @@ class RankProcess:
         cwd: Path,
         env: dict[str, str],
         module: str = "",
+        err_path: Path | None = None,
     ) -> None:
         assert (script is None) != (not module), "a script or a module"
         self.log: IO[str] = open(log_path, "w")  # noqa: SIM115 - closed by the caller (finish_processes)
+        self.err: IO[str] | None = open(err_path, "w") if err_path else None  # noqa: SIM115 - as log
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)  # (read when the server starts: the first rank)
         target = str(script) if script is not None else ""
-        self._proc = ctx.Process(target=_run, args=(target, module, argv, str(log_path), str(cwd), env), daemon=True)
+        paths = (str(log_path), str(err_path or log_path))
+        self._proc = ctx.Process(target=_run, args=(target, module, argv, paths, str(cwd), env), daemon=True)
         self._proc.start()
         self.pid = self._proc.pid
         self.args = [target or f"-m {module}", *argv]
@@ -87,15 +90,15 @@ class RankProcess:
         os.kill(self.pid, sig)
 
 
-def _run(script: str, module: str, argv: list[str], log_path: str, cwd: str, env: dict[str, str]) -> None:
+def _run(script: str, module: str, argv: list[str], paths: tuple[str, str], cwd: str, env: dict[str, str]) -> None:
     """In the forked child: what ``python script *argv`` would do (``module``: what the
-    product's rank fork server does, its ``main(argv)``), output to ``log_path``."""
+    product's rank fork server does, its ``main(argv)``), stdout and stderr to ``paths``."""
     sys.stdout.flush()
     sys.stderr.flush()
-    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    for target, path in zip((1, 2), paths, strict=True):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(fd, target)
+        os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's own stdout
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's own stderr
     os.environ.update(env)
