@@ -4,14 +4,14 @@ job spec, with fault injections, returning each rank's saved results."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from services.jobspec import JobSpec, spec_to_json
-from tests.conftest import free_ports, run_to_end
+from tests.conftest import free_ports
+from tests.rank_forks import run_ranks_to_end
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINE_TESTS = REPO / "tests" / "engine"
@@ -27,11 +27,8 @@ def run_two_ranks(spec: JobSpec, out: Path, ckpt: Path, inject: str, resume: str
     out.mkdir(parents=True, exist_ok=True)
     (port,) = free_ports(1)
     env = {**os.environ, "SURGE_FAULT_INJECT": inject, "SURGE_HOME": str(out / "home"), "PYTHONPATH": str(REPO)}
-    run_to_end(
-        [
-            [sys.executable, str(HARNESS), str(r), "2", str(port), str(out), str(ckpt), spec_to_json(spec), resume]
-            for r in (0, 1)
-        ],
+    run_ranks_to_end(  # (forked with torch imported: tests/rank_forks.py)
+        [[str(HARNESS), str(r), "2", str(port), str(out), str(ckpt), spec_to_json(spec), resume] for r in (0, 1)],
         timeout=240,
         cwd=ENGINE_TESTS,
         env=env,

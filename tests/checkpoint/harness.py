@@ -27,6 +27,7 @@ from services.jobspec import JobSpec, spec_to_json
 from services.worker.metric_stream import MetricStreams
 from tests.callers import any_caller_channel
 from tests.conftest import free_ports
+from tests.rank_forks import RankProcess
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,6 +67,14 @@ class Processes:
         self.procs.append(proc)
         return proc
 
+    def start_rank(self, name: str, argv: list[str]) -> RankProcess:
+        """The product's rank (``python -m services.rank *argv``), forked as the node agent's
+        fork server forks it: ``main(argv)`` in a child of a process that has imported torch
+        and the rank's modules (tests/rank_forks.py), not a new interpreter importing them."""
+        proc = RankProcess(None, argv, self.logs / f"{name}.log", REPO, child_env(), module="services.rank.__main__")
+        self.procs.append(proc)
+        return proc
+
     def log(self, name: str) -> str:
         path = self.logs / f"{name}.log"
         return path.read_text(errors="replace")[-4000:] if path.exists() else ""
@@ -79,6 +88,9 @@ class Processes:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 pass
+        for p in self.procs:
+            if isinstance(p, RankProcess):
+                p.log.close()  # (the test process's handle on a forked rank's log)
 
 
 def start_store(procs: Processes, root: Path, name: str = "store") -> tuple[subprocess.Popen, str]:
@@ -213,20 +225,7 @@ class Cluster:
         (master_port,) = free_ports(1)
         tag = f"{job}-{self._launches}"
         procs = [
-            self.procs.start(
-                f"{tag}-rank{r}",
-                [
-                    sys.executable,
-                    "-m",
-                    "services.rank",
-                    "--session",
-                    self.agent_address,
-                    "--job",
-                    job,
-                    "--rank",
-                    str(r),
-                ],
-            )
+            self.procs.start_rank(f"{tag}-rank{r}", ["--session", self.agent_address, "--job", job, "--rank", str(r)])
             for r in range(world)
         ]
         links = [self.agent.link(job, r) for r in range(world)]

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import grpc
@@ -35,6 +37,7 @@ from services.contract import Module, store_pb2, store_pb2_grpc
 from services.contract.failures import CAUSE_METADATA, FailureCause
 from services.rank.store_client import CheckpointIntegrityError, StoreClient
 from tests.conftest import free_ports
+from tests.rank_forks import RankProcess
 
 from .harness import REPO, Processes, child_env, store_stub, verify, versions_of, wait_ready
 
@@ -55,28 +58,31 @@ def start_store(procs: Processes, root: Path, *extra: str, name: str = "store") 
 
 
 def ranks(address: str, job: str, actions: str, forbidden: Path, die: str = "", world: int = 2):
-    """One launch of ``world`` rank processes running ``actions`` (remote_rank_main.py);
-    with ``die`` ("STEP:N"), the last rank kills itself at the N-th chunk of its save of
-    STEP. -> [(exit code, stdout lines, stderr tail)]."""
+    """One launch of ``world`` rank processes running ``actions`` (remote_rank_main.py, forked
+    with torch imported: tests/rank_forks.py); with ``die`` ("STEP:N"), the last rank kills
+    itself at the N-th chunk of its save of STEP. -> [(exit code, stdout lines, stderr tail)]."""
     (port,) = free_ports(1)
+    logs = Path(tempfile.mkdtemp(prefix="remote-ranks-"))
     procs = []
     for r in range(world):
-        argv = [sys.executable, str(HERE / "remote_rank_main.py"), address, job, "-", str(MIB)]
-        argv += [str(r), str(world), str(port), actions, str(forbidden)]
+        argv = [address, job, "-", str(MIB), str(r), str(world), str(port), actions, str(forbidden)]
         if die and r == world - 1:
             argv.append(die)
-        procs.append(
-            subprocess.Popen(argv, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        )
-    out = []
+        out, err = logs / f"rank{r}.out", logs / f"rank{r}.err"
+        procs.append(RankProcess(HERE / "remote_rank_main.py", argv, out, REPO, child_env(), err_path=err))
+    result = []
     for p in procs:
         try:
-            stdout, stderr = p.communicate(timeout=120)
+            p.wait(timeout=120)
         except subprocess.TimeoutExpired:
             p.kill()
-            stdout, stderr = p.communicate()
-        out.append((p.returncode, stdout.splitlines(), stderr[-3000:]))
-    return out
+            p.wait()
+        p.log.close()
+        p.err.close()
+        stdout, stderr = Path(p.log.name).read_text(), Path(p.err.name).read_text(errors="replace")
+        result.append((p.returncode, stdout.splitlines(), stderr[-3000:]))
+    shutil.rmtree(logs, ignore_errors=True)
+    return result
 
 
 def said(result, prefix: str) -> list[str]:

@@ -136,8 +136,7 @@ def _check_rank(world: int, rank: int, parallel: dict, hf_dir: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_each_rank_materialises_its_shards_of_the_one_process_weights_without_communication(tmp_path):
-    import subprocess
-    import sys
+    from pathlib import Path
 
     from services.compute import hf_format
     from services.jobspec import JobSpec
@@ -146,24 +145,19 @@ def test_each_rank_materialises_its_shards_of_the_one_process_weights_without_co
         {"name": "hf", "steps": 1, "model": SHARDED.model_dump(), "data": {"dataset": "corpus@v1", "seq_len": 16}}
     )
     hf_format.save_hf(tmp_path, build_model(SHARDED, 5).state_dict(), spec)
-    # One process per layout: a fake process group and its device meshes are per process.
-    procs = {
-        name: subprocess.Popen(
-            [sys.executable, __file__, str(world), str(rank), json.dumps(parallel), str(tmp_path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for name, (world, rank, parallel) in LAYOUTS.items()
-    }
-    try:
-        failed = {name: p.communicate(timeout=100)[0][-2000:] for name, p in procs.items()}
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert {name: p.returncode for name, p in procs.items()} == dict.fromkeys(LAYOUTS, 0), failed
+    # One process per layout: a fake process group and its device meshes are per process
+    # (forked with torch imported: tests/rank_forks.py).
+    from tests.rank_forks import run_ranks_to_end
+
+    run_ranks_to_end(
+        [
+            [__file__, str(world), str(rank), json.dumps(parallel), str(tmp_path)]
+            for world, rank, parallel in LAYOUTS.values()
+        ],
+        timeout=100,
+        tail=2000,
+        cwd=Path(__file__).resolve().parents[2],
+    )
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from services.common.boundary_commands import (
 )
 from services.contract import engine_pb2
 from services.rank.command_delay import DELAY_ENV, CommandDelay, parse_delays
-from tests.conftest import run_to_end
+from tests.rank_forks import run_ranks_to_end
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -131,8 +130,8 @@ def test_pause_stop_scale_and_revoke_delivered_5_s_late_to_one_rank_take_effect_
     port = free_port()
     env = {**os.environ, DELAY_ENV: f"PauseTraining+StopTraining+RevokeStandingOrder:{DELAY_S:g}:rank=1"}
     t0 = time.monotonic()
-    run_to_end(
-        [[sys.executable, str(HERE / "boundary_rank_main.py"), str(r), str(port), str(tmp_path)] for r in (0, 1)],
+    run_ranks_to_end(  # (forked with torch imported: tests/rank_forks.py)
+        [[str(HERE / "boundary_rank_main.py"), str(r), str(port), str(tmp_path)] for r in (0, 1)],
         timeout=200,
         tail=3000,
         cwd=REPO,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ from rank_fakes import free_port, tiny_spec
 from services.compute.inference import load_model_for_inference
 from services.compute.model import build_model
 from services.contract import Module
-from tests.conftest import run_to_end
+from tests.rank_forks import run_ranks_to_end
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -21,8 +20,8 @@ REPO = HERE.parents[1]
 @pytest.mark.timeout(120)
 def test_two_gloo_ranks_with_different_data_end_with_identical_parameters(tmp_path):
     port = free_port()
-    run_to_end(
-        [[sys.executable, str(HERE / "ddp_rank_main.py"), str(r), str(port), str(tmp_path)] for r in (0, 1)],
+    run_ranks_to_end(  # (forked with torch imported: tests/rank_forks.py)
+        [[str(HERE / "ddp_rank_main.py"), str(r), str(port), str(tmp_path)] for r in (0, 1)],
         timeout=100,
         tail=2000,
         cwd=REPO,

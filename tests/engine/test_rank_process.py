@@ -1,12 +1,13 @@
 """``python -m services.rank`` as a process, against an in-test node agent and data
-service (gRPC servers in this process): the RankSession protocol end to end."""
+service (gRPC servers in this process): the RankSession protocol end to end. Each rank is
+forked as the node agent's fork server forks it (its ``main(argv)`` in a child of a process
+that imported torch and the rank's modules: tests/rank_forks.py), not a new interpreter."""
 
 from __future__ import annotations
 
 import os
 import queue
 import subprocess
-import sys
 import threading
 from concurrent import futures
 from pathlib import Path
@@ -30,6 +31,7 @@ from services.contract.audit import abort_with_violation
 from services.contract.bus import BoundaryViolation
 from services.contract.relay import pack, unpack
 from services.jobspec import spec_to_json
+from tests.rank_forks import RankProcess
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(90)
@@ -118,33 +120,37 @@ class FakeDataService(data_pb2_grpc.DataServiceServicer):
 
 
 @pytest.fixture
-def services():
+def services(tmp_path):
     agent, data = FakeAgent(), FakeDataService()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(agent, server)
     data_pb2_grpc.add_DataServiceServicer_to_server(data, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    procs: list[subprocess.Popen] = []
-    yield agent, f"127.0.0.1:{port}", procs
+    procs: list[RankProcess] = []
+    yield agent, f"127.0.0.1:{port}", (procs, tmp_path)
     for p in procs:
         if p.poll() is None:
             p.kill()
         p.wait(10)
+        p.log.close()
     server.stop(0)
 
 
-def start_rank(address: str, procs: list, job: str = "job-1", env: dict | None = None) -> subprocess.Popen:
-    p = subprocess.Popen(
-        [sys.executable, "-m", "services.rank", "--session", address, "--job", job, "--rank", "0"],
-        cwd=REPO,
-        env={**os.environ, **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    procs.append(p)
+def start_rank(address: str, procs: tuple, job: str = "job-1", env: dict | None = None) -> RankProcess:
+    """``python -m services.rank`` as its node agent's fork server starts it: its ``main(argv)``
+    in a process forked with torch and the rank's modules imported (tests/rank_forks.py)."""
+    started, logs = procs
+    argv = ["--session", address, "--job", job, "--rank", "0"]
+    log = logs / f"rank-{len(started)}.log"
+    p = RankProcess(None, argv, log, REPO, {**os.environ, **(env or {})}, module="services.rank.__main__")
+    started.append(p)
     return p
+
+
+def output(proc: RankProcess) -> str:
+    """What the rank wrote to its stdout and stderr so far."""
+    return Path(proc.log.name).read_text(errors="replace")
 
 
 def push_setup(agent: FakeAgent, address: str, spec, device: str = "cpu") -> None:
@@ -171,7 +177,7 @@ def push_setup(agent: FakeAgent, address: str, spec, device: str = "cpu") -> Non
     )
 
 
-def released(agent: FakeAgent, proc: subprocess.Popen) -> None:
+def released(agent: FakeAgent, proc: RankProcess) -> None:
     """A rank that reported its failure waits for L1 (heartbeats go on) until released: here,
     its agent ends the session; then it exits 1."""
     with pytest.raises(subprocess.TimeoutExpired):
@@ -213,7 +219,7 @@ def test_a_rank_says_hello_reports_started_waits_for_start_and_exits_0_after_fin
     counts = {(Module.Name(c.sender), c.message, Module.Name(c.receiver)): c.count for c in final.routes}
     assert counts[("L2_TRAINING_LOOP", "surge.v1.RunForward", "L3_FORWARD_UNIT")] >= 4
     assert final.process == "rank 0 of job job-1" and list(final.violations) == []
-    assert proc.wait(30) == 0, proc.stderr.read()[-3000:]
+    assert proc.wait(30) == 0, output(proc)[-3000:]
 
 
 def test_an_unknown_dataset_is_reported_failed_data_unavailable_and_the_rank_waits_to_be_released(services):
@@ -246,7 +252,7 @@ def test_a_rank_pins_its_cpus_and_refuses_a_device_it_cannot_see_in_one_typed_li
     )
     assert os.sched_getaffinity(proc.pid) == {cpu}  # pinned before anything else ran
     released(agent, proc)
-    assert "Traceback" not in proc.stderr.read()
+    assert "Traceback" not in output(proc)
 
 
 def test_a_violation_the_data_service_returns_goes_up_before_the_failure_it_causes(services):

@@ -3,14 +3,13 @@ were corrupted after an update is found at the next check step and named."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from rank_fakes import free_port
 
-from tests.conftest import run_to_end
+from tests.rank_forks import run_ranks_to_end
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -20,8 +19,8 @@ def _run(tmp_path: Path, world: int, steps: int, every: int, inject_step: int, i
     tmp_path.mkdir(parents=True, exist_ok=True)
     port = free_port()
     argv = [str(steps), str(every), str(inject_step), str(inject_rank)]
-    run_to_end(
-        [[sys.executable, str(HERE / "replica_rank_main.py"), str(r), str(world), str(port), str(tmp_path), *argv]
+    run_ranks_to_end(  # (forked with torch imported: tests/rank_forks.py)
+        [[str(HERE / "replica_rank_main.py"), str(r), str(world), str(port), str(tmp_path), *argv]
          for r in range(world)],
         timeout=240, tail=2000, cwd=REPO,
     )  # fmt: skip

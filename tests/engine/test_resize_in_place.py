@@ -4,8 +4,9 @@ scale up and down by command (pause, ``ResumeTraining(rebuild=True)``); the kept
 their processes, new ranks heal from a live peer, and the job reads the same global sample
 sequence as a run nobody resized: every step's 12 rows, none repeated or skipped.
 
-Real gloo processes wired by the real rank composition root (tests/engine/resize_rank_main.py);
-the test plays L1 (the rendezvous, the launches, the kills).
+Real gloo processes wired by the real rank composition root (tests/engine/resize_rank_main.py),
+forked with torch and the rank's modules imported (tests/rank_forks.py); the test plays L1 (the
+rendezvous, the launches, the kills).
 
 Losses and weights are compared with the uninterrupted run at dp 3 within a tolerance, not
 bit for bit: after the resize the same rows are summed in another order (another dp split,
@@ -22,8 +23,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -33,6 +32,8 @@ import torch
 from rank_fakes import GlobalRowData, corpus_bytes, free_port, tiny_spec
 from rank_fakes import finish_processes as _finish
 
+from tests.rank_forks import RankProcess
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 MAIN = HERE / "resize_rank_main.py"
@@ -40,25 +41,17 @@ STEPS, KILL_AFTER, PAUSE_AT, ROWS_PER_STEP = 8, 4, 4, 12
 WEIGHTS_TOL, LOSS_RTOL = 1e-5, 1e-5  # (module docstring)
 
 
-def _start(scenario: str, role: str, rank: int, port: int, out: Path) -> subprocess.Popen:
-    """A rank process; its output goes to a file (a pipe nobody reads while it runs could fill)."""
-    log = open(out / f"{role}-{rank}.log", "w")  # noqa: SIM115 - closed with the process (_finish)
-    proc = subprocess.Popen(
-        [sys.executable, str(MAIN), scenario, role, str(rank), str(port), str(out)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO,
-        env=os.environ.copy(),
-    )
-    proc.log = log  # type: ignore[attr-defined]
-    return proc
+def _start(scenario: str, role: str, rank: int, port: int, out: Path) -> RankProcess:
+    """A rank process, forked with torch and the rank's modules imported (tests/rank_forks.py);
+    its output goes to a file (a pipe nobody reads while it runs could fill)."""
+    argv = [scenario, role, str(rank), str(port), str(out)]
+    return RankProcess(MAIN, argv, out / f"{role}-{rank}.log", REPO, dict(os.environ))
 
 
-def _wait_for(path: Path, procs: list[subprocess.Popen], timeout: float) -> None:
+def _wait_for(path: Path, procs: list[RankProcess], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
-        dead = [p.args[3:5] for p in procs if p.poll() is not None]
+        dead = [p.args[2:4] for p in procs if p.poll() is not None]  # (role, rank)
         assert not dead and time.monotonic() < deadline, f"no {path.name}; exited: {dead}"
         time.sleep(0.05)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 from concurrent import futures
@@ -20,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rank_fakes import free_port
 
 from services.contract import store_pb2, store_pb2_grpc
-from tests.conftest import run_to_end
+from tests.rank_forks import run_ranks_to_end
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -90,8 +89,8 @@ def test_both_ranks_skip_a_save_that_one_cannot_stage_or_whose_previous_commit_i
     try:
         port = free_port()
         env = {**os.environ, "SURGE_STORE_RPC_TIMEOUT_S": "1.0", "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE)])}
-        outs = run_to_end(
-            [[sys.executable, str(HERE / "save_agreement_main.py"), str(r), str(port), address] for r in (0, 1)],
+        outs = run_ranks_to_end(  # (forked with torch imported: tests/rank_forks.py)
+            [[str(HERE / "save_agreement_main.py"), str(r), str(port), address] for r in (0, 1)],
             timeout=100,
             tail=3000,
             cwd=REPO,

@@ -4,7 +4,7 @@ the schedule torch runs is the one the deadlock check verified, DCP round trip u
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import sys
 from pathlib import Path
 
@@ -13,7 +13,8 @@ import torch
 
 from services.compute.model import build_model
 from services.engine.schedule_check import schedule_actions
-from tests.conftest import free_ports, kill_all
+from tests.conftest import free_ports
+from tests.rank_forks import run_ranks_to_end
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -31,34 +32,17 @@ def reference(steps: int = STEPS):
 
 
 def run_ranks(out: Path, world: int, cfg: dict, timeout: float = 150) -> list[dict]:
-    """Start ``world`` rank processes, wait, return what each wrote (killed by PID on timeout)."""
+    """Run ``world`` rank processes (forked with torch imported: tests/rank_forks.py) to the
+    end (killed by PID on timeout), return what each wrote."""
     out.mkdir(parents=True, exist_ok=True)
     (port,) = free_ports(1)
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "pipeline_rank_main.py"),
-                str(r),
-                str(world),
-                str(port),
-                str(out),
-                json.dumps(cfg),
-            ],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    try:
-        logs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        kill_all([p.pid for p in procs if p.poll() is None])
-        for p in procs:
-            p.wait()
-    assert [p.returncode for p in procs] == [0] * world, "\n".join(log[-3000:] for log in logs)
+    script = str(HERE / "pipeline_rank_main.py")
+    run_ranks_to_end(
+        [[script, str(r), str(world), str(port), str(out), json.dumps(cfg)] for r in range(world)],
+        timeout=timeout,
+        cwd=REPO,
+        env=dict(os.environ),
+    )
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import sys
 import threading
 from pathlib import Path
 
@@ -39,7 +38,8 @@ from services.contract.comm_guard import (
 )
 from services.engine.mixed_precision import MixedPrecision
 from services.rank.store_client import StoreClient
-from tests.conftest import free_ports, run_to_end
+from tests.conftest import free_ports
+from tests.rank_forks import run_ranks_to_end
 
 from .reach import defines, reachable_communication
 from .wiring import MODULES, build_rank, module_files
@@ -292,8 +292,8 @@ def test_real_training_crosses_only_registered_boundaries():
     ports = free_ports(len(REAL_RUNS))
     runs = json.dumps([[port, parallel] for port, (parallel, _) in zip(ports, REAL_RUNS.values())])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "engine")])}
-    outs = run_to_end(
-        [[sys.executable, str(HERE / "comm_rank_main.py"), str(r), runs] for r in (0, 1)],
+    outs = run_ranks_to_end(  # (forked with torch imported: tests/rank_forks.py)
+        [[str(HERE / "comm_rank_main.py"), str(r), runs] for r in (0, 1)],
         timeout=150,
         cwd=REPO / "tests" / "engine",
         env=env,
