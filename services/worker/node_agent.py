@@ -417,7 +417,12 @@ class NodeAgent:
         event.generation = r.assignment.generation  # control drops an older one's (session_hub.py)
         kind = event.WhichOneof("event")
         if kind == "metrics":
-            self._metrics.submit(r.init.store_address, event.metrics, lambda ack: self._ack_metrics(r, ack))
+            self._metrics.submit(  # (one ack per batch to the rank: its acks count cumulatively)
+                r.init.store_address,
+                event.metrics,
+                lambda ack: self._ack_metrics(r, ack),
+                key=(r.job_id, r.rank, r.proc.pid),
+            )
             return
         if kind == "audit":
             with self._audit_answered:
