@@ -29,8 +29,9 @@ failure event in order: a rank's MetricsClient counts acks cumulatively). Measur
 demo model (dp 2, a step every ~0.35 s): a record, a batch, an ack to the agent and an ack
 to the rank per step per node became one of each per second (bench/stack_cost.py). What
 waits on an ack does not linger: a ``StopLogCollection`` (the rank's loop waits for it at its
-end) and everything held at :meth:`MetricStream.close` go at once, with every record before
-them. Nothing is lost by waiting: a record is held from ``submit`` until its ack, as before.
+end), what is held when a rank reports its loop's end (``flush``: a failed rank waits for its
+records' acks before it exits) and everything held at :meth:`MetricStream.close` go at once,
+with every record before them. Nothing is lost by waiting: a record is held from ``submit`` until its ack, as before.
 """
 
 from __future__ import annotations
@@ -121,6 +122,13 @@ class MetricStream:
                 self.dropped += 1
                 if self.dropped == 1 or self.dropped % 1000 == 0:
                     self._log.warning("metrics_buffer_full", store=self._address, held=self._max, dropped=self.dropped)
+            self._cond.notify_all()
+
+    def flush(self) -> None:
+        """Send every record held now without lingering (a rank ended its loop: it waits
+        for their acks before it exits)."""
+        with self._cond:
+            self._urgent = self._seq
             self._cond.notify_all()
 
     @property
@@ -243,8 +251,8 @@ class MetricStream:
 class MetricStreams:
     """The agent's metric streams, one per store address, opened at a rank's first record."""
 
-    def __init__(self, log: Any, buffer: int = METRICS_BUFFER):
-        self._log, self._buffer = log, buffer
+    def __init__(self, log: Any, buffer: int = METRICS_BUFFER, linger_s: float = METRICS_LINGER_S):
+        self._log, self._buffer, self._linger = log, buffer, linger_s
         self._lock = threading.Lock()
         self._streams: dict[str, MetricStream] = {}
 
@@ -254,8 +262,15 @@ class MetricStreams:
         with self._lock:
             stream = self._streams.get(address)
             if stream is None:
-                stream = self._streams[address] = MetricStream(address, self._log, self._buffer)
+                stream = self._streams[address] = MetricStream(address, self._log, self._buffer, self._linger)
         stream.submit(record, ack, key)
+
+    def flush(self, address: str) -> None:
+        """:meth:`MetricStream.flush` of the stream to ``address``, if there is one."""
+        with self._lock:
+            stream = self._streams.get(address)
+        if stream is not None:
+            stream.flush()
 
     def close(self, timeout: float = 5.0) -> None:
         with self._lock:

@@ -24,7 +24,7 @@ from services.contract.bus import Bus
 from services.rank.data_client import DataClient
 from services.rank.metrics_client import MetricsClient
 from services.rank.store_client import CheckpointError, CheckpointIntegrityError, StoreClient
-from services.worker.metric_stream import MetricStream
+from services.worker.metric_stream import MetricStream, MetricStreams
 from tests.module_failed import raised_in_module
 
 pytestmark = pytest.mark.timeout(60)
@@ -725,3 +725,20 @@ def test_the_flush_waits_for_a_silent_store_no_longer_than_its_bound_and_reports
     assert (up[0].failure.cause, up[0].failure.operation) == (route_pb2.FAILURE_TIMEOUT, "surge.v1.FlushCheckpoint")
     assert "the run ends without it" in up[0].reason
     client.close(timeout=1)
+
+
+def test_a_flush_sends_what_is_held_without_lingering(server):
+    """A rank that reported its loop's end (the node agent's ``flush``) waits for its
+    records' acks to exit: they do not wait out the linger."""
+    address, store = server
+    streams = MetricStreams(structlog.get_logger(), linger_s=60)
+    acks: list[store_pb2.MetricsAck] = []
+    streams.flush(address)  # no stream yet: nothing to do
+    streams.submit(address, _step(1, 1), acks.append, key="r")
+    streams.submit(address, _step(2, 2), acks.append, key="r")
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    streams.flush(address)
+    _wait_for(lambda: acks and acks[-1].seq == 2, timeout=5)
+    assert time.monotonic() - t0 < 3.0 and [n for _, n in store.batches] == [2]
+    streams.close(timeout=2)
