@@ -18,7 +18,8 @@ Measured:
 - registration: how many workers control acknowledged (``surge-registered`` header) within
   ``--register-timeout`` (60 s), and the latency of that acknowledgement (p50/p99);
 - event-handling latency: where the control API acknowledges events (``WorkerEvent.seq`` /
-  ``WorkerCommand.ack``), send -> ack of every event; otherwise rank 0's StepCompleted ->
+  ``WorkerCommand.ack``), send -> ack of every event (control started with
+  ``SURGE_CONTROL_ACK_S=0``: every commit acked at once, not paced); otherwise rank 0's StepCompleted ->
   the orchestrator's "step" job event (``JobEvent.unix_time`` - ``StepCompleted.unix_time``);
 - CPU of the control process (utime + stime from /proc, % of one core) over the steady window,
   and of the simulated agents' processes together (they share the machine's cores), and
@@ -249,6 +250,10 @@ def cpu_seconds(pid: int) -> float:
 def run(n: int, seconds: float, procs: int, register_timeout_s: float = 60.0, profile: str | None = None) -> dict:
 
     c.setup_env()
+    # Latency is read as send -> ack: control acks every commit at once here. Paced (at most
+    # one ack per session per second, services/control/ack_pacer.py: the default), an ack
+    # says only that a second passed, not when the event was decided.
+    os.environ["SURGE_CONTROL_ACK_S"] = "0"
     out: dict = {"workers": n, "seconds": seconds}
     with c.Stack(workers=0) as stack:
         control_pid = stack.pid("control")

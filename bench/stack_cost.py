@@ -111,8 +111,26 @@ def snapshot(roots: list[int]) -> dict[int, dict]:
     return out
 
 
+# The threads gRPC's Python code starts without a name, as the OS sees them (15 bytes):
+# ``Thread-N (_run)`` is a ``cygrpc.ForkManagedThread`` (its wrapper is ``_run``): a channel's
+# spin thread (grpc/_channel.py ``_run_channel_spin_thread``: polls the channel's completion
+# queue, waking every 0.2 s and per call event), or a stream call's request consumer
+# (``_consume_request_iterator``: runs our request generator, e.g. a rank's
+# ``Session._requests``); ``Thread-N (_serve)`` a sync server's completion-queue thread;
+# ``Thread-N (_poll_wrapper)`` an aio server's poller. Identified with py-spy dump (session 26).
+_GRPC_THREADS = (
+    (re.compile(r"^Thread-\d+ \(_run"), "gRPC spin/request (Thread-N (_run))"),
+    (re.compile(r"^Thread-\d+ \(_serv"), "gRPC server (Thread-N (_serve))"),
+    (re.compile(r"^Thread-\d+ \(_poll"), "gRPC aio poller (Thread-N (_poll_wrapper))"),
+)
+
+
 def _thread_group(name: str) -> str:
-    """A thread's name without its pool index (``data-io_3`` -> ``data-io``)."""
+    """A thread's name without its pool index (``data-io_3`` -> ``data-io``); gRPC's unnamed
+    threads by what they are."""
+    for pattern, group in _GRPC_THREADS:
+        if pattern.match(name):
+            return group
     return re.sub(r"[_-]?\d+$", "", name) or name
 
 

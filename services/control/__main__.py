@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from services.common import logs, paths, thread_names
+from services.common import grpc_waits, logs, paths, thread_names
 from services.common.grpc_server import AioServiceServer, PortInUse, serve_metrics
 from services.common.service_args import ServiceArgumentParser, address, env_option, listen_host, port
 from services.contract import (
@@ -331,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {bad}", file=sys.stderr)
         return 2
     thread_names.install()  # its threads seen by name from outside (bench/stack_cost.py)
+    grpc_waits.install()  # its stream readers wait without gRPC's 0.1 s poll (grpc_waits.py)
     log = logs.configure("control")
     try:
         # 64 threads: the operator RPCs (a WatchJob or StreamLogs stream holds one while open).

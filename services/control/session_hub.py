@@ -61,6 +61,7 @@ from services.common.fencing import GenerationFence
 from services.contract import Module, control_pb2, route_pb2, worker_pb2
 from services.contract.bus import Bus, Emitter
 from services.contract.relay import L1, L4, L5, RANK, Link, Routed, stamp_origin
+from services.control.ack_pacer import AckPacer
 from services.control.loop_queue import put_all
 from services.control.metrics import WORKER_EVENTS
 from services.control.session_fence import admit_generation, without_replaced
@@ -89,6 +90,7 @@ class AgentSession:
     dispatched: int = 0  # highest seq admitted to the applier's queues (``SessionHub.admit``)
     cursor: WorkerCursor | None = None  # the journaled seqs (shared by the incarnation's sessions)
     ack_queued: bool = False  # an _ACK marker waits in `commands` (acks are coalesced)
+    acked_at: float = float("-inf")  # time.monotonic() of its last ack queued (ack_pacer.py)
     # (job, rank, generation) of replaced incarnations whose events came up here: ended once
     fenced: set[tuple[str, int, int]] = field(default_factory=set)
 
@@ -139,6 +141,7 @@ class SessionHub:
         self.duplicates = 0  # sequenced events dropped as already applied (also a metric)
         self._lock = threading.Lock()
         self._sessions: dict[str, AgentSession] = {}
+        self._acks = AckPacer(self._lock, lambda sessions: put_all([(s.commands, _ACK) for s in sessions]))
         self._tails: dict[str, LogTail] = {}  # request id -> open StreamLogs request
         self._shutting_down = False
         # The newest incarnation (RankAssignment.generation) of each (job, rank) launched.
@@ -400,19 +403,12 @@ class SessionHub:
 
     def _queue_acks(self, sessions: Iterable[AgentSession]) -> None:
         """``_queue_ack`` for many sessions, waking the server's loop once for all of them
-        (a wake-up is a write to its self-pipe: one per ack was a measured 3 % of control)."""
-        with self._lock:
-            marked = [s for s in sessions if not (s.ack_queued or s.closed)]
-            for s in marked:
-                s.ack_queued = True
-        put_all([(s.commands, _ACK) for s in marked])
+        (a wake-up is a write to its self-pipe: one per ack was a measured 3 % of control);
+        at most one ack per session per interval (ack_pacer.py)."""
+        self._acks.queue(sessions)
 
     def _queue_ack(self, session: AgentSession) -> None:
-        with self._lock:
-            if session.ack_queued or session.closed:
-                return
-            session.ack_queued = True
-        session.commands.put(_ACK)
+        self._acks.queue((session,))
 
     def next_command(self, session: AgentSession) -> control_pb2.WorkerCommand | None:
         """The next command for the session's stream (blocks; for a ``queue.Queue``

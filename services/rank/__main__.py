@@ -70,7 +70,7 @@ import grpc
 import structlog
 import torch
 
-from services.common import fencing, thread_names
+from services.common import fencing, grpc_waits, thread_names
 from services.common.beat_grid import phase_from, seconds_to_next_beat
 from services.common.cpu_list import CPU_AFFINITY_ENV, parse_cpu_list
 from services.common.device_peaks import device_peak
@@ -603,6 +603,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         sys.exit(2)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # exit promptly, even inside a collective
     thread_names.install()  # its side threads seen by name from outside (bench/stack_cost.py)
+    grpc_waits.install()  # its stream readers wait without gRPC's 0.1 s poll (grpc_waits.py)
     log = configure("rank", job=args.job, rank=args.rank)
 
     phase = PhaseMarker()

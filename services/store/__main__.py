@@ -48,7 +48,7 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY
 
-from services.common import logs, paths, thread_names
+from services.common import grpc_waits, logs, paths, thread_names
 from services.common.deadlines import Deadlines
 from services.common.grpc_server import AioServiceServer, PortInUse, serve_metrics
 from services.common.service_args import ServiceArgumentParser, env_option, listen_host, port, seconds
@@ -218,6 +218,7 @@ class ScrubSchedule:
 def main(argv: list[str] | None = None) -> int:
     env = os.environ.get
     thread_names.install()  # its threads seen by name from outside (bench/stack_cost.py)
+    grpc_waits.install()  # its stream readers wait without gRPC's 0.1 s poll (grpc_waits.py)
     p = ServiceArgumentParser(prog="python -m services.store", description=__doc__.split("\n")[0])
     env_option(p, "--host", "SURGE_STORE_HOST", listen_host, "127.0.0.1", "address to listen on")
     env_option(p, "--port", "SURGE_STORE_PORT", port, help="gRPC port (0: any free port)")

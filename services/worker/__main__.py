@@ -45,7 +45,7 @@ import time
 import uuid
 from pathlib import Path
 
-from services.common import logs, paths, thread_names
+from services.common import grpc_waits, logs, paths, thread_names
 from services.common.departure import DEFAULT_DEPARTURE_SECONDS, DEPARTURE_ENV
 from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
 from services.common.service_args import (
@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {bad}", file=sys.stderr)
         return 2
     thread_names.install()  # its threads seen by name from outside (bench/stack_cost.py)
+    grpc_waits.install()  # its stream readers wait without gRPC's 0.1 s poll (grpc_waits.py)
     try:
         validate_table()  # the node agent relays the table's messages (it is EXT_HARDWARE)
     except ContractError as e:

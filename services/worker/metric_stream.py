@@ -21,15 +21,28 @@ restarted, stopped, unreachable) the thread reconnects with backoff and resends 
 not yet acknowledged, in order (the store writes a resent record once: it recognises it by
 content). The held records are bounded (``METRICS_BUFFER``): past it the oldest is dropped,
 counted and logged (its rank's next ack covers it: the rank waits for no dropped record).
+
+Per interval, not per step (issue 28 item 3: the stack's CPU per step): a record waits up to
+``linger_s`` (``SURGE_METRICS_LINGER_S``, 1 s) for others before its batch goes, and a
+batch's acks go back to each rank as one (its highest seq, the records summed, every routed
+failure event in order: a rank's MetricsClient counts acks cumulatively). Measured on the
+demo model (dp 2, a step every ~0.35 s): a record, a batch, an ack to the agent and an ack
+to the rank per step per node became one of each per second (bench/stack_cost.py). What
+waits on an ack does not linger: a ``StopLogCollection`` (the rank's loop waits for it at its
+end), what is held when a rank reports its loop's end (``flush``: a failed rank waits for its
+records' acks before it exits) and everything held at :meth:`MetricStream.close` go at once,
+with every record before them. Nothing is lost by waiting: a record is held from ``submit`` until its ack, as before.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+import os
 import threading
-from collections.abc import Callable
-from typing import Any
+import time
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -39,12 +52,34 @@ from services.contract.relay import routed_from_rpc
 
 METRICS_BUFFER = 100_000  # metric records of this node's ranks held until the store acknowledged them
 BATCH_RECORDS = 1024  # records in one MetricBatch at most (a resend after a reconnect goes in several)
+
+
+def _env_seconds(name: str, default: float) -> float:
+    try:
+        return max(0.0, float(os.environ.get(name) or default))
+    except ValueError:
+        return default
+
+
+# How long a record waits for others before its batch goes (0: at once, as before). The
+# store's sinks (metric files, the live view) see a step at most this late; the rank's own
+# flush at its end does not wait for it.
+METRICS_LINGER_S = _env_seconds("SURGE_METRICS_LINGER_S", 1.0)
 RECONNECT_OPTIONS = (  # a store that comes back is found within 2 s (gRPC's default grows to 120 s)
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
 )
 Ack = Callable[[store_pb2.MetricsAck], None]
+
+
+class _Held(NamedTuple):
+    seq: int  # this stream's number of the record
+    record: store_pb2.MetricRecord
+    own: int  # the rank's seq of it
+    ack: Ack
+    key: Hashable | None  # the rank it came from: a batch's acks to one key go as one
+    since: float  # time.monotonic() when submitted (its linger counts from it)
 
 
 class MetricStream:
@@ -54,34 +89,46 @@ class MetricStream:
         address: the store's host:port.
         log: a structlog logger.
         buffer: records held at most (the oldest dropped past it, counted).
+        linger_s: how long a record waits for others before its batch goes.
     """
 
-    def __init__(self, address: str, log: Any, buffer: int = METRICS_BUFFER):
-        self._address, self._log, self._max = address, log, buffer
+    def __init__(self, address: str, log: Any, buffer: int = METRICS_BUFFER, linger_s: float = METRICS_LINGER_S):
+        self._address, self._log, self._max, self._linger = address, log, buffer, linger_s
         self._channel = channel(address, options=RECONNECT_OPTIONS, module=Module.L2_TRAINING_LOOP)
         self._stub = store_pb2_grpc.StoreServiceStub(self._channel)
-        # Held until acknowledged: (this stream's seq, the record numbered so, the rank's seq, its ack), oldest first.
-        self._held: collections.deque[tuple[int, store_pb2.MetricRecord, int, Ack]] = collections.deque()
+        self._held: collections.deque[_Held] = collections.deque()  # until acknowledged, oldest first
         self._cond = threading.Condition()
         self._seq = 0
+        self._urgent = 0  # records up to this seq go without lingering (a rank waits on one of them)
         self.dropped = 0
         self._closing = threading.Event()
         self._sender = threading.Thread(target=self._run, name=f"metrics-{address}", daemon=True)
         self._sender.start()
 
-    def submit(self, record: store_pb2.MetricRecord, ack: Ack) -> None:
+    def submit(self, record: store_pb2.MetricRecord, ack: Ack, key: Hashable | None = None) -> None:
         """Hold ``record`` (its ``seq`` the rank's) for sending; ``ack`` gets the store's
-        MetricsAck of it, with the rank's seq. Never blocks."""
+        MetricsAck of it, with the rank's seq: once per batch for the records of one ``key``
+        (the rank's last, the batch's routed events with it), once per record without one.
+        Never blocks."""
         with self._cond:
             own = record.seq
             self._seq += 1
             record.seq = self._seq
-            self._held.append((self._seq, record, own, ack))
+            if record.WhichOneof("record") == "stop":
+                self._urgent = self._seq  # the rank's loop waits for this ack before it ends
+            self._held.append(_Held(self._seq, record, own, ack, key, time.monotonic()))
             if len(self._held) > self._max:
                 self._held.popleft()
                 self.dropped += 1
                 if self.dropped == 1 or self.dropped % 1000 == 0:
                     self._log.warning("metrics_buffer_full", store=self._address, held=self._max, dropped=self.dropped)
+            self._cond.notify_all()
+
+    def flush(self) -> None:
+        """Send every record held now without lingering (a rank ended its loop: it waits
+        for their acks before it exits)."""
+        with self._cond:
+            self._urgent = self._seq
             self._cond.notify_all()
 
     @property
@@ -94,6 +141,8 @@ class MetricStream:
         """Send what is held (waiting up to ``timeout`` seconds for the store's acks), then
         end the stream and close the channel."""
         with self._cond:
+            self._urgent = self._seq  # nothing held lingers any more
+            self._cond.notify_all()
             self._cond.wait_for(lambda: not self._held or not self._sender.is_alive(), timeout)
             left = len(self._held)
         self._closing.set()
@@ -108,19 +157,32 @@ class MetricStream:
 
     # ------------------------------------------------------------------ private
 
-    def _acked(self, ack: store_pb2.MetricsAck) -> None:
-        """The store's ack of this stream's record ``ack.seq``: forget it (and anything
-        older: acks come in order), hand the ack to its rank with the rank's seq."""
-        done = None
+    def _acked(self, acks: list[store_pb2.MetricsAck]) -> None:
+        """The store's acks of one batch (in this stream's order): forget each record (and
+        anything older: acks come in order), hand each ack to its rank with the rank's seq,
+        one per key (its last seq, the records summed, the routed events in order)."""
+        out: dict[Hashable, tuple[Ack, store_pb2.MetricsAck]] = {}  # (insertion order: the acks' order)
         with self._cond:
-            while self._held and self._held[0][0] <= ack.seq:
-                seq, _, own, to = self._held.popleft()
-                if seq == ack.seq:
-                    done = (own, to)
+            for ack in acks:
+                while self._held and self._held[0].seq <= ack.seq:
+                    held = self._held.popleft()
+                    if held.seq != ack.seq:
+                        continue
+                    key = ("record", held.seq) if held.key is None else ("key", held.key)
+                    if key in out:
+                        merged = out[key][1]
+                        merged.records += ack.records
+                        merged.seq = held.own
+                        merged.routed.extend(ack.routed)
+                        out[key] = (held.ack, merged)
+                    else:
+                        out[key] = (
+                            held.ack,
+                            store_pb2.MetricsAck(records=ack.records, seq=held.own, routed=ack.routed),
+                        )
             self._cond.notify_all()
-        if done is not None:
-            own, to = done
-            to(store_pb2.MetricsAck(records=ack.records, seq=own, routed=ack.routed))
+        for to, ack in out.values():
+            to(ack)
 
     def _hand_back_routed(self, routed: list) -> None:
         """The failure events a broken stream brought back (a sink of L5-2 failed on the
@@ -131,23 +193,30 @@ class MetricStream:
         with self._cond:
             head = self._held[0] if self._held else None
         if head is not None:
-            head[3](store_pb2.MetricsAck(seq=0, routed=routed))
+            head.ack(store_pb2.MetricsAck(seq=0, routed=routed))
 
     def _batches(self, stream_done: threading.Event):
         """One stream's requests: every held record not sent on this stream yet, in batches
-        (all of them at first: a new stream resends what was not acknowledged), then new ones."""
+        (all of them at first: a new stream resends what was not acknowledged), then new ones,
+        each batch once its oldest record has waited ``linger_s`` (or a rank waits on one of
+        its records, or it is full). Woken by ``submit``, ``close`` and the stream's end,
+        never polled."""
         sent = 0
         while True:
             with self._cond:
                 while True:
                     if stream_done.is_set() or self._closing.is_set():
                         return
-                    if self._held and self._held[-1][0] > sent:  # held seqs are contiguous
-                        start = max(0, sent - self._held[0][0] + 1)
-                        stop = min(len(self._held), start + BATCH_RECORDS)
-                        batch = [held[1] for held in itertools.islice(self._held, start, stop)]
-                        break
-                    self._cond.wait(0.5)
+                    wait = None
+                    if self._held and self._held[-1].seq > sent:  # held seqs are contiguous
+                        start = max(0, sent - self._held[0].seq + 1)
+                        due = self._held[start].since + self._linger
+                        wait = due - time.monotonic()
+                        if wait <= 0 or self._urgent > sent or len(self._held) - start >= BATCH_RECORDS:
+                            stop = min(len(self._held), start + BATCH_RECORDS)
+                            batch = [held.record for held in itertools.islice(self._held, start, stop)]
+                            break
+                    self._cond.wait(wait)
             sent = batch[-1].seq
             yield store_pb2.MetricBatch(records=batch)
 
@@ -158,8 +227,7 @@ class MetricStream:
             call = self._stub.Record(self._batches(done))
             try:
                 for acks in call:
-                    for ack in acks.acks:
-                        self._acked(ack)
+                    self._acked(list(acks.acks))
                     backoff = 0.5
                 if self._closing.is_set():
                     return
@@ -183,18 +251,26 @@ class MetricStream:
 class MetricStreams:
     """The agent's metric streams, one per store address, opened at a rank's first record."""
 
-    def __init__(self, log: Any, buffer: int = METRICS_BUFFER):
-        self._log, self._buffer = log, buffer
+    def __init__(self, log: Any, buffer: int = METRICS_BUFFER, linger_s: float = METRICS_LINGER_S):
+        self._log, self._buffer, self._linger = log, buffer, linger_s
         self._lock = threading.Lock()
         self._streams: dict[str, MetricStream] = {}
 
-    def submit(self, address: str, record: store_pb2.MetricRecord, ack: Ack) -> None:
-        """``record`` of a rank whose store is at ``address``; ``ack`` gets its MetricsAck."""
+    def submit(self, address: str, record: store_pb2.MetricRecord, ack: Ack, key: Hashable | None = None) -> None:
+        """``record`` of a rank (``key``) whose store is at ``address``; ``ack`` gets its
+        MetricsAck (:meth:`MetricStream.submit`)."""
         with self._lock:
             stream = self._streams.get(address)
             if stream is None:
-                stream = self._streams[address] = MetricStream(address, self._log, self._buffer)
-        stream.submit(record, ack)
+                stream = self._streams[address] = MetricStream(address, self._log, self._buffer, self._linger)
+        stream.submit(record, ack, key)
+
+    def flush(self, address: str) -> None:
+        """:meth:`MetricStream.flush` of the stream to ``address``, if there is one."""
+        with self._lock:
+            stream = self._streams.get(address)
+        if stream is not None:
+            stream.flush()
 
     def close(self, timeout: float = 5.0) -> None:
         with self._lock:

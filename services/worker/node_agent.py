@@ -163,6 +163,10 @@ SPAWN_FAILED_EXIT_CODE = 127  # shell convention for "could not execute"
 AUDIT_TIMEOUT_SECONDS = 2.0
 
 
+# A rank's loop ended: its metric records held here go without lingering (metric_stream.py).
+_LOOP_ENDS = frozenset({"surge.v1.TrainingLoopFinished", "surge.v1.TrainingLoopFailed"})
+
+
 class NodeAgent:
     """Supervises this node's rank processes and relays between them and control.
 
@@ -417,7 +421,12 @@ class NodeAgent:
         event.generation = r.assignment.generation  # control drops an older one's (session_hub.py)
         kind = event.WhichOneof("event")
         if kind == "metrics":
-            self._metrics.submit(r.init.store_address, event.metrics, lambda ack: self._ack_metrics(r, ack))
+            self._metrics.submit(  # (one ack per batch to the rank: its acks count cumulatively)
+                r.init.store_address,
+                event.metrics,
+                lambda ack: self._ack_metrics(r, ack),
+                key=(r.job_id, r.rank, r.proc.pid),
+            )
             return
         if kind == "audit":
             with self._audit_answered:
@@ -434,6 +443,8 @@ class NodeAgent:
                     said_rank=event.rank,
                 )
             event.job_id, event.rank = r.job_id, r.rank
+        if kind == "routed" and event.routed.type in _LOOP_ENDS:
+            self._metrics.flush(r.init.store_address)  # the rank waits for their acks to exit
         if kind == "routed" and not self.steps.send_up(r.job_id, r.rank, event.routed):
             return  # another rank's step: its beats carry its progress (step_summaries.py)
         if kind == "heartbeat":

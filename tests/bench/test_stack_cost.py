@@ -71,3 +71,12 @@ def test_python_threads_carry_their_names_to_the_os_and_the_snapshot_reads_them(
     finally:
         child.kill()
         child.wait(timeout=10)
+
+
+def test_grpcs_unnamed_threads_are_grouped_by_what_they_are():
+    from bench.stack_cost import _thread_group
+
+    assert _thread_group("Thread-2 (_run)") == _thread_group("Thread-17 (_run") == "gRPC spin/request (Thread-N (_run))"
+    assert _thread_group("Thread-2 (_serv") == "gRPC server (Thread-N (_serve))"
+    assert _thread_group("Thread-1 (_poll") == "gRPC aio poller (Thread-N (_poll_wrapper))"
+    assert (_thread_group("data-io_3"), _thread_group("event_engine")) == ("data-io", "event_engine")

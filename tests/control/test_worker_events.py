@@ -6,6 +6,7 @@ re-attaching the ranks a node agent still runs."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -50,10 +51,16 @@ def running_job(plane: Plane, incarnation: str = "i1"):
     return job_id, session, launch.launch
 
 
-def acks(plane: Plane, session) -> list[int]:
-    """The EventAck seqs queued on the session (other commands dropped)."""
+def acks(plane: Plane, session, timeout: float = 5.0) -> list[int]:
+    """The EventAck seqs queued on the session (other commands dropped), after an ack held
+    for its session's interval (services/control/ack_pacer.py) was queued too."""
     out = []
-    while not session.commands.empty():
+    deadline = time.monotonic() + timeout
+    while session.ack_queued or not session.commands.empty():
+        if session.commands.empty():  # held: due within the interval
+            assert time.monotonic() < deadline, "an ack held past its interval"
+            time.sleep(0.02)
+            continue
         cmd = plane.c.sessions.next_command(session)
         if cmd is not None and cmd.WhichOneof("command") == "ack":
             out.append(cmd.ack.seq)

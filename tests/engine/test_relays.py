@@ -24,7 +24,7 @@ from services.contract.bus import Bus
 from services.rank.data_client import DataClient
 from services.rank.metrics_client import MetricsClient
 from services.rank.store_client import CheckpointError, CheckpointIntegrityError, StoreClient
-from services.worker.metric_stream import MetricStream
+from services.worker.metric_stream import MetricStream, MetricStreams
 from tests.module_failed import raised_in_module
 
 pytestmark = pytest.mark.timeout(60)
@@ -64,6 +64,7 @@ class Store(store_pb2_grpc.StoreServiceServicer):
         self.streams = 0
         self.received: list[tuple[int, int]] = []  # (stream number, record seq) of every record read
         self.break_first_stream_after = 0  # > 0: the first Record stream acks 2 records, reads this many, fails
+        self.batches: list[tuple[float, int]] = []  # (time.monotonic(), records) of every MetricBatch read
 
     def BeginSave(self, request, context):
         self.attempts.append(("BeginSave", request.step, request.attempt))
@@ -98,6 +99,7 @@ class Store(store_pb2_grpc.StoreServiceServicer):
         first = self.streams == 1
         i = 0  # records of this stream so far
         for batch in request_iterator:
+            self.batches.append((time.monotonic(), len(batch.records)))
             acks = []
             for rec in batch.records:
                 self.received.append((self.streams, rec.seq))
@@ -359,6 +361,77 @@ def test_a_ranks_metrics_client_waits_at_its_end_for_the_ack_of_every_record_it_
     assert [r.type for r in routed] == ["surge.v1.LogWriteFailed"]  # a sink's failure, for the rank's bus
 
 
+def _step(step: int, seq: int) -> store_pb2.MetricRecord:
+    return store_pb2.MetricRecord(step=engine_pb2.StepCompleted(job_id="j", step=step), seq=seq)
+
+
+def _wait_for(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_nodes_records_go_per_interval_and_each_rank_gets_one_ack_per_batch(server):
+    """Per interval, not per step: records submitted over less than the linger go in one
+    MetricBatch once the oldest has waited it, and each rank (key) gets one ack for them."""
+    address, store = server
+    stream = MetricStream(address, structlog.get_logger(), linger_s=0.6)
+    by_rank: dict[str, list[store_pb2.MetricsAck]] = {"a": [], "b": [], "none": []}
+    t0 = time.monotonic()
+    for step in (1, 2, 3):  # two ranks finishing steps 0.05 s apart, and a record without a key
+        stream.submit(_step(step, step), by_rank["a"].append, key="a")
+        stream.submit(_step(step, step), by_rank["b"].append, key="b")
+        time.sleep(0.05)
+    stream.submit(_step(9, 7), by_rank["none"].append)
+    stream.submit(_step(10, 8), by_rank["none"].append)
+    _wait_for(lambda: stream.held_records == 0)
+    assert [n for _, n in store.batches] == [8]  # one batch, not one per record
+    assert store.batches[0][0] - t0 >= 0.55  # it waited for the linger of its oldest record
+    assert [(a.seq, a.records) for a in by_rank["a"]] == [(3, 3)]  # the rank's last seq, the records summed
+    assert [(a.seq, a.records) for a in by_rank["b"]] == [(3, 3)]
+    assert [(a.seq, a.records) for a in by_rank["none"]] == [(7, 1), (8, 1)]  # no key: an ack per record
+    stream.close(timeout=2)
+
+
+def test_a_ranks_acks_of_one_batch_merge_its_routed_failure_events_in_order():
+    stream = MetricStream(f"127.0.0.1:{free_port()}", structlog.get_logger(), linger_s=60)
+    got: list[store_pb2.MetricsAck] = []
+    for seq in (1, 2, 3):
+        stream.submit(_step(seq, 10 + seq), got.append, key="r")
+    failed = [route_pb2.Routed(type=f"surge.v1.LogWriteFailed{i}") for i in range(2)]
+    stream._acked(  # the store's acks of the three records (stream seqs 1-3)
+        [
+            store_pb2.MetricsAck(seq=1, records=1, routed=[failed[0]]),
+            store_pb2.MetricsAck(seq=2, records=0),
+            store_pb2.MetricsAck(seq=3, records=1, routed=[failed[1]]),
+        ]
+    )
+    assert len(got) == 1 and (got[0].seq, got[0].records) == (13, 2)
+    assert [r.type for r in got[0].routed] == ["surge.v1.LogWriteFailed0", "surge.v1.LogWriteFailed1"]
+    assert stream.held_records == 0
+    stream.close(timeout=0.5)
+
+
+def test_what_a_rank_waits_on_does_not_linger(server):
+    """A StopLogCollection (the rank's loop waits for its ack at its end) goes at once with
+    everything before it, and so does what is held at close."""
+    address, store = server
+    stream = MetricStream(address, structlog.get_logger(), linger_s=60)
+    acks: list[store_pb2.MetricsAck] = []
+    stream.submit(_step(1, 1), acks.append, key="r")
+    time.sleep(0.3)
+    assert store.batches == []  # lingering
+    t0 = time.monotonic()
+    stream.submit(store_pb2.MetricRecord(stop=store_pb2.StopLogCollection(job_id="j"), seq=2), acks.append, key="r")
+    _wait_for(lambda: acks, timeout=5)
+    assert time.monotonic() - t0 < 3.0 and [(a.seq, a.records) for a in acks] == [(2, 2)]
+    stream.submit(_step(2, 3), acks.append, key="r")
+    t0 = time.monotonic()
+    stream.close(timeout=5)
+    assert time.monotonic() - t0 < 3.0 and acks[-1].seq == 3 and [n for _, n in store.batches] == [2, 1]
+
+
 def test_metrics_never_block_the_step_when_the_store_is_down():
     stream, acks = metric_stream(f"127.0.0.1:{free_port()}")
     t0 = time.perf_counter()
@@ -587,7 +660,7 @@ def test_the_metric_buffer_is_bounded_and_counts_what_it_drops():
     for step in range(1, 251):
         stream.submit(store_pb2.MetricRecord(step=engine_pb2.StepCompleted(job_id="j", step=step)), acks.append)
     assert stream.held_records == 100 and stream.dropped == 150
-    assert [r.step.step for _, r, _, _ in stream._held][:1] == [151]  # the oldest went first
+    assert [held.record.step.step for held in stream._held][:1] == [151]  # the oldest went first
     stream.close(timeout=0.5)
 
 
@@ -652,3 +725,20 @@ def test_the_flush_waits_for_a_silent_store_no_longer_than_its_bound_and_reports
     assert (up[0].failure.cause, up[0].failure.operation) == (route_pb2.FAILURE_TIMEOUT, "surge.v1.FlushCheckpoint")
     assert "the run ends without it" in up[0].reason
     client.close(timeout=1)
+
+
+def test_a_flush_sends_what_is_held_without_lingering(server):
+    """A rank that reported its loop's end (the node agent's ``flush``) waits for its
+    records' acks to exit: they do not wait out the linger."""
+    address, store = server
+    streams = MetricStreams(structlog.get_logger(), linger_s=60)
+    acks: list[store_pb2.MetricsAck] = []
+    streams.flush(address)  # no stream yet: nothing to do
+    streams.submit(address, _step(1, 1), acks.append, key="r")
+    streams.submit(address, _step(2, 2), acks.append, key="r")
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    streams.flush(address)
+    _wait_for(lambda: acks and acks[-1].seq == 2, timeout=5)
+    assert time.monotonic() - t0 < 3.0 and [n for _, n in store.batches] == [2]
+    streams.close(timeout=2)
