@@ -243,7 +243,7 @@ class OperatorCommands:
                     f"job {msg.job_id} is {JobState.Name(job.status.state)}: only an ended job's records can be "
                     f"deleted (`surgectl stop {msg.job_id}` first)"
                 )
-            self._journal.delete_job(msg.job_id)
+            self._queued(msg.job_id, self._journal.delete_job(msg.job_id, wait=False))
             del self._jobs[msg.job_id]
             self._changed.add(msg.job_id)  # (forgotten as the decision ends)
             _log.info("job deleted", job_id=msg.job_id)

@@ -289,7 +289,10 @@ class OperatorResume:
             if job.spec is not before_spec:
                 job.spec = before_spec
                 try:  # (the decision may have been journaled with the new spec before the failure)
-                    self._journal.save_status(job.status, None, before_runtime, spec_json=spec_to_json(before_spec))
+                    put_back = spec_to_json(before_spec)
+                    self._queued(
+                        job_id, self._journal.save_status(job.status, None, before_runtime, put_back, wait=False)
+                    )
                 except Exception as e:  # noqa: BLE001 - the failure being raised is the one to report
                     _log.error("the job's spec could not be put back in the journal", job_id=job_id, error=str(e))
             raise
