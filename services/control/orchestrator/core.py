@@ -499,6 +499,10 @@ class Orchestrator(
                 failed = failed or e
         # (the jobs written too: a command another thread decided may wait for one of these writes)
         self._outbox.drain(dict.fromkeys([*jobs, *commanded, *(job_id for job_id, _ in writes)]))
+        if getattr(self._decided, "start", False):  # (the queue's head, asked for once the releases went)
+            self._decided.start = False
+            with self._lock:
+                self._start_soon()
         if failed is not None and error is None:
             raise failed
 

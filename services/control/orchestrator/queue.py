@@ -205,7 +205,12 @@ class JobQueueing:
     def _start_soon(self) -> None:
         """Under the lock: ranks may have freed up, so the queue's head is tried, on the
         deadline pool's thread (no delay; never on the caller's, which may be the thread that
-        applies the node agents' events), once however many ask before it runs."""
+        applies the node agents' events), once however many ask before it runs. Once the
+        decision's commands are sent, if it has any (a release of ranks among them: the head
+        tried before it would not fit; ``_after_decision``)."""
+        if getattr(self._decided, "jobs", None):
+            self._decided.start = True
+            return
         if len(self._queue) and self._start_armed is None:
             self._start_armed = self._deadlines.after(0.0, self._start_queued)
 
