@@ -158,6 +158,7 @@ class Orchestrator(
         self._changed: set[str] = set()  # jobs whose view is to be published as the decision ends
         self._places_changed = False  # the queue's order changed in this decision
         self._jobs: dict[str, _Job] = {}
+        self._reserved: set[str] = set()  # ids of submits being journaled (outside the lock)
         self._reattaching = Reattaching()  # restored live jobs: ranks not heard from since
         # Restored live jobs -> their last boundary command number when control restarted:
         # those up to it still in flight go again once the ranks re-attach (_send_again).
@@ -228,7 +229,7 @@ class Orchestrator(
     def _new_id(self, name: str) -> str:
         while True:
             job_id = f"{name}-{secrets.token_hex(3)}"
-            if job_id not in self._jobs:
+            if job_id not in self._jobs and job_id not in self._reserved:
                 return job_id
 
     def _get(self, job_id: str) -> _Job:
@@ -469,7 +470,7 @@ class Orchestrator(
         journal write queued before it and is sent once that is committed, after the lock is
         let go (``_after_decision``). Its reply is None: nothing waits for one."""
 
-        def send(msg: Any, payload: Any = None) -> Any:
+        def deferred(msg: Any, payload: Any = None) -> Any:
             job_id = getattr(msg, "job_id", "")
             if not job_id or (only and not isinstance(msg, only)):
                 return port(msg, payload)
@@ -483,7 +484,7 @@ class Orchestrator(
                 self._after_decision(None, (job_id,))
             return Reply(None)
 
-        return send
+        return deferred
 
     def _after_decision(self, error: BaseException | None, jobs: tuple[str, ...] = ()) -> None:
         """The decision lock was let go by this thread: wait for the journal writes its

@@ -208,7 +208,7 @@ class OperatorCommands:
                 return self._relaunch(job, msg.from_version, verdicts, spec)
         finally:
             with self._lock:
-                end(job, resume)  # (not a recovery that superseded it meanwhile)
+                end(job, _Resume)  # (its state, moved by resume_machine; not a recovery that superseded it)
 
     def _resume_after_pause(self, job: _Job) -> control_pb2.JobStatus:
         """Under the lock: a resume while the job's ranks pause (a pause just asked, or the

@@ -44,10 +44,10 @@ class Outbox:
         self._draining: set[str] = set()
         self._again: set[str] = set()
 
-    def put(self, job_id: str, after: Future | None, send: Callable[[], object]) -> None:
-        """Queue ``send`` for the job, to be called once ``after`` (None: nothing) is done."""
+    def put(self, job_id: str, after: Future | None, command: Callable[[], object]) -> None:
+        """Queue ``command`` for the job, to be called once ``after`` (None: nothing) is done."""
         with self._lock:
-            self._queues.setdefault(job_id, deque()).append((after, send))
+            self._queues.setdefault(job_id, deque()).append((after, command))
         OUTBOX_DEPTH.inc()
 
     def waiting(self, job_id: str) -> int:
@@ -68,8 +68,8 @@ class Outbox:
                 return
             self._draining.add(job_id)
         while True:
-            send = self._next(job_id)
-            if send is None:
+            command = self._next(job_id)
+            if command is None:
                 with self._lock:
                     if job_id not in self._again:
                         self._draining.discard(job_id)
@@ -79,7 +79,7 @@ class Outbox:
                     self._again.discard(job_id)
                 continue
             try:
-                send()
+                command()
             except Exception:  # noqa: BLE001 - as a command sent under the lock was: logged, the rest go on
                 _log.exception("command after the journal write failed", job_id=job_id)
 
@@ -91,11 +91,11 @@ class Outbox:
                 queue = self._queues.get(job_id)
                 if not queue:
                     return None
-                after, send = queue[0]
+                after, command = queue[0]
                 if after is not None and not after.done():
                     return None
                 queue.popleft()
             OUTBOX_DEPTH.dec()
             if after is None or after.exception() is None:
-                return send
+                return command
             _log.error("command not sent: its journal write failed", job_id=job_id, error=str(after.exception()))
