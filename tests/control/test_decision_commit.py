@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from prometheus_client import REGISTRY
 
 from services.contract import control_pb2, engine_pb2
 from services.control.__main__ import build
@@ -89,6 +90,9 @@ def test_a_slow_commit_holds_only_its_decisions_reply_and_commands(plane, reques
     time.sleep(0.2)
     # Its reply waits for the commit, and nothing went to its ranks: the record comes first.
     assert pause_a.is_alive() and drain(a) == []
+    # Control's lag says so: a write queued, not committed, and a command waiting for it.
+    assert REGISTRY.get_sample_value("surge_control_journal_queue_depth") >= 1
+    assert REGISTRY.get_sample_value("surge_control_outbox_depth") >= 1
     # The decision lock is free: another job's status, its event log and an operator command
     # are answered or decided meanwhile.
     orch = plane.c.orchestrator
@@ -110,6 +114,7 @@ def test_a_slow_commit_holds_only_its_decisions_reply_and_commands(plane, reques
     assert kinds(drain(a)) == ["PauseTraining"]
     assert "StopTraining" in kinds(drain(b))
     assert "pause" in plane.events(job_a)[-1].message
+    assert REGISTRY.get_sample_value("surge_control_journal_commit_seconds_count") > 0
 
 
 def test_a_control_killed_before_the_commit_loses_the_decision_and_its_commands(plane, tmp_path):
