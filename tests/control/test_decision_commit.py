@@ -143,3 +143,29 @@ def test_a_control_killed_before_the_commit_loses_the_decision_and_its_commands(
         assert restarted.c.orchestrator._jobs[job_a].in_flight == {}  # (nothing to send again)
     finally:
         stop_plane(restarted.c)
+
+
+def test_a_command_tied_to_a_step_write_nobody_waits_for_goes_once_it_is_committed(plane, request):
+    # Rank 0's step queues its write after the decision and does not wait for it; a command
+    # decided next, with no record of its own, waits for that write: the thread that decided
+    # it waits too and sends it (else it stayed in the outbox until the job's next decision).
+    (job_a, a), _ = two_running_jobs(plane)
+    gate = Gate(plane)
+    request.addfinalizer(gate.opened.set)
+    gate.arm()
+    step = engine_pb2.StepCompleted(step=2, loss=2.0, tokens=64)
+    stepped, _ = in_thread(lambda: plane.rank_event(a, job_a, 0, step=step))
+    assert gate.entered.wait(10)  # the step's write is being committed, slowly
+    orch = plane.c.orchestrator
+
+    def decide() -> None:
+        with orch._lock:
+            orch._loop(engine_pb2.ResumeTraining(job_id=job_a))
+
+    decided, out = in_thread(decide)
+    time.sleep(0.3)
+    assert decided.is_alive() and drain(a) == []  # behind the step's record
+    gate.opened.set()
+    decided.join(10), stepped.join(10)
+    assert "error" not in out, out
+    assert kinds(drain(a)) == ["ResumeTraining"]

@@ -474,32 +474,42 @@ class Orchestrator(
             job_id = getattr(msg, "job_id", "")
             if not job_id or (only and not isinstance(msg, only)):
                 return port(msg, payload)
-            self._outbox.put(job_id, self._last_write.get(job_id), lambda: port(msg, payload))
+            after = self._last_write.get(job_id)
+            self._outbox.put(job_id, after, lambda: port(msg, payload))
+            # The deciding thread waits for that write too, then drains: a write nobody waits
+            # for (a rank 0 step's) would otherwise leave the command until the job's next decision.
             if self._lock.held():
                 jobs = getattr(self._decided, "jobs", None)
                 if jobs is None:
-                    jobs = self._decided.jobs = set()
-                jobs.add(job_id)
+                    jobs = self._decided.jobs = {}
+                jobs.setdefault(job_id, after)
             else:
-                self._after_decision(None, (job_id,))
+                self._after_decision(None, {job_id: after})
             return Reply(None)
 
         return deferred
 
-    def _after_decision(self, error: BaseException | None, jobs: tuple[str, ...] = ()) -> None:
+    def _after_decision(self, error: BaseException | None, jobs: dict[str, Future | None] | None = None) -> None:
         """The decision lock was let go by this thread: wait for the journal writes its
-        decision queued, then send the commands they hold back (``Outbox.drain``). A write
-        that failed is raised (the operator's reply says so) unless the decision raised."""
+        decision queued and those its commands wait for (``jobs``: job -> the first one), then
+        send the commands they hold back (``Outbox.drain``). A write of the decision that
+        failed is raised (the operator's reply says so) unless the decision raised."""
         writes, self._decided.writes = getattr(self._decided, "writes", None) or [], None
-        commanded, self._decided.jobs = getattr(self._decided, "jobs", None) or set(), None
+        commanded, self._decided.jobs = jobs or getattr(self._decided, "jobs", None) or {}, None
         failed: BaseException | None = None
         for _, future in writes:
             try:
                 future.result()
             except Exception as e:  # noqa: BLE001 - raised below, once the commands committed are sent
                 failed = failed or e
+        for after in commanded.values():
+            if after is not None:
+                try:
+                    after.result()
+                except Exception:  # noqa: BLE001 - an earlier decision's write: its own caller says so
+                    pass
         # (the jobs written too: a command another thread decided may wait for one of these writes)
-        self._outbox.drain(dict.fromkeys([*jobs, *commanded, *(job_id for job_id, _ in writes)]))
+        self._outbox.drain(dict.fromkeys([*commanded, *(job_id for job_id, _ in writes)]))
         if getattr(self._decided, "start", False):  # (the queue's head, asked for once the releases went)
             self._decided.start = False
             with self._lock:
