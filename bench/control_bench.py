@@ -459,6 +459,44 @@ class Watch:
         self._stop.set()
 
 
+class OperatorProbe:
+    """An operator while steps flow: every 0.25 s a note on a job (AnnotateJob: a decision
+    whose reply waits for its journal commit) and its status (GetJob: a published view),
+    each timed send -> reply."""
+
+    def __init__(self, job: str):
+        self.job, self.ms = job, {"note": [], "status": []}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from services.cli import clients
+        from services.contract import control_pb2
+
+        with clients.stub("control") as s:
+            while not self._stop.wait(0.25):
+                for kind, call in (
+                    ("note", lambda: s.AnnotateJob(control_pb2.AnnotateJobRequest(job_id=self.job, note="bench"))),
+                    ("status", lambda: s.GetJob(control_pb2.JobQuery(job_id=self.job))),
+                ):
+                    t = time.perf_counter()
+                    try:
+                        call()
+                    except Exception:  # noqa: BLE001 - counted as missing, not timed
+                        continue
+                    self.ms[kind].append(1e3 * (time.perf_counter() - t))
+
+    def close(self) -> dict:
+        self._stop.set()
+        self._thread.join(10)
+        return {
+            k: {"p50": round(pct(v, 0.5), 1), "p99": round(pct(v, 0.99), 1), "n": len(v)}
+            for k, v in self.ms.items()
+            if v
+        }
+
+
 # ------------------------------------------------------------------ one scenario
 
 
@@ -528,8 +566,11 @@ def scenario(name: str, nodes: int, ranks_per_node: int, args) -> dict:
             before, cpu0, t1 = scrape(metrics_port), cpu_seconds(control_pid), time.time()
             sim0 = sum(cpu_seconds(p.pid) for p in procs)
             shared.measuring.value = 1
+            probe = OperatorProbe(watches[-1].job) if name == "steps" else None
             time.sleep(args.seconds)
             shared.measuring.value = 0
+            if probe is not None:
+                out["operator_ms"] = probe.close()
             wall = time.time() - t1
             out["control_cores"] = round((cpu_seconds(control_pid) - cpu0) / wall, 3)
             out["agents_cores"] = round((sum(cpu_seconds(p.pid) for p in procs) - sim0) / wall, 3)
@@ -653,6 +694,11 @@ def table(results: list[dict]) -> str:
         extra = ""
         if r["scenario"] == "steps":
             extra = f"fault->decision {r.get('fault_to_decision_event_ms')} ms"
+            op = r.get("operator_ms", {})
+            if op:
+                extra += "; operator note / status p50/p99 ms " + ", ".join(
+                    f"{v['p50']:.0f}/{v['p99']:.0f}" for v in (op.get("note"), op.get("status")) if v
+                )
         elif r["scenario"] == "restart":
             extra = f"false deaths {r.get('false_deaths')}, all back in {r.get('kill_to_all_reregistered_s')} s"
         rows.append(

@@ -149,6 +149,13 @@ class JobStore:
             self._db.execute("ALTER TABLE worker_cursors ADD COLUMN ahead TEXT NOT NULL DEFAULT ''")
         self._applying = threading.local()
         self._writer = GroupCommitWriter(self._db, self._lock)
+        # The event log's reader: its own connection (WAL: it reads what is committed while
+        # the writer commits), so an operator's long history never waits for a group's
+        # transaction nor holds the writer up. In memory there is one database per
+        # connection: the writer's is shared.
+        self._reader, self._read_lock = self._db, self._lock
+        if str(path) != ":memory:":
+            self._reader, self._read_lock = sqlite3.connect(str(path), check_same_thread=False), threading.Lock()
 
     def create_job(
         self, status: control_pb2.JobStatus, spec_json: str, request_id: str = "", spec_sha256: str = ""
@@ -183,15 +190,16 @@ class JobStore:
             row = self._db.execute("SELECT spec_json FROM jobs WHERE job_id=?", (job_id,)).fetchone()
         return row[0] if row else None
 
-    def delete_job(self, job_id: str) -> None:
+    def delete_job(self, job_id: str, *, wait: bool = True) -> Future:
         """Remove a job and everything journaled about it (its start failed half-way: no
-        record of it may remain)."""
+        record of it may remain). Returns the write's future (``wait``: see the module
+        docstring)."""
 
         def delete(db: sqlite3.Connection) -> None:
             for table in ("jobs", "events", "steps"):
                 db.execute(f"DELETE FROM {table} WHERE job_id=?", (job_id,))
 
-        self._write(delete)
+        return self._write(delete, wait=wait)
 
     def save_status(
         self,
@@ -366,11 +374,19 @@ class JobStore:
             for blob, spec, seq, runtime, request, digest in rows
         ]
 
-    def events(self, job_id: str, from_seq: int = 0) -> list[control_pb2.JobEvent]:
-        """The job's events with seq >= ``from_seq``, in seq order."""
-        self._writer.flush()
-        with self._lock:
-            rows = self._db.execute(
+    def events(self, job_id: str, from_seq: int = 0, after: Future | None = None) -> list[control_pb2.JobEvent]:
+        """The job's events with seq >= ``from_seq``, in seq order: those of the writes queued
+        before this call, or with ``after`` (the job's last write), of the writes up to it
+        (another job's slow commit is not waited for)."""
+        if after is None:
+            self._writer.flush()
+        else:
+            try:
+                after.result()
+            except Exception:  # noqa: BLE001 - a failed write journaled nothing: the log is what was committed
+                pass
+        with self._read_lock:
+            rows = self._reader.execute(
                 "SELECT seq, unix_time, source, type, message, status FROM events "
                 "WHERE job_id=? AND seq>=? ORDER BY seq",
                 (job_id, from_seq),
@@ -393,6 +409,9 @@ class JobStore:
         self._writer.close()
         with self._lock:
             self._db.close()
+        if self._reader is not self._db:
+            with self._read_lock:
+                self._reader.close()
 
 
 def _save_statements(saves: Sequence[Save]) -> Statements:

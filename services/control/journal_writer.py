@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -37,7 +38,12 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from services.control.metrics import JOURNAL_COMMITS, JOURNAL_GROUP_WRITES
+from services.control.metrics import (
+    JOURNAL_COMMIT_SECONDS,
+    JOURNAL_COMMITS,
+    JOURNAL_GROUP_WRITES,
+    JOURNAL_QUEUE_DEPTH,
+)
 from services.control.worker_cursor import WorkerCursor
 
 _log = structlog.get_logger("control.journal")
@@ -56,6 +62,7 @@ class _Write:
     cursors: Sequence[tuple[WorkerCursor, Sequence[int]]] = ()
     on_commit: Callable[[], None] | None = None
     future: Future = field(default_factory=Future)
+    queued: float = field(default_factory=time.monotonic)
 
 
 class GroupCommitWriter:
@@ -96,6 +103,7 @@ class GroupCommitWriter:
                 self._thread.start()
             self._queue.append(write)
             self._cv.notify()
+        JOURNAL_QUEUE_DEPTH.inc()
         return write.future
 
     def flush(self) -> None:
@@ -148,6 +156,10 @@ class GroupCommitWriter:
                             _log.error("journal write failed", error=str(e))
                             if w.statements is not None and w.cursors:
                                 self._skip(w)
+        done = time.monotonic()
+        JOURNAL_QUEUE_DEPTH.dec(len(group))
+        for w in writes:
+            JOURNAL_COMMIT_SECONDS.observe(done - w.queued)
         for w in group:
             error = failed.get(w)
             if error is not None:

@@ -47,7 +47,12 @@ reads another module. Names and labels:
 * ``surge_control_journal_commits_total``: SQLite transactions control's journal committed
   (services/control/job_store.py): its writes per second under load (bench/control_bench.py);
 * ``surge_control_journal_group_writes``: writes committed together in one of those
-  transactions (the group commit, services/control/journal_writer.py).
+  transactions (the group commit, services/control/journal_writer.py);
+* ``surge_control_journal_queue_depth``: journal writes queued and not yet committed;
+  ``surge_control_journal_commit_seconds``: from a write queued to its commit (the lag a
+  decision's commands wait, and an event's ack);
+* ``surge_control_outbox_depth``: commands of decisions waiting for their journal write's
+  commit (services/control/orchestrator/outbox.py): growing, the journal falls behind.
 """
 
 from __future__ import annotations
@@ -138,6 +143,19 @@ JOURNAL_GROUP_WRITES = Histogram(
     "surge_control_journal_group_writes",
     "Journal writes committed together in one SQLite transaction (services/control/journal_writer.py).",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024),
+)
+JOURNAL_QUEUE_DEPTH = Gauge(
+    "surge_control_journal_queue_depth", "Journal writes queued on the group-commit writer, not yet committed."
+)
+JOURNAL_COMMIT_SECONDS = Histogram(
+    "surge_control_journal_commit_seconds",
+    "Seconds from a journal write being queued to its commit (its group's transaction done).",
+    buckets=_LAG_BUCKETS,
+)
+OUTBOX_DEPTH = Gauge(
+    "surge_control_outbox_depth",
+    "Commands of decisions waiting for their journal write's commit before they are sent "
+    "(services/control/orchestrator/outbox.py).",
 )
 # (direction, kind) -> (messages child, bytes child): `labels()` takes the metric's lock and
 # builds a key per call; this runs once per message on the server's loop.

@@ -21,10 +21,15 @@ Locks, outermost first (services/control/event_applier.py gives control's whole 
    under it is allowed: the writer takes no lock of this module).
 
 A job's JobEvents are emitted by the writer, once their write is committed, in journal
-order (``_emitted``): a watcher never sees an event the journal could lose. A decision other
-than a rank 0 step still waits for its write's commit under the decision lock (its commands
-to the ranks are sent after their record is journaled, as ``_send_again`` after a restart
-assumes); the commit is a group commit shared with every other job's queued writes.
+order (``_emitted``): a watcher never sees an event the journal could lose. No decision waits
+for its journal write under the decision lock: it queues the write (``_write``) and its
+commands to the ranks and the release of its resources (``_after_journal``: in the job's
+``Outbox``, behind the job's last queued write), and returns; once the lock is let go, the
+thread that decided waits for the writes it queued and sends the commands whose write is
+committed (``_after_decision``), so a command still follows its record (as ``_send_again``
+after a restart assumes) and a control killed before the commit loses the decision and its
+commands together. An operator command's reply is made once its write is committed (the wait
+is outside the lock), and raises the write's error if it failed.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import structlog
@@ -65,6 +71,7 @@ from services.control.orchestrator.job import (
 )
 from services.control.orchestrator.journal import JournalRestore
 from services.control.orchestrator.operator import OperatorCommands
+from services.control.orchestrator.outbox import Outbox
 from services.control.orchestrator.profiles import Profiling
 from services.control.orchestrator.queue import JobQueueing
 from services.control.orchestrator.recovery import Recovery
@@ -136,7 +143,13 @@ class Orchestrator(
         metrics: ControlMetrics | None = None,
         checkpoints: CommandPort | None = None,
     ):
-        self._allocator, self._faults, self._loop, self._emit = allocator, faults, loop, emit
+        self._faults, self._emit = faults, emit
+        # Commands to the ranks, and releases, go once the decision's journal write is committed.
+        self._outbox = Outbox()
+        self._last_write: dict[str, Future] = {}  # job id -> its last journal write queued by a decision
+        self._decided = threading.local()  # this thread's decision: its writes (futures) and jobs commanded
+        self._loop = self._after_journal(loop)
+        self._allocator = self._after_journal(allocator, only=(control_pb2.ReleaseResources,))
         self._checkpoints = checkpoints
         self._recovery = recovery
         self._metrics = metrics or ControlMetrics()
@@ -145,10 +158,11 @@ class Orchestrator(
         self._persist_interval_s = persist_interval_s
         # Re-entrant: a command this module sends may come back as an event on this thread.
         # Once a decision is over, the jobs it changed are published (``_publish_changed``).
-        self._lock = DecisionLock(self._publish_changed)
+        self._lock = DecisionLock(self._publish_changed, self._after_decision)
         self._changed: set[str] = set()  # jobs whose view is to be published as the decision ends
         self._places_changed = False  # the queue's order changed in this decision
         self._jobs: dict[str, _Job] = {}
+        self._reserved: set[str] = set()  # ids of submits being journaled (outside the lock)
         self._reattaching = Reattaching()  # restored live jobs: ranks not heard from since
         # Restored live jobs -> their last boundary command number when control restarted:
         # those up to it still in flight go again once the ranks re-attach (_send_again).
@@ -191,8 +205,10 @@ class Orchestrator(
         status = self._views.status(msg.job_id)
         if status is None:
             raise JobNotFound(f"job {msg.job_id} not found")
-        if payload == EVENT_LOG:
-            return Reply(status, tuple(self._journal.events(msg.job_id, msg.from_seq)))
+        if payload == EVENT_LOG:  # (those journaled before this query: its job's writes only are waited for)
+            return Reply(
+                status, tuple(self._journal.events(msg.job_id, msg.from_seq, self._last_write.get(msg.job_id)))
+            )
         job = self._jobs.get(msg.job_id)
         if msg.with_spec and job is not None:  # the effective spec, as journaled (a resume --dp replaced it there too)
             status.spec_json = spec_to_json(job.spec)  # (a spec is replaced whole, never changed in place)
@@ -217,7 +233,7 @@ class Orchestrator(
     def _new_id(self, name: str) -> str:
         while True:
             job_id = f"{name}-{secrets.token_hex(3)}"
-            if job_id not in self._jobs:
+            if job_id not in self._jobs and job_id not in self._reserved:
                 return job_id
 
     def _get(self, job_id: str) -> _Job:
@@ -357,7 +373,7 @@ class Orchestrator(
         tests/cli/test_restart.py)."""
         self._publish(job)
         with self._journal_lock(job.status.job_id):
-            self._journal.save_status(job.status, None, _runtime(job))
+            self._queued(job.status.job_id, self._journal.save_status(job.status, None, _runtime(job), wait=False))
 
     def _publish(self, job: _Job) -> None:
         """Under the lock: the job's status is what the operator's queries see once this
@@ -432,9 +448,79 @@ class Orchestrator(
 
     def _write(self, event: control_pb2.JobEvent, runtime: dict, spec_json: str | None = None) -> None:
         """Journal one event of ``_record`` (its status a copy made under the lock), under its
-        job's journal lock, and wait for the commit; the event is emitted once committed."""
+        job's journal lock; the event is emitted once committed. Not waited for under the
+        decision lock (``_after_decision`` waits once the lock is let go)."""
         with self._journal_lock(event.job_id):
-            self._journal.save_status(event.status, event, runtime, spec_json=spec_json, on_commit=self._emitted(event))
+            future = self._journal.save_status(
+                event.status, event, runtime, spec_json=spec_json, on_commit=self._emitted(event), wait=False
+            )
+            self._queued(event.job_id, future)
+
+    def _queued(self, job_id: str, future: Future) -> None:
+        """A journal write of the job was queued: the job's commands decided after it wait for
+        it, and so does the decision (outside the lock); out of any decision (a restore),
+        it is waited for now."""
+        self._last_write[job_id] = future
+        if not self._lock.held():
+            future.result()
+            return
+        writes = getattr(self._decided, "writes", None)
+        if writes is None:
+            writes = self._decided.writes = []
+        writes.append((job_id, future))
+
+    def _after_journal(self, port: Callable[..., Any], only: tuple[type, ...] = ()) -> Callable[..., Any]:
+        """``port`` (to the ranks, or the allocator for ``only`` its messages) as the orchestrator
+        calls it: a message of a job, decided under the lock, waits in the job's outbox for the
+        journal write queued before it and is sent once that is committed, after the lock is
+        let go (``_after_decision``). Its reply is None: nothing waits for one."""
+
+        def deferred(msg: Any, payload: Any = None) -> Any:
+            job_id = getattr(msg, "job_id", "")
+            if not job_id or (only and not isinstance(msg, only)):
+                return port(msg, payload)
+            after = self._last_write.get(job_id)
+            self._outbox.put(job_id, after, lambda: port(msg, payload))
+            # The deciding thread waits for that write too, then drains: a write nobody waits
+            # for (a rank 0 step's) would otherwise leave the command until the job's next decision.
+            if self._lock.held():
+                jobs = getattr(self._decided, "jobs", None)
+                if jobs is None:
+                    jobs = self._decided.jobs = {}
+                jobs.setdefault(job_id, after)
+            else:
+                self._after_decision(None, {job_id: after})
+            return Reply(None)
+
+        return deferred
+
+    def _after_decision(self, error: BaseException | None, jobs: dict[str, Future | None] | None = None) -> None:
+        """The decision lock was let go by this thread: wait for the journal writes its
+        decision queued and those its commands wait for (``jobs``: job -> the first one), then
+        send the commands they hold back (``Outbox.drain``). A write of the decision that
+        failed is raised (the operator's reply says so) unless the decision raised."""
+        writes, self._decided.writes = getattr(self._decided, "writes", None) or [], None
+        commanded, self._decided.jobs = jobs or getattr(self._decided, "jobs", None) or {}, None
+        failed: BaseException | None = None
+        for _, future in writes:
+            try:
+                future.result()
+            except Exception as e:  # noqa: BLE001 - raised below, once the commands committed are sent
+                failed = failed or e
+        for after in commanded.values():
+            if after is not None:
+                try:
+                    after.result()
+                except Exception:  # noqa: BLE001 - an earlier decision's write: its own caller says so
+                    pass
+        # (the jobs written too: a command another thread decided may wait for one of these writes)
+        self._outbox.drain(dict.fromkeys([*commanded, *(job_id for job_id, _ in writes)]))
+        if getattr(self._decided, "start", False):  # (the queue's head, asked for once the releases went)
+            self._decided.start = False
+            with self._lock:
+                self._start_soon()
+        if failed is not None and error is None:
+            raise failed
 
     def _emitted(self, *events: control_pb2.JobEvent) -> Callable[[], None]:
         """What the journal's writer does once ``events`` are committed: log and emit them

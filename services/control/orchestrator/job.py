@@ -176,6 +176,9 @@ class _Scale:
     phase: str = "pausing"  # pausing (PauseTraining sent) | rebuilding (RebuildCommunicator done)
     old_dp: int = 0
     since: float = 0.0  # time.monotonic() it was asked
+    phase: str = "asking"  # resume_machine.py: asking, placing, queued, relaunched
+    step: int = 0  # the version it loads (chosen once the versions are known) and its step
+    version: str = ""
     healed_from: dict[int, int] = field(default_factory=dict)  # rank -> source (TrainingLoopStarted)
 
 
@@ -197,6 +200,9 @@ class _Resume:
     journaled: nothing has changed until its answer is applied)."""
 
     since: float = 0.0  # time.monotonic() it was asked
+    phase: str = "asking"  # resume_machine.py: asking, placing, queued, relaunched
+    step: int = 0  # the version it loads (chosen once the versions are known) and its step
+    version: str = ""
 
 
 @dataclass

@@ -208,7 +208,7 @@ class OperatorCommands:
                 return self._relaunch(job, msg.from_version, verdicts, spec)
         finally:
             with self._lock:
-                end(job, resume)  # (not a recovery that superseded it meanwhile)
+                end(job, _Resume)  # (its state, moved by resume_machine; not a recovery that superseded it)
 
     def _resume_after_pause(self, job: _Job) -> control_pb2.JobStatus:
         """Under the lock: a resume while the job's ranks pause (a pause just asked, or the
@@ -243,7 +243,7 @@ class OperatorCommands:
                     f"job {msg.job_id} is {JobState.Name(job.status.state)}: only an ended job's records can be "
                     f"deleted (`surgectl stop {msg.job_id}` first)"
                 )
-            self._journal.delete_job(msg.job_id)
+            self._queued(msg.job_id, self._journal.delete_job(msg.job_id, wait=False))
             del self._jobs[msg.job_id]
             self._changed.add(msg.job_id)  # (forgotten as the decision ends)
             _log.info("job deleted", job_id=msg.job_id)

@@ -74,6 +74,8 @@ class JobQueueing:
             if (earlier := submitted_before(self._jobs.values(), msg)) is not None:
                 return self._snapshot(earlier)
             job_id = self._new_id(spec.name)
+            self._reserved.add(job_id)  # (no other submit takes the id while it is journaled)
+        try:
             now = time.time()
             # Built before anything is allocated: a value that does not fit fails here.
             status = control_pb2.JobStatus(
@@ -89,8 +91,24 @@ class JobQueueing:
             )
             _set_layout(status, spec)
             digest = spec_sha256(msg.spec_yaml) if msg.request_id else ""
+            # Journaled before the decision and outside its lock (the disk holds no other
+            # job's decision up); a failure here: nothing allocated yet.
+            self._journal.create_job(status, spec_json, msg.request_id, digest)
+        except BaseException:
+            with self._lock:
+                self._reserved.discard(job_id)
+            raise
+        with self._lock:
+            self._reserved.discard(job_id)
+            try:
+                earlier = submitted_before(self._jobs.values(), msg)  # (a retry of the request raced this one)
+            except BaseException:
+                self._queued(job_id, self._journal.delete_job(job_id, wait=False))
+                raise
+            if earlier is not None:
+                self._queued(job_id, self._journal.delete_job(job_id, wait=False))
+                return self._snapshot(earlier)
             job = _Job(status=status, spec=spec, request_id=msg.request_id, spec_sha256=digest)
-            self._journal.create_job(status, spec_json, msg.request_id, digest)  # (fails: nothing allocated yet)
             self._jobs[job_id] = job
             held = "waits for the jobs queued ahead of it" if self._queue.blocks(priority) else ""
             held = held or self._queue_held()
@@ -98,7 +116,7 @@ class JobQueueing:
             if reply is not None and reply.rank_memory_bytes:  # it cannot start on these workers
                 self._jobs.pop(job_id, None)
                 self._changed.add(job_id)  # (forgotten as the decision ends)
-                self._journal.delete_job(job_id)
+                self._queued(job_id, self._journal.delete_job(job_id, wait=False))
                 raise JobDoesNotFit(f"{msg.spec_path or 'job.yaml'}: {reply.reason}")
             if held or reply is not None:
                 try:
@@ -109,7 +127,7 @@ class JobQueueing:
                     self._queue.take(job_id)
                     self._jobs.pop(job_id, None)
                     self._changed.add(job_id)  # (forgotten as the decision ends)
-                    self._journal.delete_job(job_id)
+                    self._queued(job_id, self._journal.delete_job(job_id, wait=False))
                     raise
             return self._snapshot(job)
 
@@ -162,7 +180,7 @@ class JobQueueing:
         try:
             self._allocator(control_pb2.ReleaseResources(job_id=job_id, kill=True))
         finally:
-            self._journal.delete_job(job_id)
+            self._queued(job_id, self._journal.delete_job(job_id, wait=False))
 
     # ------------------------------------------------------------ the queue
 
@@ -205,7 +223,12 @@ class JobQueueing:
     def _start_soon(self) -> None:
         """Under the lock: ranks may have freed up, so the queue's head is tried, on the
         deadline pool's thread (no delay; never on the caller's, which may be the thread that
-        applies the node agents' events), once however many ask before it runs."""
+        applies the node agents' events), once however many ask before it runs. Once the
+        decision's commands are sent, if it has any (a release of ranks among them: the head
+        tried before it would not fit; ``_after_decision``)."""
+        if getattr(self._decided, "jobs", None):
+            self._decided.start = True
+            return
         if len(self._queue) and self._start_armed is None:
             self._start_armed = self._deadlines.after(0.0, self._start_queued)
 

@@ -11,8 +11,18 @@ import structlog
 from services.contract import control_pb2, engine_pb2, store_pb2
 from services.control import fault_decision as fd
 from services.control.monitoring import start_monitoring
-from services.control.orchestrator.activity import end
-from services.control.orchestrator.job import ORCH, JobOutcome, JobState, _Incident, _Job, _load_runtime, _runtime
+from services.control.orchestrator import resume_machine as rm
+from services.control.orchestrator.activity import end, moved
+from services.control.orchestrator.job import (
+    ORCH,
+    JobOutcome,
+    JobState,
+    _Incident,
+    _Job,
+    _load_runtime,
+    _Resume,
+    _runtime,
+)
 from services.control.orchestrator.layout import _layout_change, _set_layout
 from services.control.orchestrator.refusals import IllegalTransition, InsufficientResources
 from services.control.orchestrator.texts import _beyond_cluster, _newest, _version_number, _waits_for
@@ -25,9 +35,9 @@ from services.jobspec import (
 _log = structlog.get_logger("orchestrator")
 
 
-def _known(job: _Job, candidates: list[tuple]) -> set[str]:
+def _known(job: _Job, candidates: list[rm.Candidate]) -> set[str]:
     """Every version of the job control or the store knows of."""
-    return {v for _, v in job.versions} | {c[1] for c in candidates}
+    return {v for _, v in job.versions} | {c.version for c in candidates}
 
 
 class _Answer:
@@ -118,16 +128,31 @@ class OperatorResume:
                 f"job {job_id} changed while its checkpoints were verified "
                 f"(now {JobState.Name(job.status.state)}); not resumed"
             )
-        step, version, candidates = self._resume_version(job, from_version, verdicts)
+        candidates = self._candidates(job, verdicts)
         # A drained job comes first (`surgectl up` resumes it); any other waits behind the
         # queued jobs of its priority or higher, as a submit does.
         held = "" if job.status.drained else self._resume_held(job)
-        reply = None if held else self._place_resume(job, step, version, spec, candidates)
-        if reply is not None and reply.rank_memory_bytes:  # its ranks fit on no registered worker
-            raise InsufficientResources(f"cannot resume {job_id}: {reply.reason}")
-        if held or reply is not None:
-            beyond = reply is not None and _beyond_cluster(reply)
-            self._queue_resume(job, step, version, spec, held or _waits_for(job, reply, spec), beyond)
+        resume = job.activity if isinstance(job.activity, _Resume) else _Resume()
+        resume, effects = rm.answered(before := resume, job_id, candidates, from_version, job.abandoned, held)
+        moved(job, before, resume)  # (the slot holds the machine's state; a refusal leaves it as it was)
+        while effects:  # (the machine's effects, in order; a placement's answer is its next event)
+            effect, *effects = effects
+            if isinstance(effect, rm.Refuse):
+                raise (InsufficientResources if effect.resources else IllegalTransition)(effect.text)
+            if isinstance(effect, rm.Queue):
+                self._queue_resume(job, effect.step, effect.version, spec, effect.why, effect.beyond)
+            elif isinstance(effect, rm.Place):
+                reply = self._place_resume(job, effect.step, effect.version, spec, candidates)
+                resume, more = rm.allocated(
+                    before := resume,
+                    job_id,
+                    fits=reply is None,
+                    nowhere=reply.reason if reply is not None and reply.rank_memory_bytes else "",
+                    why=_waits_for(job, reply, spec) if reply is not None else "",
+                    beyond=reply is not None and _beyond_cluster(reply),
+                )
+                moved(job, before, resume)
+                effects = [*more, *effects]
         return self._snapshot(job)
 
     def _resume_held(self, job: _Job) -> str:
@@ -137,40 +162,16 @@ class OperatorResume:
             return "waits for the jobs queued ahead of it"
         return self._queue_held(but=job)
 
-    def _resume_version(self, job: _Job, from_version: str, verdicts: list | None) -> tuple[int, str, list[tuple]]:
-        """Under the lock: (step, version) an operator resume loads, and every candidate.
-
-        Raises:
-            IllegalTransition: no checkpoint, none that verifies, or ``from_version`` not one
-                of the job's or failing verification."""
-        job_id = job.status.job_id
+    @staticmethod
+    def _candidates(job: _Job, verdicts: list | None) -> list[rm.Candidate]:
+        """The versions an operator resume may load: the store's verdicts, or (none asked)
+        those SaveCompleted reported; a version a corrupt report struck never verifies."""
         if verdicts is None:
-            candidates = [(step, v, v not in job.unusable, "") for step, v in job.versions]
-        else:
-            candidates = [
-                (d.info.step, d.info.version, d.ok and d.info.version not in job.unusable, d.reason) for d in verdicts
-            ]
-        if not candidates:
-            raise IllegalTransition(f"job {job_id} has no checkpoint to resume from; submit again")
-        if from_version:
-            named = [c for c in candidates if c[1] == from_version]
-            if not named:
-                raise IllegalTransition(
-                    f"--from {from_version}: not a committed checkpoint of {job_id} "
-                    f"(its versions: {', '.join(c[1] for c in candidates)})"
-                )
-            chosen = named[0]
-            if not chosen[2]:
-                raise IllegalTransition(
-                    f"--from {from_version}: fails verification ({chosen[3] or 'struck'}); never loaded"
-                )
-        else:
-            usable = [c for c in candidates if c[2] and c[1] not in job.abandoned]
-            if not usable:
-                why = "; ".join(f"{v}: {reason or 'struck'}" for _, v, _, reason in candidates)
-                raise IllegalTransition(f"job {job_id}: no checkpoint verifies ({why}); submit again")
-            chosen = max(usable, key=lambda c: (c[0], _version_number(c[1])))
-        return chosen[0], chosen[1], candidates
+            return [rm.Candidate(step, v, v not in job.unusable) for step, v in job.versions]
+        return [
+            rm.Candidate(d.info.step, d.info.version, d.ok and d.info.version not in job.unusable, d.reason)
+            for d in verdicts
+        ]
 
     def _queue_resume(
         self,
@@ -311,7 +312,10 @@ class OperatorResume:
             if job.spec is not before_spec:
                 job.spec = before_spec
                 try:  # (the decision may have been journaled with the new spec before the failure)
-                    self._journal.save_status(job.status, None, before_runtime, spec_json=spec_to_json(before_spec))
+                    put_back = spec_to_json(before_spec)
+                    self._queued(
+                        job_id, self._journal.save_status(job.status, None, before_runtime, put_back, wait=False)
+                    )
                 except Exception as e:  # noqa: BLE001 - the failure being raised is the one to report
                     _log.error("the job's spec could not be put back in the journal", job_id=job_id, error=str(e))
             raise

@@ -120,7 +120,7 @@ class RankEvents:
             if journal_lock is not None:
                 # Every applied step, in order (the journal of progress a restart resumes
                 # from; an event applied twice would show here as a repeated step).
-                self._journal.record_step(
+                self._last_write[msg.job_id] = self._journal.record_step(
                     msg.job_id,
                     msg.step,
                     msg.loss,

@@ -29,25 +29,36 @@ JobState = control_pb2.JobState
 class DecisionLock:
     """The orchestrator's decision lock: re-entrant (a command it sends may come back as an
     event on the same thread); ``on_release`` runs, still under it, when the outermost
-    holder is about to let it go (the decision is over: its changes are published)."""
+    holder is about to let it go (the decision is over: its changes are published), and
+    ``after`` once it has let it go, on the same thread (with the exception the block raised,
+    None if none): the decision's journal writes are waited for there, and its commands sent
+    (services/control/orchestrator/outbox.py), never under the lock."""
 
-    def __init__(self, on_release: Callable[[], None]):
+    def __init__(self, on_release: Callable[[], None], after: Callable[[BaseException | None], None] | None = None):
         self._lock = threading.RLock()
-        self._depth = 0  # (changed by the holder only)
+        self._mine = threading.local()  # this thread's depth (another thread's is not read)
         self._on_release = on_release
+        self._after = after
+
+    def held(self) -> bool:
+        """Whether this thread holds the lock (is inside a decision)."""
+        return getattr(self._mine, "depth", 0) > 0
 
     def __enter__(self) -> DecisionLock:
         self._lock.acquire()
-        self._depth += 1
+        self._mine.depth = getattr(self._mine, "depth", 0) + 1
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        outermost = self._mine.depth == 1
         try:
-            if self._depth == 1:
+            if outermost:
                 self._on_release()
         finally:
-            self._depth -= 1
+            self._mine.depth -= 1
             self._lock.release()
+        if outermost and self._after is not None:
+            self._after(exc)
 
 
 class JobViews:
