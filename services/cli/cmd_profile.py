@@ -54,16 +54,34 @@ def profile_job(
                 else ""
             )
         )
-    info = _wait(job_id, asked.seq, wait_seconds) if wait_seconds else asked
+    if not wait_seconds:
+        if output == "json":
+            print(json.dumps(jsonout.to_plain(asked), indent=2))
+        else:
+            _say(f"`surgectl events {job_id} --type profile` shows each rank's files as they are stored")
+        return
+    try:
+        info = _wait(job_id, asked.seq, wait_seconds)
+    except KeyboardInterrupt:
+        raise CliError(
+            f"interrupted: profile #{asked.seq} goes on; `surgectl events {job_id} --type profile` shows its files",
+            code=130,
+        ) from None
     if output == "json":
         print(json.dumps(jsonout.to_plain(info), indent=2))
     else:
         render.console.print(_table(info))
         if any(not r.error for r in info.recorded):
             _say("open a .trace.json.gz in https://ui.perfetto.dev (or chrome://tracing)")
+        short = [r for r in info.recorded if not r.error and r.last_step - r.first_step + 1 < info.steps]
+        if short:
+            _say(
+                f"cut short: steps {short[0].first_step}-{short[0].last_step}, "
+                f"{short[0].last_step - short[0].first_step + 1} of {info.steps} (the run ended or stopped first)"
+            )
     missing = info.ranks - len(info.recorded)
     failed = [r for r in info.recorded if r.error]
-    if wait_seconds and missing:
+    if missing:
         raise CliError(
             f"profile #{info.seq}: {missing} of {info.ranks} ranks reported nothing within {wait_seconds:g} s "
             f"(`surgectl events {job_id} --type profile` shows them as they come)"
@@ -93,7 +111,7 @@ def _wait(job_id: str, seq: int, wait_seconds: float) -> control_pb2.ProfileInfo
 
 def _table(info: control_pb2.ProfileInfo) -> Table:
     t = Table(title=f"profile #{info.seq}")
-    for col in ("rank", "steps", "MB", "seconds", "files (under the store's root) or why not"):
+    for col in ("rank", "steps", "MB", "seconds", "files, or why not"):
         t.add_column(col)
     root = paths.store_root()
     for r in sorted(info.recorded, key=lambda r: r.rank):

@@ -22,6 +22,10 @@ import torch
 MEMORY_HISTORY_ENTRIES = 100_000  # allocation events kept by the CUDA memory history (torchtitan's default)
 
 
+def _record_every_step(step: int) -> torch.profiler.ProfilerAction:
+    return torch.profiler.ProfilerAction.RECORD
+
+
 class StepProfiler:
     """One profile: :meth:`start` at a boundary, :meth:`stop` at a later one, which returns the
     files it wrote ({file name: local path}) in a private temporary directory that
@@ -42,9 +46,18 @@ class StepProfiler:
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
         # (no profile_memory: with it a traced step of the demo model took 2.0x an untraced one, without it
         # 1.03-1.06x (bench/profile_overhead.py); the CUDA snapshot says where device memory went)
-        self._prof = torch.profiler.profile(activities=activities, record_shapes=True)
+        self._prof = torch.profiler.profile(
+            activities=activities,
+            record_shapes=True,
+            schedule=_record_every_step,  # (a schedule is what makes the trace mark each step: ProfilerStep#N)
+        )
         self._prof.start()
         self._t0 = time.perf_counter()
+
+    def step(self) -> None:
+        """A step boundary inside the profile: the trace marks each step (``ProfilerStep#N``)."""
+        if self._prof is not None:
+            self._prof.step()
 
     def stop(self) -> tuple[dict[str, Path], float]:
         """End the profile; returns its files and the profiled steps' wall seconds (the

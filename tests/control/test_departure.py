@@ -55,6 +55,20 @@ def departing(plane: Plane, session, worker_id: str, deadline_s: float) -> None:
     plane.c.sessions.on_worker_event(session, control_pb2.WorkerEvent(routed=pack(ev, Module.EXT_HARDWARE)))
 
 
+def launched(sessions: dict, count: int, timeout: float = 10.0) -> dict[str, list]:
+    """Every command the sessions got until ``count`` launches came (the move's relaunch is
+    placed once the release went, after its decision's journal commit: on another thread)."""
+    got: dict[str, list] = {w: [] for w in sessions}
+    deadline = time.monotonic() + timeout
+    while True:
+        for w, session in sessions.items():
+            got[w] += drain(session)
+        if sum(c.WhichOneof("command") == "launch" for cmds in got.values() for c in cmds) >= count:
+            return got
+        assert time.monotonic() < deadline, {w: kinds(c) for w, c in got.items()}
+        time.sleep(0.02)
+
+
 def messages(plane: Plane, job_id: str) -> list[str]:
     return [e.message for e in plane.events(job_id)]
 
@@ -80,16 +94,17 @@ def test_a_departing_node_agent_s_job_checkpoints_at_a_boundary_and_moves_to_the
         in (messages(plane, job_id)[-1])
     )
     pause_then_paused(plane, job_id, a, b, 16, 1)
-    launched = {w: drain(s) for w, s in (("wa", a), ("wb", b), ("wc", c))}
-    assert "ReleaseRanks" not in str(kinds(launched["wc"]))
-    assert [k for k in kinds(launched["wa"]) if k == "launch"] == []  # never placed on the leaving node
+    sent = launched({"wa": a, "wb": b, "wc": c}, 2)
+    assert "ReleaseRanks" not in str(kinds(sent["wc"]))
+    assert [k for k in kinds(sent["wa"]) if k == "launch"] == []  # never placed on the leaving node
     for w in ("wb", "wc"):
-        (launch,) = [cmd.launch for cmd in launched[w] if cmd.WhichOneof("command") == "launch"]
+        (launch,) = [cmd.launch for cmd in sent[w] if cmd.WhichOneof("command") == "launch"]
         assert launch.init.resume_version == f"{job_id}:1"
     s = plane.get(job_id)
     assert s.state == JobState.WARMING_UP and s.step == 16
     text = messages(plane, job_id)
-    assert text[-1] == f"node wa departs: checkpoint at step 16 ({job_id}:1), moving to wc"
+    assert f"node wa departs: checkpoint at step 16 ({job_id}:1): continues from it off wa, first in the queue" in text
+    assert any(m.startswith("resume STANDBY from checkpoint") and "allocated on wb, wc" in m for m in text), text
     assert not [e for e in plane.events(job_id) if e.type == "fault"]
     assert any("restart budgets kept" in m for m in text)
 
@@ -107,8 +122,11 @@ def test_drain_cordons_the_node_and_moves_its_job_a_node_with_no_job_is_only_cor
     saved(plane, a, job_id, 1, 10)
     for rank, session in ((0, a), (1, b)):
         plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=10))
-    assert messages(plane, job_id)[-1] == f"node wb departs: checkpoint at step 10 ({job_id}:1), moving to wc"
-    assert not [cmd for cmd in drain(b) if cmd.WhichOneof("command") == "launch"]
+    sent = launched({"wa": a, "wb": b, "wc": c}, 2)
+    text = messages(plane, job_id)
+    assert f"node wb departs: checkpoint at step 10 ({job_id}:1): continues from it off wb, first in the queue" in text
+    assert any(m.startswith("resume STANDBY from checkpoint") and "allocated on wa, wc" in m for m in text), text
+    assert not [cmd for cmd in sent["wb"] if cmd.WhichOneof("command") == "launch"]
     cordons = plane.user(control_pb2.JobQuery()).cordoned
     assert [(x.worker_id, x.reason) for x in cordons] == [("wb", "draining: leaves within 60 s (`surgectl drain`)")]
     idle = plane.user(control_pb2.DrainWorkerRequest(worker_id="wa", deadline_seconds=5))
@@ -125,7 +143,8 @@ def test_a_deadline_too_short_for_a_save_moves_now_from_the_newest_checkpoint_wi
     warning = next(m for m in text if m.startswith("WARNING: node wa departs in 3 s"))
     assert "too short for a save (" in warning and f"move now from checkpoint {job_id}:1 (step 10" in warning
     assert "3 steps lost" in warning
-    launches = [cmd.launch for s in (b, c) for cmd in drain(s) if cmd.WhichOneof("command") == "launch"]
+    sent = launched({"wb": b, "wc": c}, 2)
+    launches = [cmd.launch for cmds in sent.values() for cmd in cmds if cmd.WhichOneof("command") == "launch"]
     assert sorted(la.init.resume_version for la in launches) == [f"{job_id}:1"] * 2
     assert plane.get(job_id).state == JobState.WARMING_UP
 
@@ -183,11 +202,11 @@ def test_with_no_free_slot_the_job_waits_first_in_the_queue_and_continues_from_i
     step(plane, a, job_id, 20)
     departing(plane, a, "wa", 30.0)
     pause_then_paused(plane, job_id, a, b, 22, 1)
+    settle(lambda: plane.get(job_id).queue_position, 1)
     s = plane.get(job_id)
     assert s.state == JobState.STANDBY and s.queue_position == 1
-    assert messages(plane, job_id)[-1] == (
-        f"node wa departs: checkpoint at step 22 ({job_id}:1), no free slot off it now: first in the queue to "
-        "continue from it"
+    assert f"node wa departs: checkpoint at step 22 ({job_id}:1): continues from it off wa, first in the queue" in (
+        messages(plane, job_id)
     )
     for rank, session in ((0, a), (1, b)):  # the released ranks end (the agent leaves once its rank did)
         plane.rank_exited(session, job_id, rank, -9, released=True)
@@ -200,3 +219,54 @@ def test_with_no_free_slot_the_job_waits_first_in_the_queue_and_continues_from_i
     assert placed[0].endswith("restart budgets kept")
     decided = [e.message for e in plane.events(job_id) if e.type == "decision" and " after " in e.message]
     assert decided == []  # (the released ranks' exits are recorded, nothing is decided on them)
+
+
+@pytest.fixture
+def verified_plane(tmp_path, monkeypatch):
+    """A plane whose store verifies version 1 of every job, at step 8 (as an event and in the call)."""
+    from services.control.__main__ import build
+    from services.control.job_store import JobStore
+    from services.control.store_relay import StoreRelay
+
+    from .conftest import stop_plane
+
+    def verify(relay, msg, payload=None):
+        info = store_pb2.CheckpointInfo(version=f"{msg.job_id}:1", step=8, job_id=msg.job_id)
+        reply = store_pb2.CheckpointVerification(
+            job_id=msg.job_id, versions=[store_pb2.CheckpointVerdict(info=info, ok=True)]
+        )
+        if hasattr(relay, "_events"):
+            relay._events(reply)
+        return reply
+
+    monkeypatch.setattr(StoreRelay, "verify_checkpoints", verify)
+    control = build(JobStore(tmp_path / "control.db"), data_address="d:1", store_address="s:1", persist_interval_s=0.0)
+    yield Plane(control)
+    stop_plane(control)
+
+
+def test_a_paused_jobs_ranks_on_a_leaving_node_are_released_and_its_resume_relaunches_it_off_the_node(verified_plane):
+    plane = verified_plane
+    job_id, a, b, c = running_on_three(plane)
+    step(plane, a, job_id, 6)
+    plane.user(control_pb2.PauseJobRequest(job_id=job_id))
+    (cmd,) = drain(b)
+    drain(a)
+    step(plane, a, job_id, 8, agreed=to_ranks(cmd).seq)
+    saved(plane, a, job_id, 1, 8)
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=8))
+    assert plane.get(job_id).state == JobState.PAUSED
+    departing(plane, a, "wa", 30.0)
+    said = messages(plane, job_id)[-1]
+    assert "PAUSED at step 8: its ranks are released now (no fault, no restart spent)" in said, said
+    assert f"relaunches it from {job_id}:1 (step 8) off wa" in said and "lost" not in said
+    settle(lambda: "release" in kinds(drain(a) + drain(b)), True)
+    assert plane.get(job_id).state == JobState.PAUSED
+    assert not [e for e in plane.events(job_id) if e.type == "fault"]
+
+    plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+    sent = launched({"wa": a, "wb": b, "wc": c}, 2)
+    assert not [x for x in sent["wa"] if x.WhichOneof("command") == "launch"]  # (wa is leaving)
+    launches = [x.launch for cmds in sent.values() for x in cmds if x.WhichOneof("command") == "launch"]
+    assert sorted(la.init.resume_version for la in launches) == [f"{job_id}:1"] * 2

@@ -51,6 +51,7 @@ def test_a_profile_traces_the_steps_after_its_boundary_and_the_store_keeps_its_f
     # The trace holds the steps' operators: the forward's matmuls at least.
     ops = {e.get("name", "") for e in trace["traceEvents"]}
     assert any(op.startswith("aten::") and "mm" in op for op in ops), sorted(ops)[:20]
+    assert {op for op in ops if op.startswith("ProfilerStep#")} == {"ProfilerStep#0", "ProfilerStep#1"}
     assert rank.store.profiles[0].seq == 1
     assert [s.step for s in rank.steps()] == [1, 2, 3, 4, 5, 6]  # (training went on through it)
     # The profiler's own scratch directory was used, and is gone.
@@ -76,6 +77,7 @@ def test_a_second_profile_while_the_first_records_is_refused_and_a_later_one_run
     recs = {r.seq: r for r in rank.up.of(engine_pb2.ProfileRecorded)}
     assert (recs[1].first_step, recs[1].last_step, recs[1].error) == (2, 4, "")
     assert recs[2].error == "profile #1 is still recording" and not recs[2].files
+    assert (recs[2].first_step, recs[2].last_step) == (0, 0)
     assert (recs[3].first_step, recs[3].last_step, recs[3].error) == (6, 6, "")
 
 
@@ -85,6 +87,9 @@ def test_a_profile_that_fails_is_reported_and_training_goes_on(tmp_path):
             pass
 
         def start(self):
+            pass
+
+        def step(self):
             pass
 
         def stop(self):

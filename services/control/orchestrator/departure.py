@@ -29,7 +29,6 @@ from services.control.orchestrator.activity import REFUSE, PauseAsk, admit
 from services.control.orchestrator.departure_plan import CHECKPOINT, FROM_NEWEST, plan_departure
 from services.control.orchestrator.job import ORCH, JobState, _Job
 from services.control.orchestrator.refusals import BadDeparture
-from services.control.orchestrator.texts import _beyond_cluster, _waits_for
 
 _log = structlog.get_logger("orchestrator")
 
@@ -92,6 +91,8 @@ class Departures:
             self._record(job, ORCH, DEPARTURE, f"{head}: folded into the move off {job.departure} under way")
             return
         state = job.status.state
+        if state == JobState.PAUSED and not job.incident and not job.pending:
+            return self._release_paused(job, worker_id, head)
         if state != JobState.RUNNING:
             why = (
                 "its ranks are being recovered (the relaunch places none there)"
@@ -157,6 +158,34 @@ class Departures:
             "there end at the deadline and its fault policy decides (worker_departed)",
         )
 
+    def _release_paused(self, job: _Job, worker_id: str, head: str) -> None:
+        """Under the lock: a PAUSED job with ranks on the leaving node (an operator's pause).
+        Its ranks are released now (their exits are no fault, no restart is spent) and it stays
+        PAUSED, parked: `surgectl resume` relaunches it from its newest checkpoint off the node.
+        Without a checkpoint nothing is done here (its ranks end at the deadline and its fault
+        policy decides, as for a sudden loss)."""
+        if not [v for _, v in job.versions if v not in job.unusable and v not in job.abandoned]:
+            self._record(
+                job,
+                ORCH,
+                DEPARTURE,
+                f"{head}: not moved: it is PAUSED with no checkpoint to resume from; its ranks there end at the "
+                "deadline and its fault policy decides (worker_departed)",
+            )
+            return
+        step, version = self._newest_version(job)
+        lost = job.status.step - step
+        job.parked, job.parked_live = True, False
+        self._allocator(control_pb2.ReleaseResources(job_id=job.status.job_id, kill=True))
+        self._record(
+            job,
+            ORCH,
+            DEPARTURE,
+            f"{head}: PAUSED at step {job.status.step}: its ranks are released now (no fault, no restart spent); "
+            f"`surgectl resume {job.status.job_id}` relaunches it from {version} (step {step}) off {worker_id}"
+            + (f" ({lost} steps after it are lost: the pause had no checkpoint)" if lost > 0 else ""),
+        )
+
     def _departure_paused(self, job: _Job, step: int) -> None:
         """Under the lock, on the applier thread: every rank paused at the departure's boundary
         ``step`` after its checkpoint's commit (or its failure): the ranks move."""
@@ -183,29 +212,24 @@ class Departures:
     def _move(self, job: _Job, worker_id: str, step: int, version: str, head: str) -> None:
         """Under the lock: the job's ranks are killed (released: their exits are no fault) and
         relaunched from ``version`` on placeable slots (the departing node is not one), the
-        restart budgets kept; where none are free, it waits in the queue first in line."""
+        restart budgets kept; it waits in the queue first in line until its release went (and
+        for free slots, where there are none)."""
         job.parked, job.parked_live, job.departure = True, False, ""
-        before = set(job.placement.values())
         self._transition(
             job, JobState.PAUSED, ORCH, f"{head}: ranks released to move off {worker_id} (no fault, no restart spent)"
         )
         self._allocator(control_pb2.ReleaseResources(job_id=job.status.job_id, kill=True))
-        reply = self._place_resume(job, step, version, None, [], by=f"({head}, moving off it)", keep_budgets=True)
-        if reply is None:
-            new = sorted(set(job.placed_on) - before) or job.placed_on
-            self._record(job, ORCH, DEPARTURE, f"{head} ({version}), moving to {', '.join(new)}")
-            return
-        job.status.drained = True  # (first in the queue: it held its slots until now)
+        # Placed once the release went (it follows its journal record, after the decision): the
+        # job waits first in the queue meanwhile, so nothing else takes the slots it frees.
+        job.status.drained = True
         self._queue_resume(
             job,
             step,
             version,
             None,
-            _waits_for(job, reply),
-            _beyond_cluster(reply),
+            f"waits for its ranks to be released, then continues off {worker_id}",
             by=f"({head}, moving off it)",
             keep_budgets=True,
         )
-        self._record(
-            job, ORCH, DEPARTURE, f"{head} ({version}), no free slot off it now: first in the queue to continue from it"
-        )
+        self._record(job, ORCH, DEPARTURE, f"{head} ({version}): continues from it off {worker_id}, first in the queue")
+        self._start_soon()

@@ -41,13 +41,13 @@ class Profiling:
         rank alike: the same commands are in force at the same boundaries)."""
         if self._profile is not None:
             running = self._profile.msg
-            self._report_profile(msg, step + 1, step, error=f"profile #{running.seq} is still recording")
+            self._report_profile(msg, 0, 0, error=f"profile #{running.seq} is still recording")
             return
         try:
             profiler = self._profiler_of(self._rank)
             profiler.start()
         except Exception as e:  # noqa: BLE001 - a measurement that failed: reported, training goes on
-            self._report_profile(msg, step + 1, step, error=f"the profiler did not start: {type(e).__name__}: {e}")
+            self._report_profile(msg, 0, 0, error=f"the profiler did not start: {type(e).__name__}: {e}")
             return
         self._profile = _Running(msg, step + 1, profiler)
         _log.info("profile_started", seq=msg.seq, first_step=step + 1, steps=msg.steps)
@@ -56,7 +56,11 @@ class Profiling:
         """At the boundary after ``step`` (or the loop's end): stop the profile whose last step
         this is, store its files, report it."""
         running = self._profile
-        if running is None or (step < running.first_step + running.msg.steps - 1 and not ending):
+        if running is None:
+            return
+        if step < running.first_step + running.msg.steps - 1 and not ending:
+            if step >= running.first_step:
+                running.profiler.step()  # (the trace marks each profiled step)
             return
         self._profile = None
         if step < running.first_step:  # (ended before its first step: nothing was profiled)
