@@ -244,24 +244,39 @@ def metrics_file(job: str) -> Path:
     return paths.store_root() / "metrics" / f"{job}.jsonl"
 
 
-def history_from_jsonl(path: Path, rank: int | None = None) -> render.History:
-    """Train loss, tokens/s and held-out loss per step of one rank (default: the lowest
-    rank present; each rank reports its own loss, tokens/s counts all ranks). A step
-    recorded twice (replayed after a rollback) keeps its last record."""
-    steps: dict[int, dict[int, tuple[float, float]]] = {}
+def step_records(
+    text: str, path: Path, strict: bool = True
+) -> tuple[dict[int, dict[int, dict]], dict[int, dict[int, float]]]:
+    """A metrics file's records (``text``: the file and its rotated files, oldest first), per
+    rank: each step's record (a step recorded twice, replayed after a rollback, keeps its last)
+    and each evaluation's held-out loss. A line that is not JSON is a CliError naming it when
+    ``strict``, else passed over (a write cut short by a crash: a page shows the rest)."""
+    steps: dict[int, dict[int, dict]] = {}
     evals: dict[int, dict[int, float]] = {}
-    for n, line in enumerate(read_rotated(path).splitlines(), 1):  # (its rotated files and history first)
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             r = json.loads(line)
         except ValueError:
-            raise CliError(f"{path}: line {n} is not JSON; the metrics file is damaged") from None
+            if strict:
+                raise CliError(f"{path}: line {n} is not JSON; the metrics file is damaged") from None
+            continue
+        if not isinstance(r, dict) or "step" not in r:
+            continue
         rk = int(r.get("rank", 0))
         if r.get("type") == "step":
-            steps.setdefault(rk, {})[int(r["step"])] = (_num(r.get("loss")), _num(r.get("tokens_per_second")))
+            steps.setdefault(rk, {})[int(r["step"])] = r
         elif r.get("type") == "eval":
-            evals.setdefault(rk, {})[int(r["step"])] = _num(r.get("loss"))
+            evals.setdefault(rk, {})[int(r["step"])] = number(r.get("loss"))
+    return steps, evals
+
+
+def history_from_jsonl(path: Path, rank: int | None = None) -> render.History:
+    """Train loss, tokens/s and held-out loss per step of one rank (default: the lowest
+    rank present; each rank reports its own loss, tokens/s counts all ranks). A step
+    recorded twice (replayed after a rollback) keeps its last record."""
+    steps, evals = step_records(read_rotated(path), path)  # (its rotated files and history first)
     if not steps:
         raise CliError(f"{path}: no step records yet")
     if rank is None:
@@ -269,10 +284,10 @@ def history_from_jsonl(path: Path, rank: int | None = None) -> render.History:
     elif rank not in steps:
         raise CliError(f"{path}: no step records of rank {rank} (ranks present: {', '.join(map(str, sorted(steps)))})")
     h = render.History()
-    for step, (loss, tps) in sorted(steps[rank].items()):
+    for step, r in sorted(steps[rank].items()):
         h.steps.append(step)
-        h.loss.append(loss)
-        h.tokens_per_second.append(tps)
+        h.loss.append(number(r.get("loss")))
+        h.tokens_per_second.append(number(r.get("tokens_per_second")))
     for step, loss in sorted(evals.get(rank, {}).items()):
         if not math.isnan(loss):
             h.eval_steps.append(step)
@@ -293,7 +308,12 @@ def history_from_events(events) -> render.History:
     return h
 
 
-def _num(v) -> float:
-    if isinstance(v, str):  # the metrics logger writes NaN / Infinity as strings
-        return float(v)
-    return float(v) if v is not None else math.nan
+def number(v) -> float:
+    """A record's value as a float: NaN where absent or not a number (the metrics logger
+    writes NaN and Infinity as strings)."""
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            return math.nan
+    return float(v) if isinstance(v, (int, float)) else math.nan

@@ -9,12 +9,12 @@ why (``Series.source``).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.cli.observe import number, step_records
 from services.common.rotated_files import read_rotated
 from services.contract import control_pb2
 
@@ -50,35 +50,17 @@ def from_records(path: Path, rank: int | None = None) -> Series | None:
         text = read_rotated(path)
     except OSError:
         return None
-    steps: dict[int, dict[int, tuple[float, float, float, float]]] = {}
-    evals: dict[int, dict[int, float]] = {}
-    for line in text.splitlines():
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(r, dict) or "step" not in r:
-            continue
-        rk, step = int(r.get("rank", 0)), int(r["step"])
-        if r.get("type") == "step":
-            steps.setdefault(rk, {})[step] = (
-                _num(r.get("loss")),
-                _num(r.get("learning_rate")),
-                _num(r.get("grad_norm")),
-                _num(r.get("tokens_per_second")),
-            )
-        elif r.get("type") == "eval":
-            evals.setdefault(rk, {})[step] = _num(r.get("loss"))
+    steps, evals = step_records(text, path, strict=False)
     if not steps:
         return None
     rank = min(steps) if rank is None or rank not in steps else rank
     s = Series(source=STORE_RECORDS, rank=rank)
-    for step, (loss, lr, norm, tps) in sorted(steps[rank].items()):
+    for step, r in sorted(steps[rank].items()):
         s.steps.append(step)
-        s.loss.append(loss)
-        s.learning_rate.append(lr)
-        s.grad_norm.append(norm)
-        s.tokens_per_second.append(tps)
+        s.loss.append(number(r.get("loss")))
+        s.learning_rate.append(number(r.get("learning_rate")))
+        s.grad_norm.append(number(r.get("grad_norm")))
+        s.tokens_per_second.append(number(r.get("tokens_per_second")))
     for step, loss in sorted(evals.get(rank, {}).items()):
         if not math.isnan(loss):
             s.eval_steps.append(step)
@@ -102,12 +84,3 @@ def from_events(events: Iterable[control_pb2.JobEvent]) -> Series:
             s.eval_steps.append(st.step)
             s.eval_loss.append(st.eval_loss)
     return s
-
-
-def _num(v) -> float:
-    if isinstance(v, str):  # the metrics logger writes NaN / Infinity as strings
-        try:
-            return float(v)
-        except ValueError:
-            return math.nan
-    return float(v) if isinstance(v, (int, float)) else math.nan
