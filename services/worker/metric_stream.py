@@ -23,7 +23,7 @@ content). The held records are bounded (``METRICS_BUFFER``): past it the oldest 
 counted and logged (its rank's next ack covers it: the rank waits for no dropped record).
 
 Per interval, not per step (issue 28 item 3: the stack's CPU per step): a record waits up to
-``linger_s`` (``SURGE_METRICS_LINGER_S``, 1 s) for others before its batch goes, and a
+``linger_s`` (``SURGE_METRICS_LINGER_S``; default 0: at once) for others before its batch goes, and a
 batch's acks go back to each rank as one (its highest seq, the records summed, every routed
 failure event in order: a rank's MetricsClient counts acks cumulatively). Measured on the
 demo model (dp 2, a step every ~0.35 s): a record, a batch, an ack to the agent and an ack
@@ -31,7 +31,8 @@ to the rank per step per node became one of each per second (bench/stack_cost.py
 waits on an ack does not linger: a ``StopLogCollection`` (the rank's loop waits for it at its
 end), what is held when a rank reports its loop's end (``flush``: a failed rank waits for its
 records' acks before it exits) and everything held at :meth:`MetricStream.close` go at once,
-with every record before them. Nothing is lost by waiting: a record is held from ``submit`` until its ack, as before.
+with every record before them. A record is held from ``submit`` until its ack, as before, but
+only in the agent: a node that dies loses what lingered there (hence the default 0).
 """
 
 from __future__ import annotations
@@ -64,7 +65,10 @@ def _env_seconds(name: str, default: float) -> float:
 # How long a record waits for others before its batch goes (0: at once, as before). The
 # store's sinks (metric files, the live view) see a step at most this late; the rank's own
 # flush at its end does not wait for it.
-METRICS_LINGER_S = _env_seconds("SURGE_METRICS_LINGER_S", 1.0)
+# Default 0 (each record goes as it comes, batched with whatever is pending): a record held in
+# a node agent that dies is lost with it, and at 1 s a killed node took its ranks' last steps'
+# records with it (CI: test_memory_recovery's killed worker lost steps 1-5 of its curve).
+METRICS_LINGER_S = _env_seconds("SURGE_METRICS_LINGER_S", 0.0)
 RECONNECT_OPTIONS = (  # a store that comes back is found within 2 s (gRPC's default grows to 120 s)
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),

@@ -191,7 +191,12 @@ def test_a_job_paused_by_the_operator_whose_data_service_stays_down_is_parked_wi
     wait_until(lambda: plane.get(job_id).message.startswith("paused: SEVERE data_outage"))
     s = plane.get(job_id)
     assert (s.state, s.outcome) == (JobState.PAUSED, JobOutcome.OUTCOME_UNSPECIFIED)
-    assert any(c.WhichOneof("command") == "release" and c.release.kill for c in drain(w["wa"]))
+    sent: list = []  # (the release follows the decision's journal commit: on another thread)
+    wait_until(
+        lambda: (
+            sent.extend(drain(w["wa"])) or any(c.WhichOneof("command") == "release" and c.release.kill for c in sent)
+        )
+    )
 
 
 def test_a_job_whose_start_waits_for_the_data_service_is_paused_not_failed(plane):
