@@ -19,7 +19,7 @@ from concurrent import futures
 import grpc
 from services.common import grpc_waits
 if sys.argv[1] == "install":
-    assert grpc_waits.install()
+    assert grpc_waits.install(2.0)  # (the opt-in slice: SURGE_GRPC_WAIT_SLICE_S)
 
 def never(request, context):
     while context.is_active():
