@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 GEN    := services/contract/gen
 PROTOS := $(wildcard proto/surge/v1/*.proto)
 
-.PHONY: setup tools proto contracts demo test test-compose lint format up down clean bench bench-faults bench-goodput bench-scale bench-control bench-rank-start bench-stack-cost bench-profile
+.PHONY: setup tools proto contracts demo test test-compose lint format up down clean bench bench-faults bench-quiet-faults bench-goodput bench-scale bench-control bench-rank-start bench-stack-cost bench-profile bench-scheduler
 
 setup: $(STAMP) $(GEN)/.stamp
 
@@ -42,7 +42,8 @@ demo: setup
 	$(BIN)/surgectl demo examples/jobs/demo.yaml
 
 # Two test processes (pytest-xdist), each taking a whole file at a time so that a module's
-# one stack serves all its tests, keep both of CI's 2 cores busy (serial, TEST_WORKERS=0:
+# one stack serves all its tests (or a whole group of files that share one stack:
+# tests/conftest.py STACK_GROUPS, its scheduler), keep both of CI's 2 cores busy (serial, TEST_WORKERS=0:
 # about 26 min in CI; two processes on clean clones under load: 23 min, 42 min). 0: serial.
 # The files go out longest first (tests/conftest.py LONGEST_FIRST), not by xdist's count.
 TEST_WORKERS ?= 2
@@ -98,6 +99,11 @@ bench-faults: setup
 	$(BIN)/python bench/faults.py
 	$(BIN)/python bench/recovery_versions.py
 
+# Issue 29's quiet faults: detection times, false positives, the replica check's cost
+# (bench/quiet_faults.py; BENCH_QUICK=1 for one trial of each).
+bench-quiet-faults: setup
+	$(BIN)/python bench/quiet_faults.py
+
 bench-goodput: setup
 	$(BIN)/python bench/goodput.py $(GOODPUT_ARGS)
 
@@ -122,6 +128,14 @@ bench-control: setup
 # About 3 min. Results in bench/results/stack_cost.json, a table on stdout.
 bench-stack-cost: setup
 	$(BIN)/python bench/stack_cost.py $(STACK_COST_ARGS)
+
+# The scheduler bench (bench/scheduler_bench.py, issue 30 item 7): the pure scheduling policy
+# (services/control/scheduler/) on a simulated cluster, no processes: one decision over 1,000
+# queued jobs of 50 teams (p50/p99), and a simulated day under plain FIFO and under fair share
+# with quotas (utilisation, waits per team). Flags in SCHEDULER_ARGS (e.g. "--slots 256
+# --load 1.1"). About 10 s. Results in bench/results/scheduler.json, a table on stdout.
+bench-scheduler: setup
+	$(BIN)/python bench/scheduler_bench.py $(SCHEDULER_ARGS)
 
 # What `surgectl profile` costs a running job (bench/profile_overhead.py): the profiled steps'
 # time against the steps before, the export at the boundary after, each rank's trace size.

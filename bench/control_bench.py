@@ -25,6 +25,12 @@ a coroutine, never a thread. Each scenario runs on a fresh stack.
   ``decision`` job events on WatchJob.
 * ``heartbeats``: ``--agents`` agents of one rank each, one job over all of them, each rank
   beating at 1 Hz (its step advancing), no StepCompleted.
+
+Beats go up as the node agent sends them (services/worker/rank_beats.py): one sequenced
+``RankBeats`` per node and second with every local rank's beat and the agent's own
+``AgentHeartbeat`` riding in it; an agent with no stepping rank sends its beat alone,
+unsequenced. (Before session 29 the simulated agent sent one message per rank beat and no
+agent beat: 8,192 messages/s at 1,024 x 8 where the real agents send 1,024.)
 * ``restart``: ``--restart-agents`` agents as in ``heartbeats``; after the steady window
   control is SIGKILLed and started again with the same command line (``stack.restart``), the
   agents re-register on their own, and for ``--after-restart`` seconds (beyond control's
@@ -339,6 +345,8 @@ class SimAgent:
             else:
                 next_beat += 1.0 + max(0, int(now - next_beat))
             if not self.stepping or not self.ranks:
+                if not is_step:
+                    self._agent_beat_alone()
                 continue
             fault = self.shared.fault_rank.value
             if fault in self.ranks:
@@ -376,18 +384,35 @@ class SimAgent:
                 continue
             if not steps:
                 self.step += 1  # a beat that shows progress (the rank trains)
-            for r in sorted(self.ranks):
-                beat = worker_pb2.RankHeartbeat(
+            # As the node agent's RankBeats (services/worker/rank_beats.py): the node's ranks'
+            # beats of the period in one sequenced message, with the agent's own beat riding in
+            # it (its period is the ranks' here, 1 s), not one message per rank.
+            beats = [
+                worker_pb2.RankEvent(
                     job_id=self.job,
                     rank=r,
-                    step=self.step,
-                    stepping=True,
-                    step_seconds=1.0,
-                    unix_time=t,
-                    interval_seconds=1.0,
-                    phase=worker_pb2.PHASE_FORWARD,
+                    heartbeat=worker_pb2.RankHeartbeat(
+                        job_id=self.job,
+                        rank=r,
+                        step=self.step,
+                        stepping=True,
+                        step_seconds=1.0,
+                        unix_time=t,
+                        interval_seconds=1.0,
+                        phase=worker_pb2.PHASE_FORWARD,
+                    ),
                 )
-                self._emit("heartbeat", rank_event=worker_pb2.RankEvent(job_id=self.job, rank=r, heartbeat=beat))
+                for r in sorted(self.ranks)
+            ]
+            agent = self.pb.AgentHeartbeat(interval_seconds=1.0, unix_time=t)
+            self._emit("heartbeat", rank_beats=self.pb.RankBeats(job_id=self.job, beats=beats, agent=agent))
+
+    def _agent_beat_alone(self) -> None:
+        """An idle node's agent beat (no rank beats to ride with): unsequenced, never kept
+        or resent (control_link.Outbox.beat)."""
+        if self.queue is not None:
+            beat = self.pb.AgentHeartbeat(interval_seconds=1.0, unix_time=time.time())
+            self.queue.put_nowait(self.pb.WorkerEvent(heartbeat=beat))
 
 
 # ------------------------------------------------------------------ control's side
@@ -407,6 +432,32 @@ def scrape(port: int) -> dict:
                 out["bytes"][f"{s.labels['direction']}:{s.labels['kind']}"] = s.value
             elif s.name == "surge_control_journal_commits_total":
                 out["journal_commits"] = s.value
+            elif s.name in ("surge_control_applier_lag_seconds_bucket", "surge_control_apply_seconds_bucket"):
+                key = f"{s.name.removesuffix('_seconds_bucket').removeprefix('surge_control_')}:{s.labels['queue']}"
+                out.setdefault(key, {})[float(s.labels["le"])] = s.value
+    return out
+
+
+def handling(before: dict, after: dict) -> dict:
+    """Control's own handling time over the window, from its histograms (per burst of a
+    queue: ``applier_lag``, receipt on the gRPC loop -> a pool thread starts applying the
+    burst's oldest message; ``apply``, the burst's apply): p50/p99 as the bucket's upper
+    bound, in ms. The send -> ack latency (``ack_ms``) includes the ack pacer's interval
+    (services/control/ack_pacer.py: at most one ack per session per second), so it is
+    not control's handling time; these are."""
+    out = {}
+    for key, buckets in after.items():
+        if not key.startswith(("applier_lag:", "apply:")):
+            continue
+        counts = sorted((le, n - before.get(key, {}).get(le, 0.0)) for le, n in buckets.items())
+        total = counts[-1][1] if counts else 0.0
+        if total <= 0:
+            continue
+        row = {"n": int(total)}
+        for name, q in (("p50", 0.5), ("p99", 0.99)):
+            le = next(le for le, n in counts if n >= q * total)
+            row[name] = "inf" if le == float("inf") else round(1e3 * le, 1)
+        out[key] = row
     return out
 
 
@@ -578,7 +629,9 @@ def scenario(name: str, nodes: int, ranks_per_node: int, args) -> dict:
             # The machine's 1-minute load at the window's end: above its core count, control
             # waited for a core (its figures are then the machine's, not control's).
             out["loadavg_1m"] = round(os.getloadavg()[0], 1)
-            out.update({k: round(v, 1) for k, v in rates(before, scrape(metrics_port), wall).items()})
+            after = scrape(metrics_port)
+            out.update({k: round(v, 1) for k, v in rates(before, after, wall).items()})
+            out["handling_ms"] = handling(before, after)
             out["faults_in_window"] = [e.message for w in watches for e in list(w.events) if e.type == "fault"][:5]
             if name == "steps" and jobs == 1:  # (with more, the rank that exits may be any job's)
                 _inject_fault(out, shared, watch, world)
@@ -610,7 +663,8 @@ def scenario(name: str, nodes: int, ranks_per_node: int, args) -> dict:
     out["client_error_samples"] = [e for r in results for e in r["errors"]][:5]
     # The agents whose stream broke with an error other than UNAVAILABLE (a fault event naming
     # one of them may be the simulated agent's, not control's).
-    out["client_error_workers"] = sorted(w for r in results for w in r["error_workers"])
+    workers = sorted(w for r in results for w in r["error_workers"])
+    out["client_error_workers"], out["client_error_worker_count"] = workers[:20], len(workers)
     out["events_resent"] = sum(r["resent"] for r in results)
     return out
 
@@ -701,6 +755,9 @@ def table(results: list[dict]) -> str:
                 )
         elif r["scenario"] == "restart":
             extra = f"false deaths {r.get('false_deaths')}, all back in {r.get('kill_to_all_reregistered_s')} s"
+        h = r.get("handling_ms", {})
+        if h:
+            extra += "; handling p50/p99 ms " + ", ".join(f"{k} {v['p50']}/{v['p99']}" for k, v in sorted(h.items()))
         rows.append(
             (
                 r["scenario"],

@@ -20,7 +20,10 @@ from its fork server, ``backend: auto`` picks NCCL), jobs submitted as a user su
   ``checkpoint_committed``; synchronous, 16.7 s stall on an H200), then a job ``init_from`` that version
   (weights + optimizer) loads it (the slowest rank's ``checkpoint_loaded``: ask the store,
   read and verify every byte);
-* in that same job (one start-up for both), a SIGKILL of rank 1 at step ``KILL_AT_STEP``,
+* in that same job, once it stepped, ``surgectl profile``'s path: ``PROFILE_STEPS`` steps traced
+  on every rank with a CUDA memory snapshot each, stored beside the job's metrics (ranks,
+  traces, snapshots and MB in its row);
+* in that same job (one start-up for all three), a SIGKILL of rank 1 at step ``KILL_AT_STEP``,
   its policy rebuilding in place (``rank_exit: rebuild``): seconds from the kill to the
   orchestrator's "first step after the recovery" (survivors and the replacement training
   again over a rebuilt NCCL group).
@@ -73,7 +76,8 @@ from services.common.device_peaks import table_peak  # noqa: E402 (the ranks' ow
 
 SPEC = c.REPO / "bench/jobs/llama1b.yaml"
 KILL_AT_STEP = 5  # the rebuild trial's SIGKILL: the restored job has trained a few steps
-RESTORE_STEPS = 3  # a restore with no rebuild after it (one GPU): steps on the loaded state
+RESTORE_STEPS = 8  # a restore with no rebuild after it (one GPU): steps on the loaded state (the profile's among them)
+PROFILE_STEPS = 2  # the restored job's `surgectl profile`: a trace and a CUDA memory snapshot per rank
 FORKSERVER_ENV = "SURGE_WORKER_RANK_FORKSERVER"  # services/worker/__main__.py: eager = at the agent's start
 # The plan's estimates of wall time (seconds), to keep to the budget. Measured on one H200
 # (2026-12-04, bench/results/gpu.json, torch 2.11 + CUDA 13, 16 CPUs) where a row says so;
@@ -94,10 +98,13 @@ FORKSERVER_ENV = "SURGE_WORKER_RANK_FORKSERVER"  # services/worker/__main__.py: 
 # - REBUILD_S: kill -> survivors and the replacement training again (1.9-4.3 s on CPU,
 #   docs/LOG.md), with the replacement's CUDA init, NCCL re-init and a weight copy from a
 #   live peer on top (a guess: it needs 2 GPUs).
+# - PROFILE_S: `surgectl profile` of PROFILE_STEPS steps on every rank (the trace's export
+#   and gzip, the CUDA memory snapshot's dump, their upload to the store): a guess (1.03-1.06x
+#   a step traced on CPU, bench/profile_overhead.py; the export is most of it).
 # - ASSUMED_MFU: a step's speed (each row's step time = its tokens x FLOPs/token / peak /
 #   MFU): 45 % measured uncompiled, 55 % compiled.
 STACK_S, START_S, COMPILE_S, COMPILE_CACHED_S = 24.0, 16.0, 12.0, 3.0
-SAVE_S, LOAD_S, REBUILD_S, ASSUMED_MFU = 17.0, 26.0, 30.0, 0.45
+SAVE_S, LOAD_S, REBUILD_S, PROFILE_S, ASSUMED_MFU = 17.0, 26.0, 30.0, 15.0, 0.45
 NO_SHARED_GPU = "NCCL cannot run two ranks on one GPU"
 
 
@@ -243,7 +250,7 @@ def plan(args: argparse.Namespace, n_gpus: int, gpu_memory: float, peak: float) 
             # One job: it loads the save, then (2+ GPUs) loses rank 1 to a SIGKILL and
             # rebuilds in place: one start-up for both trials.
             rebuild = n_gpus >= 2
-            label = f"restore of that save (DDP dp={n_gpus})"
+            label = f"restore of that save (DDP dp={n_gpus}), a profile"
             label += ", then SIGKILL rank 1, rebuild in place" if rebuild else " (no rebuild: it needs 2+ GPUs)"
             configs.append(Config(label, "restore", {"dp": n_gpus, "data_parallel": "ddp"}, rebuild=rebuild))
     facts: dict = {"gpus": n_gpus, "gqa": base["model"].get("n_kv_heads", 0), "peak_tflops": peak}
@@ -292,9 +299,9 @@ def estimate_s(cfg: Config, spec, flops: float, peak: float, args: argparse.Name
         if cfg.compile:
             t += COMPILE_CACHED_S if cfg.parallel.get("tp", 1) in compiled_tp else COMPILE_S
         return t
-    if cfg.rebuild:  # load, KILL_AT_STEP steps, the kill and rebuild, 2 steps after it
-        return START_S + LOAD_S + (KILL_AT_STEP + 2) * step_s + REBUILD_S
-    return START_S + LOAD_S + RESTORE_STEPS * step_s
+    if cfg.rebuild:  # load, the profile, KILL_AT_STEP steps, the kill and rebuild, 2 steps after it
+        return START_S + LOAD_S + PROFILE_S + (KILL_AT_STEP + 2) * step_s + REBUILD_S
+    return START_S + LOAD_S + PROFILE_S + RESTORE_STEPS * step_s
 
 
 def _flops_per_token(spec, params: int) -> float:
@@ -399,9 +406,44 @@ def kill_and_rebuild(job: str) -> dict:
     }
 
 
+def profile_steps(job: str, timeout_s: float = 120.0) -> dict:
+    """`surgectl profile`'s path on running ``job`` once it stepped: PROFILE_STEPS steps traced
+    on every rank (a CUDA memory snapshot beside each trace), the files stored beside the
+    job's metrics; what every rank recorded, or why not."""
+    from services.cli import clients
+    from services.contract import control_pb2
+
+    deadline = time.time() + timeout_s
+    while c.job_status(job).step < 1 and time.time() < deadline:
+        time.sleep(0.05)
+    asked = clients.call(
+        "control",
+        lambda s: s.ProfileJob(control_pb2.ProfileJobRequest(job_id=job, steps=PROFILE_STEPS), timeout=10),
+    ).profiles[-1]
+    info = asked
+    while time.time() < deadline:
+        info = next((p for p in c.job_status(job).profiles if p.seq == asked.seq), asked)
+        if len(info.recorded) >= info.ranks:
+            break
+        time.sleep(0.5)
+    done = [r for r in info.recorded if not r.error]
+    files = [f for r in done for f in r.files]
+    out = {
+        "profile_ranks": f"{len(done)} of {info.ranks}",
+        "profile_mb": sum(r.bytes for r in done) / 1e6,
+        "profile_s": max((r.seconds for r in done), default=0.0),
+        "profile_memory_snapshots": sum(f.endswith(".memory.pickle") for f in files),
+        "profile_traces": sum(f.endswith(".trace.json.gz") for f in files),
+    }
+    if len(done) < info.ranks:
+        why = next((r.error for r in info.recorded if r.error), f"not every rank reported within {timeout_s:g} s")
+        out["profile_error"] = why[:300]
+    return out
+
+
 def run_restore(cfg: Config, spec_path: Path) -> dict:
-    """The job that loads the save; with ``cfg.rebuild``, then loses rank 1 and rebuilds
-    (stopped once it trains again)."""
+    """The job that loads the save and is profiled (`surgectl profile`); with ``cfg.rebuild``,
+    then loses rank 1 and rebuilds (stopped once it trains again)."""
     from bench.faults import pids_with
     from services.cli import clients
     from services.contract import control_pb2
@@ -409,6 +451,10 @@ def run_restore(cfg: Config, spec_path: Path) -> dict:
     job, _ = c.submit(spec_path)
     out: dict = {"job": job}
     try:
+        try:
+            out.update(profile_steps(job))
+        except Exception as e:  # noqa: BLE001 - the profile's failure is this row's finding, the rest still runs
+            out["profile_error"] = f"{type(e).__name__}: {e}"[:300]
         if cfg.rebuild:
             out.update(kill_and_rebuild(job))
         else:
@@ -581,10 +627,18 @@ def _cell(r: dict) -> str:
                 f" {r.get('save_written_s', 0.0):.1f} s later (commit {r['commit_s']:.1f} s)"
             )
         return cell
+    profiled = ""
+    if "profile_ranks" in r or "profile_error" in r:
+        profiled = (
+            f"; profile: {r.get('profile_ranks', '0')} ranks, {r.get('profile_traces', 0)} traces, "
+            f"{r.get('profile_memory_snapshots', 0)} memory snapshots, {r.get('profile_mb', 0.0):.1f} MB"
+        )
+        if r.get("profile_error"):
+            profiled += f" ({r['profile_error']})"
     if "kill_to_training_s" in r:
-        return f"kill -> training again {r['kill_to_training_s']:.1f} s (detected {r['detect_s'] or 0:.1f} s)"
+        return f"kill -> training again {r['kill_to_training_s']:.1f} s (detected {r['detect_s'] or 0:.1f} s){profiled}"
     if "restore_s" in r:
-        return f"restore (ask, read, verify) {r['restore_s']:.1f} s"
+        return f"restore (ask, read, verify) {r['restore_s']:.1f} s{profiled}"
     return f"estimated {r.get('estimate_s', 0):.0f} s"
 
 

@@ -89,7 +89,9 @@ def agent_main(port: int, worker_id: str, peer: str) -> None:
 
     from services.common.grpc_server import ServiceServer
     from services.contract import control_pb2, worker_pb2_grpc
-    from services.worker.memory_copies import MemoryCopies, MemoryCopyServicer, shm_from_env
+    from services.worker.memory_chunks import shm_from_env
+    from services.worker.memory_copies import MemoryCopies
+    from services.worker.memory_copy_service import MemoryCopyServicer
 
     shm = shm_from_env(f"bench-{worker_id}")
     copies = MemoryCopies(worker_id, structlog.get_logger(), 8 << 30, shm, lane_host="127.0.0.1")

@@ -54,7 +54,9 @@ def agent_main(port: int, worker_id: str, peer: str) -> None:
 
     from services.common.grpc_server import ServiceServer
     from services.contract import control_pb2, worker_pb2_grpc
-    from services.worker.memory_copies import MemoryCopies, MemoryCopyServicer, shm_from_env
+    from services.worker.memory_chunks import shm_from_env
+    from services.worker.memory_copies import MemoryCopies
+    from services.worker.memory_copy_service import MemoryCopyServicer
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     lane = None if worker_id == "G" else "127.0.0.1"

@@ -23,6 +23,10 @@ os.environ.setdefault("SURGE_REATTACH_MIN_SECONDS", "8")
 # (3 faults from 2 incidents in 10 min) and leave the next test's job queued. The tests of
 # the quarantine itself set it (tests/faults/test_sick_node_live.py, tests/control/test_sick_nodes.py).
 os.environ.setdefault("SURGE_SICK_NODE_FAULTS", "0")
+# No dashboard beside the tests' stacks (`surgectl up` starts one by default): nobody looks at
+# them in a browser, and it is one more process per stack. The dashboard's own tests start it
+# (`surgectl dashboard`, or up with SURGE_UP_DASHBOARD=1: tests/faults/test_recovery.py).
+os.environ.setdefault("SURGE_UP_DASHBOARD", "0")
 
 
 def processes_with(marker: str) -> list[int]:
@@ -103,57 +107,122 @@ def down_and_reap(home: Path, cli) -> None:
             kill_all(processes_with(f"--session 127.0.0.1:{s['port']} "))
 
 
+# Modules that share one real stack (their directory's conftest.py starts it) instead of each
+# starting its own: a stack costs ~19 CPU-s before its tests do anything
+# (docs/LOG.md, session 27). Each group runs as one unit on one test process, its files in the
+# order below, so the stack is started once per group, not once per file and process (under
+# xdist a session or package fixture is per process: with files dealt one at a time, both
+# processes would start it and keep it idle to the end). A module joins a group only if it
+# leaves the stack as the next one needs it (its jobs ended, its workers up and uncordoned, its
+# faults over); a module that breaks the stack for good runs last (and says so), one that needs
+# a pristine stack keeps its own.
+STACK_GROUPS = {
+    # tests/shared_stacks.py GROUP_STACKS: 2 workers, the modules' injections together
+    "faults-two-workers": (
+        "tests/faults/test_step_faults.py",
+        "tests/faults/test_slow_rank.py",
+        "tests/faults/test_replica_divergence.py",
+        "tests/faults/test_phase_blame.py",
+        "tests/faults/test_stall_blame.py",
+        "tests/faults/test_data_outage.py",
+        "tests/faults/test_control_restart.py",
+        "tests/faults/test_recovery.py",  # last: its last test kills a node agent
+    ),
+    # tests/shared_stacks.py GROUP_STACKS: 3 workers of one slot each, the modules' injections
+    "faults-three-workers": (
+        "tests/faults/test_fencing.py",
+        "tests/faults/test_resize_in_place.py",
+        "tests/faults/test_rebuild_in_place.py",  # last: its last test kills a node agent
+    ),
+    # tests/shared_stacks.py GROUP_STACKS: 2 workers, control on a fixed port, the modules'
+    # injections and STACK_ENV together
+    "cli-two-workers": (
+        "tests/cli/test_resume_dp.py",
+        "tests/cli/test_operator_actions.py",
+        "tests/cli/test_interrupted_operator_commands.py",  # (its last test kills every service)
+        "tests/cli/test_restart.py",  # (its last test takes the stack down)
+        "tests/cli/test_housekeeping_stack.py",  # last: it deletes the dataset the others train on
+    ),
+    # tests/observability/conftest.py obs_stack (package scope: it ends when a process's next test
+    # is outside the package; dealt a file at a time, these files were started again each time)
+    "observability": (
+        "tests/observability/test_cli.py",
+        "tests/observability/test_grpc.py",
+        "tests/observability/test_logs.py",
+        "tests/observability/test_metrics.py",
+        "tests/observability/test_profile.py",
+    ),
+}
+GROUP_OF = {path: group for group, paths in STACK_GROUPS.items() for path in paths}
+
 # The files that take longest on CI (their tests together, real stacks and rank processes),
-# longest first. `make test` gives each of its two workers a whole file at a time, the next
-# in the order below as one frees up (--dist loadfile --no-loadscope-reorder): started
-# first, they end while the short files fill in, and the two workers finish together.
-# xdist's own order (most tests first) ran them last: a 100 s file taken by one worker as
-# the queue emptied left the other idle. A file missing here only runs later; keep the
-# list to files of about 40 s or more, in the order of CI's "slowest files" summary (ci6
-# of session 25: 136 s down to 38 s; files whose ranks are forked since then placed by
-# their new figure).
+# longest first. `make test` gives each of its two workers a whole file (or a whole group of
+# STACK_GROUPS) at a time, the next in the order below as one frees up (--dist loadfile
+# --no-loadscope-reorder, the scheduler below): started first, they end while the short
+# files fill in, and the two workers finish together. xdist's own order (most tests first)
+# ran them last: a 100 s file taken by one worker as the queue emptied left the other idle. A
+# file missing here only runs later; keep the list to files of about 40 s or more, in the
+# order of CI's "slowest files" summary (ci6 of session 25: 136 s down to 38 s; files whose
+# ranks are forked since then placed by their new figure). A group takes the place of its
+# first file here (ci28-29: the two-worker group ~600 s, the three-worker group ~275 s).
 LONGEST_FIRST = (
+    "tests/faults/test_recovery.py",  # (the faults-two-workers group)
+    "tests/cli/test_operator_actions.py",  # (the cli-two-workers group: its files ~400 s apart on CI)
     "tests/integration/test_examples.py",
+    "tests/faults/test_rebuild_in_place.py",  # (the faults-three-workers group)
     "tests/faults/test_compound.py",
-    "tests/cli/test_operator_actions.py",
-    "tests/faults/test_rebuild_in_place.py",
-    "tests/faults/test_control_restart.py",
-    "tests/cli/test_interrupted_operator_commands.py",
-    "tests/faults/test_recovery.py",
-    "tests/cli/test_restart.py",
     "tests/faults/test_data_changed_live.py",
-    "tests/faults/test_step_faults.py",
     "tests/parallel/test_memory_limited_fsdp2.py",
-    "tests/faults/test_resize_in_place.py",
-    "tests/faults/test_fencing.py",
-    "tests/faults/test_slow_rank.py",
     "tests/checkpoint/test_no_shared_fs.py",
     "tests/faults/test_store_outage.py",
-    "tests/observability/test_cli.py",
+    "tests/observability/test_cli.py",  # (the observability group)
     "tests/integration/test_end_to_end.py",
     "tests/multihost/test_cut_links.py",
     "tests/multihost/test_netns_bed.py",
-    "tests/faults/test_data_outage.py",
     "tests/checkpoint/test_reshard_resume.py",
     "tests/checkpoint/test_resume_no_shared_fs.py",
-    "tests/cli/test_housekeeping_stack.py",
     "tests/scale/test_boundary_delay.py",
     "tests/parallel/test_pipeline_rank.py",
     "tests/faults/test_memory_recovery.py",
     "tests/checkpoint/test_kill_during_save.py",
-    "tests/cli/test_resume_dp.py",
     "tests/checkpoint/test_exact_resume.py",
 )
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
     """Files in LONGEST_FIRST order, then the others by their number of tests, most first
-    (xdist's own order); each file's tests stay together and in their order."""
+    (xdist's own order); each file's tests stay together and in their order, and the files of
+    a STACK_GROUPS group follow one another in the group's order, at its first file's place."""
     place = {path: i for i, path in enumerate(LONGEST_FIRST)}
     files = [item.nodeid.split("::", 1)[0] for item in items]
     counts = {f: files.count(f) for f in set(files)}
-    order = {id(item): (place.get(f, len(place)), -counts[f]) for item, f in zip(items, files)}
+    for paths in STACK_GROUPS.values():
+        here = [p for p in paths if p in counts]
+        first, tests = min((place.get(p, len(LONGEST_FIRST)) for p in here), default=0), sum(counts[p] for p in here)
+        place.update(dict.fromkeys(here, first))
+        counts.update(dict.fromkeys(here, tests))
+    within = {path: i for paths in STACK_GROUPS.values() for i, path in enumerate(paths)}
+    order = {
+        id(item): (place.get(f, len(LONGEST_FIRST)), -counts[f], within.get(f, 0)) for item, f in zip(items, files)
+    }
     items.sort(key=lambda item: order[id(item)])  # (stable: a file's tests keep their order)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadfile`` (``make test``), xdist's file-at-a-time scheduling with each
+    STACK_GROUPS group as one unit: its files go to one process, one after another, and share
+    its stack. (xdist's own hook is trylast: this one answers first.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class GroupsOfFiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return GROUP_OF.get(path, path)
+
+    return GroupsOfFiles(config, log)
 
 
 FILES_SHOWN = 30  # (the summary's length: where a suite's time goes, for LONGEST_FIRST above)

@@ -36,10 +36,14 @@ import tempfile
 from pathlib import Path
 from typing import IO
 
+from services.contract.comm_guard import BINDING_MODULES
+
 # What a rank imports before its first step; paid once, in the fork server. (Python 3.11's
 # server imports these on its own sys.path, the test process's working directory first: the
 # tests' helpers under tests/engine are not on it, and are imported by each rank.)
-PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "services.rank.__main__"]
+# (and what the comm guard imports before its sweep: torch.distributed.pipelining alone, with
+# the torch._dynamo it imports, is ~0.7 CPU-s a rank)
+PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", *BINDING_MODULES, "services.rank.__main__"]
 
 
 class RankProcess:

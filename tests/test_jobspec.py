@@ -82,6 +82,10 @@ def test_the_demo_spec_is_valid_and_gives_the_reference_global_batch():
             "name: x\nsteps: 5\nmodel: {ffn_hidden: 0}\ndata: {dataset: a@v1}\n",
             "job.yaml: model.ffn_hidden: Input should be greater than 0",
         ),
+        ("", "job.yaml: the file is empty (expected a mapping of job fields"),
+        ("# nothing but a comment\n", "job.yaml: the file is empty"),
+        ("- name: x\n", "job.yaml: expected a mapping of job fields, got a list"),
+        ("just text\n", "job.yaml: expected a mapping of job fields, got a single value"),
     ],
 )
 def test_bad_specs_fail_with_one_line_naming_the_field(text, expected):

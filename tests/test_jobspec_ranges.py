@@ -24,8 +24,15 @@ from services.jobspec import JobSpec, JobSpecError, parse_job_spec
 pytestmark = pytest.mark.timeout(60)
 
 BASE: dict[str, Any] = {"name": "ranges", "steps": 10, "data": {"dataset": "tiny@v1"}}
-# Sections that exist only together with another setting.
-CONTEXT: dict[tuple[str, ...], dict[str, Any]] = {("precision", "loss_scale"): {"dtype": "fp16"}}
+# Sections that exist only together with other settings: a field under the prefix is tried in
+# a spec holding these (merged into BASE at the top level).
+CONTEXT: dict[tuple[str, ...], dict[str, Any]] = {
+    ("precision", "loss_scale"): {"precision": {"dtype": "fp16"}},
+    ("evaluation",): {
+        "evaluation": {"source_job": "src-1", "version": "src-1:latest", "command": ["true"]},
+        "init_from": {"checkpoint": "src-1:latest"},
+    },
+}
 
 
 def _unwrap(annotation: Any) -> Any:
@@ -142,10 +149,8 @@ def spec_with(path: tuple[str, ...], value: Any) -> str:
     raw = copy.deepcopy(BASE)
     for prefix, extra in CONTEXT.items():
         if path[: len(prefix)] == prefix:
-            parent = raw
-            for key in prefix[:-1]:
-                parent = parent.setdefault(key, {})
-            parent.update(extra)
+            for key, section in copy.deepcopy(extra).items():
+                raw[key] = {**raw.get(key, {}), **section}
     node = raw
     for key in path[:-1]:
         node = node.setdefault(key, {})
@@ -182,8 +187,8 @@ def test_the_enumeration_finds_every_section():
 
 def test_the_base_spec_is_valid_in_every_context():
     parse_job_spec(yaml.safe_dump(BASE), "ranges.yaml")
-    for prefix in CONTEXT:
-        parse_job_spec(spec_with(prefix, {}), "ranges.yaml")
+    for extra in CONTEXT.values():
+        parse_job_spec(yaml.safe_dump({**BASE, **extra}), "ranges.yaml")
 
 
 @pytest.mark.parametrize(("path", "kind", "value", "key"), CASES)
@@ -281,3 +286,21 @@ def test_every_known_fault_class_and_grade_is_accepted_in_the_policy():
     actions = {k: "ignore" if k == "slow_rank" else "stop" for k in keys}  # (slow_rank: ignore | replace | shrink)
     raw = {**BASE, "fault_policy": {"actions": actions, "restarts": dict.fromkeys(keys, 1)}}
     parse_job_spec(yaml.safe_dump(raw), "ranges.yaml")
+
+
+@pytest.mark.parametrize(
+    ("prompts", "words"),
+    [
+        (["p"] * 9, ("eval.sample_prompts", "at most 8")),
+        (["x" * 1001], ("eval.sample_prompts.0", "at most 1000")),
+        ([""], ("eval.sample_prompts.0", "at least 1")),
+        ([], ("eval.sample_prompts", "at least 1")),
+    ],
+)
+def test_sample_prompts_are_bounded_in_count_and_length_with_one_line(prompts, words):
+    with pytest.raises(JobSpecError) as caught:
+        parse_job_spec(spec_with(("eval", "sample_prompts"), prompts), "ranges.yaml")
+    message = str(caught.value)
+    assert "\n" not in message and all(w in message for w in words), message
+    ok = parse_job_spec(spec_with(("eval", "sample_every_steps"), 5), "ranges.yaml")
+    assert ok.eval.sample_prompts == ["\n"] and ok.eval.sample_tokens == 64 and ok.eval.sample_temperature == 0

@@ -37,6 +37,13 @@ delete_app = typer.Typer(
     "Example: surgectl delete checkpoint demo-3f2a1c:2",
 )
 app.add_typer(delete_app, name="delete")
+team_app = typer.Typer(
+    no_args_is_help=True,
+    context_settings=HELP,
+    help="Teams' quotas (admin): nominal slots, borrowing, hard limit, weight, cohort.\n\n"
+    "Example: surgectl team set vision --nominal 8 --borrow-limit 4 --hard-limit 16 --weight 2 --cohort research",
+)
+app.add_typer(team_app, name="team")
 
 OutputOpt = typer.Option("table", "--output", "-o", help="table | json")
 

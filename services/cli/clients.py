@@ -45,7 +45,8 @@ def address(service: str) -> str:
         return procs[service].address
     raise CliError(
         f"{service} address unknown: no local stack is running under {paths.surge_home()} "
-        f"(run `surgectl up`, or set SURGE_HOME to the stack's home) and SURGE_{service.upper()}_ADDRESS is not set"
+        f"(run `surgectl up`, or set SURGE_HOME to the stack's home) and SURGE_{service.upper()}_ADDRESS is not set",
+        unreachable=True,  # as a stack that is down: the callers that fall back to local files do
     )
 
 
@@ -70,7 +71,7 @@ def rpc_error(error: grpc.RpcError, service: str, addr: str) -> CliError:
     if mapped.unreachable and not os.environ.get(f"SURGE_{service.upper()}_ADDRESS"):
         procs = stack.read_stack()
         if procs:
-            return CliError(unreachable_hint(service, addr, list(procs), stack.down_services(procs)))
+            return CliError(unreachable_hint(service, addr, list(procs), stack.down_services(procs)), unreachable=True)
     return mapped
 
 
@@ -148,3 +149,18 @@ def call(
             soft_wrap=True,
         )
         sleep(delay)
+
+
+def team_view(timeout: float = 10.0) -> tuple[str, list] | None:
+    """(the team whose jobs alone this caller sees, "" for every job; the jobs it sees), as
+    control's ListJobs says (``JobList.team_view``); None when control is unreachable (the
+    stack down or broken). A refusal other than unreachability is raised (CliError)."""
+    from services.contract import control_pb2
+
+    try:
+        listed = call("control", lambda s: s.ListJobs(control_pb2.JobQuery(), timeout=timeout))
+    except CliError as e:
+        if e.unreachable:
+            return None
+        raise
+    return listed.team_view, list(listed.jobs)

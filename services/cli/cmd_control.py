@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import typer
@@ -330,8 +331,8 @@ def drain_node(
 
     Example: surgectl drain worker-2 --deadline 120
     """
-    if not deadline > 0:
-        raise CliError(f"--deadline must be more than 0 seconds, got {deadline:g}", code=2)
+    if not 0 < deadline < math.inf:  # (NaN and inf too)
+        raise CliError(f"--deadline must be a finite number of seconds > 0, got {deadline:g}", code=2)
     req = control_pb2.DrainWorkerRequest(worker_id=worker, deadline_seconds=deadline)
     moved = clients.call("control", lambda st: st.DrainWorker(req, timeout=10)).jobs
     jobs = (

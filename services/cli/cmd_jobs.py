@@ -59,12 +59,9 @@ def submit(
         try:
             h = follow_job(status.job_id)
         except KeyboardInterrupt:
-            render.err_console.print(
-                f"stopped following; {status.job_id} keeps running "
-                f"(`surgectl events {status.job_id} --follow` to watch, `surgectl stop {status.job_id}` to stop)",
-                markup=False,
-                highlight=False,
-                soft_wrap=True,
+            render.stopped_following(
+                f"{status.job_id} keeps running "
+                f"(`surgectl events {status.job_id} --follow` to watch, `surgectl stop {status.job_id}` to stop)"
             )
             raise typer.Exit(130) from None
         render.console.print(render.summary_table(h.last, h))
@@ -92,11 +89,15 @@ def status(
     if job:
         job = resolve_job(job)
     if not watch:
-        jobs, cordoned = _status_of(job)
+        jobs, cordoned, journal = _status_of(job)
         if output == "json":
             render.print_json(jobs)  # (json stays the list of jobs it always was)
             return
-        render.console.print(_status_tables(jobs, cordoned))
+        render.console.print(_status_tables(jobs, cordoned, journal))
+        if job:
+            _scores_lines(job)
+        else:
+            _dashboard_line()
         return
     from rich.live import Live
 
@@ -114,19 +115,57 @@ def status(
         return  # (the operator's way out of a watch: exit 0)
 
 
-def _status_of(job: str | None) -> tuple[list, list]:
-    """(the jobs, the cordoned workers): one job's status (no cordons), or every job's."""
+def _scores_lines(job: str) -> None:
+    """The job's evaluation scores (`surgectl evaluate`), each name's latest with its version,
+    read through the store (its access rules hold: a refusal shows none; the local records
+    only when the store is down)."""
+    from services.cli.job_records import job_scores
+    from services.cli.scores import latest_scores
+
+    try:
+        latest = latest_scores(job_scores(job) or [])
+    except CliError:  # (refused by the store: the status control gave is still shown)
+        return
+    if latest:
+        render.console.print(
+            "evaluation scores (its evaluation jobs: `surgectl evaluate`, eval.hooks):", markup=False, highlight=False
+        )
+        for name, (value, version) in sorted(latest.items()):
+            render.console.print(f"  {name}: {value:g}  ({version})", markup=False, highlight=False, soft_wrap=True)
+
+
+def _dashboard_line() -> None:
+    """Where the local stack's dashboard answers, when one runs (its URL with the token:
+    `surgectl dashboard`)."""
+    from services.cli import dashboard
+
+    if proc := dashboard.running():
+        render.console.print(
+            f"dashboard: {proc.base_url} (pid {proc.pid}; `surgectl dashboard` prints its URL with the token)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
+def _status_of(job: str | None) -> tuple[list, list, str]:
+    """(the jobs, the cordoned workers, what control says of its journal failing): one job's
+    status (no cordons, no journal), or every job's."""
     if job:
-        return [clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))], []
+        return [clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))], [], ""
     listed = clients.call("control", lambda s: s.ListJobs(control_pb2.JobQuery(), timeout=10))
-    return list(listed.jobs), list(listed.cordoned)
+    return list(listed.jobs), list(listed.cordoned), listed.journal_failing
 
 
-def _status_tables(jobs: list, cordoned: list):
-    """The status view: the jobs, then the slow ranks and the cordoned workers when any."""
+def _status_tables(jobs: list, cordoned: list, journal: str = ""):
+    """The status view: control's journal when it fails, the jobs, then the slow ranks and
+    the cordoned workers when any."""
     from rich.console import Group
+    from rich.text import Text
 
     parts = [render.jobs_table(jobs)]
+    if journal:  # (first: every decision is refused while it lasts; the jobs run on)
+        parts.insert(0, Text(f"{journal}; decisions are refused, the jobs run on", style="bold red"))
     if any(j.slow_ranks for j in jobs):
         parts.append(render.slow_ranks_table(jobs))
     if any(j.links for j in jobs):
@@ -224,7 +263,7 @@ def events(
 def logs(
     job: str,
     follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines until the job ends"),
-    rank: int | None = typer.Option(None, min=0, help="only this rank"),
+    rank: int | None = typer.Option(None, min=0, max=2**31 - 1, help="only this rank"),
     output: str = typer.Option("table", "--output", "-o", help="table (readable) | json (the lines as written)"),
     reconnect_seconds: float = ReconnectOpt,
 ) -> None:
@@ -244,10 +283,11 @@ def logs(
         raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
     try:
         job = resolve_job(job)
-    except CliError:
-        # The stack is down (or control does not know the job): the local rank log files
-        # still hold every session's lines (`up` keeps them), found by the id or the name.
-        local = None if follow else observe.local_job(job)
+    except CliError as e:
+        # The stack is down: the local rank log files still hold every session's lines (`up`
+        # keeps them), found by the id or the name. Never when control answered (a job it does
+        # not know, or another team's: its files are not read past its refusal).
+        local = None if follow or not e.unreachable else observe.local_job(job)
         if local is None:
             raise
         job = local
@@ -255,6 +295,10 @@ def logs(
     def show(line) -> None:
         print(line.text if output == "json" else line.human(), flush=True)
 
+    if follow and rank is not None:  # (a rank the job never had would be waited for forever)
+        known, world_size = _ranks_known(job)
+        if world_size and rank >= world_size:
+            raise CliError(f"--rank {rank}: no such rank of {job}: {known.rstrip('; ')}", code=2)
     if follow:  # as they come, until the job's ranks have exited
         from services.cli import follow as following
 
@@ -270,41 +314,67 @@ def logs(
         show(line)
     if not merged:
         if rank is not None:
-            raise CliError(f"no log of rank {rank} of {job} (control found no such rank log on the job's workers)")
+            known, world_size = _ranks_known(job)
+            raise CliError(
+                f"no log of rank {rank} of {job} ({known}control found no such rank log on the job's workers)",
+                code=2 if world_size and rank >= world_size else 1,  # (no such rank: the operator's input)
+            )
         raise CliError(f"no rank logs of {job} (control found none on the workers that ran its ranks)")
+
+
+def _ranks_known(job: str) -> tuple[str, int]:
+    """What a rank not found in the logs is measured against: ("its world size is N (ranks
+    0-M); ", N) (a resized job's earlier ranks may have logs beyond it), or ("", 0) when
+    control cannot say."""
+    try:
+        st = clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))
+    except CliError:
+        return "", 0
+    ws = st.world_size
+    return (
+        f"its world size is {ws} (ranks 0-{ws - 1}); " if ws > 1 else ("its world size is 1 (rank 0); " if ws else ""),
+        ws,
+    )
 
 
 @app.command()
 def plot(
     job: str,
     out: Path | None = typer.Option(None, "--out", help="PNG to write (default: $SURGE_HOME/<job>-loss.png)"),
-    rank: int | None = typer.Option(None, min=0, help="whose loss (default: the lowest rank recorded)"),
-    metrics: Path | None = typer.Option(None, help="a metrics JSONL file (default: the local store's <job>.jsonl)"),
+    rank: int | None = typer.Option(None, min=0, max=2**31 - 1, help="whose loss (default: the lowest rank recorded)"),
+    metrics: Path | None = typer.Option(
+        None, help="a metrics JSONL file (default: the job's records, read through the store)"
+    ),
 ) -> None:
     """Write a PNG of a job's loss (train and held-out) and tokens/s against step.
 
-    Every step from the store's raw records ($SURGE_HOME/store/metrics/<job>.jsonl) when
-    they are on this machine, else control's event history (steps sampled about once a second).
+    Every step from the store's raw records, read through the store (a team's token reads its
+    own jobs' only; the local store's <job>.jsonl when the stack is down), else control's event
+    history (steps sampled about once a second).
 
     Example: surgectl plot demo-3f2a1c --out demo.png
     """
     from services.cli import observe
+    from services.cli.job_records import job_records
     from services.common import paths
 
-    if metrics is None and not observe.metrics_file(job).is_file():
-        job = resolve_job(job)  # a name, or a job whose records are not on this machine
-    source = metrics or observe.metrics_file(job)
-    if metrics is not None and not metrics.is_file():
-        raise CliError(f"--metrics {metrics}: no such file")
-    if source.is_file():
-        h = observe.history_from_jsonl(source, rank)
-        where = str(source)
+    if metrics is not None:
+        if not metrics.is_file():
+            raise CliError(f"--metrics {metrics}: no such file")
+        h = observe.history_from_jsonl(metrics, rank)
+        where = str(metrics)
     else:
-        if rank is not None:
-            raise CliError(f"--rank needs the raw step records ({source} is not on this machine)")
-        with clients.stub("control") as s:
-            h = observe.history_from_events(s.WatchJob(control_pb2.JobQuery(job_id=job, follow=False), timeout=30))
-        where = "control's event history (sampled steps)"
+        records = job_records(job)
+        job = records.job
+        if records.text:
+            h = observe.history_from_text(records.text, records.where, rank)
+            where = records.where
+        else:
+            if rank is not None:
+                raise CliError(f"--rank needs the raw step records (neither the store nor {records.where} has them)")
+            with clients.stub("control") as s:
+                h = observe.history_from_events(s.WatchJob(control_pb2.JobQuery(job_id=job, follow=False), timeout=30))
+            where = "control's event history (sampled steps)"
     if not h.steps:
         raise CliError(f"job {job} has no step records yet; plot it once it has trained a step")
     default_name = f"{observe.safe_name(job)}-loss.png"
@@ -321,3 +391,49 @@ def plot(
     render.console.print(
         f"wrote {png} ({len(h.steps)} steps from {where})", markup=False, highlight=False, soft_wrap=True
     )
+
+
+@app.command()
+def samples(
+    job: str,
+    last: int = typer.Option(0, "--last", min=0, help="only the last N boundaries' samples (0: all)"),
+    metrics: Path | None = typer.Option(
+        None, help="a metrics JSONL file (default: the job's records, read through the store)"
+    ),
+    output: str = OutputOpt,
+) -> None:
+    """Show a job's periodic samples (eval.sample_every_steps): each prompt's continuation
+    by rank 0 at those steps, from the store's records, read through the store (a team's token
+    reads its own jobs' only; the local store's <job>.jsonl when the stack is down).
+
+    Example: surgectl samples demo-3f2a1c --last 2
+    """
+    import json
+
+    from services.cli.job_records import job_records
+    from services.cli.samples import read_samples, sample_records
+
+    if output not in ("table", "json"):
+        raise CliError(f"--output {output}: must be table or json", code=2)
+    if metrics is not None:
+        found = read_samples(metrics)
+        if found is None:
+            raise CliError(f"--metrics {metrics}: no such file")
+    else:
+        records = job_records(job, "sample")
+        job = records.job
+        if records.text is None:
+            raise CliError(f"{records.where}: no such file (the store is unreachable; its records are on its machine)")
+        found = sample_records(records.text)
+    if last:
+        keep = sorted({s.step for s in found})[-last:]
+        found = [s for s in found if s.step in keep]
+    if output == "json":
+        typer.echo(json.dumps([s.__dict__ for s in found]))
+        return
+    if not found:
+        typer.echo(f"job {job}: no samples yet (the spec's eval.sample_every_steps: 0 is none)")
+        return
+    for s in found:
+        typer.echo(f"step {s.step} prompt {s.prompt_index} ({s.tokens} tokens, {s.seconds:.2f} s): {s.prompt!r}")
+        typer.echo(f"  {s.shown!r}")

@@ -4,23 +4,39 @@ from __future__ import annotations
 
 import typer
 
-from services.cli import clients, dashboard, render, stack
+from services.cli import clients, dashboard, render, stack, stack_access
 from services.cli.app import _say, app
 from services.cli.errors import CliError
+from services.common.access import TOKENS_FILE_ENV
 
 
 @app.command()
 def up(
-    workers: int = typer.Option(2, min=1, help="node agents to start"),
+    workers: int | None = typer.Option(None, min=1, help="node agents to start (default: 2)"),
     resume_seconds: float = typer.Option(
         60.0,
         "--resume-seconds",
         min=0.0,
         help="how long a drained job waits for its ranks to fit before up gives up on it",
     ),
+    with_dashboard: bool | None = typer.Option(
+        None,
+        "--dashboard/--no-dashboard",
+        help=f"start the web dashboard beside the stack (default: yes; {dashboard.UP_ENV}=0 makes it no)",
+    ),
+    tokens: str | None = typer.Option(
+        None,
+        "--tokens",
+        envvar=TOKENS_FILE_ENV,
+        help="tokens file binding callers to teams: each team sees and controls its own jobs only; "
+        "kept by `restart` and remembered for the next `up` (default: none)",
+    ),
+    no_tokens: bool = typer.Option(
+        False, "--no-tokens", help="start open to every caller although the last stack checked a tokens file"
+    ),
 ) -> None:
-    """Start the local stack (control, store, data, workers) and wait until healthy; jobs
-    drained by `surgectl down` are resumed from their drain checkpoint.
+    """Start the local stack (control, store, data, workers) and its web dashboard, and wait
+    until healthy; jobs drained by `surgectl down` are resumed from their drain checkpoint.
 
     Example: surgectl up --workers 2
     """
@@ -29,10 +45,20 @@ def up(
     if bad := env_error():  # every service would refuse to start with it
         raise CliError(bad, code=2)
     try:
-        procs = stack.up(workers, exit_on_interrupt=True)  # Ctrl-C: what started is stopped, exit 130
+        # Ctrl-C: what started is stopped, exit 130
+        procs = stack.up(workers or 2, exit_on_interrupt=True, tokens=tokens, open_stack=no_tokens)
     except stack.StackRunning as running:
-        # Up again (idempotent): what is down is started again, the rest left running.
+        # Up again (idempotent): what is down is started again, the rest left running; what
+        # it was asked to change is refused, never silently left as it is.
         procs = running.procs
+        stack_access.check_running(procs, tokens, no_tokens)
+        kept = sum(1 for name in procs if name.startswith("worker-"))
+        if workers is not None and workers != kept:
+            raise CliError(
+                f"--workers: the running stack has {kept} workers, not {workers} "
+                "(`surgectl down` then `surgectl up --workers N` changes it); nothing was changed",
+                code=2,
+            ) from None
         if running.down:
             with stack.exit_on_interrupt("interrupted: `surgectl up` again starts what is still down"):
                 started = stack.start_missing(procs)
@@ -49,6 +75,18 @@ def up(
         "`surgectl dashboard` prints the web dashboard's URL",
         soft_wrap=True,
     )
+    if dashboard.wanted_at_up(with_dashboard):
+        try:
+            with stack.exit_on_interrupt("interrupted: the stack is up; `surgectl dashboard` starts the dashboard"):
+                proc = dashboard.start()
+            render.console.print(dashboard.url_line(proc), soft_wrap=True, markup=False, highlight=False)
+        except CliError as e:  # the stack is up and usable without it: said, not failed
+            render.err_console.print(
+                f"warning: the dashboard did not start: {e} (`surgectl dashboard` tries again)",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
     from services.cli import drain
 
     with stack.exit_on_interrupt(
@@ -73,7 +111,11 @@ def down(
         help="stop at once: running jobs are not drained (they lose their steps since their last checkpoint)",
     ),
     drain_seconds: float = typer.Option(
-        300.0, "--drain-seconds", min=0.0, help="how long to wait for running jobs to checkpoint and pause"
+        300.0,
+        "--drain-seconds",
+        min=0.0,
+        max=7 * 86400.0,  # (a week: inf would never end; Ctrl-C stops a drain wait anyway)
+        help="how long to wait for running jobs to checkpoint and pause",
     ),
 ) -> None:
     """Stop the local stack and every rank process it started. Running jobs are drained
@@ -90,6 +132,7 @@ def down(
     """
     drained = False
     if stack.read_stack():
+        _require_whole_view()
         with stack.exit_on_interrupt(DOWN_INTERRUPTED):
             drained = _park_jobs() if force else _drain_running_jobs(drain_seconds)
     with stack.ignoring_interrupts():  # a stop cut in half would leave agents without their control
@@ -106,22 +149,42 @@ def dashboard_url(
     """Print the URL of the local stack's web dashboard, starting it when it is not running:
     read-only pages of the cluster, the queue, each job (curves, events, checkpoints, logs)
     and jobs compared. The URL holds the token (SURGE_AUTH_TOKEN, else one made for this
-    stack); the first page opened sets it as a cookie. `surgectl down` stops it too.
+    stack); the first page opened sets it as a cookie. `surgectl up` starts it (unless
+    --no-dashboard); `surgectl down` stops it too.
 
     Example: surgectl dashboard
     """
-    from urllib.parse import quote
-
     if stop:
         _say("dashboard stopped" if dashboard.stop() else "no dashboard was running")
         return
     proc = dashboard.start()
     render.console.print(
-        f"dashboard: {proc.base_url}/?token={quote(dashboard.token(), safe='')}  (pid {proc.pid}, log {proc.log})",
+        dashboard.url_line(proc),
         markup=False,
         highlight=False,
         soft_wrap=True,
     )
+
+
+def _require_whole_view(command: str = "down") -> None:
+    """`down` (and `restart`) stop services every team's jobs use: refused (one line, nothing
+    stopped) for a caller control shows one team's jobs only (a tokens file binds identities to
+    teams; the caller is no admin), whose stop would leave the other teams' jobs to die with
+    the stack. A control that does not answer says nothing here (the stack is down already, or
+    broken: `down` and `restart` are how it is mended); for `restart`, neither does one that
+    fails to answer in 3 s (a hung control is what it restarts)."""
+    if command == "restart":
+        try:
+            seen = clients.team_view(timeout=3.0)
+        except CliError:
+            seen = None
+    else:
+        seen = clients.team_view()
+    if seen is not None and seen[0]:
+        raise CliError(
+            f"surgectl {command} stops services every team's jobs run on: it needs an admin token "
+            f"(yours sees team {seen[0]}'s jobs only); nothing was stopped"
+        )
 
 
 DOWN_INTERRUPTED = (
@@ -196,7 +259,11 @@ def restart(
         ..., help="control, data, store, or a worker as named by `surgectl up` (worker-0, ...)"
     ),
     grace_seconds: float = typer.Option(
-        stack.STOP_GRACE_SECONDS, "--grace-seconds", min=0.0, help="wait this long after SIGTERM before SIGKILL"
+        stack.STOP_GRACE_SECONDS,
+        "--grace-seconds",
+        min=0.0,
+        max=86400.0,
+        help="wait this long after SIGTERM before SIGKILL",
     ),
 ) -> None:
     """Restart one service of the local stack on the same port, with the same arguments;
@@ -205,6 +272,7 @@ def restart(
 
     Example: surgectl restart control
     """
+    _require_whole_view("restart")
     with stack.exit_on_interrupt(f"interrupted: {service} may be stopped; `surgectl up` starts again what is down"):
         old, new = stack.restart(service, grace_seconds)
     render.console.print(

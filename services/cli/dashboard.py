@@ -1,9 +1,10 @@
 """The local stack's dashboard process (`surgectl dashboard`): started on demand beside the
 stack, recorded in ``$SURGE_HOME/run/dashboard.json``, stopped by `surgectl down`.
 
-It is started on demand, not by every `up`: most stacks (the tests' among them) are never
-looked at in a browser. The token it asks for is SURGE_AUTH_TOKEN when the stack has one,
-else one made for this stack (``run/dashboard.token``, mode 0600): the URL printed holds it.
+`surgectl up` starts it beside the stack (``--no-dashboard``, or SURGE_UP_DASHBOARD=0, does
+not: the tests' stacks, never looked at in a browser, set it); `surgectl dashboard` starts it
+on demand when it is not running. The token it asks for is SURGE_AUTH_TOKEN when the stack has
+one, else one made for this stack (``run/dashboard.token``, mode 0600): the URL printed holds it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 from services.cli import stack
 from services.cli.errors import CliError
@@ -25,6 +27,7 @@ from services.common import paths
 from services.common.grpc_server import AUTH_TOKEN_ENV, EXIT_PORT_IN_USE, TLS_CERT_ENV
 from services.common.pids import pid_alive
 
+UP_ENV = "SURGE_UP_DASHBOARD"  # "0": `surgectl up` starts no dashboard unless --dashboard
 START_SECONDS = 30.0
 START_ATTEMPTS = 3  # a port taken between choosing it and binding it: another, up to this many times
 
@@ -60,6 +63,17 @@ def token() -> str:
         with os.fdopen(fd, "w") as out:
             out.write(secrets.token_urlsafe(24) + "\n")
     return f.read_text().strip()
+
+
+def wanted_at_up(flag: bool | None) -> bool:
+    """Whether `surgectl up` starts the dashboard: its ``--dashboard/--no-dashboard``, else
+    yes unless SURGE_UP_DASHBOARD is "0"."""
+    return flag if flag is not None else os.environ.get(UP_ENV, "1").strip() != "0"
+
+
+def url_line(proc: DashboardProc) -> str:
+    """The line `up` and `surgectl dashboard` print: the URL with its token, its pid and log."""
+    return f"dashboard: {proc.base_url}/?token={quote(token(), safe='')}  (pid {proc.pid}, log {proc.log})"
 
 
 def running() -> DashboardProc | None:

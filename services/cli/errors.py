@@ -30,6 +30,12 @@ def from_rpc(error: grpc.RpcError, service: str, address: str) -> CliError:
         return CliError(f"{service} unreachable at {address} (is the stack up? run `surgectl up`)", unreachable=True)
     if code == grpc.StatusCode.CANCELLED:
         return CliError(f"{service} at {address} closed the call (was the stack stopped?)")
+    if code == grpc.StatusCode.UNIMPLEMENTED:  # (gRPC's own "Method not found!": an older server)
+        return CliError(
+            f"{service} at {address} does not know this call: it runs an older Surge than this surgectl "
+            "(`surgectl restart` the stack from this checkout, or use the surgectl that started it)",
+            status=code,
+        )
     details = error.details() if hasattr(error, "details") else str(error)
     return CliError(details or f"{service} call failed: {code}", code=2 if code in BAD_INPUT else 1, status=code)
 

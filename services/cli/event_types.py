@@ -26,6 +26,7 @@ EVENT_TYPES = (
     "recovery",  # a recovery's progress
     "scale",  # a resize
     "departure",  # a node leaving with notice: its checkpoint and move, or why not (a warning)
+    "preemption",  # a higher-priority job preempts: who, the victims' checkpoints, their warnings
     "tags",  # the operator's tags set or removed (surgectl tag)
     "note",  # the operator's note (surgectl note)
     "profile",  # a profile asked (surgectl profile), and each rank's files

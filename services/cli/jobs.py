@@ -13,6 +13,7 @@ from services.cli import clients, render, spec_tools
 from services.cli.errors import CliError
 from services.cli.evaluation import check_held_out
 from services.cli.init_from import check_init_from, pin_latest
+from services.common.job_refs import AmbiguousJob, UnknownJob, pick_job
 from services.contract import control_pb2, data_pb2
 from services.jobspec import JobSpec
 
@@ -98,28 +99,42 @@ def resolve_job(ref: str, stub: object | None = None) -> str:
     if not ref:
         raise CliError("JOB: a job id or name is required", code=2)
     query = control_pb2.JobQuery()
-    jobs = list((stub.ListJobs(query, timeout=10) if stub is not None else _list_jobs(query)).jobs)
-    if any(j.job_id == ref for j in jobs):
-        return ref
-    named = sorted((j for j in jobs if j.name == ref), key=lambda j: (j.created_unix, j.job_id))
-    if not named:
-        raise CliError(f"no job {ref!r}: no job has that id or name (`surgectl status` lists them)", code=2)
-    live = [j for j in named if j.state != control_pb2.TERMINATED]
-    if len(named) == 1 or live:
-        return (live or named)[-1].job_id
-    ids = ", ".join(j.job_id for j in named)
-    raise CliError(f"job name {ref!r} is ambiguous: {len(named)} ended jobs have it ({ids}); give the id", code=2)
+    jobs = (stub.ListJobs(query, timeout=10) if stub is not None else _list_jobs(query)).jobs
+    try:
+        return pick_job(ref, jobs)
+    except AmbiguousJob as e:
+        raise CliError(str(e), code=2) from None
+    except UnknownJob as e:
+        unknown = CliError(str(e), code=2)
+    # Not listed: an id control may still answer for by its own refusal (another team's job,
+    # where a tokens file binds identities: "job X belongs to team Y; ..."), else unknown.
+    try:
+        ask = stub if stub is not None else None
+        if ask is not None:
+            ask.GetJob(control_pb2.JobQuery(job_id=ref), timeout=10)
+        else:
+            clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=ref), timeout=10))
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.PERMISSION_DENIED:
+            raise CliError(e.details(), code=1, status=e.code()) from None
+        raise unknown from None
+    except CliError as e:
+        if e.status == grpc.StatusCode.PERMISSION_DENIED:
+            raise
+        raise unknown from None
+    return ref
 
 
 def _list_jobs(query: control_pb2.JobQuery) -> control_pb2.JobList:
     return clients.call("control", lambda s: s.ListJobs(query, timeout=10))
 
 
-def follow_job(job_id: str, reconnect_s: float = 60.0) -> render.History:
-    """Progress of ``job_id`` until it ends, through a control restart (services/cli/follow.py)."""
+def follow_job(job_id: str, reconnect_s: float = 60.0, training: bool = True) -> render.History:
+    """Progress of ``job_id`` until it ends, through a control restart (services/cli/follow.py);
+    ``training=False``: an evaluation job's (a spinner, no step bar)."""
     from services.cli import follow as following
 
-    return render.follow(following.job_events(job_id, reconnect_s))
+    return render.follow(following.job_events(job_id, reconnect_s), training=training)
 
 
 def sample_text(version: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> str:

@@ -276,7 +276,13 @@ def history_from_jsonl(path: Path, rank: int | None = None) -> render.History:
     """Train loss, tokens/s and held-out loss per step of one rank (default: the lowest
     rank present; each rank reports its own loss, tokens/s counts all ranks). A step
     recorded twice (replayed after a rollback) keeps its last record."""
-    steps, evals = step_records(read_rotated(path), path)  # (its rotated files and history first)
+    return history_from_text(read_rotated(path), path, rank)  # (its rotated files and history first)
+
+
+def history_from_text(text: str, path: Path | str, rank: int | None = None) -> render.History:
+    """``history_from_jsonl`` of a metrics file's text (``path``: where it came from, for the
+    errors: a file, or the store's records read through the service)."""
+    steps, evals = step_records(text, path)
     if not steps:
         raise CliError(f"{path}: no step records yet")
     if rank is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +12,7 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    SpinnerColumn,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -81,8 +83,15 @@ def state_text(s: control_pb2.JobStatus) -> str:
         text += " (drained)"  # by `surgectl down`: the next `up` resumes it
     elif s.state == STATE.RUNNING and s.drained:
         text += " (draining)"  # `surgectl down`'s checkpoint and pause in flight
+    elif s.state == STATE.STANDBY and s.preempted_by:  # (a STANDBY sub-state: it comes back by itself)
+        text = f"PREEMPTED (by {s.preempted_by}" + (f", queued #{s.queue_position})" if s.queue_position else ")")
+    elif s.state == STATE.RUNNING and s.preempted_by:
+        text += f" (preempted by {s.preempted_by}: checkpointing)"
     elif s.state == STATE.STANDBY and s.queue_position:
         text += f" (queued #{s.queue_position})"  # control's job queue: `message` says what it waits for
+    if s.borrowed_slots and s.state not in (STATE.STANDBY, STATE.TERMINATED):
+        # ranks beyond its team's nominal quota (issue 30): the first reclaimed when lenders need them
+        text += f" ({s.borrowed_slots} borrowed)"
     return text
 
 
@@ -97,6 +106,11 @@ def tokens_per_second(s: control_pb2.JobStatus) -> str:
 
 def print_json(messages) -> None:
     print(jsonout.dumps(list(messages)))
+
+
+def stopped_following(what_goes_on: str) -> None:
+    """A Ctrl-C of a `--follow`/`--wait`: one line on stderr saying what keeps running."""
+    err_console.print(f"stopped following; {what_goes_on}", markup=False, highlight=False, soft_wrap=True)
 
 
 def print_error(message: str) -> None:
@@ -117,7 +131,7 @@ def jobs_table(jobs) -> Table:
         t.add_row(
             j.job_id,
             state_text(j),
-            f"{j.step}/{j.total_steps}",
+            "evaluation" if is_evaluation(j) else f"{j.step}/{j.total_steps}",
             fmt_loss(j.train_loss),
             fmt_loss(j.eval_loss),
             tokens_per_second(j),
@@ -125,6 +139,15 @@ def jobs_table(jobs) -> Table:
             j.message,
         )
     return t
+
+
+def is_evaluation(j: control_pb2.JobStatus) -> bool:
+    """An evaluation job (`surgectl evaluate`, eval.hooks): its spec's ``evaluation:`` is set;
+    it takes no training steps (its ``steps`` are its source job's)."""
+    try:
+        return bool(json.loads(j.spec_json or "{}").get("evaluation"))
+    except (ValueError, AttributeError):
+        return False
 
 
 def slow_ranks_table(jobs) -> Table:
@@ -158,9 +181,11 @@ def cordons_table(cordoned) -> Table:
     and how the cordon ends."""
     import time
 
+    cordoned = list(cordoned)
     t = Table(
         title="unhealthy workers: no rank is placed on them",
-        caption="`surgectl uncordon WORKER` ends a cordon at once",
+        caption="`surgectl uncordon WORKER` ends a cordon at once"
+        + ("; a lost worker's ends when its node agent registers again" if any(c.lost for c in cordoned) else ""),
     )
     for col in ("worker", "since", "reason", "until"):
         t.add_column(col)
@@ -169,6 +194,8 @@ def cordons_table(cordoned) -> Table:
         # A quarantine (a sick node) is the operator's to end; a device's cordon also ends
         # when its node agent registers again.
         until = "`surgectl uncordon`" if c.quarantine else "its node agent registers again (`surgectl restart WORKER`)"
+        if c.lost:  # (its agent is gone: nothing runs there; `up` starts what is down)
+            until = "a node agent of it registers again (`surgectl up` starts what is down)"
         t.add_row(c.worker_id, since, c.reason, until)
     return t
 
@@ -298,20 +325,24 @@ class History:
             self.eval_loss.append(s.eval_loss)
 
 
-def follow(events, quiet_types: frozenset[str] = frozenset({"step"})) -> History:
-    """Render a WatchJob stream as a progress bar; return what it showed."""
+def follow(events, quiet_types: frozenset[str] = frozenset({"step"}), training: bool = True) -> History:
+    """Render a WatchJob stream as a progress bar (``training``: steps, loss, tokens/s; else a
+    spinner and the time: an evaluation job takes no steps); return what it showed."""
     h = History()
-    progress = Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}"),
-        TextColumn("{task.fields[tps]} tok/s"),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-        console=console,
+    columns = (
+        (
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[tps]} tok/s"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+        )
+        if training
+        else (SpinnerColumn(), TimeElapsedColumn())
     )
+    progress = Progress(TextColumn("[bold]{task.description}"), *columns, console=console)
     task = None
     with progress:
         for ev in events:

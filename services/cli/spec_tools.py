@@ -88,16 +88,17 @@ def _made_absolute(raw: dict) -> bool:
     return True
 
 
-def apply_override(raw: dict, item: str) -> None:
+def apply_override(raw: dict, item: str, option: str = "") -> None:
     """Set the field ``item`` (``a.b.c=VALUE``) names in ``raw`` (a job file's mapping, not
     validated), creating the sections on its way. A section the file wrote in a short form
     (``precision: bf16``) is expanded as the spec's own reader does first.
 
     Raises:
-        JobSpecError, one line naming ``--set <item>``: not KEY=VALUE, an unknown field or a
-            path through a value, malformed YAML.
+        JobSpecError, one line naming ``option`` (``--set <item>`` unless given: a sweep's
+            ``--grid``/``--random``): not KEY=VALUE, an unknown field or a path through a
+            value, malformed YAML.
     """
-    option = f"--set {item}"
+    option = option or f"--set {item}"
     key, eq, text = item.partition("=")
     keys = key.strip().split(".")
     if not eq or not all(keys):

@@ -30,12 +30,13 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.cli import stack_access
 from services.cli.errors import CliError
 from services.common import logs, paths
 from services.common.departure import departure_seconds_from_env
 from services.common.grpc_server import EXIT_PORT_IN_USE, channel
 from services.common.pids import pid_alive
-from services.worker.memory_copies import remove_dead_dirs
+from services.worker.memory_chunks import remove_dead_dirs
 
 HOST = "127.0.0.1"
 
@@ -194,8 +195,17 @@ def _start_again(
     raise AssertionError("unreachable")
 
 
-def up(num_workers: int = 2, timeout_s: float = 60.0, exit_on_interrupt: bool = False) -> dict[str, ServiceProc]:
+def up(
+    num_workers: int = 2,
+    timeout_s: float = 60.0,
+    exit_on_interrupt: bool = False,
+    tokens: str | None = None,
+    open_stack: bool = False,
+) -> dict[str, ServiceProc]:
     """Start control, store, data and ``num_workers`` workers; wait for health.
+
+    ``tokens`` (a tokens file) / ``open_stack`` (none, on purpose): per-team access, recorded
+    in the store's and control's command lines (services/cli/stack_access.py).
 
     ``exit_on_interrupt`` (`surgectl up`): Ctrl-C (SIGINT) meanwhile stops every service
     started so far and ends this process at once, exit 130 (see ``_StopOnInterrupt``).
@@ -217,6 +227,7 @@ def up(num_workers: int = 2, timeout_s: float = 60.0, exit_on_interrupt: bool = 
     problem = logs.env_problem()  # every service would refuse it at start-up
     if problem:
         raise CliError(problem, code=2)
+    access = stack_access.service_args(tokens, open_stack)  # (refused before anything starts)
     run = paths.run_dir()
     _check_writable(run / "logs")
     env = _env()
@@ -253,7 +264,13 @@ def up(num_workers: int = 2, timeout_s: float = 60.0, exit_on_interrupt: bool = 
             {
                 "store": (
                     "store",
-                    lambda: ["--port", port("SURGE_STORE_PORT"), "--metrics-port", port("SURGE_STORE_METRICS_PORT")],
+                    lambda: [
+                        "--port",
+                        port("SURGE_STORE_PORT"),
+                        "--metrics-port",
+                        port("SURGE_STORE_METRICS_PORT"),
+                        *access,
+                    ],
                 ),
                 "data": (
                     "data",
@@ -274,6 +291,7 @@ def up(num_workers: int = 2, timeout_s: float = 60.0, exit_on_interrupt: bool = 
                         procs["store"].address,
                         "--metrics-port",
                         port("SURGE_CONTROL_METRICS_PORT"),
+                        *access,
                     ],
                 )
             }
@@ -308,6 +326,7 @@ def up(num_workers: int = 2, timeout_s: float = 60.0, exit_on_interrupt: bool = 
     finally:
         if guard:
             guard.uninstall()
+    stack_access.remember(access)
     return procs
 
 
@@ -337,17 +356,18 @@ def exit_on_interrupt(message: str) -> Iterator[None]:
 
 @contextmanager
 def ignoring_interrupts() -> Iterator[None]:
-    """Ctrl-C inside the block is ignored (a bounded step that must not be cut in half, e.g.
-    `down` stopping the services: control gone but the node agents left would strand their
-    ranks). Outside the main thread: nothing changes."""
+    """Ctrl-C and SIGTERM (a `timeout`, a supervisor) inside the block are ignored (a bounded
+    step that must not be cut in half, e.g. `down` stopping the services: control gone but the
+    node agents left would strand their ranks). Outside the main thread: nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 # How long the services started before a Ctrl-C of `surgectl up` get to stop after SIGTERM
@@ -487,6 +507,7 @@ def restart(name: str, grace_s: float = STOP_GRACE_SECONDS, timeout_s: float = 6
     if name not in procs:
         raise CliError(f"SERVICE: no service {name!r} in {stack_file()} (one of: {', '.join(procs)})", code=2)
     old = procs[name]
+    stack_access.check_file(old)  # (a broken tokens file would leave it down)
     line = (old.service, list(old.args)) if old.args else _command_line(old)  # (read while it runs)
     if old.service == "worker":  # (a departure with notice: control moves its ranks away first)
         grace_s += departure_seconds_from_env()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import signal
 import sys
 
 import typer
@@ -28,8 +29,11 @@ for _module in (
     "cmd_jobs",
     "cmd_experiments",
     "cmd_profile",
+    "cmd_evaluate",
     "cmd_control",
+    "cmd_teams",
     "cmd_checkpoints",
+    "cmd_token",
 ):
     importlib.import_module(f"services.cli.{_module}")
 # `--help`'s list shows each command's first paragraph: as one line, which the table wraps at its
@@ -39,7 +43,15 @@ for _info in app.registered_commands:
         _info.short_help = " ".join(inspect.cleandoc(_info.callback.__doc__).split("\n\n")[0].split())
 
 
+def _terminated(signum, frame) -> None:
+    # A SIGTERM (a timeout, a supervisor, `kill`) is a Ctrl-C: every command's interruption
+    # path runs (`demo` stops the stack it started, a wait says what goes on), instead of the
+    # process vanishing with the stack and its job left running without a word.
+    raise KeyboardInterrupt
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         # Not standalone: a usage error (a bad option value, an unknown command) is printed
         # as one line below instead of click's framed box.

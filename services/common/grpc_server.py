@@ -9,8 +9,12 @@ Security is configured by environment only, so no service's flags change:
   CA; they present ``SURGE_TLS_CERT``/``SURGE_TLS_KEY`` when set (needed under mutual TLS).
   ``SURGE_TLS_SERVER_NAME`` overrides the name checked against the server's certificate.
 * ``SURGE_AUTH_TOKEN``: servers require ``authorization: Bearer <token>`` on the mutating
-  control RPCs (``MUTATING_METHODS``) and answer UNAUTHENTICATED otherwise; clients send it
+  control RPCs (``MUTATING_METHODS``, grpc_guards.py) and answer UNAUTHENTICATED otherwise; clients send it
   on every call.
+* A server given ``identities`` (control's tokens file, services/common/access.py) instead
+  authenticates every call to an RPC the operator may call as a principal of that file (its
+  token, else its client certificate), answers UNAUTHENTICATED for one that names none, and
+  runs the handler with ``access.CALLER`` set to it.
 
 Identity (always on, ``services/common/identity.py``): a client channel names the module its
 process speaks for (``channel(address, module=...)``: metadata ``x-surge-module``); every
@@ -27,25 +31,23 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import hmac
-import inspect
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from concurrent import futures
 from pathlib import Path
 from typing import Any
 
 import grpc
-import structlog
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import fencing
-from services.common.identity import MODULE_METADATA, CallerPolicy, Refused
-from services.contract.failures import CAUSE_METADATA
+from services.common.access import Identities
+from services.common.grpc_guards import AUTH_TOKEN_ENV, AioCallGuard, CallGuard
+from services.common.identity import MODULE_METADATA
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 GRPC_OPTIONS = [
@@ -56,29 +58,6 @@ GRPC_OPTIONS = [
 
 TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV = "SURGE_TLS_CERT", "SURGE_TLS_KEY", "SURGE_TLS_CA"
 TLS_SERVER_NAME_ENV = "SURGE_TLS_SERVER_NAME"
-AUTH_TOKEN_ENV = "SURGE_AUTH_TOKEN"
-
-# RPCs that change state: they need the bearer token when SURGE_AUTH_TOKEN is set.
-MUTATING_METHODS = frozenset(
-    [
-        f"/surge.v1.ControlService/{m}"
-        for m in (
-            "SubmitJob",
-            "PauseJob",
-            "ResumeJob",
-            "ScaleJob",
-            "StopJob",
-            "DeleteJob",
-            "RevokeOrder",
-            "AnnotateJob",
-            "ProfileJob",
-            "DrainWorker",
-        )
-    ]
-    + ["/surge.v1.StoreService/Delete", "/surge.v1.DataService/Delete"]
-)
-
-
 # A service's exit status when the address it was told to listen on is held by another
 # socket (EADDRINUSE's number on Linux): a supervisor (surgectl up / restart) reads it from
 # the exit status to try another port or wait a moment, never from the log's words. Any other
@@ -143,311 +122,6 @@ def channel_credentials() -> grpc.ChannelCredentials | None:
     )
 
 
-class _Malformed:
-    """Stands in for a request that did not parse; the handler answers INVALID_ARGUMENT."""
-
-    def __init__(self, error: Exception):
-        self.error = error
-
-
-_log = structlog.get_logger("grpc")
-_POLICY: CallerPolicy | None = None
-
-
-def _policy() -> CallerPolicy:
-    global _POLICY
-    if _POLICY is None:
-        _POLICY = CallerPolicy()
-    return _POLICY
-
-
-def _certificate_names(context) -> list[str] | None:
-    """The client certificate's CN and subject-alternative names; None without one."""
-    try:
-        auth = context.auth_context() or {}
-    except Exception:  # noqa: BLE001 - a context without a transport (in-process tests)
-        return None
-    if "x509_pem_cert" not in auth and "x509_common_name" not in auth:
-        return None
-    return [
-        v.decode() if isinstance(v, bytes) else str(v)
-        for key in ("x509_common_name", "x509_subject_alternative_name")
-        for v in auth.get(key, ())
-    ]
-
-
-def _claim(context) -> str | None:
-    for key, value in context.invocation_metadata() or ():
-        if key == MODULE_METADATA:
-            return value if isinstance(value, str) else value.decode()
-    return None
-
-
-def _identify(method: str, context) -> tuple[grpc.StatusCode, str, tuple] | None:
-    """None when the caller's identity holds; else the refusal (code, details, trailers).
-    A caller that names an older generation of its rank than the newest this process was
-    told of is refused too (FAILED_PRECONDITION, cause ``FAILURE_FENCED``: fencing.py)."""
-    try:
-        _policy().check(method, _claim(context), _certificate_names(context))
-    except Refused as e:
-        from services.contract.audit import VIOLATION_METADATA, violation_event
-        from services.contract.bus import BOUNDARY_VIOLATIONS, TRAFFIC, BoundaryViolation
-
-        error = BoundaryViolation(e.sender, e.message, None)
-        TRAFFIC.refused(e.sender, e.message, None)
-        BOUNDARY_VIOLATIONS.labels(_module_label(e.sender), e.message).inc()
-        _log.error("call refused: identity", method=method, error=str(e))
-        event = violation_event(error, f"{method} server")
-        event.detail = str(e)
-        return grpc.StatusCode.PERMISSION_DENIED, str(e), ((VIOLATION_METADATA, event.SerializeToString()),)
-    stale = fencing.check_call(context.invocation_metadata(), method.rsplit("/", 1)[-1])
-    if stale is not None:
-        _log.warning("call refused: stale generation", method=method, error=str(stale))
-        return grpc.StatusCode.FAILED_PRECONDITION, f"{method}: {stale}", ((CAUSE_METADATA, "FAILURE_FENCED"),)
-    return None
-
-
-def _module_label(module: int) -> str:
-    from services.contract import Module
-
-    return Module.Name(module) if module in Module.values() else "MODULE_UNSPECIFIED"
-
-
-def _guard_identity(handler, method: str):
-    """``handler`` preceded by the identity check, of the same kind (sync or asyncio,
-    function or generator) so each server runs it where it ran the handler."""
-
-    def wrap(behavior: Callable, streaming: bool) -> Callable:
-        if inspect.iscoroutinefunction(behavior):
-
-            async def coroutine(request, context):
-                refused = _identify(method, context)
-                if refused:
-                    context.set_trailing_metadata(refused[2])
-                    await context.abort(refused[0], refused[1])
-                return await behavior(request, context)
-
-            return coroutine
-        if inspect.isasyncgenfunction(behavior):
-
-            async def agen(request, context):
-                refused = _identify(method, context)
-                if refused:
-                    context.set_trailing_metadata(refused[2])
-                    await context.abort(refused[0], refused[1])
-                async for response in behavior(request, context):
-                    yield response
-
-            return agen
-        if inspect.isgeneratorfunction(behavior):
-
-            def gen(request, context):
-                refused = _identify(method, context)
-                if refused:
-                    context.set_trailing_metadata(refused[2])
-                    context.abort(refused[0], refused[1])
-                yield from behavior(request, context)
-
-            return gen
-
-        def plain(request, context):
-            refused = _identify(method, context)
-            if refused:
-                context.set_trailing_metadata(refused[2])
-                context.abort(refused[0], refused[1])
-            return behavior(request, context)
-
-        return plain
-
-    return _replace(handler, wrap)
-
-
-class _Guard(grpc.ServerInterceptor):
-    """Bearer token on the mutating methods; the caller's identity on every Surge RPC; a
-    clear status for unparseable requests."""
-
-    def __init__(self, token: str | None):
-        self._token = token
-
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
-        if self._token and method in MUTATING_METHODS and not self._authorized(handler_call_details):
-            return _replace(
-                handler,
-                lambda behavior, streaming: _refuse(
-                    grpc.StatusCode.UNAUTHENTICATED,
-                    f"{method}: not authorized: send 'authorization: Bearer <token>' with the server's token "
-                    f"(Surge clients and surgectl: set {AUTH_TOKEN_ENV})",
-                ),
-            )
-        if _policy().governs(method):
-            handler = _guard_identity(handler, method)
-        return _guard_parsing(handler, method)
-
-    def _authorized(self, details) -> bool:
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-                return hmac.compare_digest(value[len("Bearer ") :].encode(), self._token.encode())
-        return False
-
-
-def _kind(handler) -> tuple[str, bool]:
-    """(the handler's behavior attribute, whether its requests stream)."""
-    for attr, streaming in (
-        ("unary_unary", False),
-        ("unary_stream", False),
-        ("stream_unary", True),
-        ("stream_stream", True),
-    ):
-        if getattr(handler, attr) is not None:
-            return attr, streaming
-    raise ValueError("handler without behavior")
-
-
-_FACTORIES = {
-    "unary_unary": grpc.unary_unary_rpc_method_handler,
-    "unary_stream": grpc.unary_stream_rpc_method_handler,
-    "stream_unary": grpc.stream_unary_rpc_method_handler,
-    "stream_stream": grpc.stream_stream_rpc_method_handler,
-}
-
-
-def _replace(handler, wrap: Callable[[Callable, bool], Callable], deserializer: Callable | None = None):
-    attr, streaming = _kind(handler)
-    return _FACTORIES[attr](
-        wrap(getattr(handler, attr), streaming),
-        request_deserializer=deserializer or handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
-
-
-def _refuse(code: grpc.StatusCode, message: str, asynchronous: bool = False) -> Callable:
-    if asynchronous:
-
-        async def refuse(request_or_iterator, context):
-            await context.abort(code, message)
-
-        return refuse
-
-    def behavior(request_or_iterator, context):
-        context.abort(code, message)
-
-    return behavior
-
-
-def _is_async(behavior: Callable) -> bool:
-    """Whether a grpc.aio server awaits ``behavior`` on its loop (else: its thread pool)."""
-    return inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)
-
-
-def _guard_parsing(handler, method: str):
-    deserialize = handler.request_deserializer
-    if deserialize is None:
-        return handler
-
-    def parse(raw: bytes) -> Any:
-        try:
-            return deserialize(raw)
-        except Exception as e:  # noqa: BLE001 - any parse failure is the caller's malformed request
-            return _Malformed(e)
-
-    def message(bad: _Malformed) -> str:
-        return f"{method}: malformed request: cannot parse the message ({type(bad.error).__name__})"
-
-    def wrap(behavior: Callable, streaming: bool) -> Callable:
-        if _is_async(behavior):
-            return _guard_async(behavior, streaming, message)
-        if not streaming and inspect.isgeneratorfunction(behavior):
-            # Same kind as the handler: the asyncio server runs a sync generator in its
-            # thread pool, but a plain function returning an iterator on its loop, where
-            # the blocking abort() then deadlocks the whole server.
-            def unary_stream(request, context):
-                if isinstance(request, _Malformed):
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, message(request))
-                yield from behavior(request, context)
-
-            return unary_stream
-        if not streaming:
-
-            def unary(request, context):
-                if isinstance(request, _Malformed):
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, message(request))
-                return behavior(request, context)
-
-            return unary
-
-        def checked(requests: Iterator, context) -> Iterator:
-            for request in requests:
-                if isinstance(request, _Malformed):
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, message(request))
-                yield request
-
-        def stream(requests, context):
-            return behavior(checked(requests, context), context)
-
-        return stream
-
-    return _replace(handler, wrap, deserializer=parse)
-
-
-def _guard_async(behavior: Callable, streaming: bool, message: Callable[[_Malformed], str]) -> Callable:
-    """The parse guard around an asyncio handler, of the same kind (coroutine or async
-    generator), so that the aio server still awaits it on its loop."""
-
-    async def requests_checked(requests, context):
-        async for request in requests:
-            if isinstance(request, _Malformed):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message(request))
-            yield request
-
-    async def checked_request(request, context):
-        if not streaming and isinstance(request, _Malformed):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message(request))
-        return requests_checked(request, context) if streaming else request
-
-    if inspect.isasyncgenfunction(behavior):
-
-        async def responses(request, context):
-            async for response in behavior(await checked_request(request, context), context):
-                yield response
-
-        return responses
-
-    async def response(request, context):
-        return await behavior(await checked_request(request, context), context)
-
-    return response
-
-
-class _AioGuard(grpc.aio.ServerInterceptor):
-    """``_Guard`` for a grpc.aio server (which takes only asyncio interceptors)."""
-
-    def __init__(self, token: str | None):
-        self._sync = _Guard(token)
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
-        if self._sync._token and method in MUTATING_METHODS and not self._sync._authorized(handler_call_details):
-            return _replace(
-                handler,
-                lambda behavior, streaming: _refuse(
-                    grpc.StatusCode.UNAUTHENTICATED,
-                    f"{method}: not authorized: send 'authorization: Bearer <token>' with the server's token "
-                    f"(Surge clients and surgectl: set {AUTH_TOKEN_ENV})",
-                    asynchronous=_is_async(behavior),
-                ),
-            )
-        if _policy().governs(method):
-            handler = _guard_identity(handler, method)
-        return _guard_parsing(handler, method)
-
-
 def _preflight(name: str, host: str, port: int) -> grpc.ServerCredentials | None:
     """The checks before a server is built: the port is free (checked before gRPC tries:
     its C core would log its own multi-line bind error first), and the TLS credentials
@@ -480,21 +154,22 @@ class ServiceServer:
         s.start(["surge.v1.ControlService"])
 
     TLS and the bearer token follow the SURGE_TLS_* and SURGE_AUTH_TOKEN variables (see
-    the module docstring).
+    the module docstring); ``identities`` (a tokens file's principals) authenticates the
+    operator's RPCs instead of that token.
 
     Raises:
         PortInUse: the port cannot be bound.
         TlsConfigError: the TLS variables are incomplete or unreadable.
     """
 
-    def __init__(self, name: str, host: str, port: int, max_workers: int = 32):
+    def __init__(self, name: str, host: str, port: int, max_workers: int = 32, identities: Identities | None = None):
         self.name = name
         credentials = _preflight(name, host, port)
         self.tls = credentials is not None
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name),
             options=GRPC_OPTIONS,
-            interceptors=[_Guard(os.environ.get(AUTH_TOKEN_ENV) or None)],
+            interceptors=[CallGuard(os.environ.get(AUTH_TOKEN_ENV) or None, identities)],
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -519,7 +194,9 @@ class AioServiceServer:
     each holding a thread while it runs (a sync server-streaming RPC: its whole life).
     Health checking, reflection, TLS, the bearer token and the malformed-request answer
     are as in ``ServiceServer``. Usage as ServiceServer (``server``, ``start``, ``stop``);
-    ``loop`` is where asyncio handlers live. ``options``: more gRPC server options.
+    ``loop`` is where asyncio handlers live. ``options``: more gRPC server options;
+    ``identities``: as in ``ServiceServer``; ``authenticate_every_call``: it authenticates the
+    processes' RPCs too (grpc_guards.CallGuard's ``every_call``).
 
     Raises:
         PortInUse: the port cannot be bound.
@@ -527,7 +204,14 @@ class AioServiceServer:
     """
 
     def __init__(
-        self, name: str, host: str, port: int, executor_threads: int = 64, options: Sequence[tuple[str, Any]] = ()
+        self,
+        name: str,
+        host: str,
+        port: int,
+        executor_threads: int = 64,
+        options: Sequence[tuple[str, Any]] = (),
+        identities: Identities | None = None,
+        authenticate_every_call: bool = False,
     ):
         self.name = name
         credentials = _preflight(name, host, port)
@@ -541,7 +225,9 @@ class AioServiceServer:
             return grpc.aio.server(
                 migration_thread_pool=pool,
                 options=[*GRPC_OPTIONS, *options],
-                interceptors=[_AioGuard(os.environ.get(AUTH_TOKEN_ENV) or None)],
+                interceptors=[
+                    AioCallGuard(os.environ.get(AUTH_TOKEN_ENV) or None, identities, authenticate_every_call)
+                ],
             )
 
         self.server = self.run(make())

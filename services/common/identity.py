@@ -3,7 +3,7 @@
 A Surge client names the module its process speaks for in the gRPC metadata key
 ``x-surge-module`` (``channel(address, module=...)`` sets it on every call, e.g.
 ``L2_TRAINING_LOOP`` for a rank, ``EXT_HARDWARE`` for a node agent, ``EXT_USER`` for the
-CLI). Every Surge server checks it before the handler runs (``services/common/grpc_server.py``):
+CLI). Every Surge server checks it before the handler runs (``services/common/grpc_guards.py``):
 
 * the claim names a module, and the route table lets that module send the RPC's request
   message (for the plumbing streams, whose request is an envelope, :data:`PLUMBING_CALLERS`
@@ -62,6 +62,8 @@ PLUMBING_CALLERS: dict[str, frozenset[int]] = {
     "/surge.v1.StoreService/GetCheckpointFiles": frozenset({M.L5_CHECKPOINT_MANAGER}),
     # A rank's profile files (surgectl profile): its loop's StoreProfile heads the stream.
     "/surge.v1.StoreService/PutProfile": frozenset({M.L2_TRAINING_LOOP}),
+    # A job's metric records for the operator (surgectl plot, samples): the relay reads L5-2's files.
+    "/surge.v1.StoreService/ReadMetrics": frozenset({M.EXT_USER}),
 }
 
 

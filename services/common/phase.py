@@ -43,6 +43,20 @@ CHECKPOINT_STAGING = RankPhase.PHASE_CHECKPOINT_STAGING
 COMPILE = RankPhase.PHASE_COMPILE
 FAULT_WAIT = RankPhase.PHASE_FAULT_WAIT
 FROZEN = RankPhase.PHASE_FROZEN
+PROFILE_EXPORT = RankPhase.PHASE_PROFILE_EXPORT
+
+# After a beat stating a phase was handed to the rank's session stream, how long an announcing
+# thread still lets the stream's own thread send it before taking the interpreter lock for long.
+ANNOUNCE_GRACE_S = 0.2
+ANNOUNCE_PERIODS = 3  # how many beat periods ``announce`` waits for a beat stating the phase
+
+
+def profile_export_budget_s(base_s: float, step_factor: float, profiled_seconds: float) -> float:
+    """How long a profile's export may take (``liveness.phase_seconds.profile_export``): a
+    base, and ``step_factor`` x the profiled steps' time (their events, hence the export's work,
+    grow with them). One formula for the rank (which measures its export against it) and for
+    control's fault detector (which allows it, and the silence within it)."""
+    return base_s + step_factor * max(profiled_seconds, 0.0)
 
 
 class PhaseMarker:
@@ -50,13 +64,27 @@ class PhaseMarker:
     entered (``time.monotonic()``), the units of it done and the units it will take (0:
     unknown)."""
 
-    __slots__ = ("_compute", "_counted", "_frozen", "phase", "progress", "since", "total")
+    __slots__ = (
+        "_compute",
+        "_counted",
+        "_frozen",
+        "_announce_s",
+        "_stated",
+        "_stated_phase",
+        "phase",
+        "progress",
+        "since",
+        "total",
+    )
 
     def __init__(self, phase: int = IDLE):
         self.phase, self.since, self.progress, self.total = phase, time.monotonic(), 0, 0
         self._compute: HostComputeClock | CudaComputeClock = HostComputeClock()
         self._counted = self.since  # the current phase's time is in the sums up to here
         self._frozen = False  # held for inspection (``freeze``): every phase reads FROZEN from then on
+        # The newest phase a beat was sent with, and its start (``since``): ``stated``.
+        self._stated_phase, self._stated = phase, 0.0
+        self._announce_s = ANNOUNCE_PERIODS * 1.0  # how long ``announce`` waits (``stated_every``)
 
     def time_on_cuda(self, cuda) -> None:
         """Count compute time with CUDA events on the current stream (a GPU rank, once its
@@ -96,6 +124,29 @@ class PhaseMarker:
         """``units`` more of the current phase done (e.g. one evaluation batch)."""
         self.progress += units
 
+    def stated(self, phase: int, since: float) -> None:
+        """The beat thread sent a beat stating ``phase``, entered at ``since`` (read before the
+        phase: a phase entered between the two is not taken for stated)."""
+        self._stated_phase, self._stated = phase, since
+
+    def stated_every(self, period_s: float) -> None:
+        """Beats go every ``period_s`` (the rank session, once the job's spec is known)."""
+        self._announce_s = ANNOUNCE_PERIODS * period_s
+
+    def announce(self) -> bool:
+        """Wait (at most ``ANNOUNCE_PERIODS`` beat periods) until a beat has stated the current phase, so that
+        control knows of a phase whose work may silence the beats (a profile's export holds
+        the interpreter lock) before it starts; False if none did in time (the phase starts
+        anyway: a late announcement is the next beat's). Sleeps in short slices: the lock is
+        free meanwhile for the beat and stream threads."""
+        phase, since, deadline = self.phase, self.since, time.monotonic() + self._announce_s
+        while self._stated_phase != phase or self._stated < since:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        time.sleep(ANNOUNCE_GRACE_S)
+        return True
+
     def read(self) -> tuple[int, float, int, int]:
         """(phase, seconds in it, progress, total), for a beat."""
         phase, since, progress, total = self.phase, self.since, self.progress, self.total
@@ -118,6 +169,9 @@ class NoPhase:
 
     def thaw(self) -> None:
         pass
+
+    def announce(self) -> bool:
+        return True
 
 
 NO_PHASE = NoPhase()

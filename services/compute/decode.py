@@ -116,3 +116,17 @@ def _next_token(logits_BV: torch.Tensor, temperature: float, top_k: int, generat
         kth_B1 = torch.topk(logits_BV, min(top_k, logits_BV.shape[-1]), dim=-1).values[:, -1:]
         logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
     return torch.multinomial(torch.softmax(logits_BV, dim=-1), 1, generator=generator)
+
+
+def text_codec(tokenizer: str, vocab_size: int):
+    """(encode, decode) of text for a model of ``vocab_size`` tokens: ``tokenizer`` "bytes"
+    (token = UTF-8 byte) or the path of the HF ``tokenizers`` JSON the dataset was prepared
+    with. Raises ValueError: a byte-level tokenizer for a vocabulary that is not 256."""
+    if tokenizer == "bytes":
+        if vocab_size != 256:
+            raise ValueError(f"generate: tokenizer 'bytes' needs model.vocab_size 256, got {vocab_size}")
+        return (lambda text: list(text.encode("utf-8"))), (lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer)
+    return (lambda text: tok.encode(text).ids), (lambda ids: tok.decode(ids))

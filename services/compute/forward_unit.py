@@ -43,8 +43,11 @@ class Operators(Protocol):
 class ForwardUnit:
     """L3-3. ``operators`` is its port to L3_OPERATOR_ADAPTER."""
 
-    def __init__(self, emit: Emitter, operators: CommandPort):
+    def __init__(self, emit: Emitter, operators: CommandPort, samples: Any = None):
+        """``samples``: generates the periodic samples from the attached model (a
+        services.compute.samples.SampleGenerator; None: GenerateSample answers with a note)."""
         self._emit = emit
+        self._samples = samples
         self._operators_port = operators
         self._module: nn.Module | None = None
         self._device: torch.device | None = None
@@ -65,6 +68,9 @@ class ForwardUnit:
         self._module = module
         self._device = next(module.parameters()).device
         self._pipeline = pipeline
+        if self._samples is not None:  # the model itself: DDP's wrapper looked through
+            inner = getattr(module, "module", None)
+            self._samples.attach(inner if isinstance(inner, nn.Module) else module)
 
     # ------------------------------------------------------------------ commands / events
 
@@ -90,6 +96,21 @@ class ForwardUnit:
     def _select_for_pipeline(self) -> None:
         if self._pipeline is not None and self._ops is not None and self._ops.attention:
             self._pipeline.use_operators(self._ops)
+
+    def generate_sample(self, msg: engine_pb2.GenerateSample, payload: Any = None) -> engine_pb2.SampleText:
+        """A periodic sample from the model this unit runs (services/compute/samples.py); one
+        that cannot be generated is answered with its note (never raises for it)."""
+        if self._samples is None:
+            return engine_pb2.SampleText(note="not generated: this rank has no sample generator")
+        (s,) = self._samples(
+            [msg.prompt],
+            msg.max_new_tokens,
+            temperature=msg.temperature,
+            seed=msg.seed,
+            tokenizer=msg.tokenizer or "bytes",
+            context_len=msg.context_len,
+        )
+        return engine_pb2.SampleText(text=s.text, tokens=s.tokens, seconds=s.seconds, note=s.note)
 
     def run_forward(self, msg: engine_pb2.RunForward, payload: torch.Tensor) -> Reply:
         """执行前向计算指令. Raises RuntimeError when no module is attached or no kernel

@@ -36,16 +36,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from services.compute.decode import generate
+from services.compute.decode import generate, text_codec
 from services.compute.model import build_model
 from services.jobspec import JobSpec, spec_from_json
-from services.state.chunk_store import (
-    CHUNKED_METADATA_CLASSES,
-    ChunkIntegrityError,
-    ChunkReader,
-    DirectorySource,
-    enum_member,
-)
+from services.state.chunk_reader import CHUNKED_METADATA_CLASSES, ChunkReader, enum_member
+from services.state.chunk_store import ChunkIntegrityError, DirectorySource
 
 # A key one rank owns: a path component ``rank<r>`` (e.g. the loop's ``train.rank3.rng.*``).
 PER_RANK_KEY = re.compile(r"(?:^|\.)rank\d+\.")
@@ -307,7 +302,7 @@ def generate_text(
         ValueError: a byte-level tokenizer for a model whose vocabulary is not 256.
     """
     spec = spec_from_json(spec_json)
-    encode, decode = _codec(tokenizer, spec.model.vocab_size)
+    encode, decode = text_codec(tokenizer, spec.model.vocab_size)
     model = load_model_for_inference(checkpoint_path, spec)
     prompt_ids = torch.tensor(encode(prompt) or [0], dtype=torch.int64)
     out = generate(
@@ -320,14 +315,3 @@ def generate_text(
         context_len=spec.data.seq_len,
     )
     return decode(out.tolist())
-
-
-def _codec(tokenizer: str, vocab_size: int):
-    if tokenizer == "bytes":
-        if vocab_size != 256:
-            raise ValueError(f"generate: tokenizer 'bytes' needs model.vocab_size 256, got {vocab_size}")
-        return (lambda text: list(text.encode("utf-8"))), (lambda ids: bytes(ids).decode("utf-8", errors="replace"))
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(tokenizer)
-    return (lambda text: tok.encode(text).ids), (lambda ids: tok.decode(ids))

@@ -101,6 +101,16 @@ class ShardLoader:
         if self._model is not None:
             self._hand_over(self._model)
 
+    def export_model(self, msg: engine_pb2.ExportModel, payload: Any = None) -> Reply:
+        """An evaluation job's export: a copy of the loaded model's weights (float32 on the
+        CPU, cloned: the caller never holds this module's tensors) as the reply's payload;
+        ``error`` when no model is loaded. (Writing them is the rank's evaluation runner's:
+        this module touches no disk.)"""
+        if self._model is None:
+            return Reply(engine_pb2.ModelExported(error="no model is loaded"), None)
+        state = {k: v.detach().float().cpu().clone() for k, v in get_model_state_dict(self._model).items()}
+        return Reply(engine_pb2.ModelExported(tensors=len(state)), state)
+
     def load_model(self, msg: engine_pb2.LoadModel, payload: Any = None) -> engine_pb2.ModelLoaded:
         """初始化模型权重加载指令.
 

@@ -163,6 +163,18 @@ FUNCOL_OPS = frozenset(
     }
 )
 FUNCOL = "funcol."
+# The modules that bind collectives by name: imported before the sweep (_wrap_all) so that it
+# sees their bindings. A rank's fork server imports them once for every rank it forks
+# (services/rank/forkserver.py): torch.distributed.pipelining imports torch._dynamo, ~0.7 CPU-s
+# (4.4 s on a loaded host) that every forked rank paid again before its first step.
+BINDING_MODULES = (
+    "torch.distributed.device_mesh",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.distributed.pipelining",
+    "torch.distributed.checkpoint",
+    "torch.nn.parallel",
+)
 
 
 def allowed(module: int, op: str) -> bool:
@@ -453,14 +465,7 @@ def _wrap_all() -> None:
     import torch.distributed.distributed_c10d as c10d
 
     # The modules that bind collectives by name are imported first, so the sweep sees them.
-    for name in (
-        "torch.distributed.device_mesh",
-        "torch.distributed.tensor",
-        "torch.distributed.fsdp",
-        "torch.distributed.pipelining",
-        "torch.distributed.checkpoint",
-        "torch.nn.parallel",
-    ):
+    for name in BINDING_MODULES:
         __import__(name)
     wrappers: dict[int, Any] = {}
     for op in sorted(OPS):

@@ -49,8 +49,10 @@ class OrchestratorHandlers(Protocol):
     def resume_job_request(self, msg: control_pb2.ResumeJobRequest, payload: Any = None) -> Any: ...
     def revoke_order_request(self, msg: control_pb2.RevokeOrderRequest, payload: Any = None) -> Any: ...
     def scale_job_request(self, msg: control_pb2.ScaleJobRequest, payload: Any = None) -> Any: ...
+    def set_team_quota_request(self, msg: control_pb2.SetTeamQuotaRequest, payload: Any = None) -> Any: ...
     def stop_job_request(self, msg: control_pb2.StopJobRequest, payload: Any = None) -> Any: ...
     def submit_job_request(self, msg: control_pb2.SubmitJobRequest, payload: Any = None) -> Any: ...
+    def team_query(self, msg: control_pb2.TeamQuery, payload: Any = None) -> Any: ...
     def uncordon_worker_request(self, msg: control_pb2.UncordonWorkerRequest, payload: Any = None) -> Any: ...
     def on_worker_departing(self, msg: control_pb2.WorkerDeparting, payload: Any = None) -> Any: ...
 
@@ -143,6 +145,7 @@ class TrainingLoopHandlers(Protocol):
     ``on_loss_scale_adjusted`` (LossScaleAdjusted)
     ``on_metrics_ack`` (MetricsAck)
     ``on_micro_batch`` (MicroBatch)
+    ``on_model_exported`` (ModelExported)
     ``on_model_loaded`` (ModelLoaded)
     ``on_overflow_checked`` (OverflowChecked)
     ``on_packing_failed`` (PackingFailed)
@@ -152,6 +155,7 @@ class TrainingLoopHandlers(Protocol):
     ``on_profile_stored`` (ProfileStored)
     ``on_reduction_failed`` (ReductionFailed)
     ``on_sample_stream_interrupted`` (SampleStreamInterrupted)
+    ``on_sample_text`` (SampleText)
     ``on_save_completed`` (SaveCompleted)
     ``on_save_staged`` (SaveStaged)
     ``on_shard_error`` (ShardError)
@@ -208,6 +212,7 @@ class ShardLoaderHandlers(Protocol):
     """L3_SHARD_LOADER: what ``Bus.host(L3_SHARD_LOADER, obj)`` subscribes.
     """
 
+    def export_model(self, msg: engine_pb2.ExportModel, payload: Any = None) -> Any: ...
     def export_state(self, msg: engine_pb2.ExportState, payload: Any = None) -> Any: ...
     def load_model(self, msg: engine_pb2.LoadModel, payload: Any = None) -> Any: ...
     def parallel_plan(self, msg: engine_pb2.ParallelPlan, payload: Any = None) -> Any: ...
@@ -230,6 +235,7 @@ class ForwardUnitHandlers(Protocol):
     """
 
     def configure_forward(self, msg: engine_pb2.ConfigureForward, payload: Any = None) -> Any: ...
+    def generate_sample(self, msg: engine_pb2.GenerateSample, payload: Any = None) -> Any: ...
     def run_forward(self, msg: engine_pb2.RunForward, payload: Any = None) -> Any: ...
 
 
@@ -316,6 +322,8 @@ class MetricsLoggerHandlers(Protocol):
 
     May also define (subscribed if defined; it may get these as replies):
     ``on_eval_completed`` (EvalCompleted)
+    ``on_evaluation_scores`` (EvaluationScores)
+    ``on_sample_generated`` (SampleGenerated)
     ``on_step_completed`` (StepCompleted)
     """
 
@@ -339,6 +347,7 @@ class UserHandlers(Protocol):
     ``on_job_event`` (JobEvent)
     ``on_job_list`` (JobList)
     ``on_job_status`` (JobStatus)
+    ``on_team_list`` (TeamList)
     """
 
 

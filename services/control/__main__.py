@@ -1,12 +1,14 @@
 """Composition root of `control` (L1): the only place its modules are built and wired.
 
     python -m services.control --port P [--host 127.0.0.1] [--db PATH] --data ADDR --store ADDR
-        [--metrics-port M] [--max-sessions N] [--webhook URL]
+        [--metrics-port M] [--max-sessions N] [--webhook URL] [--tokens FILE]
 
 Environment: SURGE_CONTROL_PORT, SURGE_CONTROL_DB (default ``$SURGE_HOME/control.db``),
 SURGE_DATA_ADDRESS, SURGE_STORE_ADDRESS, SURGE_CONTROL_METRICS_PORT (Prometheus
 ``/metrics``; default 0 = not served), SURGE_CONTROL_WEBHOOK (job-end webhook for jobs whose
-spec names none: services/control/webhooks.py). Also serves ``surge.v1.AuditService``. A port already
+spec names none: services/control/webhooks.py), SURGE_TOKENS_FILE (per-team access: principals
+bound to teams, services/common/access.py; a file that cannot be read or is invalid is one
+line on stderr and exit status 2). Also serves ``surge.v1.AuditService``. A port already
 in use is one line on stderr and exit status 2; SIGTERM / SIGINT stop it cleanly (sessions
 end, the journal closes).
 
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 import structlog
 
 from services.common import grpc_waits, logs, paths, thread_names
+from services.common.access import TOKENS_FILE_ENV, reload_tokens, tokens_of_flag
 from services.common.grpc_server import AioServiceServer, PortInUse, serve_metrics
 from services.common.service_args import ServiceArgumentParser, address, env_option, listen_host, port
 from services.contract import (
@@ -52,11 +55,13 @@ from services.contract.injection import env_error
 from services.contract.relay import L1, L5, RANK, Link
 from services.contract.validation import ContractError, refuse, validate_table, validate_wiring
 from services.control import faults
+from services.control.access import ControlAccess
 from services.control.fault_detector import FaultDetector
 from services.control.job_store import JobStore
 from services.control.orchestrator import Orchestrator
 from services.control.recovery_controller import RecoveryController
 from services.control.resource_allocator import ResourceAllocator
+from services.control.scheduler import QuotaBook, QuotaFileError, load_quota_file
 from services.control.server import ControlServicer
 from services.control.session_hub import SessionHub
 from services.control.sick_nodes import SickNodePolicy
@@ -107,6 +112,11 @@ def build(
     persist_interval_s: float = 1.0,
     max_sessions: int = 8192,
     webhook: str = "",
+    access: ControlAccess | None = None,
+    preemption_grace_s: float = 60.0,
+    preemption_min_run_s: float = 120.0,
+    resize_min_interval_s: float = 60.0,
+    quotas: QuotaBook | None = None,
 ) -> Control:
     """Build and wire the four L1 modules and the relays on one bus.
 
@@ -114,6 +124,8 @@ def build(
         RouteError: a wiring the route table does not allow (a bug, found at start-up).
         ContractError: the route table or this wiring breaks the contract (validation.py).
         ValueError: an invalid fault rule.
+
+    ``quotas``: the teams' quotas from ``--quotas FILE`` (None: every team unlimited).
     """
     # The reporter sends as EXT_CONTRACT on this same bus (bound just below), from its own
     # thread: the violating module may be mid-decision.
@@ -209,11 +221,15 @@ def build(
         data_address=data_address,
         store_address=store_address,
         persist_interval_s=persist_interval_s,
+        preemption_grace_s=preemption_grace_s,
+        preemption_min_run_s=preemption_min_run_s,
+        resize_min_interval_s=resize_min_interval_s,
         checkpoints=bus.port(
             Module.L1_ORCHESTRATOR,
             Module.L5_CHECKPOINT_MANAGER,
             commands=(store_pb2.VerifyCheckpoints, store_pb2.ScrubCheckpoints),
         ),
+        quotas=quotas,
     )
     bus.host(Module.L1_ORCHESTRATOR, orchestrator)
     user = bus.port(
@@ -232,9 +248,11 @@ def build(
             control_pb2.ProfileJobRequest,
             control_pb2.UncordonWorkerRequest,
             control_pb2.DrainWorkerRequest,
+            control_pb2.SetTeamQuotaRequest,
+            control_pb2.TeamQuery,
         ),
     )
-    servicer = ControlServicer(user=user, watches=watches, sessions=sessions, max_sessions=max_sessions)
+    servicer = ControlServicer(user=user, watches=watches, sessions=sessions, max_sessions=max_sessions, access=access)
     # The store's answers are applied in order with the node agents' events, on one thread.
     store.post = servicer.applier.call
     validate_wiring(bus, HOSTED)
@@ -277,8 +295,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=int(env.get("SURGE_CONTROL_MAX_SESSIONS") or 8192),
         help="node agent sessions held at once; more are refused (env SURGE_CONTROL_MAX_SESSIONS)",
     )
-    # A sick node (services/control/sick_nodes.py): this many rank faults on one node from
-    # this many incidents within the window quarantine it until `surgectl uncordon`.
+    # A sick node (services/control/sick_nodes.py): this many rank faults on one node (a
+    # launch's ranks dying there in one incident: one) from this many launches (job,
+    # generation) within the window quarantine it until `surgectl uncordon`.
     p.add_argument(
         "--sick-node-faults",
         type=int,
@@ -289,7 +308,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--sick-node-incidents",
         type=int,
         default=env.get("SURGE_SICK_NODE_INCIDENTS") or "2",
-        help="distinct incidents those faults must come from (env SURGE_SICK_NODE_INCIDENTS)",
+        help="distinct launches (job, generation) those faults must come from (env SURGE_SICK_NODE_INCIDENTS)",
     )
     p.add_argument(
         "--sick-node-window-seconds",
@@ -304,7 +323,51 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="http(s) URL POSTed a JSON when a job ends FINISHED or FAILED, unless its spec's "
         "notify.webhook names another (env SURGE_CONTROL_WEBHOOK)",
     )
+    # Per-team access (services/common/access.py): the principals of control's user port.
+    p.add_argument(
+        "--tokens",
+        default=env.get(TOKENS_FILE_ENV) or "",
+        help="tokens file: principals (token digests, certificate names) bound to teams and roles; "
+        f"a team then sees and controls its own jobs only (env {TOKENS_FILE_ENV}; default: none, "
+        "SURGE_AUTH_TOKEN alone guards the mutating calls)",
+    )
+    # Priority preemption (services/control/orchestrator/preemption.py).
+    p.add_argument(
+        "--preemption-grace-seconds",
+        type=float,
+        default=env.get("SURGE_PREEMPTION_GRACE_SECONDS") or "60",
+        help="how long a preempted job may take to checkpoint at a step boundary before it moves from "
+        "its newest checkpoint (env SURGE_PREEMPTION_GRACE_SECONDS)",
+    )
+    p.add_argument(
+        "--preemption-min-run-seconds",
+        type=float,
+        default=env.get("SURGE_PREEMPTION_MIN_RUN_SECONDS") or "120",
+        help="a job started or resumed less than this long ago is not preempted (no thrashing; env "
+        "SURGE_PREEMPTION_MIN_RUN_SECONDS)",
+    )
+    p.add_argument(
+        "--resize-min-interval-seconds",
+        type=float,
+        default=env.get("SURGE_RESIZE_MIN_INTERVAL_SECONDS") or "60",
+        help="a job shrunk by a fault grows back at most once per this (env SURGE_RESIZE_MIN_INTERVAL_SECONDS)",
+    )
+    # Teams' quotas (issue 30; services/control/scheduler/quotas.py): read at start; a team
+    # set or removed by `surgectl team` since (journaled) keeps that.
+    p.add_argument(
+        "--quotas",
+        default=env.get("SURGE_CONTROL_QUOTAS") or "",
+        help="YAML file of the teams' quotas (nominal, borrow_limit, hard_limit, weight, cohort); "
+        "none: every team unlimited (env SURGE_CONTROL_QUOTAS)",
+    )
     args = p.parse_args(argv)
+    if args.resize_min_interval_seconds < 0:
+        p.error(f"--resize-min-interval-seconds must be >= 0, got {args.resize_min_interval_seconds:g}")
+    if args.preemption_grace_seconds <= 0 or args.preemption_min_run_seconds < 0:
+        p.error(
+            "--preemption-grace-seconds must be > 0 and --preemption-min-run-seconds >= 0, got "
+            f"{args.preemption_grace_seconds:g} and {args.preemption_min_run_seconds:g}"
+        )
     if args.webhook and not re.match(WEBHOOK_PATTERN, args.webhook):
         p.error(f"--webhook (or SURGE_CONTROL_WEBHOOK): expected an http:// or https:// URL, got {args.webhook!r}")
     if args.max_sessions < 1:
@@ -315,6 +378,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--sick-node-incidents must be >= 1, got {args.sick_node_incidents}")
     if not 0 < args.sick_node_window_seconds <= 30 * 24 * 3600:
         p.error(f"--sick-node-window-seconds must be in (0, 2592000], got {args.sick_node_window_seconds:g}")
+    args.quota_book = None
+    if args.quotas:
+        try:
+            args.quota_book = load_quota_file(args.quotas)
+        except QuotaFileError as e:
+            p.error(f"--quotas: {e}")
     for name, flag, var in (
         ("port", "--port", "SURGE_CONTROL_PORT"),
         ("data", "--data", "SURGE_DATA_ADDRESS"),
@@ -333,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     thread_names.install()  # its threads seen by name from outside (bench/stack_cost.py)
     grpc_waits.install()  # its stream readers wait without gRPC's 0.1 s poll (grpc_waits.py)
     log = logs.configure("control")
+    identities = tokens_of_flag(args.tokens)  # (a bad file: one line, exit 2)
     try:
         # 64 threads: the operator RPCs (a WatchJob or StreamLogs stream holds one while open).
         # While more than max_pending_requests calls (gRPC core's default 1,000) wait for the
@@ -342,7 +412,9 @@ def main(argv: list[str] | None = None) -> int:
             ("grpc.server.max_pending_requests", args.max_sessions),
             ("grpc.server.max_pending_requests_hard_limit", 2 * args.max_sessions),
         ]
-        server = AioServiceServer("control", args.host, args.port, executor_threads=64, options=pending)
+        server = AioServiceServer(
+            "control", args.host, args.port, executor_threads=64, options=pending, identities=identities
+        )
         http = serve_metrics("control", args.host, args.metrics_port)
     except PortInUse as e:
         print(f"error: {e}", file=sys.stderr)
@@ -356,6 +428,11 @@ def main(argv: list[str] | None = None) -> int:
             host=args.host,
             max_sessions=args.max_sessions,
             webhook=args.webhook,
+            access=ControlAccess(enforced=identities is not None),
+            preemption_grace_s=args.preemption_grace_seconds,
+            preemption_min_run_s=args.preemption_min_run_seconds,
+            resize_min_interval_s=args.resize_min_interval_seconds,
+            quotas=args.quota_book,
             sick_nodes=SickNodePolicy(
                 window_seconds=args.sick_node_window_seconds,
                 faults=args.sick_node_faults,
@@ -372,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if identities is not None:
+        signal.signal(signal.SIGHUP, lambda *_: reload_tokens(identities, log))
     server.start(["surge.v1.ControlService", AuditServicer.SERVICE_NAME])
     control.store.watch()  # the store's scrub findings, relayed for as long as control runs
     log.info(
@@ -381,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         data=args.data,
         store=args.store,
         metrics=args.metrics_port or None,
+        tokens=args.tokens or None,
     )
     stop.wait()
     log.info("control stopping")

@@ -3,7 +3,9 @@
 * ``surge_jobs{state}``: jobs by ``JobState`` (every state, zeros included);
 * ``surge_queue_length``: jobs waiting in control's queue;
 * ``surge_queue_wait_seconds``: how long the oldest queued job has waited (0: none queued);
-* ``surge_slots{worker_id,kind}``: a registered worker's rank slots, ``used`` or ``free``.
+* ``surge_slots{worker_id,kind}``: a registered worker's rank slots, ``used`` or ``free``;
+* ``surge_devices{worker_id,kind,name}``: the devices a registered worker reported, counted by
+  kind ("cpu", "cuda") and model name (the dashboard's cluster page shows them).
 
 Why a collector: these are facts of the orchestrator's and the allocator's state, and
 setting gauges as decisions go would put metric work on the event path. The scrape reads
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -40,6 +43,7 @@ class SlotCensus(NamedTuple):
     worker_id: str
     used: int
     free: int
+    devices: tuple[tuple[str, str], ...] = ()  # (kind, name) of each device it registered
 
 
 _readers: dict[str, Callable[[], Callable[[], object] | None]] = {}
@@ -85,10 +89,17 @@ class ClusterCollector:
         slots = GaugeMetricFamily(
             "surge_slots", "Rank slots of each registered worker, used or free.", labels=["worker_id", "kind"]
         )
+        devices = GaugeMetricFamily(
+            "surge_devices",
+            "Devices each registered worker reported, by kind and model name.",
+            labels=["worker_id", "kind", "name"],
+        )
         for s in _read("slots") or ():
             slots.add_metric([s.worker_id, "used"], s.used)
             slots.add_metric([s.worker_id, "free"], s.free)
-        yield from (jobs, length, wait, slots)
+            for (kind, name), n in sorted(Counter(s.devices).items()):
+                devices.add_metric([s.worker_id, kind, name], n)
+        yield from (jobs, length, wait, slots, devices)
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         # Names only (so the registry checks duplicates without collecting).
@@ -96,6 +107,7 @@ class ClusterCollector:
         yield GaugeMetricFamily("surge_queue_length", "")
         yield GaugeMetricFamily("surge_queue_wait_seconds", "")
         yield GaugeMetricFamily("surge_slots", "", labels=["worker_id", "kind"])
+        yield GaugeMetricFamily("surge_devices", "", labels=["worker_id", "kind", "name"])
 
 
 REGISTRY.register(ClusterCollector())

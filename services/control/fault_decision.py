@@ -338,11 +338,13 @@ def decide(policy: FaultPolicySpec, job: JobView, report: control_pb2.FaultRepor
     )
 
 
-# The decisions a freeze holds (``fault_policy.freeze_seconds``, issue 29 item 9): those that
-# relaunch every rank, i.e. end the processes an operator would want to inspect. A rebuild in
-# place keeps the survivors' processes (the lost rank is gone already), and a stop, a pause
-# or an ignore is not held (see :func:`freeze_for`).
-FREEZE_ACTIONS = frozenset({"restart_ranks", "rollback", "exclude_node"})
+# The decisions a freeze holds (``fault_policy.freeze_seconds``, issue 29 item 9): every
+# recovery that relaunches a rank, one rule for all. A relaunch of every rank ends the
+# processes an operator would want to inspect; a rebuild or shrink in place ends the lost
+# ranks (a slow rank being replaced is alive until then: the one most worth a py-spy dump) and
+# its survivors' broken group is the state to look at before the rebuild replaces it. A stop,
+# a pause or an ignore is not held (see :func:`freeze_for`).
+FREEZE_ACTIONS = RELAUNCHES
 
 
 def freeze_for(policy: FaultPolicySpec, decision: Decision, *, recovering: bool) -> float:
@@ -436,6 +438,19 @@ def _paused(fault_class: str, text: str, why: str, job_id: str) -> Decision:
         fault_class, "pause", "pause", text + (f"; {hint}" if hint else ""), engine_pb2.STEP_STOP,
         final=f"{PAUSED_BY_POLICY}{why}; {hint + ', then ' if hint else ''}{resume}",
     )  # fmt: skip
+
+
+def launch_policy(policy: FaultPolicySpec) -> dict:
+    """What a job's ranks are told of its fault policy as they launch (``InitJob``'s fields):
+    its standing orders (``standing_orders``), whether a fault may be rebuilt in place (its
+    survivors keep their processes) and whether a fault holds the ranks first
+    (``freeze_seconds``). One lookup for every launch: a submit's, an operator resume's, a
+    restarted control's adoption (each read the policy itself before)."""
+    return {
+        "standing_orders": standing_orders(policy),
+        "rebuild_in_place": policy.rebuilds,
+        "hold_on_fault": policy.freeze_seconds > 0,
+    }
 
 
 def standing_orders(policy: FaultPolicySpec) -> list[engine_pb2.StandingOrder]:

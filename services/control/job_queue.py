@@ -20,6 +20,10 @@ refusal). A job that fits the registered cluster but not the free ranks still bl
 job behind it. The mark is not journaled and is cleared whenever a worker registers: an
 unmarked job blocks until it is tried again, never the other way round.
 
+Teams (issue 30): the orchestrator sets ``order`` to the scheduler's fair order across teams
+(services/control/scheduler/fair_share.py), which is this order when every job is of one team;
+``ordered``, ``head`` and ``position`` follow it.
+
 Journal form (``QueueEntry.to_json``): ``{"priority": p, "seq": n}`` in the job's journaled
 bookkeeping (job_store's ``runtime``); a job without it is not queued.
 """
@@ -76,6 +80,8 @@ class JobQueue:
         self._entries: dict[str, QueueEntry] = {}
         self._next_seq = 1
         self._beyond: set[str] = set()  # queued jobs needing more ranks than are registered
+        # The order the entries are tried in (issue 30: fair share across teams); None: by key.
+        self.order: Callable[[list[QueueEntry]], list[QueueEntry]] | None = None
 
     def add(self, job_id: str, priority: int, first: bool = False) -> QueueEntry:
         """Queue ``job_id`` behind every job of its priority or higher (``first``: ahead of
@@ -124,9 +130,12 @@ class JobQueue:
         self._beyond.clear()
 
     def ordered(self) -> list[QueueEntry]:
-        return sorted(self._entries.values(), key=QueueEntry.key)
+        by_key = sorted(self._entries.values(), key=QueueEntry.key)
+        return by_key if self.order is None else self.order(by_key)
 
     def head(self) -> QueueEntry | None:
+        if self.order is not None:
+            return next(iter(self.ordered()), None)
         return min(self._entries.values(), key=QueueEntry.key, default=None)
 
     def position(self, job_id: str) -> int:
@@ -134,6 +143,8 @@ class JobQueue:
         entry = self._entries.get(job_id)
         if entry is None:
             return 0
+        if self.order is not None:
+            return 1 + [e.job_id for e in self.ordered()].index(job_id)
         return 1 + sum(1 for e in self._entries.values() if e.key() < entry.key())
 
     def leads(self, priority: int) -> bool:

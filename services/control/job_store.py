@@ -12,9 +12,9 @@ is opened once per process. Every write goes through one group-commit writer
 transaction, in queue order; a write returns its future and, by default, waits on it
 (``wait=False``: the caller goes on; ``on_commit`` runs once it is durable). Reads first wait
 for the writes queued before them (``flush``): a read sees every write made before it.
-Worker event cursors of events with no journaled effect may be written a burst at a time
-(``applying(defer=True)`` + ``write_cursors``); a cursor with an effect is always in the
-effect's transaction. A cursor is a watermark and the seqs journaled above it
+Worker event cursors of events with no journaled effect are not written at all
+(``applying(defer=True)``: the session hub marks them in memory, session_hub.py); a cursor
+with an effect is always in the effect's transaction. A cursor is a watermark and the seqs journaled above it
 (services/control/worker_cursor.py: one agent's events are applied in order per job, not
 across its jobs), its row computed and marked on the writer's thread in commit order, so two
 jobs' writes never journal a stale one.
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.contract import control_pb2
+from services.control.journal_failure import JournalHealth
 from services.control.journal_writer import GroupCommitWriter, Statements
 from services.control.worker_cursor import WorkerCursor, parse_ahead
 
@@ -87,10 +88,19 @@ CREATE TABLE IF NOT EXISTS cordons (
     worker_id TEXT PRIMARY KEY,
     cordon    BLOB NOT NULL             -- control_pb2.WorkerCordoned, serialized
 );
+-- Teams' quotas set by `surgectl team set` / `remove` (issue 30): over the quota file's at a
+-- restart. quota: services/control/scheduler TeamQuota.to_json() as JSON, or 'null' for a
+-- team removed (it falls back to the default, even where the file names it).
+CREATE TABLE IF NOT EXISTS team_quotas (
+    name  TEXT PRIMARY KEY,
+    quota TEXT NOT NULL
+);
 """
 
 # One save_status: (status, event or None, runtime or None, spec_json or None).
 Save = tuple[control_pb2.JobStatus, "control_pb2.JobEvent | None", "dict | None", "str | None"]
+# A step whose write failed, held for a later one: its ``step_row`` and the events it carried.
+HeldStepRows = tuple[tuple, "Sequence[control_pb2.JobEvent]"]
 
 
 @dataclass(frozen=True)
@@ -148,7 +158,10 @@ class JobStore:
         if "ahead" not in {row[1] for row in self._db.execute("PRAGMA table_info(worker_cursors)")}:
             self._db.execute("ALTER TABLE worker_cursors ADD COLUMN ahead TEXT NOT NULL DEFAULT ''")
         self._applying = threading.local()
-        self._writer = GroupCommitWriter(self._db, self._lock)
+        self.health = JournalHealth()  # whether the journal fails to write (control's health)
+        self._writer = GroupCommitWriter(self._db, self._lock, str(path), self.health)
+        # job id -> the newest runtime queued for it (_save_statements: an older one is not dumped)
+        self._runtimes: dict[str, object] = {}
         # The event log's reader: its own connection (WAL: it reads what is committed while
         # the writer commits), so an operator's long history never waits for a group's
         # transaction nor holds the writer up. In memory there is one database per
@@ -216,8 +229,21 @@ class JobStore:
         layout replaces it) and optionally append one event, in one transaction; with the
         cursor of the worker event being applied on this thread, if any (:meth:`applying`).
         The arguments are serialised now (the caller may change them once this returns);
-        ``on_commit``/``wait``: see the module docstring. Returns the write's future."""
-        return self._write(_save_statements([(status, event, runtime, spec_json)]), on_commit=on_commit, wait=wait)
+        ``on_commit``/``wait``: see the module docstring. Returns the write's future.
+        ``runtime`` is the exception: a structure of its own (as the orchestrator's
+        ``_runtime`` builds one), dumped on the writer's thread, and only if no newer runtime
+        of the job was queued after it (see ``_save_statements``)."""
+        return self._write(
+            _save_statements([(status, event, runtime, spec_json)], self._runtimes), on_commit=on_commit, wait=wait
+        )
+
+    def save_statuses(
+        self, saves: Sequence[Save], *, on_commit: Callable[[], None] | None = None, wait: bool = True
+    ) -> Future:
+        """:meth:`save_status` for each of ``saves`` (its arguments), in order, in one
+        transaction: a decision of several records whose commit must not lose some and keep
+        the others (services/control/orchestrator/one_write.py). Returns the write's future."""
+        return self._write(_save_statements(saves, self._runtimes), on_commit=on_commit, wait=wait)
 
     def record_step(
         self,
@@ -228,20 +254,31 @@ class JobStore:
         unix_time: float,
         saves: Sequence[Save] = (),
         *,
+        held: Sequence[HeldStepRows] = (),
         on_commit: Callable[[], None] | None = None,
         wait: bool = True,
     ) -> Future:
         """Append one applied training step (with the applying worker event's cursor) and
-        make the ``saves`` (:meth:`save_status`'s arguments, in order), in one transaction.
-        Returns the write's future."""
-        row = (job_id, step, loss, tokens, unix_time, time.time())
-        then = _save_statements(saves)
+        make the ``saves`` (:meth:`save_status`'s arguments, in order), in one transaction;
+        ``held``: earlier steps of the job whose write failed (``step_row`` rows, their events),
+        appended first, in their order (services/control/orchestrator/held_steps.py). Returns
+        the write's future."""
+        row = step_row(job_id, step, loss, tokens, unix_time)
+        earlier, then = _held_statements(held), _save_statements(saves, self._runtimes)
 
         def statements(db: sqlite3.Connection) -> None:
+            earlier(db)
             db.execute("INSERT INTO steps VALUES (?,?,?,?,?,?)", row)
             then(db)
 
         return self._write(statements, on_commit=on_commit, wait=wait)
+
+    def write_held_steps(
+        self, held: Sequence[HeldStepRows], *, on_commit: Callable[[], None] | None = None, wait: bool = True
+    ) -> Future:
+        """Append steps whose write failed (``record_step``'s ``held``) alone: the job steps no
+        more to carry them. Returns the write's future."""
+        return self._write(_held_statements(held), with_cursor=False, on_commit=on_commit, wait=wait)
 
     def steps(self, job_id: str) -> list[tuple[int, float | None]]:
         """(step, loss) of every step applied for the job, in order of application (loss
@@ -272,6 +309,25 @@ class JobStore:
         with self._lock:
             rows = self._db.execute("SELECT cordon FROM cordons ORDER BY worker_id").fetchall()
         return [control_pb2.WorkerCordoned.FromString(row[0]) for row in rows]
+
+    # ------------------------------------------------------------ teams' quotas
+
+    def save_team_quota(self, name: str, quota: dict | None) -> None:
+        """Journal ``name``'s quota (None: removed), replacing an earlier one; waits for the commit."""
+        row = (name, json.dumps(quota))
+        self._write(
+            lambda db: db.execute(
+                "INSERT INTO team_quotas VALUES (?,?) ON CONFLICT(name) DO UPDATE SET quota=excluded.quota", row
+            ),
+            with_cursor=False,
+        )
+
+    def load_team_quotas(self) -> dict[str, dict | None]:
+        """Every journaled team quota (None: removed), by name."""
+        self._writer.flush()
+        with self._lock:
+            rows = self._db.execute("SELECT name, quota FROM team_quotas ORDER BY name").fetchall()
+        return {name: json.loads(quota) for name, quota in rows}
 
     # ------------------------------------------------------------ worker event cursors
 
@@ -305,8 +361,8 @@ class JobStore:
         applied ones of its burst added; none: ``seq`` is the watermark), in the same
         transaction; if the block wrote nothing (an event
         with no journaled effect), the cursor is written alone on exit, or, with ``defer``,
-        left to the caller (``written`` stays False: pass it to :meth:`write_cursors` with
-        the rest of a burst). An exception leaves the cursor unwritten (the event is
+        left to the caller (``written`` stays False: the session hub marks it in memory, no
+        write). An exception leaves the cursor unwritten (the event is
         applied again if resent)."""
         ctx = _Applying(cursor or WorkerCursor(worker_id, incarnation, seq - 1), seq, earlier)
         self._applying.ctx = ctx
@@ -316,16 +372,6 @@ class JobStore:
             self._applying.ctx = None
         if not ctx.written and not defer:
             self._write(None, ctx)
-
-    def write_cursors(
-        self, cursors: list[tuple[WorkerCursor, list[int]]], on_commit: Callable[[], None] | None = None
-    ) -> Future:
-        """Queue the seqs of events with no journaled effect, ``(cursor, seqs)`` per node
-        agent, as one write (committed with whatever else is queued: one fsync for them
-        all); they are marked in their cursors once committed, then ``on_commit`` runs. Does
-        not wait: returns the write's future. Only for seqs whose events are applied: a
-        resend after a restart skips them."""
-        return self._writer.submit(None, [(cursor, list(seqs)) for cursor, seqs in cursors], on_commit)
 
     def flush(self) -> None:
         """Wait until every write queued before this call is committed (or failed)."""
@@ -414,26 +460,57 @@ class JobStore:
                 self._reader.close()
 
 
-def _save_statements(saves: Sequence[Save]) -> Statements:
-    """The statements of ``save_status`` calls, their arguments serialised now."""
+def _save_statements(saves: Sequence[Save], newest: dict[str, object]) -> Statements:
+    """The statements of ``save_status`` calls, their arguments serialised now but for the
+    runtimes: a job's runtime column is overwritten whole by each save, so only the newest
+    queued is dumped (``newest``: job id -> its token, set here in queue order); an older
+    one whose transaction runs after a newer was queued is skipped, as the newer one's
+    write follows it in queue order. Why: a job's runtime holds every rank's placement and
+    start, and each rank's ready event saved it: at 1,024 x 8 ranks the start was 8,192
+    dumps of 8,192-rank runtimes on the journal's writer (~180 s to RUNNING; issue 28)."""
     rows = []
     for status, e, runtime, spec_json in saves:
         status_row = (status.state, status.outcome, status.updated_unix, status.SerializeToString(), status.job_id)
-        runtime_row = None if runtime is None else (json.dumps(runtime), status.job_id)
+        runtime_row = None
+        if runtime is not None:
+            token = newest[status.job_id] = object()
+            runtime_row = (runtime, status.job_id, token)
         spec_row = None if spec_json is None else (spec_json, status.job_id)
-        event_row = None
-        if e is not None:
-            event_row = (e.job_id, e.seq, e.unix_time, e.source, e.type, e.message, e.status.SerializeToString())
+        event_row = None if e is None else _event_row(e)
         rows.append((status_row, runtime_row, spec_row, event_row))
 
     def statements(db: sqlite3.Connection) -> None:
         for status_row, runtime_row, spec_row, event_row in rows:
             db.execute("UPDATE jobs SET state=?, outcome=?, updated_unix=?, status=? WHERE job_id=?", status_row)
             if runtime_row is not None:
-                db.execute("UPDATE jobs SET runtime=? WHERE job_id=?", runtime_row)
+                runtime, job_id, token = runtime_row
+                if newest.get(job_id) is token:  # (else a newer one is queued behind: it writes)
+                    db.execute("UPDATE jobs SET runtime=? WHERE job_id=?", (json.dumps(runtime), job_id))
             if spec_row is not None:
                 db.execute("UPDATE jobs SET spec_json=? WHERE job_id=?", spec_row)
             if event_row is not None:
                 db.execute("INSERT INTO events VALUES (?,?,?,?,?,?,?)", event_row)
+
+    return statements
+
+
+def step_row(job_id: str, step: int, loss: float, tokens: int, unix_time: float) -> tuple:
+    """A row of the ``steps`` table (recorded now)."""
+    return (job_id, step, loss, tokens, unix_time, time.time())
+
+
+def _event_row(e: control_pb2.JobEvent) -> tuple:
+    return (e.job_id, e.seq, e.unix_time, e.source, e.type, e.message, e.status.SerializeToString())
+
+
+def _held_statements(held: Sequence[HeldStepRows]) -> Statements:
+    """The statements appending held steps: each step's row and its events (not their
+    statuses: a later write journals a newer one), serialised now."""
+    rows = [(row, [_event_row(e) for e in events]) for row, events in held]
+
+    def statements(db: sqlite3.Connection) -> None:
+        for row, event_rows in rows:
+            db.execute("INSERT INTO steps VALUES (?,?,?,?,?,?)", row)
+            db.executemany("INSERT INTO events VALUES (?,?,?,?,?,?,?)", event_rows)
 
     return statements

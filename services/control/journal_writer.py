@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from services.control.journal_failure import JournalHealth, journal_failure
 from services.control.metrics import (
     JOURNAL_COMMIT_SECONDS,
     JOURNAL_COMMITS,
@@ -71,10 +72,15 @@ class GroupCommitWriter:
     Args:
         db: the journal's connection (autocommit mode: ``isolation_level=None``).
         lock: held around each transaction (the connection's readers take it too).
+        path: the journal's file, named by a refused write's error.
+        health: told of each write that failed alone and of each commit.
     """
 
-    def __init__(self, db: sqlite3.Connection, lock: threading.Lock):
+    def __init__(
+        self, db: sqlite3.Connection, lock: threading.Lock, path: str = "", health: JournalHealth | None = None
+    ):
         self._db, self._db_lock = db, lock
+        self._path, self._health = path, health or JournalHealth()
         self._cv = threading.Condition()  # the queue below; nothing is called under it
         self._queue: deque[_Write] = deque()
         self._thread: threading.Thread | None = None
@@ -89,7 +95,7 @@ class GroupCommitWriter:
         """Queue one write: ``statements(db)`` run in a transaction with the rows of
         ``cursors`` (each cursor with its ``seqs`` marked); ``on_commit`` runs once it is
         durable. Returns the future that resolves (None) then, or fails with the write's
-        error (sqlite3.Error).
+        error (sqlite3.Error; a write the disk refused as ``JournalWriteFailed``, typed).
 
         Raises:
             sqlite3.ProgrammingError: the journal is closed.
@@ -152,8 +158,11 @@ class GroupCommitWriter:
                         try:
                             self._transaction([w])
                         except Exception as e:  # noqa: BLE001 - handed to the write's future
-                            failed[w] = e
-                            _log.error("journal write failed", error=str(e))
+                            # (typed by what SQLite or the OS says: a full disk is control's
+                            # own I/O fault, never the job's; journal_failure.py)
+                            failed[w] = journal_failure(e, self._path) or e
+                            self._health.failed(failed[w])
+                            _log.error("journal write failed", error=str(e), error_type=type(failed[w]).__name__)
                             if w.statements is not None and w.cursors:
                                 self._skip(w)
         done = time.monotonic()
@@ -204,6 +213,7 @@ class GroupCommitWriter:
                 db.execute("ROLLBACK")
             raise
         JOURNAL_COMMITS.inc()
+        self._health.committed()
         JOURNAL_GROUP_WRITES.observe(len(writes))
         for cursor, seqs in marks.items():  # (before the next group computes its rows from them)
             cursor.mark(seqs)

@@ -51,6 +51,9 @@ reads another module. Names and labels:
 * ``surge_control_journal_queue_depth``: journal writes queued and not yet committed;
   ``surge_control_journal_commit_seconds``: from a write queued to its commit (the lag a
   decision's commands wait, and an event's ack);
+* ``surge_control_journal_failing``: 1 while the journal's last transaction failed (a full
+  disk, an I/O error), 0 once one commits; ``surge_control_journal_failures_total{error}``: the
+  writes it failed, by their WriteError (services/control/journal_failure.py);
 * ``surge_control_outbox_depth``: commands of decisions waiting for their journal write's
   commit (services/control/orchestrator/outbox.py): growing, the journal falls behind.
 """
@@ -151,6 +154,24 @@ JOURNAL_COMMIT_SECONDS = Histogram(
     "surge_control_journal_commit_seconds",
     "Seconds from a journal write being queued to its commit (its group's transaction done).",
     buckets=_LAG_BUCKETS,
+)
+JOURNAL_FAILING = Gauge(
+    "surge_control_journal_failing",
+    "1 while control's journal's last transaction failed (a full disk, an I/O error: services/control/"
+    "journal_failure.py), 0 once one commits again.",
+)
+JOURNAL_FAILURES = Counter(
+    "surge_control_journal_failures_total",
+    "Journal writes control's journal failed to commit, by the WriteError their type says ('not typed': another error).",
+    ["error"],
+)
+JOURNAL_STEPS_HELD = Gauge(
+    "surge_control_journal_steps_held",
+    "Rank 0 steps whose journal write failed, held to be written again (services/control/orchestrator/held_steps.py).",
+)
+JOURNAL_STEPS_DROPPED = Counter(
+    "surge_control_journal_steps_dropped_total",
+    "Rank 0 steps whose journal write failed and that no longer fit the job's held steps (the oldest go).",
 )
 OUTBOX_DEPTH = Gauge(
     "surge_control_outbox_depth",

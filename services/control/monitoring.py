@@ -10,6 +10,7 @@ import os
 from collections.abc import Mapping
 
 from services.contract import control_pb2
+from services.control import fault_decision as fd
 from services.jobspec import JobSpec
 
 
@@ -51,9 +52,10 @@ def start_monitoring(
         eval_batches=spec.eval.batches,
         checkpoint_staging_seconds=live.phase_seconds.checkpoint_staging,
         compile_seconds=live.phase_seconds.compile,
+        profile_export_seconds=live.phase_seconds.profile_export,
         # (pipeline stages run different layers: their compute per step is not compared)
         ranks_per_stage=spec.parallel.dp * spec.parallel.tp if spec.parallel.pp > 1 else 0,
-        data_outage_seconds=spec.fault_policy.data_outage_seconds,
+        data_outage_seconds=fd.wait_seconds(spec.fault_policy, fd.DATA_OUTAGE),
     )
     if restored:
         msg.world_size = spec.world_size

@@ -31,16 +31,17 @@ And it keeps each node agent's event stream exactly-once across a control restar
 ``WorkerEvent`` after ``register`` carries a per-agent-incarnation ``seq``; an event whose
 seq was already applied is dropped (counted as a duplicate: ``admit``, as the event applier
 queues it); an applied one's seq is journaled in the same SQLite transaction as the event's
-effect, where it has one (``JobStore.applying``), or with the other effect-less events of
-its burst in one write (heartbeats, most steps), and acknowledged down the stream
+effect, where it has one (``JobStore.applying``), and acknowledged down the stream
 (``WorkerCommand{ack}``, coalesced) once that write is committed: the journal's writer
 commits every queued write in one transaction (services/control/journal_writer.py: a group
 commit) and the ack is queued from its commit (the write's future), so the applier's thread
-never waits for a disk and no ack covers a seq a control killed now would lose. The
-applier applies a job's events on the job's own queue, so one agent's events are journaled
+never waits for a disk and no ack covers an effect a control killed now would lose. An
+event with no journaled effect (a beat, a rank's step other than rank 0's) writes nothing:
+it is done once applied, and acknowledged at once (``on_worker_events``). The
+applier applies a job's events on the job's own queue, so one agent's events are done
 in seq order per job only: the session's ``WorkerCursor`` (services/control/worker_cursor.py)
-is the seq up to which all are journaled (the ack, the resend point) and those journaled
-above it. A registration lists the ranks the agent still runs (``running``): they are the
+is the seq up to which all are done (the ack, the resend point) and those done above it.
+A registration lists the ranks the agent still runs (``running``): they are the
 session's again (re-attach).
 """
 
@@ -48,9 +49,10 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -144,6 +146,11 @@ class SessionHub:
         self._acks = AckPacer(self._lock, lambda sessions: put_all([(s.commands, _ACK) for s in sessions]))
         self._tails: dict[str, LogTail] = {}  # request id -> open StreamLogs request
         self._shutting_down = False
+        # Workers whose agent said it is leaving (a departing registration on its session),
+        # and workers whose session ended without that (lost: killed, its host gone): listed
+        # with the cordons (server.py ListJobs) until an agent of it registers again.
+        self._departing: set[str] = set()
+        self._lost: dict[str, control_pb2.WorkerCordoned] = {}
         # The newest incarnation (RankAssignment.generation) of each (job, rank) launched.
         self._fence = GenerationFence()
 
@@ -166,6 +173,8 @@ class SessionHub:
         with self._lock:
             old = self._sessions.get(reg.worker_id)
             self._sessions[reg.worker_id] = session
+            self._lost.pop(reg.worker_id, None)
+            self._departing.discard(reg.worker_id)
             if old is not None:
                 for key in running:  # alive on the new session: not lost with the old one
                     old.ranks.pop(key, None)
@@ -206,6 +215,15 @@ class SessionHub:
             current = self._sessions.get(session.worker_id) is session
             if current:
                 del self._sessions[session.worker_id]
+                if session.worker_id not in self._departing and not self._shutting_down:
+                    self._lost[session.worker_id] = control_pb2.WorkerCordoned(
+                        worker_id=session.worker_id,
+                        incarnation=session.incarnation,
+                        reason=f"node agent lost: {reason} without notice",
+                        unix_time=time.time(),
+                        lost=True,
+                    )
+                self._departing.discard(session.worker_id)
             lost, session.ranks = sorted(session.ranks), Counter()
             quiet = self._shutting_down
             tails = [t for t in self._tails.values() if session in t.sessions]
@@ -223,6 +241,12 @@ class SessionHub:
     def stopping(self) -> bool:
         """``shutdown`` was called: a session ending now is control going, not its node."""
         return self._shutting_down
+
+    def lost_workers(self) -> list[control_pb2.WorkerCordoned]:
+        """The workers whose node agent session ended without notice and that no agent of has
+        registered since (``WorkerCordoned.lost``), oldest first."""
+        with self._lock:
+            return sorted(self._lost.values(), key=lambda c: c.unix_time)
 
     def worker_ids(self) -> list[str]:
         """The node agents with a session open now (`surgectl drain` names one of them)."""
@@ -246,7 +270,9 @@ class SessionHub:
             ValueError: a second registration, or an empty message.
             sqlite3.Error: the journal did not take the event's write.
         """
-        _, durable = self._accept(session, ev, defer=False)
+        later, durable = self._accept(session, ev, defer=True)
+        if later:  # no journaled effect: done once applied (see on_worker_events)
+            session.cursor.mark((ev.seq,))
         if ev.seq:
             self._ack_when(session, durable)
         if durable is not None:
@@ -266,77 +292,60 @@ class SessionHub:
             self._queue_ack(session)
             return False
         if ev.seq != session.dispatched + 1:
-            # The agent's outbox overflowed while control was away: those events are lost.
-            _log.warning(
-                "worker event sequence gap", worker_id=session.worker_id, seq=ev.seq, applied=session.dispatched
-            )
+            self._gap(session, session.dispatched, ev.seq)
         session.dispatched = ev.seq
         return True
+
+    def _gap(self, session: AgentSession, before: int, seq: int) -> None:
+        """The stream went from seq ``before`` to ``seq``: the agent sends in order, so the
+        seqs between will never come. After a control restart that is expected: the agent
+        was acknowledged the effect-less events after its last journaled effect (they left
+        no row, see ``on_worker_events``); else its outbox overflowed while control was away
+        and those events are lost. Either way they must not hold the watermark back."""
+        session.cursor.skip(before + 1, seq - 1)
+        _log.info("worker event sequence gap", worker_id=session.worker_id, seq=seq, applied=before)
 
     def on_worker_events(
         self, burst: list[tuple[AgentSession, control_pb2.WorkerEvent]], admitted: bool = False, wait: bool = True
     ) -> None:
         """``on_worker_event`` for a burst of messages of any sessions, applied in the
-        given order, with one difference: the cursors of the sequenced events that
-        journaled nothing (heartbeats, the steps of ranks other than 0) are journaled
-        together at the end, in one write, and every session's ack goes down once it is
-        committed. An event with an effect has its cursor in its effect's write, and its
-        ack goes down once that is committed. A message refused (ValueError, or a module's
-        error) is logged and skipped: one bad message must not end a node's session or the
-        burst. ``admitted``: duplicates were dropped already (``admit``; the applier's
-        queues apply one agent's events in seq order per job only). ``wait``: return once
-        the burst's writes are committed (raising the first one's error); the applier does
-        not wait (the acks follow the commits).
+        given order, every session acked at most once for the burst. A sequenced event that
+        journaled nothing (a beat, the step of a rank other than 0) is done once applied: its
+        seq is marked in the session's cursor in memory, never written alone (it reaches the
+        journal with the agent's next effect's row), and its ack goes down at once. Nothing
+        of it needs to survive a restart: a restarted control that never saw its seq skips
+        it when the agent's resend starts past it (``admit``; worker_cursor.py). So beats
+        and non-rank-0 traffic cost no journal write (issue 28: they were one write per
+        burst, ~520-730 commits/s at 1,000 agents). An event with an effect has its cursor in
+        its effect's write, and its ack goes down once that is committed (until then the
+        watermark, hence the ack, stays below it). A message refused (ValueError, or a
+        module's error) is logged and skipped for good: one bad message must not end a
+        node's session or the burst. ``admitted``: duplicates were dropped already
+        (``admit``; the applier's queues apply one agent's events in seq order per job
+        only). ``wait``: return once the burst's writes are committed (raising the first
+        one's error); the applier does not wait (the acks follow the commits).
 
         Raises:
             sqlite3.Error: with ``wait``, the journal did not take a write of the burst.
         """
-        deferred: dict[AgentSession, list[int]] = {}
         acked: dict[AgentSession, None] = {}
         writes: list[Future] = []
         for session, ev in burst:
             try:
-                later, durable = self._accept(
-                    session, ev, defer=True, admitted=admitted, earlier=deferred.get(session, ())
-                )
-                if later:
-                    deferred.setdefault(session, []).append(ev.seq)
-                    acked[session] = None
-                    continue
+                later, durable = self._accept(session, ev, defer=True, admitted=admitted)
             except Exception:
                 _log.exception("worker event refused", worker_id=session.worker_id)
-                if ev.seq:  # skipped for good: its seq must not hold the watermark back
-                    deferred.setdefault(session, []).append(ev.seq)
-                    acked[session] = None
-                continue
+                later, durable = True, None  # skipped for good: its seq must not hold the watermark back
             if not ev.seq:
                 continue
-            if durable is not None:
-                # Journaled with its effect, with the burst's earlier effect-less cursors:
-                # acked once that write is committed, not after the rest of the burst.
-                deferred.pop(session, None)
-                acked.pop(session, None)
+            if later:
+                session.cursor.mark((ev.seq,))
+                acked[session] = None
+            elif durable is not None:
                 writes.append(durable)
                 self._ack_when(session, durable)
-            elif session in deferred and not session.cursor.has(ev.seq):
-                acked[session] = None  # (a duplicate of a seq of this burst not yet journaled)
             else:
-                deferred.pop(session, None)
-                acked.pop(session, None)
-                self._queue_ack(session)
-        if deferred:
-            if self._journal is not None:
-                sessions = list(acked)
-                writes.append(
-                    self._journal.write_cursors(
-                        [(s.cursor, seqs) for s, seqs in deferred.items()],
-                        on_commit=lambda: self._queue_acks(sessions),
-                    )
-                )
-                acked = {}
-            else:
-                for s, seqs in deferred.items():
-                    s.cursor.mark(seqs)
+                acked[session] = None
         self._queue_acks(acked)
         if wait:
             for write in writes:
@@ -359,13 +368,11 @@ class SessionHub:
         ev: control_pb2.WorkerEvent,
         defer: bool,
         admitted: bool = False,
-        earlier: Sequence[int] = (),
     ) -> tuple[bool, Future | None]:
         """Apply ``ev`` unless its seq was applied already. Returns (later, durable): later
-        True: its cursor is not yet journaled (only with ``defer``, for an event that
-        journaled nothing); durable: the future of the journal write that carries its
-        cursor (None: none, or none needed). ``earlier``: seqs of the session applied
-        before it and not yet journaled (journaled with its effect, if it has one)."""
+        True: its cursor is not yet marked (only with ``defer``, for an event that
+        journaled nothing: the caller marks it); durable: the future of the journal write
+        that carries its cursor (None: none, or none needed)."""
         if not ev.seq:
             self._apply(session, ev)
             return False, None
@@ -374,14 +381,11 @@ class SessionHub:
                 self._duplicate(session, ev.seq)
                 return False, None
             if ev.seq != session.applied + 1:
-                # The agent's outbox overflowed while control was away: those events are lost.
-                _log.warning(
-                    "worker event sequence gap", worker_id=session.worker_id, seq=ev.seq, applied=session.applied
-                )
+                self._gap(session, session.applied, ev.seq)
         written, durable = True, None
         if self._journal is not None:
             with self._journal.applying(
-                session.worker_id, session.incarnation, ev.seq, defer=defer, cursor=session.cursor, earlier=earlier
+                session.worker_id, session.incarnation, ev.seq, defer=defer, cursor=session.cursor
             ) as ctx:
                 self._apply(session, ev)
             written, durable = ctx.written or not defer, ctx.durable
@@ -462,8 +466,10 @@ class SessionHub:
             self._agent_beat(session, ev.heartbeat)
         elif kind == "register" and ev.register.departing:
             # The agent is leaving: no rank may be placed on it any more (its ranks' exits
-            # follow, stated by the agent as departures).
+            # follow, stated by the agent as departures); its session's end is no loss.
             ev.register.worker_id = session.worker_id
+            with self._lock:
+                self._departing.add(session.worker_id)
             self._hardware(ev.register)
         elif kind == "register":
             raise ValueError(f"worker {session.worker_id} registered twice on one session")
@@ -577,7 +583,13 @@ class SessionHub:
         self._hardware(beat)
 
     def _report_lost(self, worker_id: str, ranks: list[tuple[str, int]], reason: str) -> None:
-        for job_id, rank in ranks:
+        # Each with the launch that ran there, read before any report: the first one relaunches
+        # the job at once (a newer generation), and a node lost with all its ranks of one launch
+        # counts once against it (sick_nodes.py).
+        launched = [(job_id, rank, self._fence.newest(job_id, rank)) for job_id, rank in ranks]
+        for job_id, rank, gen in launched:
             self._hardware(
-                control_pb2.RankExited(job_id=job_id, rank=rank, worker_id=worker_id, detail=reason, worker_lost=True)
+                control_pb2.RankExited(
+                    job_id=job_id, rank=rank, worker_id=worker_id, detail=reason, worker_lost=True, generation=gen
+                )
             )

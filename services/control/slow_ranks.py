@@ -15,8 +15,13 @@ The comparison, per sample of rank r:
 
 * with the others: ``ratio = sample / reference``, the reference being the median, over r's
   peers (the job's other ranks doing the same work: the same pipeline stage), of each peer's
-  median over its last ``window`` samples. Medians make one peer's spike (a GC pause, a step
-  with a checkpoint) no reference, and jitter of +-30 % in r's own samples no ratio of 1.5;
+  median over its last ``reference_samples`` samples (3: the same few seconds as r's sample).
+  Medians make one peer's spike (a GC pause, a step with a checkpoint) no reference, and
+  jitter of +-30 % in r's own samples no ratio of 1.5. The peers' *recent* pace, not their
+  pace over the whole window: when every rank slows down together (a profile of every rank,
+  a shared host's contention, a power cap on every device) the reference follows within two
+  samples, so no rank is named for what all of them do (at most two ratios of the window
+  are high, against ``needed`` to name one);
 * with its own history: its pace once it was warm (the median of its first ``window``
   samples) is its baseline; with no peer (one rank in its stage) the baseline is the
   reference, and the report says how r compares with it either way.
@@ -57,6 +62,7 @@ class SlowRankSettings:
     needed: int = 5  # of them at or above the threshold to name it (below it: to clear it)
     warmup_samples: int = 2  # a rank's first samples, not compared
     sample_seconds: float = 3.0  # the least span of beats one sample covers
+    reference_samples: int = 3  # each peer's last samples its part of the reference takes (a median)
 
     def __post_init__(self) -> None:
         if self.threshold <= 1.0:
@@ -69,6 +75,10 @@ class SlowRankSettings:
             raise ValueError(f"slow ranks: warmup_samples must be >= 0, got {self.warmup_samples}")
         if self.sample_seconds < 0:
             raise ValueError(f"slow ranks: sample_seconds must be >= 0, got {self.sample_seconds}")
+        if not 0 < self.reference_samples <= self.window:
+            raise ValueError(
+                f"slow ranks: reference_samples must be in 1..window ({self.window}), got {self.reference_samples}"
+            )
 
 
 @dataclass(frozen=True)
@@ -100,7 +110,8 @@ class Finding:
         if self.slow:
             return (
                 f"rank {self.rank} computes {self.ratio:.2f}x {against} per step at step {self.step} "
-                f"({self.seconds:.3f} s per step over its last {window} intervals: {phases}{history})"
+                f"({self.seconds:.3f} s per step over its last {window} intervals{': ' + phases if phases else ''}"
+                f"{history})"
             )
         if self.ended:
             return f"rank {self.rank}, named slow, ended at step {self.step} (last {self.ratio:.2f}x {against})"
@@ -115,9 +126,11 @@ class _Rank:
     seen: int = 0  # samples taken (the first warmup_samples are not compared)
     samples: deque = field(default_factory=deque)  # (forward, backward, optimizer) s per step
     ratios: deque = field(default_factory=deque)  # each sample's total / the reference then
+    stopped: bool = False  # its process was stated stopped during the sample being gathered
     baseline: float = 0.0  # its median s per step once warm (its own history)
     slow: bool = False
     median: tuple[float, float, float] = (0.0, 0.0, 0.0)  # of `samples`, per phase (kept as they change)
+    recent: tuple[float, float, float] = (0.0, 0.0, 0.0)  # of its last reference_samples, per phase
 
 
 @dataclass(eq=False)
@@ -190,6 +203,9 @@ class SlowRanks:
         if steps == 0 or at - state.at < self._s.sample_seconds:
             return None  # the sample goes on: no step ended yet, or too short a span
         state.step, state.totals, state.at = step, compute, at
+        if state.stopped:  # (its span held a stop: no sample; the next one starts here)
+            state.stopped = False
+            return None
         state.seen += 1
         if state.seen <= self._s.warmup_samples:
             return None
@@ -197,6 +213,7 @@ class SlowRanks:
         while len(state.samples) > self._s.window:
             state.samples.popleft()
         state.median = _median3(state.samples)
+        state.recent = _median3(list(state.samples)[-self._s.reference_samples :])
         self._stage(rank).samples_since += 1
         if not state.baseline and len(state.samples) == self._s.window:
             state.baseline = statistics.median(sum(x) for x in state.samples)
@@ -214,6 +231,13 @@ class SlowRanks:
             state.slow = False
             return self._finding(rank, state, slow=False)
         return None
+
+    def stopped(self, rank: int) -> None:
+        """``rank``'s process was stated stopped (by a signal): the sample being gathered,
+        whose compute time may hold the stop, is dropped when it ends (module docstring)."""
+        state = self._ranks.get(rank)
+        if state is not None:
+            state.stopped = True
 
     def forget(self, rank: int) -> Finding | None:
         """``rank``'s process ended: what was known of it goes; its finding, if any, is cleared."""
@@ -246,17 +270,17 @@ class SlowRanks:
         return [s for r in self._stage(rank).ranks if r != rank and (s := self._ranks[r]).samples]
 
     def _reference(self, rank: int, state: _Rank) -> tuple[float, tuple[float, float, float]]:
-        """(s per step, per phase) that ``rank`` is compared with: its peers' median of
-        medians, else its own baseline (0: nothing to compare with yet)."""
+        """(s per step, per phase) that ``rank`` is compared with: the median of its peers'
+        recent medians, else its own baseline (0: nothing to compare with yet)."""
         stage = self._stage(rank)
         if len(stage.ranks) - 1 > self.EXACT_PEERS:
             if stage.samples_since >= len(stage.ranks) or not stage.reference[0]:  # (a new round)
-                stage.reference = _median_of([s.median for r in stage.ranks if (s := self._ranks[r]).samples])
+                stage.reference = _median_of([s.recent for r in stage.ranks if (s := self._ranks[r]).samples])
                 stage.samples_since = 0
             return stage.reference
         peers = self._peers(rank)
         if peers:
-            return _median_of([p.median for p in peers])
+            return _median_of([p.recent for p in peers])
         return state.baseline, (0.0, 0.0, 0.0)
 
     def _finding(self, rank: int, state: _Rank, *, slow: bool, ended: bool = False) -> Finding:

@@ -1,6 +1,6 @@
 """Who may read the dashboard: the holder of the token, over mutual TLS where the stack uses it.
 
-The same gate as control's user port (services/common/grpc_server.py), made stricter for
+The same gate as control's user port (services/common/grpc_guards.py), made stricter for
 pages that show every job to whoever opens them:
 
 * a token is always required (SURGE_AUTH_TOKEN when the stack sets one, else the one

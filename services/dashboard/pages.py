@@ -20,6 +20,8 @@ from urllib.parse import quote, urlencode
 from services.cli import compare, render
 from services.cli.event_types import EVENT_TYPES
 from services.cli.observe import LogLine
+from services.cli.samples import SampleLine, latest_per_prompt
+from services.cli.scores import ScoresLine
 from services.common.sizes import size_text
 from services.contract import Module, control_pb2, store_pb2
 from services.dashboard import charts
@@ -58,6 +60,11 @@ class Slots:
     worker_id: str
     used: int
     free: int
+    devices: tuple[tuple[str, str, int], ...] = ()  # (kind, name, count), control's ``surge_devices``
+
+    def devices_text(self) -> str:
+        """E.g. "2 x cuda NVIDIA H200", one line per kind and model."""
+        return "; ".join(f"{n} x {kind} {name}".rstrip() for kind, name, n in self.devices) or "—"
 
 
 @dataclass(frozen=True)
@@ -127,7 +134,7 @@ def queue_page(jobs: Sequence[control_pb2.JobStatus], now: float | None = None) 
     q = "".join(
         f'<tr class=queued><td class=num>{j.queue_position}</td><td><a href="{job_href(j.job_id)}">{e(j.job_id)}</a>'
         f"</td><td class=num>{j.priority}</td><td class=num>{j.world_size}</td>"
-        f"<td class=num>{max(0.0, now - j.created_unix):,.0f} s</td><td>{e(j.message)}</td></tr>"
+        f"<td class=num>{max(0.0, now - (j.queued_unix or j.created_unix)):,.0f} s</td><td>{e(j.message)}</td></tr>"
         for j in queued
     )
     r = "".join(
@@ -159,7 +166,7 @@ def cluster_page(
     cordoned: Sequence[control_pb2.WorkerCordoned],
     now: float | None = None,
 ) -> str:
-    """Each registered worker: its slots (used, free) and its health (cordoned or quarantined
+    """Each registered worker: its devices (kind, model, count), its slots (used, free) and its health (cordoned or quarantined
     with the reason, ranks on it named slow, data-plane links to it named degraded or down);
     ``slots`` None: control's /metrics could not be read (the page says so)."""
     cordon = {c.worker_id: c for c in cordoned if not c.cleared}
@@ -178,12 +185,13 @@ def cluster_page(
         s = by_id.get(w)
         health = []
         if w in cordon:
-            what = "quarantined" if cordon[w].quarantine else "cordoned"
+            what = "quarantined" if cordon[w].quarantine else ("lost" if cordon[w].lost else "cordoned")
             health.append(f"<span class=bad>{what}: {e(cordon[w].reason)}</span>")
         health += [f"<span class=bad>slow: {e(t)}</span>" for t in slow.get(w, ())]
         health += [f"<span class=bad>{e(t)}</span>" for t in links.get(w, ())]
         rows.append(
             f'<tr class=worker data-worker="{e(w)}"><td>{e(w)}</td>'
+            f"<td class=devices>{e(s.devices_text()) if s else '—'}</td>"
             f"<td class=num>{s.used if s else '—'}</td><td class=num>{s.free if s else '—'}</td>"
             f"<td>{'<br>'.join(health) or 'healthy'}</td></tr>"
         )
@@ -195,9 +203,8 @@ def cluster_page(
         else "<p class=bad>Control's /metrics could not be read: slots unknown (health below is control's).</p>"
     )
     table = (
-        "<table id=workers><tr><th>worker</th><th>slots used</th><th>slots free</th><th>health</th></tr>"
-        + "".join(rows)
-        + "</table>"
+        "<table id=workers><tr><th>worker</th><th>devices</th><th>slots used</th><th>slots free</th>"
+        "<th>health</th></tr>" + "".join(rows) + "</table>"
         if rows
         else "<p class=muted>No worker is registered.</p>"
     )
@@ -292,6 +299,42 @@ def checkpoints_table(infos: Sequence[store_pb2.CheckpointInfo] | None) -> str:
     )
 
 
+def samples_table(samples: Sequence[SampleLine] | None) -> str:
+    """Each prompt's latest periodic sample (eval.sample_every_steps); None: the store's
+    records could not be read (refused, or the store down and its files elsewhere)."""
+    if samples is None:
+        return "<p class=muted id=samples>The store's records could not be read: samples unknown.</p>"
+    if not samples:
+        return "<p class=muted id=samples>No sample yet (the spec's eval.sample_every_steps: 0 is none).</p>"
+    rows = "".join(
+        f'<tr class=sample data-prompt="{s.prompt_index}"><td class=num>{s.step}</td><td><pre>{e(s.prompt)}</pre></td>'
+        f"<td><pre{' class=bad' if s.note else ''}>{e(s.shown)}</pre></td>"
+        f"<td class=num>{s.tokens}</td><td class=num>{s.seconds:.2f}</td></tr>"
+        for s in latest_per_prompt(list(samples))
+    )
+    return (
+        "<table id=samples><tr><th>step</th><th>prompt</th><th>continuation</th><th>tokens</th><th>seconds</th></tr>"
+        f"{rows}</table>"
+    )
+
+
+def scores_table(scores: Sequence[ScoresLine] | None) -> str:
+    """The job's evaluations (`surgectl evaluate`): one row per score of each, newest last;
+    nothing when there is none (or the records are not here)."""
+    if not scores:
+        return ""
+    rows = "".join(
+        f'<tr class=score data-name="{e(name)}"><td>{e(line.version)}</td><td class=num>{line.step}</td>'
+        f"<td>{e(name)}</td><td class=num>{value:.6g}</td><td>{e(line.eval_job_id)}</td></tr>"
+        for line in scores
+        for name, value in sorted(line.scores.items())
+    )
+    return (
+        "<h2>evaluation scores</h2><table id=scores><tr><th>version</th><th>step</th><th>score</th><th>value</th>"
+        f"<th>evaluation job</th></tr>{rows}</table>"
+    )
+
+
 def log_block(lines: Sequence[LogLine] | None, element_id: str = "logs") -> str:
     if lines is None:
         return "<p class=bad>Control could not stream the rank logs.</p>"
@@ -325,14 +368,20 @@ def job_page(
     checkpoints: Sequence[store_pb2.CheckpointInfo] | None,
     logs: Sequence[LogLine] | None,
     now: float | None = None,
+    samples: Sequence[SampleLine] | None = None,
+    scores: Sequence[ScoresLine] | None = None,
 ) -> str:
-    """One job: its status, curves, events (``types``: only those, none: all), checkpoints and
-    its newest log lines; reloads itself while the job is not TERMINATED."""
+    """One job: its status, curves, each prompt's latest sample, events (``types``: only
+    those, none: all), checkpoints and its newest log lines; reloads itself while the job is
+    not TERMINATED."""
     j = status.job_id
     body = (
         status_table(status)
         + "<h2>curves</h2>"
         + curves(series)
+        + "<h2>samples</h2>"
+        + samples_table(samples)
+        + scores_table(scores)
         + "<h2>events</h2>"
         + type_filter(j, types)
         + events_table(events, types)

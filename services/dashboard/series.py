@@ -1,7 +1,7 @@
 """A job's curves: train loss, learning rate, gradient norm, tokens/s and held-out loss per step.
 
 Read from the store's raw step records (``<store root>/metrics/<job>.jsonl``: every step of
-every rank, as `surgectl plot` reads them) when that file is on this machine, else from
+every rank, as `surgectl plot` reads them, through the store's ReadMetrics) when it has them, else from
 control's event history (``WatchJob``), whose step events are sampled (about one a second)
 and carry no learning rate or gradient norm: those curves are then empty and the page says
 why (``Series.source``).
@@ -50,7 +50,13 @@ def from_records(path: Path, rank: int | None = None) -> Series | None:
         text = read_rotated(path)
     except OSError:
         return None
-    steps, evals = step_records(text, path, strict=False)
+    return from_text(text, path, rank)
+
+
+def from_text(text: str, where: Path | str, rank: int | None = None) -> Series | None:
+    """``from_records`` of a metrics file's text (``where``: the file, or the store's records
+    read through its API); None when it holds no step record."""
+    steps, evals = step_records(text, where, strict=False)
     if not steps:
         return None
     rank = min(steps) if rank is None or rank not in steps else rank

@@ -1,9 +1,10 @@
 """The dashboard's HTTP side: routes, the access check, answers. Read-only: GET and HEAD only.
 
-Routes: ``/`` jobs, ``/queue``, ``/cluster``, ``/job/<id>`` (``?type=fault&type=...``: only
-those events), ``/job/<id>/logs`` (follows a live job), ``/compare?job=A&job=B...``, and
-``/healthz`` (no data: what `surgectl dashboard` waits for). Every other method is refused
-(405): the dashboard changes nothing.
+Routes: ``/`` jobs, ``/queue``, ``/cluster``, ``/job/<job>`` (``?type=fault&type=...``: only
+those events; an unknown type is refused, 400, in the CLI's words), ``/job/<job>/logs``
+(follows a live job), ``/compare?job=A&job=B...``, and ``/healthz`` (no data: what `surgectl
+dashboard` waits for); a job is its id or its name, as on the CLI (404: neither). Every other
+method is refused (405): the dashboard changes nothing.
 
 A page is drawn on its request's own thread (``ThreadingHTTPServer``); each answer carries
 ``Server-Timing: page;dur=<ms>`` (the time to read and draw it), which the tests and
@@ -22,7 +23,9 @@ from urllib.parse import parse_qs, unquote, urlencode, urlsplit
 
 import grpc
 
-from services.cli.event_types import EVENT_TYPES
+from services.cli.errors import CliError
+from services.cli.event_types import event_types
+from services.common.job_refs import UnknownJob
 from services.dashboard import pages
 from services.dashboard.access import Access, operator_certificate
 from services.dashboard.sources import Sources
@@ -30,8 +33,18 @@ from services.dashboard.sources import Sources
 log = logging.getLogger("surge.dashboard")
 
 
+class PageError(Exception):
+    """A request the dashboard answers with ``status`` and a one-line ``message`` (an unknown
+    job, an unknown event type), as the CLI would refuse the same words."""
+
+    def __init__(self, status: HTTPStatus, message: str):
+        super().__init__(message)
+        self.status = status
+
+
 class Dashboard:
-    """The pages, each a function of the request's query reading from ``sources``."""
+    """The pages, each a function of the request's query reading from ``sources``. A job is
+    named by its id or its name, as on the CLI."""
 
     def __init__(self, sources: Sources):
         self._src = sources
@@ -46,8 +59,18 @@ class Dashboard:
         listed = self._src.jobs()
         return pages.cluster_page(self._src.slots(), listed.jobs, listed.cordoned)
 
-    def job(self, job_id: str, query: dict[str, list[str]]) -> str:
-        types = frozenset(t for v in query.get("type", ()) for t in v.split(",") if t in EVENT_TYPES)
+    def _job_id(self, ref: str) -> str:
+        try:
+            return self._src.resolve(ref)
+        except UnknownJob as e:
+            raise PageError(HTTPStatus.NOT_FOUND, str(e)) from None
+
+    def job(self, ref: str, query: dict[str, list[str]]) -> str:
+        try:
+            types = frozenset(event_types(query.get("type", ())))
+        except CliError as e:  # (the CLI's words: "--type: unknown event type ...")
+            raise PageError(HTTPStatus.BAD_REQUEST, str(e).replace("--type: ", "type: ", 1)) from None
+        job_id = self._job_id(ref)
         status = self._src.job(job_id)
         events = self._src.events(job_id)
         return pages.job_page(
@@ -57,13 +80,16 @@ class Dashboard:
             self._src.series(job_id, events),
             self._src.checkpoints(job_id),
             self._src.logs(job_id),
+            samples=self._src.samples(job_id),
+            scores=self._src.scores(job_id),
         )
 
-    def logs(self, job_id: str) -> str:
+    def logs(self, ref: str) -> str:
+        job_id = self._job_id(ref)
         return pages.logs_page(self._src.job(job_id), self._src.logs(job_id))
 
     def compare(self, query: dict[str, list[str]]) -> str:
-        wanted = list(dict.fromkeys(j for v in query.get("job", ()) for j in v.split(",") if j))
+        wanted = list(dict.fromkeys(self._job_id(j) for v in query.get("job", ()) for j in v.split(",") if j))
         runs = []
         for job_id in wanted:
             status = self._src.job(job_id)
@@ -119,6 +145,8 @@ def make_handler(dashboard: Dashboard, access: Access, client_certificates: bool
                 return self._send(HTTPStatus.NOT_FOUND, pages.error_page(404, f"no page {url.path}"), head)
             try:
                 page = route()
+            except PageError as e:
+                return self._send(e.status, pages.error_page(int(e.status), str(e)), head)
             except grpc.RpcError as e:
                 code = e.code() if hasattr(e, "code") else None
                 status = HTTPStatus.NOT_FOUND if code == grpc.StatusCode.NOT_FOUND else HTTPStatus.BAD_GATEWAY

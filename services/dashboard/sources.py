@@ -3,10 +3,12 @@
 * control (as ``EXT_USER``, the operator's module): ListJobs (jobs, cordoned workers),
   GetJob with its spec, WatchJob's history (not followed: a page is a snapshot), StreamLogs
   (not followed);
-* control's /metrics: the allocator's slot census, ``surge_slots{worker_id,kind}``;
-* the store: List (a job's checkpoints);
-* a job's step records: the store's metrics file when it is on this machine (``series``),
-  else control's step events.
+* control's /metrics: the allocator's slot census, ``surge_slots{worker_id,kind}`` and
+  ``surge_devices{worker_id,kind,name}``;
+* the store: List (a job's checkpoints), ReadMetrics (a job's step records, periodic samples
+  and evaluation scores: the store's access rules hold, as for `surgectl plot`); the store's
+  files on this machine only when the store cannot be reached (the stack down), as `surgectl
+  logs` reads the local rank logs; the curves from control's step events when neither has steps.
 
 Every call has a deadline: a page waits for a slow service at most that long and says what
 it could not read, never hangs. Channels are opened once and kept (gRPC reconnects them).
@@ -21,7 +23,11 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.cli.observe import LogLine, merge, parse
+from services.cli.samples import SampleLine, sample_records
+from services.cli.scores import ScoresLine, scores_records
 from services.common.grpc_server import channel
+from services.common.job_refs import pick_job
+from services.common.rotated_files import read_rotated
 from services.contract import Module, control_pb2, control_pb2_grpc, store_pb2, store_pb2_grpc
 from services.dashboard import series
 from services.dashboard.pages import Slots
@@ -32,7 +38,8 @@ CALL_SECONDS = 10.0  # a read's deadline: control answers these from published s
 class Sources:
     """Read-only calls to control and the store. ``metrics_url``: control's /metrics ("" none:
     the cluster page then says the slots are unknown); ``records_dir``: where the store's
-    metrics files are, when on this machine (None: control's events only)."""
+    metrics files are, when on this machine: read only while the store is unreachable (None:
+    never)."""
 
     def __init__(self, control: str, store: str, metrics_url: str = "", records_dir: Path | None = None):
         self._control_channel = channel(control, module=Module.EXT_USER)
@@ -49,6 +56,13 @@ class Sources:
     def jobs(self) -> control_pb2.JobList:
         return self._control.ListJobs(control_pb2.JobQuery(), timeout=CALL_SECONDS)
 
+    def resolve(self, ref: str) -> str:
+        """The job id of ``ref``, an id or a job's name, as the CLI reads a JOB argument.
+
+        Raises:
+            UnknownJob: no job has that id or name, or the name is ambiguous (one line)."""
+        return pick_job(ref, self.jobs().jobs)
+
     def job(self, job_id: str) -> control_pb2.JobStatus:
         """Raises grpc.RpcError (NOT_FOUND: no such job)."""
         return self._control.GetJob(control_pb2.JobQuery(job_id=job_id, with_spec=True), timeout=CALL_SECONDS)
@@ -56,13 +70,42 @@ class Sources:
     def events(self, job_id: str) -> list[control_pb2.JobEvent]:
         return list(self._control.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=False), timeout=CALL_SECONDS))
 
+    def records(self, job_id: str, record_type: str = "") -> tuple[str, str] | None:
+        """(the job's records, only those of ``record_type`` if given; where they were read):
+        through the store (ReadMetrics: a refusal stands, "" when it has none yet), the local
+        file only when the store is unreachable; None: refused, or neither has them."""
+        try:
+            parts = list(
+                self._store.ReadMetrics(store_pb2.MetricsQuery(job_id=job_id, type=record_type), timeout=CALL_SECONDS)
+            )
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or self._records_dir is None:
+                return None
+            local = self._records_dir / f"{job_id}.jsonl"
+            try:
+                return (read_rotated(local), str(local)) if local.is_file() else None
+            except OSError:
+                return None
+        found = bool(parts) and parts[0].found
+        return (b"".join(p.text for p in parts[1:]).decode(errors="replace") if found else ""), "the store"
+
     def series(self, job_id: str, events: list[control_pb2.JobEvent]) -> series.Series:
-        """Every step from the store's records when they are here, else the sampled events."""
-        if self._records_dir is not None:
-            found = series.from_records(self._records_dir / f"{job_id}.jsonl")
+        """Every step from the store's records when it has them, else the sampled events."""
+        if read := self.records(job_id):
+            found = series.from_text(*read)
             if found is not None:
                 return found
         return series.from_events(events)
+
+    def samples(self, job_id: str) -> list[SampleLine] | None:
+        """The job's periodic samples from the store's records; None when they cannot be read."""
+        read = self.records(job_id, "sample")
+        return None if read is None else sample_records(read[0])
+
+    def scores(self, job_id: str) -> list[ScoresLine] | None:
+        """The job's evaluation scores from the store's records; None when they cannot be read."""
+        read = self.records(job_id, "scores")
+        return None if read is None else scores_records(read[0])
 
     def checkpoints(self, job_id: str) -> list[store_pb2.CheckpointInfo] | None:
         """The job's versions; None when the store does not answer (the page says so)."""
@@ -95,12 +138,15 @@ class Sources:
 
 
 def slots_of(exposition: str) -> list[Slots]:
-    """The ``surge_slots`` samples of a Prometheus text exposition, one entry per worker."""
+    """The ``surge_slots`` and ``surge_devices`` samples of a Prometheus text exposition, one
+    entry per worker."""
     found: dict[str, dict[str, int]] = {}
+    devices: dict[str, list[tuple[str, str, int]]] = {}
     for family in text_string_to_metric_families(exposition):
-        if family.name != "surge_slots":
-            continue
         for sample in family.samples:
             worker, kind = sample.labels.get("worker_id", ""), sample.labels.get("kind", "")
-            found.setdefault(worker, {})[kind] = int(sample.value)
-    return [Slots(w, k.get("used", 0), k.get("free", 0)) for w, k in sorted(found.items())]
+            if family.name == "surge_slots":
+                found.setdefault(worker, {})[kind] = int(sample.value)
+            elif family.name == "surge_devices" and sample.value > 0:
+                devices.setdefault(worker, []).append((kind, sample.labels.get("name", ""), int(sample.value)))
+    return [Slots(w, k.get("used", 0), k.get("free", 0), tuple(devices.get(w, ()))) for w, k in sorted(found.items())]

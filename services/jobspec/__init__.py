@@ -35,6 +35,7 @@ from services.jobspec.data import (  # noqa: F401 (re-exported: the spec's one i
     MixtureItem,
     PrefetchSpec,
 )
+from services.jobspec.evaluation import EvaluationJobSpec  # noqa: F401 (re-exported: the spec's one import path)
 from services.jobspec.fault_policy import (  # noqa: F401 (re-exported: the spec's one import path)
     DATA_OUTAGE,
     DEFAULT_CLASS_ACTIONS,
@@ -106,6 +107,12 @@ def rebuild_refusal(spec: JobSpec, *, structural: bool = False) -> str:
 
 class JobSpec(_Strict):
     name: str = Field(..., pattern=r"^[a-z0-9][a-z0-9-]{0,39}$")
+    # The team the job belongs to (quotas, fair share, access): the caller's identity's team
+    # where control maps identities to teams, this field where it does not.
+    team: str = Field("default", pattern=r"^[a-z0-9][a-z0-9-]{0,39}$")
+    # Whether a queued job of a higher priority may preempt it (it checkpoints at a step
+    # boundary, waits in the queue, and continues from that checkpoint when capacity returns).
+    preemptible: bool = True
     steps: int = Field(..., gt=0)
     seed: int = Field(0, ge=0)
     model: ModelSpec = ModelSpec()
@@ -124,6 +131,7 @@ class JobSpec(_Strict):
     metrics: MetricsSpec = MetricsSpec()
     notify: NotifySpec = NotifySpec()
     simulate: SimulateSpec | None = None  # the scale test bed's simulated ranks (SimulateSpec)
+    evaluation: EvaluationJobSpec | None = None  # an evaluation job: trains nothing (evaluation.py)
 
     @field_validator("precision", mode="before")
     @classmethod
@@ -198,6 +206,19 @@ class JobSpec(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _evaluation_is_one_rank_from_its_version(self) -> JobSpec:
+        ev = self.evaluation
+        if ev is None:
+            return self
+        if self.init_from is None or self.init_from.checkpoint != ev.version:
+            raise ValueError(
+                f"evaluation.version: {ev.version} must also be init_from.checkpoint (the weights the job loads)"
+            )
+        if self.world_size != 1 or self.simulate is not None:
+            raise ValueError(f"evaluation: an evaluation job runs one rank (this spec asks {self.world_size})")
+        return self
+
+    @model_validator(mode="after")
     def _rebuild_fits_plan(self) -> JobSpec:
         asked = sorted((k, a) for k, a in self.fault_policy.actions.items() if a in (*IN_PLACE_ACTIONS, "replace"))
         why = rebuild_refusal(self, structural=True) if asked else ""
@@ -268,8 +289,11 @@ def read_spec_mapping(text: str, source: str = "job.yaml") -> dict:
         JobSpecError: malformed YAML (a key twice included) or not a mapping; one line.
     """
     raw = yaml_value(text, source)
+    if raw is None:
+        raise JobSpecError(f"{source}: the file is empty (expected a mapping of job fields: name, steps, data, ...)")
     if not isinstance(raw, dict):
-        raise JobSpecError(f"{source}: expected a mapping of job fields, got {type(raw).__name__}")
+        kind = {list: "a list", str: "a single value", int: "a number", float: "a number", bool: "a boolean"}
+        raise JobSpecError(f"{source}: expected a mapping of job fields, got {kind.get(type(raw), type(raw).__name__)}")
     return raw
 
 

@@ -119,6 +119,10 @@ DEFAULT_CLASS_ACTIONS: dict[str, str] = {
     # ends it; nothing to decide.
     "rank_fenced": "ignore",
     "slow_rank": "ignore",  # reported (event, status, metric), the job trains on
+    # Control's journal refused a write (a full disk, an I/O error under control's own store):
+    # no fault of the job. The decision it carried is undone and the operator's command refused;
+    # the job trains on, control's health says the journal fails (JobList.journal_failing).
+    "journal_write_failed": "ignore",
     # A collective stalled (or failed) while its ranks still beat and a data-plane link between
     # their nodes was down (both node agents hear nothing of each other, while both reach
     # control): recovered like a lost node, without one of the link's two nodes (the one with
@@ -223,8 +227,8 @@ class FaultPolicySpec(_Strict):
     # policy decides ``data_outage`` (default: pause). 5 minutes covers a restart by hand or by a
     # container's restart policy; a data service gone for longer wants an operator.
     data_outage_seconds: float = Field(300.0, gt=0, le=7 * 86400)
-    # Inspect before acting (issue 29 item 9): a fault whose decision relaunches the ranks holds
-    # them alive and idle (FreezeTraining) this long before the decided action runs, so an
+    # Inspect before acting (issue 29 item 9): a fault whose decision relaunches a rank (in place
+    # too) holds the ranks alive and idle (FreezeTraining) this long before the decided action runs, so an
     # operator can look at them (py-spy, logs); `surgectl thaw JOB` runs it at once, `surgectl
     # stop JOB` ends the job. 0 (the default): the decision runs at once. ``freeze_classes``:
     # the fault classes it applies to (empty: every class).

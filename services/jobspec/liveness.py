@@ -20,12 +20,18 @@ class PhaseSecondsSpec(_Strict):
     ``stall_step_factor`` x the median evaluation-batch time x ``eval.batches`` is added.
     ``checkpoint_staging``: copying a checkpoint's state out and committing it.
     ``compile``: the first step of a ``operators.compile`` job (forward and backward compile).
+    ``profile_export``: ending a profile (``surgectl profile``): the profiler's post-processing
+    and the trace's export, which hold the rank's interpreter lock (its beats may stop), so the
+    budget stands for its silence too; ``stall_step_factor`` x the median step time x the
+    profiled steps is added (a longer profile has more events to write). An export that
+    overruns it is a profile that failed (reported, the job trains on), never a fault.
     Each budget restarts whenever the phase's progress advances (an evaluation batch done).
     """
 
     evaluation: float = Field(0.0, ge=0, le=PHASE_SECONDS_MAX)
     checkpoint_staging: float = Field(600.0, gt=0, le=PHASE_SECONDS_MAX)
     compile: float = Field(900.0, gt=0, le=PHASE_SECONDS_MAX)
+    profile_export: float = Field(120.0, gt=0, le=PHASE_SECONDS_MAX)
 
 
 class LivenessSpec(_Strict):

@@ -3,15 +3,17 @@ simulation, integrity, evaluation, metrics and notifications."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     ConfigDict,
     Field,
+    StringConstraints,
     model_validator,
 )
 
 from services.jobspec.base import U32_MAX, _Strict
+from services.jobspec.evaluation import EVAL_HOOKS_MAX, EvalHook
 
 
 class OptimizerSpec(_Strict):
@@ -155,10 +157,32 @@ class IntegritySpec(_Strict):
     replica_check_every_steps: int = Field(100, ge=0, le=U32_MAX)
 
 
+# Sample generation's bounds: rank 0 generates while the other ranks wait in the next step's
+# collective, so its time is every rank's; these keep it a fraction of a step at the demo model.
+SAMPLE_PROMPTS_MAX = 8
+SAMPLE_PROMPT_CHARS_MAX = 1000
+SAMPLE_TOKENS_MAX = 512
+
+
 class EvalSpec(_Strict):
+    """The held-out loss (``every_steps``, ``batches``, ``at_end``) and periodic samples:
+    every ``sample_every_steps`` steps (0: none) rank 0 continues each of ``sample_prompts``
+    by ``sample_tokens`` tokens with the model's KV-cache decoding (services/compute/decode.py),
+    greedy at ``sample_temperature`` 0, else drawn with ``sample_seed``; each sample goes to its
+    log and to the store as a record of its own (``type: sample``)."""
+
     every_steps: int = Field(100, ge=0)  # 0: only at the end
     batches: int = Field(8, gt=0, le=U32_MAX)  # micro-batches per rank per evaluation
     at_end: bool = True
+    sample_every_steps: int = Field(0, ge=0, le=U32_MAX)
+    sample_prompts: list[Annotated[str, StringConstraints(min_length=1, max_length=SAMPLE_PROMPT_CHARS_MAX)]] = Field(
+        default_factory=lambda: ["\n"], min_length=1, max_length=SAMPLE_PROMPTS_MAX
+    )
+    sample_tokens: int = Field(64, gt=0, le=SAMPLE_TOKENS_MAX)
+    sample_temperature: float = Field(0.0, ge=0, le=10)  # 0: greedy
+    sample_seed: int = Field(0, ge=0, le=U32_MAX)
+    # Evaluation jobs control submits by itself (evaluation.py EvalHook; `surgectl evaluate`'s job).
+    hooks: list[EvalHook] = Field(default_factory=list, max_length=EVAL_HOOKS_MAX)
 
 
 class WandbSpec(_Strict):

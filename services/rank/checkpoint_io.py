@@ -35,7 +35,8 @@ from services.rank.checkpoint_transfer import (
     StreamTransfer,
     TransferChunkWriter,
 )
-from services.state.chunk_store import ChunkReader, ChunkSource, ChunkWriter, DirectorySource
+from services.state.chunk_reader import ChunkReader
+from services.state.chunk_store import ChunkSource, ChunkWriter, DirectorySource
 
 log = structlog.get_logger()
 

@@ -30,6 +30,9 @@ root (``rank.py``). No module file knows about them.
   the rank takes ``factor=<f>`` times its own time, default 2, by sleeping in the phase after
   (forward, update) or before (backward) the pass: a rank with a slow device, whose compute time really grows,
   for the slow-rank detector, services/control/slow_ranks.py; it stays for the process's life).
+  ``slow_profile_export`` (the export of the first profile that ends at or after that step
+  holds the interpreter lock ``seconds=<s>`` more, as torch.profiler's post-processing of a
+  long trace does: the rank's beats stop meanwhile; services/engine/step_profiler.py).
   Each other injection fires once per job and
   rank, also across relaunches: it leaves a marker file under ``$SURGE_HOME/run/faults``.
   Except ``slow_steps``: every training step from that step on takes ``seconds=<s>`` more
@@ -42,6 +45,7 @@ root (``rank.py``). No module file knows about them.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -68,6 +72,7 @@ KINDS = (
     "slow_steps",
     "corrupt_weights",
     "slow_compute",
+    "slow_profile_export",
 )
 _BEFORE_BACKWARD = ("nan_loss", "inf_grad", "hang")
 _PACE_POLL_SECONDS = 0.1  # how soon a paced rank sees its pace lifted, mid-wait
@@ -218,6 +223,16 @@ class FaultInjector:
             if injection.kind == "slow_heal" and step >= injection.step and self._fire(injection):
                 time.sleep(injection.seconds)
 
+    def before_profile_export(self, step: int) -> None:
+        """Apply what is due before the export of a profile ending at ``step``: hold the
+        interpreter lock (a call through ``ctypes.PyDLL`` keeps it), so no other thread of the
+        rank runs, its heartbeat's included."""
+        for injection in self._mine:
+            if injection.kind == "slow_profile_export" and step >= injection.step and self._fire(injection):
+                libc = ctypes.PyDLL(None)
+                libc.sleep(ctypes.c_uint(int(injection.seconds)))
+                libc.usleep(ctypes.c_uint(int(injection.seconds % 1 * 1e6)))
+
     def after_update(self, step: int, model: torch.nn.Module | None) -> None:
         """Apply what is due after the update of ``step`` to ``model``'s weights."""
         for injection in self._mine:
@@ -271,6 +286,11 @@ class StepGuard:
         self._step = step
         self._injector = injector
         self._model: torch.nn.Module | None = None  # (corrupt_weights: the composition root hands it over)
+
+    def before_profile_export(self) -> None:
+        """Before a profile's export (StepProfiler's ``before_export``)."""
+        if self._injector is not None:
+            self._injector.before_profile_export(self._step())
 
     def attach(self, model: torch.nn.Module) -> None:
         """The rank's model, as the composition root hands it to its units."""

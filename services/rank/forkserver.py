@@ -25,7 +25,10 @@ Fork safety: nothing here starts a thread of its own, opens a channel or touches
 ``import torch`` starts one native thread that holds no lock a child needs (as for
 DataLoader's forked workers); CUDA initialises lazily in the rank, after its environment
 (``CUDA_VISIBLE_DEVICES``) is set; torch's thread count is set by the rank from its
-assignment; Python's ``random`` reseeds itself in a forked child.
+assignment; Python's ``random`` reseeds itself in a forked child. The comm guard's modules
+imported here (torch.distributed.pipelining, hence torch._dynamo and torch._inductor) start no
+thread and make no torch.cuda call while imported (checked on a CPU build: no call of
+torch.cuda's device queries or of its lazy init; not yet checked on a CUDA build).
 """
 
 from __future__ import annotations
@@ -127,6 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed  # noqa: F401
     import torch.nn.parallel  # noqa: F401
 
+    from services.contract.comm_guard import BINDING_MODULES
+
+    for name in BINDING_MODULES:  # what the rank's comm guard imports before its sweep (no thread starts)
+        importlib.import_module(name)
     module = importlib.import_module(args.module)
     if args.module == "services.rank.__main__":
         from services.common.device_peaks import measured_tflops

@@ -65,6 +65,12 @@ class MetricsClient:
     def on_eval_completed(self, msg: engine_pb2.EvalCompleted, payload: Any = None) -> None:
         self._hand_on(store_pb2.MetricRecord(eval=msg))
 
+    def on_sample_generated(self, msg: engine_pb2.SampleGenerated, payload: Any = None) -> None:
+        self._hand_on(store_pb2.MetricRecord(sample=msg))
+
+    def on_evaluation_scores(self, msg: engine_pb2.EvaluationScores, payload: Any = None) -> None:
+        self._hand_on(store_pb2.MetricRecord(scores=msg))
+
     def log_collection_config(self, msg: store_pb2.LogCollectionConfig, payload: Any = None) -> None:
         """The loop's sink choice for L5-2: ahead of the records on the same path (the store
         keeps its copy across its restarts)."""

@@ -1,6 +1,6 @@
 """Composition root of the `store` service: the only place its modules are built and wired.
 
-    python -m services.store --port P --metrics-port M [--host 127.0.0.1] [--root DIR]
+    python -m services.store --port P --metrics-port M [--host 127.0.0.1] [--root DIR] [--tokens FILE]
                              [--scrub-interval-seconds S] [--series-linger-seconds L]
 
 (env ``SURGE_STORE_PORT``, ``SURGE_STORE_METRICS_PORT``, ``SURGE_STORE_ROOT``,
@@ -49,6 +49,7 @@ from pathlib import Path
 from prometheus_client import REGISTRY
 
 from services.common import grpc_waits, logs, paths, thread_names
+from services.common.access import TOKENS_FILE_ENV, reload_tokens, tokens_of_flag
 from services.common.deadlines import Deadlines
 from services.common.grpc_server import AioServiceServer, PortInUse, serve_metrics
 from services.common.service_args import ServiceArgumentParser, env_option, listen_host, port, seconds
@@ -59,8 +60,10 @@ from services.contract.injection import env_error
 from services.contract.relay import L1, L5, RANK, Link
 from services.contract.validation import ContractError, refuse, validate_table, validate_wiring
 from services.store import metric_files
+from services.store.access import StoreAccess
 from services.store.checkpoint_manager import CheckpointManager
 from services.store.chunk_roots import FsspecChunks
+from services.store.job_teams import JobTeams
 from services.store.metrics_logger import SERIES_LINGER_S, MetricsLogger
 from services.store.profile_files import ProfileFiles
 from services.store.server import StoreRelay
@@ -82,13 +85,16 @@ def wire(
     chunks: FsspecChunks | None = None,
     later=None,
     linger_s: float = SERIES_LINGER_S,
+    team_scoped: bool = False,
 ) -> tuple[StoreRelay, MetricsLogger, ScrubSchedule]:
     """Build L5-1, L5-2 and the relay on one bus. Returns the relay, the logger (to close)
     and the operator's scrub schedule (to start and stop). ``defer``: where L5-2's sinks
     work (``main`` gives its sink thread; None: on the record's own thread). ``transfer``,
     ``chunks``: where checkpoint bytes live (:func:`checkpoint_storage`). ``later``, ``linger_s``:
     the timer that removes an ended rank's series from L5-2's Prometheus series, and after how
-    long (None: at once)."""
+    long (None: at once). ``team_scoped``: a tokens file authenticates the operator's calls, and
+    a team reaches its own jobs' checkpoints and metrics only (access.py; each job's team kept
+    under ``root``, job_teams.py)."""
     # No channel up from here: refusals are logged and counted, then returned to the caller.
     bus = Bus(on_violation=ViolationReporter("store", log))
     validate_table(bus.table)
@@ -127,6 +133,8 @@ def wire(
         METRICS: (
             engine_pb2.StepCompleted,
             engine_pb2.EvalCompleted,
+            engine_pb2.SampleGenerated,
+            engine_pb2.EvaluationScores,
             store_pb2.LogCollectionConfig,
             store_pb2.StopLogCollection,
             store_pb2.StoreProfile,
@@ -139,7 +147,10 @@ def wire(
             sent = tuple(t for t in types if bus.table.allows(sender, t, receiver))
             ports[(sender, receiver)] = bus.port(sender, receiver, commands=sent)
     # The data planes: L5-1's own methods; L5-2's profile staging.
-    relay = StoreRelay(ports, log, check=bus.check, files=manager, profiles=profiles)
+    access = StoreAccess(JobTeams(root) if team_scoped else None)
+    relay = StoreRelay(
+        ports, log, check=bus.check, files=manager, profiles=profiles, access=access, records=root / "metrics"
+    )
     # The relay stands in for control's L1-1 as the receiver of CheckpointCorrupt.
     bus.subscribe(Module.L1_ORCHESTRATOR, store_pb2.CheckpointCorrupt, relay.on_checkpoint_corrupt)
     # A failure event of L5-1 / L5-2 routed to the caller's side (L1, a rank's L2-1) goes back
@@ -249,6 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--s3-endpoint", default=env("SURGE_STORE_S3_ENDPOINT", ""), help="S3 endpoint URL (SURGE_STORE_S3_ENDPOINT)"
     )
+    p.add_argument(
+        "--tokens",
+        default=env(TOKENS_FILE_ENV) or "",
+        help="control's tokens file: the operator's calls are authenticated by it and a team reaches "
+        f"its own jobs' checkpoints and metrics only (env {TOKENS_FILE_ENV}; default: none)",
+    )
     args = p.parse_args(argv)
     if problem := metric_files.env_problem():
         p.error(problem)
@@ -269,9 +286,19 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         p.error(f"--root {root} (or SURGE_STORE_ROOT, SURGE_HOME): cannot be created: {e.strerror or e}")
     log = logs.configure("store", root=str(root))
+    identities = tokens_of_flag(args.tokens)  # (a bad file: one line, exit 2)
 
     try:
-        server = AioServiceServer("store", args.host, args.port, executor_threads=CONTROL_THREADS)
+        # Every call authenticated, the ranks' writes too: a write names a job, whose team its
+        # caller must be (services/store/access.py check_write).
+        server = AioServiceServer(
+            "store",
+            args.host,
+            args.port,
+            executor_threads=CONTROL_THREADS,
+            identities=identities,
+            authenticate_every_call=True,
+        )
         http = serve_metrics("store", args.host, args.metrics_port)
     except PortInUse as e:  # one line, as control, data and the node agent
         print(f"error: {e}", file=sys.stderr)
@@ -292,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             chunks=chunks,
             later=series_timer.after,
             linger_s=args.series_linger_seconds,
+            team_scoped=identities is not None,
         )
     except (ContractError, RouteError) as e:
         if http is not None:
@@ -302,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if identities is not None:
+        signal.signal(signal.SIGHUP, lambda *_: reload_tokens(identities, log))
     server.start(["surge.v1.StoreService", AuditServicer.SERVICE_NAME])
     schedule.start()
     log.info(

@@ -250,6 +250,33 @@ class MetricsLogger:
         self._publish_failures(msg.job_id)
         return store_pb2.MetricsAck(records=1)
 
+    def on_sample_generated(self, msg: engine_pb2.SampleGenerated, payload: Any = None) -> store_pb2.MetricsAck:
+        """A periodic sample (rank 0's continuation of a prompt): its own line (``type:
+        sample``) in the job's file, read by ``surgectl samples`` and the dashboard. Text is
+        no Prometheus value and the sinks take numbers: neither gets it.
+
+        Raises:
+            ValueError: ``job_id`` is not a safe file name.
+            OSError: the JSONL file could not be written (nothing was acknowledged).
+        """
+        if not self._persist("sample", msg):
+            return store_pb2.MetricsAck(records=0)
+        self._publish_failures(msg.job_id)
+        return store_pb2.MetricsAck(records=1)
+
+    def on_evaluation_scores(self, msg: engine_pb2.EvaluationScores, payload: Any = None) -> store_pb2.MetricsAck:
+        """An evaluation job's scores for the job it evaluated (``job_id``): a line of kind
+        ``scores`` in that job's file, beside its own records (`surgectl status JOB` reads it).
+
+        Raises:
+            ValueError: ``job_id`` is not a safe file name.
+            OSError: the JSONL file could not be written (nothing was acknowledged).
+        """
+        if not self._persist("scores", msg):
+            return store_pb2.MetricsAck(records=0)
+        self._publish_failures(msg.job_id)
+        return store_pb2.MetricsAck(records=1)
+
     def close(self) -> None:
         """Flush and close every JSONL file; the sinks are closed through ``defer`` (the
         service waits for its sink thread after this)."""

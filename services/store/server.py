@@ -28,6 +28,16 @@ the rank can forget what the store has written; the failure events sent while ta
 (``LogWriteFailed``: a sink failed, the record was written) ride in that ack's ``routed``,
 the stream having no trailers until it ends.
 
+``ReadMetrics`` (surgectl plot, samples) streams a job's metric records as L5-2 wrote them:
+the relay reads its files (``records``: ``<root>/metrics``) in the bulk pool, whole lines only;
+a read for the operator, never a command to L5-2 (which only L2-1 commands).
+
+Per-team access (access.py): with a tokens file the operator's requests (List, Load, Delete,
+Verify, Scrub, ReadMetrics) and every write of a job's data (BeginSave, CommitSave, Record's
+records, PutCheckpointFiles, HeldCheckpointChunks, PutProfile; GetCheckpointFiles and
+WatchCheckpoints as reads) pass the gate before they reach the bus or the files; a refusal is
+one line. Each job's team is learned from its writes as they pass (job_teams.py).
+
 The checkpoint data plane (``PutCheckpointFiles``, ``HeldCheckpointChunks``,
 ``GetCheckpointFiles``: a rank without the store's filesystem streams its save's files here
 and reads a version's back; exception checkpoint-bytes-stream) carries bytes, not messages:
@@ -59,17 +69,21 @@ import functools
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import grpc
 from google.protobuf.message import Message
 
 from services.common.identity import MODULE_METADATA
+from services.common.rotated_files import rotated_paths
 from services.contract import Module, store_pb2, store_pb2_grpc
 from services.contract.audit import abort_with_violation
 from services.contract.bus import BoundaryViolation, CommandPort
 from services.contract.failures import ModuleFailed, cause_metadata
 from services.contract.relay import Outbox, Routed, routed_trailers
+from services.store import metric_files
+from services.store.access import AccessRefused, StoreAccess
 from services.store.checkpoint_manager import (
     CheckpointDamaged,
     CheckpointNotFound,
@@ -112,13 +126,19 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         profiles: Any = None,
         bulk_threads: int = BULK_THREADS,
         record_threads: int = RECORD_THREADS,
+        access: StoreAccess | None = None,
+        records: Path | None = None,
     ):
         """``files``: L5-1's data plane (held_chunks, receive_files, send_files); None: the
         data-plane RPCs answer UNIMPLEMENTED. ``bulk_threads``, ``record_threads``: the sizes
         of the two pools the streams' blocking work runs in (bytes and verification; metric
         writes): however many streams are open, that many threads work for them at once.
         ``profiles``: where a PutProfile stream is staged (``ProfileFiles.receive``) before L5-2
-        keeps it; None: PutProfile answers UNIMPLEMENTED."""
+        keeps it; None: PutProfile answers UNIMPLEMENTED. ``access``: the per-team gate in
+        front of the operator's requests (access.py; None: every caller reaches every job)."""
+        self._access = access or StoreAccess()
+        # L5-2's records (<root>/metrics: its JSONL files, as it wrote them), read for ReadMetrics.
+        self._records_dir = records
         self._files = files
         self._profiles = profiles
         self._ports = dict(ports)
@@ -153,10 +173,14 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
             loop.call_soon_threadsafe(_put_dropping_oldest, q, msg)
 
     def BeginSave(self, request: store_pb2.SaveCheckpoint, context: grpc.ServicerContext) -> Message:
+        self._gate(context, lambda: self._access.check_write("BeginSave", request.job_id))
         return self._relay("BeginSave", CKPT, request, context)
 
     def CommitSave(self, request: store_pb2.CommitCheckpoint, context: grpc.ServicerContext) -> Message:
+        self._gate(context, lambda: self._access.check_write("CommitSave", request.job_id))
         reply = self._relay("CommitSave", CKPT, request, context)
+        if self._access.teams is not None:  # the version's spec names the job's team (job_teams.py)
+            self._access.teams.learn_from_spec(request.job_id, request.spec_json)
         self._log.info(
             "checkpoint_committed",
             version=reply.version,
@@ -168,16 +192,29 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         return reply
 
     def Load(self, request: store_pb2.LoadCheckpoint, context: grpc.ServicerContext) -> Message:
+        self._gate(context, lambda: self._access.check_version("Load", request.version))
         return self._relay("Load", CKPT, request, context)
 
     def List(self, request: store_pb2.CheckpointQuery, context: grpc.ServicerContext) -> Message:
-        return self._relay("List", CKPT, request, context)
+        if request.job_id:
+            self._gate(context, lambda: self._access.check_job("List", request.job_id))
+        reply = self._relay("List", CKPT, request, context)
+        if request.job_id:
+            return reply
+        # Every job's: the caller's team's versions only (an admin's and a process's: all).
+        kept = self._access.visible("List", reply.checkpoints, lambda info: info.job_id)
+        return store_pb2.CheckpointList(checkpoints=kept)
 
     def Delete(self, request: store_pb2.DeleteCheckpoint, context: grpc.ServicerContext) -> Message:
+        self._gate(context, lambda: self._access.check_version("Delete", request.version))
         return self._relay("Delete", CKPT, request, context)
 
     async def Verify(self, request: store_pb2.VerifyCheckpoints, context: grpc.aio.ServicerContext) -> Message:
         """Re-hashes versions: in the bulk pool, not the control calls' threads."""
+        # (checked here, on the loop: the caller's principal is not carried into the pool's thread)
+        await self._here(
+            context, lambda call: self._gate(call, lambda: self._access.check_job("Verify", request.job_id))
+        )
         reply = await self._blocking(self._bulk, context, functools.partial(self._relay, "Verify", CKPT, request))
         bad = [v.info.version for v in reply.versions if not v.ok]
         self._log.info("checkpoints_verified", job=reply.job_id, versions=len(reply.versions), bad=bad)
@@ -185,6 +222,12 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
 
     async def Scrub(self, request: store_pb2.ScrubCheckpoints, context: grpc.aio.ServicerContext) -> Message:
         """Re-hashes every version: in the bulk pool, not the control calls' threads."""
+        check = (
+            (lambda: self._access.check_job("Scrub", request.job_id))
+            if request.job_id
+            else (lambda: self._access.require_admin("Scrub", "a scrub of every job"))
+        )
+        await self._here(context, lambda call: self._gate(call, check))
         reply = await self._blocking(self._bulk, context, functools.partial(self._relay, "Scrub", CKPT, request))
         self._log.info(
             "checkpoints_scrubbed",
@@ -201,6 +244,12 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         """Every version recorded corrupt now (L5-1's answer to the subscription), then each
         one found from here on, until the caller cancels (which cancels this coroutine: an
         idle watch holds no thread)."""
+        check = (
+            (lambda: self._access.check_job("WatchCheckpoints", request.job_id))
+            if request.job_id
+            else (lambda: self._access.require_admin("WatchCheckpoints", "a watch of every job"))
+        )
+        await self._here(context, lambda call: self._gate(call, check))
         q: asyncio.Queue = asyncio.Queue(maxsize=WATCH_QUEUE)
         entry = (request.job_id, asyncio.get_running_loop(), q)
         with self._watch_lock:
@@ -227,6 +276,8 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         sender = await self._here(context, functools.partial(self._sender, "Record"))
         i = 0
         async for batch in request_iterator:
+            # (each record's job checked here, on the loop: the caller is not carried into the pool)
+            await self._here(context, functools.partial(self._writes, batch))
             yield await self._blocking(self._records, context, functools.partial(self._batch, sender, i, batch))
             i += len(batch.records)
 
@@ -237,12 +288,19 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
             acks=[self._record(sender, first + k, rec, context) for k, rec in enumerate(batch.records)]
         )
 
+    def _writes(self, batch: store_pb2.MetricBatch, context: grpc.ServicerContext) -> None:
+        """Each record's job the caller's to write (access.py check_write); else the stream ends."""
+        for job in dict.fromkeys(getattr(rec, w).job_id for rec in batch.records if (w := rec.WhichOneof("record"))):
+            self._gate(context, functools.partial(self._access.check_write, "Record", job))
+
     def _record(
         self, sender: int, i: int, rec: store_pb2.MetricRecord, context: grpc.ServicerContext
     ) -> store_pb2.MetricsAck:
         which = rec.WhichOneof("record")
         if which is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"metric record #{i}: empty (set step or eval)")
+        if which == "config" and self._access.teams is not None:  # the loop's first word names its team
+            self._access.teams.learn(rec.config.job_id, rec.config.team)
         outbox = Outbox()  # this record's failure events for the rank (a sink that failed)
         token = _CALL.set(outbox)
         try:
@@ -250,6 +308,30 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         finally:
             _CALL.reset(token)
         return store_pb2.MetricsAck(records=ack.records, seq=rec.seq, routed=outbox.drain())
+
+    async def ReadMetrics(
+        self, request: store_pb2.MetricsQuery, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[store_pb2.MetricsText]:
+        """The job's records: ``found``, then its lines in parts (read in the bulk pool, a part
+        at a time: flow control holds the reading while the caller is slow)."""
+        if self._records_dir is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "ReadMetrics: this store serves no metric records")
+        await self._here(
+            context, lambda call: self._gate(call, lambda: self._access.check_job("ReadMetrics", request.job_id))
+        )
+        if not metric_files.JOB_ID.match(request.job_id):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f'ReadMetrics: job_id "{request.job_id}": must match {metric_files.JOB_ID.pattern}',
+            )
+        files = await asyncio.get_running_loop().run_in_executor(
+            self._bulk, rotated_paths, self._records_dir / f"{request.job_id}.jsonl"
+        )
+        yield store_pb2.MetricsText(job_id=request.job_id, found=bool(files))
+        parts = metric_files.lines(files, request.type)
+        loop = asyncio.get_running_loop()
+        while (text := await loop.run_in_executor(self._bulk, next, parts, None)) is not None:
+            yield store_pb2.MetricsText(job_id=request.job_id, text=text)
 
     # ------------------------------------------------------------------ checkpoint data plane
 
@@ -265,6 +347,10 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "PutCheckpointFiles: the stream must open with a header"
             )
+        await self._here(
+            context,
+            lambda call: self._gate(call, lambda: self._access.check_write("PutCheckpointFiles", first.header.job_id)),
+        )
 
         def files() -> Iterator[store_pb2.CheckpointFileData]:
             while (part := asyncio.run_coroutine_threadsafe(anext(parts, None), loop).result()) is not None:
@@ -293,6 +379,10 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
     async def HeldCheckpointChunks(
         self, request: store_pb2.HeldCheckpointChunksQuery, context: grpc.aio.ServicerContext
     ) -> store_pb2.HeldCheckpointChunksReply:
+        await self._here(
+            context,
+            lambda call: self._gate(call, lambda: self._access.check_write("HeldCheckpointChunks", request.job_id)),
+        )
         return await self._blocking(
             self._bulk,
             context,
@@ -304,6 +394,10 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
     ) -> AsyncIterator[store_pb2.CheckpointFileData]:
         """Each part read from disk in a bulk thread, sent from the loop (the next is read
         once gRPC took this one)."""
+        await self._here(
+            context,
+            lambda call: self._gate(call, lambda: self._access.check_version("GetCheckpointFiles", request.version)),
+        )
         parts = await self._blocking(
             self._bulk,
             context,
@@ -333,6 +427,9 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         first = await anext(parts, None)
         if first is None or not first.HasField("header"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PutProfile: the stream must open with a header")
+        await self._here(
+            context, lambda call: self._gate(call, lambda: self._access.check_write("PutProfile", first.header.job_id))
+        )
 
         def rest() -> Iterator[store_pb2.ProfileUpload]:
             while (part := asyncio.run_coroutine_threadsafe(anext(parts, None), loop).result()) is not None:
@@ -404,6 +501,14 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
             if a.trailers:
                 context.set_trailing_metadata(a.trailers)
             await context.abort(a.code, a.details)
+
+    @staticmethod
+    def _gate(context: grpc.ServicerContext, check: Callable[[], None]) -> None:
+        """``check()`` (an access rule, access.py); its refusal ends the call in one line."""
+        try:
+            check()
+        except AccessRefused as e:
+            context.abort(e.code, str(e))
 
     def _relay(self, rpc: str, receiver: int, request: Message, context: grpc.ServicerContext) -> Message:
         return self._send(self._sender(rpc, context), receiver, request, context)

@@ -47,7 +47,7 @@ from pathlib import Path
 
 from services.common import grpc_waits, logs, paths, thread_names
 from services.common.departure import DEFAULT_DEPARTURE_SECONDS, DEPARTURE_ENV
-from services.common.grpc_server import PortInUse, ServiceServer, serve_metrics
+from services.common.grpc_server import AUTH_TOKEN_ENV, PortInUse, ServiceServer, serve_metrics
 from services.common.service_args import (
     ServiceArgumentParser,
     address,
@@ -77,9 +77,11 @@ from services.worker.hardware import (
     gloo_interface,
     hardware_report,
 )
-from services.worker.link_probe import LinkProber
-from services.worker.memory_copies import MemoryCopies, MemoryCopyServicer, limit_from_env, shm_from_env
-from services.worker.memory_copies import env_problem as memory_copies_env_problem
+from services.worker.link_probe import LinkProber, probe_key
+from services.worker.memory_chunks import env_problem as memory_copies_env_problem
+from services.worker.memory_chunks import limit_from_env, shm_from_env
+from services.worker.memory_copies import MemoryCopies
+from services.worker.memory_copy_service import MemoryCopyServicer
 from services.worker.memory_pressure import MemorySampler
 from services.worker.node_agent import DEFAULT_RANK_MODULE, RANK_MODULE_ENV, SHUTDOWN_GRACE_SECONDS, NodeAgent
 from services.worker.rank_forkserver import RankForkServer, become_subreaper
@@ -228,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     # Data-plane link probes (UDP on this agent's own address and port number): off, said in
     # one line, where the port cannot be bound for UDP.
     try:
-        links = LinkProber(worker_id, args.host, port, outbox.put, log)
+        links = LinkProber(worker_id, args.host, port, outbox.put, log, key=probe_key(os.environ.get(AUTH_TOKEN_ENV)))
     except OSError as e:
         log.warning("link probes off: UDP port unavailable", port=port, error=str(e))
         links = None

@@ -30,11 +30,24 @@ state was not up. The agent states facts; what a link's state means for a job is
 
 Detection: a cut both ways is stated down ``down_probes`` intervals after it, plus at most
 two intervals (3 s with the defaults: jobspec links.probe_seconds 1, links.down_probes 3).
+
+Authentication: where the cluster has a secret (``SURGE_AUTH_TOKEN``, which every node agent
+already holds to reach control), each packet carries an HMAC-SHA256 tag under a key derived
+from it (``probe_key``), ``SGLA1 <kind> <seq> <tag> <worker_id>``, and a packet without a
+valid tag is dropped unanswered and counted (``refused``, one warning per source address a
+minute): a host that does not hold the secret can neither make a cut link look up (forged
+pongs) nor use the agents to reflect traffic. Not replay-proof: a pong copied off the wire
+within a window answers a ping that was sent. Without a secret the packets are the plain
+``SGLP1`` form, as the cluster's gRPC is unauthenticated then too (mTLS alone gives the agents
+no shared secret: said in the README).
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
+import os
 import select
 import socket
 import threading
@@ -43,12 +56,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import Counter
+
 from services.contract import Module, control_pb2
 from services.contract.relay import pack
 
 LinkState = control_pb2.LinkStateChanged.State
 WINDOW_PROBES = 10  # the probes a loss is measured over
 _MAGIC = b"SGLP1"
+_MAGIC_AUTH = b"SGLA1"  # the authenticated form (a tag before the worker id)
+_TAG_HEX = 32  # the HMAC-SHA256 tag's first 16 bytes, in hex
+_REFUSED_LOG_SECONDS = 60.0  # one warning per source address this often
+PROBES_REFUSED = Counter(
+    "surge_link_probe_refused_packets_total", "Link probe packets dropped: malformed, or without a valid tag"
+)
 _MAX_PACKET = 512
 
 
@@ -71,6 +92,13 @@ def _mature(interval: float) -> float:
     return max(2 * interval, 0.2)
 
 
+def probe_key(secret: str | None) -> bytes | None:
+    """The probes' HMAC key from the cluster's secret (None: no secret, plain packets)."""
+    if not secret:
+        return None
+    return hashlib.sha256(b"surge link probe\0" + secret.encode()).digest()
+
+
 def _split(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     return (host[1:-1] if host.startswith("[") else host), int(port)
@@ -84,10 +112,16 @@ class LinkProber:
         host, port: the address to bind (the agent's listen host and its gRPC port number).
         emit: sends one ``WorkerEvent`` up to control; must not block.
         log: a structlog logger.
+        key: the HMAC key of the packets (``probe_key``; None: plain packets, none refused).
     """
 
-    def __init__(self, worker_id: str, host: str, port: int, emit: Callable[[Any], None], log: Any):
+    def __init__(
+        self, worker_id: str, host: str, port: int, emit: Callable[[Any], None], log: Any, key: bytes | None = None
+    ):
         self._worker_id = worker_id
+        self._key = key
+        self.refused = 0  # packets dropped for a missing or wrong tag
+        self._refused_logged: dict[Any, float] = {}
         self._emit = emit
         self._log = log
         self._lock = threading.Lock()
@@ -98,15 +132,26 @@ class LinkProber:
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
         self._sock.bind((host, port))
         self._sock.setblocking(False)
+        # stop() writes a byte here: the thread sleeps until its next tick or a packet, not
+        # in 0.5 s slices to see a stop (a wake-up a second per agent for nothing).
+        self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name="link-probe", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
+        if self._stop.is_set():
+            return  # (stopped before: its pipe is closed, its numbers maybe reused)
         self._stop.set()
+        os.write(self._wake_w, b"x")
         self._thread.join(timeout=5)
         self._sock.close()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     # ------------------------------------------------------------ from the agent
 
@@ -148,10 +193,10 @@ class LinkProber:
             if now >= next_tick:
                 next_tick = now + self._tick(now)
             try:
-                ready, _, _ = select.select([self._sock], [], [], max(0.0, min(next_tick - now, 0.5)))
+                ready, _, _ = select.select([self._sock, self._wake_r], [], [], max(0.0, next_tick - now))
             except (OSError, ValueError):
                 return  # closed
-            if ready:
+            if self._sock in ready:
                 self._receive()
 
     def _interval(self) -> float:
@@ -166,7 +211,7 @@ class LinkProber:
             peers = list(self._peers.values())
             for p in peers:
                 p.sent.append((seq, now))
-        packet = b"%s P %d %s" % (_MAGIC, seq, self._worker_id.encode())
+        packet = self._packet(b"P", seq)
         for p in peers:
             try:
                 self._sock.sendto(packet, p.address)
@@ -200,14 +245,15 @@ class LinkProber:
                 return
             except OSError:
                 return
-            parts = data.split(b" ", 3)
-            if len(parts) != 4 or parts[0] != _MAGIC or not parts[2].isdigit():
+            parsed = self._parse(data)
+            if parsed is None:
+                self._refuse(source)
                 continue
-            kind, seq, peer = parts[1], int(parts[2]), parts[3].decode(errors="replace")
+            kind, seq, peer = parsed
             now = time.monotonic()
             if kind == b"P":
                 try:  # every ping is answered, a peer's of any job (it judges its own link)
-                    self._sock.sendto(b"%s A %d %s" % (_MAGIC, seq, self._worker_id.encode()), source)
+                    self._sock.sendto(self._packet(b"A", seq), source)
                 except OSError:
                     pass
                 with self._lock:
@@ -223,6 +269,51 @@ class LinkProber:
                     p = self._peers.get(peer)
                     if p is not None:
                         p.answered.add(seq)
+
+    # ------------------------------------------------------------ packets
+
+    def _tag(self, kind: bytes, seq: int, worker_id: bytes) -> bytes:
+        assert self._key is not None
+        return hmac.new(self._key, b"%s %d %s" % (kind, seq, worker_id), hashlib.sha256).hexdigest()[:_TAG_HEX].encode()
+
+    def _packet(self, kind: bytes, seq: int) -> bytes:
+        me = self._worker_id.encode()
+        if self._key is None:
+            return b"%s %s %d %s" % (_MAGIC, kind, seq, me)
+        return b"%s %s %d %s %s" % (_MAGIC_AUTH, kind, seq, self._tag(kind, seq, me), me)
+
+    def _parse(self, data: bytes) -> tuple[bytes, int, str] | None:
+        """(kind, seq, peer) of a packet this prober accepts, else None (malformed, or not
+        carrying a valid tag where this prober has a key)."""
+        if self._key is None:
+            parts = data.split(b" ", 3)
+            if len(parts) != 4 or parts[0] != _MAGIC:
+                return None
+            kind, seq, peer = parts[1], parts[2], parts[3]
+        else:
+            parts = data.split(b" ", 4)
+            if len(parts) != 5 or parts[0] != _MAGIC_AUTH:
+                return None
+            kind, seq, tag, peer = parts[1], parts[2], parts[3], parts[4]
+            if not seq.isdigit() or not hmac.compare_digest(tag, self._tag(kind, int(seq), peer)):
+                return None
+        if kind not in (b"P", b"A") or not seq.isdigit():
+            return None
+        return kind, int(seq), peer.decode(errors="replace")
+
+    def _refuse(self, source: Any) -> None:
+        """A packet dropped: counted, and said once a minute per source address."""
+        self.refused += 1
+        PROBES_REFUSED.inc()
+        now = time.monotonic()
+        if now - self._refused_logged.get(source, -_REFUSED_LOG_SECONDS) >= _REFUSED_LOG_SECONDS:
+            if len(self._refused_logged) > 1024:  # (bounded: a flood of sources forgets the oldest)
+                self._refused_logged.clear()
+            self._refused_logged[source] = now
+            self._log.warning(
+                "link probe packet refused: no valid tag" if self._key else "link probe packet refused: malformed",
+                source=f"{source[0]}:{source[1]}", refused=self.refused,
+            )  # fmt: skip
 
     # ------------------------------------------------------------ judging (under the lock)
 

@@ -16,7 +16,7 @@ to its own agent only, an agent to its peer only. Nothing here verifies a chunk 
 path: the reader checks every chunk's SHA-256 and falls back to the next source (the store's
 files last), so a corrupt copy costs a re-read, never a wrong restore.
 
-Where: one file per chunk in a shared-memory directory of this agent process
+Where (``memory_chunks.py``): one file per chunk in a shared-memory directory of this agent process
 (``/dev/shm/surge-memory-<worker>-<pid>``, tmpfs: host memory; removed at exit, and a
 directory of an agent process no longer alive is removed when the next agent starts), so a
 rank of this node reads a chunk from it without its bytes crossing gRPC (``GetChunk`` names
@@ -66,15 +66,11 @@ from prometheus_client import Counter, Gauge
 
 from services.common import bulk_lane
 from services.common.grpc_server import channel
-from services.common.pids import pid_alive
 from services.contract import Module, control_pb2, worker_pb2, worker_pb2_grpc
+from services.worker.memory_chunks import ChunkHolder
 
-LIMIT_ENV = "SURGE_WORKER_MEMORY_COPY_BYTES"
-SHM_ROOT = Path("/dev/shm")
-SHM_PREFIX = "surge-memory-"
 FETCHED_RANK = 2**32 - 1  # the set of chunks an agent fetched from its peer for its ranks (per job)
 CORRUPT_ENV = "SURGE_MEMORY_COPY_CORRUPT"
-SHM_ENV = "SURGE_WORKER_MEMORY_COPY_SHM"  # "off": chunks as bytes in the agent's process
 PEER_RPC_TIMEOUT_S = 10.0  # one chunk from the peer (a chunk is a few MiB at most)
 PEER_STREAMS = 4  # parallel GetChunks streams of one bulk read from the peer
 REPLICATE_TIMEOUT_S = 600.0  # one replication stream
@@ -96,34 +92,6 @@ CHUNKS_REFUSED = Counter(
 HELD_BYTES = Gauge("surge_memory_copy_held_bytes", "Bytes of chunks held in memory by this agent")
 
 
-def env_problem() -> str | None:
-    """What is wrong with this module's two environment variables (one line), or None; the
-    node agent refuses to start on it, before anything runs."""
-    limit = os.environ.get(LIMIT_ENV, "")
-    if limit and not limit.isdigit():
-        return f"{LIMIT_ENV}: expected a whole number of bytes >= 0 (0: no in-memory copies), got {limit!r}"
-    if os.environ.get(SHM_ENV, "").strip().lower() not in ("", "on", "off"):
-        return f"{SHM_ENV}: expected on or off, got {os.environ[SHM_ENV]!r}"
-    return None
-
-
-def limit_from_env(meminfo_total_bytes: int) -> int:
-    """The memory bound: ``SURGE_WORKER_MEMORY_COPY_BYTES`` (0: off), else a quarter of the
-    host's memory. (Checked by :func:`env_problem` at start-up.)"""
-    text = os.environ.get(LIMIT_ENV)
-    if text:
-        return int(text)
-    return meminfo_total_bytes // 4
-
-
-def shm_from_env(worker_id: str) -> Path | None:
-    """The shared-memory directory of this agent (None: ``SURGE_WORKER_MEMORY_COPY_SHM=off``,
-    or no writable ``/dev/shm``)."""
-    if os.environ.get(SHM_ENV, "").strip().lower() == "off":
-        return None
-    return shared_memory_dir(worker_id)
-
-
 def _job_name(job_id: str) -> str:
     return job_id.rpartition("-")[0] or job_id  # ids are "<name>-<6 hex>"
 
@@ -133,94 +101,6 @@ class _Set:
     step: int
     digests: tuple[str, ...]
     stored_at: float
-
-
-class _Chunks:
-    """Where held chunks live: one file per chunk in a shared-memory directory (tmpfs, the
-    same host memory) that this node's ranks may read directly, or, without one, bytes in
-    this process. Files are written once (temp name, rename) and never changed; a freed
-    chunk's file is unlinked (a reader that opened it keeps its bytes). Not thread-safe:
-    the owner's lock guards it."""
-
-    def __init__(self, shm_dir: Path | None):
-        self.dir = shm_dir
-        self._sizes: dict[str, int] = {}
-        self._bytes: dict[str, bytes] = {}
-
-    def __contains__(self, sha: str) -> bool:
-        return sha in self._sizes
-
-    def size(self, sha: str) -> int:
-        return self._sizes[sha]
-
-    def put(self, sha: str, data: bytes) -> None:
-        if self.dir is None:
-            self._bytes[sha] = data
-        else:
-            tmp = self.dir / f".{sha}.tmp"
-            try:
-                tmp.write_bytes(data)
-                os.replace(tmp, self.dir / sha)
-            except OSError:
-                tmp.unlink(missing_ok=True)
-                raise
-        self._sizes[sha] = len(data)
-
-    def get(self, sha: str) -> bytes | None:
-        if sha not in self._sizes:
-            return None
-        if self.dir is None:
-            return self._bytes[sha]
-        try:
-            return (self.dir / sha).read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def adopt(self, sha: str, src: Path) -> int:
-        """Take a chunk file written by a local rank (a rename within shared memory)."""
-        assert self.dir is not None
-        n = src.stat().st_size
-        os.replace(src, self.dir / sha)
-        self._sizes[sha] = n
-        return n
-
-    def path(self, sha: str) -> str:
-        return str(self.dir / sha) if self.dir is not None and sha in self._sizes else ""
-
-    def free(self, sha: str) -> int:
-        n = self._sizes.pop(sha, 0)
-        if self.dir is None:
-            self._bytes.pop(sha, None)
-        else:
-            (self.dir / sha).unlink(missing_ok=True)
-        return n
-
-
-def shared_memory_dir(worker_id: str, root: Path = SHM_ROOT) -> Path | None:
-    """A fresh directory of this agent process under ``root`` (``/dev/shm``), after removing
-    those of agent processes no longer alive (a SIGKILLed agent leaves its own); None when
-    ``root`` is not a writable directory."""
-    if not root.is_dir() or not os.access(root, os.W_OK):
-        return None
-    remove_dead_dirs(root)
-    safe = "".join(ch if ch.isalnum() or ch in "._" else "_" for ch in worker_id)
-    path = root / f"{SHM_PREFIX}{safe}-{os.getpid()}"
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(mode=0o755)
-    return path
-
-
-def remove_dead_dirs(root: Path = SHM_ROOT) -> list[Path]:
-    """Remove the shared-memory directories of agent processes no longer alive (a SIGKILLed
-    agent leaves its own); the next agent to start, and `surgectl down`, call it. Returns
-    what was removed."""
-    removed = []
-    for old in root.glob(f"{SHM_PREFIX}*"):
-        pid = old.name.rpartition("-")[2]
-        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
-            removed.append(old)
-    return removed
 
 
 class MemoryCopies:
@@ -240,7 +120,7 @@ class MemoryCopies:
         self._log = log
         self._limit = limit_bytes
         self._lock = threading.Lock()
-        self._chunks = _Chunks(shm_dir)
+        self._chunks = ChunkHolder(shm_dir)
         self._refs: dict[str, int] = {}
         self._held = 0  # bytes in _chunks and in open streams
         self._sets: dict[tuple[str, int, bool], _Set] = {}
@@ -771,51 +651,3 @@ class MemoryCopies:
             missing=kept.missing,
             seconds=round(time.perf_counter() - t0, 4),
         )
-
-
-class MemoryCopyServicer(worker_pb2_grpc.MemoryCopyServiceServicer):
-    """``MemoryCopyService`` on the node agent's gRPC server. A peer agent (EXT_HARDWARE)
-    is answered from this agent's memory only: ``via_peer`` is a local rank's request."""
-
-    def __init__(self, copies: MemoryCopies):
-        self._copies = copies
-
-    def PutChunks(self, request_iterator, context):  # noqa: N802 (gRPC method name)
-        return self._copies.put(request_iterator)
-
-    def HeldChunks(self, request, context):  # noqa: N802
-        if request.job_files:
-            if _caller(context) == Module.Name(Module.EXT_HARDWARE):
-                return worker_pb2.HeldReply()  # files are for this node's ranks
-            files = self._copies.job_files(request.job_id)
-            if files is None:
-                return worker_pb2.HeldReply()
-            return worker_pb2.HeldReply(sha256=files[0], path=files[1], files=True)
-        reply = worker_pb2.HeldReply(sha256=self._copies.held(request.job_id, request.rank, request.replica))
-        if not request.replica and _caller(context) != Module.Name(Module.EXT_HARDWARE):
-            reply.staging = self._copies.staging(request.job_id, request.rank)  # (a rank of this node)
-        return reply
-
-    def GetChunk(self, request, context):  # noqa: N802
-        local_rank = _caller(context) != Module.Name(Module.EXT_HARDWARE)
-        return self._copies.get(request.job_id, request.sha256, request.via_peer and local_rank, request.local_path)
-
-    def GetChunks(self, request, context):  # noqa: N802
-        local_rank = _caller(context) != Module.Name(Module.EXT_HARDWARE)
-        return self._copies.get_many(
-            request.job_id,
-            list(request.sha256),
-            request.via_peer and local_rank,
-            request.local_path and local_rank,
-            request.lanes and local_rank,
-        )
-
-    def OpenBulkRead(self, request, context):  # noqa: N802
-        return self._copies.open_lane(request.job_id, list(request.sha256))  # (a peer agent only: identity.py)
-
-
-def _caller(context) -> str:
-    for key, value in context.invocation_metadata() or ():
-        if key == MODULE_METADATA:
-            return value if isinstance(value, str) else value.decode()
-    return ""

@@ -35,7 +35,11 @@ from services.worker.rank_process import signal_group
 
 SERVER_MODULE = "services.rank.forkserver"
 READY_TIMEOUT_SECONDS = 120.0  # its imports, on a loaded host (measured 10 s at most on 2 cores)
-ORPHAN_SCAN_SECONDS = 5.0  # a zombie seen at two scans this far apart is an orphan nobody waits for
+# A zombie seen at two scans this far apart is an orphan nobody waits for. A scan reads every
+# thread's children file (about 2 ms of CPU for the agent's ~40 threads): at 5 s apart it was
+# 0.4 ms of CPU per second, a tenth of an agent's idle cost (bench/stack_cost.py); an orphan's
+# zombie (a pid held, nothing else) may wait a minute to be reaped.
+ORPHAN_SCAN_SECONDS = 30.0
 _PR_SET_CHILD_SUBREAPER = 36
 
 

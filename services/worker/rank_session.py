@@ -16,6 +16,17 @@ if TYPE_CHECKING:
     from services.worker.node_agent import NodeAgent
 
 
+def unbatched(message: worker_pb2.RankEvent) -> list[worker_pb2.RankEvent]:
+    """The events one RankSession message carries, in order: itself and those the rank's
+    session queued behind it (``RankEvent.more``), each without ``more`` (the agent relays
+    a rank's event up as it is: nothing rides along twice)."""
+    if not message.more:
+        return [message]
+    behind = list(message.more)
+    message.ClearField("more")
+    return [message, *behind]
+
+
 class RankNotLaunched(LookupError):
     """A hello names a (job, rank) that this node did not launch, or that already died."""
 
@@ -51,7 +62,8 @@ class RankSessionServicer(worker_pb2_grpc.WorkerServiceServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except RankAlreadyAttached as e:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-        self._agent.relay_event(r, first)
+        for event in unbatched(first):
+            self._agent.relay_event(r, event)
         threading.Thread(
             target=self._read, args=(r, request_iterator), name=f"rank-{r.job_id}-{r.rank}", daemon=True
         ).start()
@@ -59,8 +71,9 @@ class RankSessionServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     def _read(self, r: RankProcess, request_iterator: Iterator[worker_pb2.RankEvent]) -> None:
         try:
-            for event in request_iterator:
-                self._agent.relay_event(r, event)
+            for message in request_iterator:
+                for event in unbatched(message):
+                    self._agent.relay_event(r, event)
         except grpc.RpcError:
             pass  # the rank's side is gone (process ended or cancelled): the waiter reports it
         finally:

@@ -7,6 +7,7 @@ Every process started here is killed by PID when the test ends.
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import signal
@@ -25,6 +26,7 @@ from services.contract import Module, engine_pb2, store_pb2, store_pb2_grpc, wor
 from services.contract.relay import pack, unpack
 from services.jobspec import JobSpec, spec_to_json
 from services.worker.metric_stream import MetricStreams
+from services.worker.rank_session import unbatched
 from tests.callers import any_caller_channel
 from tests.conftest import free_ports
 from tests.rank_forks import RankProcess
@@ -153,7 +155,7 @@ class Agent(worker_pb2_grpc.WorkerServiceServicer):
             return self._links.setdefault((job, rank), RankLink())
 
     def RankSession(self, requests, context):
-        first = next(requests)
+        first, *behind = unbatched(next(requests))  # (RankEvent.more: what the rank queued with it)
         link = self.link(first.job_id, first.rank)
         link.events.put(first)
 
@@ -162,7 +164,7 @@ class Agent(worker_pb2_grpc.WorkerServiceServicer):
 
         def read():
             try:
-                for ev in requests:
+                for ev in itertools.chain(behind, (ev for message in requests for ev in unbatched(message))):
                     if ev.WhichOneof("event") == "metrics":
                         self.metrics.submit(self._store_address, ev.metrics, ack)
                         continue
@@ -363,7 +365,8 @@ def read_version(info: store_pb2.CheckpointInfo, state: dict) -> None:
     import torch.distributed.checkpoint as dcp
 
     from services.compute.inference import SafeLoadPlanner, safe_load
-    from services.state.chunk_store import ChunkReader, DirectorySource
+    from services.state.chunk_reader import ChunkReader
+    from services.state.chunk_store import DirectorySource
 
     digests = {f["path"]: f for f in json.loads((Path(info.path) / "manifest.json").read_bytes())["files"]}
     with warnings.catch_warnings():
@@ -406,7 +409,8 @@ def full_state(info: store_pb2.CheckpointInfo) -> dict:
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from services.state.chunk_store import ChunkReader, DirectorySource
+    from services.state.chunk_reader import ChunkReader
+    from services.state.chunk_store import DirectorySource
 
     reader = (
         ChunkReader(info.path, [DirectorySource(info.chunk_path)]) if info.chunk_path else FileSystemReader(info.path)

@@ -17,7 +17,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from services.contract import store_pb2
-from services.state.chunk_store import ChunkReader, DirectorySource
+from services.state.chunk_reader import ChunkReader
+from services.state.chunk_store import DirectorySource
 from services.store.checkpoint_manager import CheckpointFormatRefused, CheckpointManager, read_committed
 from services.store.checkpoint_manager.formats import CHECKPOINT_FORMAT, READABLE, surge_version
 from tests.checkpoint.golden.make_golden import JOB, STEP, golden_state, tensors

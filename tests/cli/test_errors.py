@@ -53,6 +53,14 @@ def test_a_service_that_cannot_be_reached_is_unreachable(answering):
     assert from_rpc(call(answering, b""), "control", answering).unreachable
 
 
+def test_a_call_the_server_does_not_know_says_it_runs_an_older_surge(answering):
+    with grpc.insecure_channel(answering) as ch, pytest.raises(grpc.RpcError) as e:
+        ch.unary_unary("/t.T/Newer")(b"", timeout=5)  # (gRPC's own answer: "Method not found!")
+    older = from_rpc(e.value, "store", answering)
+    assert not older.unreachable and older.code == 1
+    assert str(older).startswith(f"store at {answering} does not know this call: it runs an older Surge")
+
+
 @pytest.mark.parametrize(
     "argv,names",
     [

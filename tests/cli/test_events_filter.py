@@ -40,6 +40,14 @@ def test_every_event_type_control_records_can_be_asked_for():
     assert unlisted == {}, f"add these to services/cli/event_types.py EVENT_TYPES: {unlisted}"
 
 
+def test_the_readme_lists_every_event_type_the_filter_knows():
+    (row,) = [
+        line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("| `surgectl events JOB")
+    ]
+    listed = row.split("keeps those types (", 1)[1].split(";", 1)[0]
+    assert [t.strip().strip("`") for t in listed.split(",")] == list(EVENT_TYPES)
+
+
 @pytest.mark.parametrize(
     ("values", "wanted"),
     [([], set()), (["fault"], {"fault"}), (["fault,decision", " state "], {"fault", "decision", "state"})],

@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 
 from services.cli.errors import CliError
@@ -25,6 +26,17 @@ class _Control:
 
     def ListJobs(self, query, timeout=None):  # noqa: N802 - the gRPC method's name
         return control_pb2.JobList(jobs=self.jobs)
+
+    def GetJob(self, query, timeout=None):  # noqa: N802 - asked for an id the list lacks
+        raise _NotFound()
+
+
+class _NotFound(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.NOT_FOUND
+
+    def details(self):
+        return "no such job"
 
 
 def test_a_job_is_found_by_id_or_by_name():

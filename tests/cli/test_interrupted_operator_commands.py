@@ -1,5 +1,6 @@
 """Operator commands that can be interrupted (issue 28 item 6), on one real stack (control on a
-fixed port, store, data, two node agents, a DP=2 job as rank processes) shared by the module.
+fixed port, store, data, two node agents, a DP=2 job as rank processes): the one the group
+cli-two-workers shares (tests/conftest.py STACK_GROUPS, tests/shared_stacks.py).
 
 - Ctrl-C (SIGINT to a real `surgectl down`) while its drain is in flight leaves the stack up
   and says what to run; `surgectl resume JOB` then continues the job (was: PAUSED with its
@@ -14,8 +15,10 @@ fixed port, store, data, two node agents, a DP=2 job as rank processes) shared b
   control`; the last test of the module: the stack stays down).
 
 PauseTraining reaches rank 1 three seconds late (``SURGE_COMMAND_DELAY``, a test-only delay on
-the rank's session): every drain's pause is in flight for at least that long, the window in
-which the test's Ctrl-C lands. Every process is killed by PID at the end (running_stack).
+the rank's session; for every job of the shared stack: the other modules' pauses are 3 s
+longer): every drain's pause is in flight for at least that long, the window in which the
+test's Ctrl-C lands. Every process is killed by PID when the group ends (running_stack); this
+module leaves the stack's services killed, the group's turn starts them again.
 """
 
 from __future__ import annotations
@@ -31,21 +34,20 @@ import pytest
 
 from services.contract import control_pb2
 from tests.conftest import REPO, kill_all
-from tests.faults.test_recovery import SURGECTL, cli, running_stack, spec
-from tests.ports import free_port
+from tests.faults.test_recovery import SURGECTL, cli, spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 STEPS = 100_000  # (never reached: each job is stopped by the test once it has shown what it must)
-CONTROL_PORT = free_port()
-ENV = {"SURGE_CONTROL_PORT": str(CONTROL_PORT), "SURGE_COMMAND_DELAY": "PauseTraining:3:rank=1"}
+STACK_ENV = {"SURGE_COMMAND_DELAY": "PauseTraining:3:rank=1"}
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    with running_stack(tmp_path_factory.mktemp("surge-interrupt"), ("json",), ("tintr", "tforce"), env=ENV) as s:
-        yield s
+def stack(shared_stack):
+    """This module's turn on the stack its group shares (tests/shared_stacks.py); its jobs:
+    tintr, tforce."""
+    return shared_stack
 
 
 def services(home: Path) -> dict:
@@ -99,6 +101,12 @@ def assert_left_running(r: subprocess.CompletedProcess, before: dict) -> None:
     assert all(alive(s["pid"]) for s in before.values()), "a service was stopped by the interrupted down"
 
 
+def acted_on_faults(events) -> list[str]:
+    """The job's fault events but a MINOR slow-rank finding: an observation that changes
+    nothing (on CI's 2 loaded cores one rank's compute can lag its peer's for a while)."""
+    return [e.message for e in events if e.type == "fault" and not e.message.startswith("MINOR slow_rank")]
+
+
 def test_ctrl_c_during_down_s_drain_then_resume_or_up_continues_the_job_and_down_again_finishes(stack):
     job = stack.submit(spec("tintr", steps=STEPS, every=1000))
     before = services(stack.home)
@@ -114,7 +122,7 @@ def test_ctrl_c_during_down_s_drain_then_resume_or_up_continues_the_job_and_down
 
     # 2. Interrupted again, then `surgectl up`: the stack is up already; the job continues.
     assert_left_running(interrupted_down(stack, job), before)
-    r = cli(stack.home, "up", "--workers", "2", env=ENV, timeout=180)
+    r = cli(stack.home, "up", "--workers", "2", env=stack.env, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "the stack is already up" in r.stdout and f"drained job {job} continues at step" in r.stdout, r.stdout
     assert {n: s["pid"] for n, s in services(stack.home).items()} == {n: s["pid"] for n, s in before.items()}
@@ -127,13 +135,13 @@ def test_ctrl_c_during_down_s_drain_then_resume_or_up_continues_the_job_and_down
     r = cli(stack.home, "down", timeout=180)
     assert r.returncode == 0 and f"{job}: PAUSED at step " in r.stdout, r.stdout + r.stderr
     assert not any(alive(s["pid"]) for s in before.values())
-    r = cli(stack.home, "up", "--workers", "2", env=ENV, timeout=180)
+    r = cli(stack.home, "up", "--workers", "2", env=stack.env, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"drained job {job}" in r.stdout and "continues" not in r.stdout, r.stdout
 
     end = stopped_after_training_on(stack, job)
     events = stack.events(job, timeout=60)
-    assert not [e.message for e in events if e.type == "fault"]
+    assert not acted_on_faults(events)
     log = [e.message for e in events]
     assert sum("the drain is undone" in m for m in log) >= 2, log  # (rounds 1 and 2)
     steps = [r["step"] for r in stack.step_records(job) if r["rank"] == 0]
@@ -162,11 +170,11 @@ def test_down_force_then_up_continues_from_the_newest_checkpoint_with_no_fault_a
     wait_for("a checkpoint", lambda: stack.status(job).checkpoint_step >= 10)
     r = cli(stack.home, "down", "--force", timeout=120)
     assert r.returncode == 0 and f"{job}: parked at step " in r.stdout, r.stdout + r.stderr
-    r = cli(stack.home, "up", "--workers", "2", env=ENV, timeout=180)
+    r = cli(stack.home, "up", "--workers", "2", env=stack.env, timeout=180)
     assert r.returncode == 0 and f"drained job {job}" in r.stdout, r.stdout + r.stderr
     stopped_after_training_on(stack, job)
     events = stack.events(job, timeout=60)
-    assert not [e.message for e in events if e.type == "fault"]
+    assert not acted_on_faults(events)
     log = [e.message for e in events]
     assert any(m.startswith("RUNNING -> PAUSED: forced down by the operator at step") for m in log), log
     assert not any("worker_lost" in m or "restart_ranks" in m for m in log), log
@@ -178,7 +186,7 @@ def test_after_a_kill_of_control_or_of_every_service_status_says_up_which_starts
     wait_for("control gone", lambda: not alive(before["control"]["pid"]), timeout=10)
     r = cli(stack.home, "status")
     assert r.returncode == 1 and "is down (its process is gone" in r.stderr and "`surgectl up`" in r.stderr, r.stderr
-    r = cli(stack.home, "up", env=ENV, timeout=180)
+    r = cli(stack.home, "up", env=stack.env, timeout=180)
     assert r.returncode == 0 and "started again what was down: control" in r.stdout, r.stdout + r.stderr
     after = services(stack.home)
     assert after["control"]["pid"] != before["control"]["pid"]

@@ -1,5 +1,6 @@
 """Operator actions keep every step; submission is atomic (issue 12, parts 7 and 8), on a real
-stack (control on a fixed port, store, data, two node agents, DP=2 jobs as rank processes).
+stack (control on a fixed port, store, data, two node agents, DP=2 jobs as rank processes): the
+one the group cli-two-workers shares (tests/conftest.py STACK_GROUPS, tests/shared_stacks.py).
 
 - `surgectl stop` checkpoints the boundary step; `surgectl resume` continues the STOPPED job
   from it and ends with the final parameters of an uninterrupted run.
@@ -9,7 +10,7 @@ stack (control on a fixed port, store, data, two node agents, DP=2 jobs as rank 
   starts nothing; a submit that fails after its ranks were launched (control's journal
   refuses the record, injected) leaves no rank process and no job, and the next submit of
   the same size is placed.
-Every process of the stack and of its jobs is killed by PID at the end (running_stack).
+Every process of the stack and of its jobs is killed by PID when the group ends (running_stack).
 
 The interrupted jobs are held to PACE a step once they reached the step the test waits for
 (``SURGE_FAULT_INJECT`` ``slow_steps``), so that the stop, the drain or the kill finds them
@@ -28,8 +29,8 @@ import torch
 
 from services.contract import control_pb2
 from services.rank.faults import lift_pace
-from tests.conftest import free_ports, kill_all, processes_with
-from tests.faults.test_recovery import cli, final_state, running_stack, spec
+from tests.conftest import kill_all, processes_with
+from tests.faults.test_recovery import cli, final_state, spec
 from tests.test_jobspec_ranges import spec_with
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -41,15 +42,11 @@ STEPS = 60
 # a `surgectl stop` on a loaded host had started).
 PACE, STOP_AT, CRASH_AT = 2.0, 20, 25
 PACED = {"tstopres": STOP_AT + 1, "tdrain": STOP_AT + 1, "tcrash": CRASH_AT + 1}
-CONTROL_PORT = free_ports(1)[0]
-ENV = {
-    "SURGE_CONTROL_PORT": str(CONTROL_PORT),
-    "SURGE_CONTROL_FAULT_INJECT": "tjournal:journal_record",
-    "SURGE_FAULT_INJECT": ",".join(
-        ["tfail:nan_loss@12"]  # (fires once per job and rank, across relaunches)
-        + [f"{job}:slow_steps@{at}:rank={r}:seconds={PACE:g}" for job, at in PACED.items() for r in (0, 1)]
-    ),
-}
+INJECT = ",".join(
+    ["tfail:nan_loss@12"]  # (fires once per job and rank, across relaunches)
+    + [f"{job}:slow_steps@{at}:rank={r}:seconds={PACE:g}" for job, at in PACED.items() for r in (0, 1)]
+)
+STACK_ENV = {"SURGE_CONTROL_FAULT_INJECT": "tjournal:journal_record"}  # (control's, keyed by job name)
 JOBS = ("tref", "tshort", "tstopres", "tfail", "tdrain", "trange", "tjournal", "tafter", "tcrash")
 # The failed job saves every 5 steps (a version committed before its NaN at step 12 whatever
 # the load): over STEPS that was 80 saves, 30 s of a CI run; resumed and compared over
@@ -58,9 +55,9 @@ FAILED_STEPS = 40
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    with running_stack(tmp_path_factory.mktemp("surge-operator"), ("json",), JOBS, env=ENV) as s:
-        yield s
+def stack(shared_stack):
+    """This module's turn on the stack its group shares (tests/shared_stacks.py); its jobs: JOBS."""
+    return shared_stack
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +242,7 @@ def test_down_drains_a_running_job_and_up_resumes_it_bit_identical(stack, refere
     wait_no_ranks(job, timeout=15)
     lift(stack, job)
 
-    r = cli(stack.home, "up", "--workers", "2", env=ENV, timeout=180)
+    r = cli(stack.home, "up", "--workers", "2", env=stack.env, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"resumed drained job {job} from checkpoint {job}:1" in r.stdout, r.stdout + r.stderr
     events = stack.events(job, timeout=300)
@@ -276,7 +273,7 @@ def test_up_after_a_kill_9_of_every_service_continues_the_running_job_bit_identi
         assert time.monotonic() - t0 < 10, "a SIGKILLed service is still there"
         time.sleep(0.05)
     lift(stack, job)
-    r = cli(stack.home, "up", "--workers", "2", env=ENV, timeout=180)
+    r = cli(stack.home, "up", "--workers", "2", env=stack.env, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     events = stack.events(job, timeout=300)
     assert (events[-1].status.state, events[-1].status.outcome) == (JobState.TERMINATED, JobOutcome.FINISHED), (

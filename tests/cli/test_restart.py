@@ -1,7 +1,9 @@
 """Operating a running stack across a control restart, on real processes.
 
 One stack (control on the port fixed by SURGE_CONTROL_PORT, store, data, two node agents,
-DP=2 jobs as real rank processes) serves the module. `surgectl events --follow` and
+DP=2 jobs as real rank processes) serves the module: the one the group cli-two-workers
+shares (tests/conftest.py STACK_GROUPS, tests/shared_stacks.py); its last test takes it down
+(the group's turn starts it again for the next module). `surgectl events --follow` and
 `surgectl logs --follow` started before control is SIGKILLed and started again on its port
 print every event and every rank line exactly once and exit 0 when the job ends, and one
 bounded by ``--reconnect-seconds`` gives up saying so; `surgectl restart control` brings a
@@ -32,9 +34,9 @@ import pytest
 
 from services.contract import control_pb2
 from services.rank.faults import lift_pace
-from tests.conftest import REPO, free_ports, processes_of_home, processes_with
+from tests.conftest import REPO, processes_of_home, processes_with
 from tests.faults.test_control_restart import restart_control
-from tests.faults.test_recovery import SURGECTL, cli, finished, running_stack, spec
+from tests.faults.test_recovery import SURGECTL, cli, finished, spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -42,17 +44,20 @@ STEPS, EVERY = 60, 20
 # Steps 6..STEPS paced: at least 110 s, more than any restart here takes (`surgectl restart`
 # waits 120 s at most), until the test lifts it.
 PACE = 2.0
-PACED = ",".join(f"{job}:slow_steps@6:rank={r}:seconds={PACE:g}" for job in ("cfollow", "crestart") for r in (0, 1))
+INJECT = ",".join(f"{job}:slow_steps@6:rank={r}:seconds={PACE:g}" for job in ("cfollow", "crestart") for r in (0, 1))
 JobOutcome = control_pb2.JobOutcome
-CONTROL_PORT = free_ports(1)[0]
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    home = tmp_path_factory.mktemp("surge-cli-restart")
-    env = {"SURGE_CONTROL_PORT": str(CONTROL_PORT), "SURGE_FAULT_INJECT": PACED}
-    with running_stack(home, ("json",), ("cfollow", "crestart"), env=env) as s:
-        yield s
+def stack(shared_stack):
+    """This module's turn on the stack its group shares (tests/shared_stacks.py); its jobs:
+    cfollow, crestart."""
+    return shared_stack
+
+
+def control_port(stack) -> int:
+    """The port the group's stack fixed for control (SURGE_CONTROL_PORT)."""
+    return int(stack.env["SURGE_CONTROL_PORT"])
 
 
 def lift(stack, job: str) -> None:
@@ -103,7 +108,7 @@ def cmdline(pid: int) -> list[str]:
 
 
 def test_up_puts_control_on_the_port_of_SURGE_CONTROL_PORT(stack):
-    assert services(stack.home)["control"]["port"] == CONTROL_PORT
+    assert services(stack.home)["control"]["port"] == control_port(stack)
 
 
 @contextlib.contextmanager
@@ -194,7 +199,7 @@ def test_events_and_logs_follow_print_everything_once_across_a_sigkill_of_contro
                 assert events.poll() is None and logs.poll() is None
                 r = cli(home, "restart", "control")  # its process is gone: nothing to stop, start it again
                 assert r.returncode == 0, r.stdout + r.stderr
-                assert f"pid {dead} -> " in r.stdout and services(home)["control"]["port"] == CONTROL_PORT
+                assert f"pid {dead} -> " in r.stdout and services(home)["control"]["port"] == control_port(stack)
             else:
                 assert events.poll() is None and logs.poll() is None
                 restart_control(home, argv)
@@ -238,7 +243,7 @@ def test_restart_control_under_a_running_job_then_down_leaves_no_process(stack, 
         old, new = before["control"]["pid"], after["control"]["pid"]
         assert f"pid {old} -> {new}" in r.stdout
         assert not running(old) and running(new)
-        assert after["control"]["port"] == CONTROL_PORT
+        assert after["control"]["port"] == control_port(stack)
         argv = cmdline(new)
         assert (
             argv[argv.index("--host") + 2 :] == after["control"]["args"] == before["control"]["args"]

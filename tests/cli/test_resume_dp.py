@@ -10,7 +10,15 @@ position kept): it finishes, its status and events say dp 1 on a world of 1, and
 after the resume has the token count and the loss (to 1e-5, relative) of an uninterrupted
 dp 2 run's same step; `surgectl spec JOB` shows the new layout, and a `submit --dry-run`
 reads the dataset from the running data service and submits nothing. Every process of the
-stack is killed by PID at the end (running_stack).
+stack is killed by PID when its group ends (running_stack).
+
+The same stack (two one-slot workers: a dp 2 job fills it) serves priority preemption (issue 30
+item 2): a priority-0 dp 2 job is preempted by a priority-5 dp 2 job; it checkpoints at an
+agreed boundary, waits PREEMPTED, comes back by itself once the preemptor finished, with no
+fault and no restart spent, and its losses are the uninterrupted run's bit for bit.
+
+The stack is the one the group cli-two-workers shares (tests/conftest.py STACK_GROUPS,
+tests/shared_stacks.py), the first module on it.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import pytest
 from services.contract import control_pb2
 from services.jobspec import parse_job_spec
 from services.rank.faults import lift_pace
-from tests.faults.test_recovery import cli, running_stack, spec
+from tests.faults.test_recovery import cli, spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -33,15 +41,27 @@ JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 # step 4 on (``SURGE_FAULT_INJECT`` ``slow_steps``) until it stopped, so that it stops well
 # before its end whatever the machine's speed; the resumed job runs at its own speed.
 STEPS, PACE = 30, 2.0
-PACED = ",".join(f"tdp:slow_steps@4:rank={r}:seconds={PACE:g}" for r in (0, 1))
+INJECT = ",".join(f"{job}:slow_steps@4:rank={r}:seconds={PACE:g}" for job in ("tdp", "tplow") for r in (0, 1))
+# (the preempted job may be preempted after a second of running: control's env, the whole stack's)
+STACK_ENV = {"SURGE_PREEMPTION_MIN_RUN_SECONDS": "1"}
 RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    home = tmp_path_factory.mktemp("surge-resume-dp")
-    with running_stack(home, ("json",), ("tdpref", "tdp"), env={"SURGE_FAULT_INJECT": PACED}) as s:
-        yield s
+def stack(shared_stack):
+    """This module's turn on the stack its group shares (tests/shared_stacks.py); its jobs:
+    tdpref, tdp, tplow, tphigh."""
+    return shared_stack
+
+
+@pytest.fixture(scope="module")
+def reference(stack) -> dict[int, dict]:
+    """Rank 0's step records of an uninterrupted dp 2 run (the spec every test here compares with)."""
+    ref = stack.submit(spec("tdpref", steps=STEPS, every=1000))
+    assert stack.events(ref)[-1].status.outcome == JobOutcome.FINISHED
+    records = rank0(stack, ref)
+    assert sorted(records) == list(range(1, STEPS + 1))
+    return records
 
 
 def rank0(stack, job_id: str) -> dict[int, dict]:
@@ -57,12 +77,7 @@ def wait_state(stack, job_id: str, state: int, timeout: float = 120) -> control_
     return s
 
 
-def test_a_stopped_dp2_job_resumes_at_dp1_with_the_same_global_batches_and_losses(stack):
-    ref = stack.submit(spec("tdpref", steps=STEPS, every=1000))
-    assert stack.events(ref)[-1].status.outcome == JobOutcome.FINISHED
-    reference = rank0(stack, ref)
-    assert sorted(reference) == list(range(1, STEPS + 1))
-
+def test_a_stopped_dp2_job_resumes_at_dp1_with_the_same_global_batches_and_losses(stack, reference):
     job = stack.submit(spec("tdp", steps=STEPS, every=1000))
     stack.wait_step(job, 3)
     stack.stub.StopJob(control_pb2.StopJobRequest(job_id=job), timeout=10)  # (at once: no CLI start-up)
@@ -117,11 +132,12 @@ def test_a_stopped_dp2_job_resumes_at_dp1_with_the_same_global_batches_and_losse
     assert effective.steps == STEPS and effective.name == "tdp"
     # A dry run with the stack up reads the dataset from the data service; submits nothing.
     (stack.home / "tdp.yaml").write_text(spec("tdp", steps=STEPS, every=1000))
+    jobs = len(stack.stub.ListJobs(control_pb2.JobQuery(), timeout=10).jobs)
     dry = cli(stack.home, "submit", str(stack.home / "tdp.yaml"), "--set", "steps=7", "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert "# dataset tiny@v1 (the data service at 127.0.0.1:" in dry.stdout, dry.stdout
     assert parse_job_spec(dry.stdout, "dry-run.yaml").steps == 7
-    assert len(stack.stub.ListJobs(control_pb2.JobQuery(), timeout=10).jobs) == 2
+    assert len(stack.stub.ListJobs(control_pb2.JobQuery(), timeout=10).jobs) == jobs
 
     ours = rank0(stack, job)
     assert sorted(ours) == list(range(1, STEPS + 1)), "a step lost or repeated across the stop and the resume"
@@ -131,3 +147,49 @@ def test_a_stopped_dp2_job_resumes_at_dp1_with_the_same_global_batches_and_losse
     worst = max(abs(ours[s]["loss"] - reference[s]["loss"]) / abs(reference[s]["loss"]) for s in after)
     print(f"resumed at dp 1 x grad_accum 2 from step {at}: max relative loss difference {worst:.2e}")
     assert worst <= RTOL
+
+
+@pytest.mark.timeout(480)
+def test_a_preempted_dp2_job_comes_back_by_itself_with_its_losses_bit_identical(stack, reference):
+    low = stack.submit(spec("tplow", steps=STEPS, every=1000))
+    stack.wait_step(low, 3)  # (paced from step 4: still running when the preemptor comes)
+    submitted = time.time()
+    request = control_pb2.SubmitJobRequest(spec_yaml=spec("tphigh", steps=5, every=1000), priority=5)
+    high = stack.stub.SubmitJob(request, timeout=30).job_id
+    t0 = time.monotonic()
+    while not ((s := stack.status(low)).state == JobState.STANDBY and s.preempted_by == high):
+        assert time.monotonic() - t0 < 120, f"{low} is {JobState.Name(s.state)}: {s.message}"
+        time.sleep(0.05)
+    assert s.outcome == JobOutcome.OUTCOME_UNSPECIFIED and s.message.startswith(f"queued: PREEMPTED by job {high}")
+    lift_pace(stack.home / "run" / "faults", low)
+    stack.wait_step(high, 1)
+    to_first_step = time.time() - submitted
+    high_events = stack.events(high)
+    assert high_events[-1].status.outcome == JobOutcome.FINISHED
+    high_end = high_events[-1].unix_time
+    events = stack.events(low, timeout=300)
+    end = events[-1].status
+    assert (end.state, end.outcome, end.step) == (JobState.TERMINATED, JobOutcome.FINISHED, STEPS), end.message
+    messages = [e.message for e in events]
+    # (the released ranks' SIGKILL is their end, type rank: no fault, no decision, no budget spent)
+    faults = [e.message for e in events if e.type == "fault" and "rank_released" not in e.message]
+    assert faults == [], faults
+    assert [m for m in messages if " after " in m and m.startswith(("restart", "rebuild"))] == []
+    (resumed,) = [i for i, e in enumerate(events) if e.type == "decision" and e.message.startswith("resume STANDBY")]
+    assert f"(preempted by job {high})" in messages[resumed] and "restart budgets kept" in messages[resumed]
+    at = int(messages[resumed].split("(step ", 1)[1].split(")", 1)[0])
+    # (training again: its ranks' start; a step is journaled once a second, and the rest of
+    # the run, unpaced, may take less)
+    back = next(
+        e.unix_time for e in events[resumed:] if e.type == "step" or e.message.startswith("WARMING_UP -> RUNNING")
+    )
+    records = [r for r in stack.step_records(low) if r["rank"] == 0]
+    lost = len(records) - len({r["step"] for r in records})  # (a step run again after the resume)
+    print(
+        f"preempted at step {at}: {lost} steps lost; the preemptor's first step {to_first_step:.1f} s after its "
+        f"submit; the victim's first step again {back - high_end:.1f} s after the preemptor's end"
+    )
+    # Every step once: those up to the boundary before, the rest after the resume (none redone).
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), [r["step"] for r in records]
+    ours = rank0(stack, low)
+    assert [ours[s]["loss"] for s in range(1, STEPS + 1)] == [reference[s]["loss"] for s in range(1, STEPS + 1)]

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 
+import grpc
 import pytest
 
 from services.cli import stack
@@ -148,3 +149,65 @@ def test_a_surge_home_that_is_not_a_directory_is_one_line_and_exit_2(tmp_path, a
         )
         assert r.returncode == 2, r.stdout + r.stderr
         assert r.stderr.strip() == f"error: SURGE_HOME: {home} is not a directory{extra}", r.stderr
+
+
+def test_a_tokens_file_given_to_up_is_kept_by_restart_and_remembered_across_down(surge_home, tmp_path, monkeypatch):
+    """Per-team access never opens silently: `up --tokens` records the file in the store's and
+    control's command lines (a `restart` without SURGE_TOKENS_FILE keeps it), and an `up` after
+    `down` with no tokens file is refused naming it, unless `--no-tokens` says so."""
+    from services.cli import clients, stack_access
+    from services.common.access import entry_line
+    from services.common.pids import pid_alive
+    from services.contract import control_pb2
+
+    monkeypatch.delenv("SURGE_TOKENS_FILE", raising=False)
+    monkeypatch.delenv("SURGE_AUTH_TOKEN", raising=False)
+    path = tmp_path / "tokens.yaml"
+    path.write_text("principals:\n" + entry_line("root", "ops", "admin", "tok-root") + "\n")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("principals: 7\n")
+    pids = []
+    try:
+        with pytest.raises(CliError) as e:
+            stack.up(num_workers=1, tokens=str(bad))
+        assert e.value.code == 2 and str(bad) in str(e.value) and stack.read_stack() is None
+        procs = stack.up(num_workers=1, tokens=str(path))
+        pids += [p.pid for p in procs.values()]
+        for name in ("store", "control"):
+            assert procs[name].args[-2:] == ["--tokens", str(path)]
+        _, new = stack.restart("control")  # (no SURGE_TOKENS_FILE in this environment)
+        pids.append(new.pid)
+        assert f"--tokens\0{path}" in open(f"/proc/{new.pid}/cmdline").read()
+        with clients.stub("control") as ctl, pytest.raises(grpc.RpcError) as refused:
+            ctl.ListJobs(control_pb2.JobQuery(), timeout=10)  # no token: this control checks them
+        assert refused.value.code().name == "UNAUTHENTICATED"
+        # `up` over the running stack asked to change its access: refused, nothing changed.
+        running = stack.read_stack()
+        for asked, open_stack, says in ((None, True, f"checks tokens from {path}"), (str(bad), False, "--tokens")):
+            with pytest.raises(stack.StackRunning) as up_again:
+                stack.up(num_workers=1, tokens=asked, open_stack=open_stack)
+            with pytest.raises(CliError) as e:
+                stack_access.check_running(up_again.value.procs, asked, open_stack)
+            assert e.value.code == 2 and says in str(e.value) and "nothing was changed" in str(e.value)
+        stack_access.check_running(running, str(path), False)  # (the same file: nothing to refuse)
+        # A tokens file broken by an edit: `restart control` refuses before stopping it.
+        path.write_text("principals: [oops\n")
+        with pytest.raises(CliError) as e:
+            stack.restart("control")
+        assert e.value.code == 2 and str(path) in str(e.value) and "control was not stopped" in str(e.value)
+        assert stack.read_stack()["control"].pid == new.pid and pid_alive(new.pid)
+        path.write_text("principals:\n" + entry_line("root", "ops", "admin", "tok-root") + "\n")
+        stack.down()
+        with pytest.raises(CliError) as e:
+            stack.up(num_workers=1)
+        assert e.value.code == 2 and f"checked tokens from {path}" in str(e.value) and "--no-tokens" in str(e.value)
+        assert stack.read_stack() is None  # nothing was started
+        procs = stack.up(num_workers=1, open_stack=True)
+        pids += [p.pid for p in procs.values()]
+        assert all("--tokens" not in p.args for p in procs.values())
+        stack.down()
+        procs = stack.up(num_workers=1)  # open is remembered too: no refusal now
+        pids += [p.pid for p in procs.values()]
+    finally:
+        stack.down()
+        kill_all(pids)

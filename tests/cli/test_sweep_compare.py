@@ -177,6 +177,8 @@ def test_sweep_and_tag_refusals_before_anything_is_sent(tmp_path, monkeypatch):
         (["sweep", str(spec), "--grid", "optimizer.lr=1e-3,1e-3"], "1e-3 given twice"),
         (["sweep", str(spec), "--grid", "optimizer.lr=1e-3", "--set", "optimizer.lr=2e-3"], "both --set and swept"),
         (["sweep", str(spec), "--grid", "name=a,b"], "name is not swept"),
+        (["sweep", str(spec), "--grid", "nosuch.key=1,2"], "--grid nosuch.key: nosuch: unknown key"),
+        (["sweep", str(spec), "--random", "optimizer.lrr=1e-4:1e-2:log"], "--random optimizer.lrr: optimizer.lrr"),
         (["sweep", str(spec), "--grid", "optimizer.lr=1e-3,2e-3"], "never evaluates"),
         (["tag", "j", "a=1", "--remove", "a"], "TAGS: a both set and removed"),
         (["note", "j", "  "], "TEXT: the note is empty"),

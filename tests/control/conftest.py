@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import textwrap
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -184,3 +185,18 @@ def served_control(db: Path, monkeypatch) -> Iterator[tuple[Control, control_pb2
     finally:
         server.stop(grace=0)
         stop_plane(plane)
+
+
+def launched(sessions: dict, count: int, timeout: float = 10.0) -> dict[str, list]:
+    """Every command the sessions (worker id -> session) got until ``count`` launches came
+    (a relaunch is placed once its release went, after its decision's journal commit: on
+    another thread)."""
+    got: dict[str, list] = {w: [] for w in sessions}
+    deadline = time.monotonic() + timeout
+    while True:
+        for w, session in sessions.items():
+            got[w] += drain(session)
+        if sum(c.WhichOneof("command") == "launch" for cmds in got.values() for c in cmds) >= count:
+            return got
+        assert time.monotonic() < deadline, {w: kinds(c) for w, c in got.items()}
+        time.sleep(0.02)

@@ -21,8 +21,19 @@ from services.control.orchestrator.activity import (
     admit,
     begin,
     end,
+    idle,
+    ready_for,
 )
-from services.control.orchestrator.job import _Incident, _Job, _Reload, _Resume, _runtime, _Scale
+from services.control.orchestrator.job import (
+    _Incident,
+    _Job,
+    _load_runtime,
+    _Recovered,
+    _Reload,
+    _Resume,
+    _runtime,
+    _Scale,
+)
 from services.jobspec import at_data_parallel_size, parse_job_spec
 
 from .conftest import spec_yaml
@@ -134,3 +145,62 @@ def test_end_leaves_a_successor() -> None:
     begin(j, reload())
     end(j)
     assert j.activity is None
+
+
+def test_a_resizes_or_rollbacks_pause_in_flight_is_its_activitys() -> None:
+    """``pending`` names the boundary command in flight: the operator's pause or stop is set
+    on the job; a resize's or a rollback's pause is read from the slot (its phase), so it ends
+    with it: superseded by a recovery, or moved on once every rank paused."""
+    j = job()
+    begin(j, scale())  # (phase "pausing" until every rank paused)
+    assert j.pending == "scale"
+    runtime = _runtime(j)
+    assert runtime["pending"] == "scale"  # (the journal's form is unchanged)
+    begin(j, incident())  # a fault supersedes the resize: its pause is no longer in flight
+    assert j.pending == ""
+    begin(j, _Reload("j:20", 20))
+    assert j.pending == "reload"
+    j.activity = _Reload("j:20", 20, phase="loading")  # (every rank paused: it loads)
+    assert j.pending == ""
+    j.pending = "stop"  # the operator's
+    assert (j.pending, j.boundary) == ("stop", "stop")
+    with pytest.raises(ValueError, match="only a pause or a stop"):
+        j.pending = "scale"
+
+
+def test_a_restored_resize_pause_comes_back_from_its_activity() -> None:
+    """A journal (of this control or an older one) that says "scale" in flight restores it
+    through the resize it holds, not as a second record of it."""
+    j = job()
+    begin(j, scale())
+    runtime = _runtime(j)
+    restored = job()
+    _load_runtime(restored, runtime)
+    assert (restored.boundary, restored.pending) == ("", "scale")
+    assert isinstance(restored.activity, _Scale) and restored.activity.phase == "pausing"
+
+
+@pytest.mark.parametrize(
+    "ask",
+    [incident(), ScaleAsk(2), ReloadAsk("j:20"), ResumeAsk(), PauseAsk(), StopAsk(), ForceDownAsk()],
+    ids=lambda a: type(a).__name__,
+)
+def test_a_recovery_awaiting_its_first_step_is_idle_to_every_ask(ask) -> None:
+    """``recovered`` is in the slot (the incident's last phase, ``_Recovered``), and nothing
+    asked meanwhile is refused for it: it starts (a fault: no recovery to supersede)."""
+    admission = admit("j", _Recovered(incident()), ask)
+    assert (admission.verdict, admission.reason, admission.previous) == (START, "", None)
+
+
+def test_a_recovered_job_awaits_its_first_step_in_the_slot_and_whatever_starts_replaces_it() -> None:
+    j = job()
+    fault = incident()
+    begin(j, _Recovered(fault))
+    assert j.recovered is fault and idle(j) and ready_for(j.activity) == "started"
+    assert (j.incident, j.scale, j.reload, j.pending, j.resuming) == (None, None, None, "", False)
+    assert _runtime(j)["incident"] is None  # (not journaled: a restarted control awaits no first step)
+    begin(j, scale())  # (a resize asked before the first step: it starts)
+    assert j.recovered is None and not idle(j)
+    begin(j, _Recovered(fault))
+    end(j, _Recovered)  # (its first step came)
+    assert j.recovered is None and j.activity is None and idle(j)

@@ -1,5 +1,5 @@
 """Control's cluster gauges (services/control/cluster_metrics.py): jobs by state, the queue's
-length and wait, and each worker's slots used and free, read from the published views when
+length and wait, each worker's slots used and free and its devices, read from the published views when
 scraped; and the job-end webhook (services/control/webhooks.py): one POST per job ending
 FINISHED or FAILED, received by a local HTTP server, a failed one counted, never retried."""
 
@@ -41,7 +41,7 @@ def jobs_by_state() -> dict[str, float]:
 
 def test_jobs_by_state_queue_length_and_wait_and_slots_per_worker_are_scraped_from_the_published_views(plane):
     wa = plane.register("wa", slots=1)
-    wb = plane.register("wb", slots=2)
+    wb = plane.register("wb", slots=2, cuda=2)
     a = submit(plane, "a", dp=2)  # wa's slot and one of wb's
     b, c = submit(plane, "b", dp=3), submit(plane, "c", dp=1)  # b needs every slot; c waits behind it
     assert (b.queue_position, c.queue_position) == (1, 2)
@@ -58,6 +58,12 @@ def test_jobs_by_state_queue_length_and_wait_and_slots_per_worker_are_scraped_fr
     assert 0 <= got[("surge_queue_wait_seconds", ())] < 5
     slots = {dict(k[1])["worker_id"] + ":" + dict(k[1])["kind"]: v for k, v in got.items() if k[0] == "surge_slots"}
     assert slots == {"wa:used": 1, "wa:free": 0, "wb:used": 1, "wb:free": 1}
+    devices = {
+        (dict(k[1])["worker_id"], dict(k[1])["kind"], dict(k[1])["name"]): v
+        for k, v in got.items()
+        if k[0] == "surge_devices"
+    }
+    assert devices == {("wb", "cuda", "H200"): 2}  # (wa registered none: no series)
     time.sleep(1.1)
     assert samples()[("surge_queue_wait_seconds", ())] >= 1.0  # the oldest queued job's wait grows
 

@@ -397,7 +397,8 @@ def test_restart_keeps_jobs_and_the_running_one_waits_for_its_ranks(start_contro
         control.stub.ResumeJob(control_pb2.ResumeJobRequest(job_id=running))
     assert (e.value.code(), e.value.details()) == (
         grpc.StatusCode.FAILED_PRECONDITION,
-        f"job {running} is RUNNING, not PAUSED",
+        f"job {running} is RUNNING, not PAUSED: resume continues a PAUSED job, or relaunches a STOPPED or FAILED "
+        "one from its checkpoint",
     )
     assert control.stop() == 0  # SIGTERM: a clean stop
 

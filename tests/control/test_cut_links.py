@@ -19,7 +19,7 @@ from services.control.fault_detector import DEFAULT_RULES, FaultDetector
 from services.control.fault_detector.links import combine
 from services.control.resource_allocator.slots import _link_probe, _Worker
 from services.jobspec import DEFAULT_CLASS_ACTIONS, FaultPolicySpec, LinksSpec
-from services.worker.link_probe import LinkProber
+from services.worker.link_probe import LinkProber, probe_key
 
 from .conftest import drain
 from .test_fault_detector import Reports
@@ -484,6 +484,27 @@ def test_a_shrink_in_place_drops_the_released_node_from_the_survivors_probe_peer
     assert _probe_updates(drain(sessions["wc"])) == [[]]  # (its rank 2 released: none of the job's links)
 
 
+def test_a_replacement_on_a_node_whose_agent_came_back_at_a_new_address_is_probed_there(plane):
+    # The same worker id, another address (a node agent restarted in a new pod, a host given a
+    # new address): the rank is replaced on its own node, the layout unchanged, but the survivor
+    # probed the old address, which no one answers (the link read degraded, then down).
+    a, b = plane.register("wa"), plane.register("wb")
+    assert list(allocate(plane, "j-n", dp=2).worker_ids) == ["wa", "wb"]
+    (la,) = drain(a)
+    assert [(p.worker_id, p.address) for p in la.launch.link_probe.peers] == [("wb", "127.0.0.1:0")]
+    drain(b)
+    plane.c.sessions.close(b)  # rank 1's agent lost with its ranks...
+    b = plane.register("wb", host="127.0.0.9")  # ...and back at another address
+    assert isinstance(_rebuild_in_place(plane, "j-n", lost_ranks=[1]), control_pb2.ResourcesReady)
+    (launch,) = [c.launch for c in drain(b) if c.WhichOneof("command") == "launch"]
+    assert [r.rank for r in launch.ranks] == [1]  # (on its own node again)
+    updates = [c.launch for c in drain(a) if c.WhichOneof("command") == "launch" and not c.launch.ranks]
+    assert [[(p.worker_id, p.address) for p in u.link_probe.peers] for u in updates] == [[("wb", "127.0.0.9:0")]]
+    # Told once: a second rebuild of the same layout at the same addresses tells it nothing.
+    assert isinstance(_rebuild_in_place(plane, "j-n", lost_ranks=[1]), control_pb2.ResourcesReady)
+    assert _probe_updates(drain(a)) == []
+
+
 def test_a_launch_with_no_ranks_restates_the_agents_probe_peers_and_keeps_its_memory_peer(tmp_path):
     import structlog
 
@@ -652,3 +673,51 @@ def test_a_peer_whose_pings_arrive_but_which_answers_none_is_a_degraded_link_not
         assert [f.state for f in facts] == [DEGRADED], list(facts)
     finally:
         stop.set(), t.join(), a.stop(), b.close()
+
+
+def test_with_the_clusters_secret_probes_carry_a_tag_and_a_host_without_it_is_neither_answered_nor_believed():
+    # a and b hold the secret: their link is up, said by nothing. A stranger's pings are not
+    # answered (no reflection) and its forged pongs for a's pings do not keep a's link to a
+    # silent b up: b is stated down as if the stranger were not there.
+    facts = _Facts()
+    pa, pb = _free_udp_port(), _free_udp_port()
+    key = probe_key("s3cret")
+    assert probe_key(None) is None and probe_key("") is None and probe_key("other") != key
+    a = LinkProber("a", "127.0.0.1", pa, facts.put, _Log(), key=key)
+    b = LinkProber("b", "127.0.0.1", pb, lambda e: None, _Log(), key=key)
+    probe_a = control_pb2.LinkProbe(interval_seconds=0.05, degraded_loss=0.2, down_probes=3)
+    probe_a.peers.add(worker_id="b", address=f"127.0.0.1:{pb}")
+    probe_b = control_pb2.LinkProbe(interval_seconds=0.05, degraded_loss=0.2, down_probes=3)
+    probe_b.peers.add(worker_id="a", address=f"127.0.0.1:{pa}")
+    a.set_peers("j", probe_a), b.set_peers("j", probe_b)
+    stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    stranger.bind(("127.0.0.1", 0))
+    stranger.settimeout(0.3)
+    stop = threading.Event()
+
+    def forge():  # plain pongs and pongs with a made-up tag, for every seq a may have sent
+        seq = 0
+        while not stop.wait(0.01):
+            seq += 1
+            for packet in (b"SGLP1 A %d b" % seq, b"SGLA1 A %d %s b" % (seq, b"0" * 32)):
+                stranger.sendto(packet, ("127.0.0.1", pa))
+
+    a.start(), b.start()
+    t = threading.Thread(target=forge, daemon=True)
+    try:
+        time.sleep(0.8)
+        assert list(facts) == []  # tagged both ways: up
+        stranger.sendto(b"SGLP1 P 1 x", ("127.0.0.1", pa))
+        stranger.sendto(b"SGLA1 P 2 %s x" % (b"f" * 32), ("127.0.0.1", pa))
+        with pytest.raises(socket.timeout):
+            stranger.recvfrom(512)  # neither ping answered
+        t.start()
+        b.stop()  # b silent: only the stranger's forged pongs reach a
+        down = facts.wait_for(lambda f: f.state == DOWN and f.peer_worker_id == "b")
+        assert down.round_trip_loss >= 0.3, down
+        assert a.refused >= 4
+    finally:
+        stop.set()
+        if t.is_alive():
+            t.join()
+        a.stop(), stranger.close()

@@ -166,7 +166,7 @@ def test_a_fatal_device_error_on_an_idle_worker_takes_it_out_of_placement_for_ev
     assert drain(a) == [] and [c.launch.ranks[0].worker_id for c in drain(b)] == ["wb"]
     second = plane.submit(name="two", dp=1)  # wb is full, wa cordoned: nowhere to go
     assert second.state == JobState.STANDBY and drain(a) == []
-    assert "wa unhealthy" in second.message, second.message
+    assert "(wa cordoned: device_error: device 0 of wa" in second.message, second.message
 
 
 def test_the_worker_is_placeable_again_once_its_node_agent_registers_as_a_new_incarnation(plane):

@@ -11,6 +11,7 @@ from services.control.fault_decision import (
     action_of,
     decide,
     give_up,
+    launch_policy,
     no_checkpoint,
     standing_orders,
     wait_seconds,
@@ -478,3 +479,18 @@ def test_a_dataset_shard_changed_under_the_job_pauses_it_naming_the_shard_and_sp
     assert "\n" not in decision.final
     # Stop stays available for data_corrupt (pause is for PAUSE_CLASSES: tests/control/test_data_outage.py).
     assert decide(FaultPolicySpec(actions={"data_corrupt": "stop"}), FRESH, changed).action == "stop"
+
+
+@pytest.mark.parametrize(
+    ("policy", "rebuild_in_place", "hold_on_fault"),
+    [
+        (FaultPolicySpec(), False, False),
+        (FaultPolicySpec(actions={"rank_exit": "rebuild"}), True, False),
+        (FaultPolicySpec(freeze_seconds=30), False, True),
+    ],
+)
+def test_what_the_ranks_are_told_of_the_policy_at_launch(policy, rebuild_in_place, hold_on_fault):
+    told = launch_policy(policy)
+    assert (told["rebuild_in_place"], told["hold_on_fault"]) == (rebuild_in_place, hold_on_fault)
+    assert told["standing_orders"] == standing_orders(policy)
+    assert set(told) <= {f.name for f in engine_pb2.InitJob.DESCRIPTOR.fields}  # (InitJob's fields)

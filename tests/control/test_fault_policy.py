@@ -824,7 +824,11 @@ def test_a_checkpoint_event_says_what_its_save_wrote():
     assert checkpoint_text(base) == "checkpoint J:1 at step 40 (1.5 MB, baseline; 1466208 bytes, 88 files)"
     delta = store_pb2.SaveCompleted(version="J:2", step=80, bytes=1_466_208, files=88, written_bytes=120_000)
     text = checkpoint_text(delta)
-    assert text == "checkpoint J:2 at step 80 (1.5 MB total, 120 KB written, delta; 1466208 bytes, 88 files)"
+    assert (
+        text == "checkpoint J:2 at step 80 (1.5 MB total, 120 KB written (8.2 % new), delta; 1466208 bytes, 88 files)"
+    )
+    most = store_pb2.SaveCompleted(version="J:3", step=90, bytes=10_000_000, files=9, written_bytes=9_970_000)
+    assert "(10 MB total, 10 MB written (99.7 % new), delta;" in checkpoint_text(most)  # (not "10 MB of 10 MB")
     full = store_pb2.SaveCompleted(version="J:4", step=99, bytes=10_000_000, files=9, written_bytes=10_000_000)
     assert (
         checkpoint_text(full)

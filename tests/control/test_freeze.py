@@ -18,7 +18,7 @@ from services.control.orchestrator import IllegalTransition
 from services.jobspec import FaultPolicySpec, JobSpecError, parse_job_spec
 
 from .conftest import Plane, drain, kinds, registration, spec_yaml, stop_plane, to_ranks
-from .test_fault_policy import QUICK, decisions, plane, running, saved, store  # noqa: F401 - fixtures
+from .test_fault_policy import QUICK, REBUILD, commands, decisions, plane, running, saved, store  # noqa: F401
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 pytestmark = pytest.mark.timeout(30)
@@ -36,7 +36,14 @@ def _decision(action: str, fault_class: str = "rank_exit") -> Decision:
         ({"freeze_seconds": 30}, "rollback", "non_finite_loss", False, 30.0),
         ({"freeze_seconds": 30}, "exclude_node", "device_error", False, 30.0),
         ({"freeze_seconds": 30}, "restart_ranks", "rank_exit", True, 0.0),  # a fault during a recovery
-        ({"freeze_seconds": 30}, "rebuild", "rank_exit", False, 0.0),  # the survivors keep their processes
+        # One rule for every recovery that relaunches a rank: in place too (issue 29 item 9's gap).
+        ({"freeze_seconds": 30}, "rebuild", "rank_exit", False, 30.0),
+        ({"freeze_seconds": 30}, "shrink", "worker_lost", False, 30.0),
+        ({"freeze_seconds": 30}, "rebuild", "slow_rank", False, 30.0),  # (slow_rank's replace)
+        ({"freeze_seconds": 30}, "rebuild", "rank_exit", True, 0.0),  # a rank lost during a rebuild
+        ({"freeze_seconds": 30, "freeze_classes": ["rank_exit"]}, "shrink", "worker_lost", False, 0.0),
+        ({"freeze_seconds": 30}, "pause", "rank_oom", False, 0.0),
+        ({"freeze_seconds": 30}, "skip_step", "gradient_overflow", False, 0.0),
         ({"freeze_seconds": 30}, "stop", "rank_exit", False, 0.0),
         ({"freeze_seconds": 30}, "ignore", "rank_exit", False, 0.0),
         ({"freeze_seconds": 30, "freeze_classes": ["rank_stalled"]}, "restart_ranks", "rank_exit", False, 0.0),
@@ -176,3 +183,83 @@ def test_a_held_replica_divergence_is_rolled_back_in_place_once_thawed(plane, st
     plane.user(control_pb2.ResumeJobRequest(job_id=job_id, thaw_only=True))
     (reload,) = [to_ranks(c) for c in drain(w["wa"])]
     assert reload.reload_version == v1
+
+
+def test_a_rebuild_in_place_is_held_too_then_thaws_its_survivors_and_replaces_the_lost_rank(plane, store):  # noqa: F811
+    extra = REBUILD.replace("worker_lost: rebuild}", "worker_lost: rebuild}, freeze_seconds: 30")
+    job_id, w = running(plane, "wa", "wb", "wc", dp=3, extra=extra)
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+
+    s = plane.get(job_id)
+    assert s.state == JobState.FAULT_FROZEN
+    assert "then rebuild runs; `surgectl thaw" in s.message, s.message
+    assert decisions(plane, job_id) == [
+        "rebuild after rank_exit of rank 1 on wb (restart 1 of 3 for rank_exit); survivors keep training, "
+        "rank 1 is replaced and heals from a live peer"
+    ]
+    # Only the hold: no replacement launched, no rendezvous, the survivors alive and idle.
+    held = {n: [to_ranks(c) for c in drain(w[n])] for n in ("wa", "wc")}
+    assert all(len(v) == 1 and isinstance(v[0], engine_pb2.FreezeTraining) and not v[0].thaw for v in held.values())
+    assert kinds(drain(w["wb"])) in ([], ["FreezeTraining"])  # (the lost rank's node)
+    # A survivor's broken group during the hold is a consequence, decided on no more.
+    broken = engine_pb2.ParallelTopologyError(rank=0, fault_class="comm_error", detail="Connection closed by peer")
+    broken.failure.cause = 7  # FAILURE_COMMUNICATION
+    plane.rank_event(w["wa"], job_id, 0, broken=broken)
+    assert len(decisions(plane, job_id)) == 1
+
+    plane.user(control_pb2.ResumeJobRequest(job_id=job_id, thaw_only=True))
+    assert decisions(plane, job_id)[1] == "thawed by the operator: rebuild after rank_exit of rank 1 runs now"
+    on_a, on_b, on_c = commands(w["wa"]), commands(w["wb"]), commands(w["wc"])
+    # The survivors get the rebuild's rendezvous and are thawed (in either order: the thaw goes
+    # after the decision's journal write); neither is killed.
+    thaws = [to_ranks(c) for c in drain(w["wa"])]  # (none left: `commands` drained them)
+    for on in (on_a, on_c):
+        assert sorted(m for _, m in on) == ["FreezeTraining", "RebuildParallelGroup"], on
+    assert not thaws and "release" not in [k for k, _ in on_a + on_c]
+    assert [k for k, _ in on_b if k != "routed"] == ["release", "launch"], on_b
+    launch = [m for k, m in on_b if k == "launch"][0]
+    assert [r.rank for r in launch.ranks] == [1] and launch.init.heal_from_peer
+
+
+def test_a_slow_rank_replaced_under_a_hold_is_frozen_alive_until_the_hold_runs_out(plane, store):  # noqa: F811
+    from .test_slow_rank_policy import beats
+
+    extra = "liveness: {attribution_seconds: 0}\nfault_policy: {actions: {slow_rank: replace}, freeze_seconds: 0.3}"
+    job_id, w = running(plane, "wa", "wb", "wc", extra=extra)
+    beats(plane, {0: w["wa"], 1: w["wb"]}, job_id, {0: 0.1, 1: 0.3}, steps=10)
+    assert decisions(plane, job_id)[0].startswith("replace after slow_rank of rank 1 on wb")
+    # Both ranks held, the slow one included (alive: the one an operator would py-spy).
+    assert kinds(drain(w["wa"])) == ["FreezeTraining"] and kinds(drain(w["wb"])) == ["FreezeTraining"]
+    deadline, on_a, on_b = time.monotonic() + 10, [], []
+    while (len(on_a) < 3 or not any(k == "release" for k, _ in on_b)) and time.monotonic() < deadline:
+        on_a, on_b = on_a + commands(w["wa"]), on_b + commands(w["wb"])
+        time.sleep(0.05)
+    assert decisions(plane, job_id)[1] == "the hold for inspection ran out: rebuild after slow_rank of rank 1 runs now"
+    # The survivor: thawed (it steps on, then rebuilds), its new probe peers (wc), the rendezvous.
+    assert sorted(k if k != "routed" else m for k, m in on_a) == ["FreezeTraining", "RebuildParallelGroup", "launch"]
+    release = [m for k, m in on_b if k == "release"][0]
+    assert list(release.ranks) == [1] and release.kill
+    launched = [m for k, m in commands(w["wc"]) if k == "launch"]
+    assert [r.rank for r in launched[0].ranks] == [1]
+
+
+def test_an_ignored_replica_divergence_lets_the_waiting_ranks_go_on(plane, store):  # noqa: F811
+    # The ranks wait in their loop for the decision on a divergence (issue 29 items 3 and 9): an
+    # ignore used to leave them there for good, the job RUNNING with its step frozen.
+    extra = QUICK + "\nintegrity: {replica_check_every_steps: 4}\nfault_policy: {actions: {replica_divergence: ignore}}"
+    job_id, w = running(plane, "wa", "wb", extra=extra)
+    detail = "data-parallel replicas differ after step 8 in tok_emb.weight: dp ranks 0, 1 differ"
+    for rank, session in ((0, w["wa"]), (1, w["wb"])):
+        failed = engine_pb2.TrainingLoopFailed(step=8, fault_class="replica_divergence", detail=detail)
+        plane.rank_event(session, job_id, rank, failed=failed)
+    assert decisions(plane, job_id)[0].startswith("ignore replica_divergence of rank 0")
+    assert plane.get(job_id).state == JobState.RUNNING
+    deadline, got = time.monotonic() + 10, []
+    while not got and time.monotonic() < deadline:  # (after the decision's journal write)
+        got += [to_ranks(c) for c in drain(w["wa"])]
+        time.sleep(0.05)
+    time.sleep(0.3)
+    got += [to_ranks(c) for c in drain(w["wa"])]
+    assert len(got) == len(decisions(plane, job_id)), (got, decisions(plane, job_id))  # one per report decided
+    assert got and all(isinstance(m, engine_pb2.ResumeTraining) and m.go_on_at_step == 8 for m in got), got
+    assert not any(m.reload_version or m.rebuild for m in got)

@@ -274,7 +274,9 @@ def test_the_store_answer_arriving_as_an_event_reaches_the_waiting_resume(plane,
 
 def test_a_finished_or_running_job_is_not_resumed(plane, store):
     job_id, a, b = running_job(plane, steps=3)
-    with pytest.raises(IllegalTransition, match=f"^job {job_id} is RUNNING, not PAUSED$"):
+    with pytest.raises(
+        IllegalTransition, match=f"^job {job_id} is RUNNING, not PAUSED: resume continues a PAUSED job, or relaunches"
+    ):
         plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
     for rank, session in ((0, a), (1, b)):
         plane.rank_event(session, job_id, rank, finished=engine_pb2.TrainingLoopFinished(rank=rank, step=3))
@@ -320,6 +322,7 @@ def test_a_drain_pauses_with_a_checkpoint_parks_the_job_across_a_control_restart
 def test_a_drain_of_a_paused_job_parks_it_without_marking_it_drained_and_stop_ends_it_at_once(plane, store):
     job_id, a, b = running_job(plane)
     plane.user(control_pb2.PauseJobRequest(job_id=job_id))
+    saved(plane, a, job_id, 1, 2)  # (its pause's checkpoint)
     for rank, session in ((0, a), (1, b)):
         plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=2))
     drain(a), drain(b)
@@ -376,6 +379,42 @@ def test_a_drain_whose_checkpoint_could_not_be_saved_is_not_parked_and_says_its_
     assert any("the pause after step 9 has no checkpoint of it; the newest is" in m for m in events)
     plane.user(control_pb2.ResumeJobRequest(job_id=job_id))  # a plain resume: its ranks are there
     assert plane.get(job_id).state == JobState.RUNNING
+
+
+@pytest.mark.parametrize("first", ["drain", "operator pause"])
+def test_a_drain_of_a_job_paused_without_a_checkpoint_of_its_step_checkpoints_it_again(plane, store, first):
+    """A job PAUSED with no checkpoint of its step (its pause's save failed: the store was
+    away) is drained by resuming it to the next agreed boundary and checkpointing there; it
+    was parked as it stood, and `surgectl down` refused it again and again (a fresh user's
+    trial). It stays the operator's pause: `up` leaves it PAUSED."""
+    job_id, a, b = running_job(plane)
+    saved(plane, a, job_id, 1, 4)
+    step(plane, a, job_id, 7)
+    plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=first == "drain"))
+    drain(a), drain(b)
+    step(plane, a, job_id, 9, agreed=1)
+    failed = store_pb2.SnapshotFailed(job_id=job_id, operation="save", step=9, cause=store_pb2.TIMEOUT)
+    plane.rank_event(a, job_id, 0, snapshot_failed=failed)
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=9))
+    assert (plane.get(job_id).state, plane.get(job_id).checkpoint_step) == (JobState.PAUSED, 4)
+
+    s = plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True))  # `surgectl down`, the store back
+    assert s.state == JobState.RUNNING and not s.drained
+    for session in (a, b):
+        sent = [to_ranks(c) for c in drain(session) if c.WhichOneof("command") == "routed"]
+        kinds = [type(m).__name__ for m in sent]
+        assert kinds == ["ResumeTraining", "PauseTraining"] and sent[1].checkpoint, kinds
+    assert plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True)).state == JobState.RUNNING  # again: same
+    assert [c for c in drain(a) if c.WhichOneof("command") == "routed"] == []
+    step(plane, a, job_id, 11, agreed=2)
+    saved(plane, a, job_id, 2, 11)
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=11))
+    s = plane.get(job_id)
+    assert (s.state, s.step, s.checkpoint_step, s.checkpoint_version) == (JobState.PAUSED, 11, 11, f"{job_id}:2")
+    assert not s.drained and plane.c.orchestrator._jobs[job_id].parked  # the stack may stop; `up` keeps it PAUSED
+    assert "parked: its ranks stop with the stack" in s.message
 
 
 def drained_job(plane: Plane, at: int = 9):

@@ -110,7 +110,9 @@ def test_pause_names_no_step_learns_the_agreed_boundary_from_rank_0_and_pauses_w
 
 def test_resume_of_a_running_job_is_refused_naming_its_state(plane):
     job_id, _, _ = start_job(plane)
-    with pytest.raises(IllegalTransition, match=f"^job {job_id} is RUNNING, not PAUSED$"):
+    with pytest.raises(
+        IllegalTransition, match=f"^job {job_id} is RUNNING, not PAUSED: resume continues a PAUSED job, or relaunches"
+    ):
         plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
 
 

@@ -62,9 +62,13 @@ def test_a_lost_node_with_no_spare_shrinks_the_job_and_a_new_worker_grows_it_bac
     ), said
     s = plane.get(job_id)
     assert (s.state, s.world_size, s.dp, s.micro_batch_size, s.grad_accum) == (JobState.FAULT_FROZEN, 2, 2, 1, 3)
-    # No rank is launched or killed on the survivors' nodes: they get the rendezvous at dp 2.
-    for session in (w["wa"], w["wb"]):
-        (group,) = [to_ranks(c) for c in drain(session)]
+    # No rank is launched or killed on the survivors' nodes: they get the rendezvous at dp 2, and
+    # their probe peers without the lost node (they had been told to probe it: a launch of no rank).
+    for session, peer in ((w["wa"], "wb"), (w["wb"], "wa")):
+        cmds = drain(session)
+        assert [[p.worker_id for p in c.launch.link_probe.peers] for c in cmds if not c.launch.ranks and
+                c.WhichOneof("command") == "launch"] == [[peer]]  # fmt: skip
+        (group,) = [to_ranks(c) for c in cmds if c.WhichOneof("command") == "routed"]
         assert isinstance(group, engine_pb2.RebuildParallelGroup)
         assert (group.world_size, group.layout.dp, group.layout.micro_batch_size, group.layout.grad_accum) == (
             2,
@@ -333,3 +337,26 @@ def test_a_collective_error_of_a_relaunched_generation_reported_after_the_recove
         time.sleep(0.1)
     assert len(decisions(plane, job_id)) == 1, decisions(plane, job_id)
     assert plane.get(job_id).state == JobState.RUNNING
+
+
+def test_a_shrink_by_scale_starts_the_job_queued_for_the_slots_it_frees(plane):
+    """The released ranks' slots are the queue's: a job waiting for one starts once the
+    shrink is done, not at the next unrelated event (a fresh user's trial: it waited until an
+    uncordon)."""
+    from .conftest import settle
+
+    job_id, w = running(plane, "wa", "wb", dp=2, extra="")
+    waiting = plane.submit(name="waits", dp=1)
+    assert waiting.queue_position == 1
+    for session in w.values():
+        drain(session)
+    plane.user(control_pb2.ScaleJobRequest(job_id=job_id, dp=1))
+    (pause,) = routed(w["wa"], "PauseTraining")
+    paused(plane, job_id, {0: w["wa"], 1: w["wb"]}, step=pause.at_step)
+    ev = control_pb2.RankExited(job_id=job_id, rank=1, exit_code=-9, released=True)
+    plane.c.sessions.on_worker_event(w["wb"], control_pb2.WorkerEvent(rank_exited=ev))
+    ready(plane, job_id, {0: w["wa"]}, step=pause.at_step, generation=1)
+    assert plane.get(job_id).dp == 1
+    settle(lambda: plane.get(waiting.job_id).queue_position, 0)
+    launched = [m for k, m in commands(w["wb"]) if k == "launch" and m.job_id == waiting.job_id]
+    assert len(launched) == 1 and [a.rank for a in launched[0].ranks] == [0]

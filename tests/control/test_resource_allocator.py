@@ -239,7 +239,7 @@ def test_a_departing_worker_gets_no_rank_until_it_registers_again_and_a_rebuild_
     plane.c.bus.publish(Module.EXT_HARDWARE, departing)  # wb's agent was asked to stop
     short = rebuild(plane, "j-1", version="j-1:2")
     assert isinstance(short, control_pb2.ResourcesInsufficient)
-    assert short.reason == "1 is free on 1 registered worker (wb leaving)"
+    assert short.reason == "1 is free on 1 placeable of 2 registered workers (wb leaving)"
     assert [c.WhichOneof("command") for c in drain(b)] == ["release"]  # killed there, nothing relaunched
     back = plane.register("wb")  # restarted in place: a new registration under the same id
     again = rebuild(plane, "j-1", version="j-1:2")  # the allocation was kept: the same command places it

@@ -6,6 +6,8 @@ operator's uncordon releases it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from services.contract import Module, control_pb2, engine_pb2
@@ -21,8 +23,8 @@ POLICY = SickNodePolicy()  # 3 faults from 2 incidents within 600 s
 KILLED, ERROR = "rank_exit/EXIT_KILLED", "rank_exit/EXIT_ERROR"
 
 
-def f(worker: str, at: float, job: str = "j", incident: int = 0, kind: str = KILLED) -> NodeFault:
-    return NodeFault(worker, job, incident, kind, at)
+def f(worker: str, at: float, job: str = "j", incident: int = 0, kind: str = KILLED, gen: int = 0) -> NodeFault:
+    return NodeFault(worker, job, incident, kind, at, gen)
 
 
 @pytest.mark.parametrize(
@@ -35,8 +37,47 @@ def f(worker: str, at: float, job: str = "j", incident: int = 0, kind: str = KIL
             "wb",
             (3, 3),
         ),
-        ("two ranks of one incident, then another", [f("wb", 0), f("wb", 1), f("wb", 60, incident=1)], "wb", (3, 2)),
+        # One launch's ranks dying in one incident count once (generation unknown: the incident's).
+        ("two ranks of one incident, then another", [f("wb", 0), f("wb", 1), f("wb", 60, incident=1)], "wb", None),
         ("one incident, however many ranks", [f("wb", 0), f("wb", 1), f("wb", 2), f("wb", 3)], "wb", None),
+        # A node that kills each relaunched rank at its start: one incident (no recovery
+        # finishes), a new generation each time (measure29: 5 such deaths, no quarantine).
+        ("start-up deaths of new launches, one incident", [f("wb", t, gen=t + 1) for t in (0, 5, 10)], "wb", (3, 3)),
+        # Per launch, as per incident before: the job's own fault (every launch OOMs on every
+        # node) and a survivor's exit after a silence (which names no launch) count nowhere.
+        (
+            "job-wide, every launch of one incident",
+            [f(w, 10 * g + d, kind="rank_oom", gen=g) for g in (1, 2, 3) for d, w in enumerate("ab")],
+            "a",
+            None,
+        ),
+        (
+            "the survivor's exit after a silence is not blamed",
+            [
+                f(w, 60 * i + d, incident=i, kind=k, gen=g)
+                for i in range(3)
+                for d, (w, k, g) in enumerate((("wb", "rank_silent", 0), ("wa", ERROR, i + 1)))
+            ],
+            "wa",
+            None,
+        ),
+        (
+            "a node lost with 8 ranks of one launch counts once",
+            [f("wb", 0.01 * r, kind="worker_lost", gen=7) for r in range(8)] + [f("wb", 60, incident=1, gen=8)],
+            "wb",
+            None,
+        ),
+        (
+            "two launches' node losses, then a third launch's death",
+            [
+                f("wb", t + 0.01 * r, incident=i, kind="worker_lost", gen=i + 1)
+                for i, t in ((0, 0), (1, 60))
+                for r in range(8)
+            ]
+            + [f("wb", 120, incident=2, gen=3)],
+            "wb",
+            (3, 3),
+        ),
         ("two faults only", [f("wb", 0), f("wb", 60, incident=1)], "wb", None),
         ("spread past the window", [f("wb", 0), f("wb", 300, incident=1), f("wb", 601, incident=2)], "wb", None),
         # The job's own fault: the same kind on two nodes in one incident (a model too big for
@@ -75,6 +116,21 @@ def test_the_window_rule(case, faults, worker, named):
     assert (None if got is None else (got.faults, got.incidents)) == named, case
 
 
+def test_start_up_deaths_on_different_nodes_do_not_add_up():
+    """Each job's launches die at start on its own node, one incident each: six deaths of new
+    generations in all, two per node, and no node is named."""
+    nodes = SickNodes(POLICY)
+    deaths = [
+        f(w, 10 * i + t, job=j, gen=100 * i + t + 1)
+        for i, (j, w) in enumerate(zip("jkm", ("wa", "wb", "wc")))
+        for t in (0, 5)
+    ]
+    assert [nodes.record(d) for d in deaths] == [None] * 6
+    assert [sick(deaths, w, now=30, policy=POLICY) for w in ("wa", "wb", "wc")] == [None] * 3
+    # The same six on one node would be: the count is per node, not a sum over nodes.
+    assert sick([replace(d, worker_id="wa") for d in deaths], "wa", now=30, policy=POLICY) is not None
+
+
 def test_counted_keeps_the_causes_node_and_drops_what_the_incident_had_elsewhere():
     faults = [f("wb", 0), f("wa", 1, kind=ERROR), f("wb", 2, kind="rank_oom"), f("wa", 3, kind="rank_oom")]
     assert counted(faults) == [faults[0]]
@@ -93,10 +149,11 @@ def test_a_node_is_named_once_and_starts_from_nothing_after():
 # ---------------------------------------------------------------- on control's real build()
 
 
-def _killed(plane: Plane, session, job_id: str, rank: int, worker: str) -> None:
+def _killed(plane: Plane, session, job_id: str, rank: int, worker: str, generation: int = 0) -> None:
     plane.rank_exited(
-        session, job_id, rank, exit_code=-9, worker_id=worker, cause=control_pb2.EXIT_KILLED, detail="killed by SIGKILL"
-    )
+        session, job_id, rank, exit_code=-9, worker_id=worker, cause=control_pb2.EXIT_KILLED, detail="killed by SIGKILL",
+        generation=generation,
+    )  # fmt: skip
 
 
 def test_a_node_whose_rank_keeps_dying_across_incidents_is_quarantined_and_released_by_uncordon(plane):
@@ -173,3 +230,80 @@ def test_quarantine_off_names_no_node_however_many_faults():
     assert [off.record(f("wa", t, incident=t)) for t in range(10)] == [None] * 10
     on = SickNodes(SickNodePolicy())
     assert [on.record(f("wa", t, incident=t)) is not None for t in range(3)] == [False, False, True]
+
+
+def test_a_node_that_kills_each_relaunched_rank_at_its_start_is_quarantined_inside_one_incident(plane):
+    """measure29's node: each new rank-1 process on wb dies before its recovery's first step,
+    so the recovery never ends and every death is of one incident; each is of a new launch
+    (its generation, stated on the exit as the agent launched it), and the third quarantines wb."""
+    sessions = {w: register(plane, w, f"{w}-1") for w in ("wa", "wb", "wc")}  # wc: a spare
+    job = plane.submit(dp=2, steps=50, extra="liveness: {attribution_seconds: 0}\nfault_policy: {max_restarts: 10}")
+
+    def launched() -> dict[int, tuple[str, int]]:
+        return {
+            a.rank: (w, a.generation)
+            for w, s in sessions.items()
+            for cmd in drain(s)
+            if cmd.WhichOneof("command") == "launch"
+            for a in cmd.launch.ranks
+        }
+
+    placed = launched()
+    assert {r: w for r, (w, _) in placed.items()} == {0: "wa", 1: "wb"}
+    for rank, (w, _) in placed.items():
+        plane.rank_event(sessions[w], job.job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank))
+    generations = []
+    for n in range(3):
+        assert cordoned(plane) == []
+        _, gen = placed[1]
+        generations.append(gen)
+        _killed(plane, sessions["wb"], job.job_id, 1, "wb", generation=gen)  # before any step
+        plane.rank_exited(sessions["wa"], job.job_id, 0, exit_code=-9, worker_id="wa", released=True, generation=gen)
+        placed = launched()
+        if n < 2:
+            assert {r: w for r, (w, _) in placed.items()} == {0: "wa", 1: "wb"}  # relaunched where it was
+    assert len(set(generations)) == 3  # (three launches: the count's unit)
+    (quarantine,) = plane.user(control_pb2.JobQuery()).cordoned
+    assert quarantine.worker_id == "wb" and quarantine.quarantine
+    assert quarantine.reason.startswith("quarantined: 3 rank faults on wb in 3 incidents within 600 s")
+    assert {r: w for r, (w, _) in placed.items()} == {0: "wa", 1: "wc"}  # the third relaunch went around it
+
+
+def test_a_node_lost_with_8_ranks_of_one_launch_counts_once_and_a_later_launch_lost_there_again(
+    tmp_path, store_with_no_versions
+):
+    """A node agent's session ends with 8 ranks of one launch on it: control's relay states
+    each lost rank with the launch's generation, and the node's count takes them once. With a
+    policy of 2 faults from 1 launch, that loss alone does not quarantine (8 faults did); the
+    job's next launch lost on that node again, inside the same incident, does."""
+    policy = SickNodePolicy(faults=2, incidents=1)
+    control = build(
+        JobStore(tmp_path / "control.db"), data_address="d:1", store_address="s:1", persist_interval_s=0.0,
+        sick_nodes=policy,
+    )  # fmt: skip
+    plane = Plane(control)
+    try:
+        sessions = {w: plane.register(w, slots=8) for w in ("wa", "wb")}
+        job = plane.submit(dp=8, steps=50, extra="fault_policy: {max_restarts: 10}")
+
+        def node_of_launch() -> str:
+            (node,) = {w for w, s in sessions.items() for c in drain(s) if c and c.WhichOneof("command") == "launch"}
+            return node
+
+        first = node_of_launch()
+        other = "wb" if first == "wa" else "wa"
+        plane.c.sessions.close(sessions[first], "agent killed")  # 8 ranks lost at once
+        assert node_of_launch() == other
+        assert cordoned(plane) == []  # (one launch: once)
+        sessions[first] = plane.register(first, slots=8)  # its agent is back
+        plane.c.sessions.close(sessions[other], "agent killed")  # (its first loss there: one, below the policy)
+        assert node_of_launch() == first
+        assert cordoned(plane) == []
+        plane.c.sessions.close(sessions[first], "agent killed")  # a later launch lost there again
+        (quarantine,) = plane.user(control_pb2.JobQuery()).cordoned
+        assert quarantine.worker_id == first and quarantine.quarantine
+        assert quarantine.reason == (
+            f"quarantined: 2 rank faults on {first} in 2 incidents within 600 s (worker_lost; jobs {job.job_id})"
+        )
+    finally:
+        stop_plane(control)

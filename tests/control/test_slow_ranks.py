@@ -192,3 +192,52 @@ def test_beats_of_half_a_second_name_a_2x_rank_within_60_s_and_a_few_seconds_of_
     detection_s = (named[0] - began) * sim.beat_s
     settings = SlowRankSettings()
     assert named[1] == 1 and detection_s <= settings.window * settings.sample_seconds < 60, detection_s
+
+
+@pytest.mark.parametrize("world, seed", [(w, s) for w in (2, 4, 8, 64) for s in range(5)])
+@pytest.mark.parametrize("factor, intervals", [(1.8, 10), (3.0, 40)])
+def test_every_rank_slower_together_names_no_rank(world, seed, factor, intervals):
+    # A job-wide slowdown (a `surgectl profile` of every rank, a shared host's contention, a
+    # thermal cap on every device) is not one slow rank: the ranks are compared with their
+    # peers at the same time, not with the peers' pace before it began.
+    sim = _Sim(world, seed=seed)
+    sim.run(20, jitter=0.3)
+    sim.run(intervals, slow={r: factor for r in range(world)}, jitter=0.3)
+    sim.run(20, jitter=0.3)
+    assert sim.named() == []
+
+
+def _stops(tell: bool, slow: float = 1.0) -> SlowRanks:
+    """Two ranks, one sample of 30 steps per 3 s interval, each beating once per interval; in
+    two intervals of every three rank 0's process is stopped 2 s inside a compute phase (a
+    CPU rank's compute clock counts it), in the third rank 1's for 0.5 s (bench/quiet_faults.py's
+    SIGSTOP/SIGCONT cycles). ``tell``: its node agent's statement reaches the detector
+    (``stopped``); ``slow``: rank 1's compute factor from interval 12 on."""
+    det, totals, step = SlowRanks(), {0: 0.0, 1: 0.0}, 0
+    for i in range(40):
+        step += 30
+        stopped, seconds = (0, 2.0) if i % 3 != 2 else (1, 0.5)
+        for r in (0, 1):
+            factor = slow if r == 1 and i >= 12 else 1.0
+            totals[r] += 30 * STEP_S * factor + (seconds if r == stopped else 0.0)
+            if tell and r == stopped:
+                det.stopped(r)  # (stated while it was stopped: before its next beat)
+            det.observe(r, step, (0.0, totals[r], 0.0), i * 3.0)
+    return det
+
+
+def test_samples_holding_a_stated_stop_are_dropped_so_brief_stops_name_no_rank():
+    # Unheard, the stops read as compute: the rank stopped longer is named (found by the bench).
+    assert _stops(tell=False).slow() == [0]
+    assert _stops(tell=True).slow() == []
+    # A rank really 2x slower is still named between the stops (its unstopped samples).
+    assert _stops(tell=True, slow=2.0).slow() == [1]
+
+
+def test_a_finding_with_no_phase_figures_says_none_rather_than_an_empty_list():
+    from services.control.slow_ranks import Finding
+
+    text = Finding(1, True, 5, 2.0, (0.0, 0.0, 0.0), 1.9, 1, 0.5).text(8)
+    assert text.endswith("over its last 8 intervals; 1.90x its own earlier pace)") and ": ;" not in text
+    alone = Finding(1, True, 5, 2.0, (0.0, 0.0, 0.0), 0.0, 0, 0.5).text(8)
+    assert alone.endswith("over its last 8 intervals)"), alone

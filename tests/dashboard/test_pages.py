@@ -141,6 +141,10 @@ surge_slots{kind="used",worker_id="worker-0"} 1.0
 surge_slots{kind="free",worker_id="worker-0"} 0.0
 surge_slots{kind="used",worker_id="worker-1"} 0.0
 surge_slots{kind="free",worker_id="worker-1"} 1.0
+# HELP surge_devices Devices each registered worker reported, by kind and model name.
+# TYPE surge_devices gauge
+surge_devices{kind="cuda",name="NVIDIA H200",worker_id="worker-0"} 8.0
+surge_devices{kind="cpu",name="AMD EPYC <9654>",worker_id="worker-1"} 1.0
 # HELP surge_jobs Jobs by state.
 # TYPE surge_jobs gauge
 surge_jobs{state="RUNNING"} 1.0
@@ -149,14 +153,22 @@ surge_jobs{state="RUNNING"} 1.0
 
 def test_the_cluster_page_shows_each_workers_slots_from_controls_census_and_its_health():
     slots = slots_of(METRICS)
-    assert slots == [pages.Slots("worker-0", 1, 0), pages.Slots("worker-1", 0, 1)]
+    assert slots == [
+        pages.Slots("worker-0", 1, 0, (("cuda", "NVIDIA H200", 8),)),
+        pages.Slots("worker-1", 0, 1, (("cpu", "AMD EPYC <9654>", 1),)),
+    ]
     cordoned = [control_pb2.WorkerCordoned(worker_id="worker-1", reason="xid 79: GPU fell off the bus")]
     slow = status(slow_ranks=[control_pb2.SlowRank(rank=0, worker_id="worker-0", detail="2.1x compute")])
     page = pages.cluster_page(slots, [slow], cordoned, now=0)
     assert "2 workers registered; rank slots: 1 used, 1 free." in page
+    assert "<td class=devices>8 x cuda NVIDIA H200</td>" in page
+    assert "<td class=devices>1 x cpu AMD EPYC &lt;9654&gt;</td>" in page
     assert "cordoned: xid 79: GPU fell off the bus" in page and "slow: demo-1 rank 0: 2.1x compute" in page
     unknown = pages.cluster_page(None, [], [], now=0)
     assert "could not be read" in unknown
+    gone = control_pb2.WorkerCordoned(worker_id="worker-2", reason="node agent lost: session closed", lost=True)
+    page = pages.cluster_page(slots, [], [gone], now=0)
+    assert 'data-worker="worker-2"' in page and "lost: node agent lost: session closed" in page
 
 
 def test_the_queue_page_orders_the_queue_by_place_and_lists_the_placed_jobs():
@@ -185,3 +197,49 @@ def test_compare_overlays_the_runs_and_lists_their_spec_differences_and_best_los
     assert "<td class=num>1.0000 (5)</td>" in page  # a's best train loss 5/5 at its last step
     pick = pages.compare_page(runs[:1], [status("a-1"), status("b-2")])
     assert "id=pick" in pick and 'value="b-2"' in pick
+
+
+def test_the_job_page_shows_each_prompts_latest_sample_escaped_and_a_note_as_such(tmp_path):
+    from services.cli.samples import read_samples
+
+    f = tmp_path / "demo-1.jsonl"
+    rec = [
+        {"type": "step", "rank": 0, "step": 3, "loss": 4.0},
+        {"type": "sample", "rank": 0, "step": 3, "prompt_index": 0, "prompt": "<a>", "text": "old", "tokens": 3},
+        {
+            "type": "sample",
+            "rank": 0,
+            "step": 3,
+            "prompt_index": 1,
+            "prompt": "b",
+            "text": "",
+            "note": "not generated: x",
+        },
+        {"type": "sample", "rank": 0, "step": 6, "prompt_index": 0, "prompt": "<a>", "text": "new <b>", "tokens": 7},
+    ]
+    f.write_text("\n".join(json.dumps(r) for r in rec) + "\n")
+    page = pages.job_page(status(), [], frozenset(), None, [], [], samples=read_samples(f))
+    assert page.count("<tr class=sample") == 2
+    assert "new &lt;b&gt;" in page and ">old<" not in page and "&lt;a&gt;" in page
+    assert "<pre class=bad>[not generated: x]</pre>" in page
+    none = pages.job_page(status(), [], frozenset(), None, [], [], samples=[])
+    assert "No sample yet" in none
+    away = pages.job_page(status(), [], frozenset(), None, [], [])
+    assert "samples unknown" in away
+    assert read_samples(tmp_path / "absent.jsonl") is None
+
+
+def test_the_job_page_lists_the_evaluation_scores_recorded_for_it(tmp_path):
+    from services.cli.scores import read_scores
+
+    f = tmp_path / "demo-1.jsonl"
+    rec = [
+        {"type": "step", "rank": 0, "step": 3, "loss": 4.0},
+        {"type": "scores", "job_id": "demo-1", "eval_job_id": "eval-demo-2", "version": "demo-1:3", "step": 30,
+         "scores": {"ppl": 12.5, "hellaswag/acc,none": 0.25}, "command": "python x.py", "seconds": 2.0},
+    ]  # fmt: skip
+    f.write_text("\n".join(json.dumps(r) for r in rec) + "\n")
+    page = pages.job_page(status(), [], frozenset(), None, [], [], scores=read_scores(f))
+    assert page.count("<tr class=score") == 2
+    assert '<tr class=score data-name="ppl"><td>demo-1:3</td><td class=num>30</td><td>ppl</td>' in page
+    assert "evaluation scores" not in pages.job_page(status(), [], frozenset(), None, [], [], scores=[])

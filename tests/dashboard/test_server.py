@@ -12,6 +12,7 @@ from http.client import HTTPConnection
 import grpc
 import pytest
 
+from services.common.job_refs import pick_job
 from services.contract import control_pb2
 from services.dashboard import series
 from services.dashboard.access import Access, certificate_names, operator_certificate
@@ -32,7 +33,12 @@ class Canned:
     """Stands in for ``Sources``: one RUNNING job."""
 
     def jobs(self):
-        return control_pb2.JobList(jobs=[control_pb2.JobStatus(job_id="demo-1", state=control_pb2.RUNNING)])
+        return control_pb2.JobList(
+            jobs=[control_pb2.JobStatus(job_id="demo-1", name="demo", state=control_pb2.RUNNING)]
+        )
+
+    def resolve(self, ref):  # (the CLI's rule over this list, as Sources.resolve reads control's)
+        return pick_job(ref, self.jobs().jobs)
 
     def job(self, job_id):
         if job_id != "demo-1":
@@ -50,6 +56,12 @@ class Canned:
 
     def logs(self, job_id):
         return []
+
+    def samples(self, job_id):
+        return None
+
+    def scores(self, job_id):
+        return None
 
     def slots(self):
         return []
@@ -109,8 +121,18 @@ def test_the_dashboard_is_read_only_and_a_missing_job_is_404(base):
     for method in ("POST", "PUT", "DELETE", "PATCH"):
         assert get(base, "/job/demo-1", method=method, headers=auth)[0].status == 405
     r, body = get(base, "/job/nope", headers=auth)
-    assert r.status == 404 and "no job nope" in body
+    assert r.status == 404 and "no job &#x27;nope&#x27;: no job has that id or name" in body, body
     assert get(base, "/nothing-here", headers=auth)[0].status == 404
+
+
+def test_a_job_is_named_by_its_id_or_its_name_and_an_unknown_event_type_is_refused_as_the_cli_does(base):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for path in ("/job/demo", "/job/demo/logs", "/compare?job=demo&job=demo-1"):
+        r, body = get(base, path, headers=auth)
+        assert r.status == 200 and "demo-1" in body, (path, r.status, body)
+    r, body = get(base, "/job/demo-1?type=bogus", headers=auth)
+    assert r.status == 400 and "type: unknown event type bogus (one of: state, " in body, body
+    assert get(base, "/job/demo-1?type=fault,decision", headers=auth)[0].status == 200
 
 
 def test_only_a_certificate_naming_the_operators_role_passes_under_mutual_tls():

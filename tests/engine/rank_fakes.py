@@ -152,6 +152,12 @@ class FakeStore:
     def on_eval_completed(self, msg, payload=None):
         self.metrics.append(msg)
 
+    def on_sample_generated(self, msg, payload=None):
+        self.metrics.append(msg)
+
+    def on_evaluation_scores(self, msg, payload=None):
+        self.metrics.append(msg)
+
     def log_collection_config(self, msg, payload=None):
         self.configs.append(msg)
 

@@ -108,3 +108,121 @@ def test_a_profile_that_fails_is_reported_and_training_goes_on(tmp_path):
     assert rec.error == "OSError: [Errno 28] No space left on device" and not rec.files
     assert [s.step for s in rank.steps()] == [1, 2, 3, 4, 5]
     assert not rank.up.of(engine_pb2.TrainingLoopFailed)
+
+
+class _Marker:
+    """The loop's phase marker, recording what it is told (the export's declaration)."""
+
+    def __init__(self):
+        self.phase, self.total, self.calls = 0, 0, []
+
+    def enter(self, phase, total=0):
+        self.phase, self.total = phase, total
+
+    def advance(self, units=1):
+        pass
+
+    def freeze(self):
+        pass
+
+    def thaw(self):
+        pass
+
+    def announce(self):
+        self.calls.append(("announce", self.phase, self.total))
+        return True
+
+
+def test_the_export_is_declared_and_announced_before_it_starts(tmp_path):
+    from services.common import phase as ph
+
+    marker = _Marker()
+
+    class Seen:
+        def __init__(self, rank):
+            pass
+
+        def start(self):
+            pass
+
+        def step(self):
+            pass
+
+        def stop(self):
+            marker.calls.append(("stop", marker.phase, marker.total))
+            return {}, 0.1
+
+        def discard(self):
+            pass
+
+    rank = LocalRank(tiny_spec(steps=6), tmp_path)
+    rank.modules.loop._mark = marker
+    rank.modules.loop._profiler_of = Seen
+    rank.command(engine_pb2.StartTraining(job_id="job"))
+    rank.command(engine_pb2.ProfileSteps(job_id="job", steps=3, at_step=1, seq=1))
+    rank.run()
+    assert rank.error is None
+    # Stated with its size (the detector's budget scales with the profiled steps), announced
+    # by a beat, and only then stopped.
+    assert marker.calls == [
+        ("announce", ph.PROFILE_EXPORT, 3),
+        ("stop", ph.PROFILE_EXPORT, 3),
+    ]
+
+
+def test_an_export_over_its_budget_is_a_failed_profile_and_training_goes_on(tmp_path):
+    from services.engine.step_profiler import StepProfiler
+
+    rank = LocalRank(tiny_spec(steps=5), tmp_path)
+    rank.modules.loop._profiler_of = lambda r: StepProfiler(r, "cpu", export_budget_s=lambda seconds: 0.0)
+    rank.command(engine_pb2.StartTraining(job_id="job"))
+    rank.command(engine_pb2.ProfileSteps(job_id="job", steps=1, at_step=1, seq=1))
+    rank.run()
+    assert rank.error is None
+    [rec] = rank.up.of(engine_pb2.ProfileRecorded)
+    assert rec.error.startswith("ProfileExportOverran: its export took ") and "over its budget of 0.0 s" in rec.error
+    assert not rec.files and not rank.store.profiles
+    assert [s.step for s in rank.steps()] == [1, 2, 3, 4, 5]
+    assert not rank.up.of(engine_pb2.TrainingLoopFailed)
+
+
+def test_the_composition_root_bounds_the_export_with_the_jobs_budget(tmp_path):
+    rank = LocalRank(tiny_spec(steps=2), tmp_path)
+    profiler = rank.modules.loop._profiler_of(0)
+    try:
+        live = rank.spec.liveness
+        # 2 s of profiled steps: the base and stall_step_factor x 2 s, as the detector allows.
+        assert profiler._budget_of(2.0) == live.phase_seconds.profile_export + live.stall_step_factor * 2.0
+    finally:
+        profiler.discard()
+
+
+def test_a_phase_is_announced_once_a_beat_stated_it_and_not_by_an_older_beat():
+    import threading
+    import time
+
+    from services.common import phase as ph
+
+    marker = ph.PhaseMarker()
+    marker.stated_every(0.1)  # (waits 3 beat periods)
+    marker.stated(ph.FORWARD, time.monotonic())  # (an older phase's beat)
+    marker.enter(ph.PROFILE_EXPORT, total=3)
+    t0 = time.monotonic()
+    assert marker.announce() is False  # no beat stated it
+    assert time.monotonic() - t0 >= 0.3
+
+    def beat_later():
+        time.sleep(0.2)
+        marker.stated(*marker.read()[:1], marker.since)
+
+    threading.Thread(target=beat_later, daemon=True).start()
+    marker.stated_every(2.0)
+    t0 = time.monotonic()
+    assert marker.announce() is True
+    assert 0.2 + ph.ANNOUNCE_GRACE_S <= time.monotonic() - t0 < 2.0
+    # A beat that read the old phase with the new start (enter's stores in between) is no
+    # announcement of the new phase.
+    marker.enter(ph.DATA_WAIT)
+    marker.stated(ph.PROFILE_EXPORT, marker.since)
+    marker.stated_every(0.05)
+    assert marker.announce() is False

@@ -31,6 +31,7 @@ from services.contract.audit import abort_with_violation
 from services.contract.bus import BoundaryViolation
 from services.contract.relay import pack, unpack
 from services.jobspec import spec_to_json
+from services.worker.rank_session import unbatched
 from tests.rank_forks import RankProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,11 +60,12 @@ class FakeAgent(worker_pb2_grpc.WorkerServiceServicer):
         self.events: queue.Queue = queue.Queue()
         self.commands: queue.Queue = queue.Queue()
         self.heartbeats: list[worker_pb2.RankHeartbeat] = []  # kept apart: they come every second
+        self.messages: list[list[str]] = []  # per stream message, what it carried (RankEvent.more)
 
     def RankSession(self, requests, context):
         def read():
             try:
-                for ev in requests:
+                for ev in (ev for message in requests for ev in self._parts(message)):
                     if ev.WhichOneof("event") == "heartbeat":
                         self.heartbeats.append(ev.heartbeat)
                         continue
@@ -81,6 +83,13 @@ class FakeAgent(worker_pb2_grpc.WorkerServiceServicer):
         threading.Thread(target=read, daemon=True).start()
         while (cmd := self.commands.get()) is not None:
             yield cmd
+
+    def _parts(self, message: worker_pb2.RankEvent) -> list[worker_pb2.RankEvent]:
+        parts = unbatched(message)
+        self.messages.append(
+            [f"{kind(p)}:{p.metrics.WhichOneof('record')}" if kind(p) == "metrics" else kind(p) for p in parts]
+        )
+        return parts
 
     def next_event(self, timeout: float = 60.0) -> worker_pb2.RankEvent | None:
         return self.events.get(timeout=timeout)
@@ -220,6 +229,10 @@ def test_a_rank_says_hello_reports_started_waits_for_start_and_exits_0_after_fin
     assert counts[("L2_TRAINING_LOOP", "surge.v1.RunForward", "L3_FORWARD_UNIT")] >= 4
     assert final.process == "rank 0 of job job-1" and list(final.violations) == []
     assert proc.wait(30) == 0, output(proc)[-3000:]
+    # A step's StepCompleted and its metric record are queued together: one message (usually:
+    # a loaded machine may wake the session's sender between the two).
+    steps = [m for m in agent.messages if "StepCompleted" in m]
+    assert sum(m == ["StepCompleted", "metrics:step"] for m in steps) >= 1, agent.messages
 
 
 def test_an_unknown_dataset_is_reported_failed_data_unavailable_and_the_rank_waits_to_be_released(services):

@@ -30,7 +30,7 @@ def test_every_log_every_th_step_and_the_last_get_a_line_with_the_reported_value
     assert all(e.get("once") for e in lines)  # the same on every rank: rank 0 writes it
     assert rank.store.configs == [  # before the first step, and after the last
         store_pb2.LogCollectionConfig(
-            job_id="job", tensorboard=True, wandb_project="surge-tests", wandb_mode="offline"
+            job_id="job", tensorboard=True, wandb_project="surge-tests", wandb_mode="offline", team="default"
         ),
         store_pb2.StopLogCollection(job_id="job", rank=0),
     ]
@@ -57,6 +57,6 @@ def test_log_every_zero_writes_no_step_line(tmp_path):
     assert rank.error is None and len(rank.steps()) == 2
     assert not [e for e in logs if e["event"].startswith("step ")]
     assert rank.store.configs == [
-        store_pb2.LogCollectionConfig(job_id="job"),
+        store_pb2.LogCollectionConfig(job_id="job", team="default"),  # (the store learns the job's team)
         store_pb2.StopLogCollection(job_id="job", rank=0),
     ]

@@ -305,3 +305,82 @@ def test_the_overflow_storm_steps_th_consecutive_skip_is_a_step_fault_of_its_own
         (engine_pb2.STEP_FAULT_NON_FINITE_LOSS, True),
         (engine_pb2.STEP_FAULT_OVERFLOW_STORM, True),
     ] * 2 + [(engine_pb2.STEP_FAULT_NON_FINITE_LOSS, True)]
+
+
+def test_a_rank_held_for_inspection_steps_no_further_until_l1_thaws_it_then_trains_on(tmp_path):
+    # Issue 29 item 9: a rebuild in place held by fault_policy.freeze_seconds keeps its survivors;
+    # L1-1's FreezeTraining.thaw ends their hold (a relaunch would kill them instead).
+    rank = LocalRank(tiny_spec(steps=12), tmp_path)
+    rank.command(engine_pb2.StartTraining(job_id="job"))
+    t = started(rank)
+    wait_for(rank, t, engine_pb2.StepCompleted)
+    rank.command(engine_pb2.FreezeTraining(job_id="job", reason="held for inspection", until_unix=1.0))
+    t.join(1.0)
+    held = len(rank.steps())
+    t.join(0.5)
+    loop = rank.modules.loop
+    assert (len(rank.steps()), loop._phase, t.is_alive()) == (held, "frozen", True)  # held, alive, idle
+    assert held < 12
+    rank.command(engine_pb2.FreezeTraining(job_id="job", thaw=True))
+    t.join(60)
+    assert rank.error is None and not t.is_alive()
+    assert [s.step for s in rank.steps()] == list(range(1, 13))  # on from where it was held, none twice
+    assert loop._frozen is None
+
+
+def test_a_loop_waiting_on_a_replica_divergence_goes_on_when_l1_ignores_it_and_only_then(tmp_path):
+    # Issue 29 item 3 with `actions: {replica_divergence: ignore}`: the ranks wait in their loop
+    # for L1-1's decision (a rollback in place, a stop, or now an ignore). The check needs dp >= 2;
+    # here the loop's boundary finds the divergence itself at step 3, once.
+    from services.engine.training_loop.faults import TrainingFault
+
+    rank = LocalRank(tiny_spec(steps=6), tmp_path)
+    loop = rank.modules.loop
+    boundary, found = loop._boundary, []
+
+    def diverging(step):
+        if step == 3 and not found:
+            found.append(step)
+            raise TrainingFault("replica_divergence", "replicas differ after step 3 in w: dp ranks 0, 1 differ")
+        return boundary(step)
+
+    loop._boundary = diverging
+    rank.command(engine_pb2.StartTraining(job_id="job"))
+    t = started(rank)
+    (failed,) = wait_for(rank, t, engine_pb2.TrainingLoopFailed)
+    assert (failed.step, failed.fault_class) == (3, "replica_divergence")
+    rank.command(engine_pb2.ResumeTraining(job_id="job", go_on_at_step=2))  # another step's: not this wait
+    t.join(1.0)
+    assert [s.step for s in rank.steps()] == [1, 2, 3] and loop._phase == "fault_wait"
+    rank.command(engine_pb2.ResumeTraining(job_id="job", go_on_at_step=3))
+    t.join(60)
+    assert rank.error is None and not t.is_alive()
+    assert [s.step for s in rank.steps()] == [1, 2, 3, 4, 5, 6]  # on as it was, nothing replayed
+    assert loop._control.empty()  # (nothing left queued to resume a later pause)
+
+
+def test_a_rollback_decided_before_the_loop_began_to_wait_on_its_divergence_is_kept_for_that_wait(tmp_path):
+    # A peer's report of the divergence is decided while this rank still leaves the check that
+    # found it: the reload came with the loop still "stepping" and was dropped, and the rollback
+    # in place waited for this rank for good (tests/faults/test_replica_divergence.py at load 30).
+    # Here the reload comes inside the check; the version does not exist: the load's error shows
+    # that the wait took it.
+    from services.engine.training_loop.faults import TrainingFault
+
+    rank = LocalRank(tiny_spec(steps=6), tmp_path)
+    loop = rank.modules.loop
+    boundary = loop._boundary
+
+    def diverging(step):
+        if step == 3:
+            rank.command(engine_pb2.ResumeTraining(job_id="job", reload_version="job:7"))  # (early)
+            raise TrainingFault("replica_divergence", "replicas differ after step 3 in w: dp ranks 0, 1 differ")
+        return boundary(step)
+
+    loop._boundary = diverging
+    rank.command(engine_pb2.StartTraining(job_id="job"))
+    t = started(rank)
+    t.join(60)
+    assert not t.is_alive()  # (it took the reload: a dropped one left it waiting)
+    assert rank.error is not None and "step7" in str(rank.error), rank.error  # (the fake store: job:7 -> step7)
+    assert [s.step for s in rank.steps()] == [1, 2, 3]

@@ -1,7 +1,8 @@
 """`kill -9` of `control` while a job trains (issue 4, control plane restart), on real processes.
 
-The stack (control, store, data, two node agents, two rank processes) runs a DP=2 job;
-control is SIGKILLed mid-training and started again with the same command line (same ports,
+The stack (control, store, data, two node agents, two rank processes; the one its group shares,
+tests/shared_stacks.py: every service killed here is started again) runs a DP=2 job; control
+is SIGKILLed mid-training and started again with the same command line (same ports,
 same SURGE_HOME, so the same SQLite journal). The ranks keep training meanwhile; their node
 agents reconnect, re-attach the ranks and resend the events control had not applied. The job
 must finish with every step applied exactly once (control's journal of applied steps:
@@ -29,7 +30,7 @@ from services.contract import control_pb2
 from services.control.orchestrator import REATTACH_MESSAGE, REATTACHED_MESSAGE
 from services.rank.faults import lift_pace
 from tests.conftest import REPO, processes_with
-from tests.faults.test_recovery import cli, finished, metric, of_type, running_stack, spec
+from tests.faults.test_recovery import cli, finished, metric, of_type, spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -39,7 +40,7 @@ STEPS, EVERY = 60, 20
 # the step after FAULT_AT: at least 60 s to their end, more than any kill and restart here
 # takes, until the test lifts it. They replay EVERY+1..STEPS after the recovery.
 PACE, RESTART_AT, FAULT_AT = 2.0, 8, 30
-PACED = ",".join(
+INJECT = ",".join(
     f"{job}:slow_steps@{at + 1}:rank={r}:seconds={PACE:g}"
     for job, at in (("trestart", RESTART_AT), ("trfault", FAULT_AT))
     for r in (0, 1)
@@ -47,10 +48,9 @@ PACED = ",".join(
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    home = tmp_path_factory.mktemp("surge-control-restart")
-    with running_stack(home, ("json", "email"), ("trestart", "trfault"), env={"SURGE_FAULT_INJECT": PACED}) as s:
-        yield s
+def stack(shared_stack):
+    """This module's turn on the stack its group shares (tests/shared_stacks.py)."""
+    return shared_stack
 
 
 def lift(stack, job: str) -> None:

@@ -24,12 +24,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 def test_a_shard_rewritten_under_a_running_job_pauses_it_naming_the_version_and_the_shard(tmp_path):
     with running_stack(tmp_path, ("json",), ("dchanged",)) as s:
-        # The rank's stream holds a few hundred batches read ahead (the gRPC windows), read from
-        # the bytes as they were; the fault reaches the job once it has trained on those, so
-        # saves are rare (one to resume from) to keep the steps quick.
-        # Batches of 64 rows, not 4: the 4 MB the streams hold are ~140 batches, not ~2,200.
+        # The rank's stream holds a few MB of batches read ahead (the gRPC windows), read from
+        # the bytes as they were; the fault reaches the job once it has trained on those.
+        # Batches of 128 rows, not 4: the 4 MB the streams hold are ~70 batches, not ~2,200 (the
+        # tokens trained are the same whatever the rows; each step has its own cost on top). A
+        # save every 20 steps: the first, to resume from, comes at step 20 (at 100 the job
+        # trained 80 more steps before the change; 90 CPU-s -> see docs/LOG.md session 27).
         job = s.submit(
-            spec("dchanged", steps=1_000_000, every=100).replace("micro_batch_size: 4", "micro_batch_size: 64")
+            spec("dchanged", steps=1_000_000, every=20).replace("micro_batch_size: 4", "micro_batch_size: 128")
         )
         wait_for(lambda: committed_versions(events_so_far(s, job)), 180, "a checkpoint to resume from")
         [shard] = [p for p in tmp_path.rglob("tiny/v1/train.bin")]

@@ -1,7 +1,7 @@
 """A data service that is down is no training fault, on the real stack: the job waits for it.
 
-One stack (control, store, data, two workers; ranks as real processes) serves the module; every
-process it started is killed by PID at the end. The data service is SIGKILLed under a 2-rank
+The stack (control, store, data, two workers; ranks as real processes) is the one its group
+shares (tests/shared_stacks.py). The data service is SIGKILLed under a 2-rank
 job, as a crash or the OOM killer would, and started again by `surgectl up` (which starts what is
 down) as an operator or a container's restart policy would. Asserted: the job's status says it
 waits for the data service and what brings it back, its ranks stay alive (never relaunched, no
@@ -25,21 +25,19 @@ import pytest
 
 from services.rank.faults import lift_pace
 from tests.faults.test_compound import events_so_far, wait_for
-from tests.faults.test_recovery import JobOutcome, JobState, cli, finished, of_type, running_stack, spec
+from tests.faults.test_recovery import JobOutcome, JobState, cli, finished, of_type, spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 PACE = 0.5
-PACED = ",".join(f"{job}:slow_steps@6:rank={r}:seconds={PACE:g}" for job in ("dwait", "dbound") for r in (0, 1))
+INJECT = ",".join(f"{job}:slow_steps@6:rank={r}:seconds={PACE:g}" for job in ("dwait", "dbound") for r in (0, 1))
 BOUND_S = 3.0  # dbound's fault_policy.data_outage_seconds
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    with running_stack(
-        tmp_path_factory.mktemp("surge-data-outage"), ("json",), ("dwait", "dbound"), env={"SURGE_FAULT_INJECT": PACED}
-    ) as s:
-        yield s
+def stack(shared_stack):
+    """This module's turn on the stack its group shares (tests/shared_stacks.py)."""
+    return shared_stack
 
 
 def data_pid(stack) -> int:

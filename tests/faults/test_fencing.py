@@ -2,10 +2,10 @@
 is ended by its node agent and changes nothing; a replacement avoids a node whose agent is
 silent.
 
-One stack (control, store, data, three workers of one slot each, ranks as real processes, a
-DP=2 job: the third worker is free) serves the module; every process it started is killed by
-PID at the end. A stopped rank's job rebuilds in place (the survivor keeps its process, the
-replacement heals from its memory); the job whose node agent freezes has the default policy
+The stack (control, store, data, three workers of one slot each, ranks as real processes, a
+DP=2 job: the third worker is free) is the one its group shares (tests/shared_stacks.py). A
+stopped rank's job rebuilds in place (the survivor keeps its process, the replacement heals
+from its memory); the job whose node agent freezes has the default policy
 (every rank relaunched from the newest checkpoint), as a new user's would. Either way the run's
 losses equal an uninterrupted one's.
 """
@@ -26,7 +26,7 @@ from services.common.grpc_server import channel
 from services.contract import Module, control_pb2, store_pb2, store_pb2_grpc
 from services.rank.faults import lift_pace
 from tests.conftest import kill_all
-from tests.faults.test_recovery import causes, finished, metric, of_type, parent_pid, running_stack
+from tests.faults.test_recovery import causes, finished, metric, of_type, parent_pid
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -56,16 +56,9 @@ INJECT = "fagent:hang@12:rank=1,fstop:slow_steps@7:rank=1:seconds=120"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    jobs = ("fbase", "fstop", "fagent")
-    with running_stack(
-        tmp_path_factory.mktemp("surge-fencing"),
-        ("json", "email", "logging"),
-        jobs,
-        env={"SURGE_WORKER_SLOTS": "1", "SURGE_FAULT_INJECT": INJECT},  # one rank per node
-        workers=3,
-    ) as s:
-        yield s
+def stack(shared_stack):
+    """This module's turn on the stack its group shares (tests/shared_stacks.py)."""
+    return shared_stack
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@
   (``liveness.phase_seconds.checkpoint_staging``): no fault, the version commits. Control's
   /metrics exports the event applier's lag.
 
-One stack serves the module (every process it started is killed by PID at the end).
+The stack is the one its group shares (tests/shared_stacks.py: two workers).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import grpc
 import pytest
 
 from services.contract import control_pb2
-from tests.faults.test_recovery import of_type, running_stack
+from tests.faults.test_recovery import of_type
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -71,14 +71,9 @@ liveness: {{heartbeat_interval_seconds: 0.25, heartbeat_timeout_seconds: 3.0, st
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    with running_stack(
-        tmp_path_factory.mktemp("surge-phase-blame"),
-        ("json", "email"),
-        ("thang", "tslow", "tsave"),
-        env={"SURGE_FAULT_INJECT": INJECT},
-    ) as s:
-        yield s
+def stack(shared_stack):
+    """This module's turn on the stack its group shares (tests/shared_stacks.py)."""
+    return shared_stack
 
 
 def _one_hang(stack) -> dict:

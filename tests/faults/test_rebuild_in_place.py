@@ -1,8 +1,8 @@
 """Survivors keep training (issue 16) on the real stack: the fault policy's ``rebuild``.
 
-One stack (control, store, data, three workers of one slot each, ranks as real processes,
+The stack (control, store, data, three workers of one slot each, ranks as real processes,
 a DP=2 job: the third worker is the spare a lost node's rank moves to)
-serves the module; every process it started is killed by PID at the end. A lost rank is
+is the one its group shares (tests/shared_stacks.py). A lost rank is
 replaced in place: the survivors' processes stay, they rebuild their process group on a
 fresh rendezvous, and the replacement takes the model, optimizer and loop state from a live
 peer's memory. A fault during that recovery falls back to relaunching every rank from the
@@ -21,7 +21,7 @@ import torch
 
 from services.contract import control_pb2
 from tests.conftest import kill_all
-from tests.faults.test_recovery import causes, final_state, finished, of_type, running_stack
+from tests.faults.test_recovery import causes, final_state, finished, of_type
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -60,16 +60,9 @@ fault_policy: {{actions: {{rank_exit: rebuild, rank_silent: rebuild, worker_lost
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    jobs = ("rbbase", "rbkill", "rbheal", "rbtwice", "rbstuck", "rbsave", "rbnode")
-    with running_stack(
-        tmp_path_factory.mktemp("surge-rebuild"),
-        ("json", "email", "logging"),
-        jobs,
-        env={"SURGE_FAULT_INJECT": INJECT, "SURGE_WORKER_SLOTS": "1"},  # one rank per node
-        workers=3,
-    ) as s:
-        yield s
+def stack(shared_stack):
+    """This module's turn on the stack its group shares (tests/shared_stacks.py)."""
+    return shared_stack
 
 
 def so_far(stack, job: str) -> str:
@@ -248,6 +241,42 @@ def test_a_survivor_stuck_in_the_rebuild_past_its_deadline_is_relaunched_with_ev
     assert len(decisions) == 2, decisions
     assert any(m.startswith("ranks killed and relaunched") for m in of_type(events, "recovery"))
     assert sorted(stack.losses(job)) == list(range(1, 17))  # from the checkpoint (or scratch): every step once
+
+
+def test_a_rebuild_held_for_inspection_keeps_the_survivor_alive_and_idle_then_rebuilds_in_place(stack):
+    # fault_policy.freeze_seconds (8 s) holds a rebuild in place too (issue 29 item 9): the survivor is
+    # frozen where the fault left it, then thawed by L1-1 when the hold runs out, and rebuilds.
+    spec = JOB.format(name="rbfreeze", steps=16).replace(
+        "worker_lost: rebuild}}", "worker_lost: rebuild}, freeze_seconds: 4}"
+    )
+    job = stack.submit(spec)
+    stack.wait_step(job, 6)
+    (survivor,) = stack.rank_pids(job, 0)
+    (victim,) = stack.rank_pids(job, 1)
+    killed = time.time()
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.monotonic()
+    while "held for inspection" not in (s := stack.status(job)).message:
+        assert time.monotonic() - t0 < 60, so_far(stack, job)
+        time.sleep(0.1)
+    held_at = s.step
+    assert s.state == JobState.FAULT_FROZEN and "then rebuild runs" in s.message, s.message
+    time.sleep(1.0)  # within the hold: the survivor alive, nothing relaunched, no step trained
+    assert (stack.rank_pids(job, 0), stack.rank_pids(job, 1)) == ([survivor], [])
+    assert stack.status(job).step <= held_at + 1  # (at most the report of a step done before the kill)
+    stack.wait_step(job, held_at + 2)
+    assert stack.rank_pids(job, 0) == [survivor], so_far(stack, job)
+    events = stack.events(job)
+    finished(events)
+    decisions = of_type(events, "decision")[1:]
+    assert decisions[0].startswith("rebuild after rank_exit of rank 1"), decisions
+    assert decisions[1] == "the hold for inspection ran out: rebuild after rank_exit of rank 1 runs now", decisions
+    assert len(decisions) == 2, decisions
+    (state,) = [e.message for e in events if e.type == "state" and e.message.startswith("FAULT_FROZEN -> RUNNING")]
+    assert "rebuilt in place" in state and "1 rank kept its process" in state, state
+    assert sorted(stack.losses(job)) == list(range(1, 17))
+    (first,) = [e for e in events if e.message.startswith("first step after the recovery from rank_exit")]
+    print(f"rebuild held 8 s: first new step {first.unix_time - killed:.2f} s after SIGKILL")
 
 
 def test_a_lost_node_agent_s_rank_moves_to_the_spare_worker_and_the_survivor_keeps_training(stack):

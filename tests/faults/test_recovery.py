@@ -1,10 +1,10 @@
 """Faults on the real stack (issue 4): detection, one decision per incident, recovery.
 
-One stack (control, store, data, two workers, ranks as real processes) serves the module;
-every process it started is killed by PID at the end. Faults are made from outside (SIGSTOP,
-SIGKILL of a rank's process) or injected inside a rank by ``SURGE_FAULT_INJECT`` (a hung main
-thread), set for the whole stack and keyed by job name. Step faults (a NaN loss) and each
-policy action for them: tests/faults/test_step_faults.py.
+The stack (control, store, data, two workers, ranks as real processes) is the one this
+module's group shares (tests/shared_stacks.py; :func:`running_stack` below starts it). Faults
+are made from outside (SIGSTOP, SIGKILL of a rank's process) or injected inside a rank by
+``SURGE_FAULT_INJECT`` (a hung main thread), set for the whole stack and keyed by job name.
+Step faults (a NaN loss) and each policy action for them: tests/faults/test_step_faults.py.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ def cli(home: Path, *args: str, env: dict | None = None, timeout: float = 120) -
 class Stack:
     def __init__(self, home: Path):
         self.home = home
+        self.up_output = ""  # what `surgectl up` printed
         services = json.loads((home / "run" / "stack.json").read_text())["services"]
         self.metrics_port = services["control"]["metrics_port"]
         self._channel = channel(f"127.0.0.1:{services['control']['port']}", module=Module.EXT_USER)
@@ -130,6 +131,7 @@ def running_stack(
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         s = Stack(home)
+        s.up_output = up.stdout
         yield s
     finally:
         if s is not None:
@@ -147,12 +149,9 @@ def running_stack(
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    jobs = ("tkill", "tstop", "tpause", "tlate", "tstall", "exacta", "exactb", "tdash", "tworker")
-    with running_stack(
-        tmp_path_factory.mktemp("surge-faults"), ("json", "email", "logging"), jobs, env={"SURGE_FAULT_INJECT": INJECT}
-    ) as s:
-        yield s
+def stack(shared_stack):
+    """This module's turn on the stack its group shares (tests/shared_stacks.py)."""
+    return shared_stack
 
 
 def of_type(events, kind: str) -> list[str]:
@@ -319,6 +318,7 @@ def test_a_node_agent_frozen_past_the_heartbeat_deadline_delays_beats_but_no_ran
 def test_sigkill_of_a_rank_while_its_peer_waits_in_the_all_reduce_kills_the_survivor_and_rebuilds_the_group(stack):
     # Rank 1's main thread hangs before the backward of step 12 (injected), so rank 0 waits in
     # that step's gradient all-reduce; then rank 1 is SIGKILLed.
+    counts = rank_exit_counts(stack.metrics())  # (the stack is shared: earlier modules' counts)
     job = stack.submit(spec("tkill"))
     stack.wait_step(job, 11)
     time.sleep(1.0)  # rank 1 reached step 12 and hangs; rank 0 is blocked in the all-reduce
@@ -348,10 +348,17 @@ def test_sigkill_of_a_rank_while_its_peer_waits_in_the_all_reduce_kills_the_surv
         f"{resumed[0].unix_time - killed:.2f} s after the kill"
     )
     finished(events)
-    text = stack.metrics()
-    assert metric(text, "surge_faults_total", grade="SEVERE", **{"class": "rank_exit"}) >= 1
-    assert metric(text, "surge_fault_detection_latency_seconds_count", **{"class": "rank_exit"}) >= 1
-    assert metric(text, "surge_recovery_seconds_count", **{"class": "rank_exit"}) >= 1
+    after = rank_exit_counts(stack.metrics())
+    assert all(after[name] >= counts[name] + 1 for name in counts), (counts, after)
+
+
+def rank_exit_counts(text: str) -> dict[str, float]:
+    """Control's rank_exit faults, their detection latencies and recoveries (counts)."""
+    return {
+        "faults": metric(text, "surge_faults_total", grade="SEVERE", **{"class": "rank_exit"}),
+        "detections": metric(text, "surge_fault_detection_latency_seconds_count", **{"class": "rank_exit"}),
+        "recoveries": metric(text, "surge_recovery_seconds_count", **{"class": "rank_exit"}),
+    }
 
 
 def test_a_rank_that_beats_but_makes_no_progress_is_stalled_and_the_job_recovers(stack):
@@ -374,7 +381,8 @@ def final_state(home: Path, job_id: str) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from services.state.chunk_store import ChunkReader, DirectorySource
+    from services.state.chunk_reader import ChunkReader
+    from services.state.chunk_store import DirectorySource
 
     root = home / "store" / "checkpoints" / job_id
     last = max((p for p in root.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
@@ -428,6 +436,41 @@ def test_a_run_killed_after_a_checkpoint_and_recovered_ends_bit_identical_to_an_
     assert [k for k in optim if k in sb and not torch.equal(sa[k], sb[k])] == [], "final optimizer state differs"
 
 
+def test_an_evaluation_job_through_the_queue_records_its_scores_and_a_failing_one_fails_alone(stack):
+    # `surgectl evaluate` (issue 31 item 4): a one-rank job that loads the version, exports it in
+    # Hugging Face form and runs the example perplexity command (transformers on the export);
+    # its scores show in the source job's status. A command that exits 4 fails its evaluation
+    # job alone, with one line naming it and the code; the source job stays as it was.
+    job = stack.submit(spec("tevalsrc", steps=6, every=3))
+    finished(stack.events(job))
+    before = stack.status(job)
+    text = stack.home / "held_out.txt"
+    text.write_text((Path(sysconfig.get_paths()["stdlib"]) / "json" / "decoder.py").read_text()[:4000])
+    script = REPO / "examples" / "eval" / "perplexity.py"
+    t0 = time.monotonic()
+    ok = cli(stack.home, "evaluate", job, "--command", f"{sys.executable} {script} {text}", "--wait", timeout=240)
+    wall = time.monotonic() - t0
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    eval_id = ok.stdout.split("evaluation job ", 1)[1].split()[0]
+    assert (stack.status(eval_id).state, stack.status(eval_id).outcome) == (JobState.TERMINATED, JobOutcome.FINISHED)
+    shown = cli(stack.home, "status", job).stdout
+    line = next(x for x in shown.splitlines() if x.strip().startswith("perplexity:"))
+    assert f"({job}:" in line, shown
+    perplexity = float(line.split()[1])
+    assert 1.0 < perplexity < 256.0, line  # (bytes: a model that learned nothing scores ~256)
+    bad = cli(stack.home, "evaluate", job, "--command", f"{sys.executable} -c 'import sys; sys.exit(4)'", "--wait")
+    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1, bad.stdout + bad.stderr
+    assert "FAILED" in bad.stderr and "exited with code 4" in bad.stderr and "sys.exit(4)" in bad.stderr, bad.stderr
+    after = stack.status(job)
+    assert (after.state, after.outcome, after.step, after.message) == (
+        before.state,
+        before.outcome,
+        before.step,
+        before.message,
+    )
+    print(f"evaluation job wall time (surgectl evaluate --wait, perplexity of 4,000 bytes): {wall:.1f} s")
+
+
 def test_the_dashboard_in_a_real_browser_shows_a_running_jobs_curve_grow_and_its_fault(stack):
     # The dashboard (`surgectl dashboard`) over this module's stack, in headless chromium: the
     # pages load with the URL's token (refused without), a running job's loss curve has more
@@ -437,11 +480,19 @@ def test_the_dashboard_in_a_real_browser_shows_a_running_jobs_curve_grow_and_its
 
     from tests.dashboard.browser import chromium, load
 
-    job = stack.submit(spec("tdash", steps=400, every=1000))
+    # Its spec also asks for periodic samples (issue 31 item 4): every 2 steps rank 0 continues
+    # one prompt; they show in rank 0's log, the store's records and the job page.
+    sampled = "eval: {every_steps: 0, batches: 2, at_end: false, sample_every_steps: 2, sample_prompts: [ab], sample_tokens: 8}"
+    job = stack.submit(
+        spec("tdash", steps=400, every=1000).replace("eval: {every_steps: 0, batches: 2, at_end: false}", sampled)
+    )
     try:
         out = cli(stack.home, "dashboard")
         assert out.returncode == 0, out.stdout + out.stderr
         url = out.stdout.split("dashboard: ", 1)[1].split()[0]
+        # `surgectl up` started it (the same process `surgectl dashboard` finds), and status says where.
+        assert f"dashboard: {url}" in stack.up_output, stack.up_output
+        assert f"dashboard: {url.split('/?', 1)[0]} " in cli(stack.home, "status").stdout
         base = url.split("/?", 1)[0]
         times: dict[str, float] = {}
 
@@ -459,11 +510,21 @@ def test_the_dashboard_in_a_real_browser_shows_a_running_jobs_curve_grow_and_its
             stack.wait_step(job, stack.status(job).step + 3)
             times["job, again"] = load(browser, f"{base}/job/{job}")
             assert points() > first >= 1, f"the loss curve did not grow: {first} then {points()} points"
+            shown = browser.find_element(By.CSS_SELECTOR, 'tr.sample[data-prompt="0"]').text
+            assert shown.split()[0].isdigit() and int(shown.split()[0]) % 2 == 0 and "ab" in shown, shown
+            records = (stack.home / "store" / "metrics" / f"{job}.jsonl").read_text().splitlines()
+            samples = [r for r in map(json.loads, records) if r.get("type") == "sample"]
+            assert samples and all(r["step"] % 2 == 0 and r["tokens"] == 8 and r["rank"] == 0 for r in samples)
+            (log,) = (stack.home / "run" / "logs").glob(f"{job}.rank0.log")
+            assert '"event": "sample"' in log.read_text() or '"event":"sample"' in log.read_text()
+            print(f"sample generation at the boundary (8 tokens): {max(r['seconds'] for r in samples):.3f} s at most")
             times["queue"] = load(browser, f"{base}/queue")
             assert browser.find_element(By.ID, "placed").text.count(job) == 1
             times["cluster"] = load(browser, f"{base}/cluster")
             workers = {e.get_attribute("data-worker") for e in browser.find_elements(By.CSS_SELECTOR, "tr.worker")}
             assert workers >= {"worker-0", "worker-1"}, workers
+            devices = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "tr.worker td.devices")]
+            assert devices and all(d.startswith("1 x cpu") for d in devices), devices  # (CPU workers: one each)
             times["logs"] = load(browser, f"{base}/job/{job}/logs")
             assert browser.find_element(By.ID, "logs").text.strip()
             times["compare (pick)"] = load(browser, f"{base}/compare")

@@ -4,10 +4,11 @@ update) in a dp 2 job whose replicas are checked every 4 steps and saved every 2
 after the corruption finds the replicas different (replica_divergence, at dp 2 both suspect);
 L1-1 rolls the job back to the version saved at the last check that agreed, in place (every
 rank waits in its loop: the live ranks load it, issue 29 item 9), the version saved between
-(its replicas already differed) is never loaded, and the job finishes.
+(its replicas already differed) is never loaded, and the job finishes. With the policy's
+``ignore`` the ranks waiting for the decision train on and the job finishes.
 
-One stack (control, store, data, two workers of one slot each); every process it started is
-killed by PID at the end.
+The stack (control, store, data, two workers) is the one its group shares
+(tests/shared_stacks.py).
 """
 
 from __future__ import annotations
@@ -18,22 +19,20 @@ from services.common.grpc_server import channel
 from services.contract import Module, store_pb2, store_pb2_grpc
 
 from .test_compound import committed_versions, services
-from .test_recovery import JobOutcome, of_type, running_stack
+from .test_recovery import JobOutcome, of_type
 from .test_recovery import spec as recovery_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 # Corrupted after step 5's update: the save at step 6 holds diverged replicas, the check at
 # step 8 (before that step's save) finds them; the last check that agreed was at step 4.
-INJECT = "rdiv:corrupt_weights@5:rank=1"
+INJECT = "rdiv:corrupt_weights@5:rank=1,rdign:corrupt_weights@5:rank=1"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    with running_stack(
-        tmp_path_factory.mktemp("surge-replicas"), ("json", "email"), ("rdiv",), env={"SURGE_FAULT_INJECT": INJECT}
-    ) as s:
-        yield s
+def stack(shared_stack):
+    """This module's turn on the stack its group shares (tests/shared_stacks.py)."""
+    return shared_stack
 
 
 def test_a_corrupted_replica_is_found_at_the_next_check_and_the_job_rolls_back_to_the_last_agreeing_version(stack):
@@ -82,3 +81,19 @@ def test_a_corrupted_replica_is_found_at_the_next_check_and_the_job_rolls_back_t
     verified = {c.version: c.replica_verified for c in listed}
     assert (verified[before[6]], verified[before[4]]) == (False, True), verified
     assert latest.step == 16 and latest.replica_verified
+
+
+def test_a_divergence_the_policy_ignores_lets_the_ranks_train_on_in_their_processes(stack):
+    # `actions: {replica_divergence: ignore}`: reported only. The ranks wait in their loop for the
+    # decision (the divergence fails none of them); the ignore's go-on (ResumeTraining.go_on_at_step)
+    # lets them train on. Before it they waited for good, the job RUNNING with its step frozen.
+    text = recovery_spec("rdign", steps=16, every=2).replace("keep_last: 0}", "keep_last: 0, async: false}")
+    text += "integrity: {replica_check_every_steps: 4}\nfault_policy: {actions: {replica_divergence: ignore}}\n"
+    job = stack.submit(text)
+    events = stack.events(job, timeout=240)
+    assert events[-1].status.outcome == JobOutcome.FINISHED, events[-1].message
+    decisions = [m for m in of_type(events, "decision") if "replica_divergence" in m]
+    assert decisions and all(m.startswith("ignore replica_divergence") for m in decisions), decisions
+    faults = [m for m in of_type(events, "fault") if "replica_divergence" in m]
+    assert faults and "replicas differ after step 8" in faults[0], faults
+    assert not [m for m in of_type(events, "recovery") if "relaunched" in m or "loading checkpoint" in m]

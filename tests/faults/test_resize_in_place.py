@@ -1,7 +1,7 @@
 """Resizing a running job in place (issue 16, parts 2 and 3) on the real stack.
 
-One stack (control, store, data, three workers of one slot each, ranks as real processes)
-serves the module; every process it started is killed by PID at the end. Each job keeps the
+The stack (control, store, data, three workers of one slot each, ranks as real processes)
+is the one its group shares (tests/shared_stacks.py). Each job keeps the
 global batch of 12 rows whatever its data-parallel size, so an uninterrupted run at dp 2
 (``rzbase``) reads the same global batches in the same order: a resize that skipped or
 repeated a sample would show in the per-step losses from then on (RTOL below). Which rows each
@@ -26,7 +26,7 @@ import pytest
 from services.contract import control_pb2
 from services.rank.faults import lift_pace
 from tests.faults.test_rebuild_in_place import so_far
-from tests.faults.test_recovery import cli, of_type, running_stack
+from tests.faults.test_recovery import cli, of_type
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -54,7 +54,7 @@ fault_policy: {{actions: {{rank_exit: shrink, worker_lost: shrink, worker_depart
 # whatever the machine's speed; lifted after its last resize. Few steps run during the
 # actions, so the baseline has few to run.
 STEPS, PACE = 1000, 0.5
-PACED = ",".join(
+INJECT = ",".join(
     f"{job}:slow_steps@{at}:rank={r}:seconds={PACE:g}"
     for job, at in (("rzshrink", 6), ("rzscale", 5))
     for r in range(3)
@@ -68,15 +68,9 @@ RTOL = 2e-3
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    with running_stack(
-        tmp_path_factory.mktemp("surge-resize"),
-        ("json", "email", "logging"),
-        ("rzbase", "rzshrink", "rzscale"),
-        env={"SURGE_WORKER_SLOTS": "1", "SURGE_FAULT_INJECT": PACED},  # one rank per node; every rank paced
-        workers=3,
-    ) as s:
-        yield s
+def stack(shared_stack):
+    """This module's turn on the stack its group shares (tests/shared_stacks.py)."""
+    return shared_stack
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +138,9 @@ def test_a_lost_node_shrinks_the_job_and_its_return_grows_it_back_on_the_same_gl
     stack.wait_step(job, shrunk_at + 3)
     assert {r: stack.rank_pids(job, r) for r in (0, 1)} == survivors, so_far(stack, job)
 
-    back = cli(stack.home, "restart", node)  # the node returns: the job grows back to dp 3
+    # The node returns as it was (one slot, the injections: the stack is shared with the next
+    # module): the job grows back to dp 3.
+    back = cli(stack.home, "restart", node, env=stack.env)
     assert back.returncode == 0, back.stdout + back.stderr
     t0 = time.monotonic()
     while stack.status(job).dp != 3 or stack.status(job).state != JobState.RUNNING:

@@ -54,7 +54,7 @@ def _running_past(stack: Stack, job: str, step: int) -> None:
 
 def _faults(stack: Stack, job: str) -> list[str]:
     history = stack.stub.WatchJob(control_pb2.JobQuery(job_id=job, follow=False), timeout=10)
-    # (the survivor's kill at each relaunch is recorded too, as MINOR rank_released: not a fault of the node)
+    # (the survivor's kill at each relaunch is the rank's end, type rank: not a fault of the node)
     return [e.message for e in history if e.type == "fault" and e.message.startswith("SEVERE ")]
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from services.contract import control_pb2
 from tests.conftest import kill_all
-from tests.faults.test_recovery import causes, of_type, parent_pid, running_stack
+from tests.faults.test_recovery import causes, of_type, parent_pid
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -40,9 +40,9 @@ liveness: {heartbeat_interval_seconds: 0.5, heartbeat_timeout_seconds: 3.0, hear
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    with running_stack(tmp_path_factory.mktemp("surge-stall-blame"), ("json", "email"), ("tblame",)) as s:
-        yield s
+def stack(shared_stack):
+    """This module's turn on the stack its group shares (tests/shared_stacks.py)."""
+    return shared_stack
 
 
 def test_a_rank_on_a_hung_host_is_blamed_not_its_stalled_peer_whose_stall_deadline_fired_first(stack):

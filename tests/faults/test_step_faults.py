@@ -5,8 +5,8 @@ The loop blocks at the faulty step and reports it to L1-1; the orchestrator deci
 policy and sends its verdict to every rank: ignore (the step is applied as it is), skip_step
 (a standing order issued with the job: no round trip), rollback / restart_ranks /
 exclude_node (the ranks are relaunched from a checkpoint before the step), stop (the job
-fails, its ranks are released). One stack (two workers of one slot each) serves the module;
-tiny model, a few steps per job.
+fails, its ranks are released). The stack is the one its group shares
+(tests/shared_stacks.py: two workers); tiny model, a few steps per job.
 """
 
 from __future__ import annotations
@@ -19,14 +19,19 @@ import time
 import pytest
 
 from services.contract import control_pb2
-from tests.faults.test_recovery import cli, finished, metric, of_type, running_stack
+from services.rank.faults import lift_pace
+from tests.faults.test_recovery import cli, finished, metric, of_type
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 INJECT = (
     "sfroll:nan_loss@7:rank=1,sfskip:inf_grad@3,sfskip:nan_loss@5:rank=1,sfignore:nan_loss@4,"
-    "sfstop:nan_loss@4,sfrestart:nan_loss@6,sfexclude:nan_loss@6,sfhold:nan_loss@5:rank=1,sfthaw:nan_loss@5:rank=1"
+    "sfstop:nan_loss@4,sfrestart:nan_loss@6,sfexclude:nan_loss@6,sfhold:nan_loss@5:rank=1,sfthaw:nan_loss@5:rank=1,"
+    # (sfreload held to a pace from step 7 until its rollback is in: it is running when the
+    # rollback lands whatever the machine's speed, 18 paced steps = 54 s; 1 s a step was not
+    # enough at load 33. A sleep: the losses are the same)
+    "sfreload:slow_steps@7:rank=0:seconds=3,sfreload:slow_steps@7:rank=1:seconds=3"
 )
 JOBS = ("sfroll", "sfskip", "sfignore", "sfstop", "sfrestart", "sfexclude", "sfhold", "sfthaw", "sfref", "sfreload")
 
@@ -51,11 +56,9 @@ def job(
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    with running_stack(
-        tmp_path_factory.mktemp("surge-step-faults"), ("json",), JOBS, env={"SURGE_FAULT_INJECT": INJECT}
-    ) as s:
-        yield s
+def stack(shared_stack):
+    """This module's turn on the stack its group shares (tests/shared_stacks.py)."""
+    return shared_stack
 
 
 def faults(events) -> list[str]:
@@ -241,10 +244,13 @@ def test_an_operator_thaw_runs_the_held_relaunch_at_once(stack):
 def test_a_rollback_in_place_keeps_the_processes_and_replays_the_uninterrupted_runs_losses(stack):
     # Issue 29 item 9: `surgectl rollback JOB --version V` on a running dp 2 job: the ranks pause,
     # load V (step 6) into their live processes and train on from step 6; the same PIDs, and
-    # every step's loss equal to an uninterrupted run's (bit-exact resume).
-    ref = stack.submit(job("sfref", "restart_ranks", steps=60, dp=2))
+    # every step's loss equal to an uninterrupted run's (bit-exact resume). 24 steps, not 60: the
+    # job is paced from step 7 until the rollback is in (INJECT), so no margin of steps is needed
+    # for the rollback to find it running (each step of the two runs costs the stack's CPU).
+    n = 24
+    ref = stack.submit(job("sfref", "restart_ranks", steps=n, dp=2))
     finished(stack.events(ref))
-    job_id = stack.submit(job("sfreload", "restart_ranks", steps=60, dp=2))
+    job_id = stack.submit(job("sfreload", "restart_ranks", steps=n, dp=2))
     t0 = time.monotonic()
     while not any(
         " at step 6 " in m for m in of_type(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job_id)), "checkpoint")
@@ -259,6 +265,7 @@ def test_a_rollback_in_place_keeps_the_processes_and_replays_the_uninterrupted_r
     while not (s := stack.status(job_id)).message.startswith("rolled back in place"):
         assert time.monotonic() - t0 < 60 and s.state != JobState.TERMINATED, s.message
         time.sleep(0.02)
+    lift_pace(stack.home / "run" / "faults", job_id)
     assert s.message == f"rolled back in place to checkpoint {job_id}:2 at step 6", s.message
     assert [stack.rank_pids(job_id, r) for r in (0, 1)] == pids and alive([p[0] for p in pids])
     events = stack.events(job_id)
@@ -267,8 +274,8 @@ def test_a_rollback_in_place_keeps_the_processes_and_replays_the_uninterrupted_r
     assert not [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
     steps = [r["step"] for r in rank0_steps(stack, job_id)]
     cut = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
-    assert steps[cut] == 7 and steps[cut:] == list(range(7, 61)), steps  # trained again from step 7
+    assert steps[cut] == 7 and steps[cut:] == list(range(7, n + 1)), steps  # trained again from step 7
     la, lb = stack.losses(ref), stack.losses(job_id)
-    assert sorted(la) == sorted(lb) == list(range(1, 61))
+    assert sorted(la) == sorted(lb) == list(range(1, n + 1))
     assert [s for s in la if la[s] != lb[s]] == [], "per-step losses after the rollback differ"
     finished(events)

@@ -76,6 +76,9 @@ class Bed:
                 self._made.append(["ip", "netns", "del", host.ns])
                 outer, inner = f"{self._bridge}v{i}", "eth0"
                 self._ip("link", "add", outer, "type", "veth", "peer", "name", f"{self._bridge}p{i}")
+                # Deleting this end deletes the pair, even where a process left in the namespace
+                # keeps it alive past `ip netns del` (whose veth would block the next bed's name).
+                self._made.append(["ip", "link", "del", outer])
                 self._ip("link", "set", f"{self._bridge}p{i}", "netns", host.ns)
                 self._ip("-n", host.ns, "link", "set", f"{self._bridge}p{i}", "name", inner)
                 self._ip("link", "set", outer, "master", self._bridge)

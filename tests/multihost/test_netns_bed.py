@@ -6,9 +6,10 @@ One job runs through what a cluster does to it: two ranks on two hosts, `surgect
 --follow` from the operator's machine, a rank SIGKILLed (rebuilt in place: the survivor
 keeps its process, the replacement heals from its memory across hosts), control killed and
 started again (the job re-attached), then a node lost with every process on it (its rank
-replaced on the third host), and the job finishes.
+replaced on the third host, the survivor's node agent then probing the replacement's host and
+not the lost one: counted on the wire with tc), and the job finishes.
 
-Needs root and iproute2: skipped, saying why, elsewhere, unless SURGE_REQUIRE_NETNS=1 (CI
+Needs root and iproute2 (ip, tc): skipped, saying why, elsewhere, unless SURGE_REQUIRE_NETNS=1 (CI
 sets it), which makes a missing capability a failure.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -57,11 +59,54 @@ def _skip_or_fail(why: str) -> None:
 
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory) -> Cluster:
-    why = available()
+    why = available() or ("" if shutil.which("tc") else "needs iproute2's `tc` (the link probes are counted with it)")
     if why:
         _skip_or_fail(why)
     with recipe_cluster(tmp_path_factory.mktemp("netns-bed"), NODES) as cluster:
         yield cluster
+
+
+def _tc(cluster: Cluster, host: str, *args: str) -> str:
+    ns = cluster.bed.hosts[host].ns
+    done = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True)
+    assert done.returncode == 0, f"tc {' '.join(args)}: {done.stderr}"
+    return done.stdout
+
+
+def _udp_sent(cluster: Cluster, pairs: dict[str, tuple[str, ...]], seconds: float) -> dict[tuple[str, str], int]:
+    """How many UDP packets (the node agents' link probes: nothing else between the node hosts
+    is UDP) each host of ``pairs`` sent to each host it names, in ``seconds``: an htb class per
+    destination on the sender's eth0 (full rate: nothing is slowed), a u32 filter by destination
+    address and protocol, the class's packet count read before and after."""
+    hosts = cluster.bed.hosts
+    for host, peers in pairs.items():
+        _tc(cluster, host, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "1")
+        _tc(cluster, host, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb", "rate", "10gbit")
+        for i, peer in enumerate(peers, start=2):
+            _tc(cluster, host, "class", "add", "dev", "eth0", "parent", "1:", "classid", f"1:{i}", "htb", "rate",
+                "10gbit")  # fmt: skip
+            _tc(cluster, host, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                "match", "ip", "dst", f"{hosts[peer].ip}/32", "match", "ip", "protocol", "17", "0xff",
+                "flowid", f"1:{i}")  # fmt: skip
+
+    def counts() -> dict[tuple[str, str], int]:
+        out = {}
+        for host, peers in pairs.items():
+            text = _tc(cluster, host, "-s", "class", "show", "dev", "eth0")
+            for i, peer in enumerate(peers, start=2):
+                found = re.search(rf"class htb 1:{i} .*?Sent \d+ bytes (\d+) pkt", text, re.S)
+                assert found, text
+                out[host, peer] = int(found.group(1))
+        return out
+
+    try:
+        before = counts()
+        time.sleep(seconds)
+        after = counts()
+    finally:
+        for host in pairs:
+            subprocess.run(["ip", "netns", "exec", hosts[host].ns, "tc", "qdisc", "del", "dev", "eth0", "root"])
+    return {k: after[k] - before[k] for k in after}
 
 
 def test_the_readme_recipe_trains_across_hosts_through_a_rank_kill_a_control_restart_and_a_node_loss(bed):
@@ -115,6 +160,14 @@ def test_the_readme_recipe_trains_across_hosts_through_a_rank_kill_a_control_res
     spare, _ = bed.rank_host(job, 1)
     assert spare not in (lost, host0)
     assert bed.rank_host(job, 0) == (host0, pid0), bed.events_text(job)
+
+    # The survivor's node agent probes the replacement's node at its address, and the lost node
+    # no more (the rebuild told it its new probe peers); the replacement's agent probes it back.
+    # Counted on the wire: the UDP packets each host sends to each other host, over 4 probe periods.
+    sent = _udp_sent(bed, {host0: (spare, lost), spare: (host0,)}, seconds=4.0)
+    print(f"UDP packets in 4 s after the node loss, (from, to): {sent}")
+    assert sent[host0, spare] >= 2 and sent[spare, host0] >= 2, sent
+    assert sent[host0, lost] == 0, sent
 
     # The operator stops it; the boundary's checkpoint streams to the store.
     stopped = bed.cli("stop", job)

@@ -28,6 +28,14 @@ TOKEN = "obs-test-token"
 ADDRESS_VARS = ("SURGE_CONTROL_ADDRESS", "SURGE_DATA_ADDRESS", "SURGE_STORE_ADDRESS")
 SECURITY_VARS = ("SURGE_AUTH_TOKEN", "SURGE_TLS_CERT", "SURGE_TLS_KEY", "SURGE_TLS_CA", "SURGE_TLS_SERVER_NAME")
 
+# A profile whose export holds rank 1's interpreter lock for 20 s (what torch.profiler's
+# post-processing of a long trace did on a loaded host), for the job named SLOW_EXPORT_JOB:
+# longer than the running heartbeat deadline (15 s by default).
+INJECT = "SURGE_FAULT_INJECT"
+SLOW_EXPORT_JOB = "obs-slow-export"
+SLOW_EXPORT_SECONDS = 20
+SLOW_EXPORT = f"{SLOW_EXPORT_JOB}:slow_profile_export@1:rank=1:seconds={SLOW_EXPORT_SECONDS}"
+
 JOB = """\
 name: obs
 steps: 10
@@ -193,7 +201,15 @@ def obs_stack(tmp_path_factory) -> ObsStack:
     assert prep.returncode == 0, prep.stderr
     prom_proc = None
     # The finished job's series stay for the whole package (the tests read them after it ended).
-    up = cli(home, "up", "--workers", "2", env={"SURGE_STORE_SERIES_LINGER_SECONDS": "3600"}, timeout=120)
+    # (the injection names one job, test_profile.py's: inert for every other job here)
+    up = cli(
+        home,
+        "up",
+        "--workers",
+        "2",
+        env={"SURGE_STORE_SERIES_LINGER_SECONDS": "3600", INJECT: SLOW_EXPORT},
+        timeout=120,
+    )
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         services = json.loads((home / "run" / "stack.json").read_text())["services"]

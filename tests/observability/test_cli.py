@@ -60,15 +60,21 @@ def test_plot_writes_a_png_of_every_step(obs_stack, tmp_path):
 
 @pytest.mark.integration
 def test_plot_falls_back_to_controls_history_without_the_metrics_file(obs_stack, tmp_path):
+    import socket
+
     out = tmp_path / "coarse.png"
-    r = cli(
-        obs_stack.home,
-        "plot",
-        obs_stack.job_id,
-        "--out",
-        str(out),
-        env={"SURGE_STORE_ROOT": str(tmp_path / "elsewhere")},
-    )
+    with socket.socket() as closed:  # bound, not listening: the store unreachable from here
+        closed.bind(("127.0.0.1", 0))
+        store = f"127.0.0.1:{closed.getsockname()[1]}"
+        r = cli(
+            obs_stack.home,
+            "plot",
+            obs_stack.job_id,
+            "--out",
+            str(out),
+            # (neither the store nor a local copy of its files: control's history is what is left)
+            env={"SURGE_STORE_ADDRESS": store, "SURGE_STORE_ROOT": str(tmp_path / "elsewhere")},
+        )
     assert r.returncode == 0, r.stderr
     assert "control's event history" in r.stdout and out.exists()
 

@@ -98,10 +98,11 @@ def test_surgectl_logs_errors_are_one_line(obs_stack):
     for args, words in (
         (("logs", "no-such-job"), "no-such-job"),
         (("logs", obs_stack.job_id, "--rank", "7"), "no log of rank 7"),
+        (("logs", obs_stack.job_id, "--follow", "--rank", "7"), "--rank 7: no such rank"),  # (not waited for)
         (("logs", obs_stack.job_id, "-o", "yaml"), "--output"),
     ):
         r = cli(obs_stack.home, *args)
-        assert r.returncode != 0 and words in r.stderr, r.stderr
+        assert r.returncode == 2 and words in r.stderr, r.stderr  # (rank 7 of a dp 2 job: no such rank)
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 

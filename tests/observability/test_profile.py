@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.observability.conftest import cli
+from tests.observability.conftest import SLOW_EXPORT_JOB, SLOW_EXPORT_SECONDS, cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -22,17 +22,29 @@ def _state(home, job_id: str) -> dict:
     return json.loads(shown.stdout)[0]
 
 
-def test_a_running_jobs_ranks_each_record_a_trace_of_the_same_steps(obs_stack):
-    home = obs_stack.home
-    spec = home / "obs.yaml"
-    sub = cli(home, "submit", str(spec), "--set", "steps=400", "--set", "checkpoint.every_steps=0")
+def _running_job(home, *sets: str) -> str:
+    """A job of the package's spec submitted with ``sets`` (that cannot end during a profile:
+    100,000 steps, no checkpoints), once RUNNING; its id."""
+    sub = cli(
+        home, "submit", str(home / "obs.yaml"), "--set", "steps=100000", "--set", "checkpoint.every_steps=0", *sets
+    )
     assert sub.returncode == 0, sub.stdout + sub.stderr
     job_id = sub.stdout.split("submitted ", 1)[1].split()[0]
+    deadline = time.monotonic() + 120
     try:
-        deadline = time.monotonic() + 120
         while _state(home, job_id)["state"] != "RUNNING":
             assert time.monotonic() < deadline, "the job never ran"
             time.sleep(0.5)
+    except BaseException:
+        cli(home, "stop", job_id, "--no-checkpoint")  # (not left on the package's stack)
+        raise
+    return job_id
+
+
+def test_a_running_jobs_ranks_each_record_a_trace_of_the_same_steps(obs_stack):
+    home = obs_stack.home
+    job_id = _running_job(home)
+    try:
         r = cli(home, "profile", job_id, "--steps", "2", "--wait-seconds", "120", "-o", "json")
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr
         info = json.loads(r.stdout)
@@ -58,5 +70,33 @@ def test_a_running_jobs_ranks_each_record_a_trace_of_the_same_steps(obs_stack):
         done = cli(home, "profile", obs_stack.job_id, "--steps", "1")  # (the package's job: finished)
         assert done.returncode != 0 and "only a running job's steps can be profiled" in done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    finally:
+        cli(home, "stop", job_id, "--no-checkpoint")
+
+
+def test_an_export_that_silences_a_rank_past_its_heartbeat_deadline_is_no_fault(obs_stack):
+    """Issue 28 (profile28): rank 1's export holds its interpreter lock for 20 s, past the
+    running heartbeat deadline (15 s): the rank announced the export (PHASE_PROFILE_EXPORT), so
+    control allows the silence within its budget; no rank_silent, no relaunch, the files kept."""
+    home = obs_stack.home
+    job_id = _running_job(home, "--set", f"name={SLOW_EXPORT_JOB}")
+    try:
+        t0 = time.monotonic()
+        r = cli(home, "profile", job_id, "--steps", "2", "--wait-seconds", "150", "-o", "json")
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr
+        assert time.monotonic() - t0 > SLOW_EXPORT_SECONDS
+        # The injection fired (held rank 1's lock): it leaves its marker when it does.
+        assert (home / "run" / "faults" / f"{job_id}.rank1.slow_profile_export@1").exists()
+        info = json.loads(r.stdout)
+        recorded = sorted(info["recorded"], key=lambda x: x["rank"])
+        assert [x["rank"] for x in recorded] == [0, 1] and not any(x.get("error") for x in recorded), recorded
+        for x in recorded:
+            [path] = x["files"]
+            assert (home / "store" / path).stat().st_size > 0
+        ev = cli(home, "events", job_id)
+        assert ev.returncode == 0, ev.stderr
+        for fault in ("rank_silent", "rank_stalled", "comm_error", "relaunch"):
+            assert fault not in ev.stdout, ev.stdout[-3000:]
+        assert _state(home, job_id)["state"] == "RUNNING"
     finally:
         cli(home, "stop", job_id, "--no-checkpoint")

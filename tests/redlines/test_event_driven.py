@@ -38,16 +38,21 @@ DEADLINE_TIMERS: dict[int, str] = {
         "allocator's answer said must wait (store unreachable, no capacity), bounded by the fault "
         "policy's wait; and the restore step's deadline (restore_seconds). Armed only by the "
         "answer or command that starts the step (``_arm``), cancelled by the answer that ends it; "
-        "never a judgment of a rank's liveness (that stays the detector's)"
+        "never a judgment of a rank's liveness (that stays the detector's); and the waits of its "
+        "preemption and growing-back policies (issue 30: a preempted job's grace to checkpoint, a "
+        "protected job's minimum run time ending, a job's resize interval ending), armed by the "
+        "decision that starts the wait (``_arm_policy_timer``), one per wait, re-arming cancels"
     ),
 }
 # Functions of a DEADLINE_TIMERS module that arm a step deadline although they are not
 # event handlers themselves: each is called only from handlers (see DEADLINE_TIMERS).
-STEP_DEADLINE_ARMERS = {Module.L1_ORCHESTRATOR: {"_arm"}}
+STEP_DEADLINE_ARMERS = {Module.L1_ORCHESTRATOR: {"_arm", "_arm_policy_timer"}}
 # Functions that hand work to the deadline pool's thread with no delay: not a timer on
 # anyone, a hand-off off the caller's thread. L1-1 starts its queued jobs so (issue 15):
 # the caller may be the thread applying the node agents' events.
-HANDOFFS = {Module.L1_ORCHESTRATOR: {"_start_soon", "_grow_soon"}}
+# (_hook_soon: eval.hooks submits; _report_soon, _write_held_soon: off the journal writer's
+# thread, a refused step write's report and the held steps' write once the journal commits)
+HANDOFFS = {Module.L1_ORCHESTRATOR: {"_start_soon", "_grow_soon", "_hook_soon", "_report_soon", "_write_held_soon"}}
 # A blocking call that takes a timeout is a poll when it sits in a loop: wake, look, wait again.
 TIMED_WAITS = {"sleep", "wait", "get", "put", "join", "poll", "select", "acquire", "result", "recv"}
 

@@ -479,6 +479,25 @@ def test_the_orchestrator_only_commands_below_and_never_queries(tmp_path):
     assert not [r.message for r in below if "Query" in r.message or "Get" in r.message]
 
 
+def test_every_policy_lookup_of_the_orchestrator_goes_through_fault_decision():
+    # Issue 28 item 1: the job's fault policy is read in one place (services/control/
+    # fault_decision.py); L1-1's package and the monitoring command it builds hand the policy
+    # to it and read none of its fields (the launch's fields were read in three copies).
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "services" / "control"
+    read = []
+    for path in [*sorted((root / "orchestrator").glob("*.py")), root / "monitoring.py"]:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            field = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+            if field and node.value.attr == "fault_policy":  # (spec.fault_policy.<field>)
+                read.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+            named = isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute)
+            if named and node.value.attr == "fault_policy":  # (read later through a name)
+                read.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    assert read == []
+
+
 # ---------------------------------------------------------------------- L5-2 metrics logger
 
 

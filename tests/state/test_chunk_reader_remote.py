@@ -14,7 +14,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from services.contract import store_pb2
 from services.rank.checkpoint_transfer import read_files
-from services.state.chunk_store import ChunkIntegrityError, ChunkReader, ChunkWriter, DirectorySource, chunk_path
+from services.state.chunk_reader import ChunkReader
+from services.state.chunk_store import ChunkIntegrityError, ChunkWriter, DirectorySource, chunk_path
 
 CHUNK = 4096
 

@@ -12,10 +12,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from services.state.chunk_reader import ChunkReader
 from services.state.chunk_store import (
     CHUNKS_FILE,
     ChunkIntegrityError,
-    ChunkReader,
     ChunkWriter,
     DirectorySource,
     chunk_path,

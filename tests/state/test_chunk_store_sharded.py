@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from services.compute.model import build_model
 from services.jobspec import ModelSpec
-from services.state.chunk_store import ChunkReader, ChunkWriter, DirectorySource, iter_chunk_files
+from services.state.chunk_reader import ChunkReader
+from services.state.chunk_store import ChunkWriter, DirectorySource, iter_chunk_files
 from tests.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

@@ -1,4 +1,4 @@
-"""The restricted unpickler of a checkpoint's ``.metadata`` (services/state/chunk_store.py)
+"""The restricted unpickler of a checkpoint's ``.metadata`` (services/state/chunk_reader.py)
 and of inference's (services/compute/inference.py): Debian 12's Python 3.11.2 pickles an enum
 member as ``getattr(cls, name)``, so a checkpoint written in the compose image could not be
 loaded back in it ("refusing to load builtins.getattr", found by `make test-compose`). Only a
@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
 from services.compute import inference
-from services.state import chunk_store
+from services.state import chunk_reader
 
 
 class _AsGetattr:
@@ -27,17 +27,17 @@ class _AsGetattr:
         return getattr, (self.target, self.name)
 
 
-UNPICKLERS = [chunk_store._MetadataUnpickler, inference._MetadataUnpickler]
+UNPICKLERS = [chunk_reader._MetadataUnpickler, inference._MetadataUnpickler]
 
 
-@pytest.mark.parametrize("unpickler", UNPICKLERS, ids=["chunk_store", "inference"])
+@pytest.mark.parametrize("unpickler", UNPICKLERS, ids=["chunk_reader", "inference"])
 def test_an_enum_member_pickled_as_getattr_loads(unpickler):
     data = pickle.dumps({"fmt": _AsGetattr(_MEM_FORMAT_ENCODING, "TORCH_CONTIGUOUS_FORMAT")})
     assert b"getattr" in data
     assert unpickler(io.BytesIO(data)).load() == {"fmt": _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT}
 
 
-@pytest.mark.parametrize("unpickler", UNPICKLERS, ids=["chunk_store", "inference"])
+@pytest.mark.parametrize("unpickler", UNPICKLERS, ids=["chunk_reader", "inference"])
 @pytest.mark.parametrize(
     "target, name",
     [

@@ -14,12 +14,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from services.contract import store_pb2
-from services.state.chunk_store import (
-    ChunkReader,
-    ChunkWriter,
-    DirectorySource,
-    iter_chunk_files,
-)
+from services.state.chunk_reader import ChunkReader
+from services.state.chunk_store import ChunkWriter, DirectorySource, iter_chunk_files
 from services.store.checkpoint_manager import CheckpointIncomplete, CheckpointManager, CheckpointRejected
 
 from .conftest import load

@@ -15,7 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from services.contract import store_pb2
-from services.state.chunk_store import ChunkReader, ChunkWriter, DirectorySource, iter_chunk_files
+from services.state.chunk_reader import ChunkReader
+from services.state.chunk_store import ChunkWriter, DirectorySource, iter_chunk_files
 from services.store.checkpoint_manager import CheckpointManager
 from services.store.checkpoint_manager import chunks as checkpoint_chunks
 

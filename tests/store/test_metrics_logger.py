@@ -216,3 +216,15 @@ def test_a_rank_s_series_are_removed_a_linger_after_its_loop_ended_unless_a_reco
     finally:
         logger.close()
     assert len(lines(tmp_path, "done")) == 5  # the JSONL file keeps every record
+
+
+def test_a_sample_is_a_line_of_its_own_kind_and_no_series(tmp_path, logger, registry):
+    sample = engine_pb2.SampleGenerated(
+        job_id="demo", rank=0, step=20, prompt_index=1, prompt="Once", text=" upon a\n time", tokens=8, seconds=0.05
+    )
+    assert logger.on_sample_generated(sample).records == 1
+    assert logger.on_sample_generated(sample).records == 0  # a resend after a reconnect: written once
+    (line,) = lines(tmp_path)
+    assert line["type"] == "sample"
+    assert (line["step"], line["prompt_index"], line["prompt"], line["text"]) == (20, 1, "Once", " upon a\n time")
+    assert not [m for m in registry.collect() if "sample" in m.name]

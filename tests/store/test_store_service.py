@@ -49,6 +49,23 @@ def spawn(root: Path, port: int, metrics_port: int, log=subprocess.PIPE, *extra:
     )
 
 
+def answers_or_exits(proc: subprocess.Popen, port: int, polls: int | None = None) -> bool:
+    """Wait until the store at ``port`` answers or its process ``proc`` exits, for at most
+    ``polls`` half-seconds (None: no bound). True if the process still runs."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        ready = grpc.channel_ready_future(ch)
+        n = 0
+        while polls is None or n < polls:
+            try:
+                ready.result(timeout=0.5)
+                break
+            except grpc.FutureTimeoutError:
+                if proc.poll() is not None:
+                    break
+            n += 1
+    return proc.poll() is None
+
+
 @dataclass
 class Store:
     proc: subprocess.Popen
@@ -66,16 +83,7 @@ def store(tmp_path, request):
         with open(log, "wb") as out:  # a file, not a pipe: a long log never blocks the service
             proc = spawn(tmp_path, port, metrics_port, out, *extra)
         try:
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-                ready = grpc.channel_ready_future(ch)
-                while True:
-                    try:
-                        ready.result(timeout=0.5)
-                        break
-                    except grpc.FutureTimeoutError:
-                        if proc.poll() is not None:
-                            break
-            if proc.poll() is None:
+            if answers_or_exits(proc, port):
                 break
             err = log.read_text()
             assert "in use" in err, err

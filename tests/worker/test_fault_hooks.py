@@ -20,7 +20,10 @@ def test_injections_are_parsed_per_job_name_and_a_bad_entry_is_one_line():
     text = "a:nan_loss@7,b:hang@3:rank=1, a:hang@9:rank=2"
     assert parse_injections(text, "a") == [Injection("nan_loss", 7, 0), Injection("hang", 9, 2)]
     assert parse_injections(text, "c") == []
-    kinds = r"nan_loss\|inf_grad\|hang\|hang_forward\|slow_eval\|slow_save\|slow_heal\|slow_steps\|corrupt_weights\|slow_compute"
+    kinds = (
+        r"nan_loss\|inf_grad\|hang\|hang_forward\|slow_eval\|slow_save\|slow_heal\|slow_steps\|corrupt_weights"
+        r"\|slow_compute\|slow_profile_export"
+    )
     expected = rf"expected <job name>:<{kinds}>@<step>"
     with pytest.raises(ValueError, match=r"^SURGE_FAULT_INJECT: 'a:explode@1': " + expected):
         parse_injections("a:explode@1", "a")
@@ -167,3 +170,33 @@ def test_slow_compute_multiplies_the_training_forward_and_backward_time_from_its
     assert timed(backward, bwd) >= 0.06  # 3x the previous backward's
     assert timed(forward, engine_pb2.RunForward(training=False)) < 0.035  # an evaluation: not slowed
     assert timed(guard.optimizer(work), engine_pb2.ApplyUpdate(step=3)) >= 0.06  # the update too
+
+
+def test_slow_profile_export_holds_the_interpreter_lock_so_no_other_thread_beats(tmp_path):
+    """What torch.profiler's post-processing of a long trace does to a rank (step_profiler.py)."""
+    import threading
+    import time
+
+    from services.rank.faults import FaultInjector, parse_injections
+
+    injector = FaultInjector(parse_injections("j:slow_profile_export@3:seconds=1", "j"), "job", 0, tmp_path)
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(0.01):
+            ticks.append(time.monotonic())
+
+    t = threading.Thread(target=beat, daemon=True)
+    t.start()
+    time.sleep(0.1)
+    injector.before_profile_export(2)  # (not due yet)
+    t0 = time.monotonic()
+    injector.before_profile_export(3)
+    t1 = time.monotonic()
+    injector.before_profile_export(4)  # (fired once)
+    stop.set()
+    t.join()
+    assert t1 - t0 >= 1.0
+    assert not [x for x in ticks if t0 + 0.05 < x < t1 - 0.05], "a thread ran while the lock was held"
+    assert time.monotonic() - t1 < 0.5

@@ -20,6 +20,10 @@ import grpc
 from services.common import grpc_waits
 if sys.argv[1] == "install":
     assert grpc_waits.install(2.0)  # (the opt-in slice: SURGE_GRPC_WAIT_SLICE_S)
+if sys.argv[1] == "side":
+    assert grpc_waits.install()  # (the services' default: gRPC's 0.1 s in the main thread, 2 s elsewhere)
+    from grpc import _common
+    assert _common.MAXIMUM_WAIT_TIMEOUT == 0.1
 
 def never(request, context):
     while context.is_active():
@@ -86,3 +90,9 @@ def test_an_idle_stream_reader_sleeps_and_a_blocked_main_thread_still_handles_si
     assert polled >= 10  # gRPC's own 0.1 s slice: ~15 wake-ups in 1.5 s
     assert quiet <= 3  # (the slice is 2 s: at most one, plus the scheduler's own)
     assert handled_s < 1.0  # a signal interrupts the wait: not held to the 2 s slice
+
+
+def test_by_default_only_side_threads_wait_in_wide_slices_the_main_thread_keeps_grpcs():
+    quiet, handled_s = _run("side")
+    assert quiet <= 3  # the reader (a side thread): 2 s slices
+    assert handled_s < 1.0  # the main thread in gRPC's wait: its handler runs at once

@@ -19,9 +19,12 @@ import structlog
 from services.common.grpc_server import ServiceServer
 from services.contract import control_pb2, worker_pb2_grpc
 from services.rank.memory_client import MemoryCopyClient
-from services.state.chunk_store import ChunkIntegrityError, ChunkReader, DirectorySource, chunk_path
-from services.worker import memory_copies
-from services.worker.memory_copies import MemoryCopies, MemoryCopyServicer, shared_memory_dir
+from services.state.chunk_reader import ChunkReader
+from services.state.chunk_store import ChunkIntegrityError, DirectorySource, chunk_path
+from services.worker import memory_chunks, memory_copies
+from services.worker.memory_chunks import shared_memory_dir
+from services.worker.memory_copies import MemoryCopies
+from services.worker.memory_copy_service import MemoryCopyServicer
 
 pytestmark = pytest.mark.timeout(60)
 JOB = "mem-0a1b2c"
@@ -323,10 +326,10 @@ def test_the_directories_of_dead_agents_are_removed_and_a_live_ones_kept(tmp_pat
     live = shared_memory_dir("w2", tmp_path)  # this process's
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # a pid no process has now
-    dead = tmp_path / f"{memory_copies.SHM_PREFIX}w1-{gone.pid}"
+    dead = tmp_path / f"{memory_chunks.SHM_PREFIX}w1-{gone.pid}"
     (dead / "ab").mkdir(parents=True)
     (dead / "ab" / "chunk").write_bytes(b"x" * 10)
-    assert memory_copies.remove_dead_dirs(tmp_path) == [dead]
+    assert memory_chunks.remove_dead_dirs(tmp_path) == [dead]
     assert not dead.exists() and live is not None and live.is_dir()
 
 

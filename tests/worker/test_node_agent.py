@@ -252,7 +252,9 @@ def cluster(tmp_path):
             s.stop()
 
 
-def assignment(rank: int, world_size: int = 1, threads: int = 1, device: str = "cpu") -> engine_pb2.RankAssignment:
+def assignment(
+    rank: int, world_size: int = 1, threads: int = 1, device: str = "cpu", generation: int = 0
+) -> engine_pb2.RankAssignment:
     return engine_pb2.RankAssignment(
         rank=rank,
         world_size=world_size,
@@ -263,14 +265,23 @@ def assignment(rank: int, world_size: int = 1, threads: int = 1, device: str = "
         device=device,
         num_threads=threads,
         worker_id=WORKER_ID,
+        generation=generation,
     )
 
 
-def launch(control: FakeControl, job: str, modes, world_size: int = 1, threads: int = 1, device: str = "cpu") -> None:
+def launch(
+    control: FakeControl,
+    job: str,
+    modes,
+    world_size: int = 1,
+    threads: int = 1,
+    device: str = "cpu",
+    generation: int = 0,
+) -> None:
     control.push(
         launch=control_pb2.LaunchRanks(
             job_id=job,
-            ranks=[assignment(r, world_size, threads, device) for r in range(world_size)],
+            ranks=[assignment(r, world_size, threads, device, generation) for r in range(world_size)],
             init=engine_pb2.InitJob(job_id=job, spec_json=json.dumps({"fake": modes}), data_address="127.0.0.1:1"),
         )
     )
@@ -481,7 +492,7 @@ def test_a_rank_killed_by_sigkill_is_reported_with_exit_code_minus_9_within_one_
     control = cluster.control()
     cluster.agent(control.port)
     control.servicer.registration()
-    launch(control.servicer, "k", "sleep")
+    launch(control.servicer, "k", "sleep", generation=7)
     pid = started_ranks(cluster, control.servicer, 1)[0]
 
     t0, killed = time.monotonic(), time.time()
@@ -496,6 +507,7 @@ def test_a_rank_killed_by_sigkill_is_reported_with_exit_code_minus_9_within_one_
     # (where no counter is readable it says so, and an OOM kill could not be told apart).
     assert (exited.cause, exited.signal_sender_pid) == (control_pb2.EXIT_KILLED, 0)
     assert "sender unknown" in exited.detail
+    assert exited.generation == 7  # the launch it was: a node's sick count takes a launch once
 
 
 def test_a_rank_stopped_and_continued_by_signals_is_stated_at_once_and_again_to_a_new_control(cluster):

@@ -29,9 +29,12 @@ import torch.distributed.checkpoint as dcp
 from services.common.grpc_server import ServiceServer, channel
 from services.contract import Module, control_pb2, worker_pb2, worker_pb2_grpc
 from services.rank.memory_client import MemoryCopyClient
-from services.state.chunk_store import ChunkReader, ChunkWriter, DirectorySource, read_chunk_index
+from services.state.chunk_reader import ChunkReader
+from services.state.chunk_store import ChunkWriter, DirectorySource, read_chunk_index
 from services.worker import memory_copies
-from services.worker.memory_copies import MemoryCopies, MemoryCopyServicer, shared_memory_dir
+from services.worker.memory_chunks import shared_memory_dir
+from services.worker.memory_copies import MemoryCopies
+from services.worker.memory_copy_service import MemoryCopyServicer
 from tests.ports import free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -187,7 +190,9 @@ import sys, threading, time
 import structlog
 from services.common.grpc_server import ServiceServer
 from services.contract import worker_pb2_grpc
-from services.worker.memory_copies import MemoryCopies, MemoryCopyServicer, shared_memory_dir
+from services.worker.memory_chunks import shared_memory_dir
+from services.worker.memory_copies import MemoryCopies
+from services.worker.memory_copy_service import MemoryCopyServicer
 from pathlib import Path
 
 port, shm_root = int(sys.argv[1]), Path(sys.argv[2])

@@ -31,7 +31,9 @@ law 4: a layer silent past its deadline is judged faulty by the layer above):
   ``heartbeat_timeout_seconds`` counted from the stop (a stop explains a silence, it never
   shortens it: a stop shorter than the timeout is no fault), so a rank stopped for good is
   named within the timeout plus one beat period (the most by which its last beat can
-  precede the stop) after its last beat;
+  precede the stop) after its last beat. The report says whether the rank's node agent was
+  heard from since the rank's last beat (``agent_unheard``: no beat since, or quiet now): a
+  node frozen with its agent, whose own silence is declared later, gets no replacement;
 * progress: while the rank says it is stepping, a heartbeat that shows progress (a new
   step, a new phase, or more of its phase done: ``RankHeartbeat.phase`` /
   ``phase_progress``) re-arms a timer of its phase's budget: a training step's phases
@@ -173,6 +175,7 @@ from services.control.fault_detector.watch import (
     DEFAULT_COMPILE_S,
     DEFAULT_HEARTBEAT_TIMEOUT_RUNNING_S,
     DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_PROFILE_EXPORT_S,
     DEFAULT_STALL_MIN_S,
     DEFAULT_STALL_STEP_FACTOR,
     RankPhase,
@@ -194,6 +197,7 @@ __all__ = [
     "DATA_OUTAGE",
     "DEFAULT_CHECKPOINT_STAGING_S",
     "DEFAULT_COMPILE_S",
+    "DEFAULT_PROFILE_EXPORT_S",
     "DEFAULT_HEARTBEAT_TIMEOUT_RUNNING_S",
     "DEFAULT_HEARTBEAT_TIMEOUT_S",
     "DEFAULT_RULES",

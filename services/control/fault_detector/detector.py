@@ -58,6 +58,7 @@ from services.control.fault_detector.watch import (
     DEFAULT_COMPILE_S,
     DEFAULT_HEARTBEAT_TIMEOUT_RUNNING_S,
     DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_PROFILE_EXPORT_S,
     DEFAULT_STALL_MIN_S,
     DEFAULT_STALL_STEP_FACTOR,
     _Job,
@@ -164,6 +165,7 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
                 eval_batches=msg.eval_batches,
                 staging_s=msg.checkpoint_staging_seconds or DEFAULT_CHECKPOINT_STAGING_S,
                 compile_s=msg.compile_seconds or DEFAULT_COMPILE_S,
+                profile_export_s=msg.profile_export_seconds or DEFAULT_PROFILE_EXPORT_S,
                 data_outage_s=msg.data_outage_seconds,
                 slow=SlowRanks(stage_size=msg.ranks_per_stage),
             )
@@ -229,6 +231,7 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
             worker_id=msg.worker_id,
             step=step,
             exit_cause=msg.cause,
+            generation=msg.generation,
         )
         if ended_slow is not None:  # (its replacement is judged afresh)
             self._report_slow(msg.job_id, ended_slow, 0)
@@ -376,7 +379,8 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
         answers again): reported as ``data_outage`` (``cleared`` when back) for L1-1, which
         waits for the service up to the job's data_outage_seconds. Meanwhile the rank's data
         wait is no stall: its budget has that wait on top (the relay gives up after it, and
-        L1-1 decides before that), re-armed from the rank's last progress."""
+        L1-1 decides before that), re-armed from the rank's last progress; once it is back, the
+        plain budget from then."""
         with self._job_lock(msg.job_id):
             job = self._jobs.get(msg.job_id)
             if job is None:
@@ -387,7 +391,12 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
                 if watch.stall is not None and watch.phase in _DATA_PHASES:
                     watch.stall.cancel()
                     budget = job.phase_deadline_s(watch.phase, watch.phase_total, watch.data_outage)
-                    left = budget - max(0.0, time.time() - watch.last_progress_unix)
+                    # Back: the whole budget from now. The wait for the service is excused, not
+                    # spent of the budget: counted from the last progress before the outage, a
+                    # wait longer than the budget fired at once, before the beat of the batch that
+                    # came back, and a peer waiting in the all-reduce for this rank was held as
+                    # its consequence and reported (ci27's extra restart in test_data_outage).
+                    left = budget if msg.back else budget - max(0.0, time.time() - watch.last_progress_unix)
                     watch.stall = self._deadlines.after(
                         max(0.0, left), self._stall_passed, (msg.job_id, msg.rank, watch)
                     )

@@ -38,7 +38,11 @@ class Grading:
         event: str = "",
         cause: int = 0,
         exit_cause: int = 0,
+        generation: int = 0,
+        agent_unheard: bool = False,
     ) -> control_pb2.FaultReport | None:
+        """``generation``: the launch of the rank that failed, where the fault says it (a rank's
+        exit): a node's sick count takes one launch's faults in one incident once."""
         now = time.time()
         sick = None
         with self._job_lock(job_id):
@@ -52,7 +56,7 @@ class Grading:
             if worker_id and fault_class in NODE_FAULT_CLASSES:
                 kind = fault_class + (f"/{control_pb2.ExitCause.Name(exit_cause)}" if exit_cause else "")
                 with self._cluster:  # (across jobs: the node's faults)
-                    sick = self._sick.record(NodeFault(worker_id, job_id, job.round, kind, now))
+                    sick = self._sick.record(NodeFault(worker_id, job_id, job.round, kind, now, generation))
         if sick is not None:
             self._alert_sick(sick)
         return control_pb2.FaultReport(
@@ -70,6 +74,7 @@ class Grading:
             subclass=subclass,
             event=event,
             cause=cause,
+            agent_unheard=agent_unheard,
         )
 
     def _alert_sick(self, sick: SickNode) -> None:

@@ -167,7 +167,7 @@ class Liveness:
             # Longer while its node agent states its process running: late beats are not a
             # dead rank (a stop the agent states brings it back to the job's heartbeat
             # timeout, counted from the stop: on_rank_process_state).
-            wait = self._silence_timeout(msg.job_id, job, msg.rank, watch) - lag
+            wait = self._silence_timeout(msg.job_id, job, msg.rank, watch, msg.phase, msg.phase_total) - lag
             watch.silence_due = time.monotonic() + wait
             watch.silence = self._deadlines.after(wait, self._silence_passed, (msg.job_id, msg.rank, watch))
             progressed = msg.step != watch.step
@@ -239,6 +239,8 @@ class Liveness:
             ranks.setdefault(msg.rank, {})[(msg.worker_id, msg.pid)] = (msg.state, msg.detail, msg.unix_time)
             job = self._jobs.get(msg.job_id)
             watch = job.ranks.get(msg.rank) if job is not None else None
+            if job is not None and msg.state == control_pb2.RankProcessState.STOPPED:
+                job.slow.stopped(msg.rank)  # (a stop inside a phase is no compute: no slowness either)
             if watch is None or watch.silence is None or watch.unheard:
                 return  # not beating yet, declared already, or on its re-attach deadline
             if watch.worker_id and watch.worker_id != msg.worker_id:
@@ -250,10 +252,28 @@ class Liveness:
                 # it had, so stops that come and go never keep a rank that beats no more alive.
                 wait = min(watch.silence_due - now, job.heartbeat_timeout_s)
             else:  # running (continued): its deadline counts from its last beat again
-                wait = job.running_timeout_s - (time.time() - watch.last_beat_unix)
+                quiet = self._silence_timeout(msg.job_id, job, msg.rank, watch, watch.phase, watch.phase_total)
+                wait = quiet - (time.time() - watch.last_beat_unix)
             watch.silence.cancel()
             watch.silence_due = now + wait
             watch.silence = self._deadlines.after(wait, self._silence_passed, (msg.job_id, msg.rank, watch))
+
+    def _agent_unheard(self, worker_id: str, silent_for: float) -> bool:
+        """Whether the node agent of ``worker_id`` has not been heard from since a rank of it
+        went silent ``silent_for`` seconds ago, or is quiet now (no beat for ``QUIET_PERIODS``
+        of its periods): a rank and its agent frozen together (a stopped or cut-off node),
+        whose agent is not yet declared silent (its own deadline is longer). A replacement
+        placed there would wait for the node to wake (issue 29 item 4, measured: no step in
+        120 s). An agent never heard (none beats here): not known unheard."""
+        if not worker_id:
+            return False
+        with self._cluster:
+            beat = self._agent_beats.get(worker_id)
+        if beat is None:
+            return False
+        last, period, _ = beat
+        now = time.monotonic()
+        return last <= now - silent_for or now - last > QUIET_PERIODS * period
 
     # ------------------------------------------------------------ deadlines (timer threads)
 
@@ -288,6 +308,7 @@ class Liveness:
             window = max(job.attribution_s, 0.1)
         now = time.time()
         silent_for = now - watch.last_beat_unix
+        unheard = self._agent_unheard(watch.worker_id, silent_for)
         if lost:
             fault_class = WORKER_LOST
             detail = (
@@ -323,6 +344,7 @@ class Liveness:
             worker_id=watch.worker_id,
             step=max(watch.step, 0),
             phase=watch.phase,
+            agent_unheard=unheard and fault_class == RANK_SILENT,
         )
         followers = self._waiting_reports(job_id, waiting, rank, "silent", now)
         if followers:
@@ -356,15 +378,23 @@ class Liveness:
         if not ranks:
             del self._processes[job_id]
 
-    def _silence_timeout(self, job_id: str, job: _Job, rank: int, watch: _RankWatch) -> float:
-        """How long the rank may stay without a beat: longer while its node agent states its
-        process runs, the job's heartbeat timeout otherwise (nothing stated, or stopped: a
-        beat from a process still stated stopped came before the agent's word that it
-        continued) (the job's lock held)."""
+    def _silence_timeout(
+        self, job_id: str, job: _Job, rank: int, watch: _RankWatch, phase: int = 0, phase_total: int = 0
+    ) -> float:
+        """How long the rank may stay without a beat, its last one stating ``phase`` (of
+        ``phase_total`` units): longer while its node agent states its process runs, the job's
+        heartbeat timeout otherwise (nothing stated, or stopped: a beat from a process still
+        stated stopped came before the agent's word that it continued) (the job's lock held).
+        A profile's export holds the rank's interpreter lock, so its beats may stop for as long
+        as the export may take: a rank that announced one has that long (a stopped process
+        exports nothing: the stop still decides)."""
         state, _ = self._process_state(job_id, rank, watch.worker_id)
-        if state == control_pb2.RankProcessState.RUNNING:
-            return job.running_timeout_s
-        return job.heartbeat_timeout_s
+        if state == control_pb2.RankProcessState.STOPPED:
+            return job.heartbeat_timeout_s
+        timeout = job.running_timeout_s if state == control_pb2.RankProcessState.RUNNING else job.heartbeat_timeout_s
+        if phase == RankPhase.PHASE_PROFILE_EXPORT:
+            return max(timeout, job.profile_export_allowance_s(phase_total))
+        return timeout
 
     def _reattached(self, job_id: str, rank: int) -> bool:
         """The rank was heard from after a control restart; True when it was the last one

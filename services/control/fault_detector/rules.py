@@ -48,6 +48,7 @@ MEMORY_COPY_SKIPPED = "memory_copy_skipped"
 # of each other), and a link that loses probes (one way, or heavily both ways).
 LINK_DOWN = "link_down"
 LINK_DEGRADED = "link_degraded"
+JOURNAL_WRITE_FAILED = "journal_write_failed"  # L1-1's journal refused a write (its failure event, typed)
 LOOP_FAILURE = "loop_failure"  # default for a fault class not in the table
 INTERNAL_ERROR = "internal_error"  # a module's failure of no more specific cause
 BOUNDARY_VIOLATION = "boundary_violation"  # a send the route table refused (a module or wiring bug)
@@ -132,6 +133,10 @@ DEFAULT_RULES: dict[str, int] = {
     # decides (default skip_save). MEDIUM: no step is lost, but every save may be.
     "checkpoint_write_failed": FaultGrade.MEDIUM,
     "session_lost": FaultGrade.SEVERE,
+    # Control's own journal refused a write (a full disk, an I/O error: typed by SQLite's result
+    # code or the errno, services/control/journal_failure.py): control's fault, not the job's.
+    # The decision it carried is undone and refused; the job's policy decides (ignore by default).
+    JOURNAL_WRITE_FAILED: FaultGrade.MINOR,
     # Module failure events, by the class FAILURE_CLASSES gives them (typed cause, never text).
     INTERNAL_ERROR: FaultGrade.FATAL,  # a bug until shown otherwise: the same on a restart
     "out_of_memory": FaultGrade.FATAL,  # the same model on the same devices runs out again
@@ -182,6 +187,8 @@ FAILURE_CLASSES: dict[tuple[str, int], str] = {
     # store; reported as checkpoint_error with this subclass (ALIASES), which strikes it.
     ("SnapshotFailed", FailureCause.FAILURE_DATA_CORRUPT): "checkpoint_integrity",
     ("LogWriteFailed", ANY_CAUSE): "log_write_failed",
+    # L1-1 writes to one place only, its journal: a refused write there is control's store failing.
+    ("OrchestratorFailed", FailureCause.FAILURE_WRITE_REFUSED): JOURNAL_WRITE_FAILED,
     ("RecoveryFailed", ANY_CAUSE): "recovery_failed",
     ("UpdateFailed", FailureCause.FAILURE_NON_FINITE): "non_finite_loss",
     **{(e, ANY_CAUSE): "data_unavailable" for e in _DATA_EVENTS},

@@ -40,13 +40,14 @@ class Stalls:
                 watch.phase == RankPhase.PHASE_COLLECTIVE
                 and rank not in quiet
                 and any(
-                    r != rank and (r not in quiet and self._working(w) or self._waits_for_data(w))
+                    r != rank and (r not in quiet and self._working(w) or self._waits_for_data(w) or self._exporting(w))
                     for r, w in job.ranks.items()
                 )
             ):
                 # Waiting for a peer that still works (e.g. a longer evaluation on it), or that
-                # waits for the data service (L1-1 waits for it too; a late beat of that peer
-                # changes nothing: were it gone, its silence deadline reports it): no fault
+                # waits for the data service (L1-1 waits for it too), or that ends a profile
+                # (its export holds its interpreter lock: quiet by nature); a late beat of that
+                # peer changes nothing: were it gone, its silence deadline reports it: no fault
                 # (see the docstring).
                 watch.waiting = True
                 return
@@ -177,6 +178,12 @@ class Stalls:
         """Stepping, waiting for batches while its data relay reconnects to an unreachable
         data service (DataServiceUnreachable), not declared stalled."""
         return w.stepping and w.data_outage and not w.stalled and w.phase in _DATA_PHASES
+
+    @staticmethod
+    def _exporting(w: _RankWatch) -> bool:
+        """Stepping, in a profile's announced export (PHASE_PROFILE_EXPORT), not declared
+        stalled: its own deadlines allow the export, silence included."""
+        return w.stepping and not w.stalled and w.phase == RankPhase.PHASE_PROFILE_EXPORT
 
     @staticmethod
     def _quiet(job: _Job, now: float) -> list[int]:

@@ -9,6 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.common.deadlines import Deadline
+from services.common.phase import profile_export_budget_s
 from services.contract import control_pb2, worker_pb2
 from services.control.slow_ranks import SlowRanks
 
@@ -19,6 +20,7 @@ DEFAULT_STALL_MIN_S = 30.0
 DEFAULT_STALL_STEP_FACTOR = 5.0  # attribution_seconds 0: a comm_error is reported at once
 DEFAULT_CHECKPOINT_STAGING_S = 600.0
 DEFAULT_COMPILE_S = 900.0
+DEFAULT_PROFILE_EXPORT_S = 120.0
 _STEP_TIMES_KEPT = 64  # recent step durations of a job, for the median
 RankPhase = worker_pb2.RankPhase
 # Not working on a step (a rank says idle only while not stepping; before its first step
@@ -83,6 +85,7 @@ class _Job:
     eval_batches: int = 0
     staging_s: float = DEFAULT_CHECKPOINT_STAGING_S
     compile_s: float = DEFAULT_COMPILE_S
+    profile_export_s: float = DEFAULT_PROFILE_EXPORT_S
     data_outage_s: float = 0.0  # fault_policy.data_outage_seconds (StartFaultMonitoring)
     running_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_RUNNING_S
     ranks: dict[int, _RankWatch] = field(default_factory=dict)
@@ -108,6 +111,19 @@ class _Job:
         median = statistics.median(self.step_times) if self.step_times else 0.0
         return max(self.stall_min_s, self.stall_step_factor * median)
 
+    def profile_export_budget_s(self, steps: int) -> float:
+        """A profile's export of ``steps`` profiled steps: its events grow with the steps and
+        their length, so the budget does too (the rank measures its export against the same
+        formula: services/common/phase.py)."""
+        median = statistics.median(self.step_times) if self.step_times else 0.0
+        return profile_export_budget_s(self.profile_export_s, self.stall_step_factor, median * max(steps, 1))
+
+    def profile_export_allowance_s(self, steps: int) -> float:
+        """How long a rank may stay in a profile's export, beating or not: its budget, then
+        the running heartbeat timeout, so that a rank whose export overran reports that itself
+        (a profile that failed) before any deadline here passes; past it, the rank is stuck."""
+        return self.profile_export_budget_s(steps) + self.running_timeout_s
+
     def phase_deadline_s(self, phase: int, total: int = 0, data_outage: bool = False) -> float:
         """The progress budget of a rank in ``phase`` (of ``total`` units, when known);
         ``data_outage``: its data relay reconnects to an unreachable data service (a phase
@@ -127,4 +143,6 @@ class _Job:
             return max(self.stall_min_s, self.staging_s)
         if phase == RankPhase.PHASE_COMPILE:
             return max(self.stall_min_s, self.compile_s)
+        if phase == RankPhase.PHASE_PROFILE_EXPORT:
+            return self.profile_export_allowance_s(total)
         return self.stall_deadline_s()

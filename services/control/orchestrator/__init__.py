@@ -52,8 +52,8 @@ store unreachable or slow: wait and ask again, up to ``store_wait_seconds``), pl
 named here; no free slots: wait for capacity, up to ``capacity_wait_seconds``), restore
 (every relaunched rank ready within ``restore_seconds``). A wait that runs out is decided by
 the policy (``store_unreachable``, ``no_capacity``, ``recovery_timeout``). With
-``fault_policy.freeze_seconds`` a relaunch waits that long first, the ranks held alive and
-idle for inspection (freeze.py); a replica divergence with every rank alive is rolled back in
+``fault_policy.freeze_seconds`` a relaunch (in place too) waits that long first, the ranks held
+alive and idle for inspection (freeze.py); a replica divergence with every rank alive is rolled back in
 place (the live ranks load the version, ``ResumeTraining.reload_version``). While it recovers, reports from ranks
 of the failed generation (a survivor's collective error, its exit, the kills) are recorded
 as consequences of the incident, not decided on again: the incident is named after the
@@ -117,7 +117,8 @@ and plain records and functions: job.py (``_Job``, ``_Incident``, ``_Scale``, th
 transitions, the journal form), activity.py (a job's one activity in flight: a recovery,
 a resize, a rollback in place or an operator resume, and ``admit``, the one rule for what a
 second one gets: started, folded in, refused or superseding it), triage.py (what a fault
-report is to its job: a pure function), the machines: recovery_machine.py (a recovery's
+report is to its job: a pure function), replacement_nodes.py (where a rebuild in place may put
+a replacement, and which replacements a lost or silent node holds: pure), the machines: recovery_machine.py (a recovery's
 waits), resize_machine.py, rollback_machine.py, each pure transitions (state, event) ->
 (new state, [effects]) whose effects (effects.py: records, commands, the group started)
 one function performs (``_apply_effects``), request_ids.py (a submit retried by request id

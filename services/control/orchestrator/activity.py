@@ -2,7 +2,8 @@
 
 A job holds at most one activity (``_Job.activity``): a recovery (``_Incident``), a resize
 (``_Scale``), a rollback in place (``_Reload``) or an operator resume asking the store
-(``_Resume``). What happens when something arrives while one is in flight is decided here,
+(``_Resume``); a recovery done and awaiting its first step (``_Recovered``) is held there too,
+idle: whatever is asked starts and replaces it. What happens when something arrives while one is in flight is decided here,
 by ``admit``, and nowhere else: it is started, folded into the one in flight (the same ask
 again: answered with the job's status), refused with a one-line reason, or it supersedes
 the one in flight (a fault: the recovery replaces whatever ran, which the caller says in the
@@ -14,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.control.orchestrator.job import _Incident, _Job, _Reload, _Resume, _Scale
+from services.control.orchestrator.job import _Incident, _Job, _Recovered, _Reload, _Resume, _Scale
 
-Activity = _Incident | _Scale | _Reload | _Resume
+Activity = _Incident | _Scale | _Reload | _Resume | _Recovered
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,8 @@ def admit(job_id: str, current: Activity | None, ask: Ask) -> Admission:
       and a forced down are only refused by a resize (a rollback's pause becomes the stop's;
       a recovery is ended by a stop, continued after a forced down's `up`).
     """
+    if isinstance(current, _Recovered):  # (idle: only its first step's record waits)
+        current = None
     if isinstance(ask, _Incident):
         return Admission(SUPERSEDE if current is not None else START, previous=current)
     if current is None:
@@ -131,6 +134,32 @@ def admit(job_id: str, current: Activity | None, ask: Ask) -> Admission:
     if isinstance(ask, StopAsk | ForceDownAsk) and not isinstance(current, _Scale):
         return Admission(START)
     return Admission(REFUSE, _busy(job_id, current, ask))
+
+
+def idle(job: _Job) -> bool:
+    """Nothing in flight (a recovery awaiting only its first step counts as nothing)."""
+    return job.activity is None or isinstance(job.activity, _Recovered)
+
+
+# Whose event "every rank of the group is ready" is (``ready_for``).
+STARTED, RECOVERED, SCALED, RELOADED = "started", "recovered", "scaled", "reloaded"
+
+
+def ready_for(activity: Activity | None) -> str:
+    """Which machine's event it is when every rank of the job reports ready, by the activity
+    in flight: a recovery's (RECOVERED: recovery_machine's ``recovered``), a resize whose
+    group is rebuilding (SCALED: resize_machine's ``all_ready``), a rollback loading in place
+    (RELOADED: rollback_machine's ``all_ready``); else the job's own start (STARTED: a first
+    start or an operator resume's relaunch, whose activity ended once it was placed). A resize
+    or a rollback in another phase has no ranks to report ready: their ready reports are a
+    start's."""
+    if isinstance(activity, _Incident):
+        return RECOVERED
+    if isinstance(activity, _Scale) and activity.phase == "rebuilding":
+        return SCALED
+    if isinstance(activity, _Reload) and activity.phase == "loading":
+        return RELOADED
+    return STARTED
 
 
 def begin(job: _Job, activity: Activity) -> Activity | None:

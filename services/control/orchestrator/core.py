@@ -54,8 +54,10 @@ from services.control.orchestrator.activity import REFUSE, Admission, Ask, admit
 from services.control.orchestrator.annotations import Annotating
 from services.control.orchestrator.departure import Departures
 from services.control.orchestrator.effects import Effects
+from services.control.orchestrator.eval_hooks import EvalHooks
 from services.control.orchestrator.faults import FaultIntake
 from services.control.orchestrator.freeze import Freezing
+from services.control.orchestrator.held_steps import HeldSteps, HeldStepWrites
 from services.control.orchestrator.job import (
     _ALLOWED,
     EVENT_LOG,
@@ -68,10 +70,13 @@ from services.control.orchestrator.job import (
     _numbered,
     _runtime,
     _where,
+    checkpoint_step,
 )
 from services.control.orchestrator.journal import JournalRestore
+from services.control.orchestrator.one_write import OneWrite
 from services.control.orchestrator.operator import OperatorCommands
 from services.control.orchestrator.outbox import Outbox
+from services.control.orchestrator.preemption import PolicyTimer, Preempting
 from services.control.orchestrator.profiles import Profiling
 from services.control.orchestrator.queue import JobQueueing
 from services.control.orchestrator.recovery import Recovery
@@ -80,12 +85,13 @@ from services.control.orchestrator.refusals import IllegalTransition, JobNotFoun
 from services.control.orchestrator.resize import Resizing
 from services.control.orchestrator.resume import OperatorResume, _Answer
 from services.control.orchestrator.rollback import RollingBack
+from services.control.orchestrator.teams import Teams
 from services.control.orchestrator.training import RankEvents
+from services.control.orchestrator.undos import Undos
 from services.control.orchestrator.views import DecisionLock, JobViews
 from services.control.reattach import Reattaching
-from services.jobspec import (
-    spec_to_json,
-)
+from services.control.scheduler import QuotaBook
+from services.jobspec import spec_to_json
 
 _log = structlog.get_logger("orchestrator")
 
@@ -105,7 +111,13 @@ class Orchestrator(
     Annotating,
     Profiling,
     Departures,
+    Preempting,
+    EvalHooks,
     JournalRestore,
+    Teams,
+    Undos,
+    OneWrite,
+    HeldStepWrites,
 ):
     """Owns every job's state machine. Thread-safe: one short lock orders all decisions
     (see the module docstring for the locks).
@@ -126,6 +138,9 @@ class Orchestrator(
             intact, asked before naming the version a recovery loads. None: the versions
             reported by SaveCompleted are trusted (the recovery controller still verifies
             the one named).
+        quotas: the teams' quotas from the quota file (services/control/scheduler/quotas.py);
+            None: none (every team unlimited, as before issue 30). Journaled `surgectl team`
+            commands override it.
     """
 
     def __init__(
@@ -142,11 +157,17 @@ class Orchestrator(
         persist_interval_s: float = 1.0,
         metrics: ControlMetrics | None = None,
         checkpoints: CommandPort | None = None,
+        preemption_grace_s: float = 60.0,
+        preemption_min_run_s: float = 120.0,
+        resize_min_interval_s: float = 60.0,
+        quotas: QuotaBook | None = None,
     ):
         self._faults, self._emit = faults, emit
         # Commands to the ranks, and releases, go once the decision's journal write is committed.
         self._outbox = Outbox()
         self._last_write: dict[str, Future] = {}  # job id -> its last journal write queued by a decision
+        self._held_steps = HeldSteps()  # rank 0 steps whose journal write failed (held_steps.py)
+        journal.health.on_recovered(self._journal_recovered)  # (written again once it commits)
         self._decided = threading.local()  # this thread's decision: its writes (futures) and jobs commanded
         self._loop = self._after_journal(loop)
         self._allocator = self._after_journal(allocator, only=(control_pb2.ReleaseResources,))
@@ -175,11 +196,20 @@ class Orchestrator(
         self._queue = JobQueue(on_change=self._queue_changed)
         self._start_armed: Deadline | None = None  # the queue's head is about to be tried
         self._cordoned: dict[str, control_pb2.WorkerCordoned] = {}  # worker id -> its cordon in force
+        # Preemption (preemption.py): a victim's grace to checkpoint, the run time that protects a
+        # job just started or resumed, and the jobs on borrowed capacity (the team quotas' reclaim).
+        self._preemption_grace_s, self._preemption_min_run_s = preemption_grace_s, preemption_min_run_s
+        # The preemption's and growing back's timers by name (preemption.py ``_arm_policy_timer``).
+        self._policy_timers: dict[str, PolicyTimer] = {}
+        self._hooks_submitting: set[tuple[str, int]] = set()  # eval.hooks asked, not yet a job (eval_hooks.py)
+        self._resize_min_interval_s = resize_min_interval_s  # a job grows back at most once per this (grow_rule.py)
         self._journal_locks: dict[str, threading.RLock] = {}  # job id -> its journal writes' order
+        self._init_teams(quotas)
         self._restore()
         with self._lock:
             for job in self._jobs.values():
                 self._publish(job)
+            self._rearm_preemptions()
             self._views.publish_cordons(list(self._cordoned.values()))
 
     def close(self) -> None:
@@ -201,7 +231,7 @@ class Orchestrator(
         """
         if not msg.job_id:
             jobs, cordoned = self._views.listing()
-            return control_pb2.JobList(jobs=jobs, cordoned=cordoned)
+            return control_pb2.JobList(jobs=jobs, cordoned=cordoned, journal_failing=self._journal.health.failing())
         status = self._views.status(msg.job_id)
         if status is None:
             raise JobNotFound(f"job {msg.job_id} not found")
@@ -270,7 +300,9 @@ class Orchestrator(
         left a rank that got the command late at another boundary, and the stop's checkpoint
         collectives hung), and report it."""
         cmd = _numbered(job, cmd)
-        job.pending, job.pending_at, job.pending_seq = what, 0, cmd.seq
+        job.pending_at, job.pending_seq = 0, cmd.seq
+        if what in ("pause", "stop"):  # (a resize's or a rollback's pause: its activity holds it)
+            job.pending = what
         return cmd
 
     def _start_group(self, job: _Job) -> None:
@@ -326,11 +358,10 @@ class Orchestrator(
         self._end_data_wait(job)
         job.status.outcome = outcome
         job.pending = ""
-        end(job)  # (whatever was in flight ends with the job)
-        job.recovered = None
+        end(job)  # (whatever was in flight ends with the job: a recovery awaiting its first step too)
         # An ended job is nobody's to resume by itself: a drain or a resume in flight ends with it.
         job.draining = job.parked = job.parked_live = job.resume_after_pause = job.status.drained = False
-        job.departure = ""
+        job.departure = job.status.preempted_by = ""
         # Journal the terminal state first: a failing release must never lose it.
         self._transition(job, JobState.TERMINATED, ORCH, f"{JobOutcome.Name(outcome)}: {message}")
         self._allocator(control_pb2.ReleaseResources(job_id=job.status.job_id, kill=kill))
@@ -358,7 +389,7 @@ class Orchestrator(
     def _copy(self, job: _Job) -> control_pb2.JobStatus:
         copy = control_pb2.JobStatus()
         copy.CopyFrom(job.status)
-        copy.checkpoint_step = next((st for st, v in job.versions if v == copy.checkpoint_version), 0)
+        copy.checkpoint_step = checkpoint_step(job)
         copy.queue_position = self._queue.position(copy.job_id)
         if job.running_since and copy.state != JobState.TERMINATED:
             copy.elapsed_seconds = time.time() - job.running_since
@@ -372,6 +403,8 @@ class Orchestrator(
         finished rank's clean exit for a lost rank and relaunched a finished job (seen in
         tests/cli/test_restart.py)."""
         self._publish(job)
+        if self._held_for_one_write(job.status, None, _runtime(job), None):  # (one_write.py)
+            return
         with self._journal_lock(job.status.job_id):
             self._queued(job.status.job_id, self._journal.save_status(job.status, None, _runtime(job), wait=False))
 
@@ -398,10 +431,7 @@ class Orchestrator(
             self._views.publish_places(self._queue)
 
     def _journal_lock(self, job_id: str) -> threading.RLock:
-        lock = self._journal_locks.get(job_id)
-        if lock is None:
-            lock = self._journal_locks.setdefault(job_id, threading.RLock())
-        return lock
+        return self._journal_locks.get(job_id) or self._journal_locks.setdefault(job_id, threading.RLock())
 
     def _write_later(self, job: _Job) -> threading.RLock:
         """Under the lock: the job's journal lock, taken (so no later decision's write of the
@@ -450,6 +480,8 @@ class Orchestrator(
         """Journal one event of ``_record`` (its status a copy made under the lock), under its
         job's journal lock; the event is emitted once committed. Not waited for under the
         decision lock (``_after_decision`` waits once the lock is let go)."""
+        if self._held_for_one_write(event.status, event, runtime, spec_json):  # (one_write.py)
+            return
         with self._journal_lock(event.job_id):
             future = self._journal.save_status(
                 event.status, event, runtime, spec_json=spec_json, on_commit=self._emitted(event), wait=False
@@ -501,12 +533,15 @@ class Orchestrator(
         failed is raised (the operator's reply says so) unless the decision raised."""
         writes, self._decided.writes = getattr(self._decided, "writes", None) or [], None
         commanded, self._decided.jobs = jobs or getattr(self._decided, "jobs", None) or {}, None
+        undos, self._decided.undos = getattr(self._decided, "undos", None) or [], None
         failed: BaseException | None = None
-        for _, future in writes:
+        lost: dict[str, BaseException] = {}  # job id -> the first of its writes that failed
+        for job_id, future in writes:
             try:
                 future.result()
             except Exception as e:  # noqa: BLE001 - raised below, once the commands committed are sent
                 failed = failed or e
+                lost.setdefault(job_id, e)
         for after in commanded.values():
             if after is not None:
                 try:
@@ -515,12 +550,45 @@ class Orchestrator(
                     pass
         # (the jobs written too: a command another thread decided may wait for one of these writes)
         self._outbox.drain(dict.fromkeys([*commanded, *(job_id for job_id, _ in writes)]))
+        if error is None:  # (a decision that raised undid itself: the handlers' own except paths)
+            self._undo(undos, lost)
         if getattr(self._decided, "start", False):  # (the queue's head, asked for once the releases went)
             self._decided.start = False
             with self._lock:
                 self._start_soon()
         if failed is not None and error is None:
             raise failed
+
+    def _undo_if_lost(self, job_id: str, undo: Callable[[BaseException], None]) -> None:
+        """Under the lock, beside a decision: ``undo`` (given the write's error) runs if one
+        of the job's journal writes this decision queued fails at its commit (a full disk, an
+        I/O error), under the lock as a decision of its own, once the decision's commands
+        committed before it are sent (those behind the failed write are dropped: the outbox).
+        A decision must not stay in memory when its record is not in the journal (a restarted
+        control would not know it) and the operator is told it failed. Out of a decision the
+        write is waited for in place, where its error undoes it (the handlers' except paths)."""
+        if self._lock.held():
+            undos = getattr(self._decided, "undos", None)
+            if undos is None:
+                undos = self._decided.undos = []
+            undos.append((job_id, undo))
+
+    def _undo(self, undos: list[tuple[str, Callable[[BaseException], None]]], lost: dict[str, BaseException]) -> None:
+        """The undos of the decisions whose writes failed (``lost``: job -> the error), last
+        decided first. An undo that fails itself (its own write: the disk still refuses) is
+        logged: what it changed in memory stays undone; the operator's reply says the first
+        failure."""
+        for job_id, undo in reversed(undos):
+            if job_id not in lost:
+                continue
+            _log.error(
+                "a decision's journal write failed at its commit: undone", job_id=job_id, error=str(lost[job_id])
+            )
+            try:
+                with self._lock:
+                    undo(lost[job_id])
+            except Exception:  # noqa: BLE001 - the decision's own failure is the one the caller reports
+                _log.exception("a decision's undo failed", job_id=job_id)
 
     def _emitted(self, *events: control_pb2.JobEvent) -> Callable[[], None]:
         """What the journal's writer does once ``events`` are committed: log and emit them

@@ -19,6 +19,7 @@ places the ranks off both nodes).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -29,6 +30,7 @@ from services.control.orchestrator.activity import REFUSE, PauseAsk, admit
 from services.control.orchestrator.departure_plan import CHECKPOINT, FROM_NEWEST, plan_departure
 from services.control.orchestrator.job import ORCH, JobState, _Job
 from services.control.orchestrator.refusals import BadDeparture
+from services.control.orchestrator.undos import Before
 
 _log = structlog.get_logger("orchestrator")
 
@@ -56,8 +58,10 @@ class Departures:
         """
         if not msg.worker_id:
             raise BadDeparture("drain: a worker id is required")
-        if not msg.deadline_seconds > 0:
-            raise BadDeparture(f"drain: --deadline must be more than 0 seconds, got {msg.deadline_seconds:g}")
+        if not 0 < msg.deadline_seconds < math.inf:  # (NaN and inf too: a deadline is a time)
+            raise BadDeparture(
+                f"drain: --deadline must be a finite number of seconds > 0, got {msg.deadline_seconds:g}"
+            )
         reason = f"draining: leaves within {msg.deadline_seconds:g} s (`surgectl drain`)"
         cordon = self._allocator(
             control_pb2.CordonWorker(worker_id=msg.worker_id, reason=reason, unix_time=time.time())
@@ -118,12 +122,14 @@ class Departures:
         has_checkpoint = bool([v for _, v in job.versions if v not in job.unusable and v not in job.abandoned])
         plan = plan_departure(deadline_s, job.save_seconds, job.step_seconds, has_checkpoint)
         if plan.action == CHECKPOINT:
+            before = Before.of(job)
             job.departure = worker_id
             if job.pending == "pause":  # (an operator's pause in flight: its boundary is the move's)
                 job.resume_after_pause = False
                 self._record(
                     job, ORCH, DEPARTURE, f"{head}: the pause in flight checkpoints, then its ranks move off it"
                 )
+                self._undo_if_lost(job.status.job_id, lambda e: self._departure_undone(job, None, before))
                 return
             cmd = self._in_flight(job, "pause", engine_pb2.PauseTraining(checkpoint=True))
             job.boundary_failed = job.resume_after_pause = job.draining = job.status.drained = False
@@ -136,19 +142,17 @@ class Departures:
                 f"ranks), then its ranks move off it ({plan.estimate})",
             )
             self._loop(cmd)
+            # Undo if its record fails at its commit: no move under way (undos.py).
+            self._undo_if_lost(job.status.job_id, lambda e: self._departure_undone(job, cmd, before))
             return
         if plan.action == FROM_NEWEST:
             step, version = self._newest_version(job)
             lost = max(job.status.step - step, 0)
-            self._record(
-                job,
-                ORCH,
-                DEPARTURE,
+            said = (
                 f"WARNING: {head}: too short for a save ({plan.estimate}); its ranks move now from checkpoint "
-                f"{version} (step {step}; read from the nodes' memory copies where they hold it): "
-                f"{lost} steps lost",
+                f"{version} (step {step}; read from the nodes' memory copies where they hold it): {lost} steps lost"
             )
-            self._move(job, worker_id, step, version, f"node {worker_id} departs: resuming from {version}")
+            self._move(job, worker_id, step, version, f"node {worker_id} departs: resuming from {version}", said=said)
             return
         self._record(
             job,
@@ -175,8 +179,8 @@ class Departures:
             return
         step, version = self._newest_version(job)
         lost = job.status.step - step
+        before = Before.of(job)
         job.parked, job.parked_live = True, False
-        self._allocator(control_pb2.ReleaseResources(job_id=job.status.job_id, kill=True))
         self._record(
             job,
             ORCH,
@@ -185,6 +189,12 @@ class Departures:
             f"`surgectl resume {job.status.job_id}` relaunches it from {version} (step {step}) off {worker_id}"
             + (f" ({lost} steps after it are lost: the pause had no checkpoint)" if lost > 0 else ""),
         )
+        # After its record (the outbox sends it once that is committed; it went before, whatever
+        # became of the record, and a lost record left a PAUSED job with its ranks killed that
+        # the journal did not say was parked).
+        self._allocator(control_pb2.ReleaseResources(job_id=job.status.job_id, kill=True))
+        # Undo if its record fails at its commit: not parked (its release went with the record).
+        self._undo_if_lost(job.status.job_id, lambda e: self._departure_undone(job, None, before))
 
     def _departure_paused(self, job: _Job, step: int) -> None:
         """Under the lock, on the applier thread: every rank paused at the departure's boundary
@@ -203,33 +213,62 @@ class Departures:
             )
             return
         newest, version = self._newest_version(job)
-        self._move(job, worker_id, newest, version, f"node {worker_id} departs: checkpoint at step {newest}")
+        self._move(
+            job, worker_id, newest, version, f"node {worker_id} departs: checkpoint at step {newest}", paused=True
+        )
 
     def _newest_version(self, job: _Job) -> tuple[int, str]:
         usable = [(s, v) for s, v in job.versions if v not in job.unusable and v not in job.abandoned]
         return max(usable, key=lambda sv: (sv[0], int(sv[1].rsplit(":", 1)[-1]) if ":" in sv[1] else 0))
 
-    def _move(self, job: _Job, worker_id: str, step: int, version: str, head: str) -> None:
+    def _move(
+        self, job: _Job, worker_id: str, step: int, version: str, head: str, said: str = "", paused: bool = False
+    ) -> None:
         """Under the lock: the job's ranks are killed (released: their exits are no fault) and
         relaunched from ``version`` on placeable slots (the departing node is not one), the
         restart budgets kept; it waits in the queue first in line until its release went (and
-        for free slots, where there are none)."""
-        job.parked, job.parked_live, job.departure = True, False, ""
-        self._transition(
-            job, JobState.PAUSED, ORCH, f"{head}: ranks released to move off {worker_id} (no fault, no restart spent)"
-        )
+        for free slots, where there are none). ``said``: the warning that decided it, its
+        first record; ``paused``: every rank waits at the departure's checkpoint boundary.
+
+        One decision (one_write.py): its records are one journal write and the release
+        follows it, so a failed commit loses them and the release together, and is undone
+        (undos.py ``_move_undone``: the job runs on, its ranks paused for the move continue)."""
+        before = Before.of(job)
+        waited = (job.status.queued_unix, job.status.borrowed_slots)
+        with self._one_write(job):
+            if said:
+                self._record(job, ORCH, DEPARTURE, said)
+            job.parked, job.parked_live, job.departure = True, False, ""
+            self._transition(
+                job,
+                JobState.PAUSED,
+                ORCH,
+                f"{head}: ranks released to move off {worker_id} (no fault, no restart spent)",
+            )
+            job.status.drained = True  # (first in the queue: nothing else takes the slots it frees)
+            self._queue_resume(
+                job,
+                step,
+                version,
+                None,
+                f"waits for its ranks to be released, then continues off {worker_id}",
+                by=f"({head}, moving off it)",
+                keep_budgets=True,
+                start=False,
+            )
+            self._record(
+                job, ORCH, DEPARTURE, f"{head} ({version}): continues from it off {worker_id}, first in the queue"
+            )
+        # After the move's write (the outbox sends it once that is committed, drops it with it).
         self._allocator(control_pb2.ReleaseResources(job_id=job.status.job_id, kill=True))
-        # Placed once the release went (it follows its journal record, after the decision): the
-        # job waits first in the queue meanwhile, so nothing else takes the slots it frees.
-        job.status.drained = True
-        self._queue_resume(
-            job,
-            step,
-            version,
-            None,
-            f"waits for its ranks to be released, then continues off {worker_id}",
-            by=f"({head}, moving off it)",
-            keep_budgets=True,
+        self._start_soon()  # (placed once the release went: ``_start_soon`` waits for the decision's commands)
+        # Undo only if that write failed (another write of the job's may fail beside it: the
+        # move then stands, journaled, its release sent).
+        write = self._last_write.get(job.status.job_id)
+        self._undo_if_lost(
+            job.status.job_id,
+            lambda e: (
+                (write is None or write.exception() is not None)
+                and self._move_undone(job, worker_id, before, waited, paused, e)
+            ),
         )
-        self._record(job, ORCH, DEPARTURE, f"{head} ({version}): continues from it off {worker_id}, first in the queue")
-        self._start_soon()

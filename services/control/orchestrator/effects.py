@@ -80,6 +80,15 @@ class TakeLayout:
 
 
 @dataclass(frozen=True)
+class Transition:
+    """The job goes to ``state`` (``_transition``: its event and its status say ``message``)."""
+
+    state: int
+    source: int
+    message: str
+
+
+@dataclass(frozen=True)
 class Abandon:
     """``versions`` are another branch of the job's history from now on: never chosen by a
     recovery or a plain resume (only by name)."""
@@ -87,7 +96,7 @@ class Abandon:
     versions: tuple[str, ...]
 
 
-Effect = Record | Status | ToRanks | ResetFaults | StartGroup | NoneReady | TakeLayout | Abandon
+Effect = Record | Status | ToRanks | ResetFaults | StartGroup | NoneReady | TakeLayout | Transition | Abandon
 
 
 class Effects:
@@ -111,5 +120,7 @@ class Effects:
                 job.started = set()
             elif isinstance(effect, TakeLayout):
                 self._take_layout(job, effect.spec)
+            elif isinstance(effect, Transition):
+                self._transition(job, effect.state, effect.source, effect.message)
             else:
                 job.abandoned.update(effect.versions)

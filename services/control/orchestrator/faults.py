@@ -22,6 +22,7 @@ from services.control.orchestrator.job import (
     _Job,
 )
 from services.control.orchestrator.refusals import WorkerNotCordoned
+from services.control.orchestrator.replacement_nodes import held_detail, waiting_on
 from services.control.orchestrator.texts import _broken_text, _failed_text, _failure_name, _gib, _newest
 from services.control.orchestrator.triage import (
     _EXITS,
@@ -43,6 +44,11 @@ from services.jobspec import (
 _log = structlog.get_logger("orchestrator")
 
 
+# L1-3's class of a node lost under a job's ranks (fault_detector/rules.py WORKER_LOST): what a
+# silent agent's node is to a rebuild waiting for a replacement there (_replacements_held).
+WORKER_LOST = "worker_lost"
+
+
 # L1-3's slow-rank findings (services/control/fault_detector/rules.py SLOW_RANK, SLOW_RANK_CLEARED).
 SLOW_RANK, SLOW_RANK_CLEARED = "slow_rank", "slow_rank_cleared"
 
@@ -55,6 +61,11 @@ LINK_CLASSES = ("link_down", "link_degraded")
 # L1-3's report of a rank's data relay reconnecting to an unreachable data service (or, with
 # ``cleared``, of it answering again): a wait (``_data_outage``), not a fault to decide.
 DATA_SERVICE_UNREACHABLE = "DataServiceUnreachable"
+
+
+# L1-3's grade of this module's own failure event when its journal refused a write (services/
+# control/journal_failure.py; rules.py JOURNAL_WRITE_FAILED): control's fault, not the job's.
+JOURNAL_WRITE_FAILED = "journal_write_failed"
 
 
 # Beyond L1-3's hold of a comm_error, the time for its cause's decision to open an incident.
@@ -117,6 +128,8 @@ class FaultIntake:
                     limit = fd.wait_seconds(job.spec.fault_policy, fd.DATA_OUTAGE)
                     job.data_timer = self._deadlines.after(limit, self._data_outage_due, (msg.job_id, since))
                 return
+            if msg.fault_class == JOURNAL_WRITE_FAILED and self._journal_refused(job, msg):
+                return
             kind = triage(msg, job)
             if kind == JOB_ENDED:
                 return  # e.g. ranks exiting after the job ended: expected, nothing to decide
@@ -154,10 +167,33 @@ class FaultIntake:
             if kind == NORMAL_END:
                 self._keep(job)
                 return  # its loop reported finished first: the normal end of that rank, no fault
-            self._record(job, Module.L1_FAULT_DETECTOR, "fault", text)
-            if kind == RELEASED:
+            if kind == RELEASED:  # an exit control asked for (a stop, a drain, a preemption): no fault
+                self._record(
+                    job, Module.L1_FAULT_DETECTOR, "rank", f"rank {msg.rank} ended after its release: {msg.detail}"
+                )
                 return
+            self._record(job, Module.L1_FAULT_DETECTOR, "fault", text)
             self._decide(job, msg)
+
+    def _journal_refused(self, job: _Job, msg: control_pb2.FaultReport) -> bool:
+        """Control's journal refused a write of the job's (L1-3's ``journal_write_failed``: the
+        write's error typed by its SQLite result code or errno, never by its text). Where the
+        job's policy ignores it (the default), the decision that write carried was undone and
+        the operator's command refused already (core.py ``_undo_if_lost``); the job goes on,
+        and control's health says the journal fails (``JobStore.health``). Nothing is recorded
+        in the job's log: the journal is what refuses, and a record it refused would come back
+        as one more failure of this module, again and again while the disk is full. A policy
+        that names another action for the class (``stop``) is decided as any fault."""
+        if fd.action_of(job.spec.fault_policy, msg) != "ignore":
+            return False
+        self._metrics.decided(fd.fault_class_of(msg), "ignore")
+        _log.warning(
+            "control's journal refused a write: the job goes on",
+            job_id=msg.job_id,
+            detail=msg.detail,
+            journal=self._journal.health.failing(),
+        )
+        return True
 
     def _slow_rank(self, job: _Job, msg: control_pb2.FaultReport) -> bool:
         """Keep the job's slow ranks (``JobStatus.slow_ranks``, shown by ``surgectl status``)
@@ -444,6 +480,8 @@ class FaultIntake:
             )
             _log.warning("worker placement held" if not msg.cleared else "worker placement hold ended",
                          worker_id=msg.worker_id, reason=msg.detail)  # fmt: skip
+            if not msg.cleared:
+                self._replacements_held(msg)
             return
         if msg.fault_class not in fd.CORDON_CLASSES:
             return
@@ -456,6 +494,32 @@ class FaultIntake:
         )
         _log.warning("worker cordoned", worker_id=msg.worker_id, reason=reason)
         self.on_worker_cordoned(cordon.message)
+
+    def _replacements_held(self, msg: control_pb2.FaultReport) -> None:
+        """A node agent silent (``agent_silent``, its worker just held) while a rebuild in place
+        waits for replacements launched there: to that job its worker is lost (``worker_lost``,
+        ``subclass`` naming the agent's silence), decided by its policy (a rebuild again, placed
+        elsewhere: the node is held) instead of waiting until the node wakes."""
+        with self._lock:
+            for job in list(self._jobs.values()):
+                ranks = waiting_on(job, msg.worker_id)
+                if not ranks or job.status.state == JobState.TERMINATED:
+                    continue
+                report = control_pb2.FaultReport(
+                    job_id=job.status.job_id,
+                    grade=msg.grade,
+                    fault_class=WORKER_LOST,
+                    subclass=msg.fault_class,
+                    source=msg.source,
+                    rank=ranks[0],
+                    detail=held_detail(ranks, msg),
+                    detected_unix=msg.detected_unix,
+                    occurred_unix=msg.occurred_unix,
+                    worker_id=msg.worker_id,
+                )
+                self._record(job, Module.L1_FAULT_DETECTOR, "fault", f"{FaultGrade.Name(msg.grade)} "
+                             f"{WORKER_LOST} ({msg.fault_class}): {report.detail}")  # fmt: skip
+                self._decide(job, report)
 
     def on_fault_backlog_alert(self, msg: control_pb2.FaultBacklogAlert, payload: Any = None) -> None:
         """A sick node (L1-3: its rank faults piled up across jobs and incidents): quarantined,

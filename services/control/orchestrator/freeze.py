@@ -7,7 +7,9 @@ saying until when and what the operator can do, and every rank gets FreezeTraini
 where it is, alive and idle, its beats saying PHASE_FROZEN: the fault detector keeps no
 progress deadline on it). The hold ends when its deadline (the orchestrator's deadline pool)
 fires or the operator thaws the job (`surgectl thaw JOB`, or `surgectl resume JOB`): the step
-fault's verdict held back goes to the ranks and the recovery starts (``_recover``). `surgectl
+fault's verdict held back goes to the ranks and the recovery starts (``_recover``); a rebuild or
+shrink in place first thaws its survivors (``FreezeTraining.thaw``: they go on and rebuild their
+group, the lost ranks are killed by the recovery as without a hold). `surgectl
 stop JOB` ends the job instead (its ranks killed, as for any recovery). A control restarted
 during the hold keeps it: the incident is journaled with ``frozen_until`` and the verdict, and
 the restored control arms what is left of it (``_restore_freeze``).
@@ -19,6 +21,7 @@ import time
 
 from services.contract import engine_pb2
 from services.control.orchestrator.job import FROZEN, ORCH, JobState, _Incident, _Job
+from services.jobspec import IN_PLACE_ACTIONS
 
 
 def _clock(unix: float) -> str:
@@ -72,6 +75,12 @@ class Freezing:
         if incident.verdict is not None:
             verdict, incident.verdict = incident.verdict, None
             self._loop(verdict)
+        if incident.action in IN_PLACE_ACTIONS:
+            # The survivors go on in place (a relaunch kills what it held instead): nothing else
+            # ends their hold. Each leaves it and rebuilds its group as it would have without one
+            # (a rank held at a step boundary steps into the broken group first); the lost ranks
+            # are killed by the recovery, thawed or not.
+            self._loop(engine_pb2.FreezeTraining(job_id=job.status.job_id, thaw=True))
         self._recover(job, incident)
 
     def _thaw_request(self, job: _Job) -> bool:

@@ -152,6 +152,10 @@ class _Incident:
     # A rollback done in place (issue 29 item 9, ``Decision.in_place``): the live ranks load the
     # version (ResumeTraining.reload_version) instead of a relaunch (journaled).
     reload: bool = False
+    # A rebuild in place: the workers its replacements were launched on (RecoveryCompleted;
+    # not journaled: a restored recovery is relaunched whole). A replacement waited for on a
+    # worker lost or gone silent is re-placed (replacement_nodes.py).
+    placed_on: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -176,9 +180,6 @@ class _Scale:
     phase: str = "pausing"  # pausing (PauseTraining sent) | rebuilding (RebuildCommunicator done)
     old_dp: int = 0
     since: float = 0.0  # time.monotonic() it was asked
-    phase: str = "asking"  # resume_machine.py: asking, placing, queued, relaunched
-    step: int = 0  # the version it loads (chosen once the versions are known) and its step
-    version: str = ""
     healed_from: dict[int, int] = field(default_factory=dict)  # rank -> source (TrainingLoopStarted)
 
 
@@ -192,6 +193,16 @@ class _Reload:
     step: int
     phase: str = "pausing"  # pausing | loading
     since: float = 0.0  # time.monotonic() it was asked (not journaled)
+
+
+@dataclass
+class _Recovered:
+    """A recovery done, awaiting the group's first step (its record, and the recovery's time
+    observed: ``on_step_completed``): the incident's last phase, in the slot. Idle to every
+    admission (``activity.admit``): anything asked meanwhile starts, and drops it. Not
+    journaled (a restarted control waits for no first step)."""
+
+    incident: _Incident
 
 
 @dataclass
@@ -217,7 +228,9 @@ class _Job:
     started: set[int] = field(default_factory=set)  # ranks that reported started
     paused: set[int] = field(default_factory=set)
     finished: dict[int, bool] = field(default_factory=dict)  # rank -> stopped
-    pending: str = ""  # "pause" | "stop" | "scale" while in flight
+    # The operator's pause or stop in flight ("pause" | "stop"; ``pending`` also names a
+    # resize's or a rollback's pause, which its activity holds).
+    boundary: str = ""
     # The boundary of the pause / stop in flight: 0 until the ranks report the step they
     # agreed on (StepCompleted.commands_agreed covers ``pending_seq``, or their pause / end).
     pending_at: int = 0
@@ -234,8 +247,8 @@ class _Job:
     # The one activity in flight (issue 28 item 1): a recovery, a resize, a rollback in place
     # or an operator resume asking the store; what a second one gets is ``activity.admit``'s
     # to say. Journaled as its kind (``_runtime``), except a resume (it asks, nothing changed).
-    activity: _Incident | _Scale | _Reload | _Resume | None = None
-    recovered: _Incident | None = None  # recovered, awaiting its first step
+    # A recovery done and awaiting its first step is in the slot too (``_Recovered``: idle).
+    activity: _Incident | _Scale | _Reload | _Resume | _Recovered | None = None
     # The last incident once recovered: a symptom of it that reaches control late (the fault
     # detector holds a comm_error to attribute it; a rank of the relaunched generation reported
     # its failed collective as it was killed) is no new fault.
@@ -271,6 +284,10 @@ class _Job:
     # The job's last measured save (seconds from its step's report to the commit; 0: none yet):
     # what a departure's deadline is weighed against (not journaled).
     save_seconds: float = 0.0
+    # When its last resize began (unix time; 0: none): a job grows back at most once per
+    # resize_min_interval_s (grow_rule.py). Journaled: a control restarted right after a resize
+    # does not let it resize again before its interval ends.
+    last_resize: float = 0.0
     placed_on: list[str] = field(default_factory=list)  # the workers its last relaunch was allocated on
     parked: bool = False
     # Parked by a drain in this control's lifetime: its paused ranks still run until the stack
@@ -327,6 +344,31 @@ class _Job:
         return self.activity if isinstance(self.activity, _Reload) else None
 
     @property
+    def pending(self) -> str:
+        """The boundary command in flight: the operator's pause or stop (``boundary``), or the
+        pause of the resize ("scale") or rollback ("reload") in flight, which their activity
+        holds (its phase "pausing": it moves on once every rank paused; a recovery that
+        supersedes it, or the job's end, clears the slot and so this)."""
+        if self.boundary:
+            return self.boundary
+        if isinstance(self.activity, _Scale | _Reload) and self.activity.phase == "pausing":
+            return "scale" if isinstance(self.activity, _Scale) else "reload"
+        return ""
+
+    @pending.setter
+    def pending(self, value: str) -> None:
+        """The operator's pause or stop in flight ("": none); a resize's or a rollback's pause is
+        its activity's (``activity.begin``, its machine's phases), never set here."""
+        if value not in ("", "pause", "stop"):
+            raise ValueError(f"pending {value!r}: only a pause or a stop is set here (a resize's is its activity's)")
+        self.boundary = value
+
+    @property
+    def recovered(self) -> _Incident | None:
+        """The incident recovered from, awaiting the group's first step (``_Recovered``)."""
+        return self.activity.incident if isinstance(self.activity, _Recovered) else None
+
+    @property
     def resuming(self) -> bool:
         """An operator resume is asking the store."""
         return isinstance(self.activity, _Resume)
@@ -376,7 +418,7 @@ def _runtime(job: _Job) -> dict:
         "versions": [list(v) for v in job.versions],
         "unusable": sorted(job.unusable),
         "excluded": sorted(job.excluded),
-        "placement": {str(r): w for r, w in job.placement.items()},
+        "placement": dict(job.placement),  # (int keys: JSON writes them as strings; a copy in C, per event)
         "start_held": job.start_held,
         "abandoned": sorted(job.abandoned),
         "incident": _incident_to_json(job.incident) if job.incident is not None else None,
@@ -388,6 +430,7 @@ def _runtime(job: _Job) -> dict:
         "revoked": {str(order): list(revoked) for order, revoked in job.revoked.items()},
         "queued": job.queued.to_json() if job.queued is not None else None,
         "grow_to": list(job.grow_to),
+        "last_resize": job.last_resize,
         "micro_batch_cap": job.micro_batch_cap_seen,
         "scale": _scale_to_json(job.scale) if job.scale is not None else None,
         "reload": [job.reload.version, job.reload.step, job.reload.phase] if job.reload is not None else None,
@@ -451,7 +494,11 @@ def _incident_from_json(d: dict) -> _Incident:
 def _load_runtime(job: _Job, rt: dict) -> None:
     job.started, job.paused = set(rt.get("started", ())), set(rt.get("paused", ()))
     job.finished = {int(r): bool(v) for r, v in rt.get("finished", {}).items()}
-    job.pending, job.pending_at = rt.get("pending", ""), int(rt.get("pending_at", 0))
+    # ("scale" / "reload": the restored activity's phase says it)
+    job.boundary, job.pending_at = (
+        rt.get("pending", "") if rt.get("pending") in ("pause", "stop") else "",
+        int(rt.get("pending_at", 0)),
+    )
     job.pending_seq, job.commands = int(rt.get("pending_seq", 0)), int(rt.get("commands", 0))
     sent = (getattr(engine_pb2, kind).FromString(base64.b64decode(b)) for kind, b in rt.get("in_flight", ()))
     job.in_flight = {m.seq: m for m in sent}
@@ -479,6 +526,7 @@ def _load_runtime(job: _Job, rt: dict) -> None:
     if rt.get("incident"):
         job.activity = _incident_from_json(rt["incident"])
     job.grow_to = tuple(int(n) for n in rt.get("grow_to", ()))
+    job.last_resize = float(rt.get("last_resize", 0.0))
     job.micro_batch_cap_seen = int(rt.get("micro_batch_cap", 0))
     if rt.get("reload") and job.activity is None:
         version, step, phase = rt["reload"]
@@ -497,3 +545,8 @@ def _scale_to_json(scale: _Scale) -> dict:
 def _rebuilding(scale: _Scale | None) -> bool:
     """Whether a resize's ranks are rebuilding their group (they report ready next)."""
     return scale is not None and scale.phase == "rebuilding"
+
+
+def checkpoint_step(job: _Job) -> int:
+    """The step of the job's newest committed checkpoint (0: none): ``JobStatus.checkpoint_step``."""
+    return next((st for st, v in job.versions if v == job.status.checkpoint_version), 0)

@@ -11,10 +11,22 @@ import structlog
 from services.contract import control_pb2, engine_pb2
 from services.control import fault_decision as fd
 from services.control.orchestrator.activity import REFUSE, ForceDownAsk, PauseAsk, ResumeAsk, StopAsk, admit, begin, end
-from services.control.orchestrator.job import FROZEN, ORCH, JobOutcome, JobState, _Job, _numbered, _Resume, _where
+from services.control.orchestrator.job import (
+    FROZEN,
+    ORCH,
+    JobOutcome,
+    JobState,
+    _Job,
+    _numbered,
+    _Reload,
+    _Resume,
+    _where,
+    checkpoint_step,
+)
 from services.control.orchestrator.layout import _layout_flags, _new_layout
 from services.control.orchestrator.refusals import IllegalTransition, NoStandingOrder
 from services.control.orchestrator.texts import _newest
+from services.control.orchestrator.undos import Before
 
 _log = structlog.get_logger("orchestrator")
 
@@ -44,8 +56,13 @@ class OperatorCommands:
             if msg.drain and msg.force:
                 return self._park_at_once(job)
             if msg.drain and job.status.state == JobState.PAUSED and not job.pending:
+                if not job.parked and checkpoint_step(job) < job.status.step:
+                    return self._drain_unsaved_pause(job)
                 if not job.parked:
+                    before = Before.of(job)
                     job.parked = job.parked_live = True
+                    # Undo if its record fails at its commit: not parked (`up` would resume it).
+                    self._undo_if_lost(job.status.job_id, lambda e: self._drain_undone(job, before))
                     self._record(
                         job,
                         ORCH,
@@ -57,7 +74,10 @@ class OperatorCommands:
             if msg.drain and job.pending == "pause":
                 job.resume_after_pause = False  # (a `down` again after an `up` or resume undid the drain)
                 if not job.draining:
+                    before = Before.of(job)
                     job.draining = job.status.drained = True
+                    # Undo if its record fails at its commit: the pause in flight stays a pause.
+                    self._undo_if_lost(job.status.job_id, lambda e: self._drain_undone(job, before))
                     self._record(
                         job,
                         ORCH,
@@ -73,6 +93,7 @@ class OperatorCommands:
             self._require(job, JobState.RUNNING)
             self._require_idle(job, PauseAsk())
             checkpoint = msg.drain or not msg.no_checkpoint
+            before = Before.of(job)
             cmd = self._in_flight(job, "pause", engine_pb2.PauseTraining(checkpoint=checkpoint))
             job.boundary_failed = job.resume_after_pause = False
             job.draining = job.status.drained = msg.drain  # (drained from now: `up` undoes it if `down` is cut short)
@@ -82,7 +103,40 @@ class OperatorCommands:
             # Journaled before it goes: a restarted control sends it again with its number.
             self._record(job, ORCH, "decision", f"{what} requested: ranks {how} {_where(job)}")
             self._loop(cmd)
+            # Undo if its record fails at its commit: no pause in flight (its PauseTraining,
+            # behind the record, is dropped), the drain's flags as before (undos.py).
+            self._undo_if_lost(job.status.job_id, lambda e: self._boundary_undone(job, cmd, before))
             return self._snapshot(job)
+
+    def _drain_unsaved_pause(self, job: _Job) -> control_pb2.JobStatus:
+        """Under the lock: a drain of a job PAUSED without a checkpoint of its step (its pause's
+        save failed, the store away; or `pause --no-checkpoint`): parking it would lose the steps
+        since its newest checkpoint when the stack stops (`surgectl down` refused, again and
+        again). Its ranks resume and pause again at the next agreed boundary, checkpointing it,
+        as a drain; it stays the operator's pause (``drained`` False: `up` leaves it PAUSED)."""
+        before = Before.of(job)
+        job_id, step = job.status.job_id, job.status.step
+        self._transition(
+            job, JobState.RUNNING, ORCH, f"resumed for a drain: its pause at step {step} has no checkpoint"
+        )
+        cmd = self._in_flight(job, "pause", engine_pb2.PauseTraining(checkpoint=True))
+        job.boundary_failed = job.resume_after_pause = False
+        job.draining, job.status.drained = True, False  # (parked once paused, PAUSED after `up`: the operator's pause)
+        job.paused.clear()
+        self._record(
+            job,
+            ORCH,
+            "decision",
+            f"drain requested: its pause at step {step} has no checkpoint of it (newest: {_newest(job)}): "
+            f"ranks resume, checkpoint their step and pause {_where(job)}",
+        )
+        # (both behind the decision's record: lost with it, neither goes)
+        self._loop(engine_pb2.ResumeTraining(job_id=job_id))
+        self._loop(cmd)
+        # Undo if its record fails at its commit: PAUSED as it was (its ResumeTraining and
+        # PauseTraining, behind the record, are dropped with it; undos.py).
+        self._undo_if_lost(job_id, lambda e: self._unsaved_drain_undone(job, cmd, before))
+        return self._snapshot(job)
 
     def _park_at_once(self, job: _Job) -> control_pb2.JobStatus:
         """Under the lock, `surgectl down --force`: a RUNNING or PAUSED job is parked now
@@ -102,7 +156,9 @@ class OperatorCommands:
         if admission.verdict == REFUSE:
             raise IllegalTransition(admission.reason)
         lost = f"; its steps after {_newest(job)} are lost"
+        before = Before.of(job)
         job.pending, job.pending_at, job.pending_seq = "", 0, 0
+        end(job, _Reload)  # (a rollback's pause in flight: the ranks it would load into are killed)
         job.in_flight.clear()  # (its ranks are killed: nothing is sent again)
         job.draining = job.resume_after_pause = False
         job.parked = job.parked_live = job.status.drained = True
@@ -114,6 +170,9 @@ class OperatorCommands:
             self._record(job, ORCH, "decision", text, status_message=text)
         else:
             self._transition(job, JobState.PAUSED, ORCH, text)
+        # Undo if its record fails at its commit: as the journal has it, what was in flight
+        # with it (undos.py); the operator's `down --force` is told it failed.
+        self._undo_if_lost(job.status.job_id, lambda e: self._forced_down_undone(job, before))
         return self._snapshot(job)
 
     def resume_job_request(self, msg: control_pb2.ResumeJobRequest, payload: Any = None) -> control_pb2.JobStatus:
@@ -167,7 +226,11 @@ class OperatorCommands:
                         f"job {job_id} is TERMINATED (FINISHED): all {job.status.total_steps} "
                         "steps done; nothing to resume"
                     )
-                self._require(job, JobState.PAUSED)
+                if job.status.state != JobState.PAUSED:
+                    raise IllegalTransition(
+                        f"job {job_id} is {JobState.Name(job.status.state)}, not PAUSED: resume continues a "
+                        "PAUSED job, or relaunches a STOPPED or FAILED one from its checkpoint"
+                    )
                 if msg.from_version:
                     raise IllegalTransition(
                         f"--from: job {job_id} is PAUSED with its ranks running; "
@@ -309,7 +372,18 @@ class OperatorCommands:
             how = "checkpoint and stop" if checkpoint else "stop (no checkpoint)"
             self._record(job, ORCH, "decision", f"stop requested: ranks {how} {where}")
             self._loop(cmd)
+            # Undo if its record fails at its commit: the stop is no longer in flight (its
+            # StopTraining, behind the record, is dropped), the job goes on as before; the
+            # operator is told and may ask again.
+            self._undo_if_lost(job.status.job_id, lambda e: self._stop_undone(job, cmd))
             return self._snapshot(job)
+
+    def _stop_undone(self, job: _Job, cmd: engine_pb2.StopTraining) -> None:
+        """Under the lock: a stop whose record was lost at its commit is not in flight."""
+        job.in_flight.pop(cmd.seq, None)
+        if job.pending == "stop" and job.pending_seq == cmd.seq:
+            job.pending, job.pending_at, job.pending_seq = "", 0, 0
+        self._keep(job)
 
     def revoke_order_request(self, msg: control_pb2.RevokeOrderRequest, payload: Any = None) -> control_pb2.JobStatus:
         """`surgectl revoke JOB CLASS`: withdraw the job's standing order for step faults of
@@ -365,4 +439,6 @@ class OperatorCommands:
                 f"(command #{cmd.seq} to the ranks)",
             )
             self._loop(cmd)
+            # Undo if its record fails at its commit: the order is held again (undos.py).
+            self._undo_if_lost(job_id, lambda e: self._revoke_undone(job, order, cmd))
             return cmd.seq

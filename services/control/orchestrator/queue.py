@@ -17,7 +17,11 @@ from services.control.orchestrator.job import ORCH, JobOutcome, JobState, _Job
 from services.control.orchestrator.layout import _set_layout
 from services.control.orchestrator.refusals import IllegalTransition, JobDoesNotFit
 from services.control.orchestrator.request_ids import spec_sha256, submitted_before
+from services.control.orchestrator.resume_machine import Queue, Refuse
+from services.control.orchestrator.teams import team_of
 from services.control.orchestrator.texts import _beyond_cluster, _waits_for
+from services.control.scheduler.admission import WAIT_COHORT
+from services.control.scheduler.fair_share import cohort_wait
 from services.hf_config import check_spec_directory
 from services.jobspec import (
     parse_job_spec,
@@ -68,8 +72,11 @@ class JobQueueing:
                 return self._snapshot(earlier)
         spec = parse_job_spec(msg.spec_yaml, msg.spec_path or "job.yaml")
         check_spec_directory(spec, msg.spec_path or "job.yaml")  # init_from.hf (file reads: outside the lock)
+        if msg.team:  # the caller's team, from its identity (control's user port: control/access.py)
+            spec = spec.model_copy(update={"team": msg.team})
         spec_json = spec_to_json(spec)
         priority = check_priority(msg.priority)
+        self._check_hard_limit(spec.team, spec.world_size, msg.spec_path or "job.yaml")  # (nothing persisted yet)
         with self._lock:
             if (earlier := submitted_before(self._jobs.values(), msg)) is not None:
                 return self._snapshot(earlier)
@@ -88,6 +95,7 @@ class JobQueueing:
                 updated_unix=now,
                 world_size=spec.world_size,
                 priority=priority,
+                team=spec.team,
             )
             _set_layout(status, spec)
             digest = spec_sha256(msg.spec_yaml) if msg.request_id else ""
@@ -110,9 +118,12 @@ class JobQueueing:
                 return self._snapshot(earlier)
             job = _Job(status=status, spec=spec, request_id=msg.request_id, spec_sha256=digest)
             self._jobs[job_id] = job
-            held = "waits for the jobs queued ahead of it" if self._queue.blocks(priority) else ""
+            held = "waits for the jobs queued ahead of it" if self._ahead_at_submit(job, priority) else ""
             held = held or self._queue_held()
-            reply = None if held else self._launch(job)
+            quota = None if held else self._quota_admission(job)  # (its team's quota: issue 30)
+            if quota is not None and not quota.ok:
+                held = quota.reason
+            reply = None if held else self._launch(job, borrowed=quota.borrowed)
             if reply is not None and reply.rank_memory_bytes:  # it cannot start on these workers
                 self._jobs.pop(job_id, None)
                 self._changed.add(job_id)  # (forgotten as the decision ends)
@@ -120,7 +131,10 @@ class JobQueueing:
                 raise JobDoesNotFit(f"{msg.spec_path or 'job.yaml'}: {reply.reason}")
             if held or reply is not None:
                 try:
+                    if quota is not None and not quota.ok:  # (before it is queued: the order reads it)
+                        self._quota_held[job_id] = quota.kind
                     entry = self._queue.add(job_id, priority)
+                    job.status.queued_unix = time.time()  # (its wait counts from here: teams.py's queue)
                     self._queue.mark_beyond_cluster(job_id, reply is not None and _beyond_cluster(reply))
                     self._enqueue(job, entry, held or _waits_for(job, reply))
                 except BaseException:
@@ -129,22 +143,24 @@ class JobQueueing:
                     self._changed.add(job_id)  # (forgotten as the decision ends)
                     self._queued(job_id, self._journal.delete_job(job_id, wait=False))
                     raise
+                # (queued for good: a victim's pause is never undone by this submit's failure)
+                if not held and not _beyond_cluster(reply):
+                    self._preempt_for(job, reply)  # (lower priorities may make room: preemption.py)
             return self._snapshot(job)
 
-    def _launch(self, job: _Job, note: str = "") -> control_pb2.ResourcesInsufficient | None:
+    def _launch(self, job: _Job, note: str = "", borrowed: int = 0) -> control_pb2.ResourcesInsufficient | None:
         """Under the lock: allocate the ranks of a journaled STANDBY job and journal it
-        WARMING_UP. Returns the allocator's refusal when they do not fit (nothing reserved,
-        nothing journaled). A failure after the allocation takes the ranks back and forgets
-        the job (``_abandon_start``), then raises."""
+        WARMING_UP (``borrowed``: of its ranks, those beyond its team's nominal quota,
+        recorded in its status). Returns the allocator's refusal when they do not fit (nothing
+        reserved, nothing journaled). A failure after the allocation takes the ranks back and
+        forgets the job (``_abandon_start``), then raises."""
         job_id, spec = job.status.job_id, job.spec
         init = engine_pb2.InitJob(
             job_id=job_id,
             spec_json=spec_to_json(spec),
             data_address=self._data_address,
             store_address=self._store_address,
-            standing_orders=fd.standing_orders(spec.fault_policy),
-            rebuild_in_place=spec.fault_policy.rebuilds,
-            hold_on_fault=spec.fault_policy.freeze_seconds > 0,
+            **fd.launch_policy(spec.fault_policy),
         )
         # Monitoring starts before the ranks launch, so a rank that dies at once is still
         # reported; a job whose allocation fails simply never produces faults.
@@ -165,10 +181,16 @@ class JobQueueing:
                 f"{reply.world_size} ranks allocated on {', '.join(reply.worker_ids)}; "
                 f"rendezvous {reply.master_addr}:{reply.master_port}",
             )
-            self._transition(job, JobState.WARMING_UP, ORCH, f"{note}ranks launching")
+            job.status.borrowed_slots = borrowed
+            lent = f" ({borrowed} on capacity its team borrowed)" if borrowed else ""
+            self._transition(job, JobState.WARMING_UP, ORCH, f"{note}ranks launching{lent}")
         except BaseException as e:
             self._abandon_start(job_id, e)
             raise
+        # Undo if these records fail at their commit: the job's start is abandoned as if it
+        # had failed here (its launched ranks killed, their slots freed, the job forgotten):
+        # a restarted control would find it STANDBY, not running those ranks.
+        self._undo_if_lost(job_id, lambda e: self._abandon_start(job_id, e))
         return None
 
     def _abandon_start(self, job_id: str, cause: BaseException) -> None:
@@ -177,6 +199,9 @@ class JobQueueing:
         _log.warning("job start failed; taking its ranks back", job_id=job_id, error=str(cause))
         self._jobs.pop(job_id, None)
         self._changed.add(job_id)  # (forgotten as the decision ends)
+        # The release waits for no journal write of the job: its ranks run whatever the
+        # journal holds (one that failed at its commit would drop it: ``_undo_if_lost``).
+        self._last_write.pop(job_id, None)
         try:
             self._allocator(control_pb2.ReleaseResources(job_id=job_id, kill=True))
         finally:
@@ -193,9 +218,8 @@ class JobQueueing:
         with self._lock:
             self._queue.clear_beyond_cluster()  # a job waiting for workers may fit now: it blocks until tried
             self._start_soon()
-            for job in self._jobs.values():
-                if job.grow_to and job.status.state == JobState.RUNNING:
-                    self._grow_soon(job.status.job_id, msg.free_ranks)
+            if any(j.grow_to and j.status.state == JobState.RUNNING for j in self._jobs.values()):
+                self._grow_soon(msg.free_ranks)
 
     def _enqueue(self, job: _Job, entry: QueueEntry, why: str) -> None:
         """Under the lock: ``job`` (STANDBY, journaled) waits in the queue at ``entry``."""
@@ -240,7 +264,9 @@ class JobQueueing:
         behind it, which are tried next."""
         with self._lock:
             self._start_armed = None
-            for entry in self._queue.ordered():
+            held_teams: dict[str, str] = {}  # team -> its queued job its own limits hold back
+            held_cohorts: dict[str, str] = {}  # cohort -> the queued job waiting for its idle slots
+            for entry in self._queue.ordered():  # (the fair order across teams: teams.py)
                 if entry.job_id not in self._queue:  # (taken out meanwhile)
                     continue
                 job = self._jobs[entry.job_id]
@@ -248,6 +274,26 @@ class JobQueueing:
                 if held:
                     self._waiting(job, held)
                     return
+                # Its team's quota (issue 30): a job it holds back holds back the later jobs of
+                # its team only (no overtaking within a team), not the other teams'.
+                team = team_of(job.status)
+                cohort = self._quotas.cohort_of(team)
+                if team in held_teams:
+                    self._waiting(job, f"waits behind job {held_teams[team]} of team {team}")
+                    continue
+                if cohort in held_cohorts:  # (scheduler/fair_share.py: the cohort's idle slots go in order)
+                    self._waiting(job, cohort_wait(held_cohorts[cohort], cohort))
+                    continue
+                quota = self._quota_admission(job)
+                if not quota.ok:
+                    self._quota_held[entry.job_id] = quota.kind
+                    if quota.kind == WAIT_COHORT:
+                        held_cohorts[cohort] = entry.job_id
+                    elif not quota.never:  # (one beyond its hard limit alone never starts: it holds no one back)
+                        held_teams[team] = entry.job_id
+                    self._waiting(job, quota.reason)
+                    continue
+                self._quota_held.pop(entry.job_id, None)
                 self._queue.take(entry.job_id)
                 job.queued = None
                 # Journaled out of the queue before its ranks launch: a control killed in
@@ -259,33 +305,39 @@ class JobQueueing:
                     job.queued = self._queue.put(entry)
                     _log.error("a queued job could not be taken out of the queue", job_id=entry.job_id, error=str(e))
                     return
-                waited = time.time() - job.status.created_unix
+                waited = time.time() - (job.status.queued_unix or job.status.created_unix)
                 try:
                     if job.relaunch is not None:  # an operator resume that waited: it loads its checkpoint
-                        reply = self._start_relaunch(job)
+                        effects, reply = self._start_relaunch(job)
                     else:
-                        reply = self._launch(job, note=f"left the queue after {waited:.0f} s; ")
+                        reply = self._launch(
+                            job, note=f"left the queue after {waited:.0f} s; ", borrowed=quota.borrowed
+                        )
+                        effects = _launched(job, reply)
                 except Exception as e:  # noqa: BLE001 - _launch forgot the job; the rest stay queued
                     _log.error("a queued job could not be started", job_id=entry.job_id, error=str(e))
                     if job.relaunch is not None and entry.job_id in self._jobs:  # (kept: queued again, in its place)
                         job.queued = self._queue.put(entry)
                     return
-                if reply is not None and reply.rank_memory_bytes:  # it cannot start on these workers
-                    job.status.outcome = JobOutcome.FAILED
-                    job.relaunch = None
-                    self._transition(job, JobState.TERMINATED, ORCH, f"FAILED: refused: {reply.reason}")
-                    continue
-                if reply is not None:
-                    job.queued = self._queue.put(entry)  # its place kept
-                    beyond = _beyond_cluster(reply)
-                    self._queue.mark_beyond_cluster(entry.job_id, beyond)
-                    self._waiting(job, _waits_for(job, reply, self._relaunch_spec(job)))
-                    if not beyond:
-                        return
+                for effect in effects:  # (none: placed)
+                    if isinstance(effect, Refuse):  # it cannot start on these workers
+                        job.status.outcome = JobOutcome.FAILED
+                        job.relaunch = None
+                        self._transition(job, JobState.TERMINATED, ORCH, f"FAILED: refused: {effect.text}")
+                    else:  # not yet: its place kept
+                        job.queued = self._queue.put(entry)
+                        self._queue.mark_beyond_cluster(entry.job_id, effect.beyond)
+                        self._waiting(job, effect.why)
+                        if not effect.beyond:
+                            if reply is not None:
+                                self._preempt_for(job, reply)  # (lower priorities may make room: preemption.py)
+                            return
 
     def _waiting(self, job: _Job, why: str) -> None:
         """Under the lock: the queued ``job`` still waits, for ``why``: an event when the
         reason changed (none at every retry), its place journaled either way."""
+        if job.status.preempted_by and not why.startswith("PREEMPTED"):  # (what it is stays in sight)
+            why = f"PREEMPTED by job {job.status.preempted_by}; {why}"
         message = f"queued: {why}"
         if job.status.message == message:
             self._keep(job)
@@ -312,7 +364,19 @@ class JobQueueing:
         resumed = job.relaunch is not None  # (a resume that waited: its checkpoints stay, resume it again later)
         job.relaunch = None
         job.status.drained = False
+        job.status.preempted_by = ""
         what = "its resume taken out of the queue" if resumed else "taken out of the queue"
         self._transition(job, JobState.TERMINATED, ORCH, f"STOPPED: {what} (position {where}) by the operator")
         self._start_soon()  # the jobs behind it move up
         return self._snapshot(job)
+
+
+def _launched(job: _Job, reply: control_pb2.ResourcesInsufficient | None) -> list[Queue | Refuse]:
+    """A queued submit's placement (``_launch``'s answer) in the terms of a queued resume's
+    (``resume_machine.allocated``): nothing (placed), refused (its ranks fit no registered
+    slot: the allocator's reason, as the job's end says it) or still queued (why)."""
+    if reply is None:
+        return []
+    if reply.rank_memory_bytes:
+        return [Refuse(reply.reason, resources=True)]
+    return [Queue(0, "", _waits_for(job, reply), _beyond_cluster(reply))]

@@ -12,6 +12,7 @@ import structlog
 from services.contract import Module, control_pb2, engine_pb2, store_pb2
 from services.control import fault_decision as fd
 from services.control.orchestrator import recovery_machine as rm
+from services.control.orchestrator import verification_machine as vm
 from services.control.orchestrator.activity import begin, end
 from services.control.orchestrator.job import (
     NO_CAPACITY,
@@ -23,18 +24,19 @@ from services.control.orchestrator.job import (
     VERIFYING,
     WAITING_CAPACITY,
     WAITING_STORE,
-    FaultGrade,
     JobOutcome,
     JobState,
     RecoveryFailureCause,
     StoreFailureCause,
     _Incident,
     _Job,
+    _Recovered,
     _Reload,
     _Scale,
 )
 from services.control.orchestrator.layout import _layout_change, _layout_msg, _layout_of, _shrink_to
-from services.control.orchestrator.texts import _healed_text, _overdue, restored_from_text
+from services.control.orchestrator.replacement_nodes import left_out
+from services.control.orchestrator.texts import _overdue
 from services.control.orchestrator.triage import _lost_ranks, _no_rebuild, _no_reload
 from services.jobspec import (
     IN_PLACE_ACTIONS,
@@ -49,12 +51,6 @@ def _step_verdict(report: engine_pb2.StepFaultReported, decision: fd.Decision) -
     return engine_pb2.StepVerdict(
         job_id=report.job_id, step=report.step, kind=report.kind, action=decision.verdict, reason=decision.text
     )
-
-
-def _corrupt(verdict: store_pb2.CheckpointVerdict) -> bool:
-    """Whether a failed verdict is about the version's bytes (the only reason to strike it)."""
-    # (A store older than the typed verdict sends none: it said not-ok only for a hash failure.)
-    return verdict.cause in (store_pb2.VERDICT_UNSPECIFIED, store_pb2.VERDICT_CORRUPT, store_pb2.VERDICT_MISSING_FILE)
 
 
 class Recovery:
@@ -86,61 +82,65 @@ class Recovery:
         # ranks' reminder of it afresh.
         if action == "ignore":
             job.ignored[fault_class] += 1
+            if fault_class == fd.REPLICA_DIVERGENCE and msg.step:
+                # Its ranks wait in their loop for this decision (it fails none of them): they go
+                # on as they are. Once per report (every rank's is decided); a loop not waiting
+                # at that step keeps nothing of it.
+                self._loop(engine_pb2.ResumeTraining(job_id=job.status.job_id, go_on_at_step=msg.step))
         if step_fault is not None and decision.verdict in (engine_pb2.STEP_APPLY, engine_pb2.STEP_SKIP):
             job.verdicts[step_fault.step, step_fault.kind] = _step_verdict(step_fault, decision)
         self._record(job, ORCH, "decision", decision.text)
-        if action in ("ignore", "skip_step", "skip_save"):
-            return decision
-        if action == "stop":
-            self._terminate(job, decision.outcome, decision.final, kill=True)
-            return decision
-        if action == "pause":
-            self._pause_after_fault(job, decision.final)
-            return decision
-        job.restarts[fault_class] += 1
-        if decision.strike and decision.strike not in job.unusable:  # (struck already if its load's report came first)
-            job.unusable.add(decision.strike)
-            why = (
-                "reproduced the replica divergence it was loaded to recover from: suspect"
-                if fault_class == fd.REPLICA_DIVERGENCE
-                else "fails its digest check on load"
-            )
-            self._record(job, ORCH, "checkpoint", f"checkpoint {decision.strike} {why}; never loaded again")
-        bound, exclude = decision.bound, list(decision.exclude)
-        if fault_class == fd.REPLICA_DIVERGENCE and bound is not None:
-            self._never_load_diverged(job, bound, job.versions)
-        incident = _Incident(
-            cause=msg,
-            fault_class=fault_class,
-            action=action,
-            decided=time.monotonic(),
-            at_step=job.status.step,
-            bound=bound,
-            exclude=exclude,
-            # The operator's pause outlives the fault: recovered, the job stays paused.
-            paused=job.status.state == JobState.PAUSED
-            or job.pending == "pause"
-            or (previous is not None and previous.paused),
-            reload=decision.in_place,
+        facts = rm.Facts(
+            previous=previous,
+            step=job.status.step,
+            world_size=job.status.world_size,
+            exited=frozenset(job.exited),
+            lost=tuple(_lost_ranks(job, msg)),
+            paused=job.status.state == JobState.PAUSED or job.pending == "pause",
+            unusable=frozenset(job.unusable),
+            frozen=job.status.state == JobState.FAULT_FROZEN,
+            hold=fd.freeze_for(job.spec.fault_policy, decision, recovering=previous is not None)
+            if action not in ("ignore", "skip_step", "skip_save", "stop", "pause")
+            else 0.0,
         )
-        if action in IN_PLACE_ACTIONS:
-            # Only the lost ranks end (the recovery kills them if they still run); the others
-            # survive: their collective's failure, reported as they rebuild, is a consequence.
-            # A rebuild during a rebuild also replaces the ranks the first one was replacing
-            # (they hold no state yet: relaunched from a spare, they heal with the others).
-            incident.lost = sorted(set(_lost_ranks(job, msg)) | set(previous.lost if previous is not None else ()))
-            incident.dying.update(r for r in incident.lost if r not in job.exited)
-        else:
-            # Every rank of the failing generation not yet seen ended will end (the recovery
-            # kills it): its reports until then are consequences of this incident.
-            incident.dying.update(r for r in range(job.status.world_size) if r not in job.exited)
-        if previous is not None:
-            incident.dying.update(previous.dying)
-            self._cancel_timer(previous)
-        # (admit: a recovery supersedes whatever was in flight; said below for a resize or
-        # a rollback, folded above for an earlier recovery)
+        incident, effects = rm.decided(decision, msg, facts, time.monotonic())
+        self._decided_effects(job, incident, effects)
+        return decision
+
+    def _decided_effects(self, job: _Job, incident: _Incident | None, effects: list) -> None:
+        """Under the lock: perform ``recovery_machine.decided``'s effects, in order."""
+        for effect in effects:
+            if isinstance(effect, rm.Terminate):
+                self._terminate(job, effect.outcome, effect.message, kill=True)
+            elif isinstance(effect, rm.PauseJob):
+                self._pause_after_fault(job, effect.message)
+            elif isinstance(effect, rm.Spend):
+                job.restarts[effect.fault_class] += 1
+            elif isinstance(effect, rm.Strike):
+                job.unusable.add(effect.version)
+            elif isinstance(effect, rm.NeverLoadDiverged):
+                self._never_load_diverged(job, effect.bound, job.versions)
+            elif isinstance(effect, rm.Begin):
+                self._begin(job, effect.incident, effect.why)
+                # Undo if the decision's records fail at their commit: none can be made (the
+                # recovery's commands to L1-4 and L5-1 are sent as it is decided: ranks may be
+                # killed already), so it is written again, with an event saying so; else a
+                # restarted control would decide the fault afresh (a second restart spent on it).
+                self._undo_if_lost(job.status.job_id, lambda e, i=effect.incident: self._decision_rewritten(job, i, e))
+            elif isinstance(effect, rm.Freeze):
+                self._freeze(job, incident, effect.seconds)
+            elif isinstance(effect, rm.Recover):
+                self._recover(job, incident)
+            else:
+                self._apply_effects(job, [effect])
+
+    def _begin(self, job: _Job, incident: _Incident, why: str) -> None:
+        """Under the lock: ``incident`` is the job's activity from now on (admit: a recovery
+        supersedes whatever was in flight: said for a resize or a rollback, folded into it for
+        an earlier recovery); the failing generation's bookkeeping goes."""
+        self._cancel_timer(job.incident)
         superseded = begin(job, incident)
-        job.recovered, job.exited = None, set()
+        job.exited = set()  # (a recovery awaiting its first step was replaced in the slot)
         self._end_data_wait(job)  # (its ranks are replaced: a new generation says what it waits for)
         self._release_held(job, incident)  # (a save that broke a moment before this fault came)
         job.started, job.paused, job.finished, job.placement = set(), set(), {}, {}  # (a new generation)
@@ -149,26 +149,33 @@ class Recovery:
         job.pending = ""  # a pause in flight ends here: the incident keeps it (``paused``)
         # A drain ends here too: the recovered job is not `up`'s to resume (its ranks are new).
         job.draining = job.parked = job.parked_live = job.resume_after_pause = job.status.drained = False
-        job.departure = ""  # (a recovery supersedes a departure's move: its relaunch places the ranks)
+        # (a recovery supersedes a departure's move or a preemption: its relaunch places the ranks)
+        job.departure = job.status.preempted_by = ""
         if isinstance(superseded, _Reload):  # (the ranks it loads into are being replaced)
             self._record(
                 job, ORCH, "recovery",
-                f"rollback in place to {superseded.version} given up: {decision.text}; the relaunch replaces it",
+                f"rollback in place to {superseded.version} given up: {why}; the relaunch replaces it",
             )  # fmt: skip
         if isinstance(superseded, _Scale):  # (its new layout stays if it was already commanded)
-            self._record(
-                job, ORCH, "scale", f"{superseded.why} to dp {superseded.spec.parallel.dp} given up: {decision.text}"
-            )
+            self._record(job, ORCH, "scale", f"{superseded.why} to dp {superseded.spec.parallel.dp} given up: {why}")
         job.start_held = False
-        job.excluded.update(exclude)  # journaled with the decision: a restarted control keeps it
-        hold = fd.freeze_for(job.spec.fault_policy, decision, recovering=previous is not None)
-        if hold:  # inspect before acting (freeze.py): the recovery starts when the hold ends
-            self._freeze(job, incident, hold)
-            return decision
-        if job.status.state != JobState.FAULT_FROZEN:
-            self._transition(job, JobState.FAULT_FROZEN, ORCH, f"recovering from {fault_class} of rank {msg.rank}")
-        self._recover(job, incident)
-        return decision
+        job.excluded.update(incident.exclude)  # journaled with the decision: a restarted control keeps it
+
+    def _decision_rewritten(self, job: _Job, incident: _Incident, error: BaseException) -> None:
+        """Under the lock: the records of ``incident``'s decision failed at their commit;
+        the job's state as it is now is journaled again (every record carries the job's whole
+        bookkeeping), the incident in it if it is still in flight. The commands to its ranks
+        behind the lost records were dropped (a hold's FreezeTraining, a reload's
+        ResumeTraining): the hold ends by its timer, a reload that never comes by
+        ``restore_seconds`` (``recovery_timeout``, decided as any fault)."""
+        if self._jobs.get(job.status.job_id) is not job:
+            return
+        still = "goes on" if job.incident is incident else "is over"
+        self._record(
+            job, ORCH, "recovery",
+            f"the decision on {incident.fault_class} of rank {incident.cause.rank} was not journaled "
+            f"({type(error).__name__}: {error}); written again: its recovery {still}",
+        )  # fmt: skip
 
     def _never_load_diverged(self, job: _Job, bound: int, versions: list[tuple[int, str]]) -> None:
         """Of ``versions`` ((step, version)), strike those saved after ``bound``, the last
@@ -187,35 +194,19 @@ class Recovery:
 
     def _on_resumed_fault(self, job: _Job, incident: _Incident, msg: control_pb2.FaultReport, text: str) -> None:
         """A fault report while a recovery restored from the journal waits to learn whether
-        its relaunch reached the node agents. The exit of a rank of the failed generation
-        (one the recovery kills) is a consequence (``triage``: never reaches here); anything else (a rank not re-attached in
-        time and declared silent, a rank that died, a stall) says the relaunched ranks are
-        not all there: the relaunch is commanded again, for the same incident (its restart
-        was spent when it was decided)."""
-        cause = incident.cause
-        self._record(
-            job,
-            Module.L1_FAULT_DETECTOR,
-            "fault",
-            f"{text} (during the recovery from rank {cause.rank}'s {cause.fault_class}, resumed after "
-            "a control restart)",
-        )
-        if msg.fault_class == "rank_released":
-            return  # an exit control asked for: says nothing of the relaunch
-        # Once: later reports are this relaunch's business (decided as usual). The ranks it
-        # kills exit as released (no decision); the failed generation's are still counted
-        # in ``dying``. Not journaled: killed again before it completes, it is resumed again.
-        incident.resumed, incident.repeated_unix = False, time.time()
-        job.started, job.exited, job.placement = set(), set(), {}
-        self._record(
-            job,
-            ORCH,
-            "decision",
-            f"relaunch again for the recovery from {incident.fault_class} of rank {cause.rank} interrupted "
-            f"by the control restart: the relaunched ranks are not all there ({msg.fault_class} of rank "
-            f"{msg.rank}); no further restart spent",
-        )
-        self._recover(job, incident)
+        its relaunch reached the node agents (verification_machine.py's ``resumed_fault``)."""
+        again = False
+        for effect in vm.resumed_fault(incident.cause, incident.fault_class, msg.fault_class, msg.rank, text):
+            if not isinstance(effect, vm.RelaunchAgain):
+                self._apply_effects(job, [effect])
+                continue
+            # Once: later reports are this relaunch's business (decided as usual). The ranks it
+            # kills exit as released (no decision); the failed generation's are still counted
+            # in ``dying``. Not journaled: killed again before it completes, it is resumed again.
+            incident.resumed, incident.repeated_unix, again = False, time.time(), True
+            job.started, job.exited, job.placement = set(), set(), {}
+        if again:  # (after its decision's record: the relaunch follows it)
+            self._recover(job, incident)
 
     def _recover(self, job: _Job, incident: _Incident) -> None:
         """Start the incident's recovery at its first step: ask the checkpoint manager which
@@ -264,31 +255,10 @@ class Recovery:
             self._verified(job, incident, msg)
 
     def _verified(self, job: _Job, incident: _Incident, msg: store_pb2.CheckpointVerification) -> None:
-        """Learn the verdicts (a version is struck only for its bytes: a digest mismatch or a
-        missing file), then go on to placement."""
-        known = {v for _, v in job.versions} | job.abandoned  # (another branch is not a lost report)
-        for verdict in msg.versions:
-            version, step = verdict.info.version, verdict.info.step
-            if version in job.abandoned:
-                continue
-            if not verdict.ok:
-                if _corrupt(verdict) and version not in job.unusable:
-                    job.unusable.add(version)
-                    self._record(
-                        job,
-                        Module.L5_CHECKPOINT_MANAGER,
-                        "checkpoint",
-                        f"checkpoint {version} at step {step} fails verification ({verdict.reason}); never loaded",
-                    )
-            elif version not in known:
-                job.versions.append((step, version))
-                self._record(
-                    job,
-                    Module.L5_CHECKPOINT_MANAGER,
-                    "checkpoint",
-                    f"checkpoint {version} at step {step} verified: committed by the store, "
-                    "its completion report never arrived",
-                )
+        """Learn the verdicts (verification_machine.py's ``verified``: a version is struck only
+        for its bytes), then go on to placement."""
+        effects = vm.verified(msg.versions, job.versions, frozenset(job.abandoned), frozenset(job.unusable))
+        self._verification_effects(job, incident, effects)
         job.versions.sort()
         if incident.fault_class == fd.REPLICA_DIVERGENCE and incident.bound is not None:
             # (a commit of the failed ranks whose report never arrived, or came after the decision)
@@ -298,29 +268,29 @@ class Recovery:
         self._place(job, incident)
 
     def _verification_failed(self, job: _Job, incident: _Incident, msg: store_pb2.SnapshotFailed) -> None:
-        """The store could not be asked. Nothing is struck: the job waits FAULT_FROZEN and
-        the verification is asked again with backoff, up to the policy's
-        ``store_wait_seconds``; then the policy decides (``store_unreachable``)."""
-        if msg.cause not in (StoreFailureCause.UNREACHABLE, StoreFailureCause.TIMEOUT):
-            # The store answered but refused (e.g. it knows no version of the job): the
-            # versions reported by SaveCompleted are all there is to choose from.
-            self._record(
-                job,
-                Module.L5_CHECKPOINT_MANAGER,
-                "recovery",
-                f"checkpoint verification refused ({msg.reason}); choosing among the versions reported",
-            )
-            self._place(job, incident)
-            return
-        cause = StoreFailureCause.Name(msg.cause).lower()
-        self._wait(
-            job,
-            incident,
-            WAITING_STORE,
-            STORE_UNREACHABLE,
-            fd.wait_seconds(job.spec.fault_policy, STORE_UNREACHABLE),
-            f"waiting for the store ({cause}: {msg.reason}) to verify the checkpoints",
-        )
+        """The store could not be asked (verification_machine.py's ``verification_failed``):
+        nothing is struck; the job waits FAULT_FROZEN and the verification is asked again
+        with backoff, up to the policy's ``store_wait_seconds``; then the policy decides
+        (``store_unreachable``). A store that answered and refused: placement goes on."""
+        self._verification_effects(job, incident, vm.verification_failed(msg.cause, msg.reason))
+
+    def _verification_effects(self, job: _Job, incident: _Incident, effects: list) -> None:
+        """Under the lock: perform verification_machine.py's effects, in order."""
+        for effect in effects:
+            if isinstance(effect, vm.Strike):
+                job.unusable.add(effect.version)
+            elif isinstance(effect, vm.Learn):
+                job.versions.append((effect.step, effect.version))
+            elif isinstance(effect, vm.Place):
+                self._place(job, incident)
+            elif isinstance(effect, vm.WaitStore):
+                limit = fd.wait_seconds(job.spec.fault_policy, STORE_UNREACHABLE)
+                self._wait(job, incident, WAITING_STORE, STORE_UNREACHABLE, limit, effect.what)
+            elif isinstance(effect, vm.ArmRestore):
+                limit = fd.wait_seconds(job.spec.fault_policy, RECOVERY_TIMEOUT, in_place=effect.in_place)
+                self._arm(incident, limit, self._restore_overdue, job.status.job_id)
+            else:
+                self._apply_effects(job, [effect])
 
     def _place(self, job: _Job, incident: _Incident) -> None:
         """Name the version (the newest usable one, within the rollback bound) and command
@@ -328,33 +298,44 @@ class Recovery:
         committed version the fault policy decides (``no_checkpoint``): from scratch, or stop."""
         self._cancel_timer(incident)
         in_place = incident.action in IN_PLACE_ACTIONS
-        version = "" if in_place else self._pick_version(job, incident.bound)
-        if not in_place and not version:
-            cause = incident.cause
-            decision = fd.no_checkpoint(job.spec.fault_policy, incident.fault_class, cause.rank, len(job.versions))
-            self._metrics.decided(decision.fault_class, decision.counted)
-            # (from scratch is the relaunch's source, a step of the incident's one decision;
-            # a stop ends the incident instead, as a decision of its own)
-            self._record(job, ORCH, "decision" if decision.action == "stop" else "recovery", decision.text)
-            if decision.action == "stop":
-                self._terminate(job, decision.outcome, decision.final, kill=True)
-                return
-        if incident.reload and not version:  # (from scratch: the relaunch path)
-            incident.reload = False
-            self._record(job, ORCH, "recovery", "no version to load in place: every rank is relaunched")
-        if incident.reload:
-            self._reload_live(job, incident, version)
+        effects = vm.placement(
+            action=incident.action,
+            fault_class=incident.fault_class,
+            rank=incident.cause.rank,
+            reload=incident.reload,
+            version="" if in_place else self._pick_version(job, incident.bound),
+            versions=len(job.versions),
+            policy=job.spec.fault_policy,
+        )
+        for effect in effects[:-1]:
+            if isinstance(effect, vm.Counted):
+                self._metrics.decided(effect.fault_class, effect.action)
+            elif isinstance(effect, vm.NoReload):
+                incident.reload = False
+            else:
+                self._apply_effects(job, [effect])
+        last = effects[-1]
+        if isinstance(last, vm.Stop):
+            self._terminate(job, last.outcome, last.message, kill=True)
             return
+        if isinstance(last, vm.ReloadInPlace):
+            self._reload_live(job, incident, last.version)
+            return
+        version, source = last.version, last.source
         incident.version = version
         incident.phase = PLACING
-        source = f"checkpoint {version}" if version else "scratch"
-        if in_place:
-            source = "a live peer's memory"
+        avoid = left_out(incident)
+        if in_place and len(avoid) > len(incident.exclude):
+            cause = incident.cause
+            self._record(job, ORCH, "recovery", (
+                f"no replacement on {cause.worker_id}: its node agent was not heard from since rank "
+                f"{cause.rank} went silent (the node may be frozen); another worker is tried"
+            ))  # fmt: skip
         reply = self._recovery(
             control_pb2.StartRecovery(
                 job_id=job.status.job_id,
                 checkpoint_version=version,
-                exclude_worker_ids=incident.exclude,
+                exclude_worker_ids=avoid,
                 reason=f"{incident.action} after {incident.fault_class} of rank {incident.cause.rank}",
                 in_place=in_place,
                 lost_ranks=incident.lost,
@@ -363,75 +344,67 @@ class Recovery:
         ).message
         if isinstance(reply, control_pb2.RecoveryCompleted):
             old_world = job.status.world_size
-            if incident.shrunk is not None and incident.shrunk.world_size != old_world:
-                job.grow_to = job.grow_to or _layout_of(job.spec)  # (a second shrink grows back to the first's)
-                self._take_layout(job, incident.shrunk)
-            incident.relaunched = True  # (journaled with the event, as its phase)
-            self._apply(job, incident, *rm.placed(rm.waits_of(incident), time.monotonic()))
-            self._record_relaunch(job, reply, source, old_world=old_world, lost=incident.lost)
-            self._start_soon()  # (the queue was held for it)
-            limit = fd.wait_seconds(job.spec.fault_policy, RECOVERY_TIMEOUT, in_place=in_place)
-            self._arm(incident, limit, self._restore_overdue, job.status.job_id)
+            for effect in vm.relaunched(incident.shrunk, old_world, in_place, source):
+                if isinstance(effect, vm.Shrunk):
+                    job.grow_to = job.grow_to or _layout_of(job.spec)  # (a second shrink grows back to the first's)
+                    self._take_layout(job, effect.spec)
+                elif isinstance(effect, vm.Placed):
+                    incident.relaunched = True  # (journaled with the event, as its phase)
+                    incident.placed_on = list(reply.worker_ids) if in_place else []
+                    self._apply(job, incident, *rm.placed(rm.waits_of(incident), time.monotonic()))
+                    self._record_relaunch(job, reply, effect.source, old_world=old_world, lost=incident.lost)
+                    self._start_soon()  # (the queue was held for it)
+                else:
+                    self._verification_effects(job, incident, [effect])
             return
         assert isinstance(reply, control_pb2.RecoveryFailed), reply
-        # (Shrunk only when ranks to launch did not fit: not when the placement is unknown.)
-        if incident.action == "shrink" and incident.shrunk is None and reply.requested_ranks > reply.available_ranks:
-            smaller = _shrink_to(job, incident, reply.available_ranks)
-            if smaller is not None:
-                incident.shrunk = smaller
-                self._record(
-                    job,
-                    ORCH,
-                    "decision",
-                    f"shrink after {incident.fault_class} of rank {incident.cause.rank}: {reply.reason}; the job goes "
-                    f"on at {_layout_change(job.spec, smaller)}, and grows back to dp {job.spec.parallel.dp} "
-                    "when slots return",
-                )
+        refusal = rm.Refusal(
+            reply.reason,
+            reply.requested_ranks,
+            reply.available_ranks,
+            reply.cause == RecoveryFailureCause.RECOVERY_NO_PLACEMENT,
+        )
+        # (Only an unshrunk shrink whose ranks did not fit may shrink: the layout is asked for it alone.)
+        could = incident.action == "shrink" and incident.shrunk is None and refusal.requested > refusal.available
+        smaller = _shrink_to(job, incident, refusal.available) if could else None
+        effects = rm.relaunch_refused(
+            incident,
+            refusal,
+            smaller=smaller,
+            smaller_text=_layout_change(job.spec, smaller) if smaller is not None else "",
+            dp=job.spec.parallel.dp,
+            world_size=job.status.world_size,
+            source=source,
+        )
+        self._refused(job, incident, effects)
+
+    def _refused(self, job: _Job, incident: _Incident, effects: list) -> None:
+        """Under the lock: perform ``relaunch_refused``'s effects, in order."""
+        for effect in effects:
+            if isinstance(effect, rm.Shrink):
+                incident.shrunk = effect.spec
                 self._place(job, incident)
-                return
-        if in_place:
-            # The survivors cannot be kept (no slot for a replacement, the placement unknown
-            # after a control restart): every rank is relaunched from the newest checkpoint.
-            self._record(
-                job,
-                ORCH,
-                "decision",
-                f"restart_ranks instead of rebuild after {incident.fault_class} of rank {incident.cause.rank}: "
-                f"{reply.reason}; every rank relaunched from the newest checkpoint",
-            )
-            incident.action, incident.lost, incident.shrunk = "restart_ranks", [], None
-            incident.dying.update(
-                r for r in range(job.status.world_size) if r not in job.exited and not incident.dying[r]
-            )
-            self._recover(job, incident)
-            return
-        if reply.cause == RecoveryFailureCause.RECOVERY_NO_PLACEMENT:
-            needs = f"needs {reply.requested_ranks or job.status.world_size} ranks, {reply.available_ranks} free"
-            self._wait(
-                job,
-                incident,
-                WAITING_CAPACITY,
-                NO_CAPACITY,
-                fd.wait_seconds(job.spec.fault_policy, NO_CAPACITY),
-                f"waiting for capacity to resume from {source}: {needs} ({reply.reason})",
-            )
-            return
-        self._terminate(job, JobOutcome.FAILED, f"recovery failed: {reply.reason}", kill=True)
+            elif isinstance(effect, rm.RelaunchAll):
+                incident.action, incident.lost, incident.shrunk = "restart_ranks", [], None
+                incident.dying.update(
+                    r for r in range(job.status.world_size) if r not in job.exited and not incident.dying[r]
+                )
+                self._recover(job, incident)
+            elif isinstance(effect, rm.WaitCapacity):
+                limit = fd.wait_seconds(job.spec.fault_policy, NO_CAPACITY)
+                self._wait(job, incident, WAITING_CAPACITY, NO_CAPACITY, limit, effect.what)
+            elif isinstance(effect, rm.Fail):
+                self._terminate(job, JobOutcome.FAILED, effect.reason, kill=True)
+            else:
+                self._apply_effects(job, [effect])
 
     def _reload_live(self, job: _Job, incident: _Incident, version: str) -> None:
-        """Under the lock: a rollback done in place (``incident.reload``): every rank waits in
-        its loop; each loads ``version`` into its live process (ResumeTraining.reload_version)
-        and reports ready at its step, within ``restore_seconds`` (else ``recovery_timeout``,
-        decided as any fault: a relaunch)."""
+        """Under the lock: a rollback done in place (``incident.reload``): the live ranks load
+        ``version`` (verification_machine.py's ``reload_live``)."""
         incident.version, incident.phase, incident.relaunched = version, RESTORING, True
         job.started = set()
-        self._record(
-            job, ORCH, "recovery",
-            f"loading checkpoint {version} into the {job.status.world_size} live ranks (none relaunched)",
-        )  # fmt: skip
-        self._loop(engine_pb2.ResumeTraining(job_id=job.status.job_id, reload_version=version))
-        limit = fd.wait_seconds(job.spec.fault_policy, RECOVERY_TIMEOUT)
-        self._arm(incident, limit, self._restore_overdue, job.status.job_id)
+        effects = vm.reload_live(job.status.job_id, version, job.status.world_size)
+        self._verification_effects(job, incident, effects)
 
     def _pause_after_fault(self, job: _Job, message: str) -> None:
         """The policy paused the job on a fault (out of memory again with the same
@@ -442,8 +415,7 @@ class Recovery:
         self._cancel_timer(job.incident)
         self._end_data_wait(job)
         end(job)  # (its ranks are killed: a recovery, a resize or a rollback in flight ends here)
-        job.recovered = None
-        job.pending, job.departure = "", ""
+        job.pending, job.departure, job.status.preempted_by = "", "", ""
         job.parked, job.parked_live, job.resume_after_pause = True, False, False
         if job.status.state == JobState.PAUSED:  # (paused by the operator, its ranks alive: now gone)
             self._record(job, ORCH, "state", f"PAUSED: {message}", status_message=message)
@@ -452,48 +424,27 @@ class Recovery:
         self._allocator(control_pb2.ReleaseResources(job_id=job.status.job_id, kill=True))
         self._start_soon()
 
-    def _recovered(self, job: _Job, incident: _Incident, start_step: int, *, held: bool) -> None:
+    def _recovered(self, job: _Job, incident: _Incident, start_step: int) -> None:
         """Every relaunched (or rebuilt) rank of ``incident`` is ready at ``start_step``: the
-        recovery is over. ``held``: the job was paused when the fault came; it stays PAUSED
-        (its ranks wait for an operator resume), else it runs again."""
+        recovery is over (recovery_machine.py's ``recovered``; its ``Ended`` performed here)."""
         # Recovered. The failed generation's last events came before these ranks' own on
         # every worker that runs one, so the incident is over here.
-        self._cancel_timer(incident)
-        end(job, incident)
-        job.recovered = incident
-        incident.recovered_unix = time.time()
-        job.last_incident = incident
-        job.running_since = job.running_since or time.time()  # (a fault while warming up)
-        self._faults(control_pb2.ResetFaultLedger(job_id=job.status.job_id))
-        source = f"checkpoint {incident.version}" if incident.version else "scratch"
-        read = restored_from_text(incident.restored_from) if incident.version else ""
-        source += f", {read}," if read else ""
-        restored = f"all {job.status.world_size} ranks restored from {source}"
-        if incident.action in IN_PLACE_ACTIONS:
-            restored = _healed_text(incident, job.status.world_size)
-        elif incident.reload:
-            restored = (
-                f"all {job.status.world_size} ranks loaded checkpoint {incident.version} in place (none relaunched)"
-            )
-        if held:
-            job.recovered, job.start_held = None, True
-            self._transition(
-                job,
-                JobState.PAUSED,
-                ORCH,
-                f"recovered from {incident.fault_class} of rank {incident.cause.rank}: {restored} "
-                f"at step {start_step}; paused, as before the fault "
-                "(resume continues it)",
-            )
-            return
-        self._transition(
-            job,
-            JobState.RUNNING,
-            ORCH,
-            f"recovered from {incident.fault_class} of rank {incident.cause.rank}: {restored} "
-            f"at step {start_step} "
-            f"{time.monotonic() - incident.decided:.1f} s after the decision; training resumed",
-        )
+        seconds = time.monotonic() - incident.decided
+        for effect in rm.recovered(incident, job.status.world_size, start_step, seconds=seconds):
+            if not isinstance(effect, rm.Ended):
+                self._apply_effects(job, [effect])
+                continue
+            self._cancel_timer(incident)
+            end(job, incident)
+            incident.recovered_unix = time.time()
+            job.last_incident = incident
+            job.running_since = job.running_since or time.time()  # (a fault while warming up)
+            # Awaiting its first step (in the slot, idle), unless held: its ranks wait for an
+            # operator resume.
+            if effect.held:
+                job.start_held = True
+            else:
+                begin(job, _Recovered(incident))
 
     def _restore_overdue(self, job_id: str, incident: _Incident) -> None:
         """The relaunched ranks did not all report ready within ``restore_seconds`` (a rebuild
@@ -503,19 +454,9 @@ class Recovery:
             job = self._current(job_id, incident, RESTORING)
             if job is None:
                 return
-            missing = sorted(set(range(job.status.world_size)) - job.started)
-            report = control_pb2.FaultReport(
-                job_id=job_id,
-                grade=FaultGrade.SEVERE,
-                fault_class=RECOVERY_TIMEOUT,
-                source=Module.L1_RECOVERY_CONTROLLER,
-                # A rebuild's is named after the rank it replaces (the survivors not ready are
-                # in the detail: naming one would blame a healthy peer); a relaunch's after its first missing rank.
-                rank=incident.cause.rank if incident.action in IN_PLACE_ACTIONS else missing[0] if missing else 0,
-                detected_unix=time.time(),
-                occurred_unix=time.time(),
-                detail=_overdue(job, incident, missing),
-            )
+            missing = vm.missing(job.status.world_size, job.started)
+            detail = _overdue(job, incident, missing)
+            report = vm.overdue_report(job_id, incident.action, incident.cause.rank, missing, detail, time.time())
             self._record(job, Module.L1_RECOVERY_CONTROLLER, "fault", f"SEVERE {RECOVERY_TIMEOUT}: {report.detail}")
             self._decide(job, report)
 
@@ -525,6 +466,8 @@ class Recovery:
         """The recovery controller's relaunch, as an event; ``old_world``: the group's size
         before a resize (the job's new spec is journaled with it), ``lost``: its ranks that
         were lost (the others above the new size are released)."""
+        # Its ranks placed again, perhaps fewer: beyond its team's nominal now (teams.py).
+        job.status.borrowed_slots = self._borrowed_of(job)
         workers = ", ".join(reply.worker_ids)
         if reply.in_place:
             launched = ", ".join(str(r) for r in reply.replaced_ranks)
@@ -558,7 +501,4 @@ class Recovery:
 
     def _pick_version(self, job: _Job, bound: int | None) -> str:
         """The newest committed version not known unusable (and not after step ``bound``)."""
-        for step, version in reversed(job.versions):
-            if version not in job.unusable and (bound is None or step <= bound):
-                return version
-        return ""
+        return vm.pick_version(job.versions, job.unusable, bound)

@@ -65,3 +65,8 @@ class InsufficientResources(IllegalTransition):
 class BadProfileRequest(ValueError, Refusal):
     """`surgectl profile` with a step count out of range (gRPC INVALID_ARGUMENT): one line
     naming the field; nothing sent."""
+
+
+class BeyondHardLimit(ValueError, Refusal):
+    """The job alone needs more slots than its team's hard limit (gRPC INVALID_ARGUMENT): one
+    line naming the team and the limit; nothing is persisted."""

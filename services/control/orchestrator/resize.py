@@ -8,9 +8,11 @@ from typing import Any
 
 from services.contract import control_pb2, engine_pb2
 from services.control.orchestrator import resize_machine as rzm
-from services.control.orchestrator.activity import FOLD, ScaleAsk, begin, end, moved
+from services.control.orchestrator.activity import FOLD, ScaleAsk, begin, end, idle, moved
+from services.control.orchestrator.grow_rule import Grower, arbitrate
 from services.control.orchestrator.job import JobState, _Job, _Scale, _where
 from services.control.orchestrator.layout import _layout_of, _set_layout
+from services.control.orchestrator.undos import Before
 from services.jobspec import (
     JobSpec,
     JobSpecError,
@@ -64,21 +66,25 @@ class Resizing:
             )
             if _layout_of(spec) == _layout_of(job.spec):
                 return self._snapshot(job)  # (already at that layout: nothing to do)
-            job.grow_to = ()  # the operator chose the size
             self._start_scale(job, spec, "scale by the operator")
+            job.grow_to = ()  # the operator chose the size (after: the scale's undo puts it back)
             return self._snapshot(job)
 
     def _start_scale(self, job: _Job, spec: JobSpec, why: str) -> None:
         """Under the lock: pause every rank after a common boundary (no checkpoint: nothing
         is lost, no rank restarts) for a resize to ``spec``'s layout (``_resize`` goes on
         once all have paused; resize_machine.py's ``started``)."""
+        before = Before.of(job)
         scale = _Scale(spec, why, old_dp=job.spec.parallel.dp, since=time.monotonic())
+        job.last_resize = time.time()  # (wall clock: journaled, it holds across a control restart)
         begin(job, scale)
         pause = self._in_flight(job, "scale", engine_pb2.PauseTraining(checkpoint=False))
         job.paused.clear()
         after, effects = rzm.started(scale, job.spec, pause, _where(job))
         moved(job, scale, after)
         self._apply_effects(job, effects)
+        # Undo if its record fails at its commit: no resize in flight (undos.py).
+        self._undo_if_lost(job.status.job_id, lambda e: self._activity_undone(job, scale, pause, before))
 
     def _resize(self, job: _Job, step: int) -> None:
         """Under the lock, every rank paused after ``step`` for the scale in flight: command
@@ -88,7 +94,7 @@ class Resizing:
         job_id = job.status.job_id
         scale, ask = rzm.all_paused(job.scale, job_id)
         moved(job, job.scale, scale)
-        job.pending, job.status.step = "", step
+        job.status.step = step  # (its pause is over: the slot's phase moved on)
         old_world = job.status.world_size
         reply = self._recovery(ask).message
         if isinstance(reply, control_pb2.RecoveryFailed):
@@ -107,6 +113,7 @@ class Resizing:
         job.spec = spec
         job.status.world_size = spec.world_size
         _set_layout(job.status, spec)
+        job.status.borrowed_slots = self._borrowed_of(job)  # (grown or shrunk: its team's share moved)
         job.placement = {r: w for r, w in job.placement.items() if r < spec.world_size}
 
     def _scaled(self, job: _Job, msg: engine_pb2.TrainingLoopStarted) -> None:
@@ -118,33 +125,57 @@ class Resizing:
         if job.grow_to and job.spec.parallel.dp >= job.grow_to[0]:
             job.grow_to = ()  # (grown back the whole way)
         self._apply_effects(job, effects)
+        self._start_soon()  # (a shrink's released slots are the queue's: its head may fit now)
 
-    def _grow_soon(self, job_id: str, free: int) -> None:
-        """Under the lock: try growing the job back on the deadline pool's thread (no delay;
-        never on the caller's, the thread that applies the node agents' events: it sends
-        commands)."""
-        self._deadlines.after(0.0, self._grow_back, (job_id, free))
+    def _grow_soon(self, free: int) -> None:
+        """Under the lock: the jobs shrunk by a fault try growing back on the deadline pool's
+        thread (no delay; never on the caller's, the thread that applies the node agents'
+        events: it sends commands), after the queue's head was tried (scheduled before)."""
+        self._deadlines.after(0.0, self._grow_back, (free,))
 
-    def _grow_back(self, job_id: str, free: int) -> None:
-        """A worker registered: a job shrunk by a fault grows back toward its size, as far
-        as the free slots allow (the allocator places the new ranks; none placed: it goes on
-        at its size and tries again at the next registration)."""
+    def _grow_back(self, free: int) -> None:
+        """Slots returned (``free`` of them): the jobs shrunk by a fault grow back toward their
+        size, arbitrated by grow_rule.py's rule (priority, then age; never past the queue's
+        head of their priority or higher; one resize per job per ``resize_min_interval_s``).
+        Each takes what its new ranks need out of ``free`` (the allocator places them; none
+        placed: it goes on at its size and tries again at the next registration)."""
         with self._lock:
-            job = self._jobs.get(job_id)
-            if job is None or not job.grow_to or job.status.state != JobState.RUNNING:
-                return
-            if job.pending or job.incident is not None or job.scale is not None:
-                return
-            # The whole way back at the job's own layout, else as far as the global batch
-            # splits (tried largest first: the allocator says what fits).
-            full, mbs, accum = job.grow_to
-            for target in range(min(full, job.spec.parallel.dp + free), job.spec.parallel.dp, -1):
-                layout = {"micro_batch_size": mbs, "grad_accum": accum} if target == full else {}
-                try:
-                    spec = at_data_parallel_size(
-                        job.spec, target, largest=job.micro_batch_cap, source="grow back", **layout
-                    )
-                except JobSpecError:
-                    continue
-                self._start_scale(job, spec, "grow back (slots returned)")
-                return
+            now = time.time()
+            head = self._queue.head()
+            candidates = [
+                Grower(j.status.job_id, j.status.priority, j.status.created_unix, j.last_resize)
+                for j in self._jobs.values()
+                if j.grow_to
+                and j.status.state == JobState.RUNNING
+                and not j.pending
+                and idle(j)
+                and not j.status.preempted_by
+            ]
+            waiting = head.priority if head is not None and not self._queue.beyond_cluster(head.job_id) else None
+            order, later = arbitrate(candidates, now, self._resize_min_interval_s, waiting)
+            for job_id in order:
+                if free <= 0:
+                    break
+                free -= self._grow_one(self._jobs[job_id], free)
+            if later is not None:
+                self._arm_policy_timer("grow", later, lambda: self._grow_back(max(free, 1)))
+
+    def _grow_one(self, job: _Job, free: int) -> int:
+        """Under the lock: grow ``job`` back as far as ``free`` slots allow; returns the slots
+        its new ranks take (0: none tried)."""
+        # The whole way back at the job's own layout, else as far as the global batch splits
+        # (tried largest first: the allocator says what fits).
+        full, mbs, accum = job.grow_to
+        free = self._grow_room(job, free)  # (its team's quota: a hard limit holds for growth too)
+        for target in range(min(full, job.spec.parallel.dp + free), job.spec.parallel.dp, -1):
+            layout = {"micro_batch_size": mbs, "grad_accum": accum} if target == full else {}
+            try:
+                spec = at_data_parallel_size(
+                    job.spec, target, largest=job.micro_batch_cap, source="grow back", **layout
+                )
+            except JobSpecError:
+                continue
+            taken = target - job.spec.parallel.dp
+            self._start_scale(job, spec, "grow back (slots returned)")
+            return taken
+        return 0

@@ -4,6 +4,7 @@ generation) from the newest version the store verifies, or the one named."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 
 import structlog
@@ -20,6 +21,7 @@ from services.control.orchestrator.job import (
     _Incident,
     _Job,
     _load_runtime,
+    _Recovered,
     _Resume,
     _runtime,
 )
@@ -160,6 +162,9 @@ class OperatorResume:
         it is tried now)."""
         if self._queue.blocks(job.status.priority):
             return "waits for the jobs queued ahead of it"
+        quota = self._quota_admission(job)  # (its team's quota, issue 30: a resume is a start)
+        if not quota.ok:
+            return quota.reason
         return self._queue_held(but=job)
 
     @staticmethod
@@ -183,16 +188,22 @@ class OperatorResume:
         beyond: bool = False,
         by: str = "by the operator",
         keep_budgets: bool = False,
+        start: bool = True,
     ) -> None:
         """Under the lock: an operator resume that cannot be placed now waits in the queue
         (STANDBY), at the job's priority (a drained job first), to relaunch from ``version``
-        once its ranks fit (``_start_queued``). Journaled: a restarted control keeps it."""
+        once its ranks fit (``_start_queued``). Journaled: a restarted control keeps it.
+        ``start``: the queue's head is tried now (False: the caller asks, after the release
+        of the job's ranks that it decides next)."""
         job_id = job.status.job_id
         was = JobState.Name(job.status.state) + (
             f" ({JobOutcome.Name(job.status.outcome)})" if job.status.outcome else ""
         )
         entry = self._queue.add(job_id, job.status.priority, first=job.status.drained)
         self._queue.mark_beyond_cluster(job_id, beyond)
+        # It entered the queue again: its wait counts from now (not from its submit), and it
+        # holds no slot, borrowed or not, until placed.
+        job.status.queued_unix, job.status.borrowed_slots = time.time(), 0
         try:
             job.relaunch = {"version": version, "step": step, "spec": spec_to_json(spec) if spec is not None else ""}
             if keep_budgets:  # (a departure's move, placed later: said and done as decided now)
@@ -212,14 +223,30 @@ class OperatorResume:
             self._queue.take(job_id)
             job.queued = job.relaunch = None
             raise
-        self._start_soon()  # (a drained job first: what it held back may be tried behind it)
+        if start:
+            self._start_soon()  # (a drained job first: what it held back may be tried behind it)
 
-    def _start_relaunch(self, job: _Job) -> control_pb2.ResourcesInsufficient | None:
-        """Under the lock, ``_start_queued``: place a queued operator resume (``job.relaunch``).
-        Returns the allocator's refusal when its ranks do not fit yet (nothing changed)."""
+    def _start_relaunch(self, job: _Job) -> tuple[list[rm.ResumeEffect], control_pb2.ResourcesInsufficient | None]:
+        """Under the lock, ``_start_queued``: place a queued operator resume (``job.relaunch``),
+        the allocator's answer an event of the resume's machine (``resume_machine.allocated``)
+        as for an operator resume placed at once. Its effects for the queue: none (placed), a
+        ``Queue`` (not yet: nothing changed, ``why`` it still waits) or a ``Refuse`` (its
+        ranks fit no registered slot); and the allocator's refusal (None: placed), which a
+        preemption for it measures (preemption.py)."""
         r = job.relaunch
         by, keep = str(r.get("by", "by the operator")), bool(r.get("keep_budgets", False))
-        return self._place_resume(job, int(r["step"]), str(r["version"]), self._relaunch_spec(job), [], by, keep)
+        spec = self._relaunch_spec(job)
+        queued = _Resume(phase=rm.QUEUED, step=int(r["step"]), version=str(r["version"]))
+        reply = self._place_resume(job, queued.step, queued.version, spec, [], by, keep)
+        _, effects = rm.allocated(
+            queued,
+            job.status.job_id,
+            fits=reply is None,
+            nowhere=reply.reason if reply is not None and reply.rank_memory_bytes else "",
+            why=_waits_for(job, reply, spec) if reply is not None else "",
+            beyond=reply is not None and _beyond_cluster(reply),
+        )
+        return effects, reply
 
     def _relaunch_spec(self, job: _Job) -> JobSpec | None:
         """The new layout a queued operator resume starts at (None: the job's own, or none queued)."""
@@ -250,9 +277,7 @@ class OperatorResume:
             resume_version=version,
             data_address=self._data_address,
             store_address=self._store_address,
-            standing_orders=fd.standing_orders(new.fault_policy),
-            rebuild_in_place=new.fault_policy.rebuilds,
-            hold_on_fault=new.fault_policy.freeze_seconds > 0,
+            **fd.launch_policy(new.fault_policy),
         )
         reply = self._allocator(
             control_pb2.AllocateResources(
@@ -273,8 +298,9 @@ class OperatorResume:
             # old ranks finished: the clean exit of one reported after this is no fault
             # (each entry goes when the rank's new process reports ready).
             job.started, job.paused, job.exited, job.placement = set(), set(), set(), {}
-            job.pending, job.pending_at, job.recovered = "", 0, None
+            job.pending, job.pending_at = "", 0
             end(job, _Incident)  # (this resume's own activity ends when its answer is given)
+            end(job, _Recovered)
             if not keep_budgets:
                 job.restarts, job.ignored, job.excluded = Counter(), Counter(), set()
             job.verdicts, job.revoked = {}, {}
@@ -289,9 +315,11 @@ class OperatorResume:
             job.versions = [(st, v) for st, v in job.versions if v not in job.abandoned]
             s = job.status
             s.outcome, s.drained, s.step, s.checkpoint_version = JobOutcome.OUTCOME_UNSPECIFIED, False, step, version
+            s.preempted_by = ""  # (PREEMPTED no more: its ranks launch again)
             layout = "" if spec is None else f" at a new layout: {_layout_change(job.spec, spec)}"
             job.spec, s.world_size = new, new.world_size
             _set_layout(s, new)
+            s.borrowed_slots = self._borrowed_of(job)  # (teams.py: beyond its team's nominal now)
             self._faults(start_monitoring(job_id, job.spec))
             self._faults(control_pb2.ResetFaultLedger(job_id=job_id))
             self._record(
@@ -299,28 +327,57 @@ class OperatorResume:
                 ORCH,
                 "decision",
                 f"resume {was} from checkpoint {version} (step {step}) {by}{layout}: "
-                f"{reply.world_size} ranks allocated on {', '.join(reply.worker_ids)}; "
-                f"rendezvous {reply.master_addr}:{reply.master_port}; "
+                f"{reply.world_size} ranks allocated on {', '.join(reply.worker_ids)}"
+                + (f" ({s.borrowed_slots} on capacity its team borrowed)" if s.borrowed_slots else "")
+                + f"; rendezvous {reply.master_addr}:{reply.master_port}; "
                 + ("restart budgets kept" if keep_budgets else "restart budgets reset"),
                 spec_json=spec_json if spec is not None else None,  # (the new spec, with the decision)
             )
             self._reopen(job, f"ranks launching to resume from checkpoint {version} at step {step}")
         except BaseException:
-            self._allocator(control_pb2.ReleaseResources(job_id=job_id, kill=True))
-            job.status.CopyFrom(before)
-            _load_runtime(job, before_runtime)
-            if job.spec is not before_spec:
-                job.spec = before_spec
-                try:  # (the decision may have been journaled with the new spec before the failure)
-                    put_back = spec_to_json(before_spec)
-                    self._queued(
-                        job_id, self._journal.save_status(job.status, None, before_runtime, put_back, wait=False)
-                    )
-                except Exception as e:  # noqa: BLE001 - the failure being raised is the one to report
-                    _log.error("the job's spec could not be put back in the journal", job_id=job_id, error=str(e))
+            self._put_back(job, before, before_runtime, before_spec, journal=job.spec is not before_spec)
             raise
+        # Undo if these records fail at their commit: the relaunched ranks are killed and the
+        # job put back as it was before the resume (a queued resume queued again), in memory
+        # and in the journal, which may hold part of the decision (the operator is told).
+        self._undo_if_lost(
+            job_id, lambda e: self._put_back(job, before, before_runtime, before_spec, journal=True, requeue=True)
+        )
         self._start_soon()  # (the queue was held while it was drained)
         return None
+
+    def _put_back(
+        self,
+        job: _Job,
+        before: control_pb2.JobStatus,
+        runtime: dict,
+        spec: JobSpec,
+        *,
+        journal: bool,
+        requeue: bool = False,
+    ) -> None:
+        """Under the lock: a resume placed and then failed (raised, or its records lost at
+        their commit): its ranks killed and released (waiting for no journal write: they run
+        whatever it holds), the job's status, bookkeeping and spec as ``before`` the resume;
+        ``journal``: written so (the decision, or part of it, may be there); ``requeue``: a
+        queued resume (``job.relaunch``) waits in the queue again (at the back of its
+        priority: its old place was given up as it left)."""
+        job_id = job.status.job_id
+        self._last_write.pop(job_id, None)
+        self._allocator(control_pb2.ReleaseResources(job_id=job_id, kill=True))
+        job.status.CopyFrom(before)
+        _load_runtime(job, runtime)
+        job.spec = spec
+        if requeue and job.relaunch is not None and job.queued is None:
+            job.queued = self._queue.add(job_id, job.status.priority, first=job.status.drained)
+            runtime = _runtime(job)
+        self._changed.add(job_id)
+        if not journal:
+            return
+        try:
+            self._queued(job_id, self._journal.save_status(job.status, None, runtime, spec_to_json(spec), wait=False))
+        except Exception as e:  # noqa: BLE001 - the failure being raised is the one to report
+            _log.error("the job could not be put back in the journal", job_id=job_id, error=str(e))
 
     def _reopen(self, job: _Job, message: str, new: int = JobState.WARMING_UP) -> None:
         """TERMINATED or PAUSED (ranks gone) -> WARMING_UP (or STANDBY: queued to be placed),

@@ -23,6 +23,7 @@ from services.control.orchestrator import rollback_machine as rbm
 from services.control.orchestrator.activity import FOLD, ReloadAsk, admit, begin, end, moved
 from services.control.orchestrator.job import JobState, _Job, _Reload, _where
 from services.control.orchestrator.refusals import IllegalTransition
+from services.control.orchestrator.undos import Before
 
 
 class RollingBack:
@@ -57,18 +58,21 @@ class RollingBack:
                 f"--version {version}: not a usable committed checkpoint of job {job_id} (usable: {known or 'none'})"
             )
         reload = _Reload(version, steps[version], since=time.monotonic())
+        before = Before.of(job)
         begin(job, reload)
         pause = self._in_flight(job, "reload", engine_pb2.PauseTraining(checkpoint=False))
         job.paused.clear()
         after, effects = rbm.started(reload, pause, _where(job))
         moved(job, reload, after)
         self._apply_effects(job, effects)
+        # Undo if its record fails at its commit: no rollback in flight (undos.py).
+        self._undo_if_lost(job_id, lambda e: self._activity_undone(job, reload, pause, before))
         return self._snapshot(job)
 
     def _reload_paused(self, job: _Job, step: int) -> None:
         """Under the lock, every rank paused after ``step`` for the rollback in flight: they
         load its version (ResumeTraining.reload_version; rollback_machine.py's ``all_paused``)."""
-        job.pending, job.status.step = "", step
+        job.status.step = step  # (its pause is over: the slot's phase moved on)
         reload, effects = rbm.all_paused(job.reload, job.status.job_id, step)
         moved(job, job.reload, reload)
         self._apply_effects(job, effects)

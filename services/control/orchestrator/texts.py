@@ -6,6 +6,7 @@ from collections import Counter
 
 from services.common.sizes import size_text
 from services.contract import control_pb2, route_pb2, store_pb2
+from services.control import fault_decision as fd
 from services.control.orchestrator.job import _Incident, _Job
 from services.control.orchestrator.triage import _clipped
 from services.jobspec import (
@@ -48,13 +49,14 @@ def _failure_name(msg: store_pb2.SnapshotFailed) -> str:
 
 
 def _overdue(job: _Job, incident: _Incident, missing: list[int]) -> str:
-    policy = job.spec.fault_policy
-    if incident.action in IN_PLACE_ACTIONS:
+    in_place = incident.action in IN_PLACE_ACTIONS
+    limit = fd.wait_seconds(job.spec.fault_policy, fd.RECOVERY_TIMEOUT, in_place=in_place)
+    if in_place:
         return (
-            f"ranks {missing} not ready {policy.rebuild_seconds:g} s (fault_policy.rebuild_seconds) after the "
+            f"ranks {missing} not ready {limit:g} s (fault_policy.rebuild_seconds) after the "
             f"rebuild in place for rank {incident.cause.rank}'s {incident.fault_class} was commanded"
         )
-    return f"ranks {missing} not ready {policy.restore_seconds:g} s (fault_policy.restore_seconds) after the relaunch"
+    return f"ranks {missing} not ready {limit:g} s (fault_policy.restore_seconds) after the relaunch"
 
 
 def _healed_text(incident: _Incident, world_size: int) -> str:
@@ -89,8 +91,9 @@ def checkpoint_text(msg: store_pb2.SaveCompleted) -> str:
         wrote = f"{total}, baseline"
     elif msg.written_bytes >= msg.bytes > 0:  # a delta in which every chunk changed (all weights moved)
         wrote = f"{total}, delta: every chunk changed"
-    elif msg.written_bytes:
-        wrote = f"{total} total, {size_text(msg.written_bytes)} written, delta"
+    elif msg.written_bytes:  # (the share new, so that 9.97 of 10 MB does not read as "10 MB of 10 MB")
+        share = 100.0 * msg.written_bytes / msg.bytes if msg.bytes else 100.0
+        wrote = f"{total} total, {size_text(msg.written_bytes)} written ({share:.1f} % new), delta"
     else:  # a version of plain files (or a delta that wrote nothing: SaveCompleted cannot tell)
         wrote = total
     return f"checkpoint {msg.version} at step {msg.step} ({wrote}; {msg.bytes} bytes, {msg.files} files)"

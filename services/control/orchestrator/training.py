@@ -8,8 +8,9 @@ from typing import Any
 
 from services.contract import Module, control_pb2, engine_pb2, store_pb2
 from services.control import fault_decision as fd
+from services.control.orchestrator.activity import RECOVERED, RELOADED, SCALED, end, ready_for
 from services.control.orchestrator.departure_plan import save_seconds
-from services.control.orchestrator.job import FROZEN, ORCH, JobOutcome, JobState, _Job, _rebuilding
+from services.control.orchestrator.job import FROZEN, ORCH, JobOutcome, JobState, _Job, _Recovered
 from services.control.orchestrator.recovery import _step_verdict
 from services.control.orchestrator.texts import _newest, checkpoint_text
 from services.jobspec import (
@@ -27,11 +28,12 @@ class RankEvents:
         when all have, start them all."""
         with self._lock:
             self._heard_from(msg.job_id, msg.rank)
-            scaling = msg.job_id in self._jobs and _rebuilding(self._jobs[msg.job_id].scale)
             known = self._jobs.get(msg.job_id)
-            reloading = known is not None and known.reload is not None and known.reload.phase == "loading"
+            ready = ready_for(known.activity if known is not None else None)  # whose event "all ready" is
+            scaling = ready == SCALED
+            # (a resize's or a rollback's ranks report ready while the job runs)
             states = (JobState.WARMING_UP, JobState.FAULT_FROZEN) + (
-                (JobState.RUNNING,) if scaling or reloading else ()
+                (JobState.RUNNING,) if ready in (SCALED, RELOADED) else ()
             )
             job = self._live(msg.job_id, states, msg)
             if job is None:
@@ -77,22 +79,22 @@ class RankEvents:
             if len(job.started) < job.status.world_size or job.pending == "stop":
                 return
             job.status.step = msg.start_step
-            if scaling:
+            # Every rank is ready: the event of the activity's machine (activity.ready_for).
+            if ready == SCALED:
                 self._scaled(job, msg)
-                return
-            if reloading:
+            elif ready == RELOADED:
                 self._reloaded(job, msg)
-                return
-            held = incident is not None and incident.paused  # the operator's pause outlives the fault
-            if not held:
-                self._start_group(job)
-            if incident is None:
-                job.running_since = time.time()
-                self._transition(
-                    job, JobState.RUNNING, ORCH, f"all {job.status.world_size} ranks ready; training started"
-                )
-                return
-            self._recovered(job, incident, msg.start_step, held=held)
+            elif ready == RECOVERED:
+                self._recovered(job, incident, msg.start_step)
+            else:
+                self._started(job)
+
+    def _started(self, job: _Job) -> None:
+        """Under the lock: every rank of a job's first start (or of an operator resume's
+        relaunch) is ready: the group starts."""
+        self._start_group(job)
+        job.running_since = time.time()
+        self._transition(job, JobState.RUNNING, ORCH, f"all {job.status.world_size} ranks ready; training started")
 
     def on_step_completed(self, msg: engine_pb2.StepCompleted, payload: Any = None) -> None:
         """Rank 0's step summary (global loss, all-rank tokens) updates the status; it is
@@ -120,16 +122,8 @@ class RankEvents:
             if journal_lock is not None:
                 # Every applied step, in order (the journal of progress a restart resumes
                 # from; an event applied twice would show here as a repeated step).
-                self._last_write[msg.job_id] = self._journal.record_step(
-                    msg.job_id,
-                    msg.step,
-                    msg.loss,
-                    msg.tokens,
-                    msg.unix_time or time.time(),
-                    [(event.status, event, runtime, spec_json) for event, runtime, spec_json in later],
-                    on_commit=self._emitted(*(event for event, _, _ in later)) if later else None,
-                    wait=False,
-                )
+                # (after the job's steps whose write the journal refused: held_steps.py)
+                self._last_write[msg.job_id] = self._write_step(msg, later)
         finally:
             if journal_lock is not None:
                 journal_lock.release()
@@ -171,8 +165,9 @@ class RankEvents:
                 f"step {msg.step} skipped ({reason}): no update applied; loss {msg.loss}",
                 later=later,
             )
-        if job.recovered is not None:
-            incident, job.recovered = job.recovered, None
+        if isinstance(job.activity, _Recovered):  # (the recovery's last phase: its first step)
+            incident = job.activity.incident
+            end(job, job.activity)
             seconds = time.monotonic() - incident.decided
             self._metrics.recovered(incident.fault_class, seconds)
             self._record(
@@ -237,6 +232,8 @@ class RankEvents:
                 "checkpoint",
                 checkpoint_text(msg),
             )
+            # After the commit's event: a hook's "no evaluation of this version" follows it.
+            self._hooks_on_version(job, msg.version)  # (eval.hooks: eval_hooks.py)
             incident = job.incident
             if incident is not None and incident.fault_class == fd.REPLICA_DIVERGENCE and incident.bound is not None:
                 # A commit of the diverged ranks that completed as they were being killed.
@@ -266,6 +263,8 @@ class RankEvents:
                 self._keep(job)
             elif job.departure:  # a node leaves: its checkpoint is committed, the ranks move (departure.py)
                 self._departure_paused(job, msg.step)
+            elif job.status.preempted_by:  # preempted: its checkpoint is committed, the slots go (preemption.py)
+                self._preemption_paused(job, msg.step)
             else:
                 job.pending = ""
                 job.status.step = msg.step
@@ -278,9 +277,15 @@ class RankEvents:
                         f"; not drained: its checkpoint of step {msg.step} could not be saved, the ranks stay "
                         f"paused (resume, or `surgectl down` again once the store answers)"
                     )
-                if job.draining:  # its ranks go away with the stack: the next `up` resumes it
-                    job.draining, job.parked, job.parked_live, job.status.drained = False, True, True, True
+                if job.draining and job.status.drained:  # its ranks go away with the stack: the next `up` resumes it
+                    job.draining, job.parked, job.parked_live = False, True, True
                     text += f"; drained: `surgectl up` resumes it from {_newest(job)}"
+                elif job.draining:  # the operator's pause, checkpointed for a drain: PAUSED after `up`
+                    job.draining, job.parked, job.parked_live = False, True, True
+                    text += (
+                        f"; parked: its ranks stop with the stack; `surgectl resume {job.status.job_id}` "
+                        f"relaunches them from {_newest(job)}"
+                    )
                 self._transition(job, JobState.PAUSED, Module.L2_TRAINING_LOOP, text)
                 if job.resume_after_pause:  # (resumed while it paused: it continues now)
                     job.resume_after_pause = False
@@ -311,6 +316,8 @@ class RankEvents:
             # when that save was skipped or not asked for).
             then = f"; `surgectl resume` continues from {_newest(job)}" if stopped else ""
             self._terminate(job, outcome, f"all ranks {how} at step {job.status.step}{then}", kill=False)
+            if not stopped:
+                self._hooks_on_finish(job)  # (eval.hooks: eval_hooks.py)
 
     def on_training_loop_failed(self, msg: engine_pb2.TrainingLoopFailed, payload: Any = None) -> None:
         """Recorded only: the decision waits for the fault detector's grade."""

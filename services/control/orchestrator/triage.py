@@ -4,7 +4,8 @@ the job's record (no I/O, no clock, no lock, nothing written), table-tested with
 
 :func:`triage` sorts a graded ``FaultReport`` of a job into one of:
 
-- ``NEW_INCIDENT``: a fault of its own; the fault policy decides (``fault_decision.decide``);
+- ``NEW_INCIDENT``: a fault of its own; the fault policy decides (``fault_decision.decide``),
+  also the loss of a node holding a replacement a rebuild waits for (replacement_nodes.py);
 - ``CONSEQUENCE``: of the incident being recovered from (a rank of the failed generation that
   the recovery kills, a rebuild's survivor whose collective broke under it): recorded only;
 - ``LATE``: a failed collective the last incident caused, reported after it recovered: recorded;
@@ -22,6 +23,7 @@ from typing import Literal
 
 from services.contract import control_pb2
 from services.control.orchestrator.job import JobState, _Incident, _Job
+from services.control.orchestrator.replacement_nodes import waiting_on
 from services.jobspec import (
     IN_PLACE_ACTIONS,
     rebuild_refusal,
@@ -88,6 +90,11 @@ def _lost_ranks(job: _Job, report: control_pb2.FaultReport) -> list[int]:
     if report.fault_class in ("worker_lost", "worker_departed") and report.worker_id:
         lost |= {r for r, w in job.placement.items() if w == report.worker_id}
     return sorted(lost)
+
+
+# Fault classes that say a rank's node went away under it (its agent's session closed, or
+# the node leaves): a replacement placed there will not start (replacement_nodes.py).
+_NODE_GONE = frozenset({"worker_lost", "worker_departed"})
 
 
 # What a survivor of a rebuild reports as its group breaks under it: consequences of the
@@ -163,6 +170,10 @@ def triage(report: control_pb2.FaultReport, job: _Job) -> Triage:
     late = job.last_incident if incident is None else None  # (a symptom from before it recovered)
     if late is not None and _late_symptom(late, report):
         return LATE
+    if incident is not None and report.fault_class in _NODE_GONE and waiting_on(job, report.worker_id):
+        # A replacement the rebuild waits for went with its node (its old rank's exit may be
+        # due too): the recovery's own fault, decided anew (placed elsewhere), never waited out.
+        return NEW_INCIDENT
     if incident is not None and (incident.dying[report.rank] > 0 or _survivor_symptom(incident, report)):
         return CONSEQUENCE
     if report.fault_class == "rank_exit_clean" and report.rank in job.finished:

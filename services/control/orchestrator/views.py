@@ -124,10 +124,11 @@ class JobViews:
         return None if view is None else _answer(*view, place)
 
     def listing(self) -> tuple[list[control_pb2.JobStatus], list[control_pb2.WorkerCordoned]]:
-        """Every job's view (copies, in the order the jobs were first published) and the
-        cordons in force."""
+        """Every job's view (copies, oldest submit first: the same order after a control
+        restart, which publishes the jobs in its journal's order) and the cordons in force."""
         with self._lock:
             views, positions, cordons = list(self._jobs.values()), self._positions, self._cordons
+        views.sort(key=lambda v: (v[0].created_unix, v[0].job_id))
         return [_answer(status, since, positions.get(status.job_id, 0)) for status, since in views], list(cordons)
 
 

@@ -133,13 +133,19 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
                 return self._does_not_fit(msg, usable, need)
             free = sum(1 for w in usable for s in w.free_slots() if _memory_quota(w, s) >= need)
             if free < msg.world_size:
-                reason = f"{free} {'is' if free == 1 else 'are'} free on {len(usable)} registered worker{'' if len(usable) == 1 else 's'}"
+                # The placeable workers, and how many are registered when some are not (a
+                # draining or cordoned one counts as registered, not as placeable).
+                registered = len([w for w in self._workers if w not in excluded])
+                on = f"{len(usable)} registered worker{'' if len(usable) == 1 else 's'}"
+                if registered > len(usable):
+                    on = f"{len(usable)} placeable of {registered} registered workers"
+                reason = f"{free} {'is' if free == 1 else 'are'} free on {on}"
                 if excluded:
                     reason += f" (excluding {', '.join(sorted(excluded))})"
                 if departing:
                     reason += f" ({', '.join(departing)} leaving)"
                 if cordoned:
-                    reason += f" ({', '.join(cordoned)} unhealthy)"
+                    reason += f" ({'; '.join(f'{w} cordoned: {self._cordons[w].reason}' for w in cordoned)})"
                 if held:
                     reason += f" ({'; '.join(self._holds[w] for w in held)})"
                 return self._insufficient(msg, free, reason)
@@ -158,6 +164,9 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
             self._allocations[msg.job_id] = msg
             self._placed[msg.job_id] = _Placement([(w.reg.worker_id, slot) for w, slot in picks], backend)
             launches: dict[str, control_pb2.LaunchRanks] = {}
+            # Once, not per rank (a list of the world per rank was 8,192^2 Python steps at
+            # 1,024 x 8, most of the submit's 2 minutes; each assignment still carries it).
+            rank_nodes = [w.reg.worker_id for w, _ in picks]
             for rank, (w, slot) in enumerate(picks):
                 w.busy.setdefault(msg.job_id, []).append(slot)
                 launch = launches.setdefault(w.reg.worker_id, control_pb2.LaunchRanks(job_id=msg.job_id, init=msg.init))
@@ -173,11 +182,10 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
                         memory_quota_bytes=_memory_quota(w, slot),
                         num_threads=spec.parallel.threads_per_rank,
                         worker_id=w.reg.worker_id,
-                        rank_nodes=[pw.reg.worker_id for pw, _ in picks],  # topology for L2-2's TP placement
+                        rank_nodes=rank_nodes,  # topology for L2-2's TP placement
                         generation=generation,
                     )
                 )
-            rank_nodes = [w.reg.worker_id for w, _ in picks]
             for worker_id, launch in launches.items():
                 peer = _memory_peer(usable, worker_id)
                 if peer is not None:
@@ -185,6 +193,7 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
                 probe = _link_probe(spec.links, rank_nodes, self._workers, worker_id)
                 if probe is not None:
                     launch.link_probe.CopyFrom(probe)
+                self._placed[msg.job_id].probes[worker_id] = probe
         # Commands leave outside the lock: the relay only queues them, but keep the
         # allocator's lock short and never held across another module's code.
         for worker_id, launch in launches.items():
@@ -231,7 +240,12 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
         integers under this module's short lock, taken by a scrape, never by a decision."""
         with self._lock:
             return [
-                SlotCensus(w.reg.worker_id, w.reg.slots - len(free), len(free))
+                SlotCensus(
+                    w.reg.worker_id,
+                    w.reg.slots - len(free),
+                    len(free),
+                    tuple((d.kind, d.name) for d in w.reg.devices),
+                )
                 for w in self._workers.values()
                 for free in (w.free_slots(),)
             ]

@@ -170,7 +170,8 @@ class Rebuild:
                     probe = _link_probe(links, rank_nodes, self._workers, worker_id)
                     if probe is not None:
                         launch.link_probe.CopyFrom(probe)
-                peers = _new_probe_peers(links, old_nodes, rank_nodes, self._workers, msg.job_id, set(launches))
+                    placed.probes[worker_id] = probe
+                peers = _new_probe_peers(links, old_nodes, rank_nodes, self._workers, msg.job_id, placed.probes)
                 rebuild = engine_pb2.RebuildParallelGroup(
                     job_id=msg.job_id, master_addr=master_addr, master_port=master_port, reason=msg.reason,
                     world_size=len(placed.ranks), generation=placed.generation, rank_nodes=rank_nodes,
@@ -212,22 +213,28 @@ def _new_probe_peers(
     rank_nodes: list[str],
     workers: dict[str, _Worker],
     job_id: str,
-    launching: set[str],
+    told: dict[str, control_pb2.LinkProbe | None],
 ) -> dict[str, control_pb2.LaunchRanks]:
     """A ``LaunchRanks`` with no ranks for each node of the job before or after a rebuild in
-    place whose probe peers changed and that gets no launch (``launching`` carry their own):
-    its agent probes the new layout's links (an empty ``link_probe``: none of this job any
-    more, e.g. a node the rebuild left without ranks, whose agent only had some ranks killed).
-    Why: a survivor kept probing the excluded node and never the replacement's, so a cut link
-    to the replacement went unseen and a cut to the excluded node was stated for a job not on it."""
+    place whose probe peers changed since its agent was last told (``told``, updated here; the
+    nodes launched to carry their own and are in it already): its agent probes the new layout's
+    links (an empty ``link_probe``: none of this job any more, e.g. a node the rebuild left
+    without ranks, whose agent only had some ranks killed). Why: a survivor kept probing the
+    excluded node and never the replacement's, so a cut link to the replacement went unseen and
+    a cut to the excluded node was stated for a job not on it; and a replacement on its own node
+    whose agent came back at another address was probed at the old one. What a node was told is
+    compared, addresses included; where it is not known (after a control restart) the old
+    layout's peers at today's addresses stand in for it."""
     peers: dict[str, control_pb2.LaunchRanks] = {}
-    for worker_id in dict.fromkeys(w for w in old_nodes + rank_nodes if w and w not in launching):
+    for worker_id in dict.fromkeys(w for w in old_nodes + rank_nodes if w):
         if worker_id not in workers:
-            continue  # (its agent is gone: nothing to tell)
-        before = _link_probe(links, old_nodes, workers, worker_id)
+            told.pop(worker_id, None)
+            continue  # (its agent is gone: nothing to tell; one that comes back is told at its launch)
+        before = told[worker_id] if worker_id in told else _link_probe(links, old_nodes, workers, worker_id)
         after = _link_probe(links, rank_nodes, workers, worker_id)
         if before != after:
             update = peers[worker_id] = control_pb2.LaunchRanks(job_id=job_id)
             if after is not None:
                 update.link_probe.CopyFrom(after)
+        told[worker_id] = after
     return peers

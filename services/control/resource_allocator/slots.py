@@ -32,6 +32,10 @@ class _Placement:
     ranks: list[tuple[str, int]]
     backend: str
     generation: int = 0
+    # worker id -> the link probe its node agent was last told for this job (None: none): what
+    # a rebuild compares its new peers with, addresses included (an agent back at a new
+    # address under the same id). Unknown after a control restart (re-attached placement).
+    probes: dict[str, control_pb2.LinkProbe | None] = field(default_factory=dict)
 
 
 def _reachable_host(reg: control_pb2.WorkerRegistration) -> str:

@@ -1,5 +1,5 @@
 """The work at a step boundary (package docstring, "Boundary commands", "Replica check"): the
-replica check, evaluation and checkpoint when due, then the boundary commands the ranks agreed
+replica check, evaluation, samples and checkpoint when due, then the boundary commands the ranks agreed
 on (revoke, stop, pause, a resize). A part of ``TrainingLoop`` (loop.py)."""
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ class Boundary:
             self._check_replicas(step)  # before the save: a save at a check step is of agreeing replicas
         if _due(step, spec.eval.every_steps, last and spec.eval.at_end):
             self._evaluate(step)
+        if _due(step, spec.eval.sample_every_steps, False):
+            self._sample(step)
         if _due(step, spec.checkpoint.every_steps, last and spec.checkpoint.at_end):
             self._save(step)
             self._durable_step = step
@@ -90,7 +92,7 @@ class Boundary:
         self._emit(engine_pb2.TrainingLoopPaused(job_id=self._job_id, rank=self._rank, step=step))
         while (stop := self._commands.take(engine_pb2.StopTraining, step)) is None:
             msg = self._control.get()
-            if isinstance(msg, engine_pb2.ResumeTraining):
+            if isinstance(msg, engine_pb2.ResumeTraining) and not msg.go_on_at_step:  # (a fault wait's, late)
                 self._phase = "stepping"
                 if msg.reload_version:
                     self._reload_version = msg.reload_version

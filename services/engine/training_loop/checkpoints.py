@@ -137,7 +137,10 @@ class Checkpoints:
             else store_pb2.LoadCheckpoint(hf_directory=init_from.hf)
         )
         try:
-            loaded = self._p.store(ask, template).payload
+            reply = self._p.store(ask, template)
+            loaded = reply.payload
+            info = getattr(reply.message, "info", None)  # (an evaluation job hands its path on)
+            self._evaluated_path, self._evaluated_step = (info.path, info.step) if info is not None else ("", 0)
         except ModuleFailed as e:
             if e.failure_cause != route_pb2.FAILURE_INVALID_INPUT:
                 raise  # corrupt, unreachable, ...: L5-1's failure, reported and decided as any load's

@@ -29,10 +29,12 @@ from services.engine.training_loop.boundary import _RELOAD, _RESIZE, _STOP, Boun
 from services.engine.training_loop.checkpoints import Checkpoints
 from services.engine.training_loop.data_stream import DataStream
 from services.engine.training_loop.evaluation import Evaluation
+from services.engine.training_loop.evaluation_job import EvaluationJob
 from services.engine.training_loop.faults import _data_fault_class, _one_line, _Released, classify_fault
 from services.engine.training_loop.ports import Batch, LoopPorts
 from services.engine.training_loop.profiling import Profiling
 from services.engine.training_loop.recovery import Recovery
+from services.engine.training_loop.sampling import Sampling
 from services.engine.training_loop.startup import Startup
 from services.engine.training_loop.step import Step
 from services.engine.training_loop.step_faults import StepFaults
@@ -41,7 +43,19 @@ from services.jobspec import JobSpec
 _log = structlog.get_logger("training_loop")
 
 
-class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery, Startup, DataStream, Profiling):
+class TrainingLoop(
+    Step,
+    StepFaults,
+    Evaluation,
+    Sampling,
+    EvaluationJob,
+    Boundary,
+    Checkpoints,
+    Recovery,
+    Startup,
+    DataStream,
+    Profiling,
+):
     """L2-1. Handlers run on whatever thread delivers the message; ``run`` owns the rank's
     main thread and blocks on its inboxes (no polling)."""
 
@@ -55,6 +69,7 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
         phase: ph.PhaseMarker | ph.NoPhase = ph.NO_PHASE,
         peak: Callable[[], Peak] = lambda: UNKNOWN_PEAK,
         profiler: Callable[[int], Any] = lambda rank: StepProfiler(rank, "cpu"),
+        evaluator: Callable[..., Any] | None = None,
     ):
         """``read_ahead``: decoded micro-batches held per stream; ``started_at``: the
         process's ``time.perf_counter()`` at start, for ``startup_seconds``; ``phase``: the
@@ -62,9 +77,11 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
         ``peak``: gives the device's peak MFU is measured against, asked once the job's
         layout placed the rank on its device (the composition root's: the loop
         never touches a device); ``profiler``: a new profile of the given rank (a
-        ``StepProfiler`` on the rank's device: the composition root knows it)."""
+        ``StepProfiler`` on the rank's device: the composition root knows it); ``evaluator``:
+        runs an evaluation job's command (services/rank/evaluation_command.py)."""
         self._emit = emit
         self._mark = phase
+        self._evaluator = evaluator
         self._warm = True  # False until the first step ran with operators.compile (it compiles)
         self._p = ports
         self._t_created = time.perf_counter() if started_at is None else started_at
@@ -125,11 +142,18 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
         # | frozen | fault_wait | loading | done | failed
         self._phase = "standby"
         # L1-1's FreezeTraining (issue 29 item 9): held for inspection before its decision on a
-        # fault runs; the loop steps no further (``_hold``). Nothing thaws a rank: the decided
-        # action (a relaunch, a stop) ends its process.
+        # fault runs; the loop steps no further (``_hold``). A relaunch or a stop ends the held
+        # process; a rebuild or shrink in place thaws its survivors (``FreezeTraining.thaw``).
         self._frozen: engine_pb2.FreezeTraining | None = None
         self._thawed = threading.Event()
         self._reload_version = ""  # the version a rollback in place loads (ResumeTraining.reload_version)
+        # L1-1's decision on the fault this loop waits on in its loop (an ignore's go-on, a
+        # rollback's reload): the step a fault wait is at (0: none), and a decision that came
+        # before the wait began, with the step it was for (a peer's report can be decided while
+        # this rank still leaves the check that found the fault).
+        self._go_on_lock = threading.Lock()
+        self._waiting_at = 0
+        self._early: tuple[int, engine_pb2.ResumeTraining] | None = None
 
     # ------------------------------------------------------------------ L1 commands
 
@@ -146,16 +170,31 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
         self._commands.receive(msg)
 
     def resume_training(self, msg: engine_pb2.ResumeTraining, payload: Any = None) -> None:
-        """Resume a paused loop; ``rebuild``: into a resize (module docstring), ``reload_version``:
-        into a rollback in place (``_reload``), each only while paused (else dropped: one left
-        queued would start at the next pause)."""
+        """Resume a paused loop; ``rebuild``: into a resize (module docstring), only while paused
+        (else dropped: one left queued would start at the next pause); ``reload_version``: into
+        a rollback in place (``_reload``), from a pause or from a fault wait (issue 29 item 9);
+        ``go_on_at_step``: a loop waiting for L1-1's decision on a fault at that step goes on as
+        it is (the policy ignored it)."""
+        if msg.go_on_at_step or (msg.reload_version and self._phase != "paused"):
+            # A decision on a fault wait (a reload outside a pause is a rollback of one: the
+            # operator's comes to a paused loop). Queued once, only to the wait at its step (every
+            # rank's report of the fault is decided: a second copy queued would be left there);
+            # one that comes before the wait is kept for it (a reload was dropped there, and the
+            # rollback in place then waited for this rank for good: seen at load 30).
+            step = msg.go_on_at_step or self._step
+            with self._go_on_lock:
+                if self._waiting_at == step:
+                    self._waiting_at = 0
+                    self._control.put(msg)
+                elif not self._waiting_at:
+                    self._early = (step, msg)
+                else:
+                    _log.warning("fault_decision_ignored", step=self._step, waiting_at=self._waiting_at)
+            return
         # (The phase is set before TrainingLoopPaused goes out; a loop wired without L2-2 has
         # no group to rebuild.)
         if msg.rebuild and (self._phase != "paused" or self._p.parallel is None):
             _log.warning("rebuild_resume_ignored", phase=self._phase, step=self._step)
-            return
-        if msg.reload_version and self._phase not in ("paused", "fault_wait"):  # (only where L1 stopped it)
-            _log.warning("reload_resume_ignored", phase=self._phase, step=self._step, version=msg.reload_version)
             return
         self._control.put(msg)
 
@@ -177,7 +216,16 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
         """Hold this rank alive and idle for inspection (py-spy, logs) until L1-1's decision on
         a fault runs (``fault_policy.freeze_seconds``): its beats say PHASE_FROZEN from now on
         (no progress deadline); a loop blocked on a step fault keeps waiting for its verdict, a
-        failed rank for its release, one still stepping stops at its next step boundary."""
+        failed rank for its release, one still stepping stops at its next step boundary.
+        ``thaw``: the hold is over and the rank goes on where it was (a rebuild in place keeps it)."""
+        if msg.thaw:
+            if self._frozen is not None:
+                self._frozen = None
+                self._mark.thaw()
+                _log.warning("thawed", step=self._step, phase=self._phase)
+            self._thawed.set()
+            return
+        self._thawed.clear()
         self._mark.freeze()
         self._frozen = msg
         _log.warning(
@@ -237,7 +285,7 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
         self._initialise()
         try:
             if self._await_start():
-                self._train()
+                self._run_evaluation_job() if self._spec.evaluation is not None else self._train()
         except _Released as released:  # L1-1's verdict on a step fault: the ranks are stopped or replaced
             self._phase = "released"
             self._mark.enter(ph.IDLE)
@@ -314,7 +362,8 @@ class TrainingLoop(Step, StepFaults, Evaluation, Boundary, Checkpoints, Recovery
 
     def _hold(self) -> None:
         """Frozen by L1-1 (:meth:`freeze_training`): step no further. Blocks until the process
-        ends: the action L1-1 decided (relaunch, stop) kills it."""
+        ends (the action L1-1 decided, a relaunch or a stop, kills it) or L1-1 thaws it (a
+        rebuild in place keeps it: it goes on from here)."""
         self._phase = "frozen"
         self._mark.enter(ph.FROZEN)
         _log.warning("held_at_step_boundary", step=self._step)

@@ -13,6 +13,7 @@ from typing import Any
 
 import structlog
 
+from services.common import phase as ph
 from services.contract import engine_pb2, store_pb2
 
 _log = structlog.get_logger("training_loop")
@@ -69,6 +70,11 @@ class Profiling:
                 running.msg, running.first_step, step, error="the run ended before the profile's first step"
             )
             return
+        # Ending it holds the interpreter lock (step_profiler.py): declared first, and stated
+        # by a beat before it starts, so that control allows the beats' silence within it.
+        self._mark.enter(ph.PROFILE_EXPORT, total=step - running.first_step + 1)
+        if not self._mark.announce():
+            _log.warning("profile_export_unannounced", seq=running.msg.seq)  # (the next beat states it)
         try:
             files, seconds = running.profiler.stop()
             stored = self._p.metrics(

@@ -40,8 +40,9 @@ class Recovery:
         """Report ``exc`` as this rank's failure (TrainingLoopFailed: L1-3 grades it, L1-1
         decides) and wait here, alive with the group, phase FAULT_WAIT (no progress deadline),
         for the decision: a rollback in place (``ResumeTraining.reload_version``: the version
-        loaded, :meth:`_reload`; True once started again) or a stop (False: finished). A
-        relaunch or a stop of the job kills the process where it waits."""
+        loaded, :meth:`_reload`; True once started again), an ignore (``go_on_at_step``, this
+        step: True, training goes on as it is) or a stop (False: finished). A relaunch or a stop
+        of the job kills the process where it waits."""
         # Out of the check's collective first: a failure classified while the rank's phase says
         # it waits in one is a broken communicator (services/contract/failures.cause_of), and
         # the group is not broken: every rank answered the check.
@@ -51,13 +52,29 @@ class Recovery:
         self._failed = False  # (a later failure of this rank is reported too)
         self._phase = "fault_wait"
         _log.warning("waiting_for_l1_decision", step=self._step, fault_class=exc.fault_class)
+        with self._go_on_lock:
+            early, self._early = self._early, None
+            msg = early[1] if early is not None and early[0] == self._step else None
+            self._waiting_at = 0 if msg is not None else self._step
         while True:
-            msg = self._control.get()
+            if msg is None:
+                msg = self._control.get()
+            if isinstance(msg, engine_pb2.ResumeTraining) and msg.go_on_at_step == self._step:
+                _log.warning("fault_ignored_going_on", step=self._step, fault_class=exc.fault_class)
+                return True
             if isinstance(msg, engine_pb2.ResumeTraining) and msg.reload_version:
+                self._end_fault_wait()
                 return self._reload(msg.reload_version)
             if isinstance(msg, engine_pb2.StopTraining):
+                self._end_fault_wait()
                 self._finish(stopped=True)
                 return False
+            msg = None
+
+    def _end_fault_wait(self) -> None:
+        """The fault wait is over: a decision that comes later is dropped, not queued."""
+        with self._go_on_lock:
+            self._waiting_at, self._early = 0, None
 
     def _recover(self, reason: str, in_step: bool, *, resize: bool = False) -> bool:
         """Roll back to the last completed step, have the group rebuilt (at a new layout when
@@ -83,6 +100,7 @@ class Recovery:
         completed = self._step
         healed: engine_pb2.StateHealed | None = None
         while healed is None:
+            self._await_thaw()
             try:
                 joined = self._p.parallel(engine_pb2.RebuildParallelGroup(job_id=self._job_id, reason=reason)).payload
                 self._generation = joined.generation
@@ -91,6 +109,12 @@ class Recovery:
                     self._take_layout(joined.layout)
                 healed = self._heal(has_state=True)
             except Exception as e:
+                if self._frozen is not None and cause_of(e) == route_pb2.FAILURE_RENDEZVOUS:
+                    # Held for inspection (fault_policy.freeze_seconds, up to days) while waiting
+                    # for the rebuild's rendezvous, whose wait is minutes: the hold is not the
+                    # rendezvous's fault. It is waited for again once the hold ends.
+                    _log.info("rendezvous_wait_outlasted_by_hold", step=self._step, error=_one_line(e))
+                    continue
                 if not self._rebuilds(e):  # (a peer lost again while healing: rebuilt again)
                     raise
                 reason = _one_line(e)
@@ -116,6 +140,14 @@ class Recovery:
         )
         self._phase = "standby"
         return self._await_start()
+
+    def _await_thaw(self) -> None:
+        """Held for inspection (FreezeTraining) before a rebuild: wait for L1-1's thaw (a
+        rebuild in place) or the end of the process (a relaunch, a stop), so that the
+        rendezvous's wait starts only when the decided recovery runs."""
+        if self._frozen is not None:
+            _log.warning("rebuild_held_for_inspection", step=self._step)
+            self._thawed.wait()
 
     def _report_taken_over(self, healed: engine_pb2.StateHealed, completed: int) -> None:
         """This rank healed onto a step it did not complete (a peer finished the step in flight

@@ -62,10 +62,12 @@ class Startup:
         self._warm = not spec.operators.compile  # the first step compiles forward and backward
         ops = spec.operators
         p.forward(engine_pb2.ConfigureForward(attention=spec.attention, adamw=ops.adamw, compile=ops.compile))
-        for name, version, _ in spec.data.datasets:  # (a mixture: every component)
+        for i, (name, version, _) in enumerate(spec.data.datasets):  # (a mixture: every component)
             mounted = p.data(data_pb2.MountDataset(name=name, version=version, verify=False)).message
             if isinstance(mounted, data_pb2.DatasetUnavailable):
                 raise TrainingFault(_data_fault_class(mounted), mounted.reason)
+            if i == 0 and mounted.tokenizer:  # samples decode with the first dataset's (sampling.py)
+                self._tokenizer = mounted.tokenizer
             if mounted.vocab_size > spec.model.vocab_size:
                 raise TrainingFault(
                     "config_error",
@@ -92,6 +94,7 @@ class Startup:
             p.metrics(store_pb2.LogCollectionConfig(
                 job_id=self._job_id, tensorboard=m.tensorboard,
                 wandb_project=m.wandb.project if m.wandb else "", wandb_mode=m.wandb.mode if m.wandb else "",
+                team=spec.team,  # (the store keeps it: a team's token reaches its own jobs' records only)
             ))  # fmt: skip
         self._emit(engine_pb2.TrainingLoopStarted(
             job_id=self._job_id, rank=self._rank, start_step=self._step,

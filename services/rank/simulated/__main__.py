@@ -118,6 +118,7 @@ class SimulatedRank:
         self._metrics.log_collection_config(store_pb2.LogCollectionConfig(
             job_id=self._job, tensorboard=metrics.get("tensorboard", False),
             wandb_project=wandb.get("project", ""), wandb_mode=wandb.get("mode", ""),
+            team=self._spec.get("team", ""),
         ))  # fmt: skip
         self._saver = ShardSaver(
             self._init.store_address, self._job, self._rank, self._world, self._collective,

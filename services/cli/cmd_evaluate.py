@@ -1,0 +1,96 @@
+"""surgectl evaluate: an evaluation job (JobSpec.evaluation, services/jobspec/evaluation.py)
+of a job's checkpoint, submitted through control's queue like any job."""
+
+from __future__ import annotations
+
+import os
+import shlex
+
+import typer
+import yaml
+
+from services.cli import clients, render
+from services.cli.app import _say, app
+from services.cli.errors import CliError
+from services.cli.jobs import follow_job, resolve_job, send_submit
+from services.contract import control_pb2
+from services.jobspec.base import JobSpecError
+from services.jobspec.evaluation import evaluation_job
+
+
+@app.command()
+def evaluate(
+    job: str,
+    command: str = typer.Option(..., "--command", help="the evaluation command (split as a shell would)"),
+    version: str = typer.Option("", "--version", help="the checkpoint version (default: the job's latest)"),
+    hf: bool = typer.Option(True, "--hf/--no-hf", help="export the version in Hugging Face form (SURGE_EVAL_HF_DIR)"),
+    timeout: float = typer.Option(3600.0, "--timeout", min=1.0, help="seconds the command may run"),
+    wait: bool = typer.Option(False, "--wait", help="follow the evaluation job to its end and print its scores"),
+) -> None:
+    """Evaluate a job's checkpoint with a command, as a one-rank job through control's queue.
+
+    The job loads the version, writes it in Hugging Face form, and runs the command with
+    SURGE_EVAL_CHECKPOINT (the version's directory), SURGE_EVAL_HF_DIR (the export) and
+    SURGE_EVAL_OUTPUT (where it writes its scores: a JSON object of name -> number, or
+    lm-evaluation-harness's --output_path) in its environment. The scores are recorded beside
+    the job's metrics: `surgectl status JOB` shows them. A command that fails or writes no
+    score fails the evaluation job only.
+
+    Example: surgectl evaluate demo --command "lm_eval --model hf --model_args pretrained=$SURGE_EVAL_HF_DIR ..."
+    """
+    from services.cli.init_from import committed
+    from services.jobspec import parse_job_spec, spec_from_json
+
+    job_id = resolve_job(job)
+    argv = [_absolute_if_here(arg) for arg in shlex.split(command)]
+    if not argv:
+        raise CliError("--command: empty", code=2)
+    status = clients.call(
+        "control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job_id, with_spec=True), timeout=10)
+    )
+    source = spec_from_json(status.spec_json)
+    pinned = committed(version or f"{job_id}:latest", "--version").version
+    try:
+        raw = evaluation_job(source, job_id, pinned, argv, hf, timeout)
+        text = yaml.safe_dump(raw, sort_keys=False, allow_unicode=True)
+        parse_job_spec(text, "evaluate")  # (one line naming the field if the command or timeout is out of bounds)
+    except JobSpecError as e:
+        raise CliError(str(e), code=2) from None
+    submitted = send_submit(text, f"evaluate {job_id}")
+    where = f"queued at {submitted.queue_position}" if submitted.queue_position else "placed"
+    _say(f"evaluation job {submitted.job_id} of {pinned}: {where}")
+    if not wait:
+        return
+    try:
+        follow_job(submitted.job_id, training=False)
+    except KeyboardInterrupt:
+        render.stopped_following(
+            f"evaluation job {submitted.job_id} keeps running "
+            f"(`surgectl status {submitted.job_id}`; its scores join {job_id}'s when it ends)"
+        )
+        raise typer.Exit(130) from None
+    end = clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=submitted.job_id), timeout=10))
+    if end.outcome != control_pb2.JobOutcome.FINISHED:
+        what = (
+            end.message
+            if end.message.startswith(control_pb2.JobOutcome.Name(end.outcome))
+            else (f"{control_pb2.JobOutcome.Name(end.outcome)}: {end.message}")
+        )  # (the status message names the outcome already: "FAILED: ...")
+        raise CliError(f"evaluation job {submitted.job_id} {what}")
+    from services.cli.job_records import job_scores
+
+    mine = [s for s in job_scores(job_id) or () if s.eval_job_id == submitted.job_id]
+    for line in mine:
+        for name, value in sorted(line.scores.items()):
+            _say(f"  {name}: {value:g}")
+
+
+def _absolute_if_here(arg: str) -> str:
+    """``arg`` made absolute when it names a file or directory that exists here (relative to
+    where `surgectl evaluate` runs): the command runs in the evaluation's own directory on the
+    rank's node, where a relative path the user typed (the README's
+    ``python examples/eval/perplexity.py held_out.txt``) names nothing. Other words (flags,
+    names, ``$SURGE_EVAL_*``) are left as typed."""
+    if not arg or os.path.isabs(arg) or arg.startswith("-") or "$" in arg or not os.path.exists(arg):
+        return arg
+    return os.path.abspath(arg)

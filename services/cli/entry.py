@@ -1,0 +1,16 @@
+"""The `surgectl` program's entry point: loading the commands takes a second or more of CPU
+(typer, grpc, the contract, torch's lazy bits), and a Ctrl-C within it is an interruption like
+any other, one line and exit 130, not a traceback of whatever import it landed in."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> None:
+    try:
+        from services.cli.surgectl import main as run
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        raise SystemExit(130) from None
+    run()

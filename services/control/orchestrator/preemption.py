@@ -1,0 +1,260 @@
+"""Priority preemption that checkpoints first and comes back (issue 30 item 2).
+
+When the queue's head cannot be placed, running jobs of a strictly lower priority (or on the
+borrowed-capacity list the team quotas give) may make room: which ones is preemption_plan.py's
+pure answer. Each victim checkpoints at a step boundary every rank agrees on (the pause's
+boundary command, as a node's departure does), then its ranks are released (killed: their exits
+are no fault, no restart budget is spent) and it waits in the queue at its own priority, shown
+PREEMPTED (STANDBY with ``JobStatus.preempted_by``), to continue from that checkpoint by itself
+when capacity returns: at most the steps after the boundary are lost (none, the boundary is
+where it stopped). The head starts once the slots are free (it stays first in the queue).
+
+A victim that has not paused within the grace period moves from its newest committed checkpoint
+(the steps after it lost, said in a warning); with none it keeps its slots until its pause's
+checkpoint commits (a warning says so). A fault during the checkpoint is a recovery, which
+supersedes the preemption (the head plans again later). One preemption at a time: while a
+victim checkpoints, the head waits for it rather than choosing more.
+
+Journaled: ``preempted_by`` rides with the job's status and the pause in flight with its
+runtime, so a control restarted mid-preemption finishes it when the ranks re-attach (the grace
+timer armed anew), and a PREEMPTED job's place and checkpoint are its queued resume's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from services.common.deadlines import Deadline
+from services.contract import control_pb2, engine_pb2
+from services.control.orchestrator.activity import idle
+from services.control.orchestrator.job import ORCH, JobState, _Job
+from services.control.orchestrator.preemption_plan import Running, choose_victims
+
+_log = structlog.get_logger("orchestrator")
+
+PREEMPTION = "preemption"  # the event type of preemption's decisions and warnings
+
+
+@dataclass
+class PolicyTimer:
+    """A preemption's or growing back's armed timer (``_arm_policy_timer``)."""
+
+    timer: Deadline | None = None
+
+
+class Preempting:
+    """Priority preemption (a part of ``Orchestrator``, see core.py)."""
+
+    def _preemption_in_flight(self) -> list[_Job]:
+        """Under the lock: victims still checkpointing (their slots not released yet)."""
+        return [
+            j
+            for j in self._jobs.values()
+            if j.status.preempted_by and j.status.state == JobState.RUNNING and j.pending == "pause"
+        ]
+
+    def _preemptable(self, job: _Job) -> bool:
+        """Whether ``job`` could be paused for a preemption now: running, nothing else in flight
+        (a recovery, resize, rollback, pause, stop or departure), its ranks its own."""
+        return (
+            job.status.state == JobState.RUNNING
+            and idle(job)
+            and not job.pending
+            and not job.departure
+            and not job.parked
+            and not job.status.preempted_by
+        )
+
+    def _placeable_ranks(self, job: _Job) -> int:
+        """The slots ``job`` frees where something can be placed (not on a cordoned node)."""
+        if not job.placement:
+            return job.status.world_size
+        return sum(1 for w in job.placement.values() if w not in self._cordoned)
+
+    def _preempt_for(self, head: _Job, reply: control_pb2.ResourcesInsufficient) -> None:
+        """Under the lock: the queue's head ``head`` does not fit (``reply``): preempt what the
+        plan names, or wait (a retry is armed for when a young candidate's minimum run time ends)."""
+        if self._preemption_in_flight():
+            return  # (its release starts the head; nothing more is chosen meanwhile)
+        now = time.time()
+        running = [
+            Running(
+                j.status.job_id,
+                j.status.priority,
+                self._placeable_ranks(j),
+                j.spec.preemptible,
+                j.running_since,
+            )
+            for j in self._jobs.values()
+            if j is not head and self._preemptable(j)
+        ]
+        needs, free = reply.requested_ranks or head.status.world_size, reply.available_ranks
+        borrowed = self._reclaimable(head, needs, free)  # (its cohort's borrowers: teams.py)
+        choice = choose_victims(
+            needs=needs,
+            free=free,
+            priority=head.status.priority,
+            running=running,
+            now=now,
+            min_run_seconds=self._preemption_min_run_s,
+            borrowed=borrowed,
+        )
+        if not choice.victims:
+            self._preemption_retry(head, running, now, borrowed)
+            return
+        head_id = head.status.job_id
+        self._record(head, ORCH, PREEMPTION, f"job {head_id} (priority {head.status.priority}) {choice.why}")
+        for victim_id in choice.victims:
+            self._preempt(self._jobs[victim_id], head, reclaimed=victim_id in borrowed)
+
+    def _preemption_retry(self, head: _Job, running: list[Running], now: float, borrowed: list[str]) -> None:
+        """Under the lock: a candidate still inside its minimum run time may be one later: the
+        queue is tried again when the first such time ends (nothing else would try it then)."""
+        young = [
+            r.started_unix + self._preemption_min_run_s - now
+            for r in running
+            if r.preemptible
+            and r.started_unix
+            and (r.priority < head.status.priority or r.job_id in borrowed)
+            and now - r.started_unix < self._preemption_min_run_s
+        ]
+        if not young:
+            return
+
+        def again() -> None:
+            with self._lock:
+                self._start_soon()
+
+        self._arm_policy_timer("min-run", min(young) + 0.05, again)
+
+    def _arm_policy_timer(self, key: str, seconds: float, fn: Callable[[], None]) -> None:
+        """Under the lock: the one timer of a preemption or growing-back wait named ``key`` (a
+        victim's grace to checkpoint, a protected job's minimum run time ending, a job's resize
+        interval ending), armed by the decision that starts the wait; arming it again replaces
+        it (the old one cancelled). A policy's wait, never a judgment of a rank's liveness."""
+        held = self._policy_timers.setdefault(key, PolicyTimer())
+        self._cancel_timer(held)
+        held.timer = self._deadlines.after(seconds, fn)
+
+    def _preempt(self, victim: _Job, head: _Job, reclaimed: bool = False) -> None:
+        """Under the lock: ``victim`` checkpoints at its next agreed boundary for ``head``
+        (``reclaimed``: it runs on slots its team borrowed from ``head``'s team's cohort)."""
+        cmd = self._in_flight(victim, "pause", engine_pb2.PauseTraining(checkpoint=True))
+        victim.boundary_failed = victim.resume_after_pause = victim.draining = victim.status.drained = False
+        victim.paused.clear()
+        victim.status.preempted_by = head.status.job_id
+        self._record(
+            victim,
+            ORCH,
+            PREEMPTION,
+            f"preempted by job {head.status.job_id} ("
+            + (
+                f"its team {head.status.team or 'default'} reclaims the slots team "
+                f"{victim.status.team or 'default'} borrowed"
+                if reclaimed
+                else f"priority {head.status.priority} > {victim.status.priority}"
+            )
+            + f"): checkpoint at the next step boundary every rank agrees on (command "
+            f"#{cmd.seq} to the ranks), then its slots are released; it waits in the queue at priority "
+            f"{victim.status.priority} and continues from that checkpoint when capacity returns "
+            f"(grace {self._preemption_grace_s:g} s; no fault, no restart spent)",
+        )
+        self._loop(cmd)
+        self._arm_preemption_grace(victim.status.job_id, cmd.seq)
+
+    def _arm_preemption_grace(self, job_id: str, seq: int) -> None:
+        def overdue() -> None:
+            with self._lock:
+                self._policy_timers.pop(f"grace:{job_id}", None)
+                self._preemption_overdue(job_id, seq)
+
+        self._arm_policy_timer(f"grace:{job_id}", self._preemption_grace_s, overdue)
+
+    def _rearm_preemptions(self) -> None:
+        """Under the lock, after a restore: a victim journaled mid-checkpoint gets its grace again."""
+        for job in self._preemption_in_flight():
+            self._arm_preemption_grace(job.status.job_id, job.pending_seq)
+
+    def _preemption_overdue(self, job_id: str, seq: int) -> None:
+        """Under the lock: the grace period of the preemption's pause #``seq`` ended."""
+        job = self._jobs.get(job_id)
+        if job is None or job.pending != "pause" or job.pending_seq != seq or not job.status.preempted_by:
+            return  # (paused in time, or superseded)
+        if not [v for _, v in job.versions if v not in job.unusable and v not in job.abandoned]:
+            self._record(
+                job,
+                ORCH,
+                PREEMPTION,
+                f"WARNING: preempted by job {job.status.preempted_by}: no checkpoint at a step boundary within "
+                f"the {self._preemption_grace_s:g} s grace and none committed before: it keeps its slots until "
+                "its pause's checkpoint commits",
+            )
+            return
+        step, version = self._newest_version(job)
+        lost = max(job.status.step - step, 0)
+        job.in_flight.pop(seq, None)
+        self._record(
+            job,
+            ORCH,
+            PREEMPTION,
+            f"WARNING: preempted by job {job.status.preempted_by}: no checkpoint at a step boundary within the "
+            f"{self._preemption_grace_s:g} s grace: its ranks are released now and it continues from {version} "
+            f"(step {step}; read from the nodes' memory copies where they hold it): {lost} steps lost",
+        )
+        self._yield_slots(job, step, version)
+
+    def _preemption_paused(self, job: _Job, step: int) -> None:
+        """Under the lock, on the applier thread: every rank paused at the preemption's boundary
+        ``step`` after its checkpoint's commit (or its failure): the slots are released."""
+        job.pending, job.status.step = "", step
+        by = job.status.preempted_by
+        usable = [v for _, v in job.versions if v not in job.unusable and v not in job.abandoned]
+        if job.boundary_failed and not usable:  # nothing to continue from: the preemption is given up
+            job.status.preempted_by = ""
+            self._loop(engine_pb2.ResumeTraining(job_id=job.status.job_id))
+            self._record(
+                job,
+                ORCH,
+                PREEMPTION,
+                f"WARNING: preempted by job {by}: the checkpoint of step {step} could not be saved and none was "
+                "committed before: not preempted, the ranks continue",
+            )
+            return
+        newest, version = self._newest_version(job)
+        if job.boundary_failed:
+            self._record(
+                job,
+                ORCH,
+                PREEMPTION,
+                f"WARNING: preempted by job {by}: the checkpoint of step {step} could not be saved: it continues "
+                f"from {version} (step {newest}): {max(step - newest, 0)} steps lost",
+            )
+        self._yield_slots(job, newest, version)
+
+    def _yield_slots(self, job: _Job, step: int, version: str) -> None:
+        """Under the lock: the victim's ranks are released (killed: their exits are no fault)
+        and it waits in the queue at its priority, PREEMPTED, to continue from ``version``."""
+        by = job.status.preempted_by
+        job.pending = ""
+        job.parked, job.parked_live, job.departure = True, False, ""
+        self._transition(
+            job,
+            JobState.PAUSED,
+            ORCH,
+            f"preempted by job {by}: checkpoint {version} at step {step}; ranks released (no fault, no restart spent)",
+        )
+        self._allocator(control_pb2.ReleaseResources(job_id=job.status.job_id, kill=True))
+        job.status.drained = False  # (queued at its own priority: the head comes first)
+        self._queue_resume(
+            job,
+            step,
+            version,
+            None,
+            f"PREEMPTED by job {by} at step {step}: continues from {version} when capacity returns",
+            by=f"(preempted by job {by})",
+            keep_budgets=True,
+        )

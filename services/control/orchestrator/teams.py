@@ -1,0 +1,251 @@
+"""Teams' quotas and fair share in L1-1 (issue 30 items 1 and 4): the quota book in force, the
+fair order the queue is tried in, each job's admission by its team's quota, and the admin
+commands (`surgectl team set/remove/list`, `surgectl queue`).
+
+The policy is services/control/scheduler/ (pure functions); this file feeds it the jobs and
+acts on its answers. The book comes from the quota file (``control --quotas``), overlaid by
+the journaled admin commands (job_store's ``team_quotas``: a team set or removed by command
+keeps that across a restart, whatever the file says).
+
+Which jobs count towards a team's usage: those holding ranks (not queued, not ended, not
+parked with their ranks gone), by their current world size.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from services.contract import control_pb2
+from services.control.job_queue import QueueEntry
+from services.control.orchestrator.job import JobState, _Job
+from services.control.orchestrator.refusals import BeyondHardLimit
+from services.control.scheduler import Admission, QuotaBook, QuotaFileError, TeamQuota, Waiting, admit, fair_order
+from services.control.scheduler.quotas import check_team_name, quota_from_fields
+from services.control.scheduler.reclaim import reclaim_victims
+
+UNLIMITED = -1  # TeamQuota's proto form of None (no bound)
+_IDLE = (JobState.STANDBY, JobState.TERMINATED)
+
+
+def team_of(status: control_pb2.JobStatus) -> str:
+    return status.team or "default"  # (a journal of a control before teams has none)
+
+
+class Teams:
+    """Teams' quotas and fair share (a part of ``Orchestrator``, see core.py)."""
+
+    def _init_teams(self, quotas: QuotaBook | None) -> None:
+        """Before the jobs are restored: the book (file, then the journaled commands) and the
+        queue's order."""
+        book = quotas or QuotaBook()
+        for name, q in self._journal.load_team_quotas().items():
+            book = book.without(name) if q is None else book.with_team(name, TeamQuota.model_validate(q))
+        self._quotas = book  # immutable: replaced whole under the decision lock, read anywhere
+        # Queued jobs their team's quota holds back (job id -> admission kind): they hold back
+        # the later jobs of their own team only (of their cohort, for "cohort_full"; none, for
+        # "beyond_hard_limit"). Not journaled: at a restart each blocks until tried.
+        self._quota_held: dict[str, str] = {}
+        self._team_lock = threading.Lock()  # orders team commands: journal, then book (taken before the decision lock)
+        self._queue.order = self._fair_entries
+
+    # ------------------------------------------------------------ admission
+
+    def _holds_ranks(self, job: _Job) -> bool:
+        return job.queued is None and job.status.state not in _IDLE and not job.parked
+
+    def _usage(self) -> dict[str, int]:
+        """Under the lock: slots held per team now."""
+        usage: dict[str, int] = {}
+        for job in self._jobs.values():
+            if self._holds_ranks(job):
+                team = team_of(job.status)
+                usage[team] = usage.get(team, 0) + job.status.world_size
+        return usage
+
+    def _slots(self, job: _Job) -> int:
+        spec = self._relaunch_spec(job) or job.spec
+        return spec.world_size
+
+    def _quota_admission(self, job: _Job) -> Admission:
+        """Under the lock: whether ``job``'s team's quota lets it start now."""
+        return admit(self._quotas, self._usage(), team_of(job.status), self._slots(job))
+
+    def _borrowed_of(self, job: _Job) -> int:
+        """Under the lock: of ``job``'s ranks (its world size now), those beyond its team's
+        nominal quota, the other jobs of its team holding ranks counted first (admission.py's
+        ``borrowed`` for a job placed now). Recorded in ``JobStatus.borrowed_slots`` at every
+        placement (a launch, a resume from the queue, a recovery's relaunch, a resize), so that
+        reclaim.py finds the borrowers of the moment, not of their first launch."""
+        team = team_of(job.status)
+        nominal = self._quotas.get(team).nominal
+        if nominal is None:
+            return 0
+        mine = job.status.world_size
+        others = sum(
+            j.status.world_size
+            for j in self._jobs.values()
+            if j is not job and self._holds_ranks(j) and team_of(j.status) == team
+        )
+        return max(0, min(mine, others + mine - nominal))
+
+    def _grow_room(self, job: _Job, free: int) -> int:
+        """Under the lock: of ``free`` more ranks for the running ``job`` (growing back after a
+        shrink), how many its team's quota admits now (0..free)."""
+        usage, team = self._usage(), team_of(job.status)
+        return next((n for n in range(free, 0, -1) if admit(self._quotas, usage, team, n).ok), 0)
+
+    def _reclaimable(self, head: _Job, needs: int, free: int) -> list[str]:
+        """Under the lock: the running jobs of other teams of ``head``'s cohort on borrowed
+        slots to reclaim so that ``head`` (within its team's nominal quota) can start
+        (scheduler/reclaim.py); preemption.py takes them first, whatever their priority."""
+        running = [
+            SimpleNamespace(
+                job_id=j.status.job_id,
+                team=team_of(j.status),
+                slots=j.status.world_size,
+                priority=j.status.priority,
+                started=j.running_since,
+                borrowed=j.status.borrowed_slots,
+            )
+            for j in self._jobs.values()
+            if j is not head and self._holds_ranks(j)
+        ]
+        return reclaim_victims(self._quotas, self._usage(), team_of(head.status), needs, free, running)
+
+    def _check_hard_limit(self, team: str, slots: int, source: str) -> None:
+        """A submit of ``slots`` for ``team``: refused when beyond the team's hard limit alone.
+
+        Raises:
+            BeyondHardLimit: one line naming the file, the team and the limit.
+        """
+        a = admit(self._quotas, {}, team, slots)
+        if a.never:
+            raise BeyondHardLimit(f"{source}: team: {a.reason}")
+
+    def _fair_entries(self, entries: list[QueueEntry]) -> list[QueueEntry]:
+        """The queue's entries (by key) in the fair order across teams (scheduler/fair_share.py)."""
+        by_id = {e.job_id: e for e in entries}
+        waiting = [self._waiting_of(e) for e in entries]
+        return [by_id[w.job_id] for w in fair_order(waiting, self._usage(), self._quotas, 1)]
+
+    def _waiting_of(self, e: QueueEntry) -> Waiting:
+        job = self._jobs.get(e.job_id)
+        team, slots = ("default", 1) if job is None else (team_of(job.status), self._slots(job))
+        return Waiting(e.job_id, team, slots, e.priority, e.seq, e.first)
+
+    def _ahead_at_submit(self, job: _Job, priority: int) -> bool:
+        """Under the lock: whether a queued job comes before the new ``job`` in the fair order
+        and holds it back: one not waiting for workers to join; if its team's own limits hold
+        it, one of the same team; if its cohort's idle slots, one of the same cohort."""
+        if not len(self._queue):
+            return False
+        team = team_of(job.status)
+        new = Waiting(job.status.job_id, team, job.spec.world_size, priority, 1 << 62)
+        queued = [self._waiting_of(e) for e in sorted(self._queue.ordered(), key=QueueEntry.key)]
+        for w in fair_order([*queued, new], self._usage(), self._quotas, 1):
+            if w.job_id == new.job_id:
+                return False
+            if self._queue.beyond_cluster(w.job_id):
+                continue
+            held = self._quota_held.get(w.job_id)
+            if held == "beyond_hard_limit":
+                continue
+            if held == "cohort_full" and self._quotas.cohort_of(w.team) != self._quotas.cohort_of(team):
+                continue
+            if held and held != "cohort_full" and w.team != team:
+                continue
+            return True
+        return False
+
+    # ------------------------------------------------------------ admin commands
+
+    def set_team_quota_request(self, msg: control_pb2.SetTeamQuotaRequest, payload: Any = None) -> control_pb2.TeamList:
+        """`surgectl team set NAME ...` / `surgectl team remove NAME`: the team's quota set (or
+        removed: the default applies), journaled, then in force; queued jobs are tried again.
+
+        Raises:
+            QuotaFileError (a ValueError): a field out of range (one line naming it).
+        """
+        name = msg.quota.name
+        if msg.remove:
+            quota = None
+            if name not in self._quotas.teams:
+                listed = ", ".join(self._quotas.teams) or "none"
+                raise QuotaFileError(f"team remove: team {name!r} has no quota of its own (teams with one: {listed})")
+        else:
+            q = msg.quota
+            quota = quota_from_fields(
+                {
+                    "nominal": None if q.nominal == UNLIMITED else q.nominal,
+                    "borrow_limit": None if q.borrow_limit == UNLIMITED else q.borrow_limit,
+                    "hard_limit": None if q.hard_limit == UNLIMITED else q.hard_limit,
+                    "weight": q.weight,
+                    "cohort": q.cohort or "default",
+                }
+            )
+        check_team_name(name)
+        with self._team_lock:  # journaled, then in force, in the same order for every command
+            self._journal.save_team_quota(name, None if quota is None else quota.to_json())
+            with self._lock:
+                self._quotas = self._quotas.without(name) if quota is None else self._quotas.with_team(name, quota)
+                self._quota_held.clear()  # (every hold is decided again by the next pass)
+                self._places_changed = True  # (the fair order may change)
+                self._start_soon()
+        return self.team_query(control_pb2.TeamQuery())
+
+    def team_query(self, msg: control_pb2.TeamQuery, payload: Any = None) -> control_pb2.TeamList:
+        """Every team's quota and usage and the waiting jobs in order, from the published views
+        (never under the decision lock)."""
+        jobs, _ = self._views.listing()
+        book = self._quotas
+        used: dict[str, int] = {}
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        queue = []
+        now = time.time()
+        for s in jobs:
+            team = team_of(s)
+            if s.queue_position:
+                waiting[team] = waiting.get(team, 0) + 1
+                queue.append(
+                    control_pb2.QueuedJob(
+                        job_id=s.job_id,
+                        name=s.name,
+                        team=team,
+                        position=s.queue_position,
+                        priority=s.priority,
+                        slots=s.world_size,
+                        reason=s.message.removeprefix("queued: "),
+                        waiting_seconds=max(0.0, now - (s.queued_unix or s.created_unix)),
+                    )
+                )
+            elif s.state not in _IDLE and not s.drained:
+                used[team] = used.get(team, 0) + s.world_size
+                running[team] = running.get(team, 0) + 1
+        teams = []
+        for name in sorted(set(book.teams) | set(used) | set(waiting)):
+            q = _quota_msg(name, book.get(name), name in book.teams)
+            q.used, q.running_jobs, q.waiting_jobs = used.get(name, 0), running.get(name, 0), waiting.get(name, 0)
+            nominal = book.get(name).nominal
+            q.borrowed = 0 if nominal is None else max(0, q.used - nominal)
+            teams.append(q)
+        queue.sort(key=lambda j: j.position)
+        return control_pb2.TeamList(teams=teams, default_quota=_quota_msg("", book.default, False), queue=queue)
+
+
+def _quota_msg(name: str, q: TeamQuota, configured: bool) -> control_pb2.TeamQuota:
+    def bound(v: int | None) -> int:
+        return UNLIMITED if v is None else v
+
+    return control_pb2.TeamQuota(
+        name=name,
+        nominal=bound(q.nominal),
+        borrow_limit=bound(q.borrow_limit),
+        hard_limit=bound(q.hard_limit),
+        weight=q.weight,
+        cohort=q.cohort,
+        configured=configured,
+    )

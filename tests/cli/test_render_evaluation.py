@@ -1,0 +1,38 @@
+"""An evaluation job takes no training steps: `status` shows it as one, and `evaluate --wait`
+follows it with a spinner, not a step bar with loss and tokens/s."""
+
+from __future__ import annotations
+
+import json
+
+from services.cli import render
+from services.contract import control_pb2
+
+
+def _job(job_id: str, spec: dict) -> control_pb2.JobStatus:
+    return control_pb2.JobStatus(job_id=job_id, total_steps=400, step=0, spec_json=json.dumps(spec))
+
+
+EVAL = {"name": "eval-demo", "evaluation": {"source_job": "demo-1", "version": "demo-1:2", "command": ["x"]}}
+
+
+def test_status_names_an_evaluation_job_instead_of_its_source_jobs_steps(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "200")
+    render.console.print(render.jobs_table([_job("eval-1", EVAL), _job("demo-1", {"name": "demo"})]))
+    rows = {line.split("│")[1].strip(): line for line in capsys.readouterr().out.splitlines() if "-1 " in line}
+    assert "evaluation" in rows["eval-1"] and "0/400" not in rows["eval-1"]
+    assert "0/400" in rows["demo-1"]
+    assert not render.is_evaluation(control_pb2.JobStatus(spec_json="not json"))
+
+
+def _events(status: control_pb2.JobStatus):
+    yield control_pb2.JobEvent(type="state", message="state RUNNING", status=status)
+
+
+def test_follow_of_an_evaluation_shows_no_step_bar():
+    with render.console.capture() as got:
+        render.follow(_events(_job("eval-1", EVAL)), training=False)
+    with render.console.capture() as trained:
+        render.follow(_events(_job("demo-1", {"name": "demo"})))
+    assert "tok/s" not in got.get() and "0/400" not in got.get() and "eval-1" in got.get()
+    assert "tok/s" in trained.get() and "0/400" in trained.get()

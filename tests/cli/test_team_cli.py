@@ -1,0 +1,138 @@
+"""surgectl team set / list / remove and surgectl queue against the real control on loopback
+gRPC (issue 30 items 1 and 4): bad input is one line and exit 2; the queue shows each waiting
+job's place, team and why it waits, and each team's usage; -o json for scripts. And
+`control --quotas` with a bad file: one line naming the file and the field, exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.contract import control_pb2
+from tests.cli.test_housekeeping import assert_one_line, run_cli
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def control_served(surge_home, monkeypatch):
+    from tests.control.conftest import served_control
+
+    with served_control(surge_home / "control.db", monkeypatch) as (control, stub):
+        yield control, stub
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["team", "set", "vision", "--nominal", "-3"], ["--nominal: expected a number of slots 0-", "-3"]),
+        (["team", "set", "vision", "--nominal", str(2**63)], ["--nominal: expected a number of slots 0-", str(2**63)]),
+        (["team", "set", "vision", "--borrow-limit", "9" * 20], ["--borrow-limit: expected a number of slots"]),
+        (["logs", "somejob", "--rank", str(2**31)], ["--rank"]),
+        (["drain", "worker-0", "--deadline", "inf"], ["--deadline must be a finite number of seconds > 0", "inf"]),
+        (["down", "--drain-seconds", "1e400"], ["--drain-seconds"]),
+        (["restart", "control", "--grace-seconds", "inf"], ["--grace-seconds"]),
+        (["team", "set", "vision", "--hard-limit", "lots"], ["--hard-limit: expected a number of slots", "'lots'"]),
+        (["team", "set", "vision", "--weight", "0"], ["--weight: must be > 0, got 0"]),
+        (
+            ["team", "set", "vision", "--nominal", "4", "--hard-limit", "2"],
+            ["--hard-limit: must be >= --nominal (4), got 2"],
+        ),
+        (["team", "set", "Vision!"], ["team: must match"]),
+        (["team", "set", "vision", "--cohort", "A B"], ["cohort: String should match pattern"]),
+        (["team", "remove", "nobody"], ["team 'nobody' has no quota of its own"]),
+        (["queue", "-o", "yaml"], ["--output: expected 'table' or 'json'"]),
+    ],
+)
+def test_surgectl_team_bad_input_is_one_line_and_exit_2(control_served, monkeypatch, capsys, argv, words):
+    code, _, err = run_cli(argv, monkeypatch, capsys)
+    assert_one_line(code, err, 2, *words)
+
+
+def test_surgectl_queue_shows_place_team_and_why_and_each_team_s_usage(control_served, monkeypatch, capsys):
+    from tests.control.conftest import registration, spec_yaml
+
+    control, stub = control_served
+    monkeypatch.setenv("COLUMNS", "300")  # (no wrapping: render's console reads it at every print)
+    code, out, _ = run_cli(["team", "set", "vision", "--hard-limit", "2", "--weight", "2"], monkeypatch, capsys)
+    assert code == 0 and "team vision: nominal unlimited, borrow limit unlimited, hard limit 2, weight 2" in out
+    control.sessions.open(registration("w", 4))
+    ids = {}
+    for name, team, dp in (("a", "vision", 2), ("b", "vision", 1), ("c", "nlp", 3)):
+        text = spec_yaml(name=name, dp=dp, extra=f"team: {team}")
+        ids[name] = stub.SubmitJob(control_pb2.SubmitJobRequest(spec_yaml=text), timeout=10).job_id
+    code, out, _ = run_cli(["queue"], monkeypatch, capsys)
+    assert code == 0
+    lines = [line for line in out.splitlines() if "job event" not in line]  # (control's own log, in-process)
+    b_line = next(line for line in lines if ids["b"] in line)
+    c_line = next(line for line in lines if ids["c"] in line)
+    assert "│ 1 │" in b_line and "vision" in b_line and "team vision at its hard limit (2 of 2 slots held" in b_line
+    assert "│ 2 │" in c_line and "nlp" in c_line and "needs 3 ranks" in c_line
+    code, out, _ = run_cli(["queue", "-o", "json"], monkeypatch, capsys)
+    (view,) = json.loads(out)
+    # b first: vision's weighted share once b starts, (2 + 1) / 2, is below nlp's once c starts, 3 / 1
+    assert [(q["job_id"], q["team"], q["position"]) for q in view["queue"]] == [
+        (ids["b"], "vision", 1),
+        (ids["c"], "nlp", 2),
+    ]
+    vision = next(t for t in view["teams"] if t["name"] == "vision")
+    assert (vision["used"], vision["hard_limit"], vision["weight"], vision["waiting_jobs"]) == (2, 2, 2.0, 1)
+    code, out, _ = run_cli(["team", "list"], monkeypatch, capsys)
+    assert code == 0 and "vision" in out and "nlp (default)" in out  # (nlp: no quota of its own)
+    code, out, _ = run_cli(["team", "remove", "vision"], monkeypatch, capsys)
+    assert code == 0 and "team vision: quota removed" in out
+
+
+def test_control_refuses_a_bad_quota_file_in_one_line(tmp_path, capsys):
+    from services.control.__main__ import _parse_args
+
+    bad = tmp_path / "quotas.yaml"
+    bad.write_text("teams:\n  vision: {nominal: 4, borrow_limt: 2}\n")
+    with pytest.raises(SystemExit) as done:
+        _parse_args(["--port", "0", "--data", "h:1", "--store", "h:2", "--quotas", str(bad)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert done.value.code == 2 and len(err) == 1, err
+    assert err[0].endswith(f"--quotas: {bad}: teams.vision.borrow_limt: unknown key")
+    good = tmp_path / "ok.yaml"
+    good.write_text("teams:\n  vision: {nominal: 4, borrow_limit: 2, weight: 2, cohort: research}\n")
+    args = _parse_args(["--port", "0", "--data", "h:1", "--store", "h:2", "--quotas", str(good)])
+    assert args.quota_book.get("vision").ceiling == 6
+
+
+def test_surgectl_status_shows_a_running_job_s_borrowed_ranks():
+    from services.cli.render import state_text
+
+    JobState = control_pb2.JobState
+    assert state_text(control_pb2.JobStatus(state=JobState.RUNNING, borrowed_slots=2)) == "RUNNING (2 borrowed)"
+    assert state_text(control_pb2.JobStatus(state=JobState.RUNNING)) == "RUNNING"
+    ended = control_pb2.JobStatus(state=JobState.TERMINATED, outcome=control_pb2.JobOutcome.FINISHED, borrowed_slots=2)
+    assert state_text(ended) == "TERMINATED (FINISHED)"
+
+
+def test_surgectl_team_set_changes_only_the_flags_given(control_served, monkeypatch, capsys):
+    """A patch: `team set vision --weight 3` kept nothing else (a fresh user's team lost its
+    hard limit and cohort)."""
+    argv = [
+        "team",
+        "set",
+        "vision",
+        "--nominal",
+        "1",
+        "--borrow-limit",
+        "0",
+        "--hard-limit",
+        "1",
+        "--cohort",
+        "research",
+    ]
+    code, out, _ = run_cli(argv, monkeypatch, capsys)
+    assert code == 0 and "nominal 1, borrow limit 0, hard limit 1, weight 1, cohort research" in out
+    code, out, _ = run_cli(["team", "set", "vision", "--weight", "3"], monkeypatch, capsys)
+    assert code == 0 and "team vision: nominal 1, borrow limit 0, hard limit 1, weight 3, cohort research" in out
+    code, out, _ = run_cli(["team", "set", "vision", "--hard-limit", "none"], monkeypatch, capsys)
+    assert code == 0 and "nominal 1, borrow limit 0, hard limit unlimited, weight 3, cohort research" in out
+    code, _, err = run_cli(["team", "set", "vision", "--nominal", "4", "--hard-limit", "2"], monkeypatch, capsys)
+    assert_one_line(code, err, 2, "--hard-limit: must be >= --nominal (4), got 2")
+    code, _, err = run_cli(["team", "set", "vision", "--hard-limit", "0"], monkeypatch, capsys)  # (below nominal 1)
+    assert_one_line(code, err, 2, "--hard-limit: must be >= --nominal (1), got 0")

@@ -1,0 +1,40 @@
+"""A worker whose node agent is lost without notice (killed, its host gone) stays in the
+cluster's view, marked lost, until an agent of it registers again; one that leaves with
+notice (a departing registration) or is replaced by a new session is not lost. Through the
+real servicer on loopback gRPC (the operator's ListJobs, what `surgectl status` and the
+dashboard's cluster page read) and `surgectl status`'s table."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from services.cli.render import cordons_table
+from services.contract import control_pb2
+
+from .conftest import registration, served_control
+
+
+def _listed(stub) -> dict[str, control_pb2.WorkerCordoned]:
+    return {c.worker_id: c for c in stub.ListJobs(control_pb2.JobQuery(), timeout=10).cordoned}
+
+
+def test_a_node_agent_lost_without_notice_is_listed_lost_until_it_registers_again(tmp_path, monkeypatch):
+    with served_control(tmp_path / "control.db", monkeypatch) as (plane, stub):
+        hub = plane.sessions
+        lost, leaving, replaced = (hub.open(registration(w)) for w in ("w-lost", "w-leaving", "w-replaced"))
+        departing = control_pb2.WorkerRegistration(worker_id="w-leaving", departing=True)
+        hub.on_worker_event(leaving, control_pb2.WorkerEvent(register=departing))
+        hub.close(lost, reason="session closed")
+        hub.close(leaving, reason="session closed")
+        hub.open(registration("w-replaced"))  # (a new session of it: the old one is replaced, not lost)
+        listed = _listed(stub)
+        assert list(listed) == ["w-lost"], listed
+        c = listed["w-lost"]
+        assert c.lost and not c.quarantine and c.reason == "node agent lost: session closed without notice"
+        console = Console(width=200, record=True, color_system=None)
+        console.print(cordons_table(listed.values()))
+        row = next(line for line in console.export_text().splitlines() if "w-lost" in line)
+        assert "node agent lost" in row and "`surgectl up` starts what is down" in row, row
+        del replaced
+        hub.open(registration("w-lost"))  # its agent is back
+        assert _listed(stub) == {}

@@ -1,0 +1,209 @@
+"""The scheduler's pure policy (services/control/scheduler/, issue 30 items 1 and 4): the quota
+file and its one-line errors, admission table (nominal, borrowing, hard limits), reclaim
+victims, the fair order, and fair share over a simulated window within 10 % of the weights."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.control.scheduler import (
+    DEFAULT_QUOTA,
+    QuotaBook,
+    QuotaFileError,
+    Running,
+    TeamQuota,
+    Waiting,
+    admit,
+    fair_order,
+    reclaim_victims,
+    schedule,
+)
+from services.control.scheduler.fair_share import NO_ROOM, STARTED
+from services.control.scheduler.quotas import parse_quota_text, quota_from_fields
+
+pytestmark = pytest.mark.timeout(60)
+
+BOOK = QuotaBook(
+    {
+        "vision": TeamQuota(nominal=4, borrow_limit=2, hard_limit=8, weight=2, cohort="research"),
+        "nlp": TeamQuota(nominal=4, cohort="research"),
+        "capped": TeamQuota(hard_limit=3),
+        "solo": TeamQuota(nominal=2, cohort="alone"),
+    }
+)
+
+
+@pytest.mark.parametrize(
+    ("usage", "team", "slots", "kind", "borrowed"),
+    [
+        ({}, "vision", 4, "admitted", 0),  # within nominal
+        ({"vision": 2}, "vision", 2, "admitted", 0),  # exactly nominal
+        ({"vision": 4}, "vision", 2, "admitted", 2),  # borrows nlp's idle nominal
+        ({"vision": 3}, "vision", 2, "admitted", 1),  # one own slot, one borrowed
+        ({"vision": 4}, "vision", 3, "borrow_limit", 0),  # 3 beyond nominal > borrow limit 2
+        ({"vision": 4, "nlp": 3}, "vision", 2, "cohort_full", 0),  # nlp uses its nominal
+        ({"vision": 6}, "vision", 2, "borrow_limit", 0),
+        ({}, "vision", 9, "beyond_hard_limit", 0),  # alone beyond the hard limit: refused at submit
+        ({"nlp": 4}, "nlp", 4, "admitted", 4),  # nlp (no borrow limit) borrows vision's idle 4
+        ({"nlp": 4}, "nlp", 5, "cohort_full", 0),
+        ({}, "capped", 3, "admitted", 0),  # unlimited nominal, hard limit 3
+        ({"capped": 1}, "capped", 3, "hard_limit", 0),  # idle cluster or not: never beyond 3
+        ({}, "capped", 4, "beyond_hard_limit", 0),
+        ({"solo": 2}, "solo", 1, "cohort_full", 0),  # a cohort of one has nothing to lend
+        ({"whoever": 10_000}, "whoever", 512, "admitted", 0),  # no entry: the default, unlimited
+    ],
+)
+def test_admission_by_nominal_borrowing_and_hard_limit(usage, team, slots, kind, borrowed):
+    a = admit(BOOK, usage, team, slots)
+    assert (a.kind, a.borrowed) == (kind, borrowed), a.reason
+    assert bool(a.reason) == (kind != "admitted")
+
+
+def test_a_hard_limit_holds_on_an_idle_cluster_and_the_reason_says_so():
+    started = []
+    p = schedule(
+        [Waiting("a", "capped", 2, seq=1), Waiting("b", "capped", 2, seq=2), Waiting("c", "nlp", 1, seq=3)],
+        [],
+        BOOK,
+        capacity=100,
+        try_start=lambda w, a: started.append(w.job_id) or STARTED,
+    )
+    assert sorted(started) == ["a", "c"] and sorted(s for s, _ in p.started) == ["a", "c"]
+    assert p.waits["b"] == ("hard_limit", "team capped at its hard limit (2 of 3 slots held, this job needs 2)")
+
+
+def test_the_quota_file_and_its_one_line_errors(tmp_path):
+    book = parse_quota_text(
+        "default: {weight: 0.5}\nteams:\n  vision: {nominal: 8, borrow_limit: 4, hard_limit: 16, weight: 2, cohort: research}\n"
+    )
+    assert book.get("vision").ceiling == 12 and book.get("other").weight == 0.5
+    assert book.get("other").nominal is None and DEFAULT_QUOTA.ceiling == float("inf")
+    bad = {
+        "teams:\n  vision: {nominal: -1}\n": "q.yaml: teams.vision.nominal: Input should be greater than or equal to 0, got -1",
+        "teams:\n  vision: {nominal: 4, hard_limit: 2}\n": "q.yaml: teams.vision.hard_limit: must be >= nominal (4), got 2",
+        "teams:\n  vision: {nominall: 4}\n": "q.yaml: teams.vision.nominall: unknown key",
+        "teams:\n  Vision!: {nominal: 4}\n": "q.yaml: teams.team: must match",
+        "teams: [1, 2\n": "q.yaml: line",
+        "- 1\n": "q.yaml: expected a mapping",
+        "teams:\n  vision: {weight: 0}\n": "q.yaml: teams.vision.weight: Input should be greater than 0, got 0",
+    }
+    for text, start in bad.items():
+        with pytest.raises(QuotaFileError) as e:
+            parse_quota_text(text, "q.yaml")
+        assert str(e.value).startswith(start) and "\n" not in str(e.value), str(e.value)
+    with pytest.raises(QuotaFileError, match="^surgectl team set: weight: Input should be a valid number"):
+        quota_from_fields({"weight": "x"})
+
+
+def test_reclaim_names_borrowed_jobs_lowest_priority_then_newest_first_and_nothing_if_not_enough():
+    running = [
+        Running("v-old", "vision", 1, priority=0, started=100, borrowed=1),
+        Running("v-new", "vision", 1, priority=0, started=200, borrowed=1),
+        Running("v-low", "vision", 2, priority=-5, started=50, borrowed=2),
+        Running("v-own", "vision", 4, priority=-9, started=300, borrowed=0),  # on its own nominal
+        Running("x", "solo", 1, priority=-9, started=300, borrowed=1),  # another cohort
+    ]
+    usage = {"vision": 8, "solo": 1}
+    assert reclaim_victims(BOOK, usage, "nlp", 3, 0, running) == ["v-low", "v-new"]
+    assert reclaim_victims(BOOK, usage, "nlp", 2, 0, running) == ["v-low"]
+    assert reclaim_victims(BOOK, usage, "nlp", 3, 1, running) == ["v-low"]
+    assert reclaim_victims(BOOK, usage, "nlp", 5, 0, running) == []  # beyond nlp's nominal 4
+    assert reclaim_victims(BOOK, {**usage, "nlp": 2}, "nlp", 3, 0, running) == []  # 2+3 > 4
+    assert reclaim_victims(BOOK, usage, "nlp", 2, 2, running) == []  # fits already
+    assert reclaim_victims(BOOK, usage, "nlp", 4, 0, running[:2]) == []  # the borrowers free only 2
+
+
+def test_the_fair_order_with_one_team_is_the_old_queue_order():
+    jobs = [Waiting(i, "default", 1, p, s) for i, p, s in (("a", 0, 1), ("b", 5, 2), ("c", 0, 3), ("d", 5, 4))]
+    jobs.append(Waiting("e", "default", 1, -1, 5, first=True))
+    assert [w.job_id for w in fair_order(jobs, {}, QuotaBook(), 8)] == ["e", "b", "d", "a", "c"]
+
+
+def test_the_fair_order_interleaves_teams_by_weighted_share():
+    book = QuotaBook({"a": TeamQuota(weight=2), "b": TeamQuota(weight=1)})
+    jobs = [Waiting(f"a{i}", "a", 1, seq=i) for i in range(8)] + [
+        Waiting(f"b{i}", "b", 1, seq=10 + i) for i in range(6)
+    ]
+    order = [w.job_id for w in fair_order(jobs, {"a": 0, "b": 2}, book, 10)][:9]
+    # b holds 2 of 10: its next job would make its share 0.3; a's k-th job makes a's 0.05 k,
+    # so a goes six times (the sixth ties, and a's job is older), then they alternate 2:1
+    assert order == ["a0", "a1", "a2", "a3", "a4", "a5", "b0", "a6", "a7"]
+
+
+def test_a_job_whose_ranks_do_not_fit_holds_back_everyone_behind_it_but_one_beyond_the_cluster_none():
+    free = [3]
+
+    def try_start(w, a):
+        if w.slots > 10:
+            return "beyond_cluster"
+        if w.slots > free[0]:
+            return NO_ROOM
+        free[0] -= w.slots
+        return STARTED
+
+    jobs = [Waiting("huge", "a", 11, seq=1), Waiting("big", "b", 4, seq=2), Waiting("small", "c", 1, seq=3)]
+    # fair order: huge (share 11/10/10), big (4/10), small (c holds 5: 6/10)
+    p = schedule(jobs, [Running("r", "c", 5)], QuotaBook({"a": TeamQuota(weight=10)}), 10, try_start)
+    assert p.order == ["huge", "big", "small"]
+    assert p.started == [] and p.waits["huge"][0] == "beyond_cluster" and p.waits["big"][0] == NO_ROOM
+    assert p.waits["small"][0] == "fair_share" and "job big is next" in p.waits["small"][1]
+
+
+def test_fair_share_over_a_window_is_within_ten_percent_of_the_weights():
+    """Three always-backlogged teams of weights 1, 2, 3 on a 60-slot cluster, jobs of 1-4 slots
+    lasting 5-30 ticks: the slot-ticks each team gets over the window, normalised, are within
+    10 % of its weight's share."""
+    rng = random.Random(30)
+    weights = {"t1": 1.0, "t2": 2.0, "t3": 3.0}
+    book = QuotaBook({t: TeamQuota(weight=w) for t, w in weights.items()})
+    capacity, seq = 60, 0
+    waiting: list[Waiting] = []
+    running: dict[str, tuple[Running, int]] = {}
+    got = dict.fromkeys(weights, 0)
+    durations = {}
+    for tick in range(3000):
+        for t in weights:  # every team keeps 20 jobs queued
+            while sum(1 for w in waiting if w.team == t) < 20:
+                seq += 1
+                waiting.append(Waiting(f"{t}-{seq}", t, rng.randint(1, 4), seq=seq))
+                durations[f"{t}-{seq}"] = rng.randint(5, 30)
+        for job_id, (_, end) in list(running.items()):
+            if end <= tick:
+                del running[job_id]
+        free = [capacity - sum(r.slots for r, _ in running.values())]
+
+        def try_start(w, a, free=free):
+            if w.slots > free[0]:
+                return NO_ROOM
+            free[0] -= w.slots
+            return STARTED
+
+        p = schedule(waiting, [r for r, _ in running.values()], book, capacity, try_start)
+        started = {j for j, _ in p.started}
+        for w in [w for w in waiting if w.job_id in started]:
+            running[w.job_id] = (Running(w.job_id, w.team, w.slots), tick + durations[w.job_id])
+        waiting = [w for w in waiting if w.job_id not in started]
+        if tick >= 200:  # after the warm-up
+            for r, _ in running.values():
+                got[r.team] += r.slots
+    total, wsum = sum(got.values()), sum(weights.values())
+    for t, w in weights.items():
+        assert abs(got[t] / total - w / wsum) <= 0.1 * w / wsum, (got, t)
+
+
+def test_a_job_waiting_for_its_cohort_s_idle_slots_holds_back_its_cohort_but_not_another():
+    book = QuotaBook(
+        {
+            "x": TeamQuota(nominal=2, weight=10, cohort="c"),
+            "y": TeamQuota(nominal=2, cohort="c"),
+            "z": TeamQuota(nominal=2, cohort="other"),
+        }
+    )
+    running = [Running("rx", "x", 3, borrowed=1)]  # the cohort has 1 idle nominal slot
+    jobs = [Waiting("xb", "x", 2, seq=1), Waiting("y1", "y", 1, seq=2), Waiting("z1", "z", 1, seq=3)]
+    p = schedule(jobs, running, book, 10, lambda w, a: STARTED)
+    assert p.order[0] == "xb" and p.started == [("z1", 0)]
+    assert p.waits["xb"][0] == "cohort_full"
+    assert p.waits["y1"] == ("cohort", "waits behind job xb, first in line for cohort c's idle slots")

@@ -1,0 +1,126 @@
+"""Fewer RankSession messages per step (issue 28 item 3: the stack's CPU per step): a rank's
+session sends what it has queued as one message (``RankEvent.more``), the agent takes each
+event of it as if it came alone; the store's acks of a rank's metric records go down at once
+only when the rank waits on them, else with its next beat (services/worker/metric_acks.py)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+
+from services.contract import engine_pb2, store_pb2, worker_pb2
+from services.rank.__main__ import Session
+from services.worker.metric_acks import MetricAcks
+from services.worker.rank_session import unbatched
+
+pytestmark = pytest.mark.timeout(30)
+
+KEY = ("j", 1, 4242)
+
+
+def ev(**kw) -> worker_pb2.RankEvent:
+    return worker_pb2.RankEvent(job_id="j", rank=1, **kw)
+
+
+def step_record(seq: int, step: int) -> worker_pb2.RankEvent:
+    return ev(metrics=store_pb2.MetricRecord(seq=seq, step=engine_pb2.StepCompleted(step=step)))
+
+
+def requests_of(events: list) -> tuple[list[worker_pb2.RankEvent], queue.Queue]:
+    """The messages ``Session._requests`` yields for ``events`` all queued before it runs."""
+    session = object.__new__(Session)  # (no channel: only its queue and request generator)
+    session._out = queue.Queue()
+    for e in events:
+        session._out.put(e)
+    return list(session._requests()), session._out
+
+
+# ------------------------------------------------------------------ RankEvent.more
+
+
+def test_what_is_queued_together_goes_as_one_message_in_order_and_comes_apart_at_the_agent():
+    beat = ev(heartbeat=worker_pb2.RankHeartbeat(job_id="j", rank=1, step=6))
+    messages, _ = requests_of([ev(hello=worker_pb2.RankHello(job_id="j", rank=1)), step_record(1, 7), beat, None])
+    assert len(messages) == 1 and len(messages[0].more) == 2
+    parts = unbatched(messages[0])
+    assert [p.WhichOneof("event") for p in parts] == ["hello", "metrics", "heartbeat"]
+    assert parts[1].metrics.step.step == 7 and parts[2].heartbeat.step == 6
+    assert all(not p.more for p in parts)  # (relayed up as they are: nothing rides twice)
+
+
+def test_the_end_of_the_queue_still_sends_what_came_before_it_and_nothing_after():
+    messages, out = requests_of([step_record(1, 1), None, step_record(2, 2)])
+    assert [len(unbatched(m)) for m in messages] == [1]
+    assert out.qsize() == 1  # (what came after the end is not sent)
+
+
+def test_a_lone_event_goes_alone_and_a_later_one_in_its_own_message():
+    session = object.__new__(Session)
+    session._out = queue.Queue()
+    gen = session._requests()
+    session._out.put(step_record(1, 1))
+    first = next(gen)
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(next(gen)))
+    t.start()
+    session._out.put(step_record(2, 2))
+    t.join(5)
+    assert not first.more and first.metrics.seq == 1 and got[0].metrics.seq == 2
+
+
+def test_a_message_without_more_is_itself():
+    e = step_record(3, 3)
+    assert unbatched(e) == [e]
+
+
+# ------------------------------------------------------------------ metric acks
+
+
+def ack(seq: int, records: int = 1, routed: int = 0) -> store_pb2.MetricsAck:
+    a = store_pb2.MetricsAck(seq=seq, records=records)
+    for i in range(routed):
+        a.routed.add(type=f"surge.v1.Failure{i}")
+    return a
+
+
+def test_acks_while_the_loop_runs_are_held_merged_and_go_with_the_next_beat():
+    acks = MetricAcks()
+    assert acks.beat(KEY) is None  # (nothing held: a beat sends nothing)
+    for seq in (1, 2, 3):
+        acks.submitted(KEY, step_record(seq, seq).metrics)
+        assert acks.acked(KEY, ack(seq)) is None
+    merged = acks.beat(KEY)
+    assert (merged.seq, merged.records) == (3, 3) and acks.held == 2
+    assert acks.beat(KEY) is None
+
+
+def test_an_ack_with_routed_failure_events_goes_at_once_with_what_was_held():
+    acks = MetricAcks()
+    assert acks.acked(KEY, ack(1)) is None
+    now = acks.acked(KEY, ack(2, routed=1))
+    assert (now.seq, now.records, len(now.routed)) == (2, 2, 1)
+    assert acks.beat(KEY) is None
+
+
+def test_the_ack_covering_the_loops_stop_record_goes_at_once():
+    acks = MetricAcks()
+    acks.submitted(KEY, step_record(1, 1).metrics)
+    acks.submitted(KEY, store_pb2.MetricRecord(seq=2, stop=store_pb2.StopLogCollection(job_id="j")))
+    assert acks.acked(KEY, ack(1)) is None  # (before the stop: held)
+    assert acks.acked(KEY, ack(2)).seq == 2
+
+
+def test_after_the_loops_end_every_ack_goes_at_once_and_the_held_one_goes_then():
+    acks = MetricAcks()
+    assert acks.acked(KEY, ack(1)) is None
+    assert acks.loop_ended(KEY).seq == 1  # (the rank waits for every ack before it exits)
+    assert acks.acked(KEY, ack(2)).seq == 2
+
+
+def test_ranks_are_paced_apart_and_a_closed_sessions_acks_are_forgotten():
+    acks, other = MetricAcks(), ("j", 2, 4343)
+    assert acks.acked(KEY, ack(5)) is None and acks.acked(other, ack(9)) is None
+    acks.forget(KEY)
+    assert acks.beat(KEY) is None and acks.beat(other).seq == 9
