@@ -81,7 +81,7 @@ def test_the_quota_file_and_its_one_line_errors(tmp_path):
     assert book.get("vision").ceiling == 12 and book.get("other").weight == 0.5
     assert book.get("other").nominal is None and DEFAULT_QUOTA.ceiling == float("inf")
     bad = {
-        "teams:\n  vision: {nominal: -1}\n": "q.yaml: teams.vision.nominal: Input should be greater than or equal to 0, got -1",
+        "teams:\n  vision: {nominal: -1}\n": "q.yaml: teams.vision.nominal: must be 0-1000000, got -1",
         "teams:\n  vision: {nominal: 4, hard_limit: 2}\n": "q.yaml: teams.vision.hard_limit: must be >= nominal (4), got 2",
         "teams:\n  vision: {nominall: 4}\n": "q.yaml: teams.vision.nominall: unknown key",
         "teams:\n  Vision!: {nominal: 4}\n": "q.yaml: teams.team: must match",
