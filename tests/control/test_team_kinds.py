@@ -157,3 +157,49 @@ def test_the_spec_s_device_and_backend_contradiction_is_one_line():
         parse_job_spec(spec_yaml().replace("threads_per_rank: 1}", "threads_per_rank: 1, device: tpu}"), "job.yaml")
     assert parse_job_spec(spec_yaml(backend="nccl"), "job.yaml").parallel.device_kind == "gpu"
     assert parse_job_spec(spec_yaml(), "job.yaml").parallel.device_kind == "any"
+
+
+def test_per_kind_quotas_are_journaled_and_an_old_journal_s_int_quota_loads(tmp_path, store_with_no_versions):
+    from services.control.__main__ import build
+    from services.control.job_store import JobStore
+
+    from .conftest import stop_plane
+
+    db = tmp_path / "control.db"
+    old = JobStore(db)
+    old.save_team_quota("nlp", {"nominal": 3, "borrow_limit": None, "hard_limit": 5, "weight": 2.0, "cohort": "x"})
+    old.close()  # (the JSON a control of before device kinds journaled)
+
+    def start():
+        return build(JobStore(db), data_address="d:1", store_address="s:1", persist_interval_s=0.0)
+
+    control = start()
+    try:
+        plane = Plane(control)
+        set_team(plane, "vision", nominal={"gpu": 16, "cpu": 64}, hard_limit={"gpu": 24})
+        queued = submit(plane, "q", "vision", "gpu", dp=2)  # no worker: queued
+    finally:
+        stop_plane(control)
+    control = start()
+    try:
+        plane = Plane(control)
+        t = teams(plane)
+        v, n = t["vision"], t["nlp"]
+        assert (v.nominal_by_kind.gpu, v.nominal_by_kind.cpu, v.hard_limit_by_kind.gpu, v.hard_limit_by_kind.cpu) == (
+            16,
+            64,
+            24,
+            U,
+        )
+        assert not v.HasField("borrow_limit_by_kind") and v.borrow_limit == U
+        assert (n.nominal, n.hard_limit, n.weight, n.cohort, n.HasField("nominal_by_kind")) == (3, 5, 2.0, "x", False)
+        assert [(q.job_id, q.device) for q in plane.user(control_pb2.TeamQuery()).queue] == [(queued.job_id, "gpu")]
+        w = plane.register("w", slots=4, cuda=2)  # (its registration says the slots per kind)
+        listed = plane.user(control_pb2.TeamQuery())
+        assert (listed.cluster_slots, listed.cluster_by_kind.gpu, listed.cluster_by_kind.cpu) == (4, 2, 2)
+        from .conftest import settle
+
+        settle(lambda: plane.get(queued.job_id).state, JobState.WARMING_UP)
+        assert devices(w) == {queued.job_id: ["cuda:0", "cuda:1"]}
+    finally:
+        stop_plane(control)
