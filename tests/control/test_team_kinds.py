@@ -203,3 +203,17 @@ def test_per_kind_quotas_are_journaled_and_an_old_journal_s_int_quota_loads(tmp_
         assert devices(w) == {queued.job_id: ["cuda:0", "cuda:1"]}
     finally:
         stop_plane(control)
+
+
+def test_a_gpu_job_on_a_cluster_without_gpus_waits_for_workers_and_holds_no_cpu_job_back(plane):
+    w = plane.register("w", slots=4)  # CPU slots only
+    g = submit(plane, "g", "vision", "gpu", dp=1)
+    assert g.state == JobState.STANDBY, g
+    assert g.message.endswith("more than the 0 gpu slots registered: waits for workers to join"), g.message
+    c = submit(plane, "c", "vision", "cpu", dp=2)
+    assert c.state == JobState.WARMING_UP and devices(w) == {c.job_id: ["cpu", "cpu"]}
+    v = plane.register("v", slots=2, cuda=2)  # a GPU node joins: the gpu job starts there
+    from .conftest import settle
+
+    settle(lambda: plane.get(g.job_id).state, JobState.WARMING_UP)
+    assert devices(v) == {g.job_id: ["cuda:0"]}
