@@ -217,3 +217,23 @@ def test_a_gpu_job_on_a_cluster_without_gpus_waits_for_workers_and_holds_no_cpu_
 
     settle(lambda: plane.get(g.job_id).state, JobState.WARMING_UP)
     assert devices(v) == {g.job_id: ["cuda:0"]}
+
+
+def test_the_queue_walk_passes_a_gpu_job_waiting_for_gpus_to_start_a_cpu_job_and_holds_any_jobs_behind_it(plane):
+    from .conftest import settle
+
+    w = plane.register("w", slots=3, cuda=2)  # 2 GPUs, 1 CPU slot
+    a = submit(plane, "a", "default", "gpu", dp=2)
+    g = submit(plane, "g", "default", "gpu", dp=1)  # no GPU free
+    c = submit(plane, "c", "default", "cpu", dp=2)  # 1 CPU slot free: waits too
+    x = submit(plane, "x", "default", "any", dp=1)  # behind g (it could take a GPU)
+    assert [s.state for s in (a, g, c, x)] == [JobState.WARMING_UP] + [JobState.STANDBY] * 3
+    assert devices(w) == {a.job_id: ["cuda:0", "cuda:1"]}
+    v = plane.register("v", slots=1)  # one more CPU slot: c fits now, g still does not
+    settle(lambda: plane.get(c.job_id).state, JobState.WARMING_UP)
+    assert plane.get(g.job_id).state == JobState.STANDBY
+    assert sorted(devices(w).get(c.job_id, []) + devices(v).get(c.job_id, [])) == ["cpu", "cpu"]
+    settle(
+        lambda: plane.get(x.job_id).message,
+        f"queued: waits behind job {g.job_id}, first in line for gpu slots to free up",
+    )

@@ -288,9 +288,11 @@ class JobQueueing:
                 # its team only (no overtaking within a team), not the other teams'.
                 team, kind = team_of(job.status), kind_of(job)
                 cohort = self._quotas.cohort_of(team)
-                blocker = next((j for k, j in no_room.items() if blocks(k, kind)), None)
+                blocker = next(((k, j) for k, j in no_room.items() if blocks(k, kind)), None)
                 if blocker is not None:  # (gang admission without backfill, per kind)
-                    self._waiting(job, f"waits behind job {blocker}, first in line for {kind} slots to free up")
+                    self._waiting(
+                        job, f"waits behind job {blocker[1]}, first in line for {blocker[0]} slots to free up"
+                    )
                     continue
                 if (ahead := held_by(held_teams, team, kind)) is not None:
                     self._waiting(job, f"waits behind job {ahead} of team {team}")
