@@ -21,7 +21,7 @@ from services.control.orchestrator.resume_machine import Queue, Refuse
 from services.control.orchestrator.teams import kind_of, team_of
 from services.control.orchestrator.texts import _beyond_cluster, _waits_for
 from services.control.scheduler.admission import WAIT_COHORT
-from services.control.scheduler.fair_share import blocks, cohort_wait, held_by
+from services.control.scheduler.fair_share import Holds, blocks, cohort_wait
 from services.hf_config import check_spec_directory
 from services.jobspec import (
     parse_job_spec,
@@ -273,8 +273,8 @@ class JobQueueing:
         the others are tried."""
         with self._lock:
             self._start_armed = None
-            held_teams: dict[tuple[str, str], str] = {}  # (team, scope) -> its job its own limits hold back
-            held_cohorts: dict[tuple[str, str], str] = {}  # (cohort, kind) -> the job waiting for its idle slots
+            held_teams = Holds()  # team, scope -> its queued job its own limits hold back
+            held_cohorts = Holds()  # cohort, kind -> the queued job waiting for its idle slots
             no_room: dict[str, str] = {}  # kind -> the first job of it whose ranks did not fit the free slots
             for entry in self._queue.ordered():  # (the fair order across teams: teams.py)
                 if entry.job_id not in self._queue:  # (taken out meanwhile)
@@ -294,19 +294,19 @@ class JobQueueing:
                         job, f"waits behind job {blocker[1]}, first in line for {blocker[0]} slots to free up"
                     )
                     continue
-                if (ahead := held_by(held_teams, team, kind)) is not None:
+                if (ahead := held_teams.of(team, kind)) is not None:
                     self._waiting(job, f"waits behind job {ahead} of team {team}")
                     continue
-                if (ahead := held_by(held_cohorts, cohort, kind)) is not None:  # (the cohort's idle slots go in order)
+                if (ahead := held_cohorts.of(cohort, kind)) is not None:  # (the cohort's idle slots go in order)
                     self._waiting(job, cohort_wait(ahead, cohort))
                     continue
                 quota = self._quota_admission(job)
                 if not quota.ok:
                     self._quota_held[entry.job_id] = (quota.kind, quota.scope)
                     if quota.kind == WAIT_COHORT:
-                        held_cohorts[(cohort, kind)] = entry.job_id
+                        held_cohorts.hold(cohort, kind, entry.job_id)
                     elif not quota.never:  # (one beyond its hard limit alone never starts: it holds no one back)
-                        held_teams[(team, quota.scope)] = entry.job_id
+                        held_teams.hold(team, quota.scope, entry.job_id)
                     self._waiting(job, quota.reason)
                     continue
                 self._quota_held.pop(entry.job_id, None)

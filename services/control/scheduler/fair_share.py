@@ -97,17 +97,39 @@ def _capacities(capacity: Capacity) -> tuple[int, dict[str, int]]:
     return sum(capacity.get(k, 0) for k in KINDS), {k: capacity[k] for k in KINDS if capacity.get(k)}
 
 
+_Caps = tuple[int, int, int]  # (all slots (at least 1), gpu slots, cpu slots; 0: not known)
+_Held = tuple[int, int, int]  # (all slots held, gpu slots held, cpu slots held)
+
+
+def _caps(capacity: Capacity) -> _Caps:
+    total, kinds = _capacities(capacity)
+    return max(total, 1), kinds.get("gpu", 0), kinds.get("cpu", 0)
+
+
+def _held(per_kind: Mapping[str, int] | int | None) -> _Held:
+    if per_kind is None:
+        return (0, 0, 0)
+    if isinstance(per_kind, int):
+        return (per_kind, 0, 0)
+    return (sum(per_kind.values()), per_kind.get("gpu", 0), per_kind.get("cpu", 0))
+
+
+def _with(h: _Held, kind: str, slots: int) -> _Held:
+    return (h[0] + slots, h[1] + (slots if kind == "gpu" else 0), h[2] + (slots if kind == "cpu" else 0))
+
+
+def _dominant(h: _Held, caps: _Caps) -> float:
+    d = h[0] / caps[0]
+    if caps[1]:
+        d = max(d, h[1] / caps[1])
+    if caps[2]:
+        d = max(d, h[2] / caps[2])
+    return d
+
+
 def dominant(per_kind: Mapping[str, int] | int | None, capacity: Capacity) -> float:
     """The dominant share of a team holding ``per_kind`` (slots per job kind) of ``capacity``."""
-    total, kinds = _capacities(capacity)
-    if per_kind is None:
-        return 0.0
-    if isinstance(per_kind, int):
-        return per_kind / max(total, 1)
-    d = sum(per_kind.values()) / max(total, 1)
-    for k, cap in kinds.items():
-        d = max(d, per_kind.get(k, 0) / cap)
-    return d
+    return _dominant(_held(per_kind), _caps(capacity))
 
 
 def share(book: QuotaBook, team: str, held: Mapping[str, int] | int | None, capacity: Capacity) -> float:
@@ -129,24 +151,25 @@ def fair_order(waiting: Iterable[Waiting], usage: Usage, book: QuotaBook, capaci
     for w in waiting:
         (firsts if w.first else per_team.setdefault(w.team, [])).append(w)
     firsts.sort(key=Waiting.key)
-    held: dict[str, dict[str, int]] = {t: _plus(u, "any", 0) for t, u in usage.items()}
+    caps = _caps(capacity)
+    held: dict[str, _Held] = {t: _held(u) for t, u in usage.items()}
     heap = []
     for team, jobs in per_team.items():
         jobs.sort(key=Waiting.key, reverse=True)  # (popped from the end)
-        head = jobs[-1]
-        heapq.heappush(
-            heap, (share(book, team, _plus(held.get(team), head.kind, head.slots), capacity), head.key(), team)
-        )
+        head, weight = jobs[-1], book.get(team).weight
+        h = held.get(team, (0, 0, 0))
+        heapq.heappush(heap, (_dominant(_with(h, head.kind, head.slots), caps) / weight, head.key(), team))
     order = list(firsts)
     while heap:
         _, _, team = heapq.heappop(heap)
         jobs = per_team[team]
         w = jobs.pop()
         order.append(w)
-        held[team] = _plus(held.get(team), w.kind, w.slots)
+        held[team] = h = _with(held.get(team, (0, 0, 0)), w.kind, w.slots)
         if jobs:
             nxt = jobs[-1]
-            heapq.heappush(heap, (share(book, team, _plus(held[team], nxt.kind, nxt.slots), capacity), nxt.key(), team))
+            s = _dominant(_with(h, nxt.kind, nxt.slots), caps) / book.get(team).weight
+            heapq.heappush(heap, (s, nxt.key(), team))
     return order
 
 
@@ -155,10 +178,20 @@ def blocks(scope: str, kind: str) -> bool:
     return scope in ("", "any") or kind == "any" or scope == kind
 
 
-def held_by(holds: Mapping[tuple[str, str], str], owner: str, kind: str) -> str | None:
-    """The job of ``holds`` ((team or cohort, scope) -> job id) that holds back a job of
-    ``owner``'s and ``kind``; None when none does."""
-    return next((j for (o, scope), j in holds.items() if o == owner and blocks(scope, kind)), None)
+class Holds:
+    """Which job holds back the later jobs of an owner (a team, or a cohort), per scope (a
+    device kind; "" or "any": every kind): the first held wins; a lookup reads one owner's
+    few scopes, not every hold of the pass."""
+
+    def __init__(self) -> None:
+        self._by_owner: dict[str, dict[str, str]] = {}
+
+    def hold(self, owner: str, scope: str, job_id: str) -> None:
+        self._by_owner.setdefault(owner, {}).setdefault(scope, job_id)
+
+    def of(self, owner: str, kind: str) -> str | None:
+        """The job that holds back a job of ``owner``'s and ``kind``; None when none does."""
+        return next((j for scope, j in self._by_owner.get(owner, {}).items() if blocks(scope, kind)), None)
 
 
 def schedule(
@@ -177,20 +210,21 @@ def schedule(
     result = Pass()
     order = fair_order(waiting, usage, book, capacity)
     result.order = [w.job_id for w in order]
-    held_teams: dict[tuple[str, str], str] = {}  # (team, scope) -> the job of it that holds its later ones back
-    held_cohorts: dict[tuple[str, str], str] = {}  # (cohort, kind) -> the job waiting for its idle nominal slots
+    held_teams = Holds()  # team, scope -> the job of it that holds its later ones back
+    held_cohorts = Holds()  # cohort, kind -> the job waiting for its idle nominal slots
     blockers: dict[str, Waiting] = {}  # kind -> the first job of it whose ranks did not fit
     total, kinds = _capacities(capacity)
+    caps = _caps(capacity)
     for w in order:
         blocker = next((b for k, b in blockers.items() if blocks(k, w.kind)), None)
         if blocker is not None:
-            result.waits[w.job_id] = _behind(w, blocker, usage, book, capacity)
+            result.waits[w.job_id] = _behind(w, blocker, usage, book, caps)
             continue
-        if (job := held_by(held_teams, w.team, w.kind)) is not None:
+        if (job := held_teams.of(w.team, w.kind)) is not None:
             result.waits[w.job_id] = ("team", f"waits behind job {job} of team {w.team}")
             continue
         cohort = book.cohort_of(w.team)
-        if (job := held_by(held_cohorts, cohort, w.kind)) is not None:
+        if (job := held_cohorts.of(cohort, w.kind)) is not None:
             result.waits[w.job_id] = ("cohort", cohort_wait(job, cohort))
             continue
         a = admit(book, usage, w.team, w.slots, w.kind)
@@ -200,9 +234,9 @@ def schedule(
         if not a.ok:
             result.waits[w.job_id] = (a.kind, a.reason)
             if a.kind == WAIT_COHORT:
-                held_cohorts[(cohort, w.kind)] = w.job_id
+                held_cohorts.hold(cohort, w.kind, w.job_id)
             else:
-                held_teams[(w.team, a.scope)] = w.job_id
+                held_teams.hold(w.team, a.scope, w.job_id)
             continue
         outcome = try_start(w, a)
         if outcome == STARTED:
@@ -222,12 +256,12 @@ def cohort_wait(job_id: str, cohort: str) -> str:
     return f"waits behind job {job_id}, first in line for cohort {cohort}'s idle slots"
 
 
-def _behind(w: Waiting, blocker: Waiting, usage: Usage, book: QuotaBook, capacity: Capacity) -> tuple[str, str]:
+def _behind(w: Waiting, blocker: Waiting, usage: Usage, book: QuotaBook, caps: _Caps) -> tuple[str, str]:
     """Why ``w`` waits behind ``blocker`` (the first job of its kind whose ranks did not fit)."""
     if w.team == blocker.team:
         return ("team", f"waits behind job {blocker.job_id} of team {w.team}")
-    mine = share(book, w.team, usage.get(w.team), capacity)
-    theirs = share(book, blocker.team, usage.get(blocker.team), capacity)
+    mine = _dominant(_held(usage.get(w.team)), caps) / book.get(w.team).weight
+    theirs = _dominant(_held(usage.get(blocker.team)), caps) / book.get(blocker.team).weight
     return (
         "fair_share",
         f"waits for its fair share: team {w.team} holds {held(usage.get(w.team), '')} slots "
