@@ -14,6 +14,7 @@ from services.contract import control_pb2
 
 UNLIMITED = -1  # TeamQuota's wire form of "no bound"
 SLOTS_MAX = 2**63 - 1
+KINDS = ("gpu", "cpu")  # the device kinds a per-kind bound names (control/scheduler/quotas.py)
 
 
 def _slots(flag: str, text: str | None, default: int | None = UNLIMITED) -> int | None:
@@ -29,20 +30,56 @@ def _slots(flag: str, text: str | None, default: int | None = UNLIMITED) -> int 
     return value
 
 
+def _per_kind(flag: str, text: str) -> dict[str, int]:
+    """A per-kind bound's text, ``gpu=16,cpu=64`` (a count or 'unlimited' each) -> {kind: slots}
+    (UNLIMITED for 'unlimited'). Raises CliError (one line, exit 2)."""
+    form = f"{flag}: expected KIND=SLOTS[,KIND=SLOTS] with KIND gpu or cpu"
+    out: dict[str, int] = {}
+    for item in text.split(","):
+        kind, eq, value = item.strip().partition("=")
+        kind = kind.strip().lower()
+        if not eq or kind not in KINDS:
+            raise CliError(f"{form}, got {text!r}", code=2)
+        if kind in out:
+            raise CliError(f"{flag}: {kind} given twice in {text!r}", code=2)
+        out[kind] = _slots(f"{flag} {kind}", value.strip() or "?")
+    return out
+
+
 def _bound(v: int) -> str:
     return "unlimited" if v == UNLIMITED else str(v)
+
+
+def _bound_text(q: control_pb2.TeamQuota, field: str, none: str = "unlimited") -> str:
+    """A quota's bound as people read it: ``8``, or per kind ``gpu 16, cpu 64``."""
+    if q.HasField(f"{field}_by_kind"):
+        per = getattr(q, f"{field}_by_kind")
+        return ", ".join(f"{k} {none if getattr(per, k) == UNLIMITED else getattr(per, k)}" for k in KINDS)
+    v = getattr(q, field)
+    return none if v == UNLIMITED else str(v)
 
 
 @team_app.command("set")
 def team_set(
     name: str = typer.Argument(..., help="the team, as jobs name it (`team:` in the job spec)"),
-    nominal: str = typer.Option(None, "--nominal", help="slots the team owns (default: unlimited)"),
+    nominal: str = typer.Option(
+        None, "--nominal", help="slots the team owns, of every kind together (default: unlimited)"
+    ),
+    quota: str = typer.Option(
+        None,
+        "--quota",
+        help="slots the team owns per device kind, e.g. gpu=16,cpu=64 (instead of --nominal; a kind left "
+        "out owns none)",
+    ),
     borrow_limit: str = typer.Option(
         None,
         "--borrow-limit",
-        help="slots it may borrow beyond nominal from its cohort's idle ones (default: unlimited)",
+        help="slots it may borrow beyond nominal from its cohort's idle ones, or per kind gpu=4,cpu=8 "
+        "(default: unlimited)",
     ),
-    hard_limit: str = typer.Option(None, "--hard-limit", help="slots never exceeded, even idle (default: none)"),
+    hard_limit: str = typer.Option(
+        None, "--hard-limit", help="slots never exceeded, even idle, or per kind gpu=24 (default: none)"
+    ),
     weight: float = typer.Option(
         None, "--weight", help="its share under contention, relative to other teams (> 0; default 1)"
     ),
@@ -55,14 +92,28 @@ def team_set(
     control, in force at once (queued jobs are tried again), kept across a restart over the
     `--quotas` file's.
 
+    A bound is an int (every device kind together, as jobs of any kind count) or per kind
+    (`--quota gpu=16,cpu=64`, `--hard-limit gpu=24`): then each kind is bounded on its own,
+    and the team's jobs must say `parallel.device: gpu` or `cpu`. Per kind, the kinds given
+    change, the others keep their values (none yet: a kind left out owns none, no limit).
+
     Example: surgectl team set vision --nominal 8 --borrow-limit 4 --hard-limit 16 --weight 2 --cohort research
+
+    Example: surgectl team set robotics --quota gpu=16,cpu=64 --hard-limit gpu=24
     """
     if weight is not None and not weight > 0:
         raise CliError(f"--weight: must be > 0, got {weight:g}", code=2)
+    if quota is not None and nominal is not None:
+        raise CliError("--quota: give --nominal (every kind) or --quota (per kind), not both", code=2)
+    per_kind = {
+        "nominal": _per_kind("--quota", quota) if quota is not None else None,
+        "borrow_limit": _per_kind("--borrow-limit", borrow_limit) if borrow_limit and "=" in borrow_limit else None,
+        "hard_limit": _per_kind("--hard-limit", hard_limit) if hard_limit and "=" in hard_limit else None,
+    }
     given = {
         "nominal": _slots("--nominal", nominal, default=None),
-        "borrow_limit": _slots("--borrow-limit", borrow_limit, default=None),
-        "hard_limit": _slots("--hard-limit", hard_limit, default=None),
+        "borrow_limit": None if per_kind["borrow_limit"] else _slots("--borrow-limit", borrow_limit, default=None),
+        "hard_limit": None if per_kind["hard_limit"] else _slots("--hard-limit", hard_limit, default=None),
         "weight": weight,
         "cohort": cohort,
     }
@@ -77,16 +128,26 @@ def team_set(
     }
     if current is not None:  # (a patch: what was not given stays as it is)
         base = {k: getattr(current, k) for k in base}
-    quota = control_pb2.TeamQuota(name=name, **{k: base[k] if v is None else v for k, v in given.items()})
-    weight, cohort = quota.weight, quota.cohort
-    if UNLIMITED not in (quota.hard_limit, quota.nominal) and quota.hard_limit < quota.nominal:
+    new = control_pb2.TeamQuota(name=name, **{k: base[k] if v is None else v for k, v in given.items()})
+    for field, kinds in per_kind.items():
+        by_kind = f"{field}_by_kind"
+        if kinds is None and given[field] is None and current is not None and current.HasField(by_kind):
+            getattr(new, by_kind).CopyFrom(getattr(current, by_kind))  # (not given: kept per kind)
+        elif kinds is not None:
+            was = getattr(current, by_kind) if current is not None and current.HasField(by_kind) else None
+            missing = 0 if field == "nominal" else UNLIMITED
+            values = {k: kinds.get(k, missing if was is None else getattr(was, k)) for k in KINDS}
+            getattr(new, by_kind).CopyFrom(control_pb2.KindSlots(**values))
+            setattr(new, field, UNLIMITED)
+    weight, cohort = new.weight, new.cohort
+    if UNLIMITED not in (new.hard_limit, new.nominal) and new.hard_limit < new.nominal:
         # Control refuses it too, naming the quota's field; here the user's flags are named.
-        raise CliError(f"--hard-limit: must be >= --nominal ({quota.nominal}), got {quota.hard_limit}", code=2)
-    req = control_pb2.SetTeamQuotaRequest(quota=quota)
+        raise CliError(f"--hard-limit: must be >= --nominal ({new.nominal}), got {new.hard_limit}", code=2)
+    req = control_pb2.SetTeamQuotaRequest(quota=new)
     clients.call("control", lambda st: st.SetTeamQuota(req, timeout=10))
     _say(
-        f"team {name}: nominal {_bound(quota.nominal)}, borrow limit {_bound(quota.borrow_limit)}, "
-        f"hard limit {_bound(quota.hard_limit)}, weight {weight:g}, cohort {cohort}"
+        f"team {name}: nominal {_bound_text(new, 'nominal')}, borrow limit {_bound_text(new, 'borrow_limit')}, "
+        f"hard limit {_bound_text(new, 'hard_limit')}, weight {weight:g}, cohort {cohort}"
     )
 
 
@@ -137,7 +198,7 @@ def queue(output: str = OutputOpt) -> None:
         _say("no job is waiting")
     else:
         t = Table(title=f"{len(teams.queue)} waiting")
-        for col in ("#", "job", "team", "slots", "priority", "waiting", "why"):
+        for col in ("#", "job", "team", "slots", "device", "priority", "waiting", "why"):
             t.add_column(col, justify="right" if col in ("#", "slots", "priority", "waiting") else "left")
         for j in teams.queue:
             t.add_row(
@@ -145,6 +206,7 @@ def queue(output: str = OutputOpt) -> None:
                 j.job_id,
                 j.team,
                 str(j.slots),
+                j.device or "any",
                 str(j.priority),
                 f"{j.waiting_seconds:.0f} s",
                 j.reason,
@@ -156,21 +218,29 @@ def queue(output: str = OutputOpt) -> None:
 def teams_table(teams: control_pb2.TeamList) -> Table:
     """Teams' usage against their quotas (``TeamList.teams``), the default quota in the caption."""
     d = teams.default_quota
+    c = teams.cluster_by_kind
     t = Table(
-        title="teams",
-        caption=f"a team with no quota of its own: nominal {_bound(d.nominal)}, borrow limit "
-        f"{_bound(d.borrow_limit)}, hard limit {_bound(d.hard_limit)}, weight {d.weight:g}, cohort {d.cohort}",
+        title=f"teams (cluster: {c.gpu} gpu, {c.cpu} cpu slots placeable)",
+        caption=f"a team with no quota of its own: nominal {_bound_text(d, 'nominal')}, borrow limit "
+        f"{_bound_text(d, 'borrow_limit')}, hard limit {_bound_text(d, 'hard_limit', 'none')}, weight "
+        f"{d.weight:g}, cohort {d.cohort}",
     )
-    for col in ("team", "used", "nominal", "borrowed", "borrow limit", "hard limit", "weight", "cohort", "jobs"):
-        t.add_column(col, justify="left" if col in ("team", "cohort") else "right")
+    cols = ("team", "used", "gpu used", "cpu used", "nominal", "borrowed", "borrow limit", "hard limit", "weight")
+    for col in (*cols, "cohort", "jobs"):
+        t.add_column(
+            col, justify="left" if col in ("team", "cohort", "nominal", "borrow limit", "hard limit") else "right"
+        )
     for q in teams.teams:
+        per_kind_borrowed = q.HasField("borrowed_by_kind") and (q.borrowed_by_kind.gpu or q.borrowed_by_kind.cpu)
         t.add_row(
             q.name + ("" if q.configured else " (default)"),
             str(q.used),
-            _bound(q.nominal),
-            str(q.borrowed),
-            _bound(q.borrow_limit),
-            _bound(q.hard_limit) if q.hard_limit != UNLIMITED else "none",
+            str(q.used_by_kind.gpu),
+            str(q.used_by_kind.cpu),
+            _bound_text(q, "nominal"),
+            f"gpu {q.borrowed_by_kind.gpu}, cpu {q.borrowed_by_kind.cpu}" if per_kind_borrowed else str(q.borrowed),
+            _bound_text(q, "borrow_limit"),
+            _bound_text(q, "hard_limit", "none"),
             f"{q.weight:g}",
             q.cohort,
             f"{q.running_jobs} running, {q.waiting_jobs} waiting",

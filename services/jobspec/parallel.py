@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import (
     Field,
+    model_validator,
 )
 
 from services.jobspec.base import U32_MAX, _Strict
@@ -19,6 +20,11 @@ class ParallelSpec(_Strict):
     ``data_parallel``: how the dp axis syncs gradients: ``ddp`` (DistributedDataParallel)
     or ``fsdp2`` (``fully_shard`` per block, then the root). ``microbatches`` is the number
     of pipeline micro-batches per micro-step (only read when pp > 1; 0: pp of them).
+
+    ``device``: the kind of slot every rank runs on (issue 30: quotas per device kind):
+    ``gpu`` (a CUDA device each), ``cpu`` (a worker's CPU slots) or ``any`` (the allocator's
+    choice, CUDA slots first, as before the field existed). ``backend: nccl`` implies ``gpu``;
+    ``nccl`` with ``cpu`` is refused. :attr:`device_kind` is the kind the scheduler counts.
     """
 
     dp: int = Field(1, gt=0, le=U32_MAX)
@@ -30,9 +36,21 @@ class ParallelSpec(_Strict):
     microbatches: int = Field(0, ge=0, le=U32_MAX)
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, else gloo
     threads_per_rank: int = Field(1, gt=0, le=1024)
+    device: Literal["any", "gpu", "cpu"] = "any"
     # Peak dense throughput of one device, only for the MFU estimate. 0: a known GPU's data
     # sheet bf16 figure, else measured at the rank's start (services/common/device_peaks.py).
     peak_tflops_per_device: float = Field(0.0, ge=0, le=1e6)
+
+    @model_validator(mode="after")
+    def _device_agrees_with_backend(self) -> ParallelSpec:
+        if self.backend == "nccl" and self.device == "cpu":
+            raise ValueError("device: cpu contradicts parallel.backend nccl (NCCL needs a GPU per rank)")
+        return self
+
+    @property
+    def device_kind(self) -> str:
+        """The kind of slot the ranks need: ``gpu``, ``cpu`` or ``any`` (``nccl`` implies gpu)."""
+        return "gpu" if self.backend == "nccl" else self.device
 
 
 def check_parallel(model: ModelSpec, world_size: int, parallel: ParallelSpec) -> None:

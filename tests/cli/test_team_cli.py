@@ -43,6 +43,17 @@ def control_served(surge_home, monkeypatch):
         (["team", "set", "vision", "--cohort", "A B"], ["cohort: String should match pattern"]),
         (["team", "remove", "nobody"], ["team 'nobody' has no quota of its own"]),
         (["queue", "-o", "yaml"], ["--output: expected 'table' or 'json'"]),
+        (["team", "set", "v", "--quota", "gpu"], ["--quota: expected KIND=SLOTS[,KIND=SLOTS] with KIND gpu or cpu"]),
+        (["team", "set", "v", "--quota", "tpu=4"], ["--quota: expected KIND=SLOTS", "'tpu=4'"]),
+        (["team", "set", "v", "--quota", "gpu=-1"], ["--quota gpu: expected a number of slots 0-", "-1"]),
+        (["team", "set", "v", "--quota", "gpu=1,gpu=2"], ["--quota: gpu given twice in 'gpu=1,gpu=2'"]),
+        (["team", "set", "v", "--quota", ""], ["--quota: expected KIND=SLOTS"]),
+        (["team", "set", "v", "--quota", "gpu=4", "--nominal", "4"], ["--quota: give --nominal", "not both"]),
+        (["team", "set", "v", "--hard-limit", "cpu=x"], ["--hard-limit cpu: expected a number of slots", "'x'"]),
+        (
+            ["team", "set", "v", "--quota", "gpu=8", "--hard-limit", "gpu=4"],
+            ["hard_limit.gpu: must be >= nominal (8 gpu), got 4"],
+        ),
     ],
 )
 def test_surgectl_team_bad_input_is_one_line_and_exit_2(control_served, monkeypatch, capsys, argv, words):
@@ -136,3 +147,42 @@ def test_surgectl_team_set_changes_only_the_flags_given(control_served, monkeypa
     assert_one_line(code, err, 2, "--hard-limit: must be >= --nominal (4), got 2")
     code, _, err = run_cli(["team", "set", "vision", "--hard-limit", "0"], monkeypatch, capsys)  # (below nominal 1)
     assert_one_line(code, err, 2, "--hard-limit: must be >= --nominal (1), got 0")
+
+
+def test_surgectl_team_set_per_kind_quota_and_the_per_kind_columns(control_served, monkeypatch, capsys):
+    from tests.control.conftest import registration, spec_yaml
+
+    control, stub = control_served
+    monkeypatch.setenv("COLUMNS", "300")
+    argv = ["team", "set", "robotics", "--quota", "gpu=2,cpu=4", "--hard-limit", "gpu=2"]
+    code, out, _ = run_cli(argv, monkeypatch, capsys)
+    assert code == 0, out
+    assert "team robotics: nominal gpu 2, cpu 4, borrow limit unlimited, hard limit gpu 2, cpu unlimited" in out
+    code, out, _ = run_cli(["team", "set", "robotics", "--quota", "cpu=8"], monkeypatch, capsys)  # (gpu kept)
+    assert code == 0 and "nominal gpu 2, cpu 8, borrow limit unlimited, hard limit gpu 2, cpu unlimited" in out
+    control.sessions.open(registration("w", 6, cuda=2))
+    ids = {}
+    for name, device, dp in (("g", "gpu", 2), ("c", "cpu", 1), ("g2", "gpu", 1)):
+        text = spec_yaml(name=name, dp=dp, extra="team: robotics").replace(
+            "threads_per_rank: 1}", f"threads_per_rank: 1, device: {device}}}"
+        )
+        ids[name] = stub.SubmitJob(control_pb2.SubmitJobRequest(spec_yaml=text), timeout=10).job_id
+    code, out, _ = run_cli(["queue"], monkeypatch, capsys)
+    assert code == 0
+    lines = [line for line in out.splitlines() if "job event" not in line]  # (control's own log, in-process)
+    g2 = next(line for line in lines if ids["g2"] in line)
+    assert "│ gpu " in g2 and "team robotics at its gpu hard limit (2 of 2 gpu slots held, this job needs 1)" in g2
+    row = next(line for line in lines if line.startswith("│ robotics"))
+    cells = [c.strip() for c in row.strip("│").split("│")]
+    assert cells[:6] == ["robotics", "3", "2", "1", "gpu 2, cpu 8", "0"], cells
+    assert "cluster: 2 gpu, 4 cpu slots placeable" in out
+    code, out, _ = run_cli(["team", "list", "-o", "json"], monkeypatch, capsys)
+    (view,) = json.loads(out)
+    r = next(t for t in view["teams"] if t["name"] == "robotics")
+    assert (r["nominal_by_kind"], r["used_by_kind"], view["cluster_by_kind"]) == (
+        {"gpu": 2, "cpu": 8},
+        {"gpu": 2, "cpu": 1},
+        {"gpu": 2, "cpu": 4},
+    )
+    code, out, _ = run_cli(["team", "set", "robotics", "--nominal", "6"], monkeypatch, capsys)  # back to an int
+    assert code == 0 and "nominal 6, borrow limit unlimited, hard limit gpu 2, cpu unlimited" in out

@@ -98,7 +98,9 @@ def test_nccl_on_cpu_slots_is_refused(plane):
     plane.register("wa")
     reply = allocate(plane, "j-nccl", dp=1, backend="nccl")
     assert isinstance(reply, control_pb2.ResourcesInsufficient)
-    assert reply.reason == "backend nccl needs a CUDA device for every rank"
+    # nccl implies parallel.device gpu: only GPU slots count, and none is registered (it waits
+    # for a worker with GPUs, not for CPU slots to free up)
+    assert (reply.reason, reply.registered_ranks) == ("0 gpu slots are free on 1 registered worker", 0)
 
 
 def test_release_frees_the_slots_and_tells_each_holding_worker(plane):

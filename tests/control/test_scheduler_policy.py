@@ -81,7 +81,7 @@ def test_the_quota_file_and_its_one_line_errors(tmp_path):
     assert book.get("vision").ceiling == 12 and book.get("other").weight == 0.5
     assert book.get("other").nominal is None and DEFAULT_QUOTA.ceiling == float("inf")
     bad = {
-        "teams:\n  vision: {nominal: -1}\n": "q.yaml: teams.vision.nominal: Input should be greater than or equal to 0, got -1",
+        "teams:\n  vision: {nominal: -1}\n": "q.yaml: teams.vision.nominal: must be 0-1000000, got -1",
         "teams:\n  vision: {nominal: 4, hard_limit: 2}\n": "q.yaml: teams.vision.hard_limit: must be >= nominal (4), got 2",
         "teams:\n  vision: {nominall: 4}\n": "q.yaml: teams.vision.nominall: unknown key",
         "teams:\n  Vision!: {nominal: 4}\n": "q.yaml: teams.team: must match",
@@ -207,3 +207,64 @@ def test_a_job_waiting_for_its_cohort_s_idle_slots_holds_back_its_cohort_but_not
     assert p.order[0] == "xb" and p.started == [("z1", 0)]
     assert p.waits["xb"][0] == "cohort_full"
     assert p.waits["y1"] == ("cohort", "waits behind job xb, first in line for cohort c's idle slots")
+
+
+def test_the_dominant_share_is_the_largest_over_the_kinds_and_all_slots():
+    book = QuotaBook({"a": TeamQuota(), "b": TeamQuota()})
+    jobs = [Waiting("a1", "a", 1, seq=1, kind="cpu"), Waiting("b1", "b", 1, seq=2, kind="cpu")]
+    usage = {"a": {"gpu": 2}, "b": {"cpu": 6}}
+    # a holds 2 of 4 GPUs (share 0.5); b 6 of 16 CPU slots (with b1: 7/16 = 0.44): b goes first
+    assert [w.job_id for w in fair_order(jobs, usage, book, {"gpu": 4, "cpu": 16})] == ["b1", "a1"]
+    # with no kinds known (an int capacity: the slot share), a's 3 of 20 goes before b's 7
+    assert [w.job_id for w in fair_order(jobs, usage, book, 20)] == ["a1", "b1"]
+
+
+def test_a_gpu_job_whose_ranks_do_not_fit_holds_back_the_gpu_and_any_jobs_only():
+    free = {"gpu": 1, "cpu": 4}
+
+    def try_start(w, a):
+        kind = "cpu" if w.kind == "any" else w.kind
+        if w.slots > free[kind]:
+            return NO_ROOM
+        free[kind] -= w.slots
+        return STARTED
+
+    jobs = [
+        Waiting("g", "a", 2, priority=3, kind="gpu"),
+        Waiting("c", "a", 1, priority=2, kind="cpu"),  # free CPU slots: not held back by g
+        Waiting("g2", "a", 1, priority=1, kind="gpu"),  # fits the free GPU, but g is first in line
+        Waiting("x", "a", 1, priority=0, kind="any"),
+    ]
+    p = schedule(jobs, [], QuotaBook(), {"gpu": 2, "cpu": 4}, try_start)
+    assert p.started == [("c", 0)]
+    assert [p.waits[j][0] for j in ("g", "g2", "x")] == [NO_ROOM, "team", "team"]
+
+
+@pytest.mark.parametrize(
+    ("usage", "team", "slots", "kind", "answer", "borrowed"),
+    [
+        ({}, "robotics", 4, "gpu", "admitted", 0),  # within its gpu nominal
+        ({"robotics": {"gpu": 4}}, "robotics", 2, "gpu", "admitted", 2),  # borrows lab's idle gpu nominal
+        ({"robotics": {"gpu": 4}, "lab": {"gpu": 1}}, "robotics", 2, "gpu", "cohort_full", 0),  # lab lends 1 only
+        ({"robotics": {"gpu": 6}}, "robotics", 1, "gpu", "hard_limit", 0),  # gpu hard limit 6, GPUs idle or not
+        ({"robotics": {"gpu": 6}}, "robotics", 8, "cpu", "admitted", 0),  # cpu: its own nominal 8
+        ({"robotics": {"cpu": 8}}, "robotics", 1, "cpu", "borrow_limit", 0),  # cpu borrow limit 0
+        ({}, "robotics", 7, "gpu", "beyond_hard_limit", 0),
+        ({}, "robotics", 1, "any", "beyond_hard_limit", 0),  # per-kind quota: a job must name its kind
+        ({"lab": {"cpu": 3}}, "lab", 2, "cpu", "admitted", 2),  # lab owns no cpu: borrows robotics' idle
+        ({"lab": {"cpu": 3}, "robotics": {"cpu": 4}}, "lab", 1, "cpu", "admitted", 1),
+        ({"lab": {"cpu": 3}, "robotics": {"cpu": 4}}, "lab", 2, "cpu", "cohort_full", 0),  # 1 idle cpu left
+        ({"lab": {"gpu": 2}, "robotics": {"cpu": 8}}, "lab", 1, "gpu", "admitted", 1),  # robotics' idle gpu
+    ],
+)
+def test_admission_per_device_kind(usage, team, slots, kind, answer, borrowed):
+    book = QuotaBook(
+        {
+            "robotics": TeamQuota(
+                nominal={"gpu": 4, "cpu": 8}, borrow_limit={"cpu": 0}, hard_limit={"gpu": 6}, cohort="lab"
+            ),
+            "lab": TeamQuota(nominal={"gpu": 2}, cohort="lab"),
+        }
+    )
+    a = admit(book, usage, team, slots, kind)
+    assert (a.kind, a.borrowed) == (answer, borrowed), a.reason

@@ -33,6 +33,7 @@ from services.contract import control_pb2, engine_pb2
 from services.control.orchestrator.activity import idle
 from services.control.orchestrator.job import ORCH, JobState, _Job
 from services.control.orchestrator.preemption_plan import Running, choose_victims
+from services.control.orchestrator.teams import kind_of
 
 _log = structlog.get_logger("orchestrator")
 
@@ -90,7 +91,7 @@ class Preempting:
                 j.running_since,
             )
             for j in self._jobs.values()
-            if j is not head and self._preemptable(j)
+            if j is not head and self._preemptable(j) and _frees_for(kind_of(j), kind_of(head))
         ]
         needs, free = reply.requested_ranks or head.status.world_size, reply.available_ranks
         borrowed = self._reclaimable(head, needs, free)  # (its cohort's borrowers: teams.py)
@@ -258,3 +259,10 @@ class Preempting:
             by=f"(preempted by job {by})",
             keep_budgets=True,
         )
+
+
+def _frees_for(victim: str, head: str) -> bool:
+    """Whether a victim of device kind ``victim`` frees slots a head of kind ``head`` can take
+    (gpu, cpu, any): a gpu head gains nothing from a cpu job's slots; an ``any`` victim's may be
+    of either kind, so only an ``any`` head counts on them."""
+    return head == "any" or victim == head

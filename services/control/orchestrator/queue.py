@@ -18,10 +18,10 @@ from services.control.orchestrator.layout import _set_layout
 from services.control.orchestrator.refusals import IllegalTransition, JobDoesNotFit
 from services.control.orchestrator.request_ids import spec_sha256, submitted_before
 from services.control.orchestrator.resume_machine import Queue, Refuse
-from services.control.orchestrator.teams import team_of
+from services.control.orchestrator.teams import kind_of, team_of
 from services.control.orchestrator.texts import _beyond_cluster, _waits_for
 from services.control.scheduler.admission import WAIT_COHORT
-from services.control.scheduler.fair_share import cohort_wait
+from services.control.scheduler.fair_share import Holds, blocks, cohort_wait
 from services.hf_config import check_spec_directory
 from services.jobspec import (
     parse_job_spec,
@@ -76,7 +76,8 @@ class JobQueueing:
             spec = spec.model_copy(update={"team": msg.team})
         spec_json = spec_to_json(spec)
         priority = check_priority(msg.priority)
-        self._check_hard_limit(spec.team, spec.world_size, msg.spec_path or "job.yaml")  # (nothing persisted yet)
+        # (nothing persisted yet)
+        self._check_hard_limit(spec.team, spec.world_size, msg.spec_path or "job.yaml", spec.parallel.device_kind)
         with self._lock:
             if (earlier := submitted_before(self._jobs.values(), msg)) is not None:
                 return self._snapshot(earlier)
@@ -96,6 +97,7 @@ class JobQueueing:
                 world_size=spec.world_size,
                 priority=priority,
                 team=spec.team,
+                device=spec.parallel.device_kind,
             )
             _set_layout(status, spec)
             digest = spec_sha256(msg.spec_yaml) if msg.request_id else ""
@@ -132,7 +134,7 @@ class JobQueueing:
             if held or reply is not None:
                 try:
                     if quota is not None and not quota.ok:  # (before it is queued: the order reads it)
-                        self._quota_held[job_id] = quota.kind
+                        self._quota_held[job_id] = (quota.kind, quota.scope)
                     entry = self._queue.add(job_id, priority)
                     job.status.queued_unix = time.time()  # (its wait counts from here: teams.py's queue)
                     self._queue.mark_beyond_cluster(job_id, reply is not None and _beyond_cluster(reply))
@@ -213,9 +215,13 @@ class JobQueueing:
         """L1-2 published that a worker registered with slots (no job id; ``free_ranks`` free
         now): the queue's head may fit. (A reply to AllocateResources comes back to its
         command, not here.)"""
-        if msg.job_id or not msg.free_ranks:
+        if msg.job_id:
             return
         with self._lock:
+            if msg.gpu_slots or msg.cpu_slots:  # (fair share's denominators: teams.py)
+                self._capacity = {"gpu": msg.gpu_slots, "cpu": msg.cpu_slots}
+            if not msg.free_ranks:
+                return
             self._queue.clear_beyond_cluster()  # a job waiting for workers may fit now: it blocks until tried
             self._start_soon()
             if any(j.grow_to and j.status.state == JobState.RUNNING for j in self._jobs.values()):
@@ -261,11 +267,15 @@ class JobQueueing:
         the first that does not fit stays where it is, its status saying what it waits for,
         and the rest wait behind it -- unless it needs more ranks than the registered
         workers have slots: it waits for workers to join, holding back none of the jobs
-        behind it, which are tried next."""
+        behind it, which are tried next. Per device kind (scheduler/fair_share.py): a job of
+        kind gpu or cpu that does not fit, or that its team's per-kind bound or its cohort's idle
+        slots of its kind hold back, holds back the later jobs of that kind and the ``any`` ones;
+        the others are tried."""
         with self._lock:
             self._start_armed = None
-            held_teams: dict[str, str] = {}  # team -> its queued job its own limits hold back
-            held_cohorts: dict[str, str] = {}  # cohort -> the queued job waiting for its idle slots
+            held_teams = Holds()  # team, scope -> its queued job its own limits hold back
+            held_cohorts = Holds()  # cohort, kind -> the queued job waiting for its idle slots
+            no_room: dict[str, str] = {}  # kind -> the first job of it whose ranks did not fit the free slots
             for entry in self._queue.ordered():  # (the fair order across teams: teams.py)
                 if entry.job_id not in self._queue:  # (taken out meanwhile)
                     continue
@@ -276,21 +286,27 @@ class JobQueueing:
                     return
                 # Its team's quota (issue 30): a job it holds back holds back the later jobs of
                 # its team only (no overtaking within a team), not the other teams'.
-                team = team_of(job.status)
+                team, kind = team_of(job.status), kind_of(job)
                 cohort = self._quotas.cohort_of(team)
-                if team in held_teams:
-                    self._waiting(job, f"waits behind job {held_teams[team]} of team {team}")
+                blocker = next(((k, j) for k, j in no_room.items() if blocks(k, kind)), None)
+                if blocker is not None:  # (gang admission without backfill, per kind)
+                    self._waiting(
+                        job, f"waits behind job {blocker[1]}, first in line for {blocker[0]} slots to free up"
+                    )
                     continue
-                if cohort in held_cohorts:  # (scheduler/fair_share.py: the cohort's idle slots go in order)
-                    self._waiting(job, cohort_wait(held_cohorts[cohort], cohort))
+                if (ahead := held_teams.of(team, kind)) is not None:
+                    self._waiting(job, f"waits behind job {ahead} of team {team}")
+                    continue
+                if (ahead := held_cohorts.of(cohort, kind)) is not None:  # (the cohort's idle slots go in order)
+                    self._waiting(job, cohort_wait(ahead, cohort))
                     continue
                 quota = self._quota_admission(job)
                 if not quota.ok:
-                    self._quota_held[entry.job_id] = quota.kind
+                    self._quota_held[entry.job_id] = (quota.kind, quota.scope)
                     if quota.kind == WAIT_COHORT:
-                        held_cohorts[cohort] = entry.job_id
+                        held_cohorts.hold(cohort, kind, entry.job_id)
                     elif not quota.never:  # (one beyond its hard limit alone never starts: it holds no one back)
-                        held_teams[team] = entry.job_id
+                        held_teams.hold(team, quota.scope, entry.job_id)
                     self._waiting(job, quota.reason)
                     continue
                 self._quota_held.pop(entry.job_id, None)
@@ -331,7 +347,9 @@ class JobQueueing:
                         if not effect.beyond:
                             if reply is not None:
                                 self._preempt_for(job, reply)  # (lower priorities may make room: preemption.py)
-                            return
+                            if kind == "any":  # (it could have taken any slot: every later job waits)
+                                return
+                            no_room[kind] = entry.job_id
 
     def _waiting(self, job: _Job, why: str) -> None:
         """Under the lock: the queued ``job`` still waits, for ``why``: an event when the

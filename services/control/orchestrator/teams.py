@@ -8,7 +8,11 @@ the journaled admin commands (job_store's ``team_quotas``: a team set or removed
 keeps that across a restart, whatever the file says).
 
 Which jobs count towards a team's usage: those holding ranks (not queued, not ended, not
-parked with their ranks gone), by their current world size.
+parked with their ranks gone), by their current world size, per device kind (the spec's
+``parallel.device``: gpu, cpu or any; scheduler/admission.py says how each bound counts them).
+Fair share divides each kind's held slots by the placeable slots of that kind, as the
+allocator last offered them (``ResourcesReady.gpu_slots``/``cpu_slots``, at each worker's
+registration and each hold lifted).
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from services.control.job_queue import QueueEntry
 from services.control.orchestrator.job import JobState, _Job
 from services.control.orchestrator.refusals import BeyondHardLimit
 from services.control.scheduler import Admission, QuotaBook, QuotaFileError, TeamQuota, Waiting, admit, fair_order
-from services.control.scheduler.quotas import check_team_name, quota_from_fields
+from services.control.scheduler.admission import held as held_in
+from services.control.scheduler.fair_share import blocks
+from services.control.scheduler.quotas import KINDS, check_team_name, quota_from_fields
 from services.control.scheduler.reclaim import reclaim_victims
 
 UNLIMITED = -1  # TeamQuota's proto form of None (no bound)
@@ -32,6 +38,11 @@ _IDLE = (JobState.STANDBY, JobState.TERMINATED)
 
 def team_of(status: control_pb2.JobStatus) -> str:
     return status.team or "default"  # (a journal of a control before teams has none)
+
+
+def kind_of(job: _Job) -> str:
+    """The device kind ``job``'s ranks need: gpu, cpu or any (its spec's ``parallel.device``)."""
+    return job.spec.parallel.device_kind
 
 
 class Teams:
@@ -44,10 +55,14 @@ class Teams:
         for name, q in self._journal.load_team_quotas().items():
             book = book.without(name) if q is None else book.with_team(name, TeamQuota.model_validate(q))
         self._quotas = book  # immutable: replaced whole under the decision lock, read anywhere
-        # Queued jobs their team's quota holds back (job id -> admission kind): they hold back
-        # the later jobs of their own team only (of their cohort, for "cohort_full"; none, for
-        # "beyond_hard_limit"). Not journaled: at a restart each blocks until tried.
-        self._quota_held: dict[str, str] = {}
+        # Queued jobs their team's quota holds back (job id -> (admission kind, its scope: the
+        # device kind, or "" for all)): they hold back the later jobs of their own team only (of
+        # their cohort, for "cohort_full"; none, for "beyond_hard_limit"), of that kind. Not
+        # journaled: at a restart each blocks until tried.
+        self._quota_held: dict[str, tuple[str, str]] = {}
+        # The placeable slots per device kind, as the allocator last offered them (fair share's
+        # denominators; zeros until a worker registers: then the slot share, as before kinds).
+        self._capacity: dict[str, int] = dict.fromkeys(KINDS, 0)
         self._team_lock = threading.Lock()  # orders team commands: journal, then book (taken before the decision lock)
         self._queue.order = self._fair_entries
 
@@ -56,13 +71,14 @@ class Teams:
     def _holds_ranks(self, job: _Job) -> bool:
         return job.queued is None and job.status.state not in _IDLE and not job.parked
 
-    def _usage(self) -> dict[str, int]:
-        """Under the lock: slots held per team now."""
-        usage: dict[str, int] = {}
+    def _usage(self) -> dict[str, dict[str, int]]:
+        """Under the lock: slots held per team and device kind now."""
+        usage: dict[str, dict[str, int]] = {}
         for job in self._jobs.values():
             if self._holds_ranks(job):
-                team = team_of(job.status)
-                usage[team] = usage.get(team, 0) + job.status.world_size
+                per = usage.setdefault(team_of(job.status), {})
+                kind = kind_of(job)
+                per[kind] = per.get(kind, 0) + job.status.world_size
         return usage
 
     def _slots(self, job: _Job) -> int:
@@ -71,7 +87,7 @@ class Teams:
 
     def _quota_admission(self, job: _Job) -> Admission:
         """Under the lock: whether ``job``'s team's quota lets it start now."""
-        return admit(self._quotas, self._usage(), team_of(job.status), self._slots(job))
+        return admit(self._quotas, self._usage(), team_of(job.status), self._slots(job), kind_of(job))
 
     def _borrowed_of(self, job: _Job) -> int:
         """Under the lock: of ``job``'s ranks (its world size now), those beyond its team's
@@ -79,23 +95,24 @@ class Teams:
         ``borrowed`` for a job placed now). Recorded in ``JobStatus.borrowed_slots`` at every
         placement (a launch, a resume from the queue, a recovery's relaunch, a resize), so that
         reclaim.py finds the borrowers of the moment, not of their first launch."""
-        team = team_of(job.status)
-        nominal = self._quotas.get(team).nominal
+        team, kind = team_of(job.status), kind_of(job)
+        q = self._quotas.get(team)
+        nominal, scope = q.bound("nominal", kind) if kind in KINDS or not q.per_kind else (None, "")
         if nominal is None:
             return 0
         mine = job.status.world_size
-        others = sum(
+        others = sum(  # (the team's other jobs its nominal counts: every kind, or this kind and "any")
             j.status.world_size
             for j in self._jobs.values()
-            if j is not job and self._holds_ranks(j) and team_of(j.status) == team
+            if j is not job and self._holds_ranks(j) and team_of(j.status) == team and held_in({kind_of(j): 1}, scope)
         )
         return max(0, min(mine, others + mine - nominal))
 
     def _grow_room(self, job: _Job, free: int) -> int:
         """Under the lock: of ``free`` more ranks for the running ``job`` (growing back after a
         shrink), how many its team's quota admits now (0..free)."""
-        usage, team = self._usage(), team_of(job.status)
-        return next((n for n in range(free, 0, -1) if admit(self._quotas, usage, team, n).ok), 0)
+        usage, team, kind = self._usage(), team_of(job.status), kind_of(job)
+        return next((n for n in range(free, 0, -1) if admit(self._quotas, usage, team, n, kind).ok), 0)
 
     def _reclaimable(self, head: _Job, needs: int, free: int) -> list[str]:
         """Under the lock: the running jobs of other teams of ``head``'s cohort on borrowed
@@ -109,19 +126,21 @@ class Teams:
                 priority=j.status.priority,
                 started=j.running_since,
                 borrowed=j.status.borrowed_slots,
+                kind=kind_of(j),
             )
             for j in self._jobs.values()
             if j is not head and self._holds_ranks(j)
         ]
-        return reclaim_victims(self._quotas, self._usage(), team_of(head.status), needs, free, running)
+        return reclaim_victims(self._quotas, self._usage(), team_of(head.status), needs, free, running, kind_of(head))
 
-    def _check_hard_limit(self, team: str, slots: int, source: str) -> None:
-        """A submit of ``slots`` for ``team``: refused when beyond the team's hard limit alone.
+    def _check_hard_limit(self, team: str, slots: int, source: str, kind: str = "any") -> None:
+        """A submit of ``slots`` of device ``kind`` for ``team``: refused when beyond the team's
+        hard limit alone, or of kind ``any`` for a team whose quota is per device kind.
 
         Raises:
             BeyondHardLimit: one line naming the file, the team and the limit.
         """
-        a = admit(self._quotas, {}, team, slots)
+        a = admit(self._quotas, {}, team, slots, kind)
         if a.never:
             raise BeyondHardLimit(f"{source}: team: {a.reason}")
 
@@ -129,12 +148,13 @@ class Teams:
         """The queue's entries (by key) in the fair order across teams (scheduler/fair_share.py)."""
         by_id = {e.job_id: e for e in entries}
         waiting = [self._waiting_of(e) for e in entries]
-        return [by_id[w.job_id] for w in fair_order(waiting, self._usage(), self._quotas, 1)]
+        return [by_id[w.job_id] for w in fair_order(waiting, self._usage(), self._quotas, self._capacity)]
 
     def _waiting_of(self, e: QueueEntry) -> Waiting:
         job = self._jobs.get(e.job_id)
-        team, slots = ("default", 1) if job is None else (team_of(job.status), self._slots(job))
-        return Waiting(e.job_id, team, slots, e.priority, e.seq, e.first)
+        if job is None:
+            return Waiting(e.job_id, "default", 1, e.priority, e.seq, e.first)
+        return Waiting(e.job_id, team_of(job.status), self._slots(job), e.priority, e.seq, e.first, kind_of(job))
 
     def _ahead_at_submit(self, job: _Job, priority: int) -> bool:
         """Under the lock: whether a queued job comes before the new ``job`` in the fair order
@@ -142,20 +162,24 @@ class Teams:
         it, one of the same team; if its cohort's idle slots, one of the same cohort."""
         if not len(self._queue):
             return False
-        team = team_of(job.status)
-        new = Waiting(job.status.job_id, team, job.spec.world_size, priority, 1 << 62)
+        team, kind = team_of(job.status), kind_of(job)
+        new = Waiting(job.status.job_id, team, job.spec.world_size, priority, 1 << 62, kind=kind)
         queued = [self._waiting_of(e) for e in sorted(self._queue.ordered(), key=QueueEntry.key)]
-        for w in fair_order([*queued, new], self._usage(), self._quotas, 1):
+        for w in fair_order([*queued, new], self._usage(), self._quotas, self._capacity):
             if w.job_id == new.job_id:
                 return False
             if self._queue.beyond_cluster(w.job_id):
                 continue
-            held = self._quota_held.get(w.job_id)
+            held, scope = self._quota_held.get(w.job_id, ("", ""))
             if held == "beyond_hard_limit":
                 continue
-            if held == "cohort_full" and self._quotas.cohort_of(w.team) != self._quotas.cohort_of(team):
+            if held == "cohort_full" and (
+                self._quotas.cohort_of(w.team) != self._quotas.cohort_of(team) or not blocks(w.kind, kind)
+            ):
                 continue
-            if held and held != "cohort_full" and w.team != team:
+            if held and held != "cohort_full" and (w.team != team or not blocks(scope, kind)):
+                continue
+            if not held and not blocks(w.kind, kind):  # (waiting for slots of another kind)
                 continue
             return True
         return False
@@ -179,9 +203,9 @@ class Teams:
             q = msg.quota
             quota = quota_from_fields(
                 {
-                    "nominal": None if q.nominal == UNLIMITED else q.nominal,
-                    "borrow_limit": None if q.borrow_limit == UNLIMITED else q.borrow_limit,
-                    "hard_limit": None if q.hard_limit == UNLIMITED else q.hard_limit,
+                    "nominal": _bound_of(q, "nominal"),
+                    "borrow_limit": _bound_of(q, "borrow_limit"),
+                    "hard_limit": _bound_of(q, "hard_limit"),
                     "weight": q.weight,
                     "cohort": q.cohort or "default",
                 }
@@ -202,6 +226,7 @@ class Teams:
         jobs, _ = self._views.listing()
         book = self._quotas
         used: dict[str, int] = {}
+        used_kind: dict[str, dict[str, int]] = {}  # team -> gpu/cpu slots held by its jobs of that kind
         running: dict[str, int] = {}
         waiting: dict[str, int] = {}
         queue = []
@@ -220,32 +245,60 @@ class Teams:
                         slots=s.world_size,
                         reason=s.message.removeprefix("queued: "),
                         waiting_seconds=max(0.0, now - (s.queued_unix or s.created_unix)),
+                        device=s.device or "any",
                     )
                 )
             elif s.state not in _IDLE and not s.drained:
                 used[team] = used.get(team, 0) + s.world_size
+                per = used_kind.setdefault(team, {})
+                per[s.device or "any"] = per.get(s.device or "any", 0) + s.world_size
                 running[team] = running.get(team, 0) + 1
         teams = []
         for name in sorted(set(book.teams) | set(used) | set(waiting)):
             q = _quota_msg(name, book.get(name), name in book.teams)
             q.used, q.running_jobs, q.waiting_jobs = used.get(name, 0), running.get(name, 0), waiting.get(name, 0)
-            nominal = book.get(name).nominal
-            q.borrowed = 0 if nominal is None else max(0, q.used - nominal)
+            per = used_kind.get(name, {})
+            q.used_by_kind.gpu, q.used_by_kind.cpu = per.get("gpu", 0), per.get("cpu", 0)
+            quota = book.get(name)
+            for kind in KINDS:  # (borrowed per kind: beyond a per-kind nominal, this kind's and "any" jobs')
+                nominal, scope = quota.bound("nominal", kind)
+                if scope and nominal is not None:
+                    setattr(q.borrowed_by_kind, kind, max(0, held_in(per, kind) - nominal))
+            if not isinstance(quota.nominal, dict):
+                q.borrowed = 0 if quota.nominal is None else max(0, q.used - quota.nominal)
+            else:
+                q.borrowed = q.borrowed_by_kind.gpu + q.borrowed_by_kind.cpu
             teams.append(q)
         queue.sort(key=lambda j: j.position)
-        return control_pb2.TeamList(teams=teams, default_quota=_quota_msg("", book.default, False), queue=queue)
+        return control_pb2.TeamList(
+            teams=teams,
+            default_quota=_quota_msg("", book.default, False),
+            queue=queue,
+            cluster_slots=sum(self._capacity.values()),
+            cluster_by_kind=control_pb2.KindSlots(**self._capacity),
+        )
 
 
 def _quota_msg(name: str, q: TeamQuota, configured: bool) -> control_pb2.TeamQuota:
     def bound(v: int | None) -> int:
         return UNLIMITED if v is None else v
 
-    return control_pb2.TeamQuota(
-        name=name,
-        nominal=bound(q.nominal),
-        borrow_limit=bound(q.borrow_limit),
-        hard_limit=bound(q.hard_limit),
-        weight=q.weight,
-        cohort=q.cohort,
-        configured=configured,
-    )
+    msg = control_pb2.TeamQuota(name=name, weight=q.weight, cohort=q.cohort, configured=configured)
+    for field in ("nominal", "borrow_limit", "hard_limit"):
+        value = getattr(q, field)
+        if isinstance(value, dict):  # (per kind: the int field is not read; -1 there says so to old readers)
+            setattr(msg, field, UNLIMITED)
+            getattr(msg, f"{field}_by_kind").CopyFrom(control_pb2.KindSlots(**{k: bound(value[k]) for k in KINDS}))
+        else:
+            setattr(msg, field, bound(value))
+    return msg
+
+
+def _bound_of(q: control_pb2.TeamQuota, field: str) -> int | dict[str, int | None] | None:
+    """A bound of a TeamQuota message: per kind when its ``*_by_kind`` is set, else the int
+    (-1: none)."""
+    if q.HasField(f"{field}_by_kind"):
+        per = getattr(q, f"{field}_by_kind")
+        return {k: None if getattr(per, k) == UNLIMITED else getattr(per, k) for k in KINDS}
+    value = getattr(q, field)
+    return None if value == UNLIMITED else value

@@ -142,7 +142,9 @@ def _waits_for(job: _Job, reply: control_pb2.ResourcesInsufficient, spec: JobSpe
     n = reply.requested_ranks or job.status.world_size
     needs = f"needs {n} rank{'' if n == 1 else 's'} ({_degrees(spec or job.spec)})"
     if _beyond_cluster(reply):
-        return f"{needs}, more than the {reply.registered_ranks} registered: waits for workers to join"
+        kind = (spec or job.spec).parallel.device_kind  # (the allocator counted that kind's slots only)
+        of = "" if kind == "any" else f" {kind} slots"
+        return f"{needs}, more than the {reply.registered_ranks}{of} registered: waits for workers to join"
     return f"{needs}; {reply.reason}: waits for ranks to free up"
 
 

@@ -24,6 +24,7 @@ from services.control.resource_allocator.slots import (
     _link_probe,
     _memory_peer,
     _memory_quota,
+    _of_kind,
     _Placement,
     _rank_memory,
     _reachable_host,
@@ -127,11 +128,14 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
             cordoned = sorted(w for w in self._cordons if w in self._workers and w not in excluded)
             usable = [w for w in self._workers.values() if w.reg.worker_id not in excluded and self._placeable(w)]
             need = _rank_memory(spec)
-            slots = [(w, s) for w in usable for s in range(w.reg.slots)]
+            kind = spec.parallel.device_kind  # (issue 30: a job's ranks go to slots of its kind only)
+            slots = [(w, s) for w in usable for s in range(w.reg.slots) if _of_kind(w, s, kind)]
             fit = sum(_memory_quota(w, s) >= need for w, s in slots)
             if fit < msg.world_size and fit < len(slots):  # (too few slots at all: wait for workers)
-                return self._does_not_fit(msg, usable, need)
-            free = sum(1 for w in usable for s in w.free_slots() if _memory_quota(w, s) >= need)
+                return self._does_not_fit(msg, usable, need, kind)
+            free = sum(
+                1 for w in usable for s in w.free_slots() if _of_kind(w, s, kind) and _memory_quota(w, s) >= need
+            )
             if free < msg.world_size:
                 # The placeable workers, and how many are registered when some are not (a
                 # draining or cordoned one counts as registered, not as placeable).
@@ -139,7 +143,8 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
                 on = f"{len(usable)} registered worker{'' if len(usable) == 1 else 's'}"
                 if registered > len(usable):
                     on = f"{len(usable)} placeable of {registered} registered workers"
-                reason = f"{free} {'is' if free == 1 else 'are'} free on {on}"
+                what = "" if kind == "any" else f" {kind} slot{'' if free == 1 else 's'}"
+                reason = f"{free}{what} {'is' if free == 1 else 'are'} free on {on}"
                 if excluded:
                     reason += f" (excluding {', '.join(sorted(excluded))})"
                 if departing:
@@ -148,11 +153,11 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
                     reason += f" ({'; '.join(f'{w} cordoned: {self._cordons[w].reason}' for w in cordoned)})"
                 if held:
                     reason += f" ({'; '.join(self._holds[w] for w in held)})"
-                return self._insufficient(msg, free, reason)
+                return self._insufficient(msg, free, reason, kind)
             picks: list[tuple[_Worker, int]] = []
             for w in usable:
                 for slot in w.free_slots():
-                    if len(picks) < msg.world_size and _memory_quota(w, slot) >= need:
+                    if len(picks) < msg.world_size and _of_kind(w, slot, kind) and _memory_quota(w, slot) >= need:
                         picks.append((w, slot))
             kinds = {_device_kind(w, s) for w, s in picks}
             backend = msg.backend if msg.backend in ("gloo", "nccl") else ("nccl" if kinds == {"cuda"} else "gloo")
@@ -259,12 +264,16 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
         return generation
 
     def _insufficient(
-        self, msg: control_pb2.AllocateResources, available: int, reason: str
+        self, msg: control_pb2.AllocateResources, available: int, reason: str, kind: str = "any"
     ) -> control_pb2.ResourcesInsufficient:
+        """The refusal; ``registered_ranks`` counts the slots of the job's ``kind`` only (a gpu
+        job on a cluster with fewer GPUs than its ranks waits for workers to join)."""
         registered = sum(
-            w.reg.slots
+            1
             for w in self._workers.values()
             if self._placeable(w) and w.reg.worker_id not in msg.exclude_worker_ids
+            for s in range(w.reg.slots)
+            if _of_kind(w, s, kind)
         )
         return control_pb2.ResourcesInsufficient(
             job_id=msg.job_id,
@@ -275,12 +284,13 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
         )
 
     def _does_not_fit(
-        self, msg: control_pb2.AllocateResources, usable: list[_Worker], need: int
+        self, msg: control_pb2.AllocateResources, usable: list[_Worker], need: int, kind: str = "any"
     ) -> control_pb2.ResourcesInsufficient:
         """Under the lock: the refusal of a job whose memory per rank fits too few registered
-        slots, naming the estimate and the largest slot."""
+        slots (of its ``kind``), naming the estimate and the largest slot."""
         size, w, slot = max(
-            ((_memory_quota(w, s), w, s) for w in usable for s in range(w.reg.slots)), key=lambda t: t[0]
+            ((_memory_quota(w, s), w, s) for w in usable for s in range(w.reg.slots) if _of_kind(w, s, kind)),
+            key=lambda t: t[0],
         )
         largest = f"{_device_name(w, slot)} of {w.reg.worker_id}"
         if _device_kind(w, slot) == "cuda":
@@ -293,6 +303,7 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
             0,
             f"memory per rank {human_bytes(need)} (estimated) fits no registered slot for {msg.world_size} "
             f"rank{'' if msg.world_size == 1 else 's'}: the largest is {human_bytes(size)}, {largest}",
+            kind,
         )
         reply.rank_memory_bytes, reply.largest_memory_bytes, reply.largest = need, size, largest
         return reply

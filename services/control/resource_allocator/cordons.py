@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.contract import control_pb2
-from services.control.resource_allocator.slots import _Worker
+from services.control.resource_allocator.slots import _slot_kind, _Worker
 
 
 class Cordons:
@@ -66,10 +66,21 @@ class Cordons:
                 self._holds[msg.worker_id] = msg.reason or f"{msg.worker_id} held"
                 return control_pb2.WorkerCordoned(worker_id=msg.worker_id, reason=msg.reason, unix_time=msg.unix_time)
             ended = self._holds.pop(msg.worker_id, None) is not None
-            free = sum(len(w.free_slots()) for w in self._workers.values() if self._placeable(w))
+            offer = self._offer()
         if ended:  # (outside the lock, like every send)
-            self._emit(control_pb2.ResourcesReady(free_ranks=free))
+            self._emit(offer)
         return control_pb2.WorkerCordoned(worker_id=msg.worker_id, reason=msg.reason, cleared=True)
+
+    def _offer(self) -> control_pb2.ResourcesReady:
+        """Under the lock: the slots free on the placeable workers, and their registered slots
+        per device kind (what L1-1's fair share divides each kind's held slots by)."""
+        placeable = [w for w in self._workers.values() if self._placeable(w)]
+        gpu = sum(1 for w in placeable for s in range(w.reg.slots) if _slot_kind(w, s) == "gpu")
+        return control_pb2.ResourcesReady(
+            free_ranks=sum(len(w.free_slots()) for w in placeable),
+            gpu_slots=gpu,
+            cpu_slots=sum(w.reg.slots for w in placeable) - gpu,
+        )
 
     def _placeable(self, w: _Worker) -> bool:
         """Under the lock: may new ranks be placed on ``w`` (not leaving, not cordoned, not held)."""

@@ -12,6 +12,7 @@ from services.control.resource_allocator.slots import (
     _link_probe,
     _memory_peer,
     _memory_quota,
+    _of_kind,
     _reachable_host,
     _Worker,
 )
@@ -103,6 +104,7 @@ class Rebuild:
             excluded = set(allocated.exclude_worker_ids) | set(msg.exclude_worker_ids)
             usable = [w for w in self._workers.values() if w.reg.worker_id not in excluded and self._placeable(w)]
             picks: list[tuple[_Worker, int]] = []
+            kind = spec_from_json(allocated.init.spec_json).parallel.device_kind if allocated.init.spec_json else "any"
             holds = [self._holds[w] for w in sorted(self._holds) if w in self._workers]
             held = f" ({'; '.join(holds)})" if holds else ""  # (why a node is out: its agent is silent)
             for r in launched:
@@ -110,7 +112,13 @@ class Rebuild:
                 candidates = ([own] if own in usable else []) + [w for w in usable if w is not own]
                 taken = {(w.reg.worker_id, s) for w, s in picks}
                 spot = next(
-                    ((w, s) for w in candidates for s in w.free_slots() if (w.reg.worker_id, s) not in taken), None
+                    (
+                        (w, s)
+                        for w in candidates
+                        for s in w.free_slots()
+                        if (w.reg.worker_id, s) not in taken and _of_kind(w, s, kind)
+                    ),
+                    None,
                 )
                 if spot is None:
                     what = f"a replacement of rank {r}" if r < old_world else f"new rank {r}"

@@ -87,10 +87,10 @@ class Registry:
                     # the re-attached set) is replaced in place, not the whole job relaunched.
                     self._placement_from_reattach(self._allocations[launch.job_id])
             self._workers[msg.worker_id] = worker  # a known id keeps its place in the order
-            free = sum(len(w.free_slots()) for w in self._workers.values() if self._placeable(w))
+            offer = self._offer()
         if cleared is not None:  # (outside the lock, like every send; before the slots are offered)
             self._emit(cleared)
-        self._emit(control_pb2.ResourcesReady(free_ranks=free))
+        self._emit(offer)
 
     def on_memory_pressure(self, msg: control_pb2.MemoryPressure, payload: Any = None) -> None:
         """显存溢出上报事件: publish ``ResourcePressure`` (显存资源紧张告警事件) naming the

@@ -51,6 +51,16 @@ def _device_kind(w: _Worker, slot: int) -> str:
     return "cuda" if slot < len(devices) else "cpu"
 
 
+def _slot_kind(w: _Worker, slot: int) -> str:
+    """The scheduler's name of the slot's kind (issue 30): ``gpu`` (a CUDA device) or ``cpu``."""
+    return "gpu" if _device_kind(w, slot) == "cuda" else "cpu"
+
+
+def _of_kind(w: _Worker, slot: int, kind: str) -> bool:
+    """Whether a job asking for ``kind`` (``gpu``, ``cpu`` or ``any``) may run a rank on the slot."""
+    return kind == "any" or _slot_kind(w, slot) == kind
+
+
 def _device_name(w: _Worker, slot: int) -> str:
     devices = [d for d in w.reg.devices if d.kind == "cuda"]
     return f"cuda:{devices[slot].index}" if slot < len(devices) else "cpu"

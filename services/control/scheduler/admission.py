@@ -15,6 +15,16 @@ Rules, in order (slots: a job's world size):
 
 ``borrowed`` (what a started job runs on beyond its team's nominal) is recorded with the job:
 its ranks are the first reclaimed (reclaim.py) when the lenders need their nominal back.
+
+Device kinds (quotas.py): a job is of kind ``gpu``, ``cpu`` or ``any`` (its spec's
+``parallel.device``); usage is counted per (team, kind). Each rule reads its bound's scope: an
+int bound counts the team's slots of every kind together, a per-kind bound the team's slots
+of the job's kind (and, conservatively, its ``any`` jobs', which may hold either kind). A team
+with a per-kind bound refuses ``any`` jobs (rule 1's NEVER: the job must name its kind). The
+answer's ``scope`` is the kind a wait is about ("" every kind): a job held by its team's gpu
+limit does not hold back the team's cpu jobs. A cohort lends per kind: the idle nominal of a
+kind is its members' per-kind nominal of that kind plus their int nominal, minus their slots
+of that kind and of ``any``, never more than the whole cohort's idle nominal.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from services.control.scheduler.quotas import QuotaBook
+from services.control.scheduler.quotas import KINDS, QuotaBook, TeamQuota
 
 ADMITTED, WAIT_HARD_LIMIT, WAIT_BORROW_LIMIT, WAIT_COHORT, NEVER = (
     "admitted",
@@ -37,11 +47,13 @@ ADMITTED, WAIT_HARD_LIMIT, WAIT_BORROW_LIMIT, WAIT_COHORT, NEVER = (
 @dataclass(frozen=True)
 class Admission:
     """One answer of :func:`admit`: ``kind`` (ADMITTED or why not), ``borrowed`` (the slots
-    beyond nominal it would run on), ``reason`` (one line for people, "" when admitted)."""
+    beyond nominal it would run on), ``reason`` (one line for people, "" when admitted),
+    ``scope`` (the device kind a wait is about: "gpu"/"cpu", or "" for every kind)."""
 
     kind: str
     borrowed: int = 0
     reason: str = ""
+    scope: str = ""
 
     @property
     def ok(self) -> bool:
@@ -52,67 +64,124 @@ class Admission:
         return self.kind == NEVER
 
 
-def team_usage(running: Iterable) -> dict[str, int]:
-    """Slots held per team by ``running`` (anything with ``team`` and ``slots``)."""
-    usage: dict[str, int] = {}
+Usage = Mapping[str, Mapping[str, int] | int]  # team -> slots held per job kind (an int: of every kind)
+
+
+def team_usage(running: Iterable) -> dict[str, dict[str, int]]:
+    """Slots held per team and job kind by ``running`` (anything with ``team`` and ``slots``,
+    and ``kind``: gpu, cpu or any; none: any)."""
+    usage: dict[str, dict[str, int]] = {}
     for r in running:
-        usage[r.team] = usage.get(r.team, 0) + r.slots
+        per = usage.setdefault(r.team, {})
+        kind = getattr(r, "kind", "any")
+        per[kind] = per.get(kind, 0) + r.slots
     return usage
 
 
-def cohort_idle(book: QuotaBook, usage: Mapping[str, int], cohort: str) -> float:
-    """The idle nominal slots of ``cohort``: its teams' nominal minus their usage (inf when a
-    team of it, or the default for teams with no entry, has an unlimited nominal)."""
+def held(per_kind: Mapping[str, int] | int | None, scope: str) -> int:
+    """A team's slots held in ``scope`` ("": every kind; a kind: that kind's and its ``any``
+    jobs')."""
+    if per_kind is None:
+        return 0
+    if isinstance(per_kind, int):
+        return per_kind
+    if not scope:
+        return sum(per_kind.values())
+    return per_kind.get(scope, 0) + per_kind.get("any", 0)
+
+
+def cohort_idle(book: QuotaBook, usage: Usage, cohort: str, kind: str = "any") -> float:
+    """The idle nominal slots of ``cohort`` a job of ``kind`` may borrow (module docstring; inf
+    when a team of it, or the default for teams with no entry, has an unlimited nominal)."""
+    pools = {"gpu": 0.0, "cpu": 0.0, "int": 0.0}  # per-kind nominal of each kind, int nominal
+
+    def add(q: TeamQuota) -> bool:
+        if q.nominal is None:
+            return False
+        if isinstance(q.nominal, dict):
+            for k in KINDS:
+                pools[k] += math.inf if q.nominal[k] is None else q.nominal[k]
+        else:
+            pools["int"] += q.nominal
+        return True
+
     if book.default.cohort == cohort and book.default.nominal is None:
         return math.inf
-    nominal = 0
     members = {t for t, q in book.teams.items() if q.cohort == cohort}
     for t in members:
-        n = book.teams[t].nominal
-        if n is None:
+        if not add(book.teams[t]):
             return math.inf
-        nominal += n
     # Teams with no entry fall under the default: its nominal counts once per team using it.
-    used = 0
+    used = {"gpu": 0, "cpu": 0, "any": 0}
     for t, u in usage.items():
-        if t in members:
-            used += u
-        elif t not in book.teams and book.default.cohort == cohort:
-            nominal += book.default.nominal or 0
-            used += u
-    return nominal - used
+        if t in members or (t not in book.teams and book.default.cohort == cohort):
+            if t not in members:
+                add(book.default)
+            if isinstance(u, int):
+                used["any"] += u
+            else:
+                for k, n in u.items():
+                    used[k] = used.get(k, 0) + n
+    idle = pools["gpu"] + pools["cpu"] + pools["int"] - sum(used.values())
+    if kind in KINDS:  # (that kind's own pool and the int pool; "any" jobs may hold either kind)
+        idle = min(idle, pools[kind] + pools["int"] - used[kind] - used["any"])
+    return idle
 
 
-def admit(book: QuotaBook, usage: Mapping[str, int], team: str, slots: int) -> Admission:
-    """Whether a job of ``team`` needing ``slots`` slots may start given ``usage`` (slots held
-    per team by running jobs), by the rules of the module docstring."""
+def admit(book: QuotaBook, usage: Usage, team: str, slots: int, kind: str = "any") -> Admission:
+    """Whether a job of ``team`` and device ``kind`` (gpu, cpu, any) needing ``slots`` slots may
+    start given ``usage`` (slots held per team and job kind by running jobs), by the rules of the
+    module docstring."""
     q = book.get(team)
-    held = usage.get(team, 0)
-    if q.hard_limit is not None and slots > q.hard_limit:
-        return Admission(NEVER, reason=f"needs {slots} slots, beyond team {team}'s hard limit of {q.hard_limit}")
-    if q.hard_limit is not None and held + slots > q.hard_limit:
+    if kind not in KINDS and q.per_kind:
+        return Admission(
+            NEVER,
+            reason=(
+                f"team {team}'s quota is per device kind: the job must say parallel.device: gpu or cpu "
+                "(or backend nccl), not any"
+            ),
+        )
+    mine = usage.get(team)
+    hard, hs = q.bound("hard_limit", kind)
+    unit = f"{hs} slots" if hs else "slots"
+    if hard is not None and slots > hard:
+        return Admission(
+            NEVER, reason=f"needs {slots} {unit}, beyond team {team}'s {hs + ' ' if hs else ''}hard limit of {hard}"
+        )
+    used = held(mine, hs)
+    if hard is not None and used + slots > hard:
         return Admission(
             WAIT_HARD_LIMIT,
-            reason=f"team {team} at its hard limit ({held} of {q.hard_limit} slots held, this job needs {slots})",
+            reason=(
+                f"team {team} at its {hs + ' ' if hs else ''}hard limit ({used} of {hard} {unit} held, "
+                f"this job needs {slots})"
+            ),
+            scope=hs,
         )
-    if q.nominal is None or held + slots <= q.nominal:
+    nominal, ns = q.bound("nominal", kind)
+    used = held(mine, ns)
+    if nominal is None or used + slots <= nominal:
         return Admission(ADMITTED)
-    borrowed = held + slots - q.nominal  # the team's slots beyond nominal once it runs
-    if q.borrow_limit is not None and borrowed > q.borrow_limit:
+    of = f" {ns}" if ns else ""
+    borrowed = used + slots - nominal  # the team's slots beyond nominal once it runs
+    limit, _ = q.bound("borrow_limit", kind)
+    if limit is not None and borrowed > limit:
         return Admission(
             WAIT_BORROW_LIMIT,
             reason=(
-                f"team {team} beyond its nominal {q.nominal} would borrow {borrowed} slots, "
-                f"over its borrow limit of {q.borrow_limit}"
+                f"team {team} beyond its{of} nominal {nominal} would borrow {borrowed}{of} slots, "
+                f"over its borrow limit of {limit}"
             ),
+            scope=ns,
         )
-    idle = cohort_idle(book, usage, q.cohort)
+    idle = cohort_idle(book, usage, q.cohort, kind)
     if idle < slots:
         return Admission(
             WAIT_COHORT,
             reason=(
-                f"team {team} beyond its nominal {q.nominal} ({held} held) and cohort {q.cohort} has "
-                f"{max(0, int(idle))} idle nominal slots to lend, this job needs {slots}"
+                f"team {team} beyond its{of} nominal {nominal} ({used} held) and cohort {q.cohort} has "
+                f"{max(0, int(idle))} idle nominal{of} slots to lend, this job needs {slots}"
             ),
+            scope=kind if kind in KINDS else "",
         )
     return Admission(ADMITTED, borrowed=min(slots, borrowed))

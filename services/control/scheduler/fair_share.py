@@ -5,10 +5,13 @@ Fairness", NSDI 2011, with weights as in its section 4.3): the next job tried is
 the team whose share once that job starts, ``(slots held by its running jobs and those picked
 ahead in this order + the job's slots) / cluster slots / weight``, is the lowest (counting the
 job itself keeps a team of small weight from overshooting its share with every large job it
-starts: measured in tests/control/test_scheduler_policy.py); ties go to the head with the higher priority, then the older. Slots
-are one kind here (a job spec asks for ranks, not a device kind), so the dominant share is the
-slot share. Within a team: priority (higher first), then submission order, as the queue before
-issue 30. A drained job's queued resume (``first``) goes ahead of everything, as before.
+starts: measured in tests/control/test_scheduler_policy.py); ties go to the head with the higher priority, then the older.
+The dominant share is the largest over the resources: each device kind's slots held
+(``gpu``, ``cpu``) over that kind's capacity, and all the slots held (``any`` jobs' included)
+over the cluster's; a kind of no known capacity (an int ``capacity``, a cluster without GPUs)
+is left out, so with one kind the share is the slot share, as before device kinds. Within a
+team: priority (higher first), then submission order, as the queue before issue 30. A drained
+job's queued resume (``first``) goes ahead of everything, as before.
 
 One pass (:func:`schedule`) walks that order once:
 - a job needing more slots than the cluster has holds no one back (it waits for workers);
@@ -22,6 +25,10 @@ One pass (:func:`schedule`) walks that order once:
 - a job the quota admits but whose ranks do not fit the free slots holds back every job after
   it in the order (gang admission without backfill: nothing is partially held, and a large job
   is not starved by small ones, as before issue 30).
+Per device kind: a hold by a per-kind bound (``Admission.scope``), a cohort's wait for a
+kind's idle slots and a job of kind ``gpu``/``cpu`` whose ranks do not fit hold back the later
+jobs of that kind and the ``any`` jobs only (a gpu job waiting for GPUs does not keep a cpu job
+off free CPU slots); an ``any`` job holds back every kind.
 With a single team (every job in "default"), the order and the pass are the queue's before
 issue 30.
 """
@@ -32,8 +39,8 @@ import heapq
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from services.control.scheduler.admission import WAIT_COHORT, Admission, admit, team_usage
-from services.control.scheduler.quotas import QuotaBook
+from services.control.scheduler.admission import WAIT_COHORT, Admission, Usage, admit, held, team_usage
+from services.control.scheduler.quotas import KINDS, QuotaBook
 
 # What ``try_start`` answers in a pass.
 STARTED, NO_ROOM, BEYOND_CLUSTER, GONE = "started", "no_room", "beyond_cluster", "gone"
@@ -41,7 +48,8 @@ STARTED, NO_ROOM, BEYOND_CLUSTER, GONE = "started", "no_room", "beyond_cluster",
 
 @dataclass(frozen=True)
 class Waiting:
-    """A queued job: ``slots`` (its ranks), ``priority``, ``seq`` (submission order)."""
+    """A queued job: ``slots`` (its ranks), ``priority``, ``seq`` (submission order), ``kind``
+    (the device kind its ranks need: gpu, cpu or any)."""
 
     job_id: str
     team: str
@@ -49,6 +57,7 @@ class Waiting:
     priority: int = 0
     seq: int = 0
     first: bool = False
+    kind: str = "any"
 
     def key(self) -> tuple[bool, int, int]:
         return (not self.first, -self.priority, self.seq)
@@ -57,7 +66,7 @@ class Waiting:
 @dataclass(frozen=True)
 class Running:
     """A running job: ``started`` (unix seconds), ``borrowed`` (its slots beyond its team's
-    nominal, recorded at its start)."""
+    nominal, recorded at its start), ``kind`` (gpu, cpu or any)."""
 
     job_id: str
     team: str
@@ -65,6 +74,7 @@ class Running:
     priority: int = 0
     started: float = 0.0
     borrowed: int = 0
+    kind: str = "any"
 
 
 @dataclass
@@ -77,86 +87,167 @@ class Pass:
     order: list[str] = field(default_factory=list)
 
 
-def share(book: QuotaBook, team: str, held: int, capacity: int) -> float:
-    """``team``'s weighted dominant share holding ``held`` of ``capacity`` slots."""
-    return held / max(capacity, 1) / book.get(team).weight
+Capacity = int | Mapping[str, int]  # the cluster's slots, or its slots per device kind
 
 
-def fair_order(waiting: Iterable[Waiting], usage: Mapping[str, int], book: QuotaBook, capacity: int) -> list[Waiting]:
+def _capacities(capacity: Capacity) -> tuple[int, dict[str, int]]:
+    """(all slots, slots per kind known) of ``capacity``."""
+    if isinstance(capacity, int):
+        return capacity, {}
+    return sum(capacity.get(k, 0) for k in KINDS), {k: capacity[k] for k in KINDS if capacity.get(k)}
+
+
+_Caps = tuple[int, int, int]  # (all slots (at least 1), gpu slots, cpu slots; 0: not known)
+_Held = tuple[int, int, int]  # (all slots held, gpu slots held, cpu slots held)
+
+
+def _caps(capacity: Capacity) -> _Caps:
+    total, kinds = _capacities(capacity)
+    return max(total, 1), kinds.get("gpu", 0), kinds.get("cpu", 0)
+
+
+def _held(per_kind: Mapping[str, int] | int | None) -> _Held:
+    if per_kind is None:
+        return (0, 0, 0)
+    if isinstance(per_kind, int):
+        return (per_kind, 0, 0)
+    return (sum(per_kind.values()), per_kind.get("gpu", 0), per_kind.get("cpu", 0))
+
+
+def _with(h: _Held, kind: str, slots: int) -> _Held:
+    return (h[0] + slots, h[1] + (slots if kind == "gpu" else 0), h[2] + (slots if kind == "cpu" else 0))
+
+
+def _dominant(h: _Held, caps: _Caps) -> float:
+    d = h[0] / caps[0]
+    if caps[1]:
+        d = max(d, h[1] / caps[1])
+    if caps[2]:
+        d = max(d, h[2] / caps[2])
+    return d
+
+
+def dominant(per_kind: Mapping[str, int] | int | None, capacity: Capacity) -> float:
+    """The dominant share of a team holding ``per_kind`` (slots per job kind) of ``capacity``."""
+    return _dominant(_held(per_kind), _caps(capacity))
+
+
+def share(book: QuotaBook, team: str, held: Mapping[str, int] | int | None, capacity: Capacity) -> float:
+    """``team``'s weighted dominant share holding ``held`` (slots per job kind, or an int: of
+    every kind) of ``capacity``."""
+    return dominant(held, capacity) / book.get(team).weight
+
+
+def _plus(held: Mapping[str, int] | int | None, kind: str, slots: int) -> dict[str, int]:
+    out = {"any": held} if isinstance(held, int) else dict(held or {})
+    out[kind] = out.get(kind, 0) + slots
+    return out
+
+
+def fair_order(waiting: Iterable[Waiting], usage: Usage, book: QuotaBook, capacity: Capacity) -> list[Waiting]:
     """The waiting jobs in the order to try them (module docstring). O(n log n)."""
     per_team: dict[str, list[Waiting]] = {}
     firsts: list[Waiting] = []
     for w in waiting:
         (firsts if w.first else per_team.setdefault(w.team, [])).append(w)
     firsts.sort(key=Waiting.key)
-    held = dict(usage)
+    caps = _caps(capacity)
+    held: dict[str, _Held] = {t: _held(u) for t, u in usage.items()}
     heap = []
     for team, jobs in per_team.items():
         jobs.sort(key=Waiting.key, reverse=True)  # (popped from the end)
-        head = jobs[-1]
-        heapq.heappush(heap, (share(book, team, held.get(team, 0) + head.slots, capacity), head.key(), team))
+        head, weight = jobs[-1], book.get(team).weight
+        h = held.get(team, (0, 0, 0))
+        heapq.heappush(heap, (_dominant(_with(h, head.kind, head.slots), caps) / weight, head.key(), team))
     order = list(firsts)
     while heap:
         _, _, team = heapq.heappop(heap)
         jobs = per_team[team]
         w = jobs.pop()
         order.append(w)
-        held[team] = held.get(team, 0) + w.slots
+        held[team] = h = _with(held.get(team, (0, 0, 0)), w.kind, w.slots)
         if jobs:
-            heapq.heappush(heap, (share(book, team, held[team] + jobs[-1].slots, capacity), jobs[-1].key(), team))
+            nxt = jobs[-1]
+            s = _dominant(_with(h, nxt.kind, nxt.slots), caps) / book.get(team).weight
+            heapq.heappush(heap, (s, nxt.key(), team))
     return order
+
+
+def blocks(scope: str, kind: str) -> bool:
+    """Whether a hold of ``scope`` ("" or "any": every kind; a kind) holds back a job of ``kind``."""
+    return scope in ("", "any") or kind == "any" or scope == kind
+
+
+class Holds:
+    """Which job holds back the later jobs of an owner (a team, or a cohort), per scope (a
+    device kind; "" or "any": every kind): the first held wins; a lookup reads one owner's
+    few scopes, not every hold of the pass."""
+
+    def __init__(self) -> None:
+        self._by_owner: dict[str, dict[str, str]] = {}
+
+    def hold(self, owner: str, scope: str, job_id: str) -> None:
+        self._by_owner.setdefault(owner, {}).setdefault(scope, job_id)
+
+    def of(self, owner: str, kind: str) -> str | None:
+        """The job that holds back a job of ``owner``'s and ``kind``; None when none does."""
+        return next((j for scope, j in self._by_owner.get(owner, {}).items() if blocks(scope, kind)), None)
 
 
 def schedule(
     waiting: Iterable[Waiting],
     running: Iterable[Running],
     book: QuotaBook,
-    capacity: int,
+    capacity: Capacity,
     try_start: Callable[[Waiting, Admission], str],
 ) -> Pass:
     """One pass over the fair order (module docstring). ``capacity``: the registered cluster's
-    slots. ``try_start(job, admission)``: called for each job the quota admits, in order;
-    starts it if its ranks fit and answers STARTED, NO_ROOM (they do not fit the free slots),
-    BEYOND_CLUSTER (more than the registered slots) or GONE (it ended instead, e.g. refused).
-    The quota usage it counts grows with each start."""
+    slots (an int, or per device kind). ``try_start(job, admission)``: called for each job the
+    quota admits, in order; starts it if its ranks fit and answers STARTED, NO_ROOM (they do
+    not fit the free slots), BEYOND_CLUSTER (more than the registered slots) or GONE (it ended
+    instead, e.g. refused). The quota usage it counts grows with each start."""
     usage = team_usage(running)
     result = Pass()
     order = fair_order(waiting, usage, book, capacity)
     result.order = [w.job_id for w in order]
-    held_teams: dict[str, str] = {}  # team -> the job of it that holds its later ones back
-    held_cohorts: dict[str, str] = {}  # cohort -> the job waiting for its idle nominal slots
-    blocker: Waiting | None = None
+    held_teams = Holds()  # team, scope -> the job of it that holds its later ones back
+    held_cohorts = Holds()  # cohort, kind -> the job waiting for its idle nominal slots
+    blockers: dict[str, Waiting] = {}  # kind -> the first job of it whose ranks did not fit
+    total, kinds = _capacities(capacity)
+    caps = _caps(capacity)
     for w in order:
+        blocker = next((b for k, b in blockers.items() if blocks(k, w.kind)), None)
         if blocker is not None:
-            result.waits[w.job_id] = _behind(w, blocker, usage, book, capacity)
+            result.waits[w.job_id] = _behind(w, blocker, usage, book, caps)
             continue
-        if w.team in held_teams:
-            result.waits[w.job_id] = ("team", f"waits behind job {held_teams[w.team]} of team {w.team}")
+        if (job := held_teams.of(w.team, w.kind)) is not None:
+            result.waits[w.job_id] = ("team", f"waits behind job {job} of team {w.team}")
             continue
         cohort = book.cohort_of(w.team)
-        if cohort in held_cohorts:
-            result.waits[w.job_id] = ("cohort", cohort_wait(held_cohorts[cohort], cohort))
+        if (job := held_cohorts.of(cohort, w.kind)) is not None:
+            result.waits[w.job_id] = ("cohort", cohort_wait(job, cohort))
             continue
-        a = admit(book, usage, w.team, w.slots)
+        a = admit(book, usage, w.team, w.slots, w.kind)
         if a.never:
             result.waits[w.job_id] = (a.kind, a.reason)
             continue
         if not a.ok:
             result.waits[w.job_id] = (a.kind, a.reason)
             if a.kind == WAIT_COHORT:
-                held_cohorts[cohort] = w.job_id
+                held_cohorts.hold(cohort, w.kind, w.job_id)
             else:
-                held_teams[w.team] = w.job_id
+                held_teams.hold(w.team, a.scope, w.job_id)
             continue
         outcome = try_start(w, a)
         if outcome == STARTED:
             result.started.append((w.job_id, a.borrowed))
-            usage[w.team] = usage.get(w.team, 0) + w.slots
+            usage[w.team] = _plus(usage.get(w.team), w.kind, w.slots)
         elif outcome == BEYOND_CLUSTER:
-            result.waits[w.job_id] = (BEYOND_CLUSTER, f"needs {w.slots} slots, more than the cluster's {capacity}")
+            of, cap = (f" {w.kind}", kinds.get(w.kind, 0)) if w.kind in KINDS and kinds else ("", total)
+            result.waits[w.job_id] = (BEYOND_CLUSTER, f"needs {w.slots}{of} slots, more than the cluster's {cap}")
         elif outcome == NO_ROOM:
             result.waits[w.job_id] = (NO_ROOM, f"waits for {w.slots} slots to free up")
-            blocker = w
+            blockers[w.kind] = w
     return result
 
 
@@ -165,14 +256,14 @@ def cohort_wait(job_id: str, cohort: str) -> str:
     return f"waits behind job {job_id}, first in line for cohort {cohort}'s idle slots"
 
 
-def _behind(w: Waiting, blocker: Waiting, usage: Mapping[str, int], book: QuotaBook, capacity: int) -> tuple[str, str]:
-    """Why ``w`` waits behind ``blocker`` (the first job whose ranks did not fit)."""
+def _behind(w: Waiting, blocker: Waiting, usage: Usage, book: QuotaBook, caps: _Caps) -> tuple[str, str]:
+    """Why ``w`` waits behind ``blocker`` (the first job of its kind whose ranks did not fit)."""
     if w.team == blocker.team:
         return ("team", f"waits behind job {blocker.job_id} of team {w.team}")
-    mine = share(book, w.team, usage.get(w.team, 0), capacity)
-    theirs = share(book, blocker.team, usage.get(blocker.team, 0), capacity)
+    mine = _dominant(_held(usage.get(w.team)), caps) / book.get(w.team).weight
+    theirs = _dominant(_held(usage.get(blocker.team)), caps) / book.get(blocker.team).weight
     return (
         "fair_share",
-        f"waits for its fair share: team {w.team} holds {usage.get(w.team, 0)} slots "
+        f"waits for its fair share: team {w.team} holds {held(usage.get(w.team), '')} slots "
         f"(weighted share {mine:.3f} vs team {blocker.team}'s {theirs:.3f}, whose job {blocker.job_id} is next)",
     )

@@ -1,7 +1,12 @@
 """A team's quota, the default for a team with none, and the quota file.
 
-A quota counts slots (one rank = one slot; the allocator's CPU and CUDA slots are counted
-alike, since a job spec does not ask for a device kind: see docs/LOG.md session 27):
+A quota counts slots (one rank = one slot). Each bound is either an int, which bounds the
+team's slots of every kind together (as before device kinds: old files and journals load
+unchanged), or a mapping per device kind (``{gpu: 16, cpu: 64}``), which bounds each kind on
+its own; a job's kind is its spec's ``parallel.device`` (``gpu``, ``cpu``, or ``any``:
+counted only against int bounds, and refused by a team whose quota has a per-kind bound). In a
+per-kind mapping a kind left out owns nothing (``nominal``: 0, it may still borrow) and has no
+limit (``borrow_limit``, ``hard_limit``: none).
 
 - ``nominal``: the slots the team owns. ``None``: unlimited (the default team).
 - ``borrow_limit``: how many slots beyond ``nominal`` it may borrow from the idle nominal
@@ -22,18 +27,20 @@ The file (``control --quotas FILE``)::
     teams:
       vision: {nominal: 8, borrow_limit: 4, hard_limit: 16, weight: 2, cohort: research}
       nlp: {nominal: 8, cohort: research}
+      robotics: {nominal: {gpu: 16, cpu: 64}, hard_limit: {gpu: 24}, cohort: research}
 
 A bad file: one line naming the file and the field (``QuotaFileError``).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from types import MappingProxyType
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from services.contract.failures import Refusal
 from services.jobspec_errors import spec_error_text
@@ -42,6 +49,10 @@ from services.jobspec_errors import spec_error_text
 TEAM_PATTERN = r"^[a-z0-9][a-z0-9-]{0,39}$"
 # No cluster has this many slots; a bigger number is a typing mistake.
 MAX_SLOTS = 1_000_000
+# The device kinds a per-kind bound names (the allocator's slot kinds: a CUDA device, a CPU slot).
+KINDS = ("gpu", "cpu")
+# A bound: every kind together (an int; None: no bound) or one per kind.
+Bound = int | dict[str, int | None] | None
 
 
 class QuotaFileError(ValueError, Refusal):
@@ -53,30 +64,75 @@ class TeamQuota(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
-    nominal: int | None = Field(None, ge=0, le=MAX_SLOTS)
-    borrow_limit: int | None = Field(None, ge=0, le=MAX_SLOTS)
-    hard_limit: int | None = Field(None, ge=1, le=MAX_SLOTS)
+    nominal: Bound = None
+    borrow_limit: Bound = None
+    hard_limit: Bound = None
     weight: float = Field(1.0, gt=0, le=1e6)
     cohort: str = Field("default", pattern=TEAM_PATTERN)
+
+    @field_validator("nominal", "borrow_limit", "hard_limit", mode="before")
+    @classmethod
+    def _bound(cls, value: object, info) -> object:
+        # Checked here, not by a union of types: its errors would name the union's branches.
+        least = 1 if info.field_name == "hard_limit" else 0
+        missing = 0 if info.field_name == "nominal" else None  # (a kind left out: owns none, no limit)
+        if isinstance(value, dict):
+            for kind in value:
+                if kind not in KINDS:
+                    raise ValueError(f"{kind}: not a device kind (expected one of {', '.join(KINDS)})")
+            return {k: _slots(value.get(k, missing), least, k) for k in KINDS}
+        return _slots(value, least)
 
     @model_validator(mode="after")
     def _hard_limit_at_least_nominal(self) -> TeamQuota:
         # A hard limit below what the team owns would make part of its own quota unusable.
-        if self.hard_limit is not None and self.nominal is not None and self.hard_limit < self.nominal:
-            raise ValueError(f"hard_limit: must be >= nominal ({self.nominal}), got {self.hard_limit}")
+        for kind in KINDS:
+            (hard, hs), (nominal, ns) = self.bound("hard_limit", kind), self.bound("nominal", kind)
+            if hard is not None and nominal is not None and hard < nominal and (hs == ns or not hs):
+                field = f"hard_limit.{kind}" if hs else "hard_limit"
+                raise ValueError(f"{field}: must be >= nominal ({nominal}{' ' + ns if ns else ''}), got {hard}")
         return self
 
     @property
+    def per_kind(self) -> bool:
+        """Whether a bound is per device kind (then a job must name its kind)."""
+        return any(isinstance(v, dict) for v in (self.nominal, self.borrow_limit, self.hard_limit))
+
+    @property
     def ceiling(self) -> float:
-        """The most slots the team may ever hold: nominal + borrow limit, within the hard limit
-        (inf: no bound)."""
-        borrowable = (
-            float("inf") if self.nominal is None or self.borrow_limit is None else self.nominal + self.borrow_limit
-        )
-        return min(borrowable, float("inf") if self.hard_limit is None else self.hard_limit)
+        """The most slots (every kind together) the team may ever hold: nominal + borrow limit,
+        within the hard limit (inf: no bound; a per-kind bound counts as the sum of its kinds)."""
+
+        def total(v: Bound) -> float:
+            if isinstance(v, dict):
+                return math.inf if None in v.values() else float(sum(v.values()))
+            return math.inf if v is None else float(v)
+
+        return min(total(self.nominal) + total(self.borrow_limit), total(self.hard_limit))
+
+    def bound(self, field: str, kind: str) -> tuple[int | None, str]:
+        """The bound ``field`` sets on a job of ``kind`` and its scope: the kind it counts
+        (``gpu``/``cpu``, a per-kind bound) or "" (an int: every kind together)."""
+        value = getattr(self, field)
+        if isinstance(value, dict):
+            return value.get(kind), kind
+        return value, ""
 
     def to_json(self) -> dict:
         return self.model_dump()
+
+
+def _slots(value: object, least: int, kind: str = "") -> int | None:
+    """A bound's one value checked: None, or an int in [least, MAX_SLOTS]. Raises ValueError
+    (its message names the kind, when one)."""
+    where = f"{kind}: " if kind else ""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{where}expected a number of slots or null, got {value!r}")
+    if not least <= value <= MAX_SLOTS:
+        raise ValueError(f"{where}must be {least}-{MAX_SLOTS}, got {value}")
+    return value
 
 
 DEFAULT_QUOTA = TeamQuota()
