@@ -4,10 +4,16 @@ on (revoke, stop, pause, a resize). A part of ``TrainingLoop`` (loop.py)."""
 
 from __future__ import annotations
 
+import time
+
+import structlog
+
 from services.common import phase as ph
 from services.contract import engine_pb2, store_pb2
 from services.engine.training_loop.faults import TrainingFault
 from services.engine.training_loop.summary import _due
+
+_log = structlog.get_logger("training_loop")
 
 # What follows a step boundary besides the next step (TrainingLoop._boundary): the end, a resize,
 # a rollback in place (the version to load is ``TrainingLoop._reload_version``).
@@ -113,7 +119,10 @@ class Boundary:
         the checkpoint of that step lost. A failure is the store relay's, reported as at the
         next save (L1-1 decides); the wait is the save's own, so its phase is staging."""
         self._mark.enter(ph.CHECKPOINT_STAGING)
+        t0 = time.perf_counter()
         self._p.store(store_pb2.FlushCheckpoint(job_id=self._job_id))
+        # (what a pause, hence a resize, waited for the save: bench/resize_save.py reads it)
+        _log.info("saves_settled_for_pause", step=self._step, seconds=round(time.perf_counter() - t0, 4))
 
     def _checkpoint_boundary(self, step: int) -> None:
         """Save ``step`` unless its state is durable already (saved at this step, loaded from
