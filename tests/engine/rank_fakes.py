@@ -269,8 +269,10 @@ class LocalRank:
         resume_version: str = "",
         job_id: str = "job",
         data: type[FakeData] = FakeData,
+        store: type[FakeStore] = FakeStore,
     ):
-        """``data``: the L4 relay's fake (:class:`GlobalRowData`: the real deal's global rows)."""
+        """``data``: the L4 relay's fake (:class:`GlobalRowData`: the real deal's global rows);
+        ``store``: the L5 relay's."""
         from services.contract import Module
         from services.contract.bus import Bus
         from services.jobspec import spec_to_json
@@ -284,7 +286,7 @@ class LocalRank:
             corpus_bytes(),
             train_batches=spec.steps * spec.data.grad_accum + 4,
         )
-        self.store = FakeStore(bus.emitter(Module.L5_CHECKPOINT_MANAGER), ckpt_root)
+        self.store = store(bus.emitter(Module.L5_CHECKPOINT_MANAGER), ckpt_root)
         self.up = FakeUp()
         self.modules = compose(bus, spec, "cpu", data=self.data, store=self.store, metrics=self.store, up=self.up)
         from services.control.fault_decision import standing_orders

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rank_fakes import LocalRank, started, tiny_spec, torch_threads, wait_for
+from rank_fakes import FakeStore, LocalRank, started, tiny_spec, torch_threads, wait_for
 
 from services.contract import engine_pb2, store_pb2
 
@@ -110,3 +110,75 @@ def test_a_stop_of_a_resumed_run_before_any_new_step_saves_nothing(tmp_path):
     again.run()
     assert again.store.committed == [] and again.up.of(engine_pb2.TrainingLoopFinished)[0].step == 4
     assert store_pb2.SaveCompleted not in {type(e) for e in again.up.events}
+
+
+class HeldCommitStore(FakeStore):
+    """The store relay's asynchronous save as the loop sees it (services/rank/store_client.py):
+    an async save's commit is sent, and its SaveCompleted goes up, only once its background
+    write is done, which here is when the loop next settles saves (a flush, or the next save's
+    wait for the previous one). A rank that reports paused before then leaves the save in
+    flight for whatever L1-1 does next: a resize's new group, a release of the ranks."""
+
+    def __init__(self, events, root):
+        super().__init__(events, root)
+        self._held: store_pb2.CommitCheckpoint | None = None
+        self.order: list[str] = []  # the relay's calls, in order
+
+    def save_checkpoint(self, msg, payload):
+        assert msg.write_async  # (the default: what this fake stands for)
+        self.order.append(f"save {msg.step}")
+        self._settle()  # (the relay waits for the previous save first)
+        return super().save_checkpoint(msg, payload)
+
+    def commit_checkpoint(self, msg, payload=None):
+        self._held = msg  # (chained on the write: sent from the relay's thread once it is done)
+
+    def flush_checkpoint(self, msg, payload=None):
+        self.order.append("flush")
+        self._settle()
+        super().flush_checkpoint(msg, payload)
+
+    def _settle(self) -> None:
+        if self._held is not None:
+            msg, self._held = self._held, None
+            self.order.append(f"commit {msg.step}")
+            super().commit_checkpoint(msg)
+
+
+def held_commit_rank(spec, tmp_path) -> tuple[LocalRank, HeldCommitStore]:
+    rank = LocalRank(spec, tmp_path, store=HeldCommitStore)
+    return rank, rank.store
+
+
+@pytest.mark.parametrize("pause_at", [4, 5], ids=["at-the-save-step", "a-step-after-it"])
+def test_a_pause_without_checkpoint_reports_paused_only_after_the_save_in_flight_is_committed(tmp_path, pause_at):
+    # A resize pauses with no checkpoint of its own, then rebuilds the group (a scale down
+    # releases the ranks above the new size first): an asynchronous periodic save still being
+    # written then would be dropped with the old group, its step lost (session 29's trial:
+    # "the save of step 33 was dropped with the replaced group"). Every pause settles it first.
+    rank, held = held_commit_rank(tiny_spec(steps=8, checkpoint={"every_steps": 4, "at_end": False}), tmp_path)
+    rank.command(engine_pb2.PauseTraining(job_id="job", at_step=pause_at, seq=1))
+    rank.command(engine_pb2.StartTraining(job_id="job"))
+    t = started(rank)
+    (paused,) = wait_for(rank, t, engine_pb2.TrainingLoopPaused)
+    assert paused.step == pause_at
+    assert [c.step for c in rank.store.committed] == [4]
+    assert kinds(rank)[-2:] == ["SaveCompleted", "TrainingLoopPaused"]
+    assert held.order == ["save 4", "flush", "commit 4"]
+    rank.command(engine_pb2.ResumeTraining(job_id="job"))
+    t.join(30)
+    assert rank.error is None
+    assert [c.step for c in rank.store.committed] == [4, 8]
+    assert [s.step for s in rank.steps()] == list(range(1, 9))
+
+
+def test_a_pause_with_no_save_in_flight_commits_nothing_and_pauses(tmp_path):
+    rank, held = held_commit_rank(tiny_spec(steps=8, checkpoint={"every_steps": 4, "at_end": False}), tmp_path)
+    rank.command(engine_pb2.PauseTraining(job_id="job", at_step=3, seq=1))
+    rank.command(engine_pb2.StartTraining(job_id="job"))
+    t = started(rank)
+    (paused,) = wait_for(rank, t, engine_pb2.TrainingLoopPaused)
+    assert paused.step == 3 and rank.store.committed == [] and held.order == ["flush"]
+    rank.command(engine_pb2.StopTraining(job_id="job", seq=2))
+    t.join(30)
+    assert rank.store.committed == [] and rank.up.of(engine_pb2.TrainingLoopFinished)[0].step == 3

@@ -11,6 +11,9 @@ The resized jobs are paced (``SURGE_FAULT_INJECT`` ``slow_steps``: PACE more a s
 rank) until their last resize and far longer than any test: they cannot end before the test's
 actions, however slow or loaded the machine; each is stopped 20 steps after its last resize.
 The baseline is run after them, only as far as they went.
+
+A scale whose boundary is a checkpoint step (``rzsave``: a save every step) commits that
+step's checkpoint before the group is replaced, and the job resumes from it.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ fault_policy: {{actions: {{rank_exit: shrink, worker_lost: shrink, worker_depart
 STEPS, PACE = 1000, 0.5
 INJECT = ",".join(
     f"{job}:slow_steps@{at}:rank={r}:seconds={PACE:g}"
-    for job, at in (("rzshrink", 6), ("rzscale", 5))
+    for job, at in (("rzshrink", 6), ("rzscale", 5), ("rzsave", 3))
     for r in range(3)
 )
 # Per-step losses of a resized run against the uninterrupted one: the same global batch
@@ -200,3 +203,53 @@ def test_surgectl_scale_grows_and_shrinks_a_running_job_on_the_same_global_batch
     last = events[-1].status.step
     want = baseline(last)
     assert not same_losses(stack.losses(job), want, last), same_losses(stack.losses(job), want, last)
+
+
+SAVING = JOB.replace(
+    "checkpoint: {{every_steps: 0, keep_last: 0, at_end: false}}", "checkpoint: {{every_steps: 1, keep_last: 0}}"
+)
+
+
+def test_a_scale_at_a_checkpoint_step_commits_that_checkpoint_first_and_a_resume_from_it_continues(stack):
+    # Session 29's fresh-user trial: a `surgectl scale` whose boundary was a checkpoint step
+    # lost that checkpoint ("the save of step 33 was dropped with the replaced group: ...
+    # Group ... is not registered"): the ranks reported paused with the asynchronous save still
+    # being written on the old group, which the resize then replaced (or whose ranks it
+    # released). A save every step: every boundary a scale can pause at is a checkpoint step.
+    assert "every_steps: 1" in SAVING.format(name="x", steps=1, dp=1, mbs=1)
+    job = stack.submit(SAVING.format(name="rzsave", steps=STEPS, dp=2, mbs=6))
+    stack.wait_step(job, 3)
+    boundaries = {}
+    for dp, was in ((1, 2), (2, 1)):  # down (rank 1 released), then up (a new rank 1)
+        scaled = cli(stack.home, "scale", job, "--dp", str(dp), timeout=180)
+        assert scaled.returncode == 0, scaled.stdout + scaled.stderr + so_far(stack, job)
+        done = f"scale by the operator done: dp {was} -> {dp} at step "
+        assert done in scaled.stdout, scaled.stdout
+        boundaries[dp] = int(scaled.stdout.split(done)[1].split()[0].rstrip(";:,"))
+    down_at, up_at = boundaries[1], boundaries[2]
+    lift_pace(stack.home / "run" / "faults", job)
+    events = stop_at(stack, job, up_at + 3)
+    dropped = [e.message for e in events if "dropped with the replaced group" in e.message]
+    assert not dropped, dropped
+    listed = cli(stack.home, "checkpoints", job, "-o", "json")
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    versions = {v["step"]: v for v in json.loads(listed.stdout)}
+    # The boundary's checkpoint is committed, written by the group that paused there.
+    for step, dp in ((down_at, 2), (up_at, 1)):
+        assert step in versions, f"no checkpoint of step {step} (a scale's boundary): {sorted(versions)}"
+        assert json.loads(versions[step]["spec_json"])["parallel"]["dp"] == dp, versions[step]["spec_json"]
+    # ... and resumable: the stopped job continues from it, on the same global batches.
+    before = stack.losses(job)
+    version = versions[up_at]["version"]
+    resumed = cli(stack.home, "resume", job, "--from", version, timeout=180)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"from checkpoint {version} (step {up_at})" in resumed.stdout, resumed.stdout
+    t0 = time.monotonic()
+    while not (stack.status(job).state == JobState.RUNNING and stack.status(job).step >= up_at + 2):
+        assert time.monotonic() - t0 < 120, so_far(stack, job)
+        time.sleep(0.1)
+    events = stop_at(stack, job, up_at + 2)
+    resumes = [m for m in of_type(events, "decision") if m.startswith("resume ")]
+    assert resumes and f"from checkpoint {version} (step {up_at})" in resumes[-1], resumes
+    after = stack.losses(job)
+    assert not same_losses(after, before, up_at + 2), same_losses(after, before, up_at + 2)

@@ -134,7 +134,10 @@ reopened at the same global position with the new dp coordinates and micro-batch
 the MFU's world, the checkpoint's ``data_order`` (its global rows, hence its meaning, are
 unchanged) and the spec a commit names. A survivor of a fault enters it from :meth:`_recover`
 as above; an operator's resize pauses every rank at a common boundary first
-(PauseTraining, no checkpoint) and then sends ``ResumeTraining(rebuild=True)``: the paused
+(PauseTraining, no checkpoint; a save in flight there, the boundary's periodic one or an
+earlier one, is committed before the rank reports paused: the group it writes on is still
+whole, so it is never dropped with the old group, and L1-1 releases or rebuilds nothing before
+every rank paused) and then sends ``ResumeTraining(rebuild=True)``: the paused
 loop goes the same way (no step in flight: nothing is taken back), reports
 ``TrainingLoopStarted`` and waits for StartTraining. A ``rebuild`` resume that finds the loop
 not paused is dropped (logged). Ranks at the new size or above were released by L1; new

@@ -4,9 +4,16 @@ on (revoke, stop, pause, a resize). A part of ``TrainingLoop`` (loop.py)."""
 
 from __future__ import annotations
 
+import time
+
+import structlog
+
+from services.common import phase as ph
 from services.contract import engine_pb2, store_pb2
 from services.engine.training_loop.faults import TrainingFault
 from services.engine.training_loop.summary import _due
+
+_log = structlog.get_logger("training_loop")
 
 # What follows a step boundary besides the next step (TrainingLoop._boundary): the end, a resize,
 # a rollback in place (the version to load is ``TrainingLoop._reload_version``).
@@ -68,8 +75,9 @@ class Boundary:
         until resumed (""), resumed into a resize (:data:`_RESIZE`: ``ResumeTraining.rebuild``)
         or a rollback in place (:data:`_RELOAD`: ``ResumeTraining.reload_version``), or
         stopped. An operator's stop or pause that asks for it checkpoints ``step`` first
-        (every rank is at the same boundary, so the save's collectives meet); a pause waits
-        for that commit before it reports paused (a stop's ``_finish`` waits for it). A
+        (every rank is at the same boundary, so the save's collectives meet); every pause
+        waits for the save in flight, this one or a periodic one, to be committed before it
+        reports paused (``_settle_saves``; a stop's ``_finish`` waits for it likewise). A
         paused rank stops on the stop it holds, agreed or not: every rank paused here."""
         due = self._commands.due(step)
         with self._lock:
@@ -87,7 +95,7 @@ class Boundary:
             return _STOP if stop is not None else ""
         if pause.checkpoint:
             self._checkpoint_boundary(step)
-            self._p.store(store_pb2.FlushCheckpoint(job_id=self._job_id))
+        self._settle_saves()
         self._phase = "paused"
         self._emit(engine_pb2.TrainingLoopPaused(job_id=self._job_id, rank=self._rank, step=step))
         while (stop := self._commands.take(engine_pb2.StopTraining, step)) is None:
@@ -101,6 +109,20 @@ class Boundary:
         if stop.checkpoint:
             self._checkpoint_boundary(step)
         return _STOP
+
+    def _settle_saves(self) -> None:
+        """Before a pause is reported, wait for the save in flight (an asynchronous one of this
+        boundary or an earlier one: written on every rank, committed by rank 0; nothing to do
+        without one). What L1-1 does once every rank paused may replace the process group (a
+        resize, a grow back, a departure's move) or end the ranks (a paused job's release):
+        a write still running its collectives on the old group would be dropped with it, and
+        the checkpoint of that step lost. A failure is the store relay's, reported as at the
+        next save (L1-1 decides); the wait is the save's own, so its phase is staging."""
+        self._mark.enter(ph.CHECKPOINT_STAGING)
+        t0 = time.perf_counter()
+        self._p.store(store_pb2.FlushCheckpoint(job_id=self._job_id))
+        # (what a pause, hence a resize, waited for the save: bench/resize_save.py reads it)
+        _log.info("saves_settled_for_pause", step=self._step, seconds=round(time.perf_counter() - t0, 4))
 
     def _checkpoint_boundary(self, step: int) -> None:
         """Save ``step`` unless its state is durable already (saved at this step, loaded from
