@@ -21,6 +21,7 @@ from services.control.fault_detector.rules import (
     RANK_SILENT,
     SLOW_RANK,
     SLOW_RANK_CLEARED,
+    UNHEARD_PERIODS,
     WORKER_LOST,
 )
 from services.control.fault_detector.watch import RankPhase, _Job, _RankWatch
@@ -295,7 +296,7 @@ class Liveness:
 
     def _agent_unheard(self, worker_id: str, silent_for: float) -> bool:
         """Whether the node agent of ``worker_id`` has not been heard from since a rank of it
-        went silent ``silent_for`` seconds ago, or is quiet now (no beat for ``QUIET_PERIODS``
+        went silent ``silent_for`` seconds ago, or is quiet now (no beat for ``UNHEARD_PERIODS``
         of its periods): a rank and its agent frozen together (a stopped or cut-off node),
         whose agent is not yet declared silent (its own deadline is longer). A replacement
         placed there would wait for the node to wake (issue 29 item 4, measured: no step in
@@ -308,7 +309,7 @@ class Liveness:
             return False
         last, period, _ = beat
         now = time.monotonic()
-        return last <= now - silent_for or now - last > QUIET_PERIODS * period
+        return last <= now - silent_for or now - last > UNHEARD_PERIODS * period
 
     # ------------------------------------------------------------ deadlines (timer threads)
 
