@@ -6,8 +6,9 @@ The stack (control, store, data, three workers of one slot each, ranks as real p
 DP=2 job: the third worker is free) is the one its group shares (tests/shared_stacks.py). A
 stopped rank's job rebuilds in place (the survivor keeps its process, the replacement heals
 from its memory); the job whose node agent freezes has the default policy
-(every rank relaunched from the newest checkpoint), as a new user's would. Either way the run's
-losses equal an uninterrupted one's.
+(every rank relaunched from the newest checkpoint), as a new user's would. A rank frozen with
+its node agent (a frozen node) under rebuild cannot be ended, so its job relaunches every rank,
+off that node. Either way the run's losses equal an uninterrupted one's.
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ liveness: {{heartbeat_interval_seconds: 0.5, heartbeat_timeout_seconds: 4.0,
 REBUILD = "fault_policy: {actions: {rank_exit: rebuild, rank_silent: rebuild, worker_lost: rebuild}}\n"
 # Rank 1 of "fagent" hangs before step 12's backward (alive, its peer waiting in the all-reduce):
 # the job cannot finish while its node agent is frozen, and the process stays for the agent to end.
-# Rank 1 of "fstop" waits before step 7 until the test lifts the pace: its SIGSTOP lands before
-# the step-10 save whatever the machine's load (a stop during that save drops it with its group).
-INJECT = "fagent:hang@12:rank=1,fstop:slow_steps@7:rank=1:seconds=120"
+# Rank 1 of "fstop" and "ffrozen" waits before step 7 until the test lifts the pace: its SIGSTOP
+# lands before the step-10 save whatever the machine's load (a stop during that save drops it
+# with its group).
+INJECT = "fagent:hang@12:rank=1,fstop:slow_steps@7:rank=1:seconds=120,ffrozen:slow_steps@7:rank=1:seconds=120"
 
 
 @pytest.fixture(scope="module")
@@ -210,4 +212,65 @@ def test_a_replacement_avoids_a_frozen_agent_and_the_incarnation_it_froze_is_end
         f"replaced on another worker and trained on {replaced - frozen:.2f} s after it; once the agent woke, the "
         f"old incarnation ended {ended - woke:.2f} s later; control dropped {dropped:.0f} of its events "
         f"(store refusals {store_refused:.0f})"
+    )
+
+
+def test_a_rank_frozen_with_its_node_agent_under_rebuild_relaunches_every_rank_off_that_node(stack, baseline):
+    """Rank 1 and, a second later, its node agent SIGSTOPped (a frozen node) under rebuild. Its
+    process cannot be ended, so a rebuild in place could not free the survivor from their
+    all-reduce (measured before: no step until the 120 s recovery deadline). Every rank is
+    relaunched instead (the survivor killed by its own agent), none on the frozen node; the
+    job trains on long before that deadline: asserted by the order of what happened (the
+    decision, the relaunch, the first step) and by no recovery_timeout, not by a clock."""
+    job = stack.submit(JOB.format(name="ffrozen", steps=STEPS, policy=REBUILD))
+    stack.wait_step(job, 6)
+    (victim,) = stack.rank_pids(job, 1)
+    agent = parent_pid(victim)
+    stopped = time.time()
+    os.kill(victim, signal.SIGSTOP)
+    lift_pace(stack.home / "run" / "faults", job)  # (the relaunched rank 1 trains at its own speed)
+    try:
+        time.sleep(1.0)  # (the agent states the rank's process stopped, then freezes with it)
+        os.kill(agent, signal.SIGSTOP)
+        t0 = time.monotonic()
+        query = control_pb2.JobQuery(job_id=job)
+        while not [
+            e
+            for e in stack.stub.WatchJob(query, timeout=30)
+            if e.message.startswith("first step after the recovery from rank_silent")
+        ]:
+            assert time.monotonic() - t0 < 180, "no step after the freeze"
+            time.sleep(0.2)
+        assert alive(victim)  # its agent is frozen: nobody has ended it yet
+    finally:
+        death = DeathWatch(victim)
+        woke = time.time()
+        os.kill(agent, signal.SIGCONT)  # (the node thaws: its agent, then the rank)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGCONT)
+    try:
+        ended = death.wait()
+        events = stack.events(job)
+    finally:
+        kill_all([victim])
+    finished(events)
+    (fault,) = causes(events, "SEVERE rank_silent")
+    frozen_worker = fault.message.split(" on worker ")[1].split()[0]
+    decisions = of_type(events, "decision")[1:]
+    assert len(decisions) == 1, decisions  # (the woken agent's backlog opened no incident)
+    assert decisions[0].startswith("restart_ranks after rank_silent of rank 1"), decisions
+    assert f"restart_ranks instead of rebuild: rank 1's node agent on {frozen_worker} is unheard" in decisions[0]
+    (relaunch,) = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched on ")]
+    workers = relaunch.removeprefix("ranks killed and relaunched on ").split(" (rendezvous")[0].split(", ")
+    assert len(workers) == 2 and frozen_worker not in workers, relaunch  # the free worker, not the frozen one
+    assert not [e.message for e in events if "recovery_timeout" in e.message]
+    order = [e.seq for e in events if e.message in (fault.message, decisions[0], relaunch)]
+    (first,) = [e for e in events if e.message.startswith("first step after the recovery from rank_silent")]
+    assert order == sorted(order) and len(order) == 3 and order[-1] < first.seq, (order, first.seq)
+    same_losses(stack.losses(job), baseline[0])
+    (relaunched,) = [e.unix_time for e in events if e.message == relaunch]
+    print(
+        f"rank 1 and its node agent frozen: declared silent {fault.unix_time - stopped:.2f} s after the stop, every "
+        f"rank relaunched off {frozen_worker} at {relaunched - stopped:.2f} s, first step {first.unix_time - stopped:.2f} "
+        f"s after the stop; once the node thawed, the old incarnation ended {ended - woke:.2f} s later (by its agent)"
     )

@@ -33,7 +33,9 @@ law 4: a layer silent past its deadline is judged faulty by the layer above):
   named within the timeout plus one beat period (the most by which its last beat can
   precede the stop) after its last beat. The report says whether the rank's node agent was
   heard from since the rank's last beat (``agent_unheard``: no beat since, or quiet now): a
-  node frozen with its agent, whose own silence is declared later, gets no replacement;
+  node frozen with its agent, whose own silence would be declared later; that agent is then
+  reported ``agent_silent`` at once, before the rank (its next beat ``cleared``), so L1-1's
+  relaunch of every rank (the rank cannot be ended) finds the node held;
 * progress: while the rank says it is stepping, a heartbeat that shows progress (a new
   step, a new phase, or more of its phase done: ``RankHeartbeat.phase`` /
   ``phase_progress``) re-arms a timer of its phase's budget: a training step's phases

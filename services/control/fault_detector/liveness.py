@@ -21,6 +21,7 @@ from services.control.fault_detector.rules import (
     RANK_SILENT,
     SLOW_RANK,
     SLOW_RANK_CLEARED,
+    UNHEARD_PERIODS,
     WORKER_LOST,
 )
 from services.control.fault_detector.watch import RankPhase, _Job, _RankWatch
@@ -119,6 +120,41 @@ class Liveness:
                 f"(its deadline {wait:.1f} s)",
                 detected_unix=now,
                 occurred_unix=now - (time.monotonic() - received),
+                worker_id=worker_id,
+                event=control_pb2.AgentHeartbeat.DESCRIPTOR.name,
+            )
+        )
+
+    def _agent_unheard_with(self, worker_id: str, rank: int) -> None:
+        """Rank ``rank`` of ``worker_id`` went silent and that node's agent was not heard from
+        since (``_agent_unheard``): the agent is reported ``agent_silent`` now, not at its own
+        deadline (longer: AGENT_MISSED_BEATS periods), and its next beat reports it ``cleared``
+        as after any silence. Why: L1-1 relaunches every rank of the job then (a process there
+        cannot be ended, so its survivors could not rebuild around it), and the relaunch must
+        find the node held, not place a rank on it that waits for the node to wake (measured
+        under rebuild: rank_silent 4.0 s after the stop, the agent's own silence later); the
+        hold ends with the agent's next beat, so the node is usable again once it wakes. An
+        agent reported silent already is left as it is."""
+        with self._cluster:
+            if worker_id in self._silent_agents:
+                return
+            armed = self._agents.pop(worker_id, None)
+            if armed is not None:
+                armed[1].cancel()  # (declared here: its deadline would declare it a second time)
+            beat = self._agent_beats.get(worker_id)
+            last = beat[0] if beat is not None else time.monotonic()
+            self._silent_agents[worker_id] = last
+        quiet = time.monotonic() - last
+        now = time.time()
+        self._emit(
+            control_pb2.FaultReport(
+                grade=self._grade(AGENT_SILENT),
+                fault_class=AGENT_SILENT,
+                source=Module.EXT_HARDWARE,
+                detail=f"the node agent of {worker_id} sent no AgentHeartbeat for {quiet:.1f} s, not since before "
+                f"rank {rank} there went silent (the node may be frozen)",
+                detected_unix=now,
+                occurred_unix=now - quiet,
                 worker_id=worker_id,
                 event=control_pb2.AgentHeartbeat.DESCRIPTOR.name,
             )
@@ -260,7 +296,7 @@ class Liveness:
 
     def _agent_unheard(self, worker_id: str, silent_for: float) -> bool:
         """Whether the node agent of ``worker_id`` has not been heard from since a rank of it
-        went silent ``silent_for`` seconds ago, or is quiet now (no beat for ``QUIET_PERIODS``
+        went silent ``silent_for`` seconds ago, or is quiet now (no beat for ``UNHEARD_PERIODS``
         of its periods): a rank and its agent frozen together (a stopped or cut-off node),
         whose agent is not yet declared silent (its own deadline is longer). A replacement
         placed there would wait for the node to wake (issue 29 item 4, measured: no step in
@@ -273,7 +309,7 @@ class Liveness:
             return False
         last, period, _ = beat
         now = time.monotonic()
-        return last <= now - silent_for or now - last > QUIET_PERIODS * period
+        return last <= now - silent_for or now - last > UNHEARD_PERIODS * period
 
     # ------------------------------------------------------------ deadlines (timer threads)
 
@@ -334,6 +370,8 @@ class Liveness:
                 f"rank {rank} on worker {watch.worker_id} sent no heartbeat for {silent_for:.1f} s "
                 f"(deadline {timeout:g} s) after step {max(watch.step, 0)}"
             )
+        if unheard and fault_class == RANK_SILENT:
+            self._agent_unheard_with(watch.worker_id, rank)  # (before the rank's report: L1-1 holds first)
         self._report(
             job_id,
             fault_class,

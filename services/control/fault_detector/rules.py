@@ -36,6 +36,12 @@ AGENT_SILENT = "agent_silent"  # a node agent missed its own beats (AgentHeartbe
 AGENT_MISSED_BEATS = 5
 # A node agent is quiet once it has not beaten for this many of its periods (links.py).
 QUIET_PERIODS = 1.5
+# A silent rank's node agent is unheard (FaultReport.agent_unheard) once it has not beaten for
+# this many of its periods (or not since the rank's last beat). Longer than QUIET_PERIODS: the
+# flag changes the decision (every rank relaunched, the node held), and a beat 1.5 periods late
+# is seen on a loaded 2-core host; a node frozen a second after its rank is quiet for 3 or more
+# periods of 1 s when the rank is declared (4 s timeout).
+UNHEARD_PERIODS = 2.5
 AGENT_SILENT_MIN_SECONDS = 3.0
 SLOW_RANK = "slow_rank"  # computes >= 1.5x its peers' median per step, sustained (slow_ranks.py)
 SLOW_RANK_CLEARED = "slow_rank_cleared"  # a rank named slow is not any more (or ended)

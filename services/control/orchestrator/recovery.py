@@ -35,7 +35,6 @@ from services.control.orchestrator.job import (
     _Scale,
 )
 from services.control.orchestrator.layout import _layout_change, _layout_msg, _layout_of, _shrink_to
-from services.control.orchestrator.replacement_nodes import left_out
 from services.control.orchestrator.texts import _overdue
 from services.control.orchestrator.triage import _lost_ranks, _no_rebuild, _no_reload
 from services.jobspec import (
@@ -324,18 +323,11 @@ class Recovery:
         version, source = last.version, last.source
         incident.version = version
         incident.phase = PLACING
-        avoid = left_out(incident)
-        if in_place and len(avoid) > len(incident.exclude):
-            cause = incident.cause
-            self._record(job, ORCH, "recovery", (
-                f"no replacement on {cause.worker_id}: its node agent was not heard from since rank "
-                f"{cause.rank} went silent (the node may be frozen); another worker is tried"
-            ))  # fmt: skip
         reply = self._recovery(
             control_pb2.StartRecovery(
                 job_id=job.status.job_id,
                 checkpoint_version=version,
-                exclude_worker_ids=avoid,
+                exclude_worker_ids=incident.exclude,
                 reason=f"{incident.action} after {incident.fault_class} of rank {incident.cause.rank}",
                 in_place=in_place,
                 lost_ranks=incident.lost,

@@ -1,18 +1,24 @@
-"""Where a rebuild in place may put its replacements, and which of them a lost node holds
-(issue 29 item 4): pure functions of the incident and the job's record (no I/O, no clock, no
-lock), table-tested in tests/control/test_replacement_nodes.py.
+"""What a frozen node is to a job's recovery (issue 29 item 4): pure functions of the report,
+the incident and the job's record (no I/O, no clock, no lock), table-tested in
+tests/control/test_replacement_nodes.py.
 
-Why: a rank and its node agent stopped together (a frozen node) were rebuilt with the
-replacement on that same node, because the silent rank's own worker is tried first and the
-agent's own silence is declared later than the rank's. The replacement then waited for the
-node to wake, and the node's later ``worker_lost`` (and ``agent_silent``) were taken as
-consequences of the open incident, so nothing placed it again: no step for 120 s (measured,
-docs/LOG.md, session 29 measure29). Two rules end that:
+Why: a rank and its node agent stopped together (a frozen node) under ``rebuild`` cost the job
+its whole recovery deadline. First the replacement went to that node (the silent rank's own
+worker is tried first, the agent's own silence is declared later than the rank's): no step
+for 120 s (docs/LOG.md, session 29 measure29). Then, with the replacement placed elsewhere,
+the survivors stayed blocked in their all-reduce with the stopped rank, whose process cannot
+be ended while its agent is frozen (a survivor blocked in gloo is freed only by its peer's
+death): the rebuilt group never formed, first step 124.9 s after the stop (session 29
+frozen29). The rules:
 
-- ``left_out``: a rebuild in place puts no replacement on the silent rank's worker when L1-3
-  said its agent was not heard from since the rank went silent (``FaultReport.agent_unheard``);
-  the others are tried (as a relaunch of every rank does once the agent is held), and with no
-  slot elsewhere the policy's refusal path decides (relaunch every rank, shrink, or wait).
+- ``unkillable``: a rank silent whose node agent L1-3 did not hear from since
+  (``FaultReport.agent_unheard``) cannot be ended, so a rebuild in place cannot free its
+  survivors: the policy's rebuild (or shrink) becomes ``restart_ranks`` (triage's
+  ``_no_rebuild``, said in the decision), whose survivors are killed by their own healthy
+  agents. L1-3 reports that agent ``agent_silent`` with it (fault_detector/liveness.py), so
+  the relaunch finds the node held (no rank placed there) until the agent's next beat lifts
+  the hold: the node is left out of that relaunch, not of the job (an exclusion would last
+  the job's life). With no slot elsewhere the refusal path decides (wait, as for any hold).
 - ``waiting_on``: the replacements a recovery waits for on a worker just lost (or whose agent
   went silent): not a consequence of the incident but a fault of the recovery, decided anew
   (a rebuild again, placed elsewhere), never waited for until the node wakes.
@@ -21,25 +27,23 @@ docs/LOG.md, session 29 measure29). Two rules end that:
 from __future__ import annotations
 
 from services.contract import control_pb2
-from services.control.orchestrator.job import _Incident, _Job
+from services.control.orchestrator.job import _Job
 from services.jobspec import IN_PLACE_ACTIONS
 
 # L1-3's class of a rank silent past its deadline (fault_detector/rules.py RANK_SILENT).
 RANK_SILENT = "rank_silent"
 
 
-def left_out(incident: _Incident) -> list[str]:
-    """The workers ``incident``'s placement leaves out: those the decision excluded, and for
-    a rebuild in place of a silent rank whose node agent was not heard from since, that
-    rank's worker (for this placement only: the allocator keeps no exclusion of a rebuild in
-    place, and a relaunch of every rank instead finds the node held once its agent is
-    declared silent)."""
-    out = list(incident.exclude)
-    cause = incident.cause
-    frozen = cause.fault_class == RANK_SILENT and cause.agent_unheard and cause.worker_id
-    if incident.action in IN_PLACE_ACTIONS and frozen and cause.worker_id not in out:
-        out.append(cause.worker_id)
-    return out
+def unkillable(report: control_pb2.FaultReport) -> str:
+    """Why ``report``'s rank cannot be ended, so no rebuild in place can free its survivors
+    ("": nothing says so): a silent rank whose node agent was not heard from since."""
+    if report.fault_class != RANK_SILENT or not report.agent_unheard:
+        return ""
+    where = f" on {report.worker_id}" if report.worker_id else ""
+    return (
+        f"rank {report.rank}'s node agent{where} is unheard, its process cannot be ended "
+        "(its survivors would wait in their collective with it)"
+    )
 
 
 def waiting_on(job: _Job, worker_id: str) -> list[int]:

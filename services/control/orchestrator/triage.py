@@ -23,7 +23,7 @@ from typing import Literal
 
 from services.contract import control_pb2
 from services.control.orchestrator.job import JobState, _Incident, _Job
-from services.control.orchestrator.replacement_nodes import waiting_on
+from services.control.orchestrator.replacement_nodes import unkillable, waiting_on
 from services.jobspec import (
     IN_PLACE_ACTIONS,
     rebuild_refusal,
@@ -47,7 +47,10 @@ def _no_rebuild(job: _Job, report: control_pb2.FaultReport) -> str:
     can). During a rebuild another lost rank is rebuilt again as long as a rank that held
     the state before the first loss survives (a replacement that dies while it starts, or a
     second survivor lost, costs nothing of the training); only when none is left, or during
-    another kind of recovery, is every rank relaunched from the checkpoint."""
+    another kind of recovery, is every rank relaunched from the checkpoint. Nor when a rank
+    went silent with its node agent unheard (replacement_nodes.py ``unkillable``)."""
+    if why := unkillable(report):
+        return why
     i = job.incident
     if i is not None and i.action in IN_PLACE_ACTIONS:
         holders = set(range(job.status.world_size)) - set(i.lost) - set(_lost_ranks(job, report))
