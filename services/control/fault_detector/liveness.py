@@ -110,20 +110,8 @@ class Liveness:
                 return  # re-armed meanwhile
             del self._agents[worker_id]
             self._silent_agents[worker_id] = received
-        now = time.time()
-        self._emit(
-            control_pb2.FaultReport(
-                grade=self._grade(AGENT_SILENT),
-                fault_class=AGENT_SILENT,
-                source=Module.EXT_HARDWARE,
-                detail=f"the node agent of {worker_id} sent no AgentHeartbeat for {time.monotonic() - received:.1f} s "
-                f"(its deadline {wait:.1f} s)",
-                detected_unix=now,
-                occurred_unix=now - (time.monotonic() - received),
-                worker_id=worker_id,
-                event=control_pb2.AgentHeartbeat.DESCRIPTOR.name,
-            )
-        )
+        quiet = time.monotonic() - received
+        self._report_agent_silent(worker_id, quiet, f" (its deadline {wait:.1f} s)")
 
     def _agent_unheard_with(self, worker_id: str, rank: int) -> None:
         """Rank ``rank`` of ``worker_id`` went silent and that node's agent was not heard from
@@ -145,14 +133,19 @@ class Liveness:
             last = beat[0] if beat is not None else time.monotonic()
             self._silent_agents[worker_id] = last
         quiet = time.monotonic() - last
+        self._report_agent_silent(
+            worker_id, quiet, f", not since before rank {rank} there went silent (the node may be frozen)"
+        )
+
+    def _report_agent_silent(self, worker_id: str, quiet: float, why: str) -> None:
+        """Report ``worker_id``'s agent ``agent_silent``: quiet for ``quiet`` s, ``why`` ending the detail."""
         now = time.time()
         self._emit(
             control_pb2.FaultReport(
                 grade=self._grade(AGENT_SILENT),
                 fault_class=AGENT_SILENT,
                 source=Module.EXT_HARDWARE,
-                detail=f"the node agent of {worker_id} sent no AgentHeartbeat for {quiet:.1f} s, not since before "
-                f"rank {rank} there went silent (the node may be frozen)",
+                detail=f"the node agent of {worker_id} sent no AgentHeartbeat for {quiet:.1f} s{why}",
                 detected_unix=now,
                 occurred_unix=now - quiet,
                 worker_id=worker_id,
