@@ -330,7 +330,7 @@ class StoreClient(SaveAgreement, BackgroundCommit, ChunkIO, ProfileUpload):
             self._report(
                 "save",
                 cause,
-                f"{reason}; the run ends without it",
+                f"{reason}; that save is not committed (a run that ends now ends without it)",
                 job_id=msg.job_id,
                 step=self._commit_step,
                 handled="surge.v1.FlushCheckpoint",

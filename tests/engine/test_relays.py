@@ -723,7 +723,7 @@ def test_the_flush_waits_for_a_silent_store_no_longer_than_its_bound_and_reports
     assert time.perf_counter() - t0 < 2.5
     assert [(u.operation, u.cause, u.step) for u in up] == [("save", store_pb2.TIMEOUT, 17)]
     assert (up[0].failure.cause, up[0].failure.operation) == (route_pb2.FAILURE_TIMEOUT, "surge.v1.FlushCheckpoint")
-    assert "the run ends without it" in up[0].reason
+    assert "that save is not committed" in up[0].reason
     client.close(timeout=1)
 
 
