@@ -52,6 +52,7 @@ from services.control.job_store import JobStore
 from services.control.metrics import ControlMetrics
 from services.control.orchestrator.activity import REFUSE, Admission, Ask, admit, end
 from services.control.orchestrator.annotations import Annotating
+from services.control.orchestrator.commit_later import CommitLater
 from services.control.orchestrator.departure import Departures
 from services.control.orchestrator.effects import Effects
 from services.control.orchestrator.eval_hooks import EvalHooks
@@ -118,6 +119,7 @@ class Orchestrator(
     Undos,
     OneWrite,
     HeldStepWrites,
+    CommitLater,
 ):
     """Owns every job's state machine. Thread-safe: one short lock orders all decisions
     (see the module docstring for the locks).
@@ -534,6 +536,9 @@ class Orchestrator(
         writes, self._decided.writes = getattr(self._decided, "writes", None) or [], None
         commanded, self._decided.jobs = jobs or getattr(self._decided, "jobs", None) or {}, None
         undos, self._decided.undos = getattr(self._decided, "undos", None) or [], None
+        go_on, self._decided.go_on = getattr(self._decided, "go_on", None), None  # (commit_later.py)
+        if go_on is not None and error is None and not undos and not getattr(self._decided, "start", False):
+            return self._released_on_commit(go_on, writes, commanded)
         failed: BaseException | None = None
         lost: dict[str, BaseException] = {}  # job id -> the first of its writes that failed
         for job_id, future in writes:
