@@ -24,9 +24,10 @@ What still waits for the commit, released from it:
 
 Only where nobody waits on the thread: a worker event applied by the event applier
 (``JobStore.goes_on``: the session hub's bursts, ``wait=False``), the handler's decision
-being the outermost (``DecisionLock.outermost``). A decision that must undo itself if its
-write fails (``_undo_if_lost``), or that asks the queue's head to be tried once its releases
-went, waits as before: its undo runs before the job's next event is decided (session 28).
+being the outermost (``DecisionLock.outermost``); its end (``_decision_over``, the lock's
+``after``) then does not wait. A decision that must undo itself if its write fails
+(``_undo_if_lost``), or that asks the queue's head to be tried once its releases went, waits
+as before: its undo runs before the job's next event is decided (session 28).
 """
 
 from __future__ import annotations
@@ -46,6 +47,19 @@ class CommitLater:
         this thread and this is the outermost decision, it will not wait for its writes."""
         if self._lock.outermost() and self._journal.goes_on():
             self._decided.go_on = msg
+
+    def _decision_over(self, error: BaseException | None) -> None:
+        """The decision lock was let go by this thread: a decision of ``_commit_later`` that
+        raised nothing, registered no undo and asked for no start of the queue's head goes on
+        (``_released_on_commit``); any other waits for its writes (core.py ``_after_decision``)."""
+        decided = self._decided
+        msg, decided.go_on = getattr(decided, "go_on", None), None
+        if msg is None or error is not None or getattr(decided, "undos", None) or getattr(decided, "start", False):
+            self._after_decision(error)
+            return
+        writes, decided.writes = getattr(decided, "writes", None) or [], None
+        jobs, decided.jobs = getattr(decided, "jobs", None) or {}, None
+        self._released_on_commit(msg, writes, jobs)
 
     def _released_on_commit(self, msg: Message, writes: list[tuple[str, Future]], jobs: dict[str, Any]) -> None:
         """The decision of ``msg`` is over (the lock let go): its failed writes are reported and

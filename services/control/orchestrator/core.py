@@ -181,7 +181,7 @@ class Orchestrator(
         self._persist_interval_s = persist_interval_s
         # Re-entrant: a command this module sends may come back as an event on this thread.
         # Once a decision is over, the jobs it changed are published (``_publish_changed``).
-        self._lock = DecisionLock(self._publish_changed, self._after_decision)
+        self._lock = DecisionLock(self._publish_changed, self._decision_over)  # (commit_later.py)
         self._changed: set[str] = set()  # jobs whose view is to be published as the decision ends
         self._places_changed = False  # the queue's order changed in this decision
         self._jobs: dict[str, _Job] = {}
@@ -536,9 +536,6 @@ class Orchestrator(
         writes, self._decided.writes = getattr(self._decided, "writes", None) or [], None
         commanded, self._decided.jobs = jobs or getattr(self._decided, "jobs", None) or {}, None
         undos, self._decided.undos = getattr(self._decided, "undos", None) or [], None
-        go_on, self._decided.go_on = getattr(self._decided, "go_on", None), None  # (commit_later.py)
-        if go_on is not None and error is None and not undos and not getattr(self._decided, "start", False):
-            return self._released_on_commit(go_on, writes, commanded)
         failed: BaseException | None = None
         lost: dict[str, BaseException] = {}  # job id -> the first of its writes that failed
         for job_id, future in writes:
