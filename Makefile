@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 GEN    := services/contract/gen
 PROTOS := $(wildcard proto/surge/v1/*.proto)
 
-.PHONY: setup tools proto contracts demo test test-compose lint format up down clean bench bench-faults bench-quiet-faults bench-goodput bench-scale bench-control bench-rank-start bench-stack-cost bench-profile bench-scheduler
+.PHONY: setup tools proto contracts demo test test-compose lint format up down clean bench bench-faults bench-quiet-faults bench-goodput bench-scale bench-control bench-control-start bench-rank-start bench-stack-cost bench-profile bench-scheduler
 
 setup: $(STAMP) $(GEN)/.stamp
 
@@ -121,6 +121,11 @@ bench-scale: setup
 # Results in bench/results/control.json, a table on stdout.
 bench-control: setup
 	$(BIN)/python bench/control_bench.py $(CONTROL_ARGS)
+
+# A job's start in process (bench/control_start.py): 64 x 8 ranks' ready events -> RUNNING, the
+# journal commits it costs, and the LaunchRanks bytes at 64, 512, 8,192 ranks (issue 28).
+bench-control-start: setup
+	$(BIN)/python bench/control_start.py $(START_ARGS)
 
 # The stack's own CPU per training step (bench/stack_cost.py, issue 28 item 3; goal <= 1 % of a
 # step): the demo model at dp 2 on a real stack, every non-rank process and the ranks' side

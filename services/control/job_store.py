@@ -125,6 +125,7 @@ class _Applying:
     earlier: Sequence[int] = ()  # seqs of its burst applied before it, not yet journaled
     written: bool = False  # a write carrying the cursor is queued (or committed)
     durable: Future | None = None  # that write's future
+    goes_on: bool = False  # nobody waits on this thread for its writes: the ack follows the commit
 
     @property
     def seqs(self) -> list[int]:
@@ -355,16 +356,18 @@ class JobStore:
         defer: bool = False,
         cursor: WorkerCursor | None = None,
         earlier: Sequence[int] = (),
+        goes_on: bool = False,
     ) -> Iterator[_Applying]:
         """Apply worker event ``seq`` inside this block: the first journal write on this
         thread also writes the worker's cursor (``cursor`` with ``seq`` and the ``earlier``
         applied ones of its burst added; none: ``seq`` is the watermark), in the same
-        transaction; if the block wrote nothing (an event
+        transaction (``goes_on``: the caller acks from that write's commit and waits for none
+        on this thread, :meth:`goes_on`); if the block wrote nothing (an event
         with no journaled effect), the cursor is written alone on exit, or, with ``defer``,
         left to the caller (``written`` stays False: the session hub marks it in memory, no
         write). An exception leaves the cursor unwritten (the event is
         applied again if resent)."""
-        ctx = _Applying(cursor or WorkerCursor(worker_id, incarnation, seq - 1), seq, earlier)
+        ctx = _Applying(cursor or WorkerCursor(worker_id, incarnation, seq - 1), seq, earlier, goes_on=goes_on)
         self._applying.ctx = ctx
         try:
             yield ctx
@@ -372,6 +375,13 @@ class JobStore:
             self._applying.ctx = None
         if not ctx.written and not defer:
             self._write(None, ctx)
+
+    def goes_on(self) -> bool:
+        """Whether a worker event is being applied on this thread by a caller that waits for
+        none of its writes (the event applier's bursts: its ack follows its write's commit),
+        so a decision it causes may go on before its commit (orchestrator/commit_later.py)."""
+        ctx = getattr(self._applying, "ctx", None)
+        return ctx is not None and ctx.goes_on
 
     def flush(self) -> None:
         """Wait until every write queued before this call is committed (or failed)."""

@@ -332,7 +332,7 @@ class SessionHub:
         writes: list[Future] = []
         for session, ev in burst:
             try:
-                later, durable = self._accept(session, ev, defer=True, admitted=admitted)
+                later, durable = self._accept(session, ev, defer=True, admitted=admitted, goes_on=not wait)
             except Exception:
                 _log.exception("worker event refused", worker_id=session.worker_id)
                 later, durable = True, None  # skipped for good: its seq must not hold the watermark back
@@ -368,11 +368,14 @@ class SessionHub:
         ev: control_pb2.WorkerEvent,
         defer: bool,
         admitted: bool = False,
+        goes_on: bool = False,
     ) -> tuple[bool, Future | None]:
         """Apply ``ev`` unless its seq was applied already. Returns (later, durable): later
         True: its cursor is not yet marked (only with ``defer``, for an event that
         journaled nothing: the caller marks it); durable: the future of the journal write
-        that carries its cursor (None: none, or none needed)."""
+        that carries its cursor (None: none, or none needed). ``goes_on``: the caller waits for
+        none of its writes (the applier's bursts): a decision it causes may go on before its
+        commit (orchestrator/commit_later.py), its ack following that commit all the same."""
         if not ev.seq:
             self._apply(session, ev)
             return False, None
@@ -385,7 +388,7 @@ class SessionHub:
         written, durable = True, None
         if self._journal is not None:
             with self._journal.applying(
-                session.worker_id, session.incarnation, ev.seq, defer=defer, cursor=session.cursor
+                session.worker_id, session.incarnation, ev.seq, defer=defer, cursor=session.cursor, goes_on=goes_on
             ) as ctx:
                 self._apply(session, ev)
             written, durable = ctx.written or not defer, ctx.durable

@@ -112,6 +112,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.fencing import FENCE, FENCED_CALLS
+from services.common.rank_nodes import expand, node_runs
 from services.contract import Module, audit_pb2, control_pb2, worker_pb2
 from services.contract.audit import merge_reports
 from services.contract.bus import Bus
@@ -276,8 +277,10 @@ class NodeAgent(RankLauncher):
         launch waits for it to end (its grace period at most); otherwise the launch of
         that rank is refused and logged. A process that cannot be spawned is reported as
         ``RankExited`` with exit code 127. The job's peer for the in-memory checkpoint
-        copies (``memory_peer``) is noted first. A launch with no ranks only restates the job's
-        link probe peers (a rebuild in place changed its layout: the memory peer stays).
+        copies (``memory_peer``) is noted first. Each assignment's ``rank_nodes`` is filled
+        from the launch's ``node_runs`` (the world's node list, sent once per launch:
+        services/common/rank_nodes.py). A launch with no ranks only restates the job's link
+        probe peers (a rebuild in place changed its layout: the memory peer stays).
         """
         if self._memory is not None and msg.ranks:
             self._memory.set_peer(msg.job_id, msg.memory_peer)
@@ -285,7 +288,10 @@ class NodeAgent(RankLauncher):
             self._links.set_peers(msg.job_id, msg.link_probe)
         for assignment in msg.ranks:  # the newest incarnation: an older one's calls are refused here
             FENCE.tell(msg.job_id, assignment.rank, assignment.generation)
+        rank_nodes = expand(msg.node_runs)  # (sent once per launch: each rank gets the whole list)
         for assignment in msg.ranks:
+            if rank_nodes and not assignment.rank_nodes:
+                assignment.rank_nodes.extend(rank_nodes)
             self._launch_one(msg.job_id, msg.init, assignment)
 
     def release_ranks(self, msg: control_pb2.ReleaseRanks, payload: Any = None) -> None:
@@ -505,8 +511,8 @@ class NodeAgent(RankLauncher):
 
     def running(self) -> list[control_pb2.LaunchRanks]:
         """The rank processes alive here and not released, one LaunchRanks per job (its
-        job config and assignments as launched): declared in every registration, so a
-        restarted control re-attaches them."""
+        job config and assignments as launched, the world's node list in ``node_runs``):
+        declared in every registration, so a restarted control re-attaches them."""
         out: dict[str, control_pb2.LaunchRanks] = {}
         with self._lock:
             for r in self._ranks.values():
@@ -516,6 +522,10 @@ class NodeAgent(RankLauncher):
                 launch.ranks.append(r.assignment)
         for launch in out.values():
             launch.ranks.sort(key=lambda a: a.rank)
+            # (the world's node list once, as runs, not in each assignment: rank_nodes.py)
+            launch.node_runs.extend(node_runs(launch.ranks[0].rank_nodes))
+            for a in launch.ranks:
+                a.ClearField("rank_nodes")
         return list(out.values())
 
     # ------------------------------------------------------------ from the operator (audit)

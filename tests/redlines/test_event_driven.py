@@ -51,8 +51,18 @@ STEP_DEADLINE_ARMERS = {Module.L1_ORCHESTRATOR: {"_arm", "_arm_policy_timer"}}
 # anyone, a hand-off off the caller's thread. L1-1 starts its queued jobs so (issue 15):
 # the caller may be the thread applying the node agents' events.
 # (_hook_soon: eval.hooks submits; _report_soon, _write_held_soon: off the journal writer's
-# thread, a refused step write's report and the held steps' write once the journal commits)
-HANDOFFS = {Module.L1_ORCHESTRATOR: {"_start_soon", "_grow_soon", "_hook_soon", "_report_soon", "_write_held_soon"}}
+# thread, a refused step write's report and the held steps' write once the journal commits;
+# _drain_soon: off it too, a job's commands released by its write's commit: commit_later.py)
+HANDOFFS = {
+    Module.L1_ORCHESTRATOR: {
+        "_start_soon",
+        "_grow_soon",
+        "_hook_soon",
+        "_report_soon",
+        "_write_held_soon",
+        "_drain_soon",
+    }
+}
 # A blocking call that takes a timeout is a poll when it sits in a loop: wake, look, wait again.
 TIMED_WAITS = {"sleep", "wait", "get", "put", "join", "poll", "select", "acquire", "result", "recv"}
 

@@ -52,6 +52,7 @@ from services.control.job_store import JobStore
 from services.control.metrics import ControlMetrics
 from services.control.orchestrator.activity import REFUSE, Admission, Ask, admit, end
 from services.control.orchestrator.annotations import Annotating
+from services.control.orchestrator.commit_later import CommitLater
 from services.control.orchestrator.departure import Departures
 from services.control.orchestrator.effects import Effects
 from services.control.orchestrator.eval_hooks import EvalHooks
@@ -118,6 +119,7 @@ class Orchestrator(
     Undos,
     OneWrite,
     HeldStepWrites,
+    CommitLater,
 ):
     """Owns every job's state machine. Thread-safe: one short lock orders all decisions
     (see the module docstring for the locks).
@@ -179,7 +181,7 @@ class Orchestrator(
         self._persist_interval_s = persist_interval_s
         # Re-entrant: a command this module sends may come back as an event on this thread.
         # Once a decision is over, the jobs it changed are published (``_publish_changed``).
-        self._lock = DecisionLock(self._publish_changed, self._after_decision)
+        self._lock = DecisionLock(self._publish_changed, self._decision_over)  # (commit_later.py)
         self._changed: set[str] = set()  # jobs whose view is to be published as the decision ends
         self._places_changed = False  # the queue's order changed in this decision
         self._jobs: dict[str, _Job] = {}

@@ -42,6 +42,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import structlog
+from google.protobuf.message import Message
 
 from services.contract import Module, control_pb2, engine_pb2, route_pb2
 from services.contract.failures import cause_of, failure_of
@@ -151,13 +152,14 @@ class HeldStepWrites:
         if self._held_steps.failed(msg.job_id, carried if refused else []):
             self._report_soon(msg, error)
 
-    def _report_soon(self, msg: engine_pb2.StepCompleted, error: BaseException) -> None:
-        """Off the journal writer's thread (a hand-off, no delay): ``_report_step_write``."""
+    def _report_soon(self, msg: Message, error: BaseException) -> None:
+        """Off the journal writer's thread (a hand-off, no delay): ``_report_step_write`` (also
+        a rank event's refused write, decided without waiting for it: commit_later.py)."""
         self._deadlines.after(0.0, self._report_step_write, (msg, error))
 
-    def _report_step_write(self, msg: engine_pb2.StepCompleted, error: BaseException) -> None:
-        """On the deadline pool: L1-1's failure event for the job's step write, typed from its
-        error, to L1-3 (which grades it; the job's policy decides: ``_journal_refused``)."""
+    def _report_step_write(self, msg: Message, error: BaseException) -> None:
+        """On the deadline pool: L1-1's failure event for the job's write of ``msg``, typed from
+        its error, to L1-3 (which grades it; the job's policy decides: ``_journal_refused``)."""
         failure = failure_of(error, Module.L1_ORCHESTRATOR, msg.DESCRIPTOR.full_name, msg)
         self._emit(control_pb2.OrchestratorFailed(job_id=msg.job_id, detail=failure.detail, failure=failure))
 

@@ -25,8 +25,10 @@ class RankEvents:
 
     def on_training_loop_started(self, msg: engine_pb2.TrainingLoopStarted, payload: Any = None) -> None:
         """A rank is initialised (restored, after a recovery) and waits for StartTraining;
-        when all have, start them all."""
+        when all have, start them all. Applied by the event applier, the decision does not wait
+        for its journal commit (commit_later.py): a start is one record per rank."""
         with self._lock:
+            self._commit_later(msg)
             self._heard_from(msg.job_id, msg.rank)
             known = self._jobs.get(msg.job_id)
             ready = ready_for(known.activity if known is not None else None)  # whose event "all ready" is

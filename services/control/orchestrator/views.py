@@ -44,6 +44,10 @@ class DecisionLock:
         """Whether this thread holds the lock (is inside a decision)."""
         return getattr(self._mine, "depth", 0) > 0
 
+    def outermost(self) -> bool:
+        """Whether this thread holds the lock once (its decision is no other's part)."""
+        return getattr(self._mine, "depth", 0) == 1
+
     def __enter__(self) -> DecisionLock:
         self._lock.acquire()
         self._mine.depth = getattr(self._mine, "depth", 0) + 1

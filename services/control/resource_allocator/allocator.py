@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any
 
+from services.common.rank_nodes import node_runs
 from services.contract import control_pb2, engine_pb2
 from services.contract.bus import CommandPort, Emitter
 from services.control.cluster_metrics import SlotCensus, watch_slots
@@ -170,11 +171,17 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
             self._placed[msg.job_id] = _Placement([(w.reg.worker_id, slot) for w, slot in picks], backend)
             launches: dict[str, control_pb2.LaunchRanks] = {}
             # Once, not per rank (a list of the world per rank was 8,192^2 Python steps at
-            # 1,024 x 8, most of the submit's 2 minutes; each assignment still carries it).
+            # 1,024 x 8, most of the submit's 2 minutes), and sent once per launch as runs, not
+            # in each assignment (741 MB of launches at 8,192 ranks): services/common/rank_nodes.py.
             rank_nodes = [w.reg.worker_id for w, _ in picks]
+            runs = node_runs(rank_nodes)  # topology for L2-2's TP placement
             for rank, (w, slot) in enumerate(picks):
                 w.busy.setdefault(msg.job_id, []).append(slot)
-                launch = launches.setdefault(w.reg.worker_id, control_pb2.LaunchRanks(job_id=msg.job_id, init=msg.init))
+                launch = launches.get(w.reg.worker_id)
+                if launch is None:
+                    launch = launches[w.reg.worker_id] = control_pb2.LaunchRanks(
+                        job_id=msg.job_id, init=msg.init, node_runs=runs
+                    )
                 launch.ranks.append(
                     engine_pb2.RankAssignment(
                         rank=rank,
@@ -187,7 +194,6 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
                         memory_quota_bytes=_memory_quota(w, slot),
                         num_threads=spec.parallel.threads_per_rank,
                         worker_id=w.reg.worker_id,
-                        rank_nodes=rank_nodes,  # topology for L2-2's TP placement
                         generation=generation,
                     )
                 )

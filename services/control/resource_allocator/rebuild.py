@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.common.rank_nodes import node_runs
 from services.contract import control_pb2, engine_pb2
 from services.control.resource_allocator.slots import (
     _device_name,
@@ -162,13 +163,16 @@ class Rebuild:
                 init.CopyFrom(allocated.init)
                 init.resume_version, init.heal_from_peer = "", True
                 threads = spec_from_json(init.spec_json).parallel.threads_per_rank
+                runs = node_runs(rank_nodes)  # (once per launch, not per rank: services/common/rank_nodes.py)
                 for r, (w, slot) in zip(launched, picks, strict=True):
-                    launch = launches.setdefault(w.reg.worker_id, control_pb2.LaunchRanks(job_id=msg.job_id, init=init))
+                    launch = launches.setdefault(
+                        w.reg.worker_id, control_pb2.LaunchRanks(job_id=msg.job_id, init=init, node_runs=runs)
+                    )
                     launch.ranks.append(engine_pb2.RankAssignment(
                         rank=r, world_size=len(placed.ranks), local_rank=slot, master_addr=master_addr,
                         master_port=master_port, backend=placed.backend, device=_device_name(w, slot),
                         memory_quota_bytes=_memory_quota(w, slot), num_threads=threads, worker_id=w.reg.worker_id,
-                        rank_nodes=rank_nodes, generation=generation,
+                        generation=generation,
                     ))  # fmt: skip
                 links = spec_from_json(init.spec_json).links
                 for worker_id, launch in launches.items():

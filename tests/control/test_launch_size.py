@@ -1,0 +1,62 @@
+"""A job's launches carry the world's node list once per node agent, as runs, not in every
+rank's assignment (issue 28): 8,192 ranks on 1,024 nodes were 741 MB of LaunchRanks, quadratic
+in the ranks (bench/control_start.py). What each rank receives is unchanged: its node agent
+fills the assignment's ``rank_nodes`` from the launch's ``node_runs`` (tests/worker/test_rank_nodes.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.rank_nodes import expand, node_runs
+from services.contract import control_pb2, engine_pb2
+from services.control.resource_allocator import ResourceAllocator
+from services.jobspec import parse_job_spec, spec_to_json
+
+from .conftest import registration, spec_yaml
+
+# (case, rank_nodes) -> runs as (worker id, ranks)
+RUNS = [
+    ("no ranks", [], []),
+    ("one node", ["a"] * 4, [("a", 4)]),
+    ("filled in order", ["a", "a", "b", "b", "c"], [("a", 2), ("b", 2), ("c", 1)]),
+    ("scattered by a rebuild", ["a", "b", "a", "a"], [("a", 1), ("b", 1), ("a", 2)]),
+]
+
+
+@pytest.mark.parametrize("rank_nodes, runs", [c[1:] for c in RUNS], ids=[c[0] for c in RUNS])
+def test_the_node_list_as_runs_expands_to_the_same_list(rank_nodes, runs):
+    encoded = node_runs(rank_nodes)
+    assert [(r.worker_id, r.ranks) for r in encoded] == runs
+    assert expand(encoded) == rank_nodes
+
+
+def launches(world: int, per_node: int) -> list[control_pb2.LaunchRanks]:
+    sent: list[control_pb2.LaunchRanks] = []
+
+    def hardware(msg, payload=None):
+        if isinstance(msg, control_pb2.LaunchRanks):
+            sent.append(msg)
+
+    allocator = ResourceAllocator(hardware=hardware, emit=lambda msg, payload=None: None)
+    for i in range(world // per_node):
+        allocator.on_worker_registration(registration(f"node-{i:04d}", per_node))
+    init = engine_pb2.InitJob(job_id="j", spec_json=spec_to_json(parse_job_spec(spec_yaml(dp=world))))
+    allocator.allocate_resources(control_pb2.AllocateResources(job_id="j", world_size=world, init=init))
+    return sent
+
+
+def test_a_launch_carries_the_worlds_nodes_once_not_in_every_assignment():
+    sent = launches(world=64, per_node=8)
+    world = [f"node-{r // 8:04d}" for r in range(64)]
+    assert len(sent) == 8
+    for launch in sent:
+        assert [a.rank_nodes for a in launch.ranks] == [[]] * 8  # (each was the 64-entry list)
+        assert expand(launch.node_runs) == world and len(launch.node_runs) == 8
+
+
+def test_a_jobs_launches_are_not_quadratic_in_its_ranks():
+    """512 ranks on 64 nodes: each launch carries 64 runs, not 8 assignments x 512 names; the
+    job's launches were 3,076,579 bytes (the old code), 253,923 now (bench/control_start.py)."""
+    sent = launches(world=512, per_node=8)
+    assert {len(launch.node_runs) for launch in sent} == {64}
+    assert sum(m.ByteSize() for m in sent) < 400_000
