@@ -24,7 +24,13 @@ half of each kind. FIFO keeps the kinds (one queue, head-of-line per kind: a job
 GPUs does not hold CPU slots idle, as the allocator now places by kind). The day reports the
 utilisation of each kind.
 
-Flags: --slots, --gpu-fraction, --decisions, --load, --seed. Results in
+The starvation bound (fair_share.py): ``--max-wait`` minutes (default the book's, 120; 0: none,
+the fair order alone as before session 30). The day reports, beside every team's p99, the worst
+p99 and the longest wait of the busy teams asking no more than their weighted share (what a
+bound promises; a team asking beyond it waits in the fair order). The decision's queued jobs
+have waited 30 min on average (exponential), so some are past the bound.
+
+Flags: --slots, --gpu-fraction, --decisions, --load, --seed, --max-wait. Results in
 bench/results/scheduler.json and a markdown table on stdout.
 """
 
@@ -45,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (run as a script
 
 from services.control.scheduler import QuotaBook, Running, TeamQuota, Waiting, schedule  # noqa: E402
 from services.control.scheduler.fair_share import NO_ROOM, STARTED  # noqa: E402
+from services.control.scheduler.quotas import DEFAULT_MAX_WAIT_MIN  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES, SIZE_P = (1, 2, 4, 8, 16, 32), (0.35, 0.25, 0.18, 0.12, 0.07, 0.03)
@@ -77,10 +84,12 @@ def _shares(slots: int, weights: dict[str, float]) -> dict[str, int]:
     return nominal
 
 
-def team_book(rng: random.Random, slots: int, gpu_fraction: float = 0.0) -> QuotaBook:
+def team_book(
+    rng: random.Random, slots: int, gpu_fraction: float = 0.0, max_wait_s: float | None = DEFAULT_MAX_WAIT_MIN * 60
+) -> QuotaBook:
     """50 teams, weights 1-4, nominal in proportion to weight (summing to about the cluster,
     per kind with two kinds), one cohort, borrowing unlimited, a hard limit of half the cluster
-    (of each kind)."""
+    (of each kind); the starvation bound ``max_wait_s`` (None: none)."""
     weights = {f"team-{i:02d}": float(rng.randint(1, 4)) for i in range(TEAMS)}
     kinds = kinds_of(slots, gpu_fraction)
     if not kinds:
@@ -89,7 +98,8 @@ def team_book(rng: random.Random, slots: int, gpu_fraction: float = 0.0) -> Quot
             {
                 t: TeamQuota(nominal=nominal[t], hard_limit=slots // 2, weight=w, cohort="all")
                 for t, w in weights.items()
-            }
+            },
+            max_wait_s=max_wait_s,
         )
     per_kind = {k: _shares(n, weights) for k, n in kinds.items()}
     return QuotaBook(
@@ -101,7 +111,8 @@ def team_book(rng: random.Random, slots: int, gpu_fraction: float = 0.0) -> Quot
                 cohort="all",
             )
             for t, w in weights.items()
-        }
+        },
+        max_wait_s=max_wait_s,
     )
 
 
@@ -121,13 +132,18 @@ def _try_start(free: dict[str, int], capacity: dict[str, int]):
 
 
 def decision_times(
-    rng: random.Random, slots: int, decisions: int, gpu_fraction: float = 0.0
+    rng: random.Random,
+    slots: int,
+    decisions: int,
+    gpu_fraction: float = 0.0,
+    max_wait_s: float | None = DEFAULT_MAX_WAIT_MIN * 60,
 ) -> tuple[list[float], list[float]]:
     """Seconds per scheduling pass over 1,000 queued jobs (module docstring, part 1): wall
     clock, and this thread's CPU time (what the pass costs, whatever else the machine runs:
     on a shared 2-core machine the wall clock measured mostly the wait for a core)."""
-    book = team_book(rng, slots, gpu_fraction)
+    book = team_book(rng, slots, gpu_fraction, max_wait_s)
     teams = list(book.teams)
+    ages = random.Random(len(teams))  # (its own draws: the day's submissions stay those of before the bound)
     capacity = kinds_of(slots, gpu_fraction) or {"any": slots}
     times, cpu = [], []
     for _ in range(decisions):
@@ -139,6 +155,7 @@ def decision_times(
                 rng.randint(-2, 2),
                 i,
                 kind=_kind(rng, gpu_fraction),
+                queued=-ages.expovariate(1 / 1800),  # (waited 30 min on average: some past the bound)
             )
             for i in range(1000)
         ]
@@ -152,7 +169,7 @@ def decision_times(
             free[kind] = n - held
         try_start = _try_start(free, capacity)
         t0, c0 = time.perf_counter(), time.thread_time()
-        schedule(waiting, running, book, capacity if gpu_fraction else slots, try_start)
+        schedule(waiting, running, book, capacity if gpu_fraction else slots, try_start, now=0.0)
         cpu.append(time.thread_time() - c0)
         times.append(time.perf_counter() - t0)
     return times, cpu
@@ -207,7 +224,7 @@ def simulate(
     free = dict(capacity)
     used_slot_s = dict.fromkeys(capacity, 0.0)
     last_t, passes = 0.0, 0
-    fifo_book = QuotaBook()
+    fifo_book = QuotaBook(max_wait_s=None)
     while events:
         t = events[0][0]
         for kind, n in capacity.items():
@@ -220,7 +237,7 @@ def simulate(
                 free[r.kind if r.kind in free else "any"] += r.slots
             else:
                 _, team, size, _, kind = subs[i]
-                waiting[job_id] = Waiting(job_id, "fifo" if fifo else team, size, 0, i, kind=kind)
+                waiting[job_id] = Waiting(job_id, "fifo" if fifo else team, size, 0, i, kind=kind, queued=t)
         room = dict(free)
         p = schedule(
             waiting.values(),
@@ -228,6 +245,7 @@ def simulate(
             fifo_book if fifo else book,
             capacity if gpu_fraction else slots,
             _try_start(room, capacity),
+            now=t,
         )
         passes += 1
         for job_id, borrowed in p.started:
@@ -291,6 +309,7 @@ def summary(result: dict) -> dict:
             statistics.median(v["p50_min"] for t, v in per_team.items() if t not in busy and v["jobs"]), 2
         ),
         "per_team": {t: {k: round(x, 2) for k, x in v.items()} for t, v in per_team.items()},
+        "waits_min": {t: [x / 60 for x in w] for t, w in result["waits"].items()},
     }
 
 
@@ -303,13 +322,22 @@ def main() -> None:
     ap.add_argument("--decisions", type=int, default=200, help="scheduling passes timed")
     ap.add_argument("--load", type=float, default=0.95, help="offered slot-seconds / the cluster's")
     ap.add_argument("--seed", type=int, default=30)
+    ap.add_argument(
+        "--max-wait",
+        type=float,
+        default=DEFAULT_MAX_WAIT_MIN,
+        help="fair share's starvation bound in minutes (0: none, the fair order alone)",
+    )
     args = ap.parse_args()
     rng = random.Random(args.seed)
     if not 0 <= args.gpu_fraction < 1:
         ap.error(f"--gpu-fraction: must be in [0, 1), got {args.gpu_fraction}")
     g = args.gpu_fraction
-    times, cpu = decision_times(rng, args.slots, args.decisions, g)
-    book = team_book(random.Random(args.seed), args.slots, g)
+    if args.max_wait < 0:
+        ap.error(f"--max-wait: must be >= 0 minutes, got {args.max_wait}")
+    bound = args.max_wait * 60 or None
+    times, cpu = decision_times(rng, args.slots, args.decisions, g, bound)
+    book = team_book(random.Random(args.seed), args.slots, g, bound)
     subs = submissions(rng, args.slots, args.load, g)
     t0 = time.perf_counter()
     fifo = summary(simulate(subs, args.slots, book, fifo=True, gpu_fraction=g))
@@ -335,6 +363,16 @@ def main() -> None:
             "teams": offered(subs, book, args.slots),
         },
     }
+    for result in (fifo, fair):  # the starvation measure: teams asking no more than their weighted share
+        within = [
+            t
+            for t, v in result["per_team"].items()
+            if v["jobs"] >= 20 and out["day"]["teams"][t]["offered_share"] <= out["day"]["teams"][t]["weight_share"]
+        ]
+        result["within_share_teams"] = len(within)
+        result["within_share_team_p99_min_worst"] = max(result["per_team"][t]["p99_min"] for t in within)
+        result["within_share_wait_min_max"] = round(max(max(result["waits_min"][t]) for t in within), 2)
+        del result["waits_min"]
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "scheduler.json").write_text(json.dumps(out, indent=1) + "\n")
     d = out["decision_ms"]
@@ -354,6 +392,8 @@ def main() -> None:
         ("per-team p50 wait, worst team (min)", "team_p50_min_worst"),
         ("per-team p99 wait, median over teams (min)", "team_p99_min_median"),
         ("per-team p99 wait, worst team (min)", "team_p99_min_worst"),
+        ("per-team p99 wait, worst team asking <= its weighted share (min)", "within_share_team_p99_min_worst"),
+        ("longest wait of a job of such a team (min)", "within_share_wait_min_max"),
         ("p50 wait of the small teams (< 20 jobs), median (min)", "small_teams_p50_min_median"),
     ]
     print("| | FIFO | fair share + quotas |\n|---|---|---|")

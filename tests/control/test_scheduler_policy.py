@@ -21,7 +21,7 @@ from services.control.scheduler import (
     schedule,
 )
 from services.control.scheduler.fair_share import NO_ROOM, STARTED
-from services.control.scheduler.quotas import parse_quota_text, quota_from_fields
+from services.control.scheduler.quotas import DEFAULT_MAX_WAIT_MIN, parse_quota_text, quota_from_fields
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -151,23 +151,23 @@ def test_a_job_whose_ranks_do_not_fit_holds_back_everyone_behind_it_but_one_beyo
     assert p.waits["small"][0] == "fair_share" and "job big is next" in p.waits["small"][1]
 
 
-def test_fair_share_over_a_window_is_within_ten_percent_of_the_weights():
-    """Three always-backlogged teams of weights 1, 2, 3 on a 60-slot cluster, jobs of 1-4 slots
-    lasting 5-30 ticks: the slot-ticks each team gets over the window, normalised, are within
-    10 % of its weight's share."""
+def _window(book: QuotaBook) -> tuple[dict[str, int], dict[str, list[float]]]:
+    """Three always-backlogged teams (20 jobs queued each) on a 60-slot cluster, jobs of 1-4
+    slots lasting 5-30 ticks of a minute, 3,000 ticks: each team's slot-ticks after a warm-up
+    of 200, and its jobs' waits (minutes)."""
     rng = random.Random(30)
-    weights = {"t1": 1.0, "t2": 2.0, "t3": 3.0}
-    book = QuotaBook({t: TeamQuota(weight=w) for t, w in weights.items()})
     capacity, seq = 60, 0
     waiting: list[Waiting] = []
     running: dict[str, tuple[Running, int]] = {}
-    got = dict.fromkeys(weights, 0)
+    got = {t: 0 for t in book.teams}
+    waits: dict[str, list[float]] = {t: [] for t in book.teams}
     durations = {}
     for tick in range(3000):
-        for t in weights:  # every team keeps 20 jobs queued
+        now = tick * 60.0
+        for t in book.teams:  # every team keeps 20 jobs queued
             while sum(1 for w in waiting if w.team == t) < 20:
                 seq += 1
-                waiting.append(Waiting(f"{t}-{seq}", t, rng.randint(1, 4), seq=seq))
+                waiting.append(Waiting(f"{t}-{seq}", t, rng.randint(1, 4), seq=seq, queued=now))
                 durations[f"{t}-{seq}"] = rng.randint(5, 30)
         for job_id, (_, end) in list(running.items()):
             if end <= tick:
@@ -180,17 +180,152 @@ def test_fair_share_over_a_window_is_within_ten_percent_of_the_weights():
             free[0] -= w.slots
             return STARTED
 
-        p = schedule(waiting, [r for r, _ in running.values()], book, capacity, try_start)
+        p = schedule(waiting, [r for r, _ in running.values()], book, capacity, try_start, now=now)
         started = {j for j, _ in p.started}
         for w in [w for w in waiting if w.job_id in started]:
             running[w.job_id] = (Running(w.job_id, w.team, w.slots), tick + durations[w.job_id])
+            waits[w.team].append((now - w.queued) / 60)
         waiting = [w for w in waiting if w.job_id not in started]
         if tick >= 200:  # after the warm-up
             for r, _ in running.values():
                 got[r.team] += r.slots
+    return got, waits
+
+
+def test_fair_share_over_a_window_is_within_ten_percent_of_the_weights():
+    """Teams of weights 1, 2, 3 (``_window``) under the default starvation bound (120 min),
+    which t1's jobs reach (without it they wait up to 141 min): the slot-ticks each team gets
+    over the window, normalised, are within 10 % of its weight's share, and no job waited
+    beyond the bound plus the longest job (the time its slots take to free up)."""
+    weights = {"t1": 1.0, "t2": 2.0, "t3": 3.0}
+    book = QuotaBook({t: TeamQuota(weight=w) for t, w in weights.items()})
+    assert book.max_wait_s == DEFAULT_MAX_WAIT_MIN * 60
+    got, waits = _window(book)
     total, wsum = sum(got.values()), sum(weights.values())
     for t, w in weights.items():
         assert abs(got[t] / total - w / wsum) <= 0.1 * w / wsum, (got, t)
+    assert max(waits["t1"]) >= DEFAULT_MAX_WAIT_MIN  # (the bound was in play)
+    assert max(x for v in waits.values() for x in v) <= DEFAULT_MAX_WAIT_MIN + 30, {t: max(v) for t, v in waits.items()}
+
+
+def test_a_large_job_of_a_small_share_team_behind_a_stream_of_small_jobs_starts_within_the_bound():
+    """Issue 30 item 4, session 29's gap 4: a 32-slot cluster kept full by three weight-4 teams'
+    stream of 1-2 slot jobs (each keeps 10 queued, 5-30 ticks of a minute); team "lab" (weight
+    1, nothing else queued, nothing running) submits one 32-slot job. Its share counting the job
+    (32/32/1) is beyond every other team's next, so the fair order alone never tries it first
+    and, without backfill, it never starts. With a bound of 60 min it goes ahead of the fair
+    order once it has waited 60 min, holds back the others while slots drain, and starts
+    within the bound plus the longest job."""
+
+    def big_job_start(bound: float | None) -> float | None:
+        rng = random.Random(4)
+        teams = {"a": 4.0, "b": 4.0, "c": 4.0, "lab": 1.0}
+        book = QuotaBook({t: TeamQuota(weight=w) for t, w in teams.items()}, max_wait_s=bound)
+        waiting = [Waiting("big", "lab", 32, seq=0, queued=30 * 60.0)]
+        running: dict[str, tuple[Running, int]] = {}
+        seq = 0
+        for tick in range(600):
+            now = tick * 60.0
+            for t in "abc":
+                while sum(1 for w in waiting if w.team == t) < 10:
+                    seq += 1
+                    waiting.append(Waiting(f"{t}{seq}", t, rng.randint(1, 2), seq=seq, queued=now))
+            running = {j: (r, end) for j, (r, end) in running.items() if end > tick}
+            free = [32 - sum(r.slots for r, _ in running.values())]
+
+            def try_start(w, a, free=free):
+                if w.slots > free[0]:
+                    return NO_ROOM
+                free[0] -= w.slots
+                return STARTED
+
+            visible = [w for w in waiting if w.queued <= now]  # (big arrives at minute 30)
+            p = schedule(visible, [r for r, _ in running.values()], book, 32, try_start, now=now)
+            for job_id, _ in p.started:
+                if job_id == "big":
+                    return now
+                w = next(w for w in waiting if w.job_id == job_id)
+                running[job_id] = (Running(job_id, w.team, w.slots), tick + rng.randint(5, 30))
+            started = {j for j, _ in p.started}
+            waiting = [w for w in waiting if w.job_id not in started]
+        return None
+
+    assert big_job_start(None) is None  # the fair order alone: never, in 10 h
+    start = big_job_start(60 * 60.0)
+    assert start is not None and 30 * 60 + 60 * 60 <= start <= 30 * 60 + (60 + 30) * 60, start
+
+
+def test_an_overdue_job_goes_ahead_of_the_fair_order_but_not_ahead_of_its_own_team_s_order():
+    book = QuotaBook({"big": TeamQuota(weight=4), "small": TeamQuota(weight=1)}, max_wait_s=3600.0)
+    jobs = [
+        Waiting("s-old", "small", 8, seq=1, queued=0.0),
+        Waiting("s-new", "small", 1, seq=5, queued=3000.0),
+        Waiting("b1", "big", 1, seq=2, queued=100.0),
+        Waiting("b2", "big", 1, seq=3, queued=200.0),
+        Waiting("first", "big", 1, seq=9, first=True, queued=3500.0),
+    ]
+
+    def order(now, usage, book=book, jobs=jobs):
+        return [w.job_id for w in fair_order(jobs, usage, book, 10, now)]
+
+    # small holds 1 of 10 slots: weighted share 0.1, below its entitlement 1 / (4 + 1) = 0.2.
+    # Below the bound: the fair order (small with s-old would hold 9/10/1; big 1/10/4 ...)
+    assert order(3599.0, {"small": 1}) == ["first", "b1", "b2", "s-old", "s-new"]
+    assert order(None, {"small": 1}) == order(3599.0, {"small": 1})
+    # s-old has waited 3,600 s: ahead of the fair order (behind the drained job's resume only);
+    # its slots count as its team's, so s-new stays behind big's jobs
+    assert order(3600.0, {"small": 1}) == ["first", "s-old", "b1", "b2", "s-new"]
+    # b1 overdue too (big holds nothing): the overdue jobs by priority, then submission order
+    assert order(3700.0, {"small": 1}) == ["first", "s-old", "b1", "b2", "s-new"]
+    # a team at or above its entitlement (small holds 2 of 10: 0.2) gets no promotion: its
+    # jobs wait in the fair order, however long (the bound is for teams below their share)
+    assert order(1e9, {"small": 2}) == ["first", "b1", "b2", "s-old", "s-new"]
+    unbounded = QuotaBook(book.teams, max_wait_s=None)
+    assert [w.job_id for w in fair_order(jobs, {"small": 1}, unbounded, 10, 1e9)] == order(None, {"small": 1})
+    # within a team the order stays priority, then age: an old low-priority job does not pass
+    # its team's newer high-priority head (with one team: the queue's order, overdue or not)
+    one = [Waiting("old", "default", 1, 0, 1, queued=0.0), Waiting("urgent", "default", 1, 5, 2, queued=9e3)]
+    assert [w.job_id for w in fair_order(one, {}, QuotaBook(), 8, 1e4)] == ["urgent", "old"]
+
+
+def test_an_overdue_gpu_job_that_does_not_fit_holds_back_gpu_and_any_jobs_only():
+    free = {"gpu": 2, "cpu": 4}
+
+    def try_start(w, a):
+        kind = "cpu" if w.kind == "any" else w.kind
+        if w.slots > free[kind]:
+            return NO_ROOM
+        free[kind] -= w.slots
+        return STARTED
+
+    book = QuotaBook({"lab": TeamQuota(), "a": TeamQuota(weight=4)}, max_wait_s=60.0)
+    jobs = [
+        Waiting("big-gpu", "lab", 4, seq=1, kind="gpu", queued=0.0),
+        Waiting("a-gpu", "a", 1, seq=2, kind="gpu", queued=50.0),
+        Waiting("a-cpu", "a", 1, seq=3, kind="cpu", queued=50.0),
+        Waiting("a-any", "a", 1, seq=4, queued=50.0),
+    ]
+    caps = {"gpu": 4, "cpu": 8}
+    p = schedule(jobs, [Running("r", "a", 2, kind="gpu")], book, caps, try_start, now=60.0)
+    assert p.order[0] == "big-gpu" and p.waits["big-gpu"][0] == NO_ROOM
+    assert [j for j, _ in p.started] == ["a-cpu"]
+    assert p.waits["a-gpu"][0] == "fair_share" and p.waits["a-any"][0] == "fair_share"
+
+
+def test_the_starvation_bound_in_the_quota_file():
+    assert parse_quota_text("teams: {}").max_wait_s == DEFAULT_MAX_WAIT_MIN * 60
+    book = parse_quota_text("max_wait_minutes: 30\nteams: {a: {weight: 2}}")
+    assert book.max_wait_s == 1800.0
+    assert book.with_team("b", TeamQuota()).max_wait_s == 1800.0 and book.without("a").max_wait_s == 1800.0
+    assert book != parse_quota_text("teams: {a: {weight: 2}}")
+    assert parse_quota_text("max_wait_minutes: null").max_wait_s is None
+    for text, error in [
+        ("max_wait_minutes: 0", "quotas.yaml: max_wait_minutes: Input should be greater than 0, got 0"),
+        ("max_wait_minutes: soon", "quotas.yaml: max_wait_minutes: Input should be a valid number, got 'soon'"),
+    ]:
+        with pytest.raises(QuotaFileError) as e:
+            parse_quota_text(text)
+        assert str(e.value) == error
 
 
 def test_a_job_waiting_for_its_cohort_s_idle_slots_holds_back_its_cohort_but_not_another():

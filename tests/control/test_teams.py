@@ -6,6 +6,7 @@ fit (one runs, one waits, nothing of it launched) 20 times, quotas across a cont
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -168,5 +169,32 @@ def test_quotas_survive_a_control_restart_over_the_quota_file(tmp_path, store_wi
         )
         assert t["vision"].configured and "nlp" not in t  # removed by command: the file's entry is not back
         assert [q.job_id for q in plane.user(control_pb2.TeamQuery()).queue] == [queued.job_id]
+    finally:
+        stop_plane(control)
+
+
+def test_a_job_of_a_team_below_its_share_waiting_past_the_bound_goes_first(tmp_path, store_with_no_versions):
+    """The starvation bound in control (scheduler/fair_share.py): lab's 4-slot job waits behind
+    busy's 1-slot jobs in the fair order (lab's share counting the job, 4/4/1, is beyond
+    busy's 5/4/4) until it has waited the book's bound (1 s here) since it was queued; lab holds
+    nothing (below its entitlement 1/5), so it then goes first. The order is read at the next
+    change of the queue (a submit)."""
+    book = QuotaBook({"busy": TeamQuota(weight=4), "lab": TeamQuota(weight=1)}, max_wait_s=1.0)
+    journal = JobStore(tmp_path / "control.db")
+    control = build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0, quotas=book)
+    try:
+        plane = Plane(control)
+        plane.register("w", slots=4)
+        r = submit(plane, "r", "busy", dp=4)
+        big = submit(plane, "big", "lab", dp=4)
+        s1 = submit(plane, "s1", "busy", dp=1)
+        assert r.state == JobState.WARMING_UP and big.state == s1.state == JobState.STANDBY
+        assert [q.job_id for q in plane.user(control_pb2.TeamQuery()).queue] == [s1.job_id, big.job_id]
+        waited = plane.get(big.job_id).queued_unix
+        while time.time() < waited + 1.05:  # (past its bound; the clock, not a sleep-then-look)
+            time.sleep(0.05)
+        s2 = submit(plane, "s2", "busy", dp=1)
+        queue = plane.user(control_pb2.TeamQuery()).queue
+        assert [q.job_id for q in queue] == [big.job_id, s1.job_id, s2.job_id], [q.name for q in queue]
     finally:
         stop_plane(control)

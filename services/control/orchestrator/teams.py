@@ -148,13 +148,17 @@ class Teams:
         """The queue's entries (by key) in the fair order across teams (scheduler/fair_share.py)."""
         by_id = {e.job_id: e for e in entries}
         waiting = [self._waiting_of(e) for e in entries]
-        return [by_id[w.job_id] for w in fair_order(waiting, self._usage(), self._quotas, self._capacity)]
+        order = fair_order(waiting, self._usage(), self._quotas, self._capacity, time.time())
+        return [by_id[w.job_id] for w in order]
 
     def _waiting_of(self, e: QueueEntry) -> Waiting:
         job = self._jobs.get(e.job_id)
         if job is None:
             return Waiting(e.job_id, "default", 1, e.priority, e.seq, e.first)
-        return Waiting(e.job_id, team_of(job.status), self._slots(job), e.priority, e.seq, e.first, kind_of(job))
+        since = job.status.queued_unix or job.status.created_unix  # (journaled: its age survives a restart)
+        return Waiting(
+            e.job_id, team_of(job.status), self._slots(job), e.priority, e.seq, e.first, kind_of(job), since or None
+        )
 
     def _ahead_at_submit(self, job: _Job, priority: int) -> bool:
         """Under the lock: whether a queued job comes before the new ``job`` in the fair order
@@ -165,7 +169,7 @@ class Teams:
         team, kind = team_of(job.status), kind_of(job)
         new = Waiting(job.status.job_id, team, job.spec.world_size, priority, 1 << 62, kind=kind)
         queued = [self._waiting_of(e) for e in sorted(self._queue.ordered(), key=QueueEntry.key)]
-        for w in fair_order([*queued, new], self._usage(), self._quotas, self._capacity):
+        for w in fair_order([*queued, new], self._usage(), self._quotas, self._capacity, time.time()):
             if w.job_id == new.job_id:
                 return False
             if self._queue.beyond_cluster(w.job_id):

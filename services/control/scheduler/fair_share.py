@@ -13,6 +13,26 @@ is left out, so with one kind the share is the slot share, as before device kind
 team: priority (higher first), then submission order, as the queue before issue 30. A drained
 job's queued resume (``first``) goes ahead of everything, as before.
 
+The starvation bound (the book's ``max_wait_s``, the quota file's ``max_wait_minutes``; quotas.py
+says the default): a team's next job (by priority, then age, as above) that has waited that
+long (``now - queued``: since it last entered the queue) goes ahead of the fair order, right
+after the ``first`` ones, while its team's weighted dominant share *before* the job is below
+its entitlement (1 / the weights of the teams with work, running or queued: an equal
+division by weight); then the team's next, if overdue too and the team still below. The
+overdue jobs by priority, then submission order, across teams. Within a team the order is
+unchanged (its higher priority still first: with one team, the queue's order as before).
+Under gang admission that makes the job the first of its kind to be tried, so it holds back
+the later jobs of its kind (and the ``any`` ones) until its ranks fit: it starts within the
+bound plus the time the running jobs take to free its slots. Its team's own limits (hard
+limit, borrow limit) still hold it.
+Why: counting the job's own slots in its share (above) puts a large job of a small-weight
+team behind every other team's small jobs, and without backfill it never reached the head (a
+team asking 0.3x its weighted share waited 18 h for one 32-GPU job: docs/LOG.md session 30,
+``ageing30``). A team at or above its entitlement gets no promotion: its jobs wait while
+teams below theirs have work, as fair share means (a bound for every job would turn an
+overloaded kind into FIFO by age: measured, bench/scheduler_bench.py ``--max-wait``).
+Slurm bounds this with an age factor, Volcano with its ``sla`` plugin's waiting time.
+
 One pass (:func:`schedule`) walks that order once:
 - a job needing more slots than the cluster has holds no one back (it waits for workers);
 - a job its team's own limits hold back (hard limit, borrow limit: admission.py) holds back
@@ -49,7 +69,8 @@ STARTED, NO_ROOM, BEYOND_CLUSTER, GONE = "started", "no_room", "beyond_cluster",
 @dataclass(frozen=True)
 class Waiting:
     """A queued job: ``slots`` (its ranks), ``priority``, ``seq`` (submission order), ``kind``
-    (the device kind its ranks need: gpu, cpu or any)."""
+    (the device kind its ranks need: gpu, cpu or any), ``queued`` (when it last entered the
+    queue, on the clock of the ``now`` passed to the order; None: not known, never overdue)."""
 
     job_id: str
     team: str
@@ -58,6 +79,7 @@ class Waiting:
     seq: int = 0
     first: bool = False
     kind: str = "any"
+    queued: float | None = None
 
     def key(self) -> tuple[bool, int, int]:
         return (not self.first, -self.priority, self.seq)
@@ -144,8 +166,18 @@ def _plus(held: Mapping[str, int] | int | None, kind: str, slots: int) -> dict[s
     return out
 
 
-def fair_order(waiting: Iterable[Waiting], usage: Usage, book: QuotaBook, capacity: Capacity) -> list[Waiting]:
-    """The waiting jobs in the order to try them (module docstring). O(n log n)."""
+def overdue(w: Waiting, book: QuotaBook, now: float | None) -> bool:
+    """Whether ``w`` has waited past the book's starvation bound at ``now`` (module docstring)."""
+    return (
+        now is not None and book.max_wait_s is not None and w.queued is not None and now - w.queued >= book.max_wait_s
+    )
+
+
+def fair_order(
+    waiting: Iterable[Waiting], usage: Usage, book: QuotaBook, capacity: Capacity, now: float | None = None
+) -> list[Waiting]:
+    """The waiting jobs in the order to try them (module docstring): the ``first`` ones, each
+    team's next jobs overdue at ``now`` (None: none is), then the fair order. O(n log n)."""
     per_team: dict[str, list[Waiting]] = {}
     firsts: list[Waiting] = []
     for w in waiting:
@@ -153,13 +185,26 @@ def fair_order(waiting: Iterable[Waiting], usage: Usage, book: QuotaBook, capaci
     firsts.sort(key=Waiting.key)
     caps = _caps(capacity)
     held: dict[str, _Held] = {t: _held(u) for t, u in usage.items()}
-    heap = []
+    late: list[Waiting] = []
+    # A team's entitlement: its weight's part of the weights of the teams with work (running or
+    # waiting); its overdue heads go ahead while its share before them is below that.
+    entitled = 1.0 / max(sum(book.get(t).weight for t in {*per_team, *(t for t, h in held.items() if h[0])}), 1e-9)
     for team, jobs in per_team.items():
         jobs.sort(key=Waiting.key, reverse=True)  # (popped from the end)
+        weight = book.get(team).weight
+        while jobs and overdue(jobs[-1], book, now) and _dominant(held.get(team, (0, 0, 0)), caps) / weight < entitled:
+            w = jobs.pop()
+            late.append(w)
+            held[team] = _with(held.get(team, (0, 0, 0)), w.kind, w.slots)  # (picked ahead: counted)
+    late.sort(key=Waiting.key)
+    heap = []
+    for team, jobs in per_team.items():
+        if not jobs:
+            continue
         head, weight = jobs[-1], book.get(team).weight
         h = held.get(team, (0, 0, 0))
         heapq.heappush(heap, (_dominant(_with(h, head.kind, head.slots), caps) / weight, head.key(), team))
-    order = list(firsts)
+    order = [*firsts, *late]
     while heap:
         _, _, team = heapq.heappop(heap)
         jobs = per_team[team]
@@ -200,15 +245,17 @@ def schedule(
     book: QuotaBook,
     capacity: Capacity,
     try_start: Callable[[Waiting, Admission], str],
+    now: float | None = None,
 ) -> Pass:
     """One pass over the fair order (module docstring). ``capacity``: the registered cluster's
-    slots (an int, or per device kind). ``try_start(job, admission)``: called for each job the
+    slots (an int, or per device kind). ``now``: the clock of the jobs' ``queued`` (None: no
+    job is overdue). ``try_start(job, admission)``: called for each job the
     quota admits, in order; starts it if its ranks fit and answers STARTED, NO_ROOM (they do
     not fit the free slots), BEYOND_CLUSTER (more than the registered slots) or GONE (it ended
     instead, e.g. refused). The quota usage it counts grows with each start."""
     usage = team_usage(running)
     result = Pass()
-    order = fair_order(waiting, usage, book, capacity)
+    order = fair_order(waiting, usage, book, capacity, now)
     result.order = [w.job_id for w in order]
     held_teams = Holds()  # team, scope -> the job of it that holds its later ones back
     held_cohorts = Holds()  # cohort, kind -> the job waiting for its idle nominal slots

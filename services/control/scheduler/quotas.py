@@ -21,9 +21,15 @@ limit (``borrow_limit``, ``hard_limit``: none).
 A team with no entry gets the book's default, unlimited in the one cohort "default" with
 weight 1 unless the file says otherwise: jobs that name no team behave as before issue 30.
 
+The book's starvation bound, ``max_wait_minutes`` (default ``DEFAULT_MAX_WAIT_MIN``, 120): a
+queued job of a team below its weighted share that has waited that long goes ahead of the
+fair order (fair_share.py says exactly when); ``null`` turns the bound off (the fair order
+alone, as before session 30).
+
 The file (``control --quotas FILE``)::
 
     default: {weight: 1}              # optional: for every team with no entry
+    max_wait_minutes: 120             # optional: the starvation bound (null: none)
     teams:
       vision: {nominal: 8, borrow_limit: 4, hard_limit: 16, weight: 2, cohort: research}
       nlp: {nominal: 8, cohort: research}
@@ -51,6 +57,13 @@ TEAM_PATTERN = r"^[a-z0-9][a-z0-9-]{0,39}$"
 MAX_SLOTS = 1_000_000
 # The device kinds a per-kind bound names (the allocator's slot kinds: a CUDA device, a CPU slot).
 KINDS = ("gpu", "cpu")
+# The starvation bound's default (minutes; fair_share.py). Measured on the bench's day with
+# two kinds (bench/scheduler_bench.py --max-wait, docs/LOG.md session 30 ageing30): the worst
+# p99 of the teams asking no more than their weighted share, 1,076 min without a bound, is 211
+# at 120 (FIFO: 238), 251 at 240, 489 at 480; the median team's p99 (47.5 without, FIFO 224)
+# pays for each drain a large job makes: 120, 82, 48. Two hours: below FIFO's tail for every
+# team within its share, half FIFO's for the median team.
+DEFAULT_MAX_WAIT_MIN = 120.0
 # A bound: every kind together (an int; None: no bound) or one per kind.
 Bound = int | dict[str, int | None] | None
 
@@ -150,17 +163,25 @@ class _QuotaFile(BaseModel):
 
     default: TeamQuota = DEFAULT_QUOTA
     teams: dict[str, TeamQuota] = Field(default_factory=dict)
+    max_wait_minutes: float | None = Field(DEFAULT_MAX_WAIT_MIN, gt=0, le=1e6)
 
 
 class QuotaBook:
-    """Every team's quota: the entries and the default for the rest. Immutable: a change makes
-    a new book (``with_team``/``without``), so a reader never sees one half-changed."""
+    """Every team's quota: the entries and the default for the rest, and the starvation bound
+    (``max_wait_s``: seconds; None: none). Immutable: a change makes a new book
+    (``with_team``/``without``), so a reader never sees one half-changed."""
 
-    def __init__(self, teams: dict[str, TeamQuota] | None = None, default: TeamQuota = DEFAULT_QUOTA) -> None:
+    def __init__(
+        self,
+        teams: dict[str, TeamQuota] | None = None,
+        default: TeamQuota = DEFAULT_QUOTA,
+        max_wait_s: float | None = DEFAULT_MAX_WAIT_MIN * 60,
+    ) -> None:
         for name in teams or {}:
             check_team_name(name)
         self._teams = MappingProxyType(dict(teams or {}))
         self.default = default
+        self.max_wait_s = max_wait_s
 
     @property
     def teams(self) -> MappingProxyType:
@@ -170,17 +191,20 @@ class QuotaBook:
         return self._teams.get(team, self.default)
 
     def with_team(self, name: str, quota: TeamQuota) -> QuotaBook:
-        return QuotaBook({**self._teams, name: quota}, self.default)
+        return QuotaBook({**self._teams, name: quota}, self.default, self.max_wait_s)
 
     def without(self, name: str) -> QuotaBook:
-        return QuotaBook({k: v for k, v in self._teams.items() if k != name}, self.default)
+        return QuotaBook({k: v for k, v in self._teams.items() if k != name}, self.default, self.max_wait_s)
 
     def cohort_of(self, team: str) -> str:
         return self.get(team).cohort
 
     def __eq__(self, other: object) -> bool:
         return (
-            isinstance(other, QuotaBook) and dict(self._teams) == dict(other._teams) and self.default == other.default
+            isinstance(other, QuotaBook)
+            and dict(self._teams) == dict(other._teams)
+            and self.default == other.default
+            and self.max_wait_s == other.max_wait_s
         )
 
     __hash__ = None  # type: ignore[assignment]
@@ -216,7 +240,8 @@ def parse_quota_text(text: str, source: str = "quotas.yaml") -> QuotaBook:
     except ValidationError as e:
         raise QuotaFileError(spec_error_text(e, source, _QuotaFile)) from None
     try:
-        return QuotaBook(parsed.teams, parsed.default)
+        bound = None if parsed.max_wait_minutes is None else parsed.max_wait_minutes * 60
+        return QuotaBook(parsed.teams, parsed.default, bound)
     except QuotaFileError as e:
         raise QuotaFileError(f"{source}: teams.{e}") from None
 
