@@ -25,6 +25,7 @@ import hmac
 import os
 import ssl
 from http.cookies import SimpleCookie
+from urllib.parse import quote, unquote
 
 from services.common.access import Identities
 from services.common.grpc_server import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TlsConfigError
@@ -72,8 +73,8 @@ class Access:
                 jar.load(cookie)
             except Exception:  # (a malformed Cookie header: as if none; http.cookies raises its own CookieError)
                 return None
-            if COOKIE in jar and self._same(jar[COOKIE].value):
-                return jar[COOKIE].value
+            if COOKIE in jar and self._same(offered := unquote(jar[COOKIE].value)):
+                return offered
         return None
 
     def by_query(self, token: str | None) -> bool:
@@ -81,7 +82,8 @@ class Access:
 
     def cookie_header(self, token: str) -> str:
         """The cookie that identifies the caller by ``token`` (one it was opened with)."""
-        return f"{COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/"
+        # (percent-encoded: a token of a tokens file may hold what a cookie value may not, ";" or a space)
+        return f"{COOKIE}={quote(token, safe='')}; HttpOnly; SameSite=Strict; Path=/"
 
 
 def certificate_names(peer: dict | None) -> set[str]:
