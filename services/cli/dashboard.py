@@ -5,6 +5,9 @@ stack, recorded in ``$SURGE_HOME/run/dashboard.json``, stopped by `surgectl down
 not: the tests' stacks, never looked at in a browser, set it); `surgectl dashboard` starts it
 on demand when it is not running. The token it asks for is SURGE_AUTH_TOKEN when the stack has
 one, else one made for this stack (``run/dashboard.token``, mode 0600): the URL printed holds it.
+A stack with a tokens file (`up --tokens FILE`) hands the dashboard that file instead: any of its
+tokens opens the pages, each read with its caller's token (services/dashboard/access.py); the URL
+then holds SURGE_AUTH_TOKEN only when that is a token of the file (else: add ``?token=`` yours).
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from services.cli import stack
+from services.cli import stack, stack_access
 from services.cli.errors import CliError
 from services.common import paths
+from services.common.access import TOKENS_FILE_ENV, TokensFileError, load_tokens
 from services.common.grpc_server import AUTH_TOKEN_ENV, EXIT_PORT_IN_USE, TLS_CERT_ENV
 from services.common.pids import pid_alive
 
@@ -37,6 +41,7 @@ class DashboardProc:
     pid: int
     port: int
     log: str
+    tokens: str = ""  # the stack's tokens file it checks ("" none: the one token)
 
     @property
     def base_url(self) -> str:
@@ -72,8 +77,23 @@ def wanted_at_up(flag: bool | None) -> bool:
 
 
 def url_line(proc: DashboardProc) -> str:
-    """The line `up` and `surgectl dashboard` print: the URL with its token, its pid and log."""
-    return f"dashboard: {proc.base_url}/?token={quote(token(), safe='')}  (pid {proc.pid}, log {proc.log})"
+    """The line `up` and `surgectl dashboard` print: the URL with its token, its pid and log.
+    With a tokens file: with SURGE_AUTH_TOKEN when the file names it, else without a token (a
+    stack's own token opens nothing there: each person opens it with theirs)."""
+    where = f"(pid {proc.pid}, log {proc.log})"
+    if not proc.tokens:
+        return f"dashboard: {proc.base_url}/?token={quote(token(), safe='')}  {where}"
+    mine = os.environ.get(AUTH_TOKEN_ENV) or ""
+    if mine and _in_file(proc.tokens, mine):
+        return f"dashboard: {proc.base_url}/?token={quote(mine, safe='')}  {where}"
+    return f"dashboard: {proc.base_url}/?token=YOUR_TOKEN  (a token of {proc.tokens}; {where[1:]}"
+
+
+def _in_file(tokens: str, candidate: str) -> bool:
+    try:
+        return load_tokens(tokens).authenticate([("authorization", f"Bearer {candidate}")], None) is not None
+    except TokensFileError:
+        return False
 
 
 def running() -> DashboardProc | None:
@@ -94,10 +114,12 @@ def start() -> DashboardProc:
     procs = stack.read_stack()
     if not procs or "control" not in procs or "store" not in procs:
         raise CliError("no local stack is running (`surgectl up` starts one; the dashboard reads it)")
-    token()  # (made before the process reads it)
     control = procs["control"]
+    tokens = stack_access.recorded(control) or ""
+    if not tokens:
+        token()  # (made before the process reads it)
     for attempt in range(START_ATTEMPTS):
-        proc = _spawn(procs, stack.free_port())
+        proc = _spawn(procs, stack.free_port(), tokens)
         record_file().write_text(json.dumps(asdict(proc)))
         status = _wait_answering(proc)
         if status is None:
@@ -123,17 +145,19 @@ def stop(timeout_s: float = 5.0) -> bool:
     return True
 
 
-def _spawn(procs: dict, port: int) -> DashboardProc:
+def _spawn(procs: dict, port: int, tokens: str) -> DashboardProc:
+    """``tokens``: the stack's tokens file (control's recorded ``--tokens``), "" none."""
     log = paths.run_dir() / "logs" / "dashboard.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     control, store = procs["control"], procs["store"]
     args = [
         "--host", stack.HOST, "--port", str(port), "--control", control.address, "--store", store.address,
-        "--token-file", str(token_file()),
+        *(["--tokens", tokens] if tokens else ["--token-file", str(token_file())]),
     ]  # fmt: skip
     if control.metrics_port:
         args += ["--control-metrics", f"http://{stack.HOST}:{control.metrics_port}/metrics"]
     env = {**os.environ, "SURGE_HOME": str(paths.surge_home()), "PYTHONUNBUFFERED": "1"}
+    env.pop(TOKENS_FILE_ENV, None)  # (the stack's recorded file decides, never this shell's variable)
     with open(log, "ab") as out:
         p = subprocess.Popen(
             [sys.executable, "-m", "services.dashboard", *args],
@@ -144,7 +168,7 @@ def _spawn(procs: dict, port: int) -> DashboardProc:
             start_new_session=True,  # (not stopped by a Ctrl-C of the surgectl that started it)
         )
     _CHILDREN[p.pid] = p
-    return DashboardProc(pid=p.pid, port=port, log=str(log))
+    return DashboardProc(pid=p.pid, port=port, log=str(log), tokens=tokens)
 
 
 _CHILDREN: dict[int, subprocess.Popen] = {}

@@ -393,12 +393,16 @@ def serve_metrics(name: str, host: str, port: int):
     return http
 
 
-def channel(address: str, options: Sequence[tuple[str, Any]] = (), module: int | None = None) -> grpc.Channel:
+def channel(
+    address: str, options: Sequence[tuple[str, Any]] = (), module: int | None = None, bearer: bool = True
+) -> grpc.Channel:
     """The client channel every Surge caller uses: TLS when SURGE_TLS_CA is set, the bearer
     token when SURGE_AUTH_TOKEN is set, Surge's message size limits plus ``options``, and
     ``module`` (a ``surge.v1.Module``: the module this process speaks for on this channel)
     named on every call (``x-surge-module``). Without ``module`` a Surge server refuses
-    every RPC but health checks and reflection.
+    every RPC but health checks and reflection. ``bearer`` False: SURGE_AUTH_TOKEN is never
+    sent; each call brings its own ``authorization`` (the dashboard under a tokens file reads
+    as the person who opened the page, never with its own environment's token).
 
     Raises:
         TlsConfigError: a SURGE_TLS_* file cannot be read.
@@ -413,7 +417,7 @@ def channel(address: str, options: Sequence[tuple[str, Any]] = (), module: int |
     else:
         raw = grpc.insecure_channel(address, options=opts)
     headers = []  # (a rank's generation is added per call by _Headers: services/common/fencing.py)
-    token = os.environ.get(AUTH_TOKEN_ENV)
+    token = os.environ.get(AUTH_TOKEN_ENV) if bearer else None
     if token:
         headers.append(("authorization", f"Bearer {token}"))
     if module:

@@ -3,8 +3,9 @@
 Routes: ``/`` jobs, ``/queue``, ``/cluster``, ``/job/<job>`` (``?type=fault&type=...``: only
 those events; an unknown type is refused, 400, in the CLI's words), ``/job/<job>/logs``
 (follows a live job), ``/compare?job=A&job=B...``, and ``/healthz`` (no data: what `surgectl
-dashboard` waits for); a job is its id or its name, as on the CLI (404: neither). Every other
-method is refused (405): the dashboard changes nothing.
+dashboard` waits for); a job is its id or its name, as on the CLI (404: neither; 403 with
+control's one line: another team's job, under a tokens file). Every other method is refused
+(405): the dashboard changes nothing.
 
 A page is drawn on its request's own thread (``ThreadingHTTPServer``); each answer carries
 ``Server-Timing: page;dur=<ms>`` (the time to read and draw it), which the tests and
@@ -48,6 +49,11 @@ class Dashboard:
 
     def __init__(self, sources: Sources):
         self._src = sources
+
+    def as_caller(self, token: str) -> Dashboard:
+        """The pages read as the holder of ``token`` (a tokens file: control and the store
+        decide what it sees)."""
+        return Dashboard(self._src.as_caller(token))
 
     def jobs(self) -> str:
         return pages.jobs_page(self._src.jobs().jobs)
@@ -97,6 +103,14 @@ class Dashboard:
         return pages.compare_page(runs, [] if len(runs) >= 2 else self._src.jobs().jobs)
 
 
+# A service's refusal, answered as the HTTP status that says it (any other: 502, the service's words).
+_RPC_STATUS = {
+    grpc.StatusCode.NOT_FOUND: HTTPStatus.NOT_FOUND,
+    grpc.StatusCode.PERMISSION_DENIED: HTTPStatus.FORBIDDEN,  # another team's job
+    grpc.StatusCode.UNAUTHENTICATED: HTTPStatus.UNAUTHORIZED,  # a token the service no longer knows
+}
+
+
 def make_handler(dashboard: Dashboard, access: Access, client_certificates: bool) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "SurgeDashboard"
@@ -128,10 +142,12 @@ def make_handler(dashboard: Dashboard, access: Access, client_certificates: bool
                     pages.error_page(403, "the client certificate is not an operator's (surge-user)"),
                     head,
                 )
-            if not access.by_header_or_cookie(self.headers.get("Authorization"), self.headers.get("Cookie")):
-                if access.by_query(query.get("token", [None])[0]):
+            caller = access.by_header_or_cookie(self.headers.get("Authorization"), self.headers.get("Cookie"))
+            if caller is None:
+                offered = query.get("token", [None])[0]
+                if access.by_query(offered):
                     rest = urlencode([(k, v) for k, vs in query.items() if k != "token" for v in vs], doseq=True)
-                    return self._redirect(url.path + (f"?{rest}" if rest else ""), access.cookie_header())
+                    return self._redirect(url.path + (f"?{rest}" if rest else ""), access.cookie_header(offered))
                 return self._send(
                     HTTPStatus.UNAUTHORIZED,
                     pages.error_page(
@@ -140,7 +156,9 @@ def make_handler(dashboard: Dashboard, access: Access, client_certificates: bool
                     head,
                     extra={"WWW-Authenticate": 'Bearer realm="surge"'},
                 )
-            route = self._route(url.path, query)
+            # A tokens file: the page is read with the caller's token (control's and the store's
+            # team rules decide what it shows); else with the dashboard's own.
+            route = self._route(dashboard.as_caller(caller) if access.per_caller else dashboard, url.path, query)
             if route is None:
                 return self._send(HTTPStatus.NOT_FOUND, pages.error_page(404, f"no page {url.path}"), head)
             try:
@@ -149,13 +167,15 @@ def make_handler(dashboard: Dashboard, access: Access, client_certificates: bool
                 return self._send(e.status, pages.error_page(int(e.status), str(e)), head)
             except grpc.RpcError as e:
                 code = e.code() if hasattr(e, "code") else None
-                status = HTTPStatus.NOT_FOUND if code == grpc.StatusCode.NOT_FOUND else HTTPStatus.BAD_GATEWAY
                 what = e.details() if hasattr(e, "details") else str(e)
+                status = _RPC_STATUS.get(code, HTTPStatus.BAD_GATEWAY)
+                if status in (HTTPStatus.FORBIDDEN, HTTPStatus.UNAUTHORIZED):  # (the service's own one line)
+                    return self._send(status, pages.error_page(int(status), f"refused: {what}"), head)
                 return self._send(status, pages.error_page(int(status), f"{getattr(code, 'name', code)}: {what}"), head)
             ms = (time.perf_counter() - t0) * 1000
             self._send(HTTPStatus.OK, page, head, extra={"Server-Timing": f"page;dur={ms:.1f}"})
 
-        def _route(self, path: str, query: dict[str, list[str]]) -> Callable[[], str] | None:
+        def _route(self, dashboard: Dashboard, path: str, query: dict[str, list[str]]) -> Callable[[], str] | None:
             if path == "/":
                 return dashboard.jobs
             if path == "/queue":

@@ -12,10 +12,18 @@
 
 Every call has a deadline: a page waits for a slow service at most that long and says what
 it could not read, never hangs. Channels are opened once and kept (gRPC reconnects them).
+
+Whose reads: without a tokens file, the dashboard's own (SURGE_AUTH_TOKEN on its channels). With
+one (``per_caller``), the channels carry no token of their own and every call carries its page's
+caller's (``as_caller``: per-call metadata, the header surgectl sends): control and the store
+answer as they would answer that caller's surgectl; a read made without a caller is refused by
+them, never answered with the dashboard's credentials. The store's files on this machine are then
+never read either: they hold every team's records, and only the store may say whose they are.
 """
 
 from __future__ import annotations
 
+import copy
 import urllib.request
 from pathlib import Path
 
@@ -26,7 +34,7 @@ from services.cli.observe import LogLine, merge, parse
 from services.cli.samples import SampleLine, sample_records
 from services.cli.scores import ScoresLine, scores_records
 from services.common.grpc_server import channel
-from services.common.job_refs import pick_job
+from services.common.job_refs import AmbiguousJob, UnknownJob, pick_job
 from services.common.rotated_files import read_rotated
 from services.contract import Module, control_pb2, control_pb2_grpc, store_pb2, store_pb2_grpc
 from services.dashboard import series
@@ -39,45 +47,78 @@ class Sources:
     """Read-only calls to control and the store. ``metrics_url``: control's /metrics ("" none:
     the cluster page then says the slots are unknown); ``records_dir``: where the store's
     metrics files are, when on this machine: read only while the store is unreachable (None:
-    never)."""
+    never); ``per_caller``: a tokens file: every read carries the caller's token (``as_caller``),
+    never the dashboard's own, and the local files are never read."""
 
-    def __init__(self, control: str, store: str, metrics_url: str = "", records_dir: Path | None = None):
-        self._control_channel = channel(control, module=Module.EXT_USER)
-        self._store_channel = channel(store, module=Module.EXT_USER)
+    def __init__(
+        self,
+        control: str,
+        store: str,
+        metrics_url: str = "",
+        records_dir: Path | None = None,
+        per_caller: bool = False,
+    ):
+        self._control_channel = channel(control, module=Module.EXT_USER, bearer=not per_caller)
+        self._store_channel = channel(store, module=Module.EXT_USER, bearer=not per_caller)
         self._control = control_pb2_grpc.ControlServiceStub(self._control_channel)
         self._store = store_pb2_grpc.StoreServiceStub(self._store_channel)
         self._metrics_url = metrics_url
-        self._records_dir = records_dir
+        self._records_dir = None if per_caller else records_dir
+        self._metadata: tuple[tuple[str, str], ...] | None = None
+
+    def as_caller(self, token: str) -> Sources:
+        """These sources (the same channels) reading as the holder of ``token``: each call
+        carries it as ``authorization: Bearer``."""
+        view = copy.copy(self)
+        view._metadata = (("authorization", f"Bearer {token}"),)
+        return view
 
     def close(self) -> None:
         self._control_channel.close()
         self._store_channel.close()
 
     def jobs(self) -> control_pb2.JobList:
-        return self._control.ListJobs(control_pb2.JobQuery(), timeout=CALL_SECONDS)
+        return self._control.ListJobs(control_pb2.JobQuery(), timeout=CALL_SECONDS, metadata=self._metadata)
 
     def resolve(self, ref: str) -> str:
-        """The job id of ``ref``, an id or a job's name, as the CLI reads a JOB argument.
+        """The job id of ``ref``, an id or a job's name, as the CLI reads a JOB argument
+        (services/cli/jobs.py resolve_job): an id not listed is asked of control, whose
+        refusal stands (another team's job: "job X belongs to team Y; ...").
 
         Raises:
-            UnknownJob: no job has that id or name, or the name is ambiguous (one line)."""
-        return pick_job(ref, self.jobs().jobs)
+            UnknownJob: no job has that id or name, or the name is ambiguous (one line).
+            grpc.RpcError: PERMISSION_DENIED, control's refusal of the caller."""
+        try:
+            return pick_job(ref, self.jobs().jobs)
+        except AmbiguousJob:
+            raise
+        except UnknownJob as e:
+            unknown = e
+        try:
+            self._control.GetJob(control_pb2.JobQuery(job_id=ref), timeout=CALL_SECONDS, metadata=self._metadata)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.PERMISSION_DENIED:
+                raise
+            raise unknown from None
+        return ref
 
     def job(self, job_id: str) -> control_pb2.JobStatus:
         """Raises grpc.RpcError (NOT_FOUND: no such job)."""
-        return self._control.GetJob(control_pb2.JobQuery(job_id=job_id, with_spec=True), timeout=CALL_SECONDS)
+        return self._control.GetJob(
+            control_pb2.JobQuery(job_id=job_id, with_spec=True), timeout=CALL_SECONDS, metadata=self._metadata
+        )
 
     def events(self, job_id: str) -> list[control_pb2.JobEvent]:
-        return list(self._control.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=False), timeout=CALL_SECONDS))
+        query = control_pb2.JobQuery(job_id=job_id, follow=False)
+        return list(self._control.WatchJob(query, timeout=CALL_SECONDS, metadata=self._metadata))
 
     def records(self, job_id: str, record_type: str = "") -> tuple[str, str] | None:
         """(the job's records, only those of ``record_type`` if given; where they were read):
         through the store (ReadMetrics: a refusal stands, "" when it has none yet), the local
         file only when the store is unreachable; None: refused, or neither has them."""
         try:
-            parts = list(
-                self._store.ReadMetrics(store_pb2.MetricsQuery(job_id=job_id, type=record_type), timeout=CALL_SECONDS)
-            )
+            query = store_pb2.MetricsQuery(job_id=job_id, type=record_type)
+            parts = list(self._store.ReadMetrics(query, timeout=CALL_SECONDS, metadata=self._metadata))
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.UNAVAILABLE or self._records_dir is None:
                 return None
@@ -110,7 +151,8 @@ class Sources:
     def checkpoints(self, job_id: str) -> list[store_pb2.CheckpointInfo] | None:
         """The job's versions; None when the store does not answer (the page says so)."""
         try:
-            return list(self._store.List(store_pb2.CheckpointQuery(job_id=job_id), timeout=CALL_SECONDS).checkpoints)
+            query = store_pb2.CheckpointQuery(job_id=job_id)
+            return list(self._store.List(query, timeout=CALL_SECONDS, metadata=self._metadata).checkpoints)
         except grpc.RpcError:
             return None
 
@@ -119,7 +161,9 @@ class Sources:
         None when control cannot stream them."""
         try:
             stream = self._control.StreamLogs(
-                control_pb2.LogQuery(job_id=job_id, follow=False, rank=-1), timeout=CALL_SECONDS
+                control_pb2.LogQuery(job_id=job_id, follow=False, rank=-1),
+                timeout=CALL_SECONDS,
+                metadata=self._metadata,
             )
             return merge(parse(m.rank, m.line) for m in stream)
         except grpc.RpcError:

@@ -154,3 +154,12 @@ def test_urllib_gets_the_page_with_the_header(base):
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(f"http://{base}/cluster", timeout=10)
     assert refused.value.code == 401
+
+
+def test_the_cookie_carries_a_token_with_characters_a_cookie_value_may_not_hold():
+    odd = "a token; with=odd,chars"
+    access = Access(odd)
+    header = access.cookie_header(odd)
+    assert header.startswith("surge_dashboard=a%20token%3B%20with%3Dodd%2Cchars;") and "HttpOnly" in header
+    assert access.by_header_or_cookie(None, header.split(";")[0]) == odd
+    assert access.by_header_or_cookie(None, "surge_dashboard=a%20token") is None
