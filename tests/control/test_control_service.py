@@ -196,7 +196,9 @@ def running_watch(control: ControlProcess, job_id: str):
 
 def follow(control: ControlProcess, job_id: str) -> list[control_pb2.JobEvent]:
     """The job's whole event log, streamed until it terminates."""
-    return list(control.stub.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True), timeout=60))
+    return list(
+        control.stub.WatchJob(control_pb2.JobQuery(job_id=job_id, follow=True), timeout=180)
+    )  # (a real two-rank job: 60 s ran out on a loaded host)
 
 
 def test_a_dp2_job_runs_to_finished_on_two_node_agents(start_control, agents):

@@ -287,7 +287,14 @@ def test_a_stop_stated_by_the_agent_explains_a_silence_for_the_heartbeat_timeout
     after = r.detected_unix - at[anchor]
     assert declared[0] <= after <= declared[1], f"{case}: declared {after:.2f} s after the {anchor}, not in {declared}"
     assert r.fault_class == "rank_silent"
-    assert f"its process is stopped by SIGSTOP (stated by its node agent) after step {step}" in r.detail, r.detail
+    stopped = f"its process is stopped by SIGSTOP (stated by its node agent) after step {step}"
+    running = f"(deadline {RUNNING_TIMEOUT} s for a process its node agent states running) after step {step}"
+    said = [stopped]
+    if anchor == "beat" and r.detected_unix < at["stop"] + 0.05:
+        # (On a loaded host the last stop may be stated after the running deadline fired, or
+        # as it fired: the deadline it had, from the last beat, names the process running then.)
+        said = [running] if r.detected_unix < at["stop"] else [stopped, running]
+    assert any(text in r.detail for text in said), r.detail
 
 
 @pytest.mark.parametrize("brief", [False, True], ids=["stopped for good", "continued within the timeout"])
