@@ -10,7 +10,7 @@ import typer
 from services.cli import clients, jsonout, render, stack
 from services.cli.app import OutputOpt, _exit_for, app
 from services.cli.errors import CliError
-from services.cli.event_types import EVENT_TYPES, event_types
+from services.cli.event_types import EVENT_TYPES, event_types, last
 from services.cli.jobs import dry_run_job, follow_job, resolve_job, submit_job
 from services.contract import Module, control_pb2
 
@@ -221,7 +221,14 @@ def events(
     output: str = OutputOpt,
     reconnect_seconds: float = ReconnectOpt,
     types: list[str] = typer.Option([], "--type", "-t", help=_TYPES_HELP),
-    tail: int = typer.Option(0, "--tail", "-n", min=0, max=1_000_000, help="only the last N events (0: all)"),
+    tail: int | None = typer.Option(
+        None,
+        "--tail",
+        "-n",
+        min=0,
+        max=1_000_000,
+        help="only the last N events (0: none; with --follow, only new ones)",
+    ),
 ) -> None:
     """Print a job's event log (decisions, state changes, faults, checkpoints); -o json
     prints JSON Lines. --type keeps the events of those types, --tail the last N of them
@@ -247,11 +254,11 @@ def events(
             render.console.print(f"{ev.seq:>5} {ev.type:>10} {src:<22} {ev.message}", markup=False, highlight=False)
 
     next_seq = 0
-    if tail or not follow:  # the history (its last N of the types asked), then what follows
+    if tail is not None or not follow:  # the history (its last N of the types asked), then what follows
         with clients.stub("control") as s:
             history = list(s.WatchJob(control_pb2.JobQuery(job_id=job, follow=False)))
         kept = [ev for ev in history if not wanted or ev.type in wanted]
-        for ev in kept[-tail:] if tail else kept:
+        for ev in last(kept, tail):
             show(ev)
         next_seq = history[-1].seq + 1 if history else 0
     if follow:

@@ -39,8 +39,17 @@ def event_types(values: Iterable[str]) -> set[str]:
     Raises:
         CliError: a word that is not an event type (one line, naming the known ones).
     """
+    values = list(values)
+    if any(not v.strip(" ,") for v in values):  # (`--type ""`: a filter that names nothing is a mistake, not "all")
+        raise CliError(f"--type: empty (one of: {', '.join(EVENT_TYPES)}, or leave --type out for every type)", code=2)
     wanted = {t.strip() for v in values for t in v.split(",") if t.strip()}
     unknown = sorted(wanted - set(EVENT_TYPES))
     if unknown:
         raise CliError(f"--type: unknown event type {', '.join(unknown)} (one of: {', '.join(EVENT_TYPES)})", code=2)
     return wanted
+
+
+def last(events: list, tail: int | None) -> list:
+    """``events``' last ``tail`` (``None``: all of them; 0: none, as ``tail -n 0``: with
+    ``--follow``, only the events that come next)."""
+    return list(events) if tail is None else list(events)[max(0, len(events) - tail) :]

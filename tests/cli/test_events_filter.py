@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from services.cli.errors import CliError
-from services.cli.event_types import EVENT_TYPES, event_types
+from services.cli.event_types import EVENT_TYPES, event_types, last
 from services.cli.spec_tools import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,3 +86,19 @@ def test_an_absolute_init_from_hf_keeps_the_files_own_text(tmp_path):
     path.write_text("# mine\n" + SPEC.replace("HF", "/abs/model"))
     spec, text, _ = load_spec(path)
     assert spec.init_from.hf == "/abs/model" and text.startswith("# mine\n")
+
+
+@pytest.mark.parametrize(
+    ("tail", "kept"),
+    [(None, [1, 2, 3, 4, 5]), (0, []), (2, [4, 5]), (5, [1, 2, 3, 4, 5]), (7, [1, 2, 3, 4, 5])],
+)
+def test_tail_keeps_the_last_n_and_zero_keeps_none(tail, kept):
+    # (`--tail 0 --follow`: only what comes next; it had printed the whole history)
+    assert last([1, 2, 3, 4, 5], tail) == kept
+
+
+@pytest.mark.parametrize("values", [[""], [" , "], ["fault", ""]])
+def test_an_empty_type_is_refused_not_read_as_every_type(values):
+    with pytest.raises(CliError) as e:
+        event_types(values)
+    assert e.value.code == 2 and str(e.value).startswith("--type: empty")
