@@ -75,6 +75,8 @@ def resume(
 
     Example: surgectl resume demo-3f2a1c --from demo-3f2a1c:4 --dp 1 --grad-accum 2
     """
+    if from_version is not None and not from_version.strip():  # (`--from ""`: not "the newest", a mistake)
+        raise CliError("--from: empty (a checkpoint version JOB:N; leave --from out for the newest)", code=2)
     job = resolve_job(job)
     req = control_pb2.ResumeJobRequest(
         job_id=job,

@@ -13,6 +13,7 @@ from services.control.job_store import JobStore
 from services.control.orchestrator import (
     IllegalTransition,
     Orchestrator,
+    UnknownVersion,
 )
 from services.control.store_relay import StoreRelay
 
@@ -186,7 +187,8 @@ def test_resume_takes_the_newest_version_that_verifies_or_the_one_named(plane, s
         IllegalTransition, match=f"^--from {job_id}:3: fails verification \\(__0_0.distcp: sha256 mismatch\\)"
     ):
         plane.user(control_pb2.ResumeJobRequest(job_id=job_id, from_version=f"{job_id}:3"))
-    with pytest.raises(IllegalTransition, match=f"^--from other:1: not a committed checkpoint of {job_id} "):
+    # (another job's version, a typo: the operator's input, INVALID_ARGUMENT -- surgectl exits 2)
+    with pytest.raises(UnknownVersion, match=f"^--from other:1: not a committed checkpoint of {job_id} "):
         plane.user(control_pb2.ResumeJobRequest(job_id=job_id, from_version="other:1"))
     assert plane.get(job_id).state == JobState.TERMINATED and drain(a) == []
     s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id))

@@ -61,7 +61,7 @@ ANSWERED = [
         set(),
         "",
         rm.ASKING,
-        [rm.Refuse("--from j:7: not a committed checkpoint of j (its versions: j:1, j:2)")],
+        [rm.Refuse("--from j:7: not a committed checkpoint of j (its versions: j:1, j:2)", unknown=True)],
     ),
     (
         "a named version that fails verification",

@@ -145,6 +145,7 @@ from services.control.orchestrator.refusals import (
     JobNotFound,
     NoStandingOrder,
     RequestIdReused,
+    UnknownVersion,
 )
 from services.control.orchestrator.texts import checkpoint_text, restored_from_text
 from services.control.orchestrator.triage import CONSEQUENCE_DETAIL_CHARS
@@ -166,6 +167,7 @@ __all__ = [
     "NoStandingOrder",
     "Orchestrator",
     "RequestIdReused",
+    "UnknownVersion",
     "checkpoint_text",
     "restored_from_text",
 ]

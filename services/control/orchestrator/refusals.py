@@ -43,6 +43,12 @@ class RequestIdReused(ValueError, Refusal):
     send; creating a second would break the id's promise (one job per request id)."""
 
 
+class UnknownVersion(ValueError, Refusal):
+    """`surgectl resume --from` named no committed checkpoint version of the job (gRPC
+    INVALID_ARGUMENT): one line naming it and the job's versions; nothing changed. A typo
+    or another job's version, the operator's input, not the job's state."""
+
+
 class IllegalTransition(RuntimeError, Refusal):
     """The command does not apply to the job's current state (gRPC FAILED_PRECONDITION).
     ``refusal``: why, typed, where a client acts on it (``control_pb2.RefusalReason``; the

@@ -26,7 +26,7 @@ from services.control.orchestrator.job import (
     _runtime,
 )
 from services.control.orchestrator.layout import _layout_change, _set_layout
-from services.control.orchestrator.refusals import IllegalTransition, InsufficientResources
+from services.control.orchestrator.refusals import IllegalTransition, InsufficientResources, UnknownVersion
 from services.control.orchestrator.texts import _beyond_cluster, _newest, _version_number, _waits_for
 from services.jobspec import (
     JobSpec,
@@ -140,6 +140,8 @@ class OperatorResume:
         while effects:  # (the machine's effects, in order; a placement's answer is its next event)
             effect, *effects = effects
             if isinstance(effect, rm.Refuse):
+                if effect.unknown:
+                    raise UnknownVersion(effect.text)
                 raise (InsufficientResources if effect.resources else IllegalTransition)(effect.text)
             if isinstance(effect, rm.Queue):
                 self._queue_resume(job, effect.step, effect.version, spec, effect.why, effect.beyond)

@@ -41,6 +41,7 @@ class Refuse:
 
     text: str
     resources: bool = False
+    unknown: bool = False  # the version named is none of the job's (the operator's input: UnknownVersion)
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,8 @@ def answered(
             return resume, [
                 Refuse(
                     f"--from {from_version}: not a committed checkpoint of {job_id} "
-                    f"(its versions: {', '.join(c.version for c in candidates)})"
+                    f"(its versions: {', '.join(c.version for c in candidates)})",
+                    unknown=True,
                 )
             ]
         chosen = named[0]
