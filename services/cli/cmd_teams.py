@@ -13,7 +13,7 @@ from services.cli.errors import CliError
 from services.contract import control_pb2
 
 UNLIMITED = -1  # TeamQuota's wire form of "no bound"
-SLOTS_MAX = 2**63 - 1
+SLOTS_MAX = 1_000_000  # control's bound (control/scheduler/quotas.py MAX_SLOTS: no cluster has more)
 KINDS = ("gpu", "cpu")  # the device kinds a per-kind bound names (control/scheduler/quotas.py)
 
 
@@ -25,7 +25,7 @@ def _slots(flag: str, text: str | None, default: int | None = UNLIMITED) -> int 
         value = int(text)
     except ValueError:
         raise CliError(f"{flag}: expected a number of slots >= 0 or 'unlimited', got {text!r}", code=2) from None
-    if not 0 <= value <= SLOTS_MAX:  # (TeamQuota's int64 fields)
+    if not 0 <= value <= SLOTS_MAX:  # (refused here too, so a stack that is down still says why, exit 2)
         raise CliError(f"{flag}: expected a number of slots 0-{SLOTS_MAX} or 'unlimited', got {value}", code=2)
     return value
 
@@ -42,7 +42,9 @@ def _per_kind(flag: str, text: str) -> dict[str, int]:
             raise CliError(f"{form}, got {text!r}", code=2)
         if kind in out:
             raise CliError(f"{flag}: {kind} given twice in {text!r}", code=2)
-        out[kind] = _slots(f"{flag} {kind}", value.strip() or "?")
+        if not value.strip():
+            raise CliError(f"{flag} {kind}: expected a number of slots >= 0 or 'unlimited', got nothing", code=2)
+        out[kind] = _slots(f"{flag} {kind}", value.strip())
     return out
 
 

@@ -50,6 +50,11 @@ def control_served(surge_home, monkeypatch):
         (["team", "set", "v", "--quota", ""], ["--quota: expected KIND=SLOTS"]),
         (["team", "set", "v", "--quota", "gpu=4", "--nominal", "4"], ["--quota: give --nominal", "not both"]),
         (["team", "set", "v", "--hard-limit", "cpu=x"], ["--hard-limit cpu: expected a number of slots", "'x'"]),
+        (["team", "set", "v", "--quota", "cpu="], ["--quota cpu: expected a number of slots", "got nothing"]),
+        (
+            ["team", "set", "v", "--quota", "cpu=1000001"],
+            ["--quota cpu: expected a number of slots 0-1000000", "1000001"],
+        ),
         (
             ["team", "set", "v", "--quota", "gpu=8", "--hard-limit", "gpu=4"],
             ["hard_limit.gpu: must be >= nominal (8 gpu), got 4"],
@@ -186,3 +191,11 @@ def test_surgectl_team_set_per_kind_quota_and_the_per_kind_columns(control_serve
     )
     code, out, _ = run_cli(["team", "set", "robotics", "--nominal", "6"], monkeypatch, capsys)  # back to an int
     assert code == 0 and "nominal 6, borrow limit unlimited, hard limit gpu 2, cpu unlimited" in out
+
+
+def test_the_cli_s_slot_bound_is_control_s():
+    # (the CLI refuses what control would, so a stack that is down still says why, exit 2)
+    from services.cli.cmd_teams import SLOTS_MAX
+    from services.control.scheduler.quotas import MAX_SLOTS
+
+    assert SLOTS_MAX == MAX_SLOTS
