@@ -155,15 +155,9 @@ def plan(model: ModelSpec, world_size: int, parallel: ParallelSpec, topology: To
         ("dp", tuple(tuple(mesh[s][d][t] for d in range(dp)) for s in range(pp) for t in range(tp))),
         ("tp", tuple(mesh[s][d] for s in range(pp) for d in range(dp))),
     )
-    base, extra = divmod(model.n_layers, pp)
-    stages, first = [], 0
-    for s in range(pp):
-        n = base + (1 if s < extra else 0)
-        stages.append(tuple(range(first, first + n)))
-        first += n
     return ShardingPlan(
         dp=dp, tp=tp, pp=pp, mesh=mesh, coords=tuple(coords), groups=groups,
-        stage_layers=tuple(stages),
+        stage_layers=stage_layers(model.n_layers, pp),
         tp_styles=tp_styles(model) if tp > 1 else (),
         data_parallel="none" if dp == 1 else parallel.data_parallel,
         activation_checkpointing=parallel.activation_checkpointing,
@@ -171,6 +165,18 @@ def plan(model: ModelSpec, world_size: int, parallel: ParallelSpec, topology: To
         microbatches=parallel.microbatches or pp,
         warnings=tuple(notes),
     )  # fmt: skip
+
+
+def stage_layers(n_layers: int, pp: int) -> tuple[tuple[int, ...], ...]:
+    """Pipeline stage -> the block indices it holds: ``n_layers`` split into ``pp`` runs, the
+    first ``n_layers % pp`` stages one longer. Depends on no rank (the plan's mesh does)."""
+    base, extra = divmod(n_layers, pp)
+    stages, first = [], 0
+    for s in range(pp):
+        n = base + (1 if s < extra else 0)
+        stages.append(tuple(range(first, first + n)))
+        first += n
+    return tuple(stages)
 
 
 def tp_styles(model: ModelSpec) -> tuple[tuple[str, TPStyle], ...]:

@@ -21,6 +21,7 @@ from services.jobspec.base import (  # noqa: F401 (re-exported: the spec's one i
     FLOAT_MAX,
     I32_MAX,
     I64_MAX,
+    MAX_WORLD_SIZE,
     MICRO_BATCH_TOKENS_MAX,
     MIN_BEAT_SECONDS,
     SECONDS_MAX,

@@ -22,6 +22,10 @@ class JobSpecError(ValueError, Refusal):
 I64_MAX = 2**63 - 1
 U32_MAX = 2**32 - 1
 I32_MAX = 2**31 - 1
+# A job's world size (dp x tp x pp): far beyond any cluster Surge is built for (issue 28's
+# goal is 8,192 ranks), so an absurd size is refused in one line before control works on
+# it (dp 10,000,000 passed the old bound, 2^32 - 1, and ran control out of time and memory).
+MAX_WORLD_SIZE = 1 << 20
 # Floats: finite (no .inf / .nan: ConfigDict allow_inf_nan) and at most this in magnitude.
 FLOAT_MAX = 1e15
 # Durations (``*_seconds``): a deadline longer than this is a mistake (30 days), and

@@ -9,7 +9,7 @@ from pydantic import (
     model_validator,
 )
 
-from services.jobspec.base import U32_MAX, _Strict
+from services.jobspec.base import MAX_WORLD_SIZE, U32_MAX, _Strict
 from services.jobspec.model import ModelSpec, mlp_hidden_width
 
 
@@ -66,8 +66,11 @@ def check_parallel(model: ModelSpec, world_size: int, parallel: ParallelSpec) ->
             stages under 1f1b.
     """
     dp, tp, pp = parallel.dp, parallel.tp, parallel.pp
-    if dp * tp * pp > U32_MAX:
-        raise ValueError(f"parallel: dp ({dp}) * tp ({tp}) * pp ({pp}) = {dp * tp * pp} ranks, more than {U32_MAX}")
+    if dp * tp * pp > MAX_WORLD_SIZE:
+        raise ValueError(
+            f"parallel: dp ({dp}) * tp ({tp}) * pp ({pp}) = {dp * tp * pp} ranks, more than {MAX_WORLD_SIZE:,} "
+            "(the largest world size Surge takes)"
+        )
     if dp * tp * pp != world_size:
         raise ValueError(
             f"parallel: dp ({dp}) * tp ({tp}) * pp ({pp}) = {dp * tp * pp}, but the world has {world_size} ranks"
