@@ -11,9 +11,10 @@ from services.cli import clients, jsonout, render
 from services.cli.app import OutputOpt, _say, app, team_app
 from services.cli.errors import CliError
 from services.contract import control_pb2
+from services.jobspec.base import MAX_TEAM_SLOTS
 
 UNLIMITED = -1  # TeamQuota's wire form of "no bound"
-SLOTS_MAX = 1_000_000  # control's bound (control/scheduler/quotas.py MAX_SLOTS: no cluster has more)
+SLOTS_MAX = MAX_TEAM_SLOTS  # control's bound (services/jobspec/base.py), refused here too
 KINDS = ("gpu", "cpu")  # the device kinds a per-kind bound names (control/scheduler/quotas.py)
 
 

@@ -26,6 +26,9 @@ I32_MAX = 2**31 - 1
 # goal is 8,192 ranks), so an absurd size is refused in one line before control works on
 # it (dp 10,000,000 passed the old bound, 2^32 - 1, and ran control out of time and memory).
 MAX_WORLD_SIZE = 1 << 20
+# A team quota's slot count (control's quotas and surgectl team set alike): no cluster has this
+# many slots; a bigger number is a typing mistake.
+MAX_TEAM_SLOTS = 1_000_000
 # Floats: finite (no .inf / .nan: ConfigDict allow_inf_nan) and at most this in magnitude.
 FLOAT_MAX = 1e15
 # Durations (``*_seconds``): a deadline longer than this is a mistake (30 days), and

@@ -49,12 +49,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from services.contract.failures import Refusal
+from services.jobspec.base import MAX_TEAM_SLOTS
 from services.jobspec_errors import spec_error_text
 
 # A team's name: the job spec's ``team`` field's pattern (services/jobspec/__init__.py).
 TEAM_PATTERN = r"^[a-z0-9][a-z0-9-]{0,39}$"
-# No cluster has this many slots; a bigger number is a typing mistake.
-MAX_SLOTS = 1_000_000
+MAX_SLOTS = MAX_TEAM_SLOTS  # (services/jobspec/base.py: surgectl checks the same bound)
 # The device kinds a per-kind bound names (the allocator's slot kinds: a CUDA device, a CPU slot).
 KINDS = ("gpu", "cpu")
 # The starvation bound's default (minutes; fair_share.py). Measured on the bench's day with
