@@ -332,8 +332,12 @@ def test_sigkill_of_a_rank_while_its_peer_waits_in_the_all_reduce_kills_the_surv
     assert faults[0].message.startswith("SEVERE rank_exit: rank 1 on worker ") and "(signal 9)" in faults[0].message
     latency = faults[0].unix_time - killed
     assert latency < 1.0, f"the death reached the orchestrator {latency:.3f} s after SIGKILL"
-    # The survivor is not blamed: whatever it reported is a consequence; it was killed.
-    assert all(f.message.endswith("(consequence of rank 1's rank_exit)") for f in faults[1:] if "rank 0" in f.message)
+    # The survivor is not blamed: whatever it reported is a consequence; it was killed. (On a
+    # loaded host its report may come after the relaunch: "..., reported after the recovery)".)
+    blamed = [
+        f.message for f in faults[1:] if "rank 0" in f.message and "(consequence of rank 1's rank_exit" not in f.message
+    ]
+    assert blamed == [], blamed
     decisions = of_type(events, "decision")[1:]
     assert len(decisions) == 1 and decisions[0].startswith("restart_ranks after rank_exit of rank 1 on worker-")
     assert survivor not in processes_with(f"--job {job} --rank 0")
