@@ -400,6 +400,11 @@ class SimAgent:
                         unix_time=t,
                         interval_seconds=1.0,
                         phase=worker_pb2.PHASE_FORWARD,
+                        # a real rank's compute so far (1 s steps: 0.3/0.6/0.1 s per phase), so
+                        # L1-3's slow-rank comparison does its real work
+                        forward_compute_seconds=0.3 * self.step,
+                        backward_compute_seconds=0.6 * self.step,
+                        optimizer_compute_seconds=0.1 * self.step,
                     ),
                 )
                 for r in sorted(self.ranks)

@@ -10,6 +10,13 @@ fault report the orchestrator acts on) delays no other deadline.
 Semantics are Timer's: ``after(seconds, fn, args)`` calls ``fn(*args)`` once, ``seconds``
 from now, unless ``cancel()`` on the returned handle came first. Cancelled entries stay in
 the heap until their time and are skipped (no search on cancel).
+
+``after(..., post=P)`` decides a due deadline where ``P`` puts it: ``P(run)`` is called when it
+is due and ``run()`` calls ``fn(*args)`` unless the deadline was cancelled by then. Why: control
+applies a node agent's messages on ordered queues (services/control/event_applier.py); a
+silence deadline posted on the queue of the messages that re-arm it is decided after every
+beat received before it fired. Decided at once, a beat that waited in a backlog (control's
+own lag, e.g. 1,024 agents' beats at a job's start) was taken for the agent's silence.
 """
 
 from __future__ import annotations
@@ -26,10 +33,17 @@ from typing import Any
 class Deadline:
     """Handle of one armed deadline."""
 
-    __slots__ = ("when", "fn", "args", "cancelled")
+    __slots__ = ("when", "fn", "args", "cancelled", "post")
 
-    def __init__(self, when: float, fn: Callable[..., Any], args: tuple):
-        self.when, self.fn, self.args, self.cancelled = when, fn, args, False
+    def __init__(
+        self, when: float, fn: Callable[..., Any], args: tuple, post: Callable[[Callable[[], None]], None] | None = None
+    ):
+        self.when, self.fn, self.args, self.cancelled, self.post = when, fn, args, False, post
+
+    def run(self) -> None:
+        """``fn(*args)``, unless cancelled (a posted deadline, re-armed before its turn came)."""
+        if not self.cancelled:
+            self.fn(*self.args)
 
     def cancel(self) -> None:
         """Idempotent; a deadline already handed to the pool still runs (as with Timer)."""
@@ -49,9 +63,16 @@ class Deadlines:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"{name}-deadline")
         threading.Thread(target=self._serve, name=f"{name}-deadlines", daemon=True).start()
 
-    def after(self, seconds: float, fn: Callable[..., Any], args: tuple = ()) -> Deadline:
-        """Arm: ``fn(*args)`` in ``seconds`` (monotonic clock) unless cancelled first."""
-        deadline = Deadline(time.monotonic() + max(0.0, seconds), fn, args)
+    def after(
+        self,
+        seconds: float,
+        fn: Callable[..., Any],
+        args: tuple = (),
+        post: Callable[[Callable[[], None]], None] | None = None,
+    ) -> Deadline:
+        """Arm: ``fn(*args)`` in ``seconds`` (monotonic clock) unless cancelled first; with
+        ``post``, decided where ``post`` puts it (the module docstring)."""
+        deadline = Deadline(time.monotonic() + max(0.0, seconds), fn, args, post)
         with self._cond:
             if self._closed:
                 return deadline
@@ -83,6 +104,9 @@ class Deadlines:
                 _, _, due = heapq.heappop(self._heap)
             if not due.cancelled:
                 try:
-                    self._pool.submit(due.fn, *due.args)
+                    if due.post is not None:
+                        self._pool.submit(due.post, due.run)
+                    else:
+                        self._pool.submit(due.fn, *due.args)
                 except RuntimeError:  # the interpreter is exiting: no deadline matters any more
                     return

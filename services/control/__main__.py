@@ -56,6 +56,7 @@ from services.contract.relay import L1, L5, RANK, Link
 from services.contract.validation import ContractError, refuse, validate_table, validate_wiring
 from services.control import faults
 from services.control.access import ControlAccess
+from services.control.event_applier import EventApplier, InOrder
 from services.control.fault_detector import FaultDetector
 from services.control.job_store import JobStore
 from services.control.orchestrator import Orchestrator
@@ -150,7 +151,6 @@ def build(
             commands=(engine_pb2.RebuildParallelGroup,),
         ),
     )
-    detector = FaultDetector(emit=bus.emitter(Module.L1_FAULT_DETECTOR), rules=fault_rules, sick_nodes=sick_nodes)
     recovery = RecoveryController(
         resources=bus.port(
             Module.L1_RECOVERY_CONTROLLER, Module.L1_RESOURCE_ALLOCATOR, commands=(control_pb2.RebuildCommunicator,)
@@ -159,6 +159,16 @@ def build(
     # The node agents' sessions: routed events from the nodes go on this bus as the modules
     # that sent them (rank modules, their L4/L5 relays, EXT_CONTRACT), checked by the hub's link.
     sessions = SessionHub(bus, hardware=bus.emitter(Module.EXT_HARDWARE), journal=journal)
+    # Their messages, applied per job in order (the servicer queues them on receipt).
+    applier = EventApplier(sessions)
+    # A silence or stall deadline that fired is decided on the queue of the messages that
+    # re-arm it, after those received before it fired: control's lag is no one's silence.
+    detector = FaultDetector(
+        emit=bus.emitter(Module.L1_FAULT_DETECTOR),
+        rules=fault_rules,
+        sick_nodes=sick_nodes,
+        in_order=InOrder(applier),
+    )
     watches = WatchHub()
     # Job-end webhooks (services/control/webhooks.py): queued here, POSTed on its own thread.
     webhooks = WebhookSender(webhook, spec_json=journal.spec_json)
@@ -252,7 +262,9 @@ def build(
             control_pb2.TeamQuery,
         ),
     )
-    servicer = ControlServicer(user=user, watches=watches, sessions=sessions, max_sessions=max_sessions, access=access)
+    servicer = ControlServicer(
+        user=user, watches=watches, sessions=sessions, applier=applier, max_sessions=max_sessions, access=access
+    )
     # The store's answers are applied in order with the node agents' events, on one thread.
     store.post = servicer.applier.call
     validate_wiring(bus, HOSTED)

@@ -110,6 +110,23 @@ def split_agent_beat(ev: control_pb2.WorkerEvent) -> control_pb2.WorkerEvent | N
     return alone
 
 
+class InOrder:
+    """What a module may hold of the applier: ``in_order(fn, key)`` runs the holder's own
+    ``fn`` on the queue ``key`` (a job id, or NODE) after everything queued there before
+    (``EventApplier.call``), and offers nothing else: no session, message or module is
+    reachable through it (tests/redlines/wiring.py does not enter it, as it does not enter a
+    port). L1-3 decides a silence deadline that fired so, behind the beats control received
+    before it fired (services/control/fault_detector/detector.py)."""
+
+    __slots__ = ("_call",)
+
+    def __init__(self, applier: EventApplier):
+        self._call = applier.call
+
+    def __call__(self, fn: Callable[[], None], key: str) -> None:
+        self._call(fn, key)
+
+
 class EventApplier:
     """Applies the node agent sessions' messages, per job in order, jobs in parallel on a
     bounded pool (see the module docstring for the queues, the order and the locks)."""

@@ -884,3 +884,70 @@ def test_a_jobs_beat_is_applied_while_another_jobs_state_is_held():
         release.set()
     assert a_done.wait(5)
     detector.close()
+
+
+class _Backlog:
+    """Control's ordered queues, held: what is posted waits until ``drain`` (a backlog of
+    received, unapplied messages: control's own lag)."""
+
+    def __init__(self):
+        self.items: list[tuple[str, object]] = []
+        self._cond = threading.Condition()
+
+    def post(self, fn, key: str) -> None:
+        with self._cond:
+            self.items.append((key, fn))
+            self._cond.notify_all()
+
+    def wait(self, n: int, timeout: float = 5.0) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: len(self.items) >= n, timeout), self.items
+
+    def drain(self) -> list[str]:
+        with self._cond:
+            items, self.items = self.items, []
+        for _, fn in items:
+            fn()
+        return [key for key, _ in items]
+
+
+def test_a_deadline_that_fires_while_a_beat_waits_unapplied_is_decided_after_that_beat():
+    # Control's lag is no one's silence: 1,024 simulated agents' beats waited 10 s in control's
+    # node queue, and every agent's deadline fired and reported it silent meanwhile. A fired
+    # deadline is decided on the queue of the messages that re-arm it, after those received.
+    bus = Bus()
+    backlog = _Backlog()
+    detector = FaultDetector(emit=bus.emitter(Module.L1_FAULT_DETECTOR), in_order=backlog.post)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring, detector.start_fault_monitoring)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.AgentHeartbeat, detector.on_agent_heartbeat)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, worker_pb2.RankHeartbeat, detector.on_rank_heartbeat)
+    reports = Reports()
+    bus.subscribe(Module.L1_ORCHESTRATOR, control_pb2.FaultReport, reports.add)
+    bus.command(
+        Module.L1_ORCHESTRATOR,
+        Module.L1_FAULT_DETECTOR,
+        control_pb2.StartFaultMonitoring(job_id="j", heartbeat_timeout_seconds=0.3),
+    )
+
+    def agent_beat() -> None:
+        bus.publish(
+            Module.EXT_HARDWARE,
+            control_pb2.AgentHeartbeat(
+                worker_id="w", interval_seconds=1.0, received_monotonic=time.monotonic() - (AGENT_MISSED_BEATS - 0.3)
+            ),
+        )
+
+    agent_beat()  # its deadline: 0.3 s from now
+    beat(bus, rank=1)  # the rank's: 0.3 s
+    backlog.wait(2)  # both fired, and wait behind what control received before
+    assert reports == [], reports
+    # The beats received before they fired are applied first: they re-arm both deadlines.
+    agent_beat()
+    beat(bus, rank=1)
+    assert sorted(backlog.drain()) == ["", "j"]  # (on the node agents' queue, and on the job's)
+    assert reports == [], reports
+    # Beats that stop are still silence: the re-armed deadlines, decided in their turn.
+    backlog.wait(2)
+    backlog.drain()
+    got = {r.fault_class for r in reports.wait(2)}
+    assert got == {"agent_silent", "rank_silent"}, reports

@@ -241,3 +241,20 @@ def test_a_finding_with_no_phase_figures_says_none_rather_than_an_empty_list():
     assert text.endswith("over its last 8 intervals; 1.90x its own earlier pace)") and ": ;" not in text
     alone = Finding(1, True, 5, 2.0, (0.0, 0.0, 0.0), 0.0, 0, 0.5).text(8)
     assert alone.endswith("over its last 8 intervals)"), alone
+
+
+def test_a_large_stage_stating_no_compute_takes_its_reference_once_per_round(monkeypatch):
+    # Ranks that state no compute time (0 s every phase) keep the stage's reference at 0; it was
+    # then recomputed on every sample: a median over the stage per beat (found at 2,048 ranks).
+    import services.control.slow_ranks as slow_ranks
+
+    calls = []
+    real = slow_ranks._median_of
+    monkeypatch.setattr(slow_ranks, "_median_of", lambda medians: calls.append(len(medians)) or real(medians))
+    world, rounds = 100, 10
+    det = SlowRanks()
+    for interval in range(rounds + det.settings.warmup_samples + 1):
+        for r in range(world):
+            det.observe(r, 3 * interval, (0.0, 0.0, 0.0), interval * 3.0)
+    assert det.slow() == []
+    assert 1 <= len(calls) <= rounds + 1, len(calls)  # one per round, not one per sample (~world x rounds)

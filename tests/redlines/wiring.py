@@ -29,6 +29,7 @@ from services.compute.operator_adapter import OperatorAdapter
 from services.compute.shard_loader import ShardLoader
 from services.contract import Module, engine_pb2
 from services.contract.bus import Bus, CommandPort, Emitter
+from services.control.event_applier import InOrder
 from services.control.fault_detector import FaultDetector
 from services.control.orchestrator import Orchestrator
 from services.control.recovery_controller import RecoveryController
@@ -240,6 +241,10 @@ def reachable(owner: Any) -> Iterator[Reach]:
 
     def visit(obj: Any, path: str) -> Iterator[Reach]:
         if isinstance(obj, _LEAVES) or id(obj) in seen:
+            return
+        if isinstance(obj, InOrder):
+            # Not entered, as a port is not: it runs only the callable its holder gives it, on
+            # control's ordered queues (L1-3's fired deadlines), and offers nothing else.
             return
         seen.add(id(obj))
         if isinstance(obj, (CommandPort, Emitter)) or type(obj) in MODULE_OF_CLASS:

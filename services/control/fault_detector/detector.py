@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, defaultdict, deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -81,7 +81,13 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
         ValueError: a rule names an unknown grade (the message names the class).
     """
 
-    def __init__(self, emit: Emitter, rules: Mapping[str, int] | None = None, sick_nodes: SickNodePolicy | None = None):
+    def __init__(
+        self,
+        emit: Emitter,
+        rules: Mapping[str, int] | None = None,
+        sick_nodes: SickNodePolicy | None = None,
+        in_order: Callable[[Callable[[], None], str], None] | None = None,
+    ):
         table = dict(DEFAULT_RULES)
         for fault_class, grade in (rules or {}).items():
             if grade not in FaultGrade.values() or grade == FaultGrade.GRADE_UNSPECIFIED:
@@ -102,6 +108,14 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
         self._jobs: dict[str, _Job] = {}
         # Every silence, stall and attribution deadline on one heap (not a thread each).
         self._deadlines = Deadlines("fault-detector", workers=16)
+        # Where a silence or stall deadline that fired is decided (``_in_order``): on the
+        # event applier's queue of the messages that re-arm it (``in_order``: the composition
+        # root's ``event_applier.InOrder``), after every message control received before it
+        # fired: a beat waiting in a backlog re-arms it first, and control's own lag is never
+        # taken for a rank's or an agent's silence (found at 1,024 simulated agents: their
+        # beats waited 10 s in the node queue and every agent was reported silent, then heard
+        # again). Without one (an in-process detector, no queues): at once.
+        self._post = in_order or (lambda fn, key: fn())
         self._counts: Counter[tuple[str, str]] = Counter()  # (job_id, class) -> faults seen (累计)
         # (job_id, rank) -> (module, operation, cause) of module failures reported: a loop
         # failure that repeats one (it commanded the failed module) is not reported twice.
@@ -180,8 +194,16 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
                     worker_id = workers[rank] if rank < len(workers) else ""
                     watch = job.ranks[rank] = _RankWatch(worker_id=worker_id, last_beat_unix=now, unheard=True)
                     watch.silence = self._deadlines.after(
-                        msg.reattach_seconds, self._silence_passed, (msg.job_id, rank, watch)
+                        msg.reattach_seconds,
+                        self._silence_passed,
+                        (msg.job_id, rank, watch),
+                        post=self._in_order(msg.job_id),
                     )
+
+    def _in_order(self, key: str) -> Callable[[Callable[[], None]], None]:
+        """A deadline's ``post``: decided on the queue ``key`` of control's messages (a job id:
+        that job's; "": the node agents' own), behind what was received before it fired."""
+        return lambda run: self._post(run, key)
 
     def reset_fault_ledger(self, msg: control_pb2.ResetFaultLedger, payload: Any = None) -> None:
         """重置故障台账指令: the job's incident is over (recovered); the next fault opens a new one."""
@@ -398,7 +420,10 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
                     # its consequence and reported (ci27's extra restart in test_data_outage).
                     left = budget if msg.back else budget - max(0.0, time.time() - watch.last_progress_unix)
                     watch.stall = self._deadlines.after(
-                        max(0.0, left), self._stall_passed, (msg.job_id, msg.rank, watch)
+                        max(0.0, left),
+                        self._stall_passed,
+                        (msg.job_id, msg.rank, watch),
+                        post=self._in_order(msg.job_id),
                     )
         where = f"{msg.split} stream" if msg.split else "mount"
         if msg.back:

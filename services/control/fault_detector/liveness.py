@@ -56,7 +56,9 @@ class Liveness:
             args = (msg.worker_id, token, received, wait)
             self._agents[msg.worker_id] = (
                 token,
-                self._deadlines.after(wait - (mono - received), self._agent_silence_passed, args),
+                self._deadlines.after(
+                    wait - (mono - received), self._agent_silence_passed, args, post=self._in_order("")
+                ),
             )
         if quiet_since is not None:
             self._agent_heard_again(msg.worker_id, f"beats again after {received - quiet_since:.1f} s")
@@ -198,7 +200,9 @@ class Liveness:
             # timeout, counted from the stop: on_rank_process_state).
             wait = self._silence_timeout(msg.job_id, job, msg.rank, watch, msg.phase, msg.phase_total) - lag
             watch.silence_due = time.monotonic() + wait
-            watch.silence = self._deadlines.after(wait, self._silence_passed, (msg.job_id, msg.rank, watch))
+            watch.silence = self._deadlines.after(
+                wait, self._silence_passed, (msg.job_id, msg.rank, watch), post=self._in_order(msg.job_id)
+            )
             progressed = msg.step != watch.step
             # Progress within a step or a long phase: a new phase, or more of it done.
             moved = progressed or msg.phase != watch.phase or msg.phase_progress != watch.phase_progress
@@ -234,7 +238,9 @@ class Liveness:
                     watch.last_progress_unix = now  # stepping starts now: the clock starts now
                 watch.deferred = False
                 budget = job.phase_deadline_s(msg.phase, msg.phase_total, watch.data_outage)
-                watch.stall = self._deadlines.after(budget - lag, self._stall_passed, (msg.job_id, msg.rank, watch))
+                watch.stall = self._deadlines.after(
+                    budget - lag, self._stall_passed, (msg.job_id, msg.rank, watch), post=self._in_order(msg.job_id)
+                )
             finding = None
             if msg.stepping:  # (a paused or finished rank's beats repeat its last step)
                 compute = (msg.forward_compute_seconds, msg.backward_compute_seconds, msg.optimizer_compute_seconds)
@@ -285,7 +291,9 @@ class Liveness:
                 wait = quiet - (time.time() - watch.last_beat_unix)
             watch.silence.cancel()
             watch.silence_due = now + wait
-            watch.silence = self._deadlines.after(wait, self._silence_passed, (msg.job_id, msg.rank, watch))
+            watch.silence = self._deadlines.after(
+                wait, self._silence_passed, (msg.job_id, msg.rank, watch), post=self._in_order(msg.job_id)
+            )
 
     def _agent_unheard(self, worker_id: str, silent_for: float) -> bool:
         """Whether the node agent of ``worker_id`` has not been heard from since a rank of it
