@@ -60,3 +60,47 @@ def test_after_close_no_deadline_fires_armed_before_or_after():
     deadlines.close()  # idempotent
     time.sleep(0.5)
     assert fired == [] and deadlines.pending() == 0
+
+
+@pytest.mark.timeout(20)
+def test_a_deadline_moved_later_fires_once_at_its_new_time_keeping_one_heap_entry():
+    # A rank's silence deadline is moved by each beat: a float per beat, no heap push (8,192
+    # ranks at 1 Hz were 16,384 pushes a second and their cancelled entries).
+    deadlines = Deadlines("test", workers=1)
+    fired: list[float] = []
+    done = threading.Event()
+    t0 = time.monotonic()
+    d = deadlines.after(0.2, lambda: (fired.append(time.monotonic() - t0), done.set()))
+    for _ in range(5):
+        time.sleep(0.1)
+        assert d.move(0.2)  # later than it is armed for: moved in place
+    assert len(deadlines._heap) == 1
+    assert done.wait(5)
+    assert len(fired) == 1 and fired[0] >= 0.7, fired  # (0.5 s of moves + 0.2 s)
+    assert not d.move(0.2)  # run already: the caller arms a new one
+    # Sooner than it is armed for, or cancelled: not moved (the caller cancels and arms anew).
+    e = deadlines.after(5.0, fired.append, (-1.0,))
+    assert not e.move(0.1)
+    e.cancel()
+    assert not e.move(10.0)
+
+
+@pytest.mark.timeout(20)
+def test_a_posted_deadline_moved_before_its_turn_is_armed_again_not_run():
+    # Decided where ``post`` puts it (control's ordered queue): a beat applied ahead of it moved
+    # it later, so it goes back on the heap for its new time instead of running.
+    deadlines = Deadlines("test", workers=1)
+    queued: list = []
+    ran: list[float] = []
+    done = threading.Event()
+    t0 = time.monotonic()
+    d = deadlines.after(0.05, lambda: (ran.append(time.monotonic() - t0), done.set()), post=queued.append)
+    while not queued:
+        time.sleep(0.01)
+    assert d.move(0.3)  # the beat that waited in the queue, applied first
+    queued.pop()()  # its turn: moved, so armed again
+    assert ran == []
+    while not queued:
+        time.sleep(0.01)
+    queued.pop()()
+    assert done.wait(5) and ran[0] >= 0.3, ran

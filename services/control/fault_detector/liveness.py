@@ -193,16 +193,19 @@ class Liveness:
             watch.last_beat_unix, watch.unheard = now, False
             job.back.add(watch.worker_id)
             watch.interval_s = msg.interval_seconds or watch.interval_s
-            if watch.silence is not None:
-                watch.silence.cancel()
             # Longer while its node agent states its process running: late beats are not a
             # dead rank (a stop the agent states brings it back to the job's heartbeat
             # timeout, counted from the stop: on_rank_process_state).
             wait = self._silence_timeout(msg.job_id, job, msg.rank, watch, msg.phase, msg.phase_total) - lag
             watch.silence_due = time.monotonic() + wait
-            watch.silence = self._deadlines.after(
-                wait, self._silence_passed, (msg.job_id, msg.rank, watch), post=self._in_order(msg.job_id)
-            )
+            # Moved later in place (no heap push per beat: services/common/deadlines.py), else
+            # cancelled and armed anew (a first beat, or a deadline that must come sooner).
+            if watch.silence is None or not watch.silence.move(wait):
+                if watch.silence is not None:
+                    watch.silence.cancel()
+                watch.silence = self._deadlines.after(
+                    wait, self._silence_passed, (msg.job_id, msg.rank, watch), post=self._in_order(msg.job_id)
+                )
             progressed = msg.step != watch.step
             # Progress within a step or a long phase: a new phase, or more of it done.
             moved = progressed or msg.phase != watch.phase or msg.phase_progress != watch.phase_progress
@@ -232,15 +235,16 @@ class Liveness:
                     watch.stall.cancel()
                 watch.stall, watch.deferred = None, False
             elif moved or (watch.stall is None and not watch.stalled and not watch.waiting):
-                if watch.stall is not None:
-                    watch.stall.cancel()
-                elif not watch.deferred:
+                if watch.stall is None and not watch.deferred:
                     watch.last_progress_unix = now  # stepping starts now: the clock starts now
                 watch.deferred = False
                 budget = job.phase_deadline_s(msg.phase, msg.phase_total, watch.data_outage)
-                watch.stall = self._deadlines.after(
-                    budget - lag, self._stall_passed, (msg.job_id, msg.rank, watch), post=self._in_order(msg.job_id)
-                )
+                if watch.stall is None or not watch.stall.move(budget - lag):  # (as the silence above)
+                    if watch.stall is not None:
+                        watch.stall.cancel()
+                    watch.stall = self._deadlines.after(
+                        budget - lag, self._stall_passed, (msg.job_id, msg.rank, watch), post=self._in_order(msg.job_id)
+                    )
             finding = None
             if msg.stepping:  # (a paused or finished rank's beats repeat its last step)
                 compute = (msg.forward_compute_seconds, msg.backward_compute_seconds, msg.optimizer_compute_seconds)
