@@ -197,13 +197,20 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
                         msg.reattach_seconds,
                         self._silence_passed,
                         (msg.job_id, rank, watch),
-                        post=self._in_order(msg.job_id),
+                        post=self._after_sessions(msg.job_id),
                     )
 
     def _in_order(self, key: str) -> Callable[[Callable[[], None]], None]:
         """A deadline's ``post``: decided on the queue ``key`` of control's messages (a job id:
         that job's; "": the node agents' own), behind what was received before it fired."""
         return lambda run: self._post(run, key)
+
+    def _after_sessions(self, job_id: str) -> Callable[[Callable[[], None]], None]:
+        """A re-attach deadline's ``post``: decided after the node agents' sessions opened
+        before it fired (their registrations, on the node queue: after a control restart,
+        3,000 agents' registrations waited there up to 30 s), then after the job's messages
+        those sessions sent (its queue): a rank whose agent came back in time is not lost."""
+        return lambda run: self._post(lambda: self._post(run, job_id), "")
 
     def reset_fault_ledger(self, msg: control_pb2.ResetFaultLedger, payload: Any = None) -> None:
         """重置故障台账指令: the job's incident is over (recovered); the next fault opens a new one."""
