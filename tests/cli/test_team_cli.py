@@ -214,3 +214,18 @@ def test_the_cli_s_slot_bound_is_control_s():
     from services.control.scheduler.quotas import MAX_SLOTS
 
     assert SLOTS_MAX == MAX_SLOTS
+
+
+def test_surgectl_team_set_max_wait_sets_the_cluster_s_starvation_bound(control_served, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "300")
+    code, out, err = run_cli(["team", "set", "--max-wait", "90"], monkeypatch, capsys)
+    assert code == 0 and "starvation bound (every team): 90 min" in out, (out, err)
+    code, out, _ = run_cli(["team", "list"], monkeypatch, capsys)
+    assert code == 0 and "starvation bound 90 min" in out, out
+    code, out, _ = run_cli(["team", "set", "--max-wait", "none"], monkeypatch, capsys)
+    assert code == 0 and "starvation bound (every team): none" in out, out
+    code, out, _ = run_cli(["queue", "-o", "json"], monkeypatch, capsys)
+    (view,) = json.loads(out)
+    assert view["max_wait_minutes"] is None
+    code, out, _ = run_cli(["team", "list"], monkeypatch, capsys)
+    assert code == 0 and "no starvation bound" in out, out
