@@ -164,6 +164,8 @@ def team_set(
                 "name (`surgectl team set --max-wait 90`)",
                 code=2,
             )
+        if any(v is not None for v in (nominal, quota, borrow_limit, hard_limit, weight, cohort)):
+            raise CliError("--max-wait: give it alone (it is the cluster's, not a team's quota)", code=2)
         _set_max_wait(max_wait)
         return
     name = _team_name(name)

@@ -47,6 +47,7 @@ def control_served(surge_home, monkeypatch):
         (["team", "set", "--max-wait", "soon"], ["--max-wait: expected minutes > 0 or 'none', got 'soon'"]),
         (["team", "set", "--max-wait", "nan"], ["--max-wait: expected minutes > 0", "'nan'"]),
         (["team", "set", "vision", "--max-wait", "30"], ["--max-wait: the starvation bound is the cluster's"]),
+        (["team", "set", "--max-wait", "30", "--weight", "2"], ["--max-wait: give it alone"]),
         (["team", "set", "vision", "--cohort", "A B"], ["cohort: String should match pattern"]),
         (["team", "remove", "nobody"], ["team 'nobody' has no quota of its own"]),
         (["queue", "-o", "yaml"], ["--output: expected 'table' or 'json'"]),
