@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -291,31 +292,34 @@ def test_up_after_a_kill_9_of_every_service_continues_the_running_job_bit_identi
 
 def test_a_gpu_job_on_a_cluster_without_gpus_says_why_it_waits_and_follow_prints_it(stack, tmp_path):
     """A fresh user's `submit --follow` of a gpu job on this CPU-only stack waited with no word.
-    The follow keeps waiting (a GPU node may join); it prints why, and ends with the job."""
+    The follow keeps waiting (a GPU node may join) and prints why: the submit's line and the
+    queue event it follows; it ends with the job."""
     text = spec("tgpu").replace("parallel: {dp: 2}", "parallel: {dp: 2, device: gpu}")
-    env = {**os.environ, "SURGE_HOME": str(stack.home)}
+    env = {**os.environ, "SURGE_HOME": str(stack.home), "COLUMNS": "400"}
     for var in ("SURGE_CONTROL_ADDRESS", "SURGE_DATA_ADDRESS", "SURGE_STORE_ADDRESS"):
         env.pop(var, None)
     follow = subprocess.Popen(
         [*SURGECTL, "submit", str(write_spec(tmp_path, "tgpu", text)), "--follow"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(follow.stdout), daemon=True)  # (list.extend: line by line)
+    reader.start()
     why = "no node with a GPU is registered (or every one is cordoned, held or leaving): waits for one to join"
     try:
-        lines: list[str] = []
-        for line in follow.stdout:  # (until the reason is printed; the pytest timeout bounds it)
-            lines.append(line)
-            if why in line:
-                break
+        t0 = time.monotonic()
+        while sum(why in line for line in list(lines)) < 2:  # the submit's line, then the follow's event
+            assert time.monotonic() - t0 < 120 and follow.poll() is None, "".join(lines)
+            time.sleep(0.1)
         job = next(line.split()[1] for line in lines if line.startswith("submitted "))
         (q,) = [q for q in stack.stub.ListTeams(control_pb2.TeamQuery(), timeout=30).queue if q.job_id == job]
         assert q.reason == f"needs 2 ranks (parallel.dp=2) on gpu: {why}" and q.device == "gpu"
         assert cli(stack.home, "cancel", job).returncode == 0
-        out, _ = follow.communicate(timeout=60)  # the follow ends with the job
-        lines.append(out)
+        follow.wait(timeout=60)  # the follow ends with the job
+        reader.join(timeout=10)
     finally:
         if follow.poll() is None:
             follow.kill()
             follow.wait()
-    text = "".join(lines)
-    assert f"{why}" in text and "STOPPED" in text, text
+    out = "".join(lines)
+    assert "queued at position 1 of 1" in out and "STOPPED" in out, out
