@@ -99,7 +99,7 @@ class Teams:
         # lock), and the pass armed for the next job to reach the bound (the order changes then
         # with no other event: its place and its reason are published then, not at a later change).
         self._promoted: set[str] = set()
-        self._overdue_armed: tuple[float, Any] | None = None
+        self._overdue_at: float | None = None  # (unix time the pass is armed for)
         self._team_lock = threading.Lock()  # orders team commands: journal, then book (taken before the decision lock)
         self._queue.order = self._fair_entries
 
@@ -195,18 +195,18 @@ class Teams:
 
     def _arm_overdue(self, when: float | None, now: float) -> None:
         """Under the lock: a pass at ``when`` (unix time), when a queued job reaches the
-        starvation bound, unless one is armed as early."""
-        if when is None or (self._overdue_armed is not None and self._overdue_armed[0] <= when):
+        starvation bound, unless one is armed as early (a policy's wait: preemption.py's
+        ``_arm_policy_timer``, one timer, re-arming replaces it)."""
+        if when is None or (self._overdue_at is not None and self._overdue_at <= when):
             return
-        if self._overdue_armed is not None:
-            self._overdue_armed[1].cancel()
-        self._overdue_armed = (when, self._deadlines.after(when - now + 0.05, self._overdue_pass))
+        self._overdue_at = when
+        self._arm_policy_timer("starvation bound", when - now + 0.05, self._overdue_pass)
 
     def _overdue_pass(self) -> None:
         """A queued job reached the starvation bound: the order is computed again, its place
         published and the queue tried (its reason says it was promoted)."""
         with self._lock:
-            self._overdue_armed = None
+            self._overdue_at = None
             self._places_changed = True
             self._start_soon()
 
@@ -295,9 +295,7 @@ class Teams:
             self._journal.save_team_quota(MAX_WAIT_ROW, {"max_wait_minutes": None if bound is None else bound / 60})
             with self._lock:
                 self._quotas = self._quotas.with_max_wait(bound)
-                if self._overdue_armed is not None:  # (armed for the old bound)
-                    self._overdue_armed[1].cancel()
-                    self._overdue_armed = None
+                self._overdue_at = None  # (armed for the old bound: the next order arms it again)
                 self._book_changed()
         return self.team_query(control_pb2.TeamQuery())
 
