@@ -214,21 +214,22 @@ def test_a_promoted_job_moves_up_when_it_reaches_the_bound_and_the_queue_says_wh
         build(JobStore(tmp_path / "c.db"), data_address="d:1", store_address="s:1", persist_interval_s=0.0, quotas=book)
     )
     try:
-        plane.user(control_pb2.SetTeamQuotaRequest(set_max_wait=True, max_wait_minutes=0.02))  # 1.2 s
+        # 3 s: the first order is read before it (a loaded host's submits take far less)
+        plane.user(control_pb2.SetTeamQuotaRequest(set_max_wait=True, max_wait_minutes=0.05))
         plane.register("w", slots=4)
         submit(plane, "r", "busy", dp=4)
         big = submit(plane, "big", "lab", dp=4)
         s1 = submit(plane, "s1", "busy", dp=1)
         first = plane.user(control_pb2.TeamQuery()).queue
         assert [(q.job_id, q.promoted) for q in first] == [(s1.job_id, False), (big.job_id, False)]
-        settle(lambda: [q.job_id for q in plane.user(control_pb2.TeamQuery()).queue], [big.job_id, s1.job_id])
+        settle(lambda: [q.job_id for q in plane.user(control_pb2.TeamQuery()).queue], [big.job_id, s1.job_id], 60)
         q = (
             settle(lambda: plane.user(control_pb2.TeamQuery()).queue[0].promoted, True)
             and (plane.user(control_pb2.TeamQuery()).queue[0])
         )
-        assert q.reason.startswith("promoted: waited 0h00m > 0.02 min starvation bound; "), q.reason
-        assert plane.get(big.job_id).message.startswith("queued: promoted by the 0.02 min starvation bound; ")
-        assert any("promoted by the 0.02 min starvation bound" in e.message for e in plane.events(big.job_id))
+        assert q.reason.startswith("promoted: waited 0h00m > 0.05 min starvation bound; "), q.reason
+        assert plane.get(big.job_id).message.startswith("queued: promoted by the 0.05 min starvation bound; ")
+        assert any("promoted by the 0.05 min starvation bound" in e.message for e in plane.events(big.job_id))
     finally:
         stop_plane(plane.c)
 

@@ -39,7 +39,7 @@ UNLIMITED = -1  # TeamQuota's proto form of None (no bound)
 # pattern refuses "*"): {"max_wait_minutes": minutes or None}.
 MAX_WAIT_ROW = "*max_wait"
 # A queued job's status message when the starvation bound put it ahead (`surgectl queue` says
-# how long it waited: ``promoted_reason``).
+# how long it waited: ``_queue_reason``).
 PROMOTED = "promoted by the {bound:g} min starvation bound; "
 _IDLE = (JobState.STANDBY, JobState.TERMINATED)
 
