@@ -4,12 +4,17 @@ policy is control's (services/control/scheduler/), which validates every value a
 
 from __future__ import annotations
 
+import json
+import math
+import re
+
 import typer
 from rich.table import Table
 
 from services.cli import clients, jsonout, render
 from services.cli.app import OutputOpt, _say, app, team_app
 from services.cli.errors import CliError
+from services.common.access import TEAM_PATTERN
 from services.contract import control_pb2
 from services.jobspec.base import MAX_TEAM_SLOTS
 
@@ -62,9 +67,48 @@ def _bound_text(q: control_pb2.TeamQuota, field: str, none: str = "unlimited") -
     return none if v == UNLIMITED else str(v)
 
 
+def _team_name(name: str | None) -> str:
+    """The NAME argument checked (the job spec's ``team:`` pattern). Raises CliError (exit 2)."""
+    if not name or not re.match(TEAM_PATTERN, name):
+        raise CliError(
+            f"NAME: a team name is lowercase letters, digits and '-', starting with a letter or digit, "
+            f"at most 40 characters, got {name or ''!r}",
+            code=2,
+        )
+    return name
+
+
+def _max_wait(text: str) -> float:
+    """--max-wait's text: minutes > 0, or 'none' (no bound: -1 on the wire)."""
+    if text.strip().lower() in ("none", "unlimited"):
+        return float(UNLIMITED)
+    try:
+        minutes = float(text)
+    except ValueError:
+        raise CliError(f"--max-wait: expected minutes > 0 or 'none', got {text!r}", code=2) from None
+    if not (math.isfinite(minutes) and 0 < minutes <= 1_000_000):
+        raise CliError(f"--max-wait: expected minutes > 0 (at most 1000000) or 'none', got {text!r}", code=2)
+    return minutes
+
+
+def _set_max_wait(text: str) -> None:
+    minutes = _max_wait(text)
+    req = control_pb2.SetTeamQuotaRequest(set_max_wait=True, max_wait_minutes=minutes)
+    clients.call("control", lambda st: st.SetTeamQuota(req, timeout=10))
+    said = "none (the fair order alone)" if minutes == UNLIMITED else f"{minutes:g} min"
+    _say(f"starvation bound (every team): {said}")
+
+
+def _max_wait_text(teams: control_pb2.TeamList) -> str:
+    m = teams.max_wait_minutes
+    return "no starvation bound" if m == UNLIMITED else f"starvation bound {m:g} min"
+
+
 @team_app.command("set")
 def team_set(
-    name: str = typer.Argument(..., help="the team, as jobs name it (`team:` in the job spec)"),
+    name: str = typer.Argument(
+        None, help="the team, as jobs name it (`team:` in the job spec); none with --max-wait alone"
+    ),
     nominal: str = typer.Option(
         None, "--nominal", help="slots the team owns, of every kind together (default: unlimited)"
     ),
@@ -89,6 +133,12 @@ def team_set(
     cohort: str = typer.Option(
         None, "--cohort", help="the teams that lend each other idle nominal slots (default: default)"
     ),
+    max_wait: str = typer.Option(
+        None,
+        "--max-wait",
+        help="the starvation bound, for every team (no NAME): minutes after which a waiting job of a team "
+        "below its fair share goes first, or 'none' (default: the --quotas file's, 120)",
+    ),
 ) -> None:
     """Set a team's quota: the flags given change it, the others keep the team's current values
     (a team with no quota of its own yet: unlimited, weight 1, cohort default). Journaled by
@@ -103,7 +153,22 @@ def team_set(
     Example: surgectl team set vision --nominal 8 --borrow-limit 4 --hard-limit 16 --weight 2 --cohort research
 
     Example: surgectl team set robotics --quota gpu=16,cpu=64 --hard-limit gpu=24
+
+    The starvation bound is the cluster's, for every team: `surgectl team set --max-wait 90`
+    (no team name; 'none' turns it off). Journaled, kept across a restart over the file's.
     """
+    if max_wait is not None:
+        if name is not None:
+            raise CliError(
+                "--max-wait: the starvation bound is the cluster's, for every team: give it without a team "
+                "name (`surgectl team set --max-wait 90`)",
+                code=2,
+            )
+        if any(v is not None for v in (nominal, quota, borrow_limit, hard_limit, weight, cohort)):
+            raise CliError("--max-wait: give it alone (it is the cluster's, not a team's quota)", code=2)
+        _set_max_wait(max_wait)
+        return
+    name = _team_name(name)
     if weight is not None and not weight > 0:
         raise CliError(f"--weight: must be > 0, got {weight:g}", code=2)
     if quota is not None and nominal is not None:
@@ -161,6 +226,7 @@ def team_remove(name: str = typer.Argument(..., help="the team")) -> None:
 
     Example: surgectl team remove vision
     """
+    name = _team_name(name)
     req = control_pb2.SetTeamQuotaRequest(quota=control_pb2.TeamQuota(name=name), remove=True)
     clients.call("control", lambda st: st.SetTeamQuota(req, timeout=10))
     _say(f"team {name}: quota removed; its jobs get the default quota")
@@ -177,7 +243,7 @@ def team_list(output: str = OutputOpt) -> None:
         raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
     teams = clients.call("control", lambda st: st.ListTeams(control_pb2.TeamQuery(), timeout=10))
     if output == "json":
-        print(jsonout.dumps([teams]))
+        print(teams_json(teams))
         return
     render.console.print(teams_table(teams))
 
@@ -195,7 +261,7 @@ def queue(output: str = OutputOpt) -> None:
         raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
     teams = clients.call("control", lambda st: st.ListTeams(control_pb2.TeamQuery(), timeout=10))
     if output == "json":
-        print(jsonout.dumps([teams]))
+        print(teams_json(teams))
         return
     if not teams.queue:
         _say("no job is waiting")
@@ -218,12 +284,30 @@ def queue(output: str = OutputOpt) -> None:
     render.console.print(teams_table(teams))
 
 
+def teams_json(teams: control_pb2.TeamList) -> str:
+    """`team list`/`queue` -o json: one document (a list of one view, as before), each bound in
+    a plain JSON shape: a number, null for no bound, or per kind ``{"gpu": 16, "cpu": null}``
+    (not the wire's -1 and ``*_by_kind`` fields); ``max_wait_minutes`` null for none."""
+    view = jsonout.to_plain(teams)
+    for plain, q in [*zip(view["teams"], teams.teams, strict=True), (view["default_quota"], teams.default_quota)]:
+        for field in ("nominal", "borrow_limit", "hard_limit"):
+            by_kind = plain.pop(f"{field}_by_kind", None)
+            if q.HasField(f"{field}_by_kind"):
+                plain[field] = {k: None if v == UNLIMITED else v for k, v in by_kind.items()}
+            else:
+                plain[field] = None if plain[field] == UNLIMITED else plain[field]
+        if not q.HasField("borrowed_by_kind"):
+            plain["borrowed_by_kind"] = None
+    view["max_wait_minutes"] = None if teams.max_wait_minutes == UNLIMITED else teams.max_wait_minutes
+    return json.dumps([view], indent=2)
+
+
 def teams_table(teams: control_pb2.TeamList) -> Table:
     """Teams' usage against their quotas (``TeamList.teams``), the default quota in the caption."""
     d = teams.default_quota
     c = teams.cluster_by_kind
     t = Table(
-        title=f"teams (cluster: {c.gpu} gpu, {c.cpu} cpu slots placeable)",
+        title=f"teams (cluster: {c.gpu} gpu, {c.cpu} cpu slots placeable; {_max_wait_text(teams)})",
         caption=f"a team with no quota of its own: nominal {_bound_text(d, 'nominal')}, borrow limit "
         f"{_bound_text(d, 'borrow_limit')}, hard limit {_bound_text(d, 'hard_limit', 'none')}, weight "
         f"{d.weight:g}, cohort {d.cohort}",

@@ -89,10 +89,25 @@ def state_text(s: control_pb2.JobStatus) -> str:
         text += f" (preempted by {s.preempted_by}: checkpointing)"
     elif s.state == STATE.STANDBY and s.queue_position:
         text += f" (queued #{s.queue_position})"  # control's job queue: `message` says what it waits for
-    if s.borrowed_slots and s.state not in (STATE.STANDBY, STATE.TERMINATED):
-        # ranks beyond its team's nominal quota (issue 30): the first reclaimed when lenders need them
-        text += f" ({s.borrowed_slots} borrowed)"
-    return text
+    notes = []
+    if s.state not in (STATE.STANDBY, STATE.TERMINATED):
+        if on := landed_text(s):  # the kind an ``any`` job landed on, which its team's quota counts
+            notes.append(f"any: {on}")
+        if s.borrowed_slots:
+            # ranks beyond its team's nominal quota (issue 30): the first reclaimed when lenders need them
+            notes.append(f"{s.borrowed_slots} borrowed")
+    return text + (f" ({', '.join(notes)})" if notes else "")
+
+
+def landed_text(s: control_pb2.JobStatus) -> str:
+    """Where a ``parallel.device: any`` job's ranks were last placed when GPUs are among them:
+    ``on gpu``, ``on 2 gpu + 2 cpu``; "" for a job of one kind, one not placed, or one on CPU
+    slots only (every job of a CPU-only cluster: nothing to tell; -o json has
+    ``placed_by_kind`` always)."""
+    p = s.placed_by_kind
+    if (s.device or "any") != "any" or not s.HasField("placed_by_kind") or not p.gpu:
+        return ""
+    return f"on {p.gpu} gpu + {p.cpu} cpu" if p.cpu else "on gpu"
 
 
 def fmt_loss(x: float) -> str:

@@ -130,4 +130,5 @@ class RecoveryController:
             replaced_ranks=rebuilt.replaced_ranks,
             generation=rebuilt.generation,
             world_size=rebuilt.world_size,
+            placed=rebuilt.placed if rebuilt.HasField("placed") else None,
         )

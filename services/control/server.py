@@ -168,7 +168,7 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
 
     def SetTeamQuota(self, request, context):
         self._admin(context, "SetTeamQuota", "set or remove a team's quota")
-        if not request.quota.name:
+        if not request.quota.name and not request.set_max_wait:  # (the starvation bound names no team)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "SetTeamQuota: quota.name is required")
         return self._command(context, request)
 

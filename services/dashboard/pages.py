@@ -126,6 +126,12 @@ def jobs_page(jobs: Sequence[control_pb2.JobStatus], now: float | None = None) -
     return layout("jobs", body, refresh=REFRESH_SECONDS, now=now)
 
 
+def _waited(j: control_pb2.JobStatus, now: float) -> float:
+    """A queued job's time in the queue, as `surgectl queue` counts it: this wait and its earlier
+    ones (before it was preempted or requeued)."""
+    return max(0.0, now - (j.queued_unix or j.created_unix)) + j.waited_seconds
+
+
 def queue_page(jobs: Sequence[control_pb2.JobStatus], now: float | None = None) -> str:
     """Control's queue (place, priority, waited, what it waits for), then the jobs holding slots."""
     now = time.time() if now is None else now
@@ -134,7 +140,7 @@ def queue_page(jobs: Sequence[control_pb2.JobStatus], now: float | None = None) 
     q = "".join(
         f'<tr class=queued><td class=num>{j.queue_position}</td><td><a href="{job_href(j.job_id)}">{e(j.job_id)}</a>'
         f"</td><td class=num>{j.priority}</td><td class=num>{j.world_size}</td>"
-        f"<td class=num>{max(0.0, now - (j.queued_unix or j.created_unix)):,.0f} s</td><td>{e(j.message)}</td></tr>"
+        f"<td class=num>{_waited(j, now):,.0f} s</td><td>{e(j.message)}</td></tr>"
         for j in queued
     )
     r = "".join(

@@ -21,6 +21,9 @@ the resumed job runs its remaining steps at its own speed.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -29,8 +32,8 @@ import torch
 
 from services.contract import control_pb2
 from services.rank.faults import lift_pace
-from tests.conftest import kill_all, processes_with
-from tests.faults.test_recovery import cli, final_state, spec
+from tests.conftest import REPO, kill_all, processes_with
+from tests.faults.test_recovery import SURGECTL, cli, final_state, spec
 from tests.test_jobspec_ranges import spec_with
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -47,7 +50,7 @@ INJECT = ",".join(
     + [f"{job}:slow_steps@{at}:rank={r}:seconds={PACE:g}" for job, at in PACED.items() for r in (0, 1)]
 )
 STACK_ENV = {"SURGE_CONTROL_FAULT_INJECT": "tjournal:journal_record"}  # (control's, keyed by job name)
-JOBS = ("tref", "tshort", "tstopres", "tfail", "tdrain", "trange", "tjournal", "tafter", "tcrash")
+JOBS = ("tref", "tshort", "tstopres", "tfail", "tdrain", "trange", "tjournal", "tafter", "tcrash", "tgpu")
 # The failed job saves every 5 steps (a version committed before its NaN at step 12 whatever
 # the load): over STEPS that was 80 saves, 30 s of a CI run; resumed and compared over
 # FAILED_STEPS with a reference of as many steps, it shows the same.
@@ -285,3 +288,38 @@ def test_up_after_a_kill_9_of_every_service_continues_the_running_job_bit_identi
         sep="\n",
     )
     same_state(reference, final_state(stack.home, job))
+
+
+def test_a_gpu_job_on_a_cluster_without_gpus_says_why_it_waits_and_follow_prints_it(stack, tmp_path):
+    """A fresh user's `submit --follow` of a gpu job on this CPU-only stack waited with no word.
+    The follow keeps waiting (a GPU node may join) and prints why: the submit's line and the
+    queue event it follows; it ends with the job."""
+    text = spec("tgpu").replace("parallel: {dp: 2}", "parallel: {dp: 2, device: gpu}")
+    env = {**os.environ, "SURGE_HOME": str(stack.home), "COLUMNS": "400"}
+    for var in ("SURGE_CONTROL_ADDRESS", "SURGE_DATA_ADDRESS", "SURGE_STORE_ADDRESS"):
+        env.pop(var, None)
+    follow = subprocess.Popen(
+        [*SURGECTL, "submit", str(write_spec(tmp_path, "tgpu", text)), "--follow"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(follow.stdout), daemon=True)  # (list.extend: line by line)
+    reader.start()
+    why = "no node with a GPU is registered (or every one is cordoned, held or leaving): waits for one to join"
+    try:
+        t0 = time.monotonic()
+        while sum(why in line for line in list(lines)) < 2:  # the submit's line, then the follow's event
+            assert time.monotonic() - t0 < 120 and follow.poll() is None, "".join(lines)
+            time.sleep(0.1)
+        job = next(line.split()[1] for line in lines if line.startswith("submitted "))
+        (q,) = [q for q in stack.stub.ListTeams(control_pb2.TeamQuery(), timeout=30).queue if q.job_id == job]
+        assert q.reason == f"needs 2 ranks (parallel.dp=2) on gpu: {why}" and q.device == "gpu"
+        assert cli(stack.home, "cancel", job).returncode == 0
+        follow.wait(timeout=60)  # the follow ends with the job
+        reader.join(timeout=10)
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+            follow.wait()
+    out = "".join(lines)
+    assert "queued at position 1 of 1" in out and "STOPPED" in out, out

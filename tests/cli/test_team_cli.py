@@ -39,7 +39,15 @@ def control_served(surge_home, monkeypatch):
             ["team", "set", "vision", "--nominal", "4", "--hard-limit", "2"],
             ["--hard-limit: must be >= --nominal (4), got 2"],
         ),
-        (["team", "set", "Vision!"], ["team: must match"]),
+        (["team", "set", "Vision!"], ["NAME: a team name is lowercase letters, digits and '-'", "'Vision!'"]),
+        (["team", "set", ""], ["NAME: a team name is", "got ''"]),
+        (["team", "set"], ["NAME: a team name is", "got ''"]),
+        (["team", "remove", ""], ["NAME: a team name is", "got ''"]),
+        (["team", "set", "--max-wait", "0"], ["--max-wait: expected minutes > 0", "'0'"]),
+        (["team", "set", "--max-wait", "soon"], ["--max-wait: expected minutes > 0 or 'none', got 'soon'"]),
+        (["team", "set", "--max-wait", "nan"], ["--max-wait: expected minutes > 0", "'nan'"]),
+        (["team", "set", "vision", "--max-wait", "30"], ["--max-wait: the starvation bound is the cluster's"]),
+        (["team", "set", "--max-wait", "30", "--weight", "2"], ["--max-wait: give it alone"]),
         (["team", "set", "vision", "--cohort", "A B"], ["cohort: String should match pattern"]),
         (["team", "remove", "nobody"], ["team 'nobody' has no quota of its own"]),
         (["queue", "-o", "yaml"], ["--output: expected 'table' or 'json'"]),
@@ -184,11 +192,19 @@ def test_surgectl_team_set_per_kind_quota_and_the_per_kind_columns(control_serve
     code, out, _ = run_cli(["team", "list", "-o", "json"], monkeypatch, capsys)
     (view,) = json.loads(out)
     r = next(t for t in view["teams"] if t["name"] == "robotics")
-    assert (r["nominal_by_kind"], r["used_by_kind"], view["cluster_by_kind"]) == (
+    assert (r["nominal"], r["used_by_kind"], view["cluster_by_kind"]) == (
         {"gpu": 2, "cpu": 8},
         {"gpu": 2, "cpu": 1},
         {"gpu": 2, "cpu": 4},
     )
+    # A real JSON shape: each bound a number, null (none) or per kind; no -1, no *_by_kind twin.
+    assert (r["hard_limit"], r["borrow_limit"], view["default_quota"]["nominal"]) == (
+        {"gpu": 2, "cpu": None},
+        None,
+        None,
+    )
+    assert not [k for t in view["teams"] for k in t if k.endswith("_limit_by_kind") or k == "nominal_by_kind"]
+    assert view["max_wait_minutes"] == 120
     code, out, _ = run_cli(["team", "set", "robotics", "--nominal", "6"], monkeypatch, capsys)  # back to an int
     assert code == 0 and "nominal 6, borrow limit unlimited, hard limit gpu 2, cpu unlimited" in out
 
@@ -199,3 +215,18 @@ def test_the_cli_s_slot_bound_is_control_s():
     from services.control.scheduler.quotas import MAX_SLOTS
 
     assert SLOTS_MAX == MAX_SLOTS
+
+
+def test_surgectl_team_set_max_wait_sets_the_cluster_s_starvation_bound(control_served, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "300")
+    code, out, err = run_cli(["team", "set", "--max-wait", "90"], monkeypatch, capsys)
+    assert code == 0 and "starvation bound (every team): 90 min" in out, (out, err)
+    code, out, _ = run_cli(["team", "list"], monkeypatch, capsys)
+    assert code == 0 and "starvation bound 90 min" in out, out
+    code, out, _ = run_cli(["team", "set", "--max-wait", "none"], monkeypatch, capsys)
+    assert code == 0 and "starvation bound (every team): none" in out, out
+    code, out, _ = run_cli(["queue", "-o", "json"], monkeypatch, capsys)
+    (view,) = json.loads(out)
+    assert view["max_wait_minutes"] is None
+    code, out, _ = run_cli(["team", "list"], monkeypatch, capsys)
+    assert code == 0 and "no starvation bound" in out, out

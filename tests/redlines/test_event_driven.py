@@ -41,7 +41,9 @@ DEADLINE_TIMERS: dict[int, str] = {
         "never a judgment of a rank's liveness (that stays the detector's); and the waits of its "
         "preemption and growing-back policies (issue 30: a preempted job's grace to checkpoint, a "
         "protected job's minimum run time ending, a job's resize interval ending), armed by the "
-        "decision that starts the wait (``_arm_policy_timer``), one per wait, re-arming cancels"
+        "decision that starts the wait (``_arm_policy_timer``), one per wait, re-arming cancels; "
+        "and the starvation bound's next queued job reaching it (teams.py ``_arm_overdue``, through "
+        "``_arm_policy_timer``: a pass then, so its promotion is shown and tried at once)"
     ),
 }
 # Functions of a DEADLINE_TIMERS module that arm a step deadline although they are not

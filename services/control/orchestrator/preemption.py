@@ -33,7 +33,7 @@ from services.contract import control_pb2, engine_pb2
 from services.control.orchestrator.activity import idle
 from services.control.orchestrator.job import ORCH, JobState, _Job
 from services.control.orchestrator.preemption_plan import Running, choose_victims
-from services.control.orchestrator.teams import kind_of
+from services.control.orchestrator.teams import kind_of, landed_kind
 
 _log = structlog.get_logger("orchestrator")
 
@@ -91,7 +91,7 @@ class Preempting:
                 j.running_since,
             )
             for j in self._jobs.values()
-            if j is not head and self._preemptable(j) and _frees_for(kind_of(j), kind_of(head))
+            if j is not head and self._preemptable(j) and _frees_for(landed_kind(j), kind_of(head))
         ]
         needs, free = reply.requested_ranks or head.status.world_size, reply.available_ranks
         borrowed = self._reclaimable(head, needs, free)  # (its cohort's borrowers: teams.py)

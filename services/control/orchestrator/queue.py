@@ -18,7 +18,7 @@ from services.control.orchestrator.layout import _set_layout
 from services.control.orchestrator.refusals import IllegalTransition, JobDoesNotFit
 from services.control.orchestrator.request_ids import spec_sha256, submitted_before
 from services.control.orchestrator.resume_machine import Queue, Refuse
-from services.control.orchestrator.teams import kind_of, team_of
+from services.control.orchestrator.teams import PROMOTED, kind_of, team_of
 from services.control.orchestrator.texts import _beyond_cluster, _waits_for
 from services.control.scheduler.admission import WAIT_COHORT
 from services.control.scheduler.fair_share import Holds, blocks, cohort_wait
@@ -184,6 +184,7 @@ class JobQueueing:
                 f"rendezvous {reply.master_addr}:{reply.master_port}",
             )
             job.status.borrowed_slots = borrowed
+            job.status.placed_by_kind.CopyFrom(reply.placed)  # (where an ``any`` job landed: teams.py)
             lent = f" ({borrowed} on capacity its team borrowed)" if borrowed else ""
             self._transition(job, JobState.WARMING_UP, ORCH, f"{note}ranks launching{lent}")
         except BaseException as e:
@@ -212,14 +213,18 @@ class JobQueueing:
     # ------------------------------------------------------------ the queue
 
     def on_resources_ready(self, msg: control_pb2.ResourcesReady, payload: Any = None) -> None:
-        """L1-2 published that a worker registered with slots (no job id; ``free_ranks`` free
-        now): the queue's head may fit. (A reply to AllocateResources comes back to its
-        command, not here.)"""
+        """L1-2 published its offer (no job id; ``free_ranks`` free now): a worker registered
+        with slots, or the placeable capacity changed (a loss, a cordon, a hold, a departure
+        and their ends): the capacity per kind is taken as it is now, and the queue's head may
+        fit. (A reply to AllocateResources comes back to its command, not here.)"""
         if msg.job_id:
             return
         with self._lock:
-            if msg.gpu_slots or msg.cpu_slots:  # (fair share's denominators: teams.py)
+            # Fair share's denominators (teams.py): L1-2 publishes its offer at every change
+            # of the placeable capacity, numbered; an older one arriving late is not applied.
+            if not msg.offer or msg.offer > self._capacity_offer:
                 self._capacity = {"gpu": msg.gpu_slots, "cpu": msg.cpu_slots}
+                self._capacity_offer = msg.offer or self._capacity_offer
             if not msg.free_ranks:
                 return
             self._queue.clear_beyond_cluster()  # a job waiting for workers may fit now: it blocks until tried
@@ -322,6 +327,10 @@ class JobQueueing:
                     _log.error("a queued job could not be taken out of the queue", job_id=entry.job_id, error=str(e))
                     return
                 waited = time.time() - (job.status.queued_unix or job.status.created_unix)
+                # Its time in the queue adds to its earlier waits (journaled with its launch): a
+                # job preempted or requeued later counts them towards the starvation bound.
+                earlier = job.status.waited_seconds
+                job.status.waited_seconds = earlier + max(0.0, waited)
                 try:
                     if job.relaunch is not None:  # an operator resume that waited: it loads its checkpoint
                         effects, reply = self._start_relaunch(job)
@@ -334,6 +343,7 @@ class JobQueueing:
                     _log.error("a queued job could not be started", job_id=entry.job_id, error=str(e))
                     if job.relaunch is not None and entry.job_id in self._jobs:  # (kept: queued again, in its place)
                         job.queued = self._queue.put(entry)
+                        job.status.waited_seconds = earlier
                     return
                 for effect in effects:  # (none: placed)
                     if isinstance(effect, Refuse):  # it cannot start on these workers
@@ -342,6 +352,7 @@ class JobQueueing:
                         self._transition(job, JobState.TERMINATED, ORCH, f"FAILED: refused: {effect.text}")
                     else:  # not yet: its place kept
                         job.queued = self._queue.put(entry)
+                        job.status.waited_seconds = earlier
                         self._queue.mark_beyond_cluster(entry.job_id, effect.beyond)
                         self._waiting(job, effect.why)
                         if not effect.beyond:
@@ -356,6 +367,8 @@ class JobQueueing:
         reason changed (none at every retry), its place journaled either way."""
         if job.status.preempted_by and not why.startswith("PREEMPTED"):  # (what it is stays in sight)
             why = f"PREEMPTED by job {job.status.preempted_by}; {why}"
+        if job.status.job_id in self._promoted and self._quotas.max_wait_s is not None:  # (teams.py)
+            why = PROMOTED.format(bound=self._quotas.max_wait_s / 60) + why
         message = f"queued: {why}"
         if job.status.message == message:
             self._keep(job)

@@ -458,7 +458,10 @@ class Recovery:
         """The recovery controller's relaunch, as an event; ``old_world``: the group's size
         before a resize (the job's new spec is journaled with it), ``lost``: its ranks that
         were lost (the others above the new size are released)."""
-        # Its ranks placed again, perhaps fewer: beyond its team's nominal now (teams.py).
+        # Its ranks placed again, perhaps fewer, perhaps (an ``any`` job) on another kind: where
+        # they are and what is beyond its team's nominal now (teams.py).
+        if reply.HasField("placed"):
+            job.status.placed_by_kind.CopyFrom(reply.placed)
         job.status.borrowed_slots = self._borrowed_of(job)
         workers = ", ".join(reply.worker_ids)
         if reply.in_place:

@@ -203,9 +203,13 @@ class OperatorResume:
         )
         entry = self._queue.add(job_id, job.status.priority, first=job.status.drained)
         self._queue.mark_beyond_cluster(job_id, beyond)
-        # It entered the queue again: its wait counts from now (not from its submit), and it
-        # holds no slot, borrowed or not, until placed.
+        # It entered the queue again: this wait counts from now, and it holds no slot, borrowed
+        # or not, until placed. Its earlier waits (``waited_seconds``) still count towards the
+        # starvation bound (preempted, drained, moved off a departing node: it did not ask to
+        # leave); an ended job resumed by the operator is new work: they start again.
         job.status.queued_unix, job.status.borrowed_slots = time.time(), 0
+        if job.status.state == JobState.TERMINATED:
+            job.status.waited_seconds = 0.0
         try:
             job.relaunch = {"version": version, "step": step, "spec": spec_to_json(spec) if spec is not None else ""}
             if keep_budgets:  # (a departure's move, placed later: said and done as decided now)
@@ -321,6 +325,7 @@ class OperatorResume:
             layout = "" if spec is None else f" at a new layout: {_layout_change(job.spec, spec)}"
             job.spec, s.world_size = new, new.world_size
             _set_layout(s, new)
+            s.placed_by_kind.CopyFrom(reply.placed)  # (where an ``any`` job landed this time: teams.py)
             s.borrowed_slots = self._borrowed_of(job)  # (teams.py: beyond its team's nominal now)
             self._faults(start_monitoring(job_id, job.spec))
             self._faults(control_pb2.ResetFaultLedger(job_id=job_id))

@@ -11,8 +11,10 @@ Which jobs count towards a team's usage: those holding ranks (not queued, not en
 parked with their ranks gone), by their current world size, per device kind (the spec's
 ``parallel.device``: gpu, cpu or any; scheduler/admission.py says how each bound counts them).
 Fair share divides each kind's held slots by the placeable slots of that kind, as the
-allocator last offered them (``ResourcesReady.gpu_slots``/``cpu_slots``, at each worker's
-registration and each hold lifted).
+allocator last offered them (``ResourcesReady.gpu_slots``/``cpu_slots``: L1-2 derives them in
+one place, resource_allocator/cordons.py ``_offer``, and publishes them at every change: a
+registration, a withdrawal, a departure, a cordon, a quarantine, a hold and their ends; after a
+control restart, the restored cordons and the node agents' registrations rebuild them).
 """
 
 from __future__ import annotations
@@ -28,11 +30,17 @@ from services.control.orchestrator.job import JobState, _Job
 from services.control.orchestrator.refusals import BeyondHardLimit
 from services.control.scheduler import Admission, QuotaBook, QuotaFileError, TeamQuota, Waiting, admit, fair_order
 from services.control.scheduler.admission import held as held_in
-from services.control.scheduler.fair_share import blocks
-from services.control.scheduler.quotas import KINDS, check_team_name, quota_from_fields
+from services.control.scheduler.fair_share import blocks, next_overdue
+from services.control.scheduler.quotas import KINDS, check_max_wait, check_team_name, quota_from_fields
 from services.control.scheduler.reclaim import reclaim_victims
 
 UNLIMITED = -1  # TeamQuota's proto form of None (no bound)
+# The journal's team_quotas row of the starvation bound set by command (not a team's name: the
+# pattern refuses "*"): {"max_wait_minutes": minutes or None}.
+MAX_WAIT_ROW = "*max_wait"
+# A queued job's status message when the starvation bound put it ahead (`surgectl queue` says
+# how long it waited: ``_queue_reason``).
+PROMOTED = "promoted by the {bound:g} min starvation bound; "
 _IDLE = (JobState.STANDBY, JobState.TERMINATED)
 
 
@@ -45,6 +53,25 @@ def kind_of(job: _Job) -> str:
     return job.spec.parallel.device_kind
 
 
+def held_by_kind(status: control_pb2.JobStatus) -> dict[str, int]:
+    """The slots a job holding ranks counts for, per kind its team's quota reads: its own kind
+    (gpu, cpu); for an ``any`` job, the kinds it landed on (``placed_by_kind``, recorded at each
+    placement), or ``any`` (either kind: admission.py counts it against both) where that is not
+    known or no longer matches its size (a resize not yet placed)."""
+    kind, n = status.device or "any", status.world_size
+    placed = status.placed_by_kind
+    if kind == "any" and status.HasField("placed_by_kind") and placed.gpu + placed.cpu == n:
+        return {k: v for k, v in (("gpu", placed.gpu), ("cpu", placed.cpu)) if v}
+    return {kind: n}
+
+
+def landed_kind(job: _Job) -> str:
+    """The one device kind ``job``'s ranks hold (its own, or the kind an ``any`` job landed on
+    whole), else ``any`` (mixed, or not known): which heads its slots serve (preemption, reclaim)."""
+    held = held_by_kind(job.status)
+    return next(iter(held)) if len(held) == 1 else "any"
+
+
 class Teams:
     """Teams' quotas and fair share (a part of ``Orchestrator``, see core.py)."""
 
@@ -53,6 +80,10 @@ class Teams:
         queue's order."""
         book = quotas or QuotaBook()
         for name, q in self._journal.load_team_quotas().items():
+            if name == MAX_WAIT_ROW:  # (`surgectl team set --max-wait`: kept over the file's)
+                minutes = (q or {}).get("max_wait_minutes")
+                book = book.with_max_wait(None if minutes is None else minutes * 60)
+                continue
             book = book.without(name) if q is None else book.with_team(name, TeamQuota.model_validate(q))
         self._quotas = book  # immutable: replaced whole under the decision lock, read anywhere
         # Queued jobs their team's quota holds back (job id -> (admission kind, its scope: the
@@ -63,6 +94,12 @@ class Teams:
         # The placeable slots per device kind, as the allocator last offered them (fair share's
         # denominators; zeros until a worker registers: then the slot share, as before kinds).
         self._capacity: dict[str, int] = dict.fromkeys(KINDS, 0)
+        self._capacity_offer = 0  # the number of the allocator's offer it is from (queue.py)
+        # The queued jobs the starvation bound put ahead in the last order computed (under the
+        # lock), and the pass armed for the next job to reach the bound (the order changes then
+        # with no other event: its place and its reason are published then, not at a later change).
+        self._promoted: set[str] = set()
+        self._overdue_at: float | None = None  # (unix time the pass is armed for)
         self._team_lock = threading.Lock()  # orders team commands: journal, then book (taken before the decision lock)
         self._queue.order = self._fair_entries
 
@@ -77,8 +114,8 @@ class Teams:
         for job in self._jobs.values():
             if self._holds_ranks(job):
                 per = usage.setdefault(team_of(job.status), {})
-                kind = kind_of(job)
-                per[kind] = per.get(kind, 0) + job.status.world_size
+                for kind, n in held_by_kind(job.status).items():  # (an ``any`` job: where it landed)
+                    per[kind] = per.get(kind, 0) + n
         return usage
 
     def _slots(self, job: _Job) -> int:
@@ -101,10 +138,10 @@ class Teams:
         if nominal is None:
             return 0
         mine = job.status.world_size
-        others = sum(  # (the team's other jobs its nominal counts: every kind, or this kind and "any")
-            j.status.world_size
+        others = sum(  # (the team's other jobs' slots its nominal counts: every kind, or this kind and "any")
+            held_in(held_by_kind(j.status), scope)
             for j in self._jobs.values()
-            if j is not job and self._holds_ranks(j) and team_of(j.status) == team and held_in({kind_of(j): 1}, scope)
+            if j is not job and self._holds_ranks(j) and team_of(j.status) == team
         )
         return max(0, min(mine, others + mine - nominal))
 
@@ -126,7 +163,7 @@ class Teams:
                 priority=j.status.priority,
                 started=j.running_since,
                 borrowed=j.status.borrowed_slots,
-                kind=kind_of(j),
+                kind=landed_kind(j),
             )
             for j in self._jobs.values()
             if j is not head and self._holds_ranks(j)
@@ -145,17 +182,41 @@ class Teams:
             raise BeyondHardLimit(f"{source}: team: {a.reason}")
 
     def _fair_entries(self, entries: list[QueueEntry]) -> list[QueueEntry]:
-        """The queue's entries (by key) in the fair order across teams (scheduler/fair_share.py)."""
+        """The queue's entries (by key) in the fair order across teams (scheduler/fair_share.py).
+        Under the lock: the jobs promoted by the starvation bound are kept (``_promoted``) and
+        a pass is armed for the next job to reach it."""
         by_id = {e.job_id: e for e in entries}
         waiting = [self._waiting_of(e) for e in entries]
-        order = fair_order(waiting, self._usage(), self._quotas, self._capacity, time.time())
+        now, promoted = time.time(), set()
+        order = fair_order(waiting, self._usage(), self._quotas, self._capacity, now, promoted)
+        self._promoted = promoted
+        self._arm_overdue(next_overdue(waiting, self._quotas, now), now)
         return [by_id[w.job_id] for w in order]
+
+    def _arm_overdue(self, when: float | None, now: float) -> None:
+        """Under the lock: a pass at ``when`` (unix time), when a queued job reaches the
+        starvation bound, unless one is armed as early (a policy's wait: preemption.py's
+        ``_arm_policy_timer``, one timer, re-arming replaces it)."""
+        if when is None or (self._overdue_at is not None and self._overdue_at <= when):
+            return
+        self._overdue_at = when
+        self._arm_policy_timer("starvation bound", when - now + 0.05, self._overdue_pass)
+
+    def _overdue_pass(self) -> None:
+        """A queued job reached the starvation bound: the order is computed again, its place
+        published and the queue tried (its reason says it was promoted)."""
+        with self._lock:
+            self._overdue_at = None
+            self._places_changed = True
+            self._start_soon()
 
     def _waiting_of(self, e: QueueEntry) -> Waiting:
         job = self._jobs.get(e.job_id)
         if job is None:
             return Waiting(e.job_id, "default", 1, e.priority, e.seq, e.first)
         since = job.status.queued_unix or job.status.created_unix  # (journaled: its age survives a restart)
+        if since:  # (its earlier waits, before it was preempted or requeued, count towards the bound)
+            since -= job.status.waited_seconds
         return Waiting(
             e.job_id, team_of(job.status), self._slots(job), e.priority, e.seq, e.first, kind_of(job), since or None
         )
@@ -194,9 +255,14 @@ class Teams:
         """`surgectl team set NAME ...` / `surgectl team remove NAME`: the team's quota set (or
         removed: the default applies), journaled, then in force; queued jobs are tried again.
 
+        ``set_max_wait``: the cluster's starvation bound instead (``max_wait_minutes``; -1:
+        none), journaled, kept across a restart over the quota file's.
+
         Raises:
             QuotaFileError (a ValueError): a field out of range (one line naming it).
         """
+        if msg.set_max_wait:
+            return self._set_max_wait(msg.max_wait_minutes)
         name = msg.quota.name
         if msg.remove:
             quota = None
@@ -219,10 +285,32 @@ class Teams:
             self._journal.save_team_quota(name, None if quota is None else quota.to_json())
             with self._lock:
                 self._quotas = self._quotas.without(name) if quota is None else self._quotas.with_team(name, quota)
-                self._quota_held.clear()  # (every hold is decided again by the next pass)
-                self._places_changed = True  # (the fair order may change)
-                self._start_soon()
+                self._book_changed()
         return self.team_query(control_pb2.TeamQuery())
+
+    def _set_max_wait(self, minutes: float) -> control_pb2.TeamList:
+        """`surgectl team set --max-wait MIN|none`: the starvation bound, journaled, then in force."""
+        bound = check_max_wait(minutes)
+        with self._team_lock:
+            self._journal.save_team_quota(MAX_WAIT_ROW, {"max_wait_minutes": None if bound is None else bound / 60})
+            with self._lock:
+                self._quotas = self._quotas.with_max_wait(bound)
+                self._overdue_at = None  # (armed for the old bound: the next order arms it again)
+                self._book_changed()
+        return self.team_query(control_pb2.TeamQuery())
+
+    def _book_changed(self) -> None:
+        """Under the lock: the book in force changed: holds are decided again, the order and
+        the queue tried again, and each running job's ranks beyond its team's nominal now
+        recorded (``borrowed_slots``: `surgectl status` says "(N borrowed)" after a quota is
+        lowered below what a team holds, as `team list` does)."""
+        self._quota_held.clear()  # (every hold is decided again by the next pass)
+        self._places_changed = True  # (the fair order may change)
+        for job in self._jobs.values():
+            if self._holds_ranks(job) and job.status.borrowed_slots != (borrowed := self._borrowed_of(job)):
+                job.status.borrowed_slots = borrowed
+                self._keep(job)  # (journaled and published with the status)
+        self._start_soon()
 
     def team_query(self, msg: control_pb2.TeamQuery, payload: Any = None) -> control_pb2.TeamList:
         """Every team's quota and usage and the waiting jobs in order, from the published views
@@ -247,15 +335,17 @@ class Teams:
                         position=s.queue_position,
                         priority=s.priority,
                         slots=s.world_size,
-                        reason=s.message.removeprefix("queued: "),
-                        waiting_seconds=max(0.0, now - (s.queued_unix or s.created_unix)),
+                        reason=_queue_reason(s, now, book.max_wait_s),
+                        waiting_seconds=_waited(s, now),
                         device=s.device or "any",
+                        promoted=s.message.startswith("queued: promoted "),
                     )
                 )
             elif s.state not in _IDLE and not s.drained:
                 used[team] = used.get(team, 0) + s.world_size
                 per = used_kind.setdefault(team, {})
-                per[s.device or "any"] = per.get(s.device or "any", 0) + s.world_size
+                for kind, n in held_by_kind(s).items():  # (an ``any`` job: where it landed)
+                    per[kind] = per.get(kind, 0) + n
                 running[team] = running.get(team, 0) + 1
         teams = []
         for name in sorted(set(book.teams) | set(used) | set(waiting)):
@@ -280,7 +370,28 @@ class Teams:
             queue=queue,
             cluster_slots=sum(self._capacity.values()),
             cluster_by_kind=control_pb2.KindSlots(**self._capacity),
+            max_wait_minutes=UNLIMITED if book.max_wait_s is None else book.max_wait_s / 60,
         )
+
+
+def _waited(s: control_pb2.JobStatus, now: float) -> float:
+    """A queued job's time in the queue: since it last entered it, and its earlier waits
+    (before it was preempted or requeued): what the starvation bound counts."""
+    return max(0.0, now - (s.queued_unix or s.created_unix)) + s.waited_seconds
+
+
+def _queue_reason(s: control_pb2.JobStatus, now: float, bound_s: float | None) -> str:
+    """Why a queued job waits, as `surgectl queue` shows it: its status message; one the
+    starvation bound promoted says so with its wait, e.g. ``promoted: waited 2h05m > 120 min
+    starvation bound; waits for 4 slots...``."""
+    why = s.message.removeprefix("queued: ")
+    if not why.startswith("promoted ") or "; " not in why:
+        return why
+    rest = why.split("; ", 1)[1]
+    if bound_s is None:  # (the bound was turned off since: the order is the fair one again)
+        return rest
+    minutes = int(_waited(s, now) // 60)
+    return f"promoted: waited {minutes // 60}h{minutes % 60:02d}m > {bound_s / 60:g} min starvation bound; {rest}"
 
 
 def _quota_msg(name: str, q: TeamQuota, configured: bool) -> control_pb2.TeamQuota:

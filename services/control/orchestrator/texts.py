@@ -143,6 +143,12 @@ def _waits_for(job: _Job, reply: control_pb2.ResourcesInsufficient, spec: JobSpe
     needs = f"needs {n} rank{'' if n == 1 else 's'} ({_degrees(spec or job.spec)})"
     if _beyond_cluster(reply):
         kind = (spec or job.spec).parallel.device_kind  # (the allocator counted that kind's slots only)
+        if kind != "any" and not reply.registered_ranks:  # (a gpu job on a CPU-only cluster: say so)
+            what = "a GPU" if kind == "gpu" else "CPU slots"
+            return (
+                f"{needs} on {kind}: no node with {what} is registered (or every one is cordoned, held or "
+                "leaving): waits for one to join"
+            )
         of = "" if kind == "any" else f" {kind} slots"
         return f"{needs}, more than the {reply.registered_ranks}{of} registered: waits for workers to join"
     return f"{needs}; {reply.reason}: waits for ranks to free up"

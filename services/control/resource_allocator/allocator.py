@@ -26,6 +26,7 @@ from services.control.resource_allocator.slots import (
     _memory_peer,
     _memory_quota,
     _of_kind,
+    _placed,
     _Placement,
     _rank_memory,
     _reachable_host,
@@ -80,6 +81,7 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
         # worker id -> why it is held out of placement (CordonWorker{hold}: L1-1 decided on
         # its node agent's agent_silent report), until L1-1 lifts it (the agent beats again).
         self._holds: dict[str, str] = {}
+        self._offers = 0  # the offers of placeable capacity published (cordons.py ``_offer``)
         watch_slots(self._slot_census)  # control's cluster gauges read it when scraped
 
     # ------------------------------------------------------------ commands (L1-1)
@@ -205,6 +207,7 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
                 if probe is not None:
                     launch.link_probe.CopyFrom(probe)
                 self._placed[msg.job_id].probes[worker_id] = probe
+            placed = _placed(self._workers, self._placed[msg.job_id].ranks)
         # Commands leave outside the lock: the relay only queues them, but keep the
         # allocator's lock short and never held across another module's code.
         for worker_id, launch in launches.items():
@@ -215,6 +218,7 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
             master_addr=master_addr,
             master_port=master_port,
             worker_ids=list(launches),
+            placed=placed,
         )
 
     def release_resources(

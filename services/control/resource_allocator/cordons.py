@@ -40,7 +40,13 @@ class Cordons:
             if msg.clear:  # the operator's uncordon (L1-1 checked that it had a cordon)
                 ended = self._cordons.pop(msg.worker_id, None) or control_pb2.WorkerCordoned(worker_id=msg.worker_id)
                 ended.cleared = True
-                return ended
+                offer = self._offer()
+            else:
+                ended, offer = None, None
+        if ended is not None:
+            self._emit(offer)  # (outside the lock, like every send: the capacity changed)
+            return ended
+        with self._lock:
             worker = self._workers.get(msg.worker_id)
             registered = worker.reg.incarnation if worker is not None else ""
             cordon = control_pb2.WorkerCordoned(
@@ -56,6 +62,8 @@ class Cordons:
             self._cordons[msg.worker_id] = cordon
             reply = control_pb2.WorkerCordoned()
             reply.CopyFrom(cordon)
+            offer = self._offer()
+        self._emit(offer)  # (its slots are no longer placeable: fair share's denominators)
         return reply
 
     # ------------------------------------------------------------ private
@@ -63,23 +71,33 @@ class Cordons:
     def _hold(self, msg: control_pb2.CordonWorker) -> control_pb2.WorkerCordoned:
         with self._lock:
             if not msg.lift:
+                changed = msg.worker_id not in self._holds
                 self._holds[msg.worker_id] = msg.reason or f"{msg.worker_id} held"
-                return control_pb2.WorkerCordoned(worker_id=msg.worker_id, reason=msg.reason, unix_time=msg.unix_time)
-            ended = self._holds.pop(msg.worker_id, None) is not None
+            else:
+                changed = self._holds.pop(msg.worker_id, None) is not None
             offer = self._offer()
-        if ended:  # (outside the lock, like every send)
+        if changed:  # (outside the lock, like every send)
             self._emit(offer)
+        if not msg.lift:
+            return control_pb2.WorkerCordoned(worker_id=msg.worker_id, reason=msg.reason, unix_time=msg.unix_time)
         return control_pb2.WorkerCordoned(worker_id=msg.worker_id, reason=msg.reason, cleared=True)
 
     def _offer(self) -> control_pb2.ResourcesReady:
         """Under the lock: the slots free on the placeable workers, and their registered slots
-        per device kind (what L1-1's fair share divides each kind's held slots by)."""
+        per device kind (what L1-1's fair share divides each kind's held slots by).
+
+        The one place the placeable capacity is derived: every change of it (a registration, a
+        withdrawal, a departure, a cordon or a quarantine and its end, a hold and its lift)
+        publishes this offer, numbered (``offer``) so that L1-1 keeps the newest of two that
+        cross on their way (each is sent outside the lock)."""
         placeable = [w for w in self._workers.values() if self._placeable(w)]
         gpu = sum(1 for w in placeable for s in range(w.reg.slots) if _slot_kind(w, s) == "gpu")
+        self._offers += 1
         return control_pb2.ResourcesReady(
             free_ranks=sum(len(w.free_slots()) for w in placeable),
             gpu_slots=gpu,
             cpu_slots=sum(w.reg.slots for w in placeable) - gpu,
+            offer=self._offers,
         )
 
     def _placeable(self, w: _Worker) -> bool:

@@ -14,6 +14,7 @@ from services.control.resource_allocator.slots import (
     _memory_peer,
     _memory_quota,
     _of_kind,
+    _placed,
     _reachable_host,
     _Worker,
 )
@@ -190,6 +191,7 @@ class Rebuild:
                     layout=msg.layout if msg.HasField("layout") else None,
                     lost_ranks=lost,  # the survivors abort their broken communicator at once
                 )  # fmt: skip
+                kinds = _placed(self._workers, placed.ranks)
         # The kills go first on each node agent's queue: a replacement of the same rank starts
         # only once the killed process is reaped (the node agent's rule), and a survivor blocked
         # in a collective with a hung rank is freed by that rank's death.
@@ -216,6 +218,7 @@ class Rebuild:
             worker_ids=list(launches),
             generation=rebuild.generation,
             replaced_ranks=launched,
+            placed=kinds,
         )
 
 

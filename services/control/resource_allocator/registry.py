@@ -34,7 +34,8 @@ class Registry:
 
         A registration that offers slots is published as ``ResourcesReady`` with no job id
         (资源就绪可训练事件: ``free_ranks``, the ranks free on the placeable workers now), so
-        that L1-1 can start a job waiting in its queue.
+        that L1-1 can start a job waiting in its queue. A withdrawal and a departure publish
+        it too (cordons.py ``_offer``: every change of the placeable capacity does).
 
         Cordon: a registration of another node agent incarnation than the one cordoned (the
         agent restarted, the node rebooted or was replaced) ends the worker's cordon,
@@ -43,16 +44,24 @@ class Registry:
         ends when another incarnation registers, or the agent whose stream closed comes back."""
         with self._lock:
             old = self._workers.get(msg.worker_id)
-            if msg.departing:  # (before the zero-slot check: it keeps the record and its busy slots)
-                if old is not None:
+            if msg.departing or msg.slots == 0:
+                if old is None:
+                    return
+                if msg.departing:  # (before the zero-slot check: it keeps the record and its busy slots)
                     old.departing = True
-                return
-            if msg.slots == 0:
-                self._workers.pop(msg.worker_id, None)
-                for where in self._reattached.values():  # (its ranks are lost: not placed there any more)
-                    for rank in [r for r, (w, _) in where.items() if w == msg.worker_id]:
-                        del where[rank]
-                return
+                else:
+                    self._workers.pop(msg.worker_id, None)
+                    for where in self._reattached.values():  # (its ranks are lost: not placed there any more)
+                        for rank in [r for r, (w, _) in where.items() if w == msg.worker_id]:
+                            del where[rank]
+                offer = self._offer()
+            else:
+                offer = None
+        if offer is not None:  # (its slots left the placeable capacity: fair share's denominators)
+            self._emit(offer)
+            return
+        with self._lock:
+            old = self._workers.get(msg.worker_id)
             cleared = self._end_cordon(msg)
             if old is None or old.reg.incarnation != msg.incarnation:
                 # A hold is on the silent agent; one registering now (restarted, or back after

@@ -61,6 +61,13 @@ def _of_kind(w: _Worker, slot: int, kind: str) -> bool:
     return kind == "any" or _slot_kind(w, slot) == kind
 
 
+def _placed(workers: dict[str, _Worker], ranks: list[tuple[str, int]]) -> control_pb2.KindSlots:
+    """A job's ranks (worker id, slot) counted per device kind: where an ``any`` job landed
+    (L1-1 counts its team's usage there, issue 30); a rank on a worker gone meanwhile counts as cpu."""
+    gpu = sum(1 for wid, s in ranks if wid in workers and _slot_kind(workers[wid], s) == "gpu")
+    return control_pb2.KindSlots(gpu=gpu, cpu=len(ranks) - gpu)
+
+
 def _device_name(w: _Worker, slot: int) -> str:
     devices = [d for d in w.reg.devices if d.kind == "cuda"]
     return f"cuda:{devices[slot].index}" if slot < len(devices) else "cpu"

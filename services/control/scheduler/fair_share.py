@@ -15,7 +15,8 @@ job's queued resume (``first``) goes ahead of everything, as before.
 
 The starvation bound (the book's ``max_wait_s``, the quota file's ``max_wait_minutes``; quotas.py
 says the default): a team's next job (by priority, then age, as above) that has waited that
-long (``now - queued``: since it last entered the queue) goes ahead of the fair order, right
+long (``now - queued``: its time in the queue, its earlier waits included when it was
+preempted or requeued: control passes an entry time moved back by them) goes ahead of the fair order, right
 after the ``first`` ones, while its team's weighted dominant share *before* the job is below
 its entitlement (1 / the weights of the teams with work, running or queued: an equal
 division by weight); then the team's next, if overdue too and the team still below. The
@@ -166,6 +167,15 @@ def _plus(held: Mapping[str, int] | int | None, kind: str, slots: int) -> dict[s
     return out
 
 
+def next_overdue(waiting: Iterable[Waiting], book: QuotaBook, now: float) -> float | None:
+    """The earliest time after ``now`` at which one of ``waiting`` reaches the book's
+    starvation bound (None: none will): when the order may change with no other event."""
+    if book.max_wait_s is None:
+        return None
+    return min((w.queued + book.max_wait_s for w in waiting if w.queued is not None and w.queued + book.max_wait_s > now),
+               default=None)  # fmt: skip
+
+
 def overdue(w: Waiting, book: QuotaBook, now: float | None) -> bool:
     """Whether ``w`` has waited past the book's starvation bound at ``now`` (module docstring)."""
     return (
@@ -174,10 +184,16 @@ def overdue(w: Waiting, book: QuotaBook, now: float | None) -> bool:
 
 
 def fair_order(
-    waiting: Iterable[Waiting], usage: Usage, book: QuotaBook, capacity: Capacity, now: float | None = None
+    waiting: Iterable[Waiting],
+    usage: Usage,
+    book: QuotaBook,
+    capacity: Capacity,
+    now: float | None = None,
+    promoted: set[str] | None = None,
 ) -> list[Waiting]:
     """The waiting jobs in the order to try them (module docstring): the ``first`` ones, each
-    team's next jobs overdue at ``now`` (None: none is), then the fair order. O(n log n)."""
+    team's next jobs overdue at ``now`` (None: none is), then the fair order. O(n log n).
+    ``promoted``: filled with the ids of the jobs the starvation bound put ahead."""
     per_team: dict[str, list[Waiting]] = {}
     firsts: list[Waiting] = []
     for w in waiting:
@@ -197,6 +213,8 @@ def fair_order(
             late.append(w)
             held[team] = _with(held.get(team, (0, 0, 0)), w.kind, w.slots)  # (picked ahead: counted)
     late.sort(key=Waiting.key)
+    if promoted is not None:
+        promoted.update(w.job_id for w in late)
     heap = []
     for team, jobs in per_team.items():
         if not jobs:

@@ -196,6 +196,9 @@ class QuotaBook:
     def without(self, name: str) -> QuotaBook:
         return QuotaBook({k: v for k, v in self._teams.items() if k != name}, self.default, self.max_wait_s)
 
+    def with_max_wait(self, max_wait_s: float | None) -> QuotaBook:
+        return QuotaBook(dict(self._teams), self.default, max_wait_s)
+
     def cohort_of(self, team: str) -> str:
         return self.get(team).cohort
 
@@ -208,6 +211,18 @@ class QuotaBook:
         )
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def check_max_wait(minutes: float, source: str = "surgectl team set") -> float | None:
+    """The starvation bound given by command (minutes > 0, or -1: none) -> seconds, or None.
+    Raises QuotaFileError: one line, the file's rule (``max_wait_minutes``)."""
+    if minutes == -1:
+        return None
+    if not (0 < minutes <= 1e6):  # (NaN too)
+        raise QuotaFileError(
+            f"{source}: max_wait_minutes: must be > 0 and <= 1000000 minutes (or -1: none), got {minutes:g}"
+        )
+    return minutes * 60
 
 
 def quota_from_fields(fields: dict, source: str = "surgectl team set") -> TeamQuota:
