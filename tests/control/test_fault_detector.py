@@ -951,3 +951,36 @@ def test_a_deadline_that_fires_while_a_beat_waits_unapplied_is_decided_after_tha
     backlog.drain()
     got = {r.fault_class for r in reports.wait(2)}
     assert got == {"agent_silent", "rank_silent"}, reports
+
+
+def test_after_a_control_restart_each_of_the_jobs_workers_registering_again_pushes_its_re_attach_window_out():
+    # 3,000 agents' re-registrations took 88 s to reach a loaded control against a 15 s window:
+    # 4,766 healthy ranks were declared worker_lost. A worker of the job registering again
+    # (the reconnect storm still coming in) pushes the window out to reattach_seconds from then.
+    bus = Bus()
+    detector = FaultDetector(emit=bus.emitter(Module.L1_FAULT_DETECTOR))
+    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring, detector.start_fault_monitoring)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, worker_pb2.RankHeartbeat, detector.on_rank_heartbeat)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.WorkerRegistration, detector.on_worker_registration)
+    reports = Reports()
+    bus.subscribe(Module.L1_ORCHESTRATOR, control_pb2.FaultReport, reports.add)
+    monitor = control_pb2.StartFaultMonitoring(
+        job_id="r",
+        heartbeat_timeout_seconds=5.0,
+        world_size=3,
+        reattach_seconds=0.8,
+        rank_worker_ids=["wa", "wb", "wc"],
+    )
+    bus.command(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR, monitor)
+    t0 = time.monotonic()
+    time.sleep(0.5)
+    bus.publish(Module.EXT_HARDWARE, control_pb2.WorkerRegistration(worker_id="wa", slots=1, incarnation="wa-2"))
+    time.sleep(0.5)  # past the first window's end (0.8 s), inside the pushed one (1.3 s)
+    assert list(reports) == []
+    bus.publish(Module.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=9, worker_id="wa"))
+    bus.publish(Module.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=1, step=9, worker_id="wb"))
+    lost = reports.wait(1, timeout=3.0)[0]  # wc never came back: lost at the pushed window's end
+    assert (lost.fault_class, lost.rank) == ("worker_lost", 2), lost
+    assert time.monotonic() - t0 >= 1.25
+    time.sleep(0.2)
+    assert [r.rank for r in reports] == [2]  # (reported once)

@@ -190,6 +190,8 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
                 job.reattaching, job.reattach_s = set(range(msg.world_size)), msg.reattach_seconds
                 now = job.restored_unix = time.time()
                 workers = list(msg.rank_worker_ids)
+                job.reattach_awaited = {w for w in workers if w}
+                job.reattach_until = time.monotonic() + msg.reattach_seconds
                 for rank in range(msg.world_size):
                     worker_id = workers[rank] if rank < len(workers) else ""
                     watch = job.ranks[rank] = _RankWatch(worker_id=worker_id, last_beat_unix=now, unheard=True)

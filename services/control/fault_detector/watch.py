@@ -102,6 +102,10 @@ class _Job:
     reattaching: set[int] = field(default_factory=set)
     reattach_s: float = 0.0
     back: set[str] = field(default_factory=set)  # workers heard from since the restart (any rank's event)
+    # The workers its restored ranks ran on, not yet registered again, and when the re-attach
+    # window ends (monotonic): each of them registering pushes the end out (liveness.py).
+    reattach_awaited: set[str] = field(default_factory=set)
+    reattach_until: float = 0.0
     restored_unix: float = 0.0  # a beat the rank sent before this is a resent one (stale)
     round_faults: int = 0  # faults of the current incident (本轮), cleared by ResetFaultLedger
     round: int = 0  # which incident round of the job (ResetFaultLedger counts them): sick_nodes.py
