@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from services.cli import clients, dashboard, render, stack, stack_access
-from services.cli.app import _say, app
+from services.cli.app import _say, app, float_option
 from services.cli.errors import CliError
 from services.common.access import TOKENS_FILE_ENV
 
@@ -13,7 +13,7 @@ from services.common.access import TOKENS_FILE_ENV
 @app.command()
 def up(
     workers: int | None = typer.Option(None, min=1, help="node agents to start (default: 2)"),
-    resume_seconds: float = typer.Option(
+    resume_seconds: float = float_option(
         60.0,
         "--resume-seconds",
         min=0.0,
@@ -110,7 +110,7 @@ def down(
         "--force",
         help="stop at once: running jobs are not drained (they lose their steps since their last checkpoint)",
     ),
-    drain_seconds: float = typer.Option(
+    drain_seconds: float = float_option(
         300.0,
         "--drain-seconds",
         min=0.0,
@@ -258,7 +258,7 @@ def restart(
     service: str = typer.Argument(
         ..., help="control, data, store, or a worker as named by `surgectl up` (worker-0, ...)"
     ),
-    grace_seconds: float = typer.Option(
+    grace_seconds: float = float_option(
         stack.STOP_GRACE_SECONDS,
         "--grace-seconds",
         min=0.0,
