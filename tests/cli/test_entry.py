@@ -54,10 +54,8 @@ def test_a_checkout_without_make_setup_says_to_run_it_not_no_module_named_surge(
     )  # fmt: skip
     gen = tmp_path / "services" / "contract" / "gen"
     assert up.returncode == 1 and up.stdout == "", up.stderr
-    assert (
-        up.stderr
-        == f"error: {gen} has no generated gRPC code (surge/v1/control_pb2.py): run `make setup` in {tmp_path} (it generates it from proto/)\n"
-    )
+    said = f"{gen} has no generated gRPC code (surge/v1/control_pb2.py): run `make setup` in {tmp_path}"
+    assert up.stderr == f"error: {said} (it generates it from proto/)\n"
     assert not (tmp_path / "home").exists()  # nothing started, nothing written
     control = subprocess.run(
         [sys.executable, "-m", "services.control", "--help"],
