@@ -413,7 +413,9 @@ def check_plot_out(out: Path, option: str = "--out") -> None:
     Raises:
         CliError (exit 2): one line naming ``option`` and the path."""
     if out.is_dir():
-        raise CliError(f"{option}: {out} is a directory; name a file in it (ending in {', '.join(PLOT_SUFFIXES)})", code=2)
+        raise CliError(
+            f"{option}: {out} is a directory; name a file in it (ending in {', '.join(PLOT_SUFFIXES)})", code=2
+        )
     if out.suffix.lower() not in PLOT_SUFFIXES:
         raise CliError(f"{option}: {out}: the file name must end in {', '.join(PLOT_SUFFIXES)}", code=2)
     parent = out.parent if str(out.parent) else Path(".")
