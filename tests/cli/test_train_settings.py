@@ -223,13 +223,13 @@ def test_generate_reads_a_committed_version_without_a_stack(home, monkeypatch, c
 @pytest.mark.parametrize(
     ("argv", "code", "words"),
     [
-        (["eval", "tj:9"], 1, ["checkpoint tj:9 not found", "have: tj:1"]),
+        (["eval", "tj:9"], 2, ["checkpoint tj:9 not found", "have: tj:1"]),  # (as `resume --from`)
         (["eval", "tj"], 2, ['checkpoint version "tj"']),
         (["eval", "tj:1", "--dataset", "nope@v1"], 1, ["dataset nope@v1 not found"]),
         (["eval", "tj:1", "--dataset", "nope"], 2, ["--dataset 'nope'", "name@version"]),
         (["eval", "tj:1", "--split", "test"], 2, ["--split"]),
         (["eval", "tj:1", "-o", "yaml"], 2, ["--output"]),
-        (["generate", "--checkpoint", "other:1"], 1, ["checkpoint other:1 not found"]),
+        (["generate", "--checkpoint", "other:1"], 2, ["checkpoint other:1 not found"]),
     ],
 )
 def test_eval_and_generate_failures_are_one_line(home, monkeypatch, capsys, argv, code, words):
@@ -238,7 +238,7 @@ def test_eval_and_generate_failures_are_one_line(home, monkeypatch, capsys, argv
 
 def test_eval_with_no_checkpoint_store_is_one_line(surge_home, monkeypatch, capsys):
     code, out, err = run_cli(["eval", "latest"], monkeypatch, capsys)
-    assert_one_line(code, err, 1, "no checkpoints under", str(surge_home / "store"))
+    assert_one_line(code, err, 2, "no checkpoints under", str(surge_home / "store"))
 
 
 def test_eval_on_a_dataset_without_held_out_split_is_one_line(home, tmp_path, monkeypatch, capsys):
