@@ -23,10 +23,9 @@ module leaves the stack's services killed, the group's turn starts them again.
 
 from __future__ import annotations
 
-import re
-
 import json
 import os
+import re
 import signal
 import subprocess
 import time
