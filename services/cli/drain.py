@@ -139,23 +139,27 @@ def resume_points(parked: list[control_pb2.JobStatus], store_root) -> list[str]:
 
     Not control's answer to the park: a save whose commit was on its way then still lands
     (fresh user, session 25: `down --force` named :1, `up` resumed from :2, whose commit
-    reached control after the park's answer). Once the ranks are gone no commit can come,
-    and the store's catalog under ``store_root`` (the local stack's, read-only:
-    ``read_committed``'s ``<job>:latest``, the newest whose recorded verdict is ok, as the
-    resume's choice) is what `up` will find. Where that catalog cannot be read here (a store
-    elsewhere), control's answer is given for what it is."""
-    from services.store.checkpoint_manager import CheckpointNotFound, CheckpointRejected, read_committed
+    reached control after the park's answer). Once the ranks are gone no commit can come, and
+    the store's catalog under ``store_root`` (the local stack's, read-only) holds what `up`'s
+    resume chooses from: the newest version whose verdict is ok (``recorded_verdicts``: as
+    recorded; the resume hashes the bytes again, so a version damaged since is passed over
+    then). Where that catalog cannot be read here (a store elsewhere), or holds no version of
+    the job, control's answer is given for what it is."""
+    from services.store.checkpoint_manager import recorded_verdicts
 
     lines = []
     for s in parked:
         try:
-            info = read_committed(store_root, f"{s.job_id}:latest")
-        except (CheckpointNotFound, CheckpointRejected, ValueError, OSError):
+            ok = [v.info for v in recorded_verdicts(store_root, s.job_id) if v.ok]
+        except (ValueError, OSError):
+            ok = []
+        if not ok:
             lines.append(
                 f"{s.job_id}: `surgectl up` resumes it from its newest checkpoint that verifies (when parked: "
                 f"{s.checkpoint_version}, step {s.checkpoint_step}); the steps after it are lost"
             )
             continue
+        info = max(ok, key=lambda i: (i.step, int(i.version.rpartition(":")[2] or 0)))  # (the resume's order)
         after = s.step - info.step  # (the steps it trained after that version, lost)
         lost = f"step {s.step} is lost" if after == 1 else f"steps {info.step + 1}-{s.step} are lost"
         lost = lost if after > 0 else "no step is lost"

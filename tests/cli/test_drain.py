@@ -4,6 +4,7 @@ gRPC, that `down` and `up` act on control's typed refusal reasons, never on thei
 
 from __future__ import annotations
 
+import json
 from concurrent import futures
 from contextlib import contextmanager
 
@@ -248,6 +249,12 @@ def test_a_forced_down_names_the_version_up_resumes_from_read_once_the_ranks_are
     spec = spec_of(mlp="swiglu")
     commit_version(tmp_path, spec, job="ckpt-1", step=10)
     commit_version(tmp_path, spec, job="ckpt-1", step=12)  # (its commit came after the park's answer)
+    # Its replicas not yet found to agree (a check every N steps): `<job>:latest` passes it
+    # over, an operator resume does not (it takes the newest whose verdict is ok).
+    catalog = tmp_path / "store" / "checkpoints" / "catalog.json"
+    doc = json.loads(catalog.read_text())
+    doc["versions"][-1].update(replica_checked=True, replica_agreed_step=0)
+    catalog.write_text(json.dumps(doc))
     answered = control_pb2.JobStatus(
         job_id="ckpt-1", state=JobState.PAUSED, step=13, drained=True, checkpoint_version="ckpt-1:1", checkpoint_step=10
     )
