@@ -220,6 +220,32 @@ def test_generate_reads_a_committed_version_without_a_stack(home, monkeypatch, c
     assert code == 0 and out.startswith("line "), err
 
 
+def test_generate_decodes_a_small_model_on_one_thread_and_gives_the_threads_back(home, monkeypatch, capsys):
+    """A small model's decoding on torch's intra-op threads spun them for nothing: 200 demo
+    tokens 27.6 s on two threads, 1.7 s on one (a loaded 2-core host; docs/LOG.md session 31)."""
+    import torch
+
+    from services.compute import inference
+
+    seen, real = [], inference.generate
+
+    def counting(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(inference, "generate", counting)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        code, out, err = run_cli(
+            ["generate", "--checkpoint", "tj:latest", "--max-new-tokens", "4"], monkeypatch, capsys
+        )
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert code == 0 and seen == [1] and after == 3, (err, seen, after)
+
+
 @pytest.mark.parametrize(
     ("argv", "code", "words"),
     [
