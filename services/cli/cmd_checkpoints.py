@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from services.cli import clients, render
-from services.cli.app import OutputOpt, _say, _show, app
+from services.cli.app import OutputOpt, _say, _show, app, float_option
 from services.cli.errors import CliError
 from services.cli.jobs import resolve_job
 from services.contract import control_pb2, store_pb2
@@ -24,7 +24,7 @@ def checkpoints(
         help="re-hash every byte of the versions now (the store's scrub) and print one line per version; "
         "exit 1 when one is not intact",
     ),
-    timeout: float = typer.Option(3600.0, "--timeout", min=1.0, help="seconds the store may take to verify"),
+    timeout: float = float_option(3600.0, "--timeout", min=1.0, help="seconds the store may take to verify"),
 ) -> None:
     """List committed checkpoint versions (oldest first), or verify them (--verify).
 
@@ -112,7 +112,7 @@ def generate(
     checkpoint: str = typer.Option("latest", help="version '<job>:<n>', '<job>:latest' or 'latest'"),
     prompt: str = typer.Option("def ", help="text to continue"),
     max_new_tokens: int = typer.Option(200, min=1, max=4096),
-    temperature: float = typer.Option(0.8, min=0.0),
+    temperature: float = float_option(0.8, min=0.0),
     top_k: int = typer.Option(40, min=0),
     seed: int = typer.Option(0),
 ) -> None:

@@ -8,7 +8,7 @@ import time
 import typer
 
 from services.cli import clients, render, stack
-from services.cli.app import NoCheckpointOpt, _again, _say, app
+from services.cli.app import NoCheckpointOpt, _again, _say, app, float_option
 from services.cli.errors import CliError
 from services.cli.jobs import resolve_job
 from services.contract import control_pb2
@@ -152,7 +152,7 @@ def scale(
     grad_accum: int | None = typer.Option(
         None, "--grad-accum", min=1, max=2**32 - 1, help="micro-steps per optimizer step at the new size"
     ),
-    wait_seconds: float = typer.Option(
+    wait_seconds: float = float_option(
         300.0, "--wait-seconds", min=0.0, max=86400.0, help="how long to wait for the resize to be done (0: do not)"
     ),
 ) -> None:
@@ -323,7 +323,7 @@ def uncordon(worker: str = typer.Argument(..., help="the worker id, as `surgectl
 @app.command(name="drain")
 def drain_node(
     worker: str = typer.Argument(..., help="the worker id, as `surgectl status` lists it"),
-    deadline: float = typer.Option(..., "--deadline", help="seconds until the node leaves (> 0)"),
+    deadline: float = float_option(..., "--deadline", help="seconds until the node leaves (> 0)"),
 ) -> None:
     """Move every job off a node that leaves within DEADLINE seconds: nothing new is placed
     on it, and each job with ranks there checkpoints at a step boundary every rank agrees on,

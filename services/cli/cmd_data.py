@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from services.cli import clients, render, stack
-from services.cli.app import OutputOpt, _again, _say, _show, dataset_app, delete_app
+from services.cli.app import OutputOpt, _again, _say, _show, dataset_app, delete_app, float_option
 from services.cli.errors import CliError
 from services.contract import data_pb2
 
@@ -27,7 +27,7 @@ def dataset_prepare(
         help="'bytes' (vocab 256), 'bpe:N' (train a byte-level BPE of N tokens on the train split) "
         "or a HF tokenizers JSON file",
     ),
-    val_fraction: float = typer.Option(
+    val_fraction: float = float_option(
         0.02, min=0.0, max=0.5, help="share of documents held out (by a hash of each document's id)"
     ),
     include: str | None = typer.Option(

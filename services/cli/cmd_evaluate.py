@@ -10,7 +10,7 @@ import typer
 import yaml
 
 from services.cli import clients, render
-from services.cli.app import _say, app
+from services.cli.app import _say, app, float_option
 from services.cli.errors import CliError
 from services.cli.jobs import follow_job, resolve_job, send_submit
 from services.contract import control_pb2
@@ -24,7 +24,7 @@ def evaluate(
     command: str = typer.Option(..., "--command", help="the evaluation command (split as a shell would)"),
     version: str = typer.Option("", "--version", help="the checkpoint version (default: the job's latest)"),
     hf: bool = typer.Option(True, "--hf/--no-hf", help="export the version in Hugging Face form (SURGE_EVAL_HF_DIR)"),
-    timeout: float = typer.Option(3600.0, "--timeout", min=1.0, help="seconds the command may run"),
+    timeout: float = float_option(3600.0, "--timeout", min=1.0, help="seconds the command may run"),
     wait: bool = typer.Option(False, "--wait", help="follow the evaluation job to its end and print its scores"),
 ) -> None:
     """Evaluate a job's checkpoint with a command, as a one-rank job through control's queue.

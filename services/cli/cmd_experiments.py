@@ -13,7 +13,7 @@ import typer
 from rich.table import Table
 
 from services.cli import clients, compare, observe, render, sweep
-from services.cli.app import OutputOpt, _say, app
+from services.cli.app import OutputOpt, _say, app, float_option
 from services.cli.errors import CliError
 from services.cli.jobs import checked_submission, resolve_job, send_submit
 from services.contract import control_pb2
@@ -38,8 +38,8 @@ def compare_jobs(
         raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
     if len(jobs) < 2:
         raise CliError("JOBS: compare needs at least two jobs", code=2)
-    if out is not None and out.suffix.lower() not in render.PLOT_SUFFIXES:
-        raise CliError(f"--out: {out}: the file name must end in {', '.join(render.PLOT_SUFFIXES)}", code=2)
+    if out is not None:
+        render.check_plot_out(out)  # before the tables: a bad --out is found before any of them prints
     with clients.stub("control") as s:
         ids = [resolve_job(ref, s) for ref in jobs]
         if twice := sorted({j for j in ids if ids.count(j) > 1}):
@@ -214,7 +214,7 @@ def sweep_jobs(
     early_stop: bool = typer.Option(False, "--early-stop", help="stop the worst trials at rungs (ASHA; needs --wait)"),
     min_steps: int = typer.Option(10, "--min-steps", min=1, help="with --early-stop: the first rung's step"),
     eta: int = typer.Option(3, "--eta", min=2, help="with --early-stop: keep the best 1/eta at each rung"),
-    poll: float = typer.Option(2.0, "--poll-seconds", min=0.1, max=60.0, help="how often to read the trials' status"),
+    poll: float = float_option(2.0, "--poll-seconds", min=0.1, max=60.0, help="how often to read the trials' status"),
 ) -> None:
     """Submit a family of jobs from one spec through the queue, one per setting of the swept
     keys, and rank them by a metric; with --early-stop the worst are stopped at rungs.

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from services.cli import clients, jsonout, render, stack
-from services.cli.app import OutputOpt, _exit_for, app
+from services.cli.app import OutputOpt, _exit_for, app, float_option
 from services.cli.errors import CliError
 from services.cli.event_types import EVENT_TYPES, event_types, last
 from services.cli.jobs import dry_run_job, follow_job, resolve_job, submit_job
@@ -73,7 +73,7 @@ def status(
     job: str | None = typer.Argument(None),
     output: str = OutputOpt,
     watch: bool = typer.Option(False, "--watch", "-w", help="redraw every --interval seconds until Ctrl-C"),
-    interval: float = typer.Option(2.0, "--interval", min=0.2, max=3600.0, help="--watch: seconds between redraws"),
+    interval: float = float_option(2.0, "--interval", min=0.2, max=3600.0, help="--watch: seconds between redraws"),
 ) -> None:
     """Show one job or all jobs, then, in tables, the ranks named slow (>= 1.5x their peers'
     compute per step, sustained) and (all jobs) the workers taken out of placement after a
@@ -365,6 +365,8 @@ def plot(
     from services.cli.job_records import job_records
     from services.common import paths
 
+    if out is not None and not out.is_dir():
+        render.check_plot_out(out)  # before the records are read
     if metrics is not None:
         if not metrics.is_file():
             raise CliError(f"--metrics {metrics}: no such file")
@@ -388,9 +390,9 @@ def plot(
     target = out or paths.surge_home() / default_name
     if out is not None and out.is_dir():
         target = out / default_name  # a directory: the default name in it
-    elif out is not None and out.suffix.lower() not in render.PLOT_SUFFIXES:
-        raise CliError(f"--out: {out}: the file name must end in {', '.join(render.PLOT_SUFFIXES)}", code=2)
     try:
+        if out is None:
+            target.parent.mkdir(parents=True, exist_ok=True)  # (SURGE_HOME, Surge's own folder)
         png = render.plot(h, target, f"{job}: loss and throughput")
     except OSError as e:
         field = "--out" if out is not None else "SURGE_HOME"

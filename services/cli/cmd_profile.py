@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from services.cli import clients, jsonout, render
-from services.cli.app import OutputOpt, _say, app
+from services.cli.app import OutputOpt, _say, app, float_option
 from services.cli.errors import CliError
 from services.cli.jobs import resolve_job
 from services.common import paths
@@ -23,7 +23,7 @@ POLL_SECONDS = 1.0
 def profile_job(
     job: str = typer.Argument(..., help="job id or name (running)"),
     steps: int = typer.Option(3, "--steps", min=1, max=PROFILE_MAX_STEPS, help="how many steps to profile"),
-    wait_seconds: float = typer.Option(
+    wait_seconds: float = float_option(
         600.0, "--wait-seconds", min=0.0, help="how long to wait for every rank's files (0: do not wait)"
     ),
     output: str = OutputOpt,

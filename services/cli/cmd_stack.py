@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from services.cli import clients, dashboard, render, stack, stack_access
-from services.cli.app import _say, app
+from services.cli.app import _say, app, float_option
 from services.cli.errors import CliError
 from services.common.access import TOKENS_FILE_ENV
 
@@ -13,7 +13,7 @@ from services.common.access import TOKENS_FILE_ENV
 @app.command()
 def up(
     workers: int | None = typer.Option(None, min=1, help="node agents to start (default: 2)"),
-    resume_seconds: float = typer.Option(
+    resume_seconds: float = float_option(
         60.0,
         "--resume-seconds",
         min=0.0,
@@ -110,7 +110,7 @@ def down(
         "--force",
         help="stop at once: running jobs are not drained (they lose their steps since their last checkpoint)",
     ),
-    drain_seconds: float = typer.Option(
+    drain_seconds: float = float_option(
         300.0,
         "--drain-seconds",
         min=0.0,
@@ -130,16 +130,22 @@ def down(
 
     Example: surgectl down
     """
-    drained = False
+    drained, parked = False, []
     if stack.read_stack():
         _require_whole_view()
         with stack.exit_on_interrupt(DOWN_INTERRUPTED):
-            drained = _park_jobs() if force else _drain_running_jobs(drain_seconds)
+            drained, parked = _park_jobs() if force else (_drain_running_jobs(drain_seconds), [])
     with stack.ignoring_interrupts():  # a stop cut in half would leave agents without their control
         stopped = stack.down(control_first=drained or force)
         if dashboard.stop():  # (it reads the stack: nothing to show once the stack is gone)
             stopped.append("dashboard")
     render.console.print(f"stopped {', '.join(stopped)}" if stopped else "no stack was running")
+    if parked:  # (the ranks are gone: no commit can land after this)
+        from services.cli import drain
+        from services.common import paths
+
+        for line in drain.resume_points(parked, paths.store_root()):
+            _say(line)
 
 
 @app.command("dashboard")
@@ -193,9 +199,10 @@ DOWN_INTERRUPTED = (
 )
 
 
-def _park_jobs() -> bool:
+def _park_jobs() -> tuple[bool, list]:
     """`down --force`: control parks every running or paused job at once (``drain.park``).
-    True if any job was live (control then stops first: it never sees the ranks go)."""
+    Whether any job was live (control then stops first: it never sees the ranks go), and
+    control's status of each job parked."""
     import grpc
 
     from services.cli import drain
@@ -203,7 +210,7 @@ def _park_jobs() -> bool:
     try:
         addr = clients.address("control")
     except CliError:
-        return False
+        return False, []
     with clients.open_channel(addr) as ch:
         try:
             return drain.park(clients.new_stub("control", ch), _say)
@@ -214,7 +221,7 @@ def _park_jobs() -> bool:
                 highlight=False,
                 soft_wrap=True,
             )
-            return False
+            return False, []
 
 
 def _drain_running_jobs(timeout_s: float) -> bool:
@@ -258,7 +265,7 @@ def restart(
     service: str = typer.Argument(
         ..., help="control, data, store, or a worker as named by `surgectl up` (worker-0, ...)"
     ),
-    grace_seconds: float = typer.Option(
+    grace_seconds: float = float_option(
         stack.STOP_GRACE_SECONDS,
         "--grace-seconds",
         min=0.0,

@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from services.cli import clients, jsonout, render
-from services.cli.app import OutputOpt, _say, app, team_app
+from services.cli.app import OutputOpt, _say, app, float_option, team_app
 from services.cli.errors import CliError
 from services.common.access import TEAM_PATTERN
 from services.contract import control_pb2
@@ -127,7 +127,7 @@ def team_set(
     hard_limit: str = typer.Option(
         None, "--hard-limit", help="slots never exceeded, even idle, or per kind gpu=24 (default: none)"
     ),
-    weight: float = typer.Option(
+    weight: float = float_option(
         None, "--weight", help="its share under contention, relative to other teams (> 0; default 1)"
     ),
     cohort: str = typer.Option(

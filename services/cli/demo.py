@@ -28,9 +28,11 @@ def run_demo(spec_path: Path) -> None:
         t_up = time.monotonic()
         stack.up(num_workers=spec.world_size)
         render.console.print(f"stack up in {time.monotonic() - t_up:.1f} s")
+    job_id = ""  # (none submitted yet)
     try:
         render.console.rule(f"training {spec_path}")
         status = submit_job(spec_path)
+        job_id = status.job_id
         history = follow_job(status.job_id)
         final = history.last
         png = render.plot(
@@ -57,7 +59,24 @@ def run_demo(spec_path: Path) -> None:
     finally:
         if started_here:
             stopped = stack.down()
-            render.console.print(f"stack stopped ({len(stopped)} services); total {time.monotonic() - t0:.1f} s")
+            render.console.print(
+                stopped_line(len(stopped), time.monotonic() - t0, job_id),
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+
+
+def stopped_line(services: int, total_s: float, job_id: str) -> str:
+    """The demo's last line: the stack it started is stopped, and what reads the job then (a
+    fresh user's `surgectl status` after `make demo` found no stack and nothing said why)."""
+    line = f"stack stopped ({services} services); total {total_s:.1f} s"
+    if not job_id:
+        return line
+    return (
+        f"{line}. `surgectl up` starts it again to read {job_id} (`surgectl status {job_id}`, `events`, "
+        f"the dashboard); `surgectl logs {job_id}` and `surgectl plot {job_id}` read its files without it"
+    )
 
 
 def _ensure_dataset(name: str, version: str) -> None:

@@ -109,16 +109,17 @@ def drain(stub, jobs: list[control_pb2.JobStatus], timeout_s: float, say: Callab
     return drained
 
 
-def park(stub, say: Callable[[str], None]) -> bool:
+def park(stub, say: Callable[[str], None]) -> tuple[bool, list[control_pb2.JobStatus]]:
     """`surgectl down --force`: control parks every running or paused job at once
     (``PauseJobRequest.force``: no pause asked of its ranks, the next `up` resumes it from its
-    newest checkpoint, no fault recorded). Returns whether any job was live. A job control
-    does not park (no checkpoint yet, a resize in flight) is said in one line; the stack
-    stops all the same.
+    newest checkpoint, no fault recorded). Returns whether any job was live, and control's
+    answer for each job it parked (what it resumes from is said once the stack has stopped:
+    :func:`resume_points`). A job control does not park (no checkpoint yet, a resize in
+    flight) is said in one line; the stack stops all the same.
 
     Raises:
         grpc.RpcError: control could not list the jobs."""
-    jobs = live_jobs(stub)
+    jobs, parked = live_jobs(stub), []
     for j in jobs:
         try:
             s = stub.PauseJob(control_pb2.PauseJobRequest(job_id=j.job_id, drain=True, force=True), timeout=10)
@@ -126,13 +127,44 @@ def park(stub, say: Callable[[str], None]) -> bool:
             say(f"{j.job_id}: not parked ({e.details()}); control decides about it after `up`")
             continue
         if s.drained:
-            say(
-                f"{j.job_id}: parked at step {s.step}; `surgectl up` resumes it from {s.checkpoint_version} "
-                f"(step {s.checkpoint_step}), the steps after it are lost"
-            )
+            parked.append(s)
+            say(f"{j.job_id}: parked at step {s.step}; its ranks stop with the stack")
         else:
             say(f"{j.job_id}: {JobState.Name(s.state)}, not parked: control continues it after `up`")
-    return bool(jobs)
+    return bool(jobs), parked
+
+
+def resume_points(parked: list[control_pb2.JobStatus], store_root) -> list[str]:
+    """What `surgectl up` resumes each parked job from, said once the stack has stopped.
+
+    Not control's answer to the park: a save whose commit was on its way then still lands
+    (fresh user, session 25: `down --force` named :1, `up` resumed from :2, whose commit
+    reached control after the park's answer). Once the ranks are gone no commit can come, and
+    the store's catalog under ``store_root`` (the local stack's, read-only) holds what `up`'s
+    resume chooses from: the newest version whose verdict is ok (``recorded_verdicts``: as
+    recorded; the resume hashes the bytes again, so a version damaged since is passed over
+    then). Where that catalog cannot be read here (a store elsewhere), or holds no version of
+    the job, control's answer is given for what it is."""
+    from services.store.checkpoint_manager import recorded_verdicts
+
+    lines = []
+    for s in parked:
+        try:
+            ok = [v.info for v in recorded_verdicts(store_root, s.job_id) if v.ok]
+        except (ValueError, OSError):
+            ok = []
+        if not ok:
+            lines.append(
+                f"{s.job_id}: `surgectl up` resumes it from its newest checkpoint that verifies (when parked: "
+                f"{s.checkpoint_version}, step {s.checkpoint_step}); the steps after it are lost"
+            )
+            continue
+        info = max(ok, key=lambda i: (i.step, int(i.version.rpartition(":")[2] or 0)))  # (the resume's order)
+        after = s.step - info.step  # (the steps it trained after that version, lost)
+        lost = f"step {s.step} is lost" if after == 1 else f"steps {info.step + 1}-{s.step} are lost"
+        lost = lost if after > 0 else "no step is lost"
+        lines.append(f"{s.job_id}: `surgectl up` resumes it from {info.version} (step {info.step}); {lost}")
+    return lines
 
 
 def resume_drained(timeout_s: float, say: Callable[[str], None]) -> tuple[list[str], list[str]]:

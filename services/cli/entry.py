@@ -8,6 +8,11 @@ import sys
 
 
 def main() -> None:
+    from services.generated_code import missing
+
+    if not_generated := missing():  # (a checkout installed without `make setup`)
+        sys.stderr.write(f"error: {not_generated}\n")
+        raise SystemExit(1)
     try:
         from services.cli.surgectl import main as run
     except KeyboardInterrupt:

@@ -79,19 +79,25 @@ def find_checkpoint(version: str) -> Checkpoint:
     manifest as they are read (services/compute/inference.py).
 
     Raises:
-        CliError: exit 2 for a malformed version, 1 for none under the root, an unknown
-            version, or one recorded damaged (one line each).
+        CliError: exit 2 for a malformed version, none under the root or an unknown
+            version; 1 for one recorded damaged (one line each).
     """
     from services.common import paths
     from services.jobspec import spec_from_json
     from services.store.checkpoint_manager import CATALOG, CheckpointNotFound, CheckpointRejected, read_committed
 
     root = paths.store_root()
+    # A version that is not there (none at all, or not this one) is the user's input: exit 2,
+    # as `resume --from` and `rollback --version` answer it; one there but damaged: exit 1.
     if not (root / "checkpoints" / CATALOG).is_file():
-        raise CliError(f"checkpoint {version}: no checkpoints under {root} (set SURGE_HOME or SURGE_STORE_ROOT)")
+        raise CliError(
+            f"checkpoint {version}: no checkpoints under {root} (set SURGE_HOME or SURGE_STORE_ROOT)", code=2
+        )
     try:
         info = read_committed(root, version)  # read-only: a running store may own the catalog
-    except (CheckpointNotFound, CheckpointRejected) as e:
+    except CheckpointNotFound as e:
+        raise CliError(" ".join(str(e).split()), code=2) from None
+    except CheckpointRejected as e:
         raise CliError(" ".join(str(e).split())) from None
     except ValueError as e:
         raise CliError(" ".join(str(e).split()), code=2) from None

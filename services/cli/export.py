@@ -34,8 +34,8 @@ def export_version(version: str, fmt: str, out: Path, force: bool = False) -> st
     """Export ``version`` as ``fmt`` into ``out``; returns the line to print.
 
     Raises:
-        CliError: code 2 for usage (an unknown format, a malformed version); code 1 for a
-            refusal (``out`` a file or not empty without ``force``, no such version, a
+        CliError: code 2 for usage (an unknown format, a malformed version, no such
+            version); code 1 for a refusal (``out`` a file or not empty without ``force``, a
             version not ok or failing its digests, a model with no Hugging Face form),
             one line naming the option, version or file.
     """
@@ -83,12 +83,14 @@ def export_version(version: str, fmt: str, out: Path, force: bool = False) -> st
 def _committed(root: Path, version: str):
     from services.store.checkpoint_manager import CheckpointNotFound, CheckpointRejected, read_committed
 
+    # A version that is not there (none at all, or not this one) is the user's input: exit 2,
+    # as `resume --from` and `rollback --version` answer it; one there but damaged: exit 1.
     if not (root / "checkpoints").is_dir():
-        raise CliError(f"export: no checkpoints under {root} (SURGE_HOME's store)", code=1)
+        raise CliError(f"export: no checkpoints under {root} (SURGE_HOME's store)", code=2)
     try:
         return read_committed(root, version)
     except CheckpointNotFound as e:
-        raise CliError(str(e), code=1) from None
+        raise CliError(str(e), code=2) from None
     except CheckpointRejected as e:
         raise CliError(f"export: {e}", code=1) from None
     except ValueError as e:

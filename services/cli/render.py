@@ -21,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from services.cli import jsonout
+from services.cli.errors import CliError
 from services.common.sizes import size_text
 from services.contract import control_pb2, store_pb2
 
@@ -418,12 +419,32 @@ def loss_and_rate_axes():
     return plt, fig, ax1, ax2
 
 
+def check_plot_out(out: Path, option: str = "--out") -> None:
+    """Refuse a plot's file named by the user before any work is done (the tables printed, the
+    records read): a suffix matplotlib does not write, a folder, or a parent folder that is not
+    there. A missing folder is not created: a typo in it (`--out reslts/a.png`) would otherwise
+    leave a stray tree behind, and `plot`, `compare` and the shell's `>` agree on this.
+
+    Raises:
+        CliError (exit 2): one line naming ``option`` and the path."""
+    if out.is_dir():
+        raise CliError(
+            f"{option}: {out} is a directory; name a file in it (ending in {', '.join(PLOT_SUFFIXES)})", code=2
+        )
+    if out.suffix.lower() not in PLOT_SUFFIXES:
+        raise CliError(f"{option}: {out}: the file name must end in {', '.join(PLOT_SUFFIXES)}", code=2)
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise CliError(f"{option}: {out}: its directory {parent} {what}", code=2)
+
+
 def save_figure(plt, fig, out: Path, title: str) -> Path:
-    """Title, lay out and write ``fig`` to ``out`` (PNG, SVG or PDF by its suffix); closed either way."""
+    """Title, lay out and write ``fig`` to ``out`` (PNG, SVG or PDF by its suffix), whose folder
+    exists (:func:`check_plot_out`); closed either way."""
     fig.suptitle(title)
     fig.tight_layout()
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=100)
     finally:
         plt.close(fig)

@@ -283,6 +283,13 @@ def manifest_digests(checkpoint_path: str) -> dict[str, Any] | None:
     return {f["path"]: f for f in json.loads(path.read_bytes())["files"]}
 
 
+# A token at a time, a small model's matrix products ([1, d_model] x [d_model, 4 d_model]) are
+# too small for torch's intra-op threads to pay, and on a shared host their spinning costs
+# most: 200 tokens of the demo model (d_model 128) took 1.7 s on one thread and 27.6 s on two
+# (the fastest of 5 each, interleaved, a 2-core host at load ~15; docs/LOG.md, session 31).
+ONE_THREAD_MAX_D_MODEL = 512
+
+
 def generate_text(
     checkpoint_path: str,
     spec_json: str,
@@ -305,13 +312,19 @@ def generate_text(
     encode, decode = text_codec(tokenizer, spec.model.vocab_size)
     model = load_model_for_inference(checkpoint_path, spec)
     prompt_ids = torch.tensor(encode(prompt) or [0], dtype=torch.int64)
-    out = generate(
-        model,
-        prompt_ids,
-        max_new_tokens,
-        temperature,
-        top_k,
-        generator=torch.Generator().manual_seed(seed),
-        context_len=spec.data.seq_len,
-    )
+    threads = torch.get_num_threads()
+    if spec.model.d_model <= ONE_THREAD_MAX_D_MODEL:
+        torch.set_num_threads(1)
+    try:
+        out = generate(
+            model,
+            prompt_ids,
+            max_new_tokens,
+            temperature,
+            top_k,
+            generator=torch.Generator().manual_seed(seed),
+            context_len=spec.data.seq_len,
+        )
+    finally:
+        torch.set_num_threads(threads)
     return decode(out.tolist())

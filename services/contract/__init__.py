@@ -5,9 +5,14 @@ Generated code lives in ``gen/`` (``make proto``) and is never edited. Its impor
 """
 
 import sys
-from pathlib import Path
 
-_GEN = str(Path(__file__).resolve().parent / "gen")
+from services.generated_code import GEN as _gen_dir
+from services.generated_code import missing as _missing
+
+if _not_generated := _missing():  # (not "No module named 'surge'" from the import below)
+    raise ImportError(_not_generated)
+
+_GEN = str(_gen_dir)
 if _GEN not in sys.path:
     sys.path.insert(0, _GEN)
 

@@ -4,6 +4,7 @@ gRPC, that `down` and `up` act on control's typed refusal reasons, never on thei
 
 from __future__ import annotations
 
+import json
 from concurrent import futures
 from contextlib import contextmanager
 
@@ -230,9 +231,38 @@ def test_a_forced_down_asks_control_to_park_each_live_job_and_says_what_became_o
             return control_pb2.JobStatus(job_id=req.job_id, state=JobState.RUNNING)  # none yet: left as it is
 
     control, said = Parking(), []
-    assert drain.park(control, said.append) is True
+    live, parked = drain.park(control, said.append)
+    assert live is True and [s.job_id for s in parked] == ["ckpt"]
     assert control.asked == [("ckpt", True, True), ("fresh", True, True)]  # the ended job is not asked
     assert said == [
-        "ckpt: parked at step 12; `surgectl up` resumes it from ckpt:2 (step 10), the steps after it are lost",
+        "ckpt: parked at step 12; its ranks stop with the stack",
         "fresh: RUNNING, not parked: control continues it after `up`",
+    ]
+
+
+def test_a_forced_down_names_the_version_up_resumes_from_read_once_the_ranks_are_gone(tmp_path):
+    """A fresh user's `down --force` said "resumes it from :1", then `up` resumed from :2: a
+    commit on its way when control answered the park landed before the ranks were killed.
+    What `up` loads is the store's newest version that verifies, read after the stop."""
+    from tests.cli.test_export import commit_version, spec_of
+
+    spec = spec_of(mlp="swiglu")
+    commit_version(tmp_path, spec, job="ckpt-1", step=10)
+    commit_version(tmp_path, spec, job="ckpt-1", step=12)  # (its commit came after the park's answer)
+    # Its replicas not yet found to agree (a check every N steps): `<job>:latest` passes it
+    # over, an operator resume does not (it takes the newest whose verdict is ok).
+    catalog = tmp_path / "store" / "checkpoints" / "catalog.json"
+    doc = json.loads(catalog.read_text())
+    doc["versions"][-1].update(replica_checked=True, replica_agreed_step=0)
+    catalog.write_text(json.dumps(doc))
+    answered = control_pb2.JobStatus(
+        job_id="ckpt-1", state=JobState.PAUSED, step=13, drained=True, checkpoint_version="ckpt-1:1", checkpoint_step=10
+    )
+    assert drain.resume_points([answered], tmp_path / "store") == [
+        "ckpt-1: `surgectl up` resumes it from ckpt-1:2 (step 12); step 13 is lost"
+    ]
+    # A store whose catalog is not on this machine: control's answer, said for what it is.
+    assert drain.resume_points([answered], tmp_path / "elsewhere") == [
+        "ckpt-1: `surgectl up` resumes it from its newest checkpoint that verifies (when parked: ckpt-1:1, "
+        "step 10); the steps after it are lost"
     ]

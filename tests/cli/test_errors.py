@@ -74,6 +74,27 @@ def test_a_call_the_server_does_not_know_says_it_runs_an_older_surge(answering):
 def test_a_usage_error_is_one_line_naming_the_option_and_exit_2(argv, names, tmp_path):
     """A bad option value, an unknown command or a missing argument: one line on stderr
     naming it, exit 2, nothing on stdout (not click's framed box)."""
+    _one_usage_line(argv, names, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "argv,names",
+    [
+        (["status", "--watch", "--interval", "nan"], "'--interval': 'nan' is not a number"),  # (had a max)
+        (["evaluate", "j", "--command", "x", "--timeout", "inf"], "'--timeout': 'inf' is not a number"),  # (a min)
+        (["team", "set", "vision", "--weight", "-inf"], "'--weight': '-inf' is not a number"),  # (no bound)
+        (["status", "--interval", "5000"], "'--interval': must be <= 3600, got 5000"),
+    ],
+)
+def test_a_number_option_given_nan_or_inf_says_it_is_not_a_number_not_a_bound(argv, names, tmp_path):
+    """typer's own range check answered `nan` with the bound it failed ("Input should be less
+    than or equal to 3600"), let `inf` through a lower bound and `nan` through no bound."""
+    _one_usage_line(argv, names, tmp_path)
+
+
+def _one_usage_line(argv: list[str], names: str, tmp_path: Path) -> None:
+    """`surgectl ARGV` in its own process: exit 2, one `error: ` line on stderr holding
+    ``names``, nothing on stdout."""
     import subprocess
     import sys
 

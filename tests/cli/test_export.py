@@ -109,14 +109,14 @@ def test_export_refusals_are_one_line_and_write_nothing(surge_home, tmp_path, mo
 
     out = tmp_path / "out"
     code, _, err = export("src-1:1", "--out", str(out))
-    assert_one_line(code, err, 1, "no checkpoints under", "store")
+    assert_one_line(code, err, 2, "no checkpoints under", "store")  # (a version not there: as `resume --from`)
     commit_version(surge_home, spec_of(mlp="gelu"))
     code, _, err = export("src-1:1", "--format", "onnx", "--out", str(out))
     assert_one_line(code, err, 2, "--format", "'onnx'")
     code, _, err = export("src-1", "--out", str(out))
     assert_one_line(code, err, 2, '"src-1"', "<job>:<n>")
     code, _, err = export("src-1:7", "--out", str(out))
-    assert_one_line(code, err, 1, "src-1:7 not found", "src-1:1")
+    assert_one_line(code, err, 2, "src-1:7 not found", "src-1:1")
     code, _, err = export("src-1:1", "--format", "hf", "--out", str(out))
     assert_one_line(code, err, 1, "model.mlp: gelu", "--format torch")
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["surge"]  # (SURGE_HOME)

@@ -187,7 +187,7 @@ def test_dataset_prepare_into_an_unwritable_home_is_one_line_naming_surge_home(t
         (["checkpoints", "nojob"], 1, ["address unknown"]),
         (["plot", "nojob"], 1, ["control address unknown"]),
         (["plot", "nojob", "--metrics", "/nonexistent/m.jsonl"], 1, ["--metrics"]),
-        (["generate", "--checkpoint", "bad:version"], 1, ["no checkpoints under"]),  # read in-process
+        (["generate", "--checkpoint", "bad:version"], 2, ["no checkpoints under"]),  # read in-process
         (["dataset", "list"], 1, ["data address unknown"]),
         (["dataset", "prepare", "--source", "/nonexistent-dir", "--name", "x"], 1, ["/nonexistent-dir"]),
         (["submit", "/nonexistent.yaml"], 2, ["/nonexistent.yaml"]),

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -170,8 +171,12 @@ def test_down_force_then_up_continues_from_the_newest_checkpoint_with_no_fault_a
     wait_for("a checkpoint", lambda: stack.status(job).checkpoint_step >= 10)
     r = cli(stack.home, "down", "--force", timeout=120)
     assert r.returncode == 0 and f"{job}: parked at step " in r.stdout, r.stdout + r.stderr
+    named = re.search(rf"^{job}: `surgectl up` resumes it from (\S+) \(step (\d+)\)", r.stdout, re.M)
+    assert named, r.stdout
     r = cli(stack.home, "up", "--workers", "2", env=stack.env, timeout=180)
     assert r.returncode == 0 and f"drained job {job}" in r.stdout, r.stdout + r.stderr
+    # What `down --force` said `up` resumes from is what it resumed from (read after the stop).
+    assert f"resumed drained job {job} from checkpoint {named[1]} (step {named[2]})" in r.stdout, r.stdout
     stopped_after_training_on(stack, job)
     events = stack.events(job, timeout=60)
     assert not acted_on_faults(events)

@@ -99,3 +99,14 @@ def test_after_a_kill_of_every_service_status_says_up_and_with_control_s_process
     write_stack({**{name: os.getpid() for name in SERVICES}, "control": dead_pid()}, port)
     assert stack.down_services() == ["control"]
     assert clients.start_again_hint("control").startswith("`surgectl up` starts control again")
+
+
+def test_the_demo_s_last_line_says_up_starts_the_stack_again_to_read_its_job():
+    from services.cli.demo import stopped_line
+
+    assert stopped_line(5, 131.04, "") == "stack stopped (5 services); total 131.0 s"  # (nothing submitted)
+    line = stopped_line(5, 131.04, "demo-3f2a1c")
+    assert line.startswith(
+        "stack stopped (5 services); total 131.0 s. `surgectl up` starts it again to read demo-3f2a1c"
+    )
+    assert "`surgectl status demo-3f2a1c`" in line and "`surgectl logs demo-3f2a1c`" in line

@@ -97,8 +97,32 @@ def test_a_summary_takes_final_and_best_losses_and_the_median_rate_after_the_fir
 def test_the_overlaid_plot_is_written(tmp_path):
     h = render.History(steps=[1, 2], loss=[2.0, 1.5], tokens_per_second=[5.0, 6.0], eval_steps=[2], eval_loss=[1.7])
     runs = [compare.Run(control_pb2.JobStatus(job_id=j), {}, h) for j in ("a", "b")]
-    out = compare.overlay_plot(runs, tmp_path / "sub" / "c.png", "a vs b")
+    out = compare.overlay_plot(runs, tmp_path / "c.png", "a vs b")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("missing/c.png", "its directory {tmp}/missing does not exist"),
+        ("afile/c.png", "its directory {tmp}/afile is not a directory"),
+        (".", "is a directory"),
+        ("c.jpg", "the file name must end in .png, .svg, .pdf"),
+    ],
+)
+def test_compare_refuses_a_bad_out_before_it_reads_or_prints_anything_and_creates_no_folder(
+    name, words, tmp_path, monkeypatch, capsys
+):
+    (tmp_path / "afile").write_text("x")
+
+    def no_control(*a, **k):
+        raise AssertionError("control was asked before --out was checked")
+
+    monkeypatch.setattr(cmd_experiments.clients, "stub", no_control)
+    with pytest.raises(CliError) as e:
+        cmd_experiments.compare_jobs(["a", "b"], out=tmp_path / name, output="table")
+    assert e.value.code == 2 and str(e.value).startswith("--out: ") and words.format(tmp=tmp_path) in str(e.value)
+    assert capsys.readouterr().out == "" and not (tmp_path / "missing").exists()
 
 
 class _FakeControl:

@@ -55,3 +55,17 @@ def test_after_the_prefill_only_one_token_at_a_time():
     forward_cached(m, torch.tensor([[1, 2, 3]]), cache)
     with pytest.raises(ValueError, match="one token at a time"):
         forward_cached(m, torch.tensor([[4, 5]]), cache)
+
+
+@pytest.mark.parametrize("context_len", [0, 12])
+def test_a_batch_of_prompts_decodes_each_row_as_it_would_alone(context_len):
+    """Batch generation (issue 31 item 5): prompts of one length decoded together, [B, T] in,
+    [B, T + n] out, each row the greedy output of that prompt decoded alone, with the cache
+    and past the trained context."""
+    m = build_model(ModelSpec(**SHAPES["mha_swiglu"]), seed=7)
+    prompts = torch.tensor([[3, 1, 4, 1, 5], [2, 7, 1, 8, 2], [6, 6, 6, 0, 1]])
+    got = generate(m, prompts, 16, temperature=0.0, context_len=context_len)
+    assert got.shape == (3, 5 + 16)
+    for row, prompt in zip(got, prompts, strict=True):
+        assert torch.equal(row, generate(m, prompt, 16, temperature=0.0, context_len=context_len))
+        assert torch.equal(row, uncached_greedy(m, prompt, 16, context_len))

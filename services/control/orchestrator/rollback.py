@@ -22,7 +22,7 @@ from services.contract import control_pb2, engine_pb2
 from services.control.orchestrator import rollback_machine as rbm
 from services.control.orchestrator.activity import FOLD, ReloadAsk, admit, begin, end, moved
 from services.control.orchestrator.job import JobState, _Job, _Reload, _where
-from services.control.orchestrator.refusals import IllegalTransition
+from services.control.orchestrator.refusals import IllegalTransition, UnknownVersion
 from services.control.orchestrator.undos import Before
 
 
@@ -34,8 +34,10 @@ class RollingBack:
         its newest committed version not known bad). Asked again while in flight: its status.
 
         Raises:
+            UnknownVersion (one line): the job never had the version named.
             IllegalTransition (one line): the job is not RUNNING, a pause, stop, resize or
-            recovery is in flight, it has no such version, or it runs in fp16 (its loss
+            recovery is in flight, it has no usable version (or the one named is struck or on
+            an abandoned branch), or it runs in fp16 (its loss
             scaler's state cannot be given to live ranks again: stop, then resume --from)."""
         job_id = job.status.job_id
         ask = ReloadAsk(msg.from_version)
@@ -54,7 +56,9 @@ class RollingBack:
             raise IllegalTransition(f"rollback: job {job_id} has no committed checkpoint to go back to")
         if version not in steps or version in job.unusable or version in job.abandoned:
             known = ", ".join(v for _, v in job.versions if v not in job.unusable and v not in job.abandoned)
-            raise IllegalTransition(
+            # A version the job never had is the operator's input (INVALID_ARGUMENT, exit 2, as
+            # `resume --from` answers it); one it has but cannot use is its state (exit 1).
+            raise (IllegalTransition if version in steps else UnknownVersion)(
                 f"--version {version}: not a usable committed checkpoint of job {job_id} (usable: {known or 'none'})"
             )
         reload = _Reload(version, steps[version], since=time.monotonic())

@@ -143,7 +143,7 @@ from services.store.checkpoint_manager.layout import (
     CheckpointRejected,
     CheckpointTransferRefused,
 )
-from services.store.checkpoint_manager.manager import CheckpointManager, read_committed
+from services.store.checkpoint_manager.manager import CheckpointManager, read_committed, recorded_verdicts
 
 __all__ = [
     "CATALOG",
@@ -162,4 +162,5 @@ __all__ = [
     "CheckpointRejected",
     "CheckpointTransferRefused",
     "read_committed",
+    "recorded_verdicts",
 ]

@@ -482,10 +482,7 @@ def read_committed(root: str | Path, version: str) -> store_pb2.CheckpointInfo:
         CheckpointRejected: its recorded verdict is not ok, or its manifest is missing or
             differs from the catalog (CheckpointDamaged).
     """
-    view = CheckpointManager.__new__(CheckpointManager)  # the lookups only: no directory, lock or metrics
-    view._dir = Path(root) / "checkpoints"
-    view._chain = _read_catalog(view._dir / CATALOG)
-    view._chunks, view._transfer, view._endpoint = LocalChunks(view._dir), store_pb2.TRANSFER_PATH, ""
+    view = _read_only(root)
     entry = view._resolve(version)
     cause, reason, _ = _verdict(entry)
     if cause != store_pb2.VERDICT_OK:
@@ -494,3 +491,25 @@ def read_committed(root: str | Path, version: str) -> store_pb2.CheckpointInfo:
     if why := refusal(entry["version"], entry):
         raise CheckpointFormatRefused(why)
     return view._info(entry)
+
+
+def recorded_verdicts(root: str | Path, job_id: str) -> list[store_pb2.CheckpointVerdict]:
+    """The job's committed versions (oldest first) with the verdicts recorded in the catalog
+    under ``root``, read-only as :func:`read_committed`: what ``VerifyCheckpoints`` answers
+    before it hashes the bytes again (an operator resume's choice is the newest ok one;
+    `surgectl down --force` names it once the ranks are gone). No replica rule here: a resume
+    does not apply it (``read_committed``'s ``latest`` does).
+
+    Raises:
+        ValueError: the catalog is unreadable. OSError: it cannot be read."""
+    view = _read_only(root)
+    return [view._verdict_msg(e) for e in view._chain if e["job_id"] == job_id]
+
+
+def _read_only(root: str | Path) -> CheckpointManager:
+    """A manager for the lookups only: no directory made, no lock, no metrics."""
+    view = CheckpointManager.__new__(CheckpointManager)
+    view._dir = Path(root) / "checkpoints"
+    view._chain = _read_catalog(view._dir / CATALOG)
+    view._chunks, view._transfer, view._endpoint = LocalChunks(view._dir), store_pb2.TRANSFER_PATH, ""
+    return view
