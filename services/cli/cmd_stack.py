@@ -126,7 +126,9 @@ def down(
     Safe to interrupt: Ctrl-C while jobs drain leaves the stack running (a job asked to drain
     still checkpoints and pauses): `surgectl down` again finishes, `surgectl up` (or
     `surgectl resume JOB`) lets the jobs go on. Once the services are being stopped, Ctrl-C
-    is ignored (seconds: SIGTERM, then SIGKILL).
+    is ignored (seconds: SIGTERM, then SIGKILL). A control that does not answer (before or
+    during the drain) while node agents run: refused, nothing stopped (start it again, then
+    `down`; or `--force`).
 
     Example: surgectl down
     """
@@ -231,14 +233,10 @@ def _drain_running_jobs(timeout_s: float) -> bool:
         stub = clients.new_stub("control", ch)
         try:
             jobs = drain.live_jobs(stub)
-        except grpc.RpcError:
-            render.err_console.print(
-                f"control unreachable at {addr}: running jobs cannot be drained; stopping anyway",
-                markup=False,
-                highlight=False,
-                soft_wrap=True,
-            )
-            return False
+        except grpc.RpcError as e:
+            if not _ranks_may_run():  # no node agent left: no rank to lose, nothing to drain
+                return False
+            raise _not_drained(e, addr) from None
         if not jobs:
             return False
         names = ", ".join(f"{j.job_id} ({render.state_text(j)})" for j in jobs)
@@ -248,9 +246,33 @@ def _drain_running_jobs(timeout_s: float) -> bool:
         )
         try:
             drain.drain(stub, jobs, timeout_s, _say)
-        except grpc.RpcError as e:
-            raise clients.rpc_error(e, "control", addr) from None
+        except grpc.RpcError as e:  # control went away (or broke) during the drain
+            raise _not_drained(e, addr) from None
     return True
+
+
+def _ranks_may_run() -> bool:
+    """Whether a node agent of the local stack still runs (its ranks may train): a `down`
+    without control would stop them unseen, and the next `up` would recover every such job
+    as a lost worker (a fault, a restart spent)."""
+    procs = stack.read_stack() or {}
+    down = set(stack.down_services(procs))
+    return any(name.startswith("worker-") and name not in down for name in procs)
+
+
+def _not_drained(error, addr: str) -> CliError:
+    """`down` (not --force) whose control does not answer, before or during the drain: nothing
+    is stopped (was: every rank stopped unseen, exit 0, and the next `up` recovered each job
+    as worker_lost, spending a restart)."""
+    mapped = clients.rpc_error(error, "control", addr)
+    if not mapped.unreachable:
+        return mapped
+    again = clients.start_again_hint("control").split("`")[1]  # `surgectl up` or `surgectl restart control`
+    return CliError(
+        f"control unreachable at {addr}: running jobs cannot be drained; nothing was stopped "
+        f"(`{again}`, then `surgectl down` drains them; `surgectl down --force` stops the stack now: "
+        "the next `up` then recovers its jobs as lost workers)"
+    )
 
 
 @app.command()
