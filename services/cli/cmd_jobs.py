@@ -50,11 +50,17 @@ def submit(
         return
     with stack.exit_on_interrupt("interrupted: the job may have been submitted (`surgectl status` lists the jobs)"):
         status = submit_job(spec, overrides or (), priority)
-    render.console.print(f"submitted {status.job_id} ({render.state_text(status)})")
-    if status.state == render.STATE.STANDBY and status.queue_position and status.message:
-        # What it waits for, e.g. "queued: needs 64 ranks (parallel.dp=64), more than the 2
-        # registered: waits for workers to join" (it holds back none of the jobs behind it).
-        render.console.print(status.message, markup=False, highlight=False, soft_wrap=True)
+    # Submitted: a Ctrl-C from here on must not leave a script to submit it again (a ghost job).
+    render.interrupt_line = (
+        f"interrupted: {status.job_id} was submitted (do not submit it again); `surgectl status {status.job_id}` "
+        f"shows it, `surgectl stop {status.job_id}` ends it"
+    )
+    with stack.exit_on_interrupt(render.interrupt_line):
+        render.console.print(f"submitted {status.job_id} ({render.state_text(status)})")
+        if status.state == render.STATE.STANDBY and status.queue_position and status.message:
+            # What it waits for, e.g. "queued: needs 64 ranks (parallel.dp=64), more than the 2
+            # registered: waits for workers to join" (it holds back none of the jobs behind it).
+            render.console.print(status.message, markup=False, highlight=False, soft_wrap=True)
     if follow:
         try:
             h = follow_job(status.job_id)
@@ -89,7 +95,8 @@ def status(
     if job:
         job = resolve_job(job)
     if not watch:
-        jobs, cordoned, journal = _status_of(job)
+        with stack.exit_on_interrupt("interrupted: status only reads, nothing was changed; `surgectl status` again"):
+            jobs, cordoned, journal = _status_of(job)
         if output == "json":
             render.print_json(jobs)  # (json stays the list of jobs it always was)
             return

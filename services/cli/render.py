@@ -108,8 +108,16 @@ def print_json(messages) -> None:
     print(jsonout.dumps(list(messages)))
 
 
+# Whether a Ctrl-C's one line was printed (surgectl's main prints a line of its own for an
+# interruption that reached it unsaid: typer turns a KeyboardInterrupt into a bare exit 130).
+interrupt_said = False
+interrupt_line = ""  # that line of main's, when a command knows better than its generic one
+
+
 def stopped_following(what_goes_on: str) -> None:
     """A Ctrl-C of a `--follow`/`--wait`: one line on stderr saying what keeps running."""
+    global interrupt_said
+    interrupt_said = True
     err_console.print(f"stopped following; {what_goes_on}", markup=False, highlight=False, soft_wrap=True)
 
 
