@@ -96,11 +96,11 @@ def status(
         job = resolve_job(job)
     if not watch:
         with stack.exit_on_interrupt("interrupted: status only reads, nothing was changed; `surgectl status` again"):
-            jobs, cordoned, journal = _status_of(job)
+            jobs, cordoned, journal, store = _status_of(job)
         if output == "json":
             render.print_json(jobs)  # (json stays the list of jobs it always was)
             return
-        render.console.print(_status_tables(jobs, cordoned, journal))
+        render.console.print(_status_tables(jobs, cordoned, journal, store))
         if job:
             _scores_lines(job)
         else:
@@ -155,16 +155,17 @@ def _dashboard_line() -> None:
         )
 
 
-def _status_of(job: str | None) -> tuple[list, list, str]:
-    """(the jobs, the cordoned workers, what control says of its journal failing): one job's
-    status (no cordons, no journal), or every job's."""
+def _status_of(job: str | None) -> tuple[list, list, str, str]:
+    """(the jobs, the cordoned workers, what control says of its journal failing, the store's
+    outage when it does not answer): one job's status (no cordons, no journal), or every job's."""
     if job:
-        return [clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))], [], ""
+        one = clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))
+        return [one], [], "", clients.store_outage()
     listed = clients.call("control", lambda s: s.ListJobs(control_pb2.JobQuery(), timeout=10))
-    return list(listed.jobs), list(listed.cordoned), listed.journal_failing
+    return list(listed.jobs), list(listed.cordoned), listed.journal_failing, clients.store_outage()
 
 
-def _status_tables(jobs: list, cordoned: list, journal: str = ""):
+def _status_tables(jobs: list, cordoned: list, journal: str = "", store: str = ""):
     """The status view: control's journal when it fails, the jobs, then the slow ranks and
     the cordoned workers when any."""
     from rich.console import Group
@@ -173,6 +174,8 @@ def _status_tables(jobs: list, cordoned: list, journal: str = ""):
     parts = [render.jobs_table(jobs)]
     if journal:  # (first: every decision is refused while it lasts; the jobs run on)
         parts.insert(0, Text(f"{journal}; decisions are refused, the jobs run on", style="bold red"))
+    if store:  # (was: nothing said; control's and the data service's outages are named)
+        parts.insert(0, Text(store, style="bold red"))
     if any(j.slow_ranks for j in jobs):
         parts.append(render.slow_ranks_table(jobs))
     if any(j.links for j in jobs):
