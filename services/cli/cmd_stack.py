@@ -87,20 +87,38 @@ def up(
                 highlight=False,
                 soft_wrap=True,
             )
-    from services.cli import drain
-
-    with stack.exit_on_interrupt(
-        "interrupted: the stack is up; drained jobs may not be resumed yet: "
-        "`surgectl up` again (or `surgectl resume JOB`) resumes them"
-    ):
-        _, failed = drain.resume_drained(resume_seconds, _say)
-    for line in failed:
+    for line in _resume_drained(resume_seconds):
         render.err_console.print(
             f"warning: drained job not resumed: {line} (`surgectl resume JOB` when it fits)",
             markup=False,
             highlight=False,
             soft_wrap=True,
         )
+
+
+def _resume_drained(resume_seconds: float) -> list[str]:
+    """Resume the jobs `surgectl down` drained; the lines of those that were not. A control
+    that checks tokens (``--tokens``) and does not know this shell's SURGE_AUTH_TOKEN (none,
+    or no admin's) is said in one line naming the fix, the stack left up (was: exit 1 with
+    "ListJobs: not authenticated", the stack up and the drained jobs left as they were)."""
+    import grpc
+
+    from services.cli import drain
+
+    try:
+        with stack.exit_on_interrupt(
+            "interrupted: the stack is up; drained jobs may not be resumed yet: "
+            "`surgectl up` again (or `surgectl resume JOB`) resumes them"
+        ):
+            return drain.resume_drained(resume_seconds, _say)[1]
+    except CliError as e:
+        if e.status not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            raise
+        raise CliError(
+            f"the stack is up, but the jobs `surgectl down` drained (if any) were not resumed: {e}; "
+            "set SURGE_AUTH_TOKEN to an admin token of the stack's tokens file, then `surgectl up` "
+            "again resumes them (it leaves the running stack as it is)"
+        ) from None
 
 
 @app.command()
