@@ -11,6 +11,7 @@ from services.cli import clients, render, stack
 from services.cli.app import NoCheckpointOpt, _again, _say, app
 from services.cli.errors import CliError
 from services.cli.jobs import resolve_job
+from services.cli.numbers import WEEK_S, float_option
 from services.contract import control_pb2
 from services.jobspec import STEP_FAULT_CLASSES
 
@@ -152,8 +153,8 @@ def scale(
     grad_accum: int | None = typer.Option(
         None, "--grad-accum", min=1, max=2**32 - 1, help="micro-steps per optimizer step at the new size"
     ),
-    wait_seconds: float = typer.Option(
-        300.0, "--wait-seconds", min=0.0, max=86400.0, help="how long to wait for the resize to be done (0: do not)"
+    wait_seconds: float = float_option(
+        300.0, "--wait-seconds", low=0.0, high=86400.0, help="how long to wait for the resize to be done (0: do not)"
     ),
 ) -> None:
     """Grow or shrink a RUNNING job's data-parallel size without restarting the ranks that
@@ -323,7 +324,7 @@ def uncordon(worker: str = typer.Argument(..., help="the worker id, as `surgectl
 @app.command(name="drain")
 def drain_node(
     worker: str = typer.Argument(..., help="the worker id, as `surgectl status` lists it"),
-    deadline: float = typer.Option(..., "--deadline", help="seconds until the node leaves (> 0)"),
+    deadline: float = float_option(..., "--deadline", above=0.0, high=WEEK_S, help="seconds until the node leaves"),
 ) -> None:
     """Move every job off a node that leaves within DEADLINE seconds: nothing new is placed
     on it, and each job with ranks there checkpoints at a step boundary every rank agrees on,

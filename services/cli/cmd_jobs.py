@@ -12,6 +12,7 @@ from services.cli.app import OutputOpt, _exit_for, app
 from services.cli.errors import CliError
 from services.cli.event_types import EVENT_TYPES, event_types, last
 from services.cli.jobs import dry_run_job, follow_job, resolve_job, submit_job
+from services.cli.numbers import float_option
 from services.contract import Module, control_pb2
 
 
@@ -79,7 +80,7 @@ def status(
     job: str | None = typer.Argument(None),
     output: str = OutputOpt,
     watch: bool = typer.Option(False, "--watch", "-w", help="redraw every --interval seconds until Ctrl-C"),
-    interval: float = typer.Option(2.0, "--interval", min=0.2, max=3600.0, help="--watch: seconds between redraws"),
+    interval: float = float_option(2.0, "--interval", low=0.2, high=3600.0, help="--watch: seconds between redraws"),
 ) -> None:
     """Show one job or all jobs, then, in tables, the ranks named slow (>= 1.5x their peers'
     compute per step, sustained) and (all jobs) the workers taken out of placement after a
@@ -92,7 +93,7 @@ def status(
         raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
     if watch and output != "table":
         raise CliError("--watch: redraws a table; -o json prints once (run it again, or poll)", code=2)
-    if job:
+    if job is not None:  # (`status ''`: refused like `pause ''`; was: every job listed)
         job = resolve_job(job)
     if not watch:
         with stack.exit_on_interrupt("interrupted: status only reads, nothing was changed; `surgectl status` again"):

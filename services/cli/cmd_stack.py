@@ -7,16 +7,18 @@ import typer
 from services.cli import clients, dashboard, render, stack, stack_access
 from services.cli.app import _say, app
 from services.cli.errors import CliError
+from services.cli.numbers import WEEK_S, float_option
 from services.common.access import TOKENS_FILE_ENV
 
 
 @app.command()
 def up(
     workers: int | None = typer.Option(None, min=1, help="node agents to start (default: 2)"),
-    resume_seconds: float = typer.Option(
+    resume_seconds: float = float_option(
         60.0,
         "--resume-seconds",
-        min=0.0,
+        low=0.0,
+        high=WEEK_S,
         help="how long a drained job waits for its ranks to fit before up gives up on it",
     ),
     with_dashboard: bool | None = typer.Option(
@@ -128,11 +130,11 @@ def down(
         "--force",
         help="stop at once: running jobs are not drained (they lose their steps since their last checkpoint)",
     ),
-    drain_seconds: float = typer.Option(
+    drain_seconds: float = float_option(
         300.0,
         "--drain-seconds",
-        min=0.0,
-        max=7 * 86400.0,  # (a week: inf would never end; Ctrl-C stops a drain wait anyway)
+        low=0.0,
+        high=WEEK_S,  # (inf would never end; Ctrl-C stops a drain wait anyway)
         help="how long to wait for running jobs to checkpoint and pause",
     ),
 ) -> None:
@@ -298,11 +300,11 @@ def restart(
     service: str = typer.Argument(
         ..., help="control, data, store, or a worker as named by `surgectl up` (worker-0, ...)"
     ),
-    grace_seconds: float = typer.Option(
+    grace_seconds: float = float_option(
         stack.STOP_GRACE_SECONDS,
         "--grace-seconds",
-        min=0.0,
-        max=86400.0,
+        low=0.0,
+        high=86400.0,
         help="wait this long after SIGTERM before SIGKILL",
     ),
 ) -> None:

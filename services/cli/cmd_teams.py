@@ -106,6 +106,8 @@ def team_set(
     """
     if weight is not None and not weight > 0:
         raise CliError(f"--weight: must be > 0, got {weight:g}", code=2)
+    if cohort is not None and not cohort.strip():  # (was: taken, and the team's cohort silently became default)
+        raise CliError("--cohort: empty (a cohort name; leave --cohort out to keep the team's)", code=2)
     if quota is not None and nominal is not None:
         raise CliError("--quota: give --nominal (every kind) or --quota (per kind), not both", code=2)
     per_kind = {

@@ -201,7 +201,11 @@ def cordons_table(cordoned) -> Table:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.unix_time)) if c.unix_time else "—"
         # A quarantine (a sick node) is the operator's to end; a device's cordon also ends
         # when its node agent registers again.
-        until = "`surgectl uncordon`" if c.quarantine else "its node agent registers again (`surgectl restart WORKER`)"
+        # (was: a device's or a drain's cordon said to end with `surgectl restart WORKER`,
+        # which restarts a leaving node's agent; the operator's way is the uncordon)
+        until = f"`surgectl uncordon {c.worker_id}`"
+        if not c.quarantine:
+            until += " (or a new node agent of it registering)"
         if c.lost:  # (its agent is gone: nothing runs there; `up` starts what is down)
             until = "a node agent of it registers again (`surgectl up` starts what is down)"
         t.add_row(c.worker_id, since, c.reason, until)
