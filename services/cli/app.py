@@ -7,7 +7,6 @@ runs the app.
 
 from __future__ import annotations
 
-import math
 import sys
 
 import typer
@@ -47,33 +46,6 @@ team_app = typer.Typer(
 app.add_typer(team_app, name="team")
 
 OutputOpt = typer.Option("table", "--output", "-o", help="table | json")
-
-
-def float_option(default, *decls: str, min: float | None = None, max: float | None = None, **kw):  # noqa: A002
-    """A typer option of a float that must be a finite number (within ``min``..``max`` when
-    given, which `--help` shows as typer's range).
-
-    Why not typer's own ``min``/``max``: its check lets ``nan`` through where there is no bound
-    and answers ``nan`` with the bound it fails ("Input should be less than or equal to 3600"),
-    not with what is wrong; ``inf`` passes every lower bound. A bad value is typer's usage line,
-    exit 2: ``Invalid value for '--interval': 'nan' is not a number``."""
-
-    def parse(value):
-        if value is None or isinstance(value, float):  # (the default)
-            return value
-        try:
-            x = float(value)
-        except ValueError:
-            raise typer.BadParameter(f"{value!r} is not a number") from None
-        if not math.isfinite(x):
-            raise typer.BadParameter(f"{value!r} is not a number (a finite one is needed)")
-        if min is not None and x < min:
-            raise typer.BadParameter(f"must be >= {min:g}, got {value}")
-        if max is not None and x > max:
-            raise typer.BadParameter(f"must be <= {max:g}, got {value}")
-        return x
-
-    return typer.Option(default, *decls, min=min, max=max, parser=parse, **kw)
 
 
 NoCheckpointOpt = typer.Option(False, "--no-checkpoint", help="do not checkpoint the boundary step first")

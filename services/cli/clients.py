@@ -164,3 +164,35 @@ def team_view(timeout: float = 10.0) -> tuple[str, list] | None:
             return None
         raise
     return listed.team_view, list(listed.jobs)
+
+
+# What a job loses while the store is away, said after the command that brings it back.
+STORE_OUTAGE_EFFECT = "checkpoints are not saved and metrics wait in the ranks' buffers meanwhile"
+
+
+def store_outage(timeout_s: float = 2.0) -> str:
+    """One line when the store does not answer its health check (within ``timeout_s``),
+    naming the command that brings it back as the local stack is (``unreachable_hint``); ""
+    when it answers or no store address is known. `surgectl status` shows it: control and
+    data outages are named there already (control's refusal, the jobs' messages)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        addr = address("store")
+    except CliError:
+        return ""
+    procs = stack.read_stack() or {}
+    down = stack.down_services(procs)
+    if "store" not in down:
+        with open_channel(addr) as ch:
+            try:
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+                return ""
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    return ""  # it answers (a refusal of the check is no outage)
+    if "store" in procs and not os.environ.get("SURGE_STORE_ADDRESS"):
+        hint = unreachable_hint("store", addr, list(procs), down)
+    else:
+        hint = f"store unreachable at {addr}"
+    return f"{hint}; {STORE_OUTAGE_EFFECT}"

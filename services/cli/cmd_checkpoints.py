@@ -8,9 +8,10 @@ from pathlib import Path
 import typer
 
 from services.cli import clients, render
-from services.cli.app import OutputOpt, _say, _show, app, float_option
+from services.cli.app import OutputOpt, _say, _show, app
 from services.cli.errors import CliError
 from services.cli.jobs import resolve_job
+from services.cli.numbers import float_option
 from services.contract import control_pb2, store_pb2
 
 

@@ -8,9 +8,10 @@ import time
 import typer
 
 from services.cli import clients, render, stack
-from services.cli.app import NoCheckpointOpt, _again, _say, app, float_option
+from services.cli.app import NoCheckpointOpt, _again, _say, app
 from services.cli.errors import CliError
 from services.cli.jobs import resolve_job
+from services.cli.numbers import WEEK_S, float_option
 from services.contract import control_pb2
 from services.jobspec import STEP_FAULT_CLASSES
 
@@ -323,7 +324,7 @@ def uncordon(worker: str = typer.Argument(..., help="the worker id, as `surgectl
 @app.command(name="drain")
 def drain_node(
     worker: str = typer.Argument(..., help="the worker id, as `surgectl status` lists it"),
-    deadline: float = float_option(..., "--deadline", help="seconds until the node leaves (> 0)"),
+    deadline: float = float_option(..., "--deadline", above=0.0, max=WEEK_S, help="seconds until the node leaves"),
 ) -> None:
     """Move every job off a node that leaves within DEADLINE seconds: nothing new is placed
     on it, and each job with ranks there checkpoints at a step boundary every rank agrees on,

@@ -7,8 +7,9 @@ from pathlib import Path
 import typer
 
 from services.cli import clients, render, stack
-from services.cli.app import OutputOpt, _again, _say, _show, dataset_app, delete_app, float_option
+from services.cli.app import OutputOpt, _again, _say, _show, dataset_app, delete_app
 from services.cli.errors import CliError
+from services.cli.numbers import float_option
 from services.contract import data_pb2
 
 

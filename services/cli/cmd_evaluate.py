@@ -10,9 +10,10 @@ import typer
 import yaml
 
 from services.cli import clients, render
-from services.cli.app import _say, app, float_option
+from services.cli.app import _say, app
 from services.cli.errors import CliError
 from services.cli.jobs import follow_job, resolve_job, send_submit
+from services.cli.numbers import float_option
 from services.contract import control_pb2
 from services.jobspec.base import JobSpecError
 from services.jobspec.evaluation import evaluation_job

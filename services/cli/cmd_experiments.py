@@ -13,9 +13,10 @@ import typer
 from rich.table import Table
 
 from services.cli import clients, compare, observe, render, sweep
-from services.cli.app import OutputOpt, _say, app, float_option
+from services.cli.app import OutputOpt, _say, app
 from services.cli.errors import CliError
 from services.cli.jobs import checked_submission, resolve_job, send_submit
+from services.cli.numbers import float_option
 from services.contract import control_pb2
 from services.jobspec import JobSpecError, read_spec_mapping
 

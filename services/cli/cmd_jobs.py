@@ -8,10 +8,11 @@ from pathlib import Path
 import typer
 
 from services.cli import clients, jsonout, render, stack
-from services.cli.app import OutputOpt, _exit_for, app, float_option
+from services.cli.app import OutputOpt, _exit_for, app
 from services.cli.errors import CliError
 from services.cli.event_types import EVENT_TYPES, event_types, last
 from services.cli.jobs import dry_run_job, follow_job, resolve_job, submit_job
+from services.cli.numbers import float_option
 from services.contract import Module, control_pb2
 
 
@@ -50,11 +51,17 @@ def submit(
         return
     with stack.exit_on_interrupt("interrupted: the job may have been submitted (`surgectl status` lists the jobs)"):
         status = submit_job(spec, overrides or (), priority)
-    render.console.print(f"submitted {status.job_id} ({render.state_text(status)})")
-    if status.state == render.STATE.STANDBY and status.queue_position and status.message:
-        # What it waits for, e.g. "queued: needs 64 ranks (parallel.dp=64), more than the 2
-        # registered: waits for workers to join" (it holds back none of the jobs behind it).
-        render.console.print(status.message, markup=False, highlight=False, soft_wrap=True)
+    # Submitted: a Ctrl-C from here on must not leave a script to submit it again (a ghost job).
+    render.interrupt_line = (
+        f"interrupted: {status.job_id} was submitted (do not submit it again); `surgectl status {status.job_id}` "
+        f"shows it, `surgectl stop {status.job_id}` ends it"
+    )
+    with stack.exit_on_interrupt(render.interrupt_line):
+        render.console.print(f"submitted {status.job_id} ({render.state_text(status)})")
+        if status.state == render.STATE.STANDBY and status.queue_position and status.message:
+            # What it waits for, e.g. "queued: needs 64 ranks (parallel.dp=64), more than the 2
+            # registered: waits for workers to join" (it holds back none of the jobs behind it).
+            render.console.print(status.message, markup=False, highlight=False, soft_wrap=True)
     if follow:
         try:
             h = follow_job(status.job_id)
@@ -86,14 +93,15 @@ def status(
         raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
     if watch and output != "table":
         raise CliError("--watch: redraws a table; -o json prints once (run it again, or poll)", code=2)
-    if job:
+    if job is not None:  # (`status ''`: refused like `pause ''`; was: every job listed)
         job = resolve_job(job)
     if not watch:
-        jobs, cordoned, journal = _status_of(job)
+        with stack.exit_on_interrupt("interrupted: status only reads, nothing was changed; `surgectl status` again"):
+            jobs, cordoned, journal, store = _status_of(job)
         if output == "json":
             render.print_json(jobs)  # (json stays the list of jobs it always was)
             return
-        render.console.print(_status_tables(jobs, cordoned, journal))
+        render.console.print(_status_tables(jobs, cordoned, journal, store))
         if job:
             _scores_lines(job)
         else:
@@ -148,16 +156,17 @@ def _dashboard_line() -> None:
         )
 
 
-def _status_of(job: str | None) -> tuple[list, list, str]:
-    """(the jobs, the cordoned workers, what control says of its journal failing): one job's
-    status (no cordons, no journal), or every job's."""
+def _status_of(job: str | None) -> tuple[list, list, str, str]:
+    """(the jobs, the cordoned workers, what control says of its journal failing, the store's
+    outage when it does not answer): one job's status (no cordons, no journal), or every job's."""
     if job:
-        return [clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))], [], ""
+        one = clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))
+        return [one], [], "", clients.store_outage()
     listed = clients.call("control", lambda s: s.ListJobs(control_pb2.JobQuery(), timeout=10))
-    return list(listed.jobs), list(listed.cordoned), listed.journal_failing
+    return list(listed.jobs), list(listed.cordoned), listed.journal_failing, clients.store_outage()
 
 
-def _status_tables(jobs: list, cordoned: list, journal: str = ""):
+def _status_tables(jobs: list, cordoned: list, journal: str = "", store: str = ""):
     """The status view: control's journal when it fails, the jobs, then the slow ranks and
     the cordoned workers when any."""
     from rich.console import Group
@@ -166,6 +175,8 @@ def _status_tables(jobs: list, cordoned: list, journal: str = ""):
     parts = [render.jobs_table(jobs)]
     if journal:  # (first: every decision is refused while it lasts; the jobs run on)
         parts.insert(0, Text(f"{journal}; decisions are refused, the jobs run on", style="bold red"))
+    if store:  # (was: nothing said; control's and the data service's outages are named)
+        parts.insert(0, Text(store, style="bold red"))
     if any(j.slow_ranks for j in jobs):
         parts.append(render.slow_ranks_table(jobs))
     if any(j.links for j in jobs):

@@ -9,9 +9,10 @@ import typer
 from rich.table import Table
 
 from services.cli import clients, jsonout, render
-from services.cli.app import OutputOpt, _say, app, float_option
+from services.cli.app import OutputOpt, _say, app
 from services.cli.errors import CliError
 from services.cli.jobs import resolve_job
+from services.cli.numbers import float_option
 from services.common import paths
 from services.contract import control_pb2
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import typer
 
 from services.cli import clients, dashboard, render, stack, stack_access
-from services.cli.app import _say, app, float_option
+from services.cli.app import _say, app
 from services.cli.errors import CliError
+from services.cli.numbers import WEEK_S, float_option
 from services.common.access import TOKENS_FILE_ENV
 
 
@@ -17,6 +18,7 @@ def up(
         60.0,
         "--resume-seconds",
         min=0.0,
+        max=WEEK_S,
         help="how long a drained job waits for its ranks to fit before up gives up on it",
     ),
     with_dashboard: bool | None = typer.Option(
@@ -87,20 +89,38 @@ def up(
                 highlight=False,
                 soft_wrap=True,
             )
-    from services.cli import drain
-
-    with stack.exit_on_interrupt(
-        "interrupted: the stack is up; drained jobs may not be resumed yet: "
-        "`surgectl up` again (or `surgectl resume JOB`) resumes them"
-    ):
-        _, failed = drain.resume_drained(resume_seconds, _say)
-    for line in failed:
+    for line in _resume_drained(resume_seconds):
         render.err_console.print(
             f"warning: drained job not resumed: {line} (`surgectl resume JOB` when it fits)",
             markup=False,
             highlight=False,
             soft_wrap=True,
         )
+
+
+def _resume_drained(resume_seconds: float) -> list[str]:
+    """Resume the jobs `surgectl down` drained; the lines of those that were not. A control
+    that checks tokens (``--tokens``) and does not know this shell's SURGE_AUTH_TOKEN (none,
+    or no admin's) is said in one line naming the fix, the stack left up (was: exit 1 with
+    "ListJobs: not authenticated", the stack up and the drained jobs left as they were)."""
+    import grpc
+
+    from services.cli import drain
+
+    try:
+        with stack.exit_on_interrupt(
+            "interrupted: the stack is up; drained jobs may not be resumed yet: "
+            "`surgectl up` again (or `surgectl resume JOB`) resumes them"
+        ):
+            return drain.resume_drained(resume_seconds, _say)[1]
+    except CliError as e:
+        if e.status not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            raise
+        raise CliError(
+            f"the stack is up, but the jobs `surgectl down` drained (if any) were not resumed: {e}; "
+            "set SURGE_AUTH_TOKEN to an admin token of the stack's tokens file, then `surgectl up` "
+            "again resumes them (it leaves the running stack as it is)"
+        ) from None
 
 
 @app.command()
@@ -114,7 +134,7 @@ def down(
         300.0,
         "--drain-seconds",
         min=0.0,
-        max=7 * 86400.0,  # (a week: inf would never end; Ctrl-C stops a drain wait anyway)
+        max=WEEK_S,  # (inf would never end; Ctrl-C stops a drain wait anyway)
         help="how long to wait for running jobs to checkpoint and pause",
     ),
 ) -> None:
@@ -126,7 +146,9 @@ def down(
     Safe to interrupt: Ctrl-C while jobs drain leaves the stack running (a job asked to drain
     still checkpoints and pauses): `surgectl down` again finishes, `surgectl up` (or
     `surgectl resume JOB`) lets the jobs go on. Once the services are being stopped, Ctrl-C
-    is ignored (seconds: SIGTERM, then SIGKILL).
+    is ignored (seconds: SIGTERM, then SIGKILL). A control that does not answer (before or
+    during the drain) while node agents run: refused, nothing stopped (start it again, then
+    `down`; or `--force`).
 
     Example: surgectl down
     """
@@ -238,14 +260,10 @@ def _drain_running_jobs(timeout_s: float) -> bool:
         stub = clients.new_stub("control", ch)
         try:
             jobs = drain.live_jobs(stub)
-        except grpc.RpcError:
-            render.err_console.print(
-                f"control unreachable at {addr}: running jobs cannot be drained; stopping anyway",
-                markup=False,
-                highlight=False,
-                soft_wrap=True,
-            )
-            return False
+        except grpc.RpcError as e:
+            if not _ranks_may_run():  # no node agent left: no rank to lose, nothing to drain
+                return False
+            raise _not_drained(e, addr) from None
         if not jobs:
             return False
         names = ", ".join(f"{j.job_id} ({render.state_text(j)})" for j in jobs)
@@ -255,9 +273,33 @@ def _drain_running_jobs(timeout_s: float) -> bool:
         )
         try:
             drain.drain(stub, jobs, timeout_s, _say)
-        except grpc.RpcError as e:
-            raise clients.rpc_error(e, "control", addr) from None
+        except grpc.RpcError as e:  # control went away (or broke) during the drain
+            raise _not_drained(e, addr) from None
     return True
+
+
+def _ranks_may_run() -> bool:
+    """Whether a node agent of the local stack still runs (its ranks may train): a `down`
+    without control would stop them unseen, and the next `up` would recover every such job
+    as a lost worker (a fault, a restart spent)."""
+    procs = stack.read_stack() or {}
+    down = set(stack.down_services(procs))
+    return any(name.startswith("worker-") and name not in down for name in procs)
+
+
+def _not_drained(error, addr: str) -> CliError:
+    """`down` (not --force) whose control does not answer, before or during the drain: nothing
+    is stopped (was: every rank stopped unseen, exit 0, and the next `up` recovered each job
+    as worker_lost, spending a restart)."""
+    mapped = clients.rpc_error(error, "control", addr)
+    if not mapped.unreachable:
+        return mapped
+    again = clients.start_again_hint("control").split("`")[1]  # `surgectl up` or `surgectl restart control`
+    return CliError(
+        f"control unreachable at {addr}: running jobs cannot be drained; nothing was stopped "
+        f"(`{again}`, then `surgectl down` drains them; `surgectl down --force` stops the stack now: "
+        "the next `up` then recovers its jobs as lost workers)"
+    )
 
 
 @app.command()

@@ -12,8 +12,9 @@ import typer
 from rich.table import Table
 
 from services.cli import clients, jsonout, render
-from services.cli.app import OutputOpt, _say, app, float_option, team_app
+from services.cli.app import OutputOpt, _say, app, team_app
 from services.cli.errors import CliError
+from services.cli.numbers import float_option
 from services.common.access import TEAM_PATTERN
 from services.contract import control_pb2
 from services.jobspec.base import MAX_TEAM_SLOTS
@@ -171,6 +172,8 @@ def team_set(
     name = _team_name(name)
     if weight is not None and not weight > 0:
         raise CliError(f"--weight: must be > 0, got {weight:g}", code=2)
+    if cohort is not None and not cohort.strip():  # (was: taken, and the team's cohort silently became default)
+        raise CliError("--cohort: empty (a cohort name; leave --cohort out to keep the team's)", code=2)
     if quota is not None and nominal is not None:
         raise CliError("--quota: give --nominal (every kind) or --quota (per kind), not both", code=2)
     per_kind = {

@@ -3,13 +3,15 @@ dataset), follow it to its end, and sample text from one of its checkpoints."""
 
 from __future__ import annotations
 
+import shlex
+import sys
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
 
-from services.cli import clients, render, spec_tools
+from services.cli import clients, render, spec_tools, stack
 from services.cli.errors import CliError
 from services.cli.evaluation import check_held_out
 from services.cli.init_from import check_init_from, pin_latest
@@ -98,6 +100,15 @@ def resolve_job(ref: str, stub: object | None = None) -> str:
     """
     if not ref:
         raise CliError("JOB: a job id or name is required", code=2)
+    # (Ctrl-C here, control slow to answer: the command asked nothing yet; was exit 130, silent)
+    again = shlex.join(["surgectl", *sys.argv[1:]]) if sys.argv[1:] else "the command"
+    with stack.exit_on_interrupt(
+        f"interrupted while looking up job {ref!r}: nothing was asked of it yet; `{again}` again"
+    ):
+        return _resolve_job(ref, stub)
+
+
+def _resolve_job(ref: str, stub: object | None) -> str:
     query = control_pb2.JobQuery()
     jobs = (stub.ListJobs(query, timeout=10) if stub is not None else _list_jobs(query)).jobs
     try:

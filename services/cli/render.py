@@ -124,8 +124,16 @@ def print_json(messages) -> None:
     print(jsonout.dumps(list(messages)))
 
 
+# Whether a Ctrl-C's one line was printed (surgectl's main prints a line of its own for an
+# interruption that reached it unsaid: typer turns a KeyboardInterrupt into a bare exit 130).
+interrupt_said = False
+interrupt_line = ""  # that line of main's, when a command knows better than its generic one
+
+
 def stopped_following(what_goes_on: str) -> None:
     """A Ctrl-C of a `--follow`/`--wait`: one line on stderr saying what keeps running."""
+    global interrupt_said
+    interrupt_said = True
     err_console.print(f"stopped following; {what_goes_on}", markup=False, highlight=False, soft_wrap=True)
 
 
@@ -209,7 +217,11 @@ def cordons_table(cordoned) -> Table:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.unix_time)) if c.unix_time else "—"
         # A quarantine (a sick node) is the operator's to end; a device's cordon also ends
         # when its node agent registers again.
-        until = "`surgectl uncordon`" if c.quarantine else "its node agent registers again (`surgectl restart WORKER`)"
+        # (was: a device's or a drain's cordon said to end with `surgectl restart WORKER`,
+        # which restarts a leaving node's agent; the operator's way is the uncordon)
+        until = f"`surgectl uncordon {c.worker_id}`"
+        if not c.quarantine:
+            until += " (or a new node agent of it registering)"
         if c.lost:  # (its agent is gone: nothing runs there; `up` starts what is down)
             until = "a node agent of it registers again (`surgectl up` starts what is down)"
         t.add_row(c.worker_id, since, c.reason, until)

@@ -71,6 +71,16 @@ def main() -> None:
     except KeyboardInterrupt:
         render.err_console.print("interrupted")
         sys.exit(130)
+    if code == 130 and not render.interrupt_said:  # typer's exit for a KeyboardInterrupt no command caught
+        command = sys.argv[1] if len(sys.argv) > 1 else ""
+        render.err_console.print(
+            render.interrupt_line
+            or f"interrupted: `surgectl {command}` may have been cut short after it asked the stack something; "
+            "`surgectl status` shows where the jobs stand (run it again once it says)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -32,7 +32,8 @@ that stream.
 
 A data service that restarts, fails over or is down for a while is no failure (issue 27, item 5): a stream that
 breaks with UNAVAILABLE (the connection lost, the server stopping: typed by the status code,
-never by its text) is opened again, with the same OpenStream but for its ``start``: the
+never by its text) is opened again, with the same OpenStream but for its ``start`` (and
+its shuffle's epoch, the start's: the stream may have crossed an epoch since): the
 ``next`` position of the last batch handed to the loop (every rank's batch of a round
 carries the round's ``next``, and a stream opened there continues exactly: no batch repeated
 or skipped; batches the service had read ahead but not sent are simply not asked for) and,
@@ -299,7 +300,11 @@ class DataClient:
         again = data_pb2.OpenStream()
         again.CopyFrom(opened)
         if at is not None:
+            # The order of the epoch it resumes in: a stream that crossed an epoch since it
+            # was opened continues in a later one than the one it opened (the data service
+            # refuses a start whose epoch is not its shuffle's).
             again.start.CopyFrom(at)
+            again.shuffle.epoch = at.epoch
         if opened.max_batches:
             again.max_batches = opened.max_batches - handed  # > 0: all handed ends it in _pump
         with self._lock:

@@ -134,7 +134,9 @@ def test_status_shows_a_quarantined_worker_and_uncordon_releases_it_or_refuses_a
         monkeypatch.setenv("COLUMNS", "300")
         code, out, _ = run(monkeypatch, capsys, "status")
         (row,) = [line for line in out.splitlines() if "quarantined" in line]
-        assert code == 0 and "wa" in row and "quarantined: 3 rank faults on wa" in row and "`surgectl uncordon`" in row
+        assert (
+            code == 0 and "wa" in row and "quarantined: 3 rank faults on wa" in row and "`surgectl uncordon wa`" in row
+        )
         code, out, err = run(monkeypatch, capsys, "uncordon", "wz")
         assert (code, out) == (2, "")
         assert err.strip() == "error: uncordon: worker 'wz' is not cordoned (cordoned: wa)"

@@ -261,3 +261,11 @@ def test_a_paused_jobs_ranks_on_a_leaving_node_are_released_and_its_resume_relau
     assert not [x for x in sent["wa"] if x.WhichOneof("command") == "launch"]  # (wa is leaving)
     launches = [x.launch for cmds in sent.values() for x in cmds if x.WhichOneof("command") == "launch"]
     assert sorted(la.init.resume_version for la in launches) == [f"{job_id}:1"] * 2
+
+
+def test_a_deadline_under_10_s_is_said_with_its_decimal(plane):
+    """(was: `--deadline 0.5` said as "departs in 0 s")"""
+    job_id, a, b, c = running_on_three(plane)
+    step(plane, a, job_id, 8)
+    plane.user(control_pb2.DrainWorkerRequest(worker_id="wb", deadline_seconds=0.5))
+    assert "node wb departs in 0.5 s (`surgectl drain`)" in "\n".join(messages(plane, job_id))

@@ -166,3 +166,89 @@ def test_a_port_in_use_is_a_one_line_error(root, tmp_path):
                 proc.communicate()
     assert proc.returncode == EXIT_PORT_IN_USE  # typed: another socket holds it
     assert err.strip() == f"error: data: cannot listen on 127.0.0.1:{port} (port already in use?)"
+
+
+def test_a_ranks_stream_opened_past_epoch_0_that_crossed_an_epoch_continues_after_a_service_restart(
+    dataset, root, tmp_path
+):
+    """The rank's relay (services/rank/data_client.py) reopens a stream broken by a data-service
+    restart where its handed batches end; a stream opened at epoch 1 (a resume) that crossed
+    into epoch 2 reopens with epoch 2's shuffle, and the batches go on as one unbroken stream
+    (they were refused as "start.epoch 2 differs from shuffle.epoch 1", failing the job)."""
+    import queue
+
+    from services.contract import Module
+    from services.contract.bus import Bus
+    from services.rank.data_client import DataClient
+
+    port = free_port()
+    shape = dict(seq_len=64, micro_batch_size=2, repeat=True, seed=11)
+    proc = start(root, port, tmp_path / "home")
+    client = None
+    try:
+        _wait_serving(port)
+        ch = any_caller_channel(f"127.0.0.1:{port}")
+        stub = data_pb2_grpc.DataServiceStub(ch)
+        assert (
+            len(
+                list(stub.Stream(open_stream(start=data_pb2.DataPosition(epoch=1), max_batches=1, **shape), timeout=60))
+            )
+            == 1
+        )
+        ch.close()
+        (epoch1,) = (root / ".index" / "tiny" / "v1").glob("*/epoch-1")
+        rows = json.loads((epoch1 / "meta.json").read_text())["rows"]
+        req = open_stream(start=data_pb2.DataPosition(epoch=1, row=rows - 5), **shape)  # as the loop opens it
+        assert req.shuffle.epoch == 1
+
+        bus, got, failed = Bus(), queue.Queue(maxsize=1), queue.Queue()  # a full inbox stops the relay reading
+        client = DataClient(
+            f"127.0.0.1:{port}", bus.emitter(Module.L4_DATASET_VERSIONS), bus.emitter(Module.L4_BATCH_PACKER)
+        )
+        bus.subscribe(Module.L4_DATASET_VERSIONS, data_pb2.OpenStream, client.open_stream)
+        bus.subscribe(Module.L2_TRAINING_LOOP, data_pb2.MicroBatch, lambda m, p=None: got.put((m, p), timeout=60))
+        for kind in (data_pb2.DataExhausted, data_pb2.DatasetUnavailable):
+            bus.subscribe(Module.L2_TRAINING_LOOP, kind, lambda m, p=None: failed.put(m))
+        bus.port(Module.L2_TRAINING_LOOP, Module.L4_DATASET_VERSIONS)(req)
+
+        def take() -> tuple:
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline:
+                assert failed.empty(), failed.queue[0]
+                try:
+                    return got.get(timeout=0.5)
+                except queue.Empty:
+                    pass
+            raise AssertionError("no batch within 90 s")
+
+        taken = [take()]
+        while taken[-1][0].next.epoch < 2:  # across the epoch's end
+            taken.append(take())
+        proc.kill()  # the data service restarts while the rank reads epoch 2
+        proc.wait(timeout=30)
+        proc.stdout.close(), proc.stderr.close()
+        proc = start(root, port, tmp_path / "home")
+        while len(taken) < 12:
+            taken.append(take())
+    finally:
+        if client is not None:
+            client.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+        proc.stdout.close(), proc.stderr.close()
+    tokens = np.fromfile(dataset.path / "train.bin", dtype="<u2")
+    want = reference_batches(tokens, np.load(dataset.path / "train.idx.npy"), req, epochs=3)
+    as_bytes = lambda t: t.numpy().astype("<i4").tobytes()  # noqa: E731 - the wire's form of the decoded tensor
+    assert [(as_bytes(p.input_ids), as_bytes(p.labels), m.tokens, (m.next.epoch, m.next.row)) for m, p in taken] == (
+        want[:12]
+    )
+    assert {m.next.epoch for m, _ in taken} == {1, 2}
+
+
+def _wait_serving(port: int, timeout_s: float = 60.0) -> None:
+    ch = any_caller_channel(f"127.0.0.1:{port}")
+    try:
+        grpc.channel_ready_future(ch).result(timeout=timeout_s)
+    finally:
+        ch.close()

@@ -87,7 +87,7 @@ def test_repeated_sigkills_are_classified_then_quarantine_the_node_until_uncordo
 
         status = cli(tmp_path, "status", env={"COLUMNS": "400"})
         assert status.returncode == 0 and sick in status.stdout and "quarantined: 3 rank faults" in status.stdout
-        assert "`surgectl uncordon`" in status.stdout
+        assert f"`surgectl uncordon {sick}`" in status.stdout
 
         unknown = cli(tmp_path, "uncordon", "worker-99")
         assert unknown.returncode == 2  # (bad input, as surgectl's other refusals)

@@ -90,7 +90,7 @@ class Departures:
         """Under the lock: one job's answer to its node's departure (module docstring)."""
         if job.parked:  # (drained or parked by `surgectl down`: its ranks stop with the stack)
             return
-        head = f"node {worker_id} departs in {max(deadline_s, 0.0):.0f} s ({source})"
+        head = f"node {worker_id} departs in {_seconds(deadline_s)} s ({source})"
         if job.departure:  # (moving already: the relaunch after its checkpoint places the ranks off both)
             self._record(job, ORCH, DEPARTURE, f"{head}: folded into the move off {job.departure} under way")
             return
@@ -272,3 +272,9 @@ class Departures:
                 and self._move_undone(job, worker_id, before, waited, paused, e)
             ),
         )
+
+
+def _seconds(s: float) -> str:
+    """A deadline as said in a job's events: one decimal under 10 s (was: 0.5 s said as "0 s")."""
+    s = max(s, 0.0)
+    return f"{s:.1f}".removesuffix(".0") if s < 10 else f"{s:.0f}"
