@@ -186,7 +186,7 @@ def test_a_last_paused_report_whose_decision_registers_an_undo_still_waits(plane
     """A drain's pause (its checkpoint committed): the first rank's paused report goes on, but
     the last one's decision (the move off the node, which registers its undo) waits for its
     commit before the job's next event is applied (session 28's order: an undo runs before the
-    next decision of the job). A guard: it holds on the old code too, where every report waited."""
+    next decision of the job). (The old code fails at the first report, which waited too.)"""
     job_id, sessions, ranks, nxt = running_job(plane, nodes=2, slots=1)
     plane.user(control_pb2.DrainWorkerRequest(worker_id="w0", deadline_seconds=600.0))
     saved = store_pb2.SaveCompleted(job_id=job_id, version=f"{job_id}:1", step=9, seconds=0.5)

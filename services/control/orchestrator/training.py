@@ -315,8 +315,13 @@ class RankEvents:
             job.status.step = max(job.status.step, msg.step)
             # (Ranks beyond the world size are an older generation's, kept by an operator
             # resume at a smaller dp so that their late clean exits are no faults.)
-            ours = {r: stopped for r, stopped in job.finished.items() if r < job.status.world_size}
-            if len(ours) < job.status.world_size:
+            world = job.status.world_size
+            # (the count first: ours are among the finished, so fewer finished is not all of ours;
+            # the world's ranks read once, at the last, not per rank: O(world) each at 8,192 ranks)
+            ours = (
+                {r: stopped for r, stopped in job.finished.items() if r < world} if len(job.finished) >= world else {}
+            )
+            if len(ours) < world:
                 self._keep(job)
                 return
             stopped = any(ours.values()) or job.pending == "stop"
