@@ -164,6 +164,7 @@ def start(nodes: int, per_node: int, commit_latency_ms: float = 0.0, phases: tup
                 return [_event(engine_pb2.TrainingLoopStarted(job_id=job_id, rank=rank, worker_id=w), seq)]
 
             started = phase(ready, JobState.RUNNING)
+            print(json.dumps({"start": started}), file=sys.stderr, flush=True)  # (a long run's progress)
             out = {
                 "nodes": nodes,
                 "commit_latency_ms": commit_latency_ms,
@@ -181,6 +182,7 @@ def start(nodes: int, per_node: int, commit_latency_ms: float = 0.0, phases: tup
                     return [_event(engine_pb2.TrainingLoopPaused(job_id=job_id, rank=rank, step=5), seq)]
 
                 out["pause"] = phase(paused, JobState.PAUSED)
+                print(json.dumps({"pause": out["pause"]}), file=sys.stderr, flush=True)  # (a long run's progress)
                 plane.user(control_pb2.ResumeJobRequest(job_id=job_id))  # (the ranks go on: RUNNING)
             if "finish" in phases:
 
