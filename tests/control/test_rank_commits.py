@@ -209,3 +209,30 @@ def test_a_last_paused_report_whose_decision_registers_an_undo_still_waits(plane
     finally:
         held.release()
     settle(lambda: sessions["w1"].applied, nxt["w1"] + 1)
+
+
+def test_a_profiles_reports_of_every_rank_are_applied_back_to_back(plane):
+    """A profile of 32 ranks: each rank's ProfileRecorded is one record; with the writer held
+    up all 32 are applied and none acked; released, all are journaled in a few commits (the
+    old code: stuck at the first report)."""
+    job_id, sessions, ranks, nxt = running_job(plane, nodes=8, slots=4)
+    seq = plane.user(control_pb2.ProfileJobRequest(job_id=job_id, steps=1)).profiles[-1].seq
+    acked = {w: s.durable for w, s in sessions.items()}
+    applier = plane.c.servicer.applier
+    held = plane.c.journal._lock
+    before = commits()
+    held.acquire()
+    try:
+        for w, rs in ranks.items():
+            for i, rank in enumerate(rs):
+                report = engine_pb2.ProfileRecorded(job_id=job_id, rank=rank, seq=seq, first_step=3, last_step=3)
+                applier.event(sessions[w], loop_event(report, nxt[w] + i))
+        applied(sessions, {w: nxt[w] + len(rs) - 1 for w, rs in ranks.items()})  # the old code: stuck
+        assert {w: s.durable for w, s in sessions.items()} == acked
+    finally:
+        held.release()
+    for w, session in sessions.items():
+        settle(lambda w=w, session=session: session.durable, nxt[w] + len(ranks[w]) - 1)
+    assert commits() - before <= 5
+    assert len(plane.get(job_id).profiles[-1].recorded) == 32
+    assert sum(": profile #" in e.message and " stored" in e.message for e in plane.events(job_id)) == 32
