@@ -76,6 +76,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from services.common.rank_nodes import nodes_of
 from services.contract import Module, engine_pb2
 from services.contract.bus import CommandPort, Emitter, Reply
 from services.contract.failures import (
@@ -315,7 +316,8 @@ class ParallelStrategy:
             )
         base = self._parallel_spec or ParallelSpec(dp=self._world_size)
         parallel = ParallelSpec.model_validate({**base.model_dump(), "dp": layout.dp})
-        topology = Topology(tuple(rendezvous.rank_nodes)) if rendezvous.rank_nodes else None
+        nodes = nodes_of(rendezvous)  # (L1-2 sends runs: services/common/rank_nodes.py)
+        topology = Topology(tuple(nodes)) if nodes else None
         sharding = plan(self._model_spec or ModelSpec(), layout.dp, parallel, topology)  # ValueError: bad config
         if not (sharding.tp == 1 and sharding.pp == 1 and sharding.data_parallel in ("ddp", "none")):
             raise RuntimeError(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.rank_nodes import expand, node_runs
+from services.common.rank_nodes import expand, node_runs, nodes_of
 from services.contract import control_pb2, engine_pb2
 from services.control.resource_allocator import ResourceAllocator
 from services.jobspec import parse_job_spec, spec_to_json
@@ -60,3 +60,53 @@ def test_a_jobs_launches_are_not_quadratic_in_its_ranks():
     sent = launches(world=512, per_node=8)
     assert {len(launch.node_runs) for launch in sent} == {64}
     assert sum(m.ByteSize() for m in sent) < 400_000
+
+
+def rebuild_in_place(world: int, per_node: int) -> engine_pb2.RebuildParallelGroup:
+    """One rebuild in place of rank 1 of a job over world/per_node nodes (its replacement on
+    its own node): the rendezvous L1-2 sends L2-2 of every rank."""
+    rebuilds: list[engine_pb2.RebuildParallelGroup] = []
+    allocator = ResourceAllocator(
+        hardware=lambda msg, payload=None: None,
+        emit=lambda msg, payload=None: None,
+        parallel=lambda msg, payload=None: rebuilds.append(msg),
+    )
+    for i in range(world // per_node):
+        allocator.on_worker_registration(registration(f"node-{i:04d}", per_node))
+    init = engine_pb2.InitJob(job_id="j", spec_json=spec_to_json(parse_job_spec(spec_yaml(dp=world))))
+    allocator.allocate_resources(control_pb2.AllocateResources(job_id="j", world_size=world, init=init))
+    ready = allocator.rebuild_communicator(
+        control_pb2.RebuildCommunicator(job_id="j", reason="test", in_place=True, lost_ranks=[1])
+    )
+    assert isinstance(ready, control_pb2.ResourcesReady), ready
+    (rebuild,) = rebuilds
+    return rebuild
+
+
+def test_a_rebuilds_rendezvous_carries_the_worlds_nodes_as_runs():
+    """The rendezvous of a rebuild in place names every rank's node as runs, not as the
+    world's list: the same command goes to every node agent of the job (the old code: 64
+    names, the runs empty)."""
+    rebuild = rebuild_in_place(world=64, per_node=8)
+    nodes = [f"node-{r // 8:04d}" for r in range(64)]
+    assert list(rebuild.rank_nodes) == []
+    assert expand(rebuild.node_runs) == nodes and nodes_of(rebuild) == nodes
+    assert len(rebuild.node_runs) == 8
+
+
+def test_a_rebuilds_rendezvous_is_not_the_size_of_the_world():
+    """8 ranks per node: one rendezvous is O(nodes), not O(ranks): 512 ranks' was ~5.7 KB
+    (the world's list), now under 1.5 KB; it goes to each of the job's 64 node agents
+    (bench/control_start.py ``--rebuild-sizes``)."""
+    rebuild = rebuild_in_place(world=512, per_node=8)
+    assert len(rebuild.node_runs) == 64
+    assert rebuild.ByteSize() < 1_500
+
+
+def test_a_rank_reads_the_nodes_of_either_form():
+    """``nodes_of``: the list where a message carries it (a rendezvous of an older sender, or a
+    test's), else its runs expanded."""
+    listed = engine_pb2.RebuildParallelGroup(rank_nodes=["a", "b"], node_runs=node_runs(["x", "x"]))
+    assert nodes_of(listed) == ["a", "b"]
+    assert nodes_of(engine_pb2.RebuildParallelGroup(node_runs=node_runs(["a", "a", "b"]))) == ["a", "a", "b"]
+    assert nodes_of(engine_pb2.RebuildParallelGroup()) == []

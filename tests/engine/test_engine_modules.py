@@ -333,3 +333,32 @@ def test_a_rendezvous_naming_a_new_layout_brings_the_plan_computed_again_at_its_
         three._plan_for(rendezvous(3, dp=2), rank=0)  # world size must be the layout's dp
     with pytest.raises(RuntimeError, match="data_parallel=fsdp2"):
         strategy(ParallelSpec(dp=1, data_parallel="fsdp2"))._plan_for(rendezvous(2, dp=2), rank=0)
+
+
+def test_a_rendezvous_names_its_ranks_nodes_as_runs_and_the_rank_expands_them():
+    # L1-2 sends the world's node list as runs (RebuildParallelGroup.node_runs: the same command
+    # goes to every node agent of the job, issue 28); the rank plans on them as on the list.
+    from services.common.rank_nodes import node_runs
+    from services.engine.sharding_plan import Topology, plan
+    from services.jobspec import ParallelSpec
+
+    bus = Bus()
+    s = ParallelStrategy(
+        bus.emitter(Module.L2_PARALLEL_STRATEGY),
+        bus.port(Module.L2_PARALLEL_STRATEGY, Module.L3_SHARD_LOADER),
+        bus.port(Module.L2_PARALLEL_STRATEGY, Module.L3_GRADIENT_REDUCTION),
+        model=TINY,
+        parallel=ParallelSpec(dp=3),
+    )
+    s._plan, s._world_size = plan(TINY, 3, ParallelSpec(dp=3)), 3  # (as a formed group)
+    layout = engine_pb2.DataParallelLayout(dp=2, micro_batch_size=2, grad_accum=3)
+
+    def rendezvous(nodes: list[str]) -> engine_pb2.RebuildParallelGroup:
+        return engine_pb2.RebuildParallelGroup(
+            master_port=1, world_size=2, generation=1, layout=layout, node_runs=node_runs(nodes)
+        )
+
+    got = s._plan_for(rendezvous(["a", "b"]), rank=1)
+    assert got == plan(TINY, 2, ParallelSpec(dp=2), Topology(("a", "b")))
+    with pytest.raises(ValueError, match="topology: lists 3 ranks"):  # (read: a list of another size is refused)
+        s._plan_for(rendezvous(["a", "a", "b"]), rank=1)

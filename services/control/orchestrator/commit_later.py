@@ -22,6 +22,20 @@ What still waits for the commit, released from it:
   (held_steps.py ``_report_soon``), graded ``journal_write_failed`` and decided by the job's
   policy (faults.py ``_journal_refused``).
 
+The same for a job's other per-rank events (session 31): every rank's paused report (a
+pause, a stop's checkpoint pause, a scale's, a rollback's, a drain's, a departure's, a
+preemption's: training.py ``on_training_loop_paused``), its finish (``on_training_loop_finished``),
+its failure record (``on_training_loop_failed``), a step fault's consequence record, and L1-3's
+per-rank reports recorded only (faults.py: a clean exit after the rank's finish, an exit control
+asked for, an incident's consequence, a late one). What a failed write of one of these leaves:
+the rank's mark in memory (``paused``, ``finished``, ``exited``) ahead of the journal and its
+event un-acked; nothing to undo: each write is the job's whole bookkeeping (``_runtime``), so the
+job's next write that commits journals the mark too, and the agent's resend after a reconnect
+applies it again (a set; or ignored once the job moved on). The rank's last report, whose
+decision moves the job (PAUSED, TERMINATED, a resize, a move), goes on only where that
+decision registers no undo and asks for no start of the queue's head: a finish's release and a
+departure's move wait as before.
+
 Only where nobody waits on the thread: a worker event applied by the event applier
 (``JobStore.goes_on``: the session hub's bursts, ``wait=False``), the handler's decision
 being the outermost (``DecisionLock.outermost``); its end (``_decision_over``, the lock's

@@ -405,10 +405,10 @@ class Orchestrator(
         finished rank's clean exit for a lost rank and relaunched a finished job (seen in
         tests/cli/test_restart.py)."""
         self._publish(job)
-        if self._held_for_one_write(job.status, None, _runtime(job), None):  # (one_write.py)
+        if self._held_for_one_write(job.status, None, runtime := _runtime(job), None):  # (one_write.py; built once)
             return
         with self._journal_lock(job.status.job_id):
-            self._queued(job.status.job_id, self._journal.save_status(job.status, None, _runtime(job), wait=False))
+            self._queued(job.status.job_id, self._journal.save_status(job.status, None, runtime, wait=False))
 
     def _publish(self, job: _Job) -> None:
         """Under the lock: the job's status is what the operator's queries see once this

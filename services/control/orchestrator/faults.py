@@ -142,6 +142,11 @@ class FaultIntake:
             if kind == RESUMED:
                 self._on_resumed_fault(job, incident, msg, text)
                 return
+            if kind in (LATE, CONSEQUENCE, NORMAL_END, RELEASED):
+                # A rank's report recorded only (every rank of a group reports its end, or the
+                # incident's consequence): not waited for when applied by the event applier
+                # (commit_later.py); what follows from it is the incident's, already decided.
+                self._commit_later(msg)
             if kind == LATE:
                 late = job.last_incident
                 self._record(

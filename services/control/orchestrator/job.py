@@ -403,7 +403,9 @@ def _runtime(job: _Job) -> dict:
     return {
         "started": sorted(job.started),
         "paused": sorted(job.paused),
-        "finished": {str(r): stopped for r, stopped in job.finished.items()},
+        # (int keys, as placement's: JSON writes them as strings; a copy in C, per record: one
+        # per rank's finish and exit, O(world) each, the str() of every key was most of a finish)
+        "finished": dict(job.finished),
         "pending": job.pending,
         "pending_at": job.pending_at,
         "pending_seq": job.pending_seq,

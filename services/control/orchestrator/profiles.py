@@ -57,8 +57,10 @@ class Profiling:
     def on_profile_recorded(self, msg: engine_pb2.ProfileRecorded, payload: Any = None) -> None:
         """A rank's profile stored (or not): kept with the profile it answers, and said in
         the job's events. A report of a profile the status no longer names (older than the
-        newest PROFILES_KEPT), or a rank's second report, is dropped."""
+        newest PROFILES_KEPT), or a rank's second report, is dropped. Every rank reports, one
+        record each: not waited for when applied by the event applier (commit_later.py)."""
         with self._lock:
+            self._commit_later(msg)
             job = self._jobs.get(msg.job_id)
             info = next((p for p in job.status.profiles if p.seq == msg.seq), None) if job else None
             if info is None or any(r.rank == msg.rank for r in info.recorded):

@@ -242,7 +242,12 @@ class RankEvents:
                 self._never_load_diverged(job, incident.bound, [(msg.step, msg.version)])
 
     def on_training_loop_paused(self, msg: engine_pb2.TrainingLoopPaused, payload: Any = None) -> None:
+        """A rank paused at the boundary of a pause, a scale, a rollback, a drain, a departure or
+        a preemption; when every rank has, the activity goes on. Applied by the event applier,
+        the decision does not wait for its journal commit (commit_later.py): every rank
+        reports, one record each (the last rank's decision waits where it registers an undo)."""
         with self._lock:
+            self._commit_later(msg)
             self._heard_from(msg.job_id, msg.rank)
             job = self._live(msg.job_id, (JobState.RUNNING,), msg)
             if job is None or job.pending not in ("pause", "scale", "reload"):
@@ -297,8 +302,11 @@ class RankEvents:
                     )
 
     def on_training_loop_finished(self, msg: engine_pb2.TrainingLoopFinished, payload: Any = None) -> None:
-        """When every rank has finished: TERMINATED (FINISHED, or STOPPED if stopped early)."""
+        """When every rank has finished: TERMINATED (FINISHED, or STOPPED if stopped early).
+        Applied by the event applier, a rank's finish does not wait for its journal commit
+        (commit_later.py); the last one's (the release, the queue's head tried) does."""
         with self._lock:
+            self._commit_later(msg)
             self._heard_from(msg.job_id, msg.rank)
             job = self._live(msg.job_id, (JobState.WARMING_UP, JobState.RUNNING, JobState.PAUSED), msg)
             if job is None:
@@ -307,8 +315,13 @@ class RankEvents:
             job.status.step = max(job.status.step, msg.step)
             # (Ranks beyond the world size are an older generation's, kept by an operator
             # resume at a smaller dp so that their late clean exits are no faults.)
-            ours = {r: stopped for r, stopped in job.finished.items() if r < job.status.world_size}
-            if len(ours) < job.status.world_size:
+            world = job.status.world_size
+            # (the count first: ours are among the finished, so fewer finished is not all of ours;
+            # the world's ranks read once, at the last, not per rank: O(world) each at 8,192 ranks)
+            ours = (
+                {r: stopped for r, stopped in job.finished.items() if r < world} if len(job.finished) >= world else {}
+            )
+            if len(ours) < world:
                 self._keep(job)
                 return
             stopped = any(ours.values()) or job.pending == "stop"
@@ -322,8 +335,10 @@ class RankEvents:
                 self._hooks_on_finish(job)  # (eval.hooks: eval_hooks.py)
 
     def on_training_loop_failed(self, msg: engine_pb2.TrainingLoopFailed, payload: Any = None) -> None:
-        """Recorded only: the decision waits for the fault detector's grade."""
+        """Recorded only: the decision waits for the fault detector's grade. (A broken group
+        fails every rank: one record each, not waited for: commit_later.py.)"""
         with self._lock:
+            self._commit_later(msg)
             job = self._live(msg.job_id, (JobState.WARMING_UP, JobState.RUNNING, JobState.PAUSED), msg)
             if job is not None:
                 self._record(
@@ -365,6 +380,7 @@ class RankEvents:
             if incident is not None and incident.dying[msg.rank] > 0:
                 if msg.reminder and incident.phase == FROZEN:
                     return  # (held for inspection: its verdict goes when the hold ends)
+                self._commit_later(msg)  # (a record only, one per rank: commit_later.py)
                 self._record(
                     job,
                     Module.L2_TRAINING_LOOP,

@@ -187,7 +187,8 @@ class Rebuild:
                 peers = _new_probe_peers(links, old_nodes, rank_nodes, self._workers, msg.job_id, placed.probes)
                 rebuild = engine_pb2.RebuildParallelGroup(
                     job_id=msg.job_id, master_addr=master_addr, master_port=master_port, reason=msg.reason,
-                    world_size=len(placed.ranks), generation=placed.generation, rank_nodes=rank_nodes,
+                    world_size=len(placed.ranks), generation=placed.generation,
+                    node_runs=runs,  # (the world's node list as runs, once per agent: rank_nodes.py)
                     layout=msg.layout if msg.HasField("layout") else None,
                     lost_ranks=lost,  # the survivors abort their broken communicator at once
                 )  # fmt: skip
