@@ -688,9 +688,10 @@ def test_with_the_clusters_secret_probes_carry_a_tag_and_a_host_without_it_is_ne
     assert probe_key(None) is None and probe_key("") is None and probe_key("other") != key
     a = LinkProber("a", "127.0.0.1", pa, facts.put, _Log(), key=key)
     b = LinkProber("b", "127.0.0.1", pb, lambda e: None, _Log(), key=key)
-    probe_a = control_pb2.LinkProbe(interval_seconds=0.05, degraded_loss=0.2, down_probes=3)
+    # (10 probes for down: a loaded host's 150 ms pause is no lost link; see the first assert)
+    probe_a = control_pb2.LinkProbe(interval_seconds=0.05, degraded_loss=0.2, down_probes=10)
     probe_a.peers.add(worker_id="b", address=f"127.0.0.1:{pb}")
-    probe_b = control_pb2.LinkProbe(interval_seconds=0.05, degraded_loss=0.2, down_probes=3)
+    probe_b = control_pb2.LinkProbe(interval_seconds=0.05, degraded_loss=0.2, down_probes=10)
     probe_b.peers.add(worker_id="a", address=f"127.0.0.1:{pa}")
     a.set_peers("j", probe_a), b.set_peers("j", probe_b)
     stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
