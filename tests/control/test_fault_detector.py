@@ -35,10 +35,13 @@ class Reports(list):
             return list(self)
 
 
-def wired(rules=None, **deadlines) -> tuple[Bus, Reports]:
-    """A bus with the detector and the test standing in for the orchestrator."""
+def wired(rules=None, in_order=None, job_id: str | None = "j", **deadlines) -> tuple[Bus, Reports]:
+    """A bus with the detector and the test standing in for the orchestrator (monitoring job
+    ``job_id`` with ``deadlines``; None: none started)."""
     bus = Bus()
-    detector = FaultDetector(emit=bus.emitter(Module.L1_FAULT_DETECTOR), rules=rules)
+    detector = FaultDetector(emit=bus.emitter(Module.L1_FAULT_DETECTOR), rules=rules, in_order=in_order)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.AgentHeartbeat, detector.on_agent_heartbeat)
+    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.WorkerRegistration, detector.on_worker_registration)
     bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring, detector.start_fault_monitoring)
     bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.ResetFaultLedger, detector.reset_fault_ledger)
     bus.subscribe(Module.L1_FAULT_DETECTOR, worker_pb2.RankHeartbeat, detector.on_rank_heartbeat)
@@ -47,9 +50,9 @@ def wired(rules=None, **deadlines) -> tuple[Bus, Reports]:
     bus.subscribe(Module.L1_FAULT_DETECTOR, engine_pb2.TrainingLoopFailed, detector.on_training_loop_failed)
     reports = Reports()
     bus.subscribe(Module.L1_ORCHESTRATOR, control_pb2.FaultReport, reports.add)
-    bus.command(
-        Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring(job_id="j", **deadlines)
-    )
+    if job_id is not None:
+        monitor = control_pb2.StartFaultMonitoring(job_id=job_id, **deadlines)
+        bus.command(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR, monitor)
     return bus, reports
 
 
@@ -915,19 +918,8 @@ def test_a_deadline_that_fires_while_a_beat_waits_unapplied_is_decided_after_tha
     # Control's lag is no one's silence: 1,024 simulated agents' beats waited 10 s in control's
     # node queue, and every agent's deadline fired and reported it silent meanwhile. A fired
     # deadline is decided on the queue of the messages that re-arm it, after those received.
-    bus = Bus()
     backlog = _Backlog()
-    detector = FaultDetector(emit=bus.emitter(Module.L1_FAULT_DETECTOR), in_order=backlog.post)
-    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring, detector.start_fault_monitoring)
-    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.AgentHeartbeat, detector.on_agent_heartbeat)
-    bus.subscribe(Module.L1_FAULT_DETECTOR, worker_pb2.RankHeartbeat, detector.on_rank_heartbeat)
-    reports = Reports()
-    bus.subscribe(Module.L1_ORCHESTRATOR, control_pb2.FaultReport, reports.add)
-    bus.command(
-        Module.L1_ORCHESTRATOR,
-        Module.L1_FAULT_DETECTOR,
-        control_pb2.StartFaultMonitoring(job_id="j", heartbeat_timeout_seconds=0.3),
-    )
+    bus, reports = wired(in_order=backlog.post, heartbeat_timeout_seconds=0.3)
 
     def agent_beat() -> None:
         bus.publish(
@@ -957,13 +949,7 @@ def test_after_a_control_restart_each_of_the_jobs_workers_registering_again_push
     # 3,000 agents' re-registrations took 88 s to reach a loaded control against a 15 s window:
     # 4,766 healthy ranks were declared worker_lost. A worker of the job registering again
     # (the reconnect storm still coming in) pushes the window out to reattach_seconds from then.
-    bus = Bus()
-    detector = FaultDetector(emit=bus.emitter(Module.L1_FAULT_DETECTOR))
-    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.StartFaultMonitoring, detector.start_fault_monitoring)
-    bus.subscribe(Module.L1_FAULT_DETECTOR, worker_pb2.RankHeartbeat, detector.on_rank_heartbeat)
-    bus.subscribe(Module.L1_FAULT_DETECTOR, control_pb2.WorkerRegistration, detector.on_worker_registration)
-    reports = Reports()
-    bus.subscribe(Module.L1_ORCHESTRATOR, control_pb2.FaultReport, reports.add)
+    bus, reports = wired(job_id=None)
     monitor = control_pb2.StartFaultMonitoring(
         job_id="r",
         heartbeat_timeout_seconds=5.0,
