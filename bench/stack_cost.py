@@ -61,6 +61,19 @@ def _stat(path: str) -> tuple[int, float]:
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / _HZ
 
 
+def _wakeups(task: str) -> int:
+    """A thread's voluntary context switches (``status``): each time it blocked and was woken
+    again. What the stack's cost is made of (a message costs a wake-up of every thread it
+    crosses), and, unlike CPU time, hardly moved by the machine's load."""
+    try:
+        for line in _read(f"{task}/status").splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def _thread_cpu(task: str) -> float:
     """A thread's CPU seconds (``task``: its /proc/PID/task/TID directory): the scheduler's
     run time in ns (``schedstat``'s first field) where the kernel has it, else utime + stime
@@ -110,16 +123,17 @@ def snapshot(roots: list[int]) -> dict[int, dict]:
     for pid in ours:
         try:
             cmdline = _read(f"/proc/{pid}/cmdline").replace("\0", " ")
-            threads = {}
+            threads, wakeups = {}, {}
             for tid in os.listdir(f"/proc/{pid}/task"):
                 try:
                     name = _read(f"/proc/{pid}/task/{tid}/comm").strip()
                     threads[int(tid)] = (name, _thread_cpu(f"/proc/{pid}/task/{tid}"))
+                    wakeups[int(tid)] = _wakeups(f"/proc/{pid}/task/{tid}")
                 except (OSError, ValueError, IndexError):
                     continue  # a thread that ended
         except OSError:
             continue
-        out[pid] = {"kind": kind_of(cmdline), "threads": threads}
+        out[pid] = {"kind": kind_of(cmdline), "threads": threads, "wakeups": wakeups}
     return out
 
 
@@ -152,23 +166,29 @@ def cost(a: dict[int, dict], b: dict[int, dict]) -> dict:
     stack: dict[str, float] = defaultdict(float)
     threads: dict[str, float] = defaultdict(float)  # "kind: thread" -> CPU, of the stack's processes
     rank_side: dict[str, float] = defaultdict(float)
+    wakeups: dict[str, int] = defaultdict(int)  # the stack's threads' (a rank's side threads: "ranks' side")
     compute = 0.0
     ranks = 0
     for pid, proc in b.items():
         before = a.get(pid, {"threads": {}})["threads"]
+        woken_before = a.get(pid, {}).get("wakeups", {})
         main_name = proc["threads"].get(pid, ("", 0.0))[0]
         is_rank = re.fullmatch(r"rank \d+", proc["kind"]) is not None  # (not "rank fork server")
         ranks += is_rank and pid in a
         for tid, (name, cpu) in proc["threads"].items():
             spent = cpu - before.get(tid, (name, 0.0))[1]
+            woken = proc.get("wakeups", {}).get(tid, 0) - woken_before.get(tid, 0)
             if not is_rank:
                 stack[proc["kind"]] += spent
                 threads[f"{proc['kind']}: {'main' if tid == pid else _thread_group(name)}"] += spent
+                wakeups[proc["kind"]] += woken
             elif tid == pid or name == main_name or _COMPUTE_THREADS.match(name):
                 compute += spent  # the training loop, its pools, torch.distributed's transport
             else:
                 rank_side[_thread_group(name)] += spent
+                wakeups["ranks' side threads"] += woken
     return {
+        "wakeups": dict(wakeups),
         "stack": dict(stack),
         "stack_threads": dict(threads),
         "rank_side_threads": dict(rank_side),
@@ -233,6 +253,11 @@ def measure(warmup: int, window: int, timeout_s: float) -> dict:
         "stack_percent_of_rank_compute": round(100 * total * steps / max(spent["rank_compute"], 1e-9), 3),
         "rank_compute_cpu_seconds_per_step": round(spent["rank_compute"] / steps, 4),
         "by_process_cpu_seconds_per_step": {k: round(v, 5) for k, v in sorted(per_step.items())},
+        # Voluntary context switches of the stack's threads (a rank's side threads included),
+        # per step and per second: the wake-ups its messages and timers cost (load-independent).
+        "wakeups_per_step": round(sum(spent["wakeups"].values()) / steps, 2),
+        "wakeups_per_second": round(sum(spent["wakeups"].values()) / wall, 2),
+        "by_process_wakeups_per_step": {k: round(v / steps, 2) for k, v in sorted(spent["wakeups"].items())},
         "by_thread_cpu_seconds_per_step": {
             k: round(v / steps, 5) for k, v in sorted(spent["stack_threads"].items(), key=lambda x: -x[1]) if v > 0
         },
@@ -258,6 +283,14 @@ def render(r: dict) -> str:
     ]
     for k, v in r["by_process_cpu_seconds_per_step"].items():
         rows.append((f"  {k}", f"{v * 1000:.2f} ms ({100 * v / step:.2f} %)"))
+    if "wakeups_per_step" in r:
+        woken = ", ".join(f"{k} {v:.1f}" for k, v in r["by_process_wakeups_per_step"].items() if v)
+        rows.append(
+            (
+                "stack wake-ups per step (voluntary context switches)",
+                f"{r['wakeups_per_step']:.1f} ({r['wakeups_per_second']:.1f} per second): {woken}",
+            )
+        )
     for k, v in r["rank_side_threads_cpu_seconds_per_step"].items():
         rows.append((f"  ranks' thread {k}", f"{v * 1000:.2f} ms ({100 * v / step:.2f} %)"))
     for k, v in list(r["by_thread_cpu_seconds_per_step"].items())[:12]:  # the largest consumers
