@@ -39,6 +39,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common as c  # noqa: E402
@@ -198,7 +200,7 @@ def cost(a: dict[int, dict], b: dict[int, dict]) -> dict:
     }
 
 
-def measure(warmup: int, window: int, timeout_s: float) -> dict:
+def measure(warmup: int, window: int, timeout_s: float, overrides: dict | None = None) -> dict:
     from services.contract import control_pb2
 
     c.setup_env()
@@ -208,9 +210,9 @@ def measure(warmup: int, window: int, timeout_s: float) -> dict:
     with c.Stack(workers=2) as stack:
         c.wait_forkservers_warm(2)
         roots = [p.pid for p in stack.procs.values()]
-        spec = c.write_spec(
-            SPEC, "stackcost", steps=warmup + 2 * window + 10
-        )  # (room for a window longer than estimated)
+        spec = c.write_spec(  # (room for a window longer than estimated)
+            SPEC, "stackcost", steps=warmup + 2 * window + 10, **(overrides or {})
+        )
         job, _ = c.submit(spec)
         deadline = time.time() + timeout_s
 
@@ -304,9 +306,18 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20, help="steps before the window (set-up excluded)")
     ap.add_argument("--window", type=int, default=60, help="steps measured")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole job")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION__KEY=VALUE",
+        help="a change to the job spec (repeatable; e.g. data__micro_batch_size=2 for a shorter step: "
+        "a loaded machine's steps are longer, and the stack's cost per step depends on the step time)",
+    )
     ap.add_argument("--out", type=Path, default=c.RESULTS / "stack_cost.json")
     args = ap.parse_args()
-    result = {"machine": c.machine()} | measure(args.warmup, args.window, args.timeout)
+    overrides = {k: yaml.safe_load(v) for k, _, v in (item.partition("=") for item in args.set)}
+    result = {"machine": c.machine()} | measure(args.warmup, args.window, args.timeout, overrides)
     result["args"] = {k: str(v) for k, v in vars(args).items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
