@@ -5,7 +5,8 @@ of a step"), measured from outside on a real stack.
 
 Runs the demo model of ``make bench`` (bench/jobs/throughput.yaml: dp 2, gloo, two node
 agents) on the real stack (control, store, data, two node agents with their rank fork
-servers) and reads, from ``/proc``, the CPU time (utime + stime) of every thread of every
+servers) and reads, from ``/proc``, the CPU time (the scheduler's ns run time, ``schedstat``;
+utime + stime where a kernel lacks it) of every thread of every
 process of the stack (the services ``surgectl up`` started and all their descendants) at
 two points of the job: after ``--warmup`` steps and about ``--window`` steps later (rank 0's
 ``status.step``). The harness asks control for the step (a GetJob, which control's CPU would
@@ -38,6 +39,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common as c  # noqa: E402
@@ -58,6 +61,30 @@ def _stat(path: str) -> tuple[int, float]:
     """(ppid, utime + stime in seconds) from a /proc stat file."""
     fields = _read(path).rsplit(")", 1)[1].split()
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / _HZ
+
+
+def _wakeups(task: str) -> int:
+    """A thread's voluntary context switches (``status``): each time it blocked and was woken
+    again. What the stack's cost is made of (a message costs a wake-up of every thread it
+    crosses), and, unlike CPU time, hardly moved by the machine's load."""
+    try:
+        for line in _read(f"{task}/status").splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _thread_cpu(task: str) -> float:
+    """A thread's CPU seconds (``task``: its /proc/PID/task/TID directory): the scheduler's
+    run time in ns (``schedstat``'s first field) where the kernel has it, else utime + stime
+    in clock ticks. Why: at 100 ticks a second a window of 60 steps of the stack's ~8 ms saw
+    about 50 ticks in all, a thread's share of a step moved by 0.17 ms per tick."""
+    try:
+        return int(_read(f"{task}/schedstat").split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return _stat(f"{task}/stat")[1]
 
 
 def kind_of(cmdline: str) -> str:
@@ -98,16 +125,17 @@ def snapshot(roots: list[int]) -> dict[int, dict]:
     for pid in ours:
         try:
             cmdline = _read(f"/proc/{pid}/cmdline").replace("\0", " ")
-            threads = {}
+            threads, wakeups = {}, {}
             for tid in os.listdir(f"/proc/{pid}/task"):
                 try:
                     name = _read(f"/proc/{pid}/task/{tid}/comm").strip()
-                    threads[int(tid)] = (name, _stat(f"/proc/{pid}/task/{tid}/stat")[1])
+                    threads[int(tid)] = (name, _thread_cpu(f"/proc/{pid}/task/{tid}"))
+                    wakeups[int(tid)] = _wakeups(f"/proc/{pid}/task/{tid}")
                 except (OSError, ValueError, IndexError):
                     continue  # a thread that ended
         except OSError:
             continue
-        out[pid] = {"kind": kind_of(cmdline), "threads": threads}
+        out[pid] = {"kind": kind_of(cmdline), "threads": threads, "wakeups": wakeups}
     return out
 
 
@@ -140,23 +168,29 @@ def cost(a: dict[int, dict], b: dict[int, dict]) -> dict:
     stack: dict[str, float] = defaultdict(float)
     threads: dict[str, float] = defaultdict(float)  # "kind: thread" -> CPU, of the stack's processes
     rank_side: dict[str, float] = defaultdict(float)
+    wakeups: dict[str, int] = defaultdict(int)  # the stack's threads' (a rank's side threads: "ranks' side")
     compute = 0.0
     ranks = 0
     for pid, proc in b.items():
         before = a.get(pid, {"threads": {}})["threads"]
+        woken_before = a.get(pid, {}).get("wakeups", {})
         main_name = proc["threads"].get(pid, ("", 0.0))[0]
         is_rank = re.fullmatch(r"rank \d+", proc["kind"]) is not None  # (not "rank fork server")
         ranks += is_rank and pid in a
         for tid, (name, cpu) in proc["threads"].items():
             spent = cpu - before.get(tid, (name, 0.0))[1]
+            woken = proc.get("wakeups", {}).get(tid, 0) - woken_before.get(tid, 0)
             if not is_rank:
                 stack[proc["kind"]] += spent
                 threads[f"{proc['kind']}: {'main' if tid == pid else _thread_group(name)}"] += spent
+                wakeups[proc["kind"]] += woken
             elif tid == pid or name == main_name or _COMPUTE_THREADS.match(name):
                 compute += spent  # the training loop, its pools, torch.distributed's transport
             else:
                 rank_side[_thread_group(name)] += spent
+                wakeups["ranks' side threads"] += woken
     return {
+        "wakeups": dict(wakeups),
         "stack": dict(stack),
         "stack_threads": dict(threads),
         "rank_side_threads": dict(rank_side),
@@ -166,7 +200,7 @@ def cost(a: dict[int, dict], b: dict[int, dict]) -> dict:
     }
 
 
-def measure(warmup: int, window: int, timeout_s: float) -> dict:
+def measure(warmup: int, window: int, timeout_s: float, overrides: dict | None = None) -> dict:
     from services.contract import control_pb2
 
     c.setup_env()
@@ -176,9 +210,9 @@ def measure(warmup: int, window: int, timeout_s: float) -> dict:
     with c.Stack(workers=2) as stack:
         c.wait_forkservers_warm(2)
         roots = [p.pid for p in stack.procs.values()]
-        spec = c.write_spec(
-            SPEC, "stackcost", steps=warmup + 2 * window + 10
-        )  # (room for a window longer than estimated)
+        spec = c.write_spec(  # (room for a window longer than estimated)
+            SPEC, "stackcost", steps=warmup + 2 * window + 10, **(overrides or {})
+        )
         job, _ = c.submit(spec)
         deadline = time.time() + timeout_s
 
@@ -221,6 +255,11 @@ def measure(warmup: int, window: int, timeout_s: float) -> dict:
         "stack_percent_of_rank_compute": round(100 * total * steps / max(spent["rank_compute"], 1e-9), 3),
         "rank_compute_cpu_seconds_per_step": round(spent["rank_compute"] / steps, 4),
         "by_process_cpu_seconds_per_step": {k: round(v, 5) for k, v in sorted(per_step.items())},
+        # Voluntary context switches of the stack's threads (a rank's side threads included),
+        # per step and per second: the wake-ups its messages and timers cost (load-independent).
+        "wakeups_per_step": round(sum(spent["wakeups"].values()) / steps, 2),
+        "wakeups_per_second": round(sum(spent["wakeups"].values()) / wall, 2),
+        "by_process_wakeups_per_step": {k: round(v / steps, 2) for k, v in sorted(spent["wakeups"].items())},
         "by_thread_cpu_seconds_per_step": {
             k: round(v / steps, 5) for k, v in sorted(spent["stack_threads"].items(), key=lambda x: -x[1]) if v > 0
         },
@@ -246,6 +285,14 @@ def render(r: dict) -> str:
     ]
     for k, v in r["by_process_cpu_seconds_per_step"].items():
         rows.append((f"  {k}", f"{v * 1000:.2f} ms ({100 * v / step:.2f} %)"))
+    if "wakeups_per_step" in r:
+        woken = ", ".join(f"{k} {v:.1f}" for k, v in r["by_process_wakeups_per_step"].items() if v)
+        rows.append(
+            (
+                "stack wake-ups per step (voluntary context switches)",
+                f"{r['wakeups_per_step']:.1f} ({r['wakeups_per_second']:.1f} per second): {woken}",
+            )
+        )
     for k, v in r["rank_side_threads_cpu_seconds_per_step"].items():
         rows.append((f"  ranks' thread {k}", f"{v * 1000:.2f} ms ({100 * v / step:.2f} %)"))
     for k, v in list(r["by_thread_cpu_seconds_per_step"].items())[:12]:  # the largest consumers
@@ -259,9 +306,18 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20, help="steps before the window (set-up excluded)")
     ap.add_argument("--window", type=int, default=60, help="steps measured")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole job")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION__KEY=VALUE",
+        help="a change to the job spec (repeatable; e.g. data__micro_batch_size=2 for a shorter step: "
+        "a loaded machine's steps are longer, and the stack's cost per step depends on the step time)",
+    )
     ap.add_argument("--out", type=Path, default=c.RESULTS / "stack_cost.json")
     args = ap.parse_args()
-    result = {"machine": c.machine()} | measure(args.warmup, args.window, args.timeout)
+    overrides = {k: yaml.safe_load(v) for k, _, v in (item.partition("=") for item in args.set)}
+    result = {"machine": c.machine()} | measure(args.warmup, args.window, args.timeout, overrides)
     result["args"] = {k: str(v) for k, v in vars(args).items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

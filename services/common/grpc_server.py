@@ -382,10 +382,10 @@ def serve_metrics(name: str, host: str, port: int):
     """
     if not port:
         return None
-    from prometheus_client import REGISTRY, start_http_server
+    from services.common import metrics_http  # (a thread that sleeps until a scrape: metrics_http.py)
 
     try:
-        http, _ = start_http_server(port, addr=host, registry=REGISTRY)
+        http = metrics_http.start(host, port)
     except OSError as e:
         raise PortInUse(
             f"{name}: cannot serve /metrics on {host}:{port}: {e.strerror or e}", taken=e.errno == errno.EADDRINUSE

@@ -99,6 +99,7 @@ from services.engine.parallel_strategy import ParallelStrategy
 from services.engine.step_profiler import StepProfiler
 from services.engine.training_loop import LoopPorts, TrainingLoop
 from services.jobspec import JobSpec, spec_from_json
+from services.rank import session_batches
 from services.rank.comm_settings import apply_nccl_environment, collective_timeout_s, side_timeout_s
 from services.rank.command_delay import CommandDelay
 from services.rank.evaluation_command import EvaluationCommand
@@ -489,21 +490,16 @@ class Session:
         self._out.put(worker_pb2.RankEvent(job_id=self._job_id, rank=self._rank, **event))
 
     def _requests(self):
-        """One stream message per wake-up: the first event queued, with every event queued
-        behind it by then in its ``more`` (a step's StepCompleted and its metric record are
-        queued together by the step's end). Each message costs a wake-up of this thread, the
-        channel's threads and the agent's; the batch keeps their order."""
-        while (event := self._out.get()) is not None:
-            while True:
-                try:
-                    behind = self._out.get_nowait()
-                except queue.Empty:
-                    break
-                if behind is None:  # closing: what came before it still goes
-                    yield event
-                    return
-                event.more.append(behind)
-            yield event
+        """One stream message per wake-up, a step's events of a rank other than 0 with its
+        next beat (services/rank/session_batches.py)."""
+        yield from session_batches.messages(self._out, self._ride_s)
+
+    def _ride_s(self) -> float:
+        """How long a step's events wait for the next beat: a beat period (the job's, once
+        InitJob said it) for a rank other than 0; rank 0's step goes at once."""
+        if getattr(self, "_rank", 0) == 0 or not session_batches.STEPS_RIDE:
+            return 0.0
+        return getattr(self, "_beat_interval", 0.0)
 
     def _beat(self) -> None:
         """The heartbeat thread: a clock that states this process is alive, nothing more.

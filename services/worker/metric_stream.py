@@ -23,16 +23,28 @@ content). The held records are bounded (``METRICS_BUFFER``): past it the oldest 
 counted and logged (its rank's next ack covers it: the rank waits for no dropped record).
 
 Per interval, not per step (issue 28 item 3: the stack's CPU per step): a record waits up to
-``linger_s`` (``SURGE_METRICS_LINGER_S``; default 0: at once) for others before its batch goes, and a
-batch's acks go back to each rank as one (its highest seq, the records summed, every routed
-failure event in order: a rank's MetricsClient counts acks cumulatively). Measured on the
-demo model (dp 2, a step every ~0.35 s): a record, a batch, an ack to the agent and an ack
-to the rank per step per node became one of each per second (bench/stack_cost.py). What
-waits on an ack does not linger: a ``StopLogCollection`` (the rank's loop waits for it at its
-end), what is held when a rank reports its loop's end (``flush``: a failed rank waits for its
-records' acks before it exits) and everything held at :meth:`MetricStream.close` go at once,
-with every record before them. A record is held from ``submit`` until its ack, as before, but
-only in the agent: a node that dies loses what lingered there (hence the default 0).
+``linger_s`` (``SURGE_METRICS_LINGER_S``; default 1 s; 0: at once) for others before its batch
+goes (at most ``BATCH_RECORDS`` records, a few hundred bytes each), and a batch's acks go back
+to each rank as one (its highest seq, the records summed, every routed failure event in order:
+a rank's MetricsClient counts acks cumulatively). Measured on the demo model (dp 2, a step
+every ~0.3 s): a batch to the store and its ack per step per node became one of each per
+second (bench/stack_cost.py). What waits on an ack, or marks a boundary, does not linger: a
+``StopLogCollection`` (the rank's loop waits for it at its end), and :meth:`flush` (the node
+agent's) at every boundary of a rank: any routed event of it but a ``StepCompleted`` (a save
+committed, a pause, a step fault, an eval, its loop's end: a failed rank waits for its
+records' acks before it exits), its session's end (the process ended), and a ReleaseRanks
+of its job; everything held at :meth:`MetricStream.close` goes at once, with every record
+before them.
+
+The trade-off (why the default was 0 from session 26 to 30): a record is held from
+``submit`` until its ack only in the agent, so a node agent that dies abruptly (SIGKILL, the
+node lost) takes what lingered there along: its ranks' records of at most the last
+``linger_s`` that no boundary sent. Those are the steps after the job's last committed save
+(the save's ``SaveCompleted`` flushed every earlier one through rank 0's agent), which a
+recovery trains again and records again; what is lost for good is another node's rank's
+records of those steps (one per rank per step: per-rank series, the job's loss curve is
+rank 0's). The store's sinks (the metric file, Prometheus, the dashboard) see a step up to
+``linger_s`` later. A pause, a stop, a failure and a finish lose nothing: each is a boundary.
 """
 
 from __future__ import annotations
@@ -62,13 +74,13 @@ def _env_seconds(name: str, default: float) -> float:
         return default
 
 
-# How long a record waits for others before its batch goes (0: at once, as before). The
-# store's sinks (metric files, the live view) see a step at most this late; the rank's own
-# flush at its end does not wait for it.
-# Default 0 (each record goes as it comes, batched with whatever is pending): a record held in
-# a node agent that dies is lost with it, and at 1 s a killed node took its ranks' last steps'
-# records with it (CI: test_memory_recovery's killed worker lost steps 1-5 of its curve).
-METRICS_LINGER_S = _env_seconds("SURGE_METRICS_LINGER_S", 0.0)
+# How long a record waits for others before its batch goes (0: at once). The store's sinks
+# (metric files, the live view) see a step at most this late; a boundary does not wait for it
+# (the module docstring). At 0 (sessions 26-30) a node agent sent the store a batch, and got
+# its ack, per step per node; at 1 s, once a second. (Session 26's 1 s default lost records
+# that no boundary flushed then: a killed worker's steps 1-5, test_memory_recovery; a save's
+# SaveCompleted flushes them now.)
+METRICS_LINGER_S = _env_seconds("SURGE_METRICS_LINGER_S", 1.0)
 RECONNECT_OPTIONS = (  # a store that comes back is found within 2 s (gRPC's default grows to 120 s)
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),

@@ -149,6 +149,9 @@ AUDIT_TIMEOUT_SECONDS = 2.0
 
 # A rank's loop ended: its metric records held here go without lingering (metric_stream.py).
 _LOOP_ENDS = frozenset({"surge.v1.TrainingLoopFinished", "surge.v1.TrainingLoopFailed"})
+# The one routed event of a rank that is no boundary: every other (a save committed, a pause,
+# a step fault, an eval, the loop's end) sends the records held here at once (metric_stream.py).
+_STEP_COMPLETED = "surge.v1.StepCompleted"
 
 
 def _key(r: RankProcess) -> tuple[str, int, int]:
@@ -329,6 +332,8 @@ class NodeAgent(RankLauncher):
                     r.kill_timer = threading.Timer(grace, self._kill_if_alive, args=(r,))
                     r.kill_timer.daemon = True
                     r.kill_timer.start()
+        for address in {r.init.store_address for r in targets}:
+            self._metrics.flush(address)  # the job stops here: its records go now, not after the linger
         if self._links is not None and not msg.ranks:
             self._links.forget(msg.job_id)  # (the job left this node: its links are not probed)
         self._log.info(
@@ -439,9 +444,13 @@ class NodeAgent(RankLauncher):
                     said_rank=event.rank,
                 )
             event.job_id, event.rank = r.job_id, r.rank
-        if kind == "routed" and event.routed.type in _LOOP_ENDS:
-            self._metrics.flush(r.init.store_address)  # the rank waits for their acks to exit
-            self._ack_metrics(r, self._metric_acks.loop_ended(_key(r)))
+        if kind == "routed" and event.routed.type != _STEP_COMPLETED:
+            # A boundary (a save, a pause, a fault, the end): what lingers goes now, so a
+            # record of a step up to a committed save or a fault is not left to the linger
+            # (a node that dies after it would take it along: metric_stream.py).
+            self._metrics.flush(r.init.store_address)
+            if event.routed.type in _LOOP_ENDS:  # the rank waits for their acks to exit
+                self._ack_metrics(r, self._metric_acks.loop_ended(_key(r)))
         if kind == "routed" and not self.steps.send_up(r.job_id, r.rank, event.routed):
             return  # another rank's step: its beats carry its progress (step_summaries.py)
         if kind == "heartbeat":
@@ -501,6 +510,7 @@ class NodeAgent(RankLauncher):
         with self._lock:
             r.session = "closed"
         self._metric_acks.forget(_key(r))
+        self._metrics.flush(r.init.store_address)  # (its records need not wait out the linger)
         r.commands.put(END_OF_COMMANDS)
         r.stream_closed.set()
 

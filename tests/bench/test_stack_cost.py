@@ -45,7 +45,11 @@ def test_a_ranks_compute_is_its_main_thread_its_pools_and_torch_distributed_the_
     a = {10: rank(1.0, 1.0, 1.0, 1.0, 1.0), 20: {"kind": "rank fork server", "threads": {20: ("python", 5.0)}}}
     b = {10: rank(3.0, 2.0, 1.5, 1.25, 1.5), 20: {"kind": "rank fork server", "threads": {20: ("python", 5.5)}}}
     b[30] = {"kind": "control", "threads": {30: ("python", 0.25), 31: ("event-applier-0", 0.5)}}  # new: from 0
+    a[10]["wakeups"] = {10: 100, 13: 5, 14: 7}
+    b[10]["wakeups"] = {10: 900, 13: 8, 14: 17}  # (the main thread's are the compute's: not counted)
+    b[30]["wakeups"] = {31: 4}
     spent = cost(a, b)
+    assert spent["wakeups"] == {"ranks' side threads": 13, "control": 4, "rank fork server": 0}
     assert spent["ranks"] == 1 and spent["rank_compute"] == pytest.approx(3.5)
     assert spent["rank_side_threads"] == pytest.approx({"heartbeat": 0.25, "event_engine": 0.5})
     assert spent["stack"] == pytest.approx({"rank fork server": 0.5, "control": 0.75})
@@ -67,6 +71,7 @@ def test_python_threads_carry_their_names_to_the_os_and_the_snapshot_reads_them(
         assert child.stdout.readline().strip() == "up"
         seen = snapshot([child.pid])[child.pid]
         names = [name for name, _ in seen["threads"].values()]
+        assert set(seen["wakeups"]) == set(seen["threads"]) and sum(seen["wakeups"].values()) > 0
         assert "heartbeat" in names and seen["kind"].startswith("other")
     finally:
         child.kill()

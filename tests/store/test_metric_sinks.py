@@ -295,6 +295,6 @@ def metrics_through_an_agent(address: str, on_routed=None):
     from services.rank.metrics_client import MetricsClient
     from services.worker.metric_stream import MetricStream
 
-    stream = MetricStream(address, structlog.get_logger())
+    stream = MetricStream(address, structlog.get_logger(), linger_s=0)  # (no agent here to flush at a boundary)
     client = MetricsClient(lambda record: stream.submit(record, client.acked), on_routed=on_routed)
     return client, stream

@@ -1,5 +1,6 @@
 """Fewer RankSession messages per step (issue 28 item 3: the stack's CPU per step): a rank's
-session sends what it has queued as one message (``RankEvent.more``), the agent takes each
+session sends what it has queued as one message (``RankEvent.more``), a rank other than 0 its
+step's events with its next beat (services/rank/session_batches.py), the agent takes each
 event of it as if it came alone; the store's acks of a rank's metric records go down at once
 only when the rank waits on them, else with its next beat (services/worker/metric_acks.py)."""
 
@@ -7,10 +8,13 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import pytest
 
-from services.contract import engine_pb2, store_pb2, worker_pb2
+from services.contract import Module, engine_pb2, store_pb2, worker_pb2
+from services.contract.relay import pack
+from services.rank import session_batches
 from services.rank.__main__ import Session
 from services.worker.metric_acks import MetricAcks
 from services.worker.rank_session import unbatched
@@ -73,6 +77,90 @@ def test_a_lone_event_goes_alone_and_a_later_one_in_its_own_message():
 def test_a_message_without_more_is_itself():
     e = step_record(3, 3)
     assert unbatched(e) == [e]
+
+
+# ------------------------------------------------------------------ a step's events ride with the beat
+
+
+def step_completed(step: int) -> worker_pb2.RankEvent:
+    return ev(routed=pack(engine_pb2.StepCompleted(job_id="j", rank=1, step=step), Module.L2_TRAINING_LOOP))
+
+
+def sender(ride_s: float) -> tuple[queue.Queue, queue.Queue, threading.Thread]:
+    """``session_batches.messages`` on a thread: (the rank's queue, the messages sent, the thread)."""
+    out: queue.Queue = queue.Queue()
+    sent: queue.Queue = queue.Queue()
+
+    def run() -> None:
+        for message in session_batches.messages(out, lambda: ride_s):
+            sent.put(message)
+        sent.put(None)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return out, sent, t
+
+
+def test_a_steps_events_wait_for_the_next_beat_and_go_with_it_in_order():
+    out, sent, _ = sender(ride_s=60)
+    for n in (1, 2):
+        out.put(step_completed(n))
+        out.put(step_record(n, n))
+    with pytest.raises(queue.Empty):
+        sent.get(timeout=0.5)  # (a step's events wait: the beat comes within its period)
+    out.put(ev(heartbeat=worker_pb2.RankHeartbeat(job_id="j", rank=1, step=2)))
+    parts = unbatched(sent.get(timeout=10))
+    assert [p.WhichOneof("event") for p in parts] == ["routed", "metrics", "routed", "metrics", "heartbeat"]
+    assert [p.metrics.seq for p in parts if p.HasField("metrics")] == [1, 2]
+
+
+def test_a_steps_events_wait_at_most_the_period():
+    out, sent, _ = sender(ride_s=0.4)
+    t0 = time.monotonic()
+    out.put(step_completed(1))
+    out.put(step_record(1, 1))
+    message = sent.get(timeout=20)
+    assert time.monotonic() - t0 >= 0.35  # (a bound that holds on a loaded host: waits only get longer)
+    assert [p.WhichOneof("event") for p in unbatched(message)] == ["routed", "metrics"]
+
+
+@pytest.mark.parametrize(
+    "boundary",
+    [
+        pack(store_pb2.SaveCompleted(job_id="j", step=2, version="j:1"), Module.L5_CHECKPOINT_MANAGER),
+        pack(engine_pb2.TrainingLoopPaused(job_id="j", rank=1, step=2), Module.L2_TRAINING_LOOP),
+        pack(engine_pb2.TrainingLoopFinished(job_id="j", rank=1), Module.L2_TRAINING_LOOP),
+        None,  # the session's end
+        store_pb2.MetricRecord(seq=3, stop=store_pb2.StopLogCollection(job_id="j")),
+    ],
+)
+def test_anything_else_sends_what_waits_at_once(boundary):
+    out, sent, t = sender(ride_s=60)
+    out.put(step_completed(2))
+    out.put(step_record(2, 2))
+    if boundary is None:
+        out.put(None)
+    elif isinstance(boundary, store_pb2.MetricRecord):
+        out.put(ev(metrics=boundary))
+    else:
+        out.put(ev(routed=boundary))
+    parts = unbatched(sent.get(timeout=10))  # (not the 60 s)
+    assert [p.WhichOneof("event") for p in parts][:2] == ["routed", "metrics"]
+    assert len(parts) == (2 if boundary is None else 3)
+    if boundary is None:
+        assert sent.get(timeout=10) is None
+        t.join(10)
+
+
+def test_rank_0s_steps_go_at_once_and_another_ranks_ride_for_a_beat_period():
+    zero = object.__new__(Session)
+    zero._rank, zero._beat_interval = 0, 2.0
+    other = object.__new__(Session)
+    other._rank, other._beat_interval = 1, 2.0
+    assert zero._ride_s() == 0.0 and other._ride_s() == 2.0
+    assert session_batches.rides(step_completed(1)) and session_batches.rides(step_record(1, 1))
+    assert not session_batches.rides(ev(heartbeat=worker_pb2.RankHeartbeat(job_id="j", rank=1)))
+    assert not session_batches.rides(ev(metrics=store_pb2.MetricRecord(eval=engine_pb2.EvalCompleted(job_id="j"))))
 
 
 # ------------------------------------------------------------------ metric acks
