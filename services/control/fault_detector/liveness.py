@@ -204,7 +204,7 @@ class Liveness:
             watch = job.ranks.get(msg.rank)
             if watch is None:
                 watch = job.ranks[msg.rank] = _RankWatch()
-                _log.info(
+                _log.debug(  # (debug: one line per rank is 8,192 lines at a large job's every start)
                     "watching rank",
                     job_id=msg.job_id,
                     rank=msg.rank,
