@@ -77,6 +77,10 @@ class Deadline:
         self.cancelled = True
 
 
+TICK_S = 1.0  # the serving thread wakes at least this often, to see a stall of its process
+STALL_S = 2.0  # a wake this much later than asked: the process was stopped or starved
+
+
 class Deadlines:
     """A heap of deadlines served by one thread and ``workers`` callback threads (daemons)."""
 
@@ -87,6 +91,7 @@ class Deadlines:
         self._order = itertools.count()  # ties keep arming order
         self._cond = threading.Condition()
         self._closed = False
+        self.put_off = 0.0  # seconds every deadline was put off for stalls of the process (_put_off)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"{name}-deadline")
         threading.Thread(target=self._serve, name=f"{name}-deadlines", daemon=True).start()
 
@@ -130,11 +135,28 @@ class Deadlines:
             if self._heap[0][2] is deadline:
                 self._cond.notify()
 
+    def _put_off(self, seconds: float) -> None:
+        """Under ``_cond``: this thread woke ``seconds`` late (less a tick): the process was
+        stopped (SIGSTOP) or starved meanwhile, and so were the messages that re-arm its
+        deadlines, which wait unread in its sockets. Every armed deadline is put off by that
+        much (the time the process did not run does not count; a tick more for the estimate's
+        error), so that a pause of control is no one's silence: a frozen control blamed a
+        healthy rank 17.5 s silent after a 20 s SIGSTOP and relaunched it (a fresh user's trial)."""
+        self._heap = [(key + seconds, order, d) for key, order, d in self._heap]  # (a uniform shift: still a heap)
+        for _, _, d in self._heap:
+            d.when += seconds
+        self.put_off += seconds
+
     def _serve(self) -> None:
         while True:
             with self._cond:
                 while not self._closed and (not self._heap or self._heap[0][0] > time.monotonic()):
-                    self._cond.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
+                    wait = TICK_S if not self._heap else min(TICK_S, self._heap[0][0] - time.monotonic())
+                    asked = time.monotonic() + wait
+                    self._cond.wait(wait)
+                    late = time.monotonic() - asked
+                    if late > STALL_S:
+                        self._put_off(late + TICK_S)
                 if self._closed:
                     return
                 key, _, due = heapq.heappop(self._heap)

@@ -104,3 +104,49 @@ def test_a_posted_deadline_moved_before_its_turn_is_armed_again_not_run():
         time.sleep(0.01)
     queued.pop()()
     assert done.wait(5) and ran[0] >= 0.3, ran
+
+
+_STOPPED_CHILD = """
+import sys, threading, time
+from services.common.deadlines import Deadlines
+d = Deadlines("t", workers=1)
+fired = threading.Event()
+t0 = time.monotonic()
+d.after(1.5, fired.set)
+print("armed", flush=True)
+fired.wait(30)
+print(f"fired {time.monotonic() - t0:.2f} {getattr(d, 'put_off', 0.0):.2f}", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_process_stopped_past_its_deadline_puts_the_deadline_off_by_the_stop():
+    # A pause of control is no one's silence: after a 20 s SIGSTOP of control, a healthy rank
+    # was declared 17.5 s silent (its beats waited unread in control's sockets). The time the
+    # process did not run does not count: a 1.5 s deadline stopped 5 s at 0.5 s fires ~1 s
+    # after the process continues, not at once.
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", _STOPPED_CHILD],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    try:
+        assert child.stdout.readline().strip() == "armed"
+        time.sleep(0.5)
+        child.send_signal(signal.SIGSTOP)
+        time.sleep(5.0)
+        child.send_signal(signal.SIGCONT)
+        resumed = time.monotonic()
+        line = child.stdout.readline().split()
+        fired_after_resume = time.monotonic() - resumed
+        assert line[0] == "fired" and float(line[2]) >= 3.5, line  # (put off by the stop, less what it slept anyway)
+        assert fired_after_resume >= 0.5, fired_after_resume  # (not at once: its beats get read first)
+    finally:
+        child.kill()
+        child.wait(10)
