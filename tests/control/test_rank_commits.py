@@ -18,7 +18,7 @@ from services.contract.relay import pack
 
 from .conftest import settle
 from .test_commit_undo import full
-from .test_start_commits import commits, decided, ready, sent, start_job
+from .test_start_commits import commits, decided, ready, sent, start_job, writer_held
 
 JobState = control_pb2.JobState
 JobOutcome = control_pb2.JobOutcome
@@ -73,10 +73,8 @@ def test_a_pauses_paused_reports_are_applied_back_to_back_and_group_committed(pl
     plane.user(control_pb2.PauseJobRequest(job_id=job_id, no_checkpoint=True))
     acked = {w: s.durable for w, s in sessions.items()}
     applier = plane.c.servicer.applier
-    held = plane.c.journal._lock  # the writer's transactions take it: held, it commits nothing
     before = commits()
-    held.acquire()
-    try:
+    with writer_held(plane):
         for w, rs in ranks.items():
             for i, rank in enumerate(rs):
                 paused = engine_pb2.TrainingLoopPaused(job_id=job_id, rank=rank, step=7)
@@ -84,8 +82,6 @@ def test_a_pauses_paused_reports_are_applied_back_to_back_and_group_committed(pl
         applied(sessions, {w: nxt[w] + len(rs) - 1 for w, rs in ranks.items()})  # the old code: stuck
         assert plane.get(job_id).state == JobState.PAUSED  # decided (the view) ...
         assert {w: s.durable for w, s in sessions.items()} == acked  # ... nothing acked before the commit
-    finally:
-        held.release()
     for w, session in sessions.items():
         settle(lambda w=w, session=session: session.durable, nxt[w] + len(ranks[w]) - 1)
     assert commits() - before <= 5  # 32 writes (31 ranks' bookkeeping, PAUSED with the last) in a few groups
@@ -102,10 +98,8 @@ def test_a_finish_and_the_clean_exits_go_on_and_the_last_finish_waits_for_its_re
     acked = {w: s.durable for w, s in sessions.items()}
     last_w, last_rank = "w7", ranks["w7"][-1]
     applier = plane.c.servicer.applier
-    held = plane.c.journal._lock
     before = commits()
-    held.acquire()
-    try:
+    with writer_held(plane):
         for w, rs in ranks.items():
             for rank in rs:
                 if rank == last_rank:
@@ -126,8 +120,6 @@ def test_a_finish_and_the_clean_exits_go_on_and_the_last_finish_waits_for_its_re
         assert {w: s.durable for w, s in sessions.items()} == acked  # ... nothing acked, nothing released
         for session in sessions.values():
             assert [c for c in sent(plane, session) if c.WhichOneof("command") == "release"] == []
-    finally:
-        held.release()
     settle(lambda: sessions[last_w].durable, nxt[last_w])
     for w, session in sessions.items():
         settle(lambda w=w, session=session: session.durable, nxt[w] - (w != last_w))
@@ -192,9 +184,7 @@ def test_a_last_paused_report_whose_decision_registers_an_undo_still_waits(plane
     saved = store_pb2.SaveCompleted(job_id=job_id, version=f"{job_id}:1", step=9, seconds=0.5)
     plane.rank_event(sessions["w0"], job_id, ranks["w0"][0], saved=saved)
     applier = plane.c.servicer.applier
-    held = plane.c.journal._lock
-    held.acquire()
-    try:
+    with writer_held(plane):
         for w in ("w0", "w1"):
             paused = engine_pb2.TrainingLoopPaused(job_id=job_id, rank=ranks[w][0], step=9)
             applier.event(sessions[w], loop_event(paused, nxt[w]))
@@ -206,8 +196,6 @@ def test_a_last_paused_report_whose_decision_registers_an_undo_still_waits(plane
         time.sleep(0.3)
         # ... and its thread waits for the move's commit: neither it nor the event behind it is done
         assert sessions["w1"].applied == nxt["w1"] - 1
-    finally:
-        held.release()
     settle(lambda: sessions["w1"].applied, nxt["w1"] + 1)
 
 
@@ -219,18 +207,14 @@ def test_a_profiles_reports_of_every_rank_are_applied_back_to_back(plane):
     seq = plane.user(control_pb2.ProfileJobRequest(job_id=job_id, steps=1)).profiles[-1].seq
     acked = {w: s.durable for w, s in sessions.items()}
     applier = plane.c.servicer.applier
-    held = plane.c.journal._lock
     before = commits()
-    held.acquire()
-    try:
+    with writer_held(plane):
         for w, rs in ranks.items():
             for i, rank in enumerate(rs):
                 report = engine_pb2.ProfileRecorded(job_id=job_id, rank=rank, seq=seq, first_step=3, last_step=3)
                 applier.event(sessions[w], loop_event(report, nxt[w] + i))
         applied(sessions, {w: nxt[w] + len(rs) - 1 for w, rs in ranks.items()})  # the old code: stuck
         assert {w: s.durable for w, s in sessions.items()} == acked
-    finally:
-        held.release()
     for w, session in sessions.items():
         settle(lambda w=w, session=session: session.durable, nxt[w] + len(ranks[w]) - 1)
     assert commits() - before <= 5

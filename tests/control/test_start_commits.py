@@ -6,6 +6,7 @@ event's commit before the next: one commit per rank, serial."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -42,6 +43,13 @@ def commits() -> float:
     return REGISTRY.get_sample_value("surge_control_journal_commits_total") or 0.0
 
 
+@contextlib.contextmanager
+def writer_held(plane):
+    """The journal's writer commits nothing meanwhile (its transactions take the store's lock)."""
+    with plane.c.journal._lock:
+        yield
+
+
 def decided(cls: str, action: str) -> float:
     return REGISTRY.get_sample_value("surge_fault_decisions_total", {"class": cls, "action": action}) or 0.0
 
@@ -71,10 +79,8 @@ def test_a_starts_ready_events_are_applied_back_to_back_and_group_committed(plan
     commit per rank)."""
     job_id, sessions, ranks = start_job(plane, nodes=8, slots=4)
     applier = plane.c.servicer.applier
-    held = plane.c.journal._lock  # the writer's transactions take it: held, it commits nothing
     before = commits()
-    held.acquire()
-    try:
+    with writer_held(plane):
         for w, rs in ranks.items():
             for seq, rank in enumerate(rs, start=1):
                 applier.event(sessions[w], ready(job_id, rank, w, seq))
@@ -86,8 +92,6 @@ def test_a_starts_ready_events_are_applied_back_to_back_and_group_committed(plan
         for session in sessions.values():  # ... but nothing released before the commit
             assert session.durable == 0
             assert [c for c in sent(plane, session) if c.WhichOneof("command") != "ack" or c.ack.seq] == []
-    finally:
-        held.release()
     for w, session in sessions.items():
         settle(lambda session=session: session.durable, len(ranks[w]))
     got = {w: [] for w in sessions}
