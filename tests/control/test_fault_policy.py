@@ -1077,6 +1077,30 @@ def test_a_replica_divergence_rolls_back_to_the_last_agreeing_check_and_a_versio
     assert reloads(w["wb"]) == [v1]
 
 
+def test_a_commit_of_the_diverged_replicas_applied_after_the_rollback_decision_is_never_loaded(plane, store):
+    """Rank 1's divergence report (found at step 8) can reach control before rank 0's commit of
+    step 6, which came up another node agent's stream: the rollback is decided with step 4's
+    version, and step 6's commit, applied after it, is struck as saved after the last agreeing
+    check, never the one loaded (CI saw this order on a loaded machine)."""
+    job_id, w = running(plane, "wa", "wb", extra=QUICK + "\nintegrity: {replica_check_every_steps: 4}")
+    v1 = saved(plane, w["wa"], job_id, 1, step=4)
+    store.verdicts = [(v1, 4, True)]
+    detail = "data-parallel replicas differ after step 8 in tok_emb.weight: dp ranks 0, 1 differ and no majority"
+    failed = engine_pb2.TrainingLoopFailed(step=8, fault_class="replica_divergence", detail=detail)
+    plane.rank_event(w["wb"], job_id, 1, failed=failed)
+    assert decisions(plane, job_id)[0].endswith(
+        "at or before step 4, the last replica check that agreed; in place: the live ranks load it, none is relaunched"
+    )
+    v2 = saved(plane, w["wa"], job_id, 2, step=6)  # (rank 0's commit, applied late)
+    events = [e.message for e in plane.events(job_id)]
+    assert f"checkpoint {v2} saved after the last replica check that agreed (step 4); never loaded" in events
+    assert reloads(w["wa"]) == [v1]
+    restarted(plane, job_id, {0: w["wa"], 1: w["wb"]}, start_step=4)
+    s = plane.get(job_id)
+    assert s.state == JobState.RUNNING and f"loaded checkpoint {v1} in place" in s.message, s.message
+    assert s.checkpoint_version == v1, s.checkpoint_version  # (not the struck one, committed last)
+
+
 def test_a_replica_divergence_with_a_rank_gone_relaunches_every_rank_and_says_why(plane, store):
     job_id, w = running(plane, "wa", "wb", extra=QUICK + "\nintegrity: {replica_check_every_steps: 4}")
     v1 = saved(plane, w["wa"], job_id, 1, step=4)

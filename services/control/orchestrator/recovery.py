@@ -184,6 +184,9 @@ class Recovery:
         of the failed ranks reported during the recovery."""
         diverged = [v for s, v in versions if s > bound and v not in job.unusable]
         job.unusable.update(diverged)
+        if job.status.checkpoint_version in diverged:  # status names what a resume would load, never a struck one
+            usable = [(s, v) for s, v in job.versions if v not in job.unusable]
+            job.status.checkpoint_version = max(usable)[1] if usable else ""
         if diverged:
             self._record(
                 job, ORCH, "checkpoint",
