@@ -26,8 +26,9 @@ a coroutine, never a thread. Each scenario runs on a fresh stack.
 * ``heartbeats``: ``--agents`` agents of one rank each, one job over all of them, each rank
   beating at 1 Hz (its step advancing), no StepCompleted.
 
-Beats go up as the node agent sends them (services/worker/rank_beats.py): one sequenced
-``RankBeats`` per node and second with every local rank's beat and the agent's own
+Beats go up as the node agent sends them (services/worker/rank_beats.py): one unsequenced
+``RankBeats`` per node and second (a fact of now: never acknowledged, so their handling is
+control's ``handling_ms``, not an ack latency; sequenced and acked before session 32) with every local rank's beat and the agent's own
 ``AgentHeartbeat`` riding in it; an agent with no stepping rank sends its beat alone,
 unsequenced. (Before session 29 the simulated agent sent one message per rank beat and no
 agent beat: 8,192 messages/s at 1,024 x 8 where the real agents send 1,024.)
@@ -385,7 +386,7 @@ class SimAgent:
             if not steps:
                 self.step += 1  # a beat that shows progress (the rank trains)
             # As the node agent's RankBeats (services/worker/rank_beats.py): the node's ranks'
-            # beats of the period in one sequenced message, with the agent's own beat riding in
+            # beats of the period in one unsequenced message, with the agent's own beat riding in
             # it (its period is the ranks' here, 1 s), not one message per rank.
             beats = [
                 worker_pb2.RankEvent(
@@ -410,7 +411,13 @@ class SimAgent:
                 for r in sorted(self.ranks)
             ]
             agent = self.pb.AgentHeartbeat(interval_seconds=1.0, unix_time=t)
-            self._emit("heartbeat", rank_beats=self.pb.RankBeats(job_id=self.job, beats=beats, agent=agent))
+            self._fact(self.pb.WorkerEvent(rank_beats=self.pb.RankBeats(job_id=self.job, beats=beats, agent=agent)))
+
+    def _fact(self, ev) -> None:
+        """A node's ranks' beats: in stream order, unsequenced, never kept, acknowledged or
+        resent (control_link.Outbox's FACTS); dropped while no session is open."""
+        if self.queue is not None:
+            self.queue.put_nowait(ev)
 
     def _agent_beat_alone(self) -> None:
         """An idle node's agent beat (no rank beats to ride with): unsequenced, never kept
@@ -770,11 +777,10 @@ def table(results: list[dict]) -> str:
                 f"{r['registered']}",
                 lat("step_rank0"),
                 lat("step"),
-                lat("heartbeat"),
                 f"{r.get('control_cores', float('nan')):.2f}",
                 f"{r.get('agents_cores', float('nan')):.2f}",
                 f"{r.get('journal_writes_per_s', float('nan')):.0f}",
-                f"{r.get('messages_in_per_s', float('nan')):.0f}",
+                f"{r.get('messages_in_per_s', float('nan')):.0f} / {r.get('messages_out_per_s', float('nan')):.0f}",
                 f"{r.get('loadavg_1m', float('nan')):.1f}",
                 r.get("error") or extra,
             )
@@ -785,11 +791,10 @@ def table(results: list[dict]) -> str:
         "registered",
         "rank-0 step ack p50/p99 ms",
         "step ack ms",
-        "heartbeat ack ms",
         "control cores",
         "agents cores",
         "journal writes/s",
-        "msgs in/s",
+        "msgs in / out per s",
         "load avg 1 min",
         "",
     )

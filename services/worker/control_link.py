@@ -26,6 +26,8 @@ from services.contract import Module, control_pb2, control_pb2_grpc
 
 # What every part of the agent that states a fact is given: queues one event for control.
 Emit = Callable[[control_pb2.WorkerEvent], None]
+# The messages the outbox sends without a seq, acknowledges never and resends never (Outbox).
+FACTS = frozenset({"rank_beats"})
 
 
 class Outbox:
@@ -40,6 +42,13 @@ class Outbox:
     re-registers, and control drops any it had applied already: none lost, none applied
     twice. Bounded, dropping the oldest, so a long control outage cannot exhaust the
     node's memory (``dropped`` counts what was lost; control sees the gap).
+
+    A node's ranks' beats (``WorkerEvent.rank_beats``) are facts of now: queued in order like
+    the rest (a beat never overtakes a later event of its rank, rank_beats.py) but without a
+    seq, forgotten once sent and never resent (the next period's beats say more than a
+    resent one; one still queued when a session ends is dropped). So control acknowledges
+    none of them: they were nearly every ack it sent (256 acks/s for 258 messages at 256
+    agents, issue 28), and a replay after a reconnect re-armed deadlines with old news.
     """
 
     def __init__(self, max_events: int = 100_000):
@@ -58,8 +67,11 @@ class Outbox:
     def put(self, event: control_pb2.WorkerEvent) -> None:
         """Give ``event`` the next seq and queue it; never blocks."""
         with self._cond:
-            self._seq += 1
-            event.seq = self._seq
+            if event.WhichOneof("event") in FACTS:
+                event.seq = 0
+            else:
+                self._seq += 1
+                event.seq = self._seq
             if len(self._items) >= self._max:
                 self._items.popleft()
                 self._next = max(0, self._next - 1)
@@ -89,6 +101,9 @@ class Outbox:
                 beat, self._beat = self._beat, None
                 return beat
             event = self._items[self._next]
+            if not event.seq:  # a fact: sent once, never kept for a resend
+                del self._items[self._next]
+                return event
             self._next += 1
             self._sent = max(self._sent, event.seq)
             if not self._acked:  # a control that acknowledges nothing: forget it once sent
@@ -103,6 +118,8 @@ class Outbox:
         as it would never be deduplicated, and events are forgotten once sent."""
         with self._cond:
             self._acked = applied is not None
+            if any(not e.seq for e in self._items):  # facts of the last session: old news now
+                self._items = collections.deque(e for e in self._items if e.seq)
             self._drop_through(self._sent if applied is None else applied)
             self._next = 0
             self._open = True
@@ -138,7 +155,7 @@ class Outbox:
             return self._cond.wait_for(lambda: not self._items, timeout)
 
     def _drop_through(self, seq: int) -> None:
-        while self._items and self._items[0].seq <= seq:
+        while self._items and 0 < self._items[0].seq <= seq:  # (a fact first is not sent yet)
             self._items.popleft()
             self._next = max(0, self._next - 1)
 

@@ -185,6 +185,31 @@ def test_the_agents_own_beat_goes_ahead_of_the_queue_without_a_seq_and_is_never_
     assert box.get(never).seq == 1
 
 
+def test_a_nodes_rank_beats_go_in_order_without_a_seq_and_are_neither_acknowledged_nor_resent():
+    box = Outbox()
+    box.put(control_pb2.WorkerEvent(rank_beats=control_pb2.RankBeats(job_id="j")))  # before any session
+    never = threading.Event()
+    assert box.resume(0) == (0, 0)  # (old news by the time a session opens: dropped)
+    box.put(control_pb2.WorkerEvent(rank_beats=control_pb2.RankBeats(job_id="j")))  # first: an ack must not drop it
+    box.put(control_pb2.WorkerEvent(memory_pressure=control_pb2.MemoryPressure(available_bytes=1)))
+    box.put(control_pb2.WorkerEvent(rank_beats=control_pb2.RankBeats(job_id="j")))
+    box.put(control_pb2.WorkerEvent(memory_pressure=control_pb2.MemoryPressure(available_bytes=2)))
+    box.ack(2)  # (a late ack: nothing of this session sent yet)
+    sent = [box.get(never) for _ in range(4)]
+    # In the order put (a beat never overtakes a later event of its rank), the beats unsequenced.
+    assert [(e.WhichOneof("event"), e.seq) for e in sent] == [
+        ("rank_beats", 0), ("memory_pressure", 1), ("rank_beats", 0), ("memory_pressure", 2),
+    ]  # fmt: skip
+    box.ack(2)
+    assert box.wait_empty(0.01)  # the beats were forgotten once sent: nothing waits for an ack of them
+    # A beat still queued when the session ends is old news by the next: dropped, not resent.
+    box.put(control_pb2.WorkerEvent(rank_beats=control_pb2.RankBeats(job_id="j")))
+    box.put(control_pb2.WorkerEvent(memory_pressure=control_pb2.MemoryPressure(available_bytes=3)))
+    box.pause()
+    assert box.resume(2) == (1, 0)
+    assert [(e.WhichOneof("event"), e.seq) for e in [box.get(never)]] == [("memory_pressure", 3)]
+
+
 def test_a_full_outbox_drops_the_oldest_and_the_gap_shows_in_the_sequence():
     box = Outbox(max_events=2)
     for _ in range(3):
