@@ -102,7 +102,7 @@ def split_agent_beat(ev: control_pb2.WorkerEvent) -> control_pb2.WorkerEvent | N
     """The node agent's own beat that rode in a ``RankBeats`` (taken out of it), as the
     ``WorkerEvent.heartbeat`` it stands for; None if it carries none. So control applies it
     exactly as one sent alone: on the node queue, not behind the job's, and unsequenced (it
-    is a fact of now; the RankBeats keeps its seq, its ack and its resend)."""
+    is a fact of now, as the RankBeats is: unsequenced, services/worker/control_link.py)."""
     if not ev.rank_beats.HasField("agent"):
         return None
     alone = control_pb2.WorkerEvent(heartbeat=ev.rank_beats.agent)

@@ -36,7 +36,7 @@ effect, where it has one (``JobStore.applying``), and acknowledged down the stre
 commits every queued write in one transaction (services/control/journal_writer.py: a group
 commit) and the ack is queued from its commit (the write's future), so the applier's thread
 never waits for a disk and no ack covers an effect a control killed now would lose. An
-event with no journaled effect (a beat, a rank's step other than rank 0's) writes nothing:
+event with no journaled effect (a rank's step other than rank 0's; a node's rank beats carry no seq at all) writes nothing:
 it is done once applied, and acknowledged at once (``on_worker_events``). The
 applier applies a job's events on the job's own queue, so one agent's events are done
 in seq order per job only: the session's ``WorkerCursor`` (services/control/worker_cursor.py)
@@ -310,7 +310,7 @@ class SessionHub:
     ) -> None:
         """``on_worker_event`` for a burst of messages of any sessions, applied in the
         given order, every session acked at most once for the burst. A sequenced event that
-        journaled nothing (a beat, the step of a rank other than 0) is done once applied: its
+        journaled nothing (the step of a rank other than 0; beats are unsequenced) is done once applied: its
         seq is marked in the session's cursor in memory, never written alone (it reaches the
         journal with the agent's next effect's row), and its ack goes down at once. Nothing
         of it needs to survive a restart: a restarted control that never saw its seq skips
