@@ -345,9 +345,13 @@ class SimAgent:
                 next_step += 1.0 + max(0, int(now - next_step))
             else:
                 next_beat += 1.0 + max(0, int(now - next_beat))
-            if not self.stepping or not self.ranks:
+            if not self.ranks:
                 if not is_step:
                     self._agent_beat_alone()
+                continue
+            if not self.stepping:  # launched, StartTraining not here yet: a real rank beats from its start
+                if not is_step:
+                    self._rank_beats(time.time(), stepping=False)
                 continue
             fault = self.shared.fault_rank.value
             if fault in self.ranks:
@@ -385,33 +389,38 @@ class SimAgent:
                 continue
             if not steps:
                 self.step += 1  # a beat that shows progress (the rank trains)
-            # As the node agent's RankBeats (services/worker/rank_beats.py): the node's ranks'
-            # beats of the period in one unsequenced message, with the agent's own beat riding in
-            # it (its period is the ranks' here, 1 s), not one message per rank.
-            beats = [
-                worker_pb2.RankEvent(
+            self._rank_beats(t, stepping=True)
+
+    def _rank_beats(self, t: float, stepping: bool) -> None:
+        """As the node agent's RankBeats (services/worker/rank_beats.py): the node's ranks'
+        beats of the period in one unsequenced message, with the agent's own beat riding in it
+        (its period is the ranks' here, 1 s), not one message per rank."""
+        from services.contract import worker_pb2
+
+        beats = [
+            worker_pb2.RankEvent(
+                job_id=self.job,
+                rank=r,
+                heartbeat=worker_pb2.RankHeartbeat(
                     job_id=self.job,
                     rank=r,
-                    heartbeat=worker_pb2.RankHeartbeat(
-                        job_id=self.job,
-                        rank=r,
-                        step=self.step,
-                        stepping=True,
-                        step_seconds=1.0,
-                        unix_time=t,
-                        interval_seconds=1.0,
-                        phase=worker_pb2.PHASE_FORWARD,
-                        # a real rank's compute so far (1 s steps: 0.3/0.6/0.1 s per phase), so
-                        # L1-3's slow-rank comparison does its real work
-                        forward_compute_seconds=0.3 * self.step,
-                        backward_compute_seconds=0.6 * self.step,
-                        optimizer_compute_seconds=0.1 * self.step,
-                    ),
-                )
-                for r in sorted(self.ranks)
-            ]
-            agent = self.pb.AgentHeartbeat(interval_seconds=1.0, unix_time=t)
-            self._fact(self.pb.WorkerEvent(rank_beats=self.pb.RankBeats(job_id=self.job, beats=beats, agent=agent)))
+                    step=self.step,
+                    stepping=stepping,
+                    step_seconds=1.0,
+                    unix_time=t,
+                    interval_seconds=1.0,
+                    phase=worker_pb2.PHASE_FORWARD if stepping else worker_pb2.PHASE_IDLE,
+                    # a real rank's compute so far (1 s steps: 0.3/0.6/0.1 s per phase), so
+                    # L1-3's slow-rank comparison does its real work
+                    forward_compute_seconds=0.3 * self.step,
+                    backward_compute_seconds=0.6 * self.step,
+                    optimizer_compute_seconds=0.1 * self.step,
+                ),
+            )
+            for r in sorted(self.ranks)
+        ]
+        agent = self.pb.AgentHeartbeat(interval_seconds=1.0, unix_time=t)
+        self._fact(self.pb.WorkerEvent(rank_beats=self.pb.RankBeats(job_id=self.job, beats=beats, agent=agent)))
 
     def _fact(self, ev) -> None:
         """A node's ranks' beats: in stream order, unsequenced, never kept, acknowledged or

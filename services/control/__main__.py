@@ -456,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
         journal.close()
         return refuse("control", e)
     control_pb2_grpc.add_ControlServiceServicer_to_server(control.servicer, server.server)
+    # A fired silence deadline is decided behind what the server's loop has received by then.
+    control.servicer.applier.receive_on(server.loop)
     audit_pb2_grpc.add_AuditServiceServicer_to_server(AuditServicer("control"), server.server)
 
     stop = threading.Event()

@@ -124,7 +124,7 @@ class InOrder:
         self._call = applier.call
 
     def __call__(self, fn: Callable[[], None], key: str) -> None:
-        self._call(fn, key)
+        self._call(fn, key, after_receipt=True)
 
 
 class EventApplier:
@@ -144,6 +144,7 @@ class EventApplier:
         self._after: dict[str, list[Callable[[], None]]] = {}  # worker id -> opens / closes waiting for them
         self._threads: list[threading.Thread] = []
         self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # receive_on
         _publish(self)
 
     # ------------------------------------------------------------ producers (any thread)
@@ -173,9 +174,27 @@ class EventApplier:
             self._in_flight[session.worker_id] += 1
             self._put(job_of(ev), (session, ev, received))
 
-    def call(self, fn: Callable[[], None], key: str = NODE) -> None:
+    def receive_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The gRPC server's loop, which receives the sessions' messages (the composition
+        root's): a call posted ``after_receipt`` goes through it first."""
+        self._loop = loop
+
+    def call(self, fn: Callable[[], None], key: str = NODE, after_receipt: bool = False) -> None:
         """Run ``fn`` on a pool thread, after everything queued before it on the queue
-        ``key`` (default: the node queue)."""
+        ``key`` (default: the node queue). ``after_receipt``: after what the server's loop
+        has received by then too: the call is queued from that loop, behind the messages it
+        had ready (a deadline that fired while control's loop was starved, 1,024 agents'
+        beats waiting in its reads, must not find their senders silent: issue 28)."""
+        loop = self._loop if after_receipt else None
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._queue_call, fn, key)
+                return
+            except RuntimeError:  # the loop closed meanwhile (control stopping): queued now
+                pass
+        self._queue_call(fn, key)
+
+    def _queue_call(self, fn: Callable[[], None], key: str) -> None:
         with self._lock:
             self._put(key, (None, fn, time.monotonic()))
 
@@ -313,6 +332,8 @@ class EventApplier:
     def _apply(self, key: str, burst: list[tuple]) -> list[str]:
         """Apply one burst; returns the worker id of each message applied (or dropped)."""
         which = "node" if key == NODE else "job"
+        if burst[0][0] is None:  # a call (a session's open or close, a posted deadline, a store answer)
+            which += "_call"
         started = time.monotonic()
         APPLIER_LAG.labels(which).observe(max(0.0, started - burst[0][2]))
         if burst[0][0] is None:

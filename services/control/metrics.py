@@ -104,13 +104,14 @@ SLOW_RANK_FINDINGS = Counter(
 APPLIER_LAG = Histogram(
     "surge_control_applier_lag_seconds",
     "Seconds node agent messages waited from control's gRPC handler receiving them to the event applier "
-    "applying them (per burst, its oldest message), by queue (job, node).",
+    "applying them (per burst, its oldest message), by queue (job, node; job_call, node_call: a call posted "
+    "on it, run alone).",
     ["queue"],
     buckets=_LAG_BUCKETS,
 )
 APPLY_SECONDS = Histogram(
     "surge_control_apply_seconds",
-    "Seconds the event applier took to apply one burst of a queue (job, node).",
+    "Seconds the event applier took to apply one burst of a queue (job, node; job_call, node_call: a posted call).",
     ["queue"],
     buckets=_LAG_BUCKETS,
 )

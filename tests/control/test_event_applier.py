@@ -304,3 +304,36 @@ def test_the_applier_applies_a_sessions_exit_report_before_its_close(tmp_path):
     assert faults[0] == "SEVERE rank_exit: rank 0 on worker wa ended (exit code 3): exit code 3", faults
     assert "worker_lost:" not in faults[0]
     journal.close()
+
+
+def test_a_deadline_posted_while_the_servers_loop_is_behind_is_applied_after_what_that_loop_had_received():
+    # 1,024 simulated agents on a saturated control: their beats waited in the server loop's
+    # reads while their silence deadlines fired; posted straight onto the applier's queue, a
+    # deadline's decision overtook the beat that had arrived before it fired. Posted through
+    # the loop (InOrder), it queues behind what the loop has ready by then.
+    from services.control.event_applier import InOrder
+
+    applier = EventApplier(hub=None, workers=2)  # (calls only: no session message is applied)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    applier.receive_on(loop)
+    order: list[str] = []
+    done = threading.Event()
+    behind, release = threading.Event(), threading.Event()
+    try:
+        loop.call_soon_threadsafe(lambda: (behind.set(), release.wait(5)))  # the loop, starved
+        assert behind.wait(5)
+        # A beat the server had received (its read ready on the loop) before the deadline fired...
+        loop.call_soon_threadsafe(applier.call, lambda: order.append("beat"), "j")
+        # ...and the deadline, fired on the deadlines' thread meanwhile.
+        InOrder(applier)(lambda: (order.append("deadline"), done.set()), "j")
+        release.set()
+        assert done.wait(5)
+        assert order == ["beat", "deadline"]
+    finally:
+        release.set()
+        applier.stop()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()

@@ -945,6 +945,38 @@ def test_a_deadline_that_fires_while_a_beat_waits_unapplied_is_decided_after_tha
     assert got == {"agent_silent", "rank_silent"}, reports
 
 
+def test_agent_beats_applied_after_their_deadline_post_one_decision_not_one_each():
+    # 1,024 agents on a saturated control: each beat applied after its own deadline (counted from
+    # its receipt) armed a deadline already due, whose posted decision joined the backlog: ~2,000
+    # posted calls/s on the node queue fed the backlog they came from. The agent's deadline is
+    # moved later in place by each beat, as a rank's: one decision waits per agent at most.
+    backlog = _Backlog()
+    bus, reports = wired(in_order=backlog.post)
+    late = AGENT_MISSED_BEATS + 2.0  # (each received that long ago: past its deadline when applied)
+
+    def agent_beat(age: float) -> None:
+        bus.publish(
+            Module.EXT_HARDWARE,
+            control_pb2.AgentHeartbeat(worker_id="w", interval_seconds=1.0, received_monotonic=time.monotonic() - age),
+        )
+
+    for n in range(5):
+        agent_beat(late - 0.1 * n)
+        time.sleep(0.1)  # (beats applied apart, as from a backlog: each deadline fires meanwhile)
+    backlog.wait(1)
+    time.sleep(0.3)  # (time for any further one to fire and be posted)
+    assert len(backlog.items) == 1, backlog.items
+    agent_beat(0.0)  # the beat received just now, applied before the decision's turn comes
+    assert backlog.drain() == [""]
+    time.sleep(0.2)
+    assert reports == [] and backlog.items == [], (reports, backlog.items)
+    # Beats that stop are still silence, reported once, counted from the last beat's receipt.
+    backlog.wait(1, timeout=AGENT_MISSED_BEATS + 5)
+    backlog.drain()
+    (report,) = reports.wait(1)
+    assert report.fault_class == "agent_silent", report
+
+
 def test_after_a_control_restart_each_of_the_jobs_workers_registering_again_pushes_its_re_attach_window_out():
     # 3,000 agents' re-registrations took 88 s to reach a loaded control against a 15 s window:
     # 4,766 healthy ranks were declared worker_lost. A worker of the job registering again

@@ -43,8 +43,6 @@ class Liveness:
         wait = max(AGENT_MISSED_BEATS * (msg.interval_seconds or 1.0), AGENT_SILENT_MIN_SECONDS)
         with self._cluster:
             armed = self._agents.get(msg.worker_id)
-            if armed is not None:
-                armed[1].cancel()
             quiet_since = self._silent_agents.pop(msg.worker_id, None)
             period = msg.interval_seconds or 1.0
             last, _, quiet_ended = self._agent_beats.get(msg.worker_id, (received, period, 0.0))
@@ -52,14 +50,21 @@ class Liveness:
             if back:
                 quiet_ended = received
             self._agent_beats[msg.worker_id] = (max(last, received), period, quiet_ended)
-            token = object()  # which arming fires (a re-armed one is stale)
-            args = (msg.worker_id, token, received, wait)
-            self._agents[msg.worker_id] = (
-                token,
-                self._deadlines.after(
-                    wait - (mono - received), self._agent_silence_passed, args, post=self._in_order("")
-                ),
-            )
+            # Moved later in place, as a rank's (one heap entry, at most one decision posted per
+            # agent): armed anew per beat, a beat applied later than its deadline (control's
+            # backlog) armed one already due, whose posted decision joined the backlog: 1,024
+            # agents' beats made ~2,000 posted calls/s on the node queue, which fed the backlog.
+            if armed is None or not armed[1].move(wait - (mono - received)):
+                if armed is not None:
+                    armed[1].cancel()
+                token = object()  # which arming fires (a re-armed one is stale)
+                args = (msg.worker_id, token, wait)
+                self._agents[msg.worker_id] = (
+                    token,
+                    self._deadlines.after(
+                        wait - (mono - received), self._agent_silence_passed, args, post=self._in_order("")
+                    ),
+                )
         if quiet_since is not None:
             self._agent_heard_again(msg.worker_id, f"beats again after {received - quiet_since:.1f} s")
         if back:
@@ -129,12 +134,14 @@ class Liveness:
             )
         )
 
-    def _agent_silence_passed(self, worker_id: str, token: object, received: float, wait: float) -> None:
+    def _agent_silence_passed(self, worker_id: str, token: object, wait: float) -> None:
         with self._cluster:
             armed = self._agents.get(worker_id)
             if armed is None or armed[0] is not token:
                 return  # re-armed meanwhile
             del self._agents[worker_id]
+            beat = self._agent_beats.get(worker_id)  # its last beat (the deadline moved with each)
+            received = beat[0] if beat is not None else time.monotonic() - wait
             self._silent_agents[worker_id] = received
         quiet = time.monotonic() - received
         self._report_agent_silent(worker_id, quiet, f" (its deadline {wait:.1f} s)")
