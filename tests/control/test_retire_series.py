@@ -20,11 +20,14 @@ pytestmark = pytest.mark.timeout(30)
 
 
 @pytest.fixture
-def retired(monkeypatch) -> list[tuple[str, str]]:
-    """(job, reason) of each RetireMetricSeries control's store relay got (patched before the plane is built)."""
-    got: list[tuple[str, str]] = []
+def retired(monkeypatch) -> list[tuple[str, str, bool]]:
+    """(job, reason, ended) of each RetireMetricSeries control's store relay got (patched
+    before the plane is built)."""
+    got: list[tuple[str, str, bool]] = []
     monkeypatch.setattr(
-        StoreRelay, "retire_metric_series", lambda self, msg, payload=None: got.append((msg.job_id, msg.reason))
+        StoreRelay,
+        "retire_metric_series",
+        lambda self, msg, payload=None: got.append((msg.job_id, msg.reason, msg.ended)),
     )
     return got
 
@@ -33,11 +36,11 @@ def test_a_killed_rank_s_relaunch_and_the_failed_end_retire_the_job_s_series(ret
     job_id, w = running(plane, "wa", "wb", extra=QUICK + "\nfault_policy: {restarts: {rank_exit: 1}}")
     assert retired == []  # a running job's series are its own
     plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)  # SIGKILL: no StopLogCollection from it
-    assert retired == [(job_id, "relaunch")]
+    assert retired == [(job_id, "relaunch", False)]
     restarted(plane, job_id, {0: w["wa"], 1: w["wb"]}, start_step=0)
     plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)  # the budget is spent: FAILED
     assert plane.get(job_id).outcome == JobOutcome.FAILED
-    assert retired == [(job_id, "relaunch"), (job_id, "FAILED")]
+    assert retired == [(job_id, "relaunch", False), (job_id, "FAILED", True)]
 
 
 def test_a_finished_and_a_stopped_job_retire_their_series(retired, plane):  # noqa: F811
@@ -45,7 +48,7 @@ def test_a_finished_and_a_stopped_job_retire_their_series(retired, plane):  # no
     for rank, worker in ((0, "wa"), (1, "wb")):
         plane.rank_event(w[worker], job_id, rank, finished=engine_pb2.TrainingLoopFinished(rank=rank, step=20))
     assert plane.get(job_id).outcome == JobOutcome.FINISHED
-    assert retired == [(job_id, "FINISHED")]
+    assert retired == [(job_id, "FINISHED", True)]
 
     for s in w.values():
         drain(s)
@@ -54,4 +57,4 @@ def test_a_finished_and_a_stopped_job_retire_their_series(retired, plane):  # no
     plane.rank_exited(w["wa"], other, 0, exit_code=-9)  # its rank went before its stop's boundary
     s = plane.get(other)
     assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.STOPPED)
-    assert retired[1:] == [(other, "STOPPED")]
+    assert retired[1:] == [(other, "STOPPED", True)]

@@ -1,4 +1,4 @@
-"""Issue 31 item 6 on a real stack (its own: two workers, the store's series linger cut to 3 s):
+"""Issue 31 item 6 on a real stack (its own: two workers, the store's series linger cut to 5 s):
 a rank SIGKILLed mid-run never sends its loop's StopLogCollection, and the job's end, decided by
 control (FAILED here: no restart allowed), retires the job's series: none of them is left on
 the store's /metrics once the linger is over (before L1-1's RetireMetricSeries they stayed
@@ -52,7 +52,7 @@ def test_a_sigkilled_rank_s_series_leave_the_store_s_metrics_once_control_ends_t
     )
     assert prep.returncode == 0, prep.stderr
     try:
-        up = cli(home, "up", "--workers", "2", env={"SURGE_STORE_SERIES_LINGER_SECONDS": "3"}, timeout=120)
+        up = cli(home, "up", "--workers", "2", env={"SURGE_STORE_SERIES_LINGER_SECONDS": "5"}, timeout=120)
         assert up.returncode == 0, up.stdout + up.stderr
         store = json.loads((home / "run" / "stack.json").read_text())["services"]["store"]["metrics_port"]
         spec = home / "job.yaml"
@@ -73,11 +73,12 @@ def test_a_sigkilled_rank_s_series_leave_the_store_s_metrics_once_control_ends_t
 
         def state() -> dict:
             got = cli(home, "status", job, "-o", "json")
-            return json.loads(got.stdout) if got.returncode == 0 else {}
+            listed = json.loads(got.stdout) if got.returncode == 0 else []
+            return listed[0] if listed else {}
 
         ended = _until(state, lambda s: s.get("state") == "TERMINATED", 90)
         assert (ended.get("state"), ended.get("outcome")) == ("TERMINATED", "FAILED"), ended
-        # ... and control's end of the job retires every series of it (the linger is 3 s).
+        # ... and control's end of the job retires every series of it (the linger is 5 s).
         left = _until(series, lambda s: not s, 30)
         assert left == [], left[:5]
         # The records stay in the job's file.

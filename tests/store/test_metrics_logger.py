@@ -254,12 +254,18 @@ def test_l1_1_s_retire_removes_every_rank_s_series_of_the_job_after_the_linger_u
         assert registry.get_sample_value("surge_train_step", {"job": "killed", "rank": "0"}) == 2
         assert registry.get_sample_value("surge_train_loss", {"job": "other", "rank": "0"}) == 3.0
 
+        # The job's end: every series goes, even one whose rank recorded once more before its
+        # kill landed (seen on a real stack: rank 0's last steps kept its series).
         timers.clear()
-        logger.retire_metric_series(store_pb2.RetireMetricSeries(job_id="killed", reason="FAILED"))
-        logger.retire_metric_series(store_pb2.RetireMetricSeries(job_id="unknown", reason="FAILED"))  # no series: none
+        logger.retire_metric_series(store_pb2.RetireMetricSeries(job_id="killed", reason="FAILED", ended=True))
+        logger.retire_metric_series(store_pb2.RetireMetricSeries(job_id="unknown", reason="FAILED", ended=True))
+        assert len(timers) == 1  # (a job with no series: nothing to retire)
+        logger.on_step_completed(step(job_id="killed", rank=0, step=3))  # a straggler of the killed rank
         for _, fn, args in timers:
             fn(*args)
         assert _job_series(registry, "killed") == set()
+        logger.on_step_completed(step(job_id="killed", rank=0, step=4))  # a resumed job: back at its next record
+        assert registry.get_sample_value("surge_train_step", {"job": "killed", "rank": "0"}) == 4
     finally:
         logger.close()
-    assert len(lines(tmp_path, "killed")) == 4  # the JSONL file keeps every record
+    assert len(lines(tmp_path, "killed")) == 6  # the JSONL file keeps every record

@@ -385,7 +385,7 @@ class Orchestrator(
             job, source, "state", f"{JobState.Name(old)} -> {JobState.Name(new)}: {message}", status_message=message
         )
         if new == JobState.TERMINATED:  # (its ranks' series on the store's /metrics go: recovery.py)
-            self._retire_series(job, JobOutcome.Name(job.status.outcome))
+            self._retire_series(job, JobOutcome.Name(job.status.outcome), ended=True)
 
     def _snapshot(self, job: _Job) -> control_pb2.JobStatus:
         """Under the lock: a copy of the job's status, for a reply; published as its view too

@@ -455,12 +455,13 @@ class Recovery:
             self._record(job, Module.L1_RECOVERY_CONTROLLER, "fault", f"SEVERE {RECOVERY_TIMEOUT}: {report.detail}")
             self._decide(job, report)
 
-    def _retire_series(self, job: _Job, reason: str) -> None:
-        """Under the lock: the job ended or its ranks were replaced: L5-2 retires the job's
-        series (a rank killed without its loop's end never says so itself; a rank that
-        records again keeps its own), sent after this decision's journal write."""
+    def _retire_series(self, job: _Job, reason: str, *, ended: bool = False) -> None:
+        """Under the lock: the job ended (``ended``) or its ranks were replaced: L5-2 retires
+        the job's series (a rank killed without its loop's end never says so itself; after a
+        relaunch, a rank that records again keeps its own), sent after this decision's
+        journal write."""
         if self._metric_series is not None:
-            self._metric_series(store_pb2.RetireMetricSeries(job_id=job.status.job_id, reason=reason))
+            self._metric_series(store_pb2.RetireMetricSeries(job_id=job.status.job_id, reason=reason, ended=ended))
 
     def _record_relaunch(
         self, job: _Job, reply: control_pb2.RecoveryCompleted, source: str, *, old_world: int = 0, lost: list[int] = ()
