@@ -82,7 +82,7 @@ def measure(tokens: int, reps: int, batch: int) -> dict:
     finally:
         torch.set_num_threads(threads)
     out: dict = {"model": f"{SPEC.name}: {sum(p.numel() for p in model.parameters()):,} parameters, seq_len {ctx}"}
-    out["tokens"], out["reps"], out["batch"] = tokens, reps, batch
+    out["tokens"], out["reps"], out["batch_rows"] = tokens, reps, batch
     for way, ts in times.items():
         n = tokens * (batch if way == "batch" else 1)
         out[way] = {

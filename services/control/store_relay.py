@@ -65,8 +65,9 @@ class StoreRelay:
     def retire_metric_series(self, msg: store_pb2.RetireMetricSeries, payload: Any = None) -> None:
         """L1-1's word to L5-2 that the job's series are retired (its end, a relaunch),
         forwarded without blocking; nothing waits for the answer. A call that fails is logged
-        and counted as any other (``on_error``): the series then stay until the store
-        restarts (an unreachable store's restart drops them anyway), nothing else is lost."""
+        (a boundary violation it carries reported, ``on_error``) and not retried: the series
+        then stay until the store restarts (an unreachable store's restart drops them anyway),
+        nothing else is lost."""
         if self._stub is None:
             self._stub = store_pb2_grpc.StoreServiceStub(channel(self._address, module=Module.L1_ORCHESTRATOR))
         future = self._stub.RetireSeries.future(msg, timeout=self._timeout_s)
