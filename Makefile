@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 GEN    := services/contract/gen
 PROTOS := $(wildcard proto/surge/v1/*.proto)
 
-.PHONY: setup tools proto contracts demo test test-compose lint format up down clean bench bench-faults bench-quiet-faults bench-goodput bench-scale bench-control bench-control-start bench-rank-start bench-stack-cost bench-profile bench-scheduler
+.PHONY: setup tools proto contracts demo test test-compose lint format up down clean bench bench-faults bench-quiet-faults bench-goodput bench-scale bench-control bench-control-start bench-rank-start bench-stack-cost bench-profile bench-generate bench-scheduler
 
 setup: $(STAMP) $(GEN)/.stamp
 
@@ -143,9 +143,15 @@ bench-scheduler: setup
 	$(BIN)/python bench/scheduler_bench.py $(SCHEDULER_ARGS)
 
 # What `surgectl profile` costs a running job (bench/profile_overhead.py): the profiled steps'
-# time against the steps before, the export at the boundary after, each rank's trace size.
+# time and the job's tokens/s against the steps before, the export at the boundary after, each
+# rank's trace size.
 bench-profile: setup
 	$(BIN)/python bench/profile_overhead.py $(PROFILE_ARGS)
+
+# `surgectl generate`'s decoding (bench/generate_speed.py): the demo model's tokens/s with the KV
+# cache, recomputing the window per token (before the cache), and a batch of prompts; seconds.
+bench-generate: setup
+	$(BIN)/python bench/generate_speed.py $(GENERATE_ARGS)
 
 # Rank start-up (bench/rank_start.py): ranks forked from the node agent's rank fork server
 # against new interpreters, N dp=2 jobs a mode (flags in RANK_START_ARGS, e.g. "--jobs 5");

@@ -7,14 +7,18 @@ Runs the demo model of ``make bench`` (bench/jobs/throughput.yaml: dp 2, gloo, t
 agents), asks for a profile of ``--steps`` steps once rank 0 passed ``--warmup`` steps
 (through surgectl's own code), and reads every rank's step records from the store's metrics
 file: the profiled steps' time against the median of the ``--steps`` x 4 steps before them
-(the overhead while tracing), the boundary step after the profile against the same median
-(the trace's export and upload, which run at that boundary), and each rank's trace size.
+(the overhead while tracing), the job's tokens/s without the profiler (those steps) and with
+it (the traced steps) and the throughput lost (%), the boundary step after the profile against
+the same median (the trace's export and upload, which run at that boundary), and each rank's
+trace size. The load average at the start and the end is recorded: on a shared 2-core host the
+profiler's threads compete with everything else (session 26: +3-6 %; session 31: +53 %).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -68,14 +72,24 @@ def overhead(steps: int, recorded: list, records: dict[int, list[dict]]) -> dict
         if r.error:
             raise RuntimeError(f"rank {r.rank}: {r.error}")
         by_step = {int(x["step"]): float(x["step_seconds"]) for x in records.get(r.rank, [])}
-        before = [by_step[s] for s in range(r.first_step - 4 * steps, r.first_step) if s in by_step]
-        during = [by_step[s] for s in range(r.first_step, r.last_step + 1) if s in by_step]
+        tps = {int(x["step"]): float(x.get("tokens_per_second", 0.0)) for x in records.get(r.rank, [])}
+        window_before = range(r.first_step - 4 * steps, r.first_step)
+        window_during = range(r.first_step, r.last_step + 1)
+        before = [by_step[s] for s in window_before if s in by_step]
+        during = [by_step[s] for s in window_during if s in by_step]
         if not before or not during:
             raise RuntimeError(f"rank {r.rank}: no step records around steps {r.first_step}-{r.last_step}")
         after = by_step.get(r.last_step + 1)  # (its boundary's export and upload delay the next step's start)
         base, profiled = statistics.median(before), statistics.median(during)
+        # Tokens/s as the job reports it (every rank's tokens over the step's time): without
+        # the profiler (the steps before) and with it (the traced steps).
+        tps_before = statistics.median([tps[s] for s in window_before if s in tps])
+        tps_during = statistics.median([tps[s] for s in window_during if s in tps])
         out["ranks"][r.rank] = {
             "steps": [r.first_step, r.last_step],
+            "tokens_per_second_without_profiler_median": round(tps_before, 1),
+            "tokens_per_second_profiled_median": round(tps_during, 1),
+            "throughput_overhead_percent": round(100 * (1 - tps_during / tps_before), 1) if tps_before else None,
             "step_seconds_before_median": round(base, 4),
             "step_seconds_profiled_median": round(profiled, 4),
             "overhead_percent_while_tracing": round(100 * (profiled / base - 1), 1),
@@ -93,7 +107,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
     args = ap.parse_args()
+    load_before = os.getloadavg()
     result = {"machine": c.machine(), **measure(args.steps, args.warmup, args.timeout)}
+    result["load_average_1m"] = {"start": round(load_before[0], 2), "end": round(os.getloadavg()[0], 2)}
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

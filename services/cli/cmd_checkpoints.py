@@ -111,7 +111,9 @@ def audit(
 @app.command()
 def generate(
     checkpoint: str = typer.Option("latest", help="version '<job>:<n>', '<job>:latest' or 'latest'"),
-    prompt: str = typer.Option("def ", help="text to continue"),
+    prompt: list[str] = typer.Option(
+        ["def "], help="text to continue; repeat it for several (those of one length in tokens decode as one batch)"
+    ),
     max_new_tokens: int = typer.Option(200, min=1, max=4096),
     temperature: float = float_option(0.8, min=0.0),
     top_k: int = typer.Option(40, min=0),
@@ -119,13 +121,17 @@ def generate(
 ) -> None:
     """Sample text from a committed checkpoint, in this process: no running stack needed
     (the version and its dataset's tokenizer are read under SURGE_HOME, every file checked).
+    Several --prompt: each continuation in their order, after a `--- prompt N of M` line.
 
-    Example: surgectl generate --checkpoint latest --prompt 'def '
+    Example: surgectl generate --checkpoint latest --prompt 'def ' --prompt 'class '
     """
     from services.cli import evaluation
 
-    text = evaluation.generate(checkpoint, prompt, max_new_tokens, temperature, top_k, seed)
-    render.console.print(text, markup=False, highlight=False, soft_wrap=True)
+    texts = evaluation.generate_many(checkpoint, list(prompt), max_new_tokens, temperature, top_k, seed)
+    for i, text in enumerate(texts, 1):
+        if len(texts) > 1:
+            render.console.print(f"--- prompt {i} of {len(texts)}", markup=False, highlight=False)
+        render.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command("eval")

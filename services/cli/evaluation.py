@@ -225,20 +225,28 @@ def evaluate(version: str, dataset: str | None, batches: int | None, split: str 
 
 
 def generate(version: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> str:
-    """Continue ``prompt`` with checkpoint ``version``'s model, in this process (the version
-    and the tokenizer of the dataset it trained on are read under SURGE_HOME).
+    """Continue ``prompt`` with checkpoint ``version``'s model (:func:`generate_many`, one prompt)."""
+    return generate_many(version, [prompt], max_new_tokens, temperature, top_k, seed)[0]
+
+
+def generate_many(
+    version: str, prompts: list[str], max_new_tokens: int, temperature: float, top_k: int, seed: int
+) -> list[str]:
+    """Continue each of ``prompts`` with checkpoint ``version``'s model, in this process (the
+    version and the tokenizer of the dataset it trained on are read under SURGE_HOME; the
+    model loaded once, prompts of one length decoded as a batch: inference.generate_texts).
 
     Raises:
         CliError: the version or its dataset cannot be used (one line).
     """
-    from services.compute.inference import ShardDigestMismatch, generate_text
+    from services.compute.inference import ShardDigestMismatch, generate_texts
     from services.jobspec import spec_to_json
 
     ckpt = find_checkpoint(version)
     tokenizer = mount(f"{ckpt.spec.data.name}@{ckpt.spec.data.version}", verify=False).tokenizer
     try:
-        return generate_text(
-            ckpt.path, spec_to_json(ckpt.spec), prompt, max_new_tokens, temperature, top_k, seed, tokenizer
+        return generate_texts(
+            ckpt.path, spec_to_json(ckpt.spec), prompts, max_new_tokens, temperature, top_k, seed, tokenizer
         )
     except ShardDigestMismatch as e:
         raise CliError(_named(ckpt.version, e)) from None

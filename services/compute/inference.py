@@ -300,10 +300,33 @@ def generate_text(
     seed: int = 0,
     tokenizer: str = "bytes",
 ) -> str:
-    """Continue ``prompt`` with the model of a committed checkpoint.
+    """Continue ``prompt`` with the model of a committed checkpoint (:func:`generate_texts`
+    with one prompt).
+
+    Raises:
+        ValueError: a byte-level tokenizer for a model whose vocabulary is not 256.
+    """
+    return generate_texts(checkpoint_path, spec_json, [prompt], max_new_tokens, temperature, top_k, seed, tokenizer)[0]
+
+
+def generate_texts(
+    checkpoint_path: str,
+    spec_json: str,
+    prompts: list[str],
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int = 40,
+    seed: int = 0,
+    tokenizer: str = "bytes",
+) -> list[str]:
+    """Continue each of ``prompts`` with the model of a committed checkpoint, loaded once; the
+    texts in the prompts' order.
 
     ``tokenizer`` is "bytes" (token = UTF-8 byte, vocab 256) or the path of the HF
-    ``tokenizers`` JSON file the dataset was prepared with.
+    ``tokenizers`` JSON file the dataset was prepared with. Prompts of the same length in
+    tokens are decoded together, as one [B, T] batch sharing the KV cache's steps (no padding,
+    so each row's logits are its own: greedy output is each prompt's alone); sampled
+    (temperature > 0) rows draw from one generator, so a prompt's draw depends on its batch.
 
     Raises:
         ValueError: a byte-level tokenizer for a model whose vocabulary is not 256.
@@ -311,20 +334,28 @@ def generate_text(
     spec = spec_from_json(spec_json)
     encode, decode = text_codec(tokenizer, spec.model.vocab_size)
     model = load_model_for_inference(checkpoint_path, spec)
-    prompt_ids = torch.tensor(encode(prompt) or [0], dtype=torch.int64)
+    encoded = [encode(p) or [0] for p in prompts]
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(encoded):
+        by_length.setdefault(len(ids), []).append(i)
+    texts: list[str] = [""] * len(prompts)
     threads = torch.get_num_threads()
     if spec.model.d_model <= ONE_THREAD_MAX_D_MODEL:
         torch.set_num_threads(1)
     try:
-        out = generate(
-            model,
-            prompt_ids,
-            max_new_tokens,
-            temperature,
-            top_k,
-            generator=torch.Generator().manual_seed(seed),
-            context_len=spec.data.seq_len,
-        )
+        generator = torch.Generator().manual_seed(seed)
+        for rows in by_length.values():
+            out_BT = generate(
+                model,
+                torch.tensor([encoded[i] for i in rows], dtype=torch.int64),
+                max_new_tokens,
+                temperature,
+                top_k,
+                generator=generator,
+                context_len=spec.data.seq_len,
+            )
+            for i, ids in zip(rows, out_BT.tolist()):
+                texts[i] = decode(ids)
     finally:
         torch.set_num_threads(threads)
-    return decode(out.tolist())
+    return texts

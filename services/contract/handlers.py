@@ -22,6 +22,7 @@ class OrchestratorHandlers(Protocol):
     ``on_eval_completed`` (EvalCompleted)
     ``on_fault_backlog_alert`` (FaultBacklogAlert)
     ``on_fault_report`` (FaultReport)
+    ``on_metrics_ack`` (MetricsAck)
     ``on_profile_recorded`` (ProfileRecorded)
     ``on_recovery_completed`` (RecoveryCompleted)
     ``on_recovery_failed`` (RecoveryFailed)
@@ -328,6 +329,7 @@ class MetricsLoggerHandlers(Protocol):
     """
 
     def log_collection_config(self, msg: store_pb2.LogCollectionConfig, payload: Any = None) -> Any: ...
+    def retire_metric_series(self, msg: store_pb2.RetireMetricSeries, payload: Any = None) -> Any: ...
     def stop_log_collection(self, msg: store_pb2.StopLogCollection, payload: Any = None) -> Any: ...
     def store_profile(self, msg: store_pb2.StoreProfile, payload: Any = None) -> Any: ...
 

@@ -84,6 +84,7 @@ HOSTED = (
     Module.EXT_HARDWARE,
     *sorted(RANK),
     Module.L5_CHECKPOINT_MANAGER,
+    Module.L5_METRICS_LOGGER,
     Module.EXT_CONTRACT,
 )
 
@@ -189,6 +190,7 @@ def build(
     sessions.stand_in()  # every command from an L1 module to a rank module, by its name
     bus.subscribe(Module.L5_CHECKPOINT_MANAGER, store_pb2.VerifyCheckpoints, store.verify_checkpoints)
     bus.subscribe(Module.L5_CHECKPOINT_MANAGER, store_pb2.ScrubCheckpoints, store.scrub_checkpoints)
+    bus.subscribe(Module.L5_METRICS_LOGGER, store_pb2.RetireMetricSeries, store.retire_metric_series)
 
     # Each L1 module is hosted: every route to it goes to the handler the table names
     # (Bus.host), and an event reaches its receivers in the table's order (receivers of its
@@ -238,6 +240,10 @@ def build(
             Module.L1_ORCHESTRATOR,
             Module.L5_CHECKPOINT_MANAGER,
             commands=(store_pb2.VerifyCheckpoints, store_pb2.ScrubCheckpoints),
+        ),
+        # A job's end and its ranks' relaunch retire its series on the store's /metrics.
+        metric_series=bus.port(
+            Module.L1_ORCHESTRATOR, Module.L5_METRICS_LOGGER, commands=(store_pb2.RetireMetricSeries,)
         ),
         quotas=quotas,
     )

@@ -1,5 +1,6 @@
 """The relay to the `store` service (``StoreRelay``): VerifyCheckpoints and the scrub for
-L5-1, forwarded without blocking, the answer coming back as L5-1's event; and the store's
+L5-1, forwarded without blocking, the answer coming back as L5-1's event; L1-1's
+RetireMetricSeries for L5-2, forwarded without blocking (nothing answers it); and the store's
 ``CheckpointCorrupt`` events, watched for as long as control runs."""
 
 from __future__ import annotations
@@ -9,11 +10,14 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+import structlog
 
 from services.common.grpc_server import channel
 from services.contract import Module, store_pb2, store_pb2_grpc
 from services.contract.bus import Emitter
 from services.contract.relay import Link
+
+_log = structlog.get_logger("store_relay")
 
 
 class StoreRelay:
@@ -57,6 +61,25 @@ class StoreRelay:
         """Have the store re-hash the job's versions now; answered later as
         ``CheckpointScrubbed`` (or a typed ``SnapshotFailed``, operation ``scrub``)."""
         self._ask("Scrub", msg, "scrub", msg.job_id)
+
+    def retire_metric_series(self, msg: store_pb2.RetireMetricSeries, payload: Any = None) -> None:
+        """L1-1's word to L5-2 that the job's series are retired (its end, a relaunch),
+        forwarded without blocking; nothing waits for the answer. A call that fails is logged
+        (a boundary violation it carries reported, ``on_error``) and not retried: the series
+        then stay until the store restarts (an unreachable store's restart drops them anyway),
+        nothing else is lost."""
+        if self._stub is None:
+            self._stub = store_pb2_grpc.StoreServiceStub(channel(self._address, module=Module.L1_ORCHESTRATOR))
+        future = self._stub.RetireSeries.future(msg, timeout=self._timeout_s)
+        future.add_done_callback(lambda f: self._retired(f, msg.job_id))
+
+    def _retired(self, future: grpc.Future, job_id: str) -> None:
+        try:
+            future.result()
+        except grpc.RpcError as e:
+            if self._on_error is not None:
+                self._on_error(e)
+            _log.warning("metric_series_not_retired", job_id=job_id, code=e.code().name, details=e.details())
 
     def watch(self) -> None:
         """Relay the store's ``CheckpointCorrupt`` events (its scrub found a committed

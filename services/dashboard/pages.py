@@ -24,13 +24,12 @@ from services.cli.samples import SampleLine, latest_per_prompt
 from services.cli.scores import ScoresLine
 from services.common.sizes import size_text
 from services.contract import Module, control_pb2, store_pb2
-from services.dashboard import charts
+from services.dashboard import charts, log_follow
 from services.dashboard.series import Series
 
 JobState = control_pb2.JobState
 LIVE = frozenset({JobState.STANDBY, JobState.WARMING_UP, JobState.RUNNING, JobState.PAUSED, JobState.FAULT_FROZEN})
 REFRESH_SECONDS = 5  # a page of a live job, the cluster and the queue reload themselves
-LOG_REFRESH_SECONDS = 2  # the logs page follows a live job's lines
 LOG_LINES = 500  # lines a logs page shows (the newest); the job page shows fewer
 JOB_PAGE_LOG_LINES = 40
 
@@ -401,17 +400,32 @@ def job_page(
 
 
 def logs_page(status: control_pb2.JobStatus, lines: Sequence[LogLine] | None, now: float | None = None) -> str:
-    """The newest ``LOG_LINES`` lines of every rank, merged by time, reloaded every
-    ``LOG_REFRESH_SECONDS`` (scrolled to the end) while the job is live: the lines follow."""
-    shown = None if lines is None else lines[-LOG_LINES:]
+    """The newest ``LOG_LINES`` lines of every rank, merged by time; while the job is live the
+    page follows: its script asks ``<job href>/logs/lines`` for the lines after those
+    it shows and appends them, never reloading (log_follow.py: none repeated, none skipped)."""
+    live = status.state in LIVE
+    if lines is None:
+        shown = "<p class=bad>Control could not stream the rank logs.</p>"
+        live = False  # (nothing to count from: a reload of the page asks again)
+    else:
+        text = "\n".join(e(line.human()) for line in lines[-LOG_LINES:])
+        shown = (
+            f'<pre id=logs data-live={int(live)} data-seen="{e(log_follow.seen_text(lines))}" '
+            f'data-src="{job_href(status.job_id)}/logs/lines" data-every={log_follow.POLL_SECONDS} '
+            f"data-count={min(len(lines), LOG_LINES)}>{text}</pre>"
+        )
+        if not lines:
+            shown = "<p class=muted id=nolines>No rank log lines yet.</p>" + shown
     body = (
         f'<p><a href="{job_href(status.job_id)}">back to the job</a> · {e(render.state_text(status))}</p>'
-        + log_block(shown)
+        + shown
         + "<a id=end></a>"
     )
-    live = status.state in LIVE
-    page = layout(f"logs of {status.job_id}", body, refresh=LOG_REFRESH_SECONDS if live else None, now=now)
-    return page.replace("</body>", "<script>window.scrollTo(0, document.body.scrollHeight)</script></body>")
+    page = layout(f"logs of {status.job_id}", body, now=now)
+    script = "<script>window.scrollTo(0, document.body.scrollHeight)</script>"
+    if live:
+        script += f"<script>{log_follow.SCRIPT}</script>"
+    return page.replace("</body>", script + "</body>")
 
 
 def compare_page(runs: Sequence[Run], jobs: Sequence[control_pb2.JobStatus], now: float | None = None) -> str:

@@ -2,7 +2,8 @@
 
 Routes: ``/`` jobs, ``/queue``, ``/cluster``, ``/job/<job>`` (``?type=fault&type=...``: only
 those events; an unknown type is refused, 400, in the CLI's words), ``/job/<job>/logs``
-(follows a live job), ``/compare?job=A&job=B...``, and ``/healthz`` (no data: what `surgectl
+(follows a live job: its script asks ``/job/<job>/logs/lines?seen=RANK:COUNT,...`` for the
+lines after those it shows, JSON, log_follow.py), ``/compare?job=A&job=B...``, and ``/healthz`` (no data: what `surgectl
 dashboard` waits for); a job is its id or its name, as on the CLI (404: neither; 403 with
 control's one line: another team's job, under a tokens file). Every other method is refused
 (405): the dashboard changes nothing.
@@ -27,7 +28,7 @@ import grpc
 from services.cli.errors import CliError
 from services.cli.event_types import event_types
 from services.common.job_refs import UnknownJob
-from services.dashboard import pages
+from services.dashboard import log_follow, pages
 from services.dashboard.access import Access, operator_certificate
 from services.dashboard.sources import Sources
 
@@ -93,6 +94,16 @@ class Dashboard:
     def logs(self, ref: str) -> str:
         job_id = self._job_id(ref)
         return pages.logs_page(self._src.job(job_id), self._src.logs(job_id))
+
+    def log_lines(self, ref: str, query: dict[str, list[str]]) -> str:
+        """The lines after ``seen`` (each rank's count the page shows), JSON (log_follow.py)."""
+        try:
+            seen = log_follow.parse_seen(query.get("seen", [""])[0])
+        except ValueError as err:
+            raise PageError(HTTPStatus.BAD_REQUEST, str(err)) from None
+        job_id = self._job_id(ref)
+        status = self._src.job(job_id)  # (before the lines: a line written after it is read next time)
+        return log_follow.answer(self._src.logs(job_id), seen, status.state in pages.LIVE)
 
     def compare(self, query: dict[str, list[str]]) -> str:
         wanted = list(dict.fromkeys(self._job_id(j) for v in query.get("job", ()) for j in v.split(",") if j))
@@ -173,7 +184,8 @@ def make_handler(dashboard: Dashboard, access: Access, client_certificates: bool
                     return self._send(status, pages.error_page(int(status), f"refused: {what}"), head)
                 return self._send(status, pages.error_page(int(status), f"{getattr(code, 'name', code)}: {what}"), head)
             ms = (time.perf_counter() - t0) * 1000
-            self._send(HTTPStatus.OK, page, head, extra={"Server-Timing": f"page;dur={ms:.1f}"})
+            kind = "application/json" if url.path.endswith("/logs/lines") else "text/html; charset=utf-8"
+            self._send(HTTPStatus.OK, page, head, content_type=kind, extra={"Server-Timing": f"page;dur={ms:.1f}"})
 
         def _route(self, dashboard: Dashboard, path: str, query: dict[str, list[str]]) -> Callable[[], str] | None:
             if path == "/":
@@ -186,6 +198,9 @@ def make_handler(dashboard: Dashboard, access: Access, client_certificates: bool
                 return lambda: dashboard.compare(query)
             if path.startswith("/job/"):
                 rest = path[len("/job/") :]
+                if rest.endswith("/logs/lines"):
+                    job = unquote(rest[: -len("/logs/lines")])
+                    return (lambda: dashboard.log_lines(job, query)) if job else None
                 if rest.endswith("/logs"):
                     job = unquote(rest[: -len("/logs")])
                     return (lambda: dashboard.logs(job)) if job else None
@@ -214,10 +229,12 @@ def make_handler(dashboard: Dashboard, access: Access, client_certificates: bool
             self.send_header("Content-Length", str(len(body)))
             self.send_header("Cache-Control", "no-store")  # (a job's page is a snapshot of now)
             self.send_header("X-Content-Type-Options", "nosniff")
-            # Pages hold no script but the logs page's one line: nothing else may run or load.
+            # Pages hold no script but the logs page's (its scroll and its follow, which asks
+            # this server for new lines): nothing else may run, load or be asked.
             self.send_header(
                 "Content-Security-Policy",
-                "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'; form-action 'self'",
+                "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'; "
+                "connect-src 'self'; form-action 'self'",
             )
             for k, v in (extra or {}).items():
                 self.send_header(k, v)

@@ -138,6 +138,7 @@ def wire(
             store_pb2.LogCollectionConfig,
             store_pb2.StopLogCollection,
             store_pb2.StoreProfile,
+            store_pb2.RetireMetricSeries,
         ),
     }
     ports: dict[tuple[int, int], CommandPort] = {}

@@ -44,8 +44,12 @@ A rank's series end with it: its loop's last message on its metric stream is
 has read the last values by then) the rank's label sets are removed from every series above,
 so a finished job's series do not stay on /metrics until the store restarts. A record of the
 job and rank before then (a stopped job resumed) keeps them. The timer is the composition
-root's (``later``); this module keeps none. A rank that died without ending its loop sends no
-``StopLogCollection``: its series stay (the store hears of no job end but that one).
+root's (``later``); this module keeps none. A rank that died without ending its loop (SIGKILL,
+a lost node) sends no ``StopLogCollection``: L1-1's ``RetireMetricSeries`` retires every rank's
+series of the job after the same linger: after a relaunch of its ranks each is kept by a record
+of its rank before then (the new generation's ranks); after the job's end (``ended``) every one
+goes, whatever came meanwhile (a rank being killed may send a step or two after control's
+decision: seen on a real stack, its series then stayed).
 
 Sinks (``metric_sinks.py``): a job's ``LogCollectionConfig`` (its spec's ``metrics:``, pushed by
 its ranks) turns on TensorBoard event files and an offline W&B run; every record written
@@ -180,12 +184,19 @@ class MetricsLogger:
         """A rank's training ended: the job's sinks are closed (rank 0's say; ``records`` 0)
         and the rank's Prometheus series are removed after the linger."""
         self._defer(self._sinks.stop, msg)
-        token = self._ending[(msg.job_id, msg.rank)] = object()
-        if self._later is None:
-            self._remove_series(msg.job_id, msg.rank, token)
-        else:
-            self._later(self._linger_s, self._remove_series, (msg.job_id, msg.rank, token))
+        self._end_series(msg.job_id, msg.rank)
         self._publish_failures(msg.job_id)
+        return store_pb2.MetricsAck(records=0)
+
+    def retire_metric_series(self, msg: store_pb2.RetireMetricSeries, payload: Any = None) -> store_pb2.MetricsAck:
+        """L1-1 ended the job (``ended``) or replaced its ranks: every rank's series of the job
+        (those this process holds) are removed after the linger; after a relaunch each unless
+        its rank records first."""
+        with self._lock:
+            ranks = sorted(rank for job, rank in self._series if job == msg.job_id)
+        for rank in ranks:
+            self._end_series(msg.job_id, rank, whatever_came=msg.ended)
+        _log.info("metric_series_retired", job=msg.job_id, ranks=len(ranks), reason=msg.reason, ended=msg.ended)
         return store_pb2.MetricsAck(records=0)
 
     def store_profile(self, msg: store_pb2.StoreProfile, payload: Mapping[str, str]) -> store_pb2.ProfileStored:
@@ -348,13 +359,24 @@ class MetricsLogger:
             if self._emit is not None:
                 self._emit(event)
 
-    def _remove_series(self, job: str, rank: int, token: object) -> None:
-        """The rank's loop ended ``linger_s`` ago and no record came since: its label sets
-        go from every series (the JSONL file keeps every value)."""
+    def _end_series(self, job: str, rank: int, whatever_came: bool = False) -> None:
+        """The rank's series go after the linger (a record of it before then keeps them,
+        unless ``whatever_came``)."""
+        token = self._ending[(job, rank)] = object()
+        if self._later is None:
+            self._remove_series(job, rank, token, whatever_came)
+        else:
+            self._later(self._linger_s, self._remove_series, (job, rank, token, whatever_came))
+
+    def _remove_series(self, job: str, rank: int, token: object, whatever_came: bool = False) -> None:
+        """The rank's loop ended ``linger_s`` ago and no record came since (or, with
+        ``whatever_came``, its job ended then): its label sets go from every series (the
+        JSONL file keeps every value)."""
         with self._lock:
-            if self._ending.get((job, rank)) is not token:
+            if self._ending.get((job, rank)) is token:
+                del self._ending[(job, rank)]
+            elif not whatever_came:
                 return  # a record came since (a resume), or a later end has its own removal
-            del self._ending[(job, rank)]
             self._series.pop((job, rank), None)
         for key, metric in self._metrics.items():
             for labels in [(job, str(rank), p) for p in PHASES] if key == "phase" else [(job, str(rank))]:

@@ -209,6 +209,12 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         self._gate(context, lambda: self._access.check_version("Delete", request.version))
         return self._relay("Delete", CKPT, request, context)
 
+    def RetireSeries(self, request: store_pb2.RetireMetricSeries, context: grpc.ServicerContext) -> Message:
+        """L1-1's word that a job ended or its ranks were relaunched: L5-2 retires the job's
+        series (a dict walk and a timer each: the control calls' pool runs it)."""
+        self._gate(context, lambda: self._access.check_write("RetireSeries", request.job_id))
+        return self._relay("RetireSeries", METRICS, request, context)
+
     async def Verify(self, request: store_pb2.VerifyCheckpoints, context: grpc.aio.ServicerContext) -> Message:
         """Re-hashes versions: in the bulk pool, not the control calls' threads."""
         # (checked here, on the loop: the caller's principal is not carried into the pool's thread)

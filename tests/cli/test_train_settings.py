@@ -220,6 +220,35 @@ def test_generate_reads_a_committed_version_without_a_stack(home, monkeypatch, c
     assert code == 0 and out.startswith("line "), err
 
 
+def test_generate_continues_several_prompts_each_as_it_would_alone(home, monkeypatch, capsys):
+    """Repeated --prompt: one load, prompts of one length in tokens decoded as one batch; the
+    greedy continuation of each is its own alone (bytes: "ab" and "cd" batch, "xyz" does not)."""
+    from services.compute import inference
+
+    shapes, real = [], inference.generate
+
+    def seen(model, prompt_ids, *args, **kwargs):
+        shapes.append(tuple(prompt_ids.shape))
+        return real(model, prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(inference, "generate", seen)
+    greedy = ["--checkpoint", "tj:latest", "--max-new-tokens", "6", "--temperature", "0"]
+    alone = {}
+    for p in ("ab", "xyz", "cd"):
+        code, out, err = run_cli(["generate", *greedy, "--prompt", p], monkeypatch, capsys)
+        assert code == 0, err
+        alone[p] = out.rstrip("\n")
+    shapes.clear()
+    code, out, err = run_cli(
+        ["generate", *greedy, "--prompt", "ab", "--prompt", "xyz", "--prompt", "cd"], monkeypatch, capsys
+    )
+    assert code == 0, err
+    assert sorted(shapes) == [(1, 3), (2, 2)]  # "ab" and "cd" as one [2, 2] batch
+    parts = out.rstrip("\n").split("--- prompt ")
+    assert [x.split("\n", 1)[0] for x in parts[1:]] == ["1 of 3", "2 of 3", "3 of 3"]
+    assert [x.split("\n", 1)[1].rstrip("\n") for x in parts[1:]] == [alone["ab"], alone["xyz"], alone["cd"]]
+
+
 def test_generate_decodes_a_small_model_on_one_thread_and_gives_the_threads_back(home, monkeypatch, capsys):
     """A small model's decoding on torch's intra-op threads spun them for nothing: 200 demo
     tokens 27.6 s on two threads, 1.7 s on one (a loaded 2-core host; docs/LOG.md session 31)."""

@@ -125,13 +125,17 @@ def test_checkpoints_and_log_lines_are_shown_and_an_unreachable_store_is_said():
     assert "The store could not be reached" in away and "could not stream the rank logs" in away
 
 
-def test_the_logs_page_follows_a_live_job_and_stops_when_it_ended():
-    lines = [parse(0, f"plain line {i}") for i in range(pages.LOG_LINES + 5)]
+def test_the_logs_page_follows_a_live_job_without_reloading_and_stops_when_it_ended():
+    lines = [parse(0, f"plain line {i}") for i in range(pages.LOG_LINES + 5)] + [parse(1, "rank one")]
     page = pages.logs_page(status(), lines)
-    assert f'content="{pages.LOG_REFRESH_SECONDS}"' in page and "scrollTo" in page
+    assert 'http-equiv="refresh"' not in page and "scrollTo" in page  # (it reloaded every 2 s)
+    assert f'data-live=1 data-seen="0:{pages.LOG_LINES + 5},1:1" data-src="/job/demo-1/logs/lines"' in page
+    assert "fetch(pre.dataset.src" in page  # the follow: new lines appended
     assert "plain line 4<" not in page and f"plain line {pages.LOG_LINES + 4}" in page  # the newest LOG_LINES
     ended = pages.logs_page(status(state=JobState.TERMINATED), lines)
-    assert 'http-equiv="refresh"' not in ended
+    assert 'http-equiv="refresh"' not in ended and "data-live=0" in ended and "fetch(" not in ended
+    empty = pages.logs_page(status(), [])
+    assert "No rank log lines yet." in empty and 'data-live=1 data-seen=""' in empty  # follows from nothing
 
 
 METRICS = """\

@@ -228,3 +228,44 @@ def test_a_sample_is_a_line_of_its_own_kind_and_no_series(tmp_path, logger, regi
     assert line["type"] == "sample"
     assert (line["step"], line["prompt_index"], line["prompt"], line["text"]) == (20, 1, "Once", " upon a\n time")
     assert not [m for m in registry.collect() if "sample" in m.name]
+
+
+def test_l1_1_s_retire_removes_every_rank_s_series_of_the_job_after_the_linger_unless_it_records(tmp_path, registry):
+    """A rank killed without its loop's end sends no StopLogCollection: L1-1's RetireMetricSeries
+    (the job's end, a relaunch) retires the job's series, each kept by a record of its rank."""
+    from services.contract import store_pb2
+
+    timers: list[tuple[float, object, tuple]] = []
+    logger = MetricsLogger(
+        tmp_path, registry=registry, later=lambda s, fn, args: timers.append((s, fn, args)), linger_s=30
+    )
+    try:
+        for rank in (0, 1, 2):
+            logger.on_step_completed(step(job_id="killed", rank=rank))
+        logger.on_step_completed(step(job_id="other"))
+        ack = logger.retire_metric_series(store_pb2.RetireMetricSeries(job_id="killed", reason="relaunch"))
+        assert ack.records == 0
+        assert [s for s, _, _ in timers] == [30, 30, 30]  # one per rank of the job, none of the other job
+        assert {r for _, r in _job_series(registry, "killed")} == {"0", "1", "2"}  # nothing before the linger
+        logger.on_step_completed(step(job_id="killed", rank=0, step=2))  # the new generation's rank 0
+        for _, fn, args in timers:
+            fn(*args)
+        assert {r for _, r in _job_series(registry, "killed")} == {"0"}
+        assert registry.get_sample_value("surge_train_step", {"job": "killed", "rank": "0"}) == 2
+        assert registry.get_sample_value("surge_train_loss", {"job": "other", "rank": "0"}) == 3.0
+
+        # The job's end: every series goes, even one whose rank recorded once more before its
+        # kill landed (seen on a real stack: rank 0's last steps kept its series).
+        timers.clear()
+        logger.retire_metric_series(store_pb2.RetireMetricSeries(job_id="killed", reason="FAILED", ended=True))
+        logger.retire_metric_series(store_pb2.RetireMetricSeries(job_id="unknown", reason="FAILED", ended=True))
+        assert len(timers) == 1  # (a job with no series: nothing to retire)
+        logger.on_step_completed(step(job_id="killed", rank=0, step=3))  # a straggler of the killed rank
+        for _, fn, args in timers:
+            fn(*args)
+        assert _job_series(registry, "killed") == set()
+        logger.on_step_completed(step(job_id="killed", rank=0, step=4))  # a resumed job: back at its next record
+        assert registry.get_sample_value("surge_train_step", {"job": "killed", "rank": "0"}) == 4
+    finally:
+        logger.close()
+    assert len(lines(tmp_path, "killed")) == 6  # the JSONL file keeps every record

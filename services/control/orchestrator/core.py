@@ -159,6 +159,7 @@ class Orchestrator(
         persist_interval_s: float = 1.0,
         metrics: ControlMetrics | None = None,
         checkpoints: CommandPort | None = None,
+        metric_series: CommandPort | None = None,
         preemption_grace_s: float = 60.0,
         preemption_min_run_s: float = 120.0,
         resize_min_interval_s: float = 60.0,
@@ -174,6 +175,8 @@ class Orchestrator(
         self._loop = self._after_journal(loop)
         self._allocator = self._after_journal(allocator, only=(control_pb2.ReleaseResources,))
         self._checkpoints = checkpoints
+        # L5-2: a job's series retired at its end and its ranks' relaunch, once journaled.
+        self._metric_series = self._after_journal(metric_series) if metric_series is not None else None
         self._recovery = recovery
         self._metrics = metrics or ControlMetrics()
         self._journal = journal
@@ -381,6 +384,8 @@ class Orchestrator(
         self._record(
             job, source, "state", f"{JobState.Name(old)} -> {JobState.Name(new)}: {message}", status_message=message
         )
+        if new == JobState.TERMINATED:  # (its ranks' series on the store's /metrics go: recovery.py)
+            self._retire_series(job, JobOutcome.Name(job.status.outcome), ended=True)
 
     def _snapshot(self, job: _Job) -> control_pb2.JobStatus:
         """Under the lock: a copy of the job's status, for a reply; published as its view too

@@ -455,12 +455,22 @@ class Recovery:
             self._record(job, Module.L1_RECOVERY_CONTROLLER, "fault", f"SEVERE {RECOVERY_TIMEOUT}: {report.detail}")
             self._decide(job, report)
 
+    def _retire_series(self, job: _Job, reason: str, *, ended: bool = False) -> None:
+        """Under the lock: the job ended (``ended``) or its ranks were replaced: L5-2 retires
+        the job's series (a rank killed without its loop's end never says so itself; after a
+        relaunch, a rank that records again keeps its own), sent after this decision's
+        journal write."""
+        if self._metric_series is not None:
+            self._metric_series(store_pb2.RetireMetricSeries(job_id=job.status.job_id, reason=reason, ended=ended))
+
     def _record_relaunch(
         self, job: _Job, reply: control_pb2.RecoveryCompleted, source: str, *, old_world: int = 0, lost: list[int] = ()
     ) -> None:
         """The recovery controller's relaunch, as an event; ``old_world``: the group's size
         before a resize (the job's new spec is journaled with it), ``lost``: its ranks that
-        were lost (the others above the new size are released)."""
+        were lost (the others above the new size are released). The replaced generation's
+        series are retired (its ranks that go on, and the new ones, keep theirs by recording)."""
+        self._retire_series(job, "relaunch")
         # Its ranks placed again, perhaps fewer, perhaps (an ``any`` job) on another kind: where
         # they are and what is beyond its team's nominal now (teams.py).
         if reply.HasField("placed"):
