@@ -445,10 +445,9 @@ def check_plot_out(out: Path, option: str = "--out") -> None:
         )
     if out.suffix.lower() not in PLOT_SUFFIXES:
         raise CliError(f"{option}: {out}: the file name must end in {', '.join(PLOT_SUFFIXES)}", code=2)
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        what = "is not a directory" if parent.exists() else "does not exist"
-        raise CliError(f"{option}: {out}: its directory {parent} {what}", code=2)
+    from services.cli.path_options import check_parent
+
+    check_parent(out, option)
 
 
 def save_figure(plt, fig, out: Path, title: str) -> Path:
