@@ -82,6 +82,8 @@ def profile_job(
             )
     missing = info.ranks - len(info.recorded)
     failed = [r for r in info.recorded if r.error]
+    if missing and info.lost:  # (control decided those reports never come: its ranks were relaunched, or the job ended)
+        raise CliError(f"profile #{info.seq} lost: {info.lost}")
     if missing:
         raise CliError(
             f"profile #{info.seq}: {missing} of {info.ranks} ranks reported nothing within {wait_seconds:g} s "
@@ -94,7 +96,8 @@ def profile_job(
 
 
 def _wait(job_id: str, seq: int, wait_seconds: float) -> control_pb2.ProfileInfo:
-    """The profile ``seq`` once every rank reported, the job ended, or ``wait_seconds`` passed."""
+    """The profile ``seq`` once every rank reported, control marked it lost, the job ended, or
+    ``wait_seconds`` passed."""
     deadline = time.monotonic() + wait_seconds
     with clients.stub("control") as s:
         while True:
@@ -105,7 +108,7 @@ def _wait(job_id: str, seq: int, wait_seconds: float) -> control_pb2.ProfileInfo
                     f"profile #{seq}: job {job_id}'s status no longer names it; see its events --type profile"
                 )
             ended = st.state == control_pb2.TERMINATED
-            if len(info.recorded) >= info.ranks or ended or time.monotonic() >= deadline:
+            if len(info.recorded) >= info.ranks or info.lost or ended or time.monotonic() >= deadline:
                 return info
             time.sleep(POLL_SECONDS)
 

@@ -340,6 +340,7 @@ class OperatorResume:
                 + ("restart budgets kept" if keep_budgets else "restart budgets reset"),
                 spec_json=spec_json if spec is not None else None,  # (the new spec, with the decision)
             )
+            self._lose_profiles(job, "ranks relaunched (resume)")  # (a paused job's: its ranks exited)
             self._reopen(job, f"ranks launching to resume from checkpoint {version} at step {step}")
         except BaseException:
             self._put_back(job, before, before_runtime, before_spec, journal=job.spec is not before_spec)
