@@ -18,7 +18,10 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_a_profile_whose_rank_dies_is_lost_and_the_cli_says_so_exit_1(
-    tmp_path, monkeypatch, capsys, store_with_no_versions  # noqa: F811 - (the recovery's store answers at once)
+    tmp_path,
+    monkeypatch,
+    capsys,
+    store_with_no_versions,  # noqa: F811 - (the recovery's store answers at once)
 ):
     monkeypatch.setenv("SURGE_HOME", str(tmp_path))
     with served_control(tmp_path / "control.db", monkeypatch) as (control, _):
