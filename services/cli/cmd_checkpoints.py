@@ -116,7 +116,7 @@ def generate(
     max_new_tokens: int = typer.Option(200, min=1, max=4096),
     temperature: float = float_option(0.8, min=0.0),
     top_k: int = typer.Option(40, min=0),
-    seed: int = typer.Option(0),
+    seed: int = typer.Option(0, min=0, max=2**64 - 1, help="the sampler's seed (torch's generator: 0 to 2**64-1)"),
 ) -> None:
     """Sample text from a committed checkpoint, in this process: no running stack needed
     (the version and its dataset's tokenizer are read under SURGE_HOME, every file checked).
