@@ -114,6 +114,8 @@ def tag_job(
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise CliError(f"TAGS: {item!r}: expected KEY=VALUE", code=2)
+        if not value.strip():  # (control refuses it too: annotations.py)
+            raise CliError(f"TAGS: {item!r}: an empty value (`--remove {key}` removes a tag)", code=2)
         pairs[key] = value
     if not pairs and not remove:
         raise CliError("TAGS: give KEY=VALUE tags to set or --remove KEY", code=2)

@@ -12,7 +12,7 @@ from services.cli.app import OutputOpt, _exit_for, app
 from services.cli.errors import CliError
 from services.cli.event_types import EVENT_TYPES, event_types, last
 from services.cli.jobs import dry_run_job, follow_job, resolve_job, submit_job
-from services.cli.numbers import float_option
+from services.cli.numbers import WEEK_S, float_option
 from services.cli.path_options import nonempty_path
 from services.contract import Module, control_pb2
 
@@ -215,10 +215,11 @@ def job_spec(job: str, output: str = typer.Option("yaml", "--output", "-o", help
     print(show_spec(s.spec_json, output), end="", flush=True)
 
 
-ReconnectOpt = typer.Option(
+ReconnectOpt = float_option(
     60.0,
     "--reconnect-seconds",
     min=0.0,
+    max=WEEK_S,
     help="with --follow: how long to keep reconnecting when control is unreachable (a control restart)",
 )
 

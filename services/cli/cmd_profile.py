@@ -12,7 +12,7 @@ from services.cli import clients, jsonout, render
 from services.cli.app import OutputOpt, _say, app
 from services.cli.errors import CliError
 from services.cli.jobs import resolve_job
-from services.cli.numbers import float_option
+from services.cli.numbers import WEEK_S, float_option
 from services.common import paths
 from services.contract import control_pb2
 
@@ -25,7 +25,7 @@ def profile_job(
     job: str = typer.Argument(..., help="job id or name (running)"),
     steps: int = typer.Option(3, "--steps", min=1, max=PROFILE_MAX_STEPS, help="how many steps to profile"),
     wait_seconds: float = float_option(
-        600.0, "--wait-seconds", min=0.0, help="how long to wait for every rank's files (0: do not wait)"
+        600.0, "--wait-seconds", min=0.0, max=WEEK_S, help="how long to wait for every rank's files (0: do not wait)"
     ),
     output: str = OutputOpt,
 ) -> None:
