@@ -12,6 +12,7 @@ from services.cli.app import OutputOpt, _say, _show, app
 from services.cli.errors import CliError
 from services.cli.jobs import resolve_job
 from services.cli.numbers import float_option
+from services.cli.path_options import nonempty_path
 from services.contract import control_pb2, store_pb2
 
 
@@ -117,7 +118,7 @@ def generate(
     max_new_tokens: int = typer.Option(200, min=1, max=4096),
     temperature: float = float_option(0.8, min=0.0),
     top_k: int = typer.Option(40, min=0),
-    seed: int = typer.Option(0),
+    seed: int = typer.Option(0, min=0, max=2**64 - 1, help="the sampler's seed (torch's generator: 0 to 2**64-1)"),
 ) -> None:
     """Sample text from a committed checkpoint, in this process: no running stack needed
     (the version and its dataset's tokenizer are read under SURGE_HOME, every file checked).
@@ -166,8 +167,12 @@ def eval_checkpoint(
 def export(
     version: str = typer.Argument(..., help="checkpoint version '<job>:<n>', '<job>:latest' or 'latest'"),
     fmt: str = typer.Option("hf", "--format", help="hf (safetensors + config.json) | torch (a state_dict)"),
-    out: Path = typer.Option(..., "--out", help="directory to write (absent or empty)"),
-    force: bool = typer.Option(False, "--force", help="replace a non-empty --out"),
+    out: Path = typer.Option(
+        ..., "--out", help="directory to write (absent or empty; its parent must exist)", parser=nonempty_path
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="replace an earlier export in --out (one holding surge_spec.json)"
+    ),
 ) -> None:
     """Write a committed checkpoint's model for other tools (no running stack needed).
 
@@ -179,7 +184,7 @@ def export(
 
 
 @app.command()
-def demo(spec: Path = typer.Argument(Path("examples/jobs/demo.yaml"))) -> None:
+def demo(spec: Path = typer.Argument(parser=nonempty_path, default=Path("examples/jobs/demo.yaml"))) -> None:
     """The main job: prepare data, start the stack, train, summarise, plot, sample, stop.
 
     Example: surgectl demo examples/jobs/demo.yaml

@@ -58,13 +58,24 @@ def dataset_prepare(
     """
     from services.cli.prepare_progress import prepare_progress
     from services.common import paths
+    from services.data.bpe import bpe_problem
     from services.data.errors import DataError
-    from services.data.prepare import default_stdlib_source, default_workers, prepare_dataset
+    from services.data.prepare import default_stdlib_source, default_workers, label_problem, prepare_dataset
 
+    # The options are the user's input: each said in one line, exit 2, before any file is read.
+    for option, value in (("--name", name), ("--version", version)):
+        if problem := label_problem(value):
+            raise CliError(f"{option}: {problem}", code=2)
+    if problem := bpe_problem(tokenizer):
+        raise CliError(f"--tokenizer {tokenizer}: {problem}", code=2)
+    if tokenizer != "bytes" and not tokenizer.startswith("bpe:") and not Path(tokenizer).is_file():
+        raise CliError(f"--tokenizer {tokenizer}: no such file ('bytes', 'bpe:N' or a tokenizers JSON file)", code=2)
+    if source is not None and not source.strip():
+        raise CliError("--source: empty", code=2)
     src = source or str(default_stdlib_source())
     remote = "://" in src
     if not remote and not Path(src).exists():
-        raise CliError(f"--source {src}: no such file or directory")
+        raise CliError(f"--source {src}: no such file or directory", code=2)
     try:
         with prepare_progress(render.err_console, quiet) as progress:
             info = prepare_dataset(

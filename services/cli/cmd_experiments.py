@@ -17,6 +17,7 @@ from services.cli.app import OutputOpt, _say, app
 from services.cli.errors import CliError
 from services.cli.jobs import checked_submission, resolve_job, send_submit
 from services.cli.numbers import float_option
+from services.cli.path_options import nonempty_path
 from services.contract import control_pb2
 from services.jobspec import JobSpecError, read_spec_mapping
 
@@ -27,7 +28,9 @@ TAG_VALUE_CHARS = 256  # a tag value's limit at control (orchestrator/annotation
 @app.command("compare")
 def compare_jobs(
     jobs: list[str] = typer.Argument(..., help="two or more job ids or names"),
-    out: Path | None = typer.Option(None, "--out", help="also write the curves overlaid (.png, .svg or .pdf)"),
+    out: Path | None = typer.Option(
+        None, "--out", help="also write the curves overlaid (.png, .svg or .pdf)", parser=nonempty_path
+    ),
     output: str = OutputOpt,
 ) -> None:
     """Compare jobs: the spec keys they set differently, their final and best losses and
@@ -111,6 +114,8 @@ def tag_job(
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise CliError(f"TAGS: {item!r}: expected KEY=VALUE", code=2)
+        if not value.strip():  # (control refuses it too: annotations.py)
+            raise CliError(f"TAGS: {item!r}: an empty value (`--remove {key}` removes a tag)", code=2)
         pairs[key] = value
     if not pairs and not remove:
         raise CliError("TAGS: give KEY=VALUE tags to set or --remove KEY", code=2)
@@ -200,7 +205,7 @@ def _diff_table(runs: list[compare.Run], diffs: list[tuple[str, list[str]]]) -> 
 
 @app.command("sweep")
 def sweep_jobs(
-    spec: Path = typer.Argument(..., help="the base job spec"),
+    spec: Path = typer.Argument(..., help="the base job spec", parser=nonempty_path),
     grid: list[str] = typer.Option([], "--grid", help="KEY=V1,V2,...: one trial per value (repeatable: the product)"),
     draw: list[str] = typer.Option([], "--random", help="KEY=LOW:HIGH[:log]: drawn per trial (repeatable)"),
     count: int = typer.Option(4, "--trials", min=1, max=1000, help="with --random: draws per grid combination"),

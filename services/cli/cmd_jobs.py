@@ -12,13 +12,14 @@ from services.cli.app import OutputOpt, _exit_for, app
 from services.cli.errors import CliError
 from services.cli.event_types import EVENT_TYPES, event_types, last
 from services.cli.jobs import dry_run_job, follow_job, resolve_job, submit_job
-from services.cli.numbers import float_option
+from services.cli.numbers import WEEK_S, float_option
+from services.cli.path_options import nonempty_path
 from services.contract import Module, control_pb2
 
 
 @app.command()
 def submit(
-    spec: Path = typer.Argument(..., help="job spec YAML"),
+    spec: Path = typer.Argument(..., help="job spec YAML", parser=nonempty_path),
     follow: bool = typer.Option(False, "--follow", "-f", help="show live progress until the job ends"),
     overrides: list[str] | None = typer.Option(
         None,
@@ -214,10 +215,11 @@ def job_spec(job: str, output: str = typer.Option("yaml", "--output", "-o", help
     print(show_spec(s.spec_json, output), end="", flush=True)
 
 
-ReconnectOpt = typer.Option(
+ReconnectOpt = float_option(
     60.0,
     "--reconnect-seconds",
     min=0.0,
+    max=WEEK_S,
     help="with --follow: how long to keep reconnecting when control is unreachable (a control restart)",
 )
 
@@ -358,10 +360,12 @@ def _ranks_known(job: str) -> tuple[str, int]:
 @app.command()
 def plot(
     job: str,
-    out: Path | None = typer.Option(None, "--out", help="PNG to write (default: $SURGE_HOME/<job>-loss.png)"),
+    out: Path | None = typer.Option(
+        None, "--out", help="PNG to write (default: $SURGE_HOME/<job>-loss.png)", parser=nonempty_path
+    ),
     rank: int | None = typer.Option(None, min=0, max=2**31 - 1, help="whose loss (default: the lowest rank recorded)"),
     metrics: Path | None = typer.Option(
-        None, help="a metrics JSONL file (default: the job's records, read through the store)"
+        None, help="a metrics JSONL file (default: the job's records, read through the store)", parser=nonempty_path
     ),
 ) -> None:
     """Write a PNG of a job's loss (train and held-out) and tokens/s against step.
@@ -418,7 +422,7 @@ def samples(
     job: str,
     last: int = typer.Option(0, "--last", min=0, help="only the last N boundaries' samples (0: all)"),
     metrics: Path | None = typer.Option(
-        None, help="a metrics JSONL file (default: the job's records, read through the store)"
+        None, help="a metrics JSONL file (default: the job's records, read through the store)", parser=nonempty_path
     ),
     output: str = OutputOpt,
 ) -> None:

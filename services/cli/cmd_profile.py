@@ -12,7 +12,7 @@ from services.cli import clients, jsonout, render
 from services.cli.app import OutputOpt, _say, app
 from services.cli.errors import CliError
 from services.cli.jobs import resolve_job
-from services.cli.numbers import float_option
+from services.cli.numbers import WEEK_S, float_option
 from services.common import paths
 from services.contract import control_pb2
 
@@ -25,7 +25,7 @@ def profile_job(
     job: str = typer.Argument(..., help="job id or name (running)"),
     steps: int = typer.Option(3, "--steps", min=1, max=PROFILE_MAX_STEPS, help="how many steps to profile"),
     wait_seconds: float = float_option(
-        600.0, "--wait-seconds", min=0.0, help="how long to wait for every rank's files (0: do not wait)"
+        600.0, "--wait-seconds", min=0.0, max=WEEK_S, help="how long to wait for every rank's files (0: do not wait)"
     ),
     output: str = OutputOpt,
 ) -> None:
@@ -82,6 +82,8 @@ def profile_job(
             )
     missing = info.ranks - len(info.recorded)
     failed = [r for r in info.recorded if r.error]
+    if missing and info.lost:  # (control decided those reports never come: its ranks were relaunched, or the job ended)
+        raise CliError(f"profile #{info.seq} lost: {info.lost}")
     if missing:
         raise CliError(
             f"profile #{info.seq}: {missing} of {info.ranks} ranks reported nothing within {wait_seconds:g} s "
@@ -94,7 +96,8 @@ def profile_job(
 
 
 def _wait(job_id: str, seq: int, wait_seconds: float) -> control_pb2.ProfileInfo:
-    """The profile ``seq`` once every rank reported, the job ended, or ``wait_seconds`` passed."""
+    """The profile ``seq`` once every rank reported, control marked it lost, the job ended, or
+    ``wait_seconds`` passed."""
     deadline = time.monotonic() + wait_seconds
     with clients.stub("control") as s:
         while True:
@@ -105,7 +108,7 @@ def _wait(job_id: str, seq: int, wait_seconds: float) -> control_pb2.ProfileInfo
                     f"profile #{seq}: job {job_id}'s status no longer names it; see its events --type profile"
                 )
             ended = st.state == control_pb2.TERMINATED
-            if len(info.recorded) >= info.ranks or ended or time.monotonic() >= deadline:
+            if len(info.recorded) >= info.ranks or info.lost or ended or time.monotonic() >= deadline:
                 return info
             time.sleep(POLL_SECONDS)
 

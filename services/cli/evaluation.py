@@ -129,11 +129,12 @@ def mount(dataset: str, verify: bool) -> data_pb2.DatasetReady:
     """``name@version`` found and checked under the data root by L4-1 in this process.
 
     Raises:
-        CliError: exit 2 for a malformed name, else 1 (not found, corrupt): one line.
+        CliError: exit 2 for a malformed name or one not prepared (as `submit` and `delete
+            dataset` answer it), else 1 (corrupt, unreadable): one line.
     """
     from services.common import paths
     from services.data.dataset_versions import DatasetVersions
-    from services.data.errors import DataError
+    from services.data.errors import DataError, DatasetNotFound
 
     name, sep, version = dataset.partition("@")
     if not (sep and name and version):
@@ -141,6 +142,8 @@ def mount(dataset: str, verify: bool) -> data_pb2.DatasetReady:
     try:
         versions = DatasetVersions(paths.datasets_root(), lambda *a, **k: None, lambda *a, **k: None)
         return versions.mount_dataset(data_pb2.MountDataset(name=name, version=version, verify=verify))
+    except DatasetNotFound as e:
+        raise CliError(" ".join(str(e).split()), code=2) from None
     except (DataError, OSError) as e:
         raise CliError(" ".join(str(e).split())) from None
 

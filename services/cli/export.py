@@ -15,7 +15,9 @@ and its weights are read with every file checked against the manifest as it is r
 
 Both also hold ``surge_spec.json`` (the job spec the version was written with). Nothing is
 half-done: the files are written into a temporary directory beside ``DIR`` and renamed into
-place; an existing non-empty ``DIR`` is refused unless ``--force`` (then replaced whole).
+place; an existing non-empty ``DIR`` is refused unless ``--force`` and it is an earlier export
+(it holds ``surge_spec.json``; then replaced whole). A missing parent folder is refused, not
+created (services/cli/path_options.py).
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ import shutil
 from pathlib import Path
 
 from services.cli.errors import CliError
+from services.cli.path_options import check_parent
 
 FORMATS = ("hf", "torch")
+MARKER = "surge_spec.json"  # every export holds it: what `--force` checks before replacing a folder
 
 
 def export_version(version: str, fmt: str, out: Path, force: bool = False) -> str:
@@ -35,19 +39,29 @@ def export_version(version: str, fmt: str, out: Path, force: bool = False) -> st
 
     Raises:
         CliError: code 2 for usage (an unknown format, a malformed version, no such
-            version); code 1 for a refusal (``out`` a file or not empty without ``force``, a
-            version not ok or failing its digests, a model with no Hugging Face form),
-            one line naming the option, version or file.
+            version, ``out``'s parent folder missing); code 1 for a refusal (``out`` a file or
+            not empty without ``force``, or with ``force`` not an earlier export; a version
+            not ok or failing its digests, a model with no Hugging Face form), one line
+            naming the option, version or file. (An empty ``--out`` is refused by the
+            command's parser: ``Path("")`` is ``.``.)
     """
     from services.common import paths
 
     if fmt not in FORMATS:
         raise CliError(f"--format: expected one of {', '.join(FORMATS)}, got {fmt!r}", code=2)
     out = Path(out).absolute()
+    check_parent(out)  # (a missing parent is refused, not created: as `compare --out`)
     if out.exists() and not out.is_dir():
         raise CliError(f"--out: {out} exists and is not a directory", code=1)
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise CliError(f"--out: {out} is not empty (use --force to replace it)", code=1)
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise CliError(f"--out: {out} is not empty (use --force to replace an earlier export)", code=1)
+        if not (out / MARKER).is_file():  # (--force once replaced any folder: `--out ""` was the current one)
+            raise CliError(
+                f"--out: {out} is not an earlier export (it has no {MARKER}): --force replaces only one; "
+                "name a new or empty directory",
+                code=1,
+            )
     info = _committed(paths.store_root(), version)
 
     from services.compute import hf_format
@@ -62,13 +76,12 @@ def export_version(version: str, fmt: str, out: Path, force: bool = False) -> st
     model = _load(info)
     tmp = out.parent / f".{out.name}.export-{secrets.token_hex(4)}"
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
     except OSError as e:  # read-only, no permission, /proc: nothing written yet
         raise CliError(f"--out: cannot write {out}: {e.strerror or e}", code=1) from None
     try:
         notes = _write(tmp, fmt, model, spec, hf_format)
-        (tmp / "surge_spec.json").write_text(info.spec_json + "\n")
+        (tmp / MARKER).write_text(info.spec_json + "\n")
         _into_place(tmp, out)
     except OSError as e:  # disk full, permissions changed under us: the temporary is removed
         shutil.rmtree(tmp, ignore_errors=True)

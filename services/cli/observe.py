@@ -288,7 +288,8 @@ def history_from_text(text: str, path: Path | str, rank: int | None = None) -> r
     if rank is None:
         rank = min(steps)
     elif rank not in steps:
-        raise CliError(f"{path}: no step records of rank {rank} (ranks present: {', '.join(map(str, sorted(steps)))})")
+        present = ", ".join(map(str, sorted(steps)))  # (the user's --rank: exit 2, as `logs --rank` says it)
+        raise CliError(f"--rank {rank}: no step records of rank {rank} in {path} (ranks present: {present})", code=2)
     h = render.History()
     for step, r in sorted(steps[rank].items()):
         h.steps.append(step)

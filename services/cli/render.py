@@ -158,7 +158,7 @@ def jobs_table(jobs) -> Table:
             "evaluation" if is_evaluation(j) else f"{j.step}/{j.total_steps}",
             fmt_loss(j.train_loss),
             fmt_loss(j.eval_loss),
-            tokens_per_second(j),
+            "—" if is_evaluation(j) else tokens_per_second(j),
             j.checkpoint_version or "—",
             j.message,
         )
@@ -166,8 +166,12 @@ def jobs_table(jobs) -> Table:
 
 
 def is_evaluation(j: control_pb2.JobStatus) -> bool:
-    """An evaluation job (`surgectl evaluate`, eval.hooks): its spec's ``evaluation:`` is set;
+    """An evaluation job (`surgectl evaluate`, eval.hooks): control says so in its status
+    (``JobStatus.evaluation``; was: only read from ``spec_json``, which `status` is not sent,
+    so a finished one showed "0/60" steps and 0 tokens/s), or its spec's ``evaluation:`` is set;
     it takes no training steps (its ``steps`` are its source job's)."""
+    if j.evaluation:
+        return True
     try:
         return bool(json.loads(j.spec_json or "{}").get("evaluation"))
     except (ValueError, AttributeError):
@@ -396,7 +400,7 @@ def summary_table(s: control_pb2.JobStatus, h: History, extra: dict[str, str] | 
     t.add_column("value")
     rows = {
         "outcome": state_text(s),
-        "steps": f"{s.step}/{s.total_steps}",
+        "steps": "evaluation" if is_evaluation(s) else f"{s.step}/{s.total_steps}",
         "final train loss": f"{fmt_loss(s.train_loss)} nats/token",
         "final held-out loss": f"{fmt_loss(s.eval_loss)} nats/token",
         # control's one definition, as `surgectl status` shows it (tokens / step seconds
@@ -445,10 +449,9 @@ def check_plot_out(out: Path, option: str = "--out") -> None:
         )
     if out.suffix.lower() not in PLOT_SUFFIXES:
         raise CliError(f"{option}: {out}: the file name must end in {', '.join(PLOT_SUFFIXES)}", code=2)
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        what = "is not a directory" if parent.exists() else "does not exist"
-        raise CliError(f"{option}: {out}: its directory {parent} {what}", code=2)
+    from services.cli.path_options import check_parent
+
+    check_parent(out, option)
 
 
 def save_figure(plt, fig, out: Path, title: str) -> Path:

@@ -151,6 +151,16 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
         self._admin(context, "UncordonWorker", "uncordon a node")
         if not request.worker_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UncordonWorker: worker_id is required")
+        # A worker neither registered nor cordoned is the operator's typo: said so (was: "is not
+        # cordoned", as if it were a node). A cordoned node that left may still be uncordoned.
+        known = self._sessions.worker_ids() if self._sessions is not None else None
+        if known is not None and request.worker_id not in known:
+            cordoned = {c.worker_id for c in self._command(context, control_pb2.JobQuery()).cordoned}
+            if request.worker_id not in cordoned:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"uncordon: no such worker {request.worker_id!r} (registered: {', '.join(known) or 'none'})",
+                )
         return self._command(context, request)
 
     def DrainWorker(self, request, context):

@@ -37,14 +37,24 @@ def bpe_vocab_size(spec: str) -> int | None:
     """
     if not spec.startswith("bpe:"):
         return None
+    if problem := bpe_problem(spec):
+        raise InvalidConfig(f"prepare: tokenizer {spec}: {problem}")
+    return int(_SPEC.match(spec).group(1))
+
+
+def bpe_problem(spec: str) -> str:
+    """What is wrong with a ``bpe:N`` tokenizer spec ("" when nothing, or when it is not one):
+    the one rule, said by `surgectl dataset prepare --tokenizer` before anything is read."""
+    if not spec.startswith("bpe:"):
+        return ""
     m = _SPEC.match(spec)
     n = int(m.group(1)) if m else -1
     if not MIN_VOCAB <= n <= MAX_VOCAB:
-        raise InvalidConfig(
-            f"prepare: tokenizer {spec}: bpe:N needs a vocabulary size N from {MIN_VOCAB} "
+        return (
+            f"bpe:N needs a vocabulary size N from {MIN_VOCAB} "
             f"(<|endoftext|>, 256 bytes and 1 merge) to {MAX_VOCAB}, e.g. bpe:4096"
         )
-    return n
+    return ""
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> str:

@@ -129,8 +129,8 @@ def test_export_refusals_are_one_line_and_write_nothing(surge_home, tmp_path, mo
     assert_one_line(code, err, 1, "--out", "not empty", "--force")
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     code, _, err = export("src-1:1", "--format", "torch", "--out", str(out), "--force")
-    assert code == 0, err
-    assert sorted(p.name for p in out.iterdir()) == ["model.pt", "surge_spec.json"]
+    assert_one_line(code, err, 1, "--out", "not an earlier export")  # (--force replaces only an export)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
 def test_a_damaged_chunk_is_refused_naming_it_and_nothing_is_written(surge_home, tmp_path, monkeypatch, capsys):
@@ -144,3 +144,54 @@ def test_a_damaged_chunk_is_refused_naming_it_and_nothing_is_written(surge_home,
     code, _, err = run_cli(["export", "src-1:1", "--out", str(out)], monkeypatch, capsys)
     assert_one_line(code, err, 1, "export:", victim.name[:12])
     assert not out.exists() and not list(tmp_path.glob(".hf.*"))
+
+
+def test_an_empty_out_is_refused_and_force_replaces_only_an_earlier_export(surge_home, tmp_path, monkeypatch, capsys):
+    """`export --out "" --force` replaced the current directory (``Path("")`` is ``.``, and
+    --force replaced any non-empty folder); a missing parent folder was created whole."""
+    commit_version(surge_home, spec_of())
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+
+    def export(*argv):
+        return run_cli(["export", "src-1:1", "--format", "torch", *argv], monkeypatch, capsys)
+
+    code, _, err = export("--out", "", "--force")
+    assert_one_line(code, err, 2, "--out", "empty")
+    assert [p.name for p in work.iterdir()] == ["notes.txt"]
+    code, _, err = export("--out", ".", "--force")  # (the current folder named: not an export)
+    assert_one_line(code, err, 1, "--out", str(work), "not an earlier export", "surge_spec.json")
+    assert [p.name for p in work.iterdir()] == ["notes.txt"]
+
+    code, _, err = export("--out", str(tmp_path / "nonexistent" / "a" / "b"))
+    assert_one_line(code, err, 2, "--out", "nonexistent", "does not exist")
+    assert not (tmp_path / "nonexistent").exists()
+
+    code, _, err = export("--out", "pt")  # an earlier export is replaced with --force
+    assert code == 0, err
+    (work / "pt" / "stale.txt").write_text("old")
+    code, _, err = export("--out", "pt", "--force")
+    assert code == 0, err
+    assert sorted(p.name for p in (work / "pt").iterdir()) == ["model.pt", "surge_spec.json"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plot", "j", "--out", ""],
+        ["plot", "j", "--metrics", ""],
+        ["compare", "a", "b", "--out", ""],
+        ["submit", ""],
+        ["sweep", ""],
+    ],
+)
+def test_an_empty_path_is_said_to_be_empty_never_taken_as_the_current_folder(argv, surge_home, monkeypatch, capsys):
+    code, _, err = run_cli(argv, monkeypatch, capsys)
+    assert_one_line(code, err, 2, "empty")
+
+
+def test_compare_refuses_a_missing_parent_folder_of_its_out(surge_home, tmp_path, monkeypatch, capsys):
+    code, _, err = run_cli(["compare", "a", "b", "--out", str(tmp_path / "no" / "c.png")], monkeypatch, capsys)
+    assert_one_line(code, err, 2, "--out", "does not exist")

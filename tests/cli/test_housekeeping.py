@@ -189,7 +189,7 @@ def test_dataset_prepare_into_an_unwritable_home_is_one_line_naming_surge_home(t
         (["plot", "nojob", "--metrics", "/nonexistent/m.jsonl"], 1, ["--metrics"]),
         (["generate", "--checkpoint", "bad:version"], 2, ["no checkpoints under"]),  # read in-process
         (["dataset", "list"], 1, ["data address unknown"]),
-        (["dataset", "prepare", "--source", "/nonexistent-dir", "--name", "x"], 1, ["/nonexistent-dir"]),
+        (["dataset", "prepare", "--source", "/nonexistent-dir", "--name", "x"], 2, ["--source", "/nonexistent-dir"]),
         (["submit", "/nonexistent.yaml"], 2, ["/nonexistent.yaml"]),
         (["restart", "control"], 1, ["no local stack"]),
         (["status", "-o", "yaml"], 2, ["--output", "table"]),  # (the option is checked before any call)

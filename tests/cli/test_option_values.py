@@ -28,6 +28,12 @@ pytestmark = pytest.mark.timeout(60)
         (["status", ""], ["JOB: a job id or name is required"]),  # (was: every job listed, exit 0)
         (["team", "set", "vision", "--cohort", ""], ["--cohort: empty"]),  # (was: accepted)
         (["team", "set", "vision", "--cohort", "  "], ["--cohort: empty"]),
+        # session 32: a profile's wait is capped like the other durations (was: 1e30 accepted)
+        (["profile", "j", "--wait-seconds", "1e30"], ["--wait-seconds", "must be <= 604800 (a week), got 1e30"]),
+        (["events", "j", "--reconnect-seconds", "nan"], ["--reconnect-seconds", "'nan' is not a number"]),
+        (["logs", "j", "--reconnect-seconds", "1e400"], ["--reconnect-seconds", "is not a number"]),
+        (["tag", "j", "k="], ["TAGS", "'k='", "an empty value", "--remove k"]),  # (was: set to "")
+        (["tag", "j", "k= "], ["TAGS", "an empty value"]),
     ],
 )
 def test_a_bad_option_value_is_one_line_naming_it_exit_2(argv, words, surge_home, monkeypatch, capsys):

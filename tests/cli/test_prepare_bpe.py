@@ -42,5 +42,5 @@ def test_a_bad_bpe_vocabulary_is_one_line_and_nothing_is_written(surge_home, tmp
     src = text_corpus(tmp_path / "notes")
     argv = ["dataset", "prepare", "--name", "notes", "--source", str(src), "--tokenizer", spec]
     code, out, err = run_cli(argv, monkeypatch, capsys)
-    assert_one_line(code, err, 1, f"tokenizer {spec}", "vocabulary size N from 258")
+    assert_one_line(code, err, 2, f"--tokenizer {spec}", "vocabulary size N from 258")
     assert not (surge_home / "datasets" / "notes").exists()

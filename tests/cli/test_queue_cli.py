@@ -139,9 +139,11 @@ def test_status_shows_a_quarantined_worker_and_uncordon_releases_it_or_refuses_a
         )
         code, out, err = run(monkeypatch, capsys, "uncordon", "wz")
         assert (code, out) == (2, "")
-        assert err.strip() == "error: uncordon: worker 'wz' is not cordoned (cordoned: wa)"
+        assert err.strip() == "error: uncordon: no such worker 'wz' (registered: wa)"  # (was: "is not cordoned")
         code, out, _ = run(monkeypatch, capsys, "uncordon", "wa")
         assert (code, out.strip()) == (0, "wa: uncordoned; ranks may be placed on it again")
+        code, out, err = run(monkeypatch, capsys, "uncordon", "wa")  # a node, with no cordon now
+        assert (code, err.strip()) == (2, "error: uncordon: worker 'wa' is not cordoned (no worker is cordoned)")
         code, out, _ = run(monkeypatch, capsys, "status")
         assert code == 0 and "unhealthy workers" not in out
 

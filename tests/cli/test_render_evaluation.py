@@ -36,3 +36,16 @@ def test_follow_of_an_evaluation_shows_no_step_bar():
         render.follow(_events(_job("demo-1", {"name": "demo"})))
     assert "tok/s" not in got.get() and "0/400" not in got.get() and "eval-1" in got.get()
     assert "tok/s" in trained.get() and "0/400" in trained.get()
+
+
+def test_status_as_listed_without_specs_shows_an_evaluation_job_as_one(monkeypatch, capsys):
+    """`status` gets no spec_json: a finished evaluation showed "0/60" and 0 tokens/s."""
+    monkeypatch.setenv("COLUMNS", "200")
+    done = control_pb2.JobStatus(job_id="eval-2", total_steps=60, evaluation=True, state=control_pb2.TERMINATED)
+    render.console.print(render.jobs_table([done]))
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if "eval-2" in line]
+    cells = [c.strip() for c in row.split("│")]
+    assert "evaluation" in cells and "0/60" not in row and "0" not in cells, cells
+    with render.console.capture() as shown:
+        render.console.print(render.summary_table(done, render.History()))
+    assert "0/60" not in shown.get() and "evaluation" in shown.get()

@@ -280,7 +280,7 @@ def test_generate_decodes_a_small_model_on_one_thread_and_gives_the_threads_back
     [
         (["eval", "tj:9"], 2, ["checkpoint tj:9 not found", "have: tj:1"]),  # (as `resume --from`)
         (["eval", "tj"], 2, ['checkpoint version "tj"']),
-        (["eval", "tj:1", "--dataset", "nope@v1"], 1, ["dataset nope@v1 not found"]),
+        (["eval", "tj:1", "--dataset", "nope@v1"], 2, ["dataset nope@v1 not found"]),  # (as submit and delete say it)
         (["eval", "tj:1", "--dataset", "nope"], 2, ["--dataset 'nope'", "name@version"]),
         (["eval", "tj:1", "--split", "test"], 2, ["--split"]),
         (["eval", "tj:1", "-o", "yaml"], 2, ["--output"]),

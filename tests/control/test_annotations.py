@@ -56,6 +56,8 @@ def test_tags_and_notes_are_kept_in_any_state_and_across_a_control_restart(plane
         ({"set_tags": {"bad key": "x"}}, "tag 'bad key': a key is 1-63 letters"),
         ({"set_tags": {"k": "x" * 257}}, "tag k: a value is one line of at most 256 characters"),
         ({"set_tags": {"k": "two\nlines"}}, "tag k: a value is one line"),
+        ({"set_tags": {"k": ""}}, "tag k: an empty value (`surgectl tag JOB --remove k` removes a tag)"),
+        ({"set_tags": {"k": "  "}}, "tag k: an empty value"),
         ({"remove_tags": ["nope"]}, "tag 'nope': the job has no such tag to remove (its tags: keep)"),
         ({"note": "a\nb"}, "note: one line of at most 2000 characters"),
         ({"note": "   "}, "annotate: give a tag to set or remove, or a note"),

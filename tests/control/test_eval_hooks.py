@@ -43,6 +43,9 @@ def test_every_nth_version_and_the_finish_submit_one_evaluation_each_through_the
     settle(lambda: len(evaluations(plane, job)), 1)
     ((eval_id, version, command),) = evaluations(plane, job)
     assert (version, command) == (f"{job}:2", ["python", "score.py"])
+    # `status` lists jobs without their specs: the status itself says which is an evaluation
+    listed = {j.job_id: j for j in plane.user(control_pb2.JobQuery()).jobs}
+    assert listed[eval_id].evaluation and not listed[job].evaluation and not listed[eval_id].spec_json
     spec = spec_from_json(plane.user(control_pb2.JobQuery(job_id=eval_id, with_spec=True)).spec_json)
     assert spec.world_size == 1 and spec.init_from.checkpoint == f"{job}:2" and spec.eval.hooks == []
     assert parse_job_spec(spec_yaml(name="hooked", dp=1, extra=HOOKS), "j.yaml").model.d_model == spec.model.d_model

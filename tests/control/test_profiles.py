@@ -14,7 +14,7 @@ from services.control.orchestrator.profiles import PROFILE_MAX_STEPS, PROFILES_K
 from services.control.orchestrator.refusals import BadProfileRequest, IllegalTransition
 
 from .conftest import Plane, drain, to_ranks
-from .test_fault_policy import running
+from .test_fault_policy import QUICK, running
 
 pytestmark = pytest.mark.timeout(30)
 JobState = control_pb2.JobState
@@ -89,3 +89,39 @@ def test_a_job_not_running_is_refused(plane):
     with pytest.raises(IllegalTransition, match="only a running job's steps can be profiled"):
         profile(plane, job_id, 1)
     assert not plane.get(job_id).profiles
+
+
+def lost_lines(plane, job_id: str) -> list[str]:
+    return [e.message for e in plane.events(job_id) if e.type == "profile" and " lost: " in e.message]
+
+
+def test_a_profile_whose_ranks_are_relaunched_is_lost_and_stays_so_across_a_restart(plane, tmp_path):
+    """Rank 0 killed while a profile is outstanding: the recovery relaunches the ranks, which
+    never report it (the old code: `recorded: []` forever, the CLI waiting until its timeout)."""
+    job_id, w = running(plane, "wa", "wb", dp=2)
+    done = profile(plane, job_id, 1).profiles[-1].seq
+    recorded(plane, w["wa"], job_id, 0, done)
+    recorded(plane, w["wb"], job_id, 1, done)  # (complete: never lost)
+    seq = profile(plane, job_id, 3).profiles[-1].seq
+    recorded(plane, w["wb"], job_id, 1, seq)  # one rank of two reported
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=-9)
+    assert "launch" in [c.WhichOneof("command") for c in drain(w["wa"])]  # (relaunched)
+    info = {p.seq: p for p in plane.get(job_id).profiles}
+    assert (info[done].lost, info[seq].lost) == ("", "ranks relaunched (rank_exit of rank 0)")
+    assert lost_lines(plane, job_id) == [f"profile #{seq} lost: ranks relaunched (rank_exit of rank 0)"]
+    journal = JobStore(tmp_path / "control.db")
+    try:
+        again = Plane(build(journal, data_address="127.0.0.1:7001", store_address="127.0.0.1:7002"))
+        assert [p.lost for p in again.get(job_id).profiles] == ["", "ranks relaunched (rank_exit of rank 0)"]
+    finally:
+        journal.close()
+
+
+def test_a_profile_outstanding_when_its_job_ends_is_lost_with_the_jobs_outcome(plane):
+    job_id, w = running(plane, "wa", "wb", dp=2, extra=QUICK + "\nfault_policy: {restarts: {rank_exit: 0}}")
+    seq = profile(plane, job_id, 2).profiles[-1].seq
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    s = plane.get(job_id)
+    assert (s.state, s.outcome) == (JobState.TERMINATED, control_pb2.FAILED)
+    assert s.profiles[-1].lost == "job FAILED"
+    assert lost_lines(plane, job_id) == [f"profile #{seq} lost: job FAILED"]

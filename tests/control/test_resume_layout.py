@@ -14,7 +14,7 @@ from services.control.job_store import JobStore
 from services.control.orchestrator import IllegalTransition
 from services.jobspec import JobSpecError, spec_from_json
 
-from .conftest import Plane, drain
+from .conftest import Plane, drain, settle
 from .test_operator_actions import plane, running_job, stopped_job, store  # noqa: F401 - fixtures
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
@@ -182,3 +182,31 @@ def test_a_rank_lost_after_a_resume_at_a_new_dp_is_relaunched_at_that_dp(plane, 
     assert [[r.world_size for r in launch.ranks] for launch in launches] == [[1]]
     sent = spec_from_json(launches[0].init.spec_json)
     assert (sent.parallel.dp, sent.data.grad_accum, launches[0].init.resume_version) == (1, 2, f"{job_id}:1")
+
+
+def test_a_new_layout_asked_of_a_queued_resume_is_applied_to_it_and_placed_when_it_fits(plane, store):  # noqa: F811
+    """`resume J --dp 1 --grad-accum 2` on a job queued for resume (needing 2 ranks, 1 free):
+    was exit 0 with the layout ignored, the job still waiting for 2 ranks."""
+    job_id, a, b = stopped_job(plane, store, at=6)
+    plane.submit(name="blocker", dp=1)  # takes one of the two slots
+    s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+    assert (s.state, s.queue_position) == (JobState.STANDBY, 1)
+    with pytest.raises(IllegalTransition, match=f"cancel the queued resume first: `surgectl cancel {job_id}`"):
+        plane.user(control_pb2.ResumeJobRequest(job_id=job_id, from_version=f"{job_id}:9"))
+    with pytest.raises(JobSpecError, match="the global batch"):
+        plane.user(control_pb2.ResumeJobRequest(job_id=job_id, dp=1))  # (4 rows kept: refused, nothing changed)
+    plane.user(control_pb2.ResumeJobRequest(job_id=job_id, dp=1, grad_accum=2))
+    s = settle(lambda: plane.get(job_id).state, JobState.WARMING_UP)
+    s = plane.get(job_id)
+    assert (s.world_size, s.dp, s.micro_batch_size, s.grad_accum, s.step) == (1, 1, 2, 2, 6)
+    said = [e.message for e in plane.events(job_id) if e.type == "decision"]
+    assert any(
+        m.startswith(
+            f"the queued resume from {job_id}:1 (step 6) takes the layout asked by the operator "
+            "(--dp 1 --grad-accum 2): parallel.dp 2 -> 1, data.grad_accum 1 -> 2"
+        )
+        for m in said
+    ), said
+    launched = [c.launch for session in (a, b) for c in drain(session) if c.WhichOneof("command") == "launch"]
+    mine = [x for x in launched if x.init.job_id == job_id]
+    assert [len(x.ranks) for x in mine] == [1] and spec_from_json(mine[0].init.spec_json).parallel.dp == 1

@@ -28,6 +28,8 @@ def check_annotation(msg: control_pb2.AnnotateJobRequest, tags: dict[str, str]) 
             raise BadAnnotation(
                 f"tag {key!r}: a key is 1-63 letters, digits, '_', '.' or '-', starting with one of the first two"
             )
+        if not value.strip():  # (was: taken, a tag that says nothing; removing is --remove)
+            raise BadAnnotation(f"tag {key}: an empty value (`surgectl tag JOB --remove {key}` removes a tag)")
         if len(value) > TAG_VALUE_CHARS or "\n" in value:
             raise BadAnnotation(f"tag {key}: a value is one line of at most {TAG_VALUE_CHARS} characters")
     if unknown := sorted(set(msg.remove_tags) - set(tags) - set(msg.set_tags)):

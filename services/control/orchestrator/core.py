@@ -367,6 +367,7 @@ class Orchestrator(
         # An ended job is nobody's to resume by itself: a drain or a resume in flight ends with it.
         job.draining = job.parked = job.parked_live = job.resume_after_pause = job.status.drained = False
         job.departure = job.status.preempted_by = ""
+        self._lose_profiles(job, f"job {JobOutcome.Name(outcome)}")  # (its ranks are gone: no report comes)
         # Journal the terminal state first: a failing release must never lose it.
         self._transition(job, JobState.TERMINATED, ORCH, f"{JobOutcome.Name(outcome)}: {message}")
         self._allocator(control_pb2.ReleaseResources(job_id=job.status.job_id, kill=kill))

@@ -217,7 +217,7 @@ class OperatorCommands:
                     "(fault_policy.freeze_seconds); nothing to thaw"
                 )
             if job.queued is not None:  # (a resume that did not fit, asked again: it waits where it is)
-                return self._snapshot(job)
+                return self._asked_again_while_queued(job, msg)
             if job.status.state == JobState.RUNNING and job.pending == "pause" and not _new_layout(job.spec, msg):
                 return self._resume_after_pause(job)
             if not self._relaunchable(job):

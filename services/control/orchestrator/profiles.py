@@ -2,7 +2,9 @@
 request as a boundary command (ProfileSteps), so every rank profiles the same steps, and
 keeps what the ranks report (ProfileRecorded) in the job's status (``JobStatus.profiles``,
 journaled with it) and its events (type "profile"). A profile is a measurement: one that
-fails is shown, never graded as a fault. (A part of ``Orchestrator``, see core.py.)
+fails is shown, never graded as a fault. One whose ranks are relaunched (a recovery, a
+resume) or whose job ends before every rank reported is marked lost here, by L1-1: those
+reports never come. (A part of ``Orchestrator``, see core.py.)
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ PROFILES_KEPT = 8  # the newest profiles a job's status names (their files stay 
 
 
 class Profiling:
-    """``profile_job_request`` and ``on_profile_recorded``: a part of ``Orchestrator``."""
+    """``profile_job_request`` and ``on_profile_recorded`` (and ``_lose_profiles``, which
+    the job's relaunches and its end call): a part of ``Orchestrator``."""
 
     def profile_job_request(self, msg: control_pb2.ProfileJobRequest, payload: Any = None) -> control_pb2.JobStatus:
         """Ask a RUNNING job's ranks to profile their next ``msg.steps`` steps from the boundary
@@ -67,6 +70,24 @@ class Profiling:
                 return
             info.recorded.add().CopyFrom(msg)
             self._record(job, Module.L2_TRAINING_LOOP, "profile", profile_text(msg))
+
+    def _lose_profiles(self, job, why: str) -> None:
+        """Under the lock: the job's outstanding profiles (not every rank reported) are lost
+        for ``why`` (their ranks were relaunched, or the job ended): a rank that was killed,
+        or never got to the profiled steps, never reports, and the operator waiting on it
+        (`surgectl profile`) is told so instead of waiting until its timeout. Said in the
+        job's events; ``ProfileInfo.lost`` in its status (journaled with it). A report
+        that still comes is kept as any other."""
+        for info in job.status.profiles:
+            if info.lost or len(info.recorded) >= info.ranks:
+                continue
+            info.lost = why
+            self._record(job, ORCH, "profile", lost_text(info))
+
+
+def lost_text(info: control_pb2.ProfileInfo) -> str:
+    """A lost profile, as the job's events and `surgectl profile` say it."""
+    return f"profile #{info.seq} lost: {info.lost}"
 
 
 def profile_text(msg: engine_pb2.ProfileRecorded) -> str:

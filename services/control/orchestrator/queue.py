@@ -98,6 +98,7 @@ class JobQueueing:
                 priority=priority,
                 team=spec.team,
                 device=spec.parallel.device_kind,
+                evaluation=spec.evaluation is not None,
             )
             _set_layout(status, spec)
             digest = spec_sha256(msg.spec_yaml) if msg.request_id else ""

@@ -348,6 +348,7 @@ class Recovery:
                     incident.placed_on = list(reply.worker_ids) if in_place else []
                     self._apply(job, incident, *rm.placed(rm.waits_of(incident), time.monotonic()))
                     self._record_relaunch(job, reply, effect.source, old_world=old_world, lost=incident.lost)
+                    self._lose_profiles(job, f"ranks relaunched ({incident.fault_class} of rank {incident.cause.rank})")
                     self._start_soon()  # (the queue was held for it)
                 else:
                     self._verification_effects(job, incident, [effect])

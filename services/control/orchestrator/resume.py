@@ -25,7 +25,7 @@ from services.control.orchestrator.job import (
     _Resume,
     _runtime,
 )
-from services.control.orchestrator.layout import _layout_change, _set_layout
+from services.control.orchestrator.layout import _layout_asked, _layout_change, _layout_flags, _new_layout, _set_layout
 from services.control.orchestrator.refusals import IllegalTransition, InsufficientResources, UnknownVersion
 from services.control.orchestrator.texts import _beyond_cluster, _newest, _version_number, _waits_for
 from services.jobspec import (
@@ -254,6 +254,51 @@ class OperatorResume:
         )
         return effects, reply
 
+    def _asked_again_while_queued(self, job: _Job, msg: control_pb2.ResumeJobRequest) -> control_pb2.JobStatus:
+        """Under the lock: a resume of a job already queued. Asked again as queued, it waits
+        where it is; a new layout (``--dp``, ``--micro-batch-size``, ``--grad-accum``; the
+        job's own: back to it) is applied to the queued resume, journaled with a decision,
+        and the queue tried again (the new size may fit now; was: exit 0, the layout
+        ignored). Another ``--from`` than the queued one, or a layout for a queued submit
+        that never ran, is refused in one line saying what to do.
+
+        Raises:
+            JobSpecError (the layout breaks the global batch or a rule of the spec);
+            IllegalTransition (nothing changed)."""
+        job_id, r = job.status.job_id, job.relaunch
+        if r is None:  # (a submitted job waiting for its first start: it has no checkpoint to reshard)
+            if _layout_asked(msg) or msg.from_version:
+                flags = _layout_flags(msg) or f"--from {msg.from_version}"
+                raise IllegalTransition(
+                    f"{flags}: job {job_id} is queued to start, not to resume; cancel it first: "
+                    f"`surgectl cancel {job_id}`, then submit it again with --set"
+                )
+            return self._snapshot(job)
+        if msg.from_version and msg.from_version != r["version"]:
+            raise IllegalTransition(
+                f"--from {msg.from_version}: job {job_id}'s resume from {r['version']} is queued; cancel the "
+                f"queued resume first: `surgectl cancel {job_id}`, then `surgectl resume {job_id} "
+                f"--from {msg.from_version}`"
+            )
+        if not _layout_asked(msg):
+            return self._snapshot(job)
+        new = _new_layout(job.spec, msg)  # (refused: nothing changed)
+        queued = self._relaunch_spec(job) or job.spec
+        target = new or job.spec
+        if spec_to_json(target) == spec_to_json(queued):
+            return self._snapshot(job)
+        r["spec"] = spec_to_json(new) if new is not None else ""
+        self._queue.mark_beyond_cluster(job_id, False)  # (the new world size is measured afresh)
+        self._record(
+            job,
+            ORCH,
+            "decision",
+            f"the queued resume from {r['version']} (step {r['step']}) takes the layout asked by the operator "
+            f"({_layout_flags(msg)}): {_layout_change(queued, target)}",
+        )
+        self._start_soon()  # (it may fit now)
+        return self._snapshot(job)
+
     def _relaunch_spec(self, job: _Job) -> JobSpec | None:
         """The new layout a queued operator resume starts at (None: the job's own, or none queued)."""
         return spec_from_json(job.relaunch["spec"]) if job.relaunch and job.relaunch.get("spec") else None
@@ -340,6 +385,7 @@ class OperatorResume:
                 + ("restart budgets kept" if keep_budgets else "restart budgets reset"),
                 spec_json=spec_json if spec is not None else None,  # (the new spec, with the decision)
             )
+            self._lose_profiles(job, "ranks relaunched (resume)")  # (a paused job's: its ranks exited)
             self._reopen(job, f"ranks launching to resume from checkpoint {version} at step {step}")
         except BaseException:
             self._put_back(job, before, before_runtime, before_spec, journal=job.spec is not before_spec)

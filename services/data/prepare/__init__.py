@@ -40,6 +40,7 @@ from services.data.prepare.pipeline import (
     PreparedDataset,
     default_stdlib_source,
     default_workers,
+    label_problem,
     no_held_out_warning,
     prepare_dataset,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "default_stdlib_source",
     "default_workers",
     "is_text",
+    "label_problem",
     "no_held_out_warning",
     "prepare_dataset",
 ]

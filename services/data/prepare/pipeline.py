@@ -46,6 +46,18 @@ from services.data.prepare.version_dir import VersionDir
 
 SPLITS = ("train", "val")
 _LABEL = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # no leading dot: temp dirs use one
+
+
+def label_problem(value: str) -> str:
+    """What is wrong with a dataset name or version label ("" when nothing): it names a folder
+    under the datasets root, so no separator, no leading dot (``../evil``), not empty."""
+    if not value:
+        return "empty"
+    if not _LABEL.match(value):
+        return f"{value!r} must match {_LABEL.pattern} (a folder name: no '/', no leading '.')"
+    return ""
+
+
 SPLIT_RULE = (
     "val iff int(sha256(document id)[:8 bytes], big-endian) / 2**64 < val_fraction; a document's id is its "
     "relative path (a text file), path:line (a JSONL line, from 1) or path:row (a Parquet row, from 0)"
@@ -148,8 +160,8 @@ def prepare_dataset(
     """
     t0 = time.monotonic()
     for field, value in (("name", name), ("version", version)):
-        if not _LABEL.match(value):
-            raise InvalidConfig(f"prepare: {field}: {value!r} must match {_LABEL.pattern}")
+        if problem := label_problem(value):
+            raise InvalidConfig(f"prepare: {field}: {problem}")
     if not 0.0 <= val_fraction < 1.0:
         raise InvalidConfig(f"prepare: val_fraction: must be in [0, 1), got {val_fraction}")
     if workers < 1:
