@@ -106,6 +106,14 @@ class NodeAgent:
     def loss(self, step: int) -> float:
         return 5.0 - 0.5 * step
 
+    def wait_for(self, kind: str, timeout: float = 10.0) -> None:
+        """Until a command of ``kind`` came: control's commands to an agent and its job events to
+        a watcher go on two streams, so a release may come after the TERMINATED event is read."""
+        deadline = time.monotonic() + timeout
+        while not any(c.WhichOneof("command") == kind for c in self.commands):
+            assert time.monotonic() < deadline, [c.WhichOneof("command") for c in self.commands]
+            time.sleep(0.01)
+
     def close(self) -> None:
         self._out.put(None)  # half-close: the session ends
         self._thread.join(timeout=10)
@@ -215,6 +223,7 @@ def test_a_dp2_job_runs_to_finished_on_two_node_agents(start_control, agents):
     assert status.train_loss == a.loss(3) and status.tokens_seen == 3 * 64
     assert status.message == "FINISHED: all ranks finished at step 3"
 
+    a.wait_for("release"), b.wait_for("release")
     a.close(), b.close()
     la, lb = a.commands[0].launch, b.commands[0].launch
     assert ([r.rank for r in la.ranks], [r.rank for r in lb.ranks]) == ([0], [1])
