@@ -462,10 +462,9 @@ class Recovery:
         before a resize (the job's new spec is journaled with it), ``lost``: its ranks that
         were lost (the others above the new size are released)."""
         # Its ranks placed again, perhaps fewer, perhaps (an ``any`` job) on another kind: where
-        # they are and what is beyond its team's nominal now (teams.py).
+        # they are (teams.py counts its team there; its borrowed slots are derived as the decision ends).
         if reply.HasField("placed"):
             job.status.placed_by_kind.CopyFrom(reply.placed)
-        job.status.borrowed_slots = self._borrowed_of(job)
         workers = ", ".join(reply.worker_ids)
         if reply.in_place:
             launched = ", ".join(str(r) for r in reply.replaced_ranks)
