@@ -78,7 +78,7 @@ def test_a_job_held_by_its_own_team_s_quota_preempts_that_team_s_lower_priority_
         s = plane.get(low)
         assert s.state == JobState.STANDBY and s.preempted_by == high.job_id and s.step == 6
         assert state_text(s).startswith(f"PREEMPTED (by {high.job_id}"), state_text(s)
-        assert any(f"(priority 5 > 0, within team lab's quota)" in m for m in messages(plane, low))
+        assert any("(priority 5 > 0, within team lab's quota)" in m for m in messages(plane, low))
         assert any(e.type == "preemption" and "within its team's quota" in e.message for e in plane.events(high.job_id))
         assert not [e for e in plane.events(low) if e.type == "fault"]
         # The high job finishes: the low one continues from its checkpoint by itself.

@@ -9,6 +9,12 @@ PREEMPTED (STANDBY with ``JobStatus.preempted_by``), to continue from that check
 when capacity returns: at most the steps after the boundary are lost (none, the boundary is
 where it stopped). The head starts once the slots are free (it stays first in the queue).
 
+Within a team (``_preempt_in_team``): a queued job its own team's quota holds back (hard limit,
+borrow limit, nominal used up with nothing to borrow: no slot shortage the allocator would
+report) preempts its team's lower-priority jobs by the same rules, and no more than bring the
+team within its quota and, with the free slots of its kind (the allocator's probe, nothing
+placed), fit it (preemption_plan.py ``choose_within_team``).
+
 A victim that has not paused within the grace period moves from its newest committed checkpoint
 (the steps after it lost, said in a warning); with none it keeps its slots until its pause's
 checkpoint commits (a warning says so). A fault during the checkpoint is a recovery, which
