@@ -120,23 +120,16 @@ class Preempting:
         for victim_id in choice.victims:
             self._preempt(self._jobs[victim_id], head, reclaimed=victim_id in borrowed)
 
-    def _preempt_in_team(self, head: _Job, quota: Admission) -> None:
+    def _preempt_in_team(self, head: _Job, quota: Admission, team_jobs: list[_Job]) -> None:
         """Under the lock: the queued ``head`` is held back by its own team's quota (``quota``:
         its hard limit, its borrow limit, or its nominal used up with nothing to borrow):
         the team's lower-priority jobs make room, by preemption_plan.py's
         ``choose_within_team`` (the same rules as across teams: strictly lower priority,
         ``preemptible``, the minimum run time, and nothing unless it would then fit, both its
-        team's quota and the free slots, which the allocator is asked for without placing)."""
+        team's quota and the free slots, which the allocator is asked for without placing).
+        ``team_jobs``: the jobs of its team holding ranks."""
         team, kind, priority = team_of(head.status), kind_of(head), head.status.priority
-        mine = [
-            j
-            for j in self._jobs.values()
-            if j is not head
-            and team_of(j.status) == team
-            and j.status.priority < priority
-            and self._holds_ranks(j)
-            and self._preemptable(j)
-        ]
+        mine = [j for j in team_jobs if j is not head and j.status.priority < priority and self._preemptable(j)]
         if not mine or self._preemption_in_flight():
             return
         usage, slots = self._usage(), self._slots(head)

@@ -148,6 +148,8 @@ class JobQueueing:
                 # (queued for good: a victim's pause is never undone by this submit's failure)
                 if not held and not _beyond_cluster(reply):
                     self._preempt_for(job, reply)  # (lower priorities may make room: preemption.py)
+                elif quota is not None and not quota.ok and not quota.never:  # (its own team's lower priorities)
+                    self._preempt_in_team(job, quota, self._running_by_team().get(team_of(job.status), []))
             return self._snapshot(job)
 
     def _launch(self, job: _Job, note: str = "", borrowed: int = 0) -> control_pb2.ResourcesInsufficient | None:

@@ -58,13 +58,22 @@ def kind_of(job: _Job) -> str:
 def held_by_kind(status: control_pb2.JobStatus) -> dict[str, int]:
     """The slots a job holding ranks counts for, per kind its team's quota reads: its own kind
     (gpu, cpu); for an ``any`` job, the kinds it landed on (``placed_by_kind``, recorded at each
-    placement), or ``any`` (either kind: admission.py counts it against both) where that is not
-    known or no longer matches its size (a resize not yet placed)."""
+    placement; after a shrink, its remaining ranks on the kind they ran on), or ``any`` (either
+    kind: admission.py counts it against both) for ranks whose kind is not known (no placement
+    recorded, a growth not yet placed, a mixed job shrunk beyond telling)."""
     kind, n = status.device or "any", status.world_size
+    if kind != "any" or not status.HasField("placed_by_kind"):
+        return {kind: n}
     placed = status.placed_by_kind
-    if kind == "any" and status.HasField("placed_by_kind") and placed.gpu + placed.cpu == n:
-        return {k: v for k, v in (("gpu", placed.gpu), ("cpu", placed.cpu)) if v}
-    return {kind: n}
+    if n <= placed.gpu + placed.cpu:
+        # Its ranks now (a shrink keeps ranks where they ran): at least n - cpu of them on
+        # GPUs and n - gpu on CPU slots; all of them, on one kind it landed on whole. Only
+        # what cannot be told apart (a mixed job shrunk) counts as ``any``.
+        gpu, cpu = max(0, n - placed.cpu), max(0, n - placed.gpu)
+    else:  # (grown, its new ranks not placed yet: those may be of either kind)
+        gpu, cpu = placed.gpu, placed.cpu
+    held = {k: v for k, v in (("gpu", gpu), ("cpu", cpu), ("any", n - gpu - cpu)) if v}
+    return held or {kind: n}
 
 
 def landed_kind(job: _Job) -> str:

@@ -213,7 +213,7 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
                 if probe is not None:
                     launch.link_probe.CopyFrom(probe)
                 self._placed[msg.job_id].probes[worker_id] = probe
-            placed = _placed(self._workers, self._placed[msg.job_id].ranks)
+            placed = _placed(self._workers, self._placed[msg.job_id])
         # Commands leave outside the lock: the relay only queues them, but keep the
         # allocator's lock short and never held across another module's code.
         for worker_id, launch in launches.items():
