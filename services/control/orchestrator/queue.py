@@ -387,7 +387,7 @@ class JobQueueing:
                         job.queued = self._queue.put(entry)
                         job.status.waited_seconds = earlier
                         self._queue.mark_beyond_cluster(entry.job_id, effect.beyond)
-                        self._waiting(job, effect.why, place)
+                        self._waiting(job, effect.why, place, tried=True)
                         if not effect.beyond:
                             if reply is not None:
                                 self._preempt_for(job, reply)  # (lower priorities may make room: preemption.py)
@@ -404,17 +404,20 @@ class JobQueueing:
                 by_team.setdefault(team_of(j.status), []).append(j)
         return by_team
 
-    def _waiting(self, job: _Job, why: str, place: int = 0) -> None:
+    def _waiting(self, job: _Job, why: str, place: int = 0, tried: bool = False) -> None:
         """Under the lock: the queued ``job`` still waits, for ``why`` (``place``: its place in
         the pass's walk; 0: asked of the queue): an event when the reason changed (none at
-        every retry), its place journaled either way."""
+        every retry); ``tried`` (taken out of the queue to be placed, and put back): its place
+        journaled again even so. A job the pass did not try and whose reason stands costs no
+        write (a pass reaches every queued job)."""
         if job.status.preempted_by and not why.startswith("PREEMPTED"):  # (what it is stays in sight)
             why = f"PREEMPTED by job {job.status.preempted_by}; {why}"
         if job.status.job_id in self._promoted and self._quotas.max_wait_s is not None:  # (teams.py)
             why = PROMOTED.format(bound=self._quotas.max_wait_s / 60) + why
         message = f"queued: {why}"
         if job.status.message == message:
-            self._keep(job)
+            if tried:
+                self._keep(job)
             return
         where = f"position {place or self._queue.position(job.status.job_id)} of {len(self._queue)}"
         self._record(job, ORCH, "queue", f"still queued at {where}: {why}", status_message=message)
