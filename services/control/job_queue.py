@@ -82,6 +82,9 @@ class JobQueue:
         self._beyond: set[str] = set()  # queued jobs needing more ranks than are registered
         # The order the entries are tried in (issue 30: fair share across teams); None: by key.
         self.order: Callable[[list[QueueEntry]], list[QueueEntry]] | None = None
+        # ``order``'s answer, kept until the entries change or the owner says its inputs did
+        # (``forget_order``): a pass's places and events read it once, not once per job.
+        self._ordered: list[QueueEntry] | None = None
 
     def add(self, job_id: str, priority: int, first: bool = False) -> QueueEntry:
         """Queue ``job_id`` behind every job of its priority or higher (``first``: ahead of
@@ -100,6 +103,7 @@ class JobQueue:
         """Queue ``entry`` (a new one, or one taken out to be tried, back in its place)."""
         assert entry.job_id not in self._entries, entry
         self._entries[entry.job_id] = entry
+        self._ordered = None
         self._next_seq = max(self._next_seq, entry.seq + 1)
         if self._on_change is not None:
             self._on_change(self)
@@ -110,8 +114,10 @@ class JobQueue:
         (``mark_beyond_cluster``) goes with it."""
         self._beyond.discard(job_id)
         entry = self._entries.pop(job_id, None)
-        if entry is not None and self._on_change is not None:
-            self._on_change(self)
+        if entry is not None:
+            self._ordered = None
+            if self._on_change is not None:
+                self._on_change(self)
         return entry
 
     def mark_beyond_cluster(self, job_id: str, beyond: bool) -> None:
@@ -130,8 +136,15 @@ class JobQueue:
         self._beyond.clear()
 
     def ordered(self) -> list[QueueEntry]:
-        by_key = sorted(self._entries.values(), key=QueueEntry.key)
-        return by_key if self.order is None else self.order(by_key)
+        if self._ordered is None:
+            by_key = sorted(self._entries.values(), key=QueueEntry.key)
+            self._ordered = by_key if self.order is None else self.order(by_key)
+        return list(self._ordered)
+
+    def forget_order(self) -> None:
+        """What ``order`` reads besides the entries changed (its owner's usage, capacity or
+        clock): the next ``ordered`` asks it again."""
+        self._ordered = None
 
     def head(self) -> QueueEntry | None:
         if self.order is not None:
@@ -144,7 +157,7 @@ class JobQueue:
         if entry is None:
             return 0
         if self.order is not None:
-            return 1 + [e.job_id for e in self.ordered()].index(job_id)
+            return 1 + next(i for i, e in enumerate(self.ordered()) if e.job_id == job_id)
         return 1 + sum(1 for e in self._entries.values() if e.key() < entry.key())
 
     def leads(self, priority: int) -> bool:

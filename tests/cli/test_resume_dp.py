@@ -15,7 +15,9 @@ stack is killed by PID when its group ends (running_stack).
 The same stack (two one-slot workers: a dp 2 job fills it) serves priority preemption (issue 30
 item 2): a priority-0 dp 2 job is preempted by a priority-5 dp 2 job; it checkpoints at an
 agreed boundary, waits PREEMPTED, comes back by itself once the preemptor finished, with no
-fault and no restart spent, and its losses are the uninterrupted run's bit for bit.
+fault and no restart spent, and its losses are the uninterrupted run's bit for bit. Within a
+team (session 32): a team whose quota one dp 1 job fills (nominal 1, nothing to borrow), a
+slot idle: its priority-5 job preempts its priority-0 one, which comes back by itself.
 
 The stack is the one the group cli-two-workers shares (tests/conftest.py STACK_GROUPS,
 tests/shared_stacks.py), the first module on it.
@@ -41,7 +43,10 @@ JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 # step 4 on (``SURGE_FAULT_INJECT`` ``slow_steps``) until it stopped, so that it stops well
 # before its end whatever the machine's speed; the resumed job runs at its own speed.
 STEPS, PACE = 30, 2.0
-INJECT = ",".join(f"{job}:slow_steps@4:rank={r}:seconds={PACE:g}" for job in ("tdp", "tplow") for r in (0, 1))
+INJECT = ",".join(
+    [f"{job}:slow_steps@4:rank={r}:seconds={PACE:g}" for job in ("tdp", "tplow") for r in (0, 1)]
+    + [f"tqlow:slow_steps@4:rank=0:seconds={PACE:g}"]
+)
 # (the preempted job may be preempted after a second of running: control's env, the whole stack's)
 STACK_ENV = {"SURGE_PREEMPTION_MIN_RUN_SECONDS": "1"}
 RTOL = 1e-5
@@ -193,3 +198,34 @@ def test_a_preempted_dp2_job_comes_back_by_itself_with_its_losses_bit_identical(
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), [r["step"] for r in records]
     ours = rank0(stack, low)
     assert [ours[s]["loss"] for s in range(1, STEPS + 1)] == [reference[s]["loss"] for s in range(1, STEPS + 1)]
+
+
+@pytest.mark.timeout(300)
+def test_within_a_team_a_higher_priority_job_preempts_the_team_s_job_that_fills_its_quota(stack):
+    quota = control_pb2.TeamQuota(name="tq", nominal=1, borrow_limit=0, hard_limit=-1, weight=1.0, cohort="tq")
+    stack.stub.SetTeamQuota(control_pb2.SetTeamQuotaRequest(quota=quota), timeout=30)
+    try:
+        low = stack.submit("team: tq\n" + spec("tqlow", steps=12, every=1000).replace("dp: 2", "dp: 1"))
+        stack.wait_step(low, 3)  # (paced from step 4: still running when the preemptor comes)
+        request = control_pb2.SubmitJobRequest(
+            spec_yaml="team: tq\n" + spec("tqhigh", steps=3, every=1000).replace("dp: 2", "dp: 1"), priority=5
+        )
+        high = stack.stub.SubmitJob(request, timeout=30)
+        assert high.state == JobState.STANDBY and "over its borrow limit of 0" in high.message, high.message
+        s = wait_state(stack, low, JobState.STANDBY)
+        assert s.preempted_by == high.job_id and s.message.startswith(f"queued: PREEMPTED by job {high.job_id}")
+        lift_pace(stack.home / "run" / "faults", low)
+        assert stack.events(high.job_id)[-1].status.outcome == JobOutcome.FINISHED
+        events = stack.events(low, timeout=240)
+        assert (events[-1].status.outcome, events[-1].status.step) == (JobOutcome.FINISHED, 12), events[-1].message
+        messages = [e.message for e in events]
+        assert any(
+            m.startswith(f"preempted by job {high.job_id} (priority 5 > 0, within team tq's quota)") for m in messages
+        )
+        assert [e.message for e in events if e.type == "fault" and "rank_released" not in e.message] == []
+        records = [r["step"] for r in stack.step_records(low) if r["rank"] == 0]
+        assert sorted(set(records)) == list(range(1, 13)), records
+    finally:
+        stack.stub.SetTeamQuota(
+            control_pb2.SetTeamQuotaRequest(remove=True, quota=control_pb2.TeamQuota(name="tq")), timeout=30
+        )

@@ -103,3 +103,48 @@ def test_the_reasons_name_what_was_skipped_and_the_shortfall():
     )
     took = choose_victims(needs=1, free=0, priority=5, running=[run("a", 2)], now=NOW, min_run_seconds=0)
     assert took.why == "preempts a (priority 2): 1 slot(s) freed"
+
+
+WITHIN_TEAM = [
+    # (case, deficit, needs, free, priority, team, others, victims)
+    ("the team's lowest frees the quota, slots are free", 2, 2, 2, 5, [run("t0", 0, 2), run("t1", 1, 2)], [], ("t0",)),
+    ("equal priority in the team never", 1, 1, 1, 5, [run("eq", 5, 1)], [], ()),
+    ("preemptible false in the team never", 1, 1, 1, 5, [run("keep", 0, 1, preemptible=False)], [], ()),
+    ("inside the minimum run time never", 1, 1, 1, 5, [run("young", 0, 1, ran=5)], [], ()),
+    # The team's job frees 1 slot and the quota; 1 free; another team's low job the rest.
+    (
+        "the rest of the slots from a lower job of any team",
+        1,
+        3,
+        1,
+        5,
+        [run("t0", 0, 1)],
+        [run("t0", 0, 1), run("o", 1, 1)],
+        ("t0", "o"),
+    ),
+    # The quota would admit it, but the slots are a higher priority's: nothing.
+    ("still would not fit: nothing", 1, 2, 0, 5, [run("t0", 0, 1)], [run("t0", 0, 1), run("o", 9, 1)], ()),
+]
+
+
+@pytest.mark.parametrize(
+    ("deficit", "needs", "free", "priority", "team", "others", "victims"),
+    [c[1:] for c in WITHIN_TEAM],
+    ids=[c[0] for c in WITHIN_TEAM],
+)
+def test_victims_within_a_team(deficit, needs, free, priority, team, others, victims):
+    from services.control.orchestrator.preemption_plan import choose_within_team
+
+    frees = {r.job_id: r.ranks for r in [*team, *others]}
+    choice = choose_within_team(
+        deficit=deficit,
+        needs=needs,
+        free=free,
+        priority=priority,
+        team=team,
+        frees=frees,
+        others=others,
+        now=NOW,
+        min_run_seconds=120,
+    )
+    assert choice.victims == victims, choice.why

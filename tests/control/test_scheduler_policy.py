@@ -403,3 +403,29 @@ def test_admission_per_device_kind(usage, team, slots, kind, answer, borrowed):
     )
     a = admit(book, usage, team, slots, kind)
     assert (a.kind, a.borrowed) == (answer, borrowed), a.reason
+
+
+def test_the_quota_deficit_is_the_fewest_slots_the_team_must_free():
+    from services.control.scheduler.admission import quota_deficit
+
+    book = QuotaBook({"lab": TeamQuota(nominal=4, borrow_limit=0, cohort="lab")})
+    assert quota_deficit(book, {"lab": {"any": 4}}, "lab", 2) == 2  # (nominal used up, nothing to borrow)
+    assert quota_deficit(book, {"lab": {"any": 1}}, "lab", 2) == 0  # (admitted now)
+    assert quota_deficit(book, {"lab": {"any": 1}}, "lab", 6) is None  # (beyond what freeing its 1 slot gives)
+    hard = QuotaBook({"lab": TeamQuota(hard_limit=3)})
+    assert quota_deficit(hard, {"lab": {"cpu": 2}}, "lab", 2, "cpu") == 1
+    assert quota_deficit(hard, {}, "lab", 4) is None  # (beyond its hard limit alone)
+    per_kind = QuotaBook({"lab": TeamQuota(nominal={"gpu": 2, "cpu": 4}, borrow_limit={"gpu": 0, "cpu": 0})})
+    assert quota_deficit(per_kind, {"lab": {"gpu": 2, "cpu": 4}}, "lab", 1, "gpu") == 1
+
+
+def test_borrowed_slots_per_job_follow_the_team_s_order_and_sum_to_the_team_s():
+    from services.control.scheduler.admission import borrowed_by_job
+
+    q = TeamQuota(nominal=4)
+    jobs = [("a", {"any": 3}), ("b", {"any": 3}), ("c", {"cpu": 2})]
+    assert borrowed_by_job(q, jobs) == {"a": 0, "b": 2, "c": 2}
+    assert borrowed_by_job(q, jobs[1:]) == {"b": 0, "c": 1}  # (a ended: b within the nominal)
+    per_kind = TeamQuota(nominal={"gpu": 2, "cpu": 1})
+    assert borrowed_by_job(per_kind, [("g", {"gpu": 3}), ("c", {"cpu": 2})]) == {"g": 1, "c": 1}
+    assert borrowed_by_job(TeamQuota(), jobs) == {"a": 0, "b": 0, "c": 0}  # (no nominal: nothing borrowed)

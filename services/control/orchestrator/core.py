@@ -392,6 +392,7 @@ class Orchestrator(
         """Under the lock: a copy of the job's status, for a reply; published as its view too
         (a command's reply and a later query say the same)."""
         self._publish(job)
+        self._refresh_borrowed()  # (teams.py: the reply says what the query will)
         return self._copy(job)
 
     def _copy(self, job: _Job) -> control_pb2.JobStatus:
@@ -427,6 +428,7 @@ class Orchestrator(
     def _publish_changed(self) -> None:
         """The decision is over (the lock's outermost holder lets it go): its changes are
         the queries' views."""
+        self._refresh_borrowed()  # (teams.py: derived from this decision's holdings, published with it)
         for job_id in self._changed:
             job = self._jobs.get(job_id)
             if job is not None:
@@ -436,7 +438,9 @@ class Orchestrator(
         self._changed.clear()
         if self._places_changed:
             self._places_changed = False
+            self._queue.forget_order()  # (the order as of the decision's end)
             self._views.publish_places(self._queue)
+        self._queue.forget_order()  # (the next decision may see other usage, capacity, clock)
 
     def _journal_lock(self, job_id: str) -> threading.RLock:
         return self._journal_locks.get(job_id) or self._journal_locks.setdefault(job_id, threading.RLock())

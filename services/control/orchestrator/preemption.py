@@ -9,6 +9,12 @@ PREEMPTED (STANDBY with ``JobStatus.preempted_by``), to continue from that check
 when capacity returns: at most the steps after the boundary are lost (none, the boundary is
 where it stopped). The head starts once the slots are free (it stays first in the queue).
 
+Within a team (``_preempt_in_team``): a queued job its own team's quota holds back (hard limit,
+borrow limit, nominal used up with nothing to borrow: no slot shortage the allocator would
+report) preempts its team's lower-priority jobs by the same rules, and no more than bring the
+team within its quota and, with the free slots of its kind (the allocator's probe, nothing
+placed), fit it (preemption_plan.py ``choose_within_team``).
+
 A victim that has not paused within the grace period moves from its newest committed checkpoint
 (the steps after it lost, said in a warning); with none it keeps its slots until its pause's
 checkpoint commits (a warning says so). A fault during the checkpoint is a recovery, which
@@ -32,8 +38,10 @@ from services.common.deadlines import Deadline
 from services.contract import control_pb2, engine_pb2
 from services.control.orchestrator.activity import idle
 from services.control.orchestrator.job import ORCH, JobState, _Job
-from services.control.orchestrator.preemption_plan import Running, choose_victims
-from services.control.orchestrator.teams import kind_of, landed_kind
+from services.control.orchestrator.preemption_plan import Running, choose_victims, choose_within_team
+from services.control.orchestrator.teams import held_by_kind, kind_of, landed_kind, team_of, usage_of
+from services.control.scheduler.admission import Admission, admit, quota_deficit
+from services.control.scheduler.admission import held as held_in
 
 _log = structlog.get_logger("orchestrator")
 
@@ -112,6 +120,68 @@ class Preempting:
         for victim_id in choice.victims:
             self._preempt(self._jobs[victim_id], head, reclaimed=victim_id in borrowed)
 
+    def _preempt_in_team(self, head: _Job, quota: Admission, team_jobs: list[_Job]) -> None:
+        """Under the lock: the queued ``head`` is held back by its own team's quota (``quota``:
+        its hard limit, its borrow limit, or its nominal used up with nothing to borrow):
+        the team's lower-priority jobs make room, by preemption_plan.py's
+        ``choose_within_team`` (the same rules as across teams: strictly lower priority,
+        ``preemptible``, the minimum run time, and nothing unless it would then fit, both its
+        team's quota and the free slots, which the allocator is asked for without placing).
+        ``team_jobs``: the jobs of its team holding ranks."""
+        team, kind, priority = team_of(head.status), kind_of(head), head.status.priority
+        mine = [j for j in team_jobs if j is not head and j.status.priority < priority and self._preemptable(j)]
+        if not mine or self._preemption_in_flight():
+            return
+        usage, slots = self._usage(), self._slots(head)
+        deficit = quota_deficit(self._quotas, usage, team, slots, kind)
+        if not deficit:
+            return
+        now = time.time()
+        in_team = [
+            Running(
+                j.status.job_id,
+                j.status.priority,
+                held_in(held_by_kind(j.status), quota.scope),  # (the slots the quota's bound counts)
+                j.spec.preemptible,
+                j.running_since,
+            )
+            for j in mine
+        ]
+        probe = self._allocator(self._allocation(head, probe=True)).message
+        assert isinstance(probe, control_pb2.ResourcesInsufficient), probe
+        if probe.rank_memory_bytes:
+            return  # (its ranks fit no registered slot: nothing would let it start)
+        others = [
+            Running(j.status.job_id, j.status.priority, self._placeable_ranks(j), j.spec.preemptible, j.running_since)
+            for j in self._jobs.values()
+            if j is not head and self._preemptable(j) and _frees_for(landed_kind(j), kind)
+        ]
+        frees = {r.job_id: r.ranks for r in others}
+        choice = choose_within_team(
+            deficit=deficit,
+            needs=slots,
+            free=probe.available_ranks,
+            priority=priority,
+            team=in_team,
+            frees=frees,
+            others=others,
+            now=now,
+            min_run_seconds=self._preemption_min_run_s,
+        )
+        if choice.victims:  # (the quota is checked again with exactly these jobs' slots gone)
+            gone = set(choice.victims)
+            left = [j for j in self._jobs.values() if self._holds_ranks(j) and j.status.job_id not in gone]
+            if not admit(self._quotas, usage_of(left), team, slots, kind).ok:
+                return
+        else:
+            self._preemption_retry(head, in_team, now, [])
+            return
+        head_id = head.status.job_id
+        self._record(head, ORCH, PREEMPTION, f"job {head_id} (priority {priority}) {choice.why}")
+        for victim_id in choice.victims:
+            victim = self._jobs[victim_id]
+            self._preempt(victim, head, in_team=team_of(victim.status) == team)
+
     def _preemption_retry(self, head: _Job, running: list[Running], now: float, borrowed: list[str]) -> None:
         """Under the lock: a candidate still inside its minimum run time may be one later: the
         queue is tried again when the first such time ends (nothing else would try it then)."""
@@ -141,9 +211,10 @@ class Preempting:
         self._cancel_timer(held)
         held.timer = self._deadlines.after(seconds, fn)
 
-    def _preempt(self, victim: _Job, head: _Job, reclaimed: bool = False) -> None:
+    def _preempt(self, victim: _Job, head: _Job, reclaimed: bool = False, in_team: bool = False) -> None:
         """Under the lock: ``victim`` checkpoints at its next agreed boundary for ``head``
-        (``reclaimed``: it runs on slots its team borrowed from ``head``'s team's cohort)."""
+        (``reclaimed``: it runs on slots its team borrowed from ``head``'s team's cohort;
+        ``in_team``: of ``head``'s team, whose quota holds ``head`` back)."""
         cmd = self._in_flight(victim, "pause", engine_pb2.PauseTraining(checkpoint=True))
         victim.boundary_failed = victim.resume_after_pause = victim.draining = victim.status.drained = False
         victim.paused.clear()
@@ -158,6 +229,7 @@ class Preempting:
                 f"{victim.status.team or 'default'} borrowed"
                 if reclaimed
                 else f"priority {head.status.priority} > {victim.status.priority}"
+                + (f", within team {victim.status.team or 'default'}'s quota" if in_team else "")
             )
             + f"): checkpoint at the next step boundary every rank agrees on (command "
             f"#{cmd.seq} to the ranks), then its slots are released; it waits in the queue at priority "

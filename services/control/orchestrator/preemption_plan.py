@@ -100,3 +100,45 @@ def choose_victims(
     return Choice(
         tuple(j.job_id for j in chosen), f"preempts {names}: {sum(j.ranks for j in chosen)} slot(s) freed{note}"
     )
+
+
+def choose_within_team(
+    *,
+    deficit: int,
+    needs: int,
+    free: int,
+    priority: int,
+    team: Sequence[Running],
+    frees: dict[str, int],
+    others: Sequence[Running],
+    now: float,
+    min_run_seconds: float,
+) -> Choice:
+    """The jobs a preemptor held back by its own team's quota (hard limit, borrow limit, or
+    nominal used up with nothing to borrow) preempts: first its team's jobs that free
+    ``deficit`` slots of the quota (``team``: their ``ranks`` the slots the quota counts),
+    by the rule of the module docstring (strictly lower priority, preemptible, past the
+    minimum run time, the fewest); then, where the free slots of its kind (``free``) and
+    those the chosen free (``frees``: job id -> its placeable slots of the preemptor's kind)
+    still do not fit its ``needs``, more lower-priority jobs of any team (``others``) by the
+    same rule. Nothing unless both parts succeed: a preemptor that still would not fit
+    never preempts."""
+    first = choose_victims(
+        needs=deficit, free=0, priority=priority, running=team, now=now, min_run_seconds=min_run_seconds
+    )
+    if not first.victims:
+        return Choice((), f"within its team's quota: {first.why}")
+    have = free + sum(frees.get(v, 0) for v in first.victims)
+    if have >= needs:
+        return Choice(first.victims, f"{first.why} within its team's quota")
+    rest = [r for r in others if r.job_id not in first.victims]
+    more = choose_victims(
+        needs=needs, free=have, priority=priority, running=rest, now=now, min_run_seconds=min_run_seconds
+    )
+    if not more.victims:
+        return Choice(
+            (),
+            f"within its team's quota it would preempt {', '.join(first.victims)}, but for slots to place it "
+            f"{more.why}",
+        )
+    return Choice(first.victims + more.victims, f"{first.why} within its team's quota; for slots {more.why}")

@@ -149,6 +149,8 @@ class JobQueueing:
                 # (queued for good: a victim's pause is never undone by this submit's failure)
                 if not held and not _beyond_cluster(reply):
                     self._preempt_for(job, reply)  # (lower priorities may make room: preemption.py)
+                elif quota is not None and not quota.ok and not quota.never:  # (its own team's lower priorities)
+                    self._preempt_in_team(job, quota, self._running_by_team().get(team_of(job.status), []))
             return self._snapshot(job)
 
     def _launch(self, job: _Job, note: str = "", borrowed: int = 0) -> control_pb2.ResourcesInsufficient | None:
@@ -158,22 +160,11 @@ class JobQueueing:
         reserved, nothing journaled). A failure after the allocation takes the ranks back and
         forgets the job (``_abandon_start``), then raises."""
         job_id, spec = job.status.job_id, job.spec
-        init = engine_pb2.InitJob(
-            job_id=job_id,
-            spec_json=spec_to_json(spec),
-            data_address=self._data_address,
-            store_address=self._store_address,
-            **fd.launch_policy(spec.fault_policy),
-        )
         # Monitoring starts before the ranks launch, so a rank that dies at once is still
         # reported; a job whose allocation fails simply never produces faults.
         self._faults(start_monitoring(job_id, spec))
         try:
-            reply = self._allocator(
-                control_pb2.AllocateResources(
-                    job_id=job_id, world_size=spec.world_size, backend=spec.parallel.backend, init=init
-                )
-            ).message
+            reply = self._allocator(self._allocation(job)).message
             if isinstance(reply, control_pb2.ResourcesInsufficient):
                 return reply  # nothing was reserved
             assert isinstance(reply, control_pb2.ResourcesReady), reply
@@ -184,7 +175,6 @@ class JobQueueing:
                 f"{reply.world_size} ranks allocated on {', '.join(reply.worker_ids)}; "
                 f"rendezvous {reply.master_addr}:{reply.master_port}",
             )
-            job.status.borrowed_slots = borrowed
             job.status.placed_by_kind.CopyFrom(reply.placed)  # (where an ``any`` job landed: teams.py)
             lent = f" ({borrowed} on capacity its team borrowed)" if borrowed else ""
             self._transition(job, JobState.WARMING_UP, ORCH, f"{note}ranks launching{lent}")
@@ -196,6 +186,21 @@ class JobQueueing:
         # a restarted control would find it STANDBY, not running those ranks.
         self._undo_if_lost(job_id, lambda e: self._abandon_start(job_id, e))
         return None
+
+    def _allocation(self, job: _Job, probe: bool = False) -> control_pb2.AllocateResources:
+        """The placement of ``job``'s ranks asked of L1-2 (``probe``: only how many slots of its
+        kind are free, nothing placed: preemption.py)."""
+        spec = (self._relaunch_spec(job) or job.spec) if probe else job.spec
+        init = engine_pb2.InitJob(
+            job_id=job.status.job_id,
+            spec_json=spec_to_json(spec),
+            data_address=self._data_address,
+            store_address=self._store_address,
+            **fd.launch_policy(spec.fault_policy),
+        )
+        return control_pb2.AllocateResources(
+            job_id=job.status.job_id, world_size=spec.world_size, backend=spec.parallel.backend, init=init, probe=probe
+        )
 
     def _abandon_start(self, job_id: str, cause: BaseException) -> None:
         """A job whose start failed half-way must not run untracked nor hold slots: its ranks
@@ -223,13 +228,19 @@ class JobQueueing:
         with self._lock:
             # Fair share's denominators (teams.py): L1-2 publishes its offer at every change
             # of the placeable capacity, numbered; an older one arriving late is not applied.
-            if not msg.offer or msg.offer > self._capacity_offer:
+            applied = not msg.offer or msg.offer > self._capacity_offer
+            if applied:
                 self._capacity = {"gpu": msg.gpu_slots, "cpu": msg.cpu_slots}
                 self._capacity_offer = msg.offer or self._capacity_offer
+            if not msg.free_ranks and not applied:
+                return
+            # A job waiting for workers may fit now: it blocks until tried. And the capacity
+            # moved (a drain, a loss, a cordon too): every waiting job's reason and place are
+            # decided again by a pass, even when nothing can start.
+            self._queue.clear_beyond_cluster()
+            self._start_soon()
             if not msg.free_ranks:
                 return
-            self._queue.clear_beyond_cluster()  # a job waiting for workers may fit now: it blocks until tried
-            self._start_soon()
             if any(j.grow_to and j.status.state == JobState.RUNNING for j in self._jobs.values()):
                 self._grow_soon(msg.free_ranks)
 
@@ -276,35 +287,50 @@ class JobQueueing:
         behind it, which are tried next. Per device kind (scheduler/fair_share.py): a job of
         kind gpu or cpu that does not fit, or that its team's per-kind bound or its cohort's idle
         slots of its kind hold back, holds back the later jobs of that kind and the ``any`` ones;
-        the others are tried."""
+        the others are tried. A job its own team's quota holds back may preempt its team's
+        lower-priority jobs (preemption.py ``_preempt_in_team``).
+
+        The one place every queued job's reason is decided: the walk reaches every job (those
+        behind a held queue or a job first in line too) and says why it waits, at every change
+        that may alter it (a capacity change, a job's end, a quota change, the starvation
+        bound's pass all run this pass); the places are republished with it (the fair order
+        moves with the usage, the capacity and the clock): what `surgectl queue` prints."""
         with self._lock:
             self._start_armed = None
+            self._places_changed = True
             held_teams = Holds()  # team, scope -> its queued job its own limits hold back
             held_cohorts = Holds()  # cohort, kind -> the queued job waiting for its idle slots
             no_room: dict[str, str] = {}  # kind -> the first job of it whose ranks did not fit the free slots
-            for entry in self._queue.ordered():  # (the fair order across teams: teams.py)
+            running_by_team: dict[str, list[_Job]] | None = None  # (built once, at the first team-held job)
+            self._queue.forget_order()  # (computed afresh: the usage, capacity or clock moved)
+            order = self._queue.ordered()  # (the fair order across teams: teams.py)
+            queue_held = self._queue_held()
+            ahead = 0  # the jobs still queued before this one in the walk: its place is ahead + 1
+            for entry in order:
                 if entry.job_id not in self._queue:  # (taken out meanwhile)
                     continue
                 job = self._jobs[entry.job_id]
-                held = self._queue_held()
-                if held:
-                    self._waiting(job, held)
-                    return
+                ahead += 1
+                place = ahead
+                if queue_held:
+                    self._waiting(job, queue_held, place)
+                    continue
                 # Its team's quota (issue 30): a job it holds back holds back the later jobs of
                 # its team only (no overtaking within a team), not the other teams'.
                 team, kind = team_of(job.status), kind_of(job)
                 cohort = self._quotas.cohort_of(team)
                 blocker = next(((k, j) for k, j in no_room.items() if blocks(k, kind)), None)
                 if blocker is not None:  # (gang admission without backfill, per kind)
+                    what = "" if blocker[0] == "any" else f"{blocker[0]} "
                     self._waiting(
-                        job, f"waits behind job {blocker[1]}, first in line for {blocker[0]} slots to free up"
+                        job, f"waits behind job {blocker[1]}, first in line for {what}slots to free up", place
                     )
                     continue
-                if (ahead := held_teams.of(team, kind)) is not None:
-                    self._waiting(job, f"waits behind job {ahead} of team {team}")
+                if (held_by := held_teams.of(team, kind)) is not None:
+                    self._waiting(job, f"waits behind job {held_by} of team {team}", place)
                     continue
-                if (ahead := held_cohorts.of(cohort, kind)) is not None:  # (the cohort's idle slots go in order)
-                    self._waiting(job, cohort_wait(ahead, cohort))
+                if (held_by := held_cohorts.of(cohort, kind)) is not None:  # (the cohort's idle slots go in order)
+                    self._waiting(job, cohort_wait(held_by, cohort), place)
                     continue
                 quota = self._quota_admission(job)
                 if not quota.ok:
@@ -313,7 +339,11 @@ class JobQueueing:
                         held_cohorts.hold(cohort, kind, entry.job_id)
                     elif not quota.never:  # (one beyond its hard limit alone never starts: it holds no one back)
                         held_teams.hold(team, quota.scope, entry.job_id)
-                    self._waiting(job, quota.reason)
+                    self._waiting(job, quota.reason, place)
+                    if not quota.never:  # (its own team's lower priorities may make room: preemption.py)
+                        if running_by_team is None:
+                            running_by_team = self._running_by_team()
+                        self._preempt_in_team(job, quota, running_by_team.get(team, []))
                     continue
                 self._quota_held.pop(entry.job_id, None)
                 self._queue.take(entry.job_id)
@@ -346,8 +376,11 @@ class JobQueueing:
                         job.queued = self._queue.put(entry)
                         job.status.waited_seconds = earlier
                     return
+                if not effects:  # placed: it is no longer ahead of the rest
+                    ahead -= 1
                 for effect in effects:  # (none: placed)
                     if isinstance(effect, Refuse):  # it cannot start on these workers
+                        ahead -= 1
                         job.status.outcome = JobOutcome.FAILED
                         job.relaunch = None
                         self._transition(job, JobState.TERMINATED, ORCH, f"FAILED: refused: {effect.text}")
@@ -355,26 +388,39 @@ class JobQueueing:
                         job.queued = self._queue.put(entry)
                         job.status.waited_seconds = earlier
                         self._queue.mark_beyond_cluster(entry.job_id, effect.beyond)
-                        self._waiting(job, effect.why)
+                        self._waiting(job, effect.why, place, tried=True)
                         if not effect.beyond:
                             if reply is not None:
                                 self._preempt_for(job, reply)  # (lower priorities may make room: preemption.py)
-                            if kind == "any":  # (it could have taken any slot: every later job waits)
-                                return
-                            no_room[kind] = entry.job_id
+                            no_room[kind] = (
+                                entry.job_id
+                            )  # (an ``any`` job: it could have taken any slot, every kind waits)
 
-    def _waiting(self, job: _Job, why: str) -> None:
-        """Under the lock: the queued ``job`` still waits, for ``why``: an event when the
-        reason changed (none at every retry), its place journaled either way."""
+    def _running_by_team(self) -> dict[str, list[_Job]]:
+        """Under the lock: the jobs holding ranks, by team (a pass's candidates for a preemption
+        within a team)."""
+        by_team: dict[str, list[_Job]] = {}
+        for j in self._jobs.values():
+            if self._holds_ranks(j):
+                by_team.setdefault(team_of(j.status), []).append(j)
+        return by_team
+
+    def _waiting(self, job: _Job, why: str, place: int = 0, tried: bool = False) -> None:
+        """Under the lock: the queued ``job`` still waits, for ``why`` (``place``: its place in
+        the pass's walk; 0: asked of the queue): an event when the reason changed (none at
+        every retry); ``tried`` (taken out of the queue to be placed, and put back): its place
+        journaled again even so. A job the pass did not try and whose reason stands costs no
+        write (a pass reaches every queued job)."""
         if job.status.preempted_by and not why.startswith("PREEMPTED"):  # (what it is stays in sight)
             why = f"PREEMPTED by job {job.status.preempted_by}; {why}"
         if job.status.job_id in self._promoted and self._quotas.max_wait_s is not None:  # (teams.py)
             why = PROMOTED.format(bound=self._quotas.max_wait_s / 60) + why
         message = f"queued: {why}"
         if job.status.message == message:
-            self._keep(job)
+            if tried:
+                self._keep(job)
             return
-        where = f"position {self._queue.position(job.status.job_id)} of {len(self._queue)}"
+        where = f"position {place or self._queue.position(job.status.job_id)} of {len(self._queue)}"
         self._record(job, ORCH, "queue", f"still queued at {where}: {why}", status_message=message)
 
     def _cancel(self, job: _Job) -> control_pb2.JobStatus:

@@ -473,10 +473,9 @@ class Recovery:
         series are retired (its ranks that go on, and the new ones, keep theirs by recording)."""
         self._retire_series(job, "relaunch")
         # Its ranks placed again, perhaps fewer, perhaps (an ``any`` job) on another kind: where
-        # they are and what is beyond its team's nominal now (teams.py).
+        # they are (teams.py counts its team there; its borrowed slots are derived as the decision ends).
         if reply.HasField("placed"):
             job.status.placed_by_kind.CopyFrom(reply.placed)
-        job.status.borrowed_slots = self._borrowed_of(job)
         workers = ", ".join(reply.worker_ids)
         if reply.in_place:
             launched = ", ".join(str(r) for r in reply.replaced_ranks)

@@ -113,7 +113,6 @@ class Resizing:
         job.spec = spec
         job.status.world_size = spec.world_size
         _set_layout(job.status, spec)
-        job.status.borrowed_slots = self._borrowed_of(job)  # (grown or shrunk: its team's share moved)
         job.placement = {r: w for r, w in job.placement.items() if r < spec.world_size}
 
     def _scaled(self, job: _Job, msg: engine_pb2.TrainingLoopStarted) -> None:

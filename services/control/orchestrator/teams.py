@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,6 +30,7 @@ from services.control.job_queue import QueueEntry
 from services.control.orchestrator.job import JobState, _Job
 from services.control.orchestrator.refusals import BeyondHardLimit
 from services.control.scheduler import Admission, QuotaBook, QuotaFileError, TeamQuota, Waiting, admit, fair_order
+from services.control.scheduler.admission import borrowed_by_job
 from services.control.scheduler.admission import held as held_in
 from services.control.scheduler.fair_share import blocks, next_overdue
 from services.control.scheduler.quotas import KINDS, check_max_wait, check_team_name, quota_from_fields
@@ -56,13 +58,22 @@ def kind_of(job: _Job) -> str:
 def held_by_kind(status: control_pb2.JobStatus) -> dict[str, int]:
     """The slots a job holding ranks counts for, per kind its team's quota reads: its own kind
     (gpu, cpu); for an ``any`` job, the kinds it landed on (``placed_by_kind``, recorded at each
-    placement), or ``any`` (either kind: admission.py counts it against both) where that is not
-    known or no longer matches its size (a resize not yet placed)."""
+    placement; after a shrink, its remaining ranks on the kind they ran on), or ``any`` (either
+    kind: admission.py counts it against both) for ranks whose kind is not known (no placement
+    recorded, a growth not yet placed, a mixed job shrunk beyond telling)."""
     kind, n = status.device or "any", status.world_size
+    if kind != "any" or not status.HasField("placed_by_kind"):
+        return {kind: n}
     placed = status.placed_by_kind
-    if kind == "any" and status.HasField("placed_by_kind") and placed.gpu + placed.cpu == n:
-        return {k: v for k, v in (("gpu", placed.gpu), ("cpu", placed.cpu)) if v}
-    return {kind: n}
+    if n <= placed.gpu + placed.cpu:
+        # Its ranks now (a shrink keeps ranks where they ran): at least n - cpu of them on
+        # GPUs and n - gpu on CPU slots; all of them, on one kind it landed on whole. Only
+        # what cannot be told apart (a mixed job shrunk) counts as ``any``.
+        gpu, cpu = max(0, n - placed.cpu), max(0, n - placed.gpu)
+    else:  # (grown, its new ranks not placed yet: those may be of either kind)
+        gpu, cpu = placed.gpu, placed.cpu
+    held = {k: v for k, v in (("gpu", gpu), ("cpu", cpu), ("any", n - gpu - cpu)) if v}
+    return held or {kind: n}
 
 
 def landed_kind(job: _Job) -> str:
@@ -70,6 +81,17 @@ def landed_kind(job: _Job) -> str:
     whole), else ``any`` (mixed, or not known): which heads its slots serve (preemption, reclaim)."""
     held = held_by_kind(job.status)
     return next(iter(held)) if len(held) == 1 else "any"
+
+
+def usage_of(jobs: Iterable[_Job]) -> dict[str, dict[str, int]]:
+    """Slots held per team and device kind by ``jobs`` (each holding ranks; an ``any`` job
+    counted where it landed)."""
+    usage: dict[str, dict[str, int]] = {}
+    for job in jobs:
+        per = usage.setdefault(team_of(job.status), {})
+        for kind, n in held_by_kind(job.status).items():
+            per[kind] = per.get(kind, 0) + n
+    return usage
 
 
 class Teams:
@@ -100,6 +122,10 @@ class Teams:
         # with no other event: its place and its reason are published then, not at a later change).
         self._promoted: set[str] = set()
         self._overdue_at: float | None = None  # (unix time the pass is armed for)
+        # Each job holding ranks -> (team, priority, slots per kind) as of the last decision's
+        # end: a change of it re-derives its team's borrowed slots (``_refresh_borrowed``).
+        self._holdings: dict[str, tuple] = {}
+        self._borrowed_all = False  # (the book changed: every team's derived again)
         self._team_lock = threading.Lock()  # orders team commands: journal, then book (taken before the decision lock)
         self._queue.order = self._fair_entries
 
@@ -110,13 +136,7 @@ class Teams:
 
     def _usage(self) -> dict[str, dict[str, int]]:
         """Under the lock: slots held per team and device kind now."""
-        usage: dict[str, dict[str, int]] = {}
-        for job in self._jobs.values():
-            if self._holds_ranks(job):
-                per = usage.setdefault(team_of(job.status), {})
-                for kind, n in held_by_kind(job.status).items():  # (an ``any`` job: where it landed)
-                    per[kind] = per.get(kind, 0) + n
-        return usage
+        return usage_of(j for j in self._jobs.values() if self._holds_ranks(j))
 
     def _slots(self, job: _Job) -> int:
         spec = self._relaunch_spec(job) or job.spec
@@ -127,23 +147,59 @@ class Teams:
         return admit(self._quotas, self._usage(), team_of(job.status), self._slots(job), kind_of(job))
 
     def _borrowed_of(self, job: _Job) -> int:
-        """Under the lock: of ``job``'s ranks (its world size now), those beyond its team's
-        nominal quota, the other jobs of its team holding ranks counted first (admission.py's
-        ``borrowed`` for a job placed now). Recorded in ``JobStatus.borrowed_slots`` at every
-        placement (a launch, a resume from the queue, a recovery's relaunch, a resize), so that
-        reclaim.py finds the borrowers of the moment, not of their first launch."""
-        team, kind = team_of(job.status), kind_of(job)
-        q = self._quotas.get(team)
-        nominal, scope = q.bound("nominal", kind) if kind in KINDS or not q.per_kind else (None, "")
-        if nominal is None:
-            return 0
-        mine = job.status.world_size
-        others = sum(  # (the team's other jobs' slots its nominal counts: every kind, or this kind and "any")
-            held_in(held_by_kind(j.status), scope)
-            for j in self._jobs.values()
-            if j is not job and self._holds_ranks(j) and team_of(j.status) == team
-        )
-        return max(0, min(mine, others + mine - nominal))
+        """Under the lock: of ``job``'s ranks (its world size now, as if it held them), those
+        beyond its team's nominal quota (``_team_borrowed``'s rule)."""
+        team = team_of(job.status)
+        mine = [j for j in self._jobs.values() if j is not job and self._holds_ranks(j) and team_of(j.status) == team]
+        return self._team_borrowed(team, [*mine, job]).get(job.status.job_id, 0)
+
+    def _team_borrowed(self, team: str, jobs: list[_Job]) -> dict[str, int]:
+        """Under the lock: each of ``team``'s ``jobs`` (those holding ranks) -> its slots beyond
+        the team's nominal (admission.py ``borrowed_by_job``): the nominal covers them in the
+        team's queue order (higher priority first, then earlier submission), the rest is
+        borrowed, and reclaim.py takes those first."""
+        jobs = sorted(jobs, key=lambda j: (-j.status.priority, j.status.created_unix, j.status.job_id))
+        return borrowed_by_job(self._quotas.get(team), [(j.status.job_id, held_by_kind(j.status)) for j in jobs])
+
+    def _refresh_borrowed(self) -> None:
+        """Under the lock, as a decision ends (and before reclaim reads it): ``borrowed_slots``
+        (`surgectl status`'s "(N borrowed)") of every job of each team whose holdings changed
+        in it (a job placed, ended, resized, moved, its priority) or of every team (the book
+        changed), derived again by ``_team_borrowed``: not a copy kept from the job's
+        placement, which stayed when another job of its team ended. A job holding no ranks
+        borrows none. Published with the decision; journaled with the job's next write (a
+        restarted control derives it again as it publishes its jobs)."""
+        dirty: set[str] = set()
+        for job_id in list(self._changed):
+            job = self._jobs.get(job_id)
+            holding = job is not None and self._holds_ranks(job)
+            mark = (
+                (team_of(job.status), job.status.priority, tuple(held_by_kind(job.status).items())) if holding else None
+            )
+            before = self._holdings.get(job_id)
+            if mark != before:
+                dirty.update(m[0] for m in (mark, before) if m is not None)
+                if mark is None:
+                    self._holdings.pop(job_id, None)
+                else:
+                    self._holdings[job_id] = mark
+            if not holding and job is not None and job.status.borrowed_slots:
+                job.status.borrowed_slots = 0
+        if self._borrowed_all:
+            self._borrowed_all = False
+            dirty = {m[0] for m in self._holdings.values()}
+        if not dirty:
+            return
+        by_team: dict[str, list[_Job]] = {}
+        for job_id, mark in self._holdings.items():
+            if mark[0] in dirty:
+                by_team.setdefault(mark[0], []).append(self._jobs[job_id])
+        for team, jobs in by_team.items():
+            got = self._team_borrowed(team, jobs)
+            for job in jobs:
+                if job.status.borrowed_slots != got[job.status.job_id]:
+                    job.status.borrowed_slots = got[job.status.job_id]
+                    self._changed.add(job.status.job_id)
 
     def _grow_room(self, job: _Job, free: int) -> int:
         """Under the lock: of ``free`` more ranks for the running ``job`` (growing back after a
@@ -155,6 +211,7 @@ class Teams:
         """Under the lock: the running jobs of other teams of ``head``'s cohort on borrowed
         slots to reclaim so that ``head`` (within its team's nominal quota) can start
         (scheduler/reclaim.py); preemption.py takes them first, whatever their priority."""
+        self._refresh_borrowed()  # (derived for the holdings of the moment)
         running = [
             SimpleNamespace(
                 job_id=j.status.job_id,
@@ -301,15 +358,12 @@ class Teams:
 
     def _book_changed(self) -> None:
         """Under the lock: the book in force changed: holds are decided again, the order and
-        the queue tried again, and each running job's ranks beyond its team's nominal now
-        recorded (``borrowed_slots``: `surgectl status` says "(N borrowed)" after a quota is
+        the queue tried again, and each running job's ranks beyond its team's nominal derived
+        again (``borrowed_slots``: `surgectl status` says "(N borrowed)" after a quota is
         lowered below what a team holds, as `team list` does)."""
         self._quota_held.clear()  # (every hold is decided again by the next pass)
         self._places_changed = True  # (the fair order may change)
-        for job in self._jobs.values():
-            if self._holds_ranks(job) and job.status.borrowed_slots != (borrowed := self._borrowed_of(job)):
-                job.status.borrowed_slots = borrowed
-                self._keep(job)  # (journaled and published with the status)
+        self._borrowed_all = True  # (every job's borrowed slots derived again as the decision ends)
         self._start_soon()
 
     def team_query(self, msg: control_pb2.TeamQuery, payload: Any = None) -> control_pb2.TeamList:

@@ -108,6 +108,10 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
         Returns ResourcesInsufficient (nothing reserved) when fewer slots are free than
         ranks are needed, or when backend ``nccl`` is asked for on CPU-only slots.
 
+        ``probe``: nothing is placed; ResourcesInsufficient says the free slots of the job's
+        kind that hold its memory per rank, whether or not they are enough (a preemption's
+        plan in L1-1 reads it).
+
         ``adopt`` (a control restart): only record the allocation, launch nothing; the
         workers it excludes (earlier exclude_node decisions, journaled by L1-1) stay excluded.
         """
@@ -139,6 +143,8 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
             free = sum(
                 1 for w in usable for s in w.free_slots() if _of_kind(w, s, kind) and _memory_quota(w, s) >= need
             )
+            if msg.probe:  # (nothing placed: L1-1 asks whether the job would fit once victims go)
+                return self._insufficient(msg, free, f"{free} {kind} slots free (a probe: nothing placed)", kind)
             if free < msg.world_size:
                 # The placeable workers, and how many are registered when some are not (a
                 # draining or cordoned one counts as registered, not as placeable).
@@ -207,7 +213,7 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
                 if probe is not None:
                     launch.link_probe.CopyFrom(probe)
                 self._placed[msg.job_id].probes[worker_id] = probe
-            placed = _placed(self._workers, self._placed[msg.job_id].ranks)
+            placed = _placed(self._workers, self._placed[msg.job_id])
         # Commands leave outside the lock: the relay only queues them, but keep the
         # allocator's lock short and never held across another module's code.
         for worker_id, launch in launches.items():

@@ -192,7 +192,7 @@ class Rebuild:
                     layout=msg.layout if msg.HasField("layout") else None,
                     lost_ranks=lost,  # the survivors abort their broken communicator at once
                 )  # fmt: skip
-                kinds = _placed(self._workers, placed.ranks)
+                kinds = _placed(self._workers, placed)
         # The kills go first on each node agent's queue: a replacement of the same rank starts
         # only once the killed process is reaped (the node agent's rule), and a survivor blocked
         # in a collective with a hung rank is freed by that rank's death.

@@ -36,6 +36,9 @@ class _Placement:
     # a rebuild compares its new peers with, addresses included (an agent back at a new
     # address under the same id). Unknown after a control restart (re-attached placement).
     probes: dict[str, control_pb2.LinkProbe | None] = field(default_factory=dict)
+    # (worker id, slot) -> its kind ("gpu"/"cpu") when a rank was placed there: what ``_placed``
+    # counts a rank by once its worker is gone (a loss not yet reported for every rank).
+    kinds: dict[tuple[str, int], str] = field(default_factory=dict)
 
 
 def _reachable_host(reg: control_pb2.WorkerRegistration) -> str:
@@ -61,11 +64,17 @@ def _of_kind(w: _Worker, slot: int, kind: str) -> bool:
     return kind == "any" or _slot_kind(w, slot) == kind
 
 
-def _placed(workers: dict[str, _Worker], ranks: list[tuple[str, int]]) -> control_pb2.KindSlots:
-    """A job's ranks (worker id, slot) counted per device kind: where an ``any`` job landed
-    (L1-1 counts its team's usage there, issue 30); a rank on a worker gone meanwhile counts as cpu."""
-    gpu = sum(1 for wid, s in ranks if wid in workers and _slot_kind(workers[wid], s) == "gpu")
-    return control_pb2.KindSlots(gpu=gpu, cpu=len(ranks) - gpu)
+def _placed(workers: dict[str, _Worker], placement: _Placement) -> control_pb2.KindSlots:
+    """A job's ranks counted per device kind: where an ``any`` job landed (L1-1 counts its
+    team's usage there, issue 30). A rank on a worker gone meanwhile counts as the kind it was
+    placed on (remembered in ``placement.kinds``; before, it counted as cpu, and an ``any`` job
+    on GPUs that kept such a rank through a shrink was counted against both kinds)."""
+    gpu = 0
+    for wid, s in placement.ranks:
+        if wid in workers:
+            placement.kinds[(wid, s)] = _slot_kind(workers[wid], s)
+        gpu += placement.kinds.get((wid, s), "cpu") == "gpu"
+    return control_pb2.KindSlots(gpu=gpu, cpu=len(placement.ranks) - gpu)
 
 
 def _device_name(w: _Worker, slot: int) -> str:

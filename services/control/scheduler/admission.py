@@ -30,7 +30,7 @@ of that kind and of ``any``, never more than the whole cohort's idle nominal.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from services.control.scheduler.quotas import KINDS, QuotaBook, TeamQuota
@@ -185,3 +185,57 @@ def admit(book: QuotaBook, usage: Usage, team: str, slots: int, kind: str = "any
             scope=kind if kind in KINDS else "",
         )
     return Admission(ADMITTED, borrowed=min(slots, borrowed))
+
+
+def quota_deficit(book: QuotaBook, usage: Usage, team: str, slots: int, kind: str = "any") -> int | None:
+    """The fewest of ``team``'s held slots (counted in every scope: what its own running jobs
+    would free) that, released, let :func:`admit` start a job of ``slots`` slots of ``kind``:
+    0 when it is admitted now, None when no release would (beyond its hard limit alone, or
+    beyond what the team holds). A preemption within the team needs at least this much
+    (preemption.py); every rule is of the form used - freed + slots <= bound, so the answer
+    is found by bisection."""
+    first = admit(book, usage, team, slots, kind)
+    if first.ok:
+        return 0
+    if first.never:
+        return None
+    mine = usage.get(team)
+    total = held(mine, "")
+
+    def admitted_after(freed: int) -> bool:
+        per = dict(mine) if isinstance(mine, Mapping) else {"any": mine or 0}
+        per["any"] = per.get("any", 0) - freed  # ("any" counts in every scope: freed from all of them)
+        return admit(book, {**usage, team: per}, team, slots, kind).ok
+
+    if total <= 0 or not admitted_after(total):
+        return None
+    lo, hi = 1, total  # admitted_after(hi) holds
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if admitted_after(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def borrowed_by_job(q: TeamQuota, jobs: Sequence[tuple[str, Mapping[str, int]]]) -> dict[str, int]:
+    """Each of a team's jobs' slots beyond the team's nominal ``q.nominal``: ``jobs`` (job id,
+    slots held per kind) in the order the nominal covers them -- the team's own queue order,
+    higher priority first, then earlier submission (control passes them so); the slots past
+    the nominal are the later jobs' borrowed ones. Derived from what runs now, never kept: a
+    job of the team that ends moves the later ones back within the nominal. The sum is the
+    team's borrowed slots (`surgectl team list`). Per scope, as admission counts: an int
+    nominal bounds every kind together, a per-kind one each kind (its jobs and ``any`` ones)."""
+    got = {job_id: 0 for job_id, _ in jobs}
+    nominal = q.nominal
+    scopes = list(nominal.items()) if isinstance(nominal, dict) else [("", nominal)]
+    for scope, bound in scopes:
+        if bound is None:
+            continue
+        used = 0
+        for job_id, per in jobs:
+            mine = held(per, scope)
+            got[job_id] += max(0, min(mine, used + mine - bound))
+            used += mine
+    return got
