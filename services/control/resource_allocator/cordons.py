@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.contract import control_pb2
-from services.control.resource_allocator.slots import _slot_kind, _Worker
+from services.control.resource_allocator.slots import _gpu_slots, _Worker
 
 
 class Cordons:
@@ -91,10 +91,10 @@ class Cordons:
         publishes this offer, numbered (``offer``) so that L1-1 keeps the newest of two that
         cross on their way (each is sent outside the lock)."""
         placeable = [w for w in self._workers.values() if self._placeable(w)]
-        gpu = sum(1 for w in placeable for s in range(w.reg.slots) if _slot_kind(w, s) == "gpu")
+        gpu = sum(_gpu_slots(w) for w in placeable)  # (per worker, not per slot: an offer per cordon at 1,024 nodes)
         self._offers += 1
         return control_pb2.ResourcesReady(
-            free_ranks=sum(len(w.free_slots()) for w in placeable),
+            free_ranks=sum(w.free_count() for w in placeable),
             gpu_slots=gpu,
             cpu_slots=sum(w.reg.slots for w in placeable) - gpu,
             offer=self._offers,

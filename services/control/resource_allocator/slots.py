@@ -23,6 +23,10 @@ class _Worker:
         taken = {s for slots in self.busy.values() for s in slots}
         return [s for s in range(self.reg.slots) if s not in taken]
 
+    def free_count(self) -> int:
+        """``len(free_slots())`` without the list (an offer counts every worker's)."""
+        return self.reg.slots - len({s for slots in self.busy.values() for s in slots if s < self.reg.slots})
+
 
 @dataclass
 class _Placement:
@@ -49,9 +53,13 @@ def _reachable_host(reg: control_pb2.WorkerRegistration) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host  # "[v6]:port"
 
 
+def _gpu_slots(w: _Worker) -> int:
+    """How many of the worker's slots have a CUDA device (the first ones: slot i, device i)."""
+    return min(w.reg.slots, sum(1 for d in w.reg.devices if d.kind == "cuda"))
+
+
 def _device_kind(w: _Worker, slot: int) -> str:
-    devices = [d for d in w.reg.devices if d.kind == "cuda"]
-    return "cuda" if slot < len(devices) else "cpu"
+    return "cuda" if slot < _gpu_slots(w) else "cpu"
 
 
 def _slot_kind(w: _Worker, slot: int) -> str:
