@@ -444,7 +444,9 @@ def _incident_to_json(i: _Incident) -> dict:
         "cause": base64.b64encode(i.cause.SerializeToString()).decode(),
         "fault_class": i.fault_class,
         "action": i.action,
-        "dying": {str(r): n for r, n in i.dying.items() if n > 0},
+        # (int keys, as placement's, zeros kept and dropped at load: a copy in C, per record; the
+        # comprehension with str() of every key was O(world) Python per rank exit of a recovery)
+        "dying": dict(i.dying),
         "version": i.version,
         "bound": i.bound,
         "exclude": list(i.exclude),
@@ -478,7 +480,7 @@ def _incident_from_json(d: dict) -> _Incident:
         lost=[int(r) for r in d.get("lost", ())],
         shrunk=spec_from_json(d["shrunk"]) if d.get("shrunk") else None,
         decided=time.monotonic(),
-        dying=Counter({int(r): int(n) for r, n in d.get("dying", {}).items()}),
+        dying=Counter({int(r): int(n) for r, n in d.get("dying", {}).items() if int(n) > 0}),
         version=d.get("version", ""),
         bound=d.get("bound"),
         exclude=list(d.get("exclude", ())),
