@@ -283,6 +283,16 @@ def save(name: str, result: dict) -> Path:
     return path
 
 
+def report(name: str, result: dict, out: Path | None) -> None:
+    """Print ``result`` as JSON and keep it: at ``out`` if given, else as ``name``'s result."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        out.write_text(text + "\n")
+    else:
+        save(name, result)
+
+
 def table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]

@@ -24,7 +24,6 @@ checkpoint's load (1.9-3.3 s and 0.7 s on the README's model, docs/LOG.md sessio
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -104,12 +103,7 @@ def main() -> None:
     args = ap.parse_args()
     result = {"machine": c.machine(), **measure(args.tokens, args.reps, args.batch)}
     result["loadavg_at_end"] = round(os.getloadavg()[0], 2)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    else:
-        c.save("generate_speed", result)
+    c.report("generate_speed", result, args.out)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ profiler's threads compete with everything else (session 26: +3-6 %; session 31:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -110,12 +109,7 @@ def main() -> None:
     load_before = os.getloadavg()
     result = {"machine": c.machine(), **measure(args.steps, args.warmup, args.timeout)}
     result["load_average_1m"] = {"start": round(load_before[0], 2), "end": round(os.getloadavg()[0], 2)}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    else:
-        c.save("profile_overhead", result)
+    c.report("profile_overhead", result, args.out)
 
 
 if __name__ == "__main__":
