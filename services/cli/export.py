@@ -23,6 +23,7 @@ created (services/cli/path_options.py).
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shutil
 from pathlib import Path
@@ -32,6 +33,9 @@ from services.cli.path_options import check_parent
 
 FORMATS = ("hf", "torch")
 MARKER = "surge_spec.json"  # every export holds it: what `--force` checks before replacing a folder
+# Every file an export writes (_write, _tokenizer, hf_format.save_hf): `--force` replaces a folder
+# holding only these.
+WRITTEN = frozenset({MARKER, "model.pt", "model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"})
 
 
 def export_version(version: str, fmt: str, out: Path, force: bool = False) -> str:
@@ -49,7 +53,13 @@ def export_version(version: str, fmt: str, out: Path, force: bool = False) -> st
 
     if fmt not in FORMATS:
         raise CliError(f"--format: expected one of {', '.join(FORMATS)}, got {fmt!r}", code=2)
-    out = Path(out).absolute()
+    try:
+        here = Path.cwd()
+    except FileNotFoundError:  # (the shell's folder was removed under it)
+        raise CliError("export: the current directory no longer exists; cd to one that does", code=1) from None
+    out = Path(os.path.normpath(here / out))  # (lexical: `..` too, a link kept as named)
+    if out == here or out in here.parents:  # (replaced, it would leave the shell in a removed folder)
+        raise CliError(f"--out: {out} is the current directory or holds it; name another directory", code=2)
     check_parent(out)  # (a missing parent is refused, not created: as `compare --out`)
     if out.exists() and not out.is_dir():
         raise CliError(f"--out: {out} exists and is not a directory", code=1)
@@ -60,6 +70,14 @@ def export_version(version: str, fmt: str, out: Path, force: bool = False) -> st
             raise CliError(
                 f"--out: {out} is not an earlier export (it has no {MARKER}): --force replaces only one; "
                 "name a new or empty directory",
+                code=1,
+            )
+        if added := sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir() if p.name not in WRITTEN):
+            # (a user's notes or eval results put beside an export are theirs: never removed silently)
+            raise CliError(
+                f"--out: {out} holds files an export does not write ({', '.join(added[:5])}"
+                f"{', ...' if len(added) > 5 else ''}): --force replaces only an export as written; "
+                "move them or name another directory",
                 code=1,
             )
     info = _committed(paths.store_root(), version)
@@ -181,4 +199,7 @@ def _into_place(tmp: Path, out: Path) -> None:
             old.rename(out)
         raise
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_symlink():  # (--out named a link to an earlier export: the link goes, not its target)
+            old.unlink()
+        else:
+            shutil.rmtree(old, ignore_errors=True)

@@ -161,8 +161,9 @@ def test_an_empty_out_is_refused_and_force_replaces_only_an_earlier_export(surge
     code, _, err = export("--out", "", "--force")
     assert_one_line(code, err, 2, "--out", "empty")
     assert [p.name for p in work.iterdir()] == ["notes.txt"]
-    code, _, err = export("--out", ".", "--force")  # (the current folder named: not an export)
-    assert_one_line(code, err, 1, "--out", str(work), "not an earlier export", "surge_spec.json")
+    for named in (".", "..", str(work)):  # the current folder, or one holding it: never replaced
+        code, _, err = export("--out", named, "--force")
+        assert_one_line(code, err, 2, "--out", "is the current directory or holds it")
     assert [p.name for p in work.iterdir()] == ["notes.txt"]
 
     code, _, err = export("--out", str(tmp_path / "nonexistent" / "a" / "b"))
@@ -171,10 +172,23 @@ def test_an_empty_out_is_refused_and_force_replaces_only_an_earlier_export(surge
 
     code, _, err = export("--out", "pt")  # an earlier export is replaced with --force
     assert code == 0, err
-    (work / "pt" / "stale.txt").write_text("old")
     code, _, err = export("--out", "pt", "--force")
     assert code == 0, err
     assert sorted(p.name for p in (work / "pt").iterdir()) == ["model.pt", "surge_spec.json"]
+    # ...but not the user's files put beside it (a fresh user's eval results went silently).
+    (work / "pt" / "my_notes.txt").write_text("mine")
+    (work / "pt" / "evals").mkdir()
+    code, _, err = export("--out", "pt", "--force")
+    assert_one_line(code, err, 1, "--out", "holds files an export does not write (evals/, my_notes.txt)")
+    assert (work / "pt" / "my_notes.txt").read_text() == "mine"
+    # Through a link to an earlier export: the link is replaced by the new export, its target kept.
+    (work / "pt" / "my_notes.txt").unlink()
+    (work / "pt" / "evals").rmdir()
+    (work / "lnk").symlink_to(work / "pt")
+    code, _, err = export("--out", "lnk", "--force")
+    assert code == 0, err
+    assert (work / "lnk").is_dir() and not (work / "lnk").is_symlink()
+    assert sorted(p.name for p in work.iterdir()) == ["lnk", "notes.txt", "pt"]  # (no stray .lnk.old-*)
 
 
 @pytest.mark.parametrize(
