@@ -31,9 +31,9 @@ def _slots(flag: str, text: str | None, default: int | None = UNLIMITED) -> int 
     try:
         value = int(text)
     except ValueError:
-        raise CliError(f"{flag}: expected a number of slots >= 0 or 'unlimited', got {text!r}", code=2) from None
+        raise CliError(f"{flag}: expected a number of slots >= 0 or 'none' (no bound), got {text!r}", code=2) from None
     if not 0 <= value <= SLOTS_MAX:  # (refused here too, so a stack that is down still says why, exit 2)
-        raise CliError(f"{flag}: expected a number of slots 0-{SLOTS_MAX} or 'unlimited', got {value}", code=2)
+        raise CliError(f"{flag}: expected a number of slots 0-{SLOTS_MAX} or 'none' (no bound), got {value}", code=2)
     return value
 
 
@@ -50,7 +50,7 @@ def _per_kind(flag: str, text: str) -> dict[str, int]:
         if kind in out:
             raise CliError(f"{flag}: {kind} given twice in {text!r}", code=2)
         if not value.strip():
-            raise CliError(f"{flag} {kind}: expected a number of slots >= 0 or 'unlimited', got nothing", code=2)
+            raise CliError(f"{flag} {kind}: expected a number of slots >= 0 or 'none' (no bound), got nothing", code=2)
         out[kind] = _slots(f"{flag} {kind}", value.strip())
     return out
 
