@@ -52,8 +52,15 @@ def test_a_shard_rewritten_under_a_running_job_pauses_it_naming_the_version_and_
         print(f"found and paused {found_s:.1f} s after the change")
 
         # At resume: the relaunched ranks' streams open the shard, still changed.
+        def pauses() -> int:
+            return len(
+                [m for m in of_type(events_so_far(s, job), "decision") if m.startswith("pause after data_corrupt")]
+            )
+
         assert cli(tmp_path, "resume", job).returncode == 0
-        wait_for(lambda: s.status(job).state != JobState.PAUSED, 30, "the resume to start")
+        # (by the events: on a loaded host the relaunch can be paused again between two polls of the state)
+        wait_for(lambda: pauses() >= 2, 120, "the resumed ranks to find the shard changed again")
+        assert any(m.startswith("PAUSED -> WARMING_UP") for m in of_type(events_so_far(s, job), "state"))
         again = settled(s, job)
         assert again.state == JobState.PAUSED and "shard train.bin changed" in again.message, again.message
         # Put back as prepared: the resume trains on.

@@ -92,7 +92,7 @@ def test_repeated_sigkills_are_classified_then_quarantine_the_node_until_uncordo
         unknown = cli(tmp_path, "uncordon", "worker-99")
         assert unknown.returncode == 2  # (bad input, as surgectl's other refusals)
         assert unknown.stderr.strip().splitlines() == [
-            f"error: uncordon: worker 'worker-99' is not cordoned (cordoned: {sick})"
+            "error: uncordon: no such worker 'worker-99' (registered: worker-0, worker-1, worker-2)"
         ], unknown.stderr
         released = cli(tmp_path, "uncordon", sick)
         assert released.returncode == 0, released.stderr
