@@ -121,7 +121,7 @@ from services.compute.parallelize import (
 from services.contract import Module, engine_pb2
 from services.contract.acting import acting
 from services.contract.bus import Emitter
-from services.contract.failures import CommunicationFailed, communicator_broken
+from services.contract.failures import CommunicationFailed, communicator_broken, communicator_failed
 from services.contract.frozen import FrozenConfig
 
 
@@ -257,7 +257,7 @@ class GradientReduction:
     def _allreduce_marked(self, group, bucket):  # (no annotations: DDP compares them as types)
         if bucket.is_last():
             self._mark.enter(ph.COLLECTIVE)
-        return default_hooks.allreduce_hook(group, bucket)
+        return broken_on_failure(default_hooks.allreduce_hook(group, bucket))
 
     def arm_reduction(self, msg: engine_pb2.ArmReduction, payload: Any = None) -> None:
         """Before a micro-step's forward: whether its backward all-reduces gradients."""
@@ -408,3 +408,20 @@ def _tensor_parallel(model: nn.Module, plan: engine_pb2.ParallelPlan, tp_mesh: D
     )  # fmt: skip
     if tied:  # replicating each module's parameters separately untied them
         model.lm_head.weight = model.tok_emb.weight
+
+
+def broken_on_failure(fut):
+    """``fut`` (a bucket's gradient all-reduce) chained so that its failure records this
+    process's communicator broken before DDP sees it: gloo raises a plain RuntimeError when a
+    peer died, and an early bucket's fails during the backward, before the rank's phase says it
+    waits in a collective, so the step's error was typed internal_error and the survivor of a
+    killed peer was stopped instead of rebuilt (CI, test_rebuild_in_place)."""
+
+    def settled(done):
+        try:
+            return done.value()
+        except Exception:
+            communicator_failed()
+            raise
+
+    return fut.then(settled)
