@@ -331,12 +331,11 @@ class EventApplier:
 
     def _apply(self, key: str, burst: list[tuple]) -> list[str]:
         """Apply one burst; returns the worker id of each message applied (or dropped)."""
-        which = "node" if key == NODE else "job"
-        if burst[0][0] is None:  # a call (a session's open or close, a posted deadline, a store answer)
-            which += "_call"
+        call = burst[0][0] is None  # (a session's open or close, a posted deadline, a store answer)
+        which = ("node" if key == NODE else "job") + ("_call" if call else "")
         started = time.monotonic()
         APPLIER_LAG.labels(which).observe(max(0.0, started - burst[0][2]))
-        if burst[0][0] is None:
+        if call:
             try:
                 burst[0][1]()
             except Exception:  # noqa: BLE001 - the pool must outlive one bad call
