@@ -186,7 +186,7 @@ def test_a_job_survives_a_sigkill_of_control_with_every_step_applied_exactly_onc
 def test_a_rank_that_dies_while_control_is_down_is_recovered_by_the_policy_after_the_restart(stack):
     home = stack.home
     job = stack.submit(spec("trfault", steps=STEPS, every=EVERY))
-    stack.wait_step(job, FAULT_AT)  # after the checkpoint at step EVERY
+    wait_fault_at(stack, job)
     pid = json.loads((home / "run" / "stack.json").read_text())["services"]["control"]["pid"]
     argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")]
     os.kill(pid, signal.SIGKILL)
@@ -224,7 +224,7 @@ def journaled_messages(home: Path, job_id: str) -> list[str]:
 def test_a_recovery_interrupted_by_a_sigkill_of_control_is_resumed_after_the_restart(stack):
     home = stack.home
     job = stack.submit(spec("trfault", steps=STEPS, every=EVERY))
-    stack.wait_step(job, FAULT_AT)  # after the checkpoint at step EVERY
+    wait_fault_at(stack, job)
     services = json.loads((home / "run" / "stack.json").read_text())["services"]
     pid, store_pid = services["control"]["pid"], services["store"]["pid"]
     argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")]
@@ -281,14 +281,7 @@ def test_a_recovery_interrupted_by_a_sigkill_of_control_is_resumed_after_the_res
 def test_ranks_relaunched_just_before_a_sigkill_of_control_are_adopted_not_relaunched_again(stack):
     home = stack.home
     job = stack.submit(spec("trfault", steps=STEPS, every=EVERY))
-    stack.wait_step(job, FAULT_AT)
-    # (under load step EVERY's save may still be committing at FAULT_AT: the recovery would
-    # then start from no version, not the one this test resumes from)
-    t0 = time.monotonic()
-    so_far = lambda: list(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job), timeout=30))  # noqa: E731
-    while not any(m.startswith("checkpoint ") and f" at step {EVERY} " in m for m in of_type(so_far(), "checkpoint")):
-        assert time.monotonic() - t0 < 60, "no checkpoint at step EVERY"
-        time.sleep(0.2)
+    wait_fault_at(stack, job)
     pid = json.loads((home / "run" / "stack.json").read_text())["services"]["control"]["pid"]
     argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")]
     (victim,) = processes_with(f"--job {job} --rank 1")
@@ -379,6 +372,18 @@ def worker_of(home: Path, job_id: str, rank: int) -> tuple[str, int]:
     raise AssertionError(f"no worker runs rank {rank} of {job_id}")
 
 
+def wait_fault_at(stack, job: str) -> None:
+    """The job is at step FAULT_AT and its checkpoint at step EVERY is committed (under load
+    that save may still be committing at FAULT_AT: a fault then would be recovered from no
+    version, not the one these tests resume from; CI saw it once)."""
+    stack.wait_step(job, FAULT_AT)
+    t0 = time.monotonic()
+    so_far = lambda: list(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job), timeout=30))  # noqa: E731
+    while not any(m.startswith("checkpoint ") and f" at step {EVERY} " in m for m in of_type(so_far(), "checkpoint")):
+        assert time.monotonic() - t0 < 60, "no checkpoint at step EVERY"
+        time.sleep(0.2)
+
+
 def wait_gone(pids: list[int], timeout: float = 30.0) -> None:
     t0 = time.monotonic()
     while any(Path(f"/proc/{p}").exists() and "Z" not in _proc_state(p) for p in pids):
@@ -405,7 +410,7 @@ def test_a_node_agent_lost_around_a_control_restart_is_blamed_not_the_surviving_
     # runs again from its newest checkpoint, one restart spent.
     home = stack.home
     job = stack.submit(spec("trfault", steps=STEPS, every=EVERY))
-    stack.wait_step(job, FAULT_AT)
+    wait_fault_at(stack, job)
     control_pid = json.loads((home / "run" / "stack.json").read_text())["services"]["control"]["pid"]
     argv = [a.decode() for a in Path(f"/proc/{control_pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")]
     worker, agent_pid = worker_of(home, job, 1)

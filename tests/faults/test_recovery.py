@@ -101,9 +101,22 @@ class Stack:
         """step -> rank 0's loss (in order: a replayed step's last record wins)."""
         return {r["step"]: r["loss"] for r in self.step_records(job_id) if r["rank"] == 0}
 
-    def step_records(self, job_id: str) -> list[dict]:
+    def step_records(
+        self, job_id: str, *, at_least: int = 0, rank: int | None = None, timeout: float = 30.0
+    ) -> list[dict]:
+        """The job's step records in the store's file, once it holds ``at_least`` of them (of
+        ``rank``'s; None: of every rank), or after ``timeout`` (the assertion on them then says
+        what is missing). A job's end does
+        not wait for the store: a record reaches the file up to the node's metric linger and
+        the store's write after the event that ended the job (services/worker/metric_stream.py)."""
         path = self.home / "store" / "metrics" / f"{job_id}.jsonl"
-        return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("type") == "step"]
+        deadline = time.monotonic() + timeout
+        while True:
+            text = path.read_text() if path.exists() else ""
+            records = [r for r in map(json.loads, text.splitlines()) if r.get("type") == "step"]
+            if sum(rank in (None, r["rank"]) for r in records) >= at_least or time.monotonic() > deadline:
+                return records
+            time.sleep(0.1)
 
     def close(self) -> None:
         self._channel.close()

@@ -66,8 +66,9 @@ def faults(events) -> list[str]:
     return [m for m in of_type(events, "fault") if "(consequence of" not in m]
 
 
-def rank0_steps(stack, job_id: str) -> list[dict]:
-    return [r for r in stack.step_records(job_id) if r["rank"] == 0]
+def rank0_steps(stack, job_id: str, at_least: int = 0) -> list[dict]:
+    """Rank 0's step records, once the store holds ``at_least`` of them."""
+    return [r for r in stack.step_records(job_id, at_least=at_least, rank=0) if r["rank"] == 0]
 
 
 def assert_relaunched_from(stack, job_id: str, resumed_at: int, faulty: int, last: int) -> None:
@@ -76,7 +77,7 @@ def assert_relaunched_from(stack, job_id: str, resumed_at: int, faulty: int, las
     step is never recorded); the first generation's records after its newest checkpoint may
     be lost with it, since it is SIGKILLed (CI: the records of steps 4 and 5 were still on
     their way to the store), and they are steps the relaunch does again anyway."""
-    steps = [r["step"] for r in rank0_steps(stack, job_id)]
+    steps = [r["step"] for r in rank0_steps(stack, job_id, at_least=last)]  # (1..resumed_at at least, then the rest)
     cut = next((i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]), len(steps))
     first, then = steps[:cut], steps[cut:]
     assert first == list(range(1, len(first) + 1)) and resumed_at <= len(first) < faulty, steps
@@ -98,8 +99,9 @@ def test_rollback_relaunches_both_ranks_from_the_newest_checkpoint_before_the_fa
     ), decision
     (relaunch,) = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
     assert f"resume from checkpoint {job_id}:2;" in relaunch  # step 6: the newest, saved before step 7
-    assert [r["step"] for r in rank0_steps(stack, job_id)] == [*range(1, 7), *range(7, 11)]
-    assert all(math.isfinite(float(r["loss"])) for r in rank0_steps(stack, job_id))  # the NaN step was never applied
+    records = rank0_steps(stack, job_id, at_least=10)
+    assert [r["step"] for r in records] == [*range(1, 7), *range(7, 11)]
+    assert all(math.isfinite(float(r["loss"])) for r in records)  # the NaN step was never applied
     finished(events)
 
 
@@ -116,7 +118,7 @@ def test_skip_step_is_a_standing_order_each_faulty_step_is_skipped_on_both_ranks
     assert "(overflow)" in skips[0] and "(non_finite_loss)" in skips[1] and skips[1].endswith("loss nan")
     after = {r: metric(stack.metrics(), "surge_skipped_steps_total", reason=r) for r in before}
     assert after == {"overflow": before["overflow"] + 1, "non_finite_loss": before["non_finite_loss"] + 1}
-    records = {(r["rank"], r["step"]): r for r in stack.step_records(job_id)}
+    records = {(r["rank"], r["step"]): r for r in stack.step_records(job_id, at_least=16)}
     for rank in (0, 1):
         assert [records[rank, s]["skipped"] for s in range(1, 9)] == [s in (3, 5) for s in range(1, 9)]
         assert records[rank, 4]["loss_scale"] == 512.0  # hysteresis 1: the overflow at step 3 halved 1024
@@ -137,7 +139,7 @@ def test_ignore_applies_the_faulty_step_as_it_is_and_the_job_goes_on(stack):
         "as it is"
         for n, s in enumerate((4, 5, 6), 1)
     ]
-    records = rank0_steps(stack, job_id)
+    records = rank0_steps(stack, job_id, at_least=6)
     assert [(r["step"], r["skipped"]) for r in records] == [(s, False) for s in range(1, 7)]
     # (proto3's JSON mapping writes a non-finite float as a string: "NaN")
     assert [math.isnan(float(r["loss"])) for r in records] == [False, False, False, True, True, True]
@@ -152,7 +154,7 @@ def test_stop_fails_the_job_at_the_faulty_step_and_releases_its_ranks(stack):
     status = events[-1].status
     assert (status.state, status.outcome) == (JobState.TERMINATED, JobOutcome.FAILED)
     assert status.message.startswith("FAILED: non_finite_loss: rank 0 blocked at step 4: training loss is nan")
-    assert [r["step"] for r in rank0_steps(stack, job_id)] == [1, 2, 3]
+    assert [r["step"] for r in rank0_steps(stack, job_id, at_least=3)] == [1, 2, 3]
     released = time.monotonic() + 10.0  # the test's own clock: the released rank's process ends
     while stack.rank_pids(job_id, 0) and time.monotonic() < released:
         time.sleep(0.1)
@@ -272,7 +274,7 @@ def test_a_rollback_in_place_keeps_the_processes_and_replays_the_uninterrupted_r
     (done,) = [m for m in of_type(events, "recovery") if m.startswith("rollback in place done")]
     assert f"all 2 ranks loaded checkpoint {job_id}:2 in their live processes (none relaunched)" in done, done
     assert not [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
-    steps = [r["step"] for r in rank0_steps(stack, job_id)]
+    steps = [r["step"] for r in rank0_steps(stack, job_id, at_least=n)]  # (1..6 at least, then 7..n)
     cut = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
     assert steps[cut] == 7 and steps[cut:] == list(range(7, n + 1)), steps  # trained again from step 7
     la, lb = stack.losses(ref), stack.losses(job_id)
