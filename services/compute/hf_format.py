@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,18 @@ def _shard_like(stored: Any, like: Any) -> Any:
     )
 
 
+def _umask() -> int:
+    """The process's umask, read from /proc (os.umask reads it only by setting it, which a
+    thread creating a file meanwhile would see); elsewhere set and restored at once."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def save_hf(directory: str | Path, state: Mapping[str, Any], spec: JobSpec, eos_token_id: int | None = None) -> None:
     """Write ``state`` (a Surge model's ``state_dict``, float32) and its config into
     ``directory`` (which exists): ``model.safetensors`` + ``config.json`` (``eos_token_id``:
@@ -154,4 +167,7 @@ def save_hf(directory: str | Path, state: Mapping[str, Any], spec: JobSpec, eos_
     tensors = to_hf(state, spec.model.tie_embeddings)
     d = Path(directory)
     save_file(tensors, str(d / WEIGHTS), metadata={"format": "pt"})
+    # safetensors >= 0.8 writes through a temp file created 0600 and renamed (safetensors#782):
+    # the weights would be readable by their writer only, unlike config.json beside them.
+    os.chmod(d / WEIGHTS, 0o666 & ~_umask())
     (d / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -6,6 +6,8 @@ scaled down, with logits equal both ways."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -515,3 +517,16 @@ def test_greedy_generation_with_the_kv_cache_is_transformers_on_the_export(tmp_p
     ours = generate(model, prompt, 12, temperature=0.0, context_len=spec.data.seq_len)  # (16 positions: all kept)
     theirs = hf.generate(prompt[None], max_new_tokens=12, do_sample=False, pad_token_id=0)[0]
     assert torch.equal(ours, theirs), (ours.tolist(), theirs.tolist())
+
+
+def test_the_exported_weights_have_the_mode_of_the_config_beside_them(tmp_path):
+    # safetensors' writer creates its file 0600 whatever the umask (safetensors#782): another
+    # user (a serving container's) could read config.json but not the weights.
+    spec = small_spec()
+    old = os.umask(0o022)
+    try:
+        hf_format.save_hf(tmp_path, build_model(spec.model, seed=1).state_dict(), spec)
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+    assert modes[hf_format.WEIGHTS] == modes[hf_format.CONFIG] == 0o644, modes
