@@ -110,11 +110,18 @@ class _Series:
         self.steps = m["steps"].labels(job, rank)
         self.tokens = m["tokens"].labels(job, rank)
         self.skipped = m["skipped"].labels(job, rank)
-        self.eval_loss = m["eval_loss"].labels(job, rank)
-        self.eval_seconds = m["eval_seconds"].labels(job, rank)
-        self.evals = m["evals"].labels(job, rank)
         self.mfu = m["mfu"].labels(job, rank)
         self.flops_per_token = m["flops_per_token"].labels(job, rank)
+        self._m, self._labels = m, (job, rank)
+        self._evaluations: tuple[Any, Any, Any] | None = None
+
+    def evaluations(self) -> tuple[Any, Any, Any]:
+        """(eval loss, eval seconds, evaluations) children, made at the rank's first evaluation:
+        a job that never evaluates exports no ``surge_eval_loss`` of 0 (a last held-out loss of
+        0 nats reads as a perfect model on a dashboard)."""
+        if self._evaluations is None:
+            self._evaluations = tuple(self._m[k].labels(*self._labels) for k in ("eval_loss", "eval_seconds", "evals"))
+        return self._evaluations
 
 
 class MetricsLogger:
@@ -253,10 +260,10 @@ class MetricsLogger:
         """
         if not self._persist("eval", msg):
             return store_pb2.MetricsAck(records=0)
-        s = self._series_of(msg.job_id, msg.rank)
-        s.eval_loss.set(msg.loss)
-        s.eval_seconds.set(msg.seconds)
-        s.evals.inc()
+        loss, seconds, runs = self._series_of(msg.job_id, msg.rank).evaluations()
+        loss.set(msg.loss)
+        seconds.set(msg.seconds)
+        runs.inc()
         self._defer(self._sinks.record, "eval", msg)
         self._publish_failures(msg.job_id)
         return store_pb2.MetricsAck(records=1)

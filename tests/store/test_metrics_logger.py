@@ -269,3 +269,14 @@ def test_l1_1_s_retire_removes_every_rank_s_series_of_the_job_after_the_linger_u
     finally:
         logger.close()
     assert len(lines(tmp_path, "killed")) == 6  # the JSONL file keeps every record
+
+
+def test_a_rank_that_never_evaluated_exports_no_evaluation_series(logger, registry):
+    # A last held-out loss of 0 nats would read as a perfect model on a dashboard.
+    logger.on_step_completed(step(rank=0, step=1, loss=3.0))
+    labels = {"job": "demo", "rank": "0"}
+    assert registry.get_sample_value("surge_train_loss", labels) == 3.0
+    assert [registry.get_sample_value(n, labels) for n in ("surge_eval_loss", "surge_eval_seconds")] == [None, None]
+    assert registry.get_sample_value("surge_eval_runs_total", labels) is None
+    logger.on_eval_completed(engine_pb2.EvalCompleted(job_id="demo", rank=0, step=1, loss=2.5, seconds=1.0))
+    assert registry.get_sample_value("surge_eval_loss", labels) == 2.5
