@@ -15,6 +15,7 @@ docs/LOG.md report as page times.
 
 from __future__ import annotations
 
+import json
 import logging
 import ssl
 import time
@@ -170,22 +171,29 @@ def make_handler(dashboard: Dashboard, access: Access, client_certificates: bool
             # A tokens file: the page is read with the caller's token (control's and the store's
             # team rules decide what it shows); else with the dashboard's own.
             route = self._route(dashboard.as_caller(caller) if access.per_caller else dashboard, url.path, query)
+            data = url.path.endswith("/logs/lines")  # (a script's JSON, not a page: its errors are JSON too)
             if route is None:
-                return self._send(HTTPStatus.NOT_FOUND, pages.error_page(404, f"no page {url.path}"), head)
+                return self._fail(HTTPStatus.NOT_FOUND, f"no page {url.path}", head, data)
             try:
                 page = route()
             except PageError as e:
-                return self._send(e.status, pages.error_page(int(e.status), str(e)), head)
+                return self._fail(e.status, str(e), head, data)
             except grpc.RpcError as e:
                 code = e.code() if hasattr(e, "code") else None
                 what = e.details() if hasattr(e, "details") else str(e)
                 status = _RPC_STATUS.get(code, HTTPStatus.BAD_GATEWAY)
                 if status in (HTTPStatus.FORBIDDEN, HTTPStatus.UNAUTHORIZED):  # (the service's own one line)
-                    return self._send(status, pages.error_page(int(status), f"refused: {what}"), head)
-                return self._send(status, pages.error_page(int(status), f"{getattr(code, 'name', code)}: {what}"), head)
+                    return self._fail(status, f"refused: {what}", head, data)
+                return self._fail(status, f"{getattr(code, 'name', code)}: {what}", head, data)
             ms = (time.perf_counter() - t0) * 1000
-            kind = "application/json" if url.path.endswith("/logs/lines") else "text/html; charset=utf-8"
+            kind = "application/json" if data else "text/html; charset=utf-8"
             self._send(HTTPStatus.OK, page, head, content_type=kind, extra={"Server-Timing": f"page;dur={ms:.1f}"})
+
+        def _fail(self, status: HTTPStatus, text: str, head: bool, data: bool) -> None:
+            """An error, as a page or (``data``) as the JSON ``{"error": text}``."""
+            if data:
+                return self._send(status, json.dumps({"error": text}), head, content_type="application/json")
+            return self._send(status, pages.error_page(int(status), text), head)
 
         def _route(self, dashboard: Dashboard, path: str, query: dict[str, list[str]]) -> Callable[[], str] | None:
             if path == "/":

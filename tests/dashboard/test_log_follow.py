@@ -97,7 +97,11 @@ def test_the_lines_route_answers_the_lines_after_each_rank_s_offset_as_json(grow
         assert json.load(r) == {"lines": [], "seen": "0:2,1:3", "live": False, "error": ""}
     with pytest.raises(urllib.error.HTTPError) as bad:
         _get(base, "/job/demo-1/logs/lines?seen=zero")
-    assert bad.value.code == 400
+    assert bad.value.code == 400 and bad.value.headers["Content-Type"] == "application/json"
+    assert json.load(bad.value) == {"error": "seen: expected RANK:COUNT pairs separated by commas, got 'zero'"}
+    with pytest.raises(urllib.error.HTTPError) as unknown:  # a script's errors are JSON, a page's HTML
+        _get(base, "/job/nosuch/logs/lines?seen=")
+    assert unknown.value.code == 404 and "error" in json.load(unknown.value)
     with pytest.raises(urllib.error.HTTPError) as refused:  # behind the token like every page
         urllib.request.urlopen(f"http://{base}/job/demo-1/logs/lines?seen=", timeout=10)
     assert refused.value.code == 401
