@@ -195,7 +195,12 @@ def test_a_new_layout_asked_of_a_queued_resume_is_applied_to_it_and_placed_when_
         plane.user(control_pb2.ResumeJobRequest(job_id=job_id, from_version=f"{job_id}:9"))
     with pytest.raises(JobSpecError, match="the global batch"):
         plane.user(control_pb2.ResumeJobRequest(job_id=job_id, dp=1))  # (4 rows kept: refused, nothing changed)
-    plane.user(control_pb2.ResumeJobRequest(job_id=job_id, dp=1, grad_accum=2))
+    s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id, dp=1, grad_accum=2))
+    # The reply's reason is the new layout's (it said "needs 2 ranks" though it had applied dp 1).
+    assert (
+        s.message
+        == f"queued: resume from {job_id}:1 at the layout asked (1 rank, parallel.dp=1); the queue is tried again"
+    ), s.message
     s = settle(lambda: plane.get(job_id).state, JobState.WARMING_UP)
     s = plane.get(job_id)
     assert (s.world_size, s.dp, s.micro_batch_size, s.grad_accum, s.step) == (1, 1, 2, 2, 6)

@@ -27,7 +27,7 @@ from services.control.orchestrator.job import (
 )
 from services.control.orchestrator.layout import _layout_asked, _layout_change, _layout_flags, _new_layout, _set_layout
 from services.control.orchestrator.refusals import IllegalTransition, InsufficientResources, UnknownVersion
-from services.control.orchestrator.texts import _beyond_cluster, _newest, _version_number, _waits_for
+from services.control.orchestrator.texts import _beyond_cluster, _degrees, _newest, _version_number, _waits_for
 from services.jobspec import (
     JobSpec,
     spec_from_json,
@@ -295,6 +295,10 @@ class OperatorResume:
             "decision",
             f"the queued resume from {r['version']} (step {r['step']}) takes the layout asked by the operator "
             f"({_layout_flags(msg)}): {_layout_change(queued, target)}",
+            # (the reply's reason: the old one was the old layout's; the queue's pass says the
+            # new one, or starts it)
+            status_message=f"queued: resume from {r['version']} at the layout asked ({target.world_size} "
+            f"rank{'' if target.world_size == 1 else 's'}, {_degrees(target)}); the queue is tried again",
         )
         self._start_soon()  # (it may fit now)
         return self._snapshot(job)
