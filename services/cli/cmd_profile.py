@@ -70,7 +70,7 @@ def profile_job(
         ) from None
     if output == "json":
         print(json.dumps(jsonout.to_plain(info), indent=2))
-    else:
+    elif info.recorded:  # (none: the error below is all there is to say, not an empty table first)
         render.console.print(_table(info))
         if any(not r.error for r in info.recorded):
             _say("open a .trace.json.gz in https://ui.perfetto.dev (or chrome://tracing)")

@@ -47,6 +47,8 @@ def test_a_profile_whose_rank_dies_is_lost_and_the_cli_says_so_exit_1(
         assert time.monotonic() - started < 40  # (the old code: waited the whole 50 s, then "reported nothing")
         lines = err.strip().splitlines()
         assert code == 1 and lines == ["error: profile #1 lost: ranks relaunched (rank_exit of rank 0)"], (code, err)
+        (asked,) = out.strip().splitlines()  # (no empty table of recorded ranks before the error)
+        assert asked.startswith(f"{job_id}: profile #1 of the next 100 steps asked of 2 ranks"), out
         code, out, _ = run(monkeypatch, capsys, "status", job_id, "-o", "json")
         (shown,) = json.loads(out)
         assert code == 0 and shown["profiles"][0]["lost"] == "ranks relaunched (rank_exit of rank 0)"
