@@ -499,8 +499,13 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
                 detail=failure.detail,
             )
             return
-        with self._job_lock(job_id):
-            self._failures[(job_id, rank)].append((failure.module, failure.operation, failure.cause))
+        if report.grade != FaultGrade.MINOR:
+            # A failure whose report is decided: the loop failing with it is its consequence.
+            # One reported for the record (a snapshot_failed: training would go on after a
+            # failed save) is not, when the loop died of it (a load refused): that report,
+            # the loop's, is the one to decide (it waited ten minutes for a restore deadline).
+            with self._job_lock(job_id):
+                self._failures[(job_id, rank)].append((failure.module, failure.operation, failure.cause))
         self._hold_or_report(job_id, rank, report)
 
     def _seen_failure(self, job_id: str, rank: int, failure: route_pb2.Failure) -> bool:

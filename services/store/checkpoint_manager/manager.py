@@ -227,7 +227,7 @@ class CheckpointManager(Staging, Chunks, Commit, Verification, DataPlane):
                         del self._open[job]
                     else:
                         save.committing = False  # the loop may fix the cause and commit again
-        for path in removed:
+        for _, path in removed:
             shutil.rmtree(path, ignore_errors=True)
         if plan is not None:  # off the lock: saves of any job begin and commit meanwhile
             self._sweep(plan)
@@ -248,6 +248,7 @@ class CheckpointManager(Staging, Chunks, Commit, Verification, DataPlane):
             seconds=seconds,
             written_bytes=entry.get("written_bytes", 0),
             baseline=entry.get("baseline", False),
+            removed_versions=[version for version, _ in removed],
         )
 
     def load_checkpoint(self, msg: store_pb2.LoadCheckpoint, payload: Any = None) -> store_pb2.CheckpointLoaded:
