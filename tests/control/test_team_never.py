@@ -9,13 +9,15 @@ apart (before: the placeable ones only, called "registered")."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
+from services.cli.errors import from_rpc
 from services.contract import control_pb2
 from services.control.cluster_metrics import ClusterCollector
 from services.control.orchestrator.refusals import BeyondHardLimit
 
-from .conftest import Plane, drain, settle, spec_yaml
+from .conftest import Plane, drain, served_control, settle, spec_yaml
 
 JobState = control_pb2.JobState
 pytestmark = pytest.mark.timeout(60)
@@ -139,3 +141,19 @@ def test_a_job_beyond_every_registered_slot_is_counted_and_the_count_is_of_every
     settle(lambda: plane.get(huge.job_id).state, JobState.WARMING_UP)
     assert gauge("cluster") == 0
     drain(a), drain(b), drain(g)
+
+
+def test_the_refusal_is_invalid_argument_over_grpc_and_surgectl_exits_2_with_the_one_line(tmp_path, monkeypatch):
+    with served_control(tmp_path / "c.db", monkeypatch) as (control, stub):
+        Plane(control).register("wa", slots=4)
+        quota = control_pb2.TeamQuota(name="vision", nominal=2, borrow_limit=1, hard_limit=U, weight=1.0)
+        stub.SetTeamQuota(control_pb2.SetTeamQuotaRequest(quota=quota), timeout=10)
+        text = spec_yaml(name="wide", dp=4, extra="team: vision")
+        line = "job.yaml: team: needs 4 slots; team vision may hold at most 3 (nominal 2 + borrow_limit 1)"
+        with pytest.raises(grpc.RpcError) as e:
+            stub.SubmitJob(control_pb2.SubmitJobRequest(spec_yaml=text, spec_path="job.yaml"), timeout=10)
+        assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, line)
+        # surgectl's answer to it (its submit also asks the data service first: not started here)
+        cli = from_rpc(e.value, "control", "127.0.0.1")
+        assert (cli.code, str(cli)) == (2, line)
+        assert list(stub.ListJobs(control_pb2.JobQuery(), timeout=10).jobs) == []  # (nothing persisted)
