@@ -157,3 +157,29 @@ def test_the_refusal_is_invalid_argument_over_grpc_and_surgectl_exits_2_with_the
         cli = from_rpc(e.value, "control", "127.0.0.1")
         assert (cli.code, str(cli)) == (2, line)
         assert list(stub.ListJobs(control_pb2.JobQuery(), timeout=10).jobs) == []  # (nothing persisted)
+
+
+def test_a_job_beyond_every_registered_slot_says_so_even_behind_a_job_first_in_line(plane):
+    """Before (this session's first commit): a job that can never run, submitted or passed over
+    behind a job first in line, said "waits for the jobs queued ahead of it" / "waits behind job
+    X, first in line for slots to free up", as if its turn would come."""
+    w = plane.register("w", slots=2)
+    r = submit(plane, "r", "lab", 2)
+    q = submit(plane, "q", "lab", 2)  # first in line for the 2 slots
+    huge = submit(plane, "huge", "lab", 3)
+    assert (r.state, q.state, huge.state) == (JobState.WARMING_UP, JobState.STANDBY, JobState.STANDBY)
+    never = f"queued: needs 3 ranks (parallel.dp=3), more than the 2 registered: {NEVER}; waits for workers to join"
+    assert (huge.message, huge.cannot_run) == (never, "cluster")
+    set_team(plane, "nlp", nominal=4)  # a quota change: a pass decides every reason again
+    settle(lambda: plane.get(q.job_id).queue_position, 1)
+    assert plane.user(control_pb2.TeamQuery()).queue[-1].cannot_run == "cluster"
+    assert (plane.get(huge.job_id).message, gauge("cluster")) == (never, 1)
+    g = submit(plane, "g", "lab", 1, device="gpu")  # (a gpu job behind no one on a CPU-only cluster)
+    assert g.message.endswith(f"no node with a GPU is registered: {NEVER}; waits for one to join"), g.message
+    plane.register("w2", slots=1)  # 3 registered: huge waits its turn behind q now
+    settle(
+        lambda: plane.get(huge.job_id).message,
+        f"queued: waits behind job {q.job_id}, first in line for slots to free up",
+    )
+    assert plane.get(huge.job_id).cannot_run == "" and gauge("cluster") == 1  # (g still)
+    drain(w)

@@ -19,7 +19,7 @@ from services.control.orchestrator.refusals import IllegalTransition, JobDoesNot
 from services.control.orchestrator.request_ids import spec_sha256, submitted_before
 from services.control.orchestrator.resume_machine import Queue, Refuse
 from services.control.orchestrator.teams import PROMOTED, kind_of, team_of
-from services.control.orchestrator.texts import _beyond_cluster, _waits_for, cause_of, quota_wait
+from services.control.orchestrator.texts import _beyond_cluster, _waits_for, beyond_registered, cause_of, quota_wait
 from services.control.scheduler.admission import WAIT_COHORT, Admission, admit
 from services.control.scheduler.fair_share import Holds, blocks, cohort_wait
 from services.hf_config import check_spec_directory
@@ -121,7 +121,9 @@ class JobQueueing:
                 return self._snapshot(earlier)
             job = _Job(status=status, spec=spec, request_id=msg.request_id, spec_sha256=digest)
             self._jobs[job_id] = job
-            held = "waits for the jobs queued ahead of it" if self._ahead_at_submit(job, priority) else ""
+            # (one beyond every registered slot of its kind waits behind no one: the allocator says why)
+            ahead = beyond_registered(spec, self._registered) is None and self._ahead_at_submit(job, priority)
+            held = "waits for the jobs queued ahead of it" if ahead else ""
             held = held or self._queue_held()
             quota = None if held else self._quota_admission(job)  # (its team's quota: issue 30)
             if quota is not None and not quota.ok:  # (never: its quota was lowered since the check above)
@@ -231,6 +233,8 @@ class JobQueueing:
             applied = not msg.offer or msg.offer > self._capacity_offer
             if applied:
                 self._capacity = {"gpu": msg.gpu_slots, "cpu": msg.cpu_slots}
+                if msg.HasField("registered"):  # (every registered slot per kind: ``_behind``)
+                    self._registered = msg.registered
                 self._capacity_offer = msg.offer or self._capacity_offer
             if not msg.free_ranks and not applied:
                 return
@@ -334,15 +338,13 @@ class JobQueueing:
                 blocker = next(((k, j) for k, j in no_room.items() if blocks(k, kind)), None)
                 if blocker is not None:  # (gang admission without backfill, per kind)
                     what = "" if blocker[0] == "any" else f"{blocker[0]} "
-                    self._waiting(
-                        job, f"waits behind job {blocker[1]}, first in line for {what}slots to free up", place
-                    )
+                    self._behind(job, f"waits behind job {blocker[1]}, first in line for {what}slots to free up", place)
                     continue
                 if (held_by := held_teams.of(team, kind)) is not None:
-                    self._waiting(job, f"waits behind job {held_by} of team {team}", place)
+                    self._behind(job, f"waits behind job {held_by} of team {team}", place)
                     continue
                 if (held_by := held_cohorts.of(cohort, kind)) is not None:  # (the cohort's idle slots go in order)
-                    self._waiting(job, cohort_wait(held_by, cohort), place)
+                    self._behind(job, cohort_wait(held_by, cohort), place)
                     continue
                 quota = self._quota_admission(job)
                 if not quota.ok:
@@ -417,6 +419,13 @@ class JobQueueing:
             if self._holds_ranks(j):
                 by_team.setdefault(team_of(j.status), []).append(j)
         return by_team
+
+    def _behind(self, job: _Job, why: str, place: int) -> None:
+        """Under the lock: the queued ``job``, not tried, waits behind another job (``why``) --
+        unless it needs more slots of its kind than are registered at all (the allocator's last
+        offer): then it can never run as things stand, and says so (not its place in line)."""
+        never = beyond_registered(self._relaunch_spec(job) or job.spec, self._registered)
+        self._waiting(job, never or why, place)
 
     def _waiting(self, job: _Job, why: str, place: int = 0, tried: bool = False) -> None:
         """Under the lock: the queued ``job`` still waits, for ``why`` (``place``: its place in

@@ -117,6 +117,9 @@ class Teams:
         # denominators; zeros until a worker registers: then the slot share, as before kinds).
         self._capacity: dict[str, int] = dict.fromkeys(KINDS, 0)
         self._capacity_offer = 0  # the number of the allocator's offer it is from (queue.py)
+        # Every registered slot per kind, placeable or not, as last offered (None: no offer yet):
+        # a queued job needing more can never run as things stand (queue.py ``_behind``).
+        self._registered: control_pb2.KindSlots | None = None
         # The queued jobs the starvation bound put ahead in the last order computed (under the
         # lock), and the pass armed for the next job to reach the bound (the order changes then
         # with no other event: its place and its reason are published then, not at a later change).

@@ -177,23 +177,41 @@ def _waits_for(job: _Job, reply: control_pb2.ResourcesInsufficient, spec: JobSpe
         kind = (spec or job.spec).parallel.device_kind  # (the allocator counted that kind's slots only)
         of = "" if kind == "any" else f" {kind} slots"
         if reply.all_registered_ranks < reply.requested_ranks:
-            if kind != "any" and not reply.all_registered_ranks:  # (a gpu job on a CPU-only cluster: say so)
-                what = "a GPU" if kind == "gpu" else "CPU slots"
-                return CannotRun(
-                    f"{needs} on {kind}: no node with {what} is registered: {CANNOT_RUN}; waits for one to join",
-                    "cluster",
-                )
-            unplaceable = f" ({reply.not_placeable})" if reply.not_placeable else ""
-            return CannotRun(
-                f"{needs}, more than the {reply.all_registered_ranks}{of} registered{unplaceable}: {CANNOT_RUN}; "
-                "waits for workers to join",
-                "cluster",
-            )
+            return _beyond_registered(needs, kind, reply.all_registered_ranks, reply.not_placeable)
         return (
             f"{needs}, more than the {reply.registered_ranks}{of} placeable of the {reply.all_registered_ranks} "
             f"registered ({reply.not_placeable}): waits for them to be placeable again or for workers to join"
         )
     return f"{needs}; {reply.reason}: waits for ranks to free up"
+
+
+def beyond_registered(spec: JobSpec, registered: control_pb2.KindSlots | None) -> CannotRun | None:
+    """Why a job of ``spec`` can never run as things stand when it needs more slots of its kind
+    than ``registered`` (the allocator's last offer: every registered slot per kind, placeable
+    or not; None: no offer yet), else None. What a queued job says when it waits behind
+    another and is not tried (the allocator's refusal says the same, with the slots not
+    placeable named, when it is)."""
+    if registered is None:
+        return None
+    kind, n = spec.parallel.device_kind, spec.world_size
+    have = registered.gpu + registered.cpu if kind == "any" else getattr(registered, kind)
+    if n <= have:
+        return None
+    return _beyond_registered(f"needs {n} rank{'' if n == 1 else 's'} ({_degrees(spec)})", kind, have, "")
+
+
+def _beyond_registered(needs: str, kind: str, registered: int, not_placeable: str) -> CannotRun:
+    if kind != "any" and not registered:  # (a gpu job on a CPU-only cluster: say so)
+        what = "a GPU" if kind == "gpu" else "CPU slots"
+        return CannotRun(
+            f"{needs} on {kind}: no node with {what} is registered: {CANNOT_RUN}; waits for one to join", "cluster"
+        )
+    of = "" if kind == "any" else f" {kind} slots"
+    unplaceable = f" ({not_placeable})" if not_placeable else ""
+    return CannotRun(
+        f"{needs}, more than the {registered}{of} registered{unplaceable}: {CANNOT_RUN}; waits for workers to join",
+        "cluster",
+    )
 
 
 def _degrees(spec: JobSpec) -> str:
