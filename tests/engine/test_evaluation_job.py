@@ -103,6 +103,24 @@ def test_the_commands_arguments_name_the_paths_as_variables(tmp_path, surge_home
     assert dict(scores.scores) == {"args_ok": 1}
 
 
+def test_the_command_does_not_inherit_the_rank_s_launch_variables(tmp_path, surge_home, monkeypatch):
+    # A rank's node sets LOCAL_RANK (its device binding): passed on, lm-eval's `hf` model
+    # (accelerate) took itself for a launched rank and failed (session 33's real run).
+    version = trained_version(tmp_path)
+    for var, value in (("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"), ("MASTER_PORT", "29500"), ("RANK", "0")):
+        monkeypatch.setenv(var, value)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # (the device binding stays)
+    script = (
+        "import json, os; open(os.environ['SURGE_EVAL_OUTPUT'], 'w').write(json.dumps({"
+        "'launch_vars': sum(v in os.environ for v in ('LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'MASTER_PORT', 'RANK')), "
+        "'device_kept': int(os.environ.get('CUDA_VISIBLE_DEVICES') == '3')}))"
+    )
+    rank = evaluation(tmp_path, version, [sys.executable, "-c", script])
+    assert rank.error is None, rank.error
+    (scores,) = [m for m in rank.store.metrics if isinstance(m, engine_pb2.EvaluationScores)]
+    assert dict(scores.scores) == {"launch_vars": 0, "device_kept": 1}
+
+
 def test_lm_evaluation_harness_results_are_read_from_its_output_directory(tmp_path):
     out = tmp_path / "out"
     (out / "model__x").mkdir(parents=True)
