@@ -160,7 +160,7 @@ def write_tasks(work: Path, src: Path, items: int) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/surge-lm-eval"), help="venv, stack, tasks (kept)")
-    ap.add_argument("--steps", type=int, default=150, help="the trained job's steps")
+    ap.add_argument("--steps", type=int, default=400, help="the trained job's steps")
     ap.add_argument("--items", type=int, default=64, help="multiple-choice items")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "lm_eval_hook.json")
     args = ap.parse_args()

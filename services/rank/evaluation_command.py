@@ -153,11 +153,10 @@ class EvaluationCommand:
         if state is None:
             return why
         try:
-            hf_format.save_hf(directory, state, spec)
+            end = None  # (`surgectl export`'s writer: BOS/EOS named, the model's eos_token_id set)
             if tokenizer and tokenizer != "bytes" and Path(tokenizer).is_file():
-                shutil.copyfile(tokenizer, directory / "tokenizer.json")
-                config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": spec.data.seq_len}
-                (directory / "tokenizer_config.json").write_text(json.dumps(config))
+                end = hf_format.save_tokenizer(directory, tokenizer, spec.data.seq_len)
+            hf_format.save_hf(directory, state, spec, eos_token_id=end)
         except (OSError, ValueError) as e:  # ValueError: a model with no Hugging Face form (HfFormatError)
             return f"{type(e).__name__}: {e}"[:500]
         return ""
