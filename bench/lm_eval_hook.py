@@ -157,6 +157,13 @@ def write_tasks(work: Path, src: Path, items: int) -> Path:
     return tasks
 
 
+def status_scores(status: str) -> list[str]:
+    """The lines `surgectl status JOB` shows under its evaluation scores (not the job table)."""
+    lines = status.splitlines()
+    at = next((i for i, ln in enumerate(lines) if ln.startswith("evaluation scores")), len(lines))
+    return [ln.strip() for ln in lines[at + 1 :] if ln.strip()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/surge-lm-eval"), help="venv, stack, tasks (kept)")
@@ -225,7 +232,7 @@ def main() -> None:
         status = _run([*surgectl, "status", job], env)
         print(status)
         result["evaluate_output"] = evaluated.strip().splitlines()[-20:]
-        result["status"] = status.strip().splitlines()
+        result["status_scores"] = status_scores(status)
     finally:
         _run([*surgectl, "down"], env, timeout=300, check=False)
     result["seconds"] = {k: round(v, 1) for k, v in times.items()}

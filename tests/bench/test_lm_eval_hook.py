@@ -34,3 +34,11 @@ def test_the_local_tasks_are_the_corpus_own_lines_and_read_their_jsonl_by_path(t
         assert task["dataset_kwargs"]["data_files"]["test"] == str(tasks / data)
     ppl = [json.loads(x)["text"] for x in (tasks / "ppl.jsonl").read_text().splitlines()]
     assert ppl and all(len(t) == 1000 for t in ppl)
+
+
+def test_the_recorded_scores_are_the_lines_status_shows_under_its_evaluation_scores():
+    from bench.lm_eval_hook import status_scores
+
+    status = "jobs\n| j | FINISHED |\nevaluation scores (its evaluation jobs):\n  t/acc,none: 0.31  (j:1)\n\n  t/x: 2  (j:1)\n"
+    assert status_scores(status) == ["t/acc,none: 0.31  (j:1)", "t/x: 2  (j:1)"]
+    assert status_scores("jobs\n| j |\n") == []  # (no scores: nothing)
