@@ -238,10 +238,7 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
             ended_slow = job.slow.forget(msg.rank) if job is not None else None
             # Its process ended: its slowdown ratio is no longer measured, so its series goes
             # (a finished job's stayed on control's /metrics until control restarted).
-            try:
-                metrics.RANK_SLOWDOWN.remove(msg.job_id, str(msg.rank))
-            except KeyError:  # never compared (a job of one rank, or it ended first)
-                pass
+            metrics.forget_rank_slowdown(msg.job_id, msg.rank)
             if job is not None and not msg.worker_lost:
                 job.back.add(msg.worker_id)  # its node agent reaped it and is back
         if msg.worker_lost:
