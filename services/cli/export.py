@@ -158,15 +158,12 @@ def _write(directory: Path, fmt: str, model, spec, hf_format) -> list[str]:
     return notes
 
 
-END_OF_TEXT = "<|endoftext|>"  # the special token `dataset prepare --tokenizer bpe:N` adds (services/data/bpe.py)
-
-
 def _tokenizer(directory: Path, spec) -> tuple[list[str], int | None]:
-    """Copy the dataset's tokenizer (the HF ``tokenizers`` JSON it was prepared with) as
-    ``tokenizer.json`` + a ``tokenizer_config.json`` naming ``PreTrainedTokenizerFast`` (and
-    ``<|endoftext|>`` as its BOS/EOS when it has that token); returns a note when there is
-    none to copy, and the end-of-text token's id (None without one)."""
+    """Copy the dataset's tokenizer (the HF ``tokenizers`` JSON it was prepared with) with its
+    config (``hf_format.save_tokenizer``); returns a note when there is none to copy, and the
+    end-of-text token's id (None without one)."""
     from services.common import paths
+    from services.compute import hf_format
 
     label = spec.data.label
     manifest_path = paths.datasets_root() / spec.data.name / spec.data.version / "manifest.json"
@@ -179,17 +176,7 @@ def _tokenizer(directory: Path, spec) -> tuple[list[str], int | None]:
     source = manifest_path.parent / tokenizer
     if not source.is_file():
         return [f"tokenizer not copied: {source} is missing"], None
-    shutil.copyfile(source, directory / "tokenizer.json")
-    try:
-        added = json.loads(source.read_text()).get("added_tokens") or []
-    except (OSError, ValueError):
-        added = []
-    end = next((t.get("id") for t in added if isinstance(t, dict) and t.get("content") == END_OF_TEXT), None)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": spec.data.seq_len}
-    if end is not None:
-        config.update(bos_token=END_OF_TEXT, eos_token=END_OF_TEXT)
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return [], end
+    return [], hf_format.save_tokenizer(directory, source, spec.data.seq_len)
 
 
 def _into_place(tmp: Path, out: Path) -> None:

@@ -28,6 +28,7 @@ from services.contract import (
     store_pb2,
 )
 from services.contract.bus import Emitter
+from services.control import metrics
 from services.control.fault_detector.attribution import Attribution
 from services.control.fault_detector.grading import Grading
 from services.control.fault_detector.links import Links
@@ -235,6 +236,9 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
             if watch is not None:
                 watch.cancel()
             ended_slow = job.slow.forget(msg.rank) if job is not None else None
+            # Its process ended: its slowdown ratio is no longer measured, so its series goes
+            # (a finished job's stayed on control's /metrics until control restarted).
+            metrics.forget_rank_slowdown(msg.job_id, msg.rank)
             if job is not None and not msg.worker_lost:
                 job.back.add(msg.worker_id)  # its node agent reaped it and is back
         if msg.worker_lost:
