@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.cli import stack_access
 from services.cli.errors import CliError
 from services.contract import data_pb2
 from services.jobspec import JobSpec
@@ -103,6 +104,7 @@ def find_checkpoint(version: str) -> Checkpoint:
         raise CliError(" ".join(str(e).split())) from None
     except ValueError as e:
         raise CliError(" ".join(str(e).split()), code=2) from None
+    stack_access.check_local_read(info.version.rpartition(":")[0], f"checkpoint {info.version}")
     return Checkpoint(info.version, info.step, info.path, spec_from_json(info.spec_json))
 
 

@@ -28,6 +28,7 @@ import secrets
 import shutil
 from pathlib import Path
 
+from services.cli import stack_access
 from services.cli.errors import CliError
 from services.cli.evaluation import VersionRemoved, reading
 from services.cli.path_options import check_parent
@@ -126,13 +127,15 @@ def _committed(root: Path, version: str):
     if not (root / "checkpoints").is_dir():
         raise CliError(f"export: no checkpoints under {root} (SURGE_HOME's store)", code=2)
     try:
-        return read_committed(root, version)
+        info = read_committed(root, version)
     except CheckpointNotFound as e:
         raise CliError(str(e), code=2) from None
     except CheckpointRejected as e:
         raise CliError(f"export: {e}", code=1) from None
     except ValueError as e:
         raise CliError(str(e), code=2) from None
+    stack_access.check_local_read(info.version.rpartition(":")[0], "export")
+    return info
 
 
 def _load(info):

@@ -116,3 +116,32 @@ def _check_loads(path: str, then: str = "") -> None:
         load_tokens(path)
     except TokensFileError as e:
         raise CliError(f"{e}{then}", code=2) from None
+
+
+def check_local_read(job_id: str, what: str) -> None:
+    """Before a command reads ``job_id``'s files from SURGE_HOME itself (``what``: `export`,
+    `generate`, `eval`): when this SURGE_HOME's stack checks tokens, control is asked for the
+    job with the caller's token first, as every command that goes through the services is,
+    so a team's token does not read another team's weights by going around them. Without a
+    tokens file (a single user's stack) nothing is asked: the files' permissions are the
+    boundary.
+
+    Raises:
+        CliError: control refused the caller (one line, its words), does not know the job, or
+            cannot be asked while tokens are checked (exit 1: start the stack).
+    """
+    if remembered() is None:
+        return
+    from services.cli import clients
+    from services.contract import control_pb2
+
+    try:
+        clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job_id), timeout=10))
+    except CliError as e:
+        if not e.unreachable:
+            raise
+        raise CliError(
+            f"{what}: this stack checks per-team tokens and control could not be asked whether you may read job "
+            f"{job_id} ({e}): `surgectl up` first",
+            code=1,
+        ) from None

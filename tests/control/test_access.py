@@ -467,3 +467,36 @@ def test_every_kind_of_handler_runs_as_the_calls_principal(env, identities, serv
         assert CALLER.get() is None  # (set around the handler only)
     finally:
         server.stop(grace=0)
+
+
+def test_a_command_reading_the_files_itself_asks_control_first_with_the_callers_token(
+    tmp_path, surge_home, env, identities, store_with_no_versions, capsys
+):
+    # A fresh admin's find: with a tokens file, bob (nlp) exported vision's job's weights with
+    # `surgectl export`, which reads SURGE_HOME itself, though every service refused him.
+    from tests.cli.test_export import commit_version, spec_of
+    from tests.cli.test_housekeeping import assert_one_line, run_cli
+
+    with served(tmp_path, env, identities) as (plane, address), caller(address, env, TOKENS["alice"]) as alice:
+        job = submit(alice, "seg").job_id
+        commit_version(surge_home, spec_of(), job=job)
+        (surge_home / "run").mkdir(exist_ok=True)
+        (surge_home / "run" / "tokens_file").write_text(str(tmp_path / "tokens.yaml") + "\n")  # (as `up --tokens`)
+        env.setenv("SURGE_CONTROL_ADDRESS", address)
+        export = ["export", f"{job}:1", "--format", "torch", "--out"]
+        env.setenv("SURGE_AUTH_TOKEN", TOKENS["bob"])
+        code, _, err = run_cli([*export, str(tmp_path / "b")], env, capsys)
+        assert_one_line(code, err, 1, f"job {job} belongs to team vision; your identity (bob) is team nlp")
+        code, _, err = run_cli(["generate", "--checkpoint", "latest", "--prompt", "hi"], env, capsys)
+        assert_one_line(code, err, 1, f"job {job} belongs to team vision")
+        assert not (tmp_path / "b").exists()
+        env.setenv("SURGE_AUTH_TOKEN", TOKENS["alice"])
+        code, out, err = run_cli([*export, str(tmp_path / "a")], env, capsys)
+        assert code == 0 and (tmp_path / "a" / "model.pt").is_file(), err
+    # Control down while the stack checks tokens: nobody can say, so nothing is read.
+    code, _, err = run_cli([*export, str(tmp_path / "c")], env, capsys)
+    assert_one_line(code, err, 1, "checks per-team tokens", "`surgectl up` first")
+    env.delenv("SURGE_CONTROL_ADDRESS")
+    (surge_home / "run" / "tokens_file").unlink()  # an open stack: the files' permissions are the boundary
+    code, out, err = run_cli([*export, str(tmp_path / "d")], env, capsys)
+    assert code == 0, err
