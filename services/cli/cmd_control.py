@@ -317,6 +317,8 @@ def uncordon(worker: str = typer.Argument(..., help="the worker id, as `surgectl
 
     Example: surgectl uncordon worker-2
     """
+    if not worker.strip():  # (control's "UncordonWorker: worker_id is required" named its RPC, not the argument)
+        raise CliError("WORKER: empty (a worker id, as `surgectl status` lists it)", code=2)
     req = control_pb2.UncordonWorkerRequest(worker_id=worker)
     left = clients.call("control", lambda st: st.UncordonWorker(req, timeout=10)).cordoned
     still = f"; still cordoned: {', '.join(c.worker_id for c in left)}" if left else ""
@@ -338,6 +340,8 @@ def drain_node(
     """
     if not 0 < deadline < math.inf:  # (NaN and inf too)
         raise CliError(f"--deadline must be a finite number of seconds > 0, got {deadline:g}", code=2)
+    if not worker.strip():
+        raise CliError("WORKER: empty (a worker id, as `surgectl status` lists it)", code=2)
     req = control_pb2.DrainWorkerRequest(worker_id=worker, deadline_seconds=deadline)
     moved = clients.call("control", lambda st: st.DrainWorker(req, timeout=10)).jobs
     jobs = (

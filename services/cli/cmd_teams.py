@@ -25,15 +25,22 @@ KINDS = ("gpu", "cpu")  # the device kinds a per-kind bound names (control/sched
 
 
 def _slots(flag: str, text: str | None, default: int | None = UNLIMITED) -> int | None:
-    """A slot count option: an integer >= 0, or 'unlimited' / 'none' (no bound)."""
+    """A slot count option: an integer >= 0 (a hard limit: >= 1, as control's rule), or
+    'unlimited' / 'none' (no bound; either word is taken, the README's word is offered)."""
     if text is None or text.lower() in ("unlimited", "none"):
         return default if text is None else UNLIMITED
+    hard = flag.startswith("--hard-limit")
+    least, word = (1, "none") if hard else (0, "unlimited")
     try:
         value = int(text)
     except ValueError:
-        raise CliError(f"{flag}: expected a number of slots >= 0 or 'none' (no bound), got {text!r}", code=2) from None
-    if not 0 <= value <= SLOTS_MAX:  # (refused here too, so a stack that is down still says why, exit 2)
-        raise CliError(f"{flag}: expected a number of slots 0-{SLOTS_MAX} or 'none' (no bound), got {value}", code=2)
+        raise CliError(
+            f"{flag}: expected a number of slots >= {least} or '{word}' (no bound), got {text!r}", code=2
+        ) from None
+    if not least <= value <= SLOTS_MAX:  # (refused here too, so a stack that is down still says why, exit 2)
+        raise CliError(
+            f"{flag}: expected a number of slots {least}-{SLOTS_MAX} or '{word}' (no bound), got {value}", code=2
+        )
     return value
 
 
@@ -218,7 +225,7 @@ def team_set(
     clients.call("control", lambda st: st.SetTeamQuota(req, timeout=10))
     _say(
         f"team {name}: nominal {_bound_text(new, 'nominal')}, borrow limit {_bound_text(new, 'borrow_limit')}, "
-        f"hard limit {_bound_text(new, 'hard_limit')}, weight {weight:g}, cohort {cohort}"
+        f"hard limit {_bound_text(new, 'hard_limit', 'none')}, weight {weight:g}, cohort {cohort}"
     )
 
 

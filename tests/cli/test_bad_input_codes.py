@@ -73,3 +73,10 @@ def test_rollback_to_an_empty_version_is_exit_2_not_the_newest(empty, surge_home
     # (an unset shell variable: `rollback J --version "$V"` rolled back to the newest version)
     code, _, err = run_cli(["rollback", "some-job", "--version", empty], monkeypatch, capsys)
     assert_one_line(code, err, 2, "--version: empty")
+
+
+@pytest.mark.parametrize("command", ["uncordon", "drain"])
+def test_an_empty_worker_is_exit_2_naming_the_argument(command, surge_home, monkeypatch, capsys):
+    argv = [command, ""] + (["--deadline", "30"] if command == "drain" else [])
+    code, _, err = run_cli(argv, monkeypatch, capsys)
+    assert_one_line(code, err, 2, "WORKER: empty")
