@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from types import SimpleNamespace
 from typing import Any
 
@@ -243,7 +243,8 @@ class Teams:
         Under the lock: the jobs promoted by the starvation bound are kept (``_promoted``) and
         a pass is armed for the next job to reach it."""
         by_id = {e.job_id: e for e in entries}
-        waiting = [self._waiting_of(e) for e in entries]
+        claims = self._claims()
+        waiting = [self._waiting_of(e, claims) for e in entries]
         now, promoted = time.time(), set()
         order = fair_order(waiting, self._usage(), self._quotas, self._capacity, now, promoted)
         self._promoted = promoted
@@ -267,7 +268,7 @@ class Teams:
             self._places_changed = True
             self._start_soon()
 
-    def _waiting_of(self, e: QueueEntry) -> Waiting:
+    def _waiting_of(self, e: QueueEntry, claims: Collection[str] = ()) -> Waiting:
         job = self._jobs.get(e.job_id)
         if job is None:
             return Waiting(e.job_id, "default", 1, e.priority, e.seq, e.first)
@@ -275,8 +276,34 @@ class Teams:
         if since:  # (its earlier waits, before it was preempted or requeued, count towards the bound)
             since -= job.status.waited_seconds
         return Waiting(
-            e.job_id, team_of(job.status), self._slots(job), e.priority, e.seq, e.first, kind_of(job), since or None
+            e.job_id,
+            team_of(job.status),
+            self._slots(job),
+            e.priority,
+            e.seq,
+            e.first,
+            kind_of(job),
+            since or None,
+            claims=e.job_id in claims,
         )
+
+    def _claims(self) -> set[str]:
+        """Under the lock: the queued preemptors whose victims' slots are theirs (scheduler/
+        fair_share.py, "A preemptor's claim"): named by a victim's ``preempted_by`` while that
+        victim checkpoints to release its slots, or waits queued having released them since the
+        preemptor last ran (once it has run, the claim is spent: a victim still queued then
+        does not put it first again). A preemptor itself preempted meanwhile claims nothing
+        (its own preemptor's claim comes first). Derived from journaled fields: a restarted
+        control keeps the claims."""
+        claims: set[str] = set()
+        for v in self._jobs.values():
+            by = v.status.preempted_by
+            if not by or (head := self._jobs.get(by)) is None or by not in self._queue or head.status.preempted_by:
+                continue
+            checkpointing = v.status.state == JobState.RUNNING and v.pending == "pause"
+            if checkpointing or (v.status.job_id in self._queue and v.status.queued_unix >= head.running_since):
+                claims.add(by)
+        return claims
 
     def _ahead_at_submit(self, job: _Job, priority: int) -> bool:
         """Under the lock: whether a queued job comes before the new ``job`` in the fair order
@@ -286,7 +313,8 @@ class Teams:
             return False
         team, kind = team_of(job.status), kind_of(job)
         new = Waiting(job.status.job_id, team, job.spec.world_size, priority, 1 << 62, kind=kind)
-        queued = [self._waiting_of(e) for e in sorted(self._queue.ordered(), key=QueueEntry.key)]
+        claims = self._claims()
+        queued = [self._waiting_of(e, claims) for e in sorted(self._queue.ordered(), key=QueueEntry.key)]
         for w in fair_order([*queued, new], self._usage(), self._quotas, self._capacity, time.time()):
             if w.job_id == new.job_id:
                 return False

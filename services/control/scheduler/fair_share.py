@@ -13,6 +13,14 @@ is left out, so with one kind the share is the slot share, as before device kind
 team: priority (higher first), then submission order, as the queue before issue 30. A drained
 job's queued resume (``first``) goes ahead of everything, as before.
 
+A preemptor's claim (``claims``): a queued job whose preemption made others release (or
+checkpoint to release) their slots goes right after the ``first`` ones, ahead of the overdue
+and the fair order, until it starts: the slots its preemption frees are its own (Kueue and
+Volcano place the preemptor on them). Without it, a victim whose team is below its fair share
+came first, was placed straight back on the slots it had just released, and the preemptor
+waited (a fresh user's finding, session 33: hp2 waited 115 s while n2 ran again). Its victims
+wait behind it; fair share orders everything else. The claims by priority, then submission order.
+
 The starvation bound (the book's ``max_wait_s``, the quota file's ``max_wait_minutes``; quotas.py
 says the default): a team's next job (by priority, then age, as above) that has waited that
 long (``now - queued``: its time in the queue, its earlier waits included when it was
@@ -81,6 +89,7 @@ class Waiting:
     first: bool = False
     kind: str = "any"
     queued: float | None = None
+    claims: bool = False  # a preemptor not started yet: its victims' slots are its own (module docstring)
 
     def key(self) -> tuple[bool, int, int]:
         return (not self.first, -self.priority, self.seq)
@@ -191,16 +200,20 @@ def fair_order(
     now: float | None = None,
     promoted: set[str] | None = None,
 ) -> list[Waiting]:
-    """The waiting jobs in the order to try them (module docstring): the ``first`` ones, each
-    team's next jobs overdue at ``now`` (None: none is), then the fair order. O(n log n).
-    ``promoted``: filled with the ids of the jobs the starvation bound put ahead."""
+    """The waiting jobs in the order to try them (module docstring): the ``first`` ones, the
+    preemptors' claims, each team's next jobs overdue at ``now`` (None: none is), then the
+    fair order. O(n log n). ``promoted``: filled with the ids of the jobs the starvation bound put ahead."""
     per_team: dict[str, list[Waiting]] = {}
     firsts: list[Waiting] = []
+    claims: list[Waiting] = []
     for w in waiting:
-        (firsts if w.first else per_team.setdefault(w.team, [])).append(w)
+        (firsts if w.first else claims if w.claims else per_team.setdefault(w.team, [])).append(w)
     firsts.sort(key=Waiting.key)
+    claims.sort(key=Waiting.key)
     caps = _caps(capacity)
     held: dict[str, _Held] = {t: _held(u) for t, u in usage.items()}
+    for w in claims:  # (picked ahead: their slots count in their team's share, as the ``late`` ones' do)
+        held[w.team] = _with(held.get(w.team, (0, 0, 0)), w.kind, w.slots)
     late: list[Waiting] = []
     # A team's entitlement: its weight's part of the weights of the teams with work (running or
     # waiting); its overdue heads go ahead while its share before them is below that.
@@ -222,7 +235,7 @@ def fair_order(
         head, weight = jobs[-1], book.get(team).weight
         h = held.get(team, (0, 0, 0))
         heapq.heappush(heap, (_dominant(_with(h, head.kind, head.slots), caps) / weight, head.key(), team))
-    order = [*firsts, *late]
+    order = [*firsts, *claims, *late]
     while heap:
         _, _, team = heapq.heappop(heap)
         jobs = per_team[team]

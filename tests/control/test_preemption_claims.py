@@ -1,0 +1,123 @@
+"""A preemption's freed slots go to the preemptor, not back to the victim (a fresh user's
+finding, session 33): in-process through the real bus and sessions. Across teams, the victim's
+team below its fair share and the preemptor's above it: the preemptor is placed on the slots
+the victim released, the victim waits behind it and preempts nothing back; within a team the
+same. Fair share (scheduler/fair_share.py "A preemptor's claim") orders everything else."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.contract import control_pb2, engine_pb2
+
+from .conftest import drain, launched, settle, spec_yaml, stop_plane, to_ranks
+from .test_preemption import free_slots, launched_jobs, make_plane, paused, saved, started, step
+
+JobState = control_pb2.JobState
+pytestmark = pytest.mark.timeout(60)
+
+
+def submit(plane, name: str, team: str, dp: int, priority: int = 0) -> control_pb2.JobStatus:
+    text = spec_yaml(name=name, dp=dp, steps=100, extra=f"team: {team}")
+    return plane.user(control_pb2.SubmitJobRequest(spec_yaml=text, spec_path=f"{name}.yaml", priority=priority))
+
+
+def running(plane, sessions: dict, name: str, team: str, dp: int) -> tuple[str, list]:
+    """A job of ``team`` RUNNING on ``dp`` of ``sessions``, checkpointed at step 4; its sessions
+    in rank order."""
+    job = submit(plane, name, team, dp).job_id
+    got = launched(sessions, dp)
+    ranks = sorted(
+        (r.rank, w)
+        for w, cmds in got.items()
+        for c in cmds
+        if c.WhichOneof("command") == "launch"
+        for r in c.launch.ranks
+    )
+    mine = [sessions[w] for _, w in ranks]
+    started(plane, job, mine)
+    for s in mine:
+        drain(s)
+    step(plane, mine[0], job, 4)
+    saved(plane, mine[0], job, 1, 4)
+    assert plane.get(job).state == JobState.RUNNING
+    return job, mine
+
+
+def preempted(plane, victim: str, ranks: list, by: str, at: int = 6) -> None:
+    """``victim``'s ranks agree on the preemption's boundary ``at``, checkpoint it and pause."""
+    (cmd,) = drain(ranks[0])
+    for s in ranks[1:]:
+        drain(s)
+    pause = to_ranks(cmd)
+    assert type(pause) is engine_pb2.PauseTraining and pause.checkpoint
+    assert plane.get(victim).preempted_by == by
+    step(plane, ranks[0], victim, at, agreed=pause.seq)
+    saved(plane, ranks[0], victim, 2, at)
+    paused(plane, victim, ranks, at)
+
+
+def test_across_teams_the_preemptor_takes_the_slots_its_victim_below_its_fair_share_released(
+    tmp_path, store_with_no_versions
+):
+    # 3 slots. Team default runs d1 (1 slot); team nlp runs n2 (2 slots). hp2 (default,
+    # priority 10, dp 2) preempts n2. Once n2 released its slots, team nlp (holding 0) is below
+    # its fair share and team default (1 held) above it: the old order tried n2 first and put
+    # it straight back on them; hp2 waited. Now hp2 is placed there and n2 waits behind it.
+    plane = make_plane(tmp_path / "control.db")
+    try:
+        sessions = {w: plane.register(w) for w in ("wa", "wb", "wc")}
+        d1, _ = running(plane, sessions, "d1", "default", 1)
+        n2, n2_ranks = running(plane, sessions, "n2", "nlp", 2)
+        hp2 = submit(plane, "hp2", "default", 2, priority=10)
+        assert hp2.state == JobState.STANDBY
+        preempted(plane, n2, n2_ranks, hp2.job_id)
+        got = launched(sessions, 2)
+        assert [j for _, j, _ in launched_jobs(got)] == [hp2.job_id, hp2.job_id], launched_jobs(got)
+        s = plane.get(n2)
+        assert s.state == JobState.STANDBY and s.preempted_by == hp2.job_id
+        assert plane.user(control_pb2.JobQuery(job_id=n2)).queue_position == 1
+        # No cycle: hp2 runs; n2 (priority 0) preempts nothing back, not hp2, not d1 (equal
+        # priority), whatever passes run (a worker joining runs one; n2 does not fit its slot).
+        hp2_ranks = [sessions[w] for w, cmds in got.items() if cmds]
+        started(plane, hp2.job_id, hp2_ranks)
+        plane.register("wd")
+        settle(lambda: free_slots(plane), 1)
+        settle(lambda: "1 is free on 4 registered workers" in plane.get(n2).message, True)  # (the pass ran)
+        assert plane.get(hp2.job_id).state == JobState.RUNNING and plane.get(hp2.job_id).preempted_by == ""
+        assert plane.get(d1).state == JobState.RUNNING and plane.get(d1).preempted_by == ""
+        sent = [to_ranks(c) for s in sessions.values() for c in drain(s) if c.WhichOneof("command") == "routed"]
+        assert not [c for c in sent if type(c) is engine_pb2.PauseTraining], sent
+        assert not [e for e in plane.events(hp2.job_id) if e.type == "preemption" and "preempted by" in e.message]
+    finally:
+        stop_plane(plane.c)
+
+
+def test_within_a_team_the_preemptor_takes_the_slots_its_victim_released(tmp_path, store_with_no_versions):
+    plane = make_plane(tmp_path / "control.db")
+    try:
+        sessions = {w: plane.register(w) for w in ("wa", "wb")}
+        low, ranks = running(plane, sessions, "low", "nlp", 2)
+        high = submit(plane, "high", "nlp", 2, priority=10)
+        preempted(plane, low, ranks, high.job_id)
+        got = launched(sessions, 2)
+        assert [j for _, j, _ in launched_jobs(got)] == [high.job_id, high.job_id]
+        assert plane.get(low).state == JobState.STANDBY
+        assert plane.user(control_pb2.JobQuery(job_id=low)).queue_position == 1
+    finally:
+        stop_plane(plane.c)
+
+
+def test_a_preemptor_s_claim_goes_ahead_of_the_fair_order_and_its_slots_count_in_its_share():
+    from services.control.scheduler import QuotaBook, Waiting, fair_order
+
+    book = QuotaBook({})
+    n2 = Waiting("n2", "nlp", 2, priority=0, seq=1)
+    hp2 = Waiting("hp2", "default", 2, priority=10, seq=2)
+    other = Waiting("x", "vision", 1, priority=0, seq=3)
+    usage = {"default": {"any": 1}}
+    # Without the claim team nlp (holding nothing) goes before default: the victim took its slots back.
+    assert [w.job_id for w in fair_order([n2, hp2, other], usage, book, 4)] == ["x", "n2", "hp2"]
+    claimed = Waiting("hp2", "default", 2, priority=10, seq=2, claims=True)
+    order = [w.job_id for w in fair_order([n2, claimed, other], usage, book, 4)]
+    assert order == ["hp2", "x", "n2"], order  # (then fair share: default holds 3 with hp2 counted)
