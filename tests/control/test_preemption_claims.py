@@ -121,3 +121,20 @@ def test_a_preemptor_s_claim_goes_ahead_of_the_fair_order_and_its_slots_count_in
     claimed = Waiting("hp2", "default", 2, priority=10, seq=2, claims=True)
     order = [w.job_id for w in fair_order([n2, claimed, other], usage, book, 4)]
     assert order == ["hp2", "x", "n2"], order  # (then fair share: default holds 3 with hp2 counted)
+
+
+def test_a_preemptor_that_found_its_victims_still_warming_up_preempts_once_they_run(tmp_path, store_with_no_versions):
+    # The fresh user's hp2 "never preempted again": tried while the lower job's ranks were
+    # still starting (not preemptable yet, and no minimum run time to wait for), nothing
+    # tried it again once they ran.
+    plane = make_plane(tmp_path / "control.db", preemption_min_run_s=0.3)
+    try:
+        sessions = {w: plane.register(w) for w in ("wa", "wb")}
+        low = submit(plane, "low", "nlp", 2).job_id
+        launched(sessions, 2)
+        high = submit(plane, "high", "nlp", 2, priority=10).job_id
+        assert plane.get(low).state == JobState.WARMING_UP and plane.get(low).preempted_by == ""
+        started(plane, low, list(sessions.values()))
+        settle(lambda: plane.get(low).preempted_by, high)  # (once its 0.3 s minimum ran out)
+    finally:
+        stop_plane(plane.c)
