@@ -138,3 +138,58 @@ def test_a_preemptor_that_found_its_victims_still_warming_up_preempts_once_they_
         settle(lambda: plane.get(low).preempted_by, high)  # (once its 0.3 s minimum ran out)
     finally:
         stop_plane(plane.c)
+
+
+def test_a_job_within_its_team_s_nominal_backfills_past_another_team_s_wait_for_the_cohort_s_idle_slots(
+    tmp_path, store_with_no_versions
+):
+    # Cohort research, 3 slots, one nominal each. nlp's n (dp 2) borrows one; speech's s2 (dp 2,
+    # weight 5: first in the fair order) waits for the cohort's idle slots (1 of the 2 it needs).
+    # vision's v1 (1 rank) fits vision's own nominal and the free slot: was queued "waits behind
+    # job s2, first in line for cohort research's idle slots" -- a slot vision would reclaim
+    # from any borrower at once, so s2 could never count on it. A second vision job (beyond
+    # vision's nominal: it would borrow) still waits behind s2.
+    from services.control.scheduler import QuotaBook, TeamQuota
+
+    book = QuotaBook(
+        {
+            "nlp": TeamQuota(nominal=1, borrow_limit=1, cohort="research"),
+            "speech": TeamQuota(nominal=1, borrow_limit=1, weight=5, cohort="research"),
+            "vision": TeamQuota(nominal=1, borrow_limit=1, cohort="research"),
+        }
+    )
+    plane = make_plane(tmp_path / "control.db", quotas=book)
+    try:
+        sessions = {w: plane.register(w) for w in ("wa", "wb", "wc")}
+        running(plane, sessions, "n", "nlp", 2)
+        s2 = submit(plane, "s2", "speech", 2)
+        assert s2.state == JobState.STANDBY and "cohort research has 1 idle nominal slots" in s2.message, s2.message
+        v1 = submit(plane, "v1", "vision", 1)
+        assert v1.state == JobState.WARMING_UP, v1.message
+        plane.register("wd")  # (a free slot, and a pass: v1b would borrow, so it waits behind s2)
+        v1b = submit(plane, "v1b", "vision", 1)
+        wait = f"queued: waits behind job {s2.job_id}, first in line for cohort research's idle slots"
+        assert v1b.state == JobState.STANDBY, v1b.message
+        settle(lambda: plane.get(v1b.job_id).message, wait)
+        assert plane.get(s2.job_id).state == JobState.STANDBY
+    finally:
+        stop_plane(plane.c)
+
+
+def test_the_scheduler_s_pass_backfills_within_nominal_past_another_team_s_cohort_wait_not_its_own():
+    from services.control.scheduler import QuotaBook, Running, TeamQuota, Waiting, schedule
+    from services.control.scheduler.fair_share import STARTED
+
+    q = {"borrow_limit": 1, "cohort": "research", "nominal": 1}
+    book = QuotaBook({"nlp": TeamQuota(**q), "speech": TeamQuota(**q, weight=5), "vision": TeamQuota(**q)})
+    waiting = [
+        Waiting("s2", "speech", 2, seq=1),
+        Waiting("v1", "vision", 1, seq=2),
+        Waiting("v1b", "vision", 1, seq=3),  # (beyond vision's nominal once v1 runs: it would borrow)
+        Waiting("s3", "speech", 1, seq=4),  # (its own team's s2 waits: no overtaking within a team)
+    ]
+    result = schedule(waiting, [Running("n", "nlp", 2, borrowed=1)], book, 4, lambda w, a: STARTED)
+    assert result.started == [("v1", 0)], result
+    assert result.waits["s2"][0] == "cohort_full"
+    assert result.waits["v1b"] == ("cohort", "waits behind job s2, first in line for cohort research's idle slots")
+    assert result.waits["s3"][0] == "cohort"

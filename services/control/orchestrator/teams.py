@@ -32,7 +32,7 @@ from services.control.orchestrator.refusals import BeyondHardLimit
 from services.control.scheduler import Admission, QuotaBook, QuotaFileError, TeamQuota, Waiting, admit, fair_order
 from services.control.scheduler.admission import borrowed_by_job
 from services.control.scheduler.admission import held as held_in
-from services.control.scheduler.fair_share import blocks, next_overdue
+from services.control.scheduler.fair_share import backfills, blocks, next_overdue
 from services.control.scheduler.quotas import KINDS, check_max_wait, check_team_name, quota_from_fields
 from services.control.scheduler.reclaim import reclaim_victims
 
@@ -312,6 +312,7 @@ class Teams:
         if not len(self._queue):
             return False
         team, kind = team_of(job.status), kind_of(job)
+        within_nominal: Admission | None = None  # (asked once, at the first cohort hold of another team)
         new = Waiting(job.status.job_id, team, job.spec.world_size, priority, 1 << 62, kind=kind)
         claims = self._claims()
         queued = [self._waiting_of(e, claims) for e in sorted(self._queue.ordered(), key=QueueEntry.key)]
@@ -327,6 +328,10 @@ class Teams:
                 self._quotas.cohort_of(w.team) != self._quotas.cohort_of(team) or not blocks(w.kind, kind)
             ):
                 continue
+            if held == "cohort_full" and w.team != team:  # (backfill within nominal: fair_share.py)
+                within_nominal = within_nominal or self._quota_admission(job)
+                if backfills(team, w.team, within_nominal):
+                    continue
             if held and held != "cohort_full" and (w.team != team or not blocks(scope, kind)):
                 continue
             if not held and not blocks(w.kind, kind):  # (waiting for slots of another kind)

@@ -50,7 +50,12 @@ One pass (:func:`schedule`) walks that order once:
 - a job waiting for its cohort to have enough idle nominal slots to lend holds back every later
   job of its cohort: that capacity is shared, and letting the cohort's smaller jobs take it as
   it frees up would starve the larger one (measured: bench/scheduler_bench.py on 64 slots left
-  130 of 412 jobs never started before this rule);
+  130 of 412 jobs never started before this rule) -- except a job of another team that its
+  own team's nominal admits with nothing borrowed (backfill within nominal, Kueue's
+  BestEffortFIFO within nominal): those slots are its team's, which would reclaim them from a
+  borrower at once (reclaim.py), so the held job could never count on them; it waited behind a
+  job that could not start with its own team's slot free (a fresh user's finding, session 33).
+  Within the held job's team nothing overtakes it (its team's nominal is what it needs first);
 - a job the quota admits but whose ranks do not fit the free slots holds back every job after
   it in the order (gang admission without backfill: nothing is partially held, and a large job
   is not starved by small ones, as before issue 30).
@@ -288,6 +293,7 @@ def schedule(
     result = Pass()
     order = fair_order(waiting, usage, book, capacity, now)
     result.order = [w.job_id for w in order]
+    teams = {w.job_id: w.team for w in order}
     held_teams = Holds()  # team, scope -> the job of it that holds its later ones back
     held_cohorts = Holds()  # cohort, kind -> the job waiting for its idle nominal slots
     blockers: dict[str, Waiting] = {}  # kind -> the first job of it whose ranks did not fit
@@ -302,10 +308,10 @@ def schedule(
             result.waits[w.job_id] = ("team", f"waits behind job {job} of team {w.team}")
             continue
         cohort = book.cohort_of(w.team)
-        if (job := held_cohorts.of(cohort, w.kind)) is not None:
+        a = admit(book, usage, w.team, w.slots, w.kind)
+        if (job := held_cohorts.of(cohort, w.kind)) is not None and not backfills(w.team, teams[job], a):
             result.waits[w.job_id] = ("cohort", cohort_wait(job, cohort))
             continue
-        a = admit(book, usage, w.team, w.slots, w.kind)
         if a.never:
             result.waits[w.job_id] = (a.kind, a.reason)
             continue
@@ -327,6 +333,13 @@ def schedule(
             result.waits[w.job_id] = (NO_ROOM, f"waits for {w.slots} slots to free up")
             blockers[w.kind] = w
     return result
+
+
+def backfills(team: str, holder_team: str, admission: Admission) -> bool:
+    """Whether a job of ``team`` that ``admission`` answers goes past a job of ``holder_team``
+    waiting for their cohort's idle slots (module docstring, backfill within nominal): it is
+    admitted within its own team's nominal (nothing borrowed) and is of another team."""
+    return team != holder_team and admission.ok and not admission.borrowed
 
 
 def cohort_wait(job_id: str, cohort: str) -> str:
