@@ -7,7 +7,9 @@ boundary command, as a node's departure does), then its ranks are released (kill
 are no fault, no restart budget is spent) and it waits in the queue at its own priority, shown
 PREEMPTED (STANDBY with ``JobStatus.preempted_by``), to continue from that checkpoint by itself
 when capacity returns: at most the steps after the boundary are lost (none, the boundary is
-where it stopped). The head starts once the slots are free (it stays first in the queue).
+where it stopped). The head starts once the slots are free: until it starts it claims them,
+first in the queue after drained jobs (teams.py ``_claims``, scheduler/fair_share.py), so a
+victim whose team is below its fair share is not placed straight back on them.
 
 Within a team (``_preempt_in_team``): a queued job its own team's quota holds back (hard limit,
 borrow limit, nominal used up with nothing to borrow: no slot shortage the allocator would
