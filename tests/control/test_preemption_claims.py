@@ -166,8 +166,8 @@ def test_a_job_within_its_team_s_nominal_backfills_past_another_team_s_wait_for_
         assert s2.state == JobState.STANDBY and "cohort research has 1 idle nominal slots" in s2.message, s2.message
         v1 = submit(plane, "v1", "vision", 1)
         assert v1.state == JobState.WARMING_UP, v1.message
-        plane.register("wd")  # (a free slot, and a pass: v1b would borrow, so it waits behind s2)
-        v1b = submit(plane, "v1b", "vision", 1)
+        v1b = submit(plane, "v1b", "vision", 1)  # (beyond vision's nominal now: it would borrow)
+        plane.register("wd")  # (a free slot, and a pass that decides v1b's reason: behind s2)
         wait = f"queued: waits behind job {s2.job_id}, first in line for cohort research's idle slots"
         assert v1b.state == JobState.STANDBY, v1b.message
         settle(lambda: plane.get(v1b.job_id).message, wait)
