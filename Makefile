@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 GEN    := services/contract/gen
 PROTOS := $(wildcard proto/surge/v1/*.proto)
 
-.PHONY: setup tools proto contracts demo test test-compose lint format up down clean bench bench-faults bench-quiet-faults bench-goodput bench-scale bench-control bench-control-start bench-rank-start bench-stack-cost bench-profile bench-generate bench-scheduler
+.PHONY: setup tools proto contracts demo test test-compose lint format up down clean bench bench-faults bench-quiet-faults bench-goodput bench-scale bench-control bench-control-start bench-rank-start bench-stack-cost bench-profile bench-generate bench-scheduler bench-lm-eval
 
 setup: $(STAMP) $(GEN)/.stamp
 
@@ -152,6 +152,14 @@ bench-profile: setup
 # cache, recomputing the window per token (before the cache), and a batch of prompts; seconds.
 bench-generate: setup
 	$(BIN)/python bench/generate_speed.py $(GENERATE_ARGS)
+
+# A real lm-evaluation-harness run through `surgectl evaluate` (bench/lm_eval_hook.py): a venv of
+# its own with lm-eval (LM_EVAL_ARGS "--work DIR", default /tmp/surge-lm-eval; never this
+# .venv), two local lm-eval tasks over the standard library's source (no download), a small
+# BPE job trained on a stack of its own, evaluated through the queue; the scores as `status`
+# shows them. Minutes, plus the venv's install the first time. Results in bench/results/lm_eval_hook.json.
+bench-lm-eval: setup
+	$(BIN)/python bench/lm_eval_hook.py $(LM_EVAL_ARGS)
 
 # Rank start-up (bench/rank_start.py): ranks forked from the node agent's rank fork server
 # against new interpreters, N dp=2 jobs a mode (flags in RANK_START_ARGS, e.g. "--jobs 5");

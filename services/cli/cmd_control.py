@@ -131,6 +131,8 @@ def rollback(
 
     Example: surgectl rollback demo-3f2a1c --version demo-3f2a1c:4
     """
+    if version is not None and not version.strip():  # (an unset variable: never "the newest" by accident)
+        raise CliError("--version: empty (a checkpoint version JOB:N; leave --version out for the newest)", code=2)
     job = resolve_job(job)
     req = control_pb2.ResumeJobRequest(job_id=job, from_version=version or "", rollback_in_place=True)
     s = clients.call("control", lambda st: st.ResumeJob(req, timeout=90))

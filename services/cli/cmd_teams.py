@@ -255,8 +255,9 @@ def team_list(output: str = OutputOpt) -> None:
 def queue(output: str = OutputOpt) -> None:
     """The waiting jobs in the order control tries them (fair share across teams, then
     priority and age within a team): position, team, slots, and why each waits (ranks to
-    free up, its team at its hard limit, its fair share, beyond the cluster...); then each
-    team's usage against its quota. -o json for scripts.
+    free up, its team at its hard limit, its fair share, beyond the cluster...; the title
+    counts those that can never run as things stand: beyond what their team may ever hold or
+    the slots registered); then each team's usage against its quota. -o json for scripts.
 
     Example: surgectl queue
     """
@@ -269,7 +270,9 @@ def queue(output: str = OutputOpt) -> None:
     if not teams.queue:
         _say("no job is waiting")
     else:
-        t = Table(title=f"{len(teams.queue)} waiting")
+        never = sum(1 for j in teams.queue if j.cannot_run)  # (JobStatus.cannot_run: quota or cluster)
+        title = f"{len(teams.queue)} waiting" + (f", {never} of them can never run as things stand" if never else "")
+        t = Table(title=title)
         for col in ("#", "job", "team", "slots", "device", "priority", "waiting", "why"):
             t.add_column(col, justify="right" if col in ("#", "slots", "priority", "waiting") else "left")
         for j in teams.queue:

@@ -6,8 +6,10 @@ streamed by the data pipeline's own modules in this process."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,20 +106,52 @@ def find_checkpoint(version: str) -> Checkpoint:
     return Checkpoint(info.version, info.step, info.path, spec_from_json(info.spec_json))
 
 
+class VersionRemoved(CliError):
+    """The version was deleted while it was read (a running job's ``checkpoint.keep_last``
+    removes its older versions as it commits newer ones)."""
+
+
+@contextlib.contextmanager
+def reading(version: str, path: str) -> Iterator[None]:
+    """Around a read of ``version``'s files at ``path``: whatever the read raises becomes one
+    line. Whether the version was removed meanwhile is read from the disk (its directory gone),
+    never from the error's words: DCP's reader fails on a vanished file with an AssertionError.
+
+    Raises:
+        VersionRemoved: the directory is gone; CliError: a file differs from the manifest or is
+        gone, or the weights do not fit (exit 1)."""
+    from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException: DCP's gathered errors)
+
+    from services.compute.inference import ShardDigestMismatch
+
+    try:
+        yield
+    except CliError:
+        raise
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - one line whatever the reader raised
+        if not Path(path).is_dir():
+            raise VersionRemoved(
+                f"checkpoint {version} was removed while it was read (its job's checkpoint.keep_last deletes older "
+                "versions as it commits newer ones): try again, or name a version that is kept"
+            ) from None
+        if isinstance(e, ShardDigestMismatch):
+            raise CliError(_named(version, e)) from None
+        if isinstance(e, (FileNotFoundError, RuntimeError)):
+            raise CliError(f"checkpoint {version}: cannot load: {' '.join(str(e).split())[:300]}") from None
+        raise
+
+
 def load_model(ckpt: Checkpoint):
     """The checkpoint's model on the CPU in eval mode, every file checked as it is read.
 
     Raises:
-        CliError: a file differs from the manifest or is gone, or the weights do not fit.
+        CliError: a file differs from the manifest or is gone, the version was removed
+        meanwhile (VersionRemoved), or the weights do not fit.
     """
-    from services.compute.inference import ShardDigestMismatch, load_model_for_inference
+    from services.compute.inference import load_model_for_inference
 
-    try:
+    with reading(ckpt.version, ckpt.path):
         return load_model_for_inference(ckpt.path, ckpt.spec)
-    except ShardDigestMismatch as e:
-        raise CliError(_named(ckpt.version, e)) from None
-    except (FileNotFoundError, RuntimeError) as e:
-        raise CliError(f"checkpoint {ckpt.version}: cannot load: {' '.join(str(e).split())[:300]}") from None
 
 
 def _named(version: str, error: BaseException) -> str:
@@ -242,18 +276,15 @@ def generate_many(
     Raises:
         CliError: the version or its dataset cannot be used (one line).
     """
-    from services.compute.inference import ShardDigestMismatch, generate_texts
+    from services.compute.inference import generate_texts
     from services.jobspec import spec_to_json
 
     ckpt = find_checkpoint(version)
     tokenizer = mount(f"{ckpt.spec.data.name}@{ckpt.spec.data.version}", verify=False).tokenizer
     try:
-        return generate_texts(
-            ckpt.path, spec_to_json(ckpt.spec), prompts, max_new_tokens, temperature, top_k, seed, tokenizer
-        )
-    except ShardDigestMismatch as e:
-        raise CliError(_named(ckpt.version, e)) from None
-    except (FileNotFoundError, RuntimeError) as e:
-        raise CliError(f"checkpoint {ckpt.version}: cannot load: {' '.join(str(e).split())[:300]}") from None
+        with reading(ckpt.version, ckpt.path):
+            return generate_texts(
+                ckpt.path, spec_to_json(ckpt.spec), prompts, max_new_tokens, temperature, top_k, seed, tokenizer
+            )
     except ValueError as e:  # a byte-level tokenizer for a model whose vocabulary is not 256
         raise CliError(f"generate: {e}") from None

@@ -29,9 +29,11 @@ import shutil
 from pathlib import Path
 
 from services.cli.errors import CliError
+from services.cli.evaluation import VersionRemoved, reading
 from services.cli.path_options import check_parent
 
 FORMATS = ("hf", "torch")
+LATEST_TRIES = 3  # `JOB:latest` read again when a running job's keep_last removed it meanwhile
 MARKER = "surge_spec.json"  # every export holds it: what `--force` checks before replacing a folder
 # Every file an export writes (_write, _tokenizer, hf_format.save_hf): `--force` replaces a folder
 # holding only these.
@@ -80,18 +82,23 @@ def export_version(version: str, fmt: str, out: Path, force: bool = False) -> st
                 "move them or name another directory",
                 code=1,
             )
-    info = _committed(paths.store_root(), version)
-
     from services.compute import hf_format
     from services.jobspec import spec_from_json
 
-    spec = spec_from_json(info.spec_json)
-    if fmt == "hf":
+    for attempt in range(LATEST_TRIES):
+        info = _committed(paths.store_root(), version)
+        spec = spec_from_json(info.spec_json)
+        if fmt == "hf":
+            try:
+                hf_format.hf_config(spec)
+            except hf_format.HfFormatError as e:
+                raise CliError(f"export {info.version} --format hf: {e}; --format torch writes it", code=1) from None
         try:
-            hf_format.hf_config(spec)
-        except hf_format.HfFormatError as e:
-            raise CliError(f"export {info.version} --format hf: {e}; --format torch writes it", code=1) from None
-    model = _load(info)
+            model = _load(info)
+            break
+        except VersionRemoved:  # (a running job's keep_last: `latest` names a newer one now)
+            if not version.endswith("latest") or attempt == LATEST_TRIES - 1:
+                raise
     tmp = out.parent / f".{out.name}.export-{secrets.token_hex(4)}"
     try:
         tmp.mkdir()
@@ -129,14 +136,14 @@ def _committed(root: Path, version: str):
 
 
 def _load(info):
-    """The version's model, every file checked against its manifest as it is read."""
-    from services.compute.inference import ShardDigestMismatch, load_model_for_inference
+    """The version's model, every file checked against its manifest as it is read.
+
+    Raises: VersionRemoved (deleted meanwhile), CliError (one line: see evaluation.reading)."""
+    from services.compute.inference import load_model_for_inference
     from services.jobspec import spec_from_json
 
-    try:
+    with reading(info.version, info.path):
         return load_model_for_inference(info.path, spec_from_json(info.spec_json))
-    except ShardDigestMismatch as e:
-        raise CliError(f"export: {e}", code=1) from None
 
 
 def _write(directory: Path, fmt: str, model, spec, hf_format) -> list[str]:
@@ -151,15 +158,12 @@ def _write(directory: Path, fmt: str, model, spec, hf_format) -> list[str]:
     return notes
 
 
-END_OF_TEXT = "<|endoftext|>"  # the special token `dataset prepare --tokenizer bpe:N` adds (services/data/bpe.py)
-
-
 def _tokenizer(directory: Path, spec) -> tuple[list[str], int | None]:
-    """Copy the dataset's tokenizer (the HF ``tokenizers`` JSON it was prepared with) as
-    ``tokenizer.json`` + a ``tokenizer_config.json`` naming ``PreTrainedTokenizerFast`` (and
-    ``<|endoftext|>`` as its BOS/EOS when it has that token); returns a note when there is
-    none to copy, and the end-of-text token's id (None without one)."""
+    """Copy the dataset's tokenizer (the HF ``tokenizers`` JSON it was prepared with) with its
+    config (``hf_format.save_tokenizer``); returns a note when there is none to copy, and the
+    end-of-text token's id (None without one)."""
     from services.common import paths
+    from services.compute import hf_format
 
     label = spec.data.label
     manifest_path = paths.datasets_root() / spec.data.name / spec.data.version / "manifest.json"
@@ -172,17 +176,7 @@ def _tokenizer(directory: Path, spec) -> tuple[list[str], int | None]:
     source = manifest_path.parent / tokenizer
     if not source.is_file():
         return [f"tokenizer not copied: {source} is missing"], None
-    shutil.copyfile(source, directory / "tokenizer.json")
-    try:
-        added = json.loads(source.read_text()).get("added_tokens") or []
-    except (OSError, ValueError):
-        added = []
-    end = next((t.get("id") for t in added if isinstance(t, dict) and t.get("content") == END_OF_TEXT), None)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": spec.data.seq_len}
-    if end is not None:
-        config.update(bos_token=END_OF_TEXT, eos_token=END_OF_TEXT)
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return [], end
+    return [], hf_format.save_tokenizer(directory, source, spec.data.seq_len)
 
 
 def _into_place(tmp: Path, out: Path) -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -171,3 +172,32 @@ def save_hf(directory: str | Path, state: Mapping[str, Any], spec: JobSpec, eos_
     # the weights would be readable by their writer only, unlike config.json beside them.
     os.chmod(d / WEIGHTS, 0o666 & ~_umask())
     (d / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+END_OF_TEXT = "<|endoftext|>"  # the special token `dataset prepare --tokenizer bpe:N` adds (services/data/bpe.py)
+
+
+def save_tokenizer(directory: str | Path, source: str | Path, seq_len: int) -> int | None:
+    """Copy a dataset's tokenizer (the HF ``tokenizers`` JSON it was prepared with) into
+    ``directory`` as ``tokenizer.json`` + a ``tokenizer_config.json`` naming
+    ``PreTrainedTokenizerFast`` (``model_max_length``: ``seq_len``), with ``<|endoftext|>`` as
+    its BOS/EOS when it has that token; returns that token's id (None without one), for
+    :func:`save_hf`'s ``eos_token_id``. One writer for `surgectl export` and an evaluation
+    job's export: the evaluation's wrote no BOS/EOS, and lm-evaluation-harness's ``hf`` model
+    (its prefix token is the BOS, else the EOS) failed on it (session 33's real run).
+
+    Raises:
+        OSError: ``source`` cannot be read or ``directory`` written.
+    """
+    d = Path(directory)
+    shutil.copyfile(source, d / "tokenizer.json")
+    try:
+        added = json.loads(Path(source).read_text()).get("added_tokens") or []
+    except ValueError:
+        added = []
+    end = next((t.get("id") for t in added if isinstance(t, dict) and t.get("content") == END_OF_TEXT), None)
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": seq_len}
+    if end is not None:
+        config.update(bos_token=END_OF_TEXT, eos_token=END_OF_TEXT)
+    (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return end

@@ -191,6 +191,7 @@ def build(
     bus.subscribe(Module.L5_CHECKPOINT_MANAGER, store_pb2.VerifyCheckpoints, store.verify_checkpoints)
     bus.subscribe(Module.L5_CHECKPOINT_MANAGER, store_pb2.ScrubCheckpoints, store.scrub_checkpoints)
     bus.subscribe(Module.L5_METRICS_LOGGER, store_pb2.RetireMetricSeries, store.retire_metric_series)
+    bus.subscribe(Module.L5_CHECKPOINT_MANAGER, store_pb2.RetireCheckpointSeries, store.retire_checkpoint_series)
 
     # Each L1 module is hosted: every route to it goes to the handler the table names
     # (Bus.host), and an event reaches its receivers in the table's order (receivers of its
@@ -239,9 +240,10 @@ def build(
         checkpoints=bus.port(
             Module.L1_ORCHESTRATOR,
             Module.L5_CHECKPOINT_MANAGER,
-            commands=(store_pb2.VerifyCheckpoints, store_pb2.ScrubCheckpoints),
+            commands=(store_pb2.VerifyCheckpoints, store_pb2.ScrubCheckpoints, store_pb2.RetireCheckpointSeries),
         ),
-        # A job's end and its ranks' relaunch retire its series on the store's /metrics.
+        # A job's end and its ranks' relaunch retire its series on the store's /metrics (its
+        # end L5-1's too, through the port above).
         metric_series=bus.port(
             Module.L1_ORCHESTRATOR, Module.L5_METRICS_LOGGER, commands=(store_pb2.RetireMetricSeries,)
         ),

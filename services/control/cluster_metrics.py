@@ -3,6 +3,9 @@
 * ``surge_jobs{state}``: jobs by ``JobState`` (every state, zeros included);
 * ``surge_queue_length``: jobs waiting in control's queue;
 * ``surge_queue_wait_seconds``: how long the oldest queued job has waited (0: none queued);
+* ``surge_queue_cannot_run{cause}``: queued jobs that can never run as things stand, by cause:
+  ``quota`` (more slots than their team may ever hold) or ``cluster`` (more slots of their
+  kind than are registered at all); each starts by itself once that changes;
 * ``surge_slots{worker_id,kind}``: a registered worker's rank slots, ``used`` or ``free``;
 * ``surge_devices{worker_id,kind,name}``: the devices a registered worker reported, counted by
   kind ("cpu", "cuda") and model name (the dashboard's cluster page shows them).
@@ -31,12 +34,17 @@ from services.contract import control_pb2
 
 
 class JobCensus(NamedTuple):
-    """What ``JobViews.census`` answers: jobs by state, the queue's length and the wall
-    time (unix seconds) its oldest entry was queued at (0: the queue is empty)."""
+    """What ``JobViews.census`` answers: jobs by state, the queue's length, the wall time
+    (unix seconds) its oldest entry was queued at (0: the queue is empty) and its jobs that can
+    never run as things stand, by cause (JobStatus.cannot_run)."""
 
     by_state: dict[int, int]
     queued: int
     oldest_queued_unix: float
+    cannot_run: dict[str, int] = {}  # noqa: RUF012 - a NamedTuple's default, never changed
+
+
+CANNOT_RUN_CAUSES = ("quota", "cluster")  # (JobStatus.cannot_run's values)
 
 
 class SlotCensus(NamedTuple):
@@ -78,6 +86,12 @@ class ClusterCollector:
         wait = GaugeMetricFamily(
             "surge_queue_wait_seconds", "Seconds the oldest job in control's queue has waited (0: none queued)."
         )
+        never = GaugeMetricFamily(
+            "surge_queue_cannot_run",
+            "Queued jobs that can never run as things stand, by cause (quota: beyond what their team may ever "
+            "hold; cluster: more slots of their kind than are registered).",
+            labels=["cause"],
+        )
         census: JobCensus | None = _read("jobs")
         if census is not None:
             for name, number in control_pb2.JobState.items():
@@ -86,6 +100,8 @@ class ClusterCollector:
             length.add_metric([], census.queued)
             oldest = census.oldest_queued_unix
             wait.add_metric([], max(0.0, time.time() - oldest) if oldest else 0.0)
+            for cause in CANNOT_RUN_CAUSES:
+                never.add_metric([cause], census.cannot_run.get(cause, 0))
         slots = GaugeMetricFamily(
             "surge_slots", "Rank slots of each registered worker, used or free.", labels=["worker_id", "kind"]
         )
@@ -99,13 +115,14 @@ class ClusterCollector:
             slots.add_metric([s.worker_id, "free"], s.free)
             for (kind, name), n in sorted(Counter(s.devices).items()):
                 devices.add_metric([s.worker_id, kind, name], n)
-        yield from (jobs, length, wait, slots, devices)
+        yield from (jobs, length, wait, never, slots, devices)
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         # Names only (so the registry checks duplicates without collecting).
         yield GaugeMetricFamily("surge_jobs", "", labels=["state"])
         yield GaugeMetricFamily("surge_queue_length", "")
         yield GaugeMetricFamily("surge_queue_wait_seconds", "")
+        yield GaugeMetricFamily("surge_queue_cannot_run", "", labels=["cause"])
         yield GaugeMetricFamily("surge_slots", "", labels=["worker_id", "kind"])
         yield GaugeMetricFamily("surge_devices", "", labels=["worker_id", "kind", "name"])
 

@@ -98,6 +98,17 @@ RANK_SLOWDOWN = Gauge(
     "A rank's compute seconds per step over the median of its peer ranks' (its own earlier pace without peers).",
     ["job_id", "rank"],
 )
+
+
+def forget_rank_slowdown(job_id: str, rank: int) -> None:
+    """The rank's process ended: its ``surge_rank_slowdown_ratio`` series goes (none: it was
+    never compared, a job of one rank)."""
+    try:
+        RANK_SLOWDOWN.remove(job_id, str(rank))
+    except KeyError:
+        pass
+
+
 SLOW_RANK_FINDINGS = Counter(
     "surge_slow_rank_findings_total", "Ranks named slow (>= 1.5x the job's median compute per step, sustained)."
 )

@@ -1,6 +1,7 @@
 """The relay to the `store` service (``StoreRelay``): VerifyCheckpoints and the scrub for
 L5-1, forwarded without blocking, the answer coming back as L5-1's event; L1-1's
-RetireMetricSeries for L5-2, forwarded without blocking (nothing answers it); and the store's
+RetireMetricSeries for L5-2 and RetireCheckpointSeries for L5-1, forwarded without blocking
+(nothing waits for their answers); and the store's
 ``CheckpointCorrupt`` events, watched for as long as control runs."""
 
 from __future__ import annotations
@@ -71,6 +72,14 @@ class StoreRelay:
         if self._stub is None:
             self._stub = store_pb2_grpc.StoreServiceStub(channel(self._address, module=Module.L1_ORCHESTRATOR))
         future = self._stub.RetireSeries.future(msg, timeout=self._timeout_s)
+        future.add_done_callback(lambda f: self._retired(f, msg.job_id))
+
+    def retire_checkpoint_series(self, msg: store_pb2.RetireCheckpointSeries, payload: Any = None) -> None:
+        """L1-1's word to L5-1 that the job ended (its checkpoint series go), forwarded without
+        blocking like ``retire_metric_series``; nothing waits for the answer."""
+        if self._stub is None:
+            self._stub = store_pb2_grpc.StoreServiceStub(channel(self._address, module=Module.L1_ORCHESTRATOR))
+        future = self._stub.RetireJobCheckpointSeries.future(msg, timeout=self._timeout_s)
         future.add_done_callback(lambda f: self._retired(f, msg.job_id))
 
     def _retired(self, future: grpc.Future, job_id: str) -> None:

@@ -5,7 +5,8 @@ export --format hf` uses), the command run with its paths in the environment, th
 back.
 
 The command runs without a shell; ``$SURGE_EVAL_*`` in its arguments are replaced by these
-values. The environment the command gets (besides the rank's own):
+values. The environment the command gets (besides the rank's own, less its launcher's
+torch.distributed variables: ``LAUNCH_VARS``):
 
 * ``SURGE_EVAL_CHECKPOINT``: the version's directory in the store (Surge's DCP files);
 * ``SURGE_EVAL_HF_DIR``: the export (``config.json``, ``model.safetensors``, the dataset's
@@ -36,6 +37,26 @@ import structlog
 
 from services.jobspec import JobSpec
 
+# The launcher's torch.distributed variables of the rank (LOCAL_RANK, LOCAL_WORLD_SIZE from the
+# node's device binding; the others as torchrun would set them) are not passed on: the command
+# is a program of its own, not a member of the rank's group. With LOCAL_RANK set,
+# lm-evaluation-harness's `hf` model (through accelerate) took itself for one rank of a
+# launch and failed in init_process_group ("environment variable RANK expected", session 33's
+# real run). The device binding (CUDA_VISIBLE_DEVICES, thread counts) is kept.
+LAUNCH_VARS = frozenset(
+    {
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    }
+)
 SCORES_MAX = 256  # names recorded per evaluation (a larger results file: the first, sorted)
 SCORE_NAME_CHARS_MAX = 200
 _log = structlog.get_logger("evaluation")
@@ -83,7 +104,7 @@ class EvaluationCommand:
             shutil.rmtree(hf_dir, ignore_errors=True)
             return EvaluationResult(command=shown, error=f"evaluation: the export for `{shown}` failed: {why}")
         env = {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if k not in LAUNCH_VARS},
             "SURGE_EVAL_CHECKPOINT": checkpoint_path,
             "SURGE_EVAL_HF_DIR": str(hf_dir) if ev.hf else "",
             "SURGE_EVAL_OUTPUT": str(out),
@@ -132,11 +153,10 @@ class EvaluationCommand:
         if state is None:
             return why
         try:
-            hf_format.save_hf(directory, state, spec)
+            end = None  # (`surgectl export`'s writer: BOS/EOS named, the model's eos_token_id set)
             if tokenizer and tokenizer != "bytes" and Path(tokenizer).is_file():
-                shutil.copyfile(tokenizer, directory / "tokenizer.json")
-                config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": spec.data.seq_len}
-                (directory / "tokenizer_config.json").write_text(json.dumps(config))
+                end = hf_format.save_tokenizer(directory, tokenizer, spec.data.seq_len)
+            hf_format.save_hf(directory, state, spec, eos_token_id=end)
         except (OSError, ValueError) as e:  # ValueError: a model with no Hugging Face form (HfFormatError)
             return f"{type(e).__name__}: {e}"[:500]
         return ""

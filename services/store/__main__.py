@@ -91,14 +91,22 @@ def wire(
     and the operator's scrub schedule (to start and stop). ``defer``: where L5-2's sinks
     work (``main`` gives its sink thread; None: on the record's own thread). ``transfer``,
     ``chunks``: where checkpoint bytes live (:func:`checkpoint_storage`). ``later``, ``linger_s``:
-    the timer that removes an ended rank's series from L5-2's Prometheus series, and after how
-    long (None: at once). ``team_scoped``: a tokens file authenticates the operator's calls, and
+    the timer that removes an ended rank's series from L5-2's Prometheus series (and an ended
+    job's from L5-1's), and after how long (None: at once). ``team_scoped``: a tokens file authenticates the operator's calls, and
     a team reaches its own jobs' checkpoints and metrics only (access.py; each job's team kept
     under ``root``, job_teams.py)."""
     # No channel up from here: refusals are logged and counted, then returned to the caller.
     bus = Bus(on_violation=ViolationReporter("store", log))
     validate_table(bus.table)
-    manager = CheckpointManager(root, registry=registry, emit=bus.emitter(CKPT), transfer=transfer, chunks=chunks)
+    manager = CheckpointManager(
+        root,
+        registry=registry,
+        emit=bus.emitter(CKPT),
+        transfer=transfer,
+        chunks=chunks,
+        later=later,
+        linger_s=linger_s,
+    )
     profiles = ProfileFiles(root)  # L5-2's profiles: the relay stages an upload, the logger keeps it
     metrics = MetricsLogger(
         root,
@@ -129,6 +137,7 @@ def wire(
             store_pb2.VerifyCheckpoints,
             store_pb2.ScrubCheckpoints,
             store_pb2.WatchCheckpointsRequest,
+            store_pb2.RetireCheckpointSeries,
         ),
         METRICS: (
             engine_pb2.StepCompleted,

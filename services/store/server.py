@@ -215,6 +215,14 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         self._gate(context, lambda: self._access.check_write("RetireSeries", request.job_id))
         return self._relay("RetireSeries", METRICS, request, context)
 
+    def RetireJobCheckpointSeries(
+        self, request: store_pb2.RetireCheckpointSeries, context: grpc.ServicerContext
+    ) -> Message:
+        """L1-1's word that a job ended: L5-1 retires the job's checkpoint series (a walk of
+        its series and a timer: the control calls' pool runs it)."""
+        self._gate(context, lambda: self._access.check_write("RetireJobCheckpointSeries", request.job_id))
+        return self._relay("RetireJobCheckpointSeries", CKPT, request, context)
+
     async def Verify(self, request: store_pb2.VerifyCheckpoints, context: grpc.aio.ServicerContext) -> Message:
         """Re-hashes versions: in the bulk pool, not the control calls' threads."""
         # (checked here, on the loop: the caller's principal is not carried into the pool's thread)

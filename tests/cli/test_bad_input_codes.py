@@ -66,3 +66,10 @@ def test_generate_says_the_seeds_range(seed, surge_home, monkeypatch, capsys):
         ["generate", "--seed", seed], monkeypatch, capsys
     )  # (was: "Overflow when unpacking long long")
     assert_one_line(code, err, 2, "--seed", "18446744073709551615" if seed != "-1" else "greater than or equal to 0")
+
+
+@pytest.mark.parametrize("empty", ["", "  "])
+def test_rollback_to_an_empty_version_is_exit_2_not_the_newest(empty, surge_home, monkeypatch, capsys):
+    # (an unset shell variable: `rollback J --version "$V"` rolled back to the newest version)
+    code, _, err = run_cli(["rollback", "some-job", "--version", empty], monkeypatch, capsys)
+    assert_one_line(code, err, 2, "--version: empty")

@@ -142,7 +142,7 @@ def test_a_damaged_chunk_is_refused_naming_it_and_nothing_is_written(surge_home,
     victim.write_bytes(bytes(data))
     out = tmp_path / "hf"
     code, _, err = run_cli(["export", "src-1:1", "--out", str(out)], monkeypatch, capsys)
-    assert_one_line(code, err, 1, "export:", victim.name[:12])
+    assert_one_line(code, err, 1, "checkpoint src-1:1", victim.name[:12], "sha256 mismatch")
     assert not out.exists() and not list(tmp_path.glob(".hf.*"))
 
 
@@ -209,3 +209,54 @@ def test_an_empty_path_is_said_to_be_empty_never_taken_as_the_current_folder(arg
 def test_compare_refuses_a_missing_parent_folder_of_its_out(surge_home, tmp_path, monkeypatch, capsys):
     code, _, err = run_cli(["compare", "a", "b", "--out", str(tmp_path / "no" / "c.png")], monkeypatch, capsys)
     assert_one_line(code, err, 2, "--out", "does not exist")
+
+
+def _commit_newer_on_first_read(monkeypatch, home: Path, spec: JobSpec) -> list[str]:
+    """The first read of a version commits a newer one with keep_last 1 first (the running
+    job's retention deletes the version being read, its files gone from under the reader),
+    then reads on: the reader fails as it would (DCP's own error)."""
+    from services.compute import inference
+
+    real, read = inference.load_model_for_inference, []
+
+    def load(path, spec_):
+        if not read:
+            model = build_model(spec.model, seed=12)
+            manager = CheckpointManager(home / "store")
+            staged = manager.save_checkpoint(store_pb2.SaveCheckpoint(job_id="src-1", step=8, rank=0, baseline_every=1))
+            writer = ChunkWriter(staged.staging_path, staged.chunk_path, sync_files=False)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.save({"model": model.state_dict()}, storage_writer=writer, no_dist=True)
+            manager.commit_checkpoint(
+                store_pb2.CommitCheckpoint(
+                    job_id="src-1", step=8, world_size=1, spec_json=spec_to_json(spec), keep_last=1
+                )
+            )
+        read.append(str(path))
+        return real(path, spec_)
+
+    monkeypatch.setattr(inference, "load_model_for_inference", load)
+    return read
+
+
+def test_a_version_removed_while_it_is_exported_is_one_line_and_latest_is_read_again(
+    surge_home, tmp_path, monkeypatch, capsys
+):
+    # A fresh admin exported a running job's :latest while its keep_last removed it: a traceback
+    # (DCP's AssertionError "metadata is None"), twice.
+    spec = spec_of()
+    commit_version(surge_home, spec)
+    read = _commit_newer_on_first_read(monkeypatch, surge_home, spec)
+    code, _, err = run_cli(
+        ["export", "src-1:1", "--out", str(tmp_path / "a"), "--format", "torch"], monkeypatch, capsys
+    )
+    assert_one_line(code, err, 1, "checkpoint src-1:1 was removed while it was read", "keep_last")
+    assert not (tmp_path / "a").exists() and len(read) == 1
+    commit_version(surge_home, spec, step=12)  # src-1:3; its read commits src-1:4, removing it
+    read.clear()
+    code, out, err = run_cli(
+        ["export", "src-1:latest", "--out", str(tmp_path / "b"), "--format", "torch"], monkeypatch, capsys
+    )
+    assert code == 0, err
+    assert len(read) == 2 and "exported src-1:4 (step 8)" in out, (read, out)

@@ -305,7 +305,7 @@ def test_a_gpu_job_on_a_cluster_without_gpus_says_why_it_waits_and_follow_prints
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(follow.stdout), daemon=True)  # (list.extend: line by line)
     reader.start()
-    why = "no node with a GPU is registered (or every one is cordoned, held or leaving): waits for one to join"
+    why = "no node with a GPU is registered: can never run as things stand; waits for one to join"
     try:
         t0 = time.monotonic()
         while sum(why in line for line in list(lines)) < 2:  # the submit's line, then the follow's event

@@ -95,7 +95,10 @@ def test_submit_says_when_a_job_waits_for_workers_to_join(control, tmp_path, mon
     code, out, err = run(monkeypatch, capsys, "submit", str(spec))
     first, second = out.strip().splitlines()
     assert code == 0 and first.startswith("submitted big-") and first.endswith("(STANDBY (queued #1))"), out
-    assert second == "queued: needs 2 ranks (parallel.dp=2), more than the 1 registered: waits for workers to join"
+    assert (
+        second
+        == "queued: needs 2 ranks (parallel.dp=2), more than the 1 registered: can never run as things stand; waits for workers to join"
+    )
     spec.write_text(spec_yaml(name="small", dp=1))  # behind it, yet it starts: one line
     code, out, err = run(monkeypatch, capsys, "submit", str(spec))
     assert code == 0 and out.strip().endswith("(WARMING_UP)") and len(out.strip().splitlines()) == 1, out

@@ -254,7 +254,10 @@ def test_a_job_needing_more_ranks_than_registered_is_queued_and_starts_when_a_wo
     agents(control.address, "wa"), agents(control.address, "wb")
     job = submit(control, dp=3)
     assert (job.state, job.queue_position) == (JobState.STANDBY, 1)
-    assert job.message == "queued: needs 3 ranks (parallel.dp=3), more than the 2 registered: waits for workers to join"
+    assert (
+        job.message
+        == "queued: needs 3 ranks (parallel.dp=3), more than the 2 registered: can never run as things stand; waits for workers to join"
+    )
     agents(control.address, "wc")  # its registration (L1-2's ResourcesReady) starts the queue's head
     events = follow(control, job.job_id)
     assert [e.status.state for e in events if e.type == "state"][:2] == [JobState.WARMING_UP, JobState.RUNNING]

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from prometheus_client import REGISTRY, generate_latest
 
 from services.contract import Module, control_pb2, engine_pb2, route_pb2, store_pb2, worker_pb2
 from services.contract.bus import Bus
@@ -824,6 +825,11 @@ def test_a_rank_computing_2x_its_peers_per_step_is_reported_slow_then_cleared_wh
     exited(bus, 0, rank=1)
     cleared = [r for r in reports.wait(3) if r.fault_class == "slow_rank_cleared"]
     assert [r.rank for r in cleared] == [1]
+    # The ended rank's ratio is no longer measured: its series leaves control's /metrics (a
+    # finished job's stayed until control restarted); its peer's, still running, stays.
+    page = generate_latest(REGISTRY).decode()  # (control's metrics are on the default registry)
+    assert 'surge_rank_slowdown_ratio{job_id="j",rank="1"}' not in page
+    assert 'surge_rank_slowdown_ratio{job_id="j",rank="0"} 0.5' in page
 
 
 @pytest.mark.parametrize("then", ["withdrawn", "registered"])

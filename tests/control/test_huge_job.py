@@ -41,7 +41,7 @@ def test_a_job_of_the_largest_world_size_queues_and_is_retried_without_building_
         big = submit(plane, MAX_WORLD_SIZE)
         waits = (
             f"queued: needs {MAX_WORLD_SIZE} ranks (parallel.dp={MAX_WORLD_SIZE}), more than the 2 registered: "
-            "waits for workers to join"
+            "can never run as things stand; waits for workers to join"
         )
         assert (big.state, big.queue_position, big.message) == (JobState.STANDBY, 1, waits)
         plane.register("wc")  # a worker joins: the queue tries its head again (on the orchestrator's pool)

@@ -123,7 +123,10 @@ def test_a_higher_priority_goes_first_and_a_smaller_job_never_overtakes_the_head
 def test_a_queued_job_starts_when_a_worker_registers(plane):
     plane.register("wa")
     job = submit(plane, "big", dp=2)
-    assert job.message == "queued: needs 2 ranks (parallel.dp=2), more than the 1 registered: waits for workers to join"
+    assert (
+        job.message
+        == "queued: needs 2 ranks (parallel.dp=2), more than the 1 registered: can never run as things stand; waits for workers to join"
+    )
     wb = plane.register("wb")
     settle(lambda: plane.get(job.job_id).state, JobState.WARMING_UP)
     assert launched(wb) == [job.job_id]
@@ -230,7 +233,7 @@ def test_a_drained_job_holds_the_queue_across_a_restart_until_it_is_resumed_or_s
 def test_a_job_needing_more_ranks_than_are_registered_holds_back_none_behind_it(plane):
     wa, wb = plane.register("wa"), plane.register("wb")  # 2 ranks registered
     big = submit(plane, "big", dp=64)
-    waits = "queued: needs 64 ranks (parallel.dp=64), more than the 2 registered: waits for workers to join"
+    waits = "queued: needs 64 ranks (parallel.dp=64), more than the 2 registered: can never run as things stand; waits for workers to join"
     assert (big.state, big.queue_position, big.message) == (JobState.STANDBY, 1, waits)
     small = submit(plane, "small")  # behind it, but it can start only once workers join: small starts now
     assert (small.state, small.queue_position) == (JobState.WARMING_UP, 0)
@@ -263,6 +266,6 @@ def test_when_ranks_free_up_the_jobs_behind_one_waiting_for_workers_are_tried_in
     assert (s.state, s.queue_position, s.message) == (
         JobState.STANDBY,
         1,
-        "queued: needs 2 ranks (parallel.dp=2), more than the 1 registered: waits for workers to join",
+        "queued: needs 2 ranks (parallel.dp=2), more than the 1 registered: can never run as things stand; waits for workers to join",
     )
     assert launched(wa) == [b.job_id]

@@ -234,7 +234,7 @@ def test_a_lost_node_agent_freezes_its_job_waiting_for_capacity_and_its_slots_va
     assert plane.get(job_id).outcome == JobOutcome.STOPPED
     settle(
         lambda: plane.get(queued.job_id).message,
-        "queued: needs 2 ranks (parallel.dp=2), more than the 1 registered: waits for workers to join",
+        "queued: needs 2 ranks (parallel.dp=2), more than the 1 registered: can never run as things stand; waits for workers to join",
     )
 
 
@@ -243,7 +243,8 @@ def test_a_job_needing_more_ranks_than_registered_is_queued_saying_so_and_launch
     status = plane.submit(dp=3)
     assert (status.state, status.queue_position) == (JobState.STANDBY, 1)
     assert (
-        status.message == "queued: needs 3 ranks (parallel.dp=3), more than the 2 registered: waits for workers to join"
+        status.message
+        == "queued: needs 3 ranks (parallel.dp=3), more than the 2 registered: can never run as things stand; waits for workers to join"
     )
     assert drain(a) == drain(b) == []
     (stored,) = plane.c.journal.load_jobs()

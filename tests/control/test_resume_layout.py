@@ -100,7 +100,9 @@ def test_a_layout_that_changes_the_global_batch_or_does_not_fit_is_refused_with_
     # queue, the job is as it was, its layout unchanged.
     queued = plane.user(control_pb2.ResumeJobRequest(job_id=job_id, dp=4, micro_batch_size=1))
     assert (queued.state, queued.queue_position) == (JobState.STANDBY, 1)
-    assert queued.message.endswith("more than the 2 registered: waits for workers to join"), queued.message
+    assert queued.message.endswith(
+        "more than the 2 registered: can never run as things stand; waits for workers to join"
+    ), queued.message
     plane.user(control_pb2.StopJobRequest(job_id=job_id, queued_only=True))
     events = len(plane.events(job_id))
     after = plane.get(job_id)

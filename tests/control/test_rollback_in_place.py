@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.contract import control_pb2, engine_pb2
+from services.contract import Module, control_pb2, engine_pb2, route_pb2, store_pb2
 from services.control.orchestrator import IllegalTransition, UnknownVersion
 
 from .conftest import drain, kinds, to_ranks
@@ -93,3 +93,63 @@ def test_a_rank_lost_while_they_pause_gives_the_rollback_up_for_the_policys_rela
     assert plane.get(job_id).state == JobState.FAULT_FROZEN
     assert plane.c.orchestrator._jobs[job_id].reload is None
     assert "launch" in kinds(drain(w["wa"]))
+
+
+def test_a_version_that_cannot_be_loaded_in_place_is_decided_not_left_waiting(plane, store):  # noqa: F811
+    # A fresh admin's find: the version named was deleted by keep_last; every rank's load was
+    # refused (NOT_FOUND), its L5-1 reported the failure (SnapshotFailed, minor: training would
+    # go on after a failed save) and its loop failed "after a reported module failure": nothing
+    # was decided, the job RUNNING with its ranks waiting to be released, for minutes.
+    job_id, w = running(plane, "wa", "wb")
+    v1, v2 = saved(plane, w["wa"], job_id, 1, step=4), saved(plane, w["wa"], job_id, 2, step=8)
+    store.verdicts = [(v2, 8, True)]
+    rollback(plane, job_id, v1)
+    paused(plane, w, job_id, step=10)
+    drain(w["wa"]), drain(w["wb"])
+    reason = f"store at 127.0.0.1:1: Load: NOT_FOUND: checkpoint {v1} not found"
+    for rank, name in enumerate(w):
+        failure = route_pb2.Failure(
+            cause=route_pb2.FailureCause.FAILURE_INVALID_INPUT,
+            detail=reason,
+            operation="surge.v1.LoadCheckpoint",
+            module=Module.L5_CHECKPOINT_MANAGER,
+            job_id=job_id,
+            rank=rank,
+        )
+        plane.rank_event(
+            w[name],
+            job_id,
+            rank,
+            snapshot_failed=store_pb2.SnapshotFailed(
+                job_id=job_id, version=v1, operation="load", reason=reason, cause=store_pb2.REJECTED, rank=rank,
+                failure=failure,
+            ),
+        )  # fmt: skip
+        plane.rank_event(
+            w[name],
+            job_id,
+            rank,
+            failed=engine_pb2.TrainingLoopFailed(
+                rank=rank, step=10, fault_class="checkpoint_error", detail=reason, failure=failure
+            ),  # (the class a CheckpointError names: services/rank/checkpoint_errors.py)
+        )
+    events = [e.message for e in plane.events(job_id)]
+    assert any(m.startswith(f"rollback in place to {v1} given up") for m in events), events[-8:]
+    assert plane.c.orchestrator._jobs[job_id].reload is None
+    assert "launch" in kinds(drain(w["wa"]))  # (relaunched from the newest usable version)
+
+
+def test_a_version_its_retention_removed_is_refused_up_front(plane, store):  # noqa: F811
+    job_id, w = running(plane, "wa", "wb")
+    v1 = saved(plane, w["wa"], job_id, 1, step=4)
+    v2 = f"{job_id}:2"
+    plane.rank_event(
+        w["wa"], job_id, 0, saved=store_pb2.SaveCompleted(version=v2, step=8, removed_versions=[v1])
+    )  # (keep_last 1: the commit of v2 removed v1)
+    before = len(plane.events(job_id))
+    with pytest.raises(
+        UnknownVersion, match=rf"--version {v1}: not a usable committed checkpoint of job {job_id} \(usable: {v2}\)"
+    ):
+        rollback(plane, job_id, v1)
+    assert len(plane.events(job_id)) == before and routed(w["wa"]) == []
+    assert plane.c.orchestrator._jobs[job_id].versions == [(8, v2)]

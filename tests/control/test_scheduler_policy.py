@@ -53,12 +53,35 @@ BOOK = QuotaBook(
         ({}, "capped", 4, "beyond_hard_limit", 0),
         ({"solo": 2}, "solo", 1, "cohort_full", 0),  # a cohort of one has nothing to lend
         ({"whoever": 10_000}, "whoever", 512, "admitted", 0),  # no entry: the default, unlimited
+        ({}, "vision", 6, "admitted", 2),  # nominal 4 + borrow limit 2: the most it may ever hold
+        ({}, "vision", 7, "beyond_hard_limit", 0),  # beyond nominal + borrow limit: never, idle or not
+        ({"nlp": 4}, "vision", 7, "beyond_hard_limit", 0),
+        ({}, "nlp", 8, "admitted", 4),  # all of its cohort's nominal (vision's idle 4)
+        ({}, "nlp", 9, "beyond_hard_limit", 0),  # beyond what cohort research owns: never
+        ({}, "solo", 3, "beyond_hard_limit", 0),  # a cohort of one: never beyond its own nominal
     ],
 )
 def test_admission_by_nominal_borrowing_and_hard_limit(usage, team, slots, kind, borrowed):
     a = admit(BOOK, usage, team, slots)
     assert (a.kind, a.borrowed) == (kind, borrowed), a.reason
     assert bool(a.reason) == (kind != "admitted")
+
+
+def test_a_job_beyond_what_its_team_may_ever_hold_is_told_the_field_and_the_bound():
+    assert admit(BOOK, {}, "vision", 9).reason == "needs 9 slots; team vision may hold at most 8 (hard_limit)"
+    assert admit(BOOK, {}, "vision", 7).reason == (
+        "needs 7 slots; team vision may hold at most 6 (nominal 4 + borrow_limit 2)"
+    )
+    assert admit(BOOK, {}, "nlp", 9).reason == (
+        "needs 9 slots; team nlp may hold at most 8 (cohort research's nominal: what its teams own together)"
+    )
+    per_kind = QuotaBook({"v": TeamQuota(nominal={"gpu": 2}, borrow_limit={"gpu": 1}, hard_limit={"cpu": 4})})
+    assert admit(per_kind, {}, "v", 4, "gpu").reason == (
+        "needs 4 gpu slots; team v may hold at most 3 (nominal.gpu 2 + borrow_limit.gpu 1)"
+    )
+    assert admit(per_kind, {}, "v", 5, "cpu").reason == "needs 5 cpu slots; team v may hold at most 4 (hard_limit.cpu)"
+    # The default cohort takes in every team with no entry as it comes: no fixed bound there.
+    assert admit(QuotaBook({"x": TeamQuota(nominal=1)}), {}, "x", 100).ok
 
 
 def test_a_hard_limit_holds_on_an_idle_cluster_and_the_reason_says_so():

@@ -297,8 +297,8 @@ def test_a_gpu_job_on_a_cluster_without_gpus_says_no_node_has_a_gpu(plane):
     g = submit(plane, "g", "lab", "gpu", dp=1)
     assert g.state == JobState.STANDBY
     assert g.message == (
-        "queued: needs 1 rank (parallel.dp=1) on gpu: no node with a GPU is registered (or every one is "
-        "cordoned, held or leaving): waits for one to join"
+        "queued: needs 1 rank (parallel.dp=1) on gpu: no node with a GPU is registered: can never run as "
+        "things stand; waits for one to join"
     )
     (q,) = plane.user(control_pb2.TeamQuery()).queue
     assert q.reason == g.message.removeprefix("queued: ")

@@ -83,7 +83,7 @@ def test_a_per_kind_hard_limit_holds_on_an_idle_cluster_and_an_any_job_is_refuse
     w = plane.register("w", slots=8, cuda=4)
     set_team(plane, "vision", hard_limit={"gpu": 1})
     with pytest.raises(
-        BeyondHardLimit, match=r"^job.yaml: team: needs 2 gpu slots, beyond team vision's gpu hard limit of 1$"
+        BeyondHardLimit, match=r"^job.yaml: team: needs 2 gpu slots; team vision may hold at most 1 \(hard_limit.gpu\)$"
     ):
         submit(plane, "wide", "vision", "gpu", dp=2)
     with pytest.raises(BeyondHardLimit, match=r"^job.yaml: team: team vision's quota is per device kind: .*not any$"):
@@ -210,7 +210,7 @@ def test_a_gpu_job_on_a_cluster_without_gpus_waits_for_workers_and_holds_no_cpu_
     g = submit(plane, "g", "vision", "gpu", dp=1)
     assert g.state == JobState.STANDBY, g
     assert g.message.endswith(
-        "no node with a GPU is registered (or every one is cordoned, held or leaving): waits for one to join"
+        "no node with a GPU is registered: can never run as things stand; waits for one to join"
     ), g.message
     c = submit(plane, "c", "vision", "cpu", dp=2)
     assert c.state == JobState.WARMING_UP and devices(w) == {c.job_id: ["cpu", "cpu"]}

@@ -48,7 +48,9 @@ def test_a_hard_limit_holds_on_an_idle_cluster_and_a_job_beyond_it_alone_is_refu
     assert a.state == JobState.WARMING_UP and b.state == JobState.STANDBY
     assert b.message == "queued: team vision at its hard limit (2 of 2 slots held, this job needs 1)"
     assert launched(w) == [a.job_id]  # 6 slots idle, still nothing for b
-    with pytest.raises(BeyondHardLimit, match=r"^job.yaml: team: needs 3 slots, beyond team vision's hard limit of 2$"):
+    with pytest.raises(
+        BeyondHardLimit, match=r"^job.yaml: team: needs 3 slots; team vision may hold at most 2 \(hard_limit\)$"
+    ):
         submit(plane, "c", "vision", dp=3)
     assert {j.name for j in plane.user(control_pb2.JobQuery()).jobs} == {"a", "b"}  # nothing persisted of c
     t = teams(plane)["vision"]

@@ -103,6 +103,48 @@ def test_the_commands_arguments_name_the_paths_as_variables(tmp_path, surge_home
     assert dict(scores.scores) == {"args_ok": 1}
 
 
+def test_the_command_does_not_inherit_the_rank_s_launch_variables(tmp_path, surge_home, monkeypatch):
+    # A rank's node sets LOCAL_RANK (its device binding): passed on, lm-eval's `hf` model
+    # (accelerate) took itself for a launched rank and failed (session 33's real run).
+    version = trained_version(tmp_path)
+    for var, value in (("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"), ("MASTER_PORT", "29500"), ("RANK", "0")):
+        monkeypatch.setenv(var, value)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # (the device binding stays)
+    script = (
+        "import json, os; open(os.environ['SURGE_EVAL_OUTPUT'], 'w').write(json.dumps({"
+        "'launch_vars': sum(v in os.environ for v in ('LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'MASTER_PORT', 'RANK')), "
+        "'device_kept': int(os.environ.get('CUDA_VISIBLE_DEVICES') == '3')}))"
+    )
+    rank = evaluation(tmp_path, version, [sys.executable, "-c", script])
+    assert rank.error is None, rank.error
+    (scores,) = [m for m in rank.store.metrics if isinstance(m, engine_pb2.EvaluationScores)]
+    assert dict(scores.scores) == {"launch_vars": 0, "device_kept": 1}
+
+
+def test_the_evaluation_s_export_names_the_tokenizer_s_end_of_text_as_surgectl_export_does(tmp_path):
+    # Its export wrote no BOS/EOS before: lm-eval's hf model (its prefix token the BOS, else
+    # the EOS) failed decoding None (session 33's real run). One writer now: hf_format's.
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from services.rank.evaluation_command import EvaluationCommand
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|endoftext|>"])  # id 3, as `dataset prepare --tokenizer bpe:N` adds one
+    tok.save(str(tmp_path / "tokenizer.json"))
+    from services.compute.model import build_model
+
+    spec = tiny_spec(steps=2)
+    state = build_model(spec.model, seed=0).state_dict()
+    out = tmp_path / "hf"
+    out.mkdir()
+    assert EvaluationCommand._export(out, spec, str(tmp_path / "tokenizer.json"), lambda: (state, "")) == ""
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert (config["bos_token"], config["eos_token"]) == ("<|endoftext|>", "<|endoftext|>")
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 3
+    assert (out / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
+
+
 def test_lm_evaluation_harness_results_are_read_from_its_output_directory(tmp_path):
     out = tmp_path / "out"
     (out / "model__x").mkdir(parents=True)

@@ -181,7 +181,7 @@ def test_dp_larger_than_the_registered_ranks_waits_in_the_queue_saying_so_until_
     assert "(STANDBY (queued #1))" in r.stdout
     (status,) = json.loads(cli(stack, "status", job_id, "-o", "json").stdout)
     assert status["message"] == (
-        "queued: needs 3 ranks (parallel.dp=3), more than the 2 registered: waits for workers to join"
+        "queued: needs 3 ranks (parallel.dp=3), more than the 2 registered: can never run as things stand; waits for workers to join"
     )
     assert cli(stack, "cancel", job_id).returncode == 0  # (else it would hold the queue for the tests after it)
     (status,) = json.loads(cli(stack, "status", job_id, "-o", "json").stdout)

@@ -128,6 +128,11 @@ def test_the_checkpoint_manager_cannot_trigger_its_own_save(tmp_path):
     for route in default_table().routes():
         if CKPT in route.receivers:
             assert route.kind == COMMAND or route.senders <= {Module.EXT_STORAGE}, route.message
+    # L1-1's one command to it that is not about versions (a recorded addition, session 33):
+    # the job ended, so L5-1 drops its own Prometheus series of that job; it reads, asks or
+    # decides nothing for it, and the job's versions stay.
+    retire = default_table().route(store_pb2.RetireCheckpointSeries)
+    assert (retire.senders, retire.receivers, retire.kind) == ({Module.L1_ORCHESTRATOR}, {CKPT}, COMMAND)
     with pytest.raises(RouteError):
         bus.subscribe(CKPT, engine_pb2.StepCompleted, lambda m, p: None)
     # A step summary on its bus reaches the metrics logger only; nothing is staged or saved.
@@ -463,7 +468,8 @@ def test_the_orchestrator_only_commands_below_and_never_queries(tmp_path):
     # L5_CHECKPOINT_MANAGER: VerifyCheckpoints before naming a version to load (a recorded
     # addition in seed_routes.yaml); the store reports verdicts, the orchestrator chooses.
     # L5_METRICS_LOGGER: RetireMetricSeries at a job's end or relaunch (an addition too): a
-    # command, answered by nothing the orchestrator reads.
+    # command, answered by nothing the orchestrator reads; so is L5-1's RetireCheckpointSeries
+    # at a job's end (session 33), on the L5_CHECKPOINT_MANAGER port.
     assert sorted(holds(orchestrator)["ports"]) == [
         "L1_FAULT_DETECTOR",
         "L1_RECOVERY_CONTROLLER",

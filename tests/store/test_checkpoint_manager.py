@@ -666,3 +666,11 @@ def test_verify_reports_each_version_of_the_job_intact_or_why_not_and_chooses_no
     assert list(manager.verify_checkpoints(store_pb2.VerifyCheckpoints(job_id="none")).versions) == []
     with pytest.raises(ValueError, match='job_id "a/b"'):
         manager.verify_checkpoints(store_pb2.VerifyCheckpoints(job_id="a/b"))
+
+
+def test_a_commit_names_the_versions_its_retention_removed(manager):
+    # L1-1 stops offering them: a rollback to one was accepted, then every rank's load refused.
+    assert list(save(manager, "r", 10, keep_last=2).removed_versions) == []
+    assert list(save(manager, "r", 20, keep_last=2).removed_versions) == []
+    assert list(save(manager, "r", 30, keep_last=2).removed_versions) == ["r:1"]
+    assert versions(manager, "r") == ["r:2", "r:3"]

@@ -28,6 +28,7 @@ from services.contract import (
     store_pb2,
 )
 from services.contract.bus import Emitter
+from services.control import metrics
 from services.control.fault_detector.attribution import Attribution
 from services.control.fault_detector.grading import Grading
 from services.control.fault_detector.links import Links
@@ -235,6 +236,9 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
             if watch is not None:
                 watch.cancel()
             ended_slow = job.slow.forget(msg.rank) if job is not None else None
+            # Its process ended: its slowdown ratio is no longer measured, so its series goes
+            # (a finished job's stayed on control's /metrics until control restarted).
+            metrics.forget_rank_slowdown(msg.job_id, msg.rank)
             if job is not None and not msg.worker_lost:
                 job.back.add(msg.worker_id)  # its node agent reaped it and is back
         if msg.worker_lost:
@@ -499,8 +503,13 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
                 detail=failure.detail,
             )
             return
-        with self._job_lock(job_id):
-            self._failures[(job_id, rank)].append((failure.module, failure.operation, failure.cause))
+        if report.grade != FaultGrade.MINOR:
+            # A failure whose report is decided: the loop failing with it is its consequence.
+            # One reported for the record (a snapshot_failed: training would go on after a
+            # failed save) is not, when the loop died of it (a load refused): that report,
+            # the loop's, is the one to decide (it waited ten minutes for a restore deadline).
+            with self._job_lock(job_id):
+                self._failures[(job_id, rank)].append((failure.module, failure.operation, failure.cause))
         self._hold_or_report(job_id, rank, report)
 
     def _seen_failure(self, job_id: str, rank: int, failure: route_pb2.Failure) -> bool:

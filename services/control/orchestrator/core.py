@@ -175,6 +175,8 @@ class Orchestrator(
         self._loop = self._after_journal(loop)
         self._allocator = self._after_journal(allocator, only=(control_pb2.ReleaseResources,))
         self._checkpoints = checkpoints
+        # L5-1: a job's checkpoint series retired at its end, once journaled (recovery.py).
+        self._checkpoint_series = self._after_journal(checkpoints) if checkpoints is not None else None
         # L5-2: a job's series retired at its end and its ranks' relaunch, once journaled.
         self._metric_series = self._after_journal(metric_series) if metric_series is not None else None
         self._recovery = recovery

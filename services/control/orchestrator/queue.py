@@ -19,8 +19,8 @@ from services.control.orchestrator.refusals import IllegalTransition, JobDoesNot
 from services.control.orchestrator.request_ids import spec_sha256, submitted_before
 from services.control.orchestrator.resume_machine import Queue, Refuse
 from services.control.orchestrator.teams import PROMOTED, kind_of, team_of
-from services.control.orchestrator.texts import _beyond_cluster, _waits_for
-from services.control.scheduler.admission import WAIT_COHORT
+from services.control.orchestrator.texts import _beyond_cluster, _waits_for, beyond_registered, cause_of, quota_wait
+from services.control.scheduler.admission import WAIT_COHORT, Admission, admit
 from services.control.scheduler.fair_share import Holds, backfills, blocks, cohort_wait
 from services.hf_config import check_spec_directory
 from services.jobspec import (
@@ -77,7 +77,7 @@ class JobQueueing:
         spec_json = spec_to_json(spec)
         priority = check_priority(msg.priority)
         # (nothing persisted yet)
-        self._check_hard_limit(spec.team, spec.world_size, msg.spec_path or "job.yaml", spec.parallel.device_kind)
+        self._check_team_limits(spec.team, spec.world_size, msg.spec_path or "job.yaml", spec.parallel.device_kind)
         with self._lock:
             if (earlier := submitted_before(self._jobs.values(), msg)) is not None:
                 return self._snapshot(earlier)
@@ -121,11 +121,13 @@ class JobQueueing:
                 return self._snapshot(earlier)
             job = _Job(status=status, spec=spec, request_id=msg.request_id, spec_sha256=digest)
             self._jobs[job_id] = job
-            held = "waits for the jobs queued ahead of it" if self._ahead_at_submit(job, priority) else ""
+            # (one beyond every registered slot of its kind waits behind no one: the allocator says why)
+            ahead = beyond_registered(spec, self._registered) is None and self._ahead_at_submit(job, priority)
+            held = "waits for the jobs queued ahead of it" if ahead else ""
             held = held or self._queue_held()
             quota = None if held else self._quota_admission(job)  # (its team's quota: issue 30)
-            if quota is not None and not quota.ok:
-                held = quota.reason
+            if quota is not None and not quota.ok:  # (never: its quota was lowered since the check above)
+                held = quota_wait(quota.reason, quota.never)
             reply = None if held else self._launch(job, borrowed=quota.borrowed)
             if reply is not None and reply.rank_memory_bytes:  # it cannot start on these workers
                 self._jobs.pop(job_id, None)
@@ -231,6 +233,8 @@ class JobQueueing:
             applied = not msg.offer or msg.offer > self._capacity_offer
             if applied:
                 self._capacity = {"gpu": msg.gpu_slots, "cpu": msg.cpu_slots}
+                if msg.HasField("registered"):  # (every registered slot per kind: ``_behind``)
+                    self._registered = msg.registered
                 self._capacity_offer = msg.offer or self._capacity_offer
             if not msg.free_ranks and not applied:
                 return
@@ -247,6 +251,7 @@ class JobQueueing:
     def _enqueue(self, job: _Job, entry: QueueEntry, why: str) -> None:
         """Under the lock: ``job`` (STANDBY, journaled) waits in the queue at ``entry``."""
         job.queued = entry
+        job.status.cannot_run = cause_of(why)  # (counted: `surgectl queue`, surge_queue_cannot_run)
         where = f"position {self._queue.position(entry.job_id)} of {len(self._queue)}, priority {entry.priority}"
         self._record(job, ORCH, "queue", f"queued at {where}: {why}", status_message=f"queued: {why}")
 
@@ -302,6 +307,7 @@ class JobQueueing:
             held_cohorts = Holds()  # cohort, kind -> the queued job waiting for its idle slots
             no_room: dict[str, str] = {}  # kind -> the first job of it whose ranks did not fit the free slots
             running_by_team: dict[str, list[_Job]] | None = None  # (built once, at the first team-held job)
+            nevers: dict[tuple[str, int, str], Admission] = {}  # (team, slots, kind) -> its usage-free admission
             self._queue.forget_order()  # (computed afresh: the usage, capacity or clock moved)
             order = self._queue.ordered()  # (the fair order across teams: teams.py)
             queue_held = self._queue_held()
@@ -319,20 +325,28 @@ class JobQueueing:
                 # its team only (no overtaking within a team), not the other teams'.
                 team, kind = team_of(job.status), kind_of(job)
                 cohort = self._quotas.cohort_of(team)
+                # One its team may never hold (a quota lowered since its submit) says so before
+                # any job it would wait behind: it can never run as things stand, and holds no
+                # one back. Usage-free, so asked once per (team, size, kind) in a pass.
+                key = (team, self._slots(job), kind)
+                if (never := nevers.get(key)) is None:
+                    never = nevers[key] = admit(self._quotas, {}, *key)
+                if never.never:
+                    self._quota_held[entry.job_id] = (never.kind, never.scope)
+                    self._waiting(job, quota_wait(never.reason, True), place)
+                    continue
                 blocker = next(((k, j) for k, j in no_room.items() if blocks(k, kind)), None)
                 if blocker is not None:  # (gang admission without backfill, per kind)
                     what = "" if blocker[0] == "any" else f"{blocker[0]} "
-                    self._waiting(
-                        job, f"waits behind job {blocker[1]}, first in line for {what}slots to free up", place
-                    )
+                    self._behind(job, f"waits behind job {blocker[1]}, first in line for {what}slots to free up", place)
                     continue
                 if (held_by := held_teams.of(team, kind)) is not None:
-                    self._waiting(job, f"waits behind job {held_by} of team {team}", place)
+                    self._behind(job, f"waits behind job {held_by} of team {team}", place)
                     continue
                 if (held_by := held_cohorts.of(cohort, kind)) is not None:  # (the cohort's idle slots go in order)
                     other = team_of(self._jobs[held_by].status)  # (but within its nominal: fair_share.py)
                     if other == team or not backfills(team, other, self._quota_admission(job)):
-                        self._waiting(job, cohort_wait(held_by, cohort), place)
+                        self._behind(job, cohort_wait(held_by, cohort), place)
                         continue
                 quota = self._quota_admission(job)
                 if not quota.ok:
@@ -341,7 +355,7 @@ class JobQueueing:
                         held_cohorts.hold(cohort, kind, entry.job_id)
                     elif not quota.never:  # (one beyond its hard limit alone never starts: it holds no one back)
                         held_teams.hold(team, quota.scope, entry.job_id)
-                    self._waiting(job, quota.reason, place)
+                    self._waiting(job, quota_wait(quota.reason, quota.never), place)
                     if not quota.never:  # (its own team's lower priorities may make room: preemption.py)
                         if running_by_team is None:
                             running_by_team = self._running_by_team()
@@ -350,6 +364,7 @@ class JobQueueing:
                 self._quota_held.pop(entry.job_id, None)
                 self._queue.take(entry.job_id)
                 job.queued = None
+                job.status.cannot_run = ""
                 # Journaled out of the queue before its ranks launch: a control killed in
                 # between finds it STANDBY and not queued (FAULT_FROZEN, see _restore), never
                 # queued again while its ranks run.
@@ -407,21 +422,30 @@ class JobQueueing:
                 by_team.setdefault(team_of(j.status), []).append(j)
         return by_team
 
+    def _behind(self, job: _Job, why: str, place: int) -> None:
+        """Under the lock: the queued ``job``, not tried, waits behind another job (``why``) --
+        unless it needs more slots of its kind than are registered at all (the allocator's last
+        offer): then it can never run as things stand, and says so (not its place in line)."""
+        never = beyond_registered(self._relaunch_spec(job) or job.spec, self._registered)
+        self._waiting(job, never or why, place)
+
     def _waiting(self, job: _Job, why: str, place: int = 0, tried: bool = False) -> None:
         """Under the lock: the queued ``job`` still waits, for ``why`` (``place``: its place in
         the pass's walk; 0: asked of the queue): an event when the reason changed (none at
         every retry); ``tried`` (taken out of the queue to be placed, and put back): its place
         journaled again even so. A job the pass did not try and whose reason stands costs no
         write (a pass reaches every queued job)."""
+        cause = cause_of(why)  # (read before the prefixes below make it a plain str)
         if job.status.preempted_by and not why.startswith("PREEMPTED"):  # (what it is stays in sight)
             why = f"PREEMPTED by job {job.status.preempted_by}; {why}"
         if job.status.job_id in self._promoted and self._quotas.max_wait_s is not None:  # (teams.py)
             why = PROMOTED.format(bound=self._quotas.max_wait_s / 60) + why
         message = f"queued: {why}"
-        if job.status.message == message:
+        if job.status.message == message and job.status.cannot_run == cause:
             if tried:
                 self._keep(job)
             return
+        job.status.cannot_run = cause
         where = f"position {place or self._queue.position(job.status.job_id)} of {len(self._queue)}"
         self._record(job, ORCH, "queue", f"still queued at {where}: {why}", status_message=message)
 
@@ -440,6 +464,7 @@ class JobQueueing:
         where = self._queue.position(job_id)
         self._queue.take(job_id)
         job.queued = None
+        job.status.cannot_run = ""
         job.status.outcome = JobOutcome.STOPPED
         resumed = job.relaunch is not None  # (a resume that waited: its checkpoints stay, resume it again later)
         job.relaunch = None

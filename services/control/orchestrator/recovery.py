@@ -460,9 +460,12 @@ class Recovery:
         """Under the lock: the job ended (``ended``) or its ranks were replaced: L5-2 retires
         the job's series (a rank killed without its loop's end never says so itself; after a
         relaunch, a rank that records again keeps its own), sent after this decision's
-        journal write."""
+        journal write. At its end L5-1 retires the job's checkpoint series too (its own
+        state, so its own command); not at a relaunch: the job's checkpoints still matter."""
         if self._metric_series is not None:
             self._metric_series(store_pb2.RetireMetricSeries(job_id=job.status.job_id, reason=reason, ended=ended))
+        if ended and self._checkpoint_series is not None:
+            self._checkpoint_series(store_pb2.RetireCheckpointSeries(job_id=job.status.job_id, reason=reason))
 
     def _record_relaunch(
         self, job: _Job, reply: control_pb2.RecoveryCompleted, source: str, *, old_world: int = 0, lost: list[int] = ()

@@ -74,5 +74,6 @@ class BadProfileRequest(ValueError, Refusal):
 
 
 class BeyondHardLimit(ValueError, Refusal):
-    """The job alone needs more slots than its team's hard limit (gRPC INVALID_ARGUMENT): one
-    line naming the team and the limit; nothing is persisted."""
+    """The job alone needs more slots than its team may ever hold (its hard limit, its nominal
+    plus its borrow limit, its cohort's nominal; gRPC INVALID_ARGUMENT): one line naming the
+    team, the quota's field and the bound; nothing is persisted."""

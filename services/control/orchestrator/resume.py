@@ -27,7 +27,14 @@ from services.control.orchestrator.job import (
 )
 from services.control.orchestrator.layout import _layout_asked, _layout_change, _layout_flags, _new_layout, _set_layout
 from services.control.orchestrator.refusals import IllegalTransition, InsufficientResources, UnknownVersion
-from services.control.orchestrator.texts import _beyond_cluster, _degrees, _newest, _version_number, _waits_for
+from services.control.orchestrator.texts import (
+    _beyond_cluster,
+    _degrees,
+    _newest,
+    _version_number,
+    _waits_for,
+    cause_of,
+)
 from services.jobspec import (
     JobSpec,
     spec_from_json,
@@ -224,6 +231,7 @@ class OperatorResume:
                 "decision",
                 f"resume {was} from checkpoint {version} (step {step}) {by}: queued at {where}: {why}",
             )
+            job.status.cannot_run = cause_of(why)  # (counted: `surgectl queue`, surge_queue_cannot_run)
             self._reopen(job, f"queued: {why}", JobState.STANDBY)
         except BaseException:
             self._queue.take(job_id)

@@ -117,6 +117,9 @@ class Teams:
         # denominators; zeros until a worker registers: then the slot share, as before kinds).
         self._capacity: dict[str, int] = dict.fromkeys(KINDS, 0)
         self._capacity_offer = 0  # the number of the allocator's offer it is from (queue.py)
+        # Every registered slot per kind, placeable or not, as last offered (None: no offer yet):
+        # a queued job needing more can never run as things stand (queue.py ``_behind``).
+        self._registered: control_pb2.KindSlots | None = None
         # The queued jobs the starvation bound put ahead in the last order computed (under the
         # lock), and the pass armed for the next job to reach the bound (the order changes then
         # with no other event: its place and its reason are published then, not at a later change).
@@ -227,12 +230,14 @@ class Teams:
         ]
         return reclaim_victims(self._quotas, self._usage(), team_of(head.status), needs, free, running, kind_of(head))
 
-    def _check_hard_limit(self, team: str, slots: int, source: str, kind: str = "any") -> None:
-        """A submit of ``slots`` of device ``kind`` for ``team``: refused when beyond the team's
-        hard limit alone, or of kind ``any`` for a team whose quota is per device kind.
+    def _check_team_limits(self, team: str, slots: int, source: str, kind: str = "any") -> None:
+        """A submit of ``slots`` of device ``kind`` for ``team``: refused when beyond what the
+        team may ever hold (scheduler/admission.py rule 1: its hard limit, its nominal plus its
+        borrow limit, its cohort's nominal), or of kind ``any`` for a team whose quota is per
+        device kind -- as Slurm refuses a job over its association's limits at submit.
 
         Raises:
-            BeyondHardLimit: one line naming the file, the team and the limit.
+            BeyondHardLimit: one line naming the file, the team, the quota's field and the bound.
         """
         a = admit(self._quotas, {}, team, slots, kind)
         if a.never:
@@ -426,6 +431,7 @@ class Teams:
                         waiting_seconds=_waited(s, now),
                         device=s.device or "any",
                         promoted=s.message.startswith("queued: promoted "),
+                        cannot_run=s.cannot_run,
                     )
                 )
             elif s.state not in _IDLE and not s.drained:

@@ -130,28 +130,88 @@ def _gib(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:.1f} GiB"
 
 
+# What a queued job's reason says when it can never run as things stand (JobStatus.cannot_run).
+CANNOT_RUN = "can never run as things stand"
+
+
+class CannotRun(str):
+    """A queued job's reason when it can never run as things stand: the text, and ``cause``
+    (``quota`` or ``cluster``: JobStatus.cannot_run, counted by `surgectl queue` and the
+    ``surge_queue_cannot_run`` gauge). A str: it goes wherever a reason goes."""
+
+    cause: str
+
+    def __new__(cls, text: str, cause: str) -> CannotRun:
+        why = super().__new__(cls, text)
+        why.cause = cause
+        return why
+
+
+def cause_of(why: str) -> str:
+    """``why``'s CannotRun cause ("": the job may run as things stand)."""
+    return getattr(why, "cause", "")
+
+
+def quota_wait(reason: str, never: bool) -> str:
+    """A queued job's reason from its team's quota's answer (``never``: it can never start
+    under the quota as it stands, e.g. lowered since its submit: said, and counted)."""
+    if not never:
+        return reason
+    return CannotRun(f"{CANNOT_RUN}: {reason}; it starts once its team's quota allows it", "quota")
+
+
 def _beyond_cluster(reply: control_pb2.ResourcesInsufficient) -> bool:
-    """Whether the allocator refused because the job needs more ranks than every registered
-    worker's slots together (it can start only once more workers join)."""
+    """Whether the allocator refused because the job needs more ranks than the placeable
+    workers' slots together (it can start only once more workers join or come back)."""
     return reply.registered_ranks < reply.requested_ranks
 
 
 def _waits_for(job: _Job, reply: control_pb2.ResourcesInsufficient, spec: JobSpec | None = None) -> str:
     """What a queued job waits for, from the allocator's refusal to place it (``spec``: the
-    layout it waits to start at, when not the job's own: a queued `resume --dp`)."""
+    layout it waits to start at, when not the job's own: a queued `resume --dp`). Beyond every
+    registered slot of its kind (placeable or not): it can never run as things stand
+    (``CannotRun``); beyond the placeable ones only: how many are not placeable and why."""
     n = reply.requested_ranks or job.status.world_size
     needs = f"needs {n} rank{'' if n == 1 else 's'} ({_degrees(spec or job.spec)})"
     if _beyond_cluster(reply):
         kind = (spec or job.spec).parallel.device_kind  # (the allocator counted that kind's slots only)
-        if kind != "any" and not reply.registered_ranks:  # (a gpu job on a CPU-only cluster: say so)
-            what = "a GPU" if kind == "gpu" else "CPU slots"
-            return (
-                f"{needs} on {kind}: no node with {what} is registered (or every one is cordoned, held or "
-                "leaving): waits for one to join"
-            )
         of = "" if kind == "any" else f" {kind} slots"
-        return f"{needs}, more than the {reply.registered_ranks}{of} registered: waits for workers to join"
+        if reply.all_registered_ranks < reply.requested_ranks:
+            return _beyond_registered(needs, kind, reply.all_registered_ranks, reply.not_placeable)
+        return (
+            f"{needs}, more than the {reply.registered_ranks}{of} placeable of the {reply.all_registered_ranks} "
+            f"registered ({reply.not_placeable}): waits for them to be placeable again or for workers to join"
+        )
     return f"{needs}; {reply.reason}: waits for ranks to free up"
+
+
+def beyond_registered(spec: JobSpec, registered: control_pb2.KindSlots | None) -> CannotRun | None:
+    """Why a job of ``spec`` can never run as things stand when it needs more slots of its kind
+    than ``registered`` (the allocator's last offer: every registered slot per kind, placeable
+    or not; None: no offer yet), else None. What a queued job says when it waits behind
+    another and is not tried (the allocator's refusal says the same, with the slots not
+    placeable named, when it is)."""
+    if registered is None:
+        return None
+    kind, n = spec.parallel.device_kind, spec.world_size
+    have = registered.gpu + registered.cpu if kind == "any" else getattr(registered, kind)
+    if n <= have:
+        return None
+    return _beyond_registered(f"needs {n} rank{'' if n == 1 else 's'} ({_degrees(spec)})", kind, have, "")
+
+
+def _beyond_registered(needs: str, kind: str, registered: int, not_placeable: str) -> CannotRun:
+    if kind != "any" and not registered:  # (a gpu job on a CPU-only cluster: say so)
+        what = "a GPU" if kind == "gpu" else "CPU slots"
+        return CannotRun(
+            f"{needs} on {kind}: no node with {what} is registered: {CANNOT_RUN}; waits for one to join", "cluster"
+        )
+    of = "" if kind == "any" else f" {kind} slots"
+    unplaceable = f" ({not_placeable})" if not_placeable else ""
+    return CannotRun(
+        f"{needs}, more than the {registered}{of} registered{unplaceable}: {CANNOT_RUN}; waits for workers to join",
+        "cluster",
+    )
 
 
 def _degrees(spec: JobSpec) -> str:

@@ -228,6 +228,9 @@ class RankEvents:
                 return  # every rank relays the same commit; record it once
             job.status.checkpoint_version = msg.version
             job.versions.append((msg.step, msg.version))
+            if msg.removed_versions:  # (its retention deleted them: no rollback or resume offers them)
+                gone = set(msg.removed_versions)
+                job.versions = [(s, v) for s, v in job.versions if v not in gone]
             job.save_seconds = save_seconds(job.last_step_unix, msg, time.time()) or job.save_seconds
             self._record(
                 job,
@@ -346,7 +349,9 @@ class RankEvents:
                     job,
                     Module.L2_TRAINING_LOOP,
                     "rank",
-                    f"rank {msg.rank} failed at step {msg.step}: {msg.fault_class}: {msg.detail}",
+                    f"rank {msg.rank} failed at step {msg.step}: "
+                    + (f"{msg.fault_class}: " if msg.fault_class else "")
+                    + msg.detail,
                 )
 
     def on_step_fault_reported(self, msg: engine_pb2.StepFaultReported, payload: Any = None) -> None:

@@ -104,16 +104,21 @@ class JobViews:
             self._jobs.pop(job_id, None)
 
     def census(self) -> JobCensus:
-        """Jobs by state, the queue's length and its oldest entry's queue time (unix
-        seconds; 0: empty), as published: what control's cluster gauges read when scraped
+        """Jobs by state, the queue's length, its oldest entry's queue time (unix seconds; 0:
+        empty) and its jobs that can never run as things stand by cause, as published: what control's cluster gauges read when scraped
         (services/control/cluster_metrics.py)."""
         with self._lock:
             states = [status.state for status, _ in self._jobs.values()]
             queued, oldest = len(self._positions), min(self._queued_since.values(), default=0.0)
+            never = [v[0].cannot_run for j in self._positions if (v := self._jobs.get(j)) is not None]
         by_state: dict[int, int] = {}
         for state in states:
             by_state[state] = by_state.get(state, 0) + 1
-        return JobCensus(by_state, queued, oldest)
+        cannot_run: dict[str, int] = {}
+        for cause in never:
+            if cause:
+                cannot_run[cause] = cannot_run.get(cause, 0) + 1
+        return JobCensus(by_state, queued, oldest, cannot_run)
 
     def publish_cordons(self, cordons: list[control_pb2.WorkerCordoned]) -> None:
         with self._lock:

@@ -282,21 +282,43 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
     def _insufficient(
         self, msg: control_pb2.AllocateResources, available: int, reason: str, kind: str = "any"
     ) -> control_pb2.ResourcesInsufficient:
-        """The refusal; ``registered_ranks`` counts the slots of the job's ``kind`` only (a gpu
-        job on a cluster with fewer GPUs than its ranks waits for workers to join)."""
-        registered = sum(
-            1
-            for w in self._workers.values()
-            if self._placeable(w) and w.reg.worker_id not in msg.exclude_worker_ids
-            for s in range(w.reg.slots)
-            if _of_kind(w, s, kind)
-        )
+        """The refusal; ``registered_ranks`` counts the slots of the job's ``kind`` only on the
+        placeable workers (a gpu job on a cluster with fewer GPUs than its ranks waits for
+        workers to join); ``all_registered_ranks`` every registered one of its kind, and
+        ``not_placeable`` how many of those are not placeable and why (cordoned, on a silent
+        node, leaving, excluded for this job): a job beyond the placeable slots but not beyond
+        the registered ones waits for them to come back, not for new workers."""
+        registered = everything = 0
+        why: dict[str, int] = {}
+        excluded = set(msg.exclude_worker_ids)
+        for w in self._workers.values():
+            n = sum(1 for s in range(w.reg.slots) if _of_kind(w, s, kind))
+            everything += n
+            wid = w.reg.worker_id
+            cause = (
+                "excluded for this job"
+                if wid in excluded
+                else "cordoned"
+                if wid in self._cordons
+                else "on a silent node"
+                if wid in self._holds
+                else "leaving"
+                if w.departing
+                else ""
+            )
+            if cause:
+                if n:
+                    why[cause] = why.get(cause, 0) + n
+            else:
+                registered += n
         return control_pb2.ResourcesInsufficient(
             job_id=msg.job_id,
             requested_ranks=msg.world_size,
             available_ranks=available,
             reason=reason,
             registered_ranks=registered,
+            all_registered_ranks=everything,
+            not_placeable=", ".join(f"{n} {cause}" for cause, n in why.items()),
         )
 
     def _does_not_fit(

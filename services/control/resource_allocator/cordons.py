@@ -93,11 +93,14 @@ class Cordons:
         placeable = [w for w in self._workers.values() if self._placeable(w)]
         gpu = sum(_gpu_slots(w) for w in placeable)  # (per worker, not per slot: an offer per cordon at 1,024 nodes)
         self._offers += 1
+        every = self._workers.values()
+        registered_gpu = sum(_gpu_slots(w) for w in every)
         return control_pb2.ResourcesReady(
             free_ranks=sum(w.free_count() for w in placeable),
             gpu_slots=gpu,
             cpu_slots=sum(w.reg.slots for w in placeable) - gpu,
             offer=self._offers,
+            registered=control_pb2.KindSlots(gpu=registered_gpu, cpu=sum(w.reg.slots for w in every) - registered_gpu),
         )
 
     def _placeable(self, w: _Worker) -> bool:

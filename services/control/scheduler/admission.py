@@ -3,9 +3,13 @@ its ranks fit the free slots; both must agree).
 
 Rules, in order (slots: a job's world size):
 
-1. A job needing more slots than its team's hard limit never starts: refused at submit
-   (``Admission.never``), and, queued before a quota change, it waits without holding its
-   team back.
+1. A job needing more slots than its team may ever hold never starts: beyond its hard limit,
+   beyond its nominal plus its borrow limit, or beyond the nominal of its whole cohort (what
+   the cohort's teams own together, when the cohort is not the default's: teams with no entry
+   join that one as they come). Refused at submit (``Admission.never``, one line naming the
+   quota's field and the bound), and, queued before a quota change, it waits saying it can
+   never run as things stand, without holding its team back, and starts once the bound is
+   raised. The test is usage-free: on an idle cluster the same answer.
 2. The team's slots in use plus the job's must stay within its hard limit, whatever is idle.
 3. Within the team's nominal: admitted.
 4. Beyond it, the slots above nominal are borrowed: admitted only when they stay within its
@@ -145,9 +149,7 @@ def admit(book: QuotaBook, usage: Usage, team: str, slots: int, kind: str = "any
     hard, hs = q.bound("hard_limit", kind)
     unit = f"{hs} slots" if hs else "slots"
     if hard is not None and slots > hard:
-        return Admission(
-            NEVER, reason=f"needs {slots} {unit}, beyond team {team}'s {hs + ' ' if hs else ''}hard limit of {hard}"
-        )
+        return Admission(NEVER, reason=_at_most(slots, unit, team, hard, _field("hard_limit", hs)))
     used = held(mine, hs)
     if hard is not None and used + slots > hard:
         return Admission(
@@ -164,7 +166,11 @@ def admit(book: QuotaBook, usage: Usage, team: str, slots: int, kind: str = "any
         return Admission(ADMITTED)
     of = f" {ns}" if ns else ""
     borrowed = used + slots - nominal  # the team's slots beyond nominal once it runs
-    limit, _ = q.bound("borrow_limit", kind)
+    limit, ls = q.bound("borrow_limit", kind)
+    if limit is not None and slots > nominal + limit:  # (beyond what it may ever hold, idle or not)
+        field = f"{_field('nominal', ns)} {nominal} + {_field('borrow_limit', ls)} {limit}"
+        unit = f"{ns or ls} slots" if ns or ls else "slots"
+        return Admission(NEVER, reason=_at_most(slots, unit, team, nominal + limit, field), scope=ns)
     if limit is not None and borrowed > limit:
         return Admission(
             WAIT_BORROW_LIMIT,
@@ -175,6 +181,14 @@ def admit(book: QuotaBook, usage: Usage, team: str, slots: int, kind: str = "any
             scope=ns,
         )
     idle = cohort_idle(book, usage, q.cohort, kind)
+    if idle < slots and book.default.cohort != q.cohort:
+        # The cohort's teams are those with an entry (the default's teams are not in it): what
+        # they own together bounds what it lends, however idle it is.
+        whole = cohort_idle(book, {}, q.cohort, kind)
+        if whole < slots:
+            field = f"cohort {q.cohort}'s{of} nominal: what its teams own together"
+            unit = f"{ns} slots" if ns else "slots"
+            return Admission(NEVER, reason=_at_most(slots, unit, team, int(whole), field), scope=ns)
     if idle < slots:
         return Admission(
             WAIT_COHORT,
@@ -185,6 +199,17 @@ def admit(book: QuotaBook, usage: Usage, team: str, slots: int, kind: str = "any
             scope=kind if kind in KINDS else "",
         )
     return Admission(ADMITTED, borrowed=min(slots, borrowed))
+
+
+def _field(name: str, scope: str) -> str:
+    """A quota field as the quota file names it (``hard_limit``, per kind ``hard_limit.gpu``)."""
+    return f"{name}.{scope}" if scope else name
+
+
+def _at_most(slots: int, unit: str, team: str, most: int, field: str) -> str:
+    """Why a job can never start under its team's quota: one line naming the bound, e.g.
+    ``needs 16 gpu slots; team vision may hold at most 8 (hard_limit.gpu)``."""
+    return f"needs {slots} {unit}; team {team} may hold at most {most} ({field})"
 
 
 def quota_deficit(book: QuotaBook, usage: Usage, team: str, slots: int, kind: str = "any") -> int | None:

@@ -131,11 +131,11 @@ class Commit:
             self._chunk_sets[entry["version"]] = frozenset(chunks.sizes)
         return entry
 
-    def _retain(self, job: str, keep_last: int, keep_every: int = 0, keep_versions: Any = ()) -> list[Path]:
+    def _retain(self, job: str, keep_last: int, keep_every: int = 0, keep_versions: Any = ()) -> list[tuple[str, Path]]:
         """Drop the job's versions older than the newest ``keep_last`` from the catalog,
         except those whose step is a multiple of ``keep_every`` (> 0), those named in
         ``keep_versions`` and the newest version whose recorded verdict is ok, and return
-        their directories for removal (after the catalog no longer names them). Caller holds
+        each (version, its directory, for removal after the catalog no longer names it). Caller holds
         the lock. A failure to rewrite the catalog keeps every version (the commit itself
         stands) and is counted; the next commit's retention covers them again."""
         if keep_last <= 0:
@@ -160,7 +160,7 @@ class Commit:
             self._rejected.labels(job, "retention").inc()
             return []
         self._chain = kept
-        return [self._dir / e["path"] for e in drop]
+        return [(e["version"], self._dir / e["path"]) for e in drop]
 
     def _write_catalog(self, chain: list[dict[str, Any]]) -> None:
         data = json.dumps({"format": CATALOG_FORMAT, "versions": chain}, indent=1).encode()

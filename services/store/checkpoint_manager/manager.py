@@ -3,8 +3,9 @@
 ``CheckpointManager`` is the one seed module; its parts are mixins, one concern a file:
 ``staging.py`` (one open save per job), ``chunks.py`` (epochs, the commit's chunk check,
 garbage collection), ``commit.py`` (seal, retention, catalog), ``verification.py``
-(re-hash, verdicts, scrub), ``data_plane.py`` (bytes without a shared filesystem). Here: its
-state and metrics, the commands it receives, and the catalog lookups.
+(re-hash, verdicts, scrub), ``data_plane.py`` (bytes without a shared filesystem),
+``series.py`` (a job's Prometheus series retired at its end). Here: its state and metrics,
+the commands it receives, and the catalog lookups.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from services.store.checkpoint_manager.layout import (
     _replica_verified,
     _verdict,
 )
+from services.store.checkpoint_manager.series import Series
 from services.store.checkpoint_manager.staging import Staging
 from services.store.checkpoint_manager.verification import Verification, _check_manifest
 from services.store.chunk_roots import FsspecChunks, LocalChunks
@@ -47,7 +49,7 @@ from services.store.chunk_roots import FsspecChunks, LocalChunks
 _ATTEMPTS_KEPT = 32  # per job: attempts remembered to refuse a superseded one
 
 
-class CheckpointManager(Staging, Chunks, Commit, Verification, DataPlane):
+class CheckpointManager(Staging, Chunks, Commit, Verification, DataPlane, Series):
     """The version chain of every job under ``<root>/checkpoints`` (survives restarts).
 
     Thread-safe: the gRPC relay calls it from a thread pool. Hashing runs outside the lock,
@@ -65,12 +67,16 @@ class CheckpointManager(Staging, Chunks, Commit, Verification, DataPlane):
         emit: Callable[[store_pb2.CheckpointCorrupt], Any] | None = None,
         transfer: int = store_pb2.TRANSFER_PATH,
         chunks: FsspecChunks | None = None,
+        later: Callable[[float, Callable[..., Any], tuple], Any] | None = None,
+        linger_s: float = 300.0,
     ):
         """``emit``: where each version newly found corrupt is published (the bus emitter of
         L5-1 in the service; None drops them). ``transfer``: how ranks move this store's
         bytes (SaveStaged.transfer: TRANSFER_PATH, the default, or TRANSFER_STREAM);
         ``chunks``: an object store for the chunks (then TRANSFER_FSSPEC; None: the
-        store's disk). See "Where the bytes live" in the module docstring."""
+        store's disk). See "Where the bytes live" in the module docstring. ``later(seconds,
+        fn, args)``, ``linger_s``: the composition root's timer that removes an ended job's
+        series, and after how long (None: at once; series.py)."""
         self._emit = emit
         self._dir = Path(root) / "checkpoints"
         self._dir.mkdir(parents=True, exist_ok=True)
@@ -122,6 +128,17 @@ class CheckpointManager(Staging, Chunks, Commit, Verification, DataPlane):
             ["job", "cause"],
             registry=reg,
         )
+        # Labelled by job (retired at the job's end, series.py), with their label names.
+        self._per_job = (
+            (self._commits, ("job",)),
+            (self._commit_seconds, ("job",)),
+            (self._bytes, ("job",)),
+            (self._written, ("job",)),
+            (self._swept, ("job",)),
+            (self._rejected, ("job", "op")),
+            (self._found_corrupt, ("job", "cause")),
+        )
+        self._later, self._linger_s = later, linger_s
         self._scrub_seconds = Gauge(
             "surge_checkpoint_scrub_seconds", "Wall time of the last scrub (seconds).", registry=reg
         )
@@ -227,7 +244,7 @@ class CheckpointManager(Staging, Chunks, Commit, Verification, DataPlane):
                         del self._open[job]
                     else:
                         save.committing = False  # the loop may fix the cause and commit again
-        for path in removed:
+        for _, path in removed:
             shutil.rmtree(path, ignore_errors=True)
         if plan is not None:  # off the lock: saves of any job begin and commit meanwhile
             self._sweep(plan)
@@ -248,6 +265,7 @@ class CheckpointManager(Staging, Chunks, Commit, Verification, DataPlane):
             seconds=seconds,
             written_bytes=entry.get("written_bytes", 0),
             baseline=entry.get("baseline", False),
+            removed_versions=[version for version, _ in removed],
         )
 
     def load_checkpoint(self, msg: store_pb2.LoadCheckpoint, payload: Any = None) -> store_pb2.CheckpointLoaded:
