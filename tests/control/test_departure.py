@@ -89,7 +89,10 @@ def test_a_departing_node_agent_s_job_checkpoints_at_a_boundary_and_moves_to_the
     s = plane.get(job_id)
     assert s.state == JobState.WARMING_UP and s.step == 16
     text = messages(plane, job_id)
-    assert f"node wa departs: checkpoint at step 16 ({job_id}:1): continues from it off wa, first in the queue" in text
+    assert (
+        f"node wa departs: checkpoint at step 16 ({job_id}:1): continues from it off wa, queued at position 1 of 1"
+        in text
+    )
     assert any(m.startswith("resume STANDBY from checkpoint") and "allocated on wb, wc" in m for m in text), text
     assert not [e for e in plane.events(job_id) if e.type == "fault"]
     assert any("restart budgets kept" in m for m in text)
@@ -110,7 +113,10 @@ def test_drain_cordons_the_node_and_moves_its_job_a_node_with_no_job_is_only_cor
         plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=10))
     sent = launched({"wa": a, "wb": b, "wc": c}, 2)
     text = messages(plane, job_id)
-    assert f"node wb departs: checkpoint at step 10 ({job_id}:1): continues from it off wb, first in the queue" in text
+    assert (
+        f"node wb departs: checkpoint at step 10 ({job_id}:1): continues from it off wb, queued at position 1 of 1"
+        in text
+    )
     assert any(m.startswith("resume STANDBY from checkpoint") and "allocated on wa, wc" in m for m in text), text
     assert not [cmd for cmd in sent["wb"] if cmd.WhichOneof("command") == "launch"]
     cordons = plane.user(control_pb2.JobQuery()).cordoned
@@ -192,8 +198,9 @@ def test_with_no_free_slot_the_job_waits_first_in_the_queue_and_continues_from_i
     settle(lambda: plane.get(job_id).queue_position, 1)
     s = plane.get(job_id)
     assert s.state == JobState.STANDBY and s.queue_position == 1
-    assert f"node wa departs: checkpoint at step 22 ({job_id}:1): continues from it off wa, first in the queue" in (
-        messages(plane, job_id)
+    assert (
+        f"node wa departs: checkpoint at step 22 ({job_id}:1): continues from it off wa, queued at position 1 of 1"
+        in (messages(plane, job_id))
     )
     for rank, session in ((0, a), (1, b)):  # the released ranks end (the agent leaves once its rank did)
         plane.rank_exited(session, job_id, rank, -9, released=True)
@@ -269,3 +276,25 @@ def test_a_deadline_under_10_s_is_said_with_its_decimal(plane):
     step(plane, a, job_id, 8)
     plane.user(control_pb2.DrainWorkerRequest(worker_id="wb", deadline_seconds=0.5))
     assert "node wb departs in 0.5 s (`surgectl drain`)" in "\n".join(messages(plane, job_id))
+
+
+def test_a_second_drained_job_s_departure_says_the_place_the_queue_gives_it(plane):
+    # Was: "first in the queue" while its decision and `status` said #2, behind a job drained
+    # earlier that still waits for slots.
+    a, b = plane.register("wa"), plane.register("wb")
+    jobs = [plane.submit(dp=1, steps=50).job_id for _ in range(2)]
+    for job_id, session in zip(jobs, (a, b), strict=True):
+        plane.rank_event(session, job_id, 0, started=engine_pb2.TrainingLoopStarted(rank=0))
+    drain(a), drain(b)
+    for n, (job_id, session, worker) in enumerate(zip(jobs, (a, b), ("wa", "wb"), strict=True), start=1):
+        step(plane, session, job_id, 4)
+        plane.user(control_pb2.DrainWorkerRequest(worker_id=worker, deadline_seconds=60))
+        (cmd,) = drain(session)
+        pause = to_ranks(cmd)
+        step(plane, session, job_id, 6, agreed=pause.seq)
+        saved(plane, session, job_id, 1, 6)
+        plane.rank_event(session, job_id, 0, paused=engine_pb2.TrainingLoopPaused(rank=0, step=6))
+        said = [m for m in messages(plane, job_id) if "continues from it off" in m]
+        assert said == [f"node {worker} departs: checkpoint at step 6 ({job_id}:1): continues from it off {worker}, "
+                        f"queued at position {n} of {n}"], said  # fmt: skip
+        assert plane.user(control_pb2.JobQuery(job_id=job_id)).queue_position == n

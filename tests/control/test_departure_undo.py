@@ -28,7 +28,7 @@ def moved_records(plane, job_id: str) -> list[str]:  # noqa: F811
     return [
         e.message
         for e in plane.events(job_id)
-        if "ranks released to move off" in e.message or "first in the queue" in e.message
+        if "ranks released to move off" in e.message or "continues from it off" in e.message
     ]
 
 

@@ -126,7 +126,7 @@ def assert_moved_with_nothing_lost(events, at: int) -> int:
     moved = [
         m
         for m in of_type(events, "departure")
-        if ": checkpoint at step " in m and ("moving to" in m or "first in the queue" in m)
+        if ": checkpoint at step " in m and ("moving to" in m or "continues from it off" in m)
     ]
     assert len(moved) == 1, of_type(events, "departure")
     step = int(moved[0].split(": checkpoint at step ", 1)[1].split(" ", 1)[0])

@@ -208,6 +208,9 @@ class Orchestrator(
         self._preemption_grace_s, self._preemption_min_run_s = preemption_grace_s, preemption_min_run_s
         # The preemption's and growing back's timers by name (preemption.py ``_arm_policy_timer``).
         self._policy_timers: dict[str, PolicyTimer] = {}
+        # A preemptor found a lower job still starting (not preemptable yet): the queue is tried
+        # again once a job runs and its minimum run time ends (preemption.py ``_preemption_on_run``).
+        self._preempt_after_start = False
         self._hooks_submitting: set[tuple[str, int]] = set()  # eval.hooks asked, not yet a job (eval_hooks.py)
         self._resize_min_interval_s = resize_min_interval_s  # a job grows back at most once per this (grow_rule.py)
         self._journal_locks: dict[str, threading.RLock] = {}  # job id -> its journal writes' order

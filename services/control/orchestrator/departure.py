@@ -256,8 +256,11 @@ class Departures:
                 keep_budgets=True,
                 start=False,
             )
+            # Its place as the queue gives it (drained jobs first, among them in the order they
+            # left: was "first in the queue" while `status` said #2, behind one drained earlier).
+            where = f"position {self._queue.position(job.status.job_id)} of {len(self._queue)}"
             self._record(
-                job, ORCH, DEPARTURE, f"{head} ({version}): continues from it off {worker_id}, first in the queue"
+                job, ORCH, DEPARTURE, f"{head} ({version}): continues from it off {worker_id}, queued at {where}"
             )
         # After the move's write (the outbox sends it once that is committed, drops it with it).
         self._allocator(control_pb2.ReleaseResources(job_id=job.status.job_id, kill=True))

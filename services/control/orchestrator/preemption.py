@@ -7,7 +7,9 @@ boundary command, as a node's departure does), then its ranks are released (kill
 are no fault, no restart budget is spent) and it waits in the queue at its own priority, shown
 PREEMPTED (STANDBY with ``JobStatus.preempted_by``), to continue from that checkpoint by itself
 when capacity returns: at most the steps after the boundary are lost (none, the boundary is
-where it stopped). The head starts once the slots are free (it stays first in the queue).
+where it stopped). The head starts once the slots are free: until it starts it claims them,
+first in the queue after drained jobs (teams.py ``_claims``, scheduler/fair_share.py), so a
+victim whose team is below its fair share is not placed straight back on them.
 
 Within a team (``_preempt_in_team``): a queued job its own team's quota holds back (hard limit,
 borrow limit, nominal used up with nothing to borrow: no slot shortage the allocator would
@@ -114,6 +116,7 @@ class Preempting:
         )
         if not choice.victims:
             self._preemption_retry(head, running, now, borrowed)
+            self._note_starting(head, kind_of(head), None)
             return
         head_id = head.status.job_id
         self._record(head, ORCH, PREEMPTION, f"job {head_id} (priority {head.status.priority}) {choice.why}")
@@ -175,6 +178,7 @@ class Preempting:
                 return
         else:
             self._preemption_retry(head, in_team, now, [])
+            self._note_starting(head, kind, team)
             return
         head_id = head.status.job_id
         self._record(head, ORCH, PREEMPTION, f"job {head_id} (priority {priority}) {choice.why}")
@@ -201,6 +205,35 @@ class Preempting:
                 self._start_soon()
 
         self._arm_policy_timer("min-run", min(young) + 0.05, again)
+
+    def _note_starting(self, head: _Job, kind: str, team: str | None) -> None:
+        """Under the lock: a preemption for ``head`` found nothing to preempt now: where a
+        lower-priority preemptible job (of ``team``; None: any) is still starting, its ranks
+        not running yet, it becomes a candidate once it runs and its minimum run time ends,
+        and no other event need try the queue then (a fresh user's hp2, session 33, waited
+        115 s, "never preempted again"): ``_preemption_on_run`` arms that try."""
+        self._preempt_after_start = self._preempt_after_start or any(
+            j.status.state == JobState.WARMING_UP
+            and j.spec.preemptible
+            and j.status.priority < head.status.priority
+            and (team is None or team_of(j.status) == team)
+            and _frees_for(landed_kind(j), kind)
+            for j in self._jobs.values()
+            if j is not head and self._holds_ranks(j)
+        )
+
+    def _preemption_on_run(self) -> None:
+        """Under the lock: a job's ranks started training. If a preemptor waits for such a job
+        (``_note_starting``), the queue is tried when its minimum run time ends."""
+        if not self._preempt_after_start:
+            return
+        self._preempt_after_start = False
+
+        def again() -> None:
+            with self._lock:
+                self._start_soon()
+
+        self._arm_policy_timer("min-run:started", self._preemption_min_run_s + 0.05, again)
 
     def _arm_policy_timer(self, key: str, seconds: float, fn: Callable[[], None]) -> None:
         """Under the lock: the one timer of a preemption or growing-back wait named ``key`` (a

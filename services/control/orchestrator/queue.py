@@ -21,7 +21,7 @@ from services.control.orchestrator.resume_machine import Queue, Refuse
 from services.control.orchestrator.teams import PROMOTED, kind_of, team_of
 from services.control.orchestrator.texts import _beyond_cluster, _waits_for, beyond_registered, cause_of, quota_wait
 from services.control.scheduler.admission import WAIT_COHORT, Admission, admit
-from services.control.scheduler.fair_share import Holds, blocks, cohort_wait
+from services.control.scheduler.fair_share import Holds, backfills, blocks, cohort_wait
 from services.hf_config import check_spec_directory
 from services.jobspec import (
     parse_job_spec,
@@ -344,8 +344,10 @@ class JobQueueing:
                     self._behind(job, f"waits behind job {held_by} of team {team}", place)
                     continue
                 if (held_by := held_cohorts.of(cohort, kind)) is not None:  # (the cohort's idle slots go in order)
-                    self._behind(job, cohort_wait(held_by, cohort), place)
-                    continue
+                    other = team_of(self._jobs[held_by].status)  # (but within its nominal: fair_share.py)
+                    if other == team or not backfills(team, other, self._quota_admission(job)):
+                        self._behind(job, cohort_wait(held_by, cohort), place)
+                        continue
                 quota = self._quota_admission(job)
                 if not quota.ok:
                     self._quota_held[entry.job_id] = (quota.kind, quota.scope)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from types import SimpleNamespace
 from typing import Any
 
@@ -32,7 +32,7 @@ from services.control.orchestrator.refusals import BeyondHardLimit
 from services.control.scheduler import Admission, QuotaBook, QuotaFileError, TeamQuota, Waiting, admit, fair_order
 from services.control.scheduler.admission import borrowed_by_job
 from services.control.scheduler.admission import held as held_in
-from services.control.scheduler.fair_share import blocks, next_overdue
+from services.control.scheduler.fair_share import backfills, blocks, next_overdue
 from services.control.scheduler.quotas import KINDS, check_max_wait, check_team_name, quota_from_fields
 from services.control.scheduler.reclaim import reclaim_victims
 
@@ -248,7 +248,8 @@ class Teams:
         Under the lock: the jobs promoted by the starvation bound are kept (``_promoted``) and
         a pass is armed for the next job to reach it."""
         by_id = {e.job_id: e for e in entries}
-        waiting = [self._waiting_of(e) for e in entries]
+        claims = self._claims()
+        waiting = [self._waiting_of(e, claims) for e in entries]
         now, promoted = time.time(), set()
         order = fair_order(waiting, self._usage(), self._quotas, self._capacity, now, promoted)
         self._promoted = promoted
@@ -272,7 +273,7 @@ class Teams:
             self._places_changed = True
             self._start_soon()
 
-    def _waiting_of(self, e: QueueEntry) -> Waiting:
+    def _waiting_of(self, e: QueueEntry, claims: Collection[str] = ()) -> Waiting:
         job = self._jobs.get(e.job_id)
         if job is None:
             return Waiting(e.job_id, "default", 1, e.priority, e.seq, e.first)
@@ -280,8 +281,34 @@ class Teams:
         if since:  # (its earlier waits, before it was preempted or requeued, count towards the bound)
             since -= job.status.waited_seconds
         return Waiting(
-            e.job_id, team_of(job.status), self._slots(job), e.priority, e.seq, e.first, kind_of(job), since or None
+            e.job_id,
+            team_of(job.status),
+            self._slots(job),
+            e.priority,
+            e.seq,
+            e.first,
+            kind_of(job),
+            since or None,
+            claims=e.job_id in claims,
         )
+
+    def _claims(self) -> set[str]:
+        """Under the lock: the queued preemptors whose victims' slots are theirs (scheduler/
+        fair_share.py, "A preemptor's claim"): named by a victim's ``preempted_by`` while that
+        victim checkpoints to release its slots, or waits queued having released them since the
+        preemptor last ran (once it has run, the claim is spent: a victim still queued then
+        does not put it first again). A preemptor itself preempted meanwhile claims nothing
+        (its own preemptor's claim comes first). Derived from journaled fields: a restarted
+        control keeps the claims."""
+        claims: set[str] = set()
+        for v in self._jobs.values():
+            by = v.status.preempted_by
+            if not by or (head := self._jobs.get(by)) is None or by not in self._queue or head.status.preempted_by:
+                continue
+            checkpointing = v.status.state == JobState.RUNNING and v.pending == "pause"
+            if checkpointing or (v.status.job_id in self._queue and v.status.queued_unix >= head.running_since):
+                claims.add(by)
+        return claims
 
     def _ahead_at_submit(self, job: _Job, priority: int) -> bool:
         """Under the lock: whether a queued job comes before the new ``job`` in the fair order
@@ -290,8 +317,10 @@ class Teams:
         if not len(self._queue):
             return False
         team, kind = team_of(job.status), kind_of(job)
+        within_nominal: Admission | None = None  # (asked once, at the first cohort hold of another team)
         new = Waiting(job.status.job_id, team, job.spec.world_size, priority, 1 << 62, kind=kind)
-        queued = [self._waiting_of(e) for e in sorted(self._queue.ordered(), key=QueueEntry.key)]
+        claims = self._claims()
+        queued = [self._waiting_of(e, claims) for e in sorted(self._queue.ordered(), key=QueueEntry.key)]
         for w in fair_order([*queued, new], self._usage(), self._quotas, self._capacity, time.time()):
             if w.job_id == new.job_id:
                 return False
@@ -304,6 +333,10 @@ class Teams:
                 self._quotas.cohort_of(w.team) != self._quotas.cohort_of(team) or not blocks(w.kind, kind)
             ):
                 continue
+            if held == "cohort_full" and w.team != team:  # (backfill within nominal: fair_share.py)
+                within_nominal = within_nominal or self._quota_admission(job)
+                if backfills(team, w.team, within_nominal):
+                    continue
             if held and held != "cohort_full" and (w.team != team or not blocks(scope, kind)):
                 continue
             if not held and not blocks(w.kind, kind):  # (waiting for slots of another kind)

@@ -97,6 +97,7 @@ class RankEvents:
         self._start_group(job)
         job.running_since = time.time()
         self._transition(job, JobState.RUNNING, ORCH, f"all {job.status.world_size} ranks ready; training started")
+        self._preemption_on_run()
 
     def on_step_completed(self, msg: engine_pb2.StepCompleted, payload: Any = None) -> None:
         """Rank 0's step summary (global loss, all-rank tokens) updates the status; it is

@@ -13,6 +13,14 @@ is left out, so with one kind the share is the slot share, as before device kind
 team: priority (higher first), then submission order, as the queue before issue 30. A drained
 job's queued resume (``first``) goes ahead of everything, as before.
 
+A preemptor's claim (``claims``): a queued job whose preemption made others release (or
+checkpoint to release) their slots goes right after the ``first`` ones, ahead of the overdue
+and the fair order, until it starts: the slots its preemption frees are its own (Kueue and
+Volcano place the preemptor on them). Without it, a victim whose team is below its fair share
+came first, was placed straight back on the slots it had just released, and the preemptor
+waited (a fresh user's finding, session 33: hp2 waited 115 s while n2 ran again). Its victims
+wait behind it; fair share orders everything else. The claims by priority, then submission order.
+
 The starvation bound (the book's ``max_wait_s``, the quota file's ``max_wait_minutes``; quotas.py
 says the default): a team's next job (by priority, then age, as above) that has waited that
 long (``now - queued``: its time in the queue, its earlier waits included when it was
@@ -42,7 +50,12 @@ One pass (:func:`schedule`) walks that order once:
 - a job waiting for its cohort to have enough idle nominal slots to lend holds back every later
   job of its cohort: that capacity is shared, and letting the cohort's smaller jobs take it as
   it frees up would starve the larger one (measured: bench/scheduler_bench.py on 64 slots left
-  130 of 412 jobs never started before this rule);
+  130 of 412 jobs never started before this rule) -- except a job of another team that its
+  own team's nominal admits with nothing borrowed (backfill within nominal, Kueue's
+  BestEffortFIFO within nominal): those slots are its team's, which would reclaim them from a
+  borrower at once (reclaim.py), so the held job could never count on them; it waited behind a
+  job that could not start with its own team's slot free (a fresh user's finding, session 33).
+  Within the held job's team nothing overtakes it (its team's nominal is what it needs first);
 - a job the quota admits but whose ranks do not fit the free slots holds back every job after
   it in the order (gang admission without backfill: nothing is partially held, and a large job
   is not starved by small ones, as before issue 30).
@@ -81,6 +94,7 @@ class Waiting:
     first: bool = False
     kind: str = "any"
     queued: float | None = None
+    claims: bool = False  # a preemptor not started yet: its victims' slots are its own (module docstring)
 
     def key(self) -> tuple[bool, int, int]:
         return (not self.first, -self.priority, self.seq)
@@ -191,16 +205,20 @@ def fair_order(
     now: float | None = None,
     promoted: set[str] | None = None,
 ) -> list[Waiting]:
-    """The waiting jobs in the order to try them (module docstring): the ``first`` ones, each
-    team's next jobs overdue at ``now`` (None: none is), then the fair order. O(n log n).
-    ``promoted``: filled with the ids of the jobs the starvation bound put ahead."""
+    """The waiting jobs in the order to try them (module docstring): the ``first`` ones, the
+    preemptors' claims, each team's next jobs overdue at ``now`` (None: none is), then the
+    fair order. O(n log n). ``promoted``: filled with the ids of the jobs the starvation bound put ahead."""
     per_team: dict[str, list[Waiting]] = {}
     firsts: list[Waiting] = []
+    claims: list[Waiting] = []
     for w in waiting:
-        (firsts if w.first else per_team.setdefault(w.team, [])).append(w)
+        (firsts if w.first else claims if w.claims else per_team.setdefault(w.team, [])).append(w)
     firsts.sort(key=Waiting.key)
+    claims.sort(key=Waiting.key)
     caps = _caps(capacity)
     held: dict[str, _Held] = {t: _held(u) for t, u in usage.items()}
+    for w in claims:  # (picked ahead: their slots count in their team's share, as the ``late`` ones' do)
+        held[w.team] = _with(held.get(w.team, (0, 0, 0)), w.kind, w.slots)
     late: list[Waiting] = []
     # A team's entitlement: its weight's part of the weights of the teams with work (running or
     # waiting); its overdue heads go ahead while its share before them is below that.
@@ -222,7 +240,7 @@ def fair_order(
         head, weight = jobs[-1], book.get(team).weight
         h = held.get(team, (0, 0, 0))
         heapq.heappush(heap, (_dominant(_with(h, head.kind, head.slots), caps) / weight, head.key(), team))
-    order = [*firsts, *late]
+    order = [*firsts, *claims, *late]
     while heap:
         _, _, team = heapq.heappop(heap)
         jobs = per_team[team]
@@ -275,6 +293,7 @@ def schedule(
     result = Pass()
     order = fair_order(waiting, usage, book, capacity, now)
     result.order = [w.job_id for w in order]
+    teams = {w.job_id: w.team for w in order}
     held_teams = Holds()  # team, scope -> the job of it that holds its later ones back
     held_cohorts = Holds()  # cohort, kind -> the job waiting for its idle nominal slots
     blockers: dict[str, Waiting] = {}  # kind -> the first job of it whose ranks did not fit
@@ -289,10 +308,10 @@ def schedule(
             result.waits[w.job_id] = ("team", f"waits behind job {job} of team {w.team}")
             continue
         cohort = book.cohort_of(w.team)
-        if (job := held_cohorts.of(cohort, w.kind)) is not None:
+        a = admit(book, usage, w.team, w.slots, w.kind)
+        if (job := held_cohorts.of(cohort, w.kind)) is not None and not backfills(w.team, teams[job], a):
             result.waits[w.job_id] = ("cohort", cohort_wait(job, cohort))
             continue
-        a = admit(book, usage, w.team, w.slots, w.kind)
         if a.never:
             result.waits[w.job_id] = (a.kind, a.reason)
             continue
@@ -314,6 +333,13 @@ def schedule(
             result.waits[w.job_id] = (NO_ROOM, f"waits for {w.slots} slots to free up")
             blockers[w.kind] = w
     return result
+
+
+def backfills(team: str, holder_team: str, admission: Admission) -> bool:
+    """Whether a job of ``team`` that ``admission`` answers goes past a job of ``holder_team``
+    waiting for their cohort's idle slots (module docstring, backfill within nominal): it is
+    admitted within its own team's nominal (nothing borrowed) and is of another team."""
+    return team != holder_team and admission.ok and not admission.borrowed
 
 
 def cohort_wait(job_id: str, cohort: str) -> str:
