@@ -78,6 +78,7 @@ from bench import common as c  # noqa: E402
 FULL = {"nodes": 1024, "agents": 10_000, "restart_agents": 3000, "seconds": 30.0}
 QUICK_SIZES = {"nodes": 128, "agents": 1000, "restart_agents": 1000, "seconds": 20.0}
 REGISTERED_HEADER, LAST_SEQ_HEADER = "surge-registered", "surge-last-seq"  # services/control/server.py
+BATCHES_HEADER = "surge-batches"  # services/control/server.py: control reads WorkerEvent.batch
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -165,6 +166,8 @@ class SimAgent:
         self.launches: dict[str, object] = {}  # job -> LaunchRanks (declared in `running`)
         self.job, self.ranks, self.stepping, self.step = "", set(), False, 0
         self.heard: set[int] = set()  # ranks whose StepCompleted went up this session
+        self.batches = False  # the session's control reads WorkerEvent.batch
+        self.held: list | None = None  # events emitted while a launch is stated (one batch)
 
     # ---- the stream
 
@@ -218,14 +221,19 @@ class SimAgent:
                 await call  # raises the call's status
                 return
             applied = int(header.get(LAST_SEQ_HEADER, "0"))
+            self.batches = header.get(BATCHES_HEADER) == "1"
             while self.outbox and self.outbox[0][0] <= applied:
                 self.outbox.popleft()
-            for _seq, ev, _, _ in self.outbox:  # not applied by this control: again, in order
-                queue.put_nowait(ev)
-                self.stats["resent"] += 1
             self.queue = queue
+            if self.batches:  # (batched as the agent's outbox sends what is queued: each keeps its seq)
+                self.held = [ev for _seq, ev, _, _ in self.outbox]
+            for _seq, ev, _, _ in self.outbox if not self.batches else ():  # not applied: again, in order
+                queue.put_nowait(ev)
+            self.stats["resent"] += len(self.outbox)
             for r in sorted(self.ranks):  # as the agent's restate_processes: a new control has not heard it
                 self._process_running(r)
+            if self.held is not None:
+                self._send_held()
             self.heard.clear()
             self.stats["sessions"] += 1
             with self.shared.registered.get_lock():
@@ -241,8 +249,22 @@ class SimAgent:
         self.seq += 1
         ev = self.pb.WorkerEvent(seq=self.seq, **event)
         self.outbox.append((self.seq, ev, time.time(), kind))
-        if self.queue is not None:
+        if self.held is not None:
+            self.held.append(ev)
+        elif self.queue is not None:
             self.queue.put_nowait(ev)
+
+    def _send_held(self) -> None:
+        """What the launch stated, as the node agent's outbox sends what piled up since its
+        last send (control_link.Outbox): one batch per 64 events, each with its own seq."""
+        held, self.held = self.held or [], None
+        if self.queue is None:
+            return
+        for k in range(0, len(held), 64):
+            part = held[k : k + 64]
+            self.queue.put_nowait(
+                part[0] if len(part) == 1 else self.pb.WorkerEvent(batch=self.pb.WorkerEvents(events=part))
+            )
 
     def _command(self, cmd) -> None:
         kind = cmd.WhichOneof("command")
@@ -272,6 +294,8 @@ class SimAgent:
             launch = merged
         self.launches[launch.job_id] = launch
         self.job = launch.job_id
+        if self.batches:
+            self.held = []
         for a in launch.ranks:
             if a.rank in self.ranks:
                 continue
@@ -286,6 +310,8 @@ class SimAgent:
                     job_id=self.job, rank=a.rank, routed=pack(started, Module.L2_TRAINING_LOOP)
                 ),
             )
+        if self.held is not None:
+            self._send_held()
 
     def _process_running(self, rank: int) -> None:
         """The rank's process runs (``RankProcessState``, as the node agent states it when its
