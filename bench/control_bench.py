@@ -11,7 +11,9 @@ Starts control, store and data (``surgectl up`` with no worker, a fresh SURGE_HO
 side of ``ControlService.WorkerSession`` as services/worker/control_link.py does (register,
 every event sequenced and kept until acknowledged, re-register after a broken stream with
 the ranks still running and resend what control has not applied; each rank's process stated
-RUNNING at launch and to every new session, as node_agent.py does), no torch and no rank
+RUNNING at launch and to every new session, as node_agent.py does; a launch's reports and a
+resend as ``WorkerEvent.batch`` messages of up to 64 events to a control that reads them, as
+control_link.Outbox sends what piled up), no torch and no rank
 process. Many agents share one asyncio loop (a process per core, ``--procs``): a stream is
 a coroutine, never a thread. Each scenario runs on a fresh stack.
 

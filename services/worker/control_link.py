@@ -4,6 +4,8 @@ outbox of events waiting to go up it.
 * :class:`Outbox`: every event the agent states gets the next sequence number and is kept
   until control acknowledges it, so an event in flight when control went away is sent
   again after the agent re-registers, and control drops what it had applied already.
+  Sequenced events that piled up since the last send go up as one ``WorkerEvent.batch``
+  (each keeps its seq), to a control that says it reads them.
 * :class:`ControlSession`: keeps the stream open, registers first on every session,
   reconnects when it breaks (rank processes are not touched), and executes the commands
   that come down one by one, in order (so a ``release`` then ``launch`` of the same rank
@@ -33,6 +35,7 @@ FACTS = frozenset({"rank_beats"})
 # operator's tail, large) nor a departing registration.
 BATCHED = frozenset({"rank_event", "rank_exited", "routed", "memory_pressure"})
 MAX_BATCH = 64  # events in one batch (a node's launch of 8 ranks states 16)
+MAX_BATCH_BYTES = 1 << 20  # and bytes: far below the stream's message limit (4 MiB by default)
 
 
 class Outbox:
@@ -128,12 +131,15 @@ class Outbox:
         first = self._items[self._next]
         if first.WhichOneof("event") not in BATCHED:
             return [first]
-        batch = [first]
+        batch, size = [first], first.ByteSize()
         i = self._next + 1
         while i < len(self._items) and len(batch) < MAX_BATCH:
             event = self._items[i]
             if not event.seq or event.WhichOneof("event") not in BATCHED:
                 break  # (a fact keeps its place in the stream: sent after these, alone)
+            size += event.ByteSize()
+            if size > MAX_BATCH_BYTES:
+                break
             batch.append(event)
             i += 1
         return batch

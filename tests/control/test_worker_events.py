@@ -12,7 +12,7 @@ import pytest
 
 from services.contract import Module, audit_pb2, control_pb2, engine_pb2, worker_pb2
 from services.contract.bus import BoundaryViolation
-from services.contract.relay import pack
+from services.contract.relay import Routed, pack
 from services.control.__main__ import build
 from services.control.job_store import JobStore
 from services.worker.control_link import Outbox
@@ -306,3 +306,7 @@ def test_consecutive_events_go_up_as_one_batch_each_with_its_seq_to_a_control_th
     box.pause()
     box.resume(4, batches=True)
     assert [len(box.get(never).batch.events) for _ in range(2)] == [64, 6]
+    big = control_pb2.WorkerEvent(routed=Routed(type="surge.v1.X", body=b"x" * (600 << 10)))
+    for _ in range(2):  # and at most MAX_BATCH_BYTES (1 MiB): these two go alone
+        box.put(control_pb2.WorkerEvent.FromString(big.SerializeToString()))
+    assert [box.get(never).WhichOneof("event") for _ in range(2)] == ["routed", "routed"]
