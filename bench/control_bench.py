@@ -617,6 +617,9 @@ def scenario(name: str, nodes: int, ranks_per_node: int, args) -> dict:
     }
     out: dict = {"scenario": name, "nodes": nodes, "ranks_per_node": ranks_per_node, "ranks": world}
     c.setup_env()
+    # Control admits 8,192 sessions by default (--max-sessions): 10,000 agents need room, or
+    # the last 1,808 are refused and retry for ever (session 33: 8,192 of 10,000 in 420 s).
+    os.environ["SURGE_CONTROL_MAX_SESSIONS"] = str(max(8192, nodes + 64))
     with c.Stack(workers=0) as stack:
         control_pid, address = stack.pid("control"), stack.procs["control"].address
         metrics_port = stack.procs["control"].metrics_port
