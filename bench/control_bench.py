@@ -11,7 +11,9 @@ Starts control, store and data (``surgectl up`` with no worker, a fresh SURGE_HO
 side of ``ControlService.WorkerSession`` as services/worker/control_link.py does (register,
 every event sequenced and kept until acknowledged, re-register after a broken stream with
 the ranks still running and resend what control has not applied; each rank's process stated
-RUNNING at launch and to every new session, as node_agent.py does), no torch and no rank
+RUNNING at launch and to every new session, as node_agent.py does; a launch's reports and a
+resend as ``WorkerEvent.batch`` messages of up to 64 events to a control that reads them, as
+control_link.Outbox sends what piled up), no torch and no rank
 process. Many agents share one asyncio loop (a process per core, ``--procs``): a stream is
 a coroutine, never a thread. Each scenario runs on a fresh stack.
 
@@ -78,6 +80,7 @@ from bench import common as c  # noqa: E402
 FULL = {"nodes": 1024, "agents": 10_000, "restart_agents": 3000, "seconds": 30.0}
 QUICK_SIZES = {"nodes": 128, "agents": 1000, "restart_agents": 1000, "seconds": 20.0}
 REGISTERED_HEADER, LAST_SEQ_HEADER = "surge-registered", "surge-last-seq"  # services/control/server.py
+BATCHES_HEADER = "surge-batches"  # services/control/server.py: control reads WorkerEvent.batch
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -165,6 +168,8 @@ class SimAgent:
         self.launches: dict[str, object] = {}  # job -> LaunchRanks (declared in `running`)
         self.job, self.ranks, self.stepping, self.step = "", set(), False, 0
         self.heard: set[int] = set()  # ranks whose StepCompleted went up this session
+        self.batches = False  # the session's control reads WorkerEvent.batch
+        self.held: list | None = None  # events emitted while a launch is stated (one batch)
 
     # ---- the stream
 
@@ -218,14 +223,19 @@ class SimAgent:
                 await call  # raises the call's status
                 return
             applied = int(header.get(LAST_SEQ_HEADER, "0"))
+            self.batches = header.get(BATCHES_HEADER) == "1"
             while self.outbox and self.outbox[0][0] <= applied:
                 self.outbox.popleft()
-            for _seq, ev, _, _ in self.outbox:  # not applied by this control: again, in order
-                queue.put_nowait(ev)
-                self.stats["resent"] += 1
             self.queue = queue
+            if self.batches:  # (batched as the agent's outbox sends what is queued: each keeps its seq)
+                self.held = [ev for _seq, ev, _, _ in self.outbox]
+            for _seq, ev, _, _ in self.outbox if not self.batches else ():  # not applied: again, in order
+                queue.put_nowait(ev)
+            self.stats["resent"] += len(self.outbox)
             for r in sorted(self.ranks):  # as the agent's restate_processes: a new control has not heard it
                 self._process_running(r)
+            if self.held is not None:
+                self._send_held()
             self.heard.clear()
             self.stats["sessions"] += 1
             with self.shared.registered.get_lock():
@@ -241,8 +251,22 @@ class SimAgent:
         self.seq += 1
         ev = self.pb.WorkerEvent(seq=self.seq, **event)
         self.outbox.append((self.seq, ev, time.time(), kind))
-        if self.queue is not None:
+        if self.held is not None:
+            self.held.append(ev)
+        elif self.queue is not None:
             self.queue.put_nowait(ev)
+
+    def _send_held(self) -> None:
+        """What the launch stated, as the node agent's outbox sends what piled up since its
+        last send (control_link.Outbox): one batch per 64 events, each with its own seq."""
+        held, self.held = self.held or [], None
+        if self.queue is None:
+            return
+        for k in range(0, len(held), 64):
+            part = held[k : k + 64]
+            self.queue.put_nowait(
+                part[0] if len(part) == 1 else self.pb.WorkerEvent(batch=self.pb.WorkerEvents(events=part))
+            )
 
     def _command(self, cmd) -> None:
         kind = cmd.WhichOneof("command")
@@ -272,6 +296,8 @@ class SimAgent:
             launch = merged
         self.launches[launch.job_id] = launch
         self.job = launch.job_id
+        if self.batches:
+            self.held = []
         for a in launch.ranks:
             if a.rank in self.ranks:
                 continue
@@ -286,6 +312,8 @@ class SimAgent:
                     job_id=self.job, rank=a.rank, routed=pack(started, Module.L2_TRAINING_LOOP)
                 ),
             )
+        if self.held is not None:
+            self._send_held()
 
     def _process_running(self, rank: int) -> None:
         """The rank's process runs (``RankProcessState``, as the node agent states it when its
@@ -589,6 +617,9 @@ def scenario(name: str, nodes: int, ranks_per_node: int, args) -> dict:
     }
     out: dict = {"scenario": name, "nodes": nodes, "ranks_per_node": ranks_per_node, "ranks": world}
     c.setup_env()
+    # Control admits 8,192 sessions by default (--max-sessions): 10,000 agents need room, or
+    # the last 1,808 are refused and retry for ever (session 33: 8,192 of 10,000 in 420 s).
+    os.environ["SURGE_CONTROL_MAX_SESSIONS"] = str(max(8192, nodes + 64))
     with c.Stack(workers=0) as stack:
         control_pid, address = stack.pid("control"), stack.procs["control"].address
         metrics_port = stack.procs["control"].metrics_port

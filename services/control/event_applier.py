@@ -95,7 +95,17 @@ def job_of(ev: control_pb2.WorkerEvent) -> str:
         return ev.rank_exited.job_id
     if kind == "rank_beats":
         return ev.rank_beats.job_id
+    if kind == "routed" and ev.routed.type == _PROCESS_STATE:
+        # A rank's process, stated by its agent: on its job's queue, in order with the rank's
+        # beats and exit (a launch states every rank's: 8,192 on the node queue held every
+        # agent's beat behind them, issue 28).
+        state = control_pb2.RankProcessState()
+        state.ParseFromString(ev.routed.body)
+        return state.job_id
     return NODE
+
+
+_PROCESS_STATE = control_pb2.RankProcessState.DESCRIPTOR.full_name
 
 
 def split_agent_beat(ev: control_pb2.WorkerEvent) -> control_pb2.WorkerEvent | None:

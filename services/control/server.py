@@ -57,6 +57,10 @@ REGISTERED_HEADER = "surge-registered"
 # Initial-metadata key of WorkerSession: the last WorkerEvent.seq of this agent incarnation
 # that control applied (0: none); the agent resends every event after it.
 LAST_SEQ_HEADER = "surge-last-seq"
+# Initial-metadata key of WorkerSession: "1": this control reads ``WorkerEvent.batch`` (several
+# sequenced events of the agent in one message, each applied as if sent alone); an agent sends
+# batches only to a control that says so.
+BATCHES_HEADER = "surge-batches"
 _log = structlog.get_logger("control.server")
 
 
@@ -298,7 +302,11 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
                 # The acknowledgement: once a node agent sees this header, its slots can be
                 # allocated; it resends its events after the last applied seq.
                 await context.send_initial_metadata(
-                    ((REGISTERED_HEADER, reg.worker_id), (LAST_SEQ_HEADER, str(session.applied)))
+                    (
+                        (REGISTERED_HEADER, reg.worker_id),
+                        (LAST_SEQ_HEADER, str(session.applied)),
+                        (BATCHES_HEADER, "1"),
+                    )
                 )
                 reader = asyncio.create_task(self._read_session(session, requests))
                 while (item := await commands.get()) is not None:
@@ -318,7 +326,11 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
         try:
             async for ev in requests:
                 count_message("in", event_kind(ev), ev.ByteSize())
-                self.applier.event(session, ev)
+                if ev.HasField("batch"):  # each of its events as if it had come alone, in order
+                    for one in unbatched(session, ev):
+                        self.applier.event(session, one)
+                else:
+                    self.applier.event(session, ev)
         except Exception:  # noqa: BLE001 - the stream broke: same fact as closing it
             pass
         finally:
@@ -400,3 +412,16 @@ def _status(e: Exception) -> tuple[grpc.StatusCode, str]:
         _log.exception("control command failed")
         code = grpc.StatusCode.INTERNAL
     return code, str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def unbatched(session: AgentSession, ev: control_pb2.WorkerEvent) -> list[control_pb2.WorkerEvent]:
+    """The events of a ``WorkerEvent.batch``, each to be applied as if sent alone. A batch
+    inside a batch, or a registration in one, is no event of the protocol: dropped and logged
+    (what is sent has a seq each: a dropped one is a gap the cursor skips, as for any lost event)."""
+    events = []
+    for one in ev.batch.events:
+        if one.WhichOneof("event") in ("batch", "register", None):
+            _log.warning("worker event refused in a batch", worker_id=session.worker_id, kind=one.WhichOneof("event"))
+            continue
+        events.append(one)
+    return events

@@ -476,6 +476,8 @@ class SessionHub:
             self._hardware(ev.register)
         elif kind == "register":
             raise ValueError(f"worker {session.worker_id} registered twice on one session")
+        elif kind == "batch":  # (the server unpacks a batch on receipt: services/control/server.py)
+            raise ValueError(f"worker {session.worker_id}: a batch of events is applied one by one")
         else:
             raise ValueError(f"worker {session.worker_id} sent an empty WorkerEvent")
 

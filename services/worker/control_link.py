@@ -4,6 +4,8 @@ outbox of events waiting to go up it.
 * :class:`Outbox`: every event the agent states gets the next sequence number and is kept
   until control acknowledges it, so an event in flight when control went away is sent
   again after the agent re-registers, and control drops what it had applied already.
+  Sequenced events that piled up since the last send go up as one ``WorkerEvent.batch``
+  (each keeps its seq), to a control that says it reads them.
 * :class:`ControlSession`: keeps the stream open, registers first on every session,
   reconnects when it breaks (rank processes are not touched), and executes the commands
   that come down one by one, in order (so a ``release`` then ``launch`` of the same rank
@@ -28,6 +30,12 @@ from services.contract import Module, control_pb2, control_pb2_grpc
 Emit = Callable[[control_pb2.WorkerEvent], None]
 # The messages the outbox sends without a seq, acknowledges never and resends never (Outbox).
 FACTS = frozenset({"rank_beats"})
+# Sequenced messages that may share one stream message with the ones queued after them
+# (``WorkerEvent.batch``, Outbox.get): small reports of ranks and processes. Not log lines (an
+# operator's tail, large) nor a departing registration.
+BATCHED = frozenset({"rank_event", "rank_exited", "routed", "memory_pressure"})
+MAX_BATCH = 64  # events in one batch (a node's launch of 8 ranks states 16)
+MAX_BATCH_BYTES = 1 << 20  # and bytes: far below the stream's message limit (4 MiB by default)
 
 
 class Outbox:
@@ -63,6 +71,7 @@ class Outbox:
         self.dropped = 0
         self.resent = 0  # events sent again after a reconnect (sent before, never acknowledged)
         self._beat: control_pb2.WorkerEvent | None = None  # the agent's newest unsent beat (no seq)
+        self._batches = False  # the session's control reads WorkerEvent.batch (resume)
 
     def put(self, event: control_pb2.WorkerEvent) -> None:
         """Give ``event`` the next seq and queue it; never blocks."""
@@ -104,20 +113,48 @@ class Outbox:
             if not event.seq:  # a fact: sent once, never kept for a resend
                 del self._items[self._next]
                 return event
-            self._next += 1
-            self._sent = max(self._sent, event.seq)
-            if not self._acked:  # a control that acknowledges nothing: forget it once sent
-                self._drop_through(event.seq)
-            return event
+            batch = self._batch() if self._batches else [event]
+            self._next += len(batch)
+            self._sent = max(self._sent, batch[-1].seq)
+            if not self._acked:  # a control that acknowledges nothing: forget them once sent
+                self._drop_through(batch[-1].seq)
+            if len(batch) == 1:
+                return event
+            return control_pb2.WorkerEvent(batch=control_pb2.WorkerEvents(events=batch))
 
-    def resume(self, applied: int | None) -> tuple[int, int]:
+    def _batch(self) -> list[control_pb2.WorkerEvent]:
+        """Under the lock: the sequenced events queued from ``_next`` on that go up together
+        (``BATCHED`` kinds, consecutive, at most ``MAX_BATCH``): whatever piled up since the
+        last send, so a launch's reports of all its ranks (a process state and a start each)
+        are one stream message, not one per rank (issue 28). Each keeps its own seq: control
+        applies, acknowledges and deduplicates them one by one, as if sent alone."""
+        first = self._items[self._next]
+        if first.WhichOneof("event") not in BATCHED:
+            return [first]
+        batch, size = [first], first.ByteSize()
+        i = self._next + 1
+        while i < len(self._items) and len(batch) < MAX_BATCH:
+            event = self._items[i]
+            if not event.seq or event.WhichOneof("event") not in BATCHED:
+                break  # (a fact keeps its place in the stream: sent after these, alone)
+            size += event.ByteSize()
+            if size > MAX_BATCH_BYTES:
+                break
+            batch.append(event)
+            i += 1
+        return batch
+
+    def resume(self, applied: int | None, batches: bool = False) -> tuple[int, int]:
         """A session opened and control has applied every event up to seq ``applied``:
         forget those, send the rest from the first. Returns (events to send, of which
         resent: sent before and never acknowledged). ``applied`` None: this control does not
         track sequences (no ``surge-last-seq`` header): what was sent counts as delivered,
-        as it would never be deduplicated, and events are forgotten once sent."""
+        as it would never be deduplicated, and events are forgotten once sent. ``batches``:
+        this control reads ``WorkerEvent.batch`` (its ``surge-batches`` header): consecutive
+        events may go up as one message."""
         with self._cond:
             self._acked = applied is not None
+            self._batches = batches
             if any(not e.seq for e in self._items):  # facts of the last session: old news now
                 self._items = collections.deque(e for e in self._items if e.seq)
             self._drop_through(self._sent if applied is None else applied)
@@ -166,6 +203,7 @@ _UNREACHABLE = "unreachable"
 # import control's code.
 REGISTERED_HEADER = "surge-registered"
 LAST_SEQ_HEADER = "surge-last-seq"  # mirrors services/control/server.py LAST_SEQ_HEADER
+BATCHES_HEADER = "surge-batches"  # mirrors services/control/server.py BATCHES_HEADER
 
 
 class ControlSession:
@@ -315,7 +353,7 @@ class ControlSession:
             # control that sends none answers with its first command or when it closes.
             header = dict(self._call.initial_metadata() or ())
             applied = int(header[LAST_SEQ_HEADER]) if header.get(LAST_SEQ_HEADER, "").isdigit() else None
-            pending, resent = self._outbox.resume(applied)
+            pending, resent = self._outbox.resume(applied, batches=header.get(BATCHES_HEADER) == "1")
             self._open.set()
             if REGISTERED_HEADER in header:
                 self._log.info(
