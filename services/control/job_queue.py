@@ -5,12 +5,14 @@ Not a seed module: a data structure L1-1 (services/control/orchestrator/) owns, 
 journal. It decides nothing and touches nothing: the orchestrator asks it which job is at
 the head and where a job stands; the allocator (L1-2) says whether the head's ranks fit.
 
-Order: ``(-priority, seq)``. ``seq`` is the submission order, handed out here and journaled
-with the entry, so a restarted control rebuilds the same order (``restore``). No backfill:
-only the head is tried, so a large job at the head is never overtaken by smaller ones
-behind it (Slurm's and Kubernetes' strict-FIFO mode; backfill needs run-time estimates
-Surge does not have). A new job of a higher priority than every queued one becomes the
-head. Preemption is out of scope.
+Order here: ``(-priority, seq)``. ``seq`` is the submission order, handed out here and
+journaled with the entry, so a restarted control rebuilds the same order (``restore``). The
+pass that starts queued jobs (orchestrator/queue.py) takes them in the order the scheduler
+gives (scheduler/fair_share.py: teams by their weighted share, then priority and age; a
+preemptor first until it starts; a job its own team's nominal admits past another team's
+wait for the cohort's idle slots) and may preempt (orchestrator/preemption.py); otherwise a
+job that does not fit holds back the ones behind it, no backfill by run-time estimates
+(which Surge does not have).
 
 One exception to "only the head": a job that needs more ranks than every registered worker's
 slots together can start only once more workers join, so it holds no one back: it keeps its
