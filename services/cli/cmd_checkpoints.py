@@ -128,6 +128,8 @@ def generate(
     """
     from services.cli import evaluation
 
+    if empty := [i for i, p in enumerate(prompt, 1) if not p]:  # (nothing to continue: a byte model wrote a NUL)
+        raise CliError(f"--prompt: empty (prompt {empty[0]} of {len(prompt)}): give text to continue", code=2)
     texts = evaluation.generate_many(checkpoint, list(prompt), max_new_tokens, temperature, top_k, seed)
     for i, text in enumerate(texts, 1):
         if len(texts) > 1:
@@ -154,6 +156,8 @@ def eval_checkpoint(
 
     if output not in ("table", "json"):
         raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
+    if dataset is not None and not dataset.strip():  # (an unset variable: never the job's own by accident)
+        raise CliError("--dataset: empty (NAME@VERSION; leave --dataset out for the job's own)", code=2)
     result = evaluation.evaluate(version, dataset, batches, split)
     if output == "json":
         import dataclasses

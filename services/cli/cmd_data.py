@@ -59,7 +59,7 @@ def dataset_prepare(
     from services.cli.prepare_progress import prepare_progress
     from services.common import paths
     from services.data.bpe import bpe_problem
-    from services.data.errors import DataError
+    from services.data.errors import DataError, InvalidConfig
     from services.data.prepare import default_stdlib_source, default_workers, label_problem, prepare_dataset
 
     # The options are the user's input: each said in one line, exit 2, before any file is read.
@@ -91,6 +91,8 @@ def dataset_prepare(
                 storage_options={"endpoint_url": s3_endpoint} if remote and s3_endpoint else None,
                 progress=progress,
             )
+    except InvalidConfig as e:  # the user's input (a source with no text, a bad include glob): exit 2
+        raise CliError(" ".join(str(e).split()), code=2) from None
     except DataError as e:
         raise CliError(" ".join(str(e).split())) from None
     except OSError as e:  # named by where it failed: the home written to, or the source read

@@ -23,7 +23,7 @@ from services.jobspec.evaluation import evaluation_job
 def evaluate(
     job: str,
     command: str = typer.Option(..., "--command", help="the evaluation command (split as a shell would)"),
-    version: str = typer.Option("", "--version", help="the checkpoint version (default: the job's latest)"),
+    version: str | None = typer.Option(None, "--version", help="the checkpoint version (default: the job's latest)"),
     hf: bool = typer.Option(True, "--hf/--no-hf", help="export the version in Hugging Face form (SURGE_EVAL_HF_DIR)"),
     timeout: float = float_option(3600.0, "--timeout", min=1.0, help="seconds the command may run"),
     wait: bool = typer.Option(False, "--wait", help="follow the evaluation job to its end and print its scores"),
@@ -42,6 +42,8 @@ def evaluate(
     from services.cli.init_from import committed
     from services.jobspec import parse_job_spec, spec_from_json
 
+    if version is not None and not version.strip():  # (an unset variable: never the latest by accident)
+        raise CliError("--version: empty (a checkpoint version JOB:N; leave --version out for the latest)", code=2)
     job_id = resolve_job(job)
     argv = [_absolute_if_here(arg) for arg in shlex.split(command)]
     if not argv:

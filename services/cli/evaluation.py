@@ -96,10 +96,11 @@ def find_checkpoint(version: str) -> Checkpoint:
         raise CliError(
             f"checkpoint {version}: no checkpoints under {root} (set SURGE_HOME or SURGE_STORE_ROOT)", code=2
         )
+    stack_access.check_any_latest(version)
     try:
         info = read_committed(root, version)  # read-only: a running store may own the catalog
     except CheckpointNotFound as e:
-        raise CliError(" ".join(str(e).split()), code=2) from None
+        raise CliError(stack_access.not_found_text(e), code=2) from None
     except CheckpointRejected as e:
         raise CliError(" ".join(str(e).split())) from None
     except ValueError as e:

@@ -126,10 +126,11 @@ def _committed(root: Path, version: str):
     # as `resume --from` and `rollback --version` answer it; one there but damaged: exit 1.
     if not (root / "checkpoints").is_dir():
         raise CliError(f"export: no checkpoints under {root} (SURGE_HOME's store)", code=2)
+    stack_access.check_any_latest(version)
     try:
         info = read_committed(root, version)
     except CheckpointNotFound as e:
-        raise CliError(str(e), code=2) from None
+        raise CliError(stack_access.not_found_text(e), code=2) from None
     except CheckpointRejected as e:
         raise CliError(f"export: {e}", code=1) from None
     except ValueError as e:

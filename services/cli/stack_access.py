@@ -145,3 +145,24 @@ def check_local_read(job_id: str, what: str) -> None:
             f"{job_id} ({e}): `surgectl up` first",
             code=1,
         ) from None
+
+
+def not_found_text(error: LookupError) -> str:
+    """A missing version's words for this caller: where the stack checks tokens, without the
+    other jobs' versions the store's hint names (``CheckpointNotFound.bare``)."""
+    bare = getattr(error, "bare", None) if remembered() else None
+    return " ".join((bare or str(error)).split())
+
+
+def check_any_latest(version: str) -> None:
+    """``latest`` alone names the newest version of every job: where the stack checks tokens
+    that may be another team's (refused then, naming it): ask for ``JOB:latest`` instead.
+
+    Raises:
+        CliError (exit 2): ``version`` is ``latest`` and tokens are checked."""
+    if version.strip() == "latest" and remembered():
+        raise CliError(
+            "checkpoint latest: this stack checks per-team tokens, and the newest version of every job may be "
+            "another team's: name the job, JOB:latest",
+            code=2,
+        )

@@ -475,9 +475,14 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         except Exception as e:  # noqa: BLE001 - mapped to a status (or raised again) by _abort
             self._abort(rpc, e, context)
 
+    def _not_found_text(self, e: CheckpointNotFound) -> str:
+        """A missing version's words: with per-team access, without the versions of other
+        jobs it would name (``bare``: another team's job ids are not the caller's to see)."""
+        return getattr(e, "bare", str(e)) if self._access.teams is not None else str(e)
+
     def _abort(self, rpc: str, e: Exception, context: grpc.ServicerContext) -> None:
         if isinstance(e, CheckpointNotFound):
-            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+            context.abort(grpc.StatusCode.NOT_FOUND, self._not_found_text(e))
         if isinstance(e, CheckpointRejected):
             self._log.warning("checkpoint_transfer_refused", request=rpc, error=str(e))
             _trailers(
@@ -590,7 +595,7 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
             abort_with_violation(context, e, "store")
         except CheckpointNotFound as e:
             _trailers(context)
-            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+            context.abort(grpc.StatusCode.NOT_FOUND, self._not_found_text(e))
         except CheckpointRejected as e:
             self._log.warning("checkpoint_rejected", request=name, error=str(e))
             # The typed verdict and cause ride along; never parse the text.

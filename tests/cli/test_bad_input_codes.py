@@ -35,12 +35,15 @@ def corpus(tmp_path):
         (["--source", "{src}", "--tokenizer", "bpe:nan"], ["--tokenizer bpe:nan", "from 258"]),
         (["--source", "{src}", "--tokenizer", "bpe:99999999999"], ["--tokenizer bpe:99999999999", "to 1048576"]),
         (["--source", "{src}", "--tokenizer", "/nonexistent/tok.json"], ["--tokenizer", "no such file"]),
+        (["--source", "{empty}"], ["no non-empty text file"]),
     ],
 )
 def test_dataset_prepare_refuses_a_bad_option_exit_2_and_writes_nothing(
     args, words, corpus, surge_home, monkeypatch, capsys
 ):
-    argv = ["dataset", "prepare", "--name", "n", *[a.format(src=corpus) for a in args]]
+    empty = surge_home.parent / "empty-source"
+    empty.mkdir(exist_ok=True)
+    argv = ["dataset", "prepare", "--name", "n", *[a.format(src=corpus, empty=empty) for a in args]]
     code, _, err = run_cli(argv, monkeypatch, capsys)
     assert_one_line(code, err, 2, *words)
     assert not (surge_home / "datasets").exists() or not any((surge_home / "datasets").iterdir())
@@ -80,3 +83,18 @@ def test_an_empty_worker_is_exit_2_naming_the_argument(command, surge_home, monk
     argv = [command, ""] + (["--deadline", "30"] if command == "drain" else [])
     code, _, err = run_cli(argv, monkeypatch, capsys)
     assert_one_line(code, err, 2, "WORKER: empty")
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["eval", "src-1:latest", "--dataset", ""], ["--dataset: empty"]),
+        (["evaluate", "some-job", "--command", "true", "--version", ""], ["--version: empty"]),
+        (["generate", "--checkpoint", "src-1:latest", "--prompt", ""], ["--prompt: empty"]),
+    ],
+)
+def test_an_empty_value_is_exit_2_never_the_default(argv, words, surge_home, monkeypatch, capsys):
+    # (a fresh user's: `eval --dataset ""` ran on the job's own, `evaluate --version ""` queued the
+    # latest, `generate --prompt ""` wrote a NUL byte, each exit 0)
+    code, _, err = run_cli(argv, monkeypatch, capsys)
+    assert_one_line(code, err, 2, *words)

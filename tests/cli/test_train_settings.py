@@ -134,7 +134,7 @@ def test_a_directory_of_nothing_but_binary_files_is_one_line(surge_home, tmp_pat
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "a.dat").write_bytes(b"\0\1\2")
     code, out, err = run_cli(["dataset", "prepare", "--source", str(tmp_path / "bin")], monkeypatch, capsys)
-    assert_one_line(code, err, 1, "no non-empty text file", "1 binary")
+    assert_one_line(code, err, 2, "no non-empty text file", "1 binary")  # (the source is the input: exit 2)
     assert not (surge_home / "datasets" / "stdlib").exists()
 
 

@@ -487,8 +487,16 @@ def test_a_command_reading_the_files_itself_asks_control_first_with_the_callers_
         env.setenv("SURGE_AUTH_TOKEN", TOKENS["bob"])
         code, _, err = run_cli([*export, str(tmp_path / "b")], env, capsys)
         assert_one_line(code, err, 1, f"job {job} belongs to team vision; your identity (bob) is team nlp")
-        code, _, err = run_cli(["generate", "--checkpoint", "latest", "--prompt", "hi"], env, capsys)
+        code, _, err = run_cli(["generate", "--checkpoint", f"{job}:latest", "--prompt", "hi"], env, capsys)
         assert_one_line(code, err, 1, f"job {job} belongs to team vision")
+        # `latest` alone may be another team's newest; a missing one names no other job's versions.
+        code, _, err = run_cli(["generate", "--checkpoint", "latest", "--prompt", "hi"], env, capsys)
+        assert_one_line(code, err, 2, "name the job, JOB:latest")
+        code, _, err = run_cli(
+            ["export", "nope:latest", "--format", "torch", "--out", str(tmp_path / "n")], env, capsys
+        )
+        assert_one_line(code, err, 2, "checkpoint nope:latest not found: no checkpoint of job nope")
+        assert job not in err
         assert not (tmp_path / "b").exists()
         env.setenv("SURGE_AUTH_TOKEN", TOKENS["alice"])
         code, out, err = run_cli([*export, str(tmp_path / "a")], env, capsys)

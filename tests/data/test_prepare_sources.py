@@ -304,5 +304,5 @@ def test_with_workers_the_first_bad_line_in_corpus_order_is_named_and_the_cli_sa
     monkeypatch.setattr(sources, "UNIT_BYTES", 700)
     argv = ["dataset", "prepare", "--name", "web", "--source", str(src), "--workers", "2"]
     code, out, err = run_cli(argv, monkeypatch, capsys)
-    assert_one_line(code, err, 1, "prepare: source part1.jsonl: line 41: no field 'text' (fields: txt;")
+    assert_one_line(code, err, 2, "prepare: source part1.jsonl: line 41: no field 'text' (fields: txt;")
     assert not (surge_home / "datasets" / "web").exists()

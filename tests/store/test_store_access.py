@@ -156,6 +156,10 @@ def test_a_teams_token_reaches_its_own_jobs_checkpoints_and_metrics_only(team_st
         assert "admin role" in denied(lambda: alice.Scrub(store_pb2.ScrubCheckpoints(), timeout=10))
         assert "admin role" in denied(lambda: alice.Load(store_pb2.LoadCheckpoint(version="latest"), timeout=10))
         assert "knows no team of job old" in denied(lambda: listed(alice, "old"))
+        missing = denied(
+            lambda: alice.Load(store_pb2.LoadCheckpoint(version="va:9"), timeout=10), grpc.StatusCode.NOT_FOUND
+        )
+        assert missing == "checkpoint va:9 not found"  # (the versions there are not listed to a team's token)
         assert [r["step"] for r in metric_lines(alice, "va") if r.get("type") == "step"] == [1, 2]
         assert [(r["type"], r["text"]) for r in metric_lines(alice, "va", "sample")] == [("sample", "x")]
     with stub(port, env, Module.EXT_USER, TOKENS["bob"]) as bob:

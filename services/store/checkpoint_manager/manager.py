@@ -452,12 +452,12 @@ class CheckpointManager(Staging, Chunks, Commit, Verification, DataPlane, Series
             hit = [e for e in mine if e["n"] == int(n)] if n != "latest" else []
         if not hit and mine:
             have = ", ".join(e["version"] for e in mine)
-            raise CheckpointNotFound(f"checkpoint {version} not found (have: {have})")
+            raise _not_found(f"checkpoint {version} not found", f" (have: {have})")
         if not hit:  # an unknown job: name the jobs that do have checkpoints (newest last)
             latest = {e["job_id"]: e["version"] for e in self._chain}
             have = ", ".join(list(latest.values())[-5:]) or "none"
-            raise CheckpointNotFound(
-                f"checkpoint {version} not found: no checkpoint of job {job} (latest of each job: {have})"
+            raise _not_found(
+                f"checkpoint {version} not found: no checkpoint of job {job}", f" (latest of each job: {have})"
             )
         return hit[0]
 
@@ -531,3 +531,11 @@ def _read_only(root: str | Path) -> CheckpointManager:
     view._chain = _read_catalog(view._dir / CATALOG)
     view._chunks, view._transfer, view._endpoint = LocalChunks(view._dir), store_pb2.TRANSFER_PATH, ""
     return view
+
+
+def _not_found(said: str, hint: str) -> CheckpointNotFound:
+    """``said`` and the versions that are there (``hint``); ``bare``: without them, for a caller
+    that may not name other jobs' versions (a team's token: surgectl's local reads)."""
+    error = CheckpointNotFound(said + hint)
+    error.bare = said
+    return error
