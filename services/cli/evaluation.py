@@ -87,7 +87,7 @@ def find_checkpoint(version: str) -> Checkpoint:
     """
     from services.common import paths
     from services.jobspec import spec_from_json
-    from services.store.checkpoint_manager import CATALOG, CheckpointNotFound, CheckpointRejected, read_committed
+    from services.store.checkpoint_manager import CATALOG, CheckpointRejected
 
     root = paths.store_root()
     # A version that is not there (none at all, or not this one) is the user's input: exit 2,
@@ -96,17 +96,33 @@ def find_checkpoint(version: str) -> Checkpoint:
         raise CliError(
             f"checkpoint {version}: no checkpoints under {root} (set SURGE_HOME or SURGE_STORE_ROOT)", code=2
         )
-    stack_access.check_any_latest(version)
     try:
-        info = read_committed(root, version)  # read-only: a running store may own the catalog
-    except CheckpointNotFound as e:
-        raise CliError(stack_access.not_found_text(e), code=2) from None
+        info = read_version(root, version, f"checkpoint {version}")
     except CheckpointRejected as e:
         raise CliError(" ".join(str(e).split())) from None
     except ValueError as e:
         raise CliError(" ".join(str(e).split()), code=2) from None
-    stack_access.check_local_read(info.version.rpartition(":")[0], f"checkpoint {info.version}")
     return Checkpoint(info.version, info.step, info.path, spec_from_json(info.spec_json))
+
+
+def read_version(root: Path, version: str, what: str):
+    """``read_committed(root, version)`` (read-only: a running store may own the catalog) as
+    this caller may read it: where the stack checks tokens, ``latest`` of every job is refused,
+    a missing version names no other job's, and control is asked for the job first (``what``:
+    the command, for its refusal). One place for `export`, `generate` and `eval`.
+
+    Raises:
+        CliError: a missing version (exit 2) or a refusal (stack_access); CheckpointRejected,
+        ValueError: as read_committed (each caller words them)."""
+    from services.store.checkpoint_manager import CheckpointNotFound, read_committed
+
+    stack_access.check_any_latest(version)
+    try:
+        info = read_committed(root, version)
+    except CheckpointNotFound as e:
+        raise CliError(stack_access.not_found_text(e), code=2) from None
+    stack_access.check_local_read(info.version.rpartition(":")[0], what)
+    return info
 
 
 class VersionRemoved(CliError):

@@ -28,9 +28,8 @@ import secrets
 import shutil
 from pathlib import Path
 
-from services.cli import stack_access
 from services.cli.errors import CliError
-from services.cli.evaluation import VersionRemoved, reading
+from services.cli.evaluation import Checkpoint, VersionRemoved, load_model, read_version
 from services.cli.path_options import check_parent
 
 FORMATS = ("hf", "torch")
@@ -95,7 +94,7 @@ def export_version(version: str, fmt: str, out: Path, force: bool = False) -> st
             except hf_format.HfFormatError as e:
                 raise CliError(f"export {info.version} --format hf: {e}; --format torch writes it", code=1) from None
         try:
-            model = _load(info)
+            model = load_model(Checkpoint(info.version, info.step, info.path, spec))
             break
         except VersionRemoved:  # (a running job's keep_last: `latest` names a newer one now)
             if not version.endswith("latest") or attempt == LATEST_TRIES - 1:
@@ -120,34 +119,18 @@ def export_version(version: str, fmt: str, out: Path, force: bool = False) -> st
 
 
 def _committed(root: Path, version: str):
-    from services.store.checkpoint_manager import CheckpointNotFound, CheckpointRejected, read_committed
+    from services.store.checkpoint_manager import CheckpointRejected
 
     # A version that is not there (none at all, or not this one) is the user's input: exit 2,
     # as `resume --from` and `rollback --version` answer it; one there but damaged: exit 1.
     if not (root / "checkpoints").is_dir():
         raise CliError(f"export: no checkpoints under {root} (SURGE_HOME's store)", code=2)
-    stack_access.check_any_latest(version)
     try:
-        info = read_committed(root, version)
-    except CheckpointNotFound as e:
-        raise CliError(stack_access.not_found_text(e), code=2) from None
+        return read_version(root, version, "export")
     except CheckpointRejected as e:
         raise CliError(f"export: {e}", code=1) from None
     except ValueError as e:
         raise CliError(str(e), code=2) from None
-    stack_access.check_local_read(info.version.rpartition(":")[0], "export")
-    return info
-
-
-def _load(info):
-    """The version's model, every file checked against its manifest as it is read.
-
-    Raises: VersionRemoved (deleted meanwhile), CliError (one line: see evaluation.reading)."""
-    from services.compute.inference import load_model_for_inference
-    from services.jobspec import spec_from_json
-
-    with reading(info.version, info.path):
-        return load_model_for_inference(info.path, spec_from_json(info.spec_json))
 
 
 def _write(directory: Path, fmt: str, model, spec, hf_format) -> list[str]:
