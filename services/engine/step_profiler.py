@@ -99,8 +99,11 @@ class StepProfiler:
         t0 = time.perf_counter()
         if self._before_export is not None:
             self._before_export()
-        prof.stop()
-        files = self._export(prof)
+        try:
+            prof.stop()
+            files = self._export(prof)
+        finally:
+            self._end_memory_history()  # (a failed export must not leave every later step recording allocations)
         took = time.perf_counter() - t0
         budget = self._budget_of(seconds) if self._budget_of is not None else None
         if budget is not None and took > budget:
@@ -122,9 +125,12 @@ class StepProfiler:
         if self._cuda:
             name = f"rank{self._rank}.memory.pickle"
             torch.cuda.memory._dump_snapshot(str(self._dir / name))
-            torch.cuda.memory._record_memory_history(enabled=None)
             files[name] = self._dir / name
         return files
+
+    def _end_memory_history(self) -> None:
+        if self._cuda:
+            torch.cuda.memory._record_memory_history(enabled=None)
 
     def discard(self) -> None:
         """Stop a profile still running (the loop ended first) and remove its files."""
@@ -133,6 +139,5 @@ class StepProfiler:
             try:
                 prof.stop()
             finally:
-                if self._cuda:
-                    torch.cuda.memory._record_memory_history(enabled=None)
+                self._end_memory_history()
         shutil.rmtree(self._dir, ignore_errors=True)
