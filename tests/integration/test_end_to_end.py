@@ -84,14 +84,18 @@ def stack_info(home: Path) -> dict:
     return json.loads((home / "run" / "stack.json").read_text())["services"]
 
 
-def test_a_short_dp2_job_trains_checkpoints_and_reports(stack, tmp_path):
-    home = stack
-    spec = tmp_path / "e2e.yaml"
+@pytest.fixture(scope="module")
+def finished_job(stack, tmp_path_factory) -> str:
+    """The module's DP=2 job, run to its end once (its id), for every test that reads what it left."""
+    spec = tmp_path_factory.mktemp("e2e") / "e2e.yaml"
     spec.write_text(JOB)
-    run = cli(home, "submit", str(spec), "--follow")
+    run = cli(stack, "submit", str(spec), "--follow")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr
-    job_id = run.stdout.split("submitted ", 1)[1].split()[0]
+    return run.stdout.split("submitted ", 1)[1].split()[0]
 
+
+def test_a_short_dp2_job_trains_checkpoints_and_reports(stack, finished_job):
+    home, job_id = stack, finished_job
     status = json.loads(cli(home, "status", job_id, "-o", "json").stdout)[0]
     assert status["state"] == "TERMINATED" and status["outcome"] == "FINISHED"
     assert int(status["step"]) == 24
@@ -135,9 +139,8 @@ def test_a_short_dp2_job_trains_checkpoints_and_reports(stack, tmp_path):
     assert processes_with(f"--job {job_id}") == []
 
 
-def test_the_audit_after_the_job_shows_the_routes_every_process_used_and_no_violation(stack):
-    # Runs after the job above: the ranks have ended, their final counts stay with their
-    # node agents.
+def test_the_audit_after_the_job_shows_the_routes_every_process_used_and_no_violation(stack, finished_job):
+    # The job's ranks have ended: their final counts stay with their node agents.
     r = cli(stack, "audit", "-o", "json")
     assert r.returncode == 0, r.stderr
     v = json.loads(r.stdout)
