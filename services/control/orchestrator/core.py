@@ -576,37 +576,6 @@ class Orchestrator(
         if failed is not None and error is None:
             raise failed
 
-    def _undo_if_lost(self, job_id: str, undo: Callable[[BaseException], None]) -> None:
-        """Under the lock, beside a decision: ``undo`` (given the write's error) runs if one
-        of the job's journal writes this decision queued fails at its commit (a full disk, an
-        I/O error), under the lock as a decision of its own, once the decision's commands
-        committed before it are sent (those behind the failed write are dropped: the outbox).
-        A decision must not stay in memory when its record is not in the journal (a restarted
-        control would not know it) and the operator is told it failed. Out of a decision the
-        write is waited for in place, where its error undoes it (the handlers' except paths)."""
-        if self._lock.held():
-            undos = getattr(self._decided, "undos", None)
-            if undos is None:
-                undos = self._decided.undos = []
-            undos.append((job_id, undo))
-
-    def _undo(self, undos: list[tuple[str, Callable[[BaseException], None]]], lost: dict[str, BaseException]) -> None:
-        """The undos of the decisions whose writes failed (``lost``: job -> the error), last
-        decided first. An undo that fails itself (its own write: the disk still refuses) is
-        logged: what it changed in memory stays undone; the operator's reply says the first
-        failure."""
-        for job_id, undo in reversed(undos):
-            if job_id not in lost:
-                continue
-            _log.error(
-                "a decision's journal write failed at its commit: undone", job_id=job_id, error=str(lost[job_id])
-            )
-            try:
-                with self._lock:
-                    undo(lost[job_id])
-            except Exception:  # noqa: BLE001 - the decision's own failure is the one the caller reports
-                _log.exception("a decision's undo failed", job_id=job_id)
-
     def _emitted(self, *events: control_pb2.JobEvent) -> Callable[[], None]:
         """What the journal's writer does once ``events`` are committed: log and emit them
         (on the writer's thread, in journal order; the emitter takes leaf locks only)."""

@@ -184,7 +184,7 @@ class FaultIntake:
         """Control's journal refused a write of the job's (L1-3's ``journal_write_failed``: the
         write's error typed by its SQLite result code or errno, never by its text). Where the
         job's policy ignores it (the default), the decision that write carried was undone and
-        the operator's command refused already (core.py ``_undo_if_lost``); the job goes on,
+        the operator's command refused already (undos.py ``_undo_if_lost``); the job goes on,
         and control's health says the journal fails (``JobStore.health``). Nothing is recorded
         in the job's log: the journal is what refuses, and a record it refused would come back
         as one more failure of this module, again and again while the disk is full. A policy

@@ -10,7 +10,7 @@ unsend), but what it changed of the job's bookkeeping would otherwise act later:
 "in flight" that never went refuses every later pause, stop, scale or rollback; an activity
 waits for ranks that were never asked; a restarted control, reading the journal, knows none
 of it. Each decision takes a ``Before`` of what it changes and registers its undo
-(core.py ``_undo_if_lost``); the undo runs under the lock as a decision of its own, puts back
+(``_undo_if_lost``); the undo runs under the lock as a decision of its own, puts back
 only what the decision changed (events applied between the decision and its undo stay
 applied) and journals the job as it is then (``_keep``). The operator's reply is the write's
 error: the command was not done; asked again, it is decided afresh.
@@ -18,12 +18,17 @@ error: the command was not done; asked again, it is decided afresh.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import structlog
 
 from services.contract import engine_pb2
 from services.control.orchestrator.activity import begin, end
 from services.control.orchestrator.job import ORCH, JobState, _Job, _Recovered
+
+_log = structlog.get_logger("orchestrator")
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,37 @@ class Before:
 
 class Undos:
     """The undos of the operator's decisions on a live job (a part of ``Orchestrator``, see core.py)."""
+
+    def _undo_if_lost(self, job_id: str, undo: Callable[[BaseException], None]) -> None:
+        """Under the lock, beside a decision: ``undo`` (given the write's error) runs if one
+        of the job's journal writes this decision queued fails at its commit (a full disk, an
+        I/O error), under the lock as a decision of its own, once the decision's commands
+        committed before it are sent (those behind the failed write are dropped: the outbox).
+        A decision must not stay in memory when its record is not in the journal (a restarted
+        control would not know it) and the operator is told it failed. Out of a decision the
+        write is waited for in place, where its error undoes it (the handlers' except paths)."""
+        if self._lock.held():
+            undos = getattr(self._decided, "undos", None)
+            if undos is None:
+                undos = self._decided.undos = []
+            undos.append((job_id, undo))
+
+    def _undo(self, undos: list[tuple[str, Callable[[BaseException], None]]], lost: dict[str, BaseException]) -> None:
+        """The undos of the decisions whose writes failed (``lost``: job -> the error), last
+        decided first. An undo that fails itself (its own write: the disk still refuses) is
+        logged: what it changed in memory stays undone; the operator's reply says the first
+        failure."""
+        for job_id, undo in reversed(undos):
+            if job_id not in lost:
+                continue
+            _log.error(
+                "a decision's journal write failed at its commit: undone", job_id=job_id, error=str(lost[job_id])
+            )
+            try:
+                with self._lock:
+                    undo(lost[job_id])
+            except Exception:  # noqa: BLE001 - the decision's own failure is the one the caller reports
+                _log.exception("a decision's undo failed", job_id=job_id)
 
     def _boundary_undone(self, job: _Job, cmd: Any, before: Before) -> None:
         """Under the lock: a pause (or a drain's) whose record was lost: its PauseTraining is
