@@ -110,18 +110,36 @@ def status(
         return
     from rich.live import Live
 
+    first = _status_tables(*_status_of(job))  # (a stack not up, a job refused: one line, as without --watch)
     try:
         if not render.console.is_terminal:  # piped: one view after another, each under its time
+            view = first
             while True:
                 render.console.print(f"-- {time.strftime('%H:%M:%S')}", markup=False, highlight=False)
-                render.console.print(_status_tables(*_status_of(job)))
+                render.console.print(view)
                 time.sleep(interval)
-        with Live(_status_tables(*_status_of(job)), console=render.console, auto_refresh=False) as live:
+                view = _watched_view(job, interval)
+        with Live(first, console=render.console, auto_refresh=False) as live:
             while True:
                 time.sleep(interval)
-                live.update(_status_tables(*_status_of(job)), refresh=True)
+                live.update(_watched_view(job, interval), refresh=True)
     except KeyboardInterrupt:
         return  # (the operator's way out of a watch: exit 0)
+
+
+def _watched_view(job: str | None, interval: float):
+    """A redraw of the watch: the status, or, while a service does not answer (control restarting,
+    the stack going down), that service's one line in its place; the watch goes on and shows the
+    status again once it answers, as `events --follow` rides a restart. A refusal (the job
+    unknown now) still ends it."""
+    from rich.text import Text
+
+    try:
+        return _status_tables(*_status_of(job))
+    except CliError as e:
+        if e.code == 2:
+            raise
+        return Text(f"{e} -- tried again every {interval:g} s (Ctrl-C to stop)")
 
 
 def _scores_lines(job: str) -> None:
