@@ -11,11 +11,11 @@ import pytest
 from services.contract import control_pb2, engine_pb2, store_pb2
 from services.control.__main__ import build
 from services.control.job_store import JobStore
-from services.control.orchestrator import IllegalTransition
+from services.control.orchestrator import IllegalTransition, UnknownVersion
 from services.jobspec import JobSpecError, spec_from_json
 
 from .conftest import Plane, drain, settle
-from .test_operator_actions import plane, running_job, stopped_job, store  # noqa: F401 - fixtures
+from .test_operator_actions import plane, running_job, saved, step, stopped_job, store  # noqa: F401 - fixtures
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 pytestmark = pytest.mark.timeout(30)
@@ -193,8 +193,13 @@ def test_a_new_layout_asked_of_a_queued_resume_is_applied_to_it_and_placed_when_
     plane.submit(name="blocker", dp=1)  # takes one of the two slots
     s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
     assert (s.state, s.queue_position) == (JobState.STANDBY, 1)
-    with pytest.raises(IllegalTransition, match=f"cancel the queued resume first: `surgectl cancel {job_id}`"):
+    # A version the job does not have is bad input, said as such (was: "cancel the queued resume
+    # first", advice that lost the queue's place for a resume refused next); its resume stays queued.
+    with pytest.raises(
+        UnknownVersion, match=rf"--from {job_id}:9: not a committed checkpoint of {job_id} \(its versions: "
+    ):
         plane.user(control_pb2.ResumeJobRequest(job_id=job_id, from_version=f"{job_id}:9"))
+    assert plane.get(job_id).queue_position == 1
     with pytest.raises(JobSpecError, match="the global batch"):
         plane.user(control_pb2.ResumeJobRequest(job_id=job_id, dp=1))  # (4 rows kept: refused, nothing changed)
     s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id, dp=1, grad_accum=2))
@@ -217,3 +222,22 @@ def test_a_new_layout_asked_of_a_queued_resume_is_applied_to_it_and_placed_when_
     launched = [c.launch for session in (a, b) for c in drain(session) if c.WhichOneof("command") == "launch"]
     mine = [x for x in launched if x.init.job_id == job_id]
     assert [len(x.ranks) for x in mine] == [1] and spec_from_json(mine[0].init.spec_json).parallel.dp == 1
+
+
+def test_another_version_the_job_has_asked_of_its_queued_resume_says_to_cancel_first(plane, store):  # noqa: F811
+    job_id, a, b = running_job(plane)
+    step(plane, a, job_id, 2)
+    saved(plane, a, job_id, 1, 2)
+    step(plane, a, job_id, 4)
+    plane.user(control_pb2.StopJobRequest(job_id=job_id))
+    saved(plane, a, job_id, 2, 6)
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(
+            session, job_id, rank, finished=engine_pb2.TrainingLoopFinished(rank=rank, step=6, stopped=True)
+        )
+    drain(a), drain(b)
+    store.versions[job_id] = [(f"{job_id}:1", 2, True, ""), (f"{job_id}:2", 6, True, "")]
+    plane.submit(name="blocker", dp=1)
+    assert plane.user(control_pb2.ResumeJobRequest(job_id=job_id)).state == JobState.STANDBY
+    with pytest.raises(IllegalTransition, match=f"cancel the queued resume first: `surgectl cancel {job_id}`"):
+        plane.user(control_pb2.ResumeJobRequest(job_id=job_id, from_version=f"{job_id}:1"))

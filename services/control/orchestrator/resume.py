@@ -267,8 +267,9 @@ class OperatorResume:
         where it is; a new layout (``--dp``, ``--micro-batch-size``, ``--grad-accum``; the
         job's own: back to it) is applied to the queued resume, journaled with a decision,
         and the queue tried again (the new size may fit now; was: exit 0, the layout
-        ignored). Another ``--from`` than the queued one, or a layout for a queued submit
-        that never ran, is refused in one line saying what to do.
+        ignored). Another ``--from`` than the queued one (a version the job does not have: as
+        unknown), or a layout for a queued submit that never ran, is refused in one line saying
+        what to do.
 
         Raises:
             JobSpecError (the layout breaks the global batch or a rule of the spec);
@@ -283,6 +284,12 @@ class OperatorResume:
                 )
             return self._snapshot(job)
         if msg.from_version and msg.from_version != r["version"]:
+            known = [v for _, v in job.versions]
+            if msg.from_version not in known:  # (bad input, exit 2: was the advice to cancel, losing its place first)
+                raise UnknownVersion(
+                    f"--from {msg.from_version}: not a committed checkpoint of {job_id} "
+                    f"(its versions: {', '.join(known) or 'none'}); its resume from {r['version']} stays queued"
+                )
             raise IllegalTransition(
                 f"--from {msg.from_version}: job {job_id}'s resume from {r['version']} is queued; cancel the "
                 f"queued resume first: `surgectl cancel {job_id}`, then `surgectl resume {job_id} "
