@@ -40,7 +40,7 @@ def resume(
         None,
         "--from",
         help="the checkpoint version to continue from "
-        "('<job>:<n>', see `surgectl checkpoints JOB`; default: the newest that verifies)",
+        "('<job>:<n>', see `surgectl checkpoints JOB`; default or 'latest': the newest that verifies)",
     ),
     dp: int | None = typer.Option(
         None,
@@ -81,7 +81,7 @@ def resume(
     job = resolve_job(job)
     req = control_pb2.ResumeJobRequest(
         job_id=job,
-        from_version=from_version or "",
+        from_version=_own_version(job, from_version, "--from"),
         dp=dp or 0,
         micro_batch_size=micro_batch_size or 0,
         grad_accum=grad_accum or 0,
@@ -121,7 +121,9 @@ def thaw(job: str) -> None:
 def rollback(
     job: str,
     version: str | None = typer.Option(
-        None, "--version", help="the committed version to go back to, JOB:N (default: the newest not known bad)"
+        None,
+        "--version",
+        help="the committed version to go back to, JOB:N (default or 'latest': the newest not known bad)",
     ),
 ) -> None:
     """Roll a RUNNING job back to a committed checkpoint in place: its ranks pause at a step
@@ -134,11 +136,33 @@ def rollback(
     if version is not None and not version.strip():  # (an unset variable: never "the newest" by accident)
         raise CliError("--version: empty (a checkpoint version JOB:N; leave --version out for the newest)", code=2)
     job = resolve_job(job)
-    req = control_pb2.ResumeJobRequest(job_id=job, from_version=version or "", rollback_in_place=True)
+    req = control_pb2.ResumeJobRequest(
+        job_id=job, from_version=_own_version(job, version, "--version"), rollback_in_place=True
+    )
     s = clients.call("control", lambda st: st.ResumeJob(req, timeout=90))
     render.console.print(
         f"{job}: rolling back in place; now {render.state_text(s)}", markup=False, highlight=False, soft_wrap=True
     )
+
+
+def _own_version(job: str, version: str | None, flag: str) -> str:
+    """The version ``flag`` names for ``job``'s resume or rollback: "" (the newest usable, as
+    with the flag left out) for ``latest`` and ``<job>:latest``, the README's VERSION forms
+    (were refused as unknown versions).
+
+    Raises:
+        CliError (exit 2): ``<other job>:latest``: a resume or rollback loads its own job's versions.
+    """
+    if not version:
+        return ""
+    if version == "latest":
+        return ""
+    ref, sep, n = version.rpartition(":")
+    if sep and n == "latest":
+        if resolve_job(ref) != job:
+            raise CliError(f"{flag} {version}: names another job's versions; {job} loads one of its own", code=2)
+        return ""
+    return version
 
 
 @app.command()
