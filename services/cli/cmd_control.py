@@ -87,7 +87,10 @@ def resume(
         grad_accum=grad_accum or 0,
     )
     with stack.exit_on_interrupt(_again("resume", job)):
-        s = clients.call("control", lambda st: st.ResumeJob(req, timeout=90))
+        s, running = _or_already(lambda st: st.ResumeJob(req, timeout=90), job, control_pb2.REFUSED_ALREADY_RUNNING)
+    if running:  # (asked again: it runs already, as a stop asked again of a stopped job)
+        _say(f"{job}: already {render.state_text(s)}; nothing to resume")
+        return
     if s.state == control_pb2.STANDBY:  # its ranks do not fit now: it waits in the queue, as a submit does
         why = s.message.removeprefix("queued: ")  # (control's status line, shown as it is)
         _say(f"{job}: resume waits in the queue (#{s.queue_position}): {why}; `surgectl cancel {job}` takes it out")
@@ -293,6 +296,12 @@ def cancel(job: str) -> None:
 def _stop_job(req: control_pb2.StopJobRequest) -> tuple[control_pb2.JobStatus, bool]:
     """StopJob; (the job's status, whether it had ended already: control's typed refusal
     REFUSED_ALREADY_ENDED, a stop or cancel run again, answered with its status)."""
+    return _or_already(lambda st: st.StopJob(req, timeout=10), req.job_id, control_pb2.REFUSED_ALREADY_ENDED)
+
+
+def _or_already(call, job_id: str, already: int) -> tuple[control_pb2.JobStatus, bool]:
+    """``call`` on control's stub; (the job's status, whether control refused it as done
+    already: the typed refusal ``already``, answered with the job's status as it is)."""
     import grpc
 
     from services.cli.errors import refusal_of
@@ -302,11 +311,11 @@ def _stop_job(req: control_pb2.StopJobRequest) -> tuple[control_pb2.JobStatus, b
         st = clients.new_stub("control", ch)
         try:
             try:
-                return st.StopJob(req, timeout=10), False
+                return call(st), False
             except grpc.RpcError as e:
-                if refusal_of(e) != control_pb2.REFUSED_ALREADY_ENDED:
+                if refusal_of(e) != already:
                     raise
-            return st.GetJob(control_pb2.JobQuery(job_id=req.job_id), timeout=10), True
+            return st.GetJob(control_pb2.JobQuery(job_id=job_id), timeout=10), True
         except grpc.RpcError as e:
             raise clients.rpc_error(e, "control", addr) from None
 

@@ -112,8 +112,18 @@ def test_resume_of_a_running_job_is_refused_naming_its_state(plane):
     job_id, _, _ = start_job(plane)
     with pytest.raises(
         IllegalTransition, match=f"^job {job_id} is RUNNING, not PAUSED: resume continues a PAUSED job, or relaunches"
-    ):
+    ) as e:
         plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
+    # Typed "done already" (surgectl: exit 0, as a stop asked again); a resume asking for a
+    # version or a layout of it is not done already.
+    assert e.value.refusal == control_pb2.REFUSED_ALREADY_RUNNING
+    for asked in (
+        control_pb2.ResumeJobRequest(job_id=job_id, from_version=f"{job_id}:1"),
+        control_pb2.ResumeJobRequest(job_id=job_id, dp=1),
+    ):
+        with pytest.raises(IllegalTransition) as e:
+            plane.user(asked)
+        assert e.value.refusal == control_pb2.REFUSAL_UNSPECIFIED
 
 
 def test_pause_of_a_warming_up_job_is_refused(plane):

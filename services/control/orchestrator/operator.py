@@ -23,7 +23,7 @@ from services.control.orchestrator.job import (
     _where,
     checkpoint_step,
 )
-from services.control.orchestrator.layout import _layout_flags, _new_layout
+from services.control.orchestrator.layout import _layout_asked, _layout_flags, _new_layout
 from services.control.orchestrator.refusals import IllegalTransition, NoStandingOrder
 from services.control.orchestrator.texts import _newest
 from services.control.orchestrator.undos import Before
@@ -227,9 +227,13 @@ class OperatorCommands:
                         "steps done; nothing to resume"
                     )
                 if job.status.state != JobState.PAUSED:
+                    running = job.status.state in (JobState.RUNNING, JobState.WARMING_UP)
+                    plain = not msg.from_version and not _layout_asked(msg)
                     raise IllegalTransition(
                         f"job {job_id} is {JobState.Name(job.status.state)}, not PAUSED: resume continues a "
-                        "PAUSED job, or relaunches a STOPPED or FAILED one from its checkpoint"
+                        "PAUSED job, or relaunches a STOPPED or FAILED one from its checkpoint",
+                        # (a plain resume asked again once it ran: done already, as a stop asked again)
+                        control_pb2.REFUSED_ALREADY_RUNNING if running and plain else control_pb2.REFUSAL_UNSPECIFIED,
                     )
                 if msg.from_version:
                     raise IllegalTransition(
