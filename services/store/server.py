@@ -75,6 +75,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
+from services.common import metric_select
 from services.common.identity import MODULE_METADATA
 from services.common.rotated_files import rotated_paths
 from services.contract import Module, store_pb2, store_pb2_grpc
@@ -327,7 +328,9 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         self, request: store_pb2.MetricsQuery, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[store_pb2.MetricsText]:
         """The job's records: ``found``, then its lines in parts (read in the bulk pool, a part
-        at a time: flow control holds the reading while the caller is slow)."""
+        at a time: flow control holds the reading while the caller is slow); only the ranks
+        asked, each rank's step records thinned to ``points`` (metric_select.py: a page asks
+        for a chart's points, never a 100,000-step x 64-rank file)."""
         if self._records_dir is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "ReadMetrics: this store serves no metric records")
         await self._here(
@@ -342,7 +345,8 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
             self._bulk, rotated_paths, self._records_dir / f"{request.job_id}.jsonl"
         )
         yield store_pb2.MetricsText(job_id=request.job_id, found=bool(files))
-        parts = metric_files.lines(files, request.type)
+        sel = metric_select.Selection(request.type, frozenset(request.ranks), request.points)
+        parts = metric_select.select(metric_files.lines(files, request.type), sel)
         loop = asyncio.get_running_loop()
         while (text := await loop.run_in_executor(self._bulk, next, parts, None)) is not None:
             yield store_pb2.MetricsText(job_id=request.job_id, text=text)
