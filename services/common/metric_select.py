@@ -40,7 +40,6 @@ CHART_POINTS = 2000
 CURVES = ("loss", "learning_rate", "grad_norm", "tokens_per_second")
 PER_BUCKET = 2 * len(CURVES) + 2
 _RANK = re.compile(rb'"rank"\s*:\s*(\d+)')  # (a job id never holds a '"': the first is the record's own)
-_COMPACT_RANK = re.compile(rb'"rank":\d')  # as the metrics logger writes it (json.dumps, separators ",", ":")
 _STEP_TYPE = re.compile(rb'"type"\s*:\s*"step"')
 
 
@@ -226,19 +225,22 @@ def _of_ranks(block: bytes, ranks: Collection[int]) -> Iterable[bytes]:
 
     Why not line by line: a 64-rank job's file is 63 lines of other ranks for each line asked,
     and a Python loop over GBs of lines takes minutes. When every line holds one
-    ``"rank":`` (the metrics logger writes compact JSON, every field present), the lines of a
-    rank are found by searching the block for ``"rank":R,`` (C speed), then checked."""
+    ``,"rank":`` (the metrics logger writes compact JSON, every field present), the lines of a
+    rank are found by searching the block for ``,"rank":R`` (C speed: three passes over the
+    bytes for one rank), then checked."""
     if not ranks:
         return block.splitlines(keepends=True)
-    if len(_COMPACT_RANK.findall(block)) != block.count(b"\n"):  # (a line without it, or not compact)
+    if block.count(b',"rank":') != block.count(b"\n"):  # (a line without it, or not compact JSON)
         return [line for line in block.splitlines(keepends=True) if keep_rank(line, ranks)]
     starts: set[int] = set()
     for r in ranks:
-        for marker in (b'"rank":%d,' % r, b'"rank":%d}' % r):
-            at = block.find(marker)
-            while at >= 0:
+        marker = b',"rank":%d' % r
+        at = block.find(marker)
+        while at >= 0:
+            end = at + len(marker)
+            if block[end : end + 1] in (b",", b"}"):  # (not rank 12 for rank 1)
                 starts.add(block.rfind(b"\n", 0, at) + 1)
-                at = block.find(marker, at + len(marker))
+            at = block.find(marker, end)
     found = []
     for start in sorted(starts):
         line = block[start : block.index(b"\n", start) + 1]
