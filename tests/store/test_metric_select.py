@@ -38,7 +38,9 @@ def job_text(steps: int, ranks: int) -> str:
             curve, value = SPIKES.get(step, (None, None))
             lines.append(step_line(rank, step, **({curve: value} if curve else {})))
             if step % 1000 == 0:
-                lines.append(json.dumps({"type": "eval", "job_id": "j", "rank": rank, "step": step, "loss": 2.5}) + "\n")
+                lines.append(
+                    json.dumps({"type": "eval", "job_id": "j", "rank": rank, "step": step, "loss": 2.5}) + "\n"
+                )
     return "".join(lines)
 
 
