@@ -189,15 +189,23 @@ class Selection:
     points: int = 0
 
 
-def select(blocks: Iterable[bytes], sel: Selection) -> Iterator[bytes]:
-    """``blocks`` (whole lines, as metric_files.lines reads them, type already filtered)
-    narrowed to ``sel.ranks`` and thinned to ``sel.points``: the records that are not step
-    records as they come, the thinned step records of each rank after them (by rank, by step)."""
-    if not sel.ranks and not sel.points:
-        yield from blocks
-        return
-    thinned: dict[int, Thinned] = {}
-    for block in blocks:
+class Selector:
+    """:func:`select` fed a block at a time and kept: the store's chart reads resume it with
+    the bytes written since (services/store/metric_scans.py), so a live job's page reloaded
+    every few seconds reads only what is new."""
+
+    def __init__(self, sel: Selection, keep: bool = True):
+        """``keep``: hold what :meth:`feed` passes, for :meth:`others` (a resumed read sends
+        it again; a streamed one need not hold it)."""
+        self.sel = sel
+        self._keep = keep
+        self._thinned: dict[int, Thinned] = {}
+        self._others: list[bytes] = []  # (records that are not step records: few)
+
+    def feed(self, block: bytes) -> bytes:
+        """The records of ``block`` (whole lines) that are not thinned, also kept for
+        :meth:`others`; the step records go into each rank's buckets."""
+        sel = self.sel
         out = []
         for line in _of_ranks(block, sel.ranks):
             if sel.points and _STEP_TYPE.search(line):
@@ -210,14 +218,35 @@ def select(blocks: Iterable[bytes], sel: Selection) -> Iterator[bytes]:
                         rank, step = int(record.get("rank", 0)), int(record["step"])
                     except (KeyError, TypeError, ValueError):
                         continue
-                    thinned.setdefault(rank, Thinned(sel.points)).add(step, record, line)
+                    self._thinned.setdefault(rank, Thinned(sel.points)).add(step, record, line)
                     continue
             out.append(line)
-        if out:
-            yield b"".join(out)
-    for rank in sorted(thinned):
-        if kept := thinned[rank].lines():
-            yield b"".join(kept)
+        fed = b"".join(out)
+        if fed and self._keep:
+            self._others.append(fed)
+        return fed
+
+    def others(self) -> list[bytes]:
+        """Every record :meth:`feed` passed so far, in order."""
+        return list(self._others)
+
+    def steps(self) -> list[bytes]:
+        """The kept step records of each rank (by rank, by step), one part a rank."""
+        return [b"".join(kept) for rank in sorted(self._thinned) if (kept := self._thinned[rank].lines())]
+
+
+def select(blocks: Iterable[bytes], sel: Selection) -> Iterator[bytes]:
+    """``blocks`` (whole lines, as metric_files.lines reads them, type already filtered)
+    narrowed to ``sel.ranks`` and thinned to ``sel.points``: the records that are not step
+    records as they come, the thinned step records of each rank after them (by rank, by step)."""
+    if not sel.ranks and not sel.points:
+        yield from blocks
+        return
+    selector = Selector(sel, keep=False)
+    for block in blocks:
+        if fed := selector.feed(block):
+            yield fed
+    yield from selector.steps()
 
 
 def _of_ranks(block: bytes, ranks: Collection[int]) -> Iterable[bytes]:

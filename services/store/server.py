@@ -91,6 +91,7 @@ from services.store.checkpoint_manager import (
     CheckpointRejected,
     CheckpointTransferRefused,
 )
+from services.store.metric_scans import ChartScans
 
 SENDER_METADATA = MODULE_METADATA  # the caller's module, checked by the server (identity.py)
 # Trailing metadata of a Load refused for a damaged version: its StoreFailureCause name.
@@ -140,6 +141,7 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         self._access = access or StoreAccess()
         # L5-2's records (<root>/metrics: its JSONL files, as it wrote them), read for ReadMetrics.
         self._records_dir = records
+        self._chart_scans = ChartScans()
         self._files = files
         self._profiles = profiles
         self._ports = dict(ports)
@@ -330,7 +332,8 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         """The job's records: ``found``, then its lines in parts (read in the bulk pool, a part
         at a time: flow control holds the reading while the caller is slow); only the ranks
         asked, each rank's step records thinned to ``points`` (metric_select.py: a page asks
-        for a chart's points, never a 100,000-step x 64-rank file)."""
+        for a chart's points, never a 100,000-step x 64-rank file); such a read resumes the
+        last one's scan (metric_scans.py: a live page's reload reads only the new bytes)."""
         if self._records_dir is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "ReadMetrics: this store serves no metric records")
         await self._here(
@@ -346,8 +349,13 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         )
         yield store_pb2.MetricsText(job_id=request.job_id, found=bool(files))
         sel = metric_select.Selection(request.type, frozenset(request.ranks), request.points)
-        parts = metric_select.select(metric_files.lines(files, request.type), sel)
         loop = asyncio.get_running_loop()
+        if sel.points:  # a chart's read: resumed from the last one's (metric_scans.py), a small answer
+            answer = await loop.run_in_executor(self._bulk, self._chart_scans.read, request.job_id, files, sel)
+            for text in answer:
+                yield store_pb2.MetricsText(job_id=request.job_id, text=text)
+            return
+        parts = metric_select.select(metric_files.lines(files, request.type), sel)
         while (text := await loop.run_in_executor(self._bulk, next, parts, None)) is not None:
             yield store_pb2.MetricsText(job_id=request.job_id, text=text)
 
