@@ -15,9 +15,10 @@ process (``Dashboard`` over ``Sources``, the pages drawn as the HTTP server draw
 the socket), its control calls answered from canned messages (one RUNNING job of world size
 R, no events, no log lines): this bench measures the records' path, not control's.
 
-Measured per page (the median of ``--loads`` loads, the first one apart: the chart cache is
-cold then): bytes of the page, seconds, the store's and this process's peak RSS during the
-load (``VmHWM`` after writing ``5`` to ``/proc/PID/clear_refs``, which resets it), the points
+Measured per page, each of ``--loads`` loads (the first is cold: the store's scan and the chart
+cache start empty; the later ones are reloads of the unchanged job; the compare page's first
+job is the job page's, read already): bytes of the page, seconds, the store's and this
+process's peak RSS during the load (``VmHWM`` after writing ``5`` to ``/proc/PID/clear_refs``, which resets it), the points
 the loss chart draws (``data-points``: 0 when the page drew no curve, e.g. the store's read
 missed its deadline), and the load average (``/proc/loadavg``) beside each. Results in
 bench/results/dashboard_scale.json, a table on stdout. Runs against any commit's dashboard
@@ -97,6 +98,7 @@ def measure(page, store_pid: int, loads: int) -> dict:
     return {
         "first": runs[0],
         "median_seconds": round(statistics.median(r["seconds"] for r in rest), 3),
+        "seconds_each": [r["seconds"] for r in runs],
         "bytes": rest[-1]["bytes"],
         "store_peak_mib": max(r["store_peak_mib"] for r in runs),
         "dashboard_peak_mib": max(r["dashboard_peak_mib"] for r in runs),
@@ -190,14 +192,14 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"results": results}, indent=1) + "\n")
     print(
-        f"\n{'size':>12} {'file MB':>8} {'page':>8} {'KB':>8} {'s':>7} {'store MiB':>9} {'dash MiB':>9} {'points':>7} load"
+        f"\n{'size':>12} {'file MB':>8} {'page':>8} {'KB':>8} {'s each load':>22} {'store MiB':>9} {'dash MiB':>9} {'points':>7} load"
     )
     for r in results:
         for name in ("job_page", "compare_page"):
             m = r[name]
             print(
                 f"{r['steps']}x{r['ranks']:<6} {r['file_bytes'] / 1e6:8.0f} {name[:-5]:>8} {m['bytes'] / 1e3:8.0f} "
-                f"{m['median_seconds']:7.2f} {m['store_peak_mib']:9.0f} {m['dashboard_peak_mib']:9.0f} "
+                f"{' '.join(f'{x:.2f}' for x in m['seconds_each']):>22} {m['store_peak_mib']:9.0f} {m['dashboard_peak_mib']:9.0f} "
                 f"{m['loss_points']:7d} {m['load_1m']}" + (f"  errors: {m['errors']}" if m["errors"] else "")
             )
     print(f"results: {args.json}")
