@@ -8,7 +8,8 @@ newest one, and the :class:`~services.common.metric_select.Selector` (each rank'
 records, at most ``points``, and the other records of those ranks). The metrics logger only
 appends to the newest file; a rotation (a new newest file) or a compaction (a new history
 file) changes the files' names or inodes, and the next read starts over. At most ``ENTRIES``
-reads kept (least recently used goes first): a few MB.
+reads kept (least recently used goes first), each of at most ``RANKS_KEPT`` ranks: tens of MB
+at most (a rank's kept step records are ``points`` lines of ~600 bytes).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from services.common.metric_select import Selection, Selector
 from services.store.metric_files import METRICS_PART_BYTES, of_type
 
 ENTRIES = 32
+RANKS_KEPT = 4  # a read of more ranks (or of every rank) is not kept: each kept rank is ~1 MB
 
 
 class _Scan:

@@ -83,7 +83,7 @@ from services.contract.audit import abort_with_violation
 from services.contract.bus import BoundaryViolation, CommandPort
 from services.contract.failures import ModuleFailed, cause_metadata
 from services.contract.relay import Outbox, Routed, routed_trailers
-from services.store import metric_files
+from services.store import metric_files, metric_scans
 from services.store.access import AccessRefused, StoreAccess
 from services.store.checkpoint_manager import (
     CheckpointDamaged,
@@ -91,7 +91,6 @@ from services.store.checkpoint_manager import (
     CheckpointRejected,
     CheckpointTransferRefused,
 )
-from services.store.metric_scans import ChartScans
 
 SENDER_METADATA = MODULE_METADATA  # the caller's module, checked by the server (identity.py)
 # Trailing metadata of a Load refused for a damaged version: its StoreFailureCause name.
@@ -141,7 +140,7 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         self._access = access or StoreAccess()
         # L5-2's records (<root>/metrics: its JSONL files, as it wrote them), read for ReadMetrics.
         self._records_dir = records
-        self._chart_scans = ChartScans()
+        self._chart_scans = metric_scans.ChartScans()
         self._files = files
         self._profiles = profiles
         self._ports = dict(ports)
@@ -350,7 +349,7 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         yield store_pb2.MetricsText(job_id=request.job_id, found=bool(files))
         sel = metric_select.Selection(request.type, frozenset(request.ranks), request.points)
         loop = asyncio.get_running_loop()
-        if sel.points:  # a chart's read: resumed from the last one's (metric_scans.py), a small answer
+        if sel.points and 0 < len(sel.ranks) <= metric_scans.RANKS_KEPT:  # a chart's read: resumed (metric_scans.py)
             answer = await loop.run_in_executor(self._bulk, self._chart_scans.read, request.job_id, files, sel)
             for text in answer:
                 yield store_pb2.MetricsText(job_id=request.job_id, text=text)
