@@ -139,6 +139,15 @@ def test_a_job_is_named_by_its_id_or_its_name_and_an_unknown_event_type_is_refus
     assert get(base, "/job/demo-1?type=fault,decision", headers=auth)[0].status == 200
 
 
+def test_the_job_pages_rank_is_a_whole_number_shown_in_its_form(base):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for bad in ("x", "-1", "1.5", "99999999999"):
+        r, body = get(base, f"/job/demo-1?rank={bad}", headers=auth)
+        assert r.status == 400 and "rank: expected a whole number &gt;= 0" in body, (bad, body)
+    r, body = get(base, "/job/demo-1?rank=3", headers=auth)
+    assert r.status == 200 and '<form id=rank-pick action="/job/demo-1" method=get>' in body
+
+
 def test_only_a_certificate_naming_the_operators_role_passes_under_mutual_tls():
     user = {"subject": ((("commonName", "someone"),),), "subjectAltName": (("DNS", "surge-user"),)}
     worker = {"subject": ((("commonName", "surge-worker"),),)}
