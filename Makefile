@@ -142,6 +142,14 @@ bench-stack-cost: setup
 bench-scheduler: setup
 	$(BIN)/python bench/scheduler_bench.py $(SCHEDULER_ARGS)
 
+# The dashboard at scale (bench/dashboard_scale.py, issue 31): a job page and a 2-job compare
+# page of a synthetic N steps x R ranks metrics file read through a real store: bytes, seconds,
+# the store's and the dashboard's peak RSS. Flags in DASHBOARD_ARGS (e.g. "--sizes 10000x8").
+# A few minutes (writing the 100,000 x 64 file, 3.8 GB, is most of it). Results in
+# bench/results/dashboard_scale.json, a table on stdout.
+bench-dashboard: setup
+	$(BIN)/python bench/dashboard_scale.py $(DASHBOARD_ARGS)
+
 # What `surgectl profile` costs a running job (bench/profile_overhead.py): the profiled steps'
 # time and the job's tokens/s against the steps before, the export at the boundary after, each
 # rank's trace size.

@@ -145,12 +145,13 @@ def _annotate(req: control_pb2.AnnotateJobRequest) -> None:
 
 
 def _history(stub, job_id: str) -> render.History:
-    """Every step from the store's records (read through the store, its access rules holding;
-    the local file only when the store is down), else control's (sampled) event history; an
-    empty history for a job that has not stepped yet."""
-    from services.cli.job_records import records_of
+    """Rank 0's steps from the store's records (read through the store, its access rules
+    holding; the local file only when the store is down), at most 2,000 points a curve
+    (job_records.chart_records: the final and best losses are kept exactly), else control's
+    (sampled) event history; an empty history for a job that has not stepped yet."""
+    from services.cli.job_records import chart_records
 
-    records = records_of(job_id)
+    records = chart_records(job_id, resolved=True)
     if records.text:
         try:
             return observe.history_from_text(records.text, records.where)

@@ -388,14 +388,16 @@ def plot(
 ) -> None:
     """Write a PNG of a job's loss (train and held-out) and tokens/s against step.
 
-    Every step from the store's raw records, read through the store (a team's token reads its
-    own jobs' only; the local store's <job>.jsonl when the stack is down), else control's event
+    The store's raw records of that rank, read through the store (a team's token reads its
+    own jobs' only; the local store's <job>.jsonl when the stack is down): every step up to
+    2,000, past that 2,000 points a curve (the store keeps each bucket's first, last, lowest and
+    highest, so spikes show; --metrics FILE: every record of the file); else control's event
     history (steps sampled about once a second).
 
     Example: surgectl plot demo-3f2a1c --out demo.png
     """
     from services.cli import observe
-    from services.cli.job_records import job_records
+    from services.cli.job_records import chart_records
     from services.common import paths
 
     if out is not None and not out.is_dir():
@@ -406,7 +408,7 @@ def plot(
         h = observe.history_from_jsonl(metrics, rank)
         where = str(metrics)
     else:
-        records = job_records(job)
+        records = chart_records(job, rank)
         job = records.job
         if records.text:
             h = observe.history_from_text(records.text, records.where, rank)

@@ -6,12 +6,14 @@ stack is down), as `surgectl logs` reads the local rank log files only when cont
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.cli import clients, observe
 from services.cli.errors import CliError
 from services.cli.jobs import resolve_job
 from services.cli.scores import ScoresLine, scores_records
+from services.common import metric_select
 from services.common.rotated_files import read_rotated
 from services.contract import store_pb2
 
@@ -29,13 +31,16 @@ def job_records(ref: str, record_type: str = "") -> Records:
     Raises:
         CliError: control or the store refused (another team's job, an unknown job), in one line.
     """
+    return records_of(_job_id(ref), record_type)
+
+
+def _job_id(ref: str) -> str:
     try:
-        job = resolve_job(ref)
+        return resolve_job(ref)
     except CliError as e:
         if not e.unreachable:
             raise
-        job = ref  # control is down: the id as given (a name is resolved by control only)
-    return records_of(job, record_type)
+        return ref  # control is down: the id as given (a name is resolved by control only)
 
 
 def job_scores(job: str) -> list[ScoresLine] | None:
@@ -49,22 +54,45 @@ def job_scores(job: str) -> list[ScoresLine] | None:
     return None if records.text is None else scores_records(records.text)
 
 
-def records_of(job: str, record_type: str = "") -> Records:
-    """``job_records`` of a job id control already resolved (or that is taken as given).
+def chart_records(ref: str, rank: int | None = None, resolved: bool = False) -> Records:
+    """What `plot` and `compare` draw of job ``ref`` (``resolved``: ``ref`` is a job id control
+    already gave): ``rank``'s records (None: rank 0's) with at most
+    ``metric_select.CHART_POINTS`` step records (each bucket's first, last, lowest and highest:
+    a 100,000-step x 64-rank job is read as a 2,000-point curve, not GBs). When that rank has
+    no step record, every record (``rank`` None: the curve is then the lowest rank's; else the
+    reader names the ranks present).
+
+    Raises:
+        CliError: control or the store refused (another team's job, an unknown job), in one line.
+    """
+    want = 0 if rank is None else rank
+    job = ref if resolved else _job_id(ref)
+    records = records_of(job, ranks=(want,), points=metric_select.CHART_POINTS)
+    if records.text is None or want in observe.step_records(records.text, records.where, strict=False)[0]:
+        return records
+    return records_of(job)  # (rank 0 absent: the lowest rank's; a --rank absent: the ranks present, for its error)
+
+
+def records_of(job: str, record_type: str = "", ranks: Sequence[int] = (), points: int = 0) -> Records:
+    """``job_records`` of a job id control already resolved (or that is taken as given): only
+    ``ranks``' records (none: every rank's), each rank's step records thinned to about
+    ``points`` (0: every one; services/common/metric_select.py), the same selection made
+    here when the local file is read.
 
     Raises:
         CliError: the store refused, in one line.
     """
+    query = store_pb2.MetricsQuery(job_id=job, type=record_type, ranks=ranks, points=points)
     try:
-        parts = clients.call(
-            "store",
-            lambda s: list(s.ReadMetrics(store_pb2.MetricsQuery(job_id=job, type=record_type), timeout=120)),
-        )
+        parts = clients.call("store", lambda s: list(s.ReadMetrics(query, timeout=120)))
     except CliError as e:
         if not e.unreachable:
             raise
         local = observe.metrics_file(job)
-        return Records(job, read_rotated(local) if local.is_file() else None, str(local))
+        if not local.is_file():
+            return Records(job, None, str(local))
+        sel = metric_select.Selection(record_type, frozenset(ranks), points)
+        return Records(job, metric_select.select_text(read_rotated(local), sel), str(local))
     if not parts or not parts[0].found:
         return Records(job, "", "the store")
     return Records(job, b"".join(p.text for p in parts[1:]).decode(errors="replace"), "the store")

@@ -27,14 +27,17 @@ class Line:
     points: bool = False
 
 
+MOST_POINTS = 2000  # a line's points drawn at most (a chart is 700 pixels wide): ``thin``
 CACHED = 64  # charts kept: a finished job's page (and every reload of it) draws nothing again
 _cache: OrderedDict[tuple, str] = OrderedDict()
 _cache_lock = threading.Lock()
 
 
 def svg(title: str, ylabel: str, lines: list[Line], log_y: bool = False) -> str:
-    """``draw``'s SVG, from a small cache keyed by the data itself (drawing one is a few
-    hundred milliseconds of matplotlib; the same curves make the same chart)."""
+    """``draw``'s SVG of ``lines``, each :func:`thin`-ned to ``MOST_POINTS``, from a small
+    cache keyed by the data itself (drawing one is a few hundred milliseconds of matplotlib;
+    the same curves make the same chart)."""
+    lines = [thin(ln) for ln in lines]
     key = (title, ylabel, log_y, tuple((ln.label, tuple(ln.x), tuple(ln.y), ln.points) for ln in lines))
     with _cache_lock:
         if key in _cache:
@@ -46,6 +49,32 @@ def svg(title: str, ylabel: str, lines: list[Line], log_y: bool = False) -> str:
         while len(_cache) > CACHED:
             _cache.popitem(last=False)
     return out
+
+
+def thin(line: Line, most: int = MOST_POINTS) -> Line:
+    """``line`` with at most about ``most`` points: its points in ``most // 4`` runs of
+    consecutive ones, each keeping its first, last, lowest and highest (M4, as the store
+    thins records: services/common/metric_select.py), so a spike still shows. The store's
+    curves come thinned already; this bounds the rest (control's event history, a long run's
+    held-out points). NaN points are dropped first (the chart draws none)."""
+    pts = [(x, y) for x, y in zip(line.x, line.y) if not math.isnan(y)]
+    if len(pts) <= most:
+        return (
+            line if len(pts) == len(line.x) else Line(line.label, [p[0] for p in pts], [p[1] for p in pts], line.points)
+        )
+    runs = max(1, most // 4)
+    size = -(-len(pts) // runs)
+    kept: list[tuple[int, float]] = []
+    for i in range(0, len(pts), size):
+        run = pts[i : i + size]
+        keep = {
+            0,
+            len(run) - 1,
+            min(range(len(run)), key=lambda j: run[j][1]),
+            max(range(len(run)), key=lambda j: run[j][1]),
+        }
+        kept.extend(run[j] for j in sorted(keep))
+    return Line(line.label, [p[0] for p in kept], [p[1] for p in kept], line.points)
 
 
 def warm_up() -> None:

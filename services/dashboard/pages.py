@@ -221,7 +221,9 @@ def cluster_page(
 
 
 def chart(name: str, title: str, ylabel: str, lines: list[charts.Line], log_y: bool = False) -> str:
-    """A figure holding one chart (an SVG image); ``data-points``: the most points of a line."""
+    """A figure holding one chart (an SVG image); ``data-points``: the most points a line
+    draws (at most charts.MOST_POINTS)."""
+    lines = [charts.thin(line) for line in lines]
     svg = charts.svg(title, ylabel, lines, log_y=log_y)
     points = max((sum(1 for y in line.y if not math.isnan(y)) for line in lines), default=0)
     data = base64.b64encode(svg.encode()).decode()
@@ -253,6 +255,14 @@ def curves(s: Series | None) -> str:
         else:
             out.append(f'<p class=muted id="no-{name}">No {e(title)} in {e(s.source)}.</p>')
     return f"<p class=muted>From {e(s.source)}, rank {s.rank}.</p>" + "".join(out)
+
+
+def rank_form(job_id: str, rank: int) -> str:
+    """A GET form for another rank's curves (``?rank=N``)."""
+    return (
+        f'<form id=rank-pick action="{job_href(job_id)}" method=get>rank '
+        f'<input type=number name=rank min=0 value="{rank}" style="width:5em"> <button type=submit>show</button></form>'
+    )
 
 
 def events_table(events: Iterable[control_pb2.JobEvent], types: frozenset[str]) -> str:
@@ -383,6 +393,7 @@ def job_page(
     body = (
         status_table(status)
         + "<h2>curves</h2>"
+        + rank_form(j, series.rank if series is not None else 0)
         + curves(series)
         + "<h2>samples</h2>"
         + samples_table(samples)

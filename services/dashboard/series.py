@@ -18,7 +18,7 @@ from services.cli.observe import number, step_records
 from services.common.rotated_files import read_rotated
 from services.contract import control_pb2
 
-STORE_RECORDS = "the store's step records"
+STORE_RECORDS = "the store's step records (at most 2,000 points a curve: each bucket of steps keeps its first, last, lowest and highest)"
 SAMPLED_EVENTS = "control's event history (steps sampled about once a second; no learning rate or gradient norm)"
 
 

@@ -1,7 +1,8 @@
 """The dashboard's HTTP side: routes, the access check, answers. Read-only: GET and HEAD only.
 
 Routes: ``/`` jobs, ``/queue``, ``/cluster``, ``/job/<job>`` (``?type=fault&type=...``: only
-those events; an unknown type is refused, 400, in the CLI's words), ``/job/<job>/logs``
+those events; an unknown type is refused, 400, in the CLI's words; ``?rank=N``: that rank's
+curves, default 0), ``/job/<job>/logs``
 (follows a live job: its script asks ``/job/<job>/logs/lines?seen=RANK:COUNT,...`` for the
 lines after those it shows, JSON, log_follow.py), ``/compare?job=A&job=B...``, and ``/healthz`` (no data: what `surgectl
 dashboard` waits for); a job is its id or its name, as on the CLI (404: neither; 403 with
@@ -78,18 +79,22 @@ class Dashboard:
             types = frozenset(event_types(query.get("type", ())))
         except CliError as e:  # (the CLI's words: "--type: unknown event type ...")
             raise PageError(HTTPStatus.BAD_REQUEST, str(e).replace("--type: ", "type: ", 1)) from None
+        rank_text = query.get("rank", ["0"])[0]
+        if not rank_text.isdigit() or int(rank_text) >= 2**31:
+            raise PageError(HTTPStatus.BAD_REQUEST, f"rank: expected a whole number >= 0, got {rank_text!r}")
         job_id = self._job_id(ref)
         status = self._src.job(job_id)
         events = self._src.events(job_id)
+        records = self._src.job_records(job_id, events, int(rank_text))
         return pages.job_page(
             status,
             events,
             types,
-            self._src.series(job_id, events),
+            records.series,
             self._src.checkpoints(job_id),
             self._src.logs(job_id),
-            samples=self._src.samples(job_id),
-            scores=self._src.scores(job_id),
+            samples=records.samples,
+            scores=records.scores,
         )
 
     def logs(self, ref: str) -> str:

@@ -6,7 +6,8 @@
 * control's /metrics: the allocator's slot census, ``surge_slots{worker_id,kind}`` and
   ``surge_devices{worker_id,kind,name}``;
 * the store: List (a job's checkpoints), ReadMetrics (a job's step records, periodic samples
-  and evaluation scores: the store's access rules hold, as for `surgectl plot`); the store's
+  and evaluation scores: the store's access rules hold, as for `surgectl plot`; one rank's, at
+  most ``POINTS`` step records a curve: a page never carries a whole 64-rank file); the store's
   files on this machine only when the store cannot be reached (the stack down), as `surgectl
   logs` reads the local rank logs; the curves from control's step events when neither has steps.
 
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import copy
 import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -33,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.cli.observe import LogLine, merge, parse
 from services.cli.samples import SampleLine, sample_records
 from services.cli.scores import ScoresLine, scores_records
+from services.common import metric_select
 from services.common.grpc_server import channel
 from services.common.job_refs import AmbiguousJob, UnknownJob, pick_job
 from services.common.rotated_files import read_rotated
@@ -41,6 +45,21 @@ from services.dashboard import series
 from services.dashboard.pages import Slots
 
 CALL_SECONDS = 10.0  # a read's deadline: control answers these from published snapshots
+# The store's records: it reads a job's files to answer (a 64-rank job's are GBs, each line
+# looked at once; a loaded host is slower): a page waits for its curves rather than draw none.
+RECORDS_SECONDS = 30.0
+# Step records per rank a page asks of the store (metric_select.py: past it, each bucket's
+# first, last, lowest and highest of every curve).
+POINTS = metric_select.CHART_POINTS
+
+
+@dataclass(frozen=True)
+class JobRecords:
+    """What a job page reads of the store's records (``Sources.job_records``)."""
+
+    series: series.Series
+    samples: list[SampleLine] | None
+    scores: list[ScoresLine] | None
 
 
 class Sources:
@@ -112,31 +131,53 @@ class Sources:
         query = control_pb2.JobQuery(job_id=job_id, follow=False)
         return list(self._control.WatchJob(query, timeout=CALL_SECONDS, metadata=self._metadata))
 
-    def records(self, job_id: str, record_type: str = "") -> tuple[str, str] | None:
-        """(the job's records, only those of ``record_type`` if given; where they were read):
-        through the store (ReadMetrics: a refusal stands, "" when it has none yet), the local
-        file only when the store is unreachable; None: refused, or neither has them."""
+    def records(
+        self, job_id: str, record_type: str = "", ranks: Sequence[int] = (), points: int = 0
+    ) -> tuple[str, str] | None:
+        """(the job's records, only those of ``record_type`` if given, of ``ranks`` (none:
+        every rank), each rank's step records thinned to about ``points`` (0: all); where they
+        were read): through the store (ReadMetrics: a refusal stands, "" when it has none yet),
+        the local file only when the store is unreachable (the same selection, made here);
+        None: refused, or neither has them."""
         try:
-            query = store_pb2.MetricsQuery(job_id=job_id, type=record_type)
-            parts = list(self._store.ReadMetrics(query, timeout=CALL_SECONDS, metadata=self._metadata))
+            query = store_pb2.MetricsQuery(job_id=job_id, type=record_type, ranks=ranks, points=points)
+            parts = list(self._store.ReadMetrics(query, timeout=RECORDS_SECONDS, metadata=self._metadata))
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.UNAVAILABLE or self._records_dir is None:
                 return None
             local = self._records_dir / f"{job_id}.jsonl"
             try:
-                return (read_rotated(local), str(local)) if local.is_file() else None
+                text = read_rotated(local) if local.is_file() else None
             except OSError:
                 return None
+            sel = metric_select.Selection(record_type, frozenset(ranks), points)
+            return None if text is None else (metric_select.select_text(text, sel), str(local))
         found = bool(parts) and parts[0].found
         return (b"".join(p.text for p in parts[1:]).decode(errors="replace") if found else ""), "the store"
 
-    def series(self, job_id: str, events: list[control_pb2.JobEvent]) -> series.Series:
-        """Every step from the store's records when it has them, else the sampled events."""
-        if read := self.records(job_id):
-            found = series.from_text(*read)
+    def series(self, job_id: str, events: list[control_pb2.JobEvent], rank: int = 0) -> series.Series:
+        """``rank``'s curves from the store's records (at most ``POINTS`` a curve) when it has
+        them, else the sampled events."""
+        if read := self.records(job_id, ranks=(rank,), points=POINTS):
+            found = series.from_text(*read, rank=rank)
             if found is not None:
                 return found
         return series.from_events(events)
+
+    def job_records(self, job_id: str, events: list[control_pb2.JobEvent], rank: int = 0) -> JobRecords:
+        """A job page's records in one read of the store: ``rank``'s curves (at most
+        ``POINTS`` a curve; the sampled events when the store has no step), and rank 0's
+        samples and scores (rank 0 writes them). Samples and scores are None when the records
+        cannot be read."""
+        read = self.records(job_id, ranks=sorted({0, rank}), points=POINTS)
+        if read is None:
+            return JobRecords(series.from_events(events), None, None)
+        text, where = read
+        return JobRecords(
+            series.from_text(text, where, rank) or series.from_events(events),
+            sample_records(text),
+            scores_records(text),
+        )
 
     def samples(self, job_id: str) -> list[SampleLine] | None:
         """The job's periodic samples from the store's records; None when they cannot be read."""

@@ -165,11 +165,15 @@ def lines(files: list, record_type: str = "") -> Iterator[bytes]:
                 cut = block.rfind(b"\n") + 1
                 block, rest = block[:cut], block[cut:]
                 if record_type:
-                    block = b"".join(
-                        line for line in block.splitlines(keepends=True) if _of_type(line, marker, record_type)
-                    )
+                    block = of_type(block, record_type, marker)
                 if block:
                     yield block
+
+
+def of_type(block: bytes, record_type: str, marker: bytes | None = None) -> bytes:
+    """The lines of ``block`` (whole lines) that are records of ``record_type``."""
+    marker = marker or f'"{record_type}"'.encode()
+    return b"".join(line for line in block.splitlines(keepends=True) if _of_type(line, marker, record_type))
 
 
 def _of_type(line: bytes, marker: bytes, record_type: str) -> bool:

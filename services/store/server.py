@@ -75,6 +75,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
+from services.common import metric_select
 from services.common.identity import MODULE_METADATA
 from services.common.rotated_files import rotated_paths
 from services.contract import Module, store_pb2, store_pb2_grpc
@@ -82,7 +83,7 @@ from services.contract.audit import abort_with_violation
 from services.contract.bus import BoundaryViolation, CommandPort
 from services.contract.failures import ModuleFailed, cause_metadata
 from services.contract.relay import Outbox, Routed, routed_trailers
-from services.store import metric_files
+from services.store import metric_files, metric_scans
 from services.store.access import AccessRefused, StoreAccess
 from services.store.checkpoint_manager import (
     CheckpointDamaged,
@@ -139,6 +140,7 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         self._access = access or StoreAccess()
         # L5-2's records (<root>/metrics: its JSONL files, as it wrote them), read for ReadMetrics.
         self._records_dir = records
+        self._chart_scans = metric_scans.ChartScans()
         self._files = files
         self._profiles = profiles
         self._ports = dict(ports)
@@ -327,7 +329,10 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
         self, request: store_pb2.MetricsQuery, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[store_pb2.MetricsText]:
         """The job's records: ``found``, then its lines in parts (read in the bulk pool, a part
-        at a time: flow control holds the reading while the caller is slow)."""
+        at a time: flow control holds the reading while the caller is slow); only the ranks
+        asked, each rank's step records thinned to ``points`` (metric_select.py: a page asks
+        for a chart's points, never a 100,000-step x 64-rank file); such a read resumes the
+        last one's scan (metric_scans.py: a live page's reload reads only the new bytes)."""
         if self._records_dir is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "ReadMetrics: this store serves no metric records")
         await self._here(
@@ -342,8 +347,14 @@ class StoreRelay(store_pb2_grpc.StoreServiceServicer):
             self._bulk, rotated_paths, self._records_dir / f"{request.job_id}.jsonl"
         )
         yield store_pb2.MetricsText(job_id=request.job_id, found=bool(files))
-        parts = metric_files.lines(files, request.type)
+        sel = metric_select.Selection(request.type, frozenset(request.ranks), request.points)
         loop = asyncio.get_running_loop()
+        if sel.points and 0 < len(sel.ranks) <= metric_scans.RANKS_KEPT:  # a chart's read: resumed (metric_scans.py)
+            answer = await loop.run_in_executor(self._bulk, self._chart_scans.read, request.job_id, files, sel)
+            for text in answer:
+                yield store_pb2.MetricsText(job_id=request.job_id, text=text)
+            return
+        parts = metric_select.select(metric_files.lines(files, request.type), sel)
         while (text := await loop.run_in_executor(self._bulk, next, parts, None)) is not None:
             yield store_pb2.MetricsText(job_id=request.job_id, text=text)
 

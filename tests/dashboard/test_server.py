@@ -17,6 +17,7 @@ from services.contract import control_pb2
 from services.dashboard import series
 from services.dashboard.access import Access, certificate_names, operator_certificate
 from services.dashboard.server import Dashboard, Server, make_handler
+from services.dashboard.sources import JobRecords
 
 TOKEN = "s3cret-token"
 
@@ -56,6 +57,9 @@ class Canned:
 
     def logs(self, job_id):
         return []
+
+    def job_records(self, job_id, events, rank=0):
+        return JobRecords(self.series(job_id, events), None, None)
 
     def samples(self, job_id):
         return None
@@ -133,6 +137,15 @@ def test_a_job_is_named_by_its_id_or_its_name_and_an_unknown_event_type_is_refus
     r, body = get(base, "/job/demo-1?type=bogus", headers=auth)
     assert r.status == 400 and "type: unknown event type bogus (one of: state, " in body, body
     assert get(base, "/job/demo-1?type=fault,decision", headers=auth)[0].status == 200
+
+
+def test_the_job_pages_rank_is_a_whole_number_shown_in_its_form(base):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for bad in ("x", "-1", "1.5", "99999999999"):
+        r, body = get(base, f"/job/demo-1?rank={bad}", headers=auth)
+        assert r.status == 400 and "rank: expected a whole number &gt;= 0" in body, (bad, body)
+    r, body = get(base, "/job/demo-1?rank=3", headers=auth)
+    assert r.status == 200 and '<form id=rank-pick action="/job/demo-1" method=get>' in body
 
 
 def test_only_a_certificate_naming_the_operators_role_passes_under_mutual_tls():
