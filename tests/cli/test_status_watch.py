@@ -49,7 +49,7 @@ def test_a_watch_shows_controls_outage_and_goes_on_once_it_answers(monkeypatch, 
     views = re.split(r"(?m)^-- \d\d:\d\d:\d\d$", out)[1:]  # (each view under its time)
     assert len(views) == 4, out
     assert "before-1" in views[0] and "after-1" in views[3], out
-    for outage in views[1:3]:
+    for outage in (" ".join(v.split()) for v in views[1:3]):  # (wrapped at the console's width)
         assert "control unreachable at 127.0.0.1:1" in outage and "tried again every 0.5 s" in outage, outage
 
 
