@@ -59,7 +59,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import queue
 import signal
 import sys
 import threading
@@ -373,7 +372,7 @@ class Session:
         self._job_id, self._rank = job_id, rank
         self._phase = phase or PhaseMarker()
         self.process = f"rank {rank} of job {job_id}"
-        self._out: queue.Queue = queue.Queue()
+        self._out = session_batches.Outgoing()  # (a step's events do not wake its sender while it rides)
         self._channel = channel(address, module=Module.L2_TRAINING_LOOP)  # the rank, for its modules
         self._call = worker_pb2_grpc.WorkerServiceStub(self._channel).RankSession(self._requests())
         self._terminal_sent = threading.Event()

@@ -26,8 +26,10 @@ a beat period behind the loop.
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -73,7 +75,54 @@ class StepUrgency:
         return urgent
 
 
-def messages(out: queue.Queue, ride_s: Callable[[], float] = _at_once) -> Iterator[worker_pb2.RankEvent]:
+class Outgoing:
+    """A rank's queue of events for its session (``queue.Queue``'s ``put``, ``get`` and
+    ``get_nowait``), whose ``put`` of a step's event does not wake the sender while it waits
+    for the beat with another step's (:func:`messages`): a step's StepCompleted and its metric
+    record would otherwise wake it twice a step for nothing (it would go back to waiting).
+    ``notified``: the wake-ups it was given (a counter, for tests)."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque = collections.deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._riding = False  # the sender waits, with a timeout, for the beat (messages)
+        self.notified = 0
+
+    def put(self, item: Any) -> None:
+        with self._cond:
+            self._items.append(item)
+            if self._riding and item is not None and item is not NOW and rides(item):
+                return  # (it goes with the beat, or at the wait's end: nothing to do now)
+            self.notified += 1
+            self._cond.notify()
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        with self._cond:
+            if timeout is None and block:
+                while not self._items:
+                    self._cond.wait()
+                return self._items.popleft()
+            end = time.monotonic() + (timeout or 0.0)
+            self._riding = True
+            try:
+                while not self._items:
+                    left = end - time.monotonic()
+                    if not block or left <= 0:
+                        raise queue.Empty
+                    self._cond.wait(left)
+            finally:
+                self._riding = False
+            return self._items.popleft()
+
+    def get_nowait(self) -> Any:
+        return self.get(block=False)
+
+    def qsize(self) -> int:
+        with self._cond:
+            return len(self._items)
+
+
+def messages(out: queue.Queue | Outgoing, ride_s: Callable[[], float] = _at_once) -> Iterator[worker_pb2.RankEvent]:
     """The stream's messages from the queue ``out`` (RankEvents; None ends it, after what came
     before it; :data:`NOW` sends what waits at once): each the first event waiting with those
     behind it in ``more``. ``ride_s()`` > 0 (read per message: the beat period may change): a

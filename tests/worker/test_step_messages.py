@@ -6,6 +6,7 @@ only when the rank waits on them, else with its next beat (services/worker/metri
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -180,7 +181,7 @@ def test_the_steps_control_decides_on_at_once_are_the_loops_first_a_new_agreemen
 def rank_session(rank: int) -> Session:
     """A ``Session`` without a channel: its queue, its request generator and ``send_up``."""
     session = object.__new__(Session)
-    session._out, session._rank, session._beat_interval = queue.Queue(), rank, 60.0
+    session._out, session._rank, session._beat_interval = session_batches.Outgoing(), rank, 60.0
     session._progress_lock, session._phase = threading.Lock(), PhaseMarker()
     session._urgency, session._stepping = session_batches.StepUrgency(), True
     session._job_id, session._terminal_sent = "j", threading.Event()
@@ -215,6 +216,41 @@ def test_rank_0s_urgent_step_goes_at_once_and_a_plain_one_waits_for_the_beat(ran
     session._out.put(ev(heartbeat=worker_pb2.RankHeartbeat(job_id="j", rank=rank)))
     kinds = [p.WhichOneof("event") for p in unbatched(sent.get(timeout=10))]
     assert kinds == (["heartbeat"] if rank == 0 else ["routed"] * 4 + ["heartbeat"])
+
+
+def test_a_steps_events_do_not_wake_the_sender_while_it_waits_for_the_beat():
+    out = session_batches.Outgoing()
+    sent: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [sent.put(m) for m in session_batches.messages(out, lambda: 60.0)], daemon=True).start()
+    out.put(step_completed(1))  # the first wakes it: its ride starts
+    deadline = time.monotonic() + 10
+    while out.qsize() and time.monotonic() < deadline:
+        time.sleep(0.01)  # (taken: the sender now waits for the beat)
+    time.sleep(0.1)
+    woken = out.notified
+    for n in range(2, 12):
+        out.put(step_record(n - 1, n - 1))
+        out.put(step_completed(n))
+    assert out.notified == woken  # twenty events of steps, no wake-up
+    with pytest.raises(queue.Empty):
+        sent.get(timeout=0.3)
+    out.put(ev(heartbeat=worker_pb2.RankHeartbeat(job_id="j", rank=1)))  # the beat wakes it: all go
+    parts = unbatched(sent.get(timeout=10))
+    assert len(parts) == 22 and parts[-1].WhichOneof("event") == "heartbeat" and out.notified == woken + 1
+
+
+def test_the_outgoing_queue_ends_a_ride_at_its_period_and_hands_out_in_order():
+    out = session_batches.Outgoing()
+    out.put(step_completed(1))
+    out.put(step_record(1, 1))
+    t0 = time.monotonic()
+    (message,) = list(itertools.islice(session_batches.messages(out, lambda: 0.3), 1))
+    assert time.monotonic() - t0 >= 0.25  # (a lower bound: holds on a loaded host)
+    assert [p.WhichOneof("event") for p in unbatched(message)] == ["routed", "metrics"]
+    with pytest.raises(queue.Empty):
+        out.get_nowait()
+    out.put(None)
+    assert list(session_batches.messages(out)) == []
 
 
 # ------------------------------------------------------------------ metric acks
