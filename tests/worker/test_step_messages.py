@@ -13,9 +13,9 @@ import time
 
 import pytest
 
+from services.common.phase import PhaseMarker
 from services.contract import Module, engine_pb2, store_pb2, worker_pb2
 from services.contract.relay import pack
-from services.common.phase import PhaseMarker
 from services.rank import session_batches
 from services.rank.__main__ import Session
 from services.worker.metric_acks import MetricAcks
@@ -221,7 +221,9 @@ def test_rank_0s_urgent_step_goes_at_once_and_a_plain_one_waits_for_the_beat(ran
 def test_a_steps_events_do_not_wake_the_sender_while_it_waits_for_the_beat():
     out = session_batches.Outgoing()
     sent: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [sent.put(m) for m in session_batches.messages(out, lambda: 60.0)], daemon=True).start()
+    threading.Thread(
+        target=lambda: [sent.put(m) for m in session_batches.messages(out, lambda: 60.0)], daemon=True
+    ).start()
     out.put(step_completed(1))  # the first wakes it: its ride starts
     deadline = time.monotonic() + 10
     while out.qsize() and time.monotonic() < deadline:
