@@ -122,13 +122,19 @@ class Outbox:
         until acknowledged; a beat goes first and is not kept) or ``cancelled`` is set and
         :meth:`interrupt` called (None)."""
         with self._cond:
-            while (
-                not self._open or (self._next >= len(self._items) and self._beat is None)
-            ) and not cancelled.is_set():
-                self._cond.wait()
-            end = time.monotonic() + TOGETHER_MAX_S
-            while self._together and not cancelled.is_set() and (left := end - time.monotonic()) > 0:
-                self._cond.wait(left)  # (a relay in the middle of a rank's message: its end sends all)
+            end = None
+            while True:
+                while (
+                    not self._open or (self._next >= len(self._items) and self._beat is None)
+                ) and not cancelled.is_set():
+                    self._cond.wait()
+                if cancelled.is_set() or not self._together:
+                    break
+                # A relay in the middle of a rank's message (together): its end sends it all.
+                end = end or time.monotonic() + TOGETHER_MAX_S
+                if (left := end - time.monotonic()) <= 0:
+                    break
+                self._cond.wait(left)
             if cancelled.is_set():
                 return None
             if self._beat is not None:
