@@ -169,6 +169,7 @@ def cost(a: dict[int, dict], b: dict[int, dict]) -> dict:
     threads: dict[str, float] = defaultdict(float)  # "kind: thread" -> CPU, of the stack's processes
     rank_side: dict[str, float] = defaultdict(float)
     wakeups: dict[str, int] = defaultdict(int)  # the stack's threads' (a rank's side threads: "ranks' side")
+    thread_wakeups: dict[str, int] = defaultdict(int)  # by "kind: thread" (a rank's side: "ranks' side: thread")
     compute = 0.0
     ranks = 0
     for pid, proc in b.items():
@@ -184,13 +185,16 @@ def cost(a: dict[int, dict], b: dict[int, dict]) -> dict:
                 stack[proc["kind"]] += spent
                 threads[f"{proc['kind']}: {'main' if tid == pid else _thread_group(name)}"] += spent
                 wakeups[proc["kind"]] += woken
+                thread_wakeups[f"{proc['kind']}: {'main' if tid == pid else _thread_group(name)}"] += woken
             elif tid == pid or name == main_name or _COMPUTE_THREADS.match(name):
                 compute += spent  # the training loop, its pools, torch.distributed's transport
             else:
                 rank_side[_thread_group(name)] += spent
                 wakeups["ranks' side threads"] += woken
+                thread_wakeups[f"ranks' side: {_thread_group(name)}"] += woken
     return {
         "wakeups": dict(wakeups),
+        "thread_wakeups": dict(thread_wakeups),
         "stack": dict(stack),
         "stack_threads": dict(threads),
         "rank_side_threads": dict(rank_side),
@@ -260,6 +264,10 @@ def measure(warmup: int, window: int, timeout_s: float, overrides: dict | None =
         "wakeups_per_step": round(sum(spent["wakeups"].values()) / steps, 2),
         "wakeups_per_second": round(sum(spent["wakeups"].values()) / wall, 2),
         "by_process_wakeups_per_step": {k: round(v / steps, 2) for k, v in sorted(spent["wakeups"].items())},
+        # Which threads wake: per second, the largest first (a timer's period shows here whatever the step).
+        "by_thread_wakeups_per_second": {
+            k: round(v / wall, 2) for k, v in sorted(spent["thread_wakeups"].items(), key=lambda x: -x[1]) if v > 0
+        },
         "by_thread_cpu_seconds_per_step": {
             k: round(v / steps, 5) for k, v in sorted(spent["stack_threads"].items(), key=lambda x: -x[1]) if v > 0
         },
@@ -297,6 +305,8 @@ def render(r: dict) -> str:
         rows.append((f"  ranks' thread {k}", f"{v * 1000:.2f} ms ({100 * v / step:.2f} %)"))
     for k, v in list(r["by_thread_cpu_seconds_per_step"].items())[:12]:  # the largest consumers
         rows.append((f"  thread {k}", f"{v * 1000:.2f} ms ({100 * v / step:.2f} %)"))
+    for k, v in list(r.get("by_thread_wakeups_per_second", {}).items())[:12]:
+        rows.append((f"  wake-ups/s {k}", f"{v:.1f} ({v * step:.1f} per step)"))
     rows.append(("load average (start / end)", f"{r['loadavg']['start']} / {r['loadavg']['end']}"))
     return c.table(rows, ("what", "per step"))
 

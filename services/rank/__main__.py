@@ -17,7 +17,9 @@ both sides (services/contract/relay.py); only set-up and plumbing have fields of
                        services/common/boundary_commands.py; a stop before start or while
                        paused: at once), {StepVerdict}, ...: every command an L1 module may
                        send a module of the rank
-    5. rank -> agent   {StepCompleted} per step, {EvalCompleted} per evaluation,
+    5. rank -> agent   {StepCompleted} per step (a beat's steps in the beat's message, a
+                       step control decides on at once at once: session_batches.py),
+                       {EvalCompleted} per evaluation,
                        {SaveCompleted} per committed checkpoint (rank 0), {TrainingLoopPaused}
                        when paused, any event a module here (or an L4/L5 module its data and
                        store relays speak for) sends an L1 module (failure events included),
@@ -57,7 +59,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import queue
 import signal
 import sys
 import threading
@@ -371,7 +372,7 @@ class Session:
         self._job_id, self._rank = job_id, rank
         self._phase = phase or PhaseMarker()
         self.process = f"rank {rank} of job {job_id}"
-        self._out: queue.Queue = queue.Queue()
+        self._out = session_batches.Outgoing()  # (a step's events do not wake its sender while it rides)
         self._channel = channel(address, module=Module.L2_TRAINING_LOOP)  # the rank, for its modules
         self._call = worker_pb2_grpc.WorkerServiceStub(self._channel).RankSession(self._requests())
         self._terminal_sent = threading.Event()
@@ -382,6 +383,7 @@ class Session:
         self._progress_lock = threading.Lock()
         self._step, self._step_seconds, self._stepping = 0, 0.0, False
         self._compute = (0.0, 0.0, 0.0)  # forward, backward, optimizer compute seconds up to `_step`
+        self._urgency = session_batches.StepUrgency()
         self._beat_interval = heartbeat_interval_s
         self._beat_phase = phase_from()  # the node's place on the beat grid (its agent's)
         self._closing = threading.Event()
@@ -427,19 +429,24 @@ class Session:
     def send_up(self, routed: Routed, msg: Any, payload: Any = None) -> None:
         """The link's way out: queue one envelope. Before the terminal event goes the final
         audit: once control hears of the end it may release (kill) this process at any moment."""
+        now = False  # (a step control decides on at once: session_batches.StepUrgency)
         with self._progress_lock:
             if isinstance(msg, engine_pb2.TrainingLoopStarted):
                 self._step = msg.start_step
+                self._urgency.started()
             elif isinstance(msg, engine_pb2.StepCompleted):
                 # (the main thread, at the step's end: the sums hold exactly the steps up to it)
                 self._step, self._step_seconds = msg.step, msg.step_seconds
                 self._compute = self._phase.compute_seconds()
+                now = self._urgency.at_once(msg) and self._rank == 0
             elif isinstance(msg, (engine_pb2.TrainingLoopPaused, *_TERMINAL)):
                 self._stepping = False
         if isinstance(msg, _TERMINAL):
             self._send(audit=report_of(self.process))
             self._terminal_sent.set()
         self._send(routed=routed)
+        if now:
+            self._out.put(session_batches.NOW)
 
     def send_metrics(self, record: store_pb2.MetricRecord) -> None:
         """One of L2-1's records for L5-2, to the node agent, which sends it to the store
@@ -490,14 +497,15 @@ class Session:
         self._out.put(worker_pb2.RankEvent(job_id=self._job_id, rank=self._rank, **event))
 
     def _requests(self):
-        """One stream message per wake-up, a step's events of a rank other than 0 with its
-        next beat (services/rank/session_batches.py)."""
+        """One stream message per wake-up, a step's events with the rank's next beat
+        (services/rank/session_batches.py)."""
         yield from session_batches.messages(self._out, self._ride_s)
 
     def _ride_s(self) -> float:
         """How long a step's events wait for the next beat: a beat period (the job's, once
-        InitJob said it) for a rank other than 0; rank 0's step goes at once."""
-        if getattr(self, "_rank", 0) == 0 or not session_batches.STEPS_RIDE:
+        InitJob said it); rank 0's step that control decides on at once is followed by
+        ``session_batches.NOW`` (:meth:`send_up`)."""
+        if not session_batches.STEPS_RIDE:
             return 0.0
         return getattr(self, "_beat_interval", 0.0)
 

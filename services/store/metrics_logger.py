@@ -79,7 +79,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.contract import engine_pb2, store_pb2
 from services.store import metric_files
-from services.store.metric_sinks import Sinks
+from services.store.metric_sinks import SINK_RANK, Sinks
 from services.store.profile_files import ProfileFiles
 
 PHASES = ("data_wait", "forward", "backward", "reduction", "optimizer")
@@ -247,7 +247,8 @@ class MetricsLogger:
         s.tokens.inc(msg.tokens)
         if msg.skipped:
             s.skipped.inc()
-        self._defer(self._sinks.record, "step", msg)
+        if msg.rank == SINK_RANK:  # (the sinks take no other rank's: no hop to their thread for it)
+            self._defer(self._sinks.record, "step", msg)
         self._publish_failures(msg.job_id)
         return store_pb2.MetricsAck(records=1)
 
@@ -264,7 +265,8 @@ class MetricsLogger:
         loss.set(msg.loss)
         seconds.set(msg.seconds)
         runs.inc()
-        self._defer(self._sinks.record, "eval", msg)
+        if msg.rank == SINK_RANK:  # (the sinks take no other rank's: no hop to their thread for it)
+            self._defer(self._sinks.record, "eval", msg)
         self._publish_failures(msg.job_id)
         return store_pb2.MetricsAck(records=1)
 

@@ -249,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         log_settings=log_settings,
         pump=pump,
         links=links,
+        together=outbox.together,  # (a rank's message: one message up)
     )
     if forkserver is not None and os.environ.get(FORKSERVER_ENV) == "eager":
         forkserver.start()  # a spare node: its imports done before any rank is lost

@@ -4,8 +4,8 @@ outbox of events waiting to go up it.
 * :class:`Outbox`: every event the agent states gets the next sequence number and is kept
   until control acknowledges it, so an event in flight when control went away is sent
   again after the agent re-registers, and control drops what it had applied already.
-  Sequenced events that piled up since the last send go up as one ``WorkerEvent.batch``
-  (each keeps its seq), to a control that says it reads them.
+  Sequenced events (and the node's rank beats among them) that piled up since the last send
+  go up as one ``WorkerEvent.batch`` (each keeps its seq), to a control that says it reads them.
 * :class:`ControlSession`: keeps the stream open, registers first on every session,
   reconnects when it breaks (rank processes are not touched), and executes the commands
   that come down one by one, in order (so a ``release`` then ``launch`` of the same rank
@@ -15,6 +15,7 @@ outbox of events waiting to go up it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import threading
 import time
@@ -34,6 +35,8 @@ FACTS = frozenset({"rank_beats"})
 # (``WorkerEvent.batch``, Outbox.get): small reports of ranks and processes. Not log lines (an
 # operator's tail, large) nor a departing registration.
 BATCHED = frozenset({"rank_event", "rank_exited", "routed", "memory_pressure"})
+_BATCHABLE = BATCHED | FACTS
+TOGETHER_MAX_S = 0.05  # the most the session waits for a block of puts to end (Outbox.together)
 MAX_BATCH = 64  # events in one batch (a node's launch of 8 ranks states 16)
 MAX_BATCH_BYTES = 1 << 20  # and bytes: far below the stream's message limit (4 MiB by default)
 
@@ -72,6 +75,7 @@ class Outbox:
         self.resent = 0  # events sent again after a reconnect (sent before, never acknowledged)
         self._beat: control_pb2.WorkerEvent | None = None  # the agent's newest unsent beat (no seq)
         self._batches = False  # the session's control reads WorkerEvent.batch (resume)
+        self._together = 0  # blocks inside together(): the session waits for their end
 
     def put(self, event: control_pb2.WorkerEvent) -> None:
         """Give ``event`` the next seq and queue it; never blocks."""
@@ -86,7 +90,25 @@ class Outbox:
                 self._next = max(0, self._next - 1)
                 self.dropped += 1
             self._items.append(event)
-            self._cond.notify_all()
+            if not self._together:  # (else the block's end wakes the session, once)
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        """What is put inside the block goes up as one stream message where it can (a batch):
+        the session takes nothing until the block ends, or ``TOGETHER_MAX_S`` at most (it must
+        never hold a report back). A rank's RankSession message (a beat period's steps and its
+        beat) is relayed event by event; without this the session could wake and send after
+        the first."""
+        with self._cond:
+            self._together += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._together -= 1
+                if not self._together:
+                    self._cond.notify_all()
 
     def beat(self, event: control_pb2.WorkerEvent) -> None:
         """The agent's own heartbeat: sent ahead of the queue, without a seq (a fact of now,
@@ -100,43 +122,57 @@ class Outbox:
         until acknowledged; a beat goes first and is not kept) or ``cancelled`` is set and
         :meth:`interrupt` called (None)."""
         with self._cond:
-            while (
-                not self._open or (self._next >= len(self._items) and self._beat is None)
-            ) and not cancelled.is_set():
-                self._cond.wait()
+            end = None
+            while True:
+                while (
+                    not self._open or (self._next >= len(self._items) and self._beat is None)
+                ) and not cancelled.is_set():
+                    self._cond.wait()
+                if cancelled.is_set() or not self._together:
+                    break
+                # A relay in the middle of a rank's message (together): its end sends it all.
+                end = end or time.monotonic() + TOGETHER_MAX_S
+                if (left := end - time.monotonic()) <= 0:
+                    break
+                self._cond.wait(left)
             if cancelled.is_set():
                 return None
             if self._beat is not None:
                 beat, self._beat = self._beat, None
                 return beat
             event = self._items[self._next]
-            if not event.seq:  # a fact: sent once, never kept for a resend
-                del self._items[self._next]
-                return event
             batch = self._batch() if self._batches else [event]
-            self._next += len(batch)
-            self._sent = max(self._sent, batch[-1].seq)
-            if not self._acked:  # a control that acknowledges nothing: forget them once sent
-                self._drop_through(batch[-1].seq)
+            for i in reversed(range(len(batch))):
+                if not batch[i].seq:  # a fact: sent once, never kept for a resend
+                    del self._items[self._next + i]
+            kept = [e.seq for e in batch if e.seq]
+            self._next += len(kept)
+            if kept:
+                self._sent = max(self._sent, kept[-1])
+                if not self._acked:  # a control that acknowledges nothing: forget them once sent
+                    self._drop_through(kept[-1])
             if len(batch) == 1:
                 return event
             return control_pb2.WorkerEvent(batch=control_pb2.WorkerEvents(events=batch))
 
     def _batch(self) -> list[control_pb2.WorkerEvent]:
         """Under the lock: the sequenced events queued from ``_next`` on that go up together
-        (``BATCHED`` kinds, consecutive, at most ``MAX_BATCH``): whatever piled up since the
-        last send, so a launch's reports of all its ranks (a process state and a start each)
-        are one stream message, not one per rank (issue 28). Each keeps its own seq: control
-        applies, acknowledges and deduplicates them one by one, as if sent alone."""
+        (``BATCHED`` kinds and facts, consecutive, at most ``MAX_BATCH``): whatever piled up
+        since the last send, so a launch's reports of all its ranks (a process state and a start
+        each) are one stream message, not one per rank (issue 28), and a beat's rank-0 step
+        summaries and the node's rank beats that follow them are one message per beat period,
+        not two. Each keeps its own seq (a fact none: it keeps its place among them and is not
+        resent): control applies, acknowledges and deduplicates them one by one, as if sent
+        alone."""
         first = self._items[self._next]
-        if first.WhichOneof("event") not in BATCHED:
+        if first.WhichOneof("event") not in _BATCHABLE:
             return [first]
         batch, size = [first], first.ByteSize()
         i = self._next + 1
         while i < len(self._items) and len(batch) < MAX_BATCH:
             event = self._items[i]
-            if not event.seq or event.WhichOneof("event") not in BATCHED:
-                break  # (a fact keeps its place in the stream: sent after these, alone)
+            if event.WhichOneof("event") not in _BATCHABLE:
+                break
             size += event.ByteSize()
             if size > MAX_BATCH_BYTES:
                 break

@@ -104,10 +104,12 @@ Threads, and why each exists:
 from __future__ import annotations
 
 import collections
+import contextlib
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +211,7 @@ class NodeAgent(RankLauncher):
         log_settings: LogSettings | None = None,
         pump: LogPump | None = None,
         links: LinkProber | None = None,
+        together: Callable[[], AbstractContextManager] | None = None,
     ):
         self._worker_id = worker_id
         self._metrics = metrics or MetricStreams(log)
@@ -223,6 +226,8 @@ class NodeAgent(RankLauncher):
         # time, and nothing overtakes a beat it follows (rank_beats.py).
         self.beats = RankBeats(emit)
         self._emit = self.beats.emit
+        # What a rank's one message puts up goes as one message to control (Outbox.together).
+        self._together = together or contextlib.nullcontext
         self._log = log
         self._rank_module = rank_module
         self._cwd = Path(cwd) if cwd is not None else Path.cwd()
@@ -409,6 +414,11 @@ class NodeAgent(RankLauncher):
             )
         self._log.info("rank connected", job_id=r.job_id, rank=r.rank, pid=r.proc.pid)
         return r
+
+    def relaying(self) -> AbstractContextManager:
+        """Around the relay of one RankSession message's events: what they put up goes to
+        control as one stream message (its beat period's steps and the node's beats after them)."""
+        return self._together()
 
     def relay_event(self, r: RankProcess, event: worker_pb2.RankEvent) -> None:
         """Send a rank's event up unchanged, except that its envelope names the session's

@@ -72,8 +72,9 @@ class RankSessionServicer(worker_pb2_grpc.WorkerServiceServicer):
     def _read(self, r: RankProcess, request_iterator: Iterator[worker_pb2.RankEvent]) -> None:
         try:
             for message in request_iterator:
-                for event in unbatched(message):
-                    self._agent.relay_event(r, event)
+                with self._agent.relaying():  # (what goes up of it: one message to control)
+                    for event in unbatched(message):
+                        self._agent.relay_event(r, event)
         except grpc.RpcError:
             pass  # the rank's side is gone (process ended or cancelled): the waiter reports it
         finally:

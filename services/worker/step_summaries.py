@@ -9,7 +9,9 @@ progress and liveness reach control's fault detector in its ``RankHeartbeat`` (`
 ``phase``) every beat interval (sent a job's at a time: rank_beats.py). So the agent sends every rank-0 summary
 and, of each other rank, the first after each registration with control (a restarted control
 hears every rank once), and keeps the rest: per step, one StepCompleted per job reaches
-control instead of one per rank (measured: bench/control_messages.py).
+control instead of one per rank (measured: bench/control_messages.py). Rank 0's come a beat
+period's at a time (its session holds them for its beat: services/rank/session_batches.py),
+and go up as one message with the node's beats (``Outbox.together``).
 """
 
 from __future__ import annotations

@@ -54,6 +54,14 @@ def test_a_ranks_compute_is_its_main_thread_its_pools_and_torch_distributed_the_
     assert spent["rank_side_threads"] == pytest.approx({"heartbeat": 0.25, "event_engine": 0.5})
     assert spent["stack"] == pytest.approx({"rank fork server": 0.5, "control": 0.75})
     assert spent["stack_threads"]["control: event-applier"] == pytest.approx(0.5)
+    # by thread: the stack's as "kind: thread", a rank's side threads as "ranks' side: thread"
+    assert spent["thread_wakeups"] == {
+        "ranks' side: heartbeat": 3,
+        "ranks' side: event_engine": 10,
+        "control: event-applier": 4,
+        "rank fork server: main": 0,
+        "control: main": 0,
+    }
 
 
 def test_python_threads_carry_their_names_to_the_os_and_the_snapshot_reads_them():

@@ -5,6 +5,7 @@ re-attaching the ranks a node agent still runs."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 
@@ -15,7 +16,7 @@ from services.contract.bus import BoundaryViolation
 from services.contract.relay import Routed, pack
 from services.control.__main__ import build
 from services.control.job_store import JobStore
-from services.worker.control_link import Outbox
+from services.worker.control_link import TOGETHER_MAX_S, Outbox
 
 from .conftest import Plane, drain, kinds, registration, settle, to_ranks
 
@@ -278,7 +279,8 @@ def test_a_node_agents_own_routed_event_is_published_as_its_sender_and_a_forged_
 def test_consecutive_events_go_up_as_one_batch_each_with_its_seq_to_a_control_that_reads_batches():
     # A launch of a node's ranks states each rank's process and start: one message each was
     # 16,384 messages on control's loop for 8,192 ranks (issue 28). What piled up since the
-    # last send goes as one WorkerEvent.batch (each event keeps its seq), a fact keeps its place.
+    # last send goes as one WorkerEvent.batch (each event keeps its seq), a fact keeps its place
+    # in it (a beat's rank-0 steps and the node's rank beats after them: one message a beat).
     def pressure(n: int) -> control_pb2.WorkerEvent:
         return control_pb2.WorkerEvent(memory_pressure=control_pb2.MemoryPressure(available_bytes=n))
 
@@ -289,9 +291,10 @@ def test_consecutive_events_go_up_as_one_batch_each_with_its_seq_to_a_control_th
         box.put(pressure(n))
     box.put(control_pb2.WorkerEvent(rank_beats=control_pb2.RankBeats(job_id="j")))
     box.put(pressure(3))
-    sent = [box.get(never) for _ in range(3)]
-    assert [e.WhichOneof("event") for e in sent] == ["batch", "rank_beats", "memory_pressure"]
-    assert [e.seq for e in sent[0].batch.events] == [1, 2, 3] and sent[2].seq == 4
+    (sent,) = [box.get(never)]
+    assert [(e.WhichOneof("event"), e.seq) for e in sent.batch.events] == [
+        ("memory_pressure", 1), ("memory_pressure", 2), ("memory_pressure", 3), ("rank_beats", 0), ("memory_pressure", 4),
+    ]  # fmt: skip
     box.ack(2)
     box.pause()  # 3 and 4 in flight: resent, together
     assert box.resume(2, batches=True) == (2, 2)
@@ -310,3 +313,33 @@ def test_consecutive_events_go_up_as_one_batch_each_with_its_seq_to_a_control_th
     for _ in range(2):  # and at most MAX_BATCH_BYTES (1 MiB): these two go alone
         box.put(control_pb2.WorkerEvent.FromString(big.SerializeToString()))
     assert [box.get(never).WhichOneof("event") for _ in range(2)] == ["routed", "routed"]
+
+
+def test_what_is_put_together_goes_up_as_one_message_and_a_long_block_holds_nothing_back():
+    # A rank's RankSession message (a beat period's steps, then its beat) is relayed event by
+    # event: the session must not wake after the first and send the rest in a second message.
+    def pressure(n: int) -> control_pb2.WorkerEvent:
+        return control_pb2.WorkerEvent(memory_pressure=control_pb2.MemoryPressure(available_bytes=n))
+
+    box = Outbox()
+    never = threading.Event()
+    box.resume(0, batches=True)
+    got: queue.Queue = queue.Queue()
+    taker = threading.Thread(target=lambda: got.put(box.get(never)), daemon=True)
+    taker.start()
+    with box.together():
+        for n in range(3):
+            box.put(pressure(n))
+            time.sleep(0.01)  # (the session would have taken the first by now)
+        box.put(control_pb2.WorkerEvent(rank_beats=control_pb2.RankBeats(job_id="j")))
+    taker.join(10)
+    one = got.get(timeout=1)
+    assert [(e.WhichOneof("event"), e.seq) for e in one.batch.events] == [
+        ("memory_pressure", 1), ("memory_pressure", 2), ("memory_pressure", 3), ("rank_beats", 0),
+    ]  # fmt: skip
+    # A block that lasts: the session sends what is there after TOGETHER_MAX_S (a report is never held).
+    with box.together():
+        box.put(pressure(4))
+        t0 = time.monotonic()
+        assert box.get(never).seq == 4
+        assert time.monotonic() - t0 >= TOGETHER_MAX_S * 0.9

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sqlite3
 import time
 
 import pytest
@@ -33,7 +34,9 @@ INJECT = (
     # enough at load 33. A sleep: the losses are the same)
     "sfreload:slow_steps@7:rank=0:seconds=3,sfreload:slow_steps@7:rank=1:seconds=3"
 )
-JOBS = ("sfroll", "sfskip", "sfignore", "sfstop", "sfrestart", "sfexclude", "sfhold", "sfthaw", "sfref", "sfreload")
+JOBS = (
+    "sfroll", "sfskip", "sfignore", "sfstop", "sfrestart", "sfexclude", "sfhold", "sfthaw", "sfref", "sfreload", "sfall",
+)  # fmt: skip
 
 JOB = """\
 name: {name}
@@ -82,6 +85,22 @@ def assert_relaunched_from(stack, job_id: str, resumed_at: int, faulty: int, las
     first, then = steps[:cut], steps[cut:]
     assert first == list(range(1, len(first) + 1)) and resumed_at <= len(first) < faulty, steps
     assert then == list(range(resumed_at + 1, last + 1)), steps
+
+
+def test_every_step_reaches_controls_journal_and_the_store_though_the_steps_ride_with_the_beats(stack):
+    """A rank's steps go up a beat period at a time (services/rank/session_batches.py), many
+    steps a message with this tiny model: control still applies every one of rank 0's, in
+    order (its journal of steps, the job's status), and the store holds each rank's record of
+    each step."""
+    job_id = stack.submit(job("sfall", "stop", steps=40, dp=2, every=0))
+    status = finished(stack.events(job_id))
+    assert status.step == 40
+    with sqlite3.connect(stack.home / "control.db") as db:
+        applied = [s for (s,) in db.execute("SELECT step FROM steps WHERE job_id=? ORDER BY rowid", (job_id,))]
+    assert applied == list(range(1, 41))
+    records = stack.step_records(job_id, at_least=80)
+    for rank in (0, 1):
+        assert sorted(r["step"] for r in records if r["rank"] == rank) == list(range(1, 41)), rank
 
 
 def test_rollback_relaunches_both_ranks_from_the_newest_checkpoint_before_the_faulty_step(stack):

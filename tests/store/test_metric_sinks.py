@@ -209,7 +209,8 @@ def test_sink_work_is_deferred_and_its_failure_goes_with_the_jobs_next_record(tm
     (event,) = emitted
     assert event.failure.job_id == JOB and event.reason.startswith("open: ")
     logger.close()
-    assert [fn.__name__ for fn, _ in queued] == ["record", "close"]
+    # (rank 1's record costs the sink thread nothing: the sinks take rank 0's only)
+    assert [fn.__name__ for fn, _ in queued] == ["close"]
 
 
 def test_a_bad_job_id_is_refused(tmp_path):

@@ -6,12 +6,14 @@ only when the rank waits on them, else with its next beat (services/worker/metri
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
 
 import pytest
 
+from services.common.phase import PhaseMarker
 from services.contract import Module, engine_pb2, store_pb2, worker_pb2
 from services.contract.relay import pack
 from services.rank import session_batches
@@ -152,15 +154,105 @@ def test_anything_else_sends_what_waits_at_once(boundary):
         t.join(10)
 
 
-def test_rank_0s_steps_go_at_once_and_another_ranks_ride_for_a_beat_period():
+def test_every_ranks_steps_ride_for_a_beat_period():
     zero = object.__new__(Session)
     zero._rank, zero._beat_interval = 0, 2.0
     other = object.__new__(Session)
     other._rank, other._beat_interval = 1, 2.0
-    assert zero._ride_s() == 0.0 and other._ride_s() == 2.0
+    assert zero._ride_s() == 2.0 and other._ride_s() == 2.0
     assert session_batches.rides(step_completed(1)) and session_batches.rides(step_record(1, 1))
     assert not session_batches.rides(ev(heartbeat=worker_pb2.RankHeartbeat(job_id="j", rank=1)))
     assert not session_batches.rides(ev(metrics=store_pb2.MetricRecord(eval=engine_pb2.EvalCompleted(job_id="j"))))
+
+
+def test_the_steps_control_decides_on_at_once_are_the_loops_first_a_new_agreement_and_a_skip():
+    urgency = session_batches.StepUrgency()
+    S = engine_pb2.StepCompleted
+    assert urgency.at_once(S(step=1))  # (the loop's first: a recovery's or a resize's end)
+    assert not urgency.at_once(S(step=2))
+    assert urgency.at_once(S(step=3, commands_agreed=1))  # (a pause / stop / scale / revoke's boundary)
+    assert not urgency.at_once(S(step=4, commands_agreed=1))
+    assert urgency.at_once(S(step=5, commands_agreed=1, skipped=True))
+    assert not urgency.at_once(S(step=6, commands_agreed=1))
+    urgency.started()  # (a new loop: a resume, a rebuild in place)
+    assert urgency.at_once(S(step=7, commands_agreed=1))
+
+
+def rank_session(rank: int) -> Session:
+    """A ``Session`` without a channel: its queue, its request generator and ``send_up``."""
+    session = object.__new__(Session)
+    session._out, session._rank, session._beat_interval = session_batches.Outgoing(), rank, 60.0
+    session._progress_lock, session._phase = threading.Lock(), PhaseMarker()
+    session._urgency, session._stepping = session_batches.StepUrgency(), True
+    session._job_id, session._terminal_sent = "j", threading.Event()
+    return session
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_rank_0s_urgent_step_goes_at_once_and_a_plain_one_waits_for_the_beat(rank):
+    session = rank_session(rank)
+    sent: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [sent.put(m) for m in session._requests()], daemon=True).start()
+
+    def step(n: int, agreed: int = 0) -> None:
+        msg = engine_pb2.StepCompleted(job_id="j", rank=rank, step=n, commands_agreed=agreed)
+        session.send_up(pack(msg, Module.L2_TRAINING_LOOP), msg)
+
+    step(1)  # the loop's first
+    if rank == 0:
+        assert len(unbatched(sent.get(timeout=10))) == 1  # (not the 60 s beat period)
+    step(2)
+    step(3)
+    with pytest.raises(queue.Empty):
+        sent.get(timeout=0.5)  # (plain steps wait for the beat)
+    step(4, agreed=1)  # a boundary command agreed: control records its boundary at once
+    if rank == 0:
+        parts = unbatched(sent.get(timeout=10))
+        steps = [engine_pb2.StepCompleted.FromString(p.routed.body).step for p in parts]
+        assert steps == [2, 3, 4]  # (what waited goes with it, in order)
+    else:
+        with pytest.raises(queue.Empty):
+            sent.get(timeout=0.5)  # (another rank's step tells control nothing: it rides)
+    session._out.put(ev(heartbeat=worker_pb2.RankHeartbeat(job_id="j", rank=rank)))
+    kinds = [p.WhichOneof("event") for p in unbatched(sent.get(timeout=10))]
+    assert kinds == (["heartbeat"] if rank == 0 else ["routed"] * 4 + ["heartbeat"])
+
+
+def test_a_steps_events_do_not_wake_the_sender_while_it_waits_for_the_beat():
+    out = session_batches.Outgoing()
+    sent: queue.Queue = queue.Queue()
+    threading.Thread(
+        target=lambda: [sent.put(m) for m in session_batches.messages(out, lambda: 60.0)], daemon=True
+    ).start()
+    out.put(step_completed(1))  # the first wakes it: its ride starts
+    deadline = time.monotonic() + 10
+    while out.qsize() and time.monotonic() < deadline:
+        time.sleep(0.01)  # (taken: the sender now waits for the beat)
+    time.sleep(0.1)
+    woken = out.notified
+    for n in range(2, 12):
+        out.put(step_record(n - 1, n - 1))
+        out.put(step_completed(n))
+    assert out.notified == woken  # twenty events of steps, no wake-up
+    with pytest.raises(queue.Empty):
+        sent.get(timeout=0.3)
+    out.put(ev(heartbeat=worker_pb2.RankHeartbeat(job_id="j", rank=1)))  # the beat wakes it: all go
+    parts = unbatched(sent.get(timeout=10))
+    assert len(parts) == 22 and parts[-1].WhichOneof("event") == "heartbeat" and out.notified == woken + 1
+
+
+def test_the_outgoing_queue_ends_a_ride_at_its_period_and_hands_out_in_order():
+    out = session_batches.Outgoing()
+    out.put(step_completed(1))
+    out.put(step_record(1, 1))
+    t0 = time.monotonic()
+    (message,) = list(itertools.islice(session_batches.messages(out, lambda: 0.3), 1))
+    assert time.monotonic() - t0 >= 0.25  # (a lower bound: holds on a loaded host)
+    assert [p.WhichOneof("event") for p in unbatched(message)] == ["routed", "metrics"]
+    with pytest.raises(queue.Empty):
+        out.get_nowait()
+    out.put(None)
+    assert list(session_batches.messages(out)) == []
 
 
 # ------------------------------------------------------------------ metric acks
