@@ -424,6 +424,10 @@ def test_a_drain_of_a_job_paused_without_a_checkpoint_of_its_step_checkpoints_it
         )
     else:  # `up` keeps it PAUSED
         assert not s.drained and "parked: its ranks stop with the stack" in s.message
+        # `down --force` keeps the operator's pause (what the CLI says of it: PAUSED with a
+        # checkpoint, not drained: `up` leaves it PAUSED)
+        s = plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True, force=True))
+        assert (s.state, s.drained, s.checkpoint_version) == (JobState.PAUSED, False, f"{job_id}:2")
 
 
 def test_a_drain_whose_save_failed_is_remembered_across_a_control_restart_and_the_next_drain_finishes_it(
