@@ -129,6 +129,14 @@ def park(stub, say: Callable[[str], None]) -> tuple[bool, list[control_pb2.JobSt
         if s.drained:
             parked.append(s)
             say(f"{j.job_id}: parked at step {s.step}; its ranks stop with the stack")
+        elif s.state == JobState.PAUSED and s.checkpoint_version:
+            # Control parks every PAUSED job with a checkpoint: not drained, it was parked
+            # before, as the operator's pause (kept: `up` resumes only drained jobs; was: "control
+            # continues it after `up`", and two `up`s left it PAUSED, a fresh operator's trial).
+            say(
+                f"{j.job_id}: PAUSED at step {s.step} by the operator, not drained: `surgectl up` leaves it PAUSED "
+                f"(`surgectl resume {j.job_id}` relaunches it from its newest checkpoint)"
+            )
         else:
             say(f"{j.job_id}: {JobState.Name(s.state)}, not parked: control continues it after `up`")
     return bool(jobs), parked

@@ -215,6 +215,7 @@ def test_a_forced_down_asks_control_to_park_each_live_job_and_says_what_became_o
 
         def ListJobs(self, query, timeout=None):
             jobs = [job("ckpt", JobState.RUNNING), job("fresh", JobState.RUNNING), job("done", JobState.TERMINATED)]
+            jobs.append(job("held", JobState.PAUSED))
             return control_pb2.JobList(jobs=jobs)
 
         def PauseJob(self, req, timeout=None):
@@ -228,15 +229,21 @@ def test_a_forced_down_asks_control_to_park_each_live_job_and_says_what_became_o
                     checkpoint_version="ckpt:2",
                     checkpoint_step=10,
                 )
+            if req.job_id == "held":  # the operator's pause, parked before (a `down` that stopped the stack)
+                return control_pb2.JobStatus(
+                    job_id="held", state=JobState.PAUSED, step=8, checkpoint_version="held:1", checkpoint_step=8
+                )
             return control_pb2.JobStatus(job_id=req.job_id, state=JobState.RUNNING)  # none yet: left as it is
 
     control, said = Parking(), []
     live, parked = drain.park(control, said.append)
     assert live is True and [s.job_id for s in parked] == ["ckpt"]
-    assert control.asked == [("ckpt", True, True), ("fresh", True, True)]  # the ended job is not asked
+    assert control.asked == [("ckpt", True, True), ("fresh", True, True), ("held", True, True)]  # (not the ended)
     assert said == [
         "ckpt: parked at step 12; its ranks stop with the stack",
         "fresh: RUNNING, not parked: control continues it after `up`",
+        "held: PAUSED at step 8 by the operator, not drained: `surgectl up` leaves it PAUSED "
+        "(`surgectl resume held` relaunches it from its newest checkpoint)",
     ]
 
 

@@ -388,7 +388,9 @@ def test_a_drain_of_a_job_paused_without_a_checkpoint_of_its_step_checkpoints_it
     """A job PAUSED with no checkpoint of its step (its pause's save failed: the store was
     away) is drained by resuming it to the next agreed boundary and checkpointing there; it
     was parked as it stood, and `surgectl down` refused it again and again (a fresh user's
-    trial). It stays the operator's pause: `up` leaves it PAUSED."""
+    trial). An operator's pause stays the operator's: `up` leaves it PAUSED; a drain's pause
+    is that drain's, finished now: `up` resumes it (was: the operator's pause, a second fresh
+    operator's trial)."""
     job_id, a, b = running_job(plane)
     saved(plane, a, job_id, 1, 4)
     step(plane, a, job_id, 7)
@@ -402,7 +404,7 @@ def test_a_drain_of_a_job_paused_without_a_checkpoint_of_its_step_checkpoints_it
     assert (plane.get(job_id).state, plane.get(job_id).checkpoint_step) == (JobState.PAUSED, 4)
 
     s = plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True))  # `surgectl down`, the store back
-    assert s.state == JobState.RUNNING and not s.drained
+    assert s.state == JobState.RUNNING and s.drained == (first == "drain")
     for session in (a, b):
         sent = [to_ranks(c) for c in drain(session) if c.WhichOneof("command") == "routed"]
         kinds = [type(m).__name__ for m in sent]
@@ -415,8 +417,49 @@ def test_a_drain_of_a_job_paused_without_a_checkpoint_of_its_step_checkpoints_it
         plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=11))
     s = plane.get(job_id)
     assert (s.state, s.step, s.checkpoint_step, s.checkpoint_version) == (JobState.PAUSED, 11, 11, f"{job_id}:2")
-    assert not s.drained and plane.c.orchestrator._jobs[job_id].parked  # the stack may stop; `up` keeps it PAUSED
-    assert "parked: its ranks stop with the stack" in s.message
+    assert plane.c.orchestrator._jobs[job_id].parked  # the stack may stop
+    if first == "drain":  # `up` resumes it
+        assert s.drained and s.message.endswith(
+            f"drained: `surgectl up` resumes it from checkpoint {job_id}:2 (step 11)"
+        )
+    else:  # `up` keeps it PAUSED
+        assert not s.drained and "parked: its ranks stop with the stack" in s.message
+        # `down --force` keeps the operator's pause (what the CLI says of it: PAUSED with a
+        # checkpoint, not drained: `up` leaves it PAUSED)
+        s = plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True, force=True))
+        assert (s.state, s.drained, s.checkpoint_version) == (JobState.PAUSED, False, f"{job_id}:2")
+
+
+def test_a_drain_whose_save_failed_is_remembered_across_a_control_restart_and_the_next_drain_finishes_it(
+    tmp_path, store
+):
+    """`surgectl down` with the store away (refused: not drained), control restarted, the
+    store back, `surgectl down` again: the job paused by the first drain is drained (`up`
+    resumes it), not taken for the operator's pause (a fresh operator's trial: `up` left it
+    PAUSED). The step of the drain's unsaved pause is journaled."""
+    db = tmp_path / "control.db"
+    journal = JobStore(db)
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
+    job_id, a, b = running_job(plane)
+    saved(plane, a, job_id, 1, 4)
+    step(plane, a, job_id, 7)
+    plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True))
+    step(plane, a, job_id, 9, agreed=1)
+    failed = store_pb2.SnapshotFailed(job_id=job_id, operation="save", step=9, cause=store_pb2.UNREACHABLE)
+    plane.rank_event(a, job_id, 0, snapshot_failed=failed)
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=9))
+    s = plane.get(job_id)
+    assert (s.state, s.drained, s.checkpoint_step) == (JobState.PAUSED, False, 4)  # `down` refused
+    journal.close()
+
+    journal = JobStore(db)
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
+    assert plane.c.orchestrator._jobs[job_id].drain_unsaved_step == 9
+    s = plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True))  # `surgectl down` again
+    assert (s.state, s.drained) == (JobState.RUNNING, True)
+    assert "its pause (an earlier drain's) at step 9 has no checkpoint of it" in plane.events(job_id)[-1].message
+    journal.close()
 
 
 def drained_job(plane: Plane, at: int = 9):

@@ -187,6 +187,28 @@ def test_a_scale_whose_new_ranks_do_not_fit_leaves_the_job_running_at_its_size(p
     assert (group.world_size, group.layout.dp, group.layout.micro_batch_size, group.layout.grad_accum) == (2, 2, 1, 2)
 
 
+@pytest.mark.parametrize("when", ["rebuilding", "pausing"])
+def test_a_fault_during_a_scale_says_the_size_the_job_is_at_not_given_up_when_its_layout_was_taken(plane, when):
+    """`surgectl scale J --dp 2` from dp 1, rank 0 killed meanwhile: once the rebuild was
+    commanded the layout is the job's (its recovery takes the ranks over at dp 2), and the
+    `scale` event `surgectl scale` prints says so (was: "given up", rc 0, while status showed
+    dp 2: a fresh operator's trial); before it, the job stays at dp 1."""
+    job_id, w = running(plane, "wa", "wb", dp=1, extra="")
+    plane.user(control_pb2.ScaleJobRequest(job_id=job_id, dp=2))
+    (pause,) = routed(w["wa"], "PauseTraining")
+    if when == "rebuilding":
+        paused(plane, job_id, {0: w["wa"]}, step=pause.at_step)
+        assert plane.get(job_id).dp == 2  # (the rebuild at dp 2 commanded)
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=-9)
+    (said,) = [e for e in plane.events(job_id) if e.type == "scale"]
+    if when == "rebuilding":
+        assert said.message.startswith("scale by the operator to dp 2: the job is at dp 2 (world size 2)"), said.message
+        assert "given up" not in said.message and said.status.dp == 2
+    else:
+        assert said.message.startswith("scale by the operator to dp 2 given up: "), said.message
+        assert said.message.endswith("; the job stays at dp 1") and said.status.dp == 1
+
+
 def test_scale_refusals_are_one_line_and_change_nothing(plane):
     job_id, w = running(plane, "wa", "wb", dp=2, extra="")
     with pytest.raises(JobSpecError, match=r"^--dp 3: the global batch of 4 rows .* does not split over 3 ranks$"):

@@ -371,6 +371,7 @@ class Orchestrator(
         end(job)  # (whatever was in flight ends with the job: a recovery awaiting its first step too)
         # An ended job is nobody's to resume by itself: a drain or a resume in flight ends with it.
         job.draining = job.parked = job.parked_live = job.resume_after_pause = job.status.drained = False
+        job.drain_unsaved_step = 0
         job.departure = job.status.preempted_by = ""
         self._lose_profiles(job, f"job {JobOutcome.Name(outcome)}")  # (its ranks are gone: no report comes)
         # Journal the terminal state first: a failing release must never lose it.

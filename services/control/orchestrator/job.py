@@ -297,6 +297,13 @@ class _Job:
     # A resume asked while the ranks pause (an interrupted `down`'s drain, a pause just sent):
     # they continue once every rank has paused (journaled).
     resume_after_pause: bool = False
+    # The step a drain's pause stopped at without its checkpoint (the store away: not parked,
+    # `surgectl down` refused; 0: none). The pause is the drain's, not the operator's: the next
+    # drain of it, checkpointing again, is a drain `up` resumes (a fresh operator's trial: it
+    # became the operator's pause, left PAUSED by `up`). Keyed by the step, so a later pause
+    # of the job (another step) is not taken for it. Journaled (a control restart between the
+    # two `down`s keeps it).
+    drain_unsaved_step: int = 0
     # A resume that did not fit, waiting in the queue: {"version", "step", "spec" (a new
     # layout's spec JSON, "" for the job's own)} it relaunches from once placed (journaled).
     relaunch: dict | None = None
@@ -427,6 +434,7 @@ def _runtime(job: _Job) -> dict:
         "draining": job.draining,
         "parked": job.parked,
         "resume_after_pause": job.resume_after_pause,
+        "drain_unsaved_step": job.drain_unsaved_step,
         "relaunch": job.relaunch,
         "verdicts": [base64.b64encode(v.SerializeToString()).decode() for v in job.verdicts.values()],
         "revoked": {str(order): list(revoked) for order, revoked in job.revoked.items()},
@@ -517,6 +525,7 @@ def _load_runtime(job: _Job, rt: dict) -> None:
     job.abandoned = set(rt.get("abandoned", ()))
     job.draining, job.parked = bool(rt.get("draining", False)), bool(rt.get("parked", False))
     job.resume_after_pause = bool(rt.get("resume_after_pause", False))
+    job.drain_unsaved_step = int(rt.get("drain_unsaved_step", 0))
     job.relaunch = rt.get("relaunch") or None
     verdicts = (engine_pb2.StepVerdict.FromString(base64.b64decode(v)) for v in rt.get("verdicts", ()))
     job.verdicts = {(v.step, v.kind): v for v in verdicts}

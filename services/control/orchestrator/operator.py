@@ -113,7 +113,10 @@ class OperatorCommands:
         save failed, the store away; or `pause --no-checkpoint`): parking it would lose the steps
         since its newest checkpoint when the stack stops (`surgectl down` refused, again and
         again). Its ranks resume and pause again at the next agreed boundary, checkpointing it,
-        as a drain; it stays the operator's pause (``drained`` False: `up` leaves it PAUSED)."""
+        as a drain. A pause the operator asked stays the operator's (``drained`` False: `up`
+        leaves it PAUSED); the pause of a drain whose save failed (``drain_unsaved_step``: an
+        earlier `surgectl down`, refused) is that drain, finished now (``drained``: `up` resumes
+        it; was: the operator's pause, a fresh operator's trial)."""
         before = Before.of(job)
         job_id, step = job.status.job_id, job.status.step
         self._transition(
@@ -121,13 +124,16 @@ class OperatorCommands:
         )
         cmd = self._in_flight(job, "pause", engine_pb2.PauseTraining(checkpoint=True))
         job.boundary_failed = job.resume_after_pause = False
-        job.draining, job.status.drained = True, False  # (parked once paused, PAUSED after `up`: the operator's pause)
+        # The drain's own pause (its save failed): drained, `up` resumes it once parked; the
+        # operator's pause: parked once paused, PAUSED after `up`.
+        job.draining, job.status.drained = True, job.drain_unsaved_step == step
+        whose = "pause (an earlier drain's)" if job.status.drained else "pause"
         job.paused.clear()
         self._record(
             job,
             ORCH,
             "decision",
-            f"drain requested: its pause at step {step} has no checkpoint of it (newest: {_newest(job)}): "
+            f"drain requested: its {whose} at step {step} has no checkpoint of it (newest: {_newest(job)}): "
             f"ranks resume, checkpoint their step and pause {_where(job)}",
         )
         # (both behind the decision's record: lost with it, neither goes)

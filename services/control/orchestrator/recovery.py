@@ -148,6 +148,7 @@ class Recovery:
         job.pending = ""  # a pause in flight ends here: the incident keeps it (``paused``)
         # A drain ends here too: the recovered job is not `up`'s to resume (its ranks are new).
         job.draining = job.parked = job.parked_live = job.resume_after_pause = job.status.drained = False
+        job.drain_unsaved_step = 0
         # (a recovery supersedes a departure's move or a preemption: its relaunch places the ranks)
         job.departure = job.status.preempted_by = ""
         if isinstance(superseded, _Reload):  # (the ranks it loads into are being replaced)
@@ -156,7 +157,7 @@ class Recovery:
                 f"rollback in place to {superseded.version} given up: {why}; the relaunch replaces it",
             )  # fmt: skip
         if isinstance(superseded, _Scale):  # (its new layout stays if it was already commanded)
-            self._record(job, ORCH, "scale", f"{superseded.why} to dp {superseded.spec.parallel.dp} given up: {why}")
+            self._record(job, ORCH, "scale", _scale_superseded(superseded, job, why))
         job.start_held = False
         job.excluded.update(incident.exclude)  # journaled with the decision: a restarted control keeps it
 
@@ -513,3 +514,18 @@ class Recovery:
     def _pick_version(self, job: _Job, bound: int | None) -> str:
         """The newest committed version not known unusable (and not after step ``bound``)."""
         return vm.pick_version(job.versions, job.unusable, bound)
+
+
+def _scale_superseded(scale: _Scale, job: _Job, why: str) -> str:
+    """What became of a resize a fault's recovery superseded, from the job's layout now (the
+    `scale` event `surgectl scale` prints and checks): its rebuild commanded, the layout is
+    the job's and the recovery takes the ranks over at it; else the job stays at its size
+    (was: "given up" either way, while the recovery relaunched at the new size: a fresh
+    operator's trial)."""
+    dp = scale.spec.parallel.dp
+    if job.spec.parallel.dp == dp:
+        return (
+            f"{scale.why} to dp {dp}: the job is at dp {dp} (world size {job.status.world_size}): its new layout "
+            f"was commanded before the fault, whose recovery takes its ranks over at that layout: {why}"
+        )
+    return f"{scale.why} to dp {dp} given up: {why}; the job stays at dp {job.spec.parallel.dp}"

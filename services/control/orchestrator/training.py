@@ -283,6 +283,8 @@ class RankEvents:
                 if job.draining and job.boundary_failed:
                     # Not parked: stopping its ranks now would lose the steps since the newest
                     # checkpoint (`surgectl down` sees it and keeps the stack running).
+                    # (the drain's own pause, not the operator's: the next drain finishes it)
+                    job.drain_unsaved_step = msg.step if job.status.drained else 0
                     job.draining = job.status.drained = False
                     text += (
                         f"; not drained: its checkpoint of step {msg.step} could not be saved, the ranks stay "
