@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 GEN    := services/contract/gen
 PROTOS := $(wildcard proto/surge/v1/*.proto)
 
-.PHONY: setup tools proto contracts demo test test-compose lint format up down clean bench bench-faults bench-quiet-faults bench-goodput bench-scale bench-control bench-control-start bench-rank-start bench-stack-cost bench-profile bench-generate bench-scheduler bench-lm-eval
+.PHONY: setup tools proto contracts demo test test-compose lint format up down clean bench bench-faults bench-quiet-faults bench-goodput bench-scale bench-control bench-control-start bench-rank-start bench-stack-cost bench-profile bench-generate bench-scheduler bench-lm-eval bench-event-tail
 
 setup: $(STAMP) $(GEN)/.stamp
 
@@ -149,6 +149,12 @@ bench-scheduler: setup
 # bench/results/dashboard_scale.json, a table on stdout.
 bench-dashboard: setup
 	$(BIN)/python bench/dashboard_scale.py $(DASHBOARD_ARGS)
+
+# A job page's events from control's journal (bench/event_tail.py): the newest 200 of a
+# 100,000-event job in a real JobStore, the whole-history read before JobQuery.tail beside.
+# Seconds. Flags in EVENT_TAIL_ARGS. About 20 s. Results in bench/results/event_tail.json.
+bench-event-tail: setup
+	$(BIN)/python bench/event_tail.py $(EVENT_TAIL_ARGS)
 
 # What `surgectl profile` costs a running job (bench/profile_overhead.py): the profiled steps'
 # time and the job's tokens/s against the steps before, the export at the boundary after, each

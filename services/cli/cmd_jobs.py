@@ -10,7 +10,7 @@ import typer
 from services.cli import clients, jsonout, render, stack
 from services.cli.app import OutputOpt, _exit_for, app
 from services.cli.errors import CliError
-from services.cli.event_types import EVENT_TYPES, event_types, last
+from services.cli.event_types import EVENT_TYPES, event_types
 from services.cli.jobs import dry_run_job, follow_job, resolve_job, submit_job
 from services.cli.numbers import WEEK_S, float_option
 from services.cli.path_options import nonempty_path
@@ -263,8 +263,9 @@ def events(
 ) -> None:
     """Print a job's event log (decisions, state changes, faults, checkpoints); -o json
     prints JSON Lines. --type keeps the events of those types, --tail the last N of them
-    (with --follow: the last N, then each new one). --follow rides through a control restart:
-    it reconnects and goes on from the last event printed (each event once).
+    (with --follow: the last N, then each new one): control selects them, so a long job's
+    whole history is not sent. --follow rides through a control restart: it reconnects and
+    goes on from the last event printed (each event once).
 
     Example: surgectl events demo-3f2a1c --type fault,decision --tail 20 --follow
     """
@@ -272,12 +273,10 @@ def events(
 
     if output not in ("table", "json"):
         raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
-    wanted = event_types(types)
+    kinds = sorted(event_types(types))
     job = resolve_job(job)
 
     def show(ev) -> None:
-        if wanted and ev.type not in wanted:
-            return
         if output == "json":
             print(jsonout.dumps_line(ev), flush=True)  # JSON Lines: one event per line
         else:
@@ -286,14 +285,18 @@ def events(
 
     next_seq = 0
     if tail is not None or not follow:  # the history (its last N of the types asked), then what follows
+        # (--tail 0 prints none: the newest event of any type is asked only for where the log ends)
+        query = control_pb2.JobQuery(job_id=job, follow=False, tail=tail or 0, types=kinds)
+        if tail == 0:
+            query = control_pb2.JobQuery(job_id=job, follow=False, tail=1)
         with clients.stub("control") as s:
-            history = list(s.WatchJob(control_pb2.JobQuery(job_id=job, follow=False)))
-        kept = [ev for ev in history if not wanted or ev.type in wanted]
-        for ev in last(kept, tail):
+            history = list(s.WatchJob(query))
+        for ev in history if tail != 0 else ():
             show(ev)
+        # (none of those types yet: from the start, control skipping the others)
         next_seq = history[-1].seq + 1 if history else 0
     if follow:
-        for ev in following.job_events(job, reconnect_seconds, from_seq=next_seq):
+        for ev in following.job_events(job, reconnect_seconds, from_seq=next_seq, types=kinds):
             show(ev)
 
 

@@ -47,9 +47,3 @@ def event_types(values: Iterable[str]) -> set[str]:
     if unknown:
         raise CliError(f"--type: unknown event type {', '.join(unknown)} (one of: {', '.join(EVENT_TYPES)})", code=2)
     return wanted
-
-
-def last(events: list, tail: int | None) -> list:
-    """``events``' last ``tail`` (``None``: all of them; 0: none, as ``tail -n 0``: with
-    ``--follow``, only the events that come next)."""
-    return list(events) if tail is None else list(events)[max(0, len(events) - tail) :]

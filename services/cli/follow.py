@@ -23,7 +23,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
@@ -85,10 +85,12 @@ def _lost(e: grpc.RpcError) -> bool:
     return hasattr(e, "code") and e.code() in _LOST
 
 
-def job_events(job_id: str, reconnect_s: float, from_seq: int = 0) -> Iterator[control_pb2.JobEvent]:
-    """Every event of ``job_id`` from seq ``from_seq`` (0: the first), once each and in seq
-    order, until the job terminates, across control restarts shorter than ``reconnect_s``
-    seconds.
+def job_events(
+    job_id: str, reconnect_s: float, from_seq: int = 0, types: Sequence[str] = ()
+) -> Iterator[control_pb2.JobEvent]:
+    """Every event of ``job_id`` from seq ``from_seq`` (0: the first), of ``types`` (none:
+    every type; control selects them), once each and in seq order, until the job terminates,
+    across control restarts shorter than ``reconnect_s`` seconds.
 
     Raises:
         CliError: unknown job, control unreachable at the start, or an outage longer than
@@ -105,7 +107,8 @@ def job_events(job_id: str, reconnect_s: float, from_seq: int = 0) -> Iterator[c
                     control_pb2.JobQuery(job_id=job_id), timeout=PROBE_TIMEOUT_S
                 )  # NOT_FOUND for an unknown job
                 retry.connected()
-                for ev in stub.WatchJob(control_pb2.JobQuery(job_id=job_id, from_seq=next_seq, follow=True)):
+                query = control_pb2.JobQuery(job_id=job_id, from_seq=next_seq, follow=True, types=sorted(types))
+                for ev in stub.WatchJob(query):
                     if ev.seq < next_seq:
                         continue
                     next_seq = ev.seq + 1

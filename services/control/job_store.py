@@ -430,10 +430,20 @@ class JobStore:
             for blob, spec, seq, runtime, request, digest in rows
         ]
 
-    def events(self, job_id: str, from_seq: int = 0, after: Future | None = None) -> list[control_pb2.JobEvent]:
-        """The job's events with seq >= ``from_seq``, in seq order: those of the writes queued
-        before this call, or with ``after`` (the job's last write), of the writes up to it
-        (another job's slow commit is not waited for)."""
+    def events(
+        self,
+        job_id: str,
+        from_seq: int = 0,
+        after: Future | None = None,
+        tail: int = 0,
+        types: Sequence[str] = (),
+    ) -> list[control_pb2.JobEvent]:
+        """The job's events with seq >= ``from_seq``, of ``types`` (empty: every type), only
+        the newest ``tail`` of them (0: all), in seq order: those of the writes queued before
+        this call, or with ``after`` (the job's last write), of the writes up to it (another
+        job's slow commit is not waited for). The selection is SQL's (the primary key read
+        backwards from the newest): only the rows returned are read and deserialised, so a
+        page of a long job's newest events costs the page, not the job's history."""
         if after is None:
             self._writer.flush()
         else:
@@ -441,12 +451,16 @@ class JobStore:
                 after.result()
             except Exception:  # noqa: BLE001 - a failed write journaled nothing: the log is what was committed
                 pass
+        kinds = sorted(set(types))
+        where = "job_id=? AND seq>=?" + (f" AND type IN ({','.join('?' * len(kinds))})" if kinds else "")
+        args: tuple = (job_id, from_seq, *kinds)
+        sql = f"SELECT seq, unix_time, source, type, message, status FROM events WHERE {where} ORDER BY seq"
+        if tail > 0:
+            sql, args = f"{sql} DESC LIMIT ?", (*args, tail)
         with self._read_lock:
-            rows = self._reader.execute(
-                "SELECT seq, unix_time, source, type, message, status FROM events "
-                "WHERE job_id=? AND seq>=? ORDER BY seq",
-                (job_id, from_seq),
-            ).fetchall()
+            rows = self._reader.execute(sql, args).fetchall()
+        if tail > 0:
+            rows.reverse()
         return [
             control_pb2.JobEvent(
                 job_id=job_id,

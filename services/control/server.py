@@ -61,6 +61,8 @@ LAST_SEQ_HEADER = "surge-last-seq"
 # sequenced events of the agent in one message, each applied as if sent alone); an agent sends
 # batches only to a control that says so.
 BATCHES_HEADER = "surge-batches"
+# WatchJob's ``types``: each is a parameter of the journal's query (there are ~20 event words).
+MAX_WATCH_TYPES = 64
 _log = structlog.get_logger("control.server")
 
 
@@ -210,6 +212,11 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
         never calls a plain handler's ``add_callback``; tested)."""
         if not request.job_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "WatchJob: job_id is required")
+        if len(set(request.types)) > MAX_WATCH_TYPES:  # (each is an SQL parameter)
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"WatchJob: at most {MAX_WATCH_TYPES} types, got {len(request.types)}"
+            )
+        types = frozenset(request.types)
         live = LoopQueue(asyncio.get_running_loop())
         self._watches.subscribe(request.job_id, live)
         try:
@@ -226,8 +233,9 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
                 if ev.seq <= last or ev.seq < request.from_seq:
                     continue
                 last = ev.seq
-                yield ev
-                if ev.status.state == JobState.TERMINATED:
+                if not types or ev.type in types:
+                    yield ev
+                if ev.status.state == JobState.TERMINATED:  # (the stream ends there, its event shown or not)
                     return
         finally:
             self._watches.unsubscribe(request.job_id, live)
@@ -337,7 +345,9 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
             self.applier.close(session)
 
     async def _history(self, context, request) -> tuple[control_pb2.JobStatus, tuple]:
-        query = control_pb2.JobQuery(job_id=request.job_id, from_seq=request.from_seq)
+        query = control_pb2.JobQuery(
+            job_id=request.job_id, from_seq=request.from_seq, tail=request.tail, types=request.types
+        )
         reply = await self._call(context, query, EVENT_LOG)
         return reply.message, reply.payload
 

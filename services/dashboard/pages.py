@@ -32,6 +32,11 @@ LIVE = frozenset({JobState.STANDBY, JobState.WARMING_UP, JobState.RUNNING, JobSt
 REFRESH_SECONDS = 5  # a page of a live job, the cluster and the queue reload themselves
 LOG_LINES = 500  # lines a logs page shows (the newest); the job page shows fewer
 JOB_PAGE_LOG_LINES = 40
+# Events a job page shows: the newest of the types asked (control's journal selects them; a
+# long job has 10^5 step events); ``?events=N`` asks for more, ``?events=all`` for every one.
+JOB_PAGE_EVENTS = 200
+MORE_PAGE_EVENTS = 2000  # the "more" link's N
+MAX_PAGE_EVENTS = 1_000_000
 
 _CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:0;color:#1d2330;background:#f6f7f9}
@@ -285,14 +290,43 @@ def events_table(events: Iterable[control_pb2.JobEvent], types: frozenset[str]) 
     )
 
 
-def type_filter(job_id: str, types: frozenset[str]) -> str:
-    """A GET form of one checkbox per event type (none ticked: every type)."""
+def type_filter(job_id: str, types: frozenset[str], tail: int = JOB_PAGE_EVENTS) -> str:
+    """A GET form of one checkbox per event type (none ticked: every type); it keeps the
+    page's ``?events`` (``tail``) when that is not the default."""
     boxes = "".join(
         f'<label><input type=checkbox name=type value="{t}"{" checked" if t in types else ""}> {t}</label> '
         for t in EVENT_TYPES
     )
+    kept = "" if tail == JOB_PAGE_EVENTS else f'<input type=hidden name=events value="{tail or "all"}">'
     return (
-        f'<form id=type-filter action="{job_href(job_id)}" method=get>{boxes}<button type=submit>filter</button></form>'
+        f'<form id=type-filter action="{job_href(job_id)}" method=get>{boxes}{kept}'
+        "<button type=submit>filter</button></form>"
+    )
+
+
+def events_href(job_id: str, types: frozenset[str], rank: int, tail: int) -> str:
+    """The job page with these types and rank, showing its newest ``tail`` events (0: all)."""
+    query = [("type", t) for t in sorted(types)] + ([("rank", str(rank))] if rank else [])
+    return f"{job_href(job_id)}?{urlencode([*query, ('events', str(tail) if tail else 'all')])}#events"
+
+
+def events_more(job_id: str, shown: int, types: frozenset[str], rank: int, tail: int) -> str:
+    """What the events table holds (the newest ``tail`` of these types, 0: all of them) and,
+    when it may not be all, the links that ask for more (``?events=N``) or all (``?events=all``)."""
+    kinds = " of these types" if types else ""
+    if not shown:
+        return ""  # (the table says there are none)
+    if not tail or shown < tail:
+        return f"<p class=muted id=events-shown>All {shown:,} events{kinds}.</p>"
+    more = (
+        f'<a id=events-more href="{e(events_href(job_id, types, rank, MORE_PAGE_EVENTS))}">the newest {MORE_PAGE_EVENTS:,}</a> or '
+        if tail < MORE_PAGE_EVENTS
+        else ""
+    )
+    return (
+        f"<p class=muted id=events-shown>The newest {tail:,} events{kinds}; show {more}"
+        f'<a id=events-all href="{e(events_href(job_id, types, rank, 0))}">all</a> '
+        "(a long job has one step event a second: all may be a large page).</p>"
     )
 
 
@@ -385,21 +419,25 @@ def job_page(
     now: float | None = None,
     samples: Sequence[SampleLine] | None = None,
     scores: Sequence[ScoresLine] | None = None,
+    tail: int = JOB_PAGE_EVENTS,
 ) -> str:
     """One job: its status, curves, each prompt's latest sample, events (``types``: only
-    those, none: all), checkpoints and its newest log lines; reloads itself while the job is
+    those, none: all; ``events`` are the newest ``tail`` of them, 0: every one, and the page
+    links to more), checkpoints and its newest log lines; reloads itself while the job is
     not TERMINATED."""
     j = status.job_id
+    rank = series.rank if series is not None else 0
     body = (
         status_table(status)
         + "<h2>curves</h2>"
-        + rank_form(j, series.rank if series is not None else 0)
+        + rank_form(j, rank)
         + curves(series)
         + "<h2>samples</h2>"
         + samples_table(samples)
         + scores_table(scores)
         + "<h2>events</h2>"
-        + type_filter(j, types)
+        + type_filter(j, types, tail)
+        + events_more(j, len(events), types, rank, tail)
         + events_table(events, types)
         + "<h2>checkpoints</h2>"
         + checkpoints_table(checkpoints)

@@ -2,7 +2,8 @@
 
 Routes: ``/`` jobs, ``/queue``, ``/cluster``, ``/job/<job>`` (``?type=fault&type=...``: only
 those events; an unknown type is refused, 400, in the CLI's words; ``?rank=N``: that rank's
-curves, default 0), ``/job/<job>/logs``
+curves, default 0; ``?events=N``: the newest N events of those types, default
+``pages.JOB_PAGE_EVENTS``, ``all``: the whole history), ``/job/<job>/logs``
 (follows a live job: its script asks ``/job/<job>/logs/lines?seen=RANK:COUNT,...`` for the
 lines after those it shows, JSON, log_follow.py), ``/compare?job=A&job=B...``, and ``/healthz`` (no data: what `surgectl
 dashboard` waits for); a job is its id or its name, as on the CLI (404: neither; 403 with
@@ -82,10 +83,11 @@ class Dashboard:
         rank_text = query.get("rank", ["0"])[0]
         if not rank_text.isdigit() or int(rank_text) >= 2**31:
             raise PageError(HTTPStatus.BAD_REQUEST, f"rank: expected a whole number >= 0, got {rank_text!r}")
+        tail = events_shown(query.get("events", [""])[0])
         job_id = self._job_id(ref)
         status = self._src.job(job_id)
-        events = self._src.events(job_id)
-        records = self._src.job_records(job_id, events, int(rank_text))
+        events = self._src.events(job_id, tail, sorted(types))  # (control's journal selects them)
+        records = self._src.job_records(job_id, int(rank_text))
         return pages.job_page(
             status,
             events,
@@ -95,6 +97,7 @@ class Dashboard:
             self._src.logs(job_id),
             samples=records.samples,
             scores=records.scores,
+            tail=tail,
         )
 
     def logs(self, ref: str) -> str:
@@ -116,8 +119,26 @@ class Dashboard:
         runs = []
         for job_id in wanted:
             status = self._src.job(job_id)
-            runs.append(pages.Run(status, self._src.series(job_id, self._src.events(job_id))))
+            runs.append(pages.Run(status, self._src.series(job_id)))
         return pages.compare_page(runs, [] if len(runs) >= 2 else self._src.jobs().jobs)
+
+
+def events_shown(text: str) -> int:
+    """A job page's ``?events``: how many of the newest events it shows (0: ``all``; none
+    given: ``pages.JOB_PAGE_EVENTS``).
+
+    Raises:
+        PageError: 400, neither ``all`` nor a whole number from 1 to ``pages.MAX_PAGE_EVENTS``.
+    """
+    if not text:
+        return pages.JOB_PAGE_EVENTS
+    if text == "all":
+        return 0
+    if not text.isdigit() or not 1 <= int(text) <= pages.MAX_PAGE_EVENTS:
+        raise PageError(
+            HTTPStatus.BAD_REQUEST, f"events: expected 'all' or a whole number 1-{pages.MAX_PAGE_EVENTS}, got {text!r}"
+        )
+    return int(text)
 
 
 # A service's refusal, answered as the HTTP status that says it (any other: 502, the service's words).

@@ -51,6 +51,8 @@ RECORDS_SECONDS = 30.0
 # Step records per rank a page asks of the store (metric_select.py: past it, each bucket's
 # first, last, lowest and highest of every curve).
 POINTS = metric_select.CHART_POINTS
+# The events series.from_events draws curves from (the fallback when the store has no records).
+CURVE_EVENT_TYPES = ("eval", "step")
 
 
 @dataclass(frozen=True)
@@ -127,9 +129,16 @@ class Sources:
             control_pb2.JobQuery(job_id=job_id, with_spec=True), timeout=CALL_SECONDS, metadata=self._metadata
         )
 
-    def events(self, job_id: str) -> list[control_pb2.JobEvent]:
-        query = control_pb2.JobQuery(job_id=job_id, follow=False)
+    def events(self, job_id: str, tail: int = 0, types: Sequence[str] = ()) -> list[control_pb2.JobEvent]:
+        """The job's newest ``tail`` events (0: all) of ``types`` (none: every type), in seq
+        order: control's journal selects them (a page never reads a long job's whole history)."""
+        query = control_pb2.JobQuery(job_id=job_id, follow=False, tail=tail, types=sorted(types))
         return list(self._control.WatchJob(query, timeout=CALL_SECONDS, metadata=self._metadata))
+
+    def curve_events(self, job_id: str) -> list[control_pb2.JobEvent]:
+        """Every step and eval event of the job: the curves' fallback (series.from_events) when
+        the store has no step records for it. O(the job's sampled steps), read only then."""
+        return self.events(job_id, types=CURVE_EVENT_TYPES)
 
     def records(
         self, job_id: str, record_type: str = "", ranks: Sequence[int] = (), points: int = 0
@@ -155,26 +164,26 @@ class Sources:
         found = bool(parts) and parts[0].found
         return (b"".join(p.text for p in parts[1:]).decode(errors="replace") if found else ""), "the store"
 
-    def series(self, job_id: str, events: list[control_pb2.JobEvent], rank: int = 0) -> series.Series:
+    def series(self, job_id: str, rank: int = 0) -> series.Series:
         """``rank``'s curves from the store's records (at most ``POINTS`` a curve) when it has
-        them, else the sampled events."""
+        them, else the sampled events (``curve_events``: read only then)."""
         if read := self.records(job_id, ranks=(rank,), points=POINTS):
             found = series.from_text(*read, rank=rank)
             if found is not None:
                 return found
-        return series.from_events(events)
+        return series.from_events(self.curve_events(job_id))
 
-    def job_records(self, job_id: str, events: list[control_pb2.JobEvent], rank: int = 0) -> JobRecords:
+    def job_records(self, job_id: str, rank: int = 0) -> JobRecords:
         """A job page's records in one read of the store: ``rank``'s curves (at most
-        ``POINTS`` a curve; the sampled events when the store has no step), and rank 0's
-        samples and scores (rank 0 writes them). Samples and scores are None when the records
-        cannot be read."""
+        ``POINTS`` a curve; the sampled events when the store has no step: ``curve_events``,
+        read only then), and rank 0's samples and scores (rank 0 writes them). Samples and
+        scores are None when the records cannot be read."""
         read = self.records(job_id, ranks=sorted({0, rank}), points=POINTS)
         if read is None:
-            return JobRecords(series.from_events(events), None, None)
+            return JobRecords(series.from_events(self.curve_events(job_id)), None, None)
         text, where = read
         return JobRecords(
-            series.from_text(text, where, rank) or series.from_events(events),
+            series.from_text(text, where, rank) or series.from_events(self.curve_events(job_id)),
             sample_records(text),
             scores_records(text),
         )

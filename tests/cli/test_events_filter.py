@@ -5,15 +5,21 @@ filter knows are every type control records; a bad type is one line; a relative
 from __future__ import annotations
 
 import ast
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
 
 from services.cli.errors import CliError
-from services.cli.event_types import EVENT_TYPES, event_types, last
+from services.cli.event_types import EVENT_TYPES, event_types
 from services.cli.spec_tools import load_spec
+from services.contract import control_pb2, control_pb2_grpc
+
+from .test_housekeeping import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
+JobState = control_pb2.JobState
 
 
 def _recorded_types() -> dict[str, str]:
@@ -88,13 +94,79 @@ def test_an_absolute_init_from_hf_keeps_the_files_own_text(tmp_path):
     assert spec.init_from.hf == "/abs/model" and text.startswith("# mine\n")
 
 
+class Control(control_pb2_grpc.ControlServiceServicer):
+    """Control's job queries over real gRPC: job "j", 10 events (seq 1-10; 3, 6 and 9 faults,
+    the rest steps), a follow then gets event 11 (a fault) and 12 (the job's end, a state
+    event); WatchJob selects as control's journal does and records each query."""
+
+    def __init__(self):
+        self.queries: list[control_pb2.JobQuery] = []
+        self.history = [
+            control_pb2.JobEvent(job_id="j", seq=n, type="fault" if n % 3 == 0 else "step", message=f"e{n}")
+            for n in range(1, 11)
+        ]
+        self.live = [
+            control_pb2.JobEvent(job_id="j", seq=11, type="fault", message="e11"),
+            control_pb2.JobEvent(
+                job_id="j", seq=12, type="state", message="e12", status=control_pb2.JobStatus(state=JobState.TERMINATED)
+            ),
+        ]
+
+    def ListJobs(self, request, context):  # noqa: N802
+        return control_pb2.JobList(jobs=[control_pb2.JobStatus(job_id="j", state=JobState.RUNNING)])
+
+    def GetJob(self, request, context):  # noqa: N802
+        return control_pb2.JobStatus(job_id="j", state=JobState.RUNNING)
+
+    def WatchJob(self, request, context):  # noqa: N802
+        self.queries.append(control_pb2.JobQuery.FromString(request.SerializeToString()))
+        kept = [
+            ev
+            for ev in self.history + (self.live if request.follow else [])
+            if ev.seq >= request.from_seq and (not request.types or ev.type in request.types)
+        ]
+        if request.tail and not request.follow:
+            kept = kept[-request.tail :]
+        yield from kept
+
+
+@pytest.fixture
+def control(surge_home, monkeypatch):
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = Control()
+    control_pb2_grpc.add_ControlServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    monkeypatch.setenv("SURGE_CONTROL_ADDRESS", f"127.0.0.1:{port}")
+    monkeypatch.setenv("COLUMNS", "200")
+    yield servicer
+    server.stop(0)
+
+
+def printed(out: str) -> list[int]:
+    return [int(line.split()[0]) for line in out.splitlines() if line.strip()]
+
+
 @pytest.mark.parametrize(
-    ("tail", "kept"),
-    [(None, [1, 2, 3, 4, 5]), (0, []), (2, [4, 5]), (5, [1, 2, 3, 4, 5]), (7, [1, 2, 3, 4, 5])],
+    ("args", "asked", "shown"),
+    [
+        (["--tail", "2"], [(0, 2, [], False)], [9, 10]),
+        (["--tail", "2", "--type", "fault"], [(0, 2, ["fault"], False)], [6, 9]),
+        (["--type", "fault,step", "--tail", "50"], [(0, 50, ["fault", "step"], False)], list(range(1, 11))),
+        (["--type", "fault"], [(0, 0, ["fault"], False)], [3, 6, 9]),
+        ([], [(0, 0, [], False)], list(range(1, 11))),  # no tail, no type: the whole history, as before
+        (["--tail", "0"], [(0, 1, [], False)], []),  # none printed (the newest asked: where the log ends)
+        (["--tail", "1", "--type", "fault", "--follow"], [(0, 1, ["fault"], False), (10, 0, ["fault"], True)], [9, 11]),
+        (["--tail", "0", "--type", "fault", "-f"], [(0, 1, [], False), (11, 0, ["fault"], True)], [11]),
+        (["--tail", "3", "--type", "state", "-f"], [(0, 3, ["state"], False), (0, 0, ["state"], True)], [12]),
+        (["--type", "fault", "--follow"], [(0, 0, ["fault"], True)], [3, 6, 9, 11]),
+    ],
 )
-def test_tail_keeps_the_last_n_and_zero_keeps_none(tail, kept):
-    # (`--tail 0 --follow`: only what comes next; it had printed the whole history)
-    assert last([1, 2, 3, 4, 5], tail) == kept
+def test_events_tail_and_type_ask_control_for_exactly_that(control, monkeypatch, capsys, args, asked, shown):
+    code, out, err = run_cli(["events", "j", *args], monkeypatch, capsys)
+    assert code == 0, err
+    assert [(q.from_seq, q.tail, list(q.types), q.follow) for q in control.queries] == asked
+    assert printed(out) == shown
 
 
 @pytest.mark.parametrize("values", [[""], [" , "], ["fault", ""]])

@@ -85,7 +85,7 @@ class StoreOnlySources(Sources):
     def job(self, job_id: str) -> control_pb2.JobStatus:
         return self._statuses[job_id]
 
-    def events(self, job_id: str) -> list:
+    def events(self, job_id: str, tail: int = 0, types=()) -> list:
         return []
 
     def logs(self, job_id: str) -> list:

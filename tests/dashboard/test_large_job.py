@@ -34,7 +34,7 @@ def test_a_24000_step_jobs_page_carries_a_charts_points_of_the_rank_asked_and_it
         assert 0 < max(points.values()) <= CHART_POINTS
         assert "rank 3." in page and 'name=rank min=0 value="3"' in page
 
-        curves = sources.job_records("big", [], rank=3).series
+        curves = sources.job_records("big", rank=3).series
         assert curves.rank == 3 and len(curves.steps) <= CHART_POINTS
         assert {1, STEPS} <= set(curves.steps)
         spikes = [s for s in range(SPIKE_EVERY, STEPS + 1, SPIKE_EVERY)]

@@ -4,6 +4,7 @@ check's names."""
 
 from __future__ import annotations
 
+import re
 import threading
 import urllib.error
 import urllib.request
@@ -31,7 +32,16 @@ class NotFound(grpc.RpcError):
 
 
 class Canned:
-    """Stands in for ``Sources``: one RUNNING job."""
+    """Stands in for ``Sources``: one RUNNING job with 500 events (each fifth a fault, the
+    rest steps), selected as control's journal does; ``asked`` holds each events read's
+    (job, tail, types)."""
+
+    def __init__(self):
+        self.asked: list[tuple[str, int, list[str]]] = []
+        self.history = [
+            control_pb2.JobEvent(job_id="demo-1", seq=n, type="fault" if n % 5 == 0 else "step", message=f"event {n}")
+            for n in range(1, 501)
+        ]
 
     def jobs(self):
         return control_pb2.JobList(
@@ -46,11 +56,13 @@ class Canned:
             raise NotFound()
         return self.jobs().jobs[0]
 
-    def events(self, job_id):
-        return []
+    def events(self, job_id, tail=0, types=()):
+        self.asked.append((job_id, tail, list(types)))
+        kept = [ev for ev in self.history if not types or ev.type in types]
+        return kept[-tail:] if tail else kept
 
-    def series(self, job_id, events):
-        return series.from_events(events)
+    def series(self, job_id, rank=0):
+        return series.from_events([])
 
     def checkpoints(self, job_id):
         return []
@@ -58,8 +70,8 @@ class Canned:
     def logs(self, job_id):
         return []
 
-    def job_records(self, job_id, events, rank=0):
-        return JobRecords(self.series(job_id, events), None, None)
+    def job_records(self, job_id, rank=0):
+        return JobRecords(self.series(job_id, rank), None, None)
 
     def samples(self, job_id):
         return None
@@ -72,8 +84,13 @@ class Canned:
 
 
 @pytest.fixture(scope="module")
-def base():
-    server = Server(("127.0.0.1", 0), make_handler(Dashboard(Canned()), Access(TOKEN), client_certificates=False))
+def canned():
+    return Canned()
+
+
+@pytest.fixture(scope="module")
+def base(canned):
+    server = Server(("127.0.0.1", 0), make_handler(Dashboard(canned), Access(TOKEN), client_certificates=False))
     t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
     t.start()
     yield f"127.0.0.1:{server.server_address[1]}"
@@ -176,3 +193,28 @@ def test_the_cookie_carries_a_token_with_characters_a_cookie_value_may_not_hold(
     assert header.startswith("surge_dashboard=a%20token%3B%20with%3Dodd%2Cchars;") and "HttpOnly" in header
     assert access.by_header_or_cookie(None, header.split(";")[0]) == odd
     assert access.by_header_or_cookie(None, "surge_dashboard=a%20token") is None
+
+
+def test_the_job_page_asks_control_for_its_newest_events_of_the_types_and_links_to_more(base, canned):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    r, body = get(base, "/job/demo-1?type=step", headers=auth)
+    assert r.status == 200 and canned.asked[-1] == ("demo-1", 200, ["step"])  # not the whole history
+    rows = re.findall(r'<tr class="event ev-(\w+)"><td class=num>(\d+)</td>', body)
+    assert len(rows) == 200 and {t for t, _ in rows} == {"step"}
+    assert [int(n) for _, n in rows] == sorted(int(n) for _, n in rows) and rows[-1][1] == "499"
+    assert "The newest 200 events of these types" in body
+    assert 'id=events-more href="/job/demo-1?type=step&amp;events=2000#events"' in body
+    assert 'id=events-all href="/job/demo-1?type=step&amp;events=all#events"' in body
+
+    r, body = get(base, "/job/demo-1?type=step&events=all&rank=2", headers=auth)
+    assert r.status == 200 and canned.asked[-1] == ("demo-1", 0, ["step"])
+    assert len(re.findall(r'<tr class="event ', body)) == 400 and "All 400 events of these types." in body
+    assert '<input type=hidden name=events value="all">' in body  # the type filter keeps the choice
+    r, body = get(base, "/job/demo-1?events=2000", headers=auth)
+    assert r.status == 200 and canned.asked[-1] == ("demo-1", 2000, [])
+    assert "All 500 events." in body and "events-more" not in body
+    r, body = get(base, "/job/demo-1?type=fault&events=50", headers=auth)
+    assert canned.asked[-1] == ("demo-1", 50, ["fault"]) and "events-more" in body
+    for bad in ("0", "x", "-3", "10000000"):
+        r, body = get(base, f"/job/demo-1?events={bad}", headers=auth)
+        assert r.status == 400 and "events: expected &#x27;all&#x27; or a whole number" in body, (bad, body)

@@ -232,7 +232,8 @@ class Orchestrator(
     ) -> control_pb2.JobStatus | control_pb2.JobList | Reply:
         """An empty job id lists every job (JobList). Otherwise the job's JobStatus (with
         ``spec_json``, its effective spec, when ``with_spec``); with payload ``EVENT_LOG``
-        the reply payload is its events with seq >= from_seq. Answered from the published
+        the reply payload is its events with seq >= from_seq (of ``types``, the newest
+        ``tail``: the journal's SQL selects them). Answered from the published
         views and the journal, never under the decision lock (a long history is read and
         deserialised while decisions go on).
 
@@ -247,7 +248,12 @@ class Orchestrator(
             raise JobNotFound(f"job {msg.job_id} not found")
         if payload == EVENT_LOG:  # (those journaled before this query: its job's writes only are waited for)
             return Reply(
-                status, tuple(self._journal.events(msg.job_id, msg.from_seq, self._last_write.get(msg.job_id)))
+                status,
+                tuple(
+                    self._journal.events(
+                        msg.job_id, msg.from_seq, self._last_write.get(msg.job_id), msg.tail, tuple(msg.types)
+                    )
+                ),
             )
         job = self._jobs.get(msg.job_id)
         if msg.with_spec and job is not None:  # the effective spec, as journaled (a resume --dp replaced it there too)
