@@ -94,6 +94,7 @@ class Rebuild:
             launched = [r for r in lost if r < world] + list(range(old_world, world))
             kills: dict[str, list[int]] = {}
             freed: list[tuple[_Worker, int]] = []  # slots of released ranks: given back if the rest does not fit
+            touched: set[str] = set()  # workers whose busy slots change (the offer's free count: capacity.py)
             for r in lost + released:
                 worker_id, slot = placed.ranks[r]
                 if r in lost:
@@ -101,6 +102,7 @@ class Rebuild:
                 w = self._workers.get(worker_id)
                 if w is not None and msg.job_id in w.busy:
                     w.busy[msg.job_id] = [s for s in w.busy[msg.job_id] if s != slot]
+                    touched.add(worker_id)
                     if r in released:
                         freed.append((w, slot))
             excluded = set(allocated.exclude_worker_ids) | set(msg.exclude_worker_ids)
@@ -136,6 +138,7 @@ class Rebuild:
             if short is not None:
                 for w, slot in freed:  # (the released ranks stay, as they were)
                     w.busy.setdefault(msg.job_id, []).append(slot)
+                    touched.add(w.reg.worker_id)
             else:
                 for r in released:
                     worker_id, _ = placed.ranks[r]
@@ -145,6 +148,7 @@ class Rebuild:
                 for r, (w, slot) in zip(launched, picks, strict=True):
                     w.busy.setdefault(msg.job_id, []).append(slot)
                     placed.ranks[r] = (w.reg.worker_id, slot)
+                    touched.add(w.reg.worker_id)
                 if msg.HasField("layout"):  # (also a new micro-batch split at the same size)
                     layout = msg.layout
                     spec = with_layout(
@@ -193,6 +197,7 @@ class Rebuild:
                     lost_ranks=lost,  # the survivors abort their broken communicator at once
                 )  # fmt: skip
                 kinds = _placed(self._workers, placed)
+            self._recount(*touched)
         # The kills go first on each node agent's queue: a replacement of the same rank starts
         # only once the killed process is reaped (the node agent's rule), and a survivor blocked
         # in a collective with a hung rank is freed by that rank's death.
