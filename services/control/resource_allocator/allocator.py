@@ -31,6 +31,7 @@ from services.control.resource_allocator.slots import (
     _Placement,
     _rank_memory,
     _reachable_host,
+    _Ring,
     _Worker,
 )
 from services.jobspec import spec_from_json
@@ -207,11 +208,12 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
                         generation=generation,
                     )
                 )
+            memory_ring, probe_ring = _Ring(w.reg.worker_id for w in usable), _Ring(rank_nodes)
             for worker_id, launch in launches.items():
-                peer = _memory_peer(usable, worker_id)
+                peer = _memory_peer(usable, worker_id, memory_ring)
                 if peer is not None:
                     launch.memory_peer.CopyFrom(peer)
-                probe = _link_probe(spec.links, rank_nodes, self._workers, worker_id)
+                probe = _link_probe(spec.links, rank_nodes, self._workers, worker_id, probe_ring)
                 if probe is not None:
                     launch.link_probe.CopyFrom(probe)
                 self._placed[msg.job_id].probes[worker_id] = probe

@@ -16,6 +16,7 @@ from services.control.resource_allocator.slots import (
     _of_kind,
     _placed,
     _reachable_host,
+    _Ring,
     _Worker,
 )
 from services.jobspec import LinksSpec, spec_from_json, spec_to_json, with_layout
@@ -180,11 +181,12 @@ class Rebuild:
                         generation=generation,
                     ))  # fmt: skip
                 links = spec_from_json(init.spec_json).links
+                memory_ring, probe_ring = _Ring(w.reg.worker_id for w in usable), _Ring(rank_nodes)
                 for worker_id, launch in launches.items():
-                    peer = _memory_peer(usable, worker_id)
+                    peer = _memory_peer(usable, worker_id, memory_ring)
                     if peer is not None:
                         launch.memory_peer.CopyFrom(peer)
-                    probe = _link_probe(links, rank_nodes, self._workers, worker_id)
+                    probe = _link_probe(links, rank_nodes, self._workers, worker_id, probe_ring)
                     if probe is not None:
                         launch.link_probe.CopyFrom(probe)
                     placed.probes[worker_id] = probe
@@ -247,12 +249,16 @@ def _new_probe_peers(
     compared, addresses included; where it is not known (after a control restart) the old
     layout's peers at today's addresses stand in for it."""
     peers: dict[str, control_pb2.LaunchRanks] = {}
+    old_ring, new_ring = _Ring(old_nodes), _Ring(rank_nodes)
     for worker_id in dict.fromkeys(w for w in old_nodes + rank_nodes if w):
         if worker_id not in workers:
             told.pop(worker_id, None)
             continue  # (its agent is gone: nothing to tell; one that comes back is told at its launch)
-        before = told[worker_id] if worker_id in told else _link_probe(links, old_nodes, workers, worker_id)
-        after = _link_probe(links, rank_nodes, workers, worker_id)
+        if worker_id in told:
+            before = told[worker_id]
+        else:
+            before = _link_probe(links, old_nodes, workers, worker_id, old_ring)
+        after = _link_probe(links, rank_nodes, workers, worker_id, new_ring)
         if before != after:
             update = peers[worker_id] = control_pb2.LaunchRanks(job_id=job_id)
             if after is not None:
