@@ -184,7 +184,7 @@ class EventApplier:
         self._queued = 0  # messages and calls waiting in the queues
         self._in_flight: Counter[str] = Counter()  # worker id -> its messages queued, not yet applied
         # (session, queue key) -> the session's last message queued there, until a thread takes it
-        self._last: dict[tuple[AgentSession, str], list] = {}
+        self._last: dict[tuple[int, str], list] = {}
         self._after: dict[str, list[Callable[[], None]]] = {}  # worker id -> opens / closes waiting for them
         self._threads: list[threading.Thread] = []
         self._stopping = False
@@ -322,7 +322,7 @@ class EventApplier:
         second it would apply late (its memory grew to 13 GB, OOM-killed, session 34), and
         each agent's newest beat waited behind its stale ones. Nothing else is folded: a
         sequenced event, or any message queued after the beat, keeps every message in order."""
-        last = (session, key)
+        last = (id(session), key)  # (the item holds the session: its id is not reused meanwhile)
         waiting = self._last.get(last)
         if waiting is not None and _fold(waiting[1], ev):
             BEATS_COALESCED.inc()
@@ -388,7 +388,7 @@ class EventApplier:
             burst.append(q.items.popleft())
             if burst[-1][0] is None:
                 break
-            last = (burst[-1][0], q.key)
+            last = (id(burst[-1][0]), q.key)
             if self._last.get(last) is burst[-1]:  # (taken: a later beat of the session is queued anew)
                 del self._last[last]
         self._queued -= len(burst)
