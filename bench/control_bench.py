@@ -106,6 +106,8 @@ class Shared:
         self.measuring = ctx.Value("i", 0)  # 1: record send -> ack latencies
         self.fault_rank = ctx.Value("i", -1)  # >= 0: that rank's process exits (RankExited) once
         self.fault_sent = ctx.Value("d", 0.0)  # when its RankExited was queued
+        self.silent_agent = ctx.Value("i", -1)  # >= 0: that agent sends nothing more (its stream open)
+        self.silent_since = ctx.Value("d", 0.0)  # when it sent its last beat
         self.stop = ctx.Event()
 
 
@@ -170,6 +172,7 @@ class SimAgent:
         self.heard: set[int] = set()  # ranks whose StepCompleted went up this session
         self.batches = False  # the session's control reads WorkerEvent.batch
         self.held: list | None = None  # events emitted while a launch is stated (one batch)
+        self.last_beat = 0.0  # when this agent last sent a beat (its own or its ranks')
 
     # ---- the stream
 
@@ -369,6 +372,10 @@ class SimAgent:
             is_step = next_step < next_beat
             await asyncio.sleep(max(0.0, (next_step if is_step else next_beat) - time.time()))
             now = time.time()
+            if self.shared.silent_agent.value == self.i:  # silent from now on: the stream stays open
+                if not self.shared.silent_since.value:
+                    self.shared.silent_since.value = self.last_beat
+                continue
             if is_step:
                 next_step += 1.0 + max(0, int(now - next_step))
             else:
@@ -448,6 +455,7 @@ class SimAgent:
             for r in sorted(self.ranks)
         ]
         agent = self.pb.AgentHeartbeat(interval_seconds=1.0, unix_time=t)
+        self.last_beat = time.time()
         self._fact(self.pb.WorkerEvent(rank_beats=self.pb.RankBeats(job_id=self.job, beats=beats, agent=agent)))
 
     def _fact(self, ev) -> None:
@@ -461,6 +469,7 @@ class SimAgent:
         or resent (control_link.Outbox.beat)."""
         if self.queue is not None:
             beat = self.pb.AgentHeartbeat(interval_seconds=1.0, unix_time=time.time())
+            self.last_beat = time.time()
             self.queue.put_nowait(self.pb.WorkerEvent(heartbeat=beat))
 
 
@@ -644,7 +653,7 @@ def scenario(name: str, nodes: int, ranks_per_node: int, args) -> dict:
                 out["error"] = f"{shared.registered.value}/{nodes} agents registered in {args.register_timeout:.0f} s"
                 return out
             # ``--jobs``: the steps scenario's ranks as that many equal jobs (whole nodes each).
-            jobs = max(1, args.jobs) if name == "steps" else 1
+            jobs = max(1, args.jobs)
             out["jobs"] = jobs
             t_submit = time.time()
             for k in range(jobs):
@@ -688,7 +697,9 @@ def scenario(name: str, nodes: int, ranks_per_node: int, args) -> dict:
             if name == "steps" and jobs == 1:  # (with more, the rank that exits may be any job's)
                 _inject_fault(out, shared, watch, world)
             elif name == "restart":
-                _restart(out, shared, watch, stack_mod, stack, nodes, args)
+                _restart(out, shared, watches, stack_mod, stack, nodes, args)
+            elif name == "heartbeats":
+                _silence(out, shared, watches, nodes)
         finally:
             shared.stop.set()
             results = []
@@ -737,7 +748,31 @@ def _inject_fault(out: dict, shared: Shared, watch: Watch, world: int) -> None:
     out["decision"] = decision.message if decision else None
 
 
-def _restart(out: dict, shared: Shared, watch: Watch, stack_mod, stack: c.Stack, nodes: int, args) -> None:
+def _silence(out: dict, shared: Shared, watches: list[Watch], nodes: int) -> None:
+    """One agent (its rank's process too) goes silent, its stream open: how long from its last
+    beat until the first ``fault`` job event (its rank declared silent, graded by L1-3)?"""
+    t = time.time()
+    shared.silent_agent.value = nodes // 2 + 1
+    while not shared.silent_since.value and time.time() - t < 5:
+        time.sleep(0.01)
+    last = shared.silent_since.value
+    if not last:
+        out["silent_error"] = "the agent never went silent"
+        return
+    deadline = time.time() + 60
+    found = None
+    while found is None and time.time() < deadline:
+        faults = sorted(
+            (e for w in watches for e in list(w.events) if e.type == "fault" and e.unix_time >= last),
+            key=lambda e: e.unix_time,
+        )
+        found = faults[0] if faults else None
+        time.sleep(0.05)
+    out["silent_to_fault_event_s"] = round(found.unix_time - last, 2) if found else None
+    out["silent_fault"] = found.message if found else None
+
+
+def _restart(out: dict, shared: Shared, watches: list[Watch], stack_mod, stack: c.Stack, nodes: int, args) -> None:
     """SIGKILL control with every agent connected, start it again, count false deaths."""
     before = shared.registered.value
     pid = stack.pid("control")
@@ -758,11 +793,13 @@ def _restart(out: dict, shared: Shared, watch: Watch, stack_mod, stack: c.Stack,
     out["reregistered"] = back
     out["kill_to_all_reregistered_s"] = round(time.time() - t_kill, 2) if back >= nodes else None
     time.sleep(max(0.0, args.after_restart - (time.time() - t_kill)))
-    faults = [e for e in list(watch.events) if e.type == "fault" and e.unix_time >= t_kill]
+    faults = [e for w in watches for e in list(w.events) if e.type == "fault" and e.unix_time >= t_kill]
     out["false_deaths"] = len(faults)
     out["false_death_samples"] = [e.message for e in faults[:5]]
     # What the watch saw after the kill (it re-subscribed: the count above is of a live log).
-    out["job_events_after_restart"] = [f"{e.type}: {e.message}" for e in watch.events if e.unix_time >= t_kill][:5]
+    out["job_events_after_restart"] = [
+        f"{e.type}: {e.message}" for w in watches for e in list(w.events) if e.unix_time >= t_kill
+    ][:5]
     out["watched_after_restart_s"] = round(time.time() - t_kill, 1)
 
 
@@ -849,7 +886,7 @@ def main() -> None:
     ap.add_argument("--agents", type=int, default=sizes["agents"], help="heartbeats: node agents of one rank")
     ap.add_argument("--restart-agents", type=int, default=sizes["restart_agents"], help="restart: node agents")
     ap.add_argument("--seconds", type=float, default=sizes["seconds"], help="steady window per scenario")
-    ap.add_argument("--jobs", type=int, default=1, help="steps: the ranks as this many equal jobs (whole nodes)")
+    ap.add_argument("--jobs", type=int, default=1, help="the ranks as this many equal jobs (whole nodes)")
     ap.add_argument("--after-restart", type=float, default=30.0, help="restart: seconds watched after the kill")
     ap.add_argument("--step-spread", type=float, default=0.05, help="steps: seconds over which ranks end a step")
     ap.add_argument(

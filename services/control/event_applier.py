@@ -40,6 +40,10 @@ future) under the decision lock never waits on a lock of its own. A burst's jour
 are queued, not waited for (``SessionHub.on_worker_events(wait=False)``): a pool thread never
 waits for a disk; the burst's acks are queued from the commits.
 
+Beats are facts of now: a session's beat still waiting on a queue (nothing of the session
+queued behind it there) is superseded by its next one, rank by rank (``_fold``), so a backlog
+holds at most one beat per session, kind and queue, and applies each agent's newest.
+
 Receipt is stamped on the server's loop, as a message is queued (``event``): a heartbeat
 carries it to the fault detector in ``RankHeartbeat.received_monotonic``, so its deadlines
 count from when control received the beat, never from when a pool thread got to it. Health
@@ -70,7 +74,14 @@ from typing import Any
 import structlog
 
 from services.contract import control_pb2
-from services.control.metrics import APPLIER_LAG, APPLY_SECONDS, JOB_QUEUES, OLDEST_UNAPPLIED, QUEUE_DEPTH
+from services.control.metrics import (
+    APPLIER_LAG,
+    APPLY_SECONDS,
+    BEATS_COALESCED,
+    JOB_QUEUES,
+    OLDEST_UNAPPLIED,
+    QUEUE_DEPTH,
+)
 from services.control.session_hub import AgentSession, SessionHub
 
 _log = structlog.get_logger("control.server")
@@ -120,6 +131,27 @@ def split_agent_beat(ev: control_pb2.WorkerEvent) -> control_pb2.WorkerEvent | N
     return alone
 
 
+def _fold(waiting: control_pb2.WorkerEvent, newer: control_pb2.WorkerEvent) -> bool:
+    """Fold ``newer`` into ``waiting`` (a message still queued) if both are beats of one kind
+    (unsequenced): the agent's own beat is replaced; ranks' beats of one job are merged rank by
+    rank, the newer beat of each rank kept (a rank absent from the newer keeps its last one, so
+    no rank's beat is lost). False: not beats of one kind; nothing changed."""
+    kind = newer.WhichOneof("event")
+    if newer.seq or waiting.seq or kind not in ("heartbeat", "rank_beats") or waiting.WhichOneof("event") != kind:
+        return False
+    if kind == "heartbeat":
+        waiting.heartbeat.CopyFrom(newer.heartbeat)
+        return True
+    if waiting.rank_beats.job_id != newer.rank_beats.job_id or newer.rank_beats.HasField("agent"):
+        return False  # (the agent's beat is split off on receipt: one riding still is not folded)
+    fresh = {b.rank for b in newer.rank_beats.beats}
+    kept = [b for b in waiting.rank_beats.beats if b.rank not in fresh]
+    del waiting.rank_beats.beats[:]
+    waiting.rank_beats.beats.extend(kept)
+    waiting.rank_beats.beats.extend(newer.rank_beats.beats)
+    return True
+
+
 class InOrder:
     """What a module may hold of the applier: ``in_order(fn, key)`` runs the holder's own
     ``fn`` on the queue ``key`` (a job id, or NODE) after everything queued there before
@@ -151,6 +183,8 @@ class EventApplier:
         self._busy = 0  # queues being applied
         self._queued = 0  # messages and calls waiting in the queues
         self._in_flight: Counter[str] = Counter()  # worker id -> its messages queued, not yet applied
+        # (session, queue key) -> the session's last message queued there, until a thread takes it
+        self._last: dict[tuple[int, str], list] = {}
         self._after: dict[str, list[Callable[[], None]]] = {}  # worker id -> opens / closes waiting for them
         self._threads: list[threading.Thread] = []
         self._stopping = False
@@ -176,13 +210,11 @@ class EventApplier:
         if agent is not None:  # as if it had come alone, just before: on the node queue, unsequenced
             agent.heartbeat.received_monotonic = received
             with self._lock:
-                self._in_flight[session.worker_id] += 1
-                self._put(NODE, (session, agent, received))
+                self._queue_message(NODE, session, agent, received)
         if not self._hub.admit(session, ev):
             return
         with self._lock:
-            self._in_flight[session.worker_id] += 1
-            self._put(job_of(ev), (session, ev, received))
+            self._queue_message(job_of(ev), session, ev, received)
 
     def receive_on(self, loop: asyncio.AbstractEventLoop) -> None:
         """The gRPC server's loop, which receives the sessions' messages (the composition
@@ -280,7 +312,27 @@ class EventApplier:
                 self._in_flight.pop(worker_id, None)
                 self._put(NODE, (None, fn, time.monotonic()))
 
-    def _put(self, key: str, item: tuple) -> None:
+    def _queue_message(self, key: str, session: AgentSession, ev: control_pb2.WorkerEvent, received: float) -> None:
+        """Under ``_lock``: queue one message of ``session`` on the queue ``key``, or fold it into
+        the session's beat still waiting there. A beat (the agent's own, or its ranks' beats of
+        one job: unsequenced facts of now) supersedes a beat of the same kind that the session
+        queued there last and no thread has taken yet: rank by rank, the newer beat wins
+        (``_fold``). So a queue holds at most one waiting beat per session and kind, whatever
+        control's backlog: 10,000 agents on a control behind by seconds queued 10,000 beats a
+        second it would apply late (its memory grew to 13 GB, OOM-killed, session 34), and
+        each agent's newest beat waited behind its stale ones. Nothing else is folded: a
+        sequenced event, or any message queued after the beat, keeps every message in order."""
+        last = (id(session), key)  # (the item holds the session: its id is not reused meanwhile)
+        waiting = self._last.get(last)
+        if waiting is not None and _fold(waiting[1], ev):
+            BEATS_COALESCED.inc()
+            return
+        item = [session, ev, received]
+        self._last[last] = item
+        self._in_flight[session.worker_id] += 1
+        self._put(key, item)
+
+    def _put(self, key: str, item: tuple | list) -> None:
         """Under ``_lock``: queue ``item`` on the queue ``key``; hand the queue to the pool
         if no thread has it."""
         if not self._threads:
@@ -336,6 +388,9 @@ class EventApplier:
             burst.append(q.items.popleft())
             if burst[-1][0] is None:
                 break
+            last = (id(burst[-1][0]), q.key)
+            if self._last.get(last) is burst[-1]:  # (taken: a later beat of the session is queued anew)
+                del self._last[last]
         self._queued -= len(burst)
         return burst
 

@@ -134,6 +134,10 @@ JOB_QUEUES = Gauge("surge_control_job_queues", "Job queues of the event applier 
 OLDEST_UNAPPLIED = Gauge(
     "surge_control_oldest_unapplied_seconds", "Seconds the oldest node agent message still waiting has waited."
 )
+BEATS_COALESCED = Counter(
+    "surge_control_beats_coalesced_total",
+    "Node agent beats folded into the same session's beat still waiting to be applied (the newer wins).",
+)
 WORKER_EVENTS = Counter(
     "surge_worker_events_total",
     "Sequenced node agent events received by control, applied or dropped as duplicates.",

@@ -409,3 +409,68 @@ def test_a_ranks_process_state_is_applied_on_its_jobs_queue_not_ahead_of_every_a
     link = control_pb2.LinkStateChanged(worker_id="wa", peer_worker_id="wb")
     assert job_of(control_pb2.WorkerEvent(routed=pack(link, Module.EXT_HARDWARE), seq=2)) == NODE
     assert job_of(control_pb2.WorkerEvent(heartbeat=control_pb2.AgentHeartbeat())) == NODE
+
+
+class RecordingHub:
+    """What the applier hands a session hub: every message applied, in order (the applier is
+    the part under test; the hub's own work is tested with the real one above)."""
+
+    def __init__(self):
+        self.applied: list[control_pb2.WorkerEvent] = []
+
+    def admit(self, session, ev) -> bool:
+        return True
+
+    def on_worker_events(self, burst, admitted=False, wait=True) -> None:
+        self.applied.extend(ev for _, ev in burst)
+
+
+def rank_beats(job_id: str, step: int, ranks=(0, 1)) -> control_pb2.WorkerEvent:
+    beats = [
+        worker_pb2.RankEvent(
+            job_id=job_id, rank=r, heartbeat=worker_pb2.RankHeartbeat(job_id=job_id, rank=r, step=step)
+        )
+        for r in ranks
+    ]
+    agent = control_pb2.AgentHeartbeat(interval_seconds=1.0, unix_time=float(step))
+    return control_pb2.WorkerEvent(rank_beats=control_pb2.RankBeats(job_id=job_id, beats=beats, agent=agent))
+
+
+def test_a_sessions_beats_waiting_behind_a_backlog_fold_into_one_newest_beat_rank_by_rank():
+    # 10,000 agents on a control seconds behind: every beat of every agent queued, applied
+    # late one after the other, the newest behind the stale ones, and control's memory grew
+    # until the kernel killed it (13 GB, session 34). A waiting beat is superseded by the
+    # session's next one; a rank missing from the newer keeps its own; a sequenced event
+    # between two beats keeps both in order.
+    from services.control.session_hub import AgentSession
+
+    hub = RecordingHub()
+    applier = EventApplier(hub, workers=2)
+    release = threading.Event()
+    try:
+        busy = {NODE: threading.Event(), "j": threading.Event()}
+        for key, started in busy.items():  # the node and the job queue busy (control behind)
+            applier.call(lambda started=started: (started.set(), release.wait(10)), key)
+        assert all(started.wait(10) for started in busy.values())
+        a, b = AgentSession("wa"), AgentSession("wb")
+        for step in range(1, 51):
+            applier.event(a, rank_beats("j", step))
+        applier.event(a, rank_beats("j", 51, ranks=(1,)))  # rank 0 silent in the newest
+        applier.event(b, rank_beats("j", 7))
+        applier.event(b, step_event("j", 7, seq=1))  # sequenced: b's rank beats around it stay apart
+        applier.event(b, rank_beats("j", 8))
+        assert applier.depth() == (4, 2)  # job: a's beats; b's beat, step, beat. node: a's, b's agent beat
+        release.set()
+        drained = {NODE: threading.Event(), "j": threading.Event()}
+        for key, done in drained.items():
+            applier.call(done.set, key)
+        assert all(done.wait(10) for done in drained.values())
+    finally:
+        release.set()
+        applier.stop()
+    kinds = [(ev.WhichOneof("event"), ev.seq) for ev in hub.applied]
+    assert kinds.count(("rank_beats", 0)) == 3 and kinds.count(("heartbeat", 0)) == 2, kinds
+    beats = [ev.rank_beats for ev in hub.applied if ev.HasField("rank_beats")]
+    assert {(b.rank, b.heartbeat.step) for b in beats[0].beats} == {(0, 50), (1, 51)}  # a: each rank's newest
+    assert [[x.heartbeat.step for x in b.beats] for b in beats[1:]] == [[7, 7], [8, 8]]  # b: apart, in order
+    assert sorted(ev.heartbeat.unix_time for ev in hub.applied if ev.HasField("heartbeat")) == [8.0, 51.0]

@@ -110,3 +110,22 @@ def test_a_rank_reads_the_nodes_of_either_form():
     assert nodes_of(listed) == ["a", "b"]
     assert nodes_of(engine_pb2.RebuildParallelGroup(node_runs=node_runs(["a", "a", "b"]))) == ["a", "a", "b"]
     assert nodes_of(engine_pb2.RebuildParallelGroup()) == []
+
+
+def test_a_jobs_launch_costs_calls_linear_in_its_nodes():
+    """Each node's memory peer and link probe are looked up in rings built once per launch:
+    the old code scanned the node list per launched node, O(nodes²) (most of a 4,000-node
+    launch in py-spy, session 34). Counted in calls (the same on a loaded machine): 10x the
+    nodes costs about 10x, not 100x."""
+    from .test_offer_capacity import profiled_calls
+
+    def cost(nodes: int) -> int:
+        allocator = ResourceAllocator(hardware=lambda msg, payload=None: None, emit=lambda msg, payload=None: None)
+        for i in range(nodes):
+            allocator.on_worker_registration(registration(f"node-{i:05d}", 1))
+        init = engine_pb2.InitJob(job_id="j", spec_json=spec_to_json(parse_job_spec(spec_yaml(dp=nodes))))
+        msg = control_pb2.AllocateResources(job_id="j", world_size=nodes, init=init)
+        return profiled_calls(lambda: allocator.allocate_resources(msg))
+
+    small, large = cost(200), cost(2000)
+    assert large < 20 * small, (small, large)

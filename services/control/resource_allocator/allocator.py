@@ -16,6 +16,7 @@ from services.common.rank_nodes import node_runs
 from services.contract import control_pb2, engine_pb2
 from services.contract.bus import CommandPort, Emitter
 from services.control.cluster_metrics import SlotCensus, watch_slots
+from services.control.resource_allocator.capacity import Capacity
 from services.control.resource_allocator.cordons import Cordons
 from services.control.resource_allocator.rebuild import Rebuild
 from services.control.resource_allocator.registry import Registry
@@ -30,6 +31,7 @@ from services.control.resource_allocator.slots import (
     _Placement,
     _rank_memory,
     _reachable_host,
+    _Ring,
     _Worker,
 )
 from services.jobspec import spec_from_json
@@ -82,6 +84,7 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
         # its node agent's agent_silent report), until L1-1 lifts it (the agent beats again).
         self._holds: dict[str, str] = {}
         self._offers = 0  # the offers of placeable capacity published (cordons.py ``_offer``)
+        self._capacity = Capacity()  # the offer's sums, kept per worker (capacity.py)
         watch_slots(self._slot_census)  # control's cluster gauges read it when scraped
 
     # ------------------------------------------------------------ commands (L1-1)
@@ -205,15 +208,17 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
                         generation=generation,
                     )
                 )
+            memory_ring, probe_ring = _Ring(w.reg.worker_id for w in usable), _Ring(rank_nodes)
             for worker_id, launch in launches.items():
-                peer = _memory_peer(usable, worker_id)
+                peer = _memory_peer(usable, worker_id, memory_ring)
                 if peer is not None:
                     launch.memory_peer.CopyFrom(peer)
-                probe = _link_probe(spec.links, rank_nodes, self._workers, worker_id)
+                probe = _link_probe(spec.links, rank_nodes, self._workers, worker_id, probe_ring)
                 if probe is not None:
                     launch.link_probe.CopyFrom(probe)
                 self._placed[msg.job_id].probes[worker_id] = probe
             placed = _placed(self._workers, self._placed[msg.job_id])
+            self._recount(*launches)  # (their busy slots: the next offer's free count)
         # Commands leave outside the lock: the relay only queues them, but keep the
         # allocator's lock short and never held across another module's code.
         for worker_id, launch in launches.items():
@@ -243,6 +248,7 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
             self._placed.pop(msg.job_id, None)
             self._reattached.pop(msg.job_id, None)
             holders = [w.reg.worker_id for w in self._workers.values() if w.busy.pop(msg.job_id, None) is not None]
+            self._recount(*holders)  # (their slots are free again: the next offer's free count)
             if not holders and msg.kill:
                 holders = list(self._workers)
         grace = 0.0 if msg.kill else RELEASE_GRACE_SECONDS

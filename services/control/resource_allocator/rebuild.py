@@ -16,6 +16,7 @@ from services.control.resource_allocator.slots import (
     _of_kind,
     _placed,
     _reachable_host,
+    _Ring,
     _Worker,
 )
 from services.jobspec import LinksSpec, spec_from_json, spec_to_json, with_layout
@@ -94,6 +95,7 @@ class Rebuild:
             launched = [r for r in lost if r < world] + list(range(old_world, world))
             kills: dict[str, list[int]] = {}
             freed: list[tuple[_Worker, int]] = []  # slots of released ranks: given back if the rest does not fit
+            touched: set[str] = set()  # workers whose busy slots change (the offer's free count: capacity.py)
             for r in lost + released:
                 worker_id, slot = placed.ranks[r]
                 if r in lost:
@@ -101,6 +103,7 @@ class Rebuild:
                 w = self._workers.get(worker_id)
                 if w is not None and msg.job_id in w.busy:
                     w.busy[msg.job_id] = [s for s in w.busy[msg.job_id] if s != slot]
+                    touched.add(worker_id)
                     if r in released:
                         freed.append((w, slot))
             excluded = set(allocated.exclude_worker_ids) | set(msg.exclude_worker_ids)
@@ -136,6 +139,7 @@ class Rebuild:
             if short is not None:
                 for w, slot in freed:  # (the released ranks stay, as they were)
                     w.busy.setdefault(msg.job_id, []).append(slot)
+                    touched.add(w.reg.worker_id)
             else:
                 for r in released:
                     worker_id, _ = placed.ranks[r]
@@ -145,6 +149,7 @@ class Rebuild:
                 for r, (w, slot) in zip(launched, picks, strict=True):
                     w.busy.setdefault(msg.job_id, []).append(slot)
                     placed.ranks[r] = (w.reg.worker_id, slot)
+                    touched.add(w.reg.worker_id)
                 if msg.HasField("layout"):  # (also a new micro-batch split at the same size)
                     layout = msg.layout
                     spec = with_layout(
@@ -176,11 +181,12 @@ class Rebuild:
                         generation=generation,
                     ))  # fmt: skip
                 links = spec_from_json(init.spec_json).links
+                memory_ring, probe_ring = _Ring(w.reg.worker_id for w in usable), _Ring(rank_nodes)
                 for worker_id, launch in launches.items():
-                    peer = _memory_peer(usable, worker_id)
+                    peer = _memory_peer(usable, worker_id, memory_ring)
                     if peer is not None:
                         launch.memory_peer.CopyFrom(peer)
-                    probe = _link_probe(links, rank_nodes, self._workers, worker_id)
+                    probe = _link_probe(links, rank_nodes, self._workers, worker_id, probe_ring)
                     if probe is not None:
                         launch.link_probe.CopyFrom(probe)
                     placed.probes[worker_id] = probe
@@ -193,6 +199,7 @@ class Rebuild:
                     lost_ranks=lost,  # the survivors abort their broken communicator at once
                 )  # fmt: skip
                 kinds = _placed(self._workers, placed)
+            self._recount(*touched)
         # The kills go first on each node agent's queue: a replacement of the same rank starts
         # only once the killed process is reaped (the node agent's rule), and a survivor blocked
         # in a collective with a hung rank is freed by that rank's death.
@@ -242,12 +249,16 @@ def _new_probe_peers(
     compared, addresses included; where it is not known (after a control restart) the old
     layout's peers at today's addresses stand in for it."""
     peers: dict[str, control_pb2.LaunchRanks] = {}
+    old_ring, new_ring = _Ring(old_nodes), _Ring(rank_nodes)
     for worker_id in dict.fromkeys(w for w in old_nodes + rank_nodes if w):
         if worker_id not in workers:
             told.pop(worker_id, None)
             continue  # (its agent is gone: nothing to tell; one that comes back is told at its launch)
-        before = told[worker_id] if worker_id in told else _link_probe(links, old_nodes, workers, worker_id)
-        after = _link_probe(links, rank_nodes, workers, worker_id)
+        if worker_id in told:
+            before = told[worker_id]
+        else:
+            before = _link_probe(links, old_nodes, workers, worker_id, old_ring)
+        after = _link_probe(links, rank_nodes, workers, worker_id, new_ring)
         if before != after:
             update = peers[worker_id] = control_pb2.LaunchRanks(job_id=job_id)
             if after is not None:

@@ -54,7 +54,7 @@ class Registry:
                     for where in self._reattached.values():  # (its ranks are lost: not placed there any more)
                         for rank in [r for r, (w, _) in where.items() if w == msg.worker_id]:
                             del where[rank]
-                offer = self._offer()
+                offer = self._offer(msg.worker_id)
             else:
                 offer = None
         if offer is not None:  # (its slots left the placeable capacity: fair share's denominators)
@@ -96,7 +96,7 @@ class Registry:
                     # the re-attached set) is replaced in place, not the whole job relaunched.
                     self._placement_from_reattach(self._allocations[launch.job_id])
             self._workers[msg.worker_id] = worker  # a known id keeps its place in the order
-            offer = self._offer()
+            offer = self._offer(msg.worker_id)
         if cleared is not None:  # (outside the lock, like every send; before the slots are offered)
             self._emit(cleared)
         self._emit(offer)
