@@ -159,11 +159,7 @@ def lines(files: list, record_type: str = "") -> Iterator[bytes]:
         except FileNotFoundError:
             continue
         with f:
-            rest = b""
-            while block := f.read(METRICS_PART_BYTES):
-                block = rest + block
-                cut = block.rfind(b"\n") + 1
-                block, rest = block[:cut], block[cut:]
+            for block in line_blocks(f):
                 if record_type:
                     block = of_type(block, record_type, marker)
                 if block:
@@ -184,3 +180,15 @@ def _of_type(line: bytes, marker: bytes, record_type: str) -> bool:
     except ValueError:
         return False
     return isinstance(record, dict) and record.get("type") == record_type
+
+
+def line_blocks(f) -> Iterator[bytes]:
+    """An open file's bytes from where it stands, in parts of whole lines (about
+    METRICS_PART_BYTES each); a last line with no newline yet (a write in progress) is left out."""
+    rest = b""
+    while block := f.read(METRICS_PART_BYTES):
+        block = rest + block
+        cut = block.rfind(b"\n") + 1
+        block, rest = block[:cut], block[cut:]
+        if block:
+            yield block

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from services.common.metric_select import Selection, Selector
-from services.store.metric_files import METRICS_PART_BYTES, of_type
+from services.store.metric_files import line_blocks, of_type
 
 ENTRIES = 32
 RANKS_KEPT = 4  # a read of more ranks (or of every rank) is not kept: each kept rank is ~1 MB
@@ -83,14 +83,9 @@ def _feed(selector: Selector, path: Path, offset: int) -> int:
         return offset
     with f:
         f.seek(offset)
-        rest = b""
-        while block := f.read(METRICS_PART_BYTES):
-            block = rest + block
-            cut = block.rfind(b"\n") + 1
-            block, rest = block[:cut], block[cut:]
-            if block:
-                offset += len(block)
-                if selector.sel.record_type:
-                    block = of_type(block, selector.sel.record_type)
-                selector.feed(block)
+        for block in line_blocks(f):
+            offset += len(block)
+            if selector.sel.record_type:
+                block = of_type(block, selector.sel.record_type)
+            selector.feed(block)
     return offset
