@@ -25,6 +25,7 @@ never read either: they hold every team's records, and only the store may say wh
 from __future__ import annotations
 
 import copy
+import logging
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ from services.common.rotated_files import read_rotated
 from services.contract import Module, control_pb2, control_pb2_grpc, store_pb2, store_pb2_grpc
 from services.dashboard import series
 from services.dashboard.pages import Slots
+
+log = logging.getLogger("surge.dashboard")
 
 CALL_SECONDS = 10.0  # a read's deadline: control answers these from published snapshots
 # The store's records: it reads a job's files to answer (a 64-rank job's are GBs, each line
@@ -137,8 +140,14 @@ class Sources:
 
     def curve_events(self, job_id: str) -> list[control_pb2.JobEvent]:
         """Every step and eval event of the job: the curves' fallback (series.from_events) when
-        the store has no step records for it. O(the job's sampled steps), read only then."""
-        return self.events(job_id, types=CURVE_EVENT_TYPES)
+        the store has no step records for it. O(the job's sampled steps), read only then. None
+        when control does not answer either: the curves are then empty, the rest of the page
+        is still drawn (the job's own status says what control said)."""
+        try:
+            return self.events(job_id, types=CURVE_EVENT_TYPES)
+        except grpc.RpcError as e:
+            log.warning("curve events of %s not read: control answered %s", job_id, e.code().name)
+            return []
 
     def records(
         self, job_id: str, record_type: str = "", ranks: Sequence[int] = (), points: int = 0

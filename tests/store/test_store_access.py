@@ -205,10 +205,10 @@ def test_a_teams_token_reaches_its_own_jobs_checkpoints_and_metrics_only(team_st
     assert "ppl: 9  (va:1)" in capsys.readouterr().out
     sources = Sources(f"127.0.0.1:{port}", f"127.0.0.1:{port}", records_dir=team_store.root / "metrics")
     try:
-        assert sources.series("va", []).steps == [1, 2] and sources.series("va", []).source == STORE_RECORDS
+        assert sources.series("va").steps == [1, 2] and sources.series("va").source == STORE_RECORDS
         assert [s.text for s in sources.samples("va")] == ["x"]
         assert [s.scores for s in sources.scores("va")] == [{"ppl": 9.0}]
-        assert sources.series("nl", []).source == SAMPLED_EVENTS  # refused: control's (team-checked) events
+        assert sources.series("nl").source == SAMPLED_EVENTS  # refused: control's (team-checked) events
         assert (sources.samples("nl"), sources.scores("nl")) == (None, None)
 
         # Restarted on the same root: each job's team is still known (kept on disk).
@@ -218,7 +218,7 @@ def test_a_teams_token_reaches_its_own_jobs_checkpoints_and_metrics_only(team_st
         code, out, _ = run_cli(["plot", "va", "--out", str(tmp_path / "va2.png")], env, capsys)
         assert code == 0 and f"from {team_store.root / 'metrics' / 'va.jsonl'}" in out
         # The stack down: the local files (as `logs`); the scores too.
-        assert sources.series("nl", []).source == STORE_RECORDS
+        assert sources.series("nl").source == STORE_RECORDS
         assert [s.scores for s in sources.scores("nl")] == [{"ppl": 9.0}]
     finally:
         sources.close()
