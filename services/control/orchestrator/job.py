@@ -259,7 +259,9 @@ class _Job:
     versions: list[tuple[int, str]] = field(default_factory=list)  # (step, version) committed
     unusable: set[str] = field(default_factory=set)  # versions that failed verification
     excluded: set[str] = field(default_factory=set)  # workers left out by exclude_node decisions
-    placement: dict[int, str] = field(default_factory=dict)  # rank -> worker it reported ready on
+    # rank -> its worker: where the allocator launched it (ResourcesReady.rank_worker_ids, journaled
+    # with the launch: a control restart in WARMING_UP knows it), then where it reported ready.
+    placement: dict[int, str] = field(default_factory=dict)
     start_held: bool = False  # recovered while paused: the ready ranks wait for StartTraining
     boundary_failed: bool = False  # the checkpoint of the pause/stop boundary in flight could not be saved
     # Versions committed after the one an operator resume went back to: another branch of
@@ -376,6 +378,11 @@ class _Job:
     @property
     def micro_batch_cap(self) -> int:
         return max(self.micro_batch_cap_seen, self.spec.data.micro_batch_size)
+
+
+def launched_on(reply: control_pb2.ResourcesReady) -> dict[int, str]:
+    """rank -> the worker the allocator launched it on (``{}`` from an allocator that does not say)."""
+    return {r: w for r, w in enumerate(reply.rank_worker_ids) if w}
 
 
 def _numbered(job: _Job, cmd: Any) -> Any:
