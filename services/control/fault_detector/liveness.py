@@ -395,7 +395,7 @@ class Liveness:
             fault_class = WORKER_LOST
             detail = (
                 f"rank {rank} lost with worker {watch.worker_id}: no node agent re-attached it "
-                f"within {silent_for:.1f} s of the control restart"
+                f"within {silent_for:.1f} s of the control restart, after step {step}"
             )
         elif agent_quiet is not None and state != control_pb2.RankProcessState.STOPPED:
             # Its beats come through its node agent, silent too (typed from the agent's own
