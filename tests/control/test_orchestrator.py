@@ -384,6 +384,7 @@ def test_where_each_rank_runs_is_journaled_and_pushed_to_the_detector_after_a_re
     (stored,) = [j for j in journal.load_jobs() if j.status.job_id == job_id]
     journal.close()
     assert stored.runtime["placement"] == {"0": "wa", "1": "wb"}
+    assert stored.runtime["launched"] == {}  # (where the launch put them: kept only until every rank is ready)
     spec = spec_from_json(stored.spec_json)
     monitor = start_monitoring(job_id, spec, restored=True, placement={0: "wa", 1: "wb"})
     assert (monitor.world_size, list(monitor.rank_worker_ids)) == (2, ["wa", "wb"])

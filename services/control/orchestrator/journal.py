@@ -90,7 +90,11 @@ class JournalRestore:
                 del job.status.links[:]  # (likewise: a link still faulty is stated again)
                 self._faults(
                     start_monitoring(
-                        job.status.job_id, job.spec, restored=True, placement=job.placement, step=job.status.step
+                        job.status.job_id,
+                        job.spec,
+                        restored=True,
+                        placement={**job.launched, **job.placement},  # (ready ranks: where they reported it)
+                        step=job.status.step,
                     )
                 )
                 # The allocator learns the job again (what a recovery relaunches), with the

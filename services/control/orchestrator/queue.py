@@ -178,7 +178,7 @@ class JobQueueing:
                 f"rendezvous {reply.master_addr}:{reply.master_port}",
             )
             job.status.placed_by_kind.CopyFrom(reply.placed)  # (where an ``any`` job landed: teams.py)
-            job.placement = launched_on(reply)  # (journaled with the transition below)
+            job.launched = launched_on(reply)  # (journaled with the transition below)
             lent = f" ({borrowed} on capacity its team borrowed)" if borrowed else ""
             self._transition(job, JobState.WARMING_UP, ORCH, f"{note}ranks launching{lent}")
         except BaseException as e:

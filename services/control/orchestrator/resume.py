@@ -361,7 +361,8 @@ class OperatorResume:
             # the restart budgets start again (the operator decided to go on). Except which
             # old ranks finished: the clean exit of one reported after this is no fault
             # (each entry goes when the rank's new process reports ready).
-            job.started, job.paused, job.exited, job.placement = set(), set(), set(), launched_on(reply)
+            job.started, job.paused, job.exited, job.placement = set(), set(), set(), {}
+            job.launched = launched_on(reply)  # (journaled with the decision below)
             job.pending, job.pending_at = "", 0
             end(job, _Incident)  # (this resume's own activity ends when its answer is given)
             end(job, _Recovered)
